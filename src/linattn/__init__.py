@@ -1,0 +1,16 @@
+"""linattn: exact linear attention for PyTorch.
+
+The public API, re-exported:
+    linear_attention, LinearAttentionState   kernelized linear attention (ops/linear.py)
+    softmax_attention                          the O(T^2) baseline (ops/softmax.py)
+    FeatureMap, FAVORPlus, FEATURE_MAP_NAMES   phi/psi pairs (feature_maps.py)
+"""
+from .feature_maps import FEATURE_MAP_NAMES, FAVORPlus, FeatureMap, get_feature_map
+from .ops import LinearAttentionState, linear_attention, softmax_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "linear_attention", "LinearAttentionState", "softmax_attention",
+    "FeatureMap", "FAVORPlus", "FEATURE_MAP_NAMES", "get_feature_map",
+]

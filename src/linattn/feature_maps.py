@@ -1,0 +1,271 @@
+"""Feature maps: a kernel k(a, b) = phi(a) . psi(b) written as a (phi, psi) pair.
+
+phi is applied to queries, psi to keys; they need not be equal (ELA section III: the decomposition
+needs no symmetry). Two kinds exist:
+
+* linear-space maps return the features themselves (elu+1, relu, the squared-Euclidean kernels...);
+* log-space maps (`log_space = True`) return the *logarithm* of positive features. The kernels
+  built on exp (Hadamard Exp, FAVOR+) overflow fp32 for inputs around 45, so the operators take
+  their log-features and stabilise them with running maxima, as online softmax does.
+
+Positional maps (`positional = True`, cosFormer) also take the absolute token positions.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class FeatureMap:
+    """A (phi, psi) pair with k(a, b) = phi(a) . psi(b); subclass it or pass two callables.
+
+    >>> fm = FeatureMap(phi=lambda x: F.elu(x) + 1)            # psi defaults to phi
+    >>> fm = FeatureMap(phi=lambda a: a[..., [0, 1]] * torch.tensor([1., 2.]),
+    ...                 psi=lambda b: b[..., [1, 0]])            # asymmetric, ELA eq. (6)
+
+    Both callables map `[..., K]` to `[..., K_phi]` with the same K_phi. Set `log_space=True`
+    if they return log-features (the kernel is then sum_d exp(phi_d(a) + psi_d(b))).
+    """
+
+    name = "custom"
+    log_space = False
+    positional = False
+
+    def __init__(self, phi: Optional[Callable] = None, psi: Optional[Callable] = None, *,
+                 log_space: bool = False, name: str = "custom"):
+        if phi is not None and not callable(phi):
+            raise TypeError(f"phi must be callable, got {type(phi).__name__}")
+        if psi is not None and not callable(psi):
+            raise TypeError(f"psi must be callable, got {type(psi).__name__}")
+        if phi is None and type(self) is FeatureMap:
+            raise ValueError("FeatureMap needs at least phi (psi defaults to phi)")
+        self._phi, self._psi = phi, (psi if psi is not None else phi)
+        if phi is not None:
+            self.log_space, self.name = bool(log_space), name
+
+    def phi(self, x: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._phi(x)
+
+    def psi(self, x: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._psi(x)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class Identity(FeatureMap):
+    """k(a, b) = a . b: unnormalised linear attention as in eq. (6) of the history seed."""
+    name = "identity"
+
+    def phi(self, x, pos=None):
+        return x
+
+    psi = phi
+
+
+class EluPlusOne(FeatureMap):
+    """phi = psi = elu(x) + 1 (Katharopoulos et al.), strictly positive."""
+    name = "elu+1"
+
+    def phi(self, x, pos=None):
+        return F.elu(x) + 1.0
+
+    psi = phi
+
+
+class ReLU(FeatureMap):
+    """phi = psi = relu(x). Non-negative but can be all zero: the normaliser can vanish (see eps)."""
+    name = "relu"
+
+    def phi(self, x, pos=None):
+        return F.relu(x)
+
+    psi = phi
+
+
+class CosFormer(FeatureMap):
+    """cosFormer: relu features re-weighted by cos(pi/2 * (i - j) / M), decomposed exactly.
+
+    cos(pi/2 (i-j)/M) = cos(a_i) cos(a_j) + sin(a_i) sin(a_j) with a_i = pi i / (2M), so
+    phi(q_i) = [relu(q_i) cos a_i, relu(q_i) sin a_i] and psi likewise: K_phi = 2K. Positions are
+    absolute within a sequence (they continue from a carried state). The weight stays
+    non-negative while i - j <= M: keep `max_len` at or above the longest sequence.
+    """
+    name = "cosformer"
+    positional = True
+
+    def __init__(self, max_len: int = 4096):
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        self.max_len = int(max_len)
+
+    def phi(self, x, pos=None):
+        if pos is None:
+            raise ValueError("cosformer needs token positions")
+        angle = (math.pi / (2 * self.max_len)) * pos.to(x.dtype)
+        angle = angle.reshape(*angle.shape, *([1] * (x.dim() - angle.dim())))  # broadcast over H, K
+        r = F.relu(x)
+        return torch.cat([r * torch.cos(angle), r * torch.sin(angle)], dim=-1)
+
+    psi = phi
+
+
+class Taylor2(FeatureMap):
+    """Second-order Taylor kernel of exp (Based): k(a, b) = 1 + a.b + (a.b)^2 / 2.
+
+    phi(x) = [1, x, vec(x x^T) / sqrt(2)], so K_phi = 1 + K + K^2.
+    """
+    name = "taylor2"
+
+    def phi(self, x, pos=None):
+        outer = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) * (0.5 ** 0.5)
+        return torch.cat([torch.ones_like(x[..., :1]), x, outer], dim=-1)
+
+    psi = phi
+
+
+class HadamardExp(FeatureMap):
+    """ELA's Hadamard Exp kernel, k(a, b) = sum_d exp(a_d) exp(b_d) (eq. 5), in log-space."""
+    name = "hadamard_exp"
+    log_space = True
+
+    def phi(self, x, pos=None):
+        return x
+
+    psi = phi
+
+
+class SumSqEuclid(FeatureMap):
+    """ELA's summation squared-Euclidean kernel ||a + b||^2 (eq. 3): phi = [a, |a|^2, 1], psi = [2b, 1, |b|^2]."""
+    name = "sum_sq_euclid"
+    sign = 2.0
+
+    def phi(self, x, pos=None):
+        one = torch.ones_like(x[..., :1])
+        return torch.cat([x, (x * x).sum(-1, keepdim=True), one], dim=-1)
+
+    def psi(self, x, pos=None):
+        one = torch.ones_like(x[..., :1])
+        return torch.cat([self.sign * x, one, (x * x).sum(-1, keepdim=True)], dim=-1)
+
+
+class SubSqEuclid(SumSqEuclid):
+    """ELA's subtraction squared-Euclidean kernel ||a - b||^2 (eq. 4): psi uses -2b."""
+    name = "sub_sq_euclid"
+    sign = -2.0
+
+
+class MagnitudeDirection(FeatureMap):
+    """ELA eq. (13): k(a, b) = (a.b + 1)(|a|^2 + 1)(|b|^2 + 1).
+
+    phi(a) = (|a|^2 + 1) [a, 1]. The direction factor a.b + 1 is negative when a.b < -1, so this
+    kernel can give negative weights and a normaliser of either sign; the operators keep the
+    result finite (see `linear_attention`'s eps) but a normalised output is then not an average.
+    """
+    name = "magnitude_direction"
+
+    def phi(self, x, pos=None):
+        mag = (x * x).sum(-1, keepdim=True) + 1.0
+        return mag * torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
+
+    psi = phi
+
+
+def _orthogonal_gaussian(n_rows: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """n_rows x dim matrix whose dim-blocks have orthogonal rows with chi(dim)-distributed norms."""
+    blocks = []
+    for _ in range(math.ceil(n_rows / dim)):
+        g = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
+        q, _ = torch.linalg.qr(g)
+        blocks.append(q.T)
+    w = torch.cat(blocks, dim=0)[:n_rows]
+    norms = torch.randn(n_rows, dim, generator=generator, dtype=torch.float64).norm(dim=1)
+    return w * norms[:, None]
+
+
+class FAVORPlus(nn.Module, FeatureMap):
+    """Performer's FAVOR+: positive (orthogonal) random features with E[phi(a).phi(b)] = exp(a . b).
+
+    phi(x)_r = exp(w_r . x - |x|^2 / 2) / sqrt(m) for m random rows w_r ~ N(0, I) (orthogonal
+    within each block of `dim` rows when `orthogonal=True`, with chi-distributed norms). It is
+    a log-space map: the operator applies the usual stabiliser itself (exactly, with a running
+    maximum per feature) instead of Performer's per-head constant. For softmax-like attention
+    exp(q.k / sqrt(d)), pass `scale=d**-0.5` to the operator... or scale q and k by d**-0.25.
+
+    `redraw()` draws new features (from the module's own generator, so a seed fixes the
+    whole sequence of draws); the projection is a buffer and moves with `.to(device)`.
+    """
+    name = "favor+"
+    log_space = True
+
+    def __init__(self, dim: int, n_features: Optional[int] = None, *, orthogonal: bool = True,
+                 seed: int = 0):
+        nn.Module.__init__(self)
+        if dim < 1:
+            raise ValueError(f"dim must be >= 1, got {dim}")
+        self.dim = int(dim)
+        self.n_features = int(n_features) if n_features is not None else max(1, int(dim * math.log(dim + 1)))
+        if self.n_features < 1:
+            raise ValueError(f"n_features must be >= 1, got {n_features}")
+        self.orthogonal = bool(orthogonal)
+        self._generator = torch.Generator().manual_seed(int(seed))
+        self.register_buffer("projection", torch.empty(self.n_features, self.dim), persistent=True)
+        self.redraw()
+
+    @torch.no_grad()
+    def redraw(self) -> None:
+        """Draw a new random projection in place."""
+        if self.orthogonal:
+            w = _orthogonal_gaussian(self.n_features, self.dim, self._generator)
+        else:
+            w = torch.randn(self.n_features, self.dim, generator=self._generator, dtype=torch.float64)
+        self.projection.copy_(w.to(self.projection.dtype))
+
+    def phi(self, x, pos=None):
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"FAVORPlus was built for dim {self.dim}, got inputs with last dim {x.shape[-1]}")
+        w = self.projection.to(device=x.device, dtype=x.dtype)
+        return x @ w.T - 0.5 * (x * x).sum(-1, keepdim=True) - 0.5 * math.log(self.n_features)
+
+    psi = phi
+
+    def forward(self, x):
+        """The (positive) features themselves, exp(phi(x)); for inspection, not for the operator."""
+        return torch.exp(self.phi(x))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, n_features={self.n_features}, orthogonal={self.orthogonal}"
+
+
+FEATURE_MAPS: Dict[str, Callable[[], FeatureMap]] = {
+    "identity": Identity,
+    "elu+1": EluPlusOne,
+    "relu": ReLU,
+    "cosformer": CosFormer,
+    "taylor2": Taylor2,
+    "hadamard_exp": HadamardExp,
+    "sum_sq_euclid": SumSqEuclid,
+    "sub_sq_euclid": SubSqEuclid,
+    "magnitude_direction": MagnitudeDirection,
+}
+FEATURE_MAP_NAMES = tuple(FEATURE_MAPS) + ("favor+",)
+
+
+def get_feature_map(feature_map: Union[str, FeatureMap, None], dim: int) -> FeatureMap:
+    """Resolve a name, a FeatureMap, or None (identity: q, k are already features)."""
+    if feature_map is None:
+        return Identity()
+    if isinstance(feature_map, FeatureMap):
+        return feature_map
+    if isinstance(feature_map, str):
+        if feature_map == "favor+":
+            return FAVORPlus(dim, seed=0)  # a fixed draw; build FAVORPlus yourself to control it
+        if feature_map in FEATURE_MAPS:
+            return FEATURE_MAPS[feature_map]()
+        raise ValueError(f"unknown feature_map {feature_map!r}; expected one of {FEATURE_MAP_NAMES}, "
+                         f"a linattn.FeatureMap, or None")
+    raise TypeError(f"feature_map must be a name, a linattn.FeatureMap or None, got {type(feature_map).__name__}")

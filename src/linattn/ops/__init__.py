@@ -1,0 +1,5 @@
+"""Pure operator functions, one module per family, each with its parallel, chunk and recurrent forms."""
+from .linear import LinearAttentionState, linear_attention
+from .softmax import softmax_attention
+
+__all__ = ["linear_attention", "LinearAttentionState", "softmax_attention"]

@@ -1,0 +1,120 @@
+"""Conventions shared by every operator: argument checks, dtypes, variable-length batches.
+
+Every public operator takes q, k `[B, T, H, K]` and v `[B, T, H, V]` (flash-linear-attention's
+layout), returns outputs in the input dtype, and keeps its state and accumulators in fp32
+(fp64 when the inputs are fp64). Errors name the argument and the shape that was expected.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MODES = ("parallel", "chunk", "recurrent")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for inputs of `dtype`: fp64 stays fp64, everything else is fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_tensor(x, name: str, ndim: int, layout: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have shape {layout} ({ndim} dims), got {tuple(x.shape)}")
+
+
+def check_qkv(q, k, v) -> Tuple[int, int, int, int, int]:
+    """Check q, k `[B, T, H, K]` and v `[B, T, H, V]`; return (B, T, H, K, V)."""
+    check_tensor(q, "q", 4, "[B, T, H, K]")
+    check_tensor(k, "k", 4, "[B, T, H, K]")
+    check_tensor(v, "v", 4, "[B, T, H, V]")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"v must have shape [B, T, H, V] with B, T, H = {(B, T, H)} as in q, got {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if T == 0:
+        raise ValueError("the sequence length T must be at least 1")
+    return B, T, H, K, v.shape[-1]
+
+
+def check_mode(mode: str, chunk_size: int) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def check_log_gate(g, name: str, B: int, T: int, H: int, K: Optional[int] = None,
+                   allow_diagonal: bool = False) -> None:
+    """A log-gate is `[B, T, H]` (scalar per head) or, if allowed, `[B, T, H, K]`; every entry <= 0."""
+    layout = "[B, T, H]" + (f" or [B, T, H, {K}]" if allow_diagonal else "")
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(g).__name__}")
+    if g.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor, got {g.dtype}")
+    ok = tuple(g.shape) == (B, T, H) or (allow_diagonal and tuple(g.shape) == (B, T, H, K))
+    if not ok:
+        raise ValueError(f"{name} must have shape {layout} = "
+                         f"{(B, T, H)}{' or ' + str((B, T, H, K)) if allow_diagonal else ''}, got {tuple(g.shape)}")
+    if torch.isnan(g).any():
+        raise ValueError(f"{name} contains NaN")
+    if (g > 0).any():
+        raise ValueError(f"{name} is a log-gate and must be <= 0 everywhere (decay exp({name}) in (0, 1]); "
+                         f"got a maximum of {g.max().item():.4g}")
+
+
+def check_cu_seqlens(cu_seqlens, B: int, T: int) -> Optional[List[int]]:
+    """Validate packed-sequence offsets; return them as a Python list (or None)."""
+    if cu_seqlens is None:
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be an int64 tensor [N+1], got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int64, torch.int32) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be an integer tensor of shape [N+1] with N >= 1, "
+                         f"got dtype {cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}")
+    if B != 1:
+        raise ValueError(f"cu_seqlens packs sequences along T and needs batch size B == 1, got B = {B}")
+    offs = [int(x) for x in cu_seqlens.tolist()]
+    if offs[0] != 0 or offs[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {offs[0]} ... {offs[-1]}")
+    if any(b <= a for a, b in zip(offs[:-1], offs[1:])):
+        raise ValueError("cu_seqlens must be strictly increasing (every sequence needs at least one token)")
+    return offs
+
+
+def run_varlen(offsets: Sequence[int], fn: Callable[[int, slice], Tuple[torch.Tensor, object]],
+               stack_states: Callable[[List[object]], object]):
+    """Run `fn(i, tokens)` on each packed sequence i and join the results.
+
+    `fn` gets the sequence index and a slice of the T axis and returns (output [1, Ti, ...], state);
+    outputs are concatenated along T and states combined with `stack_states`, so no information
+    crosses a sequence boundary by construction.
+    """
+    outs, states = [], []
+    for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+        o, s = fn(i, slice(a, b))
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, dim=1), stack_states(states)
+
+
+def pad_time(x: torch.Tensor, multiple: int, dim: int, value: float = 0.0) -> torch.Tensor:
+    """Pad dimension `dim` at its end up to a multiple of `multiple`."""
+    T = x.shape[dim]
+    pad = (-T) % multiple
+    if pad == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_full(shape, value)], dim=dim)

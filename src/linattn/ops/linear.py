@@ -1,0 +1,427 @@
+"""Kernelized linear attention: o_i = sum_j w_ij v_j (/ sum_j w_ij), w_ij = phi(q_i) . psi(k_j) x decay.
+
+Three forms that agree to floating-point precision:
+
+* `parallel`  - the quadratic form with an explicit T x T weight matrix (the reference);
+* `chunk`     - chunkwise: exact attention inside a chunk, a carried state between chunks (training);
+* `recurrent` - one token at a time with a constant-size state (decoding).
+
+The normaliser is computed by appending a column of ones to V, so its state z = sum psi(k) decays
+with the numerator by construction and every form shares the state S = [kv | z].
+
+Log-space feature maps (Hadamard Exp, FAVOR+) keep a per-feature log-scale mu next to the state,
+the running maximum of the (decayed) key log-features, exactly like online softmax keeps its
+running max: the true state is exp(mu_d) * S_d. Each output row is computed relative to its own
+maximum log-weight c_i, which cancels in the normalised output (and is multiplied back otherwise).
+Chunkwise, those maps and diagonal (GLA) gates use the log-space block algorithm below, whose
+every exponent is <= 0; the plain feature maps with no gate or a scalar gate use pure matmuls.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple, Union
+
+import torch
+
+from ..feature_maps import FeatureMap, get_feature_map
+from ._common import (check_cu_seqlens, check_log_gate, check_mode, check_qkv, compute_dtype,
+                      pad_time, run_varlen)
+
+# Log-scale of an empty state, and log-feature of a padding key: finite, so that differences
+# of two such values never produce NaN, yet exp() of it is exactly 0.
+NEG = -1e30
+LOG_BLOCK = 16  # block size of the log-space chunk path (its intra-block work is O(T * 16 * K))
+
+
+class LinearAttentionState(NamedTuple):
+    """The recurrent state of `linear_attention`, one row per sequence (N = B, or the number of
+    sequences in `cu_seqlens`). All tensors are fp32 (fp64 for fp64 inputs).
+
+    kv:        [N, H, K_phi, V]  sum_j decay * psi(k_j) v_j^T
+    z:         [N, H, K_phi]     sum_j decay * psi(k_j), the normaliser's state
+    log_scale: [N, H, K_phi]     log-space maps only (else None): kv and z are stored divided by
+                                 exp(log_scale), per feature; -1e30 marks an empty state
+    offset:    [N] int64         tokens consumed so far (positions continue from here)
+    """
+    kv: torch.Tensor
+    z: torch.Tensor
+    log_scale: Optional[torch.Tensor]
+    offset: torch.Tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# The three forms. Shared layout inside this module: [B, H, T, D]; v carries the extra ones
+# column (V1 = V + 1); S [B, H, Kf, V1]; mu [B, H, Kf] (log-space maps) or None; g a log-gate,
+# [B, H, T, 1] (scalar per head) or [B, H, T, Kf] (diagonal), or None.
+# Each returns (o [B, H, T, V1], c [B, H, T] row log-scale or None, S_final, mu_final).
+# ----------------------------------------------------------------------------------------------
+
+def _row_scale(x: torch.Tensor, dims) -> torch.Tensor:
+    return x.amax(dim=dims).detach()  # stabilisers carry no gradient: their effect cancels exactly
+
+
+def _recurrent(fq, fk, v, g, S, mu):
+    T = v.shape[2]
+    outs, scales = [], []
+    for t in range(T):
+        gt = g[:, :, t] if g is not None else None  # [B, H, 1 or Kf]
+        if mu is None:  # linear-space features
+            if gt is not None:
+                S = torch.exp(gt).unsqueeze(-1) * S
+            S = S + fk[:, :, t].unsqueeze(-1) * v[:, :, t].unsqueeze(-2)
+            outs.append(torch.einsum("bhk,bhkv->bhv", fq[:, :, t], S))
+        else:  # log-space features: fq, fk are log-features; track the running max mu
+            decayed = mu + gt if gt is not None else mu
+            new_mu = torch.maximum(decayed, fk[:, :, t]).detach()
+            S = torch.exp(decayed - new_mu).unsqueeze(-1) * S \
+                + torch.exp(fk[:, :, t] - new_mu).unsqueeze(-1) * v[:, :, t].unsqueeze(-2)
+            mu = new_mu
+            logits = fq[:, :, t] + mu
+            c = _row_scale(logits, -1)
+            scales.append(c)
+            outs.append(torch.einsum("bhk,bhkv->bhv", torch.exp(logits - c.unsqueeze(-1)), S))
+    o = torch.stack(outs, dim=2)
+    return o, (torch.stack(scales, dim=2) if mu is not None else None), S, mu
+
+
+def _parallel(fq, fk, v, g, S, mu, causal, log_space):
+    B, H, T, _ = v.shape
+    mask = torch.ones(T, T, dtype=torch.bool, device=v.device)
+    if causal:
+        mask = mask.tril()
+    G = g.cumsum(2) if g is not None else None
+    if not log_space and (g is None or g.shape[-1] == 1):
+        # plain features, no gate or a scalar gate: W = (phi(Q) psi(K)^T) * exp(G_i - G_j)
+        W = fq @ fk.transpose(-1, -2)
+        if G is not None:
+            Gs = G[..., 0]
+            W = W * torch.exp((Gs.unsqueeze(-1) - Gs.unsqueeze(-2)).masked_fill(~mask, 0.0))
+        W = W.masked_fill(~mask, 0.0)
+        q_state = fq * torch.exp(G) if G is not None else fq
+        return W @ v + q_state @ S, None, None, None
+    # general case: w_ij = sum_d fq_id fk_jd exp(a_id + b_jd - c_i), explicit [T, T, Kf] tensor
+    zeros = torch.zeros((), dtype=v.dtype, device=v.device)
+    a = (fq if log_space else zeros) + (G if G is not None else zeros)
+    b = (fk if log_space else zeros) - (G if G is not None else zeros)
+    x = (a.unsqueeze(3) + b.unsqueeze(2)).masked_fill(~mask[..., None], NEG)  # [B, H, T, T, Kf]
+    x_state = a + mu.unsqueeze(2) if mu is not None else None  # [B, H, T, Kf]
+    if log_space:
+        c = _row_scale(x, (-2, -1))
+        if x_state is not None:
+            c = torch.maximum(c, _row_scale(x_state, -1))
+    else:
+        c = torch.zeros(B, H, T, dtype=v.dtype, device=v.device)
+    E = torch.exp(x - c[..., None, None])
+    if not log_space:
+        E = E * fq.unsqueeze(3) * fk.unsqueeze(2)
+    o = E.sum(-1) @ v
+    if x_state is not None:
+        q_state = torch.exp(x_state - c.unsqueeze(-1))
+    else:  # plain features, diagonal gate
+        q_state = fq * torch.exp(G)
+    o = o + q_state @ S
+    return o, (c if log_space else None), None, None
+
+
+def _bidirectional(fq, fk, v, S, mu):
+    """Non-causal: one global accumulation S += sum_j psi(k_j) v_j^T, then o_i = phi(q_i) S."""
+    if mu is None:
+        S = S + fk.transpose(-1, -2) @ v
+        return fq @ S, None, S, None
+    new_mu = torch.maximum(mu, fk.amax(2)).detach()
+    S = torch.exp(mu - new_mu).unsqueeze(-1) * S + torch.exp(fk - new_mu.unsqueeze(2)).transpose(-1, -2) @ v
+    logits = fq + new_mu.unsqueeze(2)
+    c = _row_scale(logits, -1)
+    return torch.exp(logits - c.unsqueeze(-1)) @ S, c, S, new_mu
+
+
+def _chunk_matmul(fq, fk, v, g, S, C):
+    """Causal chunk form for plain features with no gate or a scalar gate: only matmuls.
+
+    Per chunk: o = (phi(Q) psi(K)^T * D) V + phi(Q) * decay S_prev, where D_ij = exp(G_i - G_j)
+    uses the gate's cumulative sum local to the chunk, so every exponent is <= 0. Only one state
+    per chunk is kept for backward.
+    """
+    B, H, T, Kf = fq.shape
+    fq, fk, v = (pad_time(x, C, dim=2) for x in (fq, fk, v))  # zero keys and values add nothing
+    n = fq.shape[2] // C
+    fq, fk, v = fq.view(B, H, n, C, Kf), fk.view(B, H, n, C, Kf), v.view(B, H, n, C, -1)
+    A = fq @ fk.transpose(-1, -2)  # [B, H, n, C, C]
+    mask = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+    if g is None:
+        U = fk.transpose(-1, -2) @ v  # each chunk's contribution to the state
+        incl = torch.cumsum(U, dim=2) + S.unsqueeze(2)
+        starts = torch.cat([S.unsqueeze(2), incl[:, :, :-1]], dim=2)
+        S_final = incl[:, :, -1]
+        o = A.masked_fill(~mask, 0.0) @ v + fq @ starts
+    else:
+        G = pad_time(g[..., 0], C, dim=2).view(B, H, n, C).cumsum(-1)
+        D = torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~mask, float("-inf")))
+        G_end = G[..., -1:]  # [B, H, n, 1]
+        U = (fk * torch.exp(G_end - G).unsqueeze(-1)).transpose(-1, -2) @ v
+        decay = torch.exp(G_end).unsqueeze(-1)  # [B, H, n, 1, 1]
+        starts = []
+        for i in range(n):
+            starts.append(S)
+            S = decay[:, :, i] * S + U[:, :, i]
+        S_final = S
+        o = (A * D) @ v + (fq * torch.exp(G).unsqueeze(-1)) @ torch.stack(starts, dim=2)
+    return o.reshape(B, H, n * C, -1)[:, :, :T], None, S_final, None
+
+
+def _chunk_log(fq, fk, v, g, S, mu, s, log_space):
+    """Causal chunk form in log-space, for exp-type feature maps and for diagonal gates.
+
+    With a = lq + G and b = lk - G (G the gate's cumulative sum inside a block of s tokens), the
+    weight is w_ij = sum_d fq_id fk_jd exp(a_id + b_jd). Inside a block it is computed explicitly
+    relative to the row's own maximum; across blocks through the state (S, mu), whose every
+    rescaling factor is exp(<= 0). The two parts are merged like flash-attention merges tiles.
+    """
+    B, H, T, Kf = fq.shape
+    fq = pad_time(fq, s, dim=2)
+    fk = pad_time(fk, s, dim=2, value=NEG if log_space else 0.0)  # padding keys weigh exactly 0
+    v = pad_time(v, s, dim=2)
+    n = fq.shape[2] // s
+    fq, fk, v = fq.view(B, H, n, s, Kf), fk.view(B, H, n, s, Kf), v.view(B, H, n, s, -1)
+    if g is not None:
+        G = pad_time(g, s, dim=2).view(B, H, n, s, g.shape[-1]).cumsum(3)
+    else:
+        G = torch.zeros(B, H, n, s, 1, dtype=v.dtype, device=v.device)
+    a = (fq if log_space else 0.0) + G
+    b = (fk if log_space else 0.0) - G
+
+    # intra-block: explicit [s, s, Kf] weights per block
+    mask = torch.ones(s, s, dtype=torch.bool, device=v.device).tril()
+    x = (a.unsqueeze(4) + b.unsqueeze(3)).masked_fill(~mask[..., None], NEG)  # [B, H, n, s, s, Kf]
+    c_in = _row_scale(x, (-2, -1)) if log_space else None
+    E = torch.exp(x - c_in[..., None, None]) if log_space else torch.exp(x)
+    if not log_space:
+        E = E * fq.unsqueeze(4) * fk.unsqueeze(3)
+    o_in = E.sum(-1) @ v  # [B, H, n, s, V1]
+
+    # inter-block: carry (S, mu) through the blocks; keep the state at each block's start
+    G_end = G[:, :, :, -1]  # [B, H, n, 1 or Kf]
+    starts, mus = [], []
+    for i in range(n):
+        starts.append(S)
+        if mu is None:
+            k_w = fk[:, :, i] * torch.exp(G_end[:, :, i].unsqueeze(2) - G[:, :, i])
+            S = torch.exp(G_end[:, :, i]).unsqueeze(-1) * S + k_w.transpose(-1, -2) @ v[:, :, i]
+        else:
+            mus.append(mu)
+            b_end = b[:, :, i] + G_end[:, :, i].unsqueeze(2)  # keys' log-weights at block end
+            decayed = mu + G_end[:, :, i]
+            new_mu = torch.maximum(decayed, b_end.amax(2)).detach()
+            S = torch.exp(decayed - new_mu).unsqueeze(-1) * S \
+                + torch.exp(b_end - new_mu.unsqueeze(2)).transpose(-1, -2) @ v[:, :, i]
+            mu = new_mu
+    starts = torch.stack(starts, dim=2)  # [B, H, n, Kf, V1]
+    if mu is None:
+        o = o_in + (fq * torch.exp(G)) @ starts
+        c = None
+    else:
+        x_st = a + torch.stack(mus, dim=2).unsqueeze(3)  # [B, H, n, s, Kf]
+        c_st = _row_scale(x_st, -1)
+        c = torch.maximum(c_in, c_st)
+        o = o_in * torch.exp(c_in - c).unsqueeze(-1) \
+            + (torch.exp(x_st - c.unsqueeze(-1)) @ starts)
+        c = c.reshape(B, H, n * s)[:, :, :T]
+    return o.reshape(B, H, n * s, -1)[:, :, :T], c, S, mu
+
+
+# ----------------------------------------------------------------------------------------------
+# Public operator
+# ----------------------------------------------------------------------------------------------
+
+def _gate_to_log(gamma, g, B, T, H, Kf, dtype, device):
+    """gamma (float or [H]) or g ([B,T,H] / [B,T,H,Kf]) -> log-gate [B, H, T, 1 or Kf], or None."""
+    if gamma is not None:
+        if isinstance(gamma, torch.Tensor):
+            if gamma.dim() != 1 or gamma.shape[0] != H:
+                raise ValueError(f"gamma must be a float or a per-head tensor of shape [H] = [{H}], "
+                                 f"got shape {tuple(gamma.shape)}")
+            gam = gamma.to(device=device, dtype=dtype)
+        elif isinstance(gamma, (int, float)) and not isinstance(gamma, bool):
+            gam = torch.full((H,), float(gamma), dtype=dtype, device=device)
+        else:
+            raise TypeError(f"gamma must be a float or a tensor of shape [H], got {type(gamma).__name__}")
+        if not bool(((gam > 0) & (gam <= 1)).all()):
+            raise ValueError(f"gamma is a decay and must lie in (0, 1], got {gam.tolist()}")
+        return torch.log(gam).view(1, H, 1, 1).expand(B, H, T, 1)
+    if g is not None:
+        check_log_gate(g, "g", B, T, H, Kf, allow_diagonal=True)
+        g = g.to(dtype)
+        return g.permute(0, 2, 1).unsqueeze(-1) if g.dim() == 3 else g.permute(0, 2, 1, 3)
+    return None
+
+
+def _check_state(state, N, H, Kf, V, log_space, dtype, device):
+    if not isinstance(state, LinearAttentionState):
+        raise TypeError(f"initial_state must be a linattn.LinearAttentionState (as returned with "
+                        f"output_final_state=True), got {type(state).__name__}")
+    if tuple(state.kv.shape) != (N, H, Kf, V):
+        raise ValueError(f"initial_state.kv must have shape [N, H, K_phi, V] = {(N, H, Kf, V)}, "
+                         f"got {tuple(state.kv.shape)}")
+    if tuple(state.z.shape) != (N, H, Kf):
+        raise ValueError(f"initial_state.z must have shape [N, H, K_phi] = {(N, H, Kf)}, got {tuple(state.z.shape)}")
+    if log_space != (state.log_scale is not None):
+        raise ValueError("initial_state.log_scale must be a [N, H, K_phi] tensor for log-space feature maps "
+                         "(hadamard_exp, favor+) and None for the others")
+    if log_space and tuple(state.log_scale.shape) != (N, H, Kf):
+        raise ValueError(f"initial_state.log_scale must have shape [N, H, K_phi] = {(N, H, Kf)}, "
+                         f"got {tuple(state.log_scale.shape)}")
+    if tuple(state.offset.shape) != (N,):
+        raise ValueError(f"initial_state.offset must have shape [N] = [{N}], got {tuple(state.offset.shape)}")
+    S = torch.cat([state.kv, state.z.unsqueeze(-1)], dim=-1).to(device=device, dtype=dtype)
+    mu = state.log_scale.to(device=device, dtype=dtype) if log_space else None
+    return S, mu, state.offset.to(device=device, dtype=torch.int64)
+
+
+def linear_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    feature_map: Union[str, FeatureMap, None] = "elu+1",
+    causal: bool = True,
+    normalize: bool = True,
+    gamma: Union[float, torch.Tensor, None] = None,
+    g: Optional[torch.Tensor] = None,
+    scale: float = 1.0,
+    mode: str = "chunk",
+    chunk_size: int = 64,
+    initial_state: Optional[LinearAttentionState] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+) -> Tuple[torch.Tensor, Optional[LinearAttentionState]]:
+    """Kernelized linear attention. q, k `[B, T, H, K]`, v `[B, T, H, V]` -> (o `[B, T, H, V]`, state).
+
+    Weights w_ij = k(scale * q_i, k_j) = phi(scale * q_i) . psi(k_j), times the decay
+    prod_{t=j+1..i} exp(g_t) when a gate is given (RetNet: constant `gamma` in (0, 1], a float
+    or per-head `[H]`; Mamba2 / simple GLA: `g` `[B, T, H]`; GLA: `g` `[B, T, H, K_phi]`, a
+    log-gate <= 0 per feature). Gates are causal only; the normaliser decays with the numerator.
+
+    normalize=True: o_i = sum_j w_ij v_j / den_i with den_i = sum_j w_ij; eps is a floor on |den|
+    (sign kept): outputs are the exact ratio whenever |den| >= eps and stay finite when it
+    vanishes (relu features before any active key, or magnitude_direction's negative weights).
+    normalize=False: the plain sum (it overflows only when the true value exceeds the dtype).
+
+    mode: "chunk" (training), "recurrent" (decoding; causal only), "parallel" (quadratic reference).
+    The state (see `LinearAttentionState`) round-trips between modes and calls. cu_seqlens
+    (int64 `[N+1]`, B == 1) packs N independent sequences; the state then has N rows.
+    Inputs of any float dtype; accumulation in fp32 (fp64 for fp64 inputs); output in the input dtype.
+    """
+    B, T, H, K, V = check_qkv(q, k, v)
+    check_mode(mode, chunk_size)
+    fmap = get_feature_map(feature_map, K)
+    if not causal:
+        if gamma is not None or g is not None:
+            raise ValueError("forget gates (gamma, g) need causal=True: a decay is defined along the causal order")
+        if mode == "recurrent":
+            raise ValueError("mode='recurrent' needs causal=True; use 'chunk' or 'parallel' for bidirectional attention")
+    if gamma is not None and g is not None:
+        raise ValueError("pass either gamma (constant decay) or g (data-dependent log-gate), not both")
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    offsets = check_cu_seqlens(cu_seqlens, B, T)
+    N = B if offsets is None else len(offsets) - 1
+
+    cdt = compute_dtype(q.dtype)
+    q_c, k_c, v_c = q.to(cdt) * scale, k.to(cdt), v.to(cdt)
+    log_space = fmap.log_space
+
+    # positions only matter to positional maps; a carried state continues them
+    if initial_state is not None:
+        if not isinstance(initial_state, LinearAttentionState):
+            raise TypeError(f"initial_state must be a linattn.LinearAttentionState (as returned with "
+                            f"output_final_state=True), got {type(initial_state).__name__}")
+        offset0 = initial_state.offset.to(device=q.device, dtype=torch.int64)
+    else:
+        offset0 = torch.zeros(N, dtype=torch.int64, device=q.device)
+    if fmap.positional:
+        if offsets is None:
+            pos = offset0.view(N, 1) + torch.arange(T, device=q.device)
+        else:
+            pos = torch.cat([offset0[i] + torch.arange(b - a, device=q.device)
+                             for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))]).view(1, T)
+    else:
+        pos = None
+    fq, fk = fmap.phi(q_c, pos), fmap.psi(k_c, pos)
+    if fq.shape[:3] != (B, T, H) or fk.shape[:3] != (B, T, H) or fq.shape[-1] != fk.shape[-1]:
+        raise ValueError(f"feature map {fmap!r} must map [B, T, H, K] to [B, T, H, K_phi] for both phi and psi; "
+                         f"got {tuple(fq.shape)} and {tuple(fk.shape)}")
+    Kf = fq.shape[-1]
+    glog = _gate_to_log(gamma, g, B, T, H, Kf, cdt, q.device)
+
+    if initial_state is not None:
+        S0, mu0, offset0 = _check_state(initial_state, N, H, Kf, V, log_space, cdt, q.device)
+    else:
+        S0 = torch.zeros(N, H, Kf, V + 1, dtype=cdt, device=q.device)
+        mu0 = torch.full((N, H, Kf), NEG, dtype=cdt, device=q.device) if log_space else None
+
+    # [B, T, H, D] -> [B, H, T, D]; the ones column makes the normaliser part of the state
+    fq, fk = fq.transpose(1, 2), fk.transpose(1, 2)
+    vt = torch.cat([v_c, torch.ones_like(v_c[..., :1])], dim=-1).transpose(1, 2)
+
+    def run(fq, fk, vt, glog, S, mu):
+        if mode == "parallel":
+            o, c, _, _ = _parallel(fq, fk, vt, glog, S, mu, causal, log_space)
+            # the quadratic form has no state of its own: compute it only when asked for
+            if not output_final_state:
+                S, mu = None, None
+            elif causal:
+                S, mu = _final_state(fk, vt, glog, S, mu, log_space)
+            else:
+                S, mu = _bidirectional(fq, fk, vt, S, mu)[2:]
+            return o, c, S, mu
+        if not causal:
+            return _bidirectional(fq, fk, vt, S, mu)
+        if mode == "recurrent":
+            return _recurrent(fq, fk, vt, glog, S, mu)
+        if log_space or (glog is not None and glog.shape[-1] > 1):
+            return _chunk_log(fq, fk, vt, glog, S, mu, min(chunk_size, LOG_BLOCK), log_space)
+        return _chunk_matmul(fq, fk, vt, glog, S, chunk_size)
+
+    if offsets is None:
+        o, c, S, mu = run(fq, fk, vt, glog, S0, mu0)
+    else:
+        cs, Ss, mus = [], [], []
+
+        def one(i, sl):
+            o_i, c_i, S_i, mu_i = run(fq[:, :, sl], fk[:, :, sl], vt[:, :, sl],
+                                      glog[:, :, sl] if glog is not None else None,
+                                      S0[i:i + 1], mu0[i:i + 1] if mu0 is not None else None)
+            cs.append(c_i), Ss.append(S_i), mus.append(mu_i)
+            return o_i.transpose(1, 2), None
+
+        o, _ = run_varlen(offsets, one, lambda _: None)
+        o = o.transpose(1, 2)
+        c = torch.cat(cs, dim=2) if log_space else None
+        S = torch.cat(Ss) if output_final_state else None
+        mu = torch.cat(mus) if (output_final_state and log_space) else None
+
+    num, den = o[..., :V], o[..., V]
+    if normalize:
+        # eps floors the *true* denominator; a log-space row is stored divided by exp(c)
+        floor = torch.as_tensor(eps, dtype=den.dtype, device=den.device)
+        if c is not None:
+            floor = floor * torch.exp(-c)
+        den = torch.where(den < 0, torch.minimum(den, -floor), torch.maximum(den, floor))
+        out = num / den.unsqueeze(-1)
+    else:
+        out = num if c is None else num * torch.exp(c).unsqueeze(-1)
+    out = out.transpose(1, 2).to(q.dtype)
+
+    state = None
+    if output_final_state:
+        seq_lens = torch.tensor([T] if offsets is None else [b - a for a, b in zip(offsets[:-1], offsets[1:])],
+                                device=q.device, dtype=torch.int64)
+        state = LinearAttentionState(kv=S[..., :V], z=S[..., V], log_scale=mu, offset=offset0 + seq_lens)
+    return out, state
+
+
+def _final_state(fk, vt, glog, S, mu, log_space):
+    """Final state of a sequence, by the block recurrence (used by the parallel form)."""
+    if log_space or (glog is not None and glog.shape[-1] > 1):
+        fq_dummy = torch.zeros_like(fk)
+        _, _, S, mu = _chunk_log(fq_dummy, fk, vt, glog, S, mu, LOG_BLOCK, log_space)
+        return S, mu
+    _, _, S, _ = _chunk_matmul(torch.zeros_like(fk), fk, vt, glog, S, 64)
+    return S, None

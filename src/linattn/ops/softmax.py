@@ -1,0 +1,46 @@
+"""Softmax attention, the O(T^2) baseline every comparison in linattn uses.
+
+Built on torch.nn.functional.scaled_dot_product_attention, in the library's [B, T, H, D] layout.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._common import check_cu_seqlens, check_qkv, run_varlen
+
+
+def _sdpa(q, k, v, causal: bool, scale: float, window: Optional[int]) -> torch.Tensor:
+    # q, k, v: [B, T, H, D] -> SDPA works on [B, H, T, D]
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    if window is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    else:
+        T = q.shape[2]
+        i = torch.arange(T, device=q.device)[:, None]
+        j = torch.arange(T, device=q.device)[None, :]
+        mask = (i - j).abs() < window if not causal else (j <= i) & (i - j < window)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return o.transpose(1, 2)
+
+
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                      scale: Optional[float] = None, window: Optional[int] = None,
+                      cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Softmax attention. q, k `[B, T, H, K]`, v `[B, T, H, V]` -> o `[B, T, H, V]`.
+
+    scale defaults to K**-0.5. `window=w` keeps only keys with |i - j| < w (and j <= i when
+    causal): a sliding window. `cu_seqlens` (B must be 1) packs independent sequences.
+    """
+    B, T, H, K, V = check_qkv(q, k, v)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    offsets = check_cu_seqlens(cu_seqlens, B, T)
+    if offsets is None:
+        return _sdpa(q, k, v, causal, scale, window)
+    o, _ = run_varlen(offsets, lambda i, s: (_sdpa(q[:, s], k[:, s], v[:, s], causal, scale, window), None),
+                      lambda states: None)
+    return o
