@@ -180,7 +180,10 @@ def _orthogonal_gaussian(n_rows: int, dim: int, generator: torch.Generator) -> t
     blocks = []
     for _ in range(math.ceil(n_rows / dim)):
         g = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
-        q, _ = torch.linalg.qr(g)
+        q, r = torch.linalg.qr(g)
+        # QR's sign convention ties each column's sign to its own entries; fixing the signs of
+        # R's diagonal makes q Haar-distributed, so every row is an unbiased N(0, I) direction
+        q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
         blocks.append(q.T)
     w = torch.cat(blocks, dim=0)[:n_rows]
     norms = torch.randn(n_rows, dim, generator=generator, dtype=torch.float64).norm(dim=1)

@@ -406,7 +406,8 @@ def linear_attention(
         den = torch.where(den < 0, torch.minimum(den, -floor), torch.maximum(den, floor))
         out = num / den.unsqueeze(-1)
     else:
-        out = num if c is None else num * torch.exp(c).unsqueeze(-1)
+        # exp(c) alone may overflow fp32 where the product does not: rescale in fp64
+        out = num if c is None else (num.double() * torch.exp(c.double()).unsqueeze(-1)).to(num.dtype)
     out = out.transpose(1, 2).to(q.dtype)
 
     state = None
