@@ -137,35 +137,48 @@ def _bidirectional(fq, fk, v, S, mu):
 def _chunk_matmul(fq, fk, v, g, S, C):
     """Causal chunk form for plain features with no gate or a scalar gate: only matmuls.
 
-    Per chunk: o = (phi(Q) psi(K)^T * D) V + phi(Q) * decay S_prev, where D_ij = exp(G_i - G_j)
-    uses the gate's cumulative sum local to the chunk, so every exponent is <= 0. Only one state
-    per chunk is kept for backward.
+    fq, fk [B, H, T, Kf] and v [B, H, T, V] (no ones column: on this hot path the normaliser is
+    computed beside the values, which keeps the matmuls 64 wide). Per chunk:
+    o = (phi(Q) psi(K)^T * D) V + (phi(Q) * decay) S_prev, with D_ij = exp(G_i - G_j) from the
+    gate's cumulative sum local to the chunk, so every exponent is <= 0. Backward keeps one
+    state per chunk, never one per token.
     """
     B, H, T, Kf = fq.shape
+    V = v.shape[-1]
     fq, fk, v = (pad_time(x, C, dim=2) for x in (fq, fk, v))  # zero keys and values add nothing
     n = fq.shape[2] // C
-    fq, fk, v = fq.view(B, H, n, C, Kf), fk.view(B, H, n, C, Kf), v.view(B, H, n, C, -1)
-    A = fq @ fk.transpose(-1, -2)  # [B, H, n, C, C]
+    fq, fk, v = fq.reshape(B, H, n, C, Kf), fk.reshape(B, H, n, C, Kf), v.reshape(B, H, n, C, V)
+    kv0, z0 = S[..., :V], S[..., V]
     mask = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+    A = fq @ fk.transpose(-1, -2)  # [B, H, n, C, C]
     if g is None:
+        A = A.masked_fill_(~mask, 0.0)  # in place: bmm's backward needs its inputs, not A
         U = fk.transpose(-1, -2) @ v  # each chunk's contribution to the state
-        incl = torch.cumsum(U, dim=2) + S.unsqueeze(2)
-        starts = torch.cat([S.unsqueeze(2), incl[:, :, :-1]], dim=2)
-        S_final = incl[:, :, -1]
-        o = A.masked_fill(~mask, 0.0) @ v + fq @ starts
+        u = fk.sum(3)
+        kv_incl, z_incl = torch.cumsum(U, dim=2), torch.cumsum(u, dim=2)
+        kv_prev = kv_incl - U + kv0.unsqueeze(2)  # the state before each chunk
+        z_prev = z_incl - u + z0.unsqueeze(2)
+        S_final = torch.cat([kv_incl[:, :, -1] + kv0, (z_incl[:, :, -1] + z0).unsqueeze(-1)], dim=-1)
+        q_inter = fq
     else:
         G = pad_time(g[..., 0], C, dim=2).view(B, H, n, C).cumsum(-1)
-        D = torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~mask, float("-inf")))
+        A = A * torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~mask, float("-inf")))
         G_end = G[..., -1:]  # [B, H, n, 1]
-        U = (fk * torch.exp(G_end - G).unsqueeze(-1)).transpose(-1, -2) @ v
+        k_dec = fk * torch.exp(G_end - G).unsqueeze(-1)  # keys decayed to the chunk's end
+        U = torch.cat([k_dec.transpose(-1, -2) @ v, k_dec.sum(3).unsqueeze(-1)], dim=-1)
         decay = torch.exp(G_end).unsqueeze(-1)  # [B, H, n, 1, 1]
         starts = []
         for i in range(n):
             starts.append(S)
             S = decay[:, :, i] * S + U[:, :, i]
         S_final = S
-        o = (A * D) @ v + (fq * torch.exp(G).unsqueeze(-1)) @ torch.stack(starts, dim=2)
-    return o.reshape(B, H, n * C, -1)[:, :, :T], None, S_final, None
+        starts = torch.stack(starts, dim=2)
+        kv_prev, z_prev = starts[..., :V], starts[..., V]
+        q_inter = fq * torch.exp(G).unsqueeze(-1)
+    num = torch.baddbmm((q_inter @ kv_prev).flatten(0, 2), A.flatten(0, 2), v.flatten(0, 2))
+    den = A.sum(-1) + (q_inter * z_prev.unsqueeze(3)).sum(-1)
+    o = torch.cat([num.view(B, H, n * C, V), den.view(B, H, n * C, 1)], dim=-1)
+    return o[:, :, :T], None, S_final, None
 
 
 def _chunk_log(fq, fk, v, g, S, mu, s, log_space):
@@ -324,7 +337,9 @@ def linear_attention(
     N = B if offsets is None else len(offsets) - 1
 
     cdt = compute_dtype(q.dtype)
-    q_c, k_c, v_c = q.to(cdt) * scale, k.to(cdt), v.to(cdt)
+    q_c, k_c, v_c = q.to(cdt), k.to(cdt), v.to(cdt)
+    if scale != 1.0:
+        q_c = q_c * scale
     log_space = fmap.log_space
 
     # positions only matter to positional maps; a carried state continues them
@@ -356,11 +371,18 @@ def linear_attention(
         S0 = torch.zeros(N, H, Kf, V + 1, dtype=cdt, device=q.device)
         mu0 = torch.full((N, H, Kf), NEG, dtype=cdt, device=q.device) if log_space else None
 
-    # [B, T, H, D] -> [B, H, T, D]; the ones column makes the normaliser part of the state
-    fq, fk = fq.transpose(1, 2), fk.transpose(1, 2)
-    vt = torch.cat([v_c, torch.ones_like(v_c[..., :1])], dim=-1).transpose(1, 2)
+    # [B, T, H, D] -> [B, H, T, D]. Every form but the matmul fast path appends a ones column
+    # to V, which makes the normaliser part of the state
+    fq, fk, vt = fq.transpose(1, 2), fk.transpose(1, 2), v_c.transpose(1, 2)
+    fast = causal and mode == "chunk" and not log_space and (glog is None or glog.shape[-1] == 1)
+
+    def with_ones(x):
+        return torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
 
     def run(fq, fk, vt, glog, S, mu):
+        if fast:
+            return _chunk_matmul(fq, fk, vt, glog, S, chunk_size)
+        vt = with_ones(vt)
         if mode == "parallel":
             o, c, _, _ = _parallel(fq, fk, vt, glog, S, mu, causal, log_space)
             # the quadratic form has no state of its own: compute it only when asked for
@@ -375,9 +397,7 @@ def linear_attention(
             return _bidirectional(fq, fk, vt, S, mu)
         if mode == "recurrent":
             return _recurrent(fq, fk, vt, glog, S, mu)
-        if log_space or (glog is not None and glog.shape[-1] > 1):
-            return _chunk_log(fq, fk, vt, glog, S, mu, min(chunk_size, LOG_BLOCK), log_space)
-        return _chunk_matmul(fq, fk, vt, glog, S, chunk_size)
+        return _chunk_log(fq, fk, vt, glog, S, mu, min(chunk_size, LOG_BLOCK), log_space)
 
     if offsets is None:
         o, c, S, mu = run(fq, fk, vt, glog, S0, mu0)
@@ -424,5 +444,5 @@ def _final_state(fk, vt, glog, S, mu, log_space):
         fq_dummy = torch.zeros_like(fk)
         _, _, S, mu = _chunk_log(fq_dummy, fk, vt, glog, S, mu, LOG_BLOCK, log_space)
         return S, mu
-    _, _, S, _ = _chunk_matmul(torch.zeros_like(fk), fk, vt, glog, S, 64)
+    _, _, S, _ = _chunk_matmul(torch.zeros_like(fk), fk, vt[..., :-1], glog, S, 64)
     return S, None
