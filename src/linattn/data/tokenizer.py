@@ -1,0 +1,136 @@
+"""Byte-level BPE tokenizer (GPT-2 style) built on the `tokenizers` library: train one or load one.
+
+Byte-level means every string round-trips: the base alphabet is the 256 bytes, so no text is ever
+out of vocabulary, and the smallest useful vocabulary is 256 + the special tokens. The one special
+token, `<|endoftext|>`, separates packed documents and starts generation from an empty prompt.
+
+    tok = train_tokenizer(texts, vocab_size=4096)
+    ids = tok.encode("def f(x):\\n    return x")
+    tok.decode(ids)
+    tok.save("run/tokenizer.json"); tok = load_tokenizer("run/tokenizer.json")
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, List, Sequence, Union
+
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS_TOKEN,)
+TOKENIZER_FILE = "tokenizer.json"
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be trained or loaded (bad vocab size, missing or unreadable file)."""
+
+
+class BPETokenizer:
+    """A thin wrapper over `tokenizers.Tokenizer` with the few methods training and generation use."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        eos = tokenizer.token_to_id(EOS_TOKEN)
+        if eos is None:
+            raise TokenizerError(f"the tokenizer has no {EOS_TOKEN} token; train it with linattn or add one")
+        self.eos_id: int = int(eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def backend(self):
+        """The underlying `tokenizers.Tokenizer`."""
+        return self._tok
+
+    def encode(self, text: str) -> List[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def to_str(self) -> str:
+        return self._tok.to_str()
+
+    def save(self, path: Union[str, os.PathLike]) -> Path:
+        """Write `tokenizer.json` (to `path`, or into `path` if it is a directory); atomic (write then rename)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / TOKENIZER_FILE
+        from ..checkpoint import atomic_write_text
+        atomic_write_text(path, self.to_str())
+        return path
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _new_byte_level_bpe():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency: int = 2,
+                    show_progress: bool = False) -> BPETokenizer:
+    """Train a byte-level BPE tokenizer on `texts` (any iterable of strings).
+
+    `vocab_size` counts the 256 byte tokens and `<|endoftext|>`; it is an upper bound (a small
+    corpus may run out of merges that occur `min_frequency` times). Training is deterministic for
+    a given input.
+    """
+    from tokenizers import pre_tokenizers, trainers
+
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < MIN_VOCAB_SIZE:
+        raise TokenizerError(f"vocab_size must be an int >= {MIN_VOCAB_SIZE} (256 bytes + "
+                             f"{len(SPECIAL_TOKENS)} special), got {vocab_size!r}")
+    tok = _new_byte_level_bpe()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, show_progress=show_progress,
+        special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return BPETokenizer(tok)
+
+
+def tokenizer_from_str(text: str) -> BPETokenizer:
+    from tokenizers import Tokenizer
+
+    try:
+        return BPETokenizer(Tokenizer.from_str(text))
+    except TokenizerError:
+        raise
+    except Exception as e:  # tokenizers raises its own Exception subclass on bad JSON
+        raise TokenizerError(f"not a valid tokenizer.json: {str(e).splitlines()[0] if str(e) else e}") from None
+
+
+def load_tokenizer(path: Union[str, os.PathLike]) -> BPETokenizer:
+    """Load a tokenizer from a `tokenizer.json` file or from a directory holding one (e.g. a checkpoint)."""
+    p = Path(path)
+    if p.is_dir():
+        cand = p / TOKENIZER_FILE
+        if not cand.is_file():
+            from ..checkpoint import find_latest_checkpoint
+
+            ck = find_latest_checkpoint(p)
+            cand = (ck / TOKENIZER_FILE) if ck is not None else cand
+        p = cand
+    if not p.is_file():
+        raise TokenizerError(f"tokenizer file not found: {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"cannot read tokenizer {p}: {e}") from None
+    try:
+        return tokenizer_from_str(text)
+    except TokenizerError as e:
+        raise TokenizerError(f"{p}: {e}") from None
