@@ -404,3 +404,27 @@ def _qkv(B=1, T=8, H=2, K=4, V=3):
 def test_bad_input(case, exc, match):
     with pytest.raises(exc, match=match):
         case(*_qkv())
+
+
+@pytest.mark.parametrize("name", ["hadamard_exp", "favor+"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_log_space_matmul_path_equals_block_path(name, gated, monkeypatch):
+    """Moderate inputs take the shifted matmul path; forcing the exact block path must agree."""
+    import linattn.ops.linear as lin
+    B, T, H, K, V = 2, 70, 2, 4, 3
+    fm = make_map(name, K)
+    q, k, v = make_inputs(B, T, H, K, V, torch.float64, name)
+    g = -torch.rand(B, T, H, dtype=torch.float64) if gated else None
+    _, s0 = linear_attention(q, k, v, feature_map=fm, output_final_state=True)
+    calls = []
+    real = lin._chunk_shifted
+    monkeypatch.setattr(lin, "_chunk_shifted", lambda *a: calls.append(1) or real(*a))
+    o1, s1 = linear_attention(q, k, v, feature_map=fm, g=g, initial_state=s0, output_final_state=True, chunk_size=16)
+    assert calls, "moderate inputs should take the matmul path"
+    monkeypatch.setattr(lin, "SAFE_SPAN", 0.0)
+    o2, s2 = linear_attention(q, k, v, feature_map=fm, g=g, initial_state=s0, output_final_state=True, chunk_size=16)
+    assert len(calls) == 1
+    assert rel_err(o1, o2) < 1e-12
+    true1 = s1.kv * s1.log_scale.exp().unsqueeze(-1)
+    true2 = s2.kv * s2.log_scale.exp().unsqueeze(-1)
+    assert rel_err(true1, true2) < 1e-12

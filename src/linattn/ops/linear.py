@@ -30,6 +30,9 @@ from ._common import (check_cu_seqlens, check_log_gate, check_mode, check_qkv, c
 # of two such values never produce NaN, yet exp() of it is exactly 0.
 NEG = -1e30
 LOG_BLOCK = 16  # block size of the log-space chunk path (its intra-block work is O(T * 16 * K))
+# A log-space map may take the matmul path when, per feature, its key log-features (and the carried
+# log-scale) span less than this: shifted features then lie in [e^-60, 1], far from fp32's limits.
+SAFE_SPAN = 60.0
 
 
 class LinearAttentionState(NamedTuple):
@@ -179,6 +182,31 @@ def _chunk_matmul(fq, fk, v, g, S, C):
     den = A.sum(-1) + (q_inter * z_prev.unsqueeze(3)).sum(-1)
     o = torch.cat([num.view(B, H, n * C, V), den.view(B, H, n * C, 1)], dim=-1)
     return o[:, :, :T], None, S_final, None
+
+
+def _shifted_span_ok(lk, mu) -> bool:
+    """Can the log-space map take the matmul path? (see SAFE_SPAN)"""
+    hi, lo = lk.amax(2), lk.amin(2)
+    if mu is not None:
+        live = mu > NEG / 2  # an empty state's scale does not count
+        hi = torch.where(live, torch.maximum(hi, mu), hi)
+        lo = torch.where(live, torch.minimum(lo, mu), lo)
+    return bool(((hi - lo) < SAFE_SPAN).all())
+
+
+def _chunk_shifted(lq, lk, v, g, S, mu, C):
+    """Log-space maps on the matmul path: exp(lk - M_d) with M_d the keys' maximum per feature.
+
+    Valid when `_shifted_span_ok`: every shifted key feature lies in [e^-60, 1] and each row, taken
+    relative to its own maximum c_i, keeps its diagonal term, so nothing overflows or underflows
+    to a wrong result; the result is the same as the block path's, only faster.
+    """
+    M = torch.maximum(lk.amax(2), mu).detach()  # [B, H, Kf]; the new log-scale (an upper bound)
+    x = lq + M.unsqueeze(2)
+    c = _row_scale(x, -1)
+    o, _, S, _ = _chunk_matmul(torch.exp(x - c.unsqueeze(-1)), torch.exp(lk - M.unsqueeze(2)), v, g,
+                               torch.exp(mu - M).unsqueeze(-1) * S, C)
+    return o, c, S, M
 
 
 def _chunk_log(fq, fk, v, g, S, mu, s, log_space):
@@ -374,14 +402,16 @@ def linear_attention(
     # [B, T, H, D] -> [B, H, T, D]. Every form but the matmul fast path appends a ones column
     # to V, which makes the normaliser part of the state
     fq, fk, vt = fq.transpose(1, 2), fk.transpose(1, 2), v_c.transpose(1, 2)
-    fast = causal and mode == "chunk" and not log_space and (glog is None or glog.shape[-1] == 1)
+    fast = causal and mode == "chunk" and (glog is None or glog.shape[-1] == 1)
 
     def with_ones(x):
         return torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
 
     def run(fq, fk, vt, glog, S, mu):
-        if fast:
+        if fast and not log_space:
             return _chunk_matmul(fq, fk, vt, glog, S, chunk_size)
+        if fast and _shifted_span_ok(fk, mu):
+            return _chunk_shifted(fq, fk, vt, glog, S, mu, chunk_size)
         vt = with_ones(vt)
         if mode == "parallel":
             o, c, _, _ = _parallel(fq, fk, vt, glog, S, mu, causal, log_space)
