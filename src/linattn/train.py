@@ -445,8 +445,15 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
     if model_config is None:
         raise TrainError("a model config is needed (none given and no checkpoint to resume)")
 
+    chatty = cfg.progress is not False
     if data is None:
+        t_data = time.perf_counter()
         data = prepare_data(cfg, tokenizer)
+        if chatty:
+            print(f"[linattn] data {data.source}: {data.train.n_tokens:,} training tokens"
+                  + (f", {data.val.n_tokens:,} validation tokens" if data.val is not None else "")
+                  + f", vocab {data.tokenizer.vocab_size} ({time.perf_counter() - t_data:.1f} s)",
+                  file=sys.stderr, flush=True)
     if data.train.seq_len != cfg.seq_len:
         raise TrainError(f"data packed for seq_len {data.train.seq_len}, config says {cfg.seq_len}")
     if resume_ck is not None:
@@ -534,6 +541,11 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
     from tqdm.auto import tqdm
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
+    echo = cfg.progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+    if chatty:
+        print(f"[linattn] model: {count_parameters(model):,} parameters on {device}; "
+              + (f"resuming at step {start}" if resume_ck is not None else "new run")
+              + (f" in {out}" if out is not None else ""), file=sys.stderr, flush=True)
     losses: List[Tuple[int, float]] = []
     step_times: List[float] = []
     last_ckpt: Optional[Path] = resume_ck
@@ -595,6 +607,10 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
                         if val_res is not None:
                             rec["val_loss"], rec["val_ppl"] = val_res.loss, val_res.ppl
                     log(rec)
+                    if echo:  # no progress bar (not a terminal): one line per logged step
+                        print(f"step {step_done}/{cfg.steps} loss {rec['loss']:.4f}"
+                              + (f" val_loss {rec['val_loss']:.4f}" if "val_loss" in rec else "")
+                              + f" lr {lr:.2e} tok/s {rec['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                                     **({"val": f"{val_res.loss:.3f}"} if do_eval and val_res else {}))
                     loss_acc = [0.0, 0]
@@ -675,6 +691,19 @@ def training_tokens_per_second(model_config, *, seq_len: int = 512, batch_size: 
 
 # --------------------------------------------------------------------------- command lines
 
+DESCRIPTION = """\
+Train a language model. Reads --data (a text file, or every UTF-8 text file under a folder; with
+no --data the Python standard library's .py sources, capped at 8 MiB), trains a byte-level BPE
+tokenizer on the training split (or loads --tokenizer), packs the documents into --seq-len
+windows, and trains with AdamW, warmup + cosine decay and gradient clipping. Writes
+OUT/metrics.jsonl and atomic checkpoints OUT/step_N/ (safetensors weights, config.json,
+tokenizer.json, optimizer/RNG state). SIGINT/SIGTERM finish the step, save and exit (code 128+N);
+--resume continues exactly where the run stopped.
+
+example: linattn train --data corpus/ --out runs/efla --mixer efla --d-model 256 --n-layers 4 \\
+             --n-heads 4 --seq-len 256 --batch-size 8 --steps 2000
+"""
+
 _MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "ffn", "n_experts", "top_k", "moe_bias", "residual",
                 "memory_lobe", "allow_future_leak", "tie_embeddings", "final_norm")
 
@@ -686,6 +715,10 @@ def _bool_flag(s: str) -> bool:
     if v in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+
+def _lobe_flag(s: str) -> Optional[str]:
+    return None if s.strip().lower() in ("none", "off", "false", "0", "") else s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -707,12 +740,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--d-model", type=int, default=None)
     g.add_argument("--n-layers", type=int, default=None)
     g.add_argument("--n-heads", type=int, default=None)
-    g.add_argument("--ffn", default=None, help="swiglu | moe")
-    g.add_argument("--n-experts", type=int, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--moe-bias", default=None, help="MoE load-balancing mode (LMConfig.moe_bias)")
-    g.add_argument("--residual", default=None, help="residual stream kind (LMConfig.residual)")
-    g.add_argument("--memory-lobe", default=None, type=_bool_flag, help="true/false")
+    g.add_argument("--ffn", default=None, help="swiglu | moe | none")
+    g.add_argument("--n-experts", type=int, default=None, help="MoE experts")
+    g.add_argument("--top-k", type=int, default=None, help="MoE experts per token")
+    g.add_argument("--moe-bias", default=None, help="none | eq14 | eq15 (ELA expert label bias)")
+    g.add_argument("--residual", default=None, help="prenorm | hyperlink")
+    g.add_argument("--memory-lobe", default=None, type=_lobe_flag, help="none | causal | bidirectional")
     g.add_argument("--allow-future-leak", default=None, type=_bool_flag, help="true/false")
     g.add_argument("--tie-embeddings", default=None, type=_bool_flag, help="true/false")
     g.add_argument("--final-norm", default=None, type=_bool_flag, help="true/false")

@@ -48,7 +48,8 @@ class BPETokenizer:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        enc = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch  # fast: no offsets
+        return [list(e.ids) for e in enc(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
