@@ -1,0 +1,17 @@
+"""Attention layers (nn.Modules) on top of the operators, plus their building blocks.
+
+Every layer maps x `[B, T, d_model]` to `[B, T, d_model]`; `layer(x, cache=LayerCache())` keeps
+a decoding state (prefill with many tokens, then one token at a time).
+"""
+from .base import AttentionBase
+from .cache import Cache, KVCache, LayerCache, tensor_nbytes
+from .common import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, SwiGLU, l2_normalize
+from .delta import EFLA, DeltaNet, GatedDeltaNet
+from .linear_attention import GATES, LinearAttention
+from .softmax import SoftmaxAttention
+
+__all__ = [
+    "AttentionBase", "LinearAttention", "DeltaNet", "GatedDeltaNet", "EFLA", "SoftmaxAttention",
+    "Cache", "LayerCache", "KVCache", "tensor_nbytes",
+    "RMSNorm", "GatedRMSNorm", "RotaryEmbedding", "ShortConv", "SwiGLU", "l2_normalize", "GATES",
+]

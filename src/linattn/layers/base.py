@@ -1,0 +1,122 @@
+"""The shared skeleton of every attention layer (FLA's layer pattern).
+
+    x -> q/k/v projections -> [short causal conv] -> [RoPE] -> operator -> [per-head norm, output gate] -> o_proj
+
+Subclasses implement `_mix(q, k, v, x, cache)`. A layer called with `cache=None` runs the training
+path (chunk form, no state kept). Called with a `LayerCache`, it continues from the state stored
+there and writes the new state back: prefill (many tokens) uses the chunk form with
+`output_final_state=True`, single-token decoding the recurrent form.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .cache import LayerCache
+from .common import GatedRMSNorm, RotaryEmbedding, ShortConv
+
+
+class AttentionBase(nn.Module):
+    """Projections, short convolution, RoPE and output norm/gate shared by all mixers.
+
+    Args:
+        d_model: model width.
+        n_heads: number of heads.
+        head_dim: key/query width per head (default d_model // n_heads).
+        head_dim_v: value width per head (default head_dim).
+        short_conv: causal depthwise convolution (kernel `conv_size`, SiLU) on q, k and v.
+        rope: rotary position embedding on q and k (before any feature map).
+        output_norm: per-head RMSNorm on the operator output.
+        output_gate: multiply the (normed) output by silu(g_proj(x)).
+        qkv_bias: biases on the q/k/v projections.
+    """
+
+    #: whether the mixer looks only at earlier tokens
+    causal = True
+
+    def __init__(self, d_model: int, n_heads: int, *, head_dim: Optional[int] = None,
+                 head_dim_v: Optional[int] = None, short_conv: bool = False, conv_size: int = 4,
+                 rope: bool = False, rope_base: float = 10000.0, max_seq_len: int = 2048,
+                 output_norm: bool = True, output_gate: bool = False, qkv_bias: bool = False,
+                 norm_eps: float = 1e-6, layer_idx: Optional[int] = None):
+        super().__init__()
+        if d_model < 1 or n_heads < 1:
+            raise ValueError(f"d_model and n_heads must be positive, got {d_model}, {n_heads}")
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads}), "
+                                 f"or pass head_dim explicitly")
+            head_dim = d_model // n_heads
+        self.d_model, self.n_heads = int(d_model), int(n_heads)
+        self.head_dim = int(head_dim)
+        self.head_dim_v = int(head_dim_v) if head_dim_v is not None else self.head_dim
+        self.layer_idx = layer_idx
+        H, Dk, Dv = self.n_heads, self.head_dim, self.head_dim_v
+        self.q_proj = nn.Linear(d_model, H * Dk, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_model, H * Dk, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_model, H * Dv, bias=qkv_bias)
+        self.o_proj = nn.Linear(H * Dv, d_model, bias=False)
+        self.short_conv = bool(short_conv)
+        if self.short_conv:
+            self.q_conv = ShortConv(H * Dk, conv_size)
+            self.k_conv = ShortConv(H * Dk, conv_size)
+            self.v_conv = ShortConv(H * Dv, conv_size)
+        self.rope = RotaryEmbedding(Dk, base=rope_base, max_seq_len=max_seq_len) if rope else None
+        self.o_norm = GatedRMSNorm(Dv, eps=norm_eps) if output_norm else None
+        self.g_proj = nn.Linear(d_model, H * Dv, bias=False) if output_gate else None
+
+    # -- pieces ------------------------------------------------------------------------------
+    def _qkv(self, x: torch.Tensor, cache: Optional[LayerCache]) -> Tuple[torch.Tensor, ...]:
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.short_conv:
+            get = (lambda n: cache.get(n)) if cache is not None else (lambda n: None)
+            q, sq = self.q_conv(q, get("conv_q"))
+            k, sk = self.k_conv(k, get("conv_k"))
+            v, sv = self.v_conv(v, get("conv_v"))
+            if cache is not None:
+                cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_heads, self.head_dim)
+        v = v.view(B, T, self.n_heads, self.head_dim_v)
+        if self.rope is not None:
+            offset = cache.offset if cache is not None else 0
+            q, k = self.rope(q, k, offset)
+        return q, k, v
+
+    def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        B, T = x.shape[:2]
+        if self.o_norm is not None:
+            gate = None
+            if self.g_proj is not None:
+                gate = self.g_proj(x).view(B, T, self.n_heads, self.head_dim_v)
+            o = self.o_norm(o, gate)
+        elif self.g_proj is not None:
+            o = o * torch.nn.functional.silu(self.g_proj(x).view(B, T, self.n_heads, self.head_dim_v))
+        return self.o_proj(o.reshape(B, T, self.n_heads * self.head_dim_v))
+
+    @staticmethod
+    def _mode(cache: Optional[LayerCache], T: int) -> str:
+        return "recurrent" if cache is not None and T == 1 else "chunk"
+
+    # -- interface ---------------------------------------------------------------------------
+    def _mix(self, q, k, v, x, cache: Optional[LayerCache]) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """x `[B, T, d_model]` -> `[B, T, d_model]`. Pass a `LayerCache` to decode incrementally."""
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"{type(self).__name__} expects x of shape [B, T, {self.d_model}], got {tuple(x.shape)}")
+        if cache is not None and not isinstance(cache, LayerCache):
+            raise TypeError(f"cache must be a linattn.layers.LayerCache, got {type(cache).__name__}")
+        q, k, v = self._qkv(x, cache)
+        o = self._mix(q, k, v, x, cache)
+        if cache is not None:
+            cache["offset"] = cache.offset + x.shape[1]
+        return self._out(o, x)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}, "
+                f"short_conv={self.short_conv}, rope={self.rope is not None}")

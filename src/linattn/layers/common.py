@@ -1,0 +1,159 @@
+"""Building blocks shared by the layers and models: RMSNorm, gated RMSNorm, RoPE, ShortConv, SwiGLU.
+
+All of them are plain PyTorch and work on the library's `[B, T, ...]` layout.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _cdt(x: torch.Tensor) -> torch.dtype:
+    """Compute dtype: fp64 stays fp64, everything else runs in fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dimension (computed in fp32, or fp64)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True):
+        super().__init__()
+        self.dim, self.eps = int(dim), float(eps)
+        self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(_cdt(x))
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.to(xf.dtype)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+class GatedRMSNorm(RMSNorm):
+    """RMSNorm(x) * silu(gate) (FLA's FusedRMSNormGated, unfused)."""
+
+    def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = super().forward(x)
+        return y if gate is None else y * F.silu(gate)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half / GPT-NeoX form) for `[B, T, H, D]` tensors.
+
+    cos/sin tables (fp64, plain attributes rather than buffers, so `model.to(bfloat16)` cannot
+    round them) are precomputed for `max_seq_len` positions and extended on demand, so any
+    position works. `apply(x, offset)` rotates token t of x as absolute position offset + t;
+    `offset` is an int or a `[B]` tensor (per-sequence positions).
+    """
+
+    def __init__(self, dim: int, base: float = 10000.0, max_seq_len: int = 2048):
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got {dim}")
+        self.dim, self.base = int(dim), float(base)
+        self._cos: Optional[torch.Tensor] = None
+        self._sin: Optional[torch.Tensor] = None
+        self._build(max(1, int(max_seq_len)), torch.device("cpu"))
+
+    def _build(self, n: int, device: torch.device) -> None:
+        inv = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float64, device=device) / self.dim))
+        ang = torch.arange(n, dtype=torch.float64, device=device)[:, None] * inv[None, :]
+        self._cos, self._sin = torch.cos(ang), torch.sin(ang)
+
+    def cos_sin(self, positions: torch.Tensor, need: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[..., dim/2]` (fp64) of integer positions; `need` > max position (else computed)."""
+        if need is None:
+            need = int(positions.max().item()) + 1 if positions.numel() else 1
+        n = self._cos.shape[0]
+        if need > n or self._cos.device != positions.device:
+            self._build(max(need, n if need <= n else 2 * n), positions.device)
+        return self._cos[positions], self._sin[positions]
+
+    def apply(self, x: torch.Tensor, offset=0) -> torch.Tensor:
+        B, T = x.shape[0], x.shape[1]
+        if isinstance(offset, torch.Tensor) and offset.dim() == 1:
+            pos = offset.to(x.device).view(-1, 1) + torch.arange(T, device=x.device)  # [B, T]
+            need = None
+        else:
+            pos = (int(offset) + torch.arange(T, device=x.device)).view(1, T)
+            need = int(offset) + T
+        cos, sin = self.cos_sin(pos, need)  # [B or 1, T, D/2]
+        xf = x.to(_cdt(x))
+        cos, sin = cos.unsqueeze(2).to(xf.dtype), sin.unsqueeze(2).to(xf.dtype)  # broadcast over heads
+        x1, x2 = xf[..., : self.dim // 2], xf[..., self.dim // 2:]
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return out.to(x.dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, offset=0) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.apply(q, offset), self.apply(k, offset)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, base={self.base}"
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise 1-D convolution over time (FLA's ShortConvolution, pure PyTorch).
+
+    x `[B, T, D]` -> `[B, T, D]`; output t sees inputs t-K+1..t only. With a `state` (the last
+    K-1 inputs, `[B, D, K-1]`) it continues a previous call exactly; it returns the new state.
+    """
+
+    def __init__(self, dim: int, kernel_size: int = 4, activation: Optional[str] = "silu", bias: bool = False):
+        super().__init__()
+        if kernel_size < 1:
+            raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
+        if activation not in (None, "silu", "swish"):
+            raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+        self.dim, self.kernel_size, self.activation = int(dim), int(kernel_size), activation
+        self.weight = nn.Parameter(torch.empty(dim, 1, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv1d's default
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor, state: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        B, T, D = x.shape
+        xt = x.transpose(1, 2)
+        if state is None:
+            state = xt.new_zeros(B, D, self.kernel_size - 1)
+        xp = torch.cat([state.to(xt.dtype), xt], dim=-1)
+        y = F.conv1d(xp, self.weight.to(xt.dtype), None if self.bias is None else self.bias.to(xt.dtype), groups=D)
+        if self.activation is not None:
+            y = F.silu(y)
+        new_state = xp[..., xp.shape[-1] - (self.kernel_size - 1):]
+        return y.transpose(1, 2), new_state
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, kernel_size={self.kernel_size}, activation={self.activation}"
+
+
+class SwiGLU(nn.Module):
+    """w_down(silu(x w_gate) * (x w_up)), bias-free. `hidden` defaults to 8/3 d, rounded up to 32."""
+
+    def __init__(self, d_model: int, hidden: Optional[int] = None, bias: bool = False):
+        super().__init__()
+        if hidden is None:
+            hidden = 32 * math.ceil(8 * d_model / 3 / 32)
+        self.d_model, self.hidden = int(d_model), int(hidden)
+        self.w_gate_up = nn.Linear(d_model, 2 * hidden, bias=bias)
+        self.w_down = nn.Linear(hidden, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(a) * b)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / ||x|| over the last dimension (in fp32), the delta rule's q/k normalisation."""
+    xf = x.to(_cdt(x))
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)

@@ -1,0 +1,136 @@
+"""Delta-rule layers: `DeltaNet`, `GatedDeltaNet` and `EFLA` (error-free linear attention).
+
+All three follow FLA's layer pattern: q/k/v projections, a short causal convolution (kernel 4,
+SiLU) on each, a per-head write strength beta from `b_proj`, the `linattn.delta_rule` operator,
+a per-head output norm (gated by `g_proj` for Gated DeltaNet) and `o_proj`.
+
+* DeltaNet:       S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, q and k L2-normalised.
+* GatedDeltaNet:  the same with a decay exp(g_t) per head, g = -exp(A_log) * softplus(a_proj(x) + dt_bias).
+* EFLA:           the exact solution of dS/dt = -k k^T S + k v^T over a step beta:
+                  alpha_t = (1 - exp(-beta_t |k_t|^2)) / |k_t|^2 replaces beta_t. Keys keep their
+                  norm (it is EFLA's dynamic gate); queries are L2-normalised by default.
+                  Variants of beta (EFLA paper, section 5.2):
+                    "sigmoid"   beta = sigmoid(b_proj(x))                     (the default)
+                    "adaptive"  beta = softplus(alpha) * sigmoid(b_proj(x)), a learnable alpha per head
+                                ("Adaptive Decay"; initialised so that softplus(alpha) = 1)
+                    "loose"     beta = softplus(b_proj(x))                    ("Loose beta", no upper bound)
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .base import AttentionBase
+from .cache import LayerCache
+from .common import l2_normalize
+from .linear_attention import init_mamba_decay
+
+BETA_MODES = ("sigmoid", "adaptive", "loose")
+
+
+def _delta_rule():
+    """The `linattn.delta_rule` operator (looked up at call time)."""
+    try:
+        return importlib.import_module("linattn.ops.delta").delta_rule
+    except (ImportError, AttributeError):
+        import linattn
+        fn = getattr(linattn, "delta_rule", None)
+        if fn is None:
+            raise RuntimeError("linattn.delta_rule is not available (linattn/ops/delta.py is missing)") from None
+        return fn
+
+
+class DeltaNet(AttentionBase):
+    """DeltaNet layer (Yang et al. 2024): delta rule with sigmoid beta and L2-normalised q, k.
+
+    Args (besides `AttentionBase`'s): chunk_size for the operator; scale for q (default
+    head_dim**-0.5, the operator's default). short_conv and output_norm default to True.
+    """
+
+    exact = False
+    qk_l2norm = True
+
+    def __init__(self, d_model: int, n_heads: int, *, chunk_size: int = 64, scale: Optional[float] = None,
+                 short_conv: bool = True, output_norm: bool = True, **kwargs):
+        super().__init__(d_model, n_heads, short_conv=short_conv, output_norm=output_norm, **kwargs)
+        self.chunk_size = int(chunk_size)
+        self.scale = scale
+        self.b_proj = nn.Linear(d_model, self.n_heads, bias=True)
+
+    def beta(self, x: torch.Tensor) -> torch.Tensor:
+        """Write strength `[B, T, H]`."""
+        return torch.sigmoid(self.b_proj(x).float())
+
+    def log_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        return None
+
+    def _prepare_qk(self, q, k):
+        return q, k
+
+    def _mix(self, q, k, v, x, cache: Optional[LayerCache]):
+        q, k = self._prepare_qk(q, k)
+        beta = self.beta(x).to(q.dtype)
+        g = self.log_gate(x)
+        o, state = _delta_rule()(
+            q, k, v, beta, g=g, exact=self.exact, scale=self.scale, qk_l2norm=self.qk_l2norm,
+            mode=self._mode(cache, x.shape[1]), chunk_size=self.chunk_size,
+            initial_state=cache.get("state") if cache is not None else None,
+            output_final_state=cache is not None)
+        if cache is not None:
+            cache["state"] = state
+        return o
+
+
+class GatedDeltaNet(DeltaNet):
+    """Gated DeltaNet (Yang et al. 2024b): DeltaNet with a Mamba2-style decay per head and an
+    output gate (gated RMSNorm). output_gate defaults to True."""
+
+    def __init__(self, d_model: int, n_heads: int, *, output_gate: bool = True, **kwargs):
+        super().__init__(d_model, n_heads, output_gate=output_gate, **kwargs)
+        self.a_proj = nn.Linear(d_model, self.n_heads, bias=False)
+        A_log, dt_bias = init_mamba_decay(self.n_heads)
+        self.A_log = nn.Parameter(A_log)
+        self.dt_bias = nn.Parameter(dt_bias)
+
+    def log_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return -torch.exp(self.A_log.float()) * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+
+
+class EFLA(DeltaNet):
+    """Error-Free Linear Attention (Lei et al.): the delta rule integrated exactly.
+
+    Args: beta_mode "sigmoid" | "adaptive" | "loose" (module docstring); q_l2norm (default
+    True) normalises queries; keys are never normalised (their norm is the dynamic gate).
+    """
+
+    exact = True
+    qk_l2norm = False
+
+    def __init__(self, d_model: int, n_heads: int, *, beta_mode: str = "sigmoid", q_l2norm: bool = True, **kwargs):
+        if beta_mode not in BETA_MODES:
+            raise ValueError(f"beta_mode must be one of {BETA_MODES}, got {beta_mode!r}")
+        super().__init__(d_model, n_heads, **kwargs)
+        self.beta_mode, self.q_l2norm = beta_mode, bool(q_l2norm)
+        if beta_mode == "adaptive":
+            # softplus(alpha) = 1 at init, i.e. alpha = log(e - 1)
+            self.beta_alpha = nn.Parameter(torch.full((self.n_heads,), math.log(math.e - 1.0)))
+
+    def beta(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.b_proj(x).float()
+        if self.beta_mode == "loose":
+            return F.softplus(b)
+        beta = torch.sigmoid(b)
+        if self.beta_mode == "adaptive":
+            beta = F.softplus(self.beta_alpha.float()) * beta
+        return beta
+
+    def _prepare_qk(self, q, k):
+        return (l2_normalize(q) if self.q_l2norm else q), k
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", beta_mode={self.beta_mode!r}"

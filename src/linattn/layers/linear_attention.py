@@ -1,0 +1,119 @@
+"""`LinearAttention`: the kernelized linear attention layer, with every feature map and gate of
+`linattn.linear_attention`.
+
+Gates (all causal, log-space decays <= 0):
+
+* `None`        no decay;
+* `"retnet"`    a fixed decay per head, gamma_h = 1 - 2^(-5-h) (RetNet);
+* `"scalar"`    a data-dependent decay per head and token (Mamba2 / simple GLA):
+                g = -exp(A_log) * softplus(a_proj(x) + dt_bias);
+* `"diagonal"`  a data-dependent decay per feature (GLA): g = logsigmoid(gk_proj(x)) / 16, with a
+                low-rank (16) gk_proj producing one value per head and feature of phi.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..feature_maps import FAVORPlus, FeatureMap, CosFormer, get_feature_map
+from ..ops.linear import linear_attention
+from .base import AttentionBase
+from .cache import LayerCache
+
+GATES = (None, "retnet", "scalar", "diagonal")
+
+
+def _feature_dim(fmap: FeatureMap, head_dim: int) -> int:
+    """K_phi of a feature map, found by applying it to a dummy input."""
+    x = torch.zeros(1, 1, 1, head_dim)
+    pos = torch.zeros(1, 1, dtype=torch.long)
+    return int(fmap.phi(x, pos).shape[-1])
+
+
+def init_mamba_decay(n_heads: int, A_range=(1.0, 16.0), dt_min: float = 1e-3, dt_max: float = 0.1):
+    """Mamba2's initialisation: A ~ U(A_range) (stored as log A), dt ~ logU(dt_min, dt_max)
+    (stored through the inverse softplus as dt_bias)."""
+    A = torch.empty(n_heads).uniform_(*A_range)
+    dt = torch.exp(torch.rand(n_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp(min=1e-4)
+    dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse of softplus
+    return torch.log(A), dt_bias
+
+
+class LinearAttention(AttentionBase):
+    """Multi-head kernelized linear attention layer.
+
+    Args (besides those of `AttentionBase`: head_dim, short_conv, rope, output_norm, output_gate...):
+        feature_map: a name from `linattn.FEATURE_MAP_NAMES`, a `linattn.FeatureMap`, or None
+            (identity). "favor+" builds a `FAVORPlus(head_dim)` submodule (its projection is saved
+            with the state dict); "cosformer" uses `max_seq_len` as its horizon.
+        normalize: divide by the kernel's normaliser (an average of values) or not (a plain sum,
+            as in RetNet/GLA/Mamba2, which rely on the output norm).
+        gate: None | "retnet" | "scalar" | "diagonal" (see the module docstring).
+        scale: multiplies q before the feature map (1.0: none, as in ELA).
+        chunk_size: the operator's chunk size for training and prefill.
+        eps: the normaliser's floor.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, feature_map: Union[str, FeatureMap, None] = "elu+1", *,
+                 normalize: bool = True, gate: Optional[str] = None, scale: float = 1.0,
+                 chunk_size: int = 64, eps: float = 1e-6, feature_seed: int = 0, gate_low_rank: int = 16,
+                 gate_normalizer: float = 16.0, **kwargs):
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+        super().__init__(d_model, n_heads, **kwargs)
+        max_seq_len = kwargs.get("max_seq_len", 2048)
+        if isinstance(feature_map, str) and feature_map == "favor+":
+            fmap = FAVORPlus(self.head_dim, seed=feature_seed)
+        elif isinstance(feature_map, str) and feature_map == "cosformer":
+            fmap = CosFormer(max_len=max_seq_len)
+        else:
+            fmap = get_feature_map(feature_map, self.head_dim)
+        self.feature_map = fmap  # registered as a submodule if it is one (FAVOR+)
+        self.feature_map_name = getattr(fmap, "name", "custom")
+        self.normalize, self.gate, self.scale = bool(normalize), gate, float(scale)
+        self.chunk_size, self.eps = int(chunk_size), float(eps)
+        H = self.n_heads
+        if gate == "retnet":
+            gamma = 1.0 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float64))
+            self.register_buffer("gamma", gamma.float(), persistent=False)
+        elif gate == "scalar":
+            self.a_proj = nn.Linear(d_model, H, bias=False)
+            A_log, dt_bias = init_mamba_decay(H)
+            self.A_log = nn.Parameter(A_log)
+            self.dt_bias = nn.Parameter(dt_bias)
+        elif gate == "diagonal":
+            self.feature_dim = _feature_dim(fmap, self.head_dim)
+            self.gk_proj = nn.Sequential(nn.Linear(d_model, gate_low_rank, bias=False),
+                                         nn.Linear(gate_low_rank, H * self.feature_dim, bias=True))
+            self.gate_normalizer = float(gate_normalizer)
+
+    def log_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The data-dependent log-decay for x: `[B, T, H]` (scalar) or `[B, T, H, K_phi]` (diagonal)."""
+        B, T, _ = x.shape
+        if self.gate == "scalar":
+            return -torch.exp(self.A_log.float()) * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        if self.gate == "diagonal":
+            gk = self.gk_proj(x).float().view(B, T, self.n_heads, self.feature_dim)
+            return F.logsigmoid(gk) / self.gate_normalizer
+        return None
+
+    def _mix(self, q, k, v, x, cache: Optional[LayerCache]):
+        T = x.shape[1]
+        o, state = linear_attention(
+            q, k, v, feature_map=self.feature_map, causal=True, normalize=self.normalize,
+            gamma=self.gamma if self.gate == "retnet" else None, g=self.log_gate(x), scale=self.scale,
+            mode=self._mode(cache, T), chunk_size=self.chunk_size,
+            initial_state=cache.get("state") if cache is not None else None,
+            output_final_state=cache is not None, eps=self.eps)
+        if cache is not None:
+            cache["state"] = state
+        return o
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", feature_map={self.feature_map_name!r}, normalize={self.normalize}, "
+                f"gate={self.gate}, scale={self.scale}")

@@ -1,0 +1,50 @@
+"""`SoftmaxAttention`: causal multi-head softmax attention with RoPE, a KV cache and an optional
+sliding window; the quadratic baseline."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.softmax import softmax_attention
+from .base import AttentionBase
+from .cache import KVCache, LayerCache
+
+
+class SoftmaxAttention(AttentionBase):
+    """Causal softmax attention layer.
+
+    Args (besides `AttentionBase`'s): window (keys with i - j < window only; None = full),
+    scale (default head_dim**-0.5), kv_chunk (the KV cache grows by this many tokens at a time).
+    rope defaults to True, output_norm to False.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, window: Optional[int] = None, scale: Optional[float] = None,
+                 rope: bool = True, output_norm: bool = False, kv_chunk: int = 256, **kwargs):
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int or None, got {window!r}")
+        super().__init__(d_model, n_heads, rope=rope, output_norm=output_norm, **kwargs)
+        self.window, self.kv_chunk = window, int(kv_chunk)
+        self.scale = float(scale) if scale is not None else self.head_dim ** -0.5
+
+    def _mix(self, q, k, v, x, cache: Optional[LayerCache]):
+        if cache is None:
+            return softmax_attention(q, k, v, causal=True, scale=self.scale, window=self.window)
+        kv = cache.get("kv")
+        if kv is None:
+            kv = cache["kv"] = KVCache(chunk=self.kv_chunk, window=self.window)
+        T = q.shape[1]
+        k_all, v_all, start = kv.append(k, v)
+        qpos = cache.offset + torch.arange(T, device=q.device)
+        kpos = start + torch.arange(k_all.shape[1], device=q.device)
+        diff = qpos[:, None] - kpos[None, :]
+        mask = diff >= 0
+        if self.window is not None:
+            mask = mask & (diff < self.window)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
+                                           attn_mask=mask, scale=self.scale)
+        return o.transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", window={self.window}"

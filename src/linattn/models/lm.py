@@ -1,0 +1,274 @@
+"""`LanguageModel`: token embedding, a stack of blocks (mixer + FFN/MoE [+ memory lobe]), optional
+final norm, tied or untied head; incremental decoding with a `Cache`; sampling.
+
+Blocks:
+
+* residual="prenorm":   h = x + mixer(norm1(x));  f = ffn(norm2(h));  out = h + f [+ lobe(f)]
+* residual="hyperlink": a = mixer(norm1(x));  f = ffn(a) [+ a if hyperlink_ffn_skip];  out = x + f [+ lobe(f)]
+  (ELA's Hyper-Link: one norm per layer, no residual around the mixer; ffn="none" makes f = a.)
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..layers import AttentionBase, Cache, DeltaNet, LinearAttention, RMSNorm, SoftmaxAttention, SwiGLU
+from .config import LMConfig
+from .generation import make_generator, sample_next
+from .lobe import MemoryLobe
+from .moe import MoE
+from .registry import build_mixer, mixer_spec
+
+
+@dataclass
+class LMOutput:
+    """logits `[B, T, vocab]`; aux_loss (scalar, 0 without MoE); cache (None unless decoding);
+    loss (cross-entropy against `targets`, when they are given)."""
+    logits: torch.Tensor
+    aux_loss: torch.Tensor
+    cache: Optional[Cache] = None
+    loss: Optional[torch.Tensor] = None
+
+
+def mixer_kwargs(config: LMConfig, name: str, layer_idx: int) -> dict:
+    """The keyword arguments `config` gives mixer `name` in layer `layer_idx`."""
+    spec = mixer_spec(name)
+    kw: dict = {}
+    if isinstance(spec.cls, type) and issubclass(spec.cls, AttentionBase):
+        kw.update(max_seq_len=config.max_seq_len, norm_eps=config.norm_eps, rope_base=config.rope_base,
+                  layer_idx=layer_idx)
+        if config.head_dim is not None:
+            kw["head_dim"] = config.head_dim
+        if config.rope is not None:
+            kw["rope"] = config.rope
+        if config.short_conv is not None:
+            kw["short_conv"] = config.short_conv
+        if issubclass(spec.cls, SoftmaxAttention):
+            if config.window is not None:
+                kw["window"] = config.window
+        elif issubclass(spec.cls, (LinearAttention, DeltaNet)):
+            kw["chunk_size"] = config.chunk_size
+    kw.update(config.mixer_kwargs.get(name, {}))
+    return kw
+
+
+class Block(nn.Module):
+    """One layer: mixer, FFN (SwiGLU / MoE / none) and an optional memory lobe."""
+
+    def __init__(self, config: LMConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.mixer_name = c.mixer_list()[layer_idx]
+        self.residual = c.residual
+        self.hyperlink_ffn_skip = c.hyperlink_ffn_skip
+        self.mixer = build_mixer(self.mixer_name, c.d_model, c.n_heads, **mixer_kwargs(c, self.mixer_name, layer_idx))
+        self.norm1 = RMSNorm(c.d_model, eps=c.norm_eps)
+        out_std = c.init_std / math.sqrt(2 * c.n_layers)
+        if c.ffn == "swiglu":
+            self.ffn = SwiGLU(c.d_model, c.ffn_hidden)
+        elif c.ffn == "moe":
+            self.ffn = MoE(c.d_model, c.n_experts, c.top_k, c.expert_hidden, bias=c.moe_bias,
+                           aux_loss_coef=c.aux_loss_coef, init_std=c.init_std, out_std=out_std)
+        else:
+            self.ffn = None
+        self.norm2 = RMSNorm(c.d_model, eps=c.norm_eps) if (c.residual == "prenorm" and self.ffn is not None) else None
+        self.lobe = (MemoryLobe(c.d_model, c.memory_lobe, c.lobe_heads, c.lobe_feature_map, chunk_size=c.chunk_size)
+                     if c.memory_lobe else None)
+
+    @property
+    def causal(self) -> bool:
+        return getattr(self.mixer, "causal", True) and (self.lobe is None or self.lobe.causal)
+
+    def _ffn(self, h: torch.Tensor):
+        if self.ffn is None:
+            return h, None
+        if isinstance(self.ffn, MoE):
+            return self.ffn(h)
+        return self.ffn(h), None
+
+    def forward(self, x: torch.Tensor, cache: Optional[Cache] = None):
+        mc = cache.layer(self.layer_idx, "mixer") if cache is not None else None
+        a = self.mixer(self.norm1(x), cache=mc)
+        if self.residual == "prenorm":
+            h = x + a
+            if self.ffn is None:
+                f, aux, out = a, None, h
+            else:
+                f, aux = self._ffn(self.norm2(h))
+                out = h + f
+        else:
+            f, aux = self._ffn(a)
+            if self.hyperlink_ffn_skip and self.ffn is not None:
+                f = f + a
+            out = x + f
+        if self.lobe is not None:
+            out = out + self.lobe(f, cache=cache.layer(self.layer_idx, "lobe") if cache is not None else None)
+        return out, aux
+
+
+class LanguageModel(nn.Module):
+    """A decoder-only language model built from an `LMConfig`.
+
+    >>> model = LanguageModel(LMConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, mixer="gla"))
+    >>> out = model(ids)                       # out.logits [B, T, 256], out.aux_loss, out.cache (None)
+    >>> out = model(ids, use_cache=True)       # prefill: out.cache holds every layer's state
+    >>> out = model(next_ids, cache=out.cache) # decode
+    >>> model.generate(ids, 20, temperature=0.8, top_p=0.9, generator=0)
+    """
+
+    def __init__(self, config: LMConfig):
+        super().__init__()
+        if not isinstance(config, LMConfig):
+            raise TypeError(f"config must be an LMConfig, got {type(config).__name__}")
+        config.validate()
+        self.config = config
+        if config.memory_lobe == "bidirectional":
+            warnings.warn("memory_lobe='bidirectional' (allow_future_leak=True): every position sees later "
+                          "tokens, so training losses are not those of a causal language model and "
+                          "incremental decoding is impossible (generate() re-runs the whole sequence).",
+                          UserWarning, stacklevel=2)
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layers)])
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps) if config.final_norm else None
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self._init_weights()
+
+    # -- setup -------------------------------------------------------------------------------
+    def _init_weights(self) -> None:
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                last = name.rsplit(".", 1)[-1]
+                nn.init.normal_(m.weight, std=out_std if last in ("o_proj", "w_down") else std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=std)
+
+    @property
+    def is_causal(self) -> bool:
+        """False when some position depends on later tokens (a bidirectional memory lobe)."""
+        return all(b.causal for b in self.blocks)
+
+    def new_cache(self) -> Cache:
+        return Cache(self.config.n_layers)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters (shared ones counted once); optionally without the embedding/head."""
+        seen, total = set(), 0
+        skip = {id(self.embed.weight)} | ({id(self.lm_head.weight)} if self.lm_head is not None else set())
+        for p in self.parameters():
+            if id(p) in seen or (exclude_embeddings and id(p) in skip):
+                continue
+            seen.add(id(p))
+            total += p.numel()
+        return total
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, cache: Optional[Cache] = None, *, use_cache: bool = False,
+                targets: Optional[torch.Tensor] = None) -> LMOutput:
+        """input_ids `[B, T]` (int64) -> LMOutput(logits `[B, T, vocab]`, aux_loss, cache[, loss]).
+
+        cache: a `Cache` from an earlier call (continued and updated in place); use_cache=True
+        starts a new one. targets `[B, T]` (aligned with the logits; -100 ignored) adds `.loss`.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (
+                torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be an int64 tensor [B, T], got "
+                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
+                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids must hold at least one token")
+        if cache is None and use_cache:
+            cache = self.new_cache()
+        if cache is not None:
+            if not isinstance(cache, Cache) or len(cache) != self.config.n_layers:
+                raise ValueError(f"cache must be a linattn Cache with {self.config.n_layers} layers "
+                                 f"(model.new_cache()), got {cache!r}")
+            if not self.is_causal:
+                raise ValueError("this model has a bidirectional memory lobe: it cannot decode incrementally "
+                                 "with a cache (call it on the whole sequence instead)")
+        x = self.embed(input_ids)
+        aux = torch.zeros((), dtype=torch.float32, device=x.device)
+        for block in self.blocks:
+            x, a = block(x, cache)
+            if a is not None:
+                aux = aux + a
+        if self.norm is not None:
+            x = self.norm(x)
+        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
+        if cache is not None:
+            cache.seen_tokens += input_ids.shape[1]
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                   ignore_index=-100)
+        return LMOutput(logits=logits, aux_loss=aux, cache=cache, loss=loss)
+
+    # -- generation --------------------------------------------------------------------------
+    def stream(self, input_ids: Union[torch.Tensor, Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
+               top_k: Optional[int] = None, top_p: Optional[float] = None,
+               generator: Union[torch.Generator, int, None] = None, seed: Optional[int] = None,
+               eos_token_id: Optional[int] = None) -> Iterator[Union[int, torch.Tensor]]:
+        """Yield generated tokens one step at a time: an int for a 1-D prompt (a list of ids or a
+        `[T]` tensor), a `[B]` tensor for a `[B, T]` prompt. Stops after max_new_tokens, or once
+        every sequence has produced eos_token_id (which is yielded). See `generate`."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.embed.weight.device)
+        single = ids.dim() == 1
+        if single:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2 or ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be a non-empty [T] or [B, T] sequence of ids, got shape {tuple(ids.shape)}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        gen = make_generator(seed if generator is None else generator, ids.device)
+        was_training = self.training
+        self.eval()
+        try:
+            done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+            causal = self.is_causal
+            with torch.no_grad():
+                out = self(ids, use_cache=causal)
+            for _ in range(max_new_tokens):
+                with torch.no_grad():
+                    tok = sample_next(out.logits[:, -1], temperature, top_k, top_p, gen)
+                if eos_token_id is not None:
+                    tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
+                    done = done | (tok == eos_token_id)
+                yield int(tok[0]) if single else tok
+                if eos_token_id is not None and bool(done.all()):
+                    break
+                with torch.no_grad():
+                    if causal:
+                        out = self(tok[:, None], cache=out.cache)
+                    else:  # no incremental form: re-run the whole sequence
+                        ids = torch.cat([ids, tok[:, None]], dim=1)
+                        out = self(ids)
+        finally:
+            self.train(was_training)
+
+    def generate(self, input_ids: Union[torch.Tensor, Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 generator: Union[torch.Generator, int, None] = None, seed: Optional[int] = None,
+                 eos_token_id: Optional[int] = None) -> torch.Tensor:
+        """Prompt followed by up to max_new_tokens sampled tokens (`[T + n]` or `[B, T + n]`).
+
+        temperature 0 is greedy; top_k / top_p filter the distribution; generator (a
+        torch.Generator or an int seed) or seed makes sampling reproducible. Decoding is
+        incremental: one prefill, then one token at a time from each layer's cached state.
+        """
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.embed.weight.device)
+        toks: List = list(self.stream(ids, max_new_tokens, temperature, top_k, top_p, generator, seed, eos_token_id))
+        if not toks:
+            return ids
+        if ids.dim() == 1:
+            return torch.cat([ids, torch.tensor(toks, dtype=torch.long, device=ids.device)])
+        return torch.cat([ids, torch.stack(toks, dim=1)], dim=1)
