@@ -130,7 +130,7 @@ def stream_tokens(model, input_ids: torch.Tensor, max_new_tokens: int, *, temper
 def stream_text(model, tokenizer, prompt: str, max_new_tokens: int, *, device=None, stats: Optional[Dict] = None,
                 stop_at_eos: bool = False, **sampling) -> Iterator[str]:
     """Yield decoded text pieces as tokens are produced. A byte-level BPE token can end inside a
-    UTF-8 character: such text is held back until the character is complete. `stats` (a dict),
+    UTF-8 character: such text is held back (up to 3 tokens) until the character is complete. `stats` (a dict),
     when given, receives tokens, seconds, tokens_per_s and first_token_s."""
     if device is None:
         try:
@@ -145,13 +145,16 @@ def stream_text(model, tokenizer, prompt: str, max_new_tokens: int, *, device=No
     shown = ""
     t0 = time.perf_counter()
     first = None
+    held = 0
     for tok in stream_tokens(model, x, max_new_tokens, eos_id=tokenizer.eos_id if stop_at_eos else None, **sampling):
         if first is None:
             first = time.perf_counter() - t0
         new.append(tok)
         text = tokenizer.decode(new)
-        if text.endswith("\ufffd"):
+        if text.endswith("\ufffd") and held < 3:  # maybe a UTF-8 character cut between tokens
+            held += 1
             continue
+        held = 0
         if text.startswith(shown):
             piece = text[len(shown):]
         else:  # decoding is not always prefix-stable at merges; show the rest from the common prefix

@@ -411,7 +411,6 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
     on_log(record): called with every metrics record.
     """
     cfg = config
-    t_setup = time.perf_counter()
     for name in ("seq_len", "batch_size", "steps", "log_every", "eval_batches"):
         v = getattr(cfg, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "steps" else 1):
@@ -883,6 +882,9 @@ def _train_main(args) -> int:
                                  f"checkpoint was trained with {saved_train[k]!r}")
             vals[k] = v
     vals["out"] = str(out)
+    for k in ("data", "tokenizer"):  # absolute, so that `eval` with no --data finds them from anywhere
+        if getattr(args, k, None) is not None:
+            vals[k] = os.path.abspath(getattr(args, k))
     vals["progress"] = False if args.no_progress else None
     cfg = TrainConfig.from_dict(vals)
     if saved_model is not None:
