@@ -1,0 +1,539 @@
+"""Triton kernels for the delta rule (`delta_rule`: DeltaNet, Gated DeltaNet, EFLA): the chunk form
+with the WY / UT representation (forward and backward) and a fused recurrent form for decoding
+(forward only).
+
+The operator's preprocessing (qk_l2norm, scale, the EFLA coefficient and the key-norm rescaling
+k~ = k/d, v~ = v/d, a~ = a d^2) runs in PyTorch, differentiably, exactly as in `ops/delta.py`; the
+kernels take the resulting q, k~, v~, a~ (called b here) and the scalar log-gate g. Layout [TT, H, D]
+as in `linear.py` (packed sequences, chunks of BT tokens that never cross a sequence boundary).
+
+Per chunk, with G the gate's cumulative sum local to the chunk, Gam_ij = exp(G_i - G_j) and h the
+state entering the chunk (see the algebra in ops/delta.py):
+
+    A     = tril_-1(diag(b) (K K^T * Gam)),   Tm = (I + A)^-1           (`_wy_fwd`: forward substitution)
+    U~    = Tm diag(b) V,  W~ = Tm diag(b e^G) K                         (`_wy_fwd`, tl.dot)
+    U     = U~ - W~ h                                                      (`_delta_fwd_h`, sequential
+    h'    = e^{G_l} h + (K e^{G_l - G})^T U                                 over the chunks, h materialised)
+    O     = (Q e^G) h + (Q K^T * Gam * M) U                                (linear.py's `_fwd_o`, parallel)
+
+Backward (recomputing Tm, U~, W~, h and U): dU_local = (Q K^T * Gam * M)^T dO (linear.py's `_bwd_dv`);
+`_delta_bwd_dh` walks the chunks in reverse: dU = dU_local + K_dec dh', dh = e^{G_l} dh' + (Q e^G)^T dO
+- W~^T dU; `_delta_bwd_dqkw` gives dq, the attention part of dk, dW~ = -dU h^T and the gate terms;
+`_wy_bwd` back-propagates through the UT transform (dTm -> dA = -Tm^T dTm Tm^T) to dv, db, the rest
+of dk and of the gate gradient, then takes the chunk-local reverse cumulative sum of dG.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..ops._common import check_cu_seqlens, check_log_gate, check_mode, check_qkv
+from ..ops.delta import L2NORM_EPS, _check_beta, _check_state, _EFLACoefficient
+from ._utils import (FMAP_IDENTITY, block, chunk_size_for, dot_precision, dummy, full_block, prepare_chunks)
+from .linear import _Cfg, chunk_bwd_dv, chunk_fwd_o
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _wy_fwd(k, v, b, g, Tm, u, w, cu, chunk_index,
+            H, K, V,
+            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_index + i_t * 2), tl.load(chunk_index + i_t * 2 + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    T = (eos - bos).to(tl.int32)
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T
+    tok = bos + o_t
+    b_b = tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)  # padding: b = 0
+    if USE_G:
+        b_G = tl.cumsum(tl.load(g + tok * H + i_h, mask=m_t, other=0.), axis=0)
+
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_A += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    strict = o_i[:, None] > o_i[None, :]
+    if USE_G:
+        b_A = b_A * tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], float("-inf")))
+    else:
+        b_A = tl.where(strict, b_A, 0.)
+    b_A = b_A * b_b[:, None]
+    # Tm = (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A_ij Tm_j
+    b_T = tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
+    for i in range(1, BT):
+        b_a = tl.sum(tl.where(o_i[:, None] == i, b_A, 0.), axis=0)
+        b_r = tl.sum(b_a[:, None] * b_T, axis=0)
+        b_T = tl.where(o_i[:, None] == i, b_T - b_r[None, :], b_T)
+    tl.store(Tm + (tok[:, None] * H + i_h) * BT + o_i[None, :], b_T, mask=m_t[:, None])
+
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(v + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
+        b_u = tl.dot(b_T, b_v * b_b[:, None], input_precision=PREC)
+        tl.store(u + (tok[:, None] * H + i_h) * V + o_v[None, :], b_u, mask=m_tv)
+    if USE_G:
+        b_bg = b_b * tl.exp(b_G)
+    else:
+        b_bg = b_b
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_w = tl.dot(b_T, b_k * b_bg[:, None], input_precision=PREC)
+        tl.store(w + (tok[:, None] * H + i_h) * K + o_k[None, :], b_w, mask=m_tk)
+
+
+@triton.jit
+def _delta_fwd_h(k, u, w, g, h, vn, h0, ht, cu, chunk_offsets,
+                 H, K, V,
+                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
+    """The sequential part: one program per (V block, sequence x head) with the whole K."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    T = (eos - bos).to(tl.int32)
+    NT = tl.cdiv(T, BT)
+    boh = tl.load(chunk_offsets + i_n)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    s_kv = o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + s_kv, mask=m_kv, other=0.)
+    for i_c in range(0, NT):
+        row = (boh + i_c) * H + i_h
+        tl.store(h + row * K * V + s_kv, b_h, mask=m_kv)
+        o_t = i_c * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        tok = bos + o_t
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_w = tl.load(w + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
+        b_u = tl.load(u + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.)
+        b_vn = b_u - tl.dot(b_w, b_h, input_precision=PREC)
+        tl.store(vn + (tok[:, None] * H + i_h) * V + o_v[None, :], b_vn, mask=m_tv)
+        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        if USE_G:
+            b_g = tl.load(g + tok * H + i_h, mask=m_t, other=0.)
+            b_G = tl.cumsum(b_g, axis=0)
+            b_gl = tl.sum(b_g, axis=0)
+            b_k = b_k * tl.exp(b_gl - b_G)[:, None]
+            b_h = b_h * tl.exp(b_gl)
+        b_h += tl.dot(tl.trans(b_k), b_vn, input_precision=PREC)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + s_kv, b_h, mask=m_kv)
+
+
+@triton.jit
+def _delta_bwd_dh(q, k, w, g, do, dvl, dh, dvn, dht, dh0, cu, chunk_offsets,
+                  H, K, V,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                  USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+    """Reverse walk: stores dh' (gradient of the state leaving each chunk) and dU."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    T = (eos - bos).to(tl.int32)
+    NT = tl.cdiv(T, BT)
+    boh = tl.load(chunk_offsets + i_n)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    s_kv = o_k[:, None] * V + o_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V + s_kv, mask=m_kv, other=0.)
+    for i in range(0, NT):
+        i_c = NT - 1 - i
+        row = (boh + i_c) * H + i_h
+        tl.store(dh + row * K * V + s_kv, b_dh, mask=m_kv)
+        o_t = i_c * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        tok = bos + o_t
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        if USE_G:
+            b_g = tl.load(g + tok * H + i_h, mask=m_t, other=0.)
+            b_G = tl.cumsum(b_g, axis=0)
+            b_gl = tl.sum(b_g, axis=0)
+            b_k = b_k * tl.exp(b_gl - b_G)[:, None]
+            b_q = b_q * tl.exp(b_G)[:, None]
+        b_dvn = tl.load(dvl + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.)
+        b_dvn += tl.dot(b_k, b_dh, input_precision=PREC)
+        tl.store(dvn + (tok[:, None] * H + i_h) * V + o_v[None, :], b_dvn, mask=m_tv)
+        b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
+        b_w = tl.load(w + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
+        if USE_G:
+            b_dh = b_dh * tl.exp(b_gl)
+        b_dh += tl.dot(tl.trans(b_q), b_do, input_precision=PREC) - tl.dot(tl.trans(b_w), b_dvn, input_precision=PREC)
+    if STORE_DH0:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + s_kv, b_dh, mask=m_kv)
+
+
+@triton.jit
+def _delta_bwd_dqkw(q, k, vn, g, h, do, dh, dvn, dq, dk, dw, dg, cu, chunk_index,
+                    TT, H, K, V,
+                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                    PREC: tl.constexpr):
+    i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_c = tl.load(chunk_index + i_t * 2), tl.load(chunk_index + i_t * 2 + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    T = (eos - bos).to(tl.int32)
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T
+    tok = bos + o_t
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    row = i_t.to(tl.int64) * H + i_h
+    b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_vn = tl.load(vn + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.)
+        b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
+        b_dvn = tl.load(dvn + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.)
+        b_h = tl.load(h + row * K * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dh = tl.load(dh + row * K * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dA += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
+        b_dk += tl.dot(b_vn, tl.trans(b_dh), input_precision=PREC)
+        b_dw -= tl.dot(b_dvn, tl.trans(b_h), input_precision=PREC)
+        if USE_G:
+            b_hdh += tl.sum(b_h * b_dh, axis=1)
+    causal = o_i[:, None] >= o_i[None, :]
+    if USE_G:
+        b_g = tl.load(g + tok * H + i_h, mask=m_t, other=0.)
+        b_G = tl.cumsum(b_g, axis=0)
+        b_gl = tl.sum(b_g, axis=0)
+        b_dq = b_dq * tl.exp(b_G)[:, None]
+        b_dk = b_dk * tl.exp(b_gl - b_G)[:, None]
+        b_dgl = tl.sum(b_hdh, axis=0) * tl.exp(b_gl) + tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0)
+        b_dA = b_dA * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
+    else:
+        b_dA = tl.where(causal, b_dA, 0.)
+    b_dq += tl.dot(b_dA, b_k, input_precision=PREC)
+    b_dk += tl.dot(tl.trans(b_dA), b_q, input_precision=PREC)
+    if USE_G:
+        b_dG = tl.sum(b_q * b_dq, axis=1) - tl.sum(b_k * b_dk, axis=1)
+        last = tl.minimum(T - i_c * BT, BT) - 1
+        b_dG += tl.where(o_i == last, b_dgl, 0.)
+        tl.store(dg + i_k.to(tl.int64) * TT * H + tok * H + i_h, b_dG, mask=m_t)
+    tl.store(dq + (tok[:, None] * H + i_h) * K + o_k[None, :], b_dq, mask=m_tk)
+    tl.store(dk + (tok[:, None] * H + i_h) * K + o_k[None, :], b_dk, mask=m_tk)
+    tl.store(dw + (tok[:, None] * H + i_h) * K + o_k[None, :], b_dw, mask=m_tk)
+
+
+@triton.jit
+def _wy_bwd(k, v, b, g, Tm, dvn, dw, dk, dGin, dv, db, dg, cu, chunk_index,
+            H, K, V,
+            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
+    """Back through U~ = Tm diag(b) V, W~ = Tm diag(b e^G) K and Tm = (I + A)^-1; adds to dk in place."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_index + i_t * 2), tl.load(chunk_index + i_t * 2 + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    T = (eos - bos).to(tl.int32)
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T
+    tok = bos + o_t
+    b_b = tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    eye = tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
+    b_T = tl.load(Tm + (tok[:, None] * H + i_h) * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+    b_T = tl.where(m_t[:, None], b_T, eye)
+    strict = o_i[:, None] > o_i[None, :]
+    if USE_G:
+        b_G = tl.cumsum(tl.load(g + tok * H + i_h, mask=m_t, other=0.), axis=0)
+        b_eG = tl.exp(b_G)
+        b_dG = tl.load(dGin + tok * H + i_h, mask=m_t, other=0.)
+        b_gam = tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], float("-inf")))
+    else:
+        b_eG = tl.full([BT], 1.0, tl.float32)
+        b_gam = tl.where(strict, 1., 0.)
+    b_bg = b_b * b_eG
+
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_du = tl.load(dvn + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.)
+        b_v = tl.load(v + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
+        b_dR = tl.dot(tl.trans(b_T), b_du, input_precision=PREC)
+        tl.store(dv + (tok[:, None] * H + i_h) * V + o_v[None, :], b_dR * b_b[:, None], mask=m_tv)
+        b_db += tl.sum(b_dR * b_v, axis=1)
+        b_dT += tl.dot(b_du, tl.trans(b_v * b_b[:, None]), input_precision=PREC)
+    b_KK = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_dw = tl.load(dw + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
+        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_dR = tl.dot(tl.trans(b_T), b_dw, input_precision=PREC)
+        b_s = tl.sum(b_dR * b_k, axis=1)
+        b_db += b_eG * b_s
+        if USE_G:
+            b_dG += b_bg * b_s
+        b_dT += tl.dot(b_dw, tl.trans(b_k * b_bg[:, None]), input_precision=PREC)
+        b_KK += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    # Tm = (I + A)^-1  =>  dA = -Tm^T dTm Tm^T, on the strictly lower triangle
+    b_dA = -tl.dot(tl.dot(tl.trans(b_T), b_dT, input_precision=PREC), tl.trans(b_T), input_precision=PREC)
+    b_dA = tl.where(strict, b_dA, 0.)
+    b_KG = b_KK * b_gam
+    b_db += tl.sum(b_dA * b_KG, axis=1)
+    b_E = b_dA * b_gam * b_b[:, None]
+    if USE_G:
+        b_dAA = b_dA * b_KG * b_b[:, None]
+        b_dG += tl.sum(b_dAA, axis=1) - tl.sum(b_dAA, axis=0)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        p_dk = dk + (tok[:, None] * H + i_h) * K + o_k[None, :]
+        b_dw = tl.load(dw + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
+        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_dR = tl.dot(tl.trans(b_T), b_dw, input_precision=PREC)
+        b_dk = tl.load(p_dk, mask=m_tk, other=0.) + b_dR * b_bg[:, None]
+        b_dk += tl.dot(b_E, b_k, input_precision=PREC) + tl.dot(tl.trans(b_E), b_k, input_precision=PREC)
+        tl.store(p_dk, b_dk, mask=m_tk)
+    tl.store(db + tok * H + i_h, b_db, mask=m_t)
+    if USE_G:
+        tl.store(dg + tok * H + i_h, tl.cumsum(b_dG, axis=0, reverse=True), mask=m_t)
+
+
+@triton.jit
+def _delta_recurrent_fwd(q, k, v, b, g, o, h0, ht, cu,
+                         H, K, V,
+                         BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr,
+                         STORE_HT: tl.constexpr):
+    """One token at a time, the state [K, BV] in registers (decoding)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    T = (eos - bos).to(tl.int32)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    s_kv = o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + s_kv, mask=m_kv, other=0.)
+    for t in range(0, T):
+        tok = bos + t
+        b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_v = tl.load(v + (tok * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
+        b_bt = tl.load(b + tok * H + i_h).to(tl.float32)
+        if USE_G:
+            b_h = b_h * tl.exp(tl.load(g + tok * H + i_h))
+        b_err = (b_v - tl.sum(b_k[:, None] * b_h, axis=0)) * b_bt
+        b_h += b_k[:, None] * b_err[None, :]
+        tl.store(o + (tok * H + i_h) * V + o_v, tl.sum(b_q[:, None] * b_h, axis=0), mask=m_v)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + s_kv, b_h, mask=m_kv)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers: q, k [TT, H, K], v [TT, H, V], b [TT, H], g [TT, H] or None, h0 [N, H, K, V]; fp32
+# ----------------------------------------------------------------------------------------------
+
+def _wy(k, v, b, g, cfg):
+    TT, H, K = k.shape
+    V = v.shape[-1]
+    dev = k.device
+    Tm = torch.empty(TT, H, cfg.BT, dtype=torch.float32, device=dev)
+    u = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
+    w = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+    _wy_fwd[(cfg.chunks.NT, H)](k, v, b, g if g is not None else dummy(dev), Tm, u, w, cfg.chunks.cu,
+                                cfg.chunks.index, H, K, V, BT=cfg.BT, BK=block(K), BV=block(V),
+                                USE_G=g is not None, PREC=cfg.prec)
+    return Tm, u, w
+
+
+def _states(k, u, w, g, h0, cfg, store_final):
+    TT, H, K = k.shape
+    V = u.shape[-1]
+    ch, dev = cfg.chunks, k.device
+    BK, BV = full_block(K, "K"), block(V, cap=32 if K > 64 else 64)
+    h = torch.empty(ch.NT, H, K, V, dtype=torch.float32, device=dev)
+    vn = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
+    ht = torch.empty(ch.N, H, K, V, dtype=torch.float32, device=dev) if store_final else dummy(dev)
+    _delta_fwd_h[(triton.cdiv(V, BV), ch.N * H)](
+        k, u, w, g if g is not None else dummy(dev), h, vn, h0 if h0 is not None else dummy(dev), ht,
+        ch.cu, ch.offsets, H, K, V, BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, USE_H0=h0 is not None,
+        STORE_HT=store_final, PREC=cfg.prec)
+    return h, vn, (ht if store_final else None)
+
+
+class _ChunkDeltaRule(torch.autograd.Function):
+    """(q, k, v, b, g, h0) -> (o [TT, H, V] fp32, h_T [N, H, K, V] fp32 or None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, b, g, h0, cfg, output_final_state):
+        _, u, w = _wy(k, v, b, g, cfg)
+        h, vn, ht = _states(k, u, w, g, h0, cfg, output_final_state)
+        o, _ = chunk_fwd_o(q, k, vn, g, h, None, cfg, 1.0, FMAP_IDENTITY, False)
+        ctx.save_for_backward(q, k, v, b, g, h0)
+        ctx.cfg = cfg
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, b, g, h0 = ctx.saved_tensors
+        cfg = ctx.cfg
+        ch, dev = cfg.chunks, q.device
+        TT, H, K = q.shape
+        V = v.shape[-1]
+        do = do.contiguous() if do is not None else torch.zeros(TT, H, V, dtype=torch.float32, device=dev)
+        Tm, u, w = _wy(k, v, b, g, cfg)
+        h, vn, _ = _states(k, u, w, g, h0, cfg, False)
+        gd = g if g is not None else dummy(dev)
+
+        dvl = chunk_bwd_dv(q, k, g, do, None, cfg, 1.0, FMAP_IDENTITY)
+        BKf, BVf = full_block(K, "K"), block(V, cap=32 if K > 64 else 64)
+        dh = torch.empty(ch.NT, H, K, V, dtype=torch.float32, device=dev)
+        dvn = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
+        need_dh0 = ctx.needs_input_grad[5]
+        dh0 = torch.empty(ch.N, H, K, V, dtype=torch.float32, device=dev) if need_dh0 else dummy(dev)
+        _delta_bwd_dh[(triton.cdiv(V, BVf), ch.N * H)](
+            q, k, w, gd, do, dvl, dh, dvn, dht.contiguous() if dht is not None else dummy(dev), dh0,
+            ch.cu, ch.offsets, H, K, V, BT=cfg.BT, BK=BKf, BV=BVf, USE_G=g is not None,
+            USE_DHT=dht is not None, STORE_DH0=need_dh0, PREC=cfg.prec)
+
+        BK, BV = block(K), block(V)
+        NK = triton.cdiv(K, BK)
+        dq = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+        dk = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+        dw = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+        dGp = torch.empty(NK, TT, H, dtype=torch.float32, device=dev) if g is not None else dummy(dev)
+        _delta_bwd_dqkw[(NK, ch.NT, H)](
+            q, k, vn, gd, h, do, dh, dvn, dq, dk, dw, dGp, ch.cu, ch.index, TT, H, K, V,
+            BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, PREC=cfg.prec)
+
+        dv = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
+        db = torch.empty(TT, H, dtype=torch.float32, device=dev)
+        dg = torch.empty(TT, H, dtype=torch.float32, device=dev) if g is not None else dummy(dev)
+        _wy_bwd[(ch.NT, H)](
+            k, v, b, gd, Tm, dvn, dw, dk, dGp.sum(0) if g is not None else dummy(dev), dv, db, dg,
+            ch.cu, ch.index, H, K, V, BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, PREC=cfg.prec)
+        return (dq, dk, dv, db, dg if g is not None else None, dh0 if need_dh0 else None, None, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# entry points
+# ----------------------------------------------------------------------------------------------
+
+def _prepare(q, k, v, beta, g, exact, scale, qk_l2norm, chunk_size, initial_state, cu_seqlens, mode):
+    """The operator's checks and preprocessing (ops/delta.py), differentiable, in fp32."""
+    B, T, H, K, V = check_qkv(q, k, v)
+    check_mode(mode, chunk_size)
+    if q.dtype == torch.float64:
+        raise NotImplementedError("the Triton kernels take fp16, bf16 or fp32 inputs; use backend='torch' for fp64")
+    _check_beta(beta, B, T, H, q.device)
+    if g is not None:
+        check_log_gate(g, "g", B, T, H)
+        if g.device != q.device:
+            raise ValueError(f"g must be on the device of q ({q.device}), got {g.device}")
+        if not torch.isfinite(g).all():
+            raise ValueError("g must be finite (a log-gate of -inf would erase the state; use a large negative value)")
+    if not isinstance(exact, bool):
+        raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
+    if not isinstance(qk_l2norm, bool):
+        raise TypeError(f"qk_l2norm must be a bool, got {type(qk_l2norm).__name__}")
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    offsets = check_cu_seqlens(cu_seqlens, B, T)
+    N = B if offsets is None else len(offsets) - 1
+    if initial_state is not None:
+        _check_state(initial_state, N, H, K, V, q.device)
+
+    q_c, k_c, v_c, beta_c = q.float(), k.float(), v.float(), beta.float()
+    if qk_l2norm:
+        q_c = F.normalize(q_c, dim=-1, eps=L2NORM_EPS)
+        k_c = F.normalize(k_c, dim=-1, eps=L2NORM_EPS)
+    q_c = q_c * scale
+    lam = (k_c * k_c).sum(-1)
+    a = _EFLACoefficient.apply(beta_c, lam) if exact else beta_c
+    d2 = lam.detach().clamp_min(1.0)
+    d = d2.sqrt().unsqueeze(-1)
+    k_c, v_c, b = k_c / d, v_c / d, a * d2
+
+    def flat(x):
+        return x.reshape(B * T, H, *x.shape[3:]).contiguous()
+
+    starts = [i * T for i in range(B + 1)] if offsets is None else offsets
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    return dict(B=B, T=T, H=H, K=K, V=V, N=N, starts=starts, q=flat(q_c), k=flat(k_c), v=flat(v_c), b=flat(b),
+                g=flat(g.float()) if g is not None else None, h0=h0)
+
+
+def chunk_delta_rule(q, k, v, beta, *, g=None, exact=False, scale=None, qk_l2norm=False, chunk_size=64,
+                     initial_state=None, output_final_state=False, cu_seqlens=None):
+    """`delta_rule(..., mode="chunk")` on the Triton kernels (forward and backward): same arguments,
+    results and state. fp16 / bf16 / fp32 inputs; K <= 256 (the state walk keeps a whole K x BV tile).
+    The chunk tile is `chunk_size` when it is 16, 32 or 64, else 64 (the result does not depend on it)."""
+    p = _prepare(q, k, v, beta, g, exact, scale, qk_l2norm, chunk_size, initial_state, cu_seqlens, "chunk")
+    BT = chunk_size_for(chunk_size)
+    cfg = _Cfg(prepare_chunks(p["starts"], BT, q.device), BT, FMAP_IDENTITY, 1.0, False, dot_precision(q.dtype))
+    o, ht = _ChunkDeltaRule.apply(p["q"], p["k"], p["v"], p["b"], p["g"], p["h0"], cfg, bool(output_final_state))
+    o = o.view(p["B"], p["T"], p["H"], p["V"]).to(q.dtype)
+    return o, (ht if output_final_state else None)
+
+
+@torch.no_grad()
+def fused_recurrent_delta_rule(q, k, v, beta, *, g=None, exact=False, scale=None, qk_l2norm=False, chunk_size=64,
+                               initial_state=None, output_final_state=False, cu_seqlens=None):
+    """`delta_rule(..., mode="recurrent")` as one fused kernel (decoding; forward only)."""
+    p = _prepare(q, k, v, beta, g, exact, scale, qk_l2norm, chunk_size, initial_state, cu_seqlens, "recurrent")
+    H, K, V, N, dev = p["H"], p["K"], p["V"], p["N"], q.device
+    BK, BV = full_block(K, "K"), block(V, cap=32 if K > 64 else 64)
+    o = torch.empty(p["q"].shape[0], H, V, dtype=torch.float32, device=dev)
+    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else dummy(dev)
+    cu = torch.tensor(p["starts"], dtype=torch.int64, device=dev)
+    _delta_recurrent_fwd[(triton.cdiv(V, BV), N * H)](
+        p["q"], p["k"], p["v"], p["b"], p["g"] if p["g"] is not None else dummy(dev), o,
+        p["h0"] if p["h0"] is not None else dummy(dev), ht, cu, H, K, V,
+        BK=BK, BV=BV, USE_G=p["g"] is not None, USE_H0=p["h0"] is not None, STORE_HT=bool(output_final_state))
+    o = o.view(p["B"], p["T"], H, V).to(q.dtype)
+    return o, (ht if output_final_state else None)
+
+
+def delta_rule_triton(q, k, v, beta, *, g=None, exact=False, scale=None, qk_l2norm=False, mode="chunk",
+                      chunk_size=64, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """The operator's full signature, routed to the chunk or the fused recurrent kernels
+    (called by `linattn.delta_rule` when its backend resolves to "triton")."""
+    kw = dict(g=g, exact=exact, scale=scale, qk_l2norm=qk_l2norm, chunk_size=chunk_size,
+              initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    if mode == "recurrent":
+        return fused_recurrent_delta_rule(q, k, v, beta, **kw)
+    if mode == "chunk":
+        return chunk_delta_rule(q, k, v, beta, **kw)
+    raise NotImplementedError(f"mode={mode!r} has no Triton kernel (chunk and recurrent do); use backend='torch'")
