@@ -6,8 +6,10 @@ from .lm import Block, LanguageModel, LMOutput
 from .lobe import MemoryLobe
 from .moe import MoE, Routing
 from .registry import build_mixer, mixer_spec, mixers, register_mixer
+from .tlinformer import TLinFormerCache, TLinFormerConfig, TLinFormerLM
 
 __all__ = [
     "LMConfig", "PRESETS", "LanguageModel", "LMOutput", "Block", "MoE", "Routing", "MemoryLobe",
     "mixers", "build_mixer", "register_mixer", "mixer_spec", "sample_next",
+    "TLinFormerConfig", "TLinFormerLM", "TLinFormerCache",
 ]
