@@ -3,18 +3,21 @@
 The public API, re-exported:
     linear_attention, LinearAttentionState   kernelized linear attention (ops/linear.py)
     softmax_attention                          the O(T^2) baseline (ops/softmax.py)
+    delta_rule                                 DeltaNet, Gated DeltaNet, EFLA (ops/delta.py)
     FeatureMap, FAVORPlus, FEATURE_MAP_NAMES   phi/psi pairs (feature_maps.py)
     mixers, LMConfig, LanguageModel            language models and their mixer registry (models/);
                                                layers in linattn.layers, audit.check_causality
 """
 from .feature_maps import FEATURE_MAP_NAMES, FAVORPlus, FeatureMap, get_feature_map
 from .ops import LinearAttentionState, linear_attention, softmax_attention
+from .ops import delta_rule
 from .models import LanguageModel, LMConfig, mixers
 from . import audit
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "delta_rule",
     "linear_attention", "LinearAttentionState", "softmax_attention",
     "FeatureMap", "FAVORPlus", "FEATURE_MAP_NAMES", "get_feature_map",
     "mixers", "LMConfig", "LanguageModel",
