@@ -36,8 +36,8 @@ import triton.language as tl
 from ..feature_maps import EluPlusOne, Identity, ReLU, get_feature_map
 from ..ops._common import check_cu_seqlens, check_mode, check_qkv
 from ..ops.linear import LinearAttentionState, _check_state, _gate_to_log
-from ._utils import (FMAP_ELU1, FMAP_IDENTITY, FMAP_RELU, block, chunk_size_for, dot_precision, dphi,
-                     dummy, full_block, phi, prepare_chunks)
+from ._utils import (FMAP_ELU1, FMAP_IDENTITY, FMAP_RELU, block, chunk_size_for, dot_precision, dphi, dummy,
+                     phi, prepare_chunks)
 
 # ----------------------------------------------------------------------------------------------
 # kernels
@@ -338,15 +338,18 @@ def _bwd_dv(q, k, g, do, dh, dv, cu, chunk_index, scale,
 
 @triton.jit
 def _recurrent_fwd(q, k, v, g, o, den, h0, z0, ht, zt, cu, scale,
-                   H, K, V,
+                   TT, H, K, V,
                    BK: tl.constexpr, BV: tl.constexpr, FMAP: tl.constexpr, USE_G: tl.constexpr,
                    NORM: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
-    """One token at a time, the state [K, BV] in registers: decoding (T = 1) and short prompts."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    """One token at a time, a [BK, BV] block of the state in registers: decoding (T = 1) and short
+    prompts. K blocks write partial outputs o [NK, TT, H, V] / den [NK, TT, H], summed by the caller."""
+    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     T = (eos - bos).to(tl.int32)
-    o_k = tl.arange(0, BK)
+    o += i_k.to(tl.int64) * TT * H * V
+    den += i_k.to(tl.int64) * TT * H
+    o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
@@ -621,21 +624,23 @@ def fused_recurrent_linear_attention(
     fq, fk, vf = p["flat"]
     TT, H, K = fq.shape
     V, N, dev = p["V"], p["N"], q.device
-    BK, BV = full_block(K, "K_phi"), block(V, cap=32 if K > 64 else 64)
+    BK, BV = block(K), block(V)
+    NK = triton.cdiv(K, BK)
     norm = bool(normalize or output_final_state)
-    num = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
-    den = torch.empty(TT, H, dtype=torch.float32, device=dev) if norm else dummy(dev)
+    num = torch.empty(NK, TT, H, V, dtype=torch.float32, device=dev)
+    den = torch.empty(NK, TT, H, dtype=torch.float32, device=dev) if norm else dummy(dev)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else dummy(dev)
     zt = torch.empty(N, H, K, dtype=torch.float32, device=dev) if (output_final_state and norm) else dummy(dev)
     cu = torch.tensor(p["starts"], dtype=torch.int64, device=dev)
-    _recurrent_fwd[(triton.cdiv(V, BV), N * H)](
+    _recurrent_fwd[(NK, triton.cdiv(V, BV), N * H)](
         fq, fk, vf, p["g"] if p["g"] is not None else dummy(dev), num, den,
         p["h0"] if p["h0"] is not None else dummy(dev), p["z0"] if p["z0"] is not None else dummy(dev),
-        ht, zt, cu, p["kscale"], H, K, V,
+        ht, zt, cu, p["kscale"], TT, H, K, V,
         BK=BK, BV=BV, FMAP=p["code"], USE_G=p["g"] is not None, NORM=norm, USE_H0=p["h0"] is not None,
         STORE_HT=bool(output_final_state))
-    return _finish(p, num, den if norm else None, ht, zt if norm else None, normalize, eps, q.dtype,
-                   output_final_state)
+    num = num[0] if NK == 1 else num.sum(0)
+    den = (den[0] if NK == 1 else den.sum(0)) if norm else None
+    return _finish(p, num, den, ht, zt if norm else None, normalize, eps, q.dtype, output_final_state)
 
 
 def linear_attention_triton(q, k, v, *, feature_map="elu+1", causal=True, normalize=True, gamma=None, g=None,
