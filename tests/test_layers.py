@@ -116,6 +116,9 @@ def test_kv_cache_grows_in_chunks():
     ks, vs, start = kv.append(k[:, :1], k[:, :1])
     assert ks.shape[1] == 10 and start == 0
     assert torch.equal(ks[:, :3], k)
+    for _ in range(3):
+        kv.append(k, k)  # 19 tokens: grows by half its size, in whole chunks (16 -> 24)
+    assert kv.k.shape[1] == 24 and torch.equal(kv.k[:, 16:19], k)
 
 
 @needs_delta

@@ -48,7 +48,8 @@ class LayerCache(dict):
 
 
 class KVCache:
-    """Keys and values `[B, T, H, D]` in buffers that grow by `chunk` tokens at a time.
+    """Keys and values `[B, T, H, D]` in preallocated buffers that grow in whole chunks of `chunk`
+    tokens (by at least half their size, so appending is amortised O(1) per token).
 
     With `window=w` only the last w-1 tokens can ever be attended again, so older ones are
     dropped (amortised: once the buffer holds w-1+chunk tokens). `start` is the absolute
@@ -66,7 +67,9 @@ class KVCache:
         cap = 0 if self.k is None else self.k.shape[1]
         if need <= cap:
             return
-        new_cap = self.chunk * ((need + self.chunk - 1) // self.chunk)
+        # grow by at least half the current size (amortised O(1) copies per token), in whole chunks
+        target = max(need, cap + cap // 2)
+        new_cap = self.chunk * ((target + self.chunk - 1) // self.chunk)
         B, _, H, Dk = like_k.shape
         k = like_k.new_empty(B, new_cap, H, Dk)
         v = like_v.new_empty(B, new_cap, H, like_v.shape[-1])

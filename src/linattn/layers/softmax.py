@@ -38,10 +38,13 @@ class SoftmaxAttention(AttentionBase):
         k_all, v_all, start = kv.append(k, v)
         qpos = cache.offset + torch.arange(T, device=q.device)
         kpos = start + torch.arange(k_all.shape[1], device=q.device)
-        diff = qpos[:, None] - kpos[None, :]
-        mask = diff >= 0
-        if self.window is not None:
-            mask = mask & (diff < self.window)
+        if T == 1 and self.window is None:
+            mask = None  # one new query sees every stored key
+        else:
+            diff = qpos[:, None] - kpos[None, :]
+            mask = diff >= 0
+            if self.window is not None:
+                mask = mask & (diff < self.window)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
                                            attn_mask=mask, scale=self.scale)
         return o.transpose(1, 2)
