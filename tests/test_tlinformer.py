@@ -316,3 +316,40 @@ def test_save_load_checkpoint(tmp_path):
     m2 = TLinFormerLM(TLinFormerConfig.from_dict(m.config.to_dict()))
     m2.load_state_dict(sd)
     assert torch.equal(m2.eval().generate(ids, 5, temperature=0), m.generate(ids, 5, temperature=0))
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line: train / resume / eval / generate like any other model
+
+
+def test_cli_train_eval_generate(tmp_path, capsys):
+    import json
+
+    from linattn.checkpoint import load_checkpoint
+    from linattn.cli import main
+
+    words = ["alpha", "beta", "gamma", "delta", "window", "history", "token", "cache", "linear", "softmax"]
+    g = torch.Generator().manual_seed(0)
+    text = "\n\n".join(" ".join(words[int(i)] for i in torch.randint(0, 10, (60,), generator=g)) for _ in range(60))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    out = tmp_path / "run"
+    argv = ["train", "--model", "tlinformer", "--data", str(corpus), "--out", str(out), "--vocab-size", "300",
+            "--d-model", "32", "--n-heads", "2", "--n-blocks", "1", "--inner-depth", "3", "--history-window", "4",
+            "--generation-window", "8", "--seq-len", "32", "--batch-size", "2", "--steps", "4", "--warmup", "1",
+            "--eval-batches", "1", "--threads", "1", "--no-progress"]
+    assert main(argv) == 0
+    ck = load_checkpoint(out)
+    assert isinstance(ck.model, TLinFormerLM) and ck.model_config.generation_window == 8
+    i = argv.index("--steps")
+    assert main(argv[:i + 1] + ["5"] + argv[i + 2:] + ["--resume"]) == 0
+    assert load_checkpoint(out).step == 5
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(out), "--data", str(corpus), "--max-batches", "2", "--json"]) == 0
+    assert math.isfinite(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"])
+    assert main(["generate", "--checkpoint", str(out), "--prompt", "alpha beta", "--max-new-tokens", "12",
+                 "--temperature", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == 12
+    bad = argv[:argv.index("--generation-window") + 1] + ["64"] + argv[argv.index("--generation-window") + 2:]
+    assert main(bad + ["--overwrite"]) == 2
+    assert "W_og = 64" in capsys.readouterr().err

@@ -220,6 +220,9 @@ def model_config_from_dict(d: Dict[str, Any]):
     from .models import LMConfig
 
     try:
+        if d.get("arch") == "tlinformer":  # TLinFormerConfig dicts carry their architecture
+            from .models import TLinFormerConfig
+            return TLinFormerConfig.from_dict(dict(d))
         if hasattr(LMConfig, "from_dict"):
             return LMConfig.from_dict(dict(d))
         return LMConfig(**d)
@@ -240,6 +243,9 @@ def build_model(model_config):
 
     if isinstance(model_config, dict):
         model_config = model_config_from_dict(model_config)
+    if getattr(model_config, "arch", None) == "tlinformer":
+        from .models import TLinFormerLM
+        return TLinFormerLM(model_config)
     return LanguageModel(model_config)
 
 

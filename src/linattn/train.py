@@ -704,7 +704,8 @@ example: linattn train --data corpus/ --out runs/efla --mixer efla --d-model 256
 """
 
 _MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "ffn", "n_experts", "top_k", "moe_bias", "residual",
-                "memory_lobe", "allow_future_leak", "tie_embeddings", "final_norm")
+                "memory_lobe", "allow_future_leak", "tie_embeddings", "final_norm",
+                "n_blocks", "inner_depth", "history_window", "generation_window")  # the last four: tlinformer
 
 
 def _bool_flag(s: str) -> bool:
@@ -714,6 +715,15 @@ def _bool_flag(s: str) -> bool:
     if v in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+
+def _window_flag(s: str):
+    if s.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or 'auto', got {s!r}") from None
 
 
 def _lobe_flag(s: str) -> Optional[str]:
@@ -748,6 +758,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-future-leak", default=None, type=_bool_flag, help="true/false")
     g.add_argument("--tie-embeddings", default=None, type=_bool_flag, help="true/false")
     g.add_argument("--final-norm", default=None, type=_bool_flag, help="true/false")
+    g.add_argument("--model", default=None, choices=("lm", "tlinformer"),
+                   help="lm: LanguageModel (default); tlinformer: TLinFormerLM, with the four flags below")
+    g.add_argument("--n-blocks", type=int, default=None, help="tlinformer: stacked blocks")
+    g.add_argument("--inner-depth", type=int, default=None, help="tlinformer: layers per block (>= 2)")
+    g.add_argument("--history-window", type=_window_flag, default=None, help="tlinformer: W_oh, an int or auto")
+    g.add_argument("--generation-window", type=int, default=None, help="tlinformer: W_og (<= --seq-len)")
     g = p.add_argument_group("optimization")
     g.add_argument("--seq-len", type=int, default=None, help=f"default {d.seq_len}")
     g.add_argument("--batch-size", type=int, default=None, help=f"default {d.batch_size}")
@@ -828,12 +844,16 @@ def _model_config_from_args(args, base: Optional[Dict[str, Any]], seq_len: int):
         v = getattr(args, k, None)
         if v is not None:
             d[k] = v
+    if getattr(args, "model", None) == "tlinformer":
+        d["arch"] = "tlinformer"
     d.setdefault("vocab_size", getattr(args, "vocab_size", None) or TrainConfig.vocab_size)
     if "mixer" in d:
         check_mixer(d["mixer"])
     if d.get("max_seq_len") is None or d["max_seq_len"] < seq_len:
         d["max_seq_len"] = seq_len
     try:
+        if d.get("arch") == "tlinformer":
+            return models.TLinFormerConfig.from_dict(d)
         return models.LMConfig.from_dict(d)
     except (TypeError, ValueError) as e:
         raise TrainError(str(e)) from None
