@@ -25,6 +25,7 @@ import torch
 from ..feature_maps import FeatureMap, get_feature_map
 from ._common import (check_cu_seqlens, check_log_gate, check_mode, check_qkv, compute_dtype,
                       pad_time, run_varlen)
+from .backend import linear_attention_backend
 
 # Log-scale of an empty state, and log-feature of a padding key: finite, so that differences
 # of two such values never produce NaN, yet exp() of it is exactly 0.
@@ -331,6 +332,7 @@ def linear_attention(
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
+    backend: str = "auto",
 ) -> Tuple[torch.Tensor, Optional[LinearAttentionState]]:
     """Kernelized linear attention. q, k `[B, T, H, K]`, v `[B, T, H, V]` -> (o `[B, T, H, V]`, state).
 
@@ -348,7 +350,16 @@ def linear_attention(
     The state (see `LinearAttentionState`) round-trips between modes and calls. cu_seqlens
     (int64 `[N+1]`, B == 1) packs N independent sequences; the state then has N rows.
     Inputs of any float dtype; accumulation in fp32 (fp64 for fp64 inputs); output in the input dtype.
+    backend: "auto" (Triton kernels for CUDA tensors when Triton is installed and covers the call,
+    PyTorch otherwise), "torch", or "triton" (on CPU only under TRITON_INTERPRET=1); see docs/triton.md.
     """
+    if linear_attention_backend(backend, q, k, v, feature_map=feature_map, causal=causal, mode=mode,
+                                gamma=gamma, g=g, initial_state=initial_state) == "triton":
+        from ..triton.linear import linear_attention_triton
+        return linear_attention_triton(q, k, v, feature_map=feature_map, causal=causal, normalize=normalize,
+                                       gamma=gamma, g=g, scale=scale, mode=mode, chunk_size=chunk_size,
+                                       initial_state=initial_state, output_final_state=output_final_state,
+                                       cu_seqlens=cu_seqlens, eps=eps)
     B, T, H, K, V = check_qkv(q, k, v)
     check_mode(mode, chunk_size)
     fmap = get_feature_map(feature_map, K)
