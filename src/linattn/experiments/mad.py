@@ -1,0 +1,481 @@
+"""`linattn experiment mad`: the six MAD synthetic tasks (Poli et al. 2024) for softmax attention,
+linear attention (elu+1 and Hadamard Exp feature maps), DeltaNet, Gated DeltaNet and EFLA, in the
+benchmark's model shape, scored as the benchmark scores them. Compare: EFLA paper, Table 2.
+
+Tasks and data: `linattn.data.mad` (generators faithful to athms/mad-lab: vocabularies, lengths,
+masking; one seeded generator per dataset, data seed 12345 as MADConfig).
+
+Model (mad-lab's `LanguageModel` backbone): width 128, token embedding (no positional embedding),
+layers [mixer, SwiGLU, mixer, SwiGLU] each as x + layer(RMSNorm(x)), final RMSNorm and an untied
+linear head. SwiGLU inner width 352 (int(2 * 128 * 4/3) rounded up to 16, mad-lab's GLU). Mixers:
+softmax with 16 heads of 8 and RoPE (mad-lab: mh-attention, rotary dim 8); linear attention with
+16 heads and the elu+1 or Hadamard Exp (phi = exp) feature map, normalised (the library's
+`linear-*` layer); DeltaNet, Gated DeltaNet and EFLA with 4 heads of 32 (Gated DeltaNet with value
+heads of 64, mad-lab's gated-delta-net config), short convolutions, sigmoid beta.
+Compression uses mad-lab's AutoEncoder: the same encoder layers, the last position pooled, a
+non-expanding MLP decoder (RMSNorm, Linear, GELU, RMSNorm, Linear, GELU) applied to the pooled
+vector plus sinusoidal position embeddings for every position, RMSNorm, linear head.
+
+Training (MADConfig): AdamW (weight decay on everything but biases and norms), cosine annealing
+per epoch to 1e-6, cross-entropy ignoring -100, test metrics after every epoch, early stop once
+test accuracy >= 0.999. Accuracy is macro-averaged over classes (torchmetrics MulticlassAccuracy's
+default in mad-lab): per-class recall, averaged over classes that occur in targets or predictions.
+A run's score is the test accuracy at its best epoch (lowest test perplexity: mad-lab's "best"
+checkpoint). MAD score: per setting the best run over the lr x weight-decay grid, averaged over
+a task's settings, then over tasks.
+
+Budgets:
+  full   mad-lab's benchmark: every task's baseline and difficulty sweep (one factor at a time),
+         lr in {1e-4, 5e-4, 1e-3} x weight decay in {0, 0.1}, batch 128, up to 200 epochs,
+         12,800 training (memorization 256) and 1,280 test examples. Meant for a GPU.
+  quick  the baseline setting of each task only, one learning rate (1e-3, no weight decay),
+         batch 32, a few hundred to a few thousand training examples, a few epochs, 256 test
+         examples: about 20 minutes of a 2-core CPU for all six mixers. Its numbers show how far
+         each mixer gets on a tiny budget; they are not comparable with the paper's.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import common
+from .common import ExperimentError, fmt, md_table
+
+NAME = "mad"
+DESCRIPTION = __doc__
+WIDTH = 128
+SWIGLU_HIDDEN = 352
+MIN_LR = 1e-6
+STOP_ACC = 0.999
+
+# key -> (registry mixer, n_heads, extra mixer kwargs, label)
+MIXERS: Dict[str, Tuple[str, int, Dict[str, Any], str]] = {
+    "softmax": ("softmax", 16, {}, "softmax"),
+    "linear-elu": ("linear-elu+1", 16, {}, "linear (elu+1)"),
+    "linear-hadamard": ("linear-hadamard_exp", 16, {}, "linear (hadamard_exp)"),
+    "deltanet": ("deltanet", 4, {}, "DeltaNet"),
+    "gated-deltanet": ("gated-deltanet", 4, {"head_dim_v": 64}, "Gated DeltaNet"),
+    "efla": ("efla", 4, {}, "EFLA"),
+}
+
+# the EFLA paper, appendix B, Table 2 (MAD accuracy, %)
+PAPER_TABLE2 = {
+    "deltanet": {"compression": 42.7, "fuzzy-in-context-recall": 22.2, "in-context-recall": 99.9,
+                 "memorization": 29.9, "noisy-in-context-recall": 99.9, "selective-copying": 99.6, "average": 65.7},
+    "efla": {"compression": 43.8, "fuzzy-in-context-recall": 22.6, "in-context-recall": 100.0,
+             "memorization": 32.5, "noisy-in-context-recall": 100.0, "selective-copying": 99.8, "average": 66.4},
+}
+TASK_ORDER = ("compression", "fuzzy-in-context-recall", "in-context-recall", "memorization",
+              "noisy-in-context-recall", "selective-copying")   # Table 2's column order
+
+
+@dataclass
+class Budget:
+    sweep: bool                          # the difficulty sweep (all settings) or the baseline only
+    lrs: List[float]
+    wds: List[float]
+    batch_size: int
+    epochs: Dict[str, int]               # per task (default key "*")
+    num_train: Dict[str, Optional[int]]  # per task; None: the setting's num_train_examples
+    num_test: Optional[int]              # None: 1,280
+    overrides: Dict[str, Dict[str, Any]] = field(default_factory=dict)   # per-task setting changes (tiny)
+
+    def task_epochs(self, task: str) -> int:
+        return self.epochs.get(task, self.epochs.get("*", 1))
+
+
+BUDGETS = {
+    "full": Budget(sweep=True, lrs=[1e-4, 5e-4, 1e-3], wds=[0.0, 0.1], batch_size=128, epochs={"*": 200},
+                   num_train={}, num_test=None),
+    "quick": Budget(sweep=False, lrs=[1e-3], wds=[0.0], batch_size=32,
+                    epochs={"in-context-recall": 2, "fuzzy-in-context-recall": 2, "noisy-in-context-recall": 2,
+                            "selective-copying": 2, "compression": 4, "memorization": 24},
+                    num_train={"in-context-recall": 768, "fuzzy-in-context-recall": 768,
+                               "noisy-in-context-recall": 768, "selective-copying": 384, "compression": 1024,
+                               "memorization": 256},
+                    num_test=256),
+    "tiny": Budget(sweep=False, lrs=[1e-3], wds=[0.0], batch_size=8, epochs={"*": 1},
+                   num_train={"*": 16}, num_test=8,
+                   overrides={"in-context-recall": {"seq_len": 16}, "fuzzy-in-context-recall": {"seq_len": 24},
+                              "noisy-in-context-recall": {"seq_len": 16},
+                              "selective-copying": {"seq_len": 20, "num_tokens_to_copy": 4},
+                              "compression": {"seq_len": 8}, "memorization": {"seq_len": 8}}),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------
+
+def model_config(mixer: str, vocab_size: int, seq_len: int):
+    from ..models import LMConfig
+
+    name, heads, kw, _ = MIXERS[mixer]
+    return LMConfig(vocab_size=vocab_size, d_model=WIDTH, n_layers=2, n_heads=heads, mixer=name,
+                    mixer_kwargs={name: dict(kw)} if kw else {}, ffn="swiglu", ffn_hidden=SWIGLU_HIDDEN,
+                    residual="prenorm", tie_embeddings=False, final_norm=True, max_seq_len=max(seq_len, 16),
+                    chunk_size=64)
+
+
+def sincos_positions(n: int, dim: int) -> torch.Tensor:
+    """Sinusoidal position embeddings `[n, dim]` (fairseq's layout: sines, then cosines)."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10000.0) / max(1, half - 1)))
+    ang = torch.arange(n, dtype=torch.float32)[:, None] * freq[None, :]
+    emb = torch.cat([torch.sin(ang), torch.cos(ang)], dim=1)
+    if dim % 2:
+        emb = torch.cat([emb, torch.zeros(n, 1)], dim=1)
+    return emb
+
+
+class MADAutoEncoder(nn.Module):
+    """mad-lab's AutoEncoder backbone (compression): encoder blocks of the LMConfig, the last
+    position pooled, a non-expanding MLP decoder over pooled + sinusoidal positions, linear head."""
+
+    def __init__(self, config):
+        super().__init__()
+        from ..layers import RMSNorm
+        from ..models.lm import Block
+
+        d = config.d_model
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, d)
+        self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layers)])
+        self.decoder = nn.Sequential(RMSNorm(d), nn.Linear(d, d), nn.GELU(), RMSNorm(d), nn.Linear(d, d), nn.GELU())
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, config.vocab_size)
+        self.register_buffer("positions", sincos_positions(config.max_seq_len, d), persistent=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for b in self.blocks:
+            x, _ = b(x)
+        z = x[:, -1]                                                   # global pool: the last position
+        T = ids.shape[1]
+        h = self.decoder(z[:, None, :] + self.positions[:T][None])     # [B, T, d]
+        return self.head(self.norm(h))
+
+
+def build_model(mixer: str, task: str, vocab_size: int, seq_len: int) -> nn.Module:
+    from ..data.mad import TASKS
+    from ..models import LanguageModel
+
+    cfg = model_config(mixer, vocab_size, seq_len)
+    if TASKS[task].backbone == "autoencoder":
+        return MADAutoEncoder(cfg)
+    model = LanguageModel(cfg)
+    # mad-lab's head has a bias; LanguageModel's untied head has none: add one
+    model.head_bias = nn.Parameter(torch.zeros(vocab_size))
+    return model
+
+
+def logits_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = out.logits
+    bias = getattr(model, "head_bias", None)
+    return logits + bias if bias is not None else logits
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------
+
+class MacroAccuracy:
+    """torchmetrics MulticlassAccuracy(average="macro", ignore_index=-100), accumulated over batches:
+    per-class recall tp_c / (tp_c + fn_c), averaged over the classes with tp + fp + fn > 0."""
+
+    def __init__(self, num_classes: int, ignore_index: int = -100):
+        self.num_classes, self.ignore_index = int(num_classes), int(ignore_index)
+        self.tp = torch.zeros(num_classes, dtype=torch.long)
+        self.support = torch.zeros(num_classes, dtype=torch.long)
+        self.predicted = torch.zeros(num_classes, dtype=torch.long)
+
+    def update(self, preds: torch.Tensor, targets: torch.Tensor) -> None:
+        p, t = preds.reshape(-1).cpu(), targets.reshape(-1).cpu()
+        keep = t != self.ignore_index
+        p, t = p[keep], t[keep]
+        C = self.num_classes
+        self.support += torch.bincount(t, minlength=C)[:C]
+        self.predicted += torch.bincount(p.clamp(0, C - 1), minlength=C)[:C]
+        self.tp += torch.bincount(t[p == t], minlength=C)[:C]
+
+    def compute(self) -> float:
+        fp = self.predicted - self.tp
+        fn = self.support - self.tp
+        present = (self.tp + fp + fn) > 0
+        if not bool(present.any()):
+            return 0.0
+        recall = torch.where(self.support > 0, self.tp.double() / self.support.clamp_min(1).double(),
+                             torch.zeros(self.num_classes, dtype=torch.float64))
+        return float(recall[present].mean())
+
+    def micro(self) -> float:
+        n = int(self.support.sum())
+        return float(self.tp.sum()) / n if n else 0.0
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, vocab: int, batch_size: int,
+             device: torch.device) -> Dict[str, float]:
+    model.eval()
+    acc = MacroAccuracy(vocab)
+    nll, count = 0.0, 0
+    for i in range(0, x.shape[0], batch_size):
+        xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
+        logits = logits_of(model, xb).float()
+        nll += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1), ignore_index=-100,
+                                     reduction="sum"))
+        count += int((yb != -100).sum())
+        acc.update(logits.argmax(-1), yb)
+    model.train()
+    loss = nll / max(1, count)
+    return {"acc": acc.compute(), "micro_acc": acc.micro(), "loss": loss, "ppl": math.exp(min(loss, 700.0))}
+
+
+def make_optimizer(model: nn.Module, lr: float, wd: float) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if ("bias" in n or "norm" in n) else decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr)
+
+
+# ----------------------------------------------------------------------------------------------
+# One run: (mixer, task, setting, lr, wd)
+# ----------------------------------------------------------------------------------------------
+
+def train_run(spec: Dict[str, Any], data: Dict[str, torch.Tensor], budget: Budget, device: torch.device,
+              bar: bool) -> Dict[str, Any]:
+    task, mixer = spec["task"], spec["mixer"]
+    setting = spec["setting"]
+    vocab = int(setting["vocab_size"])
+    xtr, ytr = data["train_inputs"], data["train_targets"]
+    xte, yte = data["test_inputs"], data["test_targets"]
+    common.seed_everything(spec["seed"])
+    model = build_model(mixer, task, vocab, xtr.shape[1]).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = make_optimizer(model, spec["lr"], spec["wd"])
+    epochs = spec["epochs"]
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs, eta_min=MIN_LR)
+    B = budget.batch_size
+    steps_per_epoch = math.ceil(xtr.shape[0] / B)
+    history: List[Dict[str, Any]] = []
+    gen = torch.Generator().manual_seed(spec["seed"])
+    t0 = time.perf_counter()
+    train_tokens = 0
+    stopped_early = False
+    model.train()
+    with common.progress(total=epochs * steps_per_epoch, desc=f"{mixer} {task}", enabled=bar, unit="step") as pb:
+        for epoch in range(epochs):
+            perm = torch.randperm(xtr.shape[0], generator=gen)
+            tot, nb = 0.0, 0
+            for i in range(steps_per_epoch):
+                idx = perm[i * B:(i + 1) * B]
+                xb, yb = xtr[idx].to(device), ytr[idx].to(device)
+                logits = logits_of(model, xb).float()
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1), ignore_index=-100)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                lv = float(loss.item())
+                if not math.isfinite(lv):
+                    raise FloatingPointError(f"{mixer} {task}: training loss {lv} in epoch {epoch + 1}")
+                tot += lv
+                nb += 1
+                train_tokens += xb.numel()
+                pb.update(1)
+            lr_now = opt.param_groups[0]["lr"]
+            sched.step()
+            ev = evaluate(model, xte, yte, vocab, max(B, 64), device)
+            history.append({"epoch": epoch + 1, "train_loss": tot / max(1, nb), "lr": lr_now, **{f"test_{k}": v
+                                                                                                 for k, v in ev.items()}})
+            pb.set_postfix(loss=f"{tot / max(1, nb):.3f}", acc=f"{ev['acc']:.3f}", refresh=False)
+            if ev["acc"] >= STOP_ACC:
+                stopped_early = epoch + 1 < epochs
+                break
+    wall = time.perf_counter() - t0
+    best = min(history, key=lambda h: h["test_ppl"])
+    return {"n_params": n_params, "epochs_run": len(history), "stopped_early": stopped_early, "history": history,
+            "acc": best["test_acc"], "best_epoch": best["epoch"], "final_acc": history[-1]["test_acc"],
+            "max_acc": max(h["test_acc"] for h in history), "micro_acc": best["test_micro_acc"],
+            "test_ppl": best["test_ppl"], "train_tokens": train_tokens,
+            "train_tokens_per_s": train_tokens / max(1e-9, wall), "train_s": wall}
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning and scoring
+# ----------------------------------------------------------------------------------------------
+
+def setting_id(setting: Dict[str, Any], baseline: Dict[str, Any]) -> str:
+    diff = [f"{k}={v}" for k, v in setting.items() if baseline.get(k) != v and k != "num_test_examples"]
+    return "baseline" if not diff else ",".join(diff)
+
+
+def plan_runs(budget: Budget, mixers: Sequence[str], tasks: Sequence[str], seed: int) -> List[Dict[str, Any]]:
+    from ..data.mad import TASKS, settings
+
+    plan = []
+    for task in tasks:
+        base = dict(TASKS[task].baseline)
+        for setting in settings(task, sweep=budget.sweep):
+            s = dict(setting, **budget.overrides.get(task, {}))
+            n_train = budget.num_train.get(task, budget.num_train.get("*"))
+            if n_train is not None:
+                s["num_train_examples"] = min(int(n_train), int(s["num_train_examples"]))
+            if budget.num_test is not None:
+                s["num_test_examples"] = int(budget.num_test)
+            sid = setting_id(setting, base)
+            for mixer in mixers:
+                for lr in budget.lrs:
+                    for wd in budget.wds:
+                        plan.append({"run_id": f"{task}--{sid}--{mixer}--lr{lr:g}-wd{wd:g}", "task": task,
+                                     "setting_id": sid, "setting": s, "mixer": mixer, "lr": lr, "wd": wd,
+                                     "epochs": budget.task_epochs(task), "seed": seed})
+    return plan
+
+
+def score(runs: List[Dict[str, Any]], mixers: Sequence[str], tasks: Sequence[str]) -> Dict[str, Any]:
+    """Per (mixer, task): per setting the best accuracy over lr x wd, averaged over settings; the
+    MAD average over tasks (all in %)."""
+    table: Dict[str, Dict[str, Optional[float]]] = {}
+    for m in mixers:
+        table[m] = {}
+        for t in tasks:
+            best: Dict[str, float] = {}
+            for r in runs:
+                if r["mixer"] == m and r["task"] == t:
+                    best[r["setting_id"]] = max(best.get(r["setting_id"], -1.0), 100.0 * r["acc"])
+            table[m][t] = sum(best.values()) / len(best) if best else None
+        vals = [table[m][t] for t in tasks]
+        table[m]["average"] = sum(vals) / len(vals) if vals and all(v is not None for v in vals) else None
+    return table
+
+
+def markdown(exp: common.Experiment, budget: Budget, table, runs, mixers, tasks) -> str:
+    from ..data.mad import TASKS
+
+    a = exp.args
+    lines = [f"# MAD ({a.budget})", ""] + [f"- {h}" for h in exp.header_lines()]
+    if a.budget == "full":
+        lines.append("- protocol: mad-lab's benchmark (all settings, lr {1e-4, 5e-4, 1e-3} x wd {0, 0.1}, "
+                     "batch 128, up to 200 epochs, early stop at 99.9% test accuracy)")
+    else:
+        per = "; ".join(f"{TASKS[t].label}: {next(r['setting']['num_train_examples'] for r in runs if r['task'] == t)}"
+                        f" train x {budget.task_epochs(t)} epochs" for t in tasks)
+        lines.append(f"- protocol ({a.budget}, **reduced**): baseline setting of each task only, one learning rate "
+                     f"({', '.join(f'{x:g}' for x in budget.lrs)}, wd {', '.join(f'{x:g}' for x in budget.wds)}), "
+                     f"batch {budget.batch_size}, {budget.num_test} test examples; {per}. The paper's protocol "
+                     f"trains on 12,800 examples for up to 200 epochs and takes the best of 6 lr/wd settings "
+                     f"and of each difficulty sweep: these numbers are not comparable with Table 2.")
+    lines += ["- score: macro-averaged test accuracy (%) at the epoch with the lowest test perplexity; "
+              "per task the mean over its settings of the best lr/wd run; average over the six tasks", ""]
+    cols = [t for t in TASK_ORDER if t in tasks]
+    headers = ["mixer"] + [TASKS[t].label for t in cols] + ["Average"]
+    rows = []
+    for m in mixers:
+        rows.append([MIXERS[m][3]] + [fmt(table[m][t]) for t in cols] + [fmt(table[m]["average"])])
+    lines += [md_table(headers, rows), ""]
+    if set(("deltanet", "efla")) & set(mixers):
+        lines += ["EFLA paper, Table 2 (full protocol, for reference):", ""]
+        prow = [[MIXERS[m][3] + " (paper)"] + [fmt(PAPER_TABLE2[m][t]) for t in cols] +
+                [fmt(PAPER_TABLE2[m]["average"])] for m in ("deltanet", "efla")]
+        lines += [md_table(headers, prow), ""]
+    rrows = []
+    for r in runs:
+        rrows.append([MIXERS[r["mixer"]][3], TASKS[r["task"]].label, r["setting_id"], f"{r['lr']:g}/{r['wd']:g}",
+                      r["n_params"], f"{r['epochs_run']}/{r['epochs']}", fmt(100 * r["acc"]),
+                      fmt(100 * r["micro_acc"]), fmt(r["test_ppl"], 2), fmt(r["train_tokens_per_s"], 0),
+                      fmt(r["train_s"], 0)])
+    lines += ["Runs:", "", md_table(["mixer", "task", "setting", "lr/wd", "params", "epochs", "acc (macro)",
+                                     "acc (micro)", "test ppl", "train tok/s", "s"], rrows), ""]
+    return "\n".join(lines)
+
+
+def plot(path: Path, table, mixers, tasks, title: str) -> None:
+    from ..data.mad import TASKS
+
+    cols = [t for t in TASK_ORDER if t in tasks]
+    groups = [TASKS[t].label for t in cols] + ["Average"]
+    series = {MIXERS[m][3]: [table[m][t] for t in cols] + [table[m]["average"]] for m in mixers}
+    common.bar_panel(path, groups, series, "test accuracy (%, macro)", title=title, ylim=(0, 100))
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points
+# ----------------------------------------------------------------------------------------------
+
+def _csv(choices: Sequence[str], what: str):
+    def parse(text: str) -> List[str]:
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        bad = [s for s in items if s not in choices]
+        if bad or not items:
+            import argparse
+            raise argparse.ArgumentTypeError(f"{what}: a comma-separated subset of {','.join(choices)}, got {text!r}")
+        return list(dict.fromkeys(items))
+    return parse
+
+
+def add_arguments(p) -> None:
+    from ..data.mad import TASKS
+
+    common.add_common_arguments(p, NAME, "unused (the MAD data are generated)", default_seed=0)
+    p.add_argument("--mixers", type=_csv(list(MIXERS), "--mixers"), default=list(MIXERS),
+                   help="comma-separated subset of " + ",".join(MIXERS) + " (default all)")
+    p.add_argument("--tasks", type=_csv(list(TASKS), "--tasks"), default=list(TASKS),
+                   help="comma-separated subset of " + ",".join(TASKS) + " (default all)")
+
+
+def run(args) -> int:
+    from ..data.mad import DATA_SEED, make_dataset
+
+    budget = BUDGETS[args.budget]
+    common.set_threads(args.threads)
+    device = common.resolve_device(args.device)
+    mixers, tasks = list(args.mixers), list(args.tasks)
+    config = {"budget": args.budget, "seed": args.seed, "mixers": mixers, "tasks": tasks,
+              "protocol": asdict(budget)}
+    exp = common.Experiment(NAME, args, config)
+    print(f"linattn experiment {NAME} --budget {args.budget}")
+    for h in exp.header_lines():
+        print("  " + h)
+    if args.budget != "full":
+        print(f"  reduced protocol ({args.budget}): baseline settings only, lr {budget.lrs} wd {budget.wds}, "
+              f"batch {budget.batch_size}, few examples and epochs (see results.md); not comparable with the paper")
+    plan = plan_runs(budget, mixers, tasks, args.seed)
+    cache: Dict[str, Dict[str, torch.Tensor]] = {}
+
+    def one(spec):
+        key = spec["task"] + "|" + spec["setting_id"]
+        if key not in cache:
+            cache.clear()   # plans are grouped by (task, setting): keep one dataset in memory
+            s = dict(spec["setting"])
+            cache[key] = make_dataset(spec["task"], s.pop("num_train_examples"), s.pop("num_test_examples"),
+                                      seed=DATA_SEED, **s)
+        return train_run(spec, cache[key], budget, device, exp.progress_enabled)
+
+    runs = exp.run_all(plan, one)
+    table = score(runs, mixers, tasks)
+    md = markdown(exp, budget, table, runs, mixers, tasks)
+    title = f"MAD ({args.budget}{'' if args.budget == 'full' else ': reduced protocol'}), macro accuracy"
+    paths = exp.write_outputs({"table": table, "paper_table2": PAPER_TABLE2}, runs, md,
+                              {"mad": lambda p: plot(p, table, mixers, tasks, title)})
+    print()
+    print(md)
+    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    return 0
