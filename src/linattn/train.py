@@ -380,6 +380,12 @@ def _read_metrics(path: Path) -> List[Dict[str, Any]]:
     return recs
 
 
+def read_metrics(run_dir_or_file: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
+    """The records of a run's metrics.jsonl (a torn last line is dropped)."""
+    p = Path(run_dir_or_file)
+    return _read_metrics(p / METRICS_FILE if p.is_dir() else p)
+
+
 def check_resume_compatible(cfg: TrainConfig, saved: Dict[str, Any], model_config: Optional[Dict[str, Any]] = None,
                             saved_model: Optional[Dict[str, Any]] = None) -> None:
     """Raise TrainError naming the first trajectory field (or model field) that differs."""

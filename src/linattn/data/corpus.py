@@ -102,6 +102,11 @@ def _cap(docs: Sequence[Document], max_bytes: Optional[int]) -> List[Document]:
     return out
 
 
+def cap_documents(docs: Sequence[Document], max_bytes: Optional[int]) -> List[Document]:
+    """The longest prefix of `docs` within `max_bytes` of UTF-8 (the crossing one cut at a line)."""
+    return _cap(docs, max_bytes)
+
+
 def _walk_files(root: Path, excluded_dirs=frozenset()) -> List[Path]:
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
