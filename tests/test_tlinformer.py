@@ -353,3 +353,24 @@ def test_cli_train_eval_generate(tmp_path, capsys):
     bad = argv[:argv.index("--generation-window") + 1] + ["64"] + argv[argv.index("--generation-window") + 2:]
     assert main(bad + ["--overwrite"]) == 2
     assert "W_og = 64" in capsys.readouterr().err
+
+
+def test_bench_smoke(tmp_path, capsys):
+    import json
+
+    from linattn.cli import main
+
+    rc = main(["bench", "tlinformer", "--N", "256", "512", "--d-model", "32", "--n-heads", "2", "--inner-depth", "3",
+               "--history-window", "16", "--generation-window", "16", "--vocab-size", "64", "--decode-steps", "2",
+               "--miss-repeats", "1", "--trace-N", "64", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "hit speedup" in out and "mem ratio" in out
+    res = json.loads((tmp_path / "tlinformer.json").read_text())
+    recs = {(r["model"], r["N"]): r for r in res["records"]}
+    assert set(recs) == {(m, n) for m in ("tlinformer", "softmax", "linear") for n in (256, 512)}
+    assert recs[("tlinformer", 512)]["hit_modes"] == ["hit"] and recs[("tlinformer", 512)]["miss_mode"] == "miss"
+    assert recs[("softmax", 512)]["cache_bytes"] > recs[("tlinformer", 512)]["cache_bytes"]
+    assert res["trace"]["modes"].count("miss") == 4  # the prompt, then windows starting at 64, 80, 96
+    assert (tmp_path / "tlinformer.png").stat().st_size > 0
+    assert main(["bench", "tlinformer", "--models", "nope"]) == 2

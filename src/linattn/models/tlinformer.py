@@ -274,8 +274,10 @@ class TLinLayer(nn.Module):
     def qkv(self, x: torch.Tensor, rope: RotaryEmbedding, pos: int):
         """q, k, v `[B, T, H, Dh]` of norm1(x), RoPE at absolute positions pos, pos + 1, ..."""
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(self.norm1(x)).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
-        return rope.apply(q, pos), rope.apply(k, pos), v
+        H = self.n_heads
+        qkv = self.qkv_proj(self.norm1(x)).view(B, T, 3 * H, self.head_dim)
+        qk = rope.apply(qkv[:, :, : 2 * H], pos)   # q and k rotated in one call (same positions)
+        return qk[:, :, :H], qk[:, :, H:], qkv[:, :, 2 * H:]
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual around the attention output `[B, T, H, Dh]`, then the residual SwiGLU."""
