@@ -346,7 +346,8 @@ def growth(Ns: Sequence[int], ts: Sequence[Optional[float]], min_N: int = 8192) 
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else None
     ratios = [(t2 / t1) ** (math.log(2) / math.log(n2 / n1)) for (n1, t1), (n2, t2) in zip(pts, pts[1:])]
-    return {"exponent": slope, "max_doubling_ratio": max(ratios), "points": len(pts), "from_N": pts[0][0]}
+    return {"exponent": slope, "max_doubling_ratio": max(ratios), "doubling_ratios": ratios, "points": len(pts),
+            "from_N": pts[0][0]}
 
 
 def predicted_tlin_bytes(a, N: int) -> int:
@@ -495,9 +496,11 @@ def run(a) -> int:
         lines.append(f"TLinFormer modes: every timed miss was a cache miss and every timed hit a cache hit: {modes_ok}")
         for lbl, gr in (("cache-hit", gh), ("cache-miss", gm)):
             if gr["exponent"] is not None:
+                verdict = ("at most linear" if gr["exponent"] <= 1.1 else
+                           "about linear (above 1.1: see the ratios)" if gr["exponent"] <= 1.3 else "FASTER THAN LINEAR")
                 lines.append(f"TLinFormer {lbl} latency vs N (N >= {gr['from_N']}): log-log slope {gr['exponent']:.2f} "
-                             f"(1 = linear), largest growth per doubling of N {gr['max_doubling_ratio']:.2f}x "
-                             f"-> {'at most linear' if gr['exponent'] <= 1.1 else 'FASTER THAN LINEAR'}")
+                             f"(1 = linear, 2 = quadratic); growth per doubling of N "
+                             f"{' '.join(f'{r:.2f}' for r in gr['doubling_ratios'])} -> {verdict}")
         pred = [(N, get("tlinformer", N, "cache_bytes"), predicted_tlin_bytes(a, N)) for N in Ns]
         summary["tlinformer_bytes_vs_layout"] = [{"N": n, "measured": b, "kv_layout": p} for n, b, p in pred]
     if "tlinformer" in names and "softmax" in names:
