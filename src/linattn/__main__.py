@@ -1,0 +1,6 @@
+"""`python -m linattn ...` is the `linattn` command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,6 @@
+"""`python -m linattn.bench NAME ...` is `linattn bench NAME ...`."""
+import sys
+
+from ..cli import main
+
+sys.exit(main(["bench", *sys.argv[1:]]))

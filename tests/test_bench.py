@@ -1,0 +1,136 @@
+"""The CLI and the benchmark infrastructure, on tiny sizes (no timing assertions)."""
+import json
+import runpy
+import sys
+
+import pytest
+import torch
+
+from linattn import cli
+from linattn.bench import BENCHMARKS, common, ops
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    """Tiny cases are dominated by thread hand-offs on a busy machine: run them on one thread
+    (also in the memory worker, through OMP_NUM_THREADS). Nothing here asserts a timing."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(n)
+
+
+TINY = ["--T", "64", "128", "--repeats", "1", "--warmup", "0", "--min-time", "0", "--matmul-n", "64",
+        "--max-T-recurrent", "64", "--max-T-recurrent-bwd", "64", "--quiet"]
+
+
+def test_parser_knows_every_command():
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", "ops", "--T", "64"])
+    assert args.command == "bench" and args.name == "ops" and args.args == ["--T", "64"]
+    assert parser.parse_args(["demo", "--skip-bench"]).skip_bench
+    assert "ops" in BENCHMARKS
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([], "a command is required"),
+    (["nonsense"], "invalid choice"),
+    (["bench", "nosuchbench"], "unknown benchmark"),
+    (["bench", "ops", "--T", "x"], "--T"),
+    (["bench", "ops", "--T", "0"], "--T"),
+    (["bench", "ops", "--families", "linear,bogus"], "--families"),
+    (["bench", "ops", "--device", "tpu"], "--device"),
+    (["bench", "ops", "--unknown-flag"], "unrecognized"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, needle, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("linattn") and "error:" in err
+    assert needle in err
+
+
+def test_bench_ops_end_to_end(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert cli.main(["bench", "ops", *TINY, "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    for section in ("results", "skipped", "notes", "targets", "T = 16384"):
+        assert section in stdout
+    assert {p.name for p in out.iterdir()} == {"ops.json", "ops.png", "ops.txt"}
+    report = json.loads((out / "ops.json").read_text())
+    assert report["machine"]["torch"] == torch.__version__ and report["matmul"]["gflops"] > 0
+    done = {(r["op"], r["mode"], r["pass"], r["T"]) for r in report["results"] if "ms" in r}
+    assert ("linear", "chunk", "fwd", 128) in done and ("softmax", "sdpa", "fwdbwd", 128) in done
+    assert ("linear", "recurrent", "fwd", 64) in done
+    skipped = {(s["op"], s["mode"], s["pass"], s["T"]) for s in report["skipped"]}
+    assert ("linear", "recurrent", "fwd", 128) in skipped  # capped, reported, not extrapolated
+    lin = next(r for r in report["results"] if r["op"] == "linear" and r["mode"] == "chunk" and r["T"] == 128)
+    assert lin["flops"] == 4 * 1 * 4 * 128 * 64 * (64 + 64)
+    assert lin["peak_bytes"] is None or lin["peak_bytes"] >= 0
+    assert len(report["targets"]) >= 3 and all(t["measured"] is None for t in report["targets"])
+    assert (out / "ops.png").read_bytes()[:4] == b"\x89PNG"
+
+    # a second run never overwrites: it writes a timestamped name next to the first
+    assert cli.main(["bench", "ops", *TINY, "--T", "64", "--families", "softmax", "--passes", "fwd",
+                     "--no-memory", "--out", str(out)]) == 0
+    assert len(list(out.glob("ops-*.json"))) == 1 and json.loads((out / "ops.json").read_text()) == report
+
+
+def test_targets_are_computed_from_measurements():
+    class A:
+        T, families, modes, passes = [16384], ["linear", "delta", "softmax"], ["chunk", "recurrent"], ["fwd"]
+
+    def row(op, mode, ps, ms, gflops=0.0):
+        return {"T": 16384, "op": op, "mode": mode, "pass": ps, "ms": ms, "gflops": gflops}
+
+    results = [row("softmax", "sdpa", "fwd", 100.0), row("linear", "chunk", "fwd", 2.0, gflops=50.0),
+               row("deltanet", "chunk", "fwd", 10.0), row("deltanet", "recurrent", "fwd", 150.0)]
+    t = {x["target"]: x for x in ops.compute_targets(results, [], A, {"gflops": 100.0, "dtype": "float32"}, None)}
+    fwd = t["linear elu+1 chunk fwd: softmax time / op time"]
+    assert fwd["measured"] == 50.0 and fwd["met"] is True
+    assert t["linear elu+1 chunk fwd: achieved / measured float32 matmul rate"]["measured"] == 0.5
+    assert t["DeltaNet chunk fwd: softmax time / op time"]["met"] is False  # 10x < 12x
+    assert t["DeltaNet chunk fwd: recurrent time / chunk time"]["measured"] == 15.0
+    assert t["linear elu+1 chunk fwd+bwd: softmax time / op time"]["met"] is None  # not measured, not guessed
+
+
+def test_timing_and_table_helpers():
+    calls = []
+    t = common.time_fn(lambda: calls.append(1), warmup=2, repeats=3, min_time_s=0.0)
+    assert t.repeats == 3 and len(calls) == 5 and t.min_ms <= t.q1_ms <= t.median_ms <= t.q3_ms <= t.max_ms
+    text = common.format_table(["a", "b"], [["x", 1], ["yy", 22]])
+    assert text.splitlines()[0].startswith("a") and len(text.splitlines()) == 4
+
+
+def test_output_paths_never_overwrite(tmp_path):
+    p = common.output_paths("ops", str(tmp_path))
+    assert p["json"] == tmp_path / "ops.json"
+    p["txt"].write_text("a user's file")
+    q = common.output_paths("ops", str(tmp_path))
+    assert q["txt"] != p["txt"] and q["txt"].name.startswith("ops-")
+    assert common.output_paths("ops", str(tmp_path), overwrite=True)["txt"] == p["txt"]
+
+
+def test_cpu_peak_memory_sees_a_known_allocation():
+    if common.memory_method("cpu") != "cpu":
+        pytest.skip("peak memory on CPU needs Linux /proc")
+    spec = {"op": "linear", "mode": "chunk", "pass_": "fwd", "B": 1, "T": 64, "H": 1, "K": 8, "V": 8}
+    [m] = common.measure_memory("linattn.bench.ops:build_case", [spec], "cpu")
+    assert m["error"] is None and 0 <= m["peak_bytes"] < 64 * 2 ** 20
+
+
+def test_demo_exactness_tiny():
+    rows = ops.run_exactness(T=11, B=1, H=1, K=3, V=2, chunk_size=4)
+    measured = [r for r in rows if r["max_rel_err"] is not None]
+    assert {r["name"] for r in measured if r["family"] == "linear_attention"} >= {"elu+1", "favor+", "cosformer"}
+    assert {r["mode"] for r in measured} == {"parallel", "chunk", "recurrent"}
+    assert max(r["max_rel_err"] for r in measured) < 1e-8
+    assert "max rel err" in ops.format_exactness(rows)
+
+
+@pytest.mark.parametrize("module, argv", [("linattn", ["--help"]), ("linattn.bench", ["--help"]),
+                                          ("linattn", ["bench", "ops", "--help"])])
+def test_python_dash_m_entry_points(module, argv, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [module, *argv])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module(module, run_name="__main__", alter_sys=False)
+    assert e.value.code == 0 and "usage: linattn" in capsys.readouterr().out
