@@ -132,6 +132,23 @@ def test_default_scale_and_no_state():
     assert rel_err(o2, 4 * o) < 1e-12
 
 
+@pytest.mark.parametrize("C", [4, 16])
+def test_many_chunks(C):
+    """Long enough for many chunks (the inter-chunk loop), T not a multiple of C; grads too."""
+    B, T, H, K, V = 1, 301, 2, 8, 8
+    q, k, v, beta, g, S0 = make_inputs(B, T, H, K, V, torch.float64, gated=True, norms=(0.2, 3.0))
+    wo, wS = torch.randn(B, T, H, V, dtype=torch.float64), torch.randn(B, H, K, V, dtype=torch.float64)
+    ro, rS, rgrads = run_with_grads(lambda q, k, v, b, g, s: delta_ref(q, k, v, b, g, True, S0=s),
+                                    q, k, v, beta, g, S0, wo, wS)
+    o, S, grads = run_with_grads(
+        lambda q, k, v, b, g, s: delta_rule(q, k, v, b, g=g, exact=True, chunk_size=C, initial_state=s,
+                                            output_final_state=True),
+        q, k, v, beta, g, S0, wo, wS)
+    assert rel_err(o, ro) < 1e-10 and rel_err(S, rS) < 1e-10
+    for a, b in zip(grads, rgrads):
+        assert rel_err(a, b) < 1e-10
+
+
 # ---------------------------------------------------------------- EFLA: its relation to DeltaNet
 
 def test_efla_is_deltanet_with_a():

@@ -32,16 +32,18 @@ exp(g_r) S_{r-1}^T k_r), the recurrence gives S_r = e^{G_r} S_0 + sum_{i<=r} e^{
     O = scale [(Q * e^G) S_0 + (Q K^T * Gam * M) U],    S_C = e^{G_C} S_0 + (K * e^{G_C - G})^T U.
 
 U~ and W~ do not depend on S_0, so they are computed for all chunks at once; the Python loop over
-chunks only carries S through each chunk's affine map S <- P S + R (one batched matmul per chunk),
-with P = e^{G_C} I - K_dec^T W~ and R = K_dec^T U~ (K_dec = K * e^{G_C - G}) also precomputed for all
-chunks; U and O then follow from the stacked chunk-start states in batched matmuls.
+chunks only does U = U~ - W~ S and S <- e^{G_C} S + K_dec^T U (two batched matmuls per chunk, with
+K_dec = K * e^{G_C - G}); O then follows from the stacked chunk-start states and U in batched matmuls.
+(Precomputing each chunk's K x K transition P = e^{G_C} I - K_dec^T W~ would make the loop one matmul
+per chunk but costs more arithmetic in all: T K^2 for P, plus U afterwards.)
 Backward is plain autograd: it keeps one state per chunk and O(T * chunk) intermediates, never a
 state per token.
 
 Numerics: key-norm rescaling. The recurrence only sees k through a_t k_t k_t^T and a_t k_t v_t^T, so
 for any d_t > 0 it is unchanged by k~ = k / d, v~ = v / d, a~ = a d^2. We take d_t = max(||k_t||, 1)
 (detached: the result does not depend on d, so its gradient is exactly zero and the gradients stay
-exact; this also keeps gradients finite at k = 0). Then every key has ||k~|| <= 1, and the
+exact; this also keeps gradients finite at k = 0), whenever some ||k||^2 > 4 (below that, the raw
+UT entries are already <= 4 beta and the extra pass is skipped). Then every key has ||k~|| <= 1, and the
 eigenvalue of (I - a~ k~ k~^T) along k, 1 - a~ ||k~||^2 = 1 - a lambda, is carried by the bounded
 factor a~ ||k~||^2. For EFLA, a lambda = 1 - exp(-beta lambda) in [0, 1): keys with norm 1e3
 (lambda = 1e6) give a~ <= 1 and strictly-lower UT entries a~_i k~_i^T k~_j of size <= 1, instead
@@ -77,6 +79,7 @@ from ._common import (FLOAT_DTYPES, check_cu_seqlens, check_log_gate, check_mode
 
 SERIES_BELOW = 1e-3      # the EFLA coefficient uses its Taylor series below x = beta lam = 1e-3
 PSI_SERIES_BELOW = 0.1  # ... and its lam-derivative below x = 0.1
+RESCALE_ABOVE = 4.0      # key-norm rescaling (module docstring) when some ||k||^2 exceeds this
 L2NORM_EPS = 1e-6        # qk_l2norm: x / max(||x||, eps), as flash-linear-attention
 
 
@@ -131,45 +134,50 @@ class _EFLACoefficient(torch.autograd.Function):
 
 def _recurrent(q, k, v, b, g, S):
     T = q.shape[2]
+    b = b[..., None, None]                                            # [B, H, T, 1, 1]
+    bv = v.unsqueeze(-2) * b                                          # [B, H, T, 1, V]
+    decay = torch.exp(g)[..., None, None] if g is not None else None
     outs = []
     for t in range(T):
-        if g is not None:
-            S = torch.exp(g[:, :, t, None, None]) * S
+        if decay is not None:
+            S = S * decay[:, :, t]
         kt = k[:, :, t].unsqueeze(-2)                                  # [B, H, 1, K]
-        err = (v[:, :, t].unsqueeze(-2) - kt @ S) * b[:, :, t, None, None]  # v - S^T k, times a~
-        S = S + kt.transpose(-1, -2) * err                            # out with the old, in with the new
+        err = torch.addcmul(bv[:, :, t], b[:, :, t], kt @ S, value=-1.0)  # a~ (v - S^T k)
+        S = torch.addcmul(S, kt.transpose(-1, -2), err)               # out with the old, in with the new
         outs.append(q[:, :, t].unsqueeze(-2) @ S)
     return torch.cat(outs, dim=2), S
 
 
 def _wy_blocks(q, k, v, b, g):
-    """The S_0-independent parts of blocks [..., C, D] (any leading dims): U~, W~ of the UT transform,
+    """The S_0-independent parts of blocks [..., C, D] (any leading dims): X = [U~ | W~] of the UT transform,
     the masked decayed scores Q K^T * Gam * M, the decayed queries and keys, and the block decay."""
     C = k.shape[-2]
-    incl = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
-    kk = k @ k.transpose(-1, -2)
+    kb = k * b.unsqueeze(-1)                                          # diag(a~) K
+    kk = kb @ k.transpose(-1, -2)                                     # diag(a~) K K^T
     qk = q @ k.transpose(-1, -2)
     if g is not None:
         G = g.cumsum(-1)                                              # [..., C], local to the block
+        incl = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
         D = torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~incl, float("-inf")))
         kk, qk = kk * D, qk * D
         eG = torch.exp(G)
         q_dec = q * eG.unsqueeze(-1)
         k_dec = k * torch.exp(G[..., -1:] - G).unsqueeze(-1)
         block_decay = eG[..., -1:].unsqueeze(-1)                      # [..., 1, 1]
-        bw = b * eG
+        kbw = kb * eG.unsqueeze(-1)
     else:
-        q_dec, k_dec, block_decay, bw = q, k, None, b
-    A = (kk * b.unsqueeze(-1)).tril(-1)                               # diagonal is the implicit 1
-    rhs = torch.cat([v * b.unsqueeze(-1), k * bw.unsqueeze(-1)], dim=-1)
-    X = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
-    Ut, Wt = X.split([v.shape[-1], k.shape[-1]], dim=-1)
-    return Ut, Wt, qk.masked_fill(~incl, 0.0), q_dec, k_dec, block_decay
+        q_dec, k_dec, block_decay, kbw = q, k, None, kb
+    # in place on fresh intermediates that no backward needs; the diagonal of A is the implicit 1
+    A = kk.tril_(-1)
+    rhs = torch.cat([v * b.unsqueeze(-1), kbw], dim=-1)
+    X = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)  # [U~ | W~]
+    return X, qk.tril_(), q_dec, k_dec, block_decay
 
 
 def _parallel(q, k, v, b, g, S, need_state):
     """The closed form: the whole sequence as one block (O(T^2) memory, O(T^2 (K + V)) work)."""
-    Ut, Wt, Aqk, q_dec, k_dec, decay = _wy_blocks(q, k, v, b, g)
+    X, Aqk, q_dec, k_dec, decay = _wy_blocks(q, k, v, b, g)
+    Ut, Wt = X.split([v.shape[-1], k.shape[-1]], dim=-1)
     U = Ut - Wt @ S
     o = Aqk @ U + q_dec @ S
     if not need_state:
@@ -181,33 +189,33 @@ def _parallel(q, k, v, b, g, S, need_state):
 def _chunk(q, k, v, b, g, S, C):
     B, H, T, K = k.shape
     V = v.shape[-1]
-    q, k, v = (pad_time(x, C, dim=2) for x in (q, k, v))
-    b = pad_time(b, C, dim=2)                      # padding tokens: a = 0 (no erase, no write) ...
-    g = pad_time(g, C, dim=2) if g is not None else None  # ... and g = 0 (no decay): S is unchanged
+    # padding tokens: a = 0 (no erase, no write) and g = 0 (no decay), so S is unchanged by them
+    q, k, v, b = (pad_time(x, C, dim=2) for x in (q, k, v, b))
+    g = pad_time(g, C, dim=2) if g is not None else None
     n = q.shape[2] // C
     BH = B * H
 
-    def blocks(x):  # [B, H, n*C, *] -> [n, B*H, C, *]
-        return x.reshape(BH, n, C, *x.shape[3:]).transpose(0, 1)
+    def blocks(x):  # [B, H, n*C, *] -> [B*H, n, C, *] (a view for contiguous inputs)
+        return x.reshape(BH, n, C, *x.shape[3:])
 
-    Ut, Wt, Aqk, q_dec, k_dec, decay = _wy_blocks(
+    X, Aqk, q_dec, k_dec, decay = _wy_blocks(
         blocks(q), blocks(k), blocks(v), blocks(b), blocks(g) if g is not None else None)
-    # each chunk maps its start state affinely: S_end = P S + R, with the transition
-    # P = e^{G_C} I - K_dec^T W~ (the product of the chunk's factors) and R = K_dec^T U~
-    KdT = k_dec.transpose(-1, -2)                                     # [n, BH, K, C]
-    eye = torch.eye(K, dtype=k.dtype, device=k.device)
-    P = (eye if decay is None else decay * eye) - KdT @ Wt            # [n, BH, K, K]
-    R = KdT @ Ut                                                      # [n, BH, K, V]
+    Ut, Wt = X.split([V, K], dim=-1)                                  # [BH, n, C, V], [BH, n, C, K]
+    KdT = k_dec.transpose(-1, -2)                                     # [BH, n, K, C]
     S = S.reshape(BH, K, V)
-    starts = []
-    # unbind, not indexing: the backward of n selects would materialise n full-size gradients
-    for P_i, R_i in zip(P.unbind(0), R.unbind(0)):  # the only sequential part: one matmul per chunk
+    starts, Us = [], []
+    # the only sequential part, two batched matmuls per chunk: U = U~ - W~ S, S <- e^{G_C} S + K_dec^T U
+    # (unbind, not indexing: the backward of n selects would materialise n full-size gradients)
+    decays = decay.unbind(1) if decay is not None else [None] * n
+    for Ut_i, Wt_i, KdT_i, dec_i in zip(Ut.unbind(1), Wt.unbind(1), KdT.unbind(1), decays):
         starts.append(S)
-        S = torch.baddbmm(R_i, P_i, S)
-    starts = torch.stack(starts)                                      # [n, BH, K, V]
-    U = Ut - Wt @ starts
-    o = q_dec @ starts + Aqk @ U                                      # [n, BH, C, V]
-    o = o.transpose(0, 1).reshape(B, H, n * C, V)[:, :, :T]
+        U = torch.baddbmm(Ut_i, Wt_i, S, alpha=-1.0)
+        Us.append(U)
+        S = torch.baddbmm(S if dec_i is None else dec_i * S, KdT_i, U)
+    starts, Us = torch.stack(starts, dim=1), torch.stack(Us, dim=1)  # [BH, n, K or C, V]
+    o = torch.baddbmm(Aqk.view(BH * n, C, C) @ Us.view(BH * n, C, V), q_dec.reshape(BH * n, C, K),
+                      starts.view(BH * n, K, V))
+    o = o.view(B, H, n * C, V)[:, :, :T]
     return o, S.reshape(B, H, K, V)
 
 
@@ -225,9 +233,9 @@ def _check_beta(beta, B, T, H, device):
         raise ValueError(f"beta must have shape {layout}, got {tuple(beta.shape)}")
     if beta.device != device:
         raise ValueError(f"beta must be on the device of q ({device}), got {beta.device}")
-    if torch.isnan(beta).any():
-        raise ValueError("beta contains NaN")
-    if (beta < 0).any():
+    if not bool((beta >= 0).all()):  # one pass catches both NaN and negative entries
+        if torch.isnan(beta).any():
+            raise ValueError("beta contains NaN")
         raise ValueError(f"beta is a step size and must be >= 0 everywhere, got a minimum of {beta.min().item():.4g}")
 
 
@@ -295,25 +303,27 @@ def delta_rule(
         _check_state(initial_state, N, H, K, V, q.device)
 
     cdt = compute_dtype(q.dtype)
-    q_c, k_c, v_c = q.to(cdt), k.to(cdt), v.to(cdt)
-    beta_c = beta.to(cdt)
+    # [B, T, H, D] -> [B, H, T, D], contiguous once, so that the chunk blocks are plain views
+    qt, kt, vt = (x.to(cdt).transpose(1, 2).contiguous() for x in (q, k, v))
+    bt = beta.to(cdt).transpose(1, 2).contiguous()
+    gt = g.to(cdt).transpose(1, 2).contiguous() if g is not None else None
     if qk_l2norm:
-        q_c = F.normalize(q_c, dim=-1, eps=L2NORM_EPS)
-        k_c = F.normalize(k_c, dim=-1, eps=L2NORM_EPS)
-    q_c = q_c * scale
-    lam = (k_c * k_c).sum(-1)                                         # [B, T, H]
-    a = _EFLACoefficient.apply(beta_c, lam) if exact else beta_c
+        qt = F.normalize(qt, dim=-1, eps=L2NORM_EPS)
+        kt = F.normalize(kt, dim=-1, eps=L2NORM_EPS)
+    qt = qt * scale
+    lam = (kt * kt).sum(-1)                                           # [B, H, T]
+    a = _EFLACoefficient.apply(bt, lam) if exact else bt
     # key-norm rescaling (module docstring): k~ = k / d, v~ = v / d, a~ = a d^2, d = max(||k||, 1)
-    d2 = lam.detach().clamp_min(1.0)
-    d = d2.sqrt().unsqueeze(-1)
-    k_c, v_c, b = k_c / d, v_c / d, a * d2
+    # only worth a pass over k and v when some key is long (||k|| <= 2 keeps the UT entries <= 4 beta)
+    if bool((lam.detach() > RESCALE_ABOVE).any()):
+        d2 = lam.detach().clamp_min(1.0)
+        d = d2.sqrt().unsqueeze(-1)
+        kt, vt, bt = kt / d, vt / d, a * d2
+    else:
+        bt = a
 
     S0 = (initial_state.to(cdt) if initial_state is not None
           else torch.zeros(N, H, K, V, dtype=cdt, device=q.device))
-    # [B, T, H, D] -> [B, H, T, D]
-    qt, kt, vt = q_c.transpose(1, 2), k_c.transpose(1, 2), v_c.transpose(1, 2)
-    bt = b.transpose(1, 2)
-    gt = g.to(cdt).transpose(1, 2) if g is not None else None
 
     def run(q, k, v, b, g, S):
         if mode == "recurrent":
