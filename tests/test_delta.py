@@ -246,7 +246,7 @@ def test_unstable_deltanet_forms_agree(dtype):
         assert rel_err(o, ro) < tol and rel_err(S, rS) < tol, (mode, C, rel_err(o, ro))
 
 
-@pytest.mark.parametrize("exact,gated,l2", [(True, True, False), (False, False, True), (False, True, True)])
+@pytest.mark.parametrize("exact,gated,l2", [(True, True, False), (False, True, True)])
 def test_bf16_close_to_fp64(exact, gated, l2):
     B, T, H, K, V = 1, 512, 2, 32, 32
     q, k, v, beta, g, _ = make_inputs(B, T, H, K, V, torch.float32, gated, norms=(0.5, 3.0 if exact else 1.4))
