@@ -15,8 +15,43 @@ RESIDUALS = ("prenorm", "hyperlink")
 LOBES = (None, "causal", "bidirectional")
 
 
+class JsonConfig:
+    """JSON round-trip shared by the model configs (dataclasses): unknown fields are an error."""
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields {unknown}; known fields are {sorted(known)}")
+        return cls(**d)
+
+    def to_json(self, path: Optional[Union[str, os.PathLike]] = None, indent: int = 2) -> str:
+        """The config as JSON text; also written to `path` when given."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: Union[str, os.PathLike]):
+        """From JSON text or from a file path."""
+        s = os.fspath(text_or_path)
+        if not s.lstrip().startswith("{"):
+            with open(s, "r", encoding="utf-8") as f:
+                s = f.read()
+        return cls.from_dict(json.loads(s))
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
 @dataclass
-class LMConfig:
+class LMConfig(JsonConfig):
     """Configuration of a `LanguageModel`.
 
     Model:
@@ -147,38 +182,6 @@ class LMConfig:
         if len(self.mixer) != self.n_layers:
             raise ValueError(f"LMConfig.mixer lists {len(self.mixer)} mixers for n_layers = {self.n_layers}")
         return list(self.mixer)
-
-    # -- serialisation -----------------------------------------------------------------------
-    def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "LMConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown LMConfig fields {unknown}; known fields are {sorted(known)}")
-        return cls(**d)
-
-    def to_json(self, path: Optional[Union[str, os.PathLike]] = None, indent: int = 2) -> str:
-        """The config as JSON text; also written to `path` when given."""
-        text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-        return text
-
-    @classmethod
-    def from_json(cls, text_or_path: Union[str, os.PathLike]) -> "LMConfig":
-        """From JSON text or from a file path."""
-        s = os.fspath(text_or_path)
-        if not s.lstrip().startswith("{"):
-            with open(s, "r", encoding="utf-8") as f:
-                s = f.read()
-        return cls.from_dict(json.loads(s))
-
-    def replace(self, **changes) -> "LMConfig":
-        return dataclasses.replace(self, **changes)
 
     # -- presets -----------------------------------------------------------------------------
     @classmethod

@@ -26,6 +26,19 @@ from .moe import MoE
 from .registry import build_mixer, mixer_spec
 
 
+def init_lm_weights(model: nn.Module, std: float, n_layers: int) -> None:
+    """GPT-2 style init: N(0, std), output projections (o_proj, w_down) scaled by 1/sqrt(2 n_layers)."""
+    out_std = std / math.sqrt(2 * n_layers)
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            last = name.rsplit(".", 1)[-1]
+            nn.init.normal_(m.weight, std=out_std if last in ("o_proj", "w_down") else std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)
+
+
 @dataclass
 class LMOutput:
     """logits `[B, T, vocab]`; aux_loss (scalar, 0 without MoE); cache (None unless decoding);
@@ -138,20 +151,9 @@ class LanguageModel(nn.Module):
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layers)])
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps) if config.final_norm else None
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self._init_weights()
+        init_lm_weights(self, config.init_std, config.n_layers)
 
     # -- setup -------------------------------------------------------------------------------
-    def _init_weights(self) -> None:
-        std = self.config.init_std
-        out_std = std / math.sqrt(2 * self.config.n_layers)
-        for name, m in self.named_modules():
-            if isinstance(m, nn.Linear):
-                last = name.rsplit(".", 1)[-1]
-                nn.init.normal_(m.weight, std=out_std if last in ("o_proj", "w_down") else std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=std)
 
     @property
     def is_causal(self) -> bool:

@@ -41,10 +41,7 @@ work with it unchanged; `TLinFormerConfig` is a JSON-serialisable dataclass whos
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -55,7 +52,8 @@ import torch.nn.functional as F
 from ..layers import Cache, RMSNorm, RotaryEmbedding, SwiGLU, tensor_nbytes
 from ..ops.softmax import softmax_attention
 from .generation import make_generator, sample_next
-from .lm import LMOutput
+from .config import JsonConfig
+from .lm import LMOutput, init_lm_weights
 
 ARCH = "tlinformer"
 
@@ -71,7 +69,7 @@ def auto_history_window(context_len: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
-class TLinFormerConfig:
+class TLinFormerConfig(JsonConfig):
     """Configuration of a `TLinFormerLM`.
 
     vocab_size, d_model, n_heads (head_dim = d_model // n_heads, even for RoPE).
@@ -161,36 +159,6 @@ class TLinFormerConfig:
         """The compressed-context size W = min(W_oh, N) for a context of N tokens."""
         w = auto_history_window(context_len) if self.history_window == "auto" else int(self.history_window)
         return min(w, int(context_len))
-
-    # -- serialisation -----------------------------------------------------------------------
-    def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "TLinFormerConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown TLinFormerConfig fields {unknown}; known fields are {sorted(known)}")
-        return cls(**d)
-
-    def to_json(self, path: Optional[Union[str, os.PathLike]] = None, indent: int = 2) -> str:
-        text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-        return text
-
-    @classmethod
-    def from_json(cls, text_or_path: Union[str, os.PathLike]) -> "TLinFormerConfig":
-        s = os.fspath(text_or_path)
-        if not s.lstrip().startswith("{"):
-            with open(s, "r", encoding="utf-8") as f:
-                s = f.read()
-        return cls.from_dict(json.loads(s))
-
-    def replace(self, **changes) -> "TLinFormerConfig":
-        return dataclasses.replace(self, **changes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,19 +320,7 @@ class TLinFormerLM(nn.Module):
         self.blocks = nn.ModuleList([TLinBlock(c, b) for b in range(c.n_blocks)])
         self.norm = RMSNorm(c.d_model, eps=c.norm_eps) if c.final_norm else None
         self.lm_head = None if c.tie_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        std = self.config.init_std
-        out_std = std / math.sqrt(2 * self.config.n_layers)
-        for name, m in self.named_modules():
-            if isinstance(m, nn.Linear):
-                last = name.rsplit(".", 1)[-1]
-                nn.init.normal_(m.weight, std=out_std if last in ("o_proj", "w_down") else std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=std)
+        init_lm_weights(self, self.config.init_std, self.config.n_layers)
 
     # -- LanguageModel interface -------------------------------------------------------------
     @property
