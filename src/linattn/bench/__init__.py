@@ -19,6 +19,7 @@ BENCHMARKS: Dict[str, Tuple[str, str]] = {
     "ops": ("linattn.bench.ops", "operator speed vs T: linear attention, the delta rule, softmax attention"),
     "tlinformer": ("linattn.bench.tlinformer", "TLinFormer cache-miss/hit latency and cache bytes vs context N "
                                                "(paper Fig. 9), vs softmax+KV cache and a linear LM"),
+    "decode": ("linattn.bench.decode", "per-token decode latency and cache bytes vs context, each mixer vs softmax+KV cache"),
 }
 
 

@@ -269,7 +269,7 @@ def measure_N(models: Dict[str, torch.nn.Module], N: int, a, sync, log) -> List[
             decs.append(d)
         except (RuntimeError, MemoryError) as e:  # out of memory: record and go on
             msg = " ".join(str(e).split())[:200]
-            log(f"  {LABEL[name]:<20} N={N:>7}: FAILED {type(e).__name__}: {msg}")
+            log(f"  {LABEL.get(name, name):<20} N={N:>7}: FAILED {type(e).__name__}: {msg}")
             recs.append({"model": name, "N": N, "error": f"{type(e).__name__}: {msg}"})
             gc.collect()
     floor = Floor(models["softmax"], N, a, sync) if "softmax" in models else None
@@ -284,7 +284,7 @@ def measure_N(models: Dict[str, torch.nn.Module], N: int, a, sync, log) -> List[
             rec["attn_floor_ms"] = rec["attn_floor"]["median_ms"]
         recs.append(rec)
         miss = rec["miss"]["median_ms"] if rec["miss"] else None
-        log(f"  {LABEL[d.name]:<20} N={N:>7}: miss {common.fmt_ms(miss):>8} ms, hit "
+        log(f"  {LABEL.get(d.name, d.name):<20} N={N:>7}: miss {common.fmt_ms(miss):>8} ms, hit "
             f"{common.fmt_ms(rec['hit']['median_ms']):>8} ms (min {common.fmt_ms(rec['hit']['min_ms'])}), "
             f"cache {_fmt_mib(rec['cache_bytes'])} MiB")
     del decs, floor, runners

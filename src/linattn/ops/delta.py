@@ -84,6 +84,7 @@ import torch.nn.functional as F
 
 from ._common import (FLOAT_DTYPES, check_cu_seqlens, check_log_gate, check_mode, check_qkv,
                       compute_dtype, pad_time, run_varlen)
+from .backend import delta_rule_backend
 
 SERIES_BELOW = 1e-3      # the EFLA coefficient uses its Taylor series below x = beta lam = 1e-3
 PSI_SERIES_BELOW = 0.1  # ... and its lam-derivative below x = 0.1
@@ -272,6 +273,7 @@ def delta_rule(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
+    backend: str = "auto",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Delta-rule linear attention. q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]` (>= 0)
     -> (o `[B, T, H, V]`, final state `[N, H, K, V]` or None).
@@ -287,7 +289,14 @@ def delta_rule(
     int64 `[N+1]` with B == 1), fp32 (fp64 for fp64 inputs); it round-trips between modes and calls.
     Inputs of any float dtype; accumulation in fp32 (fp64 for fp64 inputs); output in the input dtype.
     DeltaNet with unnormalised keys and beta ||k||^2 > 2 is unstable by nature (see the module notes).
+    backend: "auto" (Triton kernels for covered CUDA calls, PyTorch otherwise), "torch" or "triton"
+    (on CPU only under TRITON_INTERPRET=1); see docs/triton.md.
     """
+    if delta_rule_backend(backend, q, k, v, beta, mode=mode, g=g, initial_state=initial_state) == "triton":
+        from ..triton.delta import delta_rule_triton
+        return delta_rule_triton(q, k, v, beta, g=g, exact=exact, scale=scale, qk_l2norm=qk_l2norm, mode=mode,
+                                 chunk_size=chunk_size, initial_state=initial_state,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     B, T, H, K, V = check_qkv(q, k, v)
     check_mode(mode, chunk_size)
     _check_beta(beta, B, T, H, q.device)

@@ -1,0 +1,144 @@
+"""`linattn bench decode`: per-token decoding latency and cache bytes against context length.
+
+One `LanguageModel` per mixer (same width, depth and SwiGLU FFN, random weights, batch 1, fp32).
+Per context N and mixer:
+
+* prefill (cache miss): the first token of a new (N+1)-token prompt, i.e. the chunk form over
+  the prompt with the head on the last token only;
+* decode (cache hit): the median latency of the next single-token steps with the cache
+  (linear mixers: one recurrent step on their constant-size state; softmax: one token against
+  a KV cache of N tokens);
+* cache bytes: `cache.nbytes()` (every tensor the cache holds, capacity included).
+
+The softmax baseline's KV cache is preallocated (capacity N + the steps, in-place appends), and
+for its decoding timings it holds random keys/values instead of running the quadratic prefill
+(the cost of a step does not depend on the values); its prefill is timed up to --max-miss-softmax.
+The measurement loop (interleaved decoding across models, so load changes hit them alike) is the
+one of `linattn bench tlinformer`.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Dict, List
+
+import torch
+
+from . import common
+from ..cli import UsageError
+from .tlinformer import _fmt_mib, first_token, measure_N
+
+DESCRIPTION = __doc__
+DEFAULT_MIXERS = "softmax,linear-elu+1,ela-hadamard_exp,retnet,gla,deltanet,gated-deltanet,efla"
+DEFAULT_N = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+PROG = "linattn bench decode"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--mixers", default=DEFAULT_MIXERS, help=f"comma list of mixer names (default {DEFAULT_MIXERS})")
+    p.add_argument("--N", type=int, nargs="+", default=DEFAULT_N, metavar="N",
+                   help="context lengths (default 1024 ... 131072, powers of two)")
+    p.add_argument("--d-model", type=int, default=64, help="width (default 64)")
+    p.add_argument("--n-layers", type=int, default=2, help="layers (default 2)")
+    p.add_argument("--n-heads", type=int, default=4, help="heads (default 4)")
+    p.add_argument("--vocab-size", type=int, default=512, help="(default 512)")
+    p.add_argument("--decode-steps", type=int, default=8, help="timed decoding steps per N (default 8, after 1 warm-up)")
+    p.add_argument("--miss-repeats", type=int, default=1, help="timed prefills per N (default 1)")
+    p.add_argument("--max-miss-softmax", type=int, default=4096,
+                   help="largest N for the softmax prefill (quadratic; default 4096, 0 = no cap)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (default 1 on cpu, for steadier timings on a shared machine; 0 = torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output folder (default results/bench/decode/)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--quiet", action="store_true", help="no per-case progress on stderr")
+
+
+def build_models(a, names) -> Dict[str, torch.nn.Module]:
+    from ..models import LanguageModel, LMConfig
+
+    out = {}
+    for name in names:
+        torch.manual_seed(a.seed)
+        out[name] = LanguageModel(LMConfig(vocab_size=a.vocab_size, d_model=a.d_model, n_layers=a.n_layers,
+                                           n_heads=a.n_heads, mixer=name, max_seq_len=2048)).to(a.device).eval()
+    return out
+
+
+def run(a) -> int:
+    from ..models import mixers
+
+    names = [s.strip() for s in a.mixers.split(",") if s.strip()]
+    bad = [n for n in names if n not in mixers()]
+    if bad or not names:
+        raise UsageError(f"--mixers: unknown {bad}; choose from {', '.join(mixers())}", prog=PROG)
+    if any(n < 1 for n in a.N) or a.decode_steps < 1 or a.miss_repeats < 1:
+        raise UsageError("--N, --decode-steps and --miss-repeats must be >= 1", prog=PROG)
+    if a.threads is None and not str(a.device).startswith("cuda"):
+        a.threads = 1
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    Ns = sorted(set(a.N))
+    log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    sync = common.synchronizer(a.device)
+    models = build_models(a, names)
+    paths = common.output_paths("decode", a.out, overwrite=a.overwrite)
+    info = common.machine_info(a.device)
+    head = [PROG, common.describe_machine(info),
+            f"models   d_model {a.d_model}, {a.n_heads} heads, {a.n_layers} layers, SwiGLU, batch 1, fp32, random weights",
+            f"softmax  KV cache preallocated (capacity N + {a.decode_steps + 2}); decoding timed on random K/V; "
+            f"prefill timed up to N = {a.max_miss_softmax or 'any'}",
+            f"timing   decode: median of {a.decode_steps} steps after 1 warm-up, models interleaved; "
+            f"{torch.get_num_threads()} thread(s)"]
+    print("\n".join(head) + "\n")
+    with torch.no_grad():  # warm-up: allocator, thread pools
+        for name, m in models.items():
+            first_token(name, m, torch.randint(0, a.vocab_size, (1, min(Ns[0], 512) + 1)).to(a.device))
+
+    t0 = time.perf_counter()
+    records: List[Dict[str, Any]] = []
+    for N in Ns:
+        records += measure_N(models, N, a, sync, log)
+    elapsed = time.perf_counter() - t0
+
+    def get(name, N, key):
+        for r in records:
+            if r["model"] == name and r["N"] == N and "error" not in r:
+                v = r.get(key)
+                return v["median_ms"] if isinstance(v, dict) else v
+        return None
+
+    rows = [[name, N, common.fmt_ms(get(name, N, "miss")), common.fmt_ms(get(name, N, "hit")),
+             _fmt_mib(get(name, N, "cache_bytes"))] for name in names for N in Ns]
+    table = common.format_table(["mixer", "N", "prefill ms", "decode ms/token", "cache MiB"], rows)
+    lines = [table, ""]
+    # the claim to check: linear mixers decode in constant time and memory, softmax grows with N
+    for name in names:
+        t_lo, t_hi = get(name, Ns[0], "hit"), get(name, Ns[-1], "hit")
+        b_lo, b_hi = get(name, Ns[0], "cache_bytes"), get(name, Ns[-1], "cache_bytes")
+        if None not in (t_lo, t_hi, b_lo, b_hi):
+            lines.append(f"{name:<18} N {Ns[0]} -> {Ns[-1]}: decode x{t_hi / t_lo:.2f}, cache bytes x{b_hi / b_lo:.2f}")
+    soft_hi = get("softmax", Ns[-1], "hit")
+    if soft_hi:
+        for name in names:
+            t = get(name, Ns[-1], "hit")
+            if name != "softmax" and t:
+                lines.append(f"at N = {Ns[-1]}: {name} decodes {soft_hi / t:.1f}x faster than softmax + KV cache")
+    lines.append(f"\nelapsed {elapsed:.0f} s")
+    text = "\n".join(lines)
+    print(text)
+
+    panels = [
+        {"title": "decode latency per token", "xlabel": "context N", "ylabel": "ms",
+         "series": [{"label": n, "x": Ns, "y": [get(n, N, "hit") for N in Ns],
+                     "color": "k" if n == "softmax" else None} for n in names]},
+        {"title": "cache bytes", "xlabel": "context N", "ylabel": "bytes",
+         "series": [{"label": n, "x": Ns, "y": [get(n, N, "cache_bytes") for N in Ns],
+                     "color": "k" if n == "softmax" else None} for n in names]},
+    ]
+    common.plot_panels(paths["png"], panels, title=f"{PROG}: {common.describe_machine(info).splitlines()[0]}")
+    common.write_text(paths["txt"], "\n".join(head) + "\n\n" + text + "\n")
+    common.write_json(paths["json"], {"machine": info, "config": vars(a), "records": records})
+    print(f"\nwrote {paths['txt']}, {paths['json']}, {paths['png']}")
+    return 0
