@@ -147,13 +147,15 @@ def _recurrent(q, k, v, b, g, S):
     bv = v.unsqueeze(-2) * b                                          # [B, H, T, 1, V]
     decay = torch.exp(g)[..., None, None] if g is not None else None
     outs = []
-    for t in range(T):
-        if decay is not None:
-            S = S * decay[:, :, t]
-        kt = k[:, :, t].unsqueeze(-2)                                  # [B, H, 1, K]
-        err = torch.addcmul(bv[:, :, t], b[:, :, t], kt @ S, value=-1.0)  # a~ (v - S^T k)
+    # per-step tensors by unbind: indexing [:, :, t] would give every step a full-size backward
+    decays = decay.unbind(2) if decay is not None else [None] * T
+    for q_t, k_t, bv_t, b_t, dec_t in zip(q.unbind(2), k.unbind(2), bv.unbind(2), b.unbind(2), decays):
+        if dec_t is not None:
+            S = S * dec_t
+        kt = k_t.unsqueeze(-2)                                         # [B, H, 1, K]
+        err = torch.addcmul(bv_t, b_t, kt @ S, value=-1.0)             # a~ (v - S^T k)
         S = torch.addcmul(S, kt.transpose(-1, -2), err)               # out with the old, in with the new
-        outs.append(q[:, :, t].unsqueeze(-2) @ S)
+        outs.append(q_t.unsqueeze(-2) @ S)
     return torch.cat(outs, dim=2), S
 
 

@@ -66,20 +66,21 @@ def _row_scale(x: torch.Tensor, dims) -> torch.Tensor:
 def _recurrent(fq, fk, v, g, S, mu):
     T = v.shape[2]
     outs, scales = [], []
-    for t in range(T):
-        gt = g[:, :, t] if g is not None else None  # [B, H, 1 or Kf]
+    # per-step tensors by unbind: indexing [:, :, t] would give every step a full-size backward
+    gs = g.unbind(2) if g is not None else [None] * T  # each [B, H, 1 or Kf]
+    for q_t, k_t, v_t, gt in zip(fq.unbind(2), fk.unbind(2), v.unbind(2), gs):
         if mu is None:  # linear-space features
             if gt is not None:
                 S = torch.exp(gt).unsqueeze(-1) * S
-            S = S + fk[:, :, t].unsqueeze(-1) * v[:, :, t].unsqueeze(-2)
-            outs.append(torch.einsum("bhk,bhkv->bhv", fq[:, :, t], S))
+            S = S + k_t.unsqueeze(-1) * v_t.unsqueeze(-2)
+            outs.append(torch.einsum("bhk,bhkv->bhv", q_t, S))
         else:  # log-space features: fq, fk are log-features; track the running max mu
             decayed = mu + gt if gt is not None else mu
-            new_mu = torch.maximum(decayed, fk[:, :, t]).detach()
+            new_mu = torch.maximum(decayed, k_t).detach()
             S = torch.exp(decayed - new_mu).unsqueeze(-1) * S \
-                + torch.exp(fk[:, :, t] - new_mu).unsqueeze(-1) * v[:, :, t].unsqueeze(-2)
+                + torch.exp(k_t - new_mu).unsqueeze(-1) * v_t.unsqueeze(-2)
             mu = new_mu
-            logits = fq[:, :, t] + mu
+            logits = q_t + mu
             c = _row_scale(logits, -1)
             scales.append(c)
             outs.append(torch.einsum("bhk,bhkv->bhv", torch.exp(logits - c.unsqueeze(-1)), S))
@@ -149,20 +150,16 @@ def _chunk_matmul(fq, fk, v, g, S, C):
     """
     B, H, T, Kf = fq.shape
     V = v.shape[-1]
-    fq, fk, v = (pad_time(x, C, dim=2) for x in (fq, fk, v))  # zero keys and values add nothing
+    # one explicit copy into [B, H, n, C, D]: otherwise every bmm gathers its strided operands itself
+    fq, fk, v = (pad_time(x, C, dim=2).contiguous() for x in (fq, fk, v))  # zero keys/values add nothing
     n = fq.shape[2] // C
-    fq, fk, v = fq.reshape(B, H, n, C, Kf), fk.reshape(B, H, n, C, Kf), v.reshape(B, H, n, C, V)
-    kv0, z0 = S[..., :V], S[..., V]
+    fq, fk, v = fq.view(B, H, n, C, Kf), fk.view(B, H, n, C, Kf), v.view(B, H, n, C, V)
     mask = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
     A = fq @ fk.transpose(-1, -2)  # [B, H, n, C, C]
     if g is None:
         A = A.masked_fill_(~mask, 0.0)  # in place: bmm's backward needs its inputs, not A
-        U = fk.transpose(-1, -2) @ v  # each chunk's contribution to the state
-        u = fk.sum(3)
-        kv_incl, z_incl = torch.cumsum(U, dim=2), torch.cumsum(u, dim=2)
-        kv_prev = kv_incl - U + kv0.unsqueeze(2)  # the state before each chunk
-        z_prev = z_incl - u + z0.unsqueeze(2)
-        S_final = torch.cat([kv_incl[:, :, -1] + kv0, (z_incl[:, :, -1] + z0).unsqueeze(-1)], dim=-1)
+        U = torch.cat([fk.transpose(-1, -2) @ v, fk.sum(3).unsqueeze(-1)], dim=-1)  # each chunk's [kv | z]
+        decay = None
         q_inter = fq
     else:
         G = pad_time(g[..., 0], C, dim=2).view(B, H, n, C).cumsum(-1)
@@ -171,18 +168,20 @@ def _chunk_matmul(fq, fk, v, g, S, C):
         k_dec = fk * torch.exp(G_end - G).unsqueeze(-1)  # keys decayed to the chunk's end
         U = torch.cat([k_dec.transpose(-1, -2) @ v, k_dec.sum(3).unsqueeze(-1)], dim=-1)
         decay = torch.exp(G_end).unsqueeze(-1)  # [B, H, n, 1, 1]
-        starts = []
-        for i in range(n):
-            starts.append(S)
-            S = decay[:, :, i] * S + U[:, :, i]
-        S_final = S
-        starts = torch.stack(starts, dim=2)
-        kv_prev, z_prev = starts[..., :V], starts[..., V]
         q_inter = fq * torch.exp(G).unsqueeze(-1)
+    # the state before each chunk; a Python loop (+ stack) is several times faster than cumsum
+    # along this axis on CPU, and keeps exactly one state per chunk for backward
+    # (unbind, not U[:, :, i]: indexing would give each step a backward that writes a full-size gradient)
+    starts = []
+    decays = decay.unbind(2) if decay is not None else None
+    for i, U_i in enumerate(U.unbind(2)):
+        starts.append(S)
+        S = (S if decays is None else decays[i] * S) + U_i
+    starts = torch.stack(starts, dim=2)
+    kv_prev, z_prev = starts[..., :V], starts[..., V]
     num = torch.baddbmm((q_inter @ kv_prev).flatten(0, 2), A.flatten(0, 2), v.flatten(0, 2))
     den = A.sum(-1) + (q_inter * z_prev.unsqueeze(3)).sum(-1)
-    o = torch.cat([num.view(B, H, n * C, V), den.view(B, H, n * C, 1)], dim=-1)
-    return o[:, :, :T], None, S_final, None
+    return (num.view(B, H, n * C, V)[:, :, :T], den.view(B, H, n * C)[:, :, :T]), None, S, None
 
 
 def _shifted_span_ok(lk, mu) -> bool:
@@ -243,18 +242,21 @@ def _chunk_log(fq, fk, v, g, S, mu, s, log_space):
     # inter-block: carry (S, mu) through the blocks; keep the state at each block's start
     G_end = G[:, :, :, -1]  # [B, H, n, 1 or Kf]
     starts, mus = [], []
-    for i in range(n):
-        starts.append(S)
-        if mu is None:
-            k_w = fk[:, :, i] * torch.exp(G_end[:, :, i].unsqueeze(2) - G[:, :, i])
-            S = torch.exp(G_end[:, :, i]).unsqueeze(-1) * S + k_w.transpose(-1, -2) @ v[:, :, i]
-        else:
+    # per-block tensors by unbind (indexing would give every step a full-size backward)
+    if mu is None:
+        k_end = fk * torch.exp(G_end.unsqueeze(3) - G)  # keys decayed to their block's end
+        for k_i, v_i, ge_i in zip(k_end.unbind(2), v.unbind(2), torch.exp(G_end).unbind(2)):
+            starts.append(S)
+            S = ge_i.unsqueeze(-1) * S + k_i.transpose(-1, -2) @ v_i
+    else:
+        b_end = b + G_end.unsqueeze(3)  # keys' log-weights at their block's end
+        for b_i, v_i, ge_i in zip(b_end.unbind(2), v.unbind(2), G_end.unbind(2)):
+            starts.append(S)
             mus.append(mu)
-            b_end = b[:, :, i] + G_end[:, :, i].unsqueeze(2)  # keys' log-weights at block end
-            decayed = mu + G_end[:, :, i]
-            new_mu = torch.maximum(decayed, b_end.amax(2)).detach()
+            decayed = mu + ge_i
+            new_mu = torch.maximum(decayed, b_i.amax(2)).detach()
             S = torch.exp(decayed - new_mu).unsqueeze(-1) * S \
-                + torch.exp(b_end - new_mu.unsqueeze(2)).transpose(-1, -2) @ v[:, :, i]
+                + torch.exp(b_i - new_mu.unsqueeze(2)).transpose(-1, -2) @ v_i
             mu = new_mu
     starts = torch.stack(starts, dim=2)  # [B, H, n, Kf, V1]
     if mu is None:
@@ -419,6 +421,12 @@ def linear_attention(
         return torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
 
     def run(fq, fk, vt, glog, S, mu):
+        o, c, S, mu = run_form(fq, fk, vt, glog, S, mu)
+        if isinstance(o, tuple):  # the matmul path keeps numerator and denominator apart
+            o = torch.cat([o[0], o[1].unsqueeze(-1)], dim=-1) if offsets is not None else o
+        return o, c, S, mu
+
+    def run_form(fq, fk, vt, glog, S, mu):
         if fast and not log_space:
             return _chunk_matmul(fq, fk, vt, glog, S, chunk_size)
         if fast and _shifted_span_ok(fk, mu):
@@ -458,7 +466,7 @@ def linear_attention(
         S = torch.cat(Ss) if output_final_state else None
         mu = torch.cat(mus) if (output_final_state and log_space) else None
 
-    num, den = o[..., :V], o[..., V]
+    num, den = o if isinstance(o, tuple) else (o[..., :V], o[..., V])  # the matmul path keeps them apart
     if normalize:
         # eps floors the *true* denominator; a log-space row is stored divided by exp(c)
         floor = torch.as_tensor(eps, dtype=den.dtype, device=den.device)
