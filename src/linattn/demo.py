@@ -40,12 +40,14 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default=None, help="output folder (default results/demo/)")
     p.add_argument("--T", type=int, nargs="+", default=DEFAULT_T,
                    help="sequence lengths of the scaling run (default 1024 ... 32768)")
-    p.add_argument("--steps", type=int, default=120, help="training steps of each model in part 3 (default 120)")
+    p.add_argument("--steps", type=int, default=300, help="training steps of each model in part 3 (default 300)")
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 8192],
                    help="context lengths for the decoding latency of part 4 (default 128 1024 8192)")
     p.add_argument("--skip-bench", action="store_true", help="skip part 2 (scaling)")
     p.add_argument("--skip-train", action="store_true", help="skip parts 3 and 4 (learning, generation)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: 1 when other processes already keep the CPUs busy - "
+                        "1-minute load average >= 0.75 - else torch's default)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -240,21 +242,32 @@ def main(args) -> int:
     from .bench.common import describe_machine, machine_info
     from .experiments.common import write_json
 
+    threads_note = ""
     if getattr(args, "threads", None):
         torch.set_num_threads(int(args.threads))
+    else:
+        try:
+            busy = os.getloadavg()[0] >= 0.75
+        except (OSError, AttributeError):
+            busy = False
+        if busy and torch.get_num_threads() > 1:
+            # several threads of ours would wait on each other's time slices behind the other jobs
+            # (OpenMP barriers): one thread is faster on a shared, busy CPU
+            torch.set_num_threads(1)
+            threads_note = " (1 thread: the CPUs are busy with other processes; --threads N overrides)"
     out = Path(args.out) if args.out is not None else Path("results") / "demo"
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     info = machine_info("cpu")
     print("linattn demo")
-    print(describe_machine(info))
+    print(describe_machine(info) + threads_note)
     report: Dict[str, Any] = {"machine": info}
     ex = exactness()
     report["exactness"] = {"worst_rel_err": ex["worst_rel_err"], "ok": ex["ok"], "rows": ex["rows"]}
     if not getattr(args, "skip_bench", False):
         report["scaling"] = scaling(out, list(args.T))
     if not getattr(args, "skip_train", False):
-        steps = int(getattr(args, "steps", 120))
+        steps = int(getattr(args, "steps", 300))
         learned = learning(out, steps, int(getattr(args, "seed", 0)))
         report["learning"] = {k: {kk: vv for kk, vv in v.items() if kk != "model"} for k, v in learned.items()
                               if k in ("linear", "softmax")}

@@ -25,8 +25,8 @@ Gaussian noise x + N(0, sigma^2), sigma = 0, 0.1, ..., 1; pixel dropout x * Bern
 p = 0, 0.1, ..., 1, without 1/(1-p) rescaling.
 
 Budgets: full = the protocol above on all 60k training and 10k test images, 3 replicates
-(the public code runs one); quick = fewer training images (one pass), a test subset and
-2 replicates, to fit about 20 minutes of a 2-core CPU.
+(the public code runs one); quick = 6,400 training images (one pass, 50 steps), the first 500
+test images and 3 replicates, to fit about 20 minutes of a 2-core CPU.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ class Budget:
 
 BUDGETS = {
     "full": Budget(train_images=60_000, test_images=10_000, replicates=3),
-    "quick": Budget(train_images=6_400, test_images=500, replicates=2, eval_batch_size=250),
+    "quick": Budget(train_images=6_400, test_images=500, replicates=3, eval_batch_size=250),
     "tiny": Budget(train_images=32, test_images=16, replicates=1, batch_size=16, eval_batch_size=16,
                    levels={"scale": [1.0, 10.0], "noise": [0.0, 1.0], "dropout": [0.0, 1.0]}),
 }
@@ -199,12 +199,31 @@ def evaluate(model: nn.Module, test_x: torch.Tensor, test_y: torch.Tensor, level
 # Summary and verdict
 # ----------------------------------------------------------------------------------------------
 
+def _verdict(diffs: List[float]) -> str:
+    md, sd, n = mean_std(diffs)
+    if n == 0:
+        return "not tested"
+    if n == 1:
+        return "EFLA higher (one replicate: no spread)" if md > 0 else "EFLA not higher (one replicate)"
+    if all(d > 0 for d in diffs):
+        return ("holds: EFLA higher in every replicate" if md > sd else
+                "weak: EFLA higher in every replicate, but the gap is within the spread between replicates")
+    if all(d < 0 for d in diffs):
+        return "does not hold: DeltaNet higher in every replicate"
+    return "inconclusive: the sign differs between replicates"
+
+
 def summarize(runs: List[Dict[str, Any]], levels: Dict[str, List[float]]) -> Dict[str, Any]:
-    """Mean and spread per (method, sweep, level); per sweep the area (mean accuracy over the
-    levels) and the paired EFLA - DeltaNet difference per replicate; a verdict per sweep."""
+    """Mean and spread per (method, sweep, level); per sweep and replicate two robustness scores,
+    paired EFLA - DeltaNet differences and a verdict for each:
+
+    * area: the mean accuracy over the sweep's levels (the paper's curves, clean point included);
+    * retention: the mean over the perturbed levels of accuracy / clean accuracy (how much of its own
+      clean accuracy a model keeps; separates "more robust" from "more accurate").
+    """
     by = {(r["method"], r["replicate"]): r for r in runs}
     reps = sorted({r["replicate"] for r in runs})
-    out: Dict[str, Any] = {"curves": {}, "area": {}, "verdict": {}, "clean": {}}
+    out: Dict[str, Any] = {"curves": {}, "area": {}, "retention": {}, "verdict": {}, "clean": {}}
     for m in METHODS:
         out["curves"][m] = {}
         for sweep, values in levels.items():
@@ -215,27 +234,29 @@ def summarize(runs: List[Dict[str, Any]], levels: Dict[str, List[float]]) -> Dic
             out["curves"][m][sweep] = rows
         out["clean"][m] = mean_std(by[(m, r)]["acc"][next(iter(levels))][0] for r in reps if (m, r) in by)
     for sweep, values in levels.items():
-        diffs, areas = [], {m: [] for m in METHODS}
+        diffs, rdiffs = [], []
+        areas: Dict[str, List[float]] = {m: [] for m in METHODS}
+        rets: Dict[str, List[float]] = {m: [] for m in METHODS}
         for r in reps:
             if (("deltanet", r) not in by) or (("efla", r) not in by):
                 continue
-            a = {m: sum(by[(m, r)]["acc"][sweep]) / len(values) for m in METHODS}
+            a, ret = {}, {}
             for m in METHODS:
+                acc = by[(m, r)]["acc"][sweep]
+                a[m] = sum(acc) / len(acc)
+                pert = acc[1:] if len(acc) > 1 else acc
+                ret[m] = 100.0 * (sum(pert) / len(pert)) / max(acc[0], 1e-9)
                 areas[m].append(a[m])
+                rets[m].append(ret[m])
             diffs.append(a["efla"] - a["deltanet"])
+            rdiffs.append(ret["efla"] - ret["deltanet"])
         out["area"][sweep] = {m: mean_std(areas[m]) for m in METHODS}
+        out["retention"][sweep] = {m: mean_std(rets[m]) for m in METHODS}
         md, sd, n = mean_std(diffs)
-        if n == 0:
-            verdict = "not tested"
-        elif n == 1:
-            verdict = ("EFLA higher (one replicate: no spread)" if md > 0 else "EFLA not higher (one replicate)")
-        elif all(d > 0 for d in diffs) and md > sd:
-            verdict = "holds: EFLA higher in every replicate"
-        elif all(d < 0 for d in diffs):
-            verdict = "does not hold: DeltaNet higher in every replicate"
-        else:
-            verdict = "inconclusive: the sign differs between replicates or the gap is within the spread"
-        out["verdict"][sweep] = {"diff_mean": md, "diff_std": sd, "n": n, "diffs": diffs, "verdict": verdict}
+        rmd, rsd, _ = mean_std(rdiffs)
+        out["verdict"][sweep] = {"diff_mean": md, "diff_std": sd, "n": n, "diffs": diffs, "verdict": _verdict(diffs),
+                                 "retention_diff_mean": rmd, "retention_diff_std": rsd, "retention_diffs": rdiffs,
+                                 "retention_verdict": _verdict(rdiffs)}
     return out
 
 
@@ -259,17 +280,25 @@ def markdown(exp: common.Experiment, budget: Budget, summary: Dict[str, Any], le
                 c = summary["curves"][m][sweep][j]
                 row.append(fmt_pm(c["mean"], c["std"], c["n"]))
             rows.append(row)
-        area = summary["area"][sweep]
+        area, ret = summary["area"][sweep], summary["retention"][sweep]
         rows.append(["**mean over levels**"] + [fmt_pm(*area[m]) for m in METHODS])
-        lines += [f"**{SWEEP_TITLE[sweep]}** ({name})", "", md_table([name] + [LABEL[m] for m in METHODS], rows), ""]
-    lines += ["Verdict per sweep (EFLA's claim: more robust than DeltaNet):", ""]
+        rows.append(["**retention** (% of clean)"] + [fmt_pm(*ret[m]) for m in METHODS])
+        sym = {"scale": "s", "noise": "σ", "dropout": "p"}[sweep]
+        lines += [f"**{SWEEP_TITLE[sweep]}** ({name})", "", md_table([sym] + [LABEL[m] for m in METHODS], rows), ""]
+    lines += ["Verdict per sweep (EFLA's claim: more robust than DeltaNet). *Accuracy*: the mean accuracy over "
+              "the sweep's levels (the paper's curves). *Retention*: the mean accuracy over the perturbed levels "
+              "divided by the model's own clean accuracy (robustness separated from clean accuracy). Differences "
+              "are paired by replicate:", ""]
     vrows = []
     for sweep in levels:
         v = summary["verdict"][sweep]
-        vrows.append([SWEEP_TITLE[sweep], fmt(v["diff_mean"], 2) + (f" ± {v['diff_std']:.2f}" if v["n"] > 1 else ""),
-                      ", ".join(f"{d:+.1f}" for d in v["diffs"]), v["verdict"]])
-    lines += [md_table(["sweep", "EFLA − DeltaNet (mean acc. over levels, points)", "per replicate", "verdict"],
-                       vrows, align="lrrl"), ""]
+        pm = (lambda m, s: fmt(m, 1) + (f" ± {s:.1f}" if v["n"] > 1 else ""))
+        vrows.append([SWEEP_TITLE[sweep], pm(v["diff_mean"], v["diff_std"]),
+                      ", ".join(f"{d:+.1f}" for d in v["diffs"]), v["verdict"],
+                      pm(v["retention_diff_mean"], v["retention_diff_std"]),
+                      ", ".join(f"{d:+.1f}" for d in v["retention_diffs"]), v["retention_verdict"]])
+    lines += [md_table(["sweep", "Δ accuracy (EFLA − DeltaNet, points)", "per replicate", "verdict",
+                        "Δ retention (points)", "per replicate", "verdict"], vrows, align="lrrlrrl"), ""]
     tr = [[LABEL[r["method"]], r["replicate"], r["train_seed"], r["steps"], fmt(r["final_loss"], 3),
            fmt(r["acc"][next(iter(levels))][0], 1), fmt(r["train_s"], 0), fmt(r["eval_s"], 0)] for r in runs]
     lines += ["Runs:", "", md_table(["method", "replicate", "seed", "steps", "final loss (last 20 steps)",
