@@ -243,7 +243,10 @@ class Experiment:
             if rec is None:
                 log(f"[{self.name}] run {i + 1}/{len(plan)}: {spec['run_id']}")
                 t, c = time.perf_counter(), time.process_time()
+                load = _loadavg1()
                 result = fn(spec)
+                result.setdefault("loadavg_1min_at_start", load)
+                result.setdefault("threads", torch.get_num_threads())
                 result.setdefault("wall_s", time.perf_counter() - t)
                 result.setdefault("cpu_s", time.process_time() - c)   # all threads: ~ wall time when alone
                 rec = self.save_run(spec["run_id"], dict(spec, **result))
@@ -251,13 +254,41 @@ class Experiment:
         return out
 
     # -- outputs -----------------------------------------------------------------------------
-    def header_lines(self) -> List[str]:
+    def header_lines(self, runs: Optional[List[Dict[str, Any]]] = None, extra_args: str = "") -> List[str]:
+        """command, machine and dates; with `runs`, the dates and load come from the runs themselves
+        (so re-rendering finished results with --resume keeps the dates of the measurements)."""
         a = self.args
         cmd = "linattn experiment " + self.name + f" --budget {a.budget}" + \
-            (f" --data {a.data}" if getattr(a, "data", None) else "") + f" --seed {a.seed}" + \
+            (f" --data {a.data}" if getattr(a, "data", None) else "") + f" --seed {a.seed}" + extra_args + \
             (f" --threads {a.threads}" if getattr(a, "threads", None) else "")
-        return [f"command: `{cmd}`", "machine: " + machine_line(self.machine),
-                f"date: {self.machine['date']}"]
+        lines = [f"command: `{cmd}`"]
+        info = self.machine
+        if runs:
+            loads = [r["loadavg_1min_at_start"] for r in runs if r.get("loadavg_1min_at_start") is not None]
+            threads = sorted({r["threads"] for r in runs if r.get("threads")})
+            m = f"{info.get('cpu')} ({info.get('cpus_usable')} usable cpus), torch {info.get('torch')}"
+            if threads:
+                m += f", {'/'.join(map(str, threads))} thread(s)"
+            if info.get("gpu"):
+                m += f", GPU {info['gpu']}"
+            if loads:
+                m += f"; 1-min load average at the start of the runs {min(loads):.1f}-{max(loads):.1f} " \
+                     f"(the CPUs were shared with other jobs)"
+            lines.append("machine: " + m)
+            ends = sorted(r["finished_at"] for r in runs if r.get("finished_at"))
+            starts = []
+            for r in runs:
+                try:
+                    end = _dt.datetime.fromisoformat(r["finished_at"])
+                    starts.append((end - _dt.timedelta(seconds=float(r.get("wall_s", 0.0)))).isoformat(timespec="seconds"))
+                except (KeyError, TypeError, ValueError):
+                    pass
+            if ends:
+                lines.append(f"date: runs from {min(starts) if starts else '?'} to {ends[-1]}; "
+                             f"total run time {sum(float(r.get('wall_s', 0)) for r in runs) / 60:.1f} min")
+        else:
+            lines += ["machine: " + machine_line(info), f"date: {info['date']}"]
+        return lines
 
     def write_outputs(self, summary: Dict[str, Any], runs: List[Dict[str, Any]], markdown: str,
                       plots: Dict[str, Callable[[Path], None]] = None) -> Dict[str, Path]:
@@ -277,6 +308,13 @@ class Experiment:
                              "wall_s": time.perf_counter() - self.t0})
         paths.update(markdown=md_path, json=js_path)
         return paths
+
+
+def _loadavg1() -> Optional[float]:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 def machine_line(info: Dict[str, Any]) -> str:
@@ -362,9 +400,9 @@ def bar_panel(path: Path, groups: Sequence[str], series: Dict[str, Sequence[Opti
         ax.set_ylim(*ylim)
     ax.tick_params(labelsize=7)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=6.5, ncol=min(4, k))
+    ax.legend(fontsize=6.5, ncol=min(7, k), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     if title:
-        ax.set_title(title, fontsize=8)
+        fig.suptitle(title, fontsize=8)
     fig.savefig(path, dpi=dpi)
 
 

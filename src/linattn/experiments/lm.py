@@ -192,9 +192,18 @@ def train_run(spec: Dict[str, Any], exp: common.Experiment, budget: Budget, data
 # Outputs
 # ----------------------------------------------------------------------------------------------
 
+def _extra_args(a) -> str:
+    out = ""
+    if list(a.models) != list(MODELS):
+        out += " --models " + ",".join(a.models)
+    if a.steps is not None:
+        out += f" --steps {a.steps}"
+    return out
+
+
 def markdown(exp: common.Experiment, budget: Budget, runs, info) -> str:
     a = exp.args
-    lines = [f"# lm ({a.budget})", ""] + [f"- {h}" for h in exp.header_lines()]
+    lines = [f"# lm ({a.budget})", ""] + [f"- {h}" for h in exp.header_lines(runs, _extra_args(a))]
     lines += [f"- data: {info['description']}; {info['train_tokens']:,} training tokens available, "
               f"{info['val_tokens']:,} validation tokens ({budget.eval_batches} windows x {budget.batch_size} "
               f"evaluated); byte-level BPE, vocabulary {info['vocab_size']}",

@@ -367,11 +367,22 @@ def score(runs: List[Dict[str, Any]], mixers: Sequence[str], tasks: Sequence[str
     return table
 
 
+def _extra_args(a) -> str:
+    from ..data.mad import TASKS
+
+    out = ""
+    if list(a.mixers) != list(MIXERS):
+        out += " --mixers " + ",".join(a.mixers)
+    if list(a.tasks) != list(TASKS):
+        out += " --tasks " + ",".join(a.tasks)
+    return out
+
+
 def markdown(exp: common.Experiment, budget: Budget, table, runs, mixers, tasks) -> str:
     from ..data.mad import TASKS
 
     a = exp.args
-    lines = [f"# MAD ({a.budget})", ""] + [f"- {h}" for h in exp.header_lines()]
+    lines = [f"# MAD ({a.budget})", ""] + [f"- {h}" for h in exp.header_lines(runs, _extra_args(a))]
     if a.budget == "full":
         lines.append("- protocol: mad-lab's benchmark (all settings, lr {1e-4, 5e-4, 1e-3} x wd {0, 0.1}, "
                      "batch 128, up to 200 epochs, early stop at 99.9% test accuracy)")

@@ -260,8 +260,13 @@ def summarize(runs: List[Dict[str, Any]], levels: Dict[str, List[float]]) -> Dic
     return out
 
 
+def _extra_args(a) -> str:
+    return "".join(f" --{n.replace('_', '-')} {getattr(a, n)}" for n in ("train_images", "test_images", "replicates")
+                   if getattr(a, n, None) is not None)
+
+
 def markdown(exp: common.Experiment, budget: Budget, summary: Dict[str, Any], levels, runs) -> str:
-    lines = [f"# smnist-robustness ({exp.args.budget})", ""] + [f"- {h}" for h in exp.header_lines()]
+    lines = [f"# smnist-robustness ({exp.args.budget})", ""] + [f"- {h}" for h in exp.header_lines(runs, _extra_args(exp.args))]
     reps = sorted({r["replicate"] for r in runs})
     steps = runs[0]["steps"] if runs else 0
     lines += [f"- protocol: {budget.train_images} training images (one pass, {steps} steps of batch "
