@@ -35,6 +35,7 @@ def test_parser_knows_every_command():
 @pytest.mark.parametrize("argv, needle", [
     ([], "a command is required"),
     (["nonsense"], "invalid choice"),
+    (["bench"], "which benchmark"),
     (["bench", "nosuchbench"], "unknown benchmark"),
     (["bench", "ops", "--T", "x"], "--T"),
     (["bench", "ops", "--T", "0"], "--T"),

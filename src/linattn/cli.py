@@ -59,10 +59,12 @@ def cmd_bench(sub) -> None:
         "bench", help="run a benchmark (" + ", ".join(BENCHMARKS) + ")",
         description="Run a benchmark. Available benchmarks:\n" + listing +
                     "\n\n`linattn bench NAME --help` shows a benchmark's own options.")
-    p.add_argument("name", metavar="NAME", help="which benchmark: " + ", ".join(BENCHMARKS))
+    p.add_argument("name", metavar="NAME", nargs="?", help="which benchmark: " + ", ".join(BENCHMARKS))
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
 
     def run(args):
+        if args.name is None:
+            raise UsageError("which benchmark? choose from: " + ", ".join(BENCHMARKS), prog="linattn bench")
         from .bench import run_benchmark
         return run_benchmark(args.name, args.args)
 

@@ -12,9 +12,10 @@ Peak memory (`measure_memory`), per call, honest about what it sees:
 * CPU (Linux): the growth of the resident set during one call, in a separate worker process:
   the peak resident set (VmHWM) is reset to the current one through /proc/self/clear_refs, the op
   runs once, and peak = VmHWM - VmRSS before the call. The worker runs with glibc's mmap threshold
-  fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_), so every tensor above 64 KiB is its own mapping and is
-  returned to the OS when freed: the figure is then the peak of live tensor memory of the call
-  (outputs, saved activations, gradients, temporaries, library workspace) and excludes the inputs.
+  fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_), so tensors above 64 KiB are their own mappings and go
+  back to the OS when freed, and it calls malloc_trim(0) before each measurement so that no free
+  but resident heap page can be reused unseen: the figure is then the peak of live memory of the
+  call (outputs, saved activations, gradients, temporaries, library workspace), inputs excluded.
   A warm-up call (of the same op, possibly at a smaller size) precedes the measured one.
   Elsewhere peak memory is reported as unavailable.
 """
@@ -211,7 +212,8 @@ MEMORY_METHODS = {
             "(after a warm-up call); inputs excluded",
     "cpu": "growth of the resident set during one call (VmHWM reset via /proc/self/clear_refs, minus "
            "VmRSS before the call) in a separate process whose glibc returns every allocation "
-           "> 64 KiB to the OS on free (MALLOC_MMAP_THRESHOLD_=65536), after a warm-up call: "
+           "> 64 KiB to the OS on free (MALLOC_MMAP_THRESHOLD_=65536) and trims its heap before each "
+           "call (malloc_trim), after a warm-up call: "
            "the call's peak live memory (outputs, saved activations, gradients, temporaries), "
            "inputs excluded",
     "none": "not measured (needs Linux /proc for CPU, or CUDA)",
@@ -242,10 +244,26 @@ def _resolve(builder: str) -> Callable[..., Callable[[], Any]]:
     return getattr(importlib.import_module(mod), attr)
 
 
+def _malloc_trim() -> None:
+    """Give every free page of glibc's heaps back to the OS (no-op where malloc_trim is missing)."""
+    global _LIBC
+    try:
+        if _LIBC is None:
+            import ctypes
+            _LIBC = ctypes.CDLL(None)
+        _LIBC.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+_LIBC = None
+
+
 def _measure_cpu_here(fn: Callable[[], Any], warm: Callable[[], Any]) -> int:
     """Peak resident growth (bytes) of one call of fn in this process (see MEMORY_METHODS['cpu'])."""
     warm()  # warm-up: one-off initialisations (thread pools, kernel caches) do not count
     gc.collect()
+    _malloc_trim()  # free heap pages that are still resident would otherwise be reused unseen
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current VmRSS
     before = _status_kb("VmRSS")

@@ -205,9 +205,9 @@ def add_arguments(p) -> None:
                         f"on cpu, no cap on cuda)")
     p.add_argument("--max-T-recurrent", type=int, default=16384,
                    help="largest T for the recurrent forms, forward (default 16384)")
-    p.add_argument("--max-T-recurrent-bwd", type=int, default=4096,
-                   help="largest T for the recurrent forms, forward+backward (they keep a state per "
-                        "token for backward; default 4096)")
+    p.add_argument("--max-T-recurrent-bwd", type=int, default=1024,
+                   help="largest T for the recurrent forms, forward+backward (a Python loop over tokens "
+                        "whose backward is very slow; no target uses it; default 1024)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--matmul-n", type=int, default=2048, help="size of the reference matmul (default 2048)")
     p.add_argument("--seed", type=int, default=0)
