@@ -236,3 +236,22 @@ def test_common_helpers(tmp_path):
     assert common.fmt_pm(2.0, 1.0, 2) == "2.0 ± 1.0" and common.fmt_pm(None, None, 0) == "-"
     common.write_json(tmp_path / "x.json", {"a": float("nan"), "b": np.float32(1.5), "c": torch.tensor(2)})
     assert json.loads((tmp_path / "x.json").read_text()) == {"a": None, "b": 1.5, "c": 2}
+
+
+def test_mad_full_plan_and_scoring():
+    """The full budget is mad-lab's benchmark: every setting x lr {1e-4, 5e-4, 1e-3} x wd {0, 0.1};
+    a task's score is the mean over settings of the best run over the grid."""
+    plan = mad_exp.plan_runs(mad_exp.BUDGETS["full"], ["efla"], list(mad_exp.TASK_ORDER), seed=0)
+    per_task = {}
+    for r in plan:
+        per_task.setdefault(r["task"], set()).add(r["setting_id"])
+    assert {t: len(s) for t, s in per_task.items()} == {
+        "compression": 11, "fuzzy-in-context-recall": 11, "in-context-recall": 11, "memorization": 6,
+        "noisy-in-context-recall": 14, "selective-copying": 13}
+    assert len(plan) == 66 * 6 and len({r["run_id"] for r in plan}) == len(plan)
+    assert all(r["epochs"] == 200 and r["setting"]["num_test_examples"] == 1280 for r in plan)
+    runs = [dict(task="memorization", mixer="efla", setting_id=s, acc=a)
+            for s, a in (("baseline", 0.2), ("baseline", 0.6), ("vocab_size=512", 0.1))]
+    table = mad_exp.score(runs, ["efla"], ["memorization"])
+    assert math.isclose(table["efla"]["memorization"], (60.0 + 10.0) / 2)
+    assert math.isclose(table["efla"]["average"], 35.0)
