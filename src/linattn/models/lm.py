@@ -26,6 +26,18 @@ from .moe import MoE
 from .registry import build_mixer, mixer_spec
 
 
+def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Parameters of a language model (`.embed`, optional `.lm_head`), shared ones counted once."""
+    seen, total = set(), 0
+    skip = {id(model.embed.weight)} | ({id(model.lm_head.weight)} if model.lm_head is not None else set())
+    for p in model.parameters():
+        if id(p) in seen or (exclude_embeddings and id(p) in skip):
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
 def init_lm_weights(model: nn.Module, std: float, n_layers: int) -> None:
     """GPT-2 style init: N(0, std), output projections (o_proj, w_down) scaled by 1/sqrt(2 n_layers)."""
     out_std = std / math.sqrt(2 * n_layers)
@@ -165,14 +177,7 @@ class LanguageModel(nn.Module):
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (shared ones counted once); optionally without the embedding/head."""
-        seen, total = set(), 0
-        skip = {id(self.embed.weight)} | ({id(self.lm_head.weight)} if self.lm_head is not None else set())
-        for p in self.parameters():
-            if id(p) in seen or (exclude_embeddings and id(p) in skip):
-                continue
-            seen.add(id(p))
-            total += p.numel()
-        return total
+        return count_parameters(self, exclude_embeddings)
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cache: Optional[Cache] = None, *, use_cache: bool = False,

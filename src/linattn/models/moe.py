@@ -20,7 +20,6 @@ Dispatch is vectorised: assignments are sorted by expert, each expert runs once 
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Tuple
 
 import torch

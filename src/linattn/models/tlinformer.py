@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -53,7 +53,7 @@ from ..layers import Cache, RMSNorm, RotaryEmbedding, SwiGLU, tensor_nbytes
 from ..ops.softmax import softmax_attention
 from .generation import make_generator, sample_next
 from .config import JsonConfig
-from .lm import LMOutput, init_lm_weights
+from .lm import LMOutput, count_parameters, init_lm_weights
 
 ARCH = "tlinformer"
 
@@ -336,14 +336,7 @@ class TLinFormerLM(nn.Module):
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (shared ones counted once); optionally without the embedding/head."""
-        seen, total = set(), 0
-        skip = {id(self.embed.weight)} | ({id(self.lm_head.weight)} if self.lm_head is not None else set())
-        for p in self.parameters():
-            if id(p) in seen or (exclude_embeddings and id(p) in skip):
-                continue
-            seen.add(id(p))
-            total += p.numel()
-        return total
+        return count_parameters(self, exclude_embeddings)
 
     # -- the two streams ---------------------------------------------------------------------
     def _head(self, x: torch.Tensor) -> torch.Tensor:

@@ -264,6 +264,36 @@ def _check_state(state, N, H, K, V, device):
         raise ValueError(f"initial_state must be on the device of q ({device}), got {state.device}")
 
 
+def check_args(q, k, v, beta, g, exact, scale, qk_l2norm, mode, chunk_size, initial_state, cu_seqlens):
+    """Every argument check of `delta_rule` (shared with the Triton entry point).
+
+    Returns (B, T, H, K, V, scale, offsets, N), with scale defaulted to K**-0.5 and offsets the
+    packed-sequence boundaries (or None), N the number of sequences.
+    """
+    B, T, H, K, V = check_qkv(q, k, v)
+    check_mode(mode, chunk_size)
+    _check_beta(beta, B, T, H, q.device)
+    if g is not None:
+        check_log_gate(g, "g", B, T, H)
+        if g.device != q.device:
+            raise ValueError(f"g must be on the device of q ({q.device}), got {g.device}")
+        if not torch.isfinite(g).all():
+            raise ValueError("g must be finite (a log-gate of -inf would erase the state; use a large negative value)")
+    if not isinstance(exact, bool):
+        raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
+    if not isinstance(qk_l2norm, bool):
+        raise TypeError(f"qk_l2norm must be a bool, got {type(qk_l2norm).__name__}")
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    offsets = check_cu_seqlens(cu_seqlens, B, T)
+    N = B if offsets is None else len(offsets) - 1
+    if initial_state is not None:
+        _check_state(initial_state, N, H, K, V, q.device)
+    return B, T, H, K, V, scale, offsets, N
+
+
 def delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *,
     g: Optional[torch.Tensor] = None,
@@ -299,27 +329,8 @@ def delta_rule(
         return delta_rule_triton(q, k, v, beta, g=g, exact=exact, scale=scale, qk_l2norm=qk_l2norm, mode=mode,
                                  chunk_size=chunk_size, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    B, T, H, K, V = check_qkv(q, k, v)
-    check_mode(mode, chunk_size)
-    _check_beta(beta, B, T, H, q.device)
-    if g is not None:
-        check_log_gate(g, "g", B, T, H)
-        if g.device != q.device:
-            raise ValueError(f"g must be on the device of q ({q.device}), got {g.device}")
-        if not torch.isfinite(g).all():
-            raise ValueError("g must be finite (a log-gate of -inf would erase the state; use a large negative value)")
-    if not isinstance(exact, bool):
-        raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
-    if not isinstance(qk_l2norm, bool):
-        raise TypeError(f"qk_l2norm must be a bool, got {type(qk_l2norm).__name__}")
-    if scale is None:
-        scale = K ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    offsets = check_cu_seqlens(cu_seqlens, B, T)
-    N = B if offsets is None else len(offsets) - 1
-    if initial_state is not None:
-        _check_state(initial_state, N, H, K, V, q.device)
+    B, T, H, K, V, scale, offsets, N = check_args(q, k, v, beta, g, exact, scale, qk_l2norm, mode, chunk_size,
+                                                  initial_state, cu_seqlens)
 
     cdt = compute_dtype(q.dtype)
     # [B, T, H, D] -> [B, H, T, D], contiguous once, so that the chunk blocks are plain views

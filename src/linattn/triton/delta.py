@@ -29,8 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..ops._common import check_cu_seqlens, check_log_gate, check_mode, check_qkv
-from ..ops.delta import L2NORM_EPS, _check_beta, _check_state, _EFLACoefficient
+from ..ops.delta import L2NORM_EPS, _EFLACoefficient, check_args
 from ._utils import (FMAP_IDENTITY, block, chunk_size_for, dot_precision, dummy, full_block, prepare_chunks)
 from .linear import _Cfg, chunk_bwd_dv, chunk_fwd_o
 
@@ -451,29 +450,10 @@ class _ChunkDeltaRule(torch.autograd.Function):
 
 def _prepare(q, k, v, beta, g, exact, scale, qk_l2norm, chunk_size, initial_state, cu_seqlens, mode):
     """The operator's checks and preprocessing (ops/delta.py), differentiable, in fp32."""
-    B, T, H, K, V = check_qkv(q, k, v)
-    check_mode(mode, chunk_size)
+    B, T, H, K, V, scale, offsets, N = check_args(q, k, v, beta, g, exact, scale, qk_l2norm, mode, chunk_size,
+                                                  initial_state, cu_seqlens)
     if q.dtype == torch.float64:
         raise NotImplementedError("the Triton kernels take fp16, bf16 or fp32 inputs; use backend='torch' for fp64")
-    _check_beta(beta, B, T, H, q.device)
-    if g is not None:
-        check_log_gate(g, "g", B, T, H)
-        if g.device != q.device:
-            raise ValueError(f"g must be on the device of q ({q.device}), got {g.device}")
-        if not torch.isfinite(g).all():
-            raise ValueError("g must be finite (a log-gate of -inf would erase the state; use a large negative value)")
-    if not isinstance(exact, bool):
-        raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
-    if not isinstance(qk_l2norm, bool):
-        raise TypeError(f"qk_l2norm must be a bool, got {type(qk_l2norm).__name__}")
-    if scale is None:
-        scale = K ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    offsets = check_cu_seqlens(cu_seqlens, B, T)
-    N = B if offsets is None else len(offsets) - 1
-    if initial_state is not None:
-        _check_state(initial_state, N, H, K, V, q.device)
 
     q_c, k_c, v_c, beta_c = q.float(), k.float(), v.float(), beta.float()
     if qk_l2norm:
