@@ -9,16 +9,14 @@ The public API, re-exported:
                                                layers in linattn.layers, audit.check_causality
 """
 from .feature_maps import FEATURE_MAP_NAMES, FAVORPlus, FeatureMap, get_feature_map
-from .ops import LinearAttentionState, linear_attention, softmax_attention
-from .ops import delta_rule
+from .ops import LinearAttentionState, delta_rule, linear_attention, softmax_attention
 from .models import LanguageModel, LMConfig, mixers
 from . import audit
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "delta_rule",
-    "linear_attention", "LinearAttentionState", "softmax_attention",
+    "linear_attention", "LinearAttentionState", "softmax_attention", "delta_rule",
     "FeatureMap", "FAVORPlus", "FEATURE_MAP_NAMES", "get_feature_map",
-    "mixers", "LMConfig", "LanguageModel",
+    "mixers", "LMConfig", "LanguageModel", "audit",
 ]

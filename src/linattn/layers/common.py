@@ -77,7 +77,7 @@ class RotaryEmbedding(nn.Module):
         return self._cos[positions], self._sin[positions]
 
     def apply(self, x: torch.Tensor, offset=0) -> torch.Tensor:
-        B, T = x.shape[0], x.shape[1]
+        T = x.shape[1]
         if isinstance(offset, torch.Tensor) and offset.dim() == 1:
             pos = offset.to(x.device).view(-1, 1) + torch.arange(T, device=x.device)  # [B, T]
             need = None
