@@ -17,13 +17,12 @@ Everything is written to results/demo/ (or --out): demo.json, scaling.{txt,json,
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
@@ -223,7 +222,7 @@ def generation(learned: Dict[str, Any], contexts: List[int], seed: int) -> Dict[
     print("-" * 72)
     rows = []
     print()
-    print(f"per-token decoding latency after a prefill of N random tokens (median of 16 steps, batch 1):")
+    print("per-token decoding latency after a prefill of N random tokens (median of 16 steps, batch 1):")
     print(f"{'N':>7}  {'ELA-GPT ms/token':>17}  {'state bytes':>12}  {'softmax ms/token':>17}  {'KV cache bytes':>15}")
     for c in contexts:
         a = _decode_latency(lin, c, tok.vocab_size, seed=seed)

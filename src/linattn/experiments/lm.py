@@ -29,13 +29,10 @@ about 20 minutes for the seven models on a 2-core CPU).
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
-
-import torch
 
 from . import common
 from .common import ExperimentError, fmt, md_table
@@ -239,7 +236,7 @@ def markdown(exp: common.Experiment, budget: Budget, runs, info) -> str:
 
 
 def plot(path: Path, runs, budget: Budget, title: str) -> None:
-    series, tps = [], []
+    series = []
     for r in runs:
         label, _, color = MODELS[r["model"]]
         series.append({"label": label, "x": [c["tokens"] for c in r["curve"]], "y": [c["val_ppl"] for c in r["curve"]],

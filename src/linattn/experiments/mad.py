@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import common
-from .common import ExperimentError, fmt, md_table
+from .common import fmt, md_table
 
 NAME = "mad"
 DESCRIPTION = __doc__

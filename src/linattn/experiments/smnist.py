@@ -31,11 +31,10 @@ test images and 3 replicates, to fit about 20 minutes of a 2-core CPU.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -273,7 +272,7 @@ def markdown(exp: common.Experiment, budget: Budget, summary: Dict[str, Any], le
               f"{budget.batch_size}), {budget.test_images} test images, {len(reps)} replicate(s); "
               f"DeltaNet lr 1e-3, EFLA lr 3e-3; AdamW, clip 1.0; delta_rule chunk mode (chunk {budget.chunk_size})"
               + ("" if exp.args.budget == "full" else
-                 f" — **reduced from the paper's protocol (60k training / 10k test images)**"), ""]
+                 " — **reduced from the paper's protocol (60k training / 10k test images)**"), ""]
     lines.append("Accuracy (%), mean ± std over replicates:")
     lines.append("")
     for sweep, values in levels.items():
