@@ -102,6 +102,25 @@ def test_timing_and_table_helpers():
     assert text.splitlines()[0].startswith("a") and len(text.splitlines()) == 4
 
 
+def test_interleaved_timing_counts_and_errors():
+    built = []
+
+    def maker(tag):
+        def make():
+            built.append(tag)
+            if tag == "bad":
+                raise RuntimeError("boom")
+            return lambda: None
+        return make
+
+    a, bad, b = common.time_interleaved([maker("a"), maker("bad"), maker("b")], warmup=1, repeats=4, min_time_s=0)
+    assert a.repeats == b.repeats == 4 and isinstance(bad, RuntimeError)
+    assert built[3:] == ["a", "b"] * 4  # after one warm-up build each: rounds alternate the cases
+    assert common._plan_repeats(100.0, 5, 0.2, 100, 30.0) == 1  # one call over the budget: one sample
+    assert common._plan_repeats(12.0, 5, 0.2, 100, 30.0) == 3
+    assert common._plan_repeats(1e-4, 5, 0.2, 100, 30.0) == 100
+
+
 def test_output_paths_never_overwrite(tmp_path):
     p = common.output_paths("ops", str(tmp_path))
     assert p["json"] == tmp_path / "ops.json"

@@ -1,10 +1,13 @@
 """Shared benchmark infrastructure: machine description, timing, peak memory, matmul rate, outputs.
 
-Timing (`time_fn`): `time.perf_counter` around each call (CUDA: synchronised before and after),
-after warm-up calls; the median and the spread (interquartile range and min/max) of the repeats.
-The number of repeats adapts to the cost of a call: short calls are repeated until `min_time_s`
-has passed (at most `max_repeats`), long ones are cut to fit `budget_s` (never below
-min(repeats, 3)). The thread count is whatever torch uses (`torch.set_num_threads` is untouched).
+Timing (`time_fn`, `time_interleaved`): `time.perf_counter` around each call (CUDA: synchronised
+before and after), after warm-up calls; the median and the spread (interquartile range and
+min/max) of the repeats. The number of repeats adapts to the cost of a call: short calls are
+repeated until `min_time_s` has passed (at most `max_repeats`), long ones are cut to fit
+`budget_s` (not below min(repeats, 3), unless one call alone exceeds the budget: then one timed
+call). `time_interleaved` times several cases in rounds, one call of each per round, so that
+background load on a shared machine hits them alike. The thread count is whatever torch uses
+(`torch.set_num_threads` is untouched).
 
 Peak memory (`measure_memory`), per call, honest about what it sees:
 
@@ -156,6 +159,27 @@ class Timing:
         return asdict(self)
 
 
+def _plan_repeats(est: Optional[float], repeats: int, min_time_s: float, max_repeats: int,
+                  budget_s: Optional[float]) -> int:
+    """Timed calls for a call that takes about `est` seconds (see the module docstring)."""
+    n = repeats
+    if est is None or est <= 0:
+        return n
+    if est * n < min_time_s:
+        n = max(n, min(max_repeats, math.ceil(min_time_s / est)))
+    if budget_s is not None and est * n > budget_s:
+        n = 1 if est > budget_s else max(min(repeats, 3), int(budget_s // est))
+    return n
+
+
+def _timed_call(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
 def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5, min_time_s: float = 0.2,
             max_repeats: int = 100, budget_s: Optional[float] = 30.0, device: str = "cpu") -> Timing:
     """Time `fn()`; see the module docstring for the adaptive number of repeats."""
@@ -164,25 +188,53 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5, min_tim
     sync = synchronizer(device)
     est = None
     for _ in range(max(0, warmup)):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        est = time.perf_counter() - t0  # the last warm-up call estimates the cost of one call
-    n = repeats
-    if est is not None and est > 0:
-        if est * n < min_time_s:
-            n = max(n, min(max_repeats, math.ceil(min_time_s / est)))
-        if budget_s is not None and est * n > budget_s:
-            n = max(min(repeats, 3), int(budget_s // est))
-    samples = []
-    for _ in range(n):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - t0)
+        est = _timed_call(fn, sync)  # the last warm-up call estimates the cost of one call
+    n = _plan_repeats(est, repeats, min_time_s, max_repeats, budget_s)
+    samples = [_timed_call(fn, sync) for _ in range(n)]
     return Timing.from_seconds(samples, warmup=max(0, warmup))
+
+
+def time_interleaved(makers: Sequence[Callable[[], Callable[[], Any]]], *, warmup: int = 1, repeats: int = 5,
+                     min_time_s: float = 0.2, max_repeats: int = 100, budget_s: Optional[float] = 30.0,
+                     device: str = "cpu") -> List[Any]:
+    """Time several cases fairly on a shared machine: their timed calls are interleaved in rounds.
+
+    makers[i]() builds case i and returns its zero-argument callable. Each case is first built and
+    warmed up alone (which also estimates its cost and so its number of repeats); then, round after
+    round, every case that still needs a sample is built afresh (untimed) and called once (timed),
+    so that all cases see the same background load and their ratios stay fair. Only one case is
+    alive at a time. Returns one Timing, or the exception a case raised, per maker.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    sync = synchronizer(device)
+    out: List[Any] = [None] * len(makers)
+    plan: List[int] = [0] * len(makers)
+    samples: List[List[float]] = [[] for _ in makers]
+    for i, make in enumerate(makers):
+        try:
+            fn = make()
+            est = None
+            for _ in range(max(0, warmup)):
+                est = _timed_call(fn, sync)
+            plan[i] = _plan_repeats(est, repeats, min_time_s, max_repeats, budget_s)
+        except Exception as e:  # reported per case; the others go on
+            out[i] = e
+        fn = None
+    for r in range(max(plan, default=0)):
+        for i, make in enumerate(makers):
+            if out[i] is not None or plan[i] <= r:
+                continue
+            try:
+                fn = make()
+                samples[i].append(_timed_call(fn, sync))
+            except Exception as e:
+                out[i] = e
+            fn = None
+    for i in range(len(makers)):
+        if out[i] is None:
+            out[i] = Timing.from_seconds(samples[i], warmup=max(0, warmup))
+    return out
 
 
 def matmul_rate(n: int = 2048, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -503,7 +555,7 @@ def fmt_bytes(b: Optional[int]) -> str:
 
 
 __all__ = [
-    "Timing", "time_fn", "synchronizer", "matmul_rate", "machine_info", "describe_machine", "cpu_model",
+    "Timing", "time_fn", "time_interleaved", "synchronizer", "matmul_rate", "machine_info", "describe_machine", "cpu_model",
     "measure_memory", "memory_method", "MEMORY_METHODS", "output_paths", "format_table", "write_json",
     "write_text", "plot_panels", "fmt_ms", "fmt_bytes",
 ]

@@ -199,7 +199,10 @@ def add_arguments(p) -> None:
                    help="repeat short calls until this many seconds were timed (default 0.2)")
     p.add_argument("--budget", type=float, default=30.0,
                    help="seconds of timed calls per case; long calls get fewer repeats, at least "
-                        "min(repeats, 3) (default 30)")
+                        "min(repeats, 3) unless one call exceeds the budget (default 30)")
+    p.add_argument("--no-interleave", dest="interleave", action="store_false",
+                   help="time each case in one block instead of interleaving the cases of a T in rounds "
+                        "(interleaving keeps ratios fair when other processes share the machine)")
     p.add_argument("--max-T-softmax", type=int, default=None,
                    help=f"largest T for softmax_attention; 0 = no cap (default {DEFAULT_MAX_T_SOFTMAX_CPU} "
                         f"on cpu, no cap on cuda)")
@@ -293,25 +296,36 @@ def _label(r) -> str:
 
 
 def run_cases(a, cases, log) -> List[Dict[str, Any]]:
-    """Time every case; then (unless --no-memory) measure peak memory in one separate process."""
+    """Time every case (interleaved within each T unless --no-interleave); then, unless --no-memory,
+    measure peak memory in one separate process."""
     results = []
-    for i, c in enumerate(cases):
-        if i == 0 or c["T"] != cases[i - 1]["T"]:
-            gc.collect()  # once per T: a full collection is not free on a busy machine
-        r = dict(c)
-        name = f"  T={c['T']:<6} {_label(r):<26} {PASS_LABEL[c['pass']]:<7}"
-        try:
-            fn = build_case(**_spec(a, c))
-            t = common.time_fn(fn, warmup=a.warmup, repeats=a.repeats, min_time_s=a.min_time,
-                               budget_s=a.budget, device=a.device)
-            r["timing"] = t.to_dict()
-            r["ms"] = t.median_ms
-            log(f"{name} {common.fmt_ms(t.median_ms):>9} ms (n={t.repeats})")
-        except Exception as e:  # an op that fails (or runs out of memory) is reported, not fatal
-            r["error"] = f"{type(e).__name__}: {' '.join(str(e).split())}"
-            log(f"{name} FAILED: {r['error']}")
-        fn = None
-        results.append(r)
+    for T in sorted({c["T"] for c in cases}):
+        group = [c for c in cases if c["T"] == T]
+        gc.collect()  # once per T: a full collection is not free on a busy machine
+        if a.interleave:
+            log(f"  T={T:<6} timing {len(group)} cases, interleaved ...")
+            timings = common.time_interleaved(
+                [lambda c=c: build_case(**_spec(a, c)) for c in group], warmup=a.warmup, repeats=a.repeats,
+                min_time_s=a.min_time, budget_s=a.budget, device=a.device)
+        else:
+            timings = []
+            for c in group:
+                try:
+                    timings.append(common.time_fn(build_case(**_spec(a, c)), warmup=a.warmup, repeats=a.repeats,
+                                                  min_time_s=a.min_time, budget_s=a.budget, device=a.device))
+                except Exception as e:  # an op that fails (or runs out of memory) is reported, not fatal
+                    timings.append(e)
+        for c, t in zip(group, timings):
+            r = dict(c)
+            name = f"  T={c['T']:<6} {_label(r):<26} {PASS_LABEL[c['pass']]:<7}"
+            if isinstance(t, Exception):
+                r["error"] = f"{type(t).__name__}: {' '.join(str(t).split())}"
+                log(f"{name} FAILED: {r['error']}")
+            else:
+                r["timing"] = t.to_dict()
+                r["ms"] = t.median_ms
+                log(f"{name} {common.fmt_ms(t.median_ms):>9} ms (n={t.repeats})")
+            results.append(r)
     measured = [r for r in results if "error" not in r]
     if measured and not a.no_memory:
         log(f"peak memory of {len(measured)} cases, one call each (separate process) ...")
@@ -501,8 +515,10 @@ def run(a) -> int:
 
     mem = common.memory_method(a.device) if not a.no_memory else "none"
     notes = [
-        "ms: median over n timed calls after %d warm-up call(s); IQR: interquartile range of those calls"
-        % a.warmup,
+        "ms: median over n timed calls after %d warm-up call(s); IQR: interquartile range of those calls; "
+        "%s" % (a.warmup, "the cases of each T were timed interleaved, one call of each per round (inputs "
+                          "rebuilt, untimed, before each call), so background load hits them alike"
+                if a.interleave else "each case was timed in one block (--no-interleave)"),
         "fwd runs under torch.no_grad(); fwd+bwd is the forward with autograd plus backward of a random "
         "output gradient into all float inputs (q, k, v; beta, g for the delta rule)",
         "inputs: q, k, v ~ N(0, 1); elu+1 linear attention is causal and normalised; DeltaNet and Gated "
