@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from .checkpoint import CheckpointError, load_checkpoint
+from .models.generation import sample_next
 
 
 class GenerateError(ValueError):
@@ -41,29 +42,6 @@ def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[flo
         raise GenerateError(f"top_k must be >= 0 (0 = off), got {top_k!r}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise GenerateError(f"top_p must be in (0, 1], got {top_p!r}")
-
-
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Next token ids `[B]` from last-position logits `[B, V]`."""
-    logits = logits.float()
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k is not None and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        cum = probs.cumsum(dim=-1)
-        drop = cum - probs > top_p          # keep the smallest prefix whose mass reaches top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
-    gen_dev = generator.device if generator is not None else probs.device
-    draw = torch.multinomial(probs.to(gen_dev), 1, generator=generator).squeeze(-1)
-    return draw.to(logits.device)
 
 
 def _forward(model, ids: torch.Tensor, cache):
@@ -109,7 +87,7 @@ def stream_tokens(model, input_ids: torch.Tensor, max_new_tokens: int, *, temper
         logits, cache = _forward(model, seq, None)
         limit = _max_len(model)
         for i in range(max_new_tokens):
-            nxt = sample_next(logits[:, -1, :], temperature, top_k, top_p, gen)
+            nxt = sample_next(logits[:, -1, :], temperature, top_k or None, top_p, gen)  # top_k 0 = off
             tok = int(nxt.item())
             yield tok
             if eos_id is not None and tok == eos_id:

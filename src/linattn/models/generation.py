@@ -1,7 +1,7 @@
 """Sampling helpers for `LanguageModel.generate` / `LanguageModel.stream`."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
@@ -46,3 +46,54 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def stream_tokens(model: torch.nn.Module, input_ids: Union[torch.Tensor, Sequence[int]], max_new_tokens: int,
+                  forward: Callable, temperature: float = 1.0, top_k: Optional[int] = None,
+                  top_p: Optional[float] = None, generator: Union[torch.Generator, int, None] = None,
+                  seed: Optional[int] = None, eos_token_id: Optional[int] = None) -> Iterator:
+    """The sampling loop shared by the language models' `stream`.
+
+    `forward(new_ids, prev_out)` returns an output with `.logits`: it is called with the whole
+    prompt and None first, then with each sampled token `[B, 1]` and the previous output (whose
+    `.cache` it may continue). Yields an int per step for a 1-D prompt, a `[B]` tensor for a
+    `[B, T]` one; stops after max_new_tokens, or once every sequence has yielded eos_token_id.
+    """
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=model.embed.weight.device)
+    single = ids.dim() == 1
+    if single:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [T] or [B, T] sequence of ids, got shape {tuple(ids.shape)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+    gen = make_generator(seed if generator is None else generator, ids.device)
+    was_training = model.training
+    model.eval()
+    try:
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        with torch.no_grad():
+            out = forward(ids, None)
+        for _ in range(max_new_tokens):
+            with torch.no_grad():
+                tok = sample_next(out.logits[:, -1], temperature, top_k, top_p, gen)
+            if eos_token_id is not None:
+                tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
+                done = done | (tok == eos_token_id)
+            yield int(tok[0]) if single else tok
+            if eos_token_id is not None and bool(done.all()):
+                break
+            with torch.no_grad():
+                out = forward(tok[:, None], out)
+    finally:
+        model.train(was_training)
+
+
+def join_generated(model: torch.nn.Module, input_ids, tokens: List) -> torch.Tensor:
+    """Prompt followed by the tokens `stream_tokens` yielded: `[T + n]` or `[B, T + n]`."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=model.embed.weight.device)
+    if not tokens:
+        return ids
+    if ids.dim() == 1:
+        return torch.cat([ids, torch.tensor(tokens, dtype=torch.long, device=ids.device)])
+    return torch.cat([ids, torch.stack(tokens, dim=1)], dim=1)

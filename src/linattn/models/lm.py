@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..layers import AttentionBase, Cache, DeltaNet, LinearAttention, RMSNorm, SoftmaxAttention, SwiGLU
 from .config import LMConfig
-from .generation import make_generator, sample_next
+from .generation import join_generated, stream_tokens
 from .lobe import MemoryLobe
 from .moe import MoE
 from .registry import build_mixer, mixer_spec
@@ -228,39 +228,17 @@ class LanguageModel(nn.Module):
         """Yield generated tokens one step at a time: an int for a 1-D prompt (a list of ids or a
         `[T]` tensor), a `[B]` tensor for a `[B, T]` prompt. Stops after max_new_tokens, or once
         every sequence has produced eos_token_id (which is yielded). See `generate`."""
-        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.embed.weight.device)
-        single = ids.dim() == 1
-        if single:
-            ids = ids.unsqueeze(0)
-        if ids.dim() != 2 or ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be a non-empty [T] or [B, T] sequence of ids, got shape {tuple(ids.shape)}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        gen = make_generator(seed if generator is None else generator, ids.device)
-        was_training = self.training
-        self.eval()
-        try:
-            done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-            causal = self.is_causal
-            with torch.no_grad():
-                out = self(ids, use_cache=causal)
-            for _ in range(max_new_tokens):
-                with torch.no_grad():
-                    tok = sample_next(out.logits[:, -1], temperature, top_k, top_p, gen)
-                if eos_token_id is not None:
-                    tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
-                    done = done | (tok == eos_token_id)
-                yield int(tok[0]) if single else tok
-                if eos_token_id is not None and bool(done.all()):
-                    break
-                with torch.no_grad():
-                    if causal:
-                        out = self(tok[:, None], cache=out.cache)
-                    else:  # no incremental form: re-run the whole sequence
-                        ids = torch.cat([ids, tok[:, None]], dim=1)
-                        out = self(ids)
-        finally:
-            self.train(was_training)
+        causal = self.is_causal
+        seen = []  # without an incremental form (bidirectional lobe): the whole sequence each step
+
+        def forward(new_ids, out):
+            if causal:
+                return self(new_ids, use_cache=True) if out is None else self(new_ids, cache=out.cache)
+            seen.append(new_ids)
+            return self(torch.cat(seen, dim=1))
+
+        return stream_tokens(self, input_ids, max_new_tokens, forward, temperature, top_k, top_p, generator, seed,
+                             eos_token_id)
 
     def generate(self, input_ids: Union[torch.Tensor, Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
@@ -272,10 +250,5 @@ class LanguageModel(nn.Module):
         torch.Generator or an int seed) or seed makes sampling reproducible. Decoding is
         incremental: one prefill, then one token at a time from each layer's cached state.
         """
-        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.embed.weight.device)
-        toks: List = list(self.stream(ids, max_new_tokens, temperature, top_k, top_p, generator, seed, eos_token_id))
-        if not toks:
-            return ids
-        if ids.dim() == 1:
-            return torch.cat([ids, torch.tensor(toks, dtype=torch.long, device=ids.device)])
-        return torch.cat([ids, torch.stack(toks, dim=1)], dim=1)
+        return join_generated(self, input_ids, list(self.stream(input_ids, max_new_tokens, temperature, top_k, top_p,
+                                                                generator, seed, eos_token_id)))

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from ..layers import Cache, RMSNorm, RotaryEmbedding, SwiGLU, tensor_nbytes
 from ..ops.softmax import softmax_attention
-from .generation import make_generator, sample_next
+from .generation import join_generated, stream_tokens
 from .config import JsonConfig
 from .lm import LMOutput, count_parameters, init_lm_weights
 
@@ -481,38 +481,16 @@ class TLinFormerLM(nn.Module):
         """Yield generated tokens one at a time (an int for a 1-D prompt, a `[B]` tensor for `[B, T]`),
         as `LanguageModel.stream`. use_cache=False recomputes the last window (and its history)
         at every step, the cache-miss cost each time."""
-        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.embed.weight.device)
-        single = ids.dim() == 1
-        if single:
-            ids = ids.unsqueeze(0)
-        if ids.dim() != 2 or ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be a non-empty [T] or [B, T] sequence of ids, got shape {tuple(ids.shape)}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        gen = make_generator(seed if generator is None else generator, ids.device)
-        was_training = self.training
-        self.eval()
-        try:
-            done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-            with torch.no_grad():
-                out = self(ids, use_cache=use_cache, logits_to_keep=1)
-            for _ in range(max_new_tokens):
-                with torch.no_grad():
-                    tok = sample_next(out.logits[:, -1], temperature, top_k, top_p, gen)
-                if eos_token_id is not None:
-                    tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
-                    done = done | (tok == eos_token_id)
-                yield int(tok[0]) if single else tok
-                if eos_token_id is not None and bool(done.all()):
-                    break
-                with torch.no_grad():
-                    if use_cache:
-                        out = self(tok[:, None], cache=out.cache)
-                    else:
-                        ids = torch.cat([ids, tok[:, None]], dim=1)
-                        out = self(ids, logits_to_keep=1)
-        finally:
-            self.train(was_training)
+        seen = []  # use_cache=False: the whole sequence each step
+
+        def forward(new_ids, out):
+            if use_cache:
+                return self(new_ids, use_cache=True, logits_to_keep=1) if out is None else self(new_ids, cache=out.cache)
+            seen.append(new_ids)
+            return self(torch.cat(seen, dim=1), logits_to_keep=1)
+
+        return stream_tokens(self, input_ids, max_new_tokens, forward, temperature, top_k, top_p, generator, seed,
+                             eos_token_id)
 
     def generate(self, input_ids: Union[torch.Tensor, Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
@@ -523,14 +501,8 @@ class TLinFormerLM(nn.Module):
         temperature 0 is greedy; top_k / top_p / generator / seed as in `LanguageModel.generate`.
         use_cache=True decodes incrementally (hits inside a window, a miss when it slides);
         use_cache=False recomputes every step; both give the same tokens."""
-        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.embed.weight.device)
-        toks: List = list(self.stream(ids, max_new_tokens, temperature, top_k, top_p, generator, seed,
-                                      eos_token_id, use_cache=use_cache))
-        if not toks:
-            return ids
-        if ids.dim() == 1:
-            return torch.cat([ids, torch.tensor(toks, dtype=torch.long, device=ids.device)])
-        return torch.cat([ids, torch.stack(toks, dim=1)], dim=1)
+        return join_generated(self, input_ids, list(self.stream(input_ids, max_new_tokens, temperature, top_k, top_p,
+                                                                generator, seed, eos_token_id, use_cache=use_cache)))
 
 
 __all__ = ["TLinFormerConfig", "TLinFormerLM", "TLinFormerCache", "TLinLayer", "TLinBlock", "auto_history_window"]
