@@ -116,6 +116,11 @@ def test_interleaved_timing_counts_and_errors():
     a, bad, b = common.time_interleaved([maker("a"), maker("bad"), maker("b")], warmup=1, repeats=4, min_time_s=0)
     assert a.repeats == b.repeats == 4 and isinstance(bad, RuntimeError)
     assert built[3:] == ["a", "b"] * 4  # after one warm-up build each: rounds alternate the cases
+    counts = {}
+    slow = lambda: (lambda: __import__("time").sleep(0.02))  # noqa: E731
+    fast = lambda: (lambda: counts.__setitem__("f", counts.get("f", 0) + 1))  # noqa: E731
+    t_slow, t_fast = common.time_interleaved([slow, fast], warmup=1, repeats=2, min_time_s=0.05)
+    assert t_slow.repeats == 3 and t_fast.repeats == 100  # short calls get more samples, spread over rounds
     assert common._plan_repeats(100.0, 5, 0.2, 100, 30.0) == 1  # one call over the budget: one sample
     assert common._plan_repeats(12.0, 5, 0.2, 100, 30.0) == 3
     assert common._plan_repeats(1e-4, 5, 0.2, 100, 30.0) == 100

@@ -200,10 +200,11 @@ def time_interleaved(makers: Sequence[Callable[[], Callable[[], Any]]], *, warmu
     """Time several cases fairly on a shared machine: their timed calls are interleaved in rounds.
 
     makers[i]() builds case i and returns its zero-argument callable. Each case is first built and
-    warmed up alone (which also estimates its cost and so its number of repeats); then, round after
-    round, every case that still needs a sample is built afresh (untimed) and called once (timed),
-    so that all cases see the same background load and their ratios stay fair. Only one case is
-    alive at a time. Returns one Timing, or the exception a case raised, per maker.
+    warmed up alone (which also estimates its cost and so its number of repeats n_i); then, in R =
+    max(n_i) rounds, each case is built afresh (untimed) and called once (timed) in n_i of the
+    rounds, spread evenly over all R, so that every case sees the same background load over the
+    same period and their ratios stay fair. Only one case is alive at a time. Returns one Timing,
+    or the exception a case raised, per maker.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -221,9 +222,11 @@ def time_interleaved(makers: Sequence[Callable[[], Callable[[], Any]]], *, warmu
         except Exception as e:  # reported per case; the others go on
             out[i] = e
         fn = None
-    for r in range(max(plan, default=0)):
+    rounds = max(plan, default=0)
+    for r in range(rounds):
         for i, make in enumerate(makers):
-            if out[i] is not None or plan[i] <= r:
+            # case i takes plan[i] samples spread evenly over the rounds (all of them when it has the most)
+            if out[i] is not None or (r + 1) * plan[i] // rounds == r * plan[i] // rounds:
                 continue
             try:
                 fn = make()

@@ -209,8 +209,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-T-recurrent", type=int, default=16384,
                    help="largest T for the recurrent forms, forward (default 16384)")
     p.add_argument("--max-T-recurrent-bwd", type=int, default=1024,
-                   help="largest T for the recurrent forms, forward+backward (a Python loop over tokens "
-                        "whose backward is very slow; no target uses it; default 1024)")
+                   help="largest T for the recurrent forms, forward+backward (a Python loop over tokens: "
+                        "slow, and its backward keeps every step's state; no target uses it; default 1024)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--matmul-n", type=int, default=2048, help="size of the reference matmul (default 2048)")
     p.add_argument("--seed", type=int, default=0)
@@ -516,8 +516,9 @@ def run(a) -> int:
     mem = common.memory_method(a.device) if not a.no_memory else "none"
     notes = [
         "ms: median over n timed calls after %d warm-up call(s); IQR: interquartile range of those calls; "
-        "%s" % (a.warmup, "the cases of each T were timed interleaved, one call of each per round (inputs "
-                          "rebuilt, untimed, before each call), so background load hits them alike"
+        "%s" % (a.warmup, "the cases of each T were timed interleaved in rounds, each case's calls spread "
+                          "evenly over the rounds (inputs rebuilt, untimed, before each call), so background "
+                          "load hits them alike"
                 if a.interleave else "each case was timed in one block (--no-interleave)"),
         "fwd runs under torch.no_grad(); fwd+bwd is the forward with autograd plus backward of a random "
         "output gradient into all float inputs (q, k, v; beta, g for the delta rule)",
