@@ -123,6 +123,18 @@ def describe_machine(info: Dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+def start_run(threads, device: str, quiet: bool):
+    """The run-wide settings of a decoding benchmark: torch threads (None: 1 on CPU, where more
+    threads than free cores make timings erratic on a shared machine; 0: torch's default) and a
+    progress logger on stderr (silent when quiet). Returns (threads, log)."""
+    if threads is None and not str(device).startswith("cuda"):
+        threads = 1
+    if threads:
+        torch.set_num_threads(threads)
+    log = (lambda s: None) if quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    return threads, log
+
+
 def synchronizer(device: str) -> Callable[[], None]:
     if str(device).startswith("cuda"):
         return torch.cuda.synchronize

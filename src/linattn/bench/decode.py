@@ -18,7 +18,6 @@ one of `linattn bench tlinformer`.
 """
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any, Dict, List
 
@@ -75,12 +74,8 @@ def run(a) -> int:
         raise UsageError(f"--mixers: unknown {bad}; choose from {', '.join(mixers())}", prog=PROG)
     if any(n < 1 for n in a.N) or a.decode_steps < 1 or a.miss_repeats < 1:
         raise UsageError("--N, --decode-steps and --miss-repeats must be >= 1", prog=PROG)
-    if a.threads is None and not str(a.device).startswith("cuda"):
-        a.threads = 1
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a.threads, log = common.start_run(a.threads, a.device, a.quiet)
     Ns = sorted(set(a.N))
-    log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     sync = common.synchronizer(a.device)
     models = build_models(a, names)
     paths = common.output_paths("decode", a.out, overwrite=a.overwrite)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import gc
 import math
 import statistics
-import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -386,12 +385,8 @@ def run(a) -> int:
     if "tlinformer" in names and a.decode_steps + 1 >= a.generation_window:
         raise UsageError(f"--decode-steps ({a.decode_steps}) + 1 must be < W_og ({a.generation_window}) so that "
                          f"every timed TLinFormer step is a cache hit", prog="linattn bench tlinformer")
-    if a.threads is None and not str(a.device).startswith("cuda"):
-        a.threads = 1
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a.threads, log = common.start_run(a.threads, a.device, a.quiet)
     Ns = sorted(set(a.N))
-    log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     sync = common.synchronizer(a.device)
     try:
         models = build_models(a, names)
