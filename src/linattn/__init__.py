@@ -8,6 +8,7 @@ The public API, re-exported:
     mixers, LMConfig, LanguageModel            language models and their mixer registry (models/);
                                                layers in linattn.layers, audit.check_causality
 """
+from .errors import LinattnError
 from .feature_maps import FEATURE_MAP_NAMES, FAVORPlus, FeatureMap, get_feature_map
 from .ops import LinearAttentionState, delta_rule, linear_attention, softmax_attention
 from .models import LanguageModel, LMConfig, mixers
@@ -16,6 +17,7 @@ from . import audit
 __version__ = "0.1.0"
 
 __all__ = [
+    "LinattnError",
     "linear_attention", "LinearAttentionState", "softmax_attention", "delta_rule",
     "FeatureMap", "FAVORPlus", "FEATURE_MAP_NAMES", "get_feature_map",
     "mixers", "LMConfig", "LanguageModel", "audit",

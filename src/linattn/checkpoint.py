@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
+from .errors import CheckpointError  # noqa: F401  (re-exported)
 
 CHECKPOINT_FORMAT = "linattn-checkpoint/1"
 MODEL_FILE = "model.safetensors"
@@ -38,8 +39,6 @@ TMP_PREFIX = ".tmp_"
 PathLike = Union[str, os.PathLike]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, unreadable, or does not match the model config."""
 
 
 # --------------------------------------------------------------------------- atomic files

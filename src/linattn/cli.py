@@ -25,26 +25,7 @@ import argparse
 import sys
 from typing import Callable, List, Optional, Sequence
 
-PROG = "linattn"
-
-
-class UsageError(ValueError):
-    """Bad command-line arguments: reported as one line on stderr, exit code 2."""
-
-    def __init__(self, message: str, prog: Optional[str] = None):
-        super().__init__(message)
-        self.prog = prog
-
-
-class ArgParser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of printing the usage block and exiting."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message):  # noqa: D401 - argparse API
-        raise UsageError(message, prog=self.prog)
+from .cli_support import PROG, ArgParser, UsageError  # noqa: F401  (re-exported)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,9 +27,10 @@ import torch
 
 from .checkpoint import CheckpointError, load_checkpoint
 from .models.generation import sample_next
+from .errors import LinattnError
 
 
-class GenerateError(ValueError):
+class GenerateError(LinattnError):
     """Bad generation arguments."""
 
 

@@ -49,11 +49,12 @@ from .checkpoint import CheckpointError
 from .data.corpus import (CorpusError, PackedTokens, load_corpus, split_documents, token_fingerprint,
                           tokenize_documents)
 from .data.tokenizer import BPETokenizer, TokenizerError, load_tokenizer, train_tokenizer
+from .errors import LinattnError
 
 METRICS_FILE = "metrics.jsonl"
 
 
-class TrainError(ValueError):
+class TrainError(LinattnError):
     """A bad request to train/eval (bad config, occupied output folder, mismatched resume)."""
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
+from ..errors import DataError
 
 DEFAULT_STDLIB_MAX_BYTES = 8 * 1024 * 1024
 DEFAULT_VAL_FRACTION = 0.05
@@ -46,7 +47,7 @@ STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__
 DEFAULT_CORPUS_NAME = "stdlib"
 
 
-class CorpusError(ValueError):
+class CorpusError(DataError):
     """Data that cannot be used: a missing path, no readable text, too few tokens."""
 
 

@@ -16,6 +16,7 @@ from typing import Tuple, Union
 
 import numpy as np
 import torch
+from ..errors import DataError
 
 IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
              0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
@@ -26,7 +27,7 @@ FILES = {
 }
 
 
-class MNISTError(ValueError):
+class MNISTError(DataError):
     """A missing or malformed MNIST file."""
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Iterable, List, Sequence, Union
+from ..errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN,)
@@ -21,7 +22,7 @@ TOKENIZER_FILE = "tokenizer.json"
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 
-class TokenizerError(ValueError):
+class TokenizerError(DataError):
     """A tokenizer that cannot be trained or loaded (bad vocab size, missing or unreadable file)."""
 
 

@@ -32,13 +32,14 @@ import numpy as np
 import torch
 
 from ..bench.common import describe_machine, machine_info
+from ..errors import LinattnError
 
 BUDGETS = ("quick", "full", "tiny")   # "tiny": a micro budget for the tests (not advertised)
 RUNS_DIR = "runs"
 CONFIG_FILE = "experiment.json"
 
 
-class ExperimentError(ValueError):
+class ExperimentError(LinattnError):
     """A bad request (occupied results folder, mismatched resume, missing data)."""
 
 
