@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import linattn
 from linattn import delta_rule
+from linattn.ops.reference import delta_rule_ref, efla_coefficient as efla_a, rel_err
 
 MODES = ["parallel", "chunk", "recurrent"]
 VARIANTS = {  # name: (exact, gated)
@@ -19,39 +20,8 @@ VARIANTS = {  # name: (exact, gated)
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative RMS error rms(a - b) / rms(b)."""
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-300)).item()
-
-
-# ---------------------------------------------------------------- fp64 reference, from the recurrence
-
-def efla_a(beta: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    """a = (1 - exp(-beta lam)) / lam, and beta where lam == 0."""
-    lam_safe = torch.where(lam > 0, lam, torch.ones_like(lam))
-    return torch.where(lam > 0, -torch.expm1(-beta * lam_safe) / lam_safe, beta)
-
-
 def delta_ref(q, k, v, beta, g=None, exact=False, scale=None, qk_l2norm=False, S0=None):
-    """S_t = exp(g_t) (I - a_t k_t k_t^T) S_{t-1} + a_t k_t v_t^T, o_t = scale S_t^T q_t, token by token in fp64."""
-    q, k, v, beta = q.double(), k.double(), v.double(), beta.double()
-    B, T, H, K = q.shape
-    scale = K ** -0.5 if scale is None else scale
-    if qk_l2norm:
-        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
-    S = S0.double() if S0 is not None else torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64)
-    outs = []
-    for t in range(T):
-        kt, vt, bt = k[:, t], v[:, t], beta[:, t]  # [B, H, K], [B, H, V], [B, H]
-        a = efla_a(bt, (kt * kt).sum(-1)) if exact else bt
-        kS = (kt[..., :, None] * S).sum(-2)  # S^T k (elementwise: tiny matmuls thrash shared CPUs)
-        S = S - a[..., None, None] * kt[..., :, None] * kS[..., None, :]
-        if g is not None:
-            S = torch.exp(g[:, t].double())[..., None, None] * S
-        S = S + a[..., None, None] * kt[..., :, None] * vt[..., None, :]
-        outs.append(scale * (q[:, t, :, :, None] * S).sum(-2))
-    return torch.stack(outs, dim=1), S
+    return delta_rule_ref(q, k, v, beta, g=g, exact=exact, scale=scale, qk_l2norm=qk_l2norm, S0=S0)
 
 
 def make_inputs(B, T, H, K, V, dtype, gated, norms=(0.2, 1.4)):

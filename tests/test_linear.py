@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 import linattn
 from linattn import FAVORPlus, LinearAttentionState, linear_attention
 from linattn.feature_maps import CosFormer
-from reference import linear_attention_ref, rel_err
+from linattn.ops.reference import linear_attention_ref, rel_err
 
 MAPS = ["identity", "elu+1", "relu", "cosformer", "taylor2", "favor+", "hadamard_exp",
         "sum_sq_euclid", "sub_sq_euclid", "magnitude_direction"]

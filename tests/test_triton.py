@@ -30,7 +30,7 @@ import linattn  # noqa: E402
 from linattn import LinearAttentionState  # noqa: E402
 from linattn.feature_maps import CosFormer  # noqa: E402
 from linattn.ops import backend as B  # noqa: E402
-from reference import rel_err  # noqa: E402
+from linattn.ops.reference import rel_err  # noqa: E402
 
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
 

@@ -1,4 +1,10 @@
-"""Plain fp64 references written from the formulas, independent of linattn's phi/psi code."""
+"""fp64 references written from the formulas, independent of the operators' code: what the tests,
+the benchmarks' exactness table and the demo compare every form of every operator against.
+
+They are slow on purpose (explicit T x T kernels, token-by-token loops) and import nothing from
+linattn but the feature maps' drawn parameters (FAVOR+'s projection, cosFormer's horizon), which define
+the kernel being computed.
+"""
 from __future__ import annotations
 
 import math
@@ -95,3 +101,49 @@ def linear_attention_ref(q, k, v, name, *, causal=True, normalize=True, log_gate
             else:
                 out[bb, :, h] = num
     return out
+
+
+# ---------------------------------------------------------------- the delta-rule family
+
+def efla_coefficient(beta: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """EFLA's a = (1 - exp(-beta lam)) / lam, and beta where lam == 0."""
+    lam_safe = torch.where(lam > 0, lam, torch.ones_like(lam))
+    return torch.where(lam > 0, -torch.expm1(-beta * lam_safe) / lam_safe, beta)
+
+
+def delta_scan_ref(q, k, v, a, *, r=None, g=None, scale=1.0, S0=None):
+    """The general delta recurrence, token by token in fp64:
+
+        S_t = D_t S_{t-1} - a_t k_t (S_{t-1}^T r_t)^T + a_t k_t v_t^T,   o_t = scale S_t^T q_t,
+
+    D_t = diag(exp(g_t)) (g [B, T, H] scalar or [B, T, H, K] per channel, None: no decay). r=None
+    means the delta rule's own read, r_t = D_t k_t (the erase acts on the decayed state).
+    q, k, r [B, T, H, K], v [B, T, H, V], a [B, T, H] -> (o [B, T, H, V], S [B, H, K, V]).
+    """
+    q, k, v, a = q.double(), k.double(), v.double(), a.double()
+    B, T, H, K = q.shape
+    S = S0.double() if S0 is not None else torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64)
+    outs = []
+    for t in range(T):
+        kt, vt, at = k[:, t], v[:, t], a[:, t]
+        if g is None:
+            decay = torch.ones(B, H, 1, dtype=torch.float64)
+        else:
+            gt = g[:, t].double()
+            decay = torch.exp(gt if gt.dim() == 3 else gt[..., None])  # [B, H, K or 1]
+        rt = decay * kt if r is None else r[:, t].double()
+        pred = (rt[..., :, None] * S).sum(-2)  # S^T r (elementwise: tiny matmuls thrash shared CPUs)
+        S = decay[..., None] * S + at[..., None, None] * kt[..., :, None] * (vt - pred)[..., None, :]
+        outs.append(scale * (q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, dim=1), S
+
+
+def delta_rule_ref(q, k, v, beta, g=None, exact=False, scale=None, qk_l2norm=False, S0=None):
+    """delta_rule from its recurrence, S_t = D_t (I - a_t k_t k_t^T) S_{t-1} + a_t k_t v_t^T,
+    o_t = scale S_t^T q_t (a = beta, or EFLA's coefficient when exact); fp64 -> (o, S)."""
+    q, k = q.double(), k.double()
+    if qk_l2norm:
+        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    a = efla_coefficient(beta.double(), (k * k).sum(-1)) if exact else beta.double()
+    return delta_scan_ref(q, k, v, a, g=g, scale=scale, S0=S0)
