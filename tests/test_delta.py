@@ -336,8 +336,8 @@ def test_bad_inputs():
         call(beta=torch.full_like(beta, float("nan")))
     with pytest.raises(ValueError, match="g is a log-gate and must be <= 0"):
         call(g=-g + 0.1)
-    with pytest.raises(ValueError, match=r"g must have shape \[B, T, H\]"):
-        call(g=g[..., None].expand(B, T, H, K))
+    with pytest.raises(ValueError, match=r"g must have shape \[B, T, H\] or \[B, T, H, 4\]"):
+        call(g=g[..., None].expand(B, T, H, K + 1))
     with pytest.raises(ValueError, match="g must be finite"):
         call(g=torch.full_like(g, float("-inf")))
     with pytest.raises(ValueError, match="mode must be one of"):

@@ -18,7 +18,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import inspect  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import warnings  # noqa: E402
@@ -127,12 +126,12 @@ def _linear_inputs(fm, gate, varlen, with_state, dtype, shape, seed=0):
 @needs_triton
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=[c[0] for c in LINEAR_CASES])
 def test_chunk_linear_attention(case):
-    from linattn.triton.linear import chunk_linear_attention
     _, fm, gate, normalize, varlen, with_state, dtype, shape = case
     q, k, v, kw, leaves = _linear_inputs(fm, gate, varlen, with_state, dtype, shape)
-    o1, s1 = chunk_linear_attention(q, k, v, normalize=normalize, chunk_size=16, output_final_state=True, **kw)
+    o1, s1 = linattn.linear_attention(q, k, v, normalize=normalize, chunk_size=16, output_final_state=True,
+                                      mode="chunk", backend="triton", **kw)
     o2, s2 = linattn.linear_attention(q, k, v, normalize=normalize, chunk_size=16, output_final_state=True,
-                                      mode="chunk", **kw)
+                                      mode="chunk", backend="torch", **kw)
     tol, errs = TOL[dtype], {}
     assert o1.dtype == dtype and s1.kv.dtype == torch.float32 and s1.z.dtype == torch.float32
     assert s1.log_scale is None and torch.equal(s1.offset, s2.offset)
@@ -149,10 +148,9 @@ def test_chunk_linear_attention(case):
 @needs_triton
 def test_chunk_linear_attention_no_state_outputs():
     """Output only (no final state requested, no normaliser): the kernels skip the z state."""
-    from linattn.triton.linear import chunk_linear_attention
     q, k, v, kw, leaves = _linear_inputs("elu+1", "g", False, False, torch.float32, (24, 1, 16, 16))
-    o1, s1 = chunk_linear_attention(q, k, v, normalize=False, chunk_size=16, **kw)
-    o2, _ = linattn.linear_attention(q, k, v, normalize=False, chunk_size=16, mode="chunk", **kw)
+    o1, s1 = linattn.linear_attention(q, k, v, normalize=False, chunk_size=16, backend="triton", **kw)
+    o2, _ = linattn.linear_attention(q, k, v, normalize=False, chunk_size=16, mode="chunk", backend="torch", **kw)
     assert s1 is None
     errs = {}
     _check("o", o1, o2, 1e-3, errs)
@@ -166,27 +164,26 @@ def test_chunk_linear_attention_no_state_outputs():
 @pytest.mark.parametrize("fm,dtype", [("elu+1", torch.float32), ("taylor2", torch.float32),
                                       ("relu", torch.bfloat16)])
 def test_fused_recurrent_linear_attention(fm, dtype):
-    from linattn.triton.linear import fused_recurrent_linear_attention
     with torch.no_grad():
         q, k, v, kw, _ = _linear_inputs(fm, "g", True, True, dtype, (20, 2, 8, 16))
         kw["cu_seqlens"] = torch.tensor([0, 7, 20], device=DEV)
-        o1, s1 = fused_recurrent_linear_attention(q, k, v, output_final_state=True, **kw)
-        o2, s2 = linattn.linear_attention(q, k, v, output_final_state=True, mode="recurrent", **kw)
+        o1, s1 = linattn.linear_attention(q, k, v, output_final_state=True, mode="recurrent", backend="triton", **kw)
+        o2, s2 = linattn.linear_attention(q, k, v, output_final_state=True, mode="recurrent", backend="torch", **kw)
         errs = {}
         _check("o", o1, o2, TOL[dtype], errs)
         _check("kv", s1.kv, s2.kv, TOL[dtype], errs)
         _check("z", s1.z, s2.z, TOL[dtype], errs)
         assert torch.equal(s1.offset, s2.offset)
         # single-token decoding continues the state of a chunked prefix
-        from linattn.triton.linear import chunk_linear_attention
         st = kw.pop("initial_state")
         kw.pop("cu_seqlens")
         q1, k1, v1 = q[:, :1], k[:, :1], v[:, :1]
         kw["g"] = kw["g"][:, :1]
-        _, pre = chunk_linear_attention(q[:, 1:], k[:, 1:], v[:, 1:], output_final_state=True,
-                                        feature_map=kw["feature_map"], scale=kw["scale"], chunk_size=16)
-        o3, s3 = fused_recurrent_linear_attention(q1, k1, v1, initial_state=LinearAttentionState(
-            pre.kv[:1], pre.z[:1], None, pre.offset[:1]), output_final_state=True, **kw)
+        _, pre = linattn.linear_attention(q[:, 1:], k[:, 1:], v[:, 1:], output_final_state=True, backend="triton",
+                                          feature_map=kw["feature_map"], scale=kw["scale"], chunk_size=16)
+        o3, s3 = linattn.linear_attention(q1, k1, v1, initial_state=LinearAttentionState(
+            pre.kv[:1], pre.z[:1], None, pre.offset[:1]), output_final_state=True, mode="recurrent",
+            backend="triton", **kw)
         o4, s4 = linattn.linear_attention(q1, k1, v1, initial_state=LinearAttentionState(
             pre.kv[:1], pre.z[:1], None, pre.offset[:1]), output_final_state=True, mode="recurrent", **kw)
         _check("o_decode", o3, o4, TOL[dtype], errs)
@@ -238,11 +235,12 @@ def _delta_inputs(exact, gate, l2, varlen, with_state, dtype, kscale, shape, see
 @needs_triton
 @pytest.mark.parametrize("case", DELTA_CASES, ids=[c[0] for c in DELTA_CASES])
 def test_chunk_delta_rule(case):
-    from linattn.triton.delta import chunk_delta_rule
     _, exact, gate, l2, varlen, with_state, dtype, kscale, shape = case
     q, k, v, beta, kw, leaves = _delta_inputs(exact, gate, l2, varlen, with_state, dtype, kscale, shape)
-    o1, s1 = chunk_delta_rule(q, k, v, beta, chunk_size=16, output_final_state=True, **kw)
-    o2, s2 = linattn.delta_rule(q, k, v, beta, chunk_size=16, output_final_state=True, mode="chunk", **kw)
+    o1, s1 = linattn.delta_rule(q, k, v, beta, chunk_size=16, output_final_state=True, mode="chunk",
+                                backend="triton", **kw)
+    o2, s2 = linattn.delta_rule(q, k, v, beta, chunk_size=16, output_final_state=True, mode="chunk",
+                                backend="torch", **kw)
     tol, errs = TOL[dtype], {}
     assert o1.dtype == dtype and s1.dtype == torch.float32
     _check("o", o1, o2, tol, errs)
@@ -255,11 +253,10 @@ def test_chunk_delta_rule(case):
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_recurrent_delta_rule(dtype):
-    from linattn.triton.delta import fused_recurrent_delta_rule
     with torch.no_grad():
         q, k, v, beta, kw, _ = _delta_inputs(True, True, True, True, True, dtype, 1.0, (20, 2, 16, 16))
-        o1, s1 = fused_recurrent_delta_rule(q, k, v, beta, output_final_state=True, **kw)
-        o2, s2 = linattn.delta_rule(q, k, v, beta, output_final_state=True, mode="recurrent", **kw)
+        o1, s1 = linattn.delta_rule(q, k, v, beta, output_final_state=True, mode="recurrent", backend="triton", **kw)
+        o2, s2 = linattn.delta_rule(q, k, v, beta, output_final_state=True, mode="recurrent", backend="torch", **kw)
     errs = {}
     _check("o", o1, o2, TOL[dtype], errs)
     _check("S", s1, s2, TOL[dtype], errs)
@@ -267,50 +264,58 @@ def test_fused_recurrent_delta_rule(dtype):
 
 # --------------------------------------------------------------------------------------- dispatch
 
+def _problem(q=None, **kw):
+    q = torch.zeros(1, 4, 2, 8) if q is None else q
+    return linattn.prepare_linear_attention(q, q, q, **kw)
+
+
 def test_select_backend_rules(monkeypatch):
-    x = torch.zeros(1, 2, 1, 4)
-    assert B.select_backend("torch", x) == "torch"
-    assert B.select_backend("auto", x) == "torch"  # CPU tensors: PyTorch, triton never touched
+    p = _problem()
+    assert B.select_backend("torch", p) == "torch"
+    assert B.select_backend("auto", p) == "torch"  # CPU tensors: PyTorch, triton never touched
     with pytest.raises(ValueError, match="backend must be one of"):
-        B.select_backend("cuda", x)
+        B.select_backend("cuda", p)
     monkeypatch.setattr(B, "available", lambda: False)
     with pytest.raises(ImportError, match="linattn\\[triton\\]"):
-        B.select_backend("triton", x)
+        B.select_backend("triton", p)
     monkeypatch.setattr(B, "available", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        B.select_backend("triton", x)
+        B.select_backend("triton", p)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert B.select_backend("triton", x) == "triton"
+    assert B.select_backend("triton", p) == "triton"
     with pytest.warns(UserWarning, match="falling back"):
-        assert B.select_backend("triton", x, unsupported="a reason for this test") == "torch"
+        assert B.select_backend("triton", _problem(feature_map="hadamard_exp", mode="parallel")) == "torch"
 
 
 def test_unsupported_configurations():
     q = torch.zeros(1, 4, 2, 8)
-    assert B.linear_attention_unsupported(q) is None
-    assert B.linear_attention_unsupported(q, feature_map="taylor2", g=torch.zeros(1, 4, 2)) is None
-    assert "log-space" in B.linear_attention_unsupported(q, feature_map="hadamard_exp")
-    assert "log-space" in B.linear_attention_unsupported(q, feature_map=linattn.FAVORPlus(8))
-    assert "diagonal" in B.linear_attention_unsupported(q, g=torch.zeros(1, 4, 2, 8))
-    assert "causal" in B.linear_attention_unsupported(q, causal=False)
-    assert "parallel" in B.linear_attention_unsupported(q, mode="parallel")
-    assert "fp16 / bf16 / fp32" in B.linear_attention_unsupported(q.double())
-    leaf = torch.zeros(1, requires_grad=True)
-    assert "forward-only" in B.linear_attention_unsupported(q, mode="recurrent", grad_tensors=[leaf])
+    assert _problem().triton_unsupported() is None
+    assert _problem(feature_map="taylor2", g=torch.zeros(1, 4, 2)).triton_unsupported() is None
+    assert "log-space" in _problem(feature_map="hadamard_exp").triton_unsupported()
+    assert "log-space" in _problem(feature_map=linattn.FAVORPlus(8)).triton_unsupported()
+    assert "diagonal" in _problem(g=torch.zeros(1, 4, 2, 8)).triton_unsupported()
+    assert "causal" in _problem(causal=False).triton_unsupported()
+    assert "parallel" in _problem(mode="parallel").triton_unsupported()
+    assert "fp16 / bf16 / fp32" in _problem(q.double()).triton_unsupported()
+    leaf = torch.zeros(1, 4, 2, 8, requires_grad=True)
+    assert "forward-only" in _problem(leaf, mode="recurrent").triton_unsupported()
     with torch.no_grad():
-        assert B.linear_attention_unsupported(q, mode="recurrent", grad_tensors=[leaf]) is None
-    assert B.delta_rule_unsupported(q) is None
-    assert "K <= 256" in B.delta_rule_unsupported(torch.zeros(1, 4, 2, 300))
-    assert "forward-only" in B.delta_rule_unsupported(q, mode="recurrent", grad_tensors=[leaf])
+        assert _problem(leaf, mode="recurrent").triton_unsupported() is None
+
+    def delta(q, **kw):
+        return linattn.prepare_delta(q, q, q, torch.ones(q.shape[:3]), **kw)
+
+    assert delta(q).triton_unsupported() is None
+    assert "K <= 256" in delta(torch.zeros(1, 4, 2, 300)).triton_unsupported()
+    assert "forward-only" in delta(leaf, mode="recurrent").triton_unsupported()
+    assert "per-channel" in delta(q, g=torch.zeros(1, 4, 2, 8), channel_gate=True).triton_unsupported()
+    assert "read key" in delta(q, r=q).triton_unsupported()
 
 
 @needs_triton
 def test_operator_backends_agree():
-    """Once the operators take `backend=`, backend="triton" must reproduce backend="torch"."""
-    for op in (linattn.linear_attention, linattn.delta_rule):
-        if "backend" not in inspect.signature(op).parameters:
-            pytest.skip("the operators do not take backend= yet")
+    """backend="triton" reproduces backend="torch"; uncovered calls fall back to PyTorch."""
     q, k, v, kw, _ = _linear_inputs("elu+1", "g", False, True, torch.float32, (24, 1, 16, 16))
     o1, s1 = linattn.linear_attention(q, k, v, chunk_size=16, output_final_state=True, backend="triton", **kw)
     o2, s2 = linattn.linear_attention(q, k, v, chunk_size=16, output_final_state=True, backend="torch", **kw)
@@ -327,12 +332,12 @@ def test_operator_backends_agree():
 
 def test_import_linattn_does_not_import_triton():
     code = ("import sys, torch, linattn\n"
-            "from linattn.ops.backend import linear_attention_backend, delta_rule_backend\n"
+            "from linattn.ops.backend import select_backend\n"
             "q = torch.randn(1, 8, 1, 4)\n"
             "linattn.linear_attention(q, q, q)\n"
             "linattn.delta_rule(q, q, q, torch.rand(1, 8, 1))\n"
-            "assert linear_attention_backend('auto', q, q, q) == 'torch'\n"
-            "assert delta_rule_backend('auto', q, q, q, q[..., 0]) == 'torch'\n"
+            "assert select_backend('auto', linattn.prepare_linear_attention(q, q, q)) == 'torch'\n"
+            "assert select_backend('auto', linattn.prepare_delta(q, q, q, q[..., 0].abs())) == 'torch'\n"
             "assert 'triton' not in sys.modules, 'triton was imported'\n")
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)

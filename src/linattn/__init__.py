@@ -10,7 +10,8 @@ The public API, re-exported:
 """
 from .errors import LinattnError
 from .feature_maps import FEATURE_MAP_NAMES, FAVORPlus, FeatureMap, get_feature_map
-from .ops import LinearAttentionState, delta_rule, linear_attention, softmax_attention
+from .ops import (LinearAttentionState, chunk_size_used, delta_rule, get_checks, linear_attention, prepare_delta,
+                  prepare_linear_attention, set_checks, softmax_attention)
 from .models import LanguageModel, LMConfig, mixers
 from . import audit
 
@@ -18,7 +19,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LinattnError",
-    "linear_attention", "LinearAttentionState", "softmax_attention", "delta_rule",
+    "linear_attention", "LinearAttentionState", "softmax_attention", "delta_rule", "set_checks", "get_checks",
+    "chunk_size_used", "prepare_linear_attention", "prepare_delta",
     "FeatureMap", "FAVORPlus", "FEATURE_MAP_NAMES", "get_feature_map",
     "mixers", "LMConfig", "LanguageModel", "audit",
 ]

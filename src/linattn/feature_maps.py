@@ -9,6 +9,12 @@ needs no symmetry). Two kinds exist:
   their log-features and stabilise them with running maxima, as online softmax does.
 
 Positional maps (`positional = True`, cosFormer) also take the absolute token positions.
+
+Each map carries its own capabilities, so the operators and backends ask the object and never a
+list of names: `log_space`, `positional`, `fused_kernel` (the name of the in-kernel form the Triton
+kernels fuse, or None: the features are then computed by PyTorch first), `feature_dim(head_dim)`
+(the width K_phi of phi and psi) and the classmethod `build(head_dim)` (how `get_feature_map`
+makes one for a head dimension).
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ from typing import Callable, Dict, Optional, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .errors import LinattnError, LinattnTypeError
 
 
 class FeatureMap:
@@ -34,15 +42,16 @@ class FeatureMap:
     name = "custom"
     log_space = False
     positional = False
+    fused_kernel: Optional[str] = None  # the in-kernel form of the Triton kernels, if any
 
     def __init__(self, phi: Optional[Callable] = None, psi: Optional[Callable] = None, *,
                  log_space: bool = False, name: str = "custom"):
         if phi is not None and not callable(phi):
-            raise TypeError(f"phi must be callable, got {type(phi).__name__}")
+            raise LinattnTypeError(f"phi must be callable, got {type(phi).__name__}")
         if psi is not None and not callable(psi):
-            raise TypeError(f"psi must be callable, got {type(psi).__name__}")
+            raise LinattnTypeError(f"psi must be callable, got {type(psi).__name__}")
         if phi is None and type(self) is FeatureMap:
-            raise ValueError("FeatureMap needs at least phi (psi defaults to phi)")
+            raise LinattnError("FeatureMap needs at least phi (psi defaults to phi)")
         self._phi, self._psi = phi, (psi if psi is not None else phi)
         if phi is not None:
             self.log_space, self.name = bool(log_space), name
@@ -53,6 +62,17 @@ class FeatureMap:
     def psi(self, x: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self._psi(x)
 
+    @classmethod
+    def build(cls, head_dim: int) -> "FeatureMap":
+        """The map for heads of width `head_dim` (what `get_feature_map(name, head_dim)` returns)."""
+        return cls()
+
+    def feature_dim(self, head_dim: int) -> int:
+        """K_phi, the width of phi(x) and psi(x) for inputs of width `head_dim` (found by evaluating
+        phi on one zero vector unless the subclass knows it)."""
+        x = torch.zeros(1, 1, 1, head_dim)
+        return int(self.phi(x, torch.zeros(1, 1, dtype=torch.int64) if self.positional else None).shape[-1])
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
@@ -60,6 +80,7 @@ class FeatureMap:
 class Identity(FeatureMap):
     """k(a, b) = a . b: unnormalised linear attention as in eq. (6) of the history seed."""
     name = "identity"
+    fused_kernel = "identity"
 
     def phi(self, x, pos=None):
         return x
@@ -70,6 +91,7 @@ class Identity(FeatureMap):
 class EluPlusOne(FeatureMap):
     """phi = psi = elu(x) + 1 (Katharopoulos et al.), strictly positive."""
     name = "elu+1"
+    fused_kernel = "elu+1"
 
     def phi(self, x, pos=None):
         return F.elu(x) + 1.0
@@ -80,6 +102,7 @@ class EluPlusOne(FeatureMap):
 class ReLU(FeatureMap):
     """phi = psi = relu(x). Non-negative but can be all zero: the normaliser can vanish (see eps)."""
     name = "relu"
+    fused_kernel = "relu"
 
     def phi(self, x, pos=None):
         return F.relu(x)
@@ -100,12 +123,12 @@ class CosFormer(FeatureMap):
 
     def __init__(self, max_len: int = 4096):
         if max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
+            raise LinattnError(f"max_len must be >= 1, got {max_len}")
         self.max_len = int(max_len)
 
     def phi(self, x, pos=None):
         if pos is None:
-            raise ValueError("cosformer needs token positions")
+            raise LinattnError("cosformer needs token positions")
         angle = (math.pi / (2 * self.max_len)) * pos.to(x.dtype)
         angle = angle.reshape(*angle.shape, *([1] * (x.dim() - angle.dim())))  # broadcast over H, K
         r = F.relu(x)
@@ -209,11 +232,11 @@ class FAVORPlus(nn.Module, FeatureMap):
                  seed: int = 0):
         nn.Module.__init__(self)
         if dim < 1:
-            raise ValueError(f"dim must be >= 1, got {dim}")
+            raise LinattnError(f"dim must be >= 1, got {dim}")
         self.dim = int(dim)
         self.n_features = int(n_features) if n_features is not None else max(1, int(dim * math.log(dim + 1)))
         if self.n_features < 1:
-            raise ValueError(f"n_features must be >= 1, got {n_features}")
+            raise LinattnError(f"n_features must be >= 1, got {n_features}")
         self.orthogonal = bool(orthogonal)
         self._generator = torch.Generator().manual_seed(int(seed))
         self.register_buffer("projection", torch.empty(self.n_features, self.dim), persistent=True)
@@ -230,11 +253,18 @@ class FAVORPlus(nn.Module, FeatureMap):
 
     def phi(self, x, pos=None):
         if x.shape[-1] != self.dim:
-            raise ValueError(f"FAVORPlus was built for dim {self.dim}, got inputs with last dim {x.shape[-1]}")
+            raise LinattnError(f"FAVORPlus was built for dim {self.dim}, got inputs with last dim {x.shape[-1]}")
         w = self.projection.to(device=x.device, dtype=x.dtype)
         return x @ w.T - 0.5 * (x * x).sum(-1, keepdim=True) - 0.5 * math.log(self.n_features)
 
     psi = phi
+
+    @classmethod
+    def build(cls, head_dim: int) -> "FAVORPlus":
+        return cls(head_dim, seed=0)  # a fixed draw; build FAVORPlus yourself to control it
+
+    def feature_dim(self, head_dim: int) -> int:
+        return self.n_features
 
     def forward(self, x):
         """The (positive) features themselves, exp(phi(x)); for inspection, not for the operator."""
@@ -244,31 +274,24 @@ class FAVORPlus(nn.Module, FeatureMap):
         return f"dim={self.dim}, n_features={self.n_features}, orthogonal={self.orthogonal}"
 
 
-FEATURE_MAPS: Dict[str, Callable[[], FeatureMap]] = {
-    "identity": Identity,
-    "elu+1": EluPlusOne,
-    "relu": ReLU,
-    "cosformer": CosFormer,
-    "taylor2": Taylor2,
-    "hadamard_exp": HadamardExp,
-    "sum_sq_euclid": SumSqEuclid,
-    "sub_sq_euclid": SubSqEuclid,
-    "magnitude_direction": MagnitudeDirection,
+FEATURE_MAPS: Dict[str, type] = {
+    cls.name: cls for cls in (Identity, EluPlusOne, ReLU, CosFormer, Taylor2, HadamardExp, SumSqEuclid,
+                              SubSqEuclid, MagnitudeDirection, FAVORPlus)
 }
-FEATURE_MAP_NAMES = tuple(FEATURE_MAPS) + ("favor+",)
+FEATURE_MAP_NAMES = tuple(FEATURE_MAPS)
 
 
 def get_feature_map(feature_map: Union[str, FeatureMap, None], dim: int) -> FeatureMap:
-    """Resolve a name, a FeatureMap, or None (identity: q, k are already features)."""
+    """Resolve a name (built for head dimension `dim`), a FeatureMap, or None (identity: q and k
+    are already features)."""
     if feature_map is None:
         return Identity()
     if isinstance(feature_map, FeatureMap):
         return feature_map
     if isinstance(feature_map, str):
-        if feature_map == "favor+":
-            return FAVORPlus(dim, seed=0)  # a fixed draw; build FAVORPlus yourself to control it
         if feature_map in FEATURE_MAPS:
-            return FEATURE_MAPS[feature_map]()
-        raise ValueError(f"unknown feature_map {feature_map!r}; expected one of {FEATURE_MAP_NAMES}, "
-                         f"a linattn.FeatureMap, or None")
-    raise TypeError(f"feature_map must be a name, a linattn.FeatureMap or None, got {type(feature_map).__name__}")
+            return FEATURE_MAPS[feature_map].build(dim)
+        raise LinattnError(f"unknown feature_map {feature_map!r}; expected one of {FEATURE_MAP_NAMES}, "
+                           f"a linattn.FeatureMap, or None")
+    raise LinattnTypeError(f"feature_map must be a name, a linattn.FeatureMap or None, "
+                           f"got {type(feature_map).__name__}")

@@ -1,6 +1,37 @@
-"""Pure operator functions, one module per family, each with its parallel, chunk and recurrent forms."""
+"""Pure operator functions, one module per family, each with its parallel, chunk and recurrent forms.
+
+Each public operator validates and prepares its call once (`prepare_*` -> a problem dataclass), then
+runs it on a backend (`backend.py`: the PyTorch forms or the Triton kernels). `reference.py` holds
+the fp64 references the tests, benchmarks and demo compare against.
+"""
+from ._common import get_checks, set_checks
 from .delta import delta_rule
-from .linear import LinearAttentionState, linear_attention
+from .delta_core import prepare_delta
+from .linear import LinearAttentionState, linear_attention, prepare_linear_attention
 from .softmax import softmax_attention
 
-__all__ = ["delta_rule", "linear_attention", "LinearAttentionState", "softmax_attention"]
+
+
+
+def chunk_size_used(op: str, q, k, v, *args, backend: str = "auto", **kwargs) -> int:
+    """The chunk length `op` ("linear_attention" or "delta_rule") really uses for this call on the
+    backend it would pick (the Triton kernels round to 16 / 32 / 64; log-space maps and diagonal or
+    per-channel gates use blocks of at most 16 on the PyTorch path). Same arguments as the operator."""
+    from .backend import select_backend
+    from .delta_core import efla_coefficient
+
+    if op == "linear_attention":
+        p = prepare_linear_attention(q, k, v, *args, **kwargs)
+    elif op == "delta_rule":
+        (beta,) = args
+        exact = kwargs.pop("exact", False)
+        p = prepare_delta(q, k, v, beta, channel_gate=True, coefficient=efla_coefficient if exact else None,
+                          **kwargs)
+    else:
+        from ..errors import LinattnError
+        raise LinattnError(f"op must be 'linear_attention' or 'delta_rule', got {op!r}")
+    return p.chunk_size_used(select_backend(backend, p))
+
+
+__all__ = ["delta_rule", "linear_attention", "LinearAttentionState", "softmax_attention", "set_checks",
+           "get_checks", "chunk_size_used", "prepare_linear_attention", "prepare_delta"]

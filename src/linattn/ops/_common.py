@@ -3,15 +3,58 @@
 Every public operator takes q, k `[B, T, H, K]` and v `[B, T, H, V]` (flash-linear-attention's
 layout), returns outputs in the input dtype, and keeps its state and accumulators in fp32
 (fp64 when the inputs are fp64). Errors name the argument and the shape that was expected.
+
+Two kinds of checks. Shape, dtype and device checks read only metadata and always run. Checks that
+read tensor *values* (NaN, the sign of a log-gate, a negative beta) need the values on the host: on
+a GPU that is a device-to-host synchronisation per check, and under torch.compile a graph break.
+They run according to `set_checks`:
+
+* "auto" (default): for CPU tensors outside torch.compile (where they cost microseconds), never
+  for CUDA tensors;
+* "full": always (debugging a GPU run);
+* "shapes": never.
+
+The environment variable LINATTN_CHECKS sets the initial level.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import LinattnError, LinattnTypeError
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MODES = ("parallel", "chunk", "recurrent")
+CHECK_LEVELS = ("auto", "full", "shapes")
+
+_checks = os.environ.get("LINATTN_CHECKS", "auto").strip().lower() or "auto"
+if _checks not in CHECK_LEVELS:
+    raise LinattnError(f"LINATTN_CHECKS must be one of {CHECK_LEVELS}, got {_checks!r}")
+
+
+def set_checks(level: str) -> str:
+    """Set how much the operators check tensor values ("auto", "full" or "shapes"); returns the
+    previous level. See the module docstring."""
+    global _checks
+    if level not in CHECK_LEVELS:
+        raise LinattnError(f"checks level must be one of {CHECK_LEVELS}, got {level!r}")
+    previous, _checks = _checks, level
+    return previous
+
+
+def get_checks() -> str:
+    return _checks
+
+
+def check_values(x: torch.Tensor) -> bool:
+    """Whether value checks run for tensors like `x` (see `set_checks`)."""
+    if _checks == "shapes":
+        return False
+    if _checks == "full":
+        return True
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -21,11 +64,16 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def check_tensor(x, name: str, ndim: int, layout: str) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+        raise LinattnTypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+        raise LinattnTypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
     if x.dim() != ndim:
-        raise ValueError(f"{name} must have shape {layout} ({ndim} dims), got {tuple(x.shape)}")
+        raise LinattnError(f"{name} must have shape {layout} ({ndim} dims), got {tuple(x.shape)}")
+
+
+def check_same_device(x: torch.Tensor, name: str, ref: torch.Tensor) -> None:
+    if x.device != ref.device:
+        raise LinattnError(f"{name} must be on the device of q ({ref.device}), got {x.device}")
 
 
 def check_qkv(q, k, v) -> Tuple[int, int, int, int, int]:
@@ -35,61 +83,77 @@ def check_qkv(q, k, v) -> Tuple[int, int, int, int, int]:
     check_tensor(v, "v", 4, "[B, T, H, V]")
     B, T, H, K = q.shape
     if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
+        raise LinattnError(f"k must have the shape of q [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape[:3] != q.shape[:3]:
-        raise ValueError(
+        raise LinattnError(
             f"v must have shape [B, T, H, V] with B, T, H = {(B, T, H)} as in q, got {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise LinattnTypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise LinattnError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if T == 0:
-        raise ValueError("the sequence length T must be at least 1")
+        raise LinattnError("the sequence length T must be at least 1")
     return B, T, H, K, v.shape[-1]
 
 
 def check_mode(mode: str, chunk_size: int) -> None:
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise LinattnError(f"mode must be one of {MODES}, got {mode!r}")
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        raise LinattnError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def check_scale(scale, default: float) -> float:
+    """`scale=None` means the operator's default; otherwise a real number."""
+    if scale is None:
+        return float(default)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise LinattnTypeError(f"scale must be a float or None (the default), got {type(scale).__name__}")
+    return float(scale)
 
 
 def check_log_gate(g, name: str, B: int, T: int, H: int, K: Optional[int] = None,
-                   allow_diagonal: bool = False) -> None:
-    """A log-gate is `[B, T, H]` (scalar per head) or, if allowed, `[B, T, H, K]`; every entry <= 0."""
+                   allow_diagonal: bool = False, ref: Optional[torch.Tensor] = None) -> None:
+    """A log-gate is `[B, T, H]` (scalar per head) or, if allowed, `[B, T, H, K]`; every entry <= 0
+    and finite (checked when value checks run)."""
     layout = "[B, T, H]" + (f" or [B, T, H, {K}]" if allow_diagonal else "")
     if not isinstance(g, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(g).__name__}")
+        raise LinattnTypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(g).__name__}")
     if g.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be a floating tensor, got {g.dtype}")
+        raise LinattnTypeError(f"{name} must be a floating tensor, got {g.dtype}")
     ok = tuple(g.shape) == (B, T, H) or (allow_diagonal and tuple(g.shape) == (B, T, H, K))
     if not ok:
-        raise ValueError(f"{name} must have shape {layout} = "
-                         f"{(B, T, H)}{' or ' + str((B, T, H, K)) if allow_diagonal else ''}, got {tuple(g.shape)}")
-    if torch.isnan(g).any():
-        raise ValueError(f"{name} contains NaN")
-    if (g > 0).any():
-        raise ValueError(f"{name} is a log-gate and must be <= 0 everywhere (decay exp({name}) in (0, 1]); "
-                         f"got a maximum of {g.max().item():.4g}")
+        raise LinattnError(f"{name} must have shape {layout} = "
+                           f"{(B, T, H)}{' or ' + str((B, T, H, K)) if allow_diagonal else ''}, got {tuple(g.shape)}")
+    if ref is not None:
+        check_same_device(g, name, ref)
+    if check_values(g) and not bool((g <= 0).all()):  # one pass catches NaN and positive entries
+        if torch.isnan(g).any():
+            raise LinattnError(f"{name} contains NaN")
+        raise LinattnError(f"{name} is a log-gate and must be <= 0 everywhere (decay exp({name}) in (0, 1]); "
+                           f"got a maximum of {g.max().item():.4g}")
 
 
 def check_cu_seqlens(cu_seqlens, B: int, T: int) -> Optional[List[int]]:
-    """Validate packed-sequence offsets; return them as a Python list (or None)."""
+    """Validate packed-sequence offsets; return them as a Python list (or None).
+
+    Reading the offsets is one host synchronisation per call for a CUDA tensor: the sequence
+    boundaries decide the work, so every backend needs them on the host.
+    """
     if cu_seqlens is None:
         return None
     if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be an int64 tensor [N+1], got {type(cu_seqlens).__name__}")
+        raise LinattnTypeError(f"cu_seqlens must be an int64 tensor [N+1], got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int64, torch.int32) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be an integer tensor of shape [N+1] with N >= 1, "
-                         f"got dtype {cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}")
+        raise LinattnError(f"cu_seqlens must be an integer tensor of shape [N+1] with N >= 1, "
+                           f"got dtype {cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}")
     if B != 1:
-        raise ValueError(f"cu_seqlens packs sequences along T and needs batch size B == 1, got B = {B}")
+        raise LinattnError(f"cu_seqlens packs sequences along T and needs batch size B == 1, got B = {B}")
     offs = [int(x) for x in cu_seqlens.tolist()]
     if offs[0] != 0 or offs[-1] != T:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {offs[0]} ... {offs[-1]}")
+        raise LinattnError(f"cu_seqlens must start at 0 and end at T = {T}, got {offs[0]} ... {offs[-1]}")
     if any(b <= a for a, b in zip(offs[:-1], offs[1:])):
-        raise ValueError("cu_seqlens must be strictly increasing (every sequence needs at least one token)")
+        raise LinattnError("cu_seqlens must be strictly increasing (every sequence needs at least one token)")
     return offs
 
 

@@ -4,51 +4,46 @@
 * "triton" - the Triton kernels (linattn/triton): chunk mode (forward + backward) and recurrent
              mode (forward only, for decoding). CUDA tensors, or CPU tensors under Triton's
              interpreter (TRITON_INTERPRET=1 set before triton is imported: how CI tests them).
-             A configuration the kernels do not cover falls back to PyTorch with a warning
-             (once per reason): see `linear_attention_unsupported` / `delta_rule_unsupported`.
-* "auto"   - "triton" for CUDA tensors when triton is importable and the configuration is
-             covered, "torch" otherwise (silently).
+             A call the kernels do not cover falls back to PyTorch with a warning (once per
+             reason); the prepared call says why (`triton_unsupported()`).
+* "auto"   - "triton" for CUDA tensors when triton is importable and the call is covered,
+             "torch" otherwise (silently).
 
-Nothing here imports triton unless the Triton backend is actually considered (CUDA tensors with
-"auto", or "triton" requested): `import linattn` never imports it.
+An operator validates and prepares its call once (a `LinearProblem` or `DeltaProblem`); the
+functions here only read that prepared call: `select_backend` decides, and `triton_linear_attention`
+/ `triton_delta` lay its tensors out for the kernels ([TT, H, D], packed sequences) and launch them.
+Nothing here imports triton unless the Triton backend is chosen: `import linattn` never imports it.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 
+from ..errors import LinattnError
 from ..triton import available, interpret_mode
 
 BACKENDS = ("auto", "torch", "triton")
 _WARNED = set()
 
 
-def _all_cuda(*tensors) -> bool:
-    return all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
+def requires_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _needs_grad(tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def select_backend(backend: str, problem) -> str:
+    """Resolve `backend` for a prepared call; returns "torch" or "triton".
 
-
-def select_backend(backend: str, *tensors, unsupported: Optional[str] = None) -> str:
-    """Resolve `backend` for a call on `tensors` (None entries and non-tensors are ignored).
-
-    `unsupported` is None when the Triton kernels cover the call, else the reason they do not.
-    Returns "torch" or "triton". Raises ValueError for an unknown backend name, ImportError when
-    "triton" is requested without triton, and RuntimeError when it is requested for CPU tensors
-    without TRITON_INTERPRET=1.
+    Raises LinattnError for an unknown backend name, ImportError when "triton" is requested without
+    triton, and RuntimeError when it is requested for CPU tensors without TRITON_INTERPRET=1.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise LinattnError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return "torch"
-    ts = [t for t in tensors if isinstance(t, torch.Tensor)]
-    on_cuda = bool(ts) and all(t.is_cuda for t in ts)
+    on_cuda = problem.q.is_cuda
     if backend == "auto":
-        if not on_cuda or unsupported is not None or not available():
+        if not on_cuda or not available() or problem.triton_unsupported() is not None:
             return "torch"
         return "triton"
     if not available():
@@ -57,85 +52,62 @@ def select_backend(backend: str, *tensors, unsupported: Optional[str] = None) ->
     if not on_cuda and not interpret_mode():
         raise RuntimeError("backend='triton' runs on CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 "
                            "before triton is imported (Triton's interpreter: slow, for tests) or use backend='torch'")
-    if unsupported is not None:
-        if unsupported not in _WARNED:
-            _WARNED.add(unsupported)
-            warnings.warn(f"backend='triton': {unsupported}; falling back to the PyTorch implementation",
-                          stacklevel=3)
+    why = problem.triton_unsupported()
+    if why is not None:
+        if why not in _WARNED:
+            _WARNED.add(why)
+            warnings.warn(f"backend='triton': {why}; falling back to the PyTorch implementation", stacklevel=4)
         return "torch"
     return "triton"
 
 
-def _dtype_reason(q) -> Optional[str]:
-    if isinstance(q, torch.Tensor) and q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"the kernels take fp16 / bf16 / fp32 inputs, not {q.dtype}"
-    return None
+def _starts(problem):
+    B, T = problem.q.shape[:2]
+    return [i * T for i in range(B + 1)] if problem.offsets is None else list(problem.offsets)
 
 
-def linear_attention_unsupported(q, *, feature_map="elu+1", causal=True, mode="chunk", g=None,
-                                 grad_tensors=()) -> Optional[str]:
-    """Why the Triton kernels do not cover a `linear_attention` call (None when they do).
-
-    Covered: causal chunk mode (forward and backward) and causal recurrent mode (forward only),
-    linear-space feature maps (identity, elu+1 and relu fused; the others applied by PyTorch first),
-    no gate, a constant gamma or a scalar gate g [B, T, H]. Not covered: log-space maps
-    (hadamard_exp, favor+), diagonal gates g [B, T, H, K], causal=False, mode="parallel", fp64,
-    and gradients through the recurrent form. `mode` values the operator rejects are reported as
-    unsupported too, so the operator's own check raises its error.
-    """
-    reason = _dtype_reason(q)
-    if reason:
-        return reason
-    if mode not in ("chunk", "recurrent"):
-        return f"mode={mode!r} has no Triton kernel (chunk and recurrent do)"
-    if not causal:
-        return "causal=False has no Triton kernel"
-    log_space = (feature_map in ("hadamard_exp", "favor+") if isinstance(feature_map, str)
-                 else bool(getattr(feature_map, "log_space", False)))
-    if log_space:
-        return "log-space feature maps (hadamard_exp, favor+) have no Triton kernel"
-    if isinstance(g, torch.Tensor) and g.dim() == 4:
-        return "diagonal gates g [B, T, H, K] (GLA) have no Triton kernel"
-    if mode == "recurrent" and _needs_grad(grad_tensors):
-        return "the fused recurrent kernel is forward-only (decoding) and an input requires grad"
-    return None
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, H, ...] -> [B*T, H, ...], contiguous (a view when it already is)."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
-def delta_rule_unsupported(q, *, mode="chunk", grad_tensors=()) -> Optional[str]:
-    """Why the Triton kernels do not cover a `delta_rule` call (None when they do).
+def triton_linear_attention(p):
+    """A prepared `linear_attention` call on the Triton kernels.
+    -> num [B, T, H, V], den [B, T, H] or None (fp32), final kv and z (or None)."""
+    from ..triton.linear import chunk_linear_attention, fused_recurrent_linear_attention
 
-    Covered: chunk mode (forward and backward; DeltaNet, Gated DeltaNet, EFLA, qk_l2norm) and
-    recurrent mode (forward only), K <= 256. Not covered: mode="parallel", fp64, gradients through
-    the recurrent form.
-    """
-    reason = _dtype_reason(q)
-    if reason:
-        return reason
-    if mode not in ("chunk", "recurrent"):
-        return f"mode={mode!r} has no Triton kernel (chunk and recurrent do)"
-    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] > 256:
-        return "the kernels keep a whole K in registers and support K <= 256"
-    if mode == "recurrent" and _needs_grad(grad_tensors):
-        return "the fused recurrent kernel is forward-only (decoding) and an input requires grad"
-    return None
-
-
-def linear_attention_backend(backend, q, k, v, *, feature_map="elu+1", causal=True, mode="chunk", gamma=None,
-                             g=None, initial_state=None) -> str:
-    """`select_backend` for `linear_attention` (one line in the operator)."""
-    if backend == "torch" or (backend == "auto" and not _all_cuda(q, k, v)):
-        return "torch"
-    state = tuple(initial_state) if isinstance(initial_state, tuple) else ()
-    grads = (q, k, v, g, gamma) + state
-    why = linear_attention_unsupported(q, feature_map=feature_map, causal=causal, mode=mode, g=g,
-                                       grad_tensors=[t for t in grads if isinstance(t, torch.Tensor)])
-    return select_backend(backend, q, k, v, unsupported=why)
+    B, T, H = p.q.shape[:3]
+    V = p.v.shape[-1]
+    if p.fmap.fused_kernel is not None:  # phi(scale q) is computed inside the kernels
+        fq, fk, fused, scale = p.q, p.k, p.fmap.fused_kernel, p.scale
+    else:  # any other linear-space map: features by PyTorch (fp32), identity in the kernels
+        fq, fk = p.features(torch.float32)
+        fused, scale = "identity", 1.0
+    g = _flat(p.log_gate.float()) if p.log_gate is not None else None
+    h0 = z0 = None
+    if p.state is not None:
+        h0, z0 = p.state.kv.float().contiguous(), p.state.z.float().contiguous()
+    kw = dict(fused=fused, scale=scale, norm=bool(p.normalize or p.output_final_state), starts=_starts(p),
+              output_final_state=p.output_final_state)
+    args = (_flat(fq), _flat(fk), _flat(p.v), g, h0, z0)
+    if p.mode == "recurrent":
+        num, den, kv, z = fused_recurrent_linear_attention(*args, **kw)
+    else:
+        num, den, kv, z = chunk_linear_attention(*args, chunk_size=p.chunk_size, **kw)
+    return num.view(B, T, H, V), (den.view(B, T, H) if den is not None else None), kv, z
 
 
-def delta_rule_backend(backend, q, k, v, beta, *, mode="chunk", g=None, initial_state=None) -> str:
-    """`select_backend` for `delta_rule` (one line in the operator)."""
-    if backend == "torch" or (backend == "auto" and not _all_cuda(q, k, v)):
-        return "torch"
-    grads = [t for t in (q, k, v, beta, g, initial_state) if isinstance(t, torch.Tensor)]
-    why = delta_rule_unsupported(q, mode=mode, grad_tensors=grads)
-    return select_backend(backend, q, k, v, unsupported=why)
+def triton_delta(p):
+    """A prepared delta-family call on the Triton kernels. -> (o [B, T, H, V] fp32, final state or None)."""
+    from ..triton.delta import chunk_delta_rule, fused_recurrent_delta_rule
+
+    B, T, H = p.q.shape[:3]
+    V = p.v.shape[-1]
+    args = (_flat(p.q), _flat(p.k), _flat(p.v), _flat(p.a), _flat(p.g) if p.g is not None else None,
+            p.S0.float().contiguous() if p.S0 is not None else None)
+    kw = dict(starts=_starts(p), output_final_state=p.output_final_state)
+    if p.mode == "recurrent":
+        o, S = fused_recurrent_delta_rule(*args, **kw)
+    else:
+        o, S = chunk_delta_rule(*args, chunk_size=p.chunk_size, **kw)
+    return o.view(B, T, H, V), S

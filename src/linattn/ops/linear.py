@@ -6,6 +6,10 @@ Three forms that agree to floating-point precision:
 * `chunk`     - chunkwise: exact attention inside a chunk, a carried state between chunks (training);
 * `recurrent` - one token at a time with a constant-size state (decoding).
 
+A call is validated and prepared once (`prepare_linear_attention` -> `LinearProblem`: feature map
+resolved, gates turned into one log-gate, scale, state and packed-sequence offsets checked), then
+run by a backend: the PyTorch forms below, or the Triton kernels (`ops/backend.py`).
+
 The normaliser is computed by appending a column of ones to V, so its state z = sum psi(k) decays
 with the numerator by construction and every form shares the state S = [kv | z].
 
@@ -14,18 +18,29 @@ the running maximum of the (decayed) key log-features, exactly like online softm
 running max: the true state is exp(mu_d) * S_d. Each output row is computed relative to its own
 maximum log-weight c_i, which cancels in the normalised output (and is multiplied back otherwise).
 Chunkwise, those maps and diagonal (GLA) gates use the log-space block algorithm below, whose
-every exponent is <= 0; the plain feature maps with no gate or a scalar gate use pure matmuls.
+every exponent is <= 0, with blocks of LOG_BLOCK tokens; the plain feature maps with no gate or a
+scalar gate use pure matmuls. The log-space maps with no gate or a scalar gate also have a matmul
+path (features shifted by their per-feature maximum), exact when the key log-features span less
+than SAFE_SPAN nats; that choice reads values, so it is made only for CPU tensors in eager mode
+(free there). On CUDA and under torch.compile the log-space maps always take the block path: no
+host synchronisation and one graph, at the block path's cost. Every other choice depends only on
+the map, the gate and the mode. The normalised output of a log-space map divides by the
+*stabilised* denominator, sum_j w_ij / exp(c_i) >= 1 for these strictly positive kernels, so eps
+never changes it and adding a constant to every query entry leaves the output unchanged.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from ..errors import LinattnError, LinattnTypeError
 from ..feature_maps import FeatureMap, get_feature_map
-from ._common import (check_cu_seqlens, check_log_gate, check_mode, check_qkv, compute_dtype,
-                      pad_time, run_varlen)
-from .backend import linear_attention_backend
+from ..triton import triton_chunk_size
+from ._common import (check_cu_seqlens, check_log_gate, check_mode, check_qkv, check_scale, check_values,
+                      compute_dtype, pad_time)
+from .backend import requires_grad, select_backend, triton_linear_attention
 
 # Log-scale of an empty state, and log-feature of a padding key: finite, so that differences
 # of two such values never produce NaN, yet exp() of it is exactly 0.
@@ -185,7 +200,15 @@ def _chunk_matmul(fq, fk, v, g, S, C):
 
 
 def _shifted_span_ok(lk, mu) -> bool:
-    """Can the log-space map take the matmul path? (see SAFE_SPAN)"""
+    """Can the log-space map take the matmul path? (see SAFE_SPAN)
+
+    The one choice in linattn's forms that reads tensor values. It is made only for CPU tensors in
+    eager mode, where reading a value costs nothing; on CUDA (where it would be a host
+    synchronisation) and under torch.compile (where it would break the graph) the log-space maps
+    always take the block path, which is exact for any inputs.
+    """
+    if lk.is_cuda or torch.compiler.is_compiling():
+        return False
     hi, lo = lk.amax(2), lk.amin(2)
     if mu is not None:
         live = mu > NEG / 2  # an empty state's scale does not count
@@ -272,52 +295,283 @@ def _chunk_log(fq, fk, v, g, S, mu, s, log_space):
     return o.reshape(B, H, n * s, -1)[:, :, :T], c, S, mu
 
 
+def _final_state(fk, vt, glog, S, mu, log_space):
+    """Final state of a sequence, by the block recurrence (used by the parallel form)."""
+    if log_space or (glog is not None and glog.shape[-1] > 1):
+        _, _, S, mu = _chunk_log(torch.zeros_like(fk), fk, vt, glog, S, mu, LOG_BLOCK, log_space)
+        return S, mu
+    _, _, S, _ = _chunk_matmul(torch.zeros_like(fk), fk, vt[..., :-1], glog, S, 64)
+    return S, None
+
+
 # ----------------------------------------------------------------------------------------------
-# Public operator
+# Validate and prepare once
 # ----------------------------------------------------------------------------------------------
 
-def _gate_to_log(gamma, g, B, T, H, Kf, dtype, device):
-    """gamma (float or [H]) or g ([B,T,H] / [B,T,H,Kf]) -> log-gate [B, H, T, 1 or Kf], or None."""
+@dataclass
+class LinearProblem:
+    """One validated `linear_attention` call, ready for a backend. Tensors q, k, v are the caller's
+    ([B, T, H, *], any float dtype); `log_gate` is the decay as one log-gate in the compute dtype,
+    [B, T, H] (scalar per head, also for a constant gamma) or [B, T, H, K_phi] (diagonal), or None."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    fmap: FeatureMap
+    causal: bool
+    normalize: bool
+    log_gate: Optional[torch.Tensor]
+    scale: float
+    mode: str
+    chunk_size: int
+    eps: float
+    offsets: Optional[List[int]]
+    N: int
+    Kf: int
+    state: Optional[LinearAttentionState]
+    offset0: torch.Tensor
+    output_final_state: bool
+
+    @property
+    def diagonal_gate(self) -> bool:
+        return self.log_gate is not None and self.log_gate.dim() == 4
+
+    def triton_unsupported(self) -> Optional[str]:
+        """Why the Triton kernels do not cover this call (None when they do)."""
+        if self.q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"the kernels take fp16 / bf16 / fp32 inputs, not {self.q.dtype}"
+        if self.mode not in ("chunk", "recurrent"):
+            return f"mode={self.mode!r} has no Triton kernel (chunk and recurrent do)"
+        if not self.causal:
+            return "causal=False has no Triton kernel"
+        if self.fmap.log_space:
+            return f"log-space feature maps ({self.fmap.name}) have no Triton kernel"
+        if self.diagonal_gate:
+            return "diagonal gates g [B, T, H, K] (GLA) have no Triton kernel"
+        if self.mode == "recurrent" and requires_grad(self.q, self.k, self.v, self.log_gate, *self._state_tensors()):
+            return "the fused recurrent kernel is forward-only (decoding) and an input requires grad"
+        return None
+
+    def positions(self) -> torch.Tensor:
+        """Absolute token positions [B or 1, T] (positional maps; a carried state continues them)."""
+        T, dev = self.q.shape[1], self.q.device
+        if self.offsets is None:
+            return self.offset0.view(self.N, 1) + torch.arange(T, device=dev)
+        return torch.cat([self.offset0[i] + torch.arange(b - a, device=dev)
+                          for i, (a, b) in enumerate(zip(self.offsets[:-1], self.offsets[1:]))]).view(1, T)
+
+    def features(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """phi(scale q) and psi(k) in `dtype`, [B, T, H, K_phi] (shared by both backends)."""
+        q_c, k_c = self.q.to(dtype), self.k.to(dtype)
+        if self.scale != 1.0:
+            q_c = q_c * self.scale
+        pos = self.positions() if self.fmap.positional else None
+        fq, fk = self.fmap.phi(q_c, pos), self.fmap.psi(k_c, pos)
+        B, T, H = self.q.shape[:3]
+        if fq.shape != (B, T, H, self.Kf) or fk.shape != (B, T, H, self.Kf):
+            raise LinattnError(f"feature map {self.fmap!r} must map [B, T, H, K] to [B, T, H, K_phi] for both "
+                               f"phi and psi (K_phi = {self.Kf}); got {tuple(fq.shape)} and {tuple(fk.shape)}")
+        return fq, fk
+
+    def _state_tensors(self):
+        return () if self.state is None else (self.state.kv, self.state.z)
+
+    def chunk_size_used(self, backend: str) -> int:
+        """The chunk length a backend really uses for this call (recurrent: 1, parallel: T)."""
+        if self.mode == "recurrent":
+            return 1
+        if self.mode == "parallel" or not self.causal:
+            return self.q.shape[1]
+        if backend == "triton":
+            return triton_chunk_size(self.chunk_size)
+        if self.fmap.log_space or self.diagonal_gate:
+            return min(self.chunk_size, LOG_BLOCK)
+        return self.chunk_size
+
+
+def _gate_to_log(gamma, g, B, T, H, Kf, dtype, device) -> Optional[torch.Tensor]:
+    """gamma (float or [H]) or g ([B, T, H] / [B, T, H, Kf]) -> one log-gate [B, T, H(, Kf)], or None."""
     if gamma is not None:
         if isinstance(gamma, torch.Tensor):
             if gamma.dim() != 1 or gamma.shape[0] != H:
-                raise ValueError(f"gamma must be a float or a per-head tensor of shape [H] = [{H}], "
-                                 f"got shape {tuple(gamma.shape)}")
+                raise LinattnError(f"gamma must be a float or a per-head tensor of shape [H] = [{H}], "
+                                   f"got shape {tuple(gamma.shape)}")
             gam = gamma.to(device=device, dtype=dtype)
+            if check_values(gam) and not bool(((gam > 0) & (gam <= 1)).all()):
+                raise LinattnError(f"gamma is a decay and must lie in (0, 1], got {gam.tolist()}")
         elif isinstance(gamma, (int, float)) and not isinstance(gamma, bool):
+            if not 0 < gamma <= 1:
+                raise LinattnError(f"gamma is a decay and must lie in (0, 1], got {gamma}")
             gam = torch.full((H,), float(gamma), dtype=dtype, device=device)
         else:
-            raise TypeError(f"gamma must be a float or a tensor of shape [H], got {type(gamma).__name__}")
-        if not bool(((gam > 0) & (gam <= 1)).all()):
-            raise ValueError(f"gamma is a decay and must lie in (0, 1], got {gam.tolist()}")
-        return torch.log(gam).view(1, H, 1, 1).expand(B, H, T, 1)
+            raise LinattnTypeError(f"gamma must be a float or a tensor of shape [H], got {type(gamma).__name__}")
+        return torch.log(gam).view(1, 1, H).expand(B, T, H)
     if g is not None:
         check_log_gate(g, "g", B, T, H, Kf, allow_diagonal=True)
-        g = g.to(dtype)
-        return g.permute(0, 2, 1).unsqueeze(-1) if g.dim() == 3 else g.permute(0, 2, 1, 3)
+        return g.to(device=device, dtype=dtype)
     return None
 
 
-def _check_state(state, N, H, Kf, V, log_space, dtype, device):
+def _check_state(state, N, H, Kf, V, log_space, device) -> None:
     if not isinstance(state, LinearAttentionState):
-        raise TypeError(f"initial_state must be a linattn.LinearAttentionState (as returned with "
-                        f"output_final_state=True), got {type(state).__name__}")
+        raise LinattnTypeError(f"initial_state must be a linattn.LinearAttentionState (as returned with "
+                               f"output_final_state=True), got {type(state).__name__}")
     if tuple(state.kv.shape) != (N, H, Kf, V):
-        raise ValueError(f"initial_state.kv must have shape [N, H, K_phi, V] = {(N, H, Kf, V)}, "
-                         f"got {tuple(state.kv.shape)}")
+        raise LinattnError(f"initial_state.kv must have shape [N, H, K_phi, V] = {(N, H, Kf, V)}, "
+                           f"got {tuple(state.kv.shape)}")
     if tuple(state.z.shape) != (N, H, Kf):
-        raise ValueError(f"initial_state.z must have shape [N, H, K_phi] = {(N, H, Kf)}, got {tuple(state.z.shape)}")
+        raise LinattnError(f"initial_state.z must have shape [N, H, K_phi] = {(N, H, Kf)}, "
+                           f"got {tuple(state.z.shape)}")
     if log_space != (state.log_scale is not None):
-        raise ValueError("initial_state.log_scale must be a [N, H, K_phi] tensor for log-space feature maps "
-                         "(hadamard_exp, favor+) and None for the others")
+        raise LinattnError("initial_state.log_scale must be a [N, H, K_phi] tensor for log-space feature maps "
+                           "(hadamard_exp, favor+) and None for the others")
     if log_space and tuple(state.log_scale.shape) != (N, H, Kf):
-        raise ValueError(f"initial_state.log_scale must have shape [N, H, K_phi] = {(N, H, Kf)}, "
-                         f"got {tuple(state.log_scale.shape)}")
+        raise LinattnError(f"initial_state.log_scale must have shape [N, H, K_phi] = {(N, H, Kf)}, "
+                           f"got {tuple(state.log_scale.shape)}")
     if tuple(state.offset.shape) != (N,):
-        raise ValueError(f"initial_state.offset must have shape [N] = [{N}], got {tuple(state.offset.shape)}")
-    S = torch.cat([state.kv, state.z.unsqueeze(-1)], dim=-1).to(device=device, dtype=dtype)
-    mu = state.log_scale.to(device=device, dtype=dtype) if log_space else None
-    return S, mu, state.offset.to(device=device, dtype=torch.int64)
+        raise LinattnError(f"initial_state.offset must have shape [N] = [{N}], got {tuple(state.offset.shape)}")
+    for name in ("kv", "z", "log_scale", "offset"):
+        t = getattr(state, name)
+        if t is not None and t.device != device:
+            raise LinattnError(f"initial_state.{name} must be on the device of q ({device}), got {t.device}")
+
+
+def prepare_linear_attention(q, k, v, *, feature_map="elu+1", causal=True, normalize=True, gamma=None, g=None,
+                             scale=None, mode="chunk", chunk_size=64, initial_state=None,
+                             output_final_state=False, cu_seqlens=None, eps=1e-6) -> LinearProblem:
+    """Every check of `linear_attention`, once; returns the prepared call (see `LinearProblem`)."""
+    B, T, H, K, V = check_qkv(q, k, v)
+    check_mode(mode, chunk_size)
+    fmap = get_feature_map(feature_map, K)
+    if not causal:
+        if gamma is not None or g is not None:
+            raise LinattnError("forget gates (gamma, g) need causal=True: a decay is defined along the causal order")
+        if mode == "recurrent":
+            raise LinattnError("mode='recurrent' needs causal=True; use 'chunk' or 'parallel' for "
+                               "bidirectional attention")
+    if gamma is not None and g is not None:
+        raise LinattnError("pass either gamma (constant decay) or g (data-dependent log-gate), not both")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
+        raise LinattnError(f"eps must be a non-negative float, got {eps!r}")
+    scale = check_scale(scale, 1.0)
+    offsets = check_cu_seqlens(cu_seqlens, B, T)
+    N = B if offsets is None else len(offsets) - 1
+    Kf = fmap.feature_dim(K)
+    log_gate = _gate_to_log(gamma, g, B, T, H, Kf, compute_dtype(q.dtype), q.device)
+    if initial_state is not None:
+        _check_state(initial_state, N, H, Kf, V, fmap.log_space, q.device)
+        offset0 = initial_state.offset.to(torch.int64)
+    else:
+        offset0 = torch.zeros(N, dtype=torch.int64, device=q.device)
+    return LinearProblem(q, k, v, fmap, bool(causal), bool(normalize), log_gate, scale, mode, chunk_size,
+                         float(eps), offsets, N, Kf, initial_state, offset0, bool(output_final_state))
+
+
+# ----------------------------------------------------------------------------------------------
+# The PyTorch backend
+# ----------------------------------------------------------------------------------------------
+
+def _with_ones(x):
+    return torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
+
+
+def _run_form(p: LinearProblem, fq, fk, vt, glog, S, mu):
+    """One sequence (or a batch of equal-length ones) in the [B, H, T, D] layout -> (o, c, S, mu);
+    o is (num, den) on the matmul path and [.., V + 1] (numerator | denominator) otherwise."""
+    log_space = p.fmap.log_space
+    if p.causal and p.mode == "chunk" and not p.diagonal_gate:
+        if not log_space:
+            return _chunk_matmul(fq, fk, vt, glog, S, p.chunk_size)
+        if _shifted_span_ok(fk, mu):
+            return _chunk_shifted(fq, fk, vt, glog, S, mu, p.chunk_size)
+    vt = _with_ones(vt)
+    if p.mode == "parallel":
+        o, c, _, _ = _parallel(fq, fk, vt, glog, S, mu, p.causal, log_space)
+        # the quadratic form has no state of its own: compute it only when asked for
+        if not p.output_final_state:
+            S, mu = None, None
+        elif p.causal:
+            S, mu = _final_state(fk, vt, glog, S, mu, log_space)
+        else:
+            S, mu = _bidirectional(fq, fk, vt, S, mu)[2:]
+        return o, c, S, mu
+    if not p.causal:
+        return _bidirectional(fq, fk, vt, S, mu)
+    if p.mode == "recurrent":
+        return _recurrent(fq, fk, vt, glog, S, mu)
+    return _chunk_log(fq, fk, vt, glog, S, mu, min(p.chunk_size, LOG_BLOCK), log_space)
+
+
+def _run_torch(p: LinearProblem):
+    """-> (num [B, H, T, V], den [B, H, T], c [B, H, T] or None, S [N, H, Kf, V + 1], mu)."""
+    cdt = compute_dtype(p.q.dtype)
+    V = p.v.shape[-1]
+    fq, fk = p.features(cdt)
+    fq, fk, vt = fq.transpose(1, 2), fk.transpose(1, 2), p.v.to(cdt).transpose(1, 2)
+    glog = None
+    if p.log_gate is not None:  # [B, T, H(, Kf)] -> [B, H, T, 1 or Kf]
+        glog = p.log_gate.unsqueeze(-1) if p.log_gate.dim() == 3 else p.log_gate
+        glog = glog.transpose(1, 2)
+    if p.state is not None:
+        S0 = torch.cat([p.state.kv, p.state.z.unsqueeze(-1)], dim=-1).to(cdt)
+        mu0 = p.state.log_scale.to(cdt) if p.fmap.log_space else None
+    else:
+        S0 = torch.zeros(p.N, fq.shape[1], p.Kf, V + 1, dtype=cdt, device=fq.device)
+        mu0 = torch.full((p.N, fq.shape[1], p.Kf), NEG, dtype=cdt, device=fq.device) if p.fmap.log_space else None
+
+    def split(o):
+        return o if isinstance(o, tuple) else (o[..., :V], o[..., V])
+
+    if p.offsets is None:
+        o, c, S, mu = _run_form(p, fq, fk, vt, glog, S0, mu0)
+        num, den = split(o)
+        return num, den, c, S, mu
+    nums, dens, cs, Ss, mus = [], [], [], [], []
+    for i, (a, b) in enumerate(zip(p.offsets[:-1], p.offsets[1:])):
+        o, c, S, mu = _run_form(p, fq[:, :, a:b], fk[:, :, a:b], vt[:, :, a:b],
+                                glog[:, :, a:b] if glog is not None else None,
+                                S0[i:i + 1], mu0[i:i + 1] if mu0 is not None else None)
+        num, den = split(o)
+        nums.append(num), dens.append(den), cs.append(c), Ss.append(S), mus.append(mu)
+    c = torch.cat(cs, dim=2) if p.fmap.log_space else None
+    S = torch.cat(Ss) if p.output_final_state else None
+    mu = torch.cat(mus) if (p.output_final_state and p.fmap.log_space) else None
+    return torch.cat(nums, dim=2), torch.cat(dens, dim=2), c, S, mu
+
+
+def finish(p: LinearProblem, num, den, c, kv, z, mu) -> Tuple[torch.Tensor, Optional[LinearAttentionState]]:
+    """Outputs [B, T, H, V] in the input dtype from num [B, T, H, V] and den [B, T, H] (both taken
+    relative to the row log-scale c [B, T, H] for log-space maps), and the final state."""
+    if p.normalize:
+        if c is not None:
+            # log-space maps: den is the stabilised denominator (>= 1 for their positive kernels), so eps
+            # acts on it and the output is invariant to a shift of the queries
+            den = den.clamp_min(p.eps)
+        else:  # a floor on |den| that keeps its sign (relu features, magnitude_direction's signed weights)
+            floor = torch.as_tensor(p.eps, dtype=den.dtype, device=den.device)
+            den = torch.where(den < 0, torch.minimum(den, -floor), torch.maximum(den, floor))
+        out = num / den.unsqueeze(-1)
+    else:
+        # exp(c) alone may overflow fp32 where the product does not: rescale in fp64
+        out = num if c is None else (num.double() * torch.exp(c.double()).unsqueeze(-1)).to(num.dtype)
+    state = None
+    if p.output_final_state:
+        T = p.q.shape[1]
+        seq_lens = (torch.tensor([b - a for a, b in zip(p.offsets[:-1], p.offsets[1:])], device=p.q.device)
+                    if p.offsets is not None else T)
+        state = LinearAttentionState(kv=kv, z=z, log_scale=mu, offset=p.offset0 + seq_lens)
+    return out.to(p.q.dtype), state
+
+
+def run_linear_attention(p: LinearProblem, backend: str = "auto"):
+    """Run a prepared call on `backend` ("auto", "torch" or "triton")."""
+    if select_backend(backend, p) == "triton":
+        num, den, kv, z = triton_linear_attention(p)
+        return finish(p, num, den, None, kv, z, None)
+    num, den, c, S, mu = _run_torch(p)
+    tr = (lambda x: x.transpose(1, 2) if x is not None else None)
+    V = p.v.shape[-1]
+    kv, z = (S[..., :V], S[..., V]) if S is not None else (None, None)
+    return finish(p, tr(num), tr(den), tr(c), kv, z, mu)
 
 
 def linear_attention(
@@ -327,7 +581,7 @@ def linear_attention(
     normalize: bool = True,
     gamma: Union[float, torch.Tensor, None] = None,
     g: Optional[torch.Tensor] = None,
-    scale: float = 1.0,
+    scale: Optional[float] = None,
     mode: str = "chunk",
     chunk_size: int = 64,
     initial_state: Optional[LinearAttentionState] = None,
@@ -342,10 +596,13 @@ def linear_attention(
     prod_{t=j+1..i} exp(g_t) when a gate is given (RetNet: constant `gamma` in (0, 1], a float
     or per-head `[H]`; Mamba2 / simple GLA: `g` `[B, T, H]`; GLA: `g` `[B, T, H, K_phi]`, a
     log-gate <= 0 per feature). Gates are causal only; the normaliser decays with the numerator.
+    scale=None means 1 (the kernel of the raw queries; pass K**-0.5 for softmax-like temperature).
 
     normalize=True: o_i = sum_j w_ij v_j / den_i with den_i = sum_j w_ij; eps is a floor on |den|
     (sign kept): outputs are the exact ratio whenever |den| >= eps and stay finite when it
     vanishes (relu features before any active key, or magnitude_direction's negative weights).
+    For log-space maps (hadamard_exp, favor+) eps floors the stabilised denominator, which is >= 1,
+    so the output is the exact ratio and does not change when a constant is added to the queries.
     normalize=False: the plain sum (it overflows only when the true value exceeds the dtype).
 
     mode: "chunk" (training), "recurrent" (decoding; causal only), "parallel" (quadratic reference).
@@ -355,143 +612,7 @@ def linear_attention(
     backend: "auto" (Triton kernels for CUDA tensors when Triton is installed and covers the call,
     PyTorch otherwise), "torch", or "triton" (on CPU only under TRITON_INTERPRET=1); see docs/triton.md.
     """
-    if linear_attention_backend(backend, q, k, v, feature_map=feature_map, causal=causal, mode=mode,
-                                gamma=gamma, g=g, initial_state=initial_state) == "triton":
-        from ..triton.linear import linear_attention_triton
-        return linear_attention_triton(q, k, v, feature_map=feature_map, causal=causal, normalize=normalize,
-                                       gamma=gamma, g=g, scale=scale, mode=mode, chunk_size=chunk_size,
-                                       initial_state=initial_state, output_final_state=output_final_state,
-                                       cu_seqlens=cu_seqlens, eps=eps)
-    B, T, H, K, V = check_qkv(q, k, v)
-    check_mode(mode, chunk_size)
-    fmap = get_feature_map(feature_map, K)
-    if not causal:
-        if gamma is not None or g is not None:
-            raise ValueError("forget gates (gamma, g) need causal=True: a decay is defined along the causal order")
-        if mode == "recurrent":
-            raise ValueError("mode='recurrent' needs causal=True; use 'chunk' or 'parallel' for bidirectional attention")
-    if gamma is not None and g is not None:
-        raise ValueError("pass either gamma (constant decay) or g (data-dependent log-gate), not both")
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-    offsets = check_cu_seqlens(cu_seqlens, B, T)
-    N = B if offsets is None else len(offsets) - 1
-
-    cdt = compute_dtype(q.dtype)
-    q_c, k_c, v_c = q.to(cdt), k.to(cdt), v.to(cdt)
-    if scale != 1.0:
-        q_c = q_c * scale
-    log_space = fmap.log_space
-
-    # positions only matter to positional maps; a carried state continues them
-    if initial_state is not None:
-        if not isinstance(initial_state, LinearAttentionState):
-            raise TypeError(f"initial_state must be a linattn.LinearAttentionState (as returned with "
-                            f"output_final_state=True), got {type(initial_state).__name__}")
-        offset0 = initial_state.offset.to(device=q.device, dtype=torch.int64)
-    else:
-        offset0 = torch.zeros(N, dtype=torch.int64, device=q.device)
-    if fmap.positional:
-        if offsets is None:
-            pos = offset0.view(N, 1) + torch.arange(T, device=q.device)
-        else:
-            pos = torch.cat([offset0[i] + torch.arange(b - a, device=q.device)
-                             for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))]).view(1, T)
-    else:
-        pos = None
-    fq, fk = fmap.phi(q_c, pos), fmap.psi(k_c, pos)
-    if fq.shape[:3] != (B, T, H) or fk.shape[:3] != (B, T, H) or fq.shape[-1] != fk.shape[-1]:
-        raise ValueError(f"feature map {fmap!r} must map [B, T, H, K] to [B, T, H, K_phi] for both phi and psi; "
-                         f"got {tuple(fq.shape)} and {tuple(fk.shape)}")
-    Kf = fq.shape[-1]
-    glog = _gate_to_log(gamma, g, B, T, H, Kf, cdt, q.device)
-
-    if initial_state is not None:
-        S0, mu0, offset0 = _check_state(initial_state, N, H, Kf, V, log_space, cdt, q.device)
-    else:
-        S0 = torch.zeros(N, H, Kf, V + 1, dtype=cdt, device=q.device)
-        mu0 = torch.full((N, H, Kf), NEG, dtype=cdt, device=q.device) if log_space else None
-
-    # [B, T, H, D] -> [B, H, T, D]. Every form but the matmul fast path appends a ones column
-    # to V, which makes the normaliser part of the state
-    fq, fk, vt = fq.transpose(1, 2), fk.transpose(1, 2), v_c.transpose(1, 2)
-    fast = causal and mode == "chunk" and (glog is None or glog.shape[-1] == 1)
-
-    def with_ones(x):
-        return torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
-
-    def run(fq, fk, vt, glog, S, mu):
-        o, c, S, mu = run_form(fq, fk, vt, glog, S, mu)
-        if isinstance(o, tuple):  # the matmul path keeps numerator and denominator apart
-            o = torch.cat([o[0], o[1].unsqueeze(-1)], dim=-1) if offsets is not None else o
-        return o, c, S, mu
-
-    def run_form(fq, fk, vt, glog, S, mu):
-        if fast and not log_space:
-            return _chunk_matmul(fq, fk, vt, glog, S, chunk_size)
-        if fast and _shifted_span_ok(fk, mu):
-            return _chunk_shifted(fq, fk, vt, glog, S, mu, chunk_size)
-        vt = with_ones(vt)
-        if mode == "parallel":
-            o, c, _, _ = _parallel(fq, fk, vt, glog, S, mu, causal, log_space)
-            # the quadratic form has no state of its own: compute it only when asked for
-            if not output_final_state:
-                S, mu = None, None
-            elif causal:
-                S, mu = _final_state(fk, vt, glog, S, mu, log_space)
-            else:
-                S, mu = _bidirectional(fq, fk, vt, S, mu)[2:]
-            return o, c, S, mu
-        if not causal:
-            return _bidirectional(fq, fk, vt, S, mu)
-        if mode == "recurrent":
-            return _recurrent(fq, fk, vt, glog, S, mu)
-        return _chunk_log(fq, fk, vt, glog, S, mu, min(chunk_size, LOG_BLOCK), log_space)
-
-    if offsets is None:
-        o, c, S, mu = run(fq, fk, vt, glog, S0, mu0)
-    else:
-        cs, Ss, mus = [], [], []
-
-        def one(i, sl):
-            o_i, c_i, S_i, mu_i = run(fq[:, :, sl], fk[:, :, sl], vt[:, :, sl],
-                                      glog[:, :, sl] if glog is not None else None,
-                                      S0[i:i + 1], mu0[i:i + 1] if mu0 is not None else None)
-            cs.append(c_i), Ss.append(S_i), mus.append(mu_i)
-            return o_i.transpose(1, 2), None
-
-        o, _ = run_varlen(offsets, one, lambda _: None)
-        o = o.transpose(1, 2)
-        c = torch.cat(cs, dim=2) if log_space else None
-        S = torch.cat(Ss) if output_final_state else None
-        mu = torch.cat(mus) if (output_final_state and log_space) else None
-
-    num, den = o if isinstance(o, tuple) else (o[..., :V], o[..., V])  # the matmul path keeps them apart
-    if normalize:
-        # eps floors the *true* denominator; a log-space row is stored divided by exp(c)
-        floor = torch.as_tensor(eps, dtype=den.dtype, device=den.device)
-        if c is not None:
-            floor = floor * torch.exp(-c)
-        den = torch.where(den < 0, torch.minimum(den, -floor), torch.maximum(den, floor))
-        out = num / den.unsqueeze(-1)
-    else:
-        # exp(c) alone may overflow fp32 where the product does not: rescale in fp64
-        out = num if c is None else (num.double() * torch.exp(c.double()).unsqueeze(-1)).to(num.dtype)
-    out = out.transpose(1, 2).to(q.dtype)
-
-    state = None
-    if output_final_state:
-        seq_lens = torch.tensor([T] if offsets is None else [b - a for a, b in zip(offsets[:-1], offsets[1:])],
-                                device=q.device, dtype=torch.int64)
-        state = LinearAttentionState(kv=S[..., :V], z=S[..., V], log_scale=mu, offset=offset0 + seq_lens)
-    return out, state
-
-
-def _final_state(fk, vt, glog, S, mu, log_space):
-    """Final state of a sequence, by the block recurrence (used by the parallel form)."""
-    if log_space or (glog is not None and glog.shape[-1] > 1):
-        fq_dummy = torch.zeros_like(fk)
-        _, _, S, mu = _chunk_log(fq_dummy, fk, vt, glog, S, mu, LOG_BLOCK, log_space)
-        return S, mu
-    _, _, S, _ = _chunk_matmul(torch.zeros_like(fk), fk, vt[..., :-1], glog, S, 64)
-    return S, None
+    p = prepare_linear_attention(q, k, v, feature_map=feature_map, causal=causal, normalize=normalize, gamma=gamma,
+                                 g=g, scale=scale, mode=mode, chunk_size=chunk_size, initial_state=initial_state,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, eps=eps)
+    return run_linear_attention(p, backend)

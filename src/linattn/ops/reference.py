@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 
 
+LOG_SPACE_KERNELS = ("hadamard_exp", "favor+")
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative RMS error rms(a - b) / rms(b)."""
     a, b = a.double(), b.double()
@@ -94,7 +97,10 @@ def linear_attention_ref(q, k, v, name, *, causal=True, normalize=True, log_gate
                     W = W * torch.exp((G[:, None] - G[None, :]).masked_fill(~mask, 0))
             W = W.masked_fill(~mask, 0)
             num, den = W @ v[bb, :, h], W.sum(1)
-            if normalize:
+            if normalize and name in LOG_SPACE_KERNELS:
+                # strictly positive kernels: eps acts on the stabilised denominator (>= 1), i.e. never
+                out[bb, :, h] = num / den[:, None]
+            elif normalize:
                 e = torch.tensor(eps, dtype=torch.float64)
                 den = torch.where(den < 0, torch.minimum(den, -e), torch.maximum(den, e))
                 out[bb, :, h] = num / den[:, None]

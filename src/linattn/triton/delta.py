@@ -3,8 +3,8 @@ with the WY / UT representation (forward and backward) and a fused recurrent for
 (forward only).
 
 The operator's preprocessing (qk_l2norm, scale, the EFLA coefficient and the key-norm rescaling
-k~ = k/d, v~ = v/d, a~ = a d^2) runs in PyTorch, differentiably, exactly as in `ops/delta.py`; the
-kernels take the resulting q, k~, v~, a~ (called b here) and the scalar log-gate g. Layout [TT, H, D]
+k~ = k/d, v~ = v/d, a~ = a d^2) runs once in PyTorch, differentiably, in `ops/delta_core.py`, for
+both backends; the kernels take the resulting q, k~, v~, a~ (called b here) and the scalar log-gate g. Layout [TT, H, D]
 as in `linear.py` (packed sequences, chunks of BT tokens that never cross a sequence boundary).
 
 Per chunk, with G the gate's cumulative sum local to the chunk, Gam_ij = exp(G_i - G_j) and h the
@@ -14,9 +14,9 @@ state entering the chunk (see the algebra in ops/delta.py):
     U~    = Tm diag(b) V,  W~ = Tm diag(b e^G) K                         (`_wy_fwd`, tl.dot)
     U     = U~ - W~ h                                                      (`_delta_fwd_h`, sequential
     h'    = e^{G_l} h + (K e^{G_l - G})^T U                                 over the chunks, h materialised)
-    O     = (Q e^G) h + (Q K^T * Gam * M) U                                (linear.py's `_fwd_o`, parallel)
+    O     = (Q e^G) h + (Q K^T * Gam * M) U                                (common.py's `_fwd_o`, parallel)
 
-Backward (recomputing Tm, U~, W~, h and U): dU_local = (Q K^T * Gam * M)^T dO (linear.py's `_bwd_dv`);
+Backward (recomputing Tm, U~, W~, h and U): dU_local = (Q K^T * Gam * M)^T dO (common.py's `_bwd_dv`);
 `_delta_bwd_dh` walks the chunks in reverse: dU = dU_local + K_dec dh', dh = e^{G_l} dh' + (Q e^G)^T dO
 - W~^T dU; `_delta_bwd_dqkw` gives dq, the attention part of dk, dW~ = -dU h^T and the gate terms;
 `_wy_bwd` back-propagates through the UT transform (dTm -> dA = -Tm^T dTm Tm^T) to dv, db, the rest
@@ -24,14 +24,15 @@ of dk and of the gate gradient, then takes the chunk-local reverse cumulative su
 """
 from __future__ import annotations
 
+from typing import List
+
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..ops.delta import L2NORM_EPS, _EFLACoefficient, check_args
-from ._utils import (FMAP_IDENTITY, block, chunk_size_for, dot_precision, dummy, full_block, prepare_chunks)
-from .linear import _Cfg, chunk_bwd_dv, chunk_fwd_o
+from . import triton_chunk_size
+from .common import (FMAP_IDENTITY, _Cfg, block, chunk_bwd_dv, chunk_fwd_o, dot_precision, dummy, full_block,
+                     prepare_chunks)
 
 # ----------------------------------------------------------------------------------------------
 # kernels
@@ -445,75 +446,30 @@ class _ChunkDeltaRule(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
-# entry points
+# entry points, on prepared tensors (checks and preprocessing happen in ops/ first): q (scaled),
+# k~, v~ [TT, H, K or V], b = a~ [TT, H], g [TT, H] or None, h0 [N, H, K, V] or None, all fp32
+# except q, k, v which may be 16-bit; starts: the sequence boundaries on the TT axis.
+# Return o [TT, H, V] fp32 and the final state [N, H, K, V] (or None).
 # ----------------------------------------------------------------------------------------------
 
-def _prepare(q, k, v, beta, g, exact, scale, qk_l2norm, chunk_size, initial_state, cu_seqlens, mode):
-    """The operator's checks and preprocessing (ops/delta.py), differentiable, in fp32."""
-    B, T, H, K, V, scale, offsets, N = check_args(q, k, v, beta, g, exact, scale, qk_l2norm, mode, chunk_size,
-                                                  initial_state, cu_seqlens)
-    if q.dtype == torch.float64:
-        raise NotImplementedError("the Triton kernels take fp16, bf16 or fp32 inputs; use backend='torch' for fp64")
-
-    q_c, k_c, v_c, beta_c = q.float(), k.float(), v.float(), beta.float()
-    if qk_l2norm:
-        q_c = F.normalize(q_c, dim=-1, eps=L2NORM_EPS)
-        k_c = F.normalize(k_c, dim=-1, eps=L2NORM_EPS)
-    q_c = q_c * scale
-    lam = (k_c * k_c).sum(-1)
-    a = _EFLACoefficient.apply(beta_c, lam) if exact else beta_c
-    d2 = lam.detach().clamp_min(1.0)
-    d = d2.sqrt().unsqueeze(-1)
-    k_c, v_c, b = k_c / d, v_c / d, a * d2
-
-    def flat(x):
-        return x.reshape(B * T, H, *x.shape[3:]).contiguous()
-
-    starts = [i * T for i in range(B + 1)] if offsets is None else offsets
-    h0 = initial_state.float().contiguous() if initial_state is not None else None
-    return dict(B=B, T=T, H=H, K=K, V=V, N=N, starts=starts, q=flat(q_c), k=flat(k_c), v=flat(v_c), b=flat(b),
-                g=flat(g.float()) if g is not None else None, h0=h0)
-
-
-def chunk_delta_rule(q, k, v, beta, *, g=None, exact=False, scale=None, qk_l2norm=False, chunk_size=64,
-                     initial_state=None, output_final_state=False, cu_seqlens=None):
-    """`delta_rule(..., mode="chunk")` on the Triton kernels (forward and backward): same arguments,
-    results and state. fp16 / bf16 / fp32 inputs; K <= 256 (the state walk keeps a whole K x BV tile).
-    The chunk tile is `chunk_size` when it is 16, 32 or 64, else 64 (the result does not depend on it)."""
-    p = _prepare(q, k, v, beta, g, exact, scale, qk_l2norm, chunk_size, initial_state, cu_seqlens, "chunk")
-    BT = chunk_size_for(chunk_size)
-    cfg = _Cfg(prepare_chunks(p["starts"], BT, q.device), BT, FMAP_IDENTITY, 1.0, False, dot_precision(q.dtype))
-    o, ht = _ChunkDeltaRule.apply(p["q"], p["k"], p["v"], p["b"], p["g"], p["h0"], cfg, bool(output_final_state))
-    o = o.view(p["B"], p["T"], p["H"], p["V"]).to(q.dtype)
-    return o, (ht if output_final_state else None)
+def chunk_delta_rule(q, k, v, b, g, h0, *, starts: List[int], chunk_size: int, output_final_state: bool):
+    """The chunk form (forward and backward); K <= 256 (the state walk keeps a whole K x BV tile).
+    The tile is `triton_chunk_size(chunk_size)`."""
+    BT = triton_chunk_size(chunk_size)
+    cfg = _Cfg(prepare_chunks(starts, BT, q.device), BT, FMAP_IDENTITY, 1.0, False, dot_precision(q.dtype))
+    return _ChunkDeltaRule.apply(q, k, v, b, g, h0, cfg, bool(output_final_state))
 
 
 @torch.no_grad()
-def fused_recurrent_delta_rule(q, k, v, beta, *, g=None, exact=False, scale=None, qk_l2norm=False, chunk_size=64,
-                               initial_state=None, output_final_state=False, cu_seqlens=None):
-    """`delta_rule(..., mode="recurrent")` as one fused kernel (decoding; forward only)."""
-    p = _prepare(q, k, v, beta, g, exact, scale, qk_l2norm, chunk_size, initial_state, cu_seqlens, "recurrent")
-    H, K, V, N, dev = p["H"], p["K"], p["V"], p["N"], q.device
+def fused_recurrent_delta_rule(q, k, v, b, g, h0, *, starts: List[int], output_final_state: bool):
+    """The recurrent form as one fused kernel (decoding; forward only)."""
+    TT, H, K = q.shape
+    V, N, dev = v.shape[-1], len(starts) - 1, q.device
     BK, BV = full_block(K, "K"), block(V, cap=32 if K > 64 else 64)
-    o = torch.empty(p["q"].shape[0], H, V, dtype=torch.float32, device=dev)
+    o = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else dummy(dev)
-    cu = torch.tensor(p["starts"], dtype=torch.int64, device=dev)
+    cu = torch.tensor(starts, dtype=torch.int64, device=dev)
     _delta_recurrent_fwd[(triton.cdiv(V, BV), N * H)](
-        p["q"], p["k"], p["v"], p["b"], p["g"] if p["g"] is not None else dummy(dev), o,
-        p["h0"] if p["h0"] is not None else dummy(dev), ht, cu, H, K, V,
-        BK=BK, BV=BV, USE_G=p["g"] is not None, USE_H0=p["h0"] is not None, STORE_HT=bool(output_final_state))
-    o = o.view(p["B"], p["T"], H, V).to(q.dtype)
+        q, k, v, b, g if g is not None else dummy(dev), o, h0 if h0 is not None else dummy(dev), ht, cu, H, K, V,
+        BK=BK, BV=BV, USE_G=g is not None, USE_H0=h0 is not None, STORE_HT=bool(output_final_state))
     return o, (ht if output_final_state else None)
-
-
-def delta_rule_triton(q, k, v, beta, *, g=None, exact=False, scale=None, qk_l2norm=False, mode="chunk",
-                      chunk_size=64, initial_state=None, output_final_state=False, cu_seqlens=None):
-    """The operator's full signature, routed to the chunk or the fused recurrent kernels
-    (called by `linattn.delta_rule` when its backend resolves to "triton")."""
-    kw = dict(g=g, exact=exact, scale=scale, qk_l2norm=qk_l2norm, chunk_size=chunk_size,
-              initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    if mode == "recurrent":
-        return fused_recurrent_delta_rule(q, k, v, beta, **kw)
-    if mode == "chunk":
-        return chunk_delta_rule(q, k, v, beta, **kw)
-    raise NotImplementedError(f"mode={mode!r} has no Triton kernel (chunk and recurrent do); use backend='torch'")

@@ -1,0 +1,424 @@
+"""The delta family's core: one private scan over the general recurrence
+
+    S_t = D_t S_{t-1} - a_t k_t (S_{t-1}^T r_t)^T + a_t k_t v_t^T,      o_t = S_t^T q_t,
+
+with the state S [K, V] per head, D_t = Diag(exp(g_t)) a decay (g a log-gate <= 0, one per head
+`[B, T, H]` or one per key channel `[B, T, H, K]`), a_t the write strength (beta, or EFLA's exact
+coefficient), k_t the write key and r_t the read key of the prediction S_{t-1}^T r_t. Two reads:
+
+* r = None: the delta rule's own, r_t = D_t k_t: the erase acts on the decayed state,
+  S_t = (I - a_t k_t k_t^T) D_t S_{t-1} + a_t k_t v_t^T (DeltaNet, Gated DeltaNet, EFLA, Kimi Delta
+  Attention with per-channel g);
+* r given: the prediction reads the undecayed S_{t-1} with its own key (Comba: r = p).
+
+A public operator of the family is a thin wrapper: it checks its own arguments, computes a (and r),
+and calls `prepare_delta` (every shared check, once, and the shared preprocessing) then
+`run_delta` (the PyTorch forms below, or the Triton kernels for the covered calls).
+
+Three forms that agree to floating-point precision:
+
+* `recurrent` - one token at a time, a constant-size state (decoding);
+* `chunk`     - the WY representation per chunk (UT transform: one unit lower-triangular solve per
+                chunk, batched over all chunks), then a sequential loop over chunks that only carries
+                the state (training);
+* `parallel`  - the closed form over the whole sequence (the chunk form with one chunk of T tokens).
+
+Chunk algebra. Inside a chunk, let G_t be the gate's cumulative sum from the chunk start (per head or
+per channel, so every exponent below is <= 0), Gr_t the log-decay the read key sees (G_t for r = None,
+G_{t-1} = G_t - g_t for a given r), rr_t = k_t or r_t accordingly, and u_t = a_t (v_t - S_{t-1}^T r_t)
+the "pseudo-values". The recurrence gives S_t = e^{G_t} S_0 + sum_{i<=t} (e^{G_t - G_i} k_i) u_i^T, hence
+
+    (I + A) U = diag(a) V - diag(a) R~ S_0,   A_ti = a_t sum_d rr_td e^{Gr_td - G_id} k_id  (i < t),
+    R~_t = e^{Gr_t} rr_t,  U = U~ - W~ S_0  with  [U~ | W~] = (I + A)^-1 [diag(a) V | diag(a) R~],
+    O = (Q e^G) S_0 + (Q K^T * Gam) U,   Gam_ti = sum_d e^{G_td - G_id} (i <= t, per channel inside the sum),
+    S_C = e^{G_C} S_0 + (K e^{G_C - G})^T U.
+
+U~ and W~ do not depend on S_0, so they are computed for all chunks at once; the Python loop over
+chunks only does U = U~ - W~ S and S <- e^{G_C} S + K_dec^T U (two batched matmuls per chunk). With a
+per-head gate the decayed products are matmuls times exp(G_t - G_i); with per-channel gates they are
+formed explicitly over [C, C, K] (every exponent <= 0, nothing can overflow), in chunks of at most
+CHANNEL_BLOCK tokens. Backward is plain autograd: one state per chunk and O(T * chunk)
+intermediates, never a state per token.
+
+Numerics: key-norm rescaling, always, per token. The recurrence sees k only through a_t k_t (.)^T, so
+for any d_t > 0 it is unchanged by k~ = k / d, v~ = v / d, r~ = r / d, a~ = a d^2. We take
+d_t = max(||k_t||, 1), detached (the result does not depend on d, so its gradient is exactly zero and
+the gradients stay exact; this also keeps gradients finite at k = 0). Every key then has ||k~|| <= 1;
+for the delta rule's own read the eigenvalue of (I - a~ k~ k~^T) along k, 1 - a lambda, is carried by
+the bounded factor a~ ||k~||^2, and for EFLA (a lambda = 1 - exp(-beta lambda) in [0, 1)) keys of
+norm 1e3 next to keys of norm 1 give UT entries of size <= 1 where the raw keys give ~1e3: every UT
+quantity is independent of the key scale. The rule is the same for every backend and every call
+(no data-dependent branch: no host synchronisation, one graph under torch.compile, and an output
+never depends on later tokens through the choice). Measured in the first version: raw and rescaled
+forms are equally accurate (forward substitution's error is componentwise, blind to the diagonal
+similarity A~ = D^-1 A D); the rescaling is kept for its bounded intermediates.
+
+DeltaNet with unnormalised keys is unstable by nature when beta lambda > 2: the factor (I - beta k k^T)
+has the eigenvalue 1 - beta lambda < -1 along k and the state grows geometrically. All forms compute
+the same growing values (see the tests). Use qk_l2norm=True, or exact=True (EFLA), for a contractive update.
+
+State: a plain tensor `[N, H, K, V]` (flash-linear-attention's convention; N = B, or the number of
+sequences in cu_seqlens), fp32 (fp64 for fp64 inputs). It round-trips between modes and calls.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import LinattnError, LinattnTypeError
+from ..triton import triton_chunk_size
+from ._common import (FLOAT_DTYPES, check_cu_seqlens, check_log_gate, check_mode, check_qkv, check_same_device,
+                      check_scale, check_values, compute_dtype, pad_time)
+from .backend import requires_grad, select_backend, triton_delta
+
+CHANNEL_BLOCK = 16       # chunk length with per-channel gates (their intra-chunk work is O(T * C * K))
+TRITON_MAX_K = 256       # the Triton kernels keep a whole K in registers
+
+SERIES_BELOW = 1e-3      # the EFLA coefficient uses its Taylor series below x = beta lam = 1e-3
+PSI_SERIES_BELOW = 0.1  # ... and its lam-derivative below x = 0.1
+L2NORM_EPS = 1e-6        # qk_l2norm: x / max(||x||, eps), as flash-linear-attention
+
+
+def _efla_value(beta: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    x = beta * lam
+    small = x < SERIES_BELOW
+    lam_safe = torch.where(small, torch.ones_like(lam), lam)
+    quotient = -torch.expm1(-beta * lam_safe) / lam_safe
+    series = beta * (1 - x / 2 * (1 - x / 3 * (1 - x / 4)))  # beta (1 - x/2 + x^2/6 - x^3/24)
+    return torch.where(small, series, quotient)
+
+
+def _psi(x: torch.Tensor) -> torch.Tensor:
+    """psi(x) = (1 - (1 + x) exp(-x)) / x^2 for x >= 0 (psi(0) = 1/2), without cancellation."""
+    small = x < PSI_SERIES_BELOW
+    x_safe = torch.where(small, torch.ones_like(x), x)
+    direct = (-torch.expm1(-x_safe) - x_safe * torch.exp(-x_safe)) / x_safe / x_safe
+    # psi(x) = sum_j (-1)^j (j + 1) / (j + 2)! x^j; 11 terms reach 1e-17 at x = 0.1
+    series = torch.zeros_like(x)
+    for j in range(10, -1, -1):
+        series = series * x + (-1) ** j * (j + 1) / math.factorial(j + 2)
+    return torch.where(small, series, direct)
+
+
+class _EFLACoefficient(torch.autograd.Function):
+    """a = (1 - exp(-beta lam)) / lam = -expm1(-beta lam) / lam, with a = beta at lam = 0.
+
+    Value: the expm1 quotient, or for x = beta lam < 1e-3 its Taylor series beta (1 - x/2 + x^2/6 -
+    x^3/24) (truncation error x^4/120 relative); the unused torch.where branch gets a safe denominator.
+    Gradients from their closed forms, da/dbeta = exp(-x) and da/dlam = -beta^2 psi(x), because
+    autograd through expm1 differentiates it as (expm1(-x) + 1), which rounds to 0 in fp32 for x > 17
+    and would lose da/dbeta for saturated keys. Everything is finite at lam = 0 (da/dlam = -beta^2/2).
+    """
+
+    @staticmethod
+    def forward(ctx, beta, lam):
+        ctx.save_for_backward(beta, lam)
+        return _efla_value(beta, lam)
+
+    @staticmethod
+    def backward(ctx, grad):
+        beta, lam = ctx.saved_tensors
+        x = beta * lam
+        return grad * torch.exp(-x), grad * (-beta * beta * _psi(x))
+
+
+
+def efla_coefficient(beta: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """EFLA's write strength a = (1 - exp(-beta lam)) / lam (a = beta at lam = 0), with exact gradients."""
+    return _EFLACoefficient.apply(beta, lam)
+
+# ----------------------------------------------------------------------------------------------
+# The three forms. Layout [B, H, T, D]: q (scaled), k~, v~, r~ or None, b = a~ [B, H, T], g a log-gate
+# [B, H, T] (per head) or [B, H, T, K] (per channel) or None, S [B, H, K, V].
+# Each returns (o [B, H, T, V], S_final).
+# ----------------------------------------------------------------------------------------------
+
+def _decay_factor(g_t: torch.Tensor) -> torch.Tensor:
+    """exp(g_t) shaped to scale a state [.., K, V]: [.., 1, 1] per head, [.., K, 1] per channel."""
+    return torch.exp(g_t).unsqueeze(-1) if g_t.dim() == 3 else torch.exp(g_t)[..., None, None]
+
+
+def _recurrent(q, k, v, b, r, g, S):
+    T = q.shape[2]
+    bv = v * b.unsqueeze(-1)
+    # per-step tensors by unbind: indexing [:, :, t] would give every step a full-size backward
+    gs = g.unbind(2) if g is not None else [None] * T
+    rs = r.unbind(2) if r is not None else [None] * T
+    outs = []
+    for q_t, k_t, bv_t, b_t, r_t, g_t in zip(q.unbind(2), k.unbind(2), bv.unbind(2), b.unbind(2), rs, gs):
+        kt = k_t.unsqueeze(-2)                                         # [B, H, 1, K]
+        if r_t is None:  # the delta rule's read: decay first, then predict from the decayed state
+            if g_t is not None:
+                S = S * _decay_factor(g_t)
+            pred = kt @ S
+        else:            # a read key of its own, on the undecayed state
+            pred = r_t.unsqueeze(-2) @ S
+            if g_t is not None:
+                S = S * _decay_factor(g_t)
+        err = torch.addcmul(bv_t.unsqueeze(-2), b_t[..., None, None], pred, value=-1.0)  # a (v - S^T r)
+        S = torch.addcmul(S, kt.transpose(-1, -2), err)
+        outs.append(q_t.unsqueeze(-2) @ S)
+    return torch.cat(outs, dim=2), S
+
+
+def _wy_blocks(q, k, v, b, r, g):
+    """The S_0-independent parts of blocks [..., C, D] (any leading dims): X = [U~ | W~] of the UT transform,
+    the masked decayed scores Q K^T * Gam, the decayed queries and keys, and the block decay (or None)."""
+    C = k.shape[-2]
+    incl = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+    strict = incl.tril(-1)  # a given read key sees e^{G_{t-1} - G_i}: only i < t is ever used (and <= 0)
+    rr = k if r is None else r
+    kb_r = rr * b.unsqueeze(-1)                                       # diag(a~) R
+    if g is None:
+        A, qk = kb_r @ k.transpose(-1, -2), q @ k.transpose(-1, -2)
+        q_dec, k_dec, block_decay, w_rhs = q, k, None, kb_r
+    else:
+        G = g.cumsum(-2 if g.dim() == q.dim() else -1)               # [..., C(, K)], local to the block
+        Gr = G if r is None else G - g                                # the read key's log-decay
+        if g.dim() == q.dim():  # per channel: explicit [.., C, C, K] decays, every exponent <= 0
+            E = torch.exp((G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~incl[..., None], float("-inf")))
+            Er = E if r is None else torch.exp(
+                (Gr.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~strict[..., None], float("-inf")))
+            qk = torch.einsum("...td,...tid,...id->...ti", q, E, k)
+            A = torch.einsum("...td,...tid,...id->...ti", kb_r, Er, k)
+            eG = torch.exp(G)
+            q_dec, w_rhs = q * eG, kb_r * torch.exp(Gr)
+            k_dec = k * torch.exp(G[..., -1:, :] - G)
+            block_decay = eG[..., -1, :].unsqueeze(-1)                # [..., K, 1]
+        else:                   # per head: matmuls times exp(G_t - G_i)
+            D = torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~incl, float("-inf")))
+            Dr = D if r is None else torch.exp((Gr.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~strict, float("-inf")))
+            A, qk = (kb_r @ k.transpose(-1, -2)) * Dr, (q @ k.transpose(-1, -2)) * D
+            eG = torch.exp(G)
+            q_dec, w_rhs = q * eG.unsqueeze(-1), kb_r * torch.exp(Gr).unsqueeze(-1)
+            k_dec = k * torch.exp(G[..., -1:] - G).unsqueeze(-1)
+            block_decay = eG[..., -1:].unsqueeze(-1)                  # [..., 1, 1]
+    # in place on fresh intermediates that no backward needs; the diagonal of A is the implicit 1
+    A = A.tril_(-1)
+    rhs = torch.cat([v * b.unsqueeze(-1), w_rhs], dim=-1)
+    X = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)  # [U~ | W~]
+    return X, qk.tril_(), q_dec, k_dec, block_decay
+
+
+def _chunk(q, k, v, b, r, g, S, C):
+    B, H, T, K = k.shape
+    V = v.shape[-1]
+    # padding tokens: a = 0 (no erase, no write) and g = 0 (no decay), so S is unchanged by them
+    q, k, v, b = (pad_time(x, C, dim=2) for x in (q, k, v, b))
+    r = pad_time(r, C, dim=2) if r is not None else None
+    g = pad_time(g, C, dim=2) if g is not None else None
+    n = q.shape[2] // C
+    BH = B * H
+
+    def blocks(x):  # [B, H, n*C, *] -> [B*H, n, C, *] (a view for contiguous inputs)
+        return x.reshape(BH, n, C, *x.shape[3:]) if x is not None else None
+
+    X, Aqk, q_dec, k_dec, decay = _wy_blocks(blocks(q), blocks(k), blocks(v), blocks(b), blocks(r), blocks(g))
+    Ut, Wt = X.split([V, K], dim=-1)                                  # [BH, n, C, V], [BH, n, C, K]
+    KdT = k_dec.transpose(-1, -2)                                     # [BH, n, K, C]
+    S = S.reshape(BH, K, V)
+    starts, Us = [], []
+    # the only sequential part, two batched matmuls per chunk: U = U~ - W~ S, S <- e^{G_C} S + K_dec^T U
+    # (unbind, not indexing: the backward of n selects would materialise n full-size gradients)
+    decays = decay.unbind(1) if decay is not None else [None] * n
+    for Ut_i, Wt_i, KdT_i, dec_i in zip(Ut.unbind(1), Wt.unbind(1), KdT.unbind(1), decays):
+        starts.append(S)
+        U = torch.baddbmm(Ut_i, Wt_i, S, alpha=-1.0)
+        Us.append(U)
+        S = torch.baddbmm(S if dec_i is None else dec_i * S, KdT_i, U)
+    starts, Us = torch.stack(starts, dim=1), torch.stack(Us, dim=1)  # [BH, n, K or C, V]
+    o = torch.baddbmm(Aqk.reshape(BH * n, C, C) @ Us.view(BH * n, C, V), q_dec.reshape(BH * n, C, K),
+                      starts.view(BH * n, K, V))
+    o = o.view(B, H, n * C, V)[:, :, :T]
+    return o, S.reshape(B, H, K, V)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validate and prepare once
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class DeltaProblem:
+    """One validated delta-family call, preprocessed for every backend, in the compute dtype and the
+    caller's layout [B, T, H, *]: q (normalised if asked, scaled), k~, v~, r~ (or None) rescaled by
+    d = max(||k||, 1), a = a~ [B, T, H], g [B, T, H] or [B, T, H, K] (or None), S0 [N, H, K, V] or None."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    r: Optional[torch.Tensor]
+    a: torch.Tensor
+    g: Optional[torch.Tensor]
+    S0: Optional[torch.Tensor]
+    mode: str
+    chunk_size: int
+    offsets: Optional[List[int]]
+    N: int
+    output_final_state: bool
+    out_dtype: torch.dtype
+
+    @property
+    def channel_gate(self) -> bool:
+        return self.g is not None and self.g.dim() == 4
+
+    def triton_unsupported(self) -> Optional[str]:
+        """Why the Triton kernels do not cover this call (None when they do)."""
+        if self.out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"the kernels take fp16 / bf16 / fp32 inputs, not {self.out_dtype}"
+        if self.mode not in ("chunk", "recurrent"):
+            return f"mode={self.mode!r} has no Triton kernel (chunk and recurrent do)"
+        if self.q.shape[-1] > TRITON_MAX_K:
+            return f"the kernels keep a whole K in registers and support K <= {TRITON_MAX_K}"
+        if self.r is not None:
+            return "a read key of its own (r, Comba's p) has no Triton kernel"
+        if self.channel_gate:
+            return "per-channel gates g [B, T, H, K] have no Triton kernel"
+        if self.mode == "recurrent" and requires_grad(self.q, self.k, self.v, self.a, self.g, self.S0):
+            return "the fused recurrent kernel is forward-only (decoding) and an input requires grad"
+        return None
+
+    def chunk_size_used(self, backend: str) -> int:
+        """The chunk length a backend really uses for this call (recurrent: 1, parallel: T)."""
+        if self.mode == "recurrent":
+            return 1
+        if self.mode == "parallel":
+            return self.q.shape[1]
+        if backend == "triton":
+            return triton_chunk_size(self.chunk_size)
+        return min(self.chunk_size, CHANNEL_BLOCK) if self.channel_gate else self.chunk_size
+
+
+def _check_step(x, name: str, shape, ref: torch.Tensor, layout: str) -> None:
+    """beta-like per-token tensors: shape, dtype, device, and >= 0 (when value checks run)."""
+    if not isinstance(x, torch.Tensor):
+        raise LinattnTypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise LinattnTypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise LinattnError(f"{name} must have shape {layout} = {tuple(shape)}, got {tuple(x.shape)}")
+    check_same_device(x, name, ref)
+    if check_values(x) and not bool((x >= 0).all()):  # one pass catches both NaN and negative entries
+        if torch.isnan(x).any():
+            raise LinattnError(f"{name} contains NaN")
+        raise LinattnError(f"{name} is a step size and must be >= 0 everywhere, got a minimum of "
+                           f"{x.min().item():.4g}")
+
+
+def _check_state(state, N, H, K, V, device) -> None:
+    layout = f"[N, H, K, V] = {(N, H, K, V)}"
+    if not isinstance(state, torch.Tensor):
+        raise LinattnTypeError(f"initial_state must be a torch.Tensor of shape {layout} (as returned with "
+                               f"output_final_state=True), got {type(state).__name__}")
+    if state.dtype not in FLOAT_DTYPES:
+        raise LinattnTypeError(f"initial_state must be a floating tensor, got {state.dtype}")
+    if tuple(state.shape) != (N, H, K, V):
+        raise LinattnError(f"initial_state must have shape {layout} (N = B, or the number of sequences in "
+                           f"cu_seqlens), got {tuple(state.shape)}")
+    if state.device != device:
+        raise LinattnError(f"initial_state must be on the device of q ({device}), got {state.device}")
+
+
+def _check_flag(x, name: str) -> None:
+    if not isinstance(x, bool):
+        raise LinattnTypeError(f"{name} must be a bool, got {type(x).__name__}")
+
+
+def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
+                  coefficient: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                  scale=None, qk_l2norm: bool = False, mode: str = "chunk", chunk_size: int = 64,
+                  initial_state=None, output_final_state: bool = False, cu_seqlens=None) -> DeltaProblem:
+    """Every check shared by the delta family, once, and the shared preprocessing.
+
+    q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]` (>= 0); g a log-gate `[B, T, H]` (or
+    `[B, T, H, K]` when `channel_gate`); r the read key `[B, T, H, K]` or None (the delta rule's own);
+    `coefficient(beta, ||k||^2)` -> a (default a = beta; EFLA passes `efla_coefficient`), evaluated
+    after qk_l2norm; scale None means K**-0.5.
+    """
+    B, T, H, K, V = check_qkv(q, k, v)
+    check_mode(mode, chunk_size)
+    _check_step(beta, "beta", (B, T, H), q, "[B, T, H]")
+    if g is not None:
+        check_log_gate(g, "g", B, T, H, K, allow_diagonal=channel_gate, ref=q)
+        if check_values(g) and not bool(torch.isfinite(g).all()):
+            raise LinattnError("g must be finite (a log-gate of -inf would erase the state; use a large "
+                               "negative value)")
+    if r is not None:
+        check_tensor_like(r, "r", q)
+    _check_flag(qk_l2norm, "qk_l2norm")
+    _check_flag(output_final_state, "output_final_state")
+    scale = check_scale(scale, K ** -0.5)
+    offsets = check_cu_seqlens(cu_seqlens, B, T)
+    N = B if offsets is None else len(offsets) - 1
+    if initial_state is not None:
+        _check_state(initial_state, N, H, K, V, q.device)
+
+    cdt = compute_dtype(q.dtype)
+    q_c, k_c, v_c, b_c = q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt)
+    if qk_l2norm:
+        q_c = F.normalize(q_c, dim=-1, eps=L2NORM_EPS)
+        k_c = F.normalize(k_c, dim=-1, eps=L2NORM_EPS)
+    q_c = q_c * scale
+    lam = (k_c * k_c).sum(-1)                                         # [B, T, H]
+    a = coefficient(b_c, lam) if coefficient is not None else b_c
+    # key-norm rescaling (module docstring): k~ = k / d, v~ = v / d, r~ = r / d, a~ = a d^2, d = max(||k||, 1)
+    d2 = lam.detach().clamp_min(1.0)
+    d = d2.sqrt().unsqueeze(-1)
+    r_c = r.to(cdt) / d if r is not None else None
+    S0 = initial_state.to(cdt) if initial_state is not None else None
+    return DeltaProblem(q_c, k_c / d, v_c / d, r_c, a * d2, g.to(cdt) if g is not None else None, S0, mode,
+                        chunk_size, offsets, N, output_final_state, q.dtype)
+
+
+def check_tensor_like(x, name: str, q: torch.Tensor) -> None:
+    """An extra per-token key with the shape, dtype and device of q."""
+    if not isinstance(x, torch.Tensor):
+        raise LinattnTypeError(f"{name} must be a torch.Tensor of shape [B, T, H, K] = {tuple(q.shape)}, "
+                               f"got {type(x).__name__}")
+    if tuple(x.shape) != tuple(q.shape):
+        raise LinattnError(f"{name} must have the shape of q [B, T, H, K] = {tuple(q.shape)}, got {tuple(x.shape)}")
+    if x.dtype != q.dtype:
+        raise LinattnTypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
+    check_same_device(x, name, q)
+
+
+# ----------------------------------------------------------------------------------------------
+# Run
+# ----------------------------------------------------------------------------------------------
+
+def _run_torch(p: DeltaProblem):
+    B, T, H, K = p.q.shape
+    V = p.v.shape[-1]
+
+    def bht(x):  # [B, T, H, *] -> [B, H, T, *], contiguous once, so that the chunk blocks are plain views
+        return x.transpose(1, 2).contiguous() if x is not None else None
+
+    q, k, v, r, b, g = (bht(x) for x in (p.q, p.k, p.v, p.r, p.a, p.g))
+    S0 = p.S0 if p.S0 is not None else torch.zeros(p.N, H, K, V, dtype=q.dtype, device=q.device)
+
+    def run(q, k, v, b, r, g, S):
+        if p.mode == "recurrent":
+            return _recurrent(q, k, v, b, r, g, S)
+        C = q.shape[2] if p.mode == "parallel" else p.chunk_size_used("torch")
+        return _chunk(q, k, v, b, r, g, S, C)
+
+    if p.offsets is None:
+        o, S = run(q, k, v, b, r, g, S0)
+    else:
+        outs, states = [], []
+        for i, (lo, hi) in enumerate(zip(p.offsets[:-1], p.offsets[1:])):
+            sl = slice(lo, hi)
+            o_i, S_i = run(q[:, :, sl], k[:, :, sl], v[:, :, sl], b[:, :, sl],
+                           r[:, :, sl] if r is not None else None, g[:, :, sl] if g is not None else None,
+                           S0[i:i + 1])
+            outs.append(o_i), states.append(S_i)
+        o, S = torch.cat(outs, dim=2), torch.cat(states)
+    return o.transpose(1, 2), S
+
+
+def run_delta(p: DeltaProblem, backend: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run a prepared call on `backend` -> (o [B, T, H, V] in the input dtype, final state or None)."""
+    o, S = triton_delta(p) if select_backend(backend, p) == "triton" else _run_torch(p)
+    return o.to(p.out_dtype), (S if p.output_final_state else None)
