@@ -9,6 +9,7 @@ import torch
 from linattn import cli
 from linattn.bench import BENCHMARKS, common, ops
 
+
 @pytest.fixture(autouse=True)
 def _one_thread(monkeypatch):
     """Tiny cases are dominated by thread hand-offs on a busy machine: run them on one thread
@@ -65,7 +66,9 @@ def test_bench_ops_end_to_end(tmp_path, capsys):
     skipped = {(s["op"], s["mode"], s["pass"], s["T"]) for s in report["skipped"]}
     assert ("linear", "recurrent", "fwd", 128) in skipped  # capped, reported, not extrapolated
     lin = next(r for r in report["results"] if r["op"] == "linear" and r["mode"] == "chunk" and r["T"] == 128)
+    assert lin["chunk_size"] == 64 and lin["chunk_size_used"] == 64  # elu+1 on the PyTorch path: as asked
     assert lin["flops"] == 4 * 1 * 4 * 128 * 64 * (64 + 64)
+    assert report["chunk_size"]["requested"] == 64 and report["chunk_size"]["used"]["linear"] == [64]
     assert lin["peak_bytes"] is None or lin["peak_bytes"] >= 0
     assert len(report["targets"]) >= 3 and all(t["measured"] is None for t in report["targets"])
     assert (out / "ops.png").read_bytes()[:4] == b"\x89PNG"
@@ -85,7 +88,7 @@ def test_targets_are_computed_from_measurements():
 
     results = [row("softmax", "sdpa", "fwd", 100.0), row("linear", "chunk", "fwd", 2.0, gflops=50.0),
                row("deltanet", "chunk", "fwd", 10.0), row("deltanet", "recurrent", "fwd", 150.0)]
-    t = {x["target"]: x for x in ops.compute_targets(results, [], A, {"gflops": 100.0, "dtype": "float32"}, None)}
+    t = {x["target"]: x for x in ops.compute_targets(results, [], A, {"gflops": 100.0, "dtype": "float32"})}
     fwd = t["linear elu+1 chunk fwd: softmax time / op time"]
     assert fwd["measured"] == 50.0 and fwd["met"] is True
     assert t["linear elu+1 chunk fwd: achieved / measured float32 matmul rate"]["measured"] == 0.5
@@ -153,9 +156,59 @@ def test_demo_exactness_tiny():
 
 
 @pytest.mark.parametrize("module, argv", [("linattn", ["--help"]), ("linattn.bench", ["--help"]),
-                                          ("linattn", ["bench", "ops", "--help"])])
+                                          ("linattn", ["bench", "ops", "--help"]),
+                                          ("linattn.bench", ["ops", "--help"]),
+                                          ("linattn.experiments", ["--help"])])
 def test_python_dash_m_entry_points(module, argv, monkeypatch, capsys):
+    monkeypatch.delitem(sys.modules, f"{module}.__main__", raising=False)  # imported by test_structure
     monkeypatch.setattr(sys, "argv", [module, *argv])
     with pytest.raises(SystemExit) as e:
         runpy.run_module(module, run_name="__main__", alter_sys=False)
     assert e.value.code == 0 and "usage: linattn" in capsys.readouterr().out
+
+
+def test_python_dash_m_bench_reports_bad_arguments_on_one_line(monkeypatch, capsys):
+    monkeypatch.delitem(sys.modules, "linattn.bench.__main__", raising=False)
+    monkeypatch.setattr(sys, "argv", ["linattn.bench", "nosuchbench"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("linattn.bench", run_name="__main__", alter_sys=False)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "unknown benchmark" in err
+
+
+def test_bench_ops_records_the_chunk_size_actually_used(tmp_path, capsys, monkeypatch):
+    """A backend that runs another chunk size than asked: the row, the table, the JSON and the flop
+    count all show the size used, never the one asked for."""
+    asked = []
+
+    def fake_used(op, q, k, v, *args, **kwargs):
+        asked.append((op, kwargs["chunk_size"]))
+        return 64 if op == "linear_attention" else 16
+
+    monkeypatch.setattr(ops, "chunk_size_used", fake_used)
+    out = tmp_path / "o"
+    argv = ["bench", "ops", "--T", "64", "--repeats", "1", "--warmup", "0", "--min-time", "0", "--matmul-n", "64",
+            "--modes", "chunk", "--passes", "fwd", "--chunk-size", "48", "--no-memory", "--quiet", "--out", str(out)]
+    assert cli.main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert ("linear_attention", 48) in asked and ("delta_rule", 48) in asked
+    assert "--chunk-size 48; used by the chunk forms: linear elu+1 64, DeltaNet 16" in stdout
+    assert "64*" in stdout and "16*" in stdout  # the table marks sizes that differ from the request
+    report = json.loads((out / "ops.json").read_text())
+    rows = {r["op"]: r for r in report["results"] if r["mode"] == "chunk"}
+    assert rows["linear"]["chunk_size"] == 48 and rows["linear"]["chunk_size_used"] == 64
+    assert rows["linear"]["flops"] == 4 * 1 * 4 * 64 * 64 * (64 + 64)
+    K = V = 64
+    assert rows["efla"]["chunk_size_used"] == 16
+    assert rows["efla"]["flops"] == 1 * 4 * 64 * (6 * 16 * K + 4 * 16 * V + 6 * K * V)
+    assert report["chunk_size"] == {"requested": 48, "used": {"linear": [64], "deltanet": [16],
+                                                              "gated_deltanet": [16], "efla": [16]}}
+    assert "used by the chunk forms" in (out / "ops.txt").read_text()
+
+
+def test_case_chunk_size_asks_the_operator_with_the_case_arguments():
+    spec = dict(B=1, T=40, H=1, K=8, V=8, chunk_size=48)
+    assert ops.case_chunk_size("softmax", "sdpa", "fwd", **spec) is None
+    assert ops.case_chunk_size("linear", "recurrent", "fwd", **spec) is None
+    assert ops.case_chunk_size("linear", "chunk", "fwd", **spec) >= 1
+    assert ops.case_chunk_size("efla", "chunk", "fwdbwd", **spec) >= 1

@@ -11,7 +11,7 @@ import torch
 from linattn import cli
 from linattn.data.mnist import MNISTError, load_mnist, read_idx, write_idx
 from linattn.experiments import EXPERIMENTS, common, mad as mad_exp, smnist
-
+from linattn.io import write_json
 
 # ---------------------------------------------------------------- MNIST reader
 
@@ -234,7 +234,7 @@ def test_common_helpers(tmp_path):
     assert common.md_table(["a", "b"], [[1, None]]) == "| a | b |\n| :--- | ---: |\n| 1 |  |"
     assert common.mean_std([1.0, 3.0, None]) == (2.0, math.sqrt(2.0), 2)
     assert common.fmt_pm(2.0, 1.0, 2) == "2.0 ± 1.0" and common.fmt_pm(None, None, 0) == "-"
-    common.write_json(tmp_path / "x.json", {"a": float("nan"), "b": np.float32(1.5), "c": torch.tensor(2)})
+    write_json(tmp_path / "x.json", {"a": float("nan"), "b": np.float32(1.5), "c": torch.tensor(2)})
     assert json.loads((tmp_path / "x.json").read_text()) == {"a": None, "b": 1.5, "c": 2}
 
 

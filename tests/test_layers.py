@@ -2,10 +2,26 @@
 import pytest
 import torch
 
-from linattn.layers import (EFLA, Cache, DeltaNet, GatedDeltaNet, KVCache, LayerCache, LinearAttention,
-                            RMSNorm, RotaryEmbedding, ShortConv, SoftmaxAttention, SwiGLU)
-
 import linattn
+from linattn.errors import LinattnError, LinattnTypeError
+from linattn.layers import (
+    EFLA,
+    AttentionBase,
+    Cache,
+    DeltaNet,
+    GatedDeltaNet,
+    KVCache,
+    LayerCache,
+    LinearAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    ShortConv,
+    SoftmaxAttention,
+    SwiGLU,
+    check_cu_seqlens,
+    packed_positions,
+)
+from linattn.models.registry import build_mixer, mixer_spec, mixers
 
 HAS_DELTA = hasattr(linattn, "delta_rule")
 needs_delta = pytest.mark.skipif(not HAS_DELTA, reason="linattn.delta_rule not available yet")
@@ -194,9 +210,144 @@ def test_norm_and_swiglu():
 
 def test_layer_rejects_bad_inputs():
     layer = LinearAttention(32, 4)
-    with pytest.raises(ValueError, match=r"\[B, T, 32\]"):
+    with pytest.raises(LinattnError, match=r"\[B, T, 32\]"):
         layer(torch.randn(2, 5, 16))
-    with pytest.raises(TypeError, match="LayerCache"):
+    with pytest.raises(LinattnTypeError, match="LayerCache"):
         layer(torch.randn(2, 5, 32), cache={})
     c = Cache(2)
     assert c.layer(1, "mixer") is c.layer(1, "mixer") and c.nbytes() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# scale: None means head_dim**-0.5 in every layer, resolved to a number
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls,kw", [(LinearAttention, {}), (SoftmaxAttention, {}), (DeltaNet, {}),
+                                    (GatedDeltaNet, {}), (EFLA, {}), (LinearAttention, {"head_dim": 6})])
+def test_scale_none_is_head_dim_default(cls, kw):
+    layer = cls(32, 4, **kw)
+    assert isinstance(layer.scale, float) and layer.scale == layer.head_dim ** -0.5
+    assert cls(32, 4, scale=1.0, **kw).scale == 1.0 and cls(32, 4, scale=2, **kw).scale == 2.0
+    for bad in ("head_dim**-0.5", True, [1.0]):
+        with pytest.raises(LinattnTypeError, match="scale"):
+            cls(32, 4, scale=bad, **kw)
+
+
+def test_layers_declare_config_fields():
+    base = set(AttentionBase.config_fields)
+    assert {"head_dim", "rope", "short_conv", "max_seq_len", "norm_eps", "rope_base", "layer_idx"} <= base
+    assert set(LinearAttention.config_fields) == base | {"chunk_size"}
+    assert set(DeltaNet.config_fields) == set(EFLA.config_fields) == base | {"chunk_size"}
+    assert set(SoftmaxAttention.config_fields) == base | {"window"}
+
+
+# ---------------------------------------------------------------------------------------------
+# packed sequences (cu_seqlens)
+# ---------------------------------------------------------------------------------------------
+
+DOC_LENS = (5, 17, 9)
+
+
+def packed_offsets(lens=DOC_LENS):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def packed_vs_separate(module, x, cu):
+    """(outputs of the packed call, outputs of each document run alone, outputs of the unpacked call)."""
+    with torch.no_grad():
+        packed = module(x, cu_seqlens=cu)
+        alone = torch.cat([module(x[:, a:b]) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
+        joined = module(x)
+    return packed, alone, joined
+
+
+MIXER_VARIANTS = [pytest.param(m, force, id=f"{m}{'-conv-rope' if force else ''}",
+                               marks=pytest.mark.skipif(not HAS_DELTA and issubclass(mixer_spec(m).cls, DeltaNet),
+                                                        reason="no delta_rule"))
+                  for m in mixers() for force in ({}, {"rope": True, "short_conv": True})]
+
+
+@pytest.mark.parametrize("name,force", MIXER_VARIANTS)
+def test_every_mixer_keeps_packed_documents_apart(name, force):
+    """A packed batch of 3 uneven documents == each document run alone (state, short conv, RoPE
+    and softmax attention all restart at every document), for every registered mixer."""
+    torch.manual_seed(0)
+    kw = dict(force)
+    if "chunk_size" in mixer_spec(name).config_fields:
+        kw["chunk_size"] = 4   # several chunks per document, chunk borders off the document borders
+    layer = build_mixer(name, 32, 2, **kw)
+    cu = packed_offsets()
+    x = torch.randn(1, int(cu[-1]), 32)
+    packed, alone, joined = packed_vs_separate(layer, x, cu)
+    assert packed.shape == x.shape
+    err = (packed - alone).abs().max().item()
+    assert err <= 1e-5, f"{name}: packed documents differ from separate runs by {err}"
+    # without cu_seqlens the later documents do see the earlier ones (the test can tell)
+    assert (joined[:, 5:] - alone[:, 5:]).abs().max().item() > 1e-4
+    # gradients flow through the packed path
+    x.requires_grad_(True)
+    layer(x, cu_seqlens=cu).square().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    g = x.grad.clone()
+    x.grad = None   # the last document's loss reaches no earlier document
+    layer(x, cu_seqlens=cu)[:, 22:].square().sum().backward()
+    assert x.grad[:, :22].abs().max() == 0 and x.grad[:, 22:].abs().max() > 0 and g.abs().max() > 0
+
+
+def test_short_conv_packed_matches_separate():
+    torch.manual_seed(0)
+    for bias in (False, True):
+        conv = ShortConv(6, 4, bias=bias)
+        if bias:
+            torch.nn.init.normal_(conv.bias)
+        cu = packed_offsets((1, 2, 7, 3))   # documents shorter than the kernel too
+        x = torch.randn(1, 13, 6)
+        y, state = conv(x, cu_seqlens=cu)
+        assert state is None
+        alone = torch.cat([conv(x[:, a:b])[0] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
+        assert torch.allclose(y, alone, atol=1e-6)
+        assert torch.allclose(conv(x, cu_seqlens=torch.tensor([0, 13]))[0], conv(x)[0], atol=1e-6)
+    with pytest.raises(LinattnError, match="state"):
+        conv(x, conv(x)[1], cu_seqlens=cu)
+
+
+def test_rope_positions_restart_per_document():
+    rope = RotaryEmbedding(8)
+    cu = packed_offsets()
+    pos = packed_positions(cu, 31)
+    assert pos.tolist() == list(range(5)) + list(range(17)) + list(range(9))
+    x = torch.randn(1, 31, 2, 8)
+    y = rope.apply(x, positions=pos)
+    assert torch.allclose(y[:, 5:22], rope.apply(x[:, 5:22]), atol=1e-6)
+    assert torch.equal(rope.apply(x, positions=torch.arange(31)), rope.apply(x))
+    with pytest.raises(LinattnError, match="positions"):
+        rope.apply(x, positions=torch.arange(30))
+
+
+@pytest.mark.parametrize("cu,match", [
+    ([0, 5, 31], None),
+    ([0, 5, 30], "end at the sequence length 31"),
+    ([1, 5, 31], "start at 0"),
+    ([0, 5, 5, 31], "strictly increasing"),
+    ([31], "shape"),
+])
+def test_cu_seqlens_checks(cu, match):
+    t = torch.tensor(cu, dtype=torch.int64)
+    if match is None:
+        assert torch.equal(check_cu_seqlens(t, 1, 31), t)
+        return
+    with pytest.raises(LinattnError, match=match):
+        check_cu_seqlens(t, 1, 31)
+
+
+def test_packed_argument_errors():
+    layer = LinearAttention(32, 4, short_conv=True)
+    cu = packed_offsets()
+    with pytest.raises(LinattnError, match="batch size 1"):
+        layer(torch.randn(2, 31, 32), cu_seqlens=cu)
+    with pytest.raises(LinattnError, match="cache"):
+        layer(torch.randn(1, 31, 32), cache=LayerCache(), cu_seqlens=cu)
+    with pytest.raises(LinattnTypeError, match="cu_seqlens"):
+        layer(torch.randn(1, 31, 32), cu_seqlens=[0, 5, 31])
+    with pytest.raises(LinattnError, match="integer"):
+        layer(torch.randn(1, 31, 32), cu_seqlens=cu.float())

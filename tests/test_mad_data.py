@@ -186,3 +186,13 @@ def test_settings_sweep_one_factor_at_a_time():
     assert len(mad.settings("memorization")) == 6
     assert mad.settings("noisy-in-context-recall")[1]["vocab_size"] == 48
     assert len(mad.settings("compression", sweep=False)) == 1
+
+
+def test_bad_settings_raise_config_errors():
+    from linattn.errors import ConfigError, LinattnError
+
+    with pytest.raises(ConfigError, match="unknown MAD task"):
+        mad.make_dataset("no-such-task", num_train=2, num_test=2)
+    with pytest.raises(ConfigError, match="seq_len must be even"):
+        mad.in_context_recall(16, 127, is_training=True, rng=rng())
+    assert issubclass(ConfigError, LinattnError) and issubclass(ConfigError, ValueError)

@@ -1,7 +1,6 @@
 """LanguageModel: every mixer, hybrids, MoE, Hyper-Link, memory lobe, caches, config, generation."""
 import io
 import json
-import warnings
 
 import pytest
 import torch
@@ -9,8 +8,23 @@ import torch.nn.functional as F
 
 import linattn
 from linattn.audit import check_causality
-from linattn.models import LanguageModel, LMConfig, MoE, mixers
-from linattn.models.registry import build_mixer, mixer_spec
+from linattn.errors import ConfigError, LinattnError, LinattnTypeError
+from linattn.models import (
+    CausalLM,
+    LanguageModel,
+    LMConfig,
+    MoE,
+    build_model,
+    config_from_dict,
+    config_to_dict,
+    families,
+    family as family_mod,
+    get_family,
+    mixers,
+    register_family,
+    registry,
+)
+from linattn.models.registry import build_mixer, mixer_config_kwargs, mixer_spec
 
 DELTA = {"deltanet", "gated-deltanet", "efla", "efla-adaptive", "efla-loose"}
 HAS_DELTA = hasattr(linattn, "delta_rule")
@@ -365,8 +379,10 @@ def test_bad_inputs():
         model(torch.randn(2, 5))
     with pytest.raises(ValueError, match="cache"):
         model(ids_(), cache=tiny(n_layers=3).new_cache())
-    with pytest.raises(TypeError):
+    with pytest.raises(LinattnTypeError):
         LanguageModel({"vocab_size": 5})
+    with pytest.raises(LinattnError, match="targets"):
+        model(ids_(), targets=ids_(T=5))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,3 +433,254 @@ def test_sample_next_filters():
         sample_next(logits, 1.0, top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         sample_next(logits, -1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# mixer config fields: each mixer declares what it takes; nothing in lm.py knows mixers
+# ---------------------------------------------------------------------------------------------
+
+LM_FIELDS = {f.name for f in __import__("dataclasses").fields(LMConfig)}
+
+
+@pytest.mark.parametrize("mixer", mixers())
+def test_mixer_config_fields_are_config_fields(mixer):
+    spec = mixer_spec(mixer)
+    assert spec.config_fields, f"{mixer} declares no config fields"
+    assert set(spec.config_fields) <= LM_FIELDS | {registry.LAYER_IDX}
+    cfg = LMConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, mixer=mixer, head_dim=8, rope=True,
+                   short_conv=True, window=7, chunk_size=16, max_seq_len=99, norm_eps=1e-5)
+    kw = mixer_config_kwargs(mixer, cfg, 1)
+    expected = {f: (1 if f == registry.LAYER_IDX else getattr(cfg, f)) for f in spec.config_fields}
+    assert kw == expected
+    layer = LanguageModel(cfg).blocks[1].mixer
+    assert layer.head_dim == 8 and layer.rope is not None and layer.short_conv and layer.layer_idx == 1
+    if "chunk_size" in spec.config_fields:
+        assert layer.chunk_size == 16
+    if "window" in spec.config_fields:
+        assert layer.window == 7
+
+
+def test_config_fields_none_means_mixer_default():
+    cfg = LMConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, mixer="swa")
+    kw = mixer_config_kwargs("swa", cfg, 0)
+    assert "window" not in kw and "rope" not in kw and "head_dim" not in kw and kw["max_seq_len"] == 2048
+    assert LanguageModel(cfg).blocks[0].mixer.window == 256      # the registry entry's default
+    assert tiny("softmax").blocks[0].mixer.window is None        # the layer's own default
+    assert "chunk_size" not in kw                                # softmax attention does not take it
+    kw = mixer_config_kwargs("gla", cfg.replace(mixer="gla", mixer_kwargs={"gla": {"chunk_size": 3}}), 0)
+    assert kw["chunk_size"] == 3                                 # mixer_kwargs win
+
+
+class _Probe(torch.nn.Module):
+    """A mixer outside the built-ins: records the keyword arguments it was built with."""
+    config_fields = ("chunk_size", "window", "layer_idx")
+    built = []
+
+    def __init__(self, d_model, n_heads, **kwargs):
+        super().__init__()
+        self.kwargs = kwargs
+        _Probe.built.append(kwargs)
+        self.proj = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x, cache=None, cu_seqlens=None):
+        return self.proj(x)
+
+
+def test_new_mixer_gets_exactly_its_declared_fields(monkeypatch):
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    registry.register_mixer("probe", _Probe, {"extra": 1}, "test mixer")
+    _Probe.built.clear()
+    model = tiny("probe", window=5, chunk_size=8)
+    assert _Probe.built == [{"extra": 1, "rope": False, "short_conv": False, "chunk_size": 8, "window": 5,
+                             "layer_idx": i} for i in range(2)]
+    assert model(ids_()).logits.shape == (2, 12, V)
+    # a spec can override the class attribute; fields the config lacks are a ConfigError
+    registry.register_mixer("probe2", _Probe, {}, config_fields=("not_a_field",))
+    with pytest.raises(ConfigError, match="not_a_field"):
+        tiny("probe2")
+    registry.register_mixer("probe3", _Probe, {}, config_fields=())
+    _Probe.built.clear()
+    tiny("probe3", n_layers=1)
+    assert _Probe.built == [{"rope": False, "short_conv": False}]
+    registry.unregister_mixer("probe3")
+
+    class NoPacking(_Probe):
+        def forward(self, x, cache=None):
+            return self.proj(x)
+
+    registry.register_mixer("nopack", NoPacking, {}, config_fields=())
+    ids, cu = packed_ids()
+    with pytest.raises(LinattnError, match="'nopack'.*cu_seqlens"):
+        tiny("nopack")(ids, cu_seqlens=cu)
+    assert "probe3" not in registry.mixers()
+    with pytest.raises(ConfigError, match="already registered"):
+        registry.register_mixer("probe", _Probe)
+
+
+def test_unknown_mixer_kwarg_is_a_config_error():
+    with pytest.raises(ConfigError, match="linear-elu\\+1"):
+        tiny(mixer_kwargs={"linear-elu+1": {"bogus_option": 1}})
+    with pytest.raises(ConfigError, match="mixer_kwargs"):
+        LMConfig(vocab_size=V, mixer_kwargs={"gla": ["not", "a", "dict"]})
+
+
+# ---------------------------------------------------------------------------------------------
+# scales: no string sentinels; the numbers every mixer used before
+# ---------------------------------------------------------------------------------------------
+
+#: q scale of every built-in mixer (unchanged from the first version): 1.0 = no scaling
+UNSCALED = {f"linear-{fm}" for fm in linattn.FEATURE_MAP_NAMES if fm != "favor+"} | {"ela-hadamard_exp",
+                                                                                     "ela-sum_sq_euclid"}
+
+
+@pytest.mark.parametrize("mixer", mixers())
+@pytest.mark.parametrize("head_dim", [None, 8])
+def test_mixer_scales_are_numbers(mixer, head_dim):
+    spec = mixer_spec(mixer)
+    assert not any(isinstance(v, str) and "**" in v for v in spec.defaults.values())
+    model = tiny(mixer, head_dim=head_dim)
+    layer = model.blocks[0].mixer
+    hd = head_dim or 16
+    assert isinstance(layer.scale, float)
+    assert layer.scale == (1.0 if mixer in UNSCALED else hd ** -0.5), (mixer, layer.scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# packed documents through the whole model
+# ---------------------------------------------------------------------------------------------
+
+def packed_ids(lens=(5, 17, 9), seed=0):
+    ids = ids_(B=1, T=sum(lens), seed=seed)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
+    return ids, cu
+
+
+def check_packed(model, lens=(5, 17, 9), atol=1e-5):
+    ids, cu = packed_ids(lens)
+    with torch.no_grad():
+        packed = model(ids, cu_seqlens=cu).logits
+        alone = torch.cat([model(ids[:, a:b]).logits for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
+    err = (packed - alone).abs().max().item()
+    assert err <= atol, f"packed documents differ from separate runs by {err}"
+
+
+@pytest.mark.parametrize("mixer", mixer_params())
+def test_mixer_model_packed_documents(mixer):
+    check_packed(tiny(mixer, chunk_size=4))
+
+
+def test_packed_documents_with_lobe_moe_and_hybrid():
+    mix = ["gla", "softmax", "deltanet" if HAS_DELTA else "retnet", "linear-hadamard_exp"]
+    check_packed(tiny(mix, n_layers=4, ffn="moe", n_experts=3, top_k=2, residual="hyperlink",
+                      memory_lobe="causal", chunk_size=4, short_conv=True))
+    with pytest.warns(UserWarning):
+        leaky = tiny(residual="hyperlink", memory_lobe="bidirectional", allow_future_leak=True)
+    check_packed(leaky)   # the bidirectional lobe sums over each document only
+
+
+def test_packed_loss_and_errors():
+    model = tiny("gated-deltanet" if HAS_DELTA else "gla")
+    ids, cu = packed_ids()
+    tgt = ids_(B=1, T=31, seed=4)
+    out = model(ids, cu_seqlens=cu, targets=tgt)
+    assert torch.allclose(out.loss, F.cross_entropy(out.logits.reshape(-1, V), tgt.reshape(-1)))
+    out.loss.backward()
+    with pytest.raises(LinattnError, match="cache"):
+        model(ids, cu_seqlens=cu, use_cache=True)
+    with pytest.raises(LinattnError, match="cache"):
+        model(ids, cache=model.new_cache(), cu_seqlens=cu)
+    with pytest.raises(LinattnError, match="batch size 1"):
+        model(ids.repeat(2, 1), cu_seqlens=cu)
+    with pytest.raises(LinattnError, match="end at"):
+        model(ids, cu_seqlens=cu[:-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# model families: every registered family follows CausalLM
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", families())
+def test_every_family_follows_the_protocol(name):
+    fam = get_family(name)
+    assert fam.tiny_config is not None, f"family {name!r} registers no tiny_config"
+    assert CausalLM in fam.model_cls.__mro__ and not family_mod.protocol_problems(fam.model_cls)
+    torch.manual_seed(0)
+    cfg = fam.tiny_config(V)
+    assert type(cfg) is fam.config_cls
+    d = config_to_dict(cfg)
+    assert d["arch"] == name and config_from_dict(json.loads(json.dumps(d))) == cfg
+    model = build_model(d)
+    assert isinstance(model, fam.model_cls) and isinstance(model, CausalLM)
+    assert model.config == cfg and model.is_causal is True
+    assert 0 < model.num_parameters(exclude_embeddings=True) < model.num_parameters()
+    model.eval()
+    ids = ids_(B=2, T=13)
+    # forward with targets: a loss, and gradients
+    out = model(ids[:, :-1], targets=ids[:, 1:])
+    assert out.logits.shape == (2, 12, V) and out.cache is None and out.aux_loss.shape == ()
+    assert torch.isfinite(out.loss)
+    assert torch.allclose(out.loss, F.cross_entropy(out.logits.reshape(-1, V), ids[:, 1:].reshape(-1)), atol=1e-6)
+    out.loss.backward()
+    # cached decoding == the no-cache logits
+    with torch.no_grad():
+        full = model(ids).logits
+        step = model(ids[:, :6], use_cache=True)
+        parts, cache = [step.logits], step.cache
+        for t in range(6, 13):
+            step = model(ids[:, t:t + 1], cache=cache)
+            parts.append(step.logits)
+            cache = step.cache
+    assert (torch.cat(parts, dim=1) - full).abs().max().item() <= 1e-4
+    fresh = model.new_cache()
+    assert fresh is not None and fresh is not cache
+    # generate with a cache == greedy re-runs without one; stream yields the same tokens
+    prompt = ids[:, :5]
+    gen = model.generate(prompt, 4, temperature=0)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(4):
+            seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(gen, seq)
+    assert [t.tolist() for t in model.stream(prompt, 4, temperature=0)] == seq[:, 5:].T.tolist()
+    # packed documents: kept apart, or refused with a clear error
+    pids, cu = packed_ids()
+    if getattr(fam.model_cls, "supports_cu_seqlens", False):
+        check_packed(model)
+    else:
+        with pytest.raises(LinattnError, match="cu_seqlens"):
+            model(pids, cu_seqlens=cu)
+
+
+def test_register_family_checks_the_protocol(monkeypatch):
+    monkeypatch.setattr(family_mod, "_FAMILIES", dict(family_mod._FAMILIES))
+
+    class NoGenerate(torch.nn.Module):
+        def forward(self, input_ids, cache=None, *, use_cache=False, targets=None, cu_seqlens=None):
+            ...
+
+        def new_cache(self):
+            ...
+
+        def stream(self, input_ids, max_new_tokens, **kw):
+            ...
+
+        def num_parameters(self, exclude_embeddings=False):
+            ...
+
+        @property
+        def is_causal(self):
+            return True
+
+    with pytest.raises(ConfigError, match="generate"):
+        register_family("broken", LMConfig, NoGenerate)
+
+    class BadForward(LanguageModel):
+        def forward(self, input_ids, cache=None):   # no use_cache / targets / cu_seqlens
+            return super().forward(input_ids, cache)
+
+    with pytest.raises(ConfigError, match="use_cache"):
+        register_family("broken", LMConfig, BadForward)
+    with pytest.raises(ConfigError, match="already registered"):
+        register_family("lm", LMConfig, LanguageModel)
+    register_family("lm2", LMConfig, LanguageModel)   # a conforming class registers
+    assert "lm2" in families()

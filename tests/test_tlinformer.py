@@ -7,7 +7,7 @@ import torch
 
 from linattn.audit import check_causality
 from linattn.models import tlinformer as tl
-from linattn.models.tlinformer import TLinFormerCache, TLinFormerConfig, TLinFormerLM, auto_history_window
+from linattn.models.tlinformer import TLinFormerConfig, TLinFormerLM, auto_history_window
 
 V = 53
 
@@ -169,6 +169,24 @@ def test_bad_cache_and_inputs():
     c = m(ids_(B=2, T=3), use_cache=True).cache
     with pytest.raises(ValueError, match="batch"):
         m(ids_(B=3, T=1), cache=c)
+
+
+def test_errors_are_linattn_errors_and_packing_is_refused():
+    from linattn.errors import ConfigError, LinattnError, LinattnTypeError
+    from linattn.models import CausalLM, build_model, config_to_dict
+
+    m = tiny()
+    assert isinstance(m, CausalLM) and m.supports_cu_seqlens is False
+    with pytest.raises(LinattnError, match="cu_seqlens"):
+        m(ids_(B=1, T=9), cu_seqlens=torch.tensor([0, 4, 9]))
+    with pytest.raises(ConfigError, match="W_og"):
+        TLinFormerConfig(vocab_size=V, generation_window=0)
+    with pytest.raises(LinattnTypeError):
+        TLinFormerLM({"vocab_size": V})
+    with pytest.raises(LinattnError, match="int64"):
+        m(torch.zeros(2, 3))
+    # the family registry builds it from its dict
+    assert type(build_model(config_to_dict(m.config))) is TLinFormerLM
 
 
 # ---------------------------------------------------------------------------------------------

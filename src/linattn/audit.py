@@ -20,6 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .errors import LinattnError
+
 
 @dataclass
 class CausalityReport:
@@ -84,14 +86,14 @@ def check_causality(model: Callable, seq_len: int = 32, batch_size: int = 2, voc
     if vocab_size is None:
         vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
         if vocab_size is None:
-            raise ValueError("pass vocab_size: the model has no config.vocab_size")
+            raise LinattnError("pass vocab_size: the model has no config.vocab_size")
     if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+        raise LinattnError(f"seq_len must be >= 2, got {seq_len}")
     if vocab_size < 2:
-        raise ValueError(f"vocab_size must be >= 2 to perturb tokens, got {vocab_size}")
+        raise LinattnError(f"vocab_size must be >= 2 to perturb tokens, got {vocab_size}")
     cuts = list(range(seq_len - 1)) if cuts is None else sorted(int(c) for c in cuts)
     if any(not 0 <= c < seq_len - 1 for c in cuts):
-        raise ValueError(f"cuts must lie in [0, seq_len - 2] = [0, {seq_len - 2}], got {cuts}")
+        raise LinattnError(f"cuts must lie in [0, seq_len - 2] = [0, {seq_len - 2}], got {cuts}")
     is_module = isinstance(model, torch.nn.Module)
     if device is None:
         p = next(iter(model.parameters()), None) if is_module else None

@@ -3,7 +3,7 @@
 Layout of a run folder DIR:
 
     DIR/step_00001000/model.safetensors   the weights (tied tensors stored once)
-    DIR/step_00001000/config.json         {"format", "step", "model": LMConfig dict, "train": {...}}
+    DIR/step_00001000/config.json         {"format", "step", "model": model config dict, "train": {...}}
     DIR/step_00001000/tokenizer.json      the byte-level BPE tokenizer
     DIR/step_00001000/training_state.pt   optimizer, step, RNG states, data position (resume only)
     DIR/latest                            the name of the newest complete step folder
@@ -14,6 +14,9 @@ file, rename). A crash at any point leaves either the previous checkpoint or the
 half-written one: readers only look at complete `step_*` folders, and `find_latest_checkpoint`
 falls back to the newest complete folder when `latest` is missing or stale. Older step folders
 beyond `keep_last` are removed only after the new one is in place.
+
+The model config dict names its model family under "arch" (`linattn.models.family`); loading
+builds the family's model from it. Dicts without "arch" (the first checkpoints) are "lm" configs.
 """
 from __future__ import annotations
 
@@ -25,7 +28,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
+
 from .errors import CheckpointError  # noqa: F401  (re-exported)
+from .io import atomic_write_bytes, atomic_write_text, fsync_dir  # noqa: F401  (re-exported)
+from .models import family
 
 CHECKPOINT_FORMAT = "linattn-checkpoint/1"
 MODEL_FILE = "model.safetensors"
@@ -39,48 +45,12 @@ TMP_PREFIX = ".tmp_"
 PathLike = Union[str, os.PathLike]
 
 
-
-
 # --------------------------------------------------------------------------- atomic files
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
 
 def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as f:
         f.flush()
         os.fsync(f.fileno())
-
-
-def atomic_write_bytes(path: PathLike, data: bytes) -> None:
-    """Write `data` to `path` via a temporary file in the same folder and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path: PathLike, obj: Any) -> None:
@@ -192,13 +162,13 @@ def save_checkpoint(run_dir: PathLike, step: int, model: torch.nn.Module, *,
                 "train": train_config or {}, **(extra or {})}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _fsync_file(tmp / CONFIG_FILE)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         old = None
         if final.exists():  # re-saving the same step: move the old one aside first
             old = run / f"{TMP_PREFIX}old_{name}.{os.getpid()}"
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync_dir(run)
+        fsync_dir(run)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -215,37 +185,21 @@ def save_checkpoint(run_dir: PathLike, step: int, model: torch.nn.Module, *,
 # --------------------------------------------------------------------------- loading
 
 def model_config_from_dict(d: Dict[str, Any]):
-    """An `LMConfig` from its JSON dict (raises CheckpointError when it does not fit)."""
-    from .models import LMConfig
-
+    """The model-family config of a checkpoint's model dict (raises CheckpointError when it does not fit)."""
     try:
-        if d.get("arch") == "tlinformer":  # TLinFormerConfig dicts carry their architecture
-            from .models import TLinFormerConfig
-            return TLinFormerConfig.from_dict(dict(d))
-        if hasattr(LMConfig, "from_dict"):
-            return LMConfig.from_dict(dict(d))
-        return LMConfig(**d)
+        return family.config_from_dict(dict(d))
     except (TypeError, ValueError, KeyError) as e:
         raise CheckpointError(f"model config in checkpoint is not valid: {e}") from None
 
 
 def model_config_to_dict(cfg) -> Dict[str, Any]:
-    if hasattr(cfg, "to_dict"):
-        return cfg.to_dict()
-    import dataclasses
-
-    return dataclasses.asdict(cfg)
+    """The JSON dict of a model-family config, naming its family under "arch"."""
+    return family.config_to_dict(cfg)
 
 
 def build_model(model_config):
-    from .models import LanguageModel
-
-    if isinstance(model_config, dict):
-        model_config = model_config_from_dict(model_config)
-    if getattr(model_config, "arch", None) == "tlinformer":
-        from .models import TLinFormerLM
-        return TLinFormerLM(model_config)
-    return LanguageModel(model_config)
+    """The model of a model-family config (or of its dict)."""
+    return family.build_model(model_config)
 
 
 def load_model_weights(model: torch.nn.Module, ckpt_dir: PathLike, device: Union[str, torch.device] = "cpu") -> None:
@@ -293,9 +247,9 @@ def load_checkpoint(path: PathLike, device: Union[str, torch.device] = "cpu", *,
                     model_factory: Optional[Callable[[Dict[str, Any]], torch.nn.Module]] = None) -> Checkpoint:
     """Load the checkpoint that `path` stands for (a step folder, or a run folder: its latest).
 
-    The model is built from config.json (`model_factory(model_dict)` if given, else
-    `LanguageModel(LMConfig.from_dict(...))`) and its weights loaded strictly. Every failure is a
-    CheckpointError with a one-line message.
+    The model is built from config.json (`model_factory(model_dict)` if given, else the model of
+    the config's family) and its weights loaded strictly. Every failure is a CheckpointError with
+    a one-line message.
     """
     p = Path(path)
     if not p.exists():

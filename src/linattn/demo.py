@@ -2,7 +2,7 @@
 
 1. Exactness: every feature map of `linear_attention` (each exactly decomposable kernel) and the
    delta rule (DeltaNet, Gated DeltaNet, EFLA) in their parallel, chunk and recurrent forms against
-   a direct fp64 evaluation of the formulas (`linattn.bench.ops.run_exactness`); max errors.
+   the fp64 references of `linattn.ops.reference` (`linattn.bench.ops.run_exactness`); max errors.
 2. Scaling: causal attention time and peak memory from 1k to 32k tokens, linear (elu+1, chunk
    form) against softmax (SDPA), forward, with a plot (`linattn bench ops`).
 3. Learning: a short training of a small ELA-GPT (Hadamard Exp kernel) and of the same GPT with
@@ -16,6 +16,8 @@ Everything is written to results/demo/ (or --out): demo.json, scaling.{txt,json,
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import statistics
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import torch
+
+from .cli_support import UsageError
 
 DEFAULT_T = [1024, 2048, 4096, 8192, 16384, 32768]
 
@@ -76,7 +80,6 @@ def exactness() -> Dict[str, Any]:
 
 def scaling(out: Path, Ts: List[int]) -> Dict[str, Any]:
     from .bench import run_benchmark
-    from .cli import UsageError
 
     _section("2. Scaling: causal attention, linear (elu+1, chunk) vs softmax (SDPA), forward, B=1 H=1 d=64")
     if any(t < 1 for t in Ts):
@@ -86,9 +89,6 @@ def scaling(out: Path, Ts: List[int]) -> Dict[str, Any]:
             "--B", "1", "--H", "1", "--K", "64", "--V", "64", "--repeats", "1", "--warmup", "1", "--min-time", "0",
             "--budget", "5", "--max-T-softmax", "0", "--matmul-n", "1024", "--out", str(out), "--name", "scaling",
             "--overwrite", "--quiet"]
-    import contextlib
-    import io
-
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):   # the full report goes to scaling.txt; a summary is printed here
         rc = run_benchmark("ops", args)
@@ -98,7 +98,8 @@ def scaling(out: Path, Ts: List[int]) -> Dict[str, Any]:
             rep = json.load(f)
         for r in rep["results"]:
             if "ms" in r:
-                res["rows"].append({"T": r["T"], "op": r["op"], "ms": r["ms"], "peak_bytes": r.get("peak_bytes")})
+                res["rows"].append({"T": r["T"], "op": r["op"], "ms": r["ms"], "peak_bytes": r.get("peak_bytes"),
+                                    "chunk_size_used": r.get("chunk_size_used")})
     except (OSError, ValueError, KeyError):
         print(buf.getvalue())
         return res
@@ -113,7 +114,9 @@ def scaling(out: Path, Ts: List[int]) -> Dict[str, Any]:
         sp = f"{b['ms'] / a['ms']:.1f}x" if a and b else "-"
         print(f"{T:>7}  {a['ms'] if a else float('nan'):>10.1f}  {b['ms'] if b else float('nan'):>11.1f}  {sp:>9}  "
               f"{mib(a.get('peak_bytes') if a else None):>11}  {mib(b.get('peak_bytes') if b else None):>12}")
-    print(f"(one timed call after one warm-up call; peak memory = growth of the resident set during one call, "
+    chunks = sorted({r["chunk_size_used"] for r in res["rows"] if r.get("chunk_size_used") is not None})
+    print(f"(linear chunk size used: {'/'.join(map(str, chunks)) or '-'}; one timed call after one warm-up call; "
+          f"peak memory = growth of the resident set during one call, "
           f"measured in a separate process; full report: {out / 'scaling.txt'}, plot: {out / 'scaling.png'}) "
           f"[{res['wall_s']:.0f} s]")
     return res
@@ -130,7 +133,7 @@ def _small(mixer: str, vocab: int):
 
 
 def learning(out: Path, steps: int, seed: int) -> Dict[str, Any]:
-    from .train import TrainConfig, evaluate, prepare_data, train
+    from .training import TrainConfig, evaluate, prepare_data, train
 
     _section(f"3. Learning: ELA-GPT (Hadamard Exp) vs softmax GPT, {steps} steps each on the embedded corpus")
     t = time.perf_counter()
@@ -156,14 +159,14 @@ def learning(out: Path, steps: int, seed: int) -> Dict[str, Any]:
     lin, sm = results["linear"]["losses"], results["softmax"]["losses"]
     rows = []
     for s in range(k, steps + 1, k):
-        a = statistics.mean(l for st, l in lin if s - k < st <= s)
-        b = statistics.mean(l for st, l in sm if s - k < st <= s)
+        a = statistics.mean(loss for st, loss in lin if s - k < st <= s)
+        b = statistics.mean(loss for st, loss in sm if s - k < st <= s)
         rows.append((s, a, b))
         print(f"{s:>6}  {a:>13.3f}  {b:>13.3f}")
     print(f"{'val':>6}  {results['linear']['val_loss']:>13.3f}  {results['softmax']['val_loss']:>13.3f}   "
           f"(validation loss; perplexity {results['linear']['val_ppl']:.1f} vs {results['softmax']['val_ppl']:.1f})")
-    print(f"{'tok/s':>6}  {results['linear']['tokens_per_s'] or 0:>13.0f}  {results['softmax']['tokens_per_s'] or 0:>13.0f}"
-          f"   (training tokens per second, batch 8 x 128)")
+    print(f"{'tok/s':>6}  {results['linear']['tokens_per_s'] or 0:>13.0f}  "
+          f"{results['softmax']['tokens_per_s'] or 0:>13.0f}   (training tokens per second, batch 8 x 128)")
     try:
         from .experiments.common import line_panels
 
@@ -239,7 +242,7 @@ def generation(learned: Dict[str, Any], contexts: List[int], seed: int) -> Dict[
 
 def main(args) -> int:
     from .bench.common import describe_machine, machine_info
-    from .experiments.common import write_json
+    from .io import write_json
 
     threads_note = ""
     if getattr(args, "threads", None):

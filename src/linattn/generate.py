@@ -7,10 +7,9 @@
     text, stats = generate_text(ck.model, ck.tokenizer, "import ", max_new_tokens=50, seed=0)
     stats["tokens_per_s"]
 
-A `LanguageModel` decodes through its own `stream()`: the prompt once (prefill), then one token
-per step from each layer's cached state, so a new token costs O(1) in the sequence length for
-linear mixers. Any other model is driven here: `model(ids, cache=cache)` -> `.logits`, `.cache`,
-or, when it returns no cache, re-run on the whole (window of the) sequence each step.
+The model is any registered model family's (`linattn.models.family.CausalLM`): it decodes through
+its own `stream()`, the prompt once (prefill), then one token per step from its cache, so a new
+token costs O(1) in the sequence length for linear mixers (TLinFormer: its cache hit/miss modes).
 
 Sampling: temperature 0 is greedy; otherwise logits / temperature, then top-k, then top-p
 (nucleus) filtering, then a draw from a `torch.Generator` seeded with `seed` (reproducible).
@@ -26,8 +25,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from .checkpoint import CheckpointError, load_checkpoint
-from .models.generation import sample_next
 from .errors import LinattnError
+from .models.generation import sample_next  # noqa: F401  (re-exported)
+from .training.config import resolve_device
 
 
 class GenerateError(LinattnError):
@@ -45,65 +45,24 @@ def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[flo
         raise GenerateError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
-def _forward(model, ids: torch.Tensor, cache):
-    try:
-        out = model(ids, cache=cache)
-    except TypeError:
-        out = model(ids)
-    if isinstance(out, torch.Tensor):
-        return out, None
-    if isinstance(out, (tuple, list)):
-        return out[0], None
-    return out.logits, getattr(out, "cache", None)
-
-
-def _max_len(model) -> Optional[int]:
-    cfg = getattr(model, "config", None)
-    return getattr(cfg, "max_seq_len", None) if cfg is not None else None
-
-
 @torch.no_grad()
 def stream_tokens(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                   top_k: Optional[int] = None, top_p: Optional[float] = None, seed: Optional[int] = None,
                   eos_id: Optional[int] = None) -> Iterator[int]:
-    """Yield new token ids one at a time (batch 1). Stops after `max_new_tokens` or at `eos_id`."""
+    """Yield new token ids one at a time (batch 1) from the model's own `stream()` (`CausalLM`).
+    Stops after `max_new_tokens` or at `eos_id`."""
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
         raise GenerateError(f"input_ids must be [1, T] with T >= 1, got {tuple(input_ids.shape)}")
-    if hasattr(model, "stream"):  # LanguageModel: prefill + cached incremental decoding
-        for tok in model.stream(input_ids[0], max_new_tokens, temperature=temperature, top_k=top_k,
-                                top_p=top_p, seed=seed, eos_token_id=eos_id):
-            yield int(tok)
-        return
-    was_training = model.training
-    model.eval()
-    device = input_ids.device
-    gen = None
-    if seed is not None:
-        gen = torch.Generator(device=device if device.type != "mps" else "cpu").manual_seed(int(seed))
-    try:
-        seq = input_ids
-        logits, cache = _forward(model, seq, None)
-        limit = _max_len(model)
-        for i in range(max_new_tokens):
-            nxt = sample_next(logits[:, -1, :], temperature, top_k or None, top_p, gen)  # top_k 0 = off
-            tok = int(nxt.item())
-            yield tok
-            if eos_id is not None and tok == eos_id:
-                return
-            if i + 1 == max_new_tokens:
-                return
-            step_in = nxt.view(1, 1).to(device)
-            if cache is not None:
-                logits, cache = _forward(model, step_in, cache)
-            else:
-                seq = torch.cat([seq, step_in], dim=1)
-                window = seq if limit is None else seq[:, -limit:]
-                logits, _ = _forward(model, window, None)
-    finally:
-        model.train(was_training)
+    stream = getattr(model, "stream", None)
+    if stream is None:
+        raise GenerateError(f"{type(model).__name__} is not a causal LM of a registered model family "
+                            f"(it has no stream())")
+    for tok in stream(input_ids[0], max_new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p,
+                      seed=seed, eos_token_id=eos_id):
+        yield int(tok)
 
 
 def stream_text(model, tokenizer, prompt: str, max_new_tokens: int, *, device=None, stats: Optional[Dict] = None,
@@ -164,8 +123,6 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, **kw) -> T
 
 def load_generator(checkpoint: str, device: Union[str, torch.device, None] = None):
     """A loaded checkpoint (model in eval mode, tokenizer) for generation."""
-    from .train import resolve_device
-
     dev = resolve_device(device)
     ck = load_checkpoint(checkpoint, device=dev)
     if ck.tokenizer is None:
@@ -193,8 +150,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """`linattn generate`: stream a continuation to stdout, tokens/s to stderr."""
-    from .train import USER_ERRORS
-
     try:
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -223,6 +178,6 @@ def main(args: argparse.Namespace) -> int:
               + (f" (first token after {stats['first_token_s'] * 1000:.0f} ms)" if stats.get("first_token_s") else ""),
               file=sys.stderr)
         return 0
-    except (GenerateError,) + tuple(USER_ERRORS) as e:
+    except LinattnError as e:
         print(f"linattn: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -4,44 +4,81 @@ The registry below maps a name to (module, one-line description). A benchmark mo
 
     DESCRIPTION: str                      shown by `linattn bench NAME --help`
     add_arguments(parser) -> None         its options (parser is an argparse parser)
-    run(args) -> int                      runs it; raise linattn.cli.UsageError for bad arguments
+    run(args) -> int                      runs it; raise linattn.errors.UsageError for bad arguments
 
 and uses `linattn.bench.common` for timing, memory, the machine description and its outputs
 (table on stdout, JSON and PNG under results/bench/NAME/). Adding a benchmark is one module and one
 line here; modules are imported only when their benchmark runs.
+
+This package imports only `linattn.cli_support` (never `linattn.cli`): the `linattn bench` command
+and `python -m linattn.bench` are both built from `add_arguments` and `main` below.
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 from typing import Dict, Optional, Sequence, Tuple
+
+from ..cli_support import ArgParser, UsageError, report_error
+
+PROG = "linattn bench"
 
 BENCHMARKS: Dict[str, Tuple[str, str]] = {
     "ops": ("linattn.bench.ops", "operator speed vs T: linear attention, the delta rule, softmax attention"),
     "tlinformer": ("linattn.bench.tlinformer", "TLinFormer cache-miss/hit latency and cache bytes vs context N "
                                                "(paper Fig. 9), vs softmax+KV cache and a linear LM"),
-    "decode": ("linattn.bench.decode", "per-token decode latency and cache bytes vs context, each mixer vs softmax+KV cache"),
+    "decode": ("linattn.bench.decode",
+               "per-token decode latency and cache bytes vs context, each mixer vs softmax+KV cache"),
 }
+
+HELP = "run a benchmark (" + ", ".join(BENCHMARKS) + ")"
+
+
+def description() -> str:
+    listing = "\n".join(f"  {name:<12} {desc}" for name, (_, desc) in BENCHMARKS.items())
+    return ("Run a benchmark. Available benchmarks:\n" + listing +
+            "\n\n`linattn bench NAME --help` shows a benchmark's own options.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `linattn bench`: the benchmark's name, then its own arguments."""
+    p.add_argument("name", metavar="NAME", nargs="?", help="which benchmark: " + ", ".join(BENCHMARKS))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark named in `args` (parsed by a parser set up with `add_arguments`)."""
+    if args.name is None:
+        raise UsageError("which benchmark? choose from: " + ", ".join(BENCHMARKS), prog=PROG)
+    return run_benchmark(args.name, args.args)
 
 
 def load(name: str):
     """Import and return the module of benchmark `name`."""
-    from ..cli import UsageError
-
     if name not in BENCHMARKS:
-        raise UsageError(f"unknown benchmark {name!r}; choose from: {', '.join(BENCHMARKS)}", prog="linattn bench")
+        raise UsageError(f"unknown benchmark {name!r}; choose from: {', '.join(BENCHMARKS)}", prog=PROG)
     return importlib.import_module(BENCHMARKS[name][0])
 
 
 def run_benchmark(name: str, argv: Optional[Sequence[str]] = None) -> int:
     """Parse `argv` with benchmark `name`'s options and run it; returns the exit code."""
-    from ..cli import ArgParser
-
     module = load(name)
-    parser = ArgParser(prog=f"linattn bench {name}", description=getattr(module, "DESCRIPTION", None))
+    parser = ArgParser(prog=f"{PROG} {name}", description=getattr(module, "DESCRIPTION", None))
     module.add_arguments(parser)
     args = parser.parse_args(list(argv or []))
     rc = module.run(args)
     return 0 if rc is None else int(rc)
 
 
-__all__ = ["BENCHMARKS", "load", "run_benchmark"]
+def command_line(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m linattn.bench NAME ...`: like `linattn bench NAME ...`; returns the exit code."""
+    parser = ArgParser(prog=PROG, description=description())
+    add_arguments(parser)
+    try:
+        return main(parser.parse_args(list(argv or [])))
+    except UsageError as e:
+        return report_error(" ".join(str(e).split()), e.prog or PROG)
+
+
+__all__ = ["BENCHMARKS", "PROG", "HELP", "description", "add_arguments", "main", "load", "run_benchmark",
+           "command_line"]

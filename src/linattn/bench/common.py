@@ -40,6 +40,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..errors import ConfigError
+
 # ----------------------------------------------------------------------------------------------
 # Machine description
 # ----------------------------------------------------------------------------------------------
@@ -196,7 +198,7 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5, min_tim
             max_repeats: int = 100, budget_s: Optional[float] = 30.0, device: str = "cpu") -> Timing:
     """Time `fn()`; see the module docstring for the adaptive number of repeats."""
     if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
     sync = synchronizer(device)
     est = None
     for _ in range(max(0, warmup)):
@@ -219,7 +221,7 @@ def time_interleaved(makers: Sequence[Callable[[], Callable[[], Any]]], *, warmu
     or the exception a case raised, per maker.
     """
     if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
     sync = synchronizer(device)
     out: List[Any] = [None] * len(makers)
     plan: List[int] = [0] * len(makers)
@@ -443,7 +445,7 @@ def _memory_worker() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Outputs: table, JSON, PNG; never overwrite silently
+# Outputs: table, JSON (linattn.io's atomic writes), PNG; never overwrite silently
 # ----------------------------------------------------------------------------------------------
 
 
@@ -485,31 +487,6 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: O
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    if isinstance(x, Path):
-        return str(x)
-    return str(x)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(_jsonable(obj), f, indent=2)
-        f.write("\n")
-
-
-def write_text(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text if text.endswith("\n") else text + "\n")
 
 
 def plot_panels(path: Path, panels: Sequence[Dict[str, Any]], title: Optional[str] = None) -> None:
@@ -570,7 +547,7 @@ def fmt_bytes(b: Optional[int]) -> str:
 
 
 __all__ = [
-    "Timing", "time_fn", "time_interleaved", "synchronizer", "matmul_rate", "machine_info", "describe_machine", "cpu_model",
-    "measure_memory", "memory_method", "MEMORY_METHODS", "output_paths", "format_table", "write_json",
-    "write_text", "plot_panels", "fmt_ms", "fmt_bytes",
+    "Timing", "time_fn", "time_interleaved", "synchronizer", "start_run", "matmul_rate", "machine_info",
+    "describe_machine", "cpu_model", "measure_memory", "memory_method", "MEMORY_METHODS", "output_paths",
+    "format_table", "plot_panels", "fmt_ms", "fmt_bytes",
 ]

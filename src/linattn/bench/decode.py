@@ -23,8 +23,9 @@ from typing import Any, Dict, List
 
 import torch
 
+from ..cli_support import UsageError
+from ..io import atomic_write_text, write_json
 from . import common
-from ..cli import UsageError
 from .tlinformer import _fmt_mib, first_token, measure_N
 
 DESCRIPTION = __doc__
@@ -41,13 +42,15 @@ def add_arguments(p) -> None:
     p.add_argument("--n-layers", type=int, default=2, help="layers (default 2)")
     p.add_argument("--n-heads", type=int, default=4, help="heads (default 4)")
     p.add_argument("--vocab-size", type=int, default=512, help="(default 512)")
-    p.add_argument("--decode-steps", type=int, default=8, help="timed decoding steps per N (default 8, after 1 warm-up)")
+    p.add_argument("--decode-steps", type=int, default=8,
+                   help="timed decoding steps per N (default 8, after 1 warm-up)")
     p.add_argument("--miss-repeats", type=int, default=1, help="timed prefills per N (default 1)")
     p.add_argument("--max-miss-softmax", type=int, default=4096,
                    help="largest N for the softmax prefill (quadratic; default 4096, 0 = no cap)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads (default 1 on cpu, for steadier timings on a shared machine; 0 = torch's default)")
+                   help="torch.set_num_threads (default 1 on cpu, for steadier timings on a shared machine; "
+                        "0 = torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output folder (default results/bench/decode/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
@@ -81,7 +84,8 @@ def run(a) -> int:
     paths = common.output_paths("decode", a.out, overwrite=a.overwrite)
     info = common.machine_info(a.device)
     head = [PROG, common.describe_machine(info),
-            f"models   d_model {a.d_model}, {a.n_heads} heads, {a.n_layers} layers, SwiGLU, batch 1, fp32, random weights",
+            f"models   d_model {a.d_model}, {a.n_heads} heads, {a.n_layers} layers, SwiGLU, batch 1, fp32, "
+            f"random weights",
             f"softmax  KV cache preallocated (capacity N + {a.decode_steps + 2}); decoding timed on random K/V; "
             f"prefill timed up to N = {a.max_miss_softmax or 'any'}",
             f"timing   decode: median of {a.decode_steps} steps after 1 warm-up, models interleaved; "
@@ -132,8 +136,12 @@ def run(a) -> int:
          "series": [{"label": n, "x": Ns, "y": [get(n, N, "cache_bytes") for N in Ns],
                      "color": "k" if n == "softmax" else None} for n in names]},
     ]
-    common.plot_panels(paths["png"], panels, title=f"{PROG}: {common.describe_machine(info).splitlines()[0]}")
-    common.write_text(paths["txt"], "\n".join(head) + "\n\n" + text + "\n")
-    common.write_json(paths["json"], {"machine": info, "config": vars(a), "records": records})
-    print(f"\nwrote {paths['txt']}, {paths['json']}, {paths['png']}")
+    atomic_write_text(paths["txt"], "\n".join(head) + "\n\n" + text + "\n")
+    write_json(paths["json"], {"benchmark": "decode", "machine": info, "config": vars(a), "records": records})
+    try:
+        common.plot_panels(paths["png"], panels, title=f"{PROG}: {common.describe_machine(info).splitlines()[0]}")
+        plot_note = str(paths["png"])
+    except Exception as e:  # a plotting problem must not lose the measurements (already written)
+        plot_note = f"(plot failed: {type(e).__name__}: {e})"
+    print(f"\nwrote {paths['txt']}, {paths['json']}, {plot_note}")
     return 0

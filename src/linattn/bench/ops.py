@@ -1,20 +1,21 @@
 """`linattn bench ops`: operator speed against sequence length T.
 
 For each T: causal normalised elu+1 `linear_attention`, the delta rule (DeltaNet, Gated DeltaNet,
-EFLA; when `linattn.delta_rule` is importable) and `softmax_attention` (SDPA), forward and
+EFLA) and `softmax_attention` (SDPA), forward and
 forward+backward, chunk and recurrent forms (recurrent only up to a cap: it is a Python loop over
 tokens). Reports ms (median and spread), speed-up over softmax and over the op's own recurrent form,
 achieved GFLOP/s against the machine's measured matmul rate, and peak memory; then the issue's
 targets at T = 16384, computed from this run. Nothing is extrapolated: what is not measured is
-listed as skipped, with the reason.
+listed as skipped, with the reason. The chunk size reported, and used in the flop counts, is the
+one the backend really ran with (`linattn.ops.chunk_size_used`), which can differ from --chunk-size.
 
 This module also holds the demo's exactness check (`run_exactness`): each form of each operator
-against a direct fp64 evaluation written from the formulas.
+against the fp64 references of `linattn.ops.reference`, written from the formulas.
 """
 from __future__ import annotations
 
+import argparse
 import gc
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -23,13 +24,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..cli_support import UsageError
+from ..io import atomic_write_text, write_json
+from ..ops import chunk_size_used, delta_rule, linear_attention, softmax_attention
+from ..ops.reference import delta_rule_ref, linear_attention_ref
 from . import common
-from ..cli import UsageError
 
 DESCRIPTION = __doc__.split("\n\n")[0] + """
 
-Flop conventions (per forward; forward+backward counts 3x the forward):
-  linear chunk      4*B*H*T*K*(C+V)   (C = chunk size: q.k^T and A.v inside chunks, k^T.v and q.S across)
+Flop conventions (per forward; forward+backward counts 3x the forward; C = the chunk size the backend
+really uses, printed in column C and recorded as chunk_size_used, which can differ from --chunk-size):
+  linear chunk      4*B*H*T*K*(C+V)   (q.k^T and A.v inside chunks, k^T.v and q.S across)
   linear recurrent  4*B*H*T*K*V
   delta chunk       B*H*T*(6*C*K + 4*C*V + 6*K*V)   (WY/UT form; the triangular solve is not counted)
   delta recurrent   6*B*H*T*K*V
@@ -68,18 +73,6 @@ OPS: Tuple[OpDef, ...] = (
 OP_BY_KEY = {o.key: o for o in OPS}
 
 
-def delta_rule_or_reason() -> Tuple[Optional[Callable], Optional[str]]:
-    """(linattn.delta_rule, None) when importable, else (None, why not)."""
-    try:
-        import linattn
-        fn = getattr(linattn, "delta_rule", None)
-        if fn is None:
-            from ..ops.delta import delta_rule as fn
-        return fn, None
-    except Exception as e:  # missing module, or one being edited: skip the family, say why
-        return None, f"linattn.delta_rule is not importable ({type(e).__name__}: {e})"
-
-
 # ----------------------------------------------------------------------------------------------
 # Cases: one (op, mode, pass, shape) -> a zero-argument callable. Also the memory worker's builder.
 # ----------------------------------------------------------------------------------------------
@@ -103,21 +96,22 @@ def _make_inputs(op: OpDef, B, T, H, K, V, dtype, device, seed) -> Dict[str, tor
     return {name: t.to(device=device, dtype=dtype).contiguous() for name, t in x.items()}
 
 
-def _call(op: OpDef, mode: str, chunk_size: int) -> Callable[[Dict[str, torch.Tensor]], torch.Tensor]:
-    if op.family == "linear":
-        from ..ops.linear import linear_attention
-
-        return lambda x: linear_attention(x["q"], x["k"], x["v"], feature_map="elu+1", causal=True,
-                                          normalize=True, mode=mode, chunk_size=chunk_size)[0]
-    if op.family == "delta":
-        delta_rule, why = delta_rule_or_reason()
-        if delta_rule is None:
-            raise RuntimeError(why)
-        return lambda x: delta_rule(x["q"], x["k"], x["v"], x["beta"], g=x.get("g"), exact=op.exact,
-                                    mode=mode, chunk_size=chunk_size)[0]
-    from ..ops.softmax import softmax_attention
-
-    return lambda x: softmax_attention(x["q"], x["k"], x["v"], causal=True)
+def _case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int, dtype: str, device: str,
+          chunk_size: int, seed: int) -> Tuple[Dict[str, torch.Tensor], str, Callable, tuple, Dict[str, Any]]:
+    """One case's inputs (requiring grad for fwdbwd) and its operator call: (inputs, op name, op,
+    positional args, keyword args)."""
+    opd = OP_BY_KEY[op]
+    x = _make_inputs(opd, B, T, H, K, V, DTYPES[dtype], device, seed)
+    if pass_ != "fwd":
+        for t in x.values():
+            t.requires_grad_(True)
+    if opd.family == "linear":
+        return x, "linear_attention", linear_attention, (x["q"], x["k"], x["v"]), dict(
+            feature_map="elu+1", causal=True, normalize=True, mode=mode, chunk_size=chunk_size)
+    if opd.family == "delta":
+        return x, "delta_rule", delta_rule, (x["q"], x["k"], x["v"], x["beta"]), dict(
+            g=x.get("g"), exact=opd.exact, mode=mode, chunk_size=chunk_size)
+    return x, "softmax_attention", softmax_attention, (x["q"], x["k"], x["v"]), dict(causal=True)
 
 
 def build_case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int,
@@ -127,25 +121,35 @@ def build_case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V
     fwd: the op under torch.no_grad(). fwdbwd: the op with autograd, then backward of a fixed random
     output gradient into every float input (q, k, v, and beta, g for the delta rule).
     """
-    opd = OP_BY_KEY[op]
-    x = _make_inputs(opd, B, T, H, K, V, DTYPES[dtype], device, seed)
-    call = _call(opd, mode, chunk_size)
+    x, _, op_fn, args, kwargs = _case(op, mode, pass_, B, T, H, K, V, dtype, device, chunk_size, seed)
+
+    def call() -> torch.Tensor:
+        out = op_fn(*args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
     if pass_ == "fwd":
         def fn():
             with torch.no_grad():
-                call(x)
+                call()
         return fn
     leaves = list(x.values())
-    for t in leaves:
-        t.requires_grad_(True)
     do = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(seed + 1)).to(device=device,
                                                                                       dtype=DTYPES[dtype])
 
     def fn():
         for t in leaves:
             t.grad = None
-        call(x).backward(do)
+        call().backward(do)
     return fn
+
+
+def case_chunk_size(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int,
+                    dtype: str = "float32", device: str = "cpu", chunk_size: int = 64, seed: int = 0) -> Optional[int]:
+    """The chunk size a chunk-form case really runs with (None for the other forms)."""
+    if mode != "chunk" or OP_BY_KEY[op].family == "softmax":
+        return None
+    _, name, _, args, kwargs = _case(op, mode, pass_, B, T, H, K, V, dtype, device, chunk_size, seed)
+    return chunk_size_used(name, *args, **kwargs)
 
 
 def flops(op: str, mode: str, pass_: str, B, T, H, K, V, C) -> float:
@@ -169,7 +173,6 @@ def _csv(choices: Sequence[str]):
         items = [s.strip() for s in text.split(",") if s.strip()]
         bad = [s for s in items if s not in choices]
         if bad or not items:
-            import argparse
             raise argparse.ArgumentTypeError(
                 f"expected a comma-separated subset of {','.join(choices)}, got {text!r}")
         return list(dict.fromkeys(items))
@@ -192,7 +195,9 @@ def add_arguments(p) -> None:
                    help="forms of linear and delta: chunk,recurrent (default both)")
     p.add_argument("--passes", type=_csv(PASSES), default=list(PASSES),
                    help="fwd (under no_grad) and/or fwdbwd (default both)")
-    p.add_argument("--chunk-size", type=int, default=64, help="chunk size of the chunk forms (default 64)")
+    p.add_argument("--chunk-size", type=int, default=64,
+                   help="chunk size asked of the chunk forms (default 64); a backend may use another one, "
+                        "which is then what is printed, recorded and counted")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per case (default 5; adapted, see --budget)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing (default 1)")
     p.add_argument("--min-time", type=float, default=0.2,
@@ -239,7 +244,7 @@ def _validate(a) -> None:
     try:
         dev = torch.device(a.device)
     except RuntimeError as e:
-        raise UsageError(f"--device: {e}", prog)
+        raise UsageError(f"--device: {e}", prog) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {a.device}: CUDA is not available", prog)
     if dev.type not in ("cpu", "cuda"):
@@ -256,7 +261,7 @@ def _cap(val: Optional[int]) -> Optional[int]:
 # The benchmark
 # ----------------------------------------------------------------------------------------------
 
-def _plan(a, delta_ok: bool, delta_why: Optional[str]):
+def _plan(a):
     """The cases to run, and the skipped ones with their reasons (nothing is extrapolated)."""
     cases, skipped = [], []
     max_sm = _cap(a.max_T_softmax if a.max_T_softmax is not None
@@ -270,9 +275,7 @@ def _plan(a, delta_ok: bool, delta_why: Optional[str]):
             for mode in modes:
                 for ps in a.passes:
                     rec = {"T": T, "op": op.key, "mode": mode, "pass": ps}
-                    if op.family == "delta" and not delta_ok:
-                        skipped.append({**rec, "reason": delta_why})
-                    elif op.family == "softmax" and max_sm is not None and T > max_sm:
+                    if op.family == "softmax" and max_sm is not None and T > max_sm:
                         skipped.append({**rec, "reason": f"T > --max-T-softmax={max_sm} (O(T^2); not run, "
                                                           f"not extrapolated)"})
                     elif mode == "recurrent" and ps == "fwd" and max_rec is not None and T > max_rec:
@@ -302,6 +305,14 @@ def run_cases(a, cases, log) -> List[Dict[str, Any]]:
     for T in sorted({c["T"] for c in cases}):
         group = [c for c in cases if c["T"] == T]
         gc.collect()  # once per T: a full collection is not free on a busy machine
+        for c in group:
+            if c["mode"] == "chunk":
+                c["chunk_size"] = a.chunk_size
+                try:
+                    c["chunk_size_used"] = case_chunk_size(**_spec(a, c))
+                except Exception as e:  # unknown: no flop count is claimed for this row
+                    c["chunk_size_used"] = None
+                    c["chunk_size_error"] = f"{type(e).__name__}: {' '.join(str(e).split())}"
         if a.interleave:
             log(f"  T={T:<6} timing {len(group)} cases, interleaved ...")
             timings = common.time_interleaved(
@@ -343,10 +354,14 @@ def derive(results, a, matmul_gflops: float) -> None:
     """Add flops, GFLOP/s, fraction of the matmul rate, and speed-ups to each measured row."""
     by = {(r["T"], r["op"], r["mode"], r["pass"]): r for r in results if "ms" in r}
     for r in by.values():
-        f = flops(r["op"], r["mode"], r["pass"], a.B, r["T"], a.H, a.K, a.V, a.chunk_size)
-        r["flops"] = f
-        r["gflops"] = f / (r["ms"] * 1e-3) / 1e9
-        r["matmul_fraction"] = r["gflops"] / matmul_gflops if matmul_gflops else None
+        C = r.get("chunk_size_used")  # only the chunk forms' counts depend on C: the size really used
+        if r["mode"] == "chunk" and C is None:
+            r["flops"] = r["gflops"] = r["matmul_fraction"] = None  # unknown chunk size: no flop count
+        else:
+            f = flops(r["op"], r["mode"], r["pass"], a.B, r["T"], a.H, a.K, a.V, C or 0)
+            r["flops"] = f
+            r["gflops"] = f / (r["ms"] * 1e-3) / 1e9
+            r["matmul_fraction"] = r["gflops"] / matmul_gflops if matmul_gflops else None
         sm = by.get((r["T"], "softmax", "sdpa", r["pass"]))
         r["speedup_vs_softmax"] = sm["ms"] / r["ms"] if sm is not None else None
         rec = by.get((r["T"], r["op"], "recurrent", r["pass"])) if r["mode"] == "chunk" else None
@@ -359,10 +374,34 @@ def _x(v: Optional[float]) -> str:
     return f"{v:.1f}x" if v < 100 else f"{v:.0f}x"
 
 
+def _chunk_cell(r) -> str:
+    """The chunk size a row ran with; '*' marks one that differs from the requested size."""
+    used = r.get("chunk_size_used")
+    if used is None:
+        return "-"
+    return f"{used}*" if used != r.get("chunk_size") else str(used)
+
+
+def chunk_sizes_used(results) -> Dict[str, List[int]]:
+    """The chunk sizes each operator's chunk form really ran with, by op key."""
+    used: Dict[str, List[int]] = {}
+    for r in results:
+        if r.get("chunk_size_used") is not None:
+            used.setdefault(r["op"], [])
+            if r["chunk_size_used"] not in used[r["op"]]:
+                used[r["op"]].append(r["chunk_size_used"])
+    return {op: sorted(v) for op, v in used.items()}
+
+
+def chunk_line(requested: int, used: Dict[str, List[int]]) -> str:
+    parts = [f"{OP_BY_KEY[op].label} {'/'.join(map(str, sizes))}" for op, sizes in used.items()]
+    return f"chunk    --chunk-size {requested}; used by the chunk forms: " + (", ".join(parts) or "none ran")
+
+
 def results_table(results) -> str:
     rows = []
     for r in results:
-        head = [r["T"], _label(r), PASS_LABEL[r["pass"]]]
+        head = [r["T"], _label(r), PASS_LABEL[r["pass"]], _chunk_cell(r)]
         if "ms" not in r:
             rows.append(head + ["FAILED", r.get("error", "")[:60]] + [""] * 6)
             continue
@@ -370,15 +409,16 @@ def results_table(results) -> str:
         rows.append(head + [
             common.fmt_ms(r["ms"]), f"{common.fmt_ms(t['q1_ms'])}-{common.fmt_ms(t['q3_ms'])}", t["repeats"],
             _x(r.get("speedup_vs_softmax")), _x(r.get("speedup_vs_recurrent")),
-            f"{r['gflops']:.1f}", f"{100 * r['matmul_fraction']:.1f}" if r.get("matmul_fraction") else "-",
+            f"{r['gflops']:.1f}" if r.get("gflops") is not None else "-",
+            f"{100 * r['matmul_fraction']:.1f}" if r.get("matmul_fraction") else "-",
             common.fmt_bytes(r.get("peak_bytes")),
         ])
     return common.format_table(
-        ["T", "op", "pass", "ms", "IQR ms", "n", "softmax/op", "rec/chunk", "GFLOP/s", "% matmul", "peak MiB"],
-        rows, align="rllrrrrrrrr")
+        ["T", "op", "pass", "C", "ms", "IQR ms", "n", "softmax/op", "rec/chunk", "GFLOP/s", "% matmul", "peak MiB"],
+        rows, align="rllrrrrrrrrr")
 
 
-def compute_targets(results, skipped, a, matmul: Dict[str, Any], delta_why: Optional[str]) -> List[Dict[str, Any]]:
+def compute_targets(results, skipped, a, matmul: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The issue's targets at T = 16384, from this run's measurements (never hard-coded)."""
     T = TARGET_T
     by = {(r["T"], r["op"], r["mode"], r["pass"]): r for r in results if "ms" in r}
@@ -410,20 +450,25 @@ def compute_targets(results, skipped, a, matmul: Dict[str, Any], delta_why: Opti
         out.append({"target": name, "T": T, "measured": value, "threshold": threshold, "unit": unit,
                     "met": (value >= threshold) if value is not None else None, "note": why})
 
-    lin = lambda ps: (T, "linear", "chunk", ps)  # noqa: E731
-    smk = lambda ps: (T, "softmax", "sdpa", ps)  # noqa: E731
+    def lin(ps):
+        return (T, "linear", "chunk", ps)
+
+    def smk(ps):
+        return (T, "softmax", "sdpa", ps)
+
     add("linear elu+1 chunk fwd: softmax time / op time", *ratio(smk("fwd"), lin("fwd")), 30.0, "x")
     add("linear elu+1 chunk fwd+bwd: softmax time / op time", *ratio(smk("fwdbwd"), lin("fwdbwd")), 15.0, "x")
     r = by.get(lin("fwd"))
-    add(f"linear elu+1 chunk fwd: achieved / measured {matmul['dtype']} matmul rate",
-        r["gflops"] / matmul["gflops"] if r else None, None if r else why_missing(lin("fwd")), 0.45, "fraction")
+    if r is not None and r.get("gflops") is None:
+        add(f"linear elu+1 chunk fwd: achieved / measured {matmul['dtype']} matmul rate", None,
+            f"chunk size used unknown ({r.get('chunk_size_error')})", 0.45, "fraction")
+    else:
+        add(f"linear elu+1 chunk fwd: achieved / measured {matmul['dtype']} matmul rate",
+            r["gflops"] / matmul["gflops"] if r else None, None if r else why_missing(lin("fwd")), 0.45, "fraction")
     for op in (o for o in OPS if o.family == "delta"):
-        dk = lambda mode, ps: (T, op.key, mode, ps)  # noqa: E731
-        if delta_why is not None:
-            for name, thr in (("fwd: softmax time / op time", 12.0), ("fwd: recurrent time / chunk time", 20.0),
-                              ("fwd+bwd: softmax time / op time", 6.0)):
-                add(f"{op.label} chunk {name}", None, delta_why, thr, "x")
-            continue
+        def dk(mode, ps, op=op):
+            return (T, op.key, mode, ps)
+
         add(f"{op.label} chunk fwd: softmax time / op time", *ratio(smk("fwd"), dk("chunk", "fwd")), 12.0, "x")
         add(f"{op.label} chunk fwd: recurrent time / chunk time",
             *ratio(dk("recurrent", "fwd"), dk("chunk", "fwd")), 20.0, "x")
@@ -486,8 +531,7 @@ def run(a) -> int:
     log = (lambda s: None) if a.quiet else (lambda s: (sys.stderr.write(s + "\n"), sys.stderr.flush()))
     t_start = time.perf_counter()
 
-    delta_fn, delta_why = delta_rule_or_reason() if "delta" in a.families else (None, None)
-    cases, skipped, caps = _plan(a, delta_fn is not None, delta_why)
+    cases, skipped, caps = _plan(a)
     paths = common.output_paths("ops", a.out, overwrite=a.overwrite, stem=a.name)
 
     info = common.machine_info(a.device)
@@ -497,7 +541,7 @@ def run(a) -> int:
     matmul = common.matmul_rate(a.matmul_n, DTYPES[a.dtype], a.device)
     print(f"matmul   {matmul['gflops']:.1f} GFLOP/s median at the start (best {matmul['gflops_best']:.1f}), "
           f"{a.dtype} {a.matmul_n}x{a.matmul_n}x{a.matmul_n} on {a.device}")
-    print(f"shape    B={a.B} H={a.H} K={a.K} V={a.V} {a.dtype} on {a.device}; chunk size {a.chunk_size}; "
+    print(f"shape    B={a.B} H={a.H} K={a.K} V={a.V} {a.dtype} on {a.device}; --chunk-size {a.chunk_size}; "
           f"causal; T = {' '.join(map(str, a.T))}")
     log(f"running {len(cases)} cases ({len(skipped)} skipped) ...")
 
@@ -509,9 +553,11 @@ def run(a) -> int:
     matmul["gflops"] = max(matmul["gflops_start"], matmul["gflops_end"])
     print(f"matmul   {matmul_end['gflops']:.1f} GFLOP/s median at the end; reference rate "
           f"{matmul['gflops']:.1f} GFLOP/s (the higher of start and end)")
+    used = chunk_sizes_used(results)
+    print(chunk_line(a.chunk_size, used))
     print()
     derive(results, a, matmul["gflops"])
-    targets = compute_targets(results, skipped, a, matmul, delta_why)
+    targets = compute_targets(results, skipped, a, matmul)
 
     mem = common.memory_method(a.device) if not a.no_memory else "none"
     notes = [
@@ -527,7 +573,9 @@ def run(a) -> int:
         "EFLA (exact=True) uses raw keys",
         "softmax/op: softmax_attention time / op time at the same T and pass; rec/chunk: the op's recurrent "
         "time / its chunk time",
-        "GFLOP/s from nominal flop counts: linear chunk 4*B*H*T*K*(C+V) with C = chunk size; linear "
+        "C: the chunk size the chunk form really ran with (a backend may round or cap --chunk-size=%d; "
+        "* marks such rows); it is the C of the flop counts" % a.chunk_size,
+        "GFLOP/s from nominal flop counts: linear chunk 4*B*H*T*K*(C+V); linear "
         "recurrent 4*B*H*T*K*V; delta chunk B*H*T*(6CK+4CV+6KV), delta recurrent 6*B*H*T*K*V; softmax "
         "2*B*H*T^2*(K+V), counting the masked half (causal kernels do about half of that work); "
         "fwd+bwd counted as 3x fwd. % matmul = GFLOP/s / the reference matmul rate above (the higher of "
@@ -554,15 +602,16 @@ def run(a) -> int:
         "config": {k: v for k, v in vars(a).items() if k != "run"}, "caps": caps,
         "target_T": TARGET_T, "results": results, "skipped": skipped, "targets": targets, "notes": notes,
         "memory_method": common.MEMORY_METHODS[mem] if not a.no_memory else None,
-        "delta_rule": "available" if delta_fn is not None else delta_why,
+        "chunk_size": {"requested": a.chunk_size, "used": used},
         "wall_s": time.perf_counter() - t_start,
     }
     header = "\n".join(["linattn bench ops", common.describe_machine(info),
                         f"matmul   {matmul['gflops_start']:.1f} GFLOP/s at the start, {matmul['gflops_end']:.1f} "
                         f"at the end ({a.dtype}, {a.matmul_n}^3); reference {matmul['gflops']:.1f}",
-                        f"shape    B={a.B} H={a.H} K={a.K} V={a.V} {a.dtype} {a.device}; chunk {a.chunk_size}", "", ""])
-    common.write_text(paths["txt"], header + text)
-    common.write_json(paths["json"], report)
+                        f"shape    B={a.B} H={a.H} K={a.K} V={a.V} {a.dtype} {a.device}",
+                        chunk_line(a.chunk_size, used), "", ""])
+    atomic_write_text(paths["txt"], header + text + "\n")
+    write_json(paths["json"], report)
     try:
         make_plot(paths["png"], results, a, info, matmul)
         plot_note = str(paths["png"])
@@ -583,84 +632,18 @@ def _skipped_summary(skipped) -> List[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Exactness (the demo's part 1): every form against a direct fp64 evaluation from the formulas
+# Exactness (the demo's part 1): every form against the fp64 references of linattn.ops.reference
 # ----------------------------------------------------------------------------------------------
-
-def _kernel(name: str, a: torch.Tensor, b: torch.Tensor, fmap, i: torch.Tensor, j: torch.Tensor):
-    """k(a_i, b_j) for all pairs, from the kernel's formula: a [T, K], b [T, K] -> [T, T]."""
-    dot = a @ b.T
-    if name == "identity":
-        return dot
-    if name == "elu+1":
-        ea, eb = torch.where(a > 0, a + 1, torch.exp(a)), torch.where(b > 0, b + 1, torch.exp(b))
-        return ea @ eb.T
-    if name == "relu":
-        return a.clamp_min(0) @ b.clamp_min(0).T
-    if name == "cosformer":
-        return (a.clamp_min(0) @ b.clamp_min(0).T) * torch.cos(math.pi / 2 * (i[:, None] - j[None, :]).double()
-                                                               / fmap.max_len)
-    if name == "taylor2":
-        return 1 + dot + dot * dot / 2
-    if name == "hadamard_exp":
-        return torch.exp(a[:, None, :] + b[None, :, :]).sum(-1)
-    if name == "sum_sq_euclid":
-        return ((a[:, None, :] + b[None, :, :]) ** 2).sum(-1)
-    if name == "sub_sq_euclid":
-        return ((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)
-    if name == "magnitude_direction":
-        return (dot + 1) * ((a * a).sum(-1) + 1)[:, None] * ((b * b).sum(-1) + 1)[None, :]
-    if name == "favor+":
-        w = fmap.projection.double()  # the drawn features define the kernel being computed
-        la = a @ w.T - (a * a).sum(-1, keepdim=True) / 2
-        lb = b @ w.T - (b * b).sum(-1, keepdim=True) / 2
-        return torch.exp(la[:, None, :] + lb[None, :, :]).sum(-1) / w.shape[0]
-    raise KeyError(name)
-
-
-def _linear_reference(name, fmap, q, k, v, eps):
-    """Causal normalised o_i = sum_{j<=i} k(q_i, k_j) v_j / den_i (den floored at eps, sign kept)."""
-    B, T, H, _ = q.shape
-    pos = torch.arange(T)
-    out = torch.empty(B, T, H, v.shape[-1], dtype=torch.float64)
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
-    for b in range(B):
-        for h in range(H):
-            W = _kernel(name, q[b, :, h], k[b, :, h], fmap, pos, pos).masked_fill(~mask, 0.0)
-            den = W.sum(-1, keepdim=True)
-            den = torch.where(den < 0, torch.clamp(den, max=-eps), torch.clamp(den, min=eps))
-            out[b, :, h] = (W @ v[b, :, h]) / den
-    return out
-
-
-def _delta_reference(q, k, v, beta, g, exact, scale):
-    """S_t = exp(g_t) (I - a_t k_t k_t^T) S_{t-1} + a_t k_t v_t^T, o_t = scale S_t^T q_t, token by token."""
-    B, T, H, K = q.shape
-    S = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64)
-    out = []
-    for t in range(T):
-        kt, vt, qt, bt = k[:, t], v[:, t], q[:, t], beta[:, t]
-        if exact:
-            lam = (kt * kt).sum(-1)
-            at = torch.where(lam > 0, (1 - torch.exp(-bt * lam)) / lam.clamp_min(1e-300), bt)
-        else:
-            at = bt
-        if g is not None:
-            S = torch.exp(g[:, t])[..., None, None] * S
-        pred = torch.einsum("bhk,bhkv->bhv", kt, S)
-        S = S + at[..., None, None] * kt[..., :, None] * (vt - pred)[..., None, :]
-        out.append(scale * torch.einsum("bhk,bhkv->bhv", qt, S))
-    return torch.stack(out, dim=1)
-
 
 def run_exactness(T: int = 37, B: int = 2, H: int = 2, K: int = 6, V: int = 5, chunk_size: int = 16,
                   seed: int = 0, eps: float = 1e-6) -> List[Dict[str, Any]]:
-    """Max error of every form of every operator against the direct fp64 evaluation.
+    """Max error of every form of every operator against its fp64 reference (linattn.ops.reference).
 
     linear_attention: each feature map (causal, normalised) in parallel, chunk and recurrent form.
-    delta_rule (if importable): DeltaNet, Gated DeltaNet, EFLA, gated EFLA in the three forms.
+    delta_rule: DeltaNet, Gated DeltaNet, EFLA, gated EFLA in the three forms.
     T is deliberately not a multiple of chunk_size (padding and several chunks are exercised).
     """
-    from .. import FEATURE_MAP_NAMES, FAVORPlus, get_feature_map, linear_attention
+    from ..feature_maps import FEATURE_MAP_NAMES, FAVORPlus, get_feature_map
 
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
@@ -668,10 +651,10 @@ def run_exactness(T: int = 37, B: int = 2, H: int = 2, K: int = 6, V: int = 5, c
     v = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
     rows = []
 
-    def record(family, name, mode, fn, ref):
+    def record(family, name, mode, ref, op, *args, **kwargs):
         row = {"family": family, "name": name, "mode": mode, "max_abs_err": None, "max_rel_err": None, "note": None}
         try:
-            o = fn()
+            o = op(*args, mode=mode, chunk_size=chunk_size, **kwargs)[0]
             err = (o.double() - ref).abs().max().item()
             row["max_abs_err"] = err
             row["max_rel_err"] = err / max(ref.abs().max().item(), 1e-300)
@@ -681,17 +664,10 @@ def run_exactness(T: int = 37, B: int = 2, H: int = 2, K: int = 6, V: int = 5, c
 
     for name in FEATURE_MAP_NAMES:
         fmap = FAVORPlus(K, seed=seed) if name == "favor+" else get_feature_map(name, K)
-        ref = _linear_reference(name, fmap, q, k, v, eps)
+        ref = linear_attention_ref(q, k, v, name, causal=True, normalize=True, eps=eps, fmap=fmap)
         for mode in ("parallel", "chunk", "recurrent"):
-            record("linear_attention", name, mode,
-                   lambda: linear_attention(q, k, v, feature_map=fmap, mode=mode, chunk_size=chunk_size,
-                                            eps=eps)[0], ref)
+            record("linear_attention", name, mode, ref, linear_attention, q, k, v, feature_map=fmap, eps=eps)
 
-    delta_rule, why = delta_rule_or_reason()
-    if delta_rule is None:
-        rows.append({"family": "delta_rule", "name": "-", "mode": "-", "max_abs_err": None, "max_rel_err": None,
-                     "note": f"skipped: {why}"})
-        return rows
     qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen, dtype=torch.float64))
     g = -F.softplus(torch.randn(B, T, H, generator=gen, dtype=torch.float64)) / 4
@@ -699,11 +675,9 @@ def run_exactness(T: int = 37, B: int = 2, H: int = 2, K: int = 6, V: int = 5, c
     variants = [("DeltaNet", qn, kn, None, False), ("Gated DeltaNet", qn, kn, g, False),
                 ("EFLA", qn, k, None, True), ("gated EFLA", qn, k, g, True)]
     for name, qq, kk, gg, exact in variants:
-        ref = _delta_reference(qq, kk, v, beta, gg, exact, scale)
+        ref, _ = delta_rule_ref(qq, kk, v, beta, g=gg, exact=exact, scale=scale)
         for mode in ("parallel", "chunk", "recurrent"):
-            record("delta_rule", name, mode,
-                   lambda: delta_rule(qq, kk, v, beta, g=gg, exact=exact, scale=scale, mode=mode,
-                                      chunk_size=chunk_size)[0], ref)
+            record("delta_rule", name, mode, ref, delta_rule, qq, kk, v, beta, g=gg, exact=exact, scale=scale)
     return rows
 
 
@@ -716,5 +690,5 @@ def format_exactness(rows) -> str:
          for r in rows], align="lllrrl")
 
 
-__all__ = ["DESCRIPTION", "add_arguments", "run", "build_case", "flops", "run_exactness", "format_exactness",
-           "compute_targets", "OPS", "TARGET_T"]
+__all__ = ["DESCRIPTION", "add_arguments", "run", "build_case", "case_chunk_size", "chunk_sizes_used", "flops",
+           "run_exactness", "format_exactness", "compute_targets", "OPS", "TARGET_T"]

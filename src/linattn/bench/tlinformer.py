@@ -40,8 +40,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..cli_support import UsageError
+from ..io import atomic_write_text, write_json
 from . import common
-from ..cli import UsageError
 
 DESCRIPTION = __doc__.split("\n\n")[0] + "\n\n" + "\n\n".join(__doc__.split("\n\n")[1:])
 
@@ -64,12 +65,14 @@ def add_arguments(p) -> None:
     p.add_argument("--vocab-size", type=int, default=512, help="(default 512)")
     p.add_argument("--linear-mixer", default="linear-elu+1", help="mixer of the linear LM (default linear-elu+1)")
     p.add_argument("--models", default=",".join(MODELS), help="comma list of tlinformer,softmax,linear (default all)")
-    p.add_argument("--decode-steps", type=int, default=8, help="timed cache-hit steps per N (default 8, after 1 warm-up)")
+    p.add_argument("--decode-steps", type=int, default=8,
+                   help="timed cache-hit steps per N (default 8, after 1 warm-up)")
     p.add_argument("--miss-repeats", type=int, default=2, help="timed cache-miss calls per N (default 2, after 1 "
                                                                "warm-up at the smallest N)")
     p.add_argument("--max-miss-softmax", type=int, default=4096,
                    help="largest N for the softmax baseline's prefill (quadratic; default 4096, 0 = no cap)")
-    p.add_argument("--trace-N", type=int, default=16384, help="context of the per-token trace (default 16384, 0 = none)")
+    p.add_argument("--trace-N", type=int, default=16384,
+                   help="context of the per-token trace (default 16384, 0 = none)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (default 1 on cpu: on a shared, loaded machine more threads than "
@@ -492,7 +495,8 @@ def run(a) -> int:
         for lbl, gr in (("cache-hit", gh), ("cache-miss", gm)):
             if gr["exponent"] is not None:
                 verdict = ("at most linear" if gr["exponent"] <= 1.1 else
-                           "about linear (above 1.1: see the ratios)" if gr["exponent"] <= 1.3 else "FASTER THAN LINEAR")
+                           "about linear (above 1.1: see the ratios)" if gr["exponent"] <= 1.3 else
+                           "FASTER THAN LINEAR")
                 lines.append(f"TLinFormer {lbl} latency vs N (N >= {gr['from_N']}): log-log slope {gr['exponent']:.2f} "
                              f"(1 = linear, 2 = quadratic); growth per doubling of N "
                              f"{' '.join(f'{r:.2f}' for r in gr['doubling_ratios'])} -> {verdict}")
@@ -523,12 +527,14 @@ def run(a) -> int:
             summary["hit_speedup_64k"] = {"median": sp64, "min": sp64_min, "vs_attention_floor": fl64,
                                           "vs_estimated_optimised_baseline": opt64 / get("tlinformer", 65536, "hit")}
             lines.append(f"target: cache hit at N = 65536 >= 5x faster than the softmax baseline's decode: "
-                         f"{sp64:.1f}x (median), {sp64_min:.1f}x (fastest steps) -> {'met' if sp64 >= 5 else 'NOT MET'}")
-            lines.append(f"  caveat: the baseline's decode step costs {get('softmax', 65536, 'hit') / get('softmax', 65536, 'attn_floor_ms'):.1f}x "
+                         f"{sp64:.1f}x (median), {sp64_min:.1f}x (fastest steps) -> "
+                         f"{'met' if sp64 >= 5 else 'NOT MET'}")
+            over_floor = get("softmax", 65536, "hit") / get("softmax", 65536, "attn_floor_ms")
+            lines.append(f"  caveat: the baseline's decode step costs {over_floor:.1f}x "
                          f"its bare-attention floor at N = 65536 (its masked SDPA over a strided KV buffer); against "
                          f"an optimised softmax decoder, estimated as floor + non-attention work ({opt64:.0f} ms), "
-                         f"TLinFormer's hit is {opt64 / get('tlinformer', 65536, 'hit'):.1f}x faster (the layer-count bound is "
-                         f"{L}/{a.n_blocks} = {L / a.n_blocks:.0f}x)")
+                         f"TLinFormer's hit is {opt64 / get('tlinformer', 65536, 'hit'):.1f}x faster "
+                         f"(the layer-count bound is {L}/{a.n_blocks} = {L / a.n_blocks:.0f}x)")
         mem = [(N, get("tlinformer", N, "cache_bytes") / get("softmax", N, "cache_bytes")) for N in Ns
                if get("tlinformer", N, "cache_bytes") and get("softmax", N, "cache_bytes")]
         if mem:
@@ -540,7 +546,8 @@ def run(a) -> int:
         misses = [N for N in Ns if get("tlinformer", N, "miss") and get("softmax", N, "miss")]
         if misses:
             Nm = misses[-1]
-            summary["miss_speedup_largest_N"] = {"N": Nm, "speedup": get("softmax", Nm, "miss") / get("tlinformer", Nm, "miss")}
+            summary["miss_speedup_largest_N"] = {"N": Nm,
+                                                 "speedup": get("softmax", Nm, "miss") / get("tlinformer", Nm, "miss")}
             lines.append(f"cache-miss (prefill) speedup over the softmax baseline at N = {Nm}: "
                          f"{summary['miss_speedup_largest_N']['speedup']:.1f}x")
     if "linear" in names and "tlinformer" in names:
@@ -552,19 +559,20 @@ def run(a) -> int:
                          f"= {th / lh:.1f}")
     if tr is not None:
         lines.append(f"trace at N = {tr['N']}: {tr['modes'].count('miss')} misses in {len(tr['ms'])} tokens, "
-                     f"miss median {common.fmt_ms(tr['miss_median_ms'])} ms, hit median {common.fmt_ms(tr['hit_median_ms'])} ms, "
+                     f"miss median {common.fmt_ms(tr['miss_median_ms'])} ms, "
+                     f"hit median {common.fmt_ms(tr['hit_median_ms'])} ms, "
                      f"amortised {common.fmt_ms(tr['amortised_ms'])} ms/token over the decoded tokens")
     lines.append(f"benchmark time {elapsed:.0f} s")
     print("\n".join(lines))
 
     # ---- outputs
-    common.write_text(paths["txt"], "\n".join(head) + "\n\n" + table + "\n\n" + "\n".join(lines))
-    common.write_json(paths["json"], {"benchmark": "tlinformer", "machine": info, "config": config,
-                                      "args": vars(a), "records": records, "trace": tr, "summary": summary})
+    atomic_write_text(paths["txt"], "\n".join(head) + "\n\n" + table + "\n\n" + "\n".join(lines) + "\n")
+    write_json(paths["json"], {"benchmark": "tlinformer", "machine": info, "config": config,
+                               "args": vars(a), "records": records, "trace": tr, "summary": summary})
     try:
         plot(paths["png"], a, Ns, names, get, tr)
-    except ImportError as e:
-        print(f"(no plot: {e})")
+    except Exception as e:  # a plotting problem must not lose the measurements (already written)
+        print(f"(plot failed: {type(e).__name__}: {e})")
     print(f"\nwrote {paths['txt']}, {paths['json']}, {paths['png']}")
     return 0
 
@@ -603,7 +611,8 @@ def plot(path, a, Ns, names, get, tr) -> None:
                        "ylabel": "x", "series": sp, "hline": 5.0})
     if tr is not None:
         xs = list(range(len(tr["ms"])))
-        panels.append({"title": f"TLinFormer per-token latency decoding from N = {tr['N']}", "xlabel": "generated token",
+        panels.append({"title": f"TLinFormer per-token latency decoding from N = {tr['N']}",
+                       "xlabel": "generated token",
                        "ylabel": "ms", "logx": False, "logy": True,
                        "series": [{"label": "per token (peaks: window slides = miss)", "x": xs, "y": tr["ms"],
                                    "color": "C3", "marker": "."}]})

@@ -1,10 +1,19 @@
 """Data for language-model training: corpora (files, folders, the embedded stdlib default),
 deterministic splitting and packing, and the byte-level BPE tokenizer."""
-from .corpus import (DEFAULT_STDLIB_MAX_BYTES, DEFAULT_VAL_FRACTION, CorpusError, Document,
-                     PackedTokens, load_corpus, read_documents, split_documents, stdlib_documents,
-                     token_fingerprint, tokenize_documents)
-from .tokenizer import (EOS_TOKEN, BPETokenizer, TokenizerError, load_tokenizer, train_tokenizer,
-                        tokenizer_from_str)
+from .corpus import (
+    DEFAULT_STDLIB_MAX_BYTES,
+    DEFAULT_VAL_FRACTION,
+    CorpusError,
+    Document,
+    PackedTokens,
+    load_corpus,
+    read_documents,
+    split_documents,
+    stdlib_documents,
+    token_fingerprint,
+    tokenize_documents,
+)
+from .tokenizer import EOS_TOKEN, BPETokenizer, TokenizerError, load_tokenizer, tokenizer_from_str, train_tokenizer
 
 __all__ = [
     "Document", "CorpusError", "PackedTokens", "load_corpus", "read_documents", "stdlib_documents",

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
+
 from ..errors import DataError
 
 DEFAULT_STDLIB_MAX_BYTES = 8 * 1024 * 1024
@@ -84,7 +85,9 @@ def _cut_at_line(text: str, max_chars_bytes: int) -> str:
     return cut[: nl + 1] if nl >= 0 else cut
 
 
-def _cap(docs: Sequence[Document], max_bytes: Optional[int]) -> List[Document]:
+def cap_documents(docs: Sequence[Document], max_bytes: Optional[int]) -> List[Document]:
+    """The longest prefix of `docs` within `max_bytes` of UTF-8 (the crossing one cut at a line); all of
+    them when max_bytes is None."""
     if max_bytes is None:
         return list(docs)
     if max_bytes <= 0:
@@ -101,11 +104,6 @@ def _cap(docs: Sequence[Document], max_bytes: Optional[int]) -> List[Document]:
             out.append(Document(d.name, rest))
         break
     return out
-
-
-def cap_documents(docs: Sequence[Document], max_bytes: Optional[int]) -> List[Document]:
-    """The longest prefix of `docs` within `max_bytes` of UTF-8 (the crossing one cut at a line)."""
-    return _cap(docs, max_bytes)
 
 
 def _walk_files(root: Path, excluded_dirs=frozenset()) -> List[Path]:
@@ -146,7 +144,7 @@ def read_documents(path: Union[str, os.PathLike], max_bytes: Optional[int] = Non
                 docs.append(Document(f.relative_to(p).as_posix(), text))
     else:
         raise CorpusError(f"data path is neither a file nor a folder: {p}")
-    docs = [d for d in _cap(docs, max_bytes) if d.text.strip()]
+    docs = [d for d in cap_documents(docs, max_bytes) if d.text.strip()]
     if not docs:
         raise CorpusError(f"no text found in {p}" + (f" (extensions {sorted(exts)})" if exts else ""))
     return docs
@@ -169,7 +167,7 @@ def stdlib_documents(max_bytes: Optional[int] = DEFAULT_STDLIB_MAX_BYTES) -> Lis
         text = _read_text(f)
         if text is not None and text.strip():
             docs.append(Document(name, text))
-    docs = _cap(docs, max_bytes)
+    docs = cap_documents(docs, max_bytes)
     if not docs:
         raise CorpusError(f"no Python sources found under {root}")
     return docs

@@ -47,6 +47,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..errors import ConfigError
+
 IGNORE_INDEX = -100
 
 Instance = Tuple[np.ndarray, np.ndarray]
@@ -74,18 +76,18 @@ def in_context_recall(vocab_size: int = 16, seq_len: int = 128, *, is_training: 
     """
     rng = _rng(rng)
     if seq_len % 2:
-        raise ValueError(f"seq_len must be even, got {seq_len}")
+        raise ConfigError(f"seq_len must be even, got {seq_len}")
     if not 0 <= frac_noise < 1:
-        raise ValueError(f"frac_noise must be in [0, 1), got {frac_noise}")
+        raise ConfigError(f"frac_noise must be in [0, 1), got {frac_noise}")
     copy_prefix = vocab_size - 1
     n_plain = (vocab_size if multi_query else vocab_size - 1) - noise_vocab_size
     if n_plain < 2:
-        raise ValueError(f"vocab_size {vocab_size} leaves {n_plain} key/value tokens")
+        raise ConfigError(f"vocab_size {vocab_size} leaves {n_plain} key/value tokens")
     key_vocab = np.arange(n_plain // 2)
     value_vocab = np.arange(n_plain // 2, n_plain)
     if frac_noise > 0:
         if noise_vocab_size < 1:
-            raise ValueError("noise_vocab_size must be > 0 when frac_noise > 0")
+            raise ConfigError("noise_vocab_size must be > 0 when frac_noise > 0")
         noise_vocab = np.arange(n_plain, n_plain + noise_vocab_size)
 
     kv_map: Dict[int, int] = {}
@@ -155,19 +157,19 @@ def fuzzy_in_context_recall(vocab_size: int = 16, seq_len: int = 128, *, k_motif
     """
     rng = _rng(rng)
     if not 0 <= frac_noise < 1:
-        raise ValueError(f"frac_noise must be in [0, 1), got {frac_noise}")
+        raise ConfigError(f"frac_noise must be in [0, 1), got {frac_noise}")
     copy_prefix = vocab_size - 1
     pad_token = vocab_size - 1 if multi_query else vocab_size - 2
     n_plain = (vocab_size - 1 if multi_query else vocab_size - 2) - noise_vocab_size
     key_vocab = np.arange(n_plain // 2)
     value_vocab = np.arange(n_plain // 2, n_plain)
     if len(key_vocab) < k_motif_size or len(value_vocab) < v_motif_size:
-        raise ValueError(f"vocab_size {vocab_size} is too small for motifs of {k_motif_size}/{v_motif_size} tokens")
+        raise ConfigError(f"vocab_size {vocab_size} is too small for motifs of {k_motif_size}/{v_motif_size} tokens")
     key_sizes = list(range(1, k_motif_size + 1)) if is_training else [k_motif_size]
     value_sizes = list(range(1, v_motif_size + 1))
     if frac_noise > 0:
         if noise_vocab_size < 1:
-            raise ValueError("noise_vocab_size must be > 0 when frac_noise > 0")
+            raise ConfigError("noise_vocab_size must be > 0 when frac_noise > 0")
         noise_vocab = np.arange(n_plain, n_plain + noise_vocab_size)
 
     k_probe_size = int(rng.choice(key_sizes))
@@ -251,7 +253,7 @@ def memorization(vocab_size: int = 256, seq_len: int = 32, *, kv_map: Optional[D
     at each insert position is the key's value (no shift)."""
     rng = _rng(rng)
     if seq_len % 2:
-        raise ValueError(f"seq_len must be even, got {seq_len}")
+        raise ConfigError(f"seq_len must be even, got {seq_len}")
     if kv_map is None:
         kv_map = memorization_map(vocab_size, seed)
     insert = vocab_size - 1
@@ -292,7 +294,7 @@ def selective_copying(vocab_size: int = 16, seq_len: int = 256, *, num_tokens_to
     rng = _rng(rng)
     n = num_tokens_to_copy
     if seq_len <= 2 * n + 1:
-        raise ValueError(f"seq_len must be > 2 * num_tokens_to_copy + 1, got {seq_len} and {n}")
+        raise ConfigError(f"seq_len must be > 2 * num_tokens_to_copy + 1, got {seq_len} and {n}")
     copy_token, blank = vocab_size - 1, vocab_size - 2
     n_blank = seq_len - 2 * n - 1
     content = rng.choice(vocab_size - 2, size=n, replace=True)
@@ -366,7 +368,8 @@ def settings(task: str, sweep: bool = True) -> List[Dict[str, Any]]:
     return out
 
 
-def generate(task: str, n: int, rng: np.random.Generator, is_training: bool, **kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
+def generate(task: str, n: int, rng: np.random.Generator, is_training: bool,
+             **kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
     """n instances of `task` as int64 tensors `[n, L]` (inputs, targets)."""
     t = TASKS[task]
     kw = {k: v for k, v in kwargs.items() if k not in ("num_train_examples", "num_test_examples")}
@@ -393,7 +396,7 @@ def make_dataset(task: str, num_train: Optional[int] = None, num_test: Optional[
     "test_inputs", "test_targets"}.
     """
     if task not in TASKS:
-        raise ValueError(f"unknown MAD task {task!r}; tasks are: {', '.join(TASKS)}")
+        raise ConfigError(f"unknown MAD task {task!r}; tasks are: {', '.join(TASKS)}")
     setting = dict(TASKS[task].baseline, **kwargs)
     n_train = int(num_train if num_train is not None else setting.get("num_train_examples", 12_800))
     n_test = int(num_test if num_test is not None else setting.get("num_test_examples", NUM_TEST_EXAMPLES))

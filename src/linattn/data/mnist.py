@@ -16,6 +16,7 @@ from typing import Tuple, Union
 
 import numpy as np
 import torch
+
 from ..errors import DataError
 
 IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
@@ -57,7 +58,8 @@ def read_idx(path: Union[str, os.PathLike]) -> np.ndarray:
     dtype = np.dtype(IDX_TYPES[type_code])
     count = int(np.prod(shape)) if ndim else 1
     if len(data) - header < count * dtype.itemsize:
-        raise MNISTError(f"{path}: {len(data) - header} data bytes, expected {count * dtype.itemsize} for shape {shape}")
+        raise MNISTError(f"{path}: {len(data) - header} data bytes, expected {count * dtype.itemsize} "
+                         f"for shape {shape}")
     arr = np.frombuffer(data, dtype=dtype, count=count, offset=header).reshape(shape)
     return arr.astype(dtype.newbyteorder("="), copy=True)
 

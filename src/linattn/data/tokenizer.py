@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Iterable, List, Sequence, Union
+
 from ..errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -63,7 +64,7 @@ class BPETokenizer:
         path = Path(path)
         if path.is_dir():
             path = path / TOKENIZER_FILE
-        from ..checkpoint import atomic_write_text
+        from ..io import atomic_write_text
         atomic_write_text(path, self.to_str())
         return path
 
@@ -116,16 +117,12 @@ def tokenizer_from_str(text: str) -> BPETokenizer:
 
 
 def load_tokenizer(path: Union[str, os.PathLike]) -> BPETokenizer:
-    """Load a tokenizer from a `tokenizer.json` file or from a directory holding one (e.g. a checkpoint)."""
+    """Load a tokenizer from a `tokenizer.json` file or from a folder holding one (e.g. a checkpoint's
+    step folder; for a run folder, resolve its checkpoint first with
+    `linattn.checkpoint.find_latest_checkpoint`: the data layer does not import the checkpoints)."""
     p = Path(path)
     if p.is_dir():
-        cand = p / TOKENIZER_FILE
-        if not cand.is_file():
-            from ..checkpoint import find_latest_checkpoint
-
-            ck = find_latest_checkpoint(p)
-            cand = (ck / TOKENIZER_FILE) if ck is not None else cand
-        p = cand
+        p = p / TOKENIZER_FILE
     if not p.is_file():
         raise TokenizerError(f"tokenizer file not found: {p}")
     try:

@@ -8,12 +8,19 @@
 
 A module defines DESCRIPTION, add_arguments(parser) (its own options; the common ones are added
 by `linattn.experiments.common.add_common_arguments`) and run(args) -> exit code. Modules are
-imported only when their experiment runs.
+imported only when their experiment runs. This package imports only `linattn.cli_support` (never
+`linattn.cli`): `linattn experiment` and `python -m linattn.experiments` are both built from
+`add_arguments` and `main` below.
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 from typing import Dict, Optional, Sequence, Tuple
+
+from ..cli_support import ArgParser, UsageError, report_error
+
+PROG = "linattn experiment"
 
 EXPERIMENTS: Dict[str, Tuple[str, str]] = {
     "mad": ("linattn.experiments.mad", "the six MAD synthetic tasks: softmax, linear, DeltaNet, Gated DeltaNet, EFLA"),
@@ -22,21 +29,36 @@ EXPERIMENTS: Dict[str, Tuple[str, str]] = {
     "lm": ("linattn.experiments.lm", "language models at equal parameters and tokens: perplexity and tokens/s"),
 }
 
+HELP = "run an experiment (" + ", ".join(EXPERIMENTS) + "), writing results/NAME/"
+
+
+def description() -> str:
+    listing = "\n".join(f"  {name:<18} {desc}" for name, (_, desc) in EXPERIMENTS.items())
+    return ("Run an experiment: linattn experiment NAME --budget quick|full [--data DIR] [--out DIR] "
+            "[--seed N] [--resume | --overwrite]. Available experiments:\n" + listing +
+            "\n\n`linattn experiment NAME --help` shows an experiment's own options.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `linattn experiment`: the experiment's name, then its own options."""
+    p.add_argument("name", metavar="NAME", help="which experiment: " + ", ".join(EXPERIMENTS))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the experiment's options")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the experiment named in `args` (parsed by a parser set up with `add_arguments`)."""
+    return run_experiment(args.name, args.args)
+
 
 def load(name: str):
-    from ..cli import UsageError
-
     if name not in EXPERIMENTS:
-        raise UsageError(f"unknown experiment {name!r}; choose from: {', '.join(EXPERIMENTS)}",
-                         prog="linattn experiment")
+        raise UsageError(f"unknown experiment {name!r}; choose from: {', '.join(EXPERIMENTS)}", prog=PROG)
     return importlib.import_module(EXPERIMENTS[name][0])
 
 
 def build_parser(name: str):
-    from ..cli import ArgParser
-
     module = load(name)
-    parser = ArgParser(prog=f"linattn experiment {name}", description=getattr(module, "DESCRIPTION", None))
+    parser = ArgParser(prog=f"{PROG} {name}", description=getattr(module, "DESCRIPTION", None))
     module.add_arguments(parser)
     return module, parser
 
@@ -44,18 +66,28 @@ def build_parser(name: str):
 def run_experiment(name: str, argv: Optional[Sequence[str]] = None) -> int:
     """Parse `argv` with experiment `name`'s options and run it; returns the exit code.
 
-    Bad requests (an occupied results folder, missing data, a mismatched resume) raise
-    `linattn.cli.UsageError` (one line on stderr, exit code 2)."""
-    from ..cli import UsageError
-    from .common import ExperimentError
+    Bad requests (an occupied results folder, missing data, a mismatched resume: `ExperimentError`)
+    raise `UsageError` (one line on stderr, exit code 2)."""
+    from .common import ExperimentError  # imported here: the registry stays light for `linattn --help`
 
     module, parser = build_parser(name)
     args = parser.parse_args(list(argv or []))
     try:
         rc = module.run(args)
     except ExperimentError as e:
-        raise UsageError(str(e), prog=f"linattn experiment {name}") from None
+        raise UsageError(str(e), prog=f"{PROG} {name}") from None
     return 0 if rc is None else int(rc)
 
 
-__all__ = ["EXPERIMENTS", "load", "build_parser", "run_experiment"]
+def command_line(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m linattn.experiments NAME ...`: like `linattn experiment NAME ...`; returns the exit code."""
+    parser = ArgParser(prog=PROG, description=description())
+    add_arguments(parser)
+    try:
+        return main(parser.parse_args(list(argv or [])))
+    except UsageError as e:
+        return report_error(" ".join(str(e).split()), e.prog or PROG)
+
+
+__all__ = ["EXPERIMENTS", "PROG", "HELP", "description", "add_arguments", "main", "load", "build_parser",
+           "run_experiment", "command_line"]

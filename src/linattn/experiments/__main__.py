@@ -1,6 +1,7 @@
 """`python -m linattn.experiments NAME [options]` is `linattn experiment NAME [options]`."""
 import sys
 
-from ..cli import main
+from . import command_line
 
-sys.exit(main(["experiment", *sys.argv[1:]]))
+if __name__ == "__main__":
+    sys.exit(command_line(sys.argv[1:]))

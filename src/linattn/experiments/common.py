@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 import os
 import random
@@ -33,6 +32,7 @@ import torch
 
 from ..bench.common import describe_machine, machine_info
 from ..errors import LinattnError
+from ..io import atomic_write_text, jsonable, read_json, write_json
 
 BUDGETS = ("quick", "full", "tiny")   # "tiny": a micro budget for the tests (not advertised)
 RUNS_DIR = "runs"
@@ -93,47 +93,6 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, (np.floating,)):
-        return _jsonable(float(x))
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, torch.Tensor) and x.numel() == 1:
-        return _jsonable(x.item())
-    if isinstance(x, (str, int, bool)) or x is None:
-        return x
-    return str(x)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(_jsonable(obj), indent=2) + "\n")
-
-
-def read_json(path: Path) -> Optional[Any]:
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: Optional[str] = None) -> str:
     """A GitHub markdown table; align: one char per column, 'l' or 'r' (default: first left, rest right)."""
     if align is None:
@@ -189,7 +148,7 @@ class Experiment:
         self.args = args
         self.root = Path(args.out) if args.out else Path("results") / name
         self.runs = self.root / RUNS_DIR
-        self.config = _jsonable(dict(config, experiment=name))
+        self.config = jsonable(dict(config, experiment=name))
         self.progress_enabled = not getattr(args, "no_progress", False)
         self.t0 = time.perf_counter()
         self.machine = machine_info(str(getattr(args, "device", "cpu")))
@@ -229,7 +188,7 @@ class Experiment:
         rec = dict(record, run_id=run_id, finished=True,
                    finished_at=_dt.datetime.now().astimezone().isoformat(timespec="seconds"))
         write_json(self.run_path(run_id), rec)
-        return _jsonable(rec)
+        return jsonable(rec)
 
     def run_all(self, plan: Sequence[Dict[str, Any]], fn: Callable[[Dict[str, Any]], Dict[str, Any]],
                 log: Callable[[str], None] = print) -> List[Dict[str, Any]]:
@@ -281,7 +240,8 @@ class Experiment:
             for r in runs:
                 try:
                     end = _dt.datetime.fromisoformat(r["finished_at"])
-                    starts.append((end - _dt.timedelta(seconds=float(r.get("wall_s", 0.0)))).isoformat(timespec="seconds"))
+                    start = end - _dt.timedelta(seconds=float(r.get("wall_s", 0.0)))
+                    starts.append(start.isoformat(timespec="seconds"))
                 except (KeyError, TypeError, ValueError):
                     pass
             if ends:
@@ -409,6 +369,6 @@ def bar_panel(path: Path, groups: Sequence[str], series: Dict[str, Sequence[Opti
 
 __all__ = [
     "BUDGETS", "Experiment", "ExperimentError", "add_common_arguments", "seed_everything", "set_threads",
-    "resolve_device", "write_json", "read_json", "atomic_write_text", "md_table", "mean_std", "fmt", "fmt_pm",
+    "resolve_device", "md_table", "mean_std", "fmt", "fmt_pm",
     "progress", "line_panels", "bar_panel", "machine_line",
 ]

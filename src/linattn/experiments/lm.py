@@ -14,7 +14,7 @@ head), differing only in the token mixer (and the memory lobe):
                        sees later tokens, so its loss is not a language model's (a leak, flagged
                        by the causality audit `linattn.audit.check_causality`)
 
-Every model trains on the same batches (same seed, same number of tokens) with `linattn.train`
+Every model trains on the same batches (same seed, same number of tokens) with `linattn.training`
 (AdamW, warmup then cosine, gradient clipping), validation loss/perplexity on the same held-out
 windows; training tokens/s is measured on this machine during training.
 
@@ -97,8 +97,7 @@ def model_config(key: str, budget: Budget, vocab_size: int):
 
 def load_splits(data: Optional[str], budget: Budget):
     """(train documents, validation documents, description)."""
-    from ..data.corpus import CorpusError, load_corpus, read_documents, split_documents
-    from ..data.corpus import _cap as cap_docs   # cut a document list at a byte budget (line boundary)
+    from ..data.corpus import CorpusError, cap_documents, load_corpus, read_documents, split_documents
 
     try:
         if data is not None and Path(data).is_dir() and (Path(data) / "train.txt").is_file() \
@@ -108,11 +107,11 @@ def load_splits(data: Optional[str], budget: Budget):
             return train, val, f"{data}: train.txt / valid.txt"
         docs = load_corpus(data, max_bytes=None if data is not None else budget.max_train_bytes)
         if data is not None and budget.max_train_bytes is not None:
-            docs = cap_docs(docs, budget.max_train_bytes + (budget.max_val_bytes or 0))
+            docs = cap_documents(docs, budget.max_train_bytes + (budget.max_val_bytes or 0))
         train, val = split_documents(docs, 0.05)
         what = data if data is not None else "the embedded standard-library corpus"
         if budget.max_val_bytes is not None:
-            val = cap_docs(val, budget.max_val_bytes)
+            val = cap_documents(val, budget.max_val_bytes)
         return train, val, f"{what} (hash split of the documents, 5% validation)"
     except CorpusError as e:
         raise ExperimentError(str(e)) from None
@@ -121,7 +120,7 @@ def load_splits(data: Optional[str], budget: Budget):
 def prepare(exp: common.Experiment, budget: Budget, data: Optional[str]):
     from ..data.corpus import PackedTokens, token_fingerprint, tokenize_documents
     from ..data.tokenizer import load_tokenizer, train_tokenizer
-    from ..train import TrainData
+    from ..training import TrainData
 
     train_docs, val_docs, desc = load_splits(data, budget)
     tok_path = exp.root / "tokenizer.json"
@@ -149,7 +148,7 @@ def prepare(exp: common.Experiment, budget: Budget, data: Optional[str]):
 
 def train_run(spec: Dict[str, Any], exp: common.Experiment, budget: Budget, data, device: str) -> Dict[str, Any]:
     from ..audit import check_causality
-    from ..train import TrainConfig, evaluate, train
+    from ..training import TrainConfig, evaluate, train
 
     key = spec["model"]
     mcfg = model_config(key, budget, data.tokenizer.vocab_size)
@@ -167,8 +166,8 @@ def train_run(spec: Dict[str, Any], exp: common.Experiment, budget: Budget, data
         raise KeyboardInterrupt
     hist = res.history
     if exp.args.resume and res.resumed_from:
-        from ..train import METRICS_FILE, _read_metrics
-        hist = _read_metrics(Path(cfg.out) / METRICS_FILE)
+        from ..training import read_metrics
+        hist = read_metrics(cfg.out)
     curve = [{"step": h["step"], "tokens": h["tokens"], "val_loss": h["val_loss"], "val_ppl": h["val_ppl"]}
              for h in hist if "val_loss" in h]
     train_curve = [{"step": h["step"], "loss": h["loss"]} for h in hist]

@@ -303,8 +303,8 @@ def train_run(spec: Dict[str, Any], data: Dict[str, torch.Tensor], budget: Budge
             lr_now = opt.param_groups[0]["lr"]
             sched.step()
             ev = evaluate(model, xte, yte, vocab, max(B, 64), device)
-            history.append({"epoch": epoch + 1, "train_loss": tot / max(1, nb), "lr": lr_now, **{f"test_{k}": v
-                                                                                                 for k, v in ev.items()}})
+            history.append({"epoch": epoch + 1, "train_loss": tot / max(1, nb), "lr": lr_now,
+                            **{f"test_{k}": v for k, v in ev.items()}})
             pb.set_postfix(loss=f"{tot / max(1, nb):.3f}", acc=f"{ev['acc']:.3f}", refresh=False)
             if ev["acc"] >= STOP_ACC:
                 stopped_early = epoch + 1 < epochs

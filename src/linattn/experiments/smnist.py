@@ -40,6 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import ConfigError
+from ..ops import delta_rule
 from . import common
 from .common import ExperimentError, fmt, fmt_pm, md_table, mean_std
 
@@ -91,7 +93,7 @@ class SMNISTClassifier(nn.Module):
     def __init__(self, method: str, dim: int = 64, seq_len: int = 784, n_classes: int = 10, chunk_size: int = 64):
         super().__init__()
         if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+            raise ConfigError(f"method must be one of {METHODS}, got {method!r}")
         self.method, self.chunk_size = method, int(chunk_size)
         # creation order as in the public code (it decides the initial weights for a seed)
         self.input_proj = nn.Linear(1, dim, bias=False)
@@ -110,8 +112,6 @@ class SMNISTClassifier(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[B, T, 1]` (pixels) -> logits `[B, n_classes]`."""
-        from ..ops.delta import delta_rule
-
         h = self.act(self.input_proj(x) + self.pos_emb[: x.shape[1]])
         q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         beta = torch.sigmoid(self.beta_proj(h))                      # [B, T, 1]: one head
@@ -138,7 +138,7 @@ def perturb(x: torch.Tensor, sweep: str, level: float) -> torch.Tensor:
         return x + torch.randn_like(x) * level
     if sweep == "dropout":
         return x * torch.bernoulli(torch.ones_like(x) * (1 - level))
-    raise KeyError(sweep)
+    raise ConfigError(f"unknown sweep {sweep!r}; sweeps are: {', '.join(SWEEPS)}")
 
 
 def train_one(method: str, seed: int, train_x: torch.Tensor, train_y: torch.Tensor, budget: Budget,
@@ -232,7 +232,7 @@ def summarize(runs: List[Dict[str, Any]], levels: Dict[str, List[float]]) -> Dic
                 rows.append({"level": lv, "mean": mu, "std": sd, "n": n})
             out["curves"][m][sweep] = rows
         out["clean"][m] = mean_std(by[(m, r)]["acc"][next(iter(levels))][0] for r in reps if (m, r) in by)
-    for sweep, values in levels.items():
+    for sweep in levels:
         diffs, rdiffs = [], []
         areas: Dict[str, List[float]] = {m: [] for m in METHODS}
         rets: Dict[str, List[float]] = {m: [] for m in METHODS}
@@ -265,7 +265,8 @@ def _extra_args(a) -> str:
 
 
 def markdown(exp: common.Experiment, budget: Budget, summary: Dict[str, Any], levels, runs) -> str:
-    lines = [f"# smnist-robustness ({exp.args.budget})", ""] + [f"- {h}" for h in exp.header_lines(runs, _extra_args(exp.args))]
+    lines = [f"# smnist-robustness ({exp.args.budget})", ""]
+    lines += [f"- {h}" for h in exp.header_lines(runs, _extra_args(exp.args))]
     reps = sorted({r["replicate"] for r in runs})
     steps = runs[0]["steps"] if runs else 0
     lines += [f"- protocol: {budget.train_images} training images (one pass, {steps} steps of batch "
@@ -296,7 +297,10 @@ def markdown(exp: common.Experiment, budget: Budget, summary: Dict[str, Any], le
     vrows = []
     for sweep in levels:
         v = summary["verdict"][sweep]
-        pm = (lambda m, s: fmt(m, 1) + (f" ± {s:.1f}" if v["n"] > 1 else ""))
+
+        def pm(m, s, v=v):
+            return fmt(m, 1) + (f" ± {s:.1f}" if v["n"] > 1 else "")
+
         vrows.append([SWEEP_TITLE[sweep], pm(v["diff_mean"], v["diff_std"]),
                       ", ".join(f"{d:+.1f}" for d in v["diffs"]), v["verdict"],
                       pm(v["retention_diff_mean"], v["retention_diff_std"]),

@@ -1,17 +1,20 @@
 """Attention layers (nn.Modules) on top of the operators, plus their building blocks.
 
 Every layer maps x `[B, T, d_model]` to `[B, T, d_model]`; `layer(x, cache=LayerCache())` keeps
-a decoding state (prefill with many tokens, then one token at a time).
+a decoding state (prefill with many tokens, then one token at a time), and
+`layer(x, cu_seqlens=offsets)` runs packed documents (x `[1, T_total, d_model]`) independently.
 """
 from .base import AttentionBase
 from .cache import Cache, KVCache, LayerCache, tensor_nbytes
 from .common import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, SwiGLU, l2_normalize
 from .delta import EFLA, DeltaNet, GatedDeltaNet
 from .linear_attention import GATES, LinearAttention
+from .packing import check_cu_seqlens, packed_positions
 from .softmax import SoftmaxAttention
 
 __all__ = [
     "AttentionBase", "LinearAttention", "DeltaNet", "GatedDeltaNet", "EFLA", "SoftmaxAttention",
     "Cache", "LayerCache", "KVCache", "tensor_nbytes",
     "RMSNorm", "GatedRMSNorm", "RotaryEmbedding", "ShortConv", "SwiGLU", "l2_normalize", "GATES",
+    "check_cu_seqlens", "packed_positions",
 ]

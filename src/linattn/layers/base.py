@@ -2,10 +2,20 @@
 
     x -> q/k/v projections -> [short causal conv] -> [RoPE] -> operator -> [per-head norm, output gate] -> o_proj
 
-Subclasses implement `_mix(q, k, v, x, cache)`. A layer called with `cache=None` runs the training
-path (chunk form, no state kept). Called with a `LayerCache`, it continues from the state stored
-there and writes the new state back: prefill (many tokens) uses the chunk form with
+Subclasses implement `_mix(q, k, v, x, cache, cu_seqlens)`. A layer called with `cache=None` runs
+the training path (chunk form, no state kept). Called with a `LayerCache`, it continues from the
+state stored there and writes the new state back: prefill (many tokens) uses the chunk form with
 `output_final_state=True`, single-token decoding the recurrent form.
+
+Called with `cu_seqlens` (int64 `[N+1]`, input `[1, T_total, d_model]`), the layer runs N packed
+documents as if each were alone: the short convolution's look-back is zeroed at each document
+start, RoPE positions restart at 0, and `_mix` hands `cu_seqlens` to the operator, whose state
+restarts at every document (softmax attention becomes block-diagonal causal).
+
+Config fields: `config_fields` names the model-config fields (`LMConfig`) a mixer takes as
+keyword arguments of the same name; a model block passes exactly those (a field set to None
+is left out, so the layer's or the registry entry's default applies), plus `layer_idx` when it
+is listed. A subclass extends its parent's tuple with the fields it adds.
 """
 from __future__ import annotations
 
@@ -14,8 +24,10 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..errors import LinattnError, LinattnTypeError
 from .cache import LayerCache
 from .common import GatedRMSNorm, RotaryEmbedding, ShortConv
+from .packing import check_cu_seqlens, packed_positions, reject_cache_with_cu_seqlens
 
 
 class AttentionBase(nn.Module):
@@ -35,6 +47,10 @@ class AttentionBase(nn.Module):
 
     #: whether the mixer looks only at earlier tokens
     causal = True
+    #: the model-config fields this layer takes (same names as its keyword arguments), plus the
+    #: block's "layer_idx"; subclasses extend it with their own (module docstring)
+    config_fields: Tuple[str, ...] = ("head_dim", "rope", "rope_base", "short_conv", "max_seq_len", "norm_eps",
+                                      "layer_idx")
 
     def __init__(self, d_model: int, n_heads: int, *, head_dim: Optional[int] = None,
                  head_dim_v: Optional[int] = None, short_conv: bool = False, conv_size: int = 4,
@@ -43,10 +59,10 @@ class AttentionBase(nn.Module):
                  norm_eps: float = 1e-6, layer_idx: Optional[int] = None):
         super().__init__()
         if d_model < 1 or n_heads < 1:
-            raise ValueError(f"d_model and n_heads must be positive, got {d_model}, {n_heads}")
+            raise LinattnError(f"d_model and n_heads must be positive, got {d_model}, {n_heads}")
         if head_dim is None:
             if d_model % n_heads:
-                raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads}), "
+                raise LinattnError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads}), "
                                  f"or pass head_dim explicitly")
             head_dim = d_model // n_heads
         self.d_model, self.n_heads = int(d_model), int(n_heads)
@@ -68,22 +84,25 @@ class AttentionBase(nn.Module):
         self.g_proj = nn.Linear(d_model, H * Dv, bias=False) if output_gate else None
 
     # -- pieces ------------------------------------------------------------------------------
-    def _qkv(self, x: torch.Tensor, cache: Optional[LayerCache]) -> Tuple[torch.Tensor, ...]:
+    def _qkv(self, x: torch.Tensor, cache: Optional[LayerCache],
+             cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, ...]:
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.short_conv:
             get = (lambda n: cache.get(n)) if cache is not None else (lambda n: None)
-            q, sq = self.q_conv(q, get("conv_q"))
-            k, sk = self.k_conv(k, get("conv_k"))
-            v, sv = self.v_conv(v, get("conv_v"))
+            q, sq = self.q_conv(q, get("conv_q"), cu_seqlens)
+            k, sk = self.k_conv(k, get("conv_k"), cu_seqlens)
+            v, sv = self.v_conv(v, get("conv_v"), cu_seqlens)
             if cache is not None:
                 cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_heads, self.head_dim)
         v = v.view(B, T, self.n_heads, self.head_dim_v)
         if self.rope is not None:
-            offset = cache.offset if cache is not None else 0
-            q, k = self.rope(q, k, offset)
+            if cu_seqlens is not None:
+                q, k = self.rope(q, k, positions=packed_positions(cu_seqlens, T, x.device))
+            else:
+                q, k = self.rope(q, k, cache.offset if cache is not None else 0)
         return q, k, v
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -101,18 +120,36 @@ class AttentionBase(nn.Module):
     def _mode(cache: Optional[LayerCache], T: int) -> str:
         return "recurrent" if cache is not None and T == 1 else "chunk"
 
+    @staticmethod
+    def resolve_scale(scale: Optional[float], head_dim: int) -> float:
+        """The q scale as a number: None means head_dim**-0.5 (the default of every layer)."""
+        if scale is None:
+            return head_dim ** -0.5
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise LinattnTypeError(f"scale must be a number or None (None: head_dim**-0.5), got {scale!r}")
+        return float(scale)
+
     # -- interface ---------------------------------------------------------------------------
-    def _mix(self, q, k, v, x, cache: Optional[LayerCache]) -> torch.Tensor:  # pragma: no cover
+    def _mix(self, q, k, v, x, cache: Optional[LayerCache],
+             cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:  # pragma: no cover
+        """The operator: q, k `[B, T, H, K]`, v `[B, T, H, V]` -> o `[B, T, H, V]`; x is the layer
+        input (for data-dependent gates); cache as in `forward`; cu_seqlens goes to the operator."""
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
-        """x `[B, T, d_model]` -> `[B, T, d_model]`. Pass a `LayerCache` to decode incrementally."""
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"{type(self).__name__} expects x of shape [B, T, {self.d_model}], got {tuple(x.shape)}")
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, *,
+                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x `[B, T, d_model]` -> `[B, T, d_model]`. Pass a `LayerCache` to decode incrementally,
+        or `cu_seqlens` (int64 `[N+1]`, x `[1, T_total, d_model]`) to run packed documents
+        independently of each other (module docstring)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise LinattnError(f"{type(self).__name__} expects x of shape [B, T, {self.d_model}], "
+                               f"got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
         if cache is not None and not isinstance(cache, LayerCache):
-            raise TypeError(f"cache must be a linattn.layers.LayerCache, got {type(cache).__name__}")
-        q, k, v = self._qkv(x, cache)
-        o = self._mix(q, k, v, x, cache)
+            raise LinattnTypeError(f"cache must be a linattn.layers.LayerCache, got {type(cache).__name__}")
+        reject_cache_with_cu_seqlens(type(self).__name__, cache, cu_seqlens)
+        cu_seqlens = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
+        q, k, v = self._qkv(x, cache, cu_seqlens)
+        o = self._mix(q, k, v, x, cache, cu_seqlens=cu_seqlens)
         if cache is not None:
             cache["offset"] = cache.offset + x.shape[1]
         return self._out(o, x)

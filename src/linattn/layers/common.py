@@ -11,6 +11,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import LinattnError
+from .packing import check_cu_seqlens, packed_positions
+
 
 def _cdt(x: torch.Tensor) -> torch.dtype:
     """Compute dtype: fp64 stays fp64, everything else runs in fp32."""
@@ -50,13 +53,14 @@ class RotaryEmbedding(nn.Module):
     cos/sin tables (fp64, plain attributes rather than buffers, so `model.to(bfloat16)` cannot
     round them) are precomputed for `max_seq_len` positions and extended on demand, so any
     position works. `apply(x, offset)` rotates token t of x as absolute position offset + t;
-    `offset` is an int or a `[B]` tensor (per-sequence positions).
+    `offset` is an int or a `[B]` tensor (per-sequence positions). `apply(x, positions=p)` takes
+    explicit integer positions `[T]` or `[B, T]` instead (packed documents restart at 0).
     """
 
     def __init__(self, dim: int, base: float = 10000.0, max_seq_len: int = 2048):
         super().__init__()
         if dim % 2:
-            raise ValueError(f"RoPE needs an even head dimension, got {dim}")
+            raise LinattnError(f"RoPE needs an even head dimension, got {dim}")
         self.dim, self.base = int(dim), float(base)
         self._cos: Optional[torch.Tensor] = None
         self._sin: Optional[torch.Tensor] = None
@@ -76,9 +80,16 @@ class RotaryEmbedding(nn.Module):
             self._build(max(need, n if need <= n else 2 * n), positions.device)
         return self._cos[positions], self._sin[positions]
 
-    def apply(self, x: torch.Tensor, offset=0) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, offset=0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         T = x.shape[1]
-        if isinstance(offset, torch.Tensor) and offset.dim() == 1:
+        if positions is not None:
+            if positions.shape[-1] != T or positions.dim() not in (1, 2):
+                raise LinattnError(f"positions must have shape [T] or [B, T] with T = {T}, "
+                                   f"got {tuple(positions.shape)}")
+            pos = positions.to(device=x.device, dtype=torch.long)
+            pos = pos.view(1, T) if pos.dim() == 1 else pos
+            need = None
+        elif isinstance(offset, torch.Tensor) and offset.dim() == 1:
             pos = offset.to(x.device).view(-1, 1) + torch.arange(T, device=x.device)  # [B, T]
             need = None
         else:
@@ -91,8 +102,9 @@ class RotaryEmbedding(nn.Module):
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         return out.to(x.dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, offset=0) -> Tuple[torch.Tensor, torch.Tensor]:
-        return self.apply(q, offset), self.apply(k, offset)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, offset=0,
+                positions: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.apply(q, offset, positions), self.apply(k, offset, positions)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base}"
@@ -103,14 +115,16 @@ class ShortConv(nn.Module):
 
     x `[B, T, D]` -> `[B, T, D]`; output t sees inputs t-K+1..t only. With a `state` (the last
     K-1 inputs, `[B, D, K-1]`) it continues a previous call exactly; it returns the new state.
+    With `cu_seqlens` (packed documents, B = 1) the look-back is zeroed at every document start,
+    so no output sees a token of an earlier document; the returned state is then None.
     """
 
     def __init__(self, dim: int, kernel_size: int = 4, activation: Optional[str] = "silu", bias: bool = False):
         super().__init__()
         if kernel_size < 1:
-            raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
+            raise LinattnError(f"kernel_size must be >= 1, got {kernel_size}")
         if activation not in (None, "silu", "swish"):
-            raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+            raise LinattnError(f"activation must be None or 'silu', got {activation!r}")
         self.dim, self.kernel_size, self.activation = int(dim), int(kernel_size), activation
         self.weight = nn.Parameter(torch.empty(dim, 1, kernel_size))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
@@ -121,8 +135,14 @@ class ShortConv(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: torch.Tensor, state: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, state: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         B, T, D = x.shape
+        if cu_seqlens is not None:
+            if state is not None:
+                raise LinattnError("ShortConv: a state (decoding) cannot be combined with cu_seqlens "
+                                   "(packed documents)")
+            return self._packed(x, check_cu_seqlens(cu_seqlens, B, T)), None
         xt = x.transpose(1, 2)
         if state is None:
             state = xt.new_zeros(B, D, self.kernel_size - 1)
@@ -132,6 +152,23 @@ class ShortConv(nn.Module):
             y = F.silu(y)
         new_state = xp[..., xp.shape[-1] - (self.kernel_size - 1):]
         return y.transpose(1, 2), new_state
+
+    def _packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The convolution of packed documents: window tap i of output t reads input t - (K-1) + i,
+        kept only when that input lies in t's own document (position in document >= K-1-i)."""
+        _, T, D = x.shape
+        K = self.kernel_size
+        xt = x.transpose(1, 2)                                            # [1, D, T]
+        win = F.pad(xt, (K - 1, 0)).unfold(-1, K, 1)                      # [1, D, T, K]
+        pos = packed_positions(cu_seqlens, T, x.device)                   # [T]
+        keep = torch.arange(K, device=x.device)[None, :] >= (K - 1 - pos)[:, None]   # [T, K]
+        w = self.weight.to(xt.dtype).view(D, K)
+        y = torch.einsum("bdtk,dk->bdt", win * keep.to(xt.dtype), w)
+        if self.bias is not None:
+            y = y + self.bias.to(xt.dtype)[:, None]
+        if self.activation is not None:
+            y = F.silu(y)
+        return y.transpose(1, 2)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, kernel_size={self.kernel_size}, activation={self.activation}"

@@ -17,7 +17,6 @@ a per-head output norm (gated by `g_proj` for Gated DeltaNet) and `o_proj`.
 """
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Optional
 
@@ -25,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import LinattnError
+from ..ops import delta_rule
 from .base import AttentionBase
 from .cache import LayerCache
 from .common import l2_normalize
@@ -33,33 +34,22 @@ from .linear_attention import init_mamba_decay
 BETA_MODES = ("sigmoid", "adaptive", "loose")
 
 
-def _delta_rule():
-    """The `linattn.delta_rule` operator (looked up at call time)."""
-    try:
-        return importlib.import_module("linattn.ops.delta").delta_rule
-    except (ImportError, AttributeError):
-        import linattn
-        fn = getattr(linattn, "delta_rule", None)
-        if fn is None:
-            raise RuntimeError("linattn.delta_rule is not available (linattn/ops/delta.py is missing)") from None
-        return fn
-
-
 class DeltaNet(AttentionBase):
     """DeltaNet layer (Yang et al. 2024): delta rule with sigmoid beta and L2-normalised q, k.
 
-    Args (besides `AttentionBase`'s): chunk_size for the operator; scale for q (default
-    head_dim**-0.5, the operator's default). short_conv and output_norm default to True.
+    Args (besides `AttentionBase`'s): chunk_size for the operator; scale for q (None, the
+    default, means head_dim**-0.5). short_conv and output_norm default to True.
     """
 
     exact = False
     qk_l2norm = True
+    config_fields = AttentionBase.config_fields + ("chunk_size",)
 
     def __init__(self, d_model: int, n_heads: int, *, chunk_size: int = 64, scale: Optional[float] = None,
                  short_conv: bool = True, output_norm: bool = True, **kwargs):
         super().__init__(d_model, n_heads, short_conv=short_conv, output_norm=output_norm, **kwargs)
         self.chunk_size = int(chunk_size)
-        self.scale = scale
+        self.scale = self.resolve_scale(scale, self.head_dim)
         self.b_proj = nn.Linear(d_model, self.n_heads, bias=True)
 
     def beta(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,15 +62,15 @@ class DeltaNet(AttentionBase):
     def _prepare_qk(self, q, k):
         return q, k
 
-    def _mix(self, q, k, v, x, cache: Optional[LayerCache]):
+    def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         q, k = self._prepare_qk(q, k)
         beta = self.beta(x).to(q.dtype)
         g = self.log_gate(x)
-        o, state = _delta_rule()(
+        o, state = delta_rule(
             q, k, v, beta, g=g, exact=self.exact, scale=self.scale, qk_l2norm=self.qk_l2norm,
             mode=self._mode(cache, x.shape[1]), chunk_size=self.chunk_size,
             initial_state=cache.get("state") if cache is not None else None,
-            output_final_state=cache is not None)
+            output_final_state=cache is not None, cu_seqlens=cu_seqlens)
         if cache is not None:
             cache["state"] = state
         return o
@@ -113,7 +103,7 @@ class EFLA(DeltaNet):
 
     def __init__(self, d_model: int, n_heads: int, *, beta_mode: str = "sigmoid", q_l2norm: bool = True, **kwargs):
         if beta_mode not in BETA_MODES:
-            raise ValueError(f"beta_mode must be one of {BETA_MODES}, got {beta_mode!r}")
+            raise LinattnError(f"beta_mode must be one of {BETA_MODES}, got {beta_mode!r}")
         super().__init__(d_model, n_heads, **kwargs)
         self.beta_mode, self.q_l2norm = beta_mode, bool(q_l2norm)
         if beta_mode == "adaptive":

@@ -19,8 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..feature_maps import FAVORPlus, FeatureMap, CosFormer, get_feature_map
-from ..ops.linear import linear_attention
+from ..errors import LinattnError
+from ..feature_maps import CosFormer, FAVORPlus, FeatureMap, get_feature_map
+from ..ops import linear_attention
 from .base import AttentionBase
 from .cache import LayerCache
 
@@ -54,17 +55,20 @@ class LinearAttention(AttentionBase):
         normalize: divide by the kernel's normaliser (an average of values) or not (a plain sum,
             as in RetNet/GLA/Mamba2, which rely on the output norm).
         gate: None | "retnet" | "scalar" | "diagonal" (see the module docstring).
-        scale: multiplies q before the feature map (1.0: none, as in ELA).
+        scale: multiplies q before the feature map; None (the default) means head_dim**-0.5, 1.0
+            means no scaling (as in ELA and the `linear-*` mixers).
         chunk_size: the operator's chunk size for training and prefill.
         eps: the normaliser's floor.
     """
 
+    config_fields = AttentionBase.config_fields + ("chunk_size",)
+
     def __init__(self, d_model: int, n_heads: int, feature_map: Union[str, FeatureMap, None] = "elu+1", *,
-                 normalize: bool = True, gate: Optional[str] = None, scale: float = 1.0,
+                 normalize: bool = True, gate: Optional[str] = None, scale: Optional[float] = None,
                  chunk_size: int = 64, eps: float = 1e-6, feature_seed: int = 0, gate_low_rank: int = 16,
                  gate_normalizer: float = 16.0, **kwargs):
         if gate not in GATES:
-            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+            raise LinattnError(f"gate must be one of {GATES}, got {gate!r}")
         super().__init__(d_model, n_heads, **kwargs)
         max_seq_len = kwargs.get("max_seq_len", 2048)
         if isinstance(feature_map, str) and feature_map == "favor+":
@@ -75,7 +79,8 @@ class LinearAttention(AttentionBase):
             fmap = get_feature_map(feature_map, self.head_dim)
         self.feature_map = fmap  # registered as a submodule if it is one (FAVOR+)
         self.feature_map_name = getattr(fmap, "name", "custom")
-        self.normalize, self.gate, self.scale = bool(normalize), gate, float(scale)
+        self.normalize, self.gate = bool(normalize), gate
+        self.scale = self.resolve_scale(scale, self.head_dim)
         self.chunk_size, self.eps = int(chunk_size), float(eps)
         H = self.n_heads
         if gate == "retnet":
@@ -102,14 +107,14 @@ class LinearAttention(AttentionBase):
             return F.logsigmoid(gk) / self.gate_normalizer
         return None
 
-    def _mix(self, q, k, v, x, cache: Optional[LayerCache]):
+    def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         T = x.shape[1]
         o, state = linear_attention(
             q, k, v, feature_map=self.feature_map, causal=True, normalize=self.normalize,
             gamma=self.gamma if self.gate == "retnet" else None, g=self.log_gate(x), scale=self.scale,
             mode=self._mode(cache, T), chunk_size=self.chunk_size,
             initial_state=cache.get("state") if cache is not None else None,
-            output_final_state=cache is not None, eps=self.eps)
+            output_final_state=cache is not None, cu_seqlens=cu_seqlens, eps=self.eps)
         if cache is not None:
             cache["state"] = state
         return o

@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..ops.softmax import softmax_attention
+from ..errors import LinattnError
+from ..ops import softmax_attention
 from .base import AttentionBase
 from .cache import KVCache, LayerCache
 
@@ -16,21 +17,25 @@ class SoftmaxAttention(AttentionBase):
     """Causal softmax attention layer.
 
     Args (besides `AttentionBase`'s): window (keys with i - j < window only; None = full),
-    scale (default head_dim**-0.5), kv_chunk (the KV cache grows by this many tokens at a time).
-    rope defaults to True, output_norm to False.
+    scale (None, the default, means head_dim**-0.5), kv_chunk (the KV cache grows by this many
+    tokens at a time). rope defaults to True, output_norm to False. With `cu_seqlens` the
+    attention is block-diagonal causal: no token attends to another document.
     """
+
+    config_fields = AttentionBase.config_fields + ("window",)
 
     def __init__(self, d_model: int, n_heads: int, *, window: Optional[int] = None, scale: Optional[float] = None,
                  rope: bool = True, output_norm: bool = False, kv_chunk: int = 256, **kwargs):
         if window is not None and (not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be a positive int or None, got {window!r}")
+            raise LinattnError(f"window must be a positive int or None, got {window!r}")
         super().__init__(d_model, n_heads, rope=rope, output_norm=output_norm, **kwargs)
         self.window, self.kv_chunk = window, int(kv_chunk)
-        self.scale = float(scale) if scale is not None else self.head_dim ** -0.5
+        self.scale = self.resolve_scale(scale, self.head_dim)
 
-    def _mix(self, q, k, v, x, cache: Optional[LayerCache]):
+    def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         if cache is None:
-            return softmax_attention(q, k, v, causal=True, scale=self.scale, window=self.window)
+            return softmax_attention(q, k, v, causal=True, scale=self.scale, window=self.window,
+                                     cu_seqlens=cu_seqlens)
         kv = cache.get("kv")
         if kv is None:
             kv = cache["kv"] = KVCache(chunk=self.kv_chunk, window=self.window)

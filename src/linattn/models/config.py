@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from ..errors import ConfigError
 from .registry import mixers
 
 FFNS = ("swiglu", "moe", "none")
@@ -26,7 +27,7 @@ class JsonConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown {cls.__name__} fields {unknown}; known fields are {sorted(known)}")
+            raise ConfigError(f"unknown {cls.__name__} fields {unknown}; known fields are {sorted(known)}")
         return cls(**d)
 
     def to_json(self, path: Optional[Union[str, os.PathLike]] = None, indent: int = 2) -> str:
@@ -83,36 +84,52 @@ class LMConfig(JsonConfig):
     Head: tie_embeddings, final_norm, norm_eps, init_std.
     """
 
-    vocab_size: int
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    mixer: Union[str, List[str]] = "linear-elu+1"
-    head_dim: Optional[int] = None
-    mixer_kwargs: Dict[str, Dict[str, Any]] = field(default_factory=dict)
-    rope: Optional[bool] = None
-    rope_base: float = 10000.0
-    short_conv: Optional[bool] = None
-    window: Optional[int] = None
-    max_seq_len: int = 2048
-    chunk_size: int = 64
-    ffn: str = "swiglu"
-    ffn_hidden: Optional[int] = None
-    n_experts: int = 4
-    top_k: int = 2
-    expert_hidden: Optional[int] = None
-    moe_bias: str = "none"
-    aux_loss_coef: float = 0.01
-    residual: str = "prenorm"
-    hyperlink_ffn_skip: bool = False
-    memory_lobe: Optional[str] = None
-    lobe_feature_map: str = "hadamard_exp"
-    lobe_heads: int = 1
-    allow_future_leak: bool = False
-    tie_embeddings: bool = True
-    final_norm: bool = True
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
+    vocab_size: int = field(metadata={"help": "vocabulary size (in training: the tokenizer's)"})
+    d_model: int = field(default=256, metadata={"help": "model width"})
+    n_layers: int = field(default=4, metadata={"help": "number of blocks (mixer + FFN)"})
+    n_heads: int = field(default=4, metadata={"help": "heads per mixer"})
+    mixer: Union[str, List[str]] = field(default="linear-elu+1", metadata={
+        "help": "sequence mixer of every layer (see linattn.mixers()), or a comma list with one per layer"})
+    head_dim: Optional[int] = field(default=None, metadata={"help": "per-head width; none: d_model / n_heads"})
+    mixer_kwargs: Dict[str, Dict[str, Any]] = field(default_factory=dict, metadata={
+        "help": "JSON {mixer name: {kwarg: value}} passed to that mixer's layers"})
+    rope: Optional[bool] = field(default=None, metadata={
+        "help": "force RoPE on or off; none: each mixer's default (softmax and ela-* use it)"})
+    rope_base: float = field(default=10000.0, metadata={"help": "RoPE base"})
+    short_conv: Optional[bool] = field(default=None, metadata={
+        "help": "force the short causal convolution on or off; none: each mixer's default (delta rule, mamba2)"})
+    window: Optional[int] = field(default=None, metadata={
+        "help": "sliding window of softmax mixers; none: full attention (swa: 256)"})
+    max_seq_len: int = field(default=2048, metadata={
+        "help": "RoPE table size (extended on demand) and cosFormer's horizon; training raises it to seq_len"})
+    chunk_size: int = field(default=64, metadata={"help": "chunk length of the linear operators (training, prefill)"})
+    ffn: str = field(default="swiglu", metadata={"help": "feed-forward block", "choices": FFNS})
+    ffn_hidden: Optional[int] = field(default=None, metadata={"help": "SwiGLU width; none: 8/3 d_model rounded to 32"})
+    n_experts: int = field(default=4, metadata={"help": "MoE experts"})
+    top_k: int = field(default=2, metadata={"help": "MoE experts per token"})
+    expert_hidden: Optional[int] = field(default=None, metadata={
+        "help": "MoE expert width; none: d_model (ELA's non-expanding experts)"})
+    moe_bias: str = field(default="none", metadata={
+        "help": "ELA expert label bias: eq14 (S_e f_e(X) + B_e) or eq15 (S_e (f_e(X) + B_e)); needs ffn moe",
+        "choices": MOE_BIASES})
+    aux_loss_coef: float = field(default=0.01, metadata={"help": "weight of the MoE load-balancing loss"})
+    residual: str = field(default="prenorm", metadata={
+        "help": "prenorm: x + mixer(norm(x)), then + ffn(norm(.)); hyperlink (ELA): x + ffn(mixer(norm(x)))",
+        "choices": RESIDUALS})
+    hyperlink_ffn_skip: bool = field(default=False, metadata={
+        "help": "hyperlink blocks: add the mixer output to the FFN output (as the ELA code's MoE does)"})
+    memory_lobe: Optional[str] = field(default=None, metadata={
+        "help": "attention over the layer's FFN output, added to the block output; bidirectional sees later "
+                "tokens (needs allow_future_leak)", "choices": ("causal", "bidirectional")})
+    lobe_feature_map: str = field(default="hadamard_exp", metadata={"help": "feature map of the memory lobe"})
+    lobe_heads: int = field(default=1, metadata={"help": "heads of the memory lobe"})
+    allow_future_leak: bool = field(default=False, metadata={
+        "help": "allow a bidirectional memory lobe (it leaks the targets; for the ablation)"})
+    tie_embeddings: bool = field(default=True, metadata={"help": "share the input embedding with the output head"})
+    final_norm: bool = field(default=True, metadata={"help": "RMSNorm before the output head"})
+    norm_eps: float = field(default=1e-6, metadata={"help": "RMSNorm epsilon"})
+    init_std: float = field(default=0.02, metadata={
+        "help": "std of the normal init (output projections scaled by 1/sqrt(2 n_layers))"})
 
     def __post_init__(self):
         if isinstance(self.mixer, tuple):
@@ -121,16 +138,16 @@ class LMConfig(JsonConfig):
 
     # -- checks ------------------------------------------------------------------------------
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise ConfigError (a ValueError) naming the first bad field."""
         def pos_int(name):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"LMConfig.{name} must be a positive int, got {v!r}")
+                raise ConfigError(f"LMConfig.{name} must be a positive int, got {v!r}")
 
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "chunk_size", "lobe_heads"):
             pos_int(name)
         if self.head_dim is None and self.d_model % self.n_heads:
-            raise ValueError(f"LMConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
+            raise ConfigError(f"LMConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
                              f"unless head_dim is given")
         if self.head_dim is not None:
             pos_int("head_dim")
@@ -138,49 +155,52 @@ class LMConfig(JsonConfig):
         names = self.mixer_list()
         for n in names:
             if n not in valid:
-                raise ValueError(f"unknown mixer {n!r}; valid mixers are: {', '.join(valid)}")
+                raise ConfigError(f"unknown mixer {n!r}; valid mixers are: {', '.join(valid)}")
         if not isinstance(self.mixer_kwargs, dict) or any(k not in valid for k in self.mixer_kwargs):
             bad = [k for k in self.mixer_kwargs] if isinstance(self.mixer_kwargs, dict) else self.mixer_kwargs
-            raise ValueError(f"LMConfig.mixer_kwargs must map mixer names to kwargs dicts; got keys {bad}; "
-                             f"valid mixers are: {', '.join(valid)}")
+            raise ConfigError(f"LMConfig.mixer_kwargs must map mixer names to kwargs dicts; got keys {bad}; "
+                              f"valid mixers are: {', '.join(valid)}")
+        for name, kw in self.mixer_kwargs.items():
+            if not isinstance(kw, dict) or not all(isinstance(k, str) for k in kw):
+                raise ConfigError(f"LMConfig.mixer_kwargs[{name!r}] must be a dict of keyword arguments, got {kw!r}")
         if self.ffn not in FFNS:
-            raise ValueError(f"LMConfig.ffn must be one of {FFNS}, got {self.ffn!r}")
+            raise ConfigError(f"LMConfig.ffn must be one of {FFNS}, got {self.ffn!r}")
         if self.ffn == "moe":
             pos_int("n_experts")
             pos_int("top_k")
             if self.top_k > self.n_experts:
-                raise ValueError(f"LMConfig.top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})")
+                raise ConfigError(f"LMConfig.top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})")
         if self.moe_bias not in MOE_BIASES:
-            raise ValueError(f"LMConfig.moe_bias must be one of {MOE_BIASES}, got {self.moe_bias!r}")
+            raise ConfigError(f"LMConfig.moe_bias must be one of {MOE_BIASES}, got {self.moe_bias!r}")
         if self.moe_bias != "none" and self.ffn != "moe":
-            raise ValueError(f"LMConfig.moe_bias={self.moe_bias!r} needs ffn='moe', got ffn={self.ffn!r}")
+            raise ConfigError(f"LMConfig.moe_bias={self.moe_bias!r} needs ffn='moe', got ffn={self.ffn!r}")
         if self.residual not in RESIDUALS:
-            raise ValueError(f"LMConfig.residual must be one of {RESIDUALS}, got {self.residual!r}")
+            raise ConfigError(f"LMConfig.residual must be one of {RESIDUALS}, got {self.residual!r}")
         if self.memory_lobe not in LOBES:
-            raise ValueError(f"LMConfig.memory_lobe must be one of {LOBES}, got {self.memory_lobe!r}")
+            raise ConfigError(f"LMConfig.memory_lobe must be one of {LOBES}, got {self.memory_lobe!r}")
         if self.memory_lobe == "bidirectional" and not self.allow_future_leak:
-            raise ValueError(
+            raise ConfigError(
                 "memory_lobe='bidirectional' lets position t attend to later tokens: in a causal language "
                 "model that leaks the targets (the ELA paper's 'sudden drop'). Use memory_lobe='causal', or "
                 "pass allow_future_leak=True to build it anyway (for the ablation).")
         if self.d_model % self.lobe_heads:
-            raise ValueError(f"LMConfig.d_model ({self.d_model}) must be divisible by lobe_heads ({self.lobe_heads})")
+            raise ConfigError(f"LMConfig.d_model ({self.d_model}) must be divisible by lobe_heads ({self.lobe_heads})")
         if self.window is not None:
             pos_int("window")
         for name in ("ffn_hidden", "expert_hidden"):
             if getattr(self, name) is not None:
                 pos_int(name)
         if self.aux_loss_coef < 0:
-            raise ValueError(f"LMConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+            raise ConfigError(f"LMConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 
     def mixer_list(self) -> List[str]:
         """One mixer name per layer."""
         if isinstance(self.mixer, str):
             return [self.mixer] * self.n_layers
         if not isinstance(self.mixer, list) or not all(isinstance(m, str) for m in self.mixer):
-            raise ValueError(f"LMConfig.mixer must be a name or a list of names, got {self.mixer!r}")
+            raise ConfigError(f"LMConfig.mixer must be a name or a list of names, got {self.mixer!r}")
         if len(self.mixer) != self.n_layers:
-            raise ValueError(f"LMConfig.mixer lists {len(self.mixer)} mixers for n_layers = {self.n_layers}")
+            raise ConfigError(f"LMConfig.mixer lists {len(self.mixer)} mixers for n_layers = {self.n_layers}")
         return list(self.mixer)
 
     # -- presets -----------------------------------------------------------------------------
@@ -195,7 +215,7 @@ class LMConfig(JsonConfig):
         6,624,272 with Hyper-Link + a memory lobe, the counts the paper reports.
         """
         if kernel not in ("hadamard_exp", "sum_sq_euclid"):
-            raise ValueError(f"kernel must be 'hadamard_exp' or 'sum_sq_euclid', got {kernel!r}")
+            raise ConfigError(f"kernel must be 'hadamard_exp' or 'sum_sq_euclid', got {kernel!r}")
         args: Dict[str, Any] = dict(
             vocab_size=vocab_size, d_model=256, n_layers=4, n_heads=4, mixer=f"ela-{kernel}", ffn="moe",
             n_experts=4, top_k=2, expert_hidden=None, residual="hyperlink", final_norm=False,

@@ -5,14 +5,32 @@ A family is a config dataclass (with `to_dict` / `from_dict` and a string field 
 `arch` naming the family) and a model class built from it. Everything that handles models
 generically (checkpoints, the trainer, generation, the CLI) goes through this registry and the
 `CausalLM` protocol below, never through `isinstance` checks or string comparisons of its own.
-Adding a family is `register_family("name", ConfigClass, ModelClass)` in the family's module.
+Adding a family is `register_family("name", ConfigClass, ModelClass, tiny_config=...)` in the
+family's module ("lm" in `models/lm.py`, "tlinformer" in `models/tlinformer.py`). The model class
+follows `CausalLM` explicitly (it subclasses it) and is checked against it when registered;
+`tiny_config(vocab_size)` gives a small config the test suite builds and checks automatically
+for every registered family.
 
 Config dicts carry their family in the key "arch"; a dict without it is an "lm" config (the first
 version's checkpoints wrote none).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence, Type, Union, runtime_checkable
+import inspect
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Sequence,
+    Type,
+    Union,
+    runtime_checkable,
+)
 
 import torch
 
@@ -25,8 +43,11 @@ DEFAULT_ARCH = "lm"
 class CausalLM(Protocol):
     """What a model family's model provides (`LanguageModel` and `TLinFormerLM` do).
 
-    forward(input_ids [B, T], cache=None, *, use_cache=False, targets=None) -> LMOutput
-        logits [B, T, vocab], aux_loss (scalar), cache (when decoding), loss (with targets)
+    forward(input_ids [B, T], cache=None, *, use_cache=False, targets=None, cu_seqlens=None) -> LMOutput
+        logits [B, T, vocab], aux_loss (scalar), cache (when decoding), loss (with targets);
+        cu_seqlens (int64 [N+1], input_ids [1, T_total]) packs N documents that must not see each
+        other; a family that cannot keep them apart raises LinattnError (and says so with a class
+        attribute `supports_cu_seqlens = False`)
     new_cache() -> an empty cache for token-by-token decoding
     generate(input_ids, max_new_tokens, ...) -> LongTensor of prompt + new tokens
     stream(input_ids, max_new_tokens, ...) -> iterator of new token ids
@@ -38,13 +59,15 @@ class CausalLM(Protocol):
     config: Any
 
     def forward(self, input_ids: torch.Tensor, cache: Any = None, *, use_cache: bool = False,
-                targets: Optional[torch.Tensor] = None) -> Any: ...
+                targets: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None) -> Any: ...
 
     def new_cache(self) -> Any: ...
 
-    def generate(self, input_ids: Union[torch.Tensor, Sequence[int]], max_new_tokens: int, **kwargs) -> torch.Tensor: ...
+    def generate(self, input_ids: Union[torch.Tensor, Sequence[int]], max_new_tokens: int,
+                 **kwargs) -> torch.Tensor: ...
 
-    def stream(self, input_ids: Union[torch.Tensor, Sequence[int]], max_new_tokens: int, **kwargs): ...
+    def stream(self, input_ids: Union[torch.Tensor, Sequence[int]], max_new_tokens: int,
+               **kwargs) -> Iterator: ...
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int: ...
 
@@ -57,19 +80,69 @@ class ModelFamily(NamedTuple):
     config_cls: Type
     model_cls: Type
     description: str
+    #: tiny_config(vocab_size) -> a small config of this family (for tests and smoke checks)
+    tiny_config: Optional[Callable[[int], Any]] = None
 
 
 _FAMILIES: Dict[str, ModelFamily] = {}
 
+_PROTOCOL_METHODS = ("forward", "new_cache", "generate", "stream", "num_parameters")
+
+
+def protocol_problems(model_cls: Type) -> List[str]:
+    """What keeps `model_cls` from following `CausalLM`: a missing member, or a method whose
+    signature does not accept the protocol's parameters (same names, same kinds; extra ones
+    need defaults). Empty when it conforms."""
+    problems = []
+    for name in _PROTOCOL_METHODS:
+        impl = getattr(model_cls, name, None)
+        if impl is None or impl is getattr(CausalLM, name):
+            problems.append(f"{name}() is missing")
+            continue
+        want = inspect.signature(getattr(CausalLM, name))
+        have = inspect.signature(impl)
+        params = have.parameters
+        var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        for p in want.parameters.values():
+            if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                continue
+            q = params.get(p.name)
+            if q is None:
+                if not (var_kw and p.kind is p.KEYWORD_ONLY):
+                    problems.append(f"{name}() lacks the parameter {p.name!r}")
+            elif q.kind is not p.kind and not (p.kind is p.KEYWORD_ONLY and q.kind is q.POSITIONAL_OR_KEYWORD):
+                problems.append(f"{name}() takes {p.name!r} as {q.kind.description}, the protocol as "
+                                f"{p.kind.description}")
+            elif p.default is not p.empty and q.default is q.empty:
+                problems.append(f"{name}() needs a default for {p.name!r}")
+        for q in params.values():
+            if q.name not in want.parameters and q.default is q.empty and q.kind not in (q.VAR_KEYWORD,
+                                                                                      q.VAR_POSITIONAL):
+                problems.append(f"{name}() has an extra parameter {q.name!r} without a default")
+    causal = inspect.getattr_static(model_cls, "is_causal", None)
+    if causal is None or causal is inspect.getattr_static(CausalLM, "is_causal"):
+        problems.append("is_causal is missing")
+    return problems
+
 
 def register_family(name: str, config_cls: Type, model_cls: Type, description: str = "", *,
-                    overwrite: bool = False) -> None:
-    """Register a model family: `model_cls(config_cls(...))` must follow `CausalLM`."""
+                    tiny_config: Optional[Callable[[int], Any]] = None, overwrite: bool = False) -> None:
+    """Register a model family: `model_cls(config_cls(...))` must follow `CausalLM` (checked here);
+    `tiny_config(vocab_size)` returns a small config for the automatic tests."""
     if not isinstance(name, str) or not name:
         raise ConfigError(f"a model family name must be a non-empty string, got {name!r}")
     if name in _FAMILIES and not overwrite:
         raise ConfigError(f"model family {name!r} is already registered (pass overwrite=True to replace it)")
-    _FAMILIES[name] = ModelFamily(name, config_cls, model_cls, description)
+    if not isinstance(config_cls, type) or not callable(getattr(config_cls, "from_dict", None)) \
+            or not callable(getattr(config_cls, "to_dict", None)):
+        raise ConfigError(f"model family {name!r}: the config class must have to_dict / from_dict, got {config_cls!r}")
+    problems = protocol_problems(model_cls) if isinstance(model_cls, type) else [f"{model_cls!r} is not a class"]
+    if problems:
+        raise ConfigError(f"model family {name!r}: {getattr(model_cls, '__name__', model_cls)} does not follow "
+                          f"CausalLM: " + "; ".join(problems))
+    if tiny_config is not None and not callable(tiny_config):
+        raise ConfigError(f"model family {name!r}: tiny_config must be callable(vocab_size), got {tiny_config!r}")
+    _FAMILIES[name] = ModelFamily(name, config_cls, model_cls, description, tiny_config)
 
 
 def families() -> List[str]:
@@ -120,5 +193,5 @@ def build_model(config: Any) -> torch.nn.Module:
     return family_of(config).model_cls(config)
 
 
-__all__ = ["CausalLM", "ModelFamily", "register_family", "families", "get_family", "family_of",
+__all__ = ["CausalLM", "ModelFamily", "register_family", "protocol_problems", "families", "get_family", "family_of",
            "config_from_dict", "config_to_dict", "build_model", "DEFAULT_ARCH"]

@@ -1,9 +1,17 @@
-"""Sampling helpers for `LanguageModel.generate` / `LanguageModel.stream`."""
+"""Sampling helpers for the models' `generate` / `stream` (any `CausalLM`)."""
 from __future__ import annotations
 
 from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
+
+from ..errors import LinattnError, LinattnTypeError
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of a model's parameters (CPU for a model without any)."""
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 def make_generator(generator: Union[torch.Generator, int, None], device) -> Optional[torch.Generator]:
@@ -14,7 +22,7 @@ def make_generator(generator: Union[torch.Generator, int, None], device) -> Opti
         g = torch.Generator(device=torch.device(device))
         g.manual_seed(generator)
         return g
-    raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {type(generator).__name__}")
+    raise LinattnTypeError(f"generator must be a torch.Generator, an int seed or None, got {type(generator).__name__}")
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
@@ -25,11 +33,11 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     smallest set whose probability reaches p (nucleus); both apply after the temperature.
     """
     if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+        raise LinattnError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        raise LinattnError(f"top_k must be a positive int or None, got {top_k!r}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+        raise LinattnError(f"top_p must lie in (0, 1], got {top_p!r}")
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(-1)
@@ -59,14 +67,14 @@ def stream_tokens(model: torch.nn.Module, input_ids: Union[torch.Tensor, Sequenc
     `.cache` it may continue). Yields an int per step for a 1-D prompt, a `[B]` tensor for a
     `[B, T]` one; stops after max_new_tokens, or once every sequence has yielded eos_token_id.
     """
-    ids = torch.as_tensor(input_ids, dtype=torch.long, device=model.embed.weight.device)
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=model_device(model))
     single = ids.dim() == 1
     if single:
         ids = ids.unsqueeze(0)
     if ids.dim() != 2 or ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty [T] or [B, T] sequence of ids, got shape {tuple(ids.shape)}")
+        raise LinattnError(f"input_ids must be a non-empty [T] or [B, T] sequence of ids, got shape {tuple(ids.shape)}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        raise LinattnError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
     gen = make_generator(seed if generator is None else generator, ids.device)
     was_training = model.training
     model.eval()
@@ -91,7 +99,7 @@ def stream_tokens(model: torch.nn.Module, input_ids: Union[torch.Tensor, Sequenc
 
 def join_generated(model: torch.nn.Module, input_ids, tokens: List) -> torch.Tensor:
     """Prompt followed by the tokens `stream_tokens` yielded: `[T + n]` or `[B, T + n]`."""
-    ids = torch.as_tensor(input_ids, dtype=torch.long, device=model.embed.weight.device)
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=model_device(model))
     if not tokens:
         return ids
     if ids.dim() == 1:

@@ -6,9 +6,15 @@ Blocks:
 * residual="prenorm":   h = x + mixer(norm1(x));  f = ffn(norm2(h));  out = h + f [+ lobe(f)]
 * residual="hyperlink": a = mixer(norm1(x));  f = ffn(a) [+ a if hyperlink_ffn_skip];  out = x + f [+ lobe(f)]
   (ELA's Hyper-Link: one norm per layer, no residual around the mixer; ffn="none" makes f = a.)
+
+The mixer of a block gets exactly the config fields its registry entry declares
+(`registry.mixer_config_kwargs`); nothing here knows about particular mixers.
+`LanguageModel` is the "lm" model family (`models/family.py`) and follows `CausalLM`.
+Packed documents: `model(ids [1, T_total], cu_seqlens=offsets)` runs every document as if alone.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from dataclasses import dataclass
@@ -18,12 +24,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..layers import AttentionBase, Cache, DeltaNet, LinearAttention, RMSNorm, SoftmaxAttention, SwiGLU
+from ..errors import LinattnError, LinattnTypeError
+from ..layers import Cache, RMSNorm, SwiGLU, check_cu_seqlens
 from .config import LMConfig
+from .family import CausalLM, register_family
 from .generation import join_generated, stream_tokens
 from .lobe import MemoryLobe
 from .moe import MoE
-from .registry import build_mixer, mixer_spec
+from .registry import build_mixer, mixer_config_kwargs
 
 
 def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
@@ -62,25 +70,9 @@ class LMOutput:
 
 
 def mixer_kwargs(config: LMConfig, name: str, layer_idx: int) -> dict:
-    """The keyword arguments `config` gives mixer `name` in layer `layer_idx`."""
-    spec = mixer_spec(name)
-    kw: dict = {}
-    if isinstance(spec.cls, type) and issubclass(spec.cls, AttentionBase):
-        kw.update(max_seq_len=config.max_seq_len, norm_eps=config.norm_eps, rope_base=config.rope_base,
-                  layer_idx=layer_idx)
-        if config.head_dim is not None:
-            kw["head_dim"] = config.head_dim
-        if config.rope is not None:
-            kw["rope"] = config.rope
-        if config.short_conv is not None:
-            kw["short_conv"] = config.short_conv
-        if issubclass(spec.cls, SoftmaxAttention):
-            if config.window is not None:
-                kw["window"] = config.window
-        elif issubclass(spec.cls, (LinearAttention, DeltaNet)):
-            kw["chunk_size"] = config.chunk_size
-    kw.update(config.mixer_kwargs.get(name, {}))
-    return kw
+    """The keyword arguments `config` gives mixer `name` in layer `layer_idx`: the config fields
+    the mixer declares (see `registry.mixer_config_kwargs`), then `config.mixer_kwargs[name]`."""
+    return mixer_config_kwargs(name, config, layer_idx)
 
 
 class Block(nn.Module):
@@ -94,6 +86,8 @@ class Block(nn.Module):
         self.residual = c.residual
         self.hyperlink_ffn_skip = c.hyperlink_ffn_skip
         self.mixer = build_mixer(self.mixer_name, c.d_model, c.n_heads, **mixer_kwargs(c, self.mixer_name, layer_idx))
+        params = inspect.signature(self.mixer.forward).parameters
+        self.mixer_packs = "cu_seqlens" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
         self.norm1 = RMSNorm(c.d_model, eps=c.norm_eps)
         out_std = c.init_std / math.sqrt(2 * c.n_layers)
         if c.ffn == "swiglu":
@@ -118,9 +112,15 @@ class Block(nn.Module):
             return self.ffn(h)
         return self.ffn(h), None
 
-    def forward(self, x: torch.Tensor, cache: Optional[Cache] = None):
+    def forward(self, x: torch.Tensor, cache: Optional[Cache] = None, cu_seqlens: Optional[torch.Tensor] = None):
+        """x `[B, T, d]` -> (out `[B, T, d]`, aux loss or None). cu_seqlens (packed documents) goes
+        to the mixer and the memory lobe; the FFN / MoE works per token."""
         mc = cache.layer(self.layer_idx, "mixer") if cache is not None else None
-        a = self.mixer(self.norm1(x), cache=mc)
+        if cu_seqlens is not None and not self.mixer_packs:
+            raise LinattnError(f"mixer {self.mixer_name!r} (layer {self.layer_idx}) does not accept cu_seqlens, so it "
+                               f"cannot keep packed documents apart; run one document per row instead")
+        h = self.norm1(x)
+        a = self.mixer(h, cache=mc) if cu_seqlens is None else self.mixer(h, cache=mc, cu_seqlens=cu_seqlens)
         if self.residual == "prenorm":
             h = x + a
             if self.ffn is None:
@@ -134,24 +134,29 @@ class Block(nn.Module):
                 f = f + a
             out = x + f
         if self.lobe is not None:
-            out = out + self.lobe(f, cache=cache.layer(self.layer_idx, "lobe") if cache is not None else None)
+            out = out + self.lobe(f, cache=cache.layer(self.layer_idx, "lobe") if cache is not None else None,
+                                  cu_seqlens=cu_seqlens)
         return out, aux
 
 
-class LanguageModel(nn.Module):
-    """A decoder-only language model built from an `LMConfig`.
+class LanguageModel(nn.Module, CausalLM):
+    """A decoder-only language model built from an `LMConfig` (the "lm" family; a `CausalLM`).
 
     >>> model = LanguageModel(LMConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, mixer="gla"))
     >>> out = model(ids)                       # out.logits [B, T, 256], out.aux_loss, out.cache (None)
     >>> out = model(ids, use_cache=True)       # prefill: out.cache holds every layer's state
     >>> out = model(next_ids, cache=out.cache) # decode
     >>> model.generate(ids, 20, temperature=0.8, top_p=0.9, generator=0)
+    >>> out = model(packed_ids, cu_seqlens=offsets)   # [1, T_total] packed documents, kept apart
     """
+
+    #: forward accepts cu_seqlens (packed documents)
+    supports_cu_seqlens = True
 
     def __init__(self, config: LMConfig):
         super().__init__()
         if not isinstance(config, LMConfig):
-            raise TypeError(f"config must be an LMConfig, got {type(config).__name__}")
+            raise LinattnTypeError(f"config must be an LMConfig, got {type(config).__name__}")
         config.validate()
         self.config = config
         if config.memory_lobe == "bidirectional":
@@ -181,32 +186,42 @@ class LanguageModel(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cache: Optional[Cache] = None, *, use_cache: bool = False,
-                targets: Optional[torch.Tensor] = None) -> LMOutput:
+                targets: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None) -> LMOutput:
         """input_ids `[B, T]` (int64) -> LMOutput(logits `[B, T, vocab]`, aux_loss, cache[, loss]).
 
         cache: a `Cache` from an earlier call (continued and updated in place); use_cache=True
         starts a new one. targets `[B, T]` (aligned with the logits; -100 ignored) adds `.loss`.
+        cu_seqlens (int64 `[N+1]`, input_ids `[1, T_total]`): N packed documents, each run as if
+        alone (every mixer's state, short convolution and positions restart at each document;
+        the MoE routes per token as always). Not combined with a cache.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (
                 torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be an int64 tensor [B, T], got "
-                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
-                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+            raise LinattnError(f"input_ids must be an int64 tensor [B, T], got "
+                               f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
+                               f"{tuple(getattr(input_ids, 'shape', ()))}")
         if input_ids.shape[1] == 0:
-            raise ValueError("input_ids must hold at least one token")
+            raise LinattnError("input_ids must hold at least one token")
+        if cu_seqlens is not None and (cache is not None or use_cache):
+            raise LinattnError("cu_seqlens (packed documents) cannot be combined with a decoding cache "
+                               "(cache / use_cache); decode a [B, T] batch instead")
+        cu_seqlens = check_cu_seqlens(cu_seqlens, input_ids.shape[0], input_ids.shape[1])
+        if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != input_ids.shape):
+            raise LinattnError(f"targets must be a tensor of the shape of input_ids {tuple(input_ids.shape)}, "
+                               f"got {tuple(getattr(targets, 'shape', ())) or type(targets).__name__}")
         if cache is None and use_cache:
             cache = self.new_cache()
         if cache is not None:
             if not isinstance(cache, Cache) or len(cache) != self.config.n_layers:
-                raise ValueError(f"cache must be a linattn Cache with {self.config.n_layers} layers "
-                                 f"(model.new_cache()), got {cache!r}")
+                raise LinattnError(f"cache must be a linattn Cache with {self.config.n_layers} layers "
+                                   f"(model.new_cache()), got {cache!r}")
             if not self.is_causal:
-                raise ValueError("this model has a bidirectional memory lobe: it cannot decode incrementally "
-                                 "with a cache (call it on the whole sequence instead)")
+                raise LinattnError("this model has a bidirectional memory lobe: it cannot decode incrementally "
+                                   "with a cache (call it on the whole sequence instead)")
         x = self.embed(input_ids)
         aux = torch.zeros((), dtype=torch.float32, device=x.device)
         for block in self.blocks:
-            x, a = block(x, cache)
+            x, a = block(x, cache, cu_seqlens)
             if a is not None:
                 aux = aux + a
         if self.norm is not None:
@@ -252,3 +267,14 @@ class LanguageModel(nn.Module):
         """
         return join_generated(self, input_ids, list(self.stream(input_ids, max_new_tokens, temperature, top_k, top_p,
                                                                 generator, seed, eos_token_id)))
+
+
+def _tiny_config(vocab_size: int) -> LMConfig:
+    """A small hybrid LM (the family registry's example, built by the tests): a delta-rule and a
+    softmax layer, MoE, Hyper-Link and a causal memory lobe."""
+    return LMConfig(vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=2, mixer=["gated-deltanet", "softmax"],
+                    memory_lobe="causal", residual="hyperlink", ffn="moe", n_experts=3, top_k=2)
+
+
+register_family("lm", LMConfig, LanguageModel, "decoder-only LM: a mixer per layer (linear, delta, softmax, hybrids)",
+                tiny_config=_tiny_config)

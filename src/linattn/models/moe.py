@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import LinattnError
+
 MOE_BIASES = ("none", "eq14", "eq15")
 
 
@@ -48,9 +50,9 @@ class MoE(nn.Module):
                  init_std: float = 0.02, out_std: Optional[float] = None):
         super().__init__()
         if bias not in MOE_BIASES:
-            raise ValueError(f"bias must be one of {MOE_BIASES}, got {bias!r}")
+            raise LinattnError(f"bias must be one of {MOE_BIASES}, got {bias!r}")
         if not 1 <= top_k <= n_experts:
-            raise ValueError(f"top_k must lie in [1, n_experts = {n_experts}], got {top_k}")
+            raise LinattnError(f"top_k must lie in [1, n_experts = {n_experts}], got {top_k}")
         self.d_model, self.n_experts, self.top_k = int(d_model), int(n_experts), int(top_k)
         self.hidden = int(hidden) if hidden is not None else self.d_model
         self.bias_mode, self.aux_loss_coef, self.renormalize = bias, float(aux_loss_coef), bool(renormalize)

@@ -18,39 +18,73 @@ Naming scheme:
 * `efla`, `efla-adaptive`, `efla-loose`    error-free linear attention and its two beta variants
 
 `build_mixer(name, d_model, n_heads, **kwargs)` builds one; `register_mixer` adds new ones.
+
+Config fields: every mixer declares which fields of the model config it takes, as keyword
+arguments of the same name (`config_fields`, by default the layer class's `config_fields`
+attribute, see `AttentionBase`). `mixer_config_kwargs(name, config, layer_idx)` collects exactly
+those (fields set to None are left out, so the registry default or the layer's own applies),
+then the config's `mixer_kwargs[name]`. Adding a mixer therefore needs no change to the model.
+
+Scales: `scale=None` is each layer's default, head_dim**-0.5; entries that use no q scaling
+say `scale=1.0`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, NamedTuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
+from ..errors import ConfigError
 from ..feature_maps import FEATURE_MAP_NAMES
 from ..layers import EFLA, DeltaNet, GatedDeltaNet, LinearAttention, SoftmaxAttention
+
+#: the pseudo config field a mixer lists to receive its block's index
+LAYER_IDX = "layer_idx"
 
 
 class MixerSpec(NamedTuple):
     cls: Callable[..., nn.Module]
     defaults: Dict[str, Any]
     description: str
-    #: False for mixers whose layer signature has no rope/short_conv of their own choosing
+    #: the rope / short_conv a mixer uses unless the config or mixer_kwargs say otherwise
     rope_default: bool = False
     short_conv_default: bool = False
+    #: the model-config fields passed to `cls` (same keyword names), plus LAYER_IDX
+    config_fields: Tuple[str, ...] = ()
 
 
 _REGISTRY: Dict[str, MixerSpec] = {}
 
 
-def register_mixer(name: str, cls: Callable[..., nn.Module], defaults: Dict[str, Any] = None,
+def register_mixer(name: str, cls: Callable[..., nn.Module], defaults: Optional[Dict[str, Any]] = None,
                    description: str = "", *, rope: bool = False, short_conv: bool = False,
-                   overwrite: bool = False) -> None:
+                   config_fields: Optional[Sequence[str]] = None, overwrite: bool = False) -> None:
     """Register a mixer. `cls(d_model, n_heads, **defaults, **kwargs)` must build an nn.Module
-    mapping `[B, T, d_model]` to `[B, T, d_model]` with a `cache=` keyword (see `AttentionBase`)."""
+    mapping `[B, T, d_model]` to `[B, T, d_model]` with a `cache=` keyword (see `AttentionBase`)
+    and a `cu_seqlens=` keyword (packed documents, see `linattn.layers.packing`).
+
+    config_fields: the model-config fields the mixer takes (default: `cls.config_fields`, or none).
+    """
     if not isinstance(name, str) or not name:
-        raise ValueError(f"a mixer name must be a non-empty string, got {name!r}")
+        raise ConfigError(f"a mixer name must be a non-empty string, got {name!r}")
     if name in _REGISTRY and not overwrite:
-        raise ValueError(f"mixer {name!r} is already registered (pass overwrite=True to replace it)")
-    _REGISTRY[name] = MixerSpec(cls, dict(defaults or {}), description, rope, short_conv)
+        raise ConfigError(f"mixer {name!r} is already registered (pass overwrite=True to replace it)")
+    if not callable(cls):
+        raise ConfigError(f"mixer {name!r}: cls must be a class or factory, got {cls!r}")
+    if config_fields is None:
+        config_fields = getattr(cls, "config_fields", ())
+    if isinstance(config_fields, str) or not all(isinstance(f, str) for f in config_fields):
+        raise ConfigError(f"mixer {name!r}: config_fields must be a sequence of field names, got {config_fields!r}")
+    if defaults is not None and not isinstance(defaults, dict):
+        raise ConfigError(f"mixer {name!r}: defaults must be a dict, got {type(defaults).__name__}")
+    _REGISTRY[name] = MixerSpec(cls, dict(defaults or {}), description, bool(rope), bool(short_conv),
+                                tuple(config_fields))
+
+
+def unregister_mixer(name: str) -> None:
+    """Remove a registered mixer (for plugins and tests)."""
+    mixer_spec(name)
+    del _REGISTRY[name]
 
 
 def mixers() -> List[str]:
@@ -60,8 +94,29 @@ def mixers() -> List[str]:
 
 def mixer_spec(name: str) -> MixerSpec:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown mixer {name!r}; valid mixers are: {', '.join(_REGISTRY)}")
+        raise ConfigError(f"unknown mixer {name!r}; valid mixers are: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
+
+
+def mixer_config_kwargs(name: str, config: Any, layer_idx: Optional[int] = None) -> Dict[str, Any]:
+    """The keyword arguments `config` (an `LMConfig`) gives mixer `name` in layer `layer_idx`:
+    the config fields the mixer declares (those set to None left out), `layer_idx` when declared,
+    then `config.mixer_kwargs[name]` on top."""
+    spec = mixer_spec(name)
+    kw: Dict[str, Any] = {}
+    for field in spec.config_fields:
+        if field == LAYER_IDX:
+            if layer_idx is not None:
+                kw[LAYER_IDX] = layer_idx
+            continue
+        if not hasattr(config, field):
+            raise ConfigError(f"mixer {name!r} takes the config field {field!r}, which "
+                              f"{type(config).__name__} does not have")
+        value = getattr(config, field)
+        if value is not None:
+            kw[field] = value
+    kw.update((getattr(config, "mixer_kwargs", None) or {}).get(name, {}))
+    return kw
 
 
 def build_mixer(name: str, d_model: int, n_heads: int, **kwargs) -> nn.Module:
@@ -71,11 +126,13 @@ def build_mixer(name: str, d_model: int, n_heads: int, **kwargs) -> nn.Module:
     args.setdefault("rope", spec.rope_default)
     args.setdefault("short_conv", spec.short_conv_default)
     args.update(kwargs)
-    head_dim = args.get("head_dim") or (d_model // n_heads)
-    for key, value in list(args.items()):
-        if value == "head_dim**-0.5":
-            args[key] = head_dim ** -0.5
-    return spec.cls(d_model, n_heads, **args)
+    try:
+        return spec.cls(d_model, n_heads, **args)
+    except TypeError as e:
+        if "unexpected keyword argument" in str(e) or "got multiple values" in str(e):
+            raise ConfigError(f"mixer {name!r} ({getattr(spec.cls, '__name__', spec.cls)}) does not take these "
+                              f"arguments: {e}") from e
+        raise
 
 
 def _register_builtins() -> None:
@@ -84,15 +141,15 @@ def _register_builtins() -> None:
                    "sliding-window softmax attention (LMConfig.window sets the window)", rope=True)
     for fm in FEATURE_MAP_NAMES:
         defaults: Dict[str, Any] = {"feature_map": fm, "normalize": fm != "identity"}
-        if fm == "favor+":
-            defaults["scale"] = "head_dim**-0.5"
+        if fm != "favor+":
+            defaults["scale"] = 1.0   # no q scaling; FAVOR+ keeps the default head_dim**-0.5
         register_mixer(f"linear-{fm}", LinearAttention, defaults,
                        f"normalised linear attention with the {fm} feature map" if fm != "identity"
                        else "unnormalised linear attention (phi = identity)")
     for fm in ("hadamard_exp", "sum_sq_euclid"):
         register_mixer(f"ela-{fm}", LinearAttention, {"feature_map": fm, "output_norm": False, "scale": 1.0},
                        f"the ELA paper's layer: {fm} kernel, RoPE, no scaling, no output norm", rope=True)
-    gated = {"feature_map": "identity", "normalize": False, "scale": "head_dim**-0.5"}
+    gated = {"feature_map": "identity", "normalize": False}   # scale: the default head_dim**-0.5
     register_mixer("retnet", LinearAttention, dict(gated, gate="retnet"),
                    "RetNet: fixed per-head decay 1 - 2^(-5-h)")
     register_mixer("mamba2", LinearAttention, dict(gated, gate="scalar", output_gate=True),
@@ -109,3 +166,6 @@ def _register_builtins() -> None:
 
 
 _register_builtins()
+
+__all__ = ["MixerSpec", "LAYER_IDX", "register_mixer", "unregister_mixer", "mixers", "mixer_spec",
+           "mixer_config_kwargs", "build_mixer"]

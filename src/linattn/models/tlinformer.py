@@ -42,17 +42,19 @@ work with it unchanged; `TLinFormerConfig` is a JSON-serialisable dataclass whos
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import ConfigError, LinattnError, LinattnTypeError
 from ..layers import Cache, RMSNorm, RotaryEmbedding, SwiGLU, tensor_nbytes
-from ..ops.softmax import softmax_attention
-from .generation import join_generated, stream_tokens
+from ..ops import softmax_attention
 from .config import JsonConfig
+from .family import CausalLM, register_family
+from .generation import join_generated, stream_tokens
 from .lm import LMOutput, count_parameters, init_lm_weights
 
 ARCH = "tlinformer"
@@ -85,61 +87,67 @@ class TLinFormerConfig(JsonConfig):
     arch: always "tlinformer" (lets loaders dispatch on the config dict).
     """
 
-    vocab_size: int
-    d_model: int = 256
-    n_heads: int = 4
-    n_blocks: int = 2
-    inner_depth: int = 4
-    history_window: Union[int, str] = 128
-    generation_window: int = 128
-    max_seq_len: int = 2048
-    ffn_hidden: Optional[int] = None
-    qkv_bias: bool = False
-    rope_base: float = 10000.0
-    tie_embeddings: bool = True
-    final_norm: bool = True
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-    arch: str = ARCH
+    vocab_size: int = field(metadata={"help": "vocabulary size (in training: the tokenizer's)"})
+    d_model: int = field(default=256, metadata={"help": "model width"})
+    n_heads: int = field(default=4, metadata={"help": "attention heads (d_model / n_heads must be even)"})
+    n_blocks: int = field(default=2, metadata={"help": "tlinformer: stacked blocks"})
+    inner_depth: int = field(default=4, metadata={
+        "help": "tlinformer: layers per block (>= 2: compress, inner_depth - 2 hidden, restore)"})
+    history_window: Union[int, str] = field(default=128, metadata={
+        "help": "tlinformer: W_oh, the compressed context size, an int or auto (12 ln N rounded up to 8)",
+        "choices": ("auto",)})
+    generation_window: int = field(default=128, metadata={
+        "help": "tlinformer: W_og, the window slid over the sequence (<= max_seq_len)"})
+    max_seq_len: int = field(default=2048, metadata={
+        "help": "the longest training sequence expected (RoPE table size; it grows on demand)"})
+    ffn_hidden: Optional[int] = field(default=None, metadata={"help": "SwiGLU width; none: 8/3 d_model rounded to 32"})
+    qkv_bias: bool = field(default=False, metadata={"help": "tlinformer: biases on q/k/v"})
+    rope_base: float = field(default=10000.0, metadata={"help": "RoPE base"})
+    tie_embeddings: bool = field(default=True, metadata={"help": "share the input embedding with the output head"})
+    final_norm: bool = field(default=True, metadata={"help": "RMSNorm before the output head"})
+    norm_eps: float = field(default=1e-6, metadata={"help": "RMSNorm epsilon"})
+    init_std: float = field(default=0.02, metadata={"help": "std of the normal init"})
+    arch: str = field(default=ARCH, metadata={
+        "help": "the model family, always tlinformer (set with --model tlinformer)", "choices": (ARCH,)})
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise ConfigError (a ValueError) naming the first bad field."""
         def pos_int(name, min_value=1):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < min_value:
-                raise ValueError(f"TLinFormerConfig.{name} must be an int >= {min_value}, got {v!r}")
+                raise ConfigError(f"TLinFormerConfig.{name} must be an int >= {min_value}, got {v!r}")
 
         if self.arch != ARCH:
-            raise ValueError(f"TLinFormerConfig.arch must be {ARCH!r}, got {self.arch!r}")
+            raise ConfigError(f"TLinFormerConfig.arch must be {ARCH!r}, got {self.arch!r}")
         for name in ("vocab_size", "d_model", "n_heads", "n_blocks", "max_seq_len"):
             pos_int(name)
         pos_int("inner_depth", 2)
         if self.d_model % self.n_heads:
-            raise ValueError(f"TLinFormerConfig.d_model ({self.d_model}) must be divisible by n_heads "
+            raise ConfigError(f"TLinFormerConfig.d_model ({self.d_model}) must be divisible by n_heads "
                              f"({self.n_heads})")
         if (self.d_model // self.n_heads) % 2:
-            raise ValueError(f"TLinFormerConfig: RoPE needs an even head dimension, got d_model / n_heads = "
+            raise ConfigError(f"TLinFormerConfig: RoPE needs an even head dimension, got d_model / n_heads = "
                              f"{self.d_model // self.n_heads}")
         w = self.history_window
         if isinstance(w, str):
             if w != "auto":
-                raise ValueError(f"TLinFormerConfig.history_window (W_oh) must be a positive int or 'auto', "
+                raise ConfigError(f"TLinFormerConfig.history_window (W_oh) must be a positive int or 'auto', "
                                  f"got {w!r}")
         elif not isinstance(w, int) or isinstance(w, bool) or w < 1:
-            raise ValueError(f"TLinFormerConfig.history_window (W_oh) must be a positive int or 'auto', got {w!r}")
+            raise ConfigError(f"TLinFormerConfig.history_window (W_oh) must be a positive int or 'auto', got {w!r}")
         g = self.generation_window
         if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-            raise ValueError(f"TLinFormerConfig.generation_window (W_og) must be a positive int, got {g!r}")
+            raise ConfigError(f"TLinFormerConfig.generation_window (W_og) must be a positive int, got {g!r}")
         if g > self.max_seq_len:
-            raise ValueError(f"TLinFormerConfig.generation_window (W_og = {g}) is larger than max_seq_len "
+            raise ConfigError(f"TLinFormerConfig.generation_window (W_og = {g}) is larger than max_seq_len "
                              f"({self.max_seq_len}): the generation window must fit in a training sequence")
         if self.ffn_hidden is not None:
             pos_int("ffn_hidden")
         if not self.norm_eps > 0 or not self.init_std > 0 or not self.rope_base > 0:
-            raise ValueError("TLinFormerConfig.norm_eps, init_std and rope_base must be > 0")
+            raise ConfigError("TLinFormerConfig.norm_eps, init_std and rope_base must be > 0")
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -191,7 +199,7 @@ class TLinFormerCache(Cache):
         B, T = ids.shape
         n = self.seen_tokens
         if self.ids is not None and self.ids.shape[0] != B:
-            raise ValueError(f"this cache holds a batch of {self.ids.shape[0]} sequences, got {B}")
+            raise LinattnError(f"this cache holds a batch of {self.ids.shape[0]} sequences, got {B}")
         cap = 0 if self.ids is None else self.ids.shape[1]
         if n + T > cap:
             new_cap = max(n + T, 2 * cap, 256)
@@ -229,7 +237,7 @@ class TLinLayer(nn.Module):
     def __init__(self, config: TLinFormerConfig, kind: str, layer_idx: int):
         super().__init__()
         if kind not in self.KINDS:
-            raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
+            raise LinattnError(f"kind must be one of {self.KINDS}, got {kind!r}")
         c = config
         self.kind, self.layer_idx = kind, layer_idx
         self.n_heads, self.head_dim = c.n_heads, c.head_dim
@@ -297,8 +305,8 @@ class TLinBlock(nn.Module):
 # Model
 # ----------------------------------------------------------------------------------------------
 
-class TLinFormerLM(nn.Module):
-    """A TLinFormer language model (see the module docstring).
+class TLinFormerLM(nn.Module, CausalLM):
+    """A TLinFormer language model (see the module docstring); the "tlinformer" family, a `CausalLM`.
 
     >>> model = TLinFormerLM(TLinFormerConfig(vocab_size=256, d_model=64, n_heads=4, n_blocks=2,
     ...                                       inner_depth=4, history_window=32, generation_window=32))
@@ -306,12 +314,18 @@ class TLinFormerLM(nn.Module):
     >>> out = model(ids, use_cache=True)          # prefill (cache miss)
     >>> out = model(next_ids, cache=out.cache)    # decode: hit inside a window, miss when it slides
     >>> model.generate(ids, 20, temperature=0)    # greedy; use_cache=False recomputes each step
+
+    Packed documents (`cu_seqlens`) are not supported: a window's history is every earlier
+    token of the row, so forward raises LinattnError when given them.
     """
+
+    #: forward rejects cu_seqlens (packed documents)
+    supports_cu_seqlens = False
 
     def __init__(self, config: TLinFormerConfig):
         super().__init__()
         if not isinstance(config, TLinFormerConfig):
-            raise TypeError(f"config must be a TLinFormerConfig, got {type(config).__name__}")
+            raise LinattnTypeError(f"config must be a TLinFormerConfig, got {type(config).__name__}")
         config.validate()
         self.config = config
         c = config
@@ -415,7 +429,8 @@ class TLinFormerLM(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cache: Optional[TLinFormerCache] = None, *, use_cache: bool = False,
-                targets: Optional[torch.Tensor] = None, logits_to_keep: int = 0) -> LMOutput:
+                targets: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                logits_to_keep: int = 0) -> LMOutput:
         """input_ids `[B, T]` -> LMOutput(logits `[B, T, vocab]`, aux_loss (0), cache[, loss]).
 
         Without a cache the generation window slides over input_ids in steps of W_og, every
@@ -425,21 +440,26 @@ class TLinFormerLM(nn.Module):
         logits_to_keep=n > 0 returns (and computes) only the logits of the last n tokens: windows
         that hold none of them are skipped (a prefill needs only the last window).
         targets `[B, T]` (aligned with the logits; -100 ignored) adds `.loss`.
+        cu_seqlens (packed documents) is not supported and raises LinattnError.
         """
+        if cu_seqlens is not None:
+            raise LinattnError("TLinFormerLM does not support packed documents (cu_seqlens): its windows attend to "
+                               "every earlier token of the row, across document boundaries; pass one document "
+                               "per row ([B, T] batches) instead")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (
                 torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be an int64 tensor [B, T], got "
+            raise LinattnError(f"input_ids must be an int64 tensor [B, T], got "
                              f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
                              f"{tuple(getattr(input_ids, 'shape', ()))}")
         B, T = input_ids.shape
         if T == 0:
-            raise ValueError("input_ids must hold at least one token")
+            raise LinattnError("input_ids must hold at least one token")
         if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
-            raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
+            raise LinattnError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
         if cache is None and use_cache:
             cache = self.new_cache()
         if cache is not None and (not isinstance(cache, TLinFormerCache) or len(cache) != self.config.n_layers):
-            raise ValueError(f"cache must be a TLinFormerCache with {self.config.n_layers} layers "
+            raise LinattnError(f"cache must be a TLinFormerCache with {self.config.n_layers} layers "
                              f"(model.new_cache()), got {cache!r}")
         input_ids = input_ids.long()
         if cache is not None:
@@ -468,7 +488,7 @@ class TLinFormerLM(nn.Module):
         loss = None
         if targets is not None:
             if targets.shape[:2] != logits.shape[:2]:
-                raise ValueError(f"targets must have shape {tuple(logits.shape[:2])}, got {tuple(targets.shape)}")
+                raise LinattnError(f"targets must have shape {tuple(logits.shape[:2])}, got {tuple(targets.shape)}")
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                    ignore_index=-100)
         return LMOutput(logits=logits, aux_loss=aux, cache=cache, loss=loss)
@@ -485,7 +505,9 @@ class TLinFormerLM(nn.Module):
 
         def forward(new_ids, out):
             if use_cache:
-                return self(new_ids, use_cache=True, logits_to_keep=1) if out is None else self(new_ids, cache=out.cache)
+                if out is None:
+                    return self(new_ids, use_cache=True, logits_to_keep=1)
+                return self(new_ids, cache=out.cache)
             seen.append(new_ids)
             return self(torch.cat(seen, dim=1), logits_to_keep=1)
 
@@ -504,5 +526,14 @@ class TLinFormerLM(nn.Module):
         return join_generated(self, input_ids, list(self.stream(input_ids, max_new_tokens, temperature, top_k, top_p,
                                                                 generator, seed, eos_token_id, use_cache=use_cache)))
 
+
+def _tiny_config(vocab_size: int) -> TLinFormerConfig:
+    """A small TLinFormer (the family registry's example, built by the tests)."""
+    return TLinFormerConfig(vocab_size=vocab_size, d_model=32, n_heads=4, n_blocks=2, inner_depth=3, history_window=3,
+                            generation_window=4, max_seq_len=64)
+
+
+register_family("tlinformer", TLinFormerConfig, TLinFormerLM,
+                "TLinFormer: windowed exact attention with history compression", tiny_config=_tiny_config)
 
 __all__ = ["TLinFormerConfig", "TLinFormerLM", "TLinFormerCache", "TLinLayer", "TLinBlock", "auto_history_window"]

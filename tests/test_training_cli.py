@@ -13,7 +13,7 @@ import torch
 from linattn.cli import main
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_train import make_corpus  # noqa: E402
+from test_training import make_corpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,3 +163,114 @@ def test_sigterm_subprocess_then_resume(corpus, tmp_path, capsys):
     assert latest == f"step_{step:08d}"
     assert main(["train", "--out", str(out), "--resume", "--steps", str(step + 2), "--no-progress"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == step + 2
+
+
+# ----------------------------------------------------------------------------- flags from the configs
+
+def _train_parser():
+    from linattn.cli_support import ArgParser
+    from linattn.training.cli import add_arguments
+
+    p = ArgParser(prog="linattn train")
+    add_arguments(p)
+    return p
+
+
+def test_every_config_field_has_a_flag():
+    import dataclasses
+
+    from linattn.cli_support import flag_name
+    from linattn.models import LMConfig, TLinFormerConfig
+    from linattn.training import TrainConfig
+
+    p = _train_parser()
+    options = {opt: a for a in p._actions for opt in a.option_strings}
+    seen = {"arch"}  # --arch is --model's alias; a field shared by several configs has one flag
+    for cls in (TrainConfig, LMConfig, TLinFormerConfig):
+        for f in dataclasses.fields(cls):
+            flag = flag_name(f.name)
+            assert flag in options, f"{cls.__name__}.{f.name} has no flag {flag}"
+            assert options[flag].dest == f.name
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
+            if f.name not in seen:                          # the help text is the field's doc
+                assert f.metadata["help"].replace("%", "%%") in options[flag].help
+            seen.add(f.name)
+    for legacy in ("--mixer", "--steps", "--preset", "--model", "--model-config", "--no-progress", "--resume",
+                   "--overwrite", "--n-blocks", "--inner-depth", "--history-window", "--generation-window"):
+        assert legacy in options
+
+
+def test_flags_round_trip_into_the_configs(tmp_path):
+    from linattn.models import LMConfig, TLinFormerConfig
+    from linattn.training import TrainConfig
+    from linattn.training.cli import model_config_from_args, train_config_from_args
+
+    p = _train_parser()
+    args = p.parse_args([
+        "--mixer", "gated-deltanet,softmax", "--n-layers", "2", "--d-model", "32", "--n-heads", "2",
+        "--mixer-kwargs", '{"softmax": {"window": 16}}', "--rope", "none", "--short-conv", "true",
+        "--head-dim", "8", "--window", "none", "--ffn", "moe", "--n-experts", "2", "--top-k", "1",
+        "--moe-bias", "eq14", "--memory-lobe", "causal", "--tie-embeddings", "false", "--rope-base", "500",
+        "--hyperlink-ffn-skip", "yes", "--chunk-size", "16", "--aux-loss-coef", "0.5", "--vocab-size", "300",
+        "--seq-len", "32", "--beta2", "0.99", "--eps", "1e-6", "--progress", "false", "--threads", "none",
+        "--dtype", "bfloat16", "--max-data-bytes", "1000", "--out", str(tmp_path / "o")])
+    cfg = train_config_from_args(args)
+    assert (cfg.beta2, cfg.eps, cfg.progress, cfg.threads, cfg.dtype) == (0.99, 1e-6, False, None, "bfloat16")
+    assert (cfg.vocab_size, cfg.seq_len, cfg.max_data_bytes, cfg.out) == (300, 32, 1000, str(tmp_path / "o"))
+    assert cfg.steps == 1000 and cfg.lr == 1e-3                            # not given: the defaults
+    mc = model_config_from_args(args, cfg)
+    assert type(mc) is LMConfig
+    assert mc.mixer == ["gated-deltanet", "softmax"] and mc.mixer_kwargs == {"softmax": {"window": 16}}
+    assert (mc.rope, mc.short_conv, mc.head_dim, mc.window, mc.tie_embeddings) == (None, True, 8, None, False)
+    assert (mc.ffn, mc.n_experts, mc.top_k, mc.moe_bias, mc.memory_lobe) == ("moe", 2, 1, "eq14", "causal")
+    assert (mc.rope_base, mc.hyperlink_ffn_skip, mc.chunk_size, mc.aux_loss_coef) == (500.0, True, 16, 0.5)
+    assert (mc.vocab_size, mc.max_seq_len) == (300, 32)                   # max_seq_len raised to --seq-len
+    assert model_config_from_args(p.parse_args(["--mixer", "efla"]), cfg).mixer == "efla"  # one name: a str
+
+    args = p.parse_args(["--model", "tlinformer", "--history-window", "auto", "--generation-window", "16",
+                         "--n-blocks", "1", "--inner-depth", "3", "--qkv-bias", "true", "--d-model", "32",
+                         "--n-heads", "2", "--max-seq-len", "64", "--ffn-hidden", "none"])
+    mc = model_config_from_args(args, train_config_from_args(args))
+    assert type(mc) is TLinFormerConfig
+    assert (mc.history_window, mc.generation_window, mc.n_blocks, mc.inner_depth) == ("auto", 16, 1, 3)
+    assert (mc.qkv_bias, mc.max_seq_len, mc.ffn_hidden, mc.arch) == (True, 256, None, "tlinformer")
+    assert model_config_from_args(p.parse_args(["--arch", "tlinformer", "--history-window", "12"]), TrainConfig(),
+                                  ).history_window == 12
+
+
+def test_readme_commands_parse(tmp_path):
+    from linattn.cli import build_parser
+    from linattn.models import LMConfig
+    from linattn.training.cli import model_config_from_args, train_config_from_args
+
+    parser = build_parser()
+    a = parser.parse_args(["train", "--data", "corpus.txt", "--mixer", "efla", "--out", "runs/efla", "--steps", "2000"])
+    cfg = train_config_from_args(a, out=Path(a.out))
+    assert cfg.steps == 2000 and cfg.data == os.path.abspath("corpus.txt") and cfg.out == "runs/efla"
+    assert model_config_from_args(a, cfg).mixer == "efla"
+    a = parser.parse_args(["train", "--preset", "ela-gpt", "--out", "runs/ela"])
+    cfg = train_config_from_args(a, out=Path(a.out))
+    mc = model_config_from_args(a, cfg)
+    assert mc == LMConfig.ela_gpt(6400, max_seq_len=512) and cfg.vocab_size == 6400
+    a = parser.parse_args(["eval", "--checkpoint", "runs/efla", "--data", "valid.txt"])
+    assert (a.checkpoint, a.data) == ("runs/efla", "valid.txt")
+    a = parser.parse_args(["generate", "--checkpoint", "runs/efla", "--prompt", "def main(", "--max-new-tokens", "100"])
+    assert (a.prompt, a.max_new_tokens) == ("def main(", 100)
+
+
+def test_bad_flag_values_exit_2(tmp_path, capsys):
+    capsys.readouterr()
+    for extra, why in ((["--tie-embeddings", "maybe"], "true or false"), (["--ffn", "bogus"], "swiglu"),
+                       (["--mixer-kwargs", "[1]"], "JSON object"), (["--d-model", "x"], "int"),
+                       (["--history-window", "soon"], "auto"), (["--dtype", "fp8"], "float32")):
+        assert main(["train", "--out", str(tmp_path / "x"), *extra]) == 2, extra
+        assert why in one_error_line(capsys), extra
+    corpus = make_corpus(tmp_path / "c.txt", n_lines=20)
+    assert main(["train", "--data", str(corpus), "--out", str(tmp_path / "y"), "--n-blocks", "2"]) == 2
+    assert "--n-blocks is not a setting of model family 'lm'" in one_error_line(capsys)
+    assert main(["train", "--data", str(corpus), "--out", str(tmp_path / "y"), "--model", "tlinformer",
+                 "--mixer", "efla"]) == 2
+    assert "--mixer is not a setting of model family 'tlinformer'" in one_error_line(capsys)
+    assert main(["train", "--data", str(corpus), "--out", str(tmp_path / "y"), "--preset", "nope"]) == 2
+    assert "unknown preset" in one_error_line(capsys)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -13,8 +13,8 @@ from linattn.data import (CorpusError, PackedTokens, load_tokenizer, read_docume
 from linattn.data.corpus import Document
 from linattn.generate import generate_text, sample_next
 from linattn.models import LMConfig
-from linattn.train import (TrainConfig, TrainError, evaluate, lr_at, prepare_data, train,
-                           training_tokens_per_second)
+from linattn.training import (TrainConfig, TrainError, evaluate, lr_at, prepare_data, train,
+                              training_tokens_per_second)
 
 WORDS = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "lambda", "yield", "import",
          "self", "None", "print", "value", "x"]
@@ -174,7 +174,14 @@ def straight_run(tmp_path_factory, corpus):
     """20 uninterrupted steps of a MoE + Hyper-Link model (aux loss, dropout-free)."""
     out = tmp_path_factory.mktemp("straight")
     mc = tiny_model(ffn="moe", n_experts=2, top_k=1, residual="hyperlink")
-    res = train(tiny_cfg(corpus, out / "run"), mc)
+    # module-scoped fixtures run before the function-scoped _one_thread: use the tests' single thread
+    # here too, since a different thread count changes the float reduction order (no bitwise match)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = train(tiny_cfg(corpus, out / "run"), mc)
+    finally:
+        torch.set_num_threads(n)
     return mc, res
 
 

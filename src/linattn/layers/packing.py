@@ -1,0 +1,61 @@
+"""Packed sequences: several documents laid end to end in one row, `[1, T_total, ...]`, with
+`cu_seqlens` (int64 `[N+1]`: 0, end of document 1, ..., T_total) marking where each one starts.
+
+A layer called with `cu_seqlens` treats every document as if it were run alone: the recurrent
+state starts from zero at each start, the short convolution sees no token of the previous
+document, RoPE positions restart at 0 and softmax attention is block-diagonal causal.
+These helpers validate the offsets and turn them into per-token positions.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..errors import LinattnError, LinattnTypeError
+
+
+def check_cu_seqlens(cu_seqlens, batch_size: int, seq_len: int) -> Optional[torch.Tensor]:
+    """Validate packed-sequence offsets for an input `[batch_size, seq_len, ...]`.
+
+    Returns cu_seqlens as an int64 tensor (or None when None was given). Raises LinattnError
+    naming what is wrong: not a 1-D integer tensor, batch size other than 1, offsets that do
+    not start at 0 and end at seq_len, or an empty document.
+    """
+    if cu_seqlens is None:
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise LinattnTypeError(f"cu_seqlens must be an int64 tensor [N+1] of document offsets, "
+                               f"got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int64, torch.int32) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise LinattnError(f"cu_seqlens must be an integer tensor of shape [N+1] with N >= 1 documents, "
+                           f"got dtype {cu_seqlens.dtype} and shape {tuple(cu_seqlens.shape)}")
+    if batch_size != 1:
+        raise LinattnError(f"cu_seqlens packs documents along the time axis: the input must have batch size 1 "
+                           f"([1, T_total, ...]), got batch size {batch_size}")
+    offs = cu_seqlens.tolist()   # one host sync for every check
+    if offs[0] != 0 or offs[-1] != seq_len:
+        raise LinattnError(f"cu_seqlens must start at 0 and end at the sequence length {seq_len}, "
+                           f"got {offs[0]} ... {offs[-1]}")
+    if any(b <= a for a, b in zip(offs[:-1], offs[1:])):
+        raise LinattnError(f"cu_seqlens must be strictly increasing (every document needs at least one token), "
+                           f"got {offs}")
+    return cu_seqlens.long()
+
+
+def packed_positions(cu_seqlens: torch.Tensor, seq_len: int, device=None) -> torch.Tensor:
+    """Position of every token within its own document, `[seq_len]` int64 (0 at each start)."""
+    cu = cu_seqlens.to(device=device if device is not None else cu_seqlens.device, dtype=torch.long)
+    t = torch.arange(seq_len, device=cu.device)
+    doc = torch.searchsorted(cu[1:], t, right=True)   # index of the document holding token t
+    return t - cu[doc]
+
+
+def reject_cache_with_cu_seqlens(owner: str, cache, cu_seqlens) -> None:
+    """Packed documents are for full-sequence (training / evaluation) calls, not for decoding."""
+    if cache is not None and cu_seqlens is not None:
+        raise LinattnError(f"{owner}: cu_seqlens (packed documents) cannot be combined with a decoding cache; "
+                           f"decode a [B, T] batch instead")
+
+
+__all__ = ["check_cu_seqlens", "packed_positions", "reject_cache_with_cu_seqlens"]

@@ -1,0 +1,256 @@
+"""The `linattn train` and `linattn eval` command lines.
+
+Every field of `TrainConfig` and of every registered model family's config (`LMConfig`,
+`TLinFormerConfig`, ...) is a `--field-name` flag, generated from the dataclasses with their help
+text (`linattn.cli_support.add_dataclass_arguments`). A field shared by several configs has one
+flag (e.g. `--d-model`); `--vocab-size` sizes the tokenizer, and the model always takes the
+tokenizer's vocabulary. `--model NAME` (alias `--arch`) picks the model family (default: the
+preset's, the --model-config file's, or "lm").
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import checkpoint as ckpt
+from ..cli_support import add_dataclass_arguments, flag_name, given_values, report_error
+from ..data.corpus import CorpusError, PackedTokens, load_corpus, split_documents, tokenize_documents
+from ..errors import CheckpointError, LinattnError
+from ..models.family import ModelFamily, config_from_dict, config_to_dict, families, family_of, get_family
+from .config import TRAJECTORY_FIELDS, TrainConfig, TrainError, check_resume_compatible, resolve_device
+from .loop import TrainResult, train
+from .trainer import evaluate
+
+DESCRIPTION = """\
+Train a language model. Reads --data (a text file, or every UTF-8 text file under a folder; with
+no --data the Python standard library's .py sources, capped at 8 MiB), trains a byte-level BPE
+tokenizer on the training split (or loads --tokenizer), packs the documents into --seq-len
+windows, and trains with AdamW, warmup + cosine decay and gradient clipping. Writes
+OUT/metrics.jsonl and atomic checkpoints OUT/step_N/ (safetensors weights, config.json,
+tokenizer.json, optimizer/RNG state). SIGINT/SIGTERM finish the step, save and exit (code 128+N);
+--resume continues exactly where the run stopped. Every field of the training config and of the
+model family's config is a flag (below); on --resume the checkpoint's values are the defaults.
+
+example: linattn train --data corpus/ --out runs/efla --mixer efla --d-model 256 --n-layers 4 \\
+             --n-heads 4 --seq-len 256 --batch-size 8 --steps 2000
+"""
+
+DEFAULT_OUT = os.path.join("runs", "train")
+TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def model_field_names() -> List[str]:
+    """Fields of the registered model families' configs (union, in order), without "arch"."""
+    names: List[str] = []
+    for name in families():
+        for f in dataclasses.fields(get_family(name).config_cls):
+            if f.name != "arch" and f.name not in names:
+                names.append(f.name)
+    return names
+
+
+# --------------------------------------------------------------------------- linattn train
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `linattn train`: one per config field (given only when set on the command line)."""
+    g = p.add_argument_group("data, optimization and run (TrainConfig)")
+    seen = set(add_dataclass_arguments(g, TrainConfig))
+    g.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=argparse.SUPPRESS,
+                   help="no progress bar (same as --progress false)")
+    g.add_argument("--resume", action="store_true", help="continue --out's latest checkpoint (fresh if none)")
+    g.add_argument("--overwrite", action="store_true", help="start over in an --out that holds a previous run")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "--arch", dest="arch", choices=families(), default=argparse.SUPPRESS,
+                   help="model family: " + "; ".join(f"{n}: {get_family(n).description}" for n in families())
+                   + " (default: the preset's or lm)")
+    g.add_argument("--preset", default=None, help="a model preset from linattn.models.PRESETS (flags override it)")
+    g.add_argument("--model-config", default=None, help="JSON file with a model config dict (flags override it)")
+    seen.add("arch")
+    for name in families():
+        fam = get_family(name)
+        group = p.add_argument_group(f"model family {name} ({fam.config_cls.__name__}; shared fields listed once)")
+        seen.update(add_dataclass_arguments(group, fam.config_cls, skip=seen))
+
+
+def main(args: argparse.Namespace) -> int:
+    """`linattn train`: returns the exit code (0 done, 2 bad input, 128+N stopped by signal N)."""
+    try:
+        return _train_main(args)
+    except LinattnError as e:
+        return report_error(" ".join(str(e).split()))
+
+
+def _train_main(args: argparse.Namespace) -> int:
+    out = Path(getattr(args, "out", None) or DEFAULT_OUT)
+    saved_train, saved_model = _saved_run(out) if args.resume else ({}, None)
+    cfg = train_config_from_args(args, saved_train, out)
+    if saved_model is not None:
+        model_config = resumed_model_config(args, cfg, saved_model)
+    else:
+        if cfg.data is not None and not Path(cfg.data).exists():
+            raise CorpusError(f"data path not found: {args.data}")
+        model_config = model_config_from_args(args, cfg)
+    res = train(cfg, model_config, resume=args.resume, overwrite=args.overwrite)
+    return _report(res)
+
+
+def _saved_run(out: Path) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+    """(train config dict, model config dict) of the run folder's latest checkpoint, if any."""
+    ck = ckpt.find_latest_checkpoint(out) if out.is_dir() else None
+    if ck is None:
+        print(f"[linattn] no checkpoint in {out}; starting a new run", file=sys.stderr)
+        return {}, None
+    meta = ckpt.read_checkpoint_config(ck)
+    return dict(meta.get("train") or {}), meta.get("model")
+
+
+def train_config_from_args(args: argparse.Namespace, saved: Optional[Dict[str, Any]] = None,
+                           out: Optional[Path] = None) -> TrainConfig:
+    """TrainConfig from the defaults, then a resumed run's saved values, then the flags given."""
+    saved = saved or {}
+    vals = TrainConfig().to_dict()
+    vals.update({k: v for k, v in saved.items() if k in vals and k != "progress"})
+    given = given_values(args, TRAIN_FIELDS)
+    for k, v in given.items():
+        if k in TRAJECTORY_FIELDS and k in saved and saved[k] != v:
+            raise TrainError(f"config/checkpoint mismatch: {flag_name(k)} {v!r} but the checkpoint was "
+                             f"trained with {saved[k]!r}")
+        vals[k] = v
+    vals["out"] = str(out if out is not None else given.get("out") or DEFAULT_OUT)
+    for k in ("data", "tokenizer"):  # absolute, so that `eval` with no --data finds them from anywhere
+        if given.get(k) is not None:
+            vals[k] = os.path.abspath(given[k])
+    vals["progress"] = given.get("progress")
+    return TrainConfig.from_dict(vals)
+
+
+def _explicit_model_flags(args: argparse.Namespace, fam: ModelFamily) -> Dict[str, Any]:
+    """The model flags given, checked to be fields of the family's config."""
+    fields = {f.name for f in dataclasses.fields(fam.config_cls)}
+    given = given_values(args, model_field_names())
+    for k in given:
+        if k not in fields and k not in TRAIN_FIELDS:
+            raise TrainError(f"{flag_name(k)} is not a setting of model family {fam.name!r} "
+                             f"({fam.config_cls.__name__}); pick the family with --model")
+    return {k: v for k, v in given.items() if k in fields}
+
+
+def _base_model_dict(args: argparse.Namespace) -> Dict[str, Any]:
+    """The model config dict of --preset, updated by the --model-config file."""
+    d: Dict[str, Any] = {}
+    if getattr(args, "preset", None):
+        from ..models import PRESETS
+
+        if args.preset not in PRESETS:
+            raise TrainError(f"unknown preset {args.preset!r}; available: {', '.join(sorted(PRESETS))}")
+        preset = PRESETS[args.preset]
+        d.update(config_to_dict(preset() if callable(preset) else preset))
+    if getattr(args, "model_config", None):
+        try:
+            d.update(json.loads(Path(args.model_config).read_text(encoding="utf-8")))
+        except (OSError, ValueError) as e:
+            raise TrainError(f"cannot read --model-config {args.model_config}: {e}") from None
+    return d
+
+
+def model_config_from_args(args: argparse.Namespace, cfg: TrainConfig):
+    """The model config of a new run: --preset, then --model-config, then the flags (flags win)."""
+    d = _base_model_dict(args)
+    if "arch" in vars(args):
+        d["arch"] = args.arch
+    fam = family_of(d)
+    d.update(_explicit_model_flags(args, fam))
+    d.setdefault("vocab_size", cfg.vocab_size)
+    if d.get("max_seq_len") is None or d["max_seq_len"] < cfg.seq_len:
+        d["max_seq_len"] = cfg.seq_len
+    try:
+        model_config = config_from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise TrainError(" ".join(str(e).split())) from None
+    if "vocab_size" not in vars(args) and (args.preset or args.model_config):
+        cfg.vocab_size = int(model_config.vocab_size)  # the preset's vocabulary, for the tokenizer
+    return model_config
+
+
+def resumed_model_config(args: argparse.Namespace, cfg: TrainConfig, saved_model: Dict[str, Any]):
+    """The checkpoint's model config; model flags given on a resume must agree with it."""
+    explicit = _explicit_model_flags(args, family_of(saved_model))
+    if "arch" in vars(args):
+        explicit["arch"] = args.arch
+    check_resume_compatible(cfg, {}, explicit, saved_model)
+    return ckpt.model_config_from_dict(saved_model)
+
+
+def _report(res: TrainResult) -> int:
+    if res.interrupted:
+        print(f"[linattn] stopped at step {res.step}; checkpoint {res.checkpoint}; continue with --resume",
+              file=sys.stderr)
+        return 128 + int(res.signal) if res.signal else 0
+    print(json.dumps({"step": res.step, "loss": res.losses[-1][1] if res.losses else None,
+                      "val_loss": res.val_loss, "val_ppl": res.val_ppl, "tokens_per_s": res.tokens_per_s,
+                      "checkpoint": str(res.checkpoint) if res.checkpoint else None,
+                      "n_params": res.model.num_parameters()}))
+    return 0
+
+
+# --------------------------------------------------------------------------- linattn eval
+
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="run folder (its latest checkpoint) or a step folder")
+    p.add_argument("--data", default=None, help="text file or folder, evaluated whole (default: the validation "
+                                                "split of the checkpoint's training data)")
+    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-batches", type=int, default=None, help="evaluate at most this many batches")
+    p.add_argument("--max-data-bytes", type=int, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def eval_main(args: argparse.Namespace) -> int:
+    """`linattn eval`: perplexity of a checkpoint on --data (or its own validation split)."""
+    try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        device = resolve_device(args.device)
+        if args.data is not None and not Path(args.data).exists():
+            raise CorpusError(f"data path not found: {args.data}")
+        ck = ckpt.load_checkpoint(args.checkpoint, device=device)
+        if ck.tokenizer is None:
+            raise CheckpointError(f"{ck.path} has no tokenizer.json")
+        seq_len = args.seq_len or int(ck.train_config.get("seq_len") or 256)
+        tokens, source = _eval_tokens(args, ck, seq_len)
+        res = evaluate(ck.model, PackedTokens(tokens, seq_len, name=str(source)), batch_size=args.batch_size,
+                       max_batches=args.max_batches, device=device,
+                       dtype=str(ck.train_config.get("dtype") or "float32"))
+    except LinattnError as e:
+        return report_error(" ".join(str(e).split()))
+    if args.json:
+        print(json.dumps({"checkpoint": str(ck.path), "step": ck.step, "data": str(source), **res.to_dict()}))
+    else:
+        print(f"loss {res.loss:.4f}  perplexity {res.ppl:.3f}  tokens {res.tokens}  "
+              f"({ck.path}, step {ck.step}, {source})")
+    return 0
+
+
+def _eval_tokens(args: argparse.Namespace, ck: ckpt.Checkpoint, seq_len: int):
+    """(tokens, description): all of --data, or the validation split of the run's own data."""
+    if args.data is not None:
+        docs = load_corpus(args.data, max_bytes=args.max_data_bytes)
+        return tokenize_documents(docs, ck.tokenizer), args.data
+    cfg = TrainConfig.from_dict({**ck.train_config, "seq_len": seq_len, "tokenizer": None})
+    docs = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
+    _, val_docs = split_documents(docs, cfg.val_fraction if cfg.val_fraction > 0 else 0.05)
+    return tokenize_documents(val_docs, ck.tokenizer), f"{cfg.data or 'stdlib'} (validation split)"
+
+
+__all__ = ["DESCRIPTION", "add_arguments", "main", "add_eval_arguments", "eval_main", "train_config_from_args",
+           "model_config_from_args", "resumed_model_config", "model_field_names"]

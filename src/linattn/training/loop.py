@@ -1,0 +1,278 @@
+"""`train()`: a whole run around a `Trainer`: the run folder, data, resume, periodic logging,
+validation and checkpoints, progress, and signals.
+
+Exact resume: the batch of step s is a pure function of (seed, s) (`PackedTokens.get_batch`), and
+a checkpoint holds the weights, the optimizer state, the step (the LR schedule is a function of
+the step), the torch RNG states and the loss accumulator of the current logging interval
+(`Trainer.state_dict`). So a resume after an interruption reproduces the uninterrupted run's
+weights (bitwise on CPU). SIGINT/SIGTERM during training finish the current step, save, and
+return (`interrupted=True`); a second SIGINT aborts at once (the last complete checkpoint stays
+intact).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import checkpoint as ckpt
+from ..data.tokenizer import BPETokenizer, load_tokenizer
+from ..models.family import build_model, config_from_dict, config_to_dict
+from .config import TrainConfig, TrainError, check_resume_compatible, resolve_device
+from .data import TrainData, prepare_data
+from .run import RunFolder, StopFlag
+from .trainer import EvalResult, StepOutput, Trainer
+
+
+@dataclass
+class TrainResult:
+    step: int                             # steps completed
+    model: torch.nn.Module
+    model_config: Any
+    tokenizer: BPETokenizer
+    losses: List[Tuple[int, float]]       # (step, training loss) of every step run in this call
+    val_loss: Optional[float] = None
+    val_ppl: Optional[float] = None
+    tokens_per_s: Optional[float] = None  # training tokens/s of this call (first step excluded)
+    elapsed_s: float = 0.0
+    checkpoint: Optional[Path] = None
+    interrupted: bool = False
+    signal: Optional[int] = None
+    resumed_from: Optional[int] = None
+    history: List[Dict[str, Any]] = field(default_factory=list)   # the metrics records written
+
+
+def train(config: TrainConfig, model_config=None, *, resume: bool = False, overwrite: bool = False,
+          data: Optional[TrainData] = None, tokenizer: Optional[BPETokenizer] = None,
+          model_factory: Optional[Callable[[Any], torch.nn.Module]] = None,
+          should_stop: Optional[Callable[[int], bool]] = None, handle_signals: bool = True,
+          on_log: Optional[Callable[[Dict[str, Any]], None]] = None) -> TrainResult:
+    """Train a causal language model of any registered family.
+
+    model_config: a family config (`LMConfig`, `TLinFormerConfig`, ...) or its dict; its vocab_size
+        is set to the tokenizer's. On resume it may be None (the checkpoint's is used).
+    resume: continue from `config.out`'s latest checkpoint (a fresh start when there is none).
+    overwrite: clear an occupied `config.out` (else it is refused with TrainError).
+    data: prepared data (`prepare_data`), to share one tokenization across runs.
+    model_factory(config) -> model: instead of the family's model class.
+    should_stop(step_done) -> bool: polled after every step, like a signal: save and stop.
+    on_log(record): called with every metrics record.
+    """
+    config.validate()
+    device = resolve_device(config.device)
+    if config.threads:
+        torch.set_num_threads(int(config.threads))
+    if config.out is None and resume:
+        raise TrainError("resume needs an output folder (config.out)")
+    folder = RunFolder(config.out) if config.out else None
+    resume_ck = folder.checkpoint_to_resume(resume, overwrite) if folder is not None else None
+    if isinstance(model_config, dict):
+        model_config = config_from_dict(model_config)
+    saved: Dict[str, Any] = {}
+    if resume_ck is not None:
+        saved, model_config, tokenizer = _resume_setup(config, model_config, resume_ck, tokenizer, data)
+    if model_config is None:
+        raise TrainError("a model config is needed (none given and no checkpoint to resume)")
+    if data is None:
+        data = _load_data(config, tokenizer)
+    _check_data(config, data, saved)
+    model_config = _with_vocab(model_config, data.tokenizer.vocab_size)
+    trainer = _make_trainer(config, model_config, device, resume_ck, model_factory)
+    # Everything that can fail on bad input has run: only now is the run folder touched.
+    if folder is not None:
+        folder.begin(trainer.step if resume_ck is not None else None)
+    session = _Session(config, trainer, data, folder, model_config, resume_ck, handle_signals, should_stop, on_log)
+    return session.run()
+
+
+def _resume_setup(cfg: TrainConfig, model_config, resume_ck: Path, tokenizer, data):
+    """(saved config.json, model config, tokenizer) of the checkpoint to resume, checked against cfg."""
+    saved = ckpt.read_checkpoint_config(resume_ck)
+    check_resume_compatible(cfg, saved.get("train", {}),
+                            config_to_dict(model_config) if model_config is not None else None, saved.get("model"))
+    if tokenizer is None and data is None:
+        tokenizer = load_tokenizer(resume_ck)
+    if model_config is None:
+        model_config = ckpt.model_config_from_dict(saved["model"])
+    return saved, model_config, tokenizer
+
+
+def _load_data(cfg: TrainConfig, tokenizer: Optional[BPETokenizer]) -> TrainData:
+    t = time.perf_counter()
+    data = prepare_data(cfg, tokenizer)
+    if cfg.progress is not False:
+        print(f"[linattn] data {data.source}: {data.train.n_tokens:,} training tokens"
+              + (f", {data.val.n_tokens:,} validation tokens" if data.val is not None else "")
+              + f", vocab {data.tokenizer.vocab_size} ({time.perf_counter() - t:.1f} s)",
+              file=sys.stderr, flush=True)
+    return data
+
+
+def _check_data(cfg: TrainConfig, data: TrainData, saved: Dict[str, Any]) -> None:
+    """The data fits the config, and on resume it is the checkpoint's (tokens and vocabulary)."""
+    if data.train.seq_len != cfg.seq_len:
+        raise TrainError(f"data packed for seq_len {data.train.seq_len}, config says {cfg.seq_len}")
+    saved_fp = saved.get("data_fingerprint")
+    if saved_fp and saved_fp != data.fingerprint:
+        raise TrainError(f"config/checkpoint mismatch: the data (or tokenizer) differs from the run's "
+                         f"({data.fingerprint} vs {saved_fp}); pass the same --data")
+    saved_vocab = (saved.get("model") or {}).get("vocab_size")
+    if saved_vocab is not None and saved_vocab != data.tokenizer.vocab_size:
+        raise TrainError(f"config/checkpoint mismatch: the checkpoint's model has vocab_size {saved_vocab}, "
+                         f"the tokenizer {data.tokenizer.vocab_size}")
+
+
+def _with_vocab(model_config, vocab_size: int):
+    """The model config with the tokenizer's vocab_size."""
+    if model_config.vocab_size == vocab_size:
+        return model_config
+    return dataclasses.replace(model_config, vocab_size=vocab_size)
+
+
+def _make_trainer(cfg: TrainConfig, model_config, device: torch.device, resume_ck: Optional[Path],
+                  model_factory) -> Trainer:
+    """Build the model (seeded) and its Trainer; on resume load the weights and the training state."""
+    torch.manual_seed(cfg.seed)
+    try:
+        model = (model_factory or build_model)(model_config)
+    except (TypeError, ValueError, KeyError) as e:
+        raise TrainError(f"cannot build the model: {e}") from None
+    trainer = Trainer(model, cfg, device)
+    if resume_ck is not None:
+        ckpt.load_model_weights(model, resume_ck, device="cpu")
+        model.to(device)
+        try:
+            trainer.load_state_dict(ckpt.load_training_state(resume_ck))
+        except ckpt.CheckpointError as e:
+            raise ckpt.CheckpointError(f"{resume_ck}: {e}") from None
+    return trainer
+
+
+class _Session:
+    """The step loop of one `train()` call, with its logging, validation, checkpoints and stop rules."""
+
+    def __init__(self, cfg: TrainConfig, trainer: Trainer, data: TrainData, folder: Optional[RunFolder],
+                 model_config, resume_ck: Optional[Path], handle_signals: bool,
+                 should_stop: Optional[Callable[[int], bool]], on_log):
+        self.cfg, self.trainer, self.data, self.folder = cfg, trainer, data, folder
+        self.model_config, self.resume_ck = model_config, resume_ck
+        self.should_stop, self.on_log = should_stop, on_log
+        self.stop = StopFlag(handle_signals)
+        self.start = trainer.step
+        self.losses: List[Tuple[int, float]] = []
+        self.step_times: List[float] = []
+        self.history: List[Dict[str, Any]] = []
+        self.last_ckpt: Optional[Path] = resume_ck
+        self.val: Optional[EvalResult] = None
+        self.echo = cfg.progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+        self.bar = None
+
+    def run(self) -> TrainResult:
+        from tqdm.auto import tqdm
+
+        cfg, trainer = self.cfg, self.trainer
+        self._announce()
+        self.bar = tqdm(total=cfg.steps, initial=min(self.start, cfg.steps), desc="train", unit="step",
+                        dynamic_ncols=True, disable=(None if cfg.progress is None else not cfg.progress), leave=True)
+        interrupted = False
+        t_start = time.perf_counter()
+        trainer.start_clock()
+        self.t_int, self.tok_int = time.perf_counter(), 0
+        try:
+            with self.stop:
+                while trainer.step < cfg.steps and not interrupted:
+                    interrupted = self._one_step()
+        finally:
+            self.bar.close()
+        return self._result(interrupted, time.perf_counter() - t_start)
+
+    def _announce(self) -> None:
+        if self.cfg.progress is not False:
+            print(f"[linattn] model: {self.trainer.model.num_parameters():,} parameters on {self.trainer.device}; "
+                  + (f"resuming at step {self.start}" if self.resume_ck is not None else "new run")
+                  + (f" in {self.folder.path}" if self.folder is not None else ""), file=sys.stderr, flush=True)
+
+    def _one_step(self) -> bool:
+        """Train one step, then log / validate / save as due; True when a stop was requested."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        x, y = self.data.train.get_batch(self.trainer.step, cfg.batch_size, cfg.seed)
+        out = self.trainer.train_step(x, y)
+        self.step_times.append(time.perf_counter() - t0)
+        self.losses.append((out.step, out.loss))
+        self.tok_int += x.numel()
+        self.bar.update(1)
+        last = out.step == cfg.steps
+        do_eval = (cfg.eval_every > 0 and out.step % cfg.eval_every == 0) or last
+        if out.step % cfg.log_every == 0 or do_eval:
+            self._log(out, do_eval)
+        stopping = self.stop.signum is not None or (self.should_stop is not None and self.should_stop(out.step))
+        if (cfg.save_every > 0 and out.step % cfg.save_every == 0) or last or stopping:
+            self.last_ckpt = self._save() or self.last_ckpt
+            self.t_int = time.perf_counter()  # saving is not training time
+        return stopping and not last
+
+    def _log(self, out: StepOutput, do_eval: bool) -> None:
+        now = time.perf_counter()
+        rec: Dict[str, Any] = {"step": out.step, "loss": self.trainer.interval_loss(), "last_loss": out.loss,
+                               "lr": out.lr, "tokens": self.trainer.tokens_seen,
+                               "tokens_per_s": self.tok_int / max(1e-9, now - self.t_int),
+                               "elapsed_s": self.trainer.elapsed_s()}
+        if out.grad_norm is not None:
+            rec["grad_norm"] = out.grad_norm
+        if out.aux_loss is not None:
+            rec["aux_loss"] = out.aux_loss
+        if do_eval:
+            self.val = self._validate()
+            if self.val is not None:
+                rec["val_loss"], rec["val_ppl"] = self.val.loss, self.val.ppl
+        self.history.append(rec)
+        if self.folder is not None:
+            self.folder.append_metrics(rec)
+        if self.on_log is not None:
+            self.on_log(rec)
+        self._show(rec)
+        self.t_int, self.tok_int = time.perf_counter(), 0
+
+    def _show(self, rec: Dict[str, Any]) -> None:
+        if self.echo:  # no progress bar (not a terminal): one line per logged step
+            print(f"step {rec['step']}/{self.cfg.steps} loss {rec['loss']:.4f}"
+                  + (f" val_loss {rec['val_loss']:.4f}" if "val_loss" in rec else "")
+                  + f" lr {rec['lr']:.2e} tok/s {rec['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
+        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                             **({"val": f"{rec['val_loss']:.3f}"} if "val_loss" in rec else {}))
+
+    def _validate(self) -> Optional[EvalResult]:
+        return self.trainer.evaluate(self.data.val) if self.data.val is not None else None
+
+    def _save(self) -> Optional[Path]:
+        if self.folder is None:
+            return None
+        t = self.trainer
+        return ckpt.save_checkpoint(self.folder.path, t.step, t.model, model_config=config_to_dict(self.model_config),
+                                    tokenizer=self.data.tokenizer, train_config=self.cfg.to_dict(),
+                                    training_state=t.state_dict(),
+                                    extra={"data_fingerprint": self.data.fingerprint, "data_source": self.data.source,
+                                           "n_params": t.model.num_parameters()},
+                                    keep_last=self.cfg.keep_last)
+
+    def _result(self, interrupted: bool, elapsed: float) -> TrainResult:
+        timed = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
+        tokens_per_step = self.cfg.batch_size * self.cfg.seq_len
+        tps = tokens_per_step * len(timed) / sum(timed) if timed and sum(timed) > 0 else None
+        if self.val is None and not interrupted and self.data.val is not None and self.start >= self.cfg.steps:
+            self.val = self._validate()
+        return TrainResult(step=self.trainer.step, model=self.trainer.model, model_config=self.model_config,
+                           tokenizer=self.data.tokenizer, losses=self.losses,
+                           val_loss=self.val.loss if self.val else None, val_ppl=self.val.ppl if self.val else None,
+                           tokens_per_s=tps, elapsed_s=elapsed, checkpoint=self.last_ckpt, interrupted=interrupted,
+                           signal=self.stop.signum, resumed_from=self.start if self.resume_ck is not None else None,
+                           history=self.history)
+
+
+__all__ = ["TrainResult", "train"]

@@ -1,0 +1,131 @@
+"""The run folder (checkpoints, `metrics.jsonl`) and the SIGINT/SIGTERM stop flag.
+
+A run folder is refused when it holds a previous run, unless the caller resumes it or overwrites
+it; nothing in it is touched before everything that can fail on bad input has run (`RunFolder.begin`
+is the first write). `metrics.jsonl` gets one JSON record per line, appended as training goes; on a
+resume the records after the checkpoint's step are dropped (atomically), so the file always
+matches the weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from .. import checkpoint as ckpt
+from ..errors import CheckpointError
+from ..io import atomic_write_text
+from .config import TrainError
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(run_dir_or_file: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
+    """The records of a run's metrics.jsonl (a torn last line, from a kill mid-write, is dropped)."""
+    p = Path(run_dir_or_file)
+    path = p / METRICS_FILE if p.is_dir() else p
+    recs: List[Dict[str, Any]] = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                recs.append(json.loads(line))
+            except ValueError:
+                break
+    return recs
+
+
+class RunFolder:
+    """The output folder of a run: its checkpoints (`linattn.checkpoint`) and metrics.jsonl."""
+
+    def __init__(self, path: Union[str, os.PathLike]):
+        self.path = Path(path)
+        self.metrics_path = self.path / METRICS_FILE
+
+    def checkpoint_to_resume(self, resume: bool, overwrite: bool) -> Optional[Path]:
+        """Refuse an occupied folder unless resume/overwrite; return the checkpoint to resume (if any)."""
+        out = self.path
+        if out.exists() and not out.is_dir():
+            raise TrainError(f"--out {out} exists and is not a folder")
+        latest = ckpt.find_latest_checkpoint(out) if out.is_dir() else None
+        pointer = (out / ckpt.LATEST_FILE).exists()
+        if resume:
+            if latest is None and pointer:
+                raise CheckpointError(f"{out} has a 'latest' pointer but no complete checkpoint to resume")
+            return latest
+        if (latest is not None or pointer or self.metrics_path.exists()) and not overwrite:
+            what = (f"a checkpoint (step {ckpt.read_checkpoint_config(latest).get('step')})" if latest
+                    else "a previous run")
+            raise TrainError(f"{out} already holds {what}; pass --resume to continue it or --overwrite to start over")
+        return None
+
+    def begin(self, resume_step: Optional[int]) -> None:
+        """Create the folder; a new run clears the previous one, a resume cuts the metrics at its step."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self.clear()
+            self.metrics_path.touch()
+        else:
+            kept = [r for r in read_metrics(self.metrics_path) if int(r.get("step", 0)) <= resume_step]
+            atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def clear(self) -> None:
+        """Remove the previous run's step folders, `latest` pointer and metrics."""
+        for p in self.path.glob(ckpt.STEP_PREFIX + "*"):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+        for name in (ckpt.LATEST_FILE, METRICS_FILE):
+            if (self.path / name).exists():
+                (self.path / name).unlink()
+
+    def append_metrics(self, record: Dict[str, Any]) -> None:
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def metrics(self) -> List[Dict[str, Any]]:
+        return read_metrics(self.metrics_path)
+
+
+class StopFlag:
+    """SIGINT/SIGTERM -> `signum` is set: finish the step, save, stop. A second SIGINT raises
+    KeyboardInterrupt (the last complete checkpoint stays intact). Only in the main thread."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.signum: Optional[int] = None
+        self._old: Dict[int, Any] = {}
+
+    def _handler(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n[linattn] {signal.Signals(signum).name}: finishing the current step, saving, exiting "
+              f"(SIGINT again aborts at once; the last checkpoint stays intact)", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> "StopFlag":
+        if self.enabled:
+            for s in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    self._old[s] = signal.signal(s, self._handler)
+                except (ValueError, OSError):
+                    pass
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for s, h in self._old.items():
+            try:
+                signal.signal(s, h)
+            except (ValueError, OSError):
+                pass
+        self._old.clear()
+        return False
+
+
+__all__ = ["METRICS_FILE", "read_metrics", "RunFolder", "StopFlag"]
