@@ -69,6 +69,19 @@ def dummy(device) -> torch.Tensor:
 
 
 @triton.jit
+def chunk_tokens(cu, chunk_index, i_t, BT: tl.constexpr):
+    """Chunk i_t of the packed sequences: (its index i_c within its sequence, the sequence length T,
+    the offsets 0..BT-1, their positions in the sequence, which are real tokens, and their rows on
+    the flattened token axis)."""
+    i_n, i_c = tl.load(chunk_index + i_t * 2), tl.load(chunk_index + i_t * 2 + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    T = (eos - bos).to(tl.int32)
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    return i_c, T, o_i, o_t, o_t < T, bos + o_t
+
+
+@triton.jit
 def phi(x, FMAP: tl.constexpr):
     """The fused feature maps: identity, elu(x) + 1 (= x + 1 for x > 0, exp(x) else), relu."""
     if FMAP == 1:
@@ -100,13 +113,7 @@ def _fwd_o(q, k, v, g, h, z, o, den, cu, chunk_index, scale,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FMAP: tl.constexpr,
            USE_G: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr):
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_index + i_t * 2), tl.load(chunk_index + i_t * 2 + 1)
-    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
-    T = (eos - bos).to(tl.int32)
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T
-    tok = bos + o_t
+    i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     m_tv = m_t[:, None] & m_v[None, :]
@@ -155,13 +162,7 @@ def _bwd_dv(q, k, g, do, dh, dv, cu, chunk_index, scale,
     """dv = A^T do (+ (fk e^{G_l - G}) dh_{c+1}); with USE_DH=False it is the delta rule's
     intra-chunk gradient of the pseudo-values."""
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_index + i_t * 2), tl.load(chunk_index + i_t * 2 + 1)
-    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
-    T = (eos - bos).to(tl.int32)
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T
-    tok = bos + o_t
+    i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     m_tv = m_t[:, None] & m_v[None, :]

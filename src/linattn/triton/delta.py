@@ -31,8 +31,18 @@ import triton
 import triton.language as tl
 
 from . import triton_chunk_size
-from .common import (FMAP_IDENTITY, _Cfg, block, chunk_bwd_dv, chunk_fwd_o, dot_precision, dummy, full_block,
-                     prepare_chunks)
+from .common import (
+    FMAP_IDENTITY,
+    _Cfg,
+    block,
+    chunk_bwd_dv,
+    chunk_fwd_o,
+    chunk_tokens,
+    dot_precision,
+    dummy,
+    full_block,
+    prepare_chunks,
+)
 
 # ----------------------------------------------------------------------------------------------
 # kernels
@@ -44,13 +54,7 @@ def _wy_fwd(k, v, b, g, Tm, u, w, cu, chunk_index,
             H, K, V,
             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_c = tl.load(chunk_index + i_t * 2), tl.load(chunk_index + i_t * 2 + 1)
-    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
-    T = (eos - bos).to(tl.int32)
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T
-    tok = bos + o_t
+    i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
     b_b = tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)  # padding: b = 0
     if USE_G:
         b_G = tl.cumsum(tl.load(g + tok * H + i_h, mask=m_t, other=0.), axis=0)
@@ -192,13 +196,7 @@ def _delta_bwd_dqkw(q, k, vn, g, h, do, dh, dvn, dq, dk, dw, dg, cu, chunk_index
                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                     PREC: tl.constexpr):
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_index + i_t * 2), tl.load(chunk_index + i_t * 2 + 1)
-    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
-    T = (eos - bos).to(tl.int32)
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T
-    tok = bos + o_t
+    i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
@@ -256,13 +254,7 @@ def _wy_bwd(k, v, b, g, Tm, dvn, dw, dk, dGin, dv, db, dg, cu, chunk_index,
             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
     """Back through U~ = Tm diag(b) V, W~ = Tm diag(b e^G) K and Tm = (I + A)^-1; adds to dk in place."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_c = tl.load(chunk_index + i_t * 2), tl.load(chunk_index + i_t * 2 + 1)
-    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
-    T = (eos - bos).to(tl.int32)
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T
-    tok = bos + o_t
+    i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
     b_b = tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
     eye = tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
     b_T = tl.load(Tm + (tok[:, None] * H + i_h) * BT + o_i[None, :], mask=m_t[:, None], other=0.)

@@ -27,15 +27,26 @@ States are recomputed in the backward pass (nothing of size [NT, H, K, V] is kep
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import triton
 import triton.language as tl
 
 from . import triton_chunk_size
-from .common import (FUSED_MAPS, _Cfg, block, chunk_bwd_dv, chunk_fwd_o, dot_precision, dphi, dummy, phi,
-                     prepare_chunks)
+from .common import (
+    FUSED_MAPS,
+    _Cfg,
+    block,
+    chunk_bwd_dv,
+    chunk_fwd_o,
+    chunk_tokens,
+    dot_precision,
+    dphi,
+    dummy,
+    phi,
+    prepare_chunks,
+)
 
 # ----------------------------------------------------------------------------------------------
 # kernels
@@ -160,13 +171,7 @@ def _bwd_dqkg(q, k, v, g, h, z, do, dden, dh, dz, dq, dk, dg, cu, chunk_index, s
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FMAP: tl.constexpr,
               USE_G: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr):
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_index + i_t * 2), tl.load(chunk_index + i_t * 2 + 1)
-    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
-    T = (eos - bos).to(tl.int32)
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T
-    tok = bos + o_t
+    i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
