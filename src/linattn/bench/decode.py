@@ -19,7 +19,7 @@ one of `linattn bench tlinformer`.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import torch
 
@@ -68,7 +68,8 @@ def build_models(a, names) -> Dict[str, torch.nn.Module]:
     return out
 
 
-def run(a) -> int:
+def _mixer_names(a) -> List[str]:
+    """The --mixers list, validated together with --N, --decode-steps and --miss-repeats."""
     from ..models import mixers
 
     names = [s.strip() for s in a.mixers.split(",") if s.strip()]
@@ -77,30 +78,38 @@ def run(a) -> int:
         raise UsageError(f"--mixers: unknown {bad}; choose from {', '.join(mixers())}", prog=PROG)
     if any(n < 1 for n in a.N) or a.decode_steps < 1 or a.miss_repeats < 1:
         raise UsageError("--N, --decode-steps and --miss-repeats must be >= 1", prog=PROG)
-    a.threads, log = common.start_run(a.threads, a.device, a.quiet)
-    Ns = sorted(set(a.N))
-    sync = common.synchronizer(a.device)
-    models = build_models(a, names)
-    paths = common.output_paths("decode", a.out, overwrite=a.overwrite)
-    info = common.machine_info(a.device)
-    head = [PROG, common.describe_machine(info),
+    return names
+
+
+def _header_lines(a, info: Dict[str, Any]) -> List[str]:
+    """The report's head: the machine, the models and how they are timed."""
+    return [PROG, common.describe_machine(info),
             f"models   d_model {a.d_model}, {a.n_heads} heads, {a.n_layers} layers, SwiGLU, batch 1, fp32, "
             f"random weights",
             f"softmax  KV cache preallocated (capacity N + {a.decode_steps + 2}); decoding timed on random K/V; "
             f"prefill timed up to N = {a.max_miss_softmax or 'any'}",
             f"timing   decode: median of {a.decode_steps} steps after 1 warm-up, models interleaved; "
             f"{torch.get_num_threads()} thread(s)"]
-    print("\n".join(head) + "\n")
-    with torch.no_grad():  # warm-up: allocator, thread pools
-        for name, m in models.items():
-            first_token(name, m, torch.randint(0, a.vocab_size, (1, min(Ns[0], 512) + 1)).to(a.device))
 
+
+@torch.no_grad()
+def _warm_up(models: Dict[str, torch.nn.Module], a, smallest_N: int) -> None:
+    """One first token per model (allocator, thread pools) at the smallest N (at most 512)."""
+    for name, m in models.items():
+        first_token(name, m, torch.randint(0, a.vocab_size, (1, min(smallest_N, 512) + 1)).to(a.device))
+
+
+def _measure_all(models: Dict[str, torch.nn.Module], Ns: Sequence[int], a, sync, log):
+    """Every N's records and the seconds they took."""
     t0 = time.perf_counter()
     records: List[Dict[str, Any]] = []
     for N in Ns:
         records += measure_N(models, N, a, sync, log)
-    elapsed = time.perf_counter() - t0
+    return records, time.perf_counter() - t0
 
+
+def _record_getter(records: List[Dict[str, Any]]):
+    """get(name, N, key): a record's value (a timing's median), None if absent or failed."""
     def get(name, N, key):
         for r in records:
             if r["model"] == name and r["N"] == N and "error" not in r:
@@ -108,27 +117,47 @@ def run(a) -> int:
                 return v["median_ms"] if isinstance(v, dict) else v
         return None
 
-    rows = [[name, N, common.fmt_ms(get(name, N, "miss")), common.fmt_ms(get(name, N, "hit")),
-             _fmt_mib(get(name, N, "cache_bytes"))] for name in names for N in Ns]
-    table = common.format_table(["mixer", "N", "prefill ms", "decode ms/token", "cache MiB"], rows)
-    lines = [table, ""]
-    # the claim to check: linear mixers decode in constant time and memory, softmax grows with N
+    return get
+
+
+def _growth_lines(names: Sequence[str], Ns: Sequence[int], get) -> List[str]:
+    """Decode time and cache bytes at the largest N over the smallest, per mixer."""
+    lines = []
     for name in names:
         t_lo, t_hi = get(name, Ns[0], "hit"), get(name, Ns[-1], "hit")
         b_lo, b_hi = get(name, Ns[0], "cache_bytes"), get(name, Ns[-1], "cache_bytes")
         if None not in (t_lo, t_hi, b_lo, b_hi):
             lines.append(f"{name:<18} N {Ns[0]} -> {Ns[-1]}: decode x{t_hi / t_lo:.2f}, cache bytes x{b_hi / b_lo:.2f}")
-    soft_hi = get("softmax", Ns[-1], "hit")
-    if soft_hi:
-        for name in names:
-            t = get(name, Ns[-1], "hit")
-            if name != "softmax" and t:
-                lines.append(f"at N = {Ns[-1]}: {name} decodes {soft_hi / t:.1f}x faster than softmax + KV cache")
-    lines.append(f"\nelapsed {elapsed:.0f} s")
-    text = "\n".join(lines)
-    print(text)
+    return lines
 
-    panels = [
+
+def _speedup_lines(names: Sequence[str], Ns: Sequence[int], get) -> List[str]:
+    """Each mixer's decoding speed-up over softmax + KV cache at the largest N."""
+    soft_hi = get("softmax", Ns[-1], "hit")
+    if not soft_hi:
+        return []
+    lines = []
+    for name in names:
+        t = get(name, Ns[-1], "hit")
+        if name != "softmax" and t:
+            lines.append(f"at N = {Ns[-1]}: {name} decodes {soft_hi / t:.1f}x faster than softmax + KV cache")
+    return lines
+
+
+def _report(names: Sequence[str], Ns: Sequence[int], get, elapsed: float) -> str:
+    """The table, then the claim to check: linear mixers decode in constant time and memory,
+    softmax grows with N."""
+    rows = [[name, N, common.fmt_ms(get(name, N, "miss")), common.fmt_ms(get(name, N, "hit")),
+             _fmt_mib(get(name, N, "cache_bytes"))] for name in names for N in Ns]
+    table = common.format_table(["mixer", "N", "prefill ms", "decode ms/token", "cache MiB"], rows)
+    lines = [table, ""] + _growth_lines(names, Ns, get) + _speedup_lines(names, Ns, get)
+    lines.append(f"\nelapsed {elapsed:.0f} s")
+    return "\n".join(lines)
+
+
+def _panels(names: Sequence[str], Ns: Sequence[int], get) -> List[Dict[str, Any]]:
+    """The figure: decode latency and cache bytes against N, one series per mixer."""
+    return [
         {"title": "decode latency per token", "xlabel": "context N", "ylabel": "ms",
          "series": [{"label": n, "x": Ns, "y": [get(n, N, "hit") for N in Ns],
                      "color": "k" if n == "softmax" else None} for n in names]},
@@ -136,12 +165,37 @@ def run(a) -> int:
          "series": [{"label": n, "x": Ns, "y": [get(n, N, "cache_bytes") for N in Ns],
                      "color": "k" if n == "softmax" else None} for n in names]},
     ]
-    atomic_write_text(paths["txt"], "\n".join(head) + "\n\n" + text + "\n")
-    write_json(paths["json"], {"benchmark": "decode", "machine": info, "config": vars(a), "records": records})
+
+
+def _write_outputs(paths, text: str, result: Dict[str, Any], panels, info: Dict[str, Any]) -> None:
+    """The report (.txt), the measurements (.json), then the figure (.png; a failure is only reported)."""
+    atomic_write_text(paths["txt"], text)
+    write_json(paths["json"], result)
     try:
         common.plot_panels(paths["png"], panels, title=f"{PROG}: {common.describe_machine(info).splitlines()[0]}")
         plot_note = str(paths["png"])
     except Exception as e:  # a plotting problem must not lose the measurements (already written)
         plot_note = f"(plot failed: {type(e).__name__}: {e})"
     print(f"\nwrote {paths['txt']}, {paths['json']}, {plot_note}")
+
+
+def run(a) -> int:
+    names = _mixer_names(a)
+    a.threads, log = common.start_run(a.threads, a.device, a.quiet)
+    Ns = sorted(set(a.N))
+    sync = common.synchronizer(a.device)
+    models = build_models(a, names)
+    paths = common.output_paths("decode", a.out, overwrite=a.overwrite)
+    info = common.machine_info(a.device)
+    head = _header_lines(a, info)
+    print("\n".join(head) + "\n")
+    _warm_up(models, a, Ns[0])
+
+    records, elapsed = _measure_all(models, Ns, a, sync, log)
+    get = _record_getter(records)
+    text = _report(names, Ns, get, elapsed)
+    print(text)
+
+    result = {"benchmark": "decode", "machine": info, "config": vars(a), "records": records}
+    _write_outputs(paths, "\n".join(head) + "\n\n" + text + "\n", result, _panels(names, Ns, get), info)
     return 0

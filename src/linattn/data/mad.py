@@ -58,6 +58,15 @@ def _rng(rng: Optional[np.random.Generator]) -> np.random.Generator:
     return rng if rng is not None else np.random.default_rng()
 
 
+def _shifted(inputs: List[int], targets: List[int], is_training: bool) -> Instance:
+    """Next-token format: inputs[:-1], and as targets inputs[1:] (training) or targets[1:] (test)."""
+    x = np.asarray(inputs, dtype=np.int64)
+    y = np.asarray(targets, dtype=np.int64)
+    if is_training:
+        return x[:-1], x[1:]
+    return x[:-1], y[1:]
+
+
 # ----------------------------------------------------------------------------------------------
 # In-context recall (plain and noisy)
 # ----------------------------------------------------------------------------------------------
@@ -117,11 +126,7 @@ def in_context_recall(vocab_size: int = 16, seq_len: int = 128, *, is_training: 
         targets.append(ignore_index)
     inputs += [k_probe, v_probe]
     targets += [ignore_index, v_probe]
-    x = np.asarray(inputs, dtype=np.int64)
-    y = np.asarray(targets, dtype=np.int64)
-    if is_training:
-        return x[:-1], x[1:]
-    return x[:-1], y[1:]
+    return _shifted(inputs, targets, is_training)
 
 
 def noisy_in_context_recall(vocab_size: int = 32, seq_len: int = 128, *, noise_vocab_size: int = 16,
@@ -139,9 +144,110 @@ def noisy_in_context_recall(vocab_size: int = 32, seq_len: int = 128, *, noise_v
 # Fuzzy in-context recall
 # ----------------------------------------------------------------------------------------------
 
-def _motif(vocab: np.ndarray, size: int, rng: np.random.Generator) -> Tuple[int, ...]:
+Motif = Tuple[int, ...]
+
+
+def _motif(vocab: np.ndarray, size: int, rng: np.random.Generator) -> Motif:
     """A uniformly random ordered tuple of `size` distinct tokens of `vocab` (a permutation)."""
     return tuple(int(t) for t in rng.choice(vocab, size=size, replace=False))
+
+
+@dataclass
+class _FuzzyVocab:
+    """The token sets of fuzzy recall: keys, values, noise (None without noise), pad, copy prefix."""
+    keys: np.ndarray
+    values: np.ndarray
+    noise: Optional[np.ndarray]
+    pad: int
+    copy_prefix: int
+
+
+def _fuzzy_vocab(vocab_size: int, k_motif_size: int, v_motif_size: int, multi_query: bool,
+                 noise_vocab_size: int, frac_noise: float) -> _FuzzyVocab:
+    """Split the vocabulary (pad V-1 with multi_query, else V-2; copy prefix V-1); check the sizes."""
+    if not 0 <= frac_noise < 1:
+        raise ConfigError(f"frac_noise must be in [0, 1), got {frac_noise}")
+    n_plain = (vocab_size - 1 if multi_query else vocab_size - 2) - noise_vocab_size
+    key_vocab = np.arange(n_plain // 2)
+    value_vocab = np.arange(n_plain // 2, n_plain)
+    if len(key_vocab) < k_motif_size or len(value_vocab) < v_motif_size:
+        raise ConfigError(f"vocab_size {vocab_size} is too small for motifs of {k_motif_size}/{v_motif_size} tokens")
+    noise_vocab = None
+    if frac_noise > 0:
+        if noise_vocab_size < 1:
+            raise ConfigError("noise_vocab_size must be > 0 when frac_noise > 0")
+        noise_vocab = np.arange(n_plain, n_plain + noise_vocab_size)
+    return _FuzzyVocab(keys=key_vocab, values=value_vocab, noise=noise_vocab,
+                       pad=vocab_size - 1 if multi_query else vocab_size - 2, copy_prefix=vocab_size - 1)
+
+
+class _FuzzySequence:
+    """A fuzzy recall sequence while it is drawn: tokens, targets, the keys' values so far, and
+    whether the probe pair has been presented."""
+
+    def __init__(self, vocab: _FuzzyVocab, k_motif_size: int, probe: Tuple[Motif, Motif], multi_query: bool,
+                 ignore_index: int):
+        self.vocab, self.multi_query, self.ignore_index = vocab, multi_query, ignore_index
+        self.k_probe, self.v_probe = probe
+        self.kv_map: Dict[int, Dict[Motif, Motif]] = {s: {} for s in range(1, k_motif_size + 1)}
+        self.presented: Dict[Motif, Motif] = {}
+        self.inputs: List[int] = []
+        self.targets: List[int] = []
+        self.probe_added = False
+
+    def add_probe(self) -> None:
+        """The probe pair at its random position (no targets)."""
+        self.inputs += list(self.k_probe) + list(self.v_probe)
+        self.targets += [self.ignore_index] * (len(self.k_probe) + len(self.v_probe))
+        self.kv_map[len(self.k_probe)][self.k_probe] = self.v_probe
+        self.presented[self.k_probe] = self.v_probe
+        self.probe_added = True
+
+    def add_noise(self, n: int, rng: np.random.Generator) -> None:
+        self.inputs += [int(t) for t in rng.choice(self.vocab.noise, size=n, replace=True)]
+        self.targets += [self.ignore_index] * n
+
+    def add_pair(self, k_size: int, v_size: int, rng: np.random.Generator) -> None:
+        """A random key motif and its value (the probe's value if it is the probe key); with
+        multi_query the value is a target when the key was presented before."""
+        k = _motif(self.vocab.keys, k_size, rng)
+        if k == self.k_probe:
+            v = self.v_probe
+            self.probe_added = True
+        elif k in self.kv_map[k_size]:
+            v = self.kv_map[k_size][k]
+        else:
+            v = _motif(self.vocab.values, v_size, rng)
+            self.kv_map[k_size][k] = v
+        self.inputs += list(k) + list(v)
+        self.targets += [self.ignore_index] * k_size
+        self.targets += list(v) if (k in self.presented and self.multi_query) else [self.ignore_index] * len(v)
+        self.presented[k] = v
+
+    def add_final_probe(self) -> None:
+        """The copy prefix (without multi_query), then the probe pair with its value as the target."""
+        if not self.multi_query:
+            self.inputs.append(self.vocab.copy_prefix)
+            self.targets.append(self.ignore_index)
+        self.inputs += list(self.k_probe) + list(self.v_probe)
+        self.targets += [self.ignore_index] * len(self.k_probe) + list(self.v_probe)
+
+    def left_pad(self, length: int) -> None:
+        n_pad = length - len(self.inputs)
+        if n_pad > 0:
+            self.inputs = [self.vocab.pad] * n_pad + self.inputs
+            self.targets = [self.ignore_index] * n_pad + self.targets
+
+
+def _fuzzy_probe(vocab: _FuzzyVocab, key_sizes: List[int], value_sizes: List[int], seq_len: int,
+                 rng: np.random.Generator) -> Tuple[Motif, Motif, int]:
+    """The probe pair (key motif, value motif) and the position at which it is first presented."""
+    k_probe_size = int(rng.choice(key_sizes))
+    v_probe_size = int(rng.choice(value_sizes))
+    k_probe = _motif(vocab.keys, k_probe_size, rng)
+    v_probe = _motif(vocab.values, v_probe_size, rng)
+    probe_idx = int(rng.choice(seq_len - 2 * (k_probe_size + v_probe_size)))
+    return k_probe, v_probe, probe_idx
 
 
 def fuzzy_in_context_recall(vocab_size: int = 16, seq_len: int = 128, *, k_motif_size: int = 3,
@@ -156,77 +262,24 @@ def fuzzy_in_context_recall(vocab_size: int = 16, seq_len: int = 128, *, k_motif
     to seq_len + 1 tokens, then shifted as in `in_context_recall` (length seq_len).
     """
     rng = _rng(rng)
-    if not 0 <= frac_noise < 1:
-        raise ConfigError(f"frac_noise must be in [0, 1), got {frac_noise}")
-    copy_prefix = vocab_size - 1
-    pad_token = vocab_size - 1 if multi_query else vocab_size - 2
-    n_plain = (vocab_size - 1 if multi_query else vocab_size - 2) - noise_vocab_size
-    key_vocab = np.arange(n_plain // 2)
-    value_vocab = np.arange(n_plain // 2, n_plain)
-    if len(key_vocab) < k_motif_size or len(value_vocab) < v_motif_size:
-        raise ConfigError(f"vocab_size {vocab_size} is too small for motifs of {k_motif_size}/{v_motif_size} tokens")
+    vocab = _fuzzy_vocab(vocab_size, k_motif_size, v_motif_size, multi_query, noise_vocab_size, frac_noise)
     key_sizes = list(range(1, k_motif_size + 1)) if is_training else [k_motif_size]
     value_sizes = list(range(1, v_motif_size + 1))
-    if frac_noise > 0:
-        if noise_vocab_size < 1:
-            raise ConfigError("noise_vocab_size must be > 0 when frac_noise > 0")
-        noise_vocab = np.arange(n_plain, n_plain + noise_vocab_size)
-
-    k_probe_size = int(rng.choice(key_sizes))
-    v_probe_size = int(rng.choice(value_sizes))
-    k_probe = _motif(key_vocab, k_probe_size, rng)
-    v_probe = _motif(value_vocab, v_probe_size, rng)
-    kv_probe = k_probe_size + v_probe_size
-    probe_idx = int(rng.choice(seq_len - 2 * kv_probe))
-    probe_added = False
-
-    kv_map: Dict[int, Dict[Tuple[int, ...], Tuple[int, ...]]] = {s: {} for s in range(1, k_motif_size + 1)}
-    presented: Dict[Tuple[int, ...], Tuple[int, ...]] = {}
-    inputs: List[int] = []
-    targets: List[int] = []
-    while len(inputs) < seq_len - kv_probe - (k_motif_size + v_motif_size):
+    k_probe, v_probe, probe_idx = _fuzzy_probe(vocab, key_sizes, value_sizes, seq_len, rng)
+    seq = _FuzzySequence(vocab, k_motif_size, (k_probe, v_probe), multi_query, ignore_index)
+    body_len = seq_len - (len(k_probe) + len(v_probe)) - (k_motif_size + v_motif_size)
+    while len(seq.inputs) < body_len:
         k_size = int(rng.choice(key_sizes))
         v_size = int(rng.choice(value_sizes))
-        if len(inputs) >= probe_idx and not probe_added:
-            inputs += list(k_probe) + list(v_probe)
-            targets += [ignore_index] * kv_probe
-            kv_map[k_probe_size][k_probe] = v_probe
-            presented[k_probe] = v_probe
-            probe_added = True
-            continue
-        is_noise = (rng.random() < frac_noise) if frac_noise > 0 else False
-        if is_noise:
-            n = k_size + v_size
-            inputs += [int(t) for t in rng.choice(noise_vocab, size=n, replace=True)]
-            targets += [ignore_index] * n
-            continue
-        k = _motif(key_vocab, k_size, rng)
-        if k == k_probe:
-            v = v_probe
-            probe_added = True
-        elif k in kv_map[k_size]:
-            v = kv_map[k_size][k]
+        if len(seq.inputs) >= probe_idx and not seq.probe_added:
+            seq.add_probe()
+        elif frac_noise > 0 and rng.random() < frac_noise:
+            seq.add_noise(k_size + v_size, rng)
         else:
-            v = _motif(value_vocab, v_size, rng)
-            kv_map[k_size][k] = v
-        inputs += list(k) + list(v)
-        targets += [ignore_index] * k_size
-        targets += list(v) if (k in presented and multi_query) else [ignore_index] * len(v)
-        presented[k] = v
-    if not multi_query:
-        inputs.append(copy_prefix)
-        targets.append(ignore_index)
-    inputs += list(k_probe) + list(v_probe)
-    targets += [ignore_index] * k_probe_size + list(v_probe)
-    n_pad = seq_len + 1 - len(inputs)
-    if n_pad > 0:
-        inputs = [pad_token] * n_pad + inputs
-        targets = [ignore_index] * n_pad + targets
-    x = np.asarray(inputs, dtype=np.int64)
-    y = np.asarray(targets, dtype=np.int64)
-    if is_training:
-        return x[:-1], x[1:]
-    return x[:-1], y[1:]
+            seq.add_pair(k_size, v_size, rng)
+    seq.add_final_probe()
+    seq.left_pad(seq_len + 1)
+    return _shifted(seq.inputs, seq.targets, is_training)
 
 
 # ----------------------------------------------------------------------------------------------
