@@ -27,7 +27,8 @@ def make_map(name, K):
 
 
 def make_inputs(B, T, H, K, V, dtype, name="elu+1", normalize=True):
-    q, k, v = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, V, dtype=dtype)
+    q, k = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype)
+    v = torch.randn(B, T, H, V, dtype=dtype)
     if name in SIGNED and normalize:
         # a signed kernel's normalised form is ill-conditioned where its denominator crosses 0;
         # keep the weights positive so the comparison measures the implementation
@@ -189,7 +190,8 @@ def test_state_round_trip_between_modes(name, gate):
                                   initial_state=s1, output_final_state=True, chunk_size=8, **kw2)
         assert rel_err(torch.cat([o1, o2], 1), full) < 1e-10, (m1, m2)
         assert rel_err(s2.kv * (s2.log_scale.exp().unsqueeze(-1) if s2.log_scale is not None else 1),
-                       s_full.kv * (s_full.log_scale.exp().unsqueeze(-1) if s_full.log_scale is not None else 1)) < 1e-10
+                       s_full.kv * (s_full.log_scale.exp().unsqueeze(-1) if s_full.log_scale is not None else 1)
+                       ) < 1e-10
         assert s2.offset.tolist() == [T] * B
 
 
@@ -394,9 +396,11 @@ def _qkv(B=1, T=8, H=2, K=4, V=3):
     (lambda q, k, v: linear_attention(q, k, v, cu_seqlens=torch.tensor([0, 5, 3, 8])), ValueError, "increasing"),
     (lambda q, k, v: linear_attention(q, k, v, cu_seqlens=torch.tensor([0, 5, 7])), ValueError, "end at T"),
     (lambda q, k, v: linear_attention(q, k, v, cu_seqlens=torch.tensor([0., 8.])), ValueError, "integer"),
-    (lambda q, k, v: linear_attention(q, k, v, initial_state=torch.zeros(1, 2, 4, 3)), TypeError, "LinearAttentionState"),
+    (lambda q, k, v: linear_attention(q, k, v, initial_state=torch.zeros(1, 2, 4, 3)), TypeError,
+     "LinearAttentionState"),
     (lambda q, k, v: linear_attention(q, k, v, initial_state=LinearAttentionState(
-        torch.zeros(1, 2, 5, 3), torch.zeros(1, 2, 5), None, torch.zeros(1, dtype=torch.long))), ValueError, "kv must have shape"),
+        torch.zeros(1, 2, 5, 3), torch.zeros(1, 2, 5), None, torch.zeros(1, dtype=torch.long))), ValueError,
+     "kv must have shape"),
     (lambda q, k, v: linear_attention(q, k, v, eps=-1.0), ValueError, "eps"),
     (lambda q, k, v: linear_attention(q, k, v, feature_map=FAVORPlus(5)), ValueError, "dim 5"),
     (lambda q, k, v: linear_attention(q, k, v, feature_map=3), TypeError, "feature_map"),

@@ -17,8 +17,18 @@ from linattn import checkpoint as ckpt
 from linattn.cli_support import add_dataclass_arguments, given_values, type_converter
 from linattn.data import PackedTokens
 from linattn.models import LanguageModel, LMConfig, TLinFormerConfig, TLinFormerLM, build_model
-from linattn.training import (METRICS_FILE, TrainConfig, TrainError, Trainer, TrainingDiverged, evaluate, lr_at,
-                              make_optimizer, read_metrics, training_tokens_per_second)
+from linattn.training import (
+    METRICS_FILE,
+    TrainConfig,
+    Trainer,
+    TrainError,
+    TrainingDiverged,
+    evaluate,
+    lr_at,
+    make_optimizer,
+    read_metrics,
+    training_tokens_per_second,
+)
 from linattn.training.run import RunFolder, StopFlag
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "linattn"
@@ -95,7 +105,8 @@ def test_state_dict_resume_is_exact():
     for s in range(2):
         a.train_step(*batch(s))
     saved_w, saved_state = weights(a.model), copy.deepcopy(a.state_dict())  # (optimizer tensors are live)
-    assert set(saved_state) == {"step", "optimizer", "torch_rng", "cuda_rng", "loss_acc", "tokens_seen", "elapsed_s"}
+    assert set(saved_state) == {"step", "optimizer", "torch_rng", "cuda_rng", "loss_acc", "tokens_seen", "elapsed_s",
+                                "world_size"}
     for s in range(2, 5):
         a.train_step(*batch(s))
     torch.manual_seed(123)                                             # a different init: overwritten

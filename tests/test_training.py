@@ -8,13 +8,20 @@ import pytest
 import torch
 
 from linattn import checkpoint as ckpt
-from linattn.data import (CorpusError, PackedTokens, load_tokenizer, read_documents, split_documents,
-                          stdlib_documents, tokenize_documents, train_tokenizer)
+from linattn.data import (
+    CorpusError,
+    PackedTokens,
+    load_tokenizer,
+    read_documents,
+    split_documents,
+    stdlib_documents,
+    tokenize_documents,
+    train_tokenizer,
+)
 from linattn.data.corpus import Document
 from linattn.generate import generate_text, sample_next
 from linattn.models import LMConfig
-from linattn.training import (TrainConfig, TrainError, evaluate, lr_at, prepare_data, train,
-                              training_tokens_per_second)
+from linattn.training import TrainConfig, TrainError, evaluate, lr_at, prepare_data, train, training_tokens_per_second
 
 WORDS = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "lambda", "yield", "import",
          "self", "None", "print", "value", "x"]
@@ -76,7 +83,8 @@ def test_tokenizer_roundtrip_save_load(tmp_path, tokenizer):
     tok2 = load_tokenizer(p)
     assert tok2.encode(text) == ids and tok2.eos_id == tokenizer.eos_id
     # deterministic training
-    assert train_tokenizer([text * 20], vocab_size=280).to_str() == train_tokenizer([text * 20], vocab_size=280).to_str()
+    twice = [train_tokenizer([text * 20], vocab_size=280).to_str() for _ in range(2)]
+    assert twice[0] == twice[1]
 
 
 def test_read_split_pack(tmp_path, tokenizer):
@@ -140,11 +148,11 @@ def test_lr_schedule():
 def test_loss_goes_down_and_metrics(tmp_path, corpus):
     cfg = tiny_cfg(corpus, tmp_path / "run", steps=30, eval_every=15, save_every=0)
     res = train(cfg, tiny_model())
-    first = sum(l for _, l in res.losses[:3]) / 3
-    last = sum(l for _, l in res.losses[-3:]) / 3
+    first = sum(loss for _, loss in res.losses[:3]) / 3
+    last = sum(loss for _, loss in res.losses[-3:]) / 3
     assert res.step == 30 and last < first - 1.0, (first, last)
     assert res.val_loss is not None and res.val_loss < first and res.tokens_per_s > 0
-    recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [5, 10, 15, 20, 25, 30]
     assert all({"step", "loss", "lr", "tokens_per_s"} <= set(r) for r in recs)
     assert "val_loss" in recs[2] and "val_ppl" in recs[-1]
@@ -194,8 +202,8 @@ def test_resume_equals_uninterrupted(tmp_path, corpus, straight_run):
     rest = train(cfg, None, resume=True)                             # model config from the checkpoint
     assert rest.resumed_from == 10 and rest.step == 20 and not rest.interrupted
     _assert_same_weights(_weights(full.model), _weights(rest.model))
-    assert [l for _, l in rest.losses] == [l for _, l in full.losses[10:]]
-    steps = [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [loss for _, loss in rest.losses] == [loss for _, loss in full.losses[10:]]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [5, 10, 15, 20]
 
 

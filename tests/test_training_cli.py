@@ -51,7 +51,7 @@ def trained(tmp_path_factory, corpus):
 
 def test_train_eval_generate(trained, corpus, capsys):
     out = trained
-    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [4, 6, 8, 12]
     assert "val_loss" in recs[1] and all("tokens_per_s" in r for r in recs)
     assert (out / "latest").read_text().strip() == "step_00000012"
@@ -83,7 +83,7 @@ def test_resume_extends_run(trained, corpus, tmp_path, capsys):
     assert main(["train", "--out", str(out), "--resume", "--steps", "14", "--no-progress", "--threads", "1"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["step"] == 14
-    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [4, 6, 8, 12, 14]
 
 

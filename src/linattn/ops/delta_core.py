@@ -71,8 +71,18 @@ import torch.nn.functional as F
 
 from ..errors import LinattnError, LinattnTypeError
 from ..triton import triton_chunk_size
-from ._common import (FLOAT_DTYPES, check_cu_seqlens, check_log_gate, check_mode, check_qkv, check_same_device,
-                      check_scale, check_values, compute_dtype, pad_time)
+from ._common import (
+    FLOAT_DTYPES,
+    check_cu_seqlens,
+    check_log_gate,
+    check_mode,
+    check_qkv,
+    check_same_device,
+    check_scale,
+    check_values,
+    compute_dtype,
+    pad_time,
+)
 from .backend import requires_grad, select_backend, triton_delta
 
 CHANNEL_BLOCK = 16       # chunk length with per-channel gates (their intra-chunk work is O(T * C * K))

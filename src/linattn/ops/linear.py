@@ -38,8 +38,16 @@ import torch
 from ..errors import LinattnError, LinattnTypeError
 from ..feature_maps import FeatureMap, get_feature_map
 from ..triton import triton_chunk_size
-from ._common import (check_cu_seqlens, check_log_gate, check_mode, check_qkv, check_scale, check_values,
-                      compute_dtype, pad_time)
+from ._common import (
+    check_cu_seqlens,
+    check_log_gate,
+    check_mode,
+    check_qkv,
+    check_scale,
+    check_values,
+    compute_dtype,
+    pad_time,
+)
 from .backend import requires_grad, select_backend, triton_linear_attention
 
 # Log-scale of an empty state, and log-feature of a padding key: finite, so that differences
@@ -568,10 +576,10 @@ def run_linear_attention(p: LinearProblem, backend: str = "auto"):
         num, den, kv, z = triton_linear_attention(p)
         return finish(p, num, den, None, kv, z, None)
     num, den, c, S, mu = _run_torch(p)
-    tr = (lambda x: x.transpose(1, 2) if x is not None else None)
     V = p.v.shape[-1]
     kv, z = (S[..., :V], S[..., V]) if S is not None else (None, None)
-    return finish(p, tr(num), tr(den), tr(c), kv, z, mu)
+    num, den = num.transpose(1, 2), den.transpose(1, 2)  # [B, H, T, *] -> [B, T, H, *]
+    return finish(p, num, den, c.transpose(1, 2) if c is not None else None, kv, z, mu)
 
 
 def linear_attention(
