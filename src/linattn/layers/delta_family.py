@@ -1,0 +1,185 @@
+"""More delta-rule layers: `Comba`, `DeltaProduct` and `KDA` (Kimi Delta Attention).
+
+They follow the pattern of `layers/delta.py` (FLA's layer pattern): q/k/v projections, a short causal
+convolution (kernel 4, SiLU) on each, a write strength beta from `b_proj`, the operator, a per-head output
+norm (gated by `g_proj` when output_gate) and `o_proj`. q and k are L2-normalised.
+
+* Comba (`linattn.comba`): S_t = exp(g_t) S_{t-1} + b_t k_t (v_t - S_{t-1}^T p_t)^T, o_t = scale S_t^T q~_t,
+  with Gated DeltaNet's decay g = -exp(A_log) softplus(a_proj(x) + dt_bias) and b = sigmoid(b_proj(x)).
+  The read key is derived from the key, as in the Comba paper's code (flash-linear-attention's layer,
+  "inner decay"): p_t = sigmoid(c_h) k_t, a learnable per-head feedback gain in (0, 1) (c_h = 1 at
+  init). Output correction: q~_t = q_t - d_h p_t, a learnable per-head d (init `correction_factor`, 1.0
+  by default; FLA notes that 0.02 sometimes works better for small models). With seed eq. (18) in mind:
+  the decay acts on the state only, the prediction reads the undecayed state.
+* DeltaProduct (`linattn.delta_product`): n Householder steps per token (n_householder, default 2): k_proj,
+  v_proj and b_proj produce n keys, values and step sizes per head (the short convolutions run over all
+  of them), b = sigmoid(b_proj(x)), or b = 2 sigmoid(b_proj(x)) with allow_negative_eigenvalues=True
+  (each factor's eigenvalue 1 - b in (-1, 1): state tracking). gate=True adds Gated DeltaNet's decay,
+  applied once per token (Gated DeltaProduct).
+* KDA (`linattn.delta_rule` with a per-channel log-gate g `[B, T, H, K]`): Gated DeltaNet's gate made per
+  key channel, g = -exp(A_log_h) softplus(f_proj(x) + dt_bias), with f_proj a low-rank projection
+  d_model -> gate_rank -> H*K (gate_rank defaults to head_dim, as in the Kimi Linear layer), a per-head
+  A_log and a per-channel dt_bias (Mamba2's initialisation); output gate on by default. (Kimi's layer
+  uses a low-rank sigmoid output gate; here it is the library's gated RMSNorm with silu, as Gated DeltaNet.)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import LinattnError, LinattnTypeError
+from ..ops import comba, delta_product
+from .cache import LayerCache
+from .common import ShortConv, l2_normalize
+from .delta import DeltaNet, GatedDeltaNet
+from .linear_attention import init_mamba_decay
+from .packing import packed_positions
+
+
+class Comba(GatedDeltaNet):
+    """Comba (Hu et al. 2025): the gated delta rule with state feedback p = sigmoid(c) k and output
+    correction q - d p (module docstring). Args (besides `GatedDeltaNet`'s): correction_factor, the initial
+    d (default 1.0); output_correction (default True) turns q - d p off when False."""
+
+    def __init__(self, d_model: int, n_heads: int, *, correction_factor: float = 1.0, output_correction: bool = True,
+                 **kwargs):
+        super().__init__(d_model, n_heads, **kwargs)
+        if isinstance(correction_factor, bool) or not isinstance(correction_factor, (int, float)):
+            raise LinattnTypeError(f"correction_factor must be a number, got {correction_factor!r}")
+        self.output_correction = bool(output_correction)
+        self.p_gain = nn.Parameter(torch.ones(self.n_heads))     # p = sigmoid(p_gain) * k
+        if self.output_correction:
+            self.d = nn.Parameter(torch.full((self.n_heads,), float(correction_factor)))
+
+    def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
+        q, k = l2_normalize(q), l2_normalize(k)
+        p = torch.sigmoid(self.p_gain)[:, None].to(k.dtype) * k
+        if self.output_correction:
+            q = q - self.d[:, None].to(q.dtype) * p
+        beta = self.beta(x).to(q.dtype)
+        o, state = comba(
+            q, k, v, beta, p=p, g=self.log_gate(x), scale=self.scale, mode=self._mode(cache, x.shape[1]),
+            chunk_size=self.chunk_size, initial_state=cache.get("state") if cache is not None else None,
+            output_final_state=cache is not None, cu_seqlens=cu_seqlens)
+        if cache is not None:
+            cache["state"] = state
+        return o
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", output_correction={self.output_correction}"
+
+
+class DeltaProduct(DeltaNet):
+    """DeltaProduct (Siems et al. 2025): n_householder delta-rule steps per token (module docstring).
+
+    Args (besides `DeltaNet`'s): n_householder (default 2); allow_negative_eigenvalues (default False:
+    beta = sigmoid, True: beta = 2 sigmoid); gate (default False: True adds Gated DeltaNet's decay per
+    token, applied before the n steps). chunk_size counts sub-steps (n per token), as in the operator.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, n_householder: int = 2, allow_negative_eigenvalues: bool = False,
+                 gate: bool = False, conv_size: int = 4, qkv_bias: bool = False, **kwargs):
+        if isinstance(n_householder, bool) or not isinstance(n_householder, int) or n_householder < 1:
+            raise LinattnError(f"n_householder must be a positive int, got {n_householder!r}")
+        super().__init__(d_model, n_heads, conv_size=conv_size, qkv_bias=qkv_bias, **kwargs)
+        self.n_householder = n = n_householder
+        self.allow_negative_eigenvalues = bool(allow_negative_eigenvalues)
+        H, Dk, Dv = self.n_heads, self.head_dim, self.head_dim_v
+        # n keys, values and step sizes per head and token
+        self.k_proj = nn.Linear(d_model, H * n * Dk, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_model, H * n * Dv, bias=qkv_bias)
+        self.b_proj = nn.Linear(d_model, H * n, bias=True)
+        if self.short_conv:
+            self.k_conv = ShortConv(H * n * Dk, conv_size)
+            self.v_conv = ShortConv(H * n * Dv, conv_size)
+        self.gated = bool(gate)
+        if self.gated:
+            self.a_proj = nn.Linear(d_model, H, bias=False)
+            A_log, dt_bias = init_mamba_decay(H)
+            self.A_log = nn.Parameter(A_log)
+            self.dt_bias = nn.Parameter(dt_bias)
+
+    def beta(self, x: torch.Tensor) -> torch.Tensor:
+        """Step sizes `[B, T, H, n]` in (0, 1), or (0, 2) with allow_negative_eigenvalues."""
+        b = torch.sigmoid(self.b_proj(x).float()).view(*x.shape[:2], self.n_heads, self.n_householder)
+        return 2.0 * b if self.allow_negative_eigenvalues else b
+
+    def log_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        if not self.gated:
+            return None
+        return -torch.exp(self.A_log.float()) * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+
+    def _qkv(self, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
+        """q `[B, T, H, K]`, k `[B, T, H, n, K]`, v `[B, T, H, n, V]` (AttentionBase._qkv with n keys)."""
+        B, T, _ = x.shape
+        H, n = self.n_heads, self.n_householder
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.short_conv:
+            get = (lambda name: cache.get(name)) if cache is not None else (lambda name: None)
+            q, sq = self.q_conv(q, get("conv_q"), cu_seqlens)
+            k, sk = self.k_conv(k, get("conv_k"), cu_seqlens)
+            v, sv = self.v_conv(v, get("conv_v"), cu_seqlens)
+            if cache is not None:
+                cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
+        q = q.view(B, T, H, self.head_dim)
+        k = k.view(B, T, H * n, self.head_dim)
+        v = v.view(B, T, H, n, self.head_dim_v)
+        if self.rope is not None:  # every key of a token at the token's position
+            if cu_seqlens is not None:
+                q, k = self.rope(q, k, positions=packed_positions(cu_seqlens, T, x.device))
+            else:
+                q, k = self.rope(q, k, cache.offset if cache is not None else 0)
+        return q, k.view(B, T, H, n, self.head_dim), v
+
+    def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
+        beta = self.beta(x).to(q.dtype)
+        o, state = delta_product(
+            q, k, v, beta, g=self.log_gate(x), scale=self.scale, qk_l2norm=True,
+            mode=self._mode(cache, x.shape[1]), chunk_size=self.chunk_size,
+            initial_state=cache.get("state") if cache is not None else None,
+            output_final_state=cache is not None, cu_seqlens=cu_seqlens)
+        if cache is not None:
+            cache["state"] = state
+        return o
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", n_householder={self.n_householder}, "
+                f"allow_negative_eigenvalues={self.allow_negative_eigenvalues}, gate={self.gated}")
+
+
+class KDA(DeltaNet):
+    """Kimi Delta Attention: the gated delta rule with a decay per key channel (module docstring).
+
+    Args (besides `DeltaNet`'s): gate_rank, the inner width of the low-rank gate projection (default
+    head_dim). output_gate defaults to True.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, gate_rank: Optional[int] = None, output_gate: bool = True,
+                 **kwargs):
+        super().__init__(d_model, n_heads, output_gate=output_gate, **kwargs)
+        rank = self.head_dim if gate_rank is None else gate_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise LinattnError(f"gate_rank must be a positive int or None (head_dim), got {gate_rank!r}")
+        self.gate_rank = rank
+        H, K = self.n_heads, self.head_dim
+        self.f_proj = nn.Sequential(nn.Linear(d_model, rank, bias=False), nn.Linear(rank, H * K, bias=False))
+        A_log, _ = init_mamba_decay(H)
+        _, dt_bias = init_mamba_decay(H * K)      # a time scale per channel
+        self.A_log = nn.Parameter(A_log)
+        self.dt_bias = nn.Parameter(dt_bias)
+
+    def log_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-channel log-gate `[B, T, H, K]` (<= 0)."""
+        B, T = x.shape[:2]
+        H, K = self.n_heads, self.head_dim
+        f = self.f_proj(x).float().view(B, T, H, K) + self.dt_bias.float().view(H, K)
+        return -torch.exp(self.A_log.float())[:, None] * F.softplus(f)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", gate_rank={self.gate_rank}"
+
+
+__all__ = ["Comba", "DeltaProduct", "KDA"]

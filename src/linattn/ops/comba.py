@@ -1,0 +1,66 @@
+"""`comba`: Comba's gated delta rule (Hu et al. 2025, "Comba: Improving Bilinear RNNs with Closed-loop
+Control"), a thin wrapper over the delta family's core (`delta_core.py`).
+
+With the state S_t `[K, V]` per head,
+
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - S_{t-1}^T p_t)^T,      o_t = scale * S_t^T q_t,
+
+the seed's eq. (18): the decay acts on the first S_{t-1} only, the prediction S_{t-1}^T p_t reads the
+*undecayed* state with its own key p (the "state feedback"), and the write uses k. p = None means
+p = k, which is eq. (18) itself. In the core's terms: a = beta, r = p (or r = k: NOT the core's r = None,
+which is the delta rule's read of the decayed state, r_t = exp(g_t) k_t, i.e. Gated DeltaNet).
+
+qk_l2norm=True L2-normalises q and k inside the op; p is never normalised, because its norm is the
+feedback gain (the Comba layer passes p = sigmoid(c_h) * k_hat with a learnable per-head c_h). With
+p = None the read key is the normalised k. (flash-linear-attention's `use_qk_l2norm_in_kernel`
+normalises p too; pass `F.normalize(p, dim=-1)` for that behaviour.)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from ._common import check_qkv
+from .delta_core import check_tensor_like, prepare_delta, run_delta
+
+
+def comba(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *,
+    p: Optional[torch.Tensor] = None,
+    g: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    qk_l2norm: bool = False,
+    mode: str = "chunk",
+    chunk_size: int = 64,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Comba. q, k, p `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]` (>= 0)
+    -> (o `[B, T, H, V]`, final state `[N, H, K, V]` or None).
+
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - S_{t-1}^T p_t)^T and o_t = scale * S_t^T q_t, with a
+    log-gate g (<= 0) `[B, T, H]` per head, or `[B, T, H, K]` per key channel (Diag(exp(g_t)) then
+    decays the rows of S); no gate when None. p: the read key of the prediction (None: p = k, the seed's
+    eq. 18). scale=None means K**-0.5. qk_l2norm=True L2-normalises q and k (never p; module docstring).
+
+    mode: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form).
+    The state is a plain tensor `[N, H, K, V]` (N = B, or the number of sequences in `cu_seqlens`,
+    int64 `[N+1]` with B == 1), fp32 (fp64 for fp64 inputs); it round-trips between modes and calls.
+    backend: "auto", "torch" or "triton" (the Triton kernels do not cover a separate read key: every call
+    runs on PyTorch; "triton" warns once and falls back).
+    """
+    if p is not None:
+        check_qkv(q, k, v)            # q first, so that a bad q is reported as such
+        check_tensor_like(p, "p", q)
+    prob = prepare_delta(q, k, v, beta, g=g, r=p, channel_gate=True, scale=scale, qk_l2norm=qk_l2norm,
+                         mode=mode, chunk_size=chunk_size, initial_state=initial_state,
+                         output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    if p is None:
+        # p = k: the read key is the prepared (normalised if asked, rescaled) write key itself, which is
+        # exactly r~ = k / d of the core's rescaling
+        prob = dataclasses.replace(prob, r=prob.k)
+    return run_delta(prob, backend)

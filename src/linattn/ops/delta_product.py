@@ -1,0 +1,131 @@
+"""`delta_product`: DeltaProduct (Siems et al. 2025, "DeltaProduct: Improving State-Tracking in Linear
+RNNs via Householder Products") and Gated DeltaProduct, a thin wrapper over the delta family's core
+(`delta_core.py`).
+
+Each token t carries n keys, values and step sizes. With the state S `[K, V]` per head, per token
+
+    S <- Diag(exp(g_t)) S                                                       (once)
+    S <- (I - beta_{t,j} k_{t,j} k_{t,j}^T) S + beta_{t,j} k_{t,j} v_{t,j}^T    for j = 1 .. n
+    o_t = scale * S^T q_t                                                       (after the n-th step)
+
+so the token's transition is a product of n generalised Householder matrices. beta in [0, 2] (with unit
+keys) keeps every factor's eigenvalue 1 - beta ||k||^2 in [-1, 1]: beta in (1, 2] gives the negative
+eigenvalues that state tracking needs (the layer's `allow_negative_eigenvalues`). Values above 2 are
+accepted and computed exactly, but the state then grows (as DeltaNet with beta ||k||^2 > 2).
+
+The wrapper interleaves the n sub-steps into one sequence of length T * n, [k_{1,1} .. k_{1,n},
+k_{2,1} ..], and runs the delta rule of the core on it: the log-gate of token t sits on its first
+sub-step (zero on the others), the query of token t on its last sub-step (zero queries elsewhere, whose
+outputs are dropped), and packed sequences' offsets are multiplied by n. Every form of the core
+(recurrent, chunk, parallel; the Triton kernels for the calls they cover) is therefore exact for
+DeltaProduct too, and states round-trip with `delta_rule`'s.
+
+chunk_size counts sub-steps of the interleaved sequence (the core's unit): the work and memory of one
+chunk are those of `delta_rule` at the same chunk_size. It is rounded down to a multiple of n (at least
+n), so that every chunk holds whole tokens: chunk_size=64 with n=2 means chunks of 32 tokens. A backend
+may cap or round it further (per-channel gates use blocks of at most 16, the Triton kernels 16/32/64).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..errors import LinattnError, LinattnTypeError
+from ._common import FLOAT_DTYPES, check_cu_seqlens, check_log_gate, check_mode, check_same_device
+from .delta_core import DeltaProblem, prepare_delta, run_delta
+
+
+def _check(name: str, x, shape, layout: str, ref: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise LinattnTypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise LinattnTypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise LinattnError(f"{name} must have shape {layout} = {tuple(shape)}, got {tuple(x.shape)}")
+    check_same_device(x, name, ref)
+
+
+def prepare_delta_product(q, k, v, beta, *, g=None, scale=None, qk_l2norm: bool = False, mode: str = "chunk",
+                          chunk_size: int = 64, initial_state=None, output_final_state: bool = False,
+                          cu_seqlens=None) -> Tuple[DeltaProblem, int]:
+    """Check a `delta_product` call and prepare the interleaved core problem -> (problem, n)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise LinattnError(f"q must be a torch.Tensor of shape [B, T, H, K], got "
+                           f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise LinattnTypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+    B, T, H, K = q.shape
+    if not isinstance(k, torch.Tensor) or k.dim() != 5:
+        raise LinattnError(f"k must be a torch.Tensor of shape [B, T, H, n, K] (n keys per token), got "
+                           f"{tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__}")
+    n = k.shape[3]
+    if n < 1:
+        raise LinattnError(f"k must have shape [B, T, H, n, K] with n >= 1 keys per token, got {tuple(k.shape)}")
+    _check("k", k, (B, T, H, n, K), "[B, T, H, n, K]", q)
+    if not isinstance(v, torch.Tensor) or v.dim() != 5:
+        raise LinattnError(f"v must be a torch.Tensor of shape [B, T, H, n, V] = {(B, T, H, n)} + (V,), got "
+                           f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+    _check("v", v, (B, T, H, n, v.shape[-1]), "[B, T, H, n, V] (n as in k)", q)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise LinattnTypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _check("beta", beta, (B, T, H, n), "[B, T, H, n] (n as in k)", q)
+    if T == 0:
+        raise LinattnError("the sequence length T must be at least 1")
+    check_mode(mode, chunk_size)
+    offsets = check_cu_seqlens(cu_seqlens, B, T)
+    if g is not None:  # in the caller's terms (the core checks the interleaved gate again)
+        check_log_gate(g, "g", B, T, H, K, allow_diagonal=True, ref=q)
+
+    def interleave(x):  # [B, T, n, H, *] -> [B, T*n, H, *]
+        return x.reshape(B, T * n, *x.shape[3:])
+
+    q_i = interleave(torch.cat([q.new_zeros(B, T, n - 1, H, K), q.unsqueeze(2)], dim=2))
+    k_i = interleave(k.transpose(2, 3))
+    v_i = interleave(v.transpose(2, 3))
+    b_i = interleave(beta.transpose(2, 3))
+    g_i = None
+    if g is not None:  # the token's decay on its first sub-step, none on the others
+        g_i = interleave(torch.cat([g.unsqueeze(2), g.new_zeros(B, T, n - 1, *g.shape[2:])], dim=2))
+    cu_i = None
+    if offsets is not None:  # host offsets (no second device read), in sub-steps
+        cu_i = torch.tensor([o * n for o in offsets], dtype=torch.int64)
+    C = max(n, chunk_size // n * n)
+    prob = prepare_delta(q_i, k_i, v_i, b_i, g=g_i, channel_gate=True, scale=scale, qk_l2norm=qk_l2norm,
+                         mode=mode, chunk_size=C, initial_state=initial_state,
+                         output_final_state=output_final_state, cu_seqlens=cu_i)
+    return prob, n
+
+
+def delta_product(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *,
+    g: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    qk_l2norm: bool = False,
+    mode: str = "chunk",
+    chunk_size: int = 64,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(Gated) DeltaProduct. q `[B, T, H, K]`, k `[B, T, H, n, K]`, v `[B, T, H, n, V]`, beta `[B, T, H, n]`
+    (>= 0; up to 2 for negative eigenvalues) -> (o `[B, T, H, V]`, final state `[N, H, K, V]` or None).
+
+    Per token: S <- Diag(exp(g_t)) S once, then for j = 1..n S <- (I - beta_{t,j} k_{t,j} k_{t,j}^T) S +
+    beta_{t,j} k_{t,j} v_{t,j}^T; o_t = scale * S^T q_t reads the state after the n-th step. g: a log-gate
+    (<= 0) `[B, T, H]` per head or `[B, T, H, K]` per key channel, or None (no decay). scale=None means
+    K**-0.5. qk_l2norm=True L2-normalises q and each of the n keys (inside the op, differentiably).
+
+    mode: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form). chunk_size counts
+    sub-steps (n per token), rounded down to a multiple of n (module docstring). The state `[N, H, K, V]`
+    (N = B, or the number of sequences in `cu_seqlens`, int64 `[N+1]` over the T tokens, B == 1) is fp32
+    (fp64 for fp64 inputs) and round-trips between modes, calls and `delta_rule`.
+    backend: "auto", "torch" or "triton" (see `delta_rule`).
+    """
+    prob, n = prepare_delta_product(q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm, mode=mode,
+                                    chunk_size=chunk_size, initial_state=initial_state,
+                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    o, S = run_delta(prob, backend)
+    B, TN, H, V = o.shape
+    return o.reshape(B, TN // n, n, H, V)[:, :, -1], S
