@@ -4,6 +4,12 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+# torchvision must be the release built for TORCH_SPEC (torch 2.13 <-> torchvision 0.28). It is optional:
+# linattn.vision uses its NMS and CIoU when its compiled ops load, else OpenCV's NMS. PyPI's Linux
+# torchvision wheels are built against CUDA torch and cannot even be imported next to the CPU build
+# that TORCH_SPEC resolves to here, so none is installed by default; where TORCH_SPEC is PyPI's build:
+#   make test TORCHVISION_SPEC=torchvision==0.28.0
+TORCHVISION_SPEC ?=
 STAMP := $(VENV)/.linattn-installed
 
 .PHONY: demo test lint install clean
@@ -11,8 +17,8 @@ STAMP := $(VENV)/.linattn-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCHVISION_SPEC),"$(TORCHVISION_SPEC)")
+	$(PY) -m pip install -q -e ".[dev,vision,onnx]"
 	touch $(STAMP)
 
 install: $(STAMP)

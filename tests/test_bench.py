@@ -188,7 +188,8 @@ def test_bench_ops_records_the_chunk_size_actually_used(tmp_path, capsys, monkey
     monkeypatch.setattr(ops, "chunk_size_used", fake_used)
     out = tmp_path / "o"
     argv = ["bench", "ops", "--T", "64", "--repeats", "1", "--warmup", "0", "--min-time", "0", "--matmul-n", "64",
-            "--modes", "chunk", "--passes", "fwd", "--chunk-size", "48", "--no-memory", "--quiet", "--out", str(out)]
+            "--modes", "chunk", "--passes", "fwd", "--chunk-size", "48", "--no-memory", "--quiet", "--out", str(out),
+            "--families", "linear,delta,softmax"]
     assert cli.main(argv) == 0
     stdout = capsys.readouterr().out
     assert ("linear_attention", 48) in asked and ("delta_rule", 48) in asked

@@ -28,6 +28,8 @@ from linattn.models.registry import build_mixer, mixer_config_kwargs, mixer_spec
 
 DELTA = {"deltanet", "gated-deltanet", "efla", "efla-adaptive", "efla-loose"}
 HAS_DELTA = hasattr(linattn, "delta_rule")
+#: softmax attention fed back by linear attention: KV caches that grow like softmax attention's
+KV_CACHE = {"fox", "deltaformer", "path"}
 V = 61
 
 
@@ -117,7 +119,7 @@ def test_mixer_causal_and_state_dict(mixer):
 
 
 @pytest.mark.parametrize("mixer", [m for m in mixers() if not m.startswith(("softmax", "swa"))
-                                   and (HAS_DELTA or m not in DELTA)])
+                                   and (HAS_DELTA or m not in DELTA) and m not in KV_CACHE])
 def test_linear_cache_is_constant_size(mixer):
     model = tiny(mixer, n_layers=1)
     sizes = []
@@ -132,6 +134,14 @@ def test_linear_cache_is_constant_size(mixer):
 def test_softmax_cache_grows():
     model = tiny("softmax", n_layers=1)
     sizes = [model(ids_(B=1, T=T), use_cache=True).cache.nbytes() for T in (10, 1000)]
+    assert sizes[1] > sizes[0] > 0
+
+
+@pytest.mark.parametrize("mixer", sorted(KV_CACHE))
+def test_kv_cache_mixers_grow(mixer):
+    model = tiny(mixer, n_layers=1)
+    with torch.no_grad():
+        sizes = [model(ids_(B=1, T=T), use_cache=True).cache.nbytes() for T in (10, 100)]
     assert sizes[1] > sizes[0] > 0
 
 

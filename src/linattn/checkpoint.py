@@ -127,18 +127,42 @@ def read_checkpoint_config(path: PathLike) -> Dict[str, Any]:
 
 # --------------------------------------------------------------------------- saving
 
-def save_checkpoint(run_dir: PathLike, step: int, model: torch.nn.Module, *,
+def _save_weights(path: Path, model: Optional[torch.nn.Module], state_dict: Optional[Dict[str, torch.Tensor]],
+                  metadata: Dict[str, str]) -> None:
+    """model.safetensors from the model, or from a full state dict (tensors shared under several names,
+    like tied weights, are stored once, as safetensors' save_model does)."""
+    from safetensors.torch import save_file, save_model
+
+    if state_dict is None:
+        save_model(model, str(path), metadata=metadata)
+        return
+    seen: Dict[Any, str] = {}
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in state_dict.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+        if key is not None and key in seen:
+            continue
+        if key is not None:
+            seen[key] = name
+        out[name] = t.detach().to("cpu").contiguous()
+    save_file(out, str(path), metadata=metadata)
+
+
+def save_checkpoint(run_dir: PathLike, step: int, model: Optional[torch.nn.Module], *,
                     model_config: Dict[str, Any], tokenizer=None,
                     train_config: Optional[Dict[str, Any]] = None,
                     training_state: Optional[Dict[str, Any]] = None,
-                    extra: Optional[Dict[str, Any]] = None, keep_last: Optional[int] = 2) -> Path:
+                    extra: Optional[Dict[str, Any]] = None, keep_last: Optional[int] = 2,
+                    state_dict: Optional[Dict[str, torch.Tensor]] = None) -> Path:
     """Write checkpoint `run_dir/step_<step>` atomically and point `run_dir/latest` at it.
 
     `model_config` is the JSON dict of the model's config; `tokenizer` anything with `to_str()`
     (a BPETokenizer); `training_state` a dict for `torch.save` (optimizer state, RNG states, ...).
-    `keep_last` step folders are kept (None keeps all). Returns the step folder.
+    The weights are `model`'s, or `state_dict` (a full one, e.g. gathered from FSDP shards) with
+    model None. `keep_last` step folders are kept (None keeps all). Returns the step folder.
     """
-    from safetensors.torch import save_model
+    if (model is None) == (state_dict is None):
+        raise CheckpointError("save_checkpoint needs exactly one of model and state_dict")
 
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -150,7 +174,7 @@ def save_checkpoint(run_dir: PathLike, step: int, model: torch.nn.Module, *,
     final = run / name
     tmp.mkdir()
     try:
-        save_model(model, str(tmp / MODEL_FILE), metadata={"format": CHECKPOINT_FORMAT, "step": str(int(step))})
+        _save_weights(tmp / MODEL_FILE, model, state_dict, {"format": CHECKPOINT_FORMAT, "step": str(int(step))})
         _fsync_file(tmp / MODEL_FILE)
         if tokenizer is not None:
             (tmp / TOKENIZER_FILE).write_text(tokenizer.to_str(), encoding="utf-8")
@@ -239,7 +263,8 @@ def load_training_state(ckpt_dir: PathLike, map_location: Union[str, torch.devic
     try:
         return torch.load(f, map_location=map_location, weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {first}") from None
 
 
 def load_checkpoint(path: PathLike, device: Union[str, torch.device] = "cpu", *,

@@ -100,6 +100,45 @@ def cmd_generate(sub) -> None:
 COMMANDS += [cmd_train, cmd_eval, cmd_generate]
 
 
+# export-hf / import-hf: Hugging Face transformers folders (linattn.hf, needs the `hf` extra).
+def _hf_command(sub, name: str, help: str, source_flag: str, source_help: str, out_help: str, entry: str) -> None:
+    p = sub.add_parser(name, help=help, description=help + " (needs `pip install linattn[hf]`)")
+    p.add_argument(source_flag, required=True, help=source_help)
+    p.add_argument("--out", required=True, help=out_help)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+    def run(args):
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            raise UsageError(f"{name} needs the transformers library: pip install 'linattn[hf]'", prog=f"{PROG} {name}")
+        from .errors import LinattnError
+        from .hf import convert  # lazy: transformers is imported only for these commands
+
+        try:
+            return getattr(convert, entry)(args)
+        except LinattnError as e:
+            return report_error(_one_line(e), f"{PROG} {name}")
+
+    p.set_defaults(run=run)
+
+
+def cmd_export_hf(sub) -> None:
+    _hf_command(sub, "export-hf", "write a checkpoint and its tokenizer as a Hugging Face transformers folder",
+                "--checkpoint", "run folder (its latest checkpoint) or step folder",
+                "the transformers folder to write (AutoModelForCausalLM / AutoTokenizer / pipeline load it)",
+                "export_main")
+
+
+def cmd_import_hf(sub) -> None:
+    _hf_command(sub, "import-hf", "write a Hugging Face folder exported by linattn as a linattn checkpoint",
+                "--model", "the transformers folder (export-hf's --out, or a saved LinattnForCausalLM)",
+                "run folder to write the checkpoint into (for eval, generate)", "import_main")
+
+
+COMMANDS += [cmd_export_hf, cmd_import_hf]
+
+
 # experiment: the experiment suite (linattn.experiments); each experiment parses its own options.
 def cmd_experiment(sub) -> None:
     from . import experiments  # the registry only: no experiment module is imported
@@ -110,6 +149,31 @@ def cmd_experiment(sub) -> None:
 
 
 COMMANDS.append(cmd_experiment)
+
+
+# vision: YOLO-LAT object detection (linattn.vision); each action parses its own options.
+def cmd_vision(sub) -> None:
+    p = sub.add_parser(
+        "vision", help="YOLO-LAT object detection: train, eval, detect, export-onnx, synth",
+        description="YOLO-LAT object detection (linear attention in the neck of a small YOLO):\n"
+                    "  linattn vision train --data DIR|synthetic --out DIR --epochs N\n"
+                    "                       --neck hadamard_exp|softmax|conv|<feature map>\n"
+                    "  linattn vision eval --checkpoint DIR [--data DIR]\n"
+                    "  linattn vision detect --checkpoint DIR IMAGE...\n"
+                    "  linattn vision export-onnx --checkpoint DIR --out FILE\n"
+                    "  linattn vision synth --out DIR [--mnist DIR|glyphs]\n\n"
+                    "`linattn vision ACTION --help` shows an action's own options.")
+    p.add_argument("action", metavar="ACTION", nargs="?", help="train, eval, detect, export-onnx or synth")
+    p.add_argument("args", nargs="...", help="the action's options")
+
+    def run(args):
+        from .vision.commands import main  # lazy: imported only for `linattn vision`
+        return main(args.action, args.args)
+
+    p.set_defaults(run=run)
+
+
+COMMANDS.append(cmd_vision)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ BENCHMARKS: Dict[str, Tuple[str, str]] = {
                                                "(paper Fig. 9), vs softmax+KV cache and a linear LM"),
     "decode": ("linattn.bench.decode",
                "per-token decode latency and cache bytes vs context, each mixer vs softmax+KV cache"),
+    "vision": ("linattn.bench.vision", "YOLO-LAT necks: parameters, FLOPs, CPU latency per image at 320/640, "
+                                       "neck cost vs grid size"),
 }
 
 HELP = "run a benchmark (" + ", ".join(BENCHMARKS) + ")"

@@ -1,7 +1,9 @@
 """`linattn bench ops`: operator speed against sequence length T.
 
 For each T: causal normalised elu+1 `linear_attention`, the delta rule (DeltaNet, Gated DeltaNet,
-EFLA) and `softmax_attention` (SDPA), forward and
+EFLA), its variants (Comba, DeltaProduct, Kimi Delta Attention), the test-time family (MesaNet,
+TTT-Linear, TTT-MLP, Titans), the softmax side (FoX, DeltaFormer, PaTH: chunk form only) and
+`softmax_attention` (SDPA), forward and
 forward+backward, chunk and recurrent forms (recurrent only up to a cap: it is a Python loop over
 tokens). Reports ms (median and spread), speed-up over softmax and over the op's own recurrent form,
 achieved GFLOP/s against the machine's measured matmul rate, and peak memory; then the issue's
@@ -26,8 +28,23 @@ import torch.nn.functional as F
 
 from ..cli_support import UsageError
 from ..io import atomic_write_text, write_json
-from ..ops import chunk_size_used, delta_rule, linear_attention, softmax_attention
-from ..ops.reference import delta_rule_ref, linear_attention_ref
+from ..ops import (
+    chunk_size_used,
+    comba,
+    delta_product,
+    delta_rule,
+    deltaformer,
+    forgetting_attention,
+    linear_attention,
+    mesa_net,
+    path_attention,
+    prepare_mesa_net,
+    prepare_ttt,
+    softmax_attention,
+    titans,
+    ttt,
+)
+from ..ops.reference import comba_ref, delta_product_ref, delta_rule_ref, linear_attention_ref, mesa_net_ref, ttt_ref
 from . import common
 
 DESCRIPTION = __doc__.split("\n\n")[0] + """
@@ -38,11 +55,22 @@ really uses, printed in column C and recorded as chunk_size_used, which can diff
   linear recurrent  4*B*H*T*K*V
   delta chunk       B*H*T*(6*C*K + 4*C*V + 6*K*V)   (WY/UT form; the triangular solve is not counted)
   delta recurrent   6*B*H*T*K*V
+                    (the same for Comba and KDA; DeltaProduct counts T*n sub-steps, C in sub-steps)
   softmax           2*B*H*T^2*(K+V)   (counts the masked half too; causal kernels do about half of it)
+  FoX chunk         B*H*T*(T+C)*(K+V)  (the block pairs on and below the diagonal the sweep computes)
+  DeltaFormer chunk 2*B*H*T*(T+C)*(K+V)  (stage one, then stage two: two such sweeps)
+  PaTH chunk        B*H*T*((T+C)*(K+V) + 2*T*K)  (the scores and values, plus moving the key cache
+                    across every block; the intra-block UT solves are not counted)
+  MesaNet chunk     B*H*T*(I*(4*C*K + 2*K^2) + 2*K*(K+V) + 2*C*(K+V) + 2*K*V)   (solver="cg" with
+                    I = max_iter = 30 iterations and tol=0, so every token runs all of them)
+  MesaNet recurrent B*H*T*(2*K*(K+V) + 2*I*K^2 + 2*K*V)
+  TTT / Titans      B*H*T*sum over inner layers (a -> b) of (6*a*b + 2*M*(a+b)), M = mini_batch (16) in
+                    the chunk form, 0 in the recurrent one; TTT-MLP and Titans (MLP) add 2*Dh*V for the
+                    backprop to the hidden layer, Dh = 4K (LayerNorm, GELU and the momentum not counted)
 """
 
 TARGET_T = 16384
-FAMILIES = ("linear", "delta", "softmax")
+FAMILIES = ("linear", "delta", "delta-variants", "feedback", "test-time", "softmax")
 MODES = ("chunk", "recurrent")
 PASSES = ("fwd", "fwdbwd")
 PASS_LABEL = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}
@@ -50,6 +78,10 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float64": torch.float64}
 DEFAULT_T = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 DEFAULT_MAX_T_SOFTMAX_CPU = 32768
+DP_HOUSEHOLDER = 2  # delta_product's keys per token in the benchmark
+TT_MINI_BATCH = 16  # ttt / titans: tokens per inner gradient step (the TTT paper's value)
+TT_HIDDEN = 4       # ttt-mlp / titans: inner MLP width = TT_HIDDEN * K
+MESA_ITERS = 30     # mesa_net: CG iterations (its default max_iter; tol=0, so all of them run)
 
 
 @dataclass(frozen=True)
@@ -68,9 +100,24 @@ OPS: Tuple[OpDef, ...] = (
     OpDef("deltanet", "delta", "DeltaNet", MODES, color="C1"),
     OpDef("gated_deltanet", "delta", "Gated DeltaNet", MODES, gated=True, color="C2"),
     OpDef("efla", "delta", "EFLA", MODES, exact=True, color="C3"),
+    OpDef("comba", "delta-variants", "Comba", MODES, gated=True, color="C4"),
+    OpDef("delta_product", "delta-variants", f"DeltaProduct n={DP_HOUSEHOLDER}", MODES, color="C5"),
+    OpDef("kda", "delta-variants", "KDA", MODES, gated=True, color="C6"),
+    # family "feedback": softmax attention fed back by linear attention (chunk form only: the
+    # decoding step is a Python loop over tokens of O(T) attention steps)
+    OpDef("fox", "feedback", "FoX", ("chunk",), gated=True, color="C7"),
+    OpDef("deltaformer", "feedback", "DeltaFormer", ("chunk",), color="C8"),
+    OpDef("path", "feedback", "PaTH", ("chunk",), color="C9"),
+    # family "test-time": MesaNet (solver="cg", max_iter=30), TTT-Linear, TTT-MLP (hidden 4K), Titans
+    # (MLP memory); mini_batch = TT_MINI_BATCH, a model hyper-parameter, not --chunk-size
+    OpDef("mesanet", "test-time", "MesaNet (CG)", MODES, gated=True, color="C0"),
+    OpDef("ttt_linear", "test-time", "TTT-Linear", MODES, color="C1"),
+    OpDef("ttt_mlp", "test-time", "TTT-MLP", MODES, color="C2"),
+    OpDef("titans", "test-time", "Titans (MLP)", MODES, color="C3"),
     OpDef("softmax", "softmax", "softmax (SDPA)", ("sdpa",), color="k"),
 )
 OP_BY_KEY = {o.key: o for o in OPS}
+DELTA_VARIANTS = {"comba": comba, "delta_product": delta_product, "kda": delta_rule}  # family "delta-variants"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,8 +139,74 @@ def _make_inputs(op: OpDef, B, T, H, K, V, dtype, device, seed) -> Dict[str, tor
         x["beta"] = torch.sigmoid(randn(B, T, H))
         if op.gated:
             x["g"] = -F.softplus(randn(B, T, H)) / 16
+    if op.family == "delta-variants":  # L2-normalised q and k, beta = sigmoid, gates as Gated DeltaNet's
+        q = F.normalize(q, dim=-1)
+        n = DP_HOUSEHOLDER if op.key == "delta_product" else 1
+        if op.key == "delta_product":
+            k, v = randn(B, T, H, n, K), randn(B, T, H, n, V)
+        k = F.normalize(k, dim=-1)
+        x["beta"] = torch.sigmoid(randn(B, T, H, n) if op.key == "delta_product" else randn(B, T, H))
+        if op.key == "comba":
+            x["g"] = -F.softplus(randn(B, T, H)) / 16
+        elif op.key == "kda":
+            x["g"] = -F.softplus(randn(B, T, H, K)) / 16     # per key channel
+    if op.family == "feedback":  # FoX: g = logsigmoid(N(2, 1)); DeltaFormer: beta = sigmoid; PaTH: unit w, 2 sigmoid
+        if op.key == "fox":
+            x["g"] = F.logsigmoid(randn(B, T, H) + 2.0)
+        elif op.key == "deltaformer":
+            x["beta"] = torch.sigmoid(randn(B, T, H))
+        else:
+            x["w"] = F.normalize(randn(B, T, H, K), dim=-1)
+            x["beta"] = 2 * torch.sigmoid(randn(B, T, H))
+    if op.family == "test-time":  # as the layers at initialisation
+        if op.key in ("mesanet", "titans"):
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        if op.key == "mesanet":
+            x["beta"] = torch.sigmoid(randn(B, T, H))
+            x["g"] = F.logsigmoid(randn(B, T, H))
+            x["lam"] = torch.ones(H, K)
+        else:
+            x["lr"] = torch.sigmoid(randn(B, T, H)) / K * (1.0 if op.key == "ttt_linear" else 0.1)
+            if op.key == "titans":
+                x["alpha"] = torch.sigmoid(randn(B, T, H) - 4.0)
+                x["momentum"] = torch.sigmoid(randn(B, T, H))
+            if op.key == "ttt_linear":
+                x["W"], x["b"] = 0.02 * randn(H, K, V), torch.zeros(H, V)
+            else:
+                Dh = TT_HIDDEN * K
+                x["W1"], x["b1"] = 0.02 * randn(H, K, Dh), torch.zeros(H, Dh)
+                x["W2"], x["b2"] = 0.02 * randn(H, Dh, V), torch.zeros(H, V)
     x.update(q=q, k=k, v=v)
     return {name: t.to(device=device, dtype=dtype).contiguous() for name, t in x.items()}
+
+
+def _test_time_call(op: str, x: Dict[str, torch.Tensor], mode: str, chunk_size: int):
+    """(op name, function, positional args, keyword args) of a test-time family case."""
+    if op == "mesanet":
+        return "mesa_net", mesa_net, (x["q"], x["k"], x["v"], x["beta"], x["g"], x["lam"]), dict(
+            mode=mode, chunk_size=chunk_size, max_iter=MESA_ITERS, tol=0.0)
+    if op == "ttt_linear":
+        kw = dict(inner="linear", initial_state=(x["W"], x["b"]))
+    else:
+        kw = dict(inner="mlp", initial_state=(x["W1"], x["b1"], x["W2"], x["b2"]))
+    kw.update(mode=mode, mini_batch=TT_MINI_BATCH)
+    if op == "titans":
+        return "titans", titans, (x["q"], x["k"], x["v"], x["lr"], x["alpha"], x["momentum"]), kw
+    return "ttt", ttt, (x["q"], x["k"], x["v"], x["lr"]), kw
+
+
+def _test_time_flops(op: str, mode: str, B, T, H, K, V, C) -> float:
+    if op == "mesanet":
+        n_it = MESA_ITERS
+        if mode == "chunk":
+            return B * H * T * (n_it * (4.0 * C * K + 2.0 * K * K) + 2.0 * K * (K + V) + 2.0 * C * (K + V)
+                                + 2.0 * K * V)
+        return B * H * T * (2.0 * K * (K + V) + 2.0 * n_it * K * K + 2.0 * K * V)
+    M = C if mode == "chunk" else 0
+    Dh = TT_HIDDEN * K
+    layers = [(K, V)] if op == "ttt_linear" else [(K, Dh), (Dh, V)]
+    f = sum(6.0 * a * b + 2.0 * M * (a + b) for a, b in layers) + (0.0 if op == "ttt_linear" else 2.0 * Dh * V)
+    return B * H * T * f
 
 
 def _case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int, dtype: str, device: str,
@@ -111,6 +224,18 @@ def _case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int
     if opd.family == "delta":
         return x, "delta_rule", delta_rule, (x["q"], x["k"], x["v"], x["beta"]), dict(
             g=x.get("g"), exact=opd.exact, mode=mode, chunk_size=chunk_size)
+    if opd.family == "delta-variants":
+        return x, "delta_rule" if op == "kda" else op, DELTA_VARIANTS[op], (x["q"], x["k"], x["v"], x["beta"]), dict(
+            g=x.get("g"), mode=mode, chunk_size=chunk_size)
+    if opd.family == "feedback":
+        kw = dict(mode=mode, block_size=chunk_size)
+        if op == "fox":
+            return x, "forgetting_attention", forgetting_attention, (x["q"], x["k"], x["v"], x["g"]), kw
+        if op == "deltaformer":
+            return x, "deltaformer", deltaformer, (x["q"], x["k"], x["v"], x["beta"]), kw
+        return x, "path_attention", path_attention, (x["q"], x["k"], x["v"], x["w"], x["beta"]), kw
+    if opd.family == "test-time":
+        return (x, *_test_time_call(op, x, mode, chunk_size))
     return x, "softmax_attention", softmax_attention, (x["q"], x["k"], x["v"]), dict(causal=True)
 
 
@@ -148,15 +273,27 @@ def case_chunk_size(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: i
     """The chunk size a chunk-form case really runs with (None for the other forms)."""
     if mode != "chunk" or OP_BY_KEY[op].family == "softmax":
         return None
+    if OP_BY_KEY[op].family == "feedback":   # block_size as asked, capped at T (one block)
+        return min(chunk_size, T)
     _, name, _, args, kwargs = _case(op, mode, pass_, B, T, H, K, V, dtype, device, chunk_size, seed)
+    if OP_BY_KEY[op].family == "test-time":   # MesaNet: its chunk size; TTT / Titans: the mini-batch
+        return (prepare_mesa_net if name == "mesa_net" else prepare_ttt)(*args, **kwargs).chunk_size_used()
     return chunk_size_used(name, *args, **kwargs)
 
 
 def flops(op: str, mode: str, pass_: str, B, T, H, K, V, C) -> float:
     """Nominal flop count of one call (see DESCRIPTION for the conventions)."""
     fam = OP_BY_KEY[op].family
+    if op == "delta_product":
+        T = T * DP_HOUSEHOLDER  # the delta rule over n sub-steps per token (C counts sub-steps)
     if fam == "softmax":
         f = 2.0 * B * H * T * T * (K + V)
+    elif fam == "feedback":
+        f = B * H * T * (T + C) * (K + V) * (2.0 if op == "deltaformer" else 1.0)
+        if op == "path":
+            f += 2.0 * B * H * T * T * K
+    elif fam == "test-time":
+        f = _test_time_flops(op, mode, B, T, H, K, V, C)
     elif fam == "linear":
         f = 4.0 * B * H * T * K * (C + V) if mode == "chunk" else 4.0 * B * H * T * K * V
     else:
@@ -190,7 +327,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     p.add_argument("--families", type=_csv(FAMILIES), default=list(FAMILIES),
-                   help="comma-separated subset of linear,delta,softmax (default all)")
+                   help=f"comma-separated subset of {','.join(FAMILIES)} (default all; delta-variants: Comba, "
+                        f"DeltaProduct with n={DP_HOUSEHOLDER}, KDA)")
     p.add_argument("--modes", type=_csv(MODES), default=list(MODES),
                    help="forms of linear and delta: chunk,recurrent (default both)")
     p.add_argument("--passes", type=_csv(PASSES), default=list(PASSES),
@@ -570,7 +708,16 @@ def run(a) -> int:
         "output gradient into all float inputs (q, k, v; beta, g for the delta rule)",
         "inputs: q, k, v ~ N(0, 1); elu+1 linear attention is causal and normalised; DeltaNet and Gated "
         "DeltaNet use L2-normalised q, k, beta = sigmoid(N(0,1)), Gated DeltaNet g = -softplus(N(0,1))/16; "
-        "EFLA (exact=True) uses raw keys",
+        "EFLA (exact=True) uses raw keys; delta-variants: Comba (p = k, g as Gated DeltaNet), DeltaProduct "
+        "(n=%d keys per token, no gate; its C counts sub-steps), KDA (delta_rule with g = -softplus(N(0,1))/16 "
+        "per key channel), all with L2-normalised q, k and beta = sigmoid(N(0,1))" % DP_HOUSEHOLDER,
+        "feedback (chunk form, block = C): FoX g = logsigmoid(N(2, 1)); DeltaFormer beta = sigmoid(N(0,1)), "
+        "stage1_query k; PaTH w = L2-normalised N(0, 1), beta = 2 sigmoid(N(0,1)), no forget gate",
+        "test-time (as the layers at initialisation): MesaNet L2-normalised q, k, beta = sigmoid(N(0,1)), "
+        "g = logsigmoid(N(0,1)), lam = 1, solver cg with %d iterations and tol=0; TTT-Linear / TTT-MLP / Titans "
+        "raw q, k (Titans: L2-normalised), learning rate sigmoid(N(0,1))/K (x0.1 for the MLPs), Titans alpha = "
+        "sigmoid(N(0,1) - 4), eta = sigmoid(N(0,1)), inner weights N(0, 0.02), MLP hidden %dK, mini_batch %d "
+        "(its C)" % (MESA_ITERS, TT_HIDDEN, TT_MINI_BATCH),
         "softmax/op: softmax_attention time / op time at the same T and pass; rec/chunk: the op's recurrent "
         "time / its chunk time",
         "C: the chunk size the chunk form really ran with (a backend may round or cap --chunk-size=%d; "
@@ -640,7 +787,8 @@ def run_exactness(T: int = 37, B: int = 2, H: int = 2, K: int = 6, V: int = 5, c
     """Max error of every form of every operator against its fp64 reference (linattn.ops.reference).
 
     linear_attention: each feature map (causal, normalised) in parallel, chunk and recurrent form.
-    delta_rule: DeltaNet, Gated DeltaNet, EFLA, gated EFLA in the three forms.
+    delta_rule: DeltaNet, Gated DeltaNet, EFLA, gated EFLA, KDA in the three forms; comba; delta_product.
+    mesa_net (both solvers, three forms); ttt and titans (chunk and recurrent: no parallel form).
     T is deliberately not a multiple of chunk_size (padding and several chunks are exercised).
     """
     from ..feature_maps import FEATURE_MAP_NAMES, FAVORPlus, get_feature_map
@@ -678,6 +826,58 @@ def run_exactness(T: int = 37, B: int = 2, H: int = 2, K: int = 6, V: int = 5, c
         ref, _ = delta_rule_ref(qq, kk, v, beta, g=gg, exact=exact, scale=scale)
         for mode in ("parallel", "chunk", "recurrent"):
             record("delta_rule", name, mode, ref, delta_rule, qq, kk, v, beta, g=gg, exact=exact, scale=scale)
+    # the delta rule's variants: Kimi Delta Attention (a log-gate per key channel), Comba (p = k) and
+    # Gated DeltaProduct (2 keys per token, beta in (0, 2))
+    gk = -F.softplus(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)) / 4
+    k2 = F.normalize(torch.randn(B, T, H, 2, K, generator=gen, dtype=torch.float64), dim=-1)
+    v2 = torch.randn(B, T, H, 2, V, generator=gen, dtype=torch.float64)
+    b2 = 2 * torch.sigmoid(torch.randn(B, T, H, 2, generator=gen, dtype=torch.float64))
+    refs = [("delta_rule", "KDA", delta_rule_ref(qn, kn, v, beta, g=gk, scale=scale)[0], delta_rule,
+             (qn, kn, v, beta), gk),
+            ("comba", "Comba", comba_ref(qn, kn, v, beta, g=g, scale=scale)[0], comba, (qn, kn, v, beta), g),
+            ("delta_product", "Gated DeltaProduct n=2", delta_product_ref(qn, k2, v2, b2, g=g, scale=scale)[0],
+             delta_product, (qn, k2, v2, b2), g)]
+    for family, name, ref, op, args, gg in refs:
+        for mode in ("parallel", "chunk", "recurrent"):
+            record(family, name, mode, ref, op, *args, g=gg, scale=scale)
+    # the test-time family: MesaNet (both solvers), TTT-Linear and Titans (mini-batches of 4, no residual
+    # so that V may differ from K; chunk and recurrent: they have no parallel form)
+    lam = 0.5 + torch.rand(H, K, generator=gen, dtype=torch.float64)
+    ref = mesa_net_ref(qn, kn, v, beta, g, lam)[0]
+    for solver in ("exact", "cg"):
+        for mode in ("parallel", "chunk", "recurrent"):
+            record("mesa_net", f"MesaNet ({solver})", mode, ref, mesa_net, qn, kn, v, beta, g, lam, solver=solver)
+    w0 = (0.3 * torch.randn(B, H, K, V, generator=gen, dtype=torch.float64),
+          0.1 * torch.randn(B, H, V, generator=gen, dtype=torch.float64))
+    alpha = 0.1 * torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    mom = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    lr = 0.3 * beta
+
+    def tt(*args, mode, chunk_size, **kw):  # the mini-batch is the model's, not a chunk size
+        return (titans if len(args) == 6 else ttt)(*args, mode=mode, mini_batch=4, residual=False,
+                                                   initial_state=w0, **kw)
+
+    for name, args, extra in (("TTT-Linear", (q, k, v, lr), {}),
+                              ("Titans (linear)", (q, k, v, lr, alpha, mom), dict(alpha=alpha, momentum=mom))):
+        ref = ttt_ref(q, k, v, lr, w0, mini_batch=4, residual=False, **extra)[0]
+        for mode in ("chunk", "recurrent"):
+            record("ttt" if len(args) == 4 else "titans", name, mode, ref, tt, *args)
+    # the softmax side, FoX, DeltaFormer, PaTH (with FoX's gate): block_size plays chunk_size's part
+    from ..ops.reference import deltaformer_ref, forgetting_attention_ref, path_attention_ref
+
+    gf = F.logsigmoid(torch.randn(B, T, H, generator=gen, dtype=torch.float64) + 1.0)
+    wn = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    feedback = (
+        ("forgetting_attention", "FoX", forgetting_attention_ref(q, k, v, gf),
+         lambda mode, chunk_size: forgetting_attention(q, k, v, gf, mode=mode, block_size=chunk_size)),
+        ("deltaformer", "DeltaFormer", deltaformer_ref(q, k, v, beta)[0],
+         lambda mode, chunk_size: deltaformer(q, k, v, beta, mode=mode, block_size=chunk_size)),
+        ("path_attention", "PaTH-FoX", path_attention_ref(q, k, v, wn, 2 * beta, g=gf),
+         lambda mode, chunk_size: path_attention(q, k, v, wn, 2 * beta, g=gf, mode=mode, block_size=chunk_size)),
+    )
+    for family, name, ref, fn in feedback:
+        for mode in ("parallel", "chunk", "recurrent"):
+            record(family, name, mode, ref, lambda mode, chunk_size, fn=fn: (fn(mode, chunk_size),))
     return rows
 
 

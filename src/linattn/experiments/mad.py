@@ -11,7 +11,9 @@ linear head. SwiGLU inner width 352 (int(2 * 128 * 4/3) rounded up to 16, mad-la
 softmax with 16 heads of 8 and RoPE (mad-lab: mh-attention, rotary dim 8); linear attention with
 16 heads and the elu+1 or Hadamard Exp (phi = exp) feature map, normalised (the library's
 `linear-*` layer); DeltaNet, Gated DeltaNet and EFLA with 4 heads of 32 (Gated DeltaNet with value
-heads of 64, mad-lab's gated-delta-net config), short convolutions, sigmoid beta.
+heads of 64, mad-lab's gated-delta-net config), short convolutions, sigmoid beta; Comba,
+DeltaProduct (n = 2) and KDA in DeltaNet's shape (not in the paper's table); FoX, DeltaFormer and
+PaTH in softmax's shape (16 heads of 8; not in the paper's table either).
 Compression uses mad-lab's AutoEncoder: the same encoder layers, the last position pooled, a
 non-expanding MLP decoder (RMSNorm, Linear, GELU, RMSNorm, Linear, GELU) applied to the pooled
 vector plus sinusoidal position embeddings for every position, RMSNorm, linear head.
@@ -63,6 +65,21 @@ MIXERS: Dict[str, Tuple[str, int, Dict[str, Any], str]] = {
     "deltanet": ("deltanet", 4, {}, "DeltaNet"),
     "gated-deltanet": ("gated-deltanet", 4, {"head_dim_v": 64}, "Gated DeltaNet"),
     "efla": ("efla", 4, {}, "EFLA"),
+    # the delta-rule variants in DeltaNet's shape (4 heads of 32, short convolutions, sigmoid beta)
+    "comba": ("comba", 4, {}, "Comba"),
+    "delta-product": ("delta-product", 4, {}, "DeltaProduct (n=2)"),
+    "kda": ("kda", 4, {}, "KDA"),
+    # softmax attention fed back by linear attention, in softmax's shape (16 heads of 8): FoX (forget
+    # gate, no RoPE), DeltaFormer (RoPE, stage one keys score keys), PaTH (Householder positions, no RoPE)
+    "fox": ("fox", 16, {}, "FoX"),
+    "deltaformer": ("deltaformer", 16, {}, "DeltaFormer"),
+    "path": ("path", 16, {}, "PaTH"),
+    # test-time regression / training, in DeltaNet's shape (4 heads of 32, short convolutions): MesaNet
+    # (CG, 30 iterations), TTT-Linear, TTT-MLP (hidden 128), Titans (MLP memory); mini-batches of 16
+    "mesanet": ("mesanet", 4, {}, "MesaNet"),
+    "ttt-linear": ("ttt-linear", 4, {}, "TTT-Linear"),
+    "ttt-mlp": ("ttt-mlp", 4, {}, "TTT-MLP"),
+    "titans": ("titans", 4, {}, "Titans"),
 }
 
 # the EFLA paper, appendix B, Table 2 (MAD accuracy, %)

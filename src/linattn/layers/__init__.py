@@ -8,12 +8,19 @@ from .base import AttentionBase
 from .cache import Cache, KVCache, LayerCache, tensor_nbytes
 from .common import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, SwiGLU, l2_normalize
 from .delta import EFLA, DeltaNet, GatedDeltaNet
+from .delta_family import KDA, Comba, DeltaProduct
 from .linear_attention import GATES, LinearAttention
+from .mesa import MesaNet
 from .packing import check_cu_seqlens, packed_positions
 from .softmax import SoftmaxAttention
+from .softmax_family import DeltaFormer, FoX, PaTH
+from .ttt import TTT, Titans
 
 __all__ = [
     "AttentionBase", "LinearAttention", "DeltaNet", "GatedDeltaNet", "EFLA", "SoftmaxAttention",
+    "Comba", "DeltaProduct", "KDA",
+    "FoX", "DeltaFormer", "PaTH",
+    "MesaNet", "TTT", "Titans",
     "Cache", "LayerCache", "KVCache", "tensor_nbytes",
     "RMSNorm", "GatedRMSNorm", "RotaryEmbedding", "ShortConv", "SwiGLU", "l2_normalize", "GATES",
     "check_cu_seqlens", "packed_positions",

@@ -33,11 +33,16 @@ def tensor_nbytes(obj: Any) -> int:
 
 
 class LayerCache(dict):
-    """The decoding state of one module. `offset` is the number of tokens it has consumed."""
+    """The decoding state of one module. `offset` is the number of tokens it has consumed: an int,
+    or an int64 tensor `[B]` when the rows of a batch have consumed different numbers of tokens
+    (a left-padded batch: row b's tokens are then the last offset[b] of every stored sequence)."""
 
     @property
-    def offset(self) -> int:
-        return int(self.get("offset", 0))
+    def offset(self):
+        o = self.get("offset", 0)
+        if isinstance(o, torch.Tensor) and o.dim() == 1:
+            return o
+        return int(o)
 
     def nbytes(self) -> int:
         return sum(tensor_nbytes(v) for k, v in self.items() if k != "offset")

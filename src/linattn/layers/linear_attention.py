@@ -83,9 +83,11 @@ class LinearAttention(AttentionBase):
         self.scale = self.resolve_scale(scale, self.head_dim)
         self.chunk_size, self.eps = int(chunk_size), float(eps)
         H = self.n_heads
+        self._gamma: Optional[torch.Tensor] = None
         if gate == "retnet":
-            gamma = 1.0 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float64))
-            self.register_buffer("gamma", gamma.float(), persistent=False)
+            # a plain CPU attribute computed from H (like RoPE's tables), not a buffer: building the
+            # layer on the meta device (transformers' from_pretrained) cannot lose it
+            self._gamma = (1.0 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float64, device="cpu"))).float()
         elif gate == "scalar":
             self.a_proj = nn.Linear(d_model, H, bias=False)
             A_log, dt_bias = init_mamba_decay(H)
@@ -96,6 +98,16 @@ class LinearAttention(AttentionBase):
             self.gk_proj = nn.Sequential(nn.Linear(d_model, gate_low_rank, bias=False),
                                          nn.Linear(gate_low_rank, H * self.feature_dim, bias=True))
             self.gate_normalizer = float(gate_normalizer)
+
+    @property
+    def gamma(self) -> Optional[torch.Tensor]:
+        """RetNet's fixed per-head decay `[H]` (None for the other gates)."""
+        return self._gamma
+
+    def _gamma_on(self, device: torch.device) -> Optional[torch.Tensor]:
+        if self._gamma is not None and self._gamma.device != device:
+            self._gamma = self._gamma.to(device)
+        return self._gamma
 
     def log_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The data-dependent log-decay for x: `[B, T, H]` (scalar) or `[B, T, H, K_phi]` (diagonal)."""
@@ -111,7 +123,7 @@ class LinearAttention(AttentionBase):
         T = x.shape[1]
         o, state = linear_attention(
             q, k, v, feature_map=self.feature_map, causal=True, normalize=self.normalize,
-            gamma=self.gamma if self.gate == "retnet" else None, g=self.log_gate(x), scale=self.scale,
+            gamma=self._gamma_on(q.device), g=self.log_gate(x), scale=self.scale,
             mode=self._mode(cache, T), chunk_size=self.chunk_size,
             initial_state=cache.get("state") if cache is not None else None,
             output_final_state=cache is not None, cu_seqlens=cu_seqlens, eps=self.eps)

@@ -41,11 +41,14 @@ class SoftmaxAttention(AttentionBase):
             kv = cache["kv"] = KVCache(chunk=self.kv_chunk, window=self.window)
         T = q.shape[1]
         k_all, v_all, start = kv.append(k, v)
-        qpos = cache.offset + torch.arange(T, device=q.device)
-        kpos = start + torch.arange(k_all.shape[1], device=q.device)
-        if T == 1 and self.window is None:
+        offset = cache.offset
+        if isinstance(offset, torch.Tensor):  # per-row offsets: left-padded rows, see _row_mask
+            mask = self._row_mask(offset.to(q.device), T, k_all.shape[1])
+        elif T == 1 and self.window is None:
             mask = None  # one new query sees every stored key
         else:
+            qpos = offset + torch.arange(T, device=q.device)
+            kpos = start + torch.arange(k_all.shape[1], device=q.device)
             diff = qpos[:, None] - kpos[None, :]
             mask = diff >= 0
             if self.window is not None:
@@ -53,6 +56,18 @@ class SoftmaxAttention(AttentionBase):
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
                                            attn_mask=mask, scale=self.scale)
         return o.transpose(1, 2)
+
+    def _row_mask(self, offset: torch.Tensor, T: int, L: int) -> torch.Tensor:
+        """The `[B, 1, T, L]` mask of a batch whose rows have consumed `offset[b]` tokens before
+        these T: row b's tokens fill the last offset[b] + T of the L stored slots, so slot j holds
+        its position offset[b] + T - L + j, and a negative position is left padding (masked)."""
+        qpos = offset[:, None] + torch.arange(T, device=offset.device)                   # [B, T]
+        kpos = (offset[:, None] + T - L) + torch.arange(L, device=offset.device)        # [B, L]
+        diff = qpos[:, :, None] - kpos[:, None, :]
+        mask = (diff >= 0) & (kpos[:, None, :] >= 0)
+        if self.window is not None:
+            mask = mask & (diff < self.window)
+        return mask[:, None]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", window={self.window}"

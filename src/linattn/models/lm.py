@@ -23,6 +23,7 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from ..errors import LinattnError, LinattnTypeError
 from ..layers import Cache, RMSNorm, SwiGLU, check_cu_seqlens
@@ -152,6 +153,8 @@ class LanguageModel(nn.Module, CausalLM):
 
     #: forward accepts cu_seqlens (packed documents)
     supports_cu_seqlens = True
+    #: recompute each block in the backward pass instead of keeping its activations (training only)
+    activation_checkpointing = False
 
     def __init__(self, config: LMConfig):
         super().__init__()
@@ -186,7 +189,8 @@ class LanguageModel(nn.Module, CausalLM):
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cache: Optional[Cache] = None, *, use_cache: bool = False,
-                targets: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None) -> LMOutput:
+                targets: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                logits_to_keep: Union[int, torch.Tensor] = 0) -> LMOutput:
         """input_ids `[B, T]` (int64) -> LMOutput(logits `[B, T, vocab]`, aux_loss, cache[, loss]).
 
         cache: a `Cache` from an earlier call (continued and updated in place); use_cache=True
@@ -194,6 +198,9 @@ class LanguageModel(nn.Module, CausalLM):
         cu_seqlens (int64 `[N+1]`, input_ids `[1, T_total]`): N packed documents, each run as if
         alone (every mixer's state, short convolution and positions restart at each document;
         the MoE routes per token as always). Not combined with a cache.
+        logits_to_keep: 0 computes the logits of every position; n > 0 those of the last n only;
+        a 1-D index tensor those positions (decoding needs only the last one). Not with targets.
+        With `activation_checkpointing` set, training recomputes each block in the backward pass.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (
                 torch.int64, torch.int32):
@@ -220,10 +227,18 @@ class LanguageModel(nn.Module, CausalLM):
                                    "with a cache (call it on the whole sequence instead)")
         x = self.embed(input_ids)
         aux = torch.zeros((), dtype=torch.float32, device=x.device)
+        recompute = self.activation_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         for block in self.blocks:
-            x, a = block(x, cache, cu_seqlens)
+            if recompute:
+                x, a = torch.utils.checkpoint.checkpoint(block, x, None, cu_seqlens, use_reentrant=False)
+            else:
+                x, a = block(x, cache, cu_seqlens)
             if a is not None:
                 aux = aux + a
+        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            if targets is not None:
+                raise LinattnError("logits_to_keep cannot be combined with targets (the loss needs every logit)")
+            x = x[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else x[:, logits_to_keep]
         if self.norm is not None:
             x = self.norm(x)
         logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
@@ -247,8 +262,9 @@ class LanguageModel(nn.Module, CausalLM):
         seen = []  # without an incremental form (bidirectional lobe): the whole sequence each step
 
         def forward(new_ids, out):
-            if causal:
-                return self(new_ids, use_cache=True) if out is None else self(new_ids, cache=out.cache)
+            if causal:  # only the last position's logits are sampled from
+                return (self(new_ids, use_cache=True, logits_to_keep=1) if out is None
+                        else self(new_ids, cache=out.cache, logits_to_keep=1))
             seen.append(new_ids)
             return self(torch.cat(seen, dim=1))
 

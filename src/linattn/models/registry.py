@@ -16,6 +16,13 @@ Naming scheme:
                                        Mamba2-style scalar data-dependent decay, GLA diagonal decay
 * `deltanet`, `gated-deltanet`         the delta rule (FLA layer pattern, short conv)
 * `efla`, `efla-adaptive`, `efla-loose`    error-free linear attention and its two beta variants
+* `fox`, `deltaformer`, `path`         softmax attention fed back by linear attention: FoX's forget gate,
+                                       DeltaFormer's delta-rule values, PaTH's Householder positions
+                                       (`layers/softmax_family.py`; KV caches that grow like softmax's)
+* `comba`, `delta-product`, `kda`      Comba, DeltaProduct (2 Householder steps per token), Kimi Delta
+                                       Attention (`layers/delta_family.py`)
+* `mesanet`, `ttt-linear`, `ttt-mlp`, `titans`   test-time regression / training: MesaNet (`layers/mesa.py`),
+                                       TTT-Linear, TTT-MLP and Titans (`layers/ttt.py`); constant-size states
 
 `build_mixer(name, d_model, n_heads, **kwargs)` builds one; `register_mixer` adds new ones.
 
@@ -37,6 +44,10 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..feature_maps import FEATURE_MAP_NAMES
 from ..layers import EFLA, DeltaNet, GatedDeltaNet, LinearAttention, SoftmaxAttention
+from ..layers.delta_family import KDA, Comba, DeltaProduct
+from ..layers.mesa import MesaNet
+from ..layers.softmax_family import DeltaFormer, FoX, PaTH
+from ..layers.ttt import TTT, Titans
 
 #: the pseudo config field a mixer lists to receive its block's index
 LAYER_IDX = "layer_idx"
@@ -163,6 +174,24 @@ def _register_builtins() -> None:
     register_mixer("efla-adaptive", EFLA, {"beta_mode": "adaptive"}, "EFLA + adaptive decay softplus(alpha)*beta",
                    short_conv=True)
     register_mixer("efla-loose", EFLA, {"beta_mode": "loose"}, "EFLA + loose beta (softplus)", short_conv=True)
+    register_mixer("fox", FoX, {}, "FoX: softmax attention with a sigmoid forget gate per head (no RoPE)")
+    register_mixer("deltaformer", DeltaFormer, {}, "DeltaFormer: softmax attention over delta-rule pseudo-values",
+                   rope=True)
+    register_mixer("path", PaTH, {}, "PaTH: softmax attention with accumulated Householder position encoding")
+    register_mixer("comba", Comba, {}, "Comba: gated delta rule with state feedback p = sigmoid(c) k and "
+                   "output correction q - d p", short_conv=True)
+    register_mixer("delta-product", DeltaProduct, {"n_householder": 2},
+                   "DeltaProduct: 2 Householder (delta-rule) steps per token", short_conv=True)
+    register_mixer("kda", KDA, {}, "Kimi Delta Attention: gated delta rule with a per-channel decay",
+                   short_conv=True)
+    register_mixer("mesanet", MesaNet, {}, "MesaNet: ridge regression H^-1 G per token, chunkwise conjugate "
+                   "gradients", short_conv=True)
+    register_mixer("ttt-linear", TTT, {"inner": "linear"}, "TTT-Linear: a linear inner model + LayerNorm trained "
+                   "by mini-batch gradient descent", short_conv=True)
+    register_mixer("ttt-mlp", TTT, {"inner": "mlp"}, "TTT-MLP: a 2-layer MLP inner model + LayerNorm trained by "
+                   "mini-batch gradient descent", short_conv=True)
+    register_mixer("titans", Titans, {}, "Titans: TTT-MLP memory with momentum and weight decay, L2-normalised q/k",
+                   short_conv=True)
 
 
 _register_builtins()

@@ -24,12 +24,18 @@ The modules:
     data.py      TrainData, prepare_data
     run.py       RunFolder (out dir checks, clearing, metrics.jsonl), read_metrics, StopFlag (signals)
     trainer.py   Trainer (train_step / evaluate / state_dict / load_state_dict), evaluate,
-                 training_tokens_per_second
-    loop.py      train(): a whole run around a Trainer
+                 training_tokens_per_second; grad accumulation, bf16 autocast, activation
+                 checkpointing, torch.compile, document boundaries (cu_seqlens), DDP / FSDP2
+    distributed.py  Dist: the torchrun process group (gloo on CPU, nccl on GPU) and its collectives
+    loop.py      train(): a whole run around a Trainer (rank 0 writes metrics and checkpoints)
     cli.py       `linattn train` / `linattn eval` (flags generated from the config dataclasses)
+
+Several processes: `torchrun --nproc_per_node=N -m linattn train ...`; `batch_size` is the global
+batch, so 1 and N processes give the same losses (see `loop` and `trainer`).
 """
 from .config import TrainConfig, TrainError, TrainingDiverged, resolve_device
-from .data import TrainData, prepare_data
+from .data import TrainData, prepare_data, rank_batch
+from .distributed import Dist
 from .loop import TrainResult, train
 from .run import METRICS_FILE, read_metrics
 from .schedule import lr_at, make_optimizer
@@ -38,5 +44,5 @@ from .trainer import EvalResult, StepOutput, Trainer, evaluate, training_tokens_
 __all__ = [
     "TrainConfig", "train", "evaluate", "prepare_data", "TrainData", "TrainResult", "EvalResult", "read_metrics",
     "METRICS_FILE", "training_tokens_per_second", "resolve_device", "TrainError", "TrainingDiverged", "Trainer",
-    "StepOutput", "lr_at", "make_optimizer",
+    "StepOutput", "lr_at", "make_optimizer", "Dist", "rank_batch",
 ]

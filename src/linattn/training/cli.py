@@ -24,7 +24,7 @@ from ..cli_support import add_dataclass_arguments, flag_name, given_values, repo
 from ..data.corpus import CorpusError, PackedTokens, load_corpus, split_documents, tokenize_documents
 from ..errors import CheckpointError, LinattnError
 from ..models.family import ModelFamily, config_from_dict, config_to_dict, families, family_of, get_family
-from .config import TRAJECTORY_FIELDS, TrainConfig, TrainError, check_resume_compatible, resolve_device
+from .config import DTYPE_ALIASES, TRAJECTORY_FIELDS, TrainConfig, TrainError, check_resume_compatible, resolve_device
 from .loop import TrainResult, train
 from .trainer import evaluate
 
@@ -117,7 +117,11 @@ def train_config_from_args(args: argparse.Namespace, saved: Optional[Dict[str, A
     saved = saved or {}
     vals = TrainConfig().to_dict()
     vals.update({k: v for k, v in saved.items() if k in vals and k != "progress"})
+    if saved and "doc_boundaries" not in saved:
+        vals["doc_boundaries"] = False   # a run from before document boundaries: keep its trajectory
     given = given_values(args, TRAIN_FIELDS)
+    if "dtype" in given:
+        given["dtype"] = DTYPE_ALIASES.get(given["dtype"], given["dtype"])
     for k, v in given.items():
         if k in TRAJECTORY_FIELDS and k in saved and saved[k] != v:
             raise TrainError(f"config/checkpoint mismatch: {flag_name(k)} {v!r} but the checkpoint was "
@@ -189,6 +193,8 @@ def resumed_model_config(args: argparse.Namespace, cfg: TrainConfig, saved_model
 
 
 def _report(res: TrainResult) -> int:
+    if _rank() != 0:   # several processes: rank 0 reports
+        return 128 + int(res.signal) if res.interrupted and res.signal else 0
     if res.interrupted:
         print(f"[linattn] stopped at step {res.step}; checkpoint {res.checkpoint}; continue with --resume",
               file=sys.stderr)
@@ -198,6 +204,13 @@ def _report(res: TrainResult) -> int:
                       "checkpoint": str(res.checkpoint) if res.checkpoint else None,
                       "n_params": res.model.num_parameters()}))
     return 0
+
+
+def _rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 # --------------------------------------------------------------------------- linattn eval
@@ -228,9 +241,11 @@ def eval_main(args: argparse.Namespace) -> int:
             raise CheckpointError(f"{ck.path} has no tokenizer.json")
         seq_len = args.seq_len or int(ck.train_config.get("seq_len") or 256)
         tokens, source = _eval_tokens(args, ck, seq_len)
+        eos = (ck.tokenizer.eos_id if ck.train_config.get("doc_boundaries") and
+               getattr(ck.model, "supports_cu_seqlens", False) else None)   # as the run was trained
         res = evaluate(ck.model, PackedTokens(tokens, seq_len, name=str(source)), batch_size=args.batch_size,
                        max_batches=args.max_batches, device=device,
-                       dtype=str(ck.train_config.get("dtype") or "float32"))
+                       dtype=str(ck.train_config.get("dtype") or "float32"), eos_id=eos)
     except LinattnError as e:
         return report_error(" ".join(str(e).split()))
     if args.json:

@@ -12,6 +12,8 @@ import torch
 from ..errors import LinattnError
 
 DTYPES = ("float32", "bfloat16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+PARALLEL = ("ddp", "fsdp")
 
 
 class TrainError(LinattnError):
@@ -40,7 +42,11 @@ class TrainConfig:
     max_data_bytes: Optional[int] = _f(None, "cap on the text read (none: all of a path, 8 MiB of the stdlib)")
     val_fraction: float = _f(0.05, "share of the documents held out for validation")
     seq_len: int = _f(256, "tokens per training window")
-    batch_size: int = _f(8, "windows per step")
+    batch_size: int = _f(8, "windows per optimizer step: the global batch, split across processes (torchrun) "
+                            "and --grad-accum micro-batches, so the math does not depend on either")
+    grad_accum: int = _f(1, "micro-batches per optimizer step in each process (gradients accumulated)")
+    doc_boundaries: bool = _f(True, "keep packed documents apart: every mixer's state restarts at each "
+                                    "<|endoftext|> (cu_seqlens); false: windows run across documents")
     steps: int = _f(1000, "optimizer steps of the whole run")
     lr: float = _f(1e-3, "peak learning rate")
     min_lr_ratio: float = _f(0.1, "final learning rate / peak, reached by the cosine decay at the last step")
@@ -58,8 +64,16 @@ class TrainConfig:
     keep_last: int = _f(2, "step folders kept in the run folder")
     device: str = _f("auto", "auto | cpu | cuda | cuda:N | mps")
     threads: Optional[int] = _f(None, "torch CPU threads (none: torch's default)")
-    dtype: str = _f("float32", "autocast dtype; master weights stay float32", choices=DTYPES)
+    dtype: str = _f("float32", "autocast dtype (bf16 = bfloat16); weights and optimizer state stay float32",
+                    choices=DTYPES + tuple(DTYPE_ALIASES))
+    parallel: str = _f("ddp", "several processes (torchrun): ddp replicates the model, fsdp shards it (FSDP2, "
+                              "fully_shard per block); ignored in one process", choices=PARALLEL)
+    activation_checkpointing: bool = _f(False, "recompute each block in the backward pass (less memory, more time)")
+    compile: bool = _f(False, "torch.compile the model")
     progress: Optional[bool] = _f(None, "progress bar; none: only on a terminal (else one line per record)")
+
+    def __post_init__(self):
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -71,20 +85,33 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise TrainError naming the first bad field."""
-        for name in ("seq_len", "batch_size", "steps", "log_every", "eval_batches"):
+        for name in ("seq_len", "batch_size", "steps", "log_every", "eval_batches", "grad_accum"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "steps" else 1):
                 raise TrainError(f"{name} must be a positive int, got {v!r}")
         if not self.lr > 0:
             raise TrainError(f"lr must be positive, got {self.lr}")
-        if self.dtype not in DTYPES + ("fp32", "bf16"):
-            raise TrainError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.dtype not in DTYPES:
+            raise TrainError(f"dtype must be float32 or bfloat16 (fp32, bf16), got {self.dtype!r}")
+        if self.parallel not in PARALLEL:
+            raise TrainError(f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+
+    def check_split(self, world_size: int) -> int:
+        """Windows per micro-batch in each process; raise TrainError unless batch_size splits evenly
+        into world_size processes x grad_accum micro-batches."""
+        parts = world_size * self.grad_accum
+        if self.batch_size % parts:
+            raise TrainError(f"batch_size {self.batch_size} (the global batch) must be divisible by the number of "
+                             f"processes ({world_size}) x grad_accum ({self.grad_accum}) = {parts}")
+        return self.batch_size // parts
 
 
 # Fields that decide the trajectory: a resume must not change them. The rest (steps, logging,
-# saving, evaluation, device, threads, progress, out) may change between sessions of one run.
+# saving, evaluation, device, threads, progress, out, and how the global batch is computed:
+# processes, parallel, grad_accum, activation checkpointing, compile) may change between sessions.
 TRAJECTORY_FIELDS = ("seq_len", "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay",
-                     "beta1", "beta2", "eps", "grad_clip", "seed", "val_fraction", "dtype")
+                     "beta1", "beta2", "eps", "grad_clip", "seed", "val_fraction", "dtype", "doc_boundaries")
 
 
 def check_resume_compatible(cfg: TrainConfig, saved: Dict[str, Any], model_config: Optional[Dict[str, Any]] = None,
@@ -97,7 +124,8 @@ def check_resume_compatible(cfg: TrainConfig, saved: Dict[str, Any], model_confi
     if model_config is not None and saved_model is not None:
         for k, v in model_config.items():
             if k in saved_model and saved_model[k] != v and k != "vocab_size":
-                raise TrainError(f"config/checkpoint mismatch: model {k} = {v!r} but the checkpoint has {saved_model[k]!r}")
+                raise TrainError(f"config/checkpoint mismatch: model {k} = {v!r} but the checkpoint has "
+                                 f"{saved_model[k]!r}")
 
 
 def resolve_device(name: Optional[str]) -> torch.device:
@@ -113,5 +141,5 @@ def resolve_device(name: Optional[str]) -> torch.device:
     return dev
 
 
-__all__ = ["TrainConfig", "TrainError", "TrainingDiverged", "TRAJECTORY_FIELDS", "DTYPES",
+__all__ = ["TrainConfig", "TrainError", "TrainingDiverged", "TRAJECTORY_FIELDS", "DTYPES", "PARALLEL",
            "check_resume_compatible", "resolve_device"]

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
+
+import torch
 
 from ..checkpoint import find_latest_checkpoint
 from ..data.corpus import PackedTokens, load_corpus, split_documents, token_fingerprint, tokenize_documents
 from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, load_tokenizer, train_tokenizer
-from .config import TrainConfig
+from .config import TrainConfig, TrainError
 
 
 @dataclass
@@ -52,4 +54,17 @@ def prepare_data(cfg: TrainConfig, tokenizer: Optional[BPETokenizer] = None) -> 
                      source=cfg.data if cfg.data is not None else "stdlib")
 
 
-__all__ = ["TrainData", "prepare_data", "tokenizer_path"]
+def rank_batch(data: PackedTokens, step: int, batch_size: int, seed: int, rank: int = 0,
+               world_size: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) int64 `[batch_size / world_size, seq_len]`: rank `rank`'s contiguous share of
+    the global batch of `step` (`PackedTokens.get_batch`); only these windows are read."""
+    if batch_size % world_size:
+        raise TrainError(f"batch_size {batch_size} does not split into {world_size} processes")
+    per = batch_size // world_size
+    idx = data.batch_indices(step, batch_size, seed)[rank * per:(rank + 1) * per]
+    L = data.seq_len
+    rows = torch.stack([data.tokens[i * L:i * L + L + 1] for i in idx]).long()
+    return rows[:, :-1], rows[:, 1:]
+
+
+__all__ = ["TrainData", "prepare_data", "tokenizer_path", "rank_batch"]

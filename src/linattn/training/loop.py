@@ -8,6 +8,13 @@ the step), the torch RNG states and the loss accumulator of the current logging 
 weights (bitwise on CPU). SIGINT/SIGTERM during training finish the current step, save, and
 return (`interrupted=True`); a second SIGINT aborts at once (the last complete checkpoint stays
 intact).
+
+Several processes (`torchrun --nproc_per_node=N -m linattn train ...`, see `distributed`): every
+rank reads the data and computes its share of each step's windows; validation is shared and
+all-reduced; metrics.jsonl (every record with `world_size`), the progress bar and the checkpoint
+files come from rank 0 only. After every step the ranks agree on a stop (a signal or should_stop
+on any rank), so all of them stop after the same step and the checkpoint is written once.
+Checkpoints are full (see `trainer`), so --resume works with another number of processes.
 """
 from __future__ import annotations
 
@@ -23,8 +30,9 @@ import torch
 from .. import checkpoint as ckpt
 from ..data.tokenizer import BPETokenizer, load_tokenizer
 from ..models.family import build_model, config_from_dict, config_to_dict
-from .config import TrainConfig, TrainError, check_resume_compatible, resolve_device
-from .data import TrainData, prepare_data
+from .config import TrainConfig, TrainError, check_resume_compatible
+from .data import TrainData, prepare_data, rank_batch
+from .distributed import Dist
 from .run import RunFolder, StopFlag
 from .trainer import EvalResult, StepOutput, Trainer
 
@@ -64,30 +72,36 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
     on_log(record): called with every metrics record.
     """
     config.validate()
-    device = resolve_device(config.device)
     if config.threads:
         torch.set_num_threads(int(config.threads))
     if config.out is None and resume:
         raise TrainError("resume needs an output folder (config.out)")
-    folder = RunFolder(config.out) if config.out else None
-    resume_ck = folder.checkpoint_to_resume(resume, overwrite) if folder is not None else None
-    if isinstance(model_config, dict):
-        model_config = config_from_dict(model_config)
-    saved: Dict[str, Any] = {}
-    if resume_ck is not None:
-        saved, model_config, tokenizer = _resume_setup(config, model_config, resume_ck, tokenizer, data)
-    if model_config is None:
-        raise TrainError("a model config is needed (none given and no checkpoint to resume)")
-    if data is None:
-        data = _load_data(config, tokenizer)
-    _check_data(config, data, saved)
-    model_config = _with_vocab(model_config, data.tokenizer.vocab_size)
-    trainer = _make_trainer(config, model_config, device, resume_ck, model_factory)
-    # Everything that can fail on bad input has run: only now is the run folder touched.
-    if folder is not None:
-        folder.begin(trainer.step if resume_ck is not None else None)
-    session = _Session(config, trainer, data, folder, model_config, resume_ck, handle_signals, should_stop, on_log)
-    return session.run()
+    dist = Dist.from_env(config.device)
+    try:
+        config.check_split(dist.world_size)
+        folder = RunFolder(config.out) if config.out else None
+        resume_ck = folder.checkpoint_to_resume(resume, overwrite) if folder is not None else None
+        if isinstance(model_config, dict):
+            model_config = config_from_dict(model_config)
+        saved: Dict[str, Any] = {}
+        if resume_ck is not None:
+            saved, model_config, tokenizer = _resume_setup(config, model_config, resume_ck, tokenizer, data)
+        if model_config is None:
+            raise TrainError("a model config is needed (none given and no checkpoint to resume)")
+        if data is None:
+            data = _load_data(config, tokenizer, verbose=dist.is_main)
+        _check_data(config, data, saved)
+        model_config = _with_vocab(model_config, data.tokenizer.vocab_size)
+        trainer = _make_trainer(config, model_config, dist, resume_ck, model_factory, data.tokenizer.eos_id)
+        # Everything that can fail on bad input has run: only now is the run folder touched.
+        if folder is not None and dist.is_main:
+            folder.begin(trainer.step if resume_ck is not None else None)
+        dist.barrier()
+        session = _Session(config, trainer, data, folder, model_config, resume_ck, handle_signals, should_stop,
+                           on_log)
+        return session.run()
+    finally:
+        dist.close()
 
 
 def _resume_setup(cfg: TrainConfig, model_config, resume_ck: Path, tokenizer, data):
@@ -102,10 +116,10 @@ def _resume_setup(cfg: TrainConfig, model_config, resume_ck: Path, tokenizer, da
     return saved, model_config, tokenizer
 
 
-def _load_data(cfg: TrainConfig, tokenizer: Optional[BPETokenizer]) -> TrainData:
+def _load_data(cfg: TrainConfig, tokenizer: Optional[BPETokenizer], verbose: bool = True) -> TrainData:
     t = time.perf_counter()
     data = prepare_data(cfg, tokenizer)
-    if cfg.progress is not False:
+    if cfg.progress is not False and verbose:
         print(f"[linattn] data {data.source}: {data.train.n_tokens:,} training tokens"
               + (f", {data.val.n_tokens:,} validation tokens" if data.val is not None else "")
               + f", vocab {data.tokenizer.vocab_size} ({time.perf_counter() - t:.1f} s)",
@@ -134,18 +148,19 @@ def _with_vocab(model_config, vocab_size: int):
     return dataclasses.replace(model_config, vocab_size=vocab_size)
 
 
-def _make_trainer(cfg: TrainConfig, model_config, device: torch.device, resume_ck: Optional[Path],
-                  model_factory) -> Trainer:
-    """Build the model (seeded) and its Trainer; on resume load the weights and the training state."""
+def _make_trainer(cfg: TrainConfig, model_config, dist: Dist, resume_ck: Optional[Path],
+                  model_factory, eos_id: Optional[int] = None) -> Trainer:
+    """Build the model (seeded) and its Trainer; on resume load the weights (before DDP / FSDP wrap
+    the model) and the training state."""
     torch.manual_seed(cfg.seed)
     try:
         model = (model_factory or build_model)(model_config)
     except (TypeError, ValueError, KeyError) as e:
         raise TrainError(f"cannot build the model: {e}") from None
-    trainer = Trainer(model, cfg, device)
     if resume_ck is not None:
         ckpt.load_model_weights(model, resume_ck, device="cpu")
-        model.to(device)
+    trainer = Trainer(model, cfg, dist=dist, eos_id=eos_id)
+    if resume_ck is not None:
         try:
             trainer.load_state_dict(ckpt.load_training_state(resume_ck))
         except ckpt.CheckpointError as e:
@@ -169,7 +184,9 @@ class _Session:
         self.history: List[Dict[str, Any]] = []
         self.last_ckpt: Optional[Path] = resume_ck
         self.val: Optional[EvalResult] = None
-        self.echo = cfg.progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+        self.dist = trainer.dist
+        self.main = self.dist.is_main
+        self.echo = self.main and cfg.progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
         self.bar = None
 
     def run(self) -> TrainResult:
@@ -177,8 +194,9 @@ class _Session:
 
         cfg, trainer = self.cfg, self.trainer
         self._announce()
+        show = (None if cfg.progress is None else not cfg.progress) if self.main else True
         self.bar = tqdm(total=cfg.steps, initial=min(self.start, cfg.steps), desc="train", unit="step",
-                        dynamic_ncols=True, disable=(None if cfg.progress is None else not cfg.progress), leave=True)
+                        dynamic_ncols=True, disable=show, leave=True)
         interrupted = False
         t_start = time.perf_counter()
         trainer.start_clock()
@@ -192,37 +210,51 @@ class _Session:
         return self._result(interrupted, time.perf_counter() - t_start)
 
     def _announce(self) -> None:
-        if self.cfg.progress is not False:
-            print(f"[linattn] model: {self.trainer.model.num_parameters():,} parameters on {self.trainer.device}; "
-                  + (f"resuming at step {self.start}" if self.resume_ck is not None else "new run")
+        if self.cfg.progress is not False and self.main:
+            d = self.dist
+            procs = (f" x {d.world_size} processes ({self.cfg.parallel}, {d.backend})" if d.active else "")
+            print(f"[linattn] model: {self.trainer.model.num_parameters():,} parameters on {self.trainer.device}"
+                  f"{procs}; " + (f"resuming at step {self.start}" if self.resume_ck is not None else "new run")
                   + (f" in {self.folder.path}" if self.folder is not None else ""), file=sys.stderr, flush=True)
 
     def _one_step(self) -> bool:
         """Train one step, then log / validate / save as due; True when a stop was requested."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        x, y = self.data.train.get_batch(self.trainer.step, cfg.batch_size, cfg.seed)
+        x, y = rank_batch(self.data.train, self.trainer.step, cfg.batch_size, cfg.seed, self.dist.rank,
+                          self.dist.world_size)
         out = self.trainer.train_step(x, y)
         self.step_times.append(time.perf_counter() - t0)
         self.losses.append((out.step, out.loss))
-        self.tok_int += x.numel()
+        self.tok_int += cfg.batch_size * cfg.seq_len
         self.bar.update(1)
         last = out.step == cfg.steps
         do_eval = (cfg.eval_every > 0 and out.step % cfg.eval_every == 0) or last
         if out.step % cfg.log_every == 0 or do_eval:
             self._log(out, do_eval)
-        stopping = self.stop.signum is not None or (self.should_stop is not None and self.should_stop(out.step))
+        stopping = self._stop_requested(out.step)
         if (cfg.save_every > 0 and out.step % cfg.save_every == 0) or last or stopping:
             self.last_ckpt = self._save() or self.last_ckpt
             self.t_int = time.perf_counter()  # saving is not training time
         return stopping and not last
+
+    def _stop_requested(self, step: int) -> bool:
+        """A signal or should_stop on any rank: every rank gets the same answer (and the signal)."""
+        local_sig = float(self.stop.signum or 0)
+        local_stop = float(self.should_stop is not None and bool(self.should_stop(step)))
+        if not self.dist.active:
+            return local_sig > 0 or local_stop > 0
+        sig, stop = self.dist.max([local_sig, local_stop])
+        if sig > 0 and self.stop.signum is None:
+            self.stop.signum = int(sig)   # another rank's signal: this rank reports it too
+        return sig > 0 or stop > 0
 
     def _log(self, out: StepOutput, do_eval: bool) -> None:
         now = time.perf_counter()
         rec: Dict[str, Any] = {"step": out.step, "loss": self.trainer.interval_loss(), "last_loss": out.loss,
                                "lr": out.lr, "tokens": self.trainer.tokens_seen,
                                "tokens_per_s": self.tok_int / max(1e-9, now - self.t_int),
-                               "elapsed_s": self.trainer.elapsed_s()}
+                               "elapsed_s": self.trainer.elapsed_s(), "world_size": self.dist.world_size}
         if out.grad_norm is not None:
             rec["grad_norm"] = out.grad_norm
         if out.aux_loss is not None:
@@ -232,11 +264,12 @@ class _Session:
             if self.val is not None:
                 rec["val_loss"], rec["val_ppl"] = self.val.loss, self.val.ppl
         self.history.append(rec)
-        if self.folder is not None:
-            self.folder.append_metrics(rec)
-        if self.on_log is not None:
-            self.on_log(rec)
-        self._show(rec)
+        if self.main:
+            if self.folder is not None:
+                self.folder.append_metrics(rec)
+            if self.on_log is not None:
+                self.on_log(rec)
+            self._show(rec)
         self.t_int, self.tok_int = time.perf_counter(), 0
 
     def _show(self, rec: Dict[str, Any]) -> None:
@@ -251,15 +284,24 @@ class _Session:
         return self.trainer.evaluate(self.data.val) if self.data.val is not None else None
 
     def _save(self) -> Optional[Path]:
+        """Write a checkpoint from rank 0 (under FSDP every rank helps gather the full state)."""
         if self.folder is None:
             return None
         t = self.trainer
-        return ckpt.save_checkpoint(self.folder.path, t.step, t.model, model_config=config_to_dict(self.model_config),
-                                    tokenizer=self.data.tokenizer, train_config=self.cfg.to_dict(),
-                                    training_state=t.state_dict(),
-                                    extra={"data_fingerprint": self.data.fingerprint, "data_source": self.data.source,
-                                           "n_params": t.model.num_parameters()},
-                                    keep_last=self.cfg.keep_last)
+        weights, state = t.model_state_dict(), t.state_dict()
+        path = self.folder.path / ckpt.step_dir_name(t.step)
+        if self.main:
+            path = ckpt.save_checkpoint(self.folder.path, t.step, None, state_dict=weights,
+                                        model_config=config_to_dict(self.model_config),
+                                        tokenizer=self.data.tokenizer, train_config=self.cfg.to_dict(),
+                                        training_state=state,
+                                        extra={"data_fingerprint": self.data.fingerprint,
+                                               "data_source": self.data.source,
+                                               "n_params": t.model.num_parameters(),
+                                               "world_size": self.dist.world_size},
+                                        keep_last=self.cfg.keep_last)
+        self.dist.barrier()
+        return path
 
     def _result(self, interrupted: bool, elapsed: float) -> TrainResult:
         timed = self.step_times[1:] if len(self.step_times) > 1 else self.step_times

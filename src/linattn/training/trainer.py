@@ -7,15 +7,30 @@ both step through it.
     out = trainer.train_step(x, y)        # StepOutput(step, loss, lr, grad_norm, aux_loss)
     trainer.evaluate(val_tokens)          # EvalResult(loss, ppl, tokens, batches)
     state = trainer.state_dict()          # optimizer, step, RNG states, loss accumulator, ...
+
+A step is one optimizer update on the global batch (`TrainConfig.batch_size` windows). With several
+processes (`distributed.Dist`) every rank gets its contiguous share of the windows, and the model is
+wrapped in DDP or FSDP2 (`fully_shard` on every block, then on the model); `grad_accum` splits each
+rank's share into micro-batches whose gradients add up (synchronised on the last one only). The
+loss is the mean over the global batch, so the math does not depend on either split. bf16 runs the
+forward under autocast: weights, gradients and AdamW state stay float32. With `doc_boundaries` and
+an eos id, the rows of a micro-batch are laid end to end in one row with `cu_seqlens` marking every
+row start and every `<|endoftext|>`, so no document sees the one before it (`document_offsets`).
+
+Checkpoints hold full (unsharded) tensors: under FSDP the weights and the optimizer state are
+gathered to rank 0 (`torch.distributed.checkpoint.state_dict`, full_state_dict + cpu_offload), so a
+checkpoint written by N processes loads in one process, under DDP or FSDP, and with any N.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +39,7 @@ from ..data.corpus import CorpusError, PackedTokens
 from ..errors import CheckpointError
 from ..models.family import build_model
 from .config import TrainConfig, TrainError, TrainingDiverged, resolve_device
+from .distributed import Dist
 from .schedule import autocast, lr_at, make_optimizer, set_lr
 
 
@@ -52,34 +68,68 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+def document_offsets(x: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """cu_seqlens (int64 [N+1]) of the rows of x [B, T] laid end to end: a document starts at every
+    row start and at every eos token (which opens the next document, as it opens generation from
+    an empty prompt), so the last token of a document still predicts the eos that ends it."""
+    starts = x == eos_id
+    starts[:, 0] = True
+    idx = starts.reshape(-1).nonzero().squeeze(1)
+    return torch.cat([idx, idx.new_tensor([x.numel()])])
+
+
+def forward_logits(model: torch.nn.Module, x: torch.Tensor, eos_id: Optional[int] = None
+                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(logits [B, T, V], aux loss or None) of x [B, T]; with eos_id, documents kept apart (the rows
+    packed in one row with `document_offsets`)."""
+    if eos_id is None:
+        out = model(x)
+        return out.logits, getattr(out, "aux_loss", None)
+    out = model(x.reshape(1, -1), cu_seqlens=document_offsets(x, eos_id))
+    return out.logits.reshape(*x.shape, -1), getattr(out, "aux_loss", None)
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: Union[PackedTokens, torch.Tensor], *, batch_size: int = 8,
              max_batches: Optional[int] = None, seq_len: Optional[int] = None,
-             device: Optional[Union[str, torch.device]] = None, dtype: str = "float32") -> EvalResult:
+             device: Optional[Union[str, torch.device]] = None, dtype: str = "float32",
+             eos_id: Optional[int] = None, dist: Optional[Dist] = None) -> EvalResult:
     """Mean next-token cross-entropy (nats/token) and perplexity of `model` on `data`.
 
     `data` is a PackedTokens (its windows in order) or a 1-D token tensor (cut into `seq_len`
-    windows). Deterministic; the model's train/eval mode is restored afterwards.
+    windows). With eos_id, documents are kept apart (`forward_logits`). With a `dist` of several
+    processes, rank r evaluates rows r, r + N, ... of every batch and the sums are all-reduced
+    (every rank runs one forward per batch, as FSDP needs). Deterministic; the model's train/eval
+    mode is restored afterwards.
     """
     if isinstance(data, torch.Tensor):
         if seq_len is None:
             raise TrainError("evaluate(tensor) needs seq_len")
         data = PackedTokens(data, seq_len, name="the evaluation data")
     device = torch.device(device) if device is not None else _model_device(model)
+    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     was_training = model.training
     model.eval()
     total, count, nb = 0.0, 0, 0
     try:
         for x, y in data.eval_batches(batch_size, max_batches):
+            weight = 1
+            if world > 1:
+                x, y = x[rank::world], y[rank::world]
+                if x.shape[0] == 0:  # this rank has no row of the last batch: run one, count none
+                    x, y, weight = x.new_zeros(1, y.shape[1]), y.new_zeros(1, y.shape[1]), 0
             x, y = x.to(device), y.to(device)
             with autocast(device, dtype):
-                logits = model(x).logits
+                logits, _ = forward_logits(model, x, eos_id)
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
-            total += float(loss.item())
-            count += y.numel()
+            total += float(loss.item()) * weight
+            count += y.numel() * weight
             nb += 1
     finally:
         model.train(was_training)
+    if dist is not None and dist.active:
+        total, count = dist.sum([total, count])
+        count = int(round(count))
     if count == 0:
         raise CorpusError("no evaluation windows")
     mean = total / count
@@ -87,14 +137,36 @@ def evaluate(model: torch.nn.Module, data: Union[PackedTokens, torch.Tensor], *,
 
 
 class Trainer:
-    """A model, its optimizer, and where training stands (step, tokens, logging-interval loss)."""
+    """A model, its optimizer, and where training stands (step, tokens, logging-interval loss).
+
+    dist: the processes of the run (`Dist.from_env`); None is one process on `device`.
+    eos_id: the tokenizer's <|endoftext|>, to keep documents apart when `config.doc_boundaries`
+        (ignored for a model without `supports_cu_seqlens`).
+    """
 
     def __init__(self, model: torch.nn.Module, config: TrainConfig,
-                 device: Optional[Union[str, torch.device]] = None):
+                 device: Optional[Union[str, torch.device]] = None, *, dist: Optional[Dist] = None,
+                 eos_id: Optional[int] = None):
         config.validate()
         self.config = config
-        self.device = torch.device(device) if device is not None else resolve_device(config.device)
+        if dist is None:
+            dist = Dist(device=torch.device(device) if device is not None else resolve_device(config.device))
+        self.dist = dist
+        self.device = torch.device(device) if device is not None else dist.device
+        config.check_split(dist.world_size)
         self.model = model.to(self.device)
+        if config.activation_checkpointing:
+            if not hasattr(type(model), "activation_checkpointing"):
+                raise TrainError(f"{type(model).__name__} does not support activation checkpointing")
+            model.activation_checkpointing = True
+        self.eos_id = eos_id if (config.doc_boundaries and getattr(model, "supports_cu_seqlens", False)) else None
+        self.fsdp = dist.active and config.parallel == "fsdp"
+        self.wrapped = self._wrap(self.model)
+        if config.compile and self.eos_id is not None:
+            warnings.warn("compile with doc_boundaries: the packed documents' offsets (cu_seqlens) change with "
+                          "every batch and torch.compile recompiles for them; compile pays off with "
+                          "doc_boundaries=False (--doc-boundaries false)", UserWarning, stacklevel=2)
+        self._fwd = torch.compile(self.wrapped) if config.compile else self.wrapped
         self.optimizer = make_optimizer(self.model, config)
         self.step = 0                     # optimizer steps done
         self.tokens_seen = 0
@@ -102,35 +174,71 @@ class Trainer:
         self._elapsed_before = 0.0       # training seconds of earlier sessions (from a checkpoint)
         self._clock: Optional[float] = None
 
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not self.dist.active:
+            return model
+        if self.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in getattr(model, "blocks", []):
+                fully_shard(block)
+            return fully_shard(model)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def _sync(self, last: bool):
+        """Gradient synchronisation on the last micro-batch of a step only."""
+        if not self.dist.active:
+            return contextlib.nullcontext()
+        if self.fsdp:
+            self.wrapped.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if last else self.wrapped.no_sync()
+
     # -- the training step ----------------------------------------------------------------------
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> StepOutput:
-        """One optimizer step on inputs `x` [B, T] and targets `y` [B, T] at the scheduled lr."""
+        """One optimizer step at the scheduled lr on inputs `x` [B, T] and targets `y` [B, T]: this
+        process's share of the global batch (all of it in one process), in `grad_accum` micro-batches."""
         cfg, dev = self.config, self.device
+        n = cfg.grad_accum
+        if x.shape[0] % n:
+            raise TrainError(f"{x.shape[0]} windows do not split into grad_accum = {n} micro-batches")
         lr = lr_at(self.step, cfg)
         set_lr(self.optimizer, lr)
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         self.model.train()
-        with autocast(dev, cfg.dtype):
-            out = self.model(x)
-        logits, aux = out.logits, getattr(out, "aux_loss", None)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        total = loss + aux.float() if aux is not None else loss
         self.optimizer.zero_grad(set_to_none=True)
-        total.backward()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
+        aux_sum: Optional[torch.Tensor] = None
+        for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
+            with self._sync(i == n - 1):
+                with autocast(dev, cfg.dtype):
+                    logits, aux = forward_logits(self._fwd, xm, self.eos_id)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ym.reshape(-1))
+                total = loss + aux.float() if aux is not None else loss
+                (total / n).backward()
+            loss_sum += loss.detach().float()
+            if aux is not None:
+                aux_sum = aux.detach().float() if aux_sum is None else aux_sum + aux.detach().float()
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
+        if gnorm is not None and hasattr(gnorm, "full_tensor"):   # a DTensor under FSDP
+            gnorm = gnorm.full_tensor()
         self.optimizer.step()
-        value = float(loss.detach().float().item())
+        local = [float(loss_sum.item()) / n] + ([float(aux_sum.item()) / n] if aux_sum is not None else [])
+        mean = [v / self.dist.world_size for v in self.dist.sum(local)]
+        value = mean[0]
         if not math.isfinite(value):
             raise TrainingDiverged(f"training loss is {value} at step {self.step + 1} (try a lower --lr)")
         self.step += 1
-        self.tokens_seen += x.numel()
+        self.tokens_seen += x.numel() * self.dist.world_size
         self.loss_sum += value
         self.loss_count += 1
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return StepOutput(step=self.step, loss=value, lr=lr,
                           grad_norm=float(gnorm) if gnorm is not None else None,
-                          aux_loss=float(aux.detach().float()) if aux is not None else None)
+                          aux_loss=mean[1] if aux_sum is not None else None)
 
     def interval_loss(self) -> float:
         """Mean training loss since the last call (the logging interval), then reset."""
@@ -139,10 +247,12 @@ class Trainer:
         return mean
 
     def evaluate(self, data: PackedTokens, max_batches: Optional[int] = None) -> EvalResult:
-        """Validation loss on `data` with the run's batch size, dtype and `eval_batches`."""
+        """Validation loss on `data` with the run's batch size, dtype and `eval_batches` (the rows of
+        every batch shared among the processes, the sums all-reduced)."""
         cfg = self.config
-        return evaluate(self.model, data, batch_size=cfg.batch_size, device=self.device, dtype=cfg.dtype,
-                        max_batches=cfg.eval_batches if max_batches is None else max_batches)
+        return evaluate(self.wrapped, data, batch_size=cfg.batch_size, device=self.device, dtype=cfg.dtype,
+                        max_batches=cfg.eval_batches if max_batches is None else max_batches,
+                        eos_id=self.eos_id, dist=self.dist)
 
     # -- time -------------------------------------------------------------------------------------
     def start_clock(self) -> None:
@@ -154,18 +264,58 @@ class Trainer:
         return self._elapsed_before + now
 
     # -- state ------------------------------------------------------------------------------------
+    def model_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The full weights: on every rank without FSDP; under FSDP gathered to rank 0 (a collective:
+        every rank calls it; the others get None)."""
+        if not self.fsdp:
+            return self.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if self.dist.is_main else None
+
+    def _optimizer_state(self) -> Dict[str, Any]:
+        if not self.fsdp:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def _param_names(self) -> List[str]:
+        """The parameter names in the optimizer's order (index-keyed optimizer state)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _load_optimizer(self, sd: Dict[str, Any]) -> None:
+        by_name = any(isinstance(k, str) for k in sd.get("state", {})) or any(
+            isinstance(p, str) for g in sd.get("param_groups", []) for p in g.get("params", []))
+        if not by_name and not self.fsdp:
+            self.optimizer.load_state_dict(sd)
+            return
+        if not by_name:   # index-keyed (one process or DDP) into FSDP: name the entries
+            order = self._param_names()
+            sd = {"state": {order[int(k)]: v for k, v in sd["state"].items()},
+                  "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]} for g in sd["param_groups"]]}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, sd, options=StateDictOptions(full_state_dict=True))
+
     def state_dict(self) -> Dict[str, Any]:
-        """The training state beside the weights (those are `model.state_dict()`, saved as safetensors)."""
-        return {"step": self.step, "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+        """The training state beside the weights (those are `model_state_dict()`, saved as safetensors).
+        The optimizer state is full: index-keyed as torch writes it, or (FSDP) keyed by parameter name
+        and gathered to rank 0. A collective under FSDP."""
+        return {"step": self.step, "optimizer": self._optimizer_state(), "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
                 "loss_acc": [self.loss_sum, self.loss_count], "tokens_seen": self.tokens_seen,
-                "elapsed_s": self.elapsed_s()}
+                "elapsed_s": self.elapsed_s(), "world_size": self.dist.world_size}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue from `state_dict()`'s output: the next step is then exactly the saved run's next."""
+        """Continue from `state_dict()`'s output (written by any number of processes, with or without
+        FSDP): the next step is then exactly the saved run's next."""
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, RuntimeError) as e:
+            self._load_optimizer(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError, IndexError) as e:
             raise CheckpointError(f"the optimizer state does not fit the model: {e}") from None
         self.step = int(state["step"])
         self.loss_sum, self.loss_count = (float(v) for v in state.get("loss_acc", [0.0, 0]))
@@ -181,11 +331,12 @@ def training_tokens_per_second(model_config, *, seq_len: int = 512, batch_size: 
                                warmup: int = 2, device: Optional[str] = None, dtype: str = "float32",
                                lr: float = 1e-4, seed: int = 0,
                                model_factory: Optional[Callable[[Any], torch.nn.Module]] = None,
-                               return_all: bool = False):
+                               return_all: bool = False, **options):
     """Median training tokens/s (`Trainer.train_step`: forward, backward, clip, AdamW) on random tokens.
 
     `model_config` is a model-family config (or dict), or a built model. Runs `warmup` untimed
-    steps, then `steps` timed ones. Returns the median tokens/s, or with return_all a dict with
+    steps, then `steps` timed ones. `options` are further TrainConfig fields (grad_accum,
+    activation_checkpointing, compile). Returns the median tokens/s, or with return_all a dict with
     the per-step times, the parameter count and the median.
     """
     dev = resolve_device(device)
@@ -195,7 +346,7 @@ def training_tokens_per_second(model_config, *, seq_len: int = 512, batch_size: 
     else:
         model = (model_factory or build_model)(model_config)
     cfg = TrainConfig(lr=lr, min_lr_ratio=1.0, warmup=0, steps=warmup + steps, seq_len=seq_len,
-                      batch_size=batch_size, dtype=dtype, seed=seed)
+                      batch_size=batch_size, dtype=dtype, seed=seed, **options)
     trainer = Trainer(model, cfg, dev)
     vocab = int(model.config.vocab_size)
     g = torch.Generator().manual_seed(seed)
@@ -215,4 +366,5 @@ def training_tokens_per_second(model_config, *, seq_len: int = 512, batch_size: 
     return med
 
 
-__all__ = ["Trainer", "StepOutput", "EvalResult", "evaluate", "training_tokens_per_second"]
+__all__ = ["Trainer", "StepOutput", "EvalResult", "evaluate", "training_tokens_per_second", "forward_logits",
+           "document_offsets"]

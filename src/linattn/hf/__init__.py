@@ -1,0 +1,34 @@
+"""linattn models as Hugging Face transformers models (`pip install linattn[hf]`).
+
+    import linattn.hf                  # registers model_type "linattn" with AutoConfig / AutoModelForCausalLM
+    hf = linattn.hf.LinattnForCausalLM.from_linattn(language_model)
+    hf.save_pretrained("hf_dir")       # + configuration_linattn.py / modeling_linattn.py for trust_remote_code
+    AutoModelForCausalLM.from_pretrained("hf_dir").generate(ids, max_new_tokens=20, num_beams=2)
+    linattn.hf.export_hf("runs/efla", "hf_dir")    # a training checkpoint + its tokenizer -> HF folder
+    linattn.hf.import_hf("hf_dir", "runs/back")    # and back (a weights-only linattn checkpoint)
+
+`import linattn` never imports this package (nor transformers): only `import linattn.hf` does.
+Tested with transformers 5.23 (the `hf` extra pins `transformers>=5.23,<6`).
+
+The modules:
+    configuration_linattn.py   LinattnConfig (wraps the whole LMConfig; layer_types for the cache)
+    modeling_linattn.py        LinattnForCausalLM (loss, padding, logits_to_keep, transformers' cache layers)
+    convert.py                 export_hf / import_hf, the tokenizer as a transformers tokenizer
+    remote.py                  the trust_remote_code modules written by save_pretrained
+"""
+import importlib.util
+
+if importlib.util.find_spec("transformers") is None:  # pragma: no cover - depends on the environment
+    raise ImportError("linattn.hf needs the transformers library: pip install 'linattn[hf]'")
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from .configuration_linattn import LinattnConfig  # noqa: E402
+from .convert import export_hf, hf_tokenizer, import_hf  # noqa: E402
+from .modeling_linattn import LinattnForCausalLM, LinattnPreTrainedModel  # noqa: E402
+
+AutoConfig.register(LinattnConfig.model_type, LinattnConfig, exist_ok=True)
+AutoModelForCausalLM.register(LinattnConfig, LinattnForCausalLM, exist_ok=True)
+
+__all__ = ["LinattnConfig", "LinattnForCausalLM", "LinattnPreTrainedModel", "export_hf", "import_hf",
+           "hf_tokenizer"]

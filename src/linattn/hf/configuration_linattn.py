@@ -1,0 +1,104 @@
+"""`LinattnConfig`: a transformers config (`model_type="linattn"`) that wraps a whole `LMConfig`.
+
+The `LMConfig` lives under the key `linattn` (its `to_dict()`), so nothing of it is lost or renamed;
+the usual transformers names (`vocab_size`, `hidden_size`, `num_hidden_layers`, ...) are derived
+from it for tools that read them. `layer_types` tells transformers' `DynamicCache(config=...)`
+which of its cache layers each block needs:
+
+* `"linear_attention"` (`LinearAttentionLayer`): the mixer's recurrent state and short-convolution
+  states (and a causal memory lobe's state);
+* `"hybrid"` (`LinearAttentionAndFullAttentionLayer`): a softmax mixer's growing key/value cache
+  next to those states;
+* `"hybrid_sliding"` (`LinearAttentionAndSlidingWindowAttentionLayer`): the same for a sliding
+  window (keeps the last `window - 1` keys).
+
+Block 0 is always a hybrid layer: transformers reads the sequence length (`get_seq_length`) from an
+attention layer only, so when block 0 has no softmax mixer its key/value part holds zero-width
+keys, one per position (no memory), which count the positions for `generate`.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from transformers import PreTrainedConfig
+
+from ..layers import SoftmaxAttention
+from ..models.config import LMConfig
+from ..models.registry import mixer_config_kwargs, mixer_spec
+
+#: state slots per transformers cache layer (short-conv states and recurrent-state tensors)
+STATE_SLOTS = 32
+
+
+def layer_types_of(lm: LMConfig) -> List[str]:
+    """The transformers cache-layer type of every block of `lm` (module docstring)."""
+    types = []
+    for i, name in enumerate(lm.mixer_list()):
+        spec = mixer_spec(name)
+        if isinstance(spec.cls, type) and issubclass(spec.cls, SoftmaxAttention):
+            window = mixer_config_kwargs(name, lm, i).get("window", spec.defaults.get("window"))
+            types.append("hybrid" if window is None else "hybrid_sliding")
+        else:
+            types.append("linear_attention")
+    return types
+
+
+def sliding_window_of(lm: LMConfig) -> Optional[int]:
+    """The window of the sliding softmax layers (transformers keeps one `sliding_window` per config)."""
+    windows = set()
+    for i, name in enumerate(lm.mixer_list()):
+        spec = mixer_spec(name)
+        if isinstance(spec.cls, type) and issubclass(spec.cls, SoftmaxAttention):
+            w = mixer_config_kwargs(name, lm, i).get("window", spec.defaults.get("window"))
+            if w is not None:
+                windows.add(int(w))
+    if len(windows) > 1:  # different windows per layer: keep every key, the layers mask them
+        return None
+    return windows.pop() if windows else None
+
+
+class LinattnConfig(PreTrainedConfig):
+    """A transformers config holding a linattn `LMConfig` (`lm_config()` rebuilds it).
+
+    >>> cfg = LinattnConfig(linattn=LMConfig(vocab_size=256, mixer="efla").to_dict())
+    >>> cfg = LinattnConfig.from_lm_config(LMConfig(vocab_size=256, mixer="efla"))
+    """
+
+    model_type = "linattn"
+
+    def __init__(self, linattn: Optional[Dict[str, Any]] = None, **kwargs):
+        if isinstance(linattn, LMConfig):
+            linattn = linattn.to_dict()
+        lm = LMConfig.from_dict(dict(linattn)) if linattn is not None else LMConfig(vocab_size=256)
+        self.linattn = lm.to_dict()
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                    "max_position_embeddings", "layer_types", "sliding_window", "number_of_conv_states",
+                    "tie_word_embeddings"):
+            kwargs.pop(key, None)  # derived from the LMConfig, below
+        self.vocab_size = lm.vocab_size
+        self.hidden_size = lm.d_model
+        self.num_hidden_layers = lm.n_layers
+        self.num_attention_heads = lm.n_heads
+        self.head_dim = lm.head_dim if lm.head_dim is not None else lm.d_model // lm.n_heads
+        self.max_position_embeddings = lm.max_seq_len
+        self.layer_types = layer_types_of(lm)
+        if self.layer_types[0] == "linear_attention":
+            self.layer_types[0] = "hybrid"   # counts the positions (module docstring)
+        self.sliding_window = sliding_window_of(lm)
+        if "hybrid_sliding" in self.layer_types and self.sliding_window is None:
+            self.layer_types = ["hybrid" if t == "hybrid_sliding" else t for t in self.layer_types]
+        self.number_of_conv_states = STATE_SLOTS
+        self.use_cache = bool(kwargs.pop("use_cache", True))
+        # a tied head is the embedding itself inside LanguageModel: transformers has nothing to tie
+        super().__init__(tie_word_embeddings=False, **kwargs)
+
+    @classmethod
+    def from_lm_config(cls, lm: LMConfig, **kwargs) -> "LinattnConfig":
+        return cls(linattn=lm.to_dict(), **kwargs)
+
+    def lm_config(self) -> LMConfig:
+        """The wrapped linattn `LMConfig`."""
+        return LMConfig.from_dict(dict(self.linattn))
+
+
+__all__ = ["LinattnConfig", "layer_types_of", "STATE_SLOTS"]

@@ -1,0 +1,131 @@
+"""Conversions between linattn checkpoints and Hugging Face folders, and the CLI commands on them.
+
+    export_hf("runs/efla", "hf_dir")     # the latest checkpoint + its tokenizer -> a transformers folder
+    import_hf("hf_dir", "runs/back")     # a transformers folder -> a linattn checkpoint (weights only)
+
+An exported folder holds config.json (with `auto_map`), model.safetensors, generation_config.json,
+the trust_remote_code modules, and the tokenizer (tokenizer.json + tokenizer_config.json, with
+`<|endoftext|>` as the eos, bos and pad token), so `AutoTokenizer.from_pretrained(HF_DIR)` and
+`pipeline("text-generation", model=HF_DIR)` work. Both directions write into a temporary folder
+that is renamed into place at the end, and refuse an existing output unless `overwrite`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Union
+
+from .. import checkpoint as ckpt
+from ..data.tokenizer import EOS_TOKEN, BPETokenizer, TokenizerError, load_tokenizer
+from ..errors import CheckpointError
+from ..io import TMP_PREFIX
+from ..models.family import config_to_dict
+from ..models.lm import LanguageModel
+from .modeling_linattn import LinattnForCausalLM
+
+PathLike = Union[str, os.PathLike]
+
+
+def hf_tokenizer(tokenizer: BPETokenizer):
+    """linattn's byte-level BPE as a transformers fast tokenizer (eos = bos = pad = <|endoftext|>)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
+                                   pad_token=EOS_TOKEN, padding_side="left", clean_up_tokenization_spaces=False)
+
+
+def _claim(out: Path, overwrite: bool, what: str) -> Path:
+    """A fresh temporary folder next to `out`; refuses an existing non-empty `out` unless overwrite."""
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out} already exists; pass --overwrite to replace it with the {what}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f"{TMP_PREFIX}{out.name}.{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def _commit(tmp: Path, out: Path) -> None:
+    if out.exists():
+        old = out.parent / f"{TMP_PREFIX}old-{out.name}.{os.getpid()}"
+        os.replace(out, old)
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    os.replace(tmp, out)
+
+
+def export_hf(checkpoint: PathLike, out: PathLike, *, overwrite: bool = False,
+              safe_serialization: bool = True) -> Path:
+    """Write the linattn checkpoint `checkpoint` (a run folder: its latest; or a step folder) as a
+    transformers folder `out`, with the tokenizer. Returns `out`."""
+    ck = ckpt.load_checkpoint(checkpoint)
+    if not isinstance(ck.model, LanguageModel):
+        raise CheckpointError(f"{ck.path}: only the 'lm' model family converts to transformers, this checkpoint "
+                              f"holds a {type(ck.model).__name__}")
+    out = Path(out)
+    tmp = _claim(out, overwrite, "exported model")
+    try:
+        eos = ck.tokenizer.eos_id if ck.tokenizer is not None else None
+        hf = LinattnForCausalLM.from_linattn(ck.model, eos_token_id=eos, bos_token_id=eos, pad_token_id=eos,
+                                             linattn_step=ck.step)
+        if eos is not None:
+            hf.generation_config.eos_token_id = eos
+            hf.generation_config.bos_token_id = eos
+            hf.generation_config.pad_token_id = eos
+        hf.save_pretrained(tmp, safe_serialization=safe_serialization)
+        if ck.tokenizer is not None:
+            hf_tokenizer(ck.tokenizer).save_pretrained(tmp)
+        _commit(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step: Optional[int] = None) -> Path:
+    """Write the transformers folder `hf_dir` (a LinattnForCausalLM) as a linattn checkpoint in the run
+    folder `out` (weights, model config, tokenizer; no training state). Returns the step folder."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    if not (hf_dir / "config.json").is_file():
+        raise CheckpointError(f"{hf_dir} is not a transformers model folder (no config.json)")
+    if out.exists() and (ckpt.has_checkpoint(out) or (out.is_file())) and not overwrite:
+        raise CheckpointError(f"{out} already holds a checkpoint; pass --overwrite to replace it")
+    try:
+        hf = LinattnForCausalLM.from_pretrained(hf_dir)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"cannot load {hf_dir} as a linattn transformers model: "
+                              f"{' '.join(str(e).split())[:300]}") from None
+    tokenizer = None
+    if (hf_dir / "tokenizer.json").is_file():
+        try:
+            tokenizer = load_tokenizer(hf_dir)
+        except TokenizerError as e:
+            raise CheckpointError(str(e)) from None
+    if overwrite and out.is_dir():
+        for p in ckpt.list_checkpoints(out):
+            shutil.rmtree(p, ignore_errors=True)
+    model = hf.to_linattn()
+    s = int(step if step is not None else getattr(hf.config, "linattn_step", 0) or 0)
+    return ckpt.save_checkpoint(out, s, model, model_config=config_to_dict(model.config), tokenizer=tokenizer,
+                                extra={"imported_from": str(hf_dir), "n_params": model.num_parameters()})
+
+
+# --------------------------------------------------------------------------- the CLI commands
+
+def export_main(args) -> int:
+    """`linattn export-hf --checkpoint DIR --out HF_DIR [--overwrite]`."""
+    out = export_hf(args.checkpoint, args.out, overwrite=args.overwrite)
+    print(f"[linattn] wrote {out} (load it with AutoModelForCausalLM.from_pretrained after `import linattn.hf`, "
+          f"or with trust_remote_code=True)")
+    return 0
+
+
+def import_main(args) -> int:
+    """`linattn import-hf --model HF_DIR --out DIR [--overwrite]`."""
+    step_dir = import_hf(args.model, args.out, overwrite=args.overwrite)
+    print(f"[linattn] wrote {step_dir}")
+    return 0
+
+
+__all__ = ["export_hf", "import_hf", "hf_tokenizer", "export_main", "import_main"]

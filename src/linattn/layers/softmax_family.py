@@ -1,0 +1,201 @@
+"""Softmax attention with what linear attention taught: `FoX`, `DeltaFormer` and `PaTH` layers.
+
+All three keep a KV-style cache (it grows with the tokens seen, like softmax attention's):
+
+* `FoX` (Forgetting Transformer): a sigmoid forget gate per head and token, g = logsigmoid(f_proj(x)),
+  inside the softmax (`linattn.ops.forgetting_attention`). No RoPE by default (the gate is the
+  position signal). The FoX "Pro" block is this layer with `output_gate=True, output_norm=True,
+  qk_norm=True, short_conv=True` (its KV-shift is a short causal convolution here). Optional
+  sliding `window`. Cache: keys, values, the cumulative gate of each key and the running G.
+* `DeltaFormer`: beta = sigmoid(b_proj(x)) per head; stage one makes pseudo-values
+  u_t = v_t - beta_t softmax_{j<t}(k_t . k_j) u_<t (keys score keys, `stage1_query="k"`, or queries,
+  "q"), stage two attends them (`linattn.ops.deltaformer`). RoPE by default. Cache: (k, u).
+* `PaTH`: Householder-like position encoding (`linattn.ops.path_attention`) with
+  w = L2norm(ShortConv(low-rank projection of x)) per head (kernel 3, no activation) and
+  beta = 2 sigmoid(b_proj(x)) in (0, 2); optional FoX gate (`use_forget_gate`). No RoPE by default.
+  Cache: keys already multiplied by every later factor, values (and gates), the w convolution's state.
+
+Training and prefill from an empty cache run the chunk form (blockwise, memory O(T * block)); every
+later call on a cache runs the operator's decoding step, token by token.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import LinattnError
+from ..ops.deltaformer import STAGE1_QUERIES, deltaformer, deltaformer_step
+from ..ops.forgetting import forgetting_attention, forgetting_attention_step
+from ..ops.path import path_attention, path_attention_step
+from .base import AttentionBase
+from .cache import LayerCache
+from .common import RMSNorm, ShortConv
+
+
+class _CachedSoftmaxFamily(AttentionBase):
+    """Shared: chunk_size, scale, optional per-head QK RMSNorm, and the cache logic of `_mix`.
+
+    Subclasses implement `_extras(x, cache, cu_seqlens)` (their per-token gates) and `_forward` /
+    `_step` (the operator and its decoding step)."""
+
+    config_fields = AttentionBase.config_fields + ("chunk_size",)
+
+    def __init__(self, d_model: int, n_heads: int, *, chunk_size: int = 64, scale: Optional[float] = None,
+                 qk_norm: bool = False, output_norm: bool = False, **kwargs):
+        super().__init__(d_model, n_heads, output_norm=output_norm, **kwargs)
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+            raise LinattnError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self.chunk_size = int(chunk_size)
+        self.scale = self.resolve_scale(scale, self.head_dim)
+        self.qk_norm = bool(qk_norm)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=kwargs.get("norm_eps", 1e-6))
+            self.k_norm = RMSNorm(self.head_dim, eps=kwargs.get("norm_eps", 1e-6))
+
+    def _extras(self, x, cache, cu_seqlens):  # pragma: no cover
+        raise NotImplementedError
+
+    def _forward(self, q, k, v, extras, cu_seqlens=None, output_final_state=False):  # pragma: no cover
+        raise NotImplementedError
+
+    def _step(self, q, k, v, extras, state):  # pragma: no cover
+        raise NotImplementedError
+
+    def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        extras = self._extras(x, cache, cu_seqlens)
+        if cache is None:
+            return self._forward(q, k, v, extras, cu_seqlens=cu_seqlens)
+        state = cache.get("state")
+        if state is None and q.shape[1] > 1:     # prefill: the chunk form, then its final state
+            o, state = self._forward(q, k, v, extras, output_final_state=True)
+        else:
+            o, state = self._step(q, k, v, extras, state)
+        cache["state"] = state
+        return o
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", chunk_size={self.chunk_size}, qk_norm={self.qk_norm}"
+
+
+class FoX(_CachedSoftmaxFamily):
+    """Forgetting Transformer attention (module docstring).
+
+    Args (besides `AttentionBase`'s): window (keys with i - j < window; None: all), chunk_size (the
+    operator's block length), scale (None: head_dim**-0.5), qk_norm (per-head RMSNorm on q and k).
+    rope, short_conv, output_gate and output_norm default to False.
+    """
+
+    config_fields = _CachedSoftmaxFamily.config_fields + ("window",)
+
+    def __init__(self, d_model: int, n_heads: int, *, window: Optional[int] = None, rope: bool = False, **kwargs):
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise LinattnError(f"window must be a positive int or None, got {window!r}")
+        super().__init__(d_model, n_heads, rope=rope, **kwargs)
+        self.window = window
+        self.f_proj = nn.Linear(d_model, self.n_heads, bias=True)
+
+    def log_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """g = log f = logsigmoid(f_proj(x)) `[B, T, H]` (fp32)."""
+        return F.logsigmoid(self.f_proj(x).float())
+
+    def _extras(self, x, cache, cu_seqlens):
+        return self.log_gate(x)
+
+    def _forward(self, q, k, v, g, cu_seqlens=None, output_final_state=False):
+        return forgetting_attention(q, k, v, g, window=self.window, scale=self.scale, block_size=self.chunk_size,
+                                    cu_seqlens=cu_seqlens, output_final_state=output_final_state)
+
+    def _step(self, q, k, v, g, state):
+        return forgetting_attention_step(q, k, v, g, state, window=self.window, scale=self.scale)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", window={self.window}"
+
+
+class DeltaFormer(_CachedSoftmaxFamily):
+    """DeltaFormer attention (module docstring).
+
+    Args (besides `AttentionBase`'s): stage1_query "k" (the seed's form) or "q", chunk_size, scale,
+    qk_norm. rope defaults to True, short_conv and output_norm to False.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, stage1_query: str = "k", rope: bool = True, **kwargs):
+        if stage1_query not in STAGE1_QUERIES:
+            raise LinattnError(f"stage1_query must be one of {STAGE1_QUERIES}, got {stage1_query!r}")
+        super().__init__(d_model, n_heads, rope=rope, **kwargs)
+        self.stage1_query = stage1_query
+        self.b_proj = nn.Linear(d_model, self.n_heads, bias=True)
+
+    def beta(self, x: torch.Tensor) -> torch.Tensor:
+        """beta = sigmoid(b_proj(x)) `[B, T, H]` (fp32)."""
+        return torch.sigmoid(self.b_proj(x).float())
+
+    def _extras(self, x, cache, cu_seqlens):
+        return self.beta(x)
+
+    def _forward(self, q, k, v, beta, cu_seqlens=None, output_final_state=False):
+        return deltaformer(q, k, v, beta, stage1_query=self.stage1_query, scale=self.scale,
+                           block_size=self.chunk_size, cu_seqlens=cu_seqlens, output_final_state=output_final_state)
+
+    def _step(self, q, k, v, beta, state):
+        return deltaformer_step(q, k, v, beta, state, stage1_query=self.stage1_query, scale=self.scale)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", stage1_query={self.stage1_query!r}"
+
+
+class PaTH(_CachedSoftmaxFamily):
+    """PaTH attention (module docstring).
+
+    Args (besides `AttentionBase`'s): w_rank (width of the low-rank w projection), w_conv_size
+    (the w convolution's kernel), use_forget_gate (PaTH-FoX: add FoX's gate), chunk_size, scale,
+    qk_norm. rope, short_conv and output_norm default to False.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, w_rank: int = 32, w_conv_size: int = 3,
+                 use_forget_gate: bool = False, rope: bool = False, **kwargs):
+        super().__init__(d_model, n_heads, rope=rope, **kwargs)
+        if w_rank < 1 or w_conv_size < 1:
+            raise LinattnError(f"w_rank and w_conv_size must be >= 1, got {w_rank}, {w_conv_size}")
+        HK = self.n_heads * self.head_dim
+        self.w_down = nn.Linear(d_model, int(w_rank), bias=False)
+        self.w_up = nn.Linear(int(w_rank), HK, bias=False)
+        self.w_conv = ShortConv(HK, int(w_conv_size), activation=None)
+        self.b_proj = nn.Linear(d_model, self.n_heads, bias=True)
+        self.f_proj = nn.Linear(d_model, self.n_heads, bias=True) if use_forget_gate else None
+
+    def householder(self, x: torch.Tensor, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor]):
+        """(w `[B, T, H, K]` with ||w|| = 1, beta = 2 sigmoid(b_proj(x)) `[B, T, H]`), continuing the
+        convolution's state from `cache` (and writing it back) when given."""
+        B, T, _ = x.shape
+        w, conv_state = self.w_conv(self.w_up(self.w_down(x)), cache.get("conv_w") if cache is not None else None,
+                                    cu_seqlens)
+        if cache is not None:
+            cache["conv_w"] = conv_state
+        w = F.normalize(w.view(B, T, self.n_heads, self.head_dim).float(), dim=-1, eps=1e-6)
+        return w, 2 * torch.sigmoid(self.b_proj(x).float())
+
+    def _extras(self, x, cache, cu_seqlens):
+        w, beta = self.householder(x, cache, cu_seqlens)
+        g = F.logsigmoid(self.f_proj(x).float()) if self.f_proj is not None else None
+        return w, beta, g
+
+    def _forward(self, q, k, v, extras, cu_seqlens=None, output_final_state=False):
+        w, beta, g = extras
+        return path_attention(q, k, v, w.to(q.dtype), beta, g=g, scale=self.scale, block_size=self.chunk_size,
+                              cu_seqlens=cu_seqlens, output_final_state=output_final_state)
+
+    def _step(self, q, k, v, extras, state):
+        w, beta, g = extras
+        return path_attention_step(q, k, v, w.to(q.dtype), beta, state, g=g, scale=self.scale)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", forget_gate={self.f_proj is not None}"
+
+
+__all__ = ["FoX", "DeltaFormer", "PaTH"]

@@ -1,0 +1,224 @@
+"""Forgetting attention (FoX, Lin et al. 2025): softmax attention with a data-dependent forget gate.
+
+    s_ij = scale q_i . k_j + G_i - G_j   (j <= i, and i - j < window if given),   G_t = sum_{s<=t} g_s,
+    o_i  = sum_j softmax_j(s_ij) v_j,
+
+with g_t = log f_t <= 0 one log-gate per token and head (seed eq. 22: the forget-gated linear
+attention's Gamma inside the exponential; a constant g is ALiBi). g=None is plain causal softmax
+attention.
+
+Three forms that agree to floating-point precision:
+
+* `parallel`  - explicit T x T scores (the reference form);
+* `chunk`     - blockwise online softmax over block diagonals (`_flash.py`): memory O(T * block) in
+                the forward *and* the backward, which is a custom autograd.Function that recomputes
+                the score blocks from the saved log-sum-exp (no checkpointing, nothing T x T kept);
+* `recurrent` - decoding: a KV cache plus the running G, one token at a time
+                (`forgetting_attention_step`, also the layer's decoding path).
+
+The gates' cumulative sum is kept in fp64 (`_flash.py`, "Gate precision"), so strong gates (g = -20
+per token) give exact, finite outputs: every row keeps its own key with bias 0, so no row underflows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional
+
+import torch
+
+from ..errors import LinattnError, LinattnTypeError
+from ._common import check_cu_seqlens, check_log_gate, check_qkv, check_scale, compute_dtype
+from ._flash import (
+    causal_mask,
+    check_block_size,
+    check_finite_gate,
+    check_flag,
+    check_mode,
+    check_window,
+    flash_attention,
+    from_heads_first,
+    gate_bias,
+    masked_softmax,
+    to_heads_first,
+)
+
+
+class ForgettingAttentionState(NamedTuple):
+    """The decoding state of `forgetting_attention`: the KV cache and the running gate sum.
+
+    k: [B, L, H, K], v: [B, L, H, V] the cached keys and values (compute dtype; with a window only the
+    last window - 1 tokens are kept); G: [B, L, H] fp64 the cumulative log-gate at each cached token;
+    G_now: [B, H] fp64 the cumulative log-gate of the last token seen (G and G_now are None without g).
+    """
+    k: torch.Tensor
+    v: torch.Tensor
+    G: Optional[torch.Tensor]
+    G_now: Optional[torch.Tensor]
+
+
+@dataclass
+class _Problem:
+    q: torch.Tensor            # [B, T, H, K] compute dtype, scaled
+    k: torch.Tensor
+    v: torch.Tensor
+    g: Optional[torch.Tensor]  # [B, T, H] compute dtype or None
+    window: Optional[int]
+    mode: str
+    block_size: int
+    offsets: Optional[List[int]]
+    output_final_state: bool
+    out_dtype: torch.dtype
+
+
+def _prepare(q, k, v, g, window, scale, mode, block_size, cu_seqlens, output_final_state) -> _Problem:
+    B, T, H, K, V = check_qkv(q, k, v)
+    check_mode(mode)
+    check_block_size(block_size)
+    window = check_window(window)
+    if g is not None:
+        check_log_gate(g, "g", B, T, H, ref=q)
+        check_finite_gate(g)
+    scale = check_scale(scale, K ** -0.5)
+    check_flag(output_final_state, "output_final_state")
+    offsets = check_cu_seqlens(cu_seqlens, B, T)
+    if offsets is not None and output_final_state:
+        raise LinattnError("output_final_state cannot be combined with cu_seqlens (packed sequences have no "
+                           "single decoding state); decode a [B, T] batch instead")
+    cdt = compute_dtype(q.dtype)
+    return _Problem(q.to(cdt) * scale, k.to(cdt), v.to(cdt), g.to(cdt) if g is not None else None, window,
+                    mode, block_size, offsets, output_final_state, q.dtype)
+
+
+def _parallel(q, k, v, g, window):
+    """[B, T, H, *] -> o [B, T, H, V]: explicit T x T scores."""
+    T = q.shape[1]
+    s = torch.einsum("bihk,bjhk->bhij", q, k)
+    if g is not None:
+        G = g.double().cumsum(1).transpose(1, 2)                  # [B, H, T] fp64
+        s = s + gate_bias(G, q.dtype)
+    p = masked_softmax(s, causal_mask(T, q.device, window))
+    return torch.einsum("bhij,bjhv->bihv", p, v)
+
+
+def _chunk(q, k, v, g, window, block_size):
+    B, _, H, _ = q.shape
+    gh = to_heads_first(g, g.dtype) if g is not None else None
+    o = flash_attention(to_heads_first(q, q.dtype), to_heads_first(k, k.dtype), to_heads_first(v, v.dtype), gh,
+                        block_size, window)
+    return from_heads_first(o, B, H)
+
+
+def _step_loop(q, k, v, g, state: Optional[ForgettingAttentionState], window):
+    """Token-by-token decoding over [B, T, H, *] (already scaled, compute dtype) -> (o, state)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if state is None:
+        state = ForgettingAttentionState(q.new_zeros(B, 0, H, K), v.new_zeros(B, 0, H, V),
+                                         q.new_zeros(B, 0, H, dtype=torch.float64) if g is not None else None,
+                                         q.new_zeros(B, H, dtype=torch.float64) if g is not None else None)
+    kc, vc, Gc, G_now = state
+    outs = []
+    for t in range(T):
+        kc = torch.cat([kc, k[:, t:t + 1]], dim=1)
+        vc = torch.cat([vc, v[:, t:t + 1]], dim=1)
+        if window is not None and kc.shape[1] > window:
+            kc, vc = kc[:, -window:], vc[:, -window:]
+        s = torch.einsum("bhk,blhk->blh", q[:, t], kc)
+        if g is not None:
+            G_now = G_now + g[:, t].double()
+            Gc = torch.cat([Gc, G_now.unsqueeze(1)], dim=1)
+            if window is not None and Gc.shape[1] > window:
+                Gc = Gc[:, -window:]
+            s = s + (G_now.unsqueeze(1) - Gc).to(s.dtype)
+        p = torch.softmax(s, dim=1)
+        outs.append(torch.einsum("blh,blhv->bhv", p, vc))
+    if window is not None:   # the next token sees the last window - 1 of these
+        keep = window - 1
+        kc, vc = kc[:, kc.shape[1] - min(keep, kc.shape[1]):], vc[:, vc.shape[1] - min(keep, vc.shape[1]):]
+        if Gc is not None:
+            Gc = Gc[:, Gc.shape[1] - min(keep, Gc.shape[1]):]
+    return torch.stack(outs, dim=1), ForgettingAttentionState(kc, vc, Gc, G_now)
+
+
+def _final_state(p: _Problem) -> ForgettingAttentionState:
+    k, v = p.k.detach(), p.v.detach()
+    G = p.g.detach().double().cumsum(1) if p.g is not None else None
+    G_now = G[:, -1] if G is not None else None
+    if p.window is not None:
+        keep = min(p.window - 1, k.shape[1])
+        k, v = k[:, k.shape[1] - keep:], v[:, v.shape[1] - keep:]
+        G = G[:, G.shape[1] - keep:] if G is not None else None
+    return ForgettingAttentionState(k, v, G, G_now)
+
+
+def _run(p: _Problem):
+    def one(q, k, v, g):
+        if p.mode == "parallel":
+            return _parallel(q, k, v, g, p.window)
+        if p.mode == "chunk":
+            return _chunk(q, k, v, g, p.window, p.block_size)
+        return _step_loop(q, k, v, g, None, p.window)[0]
+
+    if p.offsets is None:
+        o = one(p.q, p.k, p.v, p.g)
+    else:
+        o = torch.cat([one(p.q[:, a:b], p.k[:, a:b], p.v[:, a:b], p.g[:, a:b] if p.g is not None else None)
+                       for a, b in zip(p.offsets[:-1], p.offsets[1:])], dim=1)
+    o = o.to(p.out_dtype)
+    return (o, _final_state(p)) if p.output_final_state else o
+
+
+def forgetting_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], *,
+                         window: Optional[int] = None, scale: Optional[float] = None, mode: str = "chunk",
+                         block_size: int = 64, cu_seqlens: Optional[torch.Tensor] = None,
+                         output_final_state: bool = False):
+    """Forgetting attention (module docstring). q, k `[B, T, H, K]`, v `[B, T, H, V]`, g `[B, T, H]`
+    log forget gates (<= 0, finite) or None -> o `[B, T, H, V]` in the input dtype.
+
+    window: keys with i - j < window only (None: all earlier keys). scale: None means K**-0.5.
+    mode: "parallel" | "chunk" | "recurrent". block_size: the chunk form's block length.
+    cu_seqlens: int64 `[N+1]` offsets of packed sequences (B must be 1); G restarts at every start.
+    output_final_state: also return a `ForgettingAttentionState` for `forgetting_attention_step`.
+    """
+    return _run(_prepare(q, k, v, g, window, scale, mode, block_size, cu_seqlens, output_final_state))
+
+
+def _check_state(state, B, H, K, V, with_gate: bool, device) -> None:
+    if not isinstance(state, ForgettingAttentionState):
+        raise LinattnTypeError(f"state must be a ForgettingAttentionState (from output_final_state=True or a "
+                               f"previous step), got {type(state).__name__}")
+    k, v, G, G_now = state
+    if k.dim() != 4 or k.shape[0] != B or k.shape[2:] != (H, K) or v.shape[:3] != k.shape[:3] or v.shape[3] != V:
+        raise LinattnError(f"state.k must be [B, L, H, K] with B, H, K = {(B, H, K)} and state.v [B, L, H, {V}], "
+                           f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if (G is None) != (not with_gate):
+        raise LinattnError("state and call disagree about the gate: pass g at every step of a gated state "
+                           "(and none for an ungated one)")
+    if k.device != device:
+        raise LinattnError(f"state must be on the device of q ({device}), got {k.device}")
+
+
+def forgetting_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+                              state: Optional[ForgettingAttentionState] = None, *, window: Optional[int] = None,
+                              scale: Optional[float] = None):
+    """Decode new tokens q, k `[B, T, H, K]`, v `[B, T, H, V]`, g `[B, T, H]` (usually T = 1) after the
+    tokens summarised in `state` (None: an empty cache) -> (o `[B, T, H, V]`, new state).
+
+    Each token appends its key, value and cumulative gate G_t = G_{t-1} + g_t to the cache, then
+    attends every cached key j with scale q_t . k_j + G_t - G_j.
+    """
+    B, T, H, K, V = check_qkv(q, k, v)
+    window = check_window(window)
+    if g is not None:
+        check_log_gate(g, "g", B, T, H, ref=q)
+        check_finite_gate(g)
+    scale = check_scale(scale, K ** -0.5)
+    if state is not None:
+        _check_state(state, B, H, K, V, g is not None, q.device)
+    cdt = compute_dtype(q.dtype)
+    o, state = _step_loop(q.to(cdt) * scale, k.to(cdt), v.to(cdt), g.to(cdt) if g is not None else None,
+                          state, window)
+    return o.to(q.dtype), state
+
+
+__all__ = ["forgetting_attention", "forgetting_attention_step", "ForgettingAttentionState"]
