@@ -51,6 +51,18 @@ MODELS: Dict[str, tuple] = {
     "ela-lobe-bidir": ("ELA-GPT + lobe (bidirectional, leaks)",
                        {"mixer": "ela-hadamard_exp", "memory_lobe": "bidirectional", "allow_future_leak": True},
                        "C5"),
+    # issue 11: the delta-rule variants and the test-time regression / training mixers (4 heads of 32)
+    "comba": ("Comba", {"mixer": "comba"}, "C6"),
+    "delta-product": ("DeltaProduct (n=2)", {"mixer": "delta-product"}, "C7"),
+    "kda": ("KDA", {"mixer": "kda"}, "C8"),
+    "mesanet": ("MesaNet", {"mixer": "mesanet"}, "C9"),
+    "ttt-linear": ("TTT-Linear", {"mixer": "ttt-linear"}, "tab:olive"),
+    "ttt-mlp": ("TTT-MLP", {"mixer": "ttt-mlp"}, "navy"),
+    "titans": ("Titans", {"mixer": "titans"}, "teal"),
+    # issue 12: softmax attention fed back by linear attention (4 heads of 32)
+    "fox": ("FoX", {"mixer": "fox"}, "magenta"),
+    "deltaformer": ("DeltaFormer", {"mixer": "deltaformer"}, "goldenrod"),
+    "path": ("PaTH", {"mixer": "path"}, "lime"),
 }
 
 

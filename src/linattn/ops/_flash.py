@@ -31,7 +31,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
-from ._common import FLOAT_DTYPES, check_same_device, check_values, pad_time
+from ._common import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_scale, check_values, pad_time
 
 NEG_INF = float("-inf")
 
@@ -89,6 +89,18 @@ def check_finite_gate(g, name: str = "g") -> None:
     if check_values(g) and not bool(torch.isfinite(g).all()):
         raise LinattnError(f"{name} must be finite (a log-gate of -inf would cut the sequence; use a large "
                            f"negative value)")
+
+
+def check_scale_state_packing(scale, K: int, output_final_state, cu_seqlens, B: int, T: int):
+    """The common tail of the three operators' checks -> (scale, offsets): scale (None: K^-1/2), the
+    output_final_state flag, cu_seqlens, and no decoding state for packed sequences."""
+    scale = check_scale(scale, K ** -0.5)
+    check_flag(output_final_state, "output_final_state")
+    offsets = check_cu_seqlens(cu_seqlens, B, T)
+    if offsets is not None and output_final_state:
+        raise LinattnError("output_final_state cannot be combined with cu_seqlens (packed sequences have no "
+                           "single decoding state); decode a [B, T] batch instead")
+    return scale, offsets
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,6 +283,32 @@ def masked_softmax(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return e / torch.where(z > 0, z, torch.ones_like(z))
 
 
+def empty_kv_cache(k: torch.Tensor, v: torch.Tensor, gated: bool):
+    """An empty decoding cache for [B, T, H, *] keys and values: (keys, values, the cached G's, the
+    running G), the last two fp64 [B, 0, H] and [B, H] if `gated`, else None."""
+    B, _, H, K = k.shape
+    G0 = (k.new_zeros(B, 0, H, dtype=torch.float64), k.new_zeros(B, H, dtype=torch.float64)) if gated else (None, None)
+    return (k.new_zeros(B, 0, H, K), v.new_zeros(B, 0, H, v.shape[-1])) + G0
+
+
+def kv_cache_attend(q_t, k_t, v_t, g_t, kc, vc, Gc, G_now, window: Optional[int] = None):
+    """One decoding step: append k_t, v_t [B, 1, H, *] (and G_now + g_t, fp64) to the cache, keep the
+    last `window` entries, attend with q_t [B, H, K] (scaled) -> (o_t [B, H, V], kc, vc, Gc, G_now)."""
+    kc = torch.cat([kc, k_t], dim=1)
+    vc = torch.cat([vc, v_t], dim=1)
+    if window is not None and kc.shape[1] > window:
+        kc, vc = kc[:, -window:], vc[:, -window:]
+    s = torch.einsum("bhk,blhk->blh", q_t, kc)
+    if g_t is not None:
+        G_now = G_now + g_t.double()
+        Gc = torch.cat([Gc, G_now.unsqueeze(1)], dim=1)
+        if window is not None and Gc.shape[1] > window:
+            Gc = Gc[:, -window:]
+        s = s + (G_now.unsqueeze(1) - Gc).to(s.dtype)
+    p = torch.softmax(s, dim=1)
+    return torch.einsum("blh,blhv->bhv", p, vc), kc, vc, Gc, G_now
+
+
 def to_heads_first(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """[B, T, H, *] -> [B * H, T, *] in the compute dtype (contiguous)."""
     B, T, H = x.shape[:3]
@@ -284,5 +322,6 @@ def from_heads_first(x: torch.Tensor, B: int, H: int) -> torch.Tensor:
 
 
 __all__ = ["flash_attention", "check_block_size", "check_window", "check_flag", "check_mode", "check_per_token",
-           "check_finite_gate", "cumulative_gate", "anchored", "causal_mask", "gate_bias", "masked_softmax",
-           "to_heads_first", "from_heads_first", "NEG_INF", "base2", "LOG2E"]
+           "check_finite_gate", "check_scale_state_packing", "cumulative_gate", "anchored", "causal_mask", "gate_bias",
+           "masked_softmax", "empty_kv_cache", "kv_cache_attend", "to_heads_first", "from_heads_first", "NEG_INF",
+           "base2", "LOG2E"]

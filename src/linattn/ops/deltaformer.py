@@ -35,17 +35,18 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
-from ._common import check_cu_seqlens, check_qkv, check_scale, compute_dtype, pad_time
+from ._common import check_qkv, check_scale, compute_dtype, pad_time
 from ._flash import (
     NEG_INF,
     base2,
     causal_mask,
     check_block_size,
-    check_flag,
     check_mode,
     check_per_token,
+    check_scale_state_packing,
     flash_attention,
     from_heads_first,
+    kv_cache_attend,
     masked_softmax,
     to_heads_first,
 )
@@ -192,12 +193,7 @@ def _prepare(q, k, v, beta, stage1_query, scale, mode, block_size, cu_seqlens, o
     check_block_size(block_size)
     _check_stage1_query(stage1_query)
     check_per_token(beta, "beta", B, T, H, q, nonneg=True)
-    scale = check_scale(scale, K ** -0.5)
-    check_flag(output_final_state, "output_final_state")
-    offsets = check_cu_seqlens(cu_seqlens, B, T)
-    if offsets is not None and output_final_state:
-        raise LinattnError("output_final_state cannot be combined with cu_seqlens (packed sequences have no "
-                           "single decoding state); decode a [B, T] batch instead")
+    scale, offsets = check_scale_state_packing(scale, K, output_final_state, cu_seqlens, B, T)
     cdt = compute_dtype(q.dtype)
     qc, kc = q.to(cdt), k.to(cdt)
     r = (kc if stage1_query == "k" else qc) * scale
@@ -217,10 +213,8 @@ def _step_loop(q, k, v, beta, r, state: Optional[DeltaFormerState]):
             u_t = v[:, t] - beta[:, t].unsqueeze(-1) * torch.einsum("blh,blhv->bhv", p, uc)
         else:
             u_t = v[:, t]
-        kc = torch.cat([kc, k[:, t:t + 1]], dim=1)
-        uc = torch.cat([uc, u_t.unsqueeze(1)], dim=1)
-        p = torch.softmax(torch.einsum("bhk,blhk->blh", q[:, t], kc), dim=1)
-        outs.append(torch.einsum("blh,blhv->bhv", p, uc))
+        o_t, kc, uc, _, _ = kv_cache_attend(q[:, t], k[:, t:t + 1], u_t.unsqueeze(1), None, kc, uc, None, None)
+        outs.append(o_t)
         us.append(u_t)
     return torch.stack(outs, dim=1), torch.stack(us, dim=1), DeltaFormerState(kc, uc)
 

@@ -27,17 +27,19 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
-from ._common import check_cu_seqlens, check_log_gate, check_qkv, check_scale, compute_dtype
+from ._common import check_log_gate, check_qkv, check_scale, compute_dtype
 from ._flash import (
     causal_mask,
     check_block_size,
     check_finite_gate,
-    check_flag,
     check_mode,
+    check_scale_state_packing,
     check_window,
+    empty_kv_cache,
     flash_attention,
     from_heads_first,
     gate_bias,
+    kv_cache_attend,
     masked_softmax,
     to_heads_first,
 )
@@ -78,12 +80,7 @@ def _prepare(q, k, v, g, window, scale, mode, block_size, cu_seqlens, output_fin
     if g is not None:
         check_log_gate(g, "g", B, T, H, ref=q)
         check_finite_gate(g)
-    scale = check_scale(scale, K ** -0.5)
-    check_flag(output_final_state, "output_final_state")
-    offsets = check_cu_seqlens(cu_seqlens, B, T)
-    if offsets is not None and output_final_state:
-        raise LinattnError("output_final_state cannot be combined with cu_seqlens (packed sequences have no "
-                           "single decoding state); decode a [B, T] batch instead")
+    scale, offsets = check_scale_state_packing(scale, K, output_final_state, cu_seqlens, B, T)
     cdt = compute_dtype(q.dtype)
     return _Problem(q.to(cdt) * scale, k.to(cdt), v.to(cdt), g.to(cdt) if g is not None else None, window,
                     mode, block_size, offsets, output_final_state, q.dtype)
@@ -110,28 +107,12 @@ def _chunk(q, k, v, g, window, block_size):
 
 def _step_loop(q, k, v, g, state: Optional[ForgettingAttentionState], window):
     """Token-by-token decoding over [B, T, H, *] (already scaled, compute dtype) -> (o, state)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if state is None:
-        state = ForgettingAttentionState(q.new_zeros(B, 0, H, K), v.new_zeros(B, 0, H, V),
-                                         q.new_zeros(B, 0, H, dtype=torch.float64) if g is not None else None,
-                                         q.new_zeros(B, H, dtype=torch.float64) if g is not None else None)
-    kc, vc, Gc, G_now = state
+    kc, vc, Gc, G_now = state if state is not None else empty_kv_cache(k, v, g is not None)
     outs = []
-    for t in range(T):
-        kc = torch.cat([kc, k[:, t:t + 1]], dim=1)
-        vc = torch.cat([vc, v[:, t:t + 1]], dim=1)
-        if window is not None and kc.shape[1] > window:
-            kc, vc = kc[:, -window:], vc[:, -window:]
-        s = torch.einsum("bhk,blhk->blh", q[:, t], kc)
-        if g is not None:
-            G_now = G_now + g[:, t].double()
-            Gc = torch.cat([Gc, G_now.unsqueeze(1)], dim=1)
-            if window is not None and Gc.shape[1] > window:
-                Gc = Gc[:, -window:]
-            s = s + (G_now.unsqueeze(1) - Gc).to(s.dtype)
-        p = torch.softmax(s, dim=1)
-        outs.append(torch.einsum("blh,blhv->bhv", p, vc))
+    for t in range(q.shape[1]):
+        o_t, kc, vc, Gc, G_now = kv_cache_attend(q[:, t], k[:, t:t + 1], v[:, t:t + 1],
+                                                 g[:, t] if g is not None else None, kc, vc, Gc, G_now, window)
+        outs.append(o_t)
     if window is not None:   # the next token sees the last window - 1 of these
         keep = window - 1
         kc, vc = kc[:, kc.shape[1] - min(keep, kc.shape[1]):], vc[:, vc.shape[1] - min(keep, vc.shape[1]):]

@@ -59,7 +59,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
-from ._common import check_cu_seqlens, check_log_gate, check_qkv, check_scale, compute_dtype, pad_time
+from ._common import check_log_gate, check_qkv, check_scale, compute_dtype, pad_time
 from ._flash import (
     NEG_INF,
     anchored,
@@ -67,12 +67,14 @@ from ._flash import (
     causal_mask,
     check_block_size,
     check_finite_gate,
-    check_flag,
     check_mode,
     check_per_token,
+    check_scale_state_packing,
     cumulative_gate,
+    empty_kv_cache,
     from_heads_first,
     gate_bias,
+    kv_cache_attend,
     masked_softmax,
     to_heads_first,
 )
@@ -303,26 +305,14 @@ def _parallel(q, k, v, w, beta, g):
 
 def _step_loop(q, k, v, w, beta, g, state: Optional[PaTHState]):
     """Token by token over [B, T, H, *] (q scaled, compute dtype) -> (o, state)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if state is None:
-        state = PaTHState(k.new_zeros(B, 0, H, K), v.new_zeros(B, 0, H, V),
-                          q.new_zeros(B, 0, H, dtype=torch.float64) if g is not None else None,
-                          q.new_zeros(B, H, dtype=torch.float64) if g is not None else None)
-    kc, vc, Gc, G_now = state
+    kc, vc, Gc, G_now = state if state is not None else empty_kv_cache(k, v, g is not None)
     outs = []
-    for t in range(T):
+    for t in range(q.shape[1]):
         w_t = w[:, t].unsqueeze(1)                                       # [B, 1, H, K]
         kc = kc - (beta[:, t].unsqueeze(1) * (kc * w_t).sum(-1)).unsqueeze(-1) * w_t
-        kc = torch.cat([kc, k[:, t:t + 1]], dim=1)
-        vc = torch.cat([vc, v[:, t:t + 1]], dim=1)
-        s = torch.einsum("bhk,blhk->blh", q[:, t], kc)
-        if g is not None:
-            G_now = G_now + g[:, t].double()
-            Gc = torch.cat([Gc, G_now.unsqueeze(1)], dim=1)
-            s = s + (G_now.unsqueeze(1) - Gc).to(s.dtype)
-        p = torch.softmax(s, dim=1)
-        outs.append(torch.einsum("blh,blhv->bhv", p, vc))
+        o_t, kc, vc, Gc, G_now = kv_cache_attend(q[:, t], k[:, t:t + 1], v[:, t:t + 1],
+                                                 g[:, t] if g is not None else None, kc, vc, Gc, G_now)
+        outs.append(o_t)
     return torch.stack(outs, dim=1), PaTHState(kc, vc, Gc, G_now)
 
 
@@ -358,12 +348,7 @@ def _prepare(q, k, v, w, beta, g, scale, mode, block_size, cu_seqlens, output_fi
     check_mode(mode)
     check_block_size(block_size)
     _check_w_beta_g(q, w, beta, g, B, T, H)
-    scale = check_scale(scale, K ** -0.5)
-    check_flag(output_final_state, "output_final_state")
-    offsets = check_cu_seqlens(cu_seqlens, B, T)
-    if offsets is not None and output_final_state:
-        raise LinattnError("output_final_state cannot be combined with cu_seqlens (packed sequences have no "
-                           "single decoding state); decode a [B, T] batch instead")
+    scale, offsets = check_scale_state_packing(scale, K, output_final_state, cu_seqlens, B, T)
     cdt = compute_dtype(q.dtype)
     return _Problem(q.to(cdt) * scale, k.to(cdt), v.to(cdt), w.to(cdt), beta.to(cdt),
                     g.to(cdt) if g is not None else None, mode, block_size, offsets, output_final_state, q.dtype)
