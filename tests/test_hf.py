@@ -78,6 +78,33 @@ def test_greedy_generate_matches_linattn(kind):
 
 
 @pytest.mark.parametrize("kind", ["linear", "hybrid"])
+def test_generate_scores_are_the_full_forward_logits(kind):
+    # every step's scores must be the logits of a plain forward over the whole sequence so far: this
+    # fails when the cache is not threaded between steps (transformers 5.24 renamed `past_key_values`
+    # to `cache`, and a model that ignored the new name re-prefilled each new token alone)
+    m = tiny(MIXERS[kind])
+    hf = lh.LinattnForCausalLM.from_linattn(m)
+    ids = torch.randint(1, 64, (2, 5))
+    out = hf.generate(ids, max_new_tokens=4, output_scores=True, return_dict_in_generate=True, **GREEDY)
+    full = m(out.sequences).logits
+    for i, scores in enumerate(out.scores):
+        torch.testing.assert_close(scores, full[:, 4 + i], rtol=1e-5, atol=1e-5)
+
+
+def test_cache_under_either_name():
+    m = tiny(MIXERS["delta"])
+    hf = lh.LinattnForCausalLM.from_linattn(m)
+    ids = torch.randint(1, 64, (1, 6))
+    for name in ("cache", "past_key_values"):
+        c = transformers.DynamicCache(config=hf.config)
+        hf(ids[:, :5], use_cache=True, **{name: c})
+        step = hf(ids[:, 5:], use_cache=True, **{name: c}).logits
+        torch.testing.assert_close(step[:, -1], m(ids).logits[:, -1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(LinattnError, match="not both"):
+        hf(ids, cache=c, past_key_values=c)
+
+
+@pytest.mark.parametrize("kind", ["linear", "hybrid"])
 def test_left_padded_batch_equals_each_sequence_alone(kind):
     m = tiny(MIXERS[kind], memory_lobe="causal")
     hf = lh.LinattnForCausalLM.from_linattn(m)

@@ -35,6 +35,9 @@ from ..layers.cache import Cache, KVCache
 from ..models.lm import LanguageModel
 from .configuration_linattn import STATE_SLOTS, LinattnConfig, layer_types_of
 
+# transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache` (the old
+# name is still accepted with a warning); we take either and answer in the installed version's name.
+_CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 _OFFSETS = ("", "offsets")   # the (module, key) of the per-row token counts, in layer 0
 
 
@@ -371,7 +374,7 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
                 past_key_values: Optional[HFCache] = None, inputs_embeds: Optional[torch.Tensor] = None,
                 labels: Optional[torch.LongTensor] = None, use_cache: Optional[bool] = None,
                 logits_to_keep: Union[int, torch.Tensor] = 0, return_dict: Optional[bool] = None,
-                **kwargs) -> Union[CausalLMOutputWithPast, tuple]:
+                cache: Optional[HFCache] = None, **kwargs) -> Union[CausalLMOutputWithPast, tuple]:
         """input_ids [B, T] -> CausalLMOutputWithPast(loss, logits [B, T or kept, vocab], past_key_values).
 
         attention_mask [B, T] or [B, past + T] (1 = token, 0 = padding; padding never enters a
@@ -379,6 +382,9 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         -100 ignored, padding ignored; `num_items_in_batch` from transformers' Trainer divides
         the summed loss instead); logits_to_keep as in transformers (0: all, n: the last n).
         """
+        if cache is not None and past_key_values is not None:
+            raise LinattnError("give the cache as `cache` or `past_key_values` (its pre-5.24 name), not both")
+        past_key_values = cache if cache is not None else past_key_values
         if inputs_embeds is not None:
             raise LinattnError("LinattnForCausalLM takes input_ids, not inputs_embeds")
         if input_ids is None:
@@ -412,7 +418,8 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
             loss = self._loss(logits, labels, mask, kwargs.get("num_items_in_batch"))
             if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
                 logits = logits[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else logits[:, logits_to_keep]
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits,
+                                     **{_CACHE_FIELD: past_key_values if use_cache else None})
         return out if return_dict is not False else out.to_tuple()
 
     @staticmethod
