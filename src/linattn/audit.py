@@ -69,7 +69,8 @@ def _outputs(model, ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def check_causality(model: Callable, seq_len: int = 32, batch_size: int = 2, vocab_size: Optional[int] = None,
                     cuts: Optional[Sequence[int]] = None, atol: Optional[float] = None, seed: int = 0,
-                    dtype: Optional[torch.dtype] = torch.float64, device=None) -> CausalityReport:
+                    dtype: Optional[torch.dtype] = torch.float64, device=None,
+                    exact: bool = False) -> CausalityReport:
     """Audit `model` (ids `[B, T]` -> logits `[B, T, V]`, or an object with `.logits`).
 
     Args:
@@ -81,8 +82,17 @@ def check_causality(model: Callable, seq_len: int = 32, batch_size: int = 2, voc
         seed: seeds the probe tokens.
         dtype: run the audit on a copy of the model (an nn.Module) converted to this dtype
             (default float64); None audits the model as it is.
+        exact: bitwise mode: an earlier output may not change at all, not even by rounding
+            (atol = 0). linattn's operators make every data-dependent choice (stabilisers, shifts,
+            paths) from tokens up to the output position, so their models pass it in any dtype.
     The model is audited in eval mode; the caller's model is left untouched.
     """
+    if not isinstance(exact, bool):
+        raise LinattnError(f"exact must be a bool, got {exact!r}")
+    if exact:
+        if atol not in (None, 0):
+            raise LinattnError(f"exact=True compares bits (atol = 0); got atol={atol!r}")
+        atol = 0.0
     if vocab_size is None:
         vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
         if vocab_size is None:

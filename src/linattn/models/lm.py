@@ -27,6 +27,7 @@ import torch.utils.checkpoint
 
 from ..errors import LinattnError, LinattnTypeError
 from ..layers import Cache, RMSNorm, SwiGLU, check_cu_seqlens
+from ..ops._common import check_values
 from .config import LMConfig
 from .family import CausalLM, register_family
 from .generation import join_generated, stream_tokens
@@ -140,6 +141,16 @@ class Block(nn.Module):
         return out, aux
 
 
+def _check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """Token ids must lie in [0, vocab_size): a value check, so it follows `linattn.set_checks` (CPU
+    tensors in eager mode by default; never a host synchronisation on CUDA unless "full")."""
+    if ids.numel() == 0 or not check_values(ids):
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise LinattnError(f"input_ids must lie in [0, vocab_size) = [0, {vocab_size}), got values from {lo} to {hi}")
+
+
 class LanguageModel(nn.Module, CausalLM):
     """A decoder-only language model built from an `LMConfig` (the "lm" family; a `CausalLM`).
 
@@ -209,6 +220,7 @@ class LanguageModel(nn.Module, CausalLM):
                                f"{tuple(getattr(input_ids, 'shape', ()))}")
         if input_ids.shape[1] == 0:
             raise LinattnError("input_ids must hold at least one token")
+        _check_token_ids(input_ids, self.config.vocab_size)
         if cu_seqlens is not None and (cache is not None or use_cache):
             raise LinattnError("cu_seqlens (packed documents) cannot be combined with a decoding cache "
                                "(cache / use_cache); decode a [B, T] batch instead")

@@ -182,3 +182,31 @@ def pad_time(x: torch.Tensor, multiple: int, dim: int, value: float = 0.0) -> to
     shape = list(x.shape)
     shape[dim] = pad
     return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+
+def _reads_values(x: torch.Tensor) -> bool:
+    """Whether reading a value of `x` on the host is free (CPU tensors in eager mode) and allowed (the
+    checks level is not "shapes"): the forms use it only to skip work that gives the same result."""
+    return _checks != "shapes" and x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def causal_matmul(A: torch.Tensor, X: torch.Tensor, input: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`input + A @ X` for a causally masked A `[..., C, C]` (zero above the diagonal), in which a row
+    j of X never reaches an output row i < j, even when X_j holds inf or NaN.
+
+    A plain matmul multiplies the masked zeros A_ij (j > i) by X_j, and 0 * inf = NaN would turn every
+    earlier row into NaN. Here the non-finite entries of X are taken out by selection (nan_to_num to 0)
+    before the product, and put back into the rows that really see them (i >= j) through a running
+    sum down each column, so those rows are still inf or NaN. For finite X both ways give the same
+    values (the running sum is exactly 0), so CPU tensors in eager mode, where one reduction tells
+    whether X is finite, skip the extra passes when it is; elsewhere the branch-free form always runs.
+    """
+    if _reads_values(X) and bool(torch.isfinite(X.sum())):
+        return torch.baddbmm(input, A, X) if (input is not None and A.dim() == 3) else (
+            A @ X if input is None else input + A @ X)
+    X_safe = torch.nan_to_num(X, nan=0.0, posinf=0.0, neginf=0.0)
+    poison = (X - X_safe).cumsum(-2)  # exactly 0 where every earlier X is finite, else inf or NaN
+    # the same operations as above, with an exact 0 added: the finite rows keep their bits
+    if input is None:
+        return A @ X_safe + poison
+    return torch.baddbmm(input + poison, A, X_safe) if A.dim() == 3 else (input + poison) + A @ X_safe

@@ -73,6 +73,7 @@ from ..errors import LinattnError, LinattnTypeError
 from ..triton import triton_chunk_size
 from ._common import (
     FLOAT_DTYPES,
+    causal_matmul,
     check_cu_seqlens,
     check_log_gate,
     check_mode,
@@ -241,7 +242,8 @@ def _chunk(q, k, v, b, r, g, S, C):
         Us.append(U)
         S = torch.baddbmm(S if dec_i is None else dec_i * S, KdT_i, U)
     starts, Us = torch.stack(starts, dim=1), torch.stack(Us, dim=1)  # [BH, n, K or C, V]
-    o = torch.baddbmm(Aqk.reshape(BH * n, C, C) @ Us.view(BH * n, C, V), q_dec.reshape(BH * n, C, K),
+    # a later pseudo-value (inf or NaN after a non-finite token) never reaches an earlier row
+    o = torch.baddbmm(causal_matmul(Aqk.reshape(BH * n, C, C), Us.view(BH * n, C, V)), q_dec.reshape(BH * n, C, K),
                       starts.view(BH * n, K, V))
     o = o.view(B, H, n * C, V)[:, :, :T]
     return o, S.reshape(B, H, K, V)
@@ -348,6 +350,9 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
     after qk_l2norm; scale None means K**-0.5.
     """
     B, T, H, K, V = check_qkv(q, k, v)
+    if K == 0:
+        raise LinattnError(f"q and k must have shape [B, T, H, K] with K >= 1 (the state is [K, V]), "
+                           f"got {tuple(q.shape)}")
     check_mode(mode, chunk_size)
     _check_step(beta, "beta", (B, T, H), q, "[B, T, H]")
     if g is not None:

@@ -20,13 +20,22 @@ maximum log-weight c_i, which cancels in the normalised output (and is multiplie
 Chunkwise, those maps and diagonal (GLA) gates use the log-space block algorithm below, whose
 every exponent is <= 0, with blocks of LOG_BLOCK tokens; the plain feature maps with no gate or a
 scalar gate use pure matmuls. The log-space maps with no gate or a scalar gate also have a matmul
-path (features shifted by their per-feature maximum), exact when the key log-features span less
-than SAFE_SPAN nats; that choice reads values, so it is made only for CPU tensors in eager mode
-(free there). On CUDA and under torch.compile the log-space maps always take the block path: no
-host synchronisation and one graph, at the block path's cost. Every other choice depends only on
-the map, the gate and the mode. The normalised output of a log-space map divides by the
-*stabilised* denominator, sum_j w_ij / exp(c_i) >= 1 for these strictly positive kernels, so eps
-never changes it and adding a constant to every query entry leaves the output unchanged.
+path, for CPU tensors in eager mode: features shifted per chunk by the chunk's first key, rows scaled
+by a running maximum, and a row-local test of which rows that represents exactly (the others, rare,
+come from the block path). On CUDA and under torch.compile the log-space maps always take the block
+path: no host synchronisation and one graph, at the block path's cost. Every other choice depends only
+on the map, the gate and the mode.
+
+Causality, to the bit. Every stabiliser, shift and path choice a row uses depends only on tokens up to
+that row, so changing later tokens never changes an earlier output, not even by rounding: in the chunk
+and recurrent forms, running on a prefix x[:, :t] gives the bits of the first t outputs of the full
+run. Masks act by selection, never by multiplying with 0 (0 * inf = NaN), and a later value never
+enters an earlier row's product (`causal_matmul`): an inf or NaN at position t leaves every output
+before t exactly as it was (it does reach later outputs, and through the carried state later chunks).
+
+The normalised output of a log-space map divides by the *stabilised* denominator,
+sum_j w_ij / exp(c_i) >= 1 for these strictly positive kernels, so eps never changes it and adding a
+constant to every query entry leaves the output unchanged.
 """
 from __future__ import annotations
 
@@ -39,6 +48,8 @@ from ..errors import LinattnError, LinattnTypeError
 from ..feature_maps import FeatureMap, get_feature_map
 from ..triton import triton_chunk_size
 from ._common import (
+    _reads_values,
+    causal_matmul,
     check_cu_seqlens,
     check_log_gate,
     check_mode,
@@ -54,9 +65,10 @@ from .backend import requires_grad, select_backend, triton_linear_attention
 # of two such values never produce NaN, yet exp() of it is exactly 0.
 NEG = -1e30
 LOG_BLOCK = 16  # block size of the log-space chunk path (its intra-block work is O(T * 16 * K))
-# A log-space map may take the matmul path when, per feature, its key log-features (and the carried
-# log-scale) span less than this: shifted features then lie in [e^-60, 1], far from fp32's limits.
-SAFE_SPAN = 60.0
+# A row of a log-space map may take the matmul path when its keys lie less than this many nats above
+# its chunk's shift and its diagonal term less than this below its row log-scale (see `_shift_plan`):
+# its features then lie in [e^-80, e^40], far from fp32's limits (e^-87 .. e^88).
+SAFE_SPAN = 40.0
 
 
 class LinearAttentionState(NamedTuple):
@@ -125,7 +137,7 @@ def _parallel(fq, fk, v, g, S, mu, causal, log_space):
             W = W * torch.exp((Gs.unsqueeze(-1) - Gs.unsqueeze(-2)).masked_fill(~mask, 0.0))
         W = W.masked_fill(~mask, 0.0)
         q_state = fq * torch.exp(G) if G is not None else fq
-        return W @ v + q_state @ S, None, None, None
+        return _masked_product(W, v, causal) + q_state @ S, None, None, None
     # general case: w_ij = sum_d fq_id fk_jd exp(a_id + b_jd - c_i), explicit [T, T, Kf] tensor
     zeros = torch.zeros((), dtype=v.dtype, device=v.device)
     a = (fq if log_space else zeros) + (G if G is not None else zeros)
@@ -141,13 +153,21 @@ def _parallel(fq, fk, v, g, S, mu, causal, log_space):
     E = torch.exp(x - c[..., None, None])
     if not log_space:
         E = E * fq.unsqueeze(3) * fk.unsqueeze(2)
-    o = E.sum(-1) @ v
+    W = E.sum(-1)
+    if not log_space and causal:
+        W = W.masked_fill(~mask, 0.0)  # the masked exp(NEG) = 0 times an inf feature is NaN
+    o = _masked_product(W, v, causal)
     if x_state is not None:
         q_state = torch.exp(x_state - c.unsqueeze(-1))
     else:  # plain features, diagonal gate
         q_state = fq * torch.exp(G)
     o = o + q_state @ S
     return o, (c if log_space else None), None, None
+
+
+def _masked_product(W, v, causal):
+    """W @ v for the quadratic form: a causal W never lets a later (even non-finite) v reach a row."""
+    return causal_matmul(W, v) if causal else W @ v
 
 
 def _bidirectional(fq, fk, v, S, mu):
@@ -187,6 +207,7 @@ def _chunk_matmul(fq, fk, v, g, S, C):
     else:
         G = pad_time(g[..., 0], C, dim=2).view(B, H, n, C).cumsum(-1)
         A = A * torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~mask, float("-inf")))
+        A = A.masked_fill_(~mask, 0.0)  # by selection: an inf key would make the masked 0 * inf NaN
         G_end = G[..., -1:]  # [B, H, n, 1]
         k_dec = fk * torch.exp(G_end - G).unsqueeze(-1)  # keys decayed to the chunk's end
         U = torch.cat([k_dec.transpose(-1, -2) @ v, k_dec.sum(3).unsqueeze(-1)], dim=-1)
@@ -202,42 +223,105 @@ def _chunk_matmul(fq, fk, v, g, S, C):
         S = (S if decays is None else decays[i] * S) + U_i
     starts = torch.stack(starts, dim=2)
     kv_prev, z_prev = starts[..., :V], starts[..., V]
-    num = torch.baddbmm((q_inter @ kv_prev).flatten(0, 2), A.flatten(0, 2), v.flatten(0, 2))
+    num = causal_matmul(A.flatten(0, 2), v.flatten(0, 2), input=(q_inter @ kv_prev).flatten(0, 2))
     den = A.sum(-1) + (q_inter * z_prev.unsqueeze(3)).sum(-1)
     return (num.view(B, H, n * C, V)[:, :, :T], den.view(B, H, n * C)[:, :, :T]), None, S, None
 
 
-def _shifted_span_ok(lk, mu) -> bool:
-    """Can the log-space map take the matmul path? (see SAFE_SPAN)
+class _ShiftPlan(NamedTuple):
+    """What the log-space matmul path needs, all causal (see `_shift_plan`); [B, H, n, C, *] blocks."""
+    lq: torch.Tensor
+    lk: torch.Tensor
+    G: Optional[torch.Tensor]        # the gate's cumulative sum inside each chunk [B, H, n, C], or None
+    mu_start: torch.Tensor           # the state's log-scale before each chunk [B, H, n, Kf]
+    mu_next: torch.Tensor            # ... and after it
+    mu_final: torch.Tensor           # [B, H, Kf]
+    c: torch.Tensor                  # row log-scale [B, H, n, C]
+    M: torch.Tensor                  # per-chunk feature shift: the chunk's first key [B, H, n, Kf]
+    valid: torch.Tensor              # rows the shifted features represent exactly [B, H, T]
 
-    The one choice in linattn's forms that reads tensor values. It is made only for CPU tensors in
-    eager mode, where reading a value costs nothing; on CUDA (where it would be a host
-    synchronisation) and under torch.compile (where it would break the graph) the log-space maps
-    always take the block path, which is exact for any inputs.
+
+def _shift_plan(lq, lk, g, mu, C) -> _ShiftPlan:
+    """The stabilisers of the log-space matmul path and the rows it represents exactly.
+
+    Every quantity a row i uses depends only on tokens <= i, so no later token can change its bits:
+    the state's log-scale before each chunk (the running maximum of the decayed key log-features of
+    the earlier chunks, as in the block path), the feature shift M of a chunk (its *first* key, which
+    every row of the chunk has seen), and the row log-scale c_i = max_d (lq_id + max(cm_id, mu_d + G_i)),
+    with cm_i the running maximum of the chunk's keys up to i: an upper bound on every log-weight
+    row i sees, so phi = exp(lq + M - c) <= 1. A row is valid when its keys stay within SAFE_SPAN nats
+    above the shift (psi = exp(lk - M) <= e^SAFE_SPAN) and its own diagonal term is within SAFE_SPAN
+    of c_i (so the row's sum is >= e^-SAFE_SPAN and phi >= e^-2 SAFE_SPAN at the feature that carries
+    it): then nothing overflows or becomes subnormal in the terms that matter, and the row is exact.
+    Non-finite keys make the rows from theirs on invalid (those go to the block path).
     """
-    if lk.is_cuda or torch.compiler.is_compiling():
-        return False
-    hi, lo = lk.amax(2), lk.amin(2)
-    if mu is not None:
-        live = mu > NEG / 2  # an empty state's scale does not count
-        hi = torch.where(live, torch.maximum(hi, mu), hi)
-        lo = torch.where(live, torch.minimum(lo, mu), lo)
-    return bool(((hi - lo) < SAFE_SPAN).all())
+    B, H, T, Kf = lq.shape
+    lq = pad_time(lq, C, dim=2).contiguous()
+    lk = pad_time(lk, C, dim=2, value=NEG).contiguous()  # padding keys weigh exactly 0
+    n = lq.shape[2] // C
+    lq, lk = lq.view(B, H, n, C, Kf), lk.view(B, H, n, C, Kf)
+    G = None if g is None else pad_time(g[..., 0], C, dim=2).view(B, H, n, C).cumsum(-1)
+    with torch.no_grad():
+        b = lk if G is None else lk + (G[..., -1:] - G).unsqueeze(-1)  # keys' log-weights at their chunk's end
+        bmax = b.amax(3)  # [B, H, n, Kf]
+        G_end = G[..., -1:].unbind(2) if G is not None else [None] * n  # each [B, H, 1]
+        mus, m = [], mu.detach()
+        for bm, ge in zip(bmax.unbind(2), G_end):
+            mus.append(m)
+            m = torch.maximum(m if ge is None else m + ge, bm)
+        mu_start = torch.stack(mus, dim=2)
+        mu_next = torch.stack(mus[1:] + [m], dim=2)
+        lqd, lkd = lq.detach(), lk.detach()
+        cm = lkd.cummax(3).values  # running maximum of the chunk's keys, up to each row
+        x_state = lqd + mu_start.unsqueeze(3)
+        if G is not None:
+            x_state = x_state + G.detach().unsqueeze(-1)
+        c = torch.maximum((lqd + cm).amax(-1), x_state.amax(-1))  # [B, H, n, C]
+        M = lkd[:, :, :, 0]
+        diag = (lqd + lkd).amax(-1)
+        valid = ((cm - M.unsqueeze(3)).amax(-1) < SAFE_SPAN) & ((c - diag) < SAFE_SPAN)
+    return _ShiftPlan(lq, lk, G, mu_start, mu_next, m, c, M, valid.view(B, H, n * C)[:, :, :T])
 
 
-def _chunk_shifted(lq, lk, v, g, S, mu, C):
-    """Log-space maps on the matmul path: exp(lk - M_d) with M_d the keys' maximum per feature.
+def _chunk_shifted(plan: _ShiftPlan, v, S):
+    """Log-space maps with no gate or a scalar gate on the matmul path (CPU tensors in eager mode).
 
-    Valid when `_shifted_span_ok`: every shifted key feature lies in [e^-60, 1] and each row, taken
-    relative to its own maximum c_i, keeps its diagonal term, so nothing overflows or underflows
-    to a wrong result; the result is the same as the block path's, only faster.
+    Within a chunk, w_ij = sum_d exp(lq_id + lk_jd - c_i) (times exp(G_i - G_j) with a gate) is the
+    matmul of phi = exp(lq + M - c_i) and psi = exp(lk - M), M the chunk's first key (`_shift_plan`);
+    across chunks the state is carried in log-scale form exactly like the block path's. Rows that are
+    not `plan.valid` are wrong here and must be taken from the block path.
     """
-    M = torch.maximum(lk.amax(2), mu).detach()  # [B, H, Kf]; the new log-scale (an upper bound)
-    x = lq + M.unsqueeze(2)
-    c = _row_scale(x, -1)
-    o, _, S, _ = _chunk_matmul(torch.exp(x - c.unsqueeze(-1)), torch.exp(lk - M.unsqueeze(2)), v, g,
-                               torch.exp(mu - M).unsqueeze(-1) * S, C)
-    return o, c, S, M
+    lq, lk, G, mu_start, mu_next = plan.lq, plan.lk, plan.G, plan.mu_start, plan.mu_next
+    B, H, n, C, Kf = lq.shape
+    T, V = v.shape[2], v.shape[-1]
+    v = pad_time(v, C, dim=2).contiguous().view(B, H, n, C, V)
+    mask = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+    # the state before each chunk (every factor exp(<= 0))
+    b = lk if G is None else lk + (G[..., -1:] - G).unsqueeze(-1)
+    k_end = torch.exp(b - mu_next.unsqueeze(3))  # [B, H, n, C, Kf]
+    U = torch.cat([k_end.transpose(-1, -2) @ v, k_end.sum(3).unsqueeze(-1)], dim=-1)  # [B, H, n, Kf, V + 1]
+    carry = mu_start - mu_next if G is None else mu_start + G[..., -1:] - mu_next
+    starts = []
+    for U_i, f_i in zip(U.unbind(2), torch.exp(carry).unsqueeze(-1).unbind(2)):
+        starts.append(S)
+        S = f_i * S + U_i
+    starts = torch.stack(starts, dim=2)
+    # inside each chunk: phi psi^T (times the decay), masked by selection
+    c = plan.c.unsqueeze(-1)
+    fq = torch.exp(lq + plan.M.unsqueeze(3) - c)
+    fk = torch.exp(lk - plan.M.unsqueeze(3))
+    A = fq @ fk.transpose(-1, -2)  # [B, H, n, C, C]
+    x_state = lq + mu_start.unsqueeze(3)
+    if G is not None:
+        A = A * torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~mask, float("-inf")))
+        x_state = x_state + G.unsqueeze(-1)
+    A = A.masked_fill(~mask, 0.0)
+    q_state = torch.exp(x_state - c)  # <= 1
+    kv_prev, z_prev = starts[..., :V], starts[..., V]
+    num = causal_matmul(A.flatten(0, 2), v.flatten(0, 2), input=(q_state @ kv_prev).flatten(0, 2))
+    den = A.sum(-1) + (q_state * z_prev.unsqueeze(3)).sum(-1)
+    c = plan.c.reshape(B, H, n * C)[:, :, :T]
+    return (num.view(B, H, n * C, V)[:, :, :T], den.view(B, H, n * C)[:, :, :T]), c, S, plan.mu_final
 
 
 def _chunk_log(fq, fk, v, g, S, mu, s, log_space):
@@ -253,7 +337,8 @@ def _chunk_log(fq, fk, v, g, S, mu, s, log_space):
     fk = pad_time(fk, s, dim=2, value=NEG if log_space else 0.0)  # padding keys weigh exactly 0
     v = pad_time(v, s, dim=2)
     n = fq.shape[2] // s
-    fq, fk, v = fq.view(B, H, n, s, Kf), fk.view(B, H, n, s, Kf), v.view(B, H, n, s, -1)
+    V1 = v.shape[-1]
+    fq, fk, v = fq.view(B, H, n, s, Kf), fk.view(B, H, n, s, Kf), v.view(B, H, n, s, V1)
     if g is not None:
         G = pad_time(g, s, dim=2).view(B, H, n, s, g.shape[-1]).cumsum(3)
     else:
@@ -268,7 +353,10 @@ def _chunk_log(fq, fk, v, g, S, mu, s, log_space):
     E = torch.exp(x - c_in[..., None, None]) if log_space else torch.exp(x)
     if not log_space:
         E = E * fq.unsqueeze(4) * fk.unsqueeze(3)
-    o_in = E.sum(-1) @ v  # [B, H, n, s, V1]
+    W = E.sum(-1)
+    if not log_space:
+        W = W.masked_fill(~mask, 0.0)  # the masked exp(NEG) = 0 times an inf feature is NaN
+    o_in = causal_matmul(W, v)  # [B, H, n, s, V1]
 
     # inter-block: carry (S, mu) through the blocks; keep the state at each block's start
     G_end = G[:, :, :, -1]  # [B, H, n, 1 or Kf]
@@ -300,7 +388,7 @@ def _chunk_log(fq, fk, v, g, S, mu, s, log_space):
         o = o_in * torch.exp(c_in - c).unsqueeze(-1) \
             + (torch.exp(x_st - c.unsqueeze(-1)) @ starts)
         c = c.reshape(B, H, n * s)[:, :, :T]
-    return o.reshape(B, H, n * s, -1)[:, :, :T], c, S, mu
+    return o.reshape(B, H, n * s, V1)[:, :, :T], c, S, mu  # explicit sizes: B may be 0
 
 
 def _final_state(fk, vt, glog, S, mu, log_space):
@@ -415,6 +503,9 @@ def _gate_to_log(gamma, g, B, T, H, Kf, dtype, device) -> Optional[torch.Tensor]
         return torch.log(gam).view(1, 1, H).expand(B, T, H)
     if g is not None:
         check_log_gate(g, "g", B, T, H, Kf, allow_diagonal=True)
+        if check_values(g) and not bool(torch.isfinite(g).all()):
+            raise LinattnError("g must be finite (a log-gate of -inf would erase the state; use a large "
+                               "negative value), as in delta_rule")
         return g.to(device=device, dtype=dtype)
     return None
 
@@ -448,6 +539,8 @@ def prepare_linear_attention(q, k, v, *, feature_map="elu+1", causal=True, norma
                              output_final_state=False, cu_seqlens=None, eps=1e-6) -> LinearProblem:
     """Every check of `linear_attention`, once; returns the prepared call (see `LinearProblem`)."""
     B, T, H, K, V = check_qkv(q, k, v)
+    if V == 0:
+        raise LinattnError(f"v must have shape [B, T, H, V] with V >= 1, got {tuple(v.shape)}")
     check_mode(mode, chunk_size)
     fmap = get_feature_map(feature_map, K)
     if not causal:
@@ -489,8 +582,10 @@ def _run_form(p: LinearProblem, fq, fk, vt, glog, S, mu):
     if p.causal and p.mode == "chunk" and not p.diagonal_gate:
         if not log_space:
             return _chunk_matmul(fq, fk, vt, glog, S, p.chunk_size)
-        if _shifted_span_ok(fk, mu):
-            return _chunk_shifted(fq, fk, vt, glog, S, mu, p.chunk_size)
+        if not fk.is_cuda and not torch.compiler.is_compiling():  # as before: a CPU, eager-mode path
+            shifted = _log_chunk_matmul(fq, fk, vt, glog, S, mu, p.chunk_size)
+            if shifted is not None:
+                return shifted
     vt = _with_ones(vt)
     if p.mode == "parallel":
         o, c, _, _ = _parallel(fq, fk, vt, glog, S, mu, p.causal, log_space)
@@ -507,6 +602,22 @@ def _run_form(p: LinearProblem, fq, fk, vt, glog, S, mu):
     if p.mode == "recurrent":
         return _recurrent(fq, fk, vt, glog, S, mu)
     return _chunk_log(fq, fk, vt, glog, S, mu, min(p.chunk_size, LOG_BLOCK), log_space)
+
+
+def _log_chunk_matmul(fq, fk, vt, glog, S, mu, C):
+    """The log-space matmul path, with every row it cannot represent taken from the block path
+    (rows are chosen by a causal, row-local test, see `_shift_plan`); None when no row qualifies."""
+    plan = _shift_plan(fq, fk, glog, mu, C)
+    if not bool(plan.valid.any()):
+        return None
+    (num, den), c, S_out, mu_out = _chunk_shifted(plan, vt, S)
+    if not bool(plan.valid.all()):  # rare: huge spans of key log-features, or non-finite keys
+        o, c_b, _, _ = _chunk_log(fq, fk, _with_ones(vt), glog, S, mu, min(C, LOG_BLOCK), True)
+        V = vt.shape[-1]
+        ok = plan.valid
+        num = torch.where(ok.unsqueeze(-1), num, o[..., :V])
+        den, c = torch.where(ok, den, o[..., V]), torch.where(ok, c, c_b)
+    return (num, den), c, S_out, mu_out
 
 
 def _run_torch(p: LinearProblem):
@@ -546,6 +657,16 @@ def _run_torch(p: LinearProblem):
     return torch.cat(nums, dim=2), torch.cat(dens, dim=2), c, S, mu
 
 
+def _divide_finite_part(num, den):
+    """num / den, whose backward stays finite where num is inf or NaN but its gradient is 0 (rows after
+    a non-finite token that the loss does not use): autograd's d/d den = -grad * num / den^2 would be
+    0 * NaN there and would carry NaN into every earlier key through den. The same values as num / den."""
+    if _reads_values(num) and bool(torch.isfinite(num.sum())):
+        return num / den
+    safe = torch.nan_to_num(num, nan=0.0, posinf=0.0, neginf=0.0)
+    return safe / den + (num - safe)
+
+
 def finish(p: LinearProblem, num, den, c, kv, z, mu) -> Tuple[torch.Tensor, Optional[LinearAttentionState]]:
     """Outputs [B, T, H, V] in the input dtype from num [B, T, H, V] and den [B, T, H] (both taken
     relative to the row log-scale c [B, T, H] for log-space maps), and the final state."""
@@ -557,7 +678,7 @@ def finish(p: LinearProblem, num, den, c, kv, z, mu) -> Tuple[torch.Tensor, Opti
         else:  # a floor on |den| that keeps its sign (relu features, magnitude_direction's signed weights)
             floor = torch.as_tensor(p.eps, dtype=den.dtype, device=den.device)
             den = torch.where(den < 0, torch.minimum(den, -floor), torch.maximum(den, floor))
-        out = num / den.unsqueeze(-1)
+        out = _divide_finite_part(num, den.unsqueeze(-1))
     else:
         # exp(c) alone may overflow fp32 where the product does not: rescale in fp64
         out = num if c is None else (num.double() * torch.exp(c.double()).unsqueeze(-1)).to(num.dtype)

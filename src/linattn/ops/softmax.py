@@ -9,7 +9,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._common import check_cu_seqlens, check_qkv, run_varlen
+from ..errors import LinattnError
+from ._common import check_cu_seqlens, check_qkv, check_scale, run_varlen
 
 
 def _sdpa(q, k, v, causal: bool, scale: float, window: Optional[int]) -> torch.Tensor:
@@ -36,8 +37,8 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     """
     B, T, H, K, V = check_qkv(q, k, v)
     if window is not None and (not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
-    scale = K ** -0.5 if scale is None else float(scale)
+        raise LinattnError(f"window must be a positive int or None, got {window!r}")
+    scale = check_scale(scale, K ** -0.5) if K > 0 else check_scale(scale, 1.0)
     offsets = check_cu_seqlens(cu_seqlens, B, T)
     if offsets is None:
         return _sdpa(q, k, v, causal, scale, window)
