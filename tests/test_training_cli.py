@@ -133,7 +133,7 @@ def test_bad_inputs_exit_2(trained, corpus, tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(bad), "--max-new-tokens", "2"]) == 2
     assert "do not match" in one_error_line(capsys)
     assert main(["generate", "--checkpoint", str(trained), "--top-p", "0"]) == 2
-    assert "top_p" in one_error_line(capsys)
+    assert "--top-p" in one_error_line(capsys)
 
 
 def test_sigterm_subprocess_then_resume(corpus, tmp_path, capsys):

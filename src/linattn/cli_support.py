@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import typing
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -78,6 +79,48 @@ def parse_bool(text: str) -> bool:
 def _named(fn: Callable[[str], Any], name: str) -> Callable[[str], Any]:
     fn.__name__ = name  # argparse names the type in its "invalid <name> value" messages
     return fn
+
+
+def int_at_least(low: int, note: str = "") -> Callable[[str], int]:
+    """An argparse `type` for ints >= `low`: `--threads -1` is reported as `argument --threads: expected
+    an int >= 1, got '-1'` (exit code 2). `note` is added to the message (e.g. "0 = off")."""
+    def convert(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}{f' ({note})' if note else ''}, "
+                                             f"got {text!r}")
+        return value
+    return _named(convert, "int")
+
+
+def finite_float(low: Optional[float] = None, high: Optional[float] = None, *, low_open: bool = False,
+                 high_open: bool = False) -> Callable[[str], float]:
+    """An argparse `type` for finite floats in a range (nan and inf are refused): `finite_float(0, 1,
+    low_open=True)` accepts (0, 1]."""
+    parts = []
+    if low is not None:
+        parts.append(f"{'>' if low_open else '>='} {low:g}")
+    if high is not None:
+        parts.append(f"{'<' if high_open else '<='} {high:g}")
+    expected = "a finite number" + (" " + " and ".join(parts) if parts else "")
+
+    def convert(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            value = math.nan
+        ok = math.isfinite(value)
+        if ok and low is not None:
+            ok = value > low if low_open else value >= low
+        if ok and high is not None:
+            ok = value < high if high_open else value <= high
+        if not ok:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    return _named(convert, "float")
 
 
 def _scalar(tp: type) -> Callable[[str], Any]:
@@ -227,5 +270,5 @@ def given_values(args: argparse.Namespace, names: Iterable[str]) -> Dict[str, An
     return {n: ns[n] for n in names if n in ns}
 
 
-__all__ = ["PROG", "ArgParser", "UsageError", "report_error", "flag_name", "parse_bool", "type_converter",
-           "field_help", "add_dataclass_arguments", "given_values"]
+__all__ = ["PROG", "ArgParser", "UsageError", "report_error", "flag_name", "parse_bool", "int_at_least",
+           "finite_float", "type_converter", "field_help", "add_dataclass_arguments", "given_values"]

@@ -51,7 +51,7 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: 1 when other processes already keep the CPUs busy - "
                         "1-minute load average >= 0.75 - else torch's default)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs and the training runs (default 0)")
 
 
 # ----------------------------------------------------------------------------------------------

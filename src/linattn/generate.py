@@ -13,11 +13,14 @@ token costs O(1) in the sequence length for linear mixers (TLinFormer: its cache
 
 Sampling: temperature 0 is greedy; otherwise logits / temperature, then top-k, then top-p
 (nucleus) filtering, then a draw from a `torch.Generator` seeded with `seed` (reproducible).
+`skip_special_tokens=True` (what `linattn generate` prints) leaves special tokens such as
+<|endoftext|> out of the text.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
@@ -25,6 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from .checkpoint import CheckpointError, load_checkpoint
+from .cli_support import finite_float, int_at_least
 from .errors import LinattnError
 from .models.generation import sample_next  # noqa: F401  (re-exported)
 from .training.config import resolve_device
@@ -34,14 +38,24 @@ class GenerateError(LinattnError):
     """Bad generation arguments."""
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float], max_new_tokens: int) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    """Raise GenerateError unless max_new_tokens is an int >= 0, temperature a finite number >= 0
+    (0 = greedy), top_k None or an int >= 0 (0 = off) and top_p None or a number in (0, 1]."""
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise GenerateError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if temperature is None or temperature < 0:
-        raise GenerateError(f"temperature must be >= 0, got {temperature!r}")
-    if top_k is not None and top_k < 0:
-        raise GenerateError(f"top_k must be >= 0 (0 = off), got {top_k!r}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
+    if not _is_real(temperature) or temperature < 0:
+        raise GenerateError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+        raise GenerateError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if top_p is not None and (not _is_real(top_p) or not 0.0 < top_p <= 1.0):
         raise GenerateError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
@@ -66,10 +80,11 @@ def stream_tokens(model, input_ids: torch.Tensor, max_new_tokens: int, *, temper
 
 
 def stream_text(model, tokenizer, prompt: str, max_new_tokens: int, *, device=None, stats: Optional[Dict] = None,
-                stop_at_eos: bool = False, **sampling) -> Iterator[str]:
+                stop_at_eos: bool = False, skip_special_tokens: bool = False, **sampling) -> Iterator[str]:
     """Yield decoded text pieces as tokens are produced. A byte-level BPE token can end inside a
     UTF-8 character: such text is held back (up to 3 tokens) until the character is complete. `stats` (a dict),
-    when given, receives tokens, seconds, tokens_per_s and first_token_s."""
+    when given, receives tokens, seconds, tokens_per_s and first_token_s. `skip_special_tokens`: leave
+    special tokens (<|endoftext|>) out of the text (they still count as tokens)."""
     if device is None:
         try:
             device = next(model.parameters()).device
@@ -88,7 +103,7 @@ def stream_text(model, tokenizer, prompt: str, max_new_tokens: int, *, device=No
         if first is None:
             first = time.perf_counter() - t0
         new.append(tok)
-        text = tokenizer.decode(new)
+        text = tokenizer.decode(new, skip_special_tokens=skip_special_tokens)
         if text.endswith("\ufffd") and held < 3:  # maybe a UTF-8 character cut between tokens
             held += 1
             continue
@@ -105,7 +120,7 @@ def stream_text(model, tokenizer, prompt: str, max_new_tokens: int, *, device=No
             yield piece
         if stats is not None:
             stats["tokens"] = len(new)
-    text = tokenizer.decode(new)
+    text = tokenizer.decode(new, skip_special_tokens=skip_special_tokens)
     if text != shown and text.startswith(shown) and text[len(shown):]:
         yield text[len(shown):]
     dt = time.perf_counter() - t0
@@ -136,16 +151,20 @@ def load_generator(checkpoint: str, device: Union[str, torch.device, None] = Non
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="run folder (its latest checkpoint) or a step folder")
     p.add_argument("--prompt", default="", help="text to continue (default: empty = start of a document)")
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=50, help="0 = off (default 50)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass, 1 = off (default 0.95)")
+    p.add_argument("--max-new-tokens", type=int_at_least(0), default=100,
+                   help="tokens to generate, >= 0 (default 100; fewer with --stop-at-eos)")
+    p.add_argument("--temperature", type=finite_float(0.0), default=0.8, help="finite, >= 0; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int_at_least(0, "0 = off"), default=50, help="sample among the k likeliest "
+                                                                                "tokens; 0 = off (default 50)")
+    p.add_argument("--top-p", type=finite_float(0.0, 1.0, low_open=True), default=0.95,
+                   help="nucleus mass, in (0, 1]; 1 = off (default 0.95)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--stop-at-eos", action="store_true", help="stop at the end-of-document token")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="stop at the end-of-document token (special tokens are never printed)")
     p.add_argument("--no-echo", action="store_true", help="do not print the prompt before the continuation")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
-    p.add_argument("--device", default=None, help="auto | cpu | cuda")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N | mps (default auto)")
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -156,7 +175,8 @@ def main(args: argparse.Namespace) -> int:
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
         ck = load_generator(args.checkpoint, args.device)
         kw = dict(temperature=args.temperature, top_k=args.top_k or None,
-                  top_p=args.top_p if args.top_p < 1 else None, seed=args.seed, stop_at_eos=args.stop_at_eos)
+                  top_p=args.top_p if args.top_p < 1 else None, seed=args.seed, stop_at_eos=args.stop_at_eos,
+                  skip_special_tokens=True)
         stats: Dict[str, Any] = {}
         if args.json:
             text = "".join(stream_text(ck.model, ck.tokenizer, args.prompt, args.max_new_tokens, stats=stats, **kw))

@@ -527,6 +527,13 @@ def plot_panels(path: Path, panels: Sequence[Dict[str, Any]], title: Optional[st
     fig.savefig(path, dpi=110)
 
 
+def speed_ratio(baseline_ms: float, ms: float) -> str:
+    """How a time compares with a baseline's, always as a ratio >= 1: "2.5x faster" (ms is 2.5 times
+    smaller) or "2.5x slower" (2.5 times larger); never "0.4x faster"."""
+    r = baseline_ms / ms
+    return f"{r:.1f}x faster" if r >= 1 else f"{1 / r:.1f}x slower"
+
+
 def fmt_ms(ms: Optional[float]) -> str:
     if ms is None or not math.isfinite(ms):
         return "-"
@@ -549,5 +556,5 @@ def fmt_bytes(b: Optional[int]) -> str:
 __all__ = [
     "Timing", "time_fn", "time_interleaved", "synchronizer", "start_run", "matmul_rate", "machine_info",
     "describe_machine", "cpu_model", "measure_memory", "memory_method", "MEMORY_METHODS", "output_paths",
-    "format_table", "plot_panels", "fmt_ms", "fmt_bytes",
+    "format_table", "plot_panels", "speed_ratio", "fmt_ms", "fmt_bytes",
 ]

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from ..cli_support import UsageError
+from ..cli_support import UsageError, int_at_least
 from ..io import atomic_write_text, write_json
 from . import common
 from .tlinformer import _fmt_mib, first_token, measure_N
@@ -48,10 +48,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-miss-softmax", type=int, default=4096,
                    help="largest N for the softmax prefill (quadratic; default 4096, 0 = no cap)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int_at_least(0), default=None,
                    help="torch.set_num_threads (default 1 on cpu, for steadier timings on a shared machine; "
                         "0 = torch's default)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
     p.add_argument("--out", default=None, help="output folder (default results/bench/decode/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--quiet", action="store_true", help="no per-case progress on stderr")
@@ -132,7 +132,8 @@ def _growth_lines(names: Sequence[str], Ns: Sequence[int], get) -> List[str]:
 
 
 def _speedup_lines(names: Sequence[str], Ns: Sequence[int], get) -> List[str]:
-    """Each mixer's decoding speed-up over softmax + KV cache at the largest N."""
+    """Each mixer's decoding speed against softmax + KV cache at the largest N ("2.5x faster", or
+    "2.5x slower" when it is slower)."""
     soft_hi = get("softmax", Ns[-1], "hit")
     if not soft_hi:
         return []
@@ -140,7 +141,7 @@ def _speedup_lines(names: Sequence[str], Ns: Sequence[int], get) -> List[str]:
     for name in names:
         t = get(name, Ns[-1], "hit")
         if name != "softmax" and t:
-            lines.append(f"at N = {Ns[-1]}: {name} decodes {soft_hi / t:.1f}x faster than softmax + KV cache")
+            lines.append(f"at N = {Ns[-1]}: {name} decodes {common.speed_ratio(soft_hi, t)} than softmax + KV cache")
     return lines
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..cli_support import UsageError
+from ..cli_support import UsageError, int_at_least
 from ..io import atomic_write_text, write_json
 from ..ops import (
     chunk_size_used,
@@ -356,7 +356,9 @@ def add_arguments(p) -> None:
                         "slow, and its backward keeps every step's state; no target uses it; default 1024)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--matmul-n", type=int, default=2048, help="size of the reference matmul (default 2048)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int_at_least(0), default=None,
+                   help="torch.set_num_threads for the timings (default and 0: torch's default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--out", default=None, help="output folder (default results/bench/ops/)")
     p.add_argument("--name", default="ops", help="file name stem of the outputs (default ops)")
     p.add_argument("--overwrite", action="store_true",
@@ -665,6 +667,8 @@ def make_plot(path, results, a, info, matmul) -> None:
 
 def run(a) -> int:
     _validate(a)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     a.T = sorted(set(a.T))
     log = (lambda s: None) if a.quiet else (lambda s: (sys.stderr.write(s + "\n"), sys.stderr.flush()))
     t_start = time.perf_counter()

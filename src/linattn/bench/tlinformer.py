@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..cli_support import UsageError
+from ..cli_support import UsageError, int_at_least
 from ..io import atomic_write_text, write_json
 from . import common
 
@@ -76,10 +76,10 @@ def add_arguments(p) -> None:
     p.add_argument("--trace-N", type=int, default=16384,
                    help="context of the per-token trace (default 16384, 0 = none)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int_at_least(0), default=None,
                    help="torch.set_num_threads (default 1 on cpu: on a shared, loaded machine more threads than "
                         "free cores make every timing erratic; use 0 for torch's default)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
     p.add_argument("--out", default=None, help="output folder (default results/bench/tlinformer/)")
     p.add_argument("--name", default="tlinformer", help="file name stem of the outputs (default tlinformer)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
@@ -583,7 +583,7 @@ def _target_64k_summary(a, get, n0: int) -> Part:
              f"  caveat: the baseline's decode step costs {s_hit / s_floor:.1f}x "
              f"its bare-attention floor at N = 65536 (its masked SDPA over a strided KV buffer); against "
              f"an optimised softmax decoder, estimated as floor + non-attention work ({opt64:.0f} ms), "
-             f"TLinFormer's hit is {opt64 / t_hit:.1f}x faster "
+             f"TLinFormer's hit is {common.speed_ratio(opt64, t_hit)} "
              f"(the layer-count bound is {L}/{a.n_blocks} = {L / a.n_blocks:.0f}x)"]
     return summary, lines
 

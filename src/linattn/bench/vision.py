@@ -21,7 +21,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from ..cli_support import UsageError
+from ..cli_support import UsageError, int_at_least
 from ..io import atomic_write_text, write_json
 from . import common
 
@@ -45,7 +45,7 @@ def add_arguments(p) -> None:
     p.add_argument("--budget-s", type=float, default=20.0, help="timing budget per case in seconds (default 20)")
     p.add_argument("--min-time-s", type=float, default=0.2,
                    help="fast cases are repeated until this much time has passed (default 0.2)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int_at_least(0), default=None,
                    help="torch.set_num_threads (default 1, for steadier timings on a shared machine; "
                         "0 = torch's default)")
     p.add_argument("--out", default=None, help="output folder (default results/bench/vision/)")

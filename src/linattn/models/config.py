@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
@@ -190,8 +191,17 @@ class LMConfig(JsonConfig):
         for name in ("ffn_hidden", "expert_hidden"):
             if getattr(self, name) is not None:
                 pos_int(name)
-        if self.aux_loss_coef < 0:
-            raise ConfigError(f"LMConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+        for name, low_open in (("aux_loss_coef", False), ("rope_base", True), ("norm_eps", True), ("init_std", True)):
+            v = getattr(self, name)
+            if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
+                    or (v <= 0 if low_open else v < 0)):
+                raise ConfigError(f"LMConfig.{name} must be a finite number {'>' if low_open else '>='} 0, got {v!r}")
+        for name in ("rope", "short_conv"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"LMConfig.{name} must be true, false or none, got {getattr(self, name)!r}")
+        for name in ("hyperlink_ffn_skip", "allow_future_leak", "tie_embeddings", "final_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"LMConfig.{name} must be true or false, got {getattr(self, name)!r}")
 
     def mixer_list(self) -> List[str]:
         """One mixer name per layer."""

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -20,11 +21,19 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import checkpoint as ckpt
-from ..cli_support import add_dataclass_arguments, flag_name, given_values, report_error
+from ..cli_support import add_dataclass_arguments, flag_name, given_values, int_at_least, report_error
 from ..data.corpus import CorpusError, PackedTokens, load_corpus, split_documents, tokenize_documents
-from ..errors import CheckpointError, LinattnError
+from ..errors import CheckpointError, LinattnError, UsageError
 from ..models.family import ModelFamily, config_from_dict, config_to_dict, families, family_of, get_family
-from .config import DTYPE_ALIASES, TRAJECTORY_FIELDS, TrainConfig, TrainError, check_resume_compatible, resolve_device
+from .config import (
+    DTYPE_ALIASES,
+    TRAJECTORY_FIELDS,
+    TrainConfig,
+    TrainError,
+    check_resume_compatible,
+    legacy_values,
+    resolve_device,
+)
 from .loop import TrainResult, train
 from .trainer import evaluate
 
@@ -63,9 +72,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data, optimization and run (TrainConfig)")
     seen = set(add_dataclass_arguments(g, TrainConfig))
     g.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=argparse.SUPPRESS,
-                   help="no progress bar (same as --progress false)")
-    g.add_argument("--resume", action="store_true", help="continue --out's latest checkpoint (fresh if none)")
-    g.add_argument("--overwrite", action="store_true", help="start over in an --out that holds a previous run")
+                   help="no progress bar (same as --progress false); a line per logged step is printed instead")
+    g.add_argument("--quiet", action="store_true",
+                   help="no progress bar and no log lines on stderr (warnings, errors and the final JSON summary "
+                        "still print)")
+    g.add_argument("--resume", action="store_true", help="continue --out's latest checkpoint (fresh if none); "
+                                                         "not with --overwrite")
+    g.add_argument("--overwrite", action="store_true", help="start over in an --out that holds a previous run "
+                                                            "(deletes it); not with --resume")
     g = p.add_argument_group("model")
     g.add_argument("--model", "--arch", dest="arch", choices=families(), default=argparse.SUPPRESS,
                    help="model family: " + "; ".join(f"{n}: {get_family(n).description}" for n in families())
@@ -84,37 +98,71 @@ def main(args: argparse.Namespace) -> int:
     try:
         return _train_main(args)
     except LinattnError as e:
-        return report_error(" ".join(str(e).split()))
+        return report_error(flag_message(e))
+
+
+_CONFIG_FIELD = re.compile(r"\b[A-Z][A-Za-z]*Config\.([a-z][a-z0-9_]*)")
+
+
+def flag_message(error: Exception) -> str:
+    """The error on one line, with the config fields it names (`TrainConfig.min_lr_ratio`,
+    `LMConfig.d_model`) written as the flags that set them (`--min-lr-ratio`, `--d-model`)."""
+    return _CONFIG_FIELD.sub(lambda m: flag_name(m.group(1)), " ".join(str(error).split()))
 
 
 def _train_main(args: argparse.Namespace) -> int:
+    if args.resume and args.overwrite:
+        raise UsageError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
+                         "--overwrite deletes it and starts over")
     out = Path(getattr(args, "out", None) or DEFAULT_OUT)
-    saved_train, saved_model = _saved_run(out) if args.resume else ({}, None)
+    saved_train, saved_model, done = _saved_run(out) if args.resume else ({}, None, None)
     cfg = train_config_from_args(args, saved_train, out)
+    if getattr(args, "quiet", False):
+        cfg.progress = False
+    cfg.validate()
+    if done is not None and cfg.steps < done:
+        raise TrainError(f"--steps {cfg.steps} is below the {done} steps the run in {out} has already done; "
+                         f"pass --steps {done} or more to resume it")
+    for note in cfg.advice():
+        print(f"[linattn] warning: {flag_message(note)}", file=sys.stderr)
     if saved_model is not None:
         model_config = resumed_model_config(args, cfg, saved_model)
     else:
         if cfg.data is not None and not Path(cfg.data).exists():
             raise CorpusError(f"data path not found: {args.data}")
         model_config = model_config_from_args(args, cfg)
-    res = train(cfg, model_config, resume=args.resume, overwrite=args.overwrite)
+    step_lines = cfg.progress is False and not getattr(args, "quiet", False)
+    res = train(cfg, model_config, resume=args.resume, overwrite=args.overwrite,
+                on_log=_step_line_printer(cfg.steps) if step_lines else None)
     return _report(res)
 
 
-def _saved_run(out: Path) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
-    """(train config dict, model config dict) of the run folder's latest checkpoint, if any."""
+def _step_line_printer(steps: int):
+    """on_log for --no-progress: the training loop shows no bar, so print one line per metrics record
+    (what the loop itself prints when stderr is not a terminal)."""
+    def show(rec: Dict[str, Any]) -> None:
+        print(f"step {rec['step']}/{steps} loss {rec['loss']:.4f}"
+              + (f" val_loss {rec['val_loss']:.4f}" if "val_loss" in rec else "")
+              + f" lr {rec['lr']:.2e} tok/s {rec['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
+    return show
+
+
+def _saved_run(out: Path) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]], Optional[int]]:
+    """(train config dict, model config dict, steps done) of the run folder's latest checkpoint, if any."""
     ck = ckpt.find_latest_checkpoint(out) if out.is_dir() else None
     if ck is None:
         print(f"[linattn] no checkpoint in {out}; starting a new run", file=sys.stderr)
-        return {}, None
+        return {}, None, None
     meta = ckpt.read_checkpoint_config(ck)
-    return dict(meta.get("train") or {}), meta.get("model")
+    step = meta.get("step")
+    return (dict(meta.get("train") or {}), meta.get("model"),
+            step if isinstance(step, int) and not isinstance(step, bool) else None)
 
 
 def train_config_from_args(args: argparse.Namespace, saved: Optional[Dict[str, Any]] = None,
                            out: Optional[Path] = None) -> TrainConfig:
     """TrainConfig from the defaults, then a resumed run's saved values, then the flags given."""
-    saved = saved or {}
+    saved = legacy_values(saved or {})
     vals = TrainConfig().to_dict()
     vals.update({k: v for k, v in saved.items() if k in vals and k != "progress"})
     if saved and "doc_boundaries" not in saved:
@@ -157,10 +205,18 @@ def _base_model_dict(args: argparse.Namespace) -> Dict[str, Any]:
         preset = PRESETS[args.preset]
         d.update(config_to_dict(preset() if callable(preset) else preset))
     if getattr(args, "model_config", None):
+        path = Path(args.model_config)
+        if not path.is_file():
+            raise TrainError(f"--model-config {path}: " + ("is not a file" if path.exists() else "no such file")
+                             + "; expected a JSON file holding a model config object")
         try:
-            d.update(json.loads(Path(args.model_config).read_text(encoding="utf-8")))
+            loaded = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise TrainError(f"cannot read --model-config {args.model_config}: {e}") from None
+            raise TrainError(f"cannot read --model-config {path}: {e}") from None
+        if not isinstance(loaded, dict):
+            raise TrainError(f"--model-config {path} must hold a JSON object (a model config such as "
+                             f'{{"d_model": 256, "mixer": "efla"}}), got a JSON {type(loaded).__name__}')
+        d.update(loaded)
     return d
 
 
@@ -219,12 +275,16 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="run folder (its latest checkpoint) or a step folder")
     p.add_argument("--data", default=None, help="text file or folder, evaluated whole (default: the validation "
                                                 "split of the checkpoint's training data)")
-    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-batches", type=int, default=None, help="evaluate at most this many batches")
-    p.add_argument("--max-data-bytes", type=int, default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seq-len", type=int_at_least(1), default=None,
+                   help="window length, >= 1 (default: the training seq_len)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=8, help="windows per batch, >= 1 (default 8)")
+    p.add_argument("--max-batches", type=int_at_least(1), default=None,
+                   help="evaluate at most this many batches (default: all)")
+    p.add_argument("--max-data-bytes", type=int_at_least(1), default=None,
+                   help="read at most this many bytes of --data (default: all of it; the run's own cap for its "
+                        "validation split)")
+    p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N | mps (default auto)")
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -239,7 +299,7 @@ def eval_main(args: argparse.Namespace) -> int:
         ck = ckpt.load_checkpoint(args.checkpoint, device=device)
         if ck.tokenizer is None:
             raise CheckpointError(f"{ck.path} has no tokenizer.json")
-        seq_len = args.seq_len or int(ck.train_config.get("seq_len") or 256)
+        seq_len = args.seq_len if args.seq_len is not None else int(ck.train_config.get("seq_len") or 256)
         tokens, source = _eval_tokens(args, ck, seq_len)
         eos = (ck.tokenizer.eos_id if ck.train_config.get("doc_boundaries") and
                getattr(ck.model, "supports_cu_seqlens", False) else None)   # as the run was trained
@@ -268,4 +328,4 @@ def _eval_tokens(args: argparse.Namespace, ck: ckpt.Checkpoint, seq_len: int):
 
 
 __all__ = ["DESCRIPTION", "add_arguments", "main", "add_eval_arguments", "eval_main", "train_config_from_args",
-           "model_config_from_args", "resumed_model_config", "model_field_names"]
+           "model_config_from_args", "resumed_model_config", "model_field_names", "flag_message"]

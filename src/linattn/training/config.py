@@ -4,12 +4,13 @@ config), with one documented field per setting; the `linattn train` flags are ge
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..errors import LinattnError
+from ..errors import ConfigError, LinattnError
 
 DTYPES = ("float32", "bfloat16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -22,6 +23,14 @@ class TrainError(LinattnError):
 
 class TrainingDiverged(TrainError, FloatingPointError):
     """The training loss became inf or NaN."""
+
+
+class TrainConfigError(TrainError, ConfigError):
+    """A `TrainConfig` field with a bad value; `field` names it (the message starts `TrainConfig.<field>`)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"TrainConfig.{field_name} {message}")
+        self.field = field_name
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -39,31 +48,31 @@ class TrainConfig:
                                         "byte-level BPE on the training split")
     vocab_size: int = _f(4096, "vocabulary of a trained tokenizer (an upper bound); the model's vocab_size "
                                "is always the tokenizer's")
-    max_data_bytes: Optional[int] = _f(None, "cap on the text read (none: all of a path, 8 MiB of the stdlib)")
-    val_fraction: float = _f(0.05, "share of the documents held out for validation")
+    max_data_bytes: Optional[int] = _f(None, "cap on the text read, >= 1 (none: all of a path, 8 MiB of the stdlib)")
+    val_fraction: float = _f(0.05, "share of the documents held out for validation, in [0, 1) (0: no validation)")
     seq_len: int = _f(256, "tokens per training window")
     batch_size: int = _f(8, "windows per optimizer step: the global batch, split across processes (torchrun) "
                             "and --grad-accum micro-batches, so the math does not depend on either")
     grad_accum: int = _f(1, "micro-batches per optimizer step in each process (gradients accumulated)")
     doc_boundaries: bool = _f(True, "keep packed documents apart: every mixer's state restarts at each "
                                     "<|endoftext|> (cu_seqlens); false: windows run across documents")
-    steps: int = _f(1000, "optimizer steps of the whole run")
-    lr: float = _f(1e-3, "peak learning rate")
-    min_lr_ratio: float = _f(0.1, "final learning rate / peak, reached by the cosine decay at the last step")
-    warmup: int = _f(100, "linear warmup steps")
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (matrices and embeddings only)")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    eps: float = _f(1e-8, "AdamW epsilon")
-    grad_clip: float = _f(1.0, "max gradient norm; <= 0: no clipping")
+    steps: int = _f(1000, "optimizer steps of the whole run (>= 1; on a resume, at least the steps done)")
+    lr: float = _f(1e-3, "peak learning rate (finite, > 0)")
+    min_lr_ratio: float = _f(0.1, "final learning rate / peak, in [0, 1], reached by the cosine decay at the last step")
+    warmup: int = _f(100, "linear warmup steps (>= 0; more than --steps: the peak is never reached)")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay, >= 0 (matrices and embeddings only)")
+    beta1: float = _f(0.9, "AdamW beta1, in [0, 1)")
+    beta2: float = _f(0.95, "AdamW beta2, in [0, 1)")
+    eps: float = _f(1e-8, "AdamW epsilon, > 0")
+    grad_clip: float = _f(1.0, "max gradient norm, >= 0; 0: no clipping")
     seed: int = _f(0, "seed of the initialisation and of the batch order")
     log_every: int = _f(10, "steps per metrics record")
     save_every: int = _f(500, "steps per checkpoint; <= 0: only at the end (and on a signal)")
     eval_every: int = _f(500, "steps per validation; <= 0: only at the end")
     eval_batches: int = _f(20, "validation batches per evaluation")
-    keep_last: int = _f(2, "step folders kept in the run folder")
+    keep_last: Optional[int] = _f(2, "step folders kept in the run folder, >= 1; none: keep every one")
     device: str = _f("auto", "auto | cpu | cuda | cuda:N | mps")
-    threads: Optional[int] = _f(None, "torch CPU threads (none: torch's default)")
+    threads: Optional[int] = _f(None, "torch CPU threads, >= 1 (none: torch's default)")
     dtype: str = _f("float32", "autocast dtype (bf16 = bfloat16); weights and optimizer state stay float32",
                     choices=DTYPES + tuple(DTYPE_ALIASES))
     parallel: str = _f("ddp", "several processes (torchrun): ddp replicates the model, fsdp shards it (FSDP2, "
@@ -71,6 +80,8 @@ class TrainConfig:
     activation_checkpointing: bool = _f(False, "recompute each block in the backward pass (less memory, more time)")
     compile: bool = _f(False, "torch.compile the model")
     progress: Optional[bool] = _f(None, "progress bar; none: only on a terminal (else one line per record)")
+    skip_nonfinite: bool = _f(False, "skip (and count) a batch whose loss or gradient is inf or NaN instead of "
+                                     "stopping the run; the weights are never updated from it")
 
     def __post_init__(self):
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -84,18 +95,48 @@ class TrainConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def validate(self) -> None:
-        """Raise TrainError naming the first bad field."""
-        for name in ("seq_len", "batch_size", "steps", "log_every", "eval_batches", "grad_accum"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "steps" else 1):
-                raise TrainError(f"{name} must be a positive int, got {v!r}")
-        if not self.lr > 0:
-            raise TrainError(f"lr must be positive, got {self.lr}")
+        """Raise TrainConfigError (a TrainError and a ConfigError) naming the first bad field.
+
+        Checked: vocab_size, seq_len, batch_size, grad_accum, steps, log_every, eval_batches: ints >= 1;
+        warmup: int >= 0; max_data_bytes, threads, keep_last: None or int >= 1; seed, save_every,
+        eval_every: ints (<= 0: only at the end); lr: finite > 0; min_lr_ratio: [0, 1]; val_fraction:
+        [0, 1); weight_decay, grad_clip (0 = off): finite >= 0; beta1, beta2: [0, 1); eps: finite > 0;
+        the bool fields; dtype; parallel. `advice()` lists legal but suspicious settings."""
+        for name in ("vocab_size", "seq_len", "batch_size", "grad_accum", "steps", "log_every", "eval_batches"):
+            _check_int(self, name, 1)
+        _check_int(self, "warmup", 0)
+        for name in ("max_data_bytes", "threads", "keep_last"):
+            _check_int(self, name, 1, optional=True)
+        for name in ("seed", "save_every", "eval_every"):
+            _check_int(self, name, None)
+        _check_float(self, "lr", 0.0, None, low_open=True)
+        _check_float(self, "min_lr_ratio", 0.0, 1.0)
+        _check_float(self, "val_fraction", 0.0, 1.0, high_open=True, note=" (0: no validation)")
+        _check_float(self, "weight_decay", 0.0, None)
+        _check_float(self, "beta1", 0.0, 1.0, high_open=True)
+        _check_float(self, "beta2", 0.0, 1.0, high_open=True)
+        _check_float(self, "eps", 0.0, None, low_open=True)
+        _check_float(self, "grad_clip", 0.0, None, note=" (0: no clipping)")
+        for name in ("doc_boundaries", "activation_checkpointing", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise TrainConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise TrainConfigError("progress", f"must be true, false or none, got {self.progress!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise TrainConfigError("device", f"must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
-            raise TrainError(f"dtype must be float32 or bfloat16 (fp32, bf16), got {self.dtype!r}")
+            raise TrainConfigError("dtype", f"must be float32 or bfloat16 (fp32, bf16), got {self.dtype!r}")
         if self.parallel not in PARALLEL:
-            raise TrainError(f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+            raise TrainConfigError("parallel", f"must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+
+    def advice(self) -> List[str]:
+        """Legal but probably unintended settings, one line each (the CLI prints them as warnings)."""
+        notes = []
+        if isinstance(self.warmup, int) and isinstance(self.steps, int) and self.warmup > self.steps:
+            notes.append(f"TrainConfig.warmup ({self.warmup}) exceeds TrainConfig.steps ({self.steps}): the learning "
+                         f"rate never reaches its peak and never decays")
+        return notes
 
     def check_split(self, world_size: int) -> int:
         """Windows per micro-batch in each process; raise TrainError unless batch_size splits evenly
@@ -105,6 +146,45 @@ class TrainConfig:
             raise TrainError(f"batch_size {self.batch_size} (the global batch) must be divisible by the number of "
                              f"processes ({world_size}) x grad_accum ({self.grad_accum}) = {parts}")
         return self.batch_size // parts
+
+
+def _check_int(cfg: TrainConfig, name: str, low: Optional[int], optional: bool = False) -> None:
+    v = getattr(cfg, name)
+    if optional and v is None:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or (low is not None and v < low):
+        what = "an int" + (f" >= {low}" if low is not None else "") + (" or none" if optional else "")
+        raise TrainConfigError(name, f"must be {what}, got {v!r}")
+
+
+def _check_float(cfg: TrainConfig, name: str, low: Optional[float], high: Optional[float], *, low_open: bool = False,
+                 high_open: bool = False, note: str = "") -> None:
+    v = getattr(cfg, name)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if ok and low is not None:
+        ok = v > low if low_open else v >= low
+    if ok and high is not None:
+        ok = v < high if high_open else v <= high
+    if not ok:
+        if low is not None and high is not None:
+            what = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        else:
+            what = "finite and " + (f"{'>' if low_open else '>='} {low:g}" if low is not None else f"<= {high:g}")
+        raise TrainConfigError(name, f"must be {what}{note}, got {v!r}")
+
+
+def legacy_values(d: Dict[str, Any]) -> Dict[str, Any]:
+    """A train config dict saved by an older version, with the values it accepted mapped to their meaning
+    today: grad_clip < 0 (no clipping) -> 0, keep_last < 1 (keep all) -> None, threads 0 (torch's default)
+    -> None. For checkpoints only: the same values given today are errors."""
+    d = dict(d)
+    if isinstance(d.get("grad_clip"), (int, float)) and d["grad_clip"] < 0:
+        d["grad_clip"] = 0.0
+    if isinstance(d.get("keep_last"), int) and d["keep_last"] < 1:
+        d["keep_last"] = None
+    if d.get("threads") == 0:
+        d["threads"] = None
+    return d
 
 
 # Fields that decide the trajectory: a resume must not change them. The rest (steps, logging,
@@ -117,6 +197,7 @@ TRAJECTORY_FIELDS = ("seq_len", "batch_size", "lr", "min_lr_ratio", "warmup", "w
 def check_resume_compatible(cfg: TrainConfig, saved: Dict[str, Any], model_config: Optional[Dict[str, Any]] = None,
                             saved_model: Optional[Dict[str, Any]] = None) -> None:
     """Raise TrainError naming the first trajectory field (or model field) that differs."""
+    saved = legacy_values(saved)
     for k in TRAJECTORY_FIELDS:
         if k in saved and getattr(cfg, k) != saved[k]:
             raise TrainError(f"config/checkpoint mismatch: {k} = {getattr(cfg, k)!r} but the checkpoint "
@@ -141,5 +222,5 @@ def resolve_device(name: Optional[str]) -> torch.device:
     return dev
 
 
-__all__ = ["TrainConfig", "TrainError", "TrainingDiverged", "TRAJECTORY_FIELDS", "DTYPES", "PARALLEL",
-           "check_resume_compatible", "resolve_device"]
+__all__ = ["TrainConfig", "TrainError", "TrainConfigError", "TrainingDiverged", "legacy_values", "TRAJECTORY_FIELDS",
+           "DTYPES", "PARALLEL", "check_resume_compatible", "resolve_device"]

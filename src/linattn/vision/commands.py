@@ -160,7 +160,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, help="a YOLO-format folder or 'synthetic' (default: the checkpoint's data)")
     p.add_argument("--split", default="val", choices=("val", "train"), help="which split to evaluate (default val)")
     p.add_argument("--allow-unlabeled", action="store_true", help="images without a label file are backgrounds")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="images per batch (default 16)")
     p.add_argument("--max-images", type=int, default=None, help="evaluate at most N images")
     p.add_argument("--conf-threshold", type=float, default=0.001, help="score threshold before NMS (default 0.001)")
     p.add_argument("--iou-threshold", type=float, default=0.6, help="NMS IoU threshold (default 0.6)")
@@ -169,8 +169,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="JSON file to write (default RUN/eval.json; a timestamped name "
                                                "if that exists)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _data_of_checkpoint(ck, data: Optional[str], allow_unlabeled: bool):
@@ -247,7 +247,7 @@ def add_detect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conf-threshold", type=float, default=0.25, help="default 0.25")
     p.add_argument("--iou-threshold", type=float, default=0.5, help="NMS IoU threshold (default 0.5)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
 def draw_detections(image, det, class_names: Sequence[str], path: Path) -> None:
@@ -351,8 +351,8 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", type=int, default=d.n_train, help=f"training images (default {d.n_train})")
     p.add_argument("--val", type=int, default=d.n_val, help=f"validation images (default {d.n_val})")
     p.add_argument("--size", type=int, default=d.size, help=f"canvas side (default {d.size})")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"random seed of the set (default {d.seed})")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
 
 def synth_main(args) -> int:
