@@ -216,7 +216,10 @@ def test_check_sampling_rejects_non_finite():
 
 def test_threads_everywhere(tmp_path, capsys):
     for argv in (["bench", "ops", "--threads", "-1"], ["bench", "decode", "--threads", "-1"],
-                 ["bench", "tlinformer", "--threads", "-2"]):
+                 ["bench", "tlinformer", "--threads", "-2"], ["bench", "vision", "--threads", "-1"],
+                 ["demo", "--threads", "-1", "--skip-bench", "--skip-train", "--out", str(tmp_path / "d")],
+                 ["vision", "eval", "--checkpoint", str(tmp_path), "--threads", "-1"],
+                 ["vision", "detect", "--checkpoint", str(tmp_path), "--threads", "0", "x.png"]):
         assert cli.main(argv) == 2, argv
         assert "--threads" in error_line(capsys)
 

@@ -28,7 +28,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from .cli_support import UsageError
+from .cli_support import UsageError, int_at_least
 
 DEFAULT_T = [1024, 2048, 4096, 8192, 16384, 32768]
 
@@ -48,7 +48,7 @@ def add_arguments(p) -> None:
                    help="context lengths for the decoding latency of part 4 (default 128 1024 8192)")
     p.add_argument("--skip-bench", action="store_true", help="skip part 2 (scaling)")
     p.add_argument("--skip-train", action="store_true", help="skip parts 3 and 4 (learning, generation)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="torch threads (default: 1 when other processes already keep the CPUs busy - "
                         "1-minute load average >= 0.75 - else torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs and the training runs (default 0)")

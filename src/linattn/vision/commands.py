@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..cli_support import ArgParser, UsageError
+from ..cli_support import ArgParser, UsageError, int_at_least
 from ..errors import LinattnError
 
 ACTIONS = ("train", "eval", "detect", "export-onnx", "synth")
@@ -84,7 +84,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-every", type=int, default=None, help=f"default {d.log_every}")
     g.add_argument("--keep-last", type=int, default=None, help=f"checkpoints kept (default {d.keep_last})")
     g.add_argument("--device", default=None, help="cpu | cuda (default cpu)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -169,7 +169,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="JSON file to write (default RUN/eval.json; a timestamped name "
                                                "if that exists)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -247,7 +247,7 @@ def add_detect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conf-threshold", type=float, default=0.25, help="default 0.25")
     p.add_argument("--iou-threshold", type=float, default=0.5, help="NMS IoU threshold (default 0.5)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
 
 
 def draw_detections(image, det, class_names: Sequence[str], path: Path) -> None:
