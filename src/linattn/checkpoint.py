@@ -17,11 +17,24 @@ beyond `keep_last` are removed only after the new one is in place.
 
 The model config dict names its model family under "arch" (`linattn.models.family`); loading
 builds the family's model from it. Dicts without "arch" (the first checkpoints) are "lm" configs.
+The weights file records the architecture too (`ARCH_KEY` in its metadata: the family, the mixer
+of every layer and the fields that change what the weights mean but not their shapes), and loading
+checks it against config.json, so weights of another architecture with the same shapes are refused
+(files without the record, written by older versions, load unchecked).
+
+Loading checks what it reads: config.json's step, model and train sections, finite weights, and a
+training state that loads with `weights_only=True`; any failure is a one-line CheckpointError. A
+failed write (a full disk) is a `CheckpointWriteError` (also an OSError) that leaves the previous
+checkpoint in place. Only folders of our format are ever removed (`is_checkpoint_dir`), and the
+temporary files and folders of an interrupted save are removed only when their writer (the pid in
+their name) is dead (`remove_stale_temps`).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 
 from .errors import CheckpointError  # noqa: F401  (re-exported)
-from .io import atomic_write_bytes, atomic_write_text, fsync_dir  # noqa: F401  (re-exported)
+from .io import TMP_PREFIX as IO_TMP_PREFIX, atomic_write_bytes, atomic_write_text, fsync_dir  # noqa: F401
 from .models import family
 
 CHECKPOINT_FORMAT = "linattn-checkpoint/1"
@@ -41,8 +54,20 @@ STATE_FILE = "training_state.pt"
 LATEST_FILE = "latest"
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
+ARCH_KEY = "linattn_arch"          # safetensors metadata: the architecture of the weights (JSON)
+# Model config fields that change what the weights compute without changing their shapes (any family).
+ARCH_FIELDS = ("mixer_kwargs", "rope", "rope_base", "window", "residual", "hyperlink_ffn_skip", "memory_lobe",
+               "lobe_feature_map", "allow_future_leak", "moe_bias", "top_k", "norm_eps", "history_window",
+               "generation_window")
 
 PathLike = Union[str, os.PathLike]
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """A checkpoint that could not be written (disk full, no permission): the previous one is intact."""
+
+    def __str__(self) -> str:   # the message, not OSError's "[Errno N] ..." form
+        return str(self.args[0]) if self.args else ""
 
 
 # --------------------------------------------------------------------------- atomic files
@@ -55,6 +80,45 @@ def _fsync_file(path: Path) -> None:
 
 def atomic_write_json(path: PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this machine (one of another user counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+_TEMP_NAME = re.compile(r"^(?:" + re.escape(TMP_PREFIX) + "|" + re.escape(IO_TMP_PREFIX) + r").+\.(\d+)$")
+
+
+def remove_stale_temps(folder: PathLike) -> List[str]:
+    """Remove the temporary files and folders (`.tmp_*.<pid>`, `.tmp-*.<pid>`) that a writer killed
+    mid-write left in `folder`: only those whose pid is dead. Returns their names."""
+    d = Path(folder)
+    removed = []
+    for p in sorted(d.iterdir()) if d.is_dir() else []:
+        m = _TEMP_NAME.match(p.name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p.name)
+    return removed
+
+
+def nonfinite_tensors(state_dict: Dict[str, torch.Tensor]) -> List[str]:
+    """Names of the floating-point tensors holding NaN or inf."""
+    return [k for k, t in state_dict.items()
+            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
 
 
 # --------------------------------------------------------------------------- finding checkpoints
@@ -88,30 +152,47 @@ def list_checkpoints(run_dir: PathLike) -> List[Path]:
     return sorted(out, key=lambda p: int(p.name[len(STEP_PREFIX):]))
 
 
+class DanglingLatest(CheckpointError):
+    """A run folder whose `latest` names a checkpoint that is not there, and that holds no other."""
+
+
+def _latest_name(run_dir: Path) -> Optional[str]:
+    try:
+        return (run_dir / LATEST_FILE).read_text(encoding="utf-8").strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def find_latest_checkpoint(path: PathLike) -> Optional[Path]:
     """The checkpoint folder that `path` stands for: `path` itself if it is one, else the run
-    folder's `latest`, else its newest complete step folder; None if there is none."""
+    folder's `latest`, else its newest complete step folder; None if there is none. A `latest`
+    that names a missing or incomplete folder, in a run folder with no other checkpoint, raises
+    DanglingLatest (a CheckpointError)."""
     p = Path(path)
     if is_checkpoint_dir(p):
         return p
     if not p.is_dir():
         return None
-    latest = p / LATEST_FILE
-    if latest.is_file():
-        try:
-            name = latest.read_text(encoding="utf-8").strip()
-        except OSError:
-            name = ""
-        if name and "/" not in name and is_checkpoint_dir(p / name):
-            return p / name
+    name = _latest_name(p)
+    if name and "/" not in name and is_checkpoint_dir(p / name):
+        return p / name
     ckpts = list_checkpoints(p)
-    return ckpts[-1] if ckpts else None
+    if ckpts:
+        return ckpts[-1]
+    if (p / LATEST_FILE).exists():
+        raise DanglingLatest(f"{p / LATEST_FILE} names {name or 'nothing readable'}, which is not a complete "
+                             f"checkpoint, and {p} holds no other; remove {p / LATEST_FILE} (or the whole run) "
+                             f"to start over")
+    return None
 
 
 def has_checkpoint(run_dir: PathLike) -> bool:
     """Whether `run_dir` holds any checkpoint of ours (complete or partly: a `latest` file counts)."""
     d = Path(run_dir)
-    return find_latest_checkpoint(d) is not None or (d / LATEST_FILE).exists()
+    try:
+        return find_latest_checkpoint(d) is not None or (d / LATEST_FILE).exists()
+    except DanglingLatest:
+        return True
 
 
 def read_checkpoint_config(path: PathLike) -> Dict[str, Any]:
@@ -119,10 +200,37 @@ def read_checkpoint_config(path: PathLike) -> Dict[str, Any]:
     ck = find_latest_checkpoint(path)
     if ck is None:
         raise CheckpointError(f"no checkpoint found in {path}")
+    f = ck / CONFIG_FILE
     try:
-        return json.loads((ck / CONFIG_FILE).read_text(encoding="utf-8"))
+        meta = json.loads(f.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {ck / CONFIG_FILE}: {e}") from None
+        raise CheckpointError(f"cannot read {f}: {e}") from None
+    check_checkpoint_config(meta, f)
+    return meta
+
+
+def check_checkpoint_config(meta: Any, where: PathLike) -> None:
+    """Raise CheckpointError naming the first entry of a config.json (`where`) that is not what
+    loading expects: "step" an int >= 0, "model" a dict, "train" a dict of valid TrainConfig values."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where} must hold a JSON object, got {type(meta).__name__}")
+    step = meta.get("step", 0)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{where}: step must be an int >= 0, got {step!r}")
+    for key in ("model", "train"):
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            raise CheckpointError(f"{where}: {key} must be a JSON object (a config), got {meta[key]!r}")
+    if meta.get("train") and meta.get("kind") is None:   # a language-model run (other kinds check their own)
+        _check_train_section(meta["train"], where)
+
+
+def _check_train_section(train: Dict[str, Any], where: PathLike) -> None:
+    from .training.config import TrainConfig  # the schema of the "train" section (loaded on first use)
+
+    try:
+        TrainConfig.from_dict(train).validate()
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{where}: train: {' '.join(str(e).split())}") from None
 
 
 # --------------------------------------------------------------------------- saving
@@ -148,6 +256,20 @@ def _save_weights(path: Path, model: Optional[torch.nn.Module], state_dict: Opti
     save_file(out, str(path), metadata=metadata)
 
 
+def architecture(model_config: Dict[str, Any]) -> Dict[str, Any]:
+    """What weights of the model config dict `model_config` mean beyond their names and shapes: the
+    family, the mixer of every layer, and the ARCH_FIELDS it sets (as JSON values)."""
+    d = model_config if isinstance(model_config, dict) else {}
+    arch: Dict[str, Any] = {"family": d.get("arch") or family.DEFAULT_ARCH}
+    mixers = d.get("mixer")
+    if isinstance(mixers, str) and isinstance(d.get("n_layers"), int):
+        mixers = [mixers] * d["n_layers"]
+    if mixers is not None:
+        arch["mixers"] = mixers
+    arch.update({k: d[k] for k in ARCH_FIELDS if k in d})
+    return json.loads(json.dumps(arch, sort_keys=True, default=str))
+
+
 def save_checkpoint(run_dir: PathLike, step: int, model: Optional[torch.nn.Module], *,
                     model_config: Dict[str, Any], tokenizer=None,
                     train_config: Optional[Dict[str, Any]] = None,
@@ -160,21 +282,46 @@ def save_checkpoint(run_dir: PathLike, step: int, model: Optional[torch.nn.Modul
     (a BPETokenizer); `training_state` a dict for `torch.save` (optimizer state, RNG states, ...).
     The weights are `model`'s, or `state_dict` (a full one, e.g. gathered from FSDP shards) with
     model None. `keep_last` step folders are kept (None keeps all). Returns the step folder.
+    Non-finite weights are refused (CheckpointError); a failed write raises CheckpointWriteError
+    and leaves the previous checkpoint as it was.
     """
     if (model is None) == (state_dict is None):
         raise CheckpointError("save_checkpoint needs exactly one of model and state_dict")
-
     run = Path(run_dir)
-    run.mkdir(parents=True, exist_ok=True)
-    for stale in run.glob(TMP_PREFIX + "*"):  # left over by an interrupted save
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
     name = step_dir_name(step)
+    final = run / name
+    bad = nonfinite_tensors(state_dict if state_dict is not None else model.state_dict())
+    if bad:
+        raise CheckpointError(f"refusing to write {final}: the weights are not finite (NaN or inf in {_few(bad)})")
+    if final.exists() and not is_checkpoint_dir(final):
+        raise CheckpointError(f"{final} exists and is not a linattn checkpoint; move it away (it is left as it is)")
+    meta = {"format": CHECKPOINT_FORMAT, "step": int(step), "model": model_config, "train": train_config or {},
+            **(extra or {})}
+    weights_meta = {"format": CHECKPOINT_FORMAT, "step": str(int(step)),
+                    ARCH_KEY: json.dumps(architecture(model_config), sort_keys=True)}
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(run)
+        _write_step_folder(run, name, lambda path: _save_weights(path, model, state_dict, weights_meta),
+                           tokenizer, training_state, meta)
+        atomic_write_text(run / LATEST_FILE, name + "\n")
+    except OSError as e:
+        raise _write_error(final, e) from None
+    if keep_last is not None and keep_last >= 1:
+        for p in list_checkpoints(run)[:-keep_last]:
+            if p.name != name:
+                remove_checkpoint(p)
+    return final
+
+
+def _write_step_folder(run: Path, name: str, write_weights: Callable[[Path], None], tokenizer,
+                       training_state: Optional[Dict[str, Any]], meta: Dict[str, Any]) -> None:
+    """Every file in a temporary folder (each fsynced), then one rename to `run/name`."""
     tmp = run / f"{TMP_PREFIX}{name}.{os.getpid()}"
     final = run / name
     tmp.mkdir()
     try:
-        _save_weights(tmp / MODEL_FILE, model, state_dict, {"format": CHECKPOINT_FORMAT, "step": str(int(step))})
+        write_weights(tmp / MODEL_FILE)
         _fsync_file(tmp / MODEL_FILE)
         if tokenizer is not None:
             (tmp / TOKENIZER_FILE).write_text(tokenizer.to_str(), encoding="utf-8")
@@ -182,8 +329,6 @@ def save_checkpoint(run_dir: PathLike, step: int, model: Optional[torch.nn.Modul
         if training_state is not None:
             torch.save(training_state, tmp / STATE_FILE)
             _fsync_file(tmp / STATE_FILE)
-        meta = {"format": CHECKPOINT_FORMAT, "step": int(step), "model": model_config,
-                "train": train_config or {}, **(extra or {})}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _fsync_file(tmp / CONFIG_FILE)
         fsync_dir(tmp)
@@ -198,12 +343,41 @@ def save_checkpoint(run_dir: PathLike, step: int, model: Optional[torch.nn.Modul
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    atomic_write_text(run / LATEST_FILE, name + "\n")
-    if keep_last is not None and keep_last >= 1:
-        for p in list_checkpoints(run)[:-keep_last]:
-            if p.name != name:
-                shutil.rmtree(p, ignore_errors=True)
-    return final
+
+
+def _write_error(final: Path, e: OSError) -> CheckpointWriteError:
+    """One line: which checkpoint failed, why, and which one is still there."""
+    reason = e.strerror or str(e) or type(e).__name__
+    if e.errno == errno.ENOSPC:
+        reason += " (the disk is full)"
+    try:
+        prev = find_latest_checkpoint(final.parent)
+    except CheckpointError:
+        prev = None
+    kept = f"the previous checkpoint {prev} is intact" if prev is not None and prev != final else \
+        "no earlier checkpoint exists"
+    err = CheckpointWriteError(f"cannot write checkpoint {final}: {reason}; {kept}")
+    err.errno, err.strerror, err.filename = e.errno, e.strerror, str(final)
+    return err
+
+
+def remove_checkpoint(path: PathLike) -> bool:
+    """Remove a step folder of ours (never anything else: False then). It is renamed to a temporary
+    name first, so a kill midway leaves no half checkpoint behind, only a temporary folder."""
+    p = Path(path)
+    if not is_checkpoint_dir(p):
+        return False
+    trash = p.parent / f"{TMP_PREFIX}old_{p.name}.{os.getpid()}"
+    try:
+        os.replace(p, trash)
+    except OSError:
+        return False
+    shutil.rmtree(trash, ignore_errors=True)
+    return True
+
+
+def _few(names: List[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 # --------------------------------------------------------------------------- loading
@@ -226,11 +400,15 @@ def build_model(model_config):
     return family.build_model(model_config)
 
 
-def load_model_weights(model: torch.nn.Module, ckpt_dir: PathLike, device: Union[str, torch.device] = "cpu") -> None:
-    """Load `model.safetensors` into `model` strictly; mismatches raise CheckpointError."""
+def load_model_weights(model: torch.nn.Module, ckpt_dir: PathLike, device: Union[str, torch.device] = "cpu",
+                       model_config: Optional[Dict[str, Any]] = None) -> None:
+    """Load `model.safetensors` into `model` strictly; mismatches raise CheckpointError, and so do
+    non-finite weights and (given the model config dict) weights recorded for another architecture."""
     from safetensors.torch import load_model
 
     f = Path(ckpt_dir) / MODEL_FILE
+    if model_config is not None:
+        check_architecture(ckpt_dir, model_config)
     try:
         load_model(model, str(f), strict=True, device=str(device))
     except (RuntimeError, ValueError, KeyError) as e:
@@ -242,6 +420,47 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: PathLike, device: Union
         raise CheckpointError(f"cannot read {f}: {e}") from None
     except Exception as e:  # safetensors' own errors on a corrupt header
         raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {e}") from None
+    bad = nonfinite_tensors(model.state_dict())
+    if bad:
+        raise CheckpointError(f"weights in {f} are not finite (NaN or inf in {_few(bad)})")
+
+
+def recorded_architecture(ckpt_dir: PathLike) -> Optional[Dict[str, Any]]:
+    """The architecture recorded in the weights' metadata (`ARCH_KEY`), or None (older checkpoints)."""
+    from safetensors import safe_open
+
+    f = Path(ckpt_dir) / MODEL_FILE
+    try:
+        with safe_open(str(f), "pt") as h:
+            text = (h.metadata() or {}).get(ARCH_KEY)
+    except Exception as e:  # OSError, or safetensors' own errors on a corrupt header
+        raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+    if text is None:
+        return None
+    try:
+        arch = json.loads(text)
+    except ValueError:
+        arch = None
+    if not isinstance(arch, dict):
+        raise CheckpointError(f"{f}: the recorded architecture ({ARCH_KEY}) is not a JSON object: {text[:100]!r}")
+    return arch
+
+
+def check_architecture(ckpt_dir: PathLike, model_config: Dict[str, Any]) -> None:
+    """Raise CheckpointError when the weights in `ckpt_dir` were saved for another architecture than the
+    model config dict `model_config` (the family, the mixers, or an ARCH_FIELDS value differs)."""
+    saved = recorded_architecture(ckpt_dir)
+    if saved is None:
+        return
+    now = architecture(model_config)
+    differ = [k for k in sorted(set(saved) | set(now))
+              if saved.get(k) != now.get(k) and (k in ("family", "mixers") or (k in saved and k in now))]
+    if differ:
+        def show(a):
+            return ", ".join(f"{k}={json.dumps(a.get(k))}" for k in differ)
+        raise CheckpointError(f"{Path(ckpt_dir) / MODEL_FILE} holds weights of another architecture ({show(saved)}) "
+                              f"than its model config ({show(now)}); the weights and the config do not belong "
+                              f"together")
 
 
 @dataclass
@@ -261,10 +480,15 @@ def load_training_state(ckpt_dir: PathLike, map_location: Union[str, torch.devic
     if not f.is_file():
         raise CheckpointError(f"{ckpt_dir} has no {STATE_FILE} (a weights-only checkpoint cannot be resumed)")
     try:
-        return torch.load(f, map_location=map_location, weights_only=True)
-    except Exception as e:
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {first}") from None
+        state = torch.load(f, map_location=map_location, weights_only=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {f}: {e.strerror or e}") from None
+    except Exception as e:  # unpickling errors: torch's own text suggests unsafe loading, so it is not shown
+        raise CheckpointError(f"cannot read {f}: it is corrupt or not a linattn training state ({type(e).__name__}); "
+                              f"resume from another checkpoint or start over") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"cannot read {f}: expected a training state dict, got {type(state).__name__}")
+    return state
 
 
 def load_checkpoint(path: PathLike, device: Union[str, torch.device] = "cpu", *,
@@ -287,6 +511,7 @@ def load_checkpoint(path: PathLike, device: Union[str, torch.device] = "cpu", *,
     mdict = meta.get("model")
     if not isinstance(mdict, dict):
         raise CheckpointError(f"{ck / CONFIG_FILE} has no model config")
+    check_architecture(ck, mdict)
     if model_factory is not None:
         model_config = mdict
         model = model_factory(mdict)
@@ -307,6 +532,6 @@ def load_checkpoint(path: PathLike, device: Union[str, torch.device] = "cpu", *,
         except TokenizerError as e:
             raise CheckpointError(str(e)) from None
     state = load_training_state(ck, map_location="cpu") if with_training_state else None
-    return Checkpoint(path=ck, step=int(meta.get("step", 0)), model=model, model_config=model_config,
+    return Checkpoint(path=ck, step=meta.get("step", 0), model=model, model_config=model_config,
                       config=meta, tokenizer=tokenizer, training_state=state,
                       train_config=dict(meta.get("train") or {}))

@@ -15,6 +15,13 @@ all-reduced; metrics.jsonl (every record with `world_size`), the progress bar an
 files come from rank 0 only. After every step the ranks agree on a stop (a signal or should_stop
 on any rank), so all of them stop after the same step and the checkpoint is written once.
 Checkpoints are full (see `trainer`), so --resume works with another number of processes.
+
+Only rank 0 touches the run folder: it holds the folder's lock for the whole run (`lock`), and when
+one of its steps on the folder fails (the folder is busy, a save fails on a full disk), every rank
+learns it (`_on_main`) and stops, instead of waiting for it. A non-finite loss or gradient stops the
+run at that step (TrainingDiverged, naming the step and the last checkpoint) without updating the
+weights, or with `skip_nonfinite` skips the batch (counted in the metrics and reported at the end);
+weights that are not finite are never saved.
 """
 from __future__ import annotations
 
@@ -29,11 +36,13 @@ import torch
 
 from .. import checkpoint as ckpt
 from ..data.tokenizer import BPETokenizer, load_tokenizer
+from ..errors import LinattnError
 from ..models.family import build_model, config_from_dict, config_to_dict
-from .config import TrainConfig, TrainError, check_resume_compatible
+from .config import TrainConfig, TrainError, TrainingDiverged, check_resume_compatible
 from .data import TrainData, prepare_data, rank_batch
 from .distributed import Dist
 from .run import RunFolder, StopFlag
+from .schedule import lr_at
 from .trainer import EvalResult, StepOutput, Trainer
 
 
@@ -53,6 +62,7 @@ class TrainResult:
     signal: Optional[int] = None
     resumed_from: Optional[int] = None
     history: List[Dict[str, Any]] = field(default_factory=list)   # the metrics records written
+    skipped_steps: List[int] = field(default_factory=list)        # batches skipped in this call (skip_nonfinite)
 
 
 def train(config: TrainConfig, model_config=None, *, resume: bool = False, overwrite: bool = False,
@@ -77,9 +87,11 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
     if config.out is None and resume:
         raise TrainError("resume needs an output folder (config.out)")
     dist = Dist.from_env(config.device)
+    folder = RunFolder(config.out) if config.out else None
     try:
         config.check_split(dist.world_size)
-        folder = RunFolder(config.out) if config.out else None
+        if folder is not None:
+            _on_main(dist, folder.lock_if_exists)
         resume_ck = folder.checkpoint_to_resume(resume, overwrite) if folder is not None else None
         if isinstance(model_config, dict):
             model_config = config_from_dict(model_config)
@@ -94,14 +106,33 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
         model_config = _with_vocab(model_config, data.tokenizer.vocab_size)
         trainer = _make_trainer(config, model_config, dist, resume_ck, model_factory, data.tokenizer.eos_id)
         # Everything that can fail on bad input has run: only now is the run folder touched.
-        if folder is not None and dist.is_main:
-            folder.begin(trainer.step if resume_ck is not None else None)
+        if folder is not None:
+            _on_main(dist, lambda: folder.start(trainer.step if resume_ck is not None else None))
         dist.barrier()
         session = _Session(config, trainer, data, folder, model_config, resume_ck, handle_signals, should_stop,
                            on_log)
         return session.run()
     finally:
+        if folder is not None:
+            folder.close()
         dist.close()
+
+
+def _on_main(dist: Dist, fn: Callable[[], Any]) -> Any:
+    """fn() on rank 0 only (None elsewhere). When it raises a LinattnError every rank learns it and raises
+    too, so that no rank waits for one that is gone (rank 0 raises the error itself)."""
+    result, error = None, None
+    if dist.is_main:
+        try:
+            result = fn()
+        except LinattnError as e:
+            error = e
+    failed = dist.max([float(error is not None)])[0] > 0 if dist.active else error is not None
+    if error is not None:
+        raise error
+    if failed:
+        raise TrainError("rank 0 stopped the run (it reports why)")
+    return result
 
 
 def _resume_setup(cfg: TrainConfig, model_config, resume_ck: Path, tokenizer, data):
@@ -158,7 +189,7 @@ def _make_trainer(cfg: TrainConfig, model_config, dist: Dist, resume_ck: Optiona
     except (TypeError, ValueError, KeyError) as e:
         raise TrainError(f"cannot build the model: {e}") from None
     if resume_ck is not None:
-        ckpt.load_model_weights(model, resume_ck, device="cpu")
+        ckpt.load_model_weights(model, resume_ck, device="cpu", model_config=config_to_dict(model_config))
     trainer = Trainer(model, cfg, dist=dist, eos_id=eos_id)
     if resume_ck is not None:
         try:
@@ -182,6 +213,7 @@ class _Session:
         self.losses: List[Tuple[int, float]] = []
         self.step_times: List[float] = []
         self.history: List[Dict[str, Any]] = []
+        self.skipped_steps: List[int] = []
         self.last_ckpt: Optional[Path] = resume_ck
         self.val: Optional[EvalResult] = None
         self.dist = trainer.dist
@@ -205,9 +237,27 @@ class _Session:
             with self.stop:
                 while trainer.step < cfg.steps and not interrupted:
                     interrupted = self._one_step()
+        except TrainingDiverged as e:
+            raise TrainingDiverged(f"{e}; {self._kept()}") from None
         finally:
             self.bar.close()
+        self._report_skipped()
         return self._result(interrupted, time.perf_counter() - t_start)
+
+    def _kept(self) -> str:
+        """What a stopped run leaves to go on from."""
+        if self.folder is None:
+            return "nothing was saved"
+        if self.last_ckpt is None:
+            return f"no checkpoint was written in {self.folder.path} (rerun with --overwrite)"
+        return f"the last checkpoint, {self.last_ckpt}, is intact (nothing was saved after it)"
+
+    def _report_skipped(self) -> None:
+        if self.skipped_steps and self.main:
+            steps = ", ".join(map(str, self.skipped_steps[:20])) + (", ..." if len(self.skipped_steps) > 20 else "")
+            n, ran = len(self.skipped_steps), self.trainer.step - self.start
+            print(f"[linattn] skipped {n} of {ran} steps (a non-finite loss or gradient; --skip-nonfinite): "
+                  f"steps {steps}", file=sys.stderr, flush=True)
 
     def _announce(self) -> None:
         if self.cfg.progress is not False and self.main:
@@ -225,7 +275,10 @@ class _Session:
                           self.dist.world_size)
         out = self.trainer.train_step(x, y)
         self.step_times.append(time.perf_counter() - t0)
-        self.losses.append((out.step, out.loss))
+        if out.skipped is not None:
+            self._note_skipped(out)
+        else:
+            self.losses.append((out.step, out.loss))
         self.tok_int += cfg.batch_size * cfg.seq_len
         self.bar.update(1)
         last = out.step == cfg.steps
@@ -237,6 +290,12 @@ class _Session:
             self.last_ckpt = self._save() or self.last_ckpt
             self.t_int = time.perf_counter()  # saving is not training time
         return stopping and not last
+
+    def _note_skipped(self, out: StepOutput) -> None:
+        self.skipped_steps.append(out.step)
+        if self.main:
+            print(f"[linattn] warning: step {out.step}: {out.skipped}; batch skipped (--skip-nonfinite), "
+                  f"{self.trainer.skipped} so far", file=sys.stderr, flush=True)
 
     def _stop_requested(self, step: int) -> bool:
         """A signal or should_stop on any rank: every rank gets the same answer (and the signal)."""
@@ -251,7 +310,8 @@ class _Session:
 
     def _log(self, out: StepOutput, do_eval: bool) -> None:
         now = time.perf_counter()
-        rec: Dict[str, Any] = {"step": out.step, "loss": self.trainer.interval_loss(), "last_loss": out.loss,
+        loss = self.trainer.interval_loss() if self.trainer.loss_count else float("nan")   # NaN: all skipped
+        rec: Dict[str, Any] = {"step": out.step, "loss": loss, "last_loss": out.loss,
                                "lr": out.lr, "tokens": self.trainer.tokens_seen,
                                "tokens_per_s": self.tok_int / max(1e-9, now - self.t_int),
                                "elapsed_s": self.trainer.elapsed_s(), "world_size": self.dist.world_size}
@@ -259,6 +319,8 @@ class _Session:
             rec["grad_norm"] = out.grad_norm
         if out.aux_loss is not None:
             rec["aux_loss"] = out.aux_loss
+        if self.trainer.skipped:
+            rec["skipped"] = self.trainer.skipped
         if do_eval:
             self.val = self._validate()
             if self.val is not None:
@@ -289,19 +351,26 @@ class _Session:
             return None
         t = self.trainer
         weights, state = t.model_state_dict(), t.state_dict()
-        path = self.folder.path / ckpt.step_dir_name(t.step)
-        if self.main:
-            path = ckpt.save_checkpoint(self.folder.path, t.step, None, state_dict=weights,
-                                        model_config=config_to_dict(self.model_config),
-                                        tokenizer=self.data.tokenizer, train_config=self.cfg.to_dict(),
-                                        training_state=state,
-                                        extra={"data_fingerprint": self.data.fingerprint,
-                                               "data_source": self.data.source,
-                                               "n_params": t.model.num_parameters(),
-                                               "world_size": self.dist.world_size},
-                                        keep_last=self.cfg.keep_last)
+        path = _on_main(self.dist, lambda: self._write_checkpoint(weights, state))
         self.dist.barrier()
-        return path
+        return path or self.folder.path / ckpt.step_dir_name(t.step)
+
+    def _write_checkpoint(self, weights: Dict[str, torch.Tensor], state: Dict[str, Any]) -> Path:
+        t = self.trainer
+        bad = ckpt.nonfinite_tensors(weights)
+        if bad:
+            raise TrainingDiverged(f"training diverged at step {t.step}: its update made the weights non-finite "
+                                   f"(NaN or inf in {bad[0]}; lr {lr_at(t.step - 1, self.cfg):.3g}); not saved; "
+                                   f"try a lower --lr")
+        return ckpt.save_checkpoint(self.folder.path, t.step, None, state_dict=weights,
+                                    model_config=config_to_dict(self.model_config),
+                                    tokenizer=self.data.tokenizer, train_config=self.cfg.to_dict(),
+                                    training_state=state,
+                                    extra={"data_fingerprint": self.data.fingerprint,
+                                           "data_source": self.data.source,
+                                           "n_params": t.model.num_parameters(),
+                                           "world_size": self.dist.world_size},
+                                    keep_last=self.cfg.keep_last)
 
     def _result(self, interrupted: bool, elapsed: float) -> TrainResult:
         timed = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
@@ -314,7 +383,7 @@ class _Session:
                            val_loss=self.val.loss if self.val else None, val_ppl=self.val.ppl if self.val else None,
                            tokens_per_s=tps, elapsed_s=elapsed, checkpoint=self.last_ckpt, interrupted=interrupted,
                            signal=self.stop.signum, resumed_from=self.start if self.resume_ck is not None else None,
-                           history=self.history)
+                           history=self.history, skipped_steps=self.skipped_steps)
 
 
 __all__ = ["TrainResult", "train"]

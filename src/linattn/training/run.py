@@ -5,12 +5,16 @@ it; nothing in it is touched before everything that can fail on bad input has ru
 is the first write). `metrics.jsonl` gets one JSON record per line, appended as training goes; on a
 resume the records after the checkpoint's step are dropped (atomically), so the file always
 matches the weights.
+
+One writer at a time: the run holds the folder's lock (`lock.RunLock`) from its start (or, for a
+folder that does not exist yet, from its first write) to its end. Starting over removes only what
+linattn wrote (its own checkpoints, `latest`, `metrics.jsonl`) and warns once about other `step_*`
+folders; a run that starts removes the temporary files of writers that died mid-write.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -18,9 +22,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from .. import checkpoint as ckpt
-from ..errors import CheckpointError
-from ..io import atomic_write_text
+from ..io import atomic_write_text, jsonable
 from .config import TrainError
+from .lock import RunLock
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -43,22 +47,33 @@ def read_metrics(run_dir_or_file: Union[str, os.PathLike]) -> List[Dict[str, Any
 
 
 class RunFolder:
-    """The output folder of a run: its checkpoints (`linattn.checkpoint`) and metrics.jsonl."""
+    """The output folder of a run: its lock, its checkpoints (`linattn.checkpoint`) and metrics.jsonl."""
 
     def __init__(self, path: Union[str, os.PathLike]):
         self.path = Path(path)
         self.metrics_path = self.path / METRICS_FILE
+        self.lock = RunLock(self.path)
+        self._plan: Optional[tuple] = None   # (resume, overwrite, checkpoint) as checkpoint_to_resume found them
+
+    def lock_if_exists(self) -> None:
+        """Take the folder's lock now if the folder exists (else `begin` takes it when it creates it)."""
+        if self.path.is_dir():
+            self.lock.acquire()
 
     def checkpoint_to_resume(self, resume: bool, overwrite: bool) -> Optional[Path]:
         """Refuse an occupied folder unless resume/overwrite; return the checkpoint to resume (if any)."""
         out = self.path
         if out.exists() and not out.is_dir():
             raise TrainError(f"--out {out} exists and is not a folder")
-        latest = ckpt.find_latest_checkpoint(out) if out.is_dir() else None
+        try:
+            latest = ckpt.find_latest_checkpoint(out) if out.is_dir() else None
+        except ckpt.DanglingLatest:
+            if resume:
+                raise
+            latest = None
         pointer = (out / ckpt.LATEST_FILE).exists()
+        self._plan = (resume, overwrite, latest)
         if resume:
-            if latest is None and pointer:
-                raise CheckpointError(f"{out} has a 'latest' pointer but no complete checkpoint to resume")
             return latest
         if (latest is not None or pointer or self.metrics_path.exists()) and not overwrite:
             what = (f"a checkpoint (step {ckpt.read_checkpoint_config(latest).get('step')})" if latest
@@ -66,9 +81,22 @@ class RunFolder:
             raise TrainError(f"{out} already holds {what}; pass --resume to continue it or --overwrite to start over")
         return None
 
-    def begin(self, resume_step: Optional[int]) -> None:
-        """Create the folder; a new run clears the previous one, a resume cuts the metrics at its step."""
+    def start(self, resume_step: Optional[int]) -> None:
+        """`begin` under the folder's lock: taken here unless `lock_if_exists` took it (the folder did not
+        exist then), in which case the folder is checked again (another run may have filled it since)."""
         self.path.mkdir(parents=True, exist_ok=True)
+        if not self.lock.held:
+            self.lock.acquire()
+            if self._plan is not None and self.checkpoint_to_resume(*self._plan[:2]) != self._plan[2]:
+                raise TrainError(f"{self.path} changed while this run was starting (another run wrote to it); "
+                                 f"start again")
+        self.begin(resume_step)
+
+    def begin(self, resume_step: Optional[int]) -> None:
+        """Create the folder and remove dead writers' temporary files; a new run clears the previous one,
+        a resume cuts the metrics at its step."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_stale_temps(self.path)
         if resume_step is None:
             self.clear()
             self.metrics_path.touch()
@@ -77,17 +105,27 @@ class RunFolder:
             atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def clear(self) -> None:
-        """Remove the previous run's step folders, `latest` pointer and metrics."""
-        for p in self.path.glob(ckpt.STEP_PREFIX + "*"):
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
+        """Remove the previous run's checkpoints, `latest` pointer and metrics: only what linattn wrote.
+        Other `step_*` folders stay, with one warning."""
+        foreign = [p.name for p in sorted(self.path.glob(ckpt.STEP_PREFIX + "*"))
+                   if p.is_dir() and not ckpt.remove_checkpoint(p)]
+        if foreign:
+            print(f"[linattn] warning: {self.path} holds folders that are not linattn checkpoints, left as they are: "
+                  f"{', '.join(foreign)}", file=sys.stderr, flush=True)
         for name in (ckpt.LATEST_FILE, METRICS_FILE):
-            if (self.path / name).exists():
+            if (self.path / name).is_file():
                 (self.path / name).unlink()
 
+    def close(self) -> None:
+        """Release the folder's lock (if this process holds it)."""
+        self.lock.release()
+
     def append_metrics(self, record: Dict[str, Any]) -> None:
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(jsonable(record)) + "\n")
+        except OSError as e:
+            raise TrainError(f"cannot append to {self.metrics_path}: {e.strerror or e}") from None
 
     def metrics(self) -> List[Dict[str, Any]]:
         return read_metrics(self.metrics_path)

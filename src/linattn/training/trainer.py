@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from ..data.corpus import CorpusError, PackedTokens
 from ..errors import CheckpointError
 from ..models.family import build_model
+from ..ops import get_checks, set_checks
 from .config import TrainConfig, TrainError, TrainingDiverged, resolve_device
 from .distributed import Dist
 from .schedule import autocast, lr_at, make_optimizer, set_lr
@@ -61,6 +62,30 @@ class StepOutput:
     lr: float
     grad_norm: Optional[float]            # before clipping; None without clipping
     aux_loss: Optional[float]             # the model's auxiliary loss (MoE load balancing)
+    skipped: Optional[str] = None         # why the batch was skipped (skip_nonfinite), else None
+
+
+@contextlib.contextmanager
+def _trainer_checks():
+    """Inside a training step the trainer checks the loss and the gradients itself, on every device;
+    the operators' host-side value checks (which raise on a NaN, on the CPU only) are left out there,
+    so that diverging weights surface as a non-finite loss that names the step (`set_checks`)."""
+    if get_checks() != "auto":
+        yield
+        return
+    previous = set_checks("shapes")
+    try:
+        yield
+    finally:
+        set_checks(previous)
+
+
+def _nonfinite_reason(loss: float, aux: Optional[float], grad_norm: float) -> Optional[str]:
+    """Why a step must not update the weights (a non-finite loss or gradient), or None."""
+    for what, v in (("the loss", loss), ("the auxiliary loss", aux), ("the gradient norm", grad_norm)):
+        if v is not None and not math.isfinite(v):
+            return f"{what} is {v}"
+    return None
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -171,6 +196,7 @@ class Trainer:
         self.step = 0                     # optimizer steps done
         self.tokens_seen = 0
         self.loss_sum, self.loss_count = 0.0, 0   # the current logging interval
+        self.skipped = 0                  # steps whose batch was skipped (skip_nonfinite), whole run
         self._elapsed_before = 0.0       # training seconds of earlier sessions (from a checkpoint)
         self._clock: Optional[float] = None
 
@@ -211,34 +237,63 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         aux_sum: Optional[torch.Tensor] = None
-        for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
-            with self._sync(i == n - 1):
-                with autocast(dev, cfg.dtype):
-                    logits, aux = forward_logits(self._fwd, xm, self.eos_id)
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ym.reshape(-1))
-                total = loss + aux.float() if aux is not None else loss
-                (total / n).backward()
-            loss_sum += loss.detach().float()
-            if aux is not None:
-                aux_sum = aux.detach().float() if aux_sum is None else aux_sum + aux.detach().float()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
-        if gnorm is not None and hasattr(gnorm, "full_tensor"):   # a DTensor under FSDP
-            gnorm = gnorm.full_tensor()
-        self.optimizer.step()
+        with _trainer_checks():
+            for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
+                with self._sync(i == n - 1):
+                    with autocast(dev, cfg.dtype):
+                        logits, aux = forward_logits(self._fwd, xm, self.eos_id)
+                    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ym.reshape(-1))
+                    total = loss + aux.float() if aux is not None else loss
+                    (total / n).backward()
+                loss_sum += loss.detach().float()
+                if aux is not None:
+                    aux_sum = aux.detach().float() if aux_sum is None else aux_sum + aux.detach().float()
+        gnorm = self._clip_gradients()
         local = [float(loss_sum.item()) / n] + ([float(aux_sum.item()) / n] if aux_sum is not None else [])
         mean = [v / self.dist.world_size for v in self.dist.sum(local)]
-        value = mean[0]
-        if not math.isfinite(value):
-            raise TrainingDiverged(f"training loss is {value} at step {self.step + 1} (try a lower --lr)")
+        value, aux_mean = mean[0], (mean[1] if aux_sum is not None else None)
+        reason = _nonfinite_reason(value, aux_mean, gnorm)
+        if reason is not None:
+            return self._nonfinite_step(reason, lr, x.numel() * self.dist.world_size)
+        self.optimizer.step()
         self.step += 1
         self.tokens_seen += x.numel() * self.dist.world_size
         self.loss_sum += value
         self.loss_count += 1
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        return StepOutput(step=self.step, loss=value, lr=lr,
-                          grad_norm=float(gnorm) if gnorm is not None else None,
-                          aux_loss=mean[1] if aux_sum is not None else None)
+        return StepOutput(step=self.step, loss=value, lr=lr, grad_norm=gnorm if cfg.grad_clip > 0 else None,
+                          aux_loss=aux_mean)
+
+    def _clip_gradients(self) -> float:
+        """The total gradient norm (the same on every rank), the gradients clipped to grad_clip when > 0."""
+        clip = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if hasattr(gnorm, "full_tensor"):   # a DTensor under FSDP
+            gnorm = gnorm.full_tensor()
+        return float(gnorm)
+
+    def _nonfinite_step(self, reason: str, lr: float, tokens: int) -> StepOutput:
+        """A step whose loss or gradient is not finite: the weights are not updated. With skip_nonfinite
+        (and finite weights) the batch is skipped and counted; else TrainingDiverged names the step."""
+        step = self.step + 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if not self.config.skip_nonfinite:
+            raise TrainingDiverged(f"training diverged at step {step}: {reason} (lr {lr:.3g}); try a lower --lr, "
+                                   f"or --skip-nonfinite true to skip such batches")
+        if not self.weights_finite():
+            raise TrainingDiverged(f"training diverged at step {step}: {reason} and the weights are not finite "
+                                   f"(lr {lr:.3g}), so skipping batches cannot help; try a lower --lr")
+        self.step = step
+        self.skipped += 1
+        self.tokens_seen += tokens
+        return StepOutput(step=step, loss=float("nan"), lr=lr, grad_norm=None, aux_loss=None, skipped=reason)
+
+    def weights_finite(self) -> bool:
+        """Whether every parameter is finite on every rank (a collective with several processes)."""
+        ok = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                 for p in self.model.parameters())
+        return self.dist.max([0.0 if ok else 1.0])[0] == 0.0
 
     def interval_loss(self) -> float:
         """Mean training loss since the last call (the logging interval), then reset."""
@@ -250,9 +305,10 @@ class Trainer:
         """Validation loss on `data` with the run's batch size, dtype and `eval_batches` (the rows of
         every batch shared among the processes, the sums all-reduced)."""
         cfg = self.config
-        return evaluate(self.wrapped, data, batch_size=cfg.batch_size, device=self.device, dtype=cfg.dtype,
-                        max_batches=cfg.eval_batches if max_batches is None else max_batches,
-                        eos_id=self.eos_id, dist=self.dist)
+        with _trainer_checks():   # weights gone bad show as a NaN loss here too
+            return evaluate(self.wrapped, data, batch_size=cfg.batch_size, device=self.device, dtype=cfg.dtype,
+                            max_batches=cfg.eval_batches if max_batches is None else max_batches,
+                            eos_id=self.eos_id, dist=self.dist)
 
     # -- time -------------------------------------------------------------------------------------
     def start_clock(self) -> None:
@@ -308,7 +364,8 @@ class Trainer:
         return {"step": self.step, "optimizer": self._optimizer_state(), "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
                 "loss_acc": [self.loss_sum, self.loss_count], "tokens_seen": self.tokens_seen,
-                "elapsed_s": self.elapsed_s(), "world_size": self.dist.world_size}
+                "elapsed_s": self.elapsed_s(), "world_size": self.dist.world_size,
+                **({"skipped": self.skipped} if self.skipped else {})}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from `state_dict()`'s output (written by any number of processes, with or without
@@ -321,6 +378,7 @@ class Trainer:
         self.loss_sum, self.loss_count = (float(v) for v in state.get("loss_acc", [0.0, 0]))
         self.loss_count = int(self.loss_count)
         self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.skipped = int(state.get("skipped", 0))
         self._elapsed_before = float(state.get("elapsed_s", 0.0))
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
