@@ -252,8 +252,8 @@ def test_skip_nonfinite_skips_counts_and_reports(corpus, tmp_path, capsys, monke
     _poison_steps(monkeypatch, {2, 3})
     capsys.readouterr()
     assert main(argv(corpus, out, "--skip-nonfinite", "true")) == 0
-    err = capsys.readouterr().err
-    assert "skipped 2" in err
+    cap = capsys.readouterr()
+    assert "skipped 2" in cap.err and json.loads(cap.out.strip().splitlines()[-1])["skipped_steps"] == 2
     recs = read_metrics(out)
     assert [r["step"] for r in recs] == [1, 2, 3, 4] and recs[-1]["skipped"] == 2
     assert all(math.isfinite(r["loss"]) for r in recs if r["step"] not in (2, 3))
@@ -472,3 +472,10 @@ def test_temp_files_of_dead_processes_are_cleaned_when_a_run_starts(trained, cor
     assert main(argv(corpus, out, "--resume", "--steps", "5")) == 0
     assert not any(p.exists() for p in stale) and not (out / f".tmp_step_00000006.{dead}").exists()
     assert live.read_text() == "y"
+
+
+def test_skip_nonfinite_must_be_a_bool():
+    from linattn.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="skip_nonfinite"):
+        TrainConfig(skip_nonfinite="yes").validate()

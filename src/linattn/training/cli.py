@@ -258,7 +258,7 @@ def _report(res: TrainResult) -> int:
     print(json.dumps({"step": res.step, "loss": res.losses[-1][1] if res.losses else None,
                       "val_loss": res.val_loss, "val_ppl": res.val_ppl, "tokens_per_s": res.tokens_per_s,
                       "checkpoint": str(res.checkpoint) if res.checkpoint else None,
-                      "n_params": res.model.num_parameters()}))
+                      "n_params": res.model.num_parameters(), "skipped_steps": len(res.skipped_steps)}))
     return 0
 
 

@@ -117,7 +117,7 @@ class TrainConfig:
         _check_float(self, "beta2", 0.0, 1.0, high_open=True)
         _check_float(self, "eps", 0.0, None, low_open=True)
         _check_float(self, "grad_clip", 0.0, None, note=" (0: no clipping)")
-        for name in ("doc_boundaries", "activation_checkpointing", "compile"):
+        for name in ("doc_boundaries", "activation_checkpointing", "compile", "skip_nonfinite"):
             if not isinstance(getattr(self, name), bool):
                 raise TrainConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.progress is not None and not isinstance(self.progress, bool):
