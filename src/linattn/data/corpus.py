@@ -37,9 +37,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
-from ..errors import DataError
+from .sources import (
+    CorpusError,
+    _walk_files,
+    report_skipped,
+    scan,
+    scan_files,
+    split_by_name,
+    split_text,
+    text_split_point,
+)
 
 DEFAULT_STDLIB_MAX_BYTES = 8 * 1024 * 1024
 DEFAULT_VAL_FRACTION = 0.05
@@ -48,33 +58,10 @@ STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__
 DEFAULT_CORPUS_NAME = "stdlib"
 
 
-class CorpusError(DataError):
-    """Data that cannot be used: a missing path, no readable text, too few tokens."""
-
-
 @dataclass(frozen=True)
 class Document:
     name: str   # a path relative to the corpus root (posix separators)
     text: str
-
-
-def _hash01(name: str, salt: str = "") -> float:
-    h = hashlib.sha256((salt + name).encode("utf-8")).digest()
-    return int.from_bytes(h[:8], "big") / 2.0 ** 64
-
-
-def _read_text(path: Path) -> Optional[str]:
-    """The file's text if it is UTF-8 text (no NUL bytes), else None."""
-    try:
-        raw = path.read_bytes()
-    except OSError:
-        return None
-    if b"\x00" in raw[:8192]:
-        return None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
 
 
 def _cut_at_line(text: str, max_chars_bytes: int) -> str:
@@ -106,77 +93,58 @@ def cap_documents(docs: Sequence[Document], max_bytes: Optional[int]) -> List[Do
     return out
 
 
-def _walk_files(root: Path, excluded_dirs=frozenset()) -> List[Path]:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in excluded_dirs]
-        for f in filenames:
-            if not f.startswith("."):
-                files.append(Path(dirpath) / f)
-    return files
-
-
 def read_documents(path: Union[str, os.PathLike], max_bytes: Optional[int] = None,
-                   extensions: Optional[Sequence[str]] = None) -> List[Document]:
+                   extensions: Optional[Sequence[str]] = None, progress: Optional[bool] = False) -> List[Document]:
     """The documents of a text file (one document) or of a folder (every UTF-8 text file under
-    it, recursively, sorted by relative path; hidden files, binary and non-UTF-8 files skipped).
+    it, recursively, sorted by relative path; hidden files skipped).
 
     `extensions` (e.g. [".txt", ".md"]) keeps only files with those suffixes; `max_bytes` caps the
-    total size (the crossing document is cut at a line boundary). Raises CorpusError when the
-    path does not exist or holds no text.
+    total size (the crossing document is cut at a line boundary) and nothing beyond the cap is
+    read. Only regular files are read: FIFOs, devices and sockets (also behind symlinks), binary
+    and non-UTF-8 files in a folder are skipped and counted in one line on stderr. Raises
+    CorpusError when the path does not exist or holds no text, or when a file given directly is not
+    a regular UTF-8 text file.
     """
-    p = Path(path)
-    if not p.exists():
-        raise CorpusError(f"data path not found: {p}")
-    exts = None if extensions is None else {e if e.startswith(".") else "." + e for e in extensions}
-    if p.is_file():
-        text = _read_text(p)
-        if text is None:
-            raise CorpusError(f"data file is not UTF-8 text or cannot be read: {p}")
-        docs = [Document(p.name, text)]
-    elif p.is_dir():
-        docs = []
-        for f in sorted(_walk_files(p), key=lambda f: f.relative_to(p).as_posix()):
-            if exts is not None and f.suffix not in exts:
-                continue
-            text = _read_text(f)
-            if text is not None and text.strip():
-                docs.append(Document(f.relative_to(p).as_posix(), text))
-    else:
-        raise CorpusError(f"data path is neither a file nor a folder: {p}")
-    docs = [d for d in cap_documents(docs, max_bytes) if d.text.strip()]
-    if not docs:
-        raise CorpusError(f"no text found in {p}" + (f" (extensions {sorted(exts)})" if exts else ""))
-    return docs
+    m = scan(path, max_bytes=max_bytes, extensions=extensions, keep_text=True, progress=progress)
+    report_skipped(m)
+    if not m.files:
+        exts = None if extensions is None else sorted({e if e.startswith(".") else "." + e for e in extensions})
+        raise CorpusError(f"no text found in {Path(path)}" + (f" (extensions {exts})" if exts else ""))
+    return [Document(f.name, t) for f, t in zip(m.files, m.texts)]
 
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def stdlib_documents(max_bytes: Optional[int] = DEFAULT_STDLIB_MAX_BYTES) -> List[Document]:
-    """The embedded default corpus: the standard library's `.py` sources (see the module docstring)."""
+def stdlib_files() -> List[Tuple[Path, str]]:
+    """(path, name) of the default corpus's files, in its fixed order (see the module docstring)."""
     root = stdlib_root()
     if not root.is_dir():
         raise CorpusError(f"the standard library folder {root} does not exist")
     files = [f for f in _walk_files(root, STDLIB_EXCLUDED_DIRS) if f.suffix == ".py"]
     names = [(f.relative_to(root).as_posix(), f) for f in files]
     names.sort(key=lambda nf: (hashlib.sha256(nf[0].encode("utf-8")).hexdigest(), nf[0]))
-    docs = []
-    for name, f in names:
-        text = _read_text(f)
-        if text is not None and text.strip():
-            docs.append(Document(name, text))
-    docs = cap_documents(docs, max_bytes)
-    if not docs:
-        raise CorpusError(f"no Python sources found under {root}")
-    return docs
+    return [(f, n) for n, f in names]
+
+
+def stdlib_documents(max_bytes: Optional[int] = DEFAULT_STDLIB_MAX_BYTES) -> List[Document]:
+    """The embedded default corpus: the standard library's `.py` sources (see the module docstring)."""
+    m = scan_files(stdlib_files(), DEFAULT_CORPUS_NAME, max_bytes, keep_text=True)
+    if not m.files:
+        raise CorpusError(f"no Python sources found under {stdlib_root()}")
+    return [Document(f.name, t) for f, t in zip(m.files, m.texts)]
+
+
+def is_stdlib(path: Union[str, os.PathLike, None]) -> bool:
+    """Whether `path` names the default corpus (None, or "stdlib" when no such file exists)."""
+    return path is None or (str(path) == DEFAULT_CORPUS_NAME and not Path(str(path)).exists())
 
 
 def load_corpus(path: Union[str, os.PathLike, None] = None, max_bytes: Optional[int] = None) -> List[Document]:
     """`read_documents(path)`, or the standard-library corpus when `path` is None or "stdlib"
     (capped at `max_bytes`, default DEFAULT_STDLIB_MAX_BYTES)."""
-    if path is None or (str(path) == DEFAULT_CORPUS_NAME and not Path(str(path)).exists()):
+    if is_stdlib(path):
         return stdlib_documents(DEFAULT_STDLIB_MAX_BYTES if max_bytes is None else max_bytes)
     return read_documents(path, max_bytes=max_bytes)
 
@@ -194,57 +162,105 @@ def split_documents(docs: Sequence[Document], val_fraction: float = DEFAULT_VAL_
         return docs, []
     if len(docs) == 1:
         d = docs[0]
-        cut = int(len(d.text) * (1.0 - val_fraction))
-        nl = d.text.rfind("\n", 0, cut)
-        if nl > 0 and d.text[nl + 1:].strip():
-            cut = nl + 1
-        cut = max(1, min(cut, len(d.text) - 1))
+        cut = text_split_point(d.text, val_fraction)
         return [Document(d.name, d.text[:cut])], [Document(d.name + "#val", d.text[cut:])]
-    scores = [_hash01(d.name, "val:") for d in docs]
-    val_idx = {i for i, s in enumerate(scores) if s < val_fraction}
-    if not val_idx:
-        val_idx = {min(range(len(docs)), key=lambda i: scores[i])}
-    if len(val_idx) == len(docs):
-        val_idx.discard(max(range(len(docs)), key=lambda i: scores[i]))
-    train = [d for i, d in enumerate(docs) if i not in val_idx]
-    val = [d for i, d in enumerate(docs) if i in val_idx]
+    in_val = split_by_name([d.name for d in docs], val_fraction)
+    train = [d for d, v in zip(docs, in_val) if not v]
+    val = [d for d, v in zip(docs, in_val) if v]
     return train, val
 
 
-def tokenize_documents(docs: Sequence[Document], tokenizer, batch_docs: int = 256) -> torch.Tensor:
-    """One int32 stream: each document's tokens followed by the tokenizer's `eos_id`."""
-    parts: List[torch.Tensor] = []
-    eos = torch.tensor([tokenizer.eos_id], dtype=torch.int32)
-    for i in range(0, len(docs), batch_docs):
-        chunk = docs[i:i + batch_docs]
-        for ids in tokenizer.encode_batch([d.text for d in chunk]):
-            parts.append(torch.tensor(ids, dtype=torch.int32))
-            parts.append(eos)
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id of a vocabulary (uint16 up to 65536 ids)."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def encode_segments(tokenizer, items: Sequence[Tuple[str, bool]]) -> np.ndarray:
+    """int32 ids of `items` ((segment, last segment of its document) pairs) encoded as one batch,
+    with `eos_id` after the last segment of each document."""
+    ids = tokenizer.encode_batch([t for t, _ in items]) if items else []
+    flat: List[int] = []
+    eos = tokenizer.eos_id
+    for seq, (_, last) in zip(ids, items):
+        flat.extend(seq)
+        if last:
+            flat.append(eos)
+    return np.asarray(flat, dtype=np.int32)
+
+
+def tokenize_documents(docs: Sequence[Document], tokenizer, batch_chars: int = 1 << 20) -> torch.Tensor:
+    """One int32 stream: each document's tokens followed by the tokenizer's `eos_id`.
+
+    Documents are encoded in segments (`sources.segments`), batches of about `batch_chars`
+    characters at a time, so memory stays bounded by the output and a Ctrl-C acts between batches."""
+    parts: List[np.ndarray] = []
+    batch: List[Tuple[str, bool]] = []
+    size = 0
+    for d in docs:
+        segs = split_text(d.text) or [""]
+        for j, seg in enumerate(segs):
+            batch.append((seg, j == len(segs) - 1))
+            size += len(seg)
+            if size >= batch_chars:
+                parts.append(encode_segments(tokenizer, batch))
+                batch, size = [], 0
+    if batch:
+        parts.append(encode_segments(tokenizer, batch))
     if not parts:
         return torch.zeros(0, dtype=torch.int32)
-    return torch.cat(parts)
+    return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0])
 
 
-def token_fingerprint(tokens: torch.Tensor) -> str:
-    """A short SHA-256 of a token stream (detects a resume on different data or tokenizer)."""
-    t = tokens.to(torch.int32).contiguous()
-    h = hashlib.sha256(t.numpy().tobytes()).hexdigest()
-    return f"{t.numel()}:{h[:16]}"
+class Fingerprint:
+    """`token_fingerprint` of a stream fed in pieces."""
+
+    def __init__(self):
+        self._h = hashlib.sha256()
+        self.n = 0
+
+    def update(self, ids: np.ndarray) -> None:
+        a = np.ascontiguousarray(ids, dtype="<i4")
+        self._h.update(a.tobytes())
+        self.n += int(a.size)
+
+    def value(self) -> str:
+        return f"{self.n}:{self._h.hexdigest()[:16]}"
+
+
+def token_fingerprint(tokens: Union[torch.Tensor, np.ndarray], chunk: int = 1 << 22) -> str:
+    """A short SHA-256 of a token stream (detects a resume on different data or tokenizer); a tensor
+    or a numpy array (e.g. a memory-mapped token file, hashed a chunk at a time)."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.to(torch.int32).contiguous().numpy()
+    fp = Fingerprint()
+    for i in range(0, len(tokens), chunk):
+        fp.update(tokens[i:i + chunk])
+    return fp.value()
 
 
 class PackedTokens:
     """A token stream cut into non-overlapping windows of `seq_len` inputs plus one target token.
 
+    `tokens` is a 1-D tensor or a 1-D numpy array of integer ids; a numpy array (e.g. a read-only
+    `np.memmap` of a token file, `prep.prepare_tokens`) is kept as it is, and only the windows a batch
+    needs are read and converted.
+
     get_batch(step, batch_size, seed)   the training batch of a step (pure function, see module doc)
+    windows(indices)                    int64 rows [len(indices), seq_len + 1] of the given windows
     eval_batches(batch_size, max_batches)  the windows in order, for a deterministic validation loss
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, name: str = "data"):
-        if tokens.dim() != 1:
+    def __init__(self, tokens: Union[torch.Tensor, np.ndarray], seq_len: int, name: str = "data"):
+        if tokens.ndim != 1:
             raise CorpusError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
         if seq_len < 1:
             raise CorpusError(f"seq_len must be >= 1, got {seq_len}")
-        self.tokens = tokens.to(torch.int32).contiguous()
+        if isinstance(tokens, np.ndarray):
+            if tokens.dtype.kind not in "iu":
+                raise CorpusError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+            self.tokens = tokens
+        else:
+            self.tokens = tokens.to(torch.int32).contiguous()
         self.seq_len = int(seq_len)
         self.name = name
         self._perm_epoch = -1
@@ -255,7 +271,7 @@ class PackedTokens:
 
     @property
     def n_tokens(self) -> int:
-        return int(self.tokens.numel())
+        return int(len(self.tokens))
 
     @property
     def n_windows(self) -> int:
@@ -266,10 +282,16 @@ class PackedTokens:
             raise CorpusError(f"{self.name} has {self.n_tokens} tokens, fewer than seq_len + 1 = "
                               f"{self.seq_len + 1}; use more data or a smaller --seq-len")
 
-    def _window(self, i: int, seq_len: Optional[int] = None) -> torch.Tensor:
-        L = self.seq_len if seq_len is None else seq_len
-        s = i * L
-        return self.tokens[s:s + L + 1]
+    def _rows(self, indices: Sequence[int], L: int) -> torch.Tensor:
+        """int64 [len(indices), L + 1]: window i is tokens[i * L : i * L + L + 1]."""
+        if isinstance(self.tokens, np.ndarray):
+            rows = np.stack([self.tokens[i * L:i * L + L + 1] for i in indices]).astype(np.int64)
+            return torch.from_numpy(rows)
+        return torch.stack([self.tokens[i * L:i * L + L + 1] for i in indices]).long()
+
+    def windows(self, indices: Sequence[int]) -> torch.Tensor:
+        """The training windows `indices` as int64 rows of seq_len + 1 tokens."""
+        return self._rows(indices, self.seq_len)
 
     def _epoch_perm(self, seed: int, epoch: int) -> torch.Tensor:
         if self._perm_epoch != epoch or self._perm_seed != seed:
@@ -292,7 +314,7 @@ class PackedTokens:
 
     def get_batch(self, step: int, batch_size: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), int64 `[batch_size, seq_len]` each."""
-        rows = torch.stack([self._window(i) for i in self.batch_indices(step, batch_size, seed)]).long()
+        rows = self.windows(self.batch_indices(step, batch_size, seed))
         return rows[:, :-1], rows[:, 1:]
 
     def eval_batches(self, batch_size: int, max_batches: Optional[int] = None
@@ -307,6 +329,6 @@ class PackedTokens:
         for b in range(0, n, batch_size):
             if max_batches is not None and nb >= max_batches:
                 return
-            rows = torch.stack([self._window(i, L) for i in range(b, min(n, b + batch_size))]).long()
+            rows = self._rows(range(b, min(n, b + batch_size)), L)
             yield rows[:, :-1], rows[:, 1:]
             nb += 1

@@ -8,19 +8,34 @@ token, `<|endoftext|>`, separates packed documents and starts generation from an
     ids = tok.encode("def f(x):\\n    return x")
     tok.decode(ids)
     tok.save("run/tokenizer.json"); tok = load_tokenizer("run/tokenizer.json")
+
+Bounded pieces. The pre-tokenizer first isolates every run of `MAX_PIECE_CHARS` non-space (or
+space) characters, then applies GPT-2's byte-level rule. Ordinary text has no such runs and is
+pre-tokenized exactly as by GPT-2's rule alone; a long line without spaces (a 1 MB line of "a",
+DNA) becomes pieces of at most `MAX_PIECE_CHARS` characters instead of one huge piece, whose BPE
+training cost grows with the square of its length. The rule lives in tokenizer.json, so training,
+encoding, generation and the transformers export all apply it. Tokenizers trained before it
+(plain byte-level pre-tokenizer) load and work as before.
+
+Training reads `texts` through `sources.segments` (pieces of at most 64 Ki characters, cut where
+the tokens do not change), in a worker thread: the calling thread waits in short slices, so a
+Ctrl-C (KeyboardInterrupt) is acted on at once, in every phase of the training.
 """
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
-from typing import Iterable, List, Sequence, Union
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Union
 
 from ..errors import DataError
+from .sources import segments
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN,)
 TOKENIZER_FILE = "tokenizer.json"
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+MAX_PIECE_CHARS = 256   # runs of more non-space (or space) characters are cut into pieces of this length
 
 
 class TokenizerError(DataError):
@@ -76,21 +91,67 @@ class BPETokenizer:
 
 
 def _new_byte_level_bpe():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    n = MAX_PIECE_CHARS
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(rf"\S{{{n}}}|\s{{{n}}}"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
+class _Stopped(TokenizerError):
+    """Raised inside the training iterator to end it early (the caller was interrupted)."""
+
+
+def _segmented(texts: Iterable[str], stop: threading.Event, on_text: Optional[Callable[[str], None]]
+               ) -> Iterator[str]:
+    for text in texts:
+        if on_text is not None:
+            on_text(text)
+        for seg in segments([text]):
+            if stop.is_set():
+                raise _Stopped()
+            yield seg
+
+
+def _train_in_thread(tok, items: Iterator[str], trainer, stop: threading.Event, poll_s: float = 0.1) -> None:
+    """`tok.train_from_iterator(items)` in a daemon thread (the library releases the GIL while it
+    trains); the caller waits in slices of `poll_s`, so KeyboardInterrupt (or any signal handler's
+    exception) is raised here promptly. On such an exception the iterator is told to stop and the
+    exception propagates; a worker still busy in the final merges is abandoned (it ends with the
+    process)."""
+    errors: List[BaseException] = []
+
+    def work():
+        try:
+            tok.train_from_iterator(items, trainer=trainer)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            errors.append(e)
+
+    worker = threading.Thread(target=work, name="linattn-tokenizer-training", daemon=True)
+    try:
+        worker.start()
+        while worker.is_alive():
+            worker.join(poll_s)
+    except BaseException:
+        stop.set()
+        raise
+    if errors:
+        raise errors[0]
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency: int = 2,
-                    show_progress: bool = False) -> BPETokenizer:
-    """Train a byte-level BPE tokenizer on `texts` (any iterable of strings).
+                    show_progress: bool = False, on_text: Optional[Callable[[str], None]] = None) -> BPETokenizer:
+    """Train a byte-level BPE tokenizer on `texts` (any iterable of strings, e.g. documents or
+    `sources.segments` of them).
 
     `vocab_size` counts the 256 byte tokens and `<|endoftext|>`; it is an upper bound (a small
     corpus may run out of merges that occur `min_frequency` times). Training is deterministic for
-    a given input.
+    a given input. `on_text(text)` is called as each text is taken (progress). A KeyboardInterrupt
+    stops it in any phase (see the module docstring).
     """
     from tokenizers import pre_tokenizers, trainers
 
@@ -101,7 +162,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, show_progress=show_progress,
         special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
+    stop = threading.Event()
+    if isinstance(texts, str):
+        texts = [texts]
+    _train_in_thread(tok, _segmented(texts, stop, on_text), trainer, stop)
     return BPETokenizer(tok)
 
 

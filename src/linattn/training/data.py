@@ -1,6 +1,14 @@
-"""A run's data: read, split, tokenize and pack (`prepare_data` -> `TrainData`)."""
+"""A run's data: read, split, tokenize and pack (`prepare_data` -> `TrainData`).
+
+The preparation streams (`linattn.data.prep`): the files are read in blocks up to --max-data-bytes,
+the tokenizer is trained on a stream of bounded segments, and the tokens go to a memory-mapped
+file in OUT/data_cache/ (reused by a rerun or a --resume on the same data), from which the
+training windows are read.
+"""
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
@@ -8,8 +16,10 @@ from typing import Optional, Tuple
 import torch
 
 from ..checkpoint import find_latest_checkpoint
-from ..data.corpus import PackedTokens, load_corpus, split_documents, token_fingerprint, tokenize_documents
-from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, load_tokenizer, train_tokenizer
+from ..data.corpus import PackedTokens
+from ..data.prep import CACHE_DIR_NAME, prepare_tokens
+from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, load_tokenizer
+from ..errors import LinattnError
 from .config import TrainConfig, TrainError
 
 
@@ -20,6 +30,8 @@ class TrainData:
     val: Optional[PackedTokens]
     fingerprint: str                      # of the token streams: a resume must see the same data
     source: str
+    cache: Optional[Path] = None          # the memory-mapped token file (OUT/data_cache/...), if any
+    reused: bool = False                  # the tokens were found in the cache
 
 
 def tokenizer_path(path: str) -> Path:
@@ -32,26 +44,43 @@ def tokenizer_path(path: str) -> Path:
     return p
 
 
-def prepare_data(cfg: TrainConfig, tokenizer: Optional[BPETokenizer] = None) -> TrainData:
+def data_cache_dir(out: Optional[str]) -> Optional[Path]:
+    """Where a run keeps its prepared data: OUT/data_cache (None without an output folder)."""
+    return Path(out) / CACHE_DIR_NAME if out else None
+
+
+def _is_main_process() -> bool:
+    try:
+        return int(os.environ.get("RANK", "0")) == 0
+    except ValueError:
+        return True
+
+
+def prepare_data(cfg: TrainConfig, tokenizer: Optional[BPETokenizer] = None,
+                 progress: Optional[bool] = None) -> TrainData:
     """Read, split, tokenize and pack the run's data. The tokenizer is `tokenizer`, else the one at
-    `cfg.tokenizer`, else one trained on the training split with `cfg.vocab_size`."""
-    docs = load_corpus(cfg.data, max_bytes=cfg.max_data_bytes)
-    train_docs, val_docs = split_documents(docs, cfg.val_fraction)
-    if tokenizer is None:
-        if cfg.tokenizer:
-            tokenizer = load_tokenizer(tokenizer_path(cfg.tokenizer))
-        else:
-            tokenizer = train_tokenizer((d.text for d in train_docs), vocab_size=cfg.vocab_size)
-    train_tok = tokenize_documents(train_docs, tokenizer)
-    train = PackedTokens(train_tok, cfg.seq_len, name="the training data")
-    train.check_trainable()
-    val = None
-    if val_docs:
-        vt = tokenize_documents(val_docs, tokenizer)
-        val = PackedTokens(vt, cfg.seq_len, name="the validation data") if vt.numel() >= 2 else None
-    fp = token_fingerprint(train_tok) + ("/" + token_fingerprint(val.tokens) if val is not None else "")
-    return TrainData(tokenizer=tokenizer, train=train, val=val, fingerprint=fp,
-                     source=cfg.data if cfg.data is not None else "stdlib")
+    `cfg.tokenizer`, else one trained on the training split with `cfg.vocab_size`. `progress`
+    (default `cfg.progress`; off in processes other than rank 0) shows a bar per phase."""
+    if tokenizer is None and cfg.tokenizer:
+        tokenizer = load_tokenizer(tokenizer_path(cfg.tokenizer))
+    progress = cfg.progress if progress is None else progress
+    if not _is_main_process():
+        progress = False
+    new_out = cfg.out is not None and not Path(cfg.out).exists()
+    try:
+        p = prepare_tokens(cfg.data, max_bytes=cfg.max_data_bytes, val_fraction=cfg.val_fraction,
+                           tokenizer=tokenizer, vocab_size=cfg.vocab_size, cache_dir=data_cache_dir(cfg.out),
+                           progress=progress)
+        train = PackedTokens(p.train, cfg.seq_len, name="the training data")
+        train.check_trainable()
+    except LinattnError:
+        if new_out:   # bad data: leave no run folder behind (it held only this call's cache)
+            shutil.rmtree(cfg.out, ignore_errors=True)
+        raise
+    val = PackedTokens(p.val, cfg.seq_len, name="the validation data") if len(p.val) >= 2 else None
+    fp = p.train_fingerprint + ("/" + p.val_fingerprint if val is not None else "")
+    return TrainData(tokenizer=p.tokenizer, train=train, val=val, fingerprint=fp,
+                     source=cfg.data if cfg.data is not None else "stdlib", cache=p.cache, reused=p.reused)
 
 
 def rank_batch(data: PackedTokens, step: int, batch_size: int, seed: int, rank: int = 0,
@@ -62,9 +91,8 @@ def rank_batch(data: PackedTokens, step: int, batch_size: int, seed: int, rank: 
         raise TrainError(f"batch_size {batch_size} does not split into {world_size} processes")
     per = batch_size // world_size
     idx = data.batch_indices(step, batch_size, seed)[rank * per:(rank + 1) * per]
-    L = data.seq_len
-    rows = torch.stack([data.tokens[i * L:i * L + L + 1] for i in idx]).long()
+    rows = data.windows(idx)
     return rows[:, :-1], rows[:, 1:]
 
 
-__all__ = ["TrainData", "prepare_data", "tokenizer_path", "rank_batch"]
+__all__ = ["TrainData", "prepare_data", "tokenizer_path", "rank_batch", "data_cache_dir"]
