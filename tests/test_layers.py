@@ -183,6 +183,22 @@ def test_short_conv_is_causal_and_resumable():
     assert torch.allclose(torch.cat([y1, y2, y3], 1), y, atol=1e-6)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_short_conv_token_by_token_matches_the_whole_call(bias):
+    # one-token calls take the dot-product path (decoding), longer ones conv1d: both the same conv
+    conv = ShortConv(6, 4, bias=bias)
+    if bias:
+        torch.nn.init.normal_(conv.bias)
+    x = torch.randn(2, 9, 6)
+    state, steps = None, []
+    for t in range(9):
+        y_t, state = conv(x[:, t:t + 1], state)
+        steps.append(y_t)
+    whole, last = conv(x)
+    torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=1e-6, atol=1e-6)
+    assert torch.equal(state, last)
+
+
 def test_rope_relative_and_offset():
     rope = RotaryEmbedding(8, max_seq_len=4)
     q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
