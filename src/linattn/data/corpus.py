@@ -13,6 +13,13 @@ rather than its first letters) until `DEFAULT_STDLIB_MAX_BYTES` (8 MiB) of UTF-8
 that crosses the cap is cut at a line boundary. The same interpreter version always gives the
 same corpus.
 
+Reading
+-------
+Files are read by `sources.scan`: regular files only (a FIFO, a device or a socket, also behind a
+symlink, is never opened for reading), in blocks, and never beyond `max_bytes`; binary and
+non-UTF-8 files in a folder are skipped and counted in one line on stderr. The same rules, without
+holding the text, feed the streaming preparation of training data (`prep.prepare_tokens`).
+
 The split
 ---------
 `split_documents` puts a document in validation when the SHA-256 of its name falls in the first
@@ -23,6 +30,8 @@ instead: the last `val_fraction` of it, cut at a line boundary, is validation.
 Packing
 -------
 Each document's tokens are followed by `<|endoftext|>` and all are concatenated into one stream.
+Documents are encoded in bounded segments (`sources.segments`, cut where no token changes), the
+same way here, in the tokenizer's training and in `prep`, so every path gives the same ids.
 `PackedTokens` cuts the stream into non-overlapping windows of `seq_len` inputs (+1 target
 token). Training visits the windows epoch by epoch, each epoch in a permutation seeded by
 (seed, epoch), so the batch of any step is `get_batch(step, batch_size, seed)`: no iterator

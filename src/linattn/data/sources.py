@@ -293,7 +293,7 @@ def scan(path: PathLike, max_bytes: Optional[int] = None, extensions: Optional[S
     try:
         _open_regular(p)[0].close()
     except _Skip as e:
-        raise CorpusError(f"data path is {e.reason}, not a text file or a folder: {p}") from None
+        raise CorpusError(f"data path is {e.reason}: {p}") from None
     m = scan_files([(p, p.name)], str(p), max_bytes, keep_text, progress)
     if m.skipped:
         raise CorpusError(f"data file is {m.skipped[0][1]}: {p}")
