@@ -239,16 +239,19 @@ def _segment(q, k, v, lr, alpha, mom, start, prev, S, ln, eps, residual):
 
 def _chunk(q, k, v, lr, alpha, mom, start, current, S, pos, mb, ln, eps, residual):
     T = q.shape[1]
-    outs = []
-    t = 0
+    lengths, t, p = [], 0, pos   # the segments: the rest of the open mini-batch, then whole ones
     while t < T:
-        L = min(mb - pos, T - t)
-        sl = slice(t, t + L)
-        o, current, S = _segment(q[:, sl], k[:, sl], v[:, sl], lr[:, sl],
-                                 alpha[:, sl] if alpha is not None else None,
-                                 mom[:, sl] if mom is not None else None, start, current, S, ln, eps, residual)
+        lengths.append(min(mb - p, T - t))
+        t, p = t + lengths[-1], (p + lengths[-1]) % mb
+    # one split per input (not a slice per segment: each slice's backward would write a full-size
+    # gradient, O(T^2 / mb) memory traffic in all)
+    pieces = [x.split(lengths, dim=1) if x is not None else [None] * len(lengths)
+              for x in (q, k, v, lr, alpha, mom)]
+    outs = []
+    for L, (q_i, k_i, v_i, lr_i, alpha_i, mom_i) in zip(lengths, zip(*pieces)):
+        o, current, S = _segment(q_i, k_i, v_i, lr_i, alpha_i, mom_i, start, current, S, ln, eps, residual)
         outs.append(o)
-        t, pos = t + L, pos + L
+        pos += L
         if pos == mb:
             start, pos = current, 0
     return torch.cat(outs, dim=1), start, current, S, pos
