@@ -252,10 +252,11 @@ def _chunk(q, k, v, b, g, lam, Hs, Gs, C, solver, max_iter, tol, early_exit):
     else:
         xs = []
         eye_lam = torch.diag_embed(lam_b.squeeze(1))                  # [BH, 1, K, K]
-        for i in range(n):  # C x K x K at a time
-            A = (eG[:, i, :, None, None] * H0[:, i].unsqueeze(1)
-                 + torch.einsum("bti,bid,bie->btde", D[:, i], kb[:, i], kb[:, i]) + eye_lam)
-            xs.append(_solve_exact(A, qb[:, i]))
+        # C x K x K at a time; per-chunk tensors by unbind (indexing gives each step a full-size backward)
+        for eG_i, H0_i, D_i, kb_i, qb_i in zip(eG.unbind(1), H0.unbind(1), D.unbind(1), kb.unbind(1), qb.unbind(1)):
+            A = (eG_i[:, :, None, None] * H0_i.unsqueeze(1)
+                 + torch.einsum("bti,bid,bie->btde", D_i, kb_i, kb_i) + eye_lam)
+            xs.append(_solve_exact(A, qb_i))
         x = torch.stack(xs, dim=1)
     o = eG.unsqueeze(-1) * (x @ G0) + ((x @ kb.transpose(-1, -2)) * D) @ vb
     o = o.reshape(B, H, n * C, V)[:, :, :T]
