@@ -144,10 +144,12 @@ def _remove_others(folder: Path, prefix: str, keep: Sequence[str]) -> None:
                 pass
 
 
-def _cache_folder(cache_dir: Optional[Union[str, os.PathLike]]) -> Optional[Path]:
+def _cache_folder(cache_dir: Optional[Union[str, os.PathLike]], create: bool = True) -> Optional[Path]:
     if cache_dir is None:
         return None
     folder = Path(cache_dir)
+    if not create:   # read only: use the folder if it is there, touch nothing
+        return folder if folder.is_dir() else None
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -316,16 +318,17 @@ def _cached_tokenizer(folder: Optional[Path], key: str) -> Optional[BPETokenizer
 def prepare_tokens(data: Union[str, os.PathLike, None], *, max_bytes: Optional[int] = None,
                    val_fraction: float = DEFAULT_VAL_FRACTION, tokenizer: Optional[BPETokenizer] = None,
                    vocab_size: int = 4096, cache_dir: Optional[Union[str, os.PathLike]] = None,
-                   progress: Optional[bool] = False) -> PreparedTokens:
+                   progress: Optional[bool] = False, write_cache: bool = True) -> PreparedTokens:
     """Read, split, (train a tokenizer,) tokenize: see the module docstring. The splits are those of
-    `corpus.split_documents` and the ids those of `corpus.tokenize_documents` on the same files."""
+    `corpus.split_documents` and the ids those of `corpus.tokenize_documents` on the same files.
+    write_cache=False only reads `cache_dir` (the other processes of a multi-process run: one writer)."""
     seconds: Dict[str, float] = {}
     t = time.perf_counter()
     manifest = scan_data(data, max_bytes, progress)
     train_parts, val_parts = split_parts(manifest, val_fraction)
     seconds["reading"] = time.perf_counter() - t
     _say(progress, f"data {manifest.root}: {_mb(manifest.nbytes)} in {len(manifest.files)} file(s)")
-    folder = _cache_folder(cache_dir)
+    folder = _cache_folder(cache_dir, create=write_cache)
     dkey = data_key(manifest, max_bytes, val_fraction)
     tokenizer_reused = False
     if tokenizer is None:
@@ -337,7 +340,7 @@ def prepare_tokens(data: Union[str, os.PathLike, None], *, max_bytes: Optional[i
             _say(progress, f"training the tokenizer (vocab {vocab_size}) on {_mb(sum(p.nbytes for p in train_parts))}")
             tokenizer = train_on_parts(train_parts, vocab_size, progress)
             seconds["tokenizer"] = time.perf_counter() - t
-            if folder is not None:
+            if folder is not None and write_cache:
                 tokenizer.save(folder / f"tokenizer-{tkey}.json")
                 _remove_others(folder, "tokenizer-", [f"tokenizer-{tkey}.json"])
     key = _sha([dkey, tokenizer_key(tokenizer)])[:24]
@@ -351,7 +354,7 @@ def prepare_tokens(data: Union[str, os.PathLike, None], *, max_bytes: Optional[i
                                   seconds=seconds)
     t = time.perf_counter()
     _say(progress, f"tokenizing {_mb(manifest.nbytes)}")
-    path = None if folder is None else folder / f"tokens-{key}.bin"
+    path = None if folder is None or not write_cache else folder / f"tokens-{key}.bin"
     ids, n_train, train_fp, val_fp = tokenize_parts(train_parts, val_parts, tokenizer, path, progress)
     seconds["tokenizing"] = time.perf_counter() - t
     if ids is not None:

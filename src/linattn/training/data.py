@@ -57,20 +57,21 @@ def _is_main_process() -> bool:
 
 
 def prepare_data(cfg: TrainConfig, tokenizer: Optional[BPETokenizer] = None,
-                 progress: Optional[bool] = None) -> TrainData:
+                 progress: Optional[bool] = None, write_cache: bool = True) -> TrainData:
     """Read, split, tokenize and pack the run's data. The tokenizer is `tokenizer`, else the one at
     `cfg.tokenizer`, else one trained on the training split with `cfg.vocab_size`. `progress`
-    (default `cfg.progress`; off in processes other than rank 0) shows a bar per phase."""
+    (default `cfg.progress`; off in processes other than rank 0) shows a bar per phase.
+    write_cache=False reads the cache in the run folder but writes nothing there (ranks other than 0)."""
     if tokenizer is None and cfg.tokenizer:
         tokenizer = load_tokenizer(tokenizer_path(cfg.tokenizer))
     progress = cfg.progress if progress is None else progress
     if not _is_main_process():
         progress = False
-    new_out = cfg.out is not None and not Path(cfg.out).exists()
+    new_out = write_cache and cfg.out is not None and not Path(cfg.out).exists()
     try:
         p = prepare_tokens(cfg.data, max_bytes=cfg.max_data_bytes, val_fraction=cfg.val_fraction,
                            tokenizer=tokenizer, vocab_size=cfg.vocab_size, cache_dir=data_cache_dir(cfg.out),
-                           progress=progress)
+                           progress=progress, write_cache=write_cache)
         train = PackedTokens(p.train, cfg.seq_len, name="the training data")
         train.check_trainable()
     except LinattnError:

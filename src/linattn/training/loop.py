@@ -101,7 +101,11 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
         if model_config is None:
             raise TrainError("a model config is needed (none given and no checkpoint to resume)")
         if data is None:
-            data = _load_data(config, tokenizer, verbose=dist.is_main)
+            # rank 0 prepares the data and writes its cache in the run folder; the other ranks then
+            # read that cache (they write nothing there): one tokenization, one writer
+            data = _on_main(dist, lambda: _load_data(config, tokenizer))
+            if not dist.is_main:
+                data = _load_data(config, tokenizer, verbose=False, write_cache=False)
         _check_data(config, data, saved)
         model_config = _with_vocab(model_config, data.tokenizer.vocab_size)
         trainer = _make_trainer(config, model_config, dist, resume_ck, model_factory, data.tokenizer.eos_id)
@@ -147,9 +151,10 @@ def _resume_setup(cfg: TrainConfig, model_config, resume_ck: Path, tokenizer, da
     return saved, model_config, tokenizer
 
 
-def _load_data(cfg: TrainConfig, tokenizer: Optional[BPETokenizer], verbose: bool = True) -> TrainData:
+def _load_data(cfg: TrainConfig, tokenizer: Optional[BPETokenizer], verbose: bool = True,
+               write_cache: bool = True) -> TrainData:
     t = time.perf_counter()
-    data = prepare_data(cfg, tokenizer)
+    data = prepare_data(cfg, tokenizer, write_cache=write_cache)
     if cfg.progress is not False and verbose:
         print(f"[linattn] data {data.source}: {data.train.n_tokens:,} training tokens"
               + (f", {data.val.n_tokens:,} validation tokens" if data.val is not None else "")
