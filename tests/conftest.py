@@ -20,10 +20,22 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture
-def one_thread():
-    """Run a test on one thread (timing-sensitive or bitwise comparisons)."""
+def _single_thread():
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test on one thread (tiny tensors on 2 shared cores: threads only contend; bitwise comparisons).
+    A whole file: `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    yield from _single_thread()
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """`one_thread` for a whole module, its module-scoped fixtures included (they run before function-scoped
+    ones): `pytestmark = pytest.mark.usefixtures("one_thread_module")`."""
+    yield from _single_thread()

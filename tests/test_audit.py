@@ -9,13 +9,7 @@ import torch.nn.functional as F
 from linattn.audit import CausalityReport, check_causality
 from linattn.models import LanguageModel, LMConfig
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def lobe_model(lobe, **kw):

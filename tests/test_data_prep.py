@@ -34,12 +34,7 @@ WORDS = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "lambda", 
 SPACES = [" ", " ", " ", " ", "  ", "\n", "\n", "\t", "\n\n", " \n", "\r\n", "    "]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def words_text(n_words: int, seed: int = 0) -> str:

@@ -16,12 +16,7 @@ FORMS = [("parallel", 64), ("recurrent", 64), ("chunk", 7), ("chunk", 16), ("chu
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # small tensors on shared cores
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def unit(*shape, dtype, gen):

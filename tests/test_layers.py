@@ -27,12 +27,7 @@ HAS_DELTA = hasattr(linattn, "delta_rule")
 needs_delta = pytest.mark.skipif(not HAS_DELTA, reason="linattn.delta_rule not available yet")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads only contend on the shared cores
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def decode_matches(layer, x, prefill=5, atol=1e-4):

@@ -15,12 +15,7 @@ FORMS = [("exact", "recurrent", 64), ("exact", "chunk", 8), ("exact", "parallel"
          ("cg", "recurrent", 64), ("cg", "chunk", 8), ("cg", "chunk", 16), ("cg", "parallel", 64)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def make_inputs(B, T, H, K, V, dtype, seed=0, gated=True):

@@ -33,12 +33,7 @@ KV_CACHE = {"fox", "deltaformer", "path"}
 V = 61
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def mixer_params():

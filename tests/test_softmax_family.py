@@ -30,12 +30,7 @@ MODES = ("parallel", "chunk", "recurrent")
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def make(B=2, T=13, H=2, K=8, V=6, dtype=torch.float64, seed=0):

@@ -12,12 +12,7 @@ from linattn.models.tlinformer import TLinFormerConfig, TLinFormerLM, auto_histo
 V = 53
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def tiny(**kw):

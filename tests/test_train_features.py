@@ -15,12 +15,7 @@ from linattn.training.trainer import document_offsets, forward_logits
 EOS = 0
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model(mixer=("gated-deltanet", "softmax"), **kw):

@@ -34,12 +34,7 @@ from linattn.training.run import RunFolder, StopFlag
 SRC = Path(__file__).resolve().parents[1] / "src" / "linattn"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_lm(**kw):

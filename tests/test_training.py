@@ -27,13 +27,7 @@ WORDS = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "lambda", 
          "self", "None", "print", "value", "x"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # 2 shared cores: OpenMP with 2 threads on a busy machine is ~100x slower for tiny matrices.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny matrices: 2 threads on a busy machine are ~100x slower
 
 
 def make_corpus(path, n_lines=400, seed=0):
@@ -182,7 +176,7 @@ def straight_run(tmp_path_factory, corpus):
     """20 uninterrupted steps of a MoE + Hyper-Link model (aux loss, dropout-free)."""
     out = tmp_path_factory.mktemp("straight")
     mc = tiny_model(ffn="moe", n_experts=2, top_k=1, residual="hyperlink")
-    # module-scoped fixtures run before the function-scoped _one_thread: use the tests' single thread
+    # module-scoped fixtures run before the function-scoped one_thread: use the tests' single thread
     # here too, since a different thread count changes the float reduction order (no bitwise match)
     n = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -13,12 +13,7 @@ TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 DH = 10   # the inner MLP's hidden width in these tests
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def make_inputs(B, T, H, K, dtype, inner, seed=0, titan=False):

@@ -52,13 +52,7 @@ def _has(mod: str) -> bool:
 needs_coco = pytest.mark.skipif(not _has("pycocotools"), reason="pycocotools not installed")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One thread: these ops are tiny, and on a loaded machine two OpenMP threads wait on each other."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @pytest.fixture(scope="module")
