@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import linattn
 from linattn import delta_rule, linear_attention
@@ -330,3 +331,27 @@ def test_language_model_rejects_out_of_vocabulary_ids(bad):
             model(ids)
     finally:
         linattn.set_checks(previous)
+
+
+@pytest.mark.parametrize("case", ["elu+1", "hadamard_exp", "elu+1-gated", "gated-deltanet", "efla"])
+def test_packed_equals_separate_bitwise(case):
+    """Issue 18.3: packed documents (cu_seqlens) give each document bit for bit what a call on it alone gives."""
+    lens = [5, 17, 40, 1]   # shorter than, across and a multiple of... the chunk; a 1-token document
+    cu = torch.tensor([0] + lens).cumsum(0)
+    q, k, v, gate, beta = (x[:1] for x in _inputs(seed=4, T=sum(lens)))   # packing needs B == 1
+    g = gate[..., 0].contiguous()
+
+    def run(q, k, v, g, beta, **kw):
+        if case in ("elu+1", "hadamard_exp"):
+            return linear_attention(q, k, v, feature_map=case, mode="chunk", chunk_size=C, **kw)[0]
+        if case == "elu+1-gated":
+            return linear_attention(q, k, v, g=g, mode="chunk", chunk_size=C, **kw)[0]
+        if case == "efla":
+            return delta_rule(q, k, v, beta, exact=True, mode="chunk", chunk_size=C, **kw)[0]
+        return delta_rule(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta, g=g, mode="chunk", chunk_size=C,
+                          **kw)[0]
+
+    packed = run(q, k, v, g, beta, cu_seqlens=cu)
+    alone = torch.cat([run(*(x[:, a:b].contiguous() for x in (q, k, v, g, beta)))
+                       for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
+    assert torch.equal(packed, alone), f"max diff {(packed - alone).abs().max():.3g}"
