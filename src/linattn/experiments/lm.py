@@ -56,7 +56,7 @@ MODELS: Dict[str, tuple] = {
     "delta-product": ("DeltaProduct (n=2)", {"mixer": "delta-product"}, "C7"),
     "kda": ("KDA", {"mixer": "kda"}, "C8"),
     "mesanet": ("MesaNet", {"mixer": "mesanet"}, "C9"),
-    "ttt-linear": ("TTT-Linear", {"mixer": "ttt-linear"}, "tab:olive"),
+    "ttt-linear": ("TTT-Linear", {"mixer": "ttt-linear"}, "saddlebrown"),   # C8 is olive already
     "ttt-mlp": ("TTT-MLP", {"mixer": "ttt-mlp"}, "navy"),
     "titans": ("Titans", {"mixer": "titans"}, "teal"),
     # issue 12: softmax attention fed back by linear attention (4 heads of 32)
