@@ -60,6 +60,7 @@ from ._common import (
     pad_time,
 )
 from .backend import requires_grad, select_backend, triton_linear_attention
+from .linear_chunk import FUSED, linear_chunk
 
 # Log-scale of an empty state, and log-feature of a padding key: finite, so that differences
 # of two such values never produce NaN, yet exp() of it is exactly 0.
@@ -620,10 +621,45 @@ def _log_chunk_matmul(fq, fk, vt, glog, S, mu, C):
     return (num, den), c, S_out, mu_out
 
 
+def _fast_chunk(p: LinearProblem) -> bool:
+    """Whether the call takes the fast chunk form (ops/linear_chunk.py): causal, chunk mode, linear-space
+    features, no gate, eager mode (under torch.compile the autograd form traces into one graph)."""
+    return (p.causal and p.mode == "chunk" and p.log_gate is None and not p.fmap.log_space
+            and not torch.compiler.is_compiling())
+
+
+def _run_fast_chunk(p: LinearProblem, cdt):
+    """`_run_torch` on the fast chunk form; the maps with an in-kernel form are applied inside it."""
+    V = p.v.shape[-1]
+    fused = p.fmap.fused_kernel if (p.fmap.fused_kernel in FUSED and not p.fmap.positional) else None
+    if fused is not None:
+        xq, xk = p.q.to(cdt), p.k.to(cdt)
+        if p.scale != 1.0:
+            xq = xq * p.scale
+    else:
+        xq, xk = p.features(cdt)
+    v = p.v.to(cdt)
+    H = p.q.shape[2]
+    if p.state is not None:
+        S0 = torch.cat([p.state.kv, p.state.z.unsqueeze(-1)], dim=-1).to(cdt)
+    else:
+        S0 = torch.zeros(p.N, H, p.Kf, V + 1, dtype=cdt, device=p.q.device)
+    if p.offsets is None:
+        (num, den), S = linear_chunk(xq, xk, v, S0, p.chunk_size, fused)
+        return num, den, None, S, None
+    nums, dens, Ss = [], [], []
+    for i, (a, b) in enumerate(zip(p.offsets[:-1], p.offsets[1:])):
+        (num, den), S = linear_chunk(xq[:, a:b], xk[:, a:b], v[:, a:b], S0[i:i + 1], p.chunk_size, fused)
+        nums.append(num), dens.append(den), Ss.append(S)
+    return torch.cat(nums, dim=2), torch.cat(dens, dim=2), None, torch.cat(Ss), None
+
+
 def _run_torch(p: LinearProblem):
     """-> (num [B, H, T, V], den [B, H, T], c [B, H, T] or None, S [N, H, Kf, V + 1], mu)."""
     cdt = compute_dtype(p.q.dtype)
     V = p.v.shape[-1]
+    if _fast_chunk(p):
+        return _run_fast_chunk(p, cdt)
     fq, fk = p.features(cdt)
     fq, fk, vt = fq.transpose(1, 2), fk.transpose(1, 2), p.v.to(cdt).transpose(1, 2)
     glog = None

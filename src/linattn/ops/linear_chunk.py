@@ -1,0 +1,175 @@
+"""The fast chunk form of causal linear attention with linear-space features and no gate (issue 15).
+
+One `torch.autograd.Function` with a hand-written backward, for the hot path of `linear_attention`
+(elu+1, relu, identity or any other linear-space map, with no decay):
+o_i = phi(q_i) . S_i with S_i = S_0 + sum_{j<=i} psi(k_j) [v_j | 1] (numerator | denominator).
+
+Forward, per chunk c of C tokens (Q = phi(q), K = psi(k), V1 = [v | 1] of the chunk; P_c the state
+[K_phi, V + 1] before the chunk):
+
+    A = tril(Q K^T),   O1 = [num | den] = A V1 + Q P_c,   U_c = K^T V1,   P_{c+1} = P_c + U_c.
+
+What makes it faster on a CPU than the autograd form (`linear._chunk_matmul`, still used with a gate and
+under torch.compile):
+
+* one layout pass per input, [B, T, H, D] -> [B, H, T', D] (T' = T padded to the chunk), straight into
+  the buffers the batched matmuls read; the maps with an in-kernel form (`FeatureMap.fused_kernel`:
+  elu+1, relu, identity) are applied in place in that buffer, and their backward needs only the
+  features (d(elu+1)/dx = min(phi, 1), d relu/dx = [phi > 0]): no second exp in the backward;
+* the normaliser's column of ones is written into V's buffer once (V1, width V + 1): numerator,
+  denominator, the chunk states [kv | z] and their gradients come out of the same matmuls, no concatenation;
+* the chunk-start states by a blocked running sum into one buffer (`_scan`: 2 sqrt(n) small loops
+  instead of n steps and a stack);
+* masks and accumulations in place (tril_, baddbmm_ on fresh buffers);
+* a backward that reuses the forward's A and states: 8 batched matmuls and one reverse running sum.
+
+Causality is kept as everywhere else in linattn: A is masked by selection, the intra-chunk product
+keeps `causal_matmul`'s guarantee (a later inf or NaN value never reaches an earlier row), and every
+chunk state is a sum over earlier chunks only, in an order that does not depend on how many chunks
+follow, so running on a prefix gives the bits of the full run's first outputs.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ._common import _reads_values, causal_matmul
+
+SCAN_BLOCK = 16  # chunks per block of the running sum (fixed: the order of additions never depends on T)
+FUSED = (None, "identity", "relu", "elu+1")  # feature maps applied inside the buffers (None: given features)
+
+
+def _to_chunks(x: torch.Tensor, Tp: int, extra_ones: bool = False) -> torch.Tensor:
+    """[B, T, H, D] -> a new contiguous [B, H, Tp, D (+1)] buffer, zero-padded to Tp; with `extra_ones`
+    the last column is 1 (the normaliser's column of V1), also on padding rows (their keys are 0)."""
+    B, T, H, D = x.shape
+    out = torch.empty(B, H, Tp, D + int(extra_ones), dtype=x.dtype, device=x.device)
+    out[:, :, :T, :D].copy_(x.transpose(1, 2))
+    if Tp > T:
+        out[:, :, T:, :D].zero_()
+    if extra_ones:
+        out[..., D].fill_(1.0)
+    return out
+
+
+def _features_(x: torch.Tensor, fused: Optional[str], T: int) -> torch.Tensor:
+    """Apply the fused feature map in place to the buffer x [B, H, Tp, D]; padding rows get zero features."""
+    if fused == "elu+1":
+        torch.nn.functional.elu_(x).add_(1.0)
+    elif fused == "relu":
+        x.relu_()
+    if fused in ("elu+1",) and x.shape[2] > T:
+        x[:, :, T:].zero_()  # elu(0) + 1 = 1: padding keys must weigh 0
+    return x
+
+
+def _features_grad_(g: torch.Tensor, phi: torch.Tensor, fused: Optional[str]) -> torch.Tensor:
+    """d phi / dx from the features alone, times g, in place on g."""
+    if fused == "elu+1":  # phi = x + 1 for x > 0 (slope 1), exp(x) <= 1 otherwise (slope exp(x) = phi)
+        return g.mul_(phi.clamp(max=1.0))
+    if fused == "relu":
+        return g.mul_(phi > 0)
+    return g
+
+
+def _scan(U: torch.Tensor, S0: Optional[torch.Tensor], reverse: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exclusive running sums of U [B, H, n, K, W] along the chunks: (P, total) with
+    P_c = S0 + sum_{c' < c} U_c' and total = S0 + sum_c U_c (reverse=True: sums over c' > c).
+
+    In blocks of SCAN_BLOCK chunks: sums inside each block (all blocks at once), then over the blocks, then
+    one broadcast add: 2 * SCAN_BLOCK + n / SCAN_BLOCK small steps instead of n. Forward, every P_c is
+    formed by the same additions whatever the number of chunks that follow (bitwise prefix causality)."""
+    B, H, n, K, W = U.shape
+    s = SCAN_BLOCK
+    m = -(-n // s)
+    if m * s != n:
+        U = torch.cat([U, U.new_zeros(B, H, m * s - n, K, W)], dim=2)
+    Ub = U.view(B, H, m, s, K, W)
+    P = torch.empty_like(Ub)
+    inner = range(1, s) if not reverse else range(s - 2, -1, -1)
+    first, last, step = (0, s - 1, -1) if not reverse else (s - 1, 0, 1)
+    P[:, :, :, first].zero_()
+    for j in inner:  # inside every block at once
+        torch.add(P[:, :, :, j + step], Ub[:, :, :, j + step], out=P[:, :, :, j])
+    block = P[:, :, :, last] + Ub[:, :, :, last]  # [B, H, m, K, W]
+    starts = torch.empty_like(block)
+    b0, b1, bstep = (0, m - 1, -1) if not reverse else (m - 1, 0, 1)
+    if S0 is None:
+        starts[:, :, b0].zero_()
+    else:
+        starts[:, :, b0].copy_(S0)
+    for i in (range(1, m) if not reverse else range(m - 2, -1, -1)):  # over the blocks
+        torch.add(starts[:, :, i + bstep], block[:, :, i + bstep], out=starts[:, :, i])
+    total = starts[:, :, b1] + block[:, :, b1]
+    P.add_(starts.unsqueeze(3))
+    return P.view(B, H, m * s, K, W)[:, :, :n], total
+
+
+def _causal_baddbmm_(out: torch.Tensor, A: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """out += A @ X for a causally masked A [N, C, C], in place, with `causal_matmul`'s guarantee: when X
+    may hold inf or NaN (anything but a CPU tensor in eager mode that one reduction shows finite), the
+    branch-free `causal_matmul` runs instead."""
+    if _reads_values(X) and bool(torch.isfinite(X.sum())):
+        return out.baddbmm_(A, X)
+    return out.copy_(causal_matmul(A, X, input=out))
+
+
+class LinearChunk(torch.autograd.Function):
+    """(q, k [B, T, H, Kf] (features, or the inputs of the `fused` map), v [B, T, H, V], S0 [B, H, Kf, V + 1],
+    C, fused) -> (O1 [B, H, Tp, V + 1] = [num | den] on the padded length Tp, S_final [B, H, Kf, V + 1])."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, S0, C: int, fused: Optional[str]):
+        ctx.set_materialize_grads(False)
+        B, T, H, Kf = q.shape
+        V = v.shape[-1]
+        n = -(-T // C)
+        Tp = n * C
+        Qb = _features_(_to_chunks(q, Tp), fused, T)
+        Kb = _features_(_to_chunks(k, Tp), fused, T)
+        V1b = _to_chunks(v, Tp, extra_ones=True)
+        Q, K, V1 = Qb.view(-1, C, Kf), Kb.view(-1, C, Kf), V1b.view(-1, C, V + 1)
+        A = torch.bmm(Q, K.transpose(1, 2)).tril_()                     # [BHn, C, C], masked by selection
+        U = torch.bmm(K.transpose(1, 2), V1).view(B, H, n, Kf, V + 1)   # each chunk's [kv | z]
+        P, S = _scan(U, S0)
+        P = P.contiguous()
+        O1 = _causal_baddbmm_(torch.bmm(Q, P.view(-1, Kf, V + 1)), A, V1)
+        ctx.save_for_backward(Q, K, V1, A, P)
+        ctx.shape = (B, T, H, Kf, V, n, C, fused)
+        return O1.view(B, H, Tp, V + 1), S
+
+    @staticmethod
+    def backward(ctx, dO1, dS):
+        Q, K, V1, A, P = ctx.saved_tensors
+        B, T, H, Kf, V, n, C, fused = ctx.shape
+        W1 = V + 1
+        if dO1 is None:
+            dO = torch.zeros_like(V1)
+        else:
+            dO = dO1.to(Q.dtype).contiguous().view(-1, C, W1)
+        # the chunk states' gradients: dU_c = dS + sum_{c' > c} Q_c'^T dO_c' (a reverse running sum)
+        Wq = torch.bmm(Q.transpose(1, 2), dO).view(B, H, n, Kf, W1)
+        dU, dS0 = _scan(Wq, dS, reverse=True)
+        dU = dU.contiguous().view(-1, Kf, W1)
+        dA = torch.bmm(dO, V1.transpose(1, 2)).tril_()                  # [BHn, C, C]
+        dQ = torch.bmm(dO, P.view(-1, Kf, W1).transpose(1, 2)).baddbmm_(dA, K)
+        dK = torch.bmm(V1, dU.transpose(1, 2)).baddbmm_(dA.transpose(1, 2), Q)
+        dV1 = torch.bmm(K, dU).baddbmm_(A.transpose(1, 2), dO)
+        dQ, dK = _features_grad_(dQ, Q, fused), _features_grad_(dK, K, fused)
+
+        def back(x, D):  # [BHn, C, D'] -> [B, T, H, D] (a view)
+            return x.view(B, H, n * C, -1)[:, :, :T, :D].transpose(1, 2)
+
+        return back(dQ, Kf), back(dK, Kf), back(dV1, V), dS0, None, None
+
+
+def linear_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor, C: int,
+                 fused: Optional[str] = None) -> Tuple[Tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The causal chunk form without a gate. q, k [B, T, H, Kf]: the features (fused=None) or the inputs of
+    the fused map (`FUSED`); v [B, T, H, V]; any strides; S0 [B, H, Kf, V + 1].
+    -> ((num [B, H, T, V], den [B, H, T]), final state [B, H, Kf, V + 1])."""
+    T, V = q.shape[1], v.shape[-1]
+    O1, S = LinearChunk.apply(q, k, v, S0, C, fused)
+    O1 = O1[:, :, :T]
+    return (O1[..., :V], O1[..., V]), S
