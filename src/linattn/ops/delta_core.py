@@ -208,10 +208,16 @@ def _wy_blocks(q, k, v, b, r, g):
             q_dec, w_rhs = q * eG.unsqueeze(-1), kb_r * torch.exp(Gr).unsqueeze(-1)
             k_dec = k * torch.exp(G[..., -1:] - G).unsqueeze(-1)
             block_decay = eG[..., -1:].unsqueeze(-1)                  # [..., 1, 1]
-    # in place on fresh intermediates that no backward needs; the diagonal of A is the implicit 1
+    # in place on fresh intermediates that no backward needs; the diagonal of A is the implicit 1.
+    # (I + A)^-1 by one triangular solve against the identity (C right-hand sides), then two batched
+    # matmuls: on a CPU the batched small solve is far slower per flop than a matmul, and this halves it
+    # (and its backward) compared with solving for [U~ | W~] (V + K right-hand sides) directly. The inverse
+    # is lower triangular: `causal_matmul` keeps a later inf or NaN (value or key) out of earlier rows, as
+    # forward substitution did
     A = A.tril_(-1)
-    rhs = torch.cat([v * b.unsqueeze(-1), w_rhs], dim=-1)
-    X = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)  # [U~ | W~]
+    eye = torch.eye(C, dtype=A.dtype, device=A.device).expand(A.shape)
+    Tinv = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+    X = (causal_matmul(Tinv, v * b.unsqueeze(-1)), causal_matmul(Tinv, w_rhs))  # (U~, W~)
     return X, qk.tril_(), q_dec, k_dec, block_decay
 
 
@@ -228,8 +234,8 @@ def _chunk(q, k, v, b, r, g, S, C):
     def blocks(x):  # [B, H, n*C, *] -> [B*H, n, C, *] (a view for contiguous inputs)
         return x.reshape(BH, n, C, *x.shape[3:]) if x is not None else None
 
-    X, Aqk, q_dec, k_dec, decay = _wy_blocks(blocks(q), blocks(k), blocks(v), blocks(b), blocks(r), blocks(g))
-    Ut, Wt = X.split([V, K], dim=-1)                                  # [BH, n, C, V], [BH, n, C, K]
+    (Ut, Wt), Aqk, q_dec, k_dec, decay = _wy_blocks(blocks(q), blocks(k), blocks(v), blocks(b), blocks(r),
+                                                    blocks(g))          # Ut [BH, n, C, V], Wt [BH, n, C, K]
     KdT = k_dec.transpose(-1, -2)                                     # [BH, n, K, C]
     S = S.reshape(BH, K, V)
     starts, Us = [], []
@@ -243,8 +249,9 @@ def _chunk(q, k, v, b, r, g, S, C):
         S = torch.baddbmm(S if dec_i is None else dec_i * S, KdT_i, U)
     starts, Us = torch.stack(starts, dim=1), torch.stack(Us, dim=1)  # [BH, n, K or C, V]
     # a later pseudo-value (inf or NaN after a non-finite token) never reaches an earlier row
-    o = torch.baddbmm(causal_matmul(Aqk.reshape(BH * n, C, C), Us.view(BH * n, C, V)), q_dec.reshape(BH * n, C, K),
-                      starts.view(BH * n, K, V))
+    # (in place on the fresh product: no backward needs it)
+    o = causal_matmul(Aqk.reshape(BH * n, C, C), Us.view(BH * n, C, V)).baddbmm_(q_dec.reshape(BH * n, C, K),
+                                                                               starts.view(BH * n, K, V))
     o = o.view(B, H, n * C, V)[:, :, :T]
     return o, S.reshape(B, H, K, V)
 
