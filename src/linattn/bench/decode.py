@@ -8,7 +8,11 @@ Per context N and mixer:
 * decode (cache hit): the median latency of the next single-token steps with the cache
   (linear mixers: one recurrent step on their constant-size state; softmax: one token against
   a KV cache of N tokens);
-* cache bytes: `cache.nbytes()` (every tensor the cache holds, capacity included).
+* cache bytes: `cache.nbytes()` (every tensor the cache holds, capacity included);
+* floor: the model's matrix-vector floor, one `W @ x` (torch.mv) over every 2-D weight (the tied
+  embedding / head once), timed right after each of its decoding steps: a step at batch 1 reads
+  every weight once, so this is its memory-bound floor on this machine; the table gives step / floor;
+* prefill tok/s: the N + 1 prompt tokens over the prefill time.
 
 The softmax baseline's KV cache is preallocated (capacity N + the steps, in-place appends), and
 for its decoding timings it holds random keys/values instead of running the quadratic prefill
@@ -89,7 +93,9 @@ def _header_lines(a, info: Dict[str, Any]) -> List[str]:
             f"softmax  KV cache preallocated (capacity N + {a.decode_steps + 2}); decoding timed on random K/V; "
             f"prefill timed up to N = {a.max_miss_softmax or 'any'}",
             f"timing   decode: median of {a.decode_steps} steps after 1 warm-up, models interleaved; "
-            f"{torch.get_num_threads()} thread(s)"]
+            f"{torch.get_num_threads()} thread(s)",
+            "floor    after each step, one torch.mv over every 2-D weight of that model (its memory-bound "
+            "floor); step/floor = median decode / median floor"]
 
 
 @torch.no_grad()
@@ -104,7 +110,7 @@ def _measure_all(models: Dict[str, torch.nn.Module], Ns: Sequence[int], a, sync,
     t0 = time.perf_counter()
     records: List[Dict[str, Any]] = []
     for N in Ns:
-        records += measure_N(models, N, a, sync, log)
+        records += measure_N(models, N, a, sync, log, matvec_floor=True)
     return records, time.perf_counter() - t0
 
 
@@ -145,12 +151,24 @@ def _speedup_lines(names: Sequence[str], Ns: Sequence[int], get) -> List[str]:
     return lines
 
 
+def _tok_per_s(N: int, miss_ms) -> str:
+    """Prefill throughput: the N + 1 prompt tokens over the prefill time."""
+    return "-" if not miss_ms else f"{(N + 1) / (miss_ms / 1e3):,.0f}"
+
+
+def _fmt_ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _report(names: Sequence[str], Ns: Sequence[int], get, elapsed: float) -> str:
     """The table, then the claim to check: linear mixers decode in constant time and memory,
     softmax grows with N."""
-    rows = [[name, N, common.fmt_ms(get(name, N, "miss")), common.fmt_ms(get(name, N, "hit")),
-             _fmt_mib(get(name, N, "cache_bytes"))] for name in names for N in Ns]
-    table = common.format_table(["mixer", "N", "prefill ms", "decode ms/token", "cache MiB"], rows)
+    rows = [[name, N, common.fmt_ms(get(name, N, "miss")), _tok_per_s(N, get(name, N, "miss")),
+             common.fmt_ms(get(name, N, "hit")), common.fmt_ms(get(name, N, "matvec_floor")),
+             _fmt_ratio(get(name, N, "step_over_floor")), _fmt_mib(get(name, N, "cache_bytes"))]
+            for name in names for N in Ns]
+    table = common.format_table(["mixer", "N", "prefill ms", "prefill tok/s", "decode ms/token", "floor ms",
+                                 "step/floor", "cache MiB"], rows)
     lines = [table, ""] + _growth_lines(names, Ns, get) + _speedup_lines(names, Ns, get)
     lines.append(f"\nelapsed {elapsed:.0f} s")
     return "\n".join(lines)

@@ -261,10 +261,46 @@ class Floor:
         return _stats(self.ts[1:])
 
 
-def measure_N(models: Dict[str, torch.nn.Module], N: int, a, sync, log) -> List[Dict[str, Any]]:
+def matvec_weights(model) -> List[torch.Tensor]:
+    """Every distinct 2-D parameter of a model (a tied embedding / head once), detached."""
+    seen, out = set(), []
+    for p in model.parameters():
+        if p.dim() == 2 and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p.detach())
+    return out
+
+
+class MatvecFloor:
+    """A model's matrix-vector floor as a decoder-like object: one `W @ x` (torch.mv) per 2-D weight
+    of the model, every one read once from memory, as a decoding step reads them: the memory-bound
+    floor of a step (at batch 1 a step cannot read less)."""
+
+    def __init__(self, model, sync):
+        self.sync = sync
+        g = torch.Generator(device="cpu").manual_seed(2)
+        self.ws = matvec_weights(model)
+        self.xs = [torch.randn(w.shape[1], generator=g, dtype=w.dtype).to(w.device) for w in self.ws]
+        self.ts: List[float] = []
+
+    def _pass(self) -> None:
+        for w, x in zip(self.ws, self.xs):
+            torch.mv(w, x)
+
+    def step(self) -> None:
+        _, t = _timed(self._pass, self.sync)
+        self.ts.append(t)
+
+    def finish(self) -> Dict[str, Any]:
+        return _stats(self.ts[1:])
+
+
+def measure_N(models: Dict[str, torch.nn.Module], N: int, a, sync, log,
+              matvec_floor: bool = False) -> List[Dict[str, Any]]:
     """All models at context N: each one's cache misses, then their decoding steps interleaved
     (model 1 step, model 2 step, ..., repeated), so that a change in the machine's load affects
-    every model alike."""
+    every model alike. matvec_floor: each model's step is followed by its `MatvecFloor` pass, and
+    the record gets "matvec_floor" and "step_over_floor" (median step / median floor)."""
     decs, recs = [], []
     for name, m in models.items():
         d = Decoder(name, m, N, a, sync)
@@ -277,7 +313,9 @@ def measure_N(models: Dict[str, torch.nn.Module], N: int, a, sync, log) -> List[
             recs.append({"model": name, "N": N, "error": f"{type(e).__name__}: {msg}"})
             gc.collect()
     floor = Floor(models["softmax"], N, a, sync) if "softmax" in models else None
-    runners = decs + ([floor] if floor is not None else [])
+    mv = {d.name: MatvecFloor(d.model, sync) for d in decs} if matvec_floor else {}
+    runners = [r for d in decs for r in ((d, mv[d.name]) if d.name in mv else (d,))]
+    runners += [floor] if floor is not None else []
     for _ in range(a.decode_steps + 1):
         for r in runners:
             r.step()
@@ -286,12 +324,17 @@ def measure_N(models: Dict[str, torch.nn.Module], N: int, a, sync, log) -> List[
         if d.name == "softmax":
             rec["attn_floor"] = floor.finish()
             rec["attn_floor_ms"] = rec["attn_floor"]["median_ms"]
+        extra = ""
+        if d.name in mv:
+            rec["matvec_floor"] = mv[d.name].finish()
+            rec["step_over_floor"] = rec["hit"]["median_ms"] / rec["matvec_floor"]["median_ms"]
+            extra = f", floor {common.fmt_ms(rec['matvec_floor']['median_ms'])} ms (x{rec['step_over_floor']:.2f})"
         recs.append(rec)
         miss = rec["miss"]["median_ms"] if rec["miss"] else None
         log(f"  {LABEL.get(d.name, d.name):<20} N={N:>7}: miss {common.fmt_ms(miss):>8} ms, hit "
             f"{common.fmt_ms(rec['hit']['median_ms']):>8} ms (min {common.fmt_ms(rec['hit']['min_ms'])}), "
-            f"cache {_fmt_mib(rec['cache_bytes'])} MiB")
-    del decs, floor, runners
+            f"cache {_fmt_mib(rec['cache_bytes'])} MiB{extra}")
+    del decs, floor, runners, mv
     gc.collect()
     return recs
 

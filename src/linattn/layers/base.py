@@ -12,6 +12,14 @@ documents as if each were alone: the short convolution's look-back is zeroed at 
 start, RoPE positions restart at 0, and `_mix` hands `cu_seqlens` to the operator, whose state
 restarts at every document (softmax attention becomes block-diagonal causal).
 
+Single-token decoding fast path: a layer that implements `_fast_step` (`LinearAttention`,
+`DeltaNet`, `GatedDeltaNet`, `EFLA`) decodes one token on the CPU without autograd (grad disabled,
+a `LayerCache`, T == 1, fp32/fp64, no cu_seqlens) by a dedicated recurrent step: the q/k/v (and
+gate / beta) projections as one matrix-vector product over a cached concatenation of their weights
+(`FusedParams`, rebuilt when a weight changes), the three short convolutions as one, no dtype
+round trips, and the same values and cache entries as the general path (tests/test_decode_fast.py).
+Anything else (training, prefill, other devices or dtypes) takes the general path.
+
 Config fields: `config_fields` names the model-config fields (`LMConfig`) a mixer takes as
 keyword arguments of the same name; a model block passes exactly those (a field set to None
 is left out, so the layer's or the registry entry's default applies), plus `layer_idx` when it
@@ -23,11 +31,21 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..errors import LinattnError, LinattnTypeError
 from .cache import LayerCache
-from .common import GatedRMSNorm, RotaryEmbedding, ShortConv
+from .common import FusedParams, GatedRMSNorm, RotaryEmbedding, ShortConv
 from .packing import check_cu_seqlens, packed_positions, reject_cache_with_cu_seqlens
+
+# forward hooks registered for every module (nn.modules.module.register_module_forward_hook / _pre_hook):
+# the fast decoding step does not call the submodules, so it steps aside while any is registered
+_GLOBAL_HOOKS = (getattr(nn.modules.module, "_global_forward_hooks", {}),
+                 getattr(nn.modules.module, "_global_forward_pre_hooks", {}))
+
+
+def _no_hooks(m: nn.Module) -> bool:
+    return not (m._forward_hooks or m._forward_pre_hooks)
 
 
 class AttentionBase(nn.Module):
@@ -47,6 +65,8 @@ class AttentionBase(nn.Module):
 
     #: whether the mixer looks only at earlier tokens
     causal = True
+    #: single-token decoding may take the fast path (module docstring); False: always the general path
+    fast_decode = True
     #: the model-config fields this layer takes (same names as its keyword arguments), plus the
     #: block's "layer_idx"; subclasses extend it with their own (module docstring)
     config_fields: Tuple[str, ...] = ("head_dim", "rope", "rope_base", "short_conv", "max_seq_len", "norm_eps",
@@ -82,6 +102,8 @@ class AttentionBase(nn.Module):
         self.rope = RotaryEmbedding(Dk, base=rope_base, max_seq_len=max_seq_len) if rope else None
         self.o_norm = GatedRMSNorm(Dv, eps=norm_eps) if output_norm else None
         self.g_proj = nn.Linear(d_model, H * Dv, bias=False) if output_gate else None
+        # single-token decoding (module docstring): concatenated projection / conv weights, not parameters
+        self._fused = FusedParams()
 
     # -- pieces ------------------------------------------------------------------------------
     def _qkv(self, x: torch.Tensor, cache: Optional[LayerCache],
@@ -116,6 +138,110 @@ class AttentionBase(nn.Module):
             o = o * torch.nn.functional.silu(self.g_proj(x).view(B, T, self.n_heads, self.head_dim_v))
         return self.o_proj(o.reshape(B, T, self.n_heads * self.head_dim_v))
 
+    # -- single-token decoding fast path (module docstring) --------------------------------------
+    def _fast_step(self, x: torch.Tensor, cache: LayerCache, lins) -> Optional[torch.Tensor]:
+        """One decoded token x `[B, 1, d_model]` -> `[B, 1, d_model]`, or None to take the general path
+        (which must then find the cache untouched); lins: the projections `_fast_ok` returned.
+        Subclasses that implement it give the general path's values."""
+        return None
+
+    def _fast_supported(self) -> bool:
+        """Whether this layer has a fast step (subclasses that implement `_fast_step` say when)."""
+        return False
+
+    def _fast_extra(self) -> Tuple[nn.Module, ...]:
+        """The projections of x, besides q, k, v, that the fast step takes from the fused product."""
+        return ()
+
+    def _fast_project(self, x: torch.Tensor, cache: LayerCache, lins):
+        """q and k as one `[B, 2H, 1, K]` (q's heads, then k's), v `[B, H, 1, V]` (after the short convolution
+        and RoPE) and the outputs of the projections after q, k, v in lins `[B, n_i]`, for one token
+        x `[B, 1, d_model]`; updates the conv states in cache."""
+        B = x.shape[0]
+        H, Dk, Dv = self.n_heads, self.head_dim, self.head_dim_v
+        mods = self._modules
+        convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"]) if self.short_conv else ()
+        w, b, cw, cb = self._fused.get([m.weight for m in lins],
+                                       [m.bias if m.bias is not None else m.out_features for m in lins]
+                                       if any(m.bias is not None for m in lins) else [],
+                                       [c.weight for c in convs], [c.bias for c in convs if c.bias is not None])
+        y = F.linear(x.reshape(B, -1), w, b)                                   # [B, sum of widths]
+        nq, nv = H * Dk, H * Dv
+        if convs:
+            parts = y.split([2 * nq + nv] + [m.out_features for m in lins[3:]], dim=1)
+            qk, v = self._fast_conv(parts[0], cache, convs, cw, cb).split([2 * nq, nv], dim=1)
+            extra = parts[1:]
+        else:
+            qk, v, *extra = y.split([2 * nq, nv] + [m.out_features for m in lins[3:]], dim=1)
+        if self.rope is not None:   # the same rotation for q and k
+            qk = self.rope.apply(qk.view(B, 1, 2 * H, Dk), cache.offset)
+        return qk.view(B, 2 * H, 1, Dk), v.view(B, H, 1, Dv), extra
+
+    @staticmethod
+    def _fast_conv(u: torch.Tensor, cache: LayerCache, convs, w: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """The q, k and v short convolutions of one token as one: u `[B, C]` (q | k | v before the
+        convolution), w their weights `[C, 1, K]` -> `[B, C]`; the states conv_q/k/v in cache are
+        views of one `[B, C, K]` window."""
+        K, C = convs[0].kernel_size, u.shape[1]
+        old = (cache.get("conv_q"), cache.get("conv_k"), cache.get("conv_v"))
+        fast = cache.__dict__.get("_fast_conv")
+        if fast is not None and fast[0] is old[0] and fast[1] is old[1] and fast[2] is old[2]:
+            state = fast[3]
+        elif old[0] is None:
+            state = u.new_zeros(u.shape[0], C, K - 1)
+        else:
+            state = torch.cat([s.to(u.dtype) for s in old], dim=1)
+        xp = torch.cat([state, u.unsqueeze(-1)], dim=-1)                      # [B, C, K]
+        y = (xp * w.view(C, K)).sum(-1)
+        if bias is not None:
+            y = y + bias
+        if convs[0].activation is not None:
+            y = F.silu(y)
+        new = xp[..., 1:]
+        n1, n2 = convs[0].dim, convs[0].dim + convs[1].dim
+        sq, sk, sv = new[:, :n1], new[:, n1:n2], new[:, n2:]
+        cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
+        cache.__dict__["_fast_conv"] = (sq, sk, sv, new)
+        return y
+
+    def _fast_out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+        """`_out` for one token: o `[B, H, 1, V]`, gate the g_proj output `[B, H * V]` or None -> `[B, 1, d_model]`."""
+        B, H, _, Dv = o.shape
+        norm = self._modules.get("o_norm")
+        if norm is not None:
+            o = F.rms_norm(o, (Dv,), norm.weight, norm.eps)
+        if gate is not None:
+            o = o * F.silu(gate.view(B, H, 1, Dv))
+        return F.linear(o.reshape(B, 1, H * Dv), self._modules["o_proj"].weight)
+
+    def _fast_ok(self, x: torch.Tensor, cache: Optional[LayerCache], cu_seqlens):
+        """Whether this call may take the fast path (module docstring): a one-token decoding call
+        without autograd on the CPU in fp32/fp64, and submodules that are exactly the library's
+        (nn.Linear, ShortConv, GatedRMSNorm: no adapter replaced them) without hooks, since the fast
+        step computes their forward itself. Returns the fused projections (q, k, v, then
+        `_fast_extra()`), or None."""
+        if not (self.fast_decode and cache is not None and cu_seqlens is None and x.shape[1] == 1
+                and x.device.type == "cpu" and not torch.is_grad_enabled()
+                and x.dtype in (torch.float32, torch.float64) and not _GLOBAL_HOOKS[0] and not _GLOBAL_HOOKS[1]
+                and self._fast_supported()):
+            return None
+        mods = self._modules
+        lins = (mods["q_proj"], mods["k_proj"], mods["v_proj"]) + self._fast_extra()
+        for m in lins + (mods["o_proj"],):
+            if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks or m.weight.dtype != x.dtype:
+                return None
+        norm = mods.get("o_norm")
+        if norm is not None and (type(norm) is not GatedRMSNorm or norm._forward_hooks or norm._forward_pre_hooks):
+            return None
+        if self.short_conv:
+            convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"])
+            if not all(type(c) is ShortConv and _no_hooks(c) and c.kernel_size == convs[0].kernel_size
+                       and c.weight.dtype == x.dtype and (c.bias is None) == (convs[0].bias is None)
+                       and c.activation == convs[0].activation for c in convs):
+                return None
+        return lins
+
     @staticmethod
     def _mode(cache: Optional[LayerCache], T: int) -> str:
         return "recurrent" if cache is not None and T == 1 else "chunk"
@@ -147,6 +273,12 @@ class AttentionBase(nn.Module):
         if cache is not None and not isinstance(cache, LayerCache):
             raise LinattnTypeError(f"cache must be a linattn.layers.LayerCache, got {type(cache).__name__}")
         reject_cache_with_cu_seqlens(type(self).__name__, cache, cu_seqlens)
+        lins = self._fast_ok(x, cache, cu_seqlens)
+        if lins is not None:
+            out = self._fast_step(x, cache, lins)
+            if out is not None:
+                cache["offset"] = cache.offset + 1
+                return out
         cu_seqlens = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
         q, k, v = self._qkv(x, cache, cu_seqlens)
         o = self._mix(q, k, v, x, cache, cu_seqlens=cu_seqlens)

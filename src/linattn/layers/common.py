@@ -29,10 +29,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not torch.is_grad_enabled() and x.dtype == _cdt(x) and (w is None or w.dtype == x.dtype):
+            # inference (decoding): one fused call, the same values as the lines below (tests/test_decode_fast.py)
+            return F.rms_norm(x, (self.dim,), w, self.eps)
         xf = x.to(_cdt(x))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            y = y * self.weight.to(xf.dtype)
+        if w is not None:
+            y = y * w.to(xf.dtype)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -194,6 +198,50 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.w_gate_up(x).chunk(2, dim=-1)
         return self.w_down(F.silu(a) * b)
+
+
+class FusedParams:
+    """Concatenations (along dim 0) of several parameters, e.g. the weights of the q/k/v/gate
+    projections of one layer, so that a single-token decoding step runs one matrix-vector product
+    instead of one per projection. Built on first use and reused while every part is unchanged: the
+    key is each part's version counter (bumped by in-place updates: optimizer steps, load_state_dict,
+    `with torch.no_grad(): p.copy_(...)`), storage address and dtype (`.to()`, new `.data`). Writes
+    through `p.data` bypass the version counter; call `clear()` after those. Not a buffer: the
+    state dict and the parameters are untouched. Use it only without autograd (the results are
+    detached)."""
+
+    __slots__ = ("_key", "_value")
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self._key, self._value = None, None
+
+    def get(self, *groups) -> Tuple[torch.Tensor, ...]:
+        """One torch.cat(group) along dim 0 per group (a list of parameters); an int n in a group
+        stands for n zero rows (a missing bias); an empty group gives None."""
+        key = tuple((p._version, p.data_ptr(), p.dtype) if isinstance(p, torch.Tensor) else p
+                    for g in groups for p in (*g, None))
+        if key != self._key:
+            with torch.no_grad():
+                self._value = tuple(self._cat(g) for g in groups)
+            self._key = key
+        return self._value
+
+    @staticmethod
+    def _cat(group) -> Optional[torch.Tensor]:
+        ref = next((p for p in group if isinstance(p, torch.Tensor)), None)
+        if ref is None:
+            return None
+        return torch.cat([p.detach() if isinstance(p, torch.Tensor) else ref.new_zeros((p,) + tuple(ref.shape[1:]))
+                          for p in group])
+
+    def __repr__(self) -> str:
+        return f"FusedParams({'built' if self._value is not None else 'empty'})"
+
+    def __reduce__(self):  # pickling / deepcopy give an empty one: rebuilt on first use
+        return (FusedParams, ())
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

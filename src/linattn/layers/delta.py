@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..errors import LinattnError
 from ..ops import delta_rule
+from ..ops.delta_core import L2NORM_EPS, efla_coefficient
 from .base import AttentionBase
 from .cache import LayerCache
 from .common import l2_normalize
@@ -54,13 +55,59 @@ class DeltaNet(AttentionBase):
 
     def beta(self, x: torch.Tensor) -> torch.Tensor:
         """Write strength `[B, T, H]`."""
-        return torch.sigmoid(self.b_proj(x).float())
+        return self._beta_of(self.b_proj(x))
+
+    def _beta_of(self, b: torch.Tensor) -> torch.Tensor:
+        """beta from the b_proj output."""
+        return torch.sigmoid(b.float())
 
     def log_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         return None
 
     def _prepare_qk(self, q, k):
         return q, k
+
+    # -- single-token decoding (AttentionBase's fast path) ----------------------------------------
+    def _fast_supported(self) -> bool:
+        return type(self) in (DeltaNet, GatedDeltaNet, EFLA)   # subclasses change the operator or its inputs
+
+    def _fast_extra(self):
+        mods = self._modules
+        return ((mods["b_proj"],) + ((mods["a_proj"],) if isinstance(self, GatedDeltaNet) else ())
+                + ((mods.get("g_proj"),) if mods.get("g_proj") is not None else ()))
+
+    def _fast_step(self, x: torch.Tensor, cache: LayerCache, lins) -> Optional[torch.Tensor]:
+        """The recurrent form of `delta_rule` (ops/delta_core.py: prepare_delta, then one step of
+        _recurrent) for one token of DeltaNet, GatedDeltaNet or EFLA; subclasses take the general path."""
+        B, H, K, V, cdt = x.shape[0], self.n_heads, self.head_dim, self.head_dim_v, x.dtype
+        S = cache.get("state")
+        if S is not None and not (isinstance(S, torch.Tensor) and S.shape == (B, H, K, V) and S.device == x.device):
+            return None   # the general path checks it and says what is wrong
+        qk, v, extra = self._fast_project(x, cache, lins)                    # [B, 2H, 1, K], [B, H, 1, V]
+        if self.qk_l2norm:          # DeltaNet, GatedDeltaNet: both, inside the operator
+            q, k = F.normalize(qk, dim=-1, eps=L2NORM_EPS).split(H, dim=1)
+        else:                        # EFLA: the layer normalises q (or not); keys keep their norm
+            q, k = self._prepare_qk(*qk.split(H, dim=1))
+        q = q * self.scale
+        lam = (k * k).sum(-1, keepdim=True)                                     # [B, H, 1, 1]
+        beta = self._beta_of(extra[0]).view(B, H, 1, 1)
+        if beta.dtype != cdt:
+            beta = beta.to(cdt)
+        a = efla_coefficient(beta, lam) if self.exact else beta
+        d2 = lam.clamp_min(1.0)                                                 # key-norm rescaling
+        d = d2.sqrt()
+        k, a = k / d, a * d2
+        bv = (v / d) * a
+        if S is None:
+            S = q.new_zeros(B, H, K, V)
+        elif S.dtype != cdt:
+            S = S.to(cdt)
+        if isinstance(self, GatedDeltaNet):
+            S = S * torch.exp(self._gate_of(extra[1]).to(cdt)).view(B, H, 1, 1)
+        err = torch.addcmul(bv, a, k @ S, value=-1.0)                          # a (v - S^T k)
+        S = torch.addcmul(S, k.transpose(-1, -2), err)
+        cache["state"] = S
+        return self._fast_out(q @ S, extra[-1] if self._modules.get("g_proj") is not None else None)
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         q, k = self._prepare_qk(q, k)
@@ -88,7 +135,11 @@ class GatedDeltaNet(DeltaNet):
         self.dt_bias = nn.Parameter(dt_bias)
 
     def log_gate(self, x: torch.Tensor) -> torch.Tensor:
-        return -torch.exp(self.A_log.float()) * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        return self._gate_of(self.a_proj(x))
+
+    def _gate_of(self, a: torch.Tensor) -> torch.Tensor:
+        """The log-decay from the a_proj output."""
+        return -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
 
 
 class EFLA(DeltaNet):
@@ -110,8 +161,8 @@ class EFLA(DeltaNet):
             # softplus(alpha) = 1 at init, i.e. alpha = log(e - 1)
             self.beta_alpha = nn.Parameter(torch.full((self.n_heads,), math.log(math.e - 1.0)))
 
-    def beta(self, x: torch.Tensor) -> torch.Tensor:
-        b = self.b_proj(x).float()
+    def _beta_of(self, b: torch.Tensor) -> torch.Tensor:
+        b = b.float()
         if self.beta_mode == "loose":
             return F.softplus(b)
         beta = torch.sigmoid(b)

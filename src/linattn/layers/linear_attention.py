@@ -20,12 +20,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import LinattnError
-from ..feature_maps import CosFormer, FAVORPlus, FeatureMap, get_feature_map
-from ..ops import linear_attention
+from ..feature_maps import CosFormer, EluPlusOne, FAVORPlus, FeatureMap, Identity, ReLU, get_feature_map
+from ..ops import LinearAttentionState, linear_attention
 from .base import AttentionBase
 from .cache import LayerCache
 
 GATES = (None, "retnet", "scalar", "diagonal")
+# feature maps of the fast decoding step that act elementwise (one call on q and k together) and are >= 0
+_ELEMENTWISE_MAPS = (Identity, EluPlusOne, ReLU)
+_NONNEGATIVE_MAPS = (EluPlusOne, ReLU)
 
 
 def _feature_dim(fmap: FeatureMap, head_dim: int) -> int:
@@ -113,11 +116,94 @@ class LinearAttention(AttentionBase):
         """The data-dependent log-decay for x: `[B, T, H]` (scalar) or `[B, T, H, K_phi]` (diagonal)."""
         B, T, _ = x.shape
         if self.gate == "scalar":
-            return -torch.exp(self.A_log.float()) * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+            return self._scalar_gate(self.a_proj(x))
         if self.gate == "diagonal":
-            gk = self.gk_proj(x).float().view(B, T, self.n_heads, self.feature_dim)
-            return F.logsigmoid(gk) / self.gate_normalizer
+            return self._diagonal_gate(self.gk_proj(x).view(B, T, self.n_heads, self.feature_dim))
         return None
+
+    def _scalar_gate(self, a: torch.Tensor) -> torch.Tensor:
+        return -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+
+    def _diagonal_gate(self, gk: torch.Tensor) -> torch.Tensor:
+        return F.logsigmoid(gk.float()) / self.gate_normalizer
+
+    # -- single-token decoding (AttentionBase's fast path) ----------------------------------------
+    def _fast_supported(self) -> bool:
+        fm = self.feature_map
+        return type(self) is LinearAttention and not fm.log_space and not fm.positional
+
+    def _fast_extra(self):
+        mods = self._modules
+        extra = ((mods["a_proj"],) if self.gate == "scalar" else (mods["gk_proj"][0],) if self.gate == "diagonal"
+                 else ())
+        return extra + ((mods.get("g_proj"),) if mods.get("g_proj") is not None else ())
+
+    def _fast_decay(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """RetNet's per-head decay exp(log gamma) `[1, H, 1, 1]`, as the operator computes it, kept."""
+        d = self.__dict__.get("_fast_decay_value")
+        if d is None or d.dtype != dtype or d.device != device:
+            d = torch.exp(torch.log(self._gamma_on(device).to(dtype))).view(1, -1, 1, 1)
+            self.__dict__["_fast_decay_value"] = d
+        return d
+
+    def _fast_step(self, x: torch.Tensor, cache: LayerCache, lins) -> Optional[torch.Tensor]:
+        """The recurrent form of `linear_attention` for one token, with the state [kv | z] kept as one
+        tensor (kv and z in the cache are views of it); linear-space, non-positional maps only."""
+        fm = self.feature_map
+        if self.gate == "diagonal" and not (type(self.gk_proj) is nn.Sequential and len(self.gk_proj) == 2
+                                            and type(self.gk_proj[1]) is nn.Linear
+                                            and not (self.gk_proj._forward_hooks or self.gk_proj._forward_pre_hooks
+                                                     or self.gk_proj[1]._forward_hooks
+                                                     or self.gk_proj[1]._forward_pre_hooks)):
+            return None
+        B, H, V, cdt = x.shape[0], self.n_heads, self.head_dim_v, x.dtype
+        Kf = self.__dict__.get("_fast_kf")
+        if Kf is None:
+            Kf = self.__dict__["_fast_kf"] = fm.feature_dim(self.head_dim)
+        st = cache.get("state")
+        if st is not None and not (isinstance(st, LinearAttentionState) and st.log_scale is None
+                                   and st.kv.shape == (B, H, Kf, V) and st.z.shape == (B, H, Kf)
+                                   and st.kv.device == x.device and st.offset.shape == (B,)):
+            return None   # the general path checks it and says what is wrong
+        qk, v, extra = self._fast_project(x, cache, lins)                    # [B, 2H, 1, K], [B, H, 1, V]
+        if isinstance(fm, _ELEMENTWISE_MAPS) and self.scale == 1.0:
+            fq, fk = fm.phi(qk).split(H, dim=1)
+        else:
+            q, k = qk.split(H, dim=1)
+            if self.scale != 1.0:
+                q = q * self.scale
+            fq, fk = fm.phi(q.transpose(1, 2)).transpose(1, 2), fm.psi(k.transpose(1, 2)).transpose(1, 2)
+        if st is None:
+            S = fq.new_zeros(B, H, Kf, V + 1)
+            offset = torch.zeros(B, dtype=torch.int64, device=x.device)
+        else:
+            fast = cache.__dict__.get("_fast_state")
+            if fast is not None and fast[0] is st:
+                S = fast[1]
+            else:
+                S = torch.cat([st.kv, st.z.unsqueeze(-1)], -1).to(cdt)
+            offset = st.offset if st.offset.dtype == torch.int64 else st.offset.to(torch.int64)
+        gate = extra[-1] if self._modules.get("g_proj") is not None else None
+        if self.gate == "retnet":
+            S = self._fast_decay(cdt, x.device) * S
+        elif self.gate == "scalar":
+            S = torch.exp(self._scalar_gate(extra[0]).to(cdt)).view(B, H, 1, 1) * S
+        elif self.gate == "diagonal":
+            gk = F.linear(extra[0], self.gk_proj[1].weight, self.gk_proj[1].bias)
+            S = torch.exp(self._diagonal_gate(gk).to(cdt)).view(B, H, Kf, 1) * S
+        S = S + fk.transpose(-1, -2) * F.pad(v, (0, 1), value=1.0)   # (not addcmul: the operator's bits)
+        o, den = torch.matmul(fq, S).split([V, 1], dim=-1)                  # [B, H, 1, V], [B, H, 1, 1]
+        if self.normalize:
+            if isinstance(fm, _NONNEGATIVE_MAPS):
+                den = den.clamp_min(self.eps)
+            else:   # a floor on |den| that keeps its sign, as the operator
+                floor = torch.as_tensor(self.eps, dtype=den.dtype)
+                den = torch.where(den < 0, torch.minimum(den, -floor), torch.maximum(den, floor))
+            o = o / den
+        state = LinearAttentionState(kv=S[..., :V], z=S[..., V], log_scale=None, offset=offset + 1)
+        cache["state"] = state
+        cache.__dict__["_fast_state"] = (state, S)
+        return self._fast_out(o, gate)
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         T = x.shape[1]

@@ -114,10 +114,42 @@ class Block(nn.Module):
             return self.ffn(h)
         return self.ffn(h), None
 
+    def _fast_parts(self, x: torch.Tensor):
+        """(norm1, norm2, ffn) when `forward` may run one decoded token inline (prenorm, SwiGLU or no FFN,
+        no memory lobe; norms and FFN exactly the library's, without hooks, in x's dtype): the same
+        operations without their module calls; else None."""
+        mods = self._modules
+        n1, n2, ffn = mods["norm1"], mods.get("norm2"), mods.get("ffn")
+        if self.residual != "prenorm" or mods.get("lobe") is not None or x.dtype not in (torch.float32, torch.float64):
+            return None
+        if ffn is not None and type(ffn) is not SwiGLU:
+            return None
+        parts = (n1, n2) if ffn is None else (n1, n2, ffn, ffn._modules["w_gate_up"], ffn._modules["w_down"])
+        if ffn is not None and (type(parts[3]) is not nn.Linear or type(parts[4]) is not nn.Linear
+                                or parts[3].weight.dtype != x.dtype):
+            return None
+        for m in parts:
+            if m is not None and (m._forward_hooks or m._forward_pre_hooks):
+                return None
+        for n in (n1, n2):
+            if n is not None and (type(n) is not RMSNorm or (n.weight is not None and n.weight.dtype != x.dtype)):
+                return None
+        return n1, n2, ffn
+
     def forward(self, x: torch.Tensor, cache: Optional[Cache] = None, cu_seqlens: Optional[torch.Tensor] = None):
         """x `[B, T, d]` -> (out `[B, T, d]`, aux loss or None). cu_seqlens (packed documents) goes
         to the mixer and the memory lobe; the FFN / MoE works per token."""
         mc = cache.layer(self.layer_idx, "mixer") if cache is not None else None
+        if mc is not None and x.shape[1] == 1 and cu_seqlens is None and not torch.is_grad_enabled():
+            parts = self._fast_parts(x)
+            if parts is not None:   # one decoded token, inline (the values of the lines below)
+                n1, n2, ffn = parts
+                h = x + self.mixer(F.rms_norm(x, (n1.dim,), n1.weight, n1.eps), cache=mc)
+                if ffn is None:
+                    return h, None
+                u = F.linear(F.rms_norm(h, (n2.dim,), n2.weight, n2.eps), ffn.w_gate_up.weight, ffn.w_gate_up.bias)
+                a, b = u.chunk(2, dim=-1)
+                return h + F.linear(F.silu(a) * b, ffn.w_down.weight, ffn.w_down.bias), None
         if cu_seqlens is not None and not self.mixer_packs:
             raise LinattnError(f"mixer {self.mixer_name!r} (layer {self.layer_idx}) does not accept cu_seqlens, so it "
                                f"cannot keep packed documents apart; run one document per row instead")

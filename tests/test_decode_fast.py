@@ -1,0 +1,308 @@
+"""The single-token decoding fast path of the attention layers (`AttentionBase._fast_step`):
+the values of the general path (outputs and every cache entry, within 1e-6; in most configurations
+the same bits: only the fused matrix-vector product may round a few projections differently),
+taken only where it applies, and its fused projection weights rebuilt whenever a weight changes."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from linattn.layers import LayerCache, RMSNorm
+from linattn.layers.base import AttentionBase
+from linattn.layers.common import FusedParams
+from linattn.models import LanguageModel, LMConfig
+from linattn.models.registry import build_mixer
+
+FAST_MIXERS = ["linear-elu+1", "linear-relu", "linear-identity", "linear-taylor2", "retnet", "mamba2", "gla",
+               "deltanet", "gated-deltanet", "efla", "efla-adaptive", "efla-loose"]
+
+
+class FastCount:
+    """Counts the calls in which a layer's fast step produced the output."""
+
+    def __init__(self, monkeypatch, layer_cls):
+        self.n = 0
+        inner = layer_cls._fast_step
+
+        def counted(layer, x, cache, lins):
+            out = inner(layer, x, cache, lins)
+            self.n += out is not None
+            return out
+
+        monkeypatch.setattr(layer_cls, "_fast_step", counted)
+
+
+def _flat(v):
+    """Every tensor of a cache entry (tensors, LinearAttentionState tuples, ints)."""
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, tuple):
+        return [t for x in v for t in _flat(x)]
+    return [torch.tensor(v)] if v is not None else []
+
+
+def same(a: torch.Tensor, b: torch.Tensor):
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def assert_same_cache(a: LayerCache, b: LayerCache):
+    assert set(a) == set(b)
+    for key in a:
+        ta, tb = _flat(a[key]), _flat(b[key])
+        assert len(ta) == len(tb), key
+        for x, y in zip(ta, tb):
+            assert x.dtype == y.dtype and x.shape == y.shape, key
+            same(x, y)
+
+
+def _layer(name, d=32, H=2, dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    layer = build_mixer(name, d, H, **kw).to(dtype).eval()
+    with torch.no_grad():   # non-trivial conv / norm weights and biases
+        for n, p in layer.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def _run(layer, x, prefill, fast):
+    """Prefill `prefill` tokens (chunk form), then one token at a time; outputs [B, T, d] and the cache."""
+    layer.fast_decode = fast
+    cache = LayerCache()
+    outs = []
+    with torch.no_grad():
+        if prefill:
+            outs.append(layer(x[:, :prefill], cache=cache))
+        for t in range(prefill, x.shape[1]):
+            outs.append(layer(x[:, t:t + 1], cache=cache))
+    return torch.cat(outs, 1), cache
+
+
+@pytest.mark.parametrize("name", FAST_MIXERS)
+@pytest.mark.parametrize("prefill", [0, 5])
+def test_fast_step_equals_the_general_step(name, prefill, monkeypatch):
+    layer = _layer(name)
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1))
+    count = FastCount(monkeypatch, type(layer))
+    ref, ref_cache = _run(layer, x, prefill, fast=False)
+    assert count.n == 0
+    got, cache = _run(layer, x, prefill, fast=True)
+    assert count.n == x.shape[1] - prefill          # every decoded token took the fast path
+    same(got, ref)
+    assert_same_cache(cache, ref_cache)
+
+
+@pytest.mark.parametrize("name", ["linear-elu+1", "gla", "gated-deltanet", "efla"])
+def test_fast_step_fp64_and_options(name, monkeypatch):
+    """fp64, RoPE, an output gate, biases on q/k/v, short conv on a linear mixer."""
+    extra = dict(rope=True, qkv_bias=True, short_conv=True)
+    if name == "linear-elu+1":
+        extra["output_gate"] = True
+    layer = _layer(name, d=24, H=3, dtype=torch.float64, **extra)
+    x = torch.randn(2, 7, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    count = FastCount(monkeypatch, type(layer))
+    ref, ref_cache = _run(layer, x, 3, fast=False)
+    got, cache = _run(layer, x, 3, fast=True)
+    assert count.n == 4
+    same(got, ref)
+    assert_same_cache(cache, ref_cache)
+
+
+@pytest.mark.parametrize("name", ["linear-elu+1", "gated-deltanet"])
+def test_fast_and_general_steps_alternate(name):
+    """Each path continues from the cache the other one left (views of one state tensor, or not)."""
+    layer = _layer(name)
+    x = torch.randn(1, 10, 32, generator=torch.Generator().manual_seed(3))
+    ref, ref_cache = _run(layer, x, 2, fast=False)
+    cache, outs = LayerCache(), []
+    with torch.no_grad():
+        outs.append(layer(x[:, :2], cache=cache))
+        for t in range(2, 10):
+            layer.fast_decode = t % 3 != 0
+            outs.append(layer(x[:, t:t + 1], cache=cache))
+    same(torch.cat(outs, 1), ref)
+    assert_same_cache(cache, ref_cache)
+
+
+def test_fast_step_leaves_an_earlier_state_alone():
+    """The step writes new tensors: a state taken from the cache before it does not change."""
+    layer = _layer("gated-deltanet")
+    x = torch.randn(1, 4, 32)
+    cache = LayerCache()
+    with torch.no_grad():
+        layer(x[:, :3], cache=cache)
+        before = {k: [t.clone() for t in _flat(v)] for k, v in cache.items()}
+        held = {k: _flat(v) for k, v in cache.items()}
+        layer(x[:, 3:], cache=cache)
+    for k in held:
+        for t, t0 in zip(held[k], before[k]):
+            assert torch.equal(t, t0)
+
+
+@pytest.mark.parametrize("mixer", ["linear-elu+1", "retnet", "gla", "deltanet", "gated-deltanet", "efla"])
+def test_model_decoding_fast_equals_general(mixer):
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, mixer=mixer)).eval()
+    ids = torch.randint(0, 50, (2, 10))
+    full = model(ids).logits.detach()
+    results = []
+    for fast in (False, True):
+        for m in model.modules():
+            if isinstance(m, AttentionBase):
+                m.fast_decode = fast
+        with torch.no_grad():
+            out = model(ids[:, :4], use_cache=True)
+            logits = [out.logits]
+            for t in range(4, 10):
+                out = model(ids[:, t:t + 1], cache=out.cache)
+                logits.append(out.logits)
+        results.append(torch.cat(logits, 1))
+    same(results[0], results[1])
+    assert (results[1] - full).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("kw", [dict(mixer="gated-deltanet"), dict(mixer="linear-elu+1", ffn="none"),
+                                dict(mixer=["efla", "softmax"], ffn="moe", n_experts=3, top_k=2),
+                                dict(mixer="retnet", residual="hyperlink", final_norm=False),
+                                dict(mixer="deltanet", memory_lobe="causal")])
+def test_model_decoding_without_autograd_equals_the_training_path(kw):
+    """Blocks decode one token inline without autograd (prenorm + SwiGLU or no FFN), or take their
+    forward (MoE, Hyper-Link, memory lobe): the values of the path taken with autograd on."""
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, **kw)).eval()
+    ids = torch.randint(0, 50, (2, 8))
+    results = []
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            out = model(ids[:, :3], use_cache=True)
+            logits = [out.logits.detach()]
+            for t in range(3, 8):
+                out = model(ids[:, t:t + 1], cache=out.cache)
+                logits.append(out.logits.detach())
+        results.append(torch.cat(logits, 1))
+    same(results[1], results[0])
+
+
+def test_mixers_without_a_fast_step_are_untouched(monkeypatch):
+    """Subclasses of the fast layers (comba, kda, ...) and other mixers decode through their forward."""
+    for name in ("kda", "comba", "delta-product", "mesanet", "fox", "linear-favor+", "linear-cosformer",
+                 "ela-hadamard_exp"):
+        layer = _layer(name)
+        assert not layer._fast_supported()
+        x = torch.randn(1, 3, 32)
+        with torch.no_grad():
+            c = LayerCache()
+            layer(x[:, :2], cache=c)
+            layer(x[:, 2:], cache=c)
+        assert "_fast_conv" not in c.__dict__ and "_fast_state" not in c.__dict__
+
+
+def test_no_fast_path_with_autograd_or_for_other_calls(monkeypatch):
+    layer = _layer("gated-deltanet")
+    count = FastCount(monkeypatch, type(layer))
+    x = torch.randn(1, 3, 32, requires_grad=True)
+    cache = LayerCache()
+    layer(x[:, :2], cache=cache)
+    y = layer(x[:, 2:], cache=cache)            # grad enabled: the general path, differentiable
+    y.sum().backward()
+    assert count.n == 0 and x.grad is not None and layer.q_proj.weight.grad is not None
+    with torch.no_grad():
+        layer(x[:, :2])                         # no cache
+        layer(x[:, :2], cache=LayerCache())     # prefill
+        layer(x[:, :1], cache=LayerCache())     # one token: the fast path
+    assert count.n == 1
+
+
+def test_fast_path_steps_aside_for_hooks_and_replaced_modules(monkeypatch):
+    layer = _layer("linear-elu+1")
+    count = FastCount(monkeypatch, type(layer))
+    x = torch.randn(1, 1, 32)
+    with torch.no_grad():
+        plain = layer(x, cache=LayerCache())
+        h = layer.k_proj.register_forward_hook(lambda m, i, o: o * 2)
+        hooked = layer(x, cache=LayerCache())
+        h.remove()
+        h = nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+        layer(x, cache=LayerCache())
+        h.remove()
+    assert count.n == 1
+    assert not torch.equal(plain, hooked)
+
+    class Adapter(nn.Linear):   # what a LoRA-style wrapper looks like: not exactly nn.Linear
+        pass
+
+    a = Adapter(32, 32, bias=False)
+    a.weight.data.copy_(layer.v_proj.weight)
+    layer.v_proj = a
+    with torch.no_grad():
+        layer(x, cache=LayerCache())
+    assert count.n == 1
+
+
+def test_fused_weights_follow_optimizer_steps_and_loads():
+    """The fused q/k/v(/beta/gate) weight is rebuilt after every change of a weight."""
+    layer = _layer("gated-deltanet")
+    ref = copy.deepcopy(layer)
+    ref.fast_decode = False
+    x = torch.randn(1, 2, 32)
+
+    def check():
+        for m in (layer, ref):
+            m.eval()
+        with torch.no_grad():
+            c1, c2 = LayerCache(), LayerCache()
+            layer(x[:, :1], cache=c1), ref(x[:, :1], cache=c2)
+            same(layer(x[:, 1:], cache=c1), ref(x[:, 1:], cache=c2))
+
+    check()
+    built = layer._fused._value[0]
+    assert built is not None
+    for m in (layer, ref):    # one identical optimizer step on both
+        m.train()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        m(x).pow(2).mean().backward()
+        opt.step()
+    check()
+    assert layer._fused._value[0] is not built
+    assert torch.equal(layer._fused._value[0][:32], layer.q_proj.weight)
+    state = {k: v + 0.5 for k, v in ref.state_dict().items()}
+    layer.load_state_dict(state), ref.load_state_dict(state)
+    check()
+    assert torch.equal(layer._fused._value[0][-32:], layer.g_proj.weight)
+    with torch.no_grad():
+        layer.b_proj.bias.fill_(0.3), ref.b_proj.bias.fill_(0.3)
+    check()
+    # the state dict and the parameters are unchanged by the cache; copies rebuild their own
+    assert set(layer.state_dict()) == set(ref.state_dict())
+    clone = copy.deepcopy(layer)
+    assert clone._fused._value is None
+
+
+def test_fused_params_key():
+    w1, w2 = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(2, 4))
+    bias = nn.Parameter(torch.randn(2))
+    f = FusedParams()
+    a, b, none = f.get([w1, w2], [3, bias], [])
+    assert torch.equal(a, torch.cat([w1, w2])) and not a.requires_grad and none is None
+    assert torch.equal(b, torch.cat([torch.zeros(3), bias.detach()]))
+    assert f.get([w1, w2], [3, bias], [])[0] is a
+    with torch.no_grad():
+        w2.mul_(2)
+    a2 = f.get([w1, w2], [3, bias], [])[0]
+    assert a2 is not a and torch.equal(a2, torch.cat([w1, w2]))
+    w1.data = w1.data.double()            # new storage and dtype
+    assert f.get([w1, w2], [3, bias], [])[0].dtype == torch.float64
+    f.clear()
+    assert f._value is None
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 32), (1, 1, 256), (1, 4, 64), (3, 5, 7)])
+def test_rmsnorm_inference_path_is_bitwise(shape):
+    norm = RMSNorm(shape[-1])
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(*shape) * 3
+    with torch.no_grad():
+        fast = norm(x)
+    assert torch.equal(fast, norm(x).detach())
