@@ -199,8 +199,7 @@ class AttentionBase(nn.Module):
         if convs[0].activation is not None:
             y = F.silu(y)
         new = xp[..., 1:]
-        n1, n2 = convs[0].dim, convs[0].dim + convs[1].dim
-        sq, sk, sv = new[:, :n1], new[:, n1:n2], new[:, n2:]
+        sq, sk, sv = new.split([convs[0].dim, convs[1].dim, convs[2].dim], dim=1)
         cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
         cache.__dict__["_fast_conv"] = (sq, sk, sv, new)
         return y
@@ -235,10 +234,13 @@ class AttentionBase(nn.Module):
         if norm is not None and (type(norm) is not GatedRMSNorm or norm._forward_hooks or norm._forward_pre_hooks):
             return None
         if self.short_conv:
-            convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"])
-            if not all(type(c) is ShortConv and _no_hooks(c) and c.kernel_size == convs[0].kernel_size
-                       and c.weight.dtype == x.dtype and (c.bias is None) == (convs[0].bias is None)
-                       and c.activation == convs[0].activation for c in convs):
+            c0, c1, c2 = mods["q_conv"], mods["k_conv"], mods["v_conv"]
+            for c in (c0, c1, c2):
+                if (type(c) is not ShortConv or c._forward_hooks or c._forward_pre_hooks
+                        or c.kernel_size != c0.kernel_size or c.activation != c0.activation
+                        or (c._parameters.get("bias") is None) != (c0._parameters.get("bias") is None)):
+                    return None
+            if c0._parameters["weight"].dtype != x.dtype:
                 return None
         return lins
 

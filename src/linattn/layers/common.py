@@ -244,6 +244,22 @@ class FusedParams:
         return (FusedParams, ())
 
 
+def mamba_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, owner: Optional[nn.Module] = None):
+    """Mamba2's log-decay -exp(A_log) * softplus(a + dt_bias), in fp32. With `owner` (single-token
+    decoding without autograd) -exp(A_log) is kept on it while A_log is unchanged (the same values)."""
+    f32 = torch.float32
+    if owner is None:
+        neg_a = -torch.exp(A_log.float())
+    else:
+        key = (A_log._version, A_log.data_ptr(), A_log.dtype)
+        kept = owner.__dict__.get("_neg_exp_A_log")
+        if kept is None or kept[0] != key:
+            kept = owner.__dict__["_neg_exp_A_log"] = (key, -torch.exp(A_log.detach().float()))
+        neg_a = kept[1]
+    a = a if a.dtype == f32 else a.float()
+    return neg_a * F.softplus(a + (dt_bias if dt_bias.dtype == f32 else dt_bias.float()))
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / ||x|| over the last dimension (in fp32), the delta rule's q/k normalisation."""
     xf = x.to(_cdt(x))

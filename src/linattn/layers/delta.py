@@ -29,7 +29,7 @@ from ..ops import delta_rule
 from ..ops.delta_core import L2NORM_EPS, efla_coefficient
 from .base import AttentionBase
 from .cache import LayerCache
-from .common import l2_normalize
+from .common import l2_normalize, mamba_log_decay
 from .linear_attention import init_mamba_decay
 
 BETA_MODES = ("sigmoid", "adaptive", "loose")
@@ -103,7 +103,8 @@ class DeltaNet(AttentionBase):
         elif S.dtype != cdt:
             S = S.to(cdt)
         if isinstance(self, GatedDeltaNet):
-            S = S * torch.exp(self._gate_of(extra[1]).to(cdt)).view(B, H, 1, 1)
+            g = self._gate_of(extra[1], fast=True)
+            S = S * torch.exp(g if g.dtype == cdt else g.to(cdt)).view(B, H, 1, 1)
         err = torch.addcmul(bv, a, k @ S, value=-1.0)                          # a (v - S^T k)
         S = torch.addcmul(S, k.transpose(-1, -2), err)
         cache["state"] = S
@@ -137,9 +138,9 @@ class GatedDeltaNet(DeltaNet):
     def log_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self._gate_of(self.a_proj(x))
 
-    def _gate_of(self, a: torch.Tensor) -> torch.Tensor:
-        """The log-decay from the a_proj output."""
-        return -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+    def _gate_of(self, a: torch.Tensor, fast: bool = False) -> torch.Tensor:
+        """The log-decay from the a_proj output (fast: -exp(A_log) kept between decoding steps)."""
+        return mamba_log_decay(a, self.A_log, self.dt_bias, self if fast else None)
 
 
 class EFLA(DeltaNet):

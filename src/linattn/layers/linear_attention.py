@@ -24,6 +24,7 @@ from ..feature_maps import CosFormer, EluPlusOne, FAVORPlus, FeatureMap, Identit
 from ..ops import LinearAttentionState, linear_attention
 from .base import AttentionBase
 from .cache import LayerCache
+from .common import mamba_log_decay
 
 GATES = (None, "retnet", "scalar", "diagonal")
 # feature maps of the fast decoding step that act elementwise (one call on q and k together) and are >= 0
@@ -121,8 +122,8 @@ class LinearAttention(AttentionBase):
             return self._diagonal_gate(self.gk_proj(x).view(B, T, self.n_heads, self.feature_dim))
         return None
 
-    def _scalar_gate(self, a: torch.Tensor) -> torch.Tensor:
-        return -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+    def _scalar_gate(self, a: torch.Tensor, fast: bool = False) -> torch.Tensor:
+        return mamba_log_decay(a, self.A_log, self.dt_bias, self if fast else None)
 
     def _diagonal_gate(self, gk: torch.Tensor) -> torch.Tensor:
         return F.logsigmoid(gk.float()) / self.gate_normalizer
@@ -187,7 +188,8 @@ class LinearAttention(AttentionBase):
         if self.gate == "retnet":
             S = self._fast_decay(cdt, x.device) * S
         elif self.gate == "scalar":
-            S = torch.exp(self._scalar_gate(extra[0]).to(cdt)).view(B, H, 1, 1) * S
+            g = self._scalar_gate(extra[0], fast=True)
+            S = torch.exp(g if g.dtype == cdt else g.to(cdt)).view(B, H, 1, 1) * S
         elif self.gate == "diagonal":
             gk = F.linear(extra[0], self.gk_proj[1].weight, self.gk_proj[1].bias)
             S = torch.exp(self._diagonal_gate(gk).to(cdt)).view(B, H, Kf, 1) * S
