@@ -306,3 +306,21 @@ def test_rmsnorm_inference_path_is_bitwise(shape):
     with torch.no_grad():
         fast = norm(x)
     assert torch.equal(fast, norm(x).detach())
+
+
+def test_a_new_generation_sees_weights_written_through_data():
+    """`p.data` writes bypass the version keys; every new cache (a new generation) rebuilds the fused weights."""
+    torch.manual_seed(0)
+    m = LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, mixer="gated-deltanet")).eval()
+    ids = torch.randint(0, 64, (1, 6))
+
+    def decode_logits():
+        with torch.no_grad():
+            out = m(ids[:, :5], use_cache=True)
+            return m(ids[:, 5:], cache=out.cache).logits[:, -1]
+
+    decode_logits()                                   # builds the fused weights
+    m.blocks[0].mixer.q_proj.weight.data.mul_(2.0)    # an EMA-style write: no version bump
+    with torch.no_grad():
+        full = m(ids).logits[:, -1]
+    torch.testing.assert_close(decode_logits(), full, rtol=1e-5, atol=1e-5)

@@ -27,6 +27,7 @@ import torch.utils.checkpoint
 
 from ..errors import LinattnError, LinattnTypeError
 from ..layers import Cache, RMSNorm, SwiGLU, check_cu_seqlens
+from ..layers.common import FusedParams
 from ..ops._common import check_values
 from .config import LMConfig
 from .family import CausalLM, register_family
@@ -224,6 +225,13 @@ class LanguageModel(nn.Module, CausalLM):
         return all(b.causal for b in self.blocks)
 
     def new_cache(self) -> Cache:
+        """An empty decoding cache. A new cache starts a new generation, so the layers' fused single-token
+        weights (`FusedParams`) are rebuilt from the parameters as they are now: a change their version
+        keys cannot see (a write through `p.data`) is picked up by the next prefill."""
+        for m in self.modules():
+            fused = getattr(m, "_fused", None)
+            if isinstance(fused, FusedParams):
+                fused.clear()
         return Cache(self.config.n_layers)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
