@@ -29,8 +29,7 @@ def test_gradcheck_fp64(fused, T):
     S0 = torch.randn(B, H, K, V + 1, dtype=torch.float64, requires_grad=True)
 
     def f(q, k, v, S0):
-        O1, S = LinearChunk.apply(q, k, v, S0, C, fused)
-        return O1[:, :, :T], S
+        return LinearChunk.apply(q, k, v, S0, C, fused)
 
     assert torch.autograd.gradcheck(f, (q, k, v, S0))
 
@@ -40,8 +39,8 @@ def test_gradcheck_fp64_many_chunks_and_unused_outputs():
     T = (SCAN_BLOCK + 3) * 4 - 1
     q, k, v = (x.requires_grad_() for x in _qkv(T, torch.float64, B=1))
     S0 = torch.randn(1, H, K, V + 1, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda *a: LinearChunk.apply(*a, 4, "elu+1")[0][:, :, :T], (q, k, v, S0))
-    assert torch.autograd.gradcheck(lambda *a: LinearChunk.apply(*a, 4, "elu+1")[1], (q, k, v, S0))
+    for i in range(3):
+        assert torch.autograd.gradcheck(lambda *a: LinearChunk.apply(*a, 4, "elu+1")[i], (q, k, v, S0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -148,3 +147,29 @@ def test_gated_and_compiled_calls_keep_the_autograd_form():
     assert not L._fast_chunk(linattn.prepare_linear_attention(q, k, v, mode="recurrent"))
     assert not L._fast_chunk(linattn.prepare_linear_attention(q, k, v, feature_map="hadamard_exp"))
     assert L._fast_chunk(linattn.prepare_linear_attention(q, k, v, feature_map="cosformer"))
+
+
+def test_bench_peer_rows(tmp_path):
+    """`bench ops --families peer`: flash-linear-attention's pure-PyTorch chunk functions when they import,
+    otherwise listed as skipped with the reason; never part of the default families."""
+    import json
+
+    from linattn import cli
+    from linattn.bench import ops
+
+    assert "peer" not in ops.DEFAULT_FAMILIES and "peer" in ops.FAMILIES
+    if ops.peer_unavailable(64) is None:
+        assert "T % 64" in ops.peer_unavailable(100)
+    out = tmp_path / "b"
+    assert cli.main(["bench", "ops", "--T", "64", "--H", "2", "--K", "16", "--V", "16", "--repeats", "1", "--warmup",
+                     "0", "--min-time", "0", "--matmul-n", "64", "--families", "peer", "--passes", "fwd",
+                     "--no-memory", "--quiet", "--out", str(out)]) == 0
+    report = json.loads((out / "ops.json").read_text())
+    why = ops.peer_unavailable(64)
+    if why is None:
+        rows = {r["op"]: r for r in report["results"]}
+        assert set(rows) == {"fla_linear", "fla_deltanet"} and all(r["ms"] > 0 for r in rows.values())
+        assert rows["fla_linear"]["chunk_size_used"] == 64
+    else:
+        assert {s["op"] for s in report["skipped"]} == {"fla_linear", "fla_deltanet"}
+        assert all(s["reason"] == why for s in report["skipped"])

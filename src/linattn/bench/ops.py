@@ -70,7 +70,8 @@ really uses, printed in column C and recorded as chunk_size_used, which can diff
 """
 
 TARGET_T = 16384
-FAMILIES = ("linear", "delta", "delta-variants", "feedback", "test-time", "softmax")
+FAMILIES = ("linear", "delta", "delta-variants", "feedback", "test-time", "softmax", "peer")
+DEFAULT_FAMILIES = FAMILIES[:-1]  # "peer" (flash-linear-attention's PyTorch chunk functions) only when asked
 MODES = ("chunk", "recurrent")
 PASSES = ("fwd", "fwdbwd")
 PASS_LABEL = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}
@@ -115,7 +116,12 @@ OPS: Tuple[OpDef, ...] = (
     OpDef("ttt_mlp", "test-time", "TTT-MLP", MODES, color="C2"),
     OpDef("titans", "test-time", "Titans (MLP)", MODES, color="C3"),
     OpDef("softmax", "softmax", "softmax (SDPA)", ("sdpa",), color="k"),
+    # family "peer": flash-linear-attention's pure-PyTorch chunk functions (fla.ops.*.naive), when installed;
+    # never a dependency of linattn, imported only when these rows run
+    OpDef("fla_linear", "peer", "FLA naive linear elu+1", ("chunk",), color="C8"),
+    OpDef("fla_deltanet", "peer", "FLA naive DeltaNet", ("chunk",), color="C9"),
 )
+PEER_CHUNK = 64  # the chunk size of FLA's naive chunk functions (linear attention's is fixed at 64)
 OP_BY_KEY = {o.key: o for o in OPS}
 DELTA_VARIANTS = {"comba": comba, "delta_product": delta_product, "kda": delta_rule}  # family "delta-variants"
 
@@ -132,7 +138,7 @@ def _make_inputs(op: OpDef, B, T, H, K, V, dtype, device, seed) -> Dict[str, tor
 
     q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
     x: Dict[str, torch.Tensor] = {}
-    if op.family == "delta":
+    if op.family == "delta" or op.key == "fla_deltanet":
         q = F.normalize(q, dim=-1)
         if not op.exact:
             k = F.normalize(k, dim=-1)  # DeltaNet: L2-normalised keys; EFLA uses the raw key norm
@@ -195,6 +201,35 @@ def _test_time_call(op: str, x: Dict[str, torch.Tensor], mode: str, chunk_size: 
     return "ttt", ttt, (x["q"], x["k"], x["v"], x["lr"]), kw
 
 
+def peer_unavailable(T: int) -> Optional[str]:
+    """Why the flash-linear-attention peer rows cannot run (None when they can)."""
+    try:
+        import fla.ops.delta_rule.naive  # noqa: F401
+        import fla.ops.linear_attn.naive  # noqa: F401
+    except Exception as e:  # not installed, or its import fails on this machine
+        return f"flash-linear-attention's naive chunk functions cannot be imported ({type(e).__name__}: {e})"
+    if T % PEER_CHUNK:
+        return f"FLA's naive chunk functions need T % {PEER_CHUNK} == 0"
+    return None
+
+
+def _peer_call(op: str, x: Dict[str, torch.Tensor]):
+    """flash-linear-attention's naive (pure PyTorch) chunk functions on the same inputs as linattn's rows:
+    elu+1 features computed first, normalised, scale 1; DeltaNet in its [B, H, T, D] layout, chunk 64."""
+    if op == "fla_linear":
+        from fla.ops.linear_attn.naive import naive_chunk_linear_attn
+
+        def run(q, k, v):
+            return naive_chunk_linear_attn(F.elu(q) + 1, F.elu(k) + 1, v, scale=1.0, normalize=True)
+        return "fla naive_chunk_linear_attn", run, (x["q"], x["k"], x["v"]), {}
+    from fla.ops.delta_rule.naive import delta_rule_chunkwise
+
+    def run_delta(q, k, v, beta):
+        o, _ = delta_rule_chunkwise(*(t.transpose(1, 2) for t in (q, k, v, beta)), chunk_size=PEER_CHUNK)
+        return o.transpose(1, 2)
+    return "fla delta_rule_chunkwise", run_delta, (x["q"], x["k"], x["v"], x["beta"]), {}
+
+
 def _test_time_flops(op: str, mode: str, B, T, H, K, V, C) -> float:
     if op == "mesanet":
         n_it = MESA_ITERS
@@ -236,6 +271,8 @@ def _case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int
         return x, "path_attention", path_attention, (x["q"], x["k"], x["v"], x["w"], x["beta"]), kw
     if opd.family == "test-time":
         return (x, *_test_time_call(op, x, mode, chunk_size))
+    if opd.family == "peer":
+        return (x, *_peer_call(op, x))
     return x, "softmax_attention", softmax_attention, (x["q"], x["k"], x["v"]), dict(causal=True)
 
 
@@ -275,6 +312,8 @@ def case_chunk_size(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: i
         return None
     if OP_BY_KEY[op].family == "feedback":   # block_size as asked, capped at T (one block)
         return min(chunk_size, T)
+    if OP_BY_KEY[op].family == "peer":
+        return PEER_CHUNK
     _, name, _, args, kwargs = _case(op, mode, pass_, B, T, H, K, V, dtype, device, chunk_size, seed)
     if OP_BY_KEY[op].family == "test-time":   # MesaNet: its chunk size; TTT / Titans: the mini-batch
         return (prepare_mesa_net if name == "mesa_net" else prepare_ttt)(*args, **kwargs).chunk_size_used()
@@ -294,7 +333,7 @@ def flops(op: str, mode: str, pass_: str, B, T, H, K, V, C) -> float:
             f += 2.0 * B * H * T * T * K
     elif fam == "test-time":
         f = _test_time_flops(op, mode, B, T, H, K, V, C)
-    elif fam == "linear":
+    elif fam == "linear" or op == "fla_linear":
         f = 4.0 * B * H * T * K * (C + V) if mode == "chunk" else 4.0 * B * H * T * K * V
     else:
         f = B * H * T * (6.0 * C * K + 4.0 * C * V + 6.0 * K * V) if mode == "chunk" else 6.0 * B * H * T * K * V
@@ -326,9 +365,10 @@ def add_arguments(p) -> None:
     p.add_argument("--V", type=int, default=64, help="value head dim (default 64)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
-    p.add_argument("--families", type=_csv(FAMILIES), default=list(FAMILIES),
-                   help=f"comma-separated subset of {','.join(FAMILIES)} (default all; delta-variants: Comba, "
-                        f"DeltaProduct with n={DP_HOUSEHOLDER}, KDA)")
+    p.add_argument("--families", type=_csv(FAMILIES), default=list(DEFAULT_FAMILIES),
+                   help=f"comma-separated subset of {','.join(FAMILIES)} (default all but peer; delta-variants: "
+                        f"Comba, DeltaProduct with n={DP_HOUSEHOLDER}, KDA; peer: flash-linear-attention's "
+                        f"pure-PyTorch chunk functions, when installed)")
     p.add_argument("--modes", type=_csv(MODES), default=list(MODES),
                    help="forms of linear and delta: chunk,recurrent (default both)")
     p.add_argument("--passes", type=_csv(PASSES), default=list(PASSES),
@@ -415,7 +455,9 @@ def _plan(a):
             for mode in modes:
                 for ps in a.passes:
                     rec = {"T": T, "op": op.key, "mode": mode, "pass": ps}
-                    if op.family == "softmax" and max_sm is not None and T > max_sm:
+                    if op.family == "peer" and peer_unavailable(T) is not None:
+                        skipped.append({**rec, "reason": peer_unavailable(T)})
+                    elif op.family == "softmax" and max_sm is not None and T > max_sm:
                         skipped.append({**rec, "reason": f"T > --max-T-softmax={max_sm} (O(T^2); not run, "
                                                           f"not extrapolated)"})
                     elif mode == "recurrent" and ps == "fwd" and max_rec is not None and T > max_rec:

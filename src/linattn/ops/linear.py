@@ -19,7 +19,8 @@ running max: the true state is exp(mu_d) * S_d. Each output row is computed rela
 maximum log-weight c_i, which cancels in the normalised output (and is multiplied back otherwise).
 Chunkwise, those maps and diagonal (GLA) gates use the log-space block algorithm below, whose
 every exponent is <= 0, with blocks of LOG_BLOCK tokens; the plain feature maps with no gate or a
-scalar gate use pure matmuls. The log-space maps with no gate or a scalar gate also have a matmul
+scalar gate use pure matmuls (without a gate, in eager mode, through the fused form with a hand-written
+backward in `ops/linear_chunk.py`). The log-space maps with no gate or a scalar gate also have a matmul
 path, for CPU tensors in eager mode: features shifted per chunk by the chunk's first key, rows scaled
 by a running maximum, and a row-local test of which rows that represents exactly (the others, rare,
 come from the block path). On CUDA and under torch.compile the log-space maps always take the block

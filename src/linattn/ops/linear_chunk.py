@@ -117,7 +117,7 @@ def _causal_baddbmm_(out: torch.Tensor, A: torch.Tensor, X: torch.Tensor) -> tor
 
 class LinearChunk(torch.autograd.Function):
     """(q, k [B, T, H, Kf] (features, or the inputs of the `fused` map), v [B, T, H, V], S0 [B, H, Kf, V + 1],
-    C, fused) -> (O1 [B, H, Tp, V + 1] = [num | den] on the padded length Tp, S_final [B, H, Kf, V + 1])."""
+    C, fused) -> (num [B, H, T, V], den [B, H, T], S_final [B, H, Kf, V + 1])."""
 
     @staticmethod
     def forward(ctx, q, k, v, S0, C: int, fused: Optional[str]):
@@ -128,40 +128,52 @@ class LinearChunk(torch.autograd.Function):
         Tp = n * C
         Qb = _features_(_to_chunks(q, Tp), fused, T)
         Kb = _features_(_to_chunks(k, Tp), fused, T)
-        V1b = _to_chunks(v, Tp, extra_ones=True)
-        Q, K, V1 = Qb.view(-1, C, Kf), Kb.view(-1, C, Kf), V1b.view(-1, C, V + 1)
+        Vb = _to_chunks(v, Tp)
+        Q, K, Vc = Qb.view(-1, C, Kf), Kb.view(-1, C, Kf), Vb.view(-1, C, V)
         A = torch.bmm(Q, K.transpose(1, 2)).tril_()                     # [BHn, C, C], masked by selection
-        U = torch.bmm(K.transpose(1, 2), V1).view(B, H, n, Kf, V + 1)   # each chunk's [kv | z]
-        P, S = _scan(U, S0)
+        U = torch.bmm(K.transpose(1, 2), Vc).view(B, H, n, Kf, V)       # each chunk's kv
+        P, S_kv = _scan(U, S0[..., :V])
         P = P.contiguous()
-        O1 = _causal_baddbmm_(torch.bmm(Q, P.view(-1, Kf, V + 1)), A, V1)
-        ctx.save_for_backward(Q, K, V1, A, P)
+        zP, S_z = _scan(K.sum(1).view(B, H, n, Kf, 1), S0[..., V:])      # the normaliser's state, beside
+        zP = zP.contiguous()
+        num = _causal_baddbmm_(torch.bmm(Q, P.view(-1, Kf, V)), A, Vc)
+        den = torch.bmm(Q, zP.view(-1, Kf, 1)).view(-1, C).add_(A.sum(-1))
+        ctx.save_for_backward(Q, K, Vc, A, P, zP)
         ctx.shape = (B, T, H, Kf, V, n, C, fused)
-        return O1.view(B, H, Tp, V + 1), S
+        num = num.view(B, H, Tp, V)[:, :, :T]
+        den = den.view(B, H, Tp)[:, :, :T]
+        return num, den, torch.cat([S_kv, S_z], dim=-1)
 
     @staticmethod
-    def backward(ctx, dO1, dS):
-        Q, K, V1, A, P = ctx.saved_tensors
+    def backward(ctx, dnum, dden, dS):
+        Q, K, Vc, A, P, zP = ctx.saved_tensors
         B, T, H, Kf, V, n, C, fused = ctx.shape
-        W1 = V + 1
-        if dO1 is None:
-            dO = torch.zeros_like(V1)
-        else:
-            dO = dO1.to(Q.dtype).contiguous().view(-1, C, W1)
-        # the chunk states' gradients: dU_c = dS + sum_{c' > c} Q_c'^T dO_c' (a reverse running sum)
-        Wq = torch.bmm(Q.transpose(1, 2), dO).view(B, H, n, Kf, W1)
-        dU, dS0 = _scan(Wq, dS, reverse=True)
-        dU = dU.contiguous().view(-1, Kf, W1)
-        dA = torch.bmm(dO, V1.transpose(1, 2)).tril_()                  # [BHn, C, C]
-        dQ = torch.bmm(dO, P.view(-1, Kf, W1).transpose(1, 2)).baddbmm_(dA, K)
-        dK = torch.bmm(V1, dU.transpose(1, 2)).baddbmm_(dA.transpose(1, 2), Q)
-        dV1 = torch.bmm(K, dU).baddbmm_(A.transpose(1, 2), dO)
+        BHn = Q.shape[0]
+        dN = Vc.new_zeros(B, H, n * C, V) if (dnum is None or n * C > T) else Vc.new_empty(B, H, n * C, V)
+        dD = Vc.new_zeros(B, H, n * C)
+        if dnum is not None:
+            dN[:, :, :T].copy_(dnum)
+        if dden is not None:
+            dD[:, :, :T].copy_(dden)
+        dN, dD = dN.view(BHn, C, V), dD.view(BHn, C, 1)
+        # the chunk states' gradients: dU_c = dS + sum_{c' > c} Q_c'^T dnum_c' (reverse running sums)
+        dU, dP0 = _scan(torch.bmm(Q.transpose(1, 2), dN).view(B, H, n, Kf, V),
+                        dS[..., :V] if dS is not None else None, reverse=True)
+        dz, dz0 = _scan(torch.bmm(Q.transpose(1, 2), dD).view(B, H, n, Kf, 1),
+                        dS[..., V:] if dS is not None else None, reverse=True)
+        dU = dU.contiguous().view(BHn, Kf, V)
+        dA = torch.bmm(dN, Vc.transpose(1, 2)).add_(dD).tril_()         # [BHn, C, C]
+        dQ = torch.bmm(dN, P.view(BHn, Kf, V).transpose(1, 2)).baddbmm_(dA, K)
+        dQ.baddbmm_(dD, zP.view(BHn, 1, Kf))
+        dK = torch.bmm(Vc, dU.transpose(1, 2)).baddbmm_(dA.transpose(1, 2), Q)
+        dK.add_(dz.reshape(BHn, 1, Kf))
+        dV = torch.bmm(K, dU).baddbmm_(A.transpose(1, 2), dN)
         dQ, dK = _features_grad_(dQ, Q, fused), _features_grad_(dK, K, fused)
 
-        def back(x, D):  # [BHn, C, D'] -> [B, T, H, D] (a view)
-            return x.view(B, H, n * C, -1)[:, :, :T, :D].transpose(1, 2)
+        def back(x):  # [BHn, C, D] -> [B, T, H, D] (a view)
+            return x.view(B, H, n * C, -1)[:, :, :T].transpose(1, 2)
 
-        return back(dQ, Kf), back(dK, Kf), back(dV1, V), dS0, None, None
+        return back(dQ), back(dK), back(dV), torch.cat([dP0, dz0], dim=-1), None, None
 
 
 def linear_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor, C: int,
@@ -169,7 +181,5 @@ def linear_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Te
     """The causal chunk form without a gate. q, k [B, T, H, Kf]: the features (fused=None) or the inputs of
     the fused map (`FUSED`); v [B, T, H, V]; any strides; S0 [B, H, Kf, V + 1].
     -> ((num [B, H, T, V], den [B, H, T]), final state [B, H, Kf, V + 1])."""
-    T, V = q.shape[1], v.shape[-1]
-    O1, S = LinearChunk.apply(q, k, v, S0, C, fused)
-    O1 = O1[:, :, :T]
-    return (O1[..., :V], O1[..., V]), S
+    num, den, S = LinearChunk.apply(q, k, v, S0, C, fused)
+    return (num, den), S
