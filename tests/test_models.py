@@ -113,6 +113,17 @@ def test_mixer_causal_and_state_dict(mixer):
         assert torch.equal(model(ids).logits, clone(ids).logits)
 
 
+@pytest.mark.parametrize("mixer", mixer_params())
+def test_mixer_trains_under_bf16_autocast(mixer):
+    """`linattn train --dtype bf16` on a CPU: forward and backward under autocast, finite, chunk > 64 tokens."""
+    model = tiny(mixer, n_layers=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids_(B=2, T=70)).logits.float().pow(2).mean()
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters()
+                                        if p.grad is not None)
+
+
 @pytest.mark.parametrize("mixer", [m for m in mixers() if not m.startswith(("softmax", "swa"))
                                    and (HAS_DELTA or m not in DELTA) and m not in KV_CACHE])
 def test_linear_cache_is_constant_size(mixer):

@@ -624,9 +624,10 @@ def _log_chunk_matmul(fq, fk, vt, glog, S, mu, C):
 
 def _fast_chunk(p: LinearProblem) -> bool:
     """Whether the call takes the fast chunk form (ops/linear_chunk.py): causal, chunk mode, linear-space
-    features, no gate, eager mode (under torch.compile the autograd form traces into one graph)."""
+    features, no gate, eager mode (under torch.compile the autograd form traces into one graph), and no
+    autocast (its in-place products would meet autocast's low-precision matmul results)."""
     return (p.causal and p.mode == "chunk" and p.log_gate is None and not p.fmap.log_space
-            and not torch.compiler.is_compiling())
+            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled(p.q.device.type))
 
 
 def _run_fast_chunk(p: LinearProblem, cdt):
