@@ -39,3 +39,12 @@ def one_thread_module():
     """`one_thread` for a whole module, its module-scoped fixtures included (they run before function-scoped
     ones): `pytestmark = pytest.mark.usefixtures("one_thread_module")`."""
     yield from _single_thread()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small generated code-like corpus (`test_training.make_corpus`), one per test module; the modules
+    that need another kind of text define their own `corpus`."""
+    from test_training import make_corpus
+
+    return make_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")

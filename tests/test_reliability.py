@@ -20,7 +20,8 @@ from linattn.cli import main
 from linattn.training import TrainConfig, TrainError, read_metrics, train
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_training import make_corpus, tiny_model  # noqa: E402
+from test_training import tiny_model  # noqa: E402
+from test_training_cli import train_argv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,16 +37,11 @@ def dead_pid() -> int:
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
-
-
 def argv(corpus, out, *extra):
-    return ["train", "--data", str(corpus), "--out", str(out), "--mixer", "efla", "--vocab-size", "300",
-            "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "32", "--batch-size", "4",
-            "--steps", "4", "--lr", "3e-3", "--warmup", "1", "--log-every", "1", "--save-every", "2",
-            "--eval-every", "0", "--eval-batches", "1", "--threads", "1", "--no-progress", *extra]
+    """test_training_cli's tiny run, shorter: 4 steps, a record every step, a checkpoint every 2, no evaluation
+    (a later flag wins in argparse, and `extra` comes last)."""
+    return train_argv(corpus, out, "--steps", "4", "--warmup", "1", "--log-every", "1", "--save-every", "2",
+                      "--eval-every", "0", "--eval-batches", "1", *extra)
 
 
 def error_line(capsys) -> str:

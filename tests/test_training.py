@@ -42,11 +42,6 @@ def make_corpus(path, n_lines=400, seed=0):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
-
-
-@pytest.fixture(scope="module")
 def tokenizer(corpus):
     return train_tokenizer([corpus.read_text()], vocab_size=300)
 

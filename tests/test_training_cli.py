@@ -20,11 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
-
-
 def train_argv(corpus, out, *extra):
     return ["train", "--data", str(corpus), "--out", str(out), "--mixer", "efla", "--vocab-size", "300",
             "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "32", "--batch-size", "4",
