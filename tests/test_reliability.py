@@ -412,6 +412,13 @@ def test_old_checkpoints_without_the_architecture_still_load(tmp_path):
     assert ck.step == 1
 
 
+
+def test_checkpoints_with_values_older_versions_accepted_still_load(trained, tmp_path):
+    """grad_clip -1, keep_last 0 and threads 0 were legal before validation; such checkpoints keep loading."""
+    out = copy_run(trained, tmp_path / "run")
+    _edit_config(out, lambda m: m["train"].update(grad_clip=-1.0, keep_last=0, threads=0))
+    assert ckpt.load_checkpoint(out / "step_00000004").step == 4
+
 # ----------------------------------------------------------------------------- 6. small leftovers
 
 def test_dangling_latest_is_one_clear_message(trained, corpus, tmp_path, capsys):

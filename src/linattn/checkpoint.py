@@ -225,10 +225,10 @@ def check_checkpoint_config(meta: Any, where: PathLike) -> None:
 
 
 def _check_train_section(train: Dict[str, Any], where: PathLike) -> None:
-    from .training.config import TrainConfig  # the schema of the "train" section (loaded on first use)
+    from .training.config import TrainConfig, legacy_values  # the "train" schema (loaded on first use)
 
-    try:
-        TrainConfig.from_dict(train).validate()
+    try:   # values older versions accepted (grad_clip -1, keep_last 0, threads 0) keep their old meaning
+        TrainConfig.from_dict(legacy_values(train)).validate()
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{where}: train: {' '.join(str(e).split())}") from None
 
