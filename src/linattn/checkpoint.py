@@ -34,7 +34,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +42,14 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 
 from .errors import CheckpointError  # noqa: F401  (re-exported)
-from .io import TMP_PREFIX as IO_TMP_PREFIX, atomic_write_bytes, atomic_write_text, fsync_dir  # noqa: F401
+from .io import (  # noqa: F401
+    CHECKPOINT_TMP_PREFIX as TMP_PREFIX,
+    atomic_write_bytes,
+    atomic_write_text,
+    fsync_dir,
+    pid_alive,
+    remove_stale_temps,
+)
 from .models import family
 
 CHECKPOINT_FORMAT = "linattn-checkpoint/1"
@@ -53,7 +59,6 @@ TOKENIZER_FILE = "tokenizer.json"
 STATE_FILE = "training_state.pt"
 LATEST_FILE = "latest"
 STEP_PREFIX = "step_"
-TMP_PREFIX = ".tmp_"
 ARCH_KEY = "linattn_arch"          # safetensors metadata: the architecture of the weights (JSON)
 # Model config fields that change what the weights compute without changing their shapes (any family).
 ARCH_FIELDS = ("mixer_kwargs", "rope", "rope_base", "window", "residual", "hyperlink_ffn_skip", "memory_lobe",
@@ -80,39 +85,6 @@ def _fsync_file(path: Path) -> None:
 
 def atomic_write_json(path: PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` runs on this machine (one of another user counts)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
-_TEMP_NAME = re.compile(r"^(?:" + re.escape(TMP_PREFIX) + "|" + re.escape(IO_TMP_PREFIX) + r").+\.(\d+)$")
-
-
-def remove_stale_temps(folder: PathLike) -> List[str]:
-    """Remove the temporary files and folders (`.tmp_*.<pid>`, `.tmp-*.<pid>`) that a writer killed
-    mid-write left in `folder`: only those whose pid is dead. Returns their names."""
-    d = Path(folder)
-    removed = []
-    for p in sorted(d.iterdir()) if d.is_dir() else []:
-        m = _TEMP_NAME.match(p.name)
-        if m is None or pid_alive(int(m.group(1))):
-            continue
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-        removed.append(p.name)
-    return removed
 
 
 def nonfinite_tensors(state_dict: Dict[str, torch.Tensor]) -> List[str]:

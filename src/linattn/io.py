@@ -7,11 +7,45 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, List, Optional, Union
 
 PathLike = Union[str, os.PathLike]
 TMP_PREFIX = ".tmp-"  # temporary files (and folders) in flight carry this prefix
+CHECKPOINT_TMP_PREFIX = ".tmp_"  # checkpoint folders in flight (checkpoint.py)
+_TEMP_NAME = re.compile(r"^(?:" + re.escape(TMP_PREFIX) + "|" + re.escape(CHECKPOINT_TMP_PREFIX) + r").+\.(\d+)$")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this machine (one of another user counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def remove_stale_temps(folder: PathLike) -> List[str]:
+    """Remove the temporary files and folders (`.tmp-*.<pid>`, `.tmp_*.<pid>`) that a writer killed
+    mid-write left in `folder`: only those whose pid is dead. Returns their names."""
+    d = Path(folder)
+    removed = []
+    for p in sorted(d.iterdir()) if d.is_dir() else []:
+        m = _TEMP_NAME.match(p.name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p.name)
+    return removed
 
 
 def fsync_dir(path: PathLike) -> None:

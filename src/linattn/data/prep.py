@@ -42,7 +42,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..io import TMP_PREFIX, fsync_dir, read_json, write_json
+from ..io import TMP_PREFIX, fsync_dir, read_json, remove_stale_temps, write_json
 from .corpus import (
     DEFAULT_CORPUS_NAME,
     DEFAULT_STDLIB_MAX_BYTES,
@@ -114,27 +114,6 @@ def tokenizer_key(tokenizer: BPETokenizer) -> str:
     return _sha(json.loads(tokenizer.to_str()))
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
-def _remove_stale_temps(folder: Path) -> None:
-    """Temporary files of processes that no longer run (killed mid-write)."""
-    for p in folder.glob(TMP_PREFIX + "*"):
-        pid = p.name.rsplit(".", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            try:
-                p.unlink()
-            except OSError:
-                pass
-
-
 def _remove_others(folder: Path, prefix: str, keep: Sequence[str]) -> None:
     for p in folder.glob(prefix + "*"):
         if p.name not in keep:
@@ -156,7 +135,7 @@ def _cache_folder(cache_dir: Optional[Union[str, os.PathLike]], create: bool = T
         print(f"[linattn] cannot use the data cache {folder} ({e.strerror or e}); tokenizing in memory",
               file=sys.stderr, flush=True)
         return None
-    _remove_stale_temps(folder)
+    remove_stale_temps(folder)
     return folder
 
 

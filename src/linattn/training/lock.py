@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
-from ..checkpoint import pid_alive
+from ..io import pid_alive
 from .config import TrainError
 
 try:
