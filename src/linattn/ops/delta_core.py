@@ -249,8 +249,6 @@ def _chunk(q, k, v, b, r, g, S, C):
         S = torch.baddbmm(S if dec_i is None else dec_i * S, KdT_i, U)
     starts, Us = torch.stack(starts, dim=1), torch.stack(Us, dim=1)  # [BH, n, K or C, V]
     # a later pseudo-value (inf or NaN after a non-finite token) never reaches an earlier row
-    # (out of place: under autocast the product comes back in bf16/fp16 while q_dec and the states stay
-    # fp32, and an in-place baddbmm_ is not autocast)
     o = torch.baddbmm(causal_matmul(Aqk.reshape(BH * n, C, C), Us.view(BH * n, C, V)), q_dec.reshape(BH * n, C, K),
                       starts.view(BH * n, K, V))
     o = o.view(B, H, n * C, V)[:, :, :T]
@@ -427,24 +425,27 @@ def _run_torch(p: DeltaProblem):
         C = q.shape[2] if p.mode == "parallel" else p.chunk_size_used("torch")
         return _chunk(q, k, v, b, r, g, S, C)
 
-    # the inputs are already in the compute dtype (fp32 for half inputs); autocast must not take the
-    # products back to bf16/fp16 (the CPU's triangular solve has no bf16 kernel, and the states stay fp32)
-    with torch.autocast(q.device.type, enabled=False):
-        if p.offsets is None:
-            o, S = run(q, k, v, b, r, g, S0)
-        else:
-            outs, states = [], []
-            for i, (lo, hi) in enumerate(zip(p.offsets[:-1], p.offsets[1:])):
-                sl = slice(lo, hi)
-                o_i, S_i = run(q[:, :, sl], k[:, :, sl], v[:, :, sl], b[:, :, sl],
-                               r[:, :, sl] if r is not None else None, g[:, :, sl] if g is not None else None,
-                               S0[i:i + 1])
-                outs.append(o_i), states.append(S_i)
-            o, S = torch.cat(outs, dim=2), torch.cat(states)
+    if p.offsets is None:
+        o, S = run(q, k, v, b, r, g, S0)
+    else:
+        outs, states = [], []
+        for i, (lo, hi) in enumerate(zip(p.offsets[:-1], p.offsets[1:])):
+            sl = slice(lo, hi)
+            o_i, S_i = run(q[:, :, sl], k[:, :, sl], v[:, :, sl], b[:, :, sl],
+                           r[:, :, sl] if r is not None else None, g[:, :, sl] if g is not None else None,
+                           S0[i:i + 1])
+            outs.append(o_i), states.append(S_i)
+        o, S = torch.cat(outs, dim=2), torch.cat(states)
     return o.transpose(1, 2), S
 
 
 def run_delta(p: DeltaProblem, backend: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run a prepared call on `backend` -> (o [B, T, H, V] in the input dtype, final state or None)."""
-    o, S = triton_delta(p) if select_backend(backend, p) == "triton" else _run_torch(p)
+    if select_backend(backend, p) == "triton":
+        o, S = triton_delta(p)
+    else:
+        # the forms compute in the prepared compute dtype (fp32 for half inputs): autocast must not take their
+        # products back to bf16/fp16 (the CPU's triangular solve has no bf16 kernel; the states stay fp32)
+        with torch.autocast(p.q.device.type, enabled=False):
+            o, S = _run_torch(p)
     return o.to(p.out_dtype), (S if p.output_final_state else None)

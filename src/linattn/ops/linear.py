@@ -624,10 +624,9 @@ def _log_chunk_matmul(fq, fk, vt, glog, S, mu, C):
 
 def _fast_chunk(p: LinearProblem) -> bool:
     """Whether the call takes the fast chunk form (ops/linear_chunk.py): causal, chunk mode, linear-space
-    features, no gate, eager mode (under torch.compile the autograd form traces into one graph), and no
-    autocast (its in-place products would meet autocast's low-precision matmul results)."""
+    features, no gate, eager mode (under torch.compile the autograd form traces into one graph)."""
     return (p.causal and p.mode == "chunk" and p.log_gate is None and not p.fmap.log_space
-            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled(p.q.device.type))
+            and not torch.compiler.is_compiling())
 
 
 def _run_fast_chunk(p: LinearProblem, cdt):
@@ -734,11 +733,14 @@ def run_linear_attention(p: LinearProblem, backend: str = "auto"):
     if select_backend(backend, p) == "triton":
         num, den, kv, z = triton_linear_attention(p)
         return finish(p, num, den, None, kv, z, None)
-    num, den, c, S, mu = _run_torch(p)
-    V = p.v.shape[-1]
-    kv, z = (S[..., :V], S[..., V]) if S is not None else (None, None)
-    num, den = num.transpose(1, 2), den.transpose(1, 2)  # [B, H, T, *] -> [B, T, H, *]
-    return finish(p, num, den, c.transpose(1, 2) if c is not None else None, kv, z, mu)
+    # the forms compute in the prepared compute dtype (fp32 for half inputs): autocast must not take their
+    # products back to bf16/fp16 (nor meet the fast form's in-place products)
+    with torch.autocast(p.q.device.type, enabled=False):
+        num, den, c, S, mu = _run_torch(p)
+        V = p.v.shape[-1]
+        kv, z = (S[..., :V], S[..., V]) if S is not None else (None, None)
+        num, den = num.transpose(1, 2), den.transpose(1, 2)  # [B, H, T, *] -> [B, T, H, *]
+        return finish(p, num, den, c.transpose(1, 2) if c is not None else None, kv, z, mu)
 
 
 def linear_attention(
