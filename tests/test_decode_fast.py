@@ -324,3 +324,32 @@ def test_a_new_generation_sees_weights_written_through_data():
     with torch.no_grad():
         full = m(ids).logits[:, -1]
     torch.testing.assert_close(decode_logits(), full, rtol=1e-5, atol=1e-5)
+
+
+def test_model_decoding_runs_global_hooks_of_blocks():
+    """A global forward hook sees every module a decoding step runs, the blocks' norms and FFN included."""
+    torch.manual_seed(0)
+    m = LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, mixer="linear-elu+1")).eval()
+    ids = torch.randint(0, 64, (1, 6))
+    seen = []
+    with torch.no_grad():
+        cache = m(ids[:, :5], use_cache=True).cache
+        handle = nn.modules.module.register_module_forward_hook(lambda mod, i, o: seen.append(type(mod).__name__))
+        try:
+            m(ids[:, 5:], cache=cache)
+        finally:
+            handle.remove()
+    assert seen.count("SwiGLU") == 2 and seen.count("RMSNorm") == 5   # 2 blocks x 2 norms + the final norm
+
+
+def test_diagonal_gate_replaced_by_an_adapter_takes_the_general_step():
+    torch.manual_seed(0)
+    m = LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, mixer="gla")).eval()
+    mixer = m.blocks[0].mixer
+    mixer.gk_proj = nn.Linear(32, mixer.gk_proj[1].out_features)   # e.g. a wrapper that merged the low rank
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        cache = m(ids[:, :5], use_cache=True).cache
+        step = m(ids[:, 5:], cache=cache).logits[:, -1]
+        full = m(ids).logits[:, -1]
+    torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)

@@ -44,8 +44,11 @@ _GLOBAL_HOOKS = (getattr(nn.modules.module, "_global_forward_hooks", {}),
                  getattr(nn.modules.module, "_global_forward_pre_hooks", {}))
 
 
-def _no_hooks(m: nn.Module) -> bool:
-    return not (m._forward_hooks or m._forward_pre_hooks)
+def hooked(*modules: Optional[nn.Module]) -> bool:
+    """Whether a forward hook is registered globally or on one of `modules`: the fast decoding steps
+    compute these modules' forward themselves, so they step aside for any hook."""
+    return bool(_GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1]) or any(
+        m is not None and bool(m._forward_hooks or m._forward_pre_hooks) for m in modules)
 
 
 class AttentionBase(nn.Module):
@@ -222,21 +225,20 @@ class AttentionBase(nn.Module):
         `_fast_extra()`), or None."""
         if not (self.fast_decode and cache is not None and cu_seqlens is None and x.shape[1] == 1
                 and x.device.type == "cpu" and not torch.is_grad_enabled()
-                and x.dtype in (torch.float32, torch.float64) and not _GLOBAL_HOOKS[0] and not _GLOBAL_HOOKS[1]
-                and self._fast_supported()):
+                and x.dtype in (torch.float32, torch.float64) and self._fast_supported()):
             return None
         mods = self._modules
         lins = (mods["q_proj"], mods["k_proj"], mods["v_proj"]) + self._fast_extra()
         for m in lins + (mods["o_proj"],):
-            if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks or m.weight.dtype != x.dtype:
+            if type(m) is not nn.Linear or m.weight.dtype != x.dtype:
                 return None
         norm = mods.get("o_norm")
-        if norm is not None and (type(norm) is not GatedRMSNorm or norm._forward_hooks or norm._forward_pre_hooks):
+        if (norm is not None and type(norm) is not GatedRMSNorm) or hooked(*lins, mods["o_proj"], norm):
             return None
         if self.short_conv:
             c0, c1, c2 = mods["q_conv"], mods["k_conv"], mods["v_conv"]
             for c in (c0, c1, c2):
-                if (type(c) is not ShortConv or c._forward_hooks or c._forward_pre_hooks
+                if (type(c) is not ShortConv or hooked(c)
                         or c.kernel_size != c0.kernel_size or c.activation != c0.activation
                         or (c._parameters.get("bias") is None) != (c0._parameters.get("bias") is None)):
                     return None

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..errors import LinattnError
 from ..feature_maps import CosFormer, EluPlusOne, FAVORPlus, FeatureMap, Identity, ReLU, get_feature_map
 from ..ops import LinearAttentionState, linear_attention
-from .base import AttentionBase
+from .base import AttentionBase, hooked
 from .cache import LayerCache
 from .common import mamba_log_decay
 
@@ -131,6 +131,10 @@ class LinearAttention(AttentionBase):
     # -- single-token decoding (AttentionBase's fast path) ----------------------------------------
     def _fast_supported(self) -> bool:
         fm = self.feature_map
+        if self.gate == "diagonal":   # the low-rank gate exactly as built (an adapter may have replaced it)
+            g = self._modules["gk_proj"]
+            if not (type(g) is nn.Sequential and len(g) == 2 and type(g[1]) is nn.Linear) or hooked(g, g[1]):
+                return False
         return type(self) is LinearAttention and not fm.log_space and not fm.positional
 
     def _fast_extra(self):
@@ -151,12 +155,6 @@ class LinearAttention(AttentionBase):
         """The recurrent form of `linear_attention` for one token, with the state [kv | z] kept as one
         tensor (kv and z in the cache are views of it); linear-space, non-positional maps only."""
         fm = self.feature_map
-        if self.gate == "diagonal" and not (type(self.gk_proj) is nn.Sequential and len(self.gk_proj) == 2
-                                            and type(self.gk_proj[1]) is nn.Linear
-                                            and not (self.gk_proj._forward_hooks or self.gk_proj._forward_pre_hooks
-                                                     or self.gk_proj[1]._forward_hooks
-                                                     or self.gk_proj[1]._forward_pre_hooks)):
-            return None
         B, H, V, cdt = x.shape[0], self.n_heads, self.head_dim_v, x.dtype
         Kf = self.__dict__.get("_fast_kf")
         if Kf is None:

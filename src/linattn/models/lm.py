@@ -27,6 +27,7 @@ import torch.utils.checkpoint
 
 from ..errors import LinattnError, LinattnTypeError
 from ..layers import Cache, RMSNorm, SwiGLU, check_cu_seqlens
+from ..layers.base import hooked
 from ..layers.common import FusedParams
 from ..ops._common import check_values
 from .config import LMConfig
@@ -129,9 +130,8 @@ class Block(nn.Module):
         if ffn is not None and (type(parts[3]) is not nn.Linear or type(parts[4]) is not nn.Linear
                                 or parts[3].weight.dtype != x.dtype):
             return None
-        for m in parts:
-            if m is not None and (m._forward_hooks or m._forward_pre_hooks):
-                return None
+        if hooked(*parts):
+            return None
         for n in (n1, n2):
             if n is not None and (type(n) is not RMSNorm or (n.weight is not None and n.weight.dtype != x.dtype)):
                 return None
