@@ -477,3 +477,20 @@ def test_skip_nonfinite_must_be_a_bool():
 
     with pytest.raises(ConfigError, match="skip_nonfinite"):
         TrainConfig(skip_nonfinite="yes").validate()
+
+
+def test_trainer_suspends_raising_checks_but_keeps_the_fast_cpu_paths():
+    """The training step turns off only the raising value checks; the host reads that pick an equal-result
+    faster path (causal_matmul's all-finite shortcut) stay on, and a level the user set is kept."""
+    from linattn.ops import _common, get_checks, set_checks, value_checks_suspended
+
+    x = torch.ones(3)
+    with value_checks_suspended():
+        assert get_checks() == "auto" and not _common.check_values(x) and _common._reads_values(x)
+    assert _common.check_values(x)
+    previous = set_checks("full")
+    try:
+        with value_checks_suspended():
+            assert _common.check_values(x)
+    finally:
+        set_checks(previous)

@@ -4,7 +4,7 @@ Each public operator validates and prepares its call once (`prepare_*` -> a prob
 runs it on a backend (`backend.py`: the PyTorch forms or the Triton kernels). `reference.py` holds
 the fp64 references the tests, benchmarks and demo compare against.
 """
-from ._common import get_checks, set_checks
+from ._common import get_checks, set_checks, value_checks_suspended
 from .comba import comba
 from .delta import delta_rule
 from .delta_core import prepare_delta
@@ -50,4 +50,4 @@ __all__ = ["delta_rule", "linear_attention", "LinearAttentionState", "softmax_at
            "mesa_net", "MesaState", "prepare_mesa_net", "ttt", "titans", "TTTState", "prepare_ttt",
            "forgetting_attention", "forgetting_attention_step", "ForgettingAttentionState",
            "deltaformer", "deltaformer_step", "DeltaFormerState", "path_attention", "path_attention_step", "PaTHState",
-           "get_checks", "chunk_size_used", "prepare_linear_attention", "prepare_delta"]
+           "get_checks", "value_checks_suspended", "chunk_size_used", "prepare_linear_attention", "prepare_delta"]

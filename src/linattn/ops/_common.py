@@ -18,6 +18,7 @@ The environment variable LINATTN_CHECKS sets the initial level.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -48,9 +49,25 @@ def get_checks() -> str:
     return _checks
 
 
+_suspended = False   # value checks suspended by `value_checks_suspended` (the trainer's steps)
+
+
+@contextlib.contextmanager
+def value_checks_suspended():
+    """Inside, the value checks of the "auto" level (which raise on a NaN) do not run; a level the user
+    set ("full", "shapes") is kept, and the host reads that only choose a faster path giving the same
+    result (`_reads_values`) still happen. The trainer checks the loss and gradients itself."""
+    global _suspended
+    previous, _suspended = _suspended, _suspended or _checks == "auto"
+    try:
+        yield
+    finally:
+        _suspended = previous
+
+
 def check_values(x: torch.Tensor) -> bool:
     """Whether value checks run for tensors like `x` (see `set_checks`)."""
-    if _checks == "shapes":
+    if _checks == "shapes" or _suspended:
         return False
     if _checks == "full":
         return True

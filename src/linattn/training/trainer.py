@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from ..data.corpus import CorpusError, PackedTokens
 from ..errors import CheckpointError
 from ..models.family import build_model
-from ..ops import get_checks, set_checks
+from ..ops import value_checks_suspended
 from .config import TrainConfig, TrainError, TrainingDiverged, resolve_device
 from .distributed import Dist
 from .schedule import autocast, lr_at, make_optimizer, set_lr
@@ -63,21 +63,6 @@ class StepOutput:
     grad_norm: Optional[float]            # before clipping; None without clipping
     aux_loss: Optional[float]             # the model's auxiliary loss (MoE load balancing)
     skipped: Optional[str] = None         # why the batch was skipped (skip_nonfinite), else None
-
-
-@contextlib.contextmanager
-def _trainer_checks():
-    """Inside a training step the trainer checks the loss and the gradients itself, on every device;
-    the operators' host-side value checks (which raise on a NaN, on the CPU only) are left out there,
-    so that diverging weights surface as a non-finite loss that names the step (`set_checks`)."""
-    if get_checks() != "auto":
-        yield
-        return
-    previous = set_checks("shapes")
-    try:
-        yield
-    finally:
-        set_checks(previous)
 
 
 def _nonfinite_reason(loss: float, aux: Optional[float], grad_norm: float) -> Optional[str]:
@@ -237,7 +222,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         aux_sum: Optional[torch.Tensor] = None
-        with _trainer_checks():
+        # the operators' raising value checks are left out: a NaN surfaces as a non-finite loss naming the step
+        with value_checks_suspended():
             for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
                 with self._sync(i == n - 1):
                     with autocast(dev, cfg.dtype):
@@ -305,7 +291,7 @@ class Trainer:
         """Validation loss on `data` with the run's batch size, dtype and `eval_batches` (the rows of
         every batch shared among the processes, the sums all-reduced)."""
         cfg = self.config
-        with _trainer_checks():   # weights gone bad show as a NaN loss here too
+        with value_checks_suspended():   # weights gone bad show as a NaN loss here too
             return evaluate(self.wrapped, data, batch_size=cfg.batch_size, device=self.device, dtype=cfg.dtype,
                             max_batches=cfg.eval_batches if max_batches is None else max_batches,
                             eos_id=self.eos_id, dist=self.dist)
