@@ -83,7 +83,6 @@ class PreparedTokens:
     manifest: Manifest
     cache: Optional[Path] = None      # the token file, when cached
     reused: bool = False              # the tokens came from the cache
-    tokenizer_reused: bool = False    # the trained tokenizer came from the cache
     seconds: Dict[str, float] = field(default_factory=dict)   # per phase
 
 
@@ -309,11 +308,9 @@ def prepare_tokens(data: Union[str, os.PathLike, None], *, max_bytes: Optional[i
     _say(progress, f"data {manifest.root}: {_mb(manifest.nbytes)} in {len(manifest.files)} file(s)")
     folder = _cache_folder(cache_dir, create=write_cache)
     dkey = data_key(manifest, max_bytes, val_fraction)
-    tokenizer_reused = False
     if tokenizer is None:
         tkey = _sha([dkey, vocab_size])[:24]
         tokenizer = _cached_tokenizer(folder, tkey)
-        tokenizer_reused = tokenizer is not None
         if tokenizer is None:
             t = time.perf_counter()
             _say(progress, f"training the tokenizer (vocab {vocab_size}) on {_mb(sum(p.nbytes for p in train_parts))}")
@@ -329,7 +326,7 @@ def prepare_tokens(data: Union[str, os.PathLike, None], *, max_bytes: Optional[i
             train, val, meta = hit
             _say(progress, f"tokens from the cache {folder / f'tokens-{key}.bin'}")
             return PreparedTokens(tokenizer, train, val, meta["train_fingerprint"], meta["val_fingerprint"], manifest,
-                                  cache=folder / f"tokens-{key}.bin", reused=True, tokenizer_reused=tokenizer_reused,
+                                  cache=folder / f"tokens-{key}.bin", reused=True,
                                   seconds=seconds)
     t = time.perf_counter()
     _say(progress, f"tokenizing {_mb(manifest.nbytes)}")
@@ -338,7 +335,7 @@ def prepare_tokens(data: Union[str, os.PathLike, None], *, max_bytes: Optional[i
     seconds["tokenizing"] = time.perf_counter() - t
     if ids is not None:
         return PreparedTokens(tokenizer, ids[:n_train], ids[n_train:], train_fp, val_fp, manifest,
-                              tokenizer_reused=tokenizer_reused, seconds=seconds)
+                              seconds=seconds)
     dtype = token_dtype(tokenizer.vocab_size)
     n = path.stat().st_size // dtype.itemsize
     write_json(folder / f"tokens-{key}.json", {
@@ -352,7 +349,7 @@ def prepare_tokens(data: Union[str, os.PathLike, None], *, max_bytes: Optional[i
         raise CorpusError(f"the token file {path} could not be read back")
     train, val, _ = hit
     return PreparedTokens(tokenizer, train, val, train_fp, val_fp, manifest, cache=path, reused=False,
-                          tokenizer_reused=tokenizer_reused, seconds=seconds)
+                          seconds=seconds)
 
 
 __all__ = ["CACHE_DIR_NAME", "PreparedTokens", "prepare_tokens", "scan_data", "train_on_parts", "tokenize_parts",

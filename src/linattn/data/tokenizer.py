@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Iterable, Iterator, List, Sequence, Union
 
 from ..errors import DataError
 from .sources import segments
@@ -106,11 +106,8 @@ class _Stopped(TokenizerError):
     """Raised inside the training iterator to end it early (the caller was interrupted)."""
 
 
-def _segmented(texts: Iterable[str], stop: threading.Event, on_text: Optional[Callable[[str], None]]
-               ) -> Iterator[str]:
+def _segmented(texts: Iterable[str], stop: threading.Event) -> Iterator[str]:
     for text in texts:
-        if on_text is not None:
-            on_text(text)
         for seg in segments([text]):
             if stop.is_set():
                 raise _Stopped()
@@ -144,13 +141,13 @@ def _train_in_thread(tok, items: Iterator[str], trainer, stop: threading.Event, 
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency: int = 2,
-                    show_progress: bool = False, on_text: Optional[Callable[[str], None]] = None) -> BPETokenizer:
+                    show_progress: bool = False) -> BPETokenizer:
     """Train a byte-level BPE tokenizer on `texts` (any iterable of strings, e.g. documents or
     `sources.segments` of them).
 
     `vocab_size` counts the 256 byte tokens and `<|endoftext|>`; it is an upper bound (a small
     corpus may run out of merges that occur `min_frequency` times). Training is deterministic for
-    a given input. `on_text(text)` is called as each text is taken (progress). A KeyboardInterrupt
+    a given input. A KeyboardInterrupt
     stops it in any phase (see the module docstring).
     """
     from tokenizers import pre_tokenizers, trainers
@@ -165,7 +162,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency:
     stop = threading.Event()
     if isinstance(texts, str):
         texts = [texts]
-    _train_in_thread(tok, _segmented(texts, stop, on_text), trainer, stop)
+    _train_in_thread(tok, _segmented(texts, stop), trainer, stop)
     return BPETokenizer(tok)
 
 

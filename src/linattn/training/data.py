@@ -7,7 +7,6 @@ training windows are read.
 """
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,24 +48,15 @@ def data_cache_dir(out: Optional[str]) -> Optional[Path]:
     return Path(out) / CACHE_DIR_NAME if out else None
 
 
-def _is_main_process() -> bool:
-    try:
-        return int(os.environ.get("RANK", "0")) == 0
-    except ValueError:
-        return True
-
-
 def prepare_data(cfg: TrainConfig, tokenizer: Optional[BPETokenizer] = None,
                  progress: Optional[bool] = None, write_cache: bool = True) -> TrainData:
     """Read, split, tokenize and pack the run's data. The tokenizer is `tokenizer`, else the one at
     `cfg.tokenizer`, else one trained on the training split with `cfg.vocab_size`. `progress`
-    (default `cfg.progress`; off in processes other than rank 0) shows a bar per phase.
-    write_cache=False reads the cache in the run folder but writes nothing there (ranks other than 0)."""
+    (default `cfg.progress`) shows a bar per phase. write_cache=False (the ranks other than 0) reads the
+    cache in the run folder but writes nothing there, and shows no progress."""
     if tokenizer is None and cfg.tokenizer:
         tokenizer = load_tokenizer(tokenizer_path(cfg.tokenizer))
-    progress = cfg.progress if progress is None else progress
-    if not _is_main_process():
-        progress = False
+    progress = (cfg.progress if progress is None else progress) if write_cache else False
     new_out = write_cache and cfg.out is not None and not Path(cfg.out).exists()
     try:
         p = prepare_tokens(cfg.data, max_bytes=cfg.max_data_bytes, val_fraction=cfg.val_fraction,
