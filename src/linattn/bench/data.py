@@ -23,7 +23,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ..cli_support import UsageError
+from ..cli_support import UsageError, finite_float, int_at_least
+from ..data.tokenizer import MIN_VOCAB_SIZE
 from ..io import atomic_write_text, write_json
 from . import common
 
@@ -49,11 +50,13 @@ print(json.dumps({"wall_s": wall, "seconds": p.seconds, "baseline_kb": base, "pe
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--mb", type=float, nargs="+", default=[100.0], help="sizes of generated text in MB (default 100)")
+    p.add_argument("--mb", type=finite_float(0, low_open=True), nargs="+", default=[100.0],
+                   help="sizes of generated text in MB (default 100)")
     p.add_argument("--text", choices=("words", "long-lines"), default="words", help="what text to generate")
     p.add_argument("--data", default=None, help="an existing text file or folder instead of generated text")
-    p.add_argument("--max-data-bytes", type=int, default=None, help="cap on the text read (with --data)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary (default 4096)")
+    p.add_argument("--max-data-bytes", type=int_at_least(1), default=None, help="cap on the text read (with --data)")
+    p.add_argument("--vocab-size", type=int_at_least(MIN_VOCAB_SIZE), default=4096,
+                   help="tokenizer vocabulary (default 4096)")
     p.add_argument("--workdir", default=None, help="folder for the generated text and the caches (default: a "
                                                    "temporary folder, removed afterwards)")
     p.add_argument("--progress", action="store_true", help="show the preparation's progress bars")
@@ -137,10 +140,6 @@ def _row(mb: Optional[float], data: str, cache: str, args) -> Dict[str, Any]:
 
 
 def run(args) -> int:
-    if min(args.mb) <= 0:
-        raise UsageError("--mb must be > 0", prog=PROG)
-    if args.vocab_size < 257:
-        raise UsageError("--vocab-size must be >= 257", prog=PROG)
     if args.data is not None and not Path(args.data).exists():
         raise UsageError(f"--data {args.data} not found", prog=PROG)
     paths = common.output_paths("data", args.out, exts=("txt", "json"), overwrite=args.overwrite)

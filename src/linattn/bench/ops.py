@@ -455,8 +455,9 @@ def _plan(a):
             for mode in modes:
                 for ps in a.passes:
                     rec = {"T": T, "op": op.key, "mode": mode, "pass": ps}
-                    if op.family == "peer" and peer_unavailable(T) is not None:
-                        skipped.append({**rec, "reason": peer_unavailable(T)})
+                    peer_missing = peer_unavailable(T) if op.family == "peer" else None
+                    if peer_missing is not None:
+                        skipped.append({**rec, "reason": peer_missing})
                     elif op.family == "softmax" and max_sm is not None and T > max_sm:
                         skipped.append({**rec, "reason": f"T > --max-T-softmax={max_sm} (O(T^2); not run, "
                                                           f"not extrapolated)"})
