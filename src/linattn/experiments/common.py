@@ -34,7 +34,6 @@ from ..bench.common import describe_machine, machine_info
 from ..errors import LinattnError
 from ..io import atomic_write_text, jsonable, read_json, write_json
 
-BUDGETS = ("quick", "full", "tiny")   # "tiny": a micro budget for the tests (not advertised)
 RUNS_DIR = "runs"
 CONFIG_FILE = "experiment.json"
 
@@ -48,10 +47,14 @@ class ExperimentError(LinattnError):
 # ----------------------------------------------------------------------------------------------
 
 def add_common_arguments(p: argparse.ArgumentParser, name: str, data_help: str,
-                         default_seed: int = 0) -> None:
-    p.add_argument("--budget", default="quick", choices=BUDGETS, metavar="{quick,full}",
-                   help="quick: a reduced protocol that fits a 2-core CPU in about 20 minutes; "
-                        "full: the published protocol (meant for a GPU). Default quick")
+                         default_seed: int = 0, budgets: Optional[Dict[str, str]] = None) -> None:
+    """The options every experiment has. budgets: {name: help} of the experiment's advertised
+    budgets (default quick and full); "tiny" (the tests' micro budget) is always accepted, never shown."""
+    budgets = budgets or {"quick": "a reduced protocol that fits a 2-core CPU in about 20 minutes",
+                          "full": "the published protocol (meant for a GPU)"}
+    names = list(budgets)
+    p.add_argument("--budget", default=names[0], choices=names + ["tiny"], metavar="{" + ",".join(names) + "}",
+                   help="; ".join(f"{k}: {v}" for k, v in budgets.items()) + f". Default {names[0]}")
     p.add_argument("--data", default=None, help=data_help)
     p.add_argument("--out", default=None, help=f"results folder (default results/{name}/)")
     p.add_argument("--seed", type=int, default=default_seed, help=f"base random seed (default {default_seed})")
@@ -123,6 +126,30 @@ def fmt_pm(m: Optional[float], s: Optional[float], n: int, digits: int = 1) -> s
     return f"{m:.{digits}f} ± {s:.{digits}f}" if n > 1 else f"{m:.{digits}f}"
 
 
+def paired_difference(a: Sequence[Optional[float]], b: Sequence[Optional[float]]) -> Dict[str, Any]:
+    """Paired per-seed differences d_r = a_r - b_r (pairs with a missing value are dropped), and
+    whether they exceed the spread: |mean(d)| > 2 * std(d) / sqrt(n) with n >= 2 pairs (a paired
+    two-standard-error criterion; about a 5% test for many seeds, a rough one for 2-5)."""
+    d = [float(x) - float(y) for x, y in zip(a, b) if x is not None and y is not None
+         and math.isfinite(float(x)) and math.isfinite(float(y))]
+    m, s, n = mean_std(d)
+    exceeds = None if n < 2 else abs(m) > 2.0 * s / math.sqrt(n)
+    return {"diffs": d, "mean": m, "std": s, "n": n, "positive": sum(1 for x in d if x > 0), "exceeds": exceeds}
+
+
+def describe_difference(p: Dict[str, Any], higher: str, lower: str, digits: int = 1) -> str:
+    """One phrase for a `paired_difference`: "a - b = +1.2 ± 0.3 (+ in 2 of 2 seeds): exceeds the
+    spread (higher: A)", with `higher` / `lower` naming what a positive / negative mean says."""
+    if not p["n"]:
+        return "no paired values"
+    text = f"{p['mean']:+.{digits}f} ± {p['std']:.{digits}f} (+ in {p['positive']} of {p['n']})"
+    if p["exceeds"] is None:
+        return text + ": one seed, spread unknown"
+    if not p["exceeds"]:
+        return text + ": within the spread"
+    return text + f": exceeds the spread ({higher if p['mean'] > 0 else lower})"
+
+
 def progress(iterable=None, total: Optional[int] = None, desc: str = "", enabled: bool = True, **kw):
     """A tqdm bar on stderr (refreshes at most every 2 s when stderr is not a terminal)."""
     from tqdm import tqdm
@@ -192,8 +219,15 @@ class Experiment:
 
     def run_all(self, plan: Sequence[Dict[str, Any]], fn: Callable[[Dict[str, Any]], Dict[str, Any]],
                 log: Callable[[str], None] = print) -> List[Dict[str, Any]]:
-        """Run fn(spec) for each spec of `plan` (each with a unique "run_id"), skipping finished
-        runs; returns the records in plan order."""
+        """Run fn(spec) for each spec of `plan` (each with a unique "run_id"), skipping finished runs;
+        returns the finished records in plan order.
+
+        Several processes may share one results folder (start the others with --resume): each run
+        is claimed with a lock file (`runs/<run>.claim`, released by the OS however the process
+        ends) and a process skips the runs another one holds. The last process to finish renders
+        the complete tables; the others say which runs were still going."""
+        from ..training.lock import RunFolderBusy, RunLock
+
         out = []
         n_done = sum(1 for s in plan if self.finished(s["run_id"]) is not None)
         if n_done:
@@ -201,17 +235,44 @@ class Experiment:
         for i, spec in enumerate(plan):
             rec = self.finished(spec["run_id"])
             if rec is None:
-                log(f"[{self.name}] run {i + 1}/{len(plan)}: {spec['run_id']}")
-                t, c = time.perf_counter(), time.process_time()
-                load = _loadavg1()
-                result = fn(spec)
-                result.setdefault("loadavg_1min_at_start", load)
-                result.setdefault("threads", torch.get_num_threads())
-                result.setdefault("wall_s", time.perf_counter() - t)
-                result.setdefault("cpu_s", time.process_time() - c)   # all threads: ~ wall time when alone
-                rec = self.save_run(spec["run_id"], dict(spec, **result))
+                claim = RunLock(self.runs, self.run_path(spec["run_id"]).stem + ".claim",
+                                after_death="the run starts over")
+                try:
+                    claim.acquire()
+                except RunFolderBusy:
+                    log(f"[{self.name}] run {i + 1}/{len(plan)}: {spec['run_id']} is running in another process")
+                    continue
+                try:
+                    rec = self.finished(spec["run_id"])     # finished while we looked at the claim
+                    if rec is None:
+                        rec = self._run_one(spec, fn, f"run {i + 1}/{len(plan)}", log)
+                finally:
+                    claim.release()
             out.append(rec)
+        if len(out) < len(plan):
+            out = [r for r in (self.finished(s["run_id"]) for s in plan) if r is not None]   # others finished meanwhile
+        if len(out) < len(plan):
+            log(f"[{self.name}] {len(plan) - len(out)} of {len(plan)} runs are still running in other processes: "
+                f"the tables are incomplete until the last process finishes (or re-render with --resume)")
         return out
+
+    def _run_one(self, spec, fn, what: str, log) -> Dict[str, Any]:
+        log(f"[{self.name}] {what}: {spec['run_id']}")
+        t, c = time.perf_counter(), time.process_time()
+        load = _loadavg1()
+        result = fn(spec)
+        result.setdefault("loadavg_1min_at_start", load)
+        result.setdefault("threads", torch.get_num_threads())
+        result.setdefault("wall_s", time.perf_counter() - t)
+        result.setdefault("cpu_s", time.process_time() - c)   # all threads: ~ wall time when alone
+        return self.save_run(spec["run_id"], dict(spec, **result))
+
+    def incomplete_note(self, runs: Sequence[Dict[str, Any]], planned: int) -> List[str]:
+        """A markdown warning line when only some of the planned runs are finished (runs still going in another process)."""
+        if len(runs) >= planned:
+            return []
+        return [f"**Incomplete: {len(runs)} of {planned} runs finished** (the others were still running in "
+                f"another process, or not started; --resume finishes them and re-renders the tables).", ""]
 
     # -- outputs -----------------------------------------------------------------------------
     def header_lines(self, runs: Optional[List[Dict[str, Any]]] = None, extra_args: str = "") -> List[str]:
@@ -368,7 +429,7 @@ def bar_panel(path: Path, groups: Sequence[str], series: Dict[str, Sequence[Opti
 
 
 __all__ = [
-    "BUDGETS", "Experiment", "ExperimentError", "add_common_arguments", "seed_everything", "set_threads",
-    "resolve_device", "md_table", "mean_std", "fmt", "fmt_pm",
+    "Experiment", "ExperimentError", "add_common_arguments", "seed_everything", "set_threads",
+    "resolve_device", "md_table", "mean_std", "fmt", "fmt_pm", "paired_difference", "describe_difference",
     "progress", "line_panels", "bar_panel", "machine_line",
 ]

@@ -48,11 +48,15 @@ def _read_holder(fd: int) -> Dict[str, Any]:
 
 
 class RunLock:
-    """The exclusive lock of the run folder `folder` (see the module docstring)."""
+    """The exclusive lock of the run folder `folder` (see the module docstring). name: the lock
+    file's name (another name locks something else in the folder, e.g. one experiment run);
+    after_death: what the warning says happens after a holder died."""
 
-    def __init__(self, folder: Union[str, os.PathLike]):
+    def __init__(self, folder: Union[str, os.PathLike], name: str = LOCK_FILE,
+                 after_death: str = "its last complete checkpoint is used as it is"):
         self.folder = Path(folder)
-        self.path = self.folder / LOCK_FILE
+        self.path = self.folder / name
+        self.after_death = after_death
         self._fd: Optional[int] = None
 
     @property
@@ -71,7 +75,7 @@ class RunLock:
                 and pid_alive(previous["pid"])
             print(f"[linattn] warning: the previous run in {self.folder} ({_holder_text(previous)}) died without "
                   f"releasing its lock" + (" (a process with that pid runs now)" if alive else "")
-                  + "; its last complete checkpoint is used as it is", file=sys.stderr, flush=True)
+                  + f"; {self.after_death}", file=sys.stderr, flush=True)
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
         os.ftruncate(fd, 0)
         os.pwrite(fd, record.encode("utf-8"), 0)

@@ -1,0 +1,104 @@
+"""`linattn experiment mad`: the standard budget, model seeds, the softmax sanity gate, paired
+comparisons and several processes sharing a results folder (tiny budgets; the real runs are in docs/results.md)."""
+import json
+import math
+
+import pytest
+
+from linattn import cli
+from linattn.experiments import common, mad
+
+
+def _run(argv):
+    return cli.main(["experiment", "mad", *argv])
+
+
+def _run_record(mixer, task, acc, seed=0, setting="baseline"):
+    return {"mixer": mixer, "task": task, "acc": acc, "seed": seed, "setting_id": setting}
+
+
+def test_sanity_gate_passes_fails_and_needs_softmax():
+    ok = [_run_record("softmax", "in-context-recall", 0.95), _run_record("softmax", "noisy-in-context-recall", 0.91)]
+    assert mad.sanity_gate(ok)["status"] == "passed"
+    # one seed below 90% fails the gate, even if another passes
+    bad = ok + [_run_record("softmax", "noisy-in-context-recall", 0.5, seed=1),
+                _run_record("softmax", "in-context-recall", 0.99, seed=1)]
+    gate = mad.sanity_gate(bad)
+    assert gate["status"] == "failed" and "invalid" in gate["text"]
+    # a non-baseline setting or another mixer does not count
+    other = [_run_record("softmax", "in-context-recall", 1.0, setting="vocab_size=32"),
+             _run_record("deltanet", "in-context-recall", 1.0), _run_record("deltanet", "noisy-in-context-recall", 1.0)]
+    assert mad.sanity_gate(other)["status"] == "not checked"
+    # the best lr/wd run of a seed counts
+    grid = ok + [_run_record("softmax", "in-context-recall", 0.2)]
+    assert mad.sanity_gate(grid)["status"] == "passed"
+
+
+def test_paired_difference_criterion():
+    same_sign = common.paired_difference([10.0, 11.0, 12.0], [9.0, 9.5, 10.0])    # d = 1, 1.5, 2
+    assert same_sign["exceeds"] is True and same_sign["positive"] == 3
+    assert math.isclose(same_sign["mean"], 1.5)
+    noisy = common.paired_difference([10.0, 5.0], [9.0, 8.0])                       # d = 1, -3
+    assert noisy["exceeds"] is False and noisy["positive"] == 1
+    assert common.paired_difference([1.0], [0.0])["exceeds"] is None               # one pair: no spread
+    assert common.paired_difference([1.0, None], [0.0, 2.0])["n"] == 1              # missing values dropped
+    text = common.describe_difference(same_sign, "A higher", "B higher")
+    assert text.startswith("+1.5 ± 0.5 (+ in 3 of 3)") and text.endswith("exceeds the spread (A higher)")
+    assert "within the spread" in common.describe_difference(noisy, "A", "B")
+
+
+def test_scores_average_seeds_and_settings():
+    runs = [_run_record("efla", "memorization", a, seed=s, setting=st)
+            for s, st, a in ((0, "baseline", 0.5), (0, "vocab_size=512", 0.1), (1, "baseline", 0.7),
+                             (1, "vocab_size=512", 0.3))]
+    per_seed = mad.seed_scores(runs, ["efla"], ["memorization"])
+    assert per_seed["efla"]["memorization"] == pytest.approx({0: 30.0, 1: 50.0})
+    assert mad.score(runs, ["efla"], ["memorization"])["efla"]["memorization"] == pytest.approx(40.0)
+    # a seed missing a setting is left out rather than averaged over fewer settings
+    partial = mad.seed_scores(runs[:3], ["efla"], ["memorization"])
+    assert set(partial["efla"]["memorization"]) == {0}
+
+
+def test_standard_budget_trains_on_the_full_recall_sets():
+    plan = mad.plan_runs(mad.BUDGETS["standard"], ["softmax"], list(mad.TASK_ORDER), seed=0)
+    n = {r["task"]: r["setting"]["num_train_examples"] for r in plan}
+    assert n["in-context-recall"] == n["noisy-in-context-recall"] == n["fuzzy-in-context-recall"] == 12_800
+    assert all(r["setting"]["num_test_examples"] == 1280 for r in plan)
+    assert all(r["setting_id"] == "baseline" for r in plan) and len(plan) == 6
+
+
+def test_seeds_shared_folder_and_comparison_end_to_end(tmp_path):
+    """Two model seeds, EFLA vs DeltaNet paired by seed; a run claimed by another process (its lock
+    file held) is skipped and the tables say they are incomplete; a later --resume completes them."""
+    from linattn.training.lock import RunLock
+
+    out = tmp_path / "mad"
+    base = ["--budget", "tiny", "--mixers", "deltanet,efla", "--tasks", "memorization,compression",
+            "--seeds", "2", "--out", str(out), "--no-progress", "--threads", "1"]
+    plan = mad.plan_runs(mad.BUDGETS["tiny"], ["deltanet", "efla"], ["memorization", "compression"], 0, 2)
+    assert [r["seed"] for r in plan] == [0] * 4 + [1] * 4          # seed-major: the first seed finishes first
+    busy = plan[5]["run_id"]
+    (out / "runs").mkdir(parents=True)
+    with RunLock(out / "runs", busy + ".claim"):                    # "another process" runs this one
+        assert _run(base) == 0
+    first = json.loads((out / "results.json").read_text())
+    assert not first["summary"]["complete"] and len(first["runs"]) == 7
+    assert busy not in {r["run_id"] for r in first["runs"]}
+    assert "Incomplete: 7 of 8" in (out / "results.md").read_text()
+    assert _run(base) == 2                                          # an occupied folder needs --resume
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
+    assert _run(base + ["--resume"]) == 0
+    rep = json.loads((out / "results.json").read_text())
+    assert rep["summary"]["complete"] and len(rep["runs"]) == 8 and {r["seed"] for r in rep["runs"]} == {0, 1}
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json") if p.name in mtimes} == mtimes
+    assert not list((out / "runs").glob("*.claim"))
+    (cmp,) = rep["summary"]["comparisons"]
+    assert (cmp["a"], cmp["b"]) == ("efla", "deltanet") and cmp["tasks"]["average"]["n"] == 2
+    assert rep["summary"]["sanity_gate"]["status"] == "not checked"
+    md = (out / "results.md").read_text()
+    assert "Sanity gate not checked" in md and "EFLA - DeltaNet, paired by model seed" in md and "±" in md
+
+
+def test_bad_seeds_is_a_usage_error(tmp_path, capsys):
+    assert _run(["--budget", "tiny", "--seeds", "0", "--out", str(tmp_path / "a")]) == 2
+    assert "--seeds" in capsys.readouterr().err
