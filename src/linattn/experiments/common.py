@@ -268,7 +268,7 @@ class Experiment:
         return self.save_run(spec["run_id"], dict(spec, **result))
 
     def incomplete_note(self, runs: Sequence[Dict[str, Any]], planned: int) -> List[str]:
-        """A markdown warning line when only some of the planned runs are finished (runs still going in another process)."""
+        """A markdown warning when only some planned runs are finished (the rest run elsewhere or later)."""
         if len(runs) >= planned:
             return []
         return [f"**Incomplete: {len(runs)} of {planned} runs finished** (the others were still running in "
