@@ -73,26 +73,33 @@ def test_smnist_verdict_logic():
     hold = [run("deltanet", 0, [50, 20]), run("efla", 0, [60, 50]), run("deltanet", 1, [52, 18]),
             run("efla", 1, [61, 45])]
     s = smnist.summarize(hold, levels)
-    assert s["verdict"]["scale"]["verdict"].startswith("holds")
+    assert s["comparisons"]["efla-vs-deltanet"]["sweeps"]["scale"]["area"]["verdict"] == \
+        "exceeds the spread (EFLA higher)"
     assert s["curves"]["efla"]["scale"][0]["mean"] == 60.5
     mixed = [run("deltanet", 0, [50, 20]), run("efla", 0, [60, 50]), run("deltanet", 1, [52, 48]),
              run("efla", 1, [40, 30])]
-    assert smnist.summarize(mixed, levels)["verdict"]["scale"]["verdict"].startswith("inconclusive")
+    v = smnist.summarize(mixed, levels)["comparisons"]["efla-vs-deltanet"]["sweeps"]["scale"]["area"]
+    assert v["verdict"] == "within the spread" and v["positive"] == 1 and v["n"] == 2
 
 
 def test_smnist_model_matches_a_python_loop():
-    """The library's chunk form gives the public code's recurrence (EFLA and DeltaNet)."""
+    """The library's chunk form gives the public code's recurrence (DeltaNet, EFLA and its beta variants)."""
     torch.manual_seed(0)
     for method in smnist.METHODS:
         model = smnist.SMNISTClassifier(method, seq_len=20, chunk_size=8).double()
         x = torch.rand(3, 20, 1, dtype=torch.float64)
         h = model.act(model.input_proj(x) + model.pos_emb)
         q, k, v = model.q_proj(h), model.k_proj(h), model.v_proj(h)
-        beta = torch.sigmoid(model.beta_proj(h))
+        b = model.beta_proj(h)
+        if method == "efla-adaptive":
+            with torch.no_grad():
+                model.beta_alpha.fill_(0.3)                    # away from its init, where it is sigmoid
+        beta = {"efla-loose": torch.nn.functional.softplus(b),
+                "efla-adaptive": math.log1p(math.exp(0.3)) * torch.sigmoid(b)}.get(method, torch.sigmoid(b))
         S = torch.zeros(3, 64, 64, dtype=torch.float64)
         for t in range(20):
             kt, bt = k[:, t], beta[:, t]
-            if method == "efla":
+            if method != "deltanet":
                 lam = (kt * kt).sum(-1, keepdim=True)
                 a = -torch.expm1(-bt * lam) / lam
             else:
@@ -112,7 +119,7 @@ def _run(argv):
 
 
 def test_registry_and_cli_errors(tmp_path, capsys):
-    assert set(EXPERIMENTS) == {"mad", "smnist-robustness", "lm"}
+    assert set(EXPERIMENTS) == {"mad", "smnist-robustness", "lm", "ela-ablations", "efla-variants", "tlinformer"}
     assert _run(["nosuch"]) == 2 and "unknown experiment" in capsys.readouterr().err
     assert _run(["smnist-robustness", "--budget", "tiny", "--data", str(tmp_path / "missing"),
                  "--out", str(tmp_path / "o"), "--no-progress"]) == 2

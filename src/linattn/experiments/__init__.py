@@ -4,7 +4,13 @@
     mad                 the six MAD synthetic tasks for softmax, linear attention, DeltaNet,
                         Gated DeltaNet and EFLA (compare: EFLA paper, Table 2)
     smnist-robustness   the EFLA paper's sequential-MNIST robustness sweeps, DeltaNet vs EFLA
-    lm                  language-model comparison at equal parameters and tokens
+    lm                  language-model comparison at equal parameters and tokens (--seeds N)
+    ela-ablations       ELA-GPT: Hyper-Link vs pre-norm, the MoE routing bias (eq. 14/15), the
+                        causal memory lobe; 1,000 steps, 2 seeds (ELA paper, sections V-VI)
+    efla-variants       EFLA's adaptive-decay and loose-beta variants vs EFLA and DeltaNet
+                        (EFLA paper, Table 1)
+    tlinformer          TLinFormer vs a Transformer of equal parameter count (TLinFormer paper,
+                        Table 1, lengths / 4)
 
 A module defines DESCRIPTION, add_arguments(parser) (its own options; the common ones are added
 by `linattn.experiments.common.add_common_arguments`) and run(args) -> exit code. Modules are
@@ -27,6 +33,12 @@ EXPERIMENTS: Dict[str, Tuple[str, str]] = {
     "smnist-robustness": ("linattn.experiments.smnist",
                           "sequential MNIST, DeltaNet vs EFLA under input scaling, noise and pixel dropout"),
     "lm": ("linattn.experiments.lm", "language models at equal parameters and tokens: perplexity and tokens/s"),
+    "ela-ablations": ("linattn.experiments.ela_ablations",
+                      "ELA-GPT: Hyper-Link vs pre-norm, MoE bias eq. 14/15, causal memory lobe (1,000 steps)"),
+    "efla-variants": ("linattn.experiments.efla_variants",
+                      "EFLA + adaptive decay, EFLA + loose beta, EFLA, DeltaNet (EFLA paper, Table 1)"),
+    "tlinformer": ("linattn.experiments.tlinformer",
+                   "TLinFormer vs a standard Transformer of equal parameter count (TLinFormer paper, Table 1)"),
 }
 
 HELP = "run an experiment (" + ", ".join(EXPERIMENTS) + "), writing results/NAME/"

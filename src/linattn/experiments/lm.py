@@ -13,10 +13,15 @@ head), differing only in the token mixer (and the memory lobe):
     ela-lobe-bidir     ELA-GPT (Hadamard Exp) + the paper's bidirectional memory lobe: position t
                        sees later tokens, so its loss is not a language model's (a leak, flagged
                        by the causality audit `linattn.audit.check_causality`)
+    comba ... path     the rest of the family (issues 11, 12), with their layers' defaults
 
 Every model trains on the same batches (same seed, same number of tokens) with `linattn.training`
 (AdamW, warmup then cosine, gradient clipping), validation loss/perplexity on the same held-out
-windows; training tokens/s is measured on this machine during training.
+windows; training tokens/s is measured on this machine during training. `--seeds N` trains every
+model with seeds seed, seed+1, ..., seed+N-1 (run ids `<model>--s<seed>`; within a seed every
+model sees the same batches): the tables give mean ± std over the seeds and each seed's value, and
+for the pairs of models compared (softmax vs the ELA kernels, EFLA vs DeltaNet, the causal lobe)
+the per-seed differences and whether their mean exceeds their spread.
 
 Data (`--data`): a text file or folder; a folder with train.txt and valid.txt (WikiText-2 as in
 ../shared/data/wikitext-2) uses them as the training and validation splits; no --data: the
@@ -24,46 +29,26 @@ embedded standard-library corpus (`linattn.data.corpus`). A byte-level BPE token
 on the training split (saved in the results folder, reused on --resume).
 
 Budgets: full = the ELA-GPT size (d 256, 4 layers, 4 heads), 256-token windows, batch 16, 3000 steps;
-quick = d 128 (same layout), 128-token windows, batch 8, 400 steps (about 410k tokens per model,
-about 20 minutes for the seven models on a 2-core CPU).
+quick = d 128 (same layout), 128-token windows, batch 8, 400 steps (about 410k tokens per model;
+per model and seed on one thread about 1-2 minutes for softmax, ELA, DeltaNet and EFLA, up to ~11
+minutes for MesaNet, TTT-MLP and Titans).
+
+Other experiments (`ela-ablations`, `efla-variants`, `tlinformer`) are a `Study` of this module:
+their own models, budgets and comparisons, trained, tabulated and plotted by `run_study`.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import common
-from .common import ExperimentError, fmt, md_table
+from .common import ExperimentError, fmt, fmt_pm, md_table
 
 NAME = "lm"
 DESCRIPTION = __doc__
-
-# key -> (label, LMConfig overrides on top of LMConfig.ela_gpt, color)
-MODELS: Dict[str, tuple] = {
-    "softmax": ("softmax GPT", {"mixer": "softmax"}, "k"),
-    "ela-hadamard": ("ELA-GPT (Hadamard Exp)", {"mixer": "ela-hadamard_exp"}, "C0"),
-    "ela-sum-sq": ("ELA-GPT (sum sq. Euclid)", {"mixer": "ela-sum_sq_euclid"}, "C2"),
-    "deltanet": ("DeltaNet", {"mixer": "deltanet"}, "C1"),
-    "efla": ("EFLA", {"mixer": "efla"}, "C3"),
-    "ela-lobe-causal": ("ELA-GPT + lobe (causal)", {"mixer": "ela-hadamard_exp", "memory_lobe": "causal"}, "C4"),
-    "ela-lobe-bidir": ("ELA-GPT + lobe (bidirectional, leaks)",
-                       {"mixer": "ela-hadamard_exp", "memory_lobe": "bidirectional", "allow_future_leak": True},
-                       "C5"),
-    # issue 11: the delta-rule variants and the test-time regression / training mixers (4 heads of 32)
-    "comba": ("Comba", {"mixer": "comba"}, "C6"),
-    "delta-product": ("DeltaProduct (n=2)", {"mixer": "delta-product"}, "C7"),
-    "kda": ("KDA", {"mixer": "kda"}, "C8"),
-    "mesanet": ("MesaNet", {"mixer": "mesanet"}, "C9"),
-    "ttt-linear": ("TTT-Linear", {"mixer": "ttt-linear"}, "saddlebrown"),   # C8 is olive already
-    "ttt-mlp": ("TTT-MLP", {"mixer": "ttt-mlp"}, "navy"),
-    "titans": ("Titans", {"mixer": "titans"}, "teal"),
-    # issue 12: softmax attention fed back by linear attention (4 heads of 32)
-    "fox": ("FoX", {"mixer": "fox"}, "magenta"),
-    "deltaformer": ("DeltaFormer", {"mixer": "deltaformer"}, "goldenrod"),
-    "path": ("PaTH", {"mixer": "path"}, "lime"),
-}
 
 
 @dataclass
@@ -95,12 +80,97 @@ BUDGETS = {
 }
 
 
-def model_config(key: str, budget: Budget, vocab_size: int):
-    from ..models import LMConfig
+class Model(NamedTuple):
+    """One model of an experiment. build(budget, vocab_size) returns its config, of any model family
+    (`LMConfig`, `TLinFormerConfig`, ...); label is a string or a function of the budget (names
+    that carry the budget's sizes, e.g. "TLinFormer 256-128-0.5")."""
+    label: Union[str, Callable[[Budget], str]]
+    build: Callable[[Budget, int], Any]
+    color: str
 
-    _, over, _ = MODELS[key]
-    return LMConfig.ela_gpt(vocab_size, d_model=budget.d_model, n_layers=budget.n_layers, n_heads=budget.n_heads,
-                            max_seq_len=max(512, budget.seq_len), **over)
+
+def ela_gpt(**overrides) -> Callable[[Budget, int], Any]:
+    """A builder: `LMConfig.ela_gpt` at the budget's width, depth and heads, with `overrides`."""
+    def build(budget: Budget, vocab_size: int):
+        from ..models import LMConfig
+
+        return LMConfig.ela_gpt(vocab_size, d_model=budget.d_model, n_layers=budget.n_layers,
+                                n_heads=budget.n_heads, max_seq_len=max(512, budget.seq_len), **overrides)
+    return build
+
+
+MODELS: Dict[str, Model] = {
+    "softmax": Model("softmax GPT", ela_gpt(mixer="softmax"), "k"),
+    "ela-hadamard": Model("ELA-GPT (Hadamard Exp)", ela_gpt(mixer="ela-hadamard_exp"), "C0"),
+    "ela-sum-sq": Model("ELA-GPT (sum sq. Euclid)", ela_gpt(mixer="ela-sum_sq_euclid"), "C2"),
+    "deltanet": Model("DeltaNet", ela_gpt(mixer="deltanet"), "C1"),
+    "efla": Model("EFLA", ela_gpt(mixer="efla"), "C3"),
+    "ela-lobe-causal": Model("ELA-GPT + lobe (causal)", ela_gpt(mixer="ela-hadamard_exp", memory_lobe="causal"),
+                             "C4"),
+    "ela-lobe-bidir": Model("ELA-GPT + lobe (bidirectional, leaks)",
+                            ela_gpt(mixer="ela-hadamard_exp", memory_lobe="bidirectional", allow_future_leak=True),
+                            "C5"),
+    # issue 11: the delta-rule variants and the test-time regression / training mixers (4 heads of 32)
+    "comba": Model("Comba", ela_gpt(mixer="comba"), "C6"),
+    "delta-product": Model("DeltaProduct (n=2)", ela_gpt(mixer="delta-product"), "C7"),
+    "kda": Model("KDA", ela_gpt(mixer="kda"), "C8"),
+    "mesanet": Model("MesaNet", ela_gpt(mixer="mesanet"), "C9"),
+    "ttt-linear": Model("TTT-Linear", ela_gpt(mixer="ttt-linear"), "saddlebrown"),   # C8 is olive already
+    "ttt-mlp": Model("TTT-MLP", ela_gpt(mixer="ttt-mlp"), "navy"),
+    "titans": Model("Titans", ela_gpt(mixer="titans"), "teal"),
+    # issue 12: softmax attention fed back by linear attention (4 heads of 32)
+    "fox": Model("FoX", ela_gpt(mixer="fox"), "magenta"),
+    "deltaformer": Model("DeltaFormer", ela_gpt(mixer="deltaformer"), "goldenrod"),
+    "path": Model("PaTH", ela_gpt(mixer="path"), "lime"),
+}
+
+# (a, b): the summary gives the per-seed differences a - b of the final validation perplexity
+COMPARISONS: List[Tuple[str, str]] = [("ela-hadamard", "softmax"), ("ela-sum-sq", "softmax"), ("efla", "deltanet"),
+                                      ("ela-lobe-causal", "ela-hadamard")]
+
+
+def label_of(model: Model, budget: Budget) -> str:
+    return model.label(budget) if callable(model.label) else model.label
+
+
+@dataclass
+class Study:
+    """An experiment of this module's kind: models trained on the same data and batches, then compared.
+
+    budget_help: the advertised budgets ({name: help}; "tiny" is always accepted, for the tests).
+    skeleton(budget): the markdown's one-line description of the models.
+    comparisons: pairs (a, b) of model keys; the summary gives the per-seed differences a - b.
+    doc_boundaries: False runs windows across documents, for every model (needed by a model that
+        cannot keep packed documents apart, such as TLinFormer, so that its baseline does the same).
+    notes(budget, groups): markdown lines after the tables (the paper's numbers, caveats); groups is
+        {model: its finished runs in seed order}.
+    """
+    name: str
+    models: Dict[str, Model]
+    budgets: Dict[str, Budget]
+    skeleton: Callable[[Budget], str]
+    budget_help: Optional[Dict[str, str]] = None
+    comparisons: Sequence[Tuple[str, str]] = ()
+    seeds: int = 1
+    doc_boundaries: bool = True
+    notes: Optional[Callable[[Budget, Dict[str, List[Dict[str, Any]]]], List[str]]] = None
+
+
+def ela_skeleton(budget: Budget) -> str:
+    return (f"ELA-GPT skeleton (Hyper-Link, MoE 4 experts top-2, tied head, no final norm), d {budget.d_model}, "
+            f"{budget.n_layers} layers, {budget.n_heads} heads")
+
+
+def _lm_notes(budget: Budget, groups: Dict[str, List[Dict[str, Any]]]) -> List[str]:
+    causal = [common.mean_std(r["val_ppl"] for r in rs)[0] for rs in groups.values() if all(r["causal"] for r in rs)]
+    causal = [p for p in causal if p is not None]
+    if not causal:
+        return []
+    return [f"Lowest mean validation perplexity among causal models: {min(causal):.2f}. A model that fails the "
+            "causality audit sees later tokens; its perplexity is not a language model's."]
+
+
+LM = Study(NAME, MODELS, BUDGETS, ela_skeleton, comparisons=COMPARISONS, notes=_lm_notes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,17 +228,17 @@ def prepare(exp: common.Experiment, budget: Budget, data: Optional[str]):
 # One run
 # ----------------------------------------------------------------------------------------------
 
-def train_run(spec: Dict[str, Any], exp: common.Experiment, budget: Budget, data, device: str) -> Dict[str, Any]:
+def train_run(spec: Dict[str, Any], exp: common.Experiment, study: Study, budget: Budget, data,
+              device: str) -> Dict[str, Any]:
     from ..audit import check_causality
     from ..training import TrainConfig, evaluate, train
 
-    key = spec["model"]
-    mcfg = model_config(key, budget, data.tokenizer.vocab_size)
-    cfg = TrainConfig(out=str(exp.root / "checkpoints" / key), seq_len=budget.seq_len,
+    mcfg = study.models[spec["model"]].build(budget, data.tokenizer.vocab_size)
+    cfg = TrainConfig(out=str(exp.root / "checkpoints" / spec["run_id"]), seq_len=budget.seq_len,
                       batch_size=budget.batch_size, steps=budget.steps, lr=budget.lr, warmup=budget.warmup,
                       seed=spec["seed"], eval_every=budget.eval_every, eval_batches=budget.eval_batches,
                       log_every=max(1, budget.eval_every // 5), save_every=budget.eval_every,
-                      keep_last=1, device=device, progress=exp.progress_enabled)
+                      keep_last=1, device=device, progress=exp.progress_enabled, doc_boundaries=study.doc_boundaries)
     import warnings
 
     with warnings.catch_warnings():   # the bidirectional lobe's warning: expected here, reported by the audit
@@ -187,7 +257,8 @@ def train_run(spec: Dict[str, Any], exp: common.Experiment, budget: Budget, data
     audit = check_causality(res.model, seq_len=budget.audit_len, batch_size=1, atol=1e-7,
                             cuts=sorted({0, budget.audit_len // 4, budget.audit_len // 2, budget.audit_len - 2}))
     tps = [h["tokens_per_s"] for h in hist if "tokens_per_s" in h]
-    return {"n_params": sum(p.numel() for p in res.model.parameters()),
+    return {"arch": type(mcfg).__name__, "vocab_size": mcfg.vocab_size,
+            "n_params": sum(p.numel() for p in res.model.parameters()),
             "n_params_non_embedding": res.model.num_parameters(exclude_embeddings=True),
             "steps": res.step, "tokens": res.step * budget.batch_size * budget.seq_len,
             "val_loss": final.loss, "val_ppl": final.ppl, "val_tokens": final.tokens,
@@ -197,69 +268,143 @@ def train_run(spec: Dict[str, Any], exp: common.Experiment, budget: Budget, data
 
 
 # ----------------------------------------------------------------------------------------------
-# Outputs
+# Seeds and comparisons
 # ----------------------------------------------------------------------------------------------
 
-def _extra_args(a) -> str:
-    out = ""
-    if list(a.models) != list(MODELS):
-        out += " --models " + ",".join(a.models)
-    if a.steps is not None:
-        out += f" --steps {a.steps}"
+def by_model(runs: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
+    """{model: its runs in seed order}, models in the order they first appear."""
+    out: Dict[str, List[Dict[str, Any]]] = {}
+    for r in runs:
+        out.setdefault(r["model"], []).append(r)
+    for rs in out.values():
+        rs.sort(key=lambda r: r["seed"])
     return out
 
 
-def markdown(exp: common.Experiment, budget: Budget, runs, info) -> str:
+def compare(groups: Dict[str, List[Dict[str, Any]]], comparisons: Sequence[Tuple[str, str]]) -> List[Dict[str, Any]]:
+    """The declared comparisons whose two models both ran: `common.paired_difference` of the final
+    validation perplexities, a - b, over the seeds both have."""
+    out = []
+    for a, b in comparisons:
+        if a in groups and b in groups:
+            pa = {r["seed"]: r["val_ppl"] for r in groups[a]}
+            pb = {r["seed"]: r["val_ppl"] for r in groups[b]}
+            seeds = sorted(set(pa) & set(pb))
+            out.append(dict(common.paired_difference([pa[s] for s in seeds], [pb[s] for s in seeds]),
+                            a=a, b=b, seeds=seeds))
+    return out
+
+
+def mean_curve(rs: List[Dict[str, Any]]):
+    """(steps, mean val ppl, std) over the seeds, at the evaluation steps every seed has."""
+    steps = sorted(set.intersection(*({c["step"] for c in r["curve"]} for r in rs)))
+    at = [{c["step"]: c["val_ppl"] for c in r["curve"]} for r in rs]
+    stats = [common.mean_std(v[s] for v in at) for s in steps]
+    return steps, [m for m, _, _ in stats], [s if n > 1 else None for _, s, n in stats]
+
+
+# ----------------------------------------------------------------------------------------------
+# Outputs
+# ----------------------------------------------------------------------------------------------
+
+def _extra_args(study: Study, a) -> str:
+    out = ""
+    if list(a.models) != list(study.models):
+        out += " --models " + ",".join(a.models)
+    if a.steps is not None:
+        out += f" --steps {a.steps}"
+    return out + f" --seeds {a.seeds}"
+
+
+def markdown(exp: common.Experiment, study: Study, budget: Budget, runs, info, planned: int) -> str:
     a = exp.args
-    lines = [f"# lm ({a.budget})", ""] + [f"- {h}" for h in exp.header_lines(runs, _extra_args(a))]
+    groups = by_model(runs)
+    seeds = sorted({r["seed"] for r in runs})
+    each = " / ".join(f"s{s}" for s in seeds)
+
+    def name(key: str) -> str:
+        return label_of(study.models[key], budget)
+
+    lines = [f"# {study.name} ({a.budget})", ""] + exp.incomplete_note(runs, planned)
+    lines += [f"- {h}" for h in exp.header_lines(runs, _extra_args(study, a))]
     lines += [f"- data: {info['description']}; {info['train_tokens']:,} training tokens available, "
               f"{info['val_tokens']:,} validation tokens ({budget.eval_batches} windows x {budget.batch_size} "
               f"evaluated); byte-level BPE, vocabulary {info['vocab_size']}",
-              f"- models: ELA-GPT skeleton (Hyper-Link, MoE 4 experts top-2), d {budget.d_model}, "
-              f"{budget.n_layers} layers, {budget.n_heads} heads; {budget.steps} steps x {budget.batch_size} x "
-              f"{budget.seq_len} tokens = {budget.steps * budget.batch_size * budget.seq_len:,} training tokens each, "
-              f"same batches; AdamW lr {budget.lr:g}, warmup {budget.warmup}, cosine"
-              + ("" if a.budget == "full" else f" — **reduced ({a.budget}) budget**"), ""]
-    best_causal = min((r["val_ppl"] for r in runs if r["causal"]), default=None)
+              f"- models: {study.skeleton(budget)}; {budget.steps} steps x {budget.batch_size} x {budget.seq_len} "
+              f"tokens = {budget.steps * budget.batch_size * budget.seq_len:,} training tokens each, the same batches "
+              f"for every model of a seed; AdamW lr {budget.lr:g}, warmup {budget.warmup}, cosine"
+              + ("" if study.doc_boundaries else "; windows run across documents (no document boundaries)")
+              + ("" if a.budget == "full" else f" — **reduced ({a.budget}) budget**"),
+              f"- seeds: {', '.join(map(str, seeds))} ({len(seeds)}); values are mean ± std over the seeds "
+              f"(sample std), then each seed's ({each})", ""]
     rows = []
-    for r in runs:
-        label = MODELS[r["model"]][0]
-        rows.append([label, f"{r['n_params']:,}", f"{r['tokens']:,}", fmt(r["val_loss"], 3), fmt(r["val_ppl"], 2),
-                     fmt(r["tokens_per_s"], 0), "yes" if r["causal"] else f"**no** (leak {r['audit_max_change']:.2g})"])
-    lines += [md_table(["model", "params", "train tokens", "val loss", "val ppl", "train tok/s", "causal (audit)"],
-                       rows), ""]
-    if best_causal is not None:
-        lines.append(f"Lowest validation perplexity among causal models: {best_causal:.2f}. A model that fails the "
-                     "causality audit sees later tokens; its perplexity is not a language model's.")
-        lines.append("")
-    # the curve table
+    for k, rs in groups.items():
+        loss, ppl, tps = (common.mean_std(r[f] for r in rs) for f in ("val_loss", "val_ppl", "tokens_per_s"))
+        bad = [r for r in rs if not r["causal"]]
+        causal = "yes" if not bad else f"**no** (leak {max(r['audit_max_change'] for r in bad):.2g})"
+        rows.append([name(k), f"{rs[0]['n_params']:,}", f"{rs[0]['tokens']:,}", fmt_pm(*loss, 3),
+                     fmt_pm(*ppl, 2), " / ".join(fmt(r["val_ppl"], 2) for r in rs), fmt(tps[0], 0), causal])
+    lines += [md_table(["model", "params", "train tokens", "val loss", "val ppl", f"val ppl per seed ({each})",
+                        "train tok/s", "causal (audit)"], rows, align="lrrrrrrl"), ""]
+    comps = compare(groups, study.comparisons)
+    if comps:
+        crow = []
+        for c in comps:
+            pa, pb = (common.mean_std(r["val_ppl"] for r in groups[k]) for k in (c["a"], c["b"]))
+            bound = 2 * c["std"] / math.sqrt(c["n"]) if c["n"] >= 2 else None
+            crow.append([f"{name(c['a'])} vs {name(c['b'])}", fmt_pm(*pa, 2), fmt_pm(*pb, 2),
+                         " / ".join(f"{x:+.2f}" for x in c["diffs"]), fmt(bound, 2),
+                         common.describe_difference(c, f"{name(c['b'])} lower", f"{name(c['a'])} lower", 2)])
+        lines += ["Comparisons (a vs b), paired by seed: d = val ppl(a) − val ppl(b) in each seed (negative: a is "
+                  "lower, better). A difference exceeds the spread when |mean d| > 2·std(d)/√n with n ≥ 2 seeds (a "
+                  "rough criterion with 2-5 seeds: chance meets it more often than 5% of the time).", "",
+                  md_table(["a vs b", "a: val ppl", "b: val ppl", f"d per seed ({each})", "2·std/√n",
+                            "mean d ± std (+ in k of n seeds): verdict"], crow, align="lrrrrl"), ""]
     steps = sorted({c["step"] for r in runs for c in r["curve"]})
     crow = []
     for s in steps:
         row = [s]
-        for r in runs:
-            c = next((c for c in r["curve"] if c["step"] == s), None)
-            row.append(fmt(c["val_ppl"], 1) if c else "-")
+        for rs in groups.values():
+            vals = [next((c["val_ppl"] for c in r["curve"] if c["step"] == s), None) for r in rs]
+            row.append(" / ".join(fmt(v, 1) for v in vals))
         crow.append(row)
-    lines += ["Validation perplexity during training:", "",
-              md_table(["step"] + [MODELS[r["model"]][0] for r in runs], crow), ""]
+    lines += [f"Validation perplexity during training (each seed: {each}):", "",
+              md_table(["step"] + [name(k) for k in groups], crow), ""]
+    if study.notes is not None:
+        lines += study.notes(budget, groups) + [""]
     return "\n".join(lines)
 
 
-def plot(path: Path, runs, budget: Budget, title: str) -> None:
+def plot(path: Path, study: Study, budget: Budget, runs, title: str) -> None:
     series = []
-    for r in runs:
-        label, _, color = MODELS[r["model"]]
-        series.append({"label": label, "x": [c["tokens"] for c in r["curve"]], "y": [c["val_ppl"] for c in r["curve"]],
-                       "color": color, "linestyle": "-" if r["causal"] else ":", "marker": "o"})
-    panels = [{"title": "validation perplexity", "xlabel": "training tokens", "ylabel": "perplexity", "logy": True,
-               "series": series}]
+    for k, rs in by_model(runs).items():
+        m = study.models[k]
+        steps, mean, std = mean_curve(rs)
+        series.append({"label": label_of(m, budget), "x": steps, "y": mean, "err": std, "color": m.color,
+                       "linestyle": "-" if all(r["causal"] for r in rs) else ":", "marker": "o"})
+    panels = [{"title": "validation perplexity (mean over seeds, band ± std)",
+               "xlabel": f"training step ({budget.batch_size} x {budget.seq_len} tokens each)",
+               "ylabel": "perplexity", "logy": True, "series": series}]
     common.line_panels(path, panels, title=title, panel_size=(6.4, 4.0))
 
 
-def plot_tps(path: Path, runs, title: str) -> None:
-    common.bar_panel(path, ["training throughput"], {MODELS[r["model"]][0]: [r["tokens_per_s"]] for r in runs},
-                     "tokens / s", title=title, size=(6.4, 3.2))
+def plot_tps(path: Path, study: Study, budget: Budget, runs, title: str) -> None:
+    common.bar_panel(path, ["training throughput"],
+                     {label_of(study.models[k], budget): [common.mean_std(r["tokens_per_s"] for r in rs)[0]]
+                      for k, rs in by_model(runs).items()}, "tokens / s", title=title, size=(6.4, 3.2))
+
+
+def summary(study: Study, budget: Budget, runs, info) -> Dict[str, Any]:
+    groups = by_model(runs)
+    models = {}
+    for k, rs in groups.items():
+        m = {"label": label_of(study.models[k], budget), "n_params": rs[0]["n_params"], "tokens": rs[0]["tokens"],
+             "causal": all(r["causal"] for r in rs), "seeds": [r["seed"] for r in rs]}
+        for f in ("val_loss", "val_ppl", "tokens_per_s"):
+            mean, std, n = common.mean_std(r[f] for r in rs)
+            m.update({f: mean, f + "_std": std, f + "_per_seed": [r[f] for r in rs]})
+        models[k] = m
+    return {"data": info, "models": models, "comparisons": compare(groups, study.comparisons)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,31 +422,37 @@ def _csv(choices: Sequence[str]):
     return parse
 
 
-def add_arguments(p) -> None:
-    common.add_common_arguments(p, NAME, "text file or folder (a folder with train.txt/valid.txt, e.g. "
-                                         "../shared/data/wikitext-2, uses those splits); default: the embedded "
-                                         "standard-library corpus", default_seed=0)
-    p.add_argument("--models", type=_csv(list(MODELS)), default=list(MODELS),
-                   help="comma-separated subset of " + ",".join(MODELS) + " (default all)")
+def add_study_arguments(p, study: Study) -> None:
+    common.add_common_arguments(p, study.name, "text file or folder (a folder with train.txt/valid.txt, e.g. "
+                                               "../shared/data/wikitext-2, uses those splits); default: the "
+                                               "embedded standard-library corpus", default_seed=0,
+                                budgets=study.budget_help)
+    p.add_argument("--models", type=_csv(list(study.models)), default=list(study.models),
+                   help="comma-separated subset of " + ",".join(study.models) + " (default all)")
     p.add_argument("--steps", type=int, default=None, help="training steps per model (default: the budget's)")
+    p.add_argument("--seeds", type=int, default=study.seeds,
+                   help=f"seeds per model: seed, seed+1, ... (default {study.seeds})")
 
 
-def run(args) -> int:
-    budget = Budget(**asdict(BUDGETS[args.budget]))
+def run_study(study: Study, args) -> int:
+    budget = Budget(**asdict(study.budgets[args.budget]))
     if args.steps is not None:
         if args.steps < 1:
             raise ExperimentError(f"--steps must be >= 1, got {args.steps}")
         budget.steps = args.steps
+    if args.seeds < 1:
+        raise ExperimentError(f"--seeds must be >= 1, got {args.seeds}")
     budget.eval_every = min(budget.eval_every, budget.steps)
     budget.warmup = min(budget.warmup, max(0, budget.steps // 10))
     common.set_threads(args.threads)
     device = str(common.resolve_device(args.device))
     data_path = str(Path(args.data).resolve()) if args.data else None
     models = list(args.models)
-    config = {"budget": args.budget, "seed": args.seed, "data": data_path, "models": models,
+    seeds = [args.seed + i for i in range(args.seeds)]
+    config = {"budget": args.budget, "seed": args.seed, "seeds": args.seeds, "data": data_path, "models": models,
               "protocol": asdict(budget)}
-    exp = common.Experiment(NAME, args, config)
-    print(f"linattn experiment {NAME} --budget {args.budget}")
+    exp = common.Experiment(study.name, args, config)
+    print(f"linattn experiment {study.name} --budget {args.budget}")
     for h in exp.header_lines():
         print("  " + h)
     t0 = time.perf_counter()
@@ -310,16 +461,26 @@ def run(args) -> int:
           f"tokens, vocabulary {info['vocab_size']} ({time.perf_counter() - t0:.0f} s)")
     if args.budget != "full":
         print(f"  reduced protocol ({args.budget}): d {budget.d_model}, {budget.steps} steps x {budget.batch_size} x "
-              f"{budget.seq_len} tokens per model")
-    plan = [{"run_id": k, "model": k, "seed": args.seed} for k in models]
-    runs = exp.run_all(plan, lambda spec: train_run(spec, exp, budget, data, device))
-    md = markdown(exp, budget, runs, info)
-    title = (f"lm ({args.budget}): d {budget.d_model}, {budget.n_layers} layers, "
-             f"{budget.steps * budget.batch_size * budget.seq_len:,} tokens per model; dotted = not causal")
-    paths = exp.write_outputs({"data": info, "models": {r["model"]: {k: r[k] for k in (
-        "n_params", "tokens", "val_loss", "val_ppl", "tokens_per_s", "causal")} for r in runs}}, runs, md,
-        {"lm": lambda p: plot(p, runs, budget, title), "lm_tokens_per_s": lambda p: plot_tps(p, runs, title)})
+              f"{budget.seq_len} tokens per model, {len(seeds)} seed(s)")
+    # seed by seed, so that an interrupted experiment holds whole seeds
+    plan = [{"run_id": f"{k}--s{s}", "model": k, "seed": s} for s in seeds for k in models]
+    runs = exp.run_all(plan, lambda spec: train_run(spec, exp, study, budget, data, device))
+    md = markdown(exp, study, budget, runs, info, len(plan))
+    title = (f"{study.name} ({args.budget}): d {budget.d_model}, {budget.n_layers} layers, "
+             f"{budget.steps * budget.batch_size * budget.seq_len:,} tokens per model, {len(seeds)} seed(s)"
+             + ("" if all(r["causal"] for r in runs) else "; dotted = not causal"))
+    paths = exp.write_outputs(summary(study, budget, runs, info), runs, md,
+                              {study.name: lambda p: plot(p, study, budget, runs, title),
+                               f"{study.name}_tokens_per_s": lambda p: plot_tps(p, study, budget, runs, title)})
     print()
     print(md)
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
     return 0
+
+
+def add_arguments(p) -> None:
+    add_study_arguments(p, LM)
+
+
+def run(args) -> int:
+    return run_study(LM, args)
