@@ -102,3 +102,23 @@ def test_seeds_shared_folder_and_comparison_end_to_end(tmp_path):
 def test_bad_seeds_is_a_usage_error(tmp_path, capsys):
     assert _run(["--budget", "tiny", "--seeds", "0", "--out", str(tmp_path / "a")]) == 2
     assert "--seeds" in capsys.readouterr().err
+
+
+def test_report_only_trains_nothing_and_a_resume_may_change_the_selection(tmp_path, capsys):
+    out = tmp_path / "mad"
+    base = ["--budget", "tiny", "--tasks", "memorization", "--out", str(out), "--no-progress", "--threads", "1"]
+    assert _run(base + ["--report-only", "--mixers", "efla"]) == 2          # nothing to report yet
+    assert "no finished run" in capsys.readouterr().err
+    assert _run(base + ["--mixers", "deltanet"]) == 0
+    # the same folder with more mixers and seeds: only report what is finished, train nothing
+    assert _run(base + ["--mixers", "deltanet,efla", "--seeds", "2", "--report-only"]) == 0
+    rep = json.loads((out / "results.json").read_text())
+    assert len(rep["runs"]) == 1 and not rep["summary"]["complete"]
+    assert "Incomplete: 1 of 4" in (out / "results.md").read_text()
+    assert _run(base + ["--report-only", "--overwrite"]) == 2
+    # a resume with another selection adds its runs (the folder's identity is the protocol)
+    assert _run(base + ["--mixers", "efla", "--seed", "1", "--resume"]) == 0
+    assert len(list((out / "runs").glob("*.json"))) == 2
+    # ... but not another protocol
+    assert _run(["--budget", "quick", "--tasks", "memorization", "--out", str(out), "--resume"]) == 2
+    assert "different configuration" in capsys.readouterr().err

@@ -62,6 +62,9 @@ def add_common_arguments(p: argparse.ArgumentParser, name: str, data_help: str,
                    help="continue an interrupted experiment: finished runs are skipped")
     p.add_argument("--overwrite", action="store_true",
                    help="delete the results already in the folder and start over")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: render the tables and plots from the runs already finished in the "
+                        "folder (marked incomplete when some are missing); implies --resume")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's default). On a CPU shared with other jobs, "
                         "1 is often faster than 2")
@@ -179,6 +182,13 @@ class Experiment:
         self.progress_enabled = not getattr(args, "no_progress", False)
         self.t0 = time.perf_counter()
         self.machine = machine_info(str(getattr(args, "device", "cpu")))
+        self.report_only = bool(getattr(args, "report_only", False))
+        if self.report_only:
+            if args.overwrite:
+                raise ExperimentError("--report-only and --overwrite contradict each other: pick one")
+            if not (self.runs.is_dir() and any(self.runs.glob("*.json"))):
+                raise ExperimentError(f"--report-only: no finished run in {self.runs} to report")
+            args.resume = True    # everything downstream (tokenizers, checkpoints) reuses what is there
         self._prepare(bool(args.resume), bool(args.overwrite))
 
     def _prepare(self, resume: bool, overwrite: bool) -> None:
@@ -234,6 +244,8 @@ class Experiment:
             log(f"[{self.name}] {n_done}/{len(plan)} runs already finished in {self.runs} (skipped)")
         for i, spec in enumerate(plan):
             rec = self.finished(spec["run_id"])
+            if rec is None and self.report_only:
+                continue
             if rec is None:
                 claim = RunLock(self.runs, self.run_path(spec["run_id"]).stem + ".claim",
                                 after_death="the run starts over")
@@ -252,8 +264,8 @@ class Experiment:
         if len(out) < len(plan):
             out = [r for r in (self.finished(s["run_id"]) for s in plan) if r is not None]   # others finished meanwhile
         if len(out) < len(plan):
-            log(f"[{self.name}] {len(plan) - len(out)} of {len(plan)} runs are still running in other processes: "
-                f"the tables are incomplete until the last process finishes (or re-render with --resume)")
+            log(f"[{self.name}] {len(plan) - len(out)} of {len(plan)} runs are not finished (running in other "
+                f"processes, or not started): the tables are incomplete")
         return out
 
     def _run_one(self, spec, fn, what: str, log) -> Dict[str, Any]:

@@ -611,8 +611,9 @@ def run(args) -> int:
     common.set_threads(args.threads)
     device = common.resolve_device(args.device)
     mixers, tasks = list(args.mixers), list(args.tasks)
-    config = {"budget": args.budget, "seed": args.seed, "seeds": args.seeds, "mixers": mixers, "tasks": tasks,
-              "protocol": asdict(budget)}
+    # the folder's identity is the protocol; --mixers, --tasks, --seed(s) only choose which of its runs
+    # to train and show (every run id names its mixer, task, setting, lr, wd and seed), so a resume may add some
+    config = {"budget": args.budget, "protocol": asdict(budget)}
     exp = common.Experiment(NAME, args, config)
     print(f"linattn experiment {NAME} --budget {args.budget}")
     for h in exp.header_lines():
