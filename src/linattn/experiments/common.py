@@ -414,8 +414,10 @@ def line_panels(path: Path, panels: Sequence[Dict[str, Any]], title: Optional[st
 
 
 def bar_panel(path: Path, groups: Sequence[str], series: Dict[str, Sequence[Optional[float]]], ylabel: str,
-              title: Optional[str] = None, size=(9.0, 3.6), dpi: int = 90, ylim=None) -> None:
-    """Grouped bars: one group per entry of `groups`, one bar per series."""
+              title: Optional[str] = None, size=(9.0, 3.6), dpi: int = 90, ylim=None,
+              errors: Optional[Dict[str, Sequence[Optional[float]]]] = None, hline: Optional[float] = None) -> None:
+    """Grouped bars: one group per entry of `groups`, one bar per series; errors: {series: error bar
+    per group} (e.g. the std over seeds); hline: a dashed reference level."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -426,7 +428,11 @@ def bar_panel(path: Path, groups: Sequence[str], series: Dict[str, Sequence[Opti
     w = 0.8 / k
     for i, (label, vals) in enumerate(series.items()):
         xs = [g + (i - (k - 1) / 2) * w for g in range(len(groups))]
-        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width=w, label=label, color=f"C{i}")
+        err = (errors or {}).get(label)
+        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width=w, label=label, color=f"C{i}",
+               yerr=None if err is None else [e or 0.0 for e in err], capsize=1.5, error_kw={"linewidth": 0.8})
+    if hline is not None:
+        ax.axhline(hline, color="0.3", linestyle="--", linewidth=0.8)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups, fontsize=7)
     ax.set_ylabel(ylabel, fontsize=8)

@@ -556,13 +556,17 @@ def markdown(exp: common.Experiment, budget: Budget, table, runs, mixers, tasks,
     return "\n".join(lines)
 
 
-def plot(path: Path, table, mixers, tasks, title: str) -> None:
+def plot(path: Path, table, per_seed, mixers, tasks, title: str) -> None:
+    """Bars of the table, error bars = std over model seeds, the sanity gate's level dashed."""
     from ..data.mad import TASKS
 
     cols = [t for t in TASK_ORDER if t in tasks]
     groups = [TASKS[t].label for t in cols] + ["Average"]
     series = {MIXERS[m][3]: [table[m][t] for t in cols] + [table[m]["average"]] for m in mixers}
-    common.bar_panel(path, groups, series, "test accuracy (%, macro)", title=title, ylim=(0, 100))
+    errors = {MIXERS[m][3]: [common.mean_std(per_seed[m][t].values())[1] for t in cols] +
+              [common.mean_std(seed_averages(per_seed, m, cols).values())[1]] for m in mixers}
+    common.bar_panel(path, groups, series, "test accuracy (%, macro)", title=title, ylim=(0, 100), errors=errors,
+                     hline=GATE_MIN_ACC)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -637,14 +641,15 @@ def run(args) -> int:
     runs = exp.run_all(plan, one)
     table = score(runs, mixers, tasks)
     gate = sanity_gate(runs)
-    compared = comparisons(seed_scores(runs, mixers, tasks), mixers, tasks)
+    compared = comparisons(seed_scores(runs, mixers, tasks), mixers, tasks)   # per seed: paired
     md = markdown(exp, budget, table, runs, mixers, tasks, gate, compared, len(plan))
     title = f"MAD ({args.budget}{'' if args.budget == 'full' else ': reduced protocol'}), macro accuracy" + \
         ("" if gate["status"] != "failed" else " -- INVALID: softmax failed the sanity gate")
-    paths = exp.write_outputs({"table": table, "per_seed": seed_scores(runs, mixers, tasks), "sanity_gate": gate,
+    per_seed = seed_scores(runs, mixers, tasks)
+    paths = exp.write_outputs({"table": table, "per_seed": per_seed, "sanity_gate": gate,
                                "comparisons": compared, "paper_table2": PAPER_TABLE2,
                                "complete": len(runs) == len(plan)}, runs, md,
-                              {"mad": lambda p: plot(p, table, mixers, tasks, title)})
+                              {"mad": lambda p: plot(p, table, per_seed, mixers, tasks, title)})
     print()
     print(md)
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
