@@ -54,6 +54,19 @@ def test_lm_seeds_give_runs_per_seed_a_mean_std_table_and_paired_differences(tmp
     assert r["run_id"] == "efla--s0" and r["val_ppl"] == efla["val_ppl_per_seed"][0]
 
 
+def test_a_resume_may_add_seeds_and_models_and_report_only_trains_nothing(tmp_path, corpus):
+    out = tmp_path / "lm"
+    assert _run("lm", corpus, out, "--models", "efla", "--steps", "2") == 0
+    first = (out / "runs" / "efla--s0.json").stat().st_mtime_ns
+    assert _run("lm", corpus, out, "--models", "efla,deltanet", "--steps", "2", "--seeds", "2", "--report-only") == 0
+    rep = _report(out)
+    assert [r["run_id"] for r in rep["runs"]] == ["efla--s0"]
+    assert "Incomplete: 1 of 4" in (out / "results.md").read_text()
+    assert _run("lm", corpus, out, "--models", "efla,deltanet", "--steps", "2", "--seeds", "2", "--resume") == 0
+    assert len(_report(out)["runs"]) == 4 and (out / "runs" / "efla--s0.json").stat().st_mtime_ns == first
+    assert _run("lm", corpus, out, "--models", "efla", "--steps", "3", "--resume") == 2   # another protocol
+
+
 def _rec(model, seed, ppl):
     return {"model": model, "seed": seed, "val_ppl": ppl}
 

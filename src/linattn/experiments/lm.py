@@ -449,8 +449,8 @@ def run_study(study: Study, args) -> int:
     data_path = str(Path(args.data).resolve()) if args.data else None
     models = list(args.models)
     seeds = [args.seed + i for i in range(args.seeds)]
-    config = {"budget": args.budget, "seed": args.seed, "seeds": args.seeds, "data": data_path, "models": models,
-              "protocol": asdict(budget)}
+    # the folder's identity: the data and the protocol; --models and --seed(s) choose runs (a resume may add some)
+    config = {"budget": args.budget, "data": data_path, "protocol": asdict(budget)}
     exp = common.Experiment(study.name, args, config)
     print(f"linattn experiment {study.name} --budget {args.budget}")
     for h in exp.header_lines():
