@@ -217,8 +217,14 @@ def test_interrupt_while_training_the_tokenizer_is_prompt():
 
     stop = threading.Event()
     items = iter(["x"] * 10)
-    with pytest.raises(KeyboardInterrupt):
-        tok_mod._train_in_thread(BusyTokenizer(), items, None, stop, poll_s=0.01)
+    # Python's Ctrl-C handler, whatever started the tests (a shell's background job ignores SIGINT,
+    # and Python then keeps it ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tok_mod._train_in_thread(BusyTokenizer(), items, None, stop, poll_s=0.01)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert stop.is_set()
     release.set()
 
