@@ -130,7 +130,7 @@ def test_methods_option_and_budgets(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--methods" in err and "'efla-strict'" in err and ALL in err
     assert _run(_argv(data, tmp_path / "o", "--methods", ",")) == 2
-    assert "no method given" in capsys.readouterr().err
+    assert "no name given" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
     _, parser = build_parser("smnist-robustness")
     assert parser.parse_args([]).methods == ["deltanet", "efla"]

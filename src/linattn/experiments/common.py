@@ -72,6 +72,20 @@ def add_common_arguments(p: argparse.ArgumentParser, name: str, data_help: str,
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def subset_of(choices: Sequence[str], ordered: bool = False) -> Callable[[str], List[str]]:
+    """An argparse type: a comma-separated subset of `choices`, without repeats, in the order given
+    (ordered=True: in the order of `choices`); unknown or no names are an argparse error naming them."""
+    def parse(text: str) -> List[str]:
+        items = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+        bad = [s for s in items if s not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(
+                (f"unknown name(s) {', '.join(map(repr, bad))}" if bad else "no name given")
+                + f"; give a comma-separated subset of {','.join(choices)}")
+        return [c for c in choices if c in items] if ordered else items
+    return parse
+
+
 # ----------------------------------------------------------------------------------------------
 # Determinism and small helpers
 # ----------------------------------------------------------------------------------------------
@@ -448,6 +462,6 @@ def bar_panel(path: Path, groups: Sequence[str], series: Dict[str, Sequence[Opti
 
 __all__ = [
     "Experiment", "ExperimentError", "add_common_arguments", "seed_everything", "set_threads",
-    "resolve_device", "md_table", "mean_std", "fmt", "fmt_pm", "paired_difference", "describe_difference",
+    "resolve_device", "subset_of", "md_table", "mean_std", "fmt", "fmt_pm", "paired_difference", "describe_difference",
     "progress", "line_panels", "bar_panel", "machine_line",
 ]

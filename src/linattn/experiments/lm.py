@@ -411,23 +411,12 @@ def summary(study: Study, budget: Budget, runs, info) -> Dict[str, Any]:
 # Entry points
 # ----------------------------------------------------------------------------------------------
 
-def _csv(choices: Sequence[str]):
-    def parse(text: str) -> List[str]:
-        items = [s.strip() for s in text.split(",") if s.strip()]
-        bad = [s for s in items if s not in choices]
-        if bad or not items:
-            import argparse
-            raise argparse.ArgumentTypeError(f"a comma-separated subset of {','.join(choices)}, got {text!r}")
-        return list(dict.fromkeys(items))
-    return parse
-
-
 def add_study_arguments(p, study: Study) -> None:
     common.add_common_arguments(p, study.name, "text file or folder (a folder with train.txt/valid.txt, e.g. "
                                                "../shared/data/wikitext-2, uses those splits); default: the "
                                                "embedded standard-library corpus", default_seed=0,
                                 budgets=study.budget_help)
-    p.add_argument("--models", type=_csv(list(study.models)), default=list(study.models),
+    p.add_argument("--models", type=common.subset_of(list(study.models)), default=list(study.models),
                    help="comma-separated subset of " + ",".join(study.models) + " (default all)")
     p.add_argument("--steps", type=int, default=None, help="training steps per model (default: the budget's)")
     p.add_argument("--seeds", type=int, default=study.seeds,

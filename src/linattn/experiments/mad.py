@@ -573,17 +573,6 @@ def plot(path: Path, table, per_seed, mixers, tasks, title: str) -> None:
 # Entry points
 # ----------------------------------------------------------------------------------------------
 
-def _csv(choices: Sequence[str], what: str):
-    def parse(text: str) -> List[str]:
-        items = [s.strip() for s in text.split(",") if s.strip()]
-        bad = [s for s in items if s not in choices]
-        if bad or not items:
-            import argparse
-            raise argparse.ArgumentTypeError(f"{what}: a comma-separated subset of {','.join(choices)}, got {text!r}")
-        return list(dict.fromkeys(items))
-    return parse
-
-
 BUDGET_HELP = {
     "quick": "the baseline settings with a few hundred to a few thousand examples: about 20 minutes of a "
              "2-core CPU for the six paper mixers; too small for softmax to learn recall (not calibrated)",
@@ -598,9 +587,9 @@ def add_arguments(p) -> None:
     from ..data.mad import TASKS
 
     common.add_common_arguments(p, NAME, "unused (the MAD data are generated)", default_seed=0, budgets=BUDGET_HELP)
-    p.add_argument("--mixers", type=_csv(list(MIXERS), "--mixers"), default=list(MIXERS),
+    p.add_argument("--mixers", type=common.subset_of(list(MIXERS)), default=list(MIXERS),
                    help="comma-separated subset of " + ",".join(MIXERS) + " (default all)")
-    p.add_argument("--tasks", type=_csv(list(TASKS), "--tasks"), default=list(TASKS),
+    p.add_argument("--tasks", type=common.subset_of(list(TASKS)), default=list(TASKS),
                    help="comma-separated subset of " + ",".join(TASKS) + " (default all)")
     p.add_argument("--seeds", type=int, default=1,
                    help="model seeds per run (seed, seed+1, ...; the data stay the same); default 1")

@@ -49,7 +49,6 @@ first 500 test images and 3 replicates, about 10-15 minutes of a 2-core CPU for 
 """
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -465,15 +464,7 @@ def plot_loss(path: Path, runs: List[Dict[str, Any]]) -> None:
 # Entry points
 # ----------------------------------------------------------------------------------------------
 
-def parse_methods(text: str) -> List[str]:
-    """--methods: a comma-separated subset of METHODS, returned in METHODS' order without repeats."""
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in items if s not in METHODS]
-    if bad or not items:
-        raise argparse.ArgumentTypeError(
-            (f"unknown method(s) {', '.join(map(repr, bad))}" if bad else "no method given")
-            + f"; give a comma-separated subset of {','.join(METHODS)}")
-    return [m for m in METHODS if m in items]
+parse_methods = common.subset_of(METHODS, ordered=True)   # --methods: returned in METHODS' order
 
 
 def add_arguments(p) -> None:
