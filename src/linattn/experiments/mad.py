@@ -35,8 +35,9 @@ Budgets:
             tasks (up to 4 epochs on in-context and noisy recall, 1 on fuzzy recall) and compression
             (2 epochs), 3,200 x 2 on selective copying, 256 x up to 64 on memorization; early stop at
             99.9%. Calibrated: softmax attention must reach 90% on in-context and noisy recall (the
-            sanity gate, printed with the results; a run that fails it is marked invalid). About 2
-            hours of this 2-core CPU for the six mixers of the paper's comparison and one seed.
+            sanity gate, printed with the results; a run that fails it is marked invalid). Measured on
+            a shared 2-core CPU: 18-40 minutes of one thread per mixer and seed, 3 hours for the six
+            mixers of the paper's comparison and one seed (1.5 hours as two processes, see below).
   quick     the baseline setting of each task only, one learning rate (1e-3, no weight decay),
             batch 32, a few hundred to a few thousand training examples, a few epochs, 256 test
             examples: about 20 minutes of a 2-core CPU for all six mixers. Too small for softmax to
@@ -577,8 +578,9 @@ BUDGET_HELP = {
     "quick": "the baseline settings with a few hundred to a few thousand examples: about 20 minutes of a "
              "2-core CPU for the six paper mixers; too small for softmax to learn recall (not calibrated)",
     "standard": "the baseline settings with the full 12,800-example training sets on the recall tasks and "
-                "compression and enough epochs for softmax to pass the sanity gate; about 2 hours of one "
-                "CPU thread for softmax, linear (elu+1, hadamard), DeltaNet, Gated DeltaNet and EFLA",
+                "compression and enough epochs for softmax to pass the sanity gate; 18-40 minutes of one CPU "
+                "thread per mixer and seed (measured), 3 hours for softmax, linear (elu+1, hadamard), "
+                "DeltaNet, Gated DeltaNet and EFLA (1.5 hours as two processes sharing --out)",
     "full": "mad-lab's benchmark (every setting, 6 lr/wd, up to 200 epochs): meant for a GPU",
 }
 
