@@ -1,9 +1,12 @@
-"""Experiments, run as `linattn experiment NAME --budget quick|full [--data DIR] [--out DIR]
-[--seed N] [--resume | --overwrite]`; each writes `results/NAME/` (JSON, a markdown table, plots).
+"""Experiments, run as `linattn experiment NAME --budget BUDGET [--data DIR] [--out DIR]
+[--seed N] [--resume | --overwrite | --report-only]`; each writes `results/NAME/` (JSON, a markdown
+table, plots). Budgets are per experiment (quick, full; mad and smnist-robustness also standard).
 
-    mad                 the six MAD synthetic tasks for softmax, linear attention, DeltaNet,
-                        Gated DeltaNet and EFLA (compare: EFLA paper, Table 2)
-    smnist-robustness   the EFLA paper's sequential-MNIST robustness sweeps, DeltaNet vs EFLA
+    mad                 the six MAD synthetic tasks for softmax, linear attention, the delta-rule
+                        family and the rest (compare: EFLA paper, Table 2); --budget standard is
+                        calibrated by the softmax sanity gate; --seeds N
+    smnist-robustness   the EFLA paper's sequential-MNIST robustness sweeps, DeltaNet vs EFLA and
+                        EFLA's beta variants (--methods), --replicates N
     lm                  language-model comparison at equal parameters and tokens (--seeds N)
     ela-ablations       ELA-GPT: Hyper-Link vs pre-norm, the MoE routing bias (eq. 14/15), the
                         causal memory lobe; 1,000 steps, 2 seeds (ELA paper, sections V-VI)
