@@ -150,8 +150,9 @@ def paired_difference(a: Sequence[Optional[float]], b: Sequence[Optional[float]]
     d = [float(x) - float(y) for x, y in zip(a, b) if x is not None and y is not None
          and math.isfinite(float(x)) and math.isfinite(float(y))]
     m, s, n = mean_std(d)
-    exceeds = None if n < 2 else abs(m) > 2.0 * s / math.sqrt(n)
-    return {"diffs": d, "mean": m, "std": s, "n": n, "positive": sum(1 for x in d if x > 0), "exceeds": exceeds}
+    bound = 2.0 * s / math.sqrt(n) if n >= 2 else None     # what |mean| must exceed
+    return {"diffs": d, "mean": m, "std": s, "n": n, "positive": sum(1 for x in d if x > 0), "bound": bound,
+            "exceeds": None if bound is None else abs(m) > bound}
 
 
 def describe_difference(p: Dict[str, Any], higher: str, lower: str, digits: int = 1) -> str:

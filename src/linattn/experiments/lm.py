@@ -38,7 +38,6 @@ their own models, budgets and comparisons, trained, tabulated and plotted by `ru
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -351,9 +350,8 @@ def markdown(exp: common.Experiment, study: Study, budget: Budget, runs, info, p
         crow = []
         for c in comps:
             pa, pb = (common.mean_std(r["val_ppl"] for r in groups[k]) for k in (c["a"], c["b"]))
-            bound = 2 * c["std"] / math.sqrt(c["n"]) if c["n"] >= 2 else None
             crow.append([f"{name(c['a'])} vs {name(c['b'])}", fmt_pm(*pa, 2), fmt_pm(*pb, 2),
-                         " / ".join(f"{x:+.2f}" for x in c["diffs"]), fmt(bound, 2),
+                         " / ".join(f"{x:+.2f}" for x in c["diffs"]), fmt(c["bound"], 2),
                          common.describe_difference(c, f"{name(c['b'])} lower", f"{name(c['a'])} lower", 2)])
         lines += ["Comparisons (a vs b), paired by seed: d = val ppl(a) − val ppl(b) in each seed (negative: a is "
                   "lower, better). A difference exceeds the spread when |mean d| > 2·std(d)/√n with n ≥ 2 seeds (a "

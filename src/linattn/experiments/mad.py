@@ -415,7 +415,11 @@ def seed_scores(runs: List[Dict[str, Any]], mixers: Sequence[str],
 def score(runs: List[Dict[str, Any]], mixers: Sequence[str], tasks: Sequence[str]) -> Dict[str, Any]:
     """Per (mixer, task): per setting the best accuracy over lr x wd, averaged over settings, then
     over model seeds; the MAD average over tasks (all in %)."""
-    per_seed = seed_scores(runs, mixers, tasks)
+    return table_of(seed_scores(runs, mixers, tasks), mixers, tasks)
+
+
+def table_of(per_seed, mixers: Sequence[str], tasks: Sequence[str]) -> Dict[str, Any]:
+    """`score`'s table from `seed_scores`' output."""
     table: Dict[str, Dict[str, Optional[float]]] = {}
     for m in mixers:
         table[m] = {t: common.mean_std(per_seed[m][t].values())[0] for t in tasks}
@@ -443,14 +447,8 @@ def sanity_gate(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     lr/wd run)."""
     from ..data.mad import TASKS
 
-    acc: Dict[str, List[float]] = {}
-    for t in GATE_TASKS:
-        best: Dict[int, float] = {}
-        for r in runs:
-            if r["mixer"] == GATE_MIXER and r["task"] == t and r["setting_id"] == "baseline":
-                sd = int(r.get("seed", 0))
-                best[sd] = max(best.get(sd, -1.0), 100.0 * r["acc"])
-        acc[t] = [best[k] for k in sorted(best)]
+    baseline = seed_scores([r for r in runs if r["setting_id"] == "baseline"], [GATE_MIXER], GATE_TASKS)
+    acc = {t: list(baseline[GATE_MIXER][t].values()) for t in GATE_TASKS}
     need = f"softmax >= {GATE_MIN_ACC:g}% on {' and '.join(TASKS[t].label for t in GATE_TASKS)} at the baseline setting"
     if not all(acc.values()):
         return {"status": "not checked", "accuracy": acc,
@@ -498,12 +496,11 @@ def _extra_args(a) -> str:
     return out
 
 
-def markdown(exp: common.Experiment, budget: Budget, table, runs, mixers, tasks, gate, compared,
+def markdown(exp: common.Experiment, budget: Budget, per_seed, runs, mixers, tasks, gate, compared,
              planned: int) -> str:
-    from ..data.mad import TASKS
+    from ..data.mad import NUM_TEST_EXAMPLES, TASKS
 
     a = exp.args
-    per_seed = seed_scores(runs, mixers, tasks)
     lines = [f"# MAD ({a.budget})", ""] + exp.incomplete_note(runs, planned)
     lines += [f"- {h}" for h in exp.header_lines(runs, _extra_args(a))]
     if a.budget == "full":
@@ -513,7 +510,7 @@ def markdown(exp: common.Experiment, budget: Budget, table, runs, mixers, tasks,
         def n_train(t):
             return next((r["setting"]["num_train_examples"] for r in runs if r["task"] == t), "?")
         per = "; ".join(f"{TASKS[t].label}: {n_train(t)} train x {budget.task_epochs(t)} epochs" for t in tasks)
-        n_test = budget.num_test if budget.num_test is not None else 1280
+        n_test = budget.num_test if budget.num_test is not None else NUM_TEST_EXAMPLES
         lines.append(f"- protocol ({a.budget}, **reduced**): baseline setting of each task only, one learning rate "
                      f"({', '.join(f'{x:g}' for x in budget.lrs)}, wd {', '.join(f'{x:g}' for x in budget.wds)}), "
                      f"batch {budget.batch_size}, {n_test} test examples, early stop at 99.9%; {per}. The paper's "
@@ -622,7 +619,7 @@ def run(args) -> int:
     def one(spec):
         key = spec["task"] + "|" + spec["setting_id"]
         if key not in cache:
-            if len(cache) >= len(tasks):   # the full budget's sweeps: ~70 datasets; keep one task's worth
+            if len(cache) >= len(tasks):   # at most one dataset per task in memory (the full budget has ~70)
                 cache.clear()
             s = dict(spec["setting"])
             cache[key] = make_dataset(spec["task"], s.pop("num_train_examples"), s.pop("num_test_examples"),
@@ -630,13 +627,13 @@ def run(args) -> int:
         return train_run(spec, cache[key], budget, device, exp.progress_enabled)
 
     runs = exp.run_all(plan, one)
-    table = score(runs, mixers, tasks)
+    per_seed = seed_scores(runs, mixers, tasks)
+    table = table_of(per_seed, mixers, tasks)
     gate = sanity_gate(runs)
-    compared = comparisons(seed_scores(runs, mixers, tasks), mixers, tasks)   # per seed: paired
-    md = markdown(exp, budget, table, runs, mixers, tasks, gate, compared, len(plan))
+    compared = comparisons(per_seed, mixers, tasks)
+    md = markdown(exp, budget, per_seed, runs, mixers, tasks, gate, compared, len(plan))
     title = f"MAD ({args.budget}{'' if args.budget == 'full' else ': reduced protocol'}), macro accuracy" + \
         ("" if gate["status"] != "failed" else " -- INVALID: softmax failed the sanity gate")
-    per_seed = seed_scores(runs, mixers, tasks)
     paths = exp.write_outputs({"table": table, "per_seed": per_seed, "sanity_gate": gate,
                                "comparisons": compared, "paper_table2": PAPER_TABLE2,
                                "complete": len(runs) == len(plan)}, runs, md,

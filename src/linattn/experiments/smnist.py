@@ -302,7 +302,6 @@ def paired(a: Sequence[float], b: Sequence[float], subject: str) -> Dict[str, An
     """The per-replicate differences a_r - b_r, their mean ± std, the sign count, the bound that |mean|
     must exceed and the verdict (subject: what a names)."""
     p = common.paired_difference(a, b)
-    p["bound"] = 2.0 * p["std"] / math.sqrt(p["n"]) if p["n"] >= 2 else None
     p["verdict"] = _verdict(p["diffs"], subject)
     return p
 
