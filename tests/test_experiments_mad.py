@@ -59,6 +59,23 @@ def test_scores_average_seeds_and_settings():
     assert set(partial["efla"]["memorization"]) == {0}
 
 
+def test_comparisons_pair_by_seed_and_use_only_seeds_both_mixers_ran():
+    tasks = ["in-context-recall", "memorization"]
+    runs = [_run_record(m, t, a, seed=s) for m, t, s, a in (
+        ("softmax", "in-context-recall", 0, 1.0), ("softmax", "in-context-recall", 1, 0.99),
+        ("softmax", "memorization", 0, 1.0),
+        ("linear-elu", "in-context-recall", 0, 0.38), ("linear-elu", "in-context-recall", 1, 0.41),
+        ("linear-elu", "memorization", 0, 0.7), ("linear-elu", "memorization", 1, 0.8))]
+    per_seed = mad.seed_scores(runs, ["softmax", "linear-elu"], tasks)
+    (cmp,) = mad.comparisons(per_seed, ["softmax", "linear-elu"], tasks)      # EFLA/DeltaNet absent: skipped
+    assert (cmp["a"], cmp["b"]) == ("linear-elu", "softmax")
+    recall = cmp["tasks"]["in-context-recall"]
+    assert recall["diffs"] == pytest.approx([-62.0, -58.0]) and recall["exceeds"] is True
+    # softmax has no seed-1 memorization run: that task and the average pair seed 0 only
+    assert cmp["tasks"]["memorization"]["n"] == 1 and cmp["tasks"]["memorization"]["exceeds"] is None
+    assert cmp["tasks"]["average"]["diffs"] == pytest.approx([(38 - 100 + 70 - 100) / 2])
+
+
 def test_standard_budget_trains_on_the_full_recall_sets():
     plan = mad.plan_runs(mad.BUDGETS["standard"], ["softmax"], list(mad.TASK_ORDER), seed=0)
     n = {r["task"]: r["setting"]["num_train_examples"] for r in plan}

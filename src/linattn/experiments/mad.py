@@ -45,7 +45,8 @@ Budgets:
             budget, and are not comparable with the paper's.
 
 Seeds: --seeds N trains every run with model seeds seed..seed+N-1 on the same data (mad-lab's data
-seed); tables give mean ± std over seeds, and EFLA vs DeltaNet is compared per seed (paired).
+seed); tables give mean ± std over seeds, and EFLA vs DeltaNet and linear (elu+1) vs softmax are
+compared per seed (paired).
 Several processes can share one results folder to use more cores: start the same command again
 with --resume; each run is claimed by one process (see `common.Experiment.run_all`).
 """
@@ -463,8 +464,9 @@ def sanity_gate(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
                     f"the known baseline, so the other rows cannot be trusted to rank the mixers."}
 
 
-# the paper's claim (EFLA, Table 2): EFLA above DeltaNet on every task
-COMPARISONS = (("efla", "deltanet"),)
+# EFLA's claim (Table 2): EFLA above DeltaNet on every task; MAD's: linear attention below attention
+# on the recall tasks
+COMPARISONS = (("efla", "deltanet"), ("linear-elu", "softmax"))
 
 
 def comparisons(per_seed, mixers: Sequence[str], tasks: Sequence[str]) -> List[Dict[str, Any]]:
