@@ -76,6 +76,9 @@ COLOR = {"deltanet": "C1", "efla": "C3", "efla-adaptive": "C0", "efla-loose": "C
 STYLE = {"deltanet": ("x", "--"), "efla": ("o", "-"), "efla-adaptive": ("s", "-."), "efla-loose": ("^", ":")}
 RANK = {"deltanet": 1, "efla": 2, "efla-adaptive": 3, "efla-loose": 4}   # seed offsets (42 + rank: the public code's)
 LR = {"deltanet": 1e-3, "efla": 3e-3, "efla-adaptive": 3e-3, "efla-loose": 3e-3}   # LR and LR_EFLA of the public code
+BETA = {"deltanet": "sigmoid(Linear(h))", "efla": "sigmoid(Linear(h))",
+        "efla-adaptive": "softplus(alpha) · sigmoid(Linear(h)), alpha learnable (softplus(alpha) = 1 at init)",
+        "efla-loose": "softplus(Linear(h))"}
 # the paired comparisons (a - b), each made when both methods ran
 PAIRS = (("efla", "deltanet"), ("efla-adaptive", "efla"), ("efla-loose", "efla"))
 PAIR_CLAIM = {("efla", "deltanet"): "the paper's claim: EFLA is more robust than DeltaNet",
@@ -383,9 +386,7 @@ def markdown(exp: common.Experiment, budget: Budget, summary: Dict[str, Any], le
               + ", ".join(f"{LABEL[m]} lr {LR[m]:g}" for m in methods)
               + f"; AdamW, clip 1.0; delta_rule chunk mode (chunk {budget.chunk_size})"
               + (" — **reduced from the paper's protocol (60k training / 10k test images)**" if reduced else ""),
-              "- beta: sigmoid(Linear(h)) for DeltaNet and EFLA; softplus(alpha) · sigmoid(Linear(h)) with a learnable "
-              "alpha (softplus(alpha) = 1 at init) for EFLA + adaptive decay; softplus(Linear(h)) for EFLA + loose β",
-              ""]
+              "- beta: " + "; ".join(f"{LABEL[m]} {BETA[m]}" for m in methods), ""]
     lines.append("Accuracy (%), mean ± std over replicates:")
     lines.append("")
     for sweep, values in levels.items():
