@@ -39,9 +39,9 @@ Budgets:
             of 4 epochs one of two softmax seeds failed it (noisy recall 80%, still rising when the
             cosine schedule reached 0), hence 8; early stopping makes the cap free for mixers that
             solve recall in the first epoch (the delta-rule family). Measured on
-            a shared 2-core CPU: 13-30 minutes of one thread per seed for the delta-rule mixers, about 55
-            for softmax and plain linear attention (their recall runs go to or near the cap), 4 hours for
-            the six mixers of the paper's comparison and one seed (2 hours as two processes, see below).
+            a shared 2-core CPU: 13-30 minutes of one thread per seed for the delta-rule mixers, 34-43 for
+            softmax and plain linear attention (their recall runs may go to the cap), about 3 hours for
+            the six mixers of the paper's comparison and one seed (1.5-2 hours as two processes, see below).
   quick     the baseline setting of each task only, one learning rate (1e-3, no weight decay),
             batch 32, a few hundred to a few thousand training examples, a few epochs, 256 test
             examples: about 20 minutes of a 2-core CPU for all six mixers. Too small for softmax to
@@ -581,9 +581,9 @@ BUDGET_HELP = {
     "quick": "the baseline settings with a few hundred to a few thousand examples: about 20 minutes of a "
              "2-core CPU for the six paper mixers; too small for softmax to learn recall (not calibrated)",
     "standard": "the baseline settings with the full 12,800-example training sets on the recall tasks and "
-                "compression and enough epochs for softmax to pass the sanity gate; 13-55 minutes of one CPU "
-                "thread per mixer and seed (measured), 4 hours for softmax, linear (elu+1, hadamard), "
-                "DeltaNet, Gated DeltaNet and EFLA (2 hours as two processes sharing --out)",
+                "compression and enough epochs for softmax to pass the sanity gate; 13-45 minutes of one CPU "
+                "thread per mixer and seed (measured), 3 hours for softmax, linear (elu+1, hadamard), "
+                "DeltaNet, Gated DeltaNet and EFLA (1.5-2 hours as two processes sharing --out)",
     "full": "mad-lab's benchmark (every setting, 6 lr/wd, up to 200 epochs): meant for a GPU",
 }
 
