@@ -290,7 +290,11 @@ def exceeds_spread(diffs: Sequence[float]) -> Optional[bool]:
 
 def _verdict(diffs: Sequence[float], subject: str = "EFLA") -> str:
     """'exceeds the spread (SUBJECT higher/lower)' or 'within the spread' for differences SUBJECT - other."""
-    p = common.paired_difference(list(diffs), [0.0] * len(diffs))
+    return _verdict_of(common.paired_difference(list(diffs), [0.0] * len(diffs)), subject)
+
+
+def _verdict_of(p: Dict[str, Any], subject: str) -> str:
+    """`_verdict` of a `common.paired_difference` result."""
     md, n = p["mean"], p["n"]
     if n == 0:
         return "not compared"
@@ -305,7 +309,7 @@ def paired(a: Sequence[float], b: Sequence[float], subject: str) -> Dict[str, An
     """The per-replicate differences a_r - b_r, their mean ± std, the sign count, the bound that |mean|
     must exceed and the verdict (subject: what a names)."""
     p = common.paired_difference(a, b)
-    p["verdict"] = _verdict(p["diffs"], subject)
+    p["verdict"] = _verdict_of(p, subject)
     return p
 
 
