@@ -142,23 +142,28 @@ def test_methods_option_and_budgets(tmp_path, capsys):
 
 
 def test_spread_criterion_on_hand_made_numbers():
+    def verdict(diffs, subject="EFLA"):
+        p = smnist.paired(diffs, [0.0] * len(diffs), subject)
+        return p["exceeds"], p["verdict"]
+
     # mean 2, std 0.71, 2 std / sqrt(5) = 0.63: exceeds
     up = [2.0, 3.0, 1.0, 2.0, 2.0]
-    assert smnist.exceeds_spread(up) is True
-    assert smnist._verdict(up) == "exceeds the spread (EFLA higher)"
-    assert smnist._verdict([-d for d in up], "EFLA + loose β") == "exceeds the spread (EFLA + loose β lower)"
+    assert verdict(up) == (True, "exceeds the spread (EFLA higher)")
+    assert verdict([-d for d in up], "EFLA + loose β") == (True, "exceeds the spread (EFLA + loose β lower)")
     # mean 0.6, std 2.07, bound 1.85: within, although positive in 3 of 5
     mixed = [3.0, -1.0, 2.0, -2.0, 1.0]
-    assert smnist.exceeds_spread(mixed) is False
     p = smnist.paired(mixed, [0.0] * 5, "EFLA")
-    assert p["verdict"] == "within the spread" and p["positive"] == 3 and p["n"] == 5
+    assert p["exceeds"] is False and p["verdict"] == "within the spread" and p["positive"] == 3 and p["n"] == 5
     assert math.isclose(p["bound"], 2 * p["std"] / math.sqrt(5))
     # all of one sign does not suffice: +0.1 and +3.9 (mean 2, bound 2 * 2.83 / 1.41 = 4) is within
-    assert smnist.exceeds_spread([0.1, 3.9]) is False
+    assert verdict([0.1, 3.9]) == (False, "within the spread")
     # identical differences have no spread: any nonzero mean exceeds it, zero does not
-    assert smnist.exceeds_spread([0.5, 0.5]) is True and smnist.exceeds_spread([0.0, 0.0]) is False
-    assert smnist.exceeds_spread([4.0]) is None and smnist._verdict([4.0]).startswith("one replicate")
-    assert smnist._verdict([]) == "not compared"
+    assert verdict([0.5, 0.5])[0] is True and verdict([0.0, 0.0]) == (False, "within the spread")
+    exceeds, text = verdict([4.0])
+    assert exceeds is None and text.startswith("one replicate")
+    assert verdict([]) == (None, "not compared")
+    # a missing value drops its pair
+    assert smnist.paired([1.0, None, 2.0], [0.0, 5.0, 0.0], "EFLA")["diffs"] == [1.0, 2.0]
 
 
 def test_evaluation_equals_a_plain_loop_with_fewer_model_calls():

@@ -281,20 +281,9 @@ def evaluate(model: nn.Module, test_x: torch.Tensor, test_y: torch.Tensor, level
 # Summary and verdicts
 # ----------------------------------------------------------------------------------------------
 
-def exceeds_spread(diffs: Sequence[float]) -> Optional[bool]:
-    """Whether paired differences d_r lie clearly away from 0: |mean(d)| > 2 std(d) / sqrt(n), the mean
-    more than two standard errors from 0 (`common.paired_difference`, shared by the experiments). None
-    below two replicates (one has no spread)."""
-    return common.paired_difference(list(diffs), [0.0] * len(diffs))["exceeds"]
-
-
-def _verdict(diffs: Sequence[float], subject: str = "EFLA") -> str:
-    """'exceeds the spread (SUBJECT higher/lower)' or 'within the spread' for differences SUBJECT - other."""
-    return _verdict_of(common.paired_difference(list(diffs), [0.0] * len(diffs)), subject)
-
-
 def _verdict_of(p: Dict[str, Any], subject: str) -> str:
-    """`_verdict` of a `common.paired_difference` result."""
+    """"exceeds the spread (SUBJECT higher/lower)", "within the spread" or why there is no verdict, for a
+    `common.paired_difference` of SUBJECT - other."""
     md, n = p["mean"], p["n"]
     if n == 0:
         return "not compared"
