@@ -245,6 +245,17 @@ def test_common_helpers(tmp_path):
     assert json.loads((tmp_path / "x.json").read_text()) == {"a": None, "b": 1.5, "c": 2}
 
 
+def test_bar_panel_gives_every_series_its_own_colour(tmp_path):
+    # MAD plots up to 17 mixers: the default cycle repeats after 10
+    for k in (1, 7, 10, 11, 17, 20):
+        colors = common.series_colors(k)
+        assert len(colors) == k and len({str(c) for c in colors}) == k
+    series = {f"m{i}": [float(i), None] for i in range(13)}
+    common.bar_panel(tmp_path / "bars.png", ["task", "average"], series, "acc", title="t",
+                     errors={"m0": [1.0, None]}, hline=90)
+    assert (tmp_path / "bars.png").stat().st_size > 0
+
+
 def test_mad_full_plan_and_scoring():
     """The full budget is mad-lab's benchmark: every setting x lr {1e-4, 5e-4, 1e-3} x wd {0, 0.1};
     a task's score is the mean over settings of the best run over the grid."""

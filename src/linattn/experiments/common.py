@@ -428,6 +428,15 @@ def line_panels(path: Path, panels: Sequence[Dict[str, Any]], title: Optional[st
     fig.savefig(path, dpi=dpi)
 
 
+def series_colors(k: int) -> List[Any]:
+    """k distinct matplotlib colours: the default cycle's 10, else tab20's 20 (they repeat beyond 20)."""
+    import matplotlib
+
+    if k <= 10:
+        return [f"C{i}" for i in range(k)]
+    return [matplotlib.colormaps["tab20"](i % 20) for i in range(k)]
+
+
 def bar_panel(path: Path, groups: Sequence[str], series: Dict[str, Sequence[Optional[float]]], ylabel: str,
               title: Optional[str] = None, size=(9.0, 3.6), dpi: int = 90, ylim=None,
               errors: Optional[Dict[str, Sequence[Optional[float]]]] = None, hline: Optional[float] = None) -> None:
@@ -436,15 +445,18 @@ def bar_panel(path: Path, groups: Sequence[str], series: Dict[str, Sequence[Opti
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    k = max(1, len(series))
+    if k > 10:      # the default cycle has 10 colours: more series take tab20's and a wider figure
+        size = (size[0] * k / 10, size[1])
+    colors = series_colors(k)
     fig = Figure(figsize=size, constrained_layout=True)
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    k = max(1, len(series))
     w = 0.8 / k
     for i, (label, vals) in enumerate(series.items()):
         xs = [g + (i - (k - 1) / 2) * w for g in range(len(groups))]
         err = (errors or {}).get(label)
-        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width=w, label=label, color=f"C{i}",
+        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width=w, label=label, color=colors[i],
                yerr=None if err is None else [e or 0.0 for e in err], capsize=1.5, error_kw={"linewidth": 0.8})
     if hline is not None:
         ax.axhline(hline, color="0.3", linestyle="--", linewidth=0.8)
@@ -464,5 +476,5 @@ def bar_panel(path: Path, groups: Sequence[str], series: Dict[str, Sequence[Opti
 __all__ = [
     "Experiment", "ExperimentError", "add_common_arguments", "seed_everything", "set_threads",
     "resolve_device", "subset_of", "md_table", "mean_std", "fmt", "fmt_pm", "paired_difference", "describe_difference",
-    "progress", "line_panels", "bar_panel", "machine_line",
+    "progress", "line_panels", "series_colors", "bar_panel", "machine_line",
 ]
