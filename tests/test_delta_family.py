@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import linattn
 from linattn import comba, delta_product, delta_rule
 from linattn.layers import KDA, Comba, DeltaProduct, LayerCache, l2_normalize
+from linattn.ops.delta_core import CHANNEL_BLOCK
 from linattn.ops.reference import comba_ref, delta_product_ref, delta_rule_ref, rel_err
 
 MODES = ["parallel", "chunk", "recurrent"]
@@ -279,7 +280,7 @@ def test_delta_product_chunk_size_counts_substeps():
     assert linattn.chunk_size_used("delta_product", *args, chunk_size=64) == 63    # 21 tokens of 3 sub-steps
     assert linattn.chunk_size_used("delta_product", *args, chunk_size=2) == 3      # at least one token
     assert linattn.chunk_size_used("delta_product", *args, mode="parallel") == 150
-    assert linattn.chunk_size_used("delta_product", *args, g=-torch.ones(1, 50, 2, 8), chunk_size=64) == 16
+    assert linattn.chunk_size_used("delta_product", *args, g=-torch.ones(1, 50, 2, 8), chunk_size=64) == CHANNEL_BLOCK
     assert linattn.chunk_size_used("comba", x["q"], x["q"], x["q"], x["beta"][..., 0], chunk_size=48) == 48
 
 
@@ -627,3 +628,42 @@ def test_triton_interpreter_delta_product_and_comba_fallback():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("C", [1, 5, 8, 17, 40])
+def test_channel_scores_sub_blocks_match_explicit_decays(C, strict):
+    """The per-channel chunk scores by sub-blocks (a matmul across sub-blocks, each side rescaled to the earlier
+    sub-block's last log-decay) equal the explicit sum_d x_td y_id e^{Gx_td - Gy_id} on and below the diagonal,
+    with log-gates down to -50 per token: a chunk decays by up to e^-2000, which a single reference point per
+    chunk would turn into e^+1000 factors (inf even in fp64)."""
+    from linattn.ops.delta_core import _channel_scores
+
+    gen = torch.Generator().manual_seed(C)
+    x, y = (torch.randn(2, 3, C, 6, dtype=torch.float64, generator=gen) for _ in range(2))
+    g = -50 * torch.rand(2, 3, C, 6, dtype=torch.float64, generator=gen)
+    Gy = g.cumsum(-2)
+    Gx = Gy - g if strict else Gy
+    keep = torch.ones(C, C, dtype=torch.bool).tril(-1 if strict else 0)
+    decay = torch.exp((Gx.unsqueeze(-2) - Gy.unsqueeze(-3)).masked_fill(~keep[..., None], float("-inf")))
+    want = torch.einsum("...td,...tid,...id->...ti", x, decay, y)
+    got = _channel_scores(x, y, Gx, Gy, strict=strict)
+    assert got.shape == want.shape
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got.masked_fill(~keep, 0.0), want, rtol=1e-12, atol=1e-300)
+
+
+def test_channel_scores_gradients():
+    """The written-out backward of the sub-block product (and the rest of _channel_scores) against finite
+    differences, fp64, both masks, a chunk length that pads the last sub-block."""
+    from linattn.ops.delta_core import _channel_scores
+
+    gen = torch.Generator().manual_seed(7)
+    x, y = (torch.randn(2, 11, 3, dtype=torch.float64, generator=gen).requires_grad_() for _ in range(2))
+    g = (-2 * torch.rand(2, 11, 3, dtype=torch.float64, generator=gen)).requires_grad_()
+    for strict in (False, True):
+        def scores(x, y, g):
+            G = g.cumsum(-2)
+            keep = torch.ones(11, 11, dtype=torch.bool).tril(-1 if strict else 0)
+            return _channel_scores(x, y, G - g if strict else G, G, strict=strict).masked_fill(~keep, 0.0)
+        assert torch.autograd.gradcheck(scores, (x, y, g))
