@@ -219,17 +219,29 @@ def test_compile_linear_chunk(gate):
     _compiled_matches(fn, q, k, v, g)
 
 
-@pytest.mark.parametrize("variant", ["deltanet", "gated", "efla"])
+@pytest.mark.parametrize("variant", ["deltanet", "gated", "efla", "kda"])
 def test_compile_delta_chunk(variant):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 40, 2, 8, generator=gen) for _ in range(3))
     beta, g = torch.rand(1, 40, 2, generator=gen), -torch.rand(1, 40, 2, generator=gen)
+    if variant == "kda":  # per-channel gates: the sub-block scores' own autograd.Function inside the graph
+        g = -torch.rand(1, 40, 2, 8, generator=gen)
 
     def fn(q, k, v, beta, g):
-        return linattn.delta_rule(q, k, v, beta, g=g if variant == "gated" else None, exact=variant == "efla",
-                                  qk_l2norm=True, mode="chunk", chunk_size=16, output_final_state=True)
+        return linattn.delta_rule(q, k, v, beta, g=g if variant in ("gated", "kda") else None,
+                                  exact=variant == "efla", qk_l2norm=True, mode="chunk", chunk_size=16,
+                                  output_final_state=True)
 
     _compiled_matches(fn, q, k, v, beta, g)
+    if variant == "kda":  # and its backward through the compiled graph
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        grads = []
+        for f in (compiled, fn):
+            gl = g.clone().requires_grad_()
+            f(q, k, v, beta, gl)[0].square().sum().backward()
+            grads.append(gl.grad)
+        assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-6)
 
 
 def test_compile_one_token_decoding():
