@@ -139,3 +139,23 @@ def test_report_only_trains_nothing_and_a_resume_may_change_the_selection(tmp_pa
     # ... but not another protocol
     assert _run(["--budget", "quick", "--tasks", "memorization", "--out", str(out), "--resume"]) == 2
     assert "different configuration" in capsys.readouterr().err
+
+
+def test_committed_run_records_still_render(tmp_path, capsys):
+    """docs/records/mad-standard holds the run records behind docs/results.md's newer-mixer MAD rows: they
+    must stay a results folder of the current protocol (so a later session can --resume into it), and
+    --report-only must score each mixer from its own records."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "docs" / "records" / "mad-standard"
+    records = [json.loads(p.read_text()) for p in sorted((src / "runs").glob("*.json"))]
+    assert records, f"no run records in {src}"
+    assert json.loads((src / "experiment.json").read_text())["protocol"] == mad.asdict(mad.BUDGETS["standard"])
+    out = tmp_path / "mad-standard"
+    shutil.copytree(src, out)
+    mixers = sorted({r["mixer"] for r in records})
+    assert _run(["--budget", "standard", "--out", str(out), "--mixers", ",".join(mixers), "--report-only"]) == 0
+    table = json.loads((out / "results.json").read_text())["summary"]["table"]
+    for r in records:
+        assert table[r["mixer"]][r["task"]] == pytest.approx(100.0 * r["acc"])
