@@ -40,8 +40,8 @@ per-head gate the decayed products are matmuls times exp(G_t - G_i). With per-ch
 inside one sub-block is formed explicitly over [c, c, K], and a query after sub-block I meets I's keys
 through one matmul, both sides rescaled to the log-decay R_I at I's last token:
 e^{G_t - G_i} = e^{G_t - R_I} e^{R_I - G_i}, each factor <= 1 (t after I, i in I). Every exponent is <= 0,
-nothing can overflow, and the [C, C, K] work per chunk drops to [c, c, K] + [C/c, C, K] (3x faster
-forward + backward on a CPU, measured). Backward is autograd (with a written-out backward for the
+nothing can overflow, and the [C, C, K] work per chunk drops to [c, c, K] + [C/c, C, K] (forward +
+backward 2-3x faster on a CPU, measured: docs/results.md 12d). Backward is autograd (with a written-out backward for the
 sub-block product, `_DecayedScores`): one state per chunk and O(T * chunk) intermediates, never a state per token.
 
 Numerics: key-norm rescaling, always, per token. The recurrence sees k only through a_t k_t (.)^T, so
@@ -239,8 +239,6 @@ def _wy_blocks(q, k, v, b, r, g):
     """The S_0-independent parts of blocks [..., C, D] (any leading dims): X = [U~ | W~] of the UT transform,
     the masked decayed scores Q K^T * Gam, the decayed queries and keys, and the block decay (or None)."""
     C = k.shape[-2]
-    incl = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
-    strict = incl.tril(-1)  # a given read key sees e^{G_{t-1} - G_i}: only i < t is ever used (and <= 0)
     rr = k if r is None else r
     kb_r = rr * b.unsqueeze(-1)                                       # diag(a~) R
     if g is None:
@@ -257,6 +255,8 @@ def _wy_blocks(q, k, v, b, r, g):
             k_dec = k * torch.exp(G[..., -1:, :] - G)
             block_decay = eG[..., -1, :].unsqueeze(-1)                # [..., K, 1]
         else:                   # per head: matmuls times exp(G_t - G_i)
+            incl = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+            strict = incl.tril(-1)  # a given read key sees e^{G_{t-1} - G_i}: only i < t is ever used (and <= 0)
             D = torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~incl, float("-inf")))
             Dr = D if r is None else torch.exp((Gr.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~strict, float("-inf")))
             A, qk = (kb_r @ k.transpose(-1, -2)) * Dr, (q @ k.transpose(-1, -2)) * D
