@@ -62,6 +62,7 @@ def test_macro_accuracy_matches_torchmetrics_convention():
     # class 0: 1/1, class 1: 1/2, class 2: 1/2, class 3: predicted (fp) but no support -> 0; 4 ignored
     assert math.isclose(m.compute(), (1 + 0.5 + 0.5 + 0) / 4)
     assert math.isclose(m.micro(), 3 / 5)
+    assert m.stray_classes() == 1   # class 3: the one that drags macro below what the targets alone give
 
 
 def test_smnist_verdict_logic():
