@@ -197,3 +197,31 @@ def test_evaluation_equals_a_plain_loop_with_fewer_model_calls():
     calls.clear()
     assert fast == plain(4)
     assert len(calls) == 21
+
+
+def test_committed_run_records_are_runs_of_the_standard_protocol():
+    """docs/records/smnist-standard holds the run records behind docs/results.md section 13e's EFLA-variant
+    tables: they must stay runs of the current standard protocol and plan (so a later session can copy the
+    folder to results/ and --resume into it), and summarize them to their own means."""
+    from dataclasses import asdict
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "docs" / "records" / "smnist-standard"
+    runs = [json.loads(p.read_text()) for p in sorted((src / "runs").glob("*.json"))]
+    assert runs, f"no run records in {src}"
+    exp = json.loads((src / "experiment.json").read_text())
+    assert exp["protocol"] == asdict(smnist.BUDGETS["standard"])
+    levels = {k: list(v[1]) for k, v in smnist.SWEEPS.items()}
+    assert exp["levels"] == levels and exp["seed"] == 42
+    for r in runs:   # the plan's seeds, a finished pass over the training set, every level evaluated
+        m, rep = r["method"], r["replicate"]
+        assert r["run_id"] == f"{m}-r{rep}" and r["finished"]
+        assert (r["train_seed"], r["eval_seed"], r["lr"]) == (42 + 1000 * rep + smnist.RANK[m], 42 + 1000 * rep,
+                                                              smnist.LR[m])
+        assert r["steps"] == 469 and r["train_images"] == 60_000 and len(r["losses"]) == 469
+        assert {k: len(v) for k, v in r["acc"].items()} == {k: len(v) for k, v in levels.items()}
+        assert r["acc"]["scale"][0] == r["acc"]["noise"][0] == r["acc"]["dropout"][0]   # one clean pass
+    s = smnist.summarize(runs, levels)
+    for m in s["methods"]:
+        clean = [r["acc"]["scale"][0] for r in runs if r["method"] == m]
+        assert s["clean"][m][0] == pytest.approx(sum(clean) / len(clean)) and s["clean"][m][2] == len(clean)
