@@ -525,8 +525,9 @@ def run(args) -> int:
     runs = exp.run_all(plan, one)
     summary = summarize(runs, levels)
     md = markdown(exp, budget, summary, levels, runs, len(plan))
+    done = len({r["replicate"] for r in runs})      # an interrupted experiment plots fewer than planned
     title = (f"sMNIST robustness ({args.budget}: {budget.train_images} train / {budget.test_images} test images, "
-             f"{budget.replicates} replicate(s)); mean ± std")
+             f"{done} of {budget.replicates} replicate(s)); mean ± std")
     paths = exp.write_outputs(summary, runs, md, {
         "robustness": lambda p: plot(p, summary, levels, title),
         "loss": lambda p: plot_loss(p, runs)})
