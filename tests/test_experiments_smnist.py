@@ -211,7 +211,7 @@ def test_committed_run_records_are_runs_of_the_standard_protocol():
     assert runs, f"no run records in {src}"
     exp = json.loads((src / "experiment.json").read_text())
     assert exp["protocol"] == asdict(smnist.BUDGETS["standard"])
-    levels = {k: list(v[1]) for k, v in smnist.SWEEPS.items()}
+    levels = smnist.PAPER_LEVELS
     assert exp["levels"] == levels and exp["seed"] == 42
     for r in runs:   # the plan's seeds, a finished pass over the training set, every level evaluated
         m, rep = r["method"], r["replicate"]

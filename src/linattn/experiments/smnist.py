@@ -90,6 +90,7 @@ SWEEPS = {
     "noise": ("additive Gaussian noise sigma", [round(0.1 * i, 1) for i in range(11)]),
     "dropout": ("pixel dropout p", [round(0.1 * i, 1) for i in range(11)]),
 }
+PAPER_LEVELS = {k: v[1] for k, v in SWEEPS.items()}      # the levels of every budget but tiny
 SWEEP_TITLE = {"scale": "OOD intensity scaling", "noise": "additive Gaussian noise", "dropout": "pixel dropout"}
 PAPER_TRAIN, PAPER_TEST = 60_000, 10_000
 
@@ -482,7 +483,7 @@ def run(args) -> int:
                 raise ExperimentError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
             setattr(budget, name, v)
     methods = list(getattr(args, "methods", None) or DEFAULT_METHODS)
-    levels = budget.levels or {k: list(v[1]) for k, v in SWEEPS.items()}
+    levels = budget.levels or {k: list(v) for k, v in PAPER_LEVELS.items()}
     common.set_threads(args.threads)
     device = common.resolve_device(args.device)
     data_dir = args.data or DEFAULT_DATA
