@@ -1,41 +1,90 @@
-"""Backend dispatch: `backend="auto" | "torch" | "triton"` on the operators.
+"""Backend dispatch: `backend="auto" | "torch" | "triton" | "cpu"` on the operators.
 
 * "torch"  - the PyTorch forms (always available; the reference and the fallback).
 * "triton" - the Triton kernels (linattn/triton): chunk mode (forward + backward) and recurrent
              mode (forward only, for decoding). CUDA tensors, or CPU tensors under Triton's
              interpreter (TRITON_INTERPRET=1 set before triton is imported: how CI tests them).
+             Without triton: `BackendUnavailableError`; CPU tensors without the interpreter:
+             `BackendDeviceError` (both LinattnErrors, also an ImportError / a RuntimeError).
              A call the kernels do not cover falls back to PyTorch with a warning (once per
              reason); the prepared call says why (`triton_unsupported()`).
-* "auto"   - "triton" for CUDA tensors when triton is importable and the call is covered,
-             "torch" otherwise (silently).
+* "cpu"    - the compiled CPU kernels (linattn/cpu, C + OpenMP built on first use): CPU tensors only
+             (`BackendDeviceError` otherwise); `BackendUnavailableError` when they are switched off
+             (LINATTN_CPU_KERNELS=0) or cannot be built (no C compiler). A call they do not cover
+             falls back to PyTorch with a warning (once per reason), like "triton"; the prepared call
+             says why (`cpu_unsupported()`, None when covered; an operator without it has no kernel).
+* "auto"   - "triton" for CUDA tensors when triton is importable and the call is covered; "cpu" for
+             CPU tensors when the compiled kernels are on, build, and cover the call; "torch"
+             otherwise (silently).
 
 An operator validates and prepares its call once (a `LinearProblem` or `DeltaProblem`); the
 functions here only read that prepared call: `select_backend` decides, and `triton_linear_attention`
-/ `triton_delta` lay its tensors out for the kernels ([TT, H, D], packed sequences) and launch them.
-Nothing here imports triton unless the Triton backend is chosen: `import linattn` never imports it.
+/ `triton_delta` / `cpu_linear_attention` lay its tensors out for the kernels ([TT, H, D], packed
+sequences) and launch them. Nothing here imports triton unless the Triton backend is chosen, and
+nothing compiles before a CPU kernel is first needed: `import linattn` does neither.
 """
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
 
+from .. import cpu
+from ..cpu.build import ENV_SWITCH
 from ..errors import LinattnError
 from ..triton import available, interpret_mode
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 _WARNED = set()
+
+
+class BackendUnavailableError(LinattnError, ImportError):
+    """The requested backend cannot run here: triton is not installed, or the compiled CPU kernels are switched
+    off or cannot be built. The message names what is missing."""
+
+
+class BackendDeviceError(LinattnError, RuntimeError):
+    """The requested backend does not run on the call's device (backend="triton" for CPU tensors without
+    TRITON_INTERPRET=1, backend="cpu" for CUDA tensors)."""
 
 
 def requires_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def select_backend(backend: str, problem) -> str:
-    """Resolve `backend` for a prepared call; returns "torch" or "triton".
+def _fallback(backend: str, why: str) -> str:
+    if (backend, why) not in _WARNED:
+        _WARNED.add((backend, why))
+        warnings.warn(f"backend={backend!r}: {why}; falling back to the PyTorch implementation", stacklevel=5)
+    return "torch"
 
-    Raises LinattnError for an unknown backend name, ImportError when "triton" is requested without
-    triton, and RuntimeError when it is requested for CPU tensors without TRITON_INTERPRET=1.
+
+def cpu_kernel_unsupported(problem) -> Optional[str]:
+    """Why the compiled CPU kernels do not take this call (None when they do): the operator has no kernel
+    (`cpu_unsupported` missing), or the prepared call says why not. Builds nothing."""
+    check = getattr(problem, "cpu_unsupported", None)
+    if check is None:
+        return f"{type(problem).__name__} has no compiled CPU kernel"
+    return check()
+
+
+def _cpu_library_missing(problem) -> Optional[str]:
+    """None when the problem's compiled library loads (building it on first use), else what is missing."""
+    if not cpu.enabled():
+        return f"the compiled CPU kernels are switched off ({ENV_SWITCH}=0)"
+    name = getattr(problem, "cpu_kernel", None)
+    if name is None or not cpu.available(name):
+        return "the compiled CPU kernels could not be built (no working C compiler? set CC; see the notice above)"
+    return None
+
+
+def select_backend(backend: str, problem) -> str:
+    """Resolve `backend` for a prepared call; returns "torch", "triton" or "cpu".
+
+    Raises LinattnError for an unknown backend name, BackendUnavailableError when "triton" is requested without
+    triton or "cpu" without built kernels, and BackendDeviceError when "triton" is requested for CPU tensors
+    without TRITON_INTERPRET=1 or "cpu" for CUDA tensors. An uncovered call falls back to "torch" with a warning.
     """
     if backend not in BACKENDS:
         raise LinattnError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -43,22 +92,36 @@ def select_backend(backend: str, problem) -> str:
         return "torch"
     on_cuda = problem.q.is_cuda
     if backend == "auto":
+        if problem.q.device.type == "cpu":
+            if cpu_kernel_unsupported(problem) is None and _cpu_library_missing(problem) is None:
+                return "cpu"
+            return "torch"
         if not on_cuda or not available() or problem.triton_unsupported() is not None:
             return "torch"
         return "triton"
+    if backend == "cpu":
+        if problem.q.device.type != "cpu":
+            raise BackendDeviceError(f"backend='cpu' runs on CPU tensors, got q on {problem.q.device}; "
+                                     "use backend='auto', 'torch' or 'triton'")
+        if not cpu.enabled():
+            raise BackendUnavailableError(f"backend='cpu': {_cpu_library_missing(problem)}; use backend='auto' "
+                                          "or 'torch'")
+        why = cpu_kernel_unsupported(problem)
+        if why is not None:  # checked before building: an uncovered call needs no library
+            return _fallback("cpu", why)
+        missing = _cpu_library_missing(problem)
+        if missing is not None:
+            raise BackendUnavailableError(f"backend='cpu': {missing}; use backend='auto' or 'torch'")
+        return "cpu"
     if not available():
-        raise ImportError("backend='triton' needs the triton package: pip install 'linattn[triton]' "
-                          "(or use backend='auto' / 'torch')")
+        raise BackendUnavailableError("backend='triton' needs the triton package: pip install 'linattn[triton]' "
+                                      "(or use backend='auto' / 'torch')")
     if not on_cuda and not interpret_mode():
-        raise RuntimeError("backend='triton' runs on CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 "
-                           "before triton is imported (Triton's interpreter: slow, for tests) or use backend='torch'")
+        raise BackendDeviceError("backend='triton' runs on CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 "
+                                 "before triton is imported (Triton's interpreter: slow, for tests) or use "
+                                 "backend='torch'")
     why = problem.triton_unsupported()
-    if why is not None:
-        if why not in _WARNED:
-            _WARNED.add(why)
-            warnings.warn(f"backend='triton': {why}; falling back to the PyTorch implementation", stacklevel=4)
-        return "torch"
-    return "triton"
+    return "triton" if why is None else _fallback("triton", why)
 
 
 def _starts(problem):

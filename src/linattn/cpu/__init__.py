@@ -1,0 +1,51 @@
+"""Compiled CPU kernels (optional): portable C11 + OpenMP, built on first use, called through ctypes.
+
+The PyTorch forms in `linattn/ops/` stay the reference and the fallback. Importing this package compiles
+nothing and imports nothing heavy: `build.load_library(name)` compiles `csrc/<name>.c` with the system C
+compiler the first time a kernel is needed and caches the library per machine (see `build.py`).
+`LINATTN_CPU_KERNELS=0` switches the kernels off; without a compiler they are off with one notice.
+
+Like `linattn.triton`, the modules here never import `linattn.ops`: their entry points take prepared,
+contiguous tensors ([TT, H, D] rows with the sequence boundaries), and `ops/backend.py` lays a prepared
+call out for them. The kernels are registered as custom ops (`torch.library.custom_op("linattn::...")`,
+with fake and autograd registrations) so that autograd and torch.compile see them as single ops.
+
+Helpers shared by the kernel modules: `ptr` (the address of a contiguous tensor for ctypes), `threads`
+(torch's intra-op thread count, passed to every kernel as an argument: a kernel's `num_threads(n)` follows
+`torch.set_num_threads`), `available(name)`.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from .build import enabled, load_library
+
+__all__ = ["available", "enabled", "load_library", "ptr", "threads", "KERNEL_DTYPES"]
+
+KERNEL_DTYPES = (torch.float32, torch.float64)  # the kernels compute in these; other dtypes are cast or fall back
+
+
+def available(name: str = "probe") -> bool:
+    """True when the kernels are switched on and `csrc/<name>.c` builds (compiles it on the first call)."""
+    return enabled() and load_library(name) is not None
+
+
+def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    """The data address of a contiguous CPU tensor (None -> NULL)."""
+    if t is None:
+        return None
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("internal: the compiled kernels take contiguous CPU tensors")
+    return t.data_ptr()
+
+
+def threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+c_ptr = ctypes.c_void_p
+c_i64 = ctypes.c_int64
+c_int = ctypes.c_int

@@ -1,0 +1,198 @@
+"""Compile a kernel source of `csrc/` on first use and cache the shared library per machine.
+
+`load_library(name)` -> `ctypes.CDLL` of `csrc/<name>.c`, or None (the caller then uses PyTorch):
+
+* compiler: `$CC`, else `cc`; flags `-O3 -march=native -fopenmp -shared -fPIC`, retried without
+  `-march=native` and then without OpenMP (`-fopenmp-simd` keeps the simd pragmas) when refused.
+  Never `-ffast-math`: NaN and inf must behave as in the PyTorch forms;
+* cache: `$LINATTN_CACHE_DIR/cpu/<key>/<name>.so`, default `~/.cache/linattn/cpu/<key>/`, where the key
+  hashes the sources (the .c file and every header of csrc/), the flags, the compiler's version and the
+  machine (architecture and CPU model/flags: -march=native code must not run on another CPU);
+* written atomically (the compiler writes a temporary file that is renamed into place) under a file lock,
+  so concurrent processes build once and never load half a library;
+* `LINATTN_CPU_KERNELS=0` turns the compiled kernels off: None, without compiling;
+* no compiler or a failed build: one `warnings.warn` notice per library and process, then None.
+
+Nothing here runs at `import linattn`: only a call to `load_library` compiles.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from ..io import TMP_PREFIX, fsync_dir, remove_stale_temps
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+BASE_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
+# tried in order; the first set the compiler accepts wins (the key hashes the one that built)
+FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native", "-fopenmp-simd"), ("-fopenmp-simd",), ())
+ENV_SWITCH = "LINATTN_CPU_KERNELS"
+
+_LOCK = threading.Lock()
+_LOADED: Dict[str, Optional[ctypes.CDLL]] = {}
+_NOTICED = set()
+_COMPILER_INFO: Dict[str, Optional[str]] = {}
+LAST_BUILD: Dict[str, dict] = {}  # name -> {"seconds", "flags", "path", "cached"} (for tests and the bench)
+
+
+def enabled() -> bool:
+    """False when LINATTN_CPU_KERNELS is 0 / false / off / no."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cache_root() -> Path:
+    base = os.environ.get("LINATTN_CACHE_DIR")
+    root = Path(base).expanduser() if base else Path.home() / ".cache" / "linattn"
+    return root / "cpu"
+
+
+def compiler() -> List[str]:
+    return shlex.split(os.environ.get("CC", "").strip() or "cc")
+
+
+def _compiler_version(cc: Tuple[str, ...]) -> Optional[str]:
+    """`cc --version`'s first line, or None when there is no working compiler (cached per process)."""
+    key = " ".join(cc)
+    if key not in _COMPILER_INFO:
+        info = None
+        if shutil.which(cc[0]) is not None:
+            try:
+                r = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30)
+                if r.returncode == 0:
+                    info = (r.stdout.strip().splitlines() or ["unknown"])[0]
+            except (OSError, subprocess.SubprocessError):
+                info = None
+        _COMPILER_INFO[key] = info
+    return _COMPILER_INFO[key]
+
+
+def _machine() -> str:
+    """What -march=native depends on: the architecture and the CPU's model and feature flags."""
+    parts = [platform.system(), platform.machine()]
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part", "CPU implementer"):
+                parts.append(line)
+                if len(parts) > 8:
+                    break
+    except OSError:
+        parts.append(platform.processor())
+    return "\n".join(parts)
+
+
+def _sources(name: str, src_dir: Path) -> bytes:
+    data = (src_dir / f"{name}.c").read_bytes()
+    for h in sorted(src_dir.glob("*.h")):
+        data += b"\0" + h.name.encode() + b"\0" + h.read_bytes()
+    return data
+
+
+def _key(src: bytes, cc: Tuple[str, ...], version: str) -> str:
+    h = hashlib.sha256()
+    for part in (src, " ".join(cc).encode(), version.encode(), _machine().encode(), " ".join(BASE_FLAGS).encode(),
+                 repr(FLAG_SETS).encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:20]
+
+
+class _FileLock:
+    """An exclusive lock on `path` (fcntl; a no-op where fcntl does not exist), held by this process."""
+
+    def __init__(self, path: Path):
+        self.path, self.fd = path, None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: builds may race, but each still lands by an atomic rename
+            return self
+        self.fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            import fcntl
+
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+        return False
+
+
+def _notice(name: str, why: str) -> None:
+    if name not in _NOTICED:
+        _NOTICED.add(name)
+        warnings.warn(f"linattn: the compiled CPU kernels ({name}) are not available ({why}); "
+                      "using the PyTorch implementation", stacklevel=3)
+
+
+def _compile(cc, src_file: Path, out: Path, flags) -> Tuple[bool, str]:
+    cmd = [*cc, *BASE_FLAGS, *flags, f"-I{src_file.parent}", str(src_file), "-o", str(out), "-lm"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, str(e)
+    return r.returncode == 0, (r.stderr or r.stdout).strip()
+
+
+def build(name: str, src_dir: Optional[Path] = None) -> Path:
+    """Compile `src_dir/<name>.c` (default csrc/) into the cache if it is not there yet; returns the .so path.
+    Raises RuntimeError (with the compiler's message) when no compiler exists or every flag set fails."""
+    src_dir = CSRC if src_dir is None else Path(src_dir)
+    cc = tuple(compiler())
+    version = _compiler_version(cc)
+    if version is None:
+        raise RuntimeError(f"no C compiler ({' '.join(cc)!r} not found or not working; set CC)")
+    key = _key(_sources(name, src_dir), cc, version)
+    folder = cache_root() / key
+    target = folder / f"{name}.so"
+    if target.exists():
+        LAST_BUILD[name] = {"seconds": 0.0, "path": str(target), "cached": True}
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with _FileLock(folder / f".{name}.lock"):
+        if target.exists():  # another process built it while we waited
+            LAST_BUILD[name] = {"seconds": 0.0, "path": str(target), "cached": True}
+            return target
+        remove_stale_temps(folder)
+        tmp = folder / f"{TMP_PREFIX}{name}.so.{os.getpid()}"
+        t0 = time.perf_counter()
+        errors = []
+        for flags in FLAG_SETS:
+            ok, msg = _compile(cc, src_dir / f"{name}.c", tmp, flags)
+            if ok:
+                os.replace(tmp, target)
+                fsync_dir(folder)
+                LAST_BUILD[name] = {"seconds": time.perf_counter() - t0, "flags": list(flags), "path": str(target),
+                                    "cached": False}
+                return target
+            errors.append(f"[{' '.join(flags) or 'no extra flags'}] {msg.splitlines()[0] if msg else 'failed'}")
+            tmp.unlink(missing_ok=True)
+        raise RuntimeError("the build failed: " + "; ".join(errors))
+
+
+def load_library(name: str, src_dir: Optional[Path] = None) -> Optional[ctypes.CDLL]:
+    """The compiled `csrc/<name>.c` as a ctypes library (built on first use, then cached), or None when the
+    kernels are switched off (LINATTN_CPU_KERNELS=0) or cannot be built (one notice, then PyTorch)."""
+    if not enabled():
+        return None
+    key = f"{src_dir}:{name}" if src_dir is not None else name
+    with _LOCK:
+        if key not in _LOADED:
+            try:
+                _LOADED[key] = ctypes.CDLL(str(build(name, src_dir)))
+            except (OSError, RuntimeError) as e:
+                _notice(name, str(e))
+                _LOADED[key] = None
+        return _LOADED[key]
