@@ -19,6 +19,7 @@ The environment variable LINATTN_CHECKS sets the initial level.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -93,8 +94,13 @@ def check_same_device(x: torch.Tensor, name: str, ref: torch.Tensor) -> None:
         raise LinattnError(f"{name} must be on the device of q ({ref.device}), got {x.device}")
 
 
-def check_qkv(q, k, v) -> Tuple[int, int, int, int, int]:
-    """Check q, k `[B, T, H, K]` and v `[B, T, H, V]`; return (B, T, H, K, V)."""
+def check_qkv(q, k, v, allow_empty_k: bool = False) -> Tuple[int, int, int, int, int]:
+    """Check q, k `[B, T, H, K]` and v `[B, T, H, V]`; return (B, T, H, K, V).
+
+    Empty dimensions (issue 33.6): T = 0 is refused (no token to attend to); K = 0 is refused too, since
+    the default scale K^-1/2 and every state [K, V] would be degenerate, except where the caller
+    defines it (`allow_empty_k`: softmax attention, whose scores are then all 0). B, H or V = 0 give
+    empty outputs of the right shape in every mode (operators with a further rule check it themselves)."""
     check_tensor(q, "q", 4, "[B, T, H, K]")
     check_tensor(k, "k", 4, "[B, T, H, K]")
     check_tensor(v, "v", 4, "[B, T, H, V]")
@@ -110,6 +116,9 @@ def check_qkv(q, k, v) -> Tuple[int, int, int, int, int]:
         raise LinattnError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if T == 0:
         raise LinattnError("the sequence length T must be at least 1")
+    if K == 0 and not allow_empty_k:
+        raise LinattnError(f"q and k must have shape [B, T, H, K] with K >= 1 (the key dimension K is 0), "
+                           f"got {tuple(q.shape)}")
     return B, T, H, K, v.shape[-1]
 
 
@@ -126,6 +135,8 @@ def check_scale(scale, default: float) -> float:
         return float(default)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise LinattnTypeError(f"scale must be a float or None (the default), got {type(scale).__name__}")
+    if not math.isfinite(scale):  # nan/inf would turn every output into NaN (issue 33.6)
+        raise LinattnError(f"scale must be a finite number (or None for the default), got {scale!r}")
     return float(scale)
 
 

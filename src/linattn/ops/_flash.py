@@ -252,7 +252,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
     qb, kb, vb = (_block_major(pad_time(x, C, dim=1), C) for x in (q, k, v))
     G = _block_major(cumulative_gate(pad_time(g, C, dim=1)), C) if g is not None else None   # padding: g = 0
     o = _FlashAttention.apply(qb, kb, vb, G, window)
-    return o.transpose(0, 1).reshape(N, -1, v.shape[-1])[:, :T]
+    # explicit sizes: -1 cannot be inferred when N or V is 0 (empty batches give empty outputs)
+    return o.transpose(0, 1).reshape(N, qb.shape[0] * C, v.shape[-1])[:, :T]
 
 
 # ----------------------------------------------------------------------------------------------

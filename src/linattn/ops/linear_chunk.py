@@ -128,15 +128,16 @@ class LinearChunk(torch.autograd.Function):
         Qb = _features_(_to_chunks(q, Tp), fused, T)
         Kb = _features_(_to_chunks(k, Tp), fused, T)
         Vb = _to_chunks(v, Tp)
-        Q, K, Vc = Qb.view(-1, C, Kf), Kb.view(-1, C, Kf), Vb.view(-1, C, V)
+        BHn = B * H * n  # explicit sizes: view(-1, ...) cannot infer them when a dimension is 0
+        Q, K, Vc = Qb.view(BHn, C, Kf), Kb.view(BHn, C, Kf), Vb.view(BHn, C, V)
         A = torch.bmm(Q, K.transpose(1, 2)).tril_()                     # [BHn, C, C], masked by selection
         U = torch.bmm(K.transpose(1, 2), Vc).view(B, H, n, Kf, V)       # each chunk's kv
         P, S_kv = _scan(U, S0[..., :V])
         P = P.contiguous()
         zP, S_z = _scan(K.sum(1).view(B, H, n, Kf, 1), S0[..., V:])      # the normaliser's state, beside
         zP = zP.contiguous()
-        num = _causal_baddbmm_(torch.bmm(Q, P.view(-1, Kf, V)), A, Vc)
-        den = torch.bmm(Q, zP.view(-1, Kf, 1)).view(-1, C).add_(A.sum(-1))
+        num = _causal_baddbmm_(torch.bmm(Q, P.view(BHn, Kf, V)), A, Vc)
+        den = torch.bmm(Q, zP.view(BHn, Kf, 1)).view(BHn, C).add_(A.sum(-1))
         ctx.save_for_backward(Q, K, Vc, A, P, zP)
         ctx.shape = (B, T, H, Kf, V, n, C, fused)
         num = num.view(B, H, Tp, V)[:, :, :T]

@@ -35,7 +35,7 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     scale defaults to K**-0.5. `window=w` keeps only keys with |i - j| < w (and j <= i when
     causal): a sliding window. `cu_seqlens` (B must be 1) packs independent sequences.
     """
-    B, T, H, K, V = check_qkv(q, k, v)
+    B, T, H, K, V = check_qkv(q, k, v, allow_empty_k=True)   # K = 0: uniform weights, the math
     if window is not None and (not isinstance(window, int) or window < 1):
         raise LinattnError(f"window must be a positive int or None, got {window!r}")
     scale = check_scale(scale, K ** -0.5) if K > 0 else check_scale(scale, 1.0)

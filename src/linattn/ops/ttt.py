@@ -389,6 +389,9 @@ def prepare_ttt(q, k, v, lr, alpha=None, momentum=None, *, inner: str = "linear"
     for name, flag in (("residual", residual), ("output_final_state", output_final_state)):
         if not isinstance(flag, bool):
             raise LinattnTypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if V == 0:  # LN(z) normalises over the V features: a mean and variance of nothing
+        raise LinattnError(f"v must have shape [B, T, H, V] with V >= 1 (the LayerNorm is over V), "
+                           f"got {tuple(v.shape)}")
     if residual and K != V:
         raise LinattnError(f"residual=True (f(x) = x + LN(m(x))) needs K == V, got K = {K}, V = {V}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
@@ -423,11 +426,26 @@ def prepare_ttt(q, k, v, lr, alpha=None, momentum=None, *, inner: str = "linear"
                       output_final_state, q.dtype)
 
 
+def _empty_run(p: TTTProblem) -> Tuple[torch.Tensor, Optional[TTTState]]:
+    """`run_ttt` for B = 0 or H = 0: every weight tensor is empty, so only the positions advance. The
+    output is joined to the inputs' graph (a sum over nothing is 0) so that backward works as elsewhere."""
+    B, T, H, _ = p.q.shape
+    link = p.q.sum() + p.k.sum() + p.v.sum() + p.lr.sum()
+    o = (p.q.new_zeros(B, T, H, p.v.shape[-1]) + 0 * link).to(p.out_dtype)
+    if not p.output_final_state:
+        return o, None
+    lengths = [T] * p.N if p.offsets is None else [b - a for a, b in zip(p.offsets[:-1], p.offsets[1:])]
+    pos = tuple((s + n) % p.mini_batch for s, n in zip(p.state.position, lengths))
+    return o, TTTState(p.state.start, p.state.current, p.state.momentum, pos)
+
+
 def run_ttt(p: TTTProblem) -> Tuple[torch.Tensor, Optional[TTTState]]:
     """Run a prepared call -> (o [B, T, H, V] in the input dtype, final TTTState or None)."""
     B, T, H, K = p.q.shape
     V = p.v.shape[-1]
     form = _chunk if p.mode == "chunk" else _recurrent
+    if B * H == 0:  # no row to train or read (issue 33.6): an empty output, and the state only moves on
+        return _empty_run(p)
 
     def rows(x):  # [b, t, H, *] -> [b*H, t, *]
         return x.transpose(1, 2).reshape(x.shape[0] * H, x.shape[1], *x.shape[3:]) if x is not None else None

@@ -1,0 +1,169 @@
+"""Issue 33 (points 4 and 6): every public operator over empty dimensions and hostile values.
+
+An empty dimension gives either the same result in every mode (the right shape, zeros where an output
+has entries) or a `LinattnError` that names the dimension, never a raw traceback from inside an op. A
+non-finite `scale` is refused by every operator, naming `scale`.
+"""
+import pytest
+import torch
+
+import linattn
+from linattn.errors import LinattnError
+
+DIMS = "BTHKV"
+BASE = dict(B=2, T=3, H=2, K=4, V=4)
+
+
+def _inputs(B, T, H, K, V):
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(B, T, H, K, generator=gen) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen)
+    beta = torch.rand(B, T, H, generator=gen)
+    g = -torch.rand(B, T, H, generator=gen)
+    return q, k, v, beta, g
+
+
+def _pairs(x, n=2):  # [B, T, H, *] -> [B, T, H, n, *]: DeltaProduct's n keys/values per token
+    return x.unsqueeze(3).expand(*x.shape[:3], n, *x.shape[3:]).contiguous()
+
+
+def _lam(q):  # MesaNet's ridge [H, K]
+    return torch.ones(q.shape[2], q.shape[3])
+
+
+# name -> (call(q, k, v, beta, g, mode, **kw), modes, {dim: what an empty dim must raise, matched})
+OPS = {
+    "linear_attention": (lambda q, k, v, b, g, m, **kw: linattn.linear_attention(q, k, v, mode=m, **kw),
+                         ("parallel", "chunk", "recurrent"), {"V": "V >= 1"}),
+    "linear_attention_gla": (lambda q, k, v, b, g, m, **kw: linattn.linear_attention(q, k, v, g=g, mode=m, **kw),
+                             ("parallel", "chunk", "recurrent"), {"V": "V >= 1"}),
+    "delta_rule": (lambda q, k, v, b, g, m, **kw: linattn.delta_rule(q, k, v, b, g=g, mode=m, **kw),
+                   ("parallel", "chunk", "recurrent"), {}),
+    "delta_rule_efla_l2": (lambda q, k, v, b, g, m, **kw: linattn.delta_rule(q, k, v, b, exact=True, qk_l2norm=True,
+                                                                             mode=m, **kw),
+                           ("parallel", "chunk", "recurrent"), {}),
+    "comba": (lambda q, k, v, b, g, m, **kw: linattn.comba(q, k, v, b, g=g, mode=m, **kw),
+              ("parallel", "chunk", "recurrent"), {}),
+    "delta_product": (lambda q, k, v, b, g, m, **kw: linattn.delta_product(q, _pairs(k), _pairs(v), _pairs(b), g=g,
+                                                                           mode=m, **kw),
+                      ("parallel", "chunk", "recurrent"), {}),
+    "mesa_net": (lambda q, k, v, b, g, m, **kw: linattn.mesa_net(q, k, v, b, g, _lam(q), mode=m, **kw),
+                 ("parallel", "chunk", "recurrent"), {}),
+    "mesa_net_exact": (lambda q, k, v, b, g, m, **kw: linattn.mesa_net(q, k, v, b, g, _lam(q), solver="exact", mode=m,
+                                                                       **kw),
+                       ("parallel", "chunk", "recurrent"), {}),
+    "ttt": (lambda q, k, v, b, g, m, **kw: linattn.ttt(q, k, v, b, mini_batch=2, mode=m, **kw),
+            ("chunk", "recurrent"), {"V": "V >= 1"}),
+    "titans": (lambda q, k, v, b, g, m, **kw: linattn.titans(q, k, v, b, b, b, mini_batch=2, residual=False,
+                                                             mode=m, **kw),
+               ("chunk", "recurrent"), {"V": "V >= 1"}),
+    "forgetting_attention": (lambda q, k, v, b, g, m, **kw: linattn.forgetting_attention(q, k, v, g, mode=m,
+                                                                                         block_size=2, **kw),
+                             ("parallel", "chunk", "recurrent"), {}),
+    "deltaformer": (lambda q, k, v, b, g, m, **kw: linattn.deltaformer(q, k, v, b, mode=m, block_size=2, **kw),
+                    ("parallel", "chunk", "recurrent"), {}),
+    "path_attention": (lambda q, k, v, b, g, m, **kw: linattn.path_attention(q, k, v, torch.ones_like(q), b, mode=m,
+                                                                             block_size=2, **kw),
+                       ("parallel", "chunk", "recurrent"), {}),
+    "softmax_attention": (lambda q, k, v, b, g, m, **kw: linattn.softmax_attention(q, k, v, **kw),
+                          ("parallel",), {}),
+}
+# every operator refuses T = 0 (nothing to attend to) and K = 0 (no key dimension), except that softmax
+# attention defines K = 0: every score is 0, so each output is the mean of the values it sees
+REFUSED = {"T": "T must be at least 1", "K": "K >= 1"}
+
+
+def _expected_error(name, dim):
+    if name == "softmax_attention" and dim == "K":
+        return None
+    return OPS[name][2].get(dim, REFUSED.get(dim))
+
+
+def _output(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_empty_dimension_is_consistent_or_named(name, dim):
+    call, modes, _ = OPS[name]
+    shape = dict(BASE, **{dim: 0})
+    expected = _expected_error(name, dim)
+    outputs = []
+    for mode in modes:
+        q, k, v, b, g = _inputs(**shape)
+        if expected is not None:
+            with pytest.raises(LinattnError, match=expected):
+                call(q, k, v, b, g, mode)
+            continue
+        q.requires_grad_(True)
+        o = _output(call(q, k, v, b, g, mode))
+        assert tuple(o.shape) == (shape["B"], shape["T"], shape["H"], shape["V"])
+        if o.numel() and o.requires_grad:
+            o.sum().backward()   # the empty call is part of the graph like any other
+        outputs.append(o.detach())
+    for o in outputs[1:]:
+        torch.testing.assert_close(o, outputs[0], rtol=0, atol=1e-6)
+    if outputs and dim != "K":
+        assert outputs[0].numel() == 0   # B, H or V = 0: nothing to compute, and nothing invented
+
+
+def test_softmax_attention_with_empty_keys_averages_the_values():
+    q, k, v, _, _ = _inputs(1, 4, 1, 0, 3)
+    o = linattn.softmax_attention(q, k, v)
+    expected = v.cumsum(1) / torch.arange(1, 5).view(1, 4, 1, 1)
+    torch.testing.assert_close(o, expected)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_ttt_with_no_heads_keeps_the_mini_batch_position(mode):
+    q, k, v, b, _ = _inputs(2, 5, 0, 4, 4)
+    _, state = linattn.ttt(q, k, v, b, mini_batch=3, mode=mode, output_final_state=True)
+    assert state.position == (2, 2)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "parallel"])
+def test_empty_batch_of_the_blockwise_softmax_forms(mode):
+    # the case of the issue: forgetting_attention with B = 0 in the chunk form (_flash.py's reshape)
+    q, k, v, _, g = _inputs(0, 5, 2, 4, 3)
+    o = linattn.forgetting_attention(q, k, v, g, mode=mode, block_size=2)
+    assert o.shape == (0, 5, 2, 3)
+
+
+def test_linear_attention_empty_keys_named_in_every_mode():
+    # the case of the issue: K = 0 in chunk mode was a raw reshape error, parallel/recurrent returned zeros
+    q, k, v, _, _ = _inputs(2, 3, 2, 0, 4)
+    for mode in ("parallel", "chunk", "recurrent"):
+        with pytest.raises(LinattnError, match="K >= 1"):
+            linattn.linear_attention(q, k, v, mode=mode)
+
+
+SCALES = [float("nan"), float("inf"), -float("inf")]
+
+
+@pytest.mark.parametrize("scale", SCALES, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_non_finite_scale_is_refused(name, scale):
+    call, modes, _ = OPS[name]
+    q, k, v, b, g = _inputs(**BASE)
+    for mode in modes:
+        with pytest.raises(LinattnError, match="scale"):
+            call(q, k, v, b, g, mode, scale=scale)
+
+
+@pytest.mark.parametrize("scale", SCALES, ids=["nan", "inf", "-inf"])
+def test_non_finite_scale_is_refused_by_the_decoding_steps(scale):
+    q, k, v, b, g = _inputs(**BASE)
+    with pytest.raises(LinattnError, match="scale"):
+        linattn.forgetting_attention_step(q, k, v, g, scale=scale)
+    with pytest.raises(LinattnError, match="scale"):
+        linattn.deltaformer_step(q, k, v, b, scale=scale)
+    with pytest.raises(LinattnError, match="scale"):
+        linattn.path_attention_step(q, k, v, torch.ones_like(q), b, scale=scale)
+
+
+def test_finite_scales_still_work():
+    q, k, v, b, g = _inputs(**BASE)
+    for scale in (0.0, -0.5, 2, 1e-30):
+        o, _ = linattn.delta_rule(q, k, v, b, scale=scale)
+        assert torch.isfinite(o).all()
