@@ -105,7 +105,7 @@ def test_timing_and_table_helpers():
     assert text.splitlines()[0].startswith("a") and len(text.splitlines()) == 4
 
 
-def test_interleaved_timing_counts_and_errors():
+def test_interleaved_timing_counts_and_errors(monkeypatch):
     built = []
 
     def maker(tag):
@@ -119,11 +119,20 @@ def test_interleaved_timing_counts_and_errors():
     a, bad, b = common.time_interleaved([maker("a"), maker("bad"), maker("b")], warmup=1, repeats=4, min_time_s=0)
     assert a.repeats == b.repeats == 4 and isinstance(bad, RuntimeError)
     assert built[3:] == ["a", "b"] * 4  # after one warm-up build each: rounds alternate the cases
-    counts = {}
-    slow = lambda: (lambda: __import__("time").sleep(0.02))  # noqa: E731
-    fast = lambda: (lambda: counts.__setitem__("f", counts.get("f", 0) + 1))  # noqa: E731
-    t_slow, t_fast = common.time_interleaved([slow, fast], warmup=1, repeats=2, min_time_s=0.05)
+    # the planning from measured durations, on a fake clock: each case's call returns the seconds it "took",
+    # so the plan cannot depend on the machine's speed or load (a real 20 ms sleep took 35 ms on a busy one)
+    monkeypatch.setattr(common, "_timed_call", lambda fn, sync: fn())
+    calls = []
+
+    def case(tag, seconds):
+        return lambda: (lambda: calls.append(tag) or seconds)
+
+    t_slow, t_fast = common.time_interleaved([case("s", 0.02), case("f", 1e-6)], warmup=1, repeats=2,
+                                             min_time_s=0.05)
     assert t_slow.repeats == 3 and t_fast.repeats == 100  # short calls get more samples, spread over rounds
+    assert calls.count("s") == 1 + 3 and calls.count("f") == 1 + 100   # one warm-up call each
+    slow_at = [i for i, c in enumerate(calls[2:]) if c == "s"]
+    assert [i - n for n, i in enumerate(slow_at)] == [33, 66, 99]   # its rounds: spread evenly over the 100
     assert common._plan_repeats(100.0, 5, 0.2, 100, 30.0) == 1  # one call over the budget: one sample
     assert common._plan_repeats(12.0, 5, 0.2, 100, 30.0) == 3
     assert common._plan_repeats(1e-4, 5, 0.2, 100, 30.0) == 100
