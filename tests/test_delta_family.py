@@ -2,6 +2,8 @@
 the fp64 references written from the equations (outputs, final states and the gradients of every input),
 T not a multiple of the chunk size, T = 1, states handed from one form to another, packed sequences,
 extreme inputs, bf16, the seed's eq. (19), bad input; and the Comba, DeltaProduct and KDA layers."""
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -276,11 +278,12 @@ def test_delta_product_extreme_key_norms_fp32():
 def test_delta_product_chunk_size_counts_substeps():
     x = dp_inputs(1, 50, 2, 3, 8, 4, torch.float32)
     args = (x["q"], x["k"], x["v"], x["beta"])
-    assert linattn.chunk_size_used("delta_product", *args, chunk_size=64) == 63    # 21 tokens of 3 sub-steps
-    assert linattn.chunk_size_used("delta_product", *args, chunk_size=2) == 3      # at least one token
-    assert linattn.chunk_size_used("delta_product", *args, mode="parallel") == 150
-    assert linattn.chunk_size_used("delta_product", *args, g=-torch.ones(1, 50, 2, 8), chunk_size=64) == 16
-    assert linattn.chunk_size_used("comba", x["q"], x["q"], x["q"], x["beta"][..., 0], chunk_size=48) == 48
+    used = functools.partial(linattn.chunk_size_used, backend="torch")  # the PyTorch chunk form's sizes
+    assert used("delta_product", *args, chunk_size=64) == 63    # 21 tokens of 3 sub-steps
+    assert used("delta_product", *args, chunk_size=2) == 3      # at least one token
+    assert used("delta_product", *args, mode="parallel") == 150
+    assert used("delta_product", *args, g=-torch.ones(1, 50, 2, 8), chunk_size=64) == 16
+    assert used("comba", x["q"], x["q"], x["q"], x["beta"][..., 0], chunk_size=48) == 48
 
 
 # ---------------------------------------------------------------- Kimi Delta Attention (delta_rule, g per channel)
@@ -571,8 +574,9 @@ def test_comba_layer_uses_the_read_key_and_correction():
 # ---------------------------------------------------------------- `linattn bench ops` rows
 
 @pytest.mark.parametrize("op", ["comba", "delta_product", "kda"])
-def test_bench_rows(op):
+def test_bench_rows(op, monkeypatch):
     from linattn.bench import ops as bench
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")  # the PyTorch chunk form (the compiled scan uses no chunks)
     assert bench.OP_BY_KEY[op].family == "delta-variants" and "delta-variants" in bench.FAMILIES
     spec = dict(B=1, T=20, H=2, K=8, V=8, chunk_size=8)
     for mode in ("chunk", "recurrent"):

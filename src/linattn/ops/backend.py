@@ -174,3 +174,15 @@ def triton_delta(p):
     else:
         o, S = chunk_delta_rule(*args, chunk_size=p.chunk_size, **kw)
     return o.view(B, T, H, V), S
+
+
+def cpu_delta(p):
+    """A prepared delta-family call on the compiled CPU kernels (linattn/cpu/delta.py): the delta rule's own
+    read (r = None), any gate. -> (o [B, T, H, V], final state [N, H, K, V]) in the compute dtype."""
+    from ..cpu.delta import delta_scan
+
+    B, T, H = p.q.shape[:3]
+    V = p.v.shape[-1]
+    o, S = delta_scan(_flat(p.q), _flat(p.k), _flat(p.v), _flat(p.a), _flat(p.g) if p.g is not None else None,
+                      p.S0, _starts(p))
+    return o.view(B, T, H, V), S

@@ -88,7 +88,7 @@ from ._common import (
     compute_dtype,
     pad_time,
 )
-from .backend import requires_grad, select_backend, triton_delta
+from .backend import cpu_delta, requires_grad, select_backend, triton_delta
 
 CHANNEL_BLOCK = 16       # chunk length with per-channel gates (their intra-chunk work is O(T * (c + C/c) * K))
 CHANNEL_SUB = 4          # ... and its sub-blocks (c = sqrt(C) minimises c + C/c; 16/4 and 32/8 measured equal on CPU)
@@ -354,8 +354,23 @@ class DeltaProblem:
             return "the fused recurrent kernel is forward-only (decoding) and an input requires grad"
         return None
 
+    cpu_kernel = "delta"  # the compiled CPU library (linattn/cpu/csrc/delta.c) that runs this problem
+
+    def cpu_unsupported(self) -> Optional[str]:
+        """Why the compiled CPU kernels do not cover this call (None when they do). They run every mode (one
+        exact token-by-token scan), every gate (none, per head, per channel), fp32 and fp64 compute dtypes."""
+        if self.q.device.type != "cpu":
+            return f"the compiled kernels take CPU tensors, got {self.q.device}"
+        if self.q.dtype not in (torch.float32, torch.float64):
+            return f"the compiled kernels compute in float32 / float64, not {self.q.dtype}"
+        if self.r is not None:
+            return "a read key of its own (r, Comba's p) has no compiled CPU kernel"
+        return None
+
     def chunk_size_used(self, backend: str) -> int:
         """The chunk length a backend really uses for this call (recurrent: 1, parallel: T)."""
+        if backend == "cpu":  # the compiled scan goes token by token in every mode
+            return 1
         if self.mode == "recurrent":
             return 1
         if self.mode == "parallel":
@@ -497,8 +512,11 @@ def _run_torch(p: DeltaProblem):
 
 def run_delta(p: DeltaProblem, backend: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run a prepared call on `backend` -> (o [B, T, H, V] in the input dtype, final state or None)."""
-    if select_backend(backend, p) == "triton":
+    chosen = select_backend(backend, p)
+    if chosen == "triton":
         o, S = triton_delta(p)
+    elif chosen == "cpu":
+        o, S = cpu_delta(p)
     else:
         # the forms compute in the prepared compute dtype (fp32 for half inputs): autocast must not take their
         # products back to bf16/fp16 (the CPU's triangular solve has no bf16 kernel; the states stay fp32)

@@ -1,0 +1,155 @@
+"""The delta family's scan on compiled CPU kernels (`csrc/delta.c`), as torch custom ops.
+
+    S_t = D_t S_{t-1} - a_t k_t ((D_t S_{t-1})^T k_t)^T + a_t k_t v_t^T,      o_t = S_t^T q_t
+
+the general scan of `ops/delta_core.py` with the delta rule's own read (r = None) and D_t = exp(g_t): no gate,
+one log-gate per head (g [TT, H]) or one per key channel (g [TT, H, K]). DeltaNet, Gated DeltaNet, EFLA
+(which only changes a, computed before the kernel) and Kimi Delta Attention all run on it. The inputs are the
+prepared ones (q scaled, k, v, a rescaled by the key norm), flat over tokens: [TT, H, D] with the sequence
+boundaries `starts` (B equal sequences, or cu_seqlens); states [N, H, K, V]; float32 or float64.
+
+The kernel scans token by token with the state in cache (csrc/delta.c says why this beats the chunk form on
+a CPU). The forward stores the state every CHECKPOINT tokens when a gradient is needed; the backward, also
+compiled, recomputes each stretch from its checkpoint and runs the reverse recurrence. Memory: the
+checkpoints, TT/CHECKPOINT states per head, and no per-token intermediates.
+
+Ops: `linattn::cpu_delta_fwd` (registered with autograd) and `linattn::cpu_delta_bwd`; `delta_scan` is the
+entry point. Nothing here imports linattn.ops.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from . import c_i64, c_int, c_ptr, load_library, ptr, threads
+
+__all__ = ["CHECKPOINT", "available", "delta_scan"]
+
+CHECKPOINT = 64  # tokens between the states the forward keeps for the backward
+_typed = set()
+
+
+def _library():
+    lib = load_library("delta")
+    if lib is not None and id(lib) not in _typed:
+        for sfx in ("f32", "f64"):
+            fwd = getattr(lib, f"linattn_delta_fwd_{sfx}")
+            fwd.argtypes = [c_i64] * 4 + [c_ptr] * 6 + [c_int] + [c_ptr] * 5 + [c_i64, c_int]
+            fwd.restype = c_int
+            bwd = getattr(lib, f"linattn_delta_bwd_{sfx}")
+            bwd.argtypes = [c_i64] * 4 + [c_ptr] * 6 + [c_int] + [c_ptr] * 2 + [c_i64] + [c_ptr] * 7 + [c_int]
+            bwd.restype = c_int
+        _typed.add(id(lib))
+    return lib
+
+
+def available() -> bool:
+    """True when the kernels are switched on and delta.c builds (compiles it on the first call)."""
+    return _library() is not None
+
+
+def _gate(g: Optional[torch.Tensor]) -> int:
+    return 0 if g is None else (1 if g.dim() == 2 else 2)
+
+
+def _sfx(x: torch.Tensor) -> str:
+    if x.dtype == torch.float32:
+        return "f32"
+    if x.dtype == torch.float64:
+        return "f64"
+    raise TypeError(f"internal: the delta kernels take float32 or float64, got {x.dtype}")
+
+
+def _call(fn, *args) -> None:
+    if fn(*args) != 0:
+        raise MemoryError("linattn's compiled delta kernel could not allocate its scratch memory")
+
+
+@torch.library.custom_op("linattn::cpu_delta_fwd", mutates_args=(), device_types="cpu")
+def delta_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, g: Optional[torch.Tensor],
+              S0: Optional[torch.Tensor], starts: torch.Tensor, ck_off: torch.Tensor, n_ckpt: int
+              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (o [TT, H, V], S [N, H, K, V], checkpoints [n_ckpt, H, K, V]; n_ckpt = 0: none kept)."""
+    TT, H, K = q.shape
+    V, N = v.shape[-1], starts.numel() - 1
+    o = q.new_empty(TT, H, V)
+    S = q.new_empty(N, H, K, V)
+    ckpt = q.new_empty(n_ckpt, H, K, V)
+    lib = _library()
+    _call(getattr(lib, f"linattn_delta_fwd_{_sfx(q)}"), N, H, K, V, ptr(starts), ptr(q), ptr(k), ptr(v), ptr(a),
+          ptr(g), _gate(g), ptr(S0), ptr(o), ptr(S), ptr(ckpt) if n_ckpt else None, ptr(ck_off), CHECKPOINT,
+          threads())
+    return o, S, ckpt
+
+
+@delta_fwd.register_fake
+def _(q, k, v, a, g, S0, starts, ck_off, n_ckpt):
+    TT, H, K = q.shape
+    V, N = v.shape[-1], starts.shape[0] - 1
+    return q.new_empty(TT, H, V), q.new_empty(N, H, K, V), q.new_empty(n_ckpt, H, K, V)
+
+
+@torch.library.custom_op("linattn::cpu_delta_bwd", mutates_args=(), device_types="cpu")
+def delta_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, g: Optional[torch.Tensor],
+              ckpt: torch.Tensor, starts: torch.Tensor, ck_off: torch.Tensor, do: torch.Tensor, dS: torch.Tensor
+              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dk, dv, da, dg (empty without a gate), dS0) from do [TT, H, V] and dS = dL/dS_final."""
+    TT, H, K = q.shape
+    V, N = v.shape[-1], starts.numel() - 1
+    dq, dk, dv, da = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(a)
+    dg = torch.empty_like(g) if g is not None else q.new_empty(0)
+    dS0 = dS.clone()  # the kernel turns dL/dS_final into dL/dS0 in place
+    lib = _library()
+    _call(getattr(lib, f"linattn_delta_bwd_{_sfx(q)}"), N, H, K, V, ptr(starts), ptr(q), ptr(k), ptr(v), ptr(a),
+          ptr(g), _gate(g), ptr(ckpt), ptr(ck_off), CHECKPOINT, ptr(do), ptr(dS0), ptr(dq), ptr(dk), ptr(dv),
+          ptr(da), ptr(dg) if g is not None else None, threads())
+    return dq, dk, dv, da, dg, dS0
+
+
+@delta_bwd.register_fake
+def _(q, k, v, a, g, ckpt, starts, ck_off, do, dS):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(a),
+            torch.empty_like(g) if g is not None else q.new_empty(0), torch.empty_like(dS))
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, a, g, S0, starts, ck_off, n_ckpt = inputs
+    ctx.has_gate, ctx.has_S0 = g is not None, S0 is not None
+    ctx.save_for_backward(q, k, v, a, g, output[2], starts, ck_off)
+
+
+def _backward(ctx, do, dS, _dckpt):
+    q, k, v, a, g, ckpt, starts, ck_off = ctx.saved_tensors
+    N, H, K, V = starts.shape[0] - 1, q.shape[1], q.shape[2], v.shape[-1]
+    do = do.contiguous() if do is not None else v.new_zeros(v.shape)
+    dS = dS.contiguous() if dS is not None else q.new_zeros(N, H, K, V)
+    dq, dk, dv, da, dg, dS0 = delta_bwd(q, k, v, a, g, ckpt, starts, ck_off, do, dS)
+    return dq, dk, dv, da, (dg if ctx.has_gate else None), (dS0 if ctx.has_S0 else None), None, None, None
+
+
+delta_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def _checkpoints(starts: Sequence[int]) -> Tuple[List[int], int]:
+    """Each sequence's first checkpoint index and the total: ceil(length / CHECKPOINT) per sequence."""
+    offs, n = [], 0
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        offs.append(n)
+        n += -(-(hi - lo) // CHECKPOINT)
+    return offs, n
+
+
+def delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, g: Optional[torch.Tensor],
+               S0: Optional[torch.Tensor], starts: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The scan on prepared, flat inputs: q, k [TT, H, K], v [TT, H, V], a [TT, H], g None / [TT, H] /
+    [TT, H, K], S0 [N, H, K, V] or None, starts [N + 1] -> (o [TT, H, V], S_final [N, H, K, V]).
+    Every tensor in one dtype (float32 or float64), on the CPU; differentiable in all of them."""
+    q, k, v, a = q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous()
+    g = g.contiguous() if g is not None else None
+    S0 = S0.contiguous() if S0 is not None else None
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, a, g, S0))
+    offs, n = _checkpoints(list(starts))
+    st = torch.tensor(list(starts), dtype=torch.int64)
+    o, S, _ = delta_fwd(q, k, v, a, g, S0, st, torch.tensor(offs, dtype=torch.int64), n if need_grad else 0)
+    return o, S
