@@ -167,3 +167,65 @@ def test_finite_scales_still_work():
     for scale in (0.0, -0.5, 2, 1e-30):
         o, _ = linattn.delta_rule(q, k, v, b, scale=scale)
         assert torch.isfinite(o).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 33.6: every exception a user can meet is importable from `linattn` (the README lists them)
+# ---------------------------------------------------------------------------------------------
+
+# raised and caught inside `linattn bench gpu` (control flow of its time budget), never seen by a user
+INTERNAL = {"BudgetExceeded", "Terminated", "NotCovered"}
+
+
+def _exception_classes_in_src():
+    import ast
+    import importlib
+    from pathlib import Path
+    src = Path(linattn.__file__).resolve().parent
+    found = {}
+    for path in src.rglob("*.py"):
+        rel = path.relative_to(src.parent).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and node.bases:
+                if node.name.endswith(("Error", "Exception")) or node.name in INTERNAL or any(
+                        "Error" in ast.unparse(b) or "Exception" in ast.unparse(b) for b in node.bases):
+                    found[node.name] = module
+    classes = {}
+    for name, module in found.items():
+        if module.startswith("linattn.hf"):
+            continue   # needs transformers; checked below when it is installed
+        obj = getattr(importlib.import_module(module), name)
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            classes[name] = obj
+    return classes
+
+
+def test_every_user_facing_exception_is_exported_and_listed():
+    from pathlib import Path
+
+    import linattn.errors as errors_module
+    classes = _exception_classes_in_src()
+    assert {"CheckpointWriteError", "RunFolderBusy", "TokenizerError", "TrainingDiverged"} <= set(classes)
+    public = {n: c for n, c in classes.items() if n not in INTERNAL}
+    for name in [n for n, c in vars(errors_module).items() if isinstance(c, type) and issubclass(c, Exception)]:
+        assert getattr(linattn, name) is getattr(errors_module, name)
+    for name, cls in public.items():
+        assert getattr(linattn, name) is cls, name
+        assert issubclass(cls, linattn.LinattnError), name
+        assert name in linattn.__all__ and name in linattn.ERRORS, name
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    missing = [n for n in linattn.ERRORS if f"`{n}`" not in readme]
+    assert not missing, f"README does not list {missing}"
+
+
+def test_import_linattn_stays_light():
+    import subprocess
+    import sys
+    code = ("import sys, linattn\n"
+            "heavy = [m for m in ('linattn.checkpoint', 'linattn.vision.train', 'linattn.experiments.common') "
+            "if m in sys.modules]\n"
+            "assert not heavy, heavy\n"
+            "assert linattn.RunFolderBusy.__name__ == 'RunFolderBusy' and 'linattn.training.lock' in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]

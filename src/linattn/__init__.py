@@ -13,9 +13,13 @@ The public API, re-exported:
     FeatureMap, FAVORPlus, FEATURE_MAP_NAMES   phi/psi pairs (feature_maps.py)
     mixers, LMConfig, LanguageModel            language models and their mixer registry (models/);
                                                layers in linattn.layers, audit.check_causality
+    LinattnError and every other exception     what a user can meet, all LinattnError subclasses (errors.py and
+    (ERRORS: their names)                      the modules that raise them; those load on first use)
 """
+import importlib
+
 from . import audit
-from .errors import LinattnError
+from .errors import CheckpointError, ConfigError, DataError, LinattnError, LinattnTypeError, UsageError
 from .feature_maps import FEATURE_MAP_NAMES, FAVORPlus, FeatureMap, get_feature_map
 from .models import LanguageModel, LMConfig, mixers
 from .ops import (
@@ -48,6 +52,35 @@ from .ops import (
 
 __version__ = "0.1.0"
 
+# Every other exception a user can meet, by the module that defines it. They are exported lazily (PEP 562):
+# importing those modules here would make `import linattn` load checkpoints, training, data, vision and
+# experiments code (and experiments -> bench.common imports linattn itself). All derive from LinattnError.
+_LAZY_ERRORS = {
+    "CheckpointWriteError": "checkpoint", "DanglingLatest": "checkpoint",
+    "TrainError": "training.config", "TrainConfigError": "training.config", "TrainingDiverged": "training.config",
+    "RunFolderBusy": "training.lock",
+    "TokenizerError": "data.tokenizer", "CorpusError": "data.sources", "MNISTError": "data.mnist",
+    "GenerateError": "generate", "ExperimentError": "experiments.common",
+    "BackendUnavailableError": "ops.backend", "BackendDeviceError": "ops.backend",
+    "VisionDependencyError": "vision.boxes", "ExportError": "vision.export", "VisionTrainError": "vision.train",
+}
+ERRORS = ("LinattnError", "LinattnTypeError", "ConfigError", "CheckpointError", "DataError", "UsageError",
+          *_LAZY_ERRORS)
+
+
+def __getattr__(name):
+    module = _LAZY_ERRORS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'linattn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value   # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_ERRORS))
+
+
 __all__ = [
     "LinattnError",
     "linear_attention", "LinearAttentionState", "softmax_attention", "delta_rule", "set_checks", "get_checks",
@@ -58,4 +91,8 @@ __all__ = [
     "deltaformer_step", "DeltaFormerState", "path_attention", "path_attention_step", "PaTHState",
     "FeatureMap", "FAVORPlus", "FEATURE_MAP_NAMES", "get_feature_map",
     "mixers", "LMConfig", "LanguageModel", "audit",
+    "ERRORS", "LinattnTypeError", "ConfigError", "CheckpointError", "DataError", "UsageError",
+    "CheckpointWriteError", "DanglingLatest", "TrainError", "TrainConfigError", "TrainingDiverged", "RunFolderBusy",
+    "TokenizerError", "CorpusError", "MNISTError", "GenerateError", "ExperimentError", "BackendUnavailableError",
+    "BackendDeviceError", "VisionDependencyError", "ExportError", "VisionTrainError",
 ]
