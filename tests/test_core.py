@@ -286,8 +286,10 @@ def test_chunk_size_used():
     assert linattn.chunk_size_used("linear_attention", q, q, q, mode="recurrent") == 1
     assert linattn.chunk_size_used("linear_attention", q, q, q, mode="parallel") == 100
     beta = torch.rand(1, 100, 2)
-    assert linattn.chunk_size_used("delta_rule", q, q, q, beta, chunk_size=48) == 48
-    assert linattn.chunk_size_used("delta_rule", q, q, q, beta, g=-torch.ones(1, 100, 2, 8), chunk_size=48) == 16
+    assert linattn.chunk_size_used("delta_rule", q, q, q, beta, chunk_size=48, backend="torch") == 48
+    assert linattn.chunk_size_used("delta_rule", q, q, q, beta, g=-torch.ones(1, 100, 2, 8), chunk_size=48,
+                                   backend="torch") == 16
+    assert linattn.chunk_size_used("delta_rule", q, q, q, beta, chunk_size=48, backend="cpu") == 1  # token by token
     p = linattn.prepare_linear_attention(q, q, q, chunk_size=48)
     assert p.chunk_size_used("triton") == 64  # the kernels' tiles are 16, 32 or 64
     with pytest.raises(linattn.LinattnError, match="op must be"):
