@@ -23,8 +23,22 @@ token t reads the weights updated by the tokens s <= t of its mini-batch:
 (the momentum S carries across mini-batches; W_0 <- W_t at the end of every mini-batch). Per token:
 eta `[B, T, H]` >= 0 (ttt's learning rate), and for titans theta >= 0 (learning rate), alpha in [0, 1]
 (weight decay), eta in [0, 1] (momentum), all `[B, T, H]`. With alpha = eta = 0, titans is ttt with
-eta = theta. mini_batch=1 is plain online gradient descent (eq. 11). The TTT paper's extra 1/t
-averaging inside a mini-batch is not applied: fold any such factor into the per-token rates.
+eta = theta. mini_batch=1 is plain online gradient descent (eq. 11).
+
+Conventions of other implementations, in these terms (u_s = grad l(W_0; k_s, v_s), t and s counted from
+1 inside a mini-batch, z_t = m(scale q_t; W_t) the inner model's output before its LayerNorm):
+
+* Here the rate belongs to the writing token: every reader t >= s sees u_s with the same factor eta_s,
+  W_t = W_0 - sum_{s<=t} eta_s u_s, and o_t = scale q_t + LN(z_t) (residual=True, the paper's f(x)).
+* The TTT paper's code averages inside a mini-batch: W_t = W_0 - (1/t) sum_{s<=t} eta_s u_s. The 1/t
+  belongs to the reading position t, not to the writing token s (reader t sees u_s with eta_s / t, a
+  later reader with less), so no choice of per-token rates eta_s reproduces it; it is not implemented.
+  mini_batch=1 has t = 1 and matches it.
+* flash-linear-attention's TTT reads the rate at the reading token: W_t = W_0 - eta_t sum_{s<=t} u_s,
+  and a mini-batch ends with the rate of its last token; it returns z_t + LN(z_t). Where eta is
+  constant inside every mini-batch (one value per mini-batch, or a constant), its W_t is ours with the
+  same eta, and its output is ours with residual=True once scale q_t is replaced by z_t; otherwise
+  neither convention can express the other (its 1/t-free rate also differs from the paper's average).
 
 Forms (`mode`):
 
