@@ -22,22 +22,30 @@ Padding (`attention_mask` with zeros, left padding for batched generation) never
 """
 from __future__ import annotations
 
+import warnings
+from functools import partial
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache as HFCache, DynamicLayer, LinearAttentionCacheLayerMixin
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
 
 from ..errors import ConfigError, LinattnError
 from ..layers.cache import Cache, KVCache
-from ..models.lm import LanguageModel
+from ..layers.common import FusedParams
+from ..models.lm import LanguageModel, _check_token_ids
 from .configuration_linattn import STATE_SLOTS, LinattnConfig, layer_types_of
 
 # transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache` (the old
-# name is still accepted with a warning); we take either and answer in the installed version's name.
-_CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+# name is still accepted with a warning); we take either and answer in the installed version's name (_cache_field).
 _OFFSETS = ("", "offsets")   # the (module, key) of the per-row token counts, in layer 0
 
 
@@ -297,9 +305,75 @@ def _left_pad_kv(kvs: List[KVCache]) -> KVCache:
     return out
 
 
-# --------------------------------------------------------------------------- the model
+# --------------------------------------------------------------------------- running the stack
+
+def _cache_field(output_cls) -> str:
+    return "cache" if "cache" in getattr(output_cls, "__dataclass_fields__", {}) else "past_key_values"
+
+
+def _embed(stack, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor]) -> torch.Tensor:
+    """[B, T, d] from token ids (looked up in `stack.embed`) or from given embeddings (PEFT prompt tuning,
+    multimodal wrappers): exactly one of the two."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise LinattnError("give exactly one of input_ids [batch, seq] or inputs_embeds [batch, seq, hidden_size]")
+    d = stack.embed.embedding_dim
+    if inputs_embeds is not None:
+        if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != d:
+            raise LinattnError(f"inputs_embeds must be a tensor [batch, seq, {d}], got "
+                               f"{tuple(getattr(inputs_embeds, 'shape', ())) or type(inputs_embeds).__name__}")
+        if inputs_embeds.shape[1] == 0:
+            raise LinattnError("inputs_embeds must hold at least one position")
+        return inputs_embeds
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise LinattnError(f"input_ids must be [batch, seq], got shape {tuple(getattr(input_ids, 'shape', ()))}")
+    if input_ids.shape[1] == 0:
+        raise LinattnError("input_ids must hold at least one token")
+    input_ids = input_ids.long()
+    _check_token_ids(input_ids, stack.embed.num_embeddings)   # the live size, also after a resize
+    return stack.embed(input_ids)
+
+
+def _padding_mask(attention_mask, B: int, T: int, device) -> Optional[torch.Tensor]:
+    """The [B, T] bool mask of the new positions, or None when every position is a token."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or attention_mask.shape[0] != B \
+            or attention_mask.shape[1] < T:
+        raise LinattnError(f"attention_mask must be a 2-D tensor [batch, past + seq] with batch {B} and at least "
+                           f"{T} columns (1 = token, 0 = padding), got "
+                           f"{tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
+    mask = attention_mask[:, -T:].to(device).bool()
+    return None if bool(mask.all()) else mask
+
+
+def _new_cache(stack) -> Cache:
+    """An empty linattn Cache for `stack`; like `LanguageModel.new_cache`, it drops the fused decode weights
+    so that a prefill after a weight update rebuilds them."""
+    for m in stack.modules():
+        fused = getattr(m, "_fused", None)
+        if isinstance(fused, FusedParams):
+            fused.clear()
+    return Cache(len(stack.blocks))
+
+
+def _scatter(parts: List[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """Per-row outputs over the real tokens -> [B, T, d] with zeros at padding."""
+    first = parts[0]
+    out = first.new_zeros(*mask.shape, first.shape[-1])
+    out[mask] = torch.cat(parts)   # row-major order of mask = the rows' tokens one after the other
+    return out
+
+
+def _keep(x: torch.Tensor, keep) -> torch.Tensor:
+    if isinstance(keep, int):
+        return x if keep == 0 else x[:, -keep:]
+    return x[:, keep]
+
 
 class LinattnPreTrainedModel(PreTrainedModel):
+    """The shared part of linattn's transformers models: running the blocks of `_stack()` (an object with
+    `embed`, `blocks` and `norm`: the `LanguageModel` itself, or `LinattnModel`) over padded batches and
+    transformers' cache, hidden states, inputs_embeds, activation checkpointing, saving."""
     config_class = LinattnConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
@@ -307,13 +381,227 @@ class LinattnPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["Block"]
     _is_stateful = True          # recurrent states cannot be rolled back (no assisted decoding)
     _supports_sdpa = True
+    #: transformers' flag (read by is_activation_checkpointing / is_gradient_checkpointing, the Trainer, PEFT)
+    gradient_checkpointing = False
+
+    def _stack(self):
+        raise NotImplementedError
 
     def _init_weights(self, module):
-        """linattn initialises its own weights (`LanguageModel`); loading replaces them."""
+        """linattn initialises its own weights (`LanguageModel`); loading replaces them. A task head that a
+        checkpoint lacks (`score` of the classifier) is drawn like linattn's linear layers."""
+        if module is getattr(self, "score", None):
+            nn.init.normal_(module.weight, std=float(self.config.linattn.get("init_std", 0.02)))
 
-    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, **kwargs):
-        """transformers' activation_checkpointing_enable / disable: LanguageModel recomputes each block."""
-        self.model.activation_checkpointing = bool(enable)
+    # -- activation checkpointing ---------------------------------------------------------------
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    every_n_layers: int = 1, **kwargs):
+        """transformers' activation_checkpointing_enable / disable (and the deprecated gradient_* names):
+        blocks are recomputed in the backward pass through `gradient_checkpointing_func` (transformers'
+        `checkpoint` with its kwargs), every `every_n_layers`-th block."""
+        func = gradient_checkpointing_func or partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        if int(every_n_layers) < 1:
+            raise LinattnError(f"every_n_layers must be >= 1, got {every_n_layers}")
+        for m in self.modules():
+            if isinstance(m, LinattnPreTrainedModel):
+                m.gradient_checkpointing = bool(enable)
+                m._gradient_checkpointing_func = func
+                m._checkpoint_every = int(every_n_layers)
+            elif isinstance(m, LanguageModel):   # linattn's own flag, for to_linattn() and linattn's trainer
+                m.activation_checkpointing = bool(enable)
+
+    def _recompute(self, cache) -> Tuple[bool, Any, int]:
+        stack = self._stack()
+        on = bool(self.gradient_checkpointing or getattr(stack, "activation_checkpointing", False))
+        if not (on and self.training and cache is None and torch.is_grad_enabled()):
+            return False, None, 1
+        func = getattr(self, "_gradient_checkpointing_func", None) or partial(torch.utils.checkpoint.checkpoint,
+                                                                              use_reentrant=False)
+        return True, func, getattr(self, "_checkpoint_every", 1)
+
+    # -- vocabulary -------------------------------------------------------------------------------
+    def _sync_vocab_size(self) -> None:
+        """Keep the vocabulary size of config.linattn (what loading builds) and of the linattn model's
+        config equal to the live embedding (after resize_token_embeddings / set_input_embeddings)."""
+        n = int(self.get_input_embeddings().num_embeddings)
+        self.config.linattn["vocab_size"] = n
+        self.config.vocab_size = n
+        for m in self.modules():
+            if isinstance(m, LanguageModel):
+                m.config.vocab_size = n
+
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+        out = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        self._sync_vocab_size()
+        return out
+
+    # -- saving -----------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save_pretrained, plus the two small modules and `auto_map` that let
+        `AutoModelForCausalLM` / `AutoModel` / `AutoModelForSequenceClassification.from_pretrained(DIR,
+        trust_remote_code=True)` load the folder without `import linattn.hf` (they import linattn, which
+        must be installed)."""
+        from .remote import write_remote_code
+
+        self._sync_vocab_size()
+        self.config.auto_map = dict(AUTO_MAP)
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        write_remote_code(save_directory)
+        return out
+
+    # -- the forward pass shared by every head -----------------------------------------------------
+    def _run_blocks(self, x: torch.Tensor, cache: Optional[Cache], cu_seqlens: Optional[torch.Tensor],
+                    hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
+        """The blocks of `LanguageModel.forward` over embeddings x [B, T, d] (the same calls, so the same
+        numbers); appends each block's input to `hidden`. Returns the last block's output (no final norm)."""
+        stack = self._stack()
+        if cache is not None and not all(b.causal for b in stack.blocks):
+            raise LinattnError("this model has a bidirectional memory lobe: it cannot decode incrementally "
+                               "with a cache (call it on the whole sequence instead)")
+        recompute, func, every = self._recompute(cache)
+        for i, block in enumerate(stack.blocks):
+            if hidden is not None:
+                hidden.append(x)
+            if recompute and i % every == 0:
+                x, _ = func(block, x, None, cu_seqlens)
+            else:
+                x, _ = block(x, cache, cu_seqlens)
+        if cache is not None:
+            cache.seen_tokens += x.shape[1]
+        return x
+
+    def _run_padded(self, x: torch.Tensor, mask: torch.Tensor, hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
+        """A padded batch without a cache: the real positions of all rows packed in one row with cu_seqlens
+        (one call), or row by row if a mixer cannot pack; zeros at padding (also in `hidden`)."""
+        rows = [x[b][mask[b]] for b in range(x.shape[0])]
+        if any(r.shape[0] == 0 for r in rows):
+            raise LinattnError("every row needs at least one token that is not padding (attention_mask 1)")
+        lens = [r.shape[0] for r in rows]
+        if all(getattr(b, "mixer_packs", False) for b in self._stack().blocks):
+            cu = torch.tensor([0] + lens, device=x.device).cumsum(0)
+            sub: Optional[List[torch.Tensor]] = [] if hidden is not None else None
+            out = self._run_blocks(torch.cat(rows)[None], None, cu, sub)
+            if hidden is not None:
+                hidden.extend(_scatter([h[0]], mask) for h in sub)
+            return _scatter([out[0]], mask)
+        subs = [[] if hidden is not None else None for _ in rows]
+        outs = [self._run_blocks(r[None], None, None, s)[0] for r, s in zip(rows, subs)]
+        if hidden is not None:
+            hidden.extend(_scatter([s[j][0] for s in subs], mask) for j in range(len(subs[0])))
+        return _scatter(outs, mask)
+
+    def _run_cached(self, x: torch.Tensor, mask: Optional[torch.Tensor], hf_cache: HFCache,
+                    hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
+        n = self.config.num_hidden_layers
+        _check_layers(hf_cache, n, self.config)
+        B, T = x.shape[:2]
+        stack = self._stack()
+        if _is_empty(hf_cache):   # prefill
+            if mask is None:
+                cache = _new_cache(stack)
+                out = self._run_blocks(x, cache, None, hidden)
+                lengths = torch.full((B,), T, dtype=torch.long, device=x.device)
+            else:
+                rows = [x[b][mask[b]] for b in range(B)]
+                if any(r.shape[0] == 0 for r in rows):
+                    raise LinattnError("every row needs at least one token that is not padding (attention_mask 1)")
+                caches = [_new_cache(stack) for _ in rows]
+                subs = [[] if hidden is not None else None for _ in rows]
+                outs = [self._run_blocks(r[None], c, None, s)[0] for r, c, s in zip(rows, caches, subs)]
+                cache = _merge_rows(caches)
+                if hidden is not None:
+                    hidden.extend(_scatter([s[j][0] for s in subs], mask) for j in range(len(subs[0])))
+                out = _scatter(outs, mask)
+                lengths = mask.sum(1).long()
+            _from_linattn(cache, hf_cache, lengths, T, not self._keeps_kv[0])
+            return out
+        if mask is not None:
+            raise LinattnError("padding (attention_mask 0) among the new tokens of a running cache is not "
+                               "supported: pad the prompt on the left and let generate() continue it")
+        offsets = _offsets(hf_cache).clone()
+        cache = _to_linattn(hf_cache, n, self._keeps_kv)
+        out = self._run_blocks(x, cache, None, hidden)
+        _from_linattn(cache, hf_cache, offsets + T, T, not self._keeps_kv[0])
+        return out
+
+    def _hidden_states(self, input_ids, inputs_embeds, attention_mask, past_key_values, cache, use_cache, keep,
+                       output_hidden_states, output_attentions):
+        """-> (h [B, T or kept, d] after the final norm, hidden states tuple or None, padding mask or None,
+        the transformers cache to return or None)."""
+        if cache is not None and past_key_values is not None:
+            raise LinattnError("give the cache as `cache` or `past_key_values` (its pre-5.24 name), not both")
+        past_key_values = cache if cache is not None else past_key_values
+        if output_attentions if output_attentions is not None else getattr(self.config, "output_attentions", False):
+            warnings.warn(f"{type(self).__name__}: output_attentions=True is not supported: linattn's mixers are "
+                          f"recurrent (linear attention, delta rule, ...) and form no attention-weight matrix, so "
+                          f"`attentions` is None", UserWarning, stacklevel=3)
+        if output_hidden_states is None:
+            output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
+        stack = self._stack()
+        x = _embed(stack, input_ids, inputs_embeds)
+        B, T = x.shape[:2]
+        mask = _padding_mask(attention_mask, B, T, x.device)
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        hidden: Optional[List[torch.Tensor]] = [] if output_hidden_states else None
+        if past_key_values is not None and (use_cache or not _is_empty(past_key_values)):
+            x = self._run_cached(x, mask, past_key_values, hidden)
+        elif mask is not None:
+            x = self._run_padded(x, mask, hidden)
+        else:
+            x = self._run_blocks(x, None, None, hidden)
+        norm = stack.norm
+        if hidden is not None:   # transformers' convention: the last hidden state is after the final norm
+            x = norm(x) if norm is not None else x
+            hidden.append(x)
+            x = _keep(x, keep)
+        else:   # the norm on the kept positions only (decoding needs one)
+            x = _keep(x, keep)
+            x = norm(x) if norm is not None else x
+        return x, (tuple(hidden) if hidden is not None else None), mask, (past_key_values if use_cache else None)
+
+
+# --------------------------------------------------------------------------- the models
+
+class LinattnModel(LinattnPreTrainedModel):
+    """The linattn stack without the LM head (`AutoModel`): embeddings, blocks, final norm.
+
+    forward -> BaseModelOutputWithPast(last_hidden_state [B, T, d] after the final norm, cache, hidden_states).
+    Its parameters are named like `LanguageModel`'s (`embed`, `blocks`, `norm`), so `from_pretrained` of a
+    LinattnForCausalLM folder loads the stack (the `model.` prefix is dropped, the head left out)."""
+
+    # an untied LM head in a LinattnForCausalLM folder is not part of the stack
+    _keys_to_ignore_on_load_unexpected = [r"lm_head\.weight$"]
+
+    def __init__(self, config: LinattnConfig):
+        super().__init__(config)
+        lm = LanguageModel(config.lm_config())   # its embed / blocks / norm, initialised as linattn does
+        self.embed, self.blocks, self.norm = lm.embed, lm.blocks, lm.norm
+        self._keeps_kv = [t != "linear_attention" for t in layer_types_of(lm.config)]
+        self.post_init()
+
+    def _stack(self):
+        return self
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def set_input_embeddings(self, value):
+        self.embed = value
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                past_key_values: Optional[HFCache] = None, inputs_embeds: Optional[torch.Tensor] = None,
+                use_cache: Optional[bool] = None, output_hidden_states: Optional[bool] = None,
+                output_attentions: Optional[bool] = None, return_dict: Optional[bool] = None,
+                cache: Optional[HFCache] = None, **kwargs) -> Union[BaseModelOutputWithPast, tuple]:
+        """input_ids [B, T] (or inputs_embeds [B, T, d]) -> BaseModelOutputWithPast; padding and the cache as
+        in LinattnForCausalLM.forward."""
+        h, hidden, _, pkv = self._hidden_states(input_ids, inputs_embeds, attention_mask, past_key_values, cache,
+                                                use_cache, 0, output_hidden_states, output_attentions)
+        out = BaseModelOutputWithPast(last_hidden_state=h, hidden_states=hidden,
+                                      **{_cache_field(BaseModelOutputWithPast): pkv})
+        return out if return_dict is not False else out.to_tuple()
 
 
 class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
@@ -330,6 +618,9 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         self.model = model if model is not None else LanguageModel(config.lm_config())
         self._keeps_kv = [t != "linear_attention" for t in layer_types_of(self.model.config)]
         self.post_init()
+
+    def _stack(self):
+        return self.model
 
     # -- conversions ----------------------------------------------------------------------------
     @classmethod
@@ -354,77 +645,60 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         self.model.embed = value
 
     def get_output_embeddings(self):
-        return self.model.lm_head
+        return self.model.lm_head   # None when tied: the head is the embedding itself (resized with it)
 
-    # -- saving -----------------------------------------------------------------------------------
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' save_pretrained, plus the two small modules and `auto_map` that let
-        `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` load the folder
-        without `import linattn.hf` (they import linattn, which must be installed)."""
-        from .remote import write_remote_code
+    def set_output_embeddings(self, value):
+        self.model.lm_head = value
 
-        self.config.auto_map = {"AutoConfig": "configuration_linattn.LinattnConfig",
-                                "AutoModelForCausalLM": "modeling_linattn.LinattnForCausalLM"}
-        out = super().save_pretrained(save_directory, *args, **kwargs)
-        write_remote_code(save_directory)
-        return out
+    # -- generation -------------------------------------------------------------------------------
+    def _prepare_cache_for_generation(self, generation_config, *args, **kwargs):
+        impl = getattr(generation_config, "cache_implementation", None)
+        if impl not in SUPPORTED_CACHE_IMPLEMENTATIONS:
+            # a static cache pre-allocates keys/values for every layer (for torch.compile); linattn's layers keep
+            # recurrent states that are constant-size already, in its own DynamicCache layers (module docstring)
+            raise LinattnError(f"cache_implementation={impl!r} is not supported by linattn models: their states live "
+                               f"in transformers' DynamicCache, in linear-attention cache layers (constant-size "
+                               f"recurrent states; growing keys/values only for softmax blocks), which the static, "
+                               f"offloaded and quantized caches cannot hold; leave cache_implementation unset "
+                               f"(or 'dynamic')")
+        return super()._prepare_cache_for_generation(generation_config, *args, **kwargs)
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[HFCache] = None, inputs_embeds: Optional[torch.Tensor] = None,
                 labels: Optional[torch.LongTensor] = None, use_cache: Optional[bool] = None,
-                logits_to_keep: Union[int, torch.Tensor] = 0, return_dict: Optional[bool] = None,
+                logits_to_keep: Union[int, torch.Tensor] = 0, output_hidden_states: Optional[bool] = None,
+                output_attentions: Optional[bool] = None, return_dict: Optional[bool] = None,
                 cache: Optional[HFCache] = None, **kwargs) -> Union[CausalLMOutputWithPast, tuple]:
-        """input_ids [B, T] -> CausalLMOutputWithPast(loss, logits [B, T or kept, vocab], past_key_values).
+        """input_ids [B, T] (or inputs_embeds [B, T, d]) -> CausalLMOutputWithPast(loss, logits [B, T or kept,
+        vocab], past_key_values, hidden_states).
 
         attention_mask [B, T] or [B, past + T] (1 = token, 0 = padding; padding never enters a
         state, module docstring); labels [B, T] give the mean next-token loss (shifted inside,
         -100 ignored, padding ignored; `num_items_in_batch` from transformers' Trainer divides
         the summed loss instead); logits_to_keep as in transformers (0: all, n: the last n).
+        output_hidden_states: n_layers + 1 tensors [B, T, d] (the embeddings, the output of every block
+        but the last, and the last block's output after the final norm, as transformers' models return
+        them; zeros at padding); output_attentions warns and returns None (no attention weights).
         """
-        if cache is not None and past_key_values is not None:
-            raise LinattnError("give the cache as `cache` or `past_key_values` (its pre-5.24 name), not both")
-        past_key_values = cache if cache is not None else past_key_values
-        if inputs_embeds is not None:
-            raise LinattnError("LinattnForCausalLM takes input_ids, not inputs_embeds")
-        if input_ids is None:
-            raise LinattnError("input_ids is required")
-        if input_ids.dim() != 2:
-            raise LinattnError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        input_ids = input_ids.long()
-        B, T = input_ids.shape
-        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
-        mask = None
-        if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
-                raise LinattnError(f"attention_mask must be 2-D [batch, past + seq] with batch {B} and at least "
-                                   f"{T} columns, got {tuple(attention_mask.shape)}")
-            mask = attention_mask[:, -T:].to(input_ids.device).bool()
-            if bool(mask.all()):
-                mask = None
         keep = 0 if labels is not None else logits_to_keep
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        if past_key_values is not None and (use_cache or not _is_empty(past_key_values)):
-            logits = self._forward_cached(input_ids, mask, past_key_values, keep)
-        elif mask is not None:
-            logits = self._forward_padded(input_ids, mask)
-            if keep is not None and not (isinstance(keep, int) and keep == 0):
-                logits = logits[:, -keep:] if isinstance(keep, int) else logits[:, keep]
-        else:
-            logits = self.model(input_ids, logits_to_keep=keep).logits
+        h, hidden, mask, pkv = self._hidden_states(input_ids, inputs_embeds, attention_mask, past_key_values, cache,
+                                                   use_cache, keep, output_hidden_states, output_attentions)
+        head = self.model.lm_head
+        logits = head(h) if head is not None else F.linear(h, self.model.embed.weight)
         loss = None
         if labels is not None:
             loss = self._loss(logits, labels, mask, kwargs.get("num_items_in_batch"))
-            if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-                logits = logits[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else logits[:, logits_to_keep]
-        out = CausalLMOutputWithPast(loss=loss, logits=logits,
-                                     **{_CACHE_FIELD: past_key_values if use_cache else None})
+            logits = _keep(logits, logits_to_keep)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=hidden,
+                                     **{_cache_field(CausalLMOutputWithPast): pkv})
         return out if return_dict is not False else out.to_tuple()
 
     @staticmethod
     def _loss(logits: torch.Tensor, labels: torch.Tensor, mask: Optional[torch.Tensor], num_items=None):
         labels = labels.to(logits.device).long()
+        if labels.shape != logits.shape[:2]:
+            raise LinattnError(f"labels must be [batch, seq] = {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
         if mask is not None:
             labels = labels.masked_fill(~mask, -100)
         shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
@@ -434,57 +708,93 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         total = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
         return total / (num_items.to(total.device) if isinstance(num_items, torch.Tensor) else num_items)
 
-    def _rows(self, input_ids: torch.Tensor, mask: torch.Tensor) -> List[torch.Tensor]:
-        rows = [input_ids[b][mask[b]] for b in range(input_ids.shape[0])]
-        if any(r.numel() == 0 for r in rows):
-            raise LinattnError("every row needs at least one token that is not padding (attention_mask 1)")
-        return rows
 
-    def _forward_padded(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] of a padded batch without a cache: the real tokens of all rows packed in
-        one row with cu_seqlens (one call), or row by row if a mixer cannot pack; 0 at padding."""
-        rows = self._rows(input_ids, mask)
-        if all(getattr(b, "mixer_packs", False) for b in self.model.blocks):
-            lens = torch.tensor([0] + [r.numel() for r in rows], device=input_ids.device)
-            packed = self.model(torch.cat(rows)[None], cu_seqlens=lens.cumsum(0)).logits[0]
-            parts = packed.split([r.numel() for r in rows])
+class LinattnForSequenceClassification(LinattnPreTrainedModel):
+    """`AutoModelForSequenceClassification`: the stack (`LinattnModel`, under `.model`) and a linear `score`
+    head read at each row's last token (transformers' convention for decoder-only models).
+
+    The last token is the last position with attention_mask 1; without a mask, the last position that is not
+    `config.pad_token_id`; without either, the last position. labels give the loss by `config.problem_type`
+    (set from the labels when None, as transformers does): "regression" (MSE; num_labels == 1),
+    "single_label_classification" (cross-entropy, integer labels), "multi_label_classification"
+    (BCE with logits, float labels [B, num_labels]). `from_pretrained` of a LinattnForCausalLM folder loads
+    the stack (the LM head is left out, `score` is drawn new)."""
+
+    _keys_to_ignore_on_load_unexpected = [r"lm_head\.weight$"]
+
+    def __init__(self, config: LinattnConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = LinattnModel(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+
+    def _stack(self):
+        return self.model
+
+    def get_input_embeddings(self):
+        return self.model.embed
+
+    def set_input_embeddings(self, value):
+        self.model.embed = value
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                past_key_values: Optional[HFCache] = None, inputs_embeds: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None,
+                output_hidden_states: Optional[bool] = None, output_attentions: Optional[bool] = None,
+                return_dict: Optional[bool] = None, cache: Optional[HFCache] = None,
+                **kwargs) -> Union[SequenceClassifierOutputWithPast, tuple]:
+        """input_ids [B, T] (or inputs_embeds) -> SequenceClassifierOutputWithPast(loss, logits [B, num_labels])."""
+        base = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+                          inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
+                          output_attentions=output_attentions, cache=cache, return_dict=True)
+        h = base.last_hidden_state
+        B, T = h.shape[:2]
+        positions = torch.arange(T, device=h.device)
+        if attention_mask is not None:
+            real = attention_mask[:, -T:].to(h.device).bool()
+            last = (positions * real).argmax(-1)
+        elif input_ids is not None and getattr(self.config, "pad_token_id", None) is not None:
+            real = input_ids.to(h.device) != self.config.pad_token_id
+            last = (positions * real).argmax(-1)
         else:
-            parts = [self.model(r[None]).logits[0] for r in rows]
-        logits = parts[0].new_zeros(*input_ids.shape, parts[0].shape[-1])
-        for b, part in enumerate(parts):
-            logits[b][mask[b]] = part
-        return logits
+            last = torch.full((B,), T - 1, device=h.device, dtype=torch.long)
+        logits = self.score(h)[torch.arange(B, device=h.device), last]
+        loss = self._loss(logits, labels) if labels is not None else None
+        out = SequenceClassifierOutputWithPast(loss=loss, logits=logits, hidden_states=base.hidden_states,
+                                               **{_cache_field(SequenceClassifierOutputWithPast):
+                                                  getattr(base, _cache_field(BaseModelOutputWithPast))})
+        return out if return_dict is not False else out.to_tuple()
 
-    def _forward_cached(self, input_ids: torch.Tensor, mask: Optional[torch.Tensor], hf_cache: HFCache,
-                        keep) -> torch.Tensor:
-        n = self.config.num_hidden_layers
-        _check_layers(hf_cache, n, self.config)
-        B, T = input_ids.shape
-        if _is_empty(hf_cache):   # prefill
-            if mask is None:
-                out = self.model(input_ids, use_cache=True, logits_to_keep=keep)
-                cache, logits = out.cache, out.logits
-                lengths = torch.full((B,), T, dtype=torch.long, device=input_ids.device)
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        labels = labels.to(logits.device)
+        if self.config.problem_type is None:
+            if self.num_labels == 1:
+                self.config.problem_type = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                self.config.problem_type = "single_label_classification"
             else:
-                rows = self._rows(input_ids, mask)
-                outs = [self.model(r[None], use_cache=True) for r in rows]
-                cache = _merge_rows([o.cache for o in outs])
-                logits = outs[0].logits.new_zeros(B, T, outs[0].logits.shape[-1])
-                for b, o in enumerate(outs):
-                    logits[b][mask[b]] = o.logits[0]
-                if not (isinstance(keep, int) and keep == 0):
-                    logits = logits[:, -keep:] if isinstance(keep, int) else logits[:, keep]
-                lengths = mask.sum(1).long()
-            _from_linattn(cache, hf_cache, lengths, T, not self._keeps_kv[0])
-            return logits
-        if mask is not None:
-            raise LinattnError("padding (attention_mask 0) among the new tokens of a running cache is not "
-                               "supported: pad the prompt on the left and let generate() continue it")
-        offsets = _offsets(hf_cache).clone()
-        cache = _to_linattn(hf_cache, n, self._keeps_kv)
-        logits = self.model(input_ids, cache=cache, logits_to_keep=keep).logits
-        _from_linattn(cache, hf_cache, offsets + T, T, not self._keeps_kv[0])
-        return logits
+                self.config.problem_type = "multi_label_classification"
+        kind, logits = self.config.problem_type, logits.float()
+        if kind == "regression":
+            if self.num_labels == 1:
+                return F.mse_loss(logits.squeeze(-1), labels.float().reshape(-1))
+            return F.mse_loss(logits, labels.float())
+        if kind == "single_label_classification":
+            return F.cross_entropy(logits.reshape(-1, self.num_labels), labels.long().reshape(-1))
+        if kind == "multi_label_classification":
+            return F.binary_cross_entropy_with_logits(logits, labels.float())
+        raise ConfigError(f"config.problem_type must be 'regression', 'single_label_classification' or "
+                          f"'multi_label_classification', got {kind!r}")
 
 
-__all__ = ["LinattnForCausalLM", "LinattnPreTrainedModel"]
+#: the cache_implementation values generate() accepts (module docstring of LinattnForCausalLM)
+SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic")
+#: config.auto_map of a saved folder (trust_remote_code entry points written by remote.py)
+AUTO_MAP = {"AutoConfig": "configuration_linattn.LinattnConfig",
+            "AutoModel": "modeling_linattn.LinattnModel",
+            "AutoModelForCausalLM": "modeling_linattn.LinattnForCausalLM",
+            "AutoModelForSequenceClassification": "modeling_linattn.LinattnForSequenceClassification"}
+
+__all__ = ["LinattnForCausalLM", "LinattnForSequenceClassification", "LinattnModel", "LinattnPreTrainedModel",
+           "AUTO_MAP", "SUPPORTED_CACHE_IMPLEMENTATIONS"]
