@@ -146,9 +146,9 @@ def test_comba_p_none_is_k_and_p_is_not_normalised():
         a, _ = comba(q, k, v, beta, g=g, mode=mode, chunk_size=8)
         b, _ = comba(q, k, v, beta, p=k, g=g, mode=mode, chunk_size=8)
         assert rel_err(a, b) < 1e-13, mode
-        a, _ = comba(q, k, v, beta, g=g, qk_l2norm=True, mode=mode, chunk_size=8)
-        b, _ = comba(q, F.normalize(k, dim=-1), v, beta, p=F.normalize(k, dim=-1), g=g, qk_l2norm=True, mode=mode,
-                     chunk_size=8)
+        a, _ = comba(q, k, v, beta, g=g, qk_l2norm="clamp", mode=mode, chunk_size=8)  # F.normalize's form
+        b, _ = comba(q, F.normalize(k, dim=-1), v, beta, p=F.normalize(k, dim=-1), g=g, qk_l2norm="clamp",
+                     mode=mode, chunk_size=8)
         assert rel_err(a, b) < 1e-13, mode
         a, _ = comba(q, k, v, beta, p=3 * p, g=g, qk_l2norm=True, mode=mode, chunk_size=8)
         b, _ = comba(q, k, v, beta, p=p, g=g, qk_l2norm=True, mode=mode, chunk_size=8)

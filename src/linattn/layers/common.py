@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import LinattnError
+from ..ops.l2norm import L2NORM_EPS, l2norm
 from .packing import check_cu_seqlens, packed_positions
 
 
@@ -260,7 +261,7 @@ def mamba_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     return neg_a * F.softplus(a + (dt_bias if dt_bias.dtype == f32 else dt_bias.float()))
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / ||x|| over the last dimension (in fp32), the delta rule's q/k normalisation."""
-    xf = x.to(_cdt(x))
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS, convention: str = "rsqrt") -> torch.Tensor:
+    """x / ||x|| over the last dimension (in fp32, or fp64), the delta rule's q/k normalisation: the operators'
+    own implementation (`linattn.ops.l2norm`), "rsqrt" x * rsqrt(sum x^2 + eps) or "clamp" x / max(||x||, eps)."""
+    return l2norm(x.to(_cdt(x)), convention, eps).to(x.dtype)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from ..errors import LinattnError
 from ..ops import delta_rule
-from ..ops.delta_core import L2NORM_EPS, efla_coefficient
+from ..ops.delta_core import efla_coefficient, key_norms
+from ..ops.l2norm import L2NORM_CONVENTIONS, l2norm
 from .base import AttentionBase
 from .cache import LayerCache
 from .common import l2_normalize, mamba_log_decay
@@ -39,16 +40,23 @@ class DeltaNet(AttentionBase):
     """DeltaNet layer (Yang et al. 2024): delta rule with sigmoid beta and L2-normalised q, k.
 
     Args (besides `AttentionBase`'s): chunk_size for the operator; scale for q (None, the
-    default, means head_dim**-0.5). short_conv and output_norm default to True.
+    default, means head_dim**-0.5); l2norm_convention, the operator's q/k normalisation ("rsqrt":
+    x * rsqrt(sum x^2 + 1e-6) as fla and transformers, the default; "clamp": x / max(||x||, 1e-6), what
+    checkpoints written before the choice existed used: `LMConfig.l2norm_convention`). It applies where the
+    operator normalises (DeltaNet, Gated DeltaNet, KDA, DeltaProduct); EFLA's queries and Comba's q/k are
+    normalised by the layer in the "rsqrt" form, as they always were. short_conv and output_norm default to True.
     """
 
     exact = False
     qk_l2norm = True
-    config_fields = AttentionBase.config_fields + ("chunk_size",)
+    config_fields = AttentionBase.config_fields + ("chunk_size", "l2norm_convention")
 
     def __init__(self, d_model: int, n_heads: int, *, chunk_size: int = 64, scale: Optional[float] = None,
-                 short_conv: bool = True, output_norm: bool = True, **kwargs):
+                 short_conv: bool = True, output_norm: bool = True, l2norm_convention: str = "rsqrt", **kwargs):
+        if l2norm_convention not in L2NORM_CONVENTIONS:
+            raise LinattnError(f"l2norm_convention must be one of {L2NORM_CONVENTIONS}, got {l2norm_convention!r}")
         super().__init__(d_model, n_heads, short_conv=short_conv, output_norm=output_norm, **kwargs)
+        self.l2norm_convention = l2norm_convention
         self.chunk_size = int(chunk_size)
         self.scale = self.resolve_scale(scale, self.head_dim)
         self.b_proj = nn.Linear(d_model, self.n_heads, bias=True)
@@ -85,18 +93,16 @@ class DeltaNet(AttentionBase):
             return None   # the general path checks it and says what is wrong
         qk, v, extra = self._fast_project(x, cache, lins)                    # [B, 2H, 1, K], [B, H, 1, V]
         if self.qk_l2norm:          # DeltaNet, GatedDeltaNet: both, inside the operator
-            q, k = F.normalize(qk, dim=-1, eps=L2NORM_EPS).split(H, dim=1)
+            q, k = l2norm(qk, self.l2norm_convention).split(H, dim=1)
         else:                        # EFLA: the layer normalises q (or not); keys keep their norm
             q, k = self._prepare_qk(*qk.split(H, dim=1))
         q = q * self.scale
-        lam = (k * k).sum(-1, keepdim=True)                                     # [B, H, 1, 1]
-        beta = self._beta_of(extra[0]).view(B, H, 1, 1)
+        lam, d2, d = key_norms(k)                             # [B, H, 1] (fp64 for fp32), [B, H, 1, 1]
+        beta = self._beta_of(extra[0]).view(B, H, 1)
         if beta.dtype != cdt:
             beta = beta.to(cdt)
-        a = efla_coefficient(beta, lam) if self.exact else beta
-        d2 = lam.clamp_min(1.0)                                                 # key-norm rescaling
-        d = d2.sqrt()
-        k, a = k / d, a * d2
+        a = efla_coefficient(beta.to(lam.dtype), lam) if self.exact else beta
+        k, a = k / d, (a * d2).to(cdt).unsqueeze(-1)                         # key-norm rescaling
         bv = (v / d) * a
         if S is None:
             S = q.new_zeros(B, H, K, V)
@@ -115,7 +121,8 @@ class DeltaNet(AttentionBase):
         beta = self.beta(x).to(q.dtype)
         g = self.log_gate(x)
         o, state = delta_rule(
-            q, k, v, beta, g=g, exact=self.exact, scale=self.scale, qk_l2norm=self.qk_l2norm,
+            q, k, v, beta, g=g, exact=self.exact, scale=self.scale,
+            qk_l2norm=self.l2norm_convention if self.qk_l2norm else False,
             mode=self._mode(cache, x.shape[1]), chunk_size=self.chunk_size,
             initial_state=cache.get("state") if cache is not None else None,
             output_final_state=cache is not None, cu_seqlens=cu_seqlens)

@@ -137,7 +137,7 @@ class DeltaProduct(DeltaNet):
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         beta = self.beta(x).to(q.dtype)
         o, state = delta_product(
-            q, k, v, beta, g=self.log_gate(x), scale=self.scale, qk_l2norm=True,
+            q, k, v, beta, g=self.log_gate(x), scale=self.scale, qk_l2norm=self.l2norm_convention,
             mode=self._mode(cache, x.shape[1]), chunk_size=self.chunk_size,
             initial_state=cache.get("state") if cache is not None else None,
             output_final_state=cache is not None, cu_seqlens=cu_seqlens)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from ..errors import ConfigError
+from ..ops.l2norm import L2NORM_CONVENTIONS
 from .registry import mixers
 
 FFNS = ("swiglu", "moe", "none")
@@ -83,6 +84,13 @@ class LMConfig(JsonConfig):
             t see later tokens; it needs allow_future_leak=True.
         lobe_feature_map, lobe_heads: the lobe's kernel and heads (ELA: hadamard_exp, 1).
     Head: tie_embeddings, final_norm, norm_eps, init_std.
+    Conventions:
+        l2norm_convention: the delta-rule layers' q/k L2 normalisation inside the operator, "rsqrt"
+            (x * rsqrt(sum x^2 + 1e-6), flash-linear-attention's and transformers' form, the default) or
+            "clamp" (x / max(||x||, 1e-6), the only form before this field existed). A config dict saved by
+            such a version (every field of that time present, this one absent) loads with "clamp", so an old
+            checkpoint gives the outputs it gave (`from_dict`); a partial dict (CLI flags, a hand-written
+            --model-config) gets the default.
     """
 
     vocab_size: int = field(metadata={"help": "vocabulary size (in training: the tokenizer's)"})
@@ -131,6 +139,18 @@ class LMConfig(JsonConfig):
     norm_eps: float = field(default=1e-6, metadata={"help": "RMSNorm epsilon"})
     init_std: float = field(default=0.02, metadata={
         "help": "std of the normal init (output projections scaled by 1/sqrt(2 n_layers))"})
+    l2norm_convention: str = field(default="rsqrt", metadata={
+        "help": "delta-rule q/k L2 norm: rsqrt = x*rsqrt(sum x^2+1e-6) (fla, transformers); clamp = "
+                "x/max(|x|,1e-6) (checkpoints written before this field)", "choices": L2NORM_CONVENTIONS})
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "LMConfig":
+        """From a dict (unknown fields are an error). A dict written by `to_dict` before a convention field
+        existed (it holds every field of the first version, `_FIRST_FIELDS`) gets that field's old value
+        (`LEGACY_VALUES`), so that a checkpoint keeps computing what it computed when it was saved."""
+        if isinstance(d, dict) and all(f in d for f in _FIRST_FIELDS):
+            d = {**{k: v for k, v in LEGACY_VALUES.items() if k not in d}, **d}
+        return super().from_dict(d)
 
     def __post_init__(self):
         if isinstance(self.mixer, tuple):
@@ -199,6 +219,9 @@ class LMConfig(JsonConfig):
         for name in ("rope", "short_conv"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"LMConfig.{name} must be true, false or none, got {getattr(self, name)!r}")
+        if self.l2norm_convention not in L2NORM_CONVENTIONS:
+            raise ConfigError(f"LMConfig.l2norm_convention must be one of {L2NORM_CONVENTIONS}, "
+                              f"got {self.l2norm_convention!r}")
         for name in ("hyperlink_ffn_skip", "allow_future_leak", "tie_embeddings", "final_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"LMConfig.{name} must be true or false, got {getattr(self, name)!r}")
@@ -233,6 +256,16 @@ class LMConfig(JsonConfig):
         args.update(overrides)
         return cls(**args)
 
+
+#: the fields every `LMConfig.to_dict()` has written since the first version (a dict holding all of them is a
+#: saved config, not a partial one)
+_FIRST_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "mixer", "head_dim", "mixer_kwargs", "rope",
+                 "rope_base", "short_conv", "window", "max_seq_len", "chunk_size", "ffn", "ffn_hidden", "n_experts",
+                 "top_k", "expert_hidden", "moe_bias", "aux_loss_coef", "residual", "hyperlink_ffn_skip",
+                 "memory_lobe", "lobe_feature_map", "lobe_heads", "allow_future_leak", "tie_embeddings",
+                 "final_norm", "norm_eps", "init_std")
+#: fields added later whose default changes what a saved config computes: the value such a config meant
+LEGACY_VALUES = {"l2norm_convention": "clamp"}
 
 PRESETS = {
     "ela-gpt": LMConfig.ela_gpt,

@@ -17,7 +17,7 @@ D_t = Diag(exp(g_t)) (the identity without g), and
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -30,7 +30,7 @@ def delta_rule(
     g: Optional[torch.Tensor] = None,
     exact: bool = False,
     scale: Optional[float] = None,
-    qk_l2norm: bool = False,
+    qk_l2norm: Union[bool, str] = False,
     mode: str = "chunk",
     chunk_size: int = 64,
     initial_state: Optional[torch.Tensor] = None,
@@ -45,7 +45,9 @@ def delta_rule(
     D_t = Diag(exp(g_t)) for a log-gate g (<= 0) `[B, T, H]` (Gated DeltaNet) or `[B, T, H, K]` (Kimi
     Delta Attention), and a_t = beta_t (exact=False) or a_t = (1 - exp(-beta_t ||k_t||^2)) / ||k_t||^2
     (exact=True: EFLA, the exact solution of the delta rule's ODE; a_t = beta_t at k_t = 0).
-    scale=None means K**-0.5. qk_l2norm=True L2-normalises q and k first (inside the op, differentiably).
+    scale=None means K**-0.5. qk_l2norm L2-normalises q and k first (inside the op, differentiably): True or
+    "rsqrt" as flash-linear-attention and transformers, x * rsqrt(sum x^2 + 1e-6); "clamp" as
+    F.normalize, x / max(||x||, 1e-6) (this operator's form before the choice existed); False: not at all.
 
     mode: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form).
     The state is a plain tensor `[N, H, K, V]` (N = B, or the number of sequences in `cu_seqlens`,

@@ -89,6 +89,7 @@ from ._common import (
     pad_time,
 )
 from .backend import cpu_delta, requires_grad, select_backend, triton_delta
+from .l2norm import l2norm, resolve_l2norm
 
 CHANNEL_BLOCK = 16       # chunk length with per-channel gates (their intra-chunk work is O(T * (c + C/c) * K))
 CHANNEL_SUB = 4          # ... and its sub-blocks (c = sqrt(C) minimises c + C/c; 16/4 and 32/8 measured equal on CPU)
@@ -96,7 +97,9 @@ TRITON_MAX_K = 256       # the Triton kernels keep a whole K in registers
 
 SERIES_BELOW = 1e-3      # the EFLA coefficient uses its Taylor series below x = beta lam = 1e-3
 PSI_SERIES_BELOW = 0.1  # ... and its lam-derivative below x = 0.1
-L2NORM_EPS = 1e-6        # qk_l2norm: x / max(||x||, eps), as flash-linear-attention
+# per-token log-gates below -LOG_GATE_FLOOR are raised to it: exp() of either is exactly 0 in every dtype, and
+# a cumulative sum of gates near the dtype's lowest value would reach -inf (then -inf - -inf = NaN)
+LOG_GATE_FLOOR = 1e4
 
 
 def _efla_value(beta: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
@@ -417,14 +420,14 @@ def _check_flag(x, name: str) -> None:
 
 def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
                   coefficient: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
-                  scale=None, qk_l2norm: bool = False, mode: str = "chunk", chunk_size: int = 64,
+                  scale=None, qk_l2norm=False, mode: str = "chunk", chunk_size: int = 64,
                   initial_state=None, output_final_state: bool = False, cu_seqlens=None) -> DeltaProblem:
     """Every check shared by the delta family, once, and the shared preprocessing.
 
     q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]` (>= 0); g a log-gate `[B, T, H]` (or
     `[B, T, H, K]` when `channel_gate`); r the read key `[B, T, H, K]` or None (the delta rule's own);
     `coefficient(beta, ||k||^2)` -> a (default a = beta; EFLA passes `efla_coefficient`), evaluated
-    after qk_l2norm; scale None means K**-0.5.
+    after qk_l2norm (False, True = "rsqrt" or "clamp": `ops/l2norm.py`); scale None means K**-0.5.
     """
     B, T, H, K, V = check_qkv(q, k, v)
     if K == 0:
@@ -439,7 +442,7 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
                                "negative value)")
     if r is not None:
         check_tensor_like(r, "r", q)
-    _check_flag(qk_l2norm, "qk_l2norm")
+    l2 = resolve_l2norm(qk_l2norm)
     _check_flag(output_final_state, "output_final_state")
     scale = check_scale(scale, K ** -0.5)
     offsets = check_cu_seqlens(cu_seqlens, B, T)
@@ -449,19 +452,29 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
 
     cdt = compute_dtype(q.dtype)
     q_c, k_c, v_c, b_c = q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt)
-    if qk_l2norm:
-        q_c = F.normalize(q_c, dim=-1, eps=L2NORM_EPS)
-        k_c = F.normalize(k_c, dim=-1, eps=L2NORM_EPS)
+    if l2 is not None:
+        q_c, k_c = l2norm(q_c, l2), l2norm(k_c, l2)
     q_c = q_c * scale
-    lam = (k_c * k_c).sum(-1)                                         # [B, T, H]
-    a = coefficient(b_c, lam) if coefficient is not None else b_c
+    lam, d2, d = key_norms(k_c)
+    a = coefficient(b_c.to(lam.dtype), lam) if coefficient is not None else b_c
     # key-norm rescaling (module docstring): k~ = k / d, v~ = v / d, r~ = r / d, a~ = a d^2, d = max(||k||, 1)
-    d2 = lam.detach().clamp_min(1.0)
-    d = d2.sqrt().unsqueeze(-1)
     r_c = r.to(cdt) / d if r is not None else None
     S0 = initial_state.to(cdt) if initial_state is not None else None
-    return DeltaProblem(q_c, k_c / d, v_c / d, r_c, a * d2, g.to(cdt) if g is not None else None, S0, mode,
+    g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
+    return DeltaProblem(q_c, k_c / d, v_c / d, r_c, (a * d2).to(cdt), g_c, S0, mode,
                         chunk_size, offsets, N, output_final_state, q.dtype)
+
+
+def key_norms(k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lam = ||k||^2 [..] (what EFLA's coefficient reads), d2 = max(lam, 1) (detached) and d = sqrt(d2)
+    [.., 1] in k's dtype, for k [.., K] (the compute dtype). lam and d2 are fp64 for fp32 keys: ||k||^2
+    overflows fp32 from ||k|| ~ 1.8e19, fp64 never for a finite fp32 key, and d <= sqrt(K) * 3.4e38 is taken
+    back to fp32 only after the square root (fp64 keys: exact below ||k|| ~ 1e154)."""
+    wide = torch.float64 if k.dtype == torch.float32 else k.dtype
+    kw = k.to(wide)
+    lam = (kw * kw).sum(-1)                                           # [B, T, H]
+    d2 = lam.detach().clamp_min(1.0)
+    return lam, d2, d2.sqrt().unsqueeze(-1).to(k.dtype)
 
 
 def check_tensor_like(x, name: str, q: torch.Tensor) -> None:

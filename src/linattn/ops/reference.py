@@ -143,12 +143,23 @@ def delta_scan_ref(q, k, v, a, *, r=None, g=None, scale=1.0, S0=None):
     return torch.stack(outs, dim=1), S
 
 
+def l2_ref(x, convention):
+    """The qk L2 normalisation in fp64: "rsqrt" x / sqrt(sum x^2 + 1e-6), "clamp" x / max(||x||, 1e-6)
+    (True means "rsqrt", False / None: x unchanged). Exact for any finite fp32 x (fp64 squares)."""
+    x = x.double()
+    if convention is None or convention is False:
+        return x
+    if convention is True or convention == "rsqrt":
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+    if convention == "clamp":
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True)).clamp_min(1e-6)
+    raise ValueError(convention)
+
+
 def delta_rule_ref(q, k, v, beta, g=None, exact=False, scale=None, qk_l2norm=False, S0=None):
     """delta_rule from its recurrence, S_t = D_t (I - a_t k_t k_t^T) S_{t-1} + a_t k_t v_t^T,
-    o_t = scale S_t^T q_t (a = beta, or EFLA's coefficient when exact); fp64 -> (o, S)."""
-    q, k = q.double(), k.double()
-    if qk_l2norm:
-        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+    o_t = scale S_t^T q_t (a = beta, or EFLA's coefficient when exact); qk_l2norm as `l2_ref`; fp64 -> (o, S)."""
+    q, k = l2_ref(q, qk_l2norm), l2_ref(k, qk_l2norm)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     a = efla_coefficient(beta.double(), (k * k).sum(-1)) if exact else beta.double()
     return delta_scan_ref(q, k, v, a, g=g, scale=scale, S0=S0)
@@ -158,9 +169,7 @@ def comba_ref(q, k, v, beta, p=None, g=None, scale=None, qk_l2norm=False, S0=Non
     """comba from the seed's eq. (18), S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - S_{t-1}^T p_t)^T,
     o_t = scale S_t^T q_t (p = None: p = k; qk_l2norm normalises q and k, never p); fp64 -> (o, S).
     This is the general scan with the read key r = p on the undecayed state."""
-    q, k = q.double(), k.double()
-    if qk_l2norm:
-        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+    q, k = l2_ref(q, qk_l2norm), l2_ref(k, qk_l2norm)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     r = k if p is None else p.double()
     return delta_scan_ref(q, k, v, beta.double(), r=r, g=g, scale=scale, S0=S0)
@@ -173,9 +182,7 @@ def delta_product_ref(q, k, v, beta, g=None, scale=None, qk_l2norm=False, S0=Non
 
     q [B, T, H, K], k [B, T, H, n, K], v [B, T, H, n, V], beta [B, T, H, n], g [B, T, H] or [B, T, H, K]
     -> (o [B, T, H, V], S [B, H, K, V])."""
-    q, k, v, beta = q.double(), k.double(), v.double(), beta.double()
-    if qk_l2norm:
-        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+    q, k, v, beta = l2_ref(q, qk_l2norm), l2_ref(k, qk_l2norm), v.double(), beta.double()
     B, T, H, n, K = k.shape
     scale = K ** -0.5 if scale is None else scale
     S = S0.double() if S0 is not None else torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64)
