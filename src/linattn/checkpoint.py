@@ -34,10 +34,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -47,6 +49,7 @@ from .io import (  # noqa: F401
     atomic_write_bytes,
     atomic_write_text,
     fsync_dir,
+    give_default_mode,
     pid_alive,
     remove_stale_temps,
 )
@@ -99,16 +102,53 @@ def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{int(step):08d}"
 
 
-def is_checkpoint_dir(path: PathLike) -> bool:
-    """A complete checkpoint folder: has config.json (of our format) and model.safetensors."""
+def checkpoint_problem(path: PathLike) -> Optional[str]:
+    """Why `path` is not a complete checkpoint folder, in words (None when it is one): a missing file,
+    a config.json that is not valid JSON (with the line and column), or one of another format."""
     p = Path(path)
-    if not (p / CONFIG_FILE).is_file() or not (p / MODEL_FILE).is_file():
-        return False
+    if not p.is_dir():
+        return "it is not a folder" if p.exists() else "it does not exist"
+    missing = [f for f in (CONFIG_FILE, MODEL_FILE) if not (p / f).is_file()]
+    if missing:
+        return f"it has no {' and no '.join(missing)}"
     try:
         meta = json.loads((p / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and meta.get("format") == CHECKPOINT_FORMAT
+    except json.JSONDecodeError as e:
+        return f"{CONFIG_FILE} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    except UnicodeDecodeError:
+        return f"{CONFIG_FILE} is not UTF-8 text"
+    except OSError as e:
+        return f"{CONFIG_FILE} cannot be read ({e.strerror or e})"
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        return f"{CONFIG_FILE} is not a linattn checkpoint's (format {fmt!r}, expected {CHECKPOINT_FORMAT!r})"
+    return None
+
+
+def is_checkpoint_dir(path: PathLike) -> bool:
+    """A complete checkpoint folder: has config.json (of our format) and model.safetensors."""
+    return checkpoint_problem(path) is None
+
+
+def step_of(path: PathLike) -> Optional[int]:
+    """N of a folder named step_N (None for any other name)."""
+    name = Path(path).name
+    digits = name[len(STEP_PREFIX):]
+    return int(digits) if name.startswith(STEP_PREFIX) and digits.isdigit() else None
+
+
+def damaged_step_dirs(run_dir: PathLike) -> List[Tuple[Path, str]]:
+    """(folder, why) of the step_N folders of a run that are not complete checkpoints, oldest first:
+    a damaged checkpoint, or a folder someone else put there."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        return []
+    out = []
+    for p in sorted((p for p in d.iterdir() if step_of(p) is not None and p.is_dir()), key=step_of):
+        why = checkpoint_problem(p)
+        if why is not None:
+            out.append((p, why))
+    return out
 
 
 def list_checkpoints(run_dir: PathLike) -> List[Path]:
@@ -135,27 +175,63 @@ def _latest_name(run_dir: Path) -> Optional[str]:
         return None
 
 
+_warned: Set[Tuple[str, str]] = set()   # (folder, why): each skipped folder is reported once per process
+
+
+def _warn_skipped(chosen: Path, skipped: List[Tuple[Path, str]]) -> None:
+    """One line on stderr per folder newer than `chosen` that loading skips, saying why."""
+    for p, why in skipped:
+        if (str(p), why) in _warned:
+            continue
+        _warned.add((str(p), why))
+        print(f"[linattn] warning: skipping {p}, which is not a readable checkpoint: {why}; using {chosen}",
+              file=sys.stderr, flush=True)
+
+
 def find_latest_checkpoint(path: PathLike) -> Optional[Path]:
     """The checkpoint folder that `path` stands for: `path` itself if it is one, else the run
-    folder's `latest`, else its newest complete step folder; None if there is none. A `latest`
-    that names a missing or incomplete folder, in a run folder with no other checkpoint, raises
-    DanglingLatest (a CheckpointError)."""
+    folder's `latest`, else its newest complete step folder; None if there is none. Newer step
+    folders that are not complete checkpoints are skipped with one warning line each (naming why).
+    A `latest` that names a missing or incomplete folder, in a run folder with no other checkpoint,
+    raises DanglingLatest (a CheckpointError)."""
     p = Path(path)
     if is_checkpoint_dir(p):
         return p
     if not p.is_dir():
         return None
     name = _latest_name(p)
-    if name and "/" not in name and is_checkpoint_dir(p / name):
-        return p / name
-    ckpts = list_checkpoints(p)
-    if ckpts:
-        return ckpts[-1]
+    chosen = p / name if name and "/" not in name and is_checkpoint_dir(p / name) else None
+    if chosen is None:
+        ckpts = list_checkpoints(p)
+        chosen = ckpts[-1] if ckpts else None
+    if chosen is not None:
+        n = step_of(chosen)
+        _warn_skipped(chosen, [(d, why) for d, why in damaged_step_dirs(p) if n is None or step_of(d) > n])
+        return chosen
     if (p / LATEST_FILE).exists():
+        why = f" ({checkpoint_problem(p / name)})" if name and "/" not in name else ""
         raise DanglingLatest(f"{p / LATEST_FILE} names {name or 'nothing readable'}, which is not a complete "
-                             f"checkpoint, and {p} holds no other; remove {p / LATEST_FILE} (or the whole run) "
+                             f"checkpoint{why}, and {p} holds no other; remove {p / LATEST_FILE} (or the whole run) "
                              f"to start over")
     return None
+
+
+def _looks_like_checkpoint(p: Path) -> bool:
+    """A folder meant as one checkpoint (a step_N folder, or one holding a checkpoint's files), as
+    opposed to a run folder."""
+    return p.is_dir() and (step_of(p) is not None or (p / CONFIG_FILE).exists() or (p / MODEL_FILE).exists())
+
+
+def _no_checkpoint_error(p: Path) -> CheckpointError:
+    """The one line for a path that holds no readable checkpoint, saying what is wrong with it."""
+    if _looks_like_checkpoint(p):
+        return CheckpointError(f"{p} is not a readable checkpoint: {checkpoint_problem(p)}")
+    damaged = damaged_step_dirs(p)
+    if damaged:
+        return CheckpointError(f"no readable checkpoint in {p}: " + "; ".join(f"{d.name}: {why}" for d, why in
+                                                                            damaged[-3:]))
+    return CheckpointError(f"no readable checkpoint in {p} (expected {CONFIG_FILE} and {MODEL_FILE}, "
+                           f"or step_* folders holding them)")
 
 
 def has_checkpoint(run_dir: PathLike) -> bool:
@@ -171,7 +247,8 @@ def read_checkpoint_config(path: PathLike) -> Dict[str, Any]:
     """config.json of the checkpoint `path` stands for (see find_latest_checkpoint)."""
     ck = find_latest_checkpoint(path)
     if ck is None:
-        raise CheckpointError(f"no checkpoint found in {path}")
+        raise _no_checkpoint_error(Path(path)) if Path(path).is_dir() else \
+            CheckpointError(f"no checkpoint found in {path}")
     f = ck / CONFIG_FILE
     try:
         meta = json.loads(f.read_text(encoding="utf-8"))
@@ -253,9 +330,12 @@ def save_checkpoint(run_dir: PathLike, step: int, model: Optional[torch.nn.Modul
     `model_config` is the JSON dict of the model's config; `tokenizer` anything with `to_str()`
     (a BPETokenizer); `training_state` a dict for `torch.save` (optimizer state, RNG states, ...).
     The weights are `model`'s, or `state_dict` (a full one, e.g. gathered from FSDP shards) with
-    model None. `keep_last` step folders are kept (None keeps all). Returns the step folder.
-    Non-finite weights are refused (CheckpointError); a failed write raises CheckpointWriteError
-    and leaves the previous checkpoint as it was.
+    model None. `keep_last` step folders are kept (None keeps all): the older ones beyond
+    `keep_last - 1` are removed before the new one is written (so the disk never holds more than
+    `keep_last` of them, and a run that filled its disk makes room by lowering it), but the newest
+    one always stays until the new one is in place. Returns the step folder.
+    Non-finite weights are refused (CheckpointError); a failed write of any file (a full disk, no
+    permission) raises CheckpointWriteError and leaves the previous checkpoint as it was.
     """
     if (model is None) == (state_dict is None):
         raise CheckpointError("save_checkpoint needs exactly one of model and state_dict")
@@ -266,24 +346,84 @@ def save_checkpoint(run_dir: PathLike, step: int, model: Optional[torch.nn.Modul
     if bad:
         raise CheckpointError(f"refusing to write {final}: the weights are not finite (NaN or inf in {_few(bad)})")
     if final.exists() and not is_checkpoint_dir(final):
-        raise CheckpointError(f"{final} exists and is not a linattn checkpoint; move it away (it is left as it is)")
+        raise CheckpointError(f"{final} exists and is not a linattn checkpoint ({checkpoint_problem(final)}); "
+                              f"move it away (it is left as it is)")
     meta = {"format": CHECKPOINT_FORMAT, "step": int(step), "model": model_config, "train": train_config or {},
             **(extra or {})}
     weights_meta = {"format": CHECKPOINT_FORMAT, "step": str(int(step)),
                     ARCH_KEY: json.dumps(architecture(model_config), sort_keys=True)}
+    renamed = False
     try:
-        run.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(run)
+        try:
+            run.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(run)
+        except OSError as e:
+            raise _FileWriteFailed(run.name + "/", e) from None
+        if keep_last is not None and keep_last >= 1:
+            _prune(run, keep=max(keep_last - 1, 1), exclude=name)
         _write_step_folder(run, name, lambda path: _save_weights(path, model, state_dict, weights_meta),
                            tokenizer, training_state, meta)
-        atomic_write_text(run / LATEST_FILE, name + "\n")
-    except OSError as e:
-        raise _write_error(final, e) from None
+        renamed = True
+        _write_file(run / LATEST_FILE, lambda path: atomic_write_text(path, name + "\n"))
+    except _FileWriteFailed as e:
+        raise _write_error(final, e, renamed) from None
     if keep_last is not None and keep_last >= 1:
-        for p in list_checkpoints(run)[:-keep_last]:
-            if p.name != name:
-                remove_checkpoint(p)
+        _prune(run, keep=keep_last - 1, exclude=name)   # the new one is the keep_last-th
     return final
+
+
+def _prune(run: Path, keep: int, exclude: str) -> None:
+    """Remove the complete checkpoints of `run` other than `exclude`, but the newest `keep` of them."""
+    others = [p for p in list_checkpoints(run) if p.name != exclude]
+    for p in others[:max(len(others) - keep, 0)]:
+        remove_checkpoint(p)
+
+
+class _FileWriteFailed(CheckpointError):
+    """One file of a save could not be written: its name and the writer's exception (internal: save_checkpoint
+    turns it into a CheckpointWriteError)."""
+
+    def __init__(self, file: str, cause: BaseException, folder: Optional[Path] = None):
+        super().__init__(file, cause)
+        self.file, self.cause = file, cause
+        self.errno = _errno_of(cause)
+        self.free = _free_bytes(folder) if folder is not None else None   # measured before any cleanup
+
+
+def _errno_of(e: BaseException) -> Optional[int]:
+    """The errno behind a writer's exception: an OSError's, or the "os error N" in safetensors' text."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno
+    m = re.search(r"os error (\d+)", str(e))
+    return int(m.group(1)) if m else None
+
+
+def _free_bytes(folder: Path) -> Optional[int]:
+    """Bytes free on the device of `folder` (None when it cannot be told)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+# torch.save reports a short write (a full disk) as a RuntimeError, safetensors as a SafetensorError
+_WRITER_ERRORS: Tuple[type, ...] = (OSError, RuntimeError)
+try:
+    from safetensors import SafetensorError as _SafetensorError
+    _WRITER_ERRORS += (_SafetensorError,)
+except ImportError:  # pragma: no cover  (older safetensors)
+    pass
+
+
+def _write_file(path: Path, write: Callable[[Path], None]) -> None:
+    """write(path), then the mode a plain open() gives (safetensors' private temporary file would leave
+    0600) and an fsync; any failure of the writer becomes _FileWriteFailed naming the file."""
+    try:
+        write(path)
+        give_default_mode(path)
+        _fsync_file(path)
+    except _WRITER_ERRORS as e:
+        raise _FileWriteFailed(path.name, e, path.parent) from None
 
 
 def _write_step_folder(run: Path, name: str, write_weights: Callable[[Path], None], tokenizer,
@@ -291,25 +431,29 @@ def _write_step_folder(run: Path, name: str, write_weights: Callable[[Path], Non
     """Every file in a temporary folder (each fsynced), then one rename to `run/name`."""
     tmp = run / f"{TMP_PREFIX}{name}.{os.getpid()}"
     final = run / name
-    tmp.mkdir()
     try:
-        write_weights(tmp / MODEL_FILE)
-        _fsync_file(tmp / MODEL_FILE)
+        tmp.mkdir()
+    except OSError as e:
+        raise _FileWriteFailed(tmp.name + "/", e) from None
+    try:
+        _write_file(tmp / MODEL_FILE, write_weights)
         if tokenizer is not None:
-            (tmp / TOKENIZER_FILE).write_text(tokenizer.to_str(), encoding="utf-8")
-            _fsync_file(tmp / TOKENIZER_FILE)
+            text = tokenizer.to_str()
+            _write_file(tmp / TOKENIZER_FILE, lambda path: path.write_text(text, encoding="utf-8"))
         if training_state is not None:
-            torch.save(training_state, tmp / STATE_FILE)
-            _fsync_file(tmp / STATE_FILE)
-        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        _fsync_file(tmp / CONFIG_FILE)
-        fsync_dir(tmp)
-        old = None
-        if final.exists():  # re-saving the same step: move the old one aside first
-            old = run / f"{TMP_PREFIX}old_{name}.{os.getpid()}"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        fsync_dir(run)
+            _write_file(tmp / STATE_FILE, lambda path: torch.save(training_state, path))
+        text_meta = json.dumps(meta, indent=2, sort_keys=True) + "\n"
+        _write_file(tmp / CONFIG_FILE, lambda path: path.write_text(text_meta, encoding="utf-8"))
+        try:
+            fsync_dir(tmp)
+            old = None
+            if final.exists():  # re-saving the same step: move the old one aside first
+                old = run / f"{TMP_PREFIX}old_{name}.{os.getpid()}"
+                os.replace(final, old)
+            os.replace(tmp, final)
+            fsync_dir(run)
+        except OSError as e:
+            raise _FileWriteFailed(name + "/", e) from None
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -317,19 +461,33 @@ def _write_step_folder(run: Path, name: str, write_weights: Callable[[Path], Non
         raise
 
 
-def _write_error(final: Path, e: OSError) -> CheckpointWriteError:
-    """One line: which checkpoint failed, why, and which one is still there."""
-    reason = e.strerror or str(e) or type(e).__name__
-    if e.errno == errno.ENOSPC:
+def _write_error(final: Path, e: _FileWriteFailed, renamed: bool = False) -> CheckpointWriteError:
+    """One line: which checkpoint and file failed, why, and which checkpoint is still there."""
+    cause = e.cause
+    if isinstance(cause, OSError):
+        reason = cause.strerror or str(cause) or type(cause).__name__
+    else:   # torch's "[enforce fail at inline_container.cc:672] . unexpected pos 909184 vs 909072"
+        text = " ".join(str(cause).split())
+        text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text)
+        reason = f"{type(cause).__name__}: {text[:200]}"
+    err_no = e.errno
+    if err_no is None and e.free is not None and e.free < (1 << 20):
+        err_no = errno.ENOSPC   # a short write with under 1 MiB left on the device: the disk filled up
+    if err_no == errno.ENOSPC:
         reason += " (the disk is full)"
     try:
         prev = find_latest_checkpoint(final.parent)
     except CheckpointError:
         prev = None
-    kept = f"the previous checkpoint {prev} is intact" if prev is not None and prev != final else \
-        "no earlier checkpoint exists"
-    err = CheckpointWriteError(f"cannot write checkpoint {final}: {reason}; {kept}")
-    err.errno, err.strerror, err.filename = e.errno, e.strerror, str(final)
+    if renamed:
+        kept = (f"{final} itself is complete but {LATEST_FILE} still names "
+                f"{prev.name if prev is not None and prev != final else 'no checkpoint'}")
+    elif prev is not None and prev != final:
+        kept = f"the previous checkpoint {prev} is intact"
+    else:
+        kept = "no earlier checkpoint exists"
+    err = CheckpointWriteError(f"cannot write checkpoint {final}: writing {e.file} failed: {reason}; {kept}")
+    err.errno, err.strerror, err.filename = err_no, reason, str(final)
     return err
 
 
@@ -477,8 +635,7 @@ def load_checkpoint(path: PathLike, device: Union[str, torch.device] = "cpu", *,
         raise CheckpointError(f"checkpoint not found: {p}")
     ck = find_latest_checkpoint(p)
     if ck is None:
-        raise CheckpointError(f"no readable checkpoint in {p} (expected {CONFIG_FILE} and {MODEL_FILE}, "
-                              f"or step_* folders holding them)")
+        raise _no_checkpoint_error(p)
     meta = read_checkpoint_config(ck)
     mdict = meta.get("model")
     if not isinstance(mdict, dict):

@@ -1,6 +1,10 @@
 """Files written so that a crash never leaves half of one: atomic writes (temporary file in the same
 folder, fsync, rename, fsync of the folder) and JSON helpers. A leaf module: imports nothing from
 linattn.
+
+Every file gets the mode a plain `open()` gives under the process umask (0644 under umask 022):
+writers that create their own private temporary file (safetensors writes 0600 and renames it) are
+followed by `give_default_mode`, so that no private mode leaks through a rename.
 """
 from __future__ import annotations
 
@@ -48,6 +52,39 @@ def remove_stale_temps(folder: PathLike) -> List[str]:
     return removed
 
 
+def current_umask() -> int:
+    """The process umask. Read from /proc where it says it (Linux), since setting it to read it back
+    would briefly change it for every thread; elsewhere set and restored at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def default_file_mode() -> int:
+    """The mode `open(path, "w")` gives a new file: 0o666 less the umask."""
+    return 0o666 & ~current_umask()
+
+
+def give_default_mode(path: PathLike) -> None:
+    """Give the file `path` the mode a plain open() would have given it (`default_file_mode`)."""
+    os.chmod(path, default_file_mode())
+
+
+def give_default_modes(folder: PathLike) -> None:
+    """`give_default_mode` for every regular file under `folder` (symbolic links are left alone)."""
+    mode = default_file_mode()
+    for p in Path(folder).rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
+
+
 def fsync_dir(path: PathLike) -> None:
     """Make a rename inside `path` durable (a no-op where folders cannot be opened)."""
     try:
@@ -73,6 +110,7 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        give_default_mode(tmp)   # a temporary file left by a killed writer may carry another mode
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -119,5 +157,5 @@ def read_json(path: PathLike) -> Optional[Any]:
         return None
 
 
-__all__ = ["TMP_PREFIX", "fsync_dir", "atomic_write_bytes", "atomic_write_text", "jsonable", "to_json",
-           "write_json", "read_json"]
+__all__ = ["TMP_PREFIX", "current_umask", "default_file_mode", "give_default_mode", "give_default_modes", "fsync_dir",
+           "atomic_write_bytes", "atomic_write_text", "jsonable", "to_json", "write_json", "read_json"]

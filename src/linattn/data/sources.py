@@ -30,6 +30,7 @@ training the tokenizer, tokenizing in memory (`corpus.tokenize_documents`) and t
 from __future__ import annotations
 
 import codecs
+import errno
 import hashlib
 import os
 import re
@@ -136,6 +137,23 @@ def _open_regular(path: PathLike):
     except BaseException:
         os.close(fd)
         raise
+
+
+def missing_data_error(path: PathLike) -> CorpusError:
+    """The error for a data path that cannot be reached, saying why: a symbolic link loop, a link to
+    nothing, no permission, or not found (Path.exists() is False for all of them)."""
+    p = Path(path)
+    try:
+        os.stat(p)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return CorpusError(f"data path is a symbolic link loop (following its links never reaches a file or "
+                               f"folder): {p}")
+        if os.path.islink(p):
+            return CorpusError(f"data path is a symbolic link to {os.readlink(p)}, which does not exist: {p}")
+        if e.errno in (errno.EACCES, errno.EPERM):
+            return CorpusError(f"data path cannot be reached ({e.strerror}): {p}")
+    return CorpusError(f"data path not found: {p}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,7 +301,7 @@ def scan(path: PathLike, max_bytes: Optional[int] = None, extensions: Optional[S
     UTF-8 text."""
     p = Path(path)
     if not p.exists():
-        raise CorpusError(f"data path not found: {p}")
+        raise missing_data_error(p)
     if p.is_dir():
         exts = None if extensions is None else {e if e.startswith(".") else "." + e for e in extensions}
         files = sorted(((f, f.relative_to(p).as_posix()) for f in _walk_files(p)), key=lambda fn: fn[1])
@@ -521,6 +539,6 @@ def split_text(text: str, max_chars: int = SEGMENT_CHARS) -> List[str]:
     return list(segments([text], max_chars))
 
 
-__all__ = ["CorpusError", "SourceFile", "Part", "Manifest", "scan", "scan_files", "skipped_summary",
-           "report_skipped", "iter_text", "part_text", "split_parts", "split_by_name", "text_split_point",
-           "segments", "split_text", "READ_BLOCK", "SEGMENT_CHARS"]
+__all__ = ["CorpusError", "missing_data_error", "SourceFile", "Part", "Manifest", "scan", "scan_files",
+           "skipped_summary", "report_skipped", "iter_text", "part_text", "split_parts", "split_by_name",
+           "text_split_point", "segments", "split_text", "READ_BLOCK", "SEGMENT_CHARS"]

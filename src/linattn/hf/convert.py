@@ -5,8 +5,11 @@
 
 An exported folder holds config.json (with `auto_map`), model.safetensors, generation_config.json,
 the trust_remote_code modules, and the tokenizer (tokenizer.json + tokenizer_config.json, with
-`<|endoftext|>` as the eos, bos and pad token), so `AutoTokenizer.from_pretrained(HF_DIR)` and
-`pipeline("text-generation", model=HF_DIR)` work. Both directions write into a temporary folder
+`<|endoftext|>` as the eos, bos and pad token, and the stock class `PreTrainedTokenizerFast`), so
+`AutoTokenizer.from_pretrained(HF_DIR)` and `pipeline("text-generation", model=HF_DIR)` work after
+`import linattn.hf`, and `PreTrainedTokenizerFast.from_pretrained(HF_DIR)` in any process (transformers 5's
+AutoTokenizer reads config.json first, and without linattn.hf its `auto_map` makes it ask to run code).
+Every file gets the mode the umask gives. Both directions write into a temporary folder
 that is renamed into place at the end, and refuse an existing output unless `overwrite`.
 """
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Optional, Union
 from .. import checkpoint as ckpt
 from ..data.tokenizer import EOS_TOKEN, BPETokenizer, TokenizerError, load_tokenizer
 from ..errors import CheckpointError
-from ..io import TMP_PREFIX
+from ..io import TMP_PREFIX, give_default_modes, read_json, write_json
 from ..models.family import config_to_dict
 from ..models.lm import LanguageModel
 from .modeling_linattn import LinattnForCausalLM
@@ -33,6 +36,18 @@ def hf_tokenizer(tokenizer: BPETokenizer):
 
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
                                    pad_token=EOS_TOKEN, padding_side="left", clean_up_tokenization_spaces=False)
+
+
+def _plain_tokenizer_config(folder: Path) -> None:
+    """tokenizer_config.json naming a stock transformers class and no `auto_map`, so that loading the
+    tokenizer never needs linattn's code (`PreTrainedTokenizerFast.from_pretrained(folder)` runs none)."""
+    f = folder / "tokenizer_config.json"
+    cfg = read_json(f)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{f}: transformers wrote no tokenizer config object")
+    cfg.pop("auto_map", None)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    write_json(f, cfg)
 
 
 def _claim(out: Path, overwrite: bool, what: str) -> Path:
@@ -76,6 +91,8 @@ def export_hf(checkpoint: PathLike, out: PathLike, *, overwrite: bool = False,
         hf.save_pretrained(tmp, safe_serialization=safe_serialization)
         if ck.tokenizer is not None:
             hf_tokenizer(ck.tokenizer).save_pretrained(tmp)
+            _plain_tokenizer_config(tmp)
+        give_default_modes(tmp)   # every file as the umask says (safetensors writes its files 0600)
         _commit(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -117,7 +134,7 @@ def export_main(args) -> int:
     """`linattn export-hf --checkpoint DIR --out HF_DIR [--overwrite]`."""
     out = export_hf(args.checkpoint, args.out, overwrite=args.overwrite)
     print(f"[linattn] wrote {out} (load it with AutoModelForCausalLM.from_pretrained after `import linattn.hf`, "
-          f"or with trust_remote_code=True)")
+          f"or with trust_remote_code=True; its tokenizer with PreTrainedTokenizerFast.from_pretrained)")
     return 0
 
 

@@ -22,7 +22,8 @@ import torch
 
 from .. import checkpoint as ckpt
 from ..cli_support import add_dataclass_arguments, flag_name, given_values, int_at_least, report_error
-from ..data.corpus import CorpusError, PackedTokens, load_corpus, split_documents, tokenize_documents
+from ..data.corpus import PackedTokens, load_corpus, split_documents, tokenize_documents
+from ..data.sources import missing_data_error
 from ..errors import CheckpointError, LinattnError, UsageError
 from ..models.family import ModelFamily, config_from_dict, config_to_dict, families, family_of, get_family
 from .config import (
@@ -129,7 +130,7 @@ def _train_main(args: argparse.Namespace) -> int:
         model_config = resumed_model_config(args, cfg, saved_model)
     else:
         if cfg.data is not None and not Path(cfg.data).exists():
-            raise CorpusError(f"data path not found: {args.data}")
+            raise missing_data_error(args.data)
         model_config = model_config_from_args(args, cfg)
     step_lines = cfg.progress is False and not getattr(args, "quiet", False)
     res = train(cfg, model_config, resume=args.resume, overwrite=args.overwrite,
@@ -295,7 +296,7 @@ def eval_main(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         device = resolve_device(args.device)
         if args.data is not None and not Path(args.data).exists():
-            raise CorpusError(f"data path not found: {args.data}")
+            raise missing_data_error(args.data)
         ck = ckpt.load_checkpoint(args.checkpoint, device=device)
         if ck.tokenizer is None:
             raise CheckpointError(f"{ck.path} has no tokenizer.json")

@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 from ..io import pid_alive
 from .config import TrainError
@@ -50,10 +50,11 @@ def _read_holder(fd: int) -> Dict[str, Any]:
 class RunLock:
     """The exclusive lock of the run folder `folder` (see the module docstring). name: the lock
     file's name (another name locks something else in the folder, e.g. one experiment run);
-    after_death: what the warning says happens after a holder died."""
+    after_death: what the warning says happens after a holder died (or a function giving it, asked when
+    the warning is printed, so that it can say what the dead run left)."""
 
     def __init__(self, folder: Union[str, os.PathLike], name: str = LOCK_FILE,
-                 after_death: str = "its last complete checkpoint is used as it is"):
+                 after_death: Union[str, Callable[[], str]] = "its last complete checkpoint is used as it is"):
         self.folder = Path(folder)
         self.path = self.folder / name
         self.after_death = after_death
@@ -75,7 +76,8 @@ class RunLock:
                 and pid_alive(previous["pid"])
             print(f"[linattn] warning: the previous run in {self.folder} ({_holder_text(previous)}) died without "
                   f"releasing its lock" + (" (a process with that pid runs now)" if alive else "")
-                  + f"; {self.after_death}", file=sys.stderr, flush=True)
+                  + f"; {self.after_death() if callable(self.after_death) else self.after_death}",
+                  file=sys.stderr, flush=True)
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
         os.ftruncate(fd, 0)
         os.pwrite(fd, record.encode("utf-8"), 0)

@@ -26,6 +26,7 @@ weights that are not finite are never saved.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import sys
 import time
 from dataclasses import dataclass, field
@@ -93,6 +94,9 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
         if folder is not None:
             _on_main(dist, folder.lock_if_exists)
         resume_ck = folder.checkpoint_to_resume(resume, overwrite) if folder is not None else None
+        if folder is not None:   # before any step: a scheduled save must not land on a folder it cannot replace
+            start = ckpt.read_checkpoint_config(resume_ck).get("step", 0) if resume_ck is not None else 0
+            folder.refuse_colliding_saves(start, config.steps, config.save_every, resume_ck)
         if isinstance(model_config, dict):
             model_config = config_from_dict(model_config)
         saved: Dict[str, Any] = {}
@@ -367,15 +371,34 @@ class _Session:
             raise TrainingDiverged(f"training diverged at step {t.step}: its update made the weights non-finite "
                                    f"(NaN or inf in {bad[0]}; lr {lr_at(t.step - 1, self.cfg):.3g}); not saved; "
                                    f"try a lower --lr")
-        return ckpt.save_checkpoint(self.folder.path, t.step, None, state_dict=weights,
-                                    model_config=config_to_dict(self.model_config),
-                                    tokenizer=self.data.tokenizer, train_config=self.cfg.to_dict(),
-                                    training_state=state,
-                                    extra={"data_fingerprint": self.data.fingerprint,
-                                           "data_source": self.data.source,
-                                           "n_params": t.model.num_parameters(),
-                                           "world_size": self.dist.world_size},
-                                    keep_last=self.cfg.keep_last)
+        try:
+            return ckpt.save_checkpoint(self.folder.path, t.step, None, state_dict=weights,
+                                        model_config=config_to_dict(self.model_config),
+                                        tokenizer=self.data.tokenizer, train_config=self.cfg.to_dict(),
+                                        training_state=state,
+                                        extra={"data_fingerprint": self.data.fingerprint,
+                                               "data_source": self.data.source,
+                                               "n_params": t.model.num_parameters(),
+                                               "world_size": self.dist.world_size},
+                                        keep_last=self.cfg.keep_last)
+        except ckpt.CheckpointWriteError as e:
+            hint = self._room_hint() if e.errno == errno.ENOSPC else ""
+            if not hint:
+                raise
+            err = ckpt.CheckpointWriteError(f"{e}{hint}")
+            err.errno, err.strerror, err.filename = e.errno, e.strerror, e.filename
+            raise err from None
+
+    def _room_hint(self) -> str:
+        """How a run that filled its disk can go on: the older checkpoints a resume with a lower
+        TrainConfig.keep_last removes before its next save (the newest one always stays)."""
+        older = ckpt.list_checkpoints(self.folder.path)[:-1]
+        if not older:
+            return ""
+        size = sum(f.stat().st_size for d in older for f in d.iterdir() if f.is_file())
+        names = ", ".join(d.name for d in older[:3]) + (f" and {len(older) - 3} more" if len(older) > 3 else "")
+        return (f"; to make room, --resume with TrainConfig.keep_last 1 removes the {len(older)} older "
+                f"checkpoint{'s' if len(older) > 1 else ''} ({names}, {size / 2**20:.1f} MiB) before its next save")
 
     def _result(self, interrupted: bool, elapsed: float) -> TrainResult:
         timed = self.step_times[1:] if len(self.step_times) > 1 else self.step_times

@@ -52,8 +52,28 @@ class RunFolder:
     def __init__(self, path: Union[str, os.PathLike]):
         self.path = Path(path)
         self.metrics_path = self.path / METRICS_FILE
-        self.lock = RunLock(self.path)
+        self.lock = RunLock(self.path, after_death=self._after_death)
         self._plan: Optional[tuple] = None   # (resume, overwrite, checkpoint) as checkpoint_to_resume found them
+
+    def _after_death(self) -> str:
+        """What a run that died left to go on from (the lock's warning), true whether this run resumes or not."""
+        try:
+            ck = ckpt.find_latest_checkpoint(self.path)
+        except ckpt.CheckpointError:
+            ck = None
+        return (f"its last complete checkpoint, {ck.name}, is intact" if ck is not None
+                else "it left no complete checkpoint")
+
+    def refuse_colliding_saves(self, start: int, steps: int, save_every: int, resume_ck: Optional[Path]) -> None:
+        """Refuse, before any step, a run whose scheduled saves (every `save_every` steps after `start`, and
+        the last step) would land on a step folder that is not a complete checkpoint: it would be refused
+        there, after the steps since the last save were trained for nothing."""
+        for p, why in ckpt.damaged_step_dirs(self.path):
+            n = ckpt.step_of(p)
+            if start < n <= steps and (n == steps or (save_every > 0 and n % save_every == 0)):
+                then = (f"; --resume then continues from {resume_ck.name}" if resume_ck is not None else "")
+                raise TrainError(f"{p} is not a readable checkpoint ({why}), and this run would save step {n} "
+                                 f"there; move it away or remove it{then}")
 
     def lock_if_exists(self) -> None:
         """Take the folder's lock now if the folder exists (else `begin` takes it when it creates it)."""
