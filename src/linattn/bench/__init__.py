@@ -31,6 +31,8 @@ BENCHMARKS: Dict[str, Tuple[str, str]] = {
                "per-token decode latency and cache bytes vs context, each mixer vs softmax+KV cache"),
     "vision": ("linattn.bench.vision", "YOLO-LAT necks: parameters, FLOPs, CPU latency per image at 320/640, "
                                        "neck cost vs grid size"),
+    "gpu": ("linattn.bench.gpu", "the prepared GPU check: kernels vs PyTorch, compute-sanitizer, timings vs SDPA "
+                                 "and fla, LM steps, within a time budget (--dry-run: CPU)"),
     "data": ("linattn.bench.data", "data preparation: peak memory and time of reading, tokenizer training, tokenizing"),
 }
 

@@ -1,0 +1,204 @@
+"""`linattn bench gpu` (issue 32): the prepared GPU check.
+
+The dry run does every step on CPU under Triton's interpreter, in a child process in which the
+packages a bare GPU machine lacks (tqdm, safetensors, tokenizers, matplotlib, transformers) cannot
+be imported, started the way the runbook starts it (`PYTHONPATH=src python -m linattn bench gpu`).
+The budget logic (a step cut short, a step that fails, reports rewritten after every step) is tested
+in-process with stand-in steps, so nothing here depends on the machine's speed.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from linattn.bench import BENCHMARKS, gpu
+from linattn.cli_support import UsageError
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+MISSING_ON_GPU_BOX = ("tqdm", "safetensors", "tokenizers", "matplotlib", "transformers")
+
+# sys.modules[name] = None makes `import name` raise ImportError and find_spec(name) return None,
+# as on a machine where the package is not installed
+CHILD = f"""
+import sys, runpy
+for name in {MISSING_ON_GPU_BOX!r}:
+    sys.modules[name] = None
+sys.argv = ["linattn"] + sys.argv[1:]
+runpy.run_module("linattn", run_name="__main__")
+"""
+
+
+def _bench_gpu(*argv, timeout=600):
+    env = dict(os.environ, PYTHONPATH=SRC)
+    env.pop("TRITON_INTERPRET", None)  # the command itself must turn the interpreter on
+    return subprocess.run([sys.executable, "-c", CHILD, "bench", "gpu", *argv], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_registered():
+    assert BENCHMARKS["gpu"][0] == "linattn.bench.gpu"
+
+
+def test_dry_run_every_step_without_optional_packages(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "gpu"
+    r = _bench_gpu("--out", str(out), "--dry-run", "--quiet")
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads((out / "gpu.json").read_text())
+    assert d["status"] == "finished" and d["config"]["dry_run"]
+    assert {n: s["status"] for n, s in d["steps"].items()} == {n: "done" for n in gpu.STEPS}, d["steps"]
+    assert d["counts"] == {"passed": len(d["steps"]["correctness"]["cases"]) + 1, "failed": 0, "errors": 0}
+    m = d["steps"]["machine"]
+    assert m["info"]["versions"]["triton"] and m["matmul"]["bfloat16"]["gflops"] > 0 and m["copy"]["GB_per_s"] > 0
+    # every kernel family ran against the PyTorch forms, within the documented tolerances
+    cases = d["steps"]["correctness"]["cases"]
+    assert {c["case"].split()[0] for c in cases} == set(gpu.OPS)
+    assert all(c["status"] == "ok" and c["max_err"] <= c["tol"] for c in cases)
+    assert any("varlen" in c["case"] for c in cases) and any("no-gate" in c["case"] for c in cases)
+    assert any(k.startswith("d") for c in cases for k in c["errors"])  # gradients were compared
+    assert [x["run"] for x in d["steps"]["sanitizer"]["runs"]] == ["script (no sanitizer)"]
+    tim = d["steps"]["timing"]["cases"]
+    ran = {(c["op"], c["impl"]) for c in tim if c["status"] == "ok"}
+    for op in ("linear", "deltanet", "gated-deltanet", "efla"):
+        assert {(op, "triton"), (op, "torch")} <= ran
+    assert ("kda", "torch") in ran and ("sdpa", "sdpa") in ran
+    assert all(c["fwd_ms"] > 0 and c["fwdbwd_ms"] > 0 for c in tim if c["status"] == "ok")
+    assert [c["mixer"] for c in d["steps"]["lm"]["cases"] if c["status"] == "ok"] == [m for m, _ in gpu.LM_MIXERS]
+    md = (out / "gpu.md").read_text()
+    for name in gpu.STEPS:
+        assert f". {name}:" in md
+    # the command never overwrites a report unless told to
+    with pytest.raises(UsageError, match="--overwrite"):
+        gpu.run(_Args(out, steps=["machine"]))
+
+
+def test_bad_arguments(tmp_path):
+    bad = ((dict(steps=["machine", "warp"]), "--steps"), (dict(budget_min=0.0), "--budget-min"),
+           (dict(budget_min=float("nan")), "--budget-min"))
+    for kw, word in bad:
+        with pytest.raises(UsageError, match=word):
+            gpu.run(_Args(tmp_path / "x", **kw))
+    if not torch.cuda.is_available():
+        args = _Args(tmp_path / "y")
+        args.dry_run = False
+        with pytest.raises(UsageError, match="--dry-run"):
+            gpu.run(args)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_gpu_plan_covers_the_issue_grid():
+    plan = gpu.gpu_plan()
+    cases = gpu.correctness_cases(plan)
+    chunk = [c for c in cases if c["op"].endswith("chunk") and not c["varlen"]]
+    for op in gpu.OPS:
+        if op.endswith("chunk"):
+            grid = {(c["K"], c["dtype"], c["T"]) for c in chunk if c["op"] == op}
+            assert grid == {(K, dt, T) for K in (64, 128) for dt in (torch.float32, torch.bfloat16)
+                            for T in (1, 63, 64, 65, 2048, 8192)}, op
+        assert any(c["varlen"] and c["op"] == op for c in cases)
+    assert all(c["T"] <= plan["rec_max_T"] for c in cases if c["op"].endswith("recurrent"))
+    lens = plan["varlen"]
+    assert min(lens) == 1 and len(set(lens)) == len(lens) and plan["B"] == 4 and plan["H"] == 16
+    # the cheapest round first: every kernel compiles before the long sequences run
+    assert {c["op"] for c in cases[:len(gpu.OPS) * 4]} == set(gpu.OPS) and cases[0]["T"] == 65
+    assert cases[-1]["T"] == 8192
+    tp = plan["time"]
+    assert (tp["B"], tp["H"], tp["K"], tp["V"], tp["dtype"]) == (4, 16, 128, 128, torch.bfloat16)
+    assert sorted(tp["Ts"]) == [2048, 8192, 16384, 32768]
+
+
+def test_chunk_flops():
+    # linear: 2C(K+V) + 4KV per token and head; the delta rule adds 2C(2K+V) + 2KV; SDPA causal T^2 (K+V)
+    assert gpu.chunk_flops("linear", 1, 10, 1, 2, 3, C=4) == 10 * (2 * 4 * 5 + 4 * 6)
+    assert gpu.chunk_flops("delta", 1, 10, 1, 2, 3, C=4) == 10 * (2 * 4 * 5 + 4 * 6 + 2 * 4 * 7 + 2 * 6)
+    assert gpu.chunk_flops("sdpa", 2, 10, 3, 4, 4) == 2 * 3 * 100 * 8
+
+
+class _Args:
+    def __init__(self, out, steps=gpu.STEPS, budget_min=1.0):
+        self.out, self.steps, self.budget_min = str(out), list(steps), budget_min
+        self.dry_run, self.overwrite, self.quiet = True, False, True
+
+
+def test_budget_failures_and_reports_after_every_step(tmp_path, monkeypatch):
+    """A failing step is recorded and the run goes on; a step cut by the budget stops the run, and the
+    steps after it are listed as skipped with the reason; the files are rewritten after every step."""
+    seen = []
+
+    def machine(ctx, rec, deadline):
+        rec["table"] = {"headers": ["what", "value"], "rows": [["device", "stand-in"]]}
+
+    def correctness(ctx, rec, deadline):
+        # the report on disk already shows the previous step done, and this one running
+        d = json.loads((tmp_path / "gpu.json").read_text())
+        seen.append((d["steps"]["machine"]["status"], d["steps"]["correctness"]["status"]))
+        raise RuntimeError("kernel exploded")
+
+    def sanitizer(ctx, rec, deadline):
+        rec.update(passed=1, failed=1)
+
+    def timing(ctx, rec, deadline):
+        raise gpu.BudgetExceeded("the run's budget of 60 s ran out")
+
+    def lm(ctx, rec, deadline):
+        raise AssertionError("must not run after the budget ran out")
+
+    monkeypatch.setattr(gpu, "STEP_FNS", {"machine": machine, "correctness": correctness, "sanitizer": sanitizer,
+                                          "timing": timing, "lm": lm})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rc = gpu.run(_Args(tmp_path))
+    assert rc == 1
+    assert seen == [("done", "running")]
+    d = json.loads((tmp_path / "gpu.json").read_text())
+    st = {n: s["status"] for n, s in d["steps"].items()}
+    assert st == {"machine": "done", "correctness": "error", "sanitizer": "failed", "timing": "cut", "lm": "skipped"}
+    assert "kernel exploded" in d["steps"]["correctness"]["error"]
+    assert "budget" in d["steps"]["lm"]["reason"] and d["status"] == "cut short"
+    assert d["counts"] == {"passed": 1, "failed": 1, "errors": 1}
+    md = (tmp_path / "gpu.md").read_text()
+    assert "kernel exploded" in md and "status **cut short**" in md and "| device | stand-in |" in md
+
+
+def test_steps_outside_the_budget_are_skipped(tmp_path, monkeypatch):
+    """--steps selects steps; a budget already spent skips the rest, each with its reason."""
+    calls = []
+    fns = {n: (lambda ctx, rec, deadline, n=n: calls.append(n)) for n in gpu.STEPS}
+    monkeypatch.setattr(gpu, "STEP_FNS", fns)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert gpu.run(_Args(tmp_path / "a", steps=["machine", "lm"])) == 0
+    d = json.loads((tmp_path / "a" / "gpu.json").read_text())
+    assert calls == ["machine", "lm"]
+    assert d["steps"]["timing"] == {"status": "skipped", "reason": "not in --steps"}
+    calls.clear()
+    assert gpu.run(_Args(tmp_path / "b", budget_min=0.001)) == 0  # 0.06 s: nothing fits, nothing failed
+    d = json.loads((tmp_path / "b" / "gpu.json").read_text())
+    assert d["status"] == "incomplete" and calls == [] and all(s["status"] == "skipped" and "did not fit" in s["reason"]
+                               for s in d["steps"].values())
+
+
+def test_fla_ops_import_without_fla_init(tmp_path, monkeypatch):
+    """fla/__init__.py imports transformers (absent on the GPU machine): the bench imports fla's op
+    modules without running it, and reports the ops that do not import, each with its reason."""
+    root = tmp_path / "fla"
+    (root / "ops" / "simple_gla").mkdir(parents=True)
+    (root / "__init__.py").write_text("import transformers_is_not_here\n")
+    (root / "ops" / "__init__.py").write_text("")
+    (root / "ops" / "simple_gla" / "__init__.py").write_text(
+        "def chunk_simple_gla(q, k, v, g=None, **kw):\n    return v * 2, None\n")
+    (root / "ops" / "kda.py").write_text("import einops_is_not_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        fns = gpu._fla_fns()
+        assert fns["chunk_simple_gla"](None, None, 3)[0] == 6
+        assert isinstance(fns["chunk_kda"], ImportError) and "einops_is_not_here" in str(fns["chunk_kda"])
+        assert isinstance(fns["chunk_delta_rule"], ImportError)
+        assert "ops import" not in gpu._versions()["fla"] and "einops_is_not_here" in gpu._versions()["fla"]
+    finally:
+        for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+            del sys.modules[name]
