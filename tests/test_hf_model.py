@@ -207,7 +207,7 @@ def test_auto_model_loads_the_stack_of_an_lm_folder(lm_folder):
     assert len(base(ids, output_hidden_states=True).hidden_states) == 3
 
 
-def test_sequence_classification_scores_the_last_real_token(lm_folder):
+def test_sequence_classification_scores_the_last_real_token(lm_folder, tmp_path):
     cls = transformers.AutoModelForSequenceClassification.from_pretrained(lm_folder, num_labels=3).eval()
     assert type(cls).__name__ == "LinattnForSequenceClassification"
     assert torch.isfinite(cls.score.weight).all() and cls.score.weight.abs().sum() > 0   # drawn, not empty
@@ -219,13 +219,20 @@ def test_sequence_classification_scores_the_last_real_token(lm_folder):
     right[0, :4], right[1] = ids[0, :4], ids[1, :5]
     for batch in (left, right):
         mask = (batch != 0).long()
-        by_mask = cls(batch, attention_mask=mask).logits
+        out = cls(batch, attention_mask=mask)
+        by_mask = out.logits
+        assert getattr(out, "cache", None) is None and getattr(out, "past_key_values", None) is None  # no cache
         by_pad = cls(batch).logits                          # config.pad_token_id == 0 finds the same tokens
         for b in range(2):
             torch.testing.assert_close(by_mask[b], alone[b], rtol=1e-5, atol=1e-6)
         if batch is right:                                  # right padding: pad tokens run but are not read
             torch.testing.assert_close(by_pad, by_mask, rtol=1e-5, atol=1e-6)
     assert cls(inputs_embeds=cls.model.embed(ids)).logits.shape == (2, 3)
+    cls.save_pretrained(tmp_path)                           # the trained head is kept, not drawn again
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert back.config.num_labels == 3 and torch.equal(back.score.weight, cls.score.weight)
+    mask = (left != 0).long()
+    assert torch.equal(back(left, attention_mask=mask).logits, cls(left, attention_mask=mask).logits)
 
 
 @pytest.mark.parametrize("num_labels,labels,kind", [

@@ -1,5 +1,10 @@
 """`LinattnForCausalLM`: a transformers `PreTrainedModel` + `GenerationMixin` around a linattn
-`LanguageModel` (the model itself, under `.model`; its weights are `model.*` in the state dict).
+`LanguageModel` (the model itself, under `.model`; its weights are `model.*` in the state dict);
+`LinattnModel` (`AutoModel`: the stack without the head, parameters named like `LanguageModel`'s) and
+`LinattnForSequenceClassification` (`.model` a LinattnModel, `.score` a linear head), so an LM folder
+loads into both. All three run the blocks themselves (`LinattnPreTrainedModel._run_blocks`, the calls of
+`LanguageModel.forward`), which gives `inputs_embeds`, hidden states and transformers' activation
+checkpointing (`gradient_checkpointing_func`, `every_n_layers`).
 
 Decoding state lives in transformers' own cache: `DynamicCache(config=...)` builds one layer per
 block from `config.layer_types` (see `configuration_linattn`): `LinearAttentionLayer` for linear and
@@ -744,7 +749,9 @@ class LinattnForSequenceClassification(LinattnPreTrainedModel):
                 output_hidden_states: Optional[bool] = None, output_attentions: Optional[bool] = None,
                 return_dict: Optional[bool] = None, cache: Optional[HFCache] = None,
                 **kwargs) -> Union[SequenceClassifierOutputWithPast, tuple]:
-        """input_ids [B, T] (or inputs_embeds) -> SequenceClassifierOutputWithPast(loss, logits [B, num_labels])."""
+        """input_ids [B, T] (or inputs_embeds) -> SequenceClassifierOutputWithPast(loss, logits [B, num_labels]).
+        No cache unless use_cache=True (a classifier reads one position; a padded batch then runs packed)."""
+        use_cache = bool(use_cache) or past_key_values is not None or cache is not None
         base = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
                           inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
                           output_attentions=output_attentions, cache=cache, return_dict=True)
