@@ -229,3 +229,114 @@ def test_import_linattn_stays_light():
             "assert linattn.RunFolderBusy.__name__ == 'RunFolderBusy' and 'linattn.training.lock' in sys.modules\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 33.4: inputs up to float32's largest values. Where the math has a finite answer that float32 can
+# hold, the result matches the fp64 reference; where a quantity inside the computation exceeds the dtype
+# (scores q.k, MesaNet's sum of k k^T, TTT's weights), a LinattnError says so instead of inf/NaN or zeros.
+# ---------------------------------------------------------------------------------------------
+
+from linattn.ops import reference as ref  # noqa: E402
+from linattn.ops.ttt import _ln  # noqa: E402
+
+FMAX = torch.finfo(torch.float32).max
+
+
+def _small(B=1, T=9, H=2, K=4, V=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, H, D, generator=gen) for D in (K, K, V))
+    return q, k, v, torch.rand(B, T, H, generator=gen), -0.1 * torch.rand(B, T, H, generator=gen)
+
+
+@pytest.mark.parametrize("c", [1e19, 1e30, FMAX / 8])
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_ttt_layer_norm_of_huge_values_matches_fp64(mode, residual, c):
+    # LN(z) is scale-invariant, but its variance squared z: for |z| > ~1e19 it overflowed and LN gave 0 or
+    # NaN (max relative error 1.0 at c = 1e19 before). q and v scale z without touching the weights' range.
+    q, k, v, b, _ = _small()
+    for qc, vc in ((q * c if c < 1e37 else q * 1e30, v), (q, v * min(c, 1e30))):
+        o, _ = linattn.ttt(qc, k, vc, 0.1 * b, mini_batch=4, residual=residual, mode=mode)
+        W0 = (torch.zeros(1, 2, 4, 4, dtype=torch.float64), torch.zeros(1, 2, 4, dtype=torch.float64))
+        expected, _, _ = ref.ttt_ref(qc, k, vc, 0.1 * b, W0, mini_batch=4, residual=residual)
+        assert torch.isfinite(o).all()
+        assert ref.rel_err(o, expected) < 1e-5
+
+
+def test_layer_norm_scaling_keeps_the_bits_of_ordinary_rows():
+    # the rescaling is by powers of two: for rows that never overflowed, LN and 1/sigma have the bits of the
+    # plain formula
+    z = torch.randn(64, 16, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 15, 64).unsqueeze(1)
+    w, b, eps = torch.rand(16) + 0.5, torch.randn(16), 1e-6
+    zc = z - z.mean(-1, keepdim=True)
+    rstd = torch.rsqrt((zc * zc).mean(-1, keepdim=True) + eps)
+    y, zhat, r = _ln(z, w, b, eps)
+    assert torch.equal(r, rstd) and torch.equal(zhat, zc * rstd) and torch.equal(y, zc * rstd * w + b)
+    y, zhat, r = _ln(torch.full((2, 8), 3e30), w[:8], b[:8], eps)   # equal entries: LN = b, 1/sigma = eps^-1/2
+    assert torch.equal(y, b[:8].expand(2, 8)) and torch.allclose(r, torch.full_like(r, eps ** -0.5))
+
+
+@pytest.mark.parametrize("c", [1e19, 1e30])
+@pytest.mark.parametrize("mode", ["parallel", "chunk", "recurrent"])
+def test_mesa_cg_with_huge_queries_matches_fp64(mode, c):
+    # CG squared its residuals: |q| > ~1e19 overflowed them and CG stopped at once with a wrong x (max
+    # relative error 1.0 at c = 1e30 before); x is linear in q, so the rhs is scaled by a power of two
+    q, k, v, b, g = _small()
+    lam = torch.ones(2, 4)
+    o, _ = linattn.mesa_net(q * c, k, v, b, g, lam, mode=mode)
+    expected, _ = ref.mesa_net_ref(q * c, k, v, b, g, lam)
+    assert torch.isfinite(o).all() and ref.rel_err(o, expected) < 1e-5
+
+
+OVERFLOWING = {   # finite inputs whose scores, statistics or weights exceed float32 inside the computation
+    "softmax_attention": lambda q, k, v, b, g, m: linattn.softmax_attention(q * 1e20, k * 1e20, v),
+    "forgetting_attention": lambda q, k, v, b, g, m: linattn.forgetting_attention(q * 1e20, k * 1e20, v, g, mode=m),
+    "deltaformer": lambda q, k, v, b, g, m: linattn.deltaformer(q, k * 1e20, v, b, mode=m),
+    "path_attention": lambda q, k, v, b, g, m: linattn.path_attention(q * 1e20, k * 1e20, v, torch.ones_like(q), b,
+                                                                      mode=m),
+    "mesa_net": lambda q, k, v, b, g, m: linattn.mesa_net(q, k * 1e20, v, b, g, torch.ones(2, 4), mode=m),
+    "mesa_net_exact": lambda q, k, v, b, g, m: linattn.mesa_net(q, k * 1e20, v, b, g, torch.ones(2, 4),
+                                                                solver="exact", mode=m),
+    "ttt": lambda q, k, v, b, g, m: linattn.ttt(q, k * 1e20, v, b, mini_batch=4, mode=m),
+    "titans": lambda q, k, v, b, g, m: linattn.titans(q, k * 1e20, v, b, b, b, mini_batch=4, mode=m),
+}
+
+
+@pytest.mark.parametrize("mode", ["parallel", "chunk", "recurrent"])
+@pytest.mark.parametrize("name", sorted(OVERFLOWING))
+def test_overflow_inside_an_operator_is_a_clear_error(name, mode):
+    # before: NaN outputs, or (MesaNet's recurrent form, its H overflowing to inf) silently wrong finite ones
+    if name in ("ttt", "titans") and mode == "parallel":
+        pytest.skip("TTT has no parallel form")
+    with pytest.raises(LinattnError, match=r"overflowed torch.float32 .*\|k\| <= \d\.\d+e\+20"):
+        OVERFLOWING[name](*_small(), mode)
+
+
+@pytest.mark.parametrize("name", sorted(OVERFLOWING))
+def test_non_finite_inputs_still_pass_through(name):
+    # an inf in the inputs is the caller's: no overflow error for it
+    q, k, v, b, g = _small()
+    v = v.clone()
+    v[0, 5, 1, 2] = float("inf")
+    scaled = {"softmax_attention": lambda: linattn.softmax_attention(q, k, v),
+              "forgetting_attention": lambda: linattn.forgetting_attention(q, k, v, g, mode="chunk"),
+              "deltaformer": lambda: linattn.deltaformer(q, k, v, b, mode="chunk"),
+              "path_attention": lambda: linattn.path_attention(q, k, v, torch.ones_like(q), b, mode="chunk"),
+              "mesa_net": lambda: linattn.mesa_net(q, k, v, b, g, torch.ones(2, 4)),
+              "mesa_net_exact": lambda: linattn.mesa_net(q, k, v, b, g, torch.ones(2, 4), solver="exact"),
+              "ttt": lambda: linattn.ttt(q, k, v, b, mini_batch=4, residual=False),
+              "titans": lambda: linattn.titans(q, k, v, b, b, b, mini_batch=4, residual=False)}
+    out = scaled[name]()   # no LinattnError: the inf comes back, wherever the operator's form spreads it
+    o = out[0] if isinstance(out, tuple) else out
+    assert not torch.isfinite(o).all()
+
+
+def test_overflow_check_follows_the_checks_level():
+    q, k, v, b, g = _small()
+    previous = linattn.set_checks("shapes")
+    try:
+        o = linattn.softmax_attention(q * 1e20, k * 1e20, v)   # no host reads: the NaN comes back as it is
+    finally:
+        linattn.set_checks(previous)
+    assert not torch.isfinite(o).all()

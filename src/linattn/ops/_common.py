@@ -122,6 +122,25 @@ def check_qkv(q, k, v, allow_empty_k: bool = False) -> Tuple[int, int, int, int,
     return B, T, H, K, v.shape[-1]
 
 
+def check_finite_output(result, op: str, also: Sequence[torch.Tensor] = (), **inputs: Optional[torch.Tensor]):
+    """Refuse an output that overflowed: finite inputs, yet inf or NaN in the output, or in the tensors
+    `also` (statistics that can overflow while the output stays finite) (issue 33.4). `result` is the
+    output or a tuple (output, state); it is returned as it is. Inputs that hold inf/NaN themselves pass
+    (their outputs are inf/NaN by design). Runs when value checks run for the output; the finite case
+    costs one pass over each tensor."""
+    o = result[0] if isinstance(result, tuple) else result
+    if not check_values(o) or all(bool(torch.isfinite(x).all()) for x in (o, *also)):
+        return result
+    given = {name: x for name, x in inputs.items() if isinstance(x, torch.Tensor) and x.numel()}
+    if not all(bool(torch.isfinite(x).all()) for x in given.values()):
+        return result
+    sizes = ", ".join(f"|{name}| <= {x.detach().abs().max().item():.3g}" for name, x in given.items())
+    raise LinattnError(
+        f"{op} overflowed {o.dtype} (finite inputs, {sizes}, gave inf/NaN outputs): values this large exceed "
+        f"the dtype's range inside the computation (scores, states or statistics that grow with their square "
+        f"or exponential). Scale the inputs down (e.g. normalise q and k) or compute in float64.")
+
+
 def check_mode(mode: str, chunk_size: int) -> None:
     if mode not in MODES:
         raise LinattnError(f"mode must be one of {MODES}, got {mode!r}")

@@ -35,7 +35,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
-from ._common import check_qkv, check_scale, compute_dtype, pad_time
+from ._common import check_finite_output, check_qkv, check_scale, compute_dtype, pad_time
 from ._flash import (
     NEG_INF,
     base2,
@@ -261,7 +261,8 @@ def deltaformer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.T
     cu_seqlens: int64 `[N+1]` offsets of packed sequences (B must be 1).
     output_final_state: also return a `DeltaFormerState` (k, u) for `deltaformer_step`.
     """
-    return _run(_prepare(q, k, v, beta, stage1_query, scale, mode, block_size, cu_seqlens, output_final_state))
+    return check_finite_output(_run(_prepare(q, k, v, beta, stage1_query, scale, mode, block_size, cu_seqlens,
+                                             output_final_state)), "deltaformer", q=q, k=k, v=v)
 
 
 def deltaformer_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,

@@ -27,7 +27,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
-from ._common import check_log_gate, check_qkv, check_scale, compute_dtype
+from ._common import check_finite_output, check_log_gate, check_qkv, check_scale, compute_dtype
 from ._flash import (
     causal_mask,
     check_block_size,
@@ -161,7 +161,8 @@ def forgetting_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: O
     cu_seqlens: int64 `[N+1]` offsets of packed sequences (B must be 1); G restarts at every start.
     output_final_state: also return a `ForgettingAttentionState` for `forgetting_attention_step`.
     """
-    return _run(_prepare(q, k, v, g, window, scale, mode, block_size, cu_seqlens, output_final_state))
+    result = _run(_prepare(q, k, v, g, window, scale, mode, block_size, cu_seqlens, output_final_state))
+    return check_finite_output(result, "forgetting_attention", q=q, k=k, v=v)
 
 
 def _check_state(state, B, H, K, V, with_gate: bool, device) -> None:

@@ -58,6 +58,7 @@ from ..errors import LinattnError, LinattnTypeError
 from ._common import (
     FLOAT_DTYPES,
     check_cu_seqlens,
+    check_finite_output,
     check_log_gate,
     check_mode,
     check_qkv,
@@ -90,7 +91,20 @@ def _pcg(apply, b: torch.Tensor, diag: torch.Tensor, max_iter: int, tol: float, 
     """Jacobi-preconditioned CG on A x = b for every vector b[..., :] at once (A symmetric positive
     definite, `apply(p)` -> A p, `diag` = diag(A) > 0). Each vector stops on its own when
     ||r|| <= tol ||b||, or when a division would be by a non-positive number; stopped vectors are frozen.
-    `early_exit` (host reads allowed) ends the loop once every vector has stopped."""
+    `early_exit` (host reads allowed) ends the loop once every vector has stopped.
+
+    CG squares its residuals (||r||^2 overflows fp32 for |b| > ~1e19, which stopped it at once with a
+    wrong x; issue 33.4), and x is linear in b: so each b is divided by a power of two s >= 1 near its
+    largest entry, and x multiplied back. Powers of two scale exactly: where nothing overflowed, x has
+    the same bits as without the scaling."""
+    with torch.no_grad():
+        s = torch.exp2(torch.floor(torch.log2(b.abs().amax(-1, keepdim=True))))
+        s = torch.where(torch.isfinite(s) & (s > 1), s, torch.ones_like(s))
+    return _pcg_unscaled(apply, b / s, diag, max_iter, tol, early_exit) * s
+
+
+def _pcg_unscaled(apply, b: torch.Tensor, diag: torch.Tensor, max_iter: int, tol: float,
+                  early_exit: bool) -> torch.Tensor:
     x = b / diag
     r = b - apply(x)
     thresh = (tol * tol) * (b * b).sum(-1)
@@ -395,7 +409,10 @@ def run_mesa_net(p: MesaProblem) -> Tuple[torch.Tensor, Optional[MesaState]]:
                                 g[:, :, sl] if g is not None else None, H0[i:i + 1], G0[i:i + 1])
             outs.append(o_i), hs.append(H_i), gs.append(G_i)
         o, Hs, Gs = torch.cat(outs, dim=2), torch.cat(hs), torch.cat(gs)
-    return o.transpose(1, 2).to(p.out_dtype), (MesaState(Hs, Gs) if p.output_final_state else None)
+    # H_t sums squares of keys: it can overflow (to inf, which the solves turn into a finite 0) while o stays
+    # finite, so the statistics are checked too
+    return check_finite_output((o.transpose(1, 2).to(p.out_dtype), MesaState(Hs, Gs) if p.output_final_state else None),
+                               "mesa_net", also=(Hs, Gs), **{"scale*q": p.q, "k": p.k, "v": p.v})
 
 
 def mesa_net(

@@ -59,7 +59,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
-from ._common import check_log_gate, check_qkv, check_scale, compute_dtype, pad_time
+from ._common import check_finite_output, check_log_gate, check_qkv, check_scale, compute_dtype, pad_time
 from ._flash import (
     NEG_INF,
     anchored,
@@ -402,7 +402,8 @@ def path_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.T
     block length. cu_seqlens: int64 `[N+1]` offsets of packed sequences (B must be 1).
     output_final_state: also return a `PaTHState` for `path_attention_step`.
     """
-    return _run(_prepare(q, k, v, w, beta, g, scale, mode, block_size, cu_seqlens, output_final_state))
+    result = _run(_prepare(q, k, v, w, beta, g, scale, mode, block_size, cu_seqlens, output_final_state))
+    return check_finite_output(result, "path_attention", q=q, k=k, v=v, w=w)
 
 
 def path_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, beta: torch.Tensor,

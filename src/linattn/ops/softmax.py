@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LinattnError
-from ._common import check_cu_seqlens, check_qkv, check_scale, run_varlen
+from ._common import check_cu_seqlens, check_finite_output, check_qkv, check_scale, run_varlen
 
 
 def _sdpa(q, k, v, causal: bool, scale: float, window: Optional[int]) -> torch.Tensor:
@@ -41,7 +41,8 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     scale = check_scale(scale, K ** -0.5) if K > 0 else check_scale(scale, 1.0)
     offsets = check_cu_seqlens(cu_seqlens, B, T)
     if offsets is None:
-        return _sdpa(q, k, v, causal, scale, window)
-    o, _ = run_varlen(offsets, lambda i, s: (_sdpa(q[:, s], k[:, s], v[:, s], causal, scale, window), None),
-                      lambda states: None)
-    return o
+        o = _sdpa(q, k, v, causal, scale, window)
+    else:
+        o, _ = run_varlen(offsets, lambda i, s: (_sdpa(q[:, s], k[:, s], v[:, s], causal, scale, window), None),
+                          lambda states: None)
+    return check_finite_output(o, "softmax_attention", q=q, k=k, v=v)

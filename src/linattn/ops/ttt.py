@@ -81,6 +81,7 @@ from ..errors import LinattnError, LinattnTypeError
 from ._common import (
     FLOAT_DTYPES,
     check_cu_seqlens,
+    check_finite_output,
     check_qkv,
     check_same_device,
     check_scale,
@@ -122,11 +123,26 @@ def _gelu_grad(x):
 
 
 def _ln(z, w, b, eps):
-    """(LN(z), z_hat, 1/sigma)."""
-    mu = z.mean(-1, keepdim=True)
-    zc = z - mu
-    rstd = torch.rsqrt((zc * zc).mean(-1, keepdim=True) + eps)
-    zhat = zc * rstd
+    """(LN(z), z_hat, 1/sigma).
+
+    LN is scale-invariant, but its variance squares z and overflows for |z| > ~1e19 in fp32, which turned
+    a finite LN(z) into 0 or NaN (issue 33.4). So each row is divided by a power of two s >= 1 near its
+    largest |z| first: LN(z) = (z/s - mean) / sqrt(var(z/s) + eps/s^2). Dividing by a power of two is
+    exact, so for every row where nothing overflows the results have the same bits as without it. s is a
+    constant for autograd (LN does not depend on it)."""
+    with torch.no_grad():
+        amax = z.abs().amax(-1, keepdim=True)
+        s = torch.exp2(torch.floor(torch.log2(amax)))
+        s = torch.where(torch.isfinite(s) & (s > 1), s, torch.ones_like(s))
+    zs = z / s
+    zc = zs - zs.mean(-1, keepdim=True)
+    var = (zc * zc).mean(-1, keepdim=True)
+    # a row of equal values has var = 0 and 1/sigma = eps^-1/2, where eps / s^2 may have underflowed to 0:
+    # that case is taken apart (and kept finite in the branch not taken, so that no NaN reaches a gradient)
+    flat = var > 0
+    rstd_s = torch.rsqrt(torch.where(flat, var, torch.ones_like(var)) + eps / (s * s))
+    zhat = torch.where(flat, zc * rstd_s, zc * (s * eps ** -0.5))
+    rstd = torch.where(flat, rstd_s / s, torch.full_like(var, eps ** -0.5))   # 1/sigma of z itself
     return zhat * w + b, zhat, rstd
 
 
@@ -537,7 +553,7 @@ def ttt(
     p = prepare_ttt(q, k, v, eta, inner=inner, mini_batch=mini_batch, ln_weight=ln_weight, ln_bias=ln_bias,
                     residual=residual, scale=scale, eps=eps, mode=mode, initial_state=initial_state,
                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, lr_name="eta")
-    return run_ttt(p)
+    return check_finite_output(run_ttt(p), "ttt", q=q, k=k, v=v)
 
 
 def titans(
@@ -567,7 +583,7 @@ def titans(
                     ln_bias=ln_bias, residual=residual, scale=scale, eps=eps, mode=mode,
                     initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                     lr_name="theta")
-    return run_ttt(p)
+    return check_finite_output(run_ttt(p), "titans", q=q, k=k, v=v)
 
 
 def mlp_weight_shapes(K: int, V: int, hidden: int) -> Sequence[Tuple[int, ...]]:
