@@ -150,3 +150,217 @@ def test_cpu_backend_rules(monkeypatch):
         assert B.select_backend("cpu", _NoKernel()) == "torch"
     assert B.select_backend("auto", _NoKernel()) == "torch"
     assert B.select_backend("torch", _problem()) == "torch"
+
+
+# --------------------------------------------------------------------------------------- linear attention kernels
+
+from linattn.ops.reference import linear_attention_ref, rel_err  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}
+GRAD_TOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 5e-2}
+
+
+def _lin_inputs(B, T, H, K, V, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, H, K, generator=gen, dtype=torch.float64).to(dtype) * 0.5 for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+def _gate(kind, B, T, H, seed=1):
+    """-> (operator kwargs, the log-gate [B, T, H] for the reference (or None))."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return {}, None
+    if kind == "gamma":
+        return {"gamma": 0.8}, torch.full((B, T, H), float(torch.log(torch.tensor(0.8, dtype=torch.float64))),
+                                          dtype=torch.float64)
+    if kind == "gamma_h":
+        gam = torch.tensor([0.9, 0.5], dtype=torch.float64)[:H].requires_grad_()
+        return {"gamma": gam}, None
+    g = (-torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.7)
+    return {"g": g}, g
+
+
+def _run(backend, q, k, v, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # backend='cpu' must not fall back here
+        return linattn.linear_attention(q, k, v, backend=backend, **kw)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gate", [None, "gamma", "g"])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("fmap", ["elu+1", "relu", "identity", "taylor2", "cosformer"])
+def test_linear_cpu_matches_reference_and_torch(fmap, normalize, gate, dtype):
+    """Outputs against the fp64 quadratic reference and the PyTorch chunk form; T = 1, T not a multiple of the
+    chunk, several chunk sizes."""
+    B, H, K, V = 2, 2, 4, 3
+    fm = linattn.get_feature_map(fmap, K)
+    for T in (1, 37):
+        q, k, v = _lin_inputs(B, T, H, K, V, dtype)
+        if fmap in ("identity", "taylor2") and normalize:
+            q, k = q.abs() + 0.1, k.abs() + 0.1  # a denominator away from 0
+        kw, log_gate = _gate(gate, B, T, H)
+        if "g" in kw:
+            kw["g"] = kw["g"].to(dtype)
+        ref = linear_attention_ref(q, k, v, fmap, normalize=normalize, log_gate=log_gate, fmap=fm)
+        for cs in (5, 16, 64):
+            o, _ = _run("cpu", q, k, v, feature_map=fm, normalize=normalize, chunk_size=cs, **kw)
+            o_t, _ = _run("torch", q, k, v, feature_map=fm, normalize=normalize, chunk_size=cs, **kw)
+            assert o.dtype == dtype and o.shape == (B, T, H, V)
+            assert rel_err(o, ref) <= TOL[dtype], f"cs={cs} T={T}: {rel_err(o, ref):.2e}"
+            assert rel_err(o, o_t) <= TOL[dtype]
+
+
+def _grads(backend, q, k, v, kw, state, weights):
+    leaves = [q, k, v] + [x for x in (kw.get("g"), kw.get("gamma")) if isinstance(x, torch.Tensor)]
+    leaves += [state.kv, state.z] if state is not None else []
+    o, s = linattn.linear_attention(q, k, v, backend=backend, initial_state=state, output_final_state=True, **kw)
+    loss = (o * weights[0]).sum() + (s.kv * weights[1]).sum() + (s.z * weights[2]).sum()
+    return (o, s.kv, s.z), torch.autograd.grad(loss, leaves)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gate", [None, "gamma_h", "g"])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("packed", [False, True])
+def test_linear_cpu_gradients_states_and_packing(packed, normalize, gate, dtype):
+    """Outputs, final states and the gradients of q, k, v, the gate (g, or gamma [H]) and the initial state
+    (kv and z): compiled vs the PyTorch forms, with an initial state, uneven cu_seqlens, T % C != 0."""
+    H, K, V, C = 2, 6, 5, 8
+    if packed:
+        cu = torch.tensor([0, 1, 9, 30, 31, 47])  # 1-token, one-chunk and ragged sequences
+        B, T, N = 1, 47, 5
+    else:
+        cu, B, T, N = None, 3, 21, 3
+    q, k, v = _lin_inputs(B, T, H, K, V, dtype, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    kv0 = torch.randn(N, H, K, V, generator=gen, dtype=torch.float64).to(dtype)
+    z0 = torch.rand(N, H, K, generator=gen, dtype=torch.float64).to(dtype) + 0.5
+    weights = None
+    results = {}
+    for backend in ("cpu", "torch"):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        kw, _ = _gate(gate, B, T, H)
+        kw = {n: (x.to(dtype).requires_grad_() if n == "g" else x) for n, x in kw.items()}
+        state = linattn.LinearAttentionState(kv0.clone().requires_grad_(), z0.clone().requires_grad_(), None,
+                                             torch.zeros(N, dtype=torch.int64))
+        extra = dict(feature_map="elu+1", normalize=normalize, chunk_size=C, cu_seqlens=cu, **kw)
+        if weights is None:
+            gw = torch.Generator().manual_seed(5)
+            weights = [torch.randn(s, generator=gw, dtype=torch.float64).to(dtype)
+                       for s in ((B, T, H, V), (N, H, K, V), (N, H, K))]
+        results[backend] = _grads(backend, qq, kk, vv, extra, state, weights)
+    (outs_c, grads_c), (outs_t, grads_t) = results["cpu"], results["torch"]
+    for a, b in zip(outs_c, outs_t):
+        assert rel_err(a, b) <= TOL[dtype]
+    assert len(grads_c) == len(grads_t)
+    for i, (a, b) in enumerate(zip(grads_c, grads_t)):
+        assert rel_err(a, b) <= GRAD_TOL[dtype], f"gradient {i}: {rel_err(a, b):.2e}"
+
+
+@needs_cc
+def test_linear_cpu_gradients_against_fp64_reference():
+    """fp32 compiled gradients against autograd through the fp64 quadratic reference (written from the formula)."""
+    B, T, H, K, V = 2, 19, 2, 4, 3
+    q, k, v = _lin_inputs(B, T, H, K, V, torch.float32, seed=7)
+    g = -torch.rand(B, T, H, generator=torch.Generator().manual_seed(8)) * 0.5
+    w = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    o, _ = linattn.linear_attention(*leaves[:3], g=leaves[3], chunk_size=8, backend="cpu")
+    got = torch.autograd.grad((o.double() * w).sum(), leaves)
+    ref_leaves = [x.double().requires_grad_() for x in (q, k, v, g)]
+    ref = linear_attention_ref(*ref_leaves[:3], "elu+1", log_gate=ref_leaves[3])
+    want = torch.autograd.grad((ref * w).sum(), ref_leaves)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-4
+
+
+@needs_cc
+def test_linear_cpu_half_inputs_compute_in_fp32():
+    q, k, v = _lin_inputs(1, 30, 2, 8, 8, torch.bfloat16)
+    o, s = _run("cpu", q, k, v, chunk_size=16, output_final_state=True)
+    ref = linear_attention_ref(q, k, v, "elu+1")
+    assert o.dtype == torch.bfloat16 and s.kv.dtype == torch.float32 and rel_err(o, ref) <= TOL[torch.bfloat16]
+
+
+@needs_cc
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("gate", [None, "g"])
+def test_linear_cpu_poison_and_prefix_bits(gate):
+    """A later inf / NaN never reaches an earlier output, and a prefix run gives the full run's bits."""
+    B, T, H, K, V, C = 1, 45, 2, 8, 5, 16
+    q, k, v = _lin_inputs(B, T, H, K, V, torch.float32, seed=11)
+    kw, _ = _gate(gate, B, T, H)
+    kw = {n: x.float() for n, x in kw.items()}
+    base, _ = _run("cpu", q, k, v, chunk_size=C, **kw)
+    for t in (0, 7, 16, 33, 44):
+        for bad in (float("inf"), float("nan")):
+            for which in range(3):
+                x = [q.clone(), k.clone(), v.clone()]
+                x[which][:, t, 1, 0] = bad
+                o, _ = _run("cpu", *x, chunk_size=C, **kw)
+                assert torch.equal(o[:, :t], base[:, :t]), (t, bad, which)
+        pre = {n: x[:, :t + 1].contiguous() for n, x in kw.items()}
+        o, _ = _run("cpu", q[:, :t + 1].contiguous(), k[:, :t + 1].contiguous(), v[:, :t + 1].contiguous(),
+                    chunk_size=C, **pre)
+        assert torch.equal(o, base[:, :t + 1]), t
+
+
+@needs_cc
+def test_linear_dispatch_auto_and_fallbacks(monkeypatch):
+    q, k, v = _lin_inputs(1, 20, 2, 4, 4, torch.float32)
+    assert B.select_backend("auto", _problem(q)) == "cpu"
+    for kw in ({"feature_map": "hadamard_exp"}, {"mode": "recurrent"}, {"causal": False},
+               {"g": -torch.rand(1, 4, 2, 8)}, {"mode": "parallel"}):
+        p = _problem(**kw)
+        assert p.cpu_unsupported() is not None and B.select_backend("auto", p) == "torch"
+    with pytest.warns(UserWarning, match="backend='cpu': log-space feature maps .* falling back"):
+        o, _ = linattn.linear_attention(q, k, v, feature_map="hadamard_exp", backend="cpu")
+    assert rel_err(o, linear_attention_ref(q, k, v, "hadamard_exp")) < 1e-5
+    o_auto, _ = linattn.linear_attention(q, k, v)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")  # off: auto is the PyTorch path, same values
+    assert B.select_backend("auto", _problem(q)) == "torch"
+    o_off, _ = linattn.linear_attention(q, k, v)
+    assert rel_err(o_auto, o_off) < 1e-6
+    assert linattn.chunk_size_used("linear_attention", q, k, v, chunk_size=48, backend="auto") == 48
+
+
+@needs_cc
+def test_linear_cpu_custom_op_opcheck():
+    """The custom op's schema, fake (meta) registration and autograd registration agree (torch.library.opcheck)."""
+    from linattn.cpu.linear import _fwd
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(13, 2, 4, generator=gen) for _ in range(2))
+    v = torch.randn(13, 2, 3, generator=gen)
+    g = -torch.rand(13, 2, generator=gen)
+    S0 = torch.randn(2, 2, 4, 4, generator=gen)
+    for args in ((q, k, v, g, S0, [0, 6, 13], 4, True, 2, 0.5), (q, k, v, None, None, [0, 13], 8, False, 0, 1.0)):
+        args = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
+        torch.library.opcheck(_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@needs_cc
+def test_linear_cpu_under_torch_compile():
+    """torch.compile(fullgraph=True) traces the compiled kernel as one custom op (forward and backward)."""
+    q, k, v = (x.requires_grad_() for x in _lin_inputs(2, 40, 2, 8, 8, torch.float32))
+    g = -torch.rand(2, 40, 2)
+
+    def fn(q, k, v, g):
+        o, s = linattn.linear_attention(q, k, v, g=g, chunk_size=16, output_final_state=True, backend="cpu")
+        return o, s.kv
+
+    fn(q, k, v, g)  # loads the library outside the trace
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got, want = compiled(q, k, v, g), fn(q, k, v, g)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    ga = torch.autograd.grad(got[0].sum() + got[1].sum(), (q, k, v))
+    gb = torch.autograd.grad(want[0].sum() + want[1].sum(), (q, k, v))
+    for a, b in zip(ga, gb):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)

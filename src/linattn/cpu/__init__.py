@@ -21,11 +21,13 @@ from typing import Optional
 
 import torch
 
+from ..errors import LinattnError
 from .build import enabled, load_library
 
-__all__ = ["available", "enabled", "load_library", "ptr", "threads", "KERNEL_DTYPES"]
+__all__ = ["available", "enabled", "load_library", "ptr", "threads", "KERNEL_DTYPES", "MAX_CHUNK"]
 
 KERNEL_DTYPES = (torch.float32, torch.float64)  # the kernels compute in these; other dtypes are cast or fall back
+MAX_CHUNK = 512  # the chunk kernels keep a few C x C blocks per thread
 
 
 def available(name: str = "probe") -> bool:
@@ -38,7 +40,8 @@ def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     if t is None:
         return None
     if not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError("internal: the compiled kernels take contiguous CPU tensors")
+        raise LinattnError(f"the compiled CPU kernels take contiguous CPU tensors, got one of shape {tuple(t.shape)} "
+                           f"on {t.device} (contiguous: {t.is_contiguous()})")
     return t.data_ptr()
 
 
@@ -49,3 +52,4 @@ def threads() -> int:
 c_ptr = ctypes.c_void_p
 c_i64 = ctypes.c_int64
 c_int = ctypes.c_int
+c_double = ctypes.c_double

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 from ..io import TMP_PREFIX, fsync_dir, remove_stale_temps
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-BASE_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
+BASE_FLAGS = ("-O3", "-std=c11", "-ffp-contract=fast", "-shared", "-fPIC")  # FMA contraction: no fast-math
 # tried in order; the first set the compiler accepts wins (the key hashes the one that built)
 FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native", "-fopenmp-simd"), ("-fopenmp-simd",), ())
 ENV_SWITCH = "LINATTN_CPU_KERNELS"
@@ -180,6 +180,11 @@ def build(name: str, src_dir: Optional[Path] = None) -> Path:
             errors.append(f"[{' '.join(flags) or 'no extra flags'}] {msg.splitlines()[0] if msg else 'failed'}")
             tmp.unlink(missing_ok=True)
         raise RuntimeError("the build failed: " + "; ".join(errors))
+
+
+def is_loaded(name: str) -> bool:
+    """Whether this process has loaded `csrc/<name>.c` already (no lock, no build: safe while torch.compile traces)."""
+    return _LOADED.get(name) is not None
 
 
 def load_library(name: str, src_dir: Optional[Path] = None) -> Optional[ctypes.CDLL]:

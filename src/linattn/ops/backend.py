@@ -70,10 +70,16 @@ def cpu_kernel_unsupported(problem) -> Optional[str]:
 
 
 def _cpu_library_missing(problem) -> Optional[str]:
-    """None when the problem's compiled library loads (building it on first use), else what is missing."""
+    """None when the problem's compiled library loads (building it on first use), else what is missing.
+    Under torch.compile nothing is built (tracing cannot run a compiler): only a library this process has
+    already loaded counts."""
     if not cpu.enabled():
         return f"the compiled CPU kernels are switched off ({ENV_SWITCH}=0)"
     name = getattr(problem, "cpu_kernel", None)
+    if torch.compiler.is_compiling():
+        if name is None or not cpu.build.is_loaded(name):
+            return "the compiled CPU kernels are not loaded yet in this process (torch.compile cannot build them)"
+        return None
     if name is None or not cpu.available(name):
         return "the compiled CPU kernels could not be built (no working C compiler? set CC; see the notice above)"
     return None
@@ -111,6 +117,8 @@ def select_backend(backend: str, problem) -> str:
             return _fallback("cpu", why)
         missing = _cpu_library_missing(problem)
         if missing is not None:
+            if torch.compiler.is_compiling():  # not an error: the same call outside torch.compile builds them
+                return _fallback("cpu", missing)
             raise BackendUnavailableError(f"backend='cpu': {missing}; use backend='auto' or 'torch'")
         return "cpu"
     if not available():
@@ -157,6 +165,33 @@ def triton_linear_attention(p):
         num, den, kv, z = fused_recurrent_linear_attention(*args, **kw)
     else:
         num, den, kv, z = chunk_linear_attention(*args, chunk_size=p.chunk_size, **kw)
+    return num.view(B, T, H, V), (den.view(B, T, H) if den is not None else None), kv, z
+
+
+def cpu_linear_attention(p):
+    """A prepared `linear_attention` call on the compiled CPU kernels (linattn/cpu/linear.py): the features by
+    PyTorch in the compute dtype (fp32, fp64 for fp64 inputs; autograd differentiates the map), the chunk form
+    compiled. -> num [B, T, H, V], den [B, T, H] or None, final kv and z (or None), in the compute dtype."""
+    from ..cpu.linear import FMAPS, chunk_linear_attention
+
+    B, T, H = p.q.shape[:3]
+    V = p.v.shape[-1]
+    cdt = torch.float64 if p.q.dtype == torch.float64 else torch.float32
+    norm = bool(p.normalize or p.output_final_state)  # the final state always carries z
+    fused = p.fmap.fused_kernel if p.fmap.fused_kernel in FMAPS and not p.fmap.positional else None
+    with torch.autocast("cpu", enabled=False):  # the features in the compute dtype, as on the PyTorch path
+        if fused is not None:  # phi(scale q), psi(k) inside the kernels: one pass, the same bits at every position
+            fq, fk, scale = p.q.to(cdt), p.k.to(cdt), p.scale
+        else:
+            (fq, fk), scale = p.features(cdt), 1.0
+        g = _flat(p.log_gate.to(cdt)) if p.log_gate is not None else None
+        S0 = None
+        if p.state is not None:
+            kv0 = p.state.kv.to(cdt)
+            S0 = (torch.cat([kv0, p.state.z.to(cdt).unsqueeze(-1)], dim=-1) if norm else kv0).contiguous()
+        num, den, S = chunk_linear_attention(_flat(fq), _flat(fk), _flat(p.v.to(cdt)), g, S0, starts=_starts(p),
+                                             chunk_size=p.chunk_size, norm=norm, fmap=fused, scale=scale)
+    kv, z = (S[..., :V], S[..., V]) if norm else (S, None)
     return num.view(B, T, H, V), (den.view(B, T, H) if den is not None else None), kv, z
 
 

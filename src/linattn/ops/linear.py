@@ -45,6 +45,7 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from ..cpu import MAX_CHUNK as CPU_MAX_CHUNK
 from ..errors import LinattnError, LinattnTypeError
 from ..feature_maps import FeatureMap, get_feature_map
 from ..triton import triton_chunk_size
@@ -52,6 +53,7 @@ from ._common import (
     _reads_values,
     causal_matmul,
     check_cu_seqlens,
+    check_finite_output,
     check_log_gate,
     check_mode,
     check_qkv,
@@ -60,7 +62,7 @@ from ._common import (
     compute_dtype,
     pad_time,
 )
-from .backend import requires_grad, select_backend, triton_linear_attention
+from .backend import cpu_linear_attention, requires_grad, select_backend, triton_linear_attention
 from .linear_chunk import FUSED, linear_chunk
 
 # Log-scale of an empty state, and log-feature of a padding key: finite, so that differences
@@ -433,6 +435,25 @@ class LinearProblem:
     def diagonal_gate(self) -> bool:
         return self.log_gate is not None and self.log_gate.dim() == 4
 
+    cpu_kernel = "linear"  # the compiled CPU library (linattn/cpu/csrc/linear.c)
+
+    def cpu_unsupported(self) -> Optional[str]:
+        """Why the compiled CPU kernels do not cover this call (None when they do): the causal chunk form of the
+        linear-space maps with no gate or a scalar one; any float dtype (computed in fp32, fp64 for fp64)."""
+        if self.q.device.type != "cpu":
+            return f"the compiled kernels run on CPU tensors, not {self.q.device.type}"
+        if self.mode != "chunk":
+            return f"mode={self.mode!r} has no compiled CPU kernel (chunk has)"
+        if not self.causal:
+            return "causal=False has no compiled CPU kernel"
+        if self.fmap.log_space:
+            return f"log-space feature maps ({self.fmap.name}) have no compiled CPU kernel"
+        if self.diagonal_gate:
+            return "diagonal gates g [B, T, H, K] (GLA) have no compiled CPU kernel"
+        if self.chunk_size > CPU_MAX_CHUNK:
+            return f"chunk_size > {CPU_MAX_CHUNK} has no compiled CPU kernel"
+        return None
+
     def triton_unsupported(self) -> Optional[str]:
         """Why the Triton kernels do not cover this call (None when they do)."""
         if self.q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -729,9 +750,10 @@ def finish(p: LinearProblem, num, den, c, kv, z, mu) -> Tuple[torch.Tensor, Opti
 
 
 def run_linear_attention(p: LinearProblem, backend: str = "auto"):
-    """Run a prepared call on `backend` ("auto", "torch" or "triton")."""
-    if select_backend(backend, p) == "triton":
-        num, den, kv, z = triton_linear_attention(p)
+    """Run a prepared call on `backend` ("auto", "torch", "triton" or "cpu")."""
+    chosen = select_backend(backend, p)
+    if chosen in ("triton", "cpu"):
+        num, den, kv, z = triton_linear_attention(p) if chosen == "triton" else cpu_linear_attention(p)
         return finish(p, num, den, None, kv, z, None)
     # the forms compute in the prepared compute dtype (fp32 for half inputs): autocast must not take their
     # products back to bf16/fp16 (nor meet the fast form's in-place products)
@@ -778,10 +800,12 @@ def linear_attention(
     The state (see `LinearAttentionState`) round-trips between modes and calls. cu_seqlens
     (int64 `[N+1]`, B == 1) packs N independent sequences; the state then has N rows.
     Inputs of any float dtype; accumulation in fp32 (fp64 for fp64 inputs); output in the input dtype.
-    backend: "auto" (Triton kernels for CUDA tensors when Triton is installed and covers the call,
-    PyTorch otherwise), "torch", or "triton" (on CPU only under TRITON_INTERPRET=1); see docs/triton.md.
+    backend: "auto" (Triton kernels for CUDA tensors when Triton is installed and covers the call, the
+    compiled CPU kernels for CPU tensors when they build and cover it, PyTorch otherwise), "torch", "triton"
+    (on CPU only under TRITON_INTERPRET=1; see docs/triton.md) or "cpu" (see docs/cpu_kernels.md).
     """
     p = prepare_linear_attention(q, k, v, feature_map=feature_map, causal=causal, normalize=normalize, gamma=gamma,
                                  g=g, scale=scale, mode=mode, chunk_size=chunk_size, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens, eps=eps)
-    return run_linear_attention(p, backend)
+    # finite inputs whose kernel values or sums exceed the dtype: a clear error, not NaN (issue 33.4)
+    return check_finite_output(run_linear_attention(p, backend), "linear_attention", q=q, k=k, v=v)

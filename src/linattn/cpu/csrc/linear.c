@@ -1,0 +1,492 @@
+/* Causal linear attention, chunk form, forward and backward, for linear-space features (phi(q), psi(k) given)
+   with no gate or a scalar log-gate per token and head (gamma and Mamba2-style g). Portable C11 + OpenMP.
+
+   Layout: tokens of all sequences in rows, q, k [TT, H, K], v [TT, H, V], g [TT, H] (or NULL), num [TT, H, V],
+   den [TT, H]; sequence s holds rows starts[s] .. starts[s+1]. W = V + 1 when the normaliser is computed (a
+   column of ones beside V: the state is [kv | z]), else W = V. States [N, H, K, W]; chunk-start states
+   P [NC, H, K, W] (NC chunks of at most C rows, never crossing a sequence boundary, in row order).
+
+   Per chunk (G the gate's cumulative sum inside the chunk, GL its last value, decay D_ij = exp(G_i - G_j)):
+     A_ij = (q_i . k_j) D_ij (j <= i),   o_i = sum_{j<=i} A_ij v_j + exp(G_i) q_i^T P_c,
+     P_{c+1} = exp(GL) P_c + sum_j exp(GL - G_j) k_j v_j^T.
+   Three passes, each parallel (OpenMP, num_threads from the caller): every chunk's own state update U_c, the
+   running sum over the chunks of each (sequence, head), then every chunk's outputs. The backward pass mirrors
+   them with the reverse running sum of the state gradients.
+
+   Causality: a row's output uses only rows <= it (triangular products by selection, never a multiply by 0) and
+   chunk states summed in a fixed order over earlier chunks; a chunk is always computed on C rows (the tail
+   zero-padded), so a row's bits do not depend on how many rows follow it. No -ffast-math: inf and NaN propagate
+   as in the PyTorch forms.
+
+   The body below is compiled twice, for float (_f32) and double (_f64), by including this file into itself. */
+#ifndef LINATTN_LINEAR_BODY
+#define LINATTN_LINEAR_BODY
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int64_t seq, t0, len;
+} lin_chunk_t;
+
+/* the chunks of every sequence, in row order; first[s] = index of sequence s's first chunk (first[N] = NC) */
+static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk_t *out, int64_t *first) {
+    int64_t nc = 0;
+    for (int64_t s = 0; s < N; s++) {
+        first[s] = nc;
+        for (int64_t t = starts[s]; t < starts[s + 1]; t += C) {
+            if (out) {
+                out[nc].seq = s;
+                out[nc].t0 = t;
+                out[nc].len = (starts[s + 1] - t < C) ? starts[s + 1] - t : C;
+            }
+            nc++;
+        }
+    }
+    first[N] = nc;
+    return nc;
+}
+
+/* exp(x) for float in plain arithmetic, so that loops over it vectorise (libm's expf is a call per element) and
+   every element gets the same bits wherever it sits in a vector (prefix runs reproduce the full run's features).
+   x = n ln2 + r, |r| <= ln2 / 2; exp(r) by its degree-7 Taylor polynomial (error < 1e-8 relative); 2^n applied in
+   two halves so that results down to the subnormals and up to the overflow to inf come out right. NaN stays NaN,
+   exp(-inf) = 0, exp(inf) = inf. */
+static inline float lin_expf(float x) {
+    float xc = x < -104.0f ? -104.0f : (x > 100.0f ? 100.0f : x);
+    xc = x == x ? xc : 0.0f; /* NaN: computed on 0 (no float-to-int conversion of NaN), then NaN returned */
+    const float t = xc * 1.44269504088896341f;
+    const float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest (|t| < 2^22) */
+    const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t ni = (int32_t)n, n1 = ni / 2, n2 = ni - n1;
+    const int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+    float s1, s2;
+    memcpy(&s1, &b1, 4);
+    memcpy(&s2, &b2, 4);
+    const float y = (p * s1) * s2;
+    return x < -104.0f ? 0.0f : (x != x ? x : y);
+}
+
+int64_t linattn_linear_nchunks(int64_t N, const int64_t *starts, int64_t C) {
+    int64_t nc = 0;
+    for (int64_t s = 0; s < N; s++) nc += (starts[s + 1] - starts[s] + C - 1) / C;
+    return nc;
+}
+
+#define REAL float
+#define FN(name) name##_f32
+#include "gemm.h"
+#include "linear.c"
+#undef REAL
+#undef FN
+
+#define REAL double
+#define FN(name) name##_f64
+#include "gemm.h"
+#include "linear.c"
+#undef REAL
+#undef FN
+
+#else /* ------------------------------------------------------------------ the body, once per REAL */
+
+static inline REAL FN(lin_exp)(REAL x) { return sizeof(REAL) == 4 ? (REAL)lin_expf((float)x) : (REAL)exp((double)x); }
+
+/* the in-kernel feature maps, applied in place to a row of D values: 0 identity (features given), 1 relu,
+   2 elu+1 (= x + 1 for x > 0, exp(x) otherwise); the queries are scaled first (phi(scale q)). NaN stays NaN. */
+static void FN(lin_map)(REAL *restrict x, int D, int fmap, REAL sc) {
+    if (sc != 1)
+        for (int d = 0; d < D; d++) x[d] *= sc;
+    if (fmap == 1) {
+#pragma omp simd
+        for (int d = 0; d < D; d++) x[d] = x[d] < 0 ? 0 : x[d];
+    } else if (fmap == 2) {
+#pragma omp simd
+        for (int d = 0; d < D; d++) x[d] = x[d] > 0 ? x[d] + 1 : FN(lin_exp)(x[d]);
+    }
+}
+
+/* dx = dphi * phi'(x) * sc from the features phi alone, in place on dx */
+static void FN(lin_map_grad)(REAL *restrict dx, const REAL *restrict phi, int D, int fmap, REAL sc) {
+    if (fmap == 1) {
+        for (int d = 0; d < D; d++) dx[d] = phi[d] > 0 ? dx[d] : 0;
+    } else if (fmap == 2) { /* slope 1 where phi > 1 (x > 0), phi = exp(x) otherwise */
+#pragma omp simd
+        for (int d = 0; d < D; d++) dx[d] *= phi[d] > 1 ? 1 : phi[d];
+    }
+    if (sc != 1)
+        for (int d = 0; d < D; d++) dx[d] *= sc;
+}
+
+/* rows of x [TT, H, D] into buf [C][D] as features (lin_load + lin_map on the real rows) */
+static void FN(lin_load)(const REAL *x, int64_t t0, int64_t H, int64_t h, int D, int len, int C, REAL *buf, int ld);
+static void FN(lin_load_feat)(const REAL *x, int64_t t0, int64_t H, int64_t h, int D, int len, int C, REAL *buf,
+                              int fmap, REAL sc) {
+    FN(lin_load)(x, t0, H, h, D, len, C, buf, D);
+    for (int i = 0; i < len; i++) FN(lin_map)(buf + (int64_t)i * D, D, fmap, sc);
+}
+
+/* G[i] = cumulative log-gate of the chunk's row i (rows >= len repeat the last value); returns G[len-1] */
+static REAL FN(lin_cumgate)(const REAL *g, int64_t t0, int64_t H, int64_t h, int len, int C, REAL *G) {
+    REAL s = 0;
+    for (int i = 0; i < len; i++) {
+        s += g[(t0 + i) * H + h];
+        G[i] = s;
+    }
+    for (int i = len; i < C; i++) G[i] = s;
+    return s;
+}
+
+/* rows t0 .. t0+len of x [TT, H, D] (head h) into buf [C][ld] (columns 0..D), zero-padding rows len..C */
+static void FN(lin_load)(const REAL *x, int64_t t0, int64_t H, int64_t h, int D, int len, int C, REAL *buf, int ld) {
+    for (int i = 0; i < len; i++) memcpy(buf + (int64_t)i * ld, x + ((t0 + i) * H + h) * D, sizeof(REAL) * D);
+    for (int i = len; i < C; i++) memset(buf + (int64_t)i * ld, 0, sizeof(REAL) * ld);
+}
+
+/* v rows into Vb [C][W] with the ones column (W = V + 1) for real rows */
+static void FN(lin_load_v)(const REAL *v, int64_t t0, int64_t H, int64_t h, int V, int W, int len, int C, REAL *Vb) {
+    FN(lin_load)(v, t0, H, h, V, len, C, Vb, W);
+    if (W > V)
+        for (int i = 0; i < len; i++) Vb[(int64_t)i * W + V] = 1;
+}
+
+int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t K64, int64_t V64, int64_t C64,
+                           int norm, int fmap, double scale, const REAL *q, const REAL *k, const REAL *v, const REAL *g, const REAL *S0,
+                           REAL *num, REAL *den, REAL *P, REAL *S_out, int nthreads) {
+    const int K = (int)K64, V = (int)V64, C = (int)C64, W = V + (norm ? 1 : 0);
+    const int64_t KW = (int64_t)K * W;
+    int64_t *first = malloc(sizeof(int64_t) * (N + 1));
+    if (!first) return -1;
+    const int64_t NC = lin_chunks(N, starts, C, NULL, first);
+    lin_chunk_t *ch = malloc(sizeof(lin_chunk_t) * (NC > 0 ? NC : 1));
+    REAL *gl = malloc(sizeof(REAL) * (NC * H > 0 ? NC * H : 1));
+    if (!ch || !gl) {
+        free(first), free(ch), free(gl);
+        return -1;
+    }
+    lin_chunks(N, starts, C, ch, first);
+    int failed = 0;
+    const REAL sc = (REAL)scale;
+    const size_t scratch = (size_t)(3 * C * K + K * C + C * W + C * C + C * W + C);
+#pragma omp parallel num_threads(nthreads)
+    {
+        REAL *buf = malloc(sizeof(REAL) * scratch);
+        REAL *Q = buf, *Qd = Q + C * K, *Kt = Qd + C * K, *Vb = Kt + K * C, *A = Vb + C * W, *O = A + C * C,
+             *G = O + C * W, *Km = G + C;
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* 1. every chunk's state update U_c = sum_j exp(GL - G_j) k_j v_j^T, into P[c] for now */
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t task = 0; task < NC * H; task++) {
+            if (!buf) continue;
+            const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
+            const int len = (int)ch[c].len;
+            REAL *U = P + task * KW;
+            FN(lin_load_v)(v, t0, H, h, V, W, len, C, Vb);
+            FN(lin_load_feat)(k, t0, H, h, K, len, C, Km, fmap, 1);
+            FN(transpose)(C, K, Km, K, Kt); /* Kt [K][C]: keys transposed (decayed to the chunk's end below) */
+            if (g) {
+                const REAL GL = FN(lin_cumgate)(g, t0, H, h, len, C, G);
+                gl[task] = GL;
+                for (int i = 0; i < len; i++) {
+                    const REAL e = FN(lin_exp)(GL - G[i]);
+                    for (int d = 0; d < K; d++) Kt[(int64_t)d * C + i] *= e;
+                }
+            }
+            memset(U, 0, sizeof(REAL) * KW);
+            FN(gemm)(K, W, len, Kt, C, Vb, W, U, W);
+        }
+        /* 2. the running sum over each sequence's chunks: P[c] = the state before chunk c */
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < N * H; task++) {
+            if (!buf) continue;
+            const int64_t s = task / H, h = task % H;
+            REAL *S = O; /* K * W <= C * W is not guaranteed: use a heap row when K > C */
+            REAL *heap = NULL;
+            if (K > C) {
+                heap = malloc(sizeof(REAL) * KW);
+                if (!heap) {
+#pragma omp atomic write
+                    failed = 1;
+                    continue;
+                }
+                S = heap;
+            }
+            if (S0) memcpy(S, S0 + task * KW, sizeof(REAL) * KW);
+            else memset(S, 0, sizeof(REAL) * KW);
+            for (int64_t c = first[s]; c < first[s + 1]; c++) {
+                REAL *Pc = P + (c * H + h) * KW;
+                if (g) {
+                    const REAL d = FN(lin_exp)(gl[c * H + h]);
+                    for (int64_t e = 0; e < KW; e++) {
+                        const REAL u = Pc[e];
+                        Pc[e] = S[e];
+                        S[e] = d * S[e] + u;
+                    }
+                } else {
+                    for (int64_t e = 0; e < KW; e++) {
+                        const REAL u = Pc[e];
+                        Pc[e] = S[e];
+                        S[e] = S[e] + u;
+                    }
+                }
+            }
+            if (S_out) memcpy(S_out + task * KW, S, sizeof(REAL) * KW);
+            free(heap);
+        }
+        /* 3. every chunk's outputs */
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t task = 0; task < NC * H; task++) {
+            if (!buf) continue;
+            const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
+            const int len = (int)ch[c].len;
+            const REAL *Pc = P + task * KW;
+            FN(lin_load_feat)(q, t0, H, h, K, len, C, Q, fmap, sc);
+            FN(lin_load_v)(v, t0, H, h, V, W, len, C, Vb);
+            FN(lin_load_feat)(k, t0, H, h, K, len, C, Km, fmap, 1);
+            FN(transpose)(C, K, Km, K, Kt);
+            memset(A, 0, sizeof(REAL) * C * C);
+            FN(gemm)(C, C, K, Q, K, Kt, C, A, C);
+            const REAL *Qs = Q;
+            if (g) {
+                FN(lin_cumgate)(g, t0, H, h, len, C, G);
+                for (int i = 0; i < C; i++) {
+                    for (int j = 0; j <= i; j++) A[(int64_t)i * C + j] *= FN(lin_exp)(G[i] - G[j]);
+                    const REAL e = FN(lin_exp)(G[i]);
+                    for (int d = 0; d < K; d++) Qd[(int64_t)i * K + d] = e * Q[(int64_t)i * K + d];
+                }
+                Qs = Qd;
+            }
+            memset(O, 0, sizeof(REAL) * C * W);
+            FN(gemm)(C, W, K, Qs, K, Pc, W, O, W);
+            FN(gemm_lo)(C, W, A, C, Vb, W, O, W);
+            for (int i = 0; i < len; i++) {
+                memcpy(num + ((t0 + i) * H + h) * V, O + (int64_t)i * W, sizeof(REAL) * V);
+                if (norm && den) den[(t0 + i) * H + h] = O[(int64_t)i * W + V];
+            }
+        }
+        free(buf);
+    }
+    free(first), free(ch), free(gl);
+    return failed ? -1 : 0;
+}
+
+int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t K64, int64_t V64, int64_t C64,
+                           int norm, int fmap, double scale, const REAL *q, const REAL *k, const REAL *v, const REAL *g, const REAL *P,
+                           const REAL *dnum, const REAL *dden, const REAL *dS, REAL *dq, REAL *dk, REAL *dv,
+                           REAL *dg, REAL *dS0, int nthreads) {
+    const int K = (int)K64, V = (int)V64, C = (int)C64, W = V + (norm ? 1 : 0);
+    const int64_t KW = (int64_t)K * W;
+    int64_t *first = malloc(sizeof(int64_t) * (N + 1));
+    if (!first) return -1;
+    const int64_t NC = lin_chunks(N, starts, C, NULL, first);
+    lin_chunk_t *ch = malloc(sizeof(lin_chunk_t) * (NC > 0 ? NC : 1));
+    REAL *gl = malloc(sizeof(REAL) * (NC * H > 0 ? NC * H : 1));
+    REAL *dP = malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1)); /* gradient of each chunk's end state */
+    if (!ch || !gl || !dP) {
+        free(first), free(ch), free(gl), free(dP);
+        return -1;
+    }
+    lin_chunks(N, starts, C, ch, first);
+    int failed = 0;
+    const REAL sc = (REAL)scale;
+    const int MX = K > W ? K : W;
+    const size_t scratch = (size_t)(3 * C * K + 2 * C * W + 2 * W * K + 4 * C * C + 3 * C * MX + 2 * C + MX * C);
+#pragma omp parallel num_threads(nthreads)
+    {
+        REAL *buf = malloc(sizeof(REAL) * scratch);
+        REAL *Q = buf, *Km = Q + C * K, *Qd = Km + C * K, *Vb = Qd + C * K, *dO = Vb + C * W, *Pt = dO + C * W,
+             *dPt = Pt + W * K, *A = dPt + W * K, *D = A + C * C, *dA = D + C * C, *T2 = dA + C * C,
+             *X = T2 + C * C, *Y = X + C * MX, *Z = Y + C * MX, *G = Z + C * MX, *dG = G + C, *Tr = dG + C;
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* 1. R_c = sum_i exp(G_i) q_i dO_i^T, every chunk's contribution to the gradient of its start state */
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t task = 0; task < NC * H; task++) {
+            if (!buf) continue;
+            const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
+            const int len = (int)ch[c].len;
+            REAL *R = dP + task * KW;
+            for (int i = 0; i < len; i++) {
+                const int64_t row = (t0 + i) * H + h;
+                for (int w = 0; w < V; w++) dO[(int64_t)i * W + w] = dnum ? dnum[row * V + w] : 0;
+                if (W > V) dO[(int64_t)i * W + V] = dden ? dden[row] : 0;
+            }
+            FN(lin_load_feat)(q, t0, H, h, K, len, C, Q, fmap, sc);
+            FN(transpose)(C, K, Q, K, Tr); /* Tr [K][C]: queries transposed (decayed below) */
+            if (g) {
+                gl[task] = FN(lin_cumgate)(g, t0, H, h, len, C, G);
+                for (int i = 0; i < len; i++) {
+                    const REAL e = FN(lin_exp)(G[i]);
+                    for (int d = 0; d < K; d++) Tr[(int64_t)d * C + i] *= e;
+                }
+            }
+            memset(R, 0, sizeof(REAL) * KW);
+            FN(gemm)(K, W, len, Tr, C, dO, W, R, W);
+        }
+        /* 2. reverse running sum: dP[c] = the gradient of the state after chunk c; dS0 = of the initial state */
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < N * H; task++) {
+            if (!buf) continue;
+            const int64_t s = task / H, h = task % H;
+            REAL *Dg = malloc(sizeof(REAL) * (KW > 0 ? KW : 1));
+            if (!Dg) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            if (dS) memcpy(Dg, dS + task * KW, sizeof(REAL) * KW);
+            else memset(Dg, 0, sizeof(REAL) * KW);
+            for (int64_t c = first[s + 1] - 1; c >= first[s]; c--) {
+                REAL *Rc = dP + (c * H + h) * KW;
+                const REAL d = g ? FN(lin_exp)(gl[c * H + h]) : 1;
+                for (int64_t e = 0; e < KW; e++) {
+                    const REAL r = Rc[e];
+                    Rc[e] = Dg[e];
+                    Dg[e] = g ? d * Dg[e] + r : Dg[e] + r;
+                }
+            }
+            if (dS0) memcpy(dS0 + task * KW, Dg, sizeof(REAL) * KW);
+            free(Dg);
+        }
+        /* 3. every chunk's input gradients */
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t task = 0; task < NC * H; task++) {
+            if (!buf) continue;
+            const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
+            const int len = (int)ch[c].len;
+            const REAL *Pc = P + task * KW, *dPn = dP + task * KW;
+            FN(lin_load_feat)(q, t0, H, h, K, len, C, Q, fmap, sc);
+            FN(lin_load_feat)(k, t0, H, h, K, len, C, Km, fmap, 1);
+            FN(lin_load_v)(v, t0, H, h, V, W, len, C, Vb);
+            for (int i = 0; i < C; i++) {
+                const int64_t row = (t0 + i) * H + h;
+                for (int w = 0; w < V; w++) dO[(int64_t)i * W + w] = (i < len && dnum) ? dnum[row * V + w] : 0;
+                if (W > V) dO[(int64_t)i * W + V] = (i < len && dden) ? dden[row] : 0;
+            }
+            REAL GL = 0;
+            if (g) {
+                GL = FN(lin_cumgate)(g, t0, H, h, len, C, G);
+                memset(dG, 0, sizeof(REAL) * C);
+            }
+            /* A = (Q K^T) * D */
+            FN(transpose)(C, K, Km, K, Tr); /* Tr [K][C] */
+            memset(A, 0, sizeof(REAL) * C * C);
+            FN(gemm)(C, C, K, Q, K, Tr, C, A, C);
+            if (g)
+                for (int i = 0; i < C; i++)
+                    for (int j = 0; j <= i; j++) {
+                        D[(int64_t)i * C + j] = FN(lin_exp)(G[i] - G[j]);
+                        A[(int64_t)i * C + j] *= D[(int64_t)i * C + j];
+                    }
+            /* dA = dO Vb^T (rows j <= i used); the gate's part; dM = dA * D, in place */
+            FN(transpose)(C, W, Vb, W, Tr); /* Tr [W][C] */
+            memset(dA, 0, sizeof(REAL) * C * C);
+            FN(gemm)(C, C, W, dO, W, Tr, C, dA, C);
+            if (g)
+                for (int i = 0; i < C; i++)
+                    for (int j = 0; j <= i; j++) {
+                        const REAL e = dA[(int64_t)i * C + j] * A[(int64_t)i * C + j];
+                        dG[i] += e;
+                        dG[j] -= e;
+                        dA[(int64_t)i * C + j] *= D[(int64_t)i * C + j];
+                    }
+            /* dq = dM K + exp(G_i) P_c dO_i */
+            REAL *dQ = Qd; /* Qd is free in this pass */
+            memset(dQ, 0, sizeof(REAL) * C * K);
+            FN(gemm_lo)(C, K, dA, C, Km, K, dQ, K);
+            FN(transpose)(K, W, Pc, W, Pt); /* Pt [W][K] */
+            if (g) {
+                memset(X, 0, sizeof(REAL) * C * K);
+                FN(gemm)(C, K, W, dO, W, Pt, K, X, K);
+                for (int i = 0; i < len; i++) {
+                    const REAL e = FN(lin_exp)(G[i]);
+                    REAL s = 0;
+                    for (int d = 0; d < K; d++) {
+                        const REAL x = e * X[(int64_t)i * K + d];
+                        dQ[(int64_t)i * K + d] += x;
+                        s += Q[(int64_t)i * K + d] * x;
+                    }
+                    dG[i] += s;
+                }
+            } else {
+                FN(gemm)(C, K, W, dO, W, Pt, K, dQ, K);
+            }
+            /* dk = dM^T Q + exp(GL - G_j) dPn v_j */
+            FN(transpose)(C, C, dA, C, T2); /* T2 = dM^T */
+            memset(Y, 0, sizeof(REAL) * C * K);
+            REAL *dK = Y;
+            FN(gemm_up)(C, K, C, T2, C, Q, K, dK, K);
+            FN(transpose)(K, W, dPn, W, dPt); /* dPt [W][K] */
+            if (g) {
+                memset(X, 0, sizeof(REAL) * C * K);
+                FN(gemm)(C, K, W, Vb, W, dPt, K, X, K);
+                REAL tot = 0;
+                for (int j = 0; j < len; j++) {
+                    const REAL e = FN(lin_exp)(GL - G[j]);
+                    REAL s = 0;
+                    for (int d = 0; d < K; d++) {
+                        const REAL x = e * X[(int64_t)j * K + d];
+                        dK[(int64_t)j * K + d] += x;
+                        s += Km[(int64_t)j * K + d] * x;
+                    }
+                    dG[j] -= s;
+                    tot += s;
+                }
+                REAL pp = 0; /* <dPn, P_c>: the carried state's decay */
+                for (int64_t e = 0; e < KW; e++) pp += dPn[e] * Pc[e];
+                if (len > 0) dG[len - 1] += tot + FN(lin_exp)(GL) * pp;
+            } else {
+                FN(gemm)(C, K, W, Vb, W, dPt, K, dK, K);
+            }
+            /* dv = A^T dO + exp(GL - G_j) dPn^T k_j */
+            FN(transpose)(C, C, A, C, T2); /* T2 = A^T */
+            REAL *dV = Z;
+            memset(dV, 0, sizeof(REAL) * C * W);
+            FN(gemm_up)(C, W, C, T2, C, dO, W, dV, W);
+            if (g) {
+                memset(X, 0, sizeof(REAL) * C * W);
+                FN(gemm)(C, W, K, Km, K, dPn, W, X, W);
+                for (int j = 0; j < len; j++) {
+                    const REAL e = FN(lin_exp)(GL - G[j]);
+                    for (int w = 0; w < V; w++) dV[(int64_t)j * W + w] += e * X[(int64_t)j * W + w];
+                }
+            } else {
+                FN(gemm)(C, W, K, Km, K, dPn, W, dV, W);
+            }
+            for (int i = 0; i < len; i++) {
+                const int64_t row = (t0 + i) * H + h;
+                FN(lin_map_grad)(dQ + (int64_t)i * K, Q + (int64_t)i * K, K, fmap, sc);
+                FN(lin_map_grad)(dK + (int64_t)i * K, Km + (int64_t)i * K, K, fmap, 1);
+                memcpy(dq + row * K, dQ + (int64_t)i * K, sizeof(REAL) * K);
+                memcpy(dk + row * K, dK + (int64_t)i * K, sizeof(REAL) * K);
+                memcpy(dv + row * V, dV + (int64_t)i * W, sizeof(REAL) * V);
+            }
+            if (g && dg) { /* dg_t = sum_{i >= t} dG_i inside the chunk */
+                REAL s = 0;
+                for (int i = len - 1; i >= 0; i--) {
+                    s += dG[i];
+                    dg[(t0 + i) * H + h] = s;
+                }
+            }
+        }
+        free(buf);
+    }
+    free(first), free(ch), free(gl), free(dP);
+    return failed ? -1 : 0;
+}
+
+#endif

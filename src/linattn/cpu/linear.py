@@ -1,0 +1,144 @@
+"""Causal linear attention, chunk form, on the compiled CPU kernels (csrc/linear.c): forward and backward.
+
+The kernels take prepared features (phi(scale q), psi(k), computed in PyTorch so that autograd differentiates
+the map), values and an optional scalar log-gate per token and head, all as rows [TT, H, D] of packed
+sequences (`starts`, N + 1 row offsets; a batch of B sequences of length T is starts = [0, T, 2T, ...]):
+
+    num_i = phi_i . (S_0 + sum_{j<=i} decay_ij psi_j v_j^T),   den_i = phi_i . (z_0 + sum_{j<=i} decay_ij psi_j)
+
+with decay_ij = exp(sum_{t=j+1..i} g_t). fp32 and fp64 (the same C code, compiled for both).
+
+Two custom ops, so that autograd and torch.compile see single ops: `linattn::cpu_linear_chunk_fwd` ->
+(num [TT, H, V], den [TT, H] (empty unless norm), final state [N, H, K, W], chunk-start states [NC, H, K, W])
+and `linattn::cpu_linear_chunk_bwd`, its registered backward (it reuses the chunk-start states). W = V + 1
+when norm (the normaliser's state z is the last column), else V.
+
+This module never imports linattn.ops; `ops/backend.py` lays a prepared call out for `chunk_linear_attention`.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..errors import LinattnError
+from . import c_double, c_i64, c_int, c_ptr, ptr, threads
+from .build import load_library
+
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+FMAPS = {None: 0, "identity": 0, "relu": 1, "elu+1": 2}  # the maps applied inside the kernels (None: features given)
+_READY = set()
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load_library("linear")
+    if lib is None:
+        raise LinattnError("the compiled CPU kernel 'linear' is not available (LINATTN_CPU_KERNELS=0 or no C "
+                           "compiler); use backend='torch'")
+    if id(lib) not in _READY:
+        for sfx in _SUFFIX.values():
+            f = getattr(lib, f"linattn_linear_fwd_{sfx}")
+            f.argtypes = [c_i64, c_ptr, c_i64, c_i64, c_i64, c_i64, c_int, c_int, c_double] + [c_ptr] * 9 + [c_int]
+            f.restype = c_int
+            b = getattr(lib, f"linattn_linear_bwd_{sfx}")
+            b.argtypes = [c_i64, c_ptr, c_i64, c_i64, c_i64, c_i64, c_int, c_int, c_double] + [c_ptr] * 13 + [c_int]
+            b.restype = c_int
+        _READY.add(id(lib))
+    return lib
+
+
+def n_chunks(starts: List[int], C: int) -> int:
+    return sum(-(-(b - a) // C) for a, b in zip(starts[:-1], starts[1:]))
+
+
+def _opt(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t.contiguous() if t is not None and t.numel() > 0 else None
+
+
+@torch.library.custom_op("linattn::cpu_linear_chunk_fwd", mutates_args=(), device_types="cpu")
+def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tensor], starts: List[int],
+         chunk_size: int, norm: bool, fmap: int, scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    W = V + int(norm)
+    N = len(starts) - 1
+    q, k, v, g, S0 = q.contiguous(), k.contiguous(), v.contiguous(), _opt(g), _opt(S0)
+    num = q.new_empty(TT, H, V)
+    den = q.new_empty(TT, H) if norm else q.new_empty(0)
+    S = q.new_empty(N, H, K, W)
+    P = q.new_empty(n_chunks(starts, chunk_size), H, K, W)
+    st = torch.tensor(starts, dtype=torch.int64)
+    fn = getattr(_lib(), f"linattn_linear_fwd_{_SUFFIX[q.dtype]}")
+    rc = fn(N, ptr(st), H, K, V, chunk_size, int(norm), fmap, scale, ptr(q), ptr(k), ptr(v), ptr(g), ptr(S0), ptr(num),
+            ptr(den) if norm else None, ptr(P), ptr(S), threads())
+    if rc != 0:
+        raise MemoryError("linattn: the compiled linear-attention kernel could not allocate its scratch memory")
+    return num, den, S, P
+
+
+@_fwd.register_fake
+def _(q, k, v, g, S0, starts, chunk_size, norm, fmap, scale):
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    W = V + int(norm)
+    return (q.new_empty(TT, H, V), q.new_empty(TT, H) if norm else q.new_empty(0),
+            q.new_empty(len(starts) - 1, H, K, W), q.new_empty(n_chunks(starts, chunk_size), H, K, W))
+
+
+@torch.library.custom_op("linattn::cpu_linear_chunk_bwd", mutates_args=(), device_types="cpu")
+def _bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], P: Tensor, dnum: Optional[Tensor],
+         dden: Optional[Tensor], dS: Optional[Tensor], starts: List[int], chunk_size: int,
+         norm: bool, fmap: int, scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    W = V + int(norm)
+    N = len(starts) - 1
+    q, k, v, g, P = q.contiguous(), k.contiguous(), v.contiguous(), _opt(g), P.contiguous()
+    dnum, dden, dS = _opt(dnum), _opt(dden) if norm else None, _opt(dS)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg = q.new_zeros(TT, H) if g is not None else q.new_empty(0)
+    dS0 = q.new_empty(N, H, K, W)
+    st = torch.tensor(starts, dtype=torch.int64)
+    fn = getattr(_lib(), f"linattn_linear_bwd_{_SUFFIX[q.dtype]}")
+    rc = fn(N, ptr(st), H, K, V, chunk_size, int(norm), fmap, scale, ptr(q), ptr(k), ptr(v), ptr(g), ptr(P), ptr(dnum),
+            ptr(dden), ptr(dS), ptr(dq), ptr(dk), ptr(dv), ptr(dg) if g is not None else None, ptr(dS0), threads())
+    if rc != 0:
+        raise MemoryError("linattn: the compiled linear-attention kernel could not allocate its scratch memory")
+    return dq, dk, dv, dg, dS0
+
+
+@_bwd.register_fake
+def _(q, k, v, g, P, dnum, dden, dS, starts, chunk_size, norm, fmap, scale):
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(TT, H) if g is not None else q.new_empty(0), q.new_empty(len(starts) - 1, H, K, V + int(norm)))
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, g, S0, starts, chunk_size, norm, fmap, scale = inputs
+    ctx.save_for_backward(q, k, v, g, output[3])
+    ctx.args = (starts, chunk_size, norm, fmap, scale, S0 is not None)
+
+
+def _backward(ctx, dnum, dden, dS, dP):
+    q, k, v, g, P = ctx.saved_tensors
+    starts, chunk_size, norm, fmap, scale, has_S0 = ctx.args
+    dq, dk, dv, dg, dS0 = _bwd(q, k, v, g, P, dnum, dden, dS, starts, chunk_size, norm, fmap, scale)
+    return dq, dk, dv, (dg if g is not None else None), (dS0 if has_S0 else None), None, None, None, None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tensor], *,
+                           starts: List[int], chunk_size: int, norm: bool, fmap: Optional[str] = None,
+                           scale: float = 1.0) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+    """q, k [TT, H, K] (features, or the inputs of `fmap`, one of FMAPS: phi(scale q), psi(k) are then computed in
+    the kernels), v [TT, H, V], g [TT, H] log-gate or None, S0 [N, H, K, W] or None, all of one dtype (fp32 or fp64).
+    -> (num [TT, H, V], den [TT, H] or None (norm=False), final state [N, H, K, W])."""
+    num, den, S, _ = _fwd(q, k, v, g, S0, [int(s) for s in starts], int(chunk_size), bool(norm), FMAPS[fmap],
+                          float(scale))
+    return num, (den if norm else None), S
