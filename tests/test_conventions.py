@@ -185,3 +185,42 @@ def test_log_gates_near_the_dtype_lowest_value(mode, channel):
     ref_o, ref_S = delta_rule_ref(q, k, v, beta, g=g, qk_l2norm=True)
     assert torch.isfinite(o).all()
     assert rel_err(o, ref_o) < 1e-5 and rel_err(S, ref_S) < 1e-5
+
+
+# ------------------------------------------------------------------ 33.7: the parallel form's precision
+
+@pytest.mark.parametrize("gate", ["head", "channel"])
+def test_parallel_fp32_as_accurate_as_chunk_at_T1000(gate):
+    # fast gates (mean -0.4 per token: the sum reaches ~ -400): the parallel form's whole-sequence cumulative
+    # sum in fp32 made it 13-20x less accurate than chunk (5.5e-6 vs 4.1e-7 here); its gate sums are now fp64
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K, V = 1, 1000, 2, 16, 16
+    q, k, v = (torch.randn(B, T, H, D, generator=gen, dtype=torch.float64) for D in (K, K, V))
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    g = -0.8 * torch.rand(B, T, H, *((K,) if gate == "channel" else ()), generator=gen, dtype=torch.float64)
+    ref = delta_rule_ref(q, k, v, beta, g=g, qk_l2norm=True)[0]
+    err = {}
+    for mode in ("parallel", "chunk"):
+        o, _ = linattn.delta_rule(q.float(), k.float(), v.float(), beta.float(), g=g.float(), qk_l2norm=True,
+                                  mode=mode, backend="torch")
+        err[mode] = rel_err(o, ref)
+    assert err["parallel"] <= 2 * err["chunk"], err
+
+
+def test_parallel_long_block_gradients_match_reference():
+    # the fp64 gate sums of a long block keep exact gradients (g's gradient comes back in fp32)
+    gen = torch.Generator().manual_seed(1)
+    B, T, H, K, V = 1, 70, 1, 4, 3
+    q, k, v = (torch.randn(B, T, H, D, generator=gen) for D in (K, K, V))
+    beta = torch.rand(B, T, H, generator=gen)
+    for shape in ((B, T, H), (B, T, H, K)):
+        g = (-torch.rand(*shape, generator=gen)).requires_grad_()
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, beta)]
+        o, _ = linattn.delta_rule(*leaves, g=g, qk_l2norm=True, mode="parallel", backend="torch")
+        o.square().sum().backward()
+        ref_leaves = [x.double().requires_grad_() for x in (q, k, v, beta)]
+        g64 = g.detach().double().requires_grad_()
+        delta_rule_ref(*ref_leaves, g=g64, qk_l2norm=True)[0].square().sum().backward()
+        assert g.grad.dtype == torch.float32
+        for a, b in zip(leaves + [g], ref_leaves + [g64]):
+            assert rel_err(a.grad, b.grad) < 1e-5

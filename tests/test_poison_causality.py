@@ -123,7 +123,12 @@ def test_delta_poison_stays_later(variant, mode, where, value, t):
     out = run(q, kp, vp, gate, beta)
     assert torch.isfinite(out[:, :t]).all()
     assert torch.equal(out[:, :t], clean[:, :t])
-    assert not torch.isfinite(out[0, t:]).all()
+    if variant == "efla" and where == "k" and value == 1e30:
+        # a huge finite key is an ordinary input for EFLA, whose write strength (1 - exp(-beta |k|^2)) / |k|^2
+        # is bounded: finite outputs since ||k||^2 is formed without overflow (issue 33.4)
+        assert torch.isfinite(out).all()
+    else:
+        assert not torch.isfinite(out[0, t:]).all()
     if mode == "chunk":
         p = lambda x: _prefix(x, t)  # noqa: E731
         assert torch.equal(out[:, :t], run(p(q), p(k), p(v), p(gate), p(beta)))

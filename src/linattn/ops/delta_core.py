@@ -100,6 +100,7 @@ PSI_SERIES_BELOW = 0.1  # ... and its lam-derivative below x = 0.1
 # per-token log-gates below -LOG_GATE_FLOOR are raised to it: exp() of either is exactly 0 in every dtype, and
 # a cumulative sum of gates near the dtype's lowest value would reach -inf (then -inf - -inf = NaN)
 LOG_GATE_FLOOR = 1e4
+WIDE_GATES_ABOVE = 64    # blocks longer than this (the parallel form) sum fp32 gates in fp64 (`_wy_blocks`)
 
 
 def _efla_value(beta: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
@@ -193,7 +194,8 @@ class _DecayedScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y, Gx, Gy, keep):
-        E = torch.exp((Gx.unsqueeze(-2) - Gy.unsqueeze(-3)).masked_fill(~keep[..., None], float("-inf")))
+        # Gx, Gy may be fp64 (a long block's gate sums, `_wy_blocks`): E in x's dtype
+        E = torch.exp((Gx.unsqueeze(-2) - Gy.unsqueeze(-3)).masked_fill(~keep[..., None], float("-inf"))).to(x.dtype)
         ctx.save_for_backward(x, y, E)
         return (x.unsqueeze(-2) * E * y.unsqueeze(-3)).sum(-1)
 
@@ -227,10 +229,10 @@ def _channel_scores(x, y, Gx, Gy, strict: bool) -> torch.Tensor:
         return diag.reshape(*lead, c, c)[..., :C, :C]
     # a query after sub-block I and I's keys, through I's last log-decay R_I: two factors <= 1, one matmul
     R = Gyb[..., -1, :]                                                              # [.., m, K]
-    y_R = yb * torch.exp(R.unsqueeze(-2) - Gyb)                                      # [.., m, c, K]
+    y_R = yb * torch.exp(R.unsqueeze(-2) - Gyb).to(yb.dtype)                         # [.., m, c, K]
     after = (torch.arange(Cp, device=x.device) // c)[None, :] > torch.arange(m, device=x.device)[:, None]
     x_R = x.unsqueeze(-3) * torch.exp((Gx.unsqueeze(-3) - R.unsqueeze(-2)).masked_fill(~after[..., None],
-                                                                                       float("-inf")))
+                                                                                       float("-inf"))).to(x.dtype)
     across = x_R @ y_R.transpose(-1, -2)                                             # [.., m (I), Cp (t), c]
     # the diagonal sub-blocks from `diag`, chosen (not added: a NaN key of one sub-block must not reach another)
     own = torch.eye(m, dtype=torch.bool, device=x.device)[:, None, :, None]           # [m, 1, m, 1]
@@ -248,24 +250,34 @@ def _wy_blocks(q, k, v, b, r, g):
         A, qk = kb_r @ k.transpose(-1, -2), q @ k.transpose(-1, -2)
         q_dec, k_dec, block_decay, w_rhs = q, k, None, kb_r
     else:
+        # a long block (the parallel form: C = T) sums its gates in fp64: in fp32 a sum near -400 carries an
+        # absolute error ~3e-5 into every exp(G_t - G_i), even for neighbours (issue 33.7); the exponentials are
+        # taken in that dtype and cast back (`ex`), so everything else stays in q's dtype
+        if C > WIDE_GATES_ABOVE and g.dtype == torch.float32:
+            g = g.double()
+        dt = q.dtype
+
+        def ex(x):
+            return torch.exp(x).to(dt)
+
         G = g.cumsum(-2 if g.dim() == q.dim() else -1)               # [..., C(, K)], local to the block
         Gr = G if r is None else G - g                                # the read key's log-decay
         if g.dim() == q.dim():  # per channel: sub-blocks (module docstring), every exponent <= 0
             qk = _channel_scores(q, k, G, G, strict=False)
             A = _channel_scores(kb_r, k, Gr, G, strict=True)
-            eG = torch.exp(G)
-            q_dec, w_rhs = q * eG, kb_r * torch.exp(Gr)
-            k_dec = k * torch.exp(G[..., -1:, :] - G)
+            eG = ex(G)
+            q_dec, w_rhs = q * eG, kb_r * ex(Gr)
+            k_dec = k * ex(G[..., -1:, :] - G)
             block_decay = eG[..., -1, :].unsqueeze(-1)                # [..., K, 1]
         else:                   # per head: matmuls times exp(G_t - G_i)
             incl = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
             strict = incl.tril(-1)  # a given read key sees e^{G_{t-1} - G_i}: only i < t is ever used (and <= 0)
-            D = torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~incl, float("-inf")))
-            Dr = D if r is None else torch.exp((Gr.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~strict, float("-inf")))
+            D = ex((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~incl, float("-inf")))
+            Dr = D if r is None else ex((Gr.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~strict, float("-inf")))
             A, qk = (kb_r @ k.transpose(-1, -2)) * Dr, (q @ k.transpose(-1, -2)) * D
-            eG = torch.exp(G)
-            q_dec, w_rhs = q * eG.unsqueeze(-1), kb_r * torch.exp(Gr).unsqueeze(-1)
-            k_dec = k * torch.exp(G[..., -1:] - G).unsqueeze(-1)
+            eG = ex(G)
+            q_dec, w_rhs = q * eG.unsqueeze(-1), kb_r * ex(Gr).unsqueeze(-1)
+            k_dec = k * ex(G[..., -1:] - G).unsqueeze(-1)
             block_decay = eG[..., -1:].unsqueeze(-1)                  # [..., 1, 1]
     # in place on fresh intermediates that no backward needs; the diagonal of A is the implicit 1.
     # (I + A)^-1 by one triangular solve against the identity (C right-hand sides), then two batched
