@@ -12,8 +12,11 @@ A checkpoint is written into a hidden temporary folder (every file flushed and f
 then renamed to `step_N` (one atomic rename), and only then is `latest` replaced (write a temp
 file, rename). A crash at any point leaves either the previous checkpoint or the new one, never a
 half-written one: readers only look at complete `step_*` folders, and `find_latest_checkpoint`
-falls back to the newest complete folder when `latest` is missing or stale. Older step folders
-beyond `keep_last` are removed only after the new one is in place.
+falls back to the newest complete folder when `latest` is missing or stale (naming, in one warning
+line each, the newer step folders it skips and why). With `keep_last` K, the older step folders
+beyond K - 1 are removed before the new one is written, so that a full disk can be relieved by a
+lower K, but the newest one always stays until the new one is in place: never zero checkpoints.
+Every file gets the mode the umask gives (safetensors' private temporary file would leave 0600).
 
 The model config dict names its model family under "arch" (`linattn.models.family`); loading
 builds the family's model from it. Dicts without "arch" (the first checkpoints) are "lm" configs.
@@ -24,10 +27,11 @@ checks it against config.json, so weights of another architecture with the same 
 
 Loading checks what it reads: config.json's step, model and train sections, finite weights, and a
 training state that loads with `weights_only=True`; any failure is a one-line CheckpointError. A
-failed write (a full disk) is a `CheckpointWriteError` (also an OSError) that leaves the previous
-checkpoint in place. Only folders of our format are ever removed (`is_checkpoint_dir`), and the
-temporary files and folders of an interrupted save are removed only when their writer (the pid in
-their name) is dead (`remove_stale_temps`).
+failed write of any file of a save (a full disk, whether the writer says so with an OSError, torch's
+RuntimeError or safetensors' error) is a one-line `CheckpointWriteError` (also an OSError) naming the
+file, that leaves the previous checkpoint in place. Only folders of our format are ever removed
+(`is_checkpoint_dir`), and the temporary files and folders of an interrupted save are removed only
+when their writer (the pid in their name) is dead (`remove_stale_temps`).
 """
 from __future__ import annotations
 
