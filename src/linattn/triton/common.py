@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import LinattnError
+
 # feature maps fused into the kernels, by the name a FeatureMap gives as its `fused_kernel`
 # (other maps are computed in PyTorch and passed as identity)
 FMAP_IDENTITY, FMAP_ELU1, FMAP_RELU = 0, 1, 2
@@ -63,6 +65,23 @@ def prepare_chunks(starts: List[int], BT: int, device) -> Chunks:
         N=len(lens), NT=offsets[-1])
 
 
+def heads(qk: torch.Tensor, v: torch.Tensor):
+    """(TT, H, HQ) of a call: H value heads (v, gates, states, outputs), HQ query/key heads; value head j
+    reads q/k head j // (H // HQ) (grouped value heads; HQ == H is the plain case)."""
+    TT, HQ = qk.shape[:2]
+    H = v.shape[1]
+    if HQ < 1 or H % HQ:
+        raise LinattnError(f"the value heads ({H}) must be a multiple of the query/key heads ({HQ})")
+    return TT, H, HQ
+
+
+def group_sum(dx: torch.Tensor, HQ: int) -> torch.Tensor:
+    """[TT, H, K] per value head -> [TT, HQ, K]: the gradient of a q/k head sums over the value heads
+    that read it."""
+    TT, H, K = dx.shape
+    return dx if H == HQ else dx.view(TT, HQ, H // HQ, K).sum(2)
+
+
 def dummy(device) -> torch.Tensor:
     """A placeholder for a pointer argument the kernel does not read (its flag is off)."""
     return torch.empty(1, dtype=torch.float32, device=device)
@@ -109,10 +128,11 @@ def dphi(x, FMAP: tl.constexpr):
 
 @triton.jit
 def _fwd_o(q, k, v, g, h, z, o, den, cu, chunk_index, scale,
-           H, K, V,
+           H, HQ, K, V,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FMAP: tl.constexpr,
            USE_G: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr):
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (H // HQ)  # the q/k head read by value head i_h (grouped value heads)
     i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -126,9 +146,9 @@ def _fwd_o(q, k, v, g, h, z, o, den, cu, chunk_index, scale,
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_q = tl.load(q + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_q = tl.where(m_tk, phi(b_q * scale, FMAP), 0.)
-        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_k = tl.where(m_tk, phi(b_k, FMAP), 0.)
         b_h = tl.load(h + row * K * V + o_k[:, None] * V + o_v[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.)
@@ -156,12 +176,13 @@ def _fwd_o(q, k, v, g, h, z, o, den, cu, chunk_index, scale,
 
 @triton.jit
 def _bwd_dv(q, k, g, do, dh, dv, cu, chunk_index, scale,
-            H, K, V,
+            H, HQ, K, V,
             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FMAP: tl.constexpr,
             USE_G: tl.constexpr, USE_DH: tl.constexpr, PREC: tl.constexpr):
     """dv = A^T do (+ (fk e^{G_l - G}) dh_{c+1}); with USE_DH=False it is the delta rule's
     intra-chunk gradient of the pseudo-values."""
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (H // HQ)  # the q/k head read by value head i_h (grouped value heads)
     i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -178,9 +199,9 @@ def _bwd_dv(q, k, g, do, dh, dv, cu, chunk_index, scale,
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_q = tl.load(q + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_q = tl.where(m_tk, phi(b_q * scale, FMAP), 0.)
-        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_k = tl.where(m_tk, phi(b_k, FMAP), 0.)
         b_At += tl.dot(b_k, tl.trans(b_q), input_precision=PREC)
         if USE_DH:
@@ -209,29 +230,29 @@ class _Cfg:
 
 def chunk_fwd_o(q, k, v, g, h, z, cfg, scale, fmap, norm):
     """num [TT, H, V] fp32 (and den [TT, H] fp32 when norm) from the per-chunk states."""
-    TT, H, K = q.shape
-    V = v.shape[-1]
+    TT, H, HQ = heads(q, v)
+    K, V = q.shape[-1], v.shape[-1]
     ch, dev = cfg.chunks, q.device
     BK, BV = block(K), block(V)
     o = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     den = torch.empty(TT, H, dtype=torch.float32, device=dev) if norm else dummy(dev)
     grid = (triton.cdiv(V, BV), ch.NT, H)
     _fwd_o[grid](q, k, v, g if g is not None else dummy(dev), h, z if norm else dummy(dev), o, den,
-                 ch.cu, ch.index, scale, H, K, V,
+                 ch.cu, ch.index, scale, H, HQ, K, V,
                  BT=cfg.BT, BK=BK, BV=BV, FMAP=fmap, USE_G=g is not None, NORM=norm, PREC=cfg.prec)
     return o, (den if norm else None)
 
 
 def chunk_bwd_dv(q, k, g, do, dh, cfg, scale, fmap):
     """A^T do (+ the state term when dh [NT, H, K, V] is given), fp32 [TT, H, V]."""
-    TT, H, K = q.shape
-    V = do.shape[-1]
+    TT, H, HQ = heads(q, do)
+    K, V = q.shape[-1], do.shape[-1]
     ch, dev = cfg.chunks, q.device
     BK, BV = block(K), block(V)
     dv = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     grid = (triton.cdiv(V, BV), ch.NT, H)
     _bwd_dv[grid](q, k, g if g is not None else dummy(dev), do, dh if dh is not None else dummy(dev), dv,
-                  ch.cu, ch.index, scale, H, K, V,
+                  ch.cu, ch.index, scale, H, HQ, K, V,
                   BT=cfg.BT, BK=BK, BV=BV, FMAP=fmap, USE_G=g is not None, USE_DH=dh is not None,
                   PREC=cfg.prec)
     return dv

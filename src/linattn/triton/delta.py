@@ -41,6 +41,8 @@ from .common import (
     dot_precision,
     dummy,
     full_block,
+    group_sum,
+    heads,
     prepare_chunks,
 )
 
@@ -51,9 +53,10 @@ from .common import (
 
 @triton.jit
 def _wy_fwd(k, v, b, g, Tm, u, w, cu, chunk_index,
-            H, K, V,
+            H, HQ, K, V,
             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (H // HQ)  # the q/k head read by value head i_h (grouped value heads)
     i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
     b_b = tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)  # padding: b = 0
     if USE_G:
@@ -63,7 +66,7 @@ def _wy_fwd(k, v, b, g, Tm, u, w, cu, chunk_index,
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_A += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
     strict = o_i[:, None] > o_i[None, :]
     if USE_G:
@@ -92,19 +95,20 @@ def _wy_fwd(k, v, b, g, Tm, u, w, cu, chunk_index,
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_w = tl.dot(b_T, b_k * b_bg[:, None], input_precision=PREC)
         tl.store(w + (tok[:, None] * H + i_h) * K + o_k[None, :], b_w, mask=m_tk)
 
 
 @triton.jit
 def _delta_fwd_h(k, u, w, g, h, vn, h0, ht, cu, chunk_offsets,
-                 H, K, V,
+                 H, HQ, K, V,
                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                  USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
     """The sequential part: one program per (V block, sequence x head) with the whole K."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HQ)  # the q/k head read by value head i_h (grouped value heads)
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     T = (eos - bos).to(tl.int32)
     NT = tl.cdiv(T, BT)
@@ -129,7 +133,7 @@ def _delta_fwd_h(k, u, w, g, h, vn, h0, ht, cu, chunk_offsets,
         b_u = tl.load(u + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.)
         b_vn = b_u - tl.dot(b_w, b_h, input_precision=PREC)
         tl.store(vn + (tok[:, None] * H + i_h) * V + o_v[None, :], b_vn, mask=m_tv)
-        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         if USE_G:
             b_g = tl.load(g + tok * H + i_h, mask=m_t, other=0.)
             b_G = tl.cumsum(b_g, axis=0)
@@ -143,12 +147,13 @@ def _delta_fwd_h(k, u, w, g, h, vn, h0, ht, cu, chunk_offsets,
 
 @triton.jit
 def _delta_bwd_dh(q, k, w, g, do, dvl, dh, dvn, dht, dh0, cu, chunk_offsets,
-                  H, K, V,
+                  H, HQ, K, V,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                   USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
     """Reverse walk: stores dh' (gradient of the state leaving each chunk) and dU."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HQ)  # the q/k head read by value head i_h (grouped value heads)
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     T = (eos - bos).to(tl.int32)
     NT = tl.cdiv(T, BT)
@@ -170,8 +175,8 @@ def _delta_bwd_dh(q, k, w, g, do, dvl, dh, dvn, dht, dh0, cu, chunk_offsets,
         tok = bos + o_t
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
-        b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_q = tl.load(q + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         if USE_G:
             b_g = tl.load(g + tok * H + i_h, mask=m_t, other=0.)
             b_G = tl.cumsum(b_g, axis=0)
@@ -192,17 +197,18 @@ def _delta_bwd_dh(q, k, w, g, do, dvl, dh, dvn, dht, dh0, cu, chunk_offsets,
 
 @triton.jit
 def _delta_bwd_dqkw(q, k, vn, g, h, do, dh, dvn, dq, dk, dw, dg, cu, chunk_index,
-                    TT, H, K, V,
+                    TT, H, HQ, K, V,
                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                     PREC: tl.constexpr):
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (H // HQ)  # the q/k head read by value head i_h (grouped value heads)
     i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     row = i_t.to(tl.int64) * H + i_h
-    b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
-    b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+    b_q = tl.load(q + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
 
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -250,10 +256,11 @@ def _delta_bwd_dqkw(q, k, vn, g, h, do, dh, dvn, dq, dk, dw, dg, cu, chunk_index
 
 @triton.jit
 def _wy_bwd(k, v, b, g, Tm, dvn, dw, dk, dGin, dv, db, dg, cu, chunk_index,
-            H, K, V,
+            H, HQ, K, V,
             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
     """Back through U~ = Tm diag(b) V, W~ = Tm diag(b e^G) K and Tm = (I + A)^-1; adds to dk in place."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (H // HQ)  # the q/k head read by value head i_h (grouped value heads)
     i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
     b_b = tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
     eye = tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
@@ -286,7 +293,7 @@ def _wy_bwd(k, v, b, g, Tm, dvn, dw, dk, dGin, dv, db, dg, cu, chunk_index,
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
         b_dw = tl.load(dw + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
-        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_dR = tl.dot(tl.trans(b_T), b_dw, input_precision=PREC)
         b_s = tl.sum(b_dR * b_k, axis=1)
         b_db += b_eG * b_s
@@ -308,7 +315,7 @@ def _wy_bwd(k, v, b, g, Tm, dvn, dw, dk, dGin, dv, db, dg, cu, chunk_index,
         m_tk = m_t[:, None] & (o_k < K)[None, :]
         p_dk = dk + (tok[:, None] * H + i_h) * K + o_k[None, :]
         b_dw = tl.load(dw + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
-        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_dR = tl.dot(tl.trans(b_T), b_dw, input_precision=PREC)
         b_dk = tl.load(p_dk, mask=m_tk, other=0.) + b_dR * b_bg[:, None]
         b_dk += tl.dot(b_E, b_k, input_precision=PREC) + tl.dot(tl.trans(b_E), b_k, input_precision=PREC)
@@ -320,12 +327,13 @@ def _wy_bwd(k, v, b, g, Tm, dvn, dw, dk, dGin, dv, db, dg, cu, chunk_index,
 
 @triton.jit
 def _delta_recurrent_fwd(q, k, v, b, g, o, h0, ht, cu,
-                         H, K, V,
+                         H, HQ, K, V,
                          BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr,
                          STORE_HT: tl.constexpr):
     """One token at a time, the state [K, BV] in registers (decoding)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HQ)  # the q/k head read by value head i_h (grouped value heads)
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     T = (eos - bos).to(tl.int32)
     o_k = tl.arange(0, BK)
@@ -338,8 +346,8 @@ def _delta_recurrent_fwd(q, k, v, b, g, o, h0, ht, cu,
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + s_kv, mask=m_kv, other=0.)
     for t in range(0, T):
         tok = bos + t
-        b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_q = tl.load(q + (tok * HQ + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok * HQ + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
         b_v = tl.load(v + (tok * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
         b_bt = tl.load(b + tok * H + i_h).to(tl.float32)
         if USE_G:
@@ -356,21 +364,21 @@ def _delta_recurrent_fwd(q, k, v, b, g, o, h0, ht, cu,
 # ----------------------------------------------------------------------------------------------
 
 def _wy(k, v, b, g, cfg):
-    TT, H, K = k.shape
-    V = v.shape[-1]
+    TT, H, HQ = heads(k, v)
+    K, V = k.shape[-1], v.shape[-1]
     dev = k.device
     Tm = torch.empty(TT, H, cfg.BT, dtype=torch.float32, device=dev)
     u = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     w = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
     _wy_fwd[(cfg.chunks.NT, H)](k, v, b, g if g is not None else dummy(dev), Tm, u, w, cfg.chunks.cu,
-                                cfg.chunks.index, H, K, V, BT=cfg.BT, BK=block(K), BV=block(V),
+                                cfg.chunks.index, H, HQ, K, V, BT=cfg.BT, BK=block(K), BV=block(V),
                                 USE_G=g is not None, PREC=cfg.prec)
     return Tm, u, w
 
 
 def _states(k, u, w, g, h0, cfg, store_final):
-    TT, H, K = k.shape
-    V = u.shape[-1]
+    TT, H, HQ = heads(k, u)
+    K, V = k.shape[-1], u.shape[-1]
     ch, dev = cfg.chunks, k.device
     BK, BV = full_block(K, "K"), block(V, cap=32 if K > 64 else 64)
     h = torch.empty(ch.NT, H, K, V, dtype=torch.float32, device=dev)
@@ -378,7 +386,7 @@ def _states(k, u, w, g, h0, cfg, store_final):
     ht = torch.empty(ch.N, H, K, V, dtype=torch.float32, device=dev) if store_final else dummy(dev)
     _delta_fwd_h[(triton.cdiv(V, BV), ch.N * H)](
         k, u, w, g if g is not None else dummy(dev), h, vn, h0 if h0 is not None else dummy(dev), ht,
-        ch.cu, ch.offsets, H, K, V, BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, USE_H0=h0 is not None,
+        ch.cu, ch.offsets, H, HQ, K, V, BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, USE_H0=h0 is not None,
         STORE_HT=store_final, PREC=cfg.prec)
     return h, vn, (ht if store_final else None)
 
@@ -400,8 +408,8 @@ class _ChunkDeltaRule(torch.autograd.Function):
         q, k, v, b, g, h0 = ctx.saved_tensors
         cfg = ctx.cfg
         ch, dev = cfg.chunks, q.device
-        TT, H, K = q.shape
-        V = v.shape[-1]
+        TT, H, HQ = heads(q, v)
+        K, V = q.shape[-1], v.shape[-1]
         do = do.contiguous() if do is not None else torch.zeros(TT, H, V, dtype=torch.float32, device=dev)
         Tm, u, w = _wy(k, v, b, g, cfg)
         h, vn, _ = _states(k, u, w, g, h0, cfg, False)
@@ -415,7 +423,7 @@ class _ChunkDeltaRule(torch.autograd.Function):
         dh0 = torch.empty(ch.N, H, K, V, dtype=torch.float32, device=dev) if need_dh0 else dummy(dev)
         _delta_bwd_dh[(triton.cdiv(V, BVf), ch.N * H)](
             q, k, w, gd, do, dvl, dh, dvn, dht.contiguous() if dht is not None else dummy(dev), dh0,
-            ch.cu, ch.offsets, H, K, V, BT=cfg.BT, BK=BKf, BV=BVf, USE_G=g is not None,
+            ch.cu, ch.offsets, H, HQ, K, V, BT=cfg.BT, BK=BKf, BV=BVf, USE_G=g is not None,
             USE_DHT=dht is not None, STORE_DH0=need_dh0, PREC=cfg.prec)
 
         BK, BV = block(K), block(V)
@@ -425,7 +433,7 @@ class _ChunkDeltaRule(torch.autograd.Function):
         dw = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
         dGp = torch.empty(NK, TT, H, dtype=torch.float32, device=dev) if g is not None else dummy(dev)
         _delta_bwd_dqkw[(NK, ch.NT, H)](
-            q, k, vn, gd, h, do, dh, dvn, dq, dk, dw, dGp, ch.cu, ch.index, TT, H, K, V,
+            q, k, vn, gd, h, do, dh, dvn, dq, dk, dw, dGp, ch.cu, ch.index, TT, H, HQ, K, V,
             BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, PREC=cfg.prec)
 
         dv = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
@@ -433,8 +441,9 @@ class _ChunkDeltaRule(torch.autograd.Function):
         dg = torch.empty(TT, H, dtype=torch.float32, device=dev) if g is not None else dummy(dev)
         _wy_bwd[(ch.NT, H)](
             k, v, b, gd, Tm, dvn, dw, dk, dGp.sum(0) if g is not None else dummy(dev), dv, db, dg,
-            ch.cu, ch.index, H, K, V, BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, PREC=cfg.prec)
-        return (dq, dk, dv, db, dg if g is not None else None, dh0 if need_dh0 else None, None, None)
+            ch.cu, ch.index, H, HQ, K, V, BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, PREC=cfg.prec)
+        return (group_sum(dq, HQ), group_sum(dk, HQ), dv, db, dg if g is not None else None,
+                dh0 if need_dh0 else None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -455,13 +464,13 @@ def chunk_delta_rule(q, k, v, b, g, h0, *, starts: List[int], chunk_size: int, o
 @torch.no_grad()
 def fused_recurrent_delta_rule(q, k, v, b, g, h0, *, starts: List[int], output_final_state: bool):
     """The recurrent form as one fused kernel (decoding; forward only)."""
-    TT, H, K = q.shape
-    V, N, dev = v.shape[-1], len(starts) - 1, q.device
+    TT, H, HQ = heads(q, v)
+    K, V, N, dev = q.shape[-1], v.shape[-1], len(starts) - 1, q.device
     BK, BV = full_block(K, "K"), block(V, cap=32 if K > 64 else 64)
     o = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else dummy(dev)
     cu = torch.tensor(starts, dtype=torch.int64, device=dev)
     _delta_recurrent_fwd[(triton.cdiv(V, BV), N * H)](
-        q, k, v, b, g if g is not None else dummy(dev), o, h0 if h0 is not None else dummy(dev), ht, cu, H, K, V,
+        q, k, v, b, g if g is not None else dummy(dev), o, h0 if h0 is not None else dummy(dev), ht, cu, H, HQ, K, V,
         BK=BK, BV=BV, USE_G=g is not None, USE_H0=h0 is not None, STORE_HT=bool(output_final_state))
     return o, (ht if output_final_state else None)

@@ -44,6 +44,8 @@ from .common import (
     dot_precision,
     dphi,
     dummy,
+    group_sum,
+    heads,
     phi,
     prepare_chunks,
 )
@@ -55,12 +57,13 @@ from .common import (
 
 @triton.jit
 def _fwd_h(k, v, g, h, z, h0, z0, ht, zt, cu, chunk_offsets,
-           H, K, V,
+           H, HQ, K, V,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FMAP: tl.constexpr,
            USE_G: tl.constexpr, NORM: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
            PREC: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HQ)  # the q/k head read by value head i_h (grouped value heads)
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     T = (eos - bos).to(tl.int32)
     NT = tl.cdiv(T, BT)
@@ -87,7 +90,7 @@ def _fwd_h(k, v, g, h, z, h0, z0, ht, zt, cu, chunk_offsets,
         m_t = o_t < T
         tok = bos + o_t
         m_tk = m_t[:, None] & m_k[None, :]
-        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_k = tl.where(m_tk, phi(b_k, FMAP), 0.)
         b_v = tl.load(v + (tok[:, None] * H + i_h) * V + o_v[None, :],
                       mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
@@ -110,12 +113,13 @@ def _fwd_h(k, v, g, h, z, h0, z0, ht, zt, cu, chunk_offsets,
 
 @triton.jit
 def _bwd_dh(q, g, do, dden, dh, dz, dht, dzt, dh0, dz0, cu, chunk_offsets, scale,
-            H, K, V,
+            H, HQ, K, V,
             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FMAP: tl.constexpr,
             USE_G: tl.constexpr, NORM: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
             PREC: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HQ)  # the q/k head read by value head i_h (grouped value heads)
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     T = (eos - bos).to(tl.int32)
     NT = tl.cdiv(T, BT)
@@ -143,7 +147,7 @@ def _bwd_dh(q, g, do, dden, dh, dz, dht, dzt, dh0, dz0, cu, chunk_offsets, scale
         m_t = o_t < T
         tok = bos + o_t
         m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_q = tl.load(q + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_q = tl.where(m_tk, phi(b_q * scale, FMAP), 0.)
         b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :],
                        mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
@@ -167,18 +171,19 @@ def _bwd_dh(q, g, do, dden, dh, dz, dht, dzt, dh0, dz0, cu, chunk_offsets, scale
 
 @triton.jit
 def _bwd_dqkg(q, k, v, g, h, z, do, dden, dh, dz, dq, dk, dg, cu, chunk_index, scale,
-              TT, H, K, V,
+              TT, H, HQ, K, V,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FMAP: tl.constexpr,
               USE_G: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr):
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (H // HQ)  # the q/k head read by value head i_h (grouped value heads)
     i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     row = i_t.to(tl.int64) * H + i_h
 
-    b_xq = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32) * scale
-    b_xk = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+    b_xq = tl.load(q + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32) * scale
+    b_xk = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
     b_q = tl.where(m_tk, phi(b_xq, FMAP), 0.)
     b_k = tl.where(m_tk, phi(b_xk, FMAP), 0.)
 
@@ -237,13 +242,14 @@ def _bwd_dqkg(q, k, v, g, h, z, do, dden, dh, dz, dq, dk, dg, cu, chunk_index, s
 
 @triton.jit
 def _recurrent_fwd(q, k, v, g, o, den, h0, z0, ht, zt, cu, scale,
-                   TT, H, K, V,
+                   TT, H, HQ, K, V,
                    BK: tl.constexpr, BV: tl.constexpr, FMAP: tl.constexpr, USE_G: tl.constexpr,
                    NORM: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
     """One token at a time, a [BK, BV] block of the state in registers: decoding (T = 1) and short
     prompts. K blocks write partial outputs o [NK, TT, H, V] / den [NK, TT, H], summed by the caller."""
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HQ)  # the q/k head read by value head i_h (grouped value heads)
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     T = (eos - bos).to(tl.int32)
     o += i_k.to(tl.int64) * TT * H * V
@@ -261,9 +267,9 @@ def _recurrent_fwd(q, k, v, g, o, den, h0, z0, ht, zt, cu, scale,
             b_z += tl.load(z0 + i_nh.to(tl.int64) * K + o_k, mask=m_k, other=0.)
     for t in range(0, T):
         tok = bos + t
-        b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_q = tl.load(q + (tok * HQ + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
         b_q = tl.where(m_k, phi(b_q * scale, FMAP), 0.)
-        b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok * HQ + i_hk) * K + o_k, mask=m_k, other=0.).to(tl.float32)
         b_k = tl.where(m_k, phi(b_k, FMAP), 0.)
         b_v = tl.load(v + (tok * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
         if USE_G:
@@ -290,8 +296,8 @@ def _recurrent_fwd(q, k, v, g, o, den, h0, z0, ht, zt, cu, scale,
 
 def chunk_fwd_h(k, v, g, h0, z0, cfg, norm, store_final, fmap=None):
     """Per-chunk states h [NT, H, K, V] (and z [NT, H, K] when norm), final states (or None)."""
-    TT, H, K = k.shape
-    V = v.shape[-1]
+    TT, H, HQ = heads(k, v)
+    K, V = k.shape[-1], v.shape[-1]
     ch, dev = cfg.chunks, k.device
     BK, BV = block(K), block(V)
     h = torch.empty(ch.NT, H, K, V, dtype=torch.float32, device=dev)
@@ -301,7 +307,7 @@ def chunk_fwd_h(k, v, g, h0, z0, cfg, norm, store_final, fmap=None):
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), ch.N * H)
     _fwd_h[grid](k, v, g if g is not None else dummy(dev), h, z,
                  h0 if h0 is not None else dummy(dev), z0 if (z0 is not None and norm) else dummy(dev),
-                 ht, zt, ch.cu, ch.offsets, H, K, V,
+                 ht, zt, ch.cu, ch.offsets, H, HQ, K, V,
                  BT=cfg.BT, BK=BK, BV=BV, FMAP=cfg.fmap if fmap is None else fmap, USE_G=g is not None,
                  NORM=norm, USE_H0=h0 is not None, STORE_HT=store_final, PREC=cfg.prec)
     return h, (z if norm else None), (ht if store_final else None), (zt if (store_final and norm) else None)
@@ -323,8 +329,8 @@ class _ChunkLinearAttention(torch.autograd.Function):
         q, k, v, g, h0, z0 = ctx.saved_tensors
         cfg = ctx.cfg
         ch, dev = cfg.chunks, q.device
-        TT, H, K = q.shape
-        V = v.shape[-1]
+        TT, H, HQ = heads(q, v)
+        K, V = q.shape[-1], v.shape[-1]
         norm = cfg.norm
         BK, BV = block(K), block(V)
         do = dnum.contiguous() if dnum is not None else torch.zeros(TT, H, V, dtype=torch.float32, device=dev)
@@ -346,7 +352,7 @@ class _ChunkLinearAttention(torch.autograd.Function):
         _bwd_dh[(triton.cdiv(K, BK), triton.cdiv(V, BV), ch.N * H)](
             q, gd, do, dd if norm else dummy(dev), dh, dz,
             dht if use_dht else dummy(dev), dzt if (use_dht and norm) else dummy(dev), dh0, dz0,
-            ch.cu, ch.offsets, cfg.scale, H, K, V,
+            ch.cu, ch.offsets, cfg.scale, H, HQ, K, V,
             BT=cfg.BT, BK=BK, BV=BV, FMAP=cfg.fmap, USE_G=g is not None, NORM=norm, USE_DHT=use_dht,
             STORE_DH0=need_dh0, PREC=cfg.prec)
 
@@ -356,10 +362,10 @@ class _ChunkLinearAttention(torch.autograd.Function):
         dg = torch.empty(NK, TT, H, dtype=torch.float32, device=dev) if g is not None else dummy(dev)
         _bwd_dqkg[(NK, ch.NT, H)](
             q, k, v, gd, h, z if norm else dummy(dev), do, dd if norm else dummy(dev), dh, dz, dq, dk, dg,
-            ch.cu, ch.index, cfg.scale, TT, H, K, V,
+            ch.cu, ch.index, cfg.scale, TT, H, HQ, K, V,
             BT=cfg.BT, BK=BK, BV=BV, FMAP=cfg.fmap, USE_G=g is not None, NORM=norm, PREC=cfg.prec)
         dv = chunk_bwd_dv(q, k, g, do, dh, cfg, cfg.scale, cfg.fmap)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+        return (group_sum(dq, HQ).to(q.dtype), group_sum(dk, HQ).to(k.dtype), dv.to(v.dtype),
                 dg.sum(0) if g is not None else None,
                 dh0 if ctx.needs_input_grad[4] else None,
                 dz0 if (ctx.needs_input_grad[5] and norm) else None,
@@ -389,8 +395,8 @@ def chunk_linear_attention(q, k, v, g, h0, z0, *, fused: str, scale: float, norm
 def fused_recurrent_linear_attention(q, k, v, g, h0, z0, *, fused: str, scale: float, norm: bool,
                                      starts: List[int], output_final_state: bool):
     """The recurrent form as one fused kernel (decoding; forward only: no gradients flow through it)."""
-    TT, H, K = q.shape
-    V, N, dev = v.shape[-1], len(starts) - 1, q.device
+    TT, H, HQ = heads(q, v)
+    K, V, N, dev = q.shape[-1], v.shape[-1], len(starts) - 1, q.device
     BK, BV = block(K), block(V)
     NK = triton.cdiv(K, BK)
     num = torch.empty(NK, TT, H, V, dtype=torch.float32, device=dev)
@@ -401,7 +407,7 @@ def fused_recurrent_linear_attention(q, k, v, g, h0, z0, *, fused: str, scale: f
     _recurrent_fwd[(NK, triton.cdiv(V, BV), N * H)](
         q, k, v, g if g is not None else dummy(dev), num, den,
         h0 if h0 is not None else dummy(dev), z0 if (z0 is not None and norm) else dummy(dev),
-        ht, zt, cu, float(scale), TT, H, K, V,
+        ht, zt, cu, float(scale), TT, H, HQ, K, V,
         BK=BK, BV=BV, FMAP=FUSED_MAPS[fused], USE_G=g is not None, NORM=norm, USE_H0=h0 is not None,
         STORE_HT=bool(output_final_state))
     num = num[0] if NK == 1 else num.sum(0)

@@ -1,0 +1,172 @@
+"""Issue 32 point 3: the Triton kernels' newer coverage, on CPU under Triton's interpreter.
+
+* grouped value heads: q, k [TT, HQ, K] and v, gates, states [.., H, ..] with H a multiple of HQ; value
+  head j reads q/k head j // (H // HQ). Each kernel entry point against the same call with q and k
+  expanded to H heads (the plain case, itself tested against the PyTorch forms in test_triton.py):
+  outputs, final states, and the gradients of every input (a q/k head's gradient is the sum over the
+  value heads that read it, which autograd through `repeat_interleave` gives the expanded call);
+* `qk_l2norm=True` (fla's x * rsqrt(sum x^2 + 1e-6)) on the Triton backend against an fp64 reference
+  written from that formula, with keys small enough that the two L2 conventions differ.
+
+TRITON_INTERPRET must be set before triton is imported: it is set here, at the top.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import linattn  # noqa: E402
+from linattn.errors import LinattnError  # noqa: E402
+from linattn.ops.reference import delta_rule_ref, rel_err  # noqa: E402
+
+triton = pytest.importorskip("triton")
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("no GPU and TRITON_INTERPRET != 1", allow_module_level=True)
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+TD = pytest.importorskip("linattn.triton.delta")
+TL = pytest.importorskip("linattn.triton.linear")
+
+STARTS = [0, 1, 17, 37]  # a 1-token sequence, a full chunk + 1, a partial chunk (chunk 16)
+
+
+def _leaves(shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, kind) in shapes.items():
+        x = torch.randn(*shape, generator=g)
+        if kind == "gate":
+            x = -torch.rand(*shape, generator=g) * 0.4
+        elif kind == "pos":
+            x = torch.rand(*shape, generator=g) + 0.3
+        elif kind == "beta":
+            x = torch.rand(*shape, generator=g)
+        elif kind == "small":
+            x = x * 0.3
+        out[name] = x.to(DEV).requires_grad_(True)
+    return out
+
+
+def _compare(run, leaves, HQ, H, tol=1e-5, grads=True):
+    """run(q, k, **rest) -> tuple of tensors; grouped (q, k with HQ heads) vs expanded (H heads)."""
+    n = H // HQ
+    rest = {k: v for k, v in leaves.items() if k not in ("q", "k")}
+    res = {}
+    for mode in ("grouped", "expanded"):
+        q, k = leaves["q"], leaves["k"]
+        if mode == "expanded":
+            q, k = q.repeat_interleave(n, dim=1), k.repeat_interleave(n, dim=1)
+        outs = [t for t in run(q, k, **rest) if t is not None]
+        gs = []
+        if grads:
+            gen = torch.Generator().manual_seed(1)
+            loss = sum((t * torch.randn(t.shape, generator=gen).to(t.device)).sum() for t in outs)
+            gs = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        res[mode] = ([t.detach() for t in outs], gs)
+    (oa, ga), (ob, gb) = res["grouped"], res["expanded"]
+    assert len(oa) == len(ob)
+    for i, (a, b) in enumerate(zip(oa, ob)):
+        assert a.shape == b.shape and rel_err(a, b) <= tol, f"output {i}: {rel_err(a, b):.3g}"
+    for name, a, b in zip(leaves, ga, gb):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert rel_err(a, b) <= tol, f"d{name}: {rel_err(a, b):.3g}"
+    return oa
+
+
+@pytest.mark.parametrize("HQ,H", [(1, 3), (2, 4)])
+def test_grouped_heads_linear_chunk(HQ, H):
+    TT, N, K, V = STARTS[-1], len(STARTS) - 1, 16, 16
+    leaves = _leaves({"q": ((TT, HQ, K), "small"), "k": ((TT, HQ, K), "small"), "v": ((TT, H, V), "n"),
+                      "g": ((TT, H), "gate"), "h0": ((N, H, K, V), "n"), "z0": ((N, H, K), "pos")})
+
+    def run(q, k, v, g, h0, z0):
+        return TL.chunk_linear_attention(q, k, v, g, h0, z0, fused="elu+1", scale=0.8, norm=True, starts=STARTS,
+                                         chunk_size=16, output_final_state=True)
+
+    num, den, ht, zt = _compare(run, leaves, HQ, H)
+    assert num.shape == (TT, H, V) and den.shape == (TT, H) and ht.shape == (N, H, K, V) and zt.shape == (N, H, K)
+
+
+def test_grouped_heads_linear_recurrent():
+    HQ, H, TT, N, K, V = 2, 4, STARTS[-1], len(STARTS) - 1, 16, 16
+    leaves = _leaves({"q": ((TT, HQ, K), "small"), "k": ((TT, HQ, K), "small"), "v": ((TT, H, V), "n"),
+                      "g": ((TT, H), "gate"), "h0": ((N, H, K, V), "n"), "z0": ((N, H, K), "pos")})
+
+    def run(q, k, v, g, h0, z0):
+        return TL.fused_recurrent_linear_attention(q, k, v, g, h0, z0, fused="relu", scale=0.8, norm=True,
+                                                   starts=STARTS, output_final_state=True)
+
+    _compare(run, leaves, HQ, H, grads=False)
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_grouped_heads_delta_chunk(gate):
+    HQ, H, TT, N, K, V = 2, 4, STARTS[-1], len(STARTS) - 1, 16, 16
+    shapes = {"q": ((TT, HQ, K), "small"), "k": ((TT, HQ, K), "small"), "v": ((TT, H, V), "n"),
+              "b": ((TT, H), "beta"), "h0": ((N, H, K, V), "small")}
+    if gate:
+        shapes["g"] = ((TT, H), "gate")
+    leaves = _leaves(shapes)
+
+    def run(q, k, v, b, h0, g=None):
+        return TD.chunk_delta_rule(q, k, v, b, g, h0, starts=STARTS, chunk_size=16, output_final_state=True)
+
+    o, ht = _compare(run, leaves, HQ, H)
+    assert o.shape == (TT, H, V) and ht.shape == (N, H, K, V)
+
+
+def test_grouped_heads_delta_recurrent():
+    HQ, H, TT, N, K, V = 1, 2, STARTS[-1], len(STARTS) - 1, 16, 16
+    leaves = _leaves({"q": ((TT, HQ, K), "small"), "k": ((TT, HQ, K), "small"), "v": ((TT, H, V), "n"),
+                      "b": ((TT, H), "beta"), "g": ((TT, H), "gate"), "h0": ((N, H, K, V), "small")})
+
+    def run(q, k, v, b, g, h0):
+        return TD.fused_recurrent_delta_rule(q, k, v, b, g, h0, starts=STARTS, output_final_state=True)
+
+    _compare(run, leaves, HQ, H, grads=False)
+
+
+def test_grouped_heads_must_divide():
+    q = torch.randn(8, 2, 16, device=DEV)
+    v = torch.randn(8, 3, 16, device=DEV)
+    with pytest.raises(LinattnError, match=r"value heads \(3\).*query/key heads \(2\)"):
+        TD.chunk_delta_rule(q, q, v, torch.rand(8, 3, device=DEV), None, None, starts=[0, 8], chunk_size=16,
+                            output_final_state=False)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_qk_l2norm_rsqrt_convention(mode):
+    """qk_l2norm=True is x * rsqrt(sum x^2 + 1e-6) on the Triton backend too: rows of norm 1e-3 come out
+    with norm 1/sqrt(2), not 1 (where x / max(||x||, 1e-6) would give 1)."""
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K, V = 1, 20, 2, 16, 16
+    q, k, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen), \
+        torch.randn(B, T, H, V, generator=gen)
+    small = torch.zeros(T, dtype=torch.bool)
+    small[::3] = True
+    k[:, small] = k[:, small] / k[:, small].norm(dim=-1, keepdim=True) * 1e-3
+    q[:, small] = q[:, small] / q[:, small].norm(dim=-1, keepdim=True) * 1e-3
+    beta = torch.rand(B, T, H, generator=gen)
+    g = -torch.rand(B, T, H, generator=gen) * 0.3
+    leaves = [x.to(DEV).requires_grad_(mode == "chunk") for x in (q, k, v, beta, g)]
+    o, S = linattn.delta_rule(*leaves[:4], g=leaves[4], qk_l2norm=True, mode=mode, chunk_size=16,
+                              output_final_state=True, backend="triton")
+
+    def rsqrt_norm(x):
+        x = x.double()
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    qn, kn = rsqrt_norm(leaves[0]), rsqrt_norm(leaves[1])
+    assert torch.allclose(kn[0, small].norm(dim=-1), torch.full_like(kn[0, small][..., 0], 2 ** -0.5), rtol=1e-6)
+    o_ref, S_ref = delta_rule_ref(qn, kn, leaves[2], leaves[3], g=leaves[4], S0=None)
+    assert rel_err(o, o_ref) <= 1e-5 and rel_err(S, S_ref) <= 1e-5
+    if mode == "chunk":
+        gen = torch.Generator().manual_seed(4)
+        w = torch.randn(o.shape, generator=gen).to(DEV)
+        ga = torch.autograd.grad((o * w).sum(), leaves)
+        gb = torch.autograd.grad((o_ref * w.double()).sum(), leaves)
+        for name, a, b in zip("q k v beta g".split(), ga, gb):
+            assert rel_err(a, b) <= 1e-5, name
