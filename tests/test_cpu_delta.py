@@ -297,3 +297,16 @@ def test_custom_op_registrations(gate):
         warnings.simplefilter("ignore")
         torch.library.opcheck(delta_fwd, args, test_utils=("test_schema", "test_faketensor",
                                                            "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("K,V", [(3, 70), (33, 129)])
+def test_value_widths_across_column_blocks(K, V, dtype):
+    """V over one or more of the kernel's column blocks (64 floats / 32 doubles with AVX-512, half without)
+    plus a narrower tail, and odd K: outputs, states and gradients as the fp64 reference."""
+    x = _inputs("gated-deltanet", 1, 20, 2, K, V, dtype)
+    wo, wS = torch.randn(1, 20, 2, V, dtype=torch.float64), torch.randn(1, 2, K, V, dtype=torch.float64)
+    co, cS, cg = _grads(_op("gated-deltanet", "cpu"), x, wo, wS)
+    ro, rS, rg = _grads(_ref("gated-deltanet"), x, wo, wS)
+    for name, a, r in zip(["o", "S", "dq", "dk", "dv", "dbeta", "dg", "dS0"], [co, cS, *cg], [ro, rS, *rg]):
+        _close(a, r, TOL[dtype], f"K={K} V={V} {name}")
