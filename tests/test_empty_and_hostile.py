@@ -290,6 +290,14 @@ def test_mesa_cg_with_huge_queries_matches_fp64(mode, c):
 
 
 OVERFLOWING = {   # finite inputs whose scores, statistics or weights exceed float32 inside the computation
+    # feature maps: Taylor-2's x x^T and the squared-Euclidean |x|^2 are features beyond float32; identity's
+    # features are finite but q.k is not
+    "linear_attention_taylor2": lambda q, k, v, b, g, m: linattn.linear_attention(q, k * 1e20, v, mode=m,
+                                                                                  feature_map="taylor2"),
+    "linear_attention_sum_sq_euclid": lambda q, k, v, b, g, m: linattn.linear_attention(
+        q, k * 1e20, v, mode=m, feature_map="sum_sq_euclid"),
+    "linear_attention_identity": lambda q, k, v, b, g, m: linattn.linear_attention(q * 1e20, k * 1e20, v, mode=m,
+                                                                                   feature_map="identity"),
     "softmax_attention": lambda q, k, v, b, g, m: linattn.softmax_attention(q * 1e20, k * 1e20, v),
     "forgetting_attention": lambda q, k, v, b, g, m: linattn.forgetting_attention(q * 1e20, k * 1e20, v, g, mode=m),
     "deltaformer": lambda q, k, v, b, g, m: linattn.deltaformer(q, k * 1e20, v, b, mode=m),
@@ -319,7 +327,10 @@ def test_non_finite_inputs_still_pass_through(name):
     q, k, v, b, g = _small()
     v = v.clone()
     v[0, 5, 1, 2] = float("inf")
-    scaled = {"softmax_attention": lambda: linattn.softmax_attention(q, k, v),
+    scaled = {"linear_attention_taylor2": lambda: linattn.linear_attention(q, k, v, feature_map="taylor2"),
+              "linear_attention_sum_sq_euclid": lambda: linattn.linear_attention(q, k, v, feature_map="sum_sq_euclid"),
+              "linear_attention_identity": lambda: linattn.linear_attention(q, k, v, feature_map="identity"),
+              "softmax_attention": lambda: linattn.softmax_attention(q, k, v),
               "forgetting_attention": lambda: linattn.forgetting_attention(q, k, v, g, mode="chunk"),
               "deltaformer": lambda: linattn.deltaformer(q, k, v, b, mode="chunk"),
               "path_attention": lambda: linattn.path_attention(q, k, v, torch.ones_like(q), b, mode="chunk"),
