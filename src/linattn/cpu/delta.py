@@ -66,11 +66,7 @@ def _call(fn, *args) -> None:
         raise MemoryError("linattn's compiled delta kernel could not allocate its scratch memory")
 
 
-@torch.library.custom_op("linattn::cpu_delta_fwd", mutates_args=(), device_types="cpu")
-def delta_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, g: Optional[torch.Tensor],
-              S0: Optional[torch.Tensor], starts: torch.Tensor, ck_off: torch.Tensor, n_ckpt: int
-              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (o [TT, H, V], S [N, H, K, V], checkpoints [n_ckpt, H, K, V]; n_ckpt = 0: none kept)."""
+def _forward(q, k, v, a, g, S0, starts, ck_off, n_ckpt):
     TT, H, K = q.shape
     V, N = v.shape[-1], starts.numel() - 1
     o = q.new_empty(TT, H, V)
@@ -81,6 +77,14 @@ def delta_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor
           ptr(g), _gate(g), ptr(S0), ptr(o), ptr(S), ptr(ckpt) if n_ckpt else None, ptr(ck_off), CHECKPOINT,
           threads())
     return o, S, ckpt
+
+
+@torch.library.custom_op("linattn::cpu_delta_fwd", mutates_args=(), device_types="cpu")
+def delta_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, g: Optional[torch.Tensor],
+              S0: Optional[torch.Tensor], starts: torch.Tensor, ck_off: torch.Tensor, n_ckpt: int
+              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (o [TT, H, V], S [N, H, K, V], checkpoints [n_ckpt, H, K, V]; n_ckpt = 0: none kept)."""
+    return _forward(q, k, v, a, g, S0, starts, ck_off, n_ckpt)
 
 
 @delta_fwd.register_fake
@@ -149,7 +153,13 @@ def delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     g = g.contiguous() if g is not None else None
     S0 = S0.contiguous() if S0 is not None else None
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, a, g, S0))
-    offs, n = _checkpoints(list(starts))
-    st = torch.tensor(list(starts), dtype=torch.int64)
+    starts = list(starts)
+    st = torch.tensor(starts, dtype=torch.int64)
+    if not need_grad and not torch.compiler.is_compiling():
+        # eager inference (decoding): the kernel directly; the custom op's dispatch would cost more than a
+        # one-token step (the op is there for autograd and torch.compile)
+        o, S, _ = _forward(q, k, v, a, g, S0, st, st, 0)
+        return o, S
+    offs, n = _checkpoints(starts)
     o, S, _ = delta_fwd(q, k, v, a, g, S0, st, torch.tensor(offs, dtype=torch.int64), n if need_grad else 0)
     return o, S
