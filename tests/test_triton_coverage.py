@@ -170,3 +170,65 @@ def test_qk_l2norm_rsqrt_convention(mode):
         gb = torch.autograd.grad((o_ref * w.double()).sum(), leaves)
         for name, a, b in zip("q k v beta g".split(), ga, gb):
             assert rel_err(a, b) <= 1e-5, name
+
+
+# ------------------------------------------------------------------ torch.library custom ops
+
+def _op_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    TT, H, K, V = 20, 2, 16, 16
+    q, k = torch.randn(TT, 1, K, generator=g) * 0.3, torch.randn(TT, 1, K, generator=g) * 0.3  # grouped: HQ=1
+    v, gate = torch.randn(TT, H, V, generator=g), -torch.rand(TT, H, generator=g) * 0.3
+    h0, z0, b = torch.randn(2, H, K, V, generator=g) * 0.1, torch.rand(2, H, K, generator=g) + 0.5, \
+        torch.rand(TT, H, generator=g)
+    return [x.to(DEV).requires_grad_() for x in (q, k, v, gate, h0, z0, b)]
+
+
+@pytest.mark.parametrize("op", ["linear_chunk", "linear_recurrent", "delta_chunk", "delta_recurrent"])
+def test_custom_ops_opcheck(op):
+    """Schema, fake (shape) implementation, autograd registration and AOT dispatch of each op."""
+    q, k, v, g, h0, z0, b = _op_inputs()
+    starts = [0, 3, 20]
+    if op == "linear_chunk":
+        args = (q, k, v, g, h0, z0, "elu+1", 0.8, True, starts, 16, True)
+    elif op == "linear_recurrent":
+        args = tuple(x.detach() for x in (q, k, v, g, h0, z0)) + ("relu", 0.8, True, starts, True)
+    elif op == "delta_chunk":
+        args = (q, k, v, b, g, h0, starts, 16, True)
+    else:
+        args = tuple(x.detach() for x in (q, k, v, b, g, h0)) + (starts, True)
+    fn = getattr(torch.ops.linattn, f"triton_{op}_fwd").default
+    res = torch.library.opcheck(fn, args)
+    assert all(r == "SUCCESS" for r in res.values()), res
+
+
+def test_torch_compile_fullgraph_no_graph_break():
+    """The operators on backend='triton' trace under torch.compile(fullgraph=True) with no graph break
+    (each kernel pass is one custom op), and the compiled forward and backward match eager."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K, V = 1, 20, 2, 16, 16
+    leaves = [torch.randn(B, T, H, d, generator=gen).to(DEV).requires_grad_() for d in (K, K, V)]
+    leaves += [(-torch.rand(B, T, H, generator=gen) * 0.3).to(DEV).requires_grad_(),
+               torch.rand(B, T, H, generator=gen).to(DEV).requires_grad_()]
+
+    def f(q, k, v, g, beta):
+        o1, s1 = linattn.linear_attention(q, k, v, g=g, chunk_size=16, output_final_state=True, backend="triton")
+        o2, s2 = linattn.delta_rule(q, k, v, beta, g=g, qk_l2norm=True, chunk_size=16, output_final_state=True,
+                                    backend="triton")
+        with torch.no_grad():  # decoding: the recurrent ops continue from the states
+            o3, _ = linattn.delta_rule(q[:, :1], k[:, :1], v[:, :1], beta[:, :1], g=g[:, :1], qk_l2norm=True,
+                                       mode="recurrent", initial_state=s2, backend="triton")
+        return o1.sum() + s1.kv.sum() + o2.sum() + s2.sum() + o3.sum()
+
+    ref = f(*leaves)
+    gref = torch.autograd.grad(ref, leaves)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(f)(*leaves)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves)
+    gout = torch.autograd.grad(out, leaves)
+    assert rel_err(out, ref) <= 1e-6
+    for a, b in zip(gout, gref):
+        assert rel_err(a, b) <= 1e-5
+    torch._dynamo.reset()

@@ -82,6 +82,12 @@ def group_sum(dx: torch.Tensor, HQ: int) -> torch.Tensor:
     return dx if H == HQ else dx.view(TT, HQ, H // HQ, K).sum(2)
 
 
+def absent(like: torch.Tensor) -> torch.Tensor:
+    """The empty stand-in of an absent output of a custom op (whose outputs are tensors only); a new one
+    each time, since the outputs of a custom op must not alias each other."""
+    return like.new_empty(0, dtype=torch.float32)
+
+
 def dummy(device) -> torch.Tensor:
     """A placeholder for a pointer argument the kernel does not read (its flag is off)."""
     return torch.empty(1, dtype=torch.float32, device=device)

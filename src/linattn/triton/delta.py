@@ -24,7 +24,7 @@ of dk and of the gate gradient, then takes the chunk-local reverse cumulative su
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 import triton
@@ -34,6 +34,7 @@ from . import triton_chunk_size
 from .common import (
     FMAP_IDENTITY,
     _Cfg,
+    absent,
     block,
     chunk_bwd_dv,
     chunk_fwd_o,
@@ -391,79 +392,158 @@ def _states(k, u, w, g, h0, cfg, store_final):
     return h, vn, (ht if store_final else None)
 
 
-class _ChunkDeltaRule(torch.autograd.Function):
-    """(q, k, v, b, g, h0) -> (o [TT, H, V] fp32, h_T [N, H, K, V] fp32 or None)."""
+def _config(q, starts, chunk_size) -> _Cfg:
+    BT = triton_chunk_size(chunk_size)
+    return _Cfg(prepare_chunks(list(starts), BT, q.device), BT, FMAP_IDENTITY, 1.0, False, dot_precision(q.dtype))
 
-    @staticmethod
-    def forward(ctx, q, k, v, b, g, h0, cfg, output_final_state):
-        _, u, w = _wy(k, v, b, g, cfg)
-        h, vn, ht = _states(k, u, w, g, h0, cfg, output_final_state)
-        o, _ = chunk_fwd_o(q, k, vn, g, h, None, cfg, 1.0, FMAP_IDENTITY, False)
-        ctx.save_for_backward(q, k, v, b, g, h0)
-        ctx.cfg = cfg
-        return o, ht
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, b, g, h0 = ctx.saved_tensors
-        cfg = ctx.cfg
-        ch, dev = cfg.chunks, q.device
-        TT, H, HQ = heads(q, v)
-        K, V = q.shape[-1], v.shape[-1]
-        do = do.contiguous() if do is not None else torch.zeros(TT, H, V, dtype=torch.float32, device=dev)
-        Tm, u, w = _wy(k, v, b, g, cfg)
-        h, vn, _ = _states(k, u, w, g, h0, cfg, False)
-        gd = g if g is not None else dummy(dev)
+def _chunk_fwd(q, k, v, b, g, h0, cfg, output_final_state):
+    """-> o [TT, H, V] fp32, h_T [N, H, K, V] fp32 or None."""
+    _, u, w = _wy(k, v, b, g, cfg)
+    h, vn, ht = _states(k, u, w, g, h0, cfg, output_final_state)
+    o, _ = chunk_fwd_o(q, k, vn, g, h, None, cfg, 1.0, FMAP_IDENTITY, False)
+    return o, ht
 
-        dvl = chunk_bwd_dv(q, k, g, do, None, cfg, 1.0, FMAP_IDENTITY)
-        BKf, BVf = full_block(K, "K"), block(V, cap=32 if K > 64 else 64)
-        dh = torch.empty(ch.NT, H, K, V, dtype=torch.float32, device=dev)
-        dvn = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
-        need_dh0 = ctx.needs_input_grad[5]
-        dh0 = torch.empty(ch.N, H, K, V, dtype=torch.float32, device=dev) if need_dh0 else dummy(dev)
-        _delta_bwd_dh[(triton.cdiv(V, BVf), ch.N * H)](
-            q, k, w, gd, do, dvl, dh, dvn, dht.contiguous() if dht is not None else dummy(dev), dh0,
-            ch.cu, ch.offsets, H, HQ, K, V, BT=cfg.BT, BK=BKf, BV=BVf, USE_G=g is not None,
-            USE_DHT=dht is not None, STORE_DH0=need_dh0, PREC=cfg.prec)
 
-        BK, BV = block(K), block(V)
-        NK = triton.cdiv(K, BK)
-        dq = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
-        dk = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
-        dw = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
-        dGp = torch.empty(NK, TT, H, dtype=torch.float32, device=dev) if g is not None else dummy(dev)
-        _delta_bwd_dqkw[(NK, ch.NT, H)](
-            q, k, vn, gd, h, do, dh, dvn, dq, dk, dw, dGp, ch.cu, ch.index, TT, H, HQ, K, V,
-            BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, PREC=cfg.prec)
+def _chunk_bwd(q, k, v, b, g, h0, cfg, do, dht, need_dh0):
+    """-> dq, dk, dv, db (in the inputs' dtypes), dg or None, dh0 or None."""
+    ch, dev = cfg.chunks, q.device
+    TT, H, HQ = heads(q, v)
+    K, V = q.shape[-1], v.shape[-1]
+    do = do.contiguous() if do is not None else torch.zeros(TT, H, V, dtype=torch.float32, device=dev)
+    Tm, u, w = _wy(k, v, b, g, cfg)
+    h, vn, _ = _states(k, u, w, g, h0, cfg, False)
+    gd = g if g is not None else dummy(dev)
 
-        dv = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
-        db = torch.empty(TT, H, dtype=torch.float32, device=dev)
-        dg = torch.empty(TT, H, dtype=torch.float32, device=dev) if g is not None else dummy(dev)
-        _wy_bwd[(ch.NT, H)](
-            k, v, b, gd, Tm, dvn, dw, dk, dGp.sum(0) if g is not None else dummy(dev), dv, db, dg,
-            ch.cu, ch.index, H, HQ, K, V, BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, PREC=cfg.prec)
-        return (group_sum(dq, HQ), group_sum(dk, HQ), dv, db, dg if g is not None else None,
-                dh0 if need_dh0 else None, None, None)
+    dvl = chunk_bwd_dv(q, k, g, do, None, cfg, 1.0, FMAP_IDENTITY)
+    BKf, BVf = full_block(K, "K"), block(V, cap=32 if K > 64 else 64)
+    dh = torch.empty(ch.NT, H, K, V, dtype=torch.float32, device=dev)
+    dvn = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
+    dh0 = torch.empty(ch.N, H, K, V, dtype=torch.float32, device=dev) if need_dh0 else dummy(dev)
+    _delta_bwd_dh[(triton.cdiv(V, BVf), ch.N * H)](
+        q, k, w, gd, do, dvl, dh, dvn, dht.contiguous() if dht is not None else dummy(dev), dh0,
+        ch.cu, ch.offsets, H, HQ, K, V, BT=cfg.BT, BK=BKf, BV=BVf, USE_G=g is not None,
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, PREC=cfg.prec)
+
+    BK, BV = block(K), block(V)
+    NK = triton.cdiv(K, BK)
+    dq = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+    dk = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+    dw = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+    dGp = torch.empty(NK, TT, H, dtype=torch.float32, device=dev) if g is not None else dummy(dev)
+    _delta_bwd_dqkw[(NK, ch.NT, H)](
+        q, k, vn, gd, h, do, dh, dvn, dq, dk, dw, dGp, ch.cu, ch.index, TT, H, HQ, K, V,
+        BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, PREC=cfg.prec)
+
+    dv = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
+    db = torch.empty(TT, H, dtype=torch.float32, device=dev)
+    dg = torch.empty(TT, H, dtype=torch.float32, device=dev) if g is not None else dummy(dev)
+    _wy_bwd[(ch.NT, H)](
+        k, v, b, gd, Tm, dvn, dw, dk, dGp.sum(0) if g is not None else dummy(dev), dv, db, dg,
+        ch.cu, ch.index, H, HQ, K, V, BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, PREC=cfg.prec)
+    return (group_sum(dq, HQ).to(q.dtype), group_sum(dk, HQ).to(k.dtype), dv.to(v.dtype), db.to(b.dtype),
+            dg if g is not None else None, dh0 if need_dh0 else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library custom ops (see linear.py): one opaque op per pass for torch.compile, with its fake
+# (shape) implementation and its autograd formula; an absent final state is an empty tensor.
+# ----------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("linattn::triton_delta_chunk_fwd", mutates_args=())
+def _op_chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, g: Optional[torch.Tensor],
+                  h0: Optional[torch.Tensor], starts: List[int], chunk_size: int, output_final_state: bool
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    o, ht = _chunk_fwd(q, k, v, b, g, h0, _config(q, starts, chunk_size), output_final_state)
+    return o, (ht if ht is not None else absent(q))
+
+
+@_op_chunk_fwd.register_fake
+def _(q, k, v, b, g, h0, starts, chunk_size, output_final_state):
+    TT, H, _ = heads(q, v)
+    K, V, N = q.shape[-1], v.shape[-1], len(starts) - 1
+    return (q.new_empty(TT, H, V, dtype=torch.float32),
+            q.new_empty((N, H, K, V) if output_final_state else (0,), dtype=torch.float32))
+
+
+@torch.library.custom_op("linattn::triton_delta_chunk_bwd", mutates_args=())
+def _op_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, g: Optional[torch.Tensor],
+                  h0: Optional[torch.Tensor], do: Optional[torch.Tensor], dht: Optional[torch.Tensor],
+                  starts: List[int], chunk_size: int
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dht = dht if dht is not None and dht.numel() else None  # absent, or the empty stand-in of no final state
+    dq, dk, dv, db, dg, dh0 = _chunk_bwd(q, k, v, b, g, h0, _config(q, starts, chunk_size), do, dht,
+                                         need_dh0=h0 is not None)
+    return dq, dk, dv, db, (dg if dg is not None else absent(q)), (dh0 if dh0 is not None else absent(q))
+
+
+@_op_chunk_bwd.register_fake
+def _(q, k, v, b, g, h0, do, dht, starts, chunk_size):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(b),
+            torch.empty_like(g) if g is not None else absent(q),
+            torch.empty_like(h0) if h0 is not None else absent(q))
+
+
+def _setup_chunk(ctx, inputs, output):
+    q, k, v, b, g, h0, starts, chunk_size, _ = inputs
+    ctx.save_for_backward(q, k, v, b, g, h0)
+    ctx.meta = (list(starts), chunk_size)
+
+
+def _backward_chunk(ctx, do, dht):
+    q, k, v, b, g, h0 = ctx.saved_tensors
+    starts, chunk_size = ctx.meta
+    dq, dk, dv, db, dg, dh0 = torch.ops.linattn.triton_delta_chunk_bwd(q, k, v, b, g, h0, do, dht, starts,
+                                                                       chunk_size)
+    return (dq, dk, dv, db, dg if g is not None else None, dh0 if h0 is not None else None, None, None, None)
+
+
+_op_chunk_fwd.register_autograd(_backward_chunk, setup_context=_setup_chunk)
+
+
+@torch.library.custom_op("linattn::triton_delta_recurrent_fwd", mutates_args=())
+def _op_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor,
+                      g: Optional[torch.Tensor], h0: Optional[torch.Tensor], starts: List[int],
+                      output_final_state: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    o, ht = _recurrent(q, k, v, b, g, h0, list(starts), output_final_state)
+    return o, (ht if ht is not None else absent(q))
+
+
+@_op_recurrent_fwd.register_fake
+def _(q, k, v, b, g, h0, starts, output_final_state):
+    TT, H, _ = heads(q, v)
+    K, V, N = q.shape[-1], v.shape[-1], len(starts) - 1
+    return (q.new_empty(TT, H, V, dtype=torch.float32),
+            q.new_empty((N, H, K, V) if output_final_state else (0,), dtype=torch.float32))
 
 
 # ----------------------------------------------------------------------------------------------
 # entry points, on prepared tensors (checks and preprocessing happen in ops/ first): q (scaled),
-# k~, v~ [TT, H, K or V], b = a~ [TT, H], g [TT, H] or None, h0 [N, H, K, V] or None, all fp32
-# except q, k, v which may be 16-bit; starts: the sequence boundaries on the TT axis.
+# k~ [TT, HQ, K], v~ [TT, H, V] (H a multiple of HQ: value head j reads q/k head j // (H // HQ)),
+# b = a~ [TT, H], g [TT, H] or None, h0 [N, H, K, V] or None, all fp32 except q, k, v which may be
+# 16-bit; starts: the sequence boundaries on the TT axis.
 # Return o [TT, H, V] fp32 and the final state [N, H, K, V] (or None).
 # ----------------------------------------------------------------------------------------------
 
 def chunk_delta_rule(q, k, v, b, g, h0, *, starts: List[int], chunk_size: int, output_final_state: bool):
-    """The chunk form (forward and backward); K <= 256 (the state walk keeps a whole K x BV tile).
-    The tile is `triton_chunk_size(chunk_size)`."""
-    BT = triton_chunk_size(chunk_size)
-    cfg = _Cfg(prepare_chunks(starts, BT, q.device), BT, FMAP_IDENTITY, 1.0, False, dot_precision(q.dtype))
-    return _ChunkDeltaRule.apply(q, k, v, b, g, h0, cfg, bool(output_final_state))
+    """The chunk form (forward and backward; the custom op linattn::triton_delta_chunk_fwd); K <= 256
+    (the state walk keeps a whole K x BV tile). The tile is `triton_chunk_size(chunk_size)`."""
+    fin = bool(output_final_state)
+    o, ht = torch.ops.linattn.triton_delta_chunk_fwd(q, k, v, b, g, h0, [int(s) for s in starts], int(chunk_size),
+                                                     fin)
+    return o, (ht if fin else None)
 
 
-@torch.no_grad()
 def fused_recurrent_delta_rule(q, k, v, b, g, h0, *, starts: List[int], output_final_state: bool):
-    """The recurrent form as one fused kernel (decoding; forward only)."""
+    """The recurrent form as one fused kernel (decoding; forward only: no gradients flow through it;
+    the custom op linattn::triton_delta_recurrent_fwd)."""
+    fin = bool(output_final_state)
+    d = [x.detach() if x is not None else None for x in (q, k, v, b, g, h0)]
+    o, ht = torch.ops.linattn.triton_delta_recurrent_fwd(*d, [int(s) for s in starts], fin)
+    return o, (ht if fin else None)
+
+
+def _recurrent(q, k, v, b, g, h0, starts, output_final_state):
     TT, H, HQ = heads(q, v)
     K, V, N, dev = q.shape[-1], v.shape[-1], len(starts) - 1, q.device
     BK, BV = full_block(K, "K"), block(V, cap=32 if K > 64 else 64)

@@ -27,7 +27,7 @@ States are recomputed in the backward pass (nothing of size [NT, H, K, V] is kep
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 import triton
@@ -37,6 +37,7 @@ from . import triton_chunk_size
 from .common import (
     FUSED_MAPS,
     _Cfg,
+    absent,
     block,
     chunk_bwd_dv,
     chunk_fwd_o,
@@ -313,88 +314,140 @@ def chunk_fwd_h(k, v, g, h0, z0, cfg, norm, store_final, fmap=None):
     return h, (z if norm else None), (ht if store_final else None), (zt if (store_final and norm) else None)
 
 
-class _ChunkLinearAttention(torch.autograd.Function):
-    """(q, k, v, g, h0, z0) -> (num [TT,H,V], den [TT,H] or None, h_T, z_T), all outputs fp32."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, h0, z0, cfg, output_final_state):
-        h, z, ht, zt = chunk_fwd_h(k, v, g, h0, z0, cfg, cfg.norm, output_final_state)
-        num, den = chunk_fwd_o(q, k, v, g, h, z, cfg, cfg.scale, cfg.fmap, cfg.norm)
-        ctx.save_for_backward(q, k, v, g, h0, z0)
-        ctx.cfg = cfg
-        return num, den, ht, zt
-
-    @staticmethod
-    def backward(ctx, dnum, dden, dht, dzt):
-        q, k, v, g, h0, z0 = ctx.saved_tensors
-        cfg = ctx.cfg
-        ch, dev = cfg.chunks, q.device
-        TT, H, HQ = heads(q, v)
-        K, V = q.shape[-1], v.shape[-1]
-        norm = cfg.norm
-        BK, BV = block(K), block(V)
-        do = dnum.contiguous() if dnum is not None else torch.zeros(TT, H, V, dtype=torch.float32, device=dev)
-        if norm:
-            dd = dden.contiguous() if dden is not None else torch.zeros(TT, H, dtype=torch.float32, device=dev)
-        h, z, _, _ = chunk_fwd_h(k, v, g, h0, z0, cfg, norm, False)
-
-        need_dh0 = ctx.needs_input_grad[4] or ctx.needs_input_grad[5]
-        dh = torch.empty(ch.NT, H, K, V, dtype=torch.float32, device=dev)
-        dz = torch.empty(ch.NT, H, K, dtype=torch.float32, device=dev) if norm else dummy(dev)
-        dh0 = torch.empty(ch.N, H, K, V, dtype=torch.float32, device=dev) if need_dh0 else dummy(dev)
-        dz0 = torch.empty(ch.N, H, K, dtype=torch.float32, device=dev) if (need_dh0 and norm) else dummy(dev)
-        use_dht = dht is not None or (norm and dzt is not None)
-        if use_dht:
-            dht = dht.contiguous() if dht is not None else torch.zeros(ch.N, H, K, V, dtype=torch.float32, device=dev)
-            if norm:
-                dzt = dzt.contiguous() if dzt is not None else torch.zeros(ch.N, H, K, dtype=torch.float32, device=dev)
-        gd = g if g is not None else dummy(dev)
-        _bwd_dh[(triton.cdiv(K, BK), triton.cdiv(V, BV), ch.N * H)](
-            q, gd, do, dd if norm else dummy(dev), dh, dz,
-            dht if use_dht else dummy(dev), dzt if (use_dht and norm) else dummy(dev), dh0, dz0,
-            ch.cu, ch.offsets, cfg.scale, H, HQ, K, V,
-            BT=cfg.BT, BK=BK, BV=BV, FMAP=cfg.fmap, USE_G=g is not None, NORM=norm, USE_DHT=use_dht,
-            STORE_DH0=need_dh0, PREC=cfg.prec)
-
-        NK = triton.cdiv(K, BK)
-        dq = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
-        dk = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
-        dg = torch.empty(NK, TT, H, dtype=torch.float32, device=dev) if g is not None else dummy(dev)
-        _bwd_dqkg[(NK, ch.NT, H)](
-            q, k, v, gd, h, z if norm else dummy(dev), do, dd if norm else dummy(dev), dh, dz, dq, dk, dg,
-            ch.cu, ch.index, cfg.scale, TT, H, HQ, K, V,
-            BT=cfg.BT, BK=BK, BV=BV, FMAP=cfg.fmap, USE_G=g is not None, NORM=norm, PREC=cfg.prec)
-        dv = chunk_bwd_dv(q, k, g, do, dh, cfg, cfg.scale, cfg.fmap)
-        return (group_sum(dq, HQ).to(q.dtype), group_sum(dk, HQ).to(k.dtype), dv.to(v.dtype),
-                dg.sum(0) if g is not None else None,
-                dh0 if ctx.needs_input_grad[4] else None,
-                dz0 if (ctx.needs_input_grad[5] and norm) else None,
-                None, None)
+def _given(x):
+    """An output's gradient, or None when autograd gave none (or it is the empty stand-in of an absent output)."""
+    return x if x is not None and x.numel() else None
 
 
-# ----------------------------------------------------------------------------------------------
-# entry points, on prepared tensors (the operator's checks and preprocessing happen in ops/ first):
-# q, k [TT, H, K] raw queries/keys when `fused` names an in-kernel feature map (phi(scale q) is
-# computed inside), else the features themselves with fused="identity" and scale=1; v [TT, H, V];
-# g [TT, H] fp32 log-gate or None; h0 [N, H, K, V], z0 [N, H, K] fp32 or None; starts: the
-# sequence boundaries on the TT axis. Returns num [TT, H, V] and den [TT, H] (or None), fp32, and
-# the final states (or None).
-# ----------------------------------------------------------------------------------------------
-
-def chunk_linear_attention(q, k, v, g, h0, z0, *, fused: str, scale: float, norm: bool, starts: List[int],
-                           chunk_size: int, output_final_state: bool):
-    """The chunk form (forward and backward). The tile is `triton_chunk_size(chunk_size)`."""
+def _config(q, fused, scale, norm, starts, chunk_size) -> _Cfg:
     BT = triton_chunk_size(chunk_size)
-    cfg = _Cfg(prepare_chunks(starts, BT, q.device), BT, FUSED_MAPS[fused], float(scale), bool(norm),
-               dot_precision(q.dtype))
-    num, den, ht, zt = _ChunkLinearAttention.apply(q, k, v, g, h0, z0, cfg, bool(output_final_state))
+    return _Cfg(prepare_chunks(list(starts), BT, q.device), BT, FUSED_MAPS[fused], float(scale), bool(norm),
+                dot_precision(q.dtype))
+
+
+def _chunk_fwd(q, k, v, g, h0, z0, cfg, output_final_state):
+    """-> num [TT,H,V], den [TT,H] or None, h_T, z_T (or None), all fp32."""
+    h, z, ht, zt = chunk_fwd_h(k, v, g, h0, z0, cfg, cfg.norm, output_final_state)
+    num, den = chunk_fwd_o(q, k, v, g, h, z, cfg, cfg.scale, cfg.fmap, cfg.norm)
     return num, den, ht, zt
 
 
-@torch.no_grad()
-def fused_recurrent_linear_attention(q, k, v, g, h0, z0, *, fused: str, scale: float, norm: bool,
-                                     starts: List[int], output_final_state: bool):
-    """The recurrent form as one fused kernel (decoding; forward only: no gradients flow through it)."""
+def _chunk_bwd(q, k, v, g, h0, z0, cfg, dnum, dden, dht, dzt, need_dh0):
+    """-> dq, dk, dv (in the inputs' dtypes), dg [TT, H] or None, dh0, dz0 (or None)."""
+    ch, dev = cfg.chunks, q.device
+    TT, H, HQ = heads(q, v)
+    K, V = q.shape[-1], v.shape[-1]
+    norm = cfg.norm
+    BK, BV = block(K), block(V)
+    do = dnum.contiguous() if dnum is not None else torch.zeros(TT, H, V, dtype=torch.float32, device=dev)
+    if norm:
+        dd = dden.contiguous() if dden is not None else torch.zeros(TT, H, dtype=torch.float32, device=dev)
+    h, z, _, _ = chunk_fwd_h(k, v, g, h0, z0, cfg, norm, False)
+
+    dh = torch.empty(ch.NT, H, K, V, dtype=torch.float32, device=dev)
+    dz = torch.empty(ch.NT, H, K, dtype=torch.float32, device=dev) if norm else dummy(dev)
+    dh0 = torch.empty(ch.N, H, K, V, dtype=torch.float32, device=dev) if need_dh0 else dummy(dev)
+    dz0 = torch.empty(ch.N, H, K, dtype=torch.float32, device=dev) if (need_dh0 and norm) else dummy(dev)
+    use_dht = dht is not None or (norm and dzt is not None)
+    if use_dht:
+        dht = dht.contiguous() if dht is not None else torch.zeros(ch.N, H, K, V, dtype=torch.float32, device=dev)
+        if norm:
+            dzt = dzt.contiguous() if dzt is not None else torch.zeros(ch.N, H, K, dtype=torch.float32, device=dev)
+    gd = g if g is not None else dummy(dev)
+    _bwd_dh[(triton.cdiv(K, BK), triton.cdiv(V, BV), ch.N * H)](
+        q, gd, do, dd if norm else dummy(dev), dh, dz,
+        dht if use_dht else dummy(dev), dzt if (use_dht and norm) else dummy(dev), dh0, dz0,
+        ch.cu, ch.offsets, cfg.scale, H, HQ, K, V,
+        BT=cfg.BT, BK=BK, BV=BV, FMAP=cfg.fmap, USE_G=g is not None, NORM=norm, USE_DHT=use_dht,
+        STORE_DH0=need_dh0, PREC=cfg.prec)
+
+    NK = triton.cdiv(K, BK)
+    dq = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+    dk = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+    dg = torch.empty(NK, TT, H, dtype=torch.float32, device=dev) if g is not None else dummy(dev)
+    _bwd_dqkg[(NK, ch.NT, H)](
+        q, k, v, gd, h, z if norm else dummy(dev), do, dd if norm else dummy(dev), dh, dz, dq, dk, dg,
+        ch.cu, ch.index, cfg.scale, TT, H, HQ, K, V,
+        BT=cfg.BT, BK=BK, BV=BV, FMAP=cfg.fmap, USE_G=g is not None, NORM=norm, PREC=cfg.prec)
+    dv = chunk_bwd_dv(q, k, g, do, dh, cfg, cfg.scale, cfg.fmap)
+    return (group_sum(dq, HQ).to(q.dtype), group_sum(dk, HQ).to(k.dtype), dv.to(v.dtype),
+            dg.sum(0) if g is not None else None,
+            dh0 if need_dh0 else None, dz0 if (need_dh0 and norm) else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library custom ops: torch.compile(fullgraph=True) sees one opaque op per pass (no graph break
+# at the kernels' host code), with its fake (shape) implementation and its autograd formula. An
+# absent optional output (den without norm, final states without output_final_state) is an empty
+# tensor in the op's schema (ops return tensors only); the entry points below turn it back into None.
+# ----------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("linattn::triton_linear_chunk_fwd", mutates_args=())
+def _op_chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+                  h0: Optional[torch.Tensor], z0: Optional[torch.Tensor], fused: str, scale: float, norm: bool,
+                  starts: List[int], chunk_size: int, output_final_state: bool
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = _config(q, fused, scale, norm, starts, chunk_size)
+    num, den, ht, zt = _chunk_fwd(q, k, v, g, h0, z0, cfg, output_final_state)
+    return (num, den if den is not None else absent(q), ht if ht is not None else absent(q),
+            zt if zt is not None else absent(q))
+
+
+@_op_chunk_fwd.register_fake
+def _(q, k, v, g, h0, z0, fused, scale, norm, starts, chunk_size, output_final_state):
+    TT, H, _ = heads(q, v)
+    K, V, N = q.shape[-1], v.shape[-1], len(starts) - 1
+    f32 = dict(dtype=torch.float32)
+    return (q.new_empty(TT, H, V, **f32), q.new_empty((TT, H) if norm else (0,), **f32),
+            q.new_empty((N, H, K, V) if output_final_state else (0,), **f32),
+            q.new_empty((N, H, K) if (output_final_state and norm) else (0,), **f32))
+
+
+@torch.library.custom_op("linattn::triton_linear_chunk_bwd", mutates_args=())
+def _op_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+                  h0: Optional[torch.Tensor], z0: Optional[torch.Tensor], dnum: Optional[torch.Tensor],
+                  dden: Optional[torch.Tensor], dht: Optional[torch.Tensor], dzt: Optional[torch.Tensor],
+                  fused: str, scale: float, norm: bool, starts: List[int],
+                  chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor, torch.Tensor]:
+    cfg = _config(q, fused, scale, norm, starts, chunk_size)
+    dq, dk, dv, dg, dh0, dz0 = _chunk_bwd(q, k, v, g, h0, z0, cfg, dnum, dden if norm else None,
+                                          _given(dht), _given(dzt), need_dh0=h0 is not None)
+    return (dq, dk, dv, dg if dg is not None else absent(q), dh0 if dh0 is not None else absent(q),
+            dz0 if dz0 is not None else absent(q))
+
+
+@_op_chunk_bwd.register_fake
+def _(q, k, v, g, h0, z0, dnum, dden, dht, dzt, fused, scale, norm, starts, chunk_size):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(g) if g is not None else absent(q),
+            torch.empty_like(h0) if h0 is not None else absent(q),
+            torch.empty_like(z0) if (h0 is not None and z0 is not None and norm) else absent(q))
+
+
+def _setup_chunk(ctx, inputs, output):
+    q, k, v, g, h0, z0, fused, scale, norm, starts, chunk_size, _ = inputs
+    ctx.save_for_backward(q, k, v, g, h0, z0)
+    ctx.meta = (fused, scale, norm, list(starts), chunk_size)
+
+
+def _backward_chunk(ctx, dnum, dden, dht, dzt):
+    q, k, v, g, h0, z0 = ctx.saved_tensors
+    fused, scale, norm, starts, chunk_size = ctx.meta
+    dq, dk, dv, dg, dh0, dz0 = torch.ops.linattn.triton_linear_chunk_bwd(
+        q, k, v, g, h0, z0, dnum, dden, dht, dzt, fused, scale, norm, starts, chunk_size)
+    return (dq, dk, dv, dg if g is not None else None, dh0 if h0 is not None else None,
+            dz0 if (z0 is not None and h0 is not None and norm) else None, None, None, None, None, None, None)
+
+
+_op_chunk_fwd.register_autograd(_backward_chunk, setup_context=_setup_chunk)
+
+
+@torch.library.custom_op("linattn::triton_linear_recurrent_fwd", mutates_args=())
+def _op_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+                      h0: Optional[torch.Tensor], z0: Optional[torch.Tensor], fused: str, scale: float, norm: bool,
+                      starts: List[int], output_final_state: bool
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     TT, H, HQ = heads(q, v)
     K, V, N, dev = q.shape[-1], v.shape[-1], len(starts) - 1, q.device
     BK, BV = block(K), block(V)
@@ -403,7 +456,7 @@ def fused_recurrent_linear_attention(q, k, v, g, h0, z0, *, fused: str, scale: f
     den = torch.empty(NK, TT, H, dtype=torch.float32, device=dev) if norm else dummy(dev)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else dummy(dev)
     zt = torch.empty(N, H, K, dtype=torch.float32, device=dev) if (output_final_state and norm) else dummy(dev)
-    cu = torch.tensor(starts, dtype=torch.int64, device=dev)
+    cu = torch.tensor(list(starts), dtype=torch.int64, device=dev)
     _recurrent_fwd[(NK, triton.cdiv(V, BV), N * H)](
         q, k, v, g if g is not None else dummy(dev), num, den,
         h0 if h0 is not None else dummy(dev), z0 if (z0 is not None and norm) else dummy(dev),
@@ -411,6 +464,47 @@ def fused_recurrent_linear_attention(q, k, v, g, h0, z0, *, fused: str, scale: f
         BK=BK, BV=BV, FMAP=FUSED_MAPS[fused], USE_G=g is not None, NORM=norm, USE_H0=h0 is not None,
         STORE_HT=bool(output_final_state))
     num = num[0] if NK == 1 else num.sum(0)
-    den = (den[0] if NK == 1 else den.sum(0)) if norm else None
-    return (num, den, ht if output_final_state else None,
-            zt if (output_final_state and norm) else None)
+    den = (den[0] if NK == 1 else den.sum(0)) if norm else absent(q)
+    return (num, den, ht if output_final_state else absent(q),
+            zt if (output_final_state and norm) else absent(q))
+
+
+@_op_recurrent_fwd.register_fake
+def _(q, k, v, g, h0, z0, fused, scale, norm, starts, output_final_state):
+    TT, H, _ = heads(q, v)
+    K, V, N = q.shape[-1], v.shape[-1], len(starts) - 1
+    f32 = dict(dtype=torch.float32)
+    return (q.new_empty(TT, H, V, **f32), q.new_empty((TT, H) if norm else (0,), **f32),
+            q.new_empty((N, H, K, V) if output_final_state else (0,), **f32),
+            q.new_empty((N, H, K) if (output_final_state and norm) else (0,), **f32))
+
+
+# ----------------------------------------------------------------------------------------------
+# entry points, on prepared tensors (the operator's checks and preprocessing happen in ops/ first):
+# q, k [TT, HQ, K] raw queries/keys when `fused` names an in-kernel feature map (phi(scale q) is
+# computed inside), else the features themselves with fused="identity" and scale=1; v [TT, H, V]
+# (H a multiple of HQ: value head j reads q/k head j // (H // HQ)); g [TT, H] fp32 log-gate or None;
+# h0 [N, H, K, V], z0 [N, H, K] fp32 or None; starts: the sequence boundaries on the TT axis.
+# Returns num [TT, H, V] and den [TT, H] (or None), fp32, and the final states (or None).
+# ----------------------------------------------------------------------------------------------
+
+def chunk_linear_attention(q, k, v, g, h0, z0, *, fused: str, scale: float, norm: bool, starts: List[int],
+                           chunk_size: int, output_final_state: bool):
+    """The chunk form (forward and backward; the custom op linattn::triton_linear_chunk_fwd). The tile
+    is `triton_chunk_size(chunk_size)`."""
+    norm, fin = bool(norm), bool(output_final_state)
+    num, den, ht, zt = torch.ops.linattn.triton_linear_chunk_fwd(
+        q, k, v, g, h0, z0 if norm else None, fused, float(scale), norm, [int(s) for s in starts],
+        int(chunk_size), fin)
+    return num, (den if norm else None), (ht if fin else None), (zt if (fin and norm) else None)
+
+
+def fused_recurrent_linear_attention(q, k, v, g, h0, z0, *, fused: str, scale: float, norm: bool,
+                                     starts: List[int], output_final_state: bool):
+    """The recurrent form as one fused kernel (decoding; forward only: no gradients flow through it;
+    the custom op linattn::triton_linear_recurrent_fwd)."""
+    norm, fin = bool(norm), bool(output_final_state)
+    d = [x.detach() if x is not None else None for x in (q, k, v, g, h0, z0)]
+    num, den, ht, zt = torch.ops.linattn.triton_linear_recurrent_fwd(
+        *d[:5], d[5] if norm else None, fused, float(scale), norm, [int(s) for s in starts], fin)
+    return num, (den if norm else None), (ht if fin else None), (zt if (fin and norm) else None)
