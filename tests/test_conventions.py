@@ -224,3 +224,154 @@ def test_parallel_long_block_gradients_match_reference():
         assert g.grad.dtype == torch.float32
         for a, b in zip(leaves + [g], ref_leaves + [g64]):
             assert rel_err(a.grad, b.grad) < 1e-5
+
+
+# ------------------------------------------------------------------ 35.1 a: grouped value heads
+
+def _grouped(B=2, T=13, H=2, n=3, K=8, V=4, seed=0, gate=None, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    HV = H * n
+    q, k = (torch.randn(B, T, H, K, generator=gen, dtype=dtype) for _ in range(2))
+    v = torch.randn(B, T, HV, V, generator=gen, dtype=dtype)
+    beta = torch.rand(B, T, HV, generator=gen, dtype=dtype)
+    g = None
+    if gate == "head":
+        g = -torch.rand(B, T, HV, generator=gen, dtype=dtype)
+    elif gate == "channel":
+        g = -torch.rand(B, T, HV, K, generator=gen, dtype=dtype)
+    S0 = torch.randn(B, HV, K, V, generator=gen, dtype=dtype)
+    return q, k, v, beta, g, S0
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("gate", [None, "head", "channel"])
+@pytest.mark.parametrize("exact", [False, True])
+def test_delta_rule_grouped_value_heads(backend, mode, gate, exact):
+    q, k, v, beta, g, S0 = _grouped(gate=gate)
+    ref_o, ref_S = delta_rule_ref(q, k, v, beta, g=g, exact=exact, qk_l2norm=True, S0=S0)
+    o, S = linattn.delta_rule(q, k, v, beta, g=g, exact=exact, qk_l2norm=True, mode=mode, chunk_size=4,
+                              initial_state=S0, output_final_state=True, backend=backend)
+    assert o.shape == v.shape and S.shape == S0.shape
+    assert rel_err(o, ref_o) < 1e-13 and rel_err(S, ref_S) < 1e-13
+    # the reference itself, per value head: head j of the grouped call is the plain call on q/k head j // n
+    j = 4
+    o_j, S_j = delta_rule_ref(q[:, :, j // 3:j // 3 + 1], k[:, :, j // 3:j // 3 + 1], v[:, :, j:j + 1],
+                              beta[:, :, j:j + 1], g=None if g is None else g[:, :, j:j + 1], exact=exact,
+                              qk_l2norm=True, S0=S0[:, j:j + 1])
+    assert rel_err(ref_o[:, :, j:j + 1], o_j) < 1e-15 and rel_err(ref_S[:, j:j + 1], S_j) < 1e-15
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("gate", [None, "head", "channel"])
+def test_delta_rule_grouped_gradients_and_varlen(mode, gate):
+    q, k, v, beta, g, S0 = _grouped(B=1, T=11, gate=gate, seed=1)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, beta, S0)] + ([g.clone().requires_grad_()] if gate else [])
+    o, S = linattn.delta_rule(*leaves[:4], g=leaves[5] if gate else None, qk_l2norm=True, mode=mode, chunk_size=4,
+                              initial_state=leaves[4], output_final_state=True, backend="torch")
+    (o.square().sum() + S.square().sum()).backward()
+    refs = [x.clone().requires_grad_() for x in (q, k, v, beta, S0)] + ([g.clone().requires_grad_()] if gate else [])
+    ro, rS = delta_rule_ref(*refs[:4], g=refs[5] if gate else None, qk_l2norm=True, S0=refs[4])
+    (ro.square().sum() + rS.square().sum()).backward()
+    for a, b in zip(leaves, refs):
+        assert rel_err(a.grad, b.grad) < 1e-12
+    # packed sequences: each document as if alone, one state row per document
+    cu = torch.tensor([0, 4, 11])
+    S0s = torch.cat([S0, S0.flip(0) * 0.5])
+    o, S = linattn.delta_rule(q, k, v, beta, g=g, qk_l2norm=True, mode=mode, chunk_size=4, cu_seqlens=cu,
+                              initial_state=S0s, output_final_state=True, backend="torch")
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ro, rS = delta_rule_ref(q[:, a:b], k[:, a:b], v[:, a:b], beta[:, a:b], g=None if g is None else g[:, a:b],
+                                qk_l2norm=True, S0=S0s[i:i + 1])
+        assert rel_err(o[:, a:b], ro) < 1e-13 and rel_err(S[i:i + 1], rS) < 1e-13
+
+
+def test_grouped_heads_errors_name_the_shapes():
+    q, k, v, beta, g, S0 = _grouped(H=2, n=3)
+    with pytest.raises(LinattnError, match=r"HV = n \* H .*\(2, 13, 2, 8\).*\(2, 13, 5, 4\)"):
+        linattn.delta_rule(q, k, v[:, :, :5], beta[:, :, :5])
+    with pytest.raises(LinattnError, match="HV = n"):
+        linattn.linear_attention(q, k, v[:, :, :5])
+    with pytest.raises(LinattnError, match="beta"):
+        linattn.delta_rule(q, k, v, beta[:, :, :2])
+    with pytest.raises(LinattnError, match="initial_state"):
+        linattn.delta_rule(q, k, v, beta, initial_state=S0[:, :2])
+
+
+def test_comba_grouped_value_heads():
+    from linattn.ops.reference import comba_ref
+    q, k, v, beta, g, S0 = _grouped(gate="head")
+    for mode in MODES:
+        o, S = linattn.comba(q, k, v, beta, g=g, qk_l2norm=True, mode=mode, chunk_size=4, initial_state=S0,
+                             output_final_state=True, backend="torch")
+        ro, rS = comba_ref(q, k, v, beta, g=g, qk_l2norm=True, S0=S0)
+        assert rel_err(o, ro) < 1e-13 and rel_err(S, rS) < 1e-13
+
+
+LIN_GATES = ["none", "g-shared", "g-per-value-head", "diag-shared", "diag-per-value-head", "gamma-float",
+             "gamma-shared", "gamma-per-value-head"]
+
+
+def _lin_gate(name, B, T, H, HV, K, gen):
+    """(kwargs for linear_attention, the log-gate for the reference)."""
+    if name == "none":
+        return {}, None
+    if name.startswith("gamma"):
+        gam = {"gamma-float": 0.8, "gamma-shared": torch.tensor([0.9, 0.5], dtype=torch.float64),
+               "gamma-per-value-head": torch.linspace(0.5, 0.95, HV, dtype=torch.float64)}[name]
+        lg = torch.log(torch.as_tensor(gam, dtype=torch.float64))
+        heads = lg.numel() if lg.dim() else H
+        return {"gamma": gam}, lg.expand(heads).view(1, 1, heads).expand(B, T, heads)
+    heads = H if name.endswith("shared") else HV
+    g = -torch.rand(B, T, heads, *((K,) if name.startswith("diag") else ()), generator=gen, dtype=torch.float64)
+    return {"g": g}, g
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fm,gate", [("elu+1", g) for g in LIN_GATES]
+                         + [("hadamard_exp", g) for g in LIN_GATES if not g.startswith("diag")])
+def test_linear_attention_grouped_value_heads(backend, mode, gate, fm):
+    from linattn.ops.reference import linear_attention_ref
+    gen = torch.Generator().manual_seed(2)
+    B, T, H, n, K, V = 1, 11, 2, 3, 4, 3
+    q, k = (torch.randn(B, T, H, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T, H * n, V, generator=gen, dtype=torch.float64)
+    kw, lg = _lin_gate(gate, B, T, H, H * n, K, gen)
+    ref = linear_attention_ref(q, k, v, fm, log_gate=lg)
+    o, st = linattn.linear_attention(q, k, v, feature_map=fm, mode=mode, chunk_size=4, output_final_state=True,
+                                     backend=backend, **kw)
+    assert o.shape == v.shape and st.kv.shape == (B, H * n, K, V) and st.z.shape == (B, H * n, K)
+    assert rel_err(o, ref) < 1e-13
+
+    def part(x, sl):
+        return x[:, sl] if isinstance(x, torch.Tensor) and x.dim() >= 3 else x
+
+    # a state carried across calls (the second call repeats q/k: its state is per value head)
+    o1, s1 = linattn.linear_attention(q[:, :5], k[:, :5], v[:, :5], feature_map=fm, mode=mode, chunk_size=4,
+                                      output_final_state=True, backend=backend,
+                                      **{a: part(b, slice(0, 5)) for a, b in kw.items()})
+    o2, s2 = linattn.linear_attention(q[:, 5:], k[:, 5:], v[:, 5:], feature_map=fm, mode=mode, chunk_size=4,
+                                      initial_state=s1, output_final_state=True, backend=backend,
+                                      **{a: part(b, slice(5, None)) for a, b in kw.items()})
+    assert rel_err(torch.cat([o1, o2], dim=1), ref) < 1e-13
+    assert rel_err(s2.kv, st.kv) < 1e-13 and rel_err(s2.z, st.z) < 1e-13
+
+
+def test_linear_attention_grouped_folds_without_copying_qk():
+    q, k = torch.randn(1, 9, 2, 4), torch.randn(1, 9, 2, 4)
+    v = torch.randn(1, 9, 6, 3)
+    p = linattn.prepare_linear_attention(q, k, v, g=-torch.rand(1, 9, 2))
+    assert p.folded and p.q is q and p.k is k and p.v.shape == (1, 9, 2, 9)
+    p = linattn.prepare_linear_attention(q, k, v, g=-torch.rand(1, 9, 6))       # a gate per value head: repeats
+    assert not p.folded and p.q.shape == (1, 9, 6, 4)
+    # gradients of the folded path against the reference
+    from linattn.ops.reference import linear_attention_ref
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    g = -torch.rand(1, 9, 2, dtype=torch.float64)
+    o, _ = linattn.linear_attention(*leaves, g=g, mode="chunk", chunk_size=4, backend="torch")
+    o.square().sum().backward()
+    refs = [x.double().requires_grad_() for x in (q, k, v)]
+    linear_attention_ref(*refs, "elu+1", log_gate=g).square().sum().backward()
+    for a, b in zip(leaves, refs):
+        assert rel_err(a.grad, b.grad) < 1e-12

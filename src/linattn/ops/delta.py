@@ -49,6 +49,11 @@ def delta_rule(
     "rsqrt" as flash-linear-attention and transformers, x * rsqrt(sum x^2 + 1e-6); "clamp" as
     F.normalize, x / max(||x||, 1e-6) (this operator's form before the choice existed); False: not at all.
 
+    Grouped value heads (Qwen3-Next's GVA): v `[B, T, HV, V]` with HV = n * H, beta `[B, T, HV]`, g `[B, T, HV]`
+    or `[B, T, HV, K]` and the state `[N, HV, K, V]`; value head j reads q/k head j // n (transformers'
+    repeat_interleave). q and k are normalised on their H heads, then repeated (materialised) to HV heads:
+    beta and the gates differ per value head, so every value head has its own recurrence.
+
     mode: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form).
     The state is a plain tensor `[N, H, K, V]` (N = B, or the number of sequences in `cu_seqlens`,
     int64 `[N+1]` with B == 1), fp32 (fp64 for fp64 inputs); it round-trips between modes and calls.

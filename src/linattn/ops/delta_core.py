@@ -89,6 +89,7 @@ from ._common import (
     pad_time,
 )
 from .backend import cpu_delta, requires_grad, select_backend, triton_delta
+from .heads import value_groups
 from .l2norm import l2norm, resolve_l2norm
 
 CHANNEL_BLOCK = 16       # chunk length with per-channel gates (their intra-chunk work is O(T * (c + C/c) * K))
@@ -348,6 +349,9 @@ class DeltaProblem:
     N: int
     output_final_state: bool
     out_dtype: torch.dtype
+    #: grouped value heads: the caller gave HV = value_groups * H value heads; q, k, r above are already repeated
+    #: to HV heads (value head j reads q/k head j // value_groups), so every backend sees an ordinary problem
+    value_groups: int = 1
 
     @property
     def channel_gate(self) -> bool:
@@ -436,19 +440,24 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
                   initial_state=None, output_final_state: bool = False, cu_seqlens=None) -> DeltaProblem:
     """Every check shared by the delta family, once, and the shared preprocessing.
 
-    q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]` (>= 0); g a log-gate `[B, T, H]` (or
-    `[B, T, H, K]` when `channel_gate`); r the read key `[B, T, H, K]` or None (the delta rule's own);
+    q, k `[B, T, H, K]`, v `[B, T, HV, V]`, beta `[B, T, HV]` (>= 0); g a log-gate `[B, T, HV]` (or
+    `[B, T, HV, K]` when `channel_gate`); r the read key `[B, T, H, K]` or None (the delta rule's own);
     `coefficient(beta, ||k||^2)` -> a (default a = beta; EFLA passes `efla_coefficient`), evaluated
     after qk_l2norm (False, True = "rsqrt" or "clamp": `ops/l2norm.py`); scale None means K**-0.5.
+    Grouped value heads: HV = n H (n >= 1), value head j reads q/k (and r) head j // n (transformers'
+    repeat_interleave); beta, g and the state `[N, HV, K, V]` are per value head. The prepared q, k, r are
+    repeated to HV heads (after the normalisation and key norms, which run on the H heads).
     """
-    B, T, H, K, V = check_qkv(q, k, v)
+    n = value_groups(q, v)
+    B, T, H, K, V = check_qkv(q, k, v[:, :, ::n] if n > 1 else v)   # a view with H heads: metadata only
+    HV = H * n
     if K == 0:
         raise LinattnError(f"q and k must have shape [B, T, H, K] with K >= 1 (the state is [K, V]), "
                            f"got {tuple(q.shape)}")
     check_mode(mode, chunk_size)
-    _check_step(beta, "beta", (B, T, H), q, "[B, T, H]")
+    _check_step(beta, "beta", (B, T, HV), q, "[B, T, HV] (HV: v's heads)" if n > 1 else "[B, T, H]")
     if g is not None:
-        check_log_gate(g, "g", B, T, H, K, allow_diagonal=channel_gate, ref=q)
+        check_log_gate(g, "g", B, T, HV, K, allow_diagonal=channel_gate, ref=q)
         if check_values(g) and not bool(torch.isfinite(g).all()):
             raise LinattnError("g must be finite (a log-gate of -inf would erase the state; use a large "
                                "negative value)")
@@ -460,7 +469,7 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
     offsets = check_cu_seqlens(cu_seqlens, B, T)
     N = B if offsets is None else len(offsets) - 1
     if initial_state is not None:
-        _check_state(initial_state, N, H, K, V, q.device)
+        _check_state(initial_state, N, HV, K, V, q.device)
 
     cdt = compute_dtype(q.dtype)
     q_c, k_c, v_c, b_c = q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt)
@@ -468,13 +477,18 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
         q_c, k_c = l2norm(q_c, l2), l2norm(k_c, l2)
     q_c = q_c * scale
     lam, d2, d = key_norms(k_c)
+    k_c = k_c / d
+    r_c = r.to(cdt) / d if r is not None else None
+    if n > 1:  # value head j reads q/k head j // n: materialised here (every form and backend then runs as is)
+        q_c, k_c, lam, d2, d = (x.repeat_interleave(n, dim=2) for x in (q_c, k_c, lam, d2, d))
+        r_c = r_c.repeat_interleave(n, dim=2) if r_c is not None else None
     a = coefficient(b_c.to(lam.dtype), lam) if coefficient is not None else b_c
     # key-norm rescaling (module docstring): k~ = k / d, v~ = v / d, r~ = r / d, a~ = a d^2, d = max(||k||, 1)
-    r_c = r.to(cdt) / d if r is not None else None
     S0 = initial_state.to(cdt) if initial_state is not None else None
     g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
-    return DeltaProblem(q_c, k_c / d, v_c / d, r_c, (a * d2).to(cdt), g_c, S0, mode,
-                        chunk_size, offsets, N, output_final_state, q.dtype)
+    return DeltaProblem(q_c, k_c, v_c / d, r_c, (a * d2).to(cdt), g_c, S0, mode,
+                        chunk_size, offsets, N, output_final_state, q.dtype, n)
+
 
 
 def key_norms(k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -63,6 +63,8 @@ from ._common import (
     pad_time,
 )
 from .backend import cpu_linear_attention, requires_grad, select_backend, triton_linear_attention
+from .delta_core import LOG_GATE_FLOOR
+from .heads import value_groups
 from .linear_chunk import FUSED, linear_chunk
 
 # Log-scale of an empty state, and log-feature of a padding key: finite, so that differences
@@ -430,6 +432,11 @@ class LinearProblem:
     state: Optional[LinearAttentionState]
     offset0: torch.Tensor
     output_final_state: bool
+    #: grouped value heads (`prepare_linear_attention`): the caller's v had HV = value_groups * H heads; folded:
+    #: they are folded into the value width here (v [B, T, H, n V], `finish` unfolds), else q, k (and a gate
+    #: given per q/k head) were repeated to HV heads
+    value_groups: int = 1
+    folded: bool = False
 
     @property
     def diagonal_gate(self) -> bool:
@@ -529,7 +536,9 @@ def _gate_to_log(gamma, g, B, T, H, Kf, dtype, device) -> Optional[torch.Tensor]
         if check_values(g) and not bool(torch.isfinite(g).all()):
             raise LinattnError("g must be finite (a log-gate of -inf would erase the state; use a large "
                                "negative value), as in delta_rule")
-        return g.to(device=device, dtype=dtype)
+        # per-token log-gates below -LOG_GATE_FLOOR give exp() = 0 in every dtype either way; the floor keeps a
+        # cumulative sum of gates near the dtype's lowest value from reaching -inf (then -inf - -inf = NaN)
+        return g.to(device=device, dtype=dtype).clamp_min(-LOG_GATE_FLOOR)
     return None
 
 
@@ -561,6 +570,24 @@ def prepare_linear_attention(q, k, v, *, feature_map="elu+1", causal=True, norma
                              scale=None, mode="chunk", chunk_size=64, initial_state=None,
                              output_final_state=False, cu_seqlens=None, eps=1e-6) -> LinearProblem:
     """Every check of `linear_attention`, once; returns the prepared call (see `LinearProblem`)."""
+    n = value_groups(q, v)
+    folded = False
+    if n > 1:
+        # grouped value heads: a gate shared by the n value heads of a q/k head (none, g [B, T, H(, K_phi)],
+        # a float or [H] gamma) leaves one weight matrix per q/k head, so the n value heads are folded into the
+        # value width (no copy of q or k; the normaliser is per q/k head anyway). A gate per value head, or a
+        # carried state (whose z, log_scale are kept per value head), repeats q and k to HV heads instead.
+        H = q.shape[2]
+        shared = ((g is None or (isinstance(g, torch.Tensor) and g.dim() >= 3 and g.shape[2] == H))
+                  and (not isinstance(gamma, torch.Tensor) or tuple(gamma.shape) == (H,)))
+        if shared and initial_state is None:
+            v, folded = v.reshape(*v.shape[:2], H, n * v.shape[3]), True
+        else:
+            q, k = q.repeat_interleave(n, dim=2), k.repeat_interleave(n, dim=2)
+            if isinstance(g, torch.Tensor) and g.dim() >= 3 and g.shape[2] == H:
+                g = g.repeat_interleave(n, dim=2)
+            if isinstance(gamma, torch.Tensor) and tuple(gamma.shape) == (H,):
+                gamma = gamma.repeat_interleave(n)
     B, T, H, K, V = check_qkv(q, k, v)
     if V == 0:
         raise LinattnError(f"v must have shape [B, T, H, V] with V >= 1, got {tuple(v.shape)}")
@@ -587,7 +614,7 @@ def prepare_linear_attention(q, k, v, *, feature_map="elu+1", causal=True, norma
     else:
         offset0 = torch.zeros(N, dtype=torch.int64, device=q.device)
     return LinearProblem(q, k, v, fmap, bool(causal), bool(normalize), log_gate, scale, mode, chunk_size,
-                         float(eps), offsets, N, Kf, initial_state, offset0, bool(output_final_state))
+                         float(eps), offsets, N, Kf, initial_state, offset0, bool(output_final_state), n, folded)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -746,6 +773,14 @@ def finish(p: LinearProblem, num, den, c, kv, z, mu) -> Tuple[torch.Tensor, Opti
         seq_lens = (torch.tensor([b - a for a, b in zip(p.offsets[:-1], p.offsets[1:])], device=p.q.device)
                     if p.offsets is not None else T)
         state = LinearAttentionState(kv=kv, z=z, log_scale=mu, offset=p.offset0 + seq_lens)
+    if p.folded:  # back to the caller's HV = n H value heads (`prepare_linear_attention`)
+        n = p.value_groups
+        out = out.reshape(*out.shape[:2], out.shape[2] * n, out.shape[3] // n)
+        if state is not None:
+            N, H, Kf, nV = state.kv.shape
+            kv = state.kv.reshape(N, H, Kf, n, nV // n).transpose(2, 3).reshape(N, H * n, Kf, nV // n)
+            state = state._replace(kv=kv, z=state.z.repeat_interleave(n, dim=1),
+                                   log_scale=None if mu is None else mu.repeat_interleave(n, dim=1))
     return out.to(p.q.dtype), state
 
 
@@ -795,6 +830,12 @@ def linear_attention(
     For log-space maps (hadamard_exp, favor+) eps floors the stabilised denominator, which is >= 1,
     so the output is the exact ratio and does not change when a constant is added to the queries.
     normalize=False: the plain sum (it overflows only when the true value exceeds the dtype).
+
+    Grouped value heads (Mamba2's groups, GVA): v `[B, T, HV, V]` with HV = n * H; value head j reads q/k head
+    j // n (transformers' repeat_interleave). A gate may be per q/k head (g `[B, T, H(, K_phi)]`, gamma a float
+    or `[H]`: shared by the group) or per value head (`[B, T, HV(, K_phi)]`, `[HV]`). The state is per value head,
+    kv `[N, HV, K_phi, V]`, z and log_scale `[N, HV, K_phi]`. With a shared gate and no initial state the n value
+    heads are folded into the value width (q, k are not copied); otherwise q and k are repeated to HV heads.
 
     mode: "chunk" (training), "recurrent" (decoding; causal only), "parallel" (quadratic reference).
     The state (see `LinearAttentionState`) round-trips between modes and calls. cu_seqlens

@@ -72,6 +72,11 @@ def linear_attention_ref(q, k, v, name, *, causal=True, normalize=True, log_gate
                          eps=1e-6, fmap=None, offset=0):
     """fp64 quadratic reference. log_gate: None, [B,T,H] or [B,T,H,Kphi] (diagonal)."""
     q, k, v = q.double() * scale, k.double(), v.double()
+    # grouped value heads (v with HV = n H heads): value head j reads q/k head j // n, and a gate given per q/k
+    # head applies to all its value heads
+    q, k = value_head_inputs(q, v.shape[2]), value_head_inputs(k, v.shape[2])
+    if log_gate is not None:
+        log_gate = value_head_inputs(log_gate, v.shape[2])
     B, T, H, _ = q.shape
     out = torch.zeros(B, T, H, v.shape[-1], dtype=torch.float64)
     pos = torch.arange(T) + offset
@@ -156,10 +161,20 @@ def l2_ref(x, convention):
     raise ValueError(convention)
 
 
+def value_head_inputs(x, HV):
+    """x [B, T, H, *] as seen by each of HV = n H value heads: value head j reads head j // n."""
+    if x is None or x.shape[2] == HV:
+        return x
+    n = HV // x.shape[2]
+    return torch.stack([x[:, :, j // n] for j in range(HV)], dim=2)
+
+
 def delta_rule_ref(q, k, v, beta, g=None, exact=False, scale=None, qk_l2norm=False, S0=None):
     """delta_rule from its recurrence, S_t = D_t (I - a_t k_t k_t^T) S_{t-1} + a_t k_t v_t^T,
-    o_t = scale S_t^T q_t (a = beta, or EFLA's coefficient when exact); qk_l2norm as `l2_ref`; fp64 -> (o, S)."""
+    o_t = scale S_t^T q_t (a = beta, or EFLA's coefficient when exact); qk_l2norm as `l2_ref`; fp64 -> (o, S).
+    Grouped value heads (v, beta, g, S0 with HV = n H heads): value head j runs with q/k head j // n."""
     q, k = l2_ref(q, qk_l2norm), l2_ref(k, qk_l2norm)
+    q, k = value_head_inputs(q, v.shape[2]), value_head_inputs(k, v.shape[2])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     a = efla_coefficient(beta.double(), (k * k).sum(-1)) if exact else beta.double()
     return delta_scan_ref(q, k, v, a, g=g, scale=scale, S0=S0)
@@ -170,6 +185,7 @@ def comba_ref(q, k, v, beta, p=None, g=None, scale=None, qk_l2norm=False, S0=Non
     o_t = scale S_t^T q_t (p = None: p = k; qk_l2norm normalises q and k, never p); fp64 -> (o, S).
     This is the general scan with the read key r = p on the undecayed state."""
     q, k = l2_ref(q, qk_l2norm), l2_ref(k, qk_l2norm)
+    q, k, p = (value_head_inputs(x, v.shape[2]) for x in (q, k, p))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     r = k if p is None else p.double()
     return delta_scan_ref(q, k, v, beta.double(), r=r, g=g, scale=scale, S0=S0)
