@@ -15,6 +15,14 @@ list of names: `log_space`, `positional`, `fused_kernel` (the name of the in-ker
 kernels fuse, or None: the features are then computed by PyTorch first), `feature_dim(head_dim)`
 (the width K_phi of phi and psi) and the classmethod `build(head_dim)` (how `get_feature_map`
 makes one for a head dimension).
+
+Range (issue 33.4). Every map computes its features from the formula, and the features are as large as
+the kernel they build: taylor2's x x^T and the squared-Euclidean maps' |x|^2 exceed float32 once |x|
+passes ~1e19, magnitude_direction's (|x|^2 + 1) x once it passes ~7e12, and q . k does for the
+linear-space maps when |q| |k| passes ~3e38. No rescaling inside a map can avoid it: with normalize=False
+the features' scale is the answer. `linear_attention` refuses such finite inputs with a `LinattnError`
+naming the largest |q|, |k|, |v| (where value checks run) instead of returning inf/NaN. FAVOR+'s
+log-features w.x - |x|^2/2 go to -inf for |x| past ~1e19 (a weight of exactly 0, the limit).
 """
 from __future__ import annotations
 
