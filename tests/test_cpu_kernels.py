@@ -364,3 +364,30 @@ def test_linear_cpu_under_torch_compile():
     gb = torch.autograd.grad(want[0].sum() + want[1].sum(), (q, k, v))
     for a, b in zip(ga, gb):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_cc
+@pytest.mark.parametrize("gate", [None, "g"])
+def test_linear_cpu_bits_do_not_depend_on_threads_or_batch(gate):
+    """One pass per (sequence, head) or three passes over all chunks (few sequences x heads for the threads): the
+    same per-chunk arithmetic, so the same bits, forward and backward; and a sequence alone = the same in a batch."""
+    B, T, H, K, V = 3, 50, 1, 8, 4
+    q, k, v = _lin_inputs(B, T, H, K, V, torch.float32, seed=21)
+    kw, _ = _gate(gate, B, T, H)
+    kw = {n: x.float() for n, x in kw.items()}
+    runs = []
+    n0 = torch.get_num_threads()
+    try:
+        for threads, rows in ((1, slice(None)), (2, slice(None)), (2, slice(1, 2))):  # 3x1 pairs / 2 threads: 3 passes
+            torch.set_num_threads(threads)
+            leaves = [x[rows].clone().requires_grad_() for x in (q, k, v)]
+            extra = {n: x[rows] for n, x in kw.items()}
+            o, s = _run("cpu", *leaves, chunk_size=16, output_final_state=True, **extra)
+            grads = torch.autograd.grad(o.sum() + s.kv.sum(), leaves)
+            runs.append((o, s.kv, *grads))
+    finally:
+        torch.set_num_threads(n0)
+    for a, b in zip(runs[0], runs[1]):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[2], runs[0]):
+        assert torch.equal(a, b[1:2])

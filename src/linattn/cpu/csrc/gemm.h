@@ -24,7 +24,28 @@ static inline void FN(kern4)(int kb, int ke, const REAL *restrict A, int lda, co
     if (kb >= ke) return;
     REAL *c0 = Cm + n0, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc;
     const REAL *a0 = A, *a1 = A + lda, *a2 = a1 + lda, *a3 = a2 + lda;
-    if (nb == GNB) { /* fixed width: the accumulators stay in registers */
+#if defined(__GNUC__) && LINATTN_NB_BYTES == 256
+    if (nb == GNB) { /* fixed width, GCC/clang vector types: 16 accumulators of 64 bytes stay in registers */
+        typedef REAL vec __attribute__((vector_size(64), aligned(sizeof(REAL)))); /* unaligned loads allowed */
+        const vec *v0 = (const vec *)c0, *v1 = (const vec *)c1, *v2 = (const vec *)c2, *v3 = (const vec *)c3;
+        vec s00 = v0[0], s01 = v0[1], s02 = v0[2], s03 = v0[3], s10 = v1[0], s11 = v1[1], s12 = v1[2], s13 = v1[3],
+            s20 = v2[0], s21 = v2[1], s22 = v2[2], s23 = v2[3], s30 = v3[0], s31 = v3[1], s32 = v3[2], s33 = v3[3];
+        for (int k = kb; k < ke; k++) {
+            const vec *b = (const vec *)(B + (int64_t)k * ldb + n0);
+            const vec b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3];
+            const REAL x0 = a0[k], x1 = a1[k], x2 = a2[k], x3 = a3[k];
+            s00 += x0 * b0, s01 += x0 * b1, s02 += x0 * b2, s03 += x0 * b3;
+            s10 += x1 * b0, s11 += x1 * b1, s12 += x1 * b2, s13 += x1 * b3;
+            s20 += x2 * b0, s21 += x2 * b1, s22 += x2 * b2, s23 += x2 * b3;
+            s30 += x3 * b0, s31 += x3 * b1, s32 += x3 * b2, s33 += x3 * b3;
+        }
+        vec *w0 = (vec *)c0, *w1 = (vec *)c1, *w2 = (vec *)c2, *w3 = (vec *)c3;
+        w0[0] = s00, w0[1] = s01, w0[2] = s02, w0[3] = s03, w1[0] = s10, w1[1] = s11, w1[2] = s12, w1[3] = s13;
+        w2[0] = s20, w2[1] = s21, w2[2] = s22, w2[3] = s23, w3[0] = s30, w3[1] = s31, w3[2] = s32, w3[3] = s33;
+        return;
+    }
+#endif
+    if (nb == GNB) { /* fixed width, plain C: the compiler may keep the accumulators in registers */
         REAL acc0[GNB], acc1[GNB], acc2[GNB], acc3[GNB];
         for (int n = 0; n < GNB; n++) { acc0[n] = c0[n]; acc1[n] = c1[n]; acc2[n] = c2[n]; acc3[n] = c3[n]; }
         for (int k = kb; k < ke; k++) {

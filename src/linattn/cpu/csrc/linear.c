@@ -159,11 +159,74 @@ static void FN(lin_load_v)(const REAL *v, int64_t t0, int64_t H, int64_t h, int 
         for (int i = 0; i < len; i++) Vb[(int64_t)i * W + V] = 1;
 }
 
+/* ---- forward, per chunk: the same arithmetic on every path (one pass per sequence and head, or three passes
+   over all chunks), so the result never depends on the thread count or on the batch around a sequence */
+
+/* the chunk's features and values: Q (when asked), Km, Kt = Km^T, Vb, G; returns GL (0 without a gate) */
+static REAL FN(fl_load)(const REAL *q, const REAL *k, const REAL *v, const REAL *g, int64_t t0, int len, int64_t H,
+                        int64_t h, int K, int V, int W, int C, int fmap, REAL sc, REAL *Q, REAL *Km, REAL *Kt,
+                        REAL *Vb, REAL *G) {
+    if (Q) FN(lin_load_feat)(q, t0, H, h, K, len, C, Q, fmap, sc);
+    FN(lin_load_feat)(k, t0, H, h, K, len, C, Km, fmap, 1);
+    FN(transpose)(C, K, Km, K, Kt);
+    FN(lin_load_v)(v, t0, H, h, V, W, len, C, Vb);
+    return g ? FN(lin_cumgate)(g, t0, H, h, len, C, G) : 0;
+}
+
+/* U = sum_j exp(GL - G_j) k_j v_j^T (decays Kt's columns in place) */
+static void FN(fl_update)(int len, int K, int W, int C, int has_g, const REAL *G, REAL GL, REAL *Kt, const REAL *Vb,
+                          REAL *U) {
+    if (has_g)
+        for (int i = 0; i < len; i++) {
+            const REAL e = FN(lin_exp)(GL - G[i]);
+            for (int d = 0; d < K; d++) Kt[(int64_t)d * C + i] *= e;
+        }
+    memset(U, 0, sizeof(REAL) * K * W);
+    FN(gemm)(K, W, len, Kt, C, Vb, W, U, W);
+}
+
+/* the chunk's outputs from its start state Pc (Kt undecayed) */
+static void FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C, int norm, int has_g,
+                       const REAL *Q, REAL *Qd, const REAL *Kt, const REAL *Vb, const REAL *G, const REAL *Pc, REAL *A,
+                       REAL *O, REAL *num, REAL *den) {
+    memset(A, 0, sizeof(REAL) * C * C);
+    FN(gemm)(C, C, K, Q, K, Kt, C, A, C);
+    const REAL *Qs = Q;
+    if (has_g) {
+        for (int i = 0; i < C; i++) {
+            for (int j = 0; j <= i; j++) A[(int64_t)i * C + j] *= FN(lin_exp)(G[i] - G[j]);
+            const REAL e = FN(lin_exp)(G[i]);
+            for (int d = 0; d < K; d++) Qd[(int64_t)i * K + d] = e * Q[(int64_t)i * K + d];
+        }
+        Qs = Qd;
+    }
+    memset(O, 0, sizeof(REAL) * C * W);
+    FN(gemm)(C, W, K, Qs, K, Pc, W, O, W);
+    FN(gemm_lo)(C, W, A, C, Vb, W, O, W);
+    for (int i = 0; i < len; i++) {
+        REAL *o = num + ((t0 + i) * H + h) * V;
+        const REAL *src = O + (int64_t)i * W;
+        for (int w = 0; w < V; w++) o[w] = src[w];
+        if (norm && den) den[(t0 + i) * H + h] = src[V];
+    }
+}
+
+/* S = exp(GL) S + U (in place), the carried state's update */
+static void FN(carry)(int64_t n, int has_g, REAL GL, REAL *S, const REAL *U) {
+    if (has_g) {
+        const REAL d = FN(lin_exp)(GL);
+        for (int64_t e = 0; e < n; e++) S[e] = d * S[e] + U[e];
+    } else {
+        for (int64_t e = 0; e < n; e++) S[e] = S[e] + U[e];
+    }
+}
+
 int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t K64, int64_t V64, int64_t C64,
-                           int norm, int fmap, double scale, const REAL *q, const REAL *k, const REAL *v, const REAL *g, const REAL *S0,
-                           REAL *num, REAL *den, REAL *P, REAL *S_out, int nthreads) {
-    const int K = (int)K64, V = (int)V64, C = (int)C64, W = V + (norm ? 1 : 0);
+                           int norm, int fmap, double scale, const REAL *q, const REAL *k, const REAL *v,
+                           const REAL *g, const REAL *S0, REAL *num, REAL *den, REAL *P, REAL *S_out, int nthreads) {
+    const int K = (int)K64, V = (int)V64, C = (int)C64, W = V + (norm ? 1 : 0), has_g = g != NULL;
     const int64_t KW = (int64_t)K * W;
+    const REAL sc = (REAL)scale;
     int64_t *first = malloc(sizeof(int64_t) * (N + 1));
     if (!first) return -1;
     const int64_t NC = lin_chunks(N, starts, C, NULL, first);
@@ -174,106 +237,73 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
         return -1;
     }
     lin_chunks(N, starts, C, ch, first);
+    /* enough (sequence, head) pairs for the threads: one pass each, the state carried in cache; else three passes
+       over all chunks (parallel inside a sequence) */
+    const int one_pass = nthreads <= 1 || N * H >= 2 * (int64_t)nthreads;
     int failed = 0;
-    const REAL sc = (REAL)scale;
-    const size_t scratch = (size_t)(3 * C * K + K * C + C * W + C * C + C * W + C);
+    const size_t scratch = (size_t)(3 * C * K + K * C + 2 * C * W + C * C + C + 2 * KW);
 #pragma omp parallel num_threads(nthreads)
     {
         REAL *buf = malloc(sizeof(REAL) * scratch);
-        REAL *Q = buf, *Qd = Q + C * K, *Kt = Qd + C * K, *Vb = Kt + K * C, *A = Vb + C * W, *O = A + C * C,
-             *G = O + C * W, *Km = G + C;
+        REAL *Q = buf, *Qd = Q + C * K, *Km = Qd + C * K, *Kt = Km + C * K, *Vb = Kt + K * C, *A = Vb + C * W,
+             *O = A + C * C, *G = O + C * W, *S = G + C, *U = S + KW;
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
-        /* 1. every chunk's state update U_c = sum_j exp(GL - G_j) k_j v_j^T, into P[c] for now */
+        if (one_pass) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < N * H; task++) {
+                if (!buf) continue;
+                const int64_t s = task / H, h = task % H;
+                if (S0) memcpy(S, S0 + task * KW, sizeof(REAL) * KW);
+                else memset(S, 0, sizeof(REAL) * KW);
+                for (int64_t c = first[s]; c < first[s + 1]; c++) {
+                    const int64_t t0 = ch[c].t0;
+                    const int len = (int)ch[c].len;
+                    REAL *Pc = P + (c * H + h) * KW;
+                    const REAL GL = FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
+                    memcpy(Pc, S, sizeof(REAL) * KW);
+                    FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, Q, Qd, Kt, Vb, G, Pc, A, O, num, den);
+                    FN(fl_update)(len, K, W, C, has_g, G, GL, Kt, Vb, U);
+                    FN(carry)(KW, has_g, GL, S, U);
+                }
+                if (S_out) memcpy(S_out + task * KW, S, sizeof(REAL) * KW);
+            }
+        } else {
+            /* 1. every chunk's state update U_c, into P[c] for now */
 #pragma omp for schedule(dynamic, 4)
-        for (int64_t task = 0; task < NC * H; task++) {
-            if (!buf) continue;
-            const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
-            const int len = (int)ch[c].len;
-            REAL *U = P + task * KW;
-            FN(lin_load_v)(v, t0, H, h, V, W, len, C, Vb);
-            FN(lin_load_feat)(k, t0, H, h, K, len, C, Km, fmap, 1);
-            FN(transpose)(C, K, Km, K, Kt); /* Kt [K][C]: keys transposed (decayed to the chunk's end below) */
-            if (g) {
-                const REAL GL = FN(lin_cumgate)(g, t0, H, h, len, C, G);
+            for (int64_t task = 0; task < NC * H; task++) {
+                if (!buf) continue;
+                const int64_t c = task / H, h = task % H;
+                const int len = (int)ch[c].len;
+                const REAL GL = FN(fl_load)(q, k, v, g, ch[c].t0, len, H, h, K, V, W, C, fmap, sc, NULL, Km, Kt, Vb, G);
                 gl[task] = GL;
-                for (int i = 0; i < len; i++) {
-                    const REAL e = FN(lin_exp)(GL - G[i]);
-                    for (int d = 0; d < K; d++) Kt[(int64_t)d * C + i] *= e;
-                }
+                FN(fl_update)(len, K, W, C, has_g, G, GL, Kt, Vb, P + task * KW);
             }
-            memset(U, 0, sizeof(REAL) * KW);
-            FN(gemm)(K, W, len, Kt, C, Vb, W, U, W);
-        }
-        /* 2. the running sum over each sequence's chunks: P[c] = the state before chunk c */
+            /* 2. the running sum over each sequence's chunks: P[c] = the state before chunk c */
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < N * H; task++) {
-            if (!buf) continue;
-            const int64_t s = task / H, h = task % H;
-            REAL *S = O; /* K * W <= C * W is not guaranteed: use a heap row when K > C */
-            REAL *heap = NULL;
-            if (K > C) {
-                heap = malloc(sizeof(REAL) * KW);
-                if (!heap) {
-#pragma omp atomic write
-                    failed = 1;
-                    continue;
+            for (int64_t task = 0; task < N * H; task++) {
+                if (!buf) continue;
+                const int64_t s = task / H, h = task % H;
+                if (S0) memcpy(S, S0 + task * KW, sizeof(REAL) * KW);
+                else memset(S, 0, sizeof(REAL) * KW);
+                for (int64_t c = first[s]; c < first[s + 1]; c++) {
+                    REAL *Pc = P + (c * H + h) * KW;
+                    memcpy(U, Pc, sizeof(REAL) * KW);
+                    memcpy(Pc, S, sizeof(REAL) * KW);
+                    FN(carry)(KW, has_g, gl[c * H + h], S, U);
                 }
-                S = heap;
+                if (S_out) memcpy(S_out + task * KW, S, sizeof(REAL) * KW);
             }
-            if (S0) memcpy(S, S0 + task * KW, sizeof(REAL) * KW);
-            else memset(S, 0, sizeof(REAL) * KW);
-            for (int64_t c = first[s]; c < first[s + 1]; c++) {
-                REAL *Pc = P + (c * H + h) * KW;
-                if (g) {
-                    const REAL d = FN(lin_exp)(gl[c * H + h]);
-                    for (int64_t e = 0; e < KW; e++) {
-                        const REAL u = Pc[e];
-                        Pc[e] = S[e];
-                        S[e] = d * S[e] + u;
-                    }
-                } else {
-                    for (int64_t e = 0; e < KW; e++) {
-                        const REAL u = Pc[e];
-                        Pc[e] = S[e];
-                        S[e] = S[e] + u;
-                    }
-                }
-            }
-            if (S_out) memcpy(S_out + task * KW, S, sizeof(REAL) * KW);
-            free(heap);
-        }
-        /* 3. every chunk's outputs */
+            /* 3. every chunk's outputs */
 #pragma omp for schedule(dynamic, 4)
-        for (int64_t task = 0; task < NC * H; task++) {
-            if (!buf) continue;
-            const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
-            const int len = (int)ch[c].len;
-            const REAL *Pc = P + task * KW;
-            FN(lin_load_feat)(q, t0, H, h, K, len, C, Q, fmap, sc);
-            FN(lin_load_v)(v, t0, H, h, V, W, len, C, Vb);
-            FN(lin_load_feat)(k, t0, H, h, K, len, C, Km, fmap, 1);
-            FN(transpose)(C, K, Km, K, Kt);
-            memset(A, 0, sizeof(REAL) * C * C);
-            FN(gemm)(C, C, K, Q, K, Kt, C, A, C);
-            const REAL *Qs = Q;
-            if (g) {
-                FN(lin_cumgate)(g, t0, H, h, len, C, G);
-                for (int i = 0; i < C; i++) {
-                    for (int j = 0; j <= i; j++) A[(int64_t)i * C + j] *= FN(lin_exp)(G[i] - G[j]);
-                    const REAL e = FN(lin_exp)(G[i]);
-                    for (int d = 0; d < K; d++) Qd[(int64_t)i * K + d] = e * Q[(int64_t)i * K + d];
-                }
-                Qs = Qd;
-            }
-            memset(O, 0, sizeof(REAL) * C * W);
-            FN(gemm)(C, W, K, Qs, K, Pc, W, O, W);
-            FN(gemm_lo)(C, W, A, C, Vb, W, O, W);
-            for (int i = 0; i < len; i++) {
-                memcpy(num + ((t0 + i) * H + h) * V, O + (int64_t)i * W, sizeof(REAL) * V);
-                if (norm && den) den[(t0 + i) * H + h] = O[(int64_t)i * W + V];
+            for (int64_t task = 0; task < NC * H; task++) {
+                if (!buf) continue;
+                const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
+                const int len = (int)ch[c].len;
+                FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
+                FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, Q, Qd, Kt, Vb, G, P + task * KW, A, O, num, den);
             }
         }
         free(buf);
@@ -282,205 +312,237 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
     return failed ? -1 : 0;
 }
 
-int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t K64, int64_t V64, int64_t C64,
-                           int norm, int fmap, double scale, const REAL *q, const REAL *k, const REAL *v, const REAL *g, const REAL *P,
-                           const REAL *dnum, const REAL *dden, const REAL *dS, REAL *dq, REAL *dk, REAL *dv,
-                           REAL *dg, REAL *dS0, int nthreads) {
-    const int K = (int)K64, V = (int)V64, C = (int)C64, W = V + (norm ? 1 : 0);
+/* ---- backward, per chunk (same rule: identical arithmetic on both paths) */
+
+typedef struct {
+    REAL *Q, *Km, *Qd, *Vb, *dO, *Pt, *dPt, *A, *D, *dA, *T2, *X, *Y, *Z, *G, *dG, *Tr;
+} FN(bws);
+
+/* the chunk's features, values, output gradients (rows >= len zero) and G; returns GL */
+static REAL FN(bl_load)(const REAL *q, const REAL *k, const REAL *v, const REAL *g, const REAL *dnum,
+                        const REAL *dden, int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C,
+                        int fmap, REAL sc, FN(bws) *b) {
+    FN(lin_load_feat)(q, t0, H, h, K, len, C, b->Q, fmap, sc);
+    FN(lin_load_feat)(k, t0, H, h, K, len, C, b->Km, fmap, 1);
+    FN(lin_load_v)(v, t0, H, h, V, W, len, C, b->Vb);
+    for (int i = 0; i < C; i++) {
+        const int64_t row = (t0 + i) * H + h;
+        for (int w = 0; w < V; w++) b->dO[(int64_t)i * W + w] = (i < len && dnum) ? dnum[row * V + w] : 0;
+        if (W > V) b->dO[(int64_t)i * W + V] = (i < len && dden) ? dden[row] : 0;
+    }
+    return g ? FN(lin_cumgate)(g, t0, H, h, len, C, b->G) : 0;
+}
+
+/* R = sum_i exp(G_i) q_i dO_i^T: the chunk's part of the gradient of its start state */
+static void FN(bl_R)(int len, int K, int W, int C, int has_g, FN(bws) *b, REAL *R) {
+    FN(transpose)(C, K, b->Q, K, b->Tr); /* Tr [K][C] */
+    if (has_g)
+        for (int i = 0; i < len; i++) {
+            const REAL e = FN(lin_exp)(b->G[i]);
+            for (int d = 0; d < K; d++) b->Tr[(int64_t)d * C + i] *= e;
+        }
+    memset(R, 0, sizeof(REAL) * K * W);
+    FN(gemm)(K, W, len, b->Tr, C, b->dO, W, R, W);
+}
+
+/* the chunk's input gradients, from its start state Pc and the gradient dPn of its end state */
+static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C, int has_g, int fmap,
+                         REAL sc, REAL GL, const REAL *Pc, const REAL *dPn, FN(bws) *b, REAL *dq, REAL *dk, REAL *dv,
+                         REAL *dg) {
     const int64_t KW = (int64_t)K * W;
+    REAL *Q = b->Q, *Km = b->Km, *Vb = b->Vb, *dO = b->dO, *A = b->A, *D = b->D, *dA = b->dA, *T2 = b->T2,
+         *X = b->X, *G = b->G, *dG = b->dG, *Tr = b->Tr;
+    if (has_g) memset(dG, 0, sizeof(REAL) * C);
+    /* A = (Q K^T) * D */
+    FN(transpose)(C, K, Km, K, Tr); /* Tr [K][C] */
+    memset(A, 0, sizeof(REAL) * C * C);
+    FN(gemm)(C, C, K, Q, K, Tr, C, A, C);
+    if (has_g)
+        for (int i = 0; i < C; i++)
+            for (int j = 0; j <= i; j++) {
+                D[(int64_t)i * C + j] = FN(lin_exp)(G[i] - G[j]);
+                A[(int64_t)i * C + j] *= D[(int64_t)i * C + j];
+            }
+    /* dA = dO Vb^T (rows j <= i used); the gate's part; dM = dA * D, in place */
+    FN(transpose)(C, W, Vb, W, Tr); /* Tr [W][C] */
+    memset(dA, 0, sizeof(REAL) * C * C);
+    FN(gemm)(C, C, W, dO, W, Tr, C, dA, C);
+    if (has_g)
+        for (int i = 0; i < C; i++)
+            for (int j = 0; j <= i; j++) {
+                const REAL e = dA[(int64_t)i * C + j] * A[(int64_t)i * C + j];
+                dG[i] += e;
+                dG[j] -= e;
+                dA[(int64_t)i * C + j] *= D[(int64_t)i * C + j];
+            }
+    /* dq = dM K + exp(G_i) P_c dO_i */
+    REAL *dQ = b->Qd;
+    memset(dQ, 0, sizeof(REAL) * C * K);
+    FN(gemm_lo)(C, K, dA, C, Km, K, dQ, K);
+    FN(transpose)(K, W, Pc, W, b->Pt); /* Pt [W][K] */
+    if (has_g) {
+        memset(X, 0, sizeof(REAL) * C * K);
+        FN(gemm)(C, K, W, dO, W, b->Pt, K, X, K);
+        for (int i = 0; i < len; i++) {
+            const REAL e = FN(lin_exp)(G[i]);
+            REAL s = 0;
+            for (int d = 0; d < K; d++) {
+                const REAL x = e * X[(int64_t)i * K + d];
+                dQ[(int64_t)i * K + d] += x;
+                s += Q[(int64_t)i * K + d] * x;
+            }
+            dG[i] += s;
+        }
+    } else {
+        FN(gemm)(C, K, W, dO, W, b->Pt, K, dQ, K);
+    }
+    /* dk = dM^T Q + exp(GL - G_j) dPn v_j */
+    FN(transpose)(C, C, dA, C, T2); /* T2 = dM^T */
+    REAL *dK = b->Y;
+    memset(dK, 0, sizeof(REAL) * C * K);
+    FN(gemm_up)(C, K, C, T2, C, Q, K, dK, K);
+    FN(transpose)(K, W, dPn, W, b->dPt); /* dPt [W][K] */
+    if (has_g) {
+        memset(X, 0, sizeof(REAL) * C * K);
+        FN(gemm)(C, K, W, Vb, W, b->dPt, K, X, K);
+        REAL tot = 0;
+        for (int j = 0; j < len; j++) {
+            const REAL e = FN(lin_exp)(GL - G[j]);
+            REAL s = 0;
+            for (int d = 0; d < K; d++) {
+                const REAL x = e * X[(int64_t)j * K + d];
+                dK[(int64_t)j * K + d] += x;
+                s += Km[(int64_t)j * K + d] * x;
+            }
+            dG[j] -= s;
+            tot += s;
+        }
+        REAL pp = 0; /* <dPn, P_c>: the carried state's decay */
+        for (int64_t e = 0; e < KW; e++) pp += dPn[e] * Pc[e];
+        if (len > 0) dG[len - 1] += tot + FN(lin_exp)(GL) * pp;
+    } else {
+        FN(gemm)(C, K, W, Vb, W, b->dPt, K, dK, K);
+    }
+    /* dv = A^T dO + exp(GL - G_j) dPn^T k_j */
+    FN(transpose)(C, C, A, C, T2); /* T2 = A^T */
+    REAL *dV = b->Z;
+    memset(dV, 0, sizeof(REAL) * C * W);
+    FN(gemm_up)(C, W, C, T2, C, dO, W, dV, W);
+    if (has_g) {
+        memset(X, 0, sizeof(REAL) * C * W);
+        FN(gemm)(C, W, K, Km, K, dPn, W, X, W);
+        for (int j = 0; j < len; j++) {
+            const REAL e = FN(lin_exp)(GL - G[j]);
+            for (int w = 0; w < V; w++) dV[(int64_t)j * W + w] += e * X[(int64_t)j * W + w];
+        }
+    } else {
+        FN(gemm)(C, W, K, Km, K, dPn, W, dV, W);
+    }
+    for (int i = 0; i < len; i++) {
+        const int64_t row = (t0 + i) * H + h;
+        FN(lin_map_grad)(dQ + (int64_t)i * K, Q + (int64_t)i * K, K, fmap, sc);
+        FN(lin_map_grad)(dK + (int64_t)i * K, Km + (int64_t)i * K, K, fmap, 1);
+        memcpy(dq + row * K, dQ + (int64_t)i * K, sizeof(REAL) * K);
+        memcpy(dk + row * K, dK + (int64_t)i * K, sizeof(REAL) * K);
+        memcpy(dv + row * V, dV + (int64_t)i * W, sizeof(REAL) * V);
+    }
+    if (has_g && dg) { /* dg_t = sum_{i >= t} dG_i inside the chunk */
+        REAL s = 0;
+        for (int i = len - 1; i >= 0; i--) {
+            s += dG[i];
+            dg[(t0 + i) * H + h] = s;
+        }
+    }
+}
+
+int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t K64, int64_t V64, int64_t C64,
+                           int norm, int fmap, double scale, const REAL *q, const REAL *k, const REAL *v,
+                           const REAL *g, const REAL *P, const REAL *dnum, const REAL *dden, const REAL *dS, REAL *dq,
+                           REAL *dk, REAL *dv, REAL *dg, REAL *dS0, int nthreads) {
+    const int K = (int)K64, V = (int)V64, C = (int)C64, W = V + (norm ? 1 : 0), has_g = g != NULL;
+    const int64_t KW = (int64_t)K * W;
+    const REAL sc = (REAL)scale;
     int64_t *first = malloc(sizeof(int64_t) * (N + 1));
     if (!first) return -1;
     const int64_t NC = lin_chunks(N, starts, C, NULL, first);
+    const int one_pass = nthreads <= 1 || N * H >= 2 * (int64_t)nthreads;
     lin_chunk_t *ch = malloc(sizeof(lin_chunk_t) * (NC > 0 ? NC : 1));
     REAL *gl = malloc(sizeof(REAL) * (NC * H > 0 ? NC * H : 1));
-    REAL *dP = malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1)); /* gradient of each chunk's end state */
-    if (!ch || !gl || !dP) {
+    /* the gradient of each chunk's end state (three-pass path only) */
+    REAL *dP = one_pass ? NULL : malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1));
+    if (!ch || !gl || (!one_pass && !dP)) {
         free(first), free(ch), free(gl), free(dP);
         return -1;
     }
     lin_chunks(N, starts, C, ch, first);
     int failed = 0;
-    const REAL sc = (REAL)scale;
     const int MX = K > W ? K : W;
-    const size_t scratch = (size_t)(3 * C * K + 2 * C * W + 2 * W * K + 4 * C * C + 3 * C * MX + 2 * C + MX * C);
+    const size_t scratch = (size_t)(3 * C * K + 2 * C * W + 2 * W * K + 4 * C * C + 3 * C * MX + 2 * C + MX * C + 2 * KW);
 #pragma omp parallel num_threads(nthreads)
     {
         REAL *buf = malloc(sizeof(REAL) * scratch);
-        REAL *Q = buf, *Km = Q + C * K, *Qd = Km + C * K, *Vb = Qd + C * K, *dO = Vb + C * W, *Pt = dO + C * W,
-             *dPt = Pt + W * K, *A = dPt + W * K, *D = A + C * C, *dA = D + C * C, *T2 = dA + C * C,
-             *X = T2 + C * C, *Y = X + C * MX, *Z = Y + C * MX, *G = Z + C * MX, *dG = G + C, *Tr = dG + C;
+        FN(bws) b;
+        b.Q = buf, b.Km = b.Q + C * K, b.Qd = b.Km + C * K, b.Vb = b.Qd + C * K, b.dO = b.Vb + C * W;
+        b.Pt = b.dO + C * W, b.dPt = b.Pt + W * K, b.A = b.dPt + W * K, b.D = b.A + C * C, b.dA = b.D + C * C;
+        b.T2 = b.dA + C * C, b.X = b.T2 + C * C, b.Y = b.X + C * MX, b.Z = b.Y + C * MX, b.G = b.Z + C * MX;
+        b.dG = b.G + C, b.Tr = b.dG + C;
+        REAL *Dg = b.Tr + MX * C, *R = Dg + KW;
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
-        /* 1. R_c = sum_i exp(G_i) q_i dO_i^T, every chunk's contribution to the gradient of its start state */
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t task = 0; task < NC * H; task++) {
-            if (!buf) continue;
-            const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
-            const int len = (int)ch[c].len;
-            REAL *R = dP + task * KW;
-            for (int i = 0; i < len; i++) {
-                const int64_t row = (t0 + i) * H + h;
-                for (int w = 0; w < V; w++) dO[(int64_t)i * W + w] = dnum ? dnum[row * V + w] : 0;
-                if (W > V) dO[(int64_t)i * W + V] = dden ? dden[row] : 0;
-            }
-            FN(lin_load_feat)(q, t0, H, h, K, len, C, Q, fmap, sc);
-            FN(transpose)(C, K, Q, K, Tr); /* Tr [K][C]: queries transposed (decayed below) */
-            if (g) {
-                gl[task] = FN(lin_cumgate)(g, t0, H, h, len, C, G);
-                for (int i = 0; i < len; i++) {
-                    const REAL e = FN(lin_exp)(G[i]);
-                    for (int d = 0; d < K; d++) Tr[(int64_t)d * C + i] *= e;
+        if (one_pass) { /* each (sequence, head): the chunks in reverse, the state gradient carried */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < N * H; task++) {
+                if (!buf) continue;
+                const int64_t s = task / H, h = task % H;
+                if (dS) memcpy(Dg, dS + task * KW, sizeof(REAL) * KW);
+                else memset(Dg, 0, sizeof(REAL) * KW);
+                for (int64_t c = first[s + 1] - 1; c >= first[s]; c--) {
+                    const int64_t t0 = ch[c].t0;
+                    const int len = (int)ch[c].len;
+                    const REAL GL = FN(bl_load)(q, k, v, g, dnum, dden, t0, len, H, h, K, V, W, C, fmap, sc, &b);
+                    FN(bl_grads)(t0, len, H, h, K, V, W, C, has_g, fmap, sc, GL, P + (c * H + h) * KW, Dg, &b, dq, dk,
+                                 dv, dg);
+                    FN(bl_R)(len, K, W, C, has_g, &b, R);
+                    FN(carry)(KW, has_g, GL, Dg, R);
                 }
+                if (dS0) memcpy(dS0 + task * KW, Dg, sizeof(REAL) * KW);
             }
-            memset(R, 0, sizeof(REAL) * KW);
-            FN(gemm)(K, W, len, Tr, C, dO, W, R, W);
-        }
-        /* 2. reverse running sum: dP[c] = the gradient of the state after chunk c; dS0 = of the initial state */
+        } else {
+            /* 1. every chunk's R_c, into dP[c] for now */
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t task = 0; task < NC * H; task++) {
+                if (!buf) continue;
+                const int64_t c = task / H, h = task % H;
+                const int len = (int)ch[c].len;
+                gl[task] = FN(bl_load)(q, k, v, g, dnum, dden, ch[c].t0, len, H, h, K, V, W, C, fmap, sc, &b);
+                FN(bl_R)(len, K, W, C, has_g, &b, dP + task * KW);
+            }
+            /* 2. reverse running sum: dP[c] = the gradient of the state after chunk c; dS0 = of the initial state */
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < N * H; task++) {
-            if (!buf) continue;
-            const int64_t s = task / H, h = task % H;
-            REAL *Dg = malloc(sizeof(REAL) * (KW > 0 ? KW : 1));
-            if (!Dg) {
-#pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            if (dS) memcpy(Dg, dS + task * KW, sizeof(REAL) * KW);
-            else memset(Dg, 0, sizeof(REAL) * KW);
-            for (int64_t c = first[s + 1] - 1; c >= first[s]; c--) {
-                REAL *Rc = dP + (c * H + h) * KW;
-                const REAL d = g ? FN(lin_exp)(gl[c * H + h]) : 1;
-                for (int64_t e = 0; e < KW; e++) {
-                    const REAL r = Rc[e];
-                    Rc[e] = Dg[e];
-                    Dg[e] = g ? d * Dg[e] + r : Dg[e] + r;
+            for (int64_t task = 0; task < N * H; task++) {
+                if (!buf) continue;
+                const int64_t s = task / H, h = task % H;
+                if (dS) memcpy(Dg, dS + task * KW, sizeof(REAL) * KW);
+                else memset(Dg, 0, sizeof(REAL) * KW);
+                for (int64_t c = first[s + 1] - 1; c >= first[s]; c--) {
+                    REAL *Rc = dP + (c * H + h) * KW;
+                    memcpy(R, Rc, sizeof(REAL) * KW);
+                    memcpy(Rc, Dg, sizeof(REAL) * KW);
+                    FN(carry)(KW, has_g, gl[c * H + h], Dg, R);
                 }
+                if (dS0) memcpy(dS0 + task * KW, Dg, sizeof(REAL) * KW);
             }
-            if (dS0) memcpy(dS0 + task * KW, Dg, sizeof(REAL) * KW);
-            free(Dg);
-        }
-        /* 3. every chunk's input gradients */
+            /* 3. every chunk's input gradients */
 #pragma omp for schedule(dynamic, 4)
-        for (int64_t task = 0; task < NC * H; task++) {
-            if (!buf) continue;
-            const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
-            const int len = (int)ch[c].len;
-            const REAL *Pc = P + task * KW, *dPn = dP + task * KW;
-            FN(lin_load_feat)(q, t0, H, h, K, len, C, Q, fmap, sc);
-            FN(lin_load_feat)(k, t0, H, h, K, len, C, Km, fmap, 1);
-            FN(lin_load_v)(v, t0, H, h, V, W, len, C, Vb);
-            for (int i = 0; i < C; i++) {
-                const int64_t row = (t0 + i) * H + h;
-                for (int w = 0; w < V; w++) dO[(int64_t)i * W + w] = (i < len && dnum) ? dnum[row * V + w] : 0;
-                if (W > V) dO[(int64_t)i * W + V] = (i < len && dden) ? dden[row] : 0;
-            }
-            REAL GL = 0;
-            if (g) {
-                GL = FN(lin_cumgate)(g, t0, H, h, len, C, G);
-                memset(dG, 0, sizeof(REAL) * C);
-            }
-            /* A = (Q K^T) * D */
-            FN(transpose)(C, K, Km, K, Tr); /* Tr [K][C] */
-            memset(A, 0, sizeof(REAL) * C * C);
-            FN(gemm)(C, C, K, Q, K, Tr, C, A, C);
-            if (g)
-                for (int i = 0; i < C; i++)
-                    for (int j = 0; j <= i; j++) {
-                        D[(int64_t)i * C + j] = FN(lin_exp)(G[i] - G[j]);
-                        A[(int64_t)i * C + j] *= D[(int64_t)i * C + j];
-                    }
-            /* dA = dO Vb^T (rows j <= i used); the gate's part; dM = dA * D, in place */
-            FN(transpose)(C, W, Vb, W, Tr); /* Tr [W][C] */
-            memset(dA, 0, sizeof(REAL) * C * C);
-            FN(gemm)(C, C, W, dO, W, Tr, C, dA, C);
-            if (g)
-                for (int i = 0; i < C; i++)
-                    for (int j = 0; j <= i; j++) {
-                        const REAL e = dA[(int64_t)i * C + j] * A[(int64_t)i * C + j];
-                        dG[i] += e;
-                        dG[j] -= e;
-                        dA[(int64_t)i * C + j] *= D[(int64_t)i * C + j];
-                    }
-            /* dq = dM K + exp(G_i) P_c dO_i */
-            REAL *dQ = Qd; /* Qd is free in this pass */
-            memset(dQ, 0, sizeof(REAL) * C * K);
-            FN(gemm_lo)(C, K, dA, C, Km, K, dQ, K);
-            FN(transpose)(K, W, Pc, W, Pt); /* Pt [W][K] */
-            if (g) {
-                memset(X, 0, sizeof(REAL) * C * K);
-                FN(gemm)(C, K, W, dO, W, Pt, K, X, K);
-                for (int i = 0; i < len; i++) {
-                    const REAL e = FN(lin_exp)(G[i]);
-                    REAL s = 0;
-                    for (int d = 0; d < K; d++) {
-                        const REAL x = e * X[(int64_t)i * K + d];
-                        dQ[(int64_t)i * K + d] += x;
-                        s += Q[(int64_t)i * K + d] * x;
-                    }
-                    dG[i] += s;
-                }
-            } else {
-                FN(gemm)(C, K, W, dO, W, Pt, K, dQ, K);
-            }
-            /* dk = dM^T Q + exp(GL - G_j) dPn v_j */
-            FN(transpose)(C, C, dA, C, T2); /* T2 = dM^T */
-            memset(Y, 0, sizeof(REAL) * C * K);
-            REAL *dK = Y;
-            FN(gemm_up)(C, K, C, T2, C, Q, K, dK, K);
-            FN(transpose)(K, W, dPn, W, dPt); /* dPt [W][K] */
-            if (g) {
-                memset(X, 0, sizeof(REAL) * C * K);
-                FN(gemm)(C, K, W, Vb, W, dPt, K, X, K);
-                REAL tot = 0;
-                for (int j = 0; j < len; j++) {
-                    const REAL e = FN(lin_exp)(GL - G[j]);
-                    REAL s = 0;
-                    for (int d = 0; d < K; d++) {
-                        const REAL x = e * X[(int64_t)j * K + d];
-                        dK[(int64_t)j * K + d] += x;
-                        s += Km[(int64_t)j * K + d] * x;
-                    }
-                    dG[j] -= s;
-                    tot += s;
-                }
-                REAL pp = 0; /* <dPn, P_c>: the carried state's decay */
-                for (int64_t e = 0; e < KW; e++) pp += dPn[e] * Pc[e];
-                if (len > 0) dG[len - 1] += tot + FN(lin_exp)(GL) * pp;
-            } else {
-                FN(gemm)(C, K, W, Vb, W, dPt, K, dK, K);
-            }
-            /* dv = A^T dO + exp(GL - G_j) dPn^T k_j */
-            FN(transpose)(C, C, A, C, T2); /* T2 = A^T */
-            REAL *dV = Z;
-            memset(dV, 0, sizeof(REAL) * C * W);
-            FN(gemm_up)(C, W, C, T2, C, dO, W, dV, W);
-            if (g) {
-                memset(X, 0, sizeof(REAL) * C * W);
-                FN(gemm)(C, W, K, Km, K, dPn, W, X, W);
-                for (int j = 0; j < len; j++) {
-                    const REAL e = FN(lin_exp)(GL - G[j]);
-                    for (int w = 0; w < V; w++) dV[(int64_t)j * W + w] += e * X[(int64_t)j * W + w];
-                }
-            } else {
-                FN(gemm)(C, W, K, Km, K, dPn, W, dV, W);
-            }
-            for (int i = 0; i < len; i++) {
-                const int64_t row = (t0 + i) * H + h;
-                FN(lin_map_grad)(dQ + (int64_t)i * K, Q + (int64_t)i * K, K, fmap, sc);
-                FN(lin_map_grad)(dK + (int64_t)i * K, Km + (int64_t)i * K, K, fmap, 1);
-                memcpy(dq + row * K, dQ + (int64_t)i * K, sizeof(REAL) * K);
-                memcpy(dk + row * K, dK + (int64_t)i * K, sizeof(REAL) * K);
-                memcpy(dv + row * V, dV + (int64_t)i * W, sizeof(REAL) * V);
-            }
-            if (g && dg) { /* dg_t = sum_{i >= t} dG_i inside the chunk */
-                REAL s = 0;
-                for (int i = len - 1; i >= 0; i--) {
-                    s += dG[i];
-                    dg[(t0 + i) * H + h] = s;
-                }
+            for (int64_t task = 0; task < NC * H; task++) {
+                if (!buf) continue;
+                const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
+                const int len = (int)ch[c].len;
+                const REAL GL = FN(bl_load)(q, k, v, g, dnum, dden, t0, len, H, h, K, V, W, C, fmap, sc, &b);
+                FN(bl_grads)(t0, len, H, h, K, V, W, C, has_g, fmap, sc, GL, P + task * KW, dP + task * KW, &b, dq,
+                             dk, dv, dg);
             }
         }
         free(buf);
