@@ -121,7 +121,7 @@ def test_chunk_flops():
 class _Args:
     def __init__(self, out, steps=gpu.STEPS, budget_min=1.0):
         self.out, self.steps, self.budget_min = str(out), list(steps), budget_min
-        self.dry_run, self.overwrite, self.quiet = True, False, True
+        self.dry_run, self.overwrite, self.quiet, self.wheels = True, False, True, None
 
 
 def test_budget_failures_and_reports_after_every_step(tmp_path, monkeypatch):
@@ -202,3 +202,21 @@ def test_fla_ops_import_without_fla_init(tmp_path, monkeypatch):
     finally:
         for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
             del sys.modules[name]
+
+
+def test_wheels_unpacked_onto_sys_path(tmp_path, monkeypatch):
+    """--wheels DIR: pure-Python wheels used without installing them (the GPU machine has no network)."""
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "linattn_fake_dep-0.1-py3-none-any.whl", "w") as z:
+        z.writestr("linattn_fake_dep/__init__.py", "ANSWER = 42\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert gpu.use_wheels(str(wheels)) == ["linattn_fake_dep-0.1-py3-none-any.whl"]
+    import linattn_fake_dep
+
+    assert linattn_fake_dep.ANSWER == 42
+    del sys.modules["linattn_fake_dep"]
+    with pytest.raises(UsageError, match="no \\*.whl"):
+        gpu.use_wheels(str(tmp_path))

@@ -95,6 +95,28 @@ def add_arguments(p):
                    help="every step on CPU under TRITON_INTERPRET=1 with tiny shapes (checks the command)")
     p.add_argument("--overwrite", action="store_true", help="replace DIR/gpu.json and DIR/gpu.md if they exist")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--wheels", default=None, metavar="DIR",
+                   help="a folder of pure-Python wheels (fla-core, einops) to use without installing them: "
+                        "unpacked to a temporary folder put first on sys.path")
+
+
+def use_wheels(folder: str) -> List[str]:
+    """Unpack every *.whl in `folder` into a temporary folder (removed at exit) and put it first on
+    sys.path, so that a machine without network or write access to site-packages can import them.
+    -> the wheels' file names."""
+    import atexit
+    import zipfile
+
+    wheels = sorted(Path(folder).glob("*.whl"))
+    if not wheels:
+        raise UsageError(f"--wheels: no *.whl file in {folder}", prog=PROG)
+    site = tempfile.mkdtemp(prefix="linattn-wheels-")
+    atexit.register(shutil.rmtree, site, True)
+    for w in wheels:
+        with zipfile.ZipFile(w) as z:
+            z.extractall(site)
+    sys.path.insert(0, site)
+    return [w.name for w in wheels]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -629,11 +651,26 @@ BWD_FACTOR = {"sdpa": 3.5, "default": 3.0}
 
 
 def fla_version() -> Optional[str]:
+    """The installed fla-core (fla's ops; flash-linear-attention adds its layers and models)."""
+    from importlib.metadata import version
+
+    for dist in ("fla-core", "flash-linear-attention"):
+        try:
+            return version(dist)
+        except Exception:
+            continue
+    return None
+
+
+def _fla_init_version(origin: Optional[str]) -> str:
+    """`__version__ = '...'` read from fla/__init__.py without running it (fla's ops compare versions)."""
+    import re
+
     try:
-        from importlib.metadata import version
-        return version("flash-linear-attention")
+        m = re.search(r"__version__\s*=\s*['\"]([^'\"]+)['\"]", Path(origin).read_text())
+        return m.group(1) if m else "0.0.0"
     except Exception:
-        return None
+        return "0.0.0"
 
 
 def import_fla_ops(names=("simple_gla", "delta_rule", "gated_delta_rule", "kda")) -> Dict[str, Any]:
@@ -652,7 +689,7 @@ def import_fla_ops(names=("simple_gla", "delta_rule", "gated_delta_rule", "kda")
         pkg = types.ModuleType("fla")  # a bare package object: its submodules import, its __init__ never runs
         pkg.__path__ = list(spec.submodule_search_locations)
         pkg.__file__, pkg.__spec__ = spec.origin, spec
-        pkg.__version__ = fla_version() or "unknown"
+        pkg.__version__ = fla_version() or _fla_init_version(spec.origin)
         sys.modules["fla"] = pkg
     out: Dict[str, Any] = {}
     for n in names:
@@ -775,6 +812,10 @@ def step_timing(ctx: Ctx, rec: Dict[str, Any], deadline: float) -> None:
     fla_missing = {n: repr(e) for n, e in fla.items() if not callable(e)}
     if fla_missing:
         rec["notes"].append("fla cases skipped: " + "; ".join(f"{n}: {e}" for n, e in fla_missing.items()))
+    if dev != "cuda" and len(fla_missing) < len(fla):  # imported (checked), but fla's kernels need a GPU
+        ok = ", ".join(n for n in fla if n not in fla_missing)
+        rec["notes"].append(f"fla imports; its cases skipped on CPU: {ok}")
+        fla_missing = {n: "CPU" for n in fla}
     for i, c in enumerate(cases):
         label = [c["op"], c["impl"], c["T"]]
         if c["impl"].startswith("fla:") and c["impl"][4:] in fla_missing:
@@ -964,6 +1005,7 @@ def run(args) -> int:
         if "triton" in sys.modules:  # the interpreter must be chosen before triton is imported
             argv = ["--out", args.out, "--budget-min", str(args.budget_min), "--steps", *args.steps, "--dry-run"]
             argv += ["--overwrite"] * args.overwrite + ["--quiet"] * args.quiet
+            argv += ["--wheels", args.wheels] if args.wheels else []
             return _reexec_interpreted(argv)
         os.environ["TRITON_INTERPRET"] = "1"
     if not args.dry_run:
@@ -971,6 +1013,7 @@ def run(args) -> int:
             raise UsageError("no CUDA device here; `--dry-run` checks the command on CPU", prog=PROG)
         if lt.interpret_mode():
             raise UsageError("TRITON_INTERPRET is set: unset it for the GPU run (or use --dry-run)", prog=PROG)
+    wheels = use_wheels(args.wheels) if args.wheels else []
     out = Path(args.out)
     paths = {"json": out / "gpu.json", "md": out / "gpu.md"}
     if not args.overwrite and any(p.exists() for p in paths.values()):
@@ -979,8 +1022,10 @@ def run(args) -> int:
     plan = dry_plan() if args.dry_run else gpu_plan()
     budget_s = args.budget_min * 60
     command = (f"linattn bench gpu --out {args.out} --budget-min {args.budget_min:g} --steps {' '.join(args.steps)}"
-               + " --dry-run" * args.dry_run + " --overwrite" * args.overwrite)
-    config = {"dry_run": bool(args.dry_run), "budget_s": budget_s, "steps": list(args.steps), "device": plan["device"],
+               + " --dry-run" * args.dry_run + " --overwrite" * args.overwrite
+               + (f" --wheels {args.wheels}" if args.wheels else ""))
+    config = {"dry_run": bool(args.dry_run), "budget_s": budget_s, "wheels": wheels, "steps": list(args.steps),
+              "device": plan["device"],
               "command": command}
     report = Report(paths, config, list(args.steps))
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
