@@ -391,3 +391,29 @@ def test_linear_cpu_bits_do_not_depend_on_threads_or_batch(gate):
         assert torch.equal(a, b)
     for a, b in zip(runs[2], runs[0]):
         assert torch.equal(a, b[1:2])
+
+
+# --------------------------------------------------------------------------------------- linattn bench ops --backends
+
+def test_bench_ops_compares_backends(tmp_path, capsys):
+    """`--backends torch,cpu`: each backend-taking case once per backend, labelled, with the ratio to the first and
+    targets per backend; operators without a backend (softmax) once."""
+    import json
+
+    from linattn import cli
+
+    out = tmp_path / "o"
+    argv = ["bench", "ops", "--T", "64", "--repeats", "1", "--warmup", "0", "--min-time", "0", "--matmul-n", "64",
+            "--modes", "chunk", "--passes", "fwd", "--families", "linear,softmax", "--backends", "torch,cpu",
+            "--no-memory", "--quiet", "--out", str(out)]
+    assert cli.main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "linear elu+1 chunk [torch]" in stdout and "linear elu+1 chunk [cpu]" in stdout and "torch/op" in stdout
+    report = json.loads((out / "ops.json").read_text())
+    rows = {(r["op"], r.get("backend")) for r in report["results"]}
+    assert rows == {("linear", "torch"), ("linear", "cpu"), ("softmax", None)}
+    by = {r.get("backend"): r for r in report["results"] if r["op"] == "linear"}
+    assert by["torch"]["speedup_vs_first_backend"] == 1.0 and by["cpu"]["speedup_vs_first_backend"] > 0
+    names = [t["target"] for t in report["targets"]]
+    assert any(n.startswith("[torch] linear") for n in names) and any(n.startswith("[cpu] linear") for n in names)
+    assert report["config"]["backends"] == ["torch", "cpu"]

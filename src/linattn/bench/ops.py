@@ -10,6 +10,9 @@ achieved GFLOP/s against the machine's measured matmul rate, and peak memory; th
 targets at T = 16384, computed from this run. Nothing is extrapolated: what is not measured is
 listed as skipped, with the reason. The chunk size reported, and used in the flop counts, is the
 one the backend really ran with (`linattn.ops.chunk_size_used`), which can differ from --chunk-size.
+`--backends torch,cpu` (any of auto, torch, triton, cpu) runs every operator that takes a `backend` argument
+(linear attention, the delta rule and its variants) once per backend, interleaved in the same rounds, labels
+the rows `[backend]`, adds each row's speed-up over the first backend listed, and checks the targets per backend.
 
 This module also holds the demo's exactness check (`run_exactness`): each form of each operator
 against the fp64 references of `linattn.ops.reference`, written from the formulas.
@@ -75,6 +78,8 @@ DEFAULT_FAMILIES = FAMILIES[:-1]  # "peer" (flash-linear-attention's PyTorch chu
 MODES = ("chunk", "recurrent")
 PASSES = ("fwd", "fwdbwd")
 PASS_LABEL = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}
+BACKENDS = ("auto", "torch", "triton", "cpu")
+BACKEND_FAMILIES = ("linear", "delta", "delta-variants")  # the operators that take backend=
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
 DEFAULT_T = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
@@ -245,10 +250,14 @@ def _test_time_flops(op: str, mode: str, B, T, H, K, V, C) -> float:
 
 
 def _case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int, dtype: str, device: str,
-          chunk_size: int, seed: int) -> Tuple[Dict[str, torch.Tensor], str, Callable, tuple, Dict[str, Any]]:
+          chunk_size: int, seed: int, backend: Optional[str] = None
+          ) -> Tuple[Dict[str, torch.Tensor], str, Callable, tuple, Dict[str, Any]]:
     """One case's inputs (requiring grad for fwdbwd) and its operator call: (inputs, op name, op,
-    positional args, keyword args)."""
+    positional args, keyword args). backend: passed to the operators of BACKEND_FAMILIES (None: their default)."""
     opd = OP_BY_KEY[op]
+    if backend is not None and opd.family in BACKEND_FAMILIES:
+        x, name, fn, args, kwargs = _case(op, mode, pass_, B, T, H, K, V, dtype, device, chunk_size, seed)
+        return x, name, fn, args, {**kwargs, "backend": backend}
     x = _make_inputs(opd, B, T, H, K, V, DTYPES[dtype], device, seed)
     if pass_ != "fwd":
         for t in x.values():
@@ -277,13 +286,14 @@ def _case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int
 
 
 def build_case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int,
-               dtype: str = "float32", device: str = "cpu", chunk_size: int = 64, seed: int = 0):
+               dtype: str = "float32", device: str = "cpu", chunk_size: int = 64, seed: int = 0,
+               backend: Optional[str] = None):
     """A zero-argument callable that runs one case once (inputs are made here, outside the timing).
 
     fwd: the op under torch.no_grad(). fwdbwd: the op with autograd, then backward of a fixed random
     output gradient into every float input (q, k, v, and beta, g for the delta rule).
     """
-    x, _, op_fn, args, kwargs = _case(op, mode, pass_, B, T, H, K, V, dtype, device, chunk_size, seed)
+    x, _, op_fn, args, kwargs = _case(op, mode, pass_, B, T, H, K, V, dtype, device, chunk_size, seed, backend)
 
     def call() -> torch.Tensor:
         out = op_fn(*args, **kwargs)
@@ -306,7 +316,8 @@ def build_case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V
 
 
 def case_chunk_size(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int,
-                    dtype: str = "float32", device: str = "cpu", chunk_size: int = 64, seed: int = 0) -> Optional[int]:
+                    dtype: str = "float32", device: str = "cpu", chunk_size: int = 64, seed: int = 0,
+                    backend: Optional[str] = None) -> Optional[int]:
     """The chunk size a chunk-form case really runs with (None for the other forms)."""
     if mode != "chunk" or OP_BY_KEY[op].family == "softmax":
         return None
@@ -314,7 +325,7 @@ def case_chunk_size(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: i
         return min(chunk_size, T)
     if OP_BY_KEY[op].family == "peer":
         return PEER_CHUNK
-    _, name, _, args, kwargs = _case(op, mode, pass_, B, T, H, K, V, dtype, device, chunk_size, seed)
+    _, name, _, args, kwargs = _case(op, mode, pass_, B, T, H, K, V, dtype, device, chunk_size, seed, backend)
     if OP_BY_KEY[op].family == "test-time":   # MesaNet: its chunk size; TTT / Titans: the mini-batch
         return (prepare_mesa_net if name == "mesa_net" else prepare_ttt)(*args, **kwargs).chunk_size_used()
     return chunk_size_used(name, *args, **kwargs)
@@ -373,6 +384,10 @@ def add_arguments(p) -> None:
                    help="forms of linear and delta: chunk,recurrent (default both)")
     p.add_argument("--passes", type=_csv(PASSES), default=list(PASSES),
                    help="fwd (under no_grad) and/or fwdbwd (default both)")
+    p.add_argument("--backends", type=_csv(BACKENDS), default=["auto"],
+                   help="comma-separated backends of the operators that take one (linear attention, the delta rule "
+                        "and its variants): each such case runs once per backend, interleaved, rows labelled "
+                        "[backend], with the speed-up over the first one listed (e.g. torch,cpu; default auto)")
     p.add_argument("--chunk-size", type=int, default=64,
                    help="chunk size asked of the chunk forms (default 64); a backend may use another one, "
                         "which is then what is printed, recorded and counted")
@@ -454,31 +469,46 @@ def _plan(a):
             modes = [m for m in op.modes if m in a.modes] if op.family != "softmax" else ["sdpa"]
             for mode in modes:
                 for ps in a.passes:
-                    rec = {"T": T, "op": op.key, "mode": mode, "pass": ps}
-                    peer_missing = peer_unavailable(T) if op.family == "peer" else None
-                    if peer_missing is not None:
-                        skipped.append({**rec, "reason": peer_missing})
-                    elif op.family == "softmax" and max_sm is not None and T > max_sm:
-                        skipped.append({**rec, "reason": f"T > --max-T-softmax={max_sm} (O(T^2); not run, "
-                                                          f"not extrapolated)"})
-                    elif mode == "recurrent" and ps == "fwd" and max_rec is not None and T > max_rec:
-                        skipped.append({**rec, "reason": f"T > --max-T-recurrent={max_rec}"})
-                    elif mode == "recurrent" and ps == "fwdbwd" and max_rec_bwd is not None and T > max_rec_bwd:
-                        skipped.append({**rec, "reason": f"T > --max-T-recurrent-bwd={max_rec_bwd}"})
-                    else:
-                        cases.append(rec)
+                    for backend in _backends(a, op):
+                        _plan_one(a, {"T": T, "op": op.key, "mode": mode, "pass": ps, "backend": backend}, op,
+                                  mode, ps, T, max_sm, max_rec, max_rec_bwd, cases, skipped)
     return cases, skipped, {"softmax": max_sm, "recurrent": max_rec, "recurrent_bwd": max_rec_bwd}
+
+
+def _backends(a, op: OpDef) -> List[Optional[str]]:
+    """The backends a case runs on: each of --backends for the operators that take one; None (the operator's
+    default, unlabelled) for the others, and for everything when --backends is just auto."""
+    chosen = list(getattr(a, "backends", None) or ["auto"])
+    if chosen == ["auto"] or op.family not in BACKEND_FAMILIES:
+        return [None]
+    return chosen
+
+
+def _plan_one(a, rec, op, mode, ps, T, max_sm, max_rec, max_rec_bwd, cases, skipped) -> None:
+    """Add one case to `cases`, or to `skipped` with the reason."""
+    peer_missing = peer_unavailable(T) if op.family == "peer" else None
+    if peer_missing is not None:
+        skipped.append({**rec, "reason": peer_missing})
+    elif op.family == "softmax" and max_sm is not None and T > max_sm:
+        skipped.append({**rec, "reason": f"T > --max-T-softmax={max_sm} (O(T^2); not run, not extrapolated)"})
+    elif mode == "recurrent" and ps == "fwd" and max_rec is not None and T > max_rec:
+        skipped.append({**rec, "reason": f"T > --max-T-recurrent={max_rec}"})
+    elif mode == "recurrent" and ps == "fwdbwd" and max_rec_bwd is not None and T > max_rec_bwd:
+        skipped.append({**rec, "reason": f"T > --max-T-recurrent-bwd={max_rec_bwd}"})
+    else:
+        cases.append(rec)
 
 
 def _spec(a, c) -> Dict[str, Any]:
     return {"op": c["op"], "mode": c["mode"], "pass_": c["pass"], "B": a.B, "T": c["T"], "H": a.H,
             "K": a.K, "V": a.V, "dtype": a.dtype, "device": a.device, "chunk_size": a.chunk_size,
-            "seed": a.seed}
+            "seed": a.seed, "backend": c.get("backend")}
 
 
 def _label(r) -> str:
     op = OP_BY_KEY[r["op"]]
-    return op.label if op.family == "softmax" else f"{op.label} {r['mode']}"
+    tag = f" [{r['backend']}]" if r.get("backend") else ""
+    return op.label if op.family == "softmax" else f"{op.label} {r['mode']}{tag}"
 
 
 def run_cases(a, cases, log) -> List[Dict[str, Any]]:
@@ -511,7 +541,7 @@ def run_cases(a, cases, log) -> List[Dict[str, Any]]:
                     timings.append(e)
         for c, t in zip(group, timings):
             r = dict(c)
-            name = f"  T={c['T']:<6} {_label(r):<26} {PASS_LABEL[c['pass']]:<7}"
+            name = f"  T={c['T']:<6} {_label(r):<34} {PASS_LABEL[c['pass']]:<7}"
             if isinstance(t, Exception):
                 r["error"] = f"{type(t).__name__}: {' '.join(str(t).split())}"
                 log(f"{name} FAILED: {r['error']}")
@@ -535,7 +565,8 @@ def run_cases(a, cases, log) -> List[Dict[str, Any]]:
 
 def derive(results, a, matmul_gflops: float) -> None:
     """Add flops, GFLOP/s, fraction of the matmul rate, and speed-ups to each measured row."""
-    by = {(r["T"], r["op"], r["mode"], r["pass"]): r for r in results if "ms" in r}
+    by = {(r["T"], r["op"], r["mode"], r["pass"], r.get("backend")): r for r in results if "ms" in r}
+    first = (getattr(a, "backends", None) or [None])[0]
     for r in by.values():
         C = r.get("chunk_size_used")  # only the chunk forms' counts depend on C: the size really used
         if r["mode"] == "chunk" and C is None:
@@ -545,10 +576,12 @@ def derive(results, a, matmul_gflops: float) -> None:
             r["flops"] = f
             r["gflops"] = f / (r["ms"] * 1e-3) / 1e9
             r["matmul_fraction"] = r["gflops"] / matmul_gflops if matmul_gflops else None
-        sm = by.get((r["T"], "softmax", "sdpa", r["pass"]))
+        sm = by.get((r["T"], "softmax", "sdpa", r["pass"], None))
         r["speedup_vs_softmax"] = sm["ms"] / r["ms"] if sm is not None else None
-        rec = by.get((r["T"], r["op"], "recurrent", r["pass"])) if r["mode"] == "chunk" else None
+        rec = by.get((r["T"], r["op"], "recurrent", r["pass"], r.get("backend"))) if r["mode"] == "chunk" else None
         r["speedup_vs_recurrent"] = rec["ms"] / r["ms"] if rec is not None else None
+        base = by.get((r["T"], r["op"], r["mode"], r["pass"], first)) if r.get("backend") else None
+        r["speedup_vs_first_backend"] = base["ms"] / r["ms"] if base is not None else None
 
 
 def _x(v: Optional[float]) -> str:
@@ -582,11 +615,13 @@ def chunk_line(requested: int, used: Dict[str, List[int]]) -> str:
 
 
 def results_table(results) -> str:
+    backends = [r["backend"] for r in results if r.get("backend")]
+    first = backends[0] if backends and len(set(backends)) > 1 else None  # a column only when backends compare
     rows = []
     for r in results:
         head = [r["T"], _label(r), PASS_LABEL[r["pass"]], _chunk_cell(r)]
         if "ms" not in r:
-            rows.append(head + ["FAILED", r.get("error", "")[:60]] + [""] * 6)
+            rows.append(head + ["FAILED", r.get("error", "")[:60]] + [""] * (7 if first else 6))
             continue
         t = r["timing"]
         rows.append(head + [
@@ -595,13 +630,28 @@ def results_table(results) -> str:
             f"{r['gflops']:.1f}" if r.get("gflops") is not None else "-",
             f"{100 * r['matmul_fraction']:.1f}" if r.get("matmul_fraction") else "-",
             common.fmt_bytes(r.get("peak_bytes")),
-        ])
+        ] + ([_x(r.get("speedup_vs_first_backend"))] if first else []))
     return common.format_table(
-        ["T", "op", "pass", "C", "ms", "IQR ms", "n", "softmax/op", "rec/chunk", "GFLOP/s", "% matmul", "peak MiB"],
-        rows, align="rllrrrrrrrrr")
+        ["T", "op", "pass", "C", "ms", "IQR ms", "n", "softmax/op", "rec/chunk", "GFLOP/s", "% matmul", "peak MiB"]
+        + ([f"{first}/op"] if first else []), rows, align="rllrrrrrrrrr" + ("r" if first else ""))
 
 
 def compute_targets(results, skipped, a, matmul: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The targets (see `_targets_for`), once per backend of --backends when several ran (names prefixed
+    "[backend] "; softmax, which has no backend, is the reference of every one)."""
+    chosen = list(getattr(a, "backends", None) or ["auto"])
+    if chosen == ["auto"]:
+        return _targets_for(results, skipped, a, matmul)
+    out = []
+    for b in chosen:
+        def mine(r, b=b):
+            return r.get("backend") in (b, None)
+        for t in _targets_for([r for r in results if mine(r)], [s for s in skipped if mine(s)], a, matmul):
+            out.append({**t, "target": f"[{b}] {t['target']}", "backend": b})
+    return out
+
+
+def _targets_for(results, skipped, a, matmul: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Issue 15's targets at T = 16384, from this run's measurements (never hard-coded): linear elu+1 chunk
     fwd >= 30x and fwd+bwd >= 25x softmax, fwd >= 40% of the matmul rate; delta chunk fwd >= 15x and
     fwd+bwd >= 10x softmax (and the first version's chunk-over-recurrent 20x)."""
@@ -683,24 +733,29 @@ def make_plot(path, results, a, info, matmul) -> None:
         series = []
         for op in OPS:
             for mode in (op.modes if op.family != "softmax" else ("sdpa",)):
-                rows = sorted((r for r in ok if r["op"] == op.key and r["mode"] == mode and r["pass"] == ps),
-                              key=lambda r: r["T"])
-                if rows:
-                    series.append({"label": _label(rows[0]), "x": [r["T"] for r in rows], "y": [r["ms"] for r in rows],
-                                   "color": op.color, "linestyle": "--" if mode == "recurrent" else "-",
-                                   "marker": "s" if mode == "recurrent" else "o"})
+                for b in _backends(a, op):  # one series per backend
+                    rows = sorted((r for r in ok if r["op"] == op.key and r["mode"] == mode and r["pass"] == ps
+                                   and r.get("backend") == b), key=lambda r: r["T"])
+                    if rows:
+                        series.append({"label": _label(rows[0]), "x": [r["T"] for r in rows],
+                                       "y": [r["ms"] for r in rows], "color": op.color,
+                                       "linestyle": "--" if mode == "recurrent" else ("-" if b in (None, a.backends[0])
+                                                                                      else "-."),
+                                       "marker": "s" if mode == "recurrent" else "o"})
         panels.append({"title": f"{PASS_LABEL[ps]} time", "xlabel": "T", "ylabel": "ms (median)", "series": series})
     series = []
     for op in OPS:
         if op.family == "softmax":
             continue
         for ps in a.passes:
-            rows = sorted((r for r in ok if r["op"] == op.key and r["mode"] == "chunk" and r["pass"] == ps
-                           and r.get("speedup_vs_softmax")), key=lambda r: r["T"])
-            if rows:
-                series.append({"label": f"{op.label} chunk {PASS_LABEL[ps]}", "x": [r["T"] for r in rows],
-                               "y": [r["speedup_vs_softmax"] for r in rows], "color": op.color,
-                               "linestyle": "-" if ps == "fwd" else ":"})
+            for b in _backends(a, op):
+                rows = sorted((r for r in ok if r["op"] == op.key and r["mode"] == "chunk" and r["pass"] == ps
+                               and r.get("backend") == b and r.get("speedup_vs_softmax")), key=lambda r: r["T"])
+                if rows:
+                    tag = f" [{b}]" if b else ""
+                    series.append({"label": f"{op.label} chunk{tag} {PASS_LABEL[ps]}", "x": [r["T"] for r in rows],
+                                   "y": [r["speedup_vs_softmax"] for r in rows], "color": op.color,
+                                   "linestyle": "-" if ps == "fwd" else ":"})
     if series:
         panels.append({"title": "speed-up over softmax (same pass)", "xlabel": "T",
                        "ylabel": "softmax time / op time", "series": series, "hline": 1.0})
