@@ -417,3 +417,16 @@ def test_bench_ops_compares_backends(tmp_path, capsys):
     names = [t["target"] for t in report["targets"]]
     assert any(n.startswith("[torch] linear") for n in names) and any(n.startswith("[cpu] linear") for n in names)
     assert report["config"]["backends"] == ["torch", "cpu"]
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None, reason="no aarch64 cross compiler "
+                    "(apt-get install gcc-aarch64-linux-gnu)")
+@pytest.mark.parametrize("name", ["probe", "linear"])
+def test_sources_cross_compile_for_aarch64(name, tmp_path):
+    """The kernels are portable C (no x86 intrinsics): they compile for arm64 (compile only, not run)."""
+    src = cbuild.CSRC / f"{name}.c"
+    out = tmp_path / f"{name}.o"
+    r = subprocess.run(["aarch64-linux-gnu-gcc", *[f for f in cbuild.BASE_FLAGS if f != "-shared"], "-fopenmp",
+                        f"-I{cbuild.CSRC}", "-c", str(src), "-o", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:4] == b"\x7fELF"
