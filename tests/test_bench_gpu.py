@@ -56,7 +56,7 @@ def test_dry_run_every_step_without_optional_packages(tmp_path):
     assert m["info"]["versions"]["triton"] and m["matmul"]["bfloat16"]["gflops"] > 0 and m["copy"]["GB_per_s"] > 0
     # every kernel family ran against the PyTorch forms, within the documented tolerances
     cases = d["steps"]["correctness"]["cases"]
-    assert {c["case"].split()[0] for c in cases} == set(gpu.OPS)
+    assert {c["case"].split()[0] for c in cases} == set(gpu.OPS) | set(gpu.GROUPED_OPS)
     assert all(c["status"] == "ok" and c["max_err"] <= c["tol"] for c in cases)
     assert any("varlen" in c["case"] for c in cases) and any("no-gate" in c["case"] for c in cases)
     assert any(k.startswith("d") for c in cases for k in c["errors"])  # gradients were compared
@@ -101,6 +101,9 @@ def test_gpu_plan_covers_the_issue_grid():
                             for T in (1, 63, 64, 65, 2048, 8192)}, op
         assert any(c["varlen"] and c["op"] == op for c in cases)
     assert all(c["T"] <= plan["rec_max_T"] for c in cases if c["op"].endswith("recurrent"))
+    for op in gpu.GROUPED_OPS:  # grouped value heads, compiled: both dtypes and head sizes, packed sequences
+        assert {(c["K"], c["dtype"], c["varlen"]) for c in cases if c["op"] == op} == {
+            (K, dt, vl) for K in (64, 128) for dt in (torch.float32, torch.bfloat16) for vl in (False, True)}
     lens = plan["varlen"]
     assert min(lens) == 1 and len(set(lens)) == len(lens) and plan["B"] == 4 and plan["H"] == 16
     # the cheapest round first: every kernel compiles before the long sequences run

@@ -346,6 +346,10 @@ def step_machine(ctx: Ctx, rec: Dict[str, Any], deadline: float) -> None:
 
 OPS = ("linear-chunk", "deltanet-chunk", "gated-deltanet-chunk", "efla-chunk", "linear-recurrent",
        "gated-deltanet-recurrent")
+# grouped value heads (q/k heads = H // GROUP): the Triton entry points with grouped q, k against the
+# same entry points with q, k expanded to H heads (the plain case, checked against PyTorch above)
+GROUPED_OPS = ("linear-chunk-grouped", "delta-chunk-grouped")
+GROUP = 4
 
 
 def correctness_cases(plan) -> List[Dict[str, Any]]:
@@ -372,6 +376,12 @@ def correctness_cases(plan) -> List[Dict[str, Any]]:
         for K in plan["Ks"]:
             for dt in plan["dtypes"]:
                 add(op, K, dt, Ts[0], gate=False, state=False)
+    for op in GROUPED_OPS:
+        for K in plan["Ks"]:
+            for dt in plan["dtypes"]:
+                add(op, K, dt, Ts[0])
+                if not few:
+                    add(op, K, dt, sum(plan["varlen"]), varlen=True)
     for T in Ts[1:]:
         for op in OPS:
             for K in plan["Ks"]:
@@ -453,8 +463,55 @@ def _make_inputs(c, plan, device, seed=0):
     return leaves, call, chunk
 
 
+def _make_grouped_inputs(c, plan, device, seed=0):
+    """Entry-point inputs [TT, H, D] with q, k on H // GROUP heads; call("triton") runs them grouped,
+    call("torch") with q, k expanded to H heads (repeat_interleave: autograd sums the q/k gradients)."""
+    from ..triton import delta as TD, linear as TL
+
+    g = _gen(seed)
+    H, K = plan["H"], c["K"]
+    HQ, V = max(1, H // GROUP), K
+    H = HQ * GROUP
+    lens = list(plan["varlen"]) if c["varlen"] else [c["T"]] * plan["B"]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    TT, N = starts[-1], len(lens)
+
+    def rnd(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(device).requires_grad_()
+
+    leaves = {"q": rnd(TT, HQ, K, scale=0.5), "k": rnd(TT, HQ, K, scale=0.5), "v": rnd(TT, H, V),
+              "g": (-torch.rand(TT, H, generator=g) * 0.3).to(device).requires_grad_()}
+    linear = c["op"].startswith("linear")
+    if linear:
+        leaves["h0"], leaves["z0"] = rnd(N, H, K, V), (torch.rand(N, H, K, generator=g) + 0.5).to(device)
+        leaves["z0"].requires_grad_()
+    else:
+        leaves["b"] = torch.rand(TT, H, generator=g).to(device).requires_grad_()
+        leaves["h0"] = rnd(N, H, K, V, scale=0.1)
+        leaves["k"] = (leaves["k"].detach() / leaves["k"].detach().norm(dim=-1, keepdim=True)).requires_grad_()
+
+    def call(mode):
+        dt = c["dtype"]
+        q, k, v = (leaves[n].to(dt) for n in ("q", "k", "v"))
+        if mode == "torch":  # the expanded call
+            q, k = q.repeat_interleave(GROUP, dim=1), k.repeat_interleave(GROUP, dim=1)
+        if linear:
+            num, den, ht, zt = TL.chunk_linear_attention(
+                q, k, v, leaves["g"], leaves["h0"], leaves["z0"], fused="elu+1", scale=K ** -0.5, norm=True,
+                starts=starts, chunk_size=plan["chunk"], output_final_state=True)
+            return num, [den, ht, zt]
+        o, ht = TD.chunk_delta_rule(q * K ** -0.5, k, v, leaves["b"], leaves["g"], leaves["h0"], starts=starts,
+                                    chunk_size=plan["chunk"], output_final_state=True)
+        return o, [ht]
+
+    return leaves, call, True
+
+
 def run_correctness_case(c, plan, device) -> Dict[str, Any]:
-    leaves, call, with_grad = _make_inputs(c, plan, device)
+    make = _make_grouped_inputs if c["op"] in GROUPED_OPS else _make_inputs
+    leaves, call, with_grad = make(c, plan, device)
     tol = TOL[c["dtype"]]
     res: Dict[str, Any] = {}
     outs = {}
