@@ -147,8 +147,8 @@ def triton_linear_attention(p):
     -> num [B, T, H, V], den [B, T, H] or None (fp32), final kv and z (or None)."""
     from ..triton.linear import chunk_linear_attention, fused_recurrent_linear_attention
 
-    B, T, H = p.q.shape[:3]
-    V = p.v.shape[-1]
+    B, T = p.q.shape[:2]
+    H, V = p.v.shape[2], p.v.shape[-1]  # value heads: the kernels take grouped q/k heads (H a multiple)
     if p.fmap.fused_kernel is not None:  # phi(scale q) is computed inside the kernels
         fq, fk, fused, scale = p.q, p.k, p.fmap.fused_kernel, p.scale
     else:  # any other linear-space map: features by PyTorch (fp32), identity in the kernels
@@ -199,8 +199,8 @@ def triton_delta(p):
     """A prepared delta-family call on the Triton kernels. -> (o [B, T, H, V] fp32, final state or None)."""
     from ..triton.delta import chunk_delta_rule, fused_recurrent_delta_rule
 
-    B, T, H = p.q.shape[:3]
-    V = p.v.shape[-1]
+    B, T = p.q.shape[:2]
+    H, V = p.v.shape[2], p.v.shape[-1]  # value heads: the kernels take grouped q/k heads (H a multiple)
     args = (_flat(p.q), _flat(p.k), _flat(p.v), _flat(p.a), _flat(p.g) if p.g is not None else None,
             p.S0.float().contiguous() if p.S0 is not None else None)
     kw = dict(starts=_starts(p), output_final_state=p.output_final_state)
