@@ -375,3 +375,134 @@ def test_linear_attention_grouped_folds_without_copying_qk():
     linear_attention_ref(*refs, "elu+1", log_gate=g).square().sum().backward()
     for a, b in zip(leaves, refs):
         assert rel_err(a.grad, b.grad) < 1e-12
+
+
+# ------------------------------------------------------------------ 35.1 c: layers
+
+GROUPED_MIXERS = ["deltanet", "gated-deltanet", "efla", "kda", "mamba2", "gla", "retnet", "linear-elu+1"]
+
+
+def _layer(name, **kw):
+    from linattn.models.registry import build_mixer
+    torch.manual_seed(0)
+    return build_mixer(name, 16, 2, n_value_heads=4, head_dim=8, chunk_size=4, **kw).double()
+
+
+@pytest.mark.parametrize("name", GROUPED_MIXERS)
+def test_grouped_layer_prefill_decode_and_packing(name):
+    layer = _layer(name)
+    assert layer.v_proj.out_features == 4 * 8 and layer.o_proj.in_features == 4 * 8
+    x = torch.randn(1, 11, 16, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        cache = linattn.layers.LayerCache()
+        steps = torch.cat([layer(x[:, :6], cache)] + [layer(x[:, t:t + 1], cache) for t in range(6, 11)], dim=1)
+        cu = torch.tensor([0, 4, 11])
+        packed = layer(x, cu_seqlens=cu)
+        alone = torch.cat([layer(x[:, :4]), layer(x[:, 4:])], dim=1)
+    state = cache.get("state")
+    kv = state if isinstance(state, torch.Tensor) else state.kv
+    assert kv.shape[1] == 4                                        # one state per value head
+    assert rel_err(steps, full) < 1e-12 and rel_err(packed, alone) < 1e-12
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated-deltanet", "efla", "kda"])
+def test_grouped_delta_layer_is_the_grouped_operator(name):
+    # the layer's own q, k, v, beta and gate through the fp64 reference, value head j on q/k head j // 2
+    layer = _layer(name)
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    with torch.no_grad():
+        q, k, v = layer._qkv(x, None)
+        q, k = layer._prepare_qk(q, k)
+        beta, g = layer.beta(x), layer.log_gate(x)
+        assert beta.shape == (2, 9, 4) and (g is None or g.shape[:3] == (2, 9, 4))
+        o = delta_rule_ref(q, k, v, beta, g=g, exact=layer.exact, scale=layer.scale,
+                           qk_l2norm=layer.l2norm_convention if layer.qk_l2norm else False)[0]
+        assert rel_err(layer(x), layer._out(o, x)) < 1e-12
+
+
+def test_grouped_layers_refuse_bad_head_counts():
+    from linattn.models.registry import build_mixer
+    with pytest.raises(LinattnError, match="n_value_heads must be a positive multiple of n_heads"):
+        build_mixer("gated-deltanet", 16, 2, n_value_heads=3)
+    with pytest.raises(LinattnError, match="Comba has no grouped value heads"):
+        build_mixer("comba", 16, 2, n_value_heads=4)
+    with pytest.raises(ConfigError, match="n_value_heads"):
+        LMConfig(vocab_size=8, n_heads=2, n_value_heads=3)
+    cfg = LMConfig(vocab_size=8, d_model=16, n_heads=2, n_layers=2, n_value_heads=4,
+                   mixer=["gated-deltanet", "softmax"])
+    model = linattn.models.LanguageModel(cfg)
+    assert model.config.n_value_heads == 4
+    assert LMConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_gated_norm_matches_transformers_mamba2_and_kimi():
+    tf = pytest.importorskip("transformers")
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+    from linattn.layers.common import GatedRMSNorm
+    torch.manual_seed(0)
+    x, gate = torch.randn(2, 5, 24), torch.randn(2, 5, 24)
+    theirs = MambaRMSNormGated(24, group_size=8, eps=1e-5)
+    ours = GatedRMSNorm(24, eps=1e-5, gate_before_norm=True, group_size=8)
+    with torch.no_grad():
+        theirs.weight.normal_()
+        ours.weight.copy_(theirs.weight)
+        assert torch.allclose(ours(x, gate), theirs(x, gate), rtol=1e-6, atol=1e-6)
+    try:
+        from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearRMSNormGated
+    except ImportError:
+        KimiLinearRMSNormGated = None
+    kimi = GatedRMSNorm(24, eps=1e-5, gate_act="sigmoid")
+    with torch.no_grad():
+        kimi.weight.normal_()
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * kimi.weight * torch.sigmoid(gate)
+        assert torch.allclose(kimi(x, gate), y, rtol=1e-6, atol=1e-6)
+        if KimiLinearRMSNormGated is not None:   # transformers >= 5.2x: Kimi's own module
+            theirs = KimiLinearRMSNormGated(24, eps=1e-5)
+            theirs.weight.copy_(kimi.weight)
+            assert torch.allclose(kimi(x, gate), theirs(x, gate), rtol=1e-6, atol=1e-6)
+    assert tf is not None
+
+
+@pytest.mark.parametrize("kw", [{"gate_act": "sigmoid"}, {"gate_before_norm": True},
+                                {"norm_group_size": 16, "gate_before_norm": True}])
+def test_layer_gated_norm_options(kw):
+    from linattn.layers.common import gate_activation
+    layer = _layer("gated-deltanet", **kw)
+    x = torch.randn(1, 7, 16, dtype=torch.float64)
+    with torch.no_grad():
+        q, k, v = layer._qkv(x, None)
+        o = layer._mix(q, k, v, x, None)                                     # [1, 7, 4, 8]
+        gate = layer.g_proj(x).view(1, 7, 4, 8)
+        act = gate_activation(kw.get("gate_act", "silu"), gate)
+        w = layer.o_norm.weight
+        if kw.get("norm_group_size"):          # Mamba2: gate, then RMS over groups of 16 of the 32 channels
+            h = (o * act).reshape(1, 7, 2, 16)
+            y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).reshape(1, 7, 32) * w
+        elif kw.get("gate_before_norm"):
+            h = o * act
+            y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w).reshape(1, 7, 32)
+        else:
+            y = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * w * act).reshape(1, 7, 32)
+        assert rel_err(layer(x), layer.o_proj(y)) < 1e-13
+        cache = linattn.layers.LayerCache()
+        steps = torch.cat([layer(x[:, t:t + 1], cache) for t in range(7)], dim=1)  # the general decoding path
+        assert rel_err(steps, layer(x)) < 1e-12
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated-deltanet", "efla-adaptive", "kda", "delta-product", "mamba2",
+                                  "gla"])
+def test_fp64_layers_keep_beta_and_decay_in_fp64(name):
+    # they were cast to fp32 even in an fp64 model
+    from linattn.models.registry import build_mixer
+    layer = build_mixer(name, 16, 2, **({"gate": True} if name == "delta-product" else {})).double()
+    x = torch.randn(1, 5, 16, dtype=torch.float64)
+    g = layer.log_gate(x)
+    if hasattr(layer, "beta"):
+        assert layer.beta(x).dtype == torch.float64
+    if g is not None:
+        assert g.dtype == torch.float64
+    layer32 = build_mixer(name, 16, 2, **({"gate": True} if name == "delta-product" else {}))
+    g32 = layer32.log_gate(x.float())
+    assert g32 is None or g32.dtype == torch.float32

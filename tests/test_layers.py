@@ -247,8 +247,9 @@ def test_scale_none_is_head_dim_default(cls, kw):
 def test_layers_declare_config_fields():
     base = set(AttentionBase.config_fields)
     assert {"head_dim", "rope", "short_conv", "max_seq_len", "norm_eps", "rope_base", "layer_idx"} <= base
-    assert set(LinearAttention.config_fields) == base | {"chunk_size"}
-    assert set(DeltaNet.config_fields) == set(EFLA.config_fields) == base | {"chunk_size", "l2norm_convention"}
+    assert set(LinearAttention.config_fields) == base | {"chunk_size", "n_value_heads"}
+    assert set(DeltaNet.config_fields) == set(EFLA.config_fields) == base | {"chunk_size", "l2norm_convention",
+                                                                            "n_value_heads"}
     assert set(SoftmaxAttention.config_fields) == base | {"window"}
 
 

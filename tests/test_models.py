@@ -466,7 +466,8 @@ def test_mixer_config_fields_are_config_fields(mixer):
     cfg = LMConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, mixer=mixer, head_dim=8, rope=True,
                    short_conv=True, window=7, chunk_size=16, max_seq_len=99, norm_eps=1e-5)
     kw = mixer_config_kwargs(mixer, cfg, 1)
-    expected = {f: (1 if f == registry.LAYER_IDX else getattr(cfg, f)) for f in spec.config_fields}
+    expected = {f: (1 if f == registry.LAYER_IDX else getattr(cfg, f)) for f in spec.config_fields
+                if f == registry.LAYER_IDX or getattr(cfg, f) is not None}   # None fields are left out
     assert kw == expected
     layer = LanguageModel(cfg).blocks[1].mixer
     assert layer.head_dim == 8 and layer.rope is not None and layer.short_conv and layer.layer_idx == 1

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..errors import LinattnError, LinattnTypeError
 from .cache import LayerCache
-from .common import FusedParams, GatedRMSNorm, RotaryEmbedding, ShortConv
+from .common import GATE_ACTIVATIONS, FusedParams, GatedRMSNorm, RotaryEmbedding, ShortConv, gate_activation
 from .packing import check_cu_seqlens, packed_positions, reject_cache_with_cu_seqlens
 
 # forward hooks registered for every module (nn.modules.module.register_module_forward_hook / _pre_hook):
@@ -62,8 +62,18 @@ class AttentionBase(nn.Module):
         short_conv: causal depthwise convolution (kernel `conv_size`, SiLU) on q, k and v.
         rope: rotary position embedding on q and k (before any feature map).
         output_norm: per-head RMSNorm on the operator output.
-        output_gate: multiply the (normed) output by silu(g_proj(x)).
+        output_gate: multiply the (normed) output by act(g_proj(x)).
         qkv_bias: biases on the q/k/v projections.
+        n_value_heads: HV, the value heads (default n_heads): grouped value heads (Qwen3-Next's GVA, Mamba2's
+            groups) with HV = n * n_heads; value head j reads q/k head j // n. v_proj, the output gate and
+            norm, o_proj (and the layers' beta and decays) are per value head. Layers that support it list
+            "n_value_heads" in their `config_fields` (linear attention and the delta rule's DeltaNet, Gated
+            DeltaNet, EFLA and KDA).
+        gate_act: the output gate's activation, "silu" (default) or "sigmoid" (Kimi Linear).
+        gate_before_norm: False (default) norm(o) * act(gate) (FLA, Kimi); True norm(o * act(gate)) (Mamba2).
+        norm_group_size: None (default) the norm is per head (over head_dim_v, one weight [head_dim_v] shared
+            by the heads, FLA's); an int normalises the whole output [HV * head_dim_v] in groups of that many
+            channels with one weight per channel (Mamba2's MambaRMSNormGated, group = width / n_groups).
     """
 
     #: whether the mixer looks only at earlier tokens
@@ -79,7 +89,8 @@ class AttentionBase(nn.Module):
                  head_dim_v: Optional[int] = None, short_conv: bool = False, conv_size: int = 4,
                  rope: bool = False, rope_base: float = 10000.0, max_seq_len: int = 2048,
                  output_norm: bool = True, output_gate: bool = False, qkv_bias: bool = False,
-                 norm_eps: float = 1e-6, layer_idx: Optional[int] = None):
+                 norm_eps: float = 1e-6, layer_idx: Optional[int] = None, n_value_heads: Optional[int] = None,
+                 gate_act: str = "silu", gate_before_norm: bool = False, norm_group_size: Optional[int] = None):
         super().__init__()
         if d_model < 1 or n_heads < 1:
             raise LinattnError(f"d_model and n_heads must be positive, got {d_model}, {n_heads}")
@@ -89,22 +100,37 @@ class AttentionBase(nn.Module):
                                  f"or pass head_dim explicitly")
             head_dim = d_model // n_heads
         self.d_model, self.n_heads = int(d_model), int(n_heads)
+        if n_value_heads is None:
+            n_value_heads = self.n_heads
+        if (isinstance(n_value_heads, bool) or not isinstance(n_value_heads, int) or n_value_heads < 1
+                or n_value_heads % self.n_heads):
+            raise LinattnError(f"n_value_heads must be a positive multiple of n_heads ({self.n_heads}): value head "
+                               f"j reads q/k head j // (n_value_heads / n_heads); got {n_value_heads!r}")
+        if gate_act not in GATE_ACTIVATIONS:
+            raise LinattnError(f"gate_act must be one of {GATE_ACTIVATIONS}, got {gate_act!r}")
+        self.n_value_heads = int(n_value_heads)
         self.head_dim = int(head_dim)
         self.head_dim_v = int(head_dim_v) if head_dim_v is not None else self.head_dim
         self.layer_idx = layer_idx
-        H, Dk, Dv = self.n_heads, self.head_dim, self.head_dim_v
+        H, HV, Dk, Dv = self.n_heads, self.n_value_heads, self.head_dim, self.head_dim_v
         self.q_proj = nn.Linear(d_model, H * Dk, bias=qkv_bias)
         self.k_proj = nn.Linear(d_model, H * Dk, bias=qkv_bias)
-        self.v_proj = nn.Linear(d_model, H * Dv, bias=qkv_bias)
-        self.o_proj = nn.Linear(H * Dv, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, HV * Dv, bias=qkv_bias)
+        self.o_proj = nn.Linear(HV * Dv, d_model, bias=False)
         self.short_conv = bool(short_conv)
         if self.short_conv:
             self.q_conv = ShortConv(H * Dk, conv_size)
             self.k_conv = ShortConv(H * Dk, conv_size)
-            self.v_conv = ShortConv(H * Dv, conv_size)
+            self.v_conv = ShortConv(HV * Dv, conv_size)
         self.rope = RotaryEmbedding(Dk, base=rope_base, max_seq_len=max_seq_len) if rope else None
-        self.o_norm = GatedRMSNorm(Dv, eps=norm_eps) if output_norm else None
-        self.g_proj = nn.Linear(d_model, H * Dv, bias=False) if output_gate else None
+        self.gate_act = gate_act
+        self.norm_group_size = norm_group_size
+        self.o_norm = None
+        if output_norm:
+            # per head (one weight [Dv] shared by the heads), or grouped over the whole output width (Mamba2)
+            self.o_norm = GatedRMSNorm(Dv if norm_group_size is None else HV * Dv, eps=norm_eps, gate_act=gate_act,
+                                       gate_before_norm=gate_before_norm, group_size=norm_group_size)
+        self.g_proj = nn.Linear(d_model, HV * Dv, bias=False) if output_gate else None
         # single-token decoding (module docstring): concatenated projection / conv weights, not parameters
         self._fused = FusedParams()
 
@@ -122,7 +148,7 @@ class AttentionBase(nn.Module):
                 cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_heads, self.head_dim)
-        v = v.view(B, T, self.n_heads, self.head_dim_v)
+        v = v.view(B, T, self.n_value_heads, self.head_dim_v)
         if self.rope is not None:
             if cu_seqlens is not None:
                 q, k = self.rope(q, k, positions=packed_positions(cu_seqlens, T, x.device))
@@ -132,14 +158,18 @@ class AttentionBase(nn.Module):
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         B, T = x.shape[:2]
+        HV, Dv = self.n_value_heads, self.head_dim_v
         if self.o_norm is not None:
             gate = None
             if self.g_proj is not None:
-                gate = self.g_proj(x).view(B, T, self.n_heads, self.head_dim_v)
-            o = self.o_norm(o, gate)
+                gate = self.g_proj(x).view(B, T, HV, Dv)
+            if self.norm_group_size is not None:   # the norm spans the heads (Mamba2's groups)
+                o = self.o_norm(o.reshape(B, T, HV * Dv), None if gate is None else gate.reshape(B, T, HV * Dv))
+            else:
+                o = self.o_norm(o, gate)
         elif self.g_proj is not None:
-            o = o * torch.nn.functional.silu(self.g_proj(x).view(B, T, self.n_heads, self.head_dim_v))
-        return self.o_proj(o.reshape(B, T, self.n_heads * self.head_dim_v))
+            o = o * gate_activation(self.gate_act, self.g_proj(x).view(B, T, HV, Dv))
+        return self.o_proj(o.reshape(B, T, HV * Dv))
 
     # -- single-token decoding fast path (module docstring) --------------------------------------
     def _fast_step(self, x: torch.Tensor, cache: LayerCache, lins) -> Optional[torch.Tensor]:
@@ -227,13 +257,16 @@ class AttentionBase(nn.Module):
                 and x.device.type == "cpu" and not torch.is_grad_enabled()
                 and x.dtype in (torch.float32, torch.float64) and self._fast_supported()):
             return None
+        if self.n_value_heads != self.n_heads or self.gate_act != "silu" or self.norm_group_size is not None:
+            return None   # the fast step computes one value head per q/k head and the default gated norm
         mods = self._modules
         lins = (mods["q_proj"], mods["k_proj"], mods["v_proj"]) + self._fast_extra()
         for m in lins + (mods["o_proj"],):
             if type(m) is not nn.Linear or m.weight.dtype != x.dtype:
                 return None
         norm = mods.get("o_norm")
-        if (norm is not None and type(norm) is not GatedRMSNorm) or hooked(*lins, mods["o_proj"], norm):
+        if (norm is not None and (type(norm) is not GatedRMSNorm or not norm.plain)) \
+                or hooked(*lins, mods["o_proj"], norm):
             return None
         if self.short_conv:
             c0, c1, c2 = mods["q_conv"], mods["k_conv"], mods["v_conv"]
@@ -292,4 +325,5 @@ class AttentionBase(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}, "
-                f"short_conv={self.short_conv}, rope={self.rope is not None}")
+                + (f"n_value_heads={self.n_value_heads}, " if self.n_value_heads != self.n_heads else "")
+                + f"short_conv={self.short_conv}, rope={self.rope is not None}")

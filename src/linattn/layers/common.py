@@ -44,12 +44,64 @@ class RMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}"
 
 
+GATE_ACTIVATIONS = ("silu", "sigmoid")
+
+
+def gate_activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The output gate's activation: silu (FLA, Gated DeltaNet, Mamba2) or sigmoid (Kimi Linear)."""
+    return F.silu(x) if name == "silu" else torch.sigmoid(x)
+
+
 class GatedRMSNorm(RMSNorm):
-    """RMSNorm(x) * silu(gate) (FLA's FusedRMSNormGated, unfused)."""
+    """A gated RMSNorm over the last dimension (`dim` channels), in three conventions:
+
+    * gate_before_norm=False (default): RMSNorm(x) * act(gate) (FLA's FusedRMSNormGated, Kimi Linear's with
+      act = sigmoid);
+    * gate_before_norm=True: RMSNorm(x * act(gate)) (Mamba2's MambaRMSNormGated, norm_before_gate=False);
+    * group_size: the mean of squares is taken over groups of `group_size` consecutive channels (Mamba2's
+      n_groups: group_size = dim / n_groups) instead of all `dim`; the weight stays one per channel.
+
+    act is silu (default) or sigmoid. Computed in fp32 (fp64 for fp64 inputs), returned in x's dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True, *, gate_act: str = "silu",
+                 gate_before_norm: bool = False, group_size: Optional[int] = None):
+        super().__init__(dim, eps, elementwise_affine)
+        if gate_act not in GATE_ACTIVATIONS:
+            raise LinattnError(f"gate_act must be one of {GATE_ACTIVATIONS}, got {gate_act!r}")
+        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
+                                       or group_size < 1 or self.dim % group_size):
+            raise LinattnError(f"group_size must be a positive int that divides the normalised width {self.dim} "
+                               f"(or None: the whole width), got {group_size!r}")
+        self.gate_act, self.gate_before_norm = gate_act, bool(gate_before_norm)
+        self.group_size = None if group_size in (None, self.dim) else int(group_size)
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is the default RMSNorm(x) * silu(gate) (the fast decoding step's form)."""
+        return self.gate_act == "silu" and not self.gate_before_norm and self.group_size is None
 
     def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
-        y = super().forward(x)
-        return y if gate is None else y * F.silu(gate)
+        if self.plain:
+            y = super().forward(x)
+            return y if gate is None else y * F.silu(gate)
+        xf = x.to(_cdt(x))
+        if gate is not None and self.gate_before_norm:
+            xf = xf * gate_activation(self.gate_act, gate.to(xf.dtype))
+        if self.group_size is None:
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        else:
+            xg = xf.unflatten(-1, (self.dim // self.group_size, self.group_size))
+            y = (xg * torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        if self.weight is not None:
+            y = y * self.weight.to(xf.dtype)
+        if gate is not None and not self.gate_before_norm:
+            y = y * gate_activation(self.gate_act, gate.to(xf.dtype))
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.plain else f", gate_act={self.gate_act!r}, "
+                                       f"gate_before_norm={self.gate_before_norm}, group_size={self.group_size}")
 
 
 class RotaryEmbedding(nn.Module):
@@ -246,19 +298,20 @@ class FusedParams:
 
 
 def mamba_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, owner: Optional[nn.Module] = None):
-    """Mamba2's log-decay -exp(A_log) * softplus(a + dt_bias), in fp32. With `owner` (single-token
-    decoding without autograd) -exp(A_log) is kept on it while A_log is unchanged (the same values)."""
-    f32 = torch.float32
+    """Mamba2's log-decay -exp(A_log) * softplus(a + dt_bias), in fp32 (fp64 when a is fp64: an fp64 model
+    keeps its precision). With `owner` (single-token decoding without autograd) -exp(A_log) is kept on it
+    while A_log is unchanged (the same values)."""
+    f = _cdt(a)
     if owner is None:
-        neg_a = -torch.exp(A_log.float())
+        neg_a = -torch.exp(A_log.to(f))
     else:
-        key = (A_log._version, A_log.data_ptr(), A_log.dtype)
+        key = (A_log._version, A_log.data_ptr(), A_log.dtype, f)
         kept = owner.__dict__.get("_neg_exp_A_log")
         if kept is None or kept[0] != key:
-            kept = owner.__dict__["_neg_exp_A_log"] = (key, -torch.exp(A_log.detach().float()))
+            kept = owner.__dict__["_neg_exp_A_log"] = (key, -torch.exp(A_log.detach().to(f)))
         neg_a = kept[1]
-    a = a if a.dtype == f32 else a.float()
-    return neg_a * F.softplus(a + (dt_bias if dt_bias.dtype == f32 else dt_bias.float()))
+    a = a if a.dtype == f else a.to(f)
+    return neg_a * F.softplus(a + (dt_bias if dt_bias.dtype == f else dt_bias.to(f)))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS, convention: str = "rsqrt") -> torch.Tensor:

@@ -2,7 +2,10 @@
 
 All three follow FLA's layer pattern: q/k/v projections, a short causal convolution (kernel 4,
 SiLU) on each, a per-head write strength beta from `b_proj`, the `linattn.delta_rule` operator,
-a per-head output norm (gated by `g_proj` for Gated DeltaNet) and `o_proj`.
+a per-head output norm (gated by `g_proj` for Gated DeltaNet) and `o_proj`. With n_value_heads = HV
+(Qwen3-Next's grouped value heads, a multiple of n_heads) v, beta, the decay, the output norm and gate are
+per value head, and value head j reads q/k head j // (HV / n_heads). beta and the decay are computed in
+fp32, or fp64 in an fp64 model.
 
 * DeltaNet:       S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, q and k L2-normalised.
 * GatedDeltaNet:  the same with a decay exp(g_t) per head, g = -exp(A_log) * softplus(a_proj(x) + dt_bias).
@@ -30,7 +33,7 @@ from ..ops.delta_core import efla_coefficient, key_norms
 from ..ops.l2norm import L2NORM_CONVENTIONS, l2norm
 from .base import AttentionBase
 from .cache import LayerCache
-from .common import l2_normalize, mamba_log_decay
+from .common import _cdt, l2_normalize, mamba_log_decay
 from .linear_attention import init_mamba_decay
 
 BETA_MODES = ("sigmoid", "adaptive", "loose")
@@ -49,7 +52,7 @@ class DeltaNet(AttentionBase):
 
     exact = False
     qk_l2norm = True
-    config_fields = AttentionBase.config_fields + ("chunk_size", "l2norm_convention")
+    config_fields = AttentionBase.config_fields + ("chunk_size", "l2norm_convention", "n_value_heads")
 
     def __init__(self, d_model: int, n_heads: int, *, chunk_size: int = 64, scale: Optional[float] = None,
                  short_conv: bool = True, output_norm: bool = True, l2norm_convention: str = "rsqrt", **kwargs):
@@ -59,15 +62,15 @@ class DeltaNet(AttentionBase):
         self.l2norm_convention = l2norm_convention
         self.chunk_size = int(chunk_size)
         self.scale = self.resolve_scale(scale, self.head_dim)
-        self.b_proj = nn.Linear(d_model, self.n_heads, bias=True)
+        self.b_proj = nn.Linear(d_model, self.n_value_heads, bias=True)     # one beta per value head
 
     def beta(self, x: torch.Tensor) -> torch.Tensor:
-        """Write strength `[B, T, H]`."""
+        """Write strength `[B, T, HV]` (HV = n_value_heads)."""
         return self._beta_of(self.b_proj(x))
 
     def _beta_of(self, b: torch.Tensor) -> torch.Tensor:
-        """beta from the b_proj output."""
-        return torch.sigmoid(b.float())
+        """beta from the b_proj output, in fp32 (fp64 in an fp64 model)."""
+        return torch.sigmoid(b.to(_cdt(b)))
 
     def log_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         return None
@@ -137,8 +140,8 @@ class GatedDeltaNet(DeltaNet):
 
     def __init__(self, d_model: int, n_heads: int, *, output_gate: bool = True, **kwargs):
         super().__init__(d_model, n_heads, output_gate=output_gate, **kwargs)
-        self.a_proj = nn.Linear(d_model, self.n_heads, bias=False)
-        A_log, dt_bias = init_mamba_decay(self.n_heads)
+        self.a_proj = nn.Linear(d_model, self.n_value_heads, bias=False)     # one decay per value head
+        A_log, dt_bias = init_mamba_decay(self.n_value_heads)
         self.A_log = nn.Parameter(A_log)
         self.dt_bias = nn.Parameter(dt_bias)
 
@@ -167,15 +170,15 @@ class EFLA(DeltaNet):
         self.beta_mode, self.q_l2norm = beta_mode, bool(q_l2norm)
         if beta_mode == "adaptive":
             # softplus(alpha) = 1 at init, i.e. alpha = log(e - 1)
-            self.beta_alpha = nn.Parameter(torch.full((self.n_heads,), math.log(math.e - 1.0)))
+            self.beta_alpha = nn.Parameter(torch.full((self.n_value_heads,), math.log(math.e - 1.0)))
 
     def _beta_of(self, b: torch.Tensor) -> torch.Tensor:
-        b = b.float()
+        b = b.to(_cdt(b))
         if self.beta_mode == "loose":
             return F.softplus(b)
         beta = torch.sigmoid(b)
         if self.beta_mode == "adaptive":
-            beta = F.softplus(self.beta_alpha.float()) * beta
+            beta = F.softplus(self.beta_alpha.to(b.dtype)) * beta
         return beta
 
     def _prepare_qk(self, q, k):

@@ -19,8 +19,9 @@ norm (gated by `g_proj` when output_gate) and `o_proj`. q and k are L2-normalise
 * KDA (`linattn.delta_rule` with a per-channel log-gate g `[B, T, H, K]`): Gated DeltaNet's gate made per
   key channel, g = -exp(A_log_h) softplus(f_proj(x) + dt_bias), with f_proj a low-rank projection
   d_model -> gate_rank -> H*K (gate_rank defaults to head_dim, as in the Kimi Linear layer), a per-head
-  A_log and a per-channel dt_bias (Mamba2's initialisation); output gate on by default. (Kimi's layer
-  uses a low-rank sigmoid output gate; here it is the library's gated RMSNorm with silu, as Gated DeltaNet.)
+  A_log and a per-channel dt_bias (Mamba2's initialisation); output gate on by default: the gated RMSNorm
+  with silu, as Gated DeltaNet; gate_act="sigmoid" gives Kimi Linear's sigmoid-gated norm (its gate projection
+  is low-rank; here g_proj is full-rank). Grouped value heads (n_value_heads) put the gate and beta per value head.
 """
 from __future__ import annotations
 
@@ -33,10 +34,17 @@ import torch.nn.functional as F
 from ..errors import LinattnError, LinattnTypeError
 from ..ops import comba, delta_product
 from .cache import LayerCache
-from .common import ShortConv, l2_normalize
+from .common import ShortConv, _cdt, l2_normalize, mamba_log_decay
 from .delta import DeltaNet, GatedDeltaNet
 from .linear_attention import init_mamba_decay
 from .packing import packed_positions
+
+
+def _no_value_groups(name: str, n_heads: int, kwargs) -> None:
+    hv = kwargs.get("n_value_heads")
+    if hv is not None and hv != n_heads:
+        raise LinattnError(f"{name} has no grouped value heads: n_value_heads must be None or n_heads ({n_heads}), "
+                           f"got {hv!r}")
 
 
 class Comba(GatedDeltaNet):
@@ -46,6 +54,7 @@ class Comba(GatedDeltaNet):
 
     def __init__(self, d_model: int, n_heads: int, *, correction_factor: float = 1.0, output_correction: bool = True,
                  **kwargs):
+        _no_value_groups("Comba", n_heads, kwargs)
         super().__init__(d_model, n_heads, **kwargs)
         if isinstance(correction_factor, bool) or not isinstance(correction_factor, (int, float)):
             raise LinattnTypeError(f"correction_factor must be a number, got {correction_factor!r}")
@@ -84,6 +93,7 @@ class DeltaProduct(DeltaNet):
                  gate: bool = False, conv_size: int = 4, qkv_bias: bool = False, **kwargs):
         if isinstance(n_householder, bool) or not isinstance(n_householder, int) or n_householder < 1:
             raise LinattnError(f"n_householder must be a positive int, got {n_householder!r}")
+        _no_value_groups("DeltaProduct", n_heads, kwargs)
         super().__init__(d_model, n_heads, conv_size=conv_size, qkv_bias=qkv_bias, **kwargs)
         self.n_householder = n = n_householder
         self.allow_negative_eigenvalues = bool(allow_negative_eigenvalues)
@@ -104,13 +114,14 @@ class DeltaProduct(DeltaNet):
 
     def beta(self, x: torch.Tensor) -> torch.Tensor:
         """Step sizes `[B, T, H, n]` in (0, 1), or (0, 2) with allow_negative_eigenvalues."""
-        b = torch.sigmoid(self.b_proj(x).float()).view(*x.shape[:2], self.n_heads, self.n_householder)
+        b = self.b_proj(x)
+        b = torch.sigmoid(b.to(_cdt(b))).view(*x.shape[:2], self.n_heads, self.n_householder)
         return 2.0 * b if self.allow_negative_eigenvalues else b
 
     def log_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         if not self.gated:
             return None
-        return -torch.exp(self.A_log.float()) * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        return mamba_log_decay(self.a_proj(x), self.A_log, self.dt_bias)
 
     def _qkv(self, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         """q `[B, T, H, K]`, k `[B, T, H, n, K]`, v `[B, T, H, n, V]` (AttentionBase._qkv with n keys)."""
@@ -164,19 +175,21 @@ class KDA(DeltaNet):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise LinattnError(f"gate_rank must be a positive int or None (head_dim), got {gate_rank!r}")
         self.gate_rank = rank
-        H, K = self.n_heads, self.head_dim
-        self.f_proj = nn.Sequential(nn.Linear(d_model, rank, bias=False), nn.Linear(rank, H * K, bias=False))
-        A_log, _ = init_mamba_decay(H)
-        _, dt_bias = init_mamba_decay(H * K)      # a time scale per channel
+        HV, K = self.n_value_heads, self.head_dim     # one gate per value head and key channel
+        self.f_proj = nn.Sequential(nn.Linear(d_model, rank, bias=False), nn.Linear(rank, HV * K, bias=False))
+        A_log, _ = init_mamba_decay(HV)
+        _, dt_bias = init_mamba_decay(HV * K)     # a time scale per channel
         self.A_log = nn.Parameter(A_log)
         self.dt_bias = nn.Parameter(dt_bias)
 
     def log_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-gate `[B, T, H, K]` (<= 0)."""
+        """Per-channel log-gate `[B, T, HV, K]` (<= 0), in fp32 (fp64 in an fp64 model)."""
         B, T = x.shape[:2]
-        H, K = self.n_heads, self.head_dim
-        f = self.f_proj(x).float().view(B, T, H, K) + self.dt_bias.float().view(H, K)
-        return -torch.exp(self.A_log.float())[:, None] * F.softplus(f)
+        HV, K = self.n_value_heads, self.head_dim
+        f = self.f_proj(x)
+        f = f.to(_cdt(f))
+        f = f.view(B, T, HV, K) + self.dt_bias.to(f.dtype).view(HV, K)
+        return -torch.exp(self.A_log.to(f.dtype))[:, None] * F.softplus(f)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", gate_rank={self.gate_rank}"

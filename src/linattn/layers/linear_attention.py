@@ -9,6 +9,9 @@ Gates (all causal, log-space decays <= 0):
                 g = -exp(A_log) * softplus(a_proj(x) + dt_bias);
 * `"diagonal"`  a data-dependent decay per feature (GLA): g = logsigmoid(gk_proj(x)) / 16, with a
                 low-rank (16) gk_proj producing one value per head and feature of phi.
+
+With n_value_heads = HV (grouped value heads, a multiple of n_heads; Mamba2's heads over its n_groups of
+B/C) every gate is per value head (retnet: gamma_j for j < HV).
 """
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ class LinearAttention(AttentionBase):
         eps: the normaliser's floor.
     """
 
-    config_fields = AttentionBase.config_fields + ("chunk_size",)
+    config_fields = AttentionBase.config_fields + ("chunk_size", "n_value_heads")
 
     def __init__(self, d_model: int, n_heads: int, feature_map: Union[str, FeatureMap, None] = "elu+1", *,
                  normalize: bool = True, gate: Optional[str] = None, scale: Optional[float] = None,
@@ -86,7 +89,7 @@ class LinearAttention(AttentionBase):
         self.normalize, self.gate = bool(normalize), gate
         self.scale = self.resolve_scale(scale, self.head_dim)
         self.chunk_size, self.eps = int(chunk_size), float(eps)
-        H = self.n_heads
+        H = self.n_value_heads   # the decays are per value head (Mamba2: one dt and A per value head)
         self._gamma: Optional[torch.Tensor] = None
         if gate == "retnet":
             # a plain CPU attribute computed from H (like RoPE's tables), not a buffer: building the
@@ -119,14 +122,14 @@ class LinearAttention(AttentionBase):
         if self.gate == "scalar":
             return self._scalar_gate(self.a_proj(x))
         if self.gate == "diagonal":
-            return self._diagonal_gate(self.gk_proj(x).view(B, T, self.n_heads, self.feature_dim))
+            return self._diagonal_gate(self.gk_proj(x).view(B, T, self.n_value_heads, self.feature_dim))
         return None
 
     def _scalar_gate(self, a: torch.Tensor, fast: bool = False) -> torch.Tensor:
         return mamba_log_decay(a, self.A_log, self.dt_bias, self if fast else None)
 
     def _diagonal_gate(self, gk: torch.Tensor) -> torch.Tensor:
-        return F.logsigmoid(gk.float()) / self.gate_normalizer
+        return F.logsigmoid(gk.to(torch.float64 if gk.dtype == torch.float64 else torch.float32)) / self.gate_normalizer
 
     # -- single-token decoding (AttentionBase's fast path) ----------------------------------------
     def _fast_supported(self) -> bool:

@@ -85,6 +85,8 @@ class LMConfig(JsonConfig):
         lobe_feature_map, lobe_heads: the lobe's kernel and heads (ELA: hadamard_exp, 1).
     Head: tie_embeddings, final_norm, norm_eps, init_std.
     Conventions:
+        n_value_heads: grouped value heads (Qwen3-Next, Mamba2 groups), HV = n * n_heads; None: n_heads. Passed
+            to the mixers that support it (linear attention; DeltaNet, Gated DeltaNet, EFLA, KDA).
         l2norm_convention: the delta-rule layers' q/k L2 normalisation inside the operator, "rsqrt"
             (x * rsqrt(sum x^2 + 1e-6), flash-linear-attention's and transformers' form, the default) or
             "clamp" (x / max(||x||, 1e-6), the only form before this field existed). A config dict saved by
@@ -139,6 +141,9 @@ class LMConfig(JsonConfig):
     norm_eps: float = field(default=1e-6, metadata={"help": "RMSNorm epsilon"})
     init_std: float = field(default=0.02, metadata={
         "help": "std of the normal init (output projections scaled by 1/sqrt(2 n_layers))"})
+    n_value_heads: Optional[int] = field(default=None, metadata={
+        "help": "value heads HV = n * n_heads (grouped value heads: value head j reads q/k head j // n; linear "
+                "attention and the delta rule's layers); none: n_heads"})
     l2norm_convention: str = field(default="rsqrt", metadata={
         "help": "delta-rule q/k L2 norm: rsqrt = x*rsqrt(sum x^2+1e-6) (fla, transformers); clamp = "
                 "x/max(|x|,1e-6) (checkpoints written before this field)", "choices": L2NORM_CONVENTIONS})
@@ -219,6 +224,11 @@ class LMConfig(JsonConfig):
         for name in ("rope", "short_conv"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"LMConfig.{name} must be true, false or none, got {getattr(self, name)!r}")
+        if self.n_value_heads is not None:
+            pos_int("n_value_heads")
+            if self.n_value_heads % self.n_heads:
+                raise ConfigError(f"LMConfig.n_value_heads ({self.n_value_heads}) must be a multiple of n_heads "
+                                  f"({self.n_heads})")
         if self.l2norm_convention not in L2NORM_CONVENTIONS:
             raise ConfigError(f"LMConfig.l2norm_convention must be one of {L2NORM_CONVENTIONS}, "
                               f"got {self.l2norm_convention!r}")
