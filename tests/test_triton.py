@@ -272,7 +272,7 @@ def _problem(q=None, **kw):
 def test_select_backend_rules(monkeypatch):
     p = _problem()
     assert B.select_backend("torch", p) == "torch"
-    assert B.select_backend("auto", p) == "torch"  # CPU tensors: PyTorch, triton never touched
+    assert B.select_backend("auto", p) in ("torch", "cpu")  # CPU tensors: never triton (issue 34 added "cpu")
     with pytest.raises(ValueError, match="backend must be one of"):
         B.select_backend("cuda", p)
     monkeypatch.setattr(B, "available", lambda: False)
@@ -333,13 +333,17 @@ def test_operator_backends_agree():
 
 
 def test_import_linattn_does_not_import_triton():
+    # the PyTorch path (backend='torch'): calling a torch.library custom op, as the compiled CPU kernels
+    # (backend 'cpu', which 'auto' picks for CPU tensors) are, makes torch itself import triton
+    # (torch._dynamo -> torch.utils._triton.has_triton_package), so those calls are not part of this check
     code = ("import sys, torch, linattn\n"
             "from linattn.ops.backend import select_backend\n"
+            "assert 'triton' not in sys.modules, 'import linattn imported triton'\n"
             "q = torch.randn(1, 8, 1, 4)\n"
-            "linattn.linear_attention(q, q, q)\n"
-            "linattn.delta_rule(q, q, q, torch.rand(1, 8, 1))\n"
-            "assert select_backend('auto', linattn.prepare_linear_attention(q, q, q)) == 'torch'\n"
-            "assert select_backend('auto', linattn.prepare_delta(q, q, q, q[..., 0].abs())) == 'torch'\n"
+            "linattn.linear_attention(q, q, q, backend='torch')\n"
+            "linattn.delta_rule(q, q, q, torch.rand(1, 8, 1), backend='torch')\n"
+            "assert select_backend('auto', linattn.prepare_linear_attention(q, q, q)) in ('torch', 'cpu')\n"
+            "assert select_backend('auto', linattn.prepare_delta(q, q, q, q[..., 0].abs())) in ('torch', 'cpu')\n"
             "assert 'triton' not in sys.modules, 'triton was imported'\n")
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
