@@ -2,7 +2,8 @@
 and its measured matmul rate and copy bandwidth, every Triton kernel compiled against the PyTorch forms,
 compute-sanitizer, timings against SDPA and flash-linear-attention, and LM training and decoding steps.
 
-    PYTHONPATH=src python -m linattn bench gpu --out DIR [--budget-min 7] [--steps ...] [--dry-run]
+    PYTHONPATH=src python -m linattn bench gpu --out DIR [--budget-min 7] [--steps ...] [--wheels DIR]
+                                                [--dry-run] [--overwrite]
 
 The steps run in this order, each within its share of the budget (time a step does not use passes to
 the next ones); DIR/gpu.json and DIR/gpu.md are rewritten after every step and every case, so a run
@@ -18,7 +19,8 @@ that ran passed, 1 when one failed or raised.
                recurrent), DeltaNet / Gated DeltaNet (qk_l2norm) / EFLA (chunk, recurrent); B=4 H=16,
                K=V=64 and 128, T in 1, 63, 64, 65, 2048, 8192, fp32 and bf16, with and without gates,
                initial_state, uneven cu_seqlens; outputs, final states, gradients of every input;
-               tolerances of docs/triton.md (ratio of RMS errors: fp32 1e-3, bf16 1e-2)
+               tolerances of docs/triton.md (ratio of RMS errors: fp32 1e-3, bf16 1e-2); grouped value
+               heads (entry points, grouped against expanded q/k)
   sanitizer    compute-sanitizer memcheck, then racecheck, on one small forward + backward per kernel
                (a subprocess running a generated script; PyTorch's caching allocator is off so that
                memcheck sees the real bounds of every tensor); skipped when the tool is missing
