@@ -9,12 +9,29 @@
 
 `nbytes()` counts every tensor held (for the KV cache: the allocated capacity). Linear mixers
 hold a constant-size state, so their `nbytes()` does not depend on the number of tokens seen.
+
+Serving schedules (docs/states.md):
+
+* `Cache(n, rollback=k)` (`LanguageModel.new_cache(rollback=k)`) can go back up to k tokens:
+  the model records every layer's state after each of the last k tokens (`record`), and
+  `crop(n)` keeps the first n tokens (transformers' `DynamicCache.crop` meaning: a negative n
+  removes that many). A recorded state is a copy of the state tensors (recurrent states, conv
+  windows, the per-token caches of FoX / DeltaFormer / PaTH), except for a `KVCache`, which is
+  recorded as its length and cut back by truncation. Memory: up to k + 1 copies of the layers'
+  states besides the live one (`history_nbytes()`), and a sliding-window KV cache keeps k tokens
+  more than its window needs. A default cache (rollback 0) records nothing.
+* `snapshot()` / `restore(snap)`: a deep copy of every layer's state (prefix caching); neither
+  shares a tensor with the cache, so later decoding never changes a snapshot.
+* `reorder(index)`: every state's batch rows (and the recorded ones) through index_select
+  (beam search).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
+
+from ..errors import LinattnError, LinattnTypeError, UsageError
 
 
 def tensor_nbytes(obj: Any) -> int:
@@ -67,6 +84,9 @@ class KVCache:
         self.v: Optional[torch.Tensor] = None
         self.length = 0
         self.start = 0
+        # tokens kept beyond the window's w - 1, so that a rollback of up to this many tokens still
+        # finds the keys the window needs (set by a Cache with rollback)
+        self.keep_extra = 0
 
     def _grow(self, need: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         cap = 0 if self.k is None else self.k.shape[1]
@@ -86,8 +106,8 @@ class KVCache:
     def append(self, k: torch.Tensor, v: torch.Tensor):
         """Store new keys/values and return all stored ones (views) with their first position."""
         T = k.shape[1]
-        if self.window is not None and self.length + T > self.window - 1 + self.chunk and self.length:
-            keep = min(self.length, max(self.window - 1, 0))
+        if self.window is not None and self.length + T > self.window - 1 + self.keep_extra + self.chunk and self.length:
+            keep = min(self.length, max(self.window - 1 + self.keep_extra, 0))
             drop = self.length - keep
             if drop > 0:
                 self.k[:, :keep] = self.k[:, drop: self.length].clone()
@@ -104,19 +124,214 @@ class KVCache:
             return 0
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
+    def copy(self) -> "KVCache":
+        """A deep copy of the stored tokens (capacity trimmed to the length; the next append grows it)."""
+        out = KVCache(chunk=self.chunk, window=self.window)
+        out.length, out.start, out.keep_extra = self.length, self.start, self.keep_extra
+        if self.k is not None:
+            out.k = self.k[:, : self.length].clone()
+            out.v = self.v[:, : self.length].clone()
+        return out
+
+    def mark(self) -> "_KVMark":
+        """Where the stored tokens end now (a rollback record: no copy of the keys and values)."""
+        return _KVMark(self.start + self.length)
+
+    def truncate(self, end: int) -> None:
+        """Forget every token from absolute position `end` on (a rollback to a `mark`)."""
+        # the next query (position end) must still find the keys it attends: all of them, or the
+        # window's last w - 1 (`keep_extra` keeps them through a rollback)
+        first_needed = 0 if self.window is None else max(end - (self.window - 1), 0)
+        if not (self.start <= first_needed and end <= self.start + self.length):
+            raise LinattnError(f"cannot cut the KV cache back to position {end}: it holds positions "
+                               f"{self.start} to {self.start + self.length}, and position {end} needs "
+                               f"those from {first_needed}")
+        self.length = end - self.start
+
+    def index_select(self, index: torch.Tensor) -> None:
+        """Keep batch rows `index` (beam search), in place."""
+        if self.k is not None:
+            self.k = self.k.index_select(0, index.to(self.k.device))
+            self.v = self.v.index_select(0, index.to(self.v.device))
+
     def __repr__(self) -> str:
         return f"KVCache(length={self.length}, start={self.start}, nbytes={self.nbytes()})"
+
+
+class _KVMark(int):
+    """A recorded `KVCache`: the absolute position where its tokens ended (rolled back by truncation)."""
+
+
+def _copy_state(value: Any, record: bool = False) -> Any:
+    """A copy of one LayerCache entry that shares no tensor with it: tensors cloned, tuples (state
+    NamedTuples), lists and dicts rebuilt, ints and None kept; a KVCache deep-copied, or with
+    `record` only marked (its keys and values are cut back by truncation, not copied)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, KVCache):
+        return value.mark() if record else value.copy()
+    if isinstance(value, tuple):
+        items = [_copy_state(v, record) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [_copy_state(v, record) for v in value]
+    if isinstance(value, dict):
+        return {k: _copy_state(v, record) for k, v in value.items()}
+    raise LinattnTypeError(f"a cache entry of type {type(value).__name__} cannot be copied: a layer's cache may hold "
+                           f"tensors, KVCache, tuples / NamedTuples, lists, dicts, numbers and None")
+
+
+def _select_rows(value: Any, index: torch.Tensor) -> Any:
+    """`value` with batch rows `index` (dim 0 of every tensor of at least one dimension)."""
+    if isinstance(value, torch.Tensor):
+        return value.index_select(0, index.to(value.device)) if value.dim() else value
+    if isinstance(value, KVCache):
+        value.index_select(index)
+        return value
+    if isinstance(value, tuple):
+        items = [_select_rows(v, index) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [_select_rows(v, index) for v in value]
+    if isinstance(value, dict):
+        return {k: _select_rows(v, index) for k, v in value.items()}
+    return value
+
+
+def _copy_layers(layers: List[Dict[str, LayerCache]], record: bool = False) -> List[Dict[str, LayerCache]]:
+    return [{name: LayerCache({k: _copy_state(v, record) for k, v in lc.items()}) for name, lc in d.items()}
+            for d in layers]
+
+
+class CacheSnapshot:
+    """Every layer's state after `seen_tokens` tokens (`Cache.snapshot`); shares no tensor with any cache."""
+
+    def __init__(self, layers: List[Dict[str, LayerCache]], seen_tokens: int):
+        self.layers, self.seen_tokens = layers, int(seen_tokens)
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes() for d in self.layers for c in d.values())
+
+    def __repr__(self) -> str:
+        return f"CacheSnapshot(n_layers={len(self.layers)}, seen_tokens={self.seen_tokens}, nbytes={self.nbytes()})"
 
 
 class Cache:
     """A model's decoding cache: `layers[i]` maps a module name ("mixer", "lobe") to its LayerCache.
 
-    `seen_tokens` counts the tokens consumed so far.
+    `seen_tokens` counts the tokens consumed so far. With `rollback=k` (module docstring) the model
+    records the states after each of the last k tokens, and `crop` goes back to any of them.
     """
 
-    def __init__(self, n_layers: int):
+    def __init__(self, n_layers: int, rollback: int = 0):
+        if isinstance(rollback, bool) or not isinstance(rollback, int) or rollback < 0:
+            raise LinattnError(f"rollback must be an int >= 0 (how many tokens crop may remove), got {rollback!r}")
         self.layers: List[Dict[str, LayerCache]] = [dict() for _ in range(n_layers)]
         self.seen_tokens = 0
+        self.rollback = rollback
+        # (seen_tokens, recorded layers), oldest first; the empty state is the first record
+        self._history: List[Tuple[int, List[Dict[str, LayerCache]]]] = [(0, [dict() for _ in range(n_layers)])] \
+            if rollback else []
+
+    # -- rollback ----------------------------------------------------------------------------
+    def record(self) -> None:
+        """Record every layer's state now (after `seen_tokens` tokens) and forget records older than
+        the window; the model calls it after each token it runs one at a time. No-op without rollback."""
+        if not self.rollback:
+            return
+        for d in self.layers:    # a sliding window must keep its keys through a rollback
+            for lc in d.values():
+                for v in lc.values():
+                    if isinstance(v, KVCache):
+                        v.keep_extra = max(v.keep_extra, self.rollback)
+        n = self.seen_tokens
+        self._history = [(s, rec) for s, rec in self._history if n - self.rollback <= s < n]
+        self._history.append((n, _copy_layers(self.layers, record=True)))
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` tokens (a negative value removes that many; a length at or beyond
+        `seen_tokens` changes nothing): transformers' `DynamicCache.crop`. Needs `rollback` of at least
+        the number of tokens removed (`model.new_cache(rollback=k)`)."""
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise LinattnTypeError(f"crop takes an int (tokens to keep, or a negative number to remove), got "
+                                   f"{max_length!r}")
+        n = self.seen_tokens + max_length if max_length < 0 else max_length
+        if n >= self.seen_tokens:
+            return
+        if n < 0:
+            raise UsageError(f"crop({max_length}) removes more tokens than the cache holds ({self.seen_tokens})")
+        rec = next((r for s, r in self._history if s == n), None)
+        if rec is None:
+            if not self.rollback:
+                raise UsageError(f"crop({max_length}): this cache keeps no past states (rollback=0); make it with "
+                                 f"model.new_cache(rollback=k) to remove up to k tokens")
+            oldest = min((s for s, _ in self._history), default=self.seen_tokens)
+            raise UsageError(f"crop({max_length}) would go back {self.seen_tokens - n} tokens, to {n}; this cache "
+                             f"(rollback={self.rollback}) can go back to {oldest} at the earliest (seen_tokens "
+                             f"{self.seen_tokens})")
+        self._set_layers(rec)
+        self.seen_tokens = n
+        self._history = [(s, r) for s, r in self._history if s <= n]
+
+    def _set_layers(self, rec: List[Dict[str, LayerCache]]) -> None:
+        """Live layers from recorded ones: tensors copied (the record may be needed again), KV caches cut back."""
+        live = []
+        for i, d in enumerate(rec):
+            out = {}
+            for name, lc in d.items():
+                new = LayerCache()
+                for k, v in lc.items():
+                    if isinstance(v, _KVMark):
+                        kv = self.layers[i][name][k]
+                        kv.truncate(int(v))
+                        new[k] = kv
+                    else:
+                        new[k] = _copy_state(v)
+                out[name] = new
+            live.append(out)
+        self.layers = live
+
+    def history_nbytes(self) -> int:
+        """Bytes held by the recorded states (the cost of `rollback`; 0 without it)."""
+        return sum(c.nbytes() for _, rec in self._history for d in rec for c in d.values())
+
+    # -- prefix caching, beams -----------------------------------------------------------------
+    def snapshot(self) -> CacheSnapshot:
+        """A deep copy of every layer's state (KV caches included): `restore` it into this or a fresh cache."""
+        return CacheSnapshot(_copy_layers(self.layers), self.seen_tokens)
+
+    def restore(self, snap: CacheSnapshot) -> None:
+        """Continue from `snap` (its tensors are copied again, so it can be restored any number of times).
+        The rollback window restarts at the restored position."""
+        if not isinstance(snap, CacheSnapshot):
+            raise LinattnTypeError(f"restore takes a CacheSnapshot (cache.snapshot()), got {type(snap).__name__}")
+        if len(snap.layers) != len(self.layers):
+            raise LinattnError(f"the snapshot holds {len(snap.layers)} layers, this cache {len(self.layers)}")
+        self.layers = _copy_layers(snap.layers)
+        self.seen_tokens = snap.seen_tokens
+        self._history = []
+        self.record()
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch rows `index` (an int64 tensor, as transformers' `reorder_cache(beam_idx)`): every
+        state's dim 0, recorded states included."""
+        if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype not in (torch.int64, torch.int32):
+            raise LinattnError(f"index must be a 1-D int64 tensor of batch rows, got "
+                               f"{getattr(index, 'dtype', type(index).__name__)} {tuple(getattr(index, 'shape', ()))}")
+        index = index.long()
+        for d in self.layers:
+            for lc in d.values():
+                for k in list(lc):
+                    lc[k] = _select_rows(lc[k], index)
+                lc.__dict__.clear()   # the fast steps' views of the old state
+        for _, rec in self._history:
+            for d in rec:
+                for lc in d.values():
+                    for k in list(lc):
+                        if not isinstance(lc[k], _KVMark):
+                            lc[k] = _select_rows(lc[k], index)
 
     def layer(self, i: int, name: str) -> LayerCache:
         d = self.layers[i]
@@ -125,6 +340,7 @@ class Cache:
         return d[name]
 
     def nbytes(self) -> int:
+        """Bytes of the live states (the recorded ones: `history_nbytes`)."""
         return sum(c.nbytes() for d in self.layers for c in d.values())
 
     def __len__(self) -> int:
@@ -134,4 +350,5 @@ class Cache:
         return iter(self.layers)
 
     def __repr__(self) -> str:
-        return f"Cache(n_layers={len(self.layers)}, seen_tokens={self.seen_tokens}, nbytes={self.nbytes()})"
+        extra = f", rollback={self.rollback}, history_nbytes={self.history_nbytes()}" if self.rollback else ""
+        return f"Cache(n_layers={len(self.layers)}, seen_tokens={self.seen_tokens}, nbytes={self.nbytes()}{extra})"

@@ -224,15 +224,19 @@ class LanguageModel(nn.Module, CausalLM):
         """False when some position depends on later tokens (a bidirectional memory lobe)."""
         return all(b.causal for b in self.blocks)
 
-    def new_cache(self) -> Cache:
+    def new_cache(self, rollback: int = 0) -> Cache:
         """An empty decoding cache. A new cache starts a new generation, so the layers' fused single-token
         weights (`FusedParams`) are rebuilt from the parameters as they are now: a change their version
-        keys cannot see (a write through `p.data`) is picked up by the next prefill."""
+        keys cannot see (a write through `p.data`) is picked up by the next prefill.
+
+        rollback=k: `cache.crop(n)` may later remove up to k tokens (speculative decoding). The model
+        then runs the last min(T, k) tokens of every call one at a time and records the states after
+        each (`Cache.record`; the memory it costs: docs/states.md). rollback=0 records nothing."""
         for m in self.modules():
             fused = getattr(m, "_fused", None)
             if isinstance(fused, FusedParams):
                 fused.clear()
-        return Cache(self.config.n_layers)
+        return Cache(self.config.n_layers, rollback=rollback)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (shared ones counted once); optionally without the embedding/head."""
@@ -277,6 +281,37 @@ class LanguageModel(nn.Module, CausalLM):
             if not self.is_causal:
                 raise LinattnError("this model has a bidirectional memory lobe: it cannot decode incrementally "
                                    "with a cache (call it on the whole sequence instead)")
+        if cache is not None and cache.rollback:
+            logits, aux = self._forward_recorded(input_ids, cache)
+            if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+                if targets is not None:
+                    raise LinattnError("logits_to_keep cannot be combined with targets (the loss needs every logit)")
+                logits = logits[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else logits[:, logits_to_keep]
+        else:
+            logits, aux = self._forward_blocks(input_ids, cache, cu_seqlens, targets, logits_to_keep)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                   ignore_index=-100)
+        return LMOutput(logits=logits, aux_loss=aux, cache=cache, loss=loss)
+
+    def _forward_recorded(self, input_ids: torch.Tensor, cache: Cache):
+        """A call on a cache with rollback k: the first T - min(T, k) tokens at once, then the rest one at
+        a time, the states recorded after each (`Cache.record`), so `crop` can go back to any of them.
+        Returns every position's logits and the token-weighted mean of the parts' aux losses."""
+        T, k = input_ids.shape[1], cache.rollback
+        head = T - min(T, k)
+        parts = ([input_ids[:, :head]] if head else []) + [input_ids[:, t:t + 1] for t in range(head, T)]
+        logits, aux = [], 0.0
+        for ids in parts:
+            lg, a = self._forward_blocks(ids, cache, None, None, 0)
+            cache.record()
+            logits.append(lg)
+            aux = aux + a * (ids.shape[1] / T)
+        return torch.cat(logits, dim=1), aux
+
+    def _forward_blocks(self, input_ids, cache, cu_seqlens, targets, logits_to_keep):
+        """The embedding, blocks, final norm and head (forward's body) -> (logits, aux loss)."""
         x = self.embed(input_ids)
         aux = torch.zeros((), dtype=torch.float32, device=x.device)
         recompute = self.activation_checkpointing and self.training and cache is None and torch.is_grad_enabled()
@@ -296,11 +331,7 @@ class LanguageModel(nn.Module, CausalLM):
         logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
         if cache is not None:
             cache.seen_tokens += input_ids.shape[1]
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                   ignore_index=-100)
-        return LMOutput(logits=logits, aux_loss=aux, cache=cache, loss=loss)
+        return logits, aux
 
     # -- generation --------------------------------------------------------------------------
     def stream(self, input_ids: Union[torch.Tensor, Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
