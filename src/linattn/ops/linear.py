@@ -71,6 +71,7 @@ from .linear_chunk import FUSED, linear_chunk
 # of two such values never produce NaN, yet exp() of it is exactly 0.
 NEG = -1e30
 LOG_BLOCK = 16  # block size of the log-space chunk path (its intra-block work is O(T * 16 * K))
+PARALLEL_WIDE_GATES_ABOVE = 64  # the parallel form sums fp32 gates in fp64 beyond this length (issue 33.7)
 # A row of a log-space map may take the matmul path when its keys lie less than this many nats above
 # its chunk's shift and its diagonal term less than this below its row log-scale (see `_shift_plan`):
 # its features then lie in [e^-80, e^40], far from fp32's limits (e^-87 .. e^88).
@@ -131,18 +132,23 @@ def _recurrent(fq, fk, v, g, S, mu):
 
 def _parallel(fq, fk, v, g, S, mu, causal, log_space):
     B, H, T, _ = v.shape
+    dt = v.dtype
     mask = torch.ones(T, T, dtype=torch.bool, device=v.device)
     if causal:
         mask = mask.tril()
+    if g is not None and T > PARALLEL_WIDE_GATES_ABOVE and g.dtype == torch.float32:
+        # the whole sequence's gate sum in fp32 (~ -400 with fast gates) carries an absolute error ~3e-5 into
+        # every exp(G_i - G_j), even for neighbours: sum in fp64, take the exponentials there, cast back
+        g = g.double()
     G = g.cumsum(2) if g is not None else None
     if not log_space and (g is None or g.shape[-1] == 1):
         # plain features, no gate or a scalar gate: W = (phi(Q) psi(K)^T) * exp(G_i - G_j)
         W = fq @ fk.transpose(-1, -2)
         if G is not None:
             Gs = G[..., 0]
-            W = W * torch.exp((Gs.unsqueeze(-1) - Gs.unsqueeze(-2)).masked_fill(~mask, 0.0))
+            W = W * torch.exp((Gs.unsqueeze(-1) - Gs.unsqueeze(-2)).masked_fill(~mask, 0.0)).to(dt)
         W = W.masked_fill(~mask, 0.0)
-        q_state = fq * torch.exp(G) if G is not None else fq
+        q_state = fq * torch.exp(G).to(dt) if G is not None else fq
         return _masked_product(W, v, causal) + q_state @ S, None, None, None
     # general case: w_ij = sum_d fq_id fk_jd exp(a_id + b_jd - c_i), explicit [T, T, Kf] tensor
     zeros = torch.zeros((), dtype=v.dtype, device=v.device)
@@ -155,8 +161,8 @@ def _parallel(fq, fk, v, g, S, mu, causal, log_space):
         if x_state is not None:
             c = torch.maximum(c, _row_scale(x_state, -1))
     else:
-        c = torch.zeros(B, H, T, dtype=v.dtype, device=v.device)
-    E = torch.exp(x - c[..., None, None])
+        c = torch.zeros(B, H, T, dtype=x.dtype, device=v.device)
+    E = torch.exp(x - c[..., None, None]).to(dt)   # x is fp64 after a long gate sum (above); c stays fp64
     if not log_space:
         E = E * fq.unsqueeze(3) * fk.unsqueeze(2)
     W = E.sum(-1)
@@ -164,9 +170,9 @@ def _parallel(fq, fk, v, g, S, mu, causal, log_space):
         W = W.masked_fill(~mask, 0.0)  # the masked exp(NEG) = 0 times an inf feature is NaN
     o = _masked_product(W, v, causal)
     if x_state is not None:
-        q_state = torch.exp(x_state - c.unsqueeze(-1))
+        q_state = torch.exp(x_state - c.unsqueeze(-1)).to(dt)
     else:  # plain features, diagonal gate
-        q_state = fq * torch.exp(G)
+        q_state = fq * torch.exp(G).to(dt)
     o = o + q_state @ S
     return o, (c if log_space else None), None, None
 
