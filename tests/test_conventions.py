@@ -523,3 +523,14 @@ def test_linear_parallel_fp32_as_accurate_as_chunk_at_T1000(fm, gate):
                                         backend="torch")
         err[mode] = rel_err(o, ref)
     assert err["parallel"] <= 2 * err["chunk"], err
+
+
+def test_comba_grouped_value_heads_with_read_key():
+    from linattn.ops.reference import comba_ref
+    q, k, v, beta, g, S0 = _grouped(gate="head", seed=3)
+    p = 0.5 * k.flip(1)
+    for mode in MODES:
+        o, S = linattn.comba(q, k, v, beta, p=p, g=g, qk_l2norm=True, mode=mode, chunk_size=4, initial_state=S0,
+                             output_final_state=True, backend="torch")
+        ro, rS = comba_ref(q, k, v, beta, p=p, g=g, qk_l2norm=True, S0=S0)
+        assert rel_err(o, ro) < 1e-13 and rel_err(S, rS) < 1e-13

@@ -24,6 +24,7 @@ import torch
 
 from ._common import check_qkv
 from .delta_core import check_tensor_like, prepare_delta, run_delta
+from .heads import value_groups
 
 
 def comba(
@@ -54,7 +55,7 @@ def comba(
     runs on PyTorch; "triton" warns once and falls back).
     """
     if p is not None:
-        check_qkv(q, k, v)            # q first, so that a bad q is reported as such
+        check_qkv(q, k, v[:, :, ::value_groups(q, v)])   # q first, so that a bad q is reported as such
         check_tensor_like(p, "p", q)
     prob = prepare_delta(q, k, v, beta, g=g, r=p, channel_gate=True, scale=scale, qk_l2norm=qk_l2norm,
                          mode=mode, chunk_size=chunk_size, initial_state=initial_state,
