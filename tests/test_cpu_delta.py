@@ -310,3 +310,23 @@ def test_value_widths_across_column_blocks(K, V, dtype):
     ro, rS, rg = _grads(_ref("gated-deltanet"), x, wo, wS)
     for name, a, r in zip(["o", "S", "dq", "dk", "dv", "dbeta", "dg", "dS0"], [co, cS, *cg], [ro, rS, *rg]):
         _close(a, r, TOL[dtype], f"K={K} V={V} {name}")
+
+
+def test_grouped_value_heads():
+    """HV = 2 H value heads (value head j reads q/k head j // 2): on the kernels, as the reference on q and k
+    repeated to the value heads (gradients of q and k summed over each group)."""
+    Bsz, T, H, K, V = 1, 30, 2, 8, 5
+    g0 = torch.Generator().manual_seed(3)
+    q, k = torch.randn(Bsz, T, H, K, generator=g0), F.normalize(torch.randn(Bsz, T, H, K, generator=g0), dim=-1)
+    v, beta = torch.randn(Bsz, T, 2 * H, V, generator=g0), torch.rand(Bsz, T, 2 * H, generator=g0)
+    gate, S0 = -torch.rand(Bsz, T, 2 * H, generator=g0), torch.randn(Bsz, 2 * H, K, V, generator=g0)
+    wo, wS = torch.randn(Bsz, T, 2 * H, V, dtype=torch.float64), torch.randn(Bsz, 2 * H, K, V, dtype=torch.float64)
+    p = prepare_delta(q, k, v, beta, g=gate)
+    assert p.cpu_unsupported() is None and B.select_backend("auto", p) == "cpu"
+    co, cS, cg = _grads(_op("gated-deltanet", "cpu"), (q, k, v, beta, gate, S0), wo, wS)
+
+    def ref(q, k, v, b, g, s):
+        return delta_rule_ref(q.repeat_interleave(2, dim=2), k.repeat_interleave(2, dim=2), v, b, g=g, S0=s)
+    ro, rS, rg = _grads(ref, (q, k, v, beta, gate, S0), wo, wS)
+    for name, a, r in zip(["o", "S", "dq", "dk", "dv", "dbeta", "dg", "dS0"], [co, cS, *cg], [ro, rS, *rg]):
+        _close(a, r, TOL[torch.float32], f"grouped heads {name}")
