@@ -232,3 +232,34 @@ def test_torch_compile_fullgraph_no_graph_break():
     for a, b in zip(gout, gref):
         assert rel_err(a, b) <= 1e-5
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_grouped_heads_delta_rule_operator(mode, monkeypatch):
+    """delta_rule with q, k of 2 heads and v, beta, g, state of 4 (value head j reads q/k head j // 2) on
+    backend='triton' against backend='torch': the kernels get the 2 q/k heads (not a repeated copy)."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, HQ, H, K, V = 2, 21, 2, 4, 16, 16
+    q, k = torch.randn(B, T, HQ, K, generator=gen), torch.randn(B, T, HQ, K, generator=gen)
+    v, beta = torch.randn(B, T, H, V, generator=gen), torch.rand(B, T, H, generator=gen)
+    g, S0 = -torch.rand(B, T, H, generator=gen) * 0.3, torch.randn(B, H, K, V, generator=gen) * 0.1
+    leaves = [x.to(DEV).requires_grad_(mode == "chunk") for x in (q, k, v, beta, g, S0)]
+    seen = []
+    fn = "chunk_delta_rule" if mode == "chunk" else "fused_recurrent_delta_rule"
+    orig = getattr(TD, fn)
+    monkeypatch.setattr(TD, fn, lambda q, *a, **kw: seen.append(q.shape[1]) or orig(q, *a, **kw))
+    outs = {}
+    for backend in ("triton", "torch"):
+        o, S = linattn.delta_rule(*leaves[:4], g=leaves[4], initial_state=leaves[5], qk_l2norm=True, mode=mode,
+                                  chunk_size=16, output_final_state=True, backend=backend)
+        grads = []
+        if mode == "chunk":
+            w = torch.randn(o.shape, generator=torch.Generator().manual_seed(6)).to(DEV)
+            grads = torch.autograd.grad((o * w).sum() + S.sum(), leaves)
+        outs[backend] = (o, S, grads)
+    assert seen == [HQ]
+    (o1, S1, g1), (o2, S2, g2) = outs["triton"], outs["torch"]
+    assert o1.shape == (B, T, H, V) and S1.shape == (B, H, K, V)
+    assert rel_err(o1, o2) <= 1e-5 and rel_err(S1, S2) <= 1e-5
+    for name, a, b in zip("q k v beta g S0".split(), g1, g2):
+        assert rel_err(a, b) <= 1e-5, name

@@ -201,7 +201,9 @@ def triton_delta(p):
 
     B, T = p.q.shape[:2]
     H, V = p.v.shape[2], p.v.shape[-1]  # value heads: the kernels take grouped q/k heads (H a multiple)
-    args = (_flat(p.q), _flat(p.k), _flat(p.v), _flat(p.a), _flat(p.g) if p.g is not None else None,
+    n = p.value_groups  # prepare_delta repeated q, k to the value heads; the kernels read head j // n themselves
+    q, k = (p.q, p.k) if n == 1 else (p.q[:, :, ::n], p.k[:, :, ::n])
+    args = (_flat(q), _flat(k), _flat(p.v), _flat(p.a), _flat(p.g) if p.g is not None else None,
             p.S0.float().contiguous() if p.S0 is not None else None)
     kw = dict(starts=_starts(p), output_final_state=p.output_final_state)
     if p.mode == "recurrent":
