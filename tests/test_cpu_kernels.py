@@ -339,7 +339,8 @@ def test_linear_cpu_custom_op_opcheck():
     v = torch.randn(13, 2, 3, generator=gen)
     g = -torch.rand(13, 2, generator=gen)
     S0 = torch.randn(2, 2, 4, 4, generator=gen)
-    for args in ((q, k, v, g, S0, [0, 6, 13], 4, True, 2, 0.5), (q, k, v, None, None, [0, 13], 8, False, 0, 1.0)):
+    for args in ((q, k, v, g, S0, [0, 6, 13], 4, True, 2, 0.5, True),
+                 (q, k, v, None, None, [0, 13], 8, False, 0, 1.0, True)):
         args = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
         torch.library.opcheck(_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 

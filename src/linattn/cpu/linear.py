@@ -59,7 +59,8 @@ def _opt(t: Optional[Tensor]) -> Optional[Tensor]:
 
 @torch.library.custom_op("linattn::cpu_linear_chunk_fwd", mutates_args=(), device_types="cpu")
 def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tensor], starts: List[int],
-         chunk_size: int, norm: bool, fmap: int, scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+         chunk_size: int, norm: bool, fmap: int, scale: float,
+         keep_states: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     TT, H, K = q.shape
     V = v.shape[-1]
     W = V + int(norm)
@@ -68,23 +69,24 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tens
     num = q.new_empty(TT, H, V)
     den = q.new_empty(TT, H) if norm else q.new_empty(0)
     S = q.new_empty(N, H, K, W)
-    P = q.new_empty(n_chunks(starts, chunk_size), H, K, W)
+    P = q.new_empty(n_chunks(starts, chunk_size), H, K, W) if keep_states else q.new_empty(0)
     st = torch.tensor(starts, dtype=torch.int64)
     fn = getattr(_lib(), f"linattn_linear_fwd_{_SUFFIX[q.dtype]}")
     rc = fn(N, ptr(st), H, K, V, chunk_size, int(norm), fmap, scale, ptr(q), ptr(k), ptr(v), ptr(g), ptr(S0), ptr(num),
-            ptr(den) if norm else None, ptr(P), ptr(S), threads())
+            ptr(den) if norm else None, ptr(P) if keep_states else None, ptr(S), threads())
     if rc != 0:
         raise MemoryError("linattn: the compiled linear-attention kernel could not allocate its scratch memory")
     return num, den, S, P
 
 
 @_fwd.register_fake
-def _(q, k, v, g, S0, starts, chunk_size, norm, fmap, scale):
+def _(q, k, v, g, S0, starts, chunk_size, norm, fmap, scale, keep_states):
     TT, H, K = q.shape
     V = v.shape[-1]
     W = V + int(norm)
     return (q.new_empty(TT, H, V), q.new_empty(TT, H) if norm else q.new_empty(0),
-            q.new_empty(len(starts) - 1, H, K, W), q.new_empty(n_chunks(starts, chunk_size), H, K, W))
+            q.new_empty(len(starts) - 1, H, K, W),
+            q.new_empty(n_chunks(starts, chunk_size), H, K, W) if keep_states else q.new_empty(0))
 
 
 @torch.library.custom_op("linattn::cpu_linear_chunk_bwd", mutates_args=(), device_types="cpu")
@@ -95,6 +97,9 @@ def _bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], P: Tensor, dnum: 
     V = v.shape[-1]
     W = V + int(norm)
     N = len(starts) - 1
+    if P.numel() == 0 and n_chunks(starts, chunk_size) > 0:
+        raise RuntimeError("linattn: the compiled linear-attention forward ran without keeping its chunk states "
+                           "(no input required grad), so it has no backward")
     q, k, v, g, P = q.contiguous(), k.contiguous(), v.contiguous(), _opt(g), P.contiguous()
     dnum, dden, dS = _opt(dnum), _opt(dden) if norm else None, _opt(dS)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -118,7 +123,7 @@ def _(q, k, v, g, P, dnum, dden, dS, starts, chunk_size, norm, fmap, scale):
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, g, S0, starts, chunk_size, norm, fmap, scale = inputs
+    q, k, v, g, S0, starts, chunk_size, norm, fmap, scale, keep_states = inputs
     ctx.save_for_backward(q, k, v, g, output[3])
     ctx.args = (starts, chunk_size, norm, fmap, scale, S0 is not None)
 
@@ -127,7 +132,7 @@ def _backward(ctx, dnum, dden, dS, dP):
     q, k, v, g, P = ctx.saved_tensors
     starts, chunk_size, norm, fmap, scale, has_S0 = ctx.args
     dq, dk, dv, dg, dS0 = _bwd(q, k, v, g, P, dnum, dden, dS, starts, chunk_size, norm, fmap, scale)
-    return dq, dk, dv, (dg if g is not None else None), (dS0 if has_S0 else None), None, None, None, None, None
+    return dq, dk, dv, (dg if g is not None else None), (dS0 if has_S0 else None), None, None, None, None, None, None
 
 
 _fwd.register_autograd(_backward, setup_context=_setup)
@@ -139,6 +144,7 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor],
     """q, k [TT, H, K] (features, or the inputs of `fmap`, one of FMAPS: phi(scale q), psi(k) are then computed in
     the kernels), v [TT, H, V], g [TT, H] log-gate or None, S0 [N, H, K, W] or None, all of one dtype (fp32 or fp64).
     -> (num [TT, H, V], den [TT, H] or None (norm=False), final state [N, H, K, W])."""
+    keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, S0))
     num, den, S, _ = _fwd(q, k, v, g, S0, [int(s) for s in starts], int(chunk_size), bool(norm), FMAPS[fmap],
-                          float(scale))
+                          float(scale), keep)  # the chunk states only when a backward may follow
     return num, (den if norm else None), S

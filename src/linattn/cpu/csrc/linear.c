@@ -131,8 +131,31 @@ static void FN(lin_map_grad)(REAL *restrict dx, const REAL *restrict phi, int D,
 static void FN(lin_load)(const REAL *x, int64_t t0, int64_t H, int64_t h, int D, int len, int C, REAL *buf, int ld);
 static void FN(lin_load_feat)(const REAL *x, int64_t t0, int64_t H, int64_t h, int D, int len, int C, REAL *buf,
                               int fmap, REAL sc) {
-    FN(lin_load)(x, t0, H, h, D, len, C, buf, D);
-    for (int i = 0; i < len; i++) FN(lin_map)(buf + (int64_t)i * D, D, fmap, sc);
+    if (fmap == 0 && sc == 1) {
+        FN(lin_load)(x, t0, H, h, D, len, C, buf, D);
+        return;
+    }
+    for (int i = 0; i < len; i++) { /* one pass: load, scale, map (the arithmetic of lin_map) */
+        const REAL *restrict src = x + ((t0 + i) * H + h) * D;
+        REAL *restrict dst = buf + (int64_t)i * D;
+        if (fmap == 2) {
+#pragma omp simd
+            for (int d = 0; d < D; d++) {
+                const REAL y = sc * src[d];
+                dst[d] = y > 0 ? y + 1 : FN(lin_exp)(y);
+            }
+        } else if (fmap == 1) {
+#pragma omp simd
+            for (int d = 0; d < D; d++) {
+                const REAL y = sc * src[d];
+                dst[d] = y < 0 ? 0 : y;
+            }
+        } else {
+#pragma omp simd
+            for (int d = 0; d < D; d++) dst[d] = sc * src[d];
+        }
+    }
+    for (int i = len; i < C; i++) memset(buf + (int64_t)i * D, 0, sizeof(REAL) * D);
 }
 
 /* G[i] = cumulative log-gate of the chunk's row i (rows >= len repeat the last value); returns G[len-1] */
@@ -240,6 +263,15 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
     /* enough (sequence, head) pairs for the threads: one pass each, the state carried in cache; else three passes
        over all chunks (parallel inside a sequence) */
     const int one_pass = nthreads <= 1 || N * H >= 2 * (int64_t)nthreads;
+    /* P == NULL: the chunk states are not kept (no backward); the three-pass path still needs them */
+    REAL *P_own = NULL;
+    if (!P && !one_pass) {
+        P = P_own = malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1));
+        if (!P_own) {
+            free(first), free(ch), free(gl);
+            return -1;
+        }
+    }
     int failed = 0;
     const size_t scratch = (size_t)(3 * C * K + K * C + 2 * C * W + C * C + C + 2 * KW);
 #pragma omp parallel num_threads(nthreads)
@@ -261,9 +293,12 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                 for (int64_t c = first[s]; c < first[s + 1]; c++) {
                     const int64_t t0 = ch[c].t0;
                     const int len = (int)ch[c].len;
-                    REAL *Pc = P + (c * H + h) * KW;
                     const REAL GL = FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
-                    memcpy(Pc, S, sizeof(REAL) * KW);
+                    const REAL *Pc = S;
+                    if (P) {
+                        memcpy(P + (c * H + h) * KW, S, sizeof(REAL) * KW);
+                        Pc = P + (c * H + h) * KW;
+                    }
                     FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, Q, Qd, Kt, Vb, G, Pc, A, O, num, den);
                     FN(fl_update)(len, K, W, C, has_g, G, GL, Kt, Vb, U);
                     FN(carry)(KW, has_g, GL, S, U);
@@ -308,7 +343,7 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
         }
         free(buf);
     }
-    free(first), free(ch), free(gl);
+    free(first), free(ch), free(gl), free(P_own);
     return failed ? -1 : 0;
 }
 
