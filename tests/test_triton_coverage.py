@@ -263,3 +263,31 @@ def test_grouped_heads_delta_rule_operator(mode, monkeypatch):
     assert rel_err(o1, o2) <= 1e-5 and rel_err(S1, S2) <= 1e-5
     for name, a, b in zip("q k v beta g S0".split(), g1, g2):
         assert rel_err(a, b) <= 1e-5, name
+
+
+@pytest.mark.parametrize("gate_heads", [4, 2, None])
+def test_grouped_heads_linear_attention_operator(gate_heads, monkeypatch):
+    """linear_attention with q, k of 2 heads and v of 4: a gate per value head (q, k repeated by the
+    operator; the kernels get the 2 q/k heads), per q/k head or none (value heads folded into the width)."""
+    gen = torch.Generator().manual_seed(7)
+    B, T, HQ, H, K, V = 2, 21, 2, 4, 16, 16
+    q, k = torch.randn(B, T, HQ, K, generator=gen) * 0.5, torch.randn(B, T, HQ, K, generator=gen) * 0.5
+    v = torch.randn(B, T, H, V, generator=gen)
+    leaves = [x.to(DEV).requires_grad_() for x in (q, k, v)]
+    kw = {}
+    if gate_heads is not None:
+        leaves.append((-torch.rand(B, T, gate_heads, generator=gen) * 0.3).to(DEV).requires_grad_())
+        kw["g"] = leaves[-1]
+    seen = []
+    orig = TL.chunk_linear_attention
+    monkeypatch.setattr(TL, "chunk_linear_attention", lambda q, *a, **k2: seen.append(q.shape[1]) or orig(q, *a, **k2))
+    outs = {}
+    for backend in ("triton", "torch"):
+        o, st = linattn.linear_attention(*leaves[:3], chunk_size=16, output_final_state=True, backend=backend, **kw)
+        w = torch.randn(o.shape, generator=torch.Generator().manual_seed(8)).to(DEV)
+        outs[backend] = (o, st, torch.autograd.grad((o * w).sum() + st.kv.sum() + st.z.sum(), leaves))
+    assert seen == [HQ]
+    (o1, s1, g1), (o2, s2, g2) = outs["triton"], outs["torch"]
+    assert o1.shape == (B, T, H, V) and s1.kv.shape == s2.kv.shape
+    for a, b in ((o1, o2), (s1.kv, s2.kv), (s1.z, s2.z)) + tuple(zip(g1, g2)):
+        assert rel_err(a, b) <= 1e-5

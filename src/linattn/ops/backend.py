@@ -160,6 +160,9 @@ def triton_linear_attention(p):
         h0, z0 = p.state.kv.float().contiguous(), p.state.z.float().contiguous()
     kw = dict(fused=fused, scale=scale, norm=bool(p.normalize or p.output_final_state), starts=_starts(p),
               output_final_state=p.output_final_state)
+    n = 1 if p.folded else p.value_groups  # q, k repeated to the value heads: the kernels read head j // n
+    if n > 1:
+        fq, fk = fq[:, :, ::n], fk[:, :, ::n]
     args = (_flat(fq), _flat(fk), _flat(p.v), g, h0, z0)
     if p.mode == "recurrent":
         num, den, kv, z = fused_recurrent_linear_attention(*args, **kw)
