@@ -292,6 +292,19 @@ def _leaves(v):
     return []
 
 
+def test_reorder_selects_every_per_row_entry():
+    """Tensors along dim 0, per-row int tuples (TTT's mini-batch position) by row, 0-d tensors and ints kept."""
+    cache = Cache(1)
+    lc = cache.layer(0, "mixer")
+    lc["state"] = (torch.arange(3.0)[:, None], (7, 8, 9), None)
+    lc["offset"] = 5
+    lc["scalar"] = torch.tensor(2.0)
+    cache.reorder(torch.tensor([2, 0, 0]))
+    lc = cache.layers[0]["mixer"]
+    assert lc["state"][0].flatten().tolist() == [2.0, 0.0, 0.0] and lc["state"][1] == (9, 7, 7)
+    assert lc["offset"] == 5 and lc["scalar"].item() == 2.0
+
+
 def test_restore_and_reorder_check_their_arguments():
     model = _small()
     cache = model.new_cache()

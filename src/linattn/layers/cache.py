@@ -190,6 +190,10 @@ def _select_rows(value: Any, index: torch.Tensor) -> Any:
     if isinstance(value, KVCache):
         value.index_select(index)
         return value
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields") and value and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        # a tuple of Python ints is one int per row (TTT's position in its mini-batch), as in linattn.hf
+        return type(value)(value[i] for i in index.tolist())
     if isinstance(value, tuple):
         items = [_select_rows(v, index) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
