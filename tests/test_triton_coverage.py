@@ -291,3 +291,30 @@ def test_grouped_heads_linear_attention_operator(gate_heads, monkeypatch):
     assert o1.shape == (B, T, H, V) and s1.kv.shape == s2.kv.shape
     for a, b in ((o1, o2), (s1.kv, s2.kv), (s1.z, s2.z)) + tuple(zip(g1, g2)):
         assert rel_err(a, b) <= 1e-5
+
+
+def test_kda_per_channel_gates_recurrent():
+    """KDA (delta_rule with g [B, T, H, K]) decodes on the Triton recurrent kernel (grouped heads too),
+    against backend='torch' and an fp64 reference loop; the chunk form stays on PyTorch."""
+    gen = torch.Generator().manual_seed(9)
+    B, T, HQ, H, K, V = 2, 9, 1, 2, 16, 16
+    q, k = torch.randn(B, T, HQ, K, generator=gen), torch.randn(B, T, HQ, K, generator=gen)
+    v, beta = torch.randn(B, T, H, V, generator=gen), torch.rand(B, T, H, generator=gen)
+    g = -torch.rand(B, T, H, K, generator=gen) * 2.0  # a strong decay on some channels
+    S0 = torch.randn(B, H, K, V, generator=gen) * 0.1
+    args = [x.to(DEV) for x in (q, k, v, beta)]
+    kw = dict(g=g.to(DEV), initial_state=S0.to(DEV), qk_l2norm=True, mode="recurrent", output_final_state=True)
+    p = linattn.prepare_delta(*args, channel_gate=True, qk_l2norm=True, g=kw["g"], mode="recurrent")
+    assert p.triton_unsupported() is None
+    assert "per-channel" in linattn.prepare_delta(*args, channel_gate=True, g=kw["g"]).triton_unsupported()
+    o1, S1 = linattn.delta_rule(*args, backend="triton", **kw)
+    o2, S2 = linattn.delta_rule(*args, backend="torch", **kw)
+    assert rel_err(o1, o2) <= 1e-5 and rel_err(S1, S2) <= 1e-5
+
+    def rsqrt_norm(x):
+        x = x.double()
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    qe, ke = (rsqrt_norm(x).repeat_interleave(H // HQ, dim=2) for x in (q, k))
+    o3, S3 = delta_rule_ref(qe, ke, v, beta, g=g, S0=S0)
+    assert rel_err(o1, o3) <= 1e-5 and rel_err(S1, S3) <= 1e-5

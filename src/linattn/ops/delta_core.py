@@ -367,8 +367,8 @@ class DeltaProblem:
             return f"the kernels keep a whole K in registers and support K <= {TRITON_MAX_K}"
         if self.r is not None:
             return "a read key of its own (r, Comba's p) has no Triton kernel"
-        if self.channel_gate:
-            return "per-channel gates g [B, T, H, K] have no Triton kernel"
+        if self.channel_gate and self.mode != "recurrent":  # the decoding kernel takes them (KDA)
+            return "per-channel gates g [B, T, H, K] have no Triton chunk kernel"
         if self.mode == "recurrent" and requires_grad(self.q, self.k, self.v, self.a, self.g, self.S0):
             return "the fused recurrent kernel is forward-only (decoding) and an input requires grad"
         return None

@@ -329,7 +329,8 @@ def _wy_bwd(k, v, b, g, Tm, dvn, dw, dk, dGin, dv, db, dg, cu, chunk_index,
 @triton.jit
 def _delta_recurrent_fwd(q, k, v, b, g, o, h0, ht, cu,
                          H, HQ, K, V,
-                         BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr,
+                         USE_H0: tl.constexpr,
                          STORE_HT: tl.constexpr):
     """One token at a time, the state [K, BV] in registers (decoding)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -352,7 +353,10 @@ def _delta_recurrent_fwd(q, k, v, b, g, o, h0, ht, cu,
         b_v = tl.load(v + (tok * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
         b_bt = tl.load(b + tok * H + i_h).to(tl.float32)
         if USE_G:
-            b_h = b_h * tl.exp(tl.load(g + tok * H + i_h))
+            if GK:  # KDA: a log-gate per key channel, g [TT, H, K]
+                b_h = b_h * tl.exp(tl.load(g + (tok * H + i_h) * K + o_k, mask=m_k, other=0.))[:, None]
+            else:
+                b_h = b_h * tl.exp(tl.load(g + tok * H + i_h))
         b_err = (b_v - tl.sum(b_k[:, None] * b_h, axis=0)) * b_bt
         b_h += b_k[:, None] * b_err[None, :]
         tl.store(o + (tok * H + i_h) * V + o_v, tl.sum(b_q[:, None] * b_h, axis=0), mask=m_v)
@@ -552,5 +556,6 @@ def _recurrent(q, k, v, b, g, h0, starts, output_final_state):
     cu = torch.tensor(starts, dtype=torch.int64, device=dev)
     _delta_recurrent_fwd[(triton.cdiv(V, BV), N * H)](
         q, k, v, b, g if g is not None else dummy(dev), o, h0 if h0 is not None else dummy(dev), ht, cu, H, HQ, K, V,
-        BK=BK, BV=BV, USE_G=g is not None, USE_H0=h0 is not None, STORE_HT=bool(output_final_state))
+        BK=BK, BV=BV, USE_G=g is not None, GK=g is not None and g.dim() == 3, USE_H0=h0 is not None,
+        STORE_HT=bool(output_final_state))
     return o, (ht if output_final_state else None)
