@@ -347,7 +347,7 @@ def step_machine(ctx: Ctx, rec: Dict[str, Any], deadline: float) -> None:
 # ----------------------------------------------------------------------------------------------
 
 OPS = ("linear-chunk", "deltanet-chunk", "gated-deltanet-chunk", "efla-chunk", "linear-recurrent",
-       "gated-deltanet-recurrent")
+       "gated-deltanet-recurrent", "kda-recurrent")
 # grouped value heads (q/k heads = H // GROUP): the Triton entry points with grouped q, k against the
 # same entry points with q, k expanded to H heads (the plain case, checked against PyTorch above)
 GROUPED_OPS = ("linear-chunk-grouped", "delta-chunk-grouped")
@@ -440,6 +440,8 @@ def _make_inputs(c, plan, device, seed=0):
             kw["qk_l2norm"] = True
         if c["gate"] and c["op"].startswith("gated"):
             leaves["g"] = -torch.rand(B, T, H, generator=g).to(device) * 0.3
+        elif c["gate"] and c["op"].startswith("kda"):  # per-channel gates
+            leaves["g"] = -torch.rand(B, T, H, K, generator=g).to(device) * 0.3
         if c["state"]:
             leaves["S0"] = rnd(N, H, K, V, scale=0.1)
     for x in leaves.values():
