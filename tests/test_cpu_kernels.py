@@ -431,3 +431,27 @@ def test_sources_cross_compile_for_aarch64(name, tmp_path):
                         f"-I{cbuild.CSRC}", "-c", str(src), "-o", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert out.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_cc
+def test_linear_cpu_plain_c_fallback(tmp_path, monkeypatch):
+    """The products without GCC/clang vector types (-DLINATTN_PLAIN_C, what another compiler gets) agree too."""
+    import linattn.cpu.linear as cl
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in cbuild.CSRC.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    (src / "linear.c").write_text("#define LINATTN_PLAIN_C\n" + (cbuild.CSRC / "linear.c").read_text())
+    monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path / "cache"))
+    lib = ctypes.CDLL(str(cbuild.build("linear", src)))
+    monkeypatch.setattr(cl, "load_library", lambda name: lib)
+    q, k, v = (x.requires_grad_() for x in _lin_inputs(2, 45, 2, 8, 33, torch.float32, seed=5))
+    g = -torch.rand(2, 45, 2)
+    o, _ = _run("cpu", q, k, v, g=g, chunk_size=16)
+    o_t, _ = _run("torch", q, k, v, g=g, chunk_size=16)
+    assert rel_err(o, o_t) <= TOL[torch.float32]
+    ga = torch.autograd.grad(o.sum(), (q, k, v))
+    gb = torch.autograd.grad(o_t.sum(), (q, k, v))
+    for a, b in zip(ga, gb):
+        assert rel_err(a, b) <= GRAD_TOL[torch.float32]

@@ -3,127 +3,193 @@
 
    Templated on the including file's REAL (float or double) and FN(name) (a suffixed name): include it once
    per type, after defining both. Plain C loops that the compiler vectorises (`omp simd` on the contiguous
-   columns; no intrinsics), so the same code builds for x86-64 and arm64.
+   columns; no intrinsics), plus register-blocked kernels written with GCC/clang vector types (64-byte vectors,
+   lowered to AVX-512, AVX2 or NEON registers), with a plain-C fallback for other compilers.
 
-   All products accumulate: C[i][:] += sum_k A[i][k] B[k][:], k ascending for every element whatever the
-   blocking, so a row's result never depends on how many rows are computed with it (bitwise prefix causality).
-   The triangular forms restrict the sum by selection (never by multiplying with 0: 0 * inf = NaN):
+   All products accumulate: C[i][:] += sum_k A[i][k] B[k][:]. Columns come in two parts: the leading multiple of
+   a 64-byte vector (VL columns), k ascending for every element; the last N % VL columns (the normaliser's
+   column beside V, for instance) by dot products over k with fixed accumulation lanes. Either way a row's
+   result never depends on how many rows are computed with it, nor on where the buffers sit in memory (bitwise
+   prefix causality). The triangular forms restrict the sum by selection (never by multiplying with 0:
+   0 * inf = NaN):
      gemm_lo: row i uses k <= i          (a causal A times V)
      gemm_up: row i uses k >= i          (A^T times dO in the backward pass)                              */
 
-#ifndef LINATTN_NB_BYTES
-#define LINATTN_NB_BYTES 256 /* one accumulator row block: 4 AVX-512 / 8 AVX2 / 16 NEON registers */
-#endif
-#define GNB ((int)(LINATTN_NB_BYTES / sizeof(REAL)))
+#define VL ((int)(64 / sizeof(REAL))) /* elements of one 64-byte vector: 16 float, 8 double */
+#define TAIL_MAX_K 1024               /* longest k range of the tail columns' column buffer (longer: plain loop) */
 
 static inline int FN(imin)(int a, int b) { return a < b ? a : b; }
 
-/* rows i0 .. i0+3 of C (columns n0 .. n0+nb), k in [kb, ke) */
-static inline void FN(kern4)(int kb, int ke, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
-                             REAL *restrict Cm, int ldc, int n0, int nb) {
-    if (kb >= ke) return;
-    REAL *c0 = Cm + n0, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc;
+#if defined(__GNUC__) && !defined(LINATTN_PLAIN_C) /* -DLINATTN_PLAIN_C: the fallback */
+typedef REAL FN(vec) __attribute__((vector_size(64), aligned(sizeof(REAL)))); /* unaligned access allowed */
+
+/* rows 0..3 of C (ldc apart), columns n0 .. n0 + 4 VL, k in [kb, ke): 16 accumulators in registers */
+static inline void FN(k4v4)(int kb, int ke, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
+                            REAL *restrict Cm, int ldc, int n0) {
+    typedef FN(vec) vec;
+    vec *w0 = (vec *)(Cm + n0), *w1 = (vec *)(Cm + ldc + n0), *w2 = (vec *)(Cm + 2 * ldc + n0),
+        *w3 = (vec *)(Cm + 3 * ldc + n0);
     const REAL *a0 = A, *a1 = A + lda, *a2 = a1 + lda, *a3 = a2 + lda;
-#if defined(__GNUC__) && LINATTN_NB_BYTES == 256
-    if (nb == GNB) { /* fixed width, GCC/clang vector types: 16 accumulators of 64 bytes stay in registers */
-        typedef REAL vec __attribute__((vector_size(64), aligned(sizeof(REAL)))); /* unaligned loads allowed */
-        const vec *v0 = (const vec *)c0, *v1 = (const vec *)c1, *v2 = (const vec *)c2, *v3 = (const vec *)c3;
-        vec s00 = v0[0], s01 = v0[1], s02 = v0[2], s03 = v0[3], s10 = v1[0], s11 = v1[1], s12 = v1[2], s13 = v1[3],
-            s20 = v2[0], s21 = v2[1], s22 = v2[2], s23 = v2[3], s30 = v3[0], s31 = v3[1], s32 = v3[2], s33 = v3[3];
-        for (int k = kb; k < ke; k++) {
-            const vec *b = (const vec *)(B + (int64_t)k * ldb + n0);
-            const vec b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3];
-            const REAL x0 = a0[k], x1 = a1[k], x2 = a2[k], x3 = a3[k];
-            s00 += x0 * b0, s01 += x0 * b1, s02 += x0 * b2, s03 += x0 * b3;
-            s10 += x1 * b0, s11 += x1 * b1, s12 += x1 * b2, s13 += x1 * b3;
-            s20 += x2 * b0, s21 += x2 * b1, s22 += x2 * b2, s23 += x2 * b3;
-            s30 += x3 * b0, s31 += x3 * b1, s32 += x3 * b2, s33 += x3 * b3;
-        }
-        vec *w0 = (vec *)c0, *w1 = (vec *)c1, *w2 = (vec *)c2, *w3 = (vec *)c3;
-        w0[0] = s00, w0[1] = s01, w0[2] = s02, w0[3] = s03, w1[0] = s10, w1[1] = s11, w1[2] = s12, w1[3] = s13;
-        w2[0] = s20, w2[1] = s21, w2[2] = s22, w2[3] = s23, w3[0] = s30, w3[1] = s31, w3[2] = s32, w3[3] = s33;
-        return;
-    }
-#endif
-    if (nb == GNB) { /* fixed width, plain C: the compiler may keep the accumulators in registers */
-        REAL acc0[GNB], acc1[GNB], acc2[GNB], acc3[GNB];
-        for (int n = 0; n < GNB; n++) { acc0[n] = c0[n]; acc1[n] = c1[n]; acc2[n] = c2[n]; acc3[n] = c3[n]; }
-        for (int k = kb; k < ke; k++) {
-            const REAL *b = B + (int64_t)k * ldb + n0;
-            const REAL x0 = a0[k], x1 = a1[k], x2 = a2[k], x3 = a3[k];
-#pragma omp simd
-            for (int n = 0; n < GNB; n++) {
-                acc0[n] += x0 * b[n];
-                acc1[n] += x1 * b[n];
-                acc2[n] += x2 * b[n];
-                acc3[n] += x3 * b[n];
-            }
-        }
-        for (int n = 0; n < GNB; n++) { c0[n] = acc0[n]; c1[n] = acc1[n]; c2[n] = acc2[n]; c3[n] = acc3[n]; }
-        return;
-    }
+    vec s00 = w0[0], s01 = w0[1], s02 = w0[2], s03 = w0[3], s10 = w1[0], s11 = w1[1], s12 = w1[2], s13 = w1[3],
+        s20 = w2[0], s21 = w2[1], s22 = w2[2], s23 = w2[3], s30 = w3[0], s31 = w3[1], s32 = w3[2], s33 = w3[3];
     for (int k = kb; k < ke; k++) {
-        const REAL *b = B + (int64_t)k * ldb + n0;
+        const vec *b = (const vec *)(B + (int64_t)k * ldb + n0);
+        const vec b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3];
+        const REAL x0 = a0[k], x1 = a1[k], x2 = a2[k], x3 = a3[k];
+        s00 += x0 * b0, s01 += x0 * b1, s02 += x0 * b2, s03 += x0 * b3;
+        s10 += x1 * b0, s11 += x1 * b1, s12 += x1 * b2, s13 += x1 * b3;
+        s20 += x2 * b0, s21 += x2 * b1, s22 += x2 * b2, s23 += x2 * b3;
+        s30 += x3 * b0, s31 += x3 * b1, s32 += x3 * b2, s33 += x3 * b3;
+    }
+    w0[0] = s00, w0[1] = s01, w0[2] = s02, w0[3] = s03, w1[0] = s10, w1[1] = s11, w1[2] = s12, w1[3] = s13;
+    w2[0] = s20, w2[1] = s21, w2[2] = s22, w2[3] = s23, w3[0] = s30, w3[1] = s31, w3[2] = s32, w3[3] = s33;
+}
+
+/* the same for 2 VL columns */
+static inline void FN(k4v2)(int kb, int ke, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
+                            REAL *restrict Cm, int ldc, int n0) {
+    typedef FN(vec) vec;
+    vec *w0 = (vec *)(Cm + n0), *w1 = (vec *)(Cm + ldc + n0), *w2 = (vec *)(Cm + 2 * ldc + n0),
+        *w3 = (vec *)(Cm + 3 * ldc + n0);
+    const REAL *a0 = A, *a1 = A + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+    vec s00 = w0[0], s01 = w0[1], s10 = w1[0], s11 = w1[1], s20 = w2[0], s21 = w2[1], s30 = w3[0], s31 = w3[1];
+    for (int k = kb; k < ke; k++) {
+        const vec *b = (const vec *)(B + (int64_t)k * ldb + n0);
+        const vec b0 = b[0], b1 = b[1];
+        const REAL x0 = a0[k], x1 = a1[k], x2 = a2[k], x3 = a3[k];
+        s00 += x0 * b0, s01 += x0 * b1, s10 += x1 * b0, s11 += x1 * b1;
+        s20 += x2 * b0, s21 += x2 * b1, s30 += x3 * b0, s31 += x3 * b1;
+    }
+    w0[0] = s00, w0[1] = s01, w1[0] = s10, w1[1] = s11, w2[0] = s20, w2[1] = s21, w3[0] = s30, w3[1] = s31;
+}
+
+/* the same for VL columns */
+static inline void FN(k4v1)(int kb, int ke, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
+                            REAL *restrict Cm, int ldc, int n0) {
+    typedef FN(vec) vec;
+    vec *w0 = (vec *)(Cm + n0), *w1 = (vec *)(Cm + ldc + n0), *w2 = (vec *)(Cm + 2 * ldc + n0),
+        *w3 = (vec *)(Cm + 3 * ldc + n0);
+    const REAL *a0 = A, *a1 = A + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+    vec s0 = w0[0], s1 = w1[0], s2 = w2[0], s3 = w3[0];
+    for (int k = kb; k < ke; k++) {
+        const vec b0 = *(const vec *)(B + (int64_t)k * ldb + n0);
+        s0 += a0[k] * b0, s1 += a1[k] * b0, s2 += a2[k] * b0, s3 += a3[k] * b0;
+    }
+    w0[0] = s0, w1[0] = s1, w2[0] = s2, w3[0] = s3;
+}
+#endif
+
+/* rows i0 .. i0+3 of C, columns 0 .. Nv (a multiple of VL), k in [kb, ke) */
+static inline void FN(block4)(int kb, int ke, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
+                              REAL *restrict Cm, int ldc, int Nv) {
+    if (kb >= ke || Nv <= 0) return;
+#if defined(__GNUC__) && !defined(LINATTN_PLAIN_C)
+    int n0 = 0;
+    for (; n0 + 4 * VL <= Nv; n0 += 4 * VL) FN(k4v4)(kb, ke, A, lda, B, ldb, Cm, ldc, n0);
+    if (n0 + 2 * VL <= Nv) FN(k4v2)(kb, ke, A, lda, B, ldb, Cm, ldc, n0), n0 += 2 * VL;
+    if (n0 + VL <= Nv) FN(k4v1)(kb, ke, A, lda, B, ldb, Cm, ldc, n0);
+#else /* plain C: accumulate in memory, the column loop vectorised */
+    REAL *c0 = Cm, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc;
+    const REAL *a0 = A, *a1 = A + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+    for (int k = kb; k < ke; k++) {
+        const REAL *b = B + (int64_t)k * ldb;
         const REAL x0 = a0[k], x1 = a1[k], x2 = a2[k], x3 = a3[k];
 #pragma omp simd
-        for (int n = 0; n < nb; n++) {
+        for (int n = 0; n < Nv; n++) {
             c0[n] += x0 * b[n];
             c1[n] += x1 * b[n];
             c2[n] += x2 * b[n];
             c3[n] += x3 * b[n];
         }
     }
+#endif
 }
 
-/* one row of C (all N columns), k in [kb, ke) */
+/* one row of C, columns 0 .. Nv, k in [kb, ke) */
 static inline void FN(kern1)(int kb, int ke, const REAL *restrict a, const REAL *restrict B, int ldb,
-                             REAL *restrict c, int N) {
+                             REAL *restrict c, int Nv) {
     for (int k = kb; k < ke; k++) {
         const REAL x = a[k];
         const REAL *b = B + (int64_t)k * ldb;
 #pragma omp simd
-        for (int n = 0; n < N; n++) c[n] += x * b[n];
+        for (int n = 0; n < Nv; n++) c[n] += x * b[n];
+    }
+}
+
+/* sum_k a[k] b[k], k < n, in 16 fixed lanes (their order does not depend on alignment), lanes summed in order */
+static inline REAL FN(dot16)(const REAL *restrict a, const REAL *restrict b, int n) {
+    REAL acc[16] = {0};
+    int k = 0;
+    for (; k + 16 <= n; k += 16) {
+#pragma omp simd
+        for (int l = 0; l < 16; l++) acc[l] += a[k + l] * b[k + l];
+    }
+    for (int l = 0; k + l < n; l++) acc[l] += a[k + l] * b[k + l];
+    REAL s = 0;
+    for (int l = 0; l < 16; l++) s += acc[l];
+    return s;
+}
+
+/* the columns Nv .. N of C for every row: mode 0 all k < Kd, 1 (lo) k <= i, 2 (up) k >= i */
+static void FN(tail)(int M, int N, int Nv, int Kd, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
+                     REAL *restrict Cm, int ldc, int mode) {
+    REAL col[TAIL_MAX_K];
+    for (int n = Nv; n < N; n++) {
+        const int buffered = Kd <= TAIL_MAX_K;
+        if (buffered)
+            for (int k = 0; k < Kd; k++) col[k] = B[(int64_t)k * ldb + n];
+        for (int i = 0; i < M; i++) {
+            const int kb = mode == 2 ? i : 0, ke = mode == 1 ? FN(imin)(i + 1, Kd) : Kd;
+            if (kb >= ke) continue;
+            const REAL *a = A + (int64_t)i * lda;
+            if (buffered) {
+                Cm[(int64_t)i * ldc + n] += FN(dot16)(a + kb, col + kb, ke - kb);
+            } else {
+                REAL s = 0;
+                for (int k = kb; k < ke; k++) s += a[k] * B[(int64_t)k * ldb + n];
+                Cm[(int64_t)i * ldc + n] += s;
+            }
+        }
     }
 }
 
 /* C[M][N] += A[M][Kd] B[Kd][N] */
 static void FN(gemm)(int M, int N, int Kd, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
                      REAL *restrict Cm, int ldc) {
+    const int Nv = N - N % VL;
     int i0 = 0;
-    for (; i0 + 4 <= M; i0 += 4)
-        for (int n0 = 0; n0 < N; n0 += GNB)
-            FN(kern4)(0, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, n0,
-                      FN(imin)(GNB, N - n0));
-    for (; i0 < M; i0++) FN(kern1)(0, Kd, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, N);
+    for (; i0 + 4 <= M; i0 += 4) FN(block4)(0, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv);
+    for (; i0 < M; i0++) FN(kern1)(0, Kd, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
+    FN(tail)(M, N, Nv, Kd, A, lda, B, ldb, Cm, ldc, 0);
 }
 
 /* C[M][N] += A[M][M] B[M][N] with row i using k <= i */
 static void FN(gemm_lo)(int M, int N, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
                         REAL *restrict Cm, int ldc) {
+    const int Nv = N - N % VL;
     int i0 = 0;
     for (; i0 + 4 <= M; i0 += 4) {
-        for (int n0 = 0; n0 < N; n0 += GNB)
-            FN(kern4)(0, i0, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, n0,
-                      FN(imin)(GNB, N - n0));
+        FN(block4)(0, i0, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv);
         for (int r = 0; r < 4; r++)
-            FN(kern1)(i0, i0 + r + 1, A + (int64_t)(i0 + r) * lda, B, ldb, Cm + (int64_t)(i0 + r) * ldc, N);
+            FN(kern1)(i0, i0 + r + 1, A + (int64_t)(i0 + r) * lda, B, ldb, Cm + (int64_t)(i0 + r) * ldc, Nv);
     }
-    for (; i0 < M; i0++) FN(kern1)(0, i0 + 1, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, N);
+    for (; i0 < M; i0++) FN(kern1)(0, i0 + 1, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
+    FN(tail)(M, N, Nv, M, A, lda, B, ldb, Cm, ldc, 1);
 }
 
 /* C[M][N] += A[M][Kd] B[Kd][N] with row i using k >= i */
 static void FN(gemm_up)(int M, int N, int Kd, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
                         REAL *restrict Cm, int ldc) {
+    const int Nv = N - N % VL;
     int i0 = 0;
     for (; i0 + 4 <= M; i0 += 4) {
         for (int r = 0; r < 3; r++)
             FN(kern1)(i0 + r, FN(imin)(i0 + 3, Kd), A + (int64_t)(i0 + r) * lda, B, ldb,
-                      Cm + (int64_t)(i0 + r) * ldc, N);
-        for (int n0 = 0; n0 < N; n0 += GNB)
-            FN(kern4)(i0 + 3, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, n0,
-                      FN(imin)(GNB, N - n0));
+                      Cm + (int64_t)(i0 + r) * ldc, Nv);
+        FN(block4)(i0 + 3, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv);
     }
-    for (; i0 < M; i0++) FN(kern1)(i0, Kd, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, N);
+    for (; i0 < M; i0++) FN(kern1)(i0, Kd, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
+    FN(tail)(M, N, Nv, Kd, A, lda, B, ldb, Cm, ldc, 2);
 }
 
 /* out[C][R] = in[R][C]^T (in with row stride ldi) */
@@ -131,3 +197,6 @@ static void FN(transpose)(int R, int Cc, const REAL *restrict in, int ldi, REAL 
     for (int r = 0; r < R; r++)
         for (int c = 0; c < Cc; c++) out[(int64_t)c * R + r] = in[(int64_t)r * ldi + c];
 }
+
+#undef VL
+#undef TAIL_MAX_K

@@ -101,19 +101,8 @@ int64_t linattn_linear_nchunks(int64_t N, const int64_t *starts, int64_t C) {
 
 static inline REAL FN(lin_exp)(REAL x) { return sizeof(REAL) == 4 ? (REAL)lin_expf((float)x) : (REAL)exp((double)x); }
 
-/* the in-kernel feature maps, applied in place to a row of D values: 0 identity (features given), 1 relu,
-   2 elu+1 (= x + 1 for x > 0, exp(x) otherwise); the queries are scaled first (phi(scale q)). NaN stays NaN. */
-static void FN(lin_map)(REAL *restrict x, int D, int fmap, REAL sc) {
-    if (sc != 1)
-        for (int d = 0; d < D; d++) x[d] *= sc;
-    if (fmap == 1) {
-#pragma omp simd
-        for (int d = 0; d < D; d++) x[d] = x[d] < 0 ? 0 : x[d];
-    } else if (fmap == 2) {
-#pragma omp simd
-        for (int d = 0; d < D; d++) x[d] = x[d] > 0 ? x[d] + 1 : FN(lin_exp)(x[d]);
-    }
-}
+/* the in-kernel feature maps (lin_load_feat applies them): 0 identity (features given), 1 relu, 2 elu+1
+   (= x + 1 for x > 0, exp(x) otherwise); the queries are scaled first (phi(scale q)). NaN stays NaN. */
 
 /* dx = dphi * phi'(x) * sc from the features phi alone, in place on dx */
 static void FN(lin_map_grad)(REAL *restrict dx, const REAL *restrict phi, int D, int fmap, REAL sc) {
