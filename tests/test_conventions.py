@@ -534,3 +534,25 @@ def test_comba_grouped_value_heads_with_read_key():
                              output_final_state=True, backend="torch")
         ro, rS = comba_ref(q, k, v, beta, p=p, g=g, qk_l2norm=True, S0=S0)
         assert rel_err(o, ro) < 1e-13 and rel_err(S, rS) < 1e-13
+
+
+@pytest.mark.parametrize("gate", [None, "head", "channel"])
+def test_delta_product_grouped_value_heads(gate):
+    from linattn.ops.reference import delta_product_ref
+    gen = torch.Generator().manual_seed(4)
+    B, T, H, m, n, K, V = 1, 9, 2, 2, 2, 4, 3
+    q = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, T, H, n, K, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, T, H * m, n, V, generator=gen, dtype=torch.float64)
+    beta = 2 * torch.rand(B, T, H * m, n, generator=gen, dtype=torch.float64)
+    g = None if gate is None else -torch.rand(B, T, H * m, *((K,) if gate == "channel" else ()), generator=gen,
+                                              dtype=torch.float64)
+    S0 = torch.randn(B, H * m, K, V, generator=gen, dtype=torch.float64)
+    ro, rS = delta_product_ref(q, k, v, beta, g=g, qk_l2norm=True, S0=S0)
+    for mode in MODES:
+        o, S = linattn.delta_product(q, k, v, beta, g=g, qk_l2norm=True, mode=mode, chunk_size=4, initial_state=S0,
+                                     output_final_state=True, backend="torch")
+        assert o.shape == (B, T, H * m, V)
+        assert rel_err(o, ro) < 1e-13 and rel_err(S, rS) < 1e-13
+    with pytest.raises(LinattnError, match="v must have shape"):
+        linattn.delta_product(q, k, v[:, :, :3], beta[:, :, :3])

@@ -66,16 +66,19 @@ def prepare_delta_product(q, k, v, beta, *, g=None, scale=None, qk_l2norm: bool 
     if not isinstance(v, torch.Tensor) or v.dim() != 5:
         raise LinattnError(f"v must be a torch.Tensor of shape [B, T, H, n, V] = {(B, T, H, n)} + (V,), got "
                            f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
-    _check("v", v, (B, T, H, n, v.shape[-1]), "[B, T, H, n, V] (n as in k)", q)
+    # grouped value heads: v, beta, g and the state with HV = m H heads (value head j reads q/k head j // m)
+    HV = v.shape[2] if v.shape[2] and H and v.shape[2] % H == 0 else H
+    heads = "H" if HV == H else "HV"
+    _check("v", v, (B, T, HV, n, v.shape[-1]), f"[B, T, {heads}, n, V] (n as in k)", q)
     if not (q.dtype == k.dtype == v.dtype):
         raise LinattnTypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    _check("beta", beta, (B, T, H, n), "[B, T, H, n] (n as in k)", q)
+    _check("beta", beta, (B, T, HV, n), f"[B, T, {heads}, n] (n as in k)", q)
     if T == 0:
         raise LinattnError("the sequence length T must be at least 1")
     check_mode(mode, chunk_size)
     offsets = check_cu_seqlens(cu_seqlens, B, T)
     if g is not None:  # in the caller's terms (the core checks the interleaved gate again)
-        check_log_gate(g, "g", B, T, H, K, allow_diagonal=True, ref=q)
+        check_log_gate(g, "g", B, T, HV, K, allow_diagonal=True, ref=q)
 
     def interleave(x):  # [B, T, n, H, *] -> [B, T*n, H, *]
         return x.reshape(B, T * n, *x.shape[3:])
@@ -111,6 +114,7 @@ def delta_product(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(Gated) DeltaProduct. q `[B, T, H, K]`, k `[B, T, H, n, K]`, v `[B, T, H, n, V]`, beta `[B, T, H, n]`
     (>= 0; up to 2 for negative eigenvalues) -> (o `[B, T, H, V]`, final state `[N, H, K, V]` or None).
+    Grouped value heads: v, beta, g and the state may have HV = m H heads (value head j reads q/k head j // m).
 
     Per token: S <- Diag(exp(g_t)) S once, then for j = 1..n S <- (I - beta_{t,j} k_{t,j} k_{t,j}^T) S +
     beta_{t,j} k_{t,j} v_{t,j}^T; o_t = scale * S^T q_t reads the state after the n-th step. g: a log-gate

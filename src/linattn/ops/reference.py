@@ -199,6 +199,7 @@ def delta_product_ref(q, k, v, beta, g=None, scale=None, qk_l2norm=False, S0=Non
     q [B, T, H, K], k [B, T, H, n, K], v [B, T, H, n, V], beta [B, T, H, n], g [B, T, H] or [B, T, H, K]
     -> (o [B, T, H, V], S [B, H, K, V])."""
     q, k, v, beta = l2_ref(q, qk_l2norm), l2_ref(k, qk_l2norm), v.double(), beta.double()
+    q, k = value_head_inputs(q, v.shape[2]), value_head_inputs(k, v.shape[2])   # grouped value heads
     B, T, H, n, K = k.shape
     scale = K ** -0.5 if scale is None else scale
     S = S0.double() if S0 is not None else torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64)
