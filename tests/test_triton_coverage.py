@@ -318,3 +318,26 @@ def test_kda_per_channel_gates_recurrent():
     qe, ke = (rsqrt_norm(x).repeat_interleave(H // HQ, dim=2) for x in (q, k))
     o3, S3 = delta_rule_ref(qe, ke, v, beta, g=g, S0=S0)
     assert rel_err(o1, o3) <= 1e-5 and rel_err(S1, S3) <= 1e-5
+
+
+@pytest.mark.parametrize("fm", ["elu+1", "taylor2"])
+def test_gla_diagonal_gates_recurrent(fm):
+    """linear_attention with diagonal (GLA) gates g [B, T, H, K_phi] decodes on the Triton recurrent kernel
+    (a fused map, and taylor2's PyTorch features with K_phi != K), continuing a prefix's state, against
+    backend='torch'; the chunk form stays on PyTorch."""
+    gen = torch.Generator().manual_seed(10)
+    B, T, H, K, V = 2, 7, 2, 4, 16
+    q, k, v = (torch.randn(B, T, H, d, generator=gen) * 0.5 for d in (K, K, V))
+    Kf = linattn.get_feature_map(fm, K).phi(torch.zeros(1, 1, 1, K), torch.zeros(1, 1, dtype=torch.long)).shape[-1]
+    g = -torch.rand(B, T, H, Kf, generator=gen) * 1.5
+    q, k, v, g = (x.to(DEV) for x in (q, k, v, g))
+    _, state = linattn.linear_attention(q[:, :3], k[:, :3], v[:, :3], feature_map=fm, g=g[:, :3], mode="chunk",
+                                        output_final_state=True, backend="torch")
+    kw = dict(feature_map=fm, g=g[:, 3:], mode="recurrent", initial_state=state, output_final_state=True)
+    p = linattn.prepare_linear_attention(q[:, 3:], k[:, 3:], v[:, 3:], **kw)
+    assert p.triton_unsupported() is None
+    assert "diagonal" in linattn.prepare_linear_attention(q, k, v, feature_map=fm, g=g).triton_unsupported()
+    o1, s1 = linattn.linear_attention(q[:, 3:], k[:, 3:], v[:, 3:], backend="triton", **kw)
+    o2, s2 = linattn.linear_attention(q[:, 3:], k[:, 3:], v[:, 3:], backend="torch", **kw)
+    for a, b in ((o1, o2), (s1.kv, s2.kv), (s1.z, s2.z)):
+        assert rel_err(a, b) <= 1e-5

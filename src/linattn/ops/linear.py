@@ -477,8 +477,8 @@ class LinearProblem:
             return "causal=False has no Triton kernel"
         if self.fmap.log_space:
             return f"log-space feature maps ({self.fmap.name}) have no Triton kernel"
-        if self.diagonal_gate:
-            return "diagonal gates g [B, T, H, K] (GLA) have no Triton kernel"
+        if self.diagonal_gate and self.mode != "recurrent":  # the decoding kernel takes them
+            return "diagonal gates g [B, T, H, K] (GLA) have no Triton chunk kernel"
         if self.mode == "recurrent" and requires_grad(self.q, self.k, self.v, self.log_gate, *self._state_tensors()):
             return "the fused recurrent kernel is forward-only (decoding) and an input requires grad"
         return None

@@ -245,7 +245,7 @@ def _bwd_dqkg(q, k, v, g, h, z, do, dden, dh, dz, dq, dk, dg, cu, chunk_index, s
 def _recurrent_fwd(q, k, v, g, o, den, h0, z0, ht, zt, cu, scale,
                    TT, H, HQ, K, V,
                    BK: tl.constexpr, BV: tl.constexpr, FMAP: tl.constexpr, USE_G: tl.constexpr,
-                   NORM: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
+                   GK: tl.constexpr, NORM: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
     """One token at a time, a [BK, BV] block of the state in registers: decoding (T = 1) and short
     prompts. K blocks write partial outputs o [NK, TT, H, V] / den [NK, TT, H], summed by the caller."""
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -274,9 +274,14 @@ def _recurrent_fwd(q, k, v, g, o, den, h0, z0, ht, zt, cu, scale,
         b_k = tl.where(m_k, phi(b_k, FMAP), 0.)
         b_v = tl.load(v + (tok * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
         if USE_G:
-            b_gt = tl.exp(tl.load(g + tok * H + i_h))
-            b_h = b_h * b_gt
-            b_z = b_z * b_gt
+            if GK:  # diagonal (GLA) gates: a log-gate per feature, g [TT, H, K]
+                b_gk = tl.exp(tl.load(g + (tok * H + i_h) * K + o_k, mask=m_k, other=0.))
+                b_h = b_h * b_gk[:, None]
+                b_z = b_z * b_gk
+            else:
+                b_gt = tl.exp(tl.load(g + tok * H + i_h))
+                b_h = b_h * b_gt
+                b_z = b_z * b_gt
         b_h += b_k[:, None] * b_v[None, :]
         tl.store(o + (tok * H + i_h) * V + o_v, tl.sum(b_q[:, None] * b_h, axis=0), mask=m_v)
         if NORM:
@@ -461,8 +466,8 @@ def _op_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Opti
         q, k, v, g if g is not None else dummy(dev), num, den,
         h0 if h0 is not None else dummy(dev), z0 if (z0 is not None and norm) else dummy(dev),
         ht, zt, cu, float(scale), TT, H, HQ, K, V,
-        BK=BK, BV=BV, FMAP=FUSED_MAPS[fused], USE_G=g is not None, NORM=norm, USE_H0=h0 is not None,
-        STORE_HT=bool(output_final_state))
+        BK=BK, BV=BV, FMAP=FUSED_MAPS[fused], USE_G=g is not None, GK=g is not None and g.dim() == 3, NORM=norm,
+        USE_H0=h0 is not None, STORE_HT=bool(output_final_state))
     num = num[0] if NK == 1 else num.sum(0)
     den = (den[0] if NK == 1 else den.sum(0)) if norm else absent(q)
     return (num, den, ht if output_final_state else absent(q),
