@@ -78,6 +78,15 @@ INLINE void factors_##SFX(int64_t K, const real *restrict k, real a, const real 
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
+/* x[0] + ... + x[L-1] of L = 64 bytes of lanes, by halving with constant bounds */                            \
+INLINE real lanes_sum_##SFX(real *restrict x) {                                                               \
+    enum { L = 64 / sizeof(real) };                                                                           \
+    SIMD for (int64_t l = 0; l < L / 2; l++) x[l] += x[l + L / 2];                                            \
+    SIMD for (int64_t l = 0; l < L / 4; l++) x[l] += x[l + L / 4];                                            \
+    for (int64_t l = 0; l < L / 8; l++) x[l] += x[l + L / 8];                                                 \
+    return L == 16 ? x[0] + x[1] : x[0];                                                                      \
+}                                                                                                             \
+                                                                                                              \
 /* w = v - (D S)^T k on the columns [0, nw) of S (row stride V): the first token of a stretch */              \
 INLINE void predict_cols_##SFX(int64_t K, int64_t V, int64_t nw, const real *restrict S,                      \
                                const real *restrict ke, const real *restrict v, real *restrict w) {           \
@@ -245,6 +254,32 @@ INLINE void bwd_cols_##SFX(int64_t K, int64_t V, int64_t nw, real *restrict dS, 
         real *restrict dSd = dS + d * V;                                                                      \
         const real *restrict Spd = Sp + d * V;                                                                \
         const real ed = e[d], kd = k[d], qpd = has_prev ? qp[d] : 0, kpd = has_prev ? kp[d] : 0;              \
+        if (nw == VB_##SFX) { /* lane partial sums (L lanes), folded once per row */                         \
+            enum { L = 64 / sizeof(real) };                                                                   \
+            real pk[L], pg[L], pq[L];                                                                         \
+            SIMD for (int64_t l = 0; l < L; l++) { pk[l] = 0; pg[l] = 0; pq[l] = 0; }                         \
+            for (int64_t c = 0; c < VB_##SFX; c += L) {                                                       \
+                SIMD for (int64_t l = 0; l < L; l++) {                                                        \
+                    const int64_t j = c + l;                                                                  \
+                    const real P = ed * Spd[j];                                                               \
+                    const real dP = dSd[j] + kd * dpred[j];                                                   \
+                    pk[l] += dSd[j] * aw[j] + P * dpred[j];                                                   \
+                    if (gate == GATE_CHANNEL) pg[l] += dP * P;                                                \
+                    if (gate == GATE_HEAD) gacc[j] += dP * P;                                                 \
+                    real dSn = ed * dP;                                                                       \
+                    if (has_prev) {                                                                           \
+                        dSn += qpd * dov[j];                                                                  \
+                        accp[j] += kpd * dSn;                                                                 \
+                        pq[l] += Spd[j] * dov[j];                                                             \
+                    }                                                                                         \
+                    dSd[j] = dSn;                                                                             \
+                }                                                                                             \
+            }                                                                                                 \
+            dk[d] += lanes_sum_##SFX(pk);                                                                     \
+            if (gate == GATE_CHANNEL) dgc[d] += lanes_sum_##SFX(pg);                                          \
+            if (has_prev) dqp[d] += lanes_sum_##SFX(pq);                                                      \
+            continue;                                                                                         \
+        }                                                                                                     \
         real sk = 0, sg = 0, sq = 0;                                                                          \
         SIMD_SUM(sk, sg, sq) for (int64_t j = 0; j < nw; j++) {                                               \
             const real P = ed * Spd[j];                                                                       \
