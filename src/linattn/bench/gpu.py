@@ -347,7 +347,7 @@ def step_machine(ctx: Ctx, rec: Dict[str, Any], deadline: float) -> None:
 # ----------------------------------------------------------------------------------------------
 
 OPS = ("linear-chunk", "deltanet-chunk", "gated-deltanet-chunk", "efla-chunk", "linear-recurrent",
-       "gated-deltanet-recurrent", "kda-recurrent")
+       "gated-deltanet-recurrent", "kda-recurrent", "gla-recurrent")
 # grouped value heads (q/k heads = H // GROUP): the Triton entry points with grouped q, k against the
 # same entry points with q, k expanded to H heads (the plain case, checked against PyTorch above)
 GROUPED_OPS = ("linear-chunk-grouped", "delta-chunk-grouped")
@@ -409,7 +409,7 @@ def _make_inputs(c, plan, device, seed=0):
     T = c["T"]
     N = len(plan["varlen"]) if c["varlen"] else B
     chunk = c["op"].endswith("chunk")
-    linear = c["op"].startswith("linear")
+    linear = c["op"].startswith(("linear", "gla"))
 
     def rnd(*s, scale=1.0):
         return (torch.randn(*s, generator=g) * scale).to(device)
@@ -425,8 +425,9 @@ def _make_inputs(c, plan, device, seed=0):
         leaves["q"] = leaves["q"] * 0.5
         leaves["k"] = leaves["k"] * 0.5
         kw.update(feature_map="elu+1", normalize=True, mode="chunk" if chunk else "recurrent")
-        if c["gate"]:
-            leaves["g"] = -torch.rand(B, T, H, generator=g).to(device) * 0.3
+        if c["gate"]:  # scalar, or diagonal (GLA: one per feature)
+            shape = (B, T, H, K) if c["op"].startswith("gla") else (B, T, H)
+            leaves["g"] = -torch.rand(*shape, generator=g).to(device) * 0.3
         if c["state"]:
             leaves["kv0"] = rnd(N, H, K, V)
             leaves["z0"] = (torch.rand(N, H, K, generator=g) + 0.5).to(device)
