@@ -16,7 +16,8 @@ that ran passed, 1 when one failed or raised.
   machine      GPU name, driver, CUDA, torch, triton (and fla when it imports); bf16 / fp32 matmul
                rate (fp32 without tf32) and device-to-device copy bandwidth, measured
   correctness  backend="triton" against backend="torch" on the same device: linear attention (chunk,
-               recurrent), DeltaNet / Gated DeltaNet (qk_l2norm) / EFLA (chunk, recurrent); B=4 H=16,
+               recurrent), DeltaNet / Gated DeltaNet (qk_l2norm) / EFLA (chunk, recurrent), KDA and GLA
+               (recurrent: per-channel gates); B=4 H=16,
                K=V=64 and 128, T in 1, 63, 64, 65, 2048, 8192, fp32 and bf16, with and without gates,
                initial_state, uneven cu_seqlens; outputs, final states, gradients of every input;
                tolerances of docs/triton.md (ratio of RMS errors: fp32 1e-3, bf16 1e-2); grouped value
