@@ -16,6 +16,11 @@ states (a delta-rule state, or the fields of a `LinearAttentionState`) through
 tokens each row has consumed are one more slot of layer 0. So `reorder_cache` (beam search),
 `reset` and `batch_select_indices` of transformers act on all of it.
 
+Past recording (`cache.activate_past_recording()`, what assisted generation does): the cache layers
+get linattn's rollback (`_RollbackLayer`): while recording, the last `past_recording_window` tokens of
+every call run one at a time and every layer's slots are copied after each, so `crop(-n)` restores the
+state of n tokens back and cuts the keys/values (docs/states.md). Hence `_is_stateful = False`.
+
 Padding (`attention_mask` with zeros, left padding for batched generation) never enters a state:
 
 * without a cache, the real tokens of every row are packed into one row and run with `cu_seqlens`,
@@ -36,7 +41,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache as HFCache, DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import (
+    Cache as HFCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+)
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
@@ -210,6 +220,95 @@ def _offsets(hf_cache: HFCache) -> torch.Tensor:
     return layer.recurrent_states[_slots(layer)[_OFFSETS][1]]
 
 
+# --------------------------------------------------------------------------- past recording (rollback)
+
+class _RollbackLayer:
+    """The methods mixed into our transformers cache layers (`_rollback_class`): transformers' past recording
+    (`activate_past_recording()`, then `crop(-n)`) for linattn's states. transformers' own linear-attention
+    layers can only cut convolution windows (`is_croppable` is False once a recurrent state exists); here,
+    while recording, the model runs the last tokens of each call one at a time and `_record_layer` keeps a
+    copy of every state slot after each, `crop(-n)` puts the copy from n tokens back and cuts the keys/values
+    as transformers does (docs/states.md). The layer objects change class in place, so the class is the
+    transformers class plus these functions (a mixin base would change the object layout)."""
+
+    @staticmethod
+    def _base(layer) -> type:
+        return type(layer).__bases__[0]
+
+    def is_croppable(self) -> bool:
+        if getattr(self, "record_past", False):
+            return True
+        attr = _RollbackLayer._base(self).is_croppable   # the transformers class's own answer
+        return attr.__get__(self) if isinstance(attr, property) else bool(attr)
+
+    def update_conv_state(self, conv_states, state_idx: int = 0, **kwargs):
+        # our conv slots hold exactly linattn's window: recording keeps copies instead of growing the window
+        rec, self.record_past = self.record_past, False
+        try:
+            return _RollbackLayer._base(self).update_conv_state(self, conv_states, state_idx=state_idx, **kwargs)
+        finally:
+            self.record_past = rec
+
+    def crop(self, tokens_to_remove: int) -> None:
+        hist = self.__dict__.get("_linattn_hist")
+        if not getattr(self, "record_past", False) or hist is None:
+            return _RollbackLayer._base(self).crop(self, tokens_to_remove)
+        if tokens_to_remove > 0:
+            raise LinattnError(f"crop({tokens_to_remove}): a linattn cache layer takes a negative number "
+                               f"(the tokens to remove), as transformers' linear-attention layers")
+        n = abs(int(tokens_to_remove))
+        seq = self._linattn_seq
+        rec = next((r for r in hist if r[0] == seq - n), None)
+        if rec is None:
+            oldest = min((r[0] for r in hist), default=seq)
+            raise LinattnError(f"crop({tokens_to_remove}): this cache layer recorded its states back to position "
+                               f"{oldest} only (at {seq}); raise the model's past_recording_window")
+        if isinstance(self, DynamicSlidingWindowLayer):
+            DynamicSlidingWindowLayer.crop(self, tokens_to_remove)
+        elif isinstance(self, DynamicLayer):
+            DynamicLayer.crop(self, tokens_to_remove)
+        _, conv, recur, flags = rec
+        self.conv_states = {i: (t.clone() if t is not None else None) for i, t in conv.items()}
+        self.recurrent_states = {i: (t.clone() if t is not None else None) for i, t in recur.items()}
+        self.has_previous_state, self.is_conv_states_initialized, self.is_recurrent_states_initialized = (
+            dict(f) for f in flags)
+        self._linattn_seq = seq - n
+        self._linattn_hist = [r for r in hist if r[0] <= seq - n]
+
+
+_ROLLBACK_CLASSES: Dict[type, type] = {}
+
+
+def _rollback_class(cls: type) -> type:
+    if getattr(cls, "_linattn_rollback", False):
+        return cls
+    if cls not in _ROLLBACK_CLASSES:
+        _ROLLBACK_CLASSES[cls] = type(f"Linattn{cls.__name__}", (cls,), {
+            "_linattn_rollback": True, "is_croppable": property(_RollbackLayer.is_croppable),
+            "update_conv_state": _RollbackLayer.update_conv_state, "crop": _RollbackLayer.crop,
+            "__module__": __name__})
+    return _ROLLBACK_CLASSES[cls]
+
+
+def _record_layer(layer, seq: int, window: int) -> None:
+    """Keep a copy of every state slot of `layer` after `seq` positions (and forget those older than window)."""
+    hist = [r for r in layer.__dict__.get("_linattn_hist", []) if seq - window <= r[0] < seq]
+    copy = lambda d: {i: (t.detach().clone() if t is not None else None) for i, t in d.items()}  # noqa: E731
+    hist.append((seq, copy(layer.conv_states), copy(layer.recurrent_states),
+                 (dict(layer.has_previous_state), dict(layer.is_conv_states_initialized),
+                  dict(layer.is_recurrent_states_initialized))))
+    layer._linattn_hist, layer._linattn_seq = hist, seq
+
+
+def _position(hf_cache: HFCache) -> int:
+    """The positions consumed (the longest row's tokens): what a recorded state is keyed by."""
+    return int(_offsets(hf_cache).max())
+
+
+def _recording(hf_cache: HFCache) -> bool:
+    return any(getattr(layer, "record_past", False) for layer in hf_cache.layers)
+
+
 def _check_layers(hf_cache: HFCache, n_layers: int, config: LinattnConfig) -> None:
     if len(hf_cache.layers) == 0 and getattr(hf_cache, "layer_class_to_replicate", None) is not None:
         hf_cache.layers = DynamicCache(config=config).layers   # a DynamicCache() made without the config
@@ -219,6 +318,9 @@ def _check_layers(hf_cache: HFCache, n_layers: int, config: LinattnConfig) -> No
         raise LinattnError(f"past_key_values must be a transformers cache built from this model's config "
                            f"(DynamicCache(config=model.config): {n_layers} linear-attention / hybrid layers), "
                            f"got {hf_cache!r}")
+    for layer in hf_cache.layers:   # past recording that can roll linattn's states back (_RollbackLayer)
+        if not getattr(layer, "_linattn_rollback", False):
+            layer.__class__ = _rollback_class(type(layer))
 
 
 def _to_linattn(hf_cache: HFCache, n_layers: int, keeps_kv: List[bool]) -> Cache:
@@ -384,7 +486,11 @@ class LinattnPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _no_split_modules = ["Block"]
-    _is_stateful = True          # recurrent states cannot be rolled back (no assisted decoding)
+    # states roll back under transformers' past recording (_RollbackLayer), so assisted decoding may run
+    _is_stateful = False
+    #: with past recording on, the last this-many tokens of each call run one at a time and their states are
+    #: kept, so `crop` can remove up to this many tokens (assisted decoding: the rejected draft tokens)
+    past_recording_window = 64
     _supports_sdpa = True
     #: transformers' flag (read by is_activation_checkpointing / is_gradient_checkpointing, the Trainer, PEFT)
     gradient_checkpointing = False
@@ -497,8 +603,33 @@ class LinattnPreTrainedModel(PreTrainedModel):
 
     def _run_cached(self, x: torch.Tensor, mask: Optional[torch.Tensor], hf_cache: HFCache,
                     hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
+        _check_layers(hf_cache, self.config.num_hidden_layers, self.config)
+        if not _recording(hf_cache):
+            return self._run_cached_once(x, mask, hf_cache, hidden)
+        # past recording: the first tokens at once (all padding among them), the last ones one at a time, every
+        # layer's slots copied after each piece, so that crop(-n) can go back n tokens
+        T, window = x.shape[1], int(self.past_recording_window)
+        head = T - min(T, window)
+        if mask is not None and not bool(mask[:, head:].all()):
+            head = int((~mask).nonzero()[:, 1].max()) + 1
+        if not _is_empty(hf_cache) and hf_cache.layers[0].__dict__.get("_linattn_seq") != _position(hf_cache):
+            for layer in hf_cache.layers:   # the state before this call (recording began after the last one)
+                _record_layer(layer, _position(hf_cache), window)
+        outs, subs = [], []
+        for a, b in ([(0, head)] if head else []) + [(t, t + 1) for t in range(head, T)]:
+            sub: Optional[List[torch.Tensor]] = [] if hidden is not None else None
+            outs.append(self._run_cached_once(x[:, a:b], mask[:, a:b] if (mask is not None and a == 0) else None,
+                                              hf_cache, sub))
+            subs.append(sub)
+            for layer in hf_cache.layers:
+                _record_layer(layer, _position(hf_cache), window)
+        if hidden is not None:
+            hidden.extend(torch.cat([s[j] for s in subs], 1) for j in range(len(subs[0])))
+        return torch.cat(outs, 1)
+
+    def _run_cached_once(self, x: torch.Tensor, mask: Optional[torch.Tensor], hf_cache: HFCache,
+                         hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
         n = self.config.num_hidden_layers
-        _check_layers(hf_cache, n, self.config)
         B, T = x.shape[:2]
         stack = self._stack()
         if _is_empty(hf_cache):   # prefill
