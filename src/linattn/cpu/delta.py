@@ -53,6 +53,11 @@ def _gate(g: Optional[torch.Tensor]) -> int:
     return 0 if g is None else (1 if g.dim() == 2 else 2)
 
 
+def _decays(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """exp(g) for the kernels (torch's vectorised exp; the kernels read decays, not log-gates)."""
+    return torch.exp(g) if g is not None else None
+
+
 def _sfx(x: torch.Tensor) -> str:
     if x.dtype == torch.float32:
         return "f32"
@@ -72,9 +77,10 @@ def _forward(q, k, v, a, g, S0, starts, ck_off, n_ckpt):
     o = q.new_empty(TT, H, V)
     S = q.new_empty(N, H, K, V)
     ckpt = q.new_empty(n_ckpt, H, K, V)
+    dec = _decays(g)  # held here: the kernel reads it through a raw pointer
     lib = _library()
     _call(getattr(lib, f"linattn_delta_fwd_{_sfx(q)}"), N, H, K, V, ptr(starts), ptr(q), ptr(k), ptr(v), ptr(a),
-          ptr(g), _gate(g), ptr(S0), ptr(o), ptr(S), ptr(ckpt) if n_ckpt else None, ptr(ck_off), CHECKPOINT,
+          ptr(dec), _gate(g), ptr(S0), ptr(o), ptr(S), ptr(ckpt) if n_ckpt else None, ptr(ck_off), CHECKPOINT,
           threads())
     return o, S, ckpt
 
@@ -104,9 +110,10 @@ def delta_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor
     dq, dk, dv, da = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(a)
     dg = torch.empty_like(g) if g is not None else q.new_empty(0)
     dS0 = dS.clone()  # the kernel turns dL/dS_final into dL/dS0 in place
+    dec = _decays(g)  # held here: the kernel reads it through a raw pointer
     lib = _library()
     _call(getattr(lib, f"linattn_delta_bwd_{_sfx(q)}"), N, H, K, V, ptr(starts), ptr(q), ptr(k), ptr(v), ptr(a),
-          ptr(g), _gate(g), ptr(ckpt), ptr(ck_off), CHECKPOINT, ptr(do), ptr(dS0), ptr(dq), ptr(dk), ptr(dv),
+          ptr(dec), _gate(g), ptr(ckpt), ptr(ck_off), CHECKPOINT, ptr(do), ptr(dS0), ptr(dq), ptr(dk), ptr(dv),
           ptr(da), ptr(dg) if g is not None else None, threads())
     return dq, dk, dv, da, dg, dS0
 

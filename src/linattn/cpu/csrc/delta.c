@@ -2,7 +2,10 @@
 
        S_t = D_t S_{t-1} - a_t k_t ((D_t S_{t-1})^T k_t)^T + a_t k_t v_t^T,     o_t = S_t^T q_t
 
-   with D_t = exp(g_t) (none, one log-gate per head, or one per key channel). This is the delta rule's own
+   with D_t = exp(g_t) (none, one log-gate per head, or one per key channel). The kernels take the decays
+   exp(g) [TT, H] or [TT, H, K] (the argument `g` below), computed by torch's vectorised exp before the call
+   (one scalar expf per key channel and token was a third of the per-channel forward); the backward still
+   returns dL/dg (= <dP, P>, the chain rule through exp included). This is the delta rule's own
    read (r = None in ops/delta_core.py); q arrives scaled, k, v, a rescaled by the key norm (prepare_delta).
 
    Why token by token and not the chunk (WY/UT) form: per token and head the scan costs 4 K V multiply-adds
@@ -64,15 +67,15 @@ int linattn_delta_abi_version(void) { return 2; }
 #else
 #define VBYTES 128
 #endif
-#define DEFINE_DELTA(real, SFX, EXP)                                                                          \
+#define DEFINE_DELTA(real, SFX)                                                                          \
 enum { VB_##SFX = VBYTES / sizeof(real) };                                                                    \
                                                                                                               \
 /* the per-token factors: e_d = exp(g) (1 without a gate), ke_d = k_d e_d (the read key D k), ak_d = a k_d */ \
 INLINE void factors_##SFX(int64_t K, const real *restrict k, real a, const real *restrict g, int gate,        \
                           real *restrict e, real *restrict ke, real *restrict ak) {                           \
-    const real eh = gate == GATE_HEAD ? EXP(g[0]) : (real)1;                                                  \
+    const real eh = gate == GATE_HEAD ? g[0] : (real)1;                                                       \
     for (int64_t d = 0; d < K; d++) {                                                                         \
-        e[d] = gate == GATE_CHANNEL ? EXP(g[d]) : eh;                                                         \
+        e[d] = gate == GATE_CHANNEL ? g[d] : eh;                                                              \
         ke[d] = k[d] * e[d];                                                                                  \
         ak[d] = a * k[d];                                                                                     \
     }                                                                                                         \
@@ -409,5 +412,5 @@ int linattn_delta_bwd_##SFX(int64_t N, int64_t H, int64_t K, int64_t V, const in
     return failed ? -1 : 0;                                                                                   \
 }
 
-DEFINE_DELTA(float, f32, expf)
-DEFINE_DELTA(double, f64, exp)
+DEFINE_DELTA(float, f32)
+DEFINE_DELTA(double, f64)
