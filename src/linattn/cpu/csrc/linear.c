@@ -69,11 +69,13 @@ static inline float lin_expf(float x) {
     p = p * r + 1.0f;
     p = p * r + 1.0f;
     const int32_t ni = (int32_t)n, n1 = ni / 2, n2 = ni - n1;
-    const int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
-    float s1, s2;
-    memcpy(&s1, &b1, 4);
-    memcpy(&s2, &b2, 4);
-    const float y = (p * s1) * s2;
+    union {
+        int32_t i;
+        float f;
+    } s1, s2; /* 2^n1, 2^n2 by their bits (a union, not memcpy: the loops around stay vectorisable) */
+    s1.i = (n1 + 127) << 23;
+    s2.i = (n2 + 127) << 23;
+    const float y = (p * s1.f) * s2.f;
     return x < -104.0f ? 0.0f : (x != x ? x : y);
 }
 
@@ -131,7 +133,8 @@ static void FN(lin_load_feat)(const REAL *x, int64_t t0, int64_t H, int64_t h, i
 #pragma omp simd
             for (int d = 0; d < D; d++) {
                 const REAL y = sc * src[d];
-                dst[d] = y > 0 ? y + 1 : FN(lin_exp)(y);
+                const REAL e = FN(lin_exp)(y > 0 ? 0 : y); /* unconditional (vectorises); NaN passes through */
+                dst[d] = y > 0 ? y + 1 : e;
             }
         } else if (fmap == 1) {
 #pragma omp simd
@@ -169,6 +172,20 @@ static void FN(lin_load_v)(const REAL *v, int64_t t0, int64_t H, int64_t h, int 
     FN(lin_load)(v, t0, H, h, V, len, C, Vb, W);
     if (W > V)
         for (int i = 0; i < len; i++) Vb[(int64_t)i * W + V] = 1;
+}
+
+/* ask for the rows of the next chunk (head h) ahead of time: they lie H * D apart, which the hardware
+   prefetchers follow poorly; a hint only (no effect on results; nothing without GCC/clang) */
+static void FN(lin_prefetch)(const REAL *x, int64_t t0, int len, int64_t H, int64_t h, int D) {
+#if defined(__GNUC__)
+    const int lines = (int)((D * (int64_t)sizeof(REAL) + 63) / 64);
+    for (int i = 0; i < len; i++) {
+        const char *row = (const char *)(x + ((t0 + i) * H + h) * D);
+        for (int l = 0; l < lines; l++) __builtin_prefetch(row + 64 * l, 0, 1);
+    }
+#else
+    (void)x, (void)t0, (void)len, (void)H, (void)h, (void)D;
+#endif
 }
 
 /* ---- forward, per chunk: the same arithmetic on every path (one pass per sequence and head, or three passes
@@ -283,6 +300,12 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                     const int64_t t0 = ch[c].t0;
                     const int len = (int)ch[c].len;
                     const REAL GL = FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
+                    if (c + 1 < first[s + 1]) {
+                        const int64_t t1 = ch[c + 1].t0;
+                        const int l1 = (int)ch[c + 1].len;
+                        FN(lin_prefetch)(q, t1, l1, H, h, K), FN(lin_prefetch)(k, t1, l1, H, h, K);
+                        FN(lin_prefetch)(v, t1, l1, H, h, V);
+                    }
                     const REAL *Pc = S;
                     if (P) {
                         memcpy(P + (c * H + h) * KW, S, sizeof(REAL) * KW);
@@ -526,6 +549,13 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                     const int64_t t0 = ch[c].t0;
                     const int len = (int)ch[c].len;
                     const REAL GL = FN(bl_load)(q, k, v, g, dnum, dden, t0, len, H, h, K, V, W, C, fmap, sc, &b);
+                    if (c > first[s]) {
+                        const int64_t t1 = ch[c - 1].t0;
+                        const int l1 = (int)ch[c - 1].len;
+                        FN(lin_prefetch)(q, t1, l1, H, h, K), FN(lin_prefetch)(k, t1, l1, H, h, K);
+                        FN(lin_prefetch)(v, t1, l1, H, h, V);
+                        if (dnum) FN(lin_prefetch)(dnum, t1, l1, H, h, V);
+                    }
                     FN(bl_grads)(t0, len, H, h, K, V, W, C, has_g, fmap, sc, GL, P + (c * H + h) * KW, Dg, &b, dq, dk,
                                  dv, dg);
                     FN(bl_R)(len, K, W, C, has_g, &b, R);
