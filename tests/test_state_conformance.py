@@ -305,6 +305,18 @@ def test_reorder_selects_every_per_row_entry():
     assert lc["offset"] == 5 and lc["scalar"].item() == 2.0
 
 
+def test_caches_that_keep_more_than_their_layers_refuse_state_operations():
+    """TLinFormer's cache (token ids, window bookkeeping besides its layers) is not covered: a clear refusal."""
+    from linattn.models.tlinformer import TLinFormerCache
+    cache = TLinFormerCache(2)
+    cache.seen_tokens = 3
+    for op, call in [("snapshot", cache.snapshot), ("crop", lambda: cache.crop(1)),
+                     ("reorder", lambda: cache.reorder(torch.tensor([0]))),
+                     ("restore", lambda: cache.restore(Cache(2).snapshot()))]:
+        with pytest.raises(UsageError, match=f"TLinFormerCache does not support {op}"):
+            call()
+
+
 def test_restore_and_reorder_check_their_arguments():
     model = _small()
     cache = model.new_cache()

@@ -229,6 +229,15 @@ class Cache:
     records the states after each of the last k tokens, and `crop` goes back to any of them.
     """
 
+    #: whether crop / snapshot / restore / reorder see the whole state (the layers and seen_tokens). A subclass
+    #: that keeps more (TLinFormerCache: token ids, window bookkeeping) must opt in after handling it.
+    state_ops = True
+
+    def _check_state_ops(self, op: str) -> None:
+        if type(self) is not Cache and not type(self).__dict__.get("state_ops", False):
+            raise UsageError(f"{type(self).__name__} does not support {op}: it keeps state beyond its layers' "
+                             f"entries (only linattn's Cache of a LanguageModel does; docs/states.md)")
+
     def __init__(self, n_layers: int, rollback: int = 0):
         if isinstance(rollback, bool) or not isinstance(rollback, int) or rollback < 0:
             raise LinattnError(f"rollback must be an int >= 0 (how many tokens crop may remove), got {rollback!r}")
@@ -264,6 +273,7 @@ class Cache:
         n = self.seen_tokens + max_length if max_length < 0 else max_length
         if n >= self.seen_tokens:
             return
+        self._check_state_ops("crop")
         if n < 0:
             raise UsageError(f"crop({max_length}) removes more tokens than the cache holds ({self.seen_tokens})")
         rec = next((r for s, r in self._history if s == n), None)
@@ -304,11 +314,13 @@ class Cache:
     # -- prefix caching, beams -----------------------------------------------------------------
     def snapshot(self) -> CacheSnapshot:
         """A deep copy of every layer's state (KV caches included): `restore` it into this or a fresh cache."""
+        self._check_state_ops("snapshot")
         return CacheSnapshot(_copy_layers(self.layers), self.seen_tokens)
 
     def restore(self, snap: CacheSnapshot) -> None:
         """Continue from `snap` (its tensors are copied again, so it can be restored any number of times).
         The rollback window restarts at the restored position."""
+        self._check_state_ops("restore")
         if not isinstance(snap, CacheSnapshot):
             raise LinattnTypeError(f"restore takes a CacheSnapshot (cache.snapshot()), got {type(snap).__name__}")
         if len(snap.layers) != len(self.layers):
@@ -324,6 +336,7 @@ class Cache:
         if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype not in (torch.int64, torch.int32):
             raise LinattnError(f"index must be a 1-D int64 tensor of batch rows, got "
                                f"{getattr(index, 'dtype', type(index).__name__)} {tuple(getattr(index, 'shape', ()))}")
+        self._check_state_ops("reorder")
         index = index.long()
         for d in self.layers:
             for lc in d.values():
