@@ -367,8 +367,6 @@ class DeltaProblem:
             return f"the kernels keep a whole K in registers and support K <= {TRITON_MAX_K}"
         if self.r is not None:
             return "a read key of its own (r, Comba's p) has no Triton kernel"
-        if self.channel_gate and self.mode != "recurrent":  # the decoding kernel takes them (KDA)
-            return "per-channel gates g [B, T, H, K] have no Triton chunk kernel"
         if self.mode == "recurrent" and requires_grad(self.q, self.k, self.v, self.a, self.g, self.S0):
             return "the fused recurrent kernel is forward-only (decoding) and an input requires grad"
         return None
@@ -394,8 +392,8 @@ class DeltaProblem:
             return 1
         if self.mode == "parallel":
             return self.q.shape[1]
-        if backend == "triton":
-            return triton_chunk_size(self.chunk_size)
+        if backend == "triton":  # per-channel gates (KDA): a 16-token tile (triton/delta.py's KDA_CHUNK)
+            return 16 if self.channel_gate else triton_chunk_size(self.chunk_size)
         return min(self.chunk_size, CHANNEL_BLOCK) if self.channel_gate else self.chunk_size
 
 

@@ -104,7 +104,7 @@ def _wy_fwd(k, v, b, g, Tm, u, w, cu, chunk_index,
 @triton.jit
 def _delta_fwd_h(k, u, w, g, h, vn, h0, ht, cu, chunk_offsets,
                  H, HQ, K, V,
-                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr,
                  USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
     """The sequential part: one program per (V block, sequence x head) with the whole K."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -136,11 +136,18 @@ def _delta_fwd_h(k, u, w, g, h, vn, h0, ht, cu, chunk_offsets,
         tl.store(vn + (tok[:, None] * H + i_h) * V + o_v[None, :], b_vn, mask=m_tv)
         b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         if USE_G:
-            b_g = tl.load(g + tok * H + i_h, mask=m_t, other=0.)
-            b_G = tl.cumsum(b_g, axis=0)
-            b_gl = tl.sum(b_g, axis=0)
-            b_k = b_k * tl.exp(b_gl - b_G)[:, None]
-            b_h = b_h * tl.exp(b_gl)
+            if GK:  # KDA: g [TT, H, K]; every exponent G_l - G_t <= 0
+                b_g = tl.load(g + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
+                b_G = tl.cumsum(b_g, axis=0)
+                b_gl = tl.sum(b_g, axis=0)
+                b_k = b_k * tl.exp(b_gl[None, :] - b_G)
+                b_h = b_h * tl.exp(b_gl)[:, None]
+            else:
+                b_g = tl.load(g + tok * H + i_h, mask=m_t, other=0.)
+                b_G = tl.cumsum(b_g, axis=0)
+                b_gl = tl.sum(b_g, axis=0)
+                b_k = b_k * tl.exp(b_gl - b_G)[:, None]
+                b_h = b_h * tl.exp(b_gl)
         b_h += tl.dot(tl.trans(b_k), b_vn, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + s_kv, b_h, mask=m_kv)
@@ -149,7 +156,7 @@ def _delta_fwd_h(k, u, w, g, h, vn, h0, ht, cu, chunk_offsets,
 @triton.jit
 def _delta_bwd_dh(q, k, w, g, do, dvl, dh, dvn, dht, dh0, cu, chunk_offsets,
                   H, HQ, K, V,
-                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, GK: tl.constexpr,
                   USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
     """Reverse walk: stores dh' (gradient of the state leaving each chunk) and dU."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -179,18 +186,28 @@ def _delta_bwd_dh(q, k, w, g, do, dvl, dh, dvn, dht, dh0, cu, chunk_offsets,
         b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_q = tl.load(q + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         if USE_G:
-            b_g = tl.load(g + tok * H + i_h, mask=m_t, other=0.)
-            b_G = tl.cumsum(b_g, axis=0)
-            b_gl = tl.sum(b_g, axis=0)
-            b_k = b_k * tl.exp(b_gl - b_G)[:, None]
-            b_q = b_q * tl.exp(b_G)[:, None]
+            if GK:  # KDA: g [TT, H, K]
+                b_g = tl.load(g + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
+                b_G = tl.cumsum(b_g, axis=0)
+                b_gl = tl.sum(b_g, axis=0)
+                b_k = b_k * tl.exp(b_gl[None, :] - b_G)
+                b_q = b_q * tl.exp(b_G)
+            else:
+                b_g = tl.load(g + tok * H + i_h, mask=m_t, other=0.)
+                b_G = tl.cumsum(b_g, axis=0)
+                b_gl = tl.sum(b_g, axis=0)
+                b_k = b_k * tl.exp(b_gl - b_G)[:, None]
+                b_q = b_q * tl.exp(b_G)[:, None]
         b_dvn = tl.load(dvl + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.)
         b_dvn += tl.dot(b_k, b_dh, input_precision=PREC)
         tl.store(dvn + (tok[:, None] * H + i_h) * V + o_v[None, :], b_dvn, mask=m_tv)
         b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
         b_w = tl.load(w + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
         if USE_G:
-            b_dh = b_dh * tl.exp(b_gl)
+            if GK:
+                b_dh = b_dh * tl.exp(b_gl)[:, None]
+            else:
+                b_dh = b_dh * tl.exp(b_gl)
         b_dh += tl.dot(tl.trans(b_q), b_do, input_precision=PREC) - tl.dot(tl.trans(b_w), b_dvn, input_precision=PREC)
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + s_kv, b_dh, mask=m_kv)
@@ -326,6 +343,239 @@ def _wy_bwd(k, v, b, g, Tm, dvn, dw, dk, dGin, dv, db, dg, cu, chunk_index,
         tl.store(dg + tok * H + i_h, tl.cumsum(b_dG, axis=0, reverse=True), mask=m_t)
 
 
+# ----------------------------------------------------------------------------------------------
+# KDA (per-channel log gates g [TT, H, K]) in the chunk form. With G [BT, K] the chunk-local cumulative
+# sum, the intra-chunk pairs need sum_d x_td y_id exp(G_td - G_id): no factorisation into exp(G_t) and
+# exp(-G_i) (the second overflows fp32 from G < -88, i.e. a few tokens of strong gates). Each pair's
+# exponent is formed explicitly over [BT, BT, BK] (`_pair_decay`), masked to the causal pairs where it is
+# <= 0, so nothing overflows for any gate strength; the tile is KDA_CHUNK tokens to bound that cube.
+# Everything else (the state walk, U~, W~, Q e^G, K e^{G_l - G}) only ever sees exponents <= 0 too.
+# ----------------------------------------------------------------------------------------------
+
+KDA_CHUNK = 16  # the token tile with per-channel gates: the pair decays cost BT^2 * K per chunk
+
+
+@triton.jit
+def _pair_decay(x, y, Gx, Gy, keep):
+    """M_ti = sum_d x_td y_id exp(Gx_td - Gy_id) on the pairs `keep` [BT, BT] (else 0); x, y, Gx, Gy [BT, BK]."""
+    e = tl.exp(tl.where(keep[:, :, None], Gx[:, None, :] - Gy[None, :, :], float("-inf")))
+    return tl.sum(x[:, None, :] * y[None, :, :] * e, axis=2)
+
+
+@triton.jit
+def _pair_decay_bwd(W, x, y, Gx, Gy, keep):
+    """Given W = dM: (dx, dy) of `_pair_decay`; the gates' gradients follow as x dx (Gx) and -y dy (Gy)."""
+    We = W[:, :, None] * tl.exp(tl.where(keep[:, :, None], Gx[:, None, :] - Gy[None, :, :], float("-inf")))
+    return tl.sum(We * y[None, :, :], axis=1), tl.sum(We * x[:, None, :], axis=0)
+
+
+@triton.jit
+def _kda_wy_fwd(k, v, b, g, Tm, u, w, cu, chunk_index,
+                H, HQ, K, V,
+                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """A = tril_-1(diag(b) (sum_d k k e^{G - G})), Tm = (I + A)^-1, U~ = Tm diag(b) V, W~ = Tm diag(b) (K e^G)."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (H // HQ)
+    i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
+    b_b = tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    strict = o_i[:, None] > o_i[None, :]
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_G = tl.cumsum(tl.load(g + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.), axis=0)
+        b_A += _pair_decay(b_k, b_k, b_G, b_G, strict)
+    b_A = b_A * b_b[:, None]
+    b_T = tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
+    for i in range(1, BT):
+        b_a = tl.sum(tl.where(o_i[:, None] == i, b_A, 0.), axis=0)
+        b_r = tl.sum(b_a[:, None] * b_T, axis=0)
+        b_T = tl.where(o_i[:, None] == i, b_T - b_r[None, :], b_T)
+    tl.store(Tm + (tok[:, None] * H + i_h) * BT + o_i[None, :], b_T, mask=m_t[:, None])
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(v + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
+        b_u = tl.dot(b_T, b_v * b_b[:, None], input_precision=PREC)
+        tl.store(u + (tok[:, None] * H + i_h) * V + o_v[None, :], b_u, mask=m_tv)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_G = tl.cumsum(tl.load(g + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.), axis=0)
+        b_w = tl.dot(b_T, b_k * tl.exp(b_G) * b_b[:, None], input_precision=PREC)
+        tl.store(w + (tok[:, None] * H + i_h) * K + o_k[None, :], b_w, mask=m_tk)
+
+
+@triton.jit
+def _kda_fwd_o(q, k, vn, g, h, o, cu, chunk_index,
+               H, HQ, K, V,
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """O = (Q e^G) h + M U with M_ti = sum_d q_td k_id e^{G_td - G_id} (i <= t)."""
+    i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (H // HQ)
+    i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_tv = m_t[:, None] & m_v[None, :]
+    row = i_t.to(tl.int64) * H + i_h
+    causal = o_i[:, None] >= o_i[None, :]
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_M = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_G = tl.cumsum(tl.load(g + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.), axis=0)
+        b_h = tl.load(h + row * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
+        b_o += tl.dot(b_q * tl.exp(b_G), b_h, input_precision=PREC)
+        b_M += _pair_decay(b_q, b_k, b_G, b_G, causal)
+    b_u = tl.load(vn + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.)
+    b_o += tl.dot(b_M, b_u, input_precision=PREC)
+    tl.store(o + (tok[:, None] * H + i_h) * V + o_v[None, :], b_o, mask=m_tv)
+
+
+@triton.jit
+def _kda_bwd_dv(q, k, g, do, dv, cu, chunk_index,
+                H, HQ, K, V,
+                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """The intra-chunk gradient of the pseudo-values, M^T dO."""
+    i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (H // HQ)
+    i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_tv = m_t[:, None] & (o_v < V)[None, :]
+    causal = o_i[:, None] >= o_i[None, :]
+    b_M = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_q = tl.load(q + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_G = tl.cumsum(tl.load(g + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.), axis=0)
+        b_M += _pair_decay(b_q, b_k, b_G, b_G, causal)
+    b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
+    tl.store(dv + (tok[:, None] * H + i_h) * V + o_v[None, :], tl.dot(tl.trans(b_M), b_do, input_precision=PREC),
+             mask=m_tv)
+
+
+@triton.jit
+def _kda_bwd_dqkw(q, k, vn, g, h, do, dh, dvn, dq, dk, dw, dg, cu, chunk_index,
+                  H, HQ, K, V,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """dq, the output's and the state's part of dk, dW~ = -dU h^T and the gate gradient w.r.t. the chunk-local
+    cumulative G (per channel: each K tile owns its columns of dG)."""
+    i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (H // HQ)
+    i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    row = i_t.to(tl.int64) * H + i_h
+    b_q = tl.load(q + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+    b_g = tl.load(g + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
+    b_G = tl.cumsum(b_g, axis=0)
+    b_gl = tl.sum(b_g, axis=0)  # G at the chunk's last token (padding rows add 0)
+
+    b_dM = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_vn = tl.load(vn + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.)
+        b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
+        b_dvn = tl.load(dvn + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.)
+        b_h = tl.load(h + row * K * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dh = tl.load(dh + row * K * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dM += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
+        b_dk += tl.dot(b_vn, tl.trans(b_dh), input_precision=PREC)
+        b_dw -= tl.dot(b_dvn, tl.trans(b_h), input_precision=PREC)
+        b_hdh += tl.sum(b_h * b_dh, axis=1)
+    b_dq = b_dq * tl.exp(b_G)                      # through Q e^G
+    b_dk = b_dk * tl.exp(b_gl[None, :] - b_G)      # through K e^{G_l - G} (the state update)
+    b_dgl = b_hdh * tl.exp(b_gl) + tl.sum(b_k * b_dk, axis=0)
+    causal = o_i[:, None] >= o_i[None, :]
+    b_dqM, b_dkM = _pair_decay_bwd(tl.where(causal, b_dM, 0.), b_q, b_k, b_G, b_G, causal)
+    b_dq += b_dqM
+    b_dk += b_dkM
+    b_dG = b_q * b_dq - b_k * b_dk
+    last = tl.minimum(T - i_c * BT, BT) - 1
+    b_dG += tl.where((o_i == last)[:, None], b_dgl[None, :], 0.)
+    tl.store(dg + (tok[:, None] * H + i_h) * K + o_k[None, :], b_dG, mask=m_tk)
+    tl.store(dq + (tok[:, None] * H + i_h) * K + o_k[None, :], b_dq, mask=m_tk)
+    tl.store(dk + (tok[:, None] * H + i_h) * K + o_k[None, :], b_dk, mask=m_tk)
+    tl.store(dw + (tok[:, None] * H + i_h) * K + o_k[None, :], b_dw, mask=m_tk)
+
+
+@triton.jit
+def _kda_wy_bwd(k, v, b, g, Tm, dvn, dw, dk, dGin, dv, db, dg, cu, chunk_index,
+                H, HQ, K, V,
+                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """Back through U~ = Tm diag(b) V, W~ = Tm diag(b) (K e^G) and Tm = (I + A)^-1; adds to dk in place;
+    dg = the chunk-local reverse cumulative sum of dG."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (H // HQ)
+    i_c, T, o_i, o_t, m_t, tok = chunk_tokens(cu, chunk_index, i_t, BT)
+    b_b = tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    eye = tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
+    b_T = tl.load(Tm + (tok[:, None] * H + i_h) * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+    b_T = tl.where(m_t[:, None], b_T, eye)
+    strict = o_i[:, None] > o_i[None, :]
+
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_du = tl.load(dvn + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.)
+        b_v = tl.load(v + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
+        b_dR = tl.dot(tl.trans(b_T), b_du, input_precision=PREC)
+        tl.store(dv + (tok[:, None] * H + i_h) * V + o_v[None, :], b_dR * b_b[:, None], mask=m_tv)
+        b_db += tl.sum(b_dR * b_v, axis=1)
+        b_dT += tl.dot(b_du, tl.trans(b_v * b_b[:, None]), input_precision=PREC)
+    b_KK = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_dw = tl.load(dw + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_G = tl.cumsum(tl.load(g + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.), axis=0)
+        b_ke = b_k * tl.exp(b_G)
+        b_dR = tl.dot(tl.trans(b_T), b_dw, input_precision=PREC)
+        b_db += tl.sum(b_dR * b_ke, axis=1)
+        b_dT += tl.dot(b_dw, tl.trans(b_ke * b_b[:, None]), input_precision=PREC)
+        b_KK += _pair_decay(b_k, b_k, b_G, b_G, strict)
+    # Tm = (I + A)^-1  =>  dA = -Tm^T dTm Tm^T, on the strictly lower triangle
+    b_dA = -tl.dot(tl.dot(tl.trans(b_T), b_dT, input_precision=PREC), tl.trans(b_T), input_precision=PREC)
+    b_dA = tl.where(strict, b_dA, 0.)
+    b_db += tl.sum(b_dA * b_KK, axis=1)
+    b_dKK = b_dA * b_b[:, None]
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        s_tk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+        b_dw = tl.load(dw + s_tk, mask=m_tk, other=0.)
+        b_k = tl.load(k + (tok[:, None] * HQ + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_G = tl.cumsum(tl.load(g + s_tk, mask=m_tk, other=0.), axis=0)
+        b_e = tl.exp(b_G) * b_b[:, None]
+        b_dR = tl.dot(tl.trans(b_T), b_dw, input_precision=PREC)
+        b_dkx, b_dky = _pair_decay_bwd(b_dKK, b_k, b_k, b_G, b_G, strict)
+        tl.store(dk + s_tk, tl.load(dk + s_tk, mask=m_tk, other=0.) + b_dR * b_e + b_dkx + b_dky, mask=m_tk)
+        b_dG = tl.load(dGin + s_tk, mask=m_tk, other=0.) + b_dR * b_e * b_k + b_k * (b_dkx - b_dky)
+        tl.store(dg + s_tk, tl.cumsum(b_dG, axis=0, reverse=True), mask=m_tk)
+    tl.store(db + tok * H + i_h, b_db, mask=m_t)
+
+
 @triton.jit
 def _delta_recurrent_fwd(q, k, v, b, g, o, h0, ht, cu,
                          H, HQ, K, V,
@@ -365,7 +615,7 @@ def _delta_recurrent_fwd(q, k, v, b, g, o, h0, ht, cu,
 
 
 # ----------------------------------------------------------------------------------------------
-# launchers: q, k [TT, H, K], v [TT, H, V], b [TT, H], g [TT, H] or None, h0 [N, H, K, V]; fp32
+# launchers: q, k [TT, H, K], v [TT, H, V], b [TT, H], g [TT, H] (or [TT, H, K]: KDA) or None, h0 [N, H, K, V]; fp32
 # ----------------------------------------------------------------------------------------------
 
 def _wy(k, v, b, g, cfg):
@@ -375,6 +625,10 @@ def _wy(k, v, b, g, cfg):
     Tm = torch.empty(TT, H, cfg.BT, dtype=torch.float32, device=dev)
     u = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     w = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+    if _per_channel(g):
+        _kda_wy_fwd[(cfg.chunks.NT, H)](k, v, b, g, Tm, u, w, cfg.chunks.cu, cfg.chunks.index, H, HQ, K, V,
+                                        BT=cfg.BT, BK=block(K), BV=block(V), PREC=cfg.prec)
+        return Tm, u, w
     _wy_fwd[(cfg.chunks.NT, H)](k, v, b, g if g is not None else dummy(dev), Tm, u, w, cfg.chunks.cu,
                                 cfg.chunks.index, H, HQ, K, V, BT=cfg.BT, BK=block(K), BV=block(V),
                                 USE_G=g is not None, PREC=cfg.prec)
@@ -391,13 +645,18 @@ def _states(k, u, w, g, h0, cfg, store_final):
     ht = torch.empty(ch.N, H, K, V, dtype=torch.float32, device=dev) if store_final else dummy(dev)
     _delta_fwd_h[(triton.cdiv(V, BV), ch.N * H)](
         k, u, w, g if g is not None else dummy(dev), h, vn, h0 if h0 is not None else dummy(dev), ht,
-        ch.cu, ch.offsets, H, HQ, K, V, BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, USE_H0=h0 is not None,
-        STORE_HT=store_final, PREC=cfg.prec)
+        ch.cu, ch.offsets, H, HQ, K, V, BT=cfg.BT, BK=BK, BV=BV, USE_G=g is not None, GK=_per_channel(g),
+        USE_H0=h0 is not None, STORE_HT=store_final, PREC=cfg.prec)
     return h, vn, (ht if store_final else None)
 
 
-def _config(q, starts, chunk_size) -> _Cfg:
-    BT = triton_chunk_size(chunk_size)
+def _per_channel(g) -> bool:
+    """KDA: a log-gate per key channel, g [TT, H, K] (a per-head gate is [TT, H])."""
+    return g is not None and g.dim() == 3
+
+
+def _config(q, starts, chunk_size, g=None) -> _Cfg:
+    BT = KDA_CHUNK if _per_channel(g) else triton_chunk_size(chunk_size)
     return _Cfg(prepare_chunks(list(starts), BT, q.device), BT, FMAP_IDENTITY, 1.0, False, dot_precision(q.dtype))
 
 
@@ -405,6 +664,14 @@ def _chunk_fwd(q, k, v, b, g, h0, cfg, output_final_state):
     """-> o [TT, H, V] fp32, h_T [N, H, K, V] fp32 or None."""
     _, u, w = _wy(k, v, b, g, cfg)
     h, vn, ht = _states(k, u, w, g, h0, cfg, output_final_state)
+    if _per_channel(g):
+        TT, H, HQ = heads(q, vn)
+        K, V, ch = q.shape[-1], vn.shape[-1], cfg.chunks
+        o = torch.empty(TT, H, V, dtype=torch.float32, device=q.device)
+        BV = block(V)
+        _kda_fwd_o[(triton.cdiv(V, BV), ch.NT, H)](q, k, vn, g, h, o, ch.cu, ch.index, H, HQ, K, V,
+                                                   BT=cfg.BT, BK=block(K), BV=BV, PREC=cfg.prec)
+        return o, ht
     o, _ = chunk_fwd_o(q, k, vn, g, h, None, cfg, 1.0, FMAP_IDENTITY, False)
     return o, ht
 
@@ -418,15 +685,20 @@ def _chunk_bwd(q, k, v, b, g, h0, cfg, do, dht, need_dh0):
     Tm, u, w = _wy(k, v, b, g, cfg)
     h, vn, _ = _states(k, u, w, g, h0, cfg, False)
     gd = g if g is not None else dummy(dev)
-
-    dvl = chunk_bwd_dv(q, k, g, do, None, cfg, 1.0, FMAP_IDENTITY)
+    gk = _per_channel(g)
+    if gk:
+        dvl = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
+        _kda_bwd_dv[(triton.cdiv(V, block(V)), ch.NT, H)](q, k, g, do, dvl, ch.cu, ch.index, H, HQ, K, V,
+                                                          BT=cfg.BT, BK=block(K), BV=block(V), PREC=cfg.prec)
+    else:
+        dvl = chunk_bwd_dv(q, k, g, do, None, cfg, 1.0, FMAP_IDENTITY)
     BKf, BVf = full_block(K, "K"), block(V, cap=32 if K > 64 else 64)
     dh = torch.empty(ch.NT, H, K, V, dtype=torch.float32, device=dev)
     dvn = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
     dh0 = torch.empty(ch.N, H, K, V, dtype=torch.float32, device=dev) if need_dh0 else dummy(dev)
     _delta_bwd_dh[(triton.cdiv(V, BVf), ch.N * H)](
         q, k, w, gd, do, dvl, dh, dvn, dht.contiguous() if dht is not None else dummy(dev), dh0,
-        ch.cu, ch.offsets, H, HQ, K, V, BT=cfg.BT, BK=BKf, BV=BVf, USE_G=g is not None,
+        ch.cu, ch.offsets, H, HQ, K, V, BT=cfg.BT, BK=BKf, BV=BVf, USE_G=g is not None, GK=gk,
         USE_DHT=dht is not None, STORE_DH0=need_dh0, PREC=cfg.prec)
 
     BK, BV = block(K), block(V)
@@ -434,6 +706,17 @@ def _chunk_bwd(q, k, v, b, g, h0, cfg, do, dht, need_dh0):
     dq = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
     dk = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
     dw = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+    if gk:  # each K tile owns its columns of dG: no partial sums
+        dG = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+        _kda_bwd_dqkw[(NK, ch.NT, H)](q, k, vn, g, h, do, dh, dvn, dq, dk, dw, dG, ch.cu, ch.index, H, HQ, K, V,
+                                      BT=cfg.BT, BK=BK, BV=BV, PREC=cfg.prec)
+        dv = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
+        db = torch.empty(TT, H, dtype=torch.float32, device=dev)
+        dg = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
+        _kda_wy_bwd[(ch.NT, H)](k, v, b, g, Tm, dvn, dw, dk, dG, dv, db, dg, ch.cu, ch.index, H, HQ, K, V,
+                                BT=cfg.BT, BK=BK, BV=BV, PREC=cfg.prec)
+        return (group_sum(dq, HQ).to(q.dtype), group_sum(dk, HQ).to(k.dtype), dv.to(v.dtype), db.to(b.dtype),
+                dg, dh0 if need_dh0 else None)
     dGp = torch.empty(NK, TT, H, dtype=torch.float32, device=dev) if g is not None else dummy(dev)
     _delta_bwd_dqkw[(NK, ch.NT, H)](
         q, k, vn, gd, h, do, dh, dvn, dq, dk, dw, dGp, ch.cu, ch.index, TT, H, HQ, K, V,
@@ -458,7 +741,7 @@ def _chunk_bwd(q, k, v, b, g, h0, cfg, do, dht, need_dh0):
 def _op_chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, g: Optional[torch.Tensor],
                   h0: Optional[torch.Tensor], starts: List[int], chunk_size: int, output_final_state: bool
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
-    o, ht = _chunk_fwd(q, k, v, b, g, h0, _config(q, starts, chunk_size), output_final_state)
+    o, ht = _chunk_fwd(q, k, v, b, g, h0, _config(q, starts, chunk_size, g), output_final_state)
     return o, (ht if ht is not None else absent(q))
 
 
@@ -476,7 +759,7 @@ def _op_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Te
                   starts: List[int], chunk_size: int
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dht = dht if dht is not None and dht.numel() else None  # absent, or the empty stand-in of no final state
-    dq, dk, dv, db, dg, dh0 = _chunk_bwd(q, k, v, b, g, h0, _config(q, starts, chunk_size), do, dht,
+    dq, dk, dv, db, dg, dh0 = _chunk_bwd(q, k, v, b, g, h0, _config(q, starts, chunk_size, g), do, dht,
                                          need_dh0=h0 is not None)
     return dq, dk, dv, db, (dg if dg is not None else absent(q)), (dh0 if dh0 is not None else absent(q))
 
