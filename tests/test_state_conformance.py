@@ -9,10 +9,15 @@ bitwise is in docs/states.md.
 
 Plus the cache's own contract: crop's meaning and its errors, the default cache records nothing, the
 rollback window's memory, snapshots that share no tensor with the cache."""
+import os
+import shutil
+
 import pytest
 import torch
 
 import linattn
+import linattn.cpu.build as cpu_build
+import linattn.cpu.linear as cpu_linear
 from linattn.errors import LinattnError, UsageError
 from linattn.layers.cache import Cache, CacheSnapshot, KVCache
 from linattn.models import LanguageModel, LMConfig
@@ -33,6 +38,7 @@ HYBRIDS = {
     "hybrid:fox+ttt-linear": dict(mixer=["fox", "ttt-linear"]),
 }
 CASES = linattn.mixers() + list(HYBRIDS)
+HAVE_CC = shutil.which((os.environ.get("CC", "").split() or ["cc"])[0]) is not None
 
 
 def _config(case: str) -> LMConfig:
@@ -157,6 +163,20 @@ def test_every_schedule_gives_the_one_shot_logits(case, fast, monkeypatch):
     results = _run_schedules(case, fast, monkeypatch)
     bad = {k: v for k, v in results.items() if not v <= tol}
     assert not bad, f"{case}: relative max differences above {tol}: {bad}"
+
+
+@pytest.mark.skipif(not HAVE_CC or not cpu_build.enabled(),
+                    reason="no C compiler, or LINATTN_CPU_KERNELS=0: no compiled CPU kernels")
+def test_the_two_variants_do_and_do_not_run_the_compiled_kernels(monkeypatch):
+    """The grid's 'fast+kernels' runs really go through a compiled kernel, 'general-no-kernels' never does."""
+    calls = []
+    fwd = cpu_linear._fwd
+    monkeypatch.setattr(cpu_linear, "_fwd", lambda *a, **k: (calls.append(1), fwd(*a, **k))[1])
+    _run_schedules("linear-elu+1", True, monkeypatch)
+    assert calls
+    calls.clear()
+    _run_schedules("linear-elu+1", False, monkeypatch)
+    assert not calls
 
 
 # -- the cache's contract ------------------------------------------------------------------------------
