@@ -32,6 +32,7 @@ from transformers import (  # noqa: E402
 
 from .configuration_linattn import LinattnConfig  # noqa: E402
 from .convert import export_hf, hf_tokenizer, import_hf  # noqa: E402
+from .kernelize import KernelizeReport, kernelize  # noqa: E402, F401
 from .modeling_linattn import (  # noqa: E402
     LinattnForCausalLM,
     LinattnForSequenceClassification,

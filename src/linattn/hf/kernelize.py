@@ -1,0 +1,551 @@
+"""`linattn.hf.kernelize(model)`: serve a transformers model's linear mixers with linattn's operators, in place.
+
+    from linattn.hf import kernelize
+    report = kernelize(model)          # a Qwen3-Next / Qwen3.5 / OLMo-Hybrid / Kimi-Linear / GLM-5-Next /
+                                       # MiniMax / Mamba2 / Falcon-H1 / Granite-4.0-H / Bamba / Nemotron-H model
+    report.patched                     # names of the modules now served by linattn
+    report.unserved                    # {} here: a module that cannot be served raises (never a partial patch)
+
+How (see docs/kernelize.md). transformers 5.24's own mechanism, `use_kernel_func_from_hub_with_fallback` /
+`use_kernelized_func`, resolves each kernel function once, at import time of the modeling file (the hub's
+`kernels` package, else the original package such as fla or mamba_ssm, else the PyTorch fallback); without the
+`kernels` package its decorators are no-ops, and with it a provider must be a hub or local *kernel repository*
+(a built package with per-device variants), not a Python callable. Neither can take linattn at run time for
+one model, so kernelize does this:
+- the modeling module's kernel functions (`torch_chunk_gated_delta_rule`, `chunk_kimi_delta_attention`,
+  `mamba2_chunk_scan`, `causal_conv1d_fn`, ...) are replaced by dispatchers that call linattn's operator when
+  the call comes from a kernelized module (a context variable set around that module's forward) and the
+  original function otherwise: other models of the same class keep transformers' behaviour;
+- each served mixer's `forward` (an instance attribute) sets that variable; MiniMax's lightning attention is
+  inline PyTorch with no kernel hook, so its forward is replaced outright;
+- packing: the model's (and its base model's) forward is wrapped: restarting `position_ids`
+  (DataCollatorWithFlattening, batch 1, no mask, no cache) or transformers' `cu_seq_lens_q` set a context
+  variable that every adapter reads (not every model passes kwargs down to its mixers), and the softmax
+  layers get a varlen-aware sdpa registered in transformers' AttentionInterface as "linattn_sdpa".
+The mixers' projections, gates and norms stay transformers' own code; only the sequence cores and the short
+convolutions change.
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib
+import types
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import LinattnError
+from ..layers.common import ShortConv
+from ..ops import LinearAttentionState, delta_rule, linear_attention
+
+__all__ = ["kernelize", "KernelizeReport", "SERVED_CLASSES", "ATTN_IMPLEMENTATION"]
+
+ATTN_IMPLEMENTATION = "linattn_sdpa"
+
+# True while a kernelized module's forward runs: the dispatchers then call linattn.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("linattn_kernelize_active", default=False)
+# The packed documents' cu_seqlens while a kernelized model's forward runs on a packed batch: set by the model's
+# forward wrapper, because not every model passes transformers' cu_seq_lens_* kwargs down to its mixers
+# (Mamba2ForCausalLM drops every extra kwarg).
+_PACKED: contextvars.ContextVar = contextvars.ContextVar("linattn_kernelize_packed", default=None)
+
+# mixer class name -> (modeling module, kind)
+SERVED_CLASSES: Dict[str, tuple] = {
+    "Qwen3NextGatedDeltaNet": ("transformers.models.qwen3_next.modeling_qwen3_next", "gdn"),
+    "Qwen3_5GatedDeltaNet": ("transformers.models.qwen3_5.modeling_qwen3_5", "gdn"),
+    "Qwen3_5MoeGatedDeltaNet": ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "gdn"),
+    "OlmoHybridGatedDeltaNet": ("transformers.models.olmo_hybrid.modeling_olmo_hybrid", "gdn"),
+    "KimiLinearDeltaAttention": ("transformers.models.kimi_linear.modeling_kimi_linear", "kda"),
+    "Glm5NextTextLinearAttention": ("transformers.models.glm5_next.modeling_glm5_next", "kda"),
+    "BailingHybridDeltaAttention": ("transformers.models.bailing_hybrid.modeling_bailing_hybrid", "kda"),
+    "MiniMaxLightningAttention": ("transformers.models.minimax.modeling_minimax", "lightning"),
+    "Mamba2Mixer": ("transformers.models.mamba2.modeling_mamba2", "mamba2"),
+    "FalconH1Mixer": ("transformers.models.falcon_h1.modeling_falcon_h1", "mamba2"),
+    "GraniteMoeHybridMambaLayer": ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "mamba2"),
+    "BambaMixer": ("transformers.models.bamba.modeling_bamba", "mamba2"),
+    "NemotronHMamba2Mixer": ("transformers.models.nemotron_h.modeling_nemotron_h", "mamba2"),
+    "Zamba2MambaMixer": ("transformers.models.zamba2.modeling_zamba2", "mamba2"),
+}
+
+# Recognised by name but not served, with the reason (kernelize raises on them unless skip_unserved=True).
+UNSERVED_CLASSES: Dict[str, str] = {
+    "MambaMixer": "Mamba1's selective scan has a per-channel state (d_inner x d_state) with input-dependent "
+                  "per-channel decays; linattn has no operator of that shape",
+    "FalconMambaMixer": "Mamba1 selective scan (see MambaMixer)",
+    "JambaMambaMixer": "Mamba1 selective scan (see MambaMixer)",
+    "ZambaMambaMixer": "Mamba1 selective scan (see MambaMixer)",
+    "xLSTMLayer": "mLSTM's exponential input gate with max stabiliser and normaliser is not a linattn operator",
+    "RecurrentGemmaRglru": "RG-LRU (a diagonal RNN) is not a linattn operator",
+    "RwkvSelfAttention": "RWKV-4's WKV is not a linattn operator",
+}
+
+
+@dataclass
+class KernelizeReport:
+    """What `kernelize` did: `patched` module names (in model order), `unserved` {name: reason}, the kinds."""
+    patched: List[str] = field(default_factory=list)
+    unserved: Dict[str, str] = field(default_factory=dict)
+    kinds: Dict[str, str] = field(default_factory=dict)
+    attn_implementation: Optional[str] = None
+
+    def __iter__(self):                   # `for name in kernelize(model)` walks the patched names
+        return iter(self.patched)
+
+    def __len__(self):
+        return len(self.patched)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Helpers shared by the adapters
+# ------------------------------------------------------------------------------------------------------------
+
+def _cu_seqlens(kwargs, T: int, device) -> Optional[torch.Tensor]:
+    """transformers' packed-sequence kwargs -> linattn's int64 cu_seqlens (or None)."""
+    cu = kwargs.get("cu_seqlens")
+    if cu is None:
+        cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        cu = _PACKED.get()
+    if cu is None and kwargs.get("seq_idx") is not None:
+        seq_idx = kwargs["seq_idx"].reshape(-1)          # mamba_ssm's convention: document index per token
+        starts = torch.nonzero(torch.diff(seq_idx) != 0).reshape(-1) + 1
+        cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), seq_idx.numel())])
+    if cu is None:
+        return None
+    cu = cu.to(device=device, dtype=torch.int64)
+    if int(cu[-1]) != T:
+        raise LinattnError(f"cu_seq_lens_q must end at the packed length {T}, got {int(cu[-1])}")
+    return cu
+
+
+def _state_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Adapters: each takes exactly the arguments of the transformers function it replaces
+# ------------------------------------------------------------------------------------------------------------
+
+def _conv_module(weight: torch.Tensor, bias, activation):
+    """linattn's ShortConv over transformers' conv weights [C, W] (no copy: a module that borrows them)."""
+    conv = ShortConv.__new__(ShortConv)
+    nn.Module.__init__(conv)
+    C, W = weight.shape
+    conv.dim, conv.kernel_size = C, W
+    conv.activation = "silu" if activation in ("silu", "swish") else None
+    # borrowed tensors, not Parameters of this throwaway module: gradients reach transformers' own weights
+    object.__setattr__(conv, "weight", weight.unsqueeze(1))
+    object.__setattr__(conv, "bias", bias)
+    return conv
+
+
+def _act_rest(y: torch.Tensor, activation) -> torch.Tensor:
+    if activation is None or activation in ("silu", "swish"):
+        return y
+    from transformers.activations import ACT2FN
+    return ACT2FN[activation](y)
+
+
+def conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+    """causal_conv1d_fn: x [B, C, T] -> [B, C, T], documents kept apart with cu_seq_lens_q."""
+    B, C, T = hidden_states.shape
+    cu = _cu_seqlens(kwargs, T, hidden_states.device)
+    conv = _conv_module(weight, bias, activation)
+    x = hidden_states.to(weight.dtype).transpose(1, 2)
+    y, _ = conv(x, None, cu)
+    return _act_rest(y.transpose(1, 2), activation).to(hidden_states.dtype)
+
+
+def conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):
+    """causal_conv1d_update: the decode step; conv_state [B, C, W] is updated in place (transformers' layout)."""
+    B, C, T = hidden_states.shape
+    conv = _conv_module(weight, bias, activation)
+    W = weight.shape[-1]
+    # linattn's ShortConv continues from the last W - 1 inputs (transformers' conv_state may hold more)
+    y, _ = conv(hidden_states.to(weight.dtype).transpose(1, 2), conv_state[..., conv_state.shape[-1] - (W - 1):],
+                None)
+    full = torch.cat([conv_state.to(hidden_states.dtype), hidden_states], dim=-1)
+    conv_state.copy_(full[..., -conv_state.shape[-1]:])
+    return _act_rest(y.transpose(1, 2), activation).to(hidden_states.dtype)
+
+
+def _delta(query, key, value, g, beta, mode, initial_state, output_final_state, use_qk_l2norm_in_kernel, kwargs):
+    cu = _cu_seqlens(kwargs, query.shape[1], query.device)
+    dt = query.dtype
+    s0 = None if initial_state is None else initial_state.to(_state_dtype(query))
+    o, state = delta_rule(query, key, value.to(dt), beta.to(dt), g=g.to(_state_dtype(query)),
+                          qk_l2norm="rsqrt" if use_qk_l2norm_in_kernel else False, mode=mode,
+                          initial_state=s0, output_final_state=bool(output_final_state), cu_seqlens=cu)
+    return o, state
+
+
+def gdn_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, **kwargs):
+    """chunk_gated_delta_rule: q, k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV]."""
+    return _delta(query, key, value, g, beta, "chunk", initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel, kwargs)
+
+
+def gdn_recurrent(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, **kwargs):
+    """fused_recurrent_gated_delta_rule: the decode step (any T)."""
+    return _delta(query, key, value, g, beta, "recurrent", initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel, kwargs)
+
+
+def kda_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, **kwargs):
+    """chunk_kda: g [B, T, H, K] per-channel log-gates."""
+    return _delta(query, key, value, g, beta, "chunk", initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel, kwargs)
+
+
+def kda_recurrent(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, **kwargs):
+    return _delta(query, key, value, g, beta, "recurrent", initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel, kwargs)
+
+
+def _mamba_state(kv: torch.Tensor) -> LinearAttentionState:
+    """mamba_ssm's state [N, H, P, N_state] -> linattn's (kv [N, H, N_state, P]); no normaliser is used."""
+    N, H, P, S = kv.shape
+    return LinearAttentionState(kv=kv.transpose(-1, -2), z=kv.new_zeros(N, H, S), log_scale=None,
+                                offset=torch.zeros(N, dtype=torch.int64, device=kv.device))
+
+
+def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                      dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+    """mamba_chunk_scan_combined: x [B, T, H, P], dt [B, T, H], A [H], B, C [B, T, G, N] -> y [B, T, H, P].
+    Mamba2 is linear attention with q = C, k = B, v = dt x, the log-gate dt A per head, plus D x."""
+    if kwargs.get("z") is not None:
+        raise LinattnError("mamba2_chunk_scan: z (the fused output gate) is not served; the mixers apply it in "
+                           "their norm")
+    cd = _state_dtype(hidden_states)
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1]).to(cd)
+    x = hidden_states.to(cd)
+    cu = _cu_seqlens(kwargs, x.shape[1], x.device)
+    s0 = None if initial_states is None else _mamba_state(initial_states.to(cd))
+    y, state = linear_attention(C.to(cd), B.to(cd), x * dt[..., None], feature_map=None, normalize=False,
+                                g=A.to(cd) * dt, scale=1.0, mode="chunk", chunk_size=64, initial_state=s0,
+                                output_final_state=bool(return_final_states), cu_seqlens=cu)
+    if D is not None:
+        y = y + D.to(cd)[:, None] * x
+    if return_final_states:
+        return y, state.kv.transpose(-1, -2)
+    return y
+
+
+def _per_head(t: torch.Tensor, keep: int, name: str) -> torch.Tensor:
+    """transformers expands dt / A / D / dt_bias over the head dim (A also over the state) for mamba_ssm's
+    kernel: take one value per head, after checking that it really is one (per-channel values: not Mamba2)."""
+    flat = t.reshape(*t.shape[:keep], -1)
+    col = flat[..., :1]
+    if not torch.equal(flat, col.expand_as(flat)):
+        raise LinattnError(f"mamba2_selective_state_update: {name} varies inside a head; linattn serves one "
+                           f"value per head (Mamba2), got shape {tuple(t.shape)}")
+    return col[..., 0]
+
+
+def mamba2_state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None,
+                        **kwargs):
+    """selective_state_update: one decoded token; state [B, H, P, N] is updated in place."""
+    cd = _state_dtype(hidden_states)
+    Bn, H, P = hidden_states.shape
+    dt = _per_head(dt, 2, "dt").to(cd)                                       # [B, H]
+    if dt_bias is not None:
+        dt = dt + _per_head(dt_bias, 1, "dt_bias").to(cd)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    a = _per_head(A, 1, "A").to(cd)                                          # [H]
+    x = hidden_states.to(cd)
+    s0 = _mamba_state(state.to(cd))
+    y, new = linear_attention(C.to(cd)[:, None], B.to(cd)[:, None], (x * dt[..., None])[:, None],
+                              feature_map=None, normalize=False, g=(a * dt)[:, None], scale=1.0,
+                              mode="recurrent", initial_state=s0, output_final_state=True)
+    state.copy_(new.kv.transpose(-1, -2).to(state.dtype))
+    y = y[:, 0]
+    if D is not None:
+        y = y + _per_head(D, 1, "D").to(cd)[:, None] * x
+    if z is not None:
+        y = y * F.silu(z.to(cd))
+    return y.to(hidden_states.dtype)
+
+
+def mamba2_split_conv1d_scan_combined(*args, **kwargs):
+    """The fused training path of mamba_ssm: None makes the mixers take their unfused path (served above)."""
+    return None
+
+
+# kernel function name in the modeling modules -> linattn adapter
+_ADAPTERS: Dict[str, Callable] = {
+    "causal_conv1d_fn": conv1d_fn,
+    "causal_conv1d_update": conv1d_update,
+    "torch_chunk_gated_delta_rule": gdn_chunk,
+    "torch_recurrent_gated_delta_rule": gdn_recurrent,
+    "chunk_kimi_delta_attention": kda_chunk,
+    "recurrent_kimi_delta_attention": kda_recurrent,
+    "mamba2_chunk_scan": mamba2_chunk_scan,
+    "mamba2_selective_state_update": mamba2_state_update,
+    "mamba2_split_conv1d_scan_combined": mamba2_split_conv1d_scan_combined,
+}
+
+_KIND_NEEDS = {
+    "gdn": ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+            "causal_conv1d_update"),
+    "kda": ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
+            "causal_conv1d_update"),
+    "mamba2": ("mamba2_chunk_scan", "mamba2_selective_state_update", "causal_conv1d_fn", "causal_conv1d_update"),
+    "lightning": (),
+}
+
+
+def _install_dispatchers(module) -> List[str]:
+    """Replace the modeling module's kernel functions by dispatchers (once); returns the names missing."""
+    missing = []
+    for name, adapter in _ADAPTERS.items():
+        orig = getattr(module, name, None)
+        if orig is None:
+            missing.append(name)
+            continue
+        if getattr(orig, "_linattn_dispatcher", False):
+            continue
+
+        def make(orig=orig, adapter=adapter):
+            @functools.wraps(orig)
+            def dispatch(*args, **kwargs):
+                if _ACTIVE.get():
+                    return adapter(*args, **kwargs)
+                return orig(*args, **kwargs)
+            dispatch._linattn_dispatcher = True
+            dispatch._linattn_original = orig
+            return dispatch
+        setattr(module, name, make())
+    return missing
+
+
+def _activate(mod: nn.Module, forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def forward_on_linattn(*args, **kwargs):
+        token = _ACTIVE.set(True)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+    return forward_on_linattn
+
+
+# ------------------------------------------------------------------------------------------------------------
+# MiniMax's lightning attention: inline PyTorch, so its forward is replaced
+# ------------------------------------------------------------------------------------------------------------
+
+def _lightning_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+    """MiniMaxLightningAttention.forward on linattn: o_i = sum_{j<=i} exp(-slope (i - j)) (q_i . k_j) v_j, the
+    RetNet form of `linear_attention` (gamma = exp(-slope) per head, identity features, no normaliser)."""
+    from transformers.models.minimax.modeling_minimax import apply_mask_to_padding_states
+    if cache is None and "past_key_values" in kwargs:
+        cache = kwargs.pop("past_key_values")
+    Bn, T, _ = hidden_states.shape
+    H, Dh = self.num_attention_heads, self.head_dim
+    qkv = self.act_fn(self.qkv_proj(hidden_states))
+    qkv = apply_mask_to_padding_states(qkv, attention_mask)
+    q, k, v = torch.split(qkv.reshape(Bn, T, H, 3 * Dh), Dh, dim=3)
+    cd = _state_dtype(q)
+    gamma = torch.exp(-self.slope_rate.reshape(H).to(cd))
+    kv0 = cache.get_linear_cache(self.layer_idx) if cache is not None else None
+    s0 = None
+    if kv0 is not None:
+        s0 = LinearAttentionState(kv=kv0.to(cd), z=kv0.new_zeros(Bn, H, Dh).to(cd), log_scale=None,
+                                  offset=torch.zeros(Bn, dtype=torch.int64, device=q.device))
+    cu = _cu_seqlens(kwargs, T, q.device)
+    o, state = linear_attention(q, k, v, feature_map=None, normalize=False, gamma=gamma, scale=1.0,
+                                mode="recurrent" if (T == 1 and s0 is not None) else "chunk",
+                                initial_state=s0, output_final_state=cu is None, cu_seqlens=cu)
+    o = o.reshape(Bn, T, H * Dh)
+    o = self.norm(o)
+    o = F.sigmoid(self.output_gate(hidden_states)) * o
+    o = self.out_proj(o)
+    kv = None if state is None else state.kv.to(v.dtype)
+    if cache is not None and kv is not None:
+        cache.set_linear_cache(self.layer_idx, kv)
+    return o, kv
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Packing: restarting position_ids -> cu_seq_lens_*, and a varlen-aware sdpa for the softmax layers
+# ------------------------------------------------------------------------------------------------------------
+
+def _varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' sdpa, except that with cu_seq_lens_q (batch 1, no cache) each document attends only to
+    itself (a block-diagonal causal mask; with the layer's sliding window if it has one)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        cu = _PACKED.get()
+    T = query.shape[2]
+    if cu is not None and query.shape[0] == 1 and key.shape[2] == T:
+        cu = cu.to(device=query.device, dtype=torch.int64)
+        doc = torch.zeros(T, dtype=torch.int64, device=query.device)
+        doc[cu[1:-1]] = 1
+        doc = doc.cumsum(0)
+        i = torch.arange(T, device=query.device)
+        mask = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None])
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        if window:
+            mask = mask & (i[:, None] - i[None, :] < int(window))
+        attention_mask = mask[None, None]
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _varlen_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def _packed_cu(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Document starts where position_ids do not continue by one (DataCollatorWithFlattening: they restart)."""
+    pos = position_ids.reshape(position_ids.shape[0], -1)
+    if pos.shape[0] != 1:
+        if (torch.diff(pos, dim=-1) != 1).any():
+            raise LinattnError(f"packed sequences (restarting position_ids) need batch size 1, as transformers' "
+                               f"DataCollatorWithFlattening makes them; got position_ids of shape "
+                               f"{tuple(position_ids.shape)}")
+        return None
+    starts = torch.nonzero(torch.diff(pos[0]) != 1).reshape(-1) + 1
+    if starts.numel() == 0:
+        return None
+    T = pos.shape[1]
+    return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), T)]).to(torch.int32)
+
+
+def _with_packing(forward: Callable) -> Callable:
+    """The model's forward, with packed batches recognised: transformers' cu_seq_lens_q, or position_ids that
+    restart (only without an attention mask and without a cache, transformers' own rule in masking_utils, so
+    generation's padded position_ids are never taken for documents)."""
+    @functools.wraps(forward)
+    def forward_packed(*args, **kwargs):
+        if _PACKED.get() is not None:
+            return forward(*args, **kwargs)
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is None:
+            pos = kwargs.get("position_ids")
+            if pos is None or kwargs.get("attention_mask") is not None:
+                return forward(*args, **kwargs)
+            if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+                return forward(*args, **kwargs)
+            cu = _packed_cu(pos)
+            if cu is None:
+                return forward(*args, **kwargs)
+        if kwargs.get("use_cache"):
+            raise LinattnError("packed sequences (restarting position_ids or cu_seq_lens_q) cannot fill a cache: "
+                               "pass use_cache=False (one state per document would not fit the cache's batch)")
+        kwargs["use_cache"] = False
+        token = _PACKED.set(torch.as_tensor(cu).to(torch.int64))
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _PACKED.reset(token)
+    return forward_packed
+
+
+# ------------------------------------------------------------------------------------------------------------
+# kernelize
+# ------------------------------------------------------------------------------------------------------------
+
+def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = False) -> KernelizeReport:
+    """Serve every linear mixer of a transformers `model` with linattn's operators, in place.
+
+    Chunk forms for prefill and training, the recurrent form for one-token decode (with the cache transformers
+    passes), linattn's ShortConv for the short convolutions. Returns a `KernelizeReport`: `patched` (the
+    module names changed), `unserved` ({name: reason}). A module whose class is a known linear mixer that
+    linattn cannot serve (Mamba1, mLSTM, ...) raises `LinattnError` naming it and the reason, before anything
+    is changed; with `skip_unserved=True` it is left as it is and listed in `unserved` instead.
+    packing=True: restarting `position_ids` (batch 1, no attention mask, no cache) or transformers'
+    `cu_seq_lens_q` keep documents apart in every layer; the softmax layers switch to "linattn_sdpa"
+    (transformers' sdpa plus a block-diagonal causal mask for packed batches).
+    Calling it twice is harmless (already served modules are skipped).
+    """
+    if not isinstance(model, nn.Module):
+        raise LinattnError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    report = KernelizeReport()
+    plan = []
+    for name, mod in model.named_modules():
+        cls = type(mod).__name__
+        if cls in UNSERVED_CLASSES:
+            report.unserved[name] = f"{cls}: {UNSERVED_CLASSES[cls]}"
+            continue
+        if cls not in SERVED_CLASSES:
+            continue
+        modname, kind = SERVED_CLASSES[cls]
+        modeling = importlib.import_module(type(mod).__module__)
+        if type(mod).__module__ != modname and not modname.endswith(type(mod).__module__.rsplit(".", 1)[-1]):
+            modname = type(mod).__module__
+        absent = [n for n in _KIND_NEEDS[kind] if not callable(getattr(modeling, n, None))]
+        if absent:
+            report.unserved[name] = f"{cls}: its modeling module lacks {absent} (a transformers version kernelize " \
+                                    f"does not know)"
+            continue
+        act = getattr(mod, "activation", None)
+        if kind != "lightning" and act not in (None, "silu", "swish") and not isinstance(act, str):
+            report.unserved[name] = f"{cls}: conv activation {act!r}"
+            continue
+        plan.append((name, mod, modeling, kind))
+    if report.unserved and not skip_unserved:
+        lines = "; ".join(f"{n}: {r}" for n, r in report.unserved.items())
+        raise LinattnError(f"kernelize: {len(report.unserved)} module(s) cannot be served by linattn ({lines}); "
+                           f"pass skip_unserved=True to serve the rest and leave these on transformers' code")
+    for name, mod, modeling, kind in plan:
+        if getattr(mod, "_linattn_kernelized", False):
+            report.patched.append(name)
+            report.kinds[name] = kind
+            continue
+        if kind == "lightning":
+            mod.forward = _activate(mod, types.MethodType(_lightning_forward, mod))
+        else:
+            _install_dispatchers(modeling)
+            mod.forward = _activate(mod, mod.forward)
+        mod._linattn_kernelized = True
+        report.patched.append(name)
+        report.kinds[name] = kind
+    if packing and plan:
+        for top in {id(model): model, id(getattr(model, "base_model", model)): getattr(model, "base_model", model)
+                    }.values():
+            if not getattr(top, "_linattn_packing", False):
+                top.forward = _with_packing(top.forward)
+                top._linattn_packing = True
+        _register_attention()
+        cfg = getattr(model, "config", None)
+        if cfg is not None and getattr(cfg, "_attn_implementation", None) in (None, "sdpa", "eager"):
+            _set_attn(model)
+            report.attn_implementation = ATTN_IMPLEMENTATION
+        elif cfg is not None:
+            report.attn_implementation = cfg._attn_implementation
+    return report
+
+
+def _set_attn(model: nn.Module) -> None:
+    """Point every (sub)config at linattn_sdpa; transformers reads config._attn_implementation at call time."""
+    seen = set()
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is None or id(cfg) in seen or not hasattr(cfg, "_attn_implementation"):
+            continue
+        seen.add(id(cfg))
+        try:
+            cfg._attn_implementation = ATTN_IMPLEMENTATION
+        except Exception:  # pragma: no cover - a config that refuses the attribute keeps its own attention
+            pass
+        for sub in ("text_config",):
+            sc = getattr(cfg, sub, None)
+            if sc is not None and hasattr(sc, "_attn_implementation"):
+                sc._attn_implementation = ATTN_IMPLEMENTATION
