@@ -455,3 +455,24 @@ def test_linear_cpu_plain_c_fallback(tmp_path, monkeypatch):
     gb = torch.autograd.grad(o_t.sum(), (q, k, v))
     for a, b in zip(ga, gb):
         assert rel_err(a, b) <= GRAD_TOL[torch.float32]
+
+
+@needs_cc
+def test_linear_cpu_odd_chunks_and_wide_features():
+    """Chunk sizes 1, 3 and 512, and a feature width past the tail columns' buffer (taylor2, K = 32: 1057
+    features), forward and backward, against the PyTorch forms; chunk_size > 512 falls back with a warning."""
+    q, k, v = _lin_inputs(2, 37, 2, 8, 5, torch.float32, seed=31)
+    g = -torch.rand(2, 37, 2, generator=torch.Generator().manual_seed(32)) * 0.3
+    for C in (1, 3, 512):
+        outs = []
+        for backend in ("cpu", "torch"):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            o, _ = _run(backend, *leaves, g=g, chunk_size=C)
+            outs.append((o, *torch.autograd.grad(o.sum(), leaves)))
+        for a, b in zip(*outs):
+            assert rel_err(a, b) <= GRAD_TOL[torch.float32], C
+    q, k, v = (0.2 * x for x in _lin_inputs(1, 20, 1, 32, 3, torch.float32, seed=33))
+    o, _ = _run("cpu", q, k, v, feature_map="taylor2", chunk_size=8)
+    assert rel_err(o, _run("torch", q, k, v, feature_map="taylor2", chunk_size=8)[0]) <= TOL[torch.float32]
+    with pytest.warns(UserWarning, match="chunk_size > 512"):
+        linattn.linear_attention(q, k, v, chunk_size=513, backend="cpu")
