@@ -66,6 +66,20 @@ def test_past_recording_crop_rolls_every_layer_back(mixer):
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
 
 
+def test_recording_call_returns_the_hidden_states_of_an_ordinary_call():
+    hf = lh.LinattnForCausalLM.from_linattn(tiny(["gated-deltanet", "softmax"]))
+    hf.past_recording_window = 3     # a 5-token call: 2 tokens at once, then 3 one at a time
+    ids = torch.randint(1, 64, (1, 5))
+    with torch.no_grad():
+        want = hf(ids, output_hidden_states=True).hidden_states
+        cache = transformers.DynamicCache(config=hf.config)
+        cache.activate_past_recording()
+        got = hf(ids, cache=cache, use_cache=True, output_hidden_states=True).hidden_states
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5 * w.abs().max().item())
+
+
 def test_crop_beyond_the_recorded_window_and_without_recording():
     hf = lh.LinattnForCausalLM.from_linattn(tiny("gated-deltanet"))
     hf.past_recording_window = 2
