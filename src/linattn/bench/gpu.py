@@ -16,8 +16,8 @@ that ran passed, 1 when one failed or raised.
   machine      GPU name, driver, CUDA, torch, triton (and fla when it imports); bf16 / fp32 matmul
                rate (fp32 without tf32) and device-to-device copy bandwidth, measured
   correctness  backend="triton" against backend="torch" on the same device: linear attention (chunk,
-               recurrent), DeltaNet / Gated DeltaNet (qk_l2norm) / EFLA (chunk, recurrent), KDA and GLA
-               (recurrent: per-channel gates); B=4 H=16,
+               recurrent), DeltaNet / Gated DeltaNet (qk_l2norm) / EFLA / KDA (per-channel gates; chunk,
+               recurrent), GLA (recurrent: per-channel gates); B=4 H=16,
                K=V=64 and 128, T in 1, 63, 64, 65, 2048, 8192, fp32 and bf16, with and without gates,
                initial_state, uneven cu_seqlens; outputs, final states, gradients of every input;
                tolerances of docs/triton.md (ratio of RMS errors: fp32 1e-3, bf16 1e-2); grouped value
@@ -347,7 +347,7 @@ def step_machine(ctx: Ctx, rec: Dict[str, Any], deadline: float) -> None:
 # step 2: correctness
 # ----------------------------------------------------------------------------------------------
 
-OPS = ("linear-chunk", "deltanet-chunk", "gated-deltanet-chunk", "efla-chunk", "linear-recurrent",
+OPS = ("linear-chunk", "deltanet-chunk", "gated-deltanet-chunk", "kda-chunk", "efla-chunk", "linear-recurrent",
        "gated-deltanet-recurrent", "kda-recurrent", "gla-recurrent")
 # grouped value heads (q/k heads = H // GROUP): the Triton entry points with grouped q, k against the
 # same entry points with q, k expanded to H heads (the plain case, checked against PyTorch above)
@@ -622,7 +622,8 @@ for dt in (getattr(torch, d) for d in {dtypes!r}):
                                  initial_state=s, output_final_state=True)
     beta = torch.rand(1, sum(lens), H, device=dev).requires_grad_()
     S0 = (rnd(N, H, K, V) * 0.1).requires_grad_()
-    for kw in ({{"g": g, "qk_l2norm": True}}, {{"exact": True}}):
+    gk = (-torch.rand(1, sum(lens), H, K, device=dev) * 0.3).requires_grad_()  # KDA: per-channel gates
+    for kw in ({{"g": g, "qk_l2norm": True}}, {{"exact": True}}, {{"g": gk, "qk_l2norm": True}}):
         o, S = linattn.delta_rule(q, k, v, beta, initial_state=S0, output_final_state=True, cu_seqlens=cu,
                                   backend="triton", **kw)
         (o.float().sum() + S.sum()).backward()
