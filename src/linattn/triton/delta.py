@@ -353,6 +353,11 @@ def _wy_bwd(k, v, b, g, Tm, dvn, dw, dk, dGin, dv, db, dg, cu, chunk_index,
 # ----------------------------------------------------------------------------------------------
 
 KDA_CHUNK = 16  # the token tile with per-channel gates: the pair decays cost BT^2 * K per chunk
+KDA_BK = 32     # the K tile of the KDA kernels: the pair-decay cube [BT, BT, BK] lives in registers
+
+
+def _kda_bk(K: int) -> int:
+    return block(K, cap=KDA_BK)
 
 
 @triton.jit
@@ -627,7 +632,7 @@ def _wy(k, v, b, g, cfg):
     w = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
     if _per_channel(g):
         _kda_wy_fwd[(cfg.chunks.NT, H)](k, v, b, g, Tm, u, w, cfg.chunks.cu, cfg.chunks.index, H, HQ, K, V,
-                                        BT=cfg.BT, BK=block(K), BV=block(V), PREC=cfg.prec)
+                                        BT=cfg.BT, BK=_kda_bk(K), BV=block(V), PREC=cfg.prec)
         return Tm, u, w
     _wy_fwd[(cfg.chunks.NT, H)](k, v, b, g if g is not None else dummy(dev), Tm, u, w, cfg.chunks.cu,
                                 cfg.chunks.index, H, HQ, K, V, BT=cfg.BT, BK=block(K), BV=block(V),
@@ -670,7 +675,7 @@ def _chunk_fwd(q, k, v, b, g, h0, cfg, output_final_state):
         o = torch.empty(TT, H, V, dtype=torch.float32, device=q.device)
         BV = block(V)
         _kda_fwd_o[(triton.cdiv(V, BV), ch.NT, H)](q, k, vn, g, h, o, ch.cu, ch.index, H, HQ, K, V,
-                                                   BT=cfg.BT, BK=block(K), BV=BV, PREC=cfg.prec)
+                                                   BT=cfg.BT, BK=_kda_bk(K), BV=BV, PREC=cfg.prec)
         return o, ht
     o, _ = chunk_fwd_o(q, k, vn, g, h, None, cfg, 1.0, FMAP_IDENTITY, False)
     return o, ht
@@ -689,7 +694,7 @@ def _chunk_bwd(q, k, v, b, g, h0, cfg, do, dht, need_dh0):
     if gk:
         dvl = torch.empty(TT, H, V, dtype=torch.float32, device=dev)
         _kda_bwd_dv[(triton.cdiv(V, block(V)), ch.NT, H)](q, k, g, do, dvl, ch.cu, ch.index, H, HQ, K, V,
-                                                          BT=cfg.BT, BK=block(K), BV=block(V), PREC=cfg.prec)
+                                                          BT=cfg.BT, BK=_kda_bk(K), BV=block(V), PREC=cfg.prec)
     else:
         dvl = chunk_bwd_dv(q, k, g, do, None, cfg, 1.0, FMAP_IDENTITY)
     BKf, BVf = full_block(K, "K"), block(V, cap=32 if K > 64 else 64)
@@ -707,6 +712,8 @@ def _chunk_bwd(q, k, v, b, g, h0, cfg, do, dht, need_dh0):
     dk = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
     dw = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
     if gk:  # each K tile owns its columns of dG: no partial sums
+        BK = _kda_bk(K)
+        NK = triton.cdiv(K, BK)
         dG = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
         _kda_bwd_dqkw[(NK, ch.NT, H)](q, k, vn, g, h, do, dh, dvn, dq, dk, dw, dG, ch.cu, ch.index, H, HQ, K, V,
                                       BT=cfg.BT, BK=BK, BV=BV, PREC=cfg.prec)
