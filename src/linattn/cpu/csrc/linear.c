@@ -162,8 +162,20 @@ static REAL FN(lin_cumgate)(const REAL *g, int64_t t0, int64_t H, int64_t h, int
 }
 
 /* rows t0 .. t0+len of x [TT, H, D] (head h) into buf [C][ld] (columns 0..D), zero-padding rows len..C */
+/* dst[0..n) = src[0..n) for short rows: inline vector moves (a memcpy call per row of 64 values costs as much as
+   the copy); no arithmetic, so the bits are the source's */
+static inline void FN(copy_row)(REAL *restrict dst, const REAL *restrict src, int n) {
+    int d = 0;
+#if defined(__GNUC__)
+    typedef REAL vec __attribute__((vector_size(64), aligned(sizeof(REAL))));
+    const int vl = (int)(64 / sizeof(REAL));
+    for (; d + vl <= n; d += vl) *(vec *)(dst + d) = *(const vec *)(src + d);
+#endif
+    for (; d < n; d++) dst[d] = src[d];
+}
+
 static void FN(lin_load)(const REAL *x, int64_t t0, int64_t H, int64_t h, int D, int len, int C, REAL *buf, int ld) {
-    for (int i = 0; i < len; i++) memcpy(buf + (int64_t)i * ld, x + ((t0 + i) * H + h) * D, sizeof(REAL) * D);
+    for (int i = 0; i < len; i++) FN(copy_row)(buf + (int64_t)i * ld, x + ((t0 + i) * H + h) * D, D);
     for (int i = len; i < C; i++) memset(buf + (int64_t)i * ld, 0, sizeof(REAL) * ld);
 }
 
@@ -233,9 +245,8 @@ static void FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, 
     FN(gemm)(C, W, K, Qs, K, Pc, W, O, W);
     FN(gemm_lo)(C, W, A, C, Vb, W, O, W);
     for (int i = 0; i < len; i++) {
-        REAL *o = num + ((t0 + i) * H + h) * V;
         const REAL *src = O + (int64_t)i * W;
-        for (int w = 0; w < V; w++) o[w] = src[w];
+        FN(copy_row)(num + ((t0 + i) * H + h) * V, src, V);
         if (norm && den) den[(t0 + i) * H + h] = src[V];
     }
 }
@@ -489,9 +500,9 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
         const int64_t row = (t0 + i) * H + h;
         FN(lin_map_grad)(dQ + (int64_t)i * K, Q + (int64_t)i * K, K, fmap, sc);
         FN(lin_map_grad)(dK + (int64_t)i * K, Km + (int64_t)i * K, K, fmap, 1);
-        memcpy(dq + row * K, dQ + (int64_t)i * K, sizeof(REAL) * K);
-        memcpy(dk + row * K, dK + (int64_t)i * K, sizeof(REAL) * K);
-        memcpy(dv + row * V, dV + (int64_t)i * W, sizeof(REAL) * V);
+        FN(copy_row)(dq + row * K, dQ + (int64_t)i * K, K);
+        FN(copy_row)(dk + row * K, dK + (int64_t)i * K, K);
+        FN(copy_row)(dv + row * V, dV + (int64_t)i * W, V);
     }
     if (has_g && dg) { /* dg_t = sum_{i >= t} dG_i inside the chunk */
         REAL s = 0;
