@@ -53,6 +53,12 @@
 #define ATOMIC_WRITE
 #endif
 #define INLINE static inline __attribute__((always_inline))
+#if defined(__GNUC__)
+#define PREFETCH(p, w) __builtin_prefetch((p), (w))
+#else
+#define PREFETCH(p, w) ((void)0)
+#endif
+#define PF_AHEAD 4 /* tokens: a head's rows lie H * D apart, which the hardware prefetchers follow poorly */
 
 int linattn_delta_abi_version(void) { return 2; }
 
@@ -167,6 +173,17 @@ static int scan_##SFX(int64_t H, int64_t K, int64_t V, int64_t h, int64_t t0, in
         if (ckpt != NULL && i % chunk == 0) memcpy(ckpt + (i / chunk) * H * KV, Sin, (size_t)KV * sizeof(real)); \
         if (wstates != NULL) memcpy(wstates + i * V, w, (size_t)V * sizeof(real));                           \
         if (estates != NULL) memcpy(estates + i * K, e, (size_t)K * sizeof(real));                           \
+        if (i + PF_AHEAD < L) {                                                                               \
+            const int64_t tp = th + PF_AHEAD * H;                                                             \
+            for (int64_t c = 0; c < K; c += 64 / (int64_t)sizeof(real)) {                                     \
+                PREFETCH(q + tp * K + c, 0);                                                                  \
+                PREFETCH(k + tp * K + c, 0);                                                                  \
+            }                                                                                                 \
+            for (int64_t c = 0; c < V; c += 64 / (int64_t)sizeof(real)) {                                     \
+                PREFETCH(v + tp * V + c, 0);                                                                  \
+                if (o != NULL) PREFETCH(o + tp * V + c, 1);                                                   \
+            }                                                                                                 \
+        }                                                                                                     \
         if (i + 1 < L) {                                                                                      \
             const int64_t tn = th + H;                                                                        \
             factors_##SFX(K, k + tn * K, a[tn], gate != GATE_NONE ? g + tn * gK : NULL, gate, en, ken, akn);  \
