@@ -556,3 +556,34 @@ def test_delta_product_grouped_value_heads(gate):
         assert rel_err(o, ro) < 1e-13 and rel_err(S, rS) < 1e-13
     with pytest.raises(LinattnError, match="v must have shape"):
         linattn.delta_product(q, k, v[:, :, :3], beta[:, :, :3])
+
+
+@pytest.mark.parametrize("name", [m for m in GROUPED_MIXERS if m != "kda"])   # KDA has no fast step
+def test_grouped_layer_fast_decode_step(name):
+    # the single-token fast step (CPU, no grad, fp64 here) with grouped value heads: the general path's values
+    from linattn.layers.base import AttentionBase
+    layer = _layer(name)
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    fast_calls = []
+    original = type(layer)._fast_step
+
+    def spy(self, *a):
+        out = original(self, *a)
+        fast_calls.append(out is not None)
+        return out
+
+    with torch.no_grad():
+        full = layer(x)
+        cache = linattn.layers.LayerCache()
+        layer._fast_step = spy.__get__(layer)
+        steps = torch.cat([layer(x[:, :3], cache)] + [layer(x[:, t:t + 1], cache) for t in range(3, 8)], dim=1)
+    assert fast_calls and all(fast_calls), fast_calls           # the fast step ran, and did not decline
+    assert isinstance(layer, AttentionBase)
+    assert rel_err(steps, full) < 1e-12
+    with torch.no_grad():                                        # and the general path's state
+        layer._fast_step = lambda *a: None
+        cache2 = linattn.layers.LayerCache()
+        torch.cat([layer(x[:, :3], cache2)] + [layer(x[:, t:t + 1], cache2) for t in range(3, 8)], dim=1)
+    s1, s2 = cache.get("state"), cache2.get("state")
+    s1, s2 = (s if isinstance(s, torch.Tensor) else s.kv for s in (s1, s2))
+    assert s1.shape == s2.shape and rel_err(s1, s2) < 1e-12

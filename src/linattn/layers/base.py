@@ -191,7 +191,7 @@ class AttentionBase(nn.Module):
         and RoPE) and the outputs of the projections after q, k, v in lins `[B, n_i]`, for one token
         x `[B, 1, d_model]`; updates the conv states in cache."""
         B = x.shape[0]
-        H, Dk, Dv = self.n_heads, self.head_dim, self.head_dim_v
+        H, HV, Dk, Dv = self.n_heads, self.n_value_heads, self.head_dim, self.head_dim_v
         mods = self._modules
         convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"]) if self.short_conv else ()
         w, b, cw, cb = self._fused.get([m.weight for m in lins],
@@ -199,7 +199,7 @@ class AttentionBase(nn.Module):
                                        if any(m.bias is not None for m in lins) else [],
                                        [c.weight for c in convs], [c.bias for c in convs if c.bias is not None])
         y = F.linear(x.reshape(B, -1), w, b)                                   # [B, sum of widths]
-        nq, nv = H * Dk, H * Dv
+        nq, nv = H * Dk, HV * Dv
         if convs:
             parts = y.split([2 * nq + nv] + [m.out_features for m in lins[3:]], dim=1)
             qk, v = self._fast_conv(parts[0], cache, convs, cw, cb).split([2 * nq, nv], dim=1)
@@ -208,7 +208,7 @@ class AttentionBase(nn.Module):
             qk, v, *extra = y.split([2 * nq, nv] + [m.out_features for m in lins[3:]], dim=1)
         if self.rope is not None:   # the same rotation for q and k
             qk = self.rope.apply(qk.view(B, 1, 2 * H, Dk), cache.offset)
-        return qk.view(B, 2 * H, 1, Dk), v.view(B, H, 1, Dv), extra
+        return qk.view(B, 2 * H, 1, Dk), v.view(B, HV, 1, Dv), extra
 
     @staticmethod
     def _fast_conv(u: torch.Tensor, cache: LayerCache, convs, w: torch.Tensor,
@@ -257,8 +257,8 @@ class AttentionBase(nn.Module):
                 and x.device.type == "cpu" and not torch.is_grad_enabled()
                 and x.dtype in (torch.float32, torch.float64) and self._fast_supported()):
             return None
-        if self.n_value_heads != self.n_heads or self.gate_act != "silu" or self.norm_group_size is not None:
-            return None   # the fast step computes one value head per q/k head and the default gated norm
+        if self.gate_act != "silu" or self.norm_group_size is not None:
+            return None   # the fast step computes the default gated norm only
         mods = self._modules
         lins = (mods["q_proj"], mods["k_proj"], mods["v_proj"]) + self._fast_extra()
         for m in lins + (mods["o_proj"],):

@@ -90,30 +90,33 @@ class DeltaNet(AttentionBase):
     def _fast_step(self, x: torch.Tensor, cache: LayerCache, lins) -> Optional[torch.Tensor]:
         """The recurrent form of `delta_rule` (ops/delta_core.py: prepare_delta, then one step of
         _recurrent) for one token of DeltaNet, GatedDeltaNet or EFLA; subclasses take the general path."""
-        B, H, K, V, cdt = x.shape[0], self.n_heads, self.head_dim, self.head_dim_v, x.dtype
+        B, H, HV, K, V, cdt = x.shape[0], self.n_heads, self.n_value_heads, self.head_dim, self.head_dim_v, x.dtype
         S = cache.get("state")
-        if S is not None and not (isinstance(S, torch.Tensor) and S.shape == (B, H, K, V) and S.device == x.device):
+        if S is not None and not (isinstance(S, torch.Tensor) and S.shape == (B, HV, K, V) and S.device == x.device):
             return None   # the general path checks it and says what is wrong
-        qk, v, extra = self._fast_project(x, cache, lins)                    # [B, 2H, 1, K], [B, H, 1, V]
+        qk, v, extra = self._fast_project(x, cache, lins)                    # [B, 2H, 1, K], [B, HV, 1, V]
         if self.qk_l2norm:          # DeltaNet, GatedDeltaNet: both, inside the operator
             q, k = l2norm(qk, self.l2norm_convention).split(H, dim=1)
         else:                        # EFLA: the layer normalises q (or not); keys keep their norm
             q, k = self._prepare_qk(*qk.split(H, dim=1))
         q = q * self.scale
         lam, d2, d = key_norms(k)                             # [B, H, 1] (fp64 for fp32), [B, H, 1, 1]
-        beta = self._beta_of(extra[0]).view(B, H, 1)
+        k = k / d                                                               # key-norm rescaling
+        if HV != H:   # grouped value heads: as prepare_delta, repeated after the normalisation and key norms
+            q, k, lam, d2, d = (t.repeat_interleave(HV // H, dim=1) for t in (q, k, lam, d2, d))
+        beta = self._beta_of(extra[0]).view(B, HV, 1)
         if beta.dtype != cdt:
             beta = beta.to(cdt)
         a = efla_coefficient(beta.to(lam.dtype), lam) if self.exact else beta
-        k, a = k / d, (a * d2).to(cdt).unsqueeze(-1)                         # key-norm rescaling
+        a = (a * d2).to(cdt).unsqueeze(-1)
         bv = (v / d) * a
         if S is None:
-            S = q.new_zeros(B, H, K, V)
+            S = q.new_zeros(B, HV, K, V)
         elif S.dtype != cdt:
             S = S.to(cdt)
         if isinstance(self, GatedDeltaNet):
             g = self._gate_of(extra[1], fast=True)
-            S = S * torch.exp(g if g.dtype == cdt else g.to(cdt)).view(B, H, 1, 1)
+            S = S * torch.exp(g if g.dtype == cdt else g.to(cdt)).view(B, HV, 1, 1)
         err = torch.addcmul(bv, a, k @ S, value=-1.0)                          # a (v - S^T k)
         S = torch.addcmul(S, k.transpose(-1, -2), err)
         cache["state"] = S

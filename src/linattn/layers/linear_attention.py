@@ -158,13 +158,13 @@ class LinearAttention(AttentionBase):
         """The recurrent form of `linear_attention` for one token, with the state [kv | z] kept as one
         tensor (kv and z in the cache are views of it); linear-space, non-positional maps only."""
         fm = self.feature_map
-        B, H, V, cdt = x.shape[0], self.n_heads, self.head_dim_v, x.dtype
+        B, H, HV, V, cdt = x.shape[0], self.n_heads, self.n_value_heads, self.head_dim_v, x.dtype
         Kf = self.__dict__.get("_fast_kf")
         if Kf is None:
             Kf = self.__dict__["_fast_kf"] = fm.feature_dim(self.head_dim)
         st = cache.get("state")
         if st is not None and not (isinstance(st, LinearAttentionState) and st.log_scale is None
-                                   and st.kv.shape == (B, H, Kf, V) and st.z.shape == (B, H, Kf)
+                                   and st.kv.shape == (B, HV, Kf, V) and st.z.shape == (B, HV, Kf)
                                    and st.kv.device == x.device and st.offset.shape == (B,)):
             return None   # the general path checks it and says what is wrong
         qk, v, extra = self._fast_project(x, cache, lins)                    # [B, 2H, 1, K], [B, H, 1, V]
@@ -175,8 +175,10 @@ class LinearAttention(AttentionBase):
             if self.scale != 1.0:
                 q = q * self.scale
             fq, fk = fm.phi(q.transpose(1, 2)).transpose(1, 2), fm.psi(k.transpose(1, 2)).transpose(1, 2)
+        if HV != H:   # grouped value heads: value head j reads the features of q/k head j // (HV / H)
+            fq, fk = fq.repeat_interleave(HV // H, dim=1), fk.repeat_interleave(HV // H, dim=1)
         if st is None:
-            S = fq.new_zeros(B, H, Kf, V + 1)
+            S = fq.new_zeros(B, HV, Kf, V + 1)
             offset = torch.zeros(B, dtype=torch.int64, device=x.device)
         else:
             fast = cache.__dict__.get("_fast_state")
@@ -190,10 +192,10 @@ class LinearAttention(AttentionBase):
             S = self._fast_decay(cdt, x.device) * S
         elif self.gate == "scalar":
             g = self._scalar_gate(extra[0], fast=True)
-            S = torch.exp(g if g.dtype == cdt else g.to(cdt)).view(B, H, 1, 1) * S
+            S = torch.exp(g if g.dtype == cdt else g.to(cdt)).view(B, HV, 1, 1) * S
         elif self.gate == "diagonal":
             gk = F.linear(extra[0], self.gk_proj[1].weight, self.gk_proj[1].bias)
-            S = torch.exp(self._diagonal_gate(gk).to(cdt)).view(B, H, Kf, 1) * S
+            S = torch.exp(self._diagonal_gate(gk).to(cdt)).view(B, HV, Kf, 1) * S
         S = S + fk.transpose(-1, -2) * F.pad(v, (0, 1), value=1.0)   # (not addcmul: the operator's bits)
         o, den = torch.matmul(fq, S).split([V, 1], dim=-1)                  # [B, H, 1, V], [B, H, 1, 1]
         if self.normalize:
