@@ -476,3 +476,28 @@ def test_linear_cpu_odd_chunks_and_wide_features():
     assert rel_err(o, _run("torch", q, k, v, feature_map="taylor2", chunk_size=8)[0]) <= TOL[torch.float32]
     with pytest.warns(UserWarning, match="chunk_size > 512"):
         linattn.linear_attention(q, k, v, chunk_size=513, backend="cpu")
+
+
+def test_bench_ops_issue34_targets_from_rows():
+    """--targets 34: issue 34's thresholds per backend, and at T = 1024 the compiled rows against the torch ones."""
+    from linattn.bench import ops
+
+    class A:
+        T, families, modes, passes = [1024, 16384], ["linear", "delta", "softmax"], ["chunk"], ["fwd"]
+        backends, targets = ["torch", "cpu"], "34"
+
+    def row(T, op, ms, backend, mode="chunk", gflops=0.0):
+        return {"T": T, "op": op, "mode": mode, "pass": "fwd", "ms": ms, "gflops": gflops, "backend": backend}
+
+    results = [row(16384, "softmax", 100.0, None, mode="sdpa"),
+               row(16384, "linear", 2.0, "cpu", gflops=50.0), row(16384, "linear", 4.0, "torch", gflops=25.0),
+               row(16384, "deltanet", 4.0, "cpu"), row(1024, "linear", 1.0, "cpu"), row(1024, "linear", 1.5, "torch"),
+               row(1024, "deltanet", 2.0, "cpu"), row(1024, "deltanet", 1.0, "torch")]
+    t = {x["target"]: x for x in ops.compute_targets(results, [], A, {"gflops": 100.0, "dtype": "float32"})}
+    assert t["[cpu] linear elu+1 chunk fwd: softmax time / op time"]["met"] is True       # 50x >= 40x
+    assert t["[torch] linear elu+1 chunk fwd: softmax time / op time"]["met"] is False    # 25x < 40x
+    assert t["[cpu] linear elu+1 chunk fwd: achieved / measured float32 matmul rate"]["met"] is True  # 50% >= 45%
+    assert t["[cpu] DeltaNet chunk fwd: softmax time / op time"]["met"] is True           # 25x >= 20x
+    assert not any("recurrent time" in name for name in t)                                 # not an issue-34 target
+    assert t["[cpu vs torch] linear elu+1 chunk fwd at T=1024: torch time / cpu time"]["measured"] == 1.5
+    assert t["[cpu vs torch] DeltaNet chunk fwd at T=1024: torch time / cpu time"]["met"] is False
