@@ -34,6 +34,8 @@ BENCHMARKS: Dict[str, Tuple[str, str]] = {
     "gpu": ("linattn.bench.gpu", "the prepared GPU check: kernels vs PyTorch, compute-sanitizer, timings vs SDPA "
                                  "and fla, LM steps, within a time budget (--dry-run: CPU)"),
     "data": ("linattn.bench.data", "data preparation: peak memory and time of reading, tokenizer training, tokenizing"),
+    "hf": ("linattn.bench.hf", "transformers' linear-attention models: their PyTorch fallbacks vs linattn.hf.kernelize "
+                               "(prefill, decode, training step, peak memory)"),
 }
 
 HELP = "run a benchmark (" + ", ".join(BENCHMARKS) + ")"

@@ -1,0 +1,253 @@
+"""`linattn bench hf`: transformers' linear-attention models on their own PyTorch fallbacks vs after
+`linattn.hf.kernelize`, one real-sized mixer layer of each kind in a one-layer causal LM (random weights,
+batch 1, fp32): prefill at --T, one-token decode at --decode-context, one training step (forward + backward)
+at --train-T, per --threads; prefill peak memory; patched vs unpatched in one run (interleaved repeats, median).
+
+Kinds (--kinds): gdn = a Qwen3.5-0.8B-like Gated DeltaNet layer (Qwen3_5ForCausalLM: hidden 1024, 16 key heads
+x 128, 32 value heads x 128, conv 4); kda = a Kimi-Linear-like KDA layer (KimiLinearForCausalLM: hidden 2304,
+32 heads x 128); mamba2 = a Mamba2 layer (Mamba2ForCausalLM: hidden 1024, 32 heads x 64, state 128, 1 group).
+The MLP (intermediate 2 x hidden), the embeddings and the head (vocab --vocab-size) are the same on both sides.
+gdn and kda models have a second layer, a minimal softmax one (1 head x 16; transformers 5.24 cannot build the
+causal mask of a cached model without any attention layer), the same on both sides too.
+Targets (issue 35.4): prefill >= 2x faster at T = 2048 and 8192, a training step >= 3x at 2048, decode not
+slower, prefill peak memory at T = 8192 <= 0.5x the unpatched model's; the table says which are met.
+--quick: tiny sizes (hidden 64), for the tests.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from ..cli_support import UsageError, int_at_least
+from ..io import atomic_write_text, write_json
+from . import common
+
+DESCRIPTION = __doc__
+PROG = "linattn bench hf"
+KINDS = ("gdn", "kda", "mamba2")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)} (default: all)")
+    p.add_argument("--T", type=int, nargs="+", default=[512, 2048, 8192], help="prefill lengths (default 512 "
+                   "2048 8192)")
+    p.add_argument("--decode-context", type=int, default=2048, help="context before the timed decode step "
+                   "(default 2048)")
+    p.add_argument("--train-T", type=int, default=2048, help="length of the training step (default 2048)")
+    p.add_argument("--threads", type=int_at_least(1), nargs="+", default=[1, 2],
+                   help="torch.set_num_threads values, each a separate pass (default 1 2)")
+    p.add_argument("--repeats", type=int_at_least(1), default=3, help="timed calls per case (default 3)")
+    p.add_argument("--vocab-size", type=int_at_least(2), default=1024, help="(default 1024)")
+    p.add_argument("--no-memory", action="store_true", help="skip the prefill peak-memory measurement")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (hidden 64, T 32/64), for the tests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output folder (default results/bench/hf/)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--quiet", action="store_true", help="no per-case progress on stderr")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Models
+# ------------------------------------------------------------------------------------------------------------
+
+def build_model(kind: str, quick: bool, vocab_size: int, seed: int = 0) -> torch.nn.Module:
+    """A causal LM of `kind` with random weights (fp32, eval mode): the mixer layer (+ a minimal softmax layer)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "gdn":
+        d, hk, hv, dk = (64, 2, 4, 16) if quick else (1024, 16, 32, 128)
+        cfg = tf.Qwen3_5TextConfig(**ids, vocab_size=vocab_size, hidden_size=d, intermediate_size=2 * d,
+                                   num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                                   head_dim=16, linear_num_key_heads=hk, linear_num_value_heads=hv,
+                                   linear_key_head_dim=dk, linear_value_head_dim=dk, linear_conv_kernel_dim=4,
+                                   layer_types=["linear_attention", "full_attention"])
+        model = tf.Qwen3_5ForCausalLM(cfg)
+    elif kind == "kda":
+        d, h, dk = (64, 4, 16) if quick else (2304, 32, 128)
+        cfg = tf.KimiLinearConfig(**ids, vocab_size=vocab_size, hidden_size=d, intermediate_size=2 * d,
+                                  num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                                  linear_num_heads=h, linear_head_dim=dk, linear_conv_kernel_dim=4,
+                                  kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
+                                  qk_nope_head_dim=16, moe_intermediate_size=16, num_local_experts=2,
+                                  num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"],
+                                  mlp_layer_types=["dense", "dense"])
+        model = tf.KimiLinearForCausalLM(cfg)
+    elif kind == "mamba2":
+        d, h, p, n = (64, 4, 32, 16) if quick else (1024, 32, 64, 128)
+        cfg = tf.Mamba2Config(**ids, vocab_size=vocab_size, hidden_size=d, num_heads=h, head_dim=p, state_size=n,
+                              n_groups=1, expand=2, conv_kernel=4, num_hidden_layers=1, chunk_size=256)
+        model = tf.Mamba2ForCausalLM(cfg)
+    else:
+        raise UsageError(f"--kinds: unknown kind {kind!r}; choose from {', '.join(KINDS)}", prog=PROG)
+    return model.float().eval()
+
+
+def pair(kind: str, quick: bool, vocab_size: int, seed: int = 0):
+    """(unpatched, patched) copies of one model."""
+    from ..hf.kernelize import kernelize
+
+    ref = build_model(kind, quick, vocab_size, seed)
+    fast = copy.deepcopy(ref)
+    kernelize(fast)
+    return ref, fast
+
+
+def _ids(T: int, vocab_size: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _pos(start: int, T: int) -> torch.Tensor:
+    # explicit positions: transformers cannot count a cache's length when it holds only linear-attention layers
+    return torch.arange(start, start + T)[None]
+
+
+def prefill_fn(model, ids) -> Callable[[], Any]:
+    def run():
+        with torch.no_grad():
+            return model(ids, position_ids=_pos(0, ids.shape[1]), use_cache=True).logits[:, -1]
+    return run
+
+
+def train_fn(model, ids) -> Callable[[], Any]:
+    def run():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids, use_cache=False).loss.backward()
+    return run
+
+
+def decode_maker(model, ids) -> Callable[[], Callable[[], Any]]:
+    """Prefill the context (untimed), then one timed single-token step on the cache."""
+    def make():
+        with torch.no_grad():
+            out = model(ids[:, :-1], position_ids=_pos(0, ids.shape[1] - 1), use_cache=True)
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+
+        def step():
+            with torch.no_grad():
+                return model(ids[:, -1:], position_ids=_pos(ids.shape[1] - 1, 1), cache=cache,
+                             use_cache=True).logits
+        return step
+    return make
+
+
+def memory_case(kind: str, quick: bool, vocab_size: int, T: int, patched: bool, seed: int = 0):
+    """Builder for common.measure_memory (run in its worker process): one prefill of T tokens."""
+    torch.set_num_threads(1)
+    model = build_model(kind, quick, vocab_size, seed)
+    if patched:
+        from ..hf.kernelize import kernelize
+        kernelize(model)
+    return prefill_fn(model, _ids(T, vocab_size, seed))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Run
+# ------------------------------------------------------------------------------------------------------------
+
+TARGETS = {("prefill", 2048): 2.0, ("prefill", 8192): 2.0, ("train", 2048): 3.0, ("decode", None): 1.0}
+
+
+def _target(case: str, T: int):
+    return TARGETS.get((case, T), TARGETS.get((case, None)))
+
+
+def run(args) -> int:
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise UsageError(f"--kinds: unknown {bad or args.kinds!r}; choose from {', '.join(KINDS)}", prog=PROG)
+    if args.quick:
+        args.T, args.decode_context, args.train_T = [32, 64], 64, 32
+    for name, vals in (("--T", args.T), ("--decode-context", [args.decode_context]), ("--train-T", [args.train_T])):
+        if min(vals) < 2:
+            raise UsageError(f"{name} must be >= 2, got {min(vals)}", prog=PROG)
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise UsageError("linattn bench hf needs transformers: pip install 'linattn[hf]'", prog=PROG) from e
+    log = (lambda s: None) if args.quiet else (lambda s: print(s, file=__import__("sys").stderr, flush=True))
+    paths = common.output_paths("hf", args.out, overwrite=args.overwrite)
+    info = common.machine_info("cpu")
+    rows: List[Dict[str, Any]] = []
+    skipped: List[Dict[str, str]] = []
+    for kind in kinds:
+        ref, fast = pair(kind, args.quick, args.vocab_size, args.seed)
+        models = {"unpatched": ref, "patched": fast}
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            cases = [("prefill", T) for T in args.T] + [("decode", args.decode_context), ("train", args.train_T)]
+            for case, T in cases:
+                log(f"[{kind}] {case} T={T} threads={threads}")
+                ids = _ids(T + (1 if case == "decode" else 0), args.vocab_size, args.seed)
+                if case == "prefill":
+                    makers = [lambda m=m: prefill_fn(m, ids) for m in models.values()]
+                elif case == "train":
+                    makers = [lambda m=m: train_fn(m, ids) for m in models.values()]
+                else:
+                    makers = [decode_maker(m, ids) for m in models.values()]
+                res = common.time_interleaved(makers, warmup=1, repeats=args.repeats, min_time_s=0.0,
+                                              max_repeats=args.repeats, budget_s=None)
+                row: Dict[str, Any] = {"kind": kind, "case": case, "T": T, "threads": threads}
+                for side, r in zip(models, res):
+                    if isinstance(r, Exception):
+                        skipped.append({"kind": kind, "case": f"{case} T={T} {side}",
+                                        "reason": f"{type(r).__name__}: {r}"})
+                        row[f"{side}_ms"] = None
+                    else:
+                        row[f"{side}_ms"] = r.median_ms
+                        row[f"{side}_iqr_ms"] = [r.q1_ms, r.q3_ms]
+                if row["unpatched_ms"] and row["patched_ms"]:
+                    row["speedup"] = row["unpatched_ms"] / row["patched_ms"]
+                    tgt = _target(case, T)
+                    row["target"] = tgt
+                    row["met"] = None if tgt is None else bool(row["speedup"] >= tgt)
+                rows.append(row)
+        del ref, fast, models
+    memory: List[Dict[str, Any]] = []
+    if not args.no_memory:
+        specs, warm = [], []
+        for kind in kinds:
+            for T in args.T:
+                for patched in (False, True):
+                    specs.append({"kind": kind, "quick": args.quick, "vocab_size": args.vocab_size, "T": T,
+                                  "patched": patched, "seed": args.seed})
+                    warm.append(dict(specs[-1], T=min(T, 64)))
+        log("prefill peak memory")
+        res = common.measure_memory("linattn.bench.hf:memory_case", specs, warmup_specs=warm)
+        for spec, r in zip(specs, res):
+            memory.append({"kind": spec["kind"], "T": spec["T"], "patched": spec["patched"], **r})
+    mem_rows = []
+    for kind in kinds:
+        for T in args.T:
+            u = next((m for m in memory if m["kind"] == kind and m["T"] == T and not m["patched"]), None)
+            p = next((m for m in memory if m["kind"] == kind and m["T"] == T and m["patched"]), None)
+            if u and p and u["peak_bytes"] and p["peak_bytes"] is not None:
+                ratio = p["peak_bytes"] / u["peak_bytes"]
+                mem_rows.append([kind, T, common.fmt_bytes(u["peak_bytes"]), common.fmt_bytes(p["peak_bytes"]),
+                                 f"{ratio:.2f}", "<= 0.5" if T == 8192 else "", ("yes" if ratio <= 0.5 else "no")
+                                 if T == 8192 else ""])
+            elif u or p:
+                mem_rows.append([kind, T, ((u or {}).get("error") or "-")[:40], ((p or {}).get("error") or "-")[:40],
+                                 "", "", ""])
+    table = common.format_table(
+        ["kind", "case", "T", "threads", "unpatched ms", "patched ms", "speedup", "target", "met"],
+        [[r["kind"], r["case"], r["T"], r["threads"], common.fmt_ms(r.get("unpatched_ms")),
+          common.fmt_ms(r.get("patched_ms")), f"{r['speedup']:.2f}x" if r.get("speedup") else "-",
+          f">= {r['target']:g}x" if r.get("target") else "", {True: "yes", False: "no"}.get(r.get("met"), "")]
+         for r in rows])
+    text = common.describe_machine(info) + "\n\n" + table + "\n"
+    if mem_rows:
+        text += "\nprefill peak memory\n" + common.format_table(
+            ["kind", "T", "unpatched MiB", "patched MiB", "ratio", "target", "met"], mem_rows) + "\n"
+    for s in skipped:
+        text += f"skipped: {s['kind']} {s['case']}: {s['reason']}\n"
+    print(text, end="")
+    write_json(paths["json"], {"machine": info, "config": {k: v for k, v in vars(args).items()
+                                                            if k not in ("func",)},
+                               "timings": rows, "memory": memory, "skipped": skipped})
+    atomic_write_text(paths["txt"], text)
+    return 0
