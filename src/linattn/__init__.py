@@ -5,6 +5,7 @@ The public API, re-exported:
     softmax_attention                          the O(T^2) baseline (ops/softmax.py)
     delta_rule                                 DeltaNet, Gated DeltaNet, EFLA (ops/delta.py)
     comba, delta_product                       Comba, (Gated) DeltaProduct (ops/comba.py, ops/delta_product.py);
+    rwkv7                                      RWKV-7's state update, fla's chunk_rwkv7 arguments (ops/rwkv7.py);
                                                Kimi Delta Attention is delta_rule with g [B, T, H, K]
     mesa_net, MesaState                        MesaNet, CG or exact solves (ops/mesa.py)
     forgetting_attention, deltaformer,         the softmax side: FoX, DeltaFormer, PaTH, with their
@@ -44,6 +45,7 @@ from .ops import (
                   path_attention_step,
                   prepare_delta,
                   prepare_linear_attention,
+                  rwkv7,
                   set_checks,
                   softmax_attention,
                   titans,
@@ -85,7 +87,7 @@ __all__ = [
     "LinattnError",
     "linear_attention", "LinearAttentionState", "softmax_attention", "delta_rule", "set_checks", "get_checks",
     "chunk_size_used", "prepare_linear_attention", "prepare_delta",
-    "comba", "delta_product",
+    "comba", "delta_product", "rwkv7",
     "mesa_net", "MesaState", "ttt", "titans", "TTTState",
     "forgetting_attention", "forgetting_attention_step", "ForgettingAttentionState", "deltaformer",
     "deltaformer_step", "DeltaFormerState", "path_attention", "path_attention_step", "PaTHState",

@@ -14,6 +14,7 @@ from .forgetting import ForgettingAttentionState, forgetting_attention, forgetti
 from .linear import LinearAttentionState, linear_attention, prepare_linear_attention
 from .mesa import MesaState, mesa_net, prepare_mesa_net
 from .path import PaTHState, path_attention, path_attention_step
+from .rwkv7 import prepare_rwkv7, rwkv7
 from .softmax import softmax_attention
 from .ttt import TTTState, prepare_ttt, titans, ttt
 
@@ -46,7 +47,7 @@ def chunk_size_used(op: str, q, k, v, *args, backend: str = "auto", **kwargs) ->
 
 
 __all__ = ["delta_rule", "linear_attention", "LinearAttentionState", "softmax_attention", "set_checks",
-           "comba", "delta_product", "prepare_delta_product",
+           "comba", "delta_product", "prepare_delta_product", "rwkv7", "prepare_rwkv7",
            "mesa_net", "MesaState", "prepare_mesa_net", "ttt", "titans", "TTTState", "prepare_ttt",
            "forgetting_attention", "forgetting_attention_step", "ForgettingAttentionState",
            "deltaformer", "deltaformer_step", "DeltaFormerState", "path_attention", "path_attention_step", "PaTHState",

@@ -386,3 +386,21 @@ def path_attention_ref(q, k, v, w, beta, *, g=None, scale=None):
                 s = s + G[:, None] - G[None, :]
             out[b, :, h] = _softmax_rows(s, causal) @ v[b, :, h]
     return out
+
+
+def rwkv7_ref(r, w, k, v, a, b, scale=1.0, S0=None):
+    """RWKV-7 token by token in fp64, the state [K, V] per head (fla's layout):
+
+        S_t = Diag(exp(w_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T,   o_t = scale S_t^T r_t
+
+    r, w, k, a, b [B, T, H, K], v [B, T, H, V], S0 [B, H, K, V] or None -> (o [B, T, H, V], S [B, H, K, V])."""
+    r, w, k, v, a, b = (x.double() for x in (r, w, k, v, a, b))
+    B, T, H, K = r.shape
+    S = S0.double() if S0 is not None else torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64)
+    outs = []
+    for t in range(T):
+        aS = (a[:, t, :, :, None] * S).sum(-2)                               # a_t^T S_{t-1}  [B, H, V]
+        S = (torch.exp(w[:, t])[..., None] * S + b[:, t, :, :, None] * aS[:, :, None, :]
+             + k[:, t, :, :, None] * v[:, t, :, None, :])
+        outs.append(scale * (r[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, dim=1), S

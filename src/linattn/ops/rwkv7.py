@@ -1,0 +1,101 @@
+"""`rwkv7`: RWKV-7's state update ("Goose", Peng et al. 2025), with flash-linear-attention's `chunk_rwkv7`
+arguments, layout and meaning, as a thin wrapper over the delta family's core (`delta_core.py`).
+
+fla writes the recurrence with a state S `[V, K]` per head as S_t = S_{t-1} (Diag(exp(w_t)) + a_t b_t^T) +
+v_t k_t^T. Its kernels (and this op) store the transpose, S `[K, V]` (states `[N, H, K, V]`), where it reads
+
+    S_t = Diag(exp(w_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T,      o_t = scale * S_t^T r_t,
+
+w the per-channel log decay (<= 0), a and b the two vectors of the rank-one term (the RWKV-7 layer passes
+a = -kk, b = kk * sigmoid(.), with kk the normalised "removal key"), r the receptance (the query). Both the
+decay and the rank-one term act on S_{t-1}; the write k v^T is not decayed. scale=None means 1.0, fla's
+default for `chunk_rwkv7` (fla's naive `dplr_recurrence` scales by K**-0.5 instead; pass it explicitly).
+
+Why it runs on the core. The core's step is S' = D S - a k (S^T r)^T + a k v^T: its erase and its write
+share one left vector (the write key k), while RWKV-7's erase uses b and its write k. So each token
+becomes two sub-steps of the core, interleaved into a sequence of length 2T:
+
+    sub-step 1 (erase):  g = w_t, key b_t, read key a_t, strength -1, value 0, query 0
+                         -> S' = D S + b_t (a_t^T S)          (the core's read sees the undecayed S)
+    sub-step 2 (write):  g = 0,   key k_t, read key 0,   strength +1, value v_t, query r_t
+                         -> S'' = S' + k_t v_t^T,  o_t = scale S''^T r_t
+
+Every form of the core (recurrent, chunk, parallel) is then exact for RWKV-7, states are the core's, and
+packed offsets are doubled. The cost is the doubled length: a chunk of the per-channel-gate path (16
+sub-steps) holds 8 tokens. A direct diagonal-plus-low-rank chunk form (fla's `chunk_dplr_delta_rule`:
+the UT transform with the two strictly lower matrices a.b and a.k) would halve the work; not written.
+The negative strength goes in after `prepare_delta` (whose beta check wants steps >= 0): the key-norm
+rescaling a~ = a d^2 is linear in a, so negating a~ negates a.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from ..errors import LinattnError
+from ._common import check_cu_seqlens, check_log_gate, check_mode, check_qkv, check_scale
+from .delta_core import DeltaProblem, check_tensor_like, prepare_delta, run_delta
+
+
+def prepare_rwkv7(r, w, k, v, a, b, *, scale=None, mode: str = "chunk", chunk_size: int = 64,
+                  initial_state=None, output_final_state: bool = False, cu_seqlens=None) -> DeltaProblem:
+    """Check an `rwkv7` call and prepare the interleaved core problem (module docstring)."""
+    B, T, H, K, V = check_qkv(r, k, v)
+    if v.shape[2] != H:
+        raise LinattnError(f"v must have shape [B, T, H, V] with the H = {H} heads of r, got {tuple(v.shape)}")
+    for name, x in (("w", w), ("a", a), ("b", b)):
+        check_tensor_like(x, name, r)
+    check_log_gate(w, "w", B, T, H, K, allow_diagonal=True, ref=r)   # values: <= 0, no NaN
+    scale = check_scale(scale, 1.0)
+    check_mode(mode, chunk_size)   # in the caller's tokens (the core sees 2 * chunk_size sub-steps)
+    offsets = check_cu_seqlens(cu_seqlens, B, T)
+
+    def interleave(first, second):  # two [B, T, H, *] -> [B, 2T, H, *], token t's sub-steps at 2t, 2t + 1
+        return torch.stack([first, second], dim=2).reshape(B, 2 * T, *first.shape[2:])
+
+    zk = torch.zeros_like(r)
+    q_i = interleave(zk, r)
+    k_i = interleave(b, k)
+    v_i = interleave(torch.zeros_like(v), v)
+    r_i = interleave(a, zk)
+    g_i = interleave(w, torch.zeros_like(w))
+    ones = r.new_ones(B, 2 * T, H)
+    cu_i = None if offsets is None else torch.tensor([2 * o for o in offsets], dtype=torch.int64)
+    prob = prepare_delta(q_i, k_i, v_i, ones, g=g_i, r=r_i, channel_gate=True, scale=scale, mode=mode,
+                         chunk_size=2 * chunk_size,
+                         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_i)
+    sign = torch.tensor([-1.0, 1.0], dtype=prob.a.dtype, device=prob.a.device).repeat(T)[None, :, None]
+    return dataclasses.replace(prob, a=prob.a * sign)
+
+
+def rwkv7(
+    r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    mode: str = "chunk",
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """RWKV-7 (fla's `chunk_rwkv7`). r, w, k, a, b `[B, T, H, K]`, v `[B, T, H, V]`
+    -> (o `[B, T, H, V]`, final state `[N, H, K, V]` or None).
+
+    S_t = Diag(exp(w_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T and o_t = scale * S_t^T r_t, with the state
+    `[K, V]` per head (fla's layout; fla writes the transposed S_t = S_{t-1}(Diag(exp(w_t)) + a_t b_t^T) + v_t k_t^T).
+    w: the log decay (<= 0). scale=None means 1.0 (fla's default).
+
+    mode: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form). chunk_size counts
+    tokens (the per-channel-gate chunk path caps it at 8 tokens: module docstring). The state `[N, H, K, V]`
+    (N = B, or the number of sequences in `cu_seqlens`, int64 `[N+1]` with B == 1) is fp32 (fp64 for fp64
+    inputs) and round-trips between modes and calls. backend: "auto", "torch" or "triton" (every call runs on
+    PyTorch: the core's Triton and compiled CPU kernels do not cover a read key of its own; "triton" warns
+    once and falls back).
+    """
+    prob = prepare_rwkv7(r, w, k, v, a, b, scale=scale, mode=mode, chunk_size=chunk_size,
+                         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    o, S = run_delta(prob, backend)
+    B, T2, H, V = o.shape
+    return o.reshape(B, T2 // 2, 2, H, V)[:, :, 1], S

@@ -1,0 +1,163 @@
+"""RWKV-7 (ops/rwkv7.py, layers/rwkv7.py): every form against the fp64 token loop (rwkv7_ref), outputs, final
+states and gradients, fp32 and fp64, awkward lengths, cu_seqlens, initial states; agreement with fla's own naive
+DPLR recurrence (which fla's chunk_rwkv7 calls) when fla's wheel is at hand; bad input."""
+import importlib.util
+import os
+import sys
+import types
+import zipfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import linattn
+from linattn.errors import LinattnError
+from linattn.ops.reference import rwkv7_ref
+
+MODES = ["recurrent", "chunk", "parallel"]
+WHEEL = os.path.join(os.path.dirname(__file__), "..", "wheels", "fla_core-0.6.0-py3-none-any.whl")
+
+
+def _inputs(B=2, T=11, H=2, K=5, V=4, dtype=torch.float64, seed=0, grad=False):
+    """RWKV-7-like inputs: w in (-e^-0.5, 0) as the layer makes it, a = -kk, b = kk * sigmoid (fla's layer)."""
+    g = torch.Generator().manual_seed(seed)
+    r, k = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g)
+    w = -0.6065306597126334 * torch.rand(B, T, H, K, generator=g)
+    kk = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
+    a, b = -kk, kk * torch.rand(B, T, H, K, generator=g)
+    v = torch.randn(B, T, H, V, generator=g)
+    S0 = torch.randn(B, H, K, V, generator=g)
+    xs = [x.to(dtype).requires_grad_(grad) for x in (r, w, k, v, a, b, S0)]
+    return xs[:6], xs[6]
+
+
+def _tol(dtype):
+    return 1e-10 if dtype == torch.float64 else 2e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("T", [1, 11, 20])
+def test_forms_match_reference(mode, dtype, T):
+    # chunk_size 3 tokens: T = 11 and 20 are not multiples; T = 1 a single token
+    (r, w, k, v, a, b), S0 = _inputs(T=T, dtype=dtype)
+    o, S = linattn.rwkv7(r, w, k, v, a, b, initial_state=S0, output_final_state=True, mode=mode, chunk_size=3)
+    o_ref, S_ref = rwkv7_ref(r, w, k, v, a, b, S0=S0)
+    assert o.dtype == dtype and S.shape == S0.shape
+    tol = _tol(dtype)
+    assert (o.double() - o_ref).abs().max() < tol * (1 + o_ref.abs().max())
+    assert (S.double() - S_ref).abs().max() < tol * (1 + S_ref.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_match_reference(mode, dtype):
+    xs, S0 = _inputs(T=7, dtype=dtype, grad=True, seed=1)
+    o, S = linattn.rwkv7(*xs, scale=0.7, initial_state=S0, output_final_state=True, mode=mode, chunk_size=3)
+    go = torch.randn(o.shape, generator=torch.Generator().manual_seed(5))
+    gS = torch.randn(S.shape, generator=torch.Generator().manual_seed(6))
+    grads = torch.autograd.grad((o * go.to(dtype)).sum() + (S * gS.to(S.dtype)).sum(), xs + [S0])
+    ref_in = [x.detach().double().requires_grad_() for x in xs + [S0]]
+    o_r, S_r = rwkv7_ref(*ref_in[:6], scale=0.7, S0=ref_in[6])
+    refs = torch.autograd.grad((o_r * go.double()).sum() + (S_r * gS.double()).sum(), ref_in)
+    for name, g_, g_ref in zip("r w k v a b S0".split(), grads, refs):
+        assert (g_.double() - g_ref).abs().max() < _tol(dtype) * (1 + g_ref.abs().max()), name
+
+
+def test_default_scale_is_one_and_states_carry_across_calls():
+    (r, w, k, v, a, b), _ = _inputs(T=12)
+    o_ref, S_ref = rwkv7_ref(r, w, k, v, a, b, scale=1.0)
+    o1, S1 = linattn.rwkv7(*(x[:, :5] for x in (r, w, k, v, a, b)), output_final_state=True)
+    o2, S2 = linattn.rwkv7(*(x[:, 5:] for x in (r, w, k, v, a, b)), initial_state=S1, output_final_state=True,
+                           mode="recurrent")
+    assert torch.allclose(torch.cat([o1, o2], 1), o_ref, atol=1e-12, rtol=0)
+    assert torch.allclose(S2, S_ref, atol=1e-12, rtol=0)
+    o, S = linattn.rwkv7(r, w, k, v, a, b)
+    assert S is None and torch.allclose(o, o_ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cu_seqlens(mode):
+    lens = [4, 1, 9]
+    (r, w, k, v, a, b), S0 = _inputs(B=1, T=sum(lens), seed=2)
+    S0 = torch.randn(len(lens), *S0.shape[1:], dtype=S0.dtype)
+    cu = torch.tensor([0, 4, 5, 14])
+    o, S = linattn.rwkv7(r, w, k, v, a, b, initial_state=S0, output_final_state=True, cu_seqlens=cu, mode=mode,
+                         chunk_size=3)
+    for i, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o_ref, S_ref = rwkv7_ref(*(x[:, lo:hi] for x in (r, w, k, v, a, b)), S0=S0[i:i + 1])
+        assert torch.allclose(o[:, lo:hi], o_ref, atol=1e-12, rtol=0)
+        assert torch.allclose(S[i:i + 1], S_ref, atol=1e-12, rtol=0)
+
+
+def _fla_naive(monkeypatch, tmp_path):
+    """fla's naive DPLR recurrence (`dplr_recurrence`, fla/ops/generalized_delta_rule/dplr/naive.py: the
+    recurrence fla's chunk_rwkv7 runs, q=r, alpha=a, beta=b, gk=w), imported from the file alone: fla's package
+    __init__ needs triton and more. It imports einops.rearrange for another function: a stub stands in."""
+    try:
+        spec = importlib.util.find_spec("fla")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        root = os.path.dirname(list(spec.submodule_search_locations)[0])
+    elif os.path.exists(WHEEL):
+        with zipfile.ZipFile(WHEEL) as z:
+            z.extractall(tmp_path)
+        root = str(tmp_path)
+    else:
+        pytest.skip("fla is not installed and wheels/fla_core-0.6.0-py3-none-any.whl is absent "
+                    "(pip download --no-deps fla-core==0.6.0)")
+    path = os.path.join(root, "fla", "ops", "generalized_delta_rule", "dplr", "naive.py")
+    if not os.path.exists(path):
+        pytest.skip(f"this fla has no {path}")
+    if importlib.util.find_spec("einops") is None:
+        stub = types.ModuleType("einops")
+        stub.rearrange = None
+        monkeypatch.setitem(sys.modules, "einops", stub)
+    mod_spec = importlib.util.spec_from_file_location("_fla_dplr_naive", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod.dplr_recurrence
+
+
+class _NoDowncast(torch.Tensor):
+    """fla's naive loop casts its inputs with .float() (fp32); this subclass keeps fp64 through that call, so the
+    same arithmetic runs in fp64 and the comparison can be at 1e-12."""
+
+    def float(self):
+        return self
+
+
+@pytest.mark.parametrize("T", [1, 13])
+def test_matches_fla_naive_fp64(monkeypatch, tmp_path, T):
+    dplr_recurrence = _fla_naive(monkeypatch, tmp_path)
+    (r, w, k, v, a, b), S0 = _inputs(T=T, seed=3)
+    K = r.shape[-1]
+
+    def bht(x):
+        return x.transpose(1, 2).contiguous().as_subclass(_NoDowncast)
+
+    fo, fS = dplr_recurrence(bht(r), bht(k), bht(v), bht(a), bht(b), bht(w), initial_state=S0.as_subclass(_NoDowncast))
+    fo, fS = fo.as_subclass(torch.Tensor).transpose(1, 2), fS.as_subclass(torch.Tensor)
+    assert fo.dtype == torch.float64
+    for mode in MODES:  # fla's naive scales q by K**-0.5 (its chunk_rwkv7 defaults to 1.0)
+        o, S = linattn.rwkv7(r, w, k, v, a, b, scale=K ** -0.5, initial_state=S0, output_final_state=True,
+                             mode=mode, chunk_size=4)
+        assert (o - fo).abs().max() <= 1e-12 and (S - fS).abs().max() <= 1e-12, mode
+
+
+def test_bad_input():
+    (r, w, k, v, a, b), _ = _inputs(T=4)
+    with pytest.raises(LinattnError, match=r"^w "):
+        linattn.rwkv7(r, -w, k, v, a, b)                       # a positive log decay
+    with pytest.raises(LinattnError, match=r"^a must"):
+        linattn.rwkv7(r, w, k, v, a[..., :3], b)
+    with pytest.raises(LinattnError, match=r"^b must"):
+        linattn.rwkv7(r, w, k, v, a, b.float())
+    with pytest.raises(LinattnError, match="initial_state"):
+        linattn.rwkv7(r, w, k, v, a, b, initial_state=torch.zeros(2, 2, 3, 3, dtype=r.dtype))
+    with pytest.raises(LinattnError, match="chunk_size"):
+        linattn.rwkv7(r, w, k, v, a, b, chunk_size=0)
+    with pytest.raises(LinattnError, match=r"^v must"):
+        linattn.rwkv7(r, w, k, torch.zeros(2, 4, 4, 4, dtype=r.dtype), a, b)
