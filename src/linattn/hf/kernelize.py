@@ -53,7 +53,7 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("linattn_kernelize_acti
 # (Mamba2ForCausalLM drops every extra kwarg).
 _PACKED: contextvars.ContextVar = contextvars.ContextVar("linattn_kernelize_packed", default=None)
 
-# mixer class name -> (modeling module, kind)
+# mixer class name -> (the modeling module it ships in, kind)
 SERVED_CLASSES: Dict[str, tuple] = {
     "Qwen3NextGatedDeltaNet": ("transformers.models.qwen3_next.modeling_qwen3_next", "gdn"),
     "Qwen3_5GatedDeltaNet": ("transformers.models.qwen3_5.modeling_qwen3_5", "gdn"),
@@ -486,10 +486,9 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
             continue
         if cls not in SERVED_CLASSES:
             continue
-        modname, kind = SERVED_CLASSES[cls]
+        kind = SERVED_CLASSES[cls][1]
+        # the module the class was defined in is where its forward looks its kernel functions up
         modeling = importlib.import_module(type(mod).__module__)
-        if type(mod).__module__ != modname and not modname.endswith(type(mod).__module__.rsplit(".", 1)[-1]):
-            modname = type(mod).__module__
         absent = [n for n in _KIND_NEEDS[kind] if not callable(getattr(modeling, n, None))]
         if absent:
             report.unserved[name] = f"{cls}: its modeling module lacks {absent} (a transformers version kernelize " \
