@@ -16,6 +16,7 @@ from linattn.errors import LinattnError
 from linattn.ops.reference import rwkv7_ref
 
 MODES = ["recurrent", "chunk", "parallel"]
+W_BOUND = 0.6065306597126334   # exp(-1/2): fla's bound on -w in the RWKV-7 layer
 WHEEL = os.path.join(os.path.dirname(__file__), "..", "wheels", "fla_core-0.6.0-py3-none-any.whl")
 
 
@@ -23,7 +24,7 @@ def _inputs(B=2, T=11, H=2, K=5, V=4, dtype=torch.float64, seed=0, grad=False):
     """RWKV-7-like inputs: w in (-e^-0.5, 0) as the layer makes it, a = -kk, b = kk * sigmoid (fla's layer)."""
     g = torch.Generator().manual_seed(seed)
     r, k = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g)
-    w = -0.6065306597126334 * torch.rand(B, T, H, K, generator=g)
+    w = -W_BOUND * torch.rand(B, T, H, K, generator=g)
     kk = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
     a, b = -kk, kk * torch.rand(B, T, H, K, generator=g)
     v = torch.randn(B, T, H, V, generator=g)
@@ -161,3 +162,85 @@ def test_bad_input():
         linattn.rwkv7(r, w, k, v, a, b, chunk_size=0)
     with pytest.raises(LinattnError, match=r"^v must"):
         linattn.rwkv7(r, w, k, torch.zeros(2, 4, 4, 4, dtype=r.dtype), a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# the layer (the per-mixer suites cover causality, decoding, packing and state conformance)
+# ---------------------------------------------------------------------------------------------
+
+def _layer(seed=0, **kw):
+    from linattn.layers import RWKV7
+    torch.manual_seed(seed)
+    layer = RWKV7(16, 2, decay_rank=4, a_rank=4, gate_rank=6, **kw).double()
+    with torch.no_grad():   # every parameter away from its init (r_k = 0 would hide the bonus term)
+        for p in layer.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return layer
+
+
+def _layer_ref(layer, x):
+    """The layer from its formula (module docstring of layers/rwkv7.py), token by token in fp64, on rwkv7_ref."""
+    B, T, C = x.shape
+    H, Dh = layer.n_heads, layer.head_dim
+    prev = torch.cat([torch.zeros(B, 1, C, dtype=x.dtype), x[:, :-1]], 1)
+    mix = [x + (prev - x) * layer.mu[i] for i in range(6)]
+
+    def lora(m, h, act):
+        z = m.down(h)
+        z = torch.tanh(z) if act == "tanh" else torch.sigmoid(z) if act == "sigmoid" else z
+        return m.up(z) + (m.bias if m.bias is not None else 0)
+
+    r, k, v = layer.r_proj(mix[0]), layer.k_proj(mix[2]), layer.v_proj(mix[3])
+    w = -W_BOUND * torch.sigmoid(lora(layer.w_lora, mix[1], "tanh"))
+    a = torch.sigmoid(lora(layer.a_lora, mix[4], None))
+    g = lora(layer.g_lora, mix[5], "sigmoid")
+    kk = k * layer.k_k
+    kk = kk.view(B, T, H, Dh) / kk.view(B, T, H, Dh).norm(dim=-1, keepdim=True)
+    k = k + k * (a - 1) * layer.k_a
+    hd = [t.view(B, T, H, Dh) for t in (r, w, k, v, a)]
+    o, _ = rwkv7_ref(hd[0], hd[1], hd[2], hd[3], -kk, kk * hd[4], scale=1.0)
+    mean = o.mean(-1, keepdim=True)
+    var = o.var(-1, unbiased=False, keepdim=True)
+    o = (o - mean) / torch.sqrt(var + layer.g_norm.eps)
+    o = o * layer.g_norm.weight.view(H, Dh) + layer.g_norm.bias.view(H, Dh)
+    o = o + (hd[0] * hd[2] * layer.r_k).sum(-1, keepdim=True) * hd[3]
+    return layer.o_proj(o.reshape(B, T, H * Dh) * g)
+
+
+def test_layer_matches_its_formula_fp64():
+    layer = _layer()
+    x = torch.randn(2, 13, 16, dtype=torch.float64)
+    with torch.no_grad():
+        y, y_ref = layer(x), _layer_ref(layer, x)
+    assert (y - y_ref).abs().max() < 1e-10 * (1 + y_ref.abs().max())
+    # the bonus term is really there: with u = r_k = 0 the output changes
+    with torch.no_grad():
+        layer.r_k.zero_()
+        assert (layer(x) - y).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(short_conv=True), dict(rope=True)], ids=["plain", "conv", "rope"])
+def test_layer_decode_equals_forward_and_packs(opts):
+    from linattn.layers import LayerCache
+    layer = _layer(seed=1, **opts)
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        cache = LayerCache()
+        steps = [layer(x[:, :4], cache=cache)] + [layer(x[:, t:t + 1], cache=cache) for t in range(4, 11)]
+        assert torch.allclose(torch.cat(steps, 1), full, atol=1e-12, rtol=0)
+        assert set(cache) >= {"shift", "state"} and cache.offset == 11
+        cu = torch.tensor([0, 3, 11])
+        packed = layer(x[:1], cu_seqlens=cu)
+        alone = torch.cat([layer(x[:1, :3]), layer(x[:1, 3:])], 1)
+        assert torch.allclose(packed, alone, atol=1e-12, rtol=0)
+
+
+def test_layer_rejects_bad_config():
+    from linattn.layers import RWKV7
+    with pytest.raises(LinattnError, match="n_heads"):
+        RWKV7(15, 2)
+    with pytest.raises(LinattnError, match="decay_rank"):
+        RWKV7(16, 2, decay_rank=0)
+    with pytest.raises(LinattnError, match="x of shape"):
+        RWKV7(16, 2)(torch.zeros(1, 3, 8))

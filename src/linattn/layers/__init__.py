@@ -12,6 +12,7 @@ from .delta_family import KDA, Comba, DeltaProduct
 from .linear_attention import GATES, LinearAttention
 from .mesa import MesaNet
 from .packing import check_cu_seqlens, packed_positions
+from .rwkv7 import RWKV7
 from .softmax import SoftmaxAttention
 from .softmax_family import DeltaFormer, FoX, PaTH
 from .ttt import TTT, Titans
@@ -20,7 +21,7 @@ __all__ = [
     "AttentionBase", "LinearAttention", "DeltaNet", "GatedDeltaNet", "EFLA", "SoftmaxAttention",
     "Comba", "DeltaProduct", "KDA",
     "FoX", "DeltaFormer", "PaTH",
-    "MesaNet", "TTT", "Titans",
+    "MesaNet", "TTT", "Titans", "RWKV7",
     "Cache", "LayerCache", "KVCache", "tensor_nbytes",
     "RMSNorm", "GatedRMSNorm", "RotaryEmbedding", "ShortConv", "SwiGLU", "l2_normalize", "GATES",
     "check_cu_seqlens", "packed_positions",

@@ -46,6 +46,7 @@ from ..feature_maps import FEATURE_MAP_NAMES
 from ..layers import EFLA, DeltaNet, GatedDeltaNet, LinearAttention, SoftmaxAttention
 from ..layers.delta_family import KDA, Comba, DeltaProduct
 from ..layers.mesa import MesaNet
+from ..layers.rwkv7 import RWKV7
 from ..layers.softmax_family import DeltaFormer, FoX, PaTH
 from ..layers.ttt import TTT, Titans
 
@@ -192,6 +193,8 @@ def _register_builtins() -> None:
                    "mini-batch gradient descent", short_conv=True)
     register_mixer("titans", Titans, {}, "Titans: TTT-MLP memory with momentum and weight decay, L2-normalised q/k",
                    short_conv=True)
+    register_mixer("rwkv7", RWKV7, {}, "RWKV-7 time mixing: token shift, low-rank w/a/g, S <- D S + b (a^T S) + k v^T, "
+                   "group norm, bonus (no cross-layer value residual)")
 
 
 _register_builtins()

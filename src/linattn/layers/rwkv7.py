@@ -1,0 +1,187 @@
+"""RWKV-7's time mixing (the mixer `rwkv7`), on `linattn.rwkv7`, after flash-linear-attention's `RWKV7Attention`:
+
+    dx = x_{t-1} - x_t                                          (token shift; zero before a document's first token)
+    x_c = x + dx * mu_c   for c in r, w, k, v, a, g             (learned per-channel interpolations)
+    r = W_r x_r,  k = W_k x_k,  v = W_v x_v
+    w = -exp(-1/2) * sigmoid(w0 + lora_w(x_w))                  (log decay in (-0.61, 0); lora_w: down, tanh, up)
+    a = sigmoid(a0 + lora_a(x_a)),  g = lora_g(x_g)             (lora_g: down, sigmoid, up; no bias)
+    kk = normalize(k * k_k) per head,  k <- k * (1 + (a - 1) k_a)
+    o = rwkv7(r, w, k, v, a=-kk, b=kk * a, scale=1)             (S_t = D S + b (a^T S) + k v^T, o = S^T r)
+    o = GroupNorm_heads(o) + (sum_d r k u) v                    (the "bonus": the current token through u = r_k)
+    out = W_o (o * g)
+
+Value residual: RWKV-7 mixes every layer's v with the first layer's (v <- lerp(v, v_first, sigmoid(v0 +
+lora_v(x_v)))), which needs v_first passed from block to block. The LanguageModel's block interface gives a
+mixer only x (and the cache), so it is omitted: each layer uses its own v (layer 0 of RWKV-7 does exactly this).
+Init: a simplified form of RWKV-7's (interpolations 1 - (i / C)^p per channel i, decay biases spread from fast to
+slow channels, k_k = 0.85, k_a = 1, r_k = 0); the linear maps get the LanguageModel's init.
+
+With a `LayerCache` it decodes incrementally: "shift" holds the last input token `[B, d_model]` and "state" the
+operator's state `[B, H, K, V]` (and "conv" the short conv's window, when it is on).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import ConfigError, LinattnError, LinattnTypeError
+from ..ops.rwkv7 import rwkv7
+from .cache import LayerCache
+from .common import RotaryEmbedding, ShortConv
+from .packing import check_cu_seqlens, packed_positions, reject_cache_with_cu_seqlens
+
+_W_SCALE = 0.6065306597126334   # exp(-1/2): fla's bound on -w, so exp(w) >= 0.545 per token
+
+
+def _pos_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"RWKV7: {name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+class _LoRA(nn.Module):
+    """down (no bias), activation, up (bias: the 'w0' / 'a0' offsets)."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int, activation: Optional[str], bias: bool):
+        super().__init__()
+        self.down = nn.Linear(d_in, rank, bias=False)
+        self.up = nn.Linear(rank, d_out, bias=False)
+        self.activation = activation
+        # kept out of nn.Linear, whose biases the LanguageModel's init zeroes (w0 carries the decay spread)
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+
+    def forward(self, x):
+        h = self.down(x)
+        if self.activation == "tanh":
+            h = torch.tanh(h)
+        elif self.activation == "sigmoid":
+            h = torch.sigmoid(h)
+        h = self.up(h)
+        return h + self.bias if self.bias is not None else h
+
+
+class RWKV7(nn.Module):
+    """RWKV-7 time mixing (module docstring). x `[B, T, d_model]` -> `[B, T, d_model]`.
+
+    Args: d_model, n_heads; head_dim (default d_model // n_heads); decay_rank, a_rank, gate_rank: the low ranks of
+    the w, a and g projections; norm_eps: the group norm's epsilon per channel (times head_dim, as fla);
+    chunk_size: the operator's chunk in training and prefill. short_conv / rope: not RWKV-7 (whose token shift
+    plays the short conv's role), options for ablations: a causal depthwise conv (no activation) over r, k, v
+    after their projections, and rotary positions on r and k (after the k update; kk is taken before).
+    The operator's scale is 1 (RWKV-7's): `scale` is that number.
+    """
+
+    causal = True
+    config_fields = ("head_dim", "rope", "rope_base", "short_conv", "max_seq_len", "norm_eps", "chunk_size",
+                     "layer_idx", "n_layers")
+    scale = 1.0
+
+    def __init__(self, d_model: int, n_heads: int, *, head_dim: Optional[int] = None, decay_rank: int = 32,
+                 a_rank: int = 32, gate_rank: int = 64, norm_eps: float = 1e-5, chunk_size: int = 64,
+                 layer_idx: Optional[int] = None, n_layers: Optional[int] = None, rope: bool = False,
+                 rope_base: float = 10000.0, max_seq_len: int = 2048, short_conv: bool = False, conv_size: int = 4):
+        super().__init__()
+        d_model, n_heads = _pos_int("d_model", d_model), _pos_int("n_heads", n_heads)
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ConfigError(f"RWKV7: d_model ({d_model}) must be divisible by n_heads ({n_heads}), "
+                                  f"or pass head_dim")
+            head_dim = d_model // n_heads
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, _pos_int("head_dim", head_dim)
+        self.chunk_size = _pos_int("chunk_size", chunk_size)
+        self.layer_idx = layer_idx
+        D = n_heads * self.head_dim
+        self.mu = nn.Parameter(torch.zeros(6, d_model))            # x_r, x_w, x_k, x_v, x_a, x_g
+        self.r_proj = nn.Linear(d_model, D, bias=False)
+        self.k_proj = nn.Linear(d_model, D, bias=False)
+        self.v_proj = nn.Linear(d_model, D, bias=False)
+        self.o_proj = nn.Linear(D, d_model, bias=False)
+        self.w_lora = _LoRA(d_model, D, _pos_int("decay_rank", decay_rank), "tanh", bias=True)
+        self.a_lora = _LoRA(d_model, D, _pos_int("a_rank", a_rank), None, bias=True)
+        self.g_lora = _LoRA(d_model, D, _pos_int("gate_rank", gate_rank), "sigmoid", bias=False)
+        self.k_k = nn.Parameter(torch.empty(D))
+        self.k_a = nn.Parameter(torch.empty(D))
+        self.r_k = nn.Parameter(torch.empty(n_heads, self.head_dim))
+        self.g_norm = nn.GroupNorm(n_heads, D, eps=self.head_dim * norm_eps)
+        self.short_conv = bool(short_conv)
+        self.conv = ShortConv(3 * D, _pos_int("conv_size", conv_size), activation=None) if self.short_conv else None
+        if rope and self.head_dim % 2:
+            raise ConfigError(f"RWKV7: rope needs an even head_dim, got {self.head_dim}")
+        self.rope = RotaryEmbedding(self.head_dim, base=rope_base, max_seq_len=max_seq_len) if rope else None
+        self._init_rwkv(layer_idx, n_layers)
+
+    @torch.no_grad()
+    def _init_rwkv(self, layer_idx: Optional[int], n_layers: Optional[int]) -> None:
+        depth = 0.5 if layer_idx is None or not n_layers or n_layers < 2 else layer_idx / (n_layers - 1)
+        ddd = torch.arange(self.d_model, dtype=torch.float32) / self.d_model
+        for row, p in enumerate((0.2, 0.9, 0.7, 0.7, 0.9, 0.2)):     # RWKV-7's exponents for r, w, k, v, a, g
+            self.mu[row] = 1 - ddd ** (p * (1 - 0.9 * depth))
+        D = self.k_k.numel()
+        n = torch.arange(D, dtype=torch.float32) / max(D - 1, 1)
+        self.w_lora.bias.copy_(-6 + 8 * n ** (0.85 + depth ** 0.5))  # sigmoid(.): slow to fast decays
+        self.k_k.fill_(0.85)
+        self.k_a.fill_(1.0)
+        self.r_k.zero_()
+
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, *,
+                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise LinattnError(f"RWKV7 expects x of shape [B, T, {self.d_model}], "
+                               f"got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
+        if cache is not None and not isinstance(cache, LayerCache):
+            raise LinattnTypeError(f"cache must be a linattn.layers.LayerCache, got {type(cache).__name__}")
+        reject_cache_with_cu_seqlens(type(self).__name__, cache, cu_seqlens)
+        Bsz, T, _ = x.shape
+        cu_seqlens = check_cu_seqlens(cu_seqlens, Bsz, T)
+        H, Dh = self.n_heads, self.head_dim
+        prev = cache.get("shift") if cache is not None else None
+        prev = x.new_zeros(Bsz, 1, self.d_model) if prev is None else prev.unsqueeze(1).to(x.dtype)
+        shifted = torch.cat([prev, x[:, :-1]], dim=1)
+        if cu_seqlens is not None:  # a document's first token sees zeros, as if alone
+            first = packed_positions(cu_seqlens, T, x.device) == 0
+            shifted = shifted.masked_fill(first[None, :, None], 0.0)
+        if cache is not None:
+            cache["shift"] = x[:, -1].detach().clone()
+        xr, xw, xk, xv, xa, xg = (x + (shifted - x) * self.mu[i] for i in range(6))
+        r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
+        if self.conv is not None:
+            rkv, conv_state = self.conv(torch.cat([r, k, v], dim=-1), cache.get("conv") if cache is not None else None,
+                                        cu_seqlens)
+            if cache is not None:
+                cache["conv"] = conv_state
+            r, k, v = rkv.chunk(3, dim=-1)
+        w = -_W_SCALE * torch.sigmoid(self.w_lora(xw))
+        a = torch.sigmoid(self.a_lora(xa))
+        g = self.g_lora(xg)
+        kk = F.normalize((k * self.k_k).view(Bsz, T, H, Dh), dim=-1)
+        k = k * (1 + (a - 1) * self.k_a)
+
+        def heads(t):
+            return t.view(Bsz, T, H, Dh)
+
+        r, w, k, v, a = (heads(t) for t in (r, w, k, v, a))
+        if self.rope is not None:
+            if cu_seqlens is not None:
+                r, k = self.rope(r, k, positions=packed_positions(cu_seqlens, T, x.device))
+            else:
+                r, k = self.rope(r, k, cache.offset if cache is not None else 0)
+        # the operator in fp32 (fp64 for fp64 inputs): under autocast the projections are bf16 while the decay,
+        # computed with fp32 biases, is fp32; the decay must not be rounded to bf16 either
+        cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+        o, state = rwkv7(r.to(cd), w.to(cd), k.to(cd), v.to(cd), (-kk).to(cd), (kk * a).to(cd), scale=self.scale,
+                         mode="recurrent" if cache is not None and T == 1 else "chunk", chunk_size=self.chunk_size,
+                         initial_state=cache.get("state") if cache is not None else None,
+                         output_final_state=cache is not None, cu_seqlens=cu_seqlens)
+        if cache is not None:
+            cache["state"] = state
+            cache["offset"] = cache.offset + T
+        o = self.g_norm(o.reshape(Bsz * T, H * Dh)).view(Bsz, T, H, Dh)
+        o = o + (r * k * self.r_k).sum(-1, keepdim=True) * v          # the bonus: the current token, weight r.(k*u)
+        return self.o_proj((o.reshape(Bsz, T, H * Dh) * g).to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}, "
+                f"short_conv={self.short_conv}, rope={self.rope is not None}")
