@@ -379,7 +379,7 @@ def test_linear_attention_grouped_folds_without_copying_qk():
 
 # ------------------------------------------------------------------ 35.1 c: layers
 
-GROUPED_MIXERS = ["deltanet", "gated-deltanet", "efla", "kda", "mamba2", "gla", "retnet", "linear-elu+1"]
+GROUPED_MIXERS = ["deltanet", "gated-deltanet", "efla", "kda", "mamba2-gla", "gla", "retnet", "linear-elu+1"]
 
 
 def _layer(name, **kw):
@@ -491,7 +491,7 @@ def test_layer_gated_norm_options(kw):
         assert rel_err(steps, layer(x)) < 1e-12
 
 
-@pytest.mark.parametrize("name", ["deltanet", "gated-deltanet", "efla-adaptive", "kda", "delta-product", "mamba2",
+@pytest.mark.parametrize("name", ["deltanet", "gated-deltanet", "efla-adaptive", "kda", "delta-product", "mamba2-gla",
                                   "gla"])
 def test_fp64_layers_keep_beta_and_decay_in_fp64(name):
     # they were cast to fp32 even in an fp64 model

@@ -14,7 +14,7 @@ from linattn.layers.common import FusedParams
 from linattn.models import LanguageModel, LMConfig
 from linattn.models.registry import build_mixer
 
-FAST_MIXERS = ["linear-elu+1", "linear-relu", "linear-identity", "linear-taylor2", "retnet", "mamba2", "gla",
+FAST_MIXERS = ["linear-elu+1", "linear-relu", "linear-identity", "linear-taylor2", "retnet", "mamba2-gla", "gla",
                "deltanet", "gated-deltanet", "efla", "efla-adaptive", "efla-loose"]
 
 

@@ -547,7 +547,8 @@ def test_unknown_mixer_kwarg_is_a_config_error():
 
 #: q scale of every built-in mixer (unchanged from the first version): 1.0 = no scaling
 UNSCALED = {f"linear-{fm}" for fm in linattn.FEATURE_MAP_NAMES if fm != "favor+"} | {"ela-hadamard_exp",
-                                                                                     "ela-sum_sq_euclid", "rwkv7"}
+                                                                                     "ela-sum_sq_euclid", "rwkv7",
+                                                                                     "mamba2"}
 
 
 @pytest.mark.parametrize("mixer", mixers())

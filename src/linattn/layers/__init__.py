@@ -10,6 +10,7 @@ from .common import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, SwiGLU, l
 from .delta import EFLA, DeltaNet, GatedDeltaNet
 from .delta_family import KDA, Comba, DeltaProduct
 from .linear_attention import GATES, LinearAttention
+from .mamba2 import Mamba2Block
 from .mesa import MesaNet
 from .packing import check_cu_seqlens, packed_positions
 from .rwkv7 import RWKV7
@@ -21,7 +22,7 @@ __all__ = [
     "AttentionBase", "LinearAttention", "DeltaNet", "GatedDeltaNet", "EFLA", "SoftmaxAttention",
     "Comba", "DeltaProduct", "KDA",
     "FoX", "DeltaFormer", "PaTH",
-    "MesaNet", "TTT", "Titans", "RWKV7",
+    "MesaNet", "TTT", "Titans", "Mamba2Block", "RWKV7",
     "Cache", "LayerCache", "KVCache", "tensor_nbytes",
     "RMSNorm", "GatedRMSNorm", "RotaryEmbedding", "ShortConv", "SwiGLU", "l2_normalize", "GATES",
     "check_cu_seqlens", "packed_positions",

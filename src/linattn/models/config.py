@@ -16,6 +16,9 @@ FFNS = ("swiglu", "moe", "none")
 MOE_BIASES = ("none", "eq14", "eq15")
 RESIDUALS = ("prenorm", "hyperlink")
 LOBES = (None, "causal", "bidirectional")
+#: the meaning of the mixer names (`LMConfig.mixer_names`): the renames from each older version
+MIXER_NAMES_VERSION = 2
+MIXER_RENAMES = {1: {"mamba2": "mamba2-gla"}}
 
 
 class JsonConfig:
@@ -93,6 +96,10 @@ class LMConfig(JsonConfig):
             such a version (every field of that time present, this one absent) loads with "clamp", so an old
             checkpoint gives the outputs it gave (`from_dict`); a partial dict (CLI flags, a hand-written
             --model-config) gets the default.
+        mixer_names: the version of the mixer names. 2 (today): `mamba2` is Mamba2's own block and `mamba2-gla`
+            the gated linear attention that was called `mamba2` before issue 37 (version 1). A config of version
+            1 (a saved dict without this field, like l2norm_convention above, or mixer_names=1 given) has its
+            names mapped on construction (`MIXER_RENAMES`) and holds version 2 afterwards.
     """
 
     vocab_size: int = field(metadata={"help": "vocabulary size (in training: the tokenizer's)"})
@@ -147,6 +154,9 @@ class LMConfig(JsonConfig):
     l2norm_convention: str = field(default="rsqrt", metadata={
         "help": "delta-rule q/k L2 norm: rsqrt = x*rsqrt(sum x^2+1e-6) (fla, transformers); clamp = "
                 "x/max(|x|,1e-6) (checkpoints written before this field)", "choices": L2NORM_CONVENTIONS})
+    mixer_names: int = field(default=MIXER_NAMES_VERSION, metadata={
+        "help": "what the mixer names mean: 2 = today's; 1 = before issue 37 (`mamba2` named today's `mamba2-gla`; "
+                "saved configs without this field); a version-1 config is mapped to version 2 on construction"})
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "LMConfig":
@@ -160,7 +170,24 @@ class LMConfig(JsonConfig):
     def __post_init__(self):
         if isinstance(self.mixer, tuple):
             self.mixer = list(self.mixer)
+        self._rename_old_mixers()
         self.validate()
+
+    def _rename_old_mixers(self) -> None:
+        """Map a config of an older `mixer_names` version to today's names (mixer and mixer_kwargs), so that
+        it builds the layers it built when it was saved; the config then holds version MIXER_NAMES_VERSION."""
+        v = self.mixer_names
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MIXER_NAMES_VERSION:
+            raise ConfigError(f"LMConfig.mixer_names must be an int in [1, {MIXER_NAMES_VERSION}], got {v!r}")
+        for old in range(v, MIXER_NAMES_VERSION):
+            ren = MIXER_RENAMES.get(old, {})
+            if isinstance(self.mixer, str):
+                self.mixer = ren.get(self.mixer, self.mixer)
+            elif isinstance(self.mixer, list):
+                self.mixer = [ren.get(m, m) if isinstance(m, str) else m for m in self.mixer]
+            if isinstance(self.mixer_kwargs, dict):
+                self.mixer_kwargs = {ren.get(k, k): kw for k, kw in self.mixer_kwargs.items()}
+        self.mixer_names = MIXER_NAMES_VERSION
 
     # -- checks ------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -275,7 +302,7 @@ _FIRST_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "mixer", "head_
                  "memory_lobe", "lobe_feature_map", "lobe_heads", "allow_future_leak", "tie_embeddings",
                  "final_norm", "norm_eps", "init_std")
 #: fields added later whose default changes what a saved config computes: the value such a config meant
-LEGACY_VALUES = {"l2norm_convention": "clamp"}
+LEGACY_VALUES = {"l2norm_convention": "clamp", "mixer_names": 1}
 
 PRESETS = {
     "ela-gpt": LMConfig.ela_gpt,

@@ -12,8 +12,12 @@ Naming scheme:
                                        q . sum k has no sign).
 * `ela-hadamard_exp`, `ela-sum_sq_euclid`  the ELA paper's attention: RoPE on q/k, no 1/sqrt(d)
                                        scaling, no output norm, no short conv.
-* `retnet`, `mamba2`, `gla`            gated (unnormalised) linear attention: fixed per-head decay,
+* `retnet`, `mamba2-gla`, `gla`        gated (unnormalised) linear attention: fixed per-head decay,
                                        Mamba2-style scalar data-dependent decay, GLA diagonal decay
+* `mamba2`                             Mamba2's own block (`layers/mamba2.py`: in_proj to z, x, B, C, dt; conv;
+                                       SSD as grouped scalar-gated linear attention; D skip; grouped gated norm).
+                                       A config saved before it existed names `mamba2-gla` `mamba2`; loading
+                                       maps it (`LMConfig.mixer_names`)
 * `deltanet`, `gated-deltanet`         the delta rule (FLA layer pattern, short conv)
 * `efla`, `efla-adaptive`, `efla-loose`    error-free linear attention and its two beta variants
 * `fox`, `deltaformer`, `path`         softmax attention fed back by linear attention: FoX's forget gate,
@@ -45,6 +49,7 @@ from ..errors import ConfigError
 from ..feature_maps import FEATURE_MAP_NAMES
 from ..layers import EFLA, DeltaNet, GatedDeltaNet, LinearAttention, SoftmaxAttention
 from ..layers.delta_family import KDA, Comba, DeltaProduct
+from ..layers.mamba2 import Mamba2Block
 from ..layers.mesa import MesaNet
 from ..layers.rwkv7 import RWKV7
 from ..layers.softmax_family import DeltaFormer, FoX, PaTH
@@ -164,8 +169,11 @@ def _register_builtins() -> None:
     gated = {"feature_map": "identity", "normalize": False}   # scale: the default head_dim**-0.5
     register_mixer("retnet", LinearAttention, dict(gated, gate="retnet"),
                    "RetNet: fixed per-head decay 1 - 2^(-5-h)")
-    register_mixer("mamba2", LinearAttention, dict(gated, gate="scalar", output_gate=True),
-                   "Mamba2-style scalar data-dependent decay per head", short_conv=True)
+    register_mixer("mamba2-gla", LinearAttention, dict(gated, gate="scalar", output_gate=True),
+                   "gated linear attention with a Mamba2-style scalar data-dependent decay per head (the mixer "
+                   "named mamba2 before issue 37)", short_conv=True)
+    register_mixer("mamba2", Mamba2Block, {}, "Mamba2's block: in_proj, conv, SSD (grouped scalar-gated linear "
+                   "attention), D skip, grouped gated RMSNorm, out_proj", short_conv=True)
     register_mixer("gla", LinearAttention, dict(gated, gate="diagonal", output_gate=True),
                    "GLA: data-dependent decay per feature, logsigmoid(.)/16")
     register_mixer("deltanet", DeltaNet, {}, "DeltaNet: delta rule, sigmoid beta, L2-normalised q/k", short_conv=True)
