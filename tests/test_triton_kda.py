@@ -126,3 +126,19 @@ def test_kda_chunk_routed_to_triton(monkeypatch):
     assert len(calls) == 1
     linattn.delta_rule(q, k, v, beta, g=g[..., 0], backend="triton")  # per-head gate: not the KDA kernels
     assert len(calls) == 1
+
+
+def test_kda_chunk_custom_op_opcheck():
+    """The chunk op with a per-channel gate g [TT, H, K]: schema, fake (shape) implementation, autograd
+    registration and AOT dispatch (torch.library.opcheck), grouped heads and two packed sequences."""
+    import linattn.triton.delta  # noqa: F401  (registers the ops)
+
+    gen = torch.Generator().manual_seed(2)
+    TT, H, K, V = 20, 2, 16, 16
+    q, k = torch.randn(TT, 1, K, generator=gen) * 0.3, torch.randn(TT, 1, K, generator=gen) * 0.3
+    v, b, g = torch.randn(TT, H, V, generator=gen), torch.rand(TT, H, generator=gen), \
+        -torch.rand(TT, H, K, generator=gen) * 3.0
+    h0 = torch.randn(2, H, K, V, generator=gen) * 0.1
+    args = tuple(x.to(DEV).requires_grad_() for x in (q, k, v, b, g, h0)) + ([0, 3, 20], 64, True)
+    res = torch.library.opcheck(torch.ops.linattn.triton_delta_chunk_fwd.default, args)
+    assert all(r == "SUCCESS" for r in res.values()), res
