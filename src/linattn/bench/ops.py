@@ -43,6 +43,7 @@ from ..ops import (
     path_attention,
     prepare_mesa_net,
     prepare_ttt,
+    rwkv7,
     softmax_attention,
     titans,
     ttt,
@@ -118,6 +119,7 @@ OPS: Tuple[OpDef, ...] = (
     OpDef("comba", "delta-variants", "Comba", MODES, gated=True, color="C4"),
     OpDef("delta_product", "delta-variants", f"DeltaProduct n={DP_HOUSEHOLDER}", MODES, color="C5"),
     OpDef("kda", "delta-variants", "KDA", MODES, gated=True, color="C6"),
+    OpDef("rwkv7", "delta-variants", "RWKV-7", MODES, gated=True, color="C7"),   # 2 core sub-steps per token
     # family "feedback": softmax attention fed back by linear attention (chunk form only: the
     # decoding step is a Python loop over tokens of O(T) attention steps)
     OpDef("fox", "feedback", "FoX", ("chunk",), gated=True, color="C7"),
@@ -137,7 +139,8 @@ OPS: Tuple[OpDef, ...] = (
 )
 PEER_CHUNK = 64  # the chunk size of FLA's naive chunk functions (linear attention's is fixed at 64)
 OP_BY_KEY = {o.key: o for o in OPS}
-DELTA_VARIANTS = {"comba": comba, "delta_product": delta_product, "kda": delta_rule}  # family "delta-variants"
+# family "delta-variants"
+DELTA_VARIANTS = {"comba": comba, "delta_product": delta_product, "kda": delta_rule, "rwkv7": rwkv7}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,7 +162,11 @@ def _make_inputs(op: OpDef, B, T, H, K, V, dtype, device, seed) -> Dict[str, tor
         x["beta"] = torch.sigmoid(randn(B, T, H))
         if op.gated:
             x["g"] = -F.softplus(randn(B, T, H)) / 16
-    if op.family == "delta-variants":  # L2-normalised q and k, beta = sigmoid, gates as Gated DeltaNet's
+    if op.key == "rwkv7":  # as the RWKV-7 layer makes them: w in (-exp(-1/2), 0), a = -kk, b = kk * sigmoid
+        kk = F.normalize(randn(B, T, H, K), dim=-1)
+        x.update(w=-0.6065306597126334 * torch.sigmoid(randn(B, T, H, K)), a=-kk,
+                 b=kk * torch.sigmoid(randn(B, T, H, K)))
+    elif op.family == "delta-variants":  # L2-normalised q and k, beta = sigmoid, gates as Gated DeltaNet's
         q = F.normalize(q, dim=-1)
         n = DP_HOUSEHOLDER if op.key == "delta_product" else 1
         if op.key == "delta_product":
@@ -277,6 +284,8 @@ def _case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int
     if opd.family == "delta":
         return x, "delta_rule", delta_rule, (x["q"], x["k"], x["v"], x["beta"]), dict(
             g=x.get("g"), exact=opd.exact, mode=mode, chunk_size=chunk_size)
+    if op == "rwkv7":  # chunk_size in tokens (rwkv7's unit)
+        return x, op, rwkv7, (x["q"], x["w"], x["k"], x["v"], x["a"], x["b"]), dict(mode=mode, chunk_size=chunk_size)
     if opd.family == "delta-variants":
         return x, "delta_rule" if op == "kda" else op, DELTA_VARIANTS[op], (x["q"], x["k"], x["v"], x["beta"]), dict(
             g=x.get("g"), mode=mode, chunk_size=chunk_size)
@@ -345,6 +354,8 @@ def flops(op: str, mode: str, pass_: str, B, T, H, K, V, C) -> float:
     fam = OP_BY_KEY[op].family
     if op == "delta_product":
         T = T * DP_HOUSEHOLDER  # the delta rule over n sub-steps per token (C counts sub-steps)
+    if op == "rwkv7":
+        T = T * 2  # the core over 2 sub-steps per token (C counts sub-steps)
     if fam == "softmax":
         f = 2.0 * B * H * T * T * (K + V)
     elif fam == "feedback":
@@ -387,7 +398,7 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     p.add_argument("--families", type=_csv(FAMILIES), default=list(DEFAULT_FAMILIES),
                    help=f"comma-separated subset of {','.join(FAMILIES)} (default all but peer; delta-variants: "
-                        f"Comba, DeltaProduct with n={DP_HOUSEHOLDER}, KDA; peer: flash-linear-attention's "
+                        f"Comba, DeltaProduct with n={DP_HOUSEHOLDER}, KDA, RWKV-7; peer: flash-linear-attention's "
                         f"pure-PyTorch chunk functions, when installed)")
     p.add_argument("--modes", type=_csv(MODES), default=list(MODES),
                    help="forms of linear and delta: chunk,recurrent (default both)")
@@ -845,7 +856,9 @@ def run(a) -> int:
         "DeltaNet use L2-normalised q, k, beta = sigmoid(N(0,1)), Gated DeltaNet g = -softplus(N(0,1))/16; "
         "EFLA (exact=True) uses raw keys; delta-variants: Comba (p = k, g as Gated DeltaNet), DeltaProduct "
         "(n=%d keys per token, no gate; its C counts sub-steps), KDA (delta_rule with g = -softplus(N(0,1))/16 "
-        "per key channel), all with L2-normalised q, k and beta = sigmoid(N(0,1))" % DP_HOUSEHOLDER,
+        "per key channel), all with L2-normalised q, k and beta = sigmoid(N(0,1)); RWKV-7 (rwkv7: r, k ~ N(0, 1), "
+        "w = -exp(-1/2) sigmoid(N(0,1)), a = -kk, b = kk sigmoid(N(0,1)), kk L2-normalised; the delta core over "
+        "2 sub-steps per token, its C counts sub-steps)" % DP_HOUSEHOLDER,
         "feedback (chunk form, block = C): FoX g = logsigmoid(N(2, 1)); DeltaFormer beta = sigmoid(N(0,1)), "
         "stage1_query k; PaTH w = L2-normalised N(0, 1), beta = 2 sigmoid(N(0,1)), no forget gate",
         "test-time (as the layers at initialisation): MesaNet L2-normalised q, k, beta = sigmoid(N(0,1)), "

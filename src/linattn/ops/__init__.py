@@ -20,8 +20,8 @@ from .ttt import TTTState, prepare_ttt, titans, ttt
 
 
 def chunk_size_used(op: str, q, k, v, *args, backend: str = "auto", **kwargs) -> int:
-    """The chunk length `op` ("linear_attention", "delta_rule", "comba" or "delta_product", in sub-steps) really
-    uses for this call on the backend it would pick (the Triton kernels round to 16 / 32 / 64; log-space maps and
+    """The chunk length `op` ("linear_attention", "delta_rule", "comba", "delta_product" or "rwkv7", in sub-steps)
+    really uses for this call on the backend it would pick (the Triton kernels round to 16 / 32 / 64; log-space maps and
     diagonal or per-channel gates use blocks of at most 16 on the PyTorch path). Same arguments as the operator."""
     from .backend import select_backend
     from .delta_core import efla_coefficient
@@ -40,9 +40,12 @@ def chunk_size_used(op: str, q, k, v, *args, backend: str = "auto", **kwargs) ->
     elif op == "delta_product":  # in sub-steps (n per token), as delta_product's chunk_size
         (beta,) = args
         p, _ = prepare_delta_product(q, k, v, beta, **kwargs)
+    elif op == "rwkv7":  # in sub-steps (2 per token), the core's unit; the arguments are rwkv7's (r, w, k, v, a, b)
+        p = prepare_rwkv7(q, k, v, *args, **kwargs)
     else:
         from ..errors import LinattnError
-        raise LinattnError(f"op must be 'linear_attention', 'delta_rule', 'comba' or 'delta_product', got {op!r}")
+        raise LinattnError(f"op must be 'linear_attention', 'delta_rule', 'comba', 'delta_product' or 'rwkv7', "
+                           f"got {op!r}")
     return p.chunk_size_used(select_backend(backend, p))
 
 
