@@ -70,7 +70,7 @@ ARCH_KEY = "linattn_arch"          # safetensors metadata: the architecture of t
 # Model config fields that change what the weights compute without changing their shapes (any family).
 ARCH_FIELDS = ("mixer_kwargs", "rope", "rope_base", "window", "residual", "hyperlink_ffn_skip", "memory_lobe",
                "lobe_feature_map", "allow_future_leak", "moe_bias", "top_k", "norm_eps", "history_window",
-               "generation_window")
+               "generation_window", "mixer_names")
 
 PathLike = Union[str, os.PathLike]
 
@@ -580,13 +580,31 @@ def recorded_architecture(ckpt_dir: PathLike) -> Optional[Dict[str, Any]]:
     return arch
 
 
+def _current_mixer_names(arch: Dict[str, Any]) -> Dict[str, Any]:
+    """An lm architecture recorded (or a config dict written) before `LMConfig.mixer_names` existed names its
+    mixers the old way (`mamba2` for today's `mamba2-gla`): the same architecture in today's names."""
+    from .models.config import MIXER_NAMES_VERSION, MIXER_RENAMES
+
+    if arch.get("family", family.DEFAULT_ARCH) != "lm" or "mixer_names" in arch:
+        return arch
+    arch = dict(arch)
+    for v in range(1, MIXER_NAMES_VERSION):
+        ren = MIXER_RENAMES.get(v, {})
+        if isinstance(arch.get("mixers"), list):
+            arch["mixers"] = [ren.get(m, m) if isinstance(m, str) else m for m in arch["mixers"]]
+        if isinstance(arch.get("mixer_kwargs"), dict):
+            arch["mixer_kwargs"] = {ren.get(k, k): kw for k, kw in arch["mixer_kwargs"].items()}
+    arch["mixer_names"] = MIXER_NAMES_VERSION
+    return arch
+
+
 def check_architecture(ckpt_dir: PathLike, model_config: Dict[str, Any]) -> None:
     """Raise CheckpointError when the weights in `ckpt_dir` were saved for another architecture than the
     model config dict `model_config` (the family, the mixers, or an ARCH_FIELDS value differs)."""
     saved = recorded_architecture(ckpt_dir)
     if saved is None:
         return
-    now = architecture(model_config)
+    saved, now = _current_mixer_names(saved), _current_mixer_names(architecture(model_config))
     differ = [k for k in sorted(set(saved) | set(now))
               if saved.get(k) != now.get(k) and (k in ("family", "mixers") or (k in saved and k in now))]
     if differ:

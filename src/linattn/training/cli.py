@@ -112,6 +112,9 @@ def flag_message(error: Exception) -> str:
 
 
 def _train_main(args: argparse.Namespace) -> int:
+    if args.resume and getattr(args, "init_from", None) is not None:
+        raise UsageError("--init-from and --resume exclude each other: --resume continues the run in --out, "
+                         "--init-from starts a new run there from another checkpoint's weights")
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
                          "--overwrite deletes it and starts over")
@@ -128,6 +131,10 @@ def _train_main(args: argparse.Namespace) -> int:
         print(f"[linattn] warning: {flag_message(note)}", file=sys.stderr)
     if saved_model is not None:
         model_config = resumed_model_config(args, cfg, saved_model)
+    elif cfg.init_from is not None:
+        if cfg.data is not None and not Path(cfg.data).exists():
+            raise missing_data_error(args.data)
+        model_config = init_model_config(args, cfg)
     else:
         if cfg.data is not None and not Path(cfg.data).exists():
             raise missing_data_error(args.data)
@@ -177,7 +184,7 @@ def train_config_from_args(args: argparse.Namespace, saved: Optional[Dict[str, A
                              f"trained with {saved[k]!r}")
         vals[k] = v
     vals["out"] = str(out if out is not None else given.get("out") or DEFAULT_OUT)
-    for k in ("data", "tokenizer"):  # absolute, so that `eval` with no --data finds them from anywhere
+    for k in ("data", "tokenizer", "init_from"):  # absolute, so that `eval` with no --data finds them from anywhere
         if given.get(k) is not None:
             vals[k] = os.path.abspath(given[k])
     vals["progress"] = given.get("progress")
@@ -238,6 +245,23 @@ def model_config_from_args(args: argparse.Namespace, cfg: TrainConfig):
     if "vocab_size" not in vars(args) and (args.preset or args.model_config):
         cfg.vocab_size = int(model_config.vocab_size)  # the preset's vocabulary, for the tokenizer
     return model_config
+
+
+def init_model_config(args: argparse.Namespace, cfg: TrainConfig):
+    """The model config of an --init-from run: the checkpoint's, with the model flags given checked against it
+    (`init_from.model_config_with_flags`); --preset, --model-config and another --vocab-size are refused."""
+    from .init_from import checkpoint_model_config, model_config_with_flags
+
+    for flag in ("preset", "model_config"):
+        if getattr(args, flag, None):
+            raise TrainError(f"{flag_name(flag)} cannot be combined with --init-from, which takes the model config "
+                             f"from the checkpoint")
+    ck, base = checkpoint_model_config(cfg.init_from)
+    if "vocab_size" in vars(args) and args.vocab_size != getattr(base, "vocab_size", args.vocab_size):
+        raise TrainError(f"--vocab-size {args.vocab_size} contradicts the checkpoint's vocab_size = {base.vocab_size} "
+                         f"({ck}); --init-from uses the checkpoint's tokenizer (leave the flag out)")
+    given = {k: v for k, v in given_values(args, model_field_names()).items() if k != "vocab_size"}
+    return model_config_with_flags(cfg.init_from, given, getattr(args, "arch", None))
 
 
 def resumed_model_config(args: argparse.Namespace, cfg: TrainConfig, saved_model: Dict[str, Any]):
@@ -329,4 +353,4 @@ def _eval_tokens(args: argparse.Namespace, ck: ckpt.Checkpoint, seq_len: int):
 
 
 __all__ = ["DESCRIPTION", "add_arguments", "main", "add_eval_arguments", "eval_main", "train_config_from_args",
-           "model_config_from_args", "resumed_model_config", "model_field_names", "flag_message"]
+           "model_config_from_args", "resumed_model_config", "init_model_config", "model_field_names", "flag_message"]

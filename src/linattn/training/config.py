@@ -46,6 +46,9 @@ class TrainConfig:
                             shown_default="runs/train")
     tokenizer: Optional[str] = _f(None, "tokenizer.json, or a folder or run holding one; none: train a "
                                         "byte-level BPE on the training split")
+    init_from: Optional[str] = _f(None, "start a new run (step 0, fresh optimizer and schedule) from this run's "
+                                        "latest checkpoint or this step folder: its weights, tokenizer and model "
+                                        "config (model flags that contradict it are refused); not with --resume")
     vocab_size: int = _f(4096, "vocabulary of a trained tokenizer (an upper bound); the model's vocab_size "
                                "is always the tokenizer's")
     max_data_bytes: Optional[int] = _f(None, "cap on the text read, >= 1 (none: all of a path, 8 MiB of the stdlib)")
@@ -194,6 +197,18 @@ TRAJECTORY_FIELDS = ("seq_len", "batch_size", "lr", "min_lr_ratio", "warmup", "w
                      "beta1", "beta2", "eps", "grad_clip", "seed", "val_fraction", "dtype", "doc_boundaries")
 
 
+def _current_model_dict(d: Dict[str, Any]) -> Dict[str, Any]:
+    """A saved model config dict as today's code writes it (an old dict's renamed mixers, `LMConfig.mixer_names`,
+    mapped), so that comparing it with a config built from it finds no false mismatch; as it is when it does not
+    load (the comparison then names the field)."""
+    from ..models.family import config_from_dict, config_to_dict
+
+    try:
+        return config_to_dict(config_from_dict(dict(d)))
+    except (TypeError, ValueError, KeyError):
+        return d
+
+
 def check_resume_compatible(cfg: TrainConfig, saved: Dict[str, Any], model_config: Optional[Dict[str, Any]] = None,
                             saved_model: Optional[Dict[str, Any]] = None) -> None:
     """Raise TrainError naming the first trajectory field (or model field) that differs."""
@@ -203,6 +218,7 @@ def check_resume_compatible(cfg: TrainConfig, saved: Dict[str, Any], model_confi
             raise TrainError(f"config/checkpoint mismatch: {k} = {getattr(cfg, k)!r} but the checkpoint "
                              f"was trained with {saved[k]!r}")
     if model_config is not None and saved_model is not None:
+        saved_model = _current_model_dict(saved_model)
         for k, v in model_config.items():
             if k in saved_model and saved_model[k] != v and k != "vocab_size":
                 raise TrainError(f"config/checkpoint mismatch: model {k} = {v!r} but the checkpoint has "

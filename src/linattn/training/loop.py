@@ -42,6 +42,7 @@ from ..models.family import build_model, config_from_dict, config_to_dict
 from .config import TrainConfig, TrainError, TrainingDiverged, check_resume_compatible
 from .data import TrainData, prepare_data, rank_batch
 from .distributed import Dist
+from .init_from import init_setup
 from .run import RunFolder, StopFlag
 from .schedule import lr_at
 from .trainer import EvalResult, StepOutput, Trainer
@@ -100,8 +101,11 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
         if isinstance(model_config, dict):
             model_config = config_from_dict(model_config)
         saved: Dict[str, Any] = {}
+        init_ck = None
         if resume_ck is not None:
             saved, model_config, tokenizer = _resume_setup(config, model_config, resume_ck, tokenizer, data)
+        elif config.init_from is not None:   # (a resumed run already holds the weights it started from)
+            init_ck, model_config, tokenizer = init_setup(config, model_config, tokenizer, data is not None)
         if model_config is None:
             raise TrainError("a model config is needed (none given and no checkpoint to resume)")
         if data is None:
@@ -112,7 +116,10 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
                 data = _load_data(config, tokenizer, verbose=False, write_cache=False)
         _check_data(config, data, saved)
         model_config = _with_vocab(model_config, data.tokenizer.vocab_size)
-        trainer = _make_trainer(config, model_config, dist, resume_ck, model_factory, data.tokenizer.eos_id)
+        trainer = _make_trainer(config, model_config, dist, resume_ck, model_factory, data.tokenizer.eos_id,
+                                init_ck=init_ck)
+        if init_ck is not None and dist.is_main and config.progress is not False:
+            print(f"[linattn] weights and tokenizer from {init_ck}; a new run from step 0", file=sys.stderr)
         # Everything that can fail on bad input has run: only now is the run folder touched.
         if folder is not None:
             _on_main(dist, lambda: folder.start(trainer.step if resume_ck is not None else None))
@@ -189,16 +196,16 @@ def _with_vocab(model_config, vocab_size: int):
 
 
 def _make_trainer(cfg: TrainConfig, model_config, dist: Dist, resume_ck: Optional[Path],
-                  model_factory, eos_id: Optional[int] = None) -> Trainer:
+                  model_factory, eos_id: Optional[int] = None, init_ck: Optional[Path] = None) -> Trainer:
     """Build the model (seeded) and its Trainer; on resume load the weights (before DDP / FSDP wrap
-    the model) and the training state."""
+    the model) and the training state; with init_ck (--init-from) only that checkpoint's weights."""
     torch.manual_seed(cfg.seed)
     try:
         model = (model_factory or build_model)(model_config)
     except (TypeError, ValueError, KeyError) as e:
         raise TrainError(f"cannot build the model: {e}") from None
-    if resume_ck is not None:
-        ckpt.load_model_weights(model, resume_ck, device="cpu", model_config=config_to_dict(model_config))
+    if resume_ck is not None or init_ck is not None:
+        ckpt.load_model_weights(model, resume_ck or init_ck, device="cpu", model_config=config_to_dict(model_config))
     trainer = Trainer(model, cfg, dist=dist, eos_id=eos_id)
     if resume_ck is not None:
         try:
