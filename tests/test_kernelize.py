@@ -324,3 +324,60 @@ def test_padded_batch_generation_is_not_taken_for_packing():
     gr = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, min_new_tokens=8)
     gf = fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, min_new_tokens=8)
     assert torch.equal(gr, gf)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_sdpa_keeps_documents_apart(causal):
+    """linattn_sdpa with cu_seq_lens_q: each document attends to itself only, causally for causal layers and
+    both ways for a non-causal one (a VLM's vision tower passes its own cu_seq_lens_q)."""
+    km = importlib.import_module("linattn.hf.kernelize")
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 2, 10, 8, generator=g) for _ in range(3))
+    mod = torch.nn.Module()
+    mod.is_causal = causal
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    out, _ = km._varlen_sdpa(mod, q, k, v, None, cu_seq_lens_q=cu)
+    ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
+                                                                      is_causal=causal)
+                     for s, e in ((0, 4), (4, 10))], dim=2).transpose(1, 2)
+    assert _maxdiff(out, ref) < 1e-6
+
+def equivalence_row(arch):
+    """One row of docs/kernelize.md's equivalence table (`python tests/test_kernelize.py` prints them all)."""
+    ref, fast, rep = pair(arch)
+    ids = _ids(1)
+    hidden = ref.config.get_text_config().hidden_size
+    mod_err = max(_maxdiff(_mixer_out(ref.get_submodule(n), hidden), _mixer_out(fast.get_submodule(n), hidden))
+                  / _mixer_out(ref.get_submodule(n), hidden).abs().max().item() for n in rep.patched)
+    ref.train()
+    fast.train()
+    o_r, o_f = ref(ids, labels=ids, use_cache=False), fast(ids, labels=ids, use_cache=False)
+    d_logits, scale = _maxdiff(o_r.logits, o_f.logits), o_r.logits.abs().max().item()
+    o_r.loss.backward()
+    o_f.loss.backward()
+    pr = dict(ref.named_parameters())
+    pairs = [(pr[n].grad, p.grad) for n, p in fast.named_parameters() if pr[n].grad is not None]
+    d_grad = max(_maxdiff(a, b) for a, b in pairs) / max(a.abs().max().item() for a, _ in pairs)
+    ref.eval()
+    fast.eval()
+    with torch.no_grad():
+        d_dec = _maxdiff(_decode(fast, ids), fast(ids, use_cache=False).logits)
+        own = _maxdiff(_decode(ref, ids), ref(ids, use_cache=False).logits)
+        a, b = _ids(2, 9, 1), _ids(3, 12, 1)
+        pos = torch.cat([torch.arange(9), torch.arange(12)])[None]
+        lp = fast(torch.cat([a, b], 1), position_ids=pos, use_cache=False).logits
+        d_pack = _maxdiff(lp, torch.cat([fast(a, use_cache=False).logits, fast(b, use_cache=False).logits], 1))
+    p = _ids(4, 5, 1)
+    same = torch.equal(ref.generate(p, max_new_tokens=32, do_sample=False, min_new_tokens=32),
+                       fast.generate(p, max_new_tokens=32, do_sample=False, min_new_tokens=32))
+    return (f"| {arch} | {','.join(sorted(set(rep.kinds.values())))} | {len(rep.patched)} | {mod_err:.1e} | "
+            f"{d_logits:.1e} (of {scale:.1f}) | {d_grad:.1e} | {d_dec:.1e} ({own:.1e}) | {d_pack:.1e} | "
+            f"{'identical' if same else 'DIFFERENT'} |")
+
+
+if __name__ == "__main__":
+    print("| architecture | kind | modules | module alone | logits | gradients | decode vs full (transformers' own) "
+          "| packed vs separate | 32-token greedy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for arch in ARCHS:
+        print(equivalence_row(arch), flush=True)

@@ -384,10 +384,11 @@ def _lightning_forward(self, hidden_states, position_embeddings=None, attention_
 
 def _varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' sdpa, except that with cu_seq_lens_q (batch 1, no cache) each document attends only to
-    itself (a block-diagonal causal mask; with the layer's sliding window if it has one)."""
+    itself (a block-diagonal mask, causal for causal layers; with the layer's sliding window if it has one)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    causal = bool(getattr(module, "is_causal", True))     # a VLM's vision tower passes its own, non-causal cu
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
+    if cu is None and causal:
         cu = _PACKED.get()
     T = query.shape[2]
     if cu is not None and query.shape[0] == 1 and key.shape[2] == T:
@@ -396,7 +397,9 @@ def _varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
         doc[cu[1:-1]] = 1
         doc = doc.cumsum(0)
         i = torch.arange(T, device=query.device)
-        mask = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None])
+        mask = doc[:, None] == doc[None, :]
+        if causal:
+            mask = mask & (i[None, :] <= i[:, None])
         window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
         if window:
             mask = mask & (i[:, None] - i[None, :] < int(window))
