@@ -296,3 +296,28 @@ def test_old_checkpoint_naming_mamba2_loads_and_gives_its_outputs(tmp_path):
     ids = torch.randint(0, V, (1, 9))
     with torch.no_grad():
         assert torch.equal(ck.model(ids).logits, model(ids).logits)
+
+
+def test_old_run_naming_mamba2_resumes_with_the_old_meaning(tmp_path, corpus):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from linattn.checkpoint import ARCH_KEY, architecture, find_latest_checkpoint, load_checkpoint
+    from linattn.training import TrainConfig, train
+    cfg = TrainConfig(data=str(corpus), out=str(tmp_path / "run"), vocab_size=260, seq_len=16, batch_size=2, steps=2,
+                      save_every=0, eval_every=0, eval_batches=1, progress=False, warmup=1, threads=1)
+    train(cfg, LMConfig(vocab_size=260, d_model=32, n_layers=1, n_heads=2, mixer="mamba2-gla", max_seq_len=16))
+    ck = find_latest_checkpoint(tmp_path / "run")
+    # rewrite the checkpoint as the code before the rename wrote it: "mamba2", no mixer_names, in both places
+    meta = json.loads((ck / "config.json").read_text())
+    del meta["model"]["mixer_names"]
+    meta["model"]["mixer"] = "mamba2"
+    (ck / "config.json").write_text(json.dumps(meta))
+    weights = load_file(str(ck / "model.safetensors"))
+    save_file(weights, str(ck / "model.safetensors"),
+              metadata={"format": meta["format"], "step": str(meta["step"]),
+                        ARCH_KEY: json.dumps(architecture(meta["model"]), sort_keys=True)})
+    assert load_checkpoint(ck).model_config.mixer == "mamba2-gla"
+    res = train(TrainConfig(**{**cfg.to_dict(), "steps": 3}), resume=True)
+    assert res.step == 3 and load_checkpoint(tmp_path / "run").model_config.mixer == "mamba2-gla"
