@@ -288,6 +288,17 @@ def test_kernelize_twice_and_report():
     r2 = kernelize(fast)
     assert r1.patched == r2.patched == list(r2) and len(r2) == 2
     assert set(r1.kinds.values()) == {"mamba2"}
+    assert r1.packing_wrapped == r2.packing_wrapped == ["", "backbone"]
+
+
+def test_bf16_model():
+    """A bf16 model runs patched (cores in fp32) and stays within bf16 resolution of transformers' own."""
+    for arch in ("qwen3_5", "mamba2"):
+        ref, fast, _ = pair(arch, torch.bfloat16)
+        ids = _ids(13)
+        with torch.no_grad():
+            a, b = ref(ids, use_cache=False).logits.float(), fast(ids, use_cache=False).logits.float()
+        assert _maxdiff(a, b) <= 1e-2 * max(1.0, a.abs().max().item()), arch
 
 
 def test_unserved_module_raises_or_is_listed():

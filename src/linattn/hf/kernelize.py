@@ -86,11 +86,14 @@ UNSERVED_CLASSES: Dict[str, str] = {
 
 @dataclass
 class KernelizeReport:
-    """What `kernelize` did: `patched` module names (in model order), `unserved` {name: reason}, the kinds."""
+    """What `kernelize` did: `patched` module names (in model order), `unserved` {name: reason}, the kind of each
+    patched module, the attention implementation now set, and the modules whose forward was wrapped for packing
+    ("" is the model itself)."""
     patched: List[str] = field(default_factory=list)
     unserved: Dict[str, str] = field(default_factory=dict)
     kinds: Dict[str, str] = field(default_factory=dict)
     attn_implementation: Optional[str] = None
+    packing_wrapped: List[str] = field(default_factory=list)   # modules whose forward recognises packed batches
 
     def __iter__(self):                   # `for name in kernelize(model)` walks the patched names
         return iter(self.patched)
@@ -520,11 +523,13 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
         report.patched.append(name)
         report.kinds[name] = kind
     if packing and plan:
-        for top in {id(model): model, id(getattr(model, "base_model", model)): getattr(model, "base_model", model)
-                    }.values():
+        names = {id(m): n for n, m in model.named_modules()}
+        base = getattr(model, "base_model", model)
+        for top in {id(model): model, id(base): base}.values():
             if not getattr(top, "_linattn_packing", False):
                 top.forward = _with_packing(top.forward)
                 top._linattn_packing = True
+            report.packing_wrapped.append(names.get(id(top), ""))
         _register_attention()
         cfg = getattr(model, "config", None)
         if cfg is not None and getattr(cfg, "_attn_implementation", None) in (None, "sdpa", "eager"):
