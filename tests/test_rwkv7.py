@@ -178,12 +178,13 @@ def _layer(seed=0, **kw):
     return layer
 
 
-def _layer_ref(layer, x):
-    """The layer from its formula (module docstring of layers/rwkv7.py), token by token in fp64, on rwkv7_ref."""
+def _layer_ref(layer, x, v_first=None):
+    """The layer from its formula (module docstring of layers/rwkv7.py), token by token in fp64, on rwkv7_ref;
+    v_first: the first layer's values for the value residual (None: none). -> (output, this layer's v before it)."""
     B, T, C = x.shape
     H, Dh = layer.n_heads, layer.head_dim
     prev = torch.cat([torch.zeros(B, 1, C, dtype=x.dtype), x[:, :-1]], 1)
-    mix = [x + (prev - x) * layer.mu[i] for i in range(6)]
+    mix = [x + (prev - x) * getattr(layer, name) for name in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")]
 
     def lora(m, h, act):
         z = m.down(h)
@@ -191,6 +192,10 @@ def _layer_ref(layer, x):
         return m.up(z) + (m.bias if m.bias is not None else 0)
 
     r, k, v = layer.r_proj(mix[0]), layer.k_proj(mix[2]), layer.v_proj(mix[3])
+    v_own = v
+    if v_first is not None:
+        mv = torch.sigmoid(lora(layer.v_lora, mix[3], None))
+        v = v + (v_first - v) * mv
     w = -W_BOUND * torch.sigmoid(lora(layer.w_lora, mix[1], "tanh"))
     a = torch.sigmoid(lora(layer.a_lora, mix[4], None))
     g = lora(layer.g_lora, mix[5], "sigmoid")
@@ -204,14 +209,14 @@ def _layer_ref(layer, x):
     o = (o - mean) / torch.sqrt(var + layer.g_norm.eps)
     o = o * layer.g_norm.weight.view(H, Dh) + layer.g_norm.bias.view(H, Dh)
     o = o + (hd[0] * hd[2] * layer.r_k).sum(-1, keepdim=True) * hd[3]
-    return layer.o_proj(o.reshape(B, T, H * Dh) * g)
+    return layer.o_proj(o.reshape(B, T, H * Dh) * g), v_own
 
 
 def test_layer_matches_its_formula_fp64():
     layer = _layer()
     x = torch.randn(2, 13, 16, dtype=torch.float64)
     with torch.no_grad():
-        y, y_ref = layer(x), _layer_ref(layer, x)
+        y, (y_ref, _) = layer(x), _layer_ref(layer, x)
     assert (y - y_ref).abs().max() < 1e-10 * (1 + y_ref.abs().max())
     # the bonus term is really there: with u = r_k = 0 the output changes
     with torch.no_grad():
@@ -234,6 +239,51 @@ def test_layer_decode_equals_forward_and_packs(opts):
         packed = layer(x[:1], cu_seqlens=cu)
         alone = torch.cat([layer(x[:1, :3]), layer(x[:1, 3:])], 1)
         assert torch.allclose(packed, alone, atol=1e-12, rtol=0)
+
+
+def test_value_residual_in_the_model_matches_the_formula():
+    """Layer 0 publishes its v (and has no lora_v, as fla), layers 1 and 2 mix their v towards it, per token."""
+    from linattn.models import LanguageModel, LMConfig
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, mixer="rwkv7")).double().eval()
+    mixers = [b.mixer for b in model.blocks]
+    assert mixers[0].v_lora is None and all(m.v_lora is not None for m in mixers[1:])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append((args[0], out))) for m in mixers]
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids)
+        y0, v_first = _layer_ref(mixers[0], seen[0][0])
+        errs = [(y0 - seen[0][1]).abs().max()]
+        for i in (1, 2):
+            y_ref, _ = _layer_ref(mixers[i], seen[i][0], v_first=v_first)
+            errs.append((y_ref - seen[i][1]).abs().max())
+            # without the residual the layer's output differs: the test can tell
+            assert (_layer_ref(mixers[i], seen[i][0])[0] - seen[i][1]).abs().max() > 1e-4
+    for h in hooks:
+        h.remove()
+    assert max(errs) < 1e-10
+
+
+def test_value_residual_under_activation_checkpointing():
+    # a block recomputed in the backward pass reads the same first-layer values: gradients as without recomputation
+    from linattn.models import LanguageModel, LMConfig
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, mixer="rwkv7")).double().train()
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(2))
+
+    def grads(recompute):
+        model.zero_grad()
+        model.activation_checkpointing = recompute
+        model(ids).logits.pow(2).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain, recomputed = grads(False), grads(True)
+    assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(plain, recomputed))
+    assert model.blocks[1].mixer.v_lora.up.weight.grad.abs().max() > 0   # the residual's mix is trained
 
 
 def test_layer_rejects_bad_config():

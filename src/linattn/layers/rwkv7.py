@@ -1,8 +1,9 @@
 """RWKV-7's time mixing (the mixer `rwkv7`), on `linattn.rwkv7`, after flash-linear-attention's `RWKV7Attention`:
 
     dx = x_{t-1} - x_t                                          (token shift; zero before a document's first token)
-    x_c = x + dx * mu_c   for c in r, w, k, v, a, g             (learned per-channel interpolations)
+    x_c = x + dx * mu_c   for c in r, w, k, v, a, g             (learned per-channel interpolations x_r .. x_g)
     r = W_r x_r,  k = W_k x_k,  v = W_v x_v
+    v = lerp(v, v_first, sigmoid(v0 + lora_v(x_v)))            (later layers: the value residual, below)
     w = -exp(-1/2) * sigmoid(w0 + lora_w(x_w))                  (log decay in (-0.61, 0); lora_w: down, tanh, up)
     a = sigmoid(a0 + lora_a(x_a)),  g = lora_g(x_g)             (lora_g: down, sigmoid, up; no bias)
     kk = normalize(k * k_k) per head,  k <- k * (1 + (a - 1) k_a)
@@ -10,9 +11,13 @@
     o = GroupNorm_heads(o) + (sum_d r k u) v                    (the "bonus": the current token through u = r_k)
     out = W_o (o * g)
 
-Value residual: RWKV-7 mixes every layer's v with the first layer's (v <- lerp(v, v_first, sigmoid(v0 +
-lora_v(x_v)))), which needs v_first passed from block to block. The LanguageModel's block interface gives a
-mixer only x (and the cache), so it is omitted: each layer uses its own v (layer 0 of RWKV-7 does exactly this).
+Value residual: RWKV-7 mixes every later layer's v with the first layer's, v <- lerp(v, v_first, sigmoid(v0 +
+lora_v(x_v))). The block interface passes a mixer only x, so the LanguageModel hands its RWKV-7 layers one shared
+`ValueResidual` at construction (`link_layers`, called in block order): the first RWKV-7 layer (it has no lora_v,
+as in fla) publishes its v there in each call, and the later ones read it in the same call. Each token mixes with
+its own first-layer value, so causality, packing and decoding are unaffected. The holder keeps the last call's
+v_first (one `[B, T, H * head_dim]` tensor) until the next call, so a block recomputed in the backward pass
+(activation checkpointing) reads the same tensor. A layer used alone (not linked) uses its own v.
 Init: a simplified form of RWKV-7's (interpolations 1 - (i / C)^p per channel i, decay biases spread from fast to
 slow channels, k_k = 0.85, k_a = 1, r_k = 0); the linear maps get the LanguageModel's init.
 
@@ -33,6 +38,7 @@ from .cache import LayerCache
 from .common import RotaryEmbedding, ShortConv
 from .packing import check_cu_seqlens, packed_positions, reject_cache_with_cu_seqlens
 
+_MIX = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 _W_SCALE = 0.6065306597126334   # exp(-1/2): fla's bound on -w, so exp(w) >= 0.545 per token
 
 
@@ -63,11 +69,20 @@ class _LoRA(nn.Module):
         return h + self.bias if self.bias is not None else h
 
 
+class ValueResidual:
+    """The first RWKV-7 layer's values of the current call, shared by a model's RWKV-7 layers (module docstring).
+    A plain object, not a module: it holds no parameters and no state across calls."""
+
+    def __init__(self):
+        self.v: Optional[torch.Tensor] = None
+
+
 class RWKV7(nn.Module):
     """RWKV-7 time mixing (module docstring). x `[B, T, d_model]` -> `[B, T, d_model]`.
 
-    Args: d_model, n_heads; head_dim (default d_model // n_heads); decay_rank, a_rank, gate_rank: the low ranks of
-    the w, a and g projections; norm_eps: the group norm's epsilon per channel (times head_dim, as fla);
+    Args: d_model, n_heads; head_dim (default d_model // n_heads); decay_rank, a_rank, gate_rank, value_rank: the
+    low ranks of the w, a, g and v-residual projections (the last only where layer_idx > 0); norm_eps: the group
+    norm's epsilon per channel (times head_dim, as fla; fla's default 1e-5, not LMConfig.norm_eps, the RMSNorms');
     chunk_size: the operator's chunk in training and prefill. short_conv / rope: not RWKV-7 (whose token shift
     plays the short conv's role), options for ablations: a causal depthwise conv (no activation) over r, k, v
     after their projections, and rotary positions on r and k (after the k update; kk is taken before).
@@ -75,12 +90,13 @@ class RWKV7(nn.Module):
     """
 
     causal = True
-    config_fields = ("head_dim", "rope", "rope_base", "short_conv", "max_seq_len", "norm_eps", "chunk_size",
-                     "layer_idx", "n_layers")
+    config_fields = ("head_dim", "rope", "rope_base", "short_conv", "max_seq_len", "chunk_size", "layer_idx",
+                     "n_layers")
     scale = 1.0
 
     def __init__(self, d_model: int, n_heads: int, *, head_dim: Optional[int] = None, decay_rank: int = 32,
-                 a_rank: int = 32, gate_rank: int = 64, norm_eps: float = 1e-5, chunk_size: int = 64,
+                 a_rank: int = 32, gate_rank: int = 64, value_rank: int = 16, norm_eps: float = 1e-5,
+                 chunk_size: int = 64,
                  layer_idx: Optional[int] = None, n_layers: Optional[int] = None, rope: bool = False,
                  rope_base: float = 10000.0, max_seq_len: int = 2048, short_conv: bool = False, conv_size: int = 4):
         super().__init__()
@@ -94,7 +110,8 @@ class RWKV7(nn.Module):
         self.chunk_size = _pos_int("chunk_size", chunk_size)
         self.layer_idx = layer_idx
         D = n_heads * self.head_dim
-        self.mu = nn.Parameter(torch.zeros(6, d_model))            # x_r, x_w, x_k, x_v, x_a, x_g
+        for name in _MIX:                                             # fla's names x_r .. x_g
+            setattr(self, name, nn.Parameter(torch.zeros(d_model)))
         self.r_proj = nn.Linear(d_model, D, bias=False)
         self.k_proj = nn.Linear(d_model, D, bias=False)
         self.v_proj = nn.Linear(d_model, D, bias=False)
@@ -102,6 +119,11 @@ class RWKV7(nn.Module):
         self.w_lora = _LoRA(d_model, D, _pos_int("decay_rank", decay_rank), "tanh", bias=True)
         self.a_lora = _LoRA(d_model, D, _pos_int("a_rank", a_rank), None, bias=True)
         self.g_lora = _LoRA(d_model, D, _pos_int("gate_rank", gate_rank), "sigmoid", bias=False)
+        # the value residual's mix (fla: every layer but the first); dropped by link_layers from the first RWKV-7 layer
+        value_rank = _pos_int("value_rank", value_rank)
+        self.v_lora = _LoRA(d_model, D, value_rank, None, bias=True) if layer_idx else None
+        self._share: Optional[ValueResidual] = None
+        self._first = True
         self.k_k = nn.Parameter(torch.empty(D))
         self.k_a = nn.Parameter(torch.empty(D))
         self.r_k = nn.Parameter(torch.empty(n_heads, self.head_dim))
@@ -117,14 +139,26 @@ class RWKV7(nn.Module):
     def _init_rwkv(self, layer_idx: Optional[int], n_layers: Optional[int]) -> None:
         depth = 0.5 if layer_idx is None or not n_layers or n_layers < 2 else layer_idx / (n_layers - 1)
         ddd = torch.arange(self.d_model, dtype=torch.float32) / self.d_model
-        for row, p in enumerate((0.2, 0.9, 0.7, 0.7, 0.9, 0.2)):     # RWKV-7's exponents for r, w, k, v, a, g
-            self.mu[row] = 1 - ddd ** (p * (1 - 0.9 * depth))
+        for name, p in zip(_MIX, (0.2, 0.9, 0.7, 0.7, 0.9, 0.2)):   # RWKV-7's exponents for r, w, k, v, a, g
+            getattr(self, name).copy_(1 - ddd ** (p * (1 - 0.9 * depth)))
+        if self.v_lora is not None:
+            self.v_lora.bias.fill_(1.0)                                   # v0 = 1: sigmoid ~ 0.73 towards v_first
         D = self.k_k.numel()
         n = torch.arange(D, dtype=torch.float32) / max(D - 1, 1)
         self.w_lora.bias.copy_(-6 + 8 * n ** (0.85 + depth ** 0.5))  # sigmoid(.): slow to fast decays
         self.k_k.fill_(0.85)
         self.k_a.fill_(1.0)
         self.r_k.zero_()
+
+    def link_layers(self, shared: Optional[ValueResidual]) -> ValueResidual:
+        """Join a model's value residual (module docstring): None makes this layer the first (it publishes its v
+        and has no lora_v); returns the holder for the next RWKV-7 layer."""
+        if shared is None:
+            shared, self._first, self.v_lora = ValueResidual(), True, None
+        else:
+            self._first = False
+        self._share = shared
+        return shared
 
     def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, *,
                 cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -145,8 +179,18 @@ class RWKV7(nn.Module):
             shifted = shifted.masked_fill(first[None, :, None], 0.0)
         if cache is not None:
             cache["shift"] = x[:, -1].detach().clone()
-        xr, xw, xk, xv, xa, xg = (x + (shifted - x) * self.mu[i] for i in range(6))
+        dx = shifted - x
+        xr, xw, xk, xv, xa, xg = (x + dx * getattr(self, name) for name in _MIX)
         r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
+        if self._share is not None and self._first:
+            self._share.v = v
+        elif self._share is not None and self.v_lora is not None and self._share.v is not None:
+            v_first = self._share.v
+            if v_first.shape != v.shape:
+                raise LinattnError(f"RWKV7 (layer {self.layer_idx}): the first RWKV-7 layer's values have shape "
+                                   f"{tuple(v_first.shape)}, this call's {tuple(v.shape)}; a linked layer runs "
+                                   f"after the first one in the same model call")
+            v = torch.lerp(v, v_first.to(v.dtype), torch.sigmoid(self.v_lora(xv)))
         if self.conv is not None:
             rkv, conv_state = self.conv(torch.cat([r, k, v], dim=-1), cache.get("conv") if cache is not None else None,
                                         cu_seqlens)

@@ -213,6 +213,10 @@ class LanguageModel(nn.Module, CausalLM):
                           UserWarning, stacklevel=2)
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layers)])
+        shared = None   # mixers that share tensors across layers (RWKV-7's value residual) are linked in block order
+        for block in self.blocks:
+            if hasattr(block.mixer, "link_layers"):
+                shared = block.mixer.link_layers(shared)
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps) if config.final_norm else None
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         init_lm_weights(self, config.init_std, config.n_layers)
