@@ -202,7 +202,7 @@ def _register_builtins() -> None:
     register_mixer("titans", Titans, {}, "Titans: TTT-MLP memory with momentum and weight decay, L2-normalised q/k",
                    short_conv=True)
     register_mixer("rwkv7", RWKV7, {}, "RWKV-7 time mixing: token shift, low-rank w/a/g, S <- D S + b (a^T S) + k v^T, "
-                   "group norm, bonus (no cross-layer value residual)")
+                   "value residual, group norm, bonus")
 
 
 _register_builtins()
