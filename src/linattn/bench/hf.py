@@ -42,7 +42,7 @@ def add_arguments(p) -> None:
     p.add_argument("--vocab-size", type=int_at_least(2), default=1024, help="(default 1024)")
     p.add_argument("--no-memory", action="store_true", help="skip the prefill peak-memory measurement")
     p.add_argument("--quick", action="store_true", help="tiny sizes (hidden 64, T 32/64), for the tests")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")
     p.add_argument("--out", default=None, help="output folder (default results/bench/hf/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--quiet", action="store_true", help="no per-case progress on stderr")
