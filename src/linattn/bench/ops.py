@@ -48,7 +48,15 @@ from ..ops import (
     titans,
     ttt,
 )
-from ..ops.reference import comba_ref, delta_product_ref, delta_rule_ref, linear_attention_ref, mesa_net_ref, ttt_ref
+from ..ops.reference import (
+    comba_ref,
+    delta_product_ref,
+    delta_rule_ref,
+    linear_attention_ref,
+    mesa_net_ref,
+    rwkv7_ref,
+    ttt_ref,
+)
 from . import common
 
 DESCRIPTION = __doc__.split("\n\n")[0] + """
@@ -935,7 +943,7 @@ def run_exactness(T: int = 37, B: int = 2, H: int = 2, K: int = 6, V: int = 5, c
     """Max error of every form of every operator against its fp64 reference (linattn.ops.reference).
 
     linear_attention: each feature map (causal, normalised) in parallel, chunk and recurrent form.
-    delta_rule: DeltaNet, Gated DeltaNet, EFLA, gated EFLA, KDA in the three forms; comba; delta_product.
+    delta_rule: DeltaNet, Gated DeltaNet, EFLA, gated EFLA, KDA in the three forms; comba; delta_product; rwkv7.
     mesa_net (both solvers, three forms); ttt and titans (chunk and recurrent: no parallel form).
     T is deliberately not a multiple of chunk_size (padding and several chunks are exercised).
     """
@@ -988,6 +996,12 @@ def run_exactness(T: int = 37, B: int = 2, H: int = 2, K: int = 6, V: int = 5, c
     for family, name, ref, op, args, gg in refs:
         for mode in ("parallel", "chunk", "recurrent"):
             record(family, name, mode, ref, op, *args, g=gg, scale=scale)
+    # RWKV-7: w a per-channel log decay, a = -kk, b = kk * sigmoid (as its layer), scale 1 (fla's default)
+    kkn = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    rw_args = (q, gk, k, v, -kkn, kkn * torch.sigmoid(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)))
+    ref = rwkv7_ref(*rw_args)[0]
+    for mode in ("parallel", "chunk", "recurrent"):
+        record("rwkv7", "RWKV-7", mode, ref, rwkv7, *rw_args)
     # the test-time family: MesaNet (both solvers), TTT-Linear and Titans (mini-batches of 4, no residual
     # so that V may differ from K; chunk and recurrent: they have no parallel form)
     lam = 0.5 + torch.rand(H, K, generator=gen, dtype=torch.float64)
