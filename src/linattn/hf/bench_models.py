@@ -1,0 +1,52 @@
+"""The models of `linattn bench hf` (kept under linattn.hf: only this package imports transformers)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import transformers as tf
+
+from ..errors import LinattnError
+from .kernelize import kernelize
+
+KINDS = ("gdn", "kda", "mamba2")
+
+
+def build_model(kind: str, quick: bool, vocab_size: int, seed: int = 0) -> torch.nn.Module:
+    """A causal LM of `kind` with random weights (fp32, eval mode): the mixer layer (+ a minimal softmax layer)."""
+    torch.manual_seed(seed)
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "gdn":
+        d, hk, hv, dk = (64, 2, 4, 16) if quick else (1024, 16, 32, 128)
+        cfg = tf.Qwen3_5TextConfig(**ids, vocab_size=vocab_size, hidden_size=d, intermediate_size=2 * d,
+                                   num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                                   head_dim=16, linear_num_key_heads=hk, linear_num_value_heads=hv,
+                                   linear_key_head_dim=dk, linear_value_head_dim=dk, linear_conv_kernel_dim=4,
+                                   layer_types=["linear_attention", "full_attention"])
+        model = tf.Qwen3_5ForCausalLM(cfg)
+    elif kind == "kda":
+        d, h, dk = (64, 4, 16) if quick else (2304, 32, 128)
+        cfg = tf.KimiLinearConfig(**ids, vocab_size=vocab_size, hidden_size=d, intermediate_size=2 * d,
+                                  num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                                  linear_num_heads=h, linear_head_dim=dk, linear_conv_kernel_dim=4,
+                                  kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
+                                  qk_nope_head_dim=16, moe_intermediate_size=16, num_local_experts=2,
+                                  num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"],
+                                  mlp_layer_types=["dense", "dense"])
+        model = tf.KimiLinearForCausalLM(cfg)
+    elif kind == "mamba2":
+        d, h, p, n = (64, 4, 32, 16) if quick else (1024, 32, 64, 128)
+        cfg = tf.Mamba2Config(**ids, vocab_size=vocab_size, hidden_size=d, num_heads=h, head_dim=p, state_size=n,
+                              n_groups=1, expand=2, conv_kernel=4, num_hidden_layers=1, chunk_size=256)
+        model = tf.Mamba2ForCausalLM(cfg)
+    else:
+        raise LinattnError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    return model.float().eval()
+
+
+def pair(kind: str, quick: bool, vocab_size: int, seed: int = 0):
+    """(unpatched, patched) copies of one model."""
+    ref = build_model(kind, quick, vocab_size, seed)
+    fast = copy.deepcopy(ref)
+    kernelize(fast)
+    return ref, fast
