@@ -226,7 +226,7 @@ def mixer_ssm_final_state(mixer, x):
                      return_final_states=True)
 
 
-def test_block_packed_documents_and_fp32_decode():
+def test_block_keeps_packed_documents_apart():
     torch.manual_seed(0)
     blk = build_mixer("mamba2", 32, 4, state_size=8, n_groups=2, chunk_size=4)
     x = torch.randn(1, 11, 32)
