@@ -122,6 +122,15 @@ def check_qkv(q, k, v, allow_empty_k: bool = False) -> Tuple[int, int, int, int,
     return B, T, H, K, v.shape[-1]
 
 
+def _all_finite(x: torch.Tensor) -> bool:
+    """Whether every element of x is finite. A finite sum proves it (an inf or NaN anywhere makes any sum inf or
+    NaN), and the sum is one reduction without the boolean copy of isfinite (~25x cheaper on CPU); a sum that
+    is not finite (a poisoned element, or finite values whose sum overflows) falls back to the exact test."""
+    if not x.is_floating_point() and not x.is_complex():
+        return True
+    return bool(torch.isfinite(x.detach().sum())) or bool(torch.isfinite(x).all())
+
+
 def check_finite_output(result, op: str, also: Sequence[torch.Tensor] = (), **inputs: Optional[torch.Tensor]):
     """Refuse an output that overflowed: finite inputs, yet inf or NaN in the output, or in the tensors
     `also` (statistics that can overflow while the output stays finite) (issue 33.4). `result` is the
@@ -129,10 +138,10 @@ def check_finite_output(result, op: str, also: Sequence[torch.Tensor] = (), **in
     (their outputs are inf/NaN by design). Runs when value checks run for the output; the finite case
     costs one pass over each tensor."""
     o = result[0] if isinstance(result, tuple) else result
-    if not check_values(o) or all(bool(torch.isfinite(x).all()) for x in (o, *also)):
+    if not check_values(o) or all(_all_finite(x) for x in (o, *also)):
         return result
     given = {name: x for name, x in inputs.items() if isinstance(x, torch.Tensor) and x.numel()}
-    if not all(bool(torch.isfinite(x).all()) for x in given.values()):
+    if not all(_all_finite(x) for x in given.values()):
         return result
     sizes = ", ".join(f"|{name}| <= {x.detach().abs().max().item():.3g}" for name, x in given.items())
     raise LinattnError(
