@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..cpu import decode as _cpu_decode
 from ..errors import LinattnError, LinattnTypeError
 from .cache import LayerCache
 from .common import GATE_ACTIVATIONS, FusedParams, GatedRMSNorm, RotaryEmbedding, ShortConv, gate_activation
@@ -192,13 +193,7 @@ class AttentionBase(nn.Module):
         x `[B, 1, d_model]`; updates the conv states in cache."""
         B = x.shape[0]
         H, HV, Dk, Dv = self.n_heads, self.n_value_heads, self.head_dim, self.head_dim_v
-        mods = self._modules
-        convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"]) if self.short_conv else ()
-        w, b, cw, cb = self._fused.get([m.weight for m in lins],
-                                       [m.bias if m.bias is not None else m.out_features for m in lins]
-                                       if any(m.bias is not None for m in lins) else [],
-                                       [c.weight for c in convs], [c.bias for c in convs if c.bias is not None])
-        y = F.linear(x.reshape(B, -1), w, b)                                   # [B, sum of widths]
+        convs, y, cw, cb = self._fast_fused(x, lins)
         nq, nv = H * Dk, HV * Dv
         if convs:
             parts = y.split([2 * nq + nv] + [m.out_features for m in lins[3:]], dim=1)
@@ -210,32 +205,89 @@ class AttentionBase(nn.Module):
             qk = self.rope.apply(qk.view(B, 1, 2 * H, Dk), cache.offset)
         return qk.view(B, 2 * H, 1, Dk), v.view(B, HV, 1, Dv), extra
 
+    def _fast_fused(self, x: torch.Tensor, lins):
+        """(convs, y, cw, cb): the short convolutions (or ()), the fused projection y `[B, sum of widths]` of
+        one token x `[B, 1, d_model]`, and the convolutions' fused weights `[C, 1, K]` and biases (or None)."""
+        mods = self._modules
+        convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"]) if self.short_conv else ()
+        w, b, cw, cb = self._fused.get([m.weight for m in lins],
+                                       [m.bias if m.bias is not None else m.out_features for m in lins]
+                                       if any(m.bias is not None for m in lins) else [],
+                                       [c.weight for c in convs], [c.bias for c in convs if c.bias is not None])
+        return convs, F.linear(x.reshape(x.shape[0], -1), w, b), cw, cb
+
     @staticmethod
-    def _fast_conv(u: torch.Tensor, cache: LayerCache, convs, w: torch.Tensor,
+    def _fast_window(cache: LayerCache, B: int, C: int, K: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The q | k | v conv windows as one contiguous `[B, C, K - 1]` (None before the first token)."""
+        old = (cache.get("conv_q"), cache.get("conv_k"), cache.get("conv_v"))
+        fast = cache.__dict__.get("_fast_conv")
+        if fast is not None and fast[0] is old[0] and fast[1] is old[1] and fast[2] is old[2]:
+            return fast[3]
+        if old[0] is None:
+            return None
+        return torch.cat([s.to(dtype) for s in old], dim=1)
+
+    @staticmethod
+    def _fast_store_window(cache: LayerCache, convs, new: torch.Tensor) -> None:
+        """conv_q/k/v in cache as views of the new window `[B, C, K - 1]` (kept whole for the next step)."""
+        sq, sk, sv = new.split([convs[0].dim, convs[1].dim, convs[2].dim], dim=1)
+        cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
+        cache.__dict__["_fast_conv"] = (sq, sk, sv, new)
+
+    @classmethod
+    def _fast_conv(cls, u: torch.Tensor, cache: LayerCache, convs, w: torch.Tensor,
                    bias: Optional[torch.Tensor]) -> torch.Tensor:
         """The q, k and v short convolutions of one token as one: u `[B, C]` (q | k | v before the
         convolution), w their weights `[C, 1, K]` -> `[B, C]`; the states conv_q/k/v in cache are
         views of one `[B, C, K]` window."""
         K, C = convs[0].kernel_size, u.shape[1]
-        old = (cache.get("conv_q"), cache.get("conv_k"), cache.get("conv_v"))
-        fast = cache.__dict__.get("_fast_conv")
-        if fast is not None and fast[0] is old[0] and fast[1] is old[1] and fast[2] is old[2]:
-            state = fast[3]
-        elif old[0] is None:
+        state = cls._fast_window(cache, u.shape[0], C, K, u.dtype)
+        if state is None:
             state = u.new_zeros(u.shape[0], C, K - 1)
-        else:
-            state = torch.cat([s.to(u.dtype) for s in old], dim=1)
         xp = torch.cat([state, u.unsqueeze(-1)], dim=-1)                      # [B, C, K]
         y = (xp * w.view(C, K)).sum(-1)
         if bias is not None:
             y = y + bias
         if convs[0].activation is not None:
             y = F.silu(y)
-        new = xp[..., 1:]
-        sq, sk, sv = new.split([convs[0].dim, convs[1].dim, convs[2].dim], dim=1)
-        cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
-        cache.__dict__["_fast_conv"] = (sq, sk, sv, new)
+        cls._fast_store_window(cache, convs, xp[..., 1:])
         return y
+
+    def _fast_compiled(self, x: torch.Tensor, cache: LayerCache, lins):
+        """For the fused compiled step (cpu/decode.py): (y, conv, heads) or None when it does not apply
+        (switched off or not buildable, RoPE); the layer's step then runs the PyTorch form. y: the fused
+        projection `[B, sum of widths]`; conv: (window in, weights [C, K], bias, silu) or None without a short
+        convolution; heads: (H, HV, K, V)."""
+        if self.rope is not None or not _cpu_decode.available():
+            return None
+        convs, y, cw, cb = self._fast_fused(x, lins)
+        heads = (self.n_heads, self.n_value_heads, self.head_dim, self.head_dim_v)
+        conv = None
+        if convs:
+            C, KC = cw.shape[0], convs[0].kernel_size
+            conv = (self._fast_window(cache, y.shape[0], C, KC, y.dtype), cw.view(C, KC), cb,
+                    convs[0].activation is not None)
+            if conv[0] is not None and not conv[0].is_contiguous():
+                conv = (conv[0].contiguous(),) + conv[1:]
+        return y, conv, heads
+
+    def _fast_compiled_out(self, cache: LayerCache, o: torch.Tensor, window: Optional[torch.Tensor]) -> torch.Tensor:
+        """Stores the compiled step's new conv window and applies o_proj to its output o `[B, HV * V]`."""
+        if window is not None:
+            mods = self._modules
+            self._fast_store_window(cache, (mods["q_conv"], mods["k_conv"], mods["v_conv"]), window)
+        return F.linear(o.view(o.shape[0], 1, -1), self._modules["o_proj"].weight)
+
+    def _fast_norm_args(self, dtype: torch.dtype):
+        """(has_norm, weight or None, eps) of the output RMSNorm as `_fast_out` applies it, for the compiled step."""
+        norm = self._modules.get("o_norm")
+        if norm is None:
+            return False, None, 0.0
+        eps = norm.eps if norm.eps is not None else torch.finfo(dtype).eps
+        w = norm.weight
+        if w is not None and (w.dtype != dtype or not w.is_contiguous()):
+            w = w.detach().to(dtype).contiguous()
+        return True, w, float(eps)
 
     def _fast_out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
         """`_out` for one token: o `[B, H, 1, V]`, gate the g_proj output `[B, H * V]` or None -> `[B, 1, d_model]`."""

@@ -302,14 +302,7 @@ def mamba_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     keeps its precision). With `owner` (single-token decoding without autograd) -exp(A_log) is kept on it
     while A_log is unchanged (the same values)."""
     f = _cdt(a)
-    if owner is None:
-        neg_a = -torch.exp(A_log.to(f))
-    else:
-        key = (A_log._version, A_log.data_ptr(), A_log.dtype, f)
-        kept = owner.__dict__.get("_neg_exp_A_log")
-        if kept is None or kept[0] != key:
-            kept = owner.__dict__["_neg_exp_A_log"] = (key, -torch.exp(A_log.detach().to(f)))
-        neg_a = kept[1]
+    neg_a = -torch.exp(A_log.to(f)) if owner is None else mamba_neg_a(A_log, f, owner)
     a = a if a.dtype == f else a.to(f)
     return neg_a * F.softplus(a + (dt_bias if dt_bias.dtype == f else dt_bias.to(f)))
 
@@ -318,3 +311,12 @@ def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS, convention: str = "rs
     """x / ||x|| over the last dimension (in fp32, or fp64), the delta rule's q/k normalisation: the operators'
     own implementation (`linattn.ops.l2norm`), "rsqrt" x * rsqrt(sum x^2 + eps) or "clamp" x / max(||x||, eps)."""
     return l2norm(x.to(_cdt(x)), convention, eps).to(x.dtype)
+
+
+def mamba_neg_a(A_log: torch.Tensor, f: torch.dtype, owner: nn.Module) -> torch.Tensor:
+    """-exp(A_log) in dtype f, detached, kept on `owner` while A_log is unchanged (decoding without autograd)."""
+    key = (A_log._version, A_log.data_ptr(), A_log.dtype, f)
+    kept = owner.__dict__.get("_neg_exp_A_log")
+    if kept is None or kept[0] != key:
+        kept = owner.__dict__["_neg_exp_A_log"] = (key, -torch.exp(A_log.detach().to(f)))
+    return kept[1]

@@ -27,13 +27,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..cpu import decode as _cpu_decode
 from ..errors import LinattnError
 from ..ops import delta_rule
 from ..ops.delta_core import efla_coefficient, key_norms
-from ..ops.l2norm import L2NORM_CONVENTIONS, l2norm
+from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS, l2norm
 from .base import AttentionBase
 from .cache import LayerCache
-from .common import _cdt, l2_normalize, mamba_log_decay
+from .common import _cdt, l2_normalize, mamba_log_decay, mamba_neg_a
 from .linear_attention import init_mamba_decay
 
 BETA_MODES = ("sigmoid", "adaptive", "loose")
@@ -94,6 +95,9 @@ class DeltaNet(AttentionBase):
         S = cache.get("state")
         if S is not None and not (isinstance(S, torch.Tensor) and S.shape == (B, HV, K, V) and S.device == x.device):
             return None   # the general path checks it and says what is wrong
+        fused = self._fast_compiled(x, cache, lins)
+        if fused is not None:
+            return self._fast_step_compiled(cache, S, *fused)
         qk, v, extra = self._fast_project(x, cache, lins)                    # [B, 2H, 1, K], [B, HV, 1, V]
         if self.qk_l2norm:          # DeltaNet, GatedDeltaNet: both, inside the operator
             q, k = l2norm(qk, self.l2norm_convention).split(H, dim=1)
@@ -121,6 +125,30 @@ class DeltaNet(AttentionBase):
         S = torch.addcmul(S, k.transpose(-1, -2), err)
         cache["state"] = S
         return self._fast_out(q @ S, extra[-1] if self._modules.get("g_proj") is not None else None)
+
+    def _fast_step_compiled(self, cache: LayerCache, S: Optional[torch.Tensor], y: torch.Tensor, conv, heads):
+        """`_fast_step` as one compiled call between the fused projection and o_proj (cpu/decode.py)."""
+        cdt = y.dtype
+        if S is not None and (S.dtype != cdt or not S.is_contiguous()):
+            S = S.to(cdt).contiguous()
+        gated = isinstance(self, GatedDeltaNet)
+        neg_a = dt_bias = alpha = None
+        if gated:
+            neg_a = mamba_neg_a(self.A_log, cdt, self)
+            dt_bias = self.dt_bias.detach().to(cdt).contiguous()
+        beta_mode = 0
+        if self.exact:
+            beta_mode = BETA_MODES.index(self.beta_mode)
+            if beta_mode == 1:
+                alpha = self.beta_alpha.detach().to(cdt).contiguous()
+        o, S, window = _cpu_decode.delta_step(
+            y, heads=heads, conv=conv, kind=1 if self.exact else 0,
+            l2conv=L2NORM_CONVENTIONS.index(self.l2norm_convention) if self.qk_l2norm else 0,
+            q_l2=bool(getattr(self, "q_l2norm", False)), l2eps=L2NORM_EPS, scale=self.scale, beta_mode=beta_mode,
+            alpha=alpha, gated=gated, neg_a=neg_a, dt_bias=dt_bias, S=S, norm=self._fast_norm_args(cdt),
+            has_gate=self._modules.get("g_proj") is not None)
+        cache["state"] = S
+        return self._fast_compiled_out(cache, o, window)
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         q, k = self._prepare_qk(q, k)

@@ -22,17 +22,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..cpu import decode as _cpu_decode
 from ..errors import LinattnError
 from ..feature_maps import CosFormer, EluPlusOne, FAVORPlus, FeatureMap, Identity, ReLU, get_feature_map
 from ..ops import LinearAttentionState, linear_attention
 from .base import AttentionBase, hooked
 from .cache import LayerCache
-from .common import mamba_log_decay
+from .common import mamba_log_decay, mamba_neg_a
 
 GATES = (None, "retnet", "scalar", "diagonal")
 # feature maps of the fast decoding step that act elementwise (one call on q and k together) and are >= 0
 _ELEMENTWISE_MAPS = (Identity, EluPlusOne, ReLU)
 _NONNEGATIVE_MAPS = (EluPlusOne, ReLU)
+_COMPILED_MAPS = (Identity, EluPlusOne, ReLU)   # exactly these classes: the fused compiled step computes them
 
 
 def _feature_dim(fmap: FeatureMap, head_dim: int) -> int:
@@ -167,6 +169,10 @@ class LinearAttention(AttentionBase):
                                    and st.kv.shape == (B, HV, Kf, V) and st.z.shape == (B, HV, Kf)
                                    and st.kv.device == x.device and st.offset.shape == (B,)):
             return None   # the general path checks it and says what is wrong
+        if type(fm) in _COMPILED_MAPS and self.gate != "diagonal":
+            fused = self._fast_compiled(x, cache, lins)
+            if fused is not None:
+                return self._fast_step_compiled(cache, st, *fused)
         qk, v, extra = self._fast_project(x, cache, lins)                    # [B, 2H, 1, K], [B, H, 1, V]
         if isinstance(fm, _ELEMENTWISE_MAPS) and self.scale == 1.0:
             fq, fk = fm.phi(qk).split(H, dim=1)
@@ -209,6 +215,37 @@ class LinearAttention(AttentionBase):
         cache["state"] = state
         cache.__dict__["_fast_state"] = (state, S)
         return self._fast_out(o, gate)
+
+    def _fast_step_compiled(self, cache: LayerCache, st: Optional[LinearAttentionState], y: torch.Tensor, conv,
+                            heads):
+        """`_fast_step` as one compiled call between the fused projection and o_proj (cpu/decode.py), for the
+        maps in _COMPILED_MAPS and the gates None, "retnet" and "scalar"."""
+        cdt, B, HV, V = y.dtype, y.shape[0], self.n_value_heads, self.head_dim_v
+        S, offset = None, torch.zeros(B, dtype=torch.int64)
+        if st is not None:
+            fast = cache.__dict__.get("_fast_state")
+            S = fast[1] if fast is not None and fast[0] is st else torch.cat([st.kv, st.z.unsqueeze(-1)], -1)
+            if S.dtype != cdt or not S.is_contiguous():
+                S = S.to(cdt).contiguous()
+            offset = st.offset if st.offset.dtype == torch.int64 else st.offset.to(torch.int64)
+        decay = neg_a = dt_bias = None
+        gate_kind = 0
+        if self.gate == "retnet":
+            gate_kind, decay = 1, self._fast_decay(cdt, y.device).reshape(-1).expand(HV).contiguous()
+        elif self.gate == "scalar":
+            gate_kind = 2
+            neg_a = mamba_neg_a(self.A_log, cdt, self).reshape(-1).expand(HV).contiguous()
+            dt_bias = self.dt_bias.detach().to(cdt).reshape(-1).expand(HV).contiguous()
+        fm = self.feature_map
+        o, S, window = _cpu_decode.linear_step(
+            y, heads=heads, conv=conv, fmap=_cpu_decode.FEATURE_MAPS[fm.name], scale=self.scale,
+            gate_kind=gate_kind, decay=decay, neg_a=neg_a, dt_bias=dt_bias, S=S, normalize=self.normalize,
+            nonneg=isinstance(fm, _NONNEGATIVE_MAPS), eps=float(self.eps), norm=self._fast_norm_args(cdt),
+            has_gate=self._modules.get("g_proj") is not None)
+        state = LinearAttentionState(kv=S[..., :V], z=S[..., V], log_scale=None, offset=offset + 1)
+        cache["state"] = state
+        cache.__dict__["_fast_state"] = (state, S)
+        return self._fast_compiled_out(cache, o, window)
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         T = x.shape[1]

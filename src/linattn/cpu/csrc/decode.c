@@ -1,0 +1,247 @@
+/* Fused single-token decoding step of the delta-rule layers (DeltaNet, Gated DeltaNet, EFLA) and of linear
+   attention (linear-space elementwise feature maps), issue 34.
+
+   The layer's projections stay one matrix-vector product in torch (BLAS reads the fused weights at the memory
+   rate; nothing to win there) and o_proj another; everything between them is one call here: the short
+   convolution (window in, new window out), q/k normalisation, beta / EFLA's coefficient, the decay, the state
+   update, the read-out, the output RMSNorm and the SiLU gate. Without this the step is ~40 small torch ops per
+   layer whose dispatch costs more than the arithmetic.
+
+   Inputs are raw contiguous buffers. The new state and conv window are written to fresh buffers (never in
+   place): a cache copied for beam search may still share the old ones. The arithmetic follows the PyTorch
+   fast step (layers/delta.py, layers/linear_attention.py) operation by operation, in the same precisions
+   (fp32 model: key norms and EFLA's coefficient in fp64, like ops/delta_core.key_norms); only summation order
+   differs. No -ffast-math (the build never passes it): inf/NaN propagate as in torch.
+
+   The file is compiled for float and double from one body (DEFINE_* macros). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=fast")
+#elif defined(__clang__)
+#pragma clang fp contract(fast)
+#endif
+
+/* parallelise over (batch, value head) only when the state is big enough to pay for waking the threads */
+#define PAR_MIN_ELEMS 65536
+
+#define DEFINE_DECODE(SFX, real, SQRT, EXP, LOG1P, EXPM1)                                                            \
+static real silu_##SFX(real x) { return x / ((real)1 + EXP(-x)); }                                              \
+static real softplus_##SFX(real x) { return x > (real)20 ? x : LOG1P(EXP(x)); }                                \
+                                                                                                                \
+/* x[n] normalised in place: conv 0 "rsqrt" x * rsqrt(sum x^2 + eps), 1 "clamp" x / max(||x||, eps); a row   \
+   whose sum of squares overflows is scaled by s = max(max |x|, 1) first (ops/l2norm.py, same result). */      \
+static void l2norm_##SFX(real *restrict x, int64_t n, int conv, real eps) {                                     \
+    real ss = 0, s = 1;                                                                                         \
+    for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];                                                          \
+    if (!isfinite(ss)) {                                                                                        \
+        real m = 1;                                                                                             \
+        for (int64_t i = 0; i < n; ++i) { real a = fabs(x[i]); if (a > m) m = a; }                              \
+        if (isfinite(m)) {                                                                                      \
+            s = m; ss = 0;                                                                                      \
+            for (int64_t i = 0; i < n; ++i) { x[i] /= s; ss += x[i] * x[i]; }                                   \
+        }                                                                                                       \
+    }                                                                                                           \
+    if (conv == 0) {                                                                                            \
+        real r = (real)1 / SQRT(ss + eps / (s * s));                                                            \
+        for (int64_t i = 0; i < n; ++i) x[i] *= r;                                                              \
+    } else {                                                                                                    \
+        real nrm = SQRT(ss), lo = eps / s;                                                                      \
+        real den = nrm > lo ? nrm : (isnan(nrm) ? nrm : lo);                                                    \
+        for (int64_t i = 0; i < n; ++i) x[i] /= den;                                                            \
+    }                                                                                                           \
+}                                                                                                               \
+                                                                                                                \
+/* the short convolution of one token over the first C channels of y [B, ldy] (q | k | v) into u [B, C]:     \
+   window w_in [B, C, KC-1] (NULL: zeros) then the token; new window to w_out [B, C, KC-1]. */                  \
+static void conv_##SFX(int64_t B, int64_t C, int64_t KC, const real *y, int64_t ldy, const real *w_in,          \
+                       const real *cw, const real *cb, int act, real *w_out, real *u) {                         \
+    const int64_t W = KC - 1;                                                                                   \
+    for (int64_t b = 0; b < B; ++b)                                                                             \
+        for (int64_t c = 0; c < C; ++c) {                                                                       \
+            const real *win = w_in ? w_in + (b * C + c) * W : NULL;                                             \
+            const real *wc = cw + c * KC;                                                                       \
+            real *wo = w_out + (b * C + c) * W;                                                                 \
+            real xt = y[b * ldy + c], acc = 0;                                                                  \
+            for (int64_t j = 0; j < W; ++j) acc += (win ? win[j] : (real)0) * wc[j];                            \
+            acc += xt * wc[W];                                                                                  \
+            if (cb) acc += cb[c];                                                                               \
+            u[b * C + c] = act ? silu_##SFX(acc) : acc;                                                         \
+            for (int64_t j = 0; j + 1 < W; ++j) wo[j] = win ? win[j + 1] : (real)0;                             \
+            if (W > 0) wo[W - 1] = xt;                                                                          \
+        }                                                                                                       \
+}                                                                                                               \
+                                                                                                                \
+/* RMSNorm over V (weight nw or NULL) and the SiLU gate (g or NULL), in place */                                \
+static void outnorm_##SFX(real *restrict o, int64_t V, int has_norm, const real *nw, double eps,                \
+                          const real *g) {                                                                      \
+    if (has_norm) {                                                                                             \
+        real ms = 0;                                                                                            \
+        for (int64_t j = 0; j < V; ++j) ms += o[j] * o[j];                                                      \
+        real r = (real)1 / SQRT(ms / (real)V + (real)eps);                                                      \
+        for (int64_t j = 0; j < V; ++j) o[j] = o[j] * r * (nw ? nw[j] : (real)1);                               \
+    }                                                                                                           \
+    if (g)                                                                                                      \
+        for (int64_t j = 0; j < V; ++j) o[j] *= silu_##SFX(g[j]);                                               \
+}                                                                                                               \
+                                                                                                                \
+/* Delta-rule layers. y [B, ldy] = [q H*K | k H*K | v HV*V | b HV | a HV (gated) | gate HV*V (has_gate)]       \
+   (q, k, v before the conv when KC > 0). kind 0: DeltaNet / Gated DeltaNet (q, k l2-normalised by l2conv),  \
+   1: EFLA (q by "rsqrt" when q_l2, keys kept; exact coefficient). beta_mode 0 sigmoid, 1 adaptive (alpha),   \
+   2 loose. neg_a = -exp(A_log), dt_bias [HV] when gated. S_in [B, HV, K, V] or NULL -> S_out; out [B, HV*V]. \
+   Returns 0, or 1 when out of memory. */                                                                       \
+int linattn_decode_delta_##SFX(int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, const real *y,          \
+        int64_t ldy, int64_t KC, const real *w_in, const real *cw, const real *cb, int conv_act, real *w_out,   \
+        int kind, int l2conv, int q_l2, double l2eps, double scale, int beta_mode, const real *alpha,           \
+        int gated, const real *neg_a, const real *dt_bias, const real *S_in, real *S_out, int has_norm,         \
+        const real *nw, double norm_eps, int has_gate, real *out, int nthreads) {                               \
+    const int64_t C = 2 * H * K + HV * V, G = HV / H;                                                           \
+    /* work: the prepared q | k | v per batch row [B, C], then d (key rescaling) and lam per (b, h) */          \
+    real *u = (real *)malloc(sizeof(real) * (size_t)(B * C + 1));                                               \
+    double *dd = (double *)malloc(sizeof(double) * (size_t)(2 * B * H + 1));                                    \
+    if (!u || !dd) { free(u); free(dd); return 1; }                                                             \
+    if (KC > 0) conv_##SFX(B, C, KC, y, ldy, w_in, cw, cb, conv_act, w_out, u);                                 \
+    else for (int64_t b = 0; b < B; ++b) memcpy(u + b * C, y + b * ldy, sizeof(real) * (size_t)C);             \
+    for (int64_t b = 0; b < B; ++b)                                                                             \
+        for (int64_t h = 0; h < H; ++h) {                                                                       \
+            real *q = u + b * C + h * K, *k = u + b * C + H * K + h * K;                                        \
+            if (kind == 0) { l2norm_##SFX(q, K, l2conv, (real)l2eps); l2norm_##SFX(k, K, l2conv, (real)l2eps); }\
+            else if (q_l2) l2norm_##SFX(q, K, 0, (real)l2eps);                                                  \
+            for (int64_t i = 0; i < K; ++i) q[i] = q[i] * (real)scale;                                          \
+            /* key norms (ops/delta_core.key_norms): lam = ||k||^2, the fp32 sum unless it overflowed */        \
+            real lr = 0;                                                                                        \
+            for (int64_t i = 0; i < K; ++i) lr += k[i] * k[i];                                                  \
+            double lam = lr;                                                                                    \
+            if (!isfinite(lr)) { lam = 0; for (int64_t i = 0; i < K; ++i) lam += (double)k[i] * (double)k[i]; } \
+            double d2 = lam > 1.0 ? lam : (isnan(lam) ? lam : 1.0);                                             \
+            real d = (real)sqrt(d2);                                                                            \
+            for (int64_t i = 0; i < K; ++i) k[i] = k[i] / d;                                                    \
+            dd[2 * (b * H + h)] = d2; dd[2 * (b * H + h) + 1] = lam;                                            \
+        }                                                                                                       \
+    const int64_t nb = B * HV;                                                                                  \
+    const int par = nb > 1 && nb * K * V >= PAR_MIN_ELEMS;                                                      \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static) if(par)")                                  \
+    for (int64_t t = 0; t < nb; ++t) {                                                                          \
+        const int64_t b = t / HV, hv = t % HV, h = hv / G;                                                      \
+        const real *q = u + b * C + h * K, *k = u + b * C + H * K + h * K, *v = u + b * C + 2 * H * K + hv * V;  \
+        const real *yb = y + b * ldy + C;                                                                       \
+        const double d2 = dd[2 * (b * H + h)], lam = dd[2 * (b * H + h) + 1];                                   \
+        const real d = (real)sqrt(d2);                                                                          \
+        real bt = yb[hv];                                                                                       \
+        real beta = beta_mode == 2 ? softplus_##SFX(bt) : (real)1 / ((real)1 + EXP(-bt));                       \
+        if (beta_mode == 1) beta = softplus_##SFX(alpha[hv]) * beta;                                            \
+        double a = beta;                                                                                        \
+        if (kind == 1) {   /* EFLA: (1 - exp(-beta lam)) / lam, its series below x = 1e-3 (delta_core) */      \
+            double x = a * lam;                                                                                 \
+            a = x < 1e-3 ? a * (1 - x / 2 * (1 - x / 3 * (1 - x / 4))) : -expm1(-a * lam) / lam;                \
+        }                                                                                                       \
+        const real ar = (real)(a * d2);                                                                         \
+        real decay = 1;                                                                                         \
+        if (gated) decay = EXP(neg_a[hv] * softplus_##SFX(yb[HV + hv] + dt_bias[hv]));                          \
+        const real *S0 = S_in ? S_in + t * K * V : NULL;                                                        \
+        real *S = S_out + t * K * V;                                                                            \
+        real *o = out + t * V;                                                                                  \
+        /* o is scratch for err = a (v / d) - a (k^T (decay S0)) first */                                       \
+        for (int64_t j = 0; j < V; ++j) o[j] = 0;                                                               \
+        if (S0) {                                                                                               \
+            for (int64_t i = 0; i < K; ++i) {                                                                   \
+                const real *restrict s0 = S0 + i * V;                                                           \
+                real *restrict s = S + i * V;                                                                   \
+                const real ki = k[i];                                                                           \
+                _Pragma("omp simd")                                                                             \
+                for (int64_t j = 0; j < V; ++j) { real sv = gated ? s0[j] * decay : s0[j]; s[j] = sv;          \
+                                                  o[j] += ki * sv; }                                            \
+            }                                                                                                   \
+        } else memset(S, 0, sizeof(real) * (size_t)(K * V));                                                    \
+        for (int64_t j = 0; j < V; ++j) o[j] = (v[j] / d) * ar - ar * o[j];                                     \
+        for (int64_t i = 0; i < K; ++i) {                                                                       \
+            real *restrict s = S + i * V;                                                                       \
+            const real ki = k[i];                                                                               \
+            _Pragma("omp simd")                                                                                 \
+            for (int64_t j = 0; j < V; ++j) s[j] += ki * o[j];                                                  \
+        }                                                                                                       \
+        for (int64_t j = 0; j < V; ++j) o[j] = 0;                                                               \
+        for (int64_t i = 0; i < K; ++i) {                                                                       \
+            const real *restrict s = S + i * V;                                                                 \
+            const real qi = q[i];                                                                               \
+            _Pragma("omp simd")                                                                                 \
+            for (int64_t j = 0; j < V; ++j) o[j] += qi * s[j];                                                  \
+        }                                                                                                       \
+        outnorm_##SFX(o, V, has_norm, nw, norm_eps, has_gate ? y + b * ldy + ldy - HV * V + hv * V : NULL);     \
+    }                                                                                                           \
+    free(u); free(dd);                                                                                          \
+    return 0;                                                                                                   \
+}                                                                                                               \
+                                                                                                                \
+/* Linear attention, linear-space elementwise map fmap (0 identity, 1 elu+1, 2 relu) applied to q*scale and  \
+   k. y [B, ldy] = [q H*K | k H*K | v HV*V | a HV (gate_kind 2) | gate HV*V (has_gate)]. The state is         \
+   [kv | z] as one [B, HV, K, V+1]. gate_kind 0 none, 1 retnet (decay [HV] given), 2 scalar (neg_a, dt_bias:  \
+   Mamba2's log-decay). normalize: o / floor(den) with the floor eps (nonneg: clamp_min, else sign-keeping). */ \
+int linattn_decode_linear_##SFX(int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, const real *y,         \
+        int64_t ldy, int64_t KC, const real *w_in, const real *cw, const real *cb, int conv_act, real *w_out,   \
+        int fmap, double scale, int gate_kind, const real *decay_h, const real *neg_a, const real *dt_bias,     \
+        const real *S_in, real *S_out, int normalize, int nonneg, double eps, int has_norm, const real *nw,     \
+        double norm_eps, int has_gate, real *out, int nthreads) {                                               \
+    const int64_t C = 2 * H * K + HV * V, G = HV / H, V1 = V + 1;                                               \
+    real *u = (real *)malloc(sizeof(real) * (size_t)(B * C + 1));                                               \
+    if (!u) return 1;                                                           \
+    if (KC > 0) conv_##SFX(B, C, KC, y, ldy, w_in, cw, cb, conv_act, w_out, u);                                 \
+    else for (int64_t b = 0; b < B; ++b) memcpy(u + b * C, y + b * ldy, sizeof(real) * (size_t)C);             \
+    for (int64_t b = 0; b < B; ++b)                                                                             \
+        for (int64_t i = 0; i < 2 * H * K; ++i) {                                                               \
+            real x = u[b * C + i];                                                                              \
+            if (i < H * K && scale != 1.0) x = x * (real)scale;                                                 \
+            if (fmap == 1) x = x > 0 ? x + (real)1 : EXPM1(x) + (real)1;   /* F.elu(x) + 1 */        \
+            else if (fmap == 2) x = x > 0 ? x : (isnan(x) ? x : (real)0);                                       \
+            u[b * C + i] = x;                                                                                   \
+        }                                                                                                       \
+    const int64_t nb = B * HV;                                                                                  \
+    const int par = nb > 1 && nb * K * V1 >= PAR_MIN_ELEMS;                                                     \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static) if(par)")                                  \
+    for (int64_t t = 0; t < nb; ++t) {                                                                          \
+        const int64_t b = t / HV, hv = t % HV, h = hv / G;                                                      \
+        const real *fq = u + b * C + h * K, *fk = u + b * C + H * K + h * K, *v = u + b * C + 2 * H * K + hv * V;\
+        const real *yb = y + b * ldy + C;                                                                       \
+        real decay = 1;                                                                                         \
+        if (gate_kind == 1) decay = decay_h[hv];                                                                \
+        else if (gate_kind == 2) decay = EXP(neg_a[hv] * softplus_##SFX(yb[hv] + dt_bias[hv]));                 \
+        const real *S0 = S_in ? S_in + t * K * V1 : NULL;                                                       \
+        real *S = S_out + t * K * V1;                                                                           \
+        real *o = out + t * V;                                                                                  \
+        real dn = 0;                                                                                            \
+        for (int64_t j = 0; j < V; ++j) o[j] = 0;                                                               \
+        for (int64_t i = 0; i < K; ++i) {                                                                       \
+            const real *restrict s0 = S0 ? S0 + i * V1 : NULL;                                                  \
+            real *restrict s = S + i * V1;                                                                      \
+            const real ki = fk[i], qi = fq[i];                                                                  \
+            if (s0) {                                                                                           \
+                _Pragma("omp simd")                                                                             \
+                for (int64_t j = 0; j < V; ++j) s[j] = (gate_kind ? decay * s0[j] : s0[j]) + ki * v[j];        \
+                s[V] = (gate_kind ? decay * s0[V] : s0[V]) + ki;                                                \
+            } else {                                                                                            \
+                _Pragma("omp simd")                                                                             \
+                for (int64_t j = 0; j < V; ++j) s[j] = ki * v[j];                                               \
+                s[V] = ki;                                                                                      \
+            }                                                                                                   \
+            _Pragma("omp simd")                                                                                 \
+            for (int64_t j = 0; j < V; ++j) o[j] += qi * s[j];                                                  \
+            dn += qi * s[V];                                                                                    \
+        }                                                                                                       \
+        if (normalize) {                                                                                        \
+            real e = (real)eps;                                                                                 \
+            if (nonneg) dn = dn < e ? (isnan(dn) ? dn : e) : dn;                                                \
+            else if (dn < 0) dn = dn < -e ? dn : -e;                                                            \
+            else dn = dn > e ? dn : (isnan(dn) ? dn : e);                                                       \
+            for (int64_t j = 0; j < V; ++j) o[j] = o[j] / dn;                                                   \
+        }                                                                                                       \
+        outnorm_##SFX(o, V, has_norm, nw, norm_eps, has_gate ? y + b * ldy + ldy - HV * V + hv * V : NULL);     \
+    }                                                                                                           \
+    free(u);                                                                                         \
+    return 0;                                                                                                   \
+}
+
+DEFINE_DECODE(f32, float, sqrtf, expf, log1pf, expm1f)
+DEFINE_DECODE(f64, double, sqrt, exp, log1p, expm1)

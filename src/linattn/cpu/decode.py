@@ -1,0 +1,114 @@
+"""The fused single-token decoding step on compiled CPU kernels (`csrc/decode.c`).
+
+A decoding step of a delta-rule layer (DeltaNet, Gated DeltaNet, EFLA) or of linear attention with a
+linear-space elementwise feature map is three calls: the fused q/k/v/gate projection (one BLAS matrix-vector
+product, in the layer), one compiled call for everything between (short convolution, normalisations, beta,
+decay, state update, read-out, output RMSNorm and SiLU gate), and o_proj. The layers' PyTorch fast step
+(`layers/base.py`) stays the fallback and the reference (tests/test_cpu_decode.py).
+
+Entry points take the fused projection output y `[B, ldy]` and return fresh tensors (output, new state, new
+conv window): nothing is written in place, so a cache that shares buffers with a copy stays correct.
+Grad-free use only (the layers call it under `torch.no_grad` decoding). Nothing here imports linattn.ops.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
+from .build import enabled
+
+__all__ = ["available", "delta_step", "linear_step", "FEATURE_MAPS"]
+
+#: the feature maps the linear step computes (the C codes)
+FEATURE_MAPS = {"identity": 0, "elu+1": 1, "relu": 2}
+_typed = set()
+_SFX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _library():
+    if not enabled():
+        return None
+    lib = load_library("decode")
+    if lib is not None and id(lib) not in _typed:
+        for sfx in ("f32", "f64"):
+            f = getattr(lib, f"linattn_decode_delta_{sfx}")
+            f.argtypes = ([c_i64] * 5 + [c_ptr, c_i64, c_i64] + [c_ptr] * 3 + [c_int, c_ptr]
+                          + [c_int] * 3 + [c_double] * 2 + [c_int, c_ptr, c_int] + [c_ptr] * 4
+                          + [c_int, c_ptr, c_double, c_int, c_ptr, c_int])
+            f.restype = c_int
+            g = getattr(lib, f"linattn_decode_linear_{sfx}")
+            g.argtypes = ([c_i64] * 5 + [c_ptr, c_i64, c_i64] + [c_ptr] * 3 + [c_int, c_ptr]
+                          + [c_int, c_double, c_int] + [c_ptr] * 5 + [c_int, c_int, c_double]
+                          + [c_int, c_ptr, c_double, c_int, c_ptr, c_int])
+            g.restype = c_int
+        _typed.add(id(lib))
+    return lib
+
+
+def available() -> bool:
+    """True when the kernels are switched on (LINATTN_CPU_KERNELS) and decode.c builds (compiles it once);
+    False under torch.compile tracing (the decoding step is an eager, grad-free path)."""
+    if torch.compiler.is_compiling():
+        return False
+    return _library() is not None
+
+
+def _conv_args(conv, B: int, C: int, dtype: torch.dtype):
+    """(KC, w_in, cw, cb, act, w_out) for the kernel; conv = (window [B, C, KC-1] or None, weight [C, KC], bias
+    [C] or None, silu: bool) or None (no short convolution)."""
+    if conv is None:
+        return 0, None, None, None, 0, None
+    w_in, cw, cb, act = conv
+    KC = cw.shape[-1]
+    w_out = torch.empty(B, C, KC - 1, dtype=dtype)
+    return KC, w_in, cw, cb, int(bool(act)), w_out
+
+
+def _check(rc: int) -> None:
+    if rc:
+        raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
+
+
+def delta_step(y: torch.Tensor, *, heads: Tuple[int, int, int, int], conv, kind: int, l2conv: int, q_l2: bool,
+               l2eps: float, scale: float, beta_mode: int, alpha: Optional[torch.Tensor], gated: bool,
+               neg_a: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], S: Optional[torch.Tensor],
+               norm: Tuple[bool, Optional[torch.Tensor], float], has_gate: bool):
+    """One token of a delta-rule layer (csrc/decode.c, linattn_decode_delta): y `[B, ldy]` the fused
+    projection; heads (H, HV, K, V); returns (o `[B, HV * V]` normed and gated, S `[B, HV, K, V]`, conv window
+    `[B, C, KC-1]` or None). Every tensor contiguous, in y's dtype (float32 or float64)."""
+    lib = _library()
+    H, HV, K, V = heads
+    B, ldy = y.shape
+    C = 2 * H * K + HV * V
+    KC, w_in, cw, cb, act, w_out = _conv_args(conv, B, C, y.dtype)
+    S_out = torch.empty(B, HV, K, V, dtype=y.dtype)
+    out = torch.empty(B, HV * V, dtype=y.dtype)
+    has_norm, nw, neps = norm
+    _check(getattr(lib, f"linattn_decode_delta_{_SFX[y.dtype]}")(
+        B, H, HV, K, V, ptr(y), ldy, KC, ptr(w_in), ptr(cw), ptr(cb), act, ptr(w_out),
+        kind, l2conv, int(q_l2), l2eps, scale, beta_mode, ptr(alpha), int(gated), ptr(neg_a), ptr(dt_bias),
+        ptr(S), ptr(S_out), int(has_norm), ptr(nw), neps, int(has_gate), ptr(out), threads()))
+    return out, S_out, w_out
+
+
+def linear_step(y: torch.Tensor, *, heads: Tuple[int, int, int, int], conv, fmap: int, scale: float,
+                gate_kind: int, decay: Optional[torch.Tensor], neg_a: Optional[torch.Tensor],
+                dt_bias: Optional[torch.Tensor], S: Optional[torch.Tensor], normalize: bool, nonneg: bool,
+                eps: float, norm: Tuple[bool, Optional[torch.Tensor], float], has_gate: bool):
+    """One token of linear attention (csrc/decode.c, linattn_decode_linear): the state [kv | z] as one
+    `[B, HV, K, V + 1]`; returns (o `[B, HV * V]`, S, conv window or None) as `delta_step`."""
+    lib = _library()
+    H, HV, K, V = heads
+    B, ldy = y.shape
+    C = 2 * H * K + HV * V
+    KC, w_in, cw, cb, act, w_out = _conv_args(conv, B, C, y.dtype)
+    S_out = torch.empty(B, HV, K, V + 1, dtype=y.dtype)
+    out = torch.empty(B, HV * V, dtype=y.dtype)
+    has_norm, nw, neps = norm
+    _check(getattr(lib, f"linattn_decode_linear_{_SFX[y.dtype]}")(
+        B, H, HV, K, V, ptr(y), ldy, KC, ptr(w_in), ptr(cw), ptr(cb), act, ptr(w_out),
+        fmap, scale, gate_kind, ptr(decay), ptr(neg_a), ptr(dt_bias), ptr(S), ptr(S_out),
+        int(normalize), int(nonneg), eps, int(has_norm), ptr(nw), neps, int(has_gate), ptr(out), threads()))
+    return out, S_out, w_out

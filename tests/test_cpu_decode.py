@@ -1,0 +1,222 @@
+"""The fused compiled decoding step (cpu/csrc/decode.c, cpu/decode.py): one C call between the fused projection
+and o_proj for DeltaNet, Gated DeltaNet, EFLA and linear attention (identity / elu+1 / relu maps, no gate, RetNet
+or scalar gate). Checked against the PyTorch fast step (LINATTN_CPU_KERNELS=0), the general path and an fp64 copy
+of the layer (the chunk form in fp64), over many steps, with the compiled step counted so the comparisons
+cannot pass by taking the same path twice."""
+import copy
+
+import pytest
+import torch
+
+from linattn.cpu import decode as cpu_decode
+from linattn.layers import LayerCache
+from linattn.models import LanguageModel, LMConfig
+from linattn.models.registry import build_mixer
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
+
+# mixer name -> extra layer options; every covered combination of map, gate, conv, grouped heads, output gate
+CASES = {
+    "deltanet": {},
+    "deltanet-clamp-noconv": dict(mixer="deltanet", l2norm_convention="clamp", short_conv=False),
+    "gated-deltanet": {},
+    "gated-deltanet-gva": dict(mixer="gated-deltanet", n_value_heads=4),
+    "efla": {},
+    "efla-adaptive": {},
+    "efla-loose": {},
+    "efla-noq": dict(mixer="efla", q_l2norm=False, qkv_bias=True),
+    "linear-elu+1": {},
+    "linear-identity": {},
+    "linear-relu": dict(mixer="linear-relu", short_conv=True, output_gate=True),
+    "retnet": {},
+    "mamba2-gla": {},
+    "linear-elu+1-scalar-gva": dict(mixer="linear-elu+1", gate="scalar", n_value_heads=4, short_conv=True),
+}
+
+
+class Count:
+    """Counts the compiled steps (monkeypatched entry points of cpu/decode.py)."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        for name in ("delta_step", "linear_step"):
+            inner = getattr(cpu_decode, name)
+
+            def counted(*a, _inner=inner, **k):
+                self.n += 1
+                return _inner(*a, **k)
+
+            monkeypatch.setattr(cpu_decode, name, counted)
+
+
+def _layer(case, d=32, H=2, dtype=torch.float32):
+    kw = dict(CASES[case])
+    name = kw.pop("mixer", case)
+    torch.manual_seed(0)
+    layer = build_mixer(name, d, H, **kw).to(dtype).eval()
+    with torch.no_grad():   # non-trivial conv / norm weights and biases
+        for n, p in layer.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def _decode(layer, x, prefill=0):
+    cache, outs = LayerCache(), []
+    with torch.no_grad():
+        if prefill:
+            outs.append(layer(x[:, :prefill], cache=cache))
+        for t in range(prefill, x.shape[1]):
+            outs.append(layer(x[:, t:t + 1], cache=cache))
+    return torch.cat(outs, 1), cache
+
+
+def _entries(cache):
+    out = {}
+    for k, v in cache.items():
+        vals = v if isinstance(v, tuple) else (v,)
+        out[k] = [t for t in vals if isinstance(t, torch.Tensor)]
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("prefill", [0, 3])
+def test_compiled_step_equals_torch_step_and_forward(case, prefill, monkeypatch):
+    """24 steps (state carried), B=2: outputs and every cache entry as the PyTorch fast step's (fp32 rounding),
+    and the outputs as the full forward's."""
+    layer = _layer(case)
+    x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(1))
+    count = Count(monkeypatch)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    ref, ref_cache = _decode(layer, x, prefill)
+    assert count.n == 0
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "1")
+    got, cache = _decode(layer, x, prefill)
+    assert count.n == x.shape[1] - prefill
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    a, b = _entries(cache), _entries(ref_cache)
+    assert set(a) == set(b)
+    for k in a:
+        for t, u in zip(a[k], b[k]):
+            assert t.dtype == u.dtype and t.shape == u.shape, k
+            torch.testing.assert_close(t, u, rtol=1e-5, atol=1e-5, msg=k)
+    with torch.no_grad():
+        full = layer(x)
+    torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["gated-deltanet-gva", "efla-adaptive", "linear-elu+1-scalar-gva", "retnet"])
+def test_compiled_step_against_fp64(case, monkeypatch):
+    """fp32 compiled decoding vs an fp64 copy of the layer run by the general chunk form; and the fp64 compiled
+    step (also compiled) vs the same to fp64 rounding."""
+    layer = _layer(case)
+    ref64 = copy.deepcopy(layer).double()
+    x = torch.randn(1, 40, 32, generator=torch.Generator().manual_seed(2))
+    count = Count(monkeypatch)
+    with torch.no_grad():
+        want = ref64(x.double())
+    got, _ = _decode(layer, x)
+    got64, _ = _decode(ref64, x.double())
+    assert count.n == 80
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got64, want, rtol=1e-10, atol=1e-11)
+
+
+def test_t1_and_empty_cache_then_general_path_continues(monkeypatch):
+    """One compiled step from an empty cache (T=1), then the general path (prefill of 4 tokens) continues from
+    the cache it left: the full forward's values."""
+    for case in ("gated-deltanet", "linear-elu+1-scalar-gva"):
+        layer = _layer(case)
+        x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
+        count = Count(monkeypatch)
+        cache = LayerCache()
+        with torch.no_grad():
+            o1 = layer(x[:, :1], cache=cache)
+            o2 = layer(x[:, 1:], cache=cache)
+            full = layer(x)
+        assert count.n == 1
+        torch.testing.assert_close(torch.cat([o1, o2], 1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_off_switch_and_rope_take_the_torch_step(monkeypatch):
+    count = Count(monkeypatch)
+    x = torch.randn(1, 3, 32)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    _decode(_layer("gated-deltanet"), x)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "1")
+    torch.manual_seed(0)
+    _decode(build_mixer("gated-deltanet", 32, 2, rope=True).eval(), x)   # RoPE: the PyTorch fast step
+    torch.manual_seed(0)
+    _decode(build_mixer("linear-elu+1", 32, 2, gate="diagonal").eval(), x)   # diagonal gate: PyTorch
+    assert count.n == 0
+    _decode(_layer("gated-deltanet"), x)
+    assert count.n == 3
+
+
+def test_compiled_step_leaves_an_earlier_state_alone(monkeypatch):
+    """The step writes fresh buffers (a cache copied for beam search may share the old ones)."""
+    for case in ("gated-deltanet", "linear-relu"):
+        layer = _layer(case)
+        x = torch.randn(1, 4, 32)
+        cache = LayerCache()
+        with torch.no_grad():
+            layer(x[:, :1], cache=cache)
+            layer(x[:, 1:2], cache=cache)
+            held = _entries(cache)
+            before = {k: [t.clone() for t in v] for k, v in held.items()}
+            layer(x[:, 2:3], cache=cache)
+        for k in held:
+            for t, t0 in zip(held[k], before[k]):
+                assert torch.equal(t, t0), k
+
+
+@pytest.mark.parametrize("case", ["gated-deltanet", "efla", "linear-elu+1"])
+def test_nan_reaches_only_later_outputs_like_the_torch_step(case, monkeypatch):
+    """A NaN / inf token poisons its own and later outputs only, exactly where the PyTorch step's are poisoned."""
+    layer = _layer(case)
+    x = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(4))
+    x[0, 4, 3] = float("nan")
+    x[0, 6, 0] = float("inf")
+    got, _ = _decode(layer, x)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    ref, _ = _decode(layer, x)
+    assert torch.isfinite(got[:, :4]).all()
+    torch.testing.assert_close(got[:, :4], ref[:, :4], rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+
+
+def test_huge_keys_stay_finite_like_the_torch_step(monkeypatch):
+    """Keys whose sum of squares overflows fp32 normalise by the rescaled formula (ops/l2norm.py), not to 0/NaN."""
+    layer = _layer("deltanet-clamp-noconv")
+    with torch.no_grad():
+        layer.k_proj.weight.mul_(1e20)
+    x = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(5))
+    got, _ = _decode(layer, x)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    ref, _ = _decode(layer, x)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mixer", ["gated-deltanet", "linear-elu+1", "efla"])
+def test_model_logits_equal_the_torch_step(mixer, monkeypatch):
+    """A 2-layer LM: prefill then 12 decoded tokens; logits as with the PyTorch step and the full forward."""
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, mixer=mixer)).eval()
+    ids = torch.randint(0, 50, (2, 16))
+    count = Count(monkeypatch)
+    results = []
+    for env in ("0", "1"):
+        monkeypatch.setenv("LINATTN_CPU_KERNELS", env)
+        with torch.no_grad():
+            out = model(ids[:, :4], use_cache=True)
+            logits = [out.logits]
+            for t in range(4, 16):
+                out = model(ids[:, t:t + 1], cache=out.cache)
+                logits.append(out.logits)
+        results.append(torch.cat(logits, 1))
+    assert count.n == 2 * 12
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        full = model(ids).logits
+    torch.testing.assert_close(results[1], full, rtol=1e-4, atol=1e-4)
