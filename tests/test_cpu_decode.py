@@ -220,3 +220,25 @@ def test_model_logits_equal_the_torch_step(mixer, monkeypatch):
     with torch.no_grad():
         full = model(ids).logits
     torch.testing.assert_close(results[1], full, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_switch_and_bench_decode_both(tmp_path, capsys, monkeypatch):
+    """compiled_decode = False gives the PyTorch step; `bench decode --decode-step both` times each mixer with
+    the compiled step and its twin <mixer>+torch."""
+    import json
+
+    from linattn.cli import main
+
+    layer = _layer("gated-deltanet")
+    layer.compiled_decode = False
+    count = Count(monkeypatch)
+    _decode(layer, torch.randn(1, 2, 32))
+    assert count.n == 0
+    rc = main(["bench", "decode", "--N", "16", "--mixers", "softmax,gated-deltanet", "--d-model", "16",
+               "--n-heads", "2", "--n-layers", "1", "--vocab-size", "40", "--decode-steps", "2",
+               "--decode-step", "both", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    models = {r["model"] for r in json.loads((tmp_path / "decode.json").read_text())["records"]}
+    assert models == {"softmax", "gated-deltanet", "gated-deltanet+torch"}
+    assert count.n > 0   # the compiled model's steps (its twin's are not counted)
+    assert "gated-deltanet+torch" in capsys.readouterr().out

@@ -36,6 +36,7 @@ DESCRIPTION = __doc__
 DEFAULT_MIXERS = "softmax,linear-elu+1,ela-hadamard_exp,retnet,gla,deltanet,gated-deltanet,efla"
 DEFAULT_N = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 PROG = "linattn bench decode"
+TORCH_SUFFIX = "+torch"   # --decode-step both: the twin model decoding by the PyTorch fast step
 
 
 def add_arguments(p) -> None:
@@ -55,6 +56,10 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int_at_least(0), default=None,
                    help="torch.set_num_threads (default 1 on cpu, for steadier timings on a shared machine; "
                         "0 = torch's default)")
+    p.add_argument("--decode-step", choices=("auto", "torch", "both"), default="auto",
+                   help="the linear mixers' single-token step: auto (the compiled CPU step where it covers the "
+                        "layer, else PyTorch), torch (the PyTorch fast step), both (each mixer twice, the PyTorch "
+                        "one named <mixer>+torch, interleaved; default auto)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
     p.add_argument("--out", default=None, help="output folder (default results/bench/decode/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
@@ -62,13 +67,32 @@ def add_arguments(p) -> None:
 
 
 def build_models(a, names) -> Dict[str, torch.nn.Module]:
+    from ..layers.base import AttentionBase
     from ..models import LanguageModel, LMConfig
 
     out = {}
     for name in names:
+        mixer = name[:-len(TORCH_SUFFIX)] if name.endswith(TORCH_SUFFIX) else name
         torch.manual_seed(a.seed)
-        out[name] = LanguageModel(LMConfig(vocab_size=a.vocab_size, d_model=a.d_model, n_layers=a.n_layers,
-                                           n_heads=a.n_heads, mixer=name, max_seq_len=2048)).to(a.device).eval()
+        model = LanguageModel(LMConfig(vocab_size=a.vocab_size, d_model=a.d_model, n_layers=a.n_layers,
+                                       n_heads=a.n_heads, mixer=mixer, max_seq_len=2048)).to(a.device).eval()
+        if name.endswith(TORCH_SUFFIX) or getattr(a, "decode_step", "auto") == "torch":
+            for m in model.modules():   # the PyTorch fast step (layers/base.py), not the compiled one
+                if isinstance(m, AttentionBase):
+                    m.compiled_decode = False
+        out[name] = model
+    return out
+
+
+def _with_torch_twins(a, names: List[str]) -> List[str]:
+    """--decode-step both: each mixer with a compiled step is followed by its PyTorch twin <mixer>+torch."""
+    if getattr(a, "decode_step", "auto") != "both":
+        return names
+    out = []
+    for n in names:
+        out.append(n)
+        if n != "softmax":
+            out.append(n + TORCH_SUFFIX)
     return out
 
 
@@ -199,7 +223,7 @@ def _write_outputs(paths, text: str, result: Dict[str, Any], panels, info: Dict[
 
 
 def run(a) -> int:
-    names = _mixer_names(a)
+    names = _with_torch_twins(a, _mixer_names(a))
     a.threads, log = common.start_run(a.threads, a.device, a.quiet)
     Ns = sorted(set(a.N))
     sync = common.synchronizer(a.device)

@@ -81,6 +81,9 @@ class AttentionBase(nn.Module):
     causal = True
     #: single-token decoding may take the fast path (module docstring); False: always the general path
     fast_decode = True
+    #: the fast step may run as one compiled call (cpu/decode.py) where it covers the layer; False: the PyTorch
+    #: fast step (bench decode --decode-step both compares them); LINATTN_CPU_KERNELS=0 turns it off everywhere
+    compiled_decode = True
     #: the model-config fields this layer takes (same names as its keyword arguments), plus the
     #: block's "layer_idx"; subclasses extend it with their own (module docstring)
     config_fields: Tuple[str, ...] = ("head_dim", "rope", "rope_base", "short_conv", "max_seq_len", "norm_eps",
@@ -258,7 +261,7 @@ class AttentionBase(nn.Module):
         (switched off or not buildable, RoPE); the layer's step then runs the PyTorch form. y: the fused
         projection `[B, sum of widths]`; conv: (window in, weights [C, K], bias, silu) or None without a short
         convolution; heads: (H, HV, K, V)."""
-        if self.rope is not None or not _cpu_decode.available():
+        if not self.compiled_decode or self.rope is not None or not _cpu_decode.available():
             return None
         convs, y, cw, cb = self._fast_fused(x, lins)
         heads = (self.n_heads, self.n_value_heads, self.head_dim, self.head_dim_v)
