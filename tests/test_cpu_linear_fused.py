@@ -1,8 +1,14 @@
 """Issue 34 (engineer D4): the cheaper finite-output check and the normaliser division inside the compiled
 linear-attention kernel (forward without autograd)."""
+import math
+import os
+import shutil
+
 import pytest
 import torch
 
+import linattn
+from linattn.ops import reference
 from linattn.ops._common import _all_finite
 
 
@@ -22,3 +28,89 @@ def test_all_finite_is_exact(dtype):
     z = torch.tensor([float("inf"), float("-inf")], dtype=dtype)  # their sum is NaN, not a finite 0
     assert not _all_finite(z)
     assert _all_finite(torch.arange(5))  # integers are always finite
+
+
+HAVE_CC = shutil.which(os.environ.get("CC", "").strip() or "cc") is not None
+needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler (cc / $CC): the compiled CPU kernels cannot build")
+
+CASES = [  # (feature map, B, T, H, K, V, gate, cu_seqlens, chunk, initial state, HV)
+    ("elu+1", 2, 67, 2, 8, 5, None, None, 16, False, None),
+    ("elu+1", 1, 1, 3, 4, 4, "g", None, 64, True, None),
+    ("relu", 1, 45, 2, 6, 7, "gamma", [0, 3, 20, 45], 8, False, None),  # relu: den = 0 before any active key
+    ("identity", 1, 33, 2, 4, 4, None, None, 8, False, None),  # signed den: the floor keeps its sign
+    ("elu+1", 1, 40, 2, 4, 3, "g", None, 16, False, 4),  # grouped value heads, folded into the value width
+    ("taylor2", 1, 29, 2, 4, 4, None, None, 8, True, None),  # features by PyTorch, not in the kernel
+    ("magnitude_direction", 1, 21, 1, 4, 4, None, None, 8, False, None),  # signed weights
+]
+
+
+def _inputs(case, dtype, seed=0):
+    fmap, B, T, H, K, V, gate, cu, C, init, HV = case
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, H, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T, HV or H, V, generator=gen, dtype=torch.float64)
+    kw = dict(feature_map=fmap, chunk_size=C, output_final_state=True)
+    if gate == "g":
+        kw["g"] = -torch.rand(B, T, H, generator=gen, dtype=torch.float64).to(dtype)
+    elif gate == "gamma":
+        kw["gamma"] = 0.9
+    if cu is not None:
+        kw["cu_seqlens"] = torch.tensor(cu)
+    if init:
+        _, st = linattn.linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), backend="torch", **kw)
+        kw["initial_state"] = st
+    return q.to(dtype), k.to(dtype), v.to(dtype), kw
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-T{c[2]}-{c[6]}" for c in CASES])
+def test_kernel_division_matches_finish_bitwise(case, dtype):
+    """Without autograd the kernel returns num / den' itself: the same bits as the division in `finish` (taken
+    when an input requires grad), the same final state, and within tolerance of the fp64 reference."""
+    q, k, v, kw = _inputs(case, dtype)
+    with torch.no_grad():
+        o_fused, st_fused = linattn.linear_attention(q, k, v, backend="cpu", **kw)
+    qg = q.clone().requires_grad_()
+    o_torch, st_torch = linattn.linear_attention(qg, k, v, backend="cpu", **kw)
+    assert torch.equal(o_fused, o_torch.detach())
+    assert torch.equal(st_fused.kv, st_torch.kv.detach()) and torch.equal(st_fused.z, st_torch.z.detach())
+    if dtype != torch.bfloat16 and case[0] in ("elu+1", "relu"):
+        fmap, B, T, H, K, V, gate, cu, C, init, HV = case
+        if cu is None and not init:
+            lg = kw.get("g")
+            if gate == "gamma":
+                lg = torch.full((B, T, H), math.log(0.9), dtype=torch.float64)
+            ref = reference.linear_attention_ref(q, k, v, fmap, log_gate=None if lg is None else lg.double())
+            tol = 1e-4 if dtype == torch.float32 else 1e-10
+            assert reference.rel_err(o_fused, ref) < tol
+
+
+@needs_cc
+def test_kernel_division_nonfinite_rows():
+    """Poison: a NaN value and an inf key later in the sequence leave every earlier row's bits unchanged, and
+    the rows they reach are non-finite as on the PyTorch path."""
+    q, k, v, kw = _inputs(CASES[0], torch.float32)
+    with torch.no_grad():
+        clean, _ = linattn.linear_attention(q, k, v, backend="cpu", **kw)
+        v2, k2 = v.clone(), k.clone()
+        v2[0, 40, 1, 2] = float("nan")
+        k2[1, 50, 0, 1] = float("inf")
+        o, _ = linattn.linear_attention(q, k2, v2, backend="cpu", **kw)
+        ot, _ = linattn.linear_attention(q, k2, v2, backend="torch", **kw)
+    assert torch.equal(o[0, :40], clean[0, :40]) and torch.equal(o[1, :50], clean[1, :50])
+    assert torch.equal(torch.isfinite(o), torch.isfinite(ot))
+    assert not torch.isfinite(o[0, 40, 1]).all() and not torch.isfinite(o[1, 50, 0]).all()
+
+
+@needs_cc
+def test_kernel_division_has_no_backward():
+    """The custom op called with eps >= 0 (division in the kernel) refuses a backward instead of returning the
+    gradients of num."""
+    from linattn.cpu.linear import _fwd
+
+    q, k = (torch.rand(9, 1, 4, requires_grad=True) for _ in range(2))
+    v = torch.randn(9, 1, 3)
+    num, den, S, P = _fwd(q, k, v, None, None, [0, 9], 4, True, 0, 1.0, True, 1e-6)
+    with pytest.raises(RuntimeError, match="no backward"):
+        num.sum().backward()

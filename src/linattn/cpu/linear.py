@@ -9,9 +9,9 @@ sequences (`starts`, N + 1 row offsets; a batch of B sequences of length T is st
 with decay_ij = exp(sum_{t=j+1..i} g_t). fp32 and fp64 (the same C code, compiled for both).
 
 Two custom ops, so that autograd and torch.compile see single ops: `linattn::cpu_linear_chunk_fwd` ->
-(num [TT, H, V], den [TT, H] (empty unless norm), final state [N, H, K, W], chunk-start states [NC, H, K, W])
-and `linattn::cpu_linear_chunk_bwd`, its registered backward (it reuses the chunk-start states). W = V + 1
-when norm (the normaliser's state z is the last column), else V.
+(num [TT, H, V] (or num / den' when eps >= 0, no backward then), den [TT, H] (empty unless norm), final state
+[N, H, K, W], chunk-start states [NC, H, K, W]) and `linattn::cpu_linear_chunk_bwd`, its registered backward
+(it reuses the chunk-start states). W = V + 1 when norm (the normaliser's state z is the last column), else V.
 
 This module never imports linattn.ops; `ops/backend.py` lays a prepared call out for `chunk_linear_attention`.
 """
@@ -40,7 +40,8 @@ def _lib() -> ctypes.CDLL:
     if id(lib) not in _READY:
         for sfx in _SUFFIX.values():
             f = getattr(lib, f"linattn_linear_fwd_{sfx}")
-            f.argtypes = [c_i64, c_ptr, c_i64, c_i64, c_i64, c_i64, c_int, c_int, c_double] + [c_ptr] * 9 + [c_int]
+            f.argtypes = ([c_i64, c_ptr, c_i64, c_i64, c_i64, c_i64, c_int, c_int, c_double, c_double] + [c_ptr] * 9
+                          + [c_int])
             f.restype = c_int
             b = getattr(lib, f"linattn_linear_bwd_{sfx}")
             b.argtypes = [c_i64, c_ptr, c_i64, c_i64, c_i64, c_i64, c_int, c_int, c_double] + [c_ptr] * 13 + [c_int]
@@ -60,7 +61,7 @@ def _opt(t: Optional[Tensor]) -> Optional[Tensor]:
 @torch.library.custom_op("linattn::cpu_linear_chunk_fwd", mutates_args=(), device_types="cpu")
 def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tensor], starts: List[int],
          chunk_size: int, norm: bool, fmap: int, scale: float,
-         keep_states: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+         keep_states: bool, eps: float = -1.0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     TT, H, K = q.shape
     V = v.shape[-1]
     W = V + int(norm)
@@ -72,15 +73,15 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tens
     P = q.new_empty(n_chunks(starts, chunk_size), H, K, W) if keep_states else q.new_empty(0)
     st = torch.tensor(starts, dtype=torch.int64)
     fn = getattr(_lib(), f"linattn_linear_fwd_{_SUFFIX[q.dtype]}")
-    rc = fn(N, ptr(st), H, K, V, chunk_size, int(norm), fmap, scale, ptr(q), ptr(k), ptr(v), ptr(g), ptr(S0), ptr(num),
-            ptr(den) if norm else None, ptr(P) if keep_states else None, ptr(S), threads())
+    rc = fn(N, ptr(st), H, K, V, chunk_size, int(norm), fmap, scale, eps, ptr(q), ptr(k), ptr(v), ptr(g), ptr(S0),
+            ptr(num), ptr(den) if norm else None, ptr(P) if keep_states else None, ptr(S), threads())
     if rc != 0:
         raise MemoryError("linattn: the compiled linear-attention kernel could not allocate its scratch memory")
     return num, den, S, P
 
 
 @_fwd.register_fake
-def _(q, k, v, g, S0, starts, chunk_size, norm, fmap, scale, keep_states):
+def _(q, k, v, g, S0, starts, chunk_size, norm, fmap, scale, keep_states, eps=-1.0):
     TT, H, K = q.shape
     V = v.shape[-1]
     W = V + int(norm)
@@ -123,16 +124,21 @@ def _(q, k, v, g, P, dnum, dden, dS, starts, chunk_size, norm, fmap, scale):
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, g, S0, starts, chunk_size, norm, fmap, scale, keep_states = inputs
+    q, k, v, g, S0, starts, chunk_size, norm, fmap, scale, keep_states = inputs[:11]
     ctx.save_for_backward(q, k, v, g, output[3])
     ctx.args = (starts, chunk_size, norm, fmap, scale, S0 is not None)
+    ctx.divided = bool(norm) and len(inputs) > 11 and inputs[11] >= 0
 
 
 def _backward(ctx, dnum, dden, dS, dP):
     q, k, v, g, P = ctx.saved_tensors
     starts, chunk_size, norm, fmap, scale, has_S0 = ctx.args
+    if ctx.divided:
+        raise RuntimeError("linattn: the compiled linear-attention forward divided by the normaliser in the kernel "
+                           "(eps >= 0), which has no backward; call it with eps=-1 when a gradient is needed")
     dq, dk, dv, dg, dS0 = _bwd(q, k, v, g, P, dnum, dden, dS, starts, chunk_size, norm, fmap, scale)
-    return dq, dk, dv, (dg if g is not None else None), (dS0 if has_S0 else None), None, None, None, None, None, None
+    return (dq, dk, dv, (dg if g is not None else None), (dS0 if has_S0 else None), None, None, None, None, None, None,
+            None)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup)
@@ -140,11 +146,17 @@ _fwd.register_autograd(_backward, setup_context=_setup)
 
 def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tensor], *,
                            starts: List[int], chunk_size: int, norm: bool, fmap: Optional[str] = None,
-                           scale: float = 1.0) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+                           scale: float = 1.0, eps: Optional[float] = None
+                           ) -> Tuple[Tensor, Optional[Tensor], Tensor, bool]:
     """q, k [TT, H, K] (features, or the inputs of `fmap`, one of FMAPS: phi(scale q), psi(k) are then computed in
     the kernels), v [TT, H, V], g [TT, H] log-gate or None, S0 [N, H, K, W] or None, all of one dtype (fp32 or fp64).
-    -> (num [TT, H, V], den [TT, H] or None (norm=False), final state [N, H, K, W])."""
+    -> (num [TT, H, V], den [TT, H] or None (norm=False), final state [N, H, K, W], divided).
+
+    eps (with norm): when no backward can follow, the kernel returns o = num / den' in place of num (den' = den
+    floored to |den| >= eps, sign kept: the arithmetic of ops/linear.py's `finish`), saving a pass over the
+    output; `divided` says whether it did (with autograd the division stays in PyTorch, which differentiates it)."""
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, S0))
+    divide = bool(norm) and eps is not None and not keep
     num, den, S, _ = _fwd(q, k, v, g, S0, [int(s) for s in starts], int(chunk_size), bool(norm), FMAPS[fmap],
-                          float(scale), keep)  # the chunk states only when a backward may follow
-    return num, (den if norm else None), S
+                          float(scale), keep, float(eps) if divide else -1.0)  # chunk states only for a backward
+    return num, (den if norm else None), S, divide

@@ -758,10 +758,14 @@ def _divide_finite_part(num, den):
     return safe / den + (num - safe)
 
 
-def finish(p: LinearProblem, num, den, c, kv, z, mu) -> Tuple[torch.Tensor, Optional[LinearAttentionState]]:
+def finish(p: LinearProblem, num, den, c, kv, z, mu,
+           divided: bool = False) -> Tuple[torch.Tensor, Optional[LinearAttentionState]]:
     """Outputs [B, T, H, V] in the input dtype from num [B, T, H, V] and den [B, T, H] (both taken
-    relative to the row log-scale c [B, T, H] for log-space maps), and the final state."""
-    if p.normalize:
+    relative to the row log-scale c [B, T, H] for log-space maps), and the final state. divided: num is already
+    the normalised output (the compiled CPU kernel's lin_divide does this division, bit for bit)."""
+    if p.normalize and divided:
+        out = num
+    elif p.normalize:
         if c is not None:
             # log-space maps: den is the stabilised denominator (>= 1 for their positive kernels), so eps
             # acts on it and the output is invariant to a shift of the queries
@@ -793,8 +797,11 @@ def finish(p: LinearProblem, num, den, c, kv, z, mu) -> Tuple[torch.Tensor, Opti
 def run_linear_attention(p: LinearProblem, backend: str = "auto"):
     """Run a prepared call on `backend` ("auto", "torch", "triton" or "cpu")."""
     chosen = select_backend(backend, p)
-    if chosen in ("triton", "cpu"):
-        num, den, kv, z = triton_linear_attention(p) if chosen == "triton" else cpu_linear_attention(p)
+    if chosen == "cpu":  # without autograd the kernel divides by the normaliser itself (one pass less)
+        num, den, kv, z, divided = cpu_linear_attention(p, eps=p.eps if p.normalize else None)
+        return finish(p, num, den, None, kv, z, None, divided=divided)
+    if chosen == "triton":
+        num, den, kv, z = triton_linear_attention(p)
         return finish(p, num, den, None, kv, z, None)
     # the forms compute in the prepared compute dtype (fp32 for half inputs): autocast must not take their
     # products back to bf16/fp16 (nor meet the fast form's in-place products)

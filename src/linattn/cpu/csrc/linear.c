@@ -226,10 +226,23 @@ static void FN(fl_update)(int len, int K, int W, int C, int has_g, const REAL *G
     FN(gemm)(K, W, len, Kt, C, Vb, W, U, W);
 }
 
+/* o = num / den' for one row (den = src[V]), the arithmetic of `finish` in ops/linear.py: den' = den floored to
+   |den| >= eps keeping its sign (NaN stays NaN, like torch.minimum/maximum), then the division; a non-finite
+   num n gives 0 / den' + n as `_divide_finite_part` does. IEEE division: the same bits as PyTorch's. */
+static inline void FN(lin_divide)(REAL *restrict dst, const REAL *restrict src, int V, REAL eps) {
+    REAL d = src[V];
+    d = d != d ? d : (d < 0 ? (d < -eps ? d : -eps) : (d > eps ? d : eps));
+#pragma omp simd
+    for (int j = 0; j < V; j++) {
+        const REAL n = src[j];
+        dst[j] = n - n == 0 ? n / d : (REAL)0 / d + n; /* n - n != 0: n is inf or NaN */
+    }
+}
+
 /* the chunk's outputs from its start state Pc (Kt undecayed) */
 static void FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C, int norm, int has_g,
-                       const REAL *Q, REAL *Qd, const REAL *Kt, const REAL *Vb, const REAL *G, const REAL *Pc, REAL *A,
-                       REAL *O, REAL *num, REAL *den) {
+                       REAL eps, const REAL *Q, REAL *Qd, const REAL *Kt, const REAL *Vb, const REAL *G, const REAL *Pc,
+                       REAL *A, REAL *O, REAL *num, REAL *den) {
     memset(A, 0, sizeof(REAL) * C * C);
     FN(gemm)(C, C, K, Q, K, Kt, C, A, C);
     const REAL *Qs = Q;
@@ -246,8 +259,12 @@ static void FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, 
     FN(gemm_lo)(C, W, A, C, Vb, W, O, W);
     for (int i = 0; i < len; i++) {
         const REAL *src = O + (int64_t)i * W;
-        FN(copy_row)(num + ((t0 + i) * H + h) * V, src, V);
         if (norm && den) den[(t0 + i) * H + h] = src[V];
+        if (norm && eps >= 0) {
+            FN(lin_divide)(num + ((t0 + i) * H + h) * V, src, V, eps);
+        } else {
+            FN(copy_row)(num + ((t0 + i) * H + h) * V, src, V);
+        }
     }
 }
 
@@ -262,11 +279,12 @@ static void FN(carry)(int64_t n, int has_g, REAL GL, REAL *S, const REAL *U) {
 }
 
 int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t K64, int64_t V64, int64_t C64,
-                           int norm, int fmap, double scale, const REAL *q, const REAL *k, const REAL *v,
-                           const REAL *g, const REAL *S0, REAL *num, REAL *den, REAL *P, REAL *S_out, int nthreads) {
+                           int norm, int fmap, double scale, double eps, const REAL *q, const REAL *k,
+                           const REAL *v, const REAL *g, const REAL *S0, REAL *num, REAL *den, REAL *P, REAL *S_out,
+                           int nthreads) {
     const int K = (int)K64, V = (int)V64, C = (int)C64, W = V + (norm ? 1 : 0), has_g = g != NULL;
     const int64_t KW = (int64_t)K * W;
-    const REAL sc = (REAL)scale;
+    const REAL sc = (REAL)scale, ep = (REAL)eps; /* eps >= 0 (with norm): num receives num / den' (`lin_divide`) */
     int64_t *first = malloc(sizeof(int64_t) * (N + 1));
     if (!first) return -1;
     const int64_t NC = lin_chunks(N, starts, C, NULL, first);
@@ -322,7 +340,7 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                         memcpy(P + (c * H + h) * KW, S, sizeof(REAL) * KW);
                         Pc = P + (c * H + h) * KW;
                     }
-                    FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, Q, Qd, Kt, Vb, G, Pc, A, O, num, den);
+                    FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, Pc, A, O, num, den);
                     FN(fl_update)(len, K, W, C, has_g, G, GL, Kt, Vb, U);
                     FN(carry)(KW, has_g, GL, S, U);
                 }
@@ -361,7 +379,7 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                 const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
                 const int len = (int)ch[c].len;
                 FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
-                FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, Q, Qd, Kt, Vb, G, P + task * KW, A, O, num, den);
+                FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, P + task * KW, A, O, num, den);
             }
         }
         free(buf);
