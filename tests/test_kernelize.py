@@ -101,11 +101,29 @@ def build(arch):
         cfg = _cfg("NemotronHConfig", **ATTN, layers_block_type=["mamba", "attention"], ssm_state_size=8,
                    mamba_num_heads=4, mamba_head_dim=16, n_groups=2, conv_kernel=4, expand=2, chunk_size=8)
         return _model("NemotronHForCausalLM", cfg)
+    if arch == "qwen3_5_moe":
+        cfg = _cfg("Qwen3_5MoeTextConfig", **{k: v for k, v in ATTN.items() if k != "intermediate_size"}, **GDN,
+                   num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                   shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"])
+        return _model("Qwen3_5MoeForCausalLM", cfg)
+    if arch == "bailing_hybrid":
+        cfg = _cfg("BailingHybridConfig", **dict(ATTN, num_key_value_heads=4), num_hidden_layers=2,
+                   moe_intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                   kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
+                   short_conv_kernel_size=4, n_group=1, topk_group=1, mlp_layer_types=["dense", "sparse"],
+                   layer_types=["linear_attention", "full_attention"])
+        return _model("BailingHybridForCausalLM", cfg)
+    if arch == "zamba2":
+        cfg = _cfg("Zamba2Config", **{k: v for k, v in ATTN.items() if k not in ("head_dim", "num_key_value_heads")},
+                   num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_d_conv=4,
+                   mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, chunk_size=8, num_mem_blocks=1,
+                   use_mem_eff_path=False)
+        return _model("Zamba2ForCausalLM", cfg)
     raise AssertionError(arch)
 
 
 ARCHS = ["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear", "glm5_next", "minimax", "mamba2", "bamba",
-         "falcon_h1", "granitemoehybrid", "nemotron_h"]
+         "falcon_h1", "granitemoehybrid", "nemotron_h", "qwen3_5_moe", "bailing_hybrid", "zamba2"]
 
 
 def pair(arch, dtype=torch.float32):
@@ -115,7 +133,7 @@ def pair(arch, dtype=torch.float32):
             # at init (dt ~1e-3, B and C ~1e-2 at hidden 32) the scan hardly shows next to the D skip: dt ~ 1 and
             # 10x larger projections make it count
             if type(mod).__name__ in ("Mamba2Mixer", "BambaMixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer",
-                                      "NemotronHMamba2Mixer"):
+                                      "NemotronHMamba2Mixer", "Zamba2MambaMixer"):
                 mod.dt_bias.fill_(0.5)
                 mod.in_proj.weight.mul_(10.0)
     if dtype == torch.float64 and hasattr(ref, "set_experts_implementation"):
