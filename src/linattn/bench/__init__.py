@@ -36,6 +36,7 @@ BENCHMARKS: Dict[str, Tuple[str, str]] = {
     "data": ("linattn.bench.data", "data preparation: peak memory and time of reading, tokenizer training, tokenizing"),
     "hf": ("linattn.bench.hf", "transformers' linear-attention models: their PyTorch fallbacks vs linattn.hf.kernelize "
                                "(prefill, decode, training step, peak memory)"),
+    "train": ("linattn.bench.train", "LM training throughput (fwd + bwd + AdamW tokens/s) per mixer vs softmax"),
 }
 
 HELP = "run a benchmark (" + ", ".join(BENCHMARKS) + ")"

@@ -1,0 +1,151 @@
+"""`linattn bench train`: training throughput (tokens/s) of one LM step per mixer, fwd + bwd + AdamW.
+
+One `LanguageModel` per mixer (same width, depth, heads and SwiGLU FFN, random weights and tokens, fp32).
+A step is forward with targets (cross-entropy), backward, AdamW step and zero_grad: what `linattn train`
+does per optimizer step, without data loading. The steps of the mixers are interleaved in rounds
+(`common.time_interleaved`), so a change of background load hits them alike and the ratios stay fair;
+each model and its optimizer live for the whole run (the optimizer state exists after the warm-up step).
+The report gives tokens/s (batch x seq-len over the median step) and each mixer's ratio to softmax's
+(the issue-34 targets: Gated DeltaNet >= 1.5x softmax's tokens/s, linear attention >= 2x, on the CPU).
+
+--quick runs a tiny configuration in a few seconds (the test suite runs it).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, List
+
+import torch
+
+from ..cli_support import UsageError, int_at_least
+from ..io import atomic_write_text, write_json
+from . import common
+
+DESCRIPTION = __doc__
+DEFAULT_MIXERS = "softmax,linear-elu+1,deltanet,gated-deltanet"
+PROG = "linattn bench train"
+QUICK = dict(d_model=32, n_layers=2, n_heads=2, seq_len=64, batch=2, vocab_size=64, repeats=2)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--mixers", default=DEFAULT_MIXERS, help=f"comma list of mixer names (default {DEFAULT_MIXERS})")
+    p.add_argument("--d-model", type=int_at_least(1), default=256, help="width (default 256)")
+    p.add_argument("--n-layers", type=int_at_least(1), default=4, help="layers (default 4)")
+    p.add_argument("--n-heads", type=int_at_least(1), default=4, help="heads (default 4)")
+    p.add_argument("--seq-len", type=int_at_least(1), default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--batch", type=int_at_least(1), default=4, help="sequences per step (default 4)")
+    p.add_argument("--vocab-size", type=int_at_least(2), default=512, help="(default 512)")
+    p.add_argument("--repeats", type=int_at_least(1), default=5, help="timed steps per mixer, at least (default 5)")
+    p.add_argument("--budget-s", type=float, default=120.0, help="time budget of the timed rounds (default 120)")
+    p.add_argument("--threads", type=int_at_least(0), default=0,
+                   help="torch threads (default 0: torch's default, all cores: training uses them)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens (default 0)")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny configuration (d 32, 2 layers, seq 64, batch 2, 2 steps) for a smoke test")
+    p.add_argument("--out", default=None, help="output folder (default results/bench/train/)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def _mixer_names(a) -> List[str]:
+    from ..models import mixers
+
+    names = [s.strip() for s in a.mixers.split(",") if s.strip()]
+    bad = [n for n in names if n not in mixers()]
+    if bad or not names:
+        raise UsageError(f"--mixers: unknown {bad}; choose from {', '.join(mixers())}", prog=PROG)
+    return names
+
+
+def make_step(name: str, a):
+    """(step, n_params): step() runs one fwd + bwd + AdamW step of a fresh model of mixer `name` on fixed random
+    tokens; the model and optimizer are kept in the closure."""
+    from ..models import LanguageModel, LMConfig
+
+    torch.manual_seed(a.seed)
+    model = LanguageModel(LMConfig(vocab_size=a.vocab_size, d_model=a.d_model, n_layers=a.n_layers,
+                                   n_heads=a.n_heads, mixer=name, max_seq_len=max(2048, a.seq_len)))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    ids = torch.randint(0, a.vocab_size, (a.batch, a.seq_len + 1), generator=gen)
+    x, y = ids[:, :-1], ids[:, 1:]
+
+    def step():
+        out = model(x, targets=y)
+        loss = out.loss + out.aux_loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, sum(p.numel() for p in model.parameters())
+
+
+def measure(names: List[str], a, log) -> List[Dict[str, Any]]:
+    """One record per mixer: the step's Timing (or the error), tokens/s and the parameter count."""
+    steps, records = [], []
+    for n in names:
+        try:
+            fn, n_params = make_step(n, a)
+        except Exception as e:  # reported per mixer; the others go on
+            fn, n_params = e, None
+        steps.append(fn)
+        records.append({"model": n, "params": n_params})
+        log(f"built {n}")
+
+    def maker(fn):
+        def make():
+            if isinstance(fn, Exception):
+                raise fn
+            return fn
+        return make
+
+    timings = common.time_interleaved([maker(f) for f in steps], warmup=1, repeats=a.repeats, min_time_s=0.0,
+                                      max_repeats=max(a.repeats, 50), budget_s=a.budget_s)
+    tokens = a.batch * a.seq_len
+    for rec, t in zip(records, timings):
+        if isinstance(t, Exception):
+            rec["error"] = f"{type(t).__name__}: {t}"
+        else:
+            rec["step"] = t.to_dict()
+            rec["tokens_per_s"] = tokens / (t.median_ms / 1e3)
+    return records
+
+
+def _report(records: List[Dict[str, Any]]) -> str:
+    soft = next((r.get("tokens_per_s") for r in records if r["model"] == "softmax"), None)
+    rows = []
+    for r in records:
+        if "error" in r:
+            rows.append([r["model"], "-", "-", "-", r["error"][:60]])
+            continue
+        ratio = f"{r['tokens_per_s'] / soft:.2f}x" if soft else "-"
+        rows.append([r["model"], f"{r['params']:,}", common.fmt_ms(r["step"]["median_ms"]),
+                     f"{r['tokens_per_s']:,.0f}", ratio])
+    return common.format_table(["mixer", "params", "step ms (median)", "tokens/s", "vs softmax"], rows)
+
+
+def run(a) -> int:
+    if a.quick:
+        for k, v in QUICK.items():
+            setattr(a, k, v)
+    names = _mixer_names(a)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    paths = common.output_paths("train", a.out, exts=("txt", "json"), overwrite=a.overwrite)
+    info = common.machine_info("cpu")
+    head = [PROG, common.describe_machine(info),
+            f"models   d_model {a.d_model}, {a.n_heads} heads, {a.n_layers} layers, SwiGLU, fp32, vocab "
+            f"{a.vocab_size}; batch {a.batch} x seq {a.seq_len} = {a.batch * a.seq_len} tokens per step",
+            f"timing   fwd + cross-entropy + bwd + AdamW + zero_grad; median of >= {a.repeats} steps after 1 "
+            f"warm-up, mixers interleaved; {torch.get_num_threads()} thread(s)"]
+    print("\n".join(head) + "\n")
+    records = measure(names, a, log)
+    text = _report(records)
+    print(text)
+    atomic_write_text(paths["txt"], "\n".join(head) + "\n\n" + text + "\n")
+    write_json(paths["json"], {"benchmark": "train", "machine": info, "config": vars(a), "records": records})
+    print(f"\nwrote {paths['txt']}, {paths['json']}")
+    return 1 if any("error" in r for r in records) else 0
