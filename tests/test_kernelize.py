@@ -319,6 +319,21 @@ def test_bf16_model():
         assert _maxdiff(a, b) <= 1e-2 * max(1.0, a.abs().max().item()), arch
 
 
+def test_deepcopy_of_a_kernelized_model_runs_on_its_own_weights():
+    """copy.deepcopy (EMA / reference models) gives a copy whose served forwards use the copy's weights."""
+    for arch in ("qwen3_5", "minimax"):
+        _, fast, report = pair(arch)
+        twin = copy.deepcopy(fast)
+        ids = _ids(13, 9)
+        with torch.no_grad():
+            before = fast(ids, use_cache=False).logits
+            for name in report.patched:
+                mod = twin.get_submodule(name)
+                assert mod.forward.__self__ is mod
+                next(p for n, p in mod.named_parameters() if "out_proj" in n).mul_(3.0)
+            assert _maxdiff(fast(ids, use_cache=False).logits, before) == 0      # the original is untouched
+            assert _maxdiff(twin(ids, use_cache=False).logits, before) > 1e-3, arch
+
 def test_unserved_module_raises_or_is_listed():
     """Never a silent partial patch: a Mamba1 mixer is named with the reason."""
     if getattr(transformers, "MambaConfig", None) is None:

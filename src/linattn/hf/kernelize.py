@@ -334,15 +334,31 @@ def _install_dispatchers(module) -> List[str]:
     return missing
 
 
-def _activate(mod: nn.Module, forward: Callable) -> Callable:
-    @functools.wraps(forward)
-    def forward_on_linattn(*args, **kwargs):
-        token = _ACTIVE.set(True)
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            _ACTIVE.reset(token)
-    return forward_on_linattn
+def _inner_forward(self: nn.Module, args, kwargs):
+    """The forward kernelize wrapped: an instance-level one found there (accelerate's hooks), else the class's,
+    or linattn's lightning forward. Looked up through `self` so that copy.deepcopy of a kernelized model gives a
+    copy whose forwards run on the copy's own weights (a closure over the original module would not)."""
+    inner = self.__dict__.get("_linattn_inner_forward")
+    if getattr(self, "_linattn_kind", None) == "lightning":
+        return _lightning_forward(self, *args, **kwargs)
+    if inner is not None:
+        return inner(*args, **kwargs)
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _served_forward(self: nn.Module, *args, **kwargs):
+    """A served mixer's forward: transformers' own, with the kernel dispatchers pointed at linattn."""
+    token = _ACTIVE.set(True)
+    try:
+        return _inner_forward(self, args, kwargs)
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _wrap_forward(mod: nn.Module, wrapper: Callable) -> None:
+    if "forward" in mod.__dict__:                       # keep an instance-level forward (accelerate's hooks)
+        mod._linattn_inner_forward = mod.__dict__["forward"]
+    mod.forward = types.MethodType(wrapper, mod)        # bound methods deep-copy onto the copy
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -434,34 +450,31 @@ def _packed_cu(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), T)]).to(torch.int32)
 
 
-def _with_packing(forward: Callable) -> Callable:
+def _packed_forward(self: nn.Module, *args, **kwargs):
     """The model's forward, with packed batches recognised: transformers' cu_seq_lens_q, or position_ids that
     restart (only without an attention mask and without a cache, transformers' own rule in masking_utils, so
     generation's padded position_ids are never taken for documents)."""
-    @functools.wraps(forward)
-    def forward_packed(*args, **kwargs):
-        if _PACKED.get() is not None:
-            return forward(*args, **kwargs)
-        cu = kwargs.get("cu_seq_lens_q")
+    if _PACKED.get() is not None:
+        return _inner_forward(self, args, kwargs)
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        pos = kwargs.get("position_ids")
+        if pos is None or kwargs.get("attention_mask") is not None:
+            return _inner_forward(self, args, kwargs)
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            return _inner_forward(self, args, kwargs)
+        cu = _packed_cu(pos)
         if cu is None:
-            pos = kwargs.get("position_ids")
-            if pos is None or kwargs.get("attention_mask") is not None:
-                return forward(*args, **kwargs)
-            if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-                return forward(*args, **kwargs)
-            cu = _packed_cu(pos)
-            if cu is None:
-                return forward(*args, **kwargs)
-        if kwargs.get("use_cache"):
-            raise LinattnError("packed sequences (restarting position_ids or cu_seq_lens_q) cannot fill a cache: "
-                               "pass use_cache=False (one state per document would not fit the cache's batch)")
-        kwargs["use_cache"] = False
-        token = _PACKED.set(torch.as_tensor(cu).to(torch.int64))
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            _PACKED.reset(token)
-    return forward_packed
+            return _inner_forward(self, args, kwargs)
+    if kwargs.get("use_cache"):
+        raise LinattnError("packed sequences (restarting position_ids or cu_seq_lens_q) cannot fill a cache: "
+                           "pass use_cache=False (one state per document would not fit the cache's batch)")
+    kwargs["use_cache"] = False
+    token = _PACKED.set(torch.as_tensor(cu).to(torch.int64))
+    try:
+        return _inner_forward(self, args, kwargs)
+    finally:
+        _PACKED.reset(token)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -514,11 +527,10 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
             report.patched.append(name)
             report.kinds[name] = kind
             continue
-        if kind == "lightning":
-            mod.forward = _activate(mod, types.MethodType(_lightning_forward, mod))
-        else:
+        if kind != "lightning":
             _install_dispatchers(modeling)
-            mod.forward = _activate(mod, mod.forward)
+        mod._linattn_kind = kind
+        _wrap_forward(mod, _served_forward)
         mod._linattn_kernelized = True
         report.patched.append(name)
         report.kinds[name] = kind
@@ -527,7 +539,7 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
         base = getattr(model, "base_model", model)
         for top in {id(model): model, id(base): base}.values():
             if not getattr(top, "_linattn_packing", False):
-                top.forward = _with_packing(top.forward)
+                _wrap_forward(top, _packed_forward)
                 top._linattn_packing = True
             report.packing_wrapped.append(names.get(id(top), ""))
         _register_attention()
