@@ -298,6 +298,11 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
     /* enough (sequence, head) pairs for the threads: one pass each, the state carried in cache; else three passes
        over all chunks (parallel inside a sequence) */
     const int one_pass = nthreads <= 1 || N * H >= 2 * (int64_t)nthreads;
+    /* one pass over whole sequences when there are enough of them: all heads of a chunk in turn, so the rows
+       read form one contiguous block (rows of one head lie H * D apart, which the prefetchers follow poorly) and
+       the H carried states stay in cache; the arithmetic per (chunk, head) is the same either way */
+    const int seq_major = one_pass && (nthreads <= 1 || N >= 2 * (int64_t)nthreads);
+    const int64_t nh = seq_major ? H : 1; /* heads per one-pass task */
     /* P == NULL: the chunk states are not kept (no backward); the three-pass path still needs them */
     REAL *P_own = NULL;
     if (!P && !one_pass) {
@@ -308,43 +313,49 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
         }
     }
     int failed = 0;
-    const size_t scratch = (size_t)(3 * C * K + K * C + 2 * C * W + C * C + C + 2 * KW);
+    const size_t scratch = (size_t)(3 * C * K + K * C + 2 * C * W + C * C + C + (nh + 1) * KW);
 #pragma omp parallel num_threads(nthreads)
     {
         REAL *buf = malloc(sizeof(REAL) * scratch);
         REAL *Q = buf, *Qd = Q + C * K, *Km = Qd + C * K, *Kt = Km + C * K, *Vb = Kt + K * C, *A = Vb + C * W,
-             *O = A + C * C, *G = O + C * W, *S = G + C, *U = S + KW;
+             *O = A + C * C, *G = O + C * W, *S = G + C, *U = S + nh * KW;
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
         if (one_pass) {
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t task = 0; task < N * H; task++) {
+            for (int64_t task = 0; task < N * H / nh; task++) {
                 if (!buf) continue;
-                const int64_t s = task / H, h = task % H;
-                if (S0) memcpy(S, S0 + task * KW, sizeof(REAL) * KW);
-                else memset(S, 0, sizeof(REAL) * KW);
+                const int64_t s = seq_major ? task : task / H, h0 = seq_major ? 0 : task % H;
+                if (S0) memcpy(S, S0 + (s * H + h0) * KW, sizeof(REAL) * nh * KW);
+                else memset(S, 0, sizeof(REAL) * nh * KW);
                 for (int64_t c = first[s]; c < first[s + 1]; c++) {
                     const int64_t t0 = ch[c].t0;
                     const int len = (int)ch[c].len;
-                    const REAL GL = FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
-                    if (c + 1 < first[s + 1]) {
-                        const int64_t t1 = ch[c + 1].t0;
-                        const int l1 = (int)ch[c + 1].len;
-                        FN(lin_prefetch)(q, t1, l1, H, h, K), FN(lin_prefetch)(k, t1, l1, H, h, K);
-                        FN(lin_prefetch)(v, t1, l1, H, h, V);
+                    for (int64_t h = h0; h < h0 + nh; h++) {
+                        REAL *Sh = S + (h - h0) * KW;
+                        const REAL GL =
+                            FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
+                        /* the next unit's rows: the next head of this chunk, else the first head of the next */
+                        const int nxt_h = h + 1 < h0 + nh, nxt_c = c + 1 < first[s + 1];
+                        if (nxt_h || nxt_c) {
+                            const int64_t t1 = nxt_h ? t0 : ch[c + 1].t0, h1 = nxt_h ? h + 1 : h0;
+                            const int l1 = nxt_h ? len : (int)ch[c + 1].len;
+                            FN(lin_prefetch)(q, t1, l1, H, h1, K), FN(lin_prefetch)(k, t1, l1, H, h1, K);
+                            FN(lin_prefetch)(v, t1, l1, H, h1, V);
+                        }
+                        const REAL *Pc = Sh;
+                        if (P) {
+                            memcpy(P + (c * H + h) * KW, Sh, sizeof(REAL) * KW);
+                            Pc = P + (c * H + h) * KW;
+                        }
+                        FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, Pc, A, O, num, den);
+                        FN(fl_update)(len, K, W, C, has_g, G, GL, Kt, Vb, U);
+                        FN(carry)(KW, has_g, GL, Sh, U);
                     }
-                    const REAL *Pc = S;
-                    if (P) {
-                        memcpy(P + (c * H + h) * KW, S, sizeof(REAL) * KW);
-                        Pc = P + (c * H + h) * KW;
-                    }
-                    FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, Pc, A, O, num, den);
-                    FN(fl_update)(len, K, W, C, has_g, G, GL, Kt, Vb, U);
-                    FN(carry)(KW, has_g, GL, S, U);
                 }
-                if (S_out) memcpy(S_out + task * KW, S, sizeof(REAL) * KW);
+                if (S_out) memcpy(S_out + (s * H + h0) * KW, S, sizeof(REAL) * nh * KW);
             }
         } else {
             /* 1. every chunk's state update U_c, into P[c] for now */
