@@ -167,6 +167,37 @@ class RotaryEmbedding(nn.Module):
         return f"dim={self.dim}, base={self.base}"
 
 
+class _ShiftedTaps(torch.autograd.Function):
+    """y = sum_j w[j] * xp[:, j:j + T] for xp `[B, T + K - 1, D]`, w `[K, D]` -> `[B, T, D]` (a causal depthwise
+    convolution, ShortConv._taps). Its own backward writes dxp into one buffer with K in-place multiply-adds and
+    dw as K per-channel dot products: autograd through the slices would allocate, zero and copy a full-size
+    gradient per tap."""
+
+    @staticmethod
+    def forward(ctx, xp, w):
+        K = w.shape[0]
+        T = xp.shape[1] - K + 1
+        y = xp[:, :T] * w[0]
+        for j in range(1, K):
+            y.addcmul_(xp[:, j:j + T], w[j])
+        ctx.save_for_backward(xp, w)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        xp, w = ctx.saved_tensors
+        K = w.shape[0]
+        T = xp.shape[1] - K + 1
+        dxp = dw = None
+        if ctx.needs_input_grad[0]:
+            dxp = torch.zeros_like(xp)
+            for j in range(K):
+                dxp[:, j:j + T].addcmul_(g, w[j])
+        if ctx.needs_input_grad[1]:
+            dw = torch.stack([(g * xp[:, j:j + T]).sum((0, 1)) for j in range(K)])
+        return dxp, dw
+
+
 class ShortConv(nn.Module):
     """Causal depthwise 1-D convolution over time (FLA's ShortConvolution, pure PyTorch).
 
@@ -229,9 +260,7 @@ class ShortConv(nn.Module):
             xp = F.pad(x, (0, 0, K - 1, 0))                                      # [B, T + K - 1, D]
         else:
             xp = torch.cat([state.to(x.dtype).transpose(1, 2), x], dim=1)
-        y = xp[:, :T] * w[0]
-        for j in range(1, K):
-            y = torch.addcmul(y, xp[:, j:j + T], w[j])
+        y = _ShiftedTaps.apply(xp, w)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         if self.activation is not None:
