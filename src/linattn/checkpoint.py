@@ -580,22 +580,14 @@ def recorded_architecture(ckpt_dir: PathLike) -> Optional[Dict[str, Any]]:
     return arch
 
 
-def _current_mixer_names(arch: Dict[str, Any]) -> Dict[str, Any]:
-    """An lm architecture recorded (or a config dict written) before `LMConfig.mixer_names` existed names its
-    mixers the old way (`mamba2` for today's `mamba2-gla`): the same architecture in today's names."""
-    from .models.config import MIXER_NAMES_VERSION, MIXER_RENAMES
-
-    if arch.get("family", family.DEFAULT_ARCH) != "lm" or "mixer_names" in arch:
+def _current_names(arch: Dict[str, Any]) -> Dict[str, Any]:
+    """`arch` in today's names: its family's config class may map what an older version recorded
+    (`upgrade_architecture(arch)`, e.g. LMConfig's renamed mixers); unknown families stay as they are."""
+    name = arch.get("family", family.DEFAULT_ARCH)
+    if name not in family.families():
         return arch
-    arch = dict(arch)
-    for v in range(1, MIXER_NAMES_VERSION):
-        ren = MIXER_RENAMES.get(v, {})
-        if isinstance(arch.get("mixers"), list):
-            arch["mixers"] = [ren.get(m, m) if isinstance(m, str) else m for m in arch["mixers"]]
-        if isinstance(arch.get("mixer_kwargs"), dict):
-            arch["mixer_kwargs"] = {ren.get(k, k): kw for k, kw in arch["mixer_kwargs"].items()}
-    arch["mixer_names"] = MIXER_NAMES_VERSION
-    return arch
+    upgrade = getattr(family.get_family(name).config_cls, "upgrade_architecture", None)
+    return upgrade(arch) if callable(upgrade) else arch
 
 
 def check_architecture(ckpt_dir: PathLike, model_config: Dict[str, Any]) -> None:
@@ -604,7 +596,7 @@ def check_architecture(ckpt_dir: PathLike, model_config: Dict[str, Any]) -> None
     saved = recorded_architecture(ckpt_dir)
     if saved is None:
         return
-    saved, now = _current_mixer_names(saved), _current_mixer_names(architecture(model_config))
+    saved, now = _current_names(saved), _current_names(architecture(model_config))
     differ = [k for k in sorted(set(saved) | set(now))
               if saved.get(k) != now.get(k) and (k in ("family", "mixers") or (k in saved and k in now))]
     if differ:

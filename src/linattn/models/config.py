@@ -173,6 +173,23 @@ class LMConfig(JsonConfig):
         self._rename_old_mixers()
         self.validate()
 
+    @classmethod
+    def upgrade_architecture(cls, arch: Dict[str, Any]) -> Dict[str, Any]:
+        """An architecture recorded with a checkpoint (`checkpoint.architecture`) before `mixer_names` existed
+        names its mixers the old way (`mamba2` for today's `mamba2-gla`): the same architecture in today's
+        names, so that the weights-vs-config check compares like with like."""
+        if "mixer_names" in arch:
+            return arch
+        arch = dict(arch)
+        for v in range(1, MIXER_NAMES_VERSION):
+            ren = MIXER_RENAMES.get(v, {})
+            if isinstance(arch.get("mixers"), list):
+                arch["mixers"] = [ren.get(m, m) if isinstance(m, str) else m for m in arch["mixers"]]
+            if isinstance(arch.get("mixer_kwargs"), dict):
+                arch["mixer_kwargs"] = {ren.get(k, k): kw for k, kw in arch["mixer_kwargs"].items()}
+        arch["mixer_names"] = MIXER_NAMES_VERSION
+        return arch
+
     def _rename_old_mixers(self) -> None:
         """Map a config of an older `mixer_names` version to today's names (mixer and mixer_kwargs), so that
         it builds the layers it built when it was saved; the config then holds version MIXER_NAMES_VERSION."""

@@ -98,16 +98,7 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
         if folder is not None:   # before any step: a scheduled save must not land on a folder it cannot replace
             start = ckpt.read_checkpoint_config(resume_ck).get("step", 0) if resume_ck is not None else 0
             folder.refuse_colliding_saves(start, config.steps, config.save_every, resume_ck)
-        if isinstance(model_config, dict):
-            model_config = config_from_dict(model_config)
-        saved: Dict[str, Any] = {}
-        init_ck = None
-        if resume_ck is not None:
-            saved, model_config, tokenizer = _resume_setup(config, model_config, resume_ck, tokenizer, data)
-        elif config.init_from is not None:   # (a resumed run already holds the weights it started from)
-            init_ck, model_config, tokenizer = init_setup(config, model_config, tokenizer, data is not None)
-        if model_config is None:
-            raise TrainError("a model config is needed (none given and no checkpoint to resume)")
+        saved, model_config, tokenizer, init_ck = _model_setup(config, model_config, resume_ck, tokenizer, data)
         if data is None:
             # rank 0 prepares the data and writes its cache in the run folder; the other ranks then
             # read that cache (they write nothing there): one tokenization, one writer
@@ -131,6 +122,23 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
         if folder is not None:
             folder.close()
         dist.close()
+
+
+def _model_setup(config: TrainConfig, model_config, resume_ck, tokenizer, data):
+    """The model config and tokenizer a run starts with: the checkpoint's on resume, the `--init-from`
+    checkpoint's for a new run from one, else the given ones. -> (the resumed checkpoint's config dict
+    or {}, model config, tokenizer, the init-from checkpoint or None)."""
+    if isinstance(model_config, dict):
+        model_config = config_from_dict(model_config)
+    saved: Dict[str, Any] = {}
+    init_ck = None
+    if resume_ck is not None:
+        saved, model_config, tokenizer = _resume_setup(config, model_config, resume_ck, tokenizer, data)
+    elif config.init_from is not None:   # (a resumed run already holds the weights it started from)
+        init_ck, model_config, tokenizer = init_setup(config, model_config, tokenizer, data is not None)
+    if model_config is None:
+        raise TrainError("a model config is needed (none given and no checkpoint to resume)")
+    return saved, model_config, tokenizer, init_ck
 
 
 def _on_main(dist: Dist, fn: Callable[[], Any]) -> Any:
