@@ -553,6 +553,10 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
     if (!first) return -1;
     const int64_t NC = lin_chunks(N, starts, C, NULL, first);
     const int one_pass = nthreads <= 1 || N * H >= 2 * (int64_t)nthreads;
+    /* whole sequences per one-pass task when there are enough (all heads of a chunk in turn: contiguous rows),
+       as in the forward pass */
+    const int seq_major = one_pass && (nthreads <= 1 || N >= 2 * (int64_t)nthreads);
+    const int64_t nh = seq_major ? H : 1;
     lin_chunk_t *ch = malloc(sizeof(lin_chunk_t) * (NC > 0 ? NC : 1));
     REAL *gl = malloc(sizeof(REAL) * (NC * H > 0 ? NC * H : 1));
     /* the gradient of each chunk's end state (three-pass path only) */
@@ -564,7 +568,7 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
     lin_chunks(N, starts, C, ch, first);
     int failed = 0;
     const int MX = K > W ? K : W;
-    const size_t scratch = (size_t)(3 * C * K + 2 * C * W + 2 * W * K + 4 * C * C + 3 * C * MX + 2 * C + MX * C + 2 * KW);
+    const size_t scratch = (size_t)(3 * C * K + 2 * C * W + 2 * W * K + 4 * C * C + 3 * C * MX + 2 * C + MX * C + (nh + 1) * KW);
 #pragma omp parallel num_threads(nthreads)
     {
         REAL *buf = malloc(sizeof(REAL) * scratch);
@@ -573,35 +577,41 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
         b.Pt = b.dO + C * W, b.dPt = b.Pt + W * K, b.A = b.dPt + W * K, b.D = b.A + C * C, b.dA = b.D + C * C;
         b.T2 = b.dA + C * C, b.X = b.T2 + C * C, b.Y = b.X + C * MX, b.Z = b.Y + C * MX, b.G = b.Z + C * MX;
         b.dG = b.G + C, b.Tr = b.dG + C;
-        REAL *Dg = b.Tr + MX * C, *R = Dg + KW;
+        REAL *Dg = b.Tr + MX * C, *R = Dg + nh * KW;
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
-        if (one_pass) { /* each (sequence, head): the chunks in reverse, the state gradient carried */
+        if (one_pass) { /* each task: the chunks in reverse, the state gradients carried */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t task = 0; task < N * H; task++) {
+            for (int64_t task = 0; task < N * H / nh; task++) {
                 if (!buf) continue;
-                const int64_t s = task / H, h = task % H;
-                if (dS) memcpy(Dg, dS + task * KW, sizeof(REAL) * KW);
-                else memset(Dg, 0, sizeof(REAL) * KW);
+                const int64_t s = seq_major ? task : task / H, h0 = seq_major ? 0 : task % H;
+                if (dS) memcpy(Dg, dS + (s * H + h0) * KW, sizeof(REAL) * nh * KW);
+                else memset(Dg, 0, sizeof(REAL) * nh * KW);
                 for (int64_t c = first[s + 1] - 1; c >= first[s]; c--) {
                     const int64_t t0 = ch[c].t0;
                     const int len = (int)ch[c].len;
-                    const REAL GL = FN(bl_load)(q, k, v, g, dnum, dden, t0, len, H, h, K, V, W, C, fmap, sc, &b);
-                    if (c > first[s]) {
-                        const int64_t t1 = ch[c - 1].t0;
-                        const int l1 = (int)ch[c - 1].len;
-                        FN(lin_prefetch)(q, t1, l1, H, h, K), FN(lin_prefetch)(k, t1, l1, H, h, K);
-                        FN(lin_prefetch)(v, t1, l1, H, h, V);
-                        if (dnum) FN(lin_prefetch)(dnum, t1, l1, H, h, V);
+                    for (int64_t h = h0; h < h0 + nh; h++) {
+                        REAL *Dh = Dg + (h - h0) * KW;
+                        const REAL GL =
+                            FN(bl_load)(q, k, v, g, dnum, dden, t0, len, H, h, K, V, W, C, fmap, sc, &b);
+                        /* the next unit's rows: the next head of this chunk, else the first head of the previous */
+                        const int nxt_h = h + 1 < h0 + nh, nxt_c = c > first[s];
+                        if (nxt_h || nxt_c) {
+                            const int64_t t1 = nxt_h ? t0 : ch[c - 1].t0, h1 = nxt_h ? h + 1 : h0;
+                            const int l1 = nxt_h ? len : (int)ch[c - 1].len;
+                            FN(lin_prefetch)(q, t1, l1, H, h1, K), FN(lin_prefetch)(k, t1, l1, H, h1, K);
+                            FN(lin_prefetch)(v, t1, l1, H, h1, V);
+                            if (dnum) FN(lin_prefetch)(dnum, t1, l1, H, h1, V);
+                        }
+                        FN(bl_grads)(t0, len, H, h, K, V, W, C, has_g, fmap, sc, GL, P + (c * H + h) * KW, Dh, &b,
+                                     dq, dk, dv, dg);
+                        FN(bl_R)(len, K, W, C, has_g, &b, R);
+                        FN(carry)(KW, has_g, GL, Dh, R);
                     }
-                    FN(bl_grads)(t0, len, H, h, K, V, W, C, has_g, fmap, sc, GL, P + (c * H + h) * KW, Dg, &b, dq, dk,
-                                 dv, dg);
-                    FN(bl_R)(len, K, W, C, has_g, &b, R);
-                    FN(carry)(KW, has_g, GL, Dg, R);
                 }
-                if (dS0) memcpy(dS0 + task * KW, Dg, sizeof(REAL) * KW);
+                if (dS0) memcpy(dS0 + (s * H + h0) * KW, Dg, sizeof(REAL) * nh * KW);
             }
         } else {
             /* 1. every chunk's R_c, into dP[c] for now */
