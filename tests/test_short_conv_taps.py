@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from linattn.cpu import conv as cpu_conv
 from linattn.layers.common import ShortConv
 
 
@@ -24,11 +25,25 @@ def reference(x, w, b, state, act):
     return torch.stack(ys, 1), xp[:, T:].transpose(1, 2)
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def path(request, monkeypatch):
+    """Both forms: the compiled kernel (cpu/conv.py; skipped without a compiler) and the PyTorch taps."""
+    if request.param == "compiled":
+        if not cpu_conv.available():
+            pytest.skip("no C compiler: the compiled kernels are off")
+    else:
+        monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("T,K", [(2, 4), (3, 4), (7, 4), (65, 4), (5, 1), (6, 2)])
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("act,bias", [("silu", False), (None, True)])
-def test_taps_equal_the_formula_with_gradients(dtype, T, K, with_state, act, bias):
+def test_taps_equal_the_formula_with_gradients(dtype, T, K, with_state, act, bias, path, monkeypatch):
+    calls = []
+    inner = cpu_conv.short_conv
+    monkeypatch.setattr(cpu_conv, "short_conv", lambda *a: calls.append(1) or inner(*a))
     torch.manual_seed(T * 10 + K)
     conv = ShortConv(6, K, activation=act, bias=bias).to(dtype)
     if bias:
@@ -47,9 +62,30 @@ def test_taps_equal_the_formula_with_gradients(dtype, T, K, with_state, act, bia
     exp = torch.autograd.grad((want * g).sum(), params)
     for a, b in zip(got, exp):
         torch.testing.assert_close(a.double(), b.double(), **tol)
+    assert len(calls) == (path == "compiled")   # the form under test ran
 
 
-def test_taps_continue_a_previous_call_and_keep_a_small_state():
+def test_compiled_conv_poison_stays_causal(monkeypatch):
+    """A NaN input reaches only outputs at or after it; the gradients are poisoned exactly where the PyTorch
+    form's are (a zero gradient through silu'(NaN) is NaN in both)."""
+    if not cpu_conv.available():
+        pytest.skip("no C compiler: the compiled kernels are off")
+    conv = ShortConv(4, 4)
+    x0 = torch.randn(1, 10, 4)
+    x0[0, 6, 1] = float("nan")
+    grads = []
+    for env in ("1", "0"):
+        monkeypatch.setenv("LINATTN_CPU_KERNELS", env)
+        x = x0.clone().requires_grad_(True)
+        y, _ = conv(x)
+        assert torch.isfinite(y[:, :6]).all() and torch.isnan(y[0, 6:, 1]).all()
+        y[:, :6].sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(torch.isnan(grads[0]), torch.isnan(grads[1]))
+    torch.testing.assert_close(grads[0].nan_to_num(), grads[1].nan_to_num())
+
+
+def test_taps_continue_a_previous_call_and_keep_a_small_state(path):
     """Two calls chained by the returned state give the one call's output; the state is a [B, D, K-1] copy."""
     conv = ShortConv(5, 4)
     x = torch.randn(1, 12, 5)

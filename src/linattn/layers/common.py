@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..cpu import conv as _cpu_conv
 from ..errors import LinattnError
 from ..ops.l2norm import L2NORM_EPS, l2norm
 from .packing import check_cu_seqlens, packed_positions
@@ -260,11 +261,15 @@ class ShortConv(nn.Module):
             xp = F.pad(x, (0, 0, K - 1, 0))                                      # [B, T + K - 1, D]
         else:
             xp = torch.cat([state.to(x.dtype).transpose(1, 2), x], dim=1)
-        y = _ShiftedTaps.apply(xp, w)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        if self.activation is not None:
-            y = F.silu(y)
+        if _cpu_conv.available(x.dtype):   # the compiled kernel (cpu/conv.py): SiLU fused, one pass each way
+            y = _cpu_conv.short_conv(xp, w, None if self.bias is None else self.bias.to(x.dtype),
+                                     self.activation is not None)
+        else:
+            y = _ShiftedTaps.apply(xp, w)
+            if self.bias is not None:
+                y = y + self.bias.to(x.dtype)
+            if self.activation is not None:
+                y = F.silu(y)
         # the last K - 1 inputs, [B, D, K - 1], copied: a view would keep the whole padded input alive in a cache
         return y, xp[:, T:].transpose(1, 2).contiguous()
 

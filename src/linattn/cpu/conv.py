@@ -1,0 +1,85 @@
+"""The layers' short causal depthwise convolution (ShortConv, T > 1 on the CPU) on a compiled kernel
+(`csrc/conv.c`): forward with the SiLU fused in one pass, backward (dx, dw, dbias) in two.
+
+`short_conv(xp, w, bias, silu)`: xp `[B, T + K - 1, D]` (the look-back, then x), w `[K, D]`, bias `[D]` or None ->
+`[B, T, D]`, differentiable (an autograd Function). The PyTorch form (`layers/common.py: ShortConv._taps`) stays
+the fallback and the reference (tests/test_short_conv_taps.py). Eager only: under torch.compile tracing
+`available()` is False and the layer uses the PyTorch form. Nothing here imports linattn.ops.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import c_i64, c_int, c_ptr, load_library, ptr, threads
+from .build import enabled
+
+__all__ = ["available", "short_conv"]
+
+_typed = set()
+_SFX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _library():
+    if not enabled():
+        return None
+    lib = load_library("conv")
+    if lib is not None and id(lib) not in _typed:
+        for sfx in ("f32", "f64"):
+            f = getattr(lib, f"linattn_conv_fwd_{sfx}")
+            f.argtypes = [c_i64] * 4 + [c_ptr] * 3 + [c_int] + [c_ptr] * 2 + [c_int]
+            f.restype = c_int
+            g = getattr(lib, f"linattn_conv_bwd_{sfx}")
+            g.argtypes = [c_i64] * 4 + [c_ptr] * 7 + [c_int]
+            g.restype = c_int
+        _typed.add(id(lib))
+    return lib
+
+
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """True for float32 / float64 when the kernels are switched on and conv.c builds (compiled once), eagerly."""
+    if dtype not in _SFX or torch.compiler.is_compiling():
+        return False
+    return _library() is not None
+
+
+def _check(rc: int) -> None:
+    if rc:
+        raise MemoryError("linattn: the compiled short convolution could not allocate its work buffer")
+
+
+class _ShortConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xp, w, bias, silu):
+        B, TP, D = xp.shape
+        K = w.shape[0]
+        T = TP - K + 1
+        y = torch.empty(B, T, D, dtype=xp.dtype)
+        pre = torch.empty_like(y) if silu else None
+        _check(getattr(_library(), f"linattn_conv_fwd_{_SFX[xp.dtype]}")(
+            B, T, D, K, ptr(xp), ptr(w), ptr(bias), int(bool(silu)), ptr(y), ptr(pre), threads()))
+        ctx.save_for_backward(xp, w, pre)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        xp, w, pre = ctx.saved_tensors
+        B, TP, D = xp.shape
+        K = w.shape[0]
+        gy = gy.contiguous()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dxp = torch.empty_like(xp) if need_x else None
+        dw = torch.empty_like(w) if need_w else None
+        db = torch.empty(D, dtype=xp.dtype) if (need_b and ctx.has_bias) else None
+        _check(getattr(_library(), f"linattn_conv_bwd_{_SFX[xp.dtype]}")(
+            B, TP - K + 1, D, K, ptr(xp), ptr(w), ptr(pre), ptr(gy), ptr(dxp), ptr(dw), ptr(db), threads()))
+        return dxp, dw, db, None
+
+
+def short_conv(xp: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], silu: bool) -> torch.Tensor:
+    """act(bias + sum_j w[j] * xp[:, j:j + T]) for xp `[B, T + K - 1, D]`, w `[K, D]` (module docstring)."""
+    xp, w = xp.contiguous(), w.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    return _ShortConv.apply(xp, w, bias, silu)
