@@ -242,3 +242,20 @@ def test_layer_switch_and_bench_decode_both(tmp_path, capsys, monkeypatch):
     assert models == {"softmax", "gated-deltanet", "gated-deltanet+torch"}
     assert count.n > 0   # the compiled model's steps (its twin's are not counted)
     assert "gated-deltanet+torch" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["decode", "conv"])
+def test_decode_and_conv_sources_cross_compile_for_aarch64(name, tmp_path):
+    """Portable C (no x86 intrinsics): decode.c and conv.c compile for arm64 (compile only, not run)."""
+    import shutil
+    import subprocess
+
+    from linattn.cpu import build as cbuild
+
+    if shutil.which("aarch64-linux-gnu-gcc") is None:
+        pytest.skip("aarch64-linux-gnu-gcc is not installed")
+    out = tmp_path / f"{name}.o"
+    r = subprocess.run(["aarch64-linux-gnu-gcc", *[f for f in cbuild.BASE_FLAGS if f != "-shared"], "-fopenmp",
+                        "-c", str(cbuild.CSRC / f"{name}.c"), "-o", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:4] == b"\x7fELF"
