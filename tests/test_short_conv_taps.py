@@ -95,3 +95,13 @@ def test_taps_continue_a_previous_call_and_keep_a_small_state(path):
         b, _ = conv(x[:, 7:], s)
     torch.testing.assert_close(torch.cat([a, b], 1), full)
     assert s.shape == (1, 5, 3) and s.is_contiguous() and s.untyped_storage().nbytes() == 15 * 4
+
+
+def test_bf16_keeps_conv1d():
+    """bf16 inputs keep F.conv1d (it accumulates in fp32; the taps would round after every tap): the same bits."""
+    conv = ShortConv(8, 4).to(torch.bfloat16)
+    x = torch.randn(2, 9, 8).to(torch.bfloat16)
+    with torch.no_grad():
+        y, _ = conv(x)
+        want = F.silu(F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), conv.weight, None, groups=8)).transpose(1, 2)
+    assert torch.equal(y, want)

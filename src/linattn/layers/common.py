@@ -232,8 +232,8 @@ class ShortConv(nn.Module):
                 raise LinattnError("ShortConv: a state (decoding) cannot be combined with cu_seqlens "
                                    "(packed documents)")
             return self._packed(x, check_cu_seqlens(cu_seqlens, B, T)), None
-        if T > 1 and x.device.type == "cpu":
-            return self._taps(x, state)
+        if T > 1 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+            return self._taps(x, state)   # (bf16 / fp16 keep conv1d, which accumulates in fp32)
         xt = x.transpose(1, 2)
         if state is None:
             state = xt.new_zeros(B, D, self.kernel_size - 1)
