@@ -501,3 +501,25 @@ def test_bench_ops_issue34_targets_from_rows():
     assert not any("recurrent time" in name for name in t)                                 # not an issue-34 target
     assert t["[cpu vs torch] linear elu+1 chunk fwd at T=1024: torch time / cpu time"]["measured"] == 1.5
     assert t["[cpu vs torch] DeltaNet chunk fwd at T=1024: torch time / cpu time"]["met"] is False
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(1, 4, 0, 4, 4), (0, 4, 2, 4, 4), (5, 4, 0, 4, 4)])
+def test_linear_cpu_empty_heads_or_batch_at_any_thread_count(shape, threads):
+    """An empty head or batch dimension gives empty results and an empty state, and never reaches an integer
+    division by the head count (one thread made the kernel's one-pass schedule divide by H = 0: SIGFPE)."""
+    B_, T, H, K, V = shape
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k, v = torch.randn(B_, T, H, K), torch.randn(B_, T, H, K), torch.randn(B_, T, H, V)
+        for grad in (False, True):
+            xs = [x.clone().requires_grad_(grad) for x in (q, k, v)]
+            o, s = linattn.linear_attention(*xs, backend="cpu", output_final_state=True)
+            assert o.shape == (B_, T, H, V)
+            if grad:
+                o.sum().backward()
+                assert all(x.grad is not None and x.grad.shape == x.shape for x in xs)
+    finally:
+        torch.set_num_threads(before)

@@ -98,7 +98,7 @@ def _bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], P: Tensor, dnum: 
     V = v.shape[-1]
     W = V + int(norm)
     N = len(starts) - 1
-    if P.numel() == 0 and n_chunks(starts, chunk_size) > 0:
+    if P.dim() != 4 and n_chunks(starts, chunk_size) > 0:   # kept states are [NC, H, K, W] (empty when H = 0)
         raise RuntimeError("linattn: the compiled linear-attention forward ran without keeping its chunk states "
                            "(no input required grad), so it has no backward")
     q, k, v, g, P = q.contiguous(), k.contiguous(), v.contiguous(), _opt(g), P.contiguous()

@@ -302,7 +302,7 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
        read form one contiguous block (rows of one head lie H * D apart, which the prefetchers follow poorly) and
        the H carried states stay in cache; the arithmetic per (chunk, head) is the same either way */
     const int seq_major = one_pass && (nthreads <= 1 || N >= 2 * (int64_t)nthreads);
-    const int64_t nh = seq_major ? H : 1; /* heads per one-pass task */
+    const int64_t nh = seq_major && H > 0 ? H : 1; /* heads per one-pass task */
     /* P == NULL: the chunk states are not kept (no backward); the three-pass path still needs them */
     REAL *P_own = NULL;
     if (!P && !one_pass) {
@@ -556,7 +556,7 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
     /* whole sequences per one-pass task when there are enough (all heads of a chunk in turn: contiguous rows),
        as in the forward pass */
     const int seq_major = one_pass && (nthreads <= 1 || N >= 2 * (int64_t)nthreads);
-    const int64_t nh = seq_major ? H : 1;
+    const int64_t nh = seq_major && H > 0 ? H : 1;
     lin_chunk_t *ch = malloc(sizeof(lin_chunk_t) * (NC > 0 ? NC : 1));
     REAL *gl = malloc(sizeof(REAL) * (NC * H > 0 ? NC * H : 1));
     /* the gradient of each chunk's end state (three-pass path only) */
