@@ -37,7 +37,7 @@ from ..cpu import decode as _cpu_decode
 from ..errors import LinattnError, LinattnTypeError
 from .cache import LayerCache
 from .common import GATE_ACTIVATIONS, FusedParams, GatedRMSNorm, RotaryEmbedding, ShortConv, gate_activation
-from .packing import check_cu_seqlens, packed_positions, reject_cache_with_cu_seqlens
+from .packing import check_mixer_call, packed_positions
 
 # forward hooks registered for every module (nn.modules.module.register_module_forward_hook / _pre_hook):
 # the fast decoding step does not call the submodules, so it steps aside while any is registered
@@ -359,19 +359,13 @@ class AttentionBase(nn.Module):
         """x `[B, T, d_model]` -> `[B, T, d_model]`. Pass a `LayerCache` to decode incrementally,
         or `cu_seqlens` (int64 `[N+1]`, x `[1, T_total, d_model]`) to run packed documents
         independently of each other (module docstring)."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise LinattnError(f"{type(self).__name__} expects x of shape [B, T, {self.d_model}], "
-                               f"got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
-        if cache is not None and not isinstance(cache, LayerCache):
-            raise LinattnTypeError(f"cache must be a linattn.layers.LayerCache, got {type(cache).__name__}")
-        reject_cache_with_cu_seqlens(type(self).__name__, cache, cu_seqlens)
+        cu_seqlens = check_mixer_call(type(self).__name__, self.d_model, x, cache, cu_seqlens)
         lins = self._fast_ok(x, cache, cu_seqlens)
         if lins is not None:
             out = self._fast_step(x, cache, lins)
             if out is not None:
                 cache["offset"] = cache.offset + 1
                 return out
-        cu_seqlens = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
         q, k, v = self._qkv(x, cache, cu_seqlens)
         o = self._mix(q, k, v, x, cache, cu_seqlens=cu_seqlens)
         if cache is not None:

@@ -25,11 +25,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import LinattnError, LinattnTypeError
+from ..errors import LinattnError
 from ..ops.linear import linear_attention
 from .cache import LayerCache
 from .common import GatedRMSNorm, RotaryEmbedding, ShortConv
-from .packing import check_cu_seqlens, packed_positions, reject_cache_with_cu_seqlens
+from .packing import check_mixer_call, packed_positions
 
 
 def _pos_int(name: str, v) -> int:
@@ -122,14 +122,8 @@ class Mamba2Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, *,
                 cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise LinattnError(f"Mamba2Block expects x of shape [B, T, {self.d_model}], "
-                               f"got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
-        if cache is not None and not isinstance(cache, LayerCache):
-            raise LinattnTypeError(f"cache must be a linattn.layers.LayerCache, got {type(cache).__name__}")
-        reject_cache_with_cu_seqlens(type(self).__name__, cache, cu_seqlens)
+        cu_seqlens = check_mixer_call("Mamba2Block", self.d_model, x, cache, cu_seqlens)
         Bsz, T, _ = x.shape
-        cu_seqlens = check_cu_seqlens(cu_seqlens, Bsz, T)
         H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.state_size
         z, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, H], dim=-1)
         if self.conv is not None:

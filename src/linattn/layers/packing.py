@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
+from .cache import LayerCache
 
 
 def check_cu_seqlens(cu_seqlens, batch_size: int, seq_len: int) -> Optional[torch.Tensor]:
@@ -58,4 +59,16 @@ def reject_cache_with_cu_seqlens(owner: str, cache, cu_seqlens) -> None:
                            f"decode a [B, T] batch instead")
 
 
-__all__ = ["check_cu_seqlens", "packed_positions", "reject_cache_with_cu_seqlens"]
+def check_mixer_call(owner: str, d_model: int, x, cache, cu_seqlens) -> Optional[torch.Tensor]:
+    """The checks every mixer's forward starts with: x `[B, T, d_model]`, a `LayerCache` or None, no cache
+    together with packed documents. -> the validated `cu_seqlens` (or None)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != d_model:
+        raise LinattnError(f"{owner} expects x of shape [B, T, {d_model}], "
+                           f"got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
+    if cache is not None and not isinstance(cache, LayerCache):
+        raise LinattnTypeError(f"cache must be a linattn.layers.LayerCache, got {type(cache).__name__}")
+    reject_cache_with_cu_seqlens(owner, cache, cu_seqlens)
+    return check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
+
+
+__all__ = ["check_cu_seqlens", "check_mixer_call", "packed_positions", "reject_cache_with_cu_seqlens"]

@@ -32,11 +32,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import ConfigError, LinattnError, LinattnTypeError
+from ..errors import ConfigError, LinattnError
 from ..ops.rwkv7 import rwkv7
 from .cache import LayerCache
 from .common import RotaryEmbedding, ShortConv
-from .packing import check_cu_seqlens, packed_positions, reject_cache_with_cu_seqlens
+from .packing import check_mixer_call, packed_positions
 
 _MIX = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 _W_SCALE = 0.6065306597126334   # exp(-1/2): fla's bound on -w, so exp(w) >= 0.545 per token
@@ -162,14 +162,8 @@ class RWKV7(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, *,
                 cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise LinattnError(f"RWKV7 expects x of shape [B, T, {self.d_model}], "
-                               f"got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
-        if cache is not None and not isinstance(cache, LayerCache):
-            raise LinattnTypeError(f"cache must be a linattn.layers.LayerCache, got {type(cache).__name__}")
-        reject_cache_with_cu_seqlens(type(self).__name__, cache, cu_seqlens)
+        cu_seqlens = check_mixer_call("RWKV7", self.d_model, x, cache, cu_seqlens)
         Bsz, T, _ = x.shape
-        cu_seqlens = check_cu_seqlens(cu_seqlens, Bsz, T)
         H, Dh = self.n_heads, self.head_dim
         prev = cache.get("shift") if cache is not None else None
         prev = x.new_zeros(Bsz, 1, self.d_model) if prev is None else prev.unsqueeze(1).to(x.dtype)
