@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from helpers import perturbed_mixer
 from linattn.cpu import decode as cpu_decode
 from linattn.layers import LayerCache
 from linattn.models import LanguageModel, LMConfig
@@ -51,14 +52,7 @@ class Count:
 
 def _layer(case, d=32, H=2, dtype=torch.float32):
     kw = dict(CASES[case])
-    name = kw.pop("mixer", case)
-    torch.manual_seed(0)
-    layer = build_mixer(name, d, H, **kw).to(dtype).eval()
-    with torch.no_grad():   # non-trivial conv / norm weights and biases
-        for n, p in layer.named_parameters():
-            if n.endswith("bias") or "norm" in n:
-                p.add_(0.1 * torch.randn_like(p))
-    return layer
+    return perturbed_mixer(kw.pop("mixer", case), d, H, dtype, **kw)
 
 
 def _decode(layer, x, prefill=0):

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+from helpers import perturbed_mixer
 from linattn.layers import LayerCache, RMSNorm
 from linattn.layers.base import AttentionBase
 from linattn.layers.common import FusedParams
 from linattn.models import LanguageModel, LMConfig
-from linattn.models.registry import build_mixer
 
 FAST_MIXERS = ["linear-elu+1", "linear-relu", "linear-identity", "linear-taylor2", "retnet", "mamba2-gla", "gla",
                "deltanet", "gated-deltanet", "efla", "efla-adaptive", "efla-loose"]
@@ -56,14 +56,6 @@ def assert_same_cache(a: LayerCache, b: LayerCache):
             same(x, y)
 
 
-def _layer(name, d=32, H=2, dtype=torch.float32, **kw):
-    torch.manual_seed(0)
-    layer = build_mixer(name, d, H, **kw).to(dtype).eval()
-    with torch.no_grad():   # non-trivial conv / norm weights and biases
-        for n, p in layer.named_parameters():
-            if n.endswith("bias") or "norm" in n:
-                p.add_(0.1 * torch.randn_like(p))
-    return layer
 
 
 def _run(layer, x, prefill, fast):
@@ -82,7 +74,7 @@ def _run(layer, x, prefill, fast):
 @pytest.mark.parametrize("name", FAST_MIXERS)
 @pytest.mark.parametrize("prefill", [0, 5])
 def test_fast_step_equals_the_general_step(name, prefill, monkeypatch):
-    layer = _layer(name)
+    layer = perturbed_mixer(name)
     x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1))
     count = FastCount(monkeypatch, type(layer))
     ref, ref_cache = _run(layer, x, prefill, fast=False)
@@ -99,7 +91,7 @@ def test_fast_step_fp64_and_options(name, monkeypatch):
     extra = dict(rope=True, qkv_bias=True, short_conv=True)
     if name == "linear-elu+1":
         extra["output_gate"] = True
-    layer = _layer(name, d=24, H=3, dtype=torch.float64, **extra)
+    layer = perturbed_mixer(name, d=24, H=3, dtype=torch.float64, **extra)
     x = torch.randn(2, 7, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     count = FastCount(monkeypatch, type(layer))
     ref, ref_cache = _run(layer, x, 3, fast=False)
@@ -112,7 +104,7 @@ def test_fast_step_fp64_and_options(name, monkeypatch):
 @pytest.mark.parametrize("name", ["linear-elu+1", "gated-deltanet"])
 def test_fast_and_general_steps_alternate(name):
     """Each path continues from the cache the other one left (views of one state tensor, or not)."""
-    layer = _layer(name)
+    layer = perturbed_mixer(name)
     x = torch.randn(1, 10, 32, generator=torch.Generator().manual_seed(3))
     ref, ref_cache = _run(layer, x, 2, fast=False)
     cache, outs = LayerCache(), []
@@ -127,7 +119,7 @@ def test_fast_and_general_steps_alternate(name):
 
 def test_fast_step_leaves_an_earlier_state_alone():
     """The step writes new tensors: a state taken from the cache before it does not change."""
-    layer = _layer("gated-deltanet")
+    layer = perturbed_mixer("gated-deltanet")
     x = torch.randn(1, 4, 32)
     cache = LayerCache()
     with torch.no_grad():
@@ -188,7 +180,7 @@ def test_mixers_without_a_fast_step_are_untouched(monkeypatch):
     """Subclasses of the fast layers (comba, kda, ...) and other mixers decode through their forward."""
     for name in ("kda", "comba", "delta-product", "mesanet", "fox", "linear-favor+", "linear-cosformer",
                  "ela-hadamard_exp"):
-        layer = _layer(name)
+        layer = perturbed_mixer(name)
         assert not layer._fast_supported()
         x = torch.randn(1, 3, 32)
         with torch.no_grad():
@@ -199,7 +191,7 @@ def test_mixers_without_a_fast_step_are_untouched(monkeypatch):
 
 
 def test_no_fast_path_with_autograd_or_for_other_calls(monkeypatch):
-    layer = _layer("gated-deltanet")
+    layer = perturbed_mixer("gated-deltanet")
     count = FastCount(monkeypatch, type(layer))
     x = torch.randn(1, 3, 32, requires_grad=True)
     cache = LayerCache()
@@ -215,7 +207,7 @@ def test_no_fast_path_with_autograd_or_for_other_calls(monkeypatch):
 
 
 def test_fast_path_steps_aside_for_hooks_and_replaced_modules(monkeypatch):
-    layer = _layer("linear-elu+1")
+    layer = perturbed_mixer("linear-elu+1")
     count = FastCount(monkeypatch, type(layer))
     x = torch.randn(1, 1, 32)
     with torch.no_grad():
@@ -242,7 +234,7 @@ def test_fast_path_steps_aside_for_hooks_and_replaced_modules(monkeypatch):
 
 def test_fused_weights_follow_optimizer_steps_and_loads():
     """The fused q/k/v(/beta/gate) weight is rebuilt after every change of a weight."""
-    layer = _layer("gated-deltanet")
+    layer = perturbed_mixer("gated-deltanet")
     ref = copy.deepcopy(layer)
     ref.fast_decode = False
     x = torch.randn(1, 2, 32)
