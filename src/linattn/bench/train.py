@@ -12,7 +12,6 @@ The report gives tokens/s (batch x seq-len over the median step) and each mixer'
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Dict, List
 
 import torch
@@ -131,9 +130,7 @@ def run(a) -> int:
         for k, v in QUICK.items():
             setattr(a, k, v)
     names = _mixer_names(a)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    a.threads, log = common.start_run(a.threads, "cpu", a.quiet)
     paths = common.output_paths("train", a.out, exts=("txt", "json"), overwrite=a.overwrite)
     info = common.machine_info("cpu")
     head = [PROG, common.describe_machine(info),
