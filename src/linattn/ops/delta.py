@@ -38,29 +38,80 @@ def delta_rule(
     cu_seqlens: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Delta-rule linear attention. q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]` (>= 0)
-    -> (o `[B, T, H, V]`, final state `[N, H, K, V]` or None).
+    """Delta-rule linear attention: DeltaNet, Gated DeltaNet, Kimi Delta Attention (KDA) and EFLA.
 
     S_t = (I - a_t k_t k_t^T) D_t S_{t-1} + a_t k_t v_t^T and o_t = scale * S_t^T q_t, with
     D_t = Diag(exp(g_t)) for a log-gate g (<= 0) `[B, T, H]` (Gated DeltaNet) or `[B, T, H, K]` (Kimi
     Delta Attention), and a_t = beta_t (exact=False) or a_t = (1 - exp(-beta_t ||k_t||^2)) / ||k_t||^2
     (exact=True: EFLA, the exact solution of the delta rule's ODE; a_t = beta_t at k_t = 0).
-    scale=None means K**-0.5. qk_l2norm L2-normalises q and k first (inside the op, differentiably): True or
-    "rsqrt" as flash-linear-attention and transformers, x * rsqrt(sum x^2 + 1e-6); "clamp" as
-    F.normalize, x / max(||x||, 1e-6) (this operator's form before the choice existed); False: not at all.
 
     Grouped value heads (Qwen3-Next's GVA): v `[B, T, HV, V]` with HV = n * H, beta `[B, T, HV]`, g `[B, T, HV]`
     or `[B, T, HV, K]` and the state `[N, HV, K, V]`; value head j reads q/k head j // n (transformers'
     repeat_interleave). q and k are normalised on their H heads, then repeated (materialised) to HV heads:
     beta and the gates differ per value head, so every value head has its own recurrence.
 
-    mode: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form).
-    The state is a plain tensor `[N, H, K, V]` (N = B, or the number of sequences in `cu_seqlens`,
-    int64 `[N+1]` with B == 1), fp32 (fp64 for fp64 inputs); it round-trips between modes and calls.
     Inputs of any float dtype; accumulation in fp32 (fp64 for fp64 inputs); output in the input dtype.
     DeltaNet with unnormalised keys and beta ||k||^2 > 2 is unstable by nature (see delta_core).
-    backend: "auto" (Triton kernels for covered CUDA calls, PyTorch otherwise), "torch" or "triton"
-    (on CPU only under TRITON_INTERPRET=1); see docs/triton.md.
+
+    Args:
+        q: Queries `[B, T, H, K]`, any float dtype (fp16, bf16, fp32, fp64).
+        k: Keys `[B, T, H, K]`, the dtype of q.
+        v: Values `[B, T, H, V]` (or `[B, T, HV, V]`, grouped value heads).
+        beta: Write strengths `[B, T, H]` (or `[B, T, HV]`), >= 0.
+        g: Log-gate (<= 0): `[B, T, H]` per head (Gated DeltaNet), `[B, T, H, K]` per key channel (Kimi
+            Delta Attention), or None (no decay).
+        exact: False: a_t = beta_t; True: EFLA's a_t (above).
+        scale: The output scale; None means K**-0.5.
+        qk_l2norm: L2-normalises q and k first (inside the op, differentiably): True or "rsqrt" as
+            flash-linear-attention and transformers, x * rsqrt(sum x^2 + 1e-6); "clamp" as F.normalize,
+            x / max(||x||, 1e-6) (this operator's form before the choice existed); False: not at all.
+        mode: The form: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form).
+            They compute the same function (to rounding).
+        chunk_size: The chunk length of the chunk form, in tokens.
+        initial_state: The state to start from, `[N, H, K, V]` (a previous call's final state, from any
+            mode), or None (zeros).
+        output_final_state: Also return the state after the last token.
+        cu_seqlens: int64 `[N+1]` offsets of N packed sequences (B == 1): each sequence starts from its own
+            row of initial_state and ends in its own row of the final state. None: the B rows are the sequences.
+        backend: "auto" (Triton kernels for covered CUDA calls, PyTorch otherwise), "torch" or "triton"
+            (on CPU only under TRITON_INTERPRET=1); see docs/triton.md.
+
+    Returns:
+        o: The output `[B, T, H, V]` (or `[B, T, HV, V]`), in the input dtype.
+        final_state: With output_final_state, the state `[N, H, K, V]` (N = B, or the number of sequences in
+            cu_seqlens), a plain tensor, fp32 (fp64 for fp64 inputs), that round-trips between modes and
+            calls; otherwise None.
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value (the message names it).
+        LinattnTypeError: exact is not a bool.
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from linattn import delta_rule
+        >>> B, T, H, K, V = 2, 10, 4, 16, 32
+        >>> q, k = torch.randn(B, T, H, K), F.normalize(torch.randn(B, T, H, K), dim=-1)
+        >>> v, beta = torch.randn(B, T, H, V), torch.rand(B, T, H)
+        >>> o, S = delta_rule(q, k, v, beta, output_final_state=True)
+        >>> o.shape, S.shape
+        (torch.Size([2, 10, 4, 32]), torch.Size([2, 4, 16, 32]))
+
+        The forms agree, and a state carries a sequence across calls:
+
+        >>> o_rec, _ = delta_rule(q, k, v, beta, mode="recurrent")
+        >>> torch.allclose(o, o_rec, atol=1e-5)
+        True
+        >>> o1, S1 = delta_rule(q[:, :6], k[:, :6], v[:, :6], beta[:, :6], output_final_state=True)
+        >>> o2, _ = delta_rule(q[:, 6:], k[:, 6:], v[:, 6:], beta[:, 6:], initial_state=S1)
+        >>> torch.allclose(torch.cat([o1, o2], 1), o, atol=1e-5)
+        True
+
+        Gated DeltaNet (a gate per head) and KDA (a gate per key channel):
+
+        >>> g = -torch.rand(B, T, H)
+        >>> o, _ = delta_rule(q, k, v, beta, g=g)
+        >>> o, _ = delta_rule(q, k, v, beta, g=-torch.rand(B, T, H, K))
     """
     if not isinstance(exact, bool):
         raise LinattnTypeError(f"exact must be a bool, got {type(exact).__name__}")

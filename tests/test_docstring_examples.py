@@ -1,0 +1,136 @@
+"""The public API's docstrings: Google-style sections that the API reference renders, and examples that run.
+
+Every object in DOCUMENTED has an "Args:" section naming each of its parameters (a class: its constructor's),
+a "Returns:" section (functions), and every object with an "Examples:" section has its `>>>` lines run by
+doctest here, so an example that no longer matches the code fails. The operators must have an example.
+When griffe (the parser mkdocstrings uses) is installed, the docstrings must parse without a warning.
+"""
+from __future__ import annotations
+
+import doctest
+import importlib
+import inspect
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+# The public operators: each has Args, Returns and a runnable example.
+OPERATORS = [
+    "linattn.linear_attention", "linattn.softmax_attention", "linattn.delta_rule", "linattn.comba",
+    "linattn.delta_product", "linattn.rwkv7", "linattn.mesa_net", "linattn.ttt", "linattn.titans",
+    "linattn.forgetting_attention", "linattn.forgetting_attention_step", "linattn.deltaformer",
+    "linattn.deltaformer_step", "linattn.path_attention", "linattn.path_attention_step",
+]
+# Further public objects whose docstrings have Google-style sections (added as they are written).
+DOCUMENTED = OPERATORS + [
+]
+SECTION = re.compile(r"^(\s*)(Args|Arguments|Returns|Yields|Raises|Examples|Example|Attributes|Note|Notes):\s*$")
+
+
+def resolve(dotted: str):
+    module, _, name = dotted.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError:          # a method: module.Class.method
+        return getattr(resolve(module), name)
+
+
+def sections(doc: str) -> dict:
+    """{section name: its lines, dedented} of a cleaned docstring; the text before the first section is ''."""
+    out, current, indent = {"": []}, "", 0
+    for line in doc.splitlines():
+        m = SECTION.match(line)
+        if m and len(m.group(1)) == 0:
+            current, indent = m.group(2), None
+            out[current] = []
+            continue
+        if current and line.strip() and indent is None:
+            indent = len(line) - len(line.lstrip())
+        out[current].append(line[indent:] if current and indent else line)
+    return out
+
+
+def parameters(obj) -> list:
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    params = inspect.signature(target).parameters.values()
+    return [p.name for p in params if p.name not in ("self", "cls")
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def documented_args(lines: list) -> list:
+    # an entry starts at the section's own indentation: "name: text" or "name (type): text"
+    return [m.group(1) for line in lines if (m := re.match(r"^(\*{0,2}\w+)(\s*\([^)]*\))?:", line))]
+
+
+@pytest.mark.parametrize("dotted", DOCUMENTED)
+def test_sections(dotted):
+    obj = resolve(dotted)
+    doc = inspect.getdoc(obj)
+    assert doc, f"{dotted} has no docstring"
+    secs = sections(doc)
+    params = parameters(obj)
+    if params:
+        assert "Args" in secs, f"{dotted}: no Args section"
+        args = documented_args(secs["Args"])
+        missing = [p for p in params if p not in args]
+        unknown = [a for a in args if a.lstrip("*") not in params]
+        assert not missing, f"{dotted}: Args does not document {missing}"
+        assert not unknown, f"{dotted}: Args documents {unknown}, which the signature lacks"
+    if not inspect.isclass(obj):
+        assert "Returns" in secs or "Yields" in secs, f"{dotted}: no Returns section"
+    if dotted in OPERATORS:
+        assert "Examples" in secs, f"{dotted}: no Examples section"
+
+
+def run_examples(dotted: str, text: str):
+    test = doctest.DocTestParser().get_doctest(text, {}, dotted, None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    report = []
+    runner.run(test, out=report.append)
+    return runner.summarize(verbose=False), "".join(report)
+
+
+@pytest.mark.parametrize("dotted", [d for d in DOCUMENTED])
+def test_examples_run(dotted):
+    secs = sections(inspect.getdoc(resolve(dotted)))
+    text = "\n".join(secs.get("Examples", []))
+    if dotted not in OPERATORS and not text.strip():
+        pytest.skip(f"{dotted} has no example")
+    result, report = run_examples(dotted, text)
+    assert result.attempted > 0, f"{dotted}: the Examples section has no >>> line"
+    assert result.failed == 0, f"{dotted}: the example fails:\n{report}"
+
+
+def test_a_wrong_example_fails():
+    # the runner above is not a no-op: a false expected output is reported as a failure
+    result, report = run_examples("wrong", ">>> 1 + 1\n3\n")
+    assert result.attempted == 1 and result.failed == 1 and "Expected" in report
+
+
+def test_griffe_parses_without_warnings():
+    griffe = pytest.importorskip("griffe")
+    messages = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                messages.append(record.getMessage())
+
+    logger = logging.getLogger("griffe")
+    handler = Collect()
+    logger.addHandler(handler)
+    try:
+        src = Path(__file__).resolve().parents[1] / "src"
+        package = griffe.load("linattn", search_paths=[str(src)], docstring_parser="google",
+                              allow_inspection=False, resolve_aliases=False)
+        for dotted in DOCUMENTED:
+            obj = resolve(dotted)
+            path = f"{obj.__module__}.{obj.__qualname__}"[len("linattn."):]
+            node = package[path]
+            assert node.docstring is not None, dotted
+            node.docstring.parse("google")
+    finally:
+        logger.removeHandler(handler)
+    assert not messages, "\n".join(messages)
