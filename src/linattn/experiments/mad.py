@@ -104,6 +104,10 @@ MIXERS: Dict[str, Tuple[str, int, Dict[str, Any], str]] = {
     "ttt-linear": ("ttt-linear", 4, {}, "TTT-Linear"),
     "ttt-mlp": ("ttt-mlp", 4, {}, "TTT-MLP"),
     "titans": ("titans", 4, {}, "Titans"),
+    # RWKV-7 in DeltaNet's shape (4 heads of 32); Mamba2's own block with its defaults (expand 2: 4 heads of 64,
+    # state 64, one group, conv 4)
+    "rwkv7": ("rwkv7", 4, {}, "RWKV-7"),
+    "mamba2": ("mamba2", 4, {}, "Mamba2"),
 }
 
 # the EFLA paper, appendix B, Table 2 (MAD accuracy, %)
