@@ -40,19 +40,53 @@ def comba(
     cu_seqlens: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Comba. q, k, p `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]` (>= 0)
-    -> (o `[B, T, H, V]`, final state `[N, H, K, V]` or None).
+    """Comba: the gated delta rule with a separate read key for the prediction.
 
     S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - S_{t-1}^T p_t)^T and o_t = scale * S_t^T q_t, with a
     log-gate g (<= 0) `[B, T, H]` per head, or `[B, T, H, K]` per key channel (Diag(exp(g_t)) then
     decays the rows of S); no gate when None. p: the read key of the prediction (None: p = k, the seed's
     eq. 18). scale=None means K**-0.5. qk_l2norm=True L2-normalises q and k (never p; module docstring).
 
-    mode: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form).
-    The state is a plain tensor `[N, H, K, V]` (N = B, or the number of sequences in `cu_seqlens`,
-    int64 `[N+1]` with B == 1), fp32 (fp64 for fp64 inputs); it round-trips between modes and calls.
-    backend: "auto", "torch" or "triton" (the Triton kernels do not cover a separate read key: every call
-    runs on PyTorch; "triton" warns once and falls back).
+    Args:
+        q: Queries `[B, T, H, K]`, any float dtype.
+        k: Keys `[B, T, H, K]`, the dtype of q.
+        v: Values `[B, T, H, V]` (or `[B, T, HV, V]`, grouped value heads as in `delta_rule`).
+        beta: Write strengths `[B, T, H]`, >= 0.
+        p: The read key of the prediction `[B, T, H, K]` (never normalised: its norm is the feedback gain),
+            or None: p = k, the seed's eq. 18.
+        g: Log-gate (<= 0): `[B, T, H]` per head, `[B, T, H, K]` per key channel, or None (no decay).
+        scale: The output scale; None means K**-0.5.
+        qk_l2norm: True L2-normalises q and k inside the op (never p).
+        mode: The form: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form).
+        chunk_size: The chunk length of the chunk form, in tokens.
+        initial_state: The state to start from, `[N, H, K, V]`, or None (zeros).
+        output_final_state: Also return the state after the last token.
+        cu_seqlens: int64 `[N+1]` offsets of N packed sequences (B == 1), each with its own state.
+        backend: "auto", "torch" or "triton" (the Triton kernels do not cover a separate read key: every call
+            runs on PyTorch; "triton" warns once and falls back).
+
+    Returns:
+        o: The output `[B, T, H, V]`, in the input dtype.
+        final_state: With output_final_state, the state `[N, H, K, V]` (N = B, or the number of sequences in
+            cu_seqlens), fp32 (fp64 for fp64 inputs); it round-trips between modes and calls. Otherwise None.
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from linattn import comba
+        >>> B, T, H, K, V = 1, 12, 2, 8, 8
+        >>> q, k = torch.randn(B, T, H, K), F.normalize(torch.randn(B, T, H, K), dim=-1)
+        >>> v, beta, g = torch.randn(B, T, H, V), torch.rand(B, T, H), -torch.rand(B, T, H)
+        >>> p = 0.5 * k                                    # a feedback gain of 0.5
+        >>> o, S = comba(q, k, v, beta, p=p, g=g, output_final_state=True)
+        >>> o.shape, S.shape
+        (torch.Size([1, 12, 2, 8]), torch.Size([1, 2, 8, 8]))
+        >>> o_rec, _ = comba(q, k, v, beta, p=p, g=g, mode="recurrent")
+        >>> torch.allclose(o, o_rec, atol=1e-5)
+        True
     """
     if p is not None:
         check_qkv(q, k, v[:, :, ::value_groups(q, v)])   # q first, so that a bad q is reported as such

@@ -30,10 +30,38 @@ def _sdpa(q, k, v, causal: bool, scale: float, window: Optional[int]) -> torch.T
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                       scale: Optional[float] = None, window: Optional[int] = None,
                       cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Softmax attention. q, k `[B, T, H, K]`, v `[B, T, H, V]` -> o `[B, T, H, V]`.
+    """Softmax attention, the O(T^2) baseline, in the library's layout.
 
-    scale defaults to K**-0.5. `window=w` keeps only keys with |i - j| < w (and j <= i when
-    causal): a sliding window. `cu_seqlens` (B must be 1) packs independent sequences.
+    o_i = sum_j softmax_j(scale q_i . k_j) v_j over the keys j <= i (causal) or all j, built on
+    torch.nn.functional.scaled_dot_product_attention. `window=w` keeps only keys with |i - j| < w (and j <= i
+    when causal): a sliding window.
+
+    Args:
+        q: Queries `[B, T, H, K]`, any float dtype.
+        k: Keys `[B, T, H, K]`.
+        v: Values `[B, T, H, V]`.
+        causal: Attend to earlier keys only (j <= i).
+        scale: The score scale; None means K**-0.5.
+        window: A sliding window length w >= 1 (keys with |i - j| < w), or None (all keys).
+        cu_seqlens: int64 `[N+1]` offsets of N packed sequences (B must be 1); a sequence attends to its own
+            keys only.
+
+    Returns:
+        The output o `[B, T, H, V]`, in the input dtype.
+
+    Raises:
+        LinattnError: An argument of the wrong shape or value, or a non-finite output.
+
+    Examples:
+        >>> import torch
+        >>> from linattn import softmax_attention
+        >>> q, k, v = torch.randn(3, 2, 10, 4, 16).unbind(0)
+        >>> softmax_attention(q, k, v).shape
+        torch.Size([2, 10, 4, 16])
+        >>> o = softmax_attention(q, k, v, window=4)                      # sliding window
+        >>> packed = softmax_attention(q[:1], k[:1], v[:1], cu_seqlens=torch.tensor([0, 3, 10]))
+        >>> torch.allclose(packed[:, :3], softmax_attention(q[:1, :3], k[:1, :3], v[:1, :3]), atol=1e-6)
+        True
     """
     B, T, H, K, V = check_qkv(q, k, v, allow_empty_k=True)   # K = 0: uniform weights, the math
     if window is not None and (not isinstance(window, int) or window < 1):
