@@ -4,65 +4,15 @@
 
 with the state S [K, V] per head, D_t = Diag(exp(g_t)) a decay (g a log-gate <= 0, one per head
 `[B, T, H]` or one per key channel `[B, T, H, K]`), a_t the write strength (beta, or EFLA's exact
-coefficient), k_t the write key and r_t the read key of the prediction S_{t-1}^T r_t. Two reads:
-
-* r = None: the delta rule's own, r_t = D_t k_t: the erase acts on the decayed state,
-  S_t = (I - a_t k_t k_t^T) D_t S_{t-1} + a_t k_t v_t^T (DeltaNet, Gated DeltaNet, EFLA, Kimi Delta
-  Attention with per-channel g);
-* r given: the prediction reads the undecayed S_{t-1} with its own key (Comba: r = p).
+coefficient), k_t the write key and r_t the read key (None: the delta rule's own, r_t = D_t k_t; Comba: r = p).
 
 A public operator of the family is a thin wrapper: it checks its own arguments, computes a (and r),
 and calls `prepare_delta` (every shared check, once, and the shared preprocessing) then
 `run_delta` (the PyTorch forms below, or the Triton kernels for the covered calls).
 
-Three forms that agree to floating-point precision:
-
-* `recurrent` - one token at a time, a constant-size state (decoding);
-* `chunk`     - the WY representation per chunk (UT transform: one unit lower-triangular solve per
-                chunk, batched over all chunks), then a sequential loop over chunks that only carries
-                the state (training);
-* `parallel`  - the closed form over the whole sequence (the chunk form with one chunk of T tokens).
-
-Chunk algebra. Inside a chunk, let G_t be the gate's cumulative sum from the chunk start (per head or
-per channel, so every exponent below is <= 0), Gr_t the log-decay the read key sees (G_t for r = None,
-G_{t-1} = G_t - g_t for a given r), rr_t = k_t or r_t accordingly, and u_t = a_t (v_t - S_{t-1}^T r_t)
-the "pseudo-values". The recurrence gives S_t = e^{G_t} S_0 + sum_{i<=t} (e^{G_t - G_i} k_i) u_i^T, hence
-
-    (I + A) U = diag(a) V - diag(a) R~ S_0,   A_ti = a_t sum_d rr_td e^{Gr_td - G_id} k_id  (i < t),
-    R~_t = e^{Gr_t} rr_t,  U = U~ - W~ S_0  with  [U~ | W~] = (I + A)^-1 [diag(a) V | diag(a) R~],
-    O = (Q e^G) S_0 + (Q K^T * Gam) U,   Gam_ti = sum_d e^{G_td - G_id} (i <= t, per channel inside the sum),
-    S_C = e^{G_C} S_0 + (K e^{G_C - G})^T U.
-
-U~ and W~ do not depend on S_0, so they are computed for all chunks at once; the Python loop over
-chunks only does U = U~ - W~ S and S <- e^{G_C} S + K_dec^T U (two batched matmuls per chunk). With a
-per-head gate the decayed products are matmuls times exp(G_t - G_i). With per-channel gates the chunk
-(at most CHANNEL_BLOCK tokens) is split into sub-blocks of CHANNEL_SUB tokens (`_channel_scores`): a pair
-inside one sub-block is formed explicitly over [c, c, K], and a query after sub-block I meets I's keys
-through one matmul, both sides rescaled to the log-decay R_I at I's last token:
-e^{G_t - G_i} = e^{G_t - R_I} e^{R_I - G_i}, each factor <= 1 (t after I, i in I). Every exponent is <= 0,
-nothing can overflow, and the [C, C, K] work per chunk drops to [c, c, K] + [C/c, C, K] (forward +
-backward 2-3x faster on a CPU, measured: docs/results.md 12d). Backward is autograd (with a written-out backward for the
-sub-block product, `_DecayedScores`): one state per chunk and O(T * chunk) intermediates, never a state per token.
-
-Numerics: key-norm rescaling, always, per token. The recurrence sees k only through a_t k_t (.)^T, so
-for any d_t > 0 it is unchanged by k~ = k / d, v~ = v / d, r~ = r / d, a~ = a d^2. We take
-d_t = max(||k_t||, 1), detached (the result does not depend on d, so its gradient is exactly zero and
-the gradients stay exact; this also keeps gradients finite at k = 0). Every key then has ||k~|| <= 1;
-for the delta rule's own read the eigenvalue of (I - a~ k~ k~^T) along k, 1 - a lambda, is carried by
-the bounded factor a~ ||k~||^2, and for EFLA (a lambda = 1 - exp(-beta lambda) in [0, 1)) keys of
-norm 1e3 next to keys of norm 1 give UT entries of size <= 1 where the raw keys give ~1e3: every UT
-quantity is independent of the key scale. The rule is the same for every backend and every call
-(no data-dependent branch: no host synchronisation, one graph under torch.compile, and an output
-never depends on later tokens through the choice). Measured in the first version: raw and rescaled
-forms are equally accurate (forward substitution's error is componentwise, blind to the diagonal
-similarity A~ = D^-1 A D); the rescaling is kept for its bounded intermediates.
-
-DeltaNet with unnormalised keys is unstable by nature when beta lambda > 2: the factor (I - beta k k^T)
-has the eigenvalue 1 - beta lambda < -1 along k and the state grows geometrically. All forms compute
-the same growing values (see the tests). Use qk_l2norm=True, or exact=True (EFLA), for a contractive update.
-
-State: a plain tensor `[N, H, K, V]` (flash-linear-attention's convention; N = B, or the number of
-sequences in cu_seqlens), fp32 (fp64 for fp64 inputs). It round-trips between modes and calls.
+The three forms, the chunk algebra (UT transform, per-channel sub-blocks), the numerics (key-norm rescaling,
+the unstable DeltaNet regime) and the state layout `[N, H, K, V]` are explained, with their history,
+on the delta rule page of the documentation: docs/delta_rule.md.
 """
 from __future__ import annotations
 
