@@ -33,7 +33,9 @@ def resolve(dotted: str):
     module, _, name = dotted.rpartition(".")
     try:
         return getattr(importlib.import_module(module), name)
-    except ModuleNotFoundError:          # a method: module.Class.method
+    except ModuleNotFoundError as e:     # a method: module.Class.method
+        if e.name != module:
+            raise
         return getattr(resolve(module), name)
 
 

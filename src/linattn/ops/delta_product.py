@@ -112,20 +112,56 @@ def delta_product(
     cu_seqlens: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(Gated) DeltaProduct. q `[B, T, H, K]`, k `[B, T, H, n, K]`, v `[B, T, H, n, V]`, beta `[B, T, H, n]`
-    (>= 0; up to 2 for negative eigenvalues) -> (o `[B, T, H, V]`, final state `[N, H, K, V]` or None).
-    Grouped value heads: v, beta, g and the state may have HV = m H heads (value head j reads q/k head j // m).
+    """(Gated) DeltaProduct: n delta-rule steps per token, a product of n Householder-like transitions.
 
     Per token: S <- Diag(exp(g_t)) S once, then for j = 1..n S <- (I - beta_{t,j} k_{t,j} k_{t,j}^T) S +
-    beta_{t,j} k_{t,j} v_{t,j}^T; o_t = scale * S^T q_t reads the state after the n-th step. g: a log-gate
-    (<= 0) `[B, T, H]` per head or `[B, T, H, K]` per key channel, or None (no decay). scale=None means
-    K**-0.5. qk_l2norm=True L2-normalises q and each of the n keys (inside the op, differentiably).
+    beta_{t,j} k_{t,j} v_{t,j}^T; o_t = scale * S^T q_t reads the state after the n-th step. beta up to 2
+    (with unit keys) gives the negative eigenvalues that state tracking needs (module docstring).
 
-    mode: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form). chunk_size counts
-    sub-steps (n per token), rounded down to a multiple of n (module docstring). The state `[N, H, K, V]`
-    (N = B, or the number of sequences in `cu_seqlens`, int64 `[N+1]` over the T tokens, B == 1) is fp32
-    (fp64 for fp64 inputs) and round-trips between modes, calls and `delta_rule`.
-    backend: "auto", "torch" or "triton" (see `delta_rule`).
+    Grouped value heads: v, beta, g and the state may have HV = m H heads (value head j reads q/k head j // m).
+
+    Args:
+        q: Queries `[B, T, H, K]`, any float dtype.
+        k: The n keys of each token `[B, T, H, n, K]`.
+        v: The n values of each token `[B, T, H, n, V]`.
+        beta: Step sizes `[B, T, H, n]`, >= 0 (up to 2 for negative eigenvalues).
+        g: A log-gate (<= 0) `[B, T, H]` per head or `[B, T, H, K]` per key channel, or None (no decay).
+        scale: The output scale; None means K**-0.5.
+        qk_l2norm: True L2-normalises q and each of the n keys (inside the op, differentiably).
+        mode: The form: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form).
+        chunk_size: Counts sub-steps (n per token), rounded down to a multiple of n (module docstring).
+        initial_state: The state to start from, `[N, H, K, V]` (also a `delta_rule` state), or None (zeros).
+        output_final_state: Also return the state after the last token.
+        cu_seqlens: int64 `[N+1]` offsets over the T tokens of N packed sequences (B == 1).
+        backend: "auto", "torch" or "triton" (see `delta_rule`).
+
+    Returns:
+        o: The output `[B, T, H, V]`, in the input dtype.
+        final_state: With output_final_state, the state `[N, H, K, V]` (N = B, or the number of sequences in
+            cu_seqlens), fp32 (fp64 for fp64 inputs), which round-trips between modes, calls and `delta_rule`;
+            otherwise None.
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from linattn import delta_product, delta_rule
+        >>> B, T, H, n, K, V = 1, 8, 2, 2, 8, 8
+        >>> q = torch.randn(B, T, H, K)
+        >>> k = F.normalize(torch.randn(B, T, H, n, K), dim=-1)
+        >>> v, beta = torch.randn(B, T, H, n, V), 2 * torch.rand(B, T, H, n)
+        >>> o, S = delta_product(q, k, v, beta, output_final_state=True)
+        >>> o.shape, S.shape
+        (torch.Size([1, 8, 2, 8]), torch.Size([1, 2, 8, 8]))
+
+        With n = 1 it is the delta rule:
+
+        >>> o1, _ = delta_product(q, k[:, :, :, :1], v[:, :, :, :1], beta[..., :1])
+        >>> o2, _ = delta_rule(q, k[:, :, :, 0], v[:, :, :, 0], beta[..., 0])
+        >>> torch.allclose(o1, o2, atol=1e-5)
+        True
     """
     prob, n = prepare_delta_product(q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm, mode=mode,
                                     chunk_size=chunk_size, initial_state=initial_state,

@@ -428,20 +428,56 @@ def mesa_net(
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[MesaState]]:
-    """MesaNet. q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]` (>= 0), g `[B, T, H]` (a
-    log-gate <= 0, or None), lam `[H, K]` (> 0) -> (o `[B, T, H, V]`, final `MesaState` or None).
+    """MesaNet: attention as the regularised least-squares fit of the values from the keys, at every token.
 
     H_t = exp(g_t) H_{t-1} + beta_t k_t k_t^T, G_t = exp(g_t) G_{t-1} + beta_t k_t v_t^T,
     o_t = scale * G_t^T (H_t + Diag(lam))^-1 q_t; scale=None means K**-0.5.
 
-    solver: "cg" (conjugate gradients, at most `max_iter` iterations per token, a token stops at a
-    relative residual `tol`; tol=None means 1e-6, or 1e-12 for fp64 inputs) or "exact" (a dense solve
-    per token). mode: "chunk" (training; the CG chunk form never forms a per-token K x K matrix),
-    "recurrent" (decoding), "parallel" (the chunk form with one chunk). The state `MesaState(kk [N, H, K, K],
-    kv [N, H, K, V])` is fp32 (fp64 for fp64 inputs) for every input dtype and round-trips between
-    modes and calls; N = B, or the number of sequences in `cu_seqlens` (int64 `[N+1]`, B == 1).
     Gradients: autograd ("exact"), implicit differentiation through the solve ("cg"); see the module
     docstring.
+
+    Args:
+        q: Queries `[B, T, H, K]`, any float dtype.
+        k: Keys `[B, T, H, K]`.
+        v: Values `[B, T, H, V]`.
+        beta: Write strengths `[B, T, H]`, >= 0.
+        g: A log-gate `[B, T, H]` (<= 0), or None (no decay).
+        lam: The ridge `[H, K]` (> 0) that keeps H_t + Diag(lam) positive definite.
+        solver: "cg" (conjugate gradients, at most `max_iter` iterations per token, a token stops at a
+            relative residual `tol`) or "exact" (a dense solve per token).
+        max_iter: CG's iteration cap per token.
+        tol: CG's relative residual; None means 1e-6, or 1e-12 for fp64 inputs.
+        scale: The query scale; None means K**-0.5.
+        mode: The form: "chunk" (training; the CG chunk form never forms a per-token K x K matrix),
+            "recurrent" (decoding), "parallel" (the chunk form with one chunk).
+        chunk_size: The chunk length of the chunk form, in tokens.
+        initial_state: A `MesaState` to start from, or None (zeros).
+        output_final_state: Also return the state after the last token.
+        cu_seqlens: int64 `[N+1]` offsets of N packed sequences (B == 1), each with its own state.
+
+    Returns:
+        o: The output `[B, T, H, V]`, in the input dtype.
+        final_state: With output_final_state, `MesaState(kk [N, H, K, K], kv [N, H, K, V])`, fp32 (fp64 for
+            fp64 inputs) for every input dtype, which round-trips between modes and calls (N = B, or the
+            number of sequences in cu_seqlens); otherwise None.
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from linattn import mesa_net
+        >>> B, T, H, K, V = 1, 10, 2, 8, 8
+        >>> q, k = torch.randn(B, T, H, K), F.normalize(torch.randn(B, T, H, K), dim=-1)
+        >>> v, beta, g = torch.randn(B, T, H, V), torch.rand(B, T, H), -torch.rand(B, T, H)
+        >>> lam = torch.ones(H, K)
+        >>> o, state = mesa_net(q, k, v, beta, g, lam, output_final_state=True)
+        >>> o.shape, state.kk.shape, state.kv.shape
+        (torch.Size([1, 10, 2, 8]), torch.Size([1, 2, 8, 8]), torch.Size([1, 2, 8, 8]))
+        >>> o_exact, _ = mesa_net(q, k, v, beta, g, lam, solver="exact")    # CG agrees to its tolerance
+        >>> torch.allclose(o, o_exact, atol=1e-4)
+        True
     """
     p = prepare_mesa_net(q, k, v, beta, g, lam, solver=solver, max_iter=max_iter, tol=tol, scale=scale,
                          mode=mode, chunk_size=chunk_size, initial_state=initial_state,
