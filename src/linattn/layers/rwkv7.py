@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ConfigError, LinattnError
+from ..ops.l2norm import l2norm
 from ..ops.rwkv7 import rwkv7
 from .cache import LayerCache
 from .common import RotaryEmbedding, ShortConv
@@ -40,6 +41,7 @@ from .packing import check_mixer_call, packed_positions
 
 _MIX = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 _W_SCALE = 0.6065306597126334   # exp(-1/2): fla's bound on -w, so exp(w) >= 0.545 per token
+KK_NORMS = ("normalize", "rsqrt")
 
 
 def _pos_int(name: str, v) -> int:
@@ -86,6 +88,8 @@ class RWKV7(nn.Module):
     chunk_size: the operator's chunk in training and prefill. short_conv / rope: not RWKV-7 (whose token shift
     plays the short conv's role), options for ablations: a causal depthwise conv (no activation) over r, k, v
     after their projections, and rotary positions on r and k (after the k update; kk is taken before).
+    kk_norm: the L2 normalisation of kk, "normalize" (torch's F.normalize, x / max(||x||, 1e-12), fla's layer with
+    fuse_norm=False; the default) or "rsqrt" (x * rsqrt(sum x^2 + 1e-6), fla's fused l2_norm: fuse_norm=True).
     The operator's scale is 1 (RWKV-7's): `scale` is that number.
     """
 
@@ -98,8 +102,12 @@ class RWKV7(nn.Module):
                  a_rank: int = 32, gate_rank: int = 64, value_rank: int = 16, norm_eps: float = 1e-5,
                  chunk_size: int = 64,
                  layer_idx: Optional[int] = None, n_layers: Optional[int] = None, rope: bool = False,
-                 rope_base: float = 10000.0, max_seq_len: int = 2048, short_conv: bool = False, conv_size: int = 4):
+                 rope_base: float = 10000.0, max_seq_len: int = 2048, short_conv: bool = False, conv_size: int = 4,
+                 kk_norm: str = "normalize"):
         super().__init__()
+        if kk_norm not in KK_NORMS:
+            raise ConfigError(f"RWKV7: kk_norm must be one of {KK_NORMS}, got {kk_norm!r}")
+        self.kk_norm = kk_norm
         d_model, n_heads = _pos_int("d_model", d_model), _pos_int("n_heads", n_heads)
         if head_dim is None:
             if d_model % n_heads:
@@ -165,15 +173,7 @@ class RWKV7(nn.Module):
         cu_seqlens = check_mixer_call("RWKV7", self.d_model, x, cache, cu_seqlens)
         Bsz, T, _ = x.shape
         H, Dh = self.n_heads, self.head_dim
-        prev = cache.get("shift") if cache is not None else None
-        prev = x.new_zeros(Bsz, 1, self.d_model) if prev is None else prev.unsqueeze(1).to(x.dtype)
-        shifted = torch.cat([prev, x[:, :-1]], dim=1)
-        if cu_seqlens is not None:  # a document's first token sees zeros, as if alone
-            first = packed_positions(cu_seqlens, T, x.device) == 0
-            shifted = shifted.masked_fill(first[None, :, None], 0.0)
-        if cache is not None:
-            cache["shift"] = x[:, -1].detach().clone()
-        dx = shifted - x
+        dx = _token_shift(x, cache, cu_seqlens)   # a document's first token sees zeros, as if alone
         xr, xw, xk, xv, xa, xg = (x + dx * getattr(self, name) for name in _MIX)
         r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
         if self._share is not None and self._first:
@@ -194,7 +194,8 @@ class RWKV7(nn.Module):
         w = -_W_SCALE * torch.sigmoid(self.w_lora(xw))
         a = torch.sigmoid(self.a_lora(xa))
         g = self.g_lora(xg)
-        kk = F.normalize((k * self.k_k).view(Bsz, T, H, Dh), dim=-1)
+        kk = (k * self.k_k).view(Bsz, T, H, Dh)
+        kk = F.normalize(kk, dim=-1) if self.kk_norm == "normalize" else l2norm(kk, "rsqrt")
         k = k * (1 + (a - 1) * self.k_a)
 
         def heads(t):
@@ -223,3 +224,46 @@ class RWKV7(nn.Module):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}, "
                 f"short_conv={self.short_conv}, rope={self.rope is not None}")
+
+
+def _token_shift(x: torch.Tensor, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+    """x_{t-1} - x_t (zero before a document's first token, or the cached last token of the previous call);
+    stores x's last token in cache["shift"]."""
+    Bsz, T, C = x.shape
+    prev = cache.get("shift") if cache is not None else None
+    prev = x.new_zeros(Bsz, 1, C) if prev is None else prev.unsqueeze(1).to(x.dtype)
+    shifted = torch.cat([prev, x[:, :-1]], dim=1)
+    if cu_seqlens is not None:
+        shifted = shifted.masked_fill((packed_positions(cu_seqlens, T, x.device) == 0)[None, :, None], 0.0)
+    if cache is not None:
+        cache["shift"] = x[:, -1].detach().clone()
+    return shifted - x
+
+
+class RWKV7ChannelMix(nn.Module):
+    """RWKV-7's channel mixing, its feed-forward block (`LMConfig.ffn="rwkv7"`; fla's RWKV7FeedForward):
+
+        out = value(relu(key(x + (x_{t-1} - x_t) * x_k))^2)
+
+    x `[B, T, d_model]` -> `[B, T, d_model]`; hidden: key's width (fla: 4 d_model rounded up to 32). Its token
+    shift looks one token back, so it takes a `LayerCache` ("shift": the last input token `[B, d_model]`) to
+    decode and cu_seqlens to keep packed documents apart, as a mixer does."""
+
+    def __init__(self, d_model: int, hidden: Optional[int] = None):
+        super().__init__()
+        d_model = _pos_int("d_model", d_model)
+        hidden = _pos_int("hidden", hidden) if hidden is not None else 32 * ((4 * d_model + 31) // 32)
+        self.d_model, self.hidden = d_model, hidden
+        # RWKV-7's init of the mix: 1 - (i / C)^r per channel (r = 1 here: no layer depth at hand)
+        self.x_k = nn.Parameter(1 - torch.arange(d_model, dtype=torch.float32) / d_model)
+        self.key = nn.Linear(d_model, hidden, bias=False)
+        self.value = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, *,
+                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        cu_seqlens = check_mixer_call("RWKV7ChannelMix", self.d_model, x, cache, cu_seqlens)
+        dx = _token_shift(x, cache, cu_seqlens)
+        return self.value(torch.relu(self.key(x + dx * self.x_k)).square())
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, hidden={self.hidden}"

@@ -12,7 +12,8 @@ from ..errors import ConfigError
 from ..ops.l2norm import L2NORM_CONVENTIONS
 from .registry import mixers
 
-FFNS = ("swiglu", "moe", "none")
+FFNS = ("swiglu", "moe", "none", "rwkv7")
+NORMS = ("rmsnorm", "layernorm")
 MOE_BIASES = ("none", "eq14", "eq15")
 RESIDUALS = ("prenorm", "hyperlink")
 LOBES = (None, "causal", "bidirectional")
@@ -72,7 +73,8 @@ class LMConfig(JsonConfig):
         max_seq_len: RoPE table size (extended on demand) and cosFormer's horizon.
         chunk_size: chunk length of the linear operators in training and prefill.
     FFN:
-        ffn: "swiglu" | "moe" | "none"; ffn_hidden (SwiGLU width, default 8/3 d rounded to 32).
+        ffn: "swiglu" | "moe" | "none" | "rwkv7" (RWKV-7's channel mixing, `layers.rwkv7.RWKV7ChannelMix`);
+            ffn_hidden (SwiGLU width, default 8/3 d rounded to 32; rwkv7: 4 d rounded to 32).
         n_experts, top_k, expert_hidden (default d_model, ELA's non-expanding experts),
         moe_bias: "none" | "eq14" (X = S_e f_e(X) + B_e) | "eq15" (X = S_e (f_e(X) + B_e)), with B_e
             the expert's label vector = its row of the router's weight (ELA section V-A);
@@ -87,6 +89,8 @@ class LMConfig(JsonConfig):
             t see later tokens; it needs allow_future_leak=True.
         lobe_feature_map, lobe_heads: the lobe's kernel and heads (ELA: hadamard_exp, 1).
     Head: tie_embeddings, final_norm, norm_eps, init_std.
+    Norms: norm: "rmsnorm" (default) or "layernorm" (with bias: RWKV-7's) for the blocks' and the final norm;
+        embed_norm: one more norm of that kind on the embeddings, in the first block (RWKV-7's ln0, fla's pre_norm).
     Conventions:
         n_value_heads: grouped value heads (Qwen3-Next, Mamba2 groups), HV = n * n_heads; None: n_heads. Passed
             to the mixers that support it (linear attention; DeltaNet, Gated DeltaNet, EFLA, KDA).
@@ -146,6 +150,10 @@ class LMConfig(JsonConfig):
     tie_embeddings: bool = field(default=True, metadata={"help": "share the input embedding with the output head"})
     final_norm: bool = field(default=True, metadata={"help": "RMSNorm before the output head"})
     norm_eps: float = field(default=1e-6, metadata={"help": "RMSNorm epsilon"})
+    norm: str = field(default="rmsnorm", metadata={
+        "help": "the blocks' and the final norm: rmsnorm, or layernorm (with bias; RWKV-7's)", "choices": NORMS})
+    embed_norm: bool = field(default=False, metadata={
+        "help": "a norm on the embeddings (in the first block; RWKV-7's ln0)"})
     init_std: float = field(default=0.02, metadata={
         "help": "std of the normal init (output projections scaled by 1/sqrt(2 n_layers))"})
     n_value_heads: Optional[int] = field(default=None, metadata={
@@ -244,6 +252,8 @@ class LMConfig(JsonConfig):
             raise ConfigError(f"LMConfig.moe_bias must be one of {MOE_BIASES}, got {self.moe_bias!r}")
         if self.moe_bias != "none" and self.ffn != "moe":
             raise ConfigError(f"LMConfig.moe_bias={self.moe_bias!r} needs ffn='moe', got ffn={self.ffn!r}")
+        if self.norm not in NORMS:
+            raise ConfigError(f"LMConfig.norm must be one of {NORMS}, got {self.norm!r}")
         if self.residual not in RESIDUALS:
             raise ConfigError(f"LMConfig.residual must be one of {RESIDUALS}, got {self.residual!r}")
         if self.memory_lobe not in LOBES:
@@ -276,7 +286,7 @@ class LMConfig(JsonConfig):
         if self.l2norm_convention not in L2NORM_CONVENTIONS:
             raise ConfigError(f"LMConfig.l2norm_convention must be one of {L2NORM_CONVENTIONS}, "
                               f"got {self.l2norm_convention!r}")
-        for name in ("hyperlink_ffn_skip", "allow_future_leak", "tie_embeddings", "final_norm"):
+        for name in ("hyperlink_ffn_skip", "allow_future_leak", "tie_embeddings", "final_norm", "embed_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"LMConfig.{name} must be true or false, got {getattr(self, name)!r}")
 

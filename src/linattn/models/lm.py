@@ -29,6 +29,7 @@ from ..errors import LinattnError, LinattnTypeError
 from ..layers import Cache, RMSNorm, SwiGLU, check_cu_seqlens
 from ..layers.base import hooked
 from ..layers.common import FusedParams
+from ..layers.rwkv7 import RWKV7ChannelMix
 from ..ops._common import check_values
 from .config import LMConfig
 from .family import CausalLM, register_family
@@ -79,6 +80,13 @@ def mixer_kwargs(config: LMConfig, name: str, layer_idx: int) -> dict:
     return mixer_config_kwargs(name, config, layer_idx)
 
 
+def make_norm(config: LMConfig) -> nn.Module:
+    """The norm `config.norm` names over d_model: RMSNorm, or LayerNorm with a bias (RWKV-7's)."""
+    if config.norm == "layernorm":
+        return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+    return RMSNorm(config.d_model, eps=config.norm_eps)
+
+
 class Block(nn.Module):
     """One layer: mixer, FFN (SwiGLU / MoE / none) and an optional memory lobe."""
 
@@ -92,16 +100,20 @@ class Block(nn.Module):
         self.mixer = build_mixer(self.mixer_name, c.d_model, c.n_heads, **mixer_kwargs(c, self.mixer_name, layer_idx))
         params = inspect.signature(self.mixer.forward).parameters
         self.mixer_packs = "cu_seqlens" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-        self.norm1 = RMSNorm(c.d_model, eps=c.norm_eps)
+        self.norm1 = make_norm(c)
+        # RWKV-7's norm of the embeddings (its ln0), kept in the first block as fla does
+        self.pre_norm = make_norm(c) if c.embed_norm and layer_idx == 0 else None
         out_std = c.init_std / math.sqrt(2 * c.n_layers)
         if c.ffn == "swiglu":
             self.ffn = SwiGLU(c.d_model, c.ffn_hidden)
         elif c.ffn == "moe":
             self.ffn = MoE(c.d_model, c.n_experts, c.top_k, c.expert_hidden, bias=c.moe_bias,
                            aux_loss_coef=c.aux_loss_coef, init_std=c.init_std, out_std=out_std)
+        elif c.ffn == "rwkv7":
+            self.ffn = RWKV7ChannelMix(c.d_model, c.ffn_hidden)
         else:
             self.ffn = None
-        self.norm2 = RMSNorm(c.d_model, eps=c.norm_eps) if (c.residual == "prenorm" and self.ffn is not None) else None
+        self.norm2 = make_norm(c) if (c.residual == "prenorm" and self.ffn is not None) else None
         self.lobe = (MemoryLobe(c.d_model, c.memory_lobe, c.lobe_heads, c.lobe_feature_map, chunk_size=c.chunk_size)
                      if c.memory_lobe else None)
 
@@ -109,11 +121,14 @@ class Block(nn.Module):
     def causal(self) -> bool:
         return getattr(self.mixer, "causal", True) and (self.lobe is None or self.lobe.causal)
 
-    def _ffn(self, h: torch.Tensor):
+    def _ffn(self, h: torch.Tensor, cache: Optional[Cache] = None, cu_seqlens: Optional[torch.Tensor] = None):
         if self.ffn is None:
             return h, None
         if isinstance(self.ffn, MoE):
             return self.ffn(h)
+        if isinstance(self.ffn, RWKV7ChannelMix):   # its token shift keeps a state and sees document starts
+            return self.ffn(h, cache.layer(self.layer_idx, "ffn") if cache is not None else None,
+                            cu_seqlens=cu_seqlens), None
         return self.ffn(h), None
 
     def _fast_parts(self, x: torch.Tensor):
@@ -139,7 +154,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: Optional[Cache] = None, cu_seqlens: Optional[torch.Tensor] = None):
         """x `[B, T, d]` -> (out `[B, T, d]`, aux loss or None). cu_seqlens (packed documents) goes
-        to the mixer and the memory lobe; the FFN / MoE works per token."""
+        to the mixer and the memory lobe; the FFN / MoE works per token (RWKV-7's channel mix sees them too)."""
+        if self.pre_norm is not None:
+            x = self.pre_norm(x)
         mc = cache.layer(self.layer_idx, "mixer") if cache is not None else None
         if mc is not None and x.shape[1] == 1 and cu_seqlens is None and not torch.is_grad_enabled():
             parts = self._fast_parts(x)
@@ -161,10 +178,10 @@ class Block(nn.Module):
             if self.ffn is None:
                 f, aux, out = a, None, h
             else:
-                f, aux = self._ffn(self.norm2(h))
+                f, aux = self._ffn(self.norm2(h), cache, cu_seqlens)
                 out = h + f
         else:
-            f, aux = self._ffn(a)
+            f, aux = self._ffn(a, cache, cu_seqlens)
             if self.hyperlink_ffn_skip and self.ffn is not None:
                 f = f + a
             out = x + f
@@ -217,7 +234,7 @@ class LanguageModel(nn.Module, CausalLM):
         for block in self.blocks:
             if hasattr(block.mixer, "link_layers"):
                 shared = block.mixer.link_layers(shared)
-        self.norm = RMSNorm(config.d_model, eps=config.norm_eps) if config.final_norm else None
+        self.norm = make_norm(config) if config.final_norm else None
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         init_lm_weights(self, config.init_std, config.n_layers)
 
