@@ -540,15 +540,51 @@ def ttt(
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[TTTState]]:
-    """TTT-Linear / TTT-MLP. q, k `[B, T, H, K]`, v `[B, T, H, V]`, eta `[B, T, H]` (>= 0, the inner
-    learning rate per token) -> (o `[B, T, H, V]`, final `TTTState` or None).
+    """TTT-Linear / TTT-MLP: a small inner model trained online on (k_t, v_t), read with the query.
 
     Mini-batch gradient descent on l = 1/2 ||[k +] LN(m(k; W)) - v||^2, every gradient of a mini-batch
-    taken at its start weights; o_t = [scale q_t +] LN(m(scale q_t; W_t)) (module docstring). inner:
-    "linear" (m = x W + b) or "mlp" (m = gelu(x W1 + b1) W2 + b2). initial_state: a `TTTState`, or the
-    initial weights `(W, b)` / `(W1, b1, W2, b2)` as `[H, ...]` or `[N, H, ...]` (None: zeros, linear only).
-    ln_weight, ln_bias `[H, V]` (None: 1, 0). mode: "chunk" (the dual form, training) or "recurrent"
-    (token by token, decoding); both continue a mini-batch a previous call ended inside.
+    taken at its start weights; o_t = [scale q_t +] LN(m(scale q_t; W_t)) (module docstring).
+
+    Args:
+        q: Queries `[B, T, H, K]`, any float dtype.
+        k: Keys `[B, T, H, K]`.
+        v: Values `[B, T, H, V]` (residual=True needs K == V).
+        eta: The inner learning rate per token `[B, T, H]`, >= 0.
+        inner: "linear" (m = x W + b) or "mlp" (m = gelu(x W1 + b1) W2 + b2).
+        mini_batch: Tokens per mini-batch (every gradient of a mini-batch is taken at its start weights);
+            1 is plain online gradient descent.
+        ln_weight: The inner LayerNorm's weight `[H, V]` (an outer parameter; None: 1).
+        ln_bias: The inner LayerNorm's bias `[H, V]` (None: 0).
+        residual: f(x) = x + LN(m(x; W)) (the TTT paper's form); False: LN(m(x; W)).
+        scale: The query scale; None means K**-0.5.
+        eps: The inner LayerNorm's epsilon.
+        mode: "chunk" (the dual form, training) or "recurrent" (token by token, decoding); both continue a
+            mini-batch a previous call ended inside. There is no "parallel" form.
+        initial_state (TTTState | tuple | None): A `TTTState`, or the initial weights `(W, b)` /
+            `(W1, b1, W2, b2)` as `[H, ...]` or `[N, H, ...]` (None: zeros, linear only).
+        output_final_state: Also return the state after the last token.
+        cu_seqlens: int64 `[N+1]` offsets of N packed sequences (B == 1), each with its own state.
+
+    Returns:
+        o: The output `[B, T, H, V]`, in the input dtype.
+        final_state: With output_final_state, a `TTTState` (tensors `[N, H, ...]`, fp32, fp64 for fp64
+            inputs); otherwise None.
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn import ttt
+        >>> B, T, H, K = 1, 20, 2, 8
+        >>> q, k, v = torch.randn(3, B, T, H, K).unbind(0)
+        >>> eta = torch.full((B, T, H), 0.1)
+        >>> o, state = ttt(q, k, v, eta, mini_batch=8, output_final_state=True)
+        >>> o.shape, state.position       # 20 = 2 * 8 + 4: 4 tokens into the third mini-batch
+        (torch.Size([1, 20, 2, 8]), (4,))
+        >>> o_rec, _ = ttt(q, k, v, eta, mini_batch=8, mode="recurrent")
+        >>> torch.allclose(o, o_rec, atol=1e-5)
+        True
     """
     p = prepare_ttt(q, k, v, eta, inner=inner, mini_batch=mini_batch, ln_weight=ln_weight, ln_bias=ln_bias,
                     residual=residual, scale=scale, eps=eps, mode=mode, initial_state=initial_state,
@@ -571,13 +607,60 @@ def titans(
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[TTTState]]:
-    """Titans' neural memory: TTT with momentum and weight decay. theta (learning rate, >= 0), alpha
-    (weight decay, in [0, 1]) and eta (momentum, in [0, 1]), all `[B, T, H]`:
+    """Titans' neural memory: TTT with momentum and weight decay.
+
+    theta (learning rate, >= 0), alpha (weight decay, in [0, 1]) and eta (momentum, in [0, 1]), all `[B, T, H]`:
 
         S_t = eta_t S_{t-1} - theta_t grad l(W_0; k_t, v_t),   W_t = (1 - alpha_t) W_{t-1} + S_t,
 
     W_0 the weights at the start of the token's mini-batch; everything else as `ttt` (the state also
     carries S). alpha = eta = 0 gives ttt with eta = theta.
+
+    Args:
+        q: Queries `[B, T, H, K]`, any float dtype.
+        k: Keys `[B, T, H, K]`.
+        v: Values `[B, T, H, V]` (residual=True needs K == V).
+        theta: The learning rate per token `[B, T, H]`, >= 0.
+        alpha: The weight decay per token `[B, T, H]`, in [0, 1].
+        eta: The momentum per token `[B, T, H]`, in [0, 1].
+        inner: "linear" or "mlp", as `ttt`.
+        mini_batch: Tokens per mini-batch, as `ttt`.
+        ln_weight: The inner LayerNorm's weight `[H, V]` (None: 1).
+        ln_bias: The inner LayerNorm's bias `[H, V]` (None: 0).
+        residual: f(x) = x + LN(m(x; W)); False: LN(m(x; W)).
+        scale: The query scale; None means K**-0.5.
+        eps: The inner LayerNorm's epsilon.
+        mode: "chunk" (training) or "recurrent" (decoding).
+        initial_state (TTTState | tuple | None): A `TTTState` (with the momentum), or the initial weights
+            as `ttt`'s; None: zeros (linear only).
+        output_final_state: Also return the state after the last token.
+        cu_seqlens: int64 `[N+1]` offsets of N packed sequences (B == 1), each with its own state.
+
+    Returns:
+        o: The output `[B, T, H, V]`, in the input dtype.
+        final_state: With output_final_state, a `TTTState` whose `momentum` holds S; otherwise None.
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn import titans, ttt
+        >>> B, T, H, K = 1, 12, 2, 8
+        >>> q, k, v = torch.randn(3, B, T, H, K).unbind(0)
+        >>> theta = torch.full((B, T, H), 0.1)
+        >>> alpha, eta = torch.full((B, T, H), 0.01), torch.full((B, T, H), 0.9)
+        >>> o, state = titans(q, k, v, theta, alpha, eta, mini_batch=4, output_final_state=True)
+        >>> o.shape, state.momentum is not None
+        (torch.Size([1, 12, 2, 8]), True)
+
+        Without weight decay and momentum it is `ttt`:
+
+        >>> zero = torch.zeros(B, T, H)
+        >>> o1, _ = titans(q, k, v, theta, zero, zero, mini_batch=4)
+        >>> o2, _ = ttt(q, k, v, theta, mini_batch=4)
+        >>> torch.allclose(o1, o2, atol=1e-5)
+        True
     """
     p = prepare_ttt(q, k, v, theta, alpha, eta, inner=inner, mini_batch=mini_batch, ln_weight=ln_weight,
                     ln_bias=ln_bias, residual=residual, scale=scale, eps=eps, mode=mode,
