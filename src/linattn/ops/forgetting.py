@@ -153,13 +153,49 @@ def forgetting_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: O
                          window: Optional[int] = None, scale: Optional[float] = None, mode: str = "chunk",
                          block_size: int = 64, cu_seqlens: Optional[torch.Tensor] = None,
                          output_final_state: bool = False):
-    """Forgetting attention (module docstring). q, k `[B, T, H, K]`, v `[B, T, H, V]`, g `[B, T, H]`
-    log forget gates (<= 0, finite) or None -> o `[B, T, H, V]` in the input dtype.
+    """Forgetting attention (FoX): softmax attention with a data-dependent forget gate (module docstring).
 
-    window: keys with i - j < window only (None: all earlier keys). scale: None means K**-0.5.
-    mode: "parallel" | "chunk" | "recurrent". block_size: the chunk form's block length.
-    cu_seqlens: int64 `[N+1]` offsets of packed sequences (B must be 1); G restarts at every start.
-    output_final_state: also return a `ForgettingAttentionState` for `forgetting_attention_step`.
+    s_ij = scale q_i . k_j + G_i - G_j over the keys j <= i (and i - j < window), G_t = sum_{s<=t} g_s,
+    o_i = sum_j softmax_j(s_ij) v_j. g=None is plain causal softmax attention.
+
+    Args:
+        q: Queries `[B, T, H, K]`, any float dtype.
+        k: Keys `[B, T, H, K]`.
+        v: Values `[B, T, H, V]`.
+        g: Log forget gates `[B, T, H]` (<= 0, finite), or None.
+        window: Keys with i - j < window only (None: all earlier keys).
+        scale: The score scale; None means K**-0.5.
+        mode: "parallel" (explicit T x T scores, the reference) | "chunk" (blockwise online softmax, memory
+            O(T * block)) | "recurrent" (a KV cache, token by token); they agree to floating-point precision.
+        block_size: The chunk form's block length.
+        cu_seqlens: int64 `[N+1]` offsets of packed sequences (B must be 1); G restarts at every start.
+        output_final_state: Also return a `ForgettingAttentionState` for `forgetting_attention_step`.
+
+    Returns:
+        o (torch.Tensor): The output `[B, T, H, V]` in the input dtype; returned alone unless
+            output_final_state.
+        final_state (ForgettingAttentionState): With output_final_state, the decoding state; the call then
+            returns the pair (o, final_state).
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn import forgetting_attention, forgetting_attention_step
+        >>> B, T, H, K = 1, 9, 2, 8
+        >>> q, k, v = torch.randn(3, B, T, H, K).unbind(0)
+        >>> g = torch.nn.functional.logsigmoid(torch.randn(B, T, H))
+        >>> o = forgetting_attention(q, k, v, g)
+        >>> o.shape
+        torch.Size([1, 9, 2, 8])
+
+        Prefill the first tokens, then decode the last one from the state:
+
+        >>> o8, state = forgetting_attention(q[:, :8], k[:, :8], v[:, :8], g[:, :8], output_final_state=True)
+        >>> o9, state = forgetting_attention_step(q[:, 8:], k[:, 8:], v[:, 8:], g[:, 8:], state)
+        >>> torch.allclose(o9, o[:, 8:], atol=1e-5)
+        True
     """
     result = _run(_prepare(q, k, v, g, window, scale, mode, block_size, cu_seqlens, output_final_state))
     return check_finite_output(result, "forgetting_attention", q=q, k=k, v=v)
@@ -183,11 +219,42 @@ def _check_state(state, B, H, K, V, with_gate: bool, device) -> None:
 def forgetting_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
                               state: Optional[ForgettingAttentionState] = None, *, window: Optional[int] = None,
                               scale: Optional[float] = None):
-    """Decode new tokens q, k `[B, T, H, K]`, v `[B, T, H, V]`, g `[B, T, H]` (usually T = 1) after the
-    tokens summarised in `state` (None: an empty cache) -> (o `[B, T, H, V]`, new state).
+    """Decode new tokens (usually one) after the tokens summarised in `state`.
 
     Each token appends its key, value and cumulative gate G_t = G_{t-1} + g_t to the cache, then
     attends every cached key j with scale q_t . k_j + G_t - G_j.
+
+    Args:
+        q: Queries `[B, T, H, K]` (usually T = 1).
+        k: Keys `[B, T, H, K]`.
+        v: Values `[B, T, H, V]`.
+        g: Log forget gates `[B, T, H]` (<= 0), or None; a gated state needs g at every step.
+        state: The state from `forgetting_attention(..., output_final_state=True)` or a previous step; None:
+            an empty cache.
+        window: Keys with i - j < window only (None: all earlier keys); with a window only the last
+            window - 1 tokens are kept.
+        scale: The score scale; None means K**-0.5.
+
+    Returns:
+        o (torch.Tensor): The output `[B, T, H, V]`, in the input dtype.
+        state (ForgettingAttentionState): The new state (the cache with the new tokens appended).
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value, or a state that does not match the call.
+        LinattnTypeError: state is not a `ForgettingAttentionState`.
+
+    Examples:
+        >>> import torch
+        >>> from linattn import forgetting_attention, forgetting_attention_step
+        >>> q, k, v = torch.randn(3, 1, 5, 2, 8).unbind(0)
+        >>> g = -torch.rand(1, 5, 2)
+        >>> state, outs = None, []
+        >>> for t in range(5):                              # token by token from an empty cache
+        ...     s = slice(t, t + 1)
+        ...     o_t, state = forgetting_attention_step(q[:, s], k[:, s], v[:, s], g[:, s], state)
+        ...     outs.append(o_t)
+        >>> torch.allclose(torch.cat(outs, 1), forgetting_attention(q, k, v, g), atol=1e-5)
+        True
     """
     B, T, H, K, V = check_qkv(q, k, v)
     window = check_window(window)
