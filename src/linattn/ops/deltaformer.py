@@ -253,13 +253,45 @@ def _run(p: _Problem):
 def deltaformer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *,
                 stage1_query: str = "k", scale: Optional[float] = None, mode: str = "chunk", block_size: int = 64,
                 cu_seqlens: Optional[torch.Tensor] = None, output_final_state: bool = False):
-    """DeltaFormer (module docstring). q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]` (>= 0)
-    -> o `[B, T, H, V]` in the input dtype.
+    """DeltaFormer: softmax attention over pseudo-values written by a delta rule (module docstring).
 
-    stage1_query: "k" (the seed's form) or "q". scale: None means K**-0.5 (both stages).
-    mode: "parallel" | "chunk" | "recurrent". block_size: the chunk form's block length.
-    cu_seqlens: int64 `[N+1]` offsets of packed sequences (B must be 1).
-    output_final_state: also return a `DeltaFormerState` (k, u) for `deltaformer_step`.
+    Stage one computes u_t = v_t - beta_t softmax(scale r_t . k_<t) u_<t (r = k or q); stage two attends
+    o_t = softmax(scale q_t . k_<=t) u_<=t.
+
+    Args:
+        q: Queries `[B, T, H, K]`, any float dtype.
+        k: Keys `[B, T, H, K]`.
+        v: Values `[B, T, H, V]`.
+        beta: Write strengths `[B, T, H]`, >= 0.
+        stage1_query: "k" (the seed's form) or "q": what stage one reads the cache with.
+        scale: None means K**-0.5 (both stages).
+        mode: "parallel" | "chunk" | "recurrent"; they agree to floating-point precision.
+        block_size: The chunk form's block length.
+        cu_seqlens: int64 `[N+1]` offsets of packed sequences (B must be 1).
+        output_final_state: Also return a `DeltaFormerState` (k, u) for `deltaformer_step`.
+
+    Returns:
+        o (torch.Tensor): The output `[B, T, H, V]` in the input dtype; returned alone unless
+            output_final_state.
+        final_state (DeltaFormerState): With output_final_state, the cached keys and pseudo-values; the call
+            then returns the pair (o, final_state).
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn import deltaformer, deltaformer_step
+        >>> B, T, H, K = 1, 7, 2, 8
+        >>> q, k, v = torch.randn(3, B, T, H, K).unbind(0)
+        >>> beta = torch.rand(B, T, H)
+        >>> o = deltaformer(q, k, v, beta)
+        >>> o.shape
+        torch.Size([1, 7, 2, 8])
+        >>> o6, state = deltaformer(q[:, :6], k[:, :6], v[:, :6], beta[:, :6], output_final_state=True)
+        >>> o7, state = deltaformer_step(q[:, 6:], k[:, 6:], v[:, 6:], beta[:, 6:], state)
+        >>> torch.allclose(o7, o[:, 6:], atol=1e-5)
+        True
     """
     return check_finite_output(_run(_prepare(q, k, v, beta, stage1_query, scale, mode, block_size, cu_seqlens,
                                              output_final_state)), "deltaformer", q=q, k=k, v=v)
@@ -268,11 +300,40 @@ def deltaformer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.T
 def deltaformer_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                      state: Optional[DeltaFormerState] = None, *, stage1_query: str = "k",
                      scale: Optional[float] = None):
-    """Decode new tokens (q, k `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]`, usually T = 1) after
-    those summarised in `state` (None: empty) -> (o `[B, T, H, V]`, new state).
+    """Decode new tokens (usually one) after those summarised in `state`.
 
     Per token: u_t = v_t - beta_t softmax(scale r_t . k_<t) u_<t from the cache, append (k_t, u_t),
     then o_t = softmax(scale q_t . k_<=t) u_<=t.
+
+    Args:
+        q: Queries `[B, T, H, K]` (usually T = 1).
+        k: Keys `[B, T, H, K]`.
+        v: Values `[B, T, H, V]`.
+        beta: Write strengths `[B, T, H]`, >= 0.
+        state: The state from `deltaformer(..., output_final_state=True)` or a previous step; None: empty.
+        stage1_query: "k" or "q", as in `deltaformer` (the same as the prefill's).
+        scale: None means K**-0.5.
+
+    Returns:
+        o (torch.Tensor): The output `[B, T, H, V]`, in the input dtype.
+        state (DeltaFormerState): The new state.
+
+    Raises:
+        LinattnError: An argument of the wrong shape or value, or a state that does not match the call.
+        LinattnTypeError: state is not a `DeltaFormerState`.
+
+    Examples:
+        >>> import torch
+        >>> from linattn import deltaformer, deltaformer_step
+        >>> q, k, v = torch.randn(3, 1, 4, 2, 8).unbind(0)
+        >>> beta = torch.rand(1, 4, 2)
+        >>> state, outs = None, []
+        >>> for t in range(4):
+        ...     s = slice(t, t + 1)
+        ...     o_t, state = deltaformer_step(q[:, s], k[:, s], v[:, s], beta[:, s], state)
+        ...     outs.append(o_t)
+        >>> torch.allclose(torch.cat(outs, 1), deltaformer(q, k, v, beta), atol=1e-5)
+        True
     """
     B, T, H, K, V = check_qkv(q, k, v)
     _check_stage1_query(stage1_query)

@@ -395,12 +395,47 @@ def _run(p: _Problem):
 def path_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, *,
                    g: Optional[torch.Tensor] = None, scale: Optional[float] = None, mode: str = "chunk",
                    block_size: int = 64, cu_seqlens: Optional[torch.Tensor] = None, output_final_state: bool = False):
-    """PaTH attention (module docstring). q, k, w `[B, T, H, K]`, v `[B, T, H, V]`, beta `[B, T, H]`
-    (>= 0), g `[B, T, H]` log forget gates (<= 0) or None -> o `[B, T, H, V]` in the input dtype.
+    """PaTH attention: position encoding by accumulated Householder-like transforms (module docstring).
 
-    scale: None means K**-0.5. mode: "parallel" | "chunk" | "recurrent". block_size: the chunk form's
-    block length. cu_seqlens: int64 `[N+1]` offsets of packed sequences (B must be 1).
-    output_final_state: also return a `PaTHState` for `path_attention_step`.
+    A_ij = q_i^T R_ij k_j with R_ij = H_i H_{i-1} ... H_{j+1}, H_s = I - beta_s w_s w_s^T, and
+    o_i = sum_{j <= i} softmax_j(scale A_ij + G_i - G_j) v_j, G = cumsum(g) (g=None: no gate).
+
+    Args:
+        q: Queries `[B, T, H, K]`, any float dtype.
+        k: Keys `[B, T, H, K]`.
+        v: Values `[B, T, H, V]`.
+        w: The Householder directions `[B, T, H, K]` (the layer gives ||w|| = 1).
+        beta: Their strengths `[B, T, H]`, >= 0 (the layer gives (0, 2)).
+        g: Log forget gates `[B, T, H]` (<= 0), FoX's, or None.
+        scale: None means K**-0.5.
+        mode: "parallel" | "chunk" | "recurrent"; they agree to floating-point precision.
+        block_size: The chunk form's block length.
+        cu_seqlens: int64 `[N+1]` offsets of packed sequences (B must be 1).
+        output_final_state: Also return a `PaTHState` for `path_attention_step`.
+
+    Returns:
+        o (torch.Tensor): The output `[B, T, H, V]` in the input dtype; returned alone unless
+            output_final_state.
+        final_state (PaTHState): With output_final_state, the decoding state; the call then returns the pair
+            (o, final_state).
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from linattn import path_attention, path_attention_step
+        >>> B, T, H, K = 1, 7, 2, 8
+        >>> q, k, v = torch.randn(3, B, T, H, K).unbind(0)
+        >>> w, beta = F.normalize(torch.randn(B, T, H, K), dim=-1), 2 * torch.rand(B, T, H)
+        >>> o = path_attention(q, k, v, w, beta)
+        >>> o.shape
+        torch.Size([1, 7, 2, 8])
+        >>> o6, state = path_attention(q[:, :6], k[:, :6], v[:, :6], w[:, :6], beta[:, :6], output_final_state=True)
+        >>> o7, state = path_attention_step(q[:, 6:], k[:, 6:], v[:, 6:], w[:, 6:], beta[:, 6:], state)
+        >>> torch.allclose(o7, o[:, 6:], atol=1e-5)
+        True
     """
     result = _run(_prepare(q, k, v, w, beta, g, scale, mode, block_size, cu_seqlens, output_final_state))
     return check_finite_output(result, "path_attention", q=q, k=k, v=v, w=w)
@@ -409,11 +444,42 @@ def path_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.T
 def path_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, beta: torch.Tensor,
                         state: Optional[PaTHState] = None, *, g: Optional[torch.Tensor] = None,
                         scale: Optional[float] = None):
-    """Decode new tokens (q, k, w `[B, T, H, K]`, v `[B, T, H, V]`, beta and g `[B, T, H]`, usually
-    T = 1) after those summarised in `state` (None: empty) -> (o `[B, T, H, V]`, new state).
+    """Decode new tokens (usually one) after those summarised in `state`.
 
     Per token t: every cached key k~_j <- k~_j - beta_t (k~_j . w_t) w_t, append k_t, v_t (and
     G_t = G_{t-1} + g_t), then o_t = softmax_j(scale q_t . k~_j + G_t - G_j) v_j.
+
+    Args:
+        q: Queries `[B, T, H, K]` (usually T = 1).
+        k: Keys `[B, T, H, K]`.
+        v: Values `[B, T, H, V]`.
+        w: The Householder directions `[B, T, H, K]`.
+        beta: Their strengths `[B, T, H]`, >= 0.
+        state: The state from `path_attention(..., output_final_state=True)` or a previous step; None: empty.
+        g: Log forget gates `[B, T, H]` (<= 0), or None; a gated state needs g at every step.
+        scale: None means K**-0.5.
+
+    Returns:
+        o (torch.Tensor): The output `[B, T, H, V]`, in the input dtype.
+        state (PaTHState): The new state.
+
+    Raises:
+        LinattnError: An argument of the wrong shape or value, or a state that does not match the call.
+        LinattnTypeError: state is not a `PaTHState`.
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from linattn import path_attention, path_attention_step
+        >>> q, k, v = torch.randn(3, 1, 4, 2, 8).unbind(0)
+        >>> w, beta, g = F.normalize(torch.randn(1, 4, 2, 8), dim=-1), torch.rand(1, 4, 2), -torch.rand(1, 4, 2)
+        >>> state, outs = None, []
+        >>> for t in range(4):
+        ...     s = slice(t, t + 1)
+        ...     o_t, state = path_attention_step(q[:, s], k[:, s], v[:, s], w[:, s], beta[:, s], state, g=g[:, s])
+        ...     outs.append(o_t)
+        >>> torch.allclose(torch.cat(outs, 1), path_attention(q, k, v, w, beta, g=g), atol=1e-5)
+        True
     """
     B, T, H, K, V = check_qkv(q, k, v)
     _check_w_beta_g(q, w, beta, g, B, T, H)
