@@ -7,6 +7,7 @@
     AutoModelForCausalLM.from_pretrained("hf_dir").generate(ids, max_new_tokens=20, num_beams=2)
     linattn.hf.export_hf("runs/efla", "hf_dir")    # a training checkpoint + its tokenizer -> HF folder
     linattn.hf.import_hf("hf_dir", "runs/back")    # and back (a weights-only linattn checkpoint)
+    linattn.hf.import_fla("fla_dir", "runs/gla")   # a flash-linear-attention model folder -> a linattn checkpoint
 
 `import linattn` never imports this package (nor transformers): only `import linattn.hf` does.
 Tested with transformers 5.23 (the `hf` extra pins `transformers>=5.23,<6`).
@@ -17,6 +18,7 @@ The modules:
                                LinattnModel (the stack, no head), LinattnForSequenceClassification
     convert.py                 export_hf / import_hf, the tokenizer as a transformers tokenizer
     remote.py                  the trust_remote_code modules written by save_pretrained
+    fla/                       import_fla: flash-linear-attention model folders (one module per model type)
 """
 import importlib.util
 
@@ -32,6 +34,7 @@ from transformers import (  # noqa: E402
 
 from .configuration_linattn import LinattnConfig  # noqa: E402
 from .convert import export_hf, hf_tokenizer, import_hf  # noqa: E402
+from .fla import import_fla  # noqa: E402
 from .kernelize import KernelizeReport, kernelize  # noqa: E402, F401
 from .modeling_linattn import (  # noqa: E402
     LinattnForCausalLM,
@@ -46,4 +49,4 @@ AutoModelForCausalLM.register(LinattnConfig, LinattnForCausalLM, exist_ok=True)
 AutoModelForSequenceClassification.register(LinattnConfig, LinattnForSequenceClassification, exist_ok=True)
 
 __all__ = ["LinattnConfig", "LinattnForCausalLM", "LinattnForSequenceClassification", "LinattnModel",
-           "LinattnPreTrainedModel", "export_hf", "import_hf", "hf_tokenizer"]
+           "LinattnPreTrainedModel", "export_hf", "import_hf", "import_fla", "hf_tokenizer"]

@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import LinattnError
 from ..ops import softmax_attention
 from .base import AttentionBase
 from .cache import KVCache, LayerCache
+from .common import RMSNorm, ShortConv
+from .packing import packed_positions
 
 
 class SoftmaxAttention(AttentionBase):
@@ -19,23 +22,78 @@ class SoftmaxAttention(AttentionBase):
     Args (besides `AttentionBase`'s): window (keys with i - j < window only; None = full),
     scale (None, the default, means head_dim**-0.5), kv_chunk (the KV cache grows by this many
     tokens at a time). rope defaults to True, output_norm to False. With `cu_seqlens` the
-    attention is block-diagonal causal: no token attends to another document.
+    attention is block-diagonal causal: no token attends to another document. heads, n_kv_heads
+    (GQA) and qk_norm: see `__init__` (defaults keep the plain layer).
     """
 
     config_fields = AttentionBase.config_fields + ("window",)
 
     def __init__(self, d_model: int, n_heads: int, *, window: Optional[int] = None, scale: Optional[float] = None,
-                 rope: bool = True, output_norm: bool = False, kv_chunk: int = 256, **kwargs):
+                 rope: bool = True, output_norm: bool = False, kv_chunk: int = 256, heads: Optional[int] = None,
+                 n_kv_heads: Optional[int] = None, qk_norm: bool = False, qk_norm_eps: float = 1e-5, **kwargs):
+        """heads: this layer's query heads when they differ from the model's n_heads (a hybrid's softmax
+        layers with their own head count, e.g. fla's `attn` layouts); None: n_heads. n_kv_heads: grouped
+        key/value heads (GQA: query head h reads k/v head h // (heads / n_kv_heads)); None: one per query head.
+        qk_norm: a per-head RMSNorm (eps qk_norm_eps, a weight [head_dim]) on q and k before RoPE (fla's
+        `qk_norm`, Qwen3's)."""
         if window is not None and (not isinstance(window, int) or window < 1):
             raise LinattnError(f"window must be a positive int or None, got {window!r}")
-        super().__init__(d_model, n_heads, rope=rope, output_norm=output_norm, **kwargs)
+        if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+            raise LinattnError(f"heads must be a positive int or None (the model's n_heads), got {heads!r}")
+        super().__init__(d_model, n_heads if heads is None else heads, rope=rope, output_norm=output_norm, **kwargs)
         self.window, self.kv_chunk = window, int(kv_chunk)
         self.scale = self.resolve_scale(scale, self.head_dim)
+        H = self.n_heads
+        kvh = H if n_kv_heads is None else n_kv_heads
+        if isinstance(kvh, bool) or not isinstance(kvh, int) or kvh < 1 or H % kvh:
+            raise LinattnError(f"n_kv_heads must be a positive int that divides the query heads ({H}), got "
+                               f"{n_kv_heads!r}")
+        if kvh != H and self.n_value_heads != H:
+            raise LinattnError(f"n_kv_heads ({kvh}) cannot be combined with n_value_heads ({self.n_value_heads})")
+        self.n_kv_heads = int(kvh)
+        if kvh != H:   # smaller k/v projections (and convolutions): the grouped heads
+            bias = self.q_proj.bias is not None
+            self.k_proj = nn.Linear(d_model, kvh * self.head_dim, bias=bias)
+            self.v_proj = nn.Linear(d_model, kvh * self.head_dim_v, bias=bias)
+            if self.short_conv:
+                self.k_conv = ShortConv(kvh * self.head_dim, self.k_conv.kernel_size)
+                self.v_conv = ShortConv(kvh * self.head_dim_v, self.v_conv.kernel_size)
+        self.q_norm = RMSNorm(self.head_dim, eps=qk_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=qk_norm_eps) if qk_norm else None
+
+    def _qkv(self, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
+        if self.n_kv_heads == self.n_heads and self.q_norm is None:
+            return super()._qkv(x, cache, cu_seqlens)
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.short_conv:
+            get = (lambda n: cache.get(n)) if cache is not None else (lambda n: None)
+            q, sq = self.q_conv(q, get("conv_q"), cu_seqlens)
+            k, sk = self.k_conv(k, get("conv_k"), cu_seqlens)
+            v, sv = self.v_conv(v, get("conv_v"), cu_seqlens)
+            if cache is not None:
+                cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim_v)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            if cu_seqlens is not None:
+                q, k = self.rope(q, k, positions=packed_positions(cu_seqlens, T, x.device))
+            else:
+                q, k = self.rope(q, k, cache.offset if cache is not None else 0)
+        return q, k, v
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """k or v `[B, T, n_kv_heads, D]` repeated to the query heads (each k/v head serves a group)."""
+        g = self.n_heads // self.n_kv_heads
+        return t if g == 1 else t.repeat_interleave(g, dim=2)
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         if cache is None:
-            return softmax_attention(q, k, v, causal=True, scale=self.scale, window=self.window,
-                                     cu_seqlens=cu_seqlens)
+            return softmax_attention(q, self._heads(k), self._heads(v), causal=True, scale=self.scale,
+                                     window=self.window, cu_seqlens=cu_seqlens)
         kv = cache.get("kv")
         if kv is None:
             kv = cache["kv"] = KVCache(chunk=self.kv_chunk, window=self.window)
@@ -53,6 +111,7 @@ class SoftmaxAttention(AttentionBase):
             mask = diff >= 0
             if self.window is not None:
                 mask = mask & (diff < self.window)
+        k_all, v_all = self._heads(k_all), self._heads(v_all)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
                                            attn_mask=mask, scale=self.scale)
         return o.transpose(1, 2)
@@ -70,4 +129,6 @@ class SoftmaxAttention(AttentionBase):
         return mask[:, None]
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", window={self.window}"
+        return (super().extra_repr() + f", window={self.window}"
+                + (f", n_kv_heads={self.n_kv_heads}" if self.n_kv_heads != self.n_heads else "")
+                + (", qk_norm=True" if self.q_norm is not None else ""))
