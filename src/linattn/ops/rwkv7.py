@@ -80,19 +80,50 @@ def rwkv7(
     chunk_size: int = 64,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """RWKV-7 (fla's `chunk_rwkv7`). r, w, k, a, b `[B, T, H, K]`, v `[B, T, H, V]`
-    -> (o `[B, T, H, V]`, final state `[N, H, K, V]` or None).
+    """RWKV-7's state update, with flash-linear-attention's `chunk_rwkv7` arguments, layout and meaning.
 
     S_t = Diag(exp(w_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T and o_t = scale * S_t^T r_t, with the state
     `[K, V]` per head (fla's layout; fla writes the transposed S_t = S_{t-1}(Diag(exp(w_t)) + a_t b_t^T) + v_t k_t^T).
-    w: the log decay (<= 0). scale=None means 1.0 (fla's default).
 
-    mode: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form). chunk_size counts
-    tokens (the per-channel-gate chunk path caps it at 8 tokens: module docstring). The state `[N, H, K, V]`
-    (N = B, or the number of sequences in `cu_seqlens`, int64 `[N+1]` with B == 1) is fp32 (fp64 for fp64
-    inputs) and round-trips between modes and calls. backend: "auto", "torch" or "triton" (every call runs on
-    PyTorch: the core's Triton and compiled CPU kernels do not cover a read key of its own; "triton" warns
-    once and falls back).
+    Args:
+        r: The receptance (the query) `[B, T, H, K]`, any float dtype.
+        w: The log decay `[B, T, H, K]` (<= 0).
+        k: Keys `[B, T, H, K]`.
+        v: Values `[B, T, H, V]`.
+        a: The rank-one term's read vector `[B, T, H, K]` (the RWKV-7 layer passes -kk).
+        b: The rank-one term's write vector `[B, T, H, K]` (the layer passes kk * sigmoid(.)).
+        scale: The output scale; None means 1.0 (fla's default).
+        initial_state: The state to start from, `[N, H, K, V]`, or None (zeros).
+        output_final_state: Also return the state after the last token.
+        cu_seqlens: int64 `[N+1]` offsets of N packed sequences (B == 1), each with its own state.
+        mode: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form).
+        chunk_size: Counts tokens (the per-channel-gate chunk path caps it at 8 tokens: module docstring).
+        backend: "auto", "torch" or "triton" (every call runs on PyTorch: the core's Triton and compiled CPU
+            kernels do not cover a read key of its own; "triton" warns once and falls back).
+
+    Returns:
+        o: The output `[B, T, H, V]`, in the input dtype.
+        final_state: With output_final_state, the state `[N, H, K, V]` (N = B, or the number of sequences in
+            cu_seqlens), fp32 (fp64 for fp64 inputs), which round-trips between modes and calls; otherwise None.
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from linattn import rwkv7
+        >>> B, T, H, K = 1, 10, 2, 8
+        >>> r, k, v = torch.randn(3, B, T, H, K).unbind(0)
+        >>> w = -torch.rand(B, T, H, K)
+        >>> kk = F.normalize(torch.randn(B, T, H, K), dim=-1)
+        >>> a, b = -kk, kk * torch.rand(B, T, H, K)
+        >>> o, S = rwkv7(r, w, k, v, a, b, output_final_state=True)
+        >>> o.shape, S.shape
+        (torch.Size([1, 10, 2, 8]), torch.Size([1, 2, 8, 8]))
+        >>> o_rec, _ = rwkv7(r, w, k, v, a, b, mode="recurrent")
+        >>> torch.allclose(o, o_rec, atol=1e-5)
+        True
     """
     prob = prepare_rwkv7(r, w, k, v, a, b, scale=scale, mode=mode, chunk_size=chunk_size,
                          initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
