@@ -860,13 +860,12 @@ def linear_attention(
     eps: float = 1e-6,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, Optional[LinearAttentionState]]:
-    """Kernelized linear attention. q, k `[B, T, H, K]`, v `[B, T, H, V]` -> (o `[B, T, H, V]`, state).
+    """Kernelized linear attention, optionally gated (RetNet, Mamba2 / simple GLA, GLA), causal or not.
 
     Weights w_ij = k(scale * q_i, k_j) = phi(scale * q_i) . psi(k_j), times the decay
     prod_{t=j+1..i} exp(g_t) when a gate is given (RetNet: constant `gamma` in (0, 1], a float
     or per-head `[H]`; Mamba2 / simple GLA: `g` `[B, T, H]`; GLA: `g` `[B, T, H, K_phi]`, a
     log-gate <= 0 per feature). Gates are causal only; the normaliser decays with the numerator.
-    scale=None means 1 (the kernel of the raw queries; pass K**-0.5 for softmax-like temperature).
 
     normalize=True: o_i = sum_j w_ij v_j / den_i with den_i = sum_j w_ij; eps is a floor on |den|
     (sign kept): outputs are the exact ratio whenever |den| >= eps and stay finite when it
@@ -881,13 +880,65 @@ def linear_attention(
     kv `[N, HV, K_phi, V]`, z and log_scale `[N, HV, K_phi]`. With a shared gate and no initial state the n value
     heads are folded into the value width (q, k are not copied); otherwise q and k are repeated to HV heads.
 
-    mode: "chunk" (training), "recurrent" (decoding; causal only), "parallel" (quadratic reference).
-    The state (see `LinearAttentionState`) round-trips between modes and calls. cu_seqlens
-    (int64 `[N+1]`, B == 1) packs N independent sequences; the state then has N rows.
     Inputs of any float dtype; accumulation in fp32 (fp64 for fp64 inputs); output in the input dtype.
-    backend: "auto" (Triton kernels for CUDA tensors when Triton is installed and covers the call, the
-    compiled CPU kernels for CPU tensors when they build and cover it, PyTorch otherwise), "torch", "triton"
-    (on CPU only under TRITON_INTERPRET=1; see docs/triton.md) or "cpu" (see docs/cpu_kernels.md).
+
+    Args:
+        q: Queries `[B, T, H, K]`, any float dtype (fp16, bf16, fp32, fp64).
+        k: Keys `[B, T, H, K]`, the dtype of q.
+        v: Values `[B, T, H, V]` (or `[B, T, HV, V]`, grouped value heads).
+        feature_map: The kernel's phi/psi pair: a name in `FEATURE_MAP_NAMES` (e.g. "elu+1", "relu",
+            "hadamard_exp", "favor+"), a `FeatureMap` instance, or None (identity).
+        causal: Attend to earlier keys only (j <= i). Gates and mode="recurrent" need causal=True.
+        normalize: Divide by the kernel's row sum (above); False: the plain weighted sum.
+        gamma: RetNet's constant decay in (0, 1]: a float, or per head `[H]` (or `[HV]`).
+        g: A log-gate (<= 0): `[B, T, H]` per head (Mamba2 / simple GLA) or `[B, T, H, K_phi]` per feature
+            (GLA); or None.
+        scale: The query scale; None means 1 (the kernel of the raw queries; pass K**-0.5 for softmax-like
+            temperature).
+        mode: The form: "chunk" (training), "recurrent" (decoding; causal only), "parallel" (quadratic
+            reference). They compute the same function (to rounding).
+        chunk_size: The chunk length of the chunk form, in tokens (see `chunk_size_used`).
+        initial_state: A `LinearAttentionState` to start from (a previous call's, from any mode), or None.
+        output_final_state: Also return the state after the last token.
+        cu_seqlens: int64 `[N+1]` offsets of N packed independent sequences (B == 1); the state then has N rows.
+        eps: The floor on |den| (above).
+        backend: "auto" (Triton kernels for CUDA tensors when Triton is installed and covers the call, the
+            compiled CPU kernels for CPU tensors when they build and cover it, PyTorch otherwise), "torch",
+            "triton" (on CPU only under TRITON_INTERPRET=1; see docs/triton.md) or "cpu" (see
+            docs/cpu_kernels.md).
+
+    Returns:
+        o: The output `[B, T, H, V]` (or `[B, T, HV, V]`), in the input dtype.
+        final_state: With output_final_state, the `LinearAttentionState` after the last token (fp32, fp64 for
+            fp64 inputs; N rows), which round-trips between modes and calls; otherwise None.
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value (the message names it), or finite inputs
+            whose kernel values or sums exceed the dtype.
+
+    Examples:
+        >>> import torch
+        >>> from linattn import linear_attention
+        >>> B, T, H, K, V = 2, 10, 4, 16, 32
+        >>> q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V)
+        >>> o, state = linear_attention(q, k, v, feature_map="elu+1", output_final_state=True)
+        >>> o.shape, state.kv.shape, state.z.shape
+        (torch.Size([2, 10, 4, 32]), torch.Size([2, 4, 16, 32]), torch.Size([2, 4, 16]))
+
+        The forms agree, and a state carries a sequence across calls:
+
+        >>> o_rec, _ = linear_attention(q, k, v, mode="recurrent")
+        >>> torch.allclose(o, o_rec, atol=1e-5)
+        True
+        >>> o1, s1 = linear_attention(q[:, :4], k[:, :4], v[:, :4], output_final_state=True)
+        >>> o2, _ = linear_attention(q[:, 4:], k[:, 4:], v[:, 4:], initial_state=s1)
+        >>> torch.allclose(torch.cat([o1, o2], 1), o, atol=1e-5)
+        True
+
+        RetNet's decay, and GLA's per-feature gate:
+
+        >>> o, _ = linear_attention(q, k, v, feature_map="identity", normalize=False, gamma=0.9, scale=K ** -0.5)
+        >>> o, _ = linear_attention(q, k, v, g=-torch.rand(B, T, H, K))
     """
     p = prepare_linear_attention(q, k, v, feature_map=feature_map, causal=causal, normalize=normalize, gamma=gamma,
                                  g=g, scale=scale, mode=mode, chunk_size=chunk_size, initial_state=initial_state,
