@@ -11,7 +11,7 @@ The public API, re-exported:
     forgetting_attention, deltaformer,         the softmax side: FoX, DeltaFormer, PaTH, with their
     path_attention (+ *_step, *State)          decoding steps (ops/forgetting.py, deltaformer.py, path.py)
     ttt, titans, TTTState                      TTT-Linear / TTT-MLP and Titans (ops/ttt.py)
-    FeatureMap, FAVORPlus, FEATURE_MAP_NAMES   phi/psi pairs (feature_maps.py)
+    FeatureMap, FAVORPlus, FEATURE_MAP_NAMES   phi/psi pairs (ops/feature_maps.py); register_feature_map adds one
     mixers, LMConfig, LanguageModel            language models and their mixer registry (models/);
                                                layers in linattn.layers, audit.check_causality
     LinattnError and every other exception     what a user can meet, all LinattnError subclasses (errors.py and
@@ -51,6 +51,7 @@ from .ops import (
                   titans,
                   ttt,
 )
+from .ops.feature_maps import feature_map_names, register_feature_map
 
 __version__ = "0.1.0"
 
@@ -91,7 +92,7 @@ __all__ = [
     "mesa_net", "MesaState", "ttt", "titans", "TTTState",
     "forgetting_attention", "forgetting_attention_step", "ForgettingAttentionState", "deltaformer",
     "deltaformer_step", "DeltaFormerState", "path_attention", "path_attention_step", "PaTHState",
-    "FeatureMap", "FAVORPlus", "FEATURE_MAP_NAMES", "get_feature_map",
+    "FeatureMap", "FAVORPlus", "FEATURE_MAP_NAMES", "get_feature_map", "feature_map_names", "register_feature_map",
     "mixers", "LMConfig", "LanguageModel", "audit",
     "ERRORS", "LinattnTypeError", "ConfigError", "CheckpointError", "DataError", "UsageError",
     "CheckpointWriteError", "DanglingLatest", "TrainError", "TrainConfigError", "TrainingDiverged", "RunFolderBusy",

@@ -5,7 +5,7 @@ Naming scheme:
 * `softmax`, `swa`                     softmax attention (RoPE, KV cache); `swa` = sliding window
                                        (`LMConfig.window`, default 256)
 * `linear-<feature map>`               normalised kernelized linear attention with one feature map
-                                       of `linattn.FEATURE_MAP_NAMES` (`linear-elu+1`,
+                                       of `linattn.feature_map_names()` (`linear-elu+1`,
                                        `linear-hadamard_exp`, `linear-sum_sq_euclid`, ...); per-head
                                        output norm, no RoPE, no q scaling (FAVOR+: head_dim**-0.5).
                                        `linear-identity` is the unnormalised sum (a normaliser
@@ -46,7 +46,6 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..feature_maps import FEATURE_MAP_NAMES
 from ..layers import EFLA, DeltaNet, GatedDeltaNet, LinearAttention, SoftmaxAttention
 from ..layers.delta_family import KDA, Comba, DeltaProduct
 from ..layers.mamba2 import Mamba2Block
@@ -54,6 +53,7 @@ from ..layers.mesa import MesaNet
 from ..layers.rwkv7 import RWKV7
 from ..layers.softmax_family import DeltaFormer, FoX, PaTH
 from ..layers.ttt import TTT, Titans
+from ..ops.feature_maps import feature_map_names, on_feature_map_registered
 
 #: the pseudo config field a mixer lists to receive its block's index
 LAYER_IDX = "layer_idx"
@@ -152,17 +152,23 @@ def build_mixer(name: str, d_model: int, n_heads: int, **kwargs) -> nn.Module:
         raise
 
 
+def _register_linear_mixer(fm: str) -> None:
+    """`linear-<fm>`: normalised linear attention with feature map `fm` (a registered name)."""
+    defaults: Dict[str, Any] = {"feature_map": fm, "normalize": fm != "identity"}
+    if fm != "favor+":
+        defaults["scale"] = 1.0   # no q scaling; FAVOR+ keeps the default head_dim**-0.5
+    register_mixer(f"linear-{fm}", LinearAttention, defaults,
+                   f"normalised linear attention with the {fm} feature map" if fm != "identity"
+                   else "unnormalised linear attention (phi = identity)")
+
+
 def _register_builtins() -> None:
     register_mixer("softmax", SoftmaxAttention, {}, "causal softmax attention with RoPE and a KV cache", rope=True)
     register_mixer("swa", SoftmaxAttention, {"window": 256},
                    "sliding-window softmax attention (LMConfig.window sets the window)", rope=True)
-    for fm in FEATURE_MAP_NAMES:
-        defaults: Dict[str, Any] = {"feature_map": fm, "normalize": fm != "identity"}
-        if fm != "favor+":
-            defaults["scale"] = 1.0   # no q scaling; FAVOR+ keeps the default head_dim**-0.5
-        register_mixer(f"linear-{fm}", LinearAttention, defaults,
-                       f"normalised linear attention with the {fm} feature map" if fm != "identity"
-                       else "unnormalised linear attention (phi = identity)")
+    for fm in feature_map_names():
+        _register_linear_mixer(fm)
+    on_feature_map_registered(_register_linear_mixer)   # a map registered later gets its linear-<name> too
     for fm in ("hadamard_exp", "sum_sq_euclid"):
         register_mixer(f"ela-{fm}", LinearAttention, {"feature_map": fm, "output_norm": False, "scale": 1.0},
                        f"the ELA paper's layer: {fm} kernel, RoPE, no scaling, no output norm", rope=True)

@@ -4,12 +4,14 @@ Each public operator validates and prepares its call once (`prepare_*` -> a prob
 runs it on a backend (`backend.py`: the PyTorch forms or the Triton kernels). `reference.py` holds
 the fp64 references the tests, benchmarks and demo compare against.
 """
+from . import feature_map_relu2  # noqa: F401  (registers the "relu2" feature map)
 from ._common import get_checks, set_checks, value_checks_suspended
 from .comba import comba
 from .delta import delta_rule
 from .delta_core import prepare_delta
 from .delta_product import delta_product, prepare_delta_product
 from .deltaformer import DeltaFormerState, deltaformer, deltaformer_step
+from .feature_maps import FeatureMap, feature_map_names, get_feature_map, register_feature_map
 from .forgetting import ForgettingAttentionState, forgetting_attention, forgetting_attention_step
 from .linear import LinearAttentionState, linear_attention, prepare_linear_attention
 from .mesa import MesaState, mesa_net, prepare_mesa_net
@@ -54,4 +56,5 @@ __all__ = ["delta_rule", "linear_attention", "LinearAttentionState", "softmax_at
            "mesa_net", "MesaState", "prepare_mesa_net", "ttt", "titans", "TTTState", "prepare_ttt",
            "forgetting_attention", "forgetting_attention_step", "ForgettingAttentionState",
            "deltaformer", "deltaformer_step", "DeltaFormerState", "path_attention", "path_attention_step", "PaTHState",
-           "get_checks", "value_checks_suspended", "chunk_size_used", "prepare_linear_attention", "prepare_delta"]
+           "get_checks", "value_checks_suspended", "FeatureMap", "feature_map_names", "get_feature_map",
+           "register_feature_map", "chunk_size_used", "prepare_linear_attention", "prepare_delta"]

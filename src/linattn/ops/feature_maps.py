@@ -13,8 +13,15 @@ Positional maps (`positional = True`, cosFormer) also take the absolute token po
 Each map carries its own capabilities, so the operators and backends ask the object and never a
 list of names: `log_space`, `positional`, `fused_kernel` (the name of the in-kernel form the Triton
 kernels fuse, or None: the features are then computed by PyTorch first), `feature_dim(head_dim)`
-(the width K_phi of phi and psi) and the classmethod `build(head_dim)` (how `get_feature_map`
-makes one for a head dimension).
+(the width K_phi of phi and psi), the classmethod `build(head_dim, *, max_seq_len=None, seed=0)` (how
+`get_feature_map` and the `LinearAttention` layer make one from what the layer knows: cosFormer takes its
+horizon from max_seq_len, FAVOR+ its draw from seed) and `kernel(a, b)`, k(a_i, b_j) written from the formula
+for the fp64 references.
+
+Registry. `register_feature_map(name, cls)` adds a map by name, from any module (a user's too): the operators
+(`linear_attention(..., feature_map=name)`), the `LinearAttention` layer and a `linear-<name>` mixer then accept
+it, and tests/test_registry_conformance.py gives it its fp64-reference, form-agreement, causality and decode
+tests. The maps below register themselves at the bottom of this module; `feature_map_names()` lists them all.
 
 Range (issue 33.4). Every map computes its features from the formula, and the features are as large as
 the kernel they build: taylor2's x x^T and the squared-Euclidean maps' |x|^2 exceed float32 once |x|
@@ -27,13 +34,13 @@ log-features w.x - |x|^2/2 go to -inf for |x| past ~1e19 (a weight of exactly 0,
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import LinattnError, LinattnTypeError
+from ..errors import ConfigError, LinattnError, LinattnTypeError
 
 
 class FeatureMap:
@@ -71,9 +78,26 @@ class FeatureMap:
         return self._psi(x)
 
     @classmethod
-    def build(cls, head_dim: int) -> "FeatureMap":
-        """The map for heads of width `head_dim` (what `get_feature_map(name, head_dim)` returns)."""
+    def build(cls, head_dim: int, *, max_seq_len: Optional[int] = None, seed: int = 0) -> "FeatureMap":
+        """The map for heads of width `head_dim` (what `get_feature_map(name, head_dim)` returns).
+
+        max_seq_len: the longest sequence the caller expects (None: not known; cosFormer's horizon).
+        seed: for maps with drawn parameters (FAVOR+'s projection). A subclass uses what it needs."""
         return cls()
+
+    def kernel(self, a: torch.Tensor, b: torch.Tensor, i: Optional[torch.Tensor] = None,
+               j: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """k(a_i, b_j) for all pairs, a [T, K], b [S, K] -> [T, S] (i, j: the positions, for positional maps).
+
+        The references call it in fp64. This default evaluates phi and psi (sum_d exp(phi_d + psi_d) for
+        log-space maps); a new map should override it with its kernel written from the formula, so its
+        reference does not share the features' code."""
+        fa, fb = self.phi(a[None, :, None], None if i is None else i[None]), self.psi(
+            b[None, :, None], None if j is None else j[None])
+        fa, fb = fa[0, :, 0], fb[0, :, 0]
+        if self.log_space:
+            return torch.logsumexp(fa[:, None, :] + fb[None, :, :], -1).exp()
+        return fa @ fb.T
 
     def feature_dim(self, head_dim: int) -> int:
         """K_phi, the width of phi(x) and psi(x) for inputs of width `head_dim` (found by evaluating
@@ -133,6 +157,10 @@ class CosFormer(FeatureMap):
         if max_len < 1:
             raise LinattnError(f"max_len must be >= 1, got {max_len}")
         self.max_len = int(max_len)
+
+    @classmethod
+    def build(cls, head_dim: int, *, max_seq_len: Optional[int] = None, seed: int = 0) -> "CosFormer":
+        return cls() if max_seq_len is None else cls(max_len=max_seq_len)   # the layer's horizon: its max_seq_len
 
     def phi(self, x, pos=None):
         if pos is None:
@@ -268,8 +296,8 @@ class FAVORPlus(nn.Module, FeatureMap):
     psi = phi
 
     @classmethod
-    def build(cls, head_dim: int) -> "FAVORPlus":
-        return cls(head_dim, seed=0)  # a fixed draw; build FAVORPlus yourself to control it
+    def build(cls, head_dim: int, *, max_seq_len: Optional[int] = None, seed: int = 0) -> "FAVORPlus":
+        return cls(head_dim, seed=seed)  # a fixed draw per seed; build FAVORPlus yourself for more control
 
     def feature_dim(self, head_dim: int) -> int:
         return self.n_features
@@ -282,24 +310,71 @@ class FAVORPlus(nn.Module, FeatureMap):
         return f"dim={self.dim}, n_features={self.n_features}, orthogonal={self.orthogonal}"
 
 
-FEATURE_MAPS: Dict[str, type] = {
-    cls.name: cls for cls in (Identity, EluPlusOne, ReLU, CosFormer, Taylor2, HadamardExp, SumSqEuclid,
-                              SubSqEuclid, MagnitudeDirection, FAVORPlus)
-}
-FEATURE_MAP_NAMES = tuple(FEATURE_MAPS)
+# name -> FeatureMap subclass, in registration order (the built-in maps first)
+FEATURE_MAPS: Dict[str, type] = {}
+_LISTENERS: List[Callable[[str], None]] = []
 
 
-def get_feature_map(feature_map: Union[str, FeatureMap, None], dim: int) -> FeatureMap:
-    """Resolve a name (built for head dimension `dim`), a FeatureMap, or None (identity: q and k
-    are already features)."""
+def register_feature_map(name: str, cls: type, *, overwrite: bool = False) -> None:
+    """Make feature map `cls` (a `FeatureMap` subclass whose `name` is `name`) available by name to
+    `linear_attention`, the `LinearAttention` layer and the `linear-<name>` mixer.
+
+    `cls.build(head_dim, max_seq_len=..., seed=...)` makes an instance for a layer or a call; override it when the
+    map needs more than `cls()`. Call this at the bottom of the module that defines the map."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"a feature map name must be a non-empty string, got {name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
+        raise LinattnTypeError(f"feature map {name!r}: cls must be a FeatureMap subclass, got {cls!r}")
+    if cls.name != name:
+        raise ConfigError(f"feature map {name!r}: cls.name must be the registered name, got {cls.name!r}")
+    if name in FEATURE_MAPS and not overwrite:
+        raise ConfigError(f"feature map {name!r} is already registered (pass overwrite=True to replace it)")
+    new = name not in FEATURE_MAPS
+    FEATURE_MAPS[name] = cls
+    if new:
+        for listener in list(_LISTENERS):
+            listener(name)
+
+
+def on_feature_map_registered(listener: Callable[[str], None]) -> None:
+    """Call `listener(name)` for every feature map registered from now on (the `linear-<name>` mixers)."""
+    _LISTENERS.append(listener)
+
+
+def feature_map_names() -> Tuple[str, ...]:
+    """The names of every registered feature map, in registration order."""
+    return tuple(FEATURE_MAPS)
+
+
+def get_feature_map(feature_map: Union[str, FeatureMap, None], dim: int, *, max_seq_len: Optional[int] = None,
+                    seed: int = 0) -> FeatureMap:
+    """Resolve a registered name (built for head dimension `dim`: `cls.build(dim, max_seq_len=..., seed=...)`),
+    a FeatureMap, or None (identity: q and k are already features)."""
     if feature_map is None:
         return Identity()
     if isinstance(feature_map, FeatureMap):
         return feature_map
     if isinstance(feature_map, str):
         if feature_map in FEATURE_MAPS:
-            return FEATURE_MAPS[feature_map].build(dim)
-        raise LinattnError(f"unknown feature_map {feature_map!r}; expected one of {FEATURE_MAP_NAMES}, "
+            return FEATURE_MAPS[feature_map].build(dim, max_seq_len=max_seq_len, seed=seed)
+        raise LinattnError(f"unknown feature_map {feature_map!r}; expected one of {feature_map_names()}, "
                            f"a linattn.FeatureMap, or None")
     raise LinattnTypeError(f"feature_map must be a name, a linattn.FeatureMap or None, "
                            f"got {type(feature_map).__name__}")
+
+
+for _cls in (Identity, EluPlusOne, ReLU, CosFormer, Taylor2, HadamardExp, SumSqEuclid, SubSqEuclid, MagnitudeDirection,
+             FAVORPlus):
+    register_feature_map(_cls.name, _cls)
+
+
+def __getattr__(name: str):
+    # FEATURE_MAP_NAMES is read from the registry on each access, so maps registered by later modules are in it
+    if name == "FEATURE_MAP_NAMES":
+        return feature_map_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["FeatureMap", "Identity", "EluPlusOne", "ReLU", "CosFormer", "Taylor2", "HadamardExp", "SumSqEuclid",
+           "SubSqEuclid", "MagnitudeDirection", "FAVORPlus", "FEATURE_MAPS", "feature_map_names",
+           "get_feature_map", "register_feature_map", "on_feature_map_registered"]
