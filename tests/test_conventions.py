@@ -559,29 +559,31 @@ def test_delta_product_grouped_value_heads(gate):
 
 
 @pytest.mark.parametrize("name", [m for m in GROUPED_MIXERS if m != "kda"])   # KDA has no fast step
-def test_grouped_layer_fast_decode_step(name):
+def test_grouped_layer_fast_decode_step(name, monkeypatch):
     # the single-token fast step (CPU, no grad, fp64 here) with grouped value heads: the general path's values
+    from linattn.layers import fast_decode
     from linattn.layers.base import AttentionBase
     layer = _layer(name)
     x = torch.randn(2, 8, 16, dtype=torch.float64)
     fast_calls = []
-    original = type(layer)._fast_step
+    kind = layer.fast_step_kind()
+    original = fast_decode.STEPS[kind]
 
-    def spy(self, *a):
-        out = original(self, *a)
+    def spy(*a):
+        out = original(*a)
         fast_calls.append(out is not None)
         return out
 
     with torch.no_grad():
         full = layer(x)
         cache = linattn.layers.LayerCache()
-        layer._fast_step = spy.__get__(layer)
+        monkeypatch.setitem(fast_decode.STEPS, kind, spy)
         steps = torch.cat([layer(x[:, :3], cache)] + [layer(x[:, t:t + 1], cache) for t in range(3, 8)], dim=1)
     assert fast_calls and all(fast_calls), fast_calls           # the fast step ran, and did not decline
     assert isinstance(layer, AttentionBase)
     assert rel_err(steps, full) < 1e-12
     with torch.no_grad():                                        # and the general path's state
-        layer._fast_step = lambda *a: None
+        layer.fast_decode = False
         cache2 = linattn.layers.LayerCache()
         torch.cat([layer(x[:, :3], cache2)] + [layer(x[:, t:t + 1], cache2) for t in range(3, 8)], dim=1)
     s1, s2 = cache.get("state"), cache2.get("state")

@@ -1,4 +1,5 @@
-"""The single-token decoding fast path of the attention layers (`AttentionBase._fast_step`):
+"""The single-token decoding fast path of the attention layers (`layers/fast_decode.py`, reached from
+`AttentionBase.forward` through `fast_decode.step`):
 the values of the general path (outputs and every cache entry, within 1e-6; in most configurations
 the same bits: only the fused matrix-vector product may round a few projections differently),
 taken only where it applies, and its fused projection weights rebuilt whenever a weight changes."""
@@ -10,6 +11,7 @@ import torch.nn as nn
 
 from helpers import perturbed_mixer
 from linattn.layers import LayerCache, RMSNorm
+from linattn.layers import fast_decode
 from linattn.layers.base import AttentionBase
 from linattn.layers.common import FusedParams
 from linattn.models import LanguageModel, LMConfig
@@ -19,18 +21,19 @@ FAST_MIXERS = ["linear-elu+1", "linear-relu", "linear-identity", "linear-taylor2
 
 
 class FastCount:
-    """Counts the calls in which a layer's fast step produced the output."""
+    """Counts the calls in which a fast step (`fast_decode.STEPS`) produced the output."""
 
-    def __init__(self, monkeypatch, layer_cls):
+    def __init__(self, monkeypatch, layer_cls=None):
         self.n = 0
-        inner = layer_cls._fast_step
+        for kind, inner in list(fast_decode.STEPS.items()):
+            monkeypatch.setitem(fast_decode.STEPS, kind, self._counted(inner))
 
+    def _counted(self, inner):
         def counted(layer, x, cache, lins):
             out = inner(layer, x, cache, lins)
             self.n += out is not None
             return out
-
-        monkeypatch.setattr(layer_cls, "_fast_step", counted)
+        return counted
 
 
 def _flat(v):
@@ -181,13 +184,13 @@ def test_mixers_without_a_fast_step_are_untouched(monkeypatch):
     for name in ("kda", "comba", "delta-product", "mesanet", "fox", "linear-favor+", "linear-cosformer",
                  "ela-hadamard_exp"):
         layer = perturbed_mixer(name)
-        assert not layer._fast_supported()
+        assert layer.fast_step_kind() is None
         x = torch.randn(1, 3, 32)
         with torch.no_grad():
             c = LayerCache()
             layer(x[:, :2], cache=c)
             layer(x[:, 2:], cache=c)
-        assert "_fast_conv" not in c.__dict__ and "_fast_state" not in c.__dict__
+        assert c.fast is None
 
 
 def test_no_fast_path_with_autograd_or_for_other_calls(monkeypatch):

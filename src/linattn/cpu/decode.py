@@ -19,10 +19,12 @@ import torch
 from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
 from .build import enabled
 
-__all__ = ["available", "delta_step", "linear_step", "FEATURE_MAPS"]
+__all__ = ["available", "delta_step", "linear_step", "BETA_MODES", "FEATURE_MAPS"]
 
 #: the feature maps the linear step computes (the C codes)
 FEATURE_MAPS = {"identity": 0, "elu+1": 1, "relu": 2}
+#: EFLA's beta modes in the order of their C codes (beta_mode 0, 1, 2)
+BETA_MODES = ("sigmoid", "adaptive", "loose")
 _typed = set()
 _SFX = {torch.float32: "f32", torch.float64: "f64"}
 

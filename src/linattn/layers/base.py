@@ -12,13 +12,10 @@ documents as if each were alone: the short convolution's look-back is zeroed at 
 start, RoPE positions restart at 0, and `_mix` hands `cu_seqlens` to the operator, whose state
 restarts at every document (softmax attention becomes block-diagonal causal).
 
-Single-token decoding fast path: a layer that implements `_fast_step` (`LinearAttention`,
-`DeltaNet`, `GatedDeltaNet`, `EFLA`) decodes one token on the CPU without autograd (grad disabled,
-a `LayerCache`, T == 1, fp32/fp64, no cu_seqlens) by a dedicated recurrent step: the q/k/v (and
-gate / beta) projections as one matrix-vector product over a cached concatenation of their weights
-(`FusedParams`, rebuilt when a weight changes), the three short convolutions as one, no dtype
-round trips, and the same values and cache entries as the general path (tests/test_decode_fast.py).
-Anything else (training, prefill, other devices or dtypes) takes the general path.
+Single-token decoding fast path (`fast_decode.py`): `forward` first offers a call to `fast_decode.step`, which
+decodes one token on the CPU without autograd for the layers whose `fast_step_kind()` names a step
+(`LinearAttention`, `DeltaNet`, `GatedDeltaNet`, `EFLA`), with the general path's values and cache entries;
+anything else (training, prefill, other devices or dtypes) takes the general path.
 
 Config fields: `config_fields` names the model-config fields (`LMConfig`) a mixer takes as
 keyword arguments of the same name; a model block passes exactly those (a field set to None
@@ -31,25 +28,15 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ..cpu import decode as _cpu_decode
 from ..errors import LinattnError, LinattnTypeError
+from . import fast_decode as _fast
 from .cache import LayerCache
 from .common import GATE_ACTIVATIONS, FusedParams, GatedRMSNorm, RotaryEmbedding, ShortConv, gate_activation
+from .fast_decode import hooked
 from .packing import check_mixer_call, packed_positions
 
-# forward hooks registered for every module (nn.modules.module.register_module_forward_hook / _pre_hook):
-# the fast decoding step does not call the submodules, so it steps aside while any is registered
-_GLOBAL_HOOKS = (getattr(nn.modules.module, "_global_forward_hooks", {}),
-                 getattr(nn.modules.module, "_global_forward_pre_hooks", {}))
-
-
-def hooked(*modules: Optional[nn.Module]) -> bool:
-    """Whether a forward hook is registered globally or on one of `modules`: the fast decoding steps
-    compute these modules' forward themselves, so they step aside for any hook."""
-    return bool(_GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1]) or any(
-        m is not None and bool(m._forward_hooks or m._forward_pre_hooks) for m in modules)
+__all__ = ["AttentionBase", "hooked"]
 
 
 class AttentionBase(nn.Module):
@@ -135,7 +122,7 @@ class AttentionBase(nn.Module):
             self.o_norm = GatedRMSNorm(Dv if norm_group_size is None else HV * Dv, eps=norm_eps, gate_act=gate_act,
                                        gate_before_norm=gate_before_norm, group_size=norm_group_size)
         self.g_proj = nn.Linear(d_model, HV * Dv, bias=False) if output_gate else None
-        # single-token decoding (module docstring): concatenated projection / conv weights, not parameters
+        # single-token decoding (fast_decode.py): concatenated projection / conv weights, not parameters
         self._fused = FusedParams()
 
     # -- pieces ------------------------------------------------------------------------------
@@ -175,164 +162,11 @@ class AttentionBase(nn.Module):
             o = o * gate_activation(self.gate_act, self.g_proj(x).view(B, T, HV, Dv))
         return self.o_proj(o.reshape(B, T, HV * Dv))
 
-    # -- single-token decoding fast path (module docstring) --------------------------------------
-    def _fast_step(self, x: torch.Tensor, cache: LayerCache, lins) -> Optional[torch.Tensor]:
-        """One decoded token x `[B, 1, d_model]` -> `[B, 1, d_model]`, or None to take the general path
-        (which must then find the cache untouched); lins: the projections `_fast_ok` returned.
-        Subclasses that implement it give the general path's values."""
+    # -- single-token decoding fast path (fast_decode.py) ------------------------------------------
+    def fast_step_kind(self) -> Optional[str]:
+        """The name of this layer's single-token step in `fast_decode.STEPS` ("delta", "linear"), or None (the
+        general path decodes). Subclasses that change the operator or its inputs must return None."""
         return None
-
-    def _fast_supported(self) -> bool:
-        """Whether this layer has a fast step (subclasses that implement `_fast_step` say when)."""
-        return False
-
-    def _fast_extra(self) -> Tuple[nn.Module, ...]:
-        """The projections of x, besides q, k, v, that the fast step takes from the fused product."""
-        return ()
-
-    def _fast_project(self, x: torch.Tensor, cache: LayerCache, lins):
-        """q and k as one `[B, 2H, 1, K]` (q's heads, then k's), v `[B, H, 1, V]` (after the short convolution
-        and RoPE) and the outputs of the projections after q, k, v in lins `[B, n_i]`, for one token
-        x `[B, 1, d_model]`; updates the conv states in cache."""
-        B = x.shape[0]
-        H, HV, Dk, Dv = self.n_heads, self.n_value_heads, self.head_dim, self.head_dim_v
-        convs, y, cw, cb = self._fast_fused(x, lins)
-        nq, nv = H * Dk, HV * Dv
-        if convs:
-            parts = y.split([2 * nq + nv] + [m.out_features for m in lins[3:]], dim=1)
-            qk, v = self._fast_conv(parts[0], cache, convs, cw, cb).split([2 * nq, nv], dim=1)
-            extra = parts[1:]
-        else:
-            qk, v, *extra = y.split([2 * nq, nv] + [m.out_features for m in lins[3:]], dim=1)
-        if self.rope is not None:   # the same rotation for q and k
-            qk = self.rope.apply(qk.view(B, 1, 2 * H, Dk), cache.offset)
-        return qk.view(B, 2 * H, 1, Dk), v.view(B, HV, 1, Dv), extra
-
-    def _fast_fused(self, x: torch.Tensor, lins):
-        """(convs, y, cw, cb): the short convolutions (or ()), the fused projection y `[B, sum of widths]` of
-        one token x `[B, 1, d_model]`, and the convolutions' fused weights `[C, 1, K]` and biases (or None)."""
-        mods = self._modules
-        convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"]) if self.short_conv else ()
-        w, b, cw, cb = self._fused.get([m.weight for m in lins],
-                                       [m.bias if m.bias is not None else m.out_features for m in lins]
-                                       if any(m.bias is not None for m in lins) else [],
-                                       [c.weight for c in convs], [c.bias for c in convs if c.bias is not None])
-        return convs, F.linear(x.reshape(x.shape[0], -1), w, b), cw, cb
-
-    @staticmethod
-    def _fast_window(cache: LayerCache, B: int, C: int, K: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
-        """The q | k | v conv windows as one contiguous `[B, C, K - 1]` (None before the first token)."""
-        old = (cache.get("conv_q"), cache.get("conv_k"), cache.get("conv_v"))
-        fast = cache.__dict__.get("_fast_conv")
-        if fast is not None and fast[0] is old[0] and fast[1] is old[1] and fast[2] is old[2]:
-            return fast[3]
-        if old[0] is None:
-            return None
-        return torch.cat([s.to(dtype) for s in old], dim=1)
-
-    @staticmethod
-    def _fast_store_window(cache: LayerCache, convs, new: torch.Tensor) -> None:
-        """conv_q/k/v in cache as views of the new window `[B, C, K - 1]` (kept whole for the next step)."""
-        sq, sk, sv = new.split([convs[0].dim, convs[1].dim, convs[2].dim], dim=1)
-        cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
-        cache.__dict__["_fast_conv"] = (sq, sk, sv, new)
-
-    @classmethod
-    def _fast_conv(cls, u: torch.Tensor, cache: LayerCache, convs, w: torch.Tensor,
-                   bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """The q, k and v short convolutions of one token as one: u `[B, C]` (q | k | v before the
-        convolution), w their weights `[C, 1, K]` -> `[B, C]`; the states conv_q/k/v in cache are
-        views of one `[B, C, K]` window."""
-        K, C = convs[0].kernel_size, u.shape[1]
-        state = cls._fast_window(cache, u.shape[0], C, K, u.dtype)
-        if state is None:
-            state = u.new_zeros(u.shape[0], C, K - 1)
-        xp = torch.cat([state, u.unsqueeze(-1)], dim=-1)                      # [B, C, K]
-        y = (xp * w.view(C, K)).sum(-1)
-        if bias is not None:
-            y = y + bias
-        if convs[0].activation is not None:
-            y = F.silu(y)
-        cls._fast_store_window(cache, convs, xp[..., 1:])
-        return y
-
-    def _fast_compiled(self, x: torch.Tensor, cache: LayerCache, lins):
-        """For the fused compiled step (cpu/decode.py): (y, conv, heads) or None when it does not apply
-        (switched off or not buildable, RoPE); the layer's step then runs the PyTorch form. y: the fused
-        projection `[B, sum of widths]`; conv: (window in, weights [C, K], bias, silu) or None without a short
-        convolution; heads: (H, HV, K, V)."""
-        if not self.compiled_decode or self.rope is not None or not _cpu_decode.available():
-            return None
-        convs, y, cw, cb = self._fast_fused(x, lins)
-        heads = (self.n_heads, self.n_value_heads, self.head_dim, self.head_dim_v)
-        conv = None
-        if convs:
-            C, KC = cw.shape[0], convs[0].kernel_size
-            conv = (self._fast_window(cache, y.shape[0], C, KC, y.dtype), cw.view(C, KC), cb,
-                    convs[0].activation is not None)
-            if conv[0] is not None and not conv[0].is_contiguous():
-                conv = (conv[0].contiguous(),) + conv[1:]
-        return y, conv, heads
-
-    def _fast_compiled_out(self, cache: LayerCache, o: torch.Tensor, window: Optional[torch.Tensor]) -> torch.Tensor:
-        """Stores the compiled step's new conv window and applies o_proj to its output o `[B, HV * V]`."""
-        if window is not None:
-            mods = self._modules
-            self._fast_store_window(cache, (mods["q_conv"], mods["k_conv"], mods["v_conv"]), window)
-        return F.linear(o.view(o.shape[0], 1, -1), self._modules["o_proj"].weight)
-
-    def _fast_norm_args(self, dtype: torch.dtype):
-        """(has_norm, weight or None, eps) of the output RMSNorm as `_fast_out` applies it, for the compiled step."""
-        norm = self._modules.get("o_norm")
-        if norm is None:
-            return False, None, 0.0
-        eps = norm.eps if norm.eps is not None else torch.finfo(dtype).eps
-        w = norm.weight
-        if w is not None and (w.dtype != dtype or not w.is_contiguous()):
-            w = w.detach().to(dtype).contiguous()
-        return True, w, float(eps)
-
-    def _fast_out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
-        """`_out` for one token: o `[B, H, 1, V]`, gate the g_proj output `[B, H * V]` or None -> `[B, 1, d_model]`."""
-        B, H, _, Dv = o.shape
-        norm = self._modules.get("o_norm")
-        if norm is not None:
-            o = F.rms_norm(o, (Dv,), norm.weight, norm.eps)
-        if gate is not None:
-            o = o * F.silu(gate.view(B, H, 1, Dv))
-        return F.linear(o.reshape(B, 1, H * Dv), self._modules["o_proj"].weight)
-
-    def _fast_ok(self, x: torch.Tensor, cache: Optional[LayerCache], cu_seqlens):
-        """Whether this call may take the fast path (module docstring): a one-token decoding call
-        without autograd on the CPU in fp32/fp64, and submodules that are exactly the library's
-        (nn.Linear, ShortConv, GatedRMSNorm: no adapter replaced them) without hooks, since the fast
-        step computes their forward itself. Returns the fused projections (q, k, v, then
-        `_fast_extra()`), or None."""
-        if not (self.fast_decode and cache is not None and cu_seqlens is None and x.shape[1] == 1
-                and x.device.type == "cpu" and not torch.is_grad_enabled()
-                and x.dtype in (torch.float32, torch.float64) and self._fast_supported()):
-            return None
-        if self.gate_act != "silu" or self.norm_group_size is not None:
-            return None   # the fast step computes the default gated norm only
-        mods = self._modules
-        lins = (mods["q_proj"], mods["k_proj"], mods["v_proj"]) + self._fast_extra()
-        for m in lins + (mods["o_proj"],):
-            if type(m) is not nn.Linear or m.weight.dtype != x.dtype:
-                return None
-        norm = mods.get("o_norm")
-        if (norm is not None and (type(norm) is not GatedRMSNorm or not norm.plain)) \
-                or hooked(*lins, mods["o_proj"], norm):
-            return None
-        if self.short_conv:
-            c0, c1, c2 = mods["q_conv"], mods["k_conv"], mods["v_conv"]
-            for c in (c0, c1, c2):
-                if (type(c) is not ShortConv or hooked(c)
-                        or c.kernel_size != c0.kernel_size or c.activation != c0.activation
-                        or (c._parameters.get("bias") is None) != (c0._parameters.get("bias") is None)):
-                    return None
-            if c0._parameters["weight"].dtype != x.dtype:
-                return None
-        return lins
 
     @staticmethod
     def _mode(cache: Optional[LayerCache], T: int) -> str:
@@ -360,12 +194,9 @@ class AttentionBase(nn.Module):
         or `cu_seqlens` (int64 `[N+1]`, x `[1, T_total, d_model]`) to run packed documents
         independently of each other (module docstring)."""
         cu_seqlens = check_mixer_call(type(self).__name__, self.d_model, x, cache, cu_seqlens)
-        lins = self._fast_ok(x, cache, cu_seqlens)
-        if lins is not None:
-            out = self._fast_step(x, cache, lins)
-            if out is not None:
-                cache["offset"] = cache.offset + 1
-                return out
+        out = _fast.step(self, x, cache, cu_seqlens)
+        if out is not None:
+            return out
         q, k, v = self._qkv(x, cache, cu_seqlens)
         o = self._mix(q, k, v, x, cache, cu_seqlens=cu_seqlens)
         if cache is not None:

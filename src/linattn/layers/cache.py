@@ -27,6 +27,7 @@ Serving schedules (docs/states.md):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -49,10 +50,27 @@ def tensor_nbytes(obj: Any) -> int:
     return 0
 
 
+@dataclass
+class FastDecodeState:
+    """What the single-token fast path (layers/fast_decode.py) keeps beside a cache's entries so that the next
+    step finds its buffers whole: `window` the q | k | v conv windows as one `[B, C, K - 1]`, valid while
+    conv_q/k/v are still the views `conv_views` of it; `linear_state` the linear-attention state [kv | z] as
+    one `[B, HV, K, V + 1]`, valid while the cache's "state" is still `linear_of`. Never counted or copied as
+    state: a cache whose entries were replaced simply rebuilds it."""
+
+    conv_views: Optional[Tuple[torch.Tensor, ...]] = None
+    window: Optional[torch.Tensor] = None
+    linear_of: Any = None
+    linear_state: Optional[torch.Tensor] = None
+
+
 class LayerCache(dict):
     """The decoding state of one module. `offset` is the number of tokens it has consumed: an int,
     or an int64 tensor `[B]` when the rows of a batch have consumed different numbers of tokens
-    (a left-padded batch: row b's tokens are then the last offset[b] of every stored sequence)."""
+    (a left-padded batch: row b's tokens are then the last offset[b] of every stored sequence).
+    `fast`: the decoding fast path's own view of the entries (`FastDecodeState`), None until it runs."""
+
+    fast: Optional[FastDecodeState] = None
 
     @property
     def offset(self):

@@ -27,14 +27,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..cpu import decode as _cpu_decode
 from ..errors import LinattnError
 from ..ops import delta_rule
-from ..ops.delta_core import efla_coefficient, key_norms
-from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS, l2norm
+from ..ops.l2norm import L2NORM_CONVENTIONS
 from .base import AttentionBase
 from .cache import LayerCache
-from .common import _cdt, l2_normalize, mamba_log_decay, mamba_neg_a
+from .common import _cdt, l2_normalize, mamba_log_decay
 from .linear_attention import init_mamba_decay
 
 BETA_MODES = ("sigmoid", "adaptive", "loose")
@@ -79,76 +77,14 @@ class DeltaNet(AttentionBase):
     def _prepare_qk(self, q, k):
         return q, k
 
-    # -- single-token decoding (AttentionBase's fast path) ----------------------------------------
-    def _fast_supported(self) -> bool:
-        return type(self) in (DeltaNet, GatedDeltaNet, EFLA)   # subclasses change the operator or its inputs
-
-    def _fast_extra(self):
-        mods = self._modules
-        return ((mods["b_proj"],) + ((mods["a_proj"],) if isinstance(self, GatedDeltaNet) else ())
-                + ((mods.get("g_proj"),) if mods.get("g_proj") is not None else ()))
-
-    def _fast_step(self, x: torch.Tensor, cache: LayerCache, lins) -> Optional[torch.Tensor]:
-        """The recurrent form of `delta_rule` (ops/delta_core.py: prepare_delta, then one step of
-        _recurrent) for one token of DeltaNet, GatedDeltaNet or EFLA; subclasses take the general path."""
-        B, H, HV, K, V, cdt = x.shape[0], self.n_heads, self.n_value_heads, self.head_dim, self.head_dim_v, x.dtype
-        S = cache.get("state")
-        if S is not None and not (isinstance(S, torch.Tensor) and S.shape == (B, HV, K, V) and S.device == x.device):
-            return None   # the general path checks it and says what is wrong
-        fused = self._fast_compiled(x, cache, lins)
-        if fused is not None:
-            return self._fast_step_compiled(cache, S, *fused)
-        qk, v, extra = self._fast_project(x, cache, lins)                    # [B, 2H, 1, K], [B, HV, 1, V]
-        if self.qk_l2norm:          # DeltaNet, GatedDeltaNet: both, inside the operator
-            q, k = l2norm(qk, self.l2norm_convention).split(H, dim=1)
-        else:                        # EFLA: the layer normalises q (or not); keys keep their norm
-            q, k = self._prepare_qk(*qk.split(H, dim=1))
-        q = q * self.scale
-        lam, d2, d = key_norms(k)                             # [B, H, 1] (fp64 for fp32), [B, H, 1, 1]
-        k = k / d                                                               # key-norm rescaling
-        if HV != H:   # grouped value heads: as prepare_delta, repeated after the normalisation and key norms
-            q, k, lam, d2, d = (t.repeat_interleave(HV // H, dim=1) for t in (q, k, lam, d2, d))
-        beta = self._beta_of(extra[0]).view(B, HV, 1)
-        if beta.dtype != cdt:
-            beta = beta.to(cdt)
-        a = efla_coefficient(beta.to(lam.dtype), lam) if self.exact else beta
-        a = (a * d2).to(cdt).unsqueeze(-1)
-        bv = (v / d) * a
-        if S is None:
-            S = q.new_zeros(B, HV, K, V)
-        elif S.dtype != cdt:
-            S = S.to(cdt)
-        if isinstance(self, GatedDeltaNet):
-            g = self._gate_of(extra[1], fast=True)
-            S = S * torch.exp(g if g.dtype == cdt else g.to(cdt)).view(B, HV, 1, 1)
-        err = torch.addcmul(bv, a, k @ S, value=-1.0)                          # a (v - S^T k)
-        S = torch.addcmul(S, k.transpose(-1, -2), err)
-        cache["state"] = S
-        return self._fast_out(q @ S, extra[-1] if self._modules.get("g_proj") is not None else None)
-
-    def _fast_step_compiled(self, cache: LayerCache, S: Optional[torch.Tensor], y: torch.Tensor, conv, heads):
-        """`_fast_step` as one compiled call between the fused projection and o_proj (cpu/decode.py)."""
-        cdt = y.dtype
-        if S is not None and (S.dtype != cdt or not S.is_contiguous()):
-            S = S.to(cdt).contiguous()
-        gated = isinstance(self, GatedDeltaNet)
-        neg_a = dt_bias = alpha = None
-        if gated:
-            neg_a = mamba_neg_a(self.A_log, cdt, self)
-            dt_bias = self.dt_bias.detach().to(cdt).contiguous()
-        beta_mode = 0
-        if self.exact:
-            beta_mode = BETA_MODES.index(self.beta_mode)
-            if beta_mode == 1:
-                alpha = self.beta_alpha.detach().to(cdt).contiguous()
-        o, S, window = _cpu_decode.delta_step(
-            y, heads=heads, conv=conv, kind=1 if self.exact else 0,
-            l2conv=L2NORM_CONVENTIONS.index(self.l2norm_convention) if self.qk_l2norm else 0,
-            q_l2=bool(getattr(self, "q_l2norm", False)), l2eps=L2NORM_EPS, scale=self.scale, beta_mode=beta_mode,
-            alpha=alpha, gated=gated, neg_a=neg_a, dt_bias=dt_bias, S=S, norm=self._fast_norm_args(cdt),
-            has_gate=self._modules.get("g_proj") is not None)
-        cache["state"] = S
-        return self._fast_compiled_out(cache, o, window)
+    # -- single-token decoding (fast_decode.py's "delta" step) --------------------------------------
+    def fast_step_kind(self) -> Optional[str]:
+        # subclasses change the operator; fla's options (hf import) change q/k/v or beta: the general path
+        if type(self) not in (DeltaNet, GatedDeltaNet, EFLA) or not getattr(self, "_plain_features", True) \
+                or not getattr(self, "use_beta", True) or getattr(self, "allow_negative_eigenvalues", False) \
+                or getattr(self, "qk_norm", "l2") != "l2":
+            return None
+        return "delta"
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         q, k = self._prepare_qk(q, k)

@@ -22,19 +22,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..cpu import decode as _cpu_decode
 from ..errors import LinattnError
-from ..feature_maps import CosFormer, EluPlusOne, FAVORPlus, FeatureMap, Identity, ReLU, get_feature_map
-from ..ops import LinearAttentionState, linear_attention
-from .base import AttentionBase, hooked
+from ..feature_maps import CosFormer, FAVORPlus, FeatureMap, get_feature_map
+from ..ops import linear_attention
+from . import fast_decode
+from .base import AttentionBase
 from .cache import LayerCache
-from .common import mamba_log_decay, mamba_neg_a
+from .common import mamba_log_decay
 
 GATES = (None, "retnet", "scalar", "diagonal")
-# feature maps of the fast decoding step that act elementwise (one call on q and k together) and are >= 0
-_ELEMENTWISE_MAPS = (Identity, EluPlusOne, ReLU)
-_NONNEGATIVE_MAPS = (EluPlusOne, ReLU)
-_COMPILED_MAPS = (Identity, EluPlusOne, ReLU)   # exactly these classes: the fused compiled step computes them
 
 
 def _feature_dim(fmap: FeatureMap, head_dim: int) -> int:
@@ -133,119 +129,9 @@ class LinearAttention(AttentionBase):
     def _diagonal_gate(self, gk: torch.Tensor) -> torch.Tensor:
         return F.logsigmoid(gk.to(torch.float64 if gk.dtype == torch.float64 else torch.float32)) / self.gate_normalizer
 
-    # -- single-token decoding (AttentionBase's fast path) ----------------------------------------
-    def _fast_supported(self) -> bool:
-        fm = self.feature_map
-        if self.gate == "diagonal":   # the low-rank gate exactly as built (an adapter may have replaced it)
-            g = self._modules["gk_proj"]
-            if not (type(g) is nn.Sequential and len(g) == 2 and type(g[1]) is nn.Linear) or hooked(g, g[1]):
-                return False
-        return type(self) is LinearAttention and not fm.log_space and not fm.positional
-
-    def _fast_extra(self):
-        mods = self._modules
-        extra = ((mods["a_proj"],) if self.gate == "scalar" else (mods["gk_proj"][0],) if self.gate == "diagonal"
-                 else ())
-        return extra + ((mods.get("g_proj"),) if mods.get("g_proj") is not None else ())
-
-    def _fast_decay(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """RetNet's per-head decay exp(log gamma) `[1, H, 1, 1]`, as the operator computes it, kept."""
-        d = self.__dict__.get("_fast_decay_value")
-        if d is None or d.dtype != dtype or d.device != device:
-            d = torch.exp(torch.log(self._gamma_on(device).to(dtype))).view(1, -1, 1, 1)
-            self.__dict__["_fast_decay_value"] = d
-        return d
-
-    def _fast_step(self, x: torch.Tensor, cache: LayerCache, lins) -> Optional[torch.Tensor]:
-        """The recurrent form of `linear_attention` for one token, with the state [kv | z] kept as one
-        tensor (kv and z in the cache are views of it); linear-space, non-positional maps only."""
-        fm = self.feature_map
-        B, H, HV, V, cdt = x.shape[0], self.n_heads, self.n_value_heads, self.head_dim_v, x.dtype
-        Kf = self.__dict__.get("_fast_kf")
-        if Kf is None:
-            Kf = self.__dict__["_fast_kf"] = fm.feature_dim(self.head_dim)
-        st = cache.get("state")
-        if st is not None and not (isinstance(st, LinearAttentionState) and st.log_scale is None
-                                   and st.kv.shape == (B, HV, Kf, V) and st.z.shape == (B, HV, Kf)
-                                   and st.kv.device == x.device and st.offset.shape == (B,)):
-            return None   # the general path checks it and says what is wrong
-        if type(fm) in _COMPILED_MAPS and self.gate != "diagonal":
-            fused = self._fast_compiled(x, cache, lins)
-            if fused is not None:
-                return self._fast_step_compiled(cache, st, *fused)
-        qk, v, extra = self._fast_project(x, cache, lins)                    # [B, 2H, 1, K], [B, H, 1, V]
-        if isinstance(fm, _ELEMENTWISE_MAPS) and self.scale == 1.0:
-            fq, fk = fm.phi(qk).split(H, dim=1)
-        else:
-            q, k = qk.split(H, dim=1)
-            if self.scale != 1.0:
-                q = q * self.scale
-            fq, fk = fm.phi(q.transpose(1, 2)).transpose(1, 2), fm.psi(k.transpose(1, 2)).transpose(1, 2)
-        if HV != H:   # grouped value heads: value head j reads the features of q/k head j // (HV / H)
-            fq, fk = fq.repeat_interleave(HV // H, dim=1), fk.repeat_interleave(HV // H, dim=1)
-        if st is None:
-            S = fq.new_zeros(B, HV, Kf, V + 1)
-            offset = torch.zeros(B, dtype=torch.int64, device=x.device)
-        else:
-            fast = cache.__dict__.get("_fast_state")
-            if fast is not None and fast[0] is st:
-                S = fast[1]
-            else:
-                S = torch.cat([st.kv, st.z.unsqueeze(-1)], -1).to(cdt)
-            offset = st.offset if st.offset.dtype == torch.int64 else st.offset.to(torch.int64)
-        gate = extra[-1] if self._modules.get("g_proj") is not None else None
-        if self.gate == "retnet":
-            S = self._fast_decay(cdt, x.device) * S
-        elif self.gate == "scalar":
-            g = self._scalar_gate(extra[0], fast=True)
-            S = torch.exp(g if g.dtype == cdt else g.to(cdt)).view(B, HV, 1, 1) * S
-        elif self.gate == "diagonal":
-            gk = F.linear(extra[0], self.gk_proj[1].weight, self.gk_proj[1].bias)
-            S = torch.exp(self._diagonal_gate(gk).to(cdt)).view(B, HV, Kf, 1) * S
-        S = S + fk.transpose(-1, -2) * F.pad(v, (0, 1), value=1.0)   # (not addcmul: the operator's bits)
-        o, den = torch.matmul(fq, S).split([V, 1], dim=-1)                  # [B, H, 1, V], [B, H, 1, 1]
-        if self.normalize:
-            if isinstance(fm, _NONNEGATIVE_MAPS):
-                den = den.clamp_min(self.eps)
-            else:   # a floor on |den| that keeps its sign, as the operator
-                floor = torch.as_tensor(self.eps, dtype=den.dtype)
-                den = torch.where(den < 0, torch.minimum(den, -floor), torch.maximum(den, floor))
-            o = o / den
-        state = LinearAttentionState(kv=S[..., :V], z=S[..., V], log_scale=None, offset=offset + 1)
-        cache["state"] = state
-        cache.__dict__["_fast_state"] = (state, S)
-        return self._fast_out(o, gate)
-
-    def _fast_step_compiled(self, cache: LayerCache, st: Optional[LinearAttentionState], y: torch.Tensor, conv,
-                            heads):
-        """`_fast_step` as one compiled call between the fused projection and o_proj (cpu/decode.py), for the
-        maps in _COMPILED_MAPS and the gates None, "retnet" and "scalar"."""
-        cdt, B, HV, V = y.dtype, y.shape[0], self.n_value_heads, self.head_dim_v
-        S, offset = None, torch.zeros(B, dtype=torch.int64)
-        if st is not None:
-            fast = cache.__dict__.get("_fast_state")
-            S = fast[1] if fast is not None and fast[0] is st else torch.cat([st.kv, st.z.unsqueeze(-1)], -1)
-            if S.dtype != cdt or not S.is_contiguous():
-                S = S.to(cdt).contiguous()
-            offset = st.offset if st.offset.dtype == torch.int64 else st.offset.to(torch.int64)
-        decay = neg_a = dt_bias = None
-        gate_kind = 0
-        if self.gate == "retnet":
-            gate_kind, decay = 1, self._fast_decay(cdt, y.device).reshape(-1).expand(HV).contiguous()
-        elif self.gate == "scalar":
-            gate_kind = 2
-            neg_a = mamba_neg_a(self.A_log, cdt, self).reshape(-1).expand(HV).contiguous()
-            dt_bias = self.dt_bias.detach().to(cdt).reshape(-1).expand(HV).contiguous()
-        fm = self.feature_map
-        o, S, window = _cpu_decode.linear_step(
-            y, heads=heads, conv=conv, fmap=_cpu_decode.FEATURE_MAPS[fm.name], scale=self.scale,
-            gate_kind=gate_kind, decay=decay, neg_a=neg_a, dt_bias=dt_bias, S=S, normalize=self.normalize,
-            nonneg=isinstance(fm, _NONNEGATIVE_MAPS), eps=float(self.eps), norm=self._fast_norm_args(cdt),
-            has_gate=self._modules.get("g_proj") is not None)
-        state = LinearAttentionState(kv=S[..., :V], z=S[..., V], log_scale=None, offset=offset + 1)
-        cache["state"] = state
-        cache.__dict__["_fast_state"] = (state, S)
-        return self._fast_compiled_out(cache, o, window)
+    # -- single-token decoding (fast_decode.py's "linear" step) -------------------------------------
+    def fast_step_kind(self) -> Optional[str]:
+        return "linear" if type(self) is LinearAttention and fast_decode.linear_supported(self) else None
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         T = x.shape[1]
