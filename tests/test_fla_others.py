@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from linattn.errors import ConfigError
-from linattn.models import LMConfig, LanguageModel
+from linattn.models import LanguageModel, LMConfig
 
 
 def _perturbed(model, seed=0, scale=0.1):
@@ -62,3 +62,62 @@ def test_rwkv7_block_options_defaults_keep_old_models():
     with pytest.raises(ConfigError, match="kk_norm"):
         LanguageModel(LMConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2, mixer="rwkv7",
                                mixer_kwargs={"rwkv7": {"kk_norm": "l1"}}))
+
+
+# -- fla's own models, converted (need fla) -------------------------------------------------------------------------
+
+def _fla():
+    pytest.importorskip("fla", reason="flash-linear-attention is not installed (the dev extra pins 0.6.0)")
+    import fla_cpu
+    return fla_cpu
+
+
+def _token_shift(x, cu_seqlens=None, cache=None, output_cache=False, chunk_indices=None):
+    """fla's token_shift (x_{t-1} - x_t, zero before the first token), torch form; fla's full-sequence calls only."""
+    assert cu_seqlens is None and cache is None
+    delta = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1) - x
+    return (delta, x[:, -1:]) if output_cache else delta
+
+
+def _rwkv7_ops():
+    """fla has no naive RWKV-7 recurrence: its chunk and fused-recurrent kernels become linattn's fp64 token loop
+    (ops/reference.rwkv7_ref, written from the formula); its fused helpers their own torch references."""
+    from fla.ops.rwkv7.fused_addcmul import torch_addcmul_rwkv7
+    from fla.ops.rwkv7.fused_k_update import k_update_ref
+    from fla.ops.rwkv7.gate_output_correction import gate_output_correction_ref
+
+    from linattn.ops.reference import rwkv7_ref
+
+    def chunk(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None, **kw):
+        assert cu_seqlens is None
+        o, S = rwkv7_ref(r, w, k, v, a, b, scale=scale, S0=initial_state)
+        return o, (S if output_final_state else None)
+
+    def recurrent(r, w, k, v, kk, a, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None, **kw):
+        return chunk(r, w, k, v, -kk, kk * a, scale, initial_state, output_final_state, cu_seqlens)
+
+    return {"fla.layers.rwkv7.chunk_rwkv7": chunk, "fla.layers.rwkv7.fused_mul_recurrent_rwkv7": recurrent,
+            "fla.modules.token_shift.token_shift": _token_shift,
+            "fla.ops.rwkv7.fused_addcmul.fused_addcmul_rwkv7": torch_addcmul_rwkv7,
+            "fla.ops.rwkv7.fused_k_update.fused_k_rwkv7": lambda k, a, ka, **kw: k_update_ref(k, a, ka),
+            "fla.ops.rwkv7.gate_output_correction.gate_output_correction": gate_output_correction_ref}
+
+
+@pytest.mark.parametrize("fuse_norm", [True, False])
+def test_rwkv7_import_matches_fla(tmp_path, fuse_norm):
+    # fuse_norm: fla's fused kernels (kk through l2_norm, x * rsqrt(sum x^2 + 1e-6)) or torch's (F.normalize)
+    fc = _fla()
+    import warnings
+
+    from fla.models import RWKV7Config
+    with fc.fla_cpu(_rwkv7_ops()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # fla's RWKV-7 warns on construction
+        model = fc.build_fla(RWKV7Config(hidden_size=64, num_hidden_layers=3, head_dim=16, vocab_size=100,
+                                         decay_low_rank_dim=8, a_low_rank_dim=8, gate_low_rank_dim=16,
+                                         v_low_rank_dim=8, intermediate_size=96, fuse_norm=fuse_norm))
+        res = fc.check_import(model, tmp_path)
+    assert res.max_err <= 1e-10, res.max_err
+    assert res.greedy_equal, (res.fla_tokens, res.linattn_tokens)
+    cfg = res.model.config
+    assert (cfg.mixer, cfg.norm, cfg.embed_norm, cfg.ffn) == ("rwkv7", "layernorm", True, "rwkv7")
+    assert cfg.mixer_kwargs["rwkv7"]["kk_norm"] == ("rsqrt" if fuse_norm else "normalize")
