@@ -79,14 +79,17 @@ SAFE_SPAN = 40.0
 
 
 class LinearAttentionState(NamedTuple):
-    """The recurrent state of `linear_attention`, one row per sequence (N = B, or the number of
-    sequences in `cu_seqlens`). All tensors are fp32 (fp64 for fp64 inputs).
+    """The recurrent state of `linear_attention`, one row per sequence.
 
-    kv:        [N, H, K_phi, V]  sum_j decay * psi(k_j) v_j^T
-    z:         [N, H, K_phi]     sum_j decay * psi(k_j), the normaliser's state
-    log_scale: [N, H, K_phi]     log-space maps only (else None): kv and z are stored divided by
-                                 exp(log_scale), per feature; -1e30 marks an empty state
-    offset:    [N] int64         tokens consumed so far (positions continue from here)
+    N = B, or the number of sequences in `cu_seqlens`. All tensors are fp32 (fp64 for fp64 inputs). It
+    round-trips between the forms and between calls.
+
+    Attributes:
+        kv: `[N, H, K_phi, V]`, sum_j decay * psi(k_j) v_j^T.
+        z: `[N, H, K_phi]`, sum_j decay * psi(k_j), the normaliser's state.
+        log_scale: `[N, H, K_phi]`, log-space maps only (else None): kv and z are stored divided by
+            exp(log_scale), per feature; -1e30 marks an empty state.
+        offset: `[N]` int64, tokens consumed so far (positions continue from here).
     """
     kv: torch.Tensor
     z: torch.Tensor
