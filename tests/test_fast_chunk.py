@@ -129,10 +129,10 @@ def test_poisoned_value_in_the_fast_form():
     """A NaN value at t: outputs before t bitwise unchanged, later ones not finite; the gradients of the
     earlier outputs stay finite (causal_matmul's guarantee, kept by the in-place product)."""
     q, k, v = _qkv(40, torch.float32, seed=5)
-    clean = linear_chunk(q, k, v, torch.zeros(B, H, K, V + 1), C, "elu+1")[0][0]
+    clean = linear_chunk(q, k, v, torch.zeros(B, H, K, V + 1), C, "elu+1").num
     vp = v.clone()
     vp[0, 21, 1, 2] = float("nan")
-    num = linear_chunk(q, k, vp, torch.zeros(B, H, K, V + 1), C, "elu+1")[0][0]
+    num = linear_chunk(q, k, vp, torch.zeros(B, H, K, V + 1), C, "elu+1").num
     assert torch.equal(num[:, :, :21], clean[:, :, :21])
     assert not torch.isfinite(num[0, 1, 21:]).all()
     q, k, vp = (x.requires_grad_() for x in (q, k, vp))

@@ -414,7 +414,7 @@ def test_bad_input(case, exc, match):
 @pytest.mark.parametrize("gated", [False, True])
 def test_log_space_matmul_path_equals_block_path(name, gated, monkeypatch):
     """Moderate inputs take the shifted matmul path; forcing the exact block path must agree."""
-    import linattn.ops.linear as lin
+    import linattn.ops.linear_chunk_log as lin
     B, T, H, K, V = 2, 70, 2, 4, 3
     fm = make_map(name, K)
     q, k, v = make_inputs(B, T, H, K, V, torch.float64, name)

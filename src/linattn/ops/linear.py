@@ -8,7 +8,12 @@ Three forms that agree to floating-point precision:
 
 A call is validated and prepared once (`prepare_linear_attention` -> `LinearProblem`: feature map
 resolved, gates turned into one log-gate, scale, state and packed-sequence offsets checked), then
-run by a backend: the PyTorch forms below, or the Triton kernels (`ops/backend.py`).
+run by a backend: the PyTorch forms, or the Triton and compiled CPU kernels (`ops/backend.py`).
+This module holds the public entry, the preparation, the choice of a form and the output (`finish`);
+the forms live one per module and share one return type, `FormResult` (`linear_common.py`):
+`linear_parallel.py`, `linear_recurrent.py`, `linear_chunk.py` (linear-space features: the matmul
+form with a scalar gate and the fast form without one) and `linear_chunk_log.py` (log-space maps and
+diagonal gates: the block form and the shifted matmul path).
 
 The normaliser is computed by appending a column of ones to V, so its state z = sum psi(k) decays
 with the numerator by construction and every form shares the state S = [kv | z].
@@ -17,7 +22,7 @@ Log-space feature maps (Hadamard Exp, FAVOR+) keep a per-feature log-scale mu ne
 the running maximum of the (decayed) key log-features, exactly like online softmax keeps its
 running max: the true state is exp(mu_d) * S_d. Each output row is computed relative to its own
 maximum log-weight c_i, which cancels in the normalised output (and is multiplied back otherwise).
-Chunkwise, those maps and diagonal (GLA) gates use the log-space block algorithm below, whose
+Chunkwise, those maps and diagonal (GLA) gates use the log-space block algorithm (`linear_chunk_log.py`), whose
 every exponent is <= 0, with blocks of LOG_BLOCK tokens; the plain feature maps with no gate or a
 scalar gate use pure matmuls (without a gate, in eager mode, through the fused form with a hand-written
 backward in `ops/linear_chunk.py`). The log-space maps with no gate or a scalar gate also have a matmul
@@ -51,7 +56,6 @@ from ..feature_maps import FeatureMap, get_feature_map
 from ..triton import triton_chunk_size
 from ._common import (
     _reads_values,
-    causal_matmul,
     check_cu_seqlens,
     check_finite_output,
     check_log_gate,
@@ -60,22 +64,15 @@ from ._common import (
     check_scale,
     check_values,
     compute_dtype,
-    pad_time,
 )
 from .backend import cpu_linear_attention, requires_grad, select_backend, triton_linear_attention
 from .delta_core import LOG_GATE_FLOOR
 from .heads import value_groups
-from .linear_chunk import FUSED, linear_chunk
-
-# Log-scale of an empty state, and log-feature of a padding key: finite, so that differences
-# of two such values never produce NaN, yet exp() of it is exactly 0.
-NEG = -1e30
-LOG_BLOCK = 16  # block size of the log-space chunk path (its intra-block work is O(T * 16 * K))
-PARALLEL_WIDE_GATES_ABOVE = 64  # the parallel form sums fp32 gates in fp64 beyond this length (issue 33.7)
-# A row of a log-space map may take the matmul path when its keys lie less than this many nats above
-# its chunk's shift and its diagonal term less than this below its row log-scale (see `_shift_plan`):
-# its features then lie in [e^-80, e^40], far from fp32's limits (e^-87 .. e^88).
-SAFE_SPAN = 40.0
+from .linear_chunk import FUSED, chunk_matmul_form, linear_chunk
+from .linear_chunk_log import chunk_log_form, log_chunk_matmul_form
+from .linear_common import LOG_BLOCK, NEG, FormResult
+from .linear_parallel import bidirectional_form, parallel_form
+from .linear_recurrent import recurrent_form
 
 
 class LinearAttentionState(NamedTuple):
@@ -95,324 +92,6 @@ class LinearAttentionState(NamedTuple):
     z: torch.Tensor
     log_scale: Optional[torch.Tensor]
     offset: torch.Tensor
-
-
-# ----------------------------------------------------------------------------------------------
-# The three forms. Shared layout inside this module: [B, H, T, D]; v carries the extra ones
-# column (V1 = V + 1); S [B, H, Kf, V1]; mu [B, H, Kf] (log-space maps) or None; g a log-gate,
-# [B, H, T, 1] (scalar per head) or [B, H, T, Kf] (diagonal), or None.
-# Each returns (o [B, H, T, V1], c [B, H, T] row log-scale or None, S_final, mu_final).
-# ----------------------------------------------------------------------------------------------
-
-def _row_scale(x: torch.Tensor, dims) -> torch.Tensor:
-    return x.amax(dim=dims).detach()  # stabilisers carry no gradient: their effect cancels exactly
-
-
-def _recurrent(fq, fk, v, g, S, mu):
-    T = v.shape[2]
-    outs, scales = [], []
-    # per-step tensors by unbind: indexing [:, :, t] would give every step a full-size backward
-    gs = g.unbind(2) if g is not None else [None] * T  # each [B, H, 1 or Kf]
-    for q_t, k_t, v_t, gt in zip(fq.unbind(2), fk.unbind(2), v.unbind(2), gs):
-        if mu is None:  # linear-space features
-            if gt is not None:
-                S = torch.exp(gt).unsqueeze(-1) * S
-            S = S + k_t.unsqueeze(-1) * v_t.unsqueeze(-2)
-            outs.append(torch.einsum("bhk,bhkv->bhv", q_t, S))
-        else:  # log-space features: fq, fk are log-features; track the running max mu
-            decayed = mu + gt if gt is not None else mu
-            new_mu = torch.maximum(decayed, k_t).detach()
-            S = torch.exp(decayed - new_mu).unsqueeze(-1) * S \
-                + torch.exp(k_t - new_mu).unsqueeze(-1) * v_t.unsqueeze(-2)
-            mu = new_mu
-            logits = q_t + mu
-            c = _row_scale(logits, -1)
-            scales.append(c)
-            outs.append(torch.einsum("bhk,bhkv->bhv", torch.exp(logits - c.unsqueeze(-1)), S))
-    o = torch.stack(outs, dim=2)
-    return o, (torch.stack(scales, dim=2) if mu is not None else None), S, mu
-
-
-def _parallel(fq, fk, v, g, S, mu, causal, log_space):
-    B, H, T, _ = v.shape
-    dt = v.dtype
-    mask = torch.ones(T, T, dtype=torch.bool, device=v.device)
-    if causal:
-        mask = mask.tril()
-    if g is not None and T > PARALLEL_WIDE_GATES_ABOVE and g.dtype == torch.float32:
-        # the whole sequence's gate sum in fp32 (~ -400 with fast gates) carries an absolute error ~3e-5 into
-        # every exp(G_i - G_j), even for neighbours: sum in fp64, take the exponentials there, cast back
-        g = g.double()
-    G = g.cumsum(2) if g is not None else None
-    if not log_space and (g is None or g.shape[-1] == 1):
-        # plain features, no gate or a scalar gate: W = (phi(Q) psi(K)^T) * exp(G_i - G_j)
-        W = fq @ fk.transpose(-1, -2)
-        if G is not None:
-            Gs = G[..., 0]
-            W = W * torch.exp((Gs.unsqueeze(-1) - Gs.unsqueeze(-2)).masked_fill(~mask, 0.0)).to(dt)
-        W = W.masked_fill(~mask, 0.0)
-        q_state = fq * torch.exp(G).to(dt) if G is not None else fq
-        return _masked_product(W, v, causal) + q_state @ S, None, None, None
-    # general case: w_ij = sum_d fq_id fk_jd exp(a_id + b_jd - c_i), explicit [T, T, Kf] tensor
-    zeros = torch.zeros((), dtype=v.dtype, device=v.device)
-    a = (fq if log_space else zeros) + (G if G is not None else zeros)
-    b = (fk if log_space else zeros) - (G if G is not None else zeros)
-    x = (a.unsqueeze(3) + b.unsqueeze(2)).masked_fill(~mask[..., None], NEG)  # [B, H, T, T, Kf]
-    x_state = a + mu.unsqueeze(2) if mu is not None else None  # [B, H, T, Kf]
-    if log_space:
-        c = _row_scale(x, (-2, -1))
-        if x_state is not None:
-            c = torch.maximum(c, _row_scale(x_state, -1))
-    else:
-        c = torch.zeros(B, H, T, dtype=x.dtype, device=v.device)
-    E = torch.exp(x - c[..., None, None]).to(dt)   # x is fp64 after a long gate sum (above); c stays fp64
-    if not log_space:
-        E = E * fq.unsqueeze(3) * fk.unsqueeze(2)
-    W = E.sum(-1)
-    if not log_space and causal:
-        W = W.masked_fill(~mask, 0.0)  # the masked exp(NEG) = 0 times an inf feature is NaN
-    o = _masked_product(W, v, causal)
-    if x_state is not None:
-        q_state = torch.exp(x_state - c.unsqueeze(-1)).to(dt)
-    else:  # plain features, diagonal gate
-        q_state = fq * torch.exp(G).to(dt)
-    o = o + q_state @ S
-    return o, (c if log_space else None), None, None
-
-
-def _masked_product(W, v, causal):
-    """W @ v for the quadratic form: a causal W never lets a later (even non-finite) v reach a row."""
-    return causal_matmul(W, v) if causal else W @ v
-
-
-def _bidirectional(fq, fk, v, S, mu):
-    """Non-causal: one global accumulation S += sum_j psi(k_j) v_j^T, then o_i = phi(q_i) S."""
-    if mu is None:
-        S = S + fk.transpose(-1, -2) @ v
-        return fq @ S, None, S, None
-    new_mu = torch.maximum(mu, fk.amax(2)).detach()
-    S = torch.exp(mu - new_mu).unsqueeze(-1) * S + torch.exp(fk - new_mu.unsqueeze(2)).transpose(-1, -2) @ v
-    logits = fq + new_mu.unsqueeze(2)
-    c = _row_scale(logits, -1)
-    return torch.exp(logits - c.unsqueeze(-1)) @ S, c, S, new_mu
-
-
-def _chunk_matmul(fq, fk, v, g, S, C):
-    """Causal chunk form for plain features with no gate or a scalar gate: only matmuls.
-
-    fq, fk [B, H, T, Kf] and v [B, H, T, V] (no ones column: on this hot path the normaliser is
-    computed beside the values, which keeps the matmuls 64 wide). Per chunk:
-    o = (phi(Q) psi(K)^T * D) V + (phi(Q) * decay) S_prev, with D_ij = exp(G_i - G_j) from the
-    gate's cumulative sum local to the chunk, so every exponent is <= 0. Backward keeps one
-    state per chunk, never one per token.
-    """
-    B, H, T, Kf = fq.shape
-    V = v.shape[-1]
-    # one explicit copy into [B, H, n, C, D]: otherwise every bmm gathers its strided operands itself
-    fq, fk, v = (pad_time(x, C, dim=2).contiguous() for x in (fq, fk, v))  # zero keys/values add nothing
-    n = fq.shape[2] // C
-    fq, fk, v = fq.view(B, H, n, C, Kf), fk.view(B, H, n, C, Kf), v.view(B, H, n, C, V)
-    mask = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-    A = fq @ fk.transpose(-1, -2)  # [B, H, n, C, C]
-    if g is None:
-        A = A.masked_fill_(~mask, 0.0)  # in place: bmm's backward needs its inputs, not A
-        U = torch.cat([fk.transpose(-1, -2) @ v, fk.sum(3).unsqueeze(-1)], dim=-1)  # each chunk's [kv | z]
-        decay = None
-        q_inter = fq
-    else:
-        G = pad_time(g[..., 0], C, dim=2).view(B, H, n, C).cumsum(-1)
-        A = A * torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~mask, float("-inf")))
-        A = A.masked_fill_(~mask, 0.0)  # by selection: an inf key would make the masked 0 * inf NaN
-        G_end = G[..., -1:]  # [B, H, n, 1]
-        k_dec = fk * torch.exp(G_end - G).unsqueeze(-1)  # keys decayed to the chunk's end
-        U = torch.cat([k_dec.transpose(-1, -2) @ v, k_dec.sum(3).unsqueeze(-1)], dim=-1)
-        decay = torch.exp(G_end).unsqueeze(-1)  # [B, H, n, 1, 1]
-        q_inter = fq * torch.exp(G).unsqueeze(-1)
-    # the state before each chunk; a Python loop (+ stack) is several times faster than cumsum
-    # along this axis on CPU, and keeps exactly one state per chunk for backward
-    # (unbind, not U[:, :, i]: indexing would give each step a backward that writes a full-size gradient)
-    starts = []
-    decays = decay.unbind(2) if decay is not None else None
-    for i, U_i in enumerate(U.unbind(2)):
-        starts.append(S)
-        S = (S if decays is None else decays[i] * S) + U_i
-    starts = torch.stack(starts, dim=2)
-    kv_prev, z_prev = starts[..., :V], starts[..., V]
-    num = causal_matmul(A.flatten(0, 2), v.flatten(0, 2), input=(q_inter @ kv_prev).flatten(0, 2))
-    den = A.sum(-1) + (q_inter * z_prev.unsqueeze(3)).sum(-1)
-    return (num.view(B, H, n * C, V)[:, :, :T], den.view(B, H, n * C)[:, :, :T]), None, S, None
-
-
-class _ShiftPlan(NamedTuple):
-    """What the log-space matmul path needs, all causal (see `_shift_plan`); [B, H, n, C, *] blocks."""
-    lq: torch.Tensor
-    lk: torch.Tensor
-    G: Optional[torch.Tensor]        # the gate's cumulative sum inside each chunk [B, H, n, C], or None
-    mu_start: torch.Tensor           # the state's log-scale before each chunk [B, H, n, Kf]
-    mu_next: torch.Tensor            # ... and after it
-    mu_final: torch.Tensor           # [B, H, Kf]
-    c: torch.Tensor                  # row log-scale [B, H, n, C]
-    M: torch.Tensor                  # per-chunk feature shift: the chunk's first key [B, H, n, Kf]
-    valid: torch.Tensor              # rows the shifted features represent exactly [B, H, T]
-
-
-def _shift_plan(lq, lk, g, mu, C) -> _ShiftPlan:
-    """The stabilisers of the log-space matmul path and the rows it represents exactly.
-
-    Every quantity a row i uses depends only on tokens <= i, so no later token can change its bits:
-    the state's log-scale before each chunk (the running maximum of the decayed key log-features of
-    the earlier chunks, as in the block path), the feature shift M of a chunk (its *first* key, which
-    every row of the chunk has seen), and the row log-scale c_i = max_d (lq_id + max(cm_id, mu_d + G_i)),
-    with cm_i the running maximum of the chunk's keys up to i: an upper bound on every log-weight
-    row i sees, so phi = exp(lq + M - c) <= 1. A row is valid when its keys stay within SAFE_SPAN nats
-    above the shift (psi = exp(lk - M) <= e^SAFE_SPAN) and its own diagonal term is within SAFE_SPAN
-    of c_i (so the row's sum is >= e^-SAFE_SPAN and phi >= e^-2 SAFE_SPAN at the feature that carries
-    it): then nothing overflows or becomes subnormal in the terms that matter, and the row is exact.
-    Non-finite keys make the rows from theirs on invalid (those go to the block path).
-    """
-    B, H, T, Kf = lq.shape
-    lq = pad_time(lq, C, dim=2).contiguous()
-    lk = pad_time(lk, C, dim=2, value=NEG).contiguous()  # padding keys weigh exactly 0
-    n = lq.shape[2] // C
-    lq, lk = lq.view(B, H, n, C, Kf), lk.view(B, H, n, C, Kf)
-    G = None if g is None else pad_time(g[..., 0], C, dim=2).view(B, H, n, C).cumsum(-1)
-    with torch.no_grad():
-        b = lk if G is None else lk + (G[..., -1:] - G).unsqueeze(-1)  # keys' log-weights at their chunk's end
-        bmax = b.amax(3)  # [B, H, n, Kf]
-        G_end = G[..., -1:].unbind(2) if G is not None else [None] * n  # each [B, H, 1]
-        mus, m = [], mu.detach()
-        for bm, ge in zip(bmax.unbind(2), G_end):
-            mus.append(m)
-            m = torch.maximum(m if ge is None else m + ge, bm)
-        mu_start = torch.stack(mus, dim=2)
-        mu_next = torch.stack(mus[1:] + [m], dim=2)
-        lqd, lkd = lq.detach(), lk.detach()
-        cm = lkd.cummax(3).values  # running maximum of the chunk's keys, up to each row
-        x_state = lqd + mu_start.unsqueeze(3)
-        if G is not None:
-            x_state = x_state + G.detach().unsqueeze(-1)
-        c = torch.maximum((lqd + cm).amax(-1), x_state.amax(-1))  # [B, H, n, C]
-        M = lkd[:, :, :, 0]
-        diag = (lqd + lkd).amax(-1)
-        valid = ((cm - M.unsqueeze(3)).amax(-1) < SAFE_SPAN) & ((c - diag) < SAFE_SPAN)
-    return _ShiftPlan(lq, lk, G, mu_start, mu_next, m, c, M, valid.view(B, H, n * C)[:, :, :T])
-
-
-def _chunk_shifted(plan: _ShiftPlan, v, S):
-    """Log-space maps with no gate or a scalar gate on the matmul path (CPU tensors in eager mode).
-
-    Within a chunk, w_ij = sum_d exp(lq_id + lk_jd - c_i) (times exp(G_i - G_j) with a gate) is the
-    matmul of phi = exp(lq + M - c_i) and psi = exp(lk - M), M the chunk's first key (`_shift_plan`);
-    across chunks the state is carried in log-scale form exactly like the block path's. Rows that are
-    not `plan.valid` are wrong here and must be taken from the block path.
-    """
-    lq, lk, G, mu_start, mu_next = plan.lq, plan.lk, plan.G, plan.mu_start, plan.mu_next
-    B, H, n, C, Kf = lq.shape
-    T, V = v.shape[2], v.shape[-1]
-    v = pad_time(v, C, dim=2).contiguous().view(B, H, n, C, V)
-    mask = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-    # the state before each chunk (every factor exp(<= 0))
-    b = lk if G is None else lk + (G[..., -1:] - G).unsqueeze(-1)
-    k_end = torch.exp(b - mu_next.unsqueeze(3))  # [B, H, n, C, Kf]
-    U = torch.cat([k_end.transpose(-1, -2) @ v, k_end.sum(3).unsqueeze(-1)], dim=-1)  # [B, H, n, Kf, V + 1]
-    carry = mu_start - mu_next if G is None else mu_start + G[..., -1:] - mu_next
-    starts = []
-    for U_i, f_i in zip(U.unbind(2), torch.exp(carry).unsqueeze(-1).unbind(2)):
-        starts.append(S)
-        S = f_i * S + U_i
-    starts = torch.stack(starts, dim=2)
-    # inside each chunk: phi psi^T (times the decay), masked by selection
-    c = plan.c.unsqueeze(-1)
-    fq = torch.exp(lq + plan.M.unsqueeze(3) - c)
-    fk = torch.exp(lk - plan.M.unsqueeze(3))
-    A = fq @ fk.transpose(-1, -2)  # [B, H, n, C, C]
-    x_state = lq + mu_start.unsqueeze(3)
-    if G is not None:
-        A = A * torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~mask, float("-inf")))
-        x_state = x_state + G.unsqueeze(-1)
-    A = A.masked_fill(~mask, 0.0)
-    q_state = torch.exp(x_state - c)  # <= 1
-    kv_prev, z_prev = starts[..., :V], starts[..., V]
-    num = causal_matmul(A.flatten(0, 2), v.flatten(0, 2), input=(q_state @ kv_prev).flatten(0, 2))
-    den = A.sum(-1) + (q_state * z_prev.unsqueeze(3)).sum(-1)
-    c = plan.c.reshape(B, H, n * C)[:, :, :T]
-    return (num.view(B, H, n * C, V)[:, :, :T], den.view(B, H, n * C)[:, :, :T]), c, S, plan.mu_final
-
-
-def _chunk_log(fq, fk, v, g, S, mu, s, log_space):
-    """Causal chunk form in log-space, for exp-type feature maps and for diagonal gates.
-
-    With a = lq + G and b = lk - G (G the gate's cumulative sum inside a block of s tokens), the
-    weight is w_ij = sum_d fq_id fk_jd exp(a_id + b_jd). Inside a block it is computed explicitly
-    relative to the row's own maximum; across blocks through the state (S, mu), whose every
-    rescaling factor is exp(<= 0). The two parts are merged like flash-attention merges tiles.
-    """
-    B, H, T, Kf = fq.shape
-    fq = pad_time(fq, s, dim=2)
-    fk = pad_time(fk, s, dim=2, value=NEG if log_space else 0.0)  # padding keys weigh exactly 0
-    v = pad_time(v, s, dim=2)
-    n = fq.shape[2] // s
-    V1 = v.shape[-1]
-    fq, fk, v = fq.view(B, H, n, s, Kf), fk.view(B, H, n, s, Kf), v.view(B, H, n, s, V1)
-    if g is not None:
-        G = pad_time(g, s, dim=2).view(B, H, n, s, g.shape[-1]).cumsum(3)
-    else:
-        G = torch.zeros(B, H, n, s, 1, dtype=v.dtype, device=v.device)
-    a = (fq if log_space else 0.0) + G
-    b = (fk if log_space else 0.0) - G
-
-    # intra-block: explicit [s, s, Kf] weights per block
-    mask = torch.ones(s, s, dtype=torch.bool, device=v.device).tril()
-    x = (a.unsqueeze(4) + b.unsqueeze(3)).masked_fill(~mask[..., None], NEG)  # [B, H, n, s, s, Kf]
-    c_in = _row_scale(x, (-2, -1)) if log_space else None
-    E = torch.exp(x - c_in[..., None, None]) if log_space else torch.exp(x)
-    if not log_space:
-        E = E * fq.unsqueeze(4) * fk.unsqueeze(3)
-    W = E.sum(-1)
-    if not log_space:
-        W = W.masked_fill(~mask, 0.0)  # the masked exp(NEG) = 0 times an inf feature is NaN
-    o_in = causal_matmul(W, v)  # [B, H, n, s, V1]
-
-    # inter-block: carry (S, mu) through the blocks; keep the state at each block's start
-    G_end = G[:, :, :, -1]  # [B, H, n, 1 or Kf]
-    starts, mus = [], []
-    # per-block tensors by unbind (indexing would give every step a full-size backward)
-    if mu is None:
-        k_end = fk * torch.exp(G_end.unsqueeze(3) - G)  # keys decayed to their block's end
-        for k_i, v_i, ge_i in zip(k_end.unbind(2), v.unbind(2), torch.exp(G_end).unbind(2)):
-            starts.append(S)
-            S = ge_i.unsqueeze(-1) * S + k_i.transpose(-1, -2) @ v_i
-    else:
-        b_end = b + G_end.unsqueeze(3)  # keys' log-weights at their block's end
-        for b_i, v_i, ge_i in zip(b_end.unbind(2), v.unbind(2), G_end.unbind(2)):
-            starts.append(S)
-            mus.append(mu)
-            decayed = mu + ge_i
-            new_mu = torch.maximum(decayed, b_i.amax(2)).detach()
-            S = torch.exp(decayed - new_mu).unsqueeze(-1) * S \
-                + torch.exp(b_i - new_mu.unsqueeze(2)).transpose(-1, -2) @ v_i
-            mu = new_mu
-    starts = torch.stack(starts, dim=2)  # [B, H, n, Kf, V1]
-    if mu is None:
-        o = o_in + (fq * torch.exp(G)) @ starts
-        c = None
-    else:
-        x_st = a + torch.stack(mus, dim=2).unsqueeze(3)  # [B, H, n, s, Kf]
-        c_st = _row_scale(x_st, -1)
-        c = torch.maximum(c_in, c_st)
-        o = o_in * torch.exp(c_in - c).unsqueeze(-1) \
-            + (torch.exp(x_st - c.unsqueeze(-1)) @ starts)
-        c = c.reshape(B, H, n * s)[:, :, :T]
-    return o.reshape(B, H, n * s, V1)[:, :, :T], c, S, mu  # explicit sizes: B may be 0
-
-
-def _final_state(fk, vt, glog, S, mu, log_space):
-    """Final state of a sequence, by the block recurrence (used by the parallel form)."""
-    if log_space or (glog is not None and glog.shape[-1] > 1):
-        _, _, S, mu = _chunk_log(torch.zeros_like(fk), fk, vt, glog, S, mu, LOG_BLOCK, log_space)
-        return S, mu
-    _, _, S, _ = _chunk_matmul(torch.zeros_like(fk), fk, vt[..., :-1], glog, S, 64)
-    return S, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -627,56 +306,27 @@ def prepare_linear_attention(q, k, v, *, feature_map="elu+1", causal=True, norma
 
 
 # ----------------------------------------------------------------------------------------------
-# The PyTorch backend
+# The PyTorch backend: the forms (one per module, see linear_common.py) and their dispatch
 # ----------------------------------------------------------------------------------------------
 
-def _with_ones(x):
-    return torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
-
-
-def _run_form(p: LinearProblem, fq, fk, vt, glog, S, mu):
-    """One sequence (or a batch of equal-length ones) in the [B, H, T, D] layout -> (o, c, S, mu);
-    o is (num, den) on the matmul path and [.., V + 1] (numerator | denominator) otherwise."""
+def _run_form(p: LinearProblem, fq, fk, vt, glog, S, mu) -> FormResult:
+    """One sequence (or a batch of equal-length ones) in the forms' [B, H, T, D] layout (`linear_common.py`):
+    picks the form from the mode, causality, the map and the gate."""
     log_space = p.fmap.log_space
     if p.causal and p.mode == "chunk" and not p.diagonal_gate:
         if not log_space:
-            return _chunk_matmul(fq, fk, vt, glog, S, p.chunk_size)
+            return chunk_matmul_form(fq, fk, vt, glog, S, p.chunk_size)
         if not fk.is_cuda and not torch.compiler.is_compiling():  # as before: a CPU, eager-mode path
-            shifted = _log_chunk_matmul(fq, fk, vt, glog, S, mu, p.chunk_size)
+            shifted = log_chunk_matmul_form(fq, fk, vt, glog, S, mu, p.chunk_size)
             if shifted is not None:
                 return shifted
-    vt = _with_ones(vt)
     if p.mode == "parallel":
-        o, c, _, _ = _parallel(fq, fk, vt, glog, S, mu, p.causal, log_space)
-        # the quadratic form has no state of its own: compute it only when asked for
-        if not p.output_final_state:
-            S, mu = None, None
-        elif p.causal:
-            S, mu = _final_state(fk, vt, glog, S, mu, log_space)
-        else:
-            S, mu = _bidirectional(fq, fk, vt, S, mu)[2:]
-        return o, c, S, mu
+        return parallel_form(fq, fk, vt, glog, S, mu, p.causal, log_space, p.output_final_state)
     if not p.causal:
-        return _bidirectional(fq, fk, vt, S, mu)
+        return bidirectional_form(fq, fk, vt, S, mu)
     if p.mode == "recurrent":
-        return _recurrent(fq, fk, vt, glog, S, mu)
-    return _chunk_log(fq, fk, vt, glog, S, mu, min(p.chunk_size, LOG_BLOCK), log_space)
-
-
-def _log_chunk_matmul(fq, fk, vt, glog, S, mu, C):
-    """The log-space matmul path, with every row it cannot represent taken from the block path
-    (rows are chosen by a causal, row-local test, see `_shift_plan`); None when no row qualifies."""
-    plan = _shift_plan(fq, fk, glog, mu, C)
-    if not bool(plan.valid.any()):
-        return None
-    (num, den), c, S_out, mu_out = _chunk_shifted(plan, vt, S)
-    if not bool(plan.valid.all()):  # rare: huge spans of key log-features, or non-finite keys
-        o, c_b, _, _ = _chunk_log(fq, fk, _with_ones(vt), glog, S, mu, min(C, LOG_BLOCK), True)
-        V = vt.shape[-1]
-        ok = plan.valid
-        num = torch.where(ok.unsqueeze(-1), num, o[..., :V])
-        den, c = torch.where(ok, den, o[..., V]), torch.where(ok, c, c_b)
-    return (num, den), c, S_out, mu_out
+        return recurrent_form(fq, fk, vt, glog, S, mu)
+    return chunk_log_form(fq, fk, vt, glog, S, mu, min(p.chunk_size, LOG_BLOCK), log_space)
 
 
 def _fast_chunk(p: LinearProblem) -> bool:
@@ -686,7 +336,7 @@ def _fast_chunk(p: LinearProblem) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def _run_fast_chunk(p: LinearProblem, cdt):
+def _run_fast_chunk(p: LinearProblem, cdt) -> FormResult:
     """`_run_torch` on the fast chunk form; the maps with an in-kernel form are applied inside it."""
     V = p.v.shape[-1]
     fused = p.fmap.fused_kernel if (p.fmap.fused_kernel in FUSED and not p.fmap.positional) else None
@@ -703,17 +353,21 @@ def _run_fast_chunk(p: LinearProblem, cdt):
     else:
         S0 = torch.zeros(p.N, H, p.Kf, V + 1, dtype=cdt, device=p.q.device)
     if p.offsets is None:
-        (num, den), S = linear_chunk(xq, xk, v, S0, p.chunk_size, fused)
-        return num, den, None, S, None
-    nums, dens, Ss = [], [], []
-    for i, (a, b) in enumerate(zip(p.offsets[:-1], p.offsets[1:])):
-        (num, den), S = linear_chunk(xq[:, a:b], xk[:, a:b], v[:, a:b], S0[i:i + 1], p.chunk_size, fused)
-        nums.append(num), dens.append(den), Ss.append(S)
-    return torch.cat(nums, dim=2), torch.cat(dens, dim=2), None, torch.cat(Ss), None
+        return linear_chunk(xq, xk, v, S0, p.chunk_size, fused)
+    return _join(p, [linear_chunk(xq[:, a:b], xk[:, a:b], v[:, a:b], S0[i:i + 1], p.chunk_size, fused)
+                     for i, (a, b) in enumerate(zip(p.offsets[:-1], p.offsets[1:]))])
 
 
-def _run_torch(p: LinearProblem):
-    """-> (num [B, H, T, V], den [B, H, T], c [B, H, T] or None, S [N, H, Kf, V + 1], mu)."""
+def _join(p: LinearProblem, parts: List[FormResult]) -> FormResult:
+    """The forms' results of the packed sequences, in order, as one result (T joined, states stacked)."""
+    c = torch.cat([r.c for r in parts], dim=2) if p.fmap.log_space else None
+    S = torch.cat([r.S for r in parts]) if p.output_final_state else None
+    mu = torch.cat([r.mu for r in parts]) if (p.output_final_state and p.fmap.log_space) else None
+    return FormResult(torch.cat([r.num for r in parts], dim=2), torch.cat([r.den for r in parts], dim=2), c, S, mu)
+
+
+def _run_torch(p: LinearProblem) -> FormResult:
+    """The PyTorch forms on a prepared call, in the forms' layout (`linear_common.py`)."""
     cdt = compute_dtype(p.q.dtype)
     V = p.v.shape[-1]
     if _fast_chunk(p):
@@ -730,25 +384,12 @@ def _run_torch(p: LinearProblem):
     else:
         S0 = torch.zeros(p.N, fq.shape[1], p.Kf, V + 1, dtype=cdt, device=fq.device)
         mu0 = torch.full((p.N, fq.shape[1], p.Kf), NEG, dtype=cdt, device=fq.device) if p.fmap.log_space else None
-
-    def split(o):
-        return o if isinstance(o, tuple) else (o[..., :V], o[..., V])
-
     if p.offsets is None:
-        o, c, S, mu = _run_form(p, fq, fk, vt, glog, S0, mu0)
-        num, den = split(o)
-        return num, den, c, S, mu
-    nums, dens, cs, Ss, mus = [], [], [], [], []
-    for i, (a, b) in enumerate(zip(p.offsets[:-1], p.offsets[1:])):
-        o, c, S, mu = _run_form(p, fq[:, :, a:b], fk[:, :, a:b], vt[:, :, a:b],
-                                glog[:, :, a:b] if glog is not None else None,
-                                S0[i:i + 1], mu0[i:i + 1] if mu0 is not None else None)
-        num, den = split(o)
-        nums.append(num), dens.append(den), cs.append(c), Ss.append(S), mus.append(mu)
-    c = torch.cat(cs, dim=2) if p.fmap.log_space else None
-    S = torch.cat(Ss) if p.output_final_state else None
-    mu = torch.cat(mus) if (p.output_final_state and p.fmap.log_space) else None
-    return torch.cat(nums, dim=2), torch.cat(dens, dim=2), c, S, mu
+        return _run_form(p, fq, fk, vt, glog, S0, mu0)
+    return _join(p, [_run_form(p, fq[:, :, a:b], fk[:, :, a:b], vt[:, :, a:b],
+                               glog[:, :, a:b] if glog is not None else None,
+                               S0[i:i + 1], mu0[i:i + 1] if mu0 is not None else None)
+                     for i, (a, b) in enumerate(zip(p.offsets[:-1], p.offsets[1:]))])
 
 
 def _divide_finite_part(num, den):

@@ -1,6 +1,9 @@
-"""The fast chunk form of causal linear attention with linear-space features and no gate (issue 15).
+"""The chunk forms of causal linear attention with linear-space features and no gate or a scalar gate.
 
-One `torch.autograd.Function` with a hand-written backward, for the hot path of `linear_attention`
+`chunk_matmul_form`: the autograd form, only matmuls, with a scalar gate (and under torch.compile).
+`linear_chunk`: the fast form with no gate (issue 15), below. Both return a `FormResult` (`linear_common.py`).
+
+The fast form is one `torch.autograd.Function` with a hand-written backward, for the hot path of `linear_attention`
 (elu+1, relu, identity or any other linear-space map, with no decay):
 num_i = phi(q_i) . (S_0 + sum_{j<=i} psi(k_j) v_j^T), den_i = phi(q_i) . (z_0 + sum_{j<=i} psi(k_j)).
 
@@ -10,7 +13,7 @@ the states before the chunk):
     A = tril(Q K^T),   num = A V + Q P_c,   den = A 1 + Q zP_c,
     P_{c+1} = P_c + K^T V,   zP_{c+1} = zP_c + K^T 1.
 
-What makes it faster on a CPU than the autograd form (`linear._chunk_matmul`, still used with a gate and
+What makes it faster on a CPU than the autograd form (`chunk_matmul_form` below, still used with a gate and
 under torch.compile):
 
 * one layout pass per input, [B, T, H, D] -> [B, H, T', D] (T' = T padded to the chunk), straight into
@@ -36,10 +39,58 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._common import _reads_values, causal_matmul
+from ._common import _reads_values, causal_matmul, pad_time
+from .linear_common import FormResult
 
 SCAN_BLOCK = 16  # chunks per block of the running sum (fixed: the order of additions never depends on T)
 FUSED = (None, "identity", "relu", "elu+1")  # feature maps applied inside the buffers (None: given features)
+
+
+def chunk_matmul_form(fq, fk, v, g, S, C: int) -> FormResult:
+    """Causal chunk form for plain features with no gate or a scalar gate: only matmuls.
+
+    fq, fk [B, H, T, Kf] and v [B, H, T, V] (no ones column: on this hot path the normaliser is
+    computed beside the values, which keeps the matmuls 64 wide). Per chunk:
+    o = (phi(Q) psi(K)^T * D) V + (phi(Q) * decay) S_prev, with D_ij = exp(G_i - G_j) from the
+    gate's cumulative sum local to the chunk, so every exponent is <= 0. Backward keeps one
+    state per chunk, never one per token.
+    """
+    B, H, T, Kf = fq.shape
+    V = v.shape[-1]
+    # one explicit copy into [B, H, n, C, D]: otherwise every bmm gathers its strided operands itself
+    fq, fk, v = (pad_time(x, C, dim=2).contiguous() for x in (fq, fk, v))  # zero keys/values add nothing
+    n = fq.shape[2] // C
+    fq, fk, v = fq.view(B, H, n, C, Kf), fk.view(B, H, n, C, Kf), v.view(B, H, n, C, V)
+    mask = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+    A = fq @ fk.transpose(-1, -2)  # [B, H, n, C, C]
+    if g is None:
+        A = A.masked_fill_(~mask, 0.0)  # in place: bmm's backward needs its inputs, not A
+        U = torch.cat([fk.transpose(-1, -2) @ v, fk.sum(3).unsqueeze(-1)], dim=-1)  # each chunk's [kv | z]
+        decay = None
+        q_inter = fq
+    else:
+        G = pad_time(g[..., 0], C, dim=2).view(B, H, n, C).cumsum(-1)
+        A = A * torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~mask, float("-inf")))
+        A = A.masked_fill_(~mask, 0.0)  # by selection: an inf key would make the masked 0 * inf NaN
+        G_end = G[..., -1:]  # [B, H, n, 1]
+        k_dec = fk * torch.exp(G_end - G).unsqueeze(-1)  # keys decayed to the chunk's end
+        U = torch.cat([k_dec.transpose(-1, -2) @ v, k_dec.sum(3).unsqueeze(-1)], dim=-1)
+        decay = torch.exp(G_end).unsqueeze(-1)  # [B, H, n, 1, 1]
+        q_inter = fq * torch.exp(G).unsqueeze(-1)
+    # the state before each chunk; a Python loop (+ stack) is several times faster than cumsum
+    # along this axis on CPU, and keeps exactly one state per chunk for backward
+    # (unbind, not U[:, :, i]: indexing would give each step a backward that writes a full-size gradient)
+    starts = []
+    decays = decay.unbind(2) if decay is not None else None
+    for i, U_i in enumerate(U.unbind(2)):
+        starts.append(S)
+        S = (S if decays is None else decays[i] * S) + U_i
+    starts = torch.stack(starts, dim=2)
+    kv_prev, z_prev = starts[..., :V], starts[..., V]
+    num = causal_matmul(A.flatten(0, 2), v.flatten(0, 2), input=(q_inter @ kv_prev).flatten(0, 2))
+    den = A.sum(-1) + (q_inter * z_prev.unsqueeze(3)).sum(-1)
+    return FormResult(num.view(B, H, n * C, V)[:, :, :T], den.view(B, H, n * C)[:, :, :T], None, S, None)
+
 
 
 def _to_chunks(x: torch.Tensor, Tp: int) -> torch.Tensor:
@@ -177,9 +228,9 @@ class LinearChunk(torch.autograd.Function):
 
 
 def linear_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor, C: int,
-                 fused: Optional[str] = None) -> Tuple[Tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+                 fused: Optional[str] = None) -> FormResult:
     """The causal chunk form without a gate. q, k [B, T, H, Kf]: the features (fused=None) or the inputs of
     the fused map (`FUSED`); v [B, T, H, V]; any strides; S0 [B, H, Kf, V + 1].
-    -> ((num [B, H, T, V], den [B, H, T]), final state [B, H, Kf, V + 1])."""
+    -> FormResult(num [B, H, T, V], den [B, H, T], None, final state [B, H, Kf, V + 1], None)."""
     num, den, S = LinearChunk.apply(q, k, v, S0, C, fused)
-    return (num, den), S
+    return FormResult(num, den, None, S, None)
