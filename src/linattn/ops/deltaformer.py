@@ -55,8 +55,14 @@ STAGE1_QUERIES = ("k", "q")
 
 
 class DeltaFormerState(NamedTuple):
-    """The decoding state of `deltaformer`: the cached keys k `[B, L, H, K]` and pseudo-values
-    u `[B, L, H, V]` (compute dtype). Stage one of a new token reads (k, u); stage two attends them."""
+    """The decoding state of `deltaformer`: the cached keys and pseudo-values (compute dtype).
+
+    Stage one of a new token reads (k, u); stage two attends them.
+
+    Attributes:
+        k: `[B, L, H, K]`, the cached keys.
+        u: `[B, L, H, V]`, the cached pseudo-values.
+    """
     k: torch.Tensor
     u: torch.Tensor
 

@@ -48,9 +48,12 @@ from ._flash import (
 class ForgettingAttentionState(NamedTuple):
     """The decoding state of `forgetting_attention`: the KV cache and the running gate sum.
 
-    k: [B, L, H, K], v: [B, L, H, V] the cached keys and values (compute dtype; with a window only the
-    last window - 1 tokens are kept); G: [B, L, H] fp64 the cumulative log-gate at each cached token;
-    G_now: [B, H] fp64 the cumulative log-gate of the last token seen (G and G_now are None without g).
+    Attributes:
+        k: `[B, L, H, K]`, the cached keys (compute dtype; with a window only the last window - 1 tokens
+            are kept).
+        v: `[B, L, H, V]`, the cached values.
+        G: `[B, L, H]` fp64, the cumulative log-gate at each cached token (None without g).
+        G_now: `[B, H]` fp64, the cumulative log-gate of the last token seen (None without g).
     """
     k: torch.Tensor
     v: torch.Tensor

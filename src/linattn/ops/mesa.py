@@ -76,8 +76,9 @@ DEFAULT_TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 class MesaState(NamedTuple):
     """The recurrent state of `mesa_net`, one row per sequence, fp32 (fp64 for fp64 inputs).
 
-    kk: [N, H, K, K]  H_t = sum_j decay * beta_j k_j k_j^T   (symmetric positive semi-definite)
-    kv: [N, H, K, V]  G_t = sum_j decay * beta_j k_j v_j^T
+    Attributes:
+        kk: `[N, H, K, K]`, H_t = sum_j decay * beta_j k_j k_j^T (symmetric positive semi-definite).
+        kv: `[N, H, K, V]`, G_t = sum_j decay * beta_j k_j v_j^T.
     """
     kk: torch.Tensor
     kv: torch.Tensor

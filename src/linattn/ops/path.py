@@ -82,11 +82,14 @@ from .delta_core import check_tensor_like
 
 
 class PaTHState(NamedTuple):
-    """The decoding state of `path_attention`.
+    """The decoding state of `path_attention`. Compute dtype.
 
-    k: [B, L, H, K] the cached keys, each already multiplied by every later token's factor
-    (k_j -> R_tj k_j after token t); v: [B, L, H, V]; G: [B, L, H] fp64 cumulative log-gates and
-    G_now: [B, H] fp64 the last token's (both None without g). Compute dtype.
+    Attributes:
+        k: `[B, L, H, K]`, the cached keys, each already multiplied by every later token's factor
+            (k_j -> R_tj k_j after token t).
+        v: `[B, L, H, V]`, the cached values.
+        G: `[B, L, H]` fp64, cumulative log-gates (None without g).
+        G_now: `[B, H]` fp64, the last token's (None without g).
     """
     k: torch.Tensor
     v: torch.Tensor

@@ -96,13 +96,15 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 class TTTState(NamedTuple):
-    """The recurrent state of `ttt` / `titans` (module docstring). Tensors `[N, H, ...]`, fp32 (fp64
-    for fp64 inputs); N = B, or the number of sequences in cu_seqlens.
+    """The recurrent state of `ttt` / `titans` (module docstring).
 
-    start:    inner weights at the start of the current mini-batch (where gradients are taken)
-    current:  inner weights after the last token
-    momentum: Titans' S, shaped like the weights (None for ttt)
-    position: per sequence, the tokens of the current mini-batch already consumed (0 .. mini_batch-1)
+    Tensors `[N, H, ...]`, fp32 (fp64 for fp64 inputs); N = B, or the number of sequences in cu_seqlens.
+
+    Attributes:
+        start: Inner weights at the start of the current mini-batch (where gradients are taken).
+        current: Inner weights after the last token.
+        momentum: Titans' S, shaped like the weights (None for ttt).
+        position: Per sequence, the tokens of the current mini-batch already consumed (0 .. mini_batch-1).
     """
     start: Tuple[torch.Tensor, ...]
     current: Tuple[torch.Tensor, ...]
