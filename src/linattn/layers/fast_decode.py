@@ -34,9 +34,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cpu import decode as _cpu_decode
-from ..feature_maps import EluPlusOne, Identity, ReLU
 from ..ops import LinearAttentionState
 from ..ops.delta_core import efla_coefficient, key_norms
+from ..ops.feature_maps import EluPlusOne, Identity, ReLU
 from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS, l2norm
 from .cache import FastDecodeState, LayerCache
 from .common import GatedRMSNorm, ShortConv, mamba_neg_a
