@@ -5,7 +5,7 @@ from __future__ import annotations
 
 _NAMES = ("FeatureMap", "Identity", "EluPlusOne", "ReLU", "CosFormer", "Taylor2", "HadamardExp", "SumSqEuclid",
           "SubSqEuclid", "MagnitudeDirection", "FAVORPlus", "FEATURE_MAPS", "FEATURE_MAP_NAMES", "feature_map_names",
-          "get_feature_map", "register_feature_map", "on_feature_map_registered")
+          "get_feature_map", "register_feature_map", "unregister_feature_map", "on_feature_map_registered")
 __all__ = list(_NAMES)
 
 

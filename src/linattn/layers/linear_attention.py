@@ -23,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import LinattnError
-from ..feature_maps import CosFormer, FAVORPlus, FeatureMap, get_feature_map
 from ..ops import linear_attention
+from ..ops.feature_maps import FeatureMap, get_feature_map
 from . import fast_decode
 from .base import AttentionBase
 from .cache import LayerCache
@@ -54,9 +54,10 @@ class LinearAttention(AttentionBase):
     """Multi-head kernelized linear attention layer.
 
     Args (besides those of `AttentionBase`: head_dim, short_conv, rope, output_norm, output_gate...):
-        feature_map: a name from `linattn.FEATURE_MAP_NAMES`, a `linattn.FeatureMap`, or None
-            (identity). "favor+" builds a `FAVORPlus(head_dim)` submodule (its projection is saved
-            with the state dict); "cosformer" uses `max_seq_len` as its horizon.
+        feature_map: a registered name (`linattn.feature_map_names()`), a `linattn.FeatureMap`, or None
+            (identity). A name builds itself: `cls.build(head_dim, max_seq_len=max_seq_len, seed=feature_seed)`
+            ("favor+" makes a `FAVORPlus(head_dim)` submodule whose projection is saved with the state dict;
+            "cosformer" uses `max_seq_len` as its horizon).
         normalize: divide by the kernel's normaliser (an average of values) or not (a plain sum,
             as in RetNet/GLA/Mamba2, which rely on the output norm).
         gate: None | "retnet" | "scalar" | "diagonal" (see the module docstring).
@@ -75,13 +76,9 @@ class LinearAttention(AttentionBase):
         if gate not in GATES:
             raise LinattnError(f"gate must be one of {GATES}, got {gate!r}")
         super().__init__(d_model, n_heads, **kwargs)
-        max_seq_len = kwargs.get("max_seq_len", 2048)
-        if isinstance(feature_map, str) and feature_map == "favor+":
-            fmap = FAVORPlus(self.head_dim, seed=feature_seed)
-        elif isinstance(feature_map, str) and feature_map == "cosformer":
-            fmap = CosFormer(max_len=max_seq_len)
-        else:
-            fmap = get_feature_map(feature_map, self.head_dim)
+        # a named map builds itself from what the layer knows (cosformer: its horizon; favor+: its draw)
+        fmap = get_feature_map(feature_map, self.head_dim, max_seq_len=kwargs.get("max_seq_len", 2048),
+                               seed=feature_seed)
         self.feature_map = fmap  # registered as a submodule if it is one (FAVOR+)
         self.feature_map_name = getattr(fmap, "name", "custom")
         self.normalize, self.gate = bool(normalize), gate

@@ -336,6 +336,14 @@ def register_feature_map(name: str, cls: type, *, overwrite: bool = False) -> No
             listener(name)
 
 
+def unregister_feature_map(name: str) -> None:
+    """Remove a registered feature map (for plugins and tests; its `linear-<name>` mixer stays until
+    `unregister_mixer` removes it)."""
+    if name not in FEATURE_MAPS:
+        raise ConfigError(f"unknown feature map {name!r}; registered: {', '.join(FEATURE_MAPS)}")
+    del FEATURE_MAPS[name]
+
+
 def on_feature_map_registered(listener: Callable[[str], None]) -> None:
     """Call `listener(name)` for every feature map registered from now on (the `linear-<name>` mixers)."""
     _LISTENERS.append(listener)
@@ -377,4 +385,4 @@ def __getattr__(name: str):
 
 __all__ = ["FeatureMap", "Identity", "EluPlusOne", "ReLU", "CosFormer", "Taylor2", "HadamardExp", "SumSqEuclid",
            "SubSqEuclid", "MagnitudeDirection", "FAVORPlus", "FEATURE_MAPS", "feature_map_names",
-           "get_feature_map", "register_feature_map", "on_feature_map_registered"]
+           "get_feature_map", "register_feature_map", "unregister_feature_map", "on_feature_map_registered"]
