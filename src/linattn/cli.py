@@ -131,8 +131,10 @@ def cmd_export_hf(sub) -> None:
 
 
 def cmd_import_hf(sub) -> None:
-    _hf_command(sub, "import-hf", "write a Hugging Face folder exported by linattn as a linattn checkpoint",
-                "--model", "the transformers folder (export-hf's --out, or a saved LinattnForCausalLM)",
+    _hf_command(sub, "import-hf", "write a Hugging Face folder exported by linattn, or a flash-linear-attention "
+                "model folder, as a linattn checkpoint",
+                "--model", "the transformers folder (export-hf's --out, a saved LinattnForCausalLM, or a saved "
+                "flash-linear-attention model: transformer, gla, gated_deltanet, ...)",
                 "run folder to write the checkpoint into (for eval, generate)", "import_main")
 
 

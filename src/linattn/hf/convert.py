@@ -2,6 +2,7 @@
 
     export_hf("runs/efla", "hf_dir")     # the latest checkpoint + its tokenizer -> a transformers folder
     import_hf("hf_dir", "runs/back")     # a transformers folder -> a linattn checkpoint (weights only)
+    import_hf("fla_dir", "runs/gla")     # a flash-linear-attention folder, too (`linattn.hf.fla.import_fla`)
 
 An exported folder holds config.json (with `auto_map`), model.safetensors, generation_config.json,
 the trust_remote_code modules, and the tokenizer (tokenizer.json + tokenizer_config.json, with
@@ -25,6 +26,7 @@ from ..errors import CheckpointError
 from ..io import TMP_PREFIX, give_default_modes, read_json, write_json
 from ..models.family import config_to_dict
 from ..models.lm import LanguageModel
+from .fla import import_fla, supported_types
 from .modeling_linattn import LinattnForCausalLM
 
 PathLike = Union[str, os.PathLike]
@@ -102,10 +104,20 @@ def export_hf(checkpoint: PathLike, out: PathLike, *, overwrite: bool = False,
 
 def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step: Optional[int] = None) -> Path:
     """Write the transformers folder `hf_dir` (a LinattnForCausalLM) as a linattn checkpoint in the run
-    folder `out` (weights, model config, tokenizer; no training state). Returns the step folder."""
+    folder `out` (weights, model config, tokenizer; no training state). Returns the step folder.
+    A flash-linear-attention model folder (config.json's model_type one of `linattn.hf.fla.supported_types()`)
+    goes to `import_fla`; any other model_type is a CheckpointError listing the supported ones."""
     hf_dir, out = Path(hf_dir), Path(out)
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} is not a transformers model folder (no config.json)")
+    cfg = read_json(hf_dir / "config.json")
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if model_type in supported_types():
+        return import_fla(hf_dir, out, overwrite=overwrite, step=step or 0)
+    if model_type is not None and model_type != LinattnForCausalLM.config_class.model_type:
+        raise CheckpointError(f"{hf_dir / 'config.json'}: unsupported model_type {model_type!r}; import-hf reads "
+                              f"{LinattnForCausalLM.config_class.model_type!r} (a folder written by export-hf) and the "
+                              f"flash-linear-attention types {', '.join(supported_types())}")
     if out.exists() and (ckpt.has_checkpoint(out) or (out.is_file())) and not overwrite:
         raise CheckpointError(f"{out} already holds a checkpoint; pass --overwrite to replace it")
     try:
@@ -139,7 +151,7 @@ def export_main(args) -> int:
 
 
 def import_main(args) -> int:
-    """`linattn import-hf --model HF_DIR --out DIR [--overwrite]`."""
+    """`linattn import-hf --model HF_DIR --out DIR [--overwrite]` (a linattn or flash-linear-attention folder)."""
     step_dir = import_hf(args.model, args.out, overwrite=args.overwrite)
     print(f"[linattn] wrote {step_dir}")
     return 0

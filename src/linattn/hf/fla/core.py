@@ -111,7 +111,7 @@ class LayerParams(dict):
 
     def __getitem__(self, name: str) -> Tensor:
         if not dict.__contains__(self, name):
-            raise CheckpointError(f"the fla weights lack the tensor {self.prefix}{name!r}; have "
+            raise CheckpointError(f"the fla weights lack the tensor {self.prefix + name!r}; have "
                                   f"{sorted(self.prefix + k for k in self)[:12]}")
         self.used.add(name)
         return dict.__getitem__(self, name)
