@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCHVISION_SPEC ?=
 STAMP := $(VENV)/.linattn-installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,5 +32,10 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q tests
 
+# The documentation site (mkdocs.yml) into site/, --strict: a broken link or a docstring griffe cannot parse fails it.
+# No network needed (no web fonts, no external scripts). Browse it with: $(PY) -m http.server -d site
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build site *.egg-info src/*.egg-info

@@ -1,5 +1,5 @@
 """`linattn experiment mad`: the standard budget, model seeds, the softmax sanity gate, paired
-comparisons and several processes sharing a results folder (tiny budgets; the real runs are in docs/results.md)."""
+comparisons and several processes sharing a results folder (tiny budgets; the real runs are in docs/results/mad.md)."""
 import json
 import math
 
@@ -142,7 +142,7 @@ def test_report_only_trains_nothing_and_a_resume_may_change_the_selection(tmp_pa
 
 
 def test_committed_run_records_still_render(tmp_path, capsys):
-    """docs/records/mad-standard holds the run records behind docs/results.md's newer-mixer MAD rows: they
+    """docs/records/mad-standard holds the run records behind docs/results/mad.md's newer-mixer MAD rows: they
     must stay a results folder of the current protocol (so a later session can --resume into it), and
     --report-only must score each mixer from its own records."""
     import shutil

@@ -1,6 +1,6 @@
 """`linattn experiment smnist-robustness`: EFLA's beta variants (adaptive decay, loose beta), --methods,
 the standard budget, the paired spread criterion and the evaluation's shortcuts (tiny budgets on fake
-MNIST; the real runs are in docs/results.md)."""
+MNIST; the real runs are in docs/results/smnist.md)."""
 import json
 import math
 
@@ -200,7 +200,7 @@ def test_evaluation_equals_a_plain_loop_with_fewer_model_calls():
 
 
 def test_committed_run_records_are_runs_of_the_standard_protocol():
-    """docs/records/smnist-standard holds the run records behind docs/results.md section 13e's EFLA-variant
+    """docs/records/smnist-standard holds the run records behind docs/results/smnist.md (13e)'s EFLA-variant
     tables: they must stay runs of the current standard protocol and plan (so a later session can copy the
     folder to results/ and --resume into it), and summarize them to their own means."""
     from dataclasses import asdict

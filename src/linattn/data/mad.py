@@ -2,7 +2,7 @@
 generated as the benchmark's public code (athms/mad-lab, `mad/data/instances.py`) generates them.
 
 Every generator returns one instance `(inputs, targets)`, two int64 numpy arrays of equal length,
-drawn from a `numpy.random.Generator`. The conventions (see `docs/results.md` and the tests):
+drawn from a `numpy.random.Generator`. The conventions (see `docs/results/mad.md` and the tests):
 
 * ignore index -100 in targets (no loss, no accuracy);
 * recall tasks (in-context, noisy, fuzzy): a *training* instance is next-token prediction over the

@@ -7,7 +7,7 @@ Layout of `results/NAME/` (or `--out DIR`):
                         with a different configuration is refused
     runs/<run>.json     one file per finished run (written atomically once the run is complete)
     results.json        everything: machine, configuration, every run, the summary
-    results.md          the markdown tables (what docs/results.md quotes)
+    results.md          the markdown tables (what docs/results/ quotes)
     *.png               the plots
 
 Resuming: each run has an id; `--resume` skips runs whose result file exists. Without `--resume`

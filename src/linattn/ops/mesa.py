@@ -28,7 +28,7 @@ Two solvers of (H_t + Diag(lam)) x_t = scale q_t, each in three forms (`mode`):
   The `recurrent` form (decoding) runs the same iteration on the materialised state H_t.
   With the same max_iter and tol, the CG forms agree with each other to rounding (each token iterates
   on its own; a converged token is frozen, so no token's result depends on another's), and with
-  solver="exact" to CG's convergence (see docs/results.md for the error against iterations).
+  solver="exact" to CG's convergence (see docs/results/test_time.md for the error against iterations).
 
 Gradients. solver="exact": plain autograd through the solves. solver="cg": implicit differentiation,
 not autograd through the iterations: for x = A^-1 b, the backward solves A y = dL/dx with the same CG

@@ -1,0 +1,126 @@
+"""The documentation site (mkdocs.yml, docs/): `mkdocs build --strict` passes (a warning, such as a broken link, a
+page missing from the build or a docstring griffe cannot parse, fails it), the key pages and the API page of
+`linattn.delta_rule` exist, every internal link and anchor of the built site resolves, the site loads nothing
+from the network, and no internal issue number leaks into the results pages or the README."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+needs_mkdocs = pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None,
+    reason="mkdocs / mkdocstrings are not installed (pip install -e '.[docs]'; `make test` installs them)")
+
+
+class _Links(HTMLParser):
+    """The ids and the outgoing href / src of one HTML page."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.links = set(), []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if a.get("id"):
+            self.ids.add(a["id"])
+        if tag == "a" and a.get("name"):
+            self.ids.add(a["name"])
+        for key in ("href", "src"):
+            if a.get(key) is not None:
+                self.links.append((tag, a[key]))
+
+
+def _parse(path: Path) -> _Links:
+    p = _Links()
+    p.feed(path.read_text(encoding="utf-8"))
+    return p
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(ROOT / "mkdocs.yml"),
+                        "-d", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout}\n{r.stderr}"
+    return out
+
+
+@needs_mkdocs
+def test_key_pages_and_the_delta_rule_api_page_exist(site):
+    for page in ("index.html", "getting_started/index.html", "concepts/index.html", "delta_rule/index.html",
+                 "mixers/index.html", "results/index.html", "results/mad/index.html", "stability/index.html",
+                 "changelog/index.html", "api/index.html", "search/search_index.json"):
+        assert (site / page).is_file(), page
+    api = _parse(site / "api/delta_rule/index.html")
+    assert "linattn.delta_rule" in api.ids          # mkdocstrings' anchor of the function's heading
+    html = (site / "api/delta_rule/index.html").read_text(encoding="utf-8")
+    for section in ("Parameters:", "Returns:"):     # the Google-style sections rendered, not left as text
+        assert section in html, section
+    # the changelog page includes CHANGELOG.md itself (a snippet), not a copy
+    assert "Keep a Changelog" in (site / "changelog/index.html").read_text(encoding="utf-8")
+
+
+@needs_mkdocs
+def test_every_internal_link_and_anchor_resolves(site):
+    # 404.html is served at any depth, so mkdocs writes its links absolute (from the site root): skip it
+    pages = {p: _parse(p) for p in site.rglob("*.html") if p.name != "404.html" or p.parent != site}
+    broken = []
+    for page, parsed in pages.items():
+        for tag, link in parsed.links:
+            parts = urlsplit(link)
+            if parts.scheme or parts.netloc or link.startswith(("mailto:", "javascript:", "data:")):
+                continue
+            target = page if not parts.path else (page.parent / unquote(parts.path)).resolve()
+            if target.is_dir():
+                target = target / "index.html"
+            if not target.exists():
+                broken.append(f"{page.relative_to(site)}: {link}")
+                continue
+            if parts.fragment and target.suffix == ".html" and tag == "a":
+                ids = pages[target].ids if target in pages else _parse(target).ids
+                if unquote(parts.fragment) not in ids:
+                    broken.append(f"{page.relative_to(site)}: {link} (no such anchor)")
+    assert not broken, "broken links:\n" + "\n".join(broken[:40])
+
+
+@needs_mkdocs
+def test_the_site_loads_nothing_from_the_network(site):
+    external = re.compile(r"<(?:script|link|img)\b[^>]*\b(?:src|href)=\"(?:https?:)?//", re.I)
+    offenders = [str(p.relative_to(site)) for p in site.rglob("*.html") if external.search(p.read_text("utf-8"))]
+    assert not offenders, f"pages that load a script, style or image from the network: {offenders[:10]}"
+    assert not any("fonts.googleapis" in p.read_text("utf-8") for p in site.rglob("*.html"))
+
+
+def test_no_internal_issue_numbers_in_the_results_pages_or_the_readme():
+    pattern = re.compile(r"\bissues? #?\d+|(?<![\w/&])#\d{1,3}\b", re.I)
+    files = [ROOT / "README.md", *sorted((ROOT / "docs" / "results").glob("*.md"))]
+    assert len(files) > 10
+    hits = [f"{f.relative_to(ROOT)}:{i}: {line.strip()[:100]}" for f in files
+            for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    assert not hits, "\n".join(hits)
+
+
+def test_links_into_the_old_results_page_are_gone():
+    """docs/results.md became docs/results/ (a summary page, then one page per study): nothing may point at it."""
+    assert not (ROOT / "docs" / "results.md").exists()
+    stale = []
+    for top in ("src", "tests", "docs"):
+        for f in (ROOT / top).rglob("*"):
+            if f.suffix in (".py", ".md") and "records" not in f.parts and f.name != "test_docs_site.py":
+                if "docs/results.md" in f.read_text(encoding="utf-8", errors="replace"):
+                    stale.append(str(f.relative_to(ROOT)))
+    for f in ("README.md", "CONTRIBUTING.md", "mkdocs.yml"):
+        if "results.md" in (ROOT / f).read_text(encoding="utf-8").replace("`results.md`", ""):
+            stale.append(f)
+    assert not stale, stale
