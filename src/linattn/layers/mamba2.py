@@ -48,7 +48,8 @@ class Mamba2Block(nn.Module):
         expand: used only for the default head_dim (Mamba2's expand, default 2).
         state_size: N, the width of B and C per group (`state_size` / d_state).
         n_groups: G, the heads of B and C (H must be a multiple of G).
-        conv_size: the short convolution's kernel (`conv_kernel`); conv_bias: its bias (`use_conv_bias`).
+        conv_size: the short convolution's kernel (`conv_kernel`).
+        conv_bias: the short convolution's bias (`use_conv_bias`).
         proj_bias: biases on in_proj and o_proj (`use_bias`).
         short_conv: False leaves the convolution out (SiLU stays); True is Mamba2.
         rope: rotary positions on C and B (q and k); not Mamba2, an option for ablations (N must be even).
