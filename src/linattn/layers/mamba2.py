@@ -53,9 +53,16 @@ class Mamba2Block(nn.Module):
         proj_bias: biases on in_proj and o_proj (`use_bias`).
         short_conv: False leaves the convolution out (SiLU stays); True is Mamba2.
         rope: rotary positions on C and B (q and k); not Mamba2, an option for ablations (N must be even).
-        dt_min, dt_max, dt_floor: the initial dt range (log-uniform) of dt_bias; dt_limit: dt's clamp.
+        rope_base: the rotary embedding's base.
+        max_seq_len: the rotary table's initial size (extended on demand).
+        dt_min: the low end of the initial dt range (log-uniform) of dt_bias.
+        dt_max: the high end of that range.
+        dt_floor: the floor of the initial dt (the range is floored).
+        dt_limit: dt's clamp.
         A_init_range: A = -exp(A_log) starts uniform in -range (mamba_ssm's (1, 16)).
-        norm_eps: the gated RMSNorm's epsilon; chunk_size: linear_attention's chunk in training and prefill.
+        norm_eps: the gated RMSNorm's epsilon.
+        chunk_size: linear_attention's chunk in training and prefill.
+        layer_idx: the index of the layer in its model (set by the model that builds it).
 
     With a `LayerCache` it decodes incrementally (entries "conv": the conv window, "state": the
     `LinearAttentionState`, whose kv `[B, H, N, P]` is transformers' ssm state `[B, H, P, N]` transposed).
