@@ -71,10 +71,14 @@ def check_causality(model: Callable, seq_len: int = 32, batch_size: int = 2, voc
                     cuts: Optional[Sequence[int]] = None, atol: Optional[float] = None, seed: int = 0,
                     dtype: Optional[torch.dtype] = torch.float64, device=None,
                     exact: bool = False) -> CausalityReport:
-    """Audit `model` (ids `[B, T]` -> logits `[B, T, V]`, or an object with `.logits`).
+    """Audit `model` (ids `[B, T]` -> logits `[B, T, V]`, or an object with `.logits`) for causality.
+
+    The model is audited in eval mode; the caller's model is left untouched.
 
     Args:
-        seq_len, batch_size: size of the random probe sequences.
+        model: The model to audit: any callable from token ids `[B, T]` to logits (module docstring).
+        seq_len: The length of the random probe sequences.
+        batch_size: The number of random probe sequences.
         vocab_size: token range (default `model.config.vocab_size`).
         cuts: the positions p after which tokens are replaced (default: every p in 0..seq_len-2).
         atol: the largest change still counted as "unchanged"; default 1e-9 (float64) or 1e-5
@@ -82,10 +86,23 @@ def check_causality(model: Callable, seq_len: int = 32, batch_size: int = 2, voc
         seed: seeds the probe tokens.
         dtype: run the audit on a copy of the model (an nn.Module) converted to this dtype
             (default float64); None audits the model as it is.
+        device: The device of the probe tokens (None: the model's).
         exact: bitwise mode: an earlier output may not change at all, not even by rounding
             (atol = 0). linattn's operators make every data-dependent choice (stabilisers, shifts,
             paths) from tokens up to the output position, so their models pass it in any dtype.
-    The model is audited in eval mode; the caller's model is left untouched.
+
+    Returns:
+        A `CausalityReport`, true when no earlier output changed; `str(report)` says what leaked.
+
+    Raises:
+        LinattnError: A bad argument (e.g. no vocab_size and no `model.config.vocab_size`).
+
+    Examples:
+        >>> from linattn import LanguageModel, LMConfig, audit
+        >>> model = LanguageModel(LMConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2, mixer="gated-deltanet"))
+        >>> report = audit.check_causality(model, seq_len=8)
+        >>> report.ok
+        True
     """
     if not isinstance(exact, bool):
         raise LinattnError(f"exact must be a bool, got {exact!r}")
