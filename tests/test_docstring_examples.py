@@ -28,7 +28,7 @@ OPERATORS = [
 DOCUMENTED = OPERATORS + [
     "linattn.LinearAttentionState", "linattn.MesaState", "linattn.TTTState", "linattn.ForgettingAttentionState",
     "linattn.DeltaFormerState", "linattn.PaTHState",
-    "linattn.audit.check_causality",
+    "linattn.audit.check_causality", "linattn.set_checks", "linattn.get_checks", "linattn.prepare_delta",
 ]
 SECTION = re.compile(r"^(\s*)(Args|Arguments|Returns|Yields|Raises|Examples|Example|Attributes|Note|Notes):\s*$")
 

@@ -37,8 +37,29 @@ if _checks not in CHECK_LEVELS:
 
 
 def set_checks(level: str) -> str:
-    """Set how much the operators check tensor values ("auto", "full" or "shapes"); returns the
-    previous level. See the module docstring."""
+    """Set how much the operators check tensor values (module docstring).
+
+    Shape, dtype and device checks always run; the checks that read values (NaN, the sign of a log-gate, a
+    negative beta) need the values on the host, and run according to the level.
+
+    Args:
+        level: "auto" (the default: for CPU tensors outside torch.compile, never for CUDA tensors), "full"
+            (always; debugging a GPU run) or "shapes" (never). The environment variable LINATTN_CHECKS sets the
+            initial level.
+
+    Returns:
+        The previous level, so that a caller can restore it.
+
+    Raises:
+        LinattnError: level is not one of "auto", "full", "shapes".
+
+    Examples:
+        >>> import linattn
+        >>> previous = linattn.set_checks("full")
+        >>> linattn.get_checks()
+        'full'
+        >>> _ = linattn.set_checks(previous)
+    """
     global _checks
     if level not in CHECK_LEVELS:
         raise LinattnError(f"checks level must be one of {CHECK_LEVELS}, got {level!r}")
@@ -47,6 +68,11 @@ def set_checks(level: str) -> str:
 
 
 def get_checks() -> str:
+    """The current level of value checks ("auto", "full" or "shapes"; see `set_checks`).
+
+    Returns:
+        The level's name.
+    """
     return _checks
 
 

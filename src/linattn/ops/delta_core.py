@@ -386,15 +386,50 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
                   coefficient: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
                   scale=None, qk_l2norm=False, mode: str = "chunk", chunk_size: int = 64,
                   initial_state=None, output_final_state: bool = False, cu_seqlens=None) -> DeltaProblem:
-    """Every check shared by the delta family, once, and the shared preprocessing.
+    """Every check shared by the delta family, once, and the shared preprocessing: the base of a new delta variant.
 
-    q, k `[B, T, H, K]`, v `[B, T, HV, V]`, beta `[B, T, HV]` (>= 0); g a log-gate `[B, T, HV]` (or
-    `[B, T, HV, K]` when `channel_gate`); r the read key `[B, T, H, K]` or None (the delta rule's own);
-    `coefficient(beta, ||k||^2)` -> a (default a = beta; EFLA passes `efla_coefficient`), evaluated
-    after qk_l2norm (False, True = "rsqrt" or "clamp": `ops/l2norm.py`); scale None means K**-0.5.
+    A variant chooses the write strength a (through `coefficient`), the read key r and the gate g of the core's
+    step S_t = exp(g_t) S_{t-1} - a_t k_t (S_{t-1}^T r_t)^T + a_t k_t v_t^T (CONTRIBUTING.md's recipe), then runs
+    the prepared problem with `linattn.ops.delta_core.run_delta(problem, backend)`.
+
     Grouped value heads: HV = n H (n >= 1), value head j reads q/k (and r) head j // n (transformers'
     repeat_interleave); beta, g and the state `[N, HV, K, V]` are per value head. The prepared q, k, r are
     repeated to HV heads (after the normalisation and key norms, which run on the H heads).
+
+    Args:
+        q: Queries `[B, T, H, K]`, any float dtype.
+        k: Keys `[B, T, H, K]`.
+        v: Values `[B, T, HV, V]`.
+        beta: Write strengths `[B, T, HV]`, >= 0.
+        g: A log-gate `[B, T, HV]` (or `[B, T, HV, K]` when `channel_gate`), or None.
+        r: The read key `[B, T, H, K]`, or None (the delta rule's own).
+        channel_gate: Accept a per-key-channel gate `[B, T, HV, K]`.
+        coefficient: `coefficient(beta, ||k||^2)` -> a (default a = beta; EFLA passes `efla_coefficient`),
+            evaluated after qk_l2norm.
+        scale: None means K**-0.5.
+        qk_l2norm: False, True = "rsqrt" or "clamp" (`ops/l2norm.py`), as in `delta_rule`.
+        mode: "chunk", "recurrent" or "parallel".
+        chunk_size: The chunk length of the chunk form.
+        initial_state: The state `[N, HV, K, V]` to start from, or None.
+        output_final_state: Return the final state when the problem is run.
+        cu_seqlens: int64 `[N+1]` offsets of N packed sequences (B == 1).
+
+    Returns:
+        The prepared call, a `DeltaProblem` in the compute dtype, for `run_delta` (or `chunk_size_used`).
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from linattn import delta_rule, prepare_delta
+        >>> from linattn.ops.delta_core import run_delta
+        >>> q, v = torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
+        >>> k, beta = F.normalize(torch.randn(1, 6, 2, 8), dim=-1), torch.rand(1, 6, 2)
+        >>> o, _ = run_delta(prepare_delta(q, k, v, beta), "torch")
+        >>> torch.allclose(o, delta_rule(q, k, v, beta)[0], atol=1e-6)
+        True
     """
     n = value_groups(q, v)
     B, T, H, K, V = check_qkv(q, k, v[:, :, ::n] if n > 1 else v)   # a view with H heads: metadata only
