@@ -25,6 +25,7 @@ import torch
 from ._common import check_qkv
 from .delta_core import check_tensor_like, prepare_delta, run_delta
 from .heads import value_groups
+from .registry import randn, register_op, uniform, unit
 
 
 def comba(
@@ -99,3 +100,20 @@ def comba(
         # exactly r~ = k / d of the core's rescaling
         prob = dataclasses.replace(prob, r=prob.k)
     return run_delta(prob, backend)
+
+
+def _prepare(q, k, v, beta, *, p=None, backend: str = "auto", **kwargs):
+    """comba's prepared problem: it always reads with a key of its own (p, or k), so it has no Triton kernel."""
+    return prepare_delta(q, k, v, beta, r=k if p is None else p, channel_gate=True, **kwargs)
+
+
+def _example(gen, B, T, H, K, V, dtype):
+    """Unit q and k, a read key p of norm < 1, beta in (0, 1), a scalar decay (the registry's conformance tests)."""
+    q, k, v = unit(gen, (B, T, H, K), dtype), unit(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, V), dtype)
+    kw = {"p": 0.5 * unit(gen, (B, T, H, K), dtype), "g": uniform(gen, (B, T, H), dtype, -0.3, 0.0)}
+    return (q, k, v, uniform(gen, (B, T, H), dtype)), kw
+
+
+register_op("comba", comba, prepare=_prepare, backends=True, forms=("parallel", "chunk", "recurrent"),
+            example=_example, reference="comba_ref", state=True,
+            description="Comba: gated delta rule with state feedback (read key p) and output correction")

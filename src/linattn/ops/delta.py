@@ -23,6 +23,7 @@ import torch
 
 from ..errors import LinattnTypeError
 from .delta_core import efla_coefficient, prepare_delta, run_delta
+from .registry import randn, register_op, uniform, unit
 
 
 def delta_rule(
@@ -119,3 +120,19 @@ def delta_rule(
                       scale=scale, qk_l2norm=qk_l2norm, mode=mode, chunk_size=chunk_size,
                       initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     return run_delta(p, backend)
+
+
+def _prepare(q, k, v, beta, *, exact: bool = False, backend: str = "auto", **kwargs):
+    """delta_rule's prepared problem (chunk_size_used reads its chunk from it)."""
+    return prepare_delta(q, k, v, beta, channel_gate=True, coefficient=efla_coefficient if exact else None, **kwargs)
+
+
+def _example(gen, B, T, H, K, V, dtype):
+    """Gated DeltaNet's inputs: unit q and k, beta in (0, 1), a scalar decay (the registry's conformance tests)."""
+    q, k, v = unit(gen, (B, T, H, K), dtype), unit(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, V), dtype)
+    return (q, k, v, uniform(gen, (B, T, H), dtype)), {"g": uniform(gen, (B, T, H), dtype, -0.3, 0.0)}
+
+
+register_op("delta_rule", delta_rule, prepare=_prepare, backends=True, forms=("parallel", "chunk", "recurrent"),
+            example=_example, reference="delta_rule_ref", state=True,
+            description="the delta rule: DeltaNet, Gated DeltaNet, EFLA (exact=True), KDA (g per key channel)")

@@ -34,6 +34,7 @@ import torch
 from ..errors import LinattnError, LinattnTypeError
 from ._common import FLOAT_DTYPES, check_cu_seqlens, check_log_gate, check_mode, check_same_device
 from .delta_core import DeltaProblem, prepare_delta, run_delta
+from .registry import randn, register_op, uniform, unit
 
 
 def _check(name: str, x, shape, layout: str, ref: torch.Tensor) -> None:
@@ -169,3 +170,19 @@ def delta_product(
     o, S = run_delta(prob, backend)
     B, TN, H, V = o.shape
     return o.reshape(B, TN // n, n, H, V)[:, :, -1], S
+
+
+def _prepare(*args, backend: str = "auto", **kwargs):
+    """delta_product's prepared problem over its n sub-steps per token (its chunk counts sub-steps)."""
+    return prepare_delta_product(*args, **kwargs)[0]
+
+
+def _example(gen, B, T, H, K, V, dtype):
+    """Two unit keys and two values per token, beta in (0, 1), a scalar decay (the registry's conformance tests)."""
+    q, k, v = unit(gen, (B, T, H, K), dtype), unit(gen, (B, T, H, 2, K), dtype), randn(gen, (B, T, H, 2, V), dtype)
+    return (q, k, v, uniform(gen, (B, T, H, 2), dtype)), {"g": uniform(gen, (B, T, H), dtype, -0.3, 0.0)}
+
+
+register_op("delta_product", delta_product, prepare=_prepare, backends=True, forms=("parallel", "chunk", "recurrent"),
+            example=_example, reference="delta_product_ref", state=True,
+            description="(Gated) DeltaProduct: n Householder (delta-rule) steps per token")

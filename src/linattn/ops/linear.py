@@ -52,7 +52,6 @@ import torch
 
 from ..cpu import MAX_CHUNK as CPU_MAX_CHUNK
 from ..errors import LinattnError, LinattnTypeError
-from ..feature_maps import FeatureMap, get_feature_map
 from ..triton import triton_chunk_size
 from ._common import (
     _reads_values,
@@ -67,12 +66,14 @@ from ._common import (
 )
 from .backend import cpu_linear_attention, requires_grad, select_backend, triton_linear_attention
 from .delta_core import LOG_GATE_FLOOR
+from .feature_maps import FeatureMap, get_feature_map
 from .heads import value_groups
 from .linear_chunk import FUSED, chunk_matmul_form, linear_chunk
 from .linear_chunk_log import chunk_log_form, log_chunk_matmul_form
 from .linear_common import LOG_BLOCK, NEG, FormResult
 from .linear_parallel import bidirectional_form, parallel_form
 from .linear_recurrent import recurrent_form
+from .registry import randn, register_op, uniform
 
 
 class LinearAttentionState(NamedTuple):
@@ -589,3 +590,24 @@ def linear_attention(
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens, eps=eps)
     # finite inputs whose kernel values or sums exceed the dtype: a clear error, not NaN (issue 33.4)
     return check_finite_output(run_linear_attention(p, backend), "linear_attention", q=q, k=k, v=v)
+
+
+def _prepare(q, k, v, *, backend: str = "auto", **kwargs):
+    return prepare_linear_attention(q, k, v, **kwargs)
+
+
+def _example(gen, B, T, H, K, V, dtype):
+    """elu+1 features, a scalar decay, no q scaling (the registry's conformance tests; every registered feature
+    map gets its own tests there too)."""
+    q, k, v = 0.5 * randn(gen, (B, T, H, K), dtype), 0.5 * randn(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, V), dtype)
+    return (q, k, v), {"feature_map": "elu+1", "g": uniform(gen, (B, T, H), dtype, -0.3, 0.0), "scale": 1.0}
+
+
+def _reference(q, k, v, *, feature_map, g=None, scale=1.0):
+    from .reference import linear_attention_ref
+    return linear_attention_ref(q, k, v, feature_map, log_gate=g, scale=scale)
+
+
+register_op("linear_attention", linear_attention, prepare=_prepare, backends=True,
+            forms=("parallel", "chunk", "recurrent"), example=_example, reference=_reference, state=True,
+            description="kernelized linear attention with any registered feature map and gate")

@@ -37,6 +37,7 @@ import torch
 from ..errors import LinattnError
 from ._common import check_cu_seqlens, check_log_gate, check_mode, check_qkv, check_scale
 from .delta_core import DeltaProblem, check_tensor_like, prepare_delta, run_delta
+from .registry import randn, register_op, uniform, unit
 
 
 def prepare_rwkv7(r, w, k, v, a, b, *, scale=None, mode: str = "chunk", chunk_size: int = 64,
@@ -130,3 +131,22 @@ def rwkv7(
     o, S = run_delta(prob, backend)
     B, T2, H, V = o.shape
     return o.reshape(B, T2 // 2, 2, H, V)[:, :, 1], S
+
+
+def _prepare(*args, backend: str = "auto", **kwargs):
+    return prepare_rwkv7(*args, **kwargs)
+
+
+def _example(gen, B, T, H, K, V, dtype):
+    """As the RWKV-7 layer makes them: log-decay w in (-exp(-1/2), 0), a = -kk, b = kk * (0, 1), kk unit (the
+    registry's conformance tests)."""
+    kk = unit(gen, (B, T, H, K), dtype)
+    w = uniform(gen, (B, T, H, K), dtype, -0.6065306597126334, 0.0)
+    args = (randn(gen, (B, T, H, K), dtype), w, randn(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, V), dtype),
+            -kk, kk * uniform(gen, (B, T, H, 1), dtype))
+    return args, {"scale": 0.5}
+
+
+register_op("rwkv7", rwkv7, prepare=_prepare, backends=True, forms=("parallel", "chunk", "recurrent"),
+            example=_example, reference="rwkv7_ref", state=True,
+            description="RWKV-7's state update S <- Diag(exp(w)) S + b (a^T S) + k v^T (2 core sub-steps per token)")

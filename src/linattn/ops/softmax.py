@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..errors import LinattnError
 from ._common import check_cu_seqlens, check_finite_output, check_qkv, check_scale, run_varlen
+from .registry import randn, register_op
 
 
 def _sdpa(q, k, v, causal: bool, scale: float, window: Optional[int]) -> torch.Tensor:
@@ -74,3 +75,16 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         o, _ = run_varlen(offsets, lambda i, s: (_sdpa(q[:, s], k[:, s], v[:, s], causal, scale, window), None),
                           lambda states: None)
     return check_finite_output(o, "softmax_attention", q=q, k=k, v=v)
+
+
+def _example(gen, B, T, H, K, V, dtype):
+    return (randn(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, V), dtype)), {}
+
+
+def _reference(q, k, v, *, scale=None, window=None):
+    from .reference import forgetting_attention_ref   # softmax attention is FoX without a forget gate
+    return forgetting_attention_ref(q, k, v, None, window=window, scale=scale)
+
+
+register_op("softmax_attention", softmax_attention, chunk_arg=None, example=_example, reference=_reference,
+            description="causal softmax attention (SDPA), the O(T^2) baseline")

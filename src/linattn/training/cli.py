@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -25,6 +24,7 @@ from ..cli_support import add_dataclass_arguments, flag_name, given_values, int_
 from ..data.corpus import PackedTokens, load_corpus, split_documents, tokenize_documents
 from ..data.sources import missing_data_error
 from ..errors import CheckpointError, LinattnError, UsageError
+from ..logs import get_logger
 from ..models.family import ModelFamily, config_from_dict, config_to_dict, families, family_of, get_family
 from .config import (
     DTYPE_ALIASES,
@@ -35,8 +35,10 @@ from .config import (
     legacy_values,
     resolve_device,
 )
-from .loop import TrainResult, train
+from .loop import TrainResult, step_line, train
 from .trainer import evaluate
+
+log = get_logger("training")
 
 DESCRIPTION = """\
 Train a language model. Reads --data (a text file, or every UTF-8 text file under a folder; with
@@ -128,7 +130,7 @@ def _train_main(args: argparse.Namespace) -> int:
         raise TrainError(f"--steps {cfg.steps} is below the {done} steps the run in {out} has already done; "
                          f"pass --steps {done} or more to resume it")
     for note in cfg.advice():
-        print(f"[linattn] warning: {flag_message(note)}", file=sys.stderr)
+        log.warning(f"[linattn] warning: {flag_message(note)}")
     if saved_model is not None:
         model_config = resumed_model_config(args, cfg, saved_model)
     elif cfg.init_from is not None:
@@ -149,9 +151,7 @@ def _step_line_printer(steps: int):
     """on_log for --no-progress: the training loop shows no bar, so print one line per metrics record
     (what the loop itself prints when stderr is not a terminal)."""
     def show(rec: Dict[str, Any]) -> None:
-        print(f"step {rec['step']}/{steps} loss {rec['loss']:.4f}"
-              + (f" val_loss {rec['val_loss']:.4f}" if "val_loss" in rec else "")
-              + f" lr {rec['lr']:.2e} tok/s {rec['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
+        log.info(step_line(rec, steps))
     return show
 
 
@@ -159,7 +159,7 @@ def _saved_run(out: Path) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]], Opt
     """(train config dict, model config dict, steps done) of the run folder's latest checkpoint, if any."""
     ck = ckpt.find_latest_checkpoint(out) if out.is_dir() else None
     if ck is None:
-        print(f"[linattn] no checkpoint in {out}; starting a new run", file=sys.stderr)
+        log.info(f"[linattn] no checkpoint in {out}; starting a new run")
         return {}, None, None
     meta = ckpt.read_checkpoint_config(ck)
     step = meta.get("step")
@@ -277,8 +277,7 @@ def _report(res: TrainResult) -> int:
     if _rank() != 0:   # several processes: rank 0 reports
         return 128 + int(res.signal) if res.interrupted and res.signal else 0
     if res.interrupted:
-        print(f"[linattn] stopped at step {res.step}; checkpoint {res.checkpoint}; continue with --resume",
-              file=sys.stderr)
+        log.info(f"[linattn] stopped at step {res.step}; checkpoint {res.checkpoint}; continue with --resume")
         return 128 + int(res.signal) if res.signal else 0
     print(json.dumps({"step": res.step, "loss": res.losses[-1][1] if res.losses else None,
                       "val_loss": res.val_loss, "val_ppl": res.val_ppl, "tokens_per_s": res.tokens_per_s,

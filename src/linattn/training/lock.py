@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
 
 from ..io import pid_alive
+from ..logs import get_logger
 from .config import TrainError
+
+log = get_logger("training")
 
 try:
     import fcntl
@@ -74,10 +76,9 @@ class RunLock:
         if previous:
             alive = isinstance(previous.get("pid"), int) and previous.get("host") == socket.gethostname() \
                 and pid_alive(previous["pid"])
-            print(f"[linattn] warning: the previous run in {self.folder} ({_holder_text(previous)}) died without "
-                  f"releasing its lock" + (" (a process with that pid runs now)" if alive else "")
-                  + f"; {self.after_death() if callable(self.after_death) else self.after_death}",
-                  file=sys.stderr, flush=True)
+            log.warning(f"[linattn] warning: the previous run in {self.folder} ({_holder_text(previous)}) died "
+                        f"without releasing its lock" + (" (a process with that pid runs now)" if alive else "")
+                        + f"; {self.after_death() if callable(self.after_death) else self.after_death}")
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
         os.ftruncate(fd, 0)
         os.pwrite(fd, record.encode("utf-8"), 0)

@@ -38,6 +38,7 @@ import torch
 from .. import checkpoint as ckpt
 from ..data.tokenizer import BPETokenizer, load_tokenizer
 from ..errors import LinattnError
+from ..logs import get_logger
 from ..models.family import build_model, config_from_dict, config_to_dict
 from .config import TrainConfig, TrainError, TrainingDiverged, check_resume_compatible
 from .data import TrainData, prepare_data, rank_batch
@@ -46,6 +47,15 @@ from .init_from import init_setup
 from .run import RunFolder, StopFlag
 from .schedule import lr_at
 from .trainer import EvalResult, StepOutput, Trainer
+
+log = get_logger("training")
+
+
+def step_line(rec: Dict[str, Any], steps: int) -> str:
+    """The one line a logged step shows when there is no progress bar."""
+    return (f"step {rec['step']}/{steps} loss {rec['loss']:.4f}"
+            + (f" val_loss {rec['val_loss']:.4f}" if "val_loss" in rec else "")
+            + f" lr {rec['lr']:.2e} tok/s {rec['tokens_per_s']:.0f}")
 
 
 @dataclass
@@ -110,7 +120,7 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
         trainer = _make_trainer(config, model_config, dist, resume_ck, model_factory, data.tokenizer.eos_id,
                                 init_ck=init_ck)
         if init_ck is not None and dist.is_main and config.progress is not False:
-            print(f"[linattn] weights and tokenizer from {init_ck}; a new run from step 0", file=sys.stderr)
+            log.info(f"[linattn] weights and tokenizer from {init_ck}; a new run from step 0")
         # Everything that can fail on bad input has run: only now is the run folder touched.
         if folder is not None:
             _on_main(dist, lambda: folder.start(trainer.step if resume_ck is not None else None))
@@ -175,10 +185,9 @@ def _load_data(cfg: TrainConfig, tokenizer: Optional[BPETokenizer], verbose: boo
     t = time.perf_counter()
     data = prepare_data(cfg, tokenizer, write_cache=write_cache)
     if cfg.progress is not False and verbose:
-        print(f"[linattn] data {data.source}: {data.train.n_tokens:,} training tokens"
-              + (f", {data.val.n_tokens:,} validation tokens" if data.val is not None else "")
-              + f", vocab {data.tokenizer.vocab_size} ({time.perf_counter() - t:.1f} s)",
-              file=sys.stderr, flush=True)
+        log.info(f"[linattn] data {data.source}: {data.train.n_tokens:,} training tokens"
+                 + (f", {data.val.n_tokens:,} validation tokens" if data.val is not None else "")
+                 + f", vocab {data.tokenizer.vocab_size} ({time.perf_counter() - t:.1f} s)")
     return data
 
 
@@ -280,16 +289,16 @@ class _Session:
         if self.skipped_steps and self.main:
             steps = ", ".join(map(str, self.skipped_steps[:20])) + (", ..." if len(self.skipped_steps) > 20 else "")
             n, ran = len(self.skipped_steps), self.trainer.step - self.start
-            print(f"[linattn] skipped {n} of {ran} steps (a non-finite loss or gradient; --skip-nonfinite): "
-                  f"steps {steps}", file=sys.stderr, flush=True)
+            log.warning(f"[linattn] skipped {n} of {ran} steps (a non-finite loss or gradient; --skip-nonfinite): "
+                        f"steps {steps}")
 
     def _announce(self) -> None:
         if self.cfg.progress is not False and self.main:
             d = self.dist
             procs = (f" x {d.world_size} processes ({self.cfg.parallel}, {d.backend})" if d.active else "")
-            print(f"[linattn] model: {self.trainer.model.num_parameters():,} parameters on {self.trainer.device}"
-                  f"{procs}; " + (f"resuming at step {self.start}" if self.resume_ck is not None else "new run")
-                  + (f" in {self.folder.path}" if self.folder is not None else ""), file=sys.stderr, flush=True)
+            log.info(f"[linattn] model: {self.trainer.model.num_parameters():,} parameters on {self.trainer.device}"
+                     f"{procs}; " + (f"resuming at step {self.start}" if self.resume_ck is not None else "new run")
+                     + (f" in {self.folder.path}" if self.folder is not None else ""))
 
     def _one_step(self) -> bool:
         """Train one step, then log / validate / save as due; True when a stop was requested."""
@@ -318,8 +327,8 @@ class _Session:
     def _note_skipped(self, out: StepOutput) -> None:
         self.skipped_steps.append(out.step)
         if self.main:
-            print(f"[linattn] warning: step {out.step}: {out.skipped}; batch skipped (--skip-nonfinite), "
-                  f"{self.trainer.skipped} so far", file=sys.stderr, flush=True)
+            log.warning(f"[linattn] warning: step {out.step}: {out.skipped}; batch skipped (--skip-nonfinite), "
+                        f"{self.trainer.skipped} so far")
 
     def _stop_requested(self, step: int) -> bool:
         """A signal or should_stop on any rank: every rank gets the same answer (and the signal)."""
@@ -360,9 +369,7 @@ class _Session:
 
     def _show(self, rec: Dict[str, Any]) -> None:
         if self.echo:  # no progress bar (not a terminal): one line per logged step
-            print(f"step {rec['step']}/{self.cfg.steps} loss {rec['loss']:.4f}"
-                  + (f" val_loss {rec['val_loss']:.4f}" if "val_loss" in rec else "")
-                  + f" lr {rec['lr']:.2e} tok/s {rec['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
+            log.info(step_line(rec, self.cfg.steps))
         self.bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                              **({"val": f"{rec['val_loss']:.3f}"} if "val_loss" in rec else {}))
 

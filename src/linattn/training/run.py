@@ -16,15 +16,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from .. import checkpoint as ckpt
 from ..io import atomic_write_text, jsonable
+from ..logs import get_logger
 from .config import TrainError
 from .lock import RunLock
+
+log = get_logger("training")
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -130,8 +132,8 @@ class RunFolder:
         foreign = [p.name for p in sorted(self.path.glob(ckpt.STEP_PREFIX + "*"))
                    if p.is_dir() and not ckpt.remove_checkpoint(p)]
         if foreign:
-            print(f"[linattn] warning: {self.path} holds folders that are not linattn checkpoints, left as they are: "
-                  f"{', '.join(foreign)}", file=sys.stderr, flush=True)
+            log.warning(f"[linattn] warning: {self.path} holds folders that are not linattn checkpoints, left as "
+                        f"they are: {', '.join(foreign)}")
         for name in (ckpt.LATEST_FILE, METRICS_FILE):
             if (self.path / name).is_file():
                 (self.path / name).unlink()
@@ -164,8 +166,8 @@ class StopFlag:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"\n[linattn] {signal.Signals(signum).name}: finishing the current step, saving, exiting "
-              f"(SIGINT again aborts at once; the last checkpoint stays intact)", file=sys.stderr, flush=True)
+        log.warning(f"\n[linattn] {signal.Signals(signum).name}: finishing the current step, saving, exiting "
+                    f"(SIGINT again aborts at once; the last checkpoint stays intact)")
 
     def __enter__(self) -> "StopFlag":
         if self.enabled:
