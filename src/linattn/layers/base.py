@@ -42,16 +42,23 @@ __all__ = ["AttentionBase", "hooked"]
 class AttentionBase(nn.Module):
     """Projections, short convolution, RoPE and output norm/gate shared by all mixers.
 
+    A mixer maps x `[B, T, d_model]` to `[B, T, d_model]` (module docstring); subclasses implement `_mix`.
+
     Args:
         d_model: model width.
         n_heads: number of heads.
         head_dim: key/query width per head (default d_model // n_heads).
         head_dim_v: value width per head (default head_dim).
         short_conv: causal depthwise convolution (kernel `conv_size`, SiLU) on q, k and v.
+        conv_size: the short convolution's kernel length.
         rope: rotary position embedding on q and k (before any feature map).
+        rope_base: the rotary embedding's base.
+        max_seq_len: the rotary table's initial size (extended on demand).
         output_norm: per-head RMSNorm on the operator output.
         output_gate: multiply the (normed) output by act(g_proj(x)).
         qkv_bias: biases on the q/k/v projections.
+        norm_eps: the output norm's epsilon.
+        layer_idx: the index of the layer in its model (set by the model that builds it).
         n_value_heads: HV, the value heads (default n_heads): grouped value heads (Qwen3-Next's GVA, Mamba2's
             groups) with HV = n * n_heads; value head j reads q/k head j // n. v_proj, the output gate and
             norm, o_proj (and the layers' beta and decays) are per value head. Layers that support it list
@@ -62,6 +69,9 @@ class AttentionBase(nn.Module):
         norm_group_size: None (default) the norm is per head (over head_dim_v, one weight [head_dim_v] shared
             by the heads, FLA's); an int normalises the whole output [HV * head_dim_v] in groups of that many
             channels with one weight per channel (Mamba2's MambaRMSNormGated, group = width / n_groups).
+
+    Raises:
+        LinattnError: A bad size or option (the message names it).
     """
 
     #: whether the mixer looks only at earlier tokens
