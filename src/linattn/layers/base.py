@@ -200,9 +200,18 @@ class AttentionBase(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, *,
                 cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x `[B, T, d_model]` -> `[B, T, d_model]`. Pass a `LayerCache` to decode incrementally,
-        or `cu_seqlens` (int64 `[N+1]`, x `[1, T_total, d_model]`) to run packed documents
-        independently of each other (module docstring)."""
+        """Mix the tokens of x: the training path, prefill or decoding (module docstring).
+
+        Args:
+            x: The input `[B, T, d_model]` (`[1, T_total, d_model]` with cu_seqlens).
+            cache: A `LayerCache` to decode incrementally: the call continues from the state stored there and
+                writes the new state back (prefill with many tokens, decoding with one). None: the training path,
+                no state kept.
+            cu_seqlens: int64 `[N+1]` offsets, to run N packed documents independently of each other.
+
+        Returns:
+            The output `[B, T, d_model]`, in x's dtype.
+        """
         cu_seqlens = check_mixer_call(type(self).__name__, self.d_model, x, cache, cu_seqlens)
         out = _fast.step(self, x, cache, cu_seqlens)
         if out is not None:
