@@ -121,3 +121,61 @@ def test_rwkv7_import_matches_fla(tmp_path, fuse_norm):
     cfg = res.model.config
     assert (cfg.mixer, cfg.norm, cfg.embed_norm, cfg.ffn) == ("rwkv7", "layernorm", True, "rwkv7")
     assert cfg.mixer_kwargs["rwkv7"]["kk_norm"] == ("rsqrt" if fuse_norm else "normalize")
+
+
+def _mamba2_torch_forward_fp64(self, x, last_state=None, use_cache=False, attention_mask=None):
+    """fla's Mamba2.torch_forward (its CPU path, which casts A, x, B, C to fp32) in fp64, written here from Mamba2's
+    equations on the mixer's own parameters: in_proj -> z | xBC | dt; causal depthwise conv + SiLU; head h reads the
+    B/C group h // (H / G) (mamba_ssm's kernels); dt = clamp(softplus(dt + dt_bias)); h_t = exp(dt A) h_{t-1} +
+    dt x_t B_t^T, y_t = h_t C_t + D x_t; gated RMSNorm per group (gate before or after the norm) or y * silu(z)."""
+    assert last_state is None and attention_mask is None
+    Bsz, T, _ = x.shape
+    H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
+    z, xbc, dt = self.in_proj(x).split([self.intermediate_size, self.conv_dim, H], dim=-1)
+    xbc = torch.nn.functional.silu(self.conv1d(xbc.transpose(1, 2))[..., :T].transpose(1, 2))
+    xs, b, c = xbc.split([self.intermediate_size, G * N, G * N], dim=-1)
+    xs = xs.view(Bsz, T, H, P)
+    b = b.view(Bsz, T, G, N).repeat_interleave(H // G, dim=2)
+    c = c.view(Bsz, T, G, N).repeat_interleave(H // G, dim=2)
+    dt = torch.nn.functional.softplus(dt + self.dt_bias).clamp(self.dt_limit[0], self.dt_limit[1])
+    A = -torch.exp(self.A_log)
+    D = self.D.view(H, -1)
+    h = x.new_zeros(Bsz, H, P, N)
+    ys = []
+    for t in range(T):
+        h = h * torch.exp(dt[:, t] * A)[..., None, None] + (dt[:, t, :, None] * xs[:, t])[..., None] * b[:, t, :, None]
+        ys.append((h * c[:, t, :, None]).sum(-1) + D * xs[:, t])
+    y = torch.stack(ys, 1).reshape(Bsz, T, H * P)
+    if self.norm is None:
+        y = y * torch.nn.functional.silu(z)
+    else:
+        if not self.norm_before_gate:
+            y = y * torch.nn.functional.silu(z)
+        yg = y.unflatten(-1, (-1, self.norm.group_size))
+        y = (yg * torch.rsqrt(yg.pow(2).mean(-1, keepdim=True) + self.norm.eps)).flatten(-2) * self.norm.weight
+        if self.norm_before_gate:
+            y = y * torch.nn.functional.silu(z)
+    return self.out_proj(y), None, None
+
+
+@pytest.mark.parametrize("variant", [
+    {},                                                                   # Mamba2's defaults, two B/C groups
+    {"D_has_hdim": True, "norm_before_gate": True, "use_bias": True},    # fla's options
+    {"rmsnorm": False, "use_conv_bias": False, "tie_word_embeddings": True},
+])
+def test_mamba2_import_matches_fla(tmp_path, variant):
+    fc = _fla()
+    from fla.layers.mamba2 import Mamba2 as FlaMamba2
+    from fla.models import Mamba2Config
+
+    cfg = dict(hidden_size=64, num_hidden_layers=2, head_dim=16, state_size=8, n_groups=2, expand=2,
+               vocab_size=100, residual_in_fp32=False)   # fp32 residuals would round the fp64 comparison
+    cfg.update(variant)
+    ops = {"fla.layers.mamba2.Mamba2.torch_forward": _mamba2_torch_forward_fp64}
+    with fc.fla_cpu(ops):
+        model = fc.build_fla(Mamba2Config(**cfg))
+        assert all(isinstance(layer.mixer, FlaMamba2) for layer in model.backbone.layers)
+        res = fc.check_import(model, tmp_path)
+    assert res.max_err <= 1e-10, res.max_err
+    assert res.greedy_equal, (res.fla_tokens, res.linattn_tokens)
+    assert res.model.config.mixer == "mamba2" and res.model.config.ffn == "none"

@@ -63,6 +63,10 @@ class Mamba2Block(nn.Module):
         norm_eps: the gated RMSNorm's epsilon.
         chunk_size: linear_attention's chunk in training and prefill.
         layer_idx: the index of the layer in its model (set by the model that builds it).
+        d_per_channel: D has one value per channel `[H * P]` instead of one per head (mamba_ssm's D_has_hdim).
+        gated_norm: False replaces the gated RMSNorm by y * silu(z) (mamba_ssm's rmsnorm=False; no norm weight).
+        norm_before_gate: the gated norm as RMSNorm(y) * silu(z) (mamba_ssm's norm_before_gate=True) instead of
+            Mamba2's default RMSNorm(y * silu(z)).
 
     With a `LayerCache` it decodes incrementally (entries "conv": the conv window, "state": the
     `LinearAttentionState`, whose kv `[B, H, N, P]` is transformers' ssm state `[B, H, P, N]` transposed).
@@ -79,7 +83,8 @@ class Mamba2Block(nn.Module):
                  proj_bias: bool = False, short_conv: bool = True, rope: bool = False, rope_base: float = 10000.0,
                  max_seq_len: int = 2048, dt_min: float = 0.001, dt_max: float = 0.1, dt_floor: float = 1e-4,
                  dt_limit: Sequence[float] = (0.0, float("inf")), A_init_range: Sequence[float] = (1.0, 16.0),
-                 norm_eps: float = 1e-5, chunk_size: int = 64, layer_idx: Optional[int] = None):
+                 norm_eps: float = 1e-5, chunk_size: int = 64, layer_idx: Optional[int] = None,
+                 d_per_channel: bool = False, gated_norm: bool = True, norm_before_gate: bool = False):
         super().__init__()
         d_model, n_heads = _pos_int("d_model", d_model), _pos_int("n_heads", n_heads)
         if head_dim is None:
@@ -109,9 +114,11 @@ class Mamba2Block(nn.Module):
         self.rope = RotaryEmbedding(N, base=rope_base, max_seq_len=max_seq_len) if rope else None
         self.dt_bias = nn.Parameter(torch.empty(H))
         self.A_log = nn.Parameter(torch.empty(H))
-        self.D = nn.Parameter(torch.empty(H))
+        self.d_per_channel = bool(d_per_channel)
+        self.D = nn.Parameter(torch.empty(H * P if self.d_per_channel else H))
         # Mamba2's MambaRMSNormGated: y * silu(z) first, then the RMS over each group's d_inner / G channels
-        self.norm = GatedRMSNorm(self.d_inner, eps=norm_eps, gate_before_norm=True, group_size=self.d_inner // G)
+        self.norm = GatedRMSNorm(self.d_inner, eps=norm_eps, gate_before_norm=not norm_before_gate,
+                                 group_size=self.d_inner // G) if gated_norm else None
         self.o_proj = nn.Linear(self.d_inner, d_model, bias=proj_bias)
         self._init_ssm(dt_min, dt_max, dt_floor, A_init_range)
 
@@ -160,8 +167,9 @@ class Mamba2Block(nn.Module):
         if cache is not None:
             cache["state"] = state
             cache["offset"] = cache.offset + T
-        y = y + self.D.to(cd)[:, None] * xs
-        y = self.norm(y.reshape(Bsz, T, self.d_inner), z.to(cd))
+        y = y + self.D.to(cd).view(H, -1) * xs                          # D per head [H, 1] or per channel [H, P]
+        y = y.reshape(Bsz, T, self.d_inner)
+        y = self.norm(y, z.to(cd)) if self.norm is not None else y * F.silu(z.to(cd))
         return self.o_proj(y.to(x.dtype))
 
     def extra_repr(self) -> str:
