@@ -217,3 +217,57 @@ def test_cli_import_hf_dispatches_to_fla_and_export_hf_takes_the_result(tmp_path
     assert main(["import-hf", "--model", str(folder), "--out", str(tmp_path / "run2")]) != 0
     err = capsys.readouterr().err
     assert "not_a_type" in err and "transformer" in err
+
+
+# -- the linear types: their operators in fp64 -----------------------------------------------------------------------
+# fla's naive references (fla/ops/{gla,linear_attn,retention}/naive.py) compute in fp32 (`.float()`), which cannot
+# meet 1e-10; each patch below is the same recurrence written in fp64 (token by token, from the formula), and
+# checks itself against fla's naive reference in fp32 (so it computes what fla's kernel computes).
+
+def _gated_scan(q, k, v, log_decay, scale):
+    """o_t = scale q_t^T S_t, S_t = exp(log_decay_t) * S_{t-1} + k_t v_t^T; q, k [B, T, H, K], v [B, T, H, V],
+    log_decay [B, T, H, K] (per feature), [B, T, H] (per head) or None; fp64."""
+    B, T, H, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float64)
+    out = []
+    for t in range(T):
+        if log_decay is not None:
+            a = log_decay[:, t].double().exp()
+            S = S * (a[..., None] if a.dim() == 3 else a[..., None, None])
+        S = S + k[:, t].double()[..., None] * v[:, t].double()[..., None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t].double() * scale, S))
+    return torch.stack(out, dim=1)
+
+
+def _gla_op(q, k, v, gk=None, g=None, scale=None, initial_state=None, output_final_state=False, **kw):
+    from fla.ops.gla.naive import naive_recurrent_gla
+
+    assert initial_state is None and not output_final_state and kw.get("cu_seqlens") is None
+    gk = gk if gk is not None else g
+    o = _gated_scan(q, k, v, gk, q.shape[-1] ** -0.5 if scale is None else scale)
+    o32, _ = naive_recurrent_gla(q, k, v, gk)
+    assert (o32.double() - o).abs().max() <= 1e-4 * (1 + o.abs().max())
+    return o.to(q.dtype), None
+
+
+GLA_OPS = {f"fla.layers.gla.{n}": _gla_op for n in ("chunk_gla", "fused_chunk_gla", "fused_recurrent_gla")}
+
+GLAS = {
+    "plain": dict(num_heads=2),
+    "conv_clamp_unfused_tied": dict(num_heads=4, expand_k=1.0, use_short_conv=True, clamp_min=-0.05, fuse_norm=False,
+                                    tie_word_embeddings=True),
+    "no_output_gate": dict(num_heads=2, use_output_gate=False, expand_v=2.0),
+    "hybrid_attn": dict(num_heads=2, attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2, "qkv_bias": True,
+                                           "window_size": 9, "rope_theta": 1000.0}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GLAS))
+def test_gla(tmp_path, name):
+    from fla.models import GLAConfig
+
+    with fla_cpu(GLA_OPS):
+        model = build_fla(GLAConfig(hidden_size=64, num_hidden_layers=3, vocab_size=100, **GLAS[name]))
+        res = _strong(model, tmp_path)
+    mixers = res.model.config.mixer_list()
+    assert mixers == (["gla", "softmax", "gla"] if "attn" in GLAS[name] else ["gla"] * 3)

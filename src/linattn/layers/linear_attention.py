@@ -65,6 +65,8 @@ class LinearAttention(AttentionBase):
             means no scaling (as in ELA and the `linear-*` mixers).
         chunk_size: the operator's chunk size for training and prefill.
         eps: the normaliser's floor.
+        gate_low_rank, gate_normalizer, gate_min: the diagonal gate's low-rank width, the divisor of its
+            logsigmoid, and an optional floor on the log decay (fla's GLA `clamp_min`; None: none).
     """
 
     config_fields = AttentionBase.config_fields + ("chunk_size", "n_value_heads")
@@ -72,7 +74,7 @@ class LinearAttention(AttentionBase):
     def __init__(self, d_model: int, n_heads: int, feature_map: Union[str, FeatureMap, None] = "elu+1", *,
                  normalize: bool = True, gate: Optional[str] = None, scale: Optional[float] = None,
                  chunk_size: int = 64, eps: float = 1e-6, feature_seed: int = 0, gate_low_rank: int = 16,
-                 gate_normalizer: float = 16.0, **kwargs):
+                 gate_normalizer: float = 16.0, gate_min: Optional[float] = None, **kwargs):
         if gate not in GATES:
             raise LinattnError(f"gate must be one of {GATES}, got {gate!r}")
         super().__init__(d_model, n_heads, **kwargs)
@@ -100,6 +102,8 @@ class LinearAttention(AttentionBase):
             self.gk_proj = nn.Sequential(nn.Linear(d_model, gate_low_rank, bias=False),
                                          nn.Linear(gate_low_rank, H * self.feature_dim, bias=True))
             self.gate_normalizer = float(gate_normalizer)
+            # fla's GLA clamp_min: a floor on the log decay (None: none)
+            self.gate_min = None if gate_min is None else float(gate_min)
 
     @property
     def gamma(self) -> Optional[torch.Tensor]:
@@ -124,7 +128,8 @@ class LinearAttention(AttentionBase):
         return mamba_log_decay(a, self.A_log, self.dt_bias, self if fast else None)
 
     def _diagonal_gate(self, gk: torch.Tensor) -> torch.Tensor:
-        return F.logsigmoid(gk.to(torch.float64 if gk.dtype == torch.float64 else torch.float32)) / self.gate_normalizer
+        g = F.logsigmoid(gk.to(torch.float64 if gk.dtype == torch.float64 else torch.float32)) / self.gate_normalizer
+        return g if self.gate_min is None else g.clamp_min(self.gate_min)
 
     # -- single-token decoding (fast_decode.py's "linear" step) -------------------------------------
     def fast_step_kind(self) -> Optional[str]:
