@@ -271,3 +271,37 @@ def test_gla(tmp_path, name):
         res = _strong(model, tmp_path)
     mixers = res.model.config.mixer_list()
     assert mixers == (["gla", "softmax", "gla"] if "attn" in GLAS[name] else ["gla"] * 3)
+
+
+def _retention_op(q, k, v, scale=None, initial_state=None, output_final_state=False, **kw):
+    from fla.ops.retention.naive import naive_retention
+
+    assert initial_state is None and not output_final_state and kw.get("cu_seqlens") is None
+    H = q.shape[2]
+    log_gamma = torch.log1p(-(2.0 ** (-5.0 - torch.arange(H, dtype=torch.float64))))
+    o = _gated_scan(q, k, v, log_gamma.expand(q.shape[0], q.shape[1], H), q.shape[-1] ** -0.5 if scale is None
+                    else scale)
+    o32 = naive_retention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    assert (o32.double() - o).abs().max() <= 1e-4 * (1 + o.abs().max())
+    return o.to(q.dtype), None
+
+
+RETNET_OPS = {f"fla.layers.multiscale_retention.{n}": _retention_op
+              for n in ("chunk_retention", "fused_chunk_retention", "parallel_retention", "fused_recurrent_retention")}
+
+RETNETS = {
+    "plain": dict(num_heads=2),
+    "no_gate_unfused_tied": dict(num_heads=4, expand_v=1.0, use_output_gate=False, fuse_norm=False,
+                                 tie_word_embeddings=True),
+    "hybrid_attn": dict(num_heads=2, attn={"layers": [0], "num_heads": 2}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RETNETS))
+def test_retnet(tmp_path, name):
+    from fla.models import RetNetConfig
+
+    with fla_cpu(RETNET_OPS):
+        model = build_fla(RetNetConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100, **RETNETS[name]))
+        res = _strong(model, tmp_path)
+    assert res.model.config.mixer_list()[1] == "retnet"
