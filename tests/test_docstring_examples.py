@@ -29,6 +29,9 @@ DOCUMENTED = OPERATORS + [
     "linattn.LinearAttentionState", "linattn.MesaState", "linattn.TTTState", "linattn.ForgettingAttentionState",
     "linattn.DeltaFormerState", "linattn.PaTHState",
     "linattn.audit.check_causality", "linattn.set_checks", "linattn.get_checks", "linattn.prepare_delta",
+    # layers (constructor arguments)
+    "linattn.layers.AttentionBase", "linattn.layers.AttentionBase.forward", "linattn.layers.SoftmaxAttention",
+    "linattn.layers.FoX", "linattn.layers.DeltaFormer",
 ]
 SECTION = re.compile(r"^(\s*)(Args|Arguments|Returns|Yields|Raises|Examples|Example|Attributes|Note|Notes):\s*$")
 
@@ -58,13 +61,15 @@ def sections(doc: str) -> dict:
     return out
 
 
-def parameters(obj) -> list:
+def parameters(obj, variadic: bool = False) -> list:
+    """The names Args must document; variadic=True: also those it may document (*args, **kwargs)."""
     if hasattr(obj, "_fields"):       # a NamedTuple: its fields, documented as Attributes
         return []
     target = obj.__init__ if inspect.isclass(obj) else obj
     params = inspect.signature(target).parameters.values()
-    return [p.name for p in params if p.name not in ("self", "cls")
-            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    star = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return [star.get(p.kind, "") + p.name for p in params if p.name not in ("self", "cls")
+            and (variadic or p.kind not in star)]
 
 
 def documented_args(lines: list) -> list:
@@ -83,7 +88,7 @@ def test_sections(dotted):
         assert "Args" in secs, f"{dotted}: no Args section"
         args = documented_args(secs["Args"])
         missing = [p for p in params if p not in args]
-        unknown = [a for a in args if a.lstrip("*") not in params]
+        unknown = [a for a in args if a not in parameters(obj, variadic=True)]
         assert not missing, f"{dotted}: Args does not document {missing}"
         assert not unknown, f"{dotted}: Args documents {unknown}, which the signature lacks"
     if hasattr(obj, "_fields"):

@@ -17,13 +17,42 @@ from .packing import packed_positions
 
 
 class SoftmaxAttention(AttentionBase):
-    """Causal softmax attention layer.
+    """Causal softmax attention layer, with RoPE, a KV cache, an optional sliding window and GQA.
 
-    Args (besides `AttentionBase`'s): window (keys with i - j < window only; None = full),
-    scale (None, the default, means head_dim**-0.5), kv_chunk (the KV cache grows by this many
-    tokens at a time). rope defaults to True, output_norm to False. With `cu_seqlens` the
-    attention is block-diagonal causal: no token attends to another document. heads, n_kv_heads
-    (GQA) and qk_norm: see `__init__` (defaults keep the plain layer).
+    With `cu_seqlens` the attention is block-diagonal causal: no token attends to another document.
+
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The model's number of heads.
+        window: Keys with i - j < window only; None = full.
+        scale: None (the default) means head_dim**-0.5.
+        rope: Rotary positions on q and k (default True).
+        output_norm: Per-head RMSNorm on the output (default False).
+        kv_chunk: The KV cache grows by this many tokens at a time.
+        heads: This layer's query heads when they differ from the model's n_heads (a hybrid's softmax
+            layers with their own head count, e.g. fla's `attn` layouts); None: n_heads.
+        n_kv_heads: Grouped key/value heads (GQA: query head h reads k/v head h // (heads / n_kv_heads));
+            None: one per query head.
+        qk_norm: A per-head RMSNorm (eps qk_norm_eps, a weight [head_dim]) on q and k before RoPE (fla's
+            `qk_norm`, Qwen3's).
+        qk_norm_eps: That norm's epsilon.
+        **kwargs: `AttentionBase`'s options (head_dim, output_gate, ...).
+
+    Raises:
+        LinattnError: A bad window, heads or other option (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import LayerCache, SoftmaxAttention
+        >>> layer = SoftmaxAttention(64, 4, n_kv_heads=2).double()
+        >>> x = torch.randn(2, 10, 64, dtype=torch.float64)
+        >>> y = layer(x)
+        >>> y.shape
+        torch.Size([2, 10, 64])
+        >>> cache = LayerCache()                     # prefill 9 tokens, then decode the 10th
+        >>> _ = layer(x[:, :9], cache)
+        >>> torch.allclose(layer(x[:, 9:], cache), y[:, 9:])
+        True
     """
 
     config_fields = AttentionBase.config_fields + ("window",)
@@ -31,11 +60,6 @@ class SoftmaxAttention(AttentionBase):
     def __init__(self, d_model: int, n_heads: int, *, window: Optional[int] = None, scale: Optional[float] = None,
                  rope: bool = True, output_norm: bool = False, kv_chunk: int = 256, heads: Optional[int] = None,
                  n_kv_heads: Optional[int] = None, qk_norm: bool = False, qk_norm_eps: float = 1e-5, **kwargs):
-        """heads: this layer's query heads when they differ from the model's n_heads (a hybrid's softmax
-        layers with their own head count, e.g. fla's `attn` layouts); None: n_heads. n_kv_heads: grouped
-        key/value heads (GQA: query head h reads k/v head h // (heads / n_kv_heads)); None: one per query head.
-        qk_norm: a per-head RMSNorm (eps qk_norm_eps, a weight [head_dim]) on q and k before RoPE (fla's
-        `qk_norm`, Qwen3's)."""
         if window is not None and (not isinstance(window, int) or window < 1):
             raise LinattnError(f"window must be a positive int or None, got {window!r}")
         if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
