@@ -83,11 +83,30 @@ class _CachedSoftmaxFamily(AttentionBase):
 
 
 class FoX(_CachedSoftmaxFamily):
-    """Forgetting Transformer attention (module docstring).
+    """Forgetting Transformer attention (module docstring): softmax attention with a learned forget gate.
 
-    Args (besides `AttentionBase`'s): window (keys with i - j < window; None: all), chunk_size (the
-    operator's block length), scale (None: head_dim**-0.5), qk_norm (per-head RMSNorm on q and k).
-    rope, short_conv, output_gate and output_norm default to False.
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The number of heads.
+        window: Keys with i - j < window; None: all.
+        rope: Rotary positions on q and k (default False).
+        **kwargs: chunk_size (the operator's block length), scale (None: head_dim**-0.5), qk_norm (per-head
+            RMSNorm on q and k), and `AttentionBase`'s options; short_conv, output_gate and output_norm
+            default to False.
+
+    Raises:
+        LinattnError: A bad window or other option (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import FoX, LayerCache
+        >>> layer = FoX(64, 4, chunk_size=4).double()
+        >>> x = torch.randn(2, 10, 64, dtype=torch.float64)
+        >>> y = layer(x)
+        >>> cache = LayerCache()
+        >>> _ = layer(x[:, :9], cache)
+        >>> torch.allclose(layer(x[:, 9:], cache), y[:, 9:])
+        True
     """
 
     config_fields = _CachedSoftmaxFamily.config_fields + ("window",)
