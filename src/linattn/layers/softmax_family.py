@@ -139,8 +139,22 @@ class FoX(_CachedSoftmaxFamily):
 class DeltaFormer(_CachedSoftmaxFamily):
     """DeltaFormer attention (module docstring).
 
-    Args (besides `AttentionBase`'s): stage1_query "k" (the seed's form) or "q", chunk_size, scale,
-    qk_norm. rope defaults to True, short_conv and output_norm to False.
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The number of heads.
+        stage1_query: "k" (the seed's form) or "q".
+        rope: Rotary positions on q and k (default True).
+        **kwargs: chunk_size (the operator's block length), scale (None: head_dim**-0.5), qk_norm, and
+            `AttentionBase`'s options; short_conv and output_norm default to False.
+
+    Raises:
+        LinattnError: A bad stage1_query or other option (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import DeltaFormer
+        >>> DeltaFormer(64, 4)(torch.randn(2, 10, 64)).shape
+        torch.Size([2, 10, 64])
     """
 
     def __init__(self, d_model: int, n_heads: int, *, stage1_query: str = "k", rope: bool = True, **kwargs):
