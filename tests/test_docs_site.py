@@ -67,6 +67,9 @@ def test_key_pages_and_the_delta_rule_api_page_exist(site):
     html = (site / "api/delta_rule/index.html").read_text(encoding="utf-8")
     for section in ("Parameters:", "Returns:"):     # the Google-style sections rendered, not left as text
         assert section in html, section
+    # an operator whose module has its name (ops/comba.py's comba) must render as the function, not the module
+    for page in ("linear_attention", "delta_rule", "test_time", "softmax_family"):
+        assert "doc-symbol-module" not in (site / "api" / page / "index.html").read_text(encoding="utf-8"), page
     # the changelog page includes CHANGELOG.md itself (a snippet), not a copy
     assert "Keep a Changelog" in (site / "changelog/index.html").read_text(encoding="utf-8")
 
