@@ -179,3 +179,45 @@ def test_mamba2_import_matches_fla(tmp_path, variant):
     assert res.max_err <= 1e-10, res.max_err
     assert res.greedy_equal, (res.fla_tokens, res.linattn_tokens)
     assert res.model.config.mixer == "mamba2" and res.model.config.ffn == "none"
+
+
+def _keep_fp64(fn):
+    """fn with `Tensor.float()` keeping fp64 tensors fp64 while it runs: fla's layers and naive references cast
+    gates and operands to fp32 (`.float()`), which would round an fp64 comparison to 1e-7. Only fla's code runs
+    under it (linattn's model is called outside)."""
+    def run(*args, **kwargs):
+        orig = torch.Tensor.float
+        torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else orig(t, *a, **k)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.float = orig
+    return run
+
+
+def _check(fc, model, tmp_path):
+    model.forward = _keep_fp64(model.forward)
+    res = fc.check_import(model, tmp_path)
+    assert res.max_err <= 1e-10, res.max_err
+    assert res.greedy_equal, (res.fla_tokens, res.linattn_tokens)
+    return res
+
+
+@pytest.mark.parametrize("variant", [
+    {},
+    {"num_kv_heads": 2, "qkv_bias": True, "qk_norm": True, "use_output_gate": True},
+])
+def test_forgetting_transformer_import_matches_fla(tmp_path, variant):
+    fc = _fla()
+    from fla.models import ForgettingTransformerConfig
+    from fla.ops.forgetting_attn.naive import naive_forgetting_attn
+
+    def fox(q, k, v, g, cu_seqlens=None, **kw):       # fla's naive reference (GQA included), in fp64
+        assert cu_seqlens is None
+        return naive_forgetting_attn(q, k, v, g)
+
+    with fc.fla_cpu({"fla.layers.forgetting_attn.parallel_forgetting_attn": fox}):
+        model = fc.build_fla(ForgettingTransformerConfig(hidden_size=64, num_hidden_layers=2, num_heads=4,
+                                                         vocab_size=100, intermediate_size=96, **variant))
+        res = _check(fc, model, tmp_path)
+    assert res.model.config.mixer == "fox"

@@ -29,10 +29,32 @@ import torch.nn.functional as F
 from ..errors import LinattnError
 from ..ops.deltaformer import STAGE1_QUERIES, deltaformer, deltaformer_step
 from ..ops.forgetting import forgetting_attention, forgetting_attention_step
+from ..ops.l2norm import l2norm
 from ..ops.path import path_attention, path_attention_step
 from .base import AttentionBase
 from .cache import LayerCache
 from .common import RMSNorm, ShortConv
+from .packing import packed_positions
+
+
+def _cdt(x: torch.Tensor) -> torch.dtype:
+    """The gates' dtype: fp64 stays fp64, everything else fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class _ChannelRMSNorm(nn.Module):
+    """RMSNorm over each head's channels with one weight per channel `[H * D]` (fla's GroupNorm with
+    is_rms_norm=True as FoX's q/k norm), on `[B, T, H, D]`; computed in fp32 (fp64 for fp64)."""
+
+    def __init__(self, heads: int, dim: int, eps: float):
+        super().__init__()
+        self.heads, self.dim, self.eps = int(heads), int(dim), float(eps)
+        self.weight = nn.Parameter(torch.ones(self.heads * self.dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(_cdt(x))
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(xf.dtype).view(self.heads, self.dim)).to(x.dtype)
 
 
 class _CachedSoftmaxFamily(AttentionBase):
@@ -44,16 +66,64 @@ class _CachedSoftmaxFamily(AttentionBase):
     config_fields = AttentionBase.config_fields + ("chunk_size",)
 
     def __init__(self, d_model: int, n_heads: int, *, chunk_size: int = 64, scale: Optional[float] = None,
-                 qk_norm: bool = False, output_norm: bool = False, **kwargs):
+                 qk_norm: bool = False, output_norm: bool = False, qk_norm_eps: Optional[float] = None,
+                 qk_norm_weight: str = "head", qk_norm_before_rope: bool = False, n_kv_heads: Optional[int] = None,
+                 **kwargs):
+        """Options for fla's layers (the defaults keep the layer as it was): qk_norm_eps (None: norm_eps);
+        qk_norm_weight "head" (one weight [head_dim] shared by the heads) or "channel" (one per channel [H * K],
+        fla FoX's GroupNorm(is_rms_norm)); qk_norm_before_rope (fla's order; default after RoPE); n_kv_heads:
+        grouped k/v heads (GQA: query head h reads k/v head h // (H / n_kv_heads); None: one per query head)."""
         super().__init__(d_model, n_heads, output_norm=output_norm, **kwargs)
         if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
             raise LinattnError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if qk_norm_weight not in ("head", "channel"):
+            raise LinattnError(f"qk_norm_weight must be 'head' or 'channel', got {qk_norm_weight!r}")
         self.chunk_size = int(chunk_size)
         self.scale = self.resolve_scale(scale, self.head_dim)
+        H = self.n_heads
+        kvh = H if n_kv_heads is None else n_kv_heads
+        if isinstance(kvh, bool) or not isinstance(kvh, int) or kvh < 1 or H % kvh:
+            raise LinattnError(f"n_kv_heads must be a positive int that divides n_heads ({H}), got {n_kv_heads!r}")
+        if kvh != H and (self.n_value_heads != H or self.short_conv):
+            raise LinattnError(f"n_kv_heads ({kvh}) cannot be combined with n_value_heads or short_conv")
+        self.n_kv_heads = int(kvh)
+        if kvh != H:   # the grouped k/v projections
+            bias = self.q_proj.bias is not None
+            self.k_proj = nn.Linear(d_model, kvh * self.head_dim, bias=bias)
+            self.v_proj = nn.Linear(d_model, kvh * self.head_dim_v, bias=bias)
         self.qk_norm = bool(qk_norm)
+        self.qk_norm_before_rope = bool(qk_norm_before_rope)
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=kwargs.get("norm_eps", 1e-6))
-            self.k_norm = RMSNorm(self.head_dim, eps=kwargs.get("norm_eps", 1e-6))
+            eps = kwargs.get("norm_eps", 1e-6) if qk_norm_eps is None else float(qk_norm_eps)
+            if qk_norm_weight == "head":
+                self.q_norm = RMSNorm(self.head_dim, eps=eps)
+                self.k_norm = RMSNorm(self.head_dim, eps=eps)
+            else:
+                self.q_norm = _ChannelRMSNorm(H, self.head_dim, eps)
+                self.k_norm = _ChannelRMSNorm(kvh, self.head_dim, eps)
+
+    def _qkv(self, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
+        if self.n_kv_heads == self.n_heads and not (self.qk_norm and self.qk_norm_before_rope):
+            return super()._qkv(x, cache, cu_seqlens)
+        B, T, _ = x.shape      # (no short conv here: refused with n_kv_heads; with qk_norm_before_rope below)
+        if self.short_conv:
+            raise LinattnError("qk_norm_before_rope cannot be combined with short_conv")
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim_v)
+        if self.qk_norm and self.qk_norm_before_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            if cu_seqlens is not None:
+                q, k = self.rope(q, k, positions=packed_positions(cu_seqlens, T, x.device))
+            else:
+                q, k = self.rope(q, k, cache.offset if cache is not None else 0)
+        return q, k, v
+
+    def _kv_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """k or v `[B, T, n_kv_heads, D]` repeated to the query heads (each k/v head serves its group)."""
+        g = self.n_heads // self.n_kv_heads
+        return t if g == 1 else t.repeat_interleave(g, dim=2)
 
     def _extras(self, x, cache, cu_seqlens):  # pragma: no cover
         raise NotImplementedError
@@ -65,8 +135,9 @@ class _CachedSoftmaxFamily(AttentionBase):
         raise NotImplementedError
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
+        k, v = self._kv_heads(k), self._kv_heads(v)
         extras = self._extras(x, cache, cu_seqlens)
         if cache is None:
             return self._forward(q, k, v, extras, cu_seqlens=cu_seqlens)
@@ -120,7 +191,7 @@ class FoX(_CachedSoftmaxFamily):
 
     def log_gate(self, x: torch.Tensor) -> torch.Tensor:
         """g = log f = logsigmoid(f_proj(x)) `[B, T, H]` (fp32)."""
-        return F.logsigmoid(self.f_proj(x).float())
+        return F.logsigmoid(self.f_proj(x).to(_cdt(x)))
 
     def _extras(self, x, cache, cu_seqlens):
         return self.log_gate(x)
@@ -166,7 +237,7 @@ class DeltaFormer(_CachedSoftmaxFamily):
 
     def beta(self, x: torch.Tensor) -> torch.Tensor:
         """beta = sigmoid(b_proj(x)) `[B, T, H]` (fp32)."""
-        return torch.sigmoid(self.b_proj(x).float())
+        return torch.sigmoid(self.b_proj(x).to(_cdt(x)))
 
     def _extras(self, x, cache, cu_seqlens):
         return self.beta(x)
@@ -190,15 +261,29 @@ class PaTH(_CachedSoftmaxFamily):
     qk_norm. rope, short_conv and output_norm default to False.
     """
 
-    def __init__(self, d_model: int, n_heads: int, *, w_rank: int = 32, w_conv_size: int = 3,
-                 use_forget_gate: bool = False, rope: bool = False, **kwargs):
+    def __init__(self, d_model: int, n_heads: int, *, w_rank: Optional[int] = 32, w_conv_size: int = 3,
+                 use_forget_gate: bool = False, rope: bool = False, w_conv: bool = True,
+                 w_conv_act: Optional[str] = None, w_conv_bias: bool = False, w_l2norm: str = "normalize", **kwargs):
+        """fla's PaTHAttention options (defaults: this layer as it was): w_rank None (a full-rank w_proj,
+        fla's use_low_rank_w=False); w_conv False (no convolution on w, use_w_shortconv=False); w_conv_act
+        "silu" (fla's) or None; w_conv_bias; w_l2norm "normalize" (x / max(||x||, 1e-6)) or "rsqrt"
+        (x * rsqrt(sum x^2 + 1e-6), fla's l2_norm)."""
         super().__init__(d_model, n_heads, rope=rope, **kwargs)
-        if w_rank < 1 or w_conv_size < 1:
-            raise LinattnError(f"w_rank and w_conv_size must be >= 1, got {w_rank}, {w_conv_size}")
+        if (w_rank is not None and w_rank < 1) or w_conv_size < 1:
+            raise LinattnError(f"w_rank (or None) and w_conv_size must be >= 1, got {w_rank}, {w_conv_size}")
+        if w_conv_act not in (None, "silu") or w_l2norm not in ("normalize", "rsqrt"):
+            raise LinattnError(f"w_conv_act must be None or 'silu' and w_l2norm 'normalize' or 'rsqrt', got "
+                               f"{w_conv_act!r}, {w_l2norm!r}")
+        if self.n_kv_heads != self.n_heads:
+            raise LinattnError("PaTH: n_kv_heads (grouped k/v heads) is not supported")
         HK = self.n_heads * self.head_dim
-        self.w_down = nn.Linear(d_model, int(w_rank), bias=False)
-        self.w_up = nn.Linear(int(w_rank), HK, bias=False)
-        self.w_conv = ShortConv(HK, int(w_conv_size), activation=None)
+        if w_rank is None:
+            self.w_proj = nn.Linear(d_model, HK, bias=False)
+        else:
+            self.w_down = nn.Linear(d_model, int(w_rank), bias=False)
+            self.w_up = nn.Linear(int(w_rank), HK, bias=False)
+        self.w_l2norm = w_l2norm
+        self.w_conv = ShortConv(HK, int(w_conv_size), activation=w_conv_act, bias=w_conv_bias) if w_conv else None
         self.b_proj = nn.Linear(d_model, self.n_heads, bias=True)
         self.f_proj = nn.Linear(d_model, self.n_heads, bias=True) if use_forget_gate else None
 
@@ -206,16 +291,19 @@ class PaTH(_CachedSoftmaxFamily):
         """(w `[B, T, H, K]` with ||w|| = 1, beta = 2 sigmoid(b_proj(x)) `[B, T, H]`), continuing the
         convolution's state from `cache` (and writing it back) when given."""
         B, T, _ = x.shape
-        w, conv_state = self.w_conv(self.w_up(self.w_down(x)), cache.get("conv_w") if cache is not None else None,
-                                    cu_seqlens)
-        if cache is not None:
-            cache["conv_w"] = conv_state
-        w = F.normalize(w.view(B, T, self.n_heads, self.head_dim).float(), dim=-1, eps=1e-6)
-        return w, 2 * torch.sigmoid(self.b_proj(x).float())
+        mods = self._modules
+        w = mods["w_proj"](x) if "w_proj" in mods else self.w_up(self.w_down(x))
+        if self.w_conv is not None:
+            w, conv_state = self.w_conv(w, cache.get("conv_w") if cache is not None else None, cu_seqlens)
+            if cache is not None:
+                cache["conv_w"] = conv_state
+        w = w.view(B, T, self.n_heads, self.head_dim).to(_cdt(x))
+        w = F.normalize(w, dim=-1, eps=1e-6) if self.w_l2norm == "normalize" else l2norm(w, "rsqrt")
+        return w, 2 * torch.sigmoid(self.b_proj(x).to(_cdt(x)))
 
     def _extras(self, x, cache, cu_seqlens):
         w, beta = self.householder(x, cache, cu_seqlens)
-        g = F.logsigmoid(self.f_proj(x).float()) if self.f_proj is not None else None
+        g = F.logsigmoid(self.f_proj(x).to(_cdt(x))) if self.f_proj is not None else None
         return w, beta, g
 
     def _forward(self, q, k, v, extras, cu_seqlens=None, output_final_state=False):
