@@ -599,7 +599,8 @@ def _prepare(q, k, v, *, backend: str = "auto", **kwargs):
 def _example(gen, B, T, H, K, V, dtype):
     """elu+1 features, a scalar decay, no q scaling (the registry's conformance tests; every registered feature
     map gets its own tests there too)."""
-    q, k, v = 0.5 * randn(gen, (B, T, H, K), dtype), 0.5 * randn(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, V), dtype)
+    q, k = 0.5 * randn(gen, (B, T, H, K), dtype), 0.5 * randn(gen, (B, T, H, K), dtype)
+    v = randn(gen, (B, T, H, V), dtype)
     return (q, k, v), {"feature_map": "elu+1", "g": uniform(gen, (B, T, H), dtype, -0.3, 0.0), "scale": 1.0}
 
 

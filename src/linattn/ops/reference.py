@@ -3,7 +3,8 @@ the benchmarks' exactness table and the demo compare every form of every operato
 
 They are slow on purpose (explicit T x T kernels, token-by-token loops) and import nothing from
 linattn but the feature maps' drawn parameters (FAVOR+'s projection, cosFormer's horizon), which define
-the kernel being computed.
+the kernel being computed. A feature map registered elsewhere (`register_feature_map`) brings its kernel
+written from the formula (`FeatureMap.kernel`), which `kernel` uses for a name it does not know.
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def kernel(name: str, a: torch.Tensor, b: torch.Tensor, i=None, j=None, fmap=Non
         la = a @ w.T - (a * a).sum(-1, keepdim=True) / 2
         lb = b @ w.T - (b * b).sum(-1, keepdim=True) / 2
         return torch.logsumexp(la[:, None, :] + lb[None, :, :], -1).exp() / m
+    if hasattr(fmap, "kernel"):   # a map registered elsewhere: the formula its own kernel() writes down
+        return fmap.kernel(a, b, i, j)
     raise KeyError(name)
 
 
@@ -65,6 +68,8 @@ def diag_features(name: str, a: torch.Tensor, fmap=None):
         return a.relu(), False
     if name == "identity":
         return a, False
+    if hasattr(fmap, "phi") and not fmap.positional and type(fmap).phi is type(fmap).psi:   # a map registered
+        return fmap.phi(a), fmap.log_space                                                # elsewhere, phi = psi
     raise KeyError(name)
 
 

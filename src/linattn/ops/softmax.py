@@ -82,7 +82,7 @@ def _example(gen, B, T, H, K, V, dtype):
 
 
 def _reference(q, k, v, *, scale=None, window=None):
-    from .reference import forgetting_attention_ref   # softmax attention is FoX without a forget gate
+    from .reference import forgetting_attention_ref  # softmax attention is FoX without a forget gate
     return forgetting_attention_ref(q, k, v, None, window=window, scale=scale)
 
 

@@ -1,0 +1,137 @@
+"""The operator registry: every public operator registers itself at the bottom of its own module.
+
+    register_op("my_op", my_op, prepare=prepare_my_op, forms=("chunk", "recurrent"),
+                example=_example, reference=_reference)
+
+What reads it: `chunk_size_used(name, ...)` (through `prepare`), `op_names()` (the public operators, for the
+benchmarks and the docs), and tests/test_registry_conformance.py, which gives every operator with an `example` and
+a `reference` its tests without naming it: each form against the fp64 reference (outputs and gradients, T not a
+multiple of the chunk, T = 1), causality (a later change never moves an earlier output), and, for the operators
+that carry a state, two calls with the state passed along equal one call.
+
+This module imports nothing heavy (torch and errors only), so any operator module can import it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+
+import torch
+
+from ..errors import ConfigError, LinattnError
+
+
+class OpSpec(NamedTuple):
+    """One registered operator.
+
+    fn: the public function; it returns `o` or `(o, state)`.
+    prepare: `prepare(*args, **kwargs)` with the operator's own arguments -> its prepared problem, whose
+        `chunk_size_used(backend)` says the chunk really used (None: the operator has no chunk size to report).
+    backends: whether `fn` takes `backend=` (then chunk_size_used resolves it with `select_backend`).
+    forms: the values `fn`'s `mode=` takes (empty: no mode argument).
+    chunk_arg: the keyword naming its chunk length (`chunk_size`; the softmax side's `block_size`), or None.
+    example: `example(generator, B, T, H, K, V, dtype) -> (args, kwargs)`: small valid inputs (tensors [B, T, ...]
+        in args or kwargs are the per-token inputs, the rest are per-call parameters).
+    reference: the fp64 formula on the same inputs, `reference(*args, **kwargs) -> o` or `(o, ...)`, o [B, T, H, V];
+        a string names a function of ops/reference.py that takes the operator's arguments as they are (resolved
+        on use, so the operator's module never imports the references).
+    state: whether `fn` takes `initial_state=` / `output_final_state=` (continues a sequence across calls).
+    """
+    name: str
+    fn: Callable[..., Any]
+    prepare: Optional[Callable[..., Any]] = None
+    backends: bool = False
+    forms: Tuple[str, ...] = ()
+    chunk_arg: Optional[str] = "chunk_size"
+    example: Optional[Callable[..., Tuple[tuple, Dict[str, Any]]]] = None
+    reference: Union[str, Callable[..., Any], None] = None
+    state: bool = False
+    description: str = ""
+
+
+_OPS: Dict[str, OpSpec] = {}
+
+
+# -- helpers for the operators' `example`s -------------------------------------------------------------------
+def randn(gen, shape, dtype):
+    return torch.randn(*shape, generator=gen, dtype=dtype)
+
+
+def unit(gen, shape, dtype):
+    """Rows of unit L2 norm along the last axis."""
+    x = randn(gen, shape, dtype)
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def uniform(gen, shape, dtype, low: float = 0.0, high: float = 1.0):
+    return low + (high - low) * torch.rand(*shape, generator=gen, dtype=dtype)
+
+
+def register_op(name: str, fn: Callable[..., Any], *, prepare: Optional[Callable[..., Any]] = None,
+                backends: bool = False, forms: Tuple[str, ...] = (), chunk_arg: Optional[str] = "chunk_size",
+                example: Optional[Callable[..., Any]] = None, reference: Union[str, Callable[..., Any], None] = None,
+                state: bool = False, description: str = "", overwrite: bool = False) -> None:
+    """Register operator `name` (see `OpSpec` for the fields). Call it at the bottom of the operator's module."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"an operator name must be a non-empty string, got {name!r}")
+    if name in _OPS and not overwrite:
+        raise ConfigError(f"operator {name!r} is already registered (pass overwrite=True to replace it)")
+    for arg, value in (("fn", fn), ("prepare", prepare), ("example", example),
+                       ("reference", None if isinstance(reference, str) else reference)):
+        if value is not None and not callable(value):
+            raise ConfigError(f"operator {name!r}: {arg} must be callable, got {type(value).__name__}")
+    if fn is None:
+        raise ConfigError(f"operator {name!r}: fn must be callable, got None")
+    if isinstance(forms, str) or not all(isinstance(f, str) for f in forms):
+        raise ConfigError(f"operator {name!r}: forms must be a tuple of mode names, got {forms!r}")
+    _OPS[name] = OpSpec(name, fn, prepare, bool(backends), tuple(forms), chunk_arg, example, reference,
+                        bool(state), description)
+
+
+def unregister_op(name: str) -> None:
+    """Remove a registered operator (for plugins and tests)."""
+    op_spec(name)
+    del _OPS[name]
+
+
+def op_names() -> List[str]:
+    """The registered operators, in registration order."""
+    return list(_OPS)
+
+
+def op_spec(name: str) -> OpSpec:
+    if name not in _OPS:
+        raise LinattnError(f"unknown operator {name!r}; registered: {', '.join(_OPS)}")
+    return _OPS[name]
+
+
+def reference_of(name: str) -> Optional[Callable[..., Any]]:
+    """Operator `name`'s fp64 reference as a callable (None if it registered none)."""
+    ref = op_spec(name).reference
+    if isinstance(ref, str):
+        from . import reference  # on use: only the tests and benchmarks need the references
+        return getattr(reference, ref)
+    return ref
+
+
+def chunk_size_used(op: str, *args, backend: str = "auto", **kwargs) -> int:
+    """The chunk length operator `op` really uses for this call (in its own unit: delta_product and rwkv7 count
+    sub-steps) on the backend it would pick. Same arguments as the operator; the operators with one are those
+    registered with a `prepare` (`chunk_size_ops()`)."""
+    spec = _OPS.get(op)
+    if spec is None or spec.prepare is None:
+        raise LinattnError(f"op must be one of {', '.join(chunk_size_ops())} (the operators with a chunk size to "
+                           f"report), got {op!r}")
+    problem = spec.prepare(*args, **kwargs)
+    if not spec.backends:
+        return problem.chunk_size_used()
+    from .backend import select_backend  # imported on use: backend.py reaches the compiled kernels' loader
+    return problem.chunk_size_used(select_backend(backend, problem))
+
+
+def chunk_size_ops() -> List[str]:
+    """The registered operators `chunk_size_used` answers for."""
+    return [n for n, s in _OPS.items() if s.prepare is not None]
+
+
+__all__ = ["OpSpec", "register_op", "unregister_op", "op_names", "op_spec", "chunk_size_used", "chunk_size_ops",
+           "reference_of", "randn", "unit", "uniform"]
