@@ -221,3 +221,33 @@ def test_forgetting_transformer_import_matches_fla(tmp_path, variant):
                                                          vocab_size=100, intermediate_size=96, **variant))
         res = _check(fc, model, tmp_path)
     assert res.model.config.mixer == "fox"
+
+
+def _l2norm_fp64(x, eps=1e-6, output_dtype=None):
+    """fla's l2_norm, keeping fp64 (fla's PaTH asks for an fp32 output)."""
+    y = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+    return y if output_dtype is None or x.dtype == torch.float64 else y.to(output_dtype)
+
+
+@pytest.mark.parametrize("variant", [
+    {},                                                               # low-rank w, w's short conv
+    {"use_forget_gate": True, "use_low_rank_w": False, "use_w_shortconv": False},
+])
+def test_path_attn_import_matches_fla(tmp_path, variant):
+    fc = _fla()
+    from fla.models import PaTHAttentionConfig
+
+    from linattn.ops.reference import path_attention_ref
+
+    def path(q, k, v, w, beta, g=None, scale=None, cu_seqlens=None, **kw):
+        # fla's naive_path_attn computes in fp32 (x.to(torch.float), fp32 buffers): linattn's fp64 reference of
+        # PaTH's definition instead (explicit Householder products)
+        assert cu_seqlens is None
+        return path_attention_ref(q, k, v, w, beta, g=g, scale=scale).to(q.dtype), None
+
+    ops = {"fla.layers.path_attn.parallel_path_attn": path, "fla.layers.path_attn.l2_norm": _l2norm_fp64}
+    with fc.fla_cpu(ops):
+        model = fc.build_fla(PaTHAttentionConfig(hidden_size=32, num_hidden_layers=2, num_heads=2, vocab_size=100,
+                                                 intermediate_size=48, **variant))
+        res = _check(fc, model, tmp_path)
+    assert res.model.config.mixer == "path"
