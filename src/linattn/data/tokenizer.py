@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, List, Sequence, Union
 
 from ..errors import DataError
+from ..signals import StopFlag
 from .sources import segments
 
 EOS_TOKEN = "<|endoftext|>"
@@ -102,19 +103,14 @@ def _new_byte_level_bpe():
     return tok
 
 
-class _Stopped(TokenizerError):
-    """Raised inside the training iterator to end it early (the caller was interrupted)."""
-
-
-def _segmented(texts: Iterable[str], stop: threading.Event) -> Iterator[str]:
+def _segmented(texts: Iterable[str], stop: StopFlag) -> Iterator[str]:
     for text in texts:
         for seg in segments([text]):
-            if stop.is_set():
-                raise _Stopped()
+            stop.raise_if_set()  # ends the training iterator early (the caller was interrupted)
             yield seg
 
 
-def _train_in_thread(tok, items: Iterator[str], trainer, stop: threading.Event, poll_s: float = 0.1) -> None:
+def _train_in_thread(tok, items: Iterator[str], trainer, stop: StopFlag, poll_s: float = 0.1) -> None:
     """`tok.train_from_iterator(items)` in a daemon thread (the library releases the GIL while it
     trains); the caller waits in slices of `poll_s`, so KeyboardInterrupt (or any signal handler's
     exception) is raised here promptly. On such an exception the iterator is told to stop and the
@@ -159,7 +155,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, show_progress=show_progress,
         special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    stop = threading.Event()
+    stop = StopFlag(enabled=False)  # set by the waiting thread, polled by the iterator
     if isinstance(texts, str):
         texts = [texts]
     _train_in_thread(tok, _segmented(texts, stop), trainer, stop)

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from .. import checkpoint as ckpt
 from ..io import atomic_write_text, jsonable
 from ..logs import get_logger
+from ..signals import StopFlag  # re-exported: the trainer's stop flag is the one of linattn.signals
 from .config import TrainError
 from .lock import RunLock
 
@@ -151,41 +150,6 @@ class RunFolder:
 
     def metrics(self) -> List[Dict[str, Any]]:
         return read_metrics(self.metrics_path)
-
-
-class StopFlag:
-    """SIGINT/SIGTERM -> `signum` is set: finish the step, save, stop. A second SIGINT raises
-    KeyboardInterrupt (the last complete checkpoint stays intact). Only in the main thread."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.signum: Optional[int] = None
-        self._old: Dict[int, Any] = {}
-
-    def _handler(self, signum, frame):
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-        log.warning(f"\n[linattn] {signal.Signals(signum).name}: finishing the current step, saving, exiting "
-                    f"(SIGINT again aborts at once; the last checkpoint stays intact)")
-
-    def __enter__(self) -> "StopFlag":
-        if self.enabled:
-            for s in (signal.SIGINT, signal.SIGTERM):
-                try:
-                    self._old[s] = signal.signal(s, self._handler)
-                except (ValueError, OSError):
-                    pass
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        for s, h in self._old.items():
-            try:
-                signal.signal(s, h)
-            except (ValueError, OSError):
-                pass
-        self._old.clear()
-        return False
 
 
 __all__ = ["METRICS_FILE", "read_metrics", "RunFolder", "StopFlag"]

@@ -23,9 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +33,7 @@ import torch
 
 from .. import checkpoint as ckpt_mod
 from ..errors import CheckpointError, ConfigError, DataError, LinattnError
+from ..signals import StopFlag
 from .boxes import postprocess
 from .data import Augment, DetectionDataset, Item, YoloFolder, batches, read_yolo_folder, steps_per_epoch
 from .loss import LossWeights, detection_loss
@@ -199,36 +198,6 @@ def make_optimizer(model: torch.nn.Module, cfg: VisionTrainConfig) -> torch.opti
     other = [p for n, p in model.named_parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": other, "weight_decay": 0.0}], lr=cfg.lr, foreach=False)
-
-
-class _Stop:
-    """SIGINT/SIGTERM -> finish the step, save, stop; a second SIGINT aborts at once."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.signum: Optional[int] = None
-        self._old: Dict[int, Any] = {}
-
-    def _handler(self, signum, frame):
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\n[linattn vision] {signal.Signals(signum).name}: finishing the step, saving, exiting",
-              file=sys.stderr, flush=True)
-
-    def __enter__(self):
-        if self.enabled:
-            for s in (signal.SIGINT, signal.SIGTERM):
-                try:
-                    self._old[s] = signal.signal(s, self._handler)
-                except (ValueError, OSError):
-                    pass
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        return False
 
 
 def _read_metrics(path: Path) -> List[Dict[str, Any]]:
@@ -423,7 +392,7 @@ def train_detector(cfg: VisionTrainConfig, model_config: Optional[VisionConfig] 
     echo = cfg.progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
     bar = tqdm(total=total, initial=min(start, total), desc="train", unit="step", dynamic_ncols=True,
                disable=(None if cfg.progress is None else not cfg.progress))
-    stop = _Stop(handle_signals)
+    stop = StopFlag(handle_signals, notice="\n[linattn vision] {signal}: finishing the step, saving, exiting")
     step = start
     last_ckpt = resume_ck
     interrupted = stopping = False
