@@ -41,6 +41,9 @@ def _pos_int(name: str, v) -> int:
 class Mamba2Block(nn.Module):
     """Mamba2's mixer (module docstring). x `[B, T, d_model]` -> `[B, T, d_model]`.
 
+    With a `LayerCache` it decodes incrementally (entries "conv": the conv window, "state": the
+    `LinearAttentionState`, whose kv `[B, H, N, P]` is transformers' ssm state `[B, H, P, N]` transposed).
+
     Args:
         d_model: model width.
         n_heads: H, Mamba2's heads (value heads; `num_heads` in transformers).
@@ -68,8 +71,19 @@ class Mamba2Block(nn.Module):
         norm_before_gate: the gated norm as RMSNorm(y) * silu(z) (mamba_ssm's norm_before_gate=True) instead of
             Mamba2's default RMSNorm(y * silu(z)).
 
-    With a `LayerCache` it decodes incrementally (entries "conv": the conv window, "state": the
-    `LinearAttentionState`, whose kv `[B, H, N, P]` is transformers' ssm state `[B, H, P, N]` transposed).
+    Raises:
+        LinattnError: A bad size or option (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import LayerCache, Mamba2Block
+        >>> layer = Mamba2Block(64, 4, state_size=16).double()
+        >>> x = torch.randn(2, 10, 64, dtype=torch.float64)
+        >>> y = layer(x)
+        >>> cache = LayerCache()                     # prefill 9 tokens, then decode the 10th
+        >>> _ = layer(x[:, :9], cache)
+        >>> torch.allclose(layer(x[:, 9:], cache), y[:, 9:])
+        True
     """
 
     causal = True
