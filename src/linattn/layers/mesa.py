@@ -27,12 +27,29 @@ from .common import l2_normalize
 
 
 class MesaNet(AttentionBase):
-    """MesaNet layer.
+    """MesaNet layer: the `mesanet` mixer, on the `mesa_net` operator.
 
-    Args (besides `AttentionBase`'s): chunk_size for the operator; scale for q (None: head_dim**-0.5;
-    with the output norm it only sets the output's scale before the norm); solver "cg" | "exact";
-    max_iter and tol of CG (tol None: the operator's default); lambda_lower_bound (> 0) the smallest
-    ridge. short_conv and output_norm default to True.
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The number of heads.
+        chunk_size: for the operator.
+        scale: for q (None: head_dim**-0.5; with the output norm it only sets the output's scale before the norm).
+        solver: "cg" | "exact".
+        max_iter: CG's iteration cap.
+        tol: CG's tolerance (None: the operator's default).
+        lambda_lower_bound: (> 0) the smallest ridge.
+        short_conv: The short convolution on q, k, v (default True).
+        output_norm: The per-head output norm (default True).
+        **kwargs: `AttentionBase`'s options.
+
+    Raises:
+        LinattnError: A bad solver or other option (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import MesaNet
+        >>> MesaNet(64, 4)(torch.randn(2, 10, 64)).shape
+        torch.Size([2, 10, 64])
     """
 
     config_fields = AttentionBase.config_fields + ("chunk_size",)
