@@ -35,12 +35,30 @@ INNER = ("linear", "mlp")
 
 
 class TTT(AttentionBase):
-    """TTT-Linear (inner="linear") or TTT-MLP (inner="mlp") layer.
+    """TTT-Linear (inner="linear") or TTT-MLP (inner="mlp") layer, on the `ttt` operator.
 
-    Args (besides `AttentionBase`'s): inner; mini_batch (tokens per inner gradient step, 16 in the
-    paper); base_lr (None: 1.0 for linear, 0.1 for mlp, the paper's values); hidden_mult (the MLP's
-    hidden width / head_dim); residual (f(x) = x + LN(m(x)), needs head_dim_v == head_dim); scale for
-    q (None: head_dim**-0.5); init_std of the inner weights. short_conv and output_norm default to True.
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The number of heads.
+        inner: "linear" or "mlp".
+        mini_batch: tokens per inner gradient step, 16 in the paper.
+        base_lr: None: 1.0 for linear, 0.1 for mlp, the paper's values.
+        hidden_mult: the MLP's hidden width / head_dim.
+        residual: f(x) = x + LN(m(x)), needs head_dim_v == head_dim.
+        scale: for q (None: head_dim**-0.5).
+        init_std: of the inner weights.
+        short_conv: The short convolution on q, k, v (default True).
+        output_norm: The per-head output norm (default True).
+        **kwargs: `AttentionBase`'s options.
+
+    Raises:
+        LinattnError: A bad option (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import TTT
+        >>> TTT(64, 4, mini_batch=4)(torch.randn(2, 10, 64)).shape
+        torch.Size([2, 10, 64])
     """
 
     l2_qk = False
