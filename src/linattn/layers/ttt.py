@@ -124,7 +124,19 @@ class TTT(AttentionBase):
 
 class Titans(TTT):
     """Titans' neural memory as a layer: TTT with momentum and weight decay (module docstring).
-    inner defaults to "mlp" (the paper's deep memory)."""
+
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The number of heads.
+        inner: defaults to "mlp" (the paper's deep memory).
+        **kwargs: `TTT`'s options (mini_batch, base_lr, hidden_mult, ...) and `AttentionBase`'s.
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import Titans
+        >>> Titans(64, 4, mini_batch=4)(torch.randn(2, 10, 64)).shape
+        torch.Size([2, 10, 64])
+    """
 
     l2_qk = True
 
