@@ -31,7 +31,8 @@ DOCUMENTED = OPERATORS + [
     "linattn.audit.check_causality", "linattn.set_checks", "linattn.get_checks", "linattn.prepare_delta",
     # layers (constructor arguments)
     "linattn.layers.AttentionBase", "linattn.layers.AttentionBase.forward", "linattn.layers.SoftmaxAttention",
-    "linattn.layers.FoX", "linattn.layers.DeltaFormer",
+    "linattn.layers.FoX", "linattn.layers.DeltaFormer", "linattn.layers.Mamba2Block",
+    "linattn.layers.MesaNet", "linattn.layers.TTT", "linattn.layers.Titans",
 ]
 SECTION = re.compile(r"^(\s*)(Args|Arguments|Returns|Yields|Raises|Examples|Example|Attributes|Note|Notes):\s*$")
 
