@@ -81,6 +81,38 @@ def test_softmax_bad_head_options_are_errors(kw):
         SoftmaxAttention(48, 4, **kw)
 
 
+def test_linear_scale_after_map_scales_the_features_of_q():
+    from linattn.layers import LinearAttention
+
+    torch.manual_seed(0)
+    s = 0.3
+    layer = _perturbed(LinearAttention(32, 2, feature_map="elu+1", normalize=False, scale=s,
+                                       scale_after_map=True).double())
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    q, k, v = layer._qkv(x, None)
+    fq, fk = (torch.nn.functional.elu(q) + 1) * s, torch.nn.functional.elu(k) + 1      # phi(q) * s, not phi(s q)
+    att = torch.einsum("bthk,bshk->bhts", fq, fk).tril()
+    want = layer._out(torch.einsum("bhts,bshv->bthv", att, v), x)
+    assert (layer(x) - want).abs().max() <= 1e-12
+    from linattn.errors import LinattnError
+
+    with pytest.raises(LinattnError, match="scale_after_map"):
+        LinearAttention(32, 2, feature_map="hadamard_exp", scale_after_map=True)
+
+
+def test_linear_gate_min_floors_the_diagonal_log_decay():
+    from linattn.layers import LinearAttention
+
+    torch.manual_seed(0)
+    kw = dict(feature_map="identity", normalize=False, gate="diagonal")
+    free = _perturbed(LinearAttention(32, 2, **kw).double())
+    floored = LinearAttention(32, 2, gate_min=-0.02, **kw).double()
+    floored.load_state_dict(free.state_dict())
+    x = 3 * torch.randn(2, 6, 32, dtype=torch.float64)
+    g0, g1 = free.log_gate(x), floored.log_gate(x)
+    assert g0.min() < -0.02 and (g1 - g0.clamp_min(-0.02)).abs().max() == 0
+
+
 # -- fla's own models ------------------------------------------------------------------------------------------------
 
 fla = pytest.importorskip("fla", reason="flash-linear-attention (the dev extra) is needed to build fla's models")
@@ -305,3 +337,45 @@ def test_retnet(tmp_path, name):
         model = build_fla(RetNetConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100, **RETNETS[name]))
         res = _strong(model, tmp_path)
     assert res.model.config.mixer_list()[1] == "retnet"
+
+
+def _linear_op(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=False, **kw):
+    from fla.ops.linear_attn.naive import naive_recurrent_linear_attn
+
+    assert initial_state is None and not output_final_state and kw.get("cu_seqlens") is None and not normalize
+    o = _gated_scan(q, k, v, None, q.shape[-1] ** -0.5 if scale is None else scale)
+    o32, _ = naive_recurrent_linear_attn(q, k, v, scale=scale)
+    assert (o32.double() - o).abs().max() <= 1e-4 * (1 + o.abs().max())
+    return o.to(q.dtype), None
+
+
+LINEAR_OPS = {f"fla.layers.linear_attn.{n}": _linear_op
+              for n in ("chunk_linear_attn", "fused_chunk_linear_attn", "fused_recurrent_linear_attn")}
+
+LINEARS = {
+    "elu": dict(num_heads=2, feature_map="elu"),
+    "relu_expand_tied": dict(num_heads=4, feature_map="relu", expand_k=0.5, expand_v=2.0, tie_word_embeddings=True),
+    "identity_hybrid_attn": dict(num_heads=2, feature_map="identity", attn={"layers": [1], "num_heads": 2}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LINEARS))
+def test_linear_attn(tmp_path, name):
+    from fla.models import LinearAttentionConfig
+
+    with fla_cpu(LINEAR_OPS):
+        model = build_fla(LinearAttentionConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100, **LINEARS[name]))
+        res = _strong(model, tmp_path)
+    assert res.model.config.mixer_list()[0] == "linear-" + {"elu": "elu+1"}.get(LINEARS[name]["feature_map"],
+                                                                              LINEARS[name]["feature_map"])
+
+
+@pytest.mark.parametrize("kw", [dict(feature_map="elementwise_product"), dict(feature_map="elu", norm_q=True)])
+def test_linear_attn_options_linattn_lacks_are_named(tmp_path, kw):
+    from fla.models import LinearAttentionConfig
+
+    with fla_cpu():
+        model = build_fla(LinearAttentionConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=50, **kw))
+        model.save_pretrained(tmp_path / "fla", safe_serialization=True)
+    with pytest.raises(CheckpointError, match="elementwise_product" if "norm_q" not in kw else "norm_q"):
+        import_fla(tmp_path / "fla", tmp_path / "run")

@@ -50,6 +50,27 @@ def init_mamba_decay(n_heads: int, A_range=(1.0, 16.0), dt_min: float = 1e-3, dt
     return torch.log(A), dt_bias
 
 
+class _ScaledPhi(FeatureMap):
+    """`inner` with phi(x) multiplied by `scale` (psi unchanged): the q scale applied after the feature map."""
+
+    def __init__(self, inner: FeatureMap, scale: float):
+        if inner.log_space or isinstance(inner, nn.Module):
+            raise LinattnError(f"scale_after_map needs a linear-space feature map without parameters, got "
+                               f"{inner.name!r}")
+        super().__init__()
+        self.inner, self.scale = inner, float(scale)
+        self.name, self.positional = f"{inner.name}*{self.scale:.17g}", inner.positional
+
+    def phi(self, x, pos=None):
+        return self.inner.phi(x, pos) * self.scale
+
+    def psi(self, x, pos=None):
+        return self.inner.psi(x, pos)
+
+    def feature_dim(self, head_dim: int) -> int:
+        return self.inner.feature_dim(head_dim)
+
+
 class LinearAttention(AttentionBase):
     """Multi-head kernelized linear attention layer.
 
@@ -74,7 +95,8 @@ class LinearAttention(AttentionBase):
     def __init__(self, d_model: int, n_heads: int, feature_map: Union[str, FeatureMap, None] = "elu+1", *,
                  normalize: bool = True, gate: Optional[str] = None, scale: Optional[float] = None,
                  chunk_size: int = 64, eps: float = 1e-6, feature_seed: int = 0, gate_low_rank: int = 16,
-                 gate_normalizer: float = 16.0, gate_min: Optional[float] = None, **kwargs):
+                 gate_normalizer: float = 16.0, gate_min: Optional[float] = None, scale_after_map: bool = False,
+                 **kwargs):
         if gate not in GATES:
             raise LinattnError(f"gate must be one of {GATES}, got {gate!r}")
         super().__init__(d_model, n_heads, **kwargs)
@@ -85,6 +107,10 @@ class LinearAttention(AttentionBase):
         self.feature_map_name = getattr(fmap, "name", "custom")
         self.normalize, self.gate = bool(normalize), gate
         self.scale = self.resolve_scale(scale, self.head_dim)
+        self.scale_after_map = bool(scale_after_map)
+        if self.scale_after_map:   # phi(q) * scale (fla's linear_attn) instead of phi(scale * q)
+            self.feature_map = _ScaledPhi(fmap, self.scale)
+            self.feature_map_name, self.scale = self.feature_map.name, 1.0
         self.chunk_size, self.eps = int(chunk_size), float(eps)
         H = self.n_value_heads   # the decays are per value head (Mamba2: one dt and A per value head)
         self._gamma: Optional[torch.Tensor] = None
