@@ -123,8 +123,23 @@ class GatedDeltaNet(DeltaNet):
 class EFLA(DeltaNet):
     """Error-Free Linear Attention (Lei et al.): the delta rule integrated exactly.
 
-    Args: beta_mode "sigmoid" | "adaptive" | "loose" (module docstring); q_l2norm (default
-    True) normalises queries; keys are never normalised (their norm is the dynamic gate).
+    Keys are never normalised (their norm is the dynamic gate).
+
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The number of heads.
+        beta_mode: "sigmoid" | "adaptive" | "loose" (module docstring).
+        q_l2norm: (default True) normalises queries.
+        **kwargs: `DeltaNet`'s options (chunk_size, scale, ...) and `AttentionBase`'s.
+
+    Raises:
+        LinattnError: A bad beta_mode or other option (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import EFLA
+        >>> EFLA(64, 4, beta_mode="adaptive")(torch.randn(2, 10, 64)).shape
+        torch.Size([2, 10, 64])
     """
 
     exact = True
