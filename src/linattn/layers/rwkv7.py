@@ -82,15 +82,45 @@ class ValueResidual:
 class RWKV7(nn.Module):
     """RWKV-7 time mixing (module docstring). x `[B, T, d_model]` -> `[B, T, d_model]`.
 
-    Args: d_model, n_heads; head_dim (default d_model // n_heads); decay_rank, a_rank, gate_rank, value_rank: the
-    low ranks of the w, a, g and v-residual projections (the last only where layer_idx > 0); norm_eps: the group
-    norm's epsilon per channel (times head_dim, as fla; fla's default 1e-5, not LMConfig.norm_eps, the RMSNorms');
-    chunk_size: the operator's chunk in training and prefill. short_conv / rope: not RWKV-7 (whose token shift
-    plays the short conv's role), options for ablations: a causal depthwise conv (no activation) over r, k, v
-    after their projections, and rotary positions on r and k (after the k update; kk is taken before).
-    kk_norm: the L2 normalisation of kk, "normalize" (torch's F.normalize, x / max(||x||, 1e-12), fla's layer with
-    fuse_norm=False; the default) or "rsqrt" (x * rsqrt(sum x^2 + 1e-6), fla's fused l2_norm: fuse_norm=True).
     The operator's scale is 1 (RWKV-7's): `scale` is that number.
+
+    Args:
+        d_model: The model width.
+        n_heads: The number of heads.
+        head_dim: default d_model // n_heads.
+        decay_rank: the low rank of the w (decay) projection.
+        a_rank: the low rank of the a projection.
+        gate_rank: the low rank of the g (output gate) projection.
+        value_rank: the low rank of the v-residual projection (used only where layer_idx > 0).
+        norm_eps: the group norm's epsilon per channel (times head_dim, as fla; fla's default 1e-5, not
+            LMConfig.norm_eps, the RMSNorms').
+        chunk_size: the operator's chunk in training and prefill.
+        layer_idx: the index of the layer in its model (the first layer has no v-residual).
+        n_layers: the model's number of layers (RWKV-7's initialisation depends on the layer's depth).
+        rope: not RWKV-7, an option for ablations: rotary positions on r and k (after the k update; kk is
+            taken before).
+        rope_base: the rotary embedding's base.
+        max_seq_len: the rotary table's initial size.
+        short_conv: not RWKV-7 (whose token shift plays the short conv's role), an option for ablations: a
+            causal depthwise conv (no activation) over r, k, v after their projections.
+        conv_size: that convolution's kernel.
+        kk_norm: the L2 normalisation of kk, "normalize" (torch's F.normalize, x / max(||x||, 1e-12), fla's
+            layer with fuse_norm=False; the default) or "rsqrt" (x * rsqrt(sum x^2 + 1e-6), fla's fused l2_norm:
+            fuse_norm=True).
+
+    Raises:
+        LinattnError: A bad size or option (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import LayerCache, RWKV7
+        >>> layer = RWKV7(64, 4, layer_idx=0, n_layers=2).double()
+        >>> x = torch.randn(2, 10, 64, dtype=torch.float64)
+        >>> y = layer(x)
+        >>> cache = LayerCache()                     # prefill 9 tokens, then decode the 10th
+        >>> _ = layer(x[:, :9], cache)
+        >>> torch.allclose(layer(x[:, 9:], cache), y[:, 9:])
+        True
     """
 
     causal = True
