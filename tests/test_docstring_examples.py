@@ -32,7 +32,8 @@ DOCUMENTED = OPERATORS + [
     # layers (constructor arguments)
     "linattn.layers.AttentionBase", "linattn.layers.AttentionBase.forward", "linattn.layers.SoftmaxAttention",
     "linattn.layers.FoX", "linattn.layers.DeltaFormer", "linattn.layers.Mamba2Block",
-    "linattn.layers.MesaNet", "linattn.layers.TTT", "linattn.layers.Titans",
+    "linattn.layers.MesaNet", "linattn.layers.TTT", "linattn.layers.Titans", "linattn.layers.GatedDeltaNet",
+    "linattn.layers.EFLA", "linattn.layers.RWKV7",
 ]
 SECTION = re.compile(r"^(\s*)(Args|Arguments|Returns|Yields|Raises|Examples|Example|Attributes|Note|Notes):\s*$")
 
