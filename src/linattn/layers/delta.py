@@ -103,7 +103,28 @@ class DeltaNet(AttentionBase):
 
 class GatedDeltaNet(DeltaNet):
     """Gated DeltaNet (Yang et al. 2024b): DeltaNet with a Mamba2-style decay per head and an
-    output gate (gated RMSNorm). output_gate defaults to True."""
+    output gate (gated RMSNorm).
+
+    The decay is exp(g_t) with g = -exp(A_log) * softplus(a_proj(x) + dt_bias) (module docstring).
+
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The number of heads.
+        output_gate: defaults to True.
+        **kwargs: `DeltaNet`'s options (chunk_size, scale, l2norm_convention, ...) and `AttentionBase`'s
+            (head_dim, n_value_heads, ...).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import GatedDeltaNet, LayerCache
+        >>> layer = GatedDeltaNet(64, 4).double()
+        >>> x = torch.randn(2, 10, 64, dtype=torch.float64)
+        >>> y = layer(x)
+        >>> cache = LayerCache()                     # prefill 9 tokens, then decode the 10th
+        >>> _ = layer(x[:, :9], cache)
+        >>> torch.allclose(layer(x[:, 9:], cache), y[:, 9:])
+        True
+    """
 
     def __init__(self, d_model: int, n_heads: int, *, output_gate: bool = True, **kwargs):
         super().__init__(d_model, n_heads, output_gate=output_gate, **kwargs)
