@@ -59,27 +59,35 @@ class JsonConfig:
 
 @dataclass
 class LMConfig(JsonConfig):
-    """Configuration of a `LanguageModel`.
+    """Configuration of a `LanguageModel`: a JSON-serialisable dataclass (`to_dict` / `from_dict`).
 
-    Model:
-        vocab_size, d_model, n_layers, n_heads; head_dim (default d_model // n_heads).
+    A block is a mixer (`mixer`) and an FFN (`ffn`) with their norms and residuals; the model is an embedding,
+    n_layers blocks, a final norm and the output head. Every field is validated on construction.
+
+    Args:
+        vocab_size: The vocabulary size (in training: the tokenizer's).
+        d_model: The model width.
+        n_layers: The number of blocks (mixer + FFN).
+        n_heads: Heads per mixer.
         mixer: a registry name (`linattn.mixers()`) for every layer, or a list with one name per
             layer (hybrids, e.g. ["gated-deltanet", "softmax"] * 2).
+        head_dim: The per-head width (default d_model // n_heads).
         mixer_kwargs: {mixer name: {kwarg: value}} passed to that mixer's layer (e.g.
             {"linear-elu+1": {"output_gate": True}}).
         rope: None = each mixer's default (softmax and ela-* use RoPE), True/False forces it.
+        rope_base: The RoPE base.
         short_conv: None = each mixer's default (delta rule and mamba2 use it), True/False forces it.
         window: sliding window of softmax mixers (None: full; `swa` defaults to 256).
         max_seq_len: RoPE table size (extended on demand) and cosFormer's horizon.
         chunk_size: chunk length of the linear operators in training and prefill.
-    FFN:
-        ffn: "swiglu" | "moe" | "none" | "rwkv7" (RWKV-7's channel mixing, `layers.rwkv7.RWKV7ChannelMix`);
-            ffn_hidden (SwiGLU width, default 8/3 d rounded to 32; rwkv7: 4 d rounded to 32).
-        n_experts, top_k, expert_hidden (default d_model, ELA's non-expanding experts),
+        ffn: "swiglu" | "moe" | "none" | "rwkv7" (RWKV-7's channel mixing, `layers.rwkv7.RWKV7ChannelMix`).
+        ffn_hidden: SwiGLU width, default 8/3 d rounded to 32; rwkv7: 4 d rounded to 32.
+        n_experts: MoE experts.
+        top_k: MoE experts per token.
+        expert_hidden: MoE expert width (default d_model, ELA's non-expanding experts).
         moe_bias: "none" | "eq14" (X = S_e f_e(X) + B_e) | "eq15" (X = S_e (f_e(X) + B_e)), with B_e
-            the expert's label vector = its row of the router's weight (ELA section V-A);
+            the expert's label vector = its row of the router's weight (ELA section V-A).
         aux_loss_coef: weight of the load-balancing loss (returned as `output.aux_loss`).
-    Residual:
         residual: "prenorm" (x + mixer(norm(x)), then + ffn(norm(.))) or "hyperlink" (ELA: one
             norm, no residual around the mixer: out = x + ffn(mixer(norm(x))) [+ lobe]).
         hyperlink_ffn_skip: add the mixer output to the FFN output in hyperlink blocks (what the
@@ -87,11 +95,15 @@ class LMConfig(JsonConfig):
         memory_lobe: None | "causal" | "bidirectional": attention over the layer's flow (FFN
             output), added to the block output. "bidirectional" (the paper's form) lets position
             t see later tokens; it needs allow_future_leak=True.
-        lobe_feature_map, lobe_heads: the lobe's kernel and heads (ELA: hadamard_exp, 1).
-    Head: tie_embeddings, final_norm, norm_eps, init_std.
-    Norms: norm: "rmsnorm" (default) or "layernorm" (with bias: RWKV-7's) for the blocks' and the final norm;
+        lobe_feature_map: the lobe's kernel (ELA: hadamard_exp).
+        lobe_heads: the lobe's heads (ELA: 1).
+        allow_future_leak: Allow a bidirectional memory lobe (it leaks the targets; for the ablation).
+        tie_embeddings: Share the input embedding with the output head.
+        final_norm: A norm before the output head.
+        norm_eps: The norms' epsilon.
+        norm: "rmsnorm" (default) or "layernorm" (with bias: RWKV-7's) for the blocks' and the final norm.
         embed_norm: one more norm of that kind on the embeddings, in the first block (RWKV-7's ln0, fla's pre_norm).
-    Conventions:
+        init_std: The std of the normal init (output projections scaled by 1/sqrt(2 n_layers)).
         n_value_heads: grouped value heads (Qwen3-Next, Mamba2 groups), HV = n * n_heads; None: n_heads. Passed
             to the mixers that support it (linear attention; DeltaNet, Gated DeltaNet, EFLA, KDA).
         l2norm_convention: the delta-rule layers' q/k L2 normalisation inside the operator, "rsqrt"
@@ -104,6 +116,16 @@ class LMConfig(JsonConfig):
             the gated linear attention that was called `mamba2` before issue 37 (version 1). A config of version
             1 (a saved dict without this field, like l2norm_convention above, or mixer_names=1 given) has its
             names mapped on construction (`MIXER_RENAMES`) and holds version 2 afterwards.
+
+    Raises:
+        ConfigError: A field with a bad value (the message names it and the valid values).
+
+    Examples:
+        >>> from linattn import LMConfig
+        >>> config = LMConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=4,
+        ...                   mixer=["gated-deltanet", "gated-deltanet", "gated-deltanet", "softmax"])
+        >>> LMConfig.from_dict(config.to_dict()) == config
+        True
     """
 
     vocab_size: int = field(metadata={"help": "vocabulary size (in training: the tokenizer's)"})
