@@ -34,6 +34,8 @@ DOCUMENTED = OPERATORS + [
     "linattn.layers.FoX", "linattn.layers.DeltaFormer", "linattn.layers.Mamba2Block",
     "linattn.layers.MesaNet", "linattn.layers.TTT", "linattn.layers.Titans", "linattn.layers.GatedDeltaNet",
     "linattn.layers.EFLA", "linattn.layers.RWKV7",
+    # models
+    "linattn.LMConfig",
 ]
 SECTION = re.compile(r"^(\s*)(Args|Arguments|Returns|Yields|Raises|Examples|Example|Attributes|Note|Notes):\s*$")
 
