@@ -36,6 +36,8 @@ from .common import _cdt, l2_normalize, mamba_log_decay
 from .linear_attention import init_mamba_decay
 
 BETA_MODES = ("sigmoid", "adaptive", "loose")
+QK_ACTIVATIONS = ("silu", "relu", "elu", "identity")
+QK_NORMS = ("l2", "sum")
 
 
 class DeltaNet(AttentionBase):
@@ -47,6 +49,16 @@ class DeltaNet(AttentionBase):
     checkpoints written before the choice existed used: `LMConfig.l2norm_convention`). It applies where the
     operator normalises (DeltaNet, Gated DeltaNet, KDA, DeltaProduct); EFLA's queries and Comba's q/k are
     normalised by the layer in the "rsqrt" form, as they always were. short_conv and output_norm default to True.
+
+    Options of flash-linear-attention's layers (`linattn.hf.import_fla`); each default keeps the layer as it was:
+    beta_bias (True): b_proj has a bias (fla's has none); use_beta (True): False means beta = 1 and no b_proj;
+    allow_negative_eigenvalues (False): beta doubled, so 1 - beta ||k||^2 reaches -1 (state tracking);
+    qk_activation ("silu", `QK_ACTIVATIONS`): the q/k feature activation, "silu" being the short convolution's;
+    "relu", "elu" (elu + 1) or "identity" replace it (the q/k convolutions then have none), as fla's DeltaNet;
+    activation_without_conv (False): without a short convolution q, k and v are the plain projections; True
+    applies SiLU to them anyway (q and k: unless qk_activation says otherwise), as all of fla's delta layers;
+    qk_norm ("l2"): "sum" divides q and k by the sum of their absolute values (max 1e-6) instead of the L2 norm
+    (fla's DeltaNet qk_norm="sum"; DeltaNet, Gated DeltaNet and KDA only).
     """
 
     exact = False
@@ -54,22 +66,64 @@ class DeltaNet(AttentionBase):
     config_fields = AttentionBase.config_fields + ("chunk_size", "l2norm_convention", "n_value_heads")
 
     def __init__(self, d_model: int, n_heads: int, *, chunk_size: int = 64, scale: Optional[float] = None,
-                 short_conv: bool = True, output_norm: bool = True, l2norm_convention: str = "rsqrt", **kwargs):
+                 short_conv: bool = True, output_norm: bool = True, l2norm_convention: str = "rsqrt",
+                 beta_bias: bool = True, use_beta: bool = True, allow_negative_eigenvalues: bool = False,
+                 qk_activation: str = "silu", activation_without_conv: bool = False, qk_norm: str = "l2", **kwargs):
         if l2norm_convention not in L2NORM_CONVENTIONS:
             raise LinattnError(f"l2norm_convention must be one of {L2NORM_CONVENTIONS}, got {l2norm_convention!r}")
+        if qk_activation not in QK_ACTIVATIONS:
+            raise LinattnError(f"qk_activation must be one of {QK_ACTIVATIONS}, got {qk_activation!r}")
+        if qk_norm not in QK_NORMS:
+            raise LinattnError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
+        if qk_norm != "l2" and not (self.qk_l2norm and type(self)._mix is DeltaNet._mix):
+            raise LinattnError(f"qk_norm={qk_norm!r} applies to DeltaNet, GatedDeltaNet and KDA only, "
+                               f"not {type(self).__name__}")
         super().__init__(d_model, n_heads, short_conv=short_conv, output_norm=output_norm, **kwargs)
         self.l2norm_convention = l2norm_convention
         self.chunk_size = int(chunk_size)
         self.scale = self.resolve_scale(scale, self.head_dim)
-        self.b_proj = nn.Linear(d_model, self.n_value_heads, bias=True)     # one beta per value head
+        self.use_beta = bool(use_beta)
+        self.allow_negative_eigenvalues = bool(allow_negative_eigenvalues)
+        self.qk_activation, self.qk_norm = qk_activation, qk_norm
+        self.activation_without_conv = bool(activation_without_conv)
+        if self.use_beta:
+            self.b_proj = nn.Linear(d_model, self.n_value_heads, bias=bool(beta_bias))     # one beta per value head
+        if qk_activation != "silu" and self.short_conv:   # the activation comes after the q/k convolutions
+            self.q_conv.activation = self.k_conv.activation = None
+
+    @property
+    def _plain_features(self) -> bool:
+        """Whether q, k, v are the base layer's (the options above at their defaults)."""
+        return self.qk_activation == "silu" and not (self.activation_without_conv and not self.short_conv)
+
+    def _features(self, q, k, v):
+        """The q/k/v activations of the options above (elementwise, any shape)."""
+        if self.activation_without_conv and not self.short_conv:
+            v = F.silu(v)
+            if self.qk_activation == "silu":
+                q, k = F.silu(q), F.silu(k)
+        if self.qk_activation == "relu":
+            q, k = F.relu(q), F.relu(k)
+        elif self.qk_activation == "elu":
+            q, k = F.elu(q) + 1.0, F.elu(k) + 1.0
+        return q, k, v
+
+    def _qkv(self, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
+        q, k, v = super()._qkv(x, cache, cu_seqlens)
+        return (q, k, v) if self._plain_features else self._features(q, k, v)
 
     def beta(self, x: torch.Tensor) -> torch.Tensor:
         """Write strength `[B, T, HV]` (HV = n_value_heads)."""
+        if not self.use_beta:
+            f = _cdt(x)
+            return torch.full((*x.shape[:2], self.n_value_heads), 2.0 if self.allow_negative_eigenvalues else 1.0,
+                              dtype=f, device=x.device)
         return self._beta_of(self.b_proj(x))
 
     def _beta_of(self, b: torch.Tensor) -> torch.Tensor:
         """beta from the b_proj output, in fp32 (fp64 in an fp64 model)."""
-        return torch.sigmoid(b.to(_cdt(b)))
+        beta = torch.sigmoid(b.to(_cdt(b)))
+        return 2.0 * beta if self.allow_negative_eigenvalues else beta
 
     def log_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         return None
@@ -88,11 +142,14 @@ class DeltaNet(AttentionBase):
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         q, k = self._prepare_qk(q, k)
+        l2 = self.l2norm_convention if self.qk_l2norm else False
+        if self.qk_norm == "sum":   # fla's sum_norm: F.normalize(x, p=1, eps=1e-6), in place of the L2 norm
+            q, k = (F.normalize(t.to(_cdt(t)), p=1.0, dim=-1, eps=1e-6).to(t.dtype) for t in (q, k))
+            l2 = False
         beta = self.beta(x).to(q.dtype)
         g = self.log_gate(x)
         o, state = delta_rule(
-            q, k, v, beta, g=g, exact=self.exact, scale=self.scale,
-            qk_l2norm=self.l2norm_convention if self.qk_l2norm else False,
+            q, k, v, beta, g=g, exact=self.exact, scale=self.scale, qk_l2norm=l2,
             mode=self._mode(cache, x.shape[1]), chunk_size=self.chunk_size,
             initial_state=cache.get("state") if cache is not None else None,
             output_final_state=cache is not None, cu_seqlens=cu_seqlens)
@@ -169,6 +226,9 @@ class EFLA(DeltaNet):
     def __init__(self, d_model: int, n_heads: int, *, beta_mode: str = "sigmoid", q_l2norm: bool = True, **kwargs):
         if beta_mode not in BETA_MODES:
             raise LinattnError(f"beta_mode must be one of {BETA_MODES}, got {beta_mode!r}")
+        if kwargs.get("allow_negative_eigenvalues") or not kwargs.get("use_beta", True):
+            raise LinattnError("EFLA takes neither allow_negative_eigenvalues=True nor use_beta=False (beta_mode "
+                               "chooses its beta)")
         super().__init__(d_model, n_heads, **kwargs)
         self.beta_mode, self.q_l2norm = beta_mode, bool(q_l2norm)
         if beta_mode == "adaptive":

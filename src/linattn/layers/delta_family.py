@@ -50,24 +50,33 @@ def _no_value_groups(name: str, n_heads: int, kwargs) -> None:
 class Comba(GatedDeltaNet):
     """Comba (Hu et al. 2025): the gated delta rule with state feedback p = sigmoid(c) k and output
     correction q - d p (module docstring). Args (besides `GatedDeltaNet`'s): correction_factor, the initial
-    d (default 1.0); output_correction (default True) turns q - d p off when False."""
+    d (default 1.0); output_correction (default True) turns q - d p off when False; inner_decay (default True):
+    False means p = k (no p_gain); correction_before_norm (default False: q and k are L2-normalised first, then
+    p and q - d p are formed): True is flash-linear-attention's order, p = sigmoid(c) k and q - d p from the
+    raw q and k, then q, k and p L2-normalised (so the read key is k / ||k||, and c acts through the
+    correction only)."""
 
     def __init__(self, d_model: int, n_heads: int, *, correction_factor: float = 1.0, output_correction: bool = True,
-                 **kwargs):
+                 inner_decay: bool = True, correction_before_norm: bool = False, **kwargs):
         _no_value_groups("Comba", n_heads, kwargs)
         super().__init__(d_model, n_heads, **kwargs)
         if isinstance(correction_factor, bool) or not isinstance(correction_factor, (int, float)):
             raise LinattnTypeError(f"correction_factor must be a number, got {correction_factor!r}")
         self.output_correction = bool(output_correction)
-        self.p_gain = nn.Parameter(torch.ones(self.n_heads))     # p = sigmoid(p_gain) * k
+        self.inner_decay, self.correction_before_norm = bool(inner_decay), bool(correction_before_norm)
+        if self.inner_decay:
+            self.p_gain = nn.Parameter(torch.ones(self.n_heads))     # p = sigmoid(p_gain) * k
         if self.output_correction:
             self.d = nn.Parameter(torch.full((self.n_heads,), float(correction_factor)))
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
-        q, k = l2_normalize(q), l2_normalize(k)
-        p = torch.sigmoid(self.p_gain)[:, None].to(k.dtype) * k
+        if not self.correction_before_norm:
+            q, k = l2_normalize(q), l2_normalize(k)
+        p = torch.sigmoid(self.p_gain)[:, None].to(k.dtype) * k if self.inner_decay else k
         if self.output_correction:
             q = q - self.d[:, None].to(q.dtype) * p
+        if self.correction_before_norm:
+            q, k, p = l2_normalize(q), l2_normalize(k), l2_normalize(p)
         beta = self.beta(x).to(q.dtype)
         o, state = comba(
             q, k, v, beta, p=p, g=self.log_gate(x), scale=self.scale, mode=self._mode(cache, x.shape[1]),
@@ -78,7 +87,8 @@ class Comba(GatedDeltaNet):
         return o
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", output_correction={self.output_correction}"
+        return (super().extra_repr() + f", output_correction={self.output_correction}, inner_decay={self.inner_decay}"
+                + (", correction_before_norm=True" if self.correction_before_norm else ""))
 
 
 class DeltaProduct(DeltaNet):
@@ -90,10 +100,12 @@ class DeltaProduct(DeltaNet):
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_householder: int = 2, allow_negative_eigenvalues: bool = False,
-                 gate: bool = False, conv_size: int = 4, qkv_bias: bool = False, **kwargs):
+                 gate: bool = False, conv_size: int = 4, qkv_bias: bool = False, beta_bias: bool = True, **kwargs):
         if isinstance(n_householder, bool) or not isinstance(n_householder, int) or n_householder < 1:
             raise LinattnError(f"n_householder must be a positive int, got {n_householder!r}")
         _no_value_groups("DeltaProduct", n_heads, kwargs)
+        if not kwargs.get("use_beta", True) or kwargs.get("qk_activation", "silu") != "silu":
+            raise LinattnError("DeltaProduct takes neither use_beta=False nor a qk_activation other than 'silu'")
         super().__init__(d_model, n_heads, conv_size=conv_size, qkv_bias=qkv_bias, **kwargs)
         self.n_householder = n = n_householder
         self.allow_negative_eigenvalues = bool(allow_negative_eigenvalues)
@@ -101,7 +113,7 @@ class DeltaProduct(DeltaNet):
         # n keys, values and step sizes per head and token
         self.k_proj = nn.Linear(d_model, H * n * Dk, bias=qkv_bias)
         self.v_proj = nn.Linear(d_model, H * n * Dv, bias=qkv_bias)
-        self.b_proj = nn.Linear(d_model, H * n, bias=True)
+        self.b_proj = nn.Linear(d_model, H * n, bias=bool(beta_bias))
         if self.short_conv:
             self.k_conv = ShortConv(H * n * Dk, conv_size)
             self.v_conv = ShortConv(H * n * Dv, conv_size)
@@ -135,6 +147,8 @@ class DeltaProduct(DeltaNet):
             v, sv = self.v_conv(v, get("conv_v"), cu_seqlens)
             if cache is not None:
                 cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
+        if not self._plain_features:
+            q, k, v = self._features(q, k, v)
         q = q.view(B, T, H, self.head_dim)
         k = k.view(B, T, H * n, self.head_dim)
         v = v.view(B, T, H, n, self.head_dim_v)
@@ -165,16 +179,32 @@ class KDA(DeltaNet):
     """Kimi Delta Attention: the gated delta rule with a decay per key channel (module docstring).
 
     Args (besides `DeltaNet`'s): gate_rank, the inner width of the low-rank gate projection (default
-    head_dim). output_gate defaults to True.
+    head_dim). output_gate defaults to True. output_gate_rank (None: g_proj is one full-rank linear map, bias-free):
+    an int makes g_proj low-rank as in flash-linear-attention's and Kimi Linear's layers, d_model -> rank
+    (bias-free) -> HV * head_dim_v with a bias. gate_lower_bound (None: the Mamba2 form above): a negative
+    number b gives fla's bounded gate g = b * sigmoid(exp(A_log_h) (f_proj(x) + dt_bias)), in [b, 0).
     """
 
     def __init__(self, d_model: int, n_heads: int, *, gate_rank: Optional[int] = None, output_gate: bool = True,
-                 **kwargs):
+                 output_gate_rank: Optional[int] = None, gate_lower_bound: Optional[float] = None, **kwargs):
         super().__init__(d_model, n_heads, output_gate=output_gate, **kwargs)
         rank = self.head_dim if gate_rank is None else gate_rank
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise LinattnError(f"gate_rank must be a positive int or None (head_dim), got {gate_rank!r}")
         self.gate_rank = rank
+        if output_gate_rank is not None:
+            if (isinstance(output_gate_rank, bool) or not isinstance(output_gate_rank, int) or output_gate_rank < 1
+                    or self.g_proj is None):
+                raise LinattnError(f"output_gate_rank must be None or a positive int with output_gate=True, "
+                                   f"got {output_gate_rank!r} (output_gate={self.g_proj is not None})")
+            self.g_proj = nn.Sequential(nn.Linear(d_model, output_gate_rank, bias=False),
+                                        nn.Linear(output_gate_rank, self.n_value_heads * self.head_dim_v, bias=True))
+        self.output_gate_rank = output_gate_rank
+        if gate_lower_bound is not None and (isinstance(gate_lower_bound, bool)
+                                             or not isinstance(gate_lower_bound, (int, float))
+                                             or not gate_lower_bound < 0):
+            raise LinattnError(f"gate_lower_bound must be None or a negative number, got {gate_lower_bound!r}")
+        self.gate_lower_bound = None if gate_lower_bound is None else float(gate_lower_bound)
         HV, K = self.n_value_heads, self.head_dim     # one gate per value head and key channel
         self.f_proj = nn.Sequential(nn.Linear(d_model, rank, bias=False), nn.Linear(rank, HV * K, bias=False))
         A_log, _ = init_mamba_decay(HV)
@@ -189,10 +219,14 @@ class KDA(DeltaNet):
         f = self.f_proj(x)
         f = f.to(_cdt(f))
         f = f.view(B, T, HV, K) + self.dt_bias.to(f.dtype).view(HV, K)
+        if self.gate_lower_bound is not None:
+            return self.gate_lower_bound * torch.sigmoid(torch.exp(self.A_log.to(f.dtype))[:, None] * f)
         return -torch.exp(self.A_log.to(f.dtype))[:, None] * F.softplus(f)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", gate_rank={self.gate_rank}"
+        return (super().extra_repr() + f", gate_rank={self.gate_rank}"
+                + (f", output_gate_rank={self.output_gate_rank}" if self.output_gate_rank is not None else "")
+                + (f", gate_lower_bound={self.gate_lower_bound}" if self.gate_lower_bound is not None else ""))
 
 
 __all__ = ["Comba", "DeltaProduct", "KDA"]

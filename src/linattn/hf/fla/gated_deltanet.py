@@ -1,0 +1,33 @@
+"""fla's `gated_deltanet` (fla/models/gated_deltanet, fla/layers/gated_deltanet.py) as linattn's `gated-deltanet`:
+grouped value heads (num_v_heads), expand_v (head_dim_v), the output gate (FusedRMSNormGated, swish or sigmoid) or
+a plain RMSNorm, allow_neg_eigval, with or without the short convolutions."""
+from __future__ import annotations
+
+from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
+from .delta_net import as_int, base_state, common_kwargs
+
+
+def grouped_heads(cfg: dict, default_heads: int, default_head_dim: int, default_expand_v: float):
+    """(H, HV, head_dim, head_dim_v) of the layers with head_dim / num_heads / num_v_heads / expand_v."""
+    H, Dk = int(cfg_get(cfg, "num_heads", default_heads)), int(cfg_get(cfg, "head_dim", default_head_dim))
+    HV = int(cfg_get(cfg, "num_v_heads", H))
+    require(HV % H == 0, cfg, f"num_v_heads {HV} not a multiple of num_heads {H}")
+    Dv = as_int(cfg, Dk * float(cfg_get(cfg, "expand_v", default_expand_v)), "head_dim * expand_v")
+    return H, HV, Dk, Dv
+
+
+@register_fla("gated_deltanet")
+def convert_gated_deltanet(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
+    H, HV, Dk, Dv = grouped_heads(cfg, 6, 256, 2.0)
+    short_conv, use_gate = bool(cfg_get(cfg, "use_short_conv", True)), bool(cfg_get(cfg, "use_gate", True))
+    act = cfg_get(cfg, "output_gate_activation", "swish")
+    require(act in ("swish", "silu", "sigmoid"), cfg, f"output_gate_activation {act!r}")
+    kwargs = common_kwargs(cfg, short_conv)
+    kwargs.update(head_dim_v=Dv, output_gate=use_gate)
+    if use_gate and act == "sigmoid":
+        kwargs["gate_act"] = "sigmoid"
+    state = base_state(p, short_conv, use_gate)
+    state.update({n: p[n] for n in ("a_proj.weight", "b_proj.weight", "A_log", "dt_bias")})
+    return MixerConversion("gated-deltanet", kwargs, state,
+                           {"head_dim": Dk, "n_value_heads": HV, "short_conv": short_conv,
+                            "l2norm_convention": "rsqrt"})
