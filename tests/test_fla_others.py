@@ -251,3 +251,35 @@ def test_path_attn_import_matches_fla(tmp_path, variant):
                                                  intermediate_size=48, **variant))
         res = _check(fc, model, tmp_path)
     assert res.model.config.mixer == "path"
+
+
+@pytest.mark.parametrize("variant", [{}, {"qkv_bias": True, "qk_norm": True, "rope_theta": 500.0}])
+def test_deltaformer_import_matches_fla(tmp_path, variant):
+    fc = _fla()
+    from fla.models import DeltaFormerConfig
+    from fla.ops.deltaformer.naive import naive_deltaformer_attn
+
+    def deltaformer(q, k, v, beta=None, attention_mask=None, cu_seqlens=None, **kw):   # fla's naive, fp64
+        assert attention_mask is None and cu_seqlens is None
+        return naive_deltaformer_attn(q, k, v, beta)
+
+    with fc.fla_cpu({"fla.layers.deltaformer.deltaformer_attn": deltaformer}):
+        model = fc.build_fla(DeltaFormerConfig(hidden_size=64, num_hidden_layers=2, num_heads=4, vocab_size=100,
+                                               intermediate_size=96, **variant))
+        res = _check(fc, model, tmp_path)
+    assert res.model.config.mixer == "deltaformer"
+
+
+def test_deltaformer_negative_beta_matches_reference():
+    # fla's DeltaFormer feeds b_proj(x) unbounded as beta: every form of the operator takes negative values and
+    # agrees with the fp64 reference (stage one's solve has a unit diagonal for any beta)
+    from linattn.ops import deltaformer
+    from linattn.ops.reference import deltaformer_ref
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 11, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    beta = 2 * torch.randn(2, 11, 2, generator=g, dtype=torch.float64)
+    assert beta.min() < 0
+    ref = deltaformer_ref(q, k, v, beta, stage1_query="q")[0]
+    for mode in ("parallel", "chunk", "recurrent"):
+        o = deltaformer(q, k, v, beta, stage1_query="q", mode=mode, block_size=4)
+        assert (o - ref).abs().max() < 1e-10, mode

@@ -385,7 +385,6 @@ def test_bad_input():
          lambda: forgetting_attention_step(q, k, v, g, state=(k, v, None, None))),
         (LinattnError, "gate", lambda: forgetting_attention_step(q, k, v, None,
                                                                  forgetting_attention_step(q, k, v, g)[1])),
-        (LinattnError, ">= 0", lambda: deltaformer(q, k, v, -b)),
         (LinattnError, "finite", lambda: deltaformer(q, k, v, b * float("nan"))),
         (LinattnError, "stage1_query", lambda: deltaformer(q, k, v, b, stage1_query="v")),
         (LinattnTypeError, "beta", lambda: deltaformer(q, k, v, b.tolist())),

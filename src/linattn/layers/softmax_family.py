@@ -228,16 +228,24 @@ class DeltaFormer(_CachedSoftmaxFamily):
         torch.Size([2, 10, 64])
     """
 
-    def __init__(self, d_model: int, n_heads: int, *, stage1_query: str = "k", rope: bool = True, **kwargs):
+    def __init__(self, d_model: int, n_heads: int, *, stage1_query: str = "k", rope: bool = True,
+                 beta_act: Optional[str] = "sigmoid", **kwargs):
+        """beta_act: beta = sigmoid(b_proj(x)) (default), or None: b_proj(x) itself (fla's DeltaFormer passes the
+        projection to its kernel as it is)."""
+        if beta_act not in ("sigmoid", None):
+            raise LinattnError(f"beta_act must be 'sigmoid' or None, got {beta_act!r}")
         if stage1_query not in STAGE1_QUERIES:
             raise LinattnError(f"stage1_query must be one of {STAGE1_QUERIES}, got {stage1_query!r}")
         super().__init__(d_model, n_heads, rope=rope, **kwargs)
-        self.stage1_query = stage1_query
+        if self.n_kv_heads != self.n_heads:
+            raise LinattnError("DeltaFormer: n_kv_heads (grouped k/v heads) is not supported")
+        self.stage1_query, self.beta_act = stage1_query, beta_act
         self.b_proj = nn.Linear(d_model, self.n_heads, bias=True)
 
     def beta(self, x: torch.Tensor) -> torch.Tensor:
-        """beta = sigmoid(b_proj(x)) `[B, T, H]` (fp32)."""
-        return torch.sigmoid(self.b_proj(x).to(_cdt(x)))
+        """beta = sigmoid(b_proj(x)) (or b_proj(x) with beta_act None) `[B, T, H]` (fp32; fp64 for fp64)."""
+        b = self.b_proj(x).to(_cdt(x))
+        return torch.sigmoid(b) if self.beta_act == "sigmoid" else b
 
     def _extras(self, x, cache, cu_seqlens):
         return self.beta(x)

@@ -198,7 +198,7 @@ def _prepare(q, k, v, beta, stage1_query, scale, mode, block_size, cu_seqlens, o
     check_mode(mode)
     check_block_size(block_size)
     _check_stage1_query(stage1_query)
-    check_per_token(beta, "beta", B, T, H, q, nonneg=True)
+    check_per_token(beta, "beta", B, T, H, q, nonneg=False)
     scale, offsets = check_scale_state_packing(scale, K, output_final_state, cu_seqlens, B, T)
     cdt = compute_dtype(q.dtype)
     qc, kc = q.to(cdt), k.to(cdt)
@@ -268,7 +268,8 @@ def deltaformer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.T
         q: Queries `[B, T, H, K]`, any float dtype.
         k: Keys `[B, T, H, K]`.
         v: Values `[B, T, H, V]`.
-        beta: Write strengths `[B, T, H]`, >= 0.
+        beta: Write strengths `[B, T, H]`, any finite values (usually in [0, 1]; fla's DeltaFormer passes its
+            projection unbounded: stage one's triangular solve has a unit diagonal for any beta).
         stage1_query: "k" (the seed's form) or "q": what stage one reads the cache with.
         scale: None means K**-0.5 (both stages).
         mode: "parallel" | "chunk" | "recurrent"; they agree to floating-point precision.
@@ -315,7 +316,8 @@ def deltaformer_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
         q: Queries `[B, T, H, K]` (usually T = 1).
         k: Keys `[B, T, H, K]`.
         v: Values `[B, T, H, V]`.
-        beta: Write strengths `[B, T, H]`, >= 0.
+        beta: Write strengths `[B, T, H]`, any finite values (usually in [0, 1]; fla's DeltaFormer passes its
+            projection unbounded: stage one's triangular solve has a unit diagonal for any beta).
         state: The state from `deltaformer(..., output_final_state=True)` or a previous step; None: empty.
         stage1_query: "k" or "q", as in `deltaformer` (the same as the prefill's).
         scale: None means K**-0.5.
@@ -343,7 +345,7 @@ def deltaformer_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
     """
     B, T, H, K, V = check_qkv(q, k, v)
     _check_stage1_query(stage1_query)
-    check_per_token(beta, "beta", B, T, H, q, nonneg=True)
+    check_per_token(beta, "beta", B, T, H, q, nonneg=False)
     scale = check_scale(scale, K ** -0.5)
     if state is not None:
         if not isinstance(state, DeltaFormerState):
