@@ -204,12 +204,35 @@ def _check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
 class LanguageModel(nn.Module, CausalLM):
     """A decoder-only language model built from an `LMConfig` (the "lm" family; a `CausalLM`).
 
-    >>> model = LanguageModel(LMConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, mixer="gla"))
-    >>> out = model(ids)                       # out.logits [B, T, 256], out.aux_loss, out.cache (None)
-    >>> out = model(ids, use_cache=True)       # prefill: out.cache holds every layer's state
-    >>> out = model(next_ids, cache=out.cache) # decode
-    >>> model.generate(ids, 20, temperature=0.8, top_p=0.9, generator=0)
-    >>> out = model(packed_ids, cu_seqlens=offsets)   # [1, T_total] packed documents, kept apart
+    Calls: `model(ids)` (training: logits, aux_loss, and `.loss` with targets), `model(ids, use_cache=True)`
+    (prefill: `out.cache` holds every layer's state), `model(next_ids, cache=out.cache)` (decode),
+    `model.generate(ids, n)` (sampling), `model(packed_ids, cu_seqlens=offsets)` (`[1, T_total]` packed
+    documents, kept apart).
+
+    Args:
+        config: The model's configuration.
+
+    Raises:
+        LinattnTypeError: config is not an `LMConfig`.
+        ConfigError: The config is invalid.
+
+    Examples:
+        >>> import torch
+        >>> from linattn import LanguageModel, LMConfig
+        >>> model = LanguageModel(LMConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, mixer="gla"))
+        >>> ids = torch.randint(0, 256, (2, 12))
+        >>> out = model(ids)                       # out.logits [B, T, 256], out.aux_loss, out.cache (None)
+        >>> out.logits.shape
+        torch.Size([2, 12, 256])
+        >>> out = model(ids[:, :11], use_cache=True)      # prefill: out.cache holds every layer's state
+        >>> step = model(ids[:, 11:], cache=out.cache)    # decode the 12th token
+        >>> torch.allclose(step.logits[:, -1], model(ids).logits[:, -1], atol=1e-4)
+        True
+        >>> model.generate(ids[0, :4], 8, temperature=0.8, top_p=0.9, generator=0).shape
+        torch.Size([12])
+        >>> offsets = torch.tensor([0, 5, 12])             # two packed documents
+        >>> model(ids[:1], cu_seqlens=offsets).logits.shape
+        torch.Size([1, 12, 256])
     """
 
     #: forward accepts cu_seqlens (packed documents)
