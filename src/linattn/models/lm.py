@@ -290,16 +290,26 @@ class LanguageModel(nn.Module, CausalLM):
     def forward(self, input_ids: torch.Tensor, cache: Optional[Cache] = None, *, use_cache: bool = False,
                 targets: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
                 logits_to_keep: Union[int, torch.Tensor] = 0) -> LMOutput:
-        """input_ids `[B, T]` (int64) -> LMOutput(logits `[B, T, vocab]`, aux_loss, cache[, loss]).
+        """Run the model on token ids: training, prefill or decoding.
 
-        cache: a `Cache` from an earlier call (continued and updated in place); use_cache=True
-        starts a new one. targets `[B, T]` (aligned with the logits; -100 ignored) adds `.loss`.
-        cu_seqlens (int64 `[N+1]`, input_ids `[1, T_total]`): N packed documents, each run as if
-        alone (every mixer's state, short convolution and positions restart at each document;
-        the MoE routes per token as always). Not combined with a cache.
-        logits_to_keep: 0 computes the logits of every position; n > 0 those of the last n only;
-        a 1-D index tensor those positions (decoding needs only the last one). Not with targets.
         With `activation_checkpointing` set, training recomputes each block in the backward pass.
+
+        Args:
+            input_ids: Token ids `[B, T]` (int64 or int32).
+            cache: a `Cache` from an earlier call (continued and updated in place).
+            use_cache: True starts a new cache (prefill).
+            targets: `[B, T]` (aligned with the logits; -100 ignored) adds `.loss`.
+            cu_seqlens: (int64 `[N+1]`, input_ids `[1, T_total]`): N packed documents, each run as if
+                alone (every mixer's state, short convolution and positions restart at each document;
+                the MoE routes per token as always). Not combined with a cache.
+            logits_to_keep: 0 computes the logits of every position; n > 0 those of the last n only;
+                a 1-D index tensor those positions (decoding needs only the last one). Not with targets.
+
+        Returns:
+            LMOutput(logits `[B, T, vocab]`, aux_loss, cache[, loss]).
+
+        Raises:
+            LinattnError: Bad ids, targets or offsets, or cu_seqlens combined with a cache.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (
                 torch.int64, torch.int32):
