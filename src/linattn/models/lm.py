@@ -412,11 +412,22 @@ class LanguageModel(nn.Module, CausalLM):
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
                  generator: Union[torch.Generator, int, None] = None, seed: Optional[int] = None,
                  eos_token_id: Optional[int] = None) -> torch.Tensor:
-        """Prompt followed by up to max_new_tokens sampled tokens (`[T + n]` or `[B, T + n]`).
+        """Sample a continuation of a prompt.
 
-        temperature 0 is greedy; top_k / top_p filter the distribution; generator (a
-        torch.Generator or an int seed) or seed makes sampling reproducible. Decoding is
-        incremental: one prefill, then one token at a time from each layer's cached state.
+        Decoding is incremental: one prefill, then one token at a time from each layer's cached state.
+
+        Args:
+            input_ids: The prompt, `[T]` (or a list of ints) or `[B, T]`.
+            max_new_tokens: The most tokens to sample.
+            temperature: 0 is greedy.
+            top_k: Keep the k most likely tokens (None: all).
+            top_p: Keep the smallest set of tokens whose probability reaches p (None: all).
+            generator: a torch.Generator or an int seed, to make sampling reproducible.
+            seed: An int seed (as generator=int).
+            eos_token_id: Stop after this token.
+
+        Returns:
+            Prompt followed by up to max_new_tokens sampled tokens (`[T + n]` or `[B, T + n]`).
         """
         return join_generated(self, input_ids, list(self.stream(input_ids, max_new_tokens, temperature, top_k, top_p,
                                                                 generator, seed, eos_token_id)))
