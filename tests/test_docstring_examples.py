@@ -35,7 +35,7 @@ DOCUMENTED = OPERATORS + [
     "linattn.layers.MesaNet", "linattn.layers.TTT", "linattn.layers.Titans", "linattn.layers.GatedDeltaNet",
     "linattn.layers.EFLA", "linattn.layers.RWKV7",
     # models
-    "linattn.LMConfig",
+    "linattn.LMConfig", "linattn.LanguageModel", "linattn.LanguageModel.forward", "linattn.LanguageModel.generate",
 ]
 SECTION = re.compile(r"^(\s*)(Args|Arguments|Returns|Yields|Raises|Examples|Example|Attributes|Note|Notes):\s*$")
 
