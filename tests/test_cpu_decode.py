@@ -40,7 +40,7 @@ class Count:
 
     def __init__(self, monkeypatch):
         self.n = 0
-        for name in ("delta_step", "linear_step"):
+        for name in ("delta_step", "linear_step", "block_step"):
             inner = getattr(cpu_decode, name)
 
             def counted(*a, _inner=inner, **k):
@@ -253,3 +253,165 @@ def test_decode_and_conv_sources_cross_compile_for_aarch64(name, tmp_path):
                         "-c", str(cbuild.CSRC / f"{name}.c"), "-o", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert out.read_bytes()[:4] == b"\x7fELF"
+
+
+# -- the whole pre-norm block in one call (fast_decode.block_step, csrc/decode.c linattn_decode_block) -----------
+BLOCK_MIXERS = ["deltanet", "gated-deltanet", "efla", "efla-adaptive", "linear-elu+1", "linear-relu", "retnet",
+                "mamba2-gla"]
+
+
+def _model(mixer, dtype=torch.float32, **kw):
+    """A 2-layer LM whose biases, norm weights and decays are moved off their initial values (seeded)."""
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, mixer=mixer, **kw)).to(dtype)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n or "A_log" in n or "alpha" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def _torch_twin(model):
+    twin = copy.deepcopy(model)
+    for m in twin.modules():
+        if hasattr(m, "compiled_decode"):
+            m.compiled_decode = False
+    return twin
+
+
+def _generate(model, ids, prefill=4):
+    with torch.no_grad():
+        out = model(ids[:, :prefill], use_cache=True) if prefill else None
+        cache = out.cache if out is not None else model.new_cache()
+        logits = [out.logits] if out is not None else []
+        for t in range(prefill, ids.shape[1]):
+            out = model(ids[:, t:t + 1], cache=cache)
+            logits.append(out.logits)
+    return torch.cat(logits, 1), cache
+
+
+def _model_entries(cache):
+    out = []
+    for d in cache.layers:
+        for lc in d.values():
+            for k in sorted(lc):
+                v = lc[k]
+                out += [(k, t) for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, torch.Tensor)]
+    return out
+
+
+class BlockCount:
+    def __init__(self, monkeypatch):
+        self.n = 0
+        inner = cpu_decode.block_step
+
+        def counted(*a):
+            self.n += 1
+            return inner(*a)
+
+        monkeypatch.setattr(cpu_decode, "block_step", counted)
+
+
+@pytest.mark.parametrize("mixer", BLOCK_MIXERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("prefill", [0, 4])
+def test_block_step_equals_the_torch_step(mixer, dtype, prefill, monkeypatch):
+    """Logits and every cache entry (states, conv windows, offsets) as the PyTorch step's, token after token;
+    the whole-block call ran for every decoded token of every layer."""
+    model = _model(mixer, dtype)
+    twin = _torch_twin(model)
+    ids = torch.randint(0, 50, (2, 14), generator=torch.Generator().manual_seed(1))
+    count = BlockCount(monkeypatch)
+    got, cache = _generate(model, ids, prefill)
+    assert count.n == 2 * (14 - prefill)
+    ref, ref_cache = _generate(twin, ids, prefill)
+    assert count.n == 2 * (14 - prefill)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    a, b = _model_entries(cache), _model_entries(ref_cache)
+    assert [k for k, _ in a] == [k for k, _ in b]
+    for (k, x), (_, y) in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape, k
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+
+
+def test_block_step_without_ffn_and_with_biases(monkeypatch):
+    model = _model("gated-deltanet", ffn="none")
+    twin = _torch_twin(model)
+    ids = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(2))
+    count = BlockCount(monkeypatch)
+    got, _ = _generate(model, ids)
+    ref, _ = _generate(twin, ids)
+    assert count.n == 2 * 5
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_block_plan_follows_parameter_updates_batch_and_copies(monkeypatch):
+    """An in-place update of any weight the plan reads (an optimizer step), a new batch size, a deepcopy: the
+    plan is rebuilt, so the block step keeps the PyTorch step's values."""
+    model = _model("linear-elu+1")
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(3))
+    _generate(model, ids)
+    with torch.no_grad():
+        for name in ("blocks.0.ffn.w_down.weight", "blocks.1.norm1.weight", "blocks.0.mixer.o_proj.weight",
+                     "blocks.1.mixer.q_proj.weight"):
+            dict(model.named_parameters())[name].mul_(1.5)
+    twin = _torch_twin(model)
+    count = BlockCount(monkeypatch)
+    for batch in (ids, ids[:1]):
+        got, _ = _generate(model, batch)
+        ref, _ = _generate(twin, batch)
+        torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    clone = copy.deepcopy(model)
+    assert all(m._block_plan.plan is None for m in clone.modules() if hasattr(m, "_block_plan"))
+    got, _ = _generate(clone, ids)
+    ref, _ = _generate(twin, ids)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    assert count.n == 3 * 2 * 4
+
+
+def test_block_step_steps_aside(monkeypatch):
+    """Hooks on a block norm, RoPE, compiled_decode = False, LINATTN_CPU_KERNELS=0, autograd: the usual paths run
+    (and still give the same logits)."""
+    import torch.nn as nn
+    model = _model("gated-deltanet")
+    ids = torch.randint(0, 50, (1, 7), generator=torch.Generator().manual_seed(4))
+    ref, _ = _generate(_torch_twin(model), ids)
+    count = BlockCount(monkeypatch)
+    h = model.blocks[0].norm1.register_forward_hook(lambda m, i, o: None)
+    got, _ = _generate(model, ids)
+    h.remove()
+    assert count.n == 3   # block 1 only
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    h = nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    _generate(model, ids)
+    h.remove()
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    _generate(model, ids)
+    monkeypatch.delenv("LINATTN_CPU_KERNELS")
+    out = model(ids[:, :3], use_cache=True)    # grad enabled: the general path
+    model(ids[:, 3:4], cache=out.cache).logits.sum().backward()
+    assert model.blocks[0].mixer.q_proj.weight.grad is not None
+    assert count.n == 3
+    rope = _model("gated-deltanet", rope=True)
+    _generate(rope, ids)
+    assert count.n == 3
+
+
+def test_block_step_nan_reaches_only_later_tokens(monkeypatch):
+    """A NaN embedding at one position: earlier logits unchanged to the bit; the NaN pattern as the PyTorch
+    step's, every later logit NaN."""
+    model = _model("efla")
+    twin = _torch_twin(model)
+    ids = torch.randint(0, 50, (1, 10), generator=torch.Generator().manual_seed(5))
+    clean, _ = _generate(model, ids)
+    for m in (model, twin):
+        with torch.no_grad():
+            m.embed.weight[ids[0, 6]] = float("nan")
+    ids[0, :6] = torch.where(ids[0, :6] == ids[0, 6], (ids[0, 6] + 1) % 50, ids[0, :6])
+    clean, _ = _generate(_model("efla"), ids)
+    got, _ = _generate(model, ids)
+    ref, _ = _generate(twin, ids)
+    keep = torch.arange(50) != ids[0, 6]   # the tied head's row of the poisoned token is NaN everywhere
+    assert torch.equal(got[:, :6, keep], clean[:, :6, keep])
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.isnan(got[:, 6:]).all()

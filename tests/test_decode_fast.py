@@ -10,8 +10,7 @@ import torch
 import torch.nn as nn
 
 from helpers import perturbed_mixer
-from linattn.layers import LayerCache, RMSNorm
-from linattn.layers import fast_decode
+from linattn.layers import LayerCache, RMSNorm, fast_decode
 from linattn.layers.base import AttentionBase
 from linattn.layers.common import FusedParams
 from linattn.models import LanguageModel, LMConfig

@@ -12,6 +12,7 @@ Grad-free use only (the layers call it under `torch.no_grad` decoding). Nothing 
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Optional, Tuple
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
 from .build import enabled
 
-__all__ = ["available", "delta_step", "linear_step", "BETA_MODES", "FEATURE_MAPS"]
+__all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", "BETA_MODES", "FEATURE_MAPS"]
 
 #: the feature maps the linear step computes (the C codes)
 FEATURE_MAPS = {"identity": 0, "elu+1": 1, "relu": 2}
@@ -45,6 +46,9 @@ def _library():
                           + [c_int, c_double, c_int] + [c_ptr] * 5 + [c_int, c_int, c_double]
                           + [c_int, c_ptr, c_double, c_int, c_ptr, c_int])
             g.restype = c_int
+            f = getattr(lib, f"linattn_decode_block_{sfx}")
+            f.argtypes = [ctypes.POINTER(BlockPlan)] + [c_ptr] * 6
+            f.restype = c_int
         _typed.add(id(lib))
     return lib
 
@@ -114,3 +118,33 @@ def linear_step(y: torch.Tensor, *, heads: Tuple[int, int, int, int], conv, fmap
         fmap, scale, gate_kind, ptr(decay), ptr(neg_a), ptr(dt_bias), ptr(S), ptr(S_out),
         int(normalize), int(nonneg), eps, int(has_norm), ptr(nw), neps, int(has_gate), ptr(out), threads()))
     return out, S_out, w_out
+
+
+class BlockPlan(ctypes.Structure):
+    """`linattn_block_plan` of csrc/decode.c: what a whole-block decoding step (`block_step`) needs besides the
+    token and the state, fixed while the layer's parameters are. Pointer fields are data addresses (0: NULL);
+    `keep` holds the tensors they point into (set by the builder, layers/fast_decode.py)."""
+
+    _fields_ = ([(n, ctypes.c_int64) for n in ("B", "H", "HV", "K", "V", "d", "ny", "KC", "hid")]
+                + [(n, ctypes.c_int32) for n in ("kind", "conv_act", "dkind", "l2conv", "q_l2", "beta_mode", "gated",
+                                                 "fmap", "gate_kind", "normalize", "nonneg", "has_norm", "has_gate",
+                                                 "has_ffn", "nthreads", "pad_")]
+                + [(n, ctypes.c_double) for n in ("l2eps", "scale", "eps", "norm_eps", "n1eps", "n2eps")]
+                + [(n, ctypes.c_void_p) for n in ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay",
+                                                  "nw", "Wo", "n2w", "Wgu", "bgu", "Wd", "bd")])
+
+
+def block_step(plan: BlockPlan, fn, x: torch.Tensor, w_in: Optional[torch.Tensor], S_in: Optional[torch.Tensor],
+               w_out: Optional[torch.Tensor], S_out: torch.Tensor, x_out: torch.Tensor) -> None:
+    """One token through a whole pre-norm block (csrc/decode.c, linattn_decode_block): x `[B, d]` -> x_out; the
+    mixer's conv window w_in -> w_out and state S_in -> S_out (fresh buffers; w_in and S_in None before the first
+    token). fn: `block_function(dtype)`. Every buffer contiguous in the plan's dtype."""
+    _check(fn(ctypes.byref(plan), x.data_ptr(), None if w_in is None else w_in.data_ptr(),
+              None if S_in is None else S_in.data_ptr(), None if w_out is None else w_out.data_ptr(),
+              S_out.data_ptr(), x_out.data_ptr()))
+
+
+def block_function(dtype: torch.dtype):
+    """The compiled whole-block step for dtype (float32 / float64), or None when the kernels are off or absent."""
+    lib = _library()
+    return None if lib is None else getattr(lib, f"linattn_decode_block_{_SFX[dtype]}")

@@ -41,7 +41,7 @@ from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS, l2norm
 from .cache import FastDecodeState, LayerCache
 from .common import GatedRMSNorm, ShortConv, mamba_neg_a
 
-__all__ = ["STEPS", "hooked", "step"]
+__all__ = ["STEPS", "BlockPlanSlot", "block_step", "hooked", "step"]
 
 _ELEMENTWISE_MAPS = (Identity, EluPlusOne, ReLU)
 _NONNEGATIVE_MAPS = (EluPlusOne, ReLU)
@@ -125,15 +125,22 @@ def _fast_state(cache: LayerCache) -> FastDecodeState:
     return fs
 
 
-def _fused(layer, x: torch.Tensor, lins):
-    """(convs, y, cw, cb): the short convolutions (or ()), the fused projection y `[B, sum of widths]` of
-    one token x `[B, 1, d_model]`, and the convolutions' fused weights `[C, 1, K]` and biases (or None)."""
+def _fused_weights(layer, lins):
+    """(convs, w, b, cw, cb): the short convolutions (or ()), the projections' fused weight `[sum of widths,
+    d_model]` and bias (or None), and the convolutions' fused weights `[C, 1, K]` and biases (or None)."""
     mods = layer._modules
     convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"]) if layer.short_conv else ()
     w, b, cw, cb = layer._fused.get([m.weight for m in lins],
                                     [m.bias if m.bias is not None else m.out_features for m in lins]
                                     if any(m.bias is not None for m in lins) else [],
                                     [c.weight for c in convs], [c.bias for c in convs if c.bias is not None])
+    return convs, w, b, cw, cb
+
+
+def _fused(layer, x: torch.Tensor, lins):
+    """(convs, y, cw, cb): `_fused_weights` with the fused projection y `[B, sum of widths]` of one token x
+    `[B, 1, d_model]` in place of the weights."""
+    convs, w, b, cw, cb = _fused_weights(layer, lins)
     return convs, F.linear(x.reshape(x.shape[0], -1), w, b), cw, cb
 
 
@@ -423,3 +430,180 @@ def _linear_step_compiled(layer, cache: LayerCache, st: Optional[LinearAttention
 
 #: the fast steps by the kind a layer's `fast_step_kind()` names: step(layer, x, cache, lins) -> output or None
 STEPS: Dict[str, Callable] = {"delta": _delta_step, "linear": _linear_step}
+
+
+# -- a whole model block in one compiled call (models/lm.py's pre-norm block) -----------------------------------
+class BlockPlanSlot:
+    """A layer's whole-block decoding plan (`cpu/decode.BlockPlan`), the key it was built for and the tensors it
+    points into. Not state: a copy or a pickle gets an empty slot, rebuilt on first use."""
+
+    __slots__ = ("key", "plan", "fn", "keep")
+
+    def __init__(self):
+        self.key = self.plan = self.fn = self.keep = None
+
+    def __reduce__(self):
+        return (BlockPlanSlot, ())
+
+
+def _block_tensors(layer, lins, norm1, norm2, ffn):
+    """Every tensor a block plan reads (None where absent), for its key."""
+    mods, params = layer._modules, layer._parameters
+    out = [m.weight for m in lins] + [m.bias for m in lins]
+    if layer.short_conv:
+        for n in ("q_conv", "k_conv", "v_conv"):
+            out += [mods[n].weight, mods[n]._parameters.get("bias")]
+    norm = mods.get("o_norm")
+    out += [mods["o_proj"].weight, norm.weight if norm is not None else None, params.get("A_log"),
+            params.get("dt_bias"), params.get("beta_alpha"), getattr(layer, "_gamma", None), norm1.weight,
+            norm2.weight if norm2 is not None else None]
+    if ffn is not None:
+        out += [ffn.w_gate_up.weight, ffn.w_gate_up.bias, ffn.w_down.weight, ffn.w_down.bias]
+    return out
+
+
+def _block_key(layer, kind, lins, x, norm1, norm2, ffn):
+    # the fused weights by identity: LanguageModel.new_cache clears them (writes through p.data bypass the versions)
+    fused = tuple(id(t) for t in _fused_weights(layer, lins)[1:])
+    tensors = _block_tensors(layer, lins, norm1, norm2, ffn)
+    norm = layer._modules.get("o_norm")
+    config = (kind, layer.scale, getattr(layer, "exact", None), getattr(layer, "qk_l2norm", None),
+              getattr(layer, "l2norm_convention", None), getattr(layer, "beta_mode", None),
+              getattr(layer, "q_l2norm", None), getattr(layer, "gate", None), getattr(layer, "normalize", None),
+              getattr(layer, "eps", None), id(getattr(layer, "feature_map", None)), norm1.eps,
+              norm2.eps if norm2 is not None else None, norm.eps if norm is not None else None)
+    return (x.dtype, x.shape[0], _cpu_threads(), config, fused, tuple(id(m) for m in lins), id(ffn),
+            tuple(None if t is None else (t._version, t.data_ptr()) for t in tensors))
+
+
+def _cpu_threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _build_plan(layer, kind, lins, x, norm1, norm2, ffn):
+    """(BlockPlan, the tensors it points into) for this layer, block and dtype."""
+    cdt, B, d = x.dtype, x.shape[0], x.shape[-1]
+    keep = []
+
+    def addr(t):
+        if t is None:
+            return None
+        t = t.detach()
+        if t.dtype != cdt or not t.is_contiguous():
+            t = t.to(cdt).contiguous()
+        keep.append(t)
+        return t.data_ptr()
+
+    convs, w, b, cw, cb = _fused_weights(layer, lins)
+    H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=w.shape[0], KC=convs[0].kernel_size if convs else 0,
+                              hid=ffn.w_down.in_features if ffn is not None else 0, kind=0 if kind == "delta" else 1,
+                              conv_act=int(bool(convs) and convs[0].activation is not None), scale=layer.scale,
+                              nthreads=_cpu_threads(), has_ffn=int(ffn is not None))
+    p.W, p.Wb = addr(w), addr(b)
+    if convs:
+        p.cw, p.cb = addr(cw.view(cw.shape[0], -1)), addr(cb)
+    if kind == "delta":
+        p.dkind, p.l2eps = int(bool(layer.exact)), L2NORM_EPS
+        p.l2conv = L2NORM_CONVENTIONS.index(layer.l2norm_convention) if layer.qk_l2norm else 0
+        p.q_l2 = int(bool(getattr(layer, "q_l2norm", False)))
+        if layer.exact:
+            p.beta_mode = _cpu_decode.BETA_MODES.index(layer.beta_mode)
+            if layer.beta_mode == "adaptive":
+                p.alpha = addr(layer.beta_alpha)
+        if layer._modules.get("a_proj") is not None:
+            p.gated = 1
+            p.neg_a, p.dt_bias = addr(mamba_neg_a(layer.A_log, cdt, layer)), addr(layer.dt_bias)
+    else:
+        fm = layer.feature_map
+        p.fmap, p.normalize = _cpu_decode.FEATURE_MAPS[fm.name], int(bool(layer.normalize))
+        p.nonneg, p.eps = int(isinstance(fm, _NONNEGATIVE_MAPS)), float(layer.eps)
+        if layer.gate == "retnet":
+            p.gate_kind, p.decay = 1, addr(_linear_decay(layer, cdt, x.device).reshape(-1).expand(HV))
+        elif layer.gate == "scalar":
+            p.gate_kind = 2
+            p.neg_a = addr(mamba_neg_a(layer.A_log, cdt, layer).reshape(-1).expand(HV))
+            p.dt_bias = addr(layer.dt_bias.reshape(-1).expand(HV))
+    has_norm, nw, neps = _norm_args(layer, cdt)
+    p.has_norm, p.nw, p.norm_eps = int(has_norm), addr(nw), neps
+    p.has_gate = int(layer._modules.get("g_proj") is not None)
+    p.Wo = addr(layer._modules["o_proj"].weight)
+    p.n1w, p.n1eps = addr(norm1.weight), float(norm1.eps)
+    if ffn is not None:
+        p.n2w, p.n2eps = addr(norm2.weight), float(norm2.eps)
+        p.Wgu, p.bgu = addr(ffn.w_gate_up.weight), addr(ffn.w_gate_up.bias)
+        p.Wd, p.bd = addr(ffn.w_down.weight), addr(ffn.w_down.bias)
+    return p, keep
+
+
+def block_step(layer, x: torch.Tensor, cache: Optional[LayerCache], norm1, norm2, ffn) -> Optional[torch.Tensor]:
+    """The hook point of a pre-norm model block (models/lm.py) for one decoded token x `[B, 1, d]`:
+
+        h = x + layer(norm1(x)),   out = h + ffn(norm2(h))      (ffn a SwiGLU, or None: out = h)
+
+    as one compiled call (csrc/decode.c, linattn_decode_block), with the cache advanced as `step` advances it;
+    or None when that does not cover the call (then the block runs its usual path, which finds the cache
+    untouched). norm1 / norm2: the block's RMSNorms, exactly the library's, in x's dtype and without hooks (the
+    block checks them). Covers what the compiled step covers (`_compiled_inputs`, the linear maps of
+    `_COMPILED_MAPS` without the diagonal gate); the per-layer constants are one plan (`BlockPlanSlot`), rebuilt
+    when a parameter changes (its version or storage), the dtype, the batch or the thread count."""
+    slot = getattr(layer, "_block_plan", None)
+    if not (isinstance(slot, BlockPlanSlot) and getattr(layer, "fast_decode", False) and layer.compiled_decode
+            and cache is not None and x.dim() == 3 and x.shape[1] == 1 and x.device.type == "cpu"
+            and not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64) and layer.rope is None):
+        return None
+    kind = layer.fast_step_kind()
+    if kind is None or (kind == "linear" and (type(layer.feature_map) not in _COMPILED_MAPS
+                                              or layer.gate == "diagonal")):
+        return None
+    if ffn is not None and any(t is not None and t.dtype != x.dtype for t in (
+            ffn.w_gate_up.weight, ffn.w_gate_up.bias, ffn.w_down.weight, ffn.w_down.bias)):
+        return None
+    lins = _usable(layer, x, kind)
+    if lins is None or not _cpu_decode.available():
+        return None
+    B, d, cdt = x.shape[0], x.shape[2], x.dtype
+    H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
+    st = cache.get("state")
+    if kind == "delta":
+        S = st
+        if S is not None and not (isinstance(S, torch.Tensor) and S.shape == (B, HV, K, V) and S.device == x.device):
+            return None   # the general path checks it and says what is wrong
+        S_out = torch.empty(B, HV, K, V, dtype=cdt)
+    else:
+        Kf = layer.feature_map.feature_dim(K)
+        if st is not None and not (isinstance(st, LinearAttentionState) and st.log_scale is None
+                                   and st.kv.shape == (B, HV, Kf, V) and st.z.shape == (B, HV, Kf)
+                                   and st.kv.device == x.device and st.offset.shape == (B,)):
+            return None
+        S = None if st is None else _linear_state(cache, st, cdt)
+        S_out = torch.empty(B, HV, Kf, V + 1, dtype=cdt)
+    if S is not None and (S.dtype != cdt or not S.is_contiguous()):
+        S = S.to(cdt).contiguous()
+    key = _block_key(layer, kind, lins, x, norm1, norm2, ffn)
+    if slot.key != key:
+        slot.plan, slot.keep = _build_plan(layer, kind, lins, x, norm1, norm2, ffn)
+        slot.fn, slot.key = _cpu_decode.block_function(cdt), key
+    window = w_out = None
+    mods = layer._modules
+    if layer.short_conv:
+        c0 = mods["q_conv"]
+        window = _window(cache, cdt)
+        if window is not None and not window.is_contiguous():
+            window = window.contiguous()
+        w_out = torch.empty(B, 2 * H * K + HV * V, c0.kernel_size - 1, dtype=cdt)
+    xin = x.reshape(B, d)
+    if not xin.is_contiguous():
+        xin = xin.contiguous()
+    x_out = torch.empty(B, 1, d, dtype=cdt)
+    _cpu_decode.block_step(slot.plan, slot.fn, xin, window, S, w_out, S_out, x_out)
+    if kind == "delta":
+        cache["state"] = S_out
+    else:
+        offset = torch.zeros(B, dtype=torch.int64) if st is None else (
+            st.offset if st.offset.dtype == torch.int64 else st.offset.to(torch.int64))
+        _store_linear(cache, S_out, offset, V)
+    if w_out is not None:
+        _store_window(cache, (mods["q_conv"], mods["k_conv"], mods["v_conv"]), w_out)
+    cache["offset"] = cache.offset + 1
+    return x_out

@@ -29,6 +29,7 @@ from ..errors import LinattnError, LinattnTypeError
 from ..layers import Cache, RMSNorm, SwiGLU, check_cu_seqlens
 from ..layers.base import hooked
 from ..layers.common import FusedParams
+from ..layers.fast_decode import block_step as fast_block_step
 from ..layers.rwkv7 import RWKV7ChannelMix
 from ..ops._common import check_values
 from .config import LMConfig
@@ -162,6 +163,9 @@ class Block(nn.Module):
             parts = self._fast_parts(x)
             if parts is not None:   # one decoded token, inline (the values of the lines below)
                 n1, n2, ffn = parts
+                out = fast_block_step(self.mixer, x, mc, n1, n2, ffn)   # the whole block in one compiled call
+                if out is not None:
+                    return out, None
                 h = x + self.mixer(F.rms_norm(x, (n1.dim,), n1.weight, n1.eps), cache=mc)
                 if ffn is None:
                     return h, None

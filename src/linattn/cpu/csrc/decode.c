@@ -245,3 +245,113 @@ int linattn_decode_linear_##SFX(int64_t B, int64_t H, int64_t HV, int64_t K, int
 
 DEFINE_DECODE(f32, float, sqrtf, expf, log1pf, expm1f)
 DEFINE_DECODE(f64, double, sqrt, exp, log1p, expm1)
+
+/* A whole pre-norm block of one decoded token in one call (issue 34: the per-op dispatch of ~15 torch calls per
+   layer cost more than the weights' memory traffic):
+
+       h = x + o_proj(mixer(rmsnorm1(x))),   x_out = h + w_down(silu(a) * b), [a | b] = w_gate_up(rmsnorm2(h))
+
+   (no FFN: x_out = h). The mixer is the delta or linear step above on the fused projection y = W rmsnorm1(x) + Wb.
+   Everything per layer that does not change from token to token is one plan (the struct below, built once in
+   cpu/decode.py and checked against the parameters' versions there), so a token costs one call with 6
+   buffers. The matrix-vector products read each weight row once, 4 rows at a time (memory-bound at batch 1). */
+typedef struct {
+    int64_t B, H, HV, K, V, d, ny, KC, hid;
+    int32_t kind, conv_act, dkind, l2conv, q_l2, beta_mode, gated, fmap, gate_kind, normalize, nonneg, has_norm,
+            has_gate, has_ffn, nthreads, pad_;
+    double l2eps, scale, eps, norm_eps, n1eps, n2eps;
+    const void *n1w, *W, *Wb, *cw, *cb, *alpha, *neg_a, *dt_bias, *decay, *nw, *Wo, *n2w, *Wgu, *bgu, *Wd, *bd;
+} linattn_block_plan;
+
+#define DEFINE_BLOCK(SFX, real, SQRT, EXP)                                                                      \
+/* y[b, i] = (add ? add[b, i] : 0) + (W x[b])_i + (bias ? bias[i] : 0), W [n, m] rows contiguous */            \
+static void matvec_##SFX(int64_t B, int64_t n, int64_t m, const real *W, const real *bias, const real *x,      \
+                         const real *add, real *y, int nthreads) {                                              \
+    const int par = nthreads > 1 && n * m >= PAR_MIN_ELEMS;                                                     \
+    for (int64_t b = 0; b < B; ++b) {                                                                           \
+        const real *restrict xb = x + b * m;                                                                    \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static) if(par)")                              \
+        for (int64_t i0 = 0; i0 < n; i0 += 4) {                                                                 \
+            const int64_t r = n - i0 < 4 ? n - i0 : 4;                                                          \
+            real acc[4] = {0, 0, 0, 0};                                                                         \
+            if (r == 4) {                                                                                       \
+                const real *restrict w0 = W + i0 * m, *restrict w1 = w0 + m, *restrict w2 = w1 + m,             \
+                           *restrict w3 = w2 + m;                                                               \
+                real a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                                            \
+                _Pragma("omp simd reduction(+:a0,a1,a2,a3)")                                                    \
+                for (int64_t j = 0; j < m; ++j) {                                                               \
+                    const real xj = xb[j];                                                                      \
+                    a0 += w0[j] * xj; a1 += w1[j] * xj; a2 += w2[j] * xj; a3 += w3[j] * xj;                     \
+                }                                                                                               \
+                acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;                                             \
+            } else                                                                                              \
+                for (int64_t rr = 0; rr < r; ++rr) {                                                            \
+                    const real *restrict w = W + (i0 + rr) * m;                                                 \
+                    real a = 0;                                                                                 \
+                    _Pragma("omp simd reduction(+:a)")                                                          \
+                    for (int64_t j = 0; j < m; ++j) a += w[j] * xb[j];                                          \
+                    acc[rr] = a;                                                                                \
+                }                                                                                               \
+            for (int64_t rr = 0; rr < r; ++rr) {                                                                \
+                const int64_t i = i0 + rr;                                                                      \
+                real v = acc[rr];                                                                               \
+                if (bias) v = v + bias[i];                                                                      \
+                y[b * n + i] = add ? add[b * n + i] + v : v;                                                    \
+            }                                                                                                   \
+        }                                                                                                       \
+    }                                                                                                           \
+}                                                                                                               \
+                                                                                                                \
+/* RMSNorm of each row of x [B, d] (weight w or NULL) into y, as F.rms_norm */                                 \
+static void rmsnorm_##SFX(int64_t B, int64_t d, const real *x, const real *w, double eps, real *y) {           \
+    for (int64_t b = 0; b < B; ++b) {                                                                           \
+        const real *xb = x + b * d;                                                                             \
+        real ms = 0;                                                                                            \
+        for (int64_t j = 0; j < d; ++j) ms += xb[j] * xb[j];                                                    \
+        const real r = (real)1 / SQRT(ms / (real)d + (real)eps);                                                \
+        for (int64_t j = 0; j < d; ++j) y[b * d + j] = w ? xb[j] * r * w[j] : xb[j] * r;                        \
+    }                                                                                                           \
+}                                                                                                               \
+                                                                                                                \
+/* x [B, d] -> x_out [B, d]; the mixer's conv window w_in -> w_out and state S_in -> S_out (S_in, w_in NULL     \
+   before the first token). Returns 0, or 1 when out of memory. */                                              \
+int linattn_decode_block_##SFX(const linattn_block_plan *p, const real *x, const real *w_in, const real *S_in,  \
+                               real *w_out, real *S_out, real *x_out) {                                         \
+    const int64_t B = p->B, d = p->d, ny = p->ny, no = p->HV * p->V, hid = p->hid;                              \
+    const int64_t nwork = B * (2 * d + ny + no + (p->has_ffn ? 3 * hid : 0));                                   \
+    real *xn = (real *)malloc(sizeof(real) * (size_t)(nwork + 1));                                              \
+    if (!xn) return 1;                                                                                          \
+    real *y = xn + B * d, *o = y + B * ny, *h = o + B * no, *u = h + B * d, *g = u + 2 * B * hid;               \
+    const real *cw = (const real *)p->cw, *cb = (const real *)p->cb, *nw = (const real *)p->nw;                 \
+    int rc;                                                                                                     \
+    rmsnorm_##SFX(B, d, x, (const real *)p->n1w, p->n1eps, xn);                                                 \
+    matvec_##SFX(B, ny, d, (const real *)p->W, (const real *)p->Wb, xn, NULL, y, p->nthreads);                  \
+    if (p->kind == 0)                                                                                           \
+        rc = linattn_decode_delta_##SFX(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,    \
+                 w_out, p->dkind, p->l2conv, p->q_l2, p->l2eps, p->scale, p->beta_mode, (const real *)p->alpha, \
+                 p->gated, (const real *)p->neg_a, (const real *)p->dt_bias, S_in, S_out, p->has_norm, nw,      \
+                 p->norm_eps, p->has_gate, o, p->nthreads);                                                     \
+    else                                                                                                        \
+        rc = linattn_decode_linear_##SFX(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,   \
+                 w_out, p->fmap, p->scale, p->gate_kind, (const real *)p->decay, (const real *)p->neg_a,         \
+                 (const real *)p->dt_bias, S_in, S_out, p->normalize, p->nonneg, p->eps, p->has_norm, nw,       \
+                 p->norm_eps, p->has_gate, o, p->nthreads);                                                     \
+    if (rc) { free(xn); return rc; }                                                                            \
+    real *hout = p->has_ffn ? h : x_out;                                                                        \
+    matvec_##SFX(B, d, no, (const real *)p->Wo, NULL, o, x, hout, p->nthreads);                                 \
+    if (p->has_ffn) {                                                                                           \
+        rmsnorm_##SFX(B, d, h, (const real *)p->n2w, p->n2eps, xn);                                             \
+        matvec_##SFX(B, 2 * hid, d, (const real *)p->Wgu, (const real *)p->bgu, xn, NULL, u, p->nthreads);      \
+        for (int64_t b = 0; b < B; ++b)                                                                         \
+            for (int64_t j = 0; j < hid; ++j) {                                                                 \
+                const real a = u[b * 2 * hid + j];                                                              \
+                g[b * hid + j] = a / ((real)1 + EXP(-a)) * u[b * 2 * hid + hid + j];                            \
+            }                                                                                                   \
+        matvec_##SFX(B, d, hid, (const real *)p->Wd, (const real *)p->bd, g, h, x_out, p->nthreads);            \
+    }                                                                                                           \
+    free(xn);                                                                                                   \
+    return 0;                                                                                                   \
+}
+
+DEFINE_BLOCK(f32, float, sqrtf, expf)
+DEFINE_BLOCK(f64, double, sqrt, exp)
