@@ -50,6 +50,7 @@ from ._flash import (
     masked_softmax,
     to_heads_first,
 )
+from .registry import randn, register_op, uniform
 
 STAGE1_QUERIES = ("k", "q")
 
@@ -363,6 +364,17 @@ def deltaformer_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
     r = (kc if stage1_query == "k" else qc) * scale
     o, _, state = _step_loop(qc * scale, kc, v.to(cdt), beta.to(cdt), r, state)
     return o.to(q.dtype), state
+
+
+def _example(gen, B, T, H, K, V, dtype):
+    """q, k, v and beta in (0, 1) (the registry's conformance tests)."""
+    q, k, v = randn(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, V), dtype)
+    return (q, k, v, uniform(gen, (B, T, H), dtype)), {}
+
+
+register_op("deltaformer", deltaformer, forms=("parallel", "chunk", "recurrent"), chunk_arg="block_size",
+            example=_example, reference="deltaformer_ref",
+            description="DeltaFormer: softmax attention over delta-rule pseudo-values")
 
 
 __all__ = ["deltaformer", "deltaformer_step", "DeltaFormerState", "STAGE1_QUERIES"]

@@ -43,6 +43,7 @@ from ._flash import (
     masked_softmax,
     to_heads_first,
 )
+from .registry import randn, register_op, uniform
 
 
 class ForgettingAttentionState(NamedTuple):
@@ -271,6 +272,17 @@ def forgetting_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     o, state = _step_loop(q.to(cdt) * scale, k.to(cdt), v.to(cdt), g.to(cdt) if g is not None else None,
                           state, window)
     return o.to(q.dtype), state
+
+
+def _example(gen, B, T, H, K, V, dtype):
+    """q, k, v and a forget gate (a log-decay in (-0.5, 0)) (the registry's conformance tests)."""
+    q, k, v = randn(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, V), dtype)
+    return (q, k, v, uniform(gen, (B, T, H), dtype, -0.5, 0.0)), {}
+
+
+register_op("forgetting_attention", forgetting_attention, forms=("parallel", "chunk", "recurrent"),
+            chunk_arg="block_size", example=_example, reference="forgetting_attention_ref",
+            description="FoX: softmax attention with a data-dependent forget gate")
 
 
 __all__ = ["forgetting_attention", "forgetting_attention_step", "ForgettingAttentionState"]

@@ -68,6 +68,7 @@ from ._common import (
     compute_dtype,
     pad_time,
 )
+from .registry import randn, register_op, uniform, unit
 
 SOLVERS = ("cg", "exact")
 DEFAULT_TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
@@ -484,6 +485,24 @@ def mesa_net(
                          mode=mode, chunk_size=chunk_size, initial_state=initial_state,
                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     return run_mesa_net(p)
+
+
+def _example(gen, B, T, H, K, V, dtype):
+    """Unit q and k, beta in (0, 1), a decay, lam > 0, the exact solver (the registry's conformance tests)."""
+    q, k, v = unit(gen, (B, T, H, K), dtype), unit(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, V), dtype)
+    args = (q, k, v, uniform(gen, (B, T, H), dtype), uniform(gen, (B, T, H), dtype, -0.3, 0.0),
+            uniform(gen, (H, K), dtype, 0.5, 1.5))
+    return args, {"solver": "exact"}
+
+
+def _reference(q, k, v, beta, g, lam, *, solver=None, scale=None):
+    from .reference import mesa_net_ref
+    return mesa_net_ref(q, k, v, beta, g, lam, scale=scale)
+
+
+register_op("mesa_net", mesa_net, prepare=prepare_mesa_net, forms=("parallel", "chunk", "recurrent"),
+            example=_example, reference=_reference, state=True,
+            description="MesaNet: the ridge-regression read (H + Diag(lam))^-1 q per token, CG or exact solves")
 
 
 __all__ = ["mesa_net", "MesaState", "prepare_mesa_net", "run_mesa_net", "MesaProblem", "SOLVERS"]

@@ -79,6 +79,7 @@ from ._flash import (
     to_heads_first,
 )
 from .delta_core import check_tensor_like
+from .registry import randn, register_op, uniform, unit
 
 
 class PaTHState(NamedTuple):
@@ -505,6 +506,18 @@ def path_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: to
     o, state = _step_loop(q.to(cdt) * scale, k.to(cdt), v.to(cdt), w.to(cdt), beta.to(cdt),
                           g.to(cdt) if g is not None else None, state)
     return o.to(q.dtype), state
+
+
+def _example(gen, B, T, H, K, V, dtype):
+    """q, k, v, unit Householder directions w, beta in (0, 2), a forget gate (the registry's conformance tests)."""
+    q, k, v = randn(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, K), dtype), randn(gen, (B, T, H, V), dtype)
+    args = (q, k, v, unit(gen, (B, T, H, K), dtype), uniform(gen, (B, T, H), dtype, 0.0, 2.0))
+    return args, {"g": uniform(gen, (B, T, H), dtype, -0.5, 0.0)}
+
+
+register_op("path_attention", path_attention, forms=("parallel", "chunk", "recurrent"), chunk_arg="block_size",
+            example=_example, reference="path_attention_ref",
+            description="PaTH: softmax attention with accumulated Householder position encoding")
 
 
 __all__ = ["path_attention", "path_attention_step", "PaTHState"]

@@ -88,6 +88,7 @@ from ._common import (
     check_values,
     compute_dtype,
 )
+from .registry import randn, register_op, uniform
 
 INNER = ("linear", "mlp")
 TTT_MODES = ("chunk", "recurrent")
@@ -674,6 +675,37 @@ def titans(
 def mlp_weight_shapes(K: int, V: int, hidden: int) -> Sequence[Tuple[int, ...]]:
     """Shapes of the inner MLP's weights per head: W1 [K, hidden], b1 [hidden], W2 [hidden, V], b2 [V]."""
     return [s for _, s in _weight_shapes("mlp", K, V, hidden)]
+
+
+def _example(gen, B, T, H, K, V, dtype, titan=False):
+    """TTT-Linear's inputs (K == V: the inner model's residual), learning rates in (0, 0.3), mini-batches of 2,
+    drawn initial weights (the registry's conformance tests); titans adds alpha and momentum."""
+    q, k, v = (randn(gen, (B, T, H, K), dtype) for _ in range(3))
+    args = (q, k, v, uniform(gen, (B, T, H), dtype, 0.0, 0.3))
+    if titan:
+        args += (uniform(gen, (B, T, H), dtype, 0.0, 0.2), uniform(gen, (B, T, H), dtype))
+    weights = (0.3 * randn(gen, (B, H, K, K), dtype), 0.1 * randn(gen, (B, H, K), dtype))
+    return args, {"initial_state": weights, "mini_batch": 2}
+
+
+def _example_titans(gen, B, T, H, K, V, dtype):
+    return _example(gen, B, T, H, K, V, dtype, titan=True)
+
+
+def _reference(q, k, v, lr, *gates, initial_state, mini_batch):
+    from .reference import ttt_ref
+    alpha, momentum = gates if gates else (None, None)
+    return ttt_ref(q, k, v, lr, initial_state, mini_batch=mini_batch, alpha=alpha, momentum=momentum)
+
+
+def _prepare(*args, **kwargs):
+    return prepare_ttt(*args, **kwargs)
+
+
+register_op("ttt", ttt, prepare=_prepare, forms=TTT_MODES, chunk_arg=None, example=_example, reference=_reference,
+            state=True, description="TTT-Linear / TTT-MLP: an inner model trained by mini-batch gradient descent")
+register_op("titans", titans, forms=TTT_MODES, chunk_arg=None, example=_example_titans, reference=_reference,
+            state=True, description="Titans: TTT with momentum and weight decay")
 
 
 __all__ = ["ttt", "titans", "TTTState", "prepare_ttt", "run_ttt", "TTTProblem", "INNER", "mlp_weight_shapes"]
