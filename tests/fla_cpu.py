@@ -7,6 +7,7 @@ linattn's fp64 references):
 
     fla = pytest.importorskip("fla")
     from fla_cpu import fla_cpu, build_fla, check_import
+    pytestmark = pytest.mark.usefixtures("one_thread_module")   # tiny fp64 tensors: 2 threads only contend (5x)
 
     def test_gla(tmp_path):
         with fla_cpu({"fla.layers.gla.chunk_gla": naive_gla}):        # dotted path of the name fla's layer calls
@@ -127,6 +128,15 @@ def _rotary_tables(self, seqlen, device=None, dtype=None):
         self._cos_cached, self._sin_cached = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
 
 
+def depthwise_causal_taps(xp, w, bias=None):
+    """The depthwise convolution of a left-padded xp [B, D, T + W - 1] with w [D, W] as W multiply-adds: F.conv1d
+    has no fast fp64 depthwise path on the CPU (~1 s a call at d 64, T 70)."""
+    W = w.shape[-1]
+    T = xp.shape[-1] - W + 1
+    y = sum(xp[..., j:j + T] * w[:, j, None] for j in range(W))
+    return y if bias is None else y + bias[:, None]
+
+
 def _short_conv_forward(self, x, residual=None, mask=None, cache=None, output_final_state=False, cu_seqlens=None,
                         chunk_indices=None, **kwargs):
     """fla's ShortConvolution.forward (causal depthwise conv, optional SiLU): (y, final state [B, D, W] or None)."""
@@ -138,7 +148,7 @@ def _short_conv_forward(self, x, residual=None, mask=None, cache=None, output_fi
     xt = x.transpose(1, 2)                                                         # [B, D, T]
     prev = cache[..., 1:] if cache is not None else xt.new_zeros(xt.shape[0], xt.shape[1], W - 1)
     xp = torch.cat([prev.to(xt.dtype), xt], dim=-1)
-    y = F.conv1d(xp, self.weight, self.bias, groups=xt.shape[1]).transpose(1, 2)
+    y = depthwise_causal_taps(xp, self.weight.view(xt.shape[1], W), self.bias).transpose(1, 2)
     if self.activation is not None:
         y = F.silu(y)
     if residual is not None:

@@ -16,6 +16,8 @@ from linattn.layers import SoftmaxAttention
 from linattn.layers.cache import LayerCache
 
 pytest.importorskip("transformers")
+# tiny fp64 tensors on shared cores: threads only contend
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 TOL = 1e-10
 
