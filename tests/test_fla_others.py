@@ -283,3 +283,32 @@ def test_deltaformer_negative_beta_matches_reference():
     for mode in ("parallel", "chunk", "recurrent"):
         o = deltaformer(q, k, v, beta, stage1_query="q", mode=mode, block_size=4)
         assert (o - ref).abs().max() < 1e-10, mode
+
+
+def _mesa_chunk_fp64(q, k, v, g, beta, lamb, h_kk_init=None, h_kv_init=None, output_final_state=False,
+                     max_CG_iteration=30, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kw):
+    """fla's chunk_mesa_net: its naive references compute in fp32 (`.float()`, fp32 buffers), so linattn's fp64
+    reference of MesaNet's equation (ops/reference.mesa_net_ref, a dense solve per token) with q unscaled, after
+    fla's in-kernel L2 norm (x * rsqrt(sum x^2 + 1e-6))."""
+    from linattn.ops.reference import mesa_net_ref
+    assert cu_seqlens is None and h_kk_init is None
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm_fp64(q), _l2norm_fp64(k)
+    o, (Hs, Gs) = mesa_net_ref(q, k, v, beta, g, lamb, scale=1.0)
+    return o.to(q.dtype), Hs, Gs
+
+
+@pytest.mark.parametrize("variant", [
+    {"attn": {"layers": [1], "num_heads": 2}},               # a hybrid: fla's softmax Attention in layer 1
+    {"use_output_gate": True, "use_short_conv": False, "lambda_lower_bound": 0.5},
+])
+def test_mesa_net_import_matches_fla(tmp_path, variant):
+    fc = _fla()
+    from fla.models import MesaNetConfig
+
+    with fc.fla_cpu({"fla.layers.mesa_net.chunk_mesa_net": _mesa_chunk_fp64}):
+        model = fc.build_fla(MesaNetConfig(hidden_size=64, num_hidden_layers=3, num_heads=2, head_dim=16,
+                                           vocab_size=100, intermediate_size=96, **variant))
+        res = _check(fc, model, tmp_path)
+    want = ["mesanet", "softmax", "mesanet"] if "attn" in variant else "mesanet"
+    assert res.model.config.mixer == want

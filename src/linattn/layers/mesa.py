@@ -26,6 +26,11 @@ from .cache import LayerCache
 from .common import l2_normalize
 
 
+def _cdt(x: torch.Tensor) -> torch.dtype:
+    """The gates' dtype: fp64 stays fp64, everything else fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 class MesaNet(AttentionBase):
     """MesaNet layer: the `mesanet` mixer, on the `mesa_net` operator.
 
@@ -40,6 +45,7 @@ class MesaNet(AttentionBase):
         lambda_lower_bound: (> 0) the smallest ridge.
         short_conv: The short convolution on q, k, v (default True).
         output_norm: The per-head output norm (default True).
+        v_conv: False leaves v out of the short convolution (q and k only: fla's MesaNet layer).
         **kwargs: `AttentionBase`'s options.
 
     Raises:
@@ -56,8 +62,12 @@ class MesaNet(AttentionBase):
 
     def __init__(self, d_model: int, n_heads: int, *, chunk_size: int = 64, scale: Optional[float] = None,
                  solver: str = "cg", max_iter: int = 30, tol: Optional[float] = None,
-                 lambda_lower_bound: float = 0.25, short_conv: bool = True, output_norm: bool = True, **kwargs):
+                 lambda_lower_bound: float = 0.25, short_conv: bool = True, output_norm: bool = True,
+                 v_conv: bool = True, **kwargs):
         super().__init__(d_model, n_heads, short_conv=short_conv, output_norm=output_norm, **kwargs)
+        self.v_conv_on = bool(v_conv)
+        if self.short_conv and not self.v_conv_on:
+            del self.v_conv
         if not lambda_lower_bound > 0 or lambda_lower_bound >= 1.0:
             raise LinattnError(f"lambda_lower_bound must be in (0, 1) (lam starts at 1), got {lambda_lower_bound!r}")
         self.chunk_size = int(chunk_size)
@@ -71,13 +81,26 @@ class MesaNet(AttentionBase):
         self.lambda_params = nn.Parameter(torch.full((self.n_heads, self.head_dim), init))
 
     def ridge(self) -> torch.Tensor:
-        """lam `[H, K]` (> lambda_lower_bound)."""
-        return F.softplus(self.lambda_params.float()) + self.lambda_lower_bound
+        """lam `[H, K]` (> lambda_lower_bound), in fp32 (fp64 for fp64 parameters)."""
+        p = self.lambda_params
+        return F.softplus(p.to(_cdt(p))) + self.lambda_lower_bound
+
+    def _qkv(self, x: torch.Tensor, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
+        if not self.short_conv or self.v_conv_on:
+            return super()._qkv(x, cache, cu_seqlens)
+        B, T, _ = x.shape                       # v_conv=False: the short convolution on q and k only
+        get = (lambda n: cache.get(n)) if cache is not None else (lambda n: None)
+        q, sq = self.q_conv(self.q_proj(x), get("conv_q"), cu_seqlens)
+        k, sk = self.k_conv(self.k_proj(x), get("conv_k"), cu_seqlens)
+        if cache is not None:
+            cache["conv_q"], cache["conv_k"] = sq, sk
+        return (q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_heads, self.head_dim),
+                self.v_proj(x).view(B, T, self.n_value_heads, self.head_dim_v))
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         q, k = l2_normalize(q), l2_normalize(k)
-        beta = torch.sigmoid(self.b_proj(x).float()).to(q.dtype)
-        g = F.logsigmoid(self.a_proj(x).float())
+        beta = torch.sigmoid(self.b_proj(x).to(_cdt(x))).to(q.dtype)
+        g = F.logsigmoid(self.a_proj(x).to(_cdt(x)))
         o, state = mesa_net(
             q, k, v, beta, g, self.ridge().to(q.dtype), solver=self.solver, max_iter=self.max_iter, tol=self.tol,
             scale=self.scale, mode=self._mode(cache, x.shape[1]), chunk_size=self.chunk_size,
