@@ -60,8 +60,22 @@ def sliding_window_of(lm: LMConfig) -> Optional[int]:
 class LinattnConfig(PreTrainedConfig):
     """A transformers config holding a linattn `LMConfig` (`lm_config()` rebuilds it).
 
-    >>> cfg = LinattnConfig(linattn=LMConfig(vocab_size=256, mixer="efla").to_dict())
-    >>> cfg = LinattnConfig.from_lm_config(LMConfig(vocab_size=256, mixer="efla"))
+    The transformers fields (vocab_size, hidden_size, num_hidden_layers, num_attention_heads, head_dim,
+    max_position_embeddings, layer_types, sliding_window, tie_word_embeddings, ...) are derived from the LMConfig.
+
+    Args:
+        linattn: The `LMConfig` as a dict (`LMConfig.to_dict()`; an `LMConfig` is accepted too); None: a default
+            LMConfig(vocab_size=256).
+        **kwargs: transformers' `PretrainedConfig` options (pad_token_id, eos_token_id, num_labels, ...); those
+            derived from the LMConfig are ignored.
+
+    Examples:
+        >>> from linattn import LMConfig
+        >>> from linattn.hf import LinattnConfig
+        >>> cfg = LinattnConfig(linattn=LMConfig(vocab_size=256, mixer="efla").to_dict())
+        >>> cfg = LinattnConfig.from_lm_config(LMConfig(vocab_size=256, mixer="efla"))
+        >>> cfg.lm_config().mixer, cfg.vocab_size
+        ('efla', 256)
     """
 
     model_type = "linattn"
