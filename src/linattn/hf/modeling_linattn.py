@@ -743,10 +743,22 @@ class LinattnModel(LinattnPreTrainedModel):
 class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
     """A linattn `LanguageModel` as a transformers causal LM (module docstring).
 
-    >>> hf = LinattnForCausalLM.from_linattn(language_model)   # shares its parameters
-    >>> hf.generate(ids, attention_mask=mask, max_new_tokens=20, num_beams=2)
-    >>> hf.save_pretrained("hf_dir")     # loads with AutoModelForCausalLM after `import linattn.hf`,
-    >>>                                  # or with trust_remote_code=True without it
+    `save_pretrained` writes a folder that loads with AutoModelForCausalLM after `import linattn.hf`,
+    or with trust_remote_code=True without it.
+
+    Args:
+        config: The transformers config (wrapping an `LMConfig`).
+        model: The `LanguageModel` to wrap (its parameters are shared, not copied); None builds one from config.
+
+    Examples:
+        >>> import torch
+        >>> from linattn import LanguageModel, LMConfig
+        >>> from linattn.hf import LinattnForCausalLM
+        >>> language_model = LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, mixer="gla"))
+        >>> hf = LinattnForCausalLM.from_linattn(language_model)   # shares its parameters
+        >>> ids, mask = torch.randint(3, 64, (2, 6)), torch.ones(2, 6, dtype=torch.long)
+        >>> hf.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, num_beams=2).shape
+        torch.Size([2, 10])
     """
 
     def __init__(self, config: LinattnConfig, model: Optional[LanguageModel] = None):
