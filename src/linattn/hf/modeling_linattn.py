@@ -705,7 +705,11 @@ class LinattnModel(LinattnPreTrainedModel):
 
     forward -> BaseModelOutputWithPast(last_hidden_state [B, T, d] after the final norm, cache, hidden_states).
     Its parameters are named like `LanguageModel`'s (`embed`, `blocks`, `norm`), so `from_pretrained` of a
-    LinattnForCausalLM folder loads the stack (the `model.` prefix is dropped, the head left out)."""
+    LinattnForCausalLM folder loads the stack (the `model.` prefix is dropped, the head left out).
+
+    Args:
+        config: The transformers config (wrapping an `LMConfig`).
+    """
 
     # an untied LM head in a LinattnForCausalLM folder is not part of the stack
     _keys_to_ignore_on_load_unexpected = [r"lm_head\.weight$"]
