@@ -870,7 +870,11 @@ class LinattnForSequenceClassification(LinattnPreTrainedModel):
     (set from the labels when None, as transformers does): "regression" (MSE; num_labels == 1),
     "single_label_classification" (cross-entropy, integer labels), "multi_label_classification"
     (BCE with logits, float labels [B, num_labels]). `from_pretrained` of a LinattnForCausalLM folder loads
-    the stack (the LM head is left out, `score` is drawn new)."""
+    the stack (the LM head is left out, `score` is drawn new).
+
+    Args:
+        config: The transformers config (wrapping an `LMConfig`; `num_labels`, `problem_type`, `pad_token_id`).
+    """
 
     _keys_to_ignore_on_load_unexpected = [r"lm_head\.weight$"]
 
