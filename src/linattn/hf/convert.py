@@ -74,8 +74,21 @@ def _commit(tmp: Path, out: Path) -> None:
 
 def export_hf(checkpoint: PathLike, out: PathLike, *, overwrite: bool = False,
               safe_serialization: bool = True) -> Path:
-    """Write the linattn checkpoint `checkpoint` (a run folder: its latest; or a step folder) as a
-    transformers folder `out`, with the tokenizer. Returns `out`."""
+    """Write a linattn checkpoint as a transformers folder, with the tokenizer.
+
+    Args:
+        checkpoint: The linattn checkpoint: a run folder (its latest step) or a step folder.
+        out: The transformers folder to write.
+        overwrite: Replace an existing `out`.
+        safe_serialization: Write the weights as safetensors (else a PyTorch file).
+
+    Returns:
+        `out`.
+
+    Raises:
+        CheckpointError: The checkpoint is missing, unreadable or not of the 'lm' family, or `out` exists
+            without overwrite.
+    """
     ck = ckpt.load_checkpoint(checkpoint)
     if not isinstance(ck.model, LanguageModel):
         raise CheckpointError(f"{ck.path}: only the 'lm' model family converts to transformers, this checkpoint "
