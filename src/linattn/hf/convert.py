@@ -116,10 +116,24 @@ def export_hf(checkpoint: PathLike, out: PathLike, *, overwrite: bool = False,
 
 
 def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step: Optional[int] = None) -> Path:
-    """Write the transformers folder `hf_dir` (a LinattnForCausalLM) as a linattn checkpoint in the run
-    folder `out` (weights, model config, tokenizer; no training state). Returns the step folder.
-    A flash-linear-attention model folder (config.json's model_type one of `linattn.hf.fla.supported_types()`)
-    goes to `import_fla`; any other model_type is a CheckpointError listing the supported ones."""
+    """Write a transformers folder as a linattn checkpoint (weights, model config, tokenizer; no training state).
+
+    The folder `hf_dir` holds a LinattnForCausalLM. A flash-linear-attention model folder (config.json's
+    model_type one of `linattn.hf.fla.supported_types()`) goes to `import_fla`; any other model_type is a
+    CheckpointError listing the supported ones.
+
+    Args:
+        hf_dir: The transformers folder.
+        out: The linattn run folder to write into.
+        overwrite: Replace the checkpoints `out` already holds.
+        step: The step number the checkpoint is written as (None: the step export_hf recorded, or 0).
+
+    Returns:
+        The step folder.
+
+    Raises:
+        CheckpointError: An unsupported or unreadable folder, or `out` holding a checkpoint without overwrite.
+    """
     hf_dir, out = Path(hf_dir), Path(out)
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} is not a transformers model folder (no config.json)")
