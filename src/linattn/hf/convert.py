@@ -33,7 +33,14 @@ PathLike = Union[str, os.PathLike]
 
 
 def hf_tokenizer(tokenizer: BPETokenizer):
-    """linattn's byte-level BPE as a transformers fast tokenizer (eos = bos = pad = <|endoftext|>)."""
+    """linattn's byte-level BPE as a transformers fast tokenizer (eos = bos = pad = <|endoftext|>).
+
+    Args:
+        tokenizer: The linattn tokenizer.
+
+    Returns:
+        A transformers `PreTrainedTokenizerFast` encoding as `tokenizer` does.
+    """
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
