@@ -485,14 +485,39 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
     """Serve every linear mixer of a transformers `model` with linattn's operators, in place.
 
     Chunk forms for prefill and training, the recurrent form for one-token decode (with the cache transformers
-    passes), linattn's ShortConv for the short convolutions. Returns a `KernelizeReport`: `patched` (the
-    module names changed), `unserved` ({name: reason}). A module whose class is a known linear mixer that
-    linattn cannot serve (Mamba1, mLSTM, ...) raises `LinattnError` naming it and the reason, before anything
-    is changed; with `skip_unserved=True` it is left as it is and listed in `unserved` instead.
-    packing=True: restarting `position_ids` (batch 1, no attention mask, no cache) or transformers'
-    `cu_seq_lens_q` keep documents apart in every layer; the softmax layers switch to "linattn_sdpa"
-    (transformers' sdpa plus a block-diagonal causal mask for packed batches).
-    Calling it twice is harmless (already served modules are skipped).
+    passes), linattn's ShortConv for the short convolutions. Calling it twice is harmless (already served
+    modules are skipped). See docs/kernelize.md.
+
+    Args:
+        model: A transformers model (Qwen3-Next / Qwen3.5 / OLMo-hybrid Gated DeltaNet, Kimi Linear's KDA,
+            Mamba2, MiniMax's lightning attention, ...; docs/kernelize.md lists them).
+        packing: True: restarting `position_ids` (batch 1, no attention mask, no cache) or transformers'
+            `cu_seq_lens_q` keep documents apart in every layer; the softmax layers switch to "linattn_sdpa"
+            (transformers' sdpa plus a block-diagonal causal mask for packed batches).
+        skip_unserved: A module whose class is a known linear mixer that linattn cannot serve (Mamba1, mLSTM,
+            ...) raises `LinattnError` naming it and the reason, before anything is changed; with
+            `skip_unserved=True` it is left as it is and listed in `unserved` instead.
+
+    Returns:
+        A `KernelizeReport`: `patched` (the module names changed), `unserved` ({name: reason}).
+
+    Raises:
+        LinattnError: A known linear mixer linattn cannot serve (without skip_unserved).
+
+    Examples:
+        >>> import torch
+        >>> import transformers
+        >>> from linattn.hf import kernelize
+        >>> cfg = transformers.Qwen3_5TextConfig(
+        ...     vocab_size=97, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        ...     head_dim=8, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        ...     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8)
+        >>> model = transformers.Qwen3_5ForCausalLM(cfg)
+        >>> report = kernelize(model)
+        >>> report.kinds, report.attn_implementation
+        ({'model.layers.0.linear_attn': 'gdn'}, 'linattn_sdpa')
+        >>> model(torch.randint(0, 97, (1, 21))).logits.shape
+        torch.Size([1, 21, 97])
     """
     if not isinstance(model, nn.Module):
         raise LinattnError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
