@@ -86,9 +86,15 @@ UNSERVED_CLASSES: Dict[str, str] = {
 
 @dataclass
 class KernelizeReport:
-    """What `kernelize` did: `patched` module names (in model order), `unserved` {name: reason}, the kind of each
-    patched module, the attention implementation now set, and the modules whose forward was wrapped for packing
-    ("" is the model itself)."""
+    """What `kernelize` did.
+
+    Attributes:
+        patched: The patched module names (in model order).
+        unserved: {name: reason} of the linear mixers left as they were (skip_unserved=True).
+        kinds: The kind of each patched module ({name: "gdn" | "kda" | "lightning" | "mamba2" ...}).
+        attn_implementation: The attention implementation now set.
+        packing_wrapped: The modules whose forward was wrapped for packing ("" is the model itself).
+    """
     patched: List[str] = field(default_factory=list)
     unserved: Dict[str, str] = field(default_factory=dict)
     kinds: Dict[str, str] = field(default_factory=dict)
