@@ -17,7 +17,7 @@ import linattn
 from linattn import delta_rule, linear_attention
 from linattn.audit import check_causality
 from linattn.errors import LinattnError, LinattnTypeError
-from linattn.feature_maps import FEATURE_MAP_NAMES
+from linattn.feature_maps import FEATURE_MAP_NAMES, get_feature_map
 from linattn.models import LanguageModel, LMConfig, mixers
 from linattn.ops.comba import comba
 from linattn.ops.delta_product import delta_product
@@ -34,7 +34,7 @@ FAVOR_PREFIX = "FAVOR+'s projection gemm rounds a row differently for a differen
 # number of chunks (see test_bmm_rounding_depends_on_the_batch_count), so a prefix with fewer chunks
 # differs in the last bit from the chunk on. Not fixed: it would move that matmul into the per-chunk loop.
 ODD_WIDTH = "CPU bmm rounds a chunk's psi(K)^T V differently for another chunk count when K_phi % 8 != 0"
-ODD_WIDTH_MAPS = ("taylor2", "sum_sq_euclid", "sub_sq_euclid", "magnitude_direction")
+ODD_WIDTH_MAPS = tuple(n for n in FEATURE_MAP_NAMES if get_feature_map(n, K).feature_dim(K) % 8)  # from the cause
 
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
@@ -220,7 +220,7 @@ def test_log_space_prefix_is_bitwise_across_huge_key_spans(fm, gate_kind):
 @pytest.mark.parametrize("T_total", [32, 40], ids=["T-multiple-of-chunk", "T-not-multiple"])
 @pytest.mark.parametrize("mode", ["chunk", "recurrent"])
 @pytest.mark.parametrize("variant", ["deltanet", "gated-deltanet", "efla", "kda", "comba", "delta-product"])
-def test_delta_prefix_is_bitwise(variant, mode, T_total, request):
+def test_delta_prefix_is_bitwise(variant, mode, T_total):
     q, k, v, gate, beta = _inputs(seed=3, T=T_total)
     k = k * torch.linspace(0.5, 4.0, T_total).view(1, T_total, 1, 1)  # later keys have ||k||^2 > 4
     run = _delta(variant, mode)
