@@ -56,6 +56,7 @@ from .io import (  # noqa: F401
     give_default_mode,
     pid_alive,
     remove_stale_temps,
+    to_json,
 )
 from .models import family
 
@@ -88,10 +89,6 @@ def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as f:
         f.flush()
         os.fsync(f.fileno())
-
-
-def atomic_write_json(path: PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def nonfinite_tensors(state_dict: Dict[str, torch.Tensor]) -> List[str]:
@@ -446,7 +443,7 @@ def _write_step_folder(run: Path, name: str, write_weights: Callable[[Path], Non
             _write_file(tmp / TOKENIZER_FILE, lambda path: path.write_text(text, encoding="utf-8"))
         if training_state is not None:
             _write_file(tmp / STATE_FILE, lambda path: torch.save(training_state, path))
-        text_meta = json.dumps(meta, indent=2, sort_keys=True) + "\n"
+        text_meta = to_json(meta, sort_keys=True)
         _write_file(tmp / CONFIG_FILE, lambda path: path.write_text(text_meta, encoding="utf-8"))
         try:
             fsync_dir(tmp)

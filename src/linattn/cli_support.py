@@ -270,5 +270,17 @@ def given_values(args: argparse.Namespace, names: Iterable[str]) -> Dict[str, An
     return {n: ns[n] for n in names if n in ns}
 
 
+def command_line(prog: str, description: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+                 main: Callable[[argparse.Namespace], int], argv: Optional[Iterable[str]] = None) -> int:
+    """A `python -m linattn.<package> ...` entry point: parse `argv` with the options `add_arguments` sets up,
+    run `main`, and report a `UsageError` as one line on stderr (exit code 2); returns the exit code."""
+    parser = ArgParser(prog=prog, description=description)
+    add_arguments(parser)
+    try:
+        return main(parser.parse_args(list(argv or [])))
+    except UsageError as e:
+        return report_error(" ".join(str(e).split()), e.prog or prog)
+
+
 __all__ = ["PROG", "ArgParser", "UsageError", "report_error", "flag_name", "parse_bool", "int_at_least",
-           "finite_float", "type_converter", "field_help", "add_dataclass_arguments", "given_values"]
+           "finite_float", "type_converter", "field_help", "add_dataclass_arguments", "given_values", "command_line"]

@@ -157,5 +157,41 @@ def read_json(path: PathLike) -> Optional[Any]:
         return None
 
 
+# JSON lines (metrics.jsonl): one record a line, appended as a run goes; a resume rewrites the file atomically.
+
+def json_line(record: Any) -> str:
+    """`record` (made JSON-safe) as one line of JSON, newline included."""
+    return json.dumps(jsonable(record)) + "\n"
+
+
+def append_jsonl(path: PathLike, record: Any) -> None:
+    """Append one record to a JSON-lines file (a kill mid-write tears at most this last line)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json_line(record))
+
+
+def write_jsonl(path: PathLike, records: List[Any]) -> None:
+    """Atomically write a JSON-lines file holding `records`."""
+    atomic_write_text(path, "".join(json_line(r) for r in records))
+
+
+def read_jsonl(path: PathLike) -> List[Any]:
+    """The records of a JSON-lines file ([] when it is missing); blank lines are skipped and reading stops at
+    the first line that is not JSON (a torn last line, from a kill mid-write)."""
+    records: List[Any] = []
+    p = Path(path)
+    if p.is_file():
+        for line in p.read_text(encoding="utf-8").splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                break
+    return records
+
+
 __all__ = ["TMP_PREFIX", "current_umask", "default_file_mode", "give_default_mode", "give_default_modes", "fsync_dir",
-           "atomic_write_bytes", "atomic_write_text", "jsonable", "to_json", "write_json", "read_json"]
+           "atomic_write_bytes", "atomic_write_text", "jsonable", "to_json", "write_json", "read_json", "json_line",
+           "append_jsonl", "write_jsonl", "read_jsonl"]

@@ -27,7 +27,8 @@ import argparse
 import importlib
 from typing import Dict, Optional, Sequence, Tuple
 
-from ..cli_support import ArgParser, UsageError, report_error
+from .. import cli_support
+from ..cli_support import ArgParser, UsageError
 
 PROG = "linattn experiment"
 
@@ -96,12 +97,7 @@ def run_experiment(name: str, argv: Optional[Sequence[str]] = None) -> int:
 
 def command_line(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m linattn.experiments NAME ...`: like `linattn experiment NAME ...`; returns the exit code."""
-    parser = ArgParser(prog=PROG, description=description())
-    add_arguments(parser)
-    try:
-        return main(parser.parse_args(list(argv or [])))
-    except UsageError as e:
-        return report_error(" ".join(str(e).split()), e.prog or PROG)
+    return cli_support.command_line(PROG, description(), add_arguments, main, argv)
 
 
 __all__ = ["EXPERIMENTS", "PROG", "HELP", "description", "add_arguments", "main", "load", "build_parser",

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..bench.common import describe_machine, machine_info
+from ..devices import resolve_device  # noqa: F401  (re-exported for the experiments)
 from ..errors import LinattnError
 from ..io import atomic_write_text, jsonable, read_json, write_json
 
@@ -101,16 +102,6 @@ def set_threads(threads: Optional[int]) -> None:
         if threads < 1:
             raise ExperimentError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(int(threads))
-
-
-def resolve_device(name: str) -> torch.device:
-    try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        raise ExperimentError(f"--device: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ExperimentError(f"--device {name}: CUDA is not available")
-    return dev
 
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: Optional[str] = None) -> str:

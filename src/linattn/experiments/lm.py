@@ -432,7 +432,7 @@ def run_study(study: Study, args) -> int:
     budget.eval_every = min(budget.eval_every, budget.steps)
     budget.warmup = min(budget.warmup, max(0, budget.steps // 10))
     common.set_threads(args.threads)
-    device = str(common.resolve_device(args.device))
+    device = str(common.resolve_device(args.device, common.ExperimentError))
     data_path = str(Path(args.data).resolve()) if args.data else None
     models = list(args.models)
     seeds = [args.seed + i for i in range(args.seeds)]

@@ -651,7 +651,7 @@ def run(args) -> int:
     if args.seeds < 1:
         raise common.ExperimentError(f"--seeds must be >= 1, got {args.seeds}")
     common.set_threads(args.threads)
-    device = common.resolve_device(args.device)
+    device = common.resolve_device(args.device, common.ExperimentError)
     mixers, tasks = list(args.mixers), list(args.tasks)
     # the folder's identity is the protocol; --mixers, --tasks, --seed(s) only choose which of its runs
     # to train and show (every run id names its mixer, task, setting, lr, wd and seed), so a resume may add some

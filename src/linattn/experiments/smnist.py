@@ -485,7 +485,7 @@ def run(args) -> int:
     methods = list(getattr(args, "methods", None) or DEFAULT_METHODS)
     levels = budget.levels or {k: list(v) for k, v in PAPER_LEVELS.items()}
     common.set_threads(args.threads)
-    device = common.resolve_device(args.device)
+    device = common.resolve_device(args.device, common.ExperimentError)
     data_dir = args.data or DEFAULT_DATA
     try:
         train_x, train_y = load_mnist(data_dir, "train")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from ..errors import ConfigError
+from ..io import atomic_write_text
 from ..ops.l2norm import L2NORM_CONVENTIONS
 from .registry import mixers
 
@@ -40,8 +41,7 @@ class JsonConfig:
         """The config as JSON text; also written to `path` when given."""
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
+            atomic_write_text(path, text + "\n")   # linattn.io's writer: a crash never leaves half a file
         return text
 
     @classmethod

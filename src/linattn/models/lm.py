@@ -41,9 +41,12 @@ from .registry import build_mixer, mixer_config_kwargs
 
 
 def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
-    """Parameters of a language model (`.embed`, optional `.lm_head`), shared ones counted once."""
+    """Parameters of any model (the language models and the vision ones), shared ones counted once;
+    exclude_embeddings: without a language model's `.embed` and (optional) `.lm_head` weights."""
     seen, total = set(), 0
-    skip = {id(model.embed.weight)} | ({id(model.lm_head.weight)} if model.lm_head is not None else set())
+    skip = set()
+    if exclude_embeddings:
+        skip = {id(model.embed.weight)} | ({id(model.lm_head.weight)} if model.lm_head is not None else set())
     for p in model.parameters():
         if id(p) in seen or (exclude_embeddings and id(p) in skip):
             continue

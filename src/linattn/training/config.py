@@ -8,8 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-import torch
-
+from ..devices import resolve_device  # noqa: F401  (re-exported: training's device names)
 from ..errors import ConfigError, LinattnError
 
 DTYPES = ("float32", "bfloat16")
@@ -223,19 +222,6 @@ def check_resume_compatible(cfg: TrainConfig, saved: Dict[str, Any], model_confi
             if k in saved_model and saved_model[k] != v and k != "vocab_size":
                 raise TrainError(f"config/checkpoint mismatch: model {k} = {v!r} but the checkpoint has "
                                  f"{saved_model[k]!r}")
-
-
-def resolve_device(name: Optional[str]) -> torch.device:
-    """`auto` (or None): CUDA when available, else the CPU; otherwise the named device."""
-    if name in (None, "", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise TrainError(f"unknown device {name!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise TrainError(f"device {name!r} requested but CUDA is not available")
-    return dev
 
 
 __all__ = ["TrainConfig", "TrainError", "TrainConfigError", "TrainingDiverged", "legacy_values", "TRAJECTORY_FIELDS",

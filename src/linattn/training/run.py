@@ -13,13 +13,12 @@ folders; a run that starts removes the temporary files of writers that died mid-
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from .. import checkpoint as ckpt
-from ..io import atomic_write_text, jsonable
+from ..io import append_jsonl, read_jsonl, write_jsonl
 from ..logs import get_logger
 from ..signals import StopFlag  # re-exported: the trainer's stop flag is the one of linattn.signals
 from .config import TrainError
@@ -33,18 +32,7 @@ METRICS_FILE = "metrics.jsonl"
 def read_metrics(run_dir_or_file: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
     """The records of a run's metrics.jsonl (a torn last line, from a kill mid-write, is dropped)."""
     p = Path(run_dir_or_file)
-    path = p / METRICS_FILE if p.is_dir() else p
-    recs: List[Dict[str, Any]] = []
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                recs.append(json.loads(line))
-            except ValueError:
-                break
-    return recs
+    return read_jsonl(p / METRICS_FILE if p.is_dir() else p)
 
 
 class RunFolder:
@@ -123,7 +111,7 @@ class RunFolder:
             self.metrics_path.touch()
         else:
             kept = [r for r in read_metrics(self.metrics_path) if int(r.get("step", 0)) <= resume_step]
-            atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+            write_jsonl(self.metrics_path, kept)
 
     def clear(self) -> None:
         """Remove the previous run's checkpoints, `latest` pointer and metrics: only what linattn wrote.
@@ -143,8 +131,7 @@ class RunFolder:
 
     def append_metrics(self, record: Dict[str, Any]) -> None:
         try:
-            with open(self.metrics_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(jsonable(record)) + "\n")
+            append_jsonl(self.metrics_path, record)
         except OSError as e:
             raise TrainError(f"cannot append to {self.metrics_path}: {e.strerror or e}") from None
 

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from ..errors import ConfigError
 from ..feature_maps import FEATURE_MAP_NAMES
+from ..models.lm import count_parameters  # noqa: F401  (re-exported: one parameter count for every model)
 from .layers import ConvBNAct, ConvStack2d, LinearAttention2d, SoftmaxAttention2d
 
 STRIDE = 16
@@ -173,10 +174,6 @@ class YOLOLAT(nn.Module):
             self.train(was)
         return postprocess(raw, images.shape[-2:], conf_threshold=conf_threshold, iou_threshold=iou_threshold,
                            max_det=max_det)
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 __all__ = ["YOLOLAT", "VisionConfig", "NECKS", "STRIDE", "make_mixer", "count_parameters"]

@@ -21,7 +21,6 @@ stop (exit code 128 + signal); an occupied `--out` is refused unless `--resume` 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -33,6 +32,7 @@ import torch
 
 from .. import checkpoint as ckpt_mod
 from ..errors import CheckpointError, ConfigError, DataError, LinattnError
+from ..io import append_jsonl, read_jsonl, write_json, write_jsonl
 from ..signals import StopFlag
 from .boxes import postprocess
 from .data import Augment, DetectionDataset, Item, YoloFolder, batches, read_yolo_folder, steps_per_epoch
@@ -200,17 +200,6 @@ def make_optimizer(model: torch.nn.Module, cfg: VisionTrainConfig) -> torch.opti
                               {"params": other, "weight_decay": 0.0}], lr=cfg.lr, foreach=False)
 
 
-def _read_metrics(path: Path) -> List[Dict[str, Any]]:
-    out = []
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                break
-    return out
-
-
 def check_out_dir(out: Path, resume: bool, overwrite: bool) -> Optional[Path]:
     """The checkpoint to resume, or None for a new run; refuses an occupied folder."""
     if out.exists() and not out.is_dir():
@@ -347,8 +336,8 @@ def train_detector(cfg: VisionTrainConfig, model_config: Optional[VisionConfig] 
         out.mkdir(parents=True, exist_ok=True)
         metrics_path = out / METRICS_FILE
         if resume_ck is not None:
-            kept = [r for r in _read_metrics(metrics_path) if int(r.get("step", 0)) <= start]
-            ckpt_mod.atomic_write_text(metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+            kept = [r for r in read_jsonl(metrics_path) if int(r.get("step", 0)) <= start]
+            write_jsonl(metrics_path, kept)
             history = list(kept)
         else:
             _clear_run(out)
@@ -360,8 +349,7 @@ def train_detector(cfg: VisionTrainConfig, model_config: Optional[VisionConfig] 
     def log(rec: Dict[str, Any]) -> None:
         history.append(rec)
         if metrics_path is not None:
-            with open(metrics_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
+            append_jsonl(metrics_path, rec)
 
     def save(step_done: int) -> Optional[Path]:
         if out is None:
@@ -458,8 +446,6 @@ def train_detector(cfg: VisionTrainConfig, model_config: Optional[VisionConfig] 
     timed = step_times[1:] or step_times
     ips = cfg.batch_size * len(timed) / sum(timed) if timed and sum(timed) > 0 else None
     if out is not None and not interrupted:
-        from ..io import write_json
-
         write_json(out / "summary.json", {"step": step, "epochs": step / spe, "n_params": count_parameters(model),
                                           "model": model_config.to_dict(), "train": cfg.to_dict(), "val": last_val,
                                           "images_per_s": ips,
