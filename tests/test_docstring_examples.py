@@ -34,7 +34,8 @@ DOCUMENTED = OPERATORS + [
     "linattn.layers.AttentionBase", "linattn.layers.AttentionBase.forward", "linattn.layers.SoftmaxAttention",
     "linattn.layers.FoX", "linattn.layers.DeltaFormer", "linattn.layers.Mamba2Block",
     "linattn.layers.MesaNet", "linattn.layers.TTT", "linattn.layers.Titans", "linattn.layers.GatedDeltaNet",
-    "linattn.layers.EFLA", "linattn.layers.RWKV7",
+    "linattn.layers.EFLA", "linattn.layers.RWKV7", "linattn.layers.DeltaNet", "linattn.layers.KDA",
+    "linattn.layers.Comba", "linattn.layers.DeltaProduct", "linattn.layers.PaTH", "linattn.layers.LinearAttention",
     # models
     "linattn.LMConfig", "linattn.LanguageModel", "linattn.LanguageModel.forward", "linattn.LanguageModel.generate",
     # transformers integration (needs the hf extra)

@@ -43,22 +43,46 @@ QK_NORMS = ("l2", "sum")
 class DeltaNet(AttentionBase):
     """DeltaNet layer (Yang et al. 2024): delta rule with sigmoid beta and L2-normalised q, k.
 
-    Args (besides `AttentionBase`'s): chunk_size for the operator; scale for q (None, the
-    default, means head_dim**-0.5); l2norm_convention, the operator's q/k normalisation ("rsqrt":
-    x * rsqrt(sum x^2 + 1e-6) as fla and transformers, the default; "clamp": x / max(||x||, 1e-6), what
-    checkpoints written before the choice existed used: `LMConfig.l2norm_convention`). It applies where the
-    operator normalises (DeltaNet, Gated DeltaNet, KDA, DeltaProduct); EFLA's queries and Comba's q/k are
-    normalised by the layer in the "rsqrt" form, as they always were. short_conv and output_norm default to True.
+    The options after qk_activation are flash-linear-attention's layers' (`linattn.hf.import_fla`); each
+    default keeps the layer as it was.
 
-    Options of flash-linear-attention's layers (`linattn.hf.import_fla`); each default keeps the layer as it was:
-    beta_bias (True): b_proj has a bias (fla's has none); use_beta (True): False means beta = 1 and no b_proj;
-    allow_negative_eigenvalues (False): beta doubled, so 1 - beta ||k||^2 reaches -1 (state tracking);
-    qk_activation ("silu", `QK_ACTIVATIONS`): the q/k feature activation, "silu" being the short convolution's;
-    "relu", "elu" (elu + 1) or "identity" replace it (the q/k convolutions then have none), as fla's DeltaNet;
-    activation_without_conv (False): without a short convolution q, k and v are the plain projections; True
-    applies SiLU to them anyway (q and k: unless qk_activation says otherwise), as all of fla's delta layers;
-    qk_norm ("l2"): "sum" divides q and k by the sum of their absolute values (max 1e-6) instead of the L2 norm
-    (fla's DeltaNet qk_norm="sum"; DeltaNet, Gated DeltaNet and KDA only).
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The number of heads.
+        chunk_size: for the operator.
+        scale: for q (None, the default, means head_dim**-0.5).
+        short_conv: The short convolution on q, k, v (default True).
+        output_norm: The per-head output norm (default True).
+        l2norm_convention: the operator's q/k normalisation ("rsqrt": x * rsqrt(sum x^2 + 1e-6) as fla and
+            transformers, the default; "clamp": x / max(||x||, 1e-6), what checkpoints written before the choice
+            existed used: `LMConfig.l2norm_convention`). It applies where the operator normalises (DeltaNet, Gated
+            DeltaNet, KDA, DeltaProduct); EFLA's queries and Comba's q/k are normalised by the layer in the "rsqrt"
+            form, as they always were.
+        beta_bias: (True): b_proj has a bias (fla's has none).
+        use_beta: (True): False means beta = 1 and no b_proj.
+        allow_negative_eigenvalues: (False): beta doubled, so 1 - beta ||k||^2 reaches -1 (state tracking).
+        qk_activation: ("silu", `QK_ACTIVATIONS`): the q/k feature activation, "silu" being the short
+            convolution's; "relu", "elu" (elu + 1) or "identity" replace it (the q/k convolutions then have none),
+            as fla's DeltaNet.
+        activation_without_conv: (False): without a short convolution q, k and v are the plain projections; True
+            applies SiLU to them anyway (q and k: unless qk_activation says otherwise), as all of fla's delta layers.
+        qk_norm: ("l2"): "sum" divides q and k by the sum of their absolute values (max 1e-6) instead of the L2
+            norm (fla's DeltaNet qk_norm="sum"; DeltaNet, Gated DeltaNet and KDA only).
+        **kwargs: `AttentionBase`'s options (head_dim, n_value_heads, output_gate, ...).
+
+    Raises:
+        LinattnError: A bad option (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import DeltaNet, LayerCache
+        >>> layer = DeltaNet(64, 4).double()
+        >>> x = torch.randn(2, 10, 64, dtype=torch.float64)
+        >>> y = layer(x)
+        >>> cache = LayerCache()                     # prefill 9 tokens, then decode the 10th
+        >>> _ = layer(x[:, :9], cache)
+        >>> torch.allclose(layer(x[:, 9:], cache), y[:, 9:])
+        True
     """
 
     exact = False

@@ -49,12 +49,28 @@ def _no_value_groups(name: str, n_heads: int, kwargs) -> None:
 
 class Comba(GatedDeltaNet):
     """Comba (Hu et al. 2025): the gated delta rule with state feedback p = sigmoid(c) k and output
-    correction q - d p (module docstring). Args (besides `GatedDeltaNet`'s): correction_factor, the initial
-    d (default 1.0); output_correction (default True) turns q - d p off when False; inner_decay (default True):
-    False means p = k (no p_gain); correction_before_norm (default False: q and k are L2-normalised first, then
-    p and q - d p are formed): True is flash-linear-attention's order, p = sigmoid(c) k and q - d p from the
-    raw q and k, then q, k and p L2-normalised (so the read key is k / ||k||, and c acts through the
-    correction only)."""
+    correction q - d p (module docstring).
+
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The number of heads.
+        correction_factor: the initial d (default 1.0).
+        output_correction: (default True) turns q - d p off when False.
+        inner_decay: (default True): False means p = k (no p_gain).
+        correction_before_norm: (default False: q and k are L2-normalised first, then p and q - d p are formed):
+            True is flash-linear-attention's order, p = sigmoid(c) k and q - d p from the raw q and k, then q, k
+            and p L2-normalised (so the read key is k / ||k||, and c acts through the correction only).
+        **kwargs: `GatedDeltaNet`'s options (and so `DeltaNet`'s and `AttentionBase`'s).
+
+    Raises:
+        LinattnError: A bad option (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import Comba
+        >>> Comba(64, 4)(torch.randn(2, 10, 64)).shape
+        torch.Size([2, 10, 64])
+    """
 
     def __init__(self, d_model: int, n_heads: int, *, correction_factor: float = 1.0, output_correction: bool = True,
                  inner_decay: bool = True, correction_before_norm: bool = False, **kwargs):
@@ -94,9 +110,26 @@ class Comba(GatedDeltaNet):
 class DeltaProduct(DeltaNet):
     """DeltaProduct (Siems et al. 2025): n_householder delta-rule steps per token (module docstring).
 
-    Args (besides `DeltaNet`'s): n_householder (default 2); allow_negative_eigenvalues (default False:
-    beta = sigmoid, True: beta = 2 sigmoid); gate (default False: True adds Gated DeltaNet's decay per
-    token, applied before the n steps). chunk_size counts sub-steps (n per token), as in the operator.
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The number of heads.
+        n_householder: (default 2) the steps per token.
+        allow_negative_eigenvalues: (default False: beta = sigmoid, True: beta = 2 sigmoid).
+        gate: (default False: True adds Gated DeltaNet's decay per token, applied before the n steps).
+        conv_size: The short convolutions' kernel.
+        qkv_bias: Biases on the q/k/v projections.
+        beta_bias: A bias on b_proj.
+        **kwargs: `DeltaNet`'s options (chunk_size counts sub-steps, n per token, as in the operator) and
+            `AttentionBase`'s.
+
+    Raises:
+        LinattnError: A bad n_householder or other option (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import DeltaProduct
+        >>> DeltaProduct(64, 4, n_householder=2, allow_negative_eigenvalues=True)(torch.randn(2, 10, 64)).shape
+        torch.Size([2, 10, 64])
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_householder: int = 2, allow_negative_eigenvalues: bool = False,
@@ -178,11 +211,23 @@ class DeltaProduct(DeltaNet):
 class KDA(DeltaNet):
     """Kimi Delta Attention: the gated delta rule with a decay per key channel (module docstring).
 
-    Args (besides `DeltaNet`'s): gate_rank, the inner width of the low-rank gate projection (default
-    head_dim). output_gate defaults to True. output_gate_rank (None: g_proj is one full-rank linear map, bias-free):
-    an int makes g_proj low-rank as in flash-linear-attention's and Kimi Linear's layers, d_model -> rank
-    (bias-free) -> HV * head_dim_v with a bias. gate_lower_bound (None: the Mamba2 form above): a negative
-    number b gives fla's bounded gate g = b * sigmoid(exp(A_log_h) (f_proj(x) + dt_bias)), in [b, 0).
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The number of heads.
+        gate_rank: the inner width of the low-rank gate projection (default head_dim).
+        output_gate: defaults to True.
+        output_gate_rank: (None: g_proj is one full-rank linear map, bias-free): an int makes g_proj low-rank as
+            in flash-linear-attention's and Kimi Linear's layers, d_model -> rank (bias-free) -> HV * head_dim_v
+            with a bias.
+        gate_lower_bound: (None: the Mamba2 form above): a negative number b gives fla's bounded gate
+            g = b * sigmoid(exp(A_log_h) (f_proj(x) + dt_bias)), in [b, 0).
+        **kwargs: `DeltaNet`'s options and `AttentionBase`'s.
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import KDA
+        >>> KDA(64, 4)(torch.randn(2, 10, 64)).shape
+        torch.Size([2, 10, 64])
     """
 
     def __init__(self, d_model: int, n_heads: int, *, gate_rank: Optional[int] = None, output_gate: bool = True,

@@ -72,9 +72,11 @@ class _ScaledPhi(FeatureMap):
 
 
 class LinearAttention(AttentionBase):
-    """Multi-head kernelized linear attention layer.
+    """Multi-head kernelized linear attention layer: the `linear-*`, RetNet, GLA and Mamba2-GLA mixers.
 
-    Args (besides those of `AttentionBase`: head_dim, short_conv, rope, output_norm, output_gate...):
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The number of heads.
         feature_map: a registered name (`linattn.feature_map_names()`), a `linattn.FeatureMap`, or None
             (identity). A name builds itself: `cls.build(head_dim, max_seq_len=max_seq_len, seed=feature_seed)`
             ("favor+" makes a `FAVORPlus(head_dim)` submodule whose projection is saved with the state dict;
@@ -86,8 +88,28 @@ class LinearAttention(AttentionBase):
             means no scaling (as in ELA and the `linear-*` mixers).
         chunk_size: the operator's chunk size for training and prefill.
         eps: the normaliser's floor.
-        gate_low_rank, gate_normalizer, gate_min: the diagonal gate's low-rank width, the divisor of its
-            logsigmoid, and an optional floor on the log decay (fla's GLA `clamp_min`; None: none).
+        feature_seed: the seed a named feature map builds itself with (FAVOR+'s random projection).
+        gate_low_rank: the diagonal gate's low-rank width.
+        gate_normalizer: the divisor of the diagonal gate's logsigmoid.
+        gate_min: an optional floor on the diagonal gate's log decay (fla's GLA `clamp_min`; None: none).
+        scale_after_map: phi(q) * scale (fla's linear_attn) instead of phi(scale * q); needs a linear-space
+            feature map without parameters.
+        **kwargs: `AttentionBase`'s options: head_dim, short_conv, rope, output_norm, output_gate,
+            n_value_heads, ...
+
+    Raises:
+        LinattnError: A bad gate, feature map or other option (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import LayerCache, LinearAttention
+        >>> layer = LinearAttention(64, 4, "elu+1", gate="scalar").double()
+        >>> x = torch.randn(2, 10, 64, dtype=torch.float64)
+        >>> y = layer(x)
+        >>> cache = LayerCache()                     # prefill 9 tokens, then decode the 10th
+        >>> _ = layer(x[:, :9], cache)
+        >>> torch.allclose(layer(x[:, 9:], cache), y[:, 9:])
+        True
     """
 
     config_fields = AttentionBase.config_fields + ("chunk_size", "n_value_heads")

@@ -215,11 +215,13 @@ class DeltaFormer(_CachedSoftmaxFamily):
         n_heads: The number of heads.
         stage1_query: "k" (the seed's form) or "q".
         rope: Rotary positions on q and k (default True).
+        beta_act: beta = sigmoid(b_proj(x)) (default), or None: b_proj(x) itself (fla's DeltaFormer passes the
+            projection to its kernel as it is).
         **kwargs: chunk_size (the operator's block length), scale (None: head_dim**-0.5), qk_norm, and
             `AttentionBase`'s options; short_conv and output_norm default to False.
 
     Raises:
-        LinattnError: A bad stage1_query or other option (the message names it).
+        LinattnError: A bad stage1_query, beta_act or other option (the message names it).
 
     Examples:
         >>> import torch
@@ -230,8 +232,6 @@ class DeltaFormer(_CachedSoftmaxFamily):
 
     def __init__(self, d_model: int, n_heads: int, *, stage1_query: str = "k", rope: bool = True,
                  beta_act: Optional[str] = "sigmoid", **kwargs):
-        """beta_act: beta = sigmoid(b_proj(x)) (default), or None: b_proj(x) itself (fla's DeltaFormer passes the
-        projection to its kernel as it is)."""
         if beta_act not in ("sigmoid", None):
             raise LinattnError(f"beta_act must be 'sigmoid' or None, got {beta_act!r}")
         if stage1_query not in STAGE1_QUERIES:
@@ -264,18 +264,33 @@ class DeltaFormer(_CachedSoftmaxFamily):
 class PaTH(_CachedSoftmaxFamily):
     """PaTH attention (module docstring).
 
-    Args (besides `AttentionBase`'s): w_rank (width of the low-rank w projection), w_conv_size
-    (the w convolution's kernel), use_forget_gate (PaTH-FoX: add FoX's gate), chunk_size, scale,
-    qk_norm. rope, short_conv and output_norm default to False.
+    Args:
+        d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
+        n_heads: The number of heads.
+        w_rank: The width of the low-rank w projection; None: a full-rank w_proj (fla's use_low_rank_w=False).
+        w_conv_size: The w convolution's kernel.
+        use_forget_gate: PaTH-FoX: add FoX's gate.
+        rope: Rotary positions on q and k (default False).
+        w_conv: A short convolution on w; False: none (fla's use_w_shortconv=False).
+        w_conv_act: That convolution's activation, "silu" (fla's) or None.
+        w_conv_bias: That convolution's bias.
+        w_l2norm: "normalize" (x / max(||x||, 1e-6)) or "rsqrt" (x * rsqrt(sum x^2 + 1e-6), fla's l2_norm).
+        **kwargs: chunk_size (the operator's block length), scale (None: head_dim**-0.5), qk_norm, and
+            `AttentionBase`'s options; short_conv and output_norm default to False.
+
+    Raises:
+        LinattnError: A bad option (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import PaTH
+        >>> PaTH(64, 4, use_forget_gate=True)(torch.randn(2, 10, 64)).shape
+        torch.Size([2, 10, 64])
     """
 
     def __init__(self, d_model: int, n_heads: int, *, w_rank: Optional[int] = 32, w_conv_size: int = 3,
                  use_forget_gate: bool = False, rope: bool = False, w_conv: bool = True,
                  w_conv_act: Optional[str] = None, w_conv_bias: bool = False, w_l2norm: str = "normalize", **kwargs):
-        """fla's PaTHAttention options (defaults: this layer as it was): w_rank None (a full-rank w_proj,
-        fla's use_low_rank_w=False); w_conv False (no convolution on w, use_w_shortconv=False); w_conv_act
-        "silu" (fla's) or None; w_conv_bias; w_l2norm "normalize" (x / max(||x||, 1e-6)) or "rsqrt"
-        (x * rsqrt(sum x^2 + 1e-6), fla's l2_norm)."""
         super().__init__(d_model, n_heads, rope=rope, **kwargs)
         if (w_rank is not None and w_rank < 1) or w_conv_size < 1:
             raise LinattnError(f"w_rank (or None) and w_conv_size must be >= 1, got {w_rank}, {w_conv_size}")
