@@ -24,6 +24,8 @@ from linattn.layers.delta_family import KDA, Comba, DeltaProduct
 from linattn.ops.reference import comba_ref, delta_product_ref, delta_rule_ref
 
 TOL = 1e-10
+# tiny fp64 tensors on shared cores: threads only contend
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def _perturbed(module, seed=0):
@@ -271,8 +273,9 @@ def delta_product_rule(q, k, v, g, beta, scale=None, initial_state=None, output_
 def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False, **unused):
     """fla's causal_conv1d (the fused q|k|v convolution of Gated DeltaNet without a cache): x [B, T, D], w [D, W]."""
     assert initial_state is None
-    W = weight.shape[-1]
-    y = F.conv1d(F.pad(x.transpose(1, 2), (W - 1, 0)), weight.unsqueeze(1), bias, groups=x.shape[-1]).transpose(1, 2)
+    from fla_cpu import depthwise_causal_taps
+
+    y = depthwise_causal_taps(F.pad(x.transpose(1, 2), (weight.shape[-1] - 1, 0)), weight, bias).transpose(1, 2)
     return (F.silu(y) if activation in ("silu", "swish") else y), None
 
 
@@ -336,8 +339,8 @@ def _run(tmp_path, model_type, **kw):
 
 GDN_CASES = {
     "defaults": dict(num_heads=2, head_dim=16),                        # expand_v 2, output gate, short conv
-    "hybrid_gva": dict(num_heads=2, head_dim=16, num_v_heads=4, attn=ATTN),
-    "sigmoid_negeig_nogate": dict(num_heads=2, head_dim=16, output_gate_activation="sigmoid", allow_neg_eigval=True),
+    "hybrid_gva_sigmoid_negeig": dict(num_heads=2, head_dim=16, num_v_heads=4, attn=ATTN,
+                                      output_gate_activation="sigmoid", allow_neg_eigval=True),
     "no_gate_no_conv": dict(num_heads=2, head_dim=16, use_gate=False, use_short_conv=False, expand_v=1.0),
 }
 
@@ -363,9 +366,9 @@ def test_delta_net_import_matches_fla(tmp_path, case):
 
 KDA_CASES = {
     "defaults": dict(num_heads=2, head_dim=16),
-    "hybrid_gva_bounded_negeig": dict(num_heads=2, head_dim=16, num_v_heads=4, attn=ATTN, safe_gate=True,
-                                      lower_bound=-5.0, allow_neg_eigval=True),
-    "noconv_expand": dict(num_heads=2, head_dim=16, use_short_conv=False, expand_v=2.0),
+    "hybrid_gva_bounded_negeig_noconv": dict(num_heads=2, head_dim=16, num_v_heads=4, attn=ATTN, safe_gate=True,
+                                             lower_bound=-5.0, allow_neg_eigval=True, use_short_conv=False,
+                                             expand_v=2.0),
 }
 
 
@@ -376,8 +379,8 @@ def test_kda_import_matches_fla(tmp_path, case):
 
 COMBA_CASES = {
     "defaults": dict(num_heads=2, head_dim=16),
-    "hybrid_no_gate": dict(num_heads=2, head_dim=16, attn=ATTN, use_output_gate=False),
-    "noconv_factor": dict(num_heads=2, head_dim=16, use_short_conv=False, correction_factor=0.02, expand_v=1.0),
+    "hybrid_no_gate_noconv": dict(num_heads=2, head_dim=16, attn=ATTN, use_output_gate=False, use_short_conv=False,
+                                  expand_v=1.0),
 }
 
 
