@@ -226,6 +226,24 @@ def test_sharded_weights_and_existing_output(tmp_path):
     import_fla(folder, tmp_path / "run", overwrite=True)
 
 
+def test_the_tokenizer_comes_along_and_a_foreign_one_is_left_out_with_a_warning(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from linattn import checkpoint as ckpt
+    from linattn.data.tokenizer import train_tokenizer
+
+    folder = _transformer_folder(tmp_path)
+    tok = train_tokenizer("def f(x):\n    return x + 1\n" * 50, vocab_size=300)
+    (folder / "tokenizer.json").write_text(tok.backend.to_str())
+    ck = ckpt.load_checkpoint(import_fla(folder, tmp_path / "run"))
+    assert ck.tokenizer is not None and ck.tokenizer.encode("return x") == tok.encode("return x")
+    (folder / "tokenizer.json").write_text(Tokenizer(WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).to_str())
+    with pytest.warns(UserWarning, match="without a tokenizer"):
+        step = import_fla(folder, tmp_path / "run2")
+    assert ckpt.load_checkpoint(step).tokenizer is None
+
+
 def test_cli_import_hf_dispatches_to_fla_and_export_hf_takes_the_result(tmp_path, capsys):
     from fla_cpu import fla_logits, load_linattn
     from linattn.cli import main
