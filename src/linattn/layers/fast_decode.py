@@ -157,7 +157,7 @@ def _window(cache: LayerCache, dtype: torch.dtype) -> Optional[torch.Tensor]:
 
 def _store_window(cache: LayerCache, convs, new: torch.Tensor) -> None:
     """conv_q/k/v in cache as views of the new window `[B, C, K - 1]` (kept whole for the next step)."""
-    sq, sk, sv = new.split([convs[0].dim, convs[1].dim, convs[2].dim], dim=1)
+    sq, sk, sv = new.split_with_sizes([convs[0].dim, convs[1].dim, convs[2].dim], dim=1)
     cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
     fs = _fast_state(cache)
     fs.conv_views, fs.window = (sq, sk, sv), new
@@ -434,50 +434,38 @@ STEPS: Dict[str, Callable] = {"delta": _delta_step, "linear": _linear_step}
 
 # -- a whole model block in one compiled call (models/lm.py's pre-norm block) -----------------------------------
 class BlockPlanSlot:
-    """A layer's whole-block decoding plan (`cpu/decode.BlockPlan`), the key it was built for and the tensors it
-    points into. Not state: a copy or a pickle gets an empty slot, rebuilt on first use."""
+    """A layer's whole-block decoding plan (`cpu/decode.BlockPlan`), the key it was built for, the tensors it
+    points into and the fused weights it was built from. Not state: a copy or a pickle gets an empty slot, rebuilt
+    on first use."""
 
-    __slots__ = ("key", "plan", "fn", "keep")
+    __slots__ = ("key", "plan", "fn", "keep", "fused")
 
     def __init__(self):
-        self.key = self.plan = self.fn = self.keep = None
+        self.key = self.plan = self.fn = self.keep = self.fused = None
 
     def __reduce__(self):
         return (BlockPlanSlot, ())
 
 
-def _block_tensors(layer, lins, norm1, norm2, ffn):
-    """Every tensor a block plan reads (None where absent), for its key."""
-    mods, params = layer._modules, layer._parameters
-    out = [m.weight for m in lins] + [m.bias for m in lins]
-    if layer.short_conv:
-        for n in ("q_conv", "k_conv", "v_conv"):
-            out += [mods[n].weight, mods[n]._parameters.get("bias")]
-    norm = mods.get("o_norm")
-    out += [mods["o_proj"].weight, norm.weight if norm is not None else None, params.get("A_log"),
-            params.get("dt_bias"), params.get("beta_alpha"), getattr(layer, "_gamma", None), norm1.weight,
-            norm2.weight if norm2 is not None else None]
+def _block_key(layer, x: torch.Tensor, norm1, norm2, ffn):
+    """What a plan depends on, cheap enough to compare every token: the modules it reads (by identity: a replaced
+    submodule), their parameters (identity, version, storage: in-place updates, `.data =`, `.to()`), the layer's
+    configuration, dtype, batch and threads. Hooks are checked separately (`hooked`), on every call."""
+    mods = (layer, *layer._modules.values(), norm1, norm2)
     if ffn is not None:
-        out += [ffn.w_gate_up.weight, ffn.w_gate_up.bias, ffn.w_down.weight, ffn.w_down.bias]
-    return out
+        mods += (ffn, ffn._modules["w_gate_up"], ffn._modules["w_down"])
+    params = [p for m in mods if m is not None for p in m._parameters.values()]
+    d = layer.__dict__
+    return (x.dtype, x.shape[0], torch.get_num_threads(), type(layer), mods,
+            tuple([None if p is None else (id(p), p._version, p.data_ptr()) for p in params]),
+            id(d.get("_gamma")), d.get("scale"), d.get("l2norm_convention"), d.get("beta_mode"), d.get("q_l2norm"),
+            d.get("gate"), d.get("normalize"), d.get("eps"), id(d.get("feature_map")), norm1.eps,
+            None if norm2 is None else norm2.eps)
 
 
-def _block_key(layer, kind, lins, x, norm1, norm2, ffn):
-    # the fused weights by identity: LanguageModel.new_cache clears them (writes through p.data bypass the versions)
-    fused = tuple(id(t) for t in _fused_weights(layer, lins)[1:])
-    tensors = _block_tensors(layer, lins, norm1, norm2, ffn)
-    norm = layer._modules.get("o_norm")
-    config = (kind, layer.scale, getattr(layer, "exact", None), getattr(layer, "qk_l2norm", None),
-              getattr(layer, "l2norm_convention", None), getattr(layer, "beta_mode", None),
-              getattr(layer, "q_l2norm", None), getattr(layer, "gate", None), getattr(layer, "normalize", None),
-              getattr(layer, "eps", None), id(getattr(layer, "feature_map", None)), norm1.eps,
-              norm2.eps if norm2 is not None else None, norm.eps if norm is not None else None)
-    return (x.dtype, x.shape[0], _cpu_threads(), config, fused, tuple(id(m) for m in lins), id(ffn),
-            tuple(None if t is None else (t._version, t.data_ptr()) for t in tensors))
-
-
-def _cpu_threads() -> int:
-    return max(1, torch.get_num_threads())
+def _block_hooked(layer) -> bool:
+    """`hooked` over the layer's modules that the block step computes (the block checks its norms and FFN)."""
+    return hooked(*layer._modules.values())
 
 
 def _build_plan(layer, kind, lins, x, norm1, norm2, ffn):
@@ -499,7 +487,7 @@ def _build_plan(layer, kind, lins, x, norm1, norm2, ffn):
     p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=w.shape[0], KC=convs[0].kernel_size if convs else 0,
                               hid=ffn.w_down.in_features if ffn is not None else 0, kind=0 if kind == "delta" else 1,
                               conv_act=int(bool(convs) and convs[0].activation is not None), scale=layer.scale,
-                              nthreads=_cpu_threads(), has_ffn=int(ffn is not None))
+                              nthreads=max(1, torch.get_num_threads()), has_ffn=int(ffn is not None))
     p.W, p.Wb = addr(w), addr(b)
     if convs:
         p.cw, p.cb = addr(cw.view(cw.shape[0], -1)), addr(cb)
@@ -550,18 +538,28 @@ def block_step(layer, x: torch.Tensor, cache: Optional[LayerCache], norm1, norm2
     slot = getattr(layer, "_block_plan", None)
     if not (isinstance(slot, BlockPlanSlot) and getattr(layer, "fast_decode", False) and layer.compiled_decode
             and cache is not None and x.dim() == 3 and x.shape[1] == 1 and x.device.type == "cpu"
-            and not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64) and layer.rope is None):
+            and not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64) and layer.rope is None
+            and not torch.compiler.is_compiling() and _cpu_decode.enabled()):
         return None
-    kind = layer.fast_step_kind()
-    if kind is None or (kind == "linear" and (type(layer.feature_map) not in _COMPILED_MAPS
-                                              or layer.gate == "diagonal")):
+    key = _block_key(layer, x, norm1, norm2, ffn)
+    if key != slot.key or layer._fused._value is not slot.fused:
+        # the full checks once per plan: a covered layer, modules exactly the library's, in x's dtype
+        slot.key = None
+        kind = layer.fast_step_kind()
+        if kind is None or (kind == "linear" and (type(layer.feature_map) not in _COMPILED_MAPS
+                                                  or layer.gate == "diagonal")):
+            return None
+        if ffn is not None and any(t is not None and t.dtype != x.dtype for t in (
+                ffn.w_gate_up.weight, ffn.w_gate_up.bias, ffn.w_down.weight, ffn.w_down.bias)):
+            return None
+        lins = _usable(layer, x, kind)
+        if lins is None or not _cpu_decode.available():
+            return None
+        slot.plan, slot.keep = _build_plan(layer, kind, lins, x, norm1, norm2, ffn)
+        slot.fn, slot.fused, slot.key = _cpu_decode.block_function(x.dtype), layer._fused._value, key
+    elif _block_hooked(layer):
         return None
-    if ffn is not None and any(t is not None and t.dtype != x.dtype for t in (
-            ffn.w_gate_up.weight, ffn.w_gate_up.bias, ffn.w_down.weight, ffn.w_down.bias)):
-        return None
-    lins = _usable(layer, x, kind)
-    if lins is None or not _cpu_decode.available():
-        return None
+    kind = "delta" if slot.plan.kind == 0 else "linear"
     B, d, cdt = x.shape[0], x.shape[2], x.dtype
     H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
     st = cache.get("state")
@@ -580,10 +578,6 @@ def block_step(layer, x: torch.Tensor, cache: Optional[LayerCache], norm1, norm2
         S_out = torch.empty(B, HV, Kf, V + 1, dtype=cdt)
     if S is not None and (S.dtype != cdt or not S.is_contiguous()):
         S = S.to(cdt).contiguous()
-    key = _block_key(layer, kind, lins, x, norm1, norm2, ffn)
-    if slot.key != key:
-        slot.plan, slot.keep = _build_plan(layer, kind, lins, x, norm1, norm2, ffn)
-        slot.fn, slot.key = _cpu_decode.block_function(cdt), key
     window = w_out = None
     mods = layer._modules
     if layer.short_conv:
