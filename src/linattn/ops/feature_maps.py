@@ -46,12 +46,33 @@ from ..errors import ConfigError, LinattnError, LinattnTypeError
 class FeatureMap:
     """A (phi, psi) pair with k(a, b) = phi(a) . psi(b); subclass it or pass two callables.
 
-    >>> fm = FeatureMap(phi=lambda x: F.elu(x) + 1)            # psi defaults to phi
-    >>> fm = FeatureMap(phi=lambda a: a[..., [0, 1]] * torch.tensor([1., 2.]),
-    ...                 psi=lambda b: b[..., [1, 0]])            # asymmetric, ELA eq. (6)
-
     Both callables map `[..., K]` to `[..., K_phi]` with the same K_phi. Set `log_space=True`
-    if they return log-features (the kernel is then sum_d exp(phi_d(a) + psi_d(b))).
+    if they return log-features (the kernel is then sum_d exp(phi_d(a) + psi_d(b))). A subclass overrides
+    `phi` (and `psi` when it differs), sets `name`, and may override `build`, `kernel` and `feature_dim`;
+    `register_feature_map` makes it available by name.
+
+    Args:
+        phi: The query feature map, `[..., K]` -> `[..., K_phi]` (None only in a subclass that overrides `phi`).
+        psi: The key feature map; None: psi = phi.
+        log_space: phi and psi return log-features.
+        name: The map's name (in reprs and reports).
+
+    Raises:
+        LinattnTypeError: phi or psi is not callable.
+        LinattnError: neither phi nor a subclass's `phi`.
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from linattn import FeatureMap, linear_attention
+        >>> fm = FeatureMap(phi=lambda x: F.elu(x) + 1)            # psi defaults to phi
+        >>> fm = FeatureMap(phi=lambda a: a[..., [0, 1]] * torch.tensor([1., 2.]),
+        ...                 psi=lambda b: b[..., [1, 0]])            # asymmetric, ELA eq. (6)
+        >>> q, k, v = torch.randn(3, 1, 6, 2, 4).unbind(0)
+        >>> o, _ = linear_attention(q, k, v, feature_map=FeatureMap(phi=lambda x: F.elu(x) + 1))
+        >>> o2, _ = linear_attention(q, k, v, feature_map="elu+1")
+        >>> torch.allclose(o, o2)
+        True
     """
 
     name = "custom"
@@ -81,8 +102,16 @@ class FeatureMap:
     def build(cls, head_dim: int, *, max_seq_len: Optional[int] = None, seed: int = 0) -> "FeatureMap":
         """The map for heads of width `head_dim` (what `get_feature_map(name, head_dim)` returns).
 
-        max_seq_len: the longest sequence the caller expects (None: not known; cosFormer's horizon).
-        seed: for maps with drawn parameters (FAVOR+'s projection). A subclass uses what it needs."""
+        A subclass uses what it needs; override it when the map needs more than `cls()`.
+
+        Args:
+            head_dim: The width K of the queries and keys.
+            max_seq_len: the longest sequence the caller expects (None: not known; cosFormer's horizon).
+            seed: for maps with drawn parameters (FAVOR+'s projection).
+
+        Returns:
+            A new instance of the map.
+        """
         return cls()
 
     def kernel(self, a: torch.Tensor, b: torch.Tensor, i: Optional[torch.Tensor] = None,
@@ -260,6 +289,24 @@ class FAVORPlus(nn.Module, FeatureMap):
 
     `redraw()` draws new features (from the module's own generator, so a seed fixes the
     whole sequence of draws); the projection is a buffer and moves with `.to(device)`.
+
+    Args:
+        dim: The width of the inputs (the head dimension).
+        n_features: m, the number of random features (default dim * log(dim + 1)).
+        orthogonal: Orthogonal rows within each block of `dim` rows.
+        seed: Seeds the module's generator.
+
+    Raises:
+        LinattnError: dim or n_features below 1.
+
+    Examples:
+        >>> import torch
+        >>> from linattn import FAVORPlus, linear_attention
+        >>> q, k, v = torch.randn(3, 1, 8, 2, 16).unbind(0)
+        >>> fm = FAVORPlus(16, n_features=64, seed=0)
+        >>> o, _ = linear_attention(q, k, v, feature_map=fm, scale=16 ** -0.5)
+        >>> o.shape
+        torch.Size([1, 8, 2, 16])
     """
     name = "favor+"
     log_space = True
@@ -316,11 +363,42 @@ _LISTENERS: List[Callable[[str], None]] = []
 
 
 def register_feature_map(name: str, cls: type, *, overwrite: bool = False) -> None:
-    """Make feature map `cls` (a `FeatureMap` subclass whose `name` is `name`) available by name to
-    `linear_attention`, the `LinearAttention` layer and the `linear-<name>` mixer.
+    """Make feature map `cls` available by name: to `linear_attention`, `LinearAttention` and a `linear-<name>` mixer.
 
     `cls.build(head_dim, max_seq_len=..., seed=...)` makes an instance for a layer or a call; override it when the
-    map needs more than `cls()`. Call this at the bottom of the module that defines the map."""
+    map needs more than `cls()`. Call this at the bottom of the module that defines the map.
+
+    Args:
+        name: The name (`cls.name` must be the same).
+        cls: A `FeatureMap` subclass.
+        overwrite: Replace a map already registered under `name`.
+
+    Raises:
+        ConfigError: An empty name, a `cls.name` that differs, or a name already registered without overwrite.
+        LinattnTypeError: cls is not a `FeatureMap` subclass.
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from linattn import FeatureMap, linear_attention, mixers, register_feature_map
+        >>> class Softplus(FeatureMap):
+        ...     name = "softplus"
+        ...     def phi(self, x, pos=None):
+        ...         return F.softplus(x)
+        ...     psi = phi
+        >>> register_feature_map("softplus", Softplus)
+        >>> q, k, v = torch.randn(3, 1, 6, 2, 4).unbind(0)
+        >>> o, _ = linear_attention(q, k, v, feature_map="softplus")
+        >>> "linear-softplus" in mixers()
+        True
+
+        (Removing it again, as tests and plugins may:)
+
+        >>> from linattn.models.registry import unregister_mixer
+        >>> from linattn.ops.feature_maps import unregister_feature_map
+        >>> unregister_feature_map("softplus")
+        >>> unregister_mixer("linear-softplus")
+    """
     if not isinstance(name, str) or not name:
         raise ConfigError(f"a feature map name must be a non-empty string, got {name!r}")
     if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
@@ -350,14 +428,44 @@ def on_feature_map_registered(listener: Callable[[str], None]) -> None:
 
 
 def feature_map_names() -> Tuple[str, ...]:
-    """The names of every registered feature map, in registration order."""
+    """The names of every registered feature map, in registration order.
+
+    Returns:
+        The names (the built-in maps first).
+
+    Examples:
+        >>> from linattn import feature_map_names
+        >>> "elu+1" in feature_map_names() and "favor+" in feature_map_names()
+        True
+    """
     return tuple(FEATURE_MAPS)
 
 
 def get_feature_map(feature_map: Union[str, FeatureMap, None], dim: int, *, max_seq_len: Optional[int] = None,
                     seed: int = 0) -> FeatureMap:
-    """Resolve a registered name (built for head dimension `dim`: `cls.build(dim, max_seq_len=..., seed=...)`),
-    a FeatureMap, or None (identity: q and k are already features)."""
+    """Resolve a feature map given by name, as an instance, or as None.
+
+    Args:
+        feature_map: A registered name (built for head dimension `dim`: `cls.build(dim, max_seq_len=...,
+            seed=...)`), a FeatureMap (returned as it is), or None (identity: q and k are already features).
+        dim: The head dimension a named map is built for.
+        max_seq_len: Passed to `build` (cosFormer's horizon).
+        seed: Passed to `build` (FAVOR+'s projection).
+
+    Returns:
+        The `FeatureMap`.
+
+    Raises:
+        LinattnError: An unknown name.
+        LinattnTypeError: Neither a name, a FeatureMap nor None.
+
+    Examples:
+        >>> from linattn import get_feature_map
+        >>> get_feature_map("elu+1", 16)
+        EluPlusOne('elu+1')
+        >>> get_feature_map("favor+", 16, seed=1).n_features
+        45
+    """
     if feature_map is None:
         return Identity()
     if isinstance(feature_map, FeatureMap):
