@@ -226,6 +226,23 @@ def test_sharded_weights_and_existing_output(tmp_path):
     import_fla(folder, tmp_path / "run", overwrite=True)
 
 
+def test_bf16_weights_load_into_the_default_fp32_model(tmp_path):
+    from fla.models import TransformerConfig
+
+    from linattn import checkpoint as ckpt
+
+    with fla_cpu():
+        model = build_fla(TransformerConfig(hidden_size=32, num_hidden_layers=2, num_heads=2, vocab_size=50))
+        model.to(torch.bfloat16).save_pretrained(tmp_path / "fla", safe_serialization=True)
+        ids = torch.randint(0, 50, (1, 12))
+        with torch.no_grad():
+            ref = model.double()(input_ids=ids, use_cache=False).logits     # fp64 of the same bf16 weights
+    lm = ckpt.load_checkpoint(import_fla(tmp_path / "fla", tmp_path / "run")).model
+    assert next(lm.parameters()).dtype == torch.float32
+    with torch.no_grad():
+        assert (lm(ids).logits.double() - ref).abs().max() <= 1e-4
+
+
 def test_the_tokenizer_comes_along_and_a_foreign_one_is_left_out_with_a_warning(tmp_path):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -261,7 +278,11 @@ def test_cli_import_hf_dispatches_to_fla_and_export_hf_takes_the_result(tmp_path
     with torch.no_grad():
         assert (lm(ids).logits - ref).abs().max() <= TOL
     assert main(["export-hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
-    assert (tmp_path / "hf" / "config.json").is_file()
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64).eval()
+    with torch.no_grad():   # transformers' generate (its own cache, GQA kv heads) continues as linattn's does
+        assert torch.equal(hf.generate(ids, max_new_tokens=6, do_sample=False), lm.generate(ids, 6, temperature=0))
     # an unsupported folder through the CLI: one line naming the supported types, exit status 2 (usage) or 1
     cfg = json.loads((folder / "config.json").read_text())
     cfg["model_type"] = "not_a_type"
