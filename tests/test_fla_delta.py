@@ -10,6 +10,7 @@ references (ops/reference.py: delta_rule_ref, comba_ref, delta_product_ref), dri
 compute in fp32, which cannot show 1e-10. `test_references_agree_with_fla_naive` checks, in fp32, that each
 replacement computes what fla's naive reference computes."""
 import contextlib
+import json
 import sys
 import warnings
 
@@ -126,6 +127,24 @@ def test_delta_options_decode_token_by_token_like_the_full_forward(cls, kw):
     """The decoding path (the fast step where it applies, else the general one) gives the full forward's values."""
     torch.manual_seed(0)
     layer = _perturbed(cls(32, 2, n_value_heads=4, **kw).double())
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    full = layer(x)
+    cache = LayerCache()
+    with torch.no_grad():
+        steps = [layer(x[:, :3], cache=cache)] + [layer(x[:, t:t + 1], cache=cache) for t in range(3, 7)]
+    assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("cls, kw", [
+    (KDA, dict(output_gate_rank=8, gate_lower_bound=-5.0, beta_bias=False, gate_act="sigmoid", n_value_heads=4)),
+    (KDA, dict(short_conv=False, activation_without_conv=True, allow_negative_eigenvalues=True)),
+    (Comba, dict(correction_before_norm=True, beta_bias=False, gate_act="sigmoid")),
+    (Comba, dict(inner_decay=False, short_conv=False, activation_without_conv=True)),
+    (DeltaProduct, dict(n_householder=3, beta_bias=False, gate=True, short_conv=False, activation_without_conv=True)),
+])
+def test_family_options_decode_token_by_token_like_the_full_forward(cls, kw):
+    torch.manual_seed(0)
+    layer = _perturbed(cls(32, 2, **kw).double())
     x = torch.randn(2, 7, 32, dtype=torch.float64)
     full = layer(x)
     cache = LayerCache()
@@ -279,6 +298,57 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, out
     return (F.silu(y) if activation in ("silu", "swish") else y), None
 
 
+def test_references_agree_with_fla_naive():
+    """Each replacement above computes what fla's own naive reference computes (fla/ops/<op>/naive.py, fp32), on
+    the same inputs, with the gate / beta / L2 norm fla's kernels apply in front (fla's naive_kda_gate and
+    naive_kda_lowerbound_gate for KDA's). Comba: fla's naive_chunk_comba (its kernels' recurrence: the prediction
+    reads the undecayed state; naive_recurrent_comba reads the decayed one and agrees with neither)."""
+    pytest.importorskip("fla", reason="flash-linear-attention is not installed (the dev extra pins 0.6.0)")
+    from fla.ops.comba.naive import naive_chunk_comba
+    from fla.ops.delta_rule.naive import delta_rule_recurrence
+    from fla.ops.gated_delta_product.naive import naive_recurrent_gated_delta_product
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    torch.manual_seed(0)
+    B, T, H, K, V, n = 2, 21, 2, 8, 16, 2
+    q, k, p = (torch.randn(B, T, H, K) for _ in range(3))
+    v, b, a = torch.randn(B, T, H, V), torch.randn(B, T, H), torch.randn(B, T, H)
+    A_log, dt_bias = torch.rand(H), torch.randn(H)
+    qn, kn = _l2(q), _l2(k)
+
+    def close(x, y):
+        assert (x - y).abs().max() <= 1e-4 * (1 + y.abs().max()), (x - y).abs().max()
+
+    g = -torch.exp(A_log) * F.softplus(a + dt_bias)
+    for neg in (False, True):
+        o, S = gated_delta_rule(q, k, v, a, b, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                                dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg,
+                                output_final_state=True)
+        ro, rS = naive_recurrent_gated_delta_rule(qn, kn, v, (2.0 if neg else 1.0) * torch.sigmoid(b), g,
+                                                  output_final_state=True)
+        close(o, ro), close(S, rS)
+    o, _ = gated_delta_rule(q, k, v, None, torch.sigmoid(b), use_qk_l2norm_in_kernel=True)
+    ro, _ = delta_rule_recurrence(*(t.transpose(1, 2) for t in (qn, kn, v, torch.sigmoid(b))))
+    close(o, ro.transpose(1, 2))
+    gk, dtk = torch.randn(B, T, H, K), torch.randn(H * K)
+    for bound in (None, -5.0):
+        o, _ = kda_rule(q, k, v, gk, b, A_log=A_log, dt_bias=dtk, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                        use_beta_sigmoid_in_kernel=True, lower_bound=bound)
+        gate = naive_kda_gate(gk, A_log, dtk) if bound is None else naive_kda_lowerbound_gate(gk, A_log, dtk, bound)
+        ro, _ = naive_recurrent_kda(qn, kn, v, gate, torch.sigmoid(b))
+        close(o, ro)
+    beta = torch.sigmoid(b)
+    o, _ = comba_rule(q, k, v, p, g, beta, use_qk_l2norm_in_kernel=True)
+    ro, _ = naive_chunk_comba(qn, kn, v, _l2(p), g, beta, chunk_size=8)
+    close(o, ro)
+    kk, vv, bb = torch.randn(B, T * n, H, K), torch.randn(B, T * n, H, V), torch.rand(B, T * n, H)
+    o, _ = delta_product_rule(q, kk, vv, g, bb, num_householder=n, use_qk_l2norm_in_kernel=True)
+    ro, _ = naive_recurrent_gated_delta_product(qn, _l2(kk), vv, g, bb, K ** -0.5, num_householder=n)
+    close(o, ro)
+
+
 OPS = {
     "delta_net": {"fla.layers.delta_net.chunk_delta_rule": gated_delta_rule,
                   "fla.layers.delta_net.fused_recurrent_delta_rule": gated_delta_rule},
@@ -401,3 +471,44 @@ GDP_CASES = {
 @pytest.mark.parametrize("case", list(GDP_CASES))
 def test_gated_deltaproduct_import_matches_fla(tmp_path, case):
     _run(tmp_path, "gated_deltaproduct", **GDP_CASES[case])
+
+
+def _fla_state(model_type, **kw):
+    """(config.json dict, fla tensors) of a tiny random fla model (no forward: fla's kernels are not needed)."""
+    pytest.importorskip("fla", reason="flash-linear-attention is not installed (the dev extra pins 0.6.0)")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = AutoConfig.for_model(model_type, hidden_size=32, num_hidden_layers=2, vocab_size=50, **kw)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg)
+    return json.loads(cfg.to_json_string()), dict(model.state_dict())
+
+
+def test_fla_weights_missing_a_tensor_or_with_an_unknown_one_are_named():
+    from linattn.errors import CheckpointError
+    from linattn.hf.fla import fla_to_linattn
+
+    cfg, weights = _fla_state("gated_deltanet", num_heads=2, head_dim=8)
+    config, state = fla_to_linattn(cfg, weights)
+    assert config.mixer == "gated-deltanet" and config.n_value_heads == 2 and state["blocks.1.mixer.A_log"] is not None
+    lacking = {k: v for k, v in weights.items() if k != "model.layers.1.attn.dt_bias"}
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.attn\.'?dt_bias"):
+        fla_to_linattn(cfg, lacking)
+    extra = dict(weights, **{"model.layers.0.attn.q_conv1d.bias": torch.zeros(16)})   # conv_bias: not fla's models'
+    with pytest.raises(CheckpointError, match="q_conv1d.bias"):
+        fla_to_linattn(cfg, extra)
+
+
+@pytest.mark.parametrize("model_type, kw, word", [
+    ("comba", dict(num_heads=2, head_dim=8, num_v_heads=4), "num_v_heads"),
+    ("gated_deltanet", dict(num_heads=2, head_dim=8, expand_v=0.3), "expand_v"),
+])
+def test_fla_options_linattn_lacks_are_errors(model_type, kw, word):
+    from linattn.errors import CheckpointError
+    from linattn.hf.fla import fla_to_linattn
+
+    cfg = {"model_type": model_type, "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 50, **kw}
+    with pytest.raises(CheckpointError, match=word):
+        fla_to_linattn(cfg, {})
