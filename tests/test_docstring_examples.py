@@ -30,7 +30,8 @@ DOCUMENTED = OPERATORS + [
     "linattn.LinearAttentionState", "linattn.MesaState", "linattn.TTTState", "linattn.ForgettingAttentionState",
     "linattn.DeltaFormerState", "linattn.PaTHState",
     "linattn.FeatureMap", "linattn.FeatureMap.build", "linattn.FAVORPlus", "linattn.register_feature_map",
-    "linattn.feature_map_names", "linattn.get_feature_map",
+    "linattn.feature_map_names", "linattn.get_feature_map", "linattn.chunk_size_used", "linattn.mixers",
+    "linattn.models.registry.register_mixer",
     "linattn.audit.check_causality", "linattn.set_checks", "linattn.get_checks", "linattn.prepare_delta",
     # layers (constructor arguments)
     "linattn.layers.AttentionBase", "linattn.layers.AttentionBase.forward", "linattn.layers.SoftmaxAttention",

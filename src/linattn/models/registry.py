@@ -76,11 +76,35 @@ _REGISTRY: Dict[str, MixerSpec] = {}
 def register_mixer(name: str, cls: Callable[..., nn.Module], defaults: Optional[Dict[str, Any]] = None,
                    description: str = "", *, rope: bool = False, short_conv: bool = False,
                    config_fields: Optional[Sequence[str]] = None, overwrite: bool = False) -> None:
-    """Register a mixer. `cls(d_model, n_heads, **defaults, **kwargs)` must build an nn.Module
-    mapping `[B, T, d_model]` to `[B, T, d_model]` with a `cache=` keyword (see `AttentionBase`)
-    and a `cu_seqlens=` keyword (packed documents, see `linattn.layers.packing`).
+    """Register a token mixer, so that `LMConfig(mixer=name)` builds it.
 
-    config_fields: the model-config fields the mixer takes (default: `cls.config_fields`, or none).
+    `cls(d_model, n_heads, **defaults, **kwargs)` must build an nn.Module mapping `[B, T, d_model]` to
+    `[B, T, d_model]` with a `cache=` keyword (see `AttentionBase`) and a `cu_seqlens=` keyword (packed
+    documents, see `linattn.layers.packing`).
+
+    Args:
+        name: The mixer's name.
+        cls: The layer class (or a factory with its signature).
+        defaults: Keyword arguments always passed to cls.
+        description: One line for listings.
+        rope: Whether the mixer uses RoPE by default (`LMConfig.rope=None`).
+        short_conv: Whether it uses the short convolution by default (`LMConfig.short_conv=None`).
+        config_fields: the model-config fields the mixer takes (default: `cls.config_fields`, or none).
+        overwrite: Replace a mixer already registered under `name`.
+
+    Raises:
+        ConfigError: An empty or taken name, a cls that is not callable, bad config_fields or defaults.
+
+    Examples:
+        >>> from linattn import LanguageModel, LMConfig
+        >>> from linattn.layers import GatedDeltaNet
+        >>> from linattn.models.registry import register_mixer, unregister_mixer
+        >>> register_mixer("gdn-wide-conv", GatedDeltaNet, {"conv_size": 8}, "Gated DeltaNet, kernel-8 conv",
+        ...                short_conv=True)
+        >>> model = LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, mixer="gdn-wide-conv"))
+        >>> model.blocks[0].mixer.q_conv.kernel_size
+        8
+        >>> unregister_mixer("gdn-wide-conv")
     """
     if not isinstance(name, str) or not name:
         raise ConfigError(f"a mixer name must be a non-empty string, got {name!r}")
@@ -105,7 +129,18 @@ def unregister_mixer(name: str) -> None:
 
 
 def mixers() -> List[str]:
-    """Names of every registered token mixer, in registration order."""
+    """Names of every registered token mixer, in registration order.
+
+    Each is a value of `LMConfig.mixer`; `register_mixer` adds one.
+
+    Returns:
+        The names.
+
+    Examples:
+        >>> import linattn
+        >>> {"softmax", "gated-deltanet", "linear-elu+1", "mamba2"} <= set(linattn.mixers())
+        True
+    """
     return list(_REGISTRY)
 
 

@@ -114,9 +114,33 @@ def reference_of(name: str) -> Optional[Callable[..., Any]]:
 
 
 def chunk_size_used(op: str, *args, backend: str = "auto", **kwargs) -> int:
-    """The chunk length operator `op` really uses for this call (in its own unit: delta_product and rwkv7 count
-    sub-steps) on the backend it would pick. Same arguments as the operator; the operators with one are those
-    registered with a `prepare` (`chunk_size_ops()`)."""
+    """The chunk length operator `op` really uses for this call, on the backend it would pick.
+
+    The Triton kernels round to 16 / 32 / 64; log-space maps and diagonal or per-channel gates use blocks of at
+    most 16 on the PyTorch path; recurrent is 1 and parallel T.
+
+    Args:
+        op: The operator's name ("linear_attention", "delta_rule", ...): one of `chunk_size_ops()`, the operators
+            registered with a `prepare`.
+        *args: The operator's positional arguments (q, k, v, ...), as in the call.
+        backend: The backend asked for, as the operator's `backend`.
+        **kwargs: The operator's keyword arguments, as in the call.
+
+    Returns:
+        The chunk length, in the operator's own unit (delta_product and rwkv7 count sub-steps).
+
+    Raises:
+        LinattnError: An unknown op, or arguments the operator rejects.
+
+    Examples:
+        >>> import torch
+        >>> from linattn import chunk_size_used
+        >>> q, k, v = torch.randn(3, 1, 100, 2, 16).unbind(0)
+        >>> chunk_size_used("linear_attention", q, k, v, chunk_size=64, backend="torch")
+        64
+        >>> chunk_size_used("linear_attention", q, k, v, feature_map="hadamard_exp", backend="torch")
+        16
+    """
     spec = _OPS.get(op)
     if spec is None or spec.prepare is None:
         raise LinattnError(f"op must be one of {', '.join(chunk_size_ops())} (the operators with a chunk size to "
