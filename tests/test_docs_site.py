@@ -60,7 +60,7 @@ def site(tmp_path_factory) -> Path:
 def test_key_pages_and_the_delta_rule_api_page_exist(site):
     for page in ("index.html", "getting_started/index.html", "concepts/index.html", "delta_rule/index.html",
                  "mixers/index.html", "results/index.html", "results/mad/index.html", "stability/index.html",
-                 "changelog/index.html", "api/index.html", "search/search_index.json"):
+                 "changelog/index.html", "fla_import/index.html", "api/index.html", "search/search_index.json"):
         assert (site / page).is_file(), page
     api = _parse(site / "api/delta_rule/index.html")
     assert "linattn.delta_rule" in api.ids          # mkdocstrings' anchor of the function's heading
