@@ -16,6 +16,50 @@ from .common import RMSNorm, ShortConv
 from .packing import packed_positions
 
 
+def group_kv_heads(layer: AttentionBase, kv_heads: int) -> None:
+    """Give `layer` (built with one k/v head per query head) `kv_heads` grouped k/v heads instead: smaller k/v
+    projections (and short convolutions). `grouped_qkv` then projects, `repeat_kv` widens them for the operator."""
+    if kv_heads == layer.n_heads:
+        return
+    bias, d = layer.q_proj.bias is not None, layer.d_model
+    layer.k_proj = nn.Linear(d, kv_heads * layer.head_dim, bias=bias)
+    layer.v_proj = nn.Linear(d, kv_heads * layer.head_dim_v, bias=bias)
+    if layer.short_conv:
+        layer.k_conv = ShortConv(kv_heads * layer.head_dim, layer.k_conv.kernel_size)
+        layer.v_conv = ShortConv(kv_heads * layer.head_dim_v, layer.v_conv.kernel_size)
+
+
+def grouped_qkv(layer: AttentionBase, x: torch.Tensor, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor],
+                kv_heads: int, q_norm: Optional[nn.Module] = None, k_norm: Optional[nn.Module] = None):
+    """`AttentionBase._qkv` for k/v with `kv_heads` heads (`group_kv_heads`) and optional per-head q/k norms
+    (before RoPE): q `[B, T, H, K]`, k `[B, T, kv_heads, K]`, v `[B, T, kv_heads, V]`."""
+    B, T, _ = x.shape
+    q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
+    if layer.short_conv:
+        get = (lambda n: cache.get(n)) if cache is not None else (lambda n: None)
+        q, sq = layer.q_conv(q, get("conv_q"), cu_seqlens)
+        k, sk = layer.k_conv(k, get("conv_k"), cu_seqlens)
+        v, sv = layer.v_conv(v, get("conv_v"), cu_seqlens)
+        if cache is not None:
+            cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
+    q = q.view(B, T, layer.n_heads, layer.head_dim)
+    k = k.view(B, T, kv_heads, layer.head_dim)
+    v = v.view(B, T, kv_heads, layer.head_dim_v)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    if layer.rope is not None:
+        if cu_seqlens is not None:
+            q, k = layer.rope(q, k, positions=packed_positions(cu_seqlens, T, x.device))
+        else:
+            q, k = layer.rope(q, k, cache.offset if cache is not None else 0)
+    return q, k, v
+
+
+def repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """`[B, T, kv_heads, D]` -> `[B, T, kv_heads * groups, D]`: k/v head j serves query heads j*groups..+groups-1."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=2)
+
+
 class SoftmaxAttention(AttentionBase):
     """Causal softmax attention layer, with RoPE, a KV cache, an optional sliding window and GQA.
 
@@ -75,44 +119,18 @@ class SoftmaxAttention(AttentionBase):
         if kvh != H and self.n_value_heads != H:
             raise LinattnError(f"n_kv_heads ({kvh}) cannot be combined with n_value_heads ({self.n_value_heads})")
         self.n_kv_heads = int(kvh)
-        if kvh != H:   # smaller k/v projections (and convolutions): the grouped heads
-            bias = self.q_proj.bias is not None
-            self.k_proj = nn.Linear(d_model, kvh * self.head_dim, bias=bias)
-            self.v_proj = nn.Linear(d_model, kvh * self.head_dim_v, bias=bias)
-            if self.short_conv:
-                self.k_conv = ShortConv(kvh * self.head_dim, self.k_conv.kernel_size)
-                self.v_conv = ShortConv(kvh * self.head_dim_v, self.v_conv.kernel_size)
+        group_kv_heads(self, kvh)
         self.q_norm = RMSNorm(self.head_dim, eps=qk_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=qk_norm_eps) if qk_norm else None
 
     def _qkv(self, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         if self.n_kv_heads == self.n_heads and self.q_norm is None:
             return super()._qkv(x, cache, cu_seqlens)
-        B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.short_conv:
-            get = (lambda n: cache.get(n)) if cache is not None else (lambda n: None)
-            q, sq = self.q_conv(q, get("conv_q"), cu_seqlens)
-            k, sk = self.k_conv(k, get("conv_k"), cu_seqlens)
-            v, sv = self.v_conv(v, get("conv_v"), cu_seqlens)
-            if cache is not None:
-                cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim_v)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope is not None:
-            if cu_seqlens is not None:
-                q, k = self.rope(q, k, positions=packed_positions(cu_seqlens, T, x.device))
-            else:
-                q, k = self.rope(q, k, cache.offset if cache is not None else 0)
-        return q, k, v
+        return grouped_qkv(self, x, cache, cu_seqlens, self.n_kv_heads, self.q_norm, self.k_norm)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         """k or v `[B, T, n_kv_heads, D]` repeated to the query heads (each k/v head serves a group)."""
-        g = self.n_heads // self.n_kv_heads
-        return t if g == 1 else t.repeat_interleave(g, dim=2)
+        return repeat_kv(t, self.n_heads // self.n_kv_heads)
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         if cache is None:
