@@ -258,7 +258,45 @@ def _check_state(state, N, H, Kf, V, log_space, device) -> None:
 def prepare_linear_attention(q, k, v, *, feature_map="elu+1", causal=True, normalize=True, gamma=None, g=None,
                              scale=None, mode="chunk", chunk_size=64, initial_state=None,
                              output_final_state=False, cu_seqlens=None, eps=1e-6) -> LinearProblem:
-    """Every check of `linear_attention`, once; returns the prepared call (see `LinearProblem`)."""
+    """Every check of `linear_attention`, once; returns the prepared call (see `LinearProblem`).
+
+    The arguments are `linear_attention`'s (see there); the prepared problem is run with
+    `linattn.ops.linear.run_linear_attention(problem, backend)`, and its `chunk_size_used(backend)` says which
+    chunk a backend uses.
+
+    Args:
+        q: Queries `[B, T, H, K]`.
+        k: Keys `[B, T, H, K]`.
+        v: Values `[B, T, H, V]` (or `[B, T, HV, V]`).
+        feature_map: A registered name, a `FeatureMap`, or None.
+        causal: Attend to earlier keys only.
+        normalize: Divide by the kernel's row sum.
+        gamma: RetNet's constant decay.
+        g: A log-gate `[B, T, H]` or `[B, T, H, K_phi]`.
+        scale: The query scale (None: 1).
+        mode: "chunk", "recurrent" or "parallel".
+        chunk_size: The chunk length of the chunk form.
+        initial_state: A `LinearAttentionState`, or None.
+        output_final_state: Return the final state when the problem is run.
+        cu_seqlens: int64 `[N+1]` offsets of packed sequences (B == 1).
+        eps: The floor on |den|.
+
+    Returns:
+        The prepared call, a `LinearProblem`.
+
+    Raises:
+        LinattnError: An argument of the wrong shape, dtype or value (the message names it).
+
+    Examples:
+        >>> import torch
+        >>> from linattn import linear_attention, prepare_linear_attention
+        >>> from linattn.ops.linear import run_linear_attention
+        >>> q, k, v = torch.randn(3, 1, 10, 2, 8).unbind(0)
+        >>> p = prepare_linear_attention(q, k, v, feature_map="relu")
+        >>> o, _ = run_linear_attention(p, "torch")
+        >>> torch.allclose(o, linear_attention(q, k, v, feature_map="relu")[0], atol=1e-6)
+        True
+    """
     n = value_groups(q, v)
     folded = False
     if n > 1:
