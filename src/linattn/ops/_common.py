@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -239,12 +239,28 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> Optional[List[int]]:
     return offs
 
 
-def run_varlen(offsets: Sequence[int], fn: Callable[[int, slice], Tuple[torch.Tensor, object]],
-               stack_states: Callable[[List[object]], object]):
-    """Run `fn(i, tokens)` on each packed sequence i and join the results.
+def cat_parts(parts: Sequence[Any], dim: int) -> Any:
+    """Per-sequence results joined along `dim`: tensors by torch.cat, tuples (NamedTuples too) field by field,
+    None stays None (a part every sequence leaves out)."""
+    first = parts[0]
+    if first is None:
+        return None
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(parts), dim=dim)
+    if isinstance(first, tuple):
+        fields = [cat_parts([x[j] for x in parts], dim) for j in range(len(first))]
+        return type(first)(*fields) if hasattr(first, "_fields") else tuple(fields)
+    raise TypeError(f"cat_parts joins tensors, tuples of them and None, got {type(first).__name__}")
 
-    `fn` gets the sequence index and a slice of the T axis and returns (output [1, Ti, ...], state);
-    outputs are concatenated along T and states combined with `stack_states`, so no information
+
+def run_varlen(offsets: Sequence[int], fn: Callable[[int, slice], Tuple[Any, Any]],
+               stack_states: Optional[Callable[[List[Any]], Any]] = None, *, dim: int = 1) -> Tuple[Any, Any]:
+    """Run `fn(i, tokens)` on each packed sequence i and join the results; the one loop over `cu_seqlens`
+    of every operator.
+
+    `fn` gets the sequence index and its slice of the T axis and returns (output, state). The outputs (a tensor
+    or a tuple of tensors, whose T axis is `dim`) are concatenated along `dim`; the states are combined by
+    `stack_states`, by default concatenated along their first (sequence) axis by `cat_parts`. No information
     crosses a sequence boundary by construction.
     """
     outs, states = [], []
@@ -252,7 +268,7 @@ def run_varlen(offsets: Sequence[int], fn: Callable[[int, slice], Tuple[torch.Te
         o, s = fn(i, slice(a, b))
         outs.append(o)
         states.append(s)
-    return torch.cat(outs, dim=1), stack_states(states)
+    return cat_parts(outs, dim), (stack_states(states) if stack_states is not None else cat_parts(states, 0))
 
 
 def pad_time(x: torch.Tensor, multiple: int, dim: int, value: float = 0.0) -> torch.Tensor:

@@ -37,6 +37,7 @@ from ._common import (
     check_values,
     compute_dtype,
     pad_time,
+    run_varlen,
 )
 from .backend import cpu_delta, requires_grad, select_backend, triton_delta
 from .heads import value_groups
@@ -524,14 +525,9 @@ def _run_torch(p: DeltaProblem):
     if p.offsets is None:
         o, S = run(q, k, v, b, r, g, S0)
     else:
-        outs, states = [], []
-        for i, (lo, hi) in enumerate(zip(p.offsets[:-1], p.offsets[1:])):
-            sl = slice(lo, hi)
-            o_i, S_i = run(q[:, :, sl], k[:, :, sl], v[:, :, sl], b[:, :, sl],
-                           r[:, :, sl] if r is not None else None, g[:, :, sl] if g is not None else None,
-                           S0[i:i + 1])
-            outs.append(o_i), states.append(S_i)
-        o, S = torch.cat(outs, dim=2), torch.cat(states)
+        o, S = run_varlen(p.offsets, lambda i, sl: run(
+            q[:, :, sl], k[:, :, sl], v[:, :, sl], b[:, :, sl], r[:, :, sl] if r is not None else None,
+            g[:, :, sl] if g is not None else None, S0[i:i + 1]), dim=2)
     return o.transpose(1, 2), S
 
 

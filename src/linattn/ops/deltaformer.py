@@ -35,7 +35,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
-from ._common import check_finite_output, check_qkv, check_scale, compute_dtype, pad_time
+from ._common import check_finite_output, check_qkv, check_scale, compute_dtype, pad_time, run_varlen
 from ._flash import (
     NEG_INF,
     base2,
@@ -248,9 +248,8 @@ def _run(p: _Problem):
     if p.offsets is None:
         o, u = one(p.q, p.k, p.v, p.beta, p.r)
     else:
-        parts = [one(p.q[:, a:b], p.k[:, a:b], p.v[:, a:b], p.beta[:, a:b], p.r[:, a:b])
-                 for a, b in zip(p.offsets[:-1], p.offsets[1:])]
-        o, u = torch.cat([x[0] for x in parts], dim=1), torch.cat([x[1] for x in parts], dim=1)
+        (o, u), _ = run_varlen(p.offsets, lambda i, s: (one(p.q[:, s], p.k[:, s], p.v[:, s], p.beta[:, s], p.r[:, s]),
+                                                        None))
     o = o.to(p.out_dtype)
     if p.output_final_state:
         return o, DeltaFormerState(p.k.detach(), u.detach())

@@ -27,7 +27,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
-from ._common import check_finite_output, check_log_gate, check_qkv, check_scale, compute_dtype
+from ._common import check_finite_output, check_log_gate, check_qkv, check_scale, compute_dtype, run_varlen
 from ._flash import (
     causal_mask,
     check_block_size,
@@ -147,8 +147,8 @@ def _run(p: _Problem):
     if p.offsets is None:
         o = one(p.q, p.k, p.v, p.g)
     else:
-        o = torch.cat([one(p.q[:, a:b], p.k[:, a:b], p.v[:, a:b], p.g[:, a:b] if p.g is not None else None)
-                       for a, b in zip(p.offsets[:-1], p.offsets[1:])], dim=1)
+        o, _ = run_varlen(p.offsets, lambda i, s: (one(p.q[:, s], p.k[:, s], p.v[:, s],
+                                                       p.g[:, s] if p.g is not None else None), None))
     o = o.to(p.out_dtype)
     return (o, _final_state(p)) if p.output_final_state else o
 

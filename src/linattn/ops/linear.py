@@ -46,7 +46,7 @@ constant to every query entry leaves the output unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -63,6 +63,7 @@ from ._common import (
     check_scale,
     check_values,
     compute_dtype,
+    run_varlen,
 )
 from .backend import cpu_linear_attention, requires_grad, select_backend, triton_linear_attention
 from .delta_core import LOG_GATE_FLOOR
@@ -393,16 +394,18 @@ def _run_fast_chunk(p: LinearProblem, cdt) -> FormResult:
         S0 = torch.zeros(p.N, H, p.Kf, V + 1, dtype=cdt, device=p.q.device)
     if p.offsets is None:
         return linear_chunk(xq, xk, v, S0, p.chunk_size, fused)
-    return _join(p, [linear_chunk(xq[:, a:b], xk[:, a:b], v[:, a:b], S0[i:i + 1], p.chunk_size, fused)
-                     for i, (a, b) in enumerate(zip(p.offsets[:-1], p.offsets[1:]))])
+    return _varlen(p, lambda i, s: linear_chunk(xq[:, s], xk[:, s], v[:, s], S0[i:i + 1], p.chunk_size, fused))
 
 
-def _join(p: LinearProblem, parts: List[FormResult]) -> FormResult:
-    """The forms' results of the packed sequences, in order, as one result (T joined, states stacked)."""
-    c = torch.cat([r.c for r in parts], dim=2) if p.fmap.log_space else None
-    S = torch.cat([r.S for r in parts]) if p.output_final_state else None
-    mu = torch.cat([r.mu for r in parts]) if (p.output_final_state and p.fmap.log_space) else None
-    return FormResult(torch.cat([r.num for r in parts], dim=2), torch.cat([r.den for r in parts], dim=2), c, S, mu)
+def _varlen(p: LinearProblem, one: Callable[[int, slice], FormResult]) -> FormResult:
+    """`one(i, tokens)` on each packed sequence (`run_varlen`), joined into one result: num, den, c along T,
+    the states stacked (kept only when asked for)."""
+    def parts(i: int, tokens: slice):
+        r = one(i, tokens)
+        return (r.num, r.den, r.c), (r.S, r.mu)
+
+    (num, den, c), (S, mu) = run_varlen(p.offsets, parts, dim=2)
+    return FormResult(num, den, c, S, mu) if p.output_final_state else FormResult(num, den, c, None, None)
 
 
 def _run_torch(p: LinearProblem) -> FormResult:
@@ -425,10 +428,9 @@ def _run_torch(p: LinearProblem) -> FormResult:
         mu0 = torch.full((p.N, fq.shape[1], p.Kf), NEG, dtype=cdt, device=fq.device) if p.fmap.log_space else None
     if p.offsets is None:
         return _run_form(p, fq, fk, vt, glog, S0, mu0)
-    return _join(p, [_run_form(p, fq[:, :, a:b], fk[:, :, a:b], vt[:, :, a:b],
-                               glog[:, :, a:b] if glog is not None else None,
-                               S0[i:i + 1], mu0[i:i + 1] if mu0 is not None else None)
-                     for i, (a, b) in enumerate(zip(p.offsets[:-1], p.offsets[1:]))])
+    return _varlen(p, lambda i, s: _run_form(p, fq[:, :, s], fk[:, :, s], vt[:, :, s],
+                                             glog[:, :, s] if glog is not None else None,
+                                             S0[i:i + 1], mu0[i:i + 1] if mu0 is not None else None))
 
 
 def _divide_finite_part(num, den):

@@ -67,6 +67,7 @@ from ._common import (
     check_values,
     compute_dtype,
     pad_time,
+    run_varlen,
 )
 from .registry import randn, register_op, uniform, unit
 
@@ -404,13 +405,12 @@ def run_mesa_net(p: MesaProblem) -> Tuple[torch.Tensor, Optional[MesaState]]:
     if p.offsets is None:
         o, Hs, Gs = run(q, k, v, b, g, H0, G0)
     else:
-        outs, hs, gs = [], [], []
-        for i, (lo, hi) in enumerate(zip(p.offsets[:-1], p.offsets[1:])):
-            sl = slice(lo, hi)
+        def one(i, sl):
             o_i, H_i, G_i = run(q[:, :, sl], k[:, :, sl], v[:, :, sl], b[:, :, sl],
                                 g[:, :, sl] if g is not None else None, H0[i:i + 1], G0[i:i + 1])
-            outs.append(o_i), hs.append(H_i), gs.append(G_i)
-        o, Hs, Gs = torch.cat(outs, dim=2), torch.cat(hs), torch.cat(gs)
+            return o_i, (H_i, G_i)
+
+        o, (Hs, Gs) = run_varlen(p.offsets, one, dim=2)
     # H_t sums squares of keys: it can overflow (to inf, which the solves turn into a finite 0) while o stays
     # finite, so the statistics are checked too
     return check_finite_output((o.transpose(1, 2).to(p.out_dtype), MesaState(Hs, Gs) if p.output_final_state else None),

@@ -59,7 +59,15 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
-from ._common import check_finite_output, check_log_gate, check_qkv, check_scale, compute_dtype, pad_time
+from ._common import (
+    check_finite_output,
+    check_log_gate,
+    check_qkv,
+    check_scale,
+    compute_dtype,
+    pad_time,
+    run_varlen,
+)
 from ._flash import (
     NEG_INF,
     anchored,
@@ -388,9 +396,8 @@ def _run(p: _Problem):
     if p.offsets is None:
         o, st = one(p.q, p.k, p.v, p.w, p.beta, p.g)
     else:
-        o = torch.cat([one(p.q[:, a:b], p.k[:, a:b], p.v[:, a:b], p.w[:, a:b], p.beta[:, a:b],
-                           p.g[:, a:b] if p.g is not None else None)[0]
-                       for a, b in zip(p.offsets[:-1], p.offsets[1:])], dim=1)
+        o, _ = run_varlen(p.offsets, lambda i, s: (one(p.q[:, s], p.k[:, s], p.v[:, s], p.w[:, s], p.beta[:, s],
+                                                       p.g[:, s] if p.g is not None else None)[0], None))
         st = None
     o = o.to(p.out_dtype)
     return (o, st) if want else o

@@ -87,6 +87,7 @@ from ._common import (
     check_scale,
     check_values,
     compute_dtype,
+    run_varlen,
 )
 from .registry import randn, register_op, uniform
 
@@ -505,27 +506,23 @@ def run_ttt(p: TTTProblem) -> Tuple[torch.Tensor, Optional[TTTState]]:
 
         return o, (unrows(start), unrows(current), unrows(S), (pos,) * n)
 
-    groups = []
-    if p.offsets is not None:
-        for i, (lo, hi) in enumerate(zip(p.offsets[:-1], p.offsets[1:])):
-            groups.append(run_group(slice(i, i + 1), slice(lo, hi), slice(0, 1)))
-        o = torch.cat([g[0] for g in groups], dim=1)
+    if p.offsets is not None:  # states: one per sequence, as they come
+        o, states = run_varlen(p.offsets, lambda i, s: run_group(slice(i, i + 1), s, slice(0, 1)), list)
     elif len(set(p.state.position)) == 1:
-        groups.append(run_group(slice(0, p.N), slice(0, T), slice(0, B)))
-        o = groups[0][0]
+        o, state = run_group(slice(0, p.N), slice(0, T), slice(0, B))
+        states = [state]
     else:  # rows at different positions inside their mini-batch: one at a time
-        for i in range(B):
-            groups.append(run_group(slice(i, i + 1), slice(0, T), slice(i, i + 1)))
-        o = torch.cat([g[0] for g in groups], dim=0)
+        groups = [run_group(slice(i, i + 1), slice(0, T), slice(i, i + 1)) for i in range(B)]
+        o, states = torch.cat([g[0] for g in groups], dim=0), [g[1] for g in groups]
     if not p.output_final_state:
         return o.to(p.out_dtype), None
 
     def cat(j):
-        if groups[0][1][j] is None:
+        if states[0][j] is None:
             return None
-        return tuple(torch.cat([g[1][j][w] for g in groups]) for w in range(len(groups[0][1][j])))
+        return tuple(torch.cat([s[j][w] for s in states]) for w in range(len(states[0][j])))
 
-    state = TTTState(cat(0), cat(1), cat(2), tuple(i for g in groups for i in g[1][3]))
+    state = TTTState(cat(0), cat(1), cat(2), tuple(i for s in states for i in s[3]))
     return o.to(p.out_dtype), state
 
 
