@@ -33,6 +33,7 @@ DOCUMENTED = OPERATORS + [
     "linattn.feature_map_names", "linattn.get_feature_map", "linattn.chunk_size_used", "linattn.mixers",
     "linattn.models.registry.register_mixer",
     "linattn.audit.check_causality", "linattn.set_checks", "linattn.get_checks", "linattn.prepare_delta",
+    "linattn.prepare_linear_attention",
     # layers (constructor arguments)
     "linattn.layers.AttentionBase", "linattn.layers.AttentionBase.forward", "linattn.layers.SoftmaxAttention",
     "linattn.layers.FoX", "linattn.layers.DeltaFormer", "linattn.layers.Mamba2Block",
