@@ -425,8 +425,8 @@ def test_grouped_layers_refuse_bad_head_counts():
     from linattn.models.registry import build_mixer
     with pytest.raises(LinattnError, match="n_value_heads must be a positive multiple of n_heads"):
         build_mixer("gated-deltanet", 16, 2, n_value_heads=3)
-    with pytest.raises(LinattnError, match="Comba has no grouped value heads"):
-        build_mixer("comba", 16, 2, n_value_heads=4)
+    with pytest.raises(LinattnError, match="DeltaProduct has no grouped value heads"):
+        build_mixer("delta-product", 16, 2, n_value_heads=4)
     with pytest.raises(ConfigError, match="n_value_heads"):
         LMConfig(vocab_size=8, n_heads=2, n_value_heads=3)
     cfg = LMConfig(vocab_size=8, d_model=16, n_heads=2, n_layers=2, n_value_heads=4,

@@ -188,13 +188,13 @@ def test_kda_options_follow_the_formula():
     assert (default.log_gate(x) + torch.exp(default.A_log)[:, None] * F.softplus(f)).abs().max() <= 1e-14
 
 
-@pytest.mark.parametrize("before", [False, True])
-@pytest.mark.parametrize("inner", [False, True])
-def test_comba_normalisation_order(before, inner):
+@pytest.mark.parametrize("before, inner, hv", [(False, False, 2), (False, True, 2), (True, False, 2), (True, True, 2),
+                                               (True, True, 4), (False, True, 4)])
+def test_comba_normalisation_order(before, inner, hv):
     """correction_before_norm=False (the default): q, k normalised, then p = sigmoid(c) k, q - d p; True (fla's):
-    p and q - d p from the raw q, k, then q, k, p normalised."""
+    p and q - d p from the raw q, k, then q, k, p normalised. hv = 4: grouped value heads."""
     torch.manual_seed(0)
-    layer = _perturbed(Comba(32, 2, correction_before_norm=before, inner_decay=inner).double())
+    layer = _perturbed(Comba(32, 2, correction_before_norm=before, inner_decay=inner, n_value_heads=hv).double())
     x = torch.randn(2, 9, 32, dtype=torch.float64)
     q, k, v = layer._qkv(x, None)
 
@@ -449,8 +449,8 @@ def test_kda_import_matches_fla(tmp_path, case):
 
 COMBA_CASES = {
     "defaults": dict(num_heads=2, head_dim=16),
-    "hybrid_no_gate_noconv": dict(num_heads=2, head_dim=16, attn=ATTN, use_output_gate=False, use_short_conv=False,
-                                  expand_v=1.0),
+    "hybrid_gva_no_gate_noconv": dict(num_heads=2, head_dim=16, num_v_heads=4, attn=ATTN, use_output_gate=False,
+                                      use_short_conv=False, expand_v=1.0),
 }
 
 
@@ -502,7 +502,7 @@ def test_fla_weights_missing_a_tensor_or_with_an_unknown_one_are_named():
 
 
 @pytest.mark.parametrize("model_type, kw, word", [
-    ("comba", dict(num_heads=2, head_dim=8, num_v_heads=4), "num_v_heads"),
+    ("gated_deltanet", dict(num_heads=2, head_dim=8, num_v_heads=3), "num_v_heads"),
     ("gated_deltanet", dict(num_heads=2, head_dim=8, expand_v=0.3), "expand_v"),
 ])
 def test_fla_options_linattn_lacks_are_errors(model_type, kw, word):

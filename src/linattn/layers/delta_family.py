@@ -60,7 +60,8 @@ class Comba(GatedDeltaNet):
         correction_before_norm: (default False: q and k are L2-normalised first, then p and q - d p are formed):
             True is flash-linear-attention's order, p = sigmoid(c) k and q - d p from the raw q and k, then q, k
             and p L2-normalised (so the read key is k / ||k||, and c acts through the correction only).
-        **kwargs: `GatedDeltaNet`'s options (and so `DeltaNet`'s and `AttentionBase`'s).
+        **kwargs: `GatedDeltaNet`'s options (and so `DeltaNet`'s and `AttentionBase`'s). With grouped value heads
+            (n_value_heads) p, c and d stay per q/k head; v, beta and the decay are per value head.
 
     Raises:
         LinattnError: A bad option (the message names it).
@@ -74,7 +75,6 @@ class Comba(GatedDeltaNet):
 
     def __init__(self, d_model: int, n_heads: int, *, correction_factor: float = 1.0, output_correction: bool = True,
                  inner_decay: bool = True, correction_before_norm: bool = False, **kwargs):
-        _no_value_groups("Comba", n_heads, kwargs)
         super().__init__(d_model, n_heads, **kwargs)
         if isinstance(correction_factor, bool) or not isinstance(correction_factor, (int, float)):
             raise LinattnTypeError(f"correction_factor must be a number, got {correction_factor!r}")

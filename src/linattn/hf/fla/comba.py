@@ -1,9 +1,9 @@
 """fla's `comba` (fla/models/comba, fla/layers/comba.py) as linattn's `comba` mixer: fla's order (p = sigmoid(c) k
 and q - D p from the raw q, k, then q, k, p L2-normalised in the kernel: `correction_before_norm`), the
-sigmoid-gated output norm, the inner decay and output correction when the weights have them."""
+sigmoid-gated output norm, grouped value heads, the inner decay and output correction when the weights have them."""
 from __future__ import annotations
 
-from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
+from .core import LayerParams, MixerConversion, cfg_get, register_fla
 from .delta_net import base_state, common_kwargs
 from .gated_deltanet import grouped_heads
 
@@ -11,7 +11,6 @@ from .gated_deltanet import grouped_heads
 @register_fla("comba")
 def convert_comba(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
     H, HV, Dk, Dv = grouped_heads(cfg, 6, 256, 2.0)
-    require(HV == H, cfg, f"grouped value heads (num_v_heads {HV} != num_heads {H}) for comba")
     short_conv = bool(cfg_get(cfg, "use_short_conv", True))
     gate = bool(cfg_get(cfg, "use_output_gate", True))
     # fla's CombaBlock does not pass use_inner_decay / use_output_correction to its layer (the layer's defaults,
@@ -29,4 +28,5 @@ def convert_comba(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
     if correction:
         state["d"] = p["D"]
     return MixerConversion("comba", kwargs, state,
-                           {"head_dim": Dk, "short_conv": short_conv, "l2norm_convention": "rsqrt"})
+                           {"head_dim": Dk, "n_value_heads": HV, "short_conv": short_conv,
+                            "l2norm_convention": "rsqrt"})
