@@ -10,6 +10,7 @@ linattn's block does not make: the weights are the same, a bf16 run can differ i
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict
 
 from ...layers.mamba2 import HF_NAMES
@@ -47,8 +48,12 @@ def convert_mamba2(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion
     kwargs: Dict[str, Any] = {
         "state_size": int(cfg_get(cfg, "state_size", 128)), "n_groups": int(cfg_get(cfg, "n_groups", 1)),
         "conv_size": int(cfg_get(cfg, "conv_kernel", 4)), "conv_bias": bool(cfg_get(cfg, "use_conv_bias", True)),
-        "proj_bias": bool(cfg_get(cfg, "use_bias", False)), "dt_limit": [_float(lim[0]), _float(lim[1])],
+        "proj_bias": bool(cfg_get(cfg, "use_bias", False)),
         "norm_eps": float(_first(cfg, ("norm_eps", "layer_norm_epsilon"), 1e-5))}
+    lo, hi = _float(lim[0]), _float(lim[1])
+    if (lo, hi) != (0.0, float("inf")):
+        # JSON has no infinity: an unbounded top is the largest float, the same clamp for every finite dt
+        kwargs["dt_limit"] = [lo, min(hi, sys.float_info.max)]
     # the options beyond Mamba2's defaults, only when set (so a plain Mamba2 gives plain kwargs)
     if cfg.get("D_has_hdim"):
         kwargs["d_per_channel"] = True
