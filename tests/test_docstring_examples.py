@@ -46,6 +46,13 @@ DOCUMENTED = OPERATORS + [
     "linattn.hf.LinattnConfig", "linattn.hf.LinattnForCausalLM", "linattn.hf.LinattnModel",
     "linattn.hf.LinattnForSequenceClassification", "linattn.hf.export_hf", "linattn.hf.import_hf",
     "linattn.hf.hf_tokenizer", "linattn.hf.kernelize.kernelize", "linattn.hf.kernelize.KernelizeReport",
+    # training
+    "linattn.training.train", "linattn.training.TrainResult", "linattn.training.evaluate",
+    "linattn.training.EvalResult", "linattn.training.StepOutput", "linattn.training.Trainer",
+    "linattn.training.Trainer.train_step", "linattn.training.training_tokens_per_second",
+    "linattn.training.prepare_data", "linattn.training.TrainData", "linattn.training.rank_batch",
+    "linattn.training.lr_at", "linattn.training.make_optimizer", "linattn.training.read_metrics",
+    "linattn.training.Dist",
 ]
 SECTION = re.compile(r"^(\s*)(Args|Arguments|Returns|Yields|Raises|Examples|Example|Attributes|Note|Notes):\s*$")
 

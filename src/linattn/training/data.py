@@ -24,6 +24,17 @@ from .config import TrainConfig, TrainError
 
 @dataclass
 class TrainData:
+    """A run's prepared data (`prepare_data`).
+
+    Attributes:
+        tokenizer: The tokenizer.
+        train: The packed training tokens.
+        val: The packed validation tokens (None: no validation split).
+        fingerprint: Of the token streams: a resume must see the same data.
+        source: Where the text came from.
+        cache: The memory-mapped token file (OUT/data_cache/...), if any.
+        reused: The tokens were found in the cache.
+    """
     tokenizer: BPETokenizer
     train: PackedTokens
     val: Optional[PackedTokens]
@@ -50,10 +61,24 @@ def data_cache_dir(out: Optional[str]) -> Optional[Path]:
 
 def prepare_data(cfg: TrainConfig, tokenizer: Optional[BPETokenizer] = None,
                  progress: Optional[bool] = None, write_cache: bool = True) -> TrainData:
-    """Read, split, tokenize and pack the run's data. The tokenizer is `tokenizer`, else the one at
-    `cfg.tokenizer`, else one trained on the training split with `cfg.vocab_size`. `progress`
-    (default `cfg.progress`) shows a bar per phase. write_cache=False (the ranks other than 0) reads the
-    cache in the run folder but writes nothing there, and shows no progress."""
+    """Read, split, tokenize and pack the run's data.
+
+    The tokenizer is `tokenizer`, else the one at `cfg.tokenizer`, else one trained on the training split with
+    `cfg.vocab_size`.
+
+    Args:
+        cfg: The run's config (data, max_data_bytes, val_fraction, seq_len, tokenizer, vocab_size, out).
+        tokenizer: The tokenizer to use.
+        progress: Show a bar per phase (default `cfg.progress`).
+        write_cache: False (the ranks other than 0) reads the cache in the run folder but writes nothing there,
+            and shows no progress.
+
+    Returns:
+        The `TrainData`: tokenizer, packed training and validation tokens, their fingerprint.
+
+    Raises:
+        DataError: Missing or unusable data.
+    """
     if tokenizer is None and cfg.tokenizer:
         tokenizer = load_tokenizer(tokenizer_path(cfg.tokenizer))
     progress = (cfg.progress if progress is None else progress) if write_cache else False
@@ -76,8 +101,21 @@ def prepare_data(cfg: TrainConfig, tokenizer: Optional[BPETokenizer] = None,
 
 def rank_batch(data: PackedTokens, step: int, batch_size: int, seed: int, rank: int = 0,
                world_size: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) int64 `[batch_size / world_size, seq_len]`: rank `rank`'s contiguous share of
-    the global batch of `step` (`PackedTokens.get_batch`); only these windows are read."""
+    """Rank `rank`'s contiguous share of the global batch of `step` (`PackedTokens.get_batch`).
+
+    Only these windows are read.
+
+    Args:
+        data: The packed tokens.
+        step: The optimizer step (it picks the batch).
+        batch_size: The global batch, in windows.
+        seed: The run's seed (the batch order).
+        rank: This process's rank.
+        world_size: The number of processes.
+
+    Returns:
+        (inputs, targets) int64 `[batch_size / world_size, seq_len]`.
+    """
     if batch_size % world_size:
         raise TrainError(f"batch_size {batch_size} does not split into {world_size} processes")
     per = batch_size // world_size

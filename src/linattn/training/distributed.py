@@ -32,6 +32,15 @@ def env_world_size() -> int:
 
 @dataclass
 class Dist:
+    """The processes of a run (`Dist.from_env`): one process, or a torchrun group.
+
+    Attributes:
+        rank: This process's rank.
+        world_size: The number of processes.
+        local_rank: The rank on this machine.
+        device: This process's device.
+        started_here: The process group was initialised by `from_env` (and is destroyed with the run).
+    """
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0

@@ -60,6 +60,25 @@ def step_line(rec: Dict[str, Any], steps: int) -> str:
 
 @dataclass
 class TrainResult:
+    """What `train` returns.
+
+    Attributes:
+        step: Steps completed.
+        model: The trained model.
+        model_config: Its config.
+        tokenizer: The run's tokenizer.
+        losses: (step, training loss) of every step run in this call.
+        val_loss: The last validation loss (None: no validation).
+        val_ppl: The last validation perplexity.
+        tokens_per_s: Training tokens/s of this call (first step excluded).
+        elapsed_s: The run's training time.
+        checkpoint: The last checkpoint written (None: no run folder).
+        interrupted: The run stopped on a signal or should_stop.
+        signal: The signal that stopped it.
+        resumed_from: The step a resumed run continued from.
+        history: The metrics records written.
+        skipped_steps: Batches skipped in this call (skip_nonfinite).
+    """
     step: int                             # steps completed
     model: torch.nn.Module
     model_config: Any
@@ -84,14 +103,46 @@ def train(config: TrainConfig, model_config=None, *, resume: bool = False, overw
           on_log: Optional[Callable[[Dict[str, Any]], None]] = None) -> TrainResult:
     """Train a causal language model of any registered family.
 
-    model_config: a family config (`LMConfig`, `TLinFormerConfig`, ...) or its dict; its vocab_size
-        is set to the tokenizer's. On resume it may be None (the checkpoint's is used).
-    resume: continue from `config.out`'s latest checkpoint (a fresh start when there is none).
-    overwrite: clear an occupied `config.out` (else it is refused with TrainError).
-    data: prepared data (`prepare_data`), to share one tokenization across runs.
-    model_factory(config) -> model: instead of the family's model class.
-    should_stop(step_done) -> bool: polled after every step, like a signal: save and stop.
-    on_log(record): called with every metrics record.
+    Checkpoints, the tokenizer and metrics.jsonl go to `config.out` (none: nothing is written). SIGINT / SIGTERM
+    (handle_signals) and should_stop save a checkpoint and stop the run cleanly; `resume=True` continues it.
+
+    Args:
+        config: Everything about the run except the model architecture.
+        model_config: a family config (`LMConfig`, `TLinFormerConfig`, ...) or its dict; its vocab_size
+            is set to the tokenizer's. On resume it may be None (the checkpoint's is used).
+        resume: continue from `config.out`'s latest checkpoint (a fresh start when there is none).
+        overwrite: clear an occupied `config.out` (else it is refused with TrainError).
+        data: prepared data (`prepare_data`), to share one tokenization across runs.
+        tokenizer: The tokenizer to use (None: `config.tokenizer`, else one trained on the data).
+        model_factory: model_factory(config) -> model: instead of the family's model class.
+        should_stop: should_stop(step_done) -> bool: polled after every step, like a signal: save and stop.
+        handle_signals: Install the SIGINT / SIGTERM handlers for the run.
+        on_log: on_log(record): called with every metrics record.
+
+    Returns:
+        A `TrainResult`: the trained model, its config and tokenizer, the losses, the last validation and the
+        checkpoint written.
+
+    Raises:
+        TrainError: A bad run folder (occupied without overwrite or resume), config or data.
+        TrainingDiverged: A non-finite loss or gradient (unless `config.skip_nonfinite`).
+
+    Examples:
+        >>> from linattn import LMConfig
+        >>> from linattn.training import TrainConfig, train
+        >>> text = "the quick brown fox jumps over the lazy dog. " * 400
+        >>> import pathlib
+        >>> import tempfile
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> folder = pathlib.Path(tmp.name)
+        >>> _ = (folder / "corpus.txt").write_text(text)
+        >>> cfg = TrainConfig(data=str(folder / "corpus.txt"), vocab_size=300, seq_len=32, batch_size=4, steps=3,
+        ...                   warmup=1, eval_batches=1, progress=False)
+        >>> result = train(cfg, LMConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, mixer="gated-deltanet"),
+        ...                handle_signals=False)
+        >>> result.step, len(result.losses)
+        (3, 3)
+        >>> tmp.cleanup()
     """
     config.validate()
     if config.threads:

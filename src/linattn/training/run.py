@@ -30,7 +30,14 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def read_metrics(run_dir_or_file: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
-    """The records of a run's metrics.jsonl (a torn last line, from a kill mid-write, is dropped)."""
+    """The records of a run's metrics.jsonl (a torn last line, from a kill mid-write, is dropped).
+
+    Args:
+        run_dir_or_file: The run folder, or its metrics.jsonl.
+
+    Returns:
+        One dict per record, in order.
+    """
     p = Path(run_dir_or_file)
     return read_jsonl(p / METRICS_FILE if p.is_dir() else p)
 

@@ -10,7 +10,21 @@ from .config import TrainConfig, TrainError
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of 0-based `step`: linear warmup over `warmup` steps, then cosine to min_lr."""
+    """Learning rate of 0-based `step`: linear warmup over `warmup` steps, then cosine to min_lr.
+
+    Args:
+        step: The 0-based step.
+        cfg: The run's config (lr, min_lr_ratio, warmup, steps).
+
+    Returns:
+        The learning rate.
+
+    Examples:
+        >>> from linattn.training import TrainConfig, lr_at
+        >>> cfg = TrainConfig(lr=1e-3, warmup=10, steps=100, min_lr_ratio=0.1)
+        >>> lr_at(0, cfg), lr_at(9, cfg), round(lr_at(99, cfg), 6)
+        (0.0001, 0.001, 0.0001)
+    """
     if cfg.warmup > 0 and step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     span = max(1, cfg.steps - cfg.warmup)
@@ -25,7 +39,15 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on parameters with >= 2 dims (matrices, embeddings), none on gains/biases."""
+    """AdamW; weight decay on parameters with >= 2 dims (matrices, embeddings), none on gains/biases.
+
+    Args:
+        model: The model whose parameters it optimizes.
+        cfg: The run's config (lr, weight_decay, beta1, beta2, eps).
+
+    Returns:
+        The optimizer.
+    """
     decay, no_decay, seen = [], [], set()
     for _, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:

@@ -46,6 +46,14 @@ from .schedule import autocast, lr_at, make_optimizer, set_lr
 
 @dataclass
 class EvalResult:
+    """What `evaluate` returns.
+
+    Attributes:
+        loss: The mean next-token cross-entropy, nats/token.
+        ppl: The perplexity, exp(loss).
+        tokens: The tokens scored.
+        batches: The batches run.
+    """
     loss: float                           # mean next-token cross-entropy, nats/token
     ppl: float
     tokens: int
@@ -57,6 +65,16 @@ class EvalResult:
 
 @dataclass
 class StepOutput:
+    """What `Trainer.train_step` returns.
+
+    Attributes:
+        step: Steps done, this one included.
+        loss: The step's cross-entropy (before the aux loss).
+        lr: The learning rate of the step.
+        grad_norm: The gradient norm before clipping; None without clipping.
+        aux_loss: The model's auxiliary loss (MoE load balancing).
+        skipped: Why the batch was skipped (skip_nonfinite), else None.
+    """
     step: int                             # steps done, this one included
     loss: float                           # the step's cross-entropy (before the aux loss)
     lr: float
@@ -106,11 +124,32 @@ def evaluate(model: torch.nn.Module, data: Union[PackedTokens, torch.Tensor], *,
              eos_id: Optional[int] = None, dist: Optional[Dist] = None) -> EvalResult:
     """Mean next-token cross-entropy (nats/token) and perplexity of `model` on `data`.
 
-    `data` is a PackedTokens (its windows in order) or a 1-D token tensor (cut into `seq_len`
-    windows). With eos_id, documents are kept apart (`forward_logits`). With a `dist` of several
-    processes, rank r evaluates rows r, r + N, ... of every batch and the sums are all-reduced
-    (every rank runs one forward per batch, as FSDP needs). Deterministic; the model's train/eval
-    mode is restored afterwards.
+    With eos_id, documents are kept apart (`forward_logits`). With a `dist` of several processes, rank r
+    evaluates rows r, r + N, ... of every batch and the sums are all-reduced (every rank runs one forward per
+    batch, as FSDP needs). Deterministic; the model's train/eval mode is restored afterwards.
+
+    Args:
+        model: A causal LM (ids `[B, T]` -> logits).
+        data: A PackedTokens (its windows in order) or a 1-D token tensor (cut into `seq_len` windows).
+        batch_size: Windows per forward.
+        max_batches: Evaluate at most this many batches (None: all).
+        seq_len: The window length for a token tensor.
+        device: Where to run (None: the model's device).
+        dtype: The autocast dtype ("float32", "bfloat16", ...).
+        eos_id: The <|endoftext|> id, to keep documents apart.
+        dist: The processes of the run (None: one).
+
+    Returns:
+        An `EvalResult` (loss, ppl, tokens, batches).
+
+    Examples:
+        >>> import torch
+        >>> from linattn import LanguageModel, LMConfig
+        >>> from linattn.training import evaluate
+        >>> model = LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, mixer="gla"))
+        >>> result = evaluate(model, torch.randint(0, 64, (400,)), seq_len=32, batch_size=4)
+        >>> result.batches, result.tokens
+        (3, 384)
     """
     if isinstance(data, torch.Tensor):
         if seq_len is None:
@@ -149,9 +188,27 @@ def evaluate(model: torch.nn.Module, data: Union[PackedTokens, torch.Tensor], *,
 class Trainer:
     """A model, its optimizer, and where training stands (step, tokens, logging-interval loss).
 
-    dist: the processes of the run (`Dist.from_env`); None is one process on `device`.
-    eos_id: the tokenizer's <|endoftext|>, to keep documents apart when `config.doc_boundaries`
-        (ignored for a model without `supports_cu_seqlens`).
+    `train` drives one; use it directly for a custom loop: `train_step(x, y)` per batch, `evaluate(data)`,
+    `state_dict()` / `load_state_dict()` for checkpoints.
+
+    Args:
+        model: The model to train (moved to the device).
+        config: The run's `TrainConfig` (optimizer, schedule, grad_accum, dtype, ...).
+        device: Where to train (None: `config.device`).
+        dist: the processes of the run (`Dist.from_env`); None is one process on `device`.
+        eos_id: the tokenizer's <|endoftext|>, to keep documents apart when `config.doc_boundaries`
+            (ignored for a model without `supports_cu_seqlens`).
+
+    Examples:
+        >>> import torch
+        >>> from linattn import LanguageModel, LMConfig
+        >>> from linattn.training import TrainConfig, Trainer
+        >>> model = LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, mixer="gla"))
+        >>> trainer = Trainer(model, TrainConfig(steps=2, warmup=0, batch_size=2), device="cpu")
+        >>> ids = torch.randint(0, 64, (2, 17))
+        >>> out = trainer.train_step(ids[:, :-1], ids[:, 1:])
+        >>> out.step, out.loss > 0
+        (1, True)
     """
 
     def __init__(self, model: torch.nn.Module, config: TrainConfig,
@@ -209,8 +266,19 @@ class Trainer:
 
     # -- the training step ----------------------------------------------------------------------
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> StepOutput:
-        """One optimizer step at the scheduled lr on inputs `x` [B, T] and targets `y` [B, T]: this
-        process's share of the global batch (all of it in one process), in `grad_accum` micro-batches."""
+        """One optimizer step at the scheduled lr, in `grad_accum` micro-batches.
+
+        Args:
+            x: Inputs `[B, T]`: this process's share of the global batch (all of it in one process).
+            y: Targets `[B, T]`.
+
+        Returns:
+            A `StepOutput` (step, loss, lr, grad_norm, aux_loss, skipped).
+
+        Raises:
+            TrainError: B does not split into grad_accum micro-batches.
+            TrainingDiverged: A non-finite loss or gradient (unless `config.skip_nonfinite`).
+        """
         cfg, dev = self.config, self.device
         n = cfg.grad_accum
         if x.shape[0] % n:
@@ -378,10 +446,24 @@ def training_tokens_per_second(model_config, *, seq_len: int = 512, batch_size: 
                                return_all: bool = False, **options):
     """Median training tokens/s (`Trainer.train_step`: forward, backward, clip, AdamW) on random tokens.
 
-    `model_config` is a model-family config (or dict), or a built model. Runs `warmup` untimed
-    steps, then `steps` timed ones. `options` are further TrainConfig fields (grad_accum,
-    activation_checkpointing, compile). Returns the median tokens/s, or with return_all a dict with
-    the per-step times, the parameter count and the median.
+    Runs `warmup` untimed steps, then `steps` timed ones.
+
+    Args:
+        model_config: A model-family config (or dict), or a built model.
+        seq_len: Tokens per window.
+        batch_size: Windows per step.
+        steps: Timed steps.
+        warmup: Untimed steps first.
+        device: Where to run (None: auto).
+        dtype: The autocast dtype.
+        lr: The learning rate.
+        seed: Seeds the model and the tokens.
+        model_factory: model_factory(config) -> model, instead of the family's class.
+        return_all: Return a dict instead of the median.
+        **options: Further TrainConfig fields (grad_accum, activation_checkpointing, compile).
+
+    Returns:
+        The median tokens/s, or with return_all a dict with the per-step times, the parameter count and the median.
     """
     dev = resolve_device(device)
     torch.manual_seed(seed)
