@@ -512,3 +512,34 @@ def test_fla_options_linattn_lacks_are_errors(model_type, kw, word):
     cfg = {"model_type": model_type, "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 50, **kw}
     with pytest.raises(CheckpointError, match=word):
         fla_to_linattn(cfg, {})
+
+
+@pytest.mark.parametrize("model_type, kw", [
+    ("kda", dict(num_heads=2, head_dim=8, num_v_heads=4, lower_bound=-5.0, allow_neg_eigval=True)),
+    ("gated_deltanet", dict(num_heads=2, head_dim=8, output_gate_activation="sigmoid", use_short_conv=False)),
+    ("delta_net", dict(num_heads=2, qk_activation="elu", qk_norm="sum", use_beta=False)),
+])
+def test_imported_checkpoint_exports_to_transformers(tmp_path, model_type, kw):
+    """An imported checkpoint with the new layer options goes through export_hf: transformers' model gives linattn's
+    logits and greedy tokens (the options travel in the model config's mixer_kwargs)."""
+    pytest.importorskip("fla", reason="flash-linear-attention is not installed (the dev extra pins 0.6.0)")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fla_cpu import perturb
+    from linattn import checkpoint as ckpt
+    from linattn.hf import export_hf, import_fla
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = AutoConfig.for_model(model_type, hidden_size=32, num_hidden_layers=2, vocab_size=50, **kw)
+        torch.manual_seed(0)
+        perturb(AutoModelForCausalLM.from_config(cfg).double()).save_pretrained(tmp_path / "fla")
+    import_fla(tmp_path / "fla", tmp_path / "run")
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    # export_hf loads the checkpoint in fp32 (its weights rounded), so the reference is that model, run in fp64
+    lm = ckpt.load_checkpoint(tmp_path / "run").model.double().eval()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64).eval()
+    ids = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(ids).logits - lm(ids).logits).abs().max() <= 1e-12
+        assert torch.equal(hf.generate(ids, max_new_tokens=5, do_sample=False), lm.generate(ids, 5, temperature=0))
