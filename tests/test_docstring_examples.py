@@ -53,6 +53,9 @@ DOCUMENTED = OPERATORS + [
     "linattn.training.prepare_data", "linattn.training.TrainData", "linattn.training.rank_batch",
     "linattn.training.lr_at", "linattn.training.make_optimizer", "linattn.training.read_metrics",
     "linattn.training.Dist",
+    # benchmarks
+    "linattn.bench.add_arguments", "linattn.bench.main", "linattn.bench.load", "linattn.bench.run_benchmark",
+    "linattn.bench.command_line",
 ]
 SECTION = re.compile(r"^(\s*)(Args|Arguments|Returns|Yields|Raises|Examples|Example|Attributes|Note|Notes):\s*$")
 

@@ -50,27 +50,71 @@ def description() -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `linattn bench`: the benchmark's name, then its own arguments."""
+    """The options of `linattn bench`: the benchmark's name, then its own arguments.
+
+    Args:
+        p: The parser to add them to.
+    """
     p.add_argument("name", metavar="NAME", nargs="?", help="which benchmark: " + ", ".join(BENCHMARKS))
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the benchmark named in `args` (parsed by a parser set up with `add_arguments`)."""
+    """Run the benchmark named in `args` (parsed by a parser set up with `add_arguments`).
+
+    Args:
+        args: The parsed `linattn bench` arguments (name, and the benchmark's own arguments).
+
+    Returns:
+        The benchmark's exit code.
+
+    Raises:
+        UsageError: No benchmark named, an unknown one, or bad arguments for it.
+    """
     if args.name is None:
         raise UsageError("which benchmark? choose from: " + ", ".join(BENCHMARKS), prog=PROG)
     return run_benchmark(args.name, args.args)
 
 
 def load(name: str):
-    """Import and return the module of benchmark `name`."""
+    """Import and return the module of benchmark `name`.
+
+    Args:
+        name: A key of `BENCHMARKS` ("ops", "decode", "train", "hf", "gpu", ...).
+
+    Returns:
+        The module, with its `DESCRIPTION`, `add_arguments(parser)` and `run(args)`.
+
+    Raises:
+        UsageError: An unknown benchmark.
+
+    Examples:
+        >>> from linattn.bench import load
+        >>> module = load("ops")
+        >>> callable(module.add_arguments) and callable(module.run)
+        True
+    """
     if name not in BENCHMARKS:
         raise UsageError(f"unknown benchmark {name!r}; choose from: {', '.join(BENCHMARKS)}", prog=PROG)
     return importlib.import_module(BENCHMARKS[name][0])
 
 
 def run_benchmark(name: str, argv: Optional[Sequence[str]] = None) -> int:
-    """Parse `argv` with benchmark `name`'s options and run it; returns the exit code."""
+    """Parse `argv` with benchmark `name`'s options and run it: what `linattn bench NAME ARGS...` does.
+
+    The benchmark prints its table and writes its JSON (and PNG) under results/bench/NAME/ unless told otherwise
+    (`linattn bench NAME --help` lists its options).
+
+    Args:
+        name: A key of `BENCHMARKS`.
+        argv: The benchmark's own arguments (None: none).
+
+    Returns:
+        The exit code (0: success).
+
+    Raises:
+        UsageError: An unknown benchmark or bad arguments.
+    """
     module = load(name)
     parser = ArgParser(prog=f"{PROG} {name}", description=getattr(module, "DESCRIPTION", None))
     module.add_arguments(parser)
@@ -80,7 +124,16 @@ def run_benchmark(name: str, argv: Optional[Sequence[str]] = None) -> int:
 
 
 def command_line(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m linattn.bench NAME ...`: like `linattn bench NAME ...`; returns the exit code."""
+    """`python -m linattn.bench NAME ...`: like `linattn bench NAME ...`.
+
+    A `UsageError` is reported as one line on stderr (exit code 2).
+
+    Args:
+        argv: The arguments after the program name (None: none).
+
+    Returns:
+        The exit code.
+    """
     return cli_support.command_line(PROG, description(), add_arguments, main, argv)
 
 
