@@ -102,6 +102,31 @@ def test_linear_scale_after_map_scales_the_features_of_q():
         LinearAttention(32, 2, feature_map="hadamard_exp", scale_after_map=True)
 
 
+@pytest.mark.parametrize("kw", [dict(gate="diagonal", output_gate=True, short_conv=True),
+                                dict(gate="retnet", rope=True)])
+def test_linear_gqa_equals_the_layer_with_repeated_kv_heads_and_decodes_like_it(kw):
+    from linattn.layers import LinearAttention
+
+    torch.manual_seed(0)
+    kw = dict(feature_map="identity", normalize=False, **kw)
+    gqa = _perturbed(LinearAttention(32, 4, n_kv_heads=2, **kw).double())
+    full = LinearAttention(32, 4, **kw).double()
+    sd = dict(gqa.state_dict())
+    for name in ("k_proj.weight", "v_proj.weight", "k_conv.weight", "v_conv.weight", "gk_proj.1.weight",
+                 "gk_proj.1.bias"):
+        if name in sd:   # kv head j serves query heads 2j, 2j+1
+            t = sd[name]
+            sd[name] = t.view(2, 8, *t.shape[1:]).repeat_interleave(2, dim=0).reshape(32, *t.shape[1:])
+    full.load_state_dict(sd)
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    with torch.no_grad():
+        y = gqa(x)
+        assert (y - full(x)).abs().max() <= 1e-12
+        cache = LayerCache()
+        steps = [gqa(x[:, :4], cache=cache)] + [gqa(x[:, t:t + 1], cache=cache) for t in range(4, 9)]
+    assert (torch.cat(steps, dim=1) - y).abs().max() <= 1e-12
+
+
 def test_linear_gate_min_floors_the_diagonal_log_decay():
     from linattn.layers import LinearAttention
 
@@ -329,6 +354,7 @@ GLAS = {
     "plain": dict(num_heads=2),
     "conv_clamp_unfused_tied": dict(num_heads=4, expand_k=1.0, use_short_conv=True, clamp_min=-0.05, fuse_norm=False,
                                     tie_word_embeddings=True),
+    "gqa_conv": dict(num_heads=4, num_kv_heads=2, use_short_conv=True),
     "no_output_gate": dict(num_heads=2, use_output_gate=False, expand_v=2.0),
     "hybrid_attn": dict(num_heads=2, attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2, "qkv_bias": True,
                                            "window_size": 9, "rope_theta": 1000.0}),
@@ -364,6 +390,7 @@ RETNET_OPS = {f"fla.layers.multiscale_retention.{n}": _retention_op
 
 RETNETS = {
     "plain": dict(num_heads=2),
+    "gqa": dict(num_heads=4, num_kv_heads=1),
     "no_gate_unfused_tied": dict(num_heads=4, expand_v=1.0, use_output_gate=False, fuse_norm=False,
                                  tie_word_embeddings=True),
     "hybrid_attn": dict(num_heads=2, attn={"layers": [0], "num_heads": 2}),
@@ -396,6 +423,7 @@ LINEAR_OPS = {f"fla.layers.linear_attn.{n}": _linear_op
 LINEARS = {
     "elu": dict(num_heads=2, feature_map="elu"),
     "relu_expand_tied": dict(num_heads=4, feature_map="relu", expand_k=0.5, expand_v=2.0, tie_word_embeddings=True),
+    "elu_gqa": dict(num_heads=4, num_kv_heads=2, feature_map="elu"),
     "identity_hybrid_attn": dict(num_heads=2, feature_map="identity", attn={"layers": [1], "num_heads": 2}),
 }
 
@@ -409,6 +437,8 @@ def test_linear_attn(tmp_path, name):
         res = _strong(model, tmp_path)
     assert res.model.config.mixer_list()[0] == "linear-" + {"elu": "elu+1"}.get(LINEARS[name]["feature_map"],
                                                                               LINEARS[name]["feature_map"])
+    if "num_kv_heads" in LINEARS[name]:
+        assert res.model.blocks[0].mixer.k_proj.weight.shape[0] == 32
 
 
 @pytest.mark.parametrize("kw", [dict(feature_map="elementwise_product"), dict(feature_map="elu", norm_q=True)])

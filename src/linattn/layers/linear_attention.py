@@ -29,6 +29,7 @@ from . import fast_decode
 from .base import AttentionBase
 from .cache import LayerCache
 from .common import mamba_log_decay
+from .softmax import group_kv_heads, grouped_qkv, repeat_kv
 
 GATES = (None, "retnet", "scalar", "diagonal")
 
@@ -94,6 +95,8 @@ class LinearAttention(AttentionBase):
         gate_min: an optional floor on the diagonal gate's log decay (fla's GLA `clamp_min`; None: none).
         scale_after_map: phi(q) * scale (fla's linear_attn) instead of phi(scale * q); needs a linear-space
             feature map without parameters.
+        n_kv_heads: grouped key/value heads (fla's num_kv_heads): k, v and the diagonal decay have n_kv_heads
+            heads, each serving n_heads / n_kv_heads query heads; None: one per query head. Not with n_value_heads.
         **kwargs: `AttentionBase`'s options: head_dim, short_conv, rope, output_norm, output_gate,
             n_value_heads, ...
 
@@ -118,10 +121,17 @@ class LinearAttention(AttentionBase):
                  normalize: bool = True, gate: Optional[str] = None, scale: Optional[float] = None,
                  chunk_size: int = 64, eps: float = 1e-6, feature_seed: int = 0, gate_low_rank: int = 16,
                  gate_normalizer: float = 16.0, gate_min: Optional[float] = None, scale_after_map: bool = False,
-                 **kwargs):
+                 n_kv_heads: Optional[int] = None, **kwargs):
         if gate not in GATES:
             raise LinattnError(f"gate must be one of {GATES}, got {gate!r}")
         super().__init__(d_model, n_heads, **kwargs)
+        kvh = self.n_heads if n_kv_heads is None else n_kv_heads
+        if isinstance(kvh, bool) or not isinstance(kvh, int) or kvh < 1 or self.n_heads % kvh or (
+                kvh != self.n_heads and self.n_value_heads != self.n_heads):
+            raise LinattnError(f"n_kv_heads must be a positive int that divides n_heads ({self.n_heads}), without "
+                               f"n_value_heads; got {n_kv_heads!r}")
+        self.n_kv_heads = int(kvh)
+        group_kv_heads(self, self.n_kv_heads)
         # a named map builds itself from what the layer knows (cosformer: its horizon; favor+: its draw)
         fmap = get_feature_map(feature_map, self.head_dim, max_seq_len=kwargs.get("max_seq_len", 2048),
                                seed=feature_seed)
@@ -147,8 +157,10 @@ class LinearAttention(AttentionBase):
             self.dt_bias = nn.Parameter(dt_bias)
         elif gate == "diagonal":
             self.feature_dim = _feature_dim(fmap, self.head_dim)
+            # one decay per k head (the grouped ones with n_kv_heads, widened with k in log_gate)
             self.gk_proj = nn.Sequential(nn.Linear(d_model, gate_low_rank, bias=False),
-                                         nn.Linear(gate_low_rank, H * self.feature_dim, bias=True))
+                                         nn.Linear(gate_low_rank, min(H, self.n_kv_heads) * self.feature_dim,
+                                                   bias=True))
             self.gate_normalizer = float(gate_normalizer)
             # fla's GLA clamp_min: a floor on the log decay (None: none)
             self.gate_min = None if gate_min is None else float(gate_min)
@@ -169,6 +181,9 @@ class LinearAttention(AttentionBase):
         if self.gate == "scalar":
             return self._scalar_gate(self.a_proj(x))
         if self.gate == "diagonal":
+            if self.n_kv_heads != self.n_heads:
+                gk = self.gk_proj(x).view(B, T, self.n_kv_heads, self.feature_dim)
+                return self._diagonal_gate(repeat_kv(gk, self.n_heads // self.n_kv_heads))
             return self._diagonal_gate(self.gk_proj(x).view(B, T, self.n_value_heads, self.feature_dim))
         return None
 
@@ -181,7 +196,15 @@ class LinearAttention(AttentionBase):
 
     # -- single-token decoding (fast_decode.py's "linear" step) -------------------------------------
     def fast_step_kind(self) -> Optional[str]:
-        return "linear" if type(self) is LinearAttention and fast_decode.linear_supported(self) else None
+        return ("linear" if type(self) is LinearAttention and self.n_kv_heads == self.n_heads
+                and fast_decode.linear_supported(self) else None)
+
+    def _qkv(self, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
+        if self.n_kv_heads == self.n_heads:
+            return super()._qkv(x, cache, cu_seqlens)
+        q, k, v = grouped_qkv(self, x, cache, cu_seqlens, self.n_kv_heads)
+        g = self.n_heads // self.n_kv_heads
+        return q, repeat_kv(k, g), repeat_kv(v, g)
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         T = x.shape[1]

@@ -31,7 +31,6 @@ def output_norm_state(p: LayerParams) -> Dict[str, Any]:
 @register_fla("gla")
 def convert_gla(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
     H, dk, dv = _heads(cfg)
-    require(cfg.get("num_kv_heads") in (None, H), cfg, "grouped key/value heads (num_kv_heads)")
     require(cfg.get("feature_map") is None, cfg, f"feature_map {cfg.get('feature_map')!r}")
     require(cfg_get(cfg, "elementwise_affine", True), cfg, "an output norm without a weight (elementwise_affine)")
     short_conv, out_gate = bool(cfg_get(cfg, "use_short_conv", False)), bool(cfg_get(cfg, "use_output_gate", True))
@@ -42,6 +41,9 @@ def convert_gla(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
         kwargs["conv_size"] = int(cfg_get(cfg, "conv_size", 4))
     if cfg.get("clamp_min") is not None:
         kwargs["gate_min"] = float(cfg["clamp_min"])
+    kv = cfg.get("num_kv_heads")
+    if kv is not None and int(kv) != H:   # grouped k/v heads (and GLA's decay): k_proj / v_proj are smaller
+        kwargs["n_kv_heads"] = int(kv)
     state = {f"{n}_proj.weight": p[f"{n}_proj.weight"] for n in "qkvo"}
     state.update({"gk_proj.0.weight": p["gk_proj.0.weight"], "gk_proj.1.weight": p["gk_proj.1.weight"],
                   "gk_proj.1.bias": p["gk_proj.1.bias"]})
