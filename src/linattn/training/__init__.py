@@ -19,6 +19,7 @@ periodic validation loss/perplexity, a tqdm bar with tokens/s, `out/metrics.json
 checkpoints (`linattn.checkpoint`); exact resume and signal handling are described in `loop`.
 
 The modules:
+
     config.py    TrainConfig (documented fields), TrainError, resume compatibility, resolve_device
     schedule.py  lr_at (warmup + cosine), make_optimizer (AdamW), autocast
     data.py      TrainData, prepare_data
