@@ -13,6 +13,7 @@
 Tested with transformers 5.23 (the `hf` extra pins `transformers>=5.23,<6`).
 
 The modules:
+
     configuration_linattn.py   LinattnConfig (wraps the whole LMConfig; layer_types for the cache)
     modeling_linattn.py        LinattnForCausalLM (loss, padding, logits_to_keep, transformers' cache layers),
                                LinattnModel (the stack, no head), LinattnForSequenceClassification
