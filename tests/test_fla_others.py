@@ -374,3 +374,39 @@ def test_mesa_net_import_matches_fla(tmp_path, variant):
         res = _check(fc, model, tmp_path)
     want = ["mesanet", "softmax", "mesanet"] if "attn" in variant else "mesanet"
     assert res.model.config.mixer == want
+
+
+def test_mamba2_import_of_transformers_folder(tmp_path, monkeypatch):
+    # transformers' Mamba2ForCausalLM saves the same names under the same model_type "mamba2" (its config says
+    # layer_norm_epsilon / time_step_limit): the import reads it too. transformers' CPU path computes in fp32, so its
+    # mixer and RMSNorm run the fp64 equations here (on the model's own parameters); no fla needed.
+    from types import SimpleNamespace
+
+    transformers = pytest.importorskip("transformers")
+    mm = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+    import fla_cpu as fc
+
+    def mixer(self, hidden_states, cache=None, attention_mask=None, **kw):
+        ns = SimpleNamespace(num_heads=self.num_heads, head_dim=self.head_dim, n_groups=self.n_groups,
+                             ssm_state_size=self.ssm_state_size, intermediate_size=self.intermediate_size,
+                             conv_dim=self.conv_dim, in_proj=self.in_proj, conv1d=self.conv1d, dt_bias=self.dt_bias,
+                             A_log=self.A_log, D=self.D, dt_limit=self.time_step_limit, norm_before_gate=False,
+                             norm=SimpleNamespace(group_size=self.norm.group_size, eps=self.norm.variance_epsilon,
+                                                  weight=self.norm.weight), out_proj=self.out_proj)
+        return _mamba2_torch_forward_fp64(ns, hidden_states)[0]
+
+    def rms(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+    monkeypatch.setattr(mm.Mamba2Mixer, "forward", mixer)
+    monkeypatch.setattr(mm.Mamba2RMSNorm, "forward", rms)
+    torch.manual_seed(0)
+    cfg = transformers.Mamba2Config(vocab_size=100, hidden_size=32, num_heads=4, head_dim=16, state_size=8, n_groups=2,
+                                    num_hidden_layers=2, residual_in_fp32=False, layer_norm_epsilon=1e-4)
+    model = fc.perturb(transformers.Mamba2ForCausalLM(cfg).double().eval())
+    with torch.no_grad():                 # transformers' init makes A = 1..H, D = 1: spread them
+        for layer in model.backbone.layers:
+            layer.mixer.A_log.uniform_(-1, 1.5)
+            layer.mixer.D.normal_(1, 0.5)
+    res = _check(fc, model, tmp_path)      # (its head casts the logits to fp32: kept fp64 there)
+    assert res.model.config.norm_eps == 1e-4 and res.model.config.mixer_kwargs["mamba2"]["norm_eps"] == 1e-4
