@@ -57,6 +57,9 @@ DOCUMENTED = OPERATORS + [
     "linattn.bench.add_arguments", "linattn.bench.main", "linattn.bench.load", "linattn.bench.run_benchmark",
     "linattn.bench.command_line",
 ]
+# modules whose docstrings the API reference renders (docs/api/*.md)
+RENDERED_MODULES = ["linattn", "linattn.training", "linattn.hf", "linattn.layers", "linattn.models", "linattn.audit",
+                    "linattn.errors"]
 SECTION = re.compile(r"^(\s*)(Args|Arguments|Returns|Yields|Raises|Examples|Example|Attributes|Note|Notes):\s*$")
 
 
@@ -173,12 +176,15 @@ def test_griffe_parses_without_warnings():
             if record.levelno >= logging.WARNING:
                 messages.append(record.getMessage())
 
+    admonitions = {}    # path -> titles of the "Word:" groups griffe turned into admonition boxes
+
     def parse_all(obj, seen):
         if obj.is_alias or obj.path in seen:
             return
         seen.add(obj.path)
         if obj.docstring is not None:
-            obj.docstring.parse("google", warn_unknown_params=True, warn_missing_types=False)
+            parsed = obj.docstring.parse("google", warn_unknown_params=True, warn_missing_types=False)
+            admonitions[obj.path] = [s.title for s in parsed if s.kind.value == "admonition"]
         for member in obj.members.values():
             parse_all(member, seen)
 
@@ -193,7 +199,12 @@ def test_griffe_parses_without_warnings():
         parse_all(package, seen)
         for dotted in DOCUMENTED:                    # the documented objects were all reached
             obj = resolve(dotted)
-            assert f"{obj.__module__}.{obj.__qualname__}" in seen, dotted
+            path = f"{obj.__module__}.{obj.__qualname__}"
+            assert path in seen, dotted
+            # a "Models:" / "FFN:" group line becomes an admonition box whose lines run together on the site
+            assert set(admonitions.get(path, [])) <= {"Note", "Warning"}, (path, admonitions[path])
+        for module in RENDERED_MODULES:
+            assert set(admonitions.get(module, [])) <= {"Note", "Warning"}, (module, admonitions[module])
     finally:
         logger.removeHandler(handler)
     assert not messages, "\n".join(messages)
