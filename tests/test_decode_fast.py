@@ -347,3 +347,20 @@ def test_diagonal_gate_replaced_by_an_adapter_takes_the_general_step():
         step = m(ids[:, 5:], cache=cache).logits[:, -1]
         full = m(ids).logits[:, -1]
     torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gated-deltanet", "linear-elu+1"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fast_step_state_lives_in_the_typed_cache_field(name, compiled):
+    """What the fast step keeps beside the cache's entries is the typed `LayerCache.fast` (a FastDecodeState whose
+    views are the cache's own entries), nothing else on the cache object."""
+    from linattn.layers.cache import FastDecodeState
+    layer = perturbed_mixer(name, short_conv=True)
+    layer.compiled_decode = compiled
+    cache = LayerCache()
+    with torch.no_grad():
+        for _ in range(3):
+            layer(torch.randn(1, 1, 32), cache=cache)
+    assert set(vars(cache)) == {"fast"} and isinstance(cache.fast, FastDecodeState)
+    assert all(a is cache[k] for a, k in zip(cache.fast.conv_views, ("conv_q", "conv_k", "conv_v")))
+    assert (cache.fast.linear_of is cache["state"]) == name.startswith("linear")
