@@ -113,10 +113,14 @@ def test_delta_defaults_keep_the_layer(cls):
 def test_deltanet_fla_options_follow_the_formula(kw, man):
     torch.manual_seed(0)
     layer = _perturbed(DeltaNet(32, 2, **kw).double())
-    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    x = torch.randn(2, 9, 32, dtype=torch.float64, requires_grad=True)
     if not kw.get("use_beta", True):
         assert not hasattr(layer, "b_proj")
-    assert (layer(x) - _manual(layer, x, **man)).abs().max() <= 1e-12
+    got, want = layer(x), _manual(layer, x, **man)
+    assert (got - want).abs().max() <= 1e-12
+    params = [x] + list(layer.parameters())   # gradients too (the chunk form's backward through the options)
+    for a, b in zip(torch.autograd.grad(got.square().sum(), params), torch.autograd.grad(want.square().sum(), params)):
+        assert (a - b).abs().max() <= 1e-10
 
 
 @pytest.mark.parametrize("kw", [dict(beta_bias=False), dict(use_beta=False), dict(allow_negative_eigenvalues=True),
