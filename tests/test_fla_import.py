@@ -450,3 +450,14 @@ def test_linear_attn_options_linattn_lacks_are_named(tmp_path, kw):
         model.save_pretrained(tmp_path / "fla", safe_serialization=True)
     with pytest.raises(CheckpointError, match="elementwise_product" if "norm_q" not in kw else "norm_q"):
         import_fla(tmp_path / "fla", tmp_path / "run")
+
+
+def test_hybrid_attention_layers_with_different_settings_are_an_error(tmp_path):
+    from fla.models import GLAConfig
+
+    with fla_cpu(GLA_OPS):
+        model = build_fla(GLAConfig(hidden_size=32, num_hidden_layers=3, num_heads=2, vocab_size=50,
+                                    attn=[{"layers": [0], "num_heads": 2}, {"layers": [2], "num_heads": 4}]))
+        model.save_pretrained(tmp_path / "fla", safe_serialization=True)
+    with pytest.raises(CheckpointError, match="one set of options"):
+        import_fla(tmp_path / "fla", tmp_path / "run")
