@@ -112,3 +112,24 @@ def test_feature_maps_module_moved_beside_the_operators():
     for name in old.__all__:
         assert getattr(old, name) is getattr(new, name) or name == "FEATURE_MAP_NAMES", name
     assert old.FEATURE_MAP_NAMES == new.feature_map_names()
+
+
+# -- bench ops ---------------------------------------------------------------------------------------------------
+
+def test_every_bench_op_runs_at_a_tiny_size():
+    """Each registered `bench ops` row builds its inputs, runs every form forward and backward, reports a chunk size
+    for its chunk form and a positive flop count: a new BenchOp is exercised here without being named."""
+    from linattn.bench import ops as bench
+    spec = dict(B=1, T=12, H=2, K=8, V=8, chunk_size=8, seed=0)
+    assert "mamba2_ssd" in bench.OP_BY_KEY and "rwkv7" in bench.OP_BY_KEY
+    for op in bench.OPS:
+        if op.family == "peer" and bench.peer_unavailable(64):
+            continue
+        T = 64 if op.family == "peer" else spec["T"]
+        for mode in op.modes:
+            for ps in ("fwd", "fwdbwd"):
+                bench.build_case(op.key, mode, ps, **dict(spec, T=T))()
+            C = bench.case_chunk_size(op.key, mode, "fwd", **dict(spec, T=T))
+            assert (C is None) == (mode != "chunk" or op.chunk is None), (op.key, mode, C)
+            assert bench.flops(op.key, mode, "fwdbwd", 1, T, 2, 8, 8, C or 0) == 3 * bench.flops(
+                op.key, mode, "fwd", 1, T, 2, 8, 8, C or 0) > 0, op.key

@@ -1,9 +1,9 @@
 """`linattn bench ops`: operator speed against sequence length T.
 
-For each T: causal normalised elu+1 `linear_attention`, the delta rule (DeltaNet, Gated DeltaNet,
-EFLA), its variants (Comba, DeltaProduct, Kimi Delta Attention), the test-time family (MesaNet,
-TTT-Linear, TTT-MLP, Titans), the softmax side (FoX, DeltaFormer, PaTH: chunk form only) and
-`softmax_attention` (SDPA), forward and
+For each T: causal normalised elu+1 `linear_attention` and Mamba2's SSD (grouped scalar-gated linear
+attention, as its block calls it), the delta rule (DeltaNet, Gated DeltaNet, EFLA), its variants (Comba,
+DeltaProduct, Kimi Delta Attention, RWKV-7), the test-time family (MesaNet, TTT-Linear, TTT-MLP, Titans),
+the softmax side (FoX, DeltaFormer, PaTH: chunk form only) and `softmax_attention` (SDPA), forward and
 forward+backward, chunk and recurrent forms (recurrent only up to a cap: it is a Python loop over
 tokens). Reports ms (median and spread), speed-up over softmax and over the op's own recurrent form,
 achieved GFLOP/s against the machine's measured matmul rate, and peak memory; then the issue's
@@ -13,6 +13,9 @@ one the backend really ran with (`linattn.ops.chunk_size_used`), which can diffe
 `--backends torch,cpu` (any of auto, torch, triton, cpu) runs every operator that takes a `backend` argument
 (linear attention, the delta rule and its variants) once per backend, interleaved in the same rounds, labels
 the rows `[backend]`, adds each row's speed-up over the first backend listed, and checks the targets per backend.
+
+Each row is one `BenchOp` (its inputs, its call, its flop count and how its chunk size is found), added by
+`register_bench_op`: adding an operator to the benchmark is one such definition (see CONTRIBUTING.md).
 
 This module also holds the demo's exactness check (`run_exactness`): each form of each operator
 against the fp64 references of `linattn.ops.reference`, written from the formulas.
@@ -41,8 +44,6 @@ from ..ops import (
     linear_attention,
     mesa_net,
     path_attention,
-    prepare_mesa_net,
-    prepare_ttt,
     rwkv7,
     softmax_attention,
     titans,
@@ -65,6 +66,8 @@ Flop conventions (per forward; forward+backward counts 3x the forward; C = the c
 really uses, printed in column C and recorded as chunk_size_used, which can differ from --chunk-size):
   linear chunk      4*B*H*T*K*(C+V)   (q.k^T and A.v inside chunks, k^T.v and q.S across)
   linear recurrent  4*B*H*T*K*V
+  Mamba2 SSD chunk  2*B*G*T*C*K + B*H*T*(2*C*V + 4*K*V)   (q.k^T once per group of B/C, G = 1; per value head
+                    A.v within chunks, k^T.v and q.S across); recurrent 4*B*H*T*K*V
   delta chunk       B*H*T*(6*C*K + 4*C*V + 6*K*V)   (WY/UT form; the triangular solve is not counted)
   delta recurrent   6*B*H*T*K*V
                     (the same for Comba and KDA; DeltaProduct counts T*n sub-steps, C in sub-steps)
@@ -82,7 +85,7 @@ really uses, printed in column C and recorded as chunk_size_used, which can diff
 """
 
 TARGET_T = 16384
-FAMILIES = ("linear", "delta", "delta-variants", "feedback", "test-time", "softmax", "peer")
+FAMILIES = ("linear", "delta", "delta-variants", "feedback", "test-time", "softmax", "ssd", "peer")
 DEFAULT_FAMILIES = FAMILIES[:-1]  # "peer" (flash-linear-attention's PyTorch chunk functions) only when asked
 MODES = ("chunk", "recurrent")
 PASSES = ("fwd", "fwdbwd")
@@ -97,7 +100,6 @@ TARGET_SETS = {
            "rec": None},
 }
 SMALL_T = 1024  # issue 34: at this T the compiled path is never slower than the PyTorch one
-BACKEND_FAMILIES = ("linear", "delta", "delta-variants")  # the operators that take backend=
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
 DEFAULT_T = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
@@ -106,157 +108,64 @@ DP_HOUSEHOLDER = 2  # delta_product's keys per token in the benchmark
 TT_MINI_BATCH = 16  # ttt / titans: tokens per inner gradient step (the TTT paper's value)
 TT_HIDDEN = 4       # ttt-mlp / titans: inner MLP width = TT_HIDDEN * K
 MESA_ITERS = 30     # mesa_net: CG iterations (its default max_iter; tol=0, so all of them run)
+MAMBA2_GROUPS = 1   # mamba2's SSD row: B and C groups shared by the H value heads (Mamba2's default n_groups)
 
 
 @dataclass(frozen=True)
-class OpDef:
+class BenchOp:
+    """One operator row of `bench ops`, everything about it in one place (registered with `register_bench_op`).
+
+    inputs(randn, B, T, H, K, V) -> named fp32 tensors, drawn as the op's layer makes them (`randn(*shape)` is the
+        case's seeded generator); the case moves them to its dtype and device.
+    call(x, mode, chunk_size) -> (operator name, function, positional args, keyword args): one call of the op.
+    flops(mode, B, T, H, K, V, C) -> the nominal forward flop count (C: the chunk size really used; DESCRIPTION).
+    chunk: how the chunk size a chunk-form row really runs with is found: "op" asks the operator
+        (`linattn.ops.chunk_size_used` with the call's arguments), "block" is min(--chunk-size, T) (the softmax
+        side's block_size), an int is fixed, None means no chunk.
+    backend: the op takes `backend=` (--backends runs it once per backend).
+    """
     key: str
     family: str
     label: str
     modes: Tuple[str, ...]
-    gated: bool = False
-    exact: bool = False
+    inputs: Callable[..., Dict[str, torch.Tensor]]
+    call: Callable[[Dict[str, torch.Tensor], str, int], Tuple[str, Callable, tuple, Dict[str, Any]]]
+    flops: Callable[..., float]
     color: str = "C0"
+    chunk: Any = "op"
+    backend: bool = False
 
 
-OPS: Tuple[OpDef, ...] = (
-    OpDef("linear", "linear", "linear elu+1", MODES, color="C0"),
-    OpDef("deltanet", "delta", "DeltaNet", MODES, color="C1"),
-    OpDef("gated_deltanet", "delta", "Gated DeltaNet", MODES, gated=True, color="C2"),
-    OpDef("efla", "delta", "EFLA", MODES, exact=True, color="C3"),
-    OpDef("comba", "delta-variants", "Comba", MODES, gated=True, color="C4"),
-    OpDef("delta_product", "delta-variants", f"DeltaProduct n={DP_HOUSEHOLDER}", MODES, color="C5"),
-    OpDef("kda", "delta-variants", "KDA", MODES, gated=True, color="C6"),
-    OpDef("rwkv7", "delta-variants", "RWKV-7", MODES, gated=True, color="C7"),   # 2 core sub-steps per token
-    # family "feedback": softmax attention fed back by linear attention (chunk form only: the
-    # decoding step is a Python loop over tokens of O(T) attention steps)
-    OpDef("fox", "feedback", "FoX", ("chunk",), gated=True, color="C7"),
-    OpDef("deltaformer", "feedback", "DeltaFormer", ("chunk",), color="C8"),
-    OpDef("path", "feedback", "PaTH", ("chunk",), color="C9"),
-    # family "test-time": MesaNet (solver="cg", max_iter=30), TTT-Linear, TTT-MLP (hidden 4K), Titans
-    # (MLP memory); mini_batch = TT_MINI_BATCH, a model hyper-parameter, not --chunk-size
-    OpDef("mesanet", "test-time", "MesaNet (CG)", MODES, gated=True, color="C0"),
-    OpDef("ttt_linear", "test-time", "TTT-Linear", MODES, color="C1"),
-    OpDef("ttt_mlp", "test-time", "TTT-MLP", MODES, color="C2"),
-    OpDef("titans", "test-time", "Titans (MLP)", MODES, color="C3"),
-    OpDef("softmax", "softmax", "softmax (SDPA)", ("sdpa",), color="k"),
-    # family "peer": flash-linear-attention's pure-PyTorch chunk functions (fla.ops.*.naive), when installed;
-    # never a dependency of linattn, imported only when these rows run
-    OpDef("fla_linear", "peer", "FLA naive linear elu+1", ("chunk",), color="C8"),
-    OpDef("fla_deltanet", "peer", "FLA naive DeltaNet", ("chunk",), color="C9"),
-)
-PEER_CHUNK = 64  # the chunk size of FLA's naive chunk functions (linear attention's is fixed at 64)
-OP_BY_KEY = {o.key: o for o in OPS}
-# family "delta-variants"
-DELTA_VARIANTS = {"comba": comba, "delta_product": delta_product, "kda": delta_rule, "rwkv7": rwkv7}
+BENCH_OPS: Dict[str, BenchOp] = {}
 
 
-# ----------------------------------------------------------------------------------------------
-# Cases: one (op, mode, pass, shape) -> a zero-argument callable. Also the memory worker's builder.
-# ----------------------------------------------------------------------------------------------
-
-def _make_inputs(op: OpDef, B, T, H, K, V, dtype, device, seed) -> Dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
-    x: Dict[str, torch.Tensor] = {}
-    if op.family == "delta" or op.key == "fla_deltanet":
-        q = F.normalize(q, dim=-1)
-        if not op.exact:
-            k = F.normalize(k, dim=-1)  # DeltaNet: L2-normalised keys; EFLA uses the raw key norm
-        x["beta"] = torch.sigmoid(randn(B, T, H))
-        if op.gated:
-            x["g"] = -F.softplus(randn(B, T, H)) / 16
-    if op.key == "rwkv7":  # as the RWKV-7 layer makes them: w in (-exp(-1/2), 0), a = -kk, b = kk * sigmoid
-        kk = F.normalize(randn(B, T, H, K), dim=-1)
-        x.update(w=-0.6065306597126334 * torch.sigmoid(randn(B, T, H, K)), a=-kk,
-                 b=kk * torch.sigmoid(randn(B, T, H, K)))
-    elif op.family == "delta-variants":  # L2-normalised q and k, beta = sigmoid, gates as Gated DeltaNet's
-        q = F.normalize(q, dim=-1)
-        n = DP_HOUSEHOLDER if op.key == "delta_product" else 1
-        if op.key == "delta_product":
-            k, v = randn(B, T, H, n, K), randn(B, T, H, n, V)
-        k = F.normalize(k, dim=-1)
-        x["beta"] = torch.sigmoid(randn(B, T, H, n) if op.key == "delta_product" else randn(B, T, H))
-        if op.key == "comba":
-            x["g"] = -F.softplus(randn(B, T, H)) / 16
-        elif op.key == "kda":
-            x["g"] = -F.softplus(randn(B, T, H, K)) / 16     # per key channel
-    if op.family == "feedback":  # FoX: g = logsigmoid(N(2, 1)); DeltaFormer: beta = sigmoid; PaTH: unit w, 2 sigmoid
-        if op.key == "fox":
-            x["g"] = F.logsigmoid(randn(B, T, H) + 2.0)
-        elif op.key == "deltaformer":
-            x["beta"] = torch.sigmoid(randn(B, T, H))
-        else:
-            x["w"] = F.normalize(randn(B, T, H, K), dim=-1)
-            x["beta"] = 2 * torch.sigmoid(randn(B, T, H))
-    if op.family == "test-time":  # as the layers at initialisation
-        if op.key in ("mesanet", "titans"):
-            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        if op.key == "mesanet":
-            x["beta"] = torch.sigmoid(randn(B, T, H))
-            x["g"] = F.logsigmoid(randn(B, T, H))
-            x["lam"] = torch.ones(H, K)
-        else:
-            x["lr"] = torch.sigmoid(randn(B, T, H)) / K * (1.0 if op.key == "ttt_linear" else 0.1)
-            if op.key == "titans":
-                x["alpha"] = torch.sigmoid(randn(B, T, H) - 4.0)
-                x["momentum"] = torch.sigmoid(randn(B, T, H))
-            if op.key == "ttt_linear":
-                x["W"], x["b"] = 0.02 * randn(H, K, V), torch.zeros(H, V)
-            else:
-                Dh = TT_HIDDEN * K
-                x["W1"], x["b1"] = 0.02 * randn(H, K, Dh), torch.zeros(H, Dh)
-                x["W2"], x["b2"] = 0.02 * randn(H, Dh, V), torch.zeros(H, V)
-    x.update(q=q, k=k, v=v)
-    return {name: t.to(device=device, dtype=dtype).contiguous() for name, t in x.items()}
+def register_bench_op(op: BenchOp) -> BenchOp:
+    """Add a row to `bench ops` (in registration order; the key names it in the results and --families filters it)."""
+    if op.key in BENCH_OPS:
+        raise ValueError(f"bench op {op.key!r} is already registered")
+    if op.family not in FAMILIES:
+        raise ValueError(f"bench op {op.key!r}: family must be one of {FAMILIES}, got {op.family!r}")
+    BENCH_OPS[op.key] = op
+    return op
 
 
-def _test_time_call(op: str, x: Dict[str, torch.Tensor], mode: str, chunk_size: int):
-    """(op name, function, positional args, keyword args) of a test-time family case."""
-    if op == "mesanet":
-        return "mesa_net", mesa_net, (x["q"], x["k"], x["v"], x["beta"], x["g"], x["lam"]), dict(
-            mode=mode, chunk_size=chunk_size, max_iter=MESA_ITERS, tol=0.0)
-    if op == "ttt_linear":
-        kw = dict(inner="linear", initial_state=(x["W"], x["b"]))
-    else:
-        kw = dict(inner="mlp", initial_state=(x["W1"], x["b1"], x["W2"], x["b2"]))
-    kw.update(mode=mode, mini_batch=TT_MINI_BATCH)
-    if op == "titans":
-        return "titans", titans, (x["q"], x["k"], x["v"], x["lr"], x["alpha"], x["momentum"]), kw
-    return "ttt", ttt, (x["q"], x["k"], x["v"], x["lr"]), kw
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return F.normalize(x, dim=-1)
 
 
-def peer_unavailable(T: int) -> Optional[str]:
-    """Why the flash-linear-attention peer rows cannot run (None when they can)."""
-    try:
-        import fla.ops.delta_rule.naive  # noqa: F401
-        import fla.ops.linear_attn.naive  # noqa: F401
-    except Exception as e:  # not installed, or its import fails on this machine
-        return f"flash-linear-attention's naive chunk functions cannot be imported ({type(e).__name__}: {e})"
-    if T % PEER_CHUNK:
-        return f"FLA's naive chunk functions need T % {PEER_CHUNK} == 0"
-    return None
+# -- flop counts (DESCRIPTION's conventions) ---------------------------------------------------------------------
+
+def _linear_flops(mode, B, T, H, K, V, C):
+    return 4.0 * B * H * T * K * (C + V) if mode == "chunk" else 4.0 * B * H * T * K * V
 
 
-def _peer_call(op: str, x: Dict[str, torch.Tensor]):
-    """flash-linear-attention's naive (pure PyTorch) chunk functions on the same inputs as linattn's rows:
-    elu+1 features computed first, normalised, scale 1; DeltaNet in its [B, H, T, D] layout, chunk 64."""
-    if op == "fla_linear":
-        from fla.ops.linear_attn.naive import naive_chunk_linear_attn
+def _delta_flops(mode, B, T, H, K, V, C, steps=1):
+    T = T * steps   # DeltaProduct and RWKV-7 run the core over several sub-steps per token (C counts sub-steps)
+    return B * H * T * (6.0 * C * K + 4.0 * C * V + 6.0 * K * V) if mode == "chunk" else 6.0 * B * H * T * K * V
 
-        def run(q, k, v):
-            return naive_chunk_linear_attn(F.elu(q) + 1, F.elu(k) + 1, v, scale=1.0, normalize=True)
-        return "fla naive_chunk_linear_attn", run, (x["q"], x["k"], x["v"]), {}
-    from fla.ops.delta_rule.naive import delta_rule_chunkwise
 
-    def run_delta(q, k, v, beta):
-        o, _ = delta_rule_chunkwise(*(t.transpose(1, 2) for t in (q, k, v, beta)), chunk_size=PEER_CHUNK)
-        return o.transpose(1, 2)
-    return "fla delta_rule_chunkwise", run_delta, (x["q"], x["k"], x["v"], x["beta"]), {}
+def _feedback_flops(mode, B, T, H, K, V, C, factor=1.0, path=False):
+    return B * H * T * (T + C) * (K + V) * factor + (2.0 * B * H * T * T * K if path else 0.0)
 
 
 def _test_time_flops(op: str, mode: str, B, T, H, K, V, C) -> float:
@@ -273,42 +182,272 @@ def _test_time_flops(op: str, mode: str, B, T, H, K, V, C) -> float:
     return B * H * T * f
 
 
+# -- linear attention ----------------------------------------------------------------------------------------------
+
+def _linear_inputs(randn, B, T, H, K, V):
+    return {"q": randn(B, T, H, K), "k": randn(B, T, H, K), "v": randn(B, T, H, V)}
+
+
+register_bench_op(BenchOp(
+    "linear", "linear", "linear elu+1", MODES, _linear_inputs,
+    lambda x, mode, C: ("linear_attention", linear_attention, (x["q"], x["k"], x["v"]), dict(
+        feature_map="elu+1", causal=True, normalize=True, mode=mode, chunk_size=C)),
+    _linear_flops, color="C0", backend=True))
+
+
+def _ssd_inputs(randn, B, T, H, K, V):
+    """Mamba2's SSD as its block calls it: C (q) and B (k) in one group shared by the H value heads, x * dt (v),
+    the log-decay dt * A per value head (dt = softplus(N(0, 1) - 4), A in (-16, -1), as at initialisation)."""
+    q, k, x = randn(B, T, MAMBA2_GROUPS, K), randn(B, T, MAMBA2_GROUPS, K), randn(B, T, H, V)
+    dt = F.softplus(randn(B, T, H) - 4.0)
+    a = -(1.0 + 15.0 * torch.sigmoid(randn(H)))
+    return {"q": q, "k": k, "v": x * dt[..., None], "g": dt * a}
+
+
+def _ssd_flops(mode, B, T, H, K, V, C):
+    """q.k^T once per group within chunks; per value head A.v within chunks, k^T v and q.S across."""
+    if mode != "chunk":
+        return 4.0 * B * H * T * K * V
+    return 2.0 * B * MAMBA2_GROUPS * T * C * K + B * H * T * (2.0 * C * V + 4.0 * K * V)
+
+
+register_bench_op(BenchOp(
+    "mamba2_ssd", "ssd", f"Mamba2 SSD (G={MAMBA2_GROUPS})", MODES, _ssd_inputs,
+    lambda x, mode, C: ("linear_attention", linear_attention, (x["q"], x["k"], x["v"]), dict(
+        feature_map=None, normalize=False, g=x["g"], scale=1.0, mode=mode, chunk_size=C)),
+    _ssd_flops, color="C9", backend=True))
+
+
+# -- the delta rule and its variants ------------------------------------------------------------------------------
+
+def _delta_inputs(gated: bool, exact: bool):
+    def inputs(randn, B, T, H, K, V):
+        q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
+        x = {"beta": torch.sigmoid(randn(B, T, H))}
+        if gated:
+            x["g"] = -F.softplus(randn(B, T, H)) / 16
+        # DeltaNet: L2-normalised keys; EFLA uses the raw key norm
+        return dict(x, q=_unit(q), k=k if exact else _unit(k), v=v)
+    return inputs
+
+
+def _delta_call(exact: bool):
+    return lambda x, mode, C: ("delta_rule", delta_rule, (x["q"], x["k"], x["v"], x["beta"]), dict(
+        g=x.get("g"), exact=exact, mode=mode, chunk_size=C))
+
+
+for _key, _label, _gated, _exact, _color in (("deltanet", "DeltaNet", False, False, "C1"),
+                                             ("gated_deltanet", "Gated DeltaNet", True, False, "C2"),
+                                             ("efla", "EFLA", False, True, "C3")):
+    register_bench_op(BenchOp(_key, "delta", _label, MODES, _delta_inputs(_gated, _exact), _delta_call(_exact),
+                              _delta_flops, color=_color, backend=True))
+
+
+def _variant_inputs(key: str):
+    """L2-normalised q and k, beta = sigmoid, gates as Gated DeltaNet's (KDA: per key channel)."""
+    def inputs(randn, B, T, H, K, V):
+        q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
+        n = DP_HOUSEHOLDER if key == "delta_product" else 1
+        if key == "delta_product":
+            k, v = randn(B, T, H, n, K), randn(B, T, H, n, V)
+        x = {"beta": torch.sigmoid(randn(B, T, H, n) if key == "delta_product" else randn(B, T, H))}
+        if key == "comba":
+            x["g"] = -F.softplus(randn(B, T, H)) / 16
+        elif key == "kda":
+            x["g"] = -F.softplus(randn(B, T, H, K)) / 16     # per key channel
+        return dict(x, q=_unit(q), k=_unit(k), v=v)
+    return inputs
+
+
+def _variant_call(name: str, fn: Callable):
+    return lambda x, mode, C: (name, fn, (x["q"], x["k"], x["v"], x["beta"]), dict(g=x.get("g"), mode=mode,
+                                                                                   chunk_size=C))
+
+
+register_bench_op(BenchOp("comba", "delta-variants", "Comba", MODES, _variant_inputs("comba"),
+                          _variant_call("comba", comba), _delta_flops, color="C4", backend=True))
+register_bench_op(BenchOp("delta_product", "delta-variants", f"DeltaProduct n={DP_HOUSEHOLDER}", MODES,
+                          _variant_inputs("delta_product"), _variant_call("delta_product", delta_product),
+                          lambda *a: _delta_flops(*a, steps=DP_HOUSEHOLDER), color="C5", backend=True))
+register_bench_op(BenchOp("kda", "delta-variants", "KDA", MODES, _variant_inputs("kda"),
+                          _variant_call("delta_rule", delta_rule), _delta_flops, color="C6", backend=True))
+
+
+def _rwkv7_inputs(randn, B, T, H, K, V):
+    """As the RWKV-7 layer makes them: w in (-exp(-1/2), 0), a = -kk, b = kk * sigmoid (kk unit)."""
+    q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
+    kk = _unit(randn(B, T, H, K))
+    return {"w": -0.6065306597126334 * torch.sigmoid(randn(B, T, H, K)), "a": -kk,
+            "b": kk * torch.sigmoid(randn(B, T, H, K)), "q": q, "k": k, "v": v}
+
+
+register_bench_op(BenchOp(
+    "rwkv7", "delta-variants", "RWKV-7", MODES, _rwkv7_inputs,   # chunk_size in tokens; 2 core sub-steps per token
+    lambda x, mode, C: ("rwkv7", rwkv7, (x["q"], x["w"], x["k"], x["v"], x["a"], x["b"]), dict(
+        mode=mode, chunk_size=C)),
+    lambda *a: _delta_flops(*a, steps=2), color="C7", backend=True))
+
+
+# -- "feedback": softmax attention fed back by linear attention (chunk form only: the decoding step is a Python loop
+# over tokens of O(T) attention steps) --------------------------------------------------------------------------
+
+def _feedback_inputs(extra: Callable):
+    def inputs(randn, B, T, H, K, V):
+        q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
+        return dict(extra(randn, B, T, H, K), q=q, k=k, v=v)
+    return inputs
+
+
+def _feedback_call(name: str, fn: Callable, names: Tuple[str, ...]):
+    return lambda x, mode, C: (name, fn, tuple(x[n] for n in names), dict(mode=mode, block_size=C))
+
+
+register_bench_op(BenchOp(
+    "fox", "feedback", "FoX", ("chunk",),
+    _feedback_inputs(lambda randn, B, T, H, K: {"g": F.logsigmoid(randn(B, T, H) + 2.0)}),
+    _feedback_call("forgetting_attention", forgetting_attention, ("q", "k", "v", "g")),
+    _feedback_flops, color="C7", chunk="block"))
+register_bench_op(BenchOp(
+    "deltaformer", "feedback", "DeltaFormer", ("chunk",),
+    _feedback_inputs(lambda randn, B, T, H, K: {"beta": torch.sigmoid(randn(B, T, H))}),
+    _feedback_call("deltaformer", deltaformer, ("q", "k", "v", "beta")),
+    lambda *a: _feedback_flops(*a, factor=2.0), color="C8", chunk="block"))
+register_bench_op(BenchOp(
+    "path", "feedback", "PaTH", ("chunk",),
+    _feedback_inputs(lambda randn, B, T, H, K: {"w": _unit(randn(B, T, H, K)),
+                                                 "beta": 2 * torch.sigmoid(randn(B, T, H))}),
+    _feedback_call("path_attention", path_attention, ("q", "k", "v", "w", "beta")),
+    lambda *a: _feedback_flops(*a, path=True), color="C9", chunk="block"))
+
+
+# -- "test-time": MesaNet (solver="cg", max_iter=30), TTT-Linear, TTT-MLP (hidden 4K), Titans (MLP memory);
+# mini_batch = TT_MINI_BATCH, a model hyper-parameter, not --chunk-size ----------------------------------------
+
+def _test_time_inputs(op: str):
+    """As the layers at initialisation."""
+    def inputs(randn, B, T, H, K, V):
+        q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
+        if op in ("mesanet", "titans"):
+            q, k = _unit(q), _unit(k)
+        x: Dict[str, torch.Tensor] = {}
+        if op == "mesanet":
+            x.update(beta=torch.sigmoid(randn(B, T, H)), g=F.logsigmoid(randn(B, T, H)), lam=torch.ones(H, K))
+            return dict(x, q=q, k=k, v=v)
+        x["lr"] = torch.sigmoid(randn(B, T, H)) / K * (1.0 if op == "ttt_linear" else 0.1)
+        if op == "titans":
+            x["alpha"] = torch.sigmoid(randn(B, T, H) - 4.0)
+            x["momentum"] = torch.sigmoid(randn(B, T, H))
+        if op == "ttt_linear":
+            x["W"], x["b"] = 0.02 * randn(H, K, V), torch.zeros(H, V)
+        else:
+            Dh = TT_HIDDEN * K
+            x["W1"], x["b1"] = 0.02 * randn(H, K, Dh), torch.zeros(H, Dh)
+            x["W2"], x["b2"] = 0.02 * randn(H, Dh, V), torch.zeros(H, V)
+        return dict(x, q=q, k=k, v=v)
+    return inputs
+
+
+def _test_time_call(op: str):
+    def call(x, mode, C):
+        if op == "mesanet":
+            return "mesa_net", mesa_net, (x["q"], x["k"], x["v"], x["beta"], x["g"], x["lam"]), dict(
+                mode=mode, chunk_size=C, max_iter=MESA_ITERS, tol=0.0)
+        if op == "ttt_linear":
+            kw = dict(inner="linear", initial_state=(x["W"], x["b"]))
+        else:
+            kw = dict(inner="mlp", initial_state=(x["W1"], x["b1"], x["W2"], x["b2"]))
+        kw.update(mode=mode, mini_batch=TT_MINI_BATCH)
+        if op == "titans":
+            return "titans", titans, (x["q"], x["k"], x["v"], x["lr"], x["alpha"], x["momentum"]), kw
+        return "ttt", ttt, (x["q"], x["k"], x["v"], x["lr"]), kw
+    return call
+
+
+for _key, _label, _color in (("mesanet", "MesaNet (CG)", "C0"), ("ttt_linear", "TTT-Linear", "C1"),
+                             ("ttt_mlp", "TTT-MLP", "C2"), ("titans", "Titans (MLP)", "C3")):
+    register_bench_op(BenchOp(_key, "test-time", _label, MODES, _test_time_inputs(_key), _test_time_call(_key),
+                              lambda mode, *a, _op=_key: _test_time_flops(_op, mode, *a), color=_color))
+
+
+register_bench_op(BenchOp(
+    "softmax", "softmax", "softmax (SDPA)", ("sdpa",), _linear_inputs,
+    lambda x, mode, C: ("softmax_attention", softmax_attention, (x["q"], x["k"], x["v"]), dict(causal=True)),
+    lambda mode, B, T, H, K, V, C: 2.0 * B * H * T * T * (K + V), color="k", chunk=None))
+
+
+# -- "peer": flash-linear-attention's pure-PyTorch chunk functions (fla.ops.*.naive), when installed; never a
+# dependency of linattn, imported only when these rows run ----------------------------------------------------------
+PEER_CHUNK = 64  # the chunk size of FLA's naive chunk functions (linear attention's is fixed at 64)
+
+
+def peer_unavailable(T: int) -> Optional[str]:
+    """Why the flash-linear-attention peer rows cannot run (None when they can)."""
+    try:
+        import fla.ops.delta_rule.naive  # noqa: F401
+        import fla.ops.linear_attn.naive  # noqa: F401
+    except Exception as e:  # not installed, or its import fails on this machine
+        return f"flash-linear-attention's naive chunk functions cannot be imported ({type(e).__name__}: {e})"
+    if T % PEER_CHUNK:
+        return f"FLA's naive chunk functions need T % {PEER_CHUNK} == 0"
+    return None
+
+
+def _fla_linear_call(x, mode, C):
+    """elu+1 features computed first, normalised, scale 1 (the linear row's inputs)."""
+    from fla.ops.linear_attn.naive import naive_chunk_linear_attn
+
+    def run(q, k, v):
+        return naive_chunk_linear_attn(F.elu(q) + 1, F.elu(k) + 1, v, scale=1.0, normalize=True)
+    return "fla naive_chunk_linear_attn", run, (x["q"], x["k"], x["v"]), {}
+
+
+def _fla_delta_call(x, mode, C):
+    """DeltaNet in fla's [B, H, T, D] layout, chunk 64 (the deltanet row's inputs)."""
+    from fla.ops.delta_rule.naive import delta_rule_chunkwise
+
+    def run_delta(q, k, v, beta):
+        o, _ = delta_rule_chunkwise(*(t.transpose(1, 2) for t in (q, k, v, beta)), chunk_size=PEER_CHUNK)
+        return o.transpose(1, 2)
+    return "fla delta_rule_chunkwise", run_delta, (x["q"], x["k"], x["v"], x["beta"]), {}
+
+
+register_bench_op(BenchOp("fla_linear", "peer", "FLA naive linear elu+1", ("chunk",), _linear_inputs,
+                          _fla_linear_call, _linear_flops, color="C8", chunk=PEER_CHUNK))
+register_bench_op(BenchOp("fla_deltanet", "peer", "FLA naive DeltaNet", ("chunk",), _delta_inputs(False, False),
+                          _fla_delta_call, _delta_flops, color="C9", chunk=PEER_CHUNK))
+
+OPS: Tuple[BenchOp, ...] = tuple(BENCH_OPS.values())
+OP_BY_KEY = BENCH_OPS
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases: one (op, mode, pass, shape) -> a zero-argument callable. Also the memory worker's builder.
+# ----------------------------------------------------------------------------------------------
+
+def _make_inputs(op: BenchOp, B, T, H, K, V, dtype, device, seed) -> Dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    x = op.inputs(randn, B, T, H, K, V)
+    return {name: t.to(device=device, dtype=dtype).contiguous() for name, t in x.items()}
+
+
 def _case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int, dtype: str, device: str,
           chunk_size: int, seed: int, backend: Optional[str] = None
           ) -> Tuple[Dict[str, torch.Tensor], str, Callable, tuple, Dict[str, Any]]:
     """One case's inputs (requiring grad for fwdbwd) and its operator call: (inputs, op name, op,
-    positional args, keyword args). backend: passed to the operators of BACKEND_FAMILIES (None: their default)."""
+    positional args, keyword args). backend: passed to the operators that take one (None: their default)."""
     opd = OP_BY_KEY[op]
-    if backend is not None and opd.family in BACKEND_FAMILIES:
-        x, name, fn, args, kwargs = _case(op, mode, pass_, B, T, H, K, V, dtype, device, chunk_size, seed)
-        return x, name, fn, args, {**kwargs, "backend": backend}
     x = _make_inputs(opd, B, T, H, K, V, DTYPES[dtype], device, seed)
     if pass_ != "fwd":
         for t in x.values():
             t.requires_grad_(True)
-    if opd.family == "linear":
-        return x, "linear_attention", linear_attention, (x["q"], x["k"], x["v"]), dict(
-            feature_map="elu+1", causal=True, normalize=True, mode=mode, chunk_size=chunk_size)
-    if opd.family == "delta":
-        return x, "delta_rule", delta_rule, (x["q"], x["k"], x["v"], x["beta"]), dict(
-            g=x.get("g"), exact=opd.exact, mode=mode, chunk_size=chunk_size)
-    if op == "rwkv7":  # chunk_size in tokens (rwkv7's unit)
-        return x, op, rwkv7, (x["q"], x["w"], x["k"], x["v"], x["a"], x["b"]), dict(mode=mode, chunk_size=chunk_size)
-    if opd.family == "delta-variants":
-        return x, "delta_rule" if op == "kda" else op, DELTA_VARIANTS[op], (x["q"], x["k"], x["v"], x["beta"]), dict(
-            g=x.get("g"), mode=mode, chunk_size=chunk_size)
-    if opd.family == "feedback":
-        kw = dict(mode=mode, block_size=chunk_size)
-        if op == "fox":
-            return x, "forgetting_attention", forgetting_attention, (x["q"], x["k"], x["v"], x["g"]), kw
-        if op == "deltaformer":
-            return x, "deltaformer", deltaformer, (x["q"], x["k"], x["v"], x["beta"]), kw
-        return x, "path_attention", path_attention, (x["q"], x["k"], x["v"], x["w"], x["beta"]), kw
-    if opd.family == "test-time":
-        return (x, *_test_time_call(op, x, mode, chunk_size))
-    if opd.family == "peer":
-        return (x, *_peer_call(op, x))
-    return x, "softmax_attention", softmax_attention, (x["q"], x["k"], x["v"]), dict(causal=True)
+    name, fn, args, kwargs = opd.call(x, mode, chunk_size)
+    if backend is not None and opd.backend:
+        kwargs = {**kwargs, "backend": backend}
+    return x, name, fn, args, kwargs
 
 
 def build_case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int,
@@ -344,38 +483,21 @@ def build_case(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V
 def case_chunk_size(op: str, mode: str, pass_: str, B: int, T: int, H: int, K: int, V: int,
                     dtype: str = "float32", device: str = "cpu", chunk_size: int = 64, seed: int = 0,
                     backend: Optional[str] = None) -> Optional[int]:
-    """The chunk size a chunk-form case really runs with (None for the other forms)."""
-    if mode != "chunk" or OP_BY_KEY[op].family == "softmax":
+    """The chunk size a chunk-form case really runs with (None for the other forms): see `BenchOp.chunk`."""
+    how = OP_BY_KEY[op].chunk
+    if mode != "chunk" or how is None:
         return None
-    if OP_BY_KEY[op].family == "feedback":   # block_size as asked, capped at T (one block)
+    if how == "block":   # block_size as asked, capped at T (one block)
         return min(chunk_size, T)
-    if OP_BY_KEY[op].family == "peer":
-        return PEER_CHUNK
+    if isinstance(how, int):
+        return how
     _, name, _, args, kwargs = _case(op, mode, pass_, B, T, H, K, V, dtype, device, chunk_size, seed, backend)
-    if OP_BY_KEY[op].family == "test-time":   # MesaNet: its chunk size; TTT / Titans: the mini-batch
-        return (prepare_mesa_net if name == "mesa_net" else prepare_ttt)(*args, **kwargs).chunk_size_used()
-    return chunk_size_used(name, *args, **kwargs)
+    return chunk_size_used(name, *args, **kwargs)   # MesaNet: its chunk size; TTT / Titans: the mini-batch
 
 
 def flops(op: str, mode: str, pass_: str, B, T, H, K, V, C) -> float:
     """Nominal flop count of one call (see DESCRIPTION for the conventions)."""
-    fam = OP_BY_KEY[op].family
-    if op == "delta_product":
-        T = T * DP_HOUSEHOLDER  # the delta rule over n sub-steps per token (C counts sub-steps)
-    if op == "rwkv7":
-        T = T * 2  # the core over 2 sub-steps per token (C counts sub-steps)
-    if fam == "softmax":
-        f = 2.0 * B * H * T * T * (K + V)
-    elif fam == "feedback":
-        f = B * H * T * (T + C) * (K + V) * (2.0 if op == "deltaformer" else 1.0)
-        if op == "path":
-            f += 2.0 * B * H * T * T * K
-    elif fam == "test-time":
-        f = _test_time_flops(op, mode, B, T, H, K, V, C)
-    elif fam == "linear" or op == "fla_linear":
-        f = 4.0 * B * H * T * K * (C + V) if mode == "chunk" else 4.0 * B * H * T * K * V
-    else:
-        f = B * H * T * (6.0 * C * K + 4.0 * C * V + 6.0 * K * V) if mode == "chunk" else 6.0 * B * H * T * K * V
+    f = OP_BY_KEY[op].flops(mode, B, T, H, K, V, C)
     return 3.0 * f if pass_ == "fwdbwd" else f
 
 
@@ -406,7 +528,8 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     p.add_argument("--families", type=_csv(FAMILIES), default=list(DEFAULT_FAMILIES),
                    help=f"comma-separated subset of {','.join(FAMILIES)} (default all but peer; delta-variants: "
-                        f"Comba, DeltaProduct with n={DP_HOUSEHOLDER}, KDA, RWKV-7; peer: flash-linear-attention's "
+                        f"Comba, DeltaProduct with n={DP_HOUSEHOLDER}, KDA, RWKV-7; ssd: Mamba2's SSD; "
+                        f"peer: flash-linear-attention's "
                         f"pure-PyTorch chunk functions, when installed)")
     p.add_argument("--modes", type=_csv(MODES), default=list(MODES),
                    help="forms of linear and delta: chunk,recurrent (default both)")
@@ -508,11 +631,11 @@ def _plan(a):
     return cases, skipped, {"softmax": max_sm, "recurrent": max_rec, "recurrent_bwd": max_rec_bwd}
 
 
-def _backends(a, op: OpDef) -> List[Optional[str]]:
+def _backends(a, op: BenchOp) -> List[Optional[str]]:
     """The backends a case runs on: each of --backends for the operators that take one; None (the operator's
     default, unlabelled) for the others, and for everything when --backends is just auto."""
     chosen = list(getattr(a, "backends", None) or ["auto"])
-    if chosen == ["auto"] or op.family not in BACKEND_FAMILIES:
+    if chosen == ["auto"] or not op.backend:
         return [None]
     return chosen
 

@@ -701,7 +701,7 @@ def _prepare(*args, **kwargs):
 
 register_op("ttt", ttt, prepare=_prepare, forms=TTT_MODES, chunk_arg=None, example=_example, reference=_reference,
             state=True, description="TTT-Linear / TTT-MLP: an inner model trained by mini-batch gradient descent")
-register_op("titans", titans, forms=TTT_MODES, chunk_arg=None, example=_example_titans, reference=_reference,
+register_op("titans", titans, prepare=_prepare, forms=TTT_MODES, chunk_arg=None, example=_example_titans, reference=_reference,
             state=True, description="Titans: TTT with momentum and weight decay")
 
 
