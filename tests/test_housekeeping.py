@@ -73,3 +73,23 @@ def test_one_command_line(package, prog, capsys, monkeypatch):
     calls = []
     monkeypatch.setattr(package.cli_support, "command_line", lambda *a: calls.append(a) or 0)
     assert package.command_line(["x"]) == 0 and calls[0][0] == prog and calls[0][-1] == ["x"]
+
+
+def test_checkpoint_imports_the_train_schema_not_the_trainer():
+    """checkpoint.py validated a checkpoint's train section through an import of linattn.training inside a
+    function; the schema now lives in linattn.train_config, imported at the top, and the trainer is not loaded."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import linattn.checkpoint as ckpt
+
+    tree = ast.parse(Path(ckpt.__file__).read_text(encoding="utf-8"))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not any(m == "training" or m.startswith("training.") for m in imported), imported
+    code = "import sys, linattn.checkpoint; print('linattn.training' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    with pytest.raises(ckpt.CheckpointError, match="train: TrainConfig.lr must be finite"):
+        ckpt._check_train_section({"lr": -1}, "x")

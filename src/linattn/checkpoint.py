@@ -59,6 +59,7 @@ from .io import (  # noqa: F401
     to_json,
 )
 from .models import family
+from .train_config import TrainConfig, legacy_values  # the "train" schema
 
 CHECKPOINT_FORMAT = "linattn-checkpoint/1"
 MODEL_FILE = "model.safetensors"
@@ -275,8 +276,6 @@ def check_checkpoint_config(meta: Any, where: PathLike) -> None:
 
 
 def _check_train_section(train: Dict[str, Any], where: PathLike) -> None:
-    from .training.config import TrainConfig, legacy_values  # the "train" schema (loaded on first use)
-
     try:   # values older versions accepted (grad_clip -1, keep_last 0, threads 0) keep their old meaning
         TrainConfig.from_dict(legacy_values(train)).validate()
     except (ValueError, TypeError) as e:
