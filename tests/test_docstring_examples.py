@@ -40,6 +40,9 @@ DOCUMENTED = OPERATORS + [
     "linattn.layers.MesaNet", "linattn.layers.TTT", "linattn.layers.Titans", "linattn.layers.GatedDeltaNet",
     "linattn.layers.EFLA", "linattn.layers.RWKV7", "linattn.layers.DeltaNet", "linattn.layers.KDA",
     "linattn.layers.Comba", "linattn.layers.DeltaProduct", "linattn.layers.PaTH", "linattn.layers.LinearAttention",
+    "linattn.layers.Cache", "linattn.layers.KVCache", "linattn.layers.tensor_nbytes", "linattn.layers.ShortConv",
+    "linattn.layers.RotaryEmbedding", "linattn.layers.RMSNorm", "linattn.layers.GatedRMSNorm", "linattn.layers.SwiGLU",
+    "linattn.layers.l2_normalize", "linattn.layers.check_cu_seqlens", "linattn.layers.packed_positions",
     # models
     "linattn.LMConfig", "linattn.LanguageModel", "linattn.LanguageModel.forward", "linattn.LanguageModel.generate",
     # transformers integration (needs the hf extra)

@@ -36,7 +36,14 @@ from ..errors import LinattnError, LinattnTypeError, UsageError
 
 
 def tensor_nbytes(obj: Any) -> int:
-    """Bytes of every tensor inside obj (tensors, KVCache, LayerCache, tuples, lists, dicts)."""
+    """Bytes of every tensor inside obj (tensors, KVCache, LayerCache, tuples, lists, dicts).
+
+    Args:
+        obj: What to measure.
+
+    Returns:
+        The total size in bytes.
+    """
     if obj is None:
         return 0
     if isinstance(obj, torch.Tensor):
@@ -94,6 +101,10 @@ class KVCache:
     With `window=w` only the last w-1 tokens can ever be attended again, so older ones are
     dropped (amortised: once the buffer holds w-1+chunk tokens). `start` is the absolute
     position of the first stored token.
+
+    Args:
+        chunk: The growth step, in tokens.
+        window: A sliding window w (None: keep every token).
     """
 
     def __init__(self, chunk: int = 256, window: Optional[int] = None):
@@ -245,6 +256,23 @@ class Cache:
 
     `seen_tokens` counts the tokens consumed so far. With `rollback=k` (module docstring) the model
     records the states after each of the last k tokens, and `crop` goes back to any of them.
+
+    Args:
+        n_layers: The model's number of blocks.
+        rollback: k, how many tokens `crop` may later remove (0: none; the memory it costs: docs/states.md).
+
+    Examples:
+        >>> import torch
+        >>> from linattn import LanguageModel, LMConfig
+        >>> model = LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, mixer="gated-deltanet"))
+        >>> ids = torch.randint(0, 64, (1, 10))
+        >>> cache = model.new_cache(rollback=3)
+        >>> _ = model(ids, cache=cache)
+        >>> cache.seen_tokens
+        10
+        >>> cache.crop(8)                                  # back to the state after 8 tokens
+        >>> cache.seen_tokens
+        8
     """
 
     #: whether crop / snapshot / restore / reorder see the whole state (the layers and seen_tokens). A subclass

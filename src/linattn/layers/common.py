@@ -23,7 +23,13 @@ def _cdt(x: torch.Tensor) -> torch.dtype:
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dimension (computed in fp32, or fp64)."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dimension (computed in fp32, or fp64).
+
+    Args:
+        dim: The normalised width.
+        eps: Added to the mean of squares.
+        elementwise_affine: A learnable weight per channel (else none).
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True):
         super().__init__()
@@ -63,6 +69,14 @@ class GatedRMSNorm(RMSNorm):
       n_groups: group_size = dim / n_groups) instead of all `dim`; the weight stays one per channel.
 
     act is silu (default) or sigmoid. Computed in fp32 (fp64 for fp64 inputs), returned in x's dtype.
+
+    Args:
+        dim: The channels.
+        eps: Added to the mean of squares.
+        elementwise_affine: A learnable weight per channel.
+        gate_act: "silu" or "sigmoid".
+        gate_before_norm: The convention (above).
+        group_size: Normalise groups of this many channels (None: all `dim`).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True, *, gate_act: str = "silu",
@@ -113,6 +127,11 @@ class RotaryEmbedding(nn.Module):
     position works. `apply(x, offset)` rotates token t of x as absolute position offset + t;
     `offset` is an int or a `[B]` tensor (per-sequence positions). `apply(x, positions=p)` takes
     explicit integer positions `[T]` or `[B, T]` instead (packed documents restart at 0).
+
+    Args:
+        dim: D, the rotated width (even).
+        base: The frequency base.
+        max_seq_len: The positions precomputed at first.
     """
 
     def __init__(self, dim: int, base: float = 10000.0, max_seq_len: int = 2048):
@@ -206,6 +225,25 @@ class ShortConv(nn.Module):
     K-1 inputs, `[B, D, K-1]`) it continues a previous call exactly; it returns the new state.
     With `cu_seqlens` (packed documents, B = 1) the look-back is zeroed at every document start,
     so no output sees a token of an earlier document; the returned state is then None.
+
+    Args:
+        dim: D, the channels.
+        kernel_size: K, the taps.
+        activation: "silu" or None, applied to the output.
+        bias: A bias per channel.
+
+    Raises:
+        LinattnError: kernel_size below 1 or an unknown activation.
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import ShortConv
+        >>> conv = ShortConv(8, kernel_size=4)
+        >>> x = torch.randn(2, 10, 8)
+        >>> y, state = conv(x)
+        >>> y2, _ = conv(x[:, 6:], state=conv(x[:, :6])[1])   # continue from the state
+        >>> torch.allclose(y[:, 6:], y2, atol=1e-6)
+        True
     """
 
     def __init__(self, dim: int, kernel_size: int = 4, activation: Optional[str] = "silu", bias: bool = False):
@@ -295,7 +333,13 @@ class ShortConv(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """w_down(silu(x w_gate) * (x w_up)), bias-free. `hidden` defaults to 8/3 d, rounded up to 32."""
+    """w_down(silu(x w_gate) * (x w_up)), bias-free by default.
+
+    Args:
+        d_model: The input and output width.
+        hidden: The inner width; defaults to 8/3 d, rounded up to 32.
+        bias: Biases on the three projections.
+    """
 
     def __init__(self, d_model: int, hidden: Optional[int] = None, bias: bool = False):
         super().__init__()
@@ -365,8 +409,18 @@ def mamba_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
 
 
 def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS, convention: str = "rsqrt") -> torch.Tensor:
-    """x / ||x|| over the last dimension (in fp32, or fp64), the delta rule's q/k normalisation: the operators'
-    own implementation (`linattn.ops.l2norm`), "rsqrt" x * rsqrt(sum x^2 + eps) or "clamp" x / max(||x||, eps)."""
+    """x / ||x|| over the last dimension (in fp32, or fp64), the delta rule's q/k normalisation.
+
+    The operators' own implementation (`linattn.ops.l2norm`).
+
+    Args:
+        x: The tensor `[..., K]`.
+        eps: The floor.
+        convention: "rsqrt" x * rsqrt(sum x^2 + eps) or "clamp" x / max(||x||, eps).
+
+    Returns:
+        The normalised tensor, in x's dtype.
+    """
     return l2norm(x.to(_cdt(x)), convention, eps).to(x.dtype)
 
 

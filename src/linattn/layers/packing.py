@@ -19,9 +19,17 @@ from .cache import LayerCache
 def check_cu_seqlens(cu_seqlens, batch_size: int, seq_len: int) -> Optional[torch.Tensor]:
     """Validate packed-sequence offsets for an input `[batch_size, seq_len, ...]`.
 
-    Returns cu_seqlens as an int64 tensor (or None when None was given). Raises LinattnError
-    naming what is wrong: not a 1-D integer tensor, batch size other than 1, offsets that do
-    not start at 0 and end at seq_len, or an empty document.
+    Args:
+        cu_seqlens: The offsets `[N+1]` (a 1-D integer tensor starting at 0 and ending at seq_len), or None.
+        batch_size: The input's batch size (must be 1 with offsets).
+        seq_len: The input's length.
+
+    Returns:
+        cu_seqlens as an int64 tensor (or None when None was given).
+
+    Raises:
+        LinattnError: naming what is wrong: not a 1-D integer tensor, batch size other than 1, offsets that do
+            not start at 0 and end at seq_len, or an empty document.
     """
     if cu_seqlens is None:
         return None
@@ -45,7 +53,22 @@ def check_cu_seqlens(cu_seqlens, batch_size: int, seq_len: int) -> Optional[torc
 
 
 def packed_positions(cu_seqlens: torch.Tensor, seq_len: int, device=None) -> torch.Tensor:
-    """Position of every token within its own document, `[seq_len]` int64 (0 at each start)."""
+    """Position of every token within its own document (0 at each start).
+
+    Args:
+        cu_seqlens: Validated offsets `[N+1]`.
+        seq_len: The packed length.
+        device: The device of the result (None: that of cu_seqlens).
+
+    Returns:
+        `[seq_len]` int64 positions.
+
+    Examples:
+        >>> import torch
+        >>> from linattn.layers import packed_positions
+        >>> packed_positions(torch.tensor([0, 3, 5]), 5).tolist()
+        [0, 1, 2, 0, 1]
+    """
     cu = cu_seqlens.to(device=device if device is not None else cu_seqlens.device, dtype=torch.long)
     t = torch.arange(seq_len, device=cu.device)
     doc = torch.searchsorted(cu[1:], t, right=True)   # index of the document holding token t
