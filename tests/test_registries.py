@@ -12,7 +12,7 @@ import linattn
 from linattn.errors import ConfigError, LinattnError, LinattnTypeError
 from linattn.feature_maps import FeatureMap, ReLU, unregister_feature_map
 from linattn.layers import LinearAttention
-from linattn.models.registry import build_mixer, mixer_spec, mixers, unregister_mixer
+from linattn.models.registry import build_mixer, mixer_spec, mixers, register_mixer, unregister_mixer
 
 LISTING = Path(__file__).parent / "data" / "registry" / "mixers.json"
 
@@ -133,3 +133,15 @@ def test_every_bench_op_runs_at_a_tiny_size():
             assert (C is None) == (mode != "chunk" or op.chunk is None), (op.key, mode, C)
             assert bench.flops(op.key, mode, "fwdbwd", 1, T, 2, 8, 8, C or 0) == 3 * bench.flops(
                 op.key, mode, "fwd", 1, T, 2, 8, 8, C or 0) > 0, op.key
+
+
+def test_register_mixer_before_keeps_a_family_together():
+    register_mixer("test-before", LinearAttention, {}, "a test mixer", before="gla")
+    try:
+        names = mixers()
+        assert names.index("test-before") == names.index("gla") - 1
+        with pytest.raises(ConfigError, match="before="):
+            register_mixer("test-before-2", LinearAttention, before="no-such-mixer")
+        assert "test-before-2" not in mixers()
+    finally:
+        unregister_mixer("test-before")
