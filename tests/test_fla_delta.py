@@ -510,6 +510,7 @@ def test_fla_weights_missing_a_tensor_or_with_an_unknown_one_are_named():
     ("gated_deltanet", dict(num_heads=2, head_dim=8, expand_v=0.3), "expand_v"),
 ])
 def test_fla_options_linattn_lacks_are_errors(model_type, kw, word):
+    pytest.importorskip("transformers")
     from linattn.errors import CheckpointError
     from linattn.hf.fla import fla_to_linattn
 
