@@ -45,10 +45,14 @@ DOCUMENTED = OPERATORS + [
     "linattn.layers.l2_normalize", "linattn.layers.check_cu_seqlens", "linattn.layers.packed_positions",
     # models
     "linattn.LMConfig", "linattn.LanguageModel", "linattn.LanguageModel.forward", "linattn.LanguageModel.generate",
+    "linattn.LMConfig.from_dict", "linattn.LMConfig.to_dict", "linattn.LMConfig.to_json", "linattn.LMConfig.from_json",
+    "linattn.LMConfig.replace", "linattn.LanguageModel.new_cache", "linattn.LanguageModel.num_parameters",
     # transformers integration (needs the hf extra)
     "linattn.hf.LinattnConfig", "linattn.hf.LinattnForCausalLM", "linattn.hf.LinattnModel",
     "linattn.hf.LinattnForSequenceClassification", "linattn.hf.export_hf", "linattn.hf.import_hf",
     "linattn.hf.hf_tokenizer", "linattn.hf.kernelize.kernelize", "linattn.hf.kernelize.KernelizeReport",
+    "linattn.hf.LinattnForCausalLM.from_linattn", "linattn.hf.LinattnForCausalLM.to_linattn",
+    "linattn.hf.LinattnConfig.from_lm_config", "linattn.hf.LinattnConfig.lm_config",
     # training
     "linattn.training.train", "linattn.training.TrainResult", "linattn.training.evaluate",
     "linattn.training.EvalResult", "linattn.training.StepOutput", "linattn.training.Trainer",

@@ -108,10 +108,23 @@ class LinattnConfig(PreTrainedConfig):
 
     @classmethod
     def from_lm_config(cls, lm: LMConfig, **kwargs) -> "LinattnConfig":
+        """A config wrapping `lm`.
+
+        Args:
+            lm: The linattn model config.
+            **kwargs: transformers config options.
+
+        Returns:
+            The `LinattnConfig`.
+        """
         return cls(linattn=lm.to_dict(), **kwargs)
 
     def lm_config(self) -> LMConfig:
-        """The wrapped linattn `LMConfig`."""
+        """The wrapped linattn `LMConfig`.
+
+        Returns:
+            A new `LMConfig` equal to the wrapped one.
+        """
         return LMConfig.from_dict(dict(self.linattn))
 
 

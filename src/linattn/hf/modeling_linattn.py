@@ -777,7 +777,18 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
     # -- conversions ----------------------------------------------------------------------------
     @classmethod
     def from_linattn(cls, model: LanguageModel, **config_kwargs) -> "LinattnForCausalLM":
-        """Wrap a linattn `LanguageModel` (its parameters are shared, not copied)."""
+        """Wrap a linattn `LanguageModel` (its parameters are shared, not copied).
+
+        Args:
+            model: The language model (the 'lm' family).
+            **config_kwargs: transformers config options (eos_token_id, pad_token_id, ...).
+
+        Returns:
+            The `LinattnForCausalLM`, on the model's device and dtype.
+
+        Raises:
+            ConfigError: model is not a linattn `LanguageModel`.
+        """
         if not isinstance(model, LanguageModel):
             raise ConfigError(f"from_linattn needs a linattn LanguageModel (the 'lm' family), got "
                               f"{type(model).__name__}")
@@ -786,7 +797,11 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         return hf.to(p.device) if p is not None else hf
 
     def to_linattn(self) -> LanguageModel:
-        """The wrapped linattn `LanguageModel` (the same module, not a copy)."""
+        """The wrapped linattn `LanguageModel` (the same module, not a copy).
+
+        Returns:
+            The `LanguageModel`.
+        """
         return self.model
 
     # -- transformers' accessors ----------------------------------------------------------------

@@ -27,10 +27,26 @@ class JsonConfig:
     """JSON round-trip shared by the model configs (dataclasses): unknown fields are an error."""
 
     def to_dict(self) -> Dict[str, Any]:
+        """The config as a plain dict (every field; JSON-serialisable).
+
+        Returns:
+            {field name: value}.
+        """
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]):
+        """The config from a dict (unknown fields are an error).
+
+        Args:
+            d: {field name: value}; missing fields take their defaults.
+
+        Returns:
+            The config.
+
+        Raises:
+            ConfigError: An unknown field, or a field with a bad value.
+        """
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -38,7 +54,15 @@ class JsonConfig:
         return cls(**d)
 
     def to_json(self, path: Optional[Union[str, os.PathLike]] = None, indent: int = 2) -> str:
-        """The config as JSON text; also written to `path` when given."""
+        """The config as JSON text; also written to `path` when given.
+
+        Args:
+            path: A file to write (atomically: a crash never leaves half a file), or None.
+            indent: The JSON indentation.
+
+        Returns:
+            The JSON text.
+        """
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
             atomic_write_text(path, text + "\n")   # linattn.io's writer: a crash never leaves half a file
@@ -46,7 +70,17 @@ class JsonConfig:
 
     @classmethod
     def from_json(cls, text_or_path: Union[str, os.PathLike]):
-        """From JSON text or from a file path."""
+        """The config from JSON text or from a file path.
+
+        Args:
+            text_or_path: JSON text (starting with "{"), or the path of a JSON file.
+
+        Returns:
+            The config.
+
+        Raises:
+            ConfigError: An unknown field, or a field with a bad value.
+        """
         s = os.fspath(text_or_path)
         if not s.lstrip().startswith("{"):
             with open(s, "r", encoding="utf-8") as f:
@@ -54,6 +88,14 @@ class JsonConfig:
         return cls.from_dict(json.loads(s))
 
     def replace(self, **changes):
+        """A copy with some fields changed (`dataclasses.replace`: the new config is built, and checked, anew).
+
+        Args:
+            **changes: {field name: new value}.
+
+        Returns:
+            The new config.
+        """
         return dataclasses.replace(self, **changes)
 
 
@@ -190,9 +232,21 @@ class LMConfig(JsonConfig):
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "LMConfig":
-        """From a dict (unknown fields are an error). A dict written by `to_dict` before a convention field
-        existed (it holds every field of the first version, `_FIRST_FIELDS`) gets that field's old value
-        (`LEGACY_VALUES`), so that a checkpoint keeps computing what it computed when it was saved."""
+        """The config from a dict (unknown fields are an error).
+
+        A dict written by `to_dict` before a convention field existed (it holds every field of the first version,
+        `_FIRST_FIELDS`) gets that field's old value (`LEGACY_VALUES`), so that a checkpoint keeps computing what it
+        computed when it was saved.
+
+        Args:
+            d: {field name: value}.
+
+        Returns:
+            The `LMConfig`.
+
+        Raises:
+            ConfigError: An unknown field, or a field with a bad value.
+        """
         if isinstance(d, dict) and all(f in d for f in _FIRST_FIELDS):
             d = {**{k: v for k, v in LEGACY_VALUES.items() if k not in d}, **d}
         return super().from_dict(d)

@@ -276,13 +276,20 @@ class LanguageModel(nn.Module, CausalLM):
         return all(b.causal for b in self.blocks)
 
     def new_cache(self, rollback: int = 0) -> Cache:
-        """An empty decoding cache. A new cache starts a new generation, so the layers' fused single-token
-        weights (`FusedParams`) are rebuilt from the parameters as they are now: a change their version
-        keys cannot see (a write through `p.data`) is picked up by the next prefill.
+        """An empty decoding cache.
 
-        rollback=k: `cache.crop(n)` may later remove up to k tokens (speculative decoding). The model
-        then runs the last min(T, k) tokens of every call one at a time and records the states after
-        each (`Cache.record`; the memory it costs: docs/states.md). rollback=0 records nothing."""
+        A new cache starts a new generation, so the layers' fused single-token weights (`FusedParams`) are rebuilt
+        from the parameters as they are now: a change their version keys cannot see (a write through `p.data`) is
+        picked up by the next prefill.
+
+        Args:
+            rollback: k: `cache.crop(n)` may later remove up to k tokens (speculative decoding). The model then runs
+                the last min(T, k) tokens of every call one at a time and records the states after each
+                (`Cache.record`; the memory it costs: docs/states.md). rollback=0 records nothing.
+
+        Returns:
+            A `Cache` for `forward(..., cache=)`.
+        """
         for m in self.modules():
             fused = getattr(m, "_fused", None)
             if isinstance(fused, FusedParams):
@@ -290,7 +297,14 @@ class LanguageModel(nn.Module, CausalLM):
         return Cache(self.config.n_layers, rollback=rollback)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Number of parameters (shared ones counted once); optionally without the embedding/head."""
+        """Number of parameters (shared ones counted once); optionally without the embedding/head.
+
+        Args:
+            exclude_embeddings: Leave out the embedding and the (untied) output head.
+
+        Returns:
+            The count.
+        """
         return count_parameters(self, exclude_embeddings)
 
     # -- forward -----------------------------------------------------------------------------
