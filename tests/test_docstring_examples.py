@@ -54,7 +54,8 @@ DOCUMENTED = OPERATORS + [
     "linattn.hf.LinattnForCausalLM.from_linattn", "linattn.hf.LinattnForCausalLM.to_linattn",
     "linattn.hf.LinattnConfig.from_lm_config", "linattn.hf.LinattnConfig.lm_config",
     # training
-    "linattn.training.train", "linattn.training.TrainResult", "linattn.training.evaluate",
+    "linattn.training.TrainConfig", "linattn.training.train", "linattn.training.TrainResult",
+    "linattn.training.evaluate",
     "linattn.training.EvalResult", "linattn.training.StepOutput", "linattn.training.Trainer",
     "linattn.training.Trainer.train_step", "linattn.training.training_tokens_per_second",
     "linattn.training.prepare_data", "linattn.training.TrainData", "linattn.training.rank_batch",

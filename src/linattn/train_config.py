@@ -43,7 +43,61 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 
 @dataclass
 class TrainConfig:
-    """Everything about a run except the model architecture (that is the model config)."""
+    """Everything about a run except the model architecture (that is the model config).
+
+    Every field is also a `linattn train` flag (`--seq-len`, ...) with the help below. `validate()` checks the
+    values (a bad one raises `TrainConfigError` naming the field; `train` calls it). `train` saves the config with
+    every checkpoint, and a resume refuses a change of the fields that decide the trajectory (`TRAJECTORY_FIELDS`).
+
+    Attributes:
+        data: Text file or folder of UTF-8 text files; none: the Python standard library's .py sources (8 MiB).
+        out: Run folder for checkpoints and metrics.jsonl (none in Python: nothing written).
+        tokenizer: tokenizer.json, or a folder or run holding one; none: train a byte-level BPE on the training split.
+        init_from: Start a new run (step 0, fresh optimizer and schedule) from this run's latest checkpoint or this step
+            folder: its weights, tokenizer and model config (model flags that contradict it are refused); not with
+            --resume.
+        vocab_size: Vocabulary of a trained tokenizer (an upper bound); the model's vocab_size is always the
+            tokenizer's.
+        max_data_bytes: Cap on the text read, >= 1 (none: all of a path, 8 MiB of the stdlib).
+        val_fraction: Share of the documents held out for validation, in [0, 1) (0: no validation).
+        seq_len: Tokens per training window.
+        batch_size: Windows per optimizer step: the global batch, split across processes (torchrun) and --grad-accum
+            micro-batches, so the math does not depend on either.
+        grad_accum: Micro-batches per optimizer step in each process (gradients accumulated).
+        doc_boundaries: Keep packed documents apart: every mixer's state restarts at each <|endoftext|> (cu_seqlens);
+            false: windows run across documents.
+        steps: Optimizer steps of the whole run (>= 1; on a resume, at least the steps done).
+        lr: Peak learning rate (finite, > 0).
+        min_lr_ratio: Final learning rate / peak, in [0, 1], reached by the cosine decay at the last step.
+        warmup: Linear warmup steps (>= 0; more than --steps: the peak is never reached).
+        weight_decay: AdamW decoupled weight decay, >= 0 (matrices and embeddings only).
+        beta1: AdamW beta1, in [0, 1).
+        beta2: AdamW beta2, in [0, 1).
+        eps: AdamW epsilon, > 0.
+        grad_clip: Max gradient norm, >= 0; 0: no clipping.
+        seed: Seed of the initialisation and of the batch order.
+        log_every: Steps per metrics record.
+        save_every: Steps per checkpoint; <= 0: only at the end (and on a signal).
+        eval_every: Steps per validation; <= 0: only at the end.
+        eval_batches: Validation batches per evaluation.
+        keep_last: Step folders kept in the run folder, >= 1; none: keep every one.
+        device: Auto | cpu | cuda | cuda:N | mps.
+        threads: Torch CPU threads, >= 1 (none: torch's default).
+        dtype: Autocast dtype (bf16 = bfloat16); weights and optimizer state stay float32.
+        parallel: Several processes (torchrun): ddp replicates the model, fsdp shards it (FSDP2, fully_shard per block);
+            ignored in one process.
+        activation_checkpointing: Recompute each block in the backward pass (less memory, more time).
+        compile: Torch.compile the model.
+        progress: Progress bar; none: only on a terminal (else one line per record).
+        skip_nonfinite: Skip (and count) a batch whose loss or gradient is inf or NaN instead of stopping the run; the
+            weights are never updated from it.
+
+    Examples:
+        >>> from linattn.training import TrainConfig
+        >>> cfg = TrainConfig(data="corpus/", out="runs/efla", seq_len=256, batch_size=8, steps=2000)
+        >>> TrainConfig.from_dict(cfg.to_dict()) == cfg
+        True
+    """
     data: Optional[str] = _f(None, "text file or folder of UTF-8 text files; none: the Python standard "
                                    "library's .py sources (8 MiB)")
     out: Optional[str] = _f(None, "run folder for checkpoints and metrics.jsonl (none in Python: nothing written)",
