@@ -29,6 +29,7 @@ import torch
 
 from ..cli_support import UsageError, int_at_least
 from ..io import atomic_write_text, write_json
+from ..plotting import save_figure
 from . import common
 from .tlinformer import _fmt_mib, first_token, measure_N
 
@@ -214,11 +215,8 @@ def _write_outputs(paths, text: str, result: Dict[str, Any], panels, info: Dict[
     """The report (.txt), the measurements (.json), then the figure (.png; a failure is only reported)."""
     atomic_write_text(paths["txt"], text)
     write_json(paths["json"], result)
-    try:
-        common.plot_panels(paths["png"], panels, title=f"{PROG}: {common.describe_machine(info).splitlines()[0]}")
-        plot_note = str(paths["png"])
-    except Exception as e:  # a plotting problem must not lose the measurements (already written)
-        plot_note = f"(plot failed: {type(e).__name__}: {e})"
+    plot_note = save_figure(paths["png"], lambda p: common.plot_panels(
+        p, panels, title=f"{PROG}: {common.describe_machine(info).splitlines()[0]}"))
     print(f"\nwrote {paths['txt']}, {paths['json']}, {plot_note}")
 
 

@@ -58,6 +58,7 @@ from ..ops.reference import (
     rwkv7_ref,
     ttt_ref,
 )
+from ..plotting import save_figure
 from . import common
 
 DESCRIPTION = __doc__.split("\n\n")[0] + """
@@ -1038,11 +1039,7 @@ def run(a) -> int:
                         chunk_line(a.chunk_size, used), "", ""])
     atomic_write_text(paths["txt"], header + text + "\n")
     write_json(paths["json"], report)
-    try:
-        make_plot(paths["png"], results, a, info, matmul)
-        plot_note = str(paths["png"])
-    except Exception as e:  # a plotting problem must not lose the measurements
-        plot_note = f"(plot failed: {type(e).__name__}: {e})"
+    plot_note = save_figure(paths["png"], lambda p: make_plot(p, results, a, info, matmul))
     print()
     print(f"wrote {paths['txt']}, {paths['json']}, {plot_note}  [{time.perf_counter() - t_start:.0f} s]")
     return 0

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from ..cli_support import UsageError, int_at_least
 from ..io import atomic_write_text, write_json
+from ..plotting import save_figure
 from . import common
 
 DESCRIPTION = __doc__.split("\n\n")[0] + "\n\n" + "\n\n".join(__doc__.split("\n\n")[1:])
@@ -715,11 +716,8 @@ def _write_outputs(paths, a, text: str, result: Dict[str, Any], names: Sequence[
     """The report (.txt), the measurements (.json), then the figure (.png; a failure is only reported)."""
     atomic_write_text(paths["txt"], text)
     write_json(paths["json"], result)
-    try:
-        plot(paths["png"], a, Ns, names, get, result["trace"])
-    except Exception as e:  # a plotting problem must not lose the measurements (already written)
-        print(f"(plot failed: {type(e).__name__}: {e})")
-    print(f"\nwrote {paths['txt']}, {paths['json']}, {paths['png']}")
+    plot_note = save_figure(paths["png"], lambda p: plot(p, a, Ns, names, get, result["trace"]))
+    print(f"\nwrote {paths['txt']}, {paths['json']}, {plot_note}")
 
 
 def run(a) -> int:

@@ -23,6 +23,7 @@ import torch
 
 from ..cli_support import UsageError, int_at_least
 from ..io import atomic_write_text, write_json
+from ..plotting import save_figure
 from . import common
 
 DESCRIPTION = __doc__
@@ -223,10 +224,7 @@ def run(a) -> int:
     atomic_write_text(paths["txt"], "\n".join(head) + "\n\n" + text + "\n")
     write_json(paths["json"], {"benchmark": "vision", "machine": info, "config": vars(a), "static": static,
                                "records": records, "elapsed_s": elapsed})
-    try:
-        common.plot_panels(paths["png"], panels, title=f"{PROG}: {common.describe_machine(info).splitlines()[0]}")
-        note = str(paths["png"])
-    except Exception as e:  # noqa: BLE001 - a plotting problem must not lose the measurements
-        note = f"(plot failed: {type(e).__name__}: {e})"
+    note = save_figure(paths["png"], lambda p: common.plot_panels(
+        p, panels, title=f"{PROG}: {common.describe_machine(info).splitlines()[0]}"))
     print(f"\nwrote {paths['txt']}, {paths['json']}, {note}")
     return 0

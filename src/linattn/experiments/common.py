@@ -34,6 +34,10 @@ from ..bench.common import describe_machine, machine_info
 from ..devices import resolve_device  # noqa: F401  (re-exported for the experiments)
 from ..errors import LinattnError
 from ..io import atomic_write_text, jsonable, read_json, write_json
+from ..logs import get_logger
+from ..plotting import MISSING, matplotlib_missing
+
+log = get_logger("experiments")
 
 RUNS_DIR = "runs"
 CONFIG_FILE = "experiment.json"
@@ -333,6 +337,10 @@ class Experiment:
     def write_outputs(self, summary: Dict[str, Any], runs: List[Dict[str, Any]], markdown: str,
                       plots: Dict[str, Callable[[Path], None]] = None) -> Dict[str, Path]:
         paths: Dict[str, Path] = {}
+        if plots and matplotlib_missing():   # the `plots` extra is optional: one notice for all the figures
+            log.warning(f"[linattn] {MISSING}")
+            markdown += f"\n\n({MISSING})"
+            plots = {}
         for stem, plot in (plots or {}).items():
             p = self.root / f"{stem}.png"
             try:
