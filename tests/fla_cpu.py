@@ -334,14 +334,31 @@ def load_linattn(run_dir) -> torch.nn.Module:
     return ck.model.eval()
 
 
-def check_import(model: torch.nn.Module, tmp_path, *, T: int = 70, n_new: int = 10, seed: int = 0) -> ImportResult:
+def save_unshared(model: torch.nn.Module, folder) -> None:
+    """config.json + model.safetensors with every tensor stored under each of its names (what save_pretrained would
+    write, for models whose shared tensors it refuses, e.g. fla's linear_attn with tie_feature_map_qk)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def check_import(model: torch.nn.Module, tmp_path, *, T: int = 70, n_new: int = 10, seed: int = 0,
+                 save: Optional[Callable] = None) -> ImportResult:
     """save_pretrained(model) -> import_fla -> load the linattn checkpoint in fp64; compare the logits of a random
-    batch [2, T] (T=70 crosses linattn's chunk of 64) and 10 greedy tokens. Call inside `fla_cpu()`."""
+    batch [2, T] (T=70 crosses linattn's chunk of 64) and 10 greedy tokens. Call inside `fla_cpu()`. save(model,
+    folder): another way to write the folder than save_pretrained (e.g. `save_unshared`)."""
     from linattn.hf import import_fla
 
     tmp_path = Path(tmp_path)
     folder, run = tmp_path / "fla_model", tmp_path / "run"
-    model.save_pretrained(folder, safe_serialization=True)
+    if save is None:
+        model.save_pretrained(folder, safe_serialization=True)
+    else:
+        save(model, folder)
     step_dir = import_fla(folder, run)
     lm = load_linattn(run)
     vocab = model.config.vocab_size

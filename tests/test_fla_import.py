@@ -127,6 +127,23 @@ def test_linear_gqa_equals_the_layer_with_repeated_kv_heads_and_decodes_like_it(
     assert (torch.cat(steps, dim=1) - y).abs().max() <= 1e-12
 
 
+@pytest.mark.parametrize("kind", ["hadamard", "hedgehog", "t2r", "dpfp"])
+def test_learned_maps_decode_token_by_token_like_the_full_forward(kind):
+    from linattn.layers import LinearAttention
+
+    torch.manual_seed(0)
+    layer = _perturbed(LinearAttention(32, 4, feature_map="identity", normalize=False, scale=0.3, scale_after_map=True,
+                                       learned_map=kind).double())
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        cache = LayerCache()
+        steps = [layer(x[:, :3], cache=cache)] + [layer(x[:, t:t + 1], cache=cache) for t in range(3, 7)]
+    assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-12
+    q = torch.randn(5, 8, dtype=torch.float64)
+    assert layer.feature_map.phi(q).shape[-1] == layer.feature_map.feature_dim(8)
+
+
 def test_linear_gate_min_floors_the_diagonal_log_decay():
     from linattn.layers import LinearAttention
 
@@ -144,7 +161,7 @@ def test_linear_gate_min_floors_the_diagonal_log_decay():
 
 fla = pytest.importorskip("fla", reason="flash-linear-attention (the dev extra) is needed to build fla's models")
 
-from fla_cpu import build_fla, check_import, fla_cpu  # noqa: E402
+from fla_cpu import build_fla, check_import, fla_cpu, save_unshared  # noqa: E402
 from linattn.hf import import_fla  # noqa: E402
 from linattn.hf.fla import supported_types  # noqa: E402
 
@@ -424,6 +441,11 @@ LINEARS = {
     "elu": dict(num_heads=2, feature_map="elu"),
     "relu_expand_tied": dict(num_heads=4, feature_map="relu", expand_k=0.5, expand_v=2.0, tie_word_embeddings=True),
     "elu_gqa": dict(num_heads=4, num_kv_heads=2, feature_map="elu"),
+    "hadamard_default": dict(num_heads=2),
+    "hadamard_tied": dict(num_heads=2, feature_map="elementwise_product", tie_feature_map_qk=True),
+    "hedgehog": dict(num_heads=4, feature_map="hedgehog"),
+    "t2r_tied": dict(num_heads=2, feature_map="t2r", tie_feature_map_qk=True),
+    "dpfp": dict(num_heads=4, feature_map="dpfp", expand_k=0.5),
     "identity_hybrid_attn": dict(num_heads=2, feature_map="identity", attn={"layers": [1], "num_heads": 2}),
 }
 
@@ -434,21 +456,22 @@ def test_linear_attn(tmp_path, name):
 
     with fla_cpu(LINEAR_OPS):
         model = build_fla(LinearAttentionConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100, **LINEARS[name]))
-        res = _strong(model, tmp_path)
-    assert res.model.config.mixer_list()[0] == "linear-" + {"elu": "elu+1"}.get(LINEARS[name]["feature_map"],
-                                                                              LINEARS[name]["feature_map"])
+        # fla's save_pretrained refuses its own tied feature maps (shared tensors): written name by name instead
+        res = _strong(model, tmp_path, save=save_unshared if name.endswith("_tied") else None)
+    fm = LINEARS[name].get("feature_map", "elementwise_product")
+    assert res.model.config.mixer_list()[0] == "linear-" + {"elu": "elu+1", "relu": "relu"}.get(fm, "identity")
     if "num_kv_heads" in LINEARS[name]:
         assert res.model.blocks[0].mixer.k_proj.weight.shape[0] == 32
 
 
-@pytest.mark.parametrize("kw", [dict(feature_map="elementwise_product"), dict(feature_map="elu", norm_q=True)])
+@pytest.mark.parametrize("kw", [dict(feature_map="elu", norm_feature_map=True), dict(feature_map="elu", norm_q=True)])
 def test_linear_attn_options_linattn_lacks_are_named(tmp_path, kw):
     from fla.models import LinearAttentionConfig
 
     with fla_cpu():
         model = build_fla(LinearAttentionConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=50, **kw))
         model.save_pretrained(tmp_path / "fla", safe_serialization=True)
-    with pytest.raises(CheckpointError, match="elementwise_product" if "norm_q" not in kw else "norm_q"):
+    with pytest.raises(CheckpointError, match="norm_feature_map" if "norm_q" not in kw else "norm_q"):
         import_fla(tmp_path / "fla", tmp_path / "run")
 
 

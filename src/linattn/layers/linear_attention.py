@@ -72,6 +72,68 @@ class _ScaledPhi(FeatureMap):
         return self.inner.feature_dim(head_dim)
 
 
+LEARNED_MAPS = ("hadamard", "hedgehog", "t2r", "dpfp")
+
+
+class LearnedMap(nn.Module, FeatureMap):
+    """fla's linear_attn feature maps (fla/modules/feature_map.py), phi for q and psi for k with weights of their
+    own (one set for both when tied), for heads of width `dim`:
+
+    * hadamard: l1(x) * l2(x), two biased Linear(dim, dim) (fla's `elementwise_product`), K_phi = dim;
+    * hedgehog: softmax([2 l(x), -2 l(x)]) over 2 dim features, l a biased Linear(dim, dim);
+    * t2r: relu(l(x)), l an unbiased Linear(dim, dim), K_phi = dim;
+    * dpfp: no weights: r = [relu(x), relu(-x)], features r repeated nu = 4 times times r rolled by 1..4, 8 dim.
+
+    phi is multiplied by `phi_scale` (the layer's scale_after_map). The weights are `q.*` and `k.*` (untied)."""
+    log_space = False
+    positional = False
+
+    def __init__(self, kind: str, dim: int, *, tied: bool = False, phi_scale: float = 1.0):
+        nn.Module.__init__(self)
+        if kind not in LEARNED_MAPS:
+            raise LinattnError(f"learned_map must be one of {LEARNED_MAPS}, got {kind!r}")
+        self.kind, self.dim, self.tied, self.phi_scale = kind, int(dim), bool(tied), float(phi_scale)
+        self.name = f"learned-{kind}"
+        self.q = self._weights()
+        self.k = None if tied else self._weights()
+
+    def _weights(self) -> Optional[nn.ModuleDict]:
+        d = self.dim
+        if self.kind == "hadamard":
+            return nn.ModuleDict({"layer1": nn.Linear(d, d), "layer2": nn.Linear(d, d)})
+        if self.kind in ("hedgehog", "t2r"):
+            return nn.ModuleDict({"layer": nn.Linear(d, d, bias=self.kind == "hedgehog")})
+        return None
+
+    def _features(self, w: Optional[nn.ModuleDict], x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "hadamard":
+            return w["layer1"](x) * w["layer2"](x)
+        if self.kind == "hedgehog":
+            y = 2 * w["layer"](x)
+            return torch.cat([y, -y], dim=-1).softmax(-1)
+        if self.kind == "t2r":
+            return w["layer"](x).relu()
+        r = torch.cat([x.relu(), (-x).relu()], dim=-1)
+        return torch.cat([r] * 4, dim=-1) * torch.cat([r.roll(shifts=j, dims=-1) for j in range(1, 5)], dim=-1)
+
+    def phi(self, x, pos=None):
+        f = self._features(self.q, x)
+        return f if self.phi_scale == 1.0 else f * self.phi_scale
+
+    def psi(self, x, pos=None):
+        return self._features(self.q if self.k is None else self.k, x)
+
+    def feature_dim(self, head_dim: int) -> int:
+        return {"hadamard": 1, "hedgehog": 2, "t2r": 1, "dpfp": 8}[self.kind] * head_dim
+
+    def forward(self, x):
+        """phi(x), for inspection."""
+        return self.phi(x)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind!r}, dim={self.dim}, tied={self.tied}, phi_scale={self.phi_scale}"
+
+
 class LinearAttention(AttentionBase):
     """Multi-head kernelized linear attention layer: the `linear-*`, RetNet, GLA and Mamba2-GLA mixers.
 
@@ -95,6 +157,9 @@ class LinearAttention(AttentionBase):
         gate_min: an optional floor on the diagonal gate's log decay (fla's GLA `clamp_min`; None: none).
         scale_after_map: phi(q) * scale (fla's linear_attn) instead of phi(scale * q); needs a linear-space
             feature map without parameters.
+        learned_map: one of LEARNED_MAPS, a feature map with its own weights (fla's linear_attn
+            maps; `LearnedMap`) used instead of feature_map.
+        learned_map_tied: q and k share the learned map's weights.
         n_kv_heads: grouped key/value heads (fla's num_kv_heads): k, v and the diagonal decay have n_kv_heads
             heads, each serving n_heads / n_kv_heads query heads; None: one per query head. Not with n_value_heads.
         **kwargs: `AttentionBase`'s options: head_dim, short_conv, rope, output_norm, output_gate,
@@ -121,7 +186,8 @@ class LinearAttention(AttentionBase):
                  normalize: bool = True, gate: Optional[str] = None, scale: Optional[float] = None,
                  chunk_size: int = 64, eps: float = 1e-6, feature_seed: int = 0, gate_low_rank: int = 16,
                  gate_normalizer: float = 16.0, gate_min: Optional[float] = None, scale_after_map: bool = False,
-                 n_kv_heads: Optional[int] = None, **kwargs):
+                 n_kv_heads: Optional[int] = None, learned_map: Optional[str] = None, learned_map_tied: bool = False,
+                 **kwargs):
         if gate not in GATES:
             raise LinattnError(f"gate must be one of {GATES}, got {gate!r}")
         super().__init__(d_model, n_heads, **kwargs)
@@ -133,15 +199,21 @@ class LinearAttention(AttentionBase):
         self.n_kv_heads = int(kvh)
         group_kv_heads(self, self.n_kv_heads)
         # a named map builds itself from what the layer knows (cosformer: its horizon; favor+: its draw)
-        fmap = get_feature_map(feature_map, self.head_dim, max_seq_len=kwargs.get("max_seq_len", 2048),
-                               seed=feature_seed)
-        self.feature_map = fmap  # registered as a submodule if it is one (FAVOR+)
+        if learned_map is not None:   # fla's maps with weights: they replace feature_map
+            fmap = LearnedMap(learned_map, self.head_dim, tied=learned_map_tied)
+        else:
+            fmap = get_feature_map(feature_map, self.head_dim, max_seq_len=kwargs.get("max_seq_len", 2048),
+                                   seed=feature_seed)
+        self.feature_map = fmap  # registered as a submodule if it is one (FAVOR+, LearnedMap)
         self.feature_map_name = getattr(fmap, "name", "custom")
         self.normalize, self.gate = bool(normalize), gate
         self.scale = self.resolve_scale(scale, self.head_dim)
         self.scale_after_map = bool(scale_after_map)
         if self.scale_after_map:   # phi(q) * scale (fla's linear_attn) instead of phi(scale * q)
-            self.feature_map = _ScaledPhi(fmap, self.scale)
+            if isinstance(fmap, LearnedMap):
+                fmap.phi_scale = self.scale
+            else:
+                self.feature_map = _ScaledPhi(fmap, self.scale)
             self.feature_map_name, self.scale = self.feature_map.name, 1.0
         self.chunk_size, self.eps = int(chunk_size), float(eps)
         H = self.n_value_heads   # the decays are per value head (Mamba2: one dt and A per value head)

@@ -1,35 +1,64 @@
 """fla's `linear_attn` (fla/layers/linear_attn.py, LinearAttention) as linattn's `linear-<map>` mixers: q/k/v
-projections (key width hidden * expand_k, value width hidden * expand_v), the feature map on q and k, the
-unnormalised causal sum with the scale K_phi**-0.5 on phi(q) (`scale_after_map`), a per-head RMSNorm, o_proj.
+projections (key width hidden * expand_k, value width hidden * expand_v, grouped k/v heads), the feature map on q and
+k, the unnormalised causal sum with the scale K_phi**-0.5 on phi(q) (`scale_after_map`), a per-head RMSNorm, o_proj.
 
-Supported feature maps: identity, elu (elu+1), relu. fla's learnable maps (elementwise_product, the default;
-hedgehog, t2r) and dpfp have no linattn counterpart yet, nor do norm_q / norm_k, norm_feature_map (its normaliser
-adds 1e-10 where linattn's floors at eps): each is a CheckpointError naming it."""
+Feature maps: identity, elu (elu+1) and relu map to linattn's maps of the same name; fla's maps with weights
+(elementwise_product, its default; hedgehog; t2r) and dpfp to LinearAttention's `learned_map` (on the
+`linear-identity` mixer, tied or not as fla's tie_feature_map_qk). norm_q / norm_k and norm_feature_map (its
+normaliser adds 1e-10 where linattn's floors at eps) have no linattn counterpart: a CheckpointError names them."""
 from __future__ import annotations
 
 from typing import Any, Dict
 
+import torch
+
+from ...errors import CheckpointError
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
 from .gla import _heads
 
 #: fla's feature_map -> linattn's map of the same phi = psi
 FEATURE_MAPS = {"identity": "identity", "elu": "elu+1", "relu": "relu"}
+#: fla's feature_map -> LinearAttention's learned_map, and K_phi / head_k_dim
+LEARNED = {"elementwise_product": ("hadamard", 1), "hedgehog": ("hedgehog", 2), "t2r": ("t2r", 1), "dpfp": ("dpfp", 8)}
+
+
+def _learned_state(p: LayerParams, tied: bool) -> Dict[str, Any]:
+    """fla's feature_map_q.* / feature_map_k.* as LearnedMap's q.* / k.*; tied, fla saves the one module under
+    either name (transformers keeps one of tied tensors), both read."""
+    q = {k[len("feature_map_q."):]: k for k in p if k.startswith("feature_map_q.")}
+    k = {k[len("feature_map_k."):]: k for k in p if k.startswith("feature_map_k.")}
+    out = {f"feature_map.q.{n}": p[name] for n, name in q.items()}
+    if tied:
+        for n, name in k.items():
+            t = p[name]
+            if f"feature_map.q.{n}" in out and not torch.equal(out[f"feature_map.q.{n}"], t):
+                raise CheckpointError(f"tie_feature_map_qk is set, but {p.prefix + name!r} differs from its q twin")
+            out.setdefault(f"feature_map.q.{n}", t)
+    else:
+        out.update({f"feature_map.k.{n}": p[name] for n, name in k.items()})
+    return out
 
 
 @register_fla("linear_attn")
 def convert_linear_attn(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
     H, dk, dv = _heads({"expand_k": 1.0, "expand_v": 1.0, **{k: v for k, v in cfg.items() if v is not None}})
     fm = cfg_get(cfg, "feature_map", "elementwise_product")
-    require(fm in FEATURE_MAPS, cfg, f"feature_map {fm!r} (supported: {', '.join(FEATURE_MAPS)})")
+    require(fm in FEATURE_MAPS or fm in LEARNED, cfg,
+            f"feature_map {fm!r} (supported: {', '.join(list(FEATURE_MAPS) + list(LEARNED))})")
     for name in ("norm_q", "norm_k", "norm_feature_map"):
         require(not cfg_get(cfg, name, False), cfg, name)
     require(cfg_get(cfg, "elementwise_affine", True), cfg, "an output norm without a weight (elementwise_affine)")
-    # these maps keep the width: K_phi = head_k_dim
-    kwargs: Dict[str, Any] = {"head_dim": dk, "head_dim_v": dv, "normalize": False, "scale": dk ** -0.5,
+    kphi = dk * (LEARNED[fm][1] if fm in LEARNED else 1)
+    kwargs: Dict[str, Any] = {"head_dim": dk, "head_dim_v": dv, "normalize": False, "scale": kphi ** -0.5,
                               "scale_after_map": True, "output_norm": True, "short_conv": False, "rope": False}
+    state: Dict[str, Any] = {}
+    if fm in LEARNED:
+        tied = bool(cfg_get(cfg, "tie_feature_map_qk", False)) or fm == "dpfp"
+        kwargs.update(learned_map=LEARNED[fm][0], learned_map_tied=tied)
+        state.update(_learned_state(p, tied))
     kv = cfg.get("num_kv_heads")
-    if kv is not None and int(kv) != H:   # grouped k/v heads (and GLA's decay): k_proj / v_proj are smaller
+    if kv is not None and int(kv) != H:   # grouped k/v heads: k_proj / v_proj are smaller
         kwargs["n_kv_heads"] = int(kv)
-    state = {f"{n}_proj.weight": p[f"{n}_proj.weight"] for n in "qkvo"}
+    state.update({f"{n}_proj.weight": p[f"{n}_proj.weight"] for n in "qkvo"})
     state["o_norm.weight"] = p["norm.weight"]
-    return MixerConversion(f"linear-{FEATURE_MAPS[fm]}", kwargs, state, {"n_heads": H})
+    return MixerConversion("linear-" + FEATURE_MAPS.get(fm, "identity"), kwargs, state, {"n_heads": H})
