@@ -200,8 +200,17 @@ class TrainConfig:
         return notes
 
     def check_split(self, world_size: int) -> int:
-        """Windows per micro-batch in each process; raise TrainError unless batch_size splits evenly
-        into world_size processes x grad_accum micro-batches."""
+        """Windows per micro-batch in each process.
+
+        Args:
+            world_size: The number of processes.
+
+        Returns:
+            batch_size / (world_size x grad_accum).
+
+        Raises:
+            TrainError: batch_size does not split evenly into world_size processes x grad_accum micro-batches.
+        """
         parts = world_size * self.grad_accum
         if self.batch_size % parts:
             raise TrainError(f"batch_size {self.batch_size} (the global batch) must be divisible by the number of "

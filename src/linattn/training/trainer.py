@@ -356,8 +356,17 @@ class Trainer:
         return mean
 
     def evaluate(self, data: PackedTokens, max_batches: Optional[int] = None) -> EvalResult:
-        """Validation loss on `data` with the run's batch size, dtype and `eval_batches` (the rows of
-        every batch shared among the processes, the sums all-reduced)."""
+        """Validation loss on `data` with the run's batch size, dtype and `eval_batches`.
+
+        The rows of every batch are shared among the processes, the sums all-reduced.
+
+        Args:
+            data: The packed validation tokens.
+            max_batches: At most this many batches (None: `config.eval_batches`).
+
+        Returns:
+            An `EvalResult`.
+        """
         cfg = self.config
         with value_checks_suspended():   # weights gone bad show as a NaN loss here too
             return evaluate(self.wrapped, data, batch_size=cfg.batch_size, device=self.device, dtype=cfg.dtype,
@@ -375,8 +384,13 @@ class Trainer:
 
     # -- state ------------------------------------------------------------------------------------
     def model_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
-        """The full weights: on every rank without FSDP; under FSDP gathered to rank 0 (a collective:
-        every rank calls it; the others get None)."""
+        """The full weights: on every rank without FSDP; under FSDP gathered to rank 0.
+
+        A collective under FSDP: every rank calls it; the others get None.
+
+        Returns:
+            {parameter name: tensor}, or None on the ranks other than 0 under FSDP.
+        """
         if not self.fsdp:
             return self.model.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -413,8 +427,14 @@ class Trainer:
 
     def state_dict(self) -> Dict[str, Any]:
         """The training state beside the weights (those are `model_state_dict()`, saved as safetensors).
+
         The optimizer state is full: index-keyed as torch writes it, or (FSDP) keyed by parameter name
-        and gathered to rank 0. A collective under FSDP."""
+        and gathered to rank 0. A collective under FSDP.
+
+        Returns:
+            The step, the optimizer state, the random states, the logging interval's loss, the tokens seen, the
+            elapsed time and the world size (and the skipped batches), for `load_state_dict`.
+        """
         return {"step": self.step, "optimizer": self._optimizer_state(), "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
                 "loss_acc": [self.loss_sum, self.loss_count], "tokens_seen": self.tokens_seen,
@@ -422,8 +442,13 @@ class Trainer:
                 **({"skipped": self.skipped} if self.skipped else {})}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue from `state_dict()`'s output (written by any number of processes, with or without
-        FSDP): the next step is then exactly the saved run's next."""
+        """Continue from `state_dict()`'s output: the next step is then exactly the saved run's next.
+
+        The state may have been written by any number of processes, with or without FSDP.
+
+        Args:
+            state: What `state_dict()` returned (read back from a checkpoint).
+        """
         try:
             self._load_optimizer(state["optimizer"])
         except (ValueError, KeyError, RuntimeError, IndexError) as e:
