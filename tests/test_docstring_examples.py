@@ -53,6 +53,8 @@ DOCUMENTED = OPERATORS + [
     "linattn.hf.hf_tokenizer", "linattn.hf.kernelize.kernelize", "linattn.hf.kernelize.KernelizeReport",
     "linattn.hf.LinattnForCausalLM.from_linattn", "linattn.hf.LinattnForCausalLM.to_linattn",
     "linattn.hf.LinattnConfig.from_lm_config", "linattn.hf.LinattnConfig.lm_config",
+    "linattn.hf.kernelize.gdn_chunk", "linattn.hf.kernelize.gdn_recurrent", "linattn.hf.kernelize.kda_chunk",
+    "linattn.hf.kernelize.kda_recurrent",
     # training
     "linattn.training.TrainConfig", "linattn.training.train", "linattn.training.TrainResult",
     "linattn.training.evaluate",

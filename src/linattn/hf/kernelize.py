@@ -194,27 +194,120 @@ def _delta(query, key, value, g, beta, mode, initial_state, output_final_state, 
 
 def gdn_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, **kwargs):
-    """chunk_gated_delta_rule: q, k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV]."""
+    """transformers' `torch_chunk_gated_delta_rule`, served by `delta_rule` (chunk form: training and prefill).
+
+    `kernelize` installs it in place of transformers' function; it takes that function's arguments and returns
+    what it returns.
+
+    Args:
+        query: Queries `[B, T, H, K]`.
+        key: Keys `[B, T, H, K]`.
+        value: Values `[B, T, HV, V]` (HV a multiple of H: grouped value heads).
+        g: The log-gate per value head `[B, T, HV]` (<= 0).
+        beta: Write strengths `[B, T, HV]`.
+        chunk_size: Accepted for the signature; linattn picks its own chunk.
+        initial_state: The state `[N, HV, K, V]` to start from, or None.
+        output_final_state: Also return the final state.
+        use_qk_l2norm_in_kernel: L2-normalise q and k inside the operator (the "rsqrt" form).
+        **kwargs: transformers' packed-sequence arguments (`cu_seqlens`, `cu_seq_lens_q`), or none.
+
+    Returns:
+        (o `[B, T, HV, V]` in the input dtype, the final state `[N, HV, K, V]` in fp32 (fp64 for fp64 inputs)
+        or None).
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from linattn import delta_rule
+        >>> from linattn.hf.kernelize import gdn_chunk, gdn_recurrent
+        >>> q, k = torch.randn(1, 9, 2, 8), torch.randn(1, 9, 2, 8)
+        >>> v, g, beta = torch.randn(1, 9, 4, 8), -torch.rand(1, 9, 4), torch.rand(1, 9, 4)
+        >>> o, S = gdn_chunk(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        >>> o.shape, S.shape
+        (torch.Size([1, 9, 4, 8]), torch.Size([1, 4, 8, 8]))
+        >>> o_rec, _ = gdn_recurrent(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        >>> torch.allclose(o, o_rec, atol=1e-5)
+        True
+    """
     return _delta(query, key, value, g, beta, "chunk", initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, kwargs)
 
 
 def gdn_recurrent(query, key, value, g, beta, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=False, **kwargs):
-    """fused_recurrent_gated_delta_rule: the decode step (any T)."""
+    """transformers' `torch_recurrent_gated_delta_rule`, served by `delta_rule` (recurrent form: decoding, any T).
+
+    `kernelize` installs it in place of transformers' function; it takes that function's arguments and returns
+    what it returns.
+
+    Args:
+        query: Queries `[B, T, H, K]`.
+        key: Keys `[B, T, H, K]`.
+        value: Values `[B, T, HV, V]` (HV a multiple of H: grouped value heads).
+        g: The log-gate per value head `[B, T, HV]` (<= 0).
+        beta: Write strengths `[B, T, HV]`.
+        initial_state: The state `[N, HV, K, V]` to start from, or None.
+        output_final_state: Also return the final state.
+        use_qk_l2norm_in_kernel: L2-normalise q and k inside the operator (the "rsqrt" form).
+        **kwargs: transformers' packed-sequence arguments (`cu_seqlens`, `cu_seq_lens_q`), or none.
+
+    Returns:
+        (o `[B, T, HV, V]` in the input dtype, the final state `[N, HV, K, V]` in fp32 (fp64 for fp64 inputs)
+        or None).
+    """
     return _delta(query, key, value, g, beta, "recurrent", initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, kwargs)
 
 
 def kda_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, **kwargs):
-    """chunk_kda: g [B, T, H, K] per-channel log-gates."""
+    """transformers' `chunk_kimi_delta_attention`, served by `delta_rule` (chunk form: training and prefill).
+
+    `kernelize` installs it in place of transformers' function; it takes that function's arguments and returns
+    what it returns.
+
+    Args:
+        query: Queries `[B, T, H, K]`.
+        key: Keys `[B, T, H, K]`.
+        value: Values `[B, T, HV, V]` (HV a multiple of H: grouped value heads).
+        g: The per-channel log-gates `[B, T, HV, K]` (<= 0).
+        beta: Write strengths `[B, T, HV]`.
+        chunk_size: Accepted for the signature; linattn picks its own chunk.
+        initial_state: The state `[N, HV, K, V]` to start from, or None.
+        output_final_state: Also return the final state.
+        use_qk_l2norm_in_kernel: L2-normalise q and k inside the operator (the "rsqrt" form).
+        **kwargs: transformers' packed-sequence arguments (`cu_seqlens`, `cu_seq_lens_q`), or none.
+
+    Returns:
+        (o `[B, T, HV, V]` in the input dtype, the final state `[N, HV, K, V]` in fp32 (fp64 for fp64 inputs)
+        or None).
+    """
     return _delta(query, key, value, g, beta, "chunk", initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, kwargs)
 
 
 def kda_recurrent(query, key, value, g, beta, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=False, **kwargs):
+    """transformers' `recurrent_kimi_delta_attention`, served by `delta_rule` (recurrent form: decoding, any T).
+
+    `kernelize` installs it in place of transformers' function; it takes that function's arguments and returns
+    what it returns.
+
+    Args:
+        query: Queries `[B, T, H, K]`.
+        key: Keys `[B, T, H, K]`.
+        value: Values `[B, T, HV, V]` (HV a multiple of H: grouped value heads).
+        g: The per-channel log-gates `[B, T, HV, K]` (<= 0).
+        beta: Write strengths `[B, T, HV]`.
+        initial_state: The state `[N, HV, K, V]` to start from, or None.
+        output_final_state: Also return the final state.
+        use_qk_l2norm_in_kernel: L2-normalise q and k inside the operator (the "rsqrt" form).
+        **kwargs: transformers' packed-sequence arguments (`cu_seqlens`, `cu_seq_lens_q`), or none.
+
+    Returns:
+        (o `[B, T, HV, V]` in the input dtype, the final state `[N, HV, K, V]` in fp32 (fp64 for fp64 inputs)
+        or None).
+    """
     return _delta(query, key, value, g, beta, "recurrent", initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, kwargs)
 
