@@ -415,3 +415,23 @@ def test_block_step_nan_reaches_only_later_tokens(monkeypatch):
     keep = torch.arange(50) != ids[0, 6]   # the tied head's row of the poisoned token is NaN everywhere
     assert torch.equal(got[:, :6, keep], clean[:, :6, keep])
     assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.isnan(got[:, 6:]).all()
+
+
+@pytest.mark.parametrize("mixer", ["gated-deltanet", "linear-elu+1"])
+def test_block_step_after_the_model_changes_dtype(mixer, monkeypatch):
+    """A model moved to fp64 mid-generation: the kept fp32 windows and states are converted, as by the PyTorch
+    step (and the plan is rebuilt for the new dtype)."""
+    model = _model(mixer)
+    twin = _torch_twin(model)
+    ids = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(6))
+    count = BlockCount(monkeypatch)
+    outs = []
+    for m in (model, twin):
+        with torch.no_grad():
+            out = m(ids[:, :4], use_cache=True)
+            logits = [m(ids[:, t:t + 1], cache=out.cache).logits for t in range(4, 7)]
+            m.double()
+            logits += [m(ids[:, t:t + 1], cache=out.cache).logits.float() for t in range(7, 10)]
+        outs.append(torch.cat(logits, 1))
+    assert count.n == 2 * 6
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-5, atol=2e-5)

@@ -227,8 +227,11 @@ def _compiled_inputs(layer, x: torch.Tensor, cache: LayerCache, lins):
     if convs:
         C, KC = cw.shape[0], convs[0].kernel_size
         window = _window(cache, y.dtype)
-        if window is not None and not window.is_contiguous():
-            window = window.contiguous()
+        if window is not None:
+            if window.shape != (y.shape[0], C, KC - 1):
+                return None   # not this layer's windows: the PyTorch step (and then the general path) checks them
+            if window.dtype != y.dtype or not window.is_contiguous():
+                window = window.to(y.dtype).contiguous()
         conv = (window, cw.view(C, KC), cb, convs[0].activation is not None)
     return y, conv, heads
 
@@ -555,11 +558,14 @@ def block_step(layer, x: torch.Tensor, cache: Optional[LayerCache], norm1, norm2
         lins = _usable(layer, x, kind)
         if lins is None or not _cpu_decode.available():
             return None
-        slot.plan, slot.keep = _build_plan(layer, kind, lins, x, norm1, norm2, ffn)
+        plan, keep = _build_plan(layer, kind, lins, x, norm1, norm2, ffn)
+        plan.keep = keep   # the plan holds what it points into (a call in flight keeps it alive)
+        slot.plan, slot.keep = plan, keep
         slot.fn, slot.fused, slot.key = _cpu_decode.block_function(x.dtype), layer._fused._value, key
     elif _block_hooked(layer):
         return None
-    kind = "delta" if slot.plan.kind == 0 else "linear"
+    plan, fn = slot.plan, slot.fn
+    kind = "delta" if plan.kind == 0 else "linear"
     B, d, cdt = x.shape[0], x.shape[2], x.dtype
     H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
     st = cache.get("state")
@@ -583,14 +589,18 @@ def block_step(layer, x: torch.Tensor, cache: Optional[LayerCache], norm1, norm2
     if layer.short_conv:
         c0 = mods["q_conv"]
         window = _window(cache, cdt)
-        if window is not None and not window.is_contiguous():
-            window = window.contiguous()
-        w_out = torch.empty(B, 2 * H * K + HV * V, c0.kernel_size - 1, dtype=cdt)
+        Cc, W = 2 * H * K + HV * V, c0.kernel_size - 1
+        if window is not None:
+            if window.shape != (B, Cc, W):
+                return None   # not this layer's windows: the general path says what is wrong
+            if window.dtype != cdt or not window.is_contiguous():
+                window = window.to(cdt).contiguous()
+        w_out = torch.empty(B, Cc, W, dtype=cdt)
     xin = x.reshape(B, d)
     if not xin.is_contiguous():
         xin = xin.contiguous()
     x_out = torch.empty(B, 1, d, dtype=cdt)
-    _cpu_decode.block_step(slot.plan, slot.fn, xin, window, S, w_out, S_out, x_out)
+    _cpu_decode.block_step(plan, fn, xin, window, S, w_out, S_out, x_out)
     if kind == "delta":
         cache["state"] = S_out
     else:
