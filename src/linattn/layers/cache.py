@@ -310,9 +310,18 @@ class Cache:
         self._history.append((n, _copy_layers(self.layers, record=True)))
 
     def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` tokens (a negative value removes that many; a length at or beyond
-        `seen_tokens` changes nothing): transformers' `DynamicCache.crop`. Needs `rollback` of at least
-        the number of tokens removed (`model.new_cache(rollback=k)`)."""
+        """Keep the first `max_length` tokens: transformers' `DynamicCache.crop`.
+
+        A negative value removes that many; a length at or beyond `seen_tokens` changes nothing. Needs `rollback`
+        of at least the number of tokens removed (`model.new_cache(rollback=k)`).
+
+        Args:
+            max_length: The tokens to keep, or a negative number of tokens to remove.
+
+        Raises:
+            LinattnTypeError: max_length is not an int.
+            UsageError: More tokens removed than the cache holds, or than its rollback window keeps.
+        """
         if isinstance(max_length, bool) or not isinstance(max_length, int):
             raise LinattnTypeError(f"crop takes an int (tokens to keep, or a negative number to remove), got "
                                    f"{max_length!r}")
@@ -354,18 +363,31 @@ class Cache:
         self.layers = live
 
     def history_nbytes(self) -> int:
-        """Bytes held by the recorded states (the cost of `rollback`; 0 without it)."""
+        """Bytes held by the recorded states (the cost of `rollback`; 0 without it).
+
+        Returns:
+            The size in bytes.
+        """
         return sum(c.nbytes() for _, rec in self._history for d in rec for c in d.values())
 
     # -- prefix caching, beams -----------------------------------------------------------------
     def snapshot(self) -> CacheSnapshot:
-        """A deep copy of every layer's state (KV caches included): `restore` it into this or a fresh cache."""
+        """A deep copy of every layer's state (KV caches included): `restore` it into this or a fresh cache.
+
+        Returns:
+            The `CacheSnapshot`.
+        """
         self._check_state_ops("snapshot")
         return CacheSnapshot(_copy_layers(self.layers), self.seen_tokens)
 
     def restore(self, snap: CacheSnapshot) -> None:
         """Continue from `snap` (its tensors are copied again, so it can be restored any number of times).
-        The rollback window restarts at the restored position."""
+
+        The rollback window restarts at the restored position.
+
+        Args:
+            snap: A `snapshot()` of a cache of the same model.
+        """
         self._check_state_ops("restore")
         if not isinstance(snap, CacheSnapshot):
             raise LinattnTypeError(f"restore takes a CacheSnapshot (cache.snapshot()), got {type(snap).__name__}")
@@ -377,8 +399,13 @@ class Cache:
         self.record()
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch rows `index` (an int64 tensor, as transformers' `reorder_cache(beam_idx)`): every
-        state's dim 0, recorded states included."""
+        """Keep batch rows `index` (as transformers' `reorder_cache(beam_idx)`).
+
+        Every state's dim 0 is indexed, recorded states included.
+
+        Args:
+            index: The rows to keep, an int64 tensor `[B']`.
+        """
         if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype not in (torch.int64, torch.int32):
             raise LinattnError(f"index must be a 1-D int64 tensor of batch rows, got "
                                f"{getattr(index, 'dtype', type(index).__name__)} {tuple(getattr(index, 'shape', ()))}")
