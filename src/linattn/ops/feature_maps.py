@@ -93,9 +93,27 @@ class FeatureMap:
             self.log_space, self.name = bool(log_space), name
 
     def phi(self, x: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The query features.
+
+        Args:
+            x: `[..., K]` (the operator passes `[B, T, H, K]`).
+            pos: The tokens' positions `[B, T]` (positional maps such as cosFormer), or None.
+
+        Returns:
+            `[..., K_phi]` (log-features for a log-space map).
+        """
         return self._phi(x)
 
     def psi(self, x: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The key features (phi's, unless the map is asymmetric).
+
+        Args:
+            x: `[..., K]`.
+            pos: The tokens' positions `[B, T]` (positional maps), or None.
+
+        Returns:
+            `[..., K_phi]`.
+        """
         return self._psi(x)
 
     @classmethod
@@ -116,11 +134,21 @@ class FeatureMap:
 
     def kernel(self, a: torch.Tensor, b: torch.Tensor, i: Optional[torch.Tensor] = None,
                j: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """k(a_i, b_j) for all pairs, a [T, K], b [S, K] -> [T, S] (i, j: the positions, for positional maps).
+        """k(a_i, b_j) for all pairs (i, j: the positions, for positional maps).
 
         The references call it in fp64. This default evaluates phi and psi (sum_d exp(phi_d + psi_d) for
         log-space maps); a new map should override it with its kernel written from the formula, so its
-        reference does not share the features' code."""
+        reference does not share the features' code.
+
+        Args:
+            a: Queries `[T, K]`.
+            b: Keys `[S, K]`.
+            i: The queries' positions `[T]` (positional maps only).
+            j: The keys' positions `[S]`.
+
+        Returns:
+            The kernel matrix `[T, S]`.
+        """
         fa, fb = self.phi(a[None, :, None], None if i is None else i[None]), self.psi(
             b[None, :, None], None if j is None else j[None])
         fa, fb = fa[0, :, 0], fb[0, :, 0]
@@ -129,8 +157,16 @@ class FeatureMap:
         return fa @ fb.T
 
     def feature_dim(self, head_dim: int) -> int:
-        """K_phi, the width of phi(x) and psi(x) for inputs of width `head_dim` (found by evaluating
-        phi on one zero vector unless the subclass knows it)."""
+        """K_phi, the width of phi(x) and psi(x) for inputs of width `head_dim`.
+
+        Found by evaluating phi on one zero vector unless the subclass knows it.
+
+        Args:
+            head_dim: The input width K.
+
+        Returns:
+            K_phi.
+        """
         x = torch.zeros(1, 1, 1, head_dim)
         return int(self.phi(x, torch.zeros(1, 1, dtype=torch.int64) if self.positional else None).shape[-1])
 
