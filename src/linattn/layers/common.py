@@ -264,6 +264,16 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, state: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Convolve x causally over time, continuing from `state`.
+
+        Args:
+            x: The input `[B, T, D]`.
+            state: The last K-1 inputs of a previous call `[B, D, K-1]`, or None (zeros before the first token).
+            cu_seqlens: int64 `[N+1]` offsets of packed documents (B = 1): the look-back is zeroed at every start.
+
+        Returns:
+            (y `[B, T, D]`, the new state `[B, D, K-1]`, or None with cu_seqlens).
+        """
         B, T, D = x.shape
         if cu_seqlens is not None:
             if state is not None:
