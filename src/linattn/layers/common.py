@@ -158,6 +158,19 @@ class RotaryEmbedding(nn.Module):
         return self._cos[positions], self._sin[positions]
 
     def apply(self, x: torch.Tensor, offset=0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rotate x by its tokens' positions.
+
+        Args:
+            x: `[B, T, H, D]`.
+            offset: Token t is at absolute position offset + t: an int, or a `[B]` tensor (per-sequence positions).
+            positions: Explicit integer positions `[T]` or `[B, T]` instead (packed documents restart at 0).
+
+        Returns:
+            The rotated tensor, in x's dtype.
+
+        Raises:
+            LinattnError: positions of the wrong shape.
+        """
         T = x.shape[1]
         if positions is not None:
             if positions.shape[-1] != T or positions.dim() not in (1, 2):
