@@ -6,7 +6,7 @@ or, where fla has none, linattn's fp64 references (each patch says which)."""
 import pytest
 import torch
 
-from linattn.errors import ConfigError
+from linattn.errors import CheckpointError, ConfigError
 from linattn.models import LanguageModel, LMConfig
 
 #: the compared length: the mapping is under test here (the operators' chunk boundaries have their own tests)
@@ -178,6 +178,11 @@ def test_rwkv7_import_matches_fla(tmp_path):
     cfg = res.model.config
     assert (cfg.mixer, cfg.norm, cfg.embed_norm, cfg.ffn) == ("rwkv7", "layernorm", True, "rwkv7")
     assert cfg.mixer_kwargs["rwkv7"]["kk_norm"] == "rsqrt"
+    # fla's unfused path (fuse_norm=False) normalises kk with F.normalize: the option follows the config
+    from linattn.hf.fla.core import _read_config, fla_to_linattn, read_fla_weights
+    folder = tmp_path / "fla_model"
+    flacfg = {**_read_config(folder), "fuse_norm": False}
+    assert fla_to_linattn(flacfg, read_fla_weights(folder))[0].mixer_kwargs["rwkv7"]["kk_norm"] == "normalize"
 
 
 def _mamba2_torch_forward_fp64(self, x, last_state=None, use_cache=False, attention_mask=None):
@@ -237,7 +242,6 @@ def test_mamba2_import_matches_fla(tmp_path, variant):
     assert res.greedy_equal, (res.fla_tokens, res.linattn_tokens)
     assert res.model.config.mixer == "mamba2" and res.model.config.ffn == "none"
     if not variant:   # a folder whose weights lack a tensor: the error names it
-        from linattn.errors import CheckpointError
         from linattn.hf.fla.core import _read_config, fla_to_linattn, read_fla_weights
         folder = tmp_path / "fla_model"
         weights = read_fla_weights(folder)
@@ -283,6 +287,11 @@ def test_forgetting_transformer_import_matches_fla(tmp_path, variant):
                                                          vocab_size=100, intermediate_size=96, **variant))
         res = _check(fc, model, tmp_path)
     assert res.model.config.mixer == "fox"
+    # fla applies window_size only when decoding (its forward ignores it): refused, naming it
+    from linattn.hf.fla.core import _read_config, fla_to_linattn, read_fla_weights
+    folder = tmp_path / "fla_model"
+    with pytest.raises(CheckpointError, match="window_size"):
+        fla_to_linattn({**_read_config(folder), "window_size": 8}, read_fla_weights(folder))
 
 
 def _l2norm_fp64(x, eps=1e-6, output_dtype=None):
