@@ -2,7 +2,10 @@
 the options their layers needed in linattn's (tested here without fla), then fla's OWN tiny models in fp64, saved
 with save_pretrained, converted by `linattn.hf.import_fla`, whose linattn checkpoints must give fla's logits
 (<= 1e-10) and greedy generations. fla's Triton kernels do not run on CPU: its layers call fla's naive references
-or, where fla has none, linattn's fp64 references (each patch says which)."""
+or, where fla has none, linattn's fp64 references (each patch says which): FoX and DeltaFormer fla's naive ones (run
+with fla's `.float()` casts keeping fp64, `_keep_fp64`); PaTH and MesaNet linattn's (fla's naive ones compute in
+fp32 buffers); RWKV-7 linattn's token loop (fla has no naive one); Mamba2 an fp64 forward written here from Mamba2's
+equations (fla's and transformers' CPU paths cast to fp32). A transformers Mamba2ForCausalLM folder is imported too."""
 import pytest
 import torch
 
