@@ -372,6 +372,7 @@ GLAS = {
     "conv_clamp_unfused_tied": dict(num_heads=4, expand_k=1.0, use_short_conv=True, clamp_min=-0.05, fuse_norm=False,
                                     tie_word_embeddings=True),
     "gqa_conv": dict(num_heads=4, num_kv_heads=2, use_short_conv=True),
+    "relu_map": dict(num_heads=2, feature_map="relu"),
     "no_output_gate": dict(num_heads=2, use_output_gate=False, expand_v=2.0),
     "hybrid_attn": dict(num_heads=2, attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2, "qkv_bias": True,
                                            "window_size": 9, "rope_theta": 1000.0}),

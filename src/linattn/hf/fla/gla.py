@@ -9,7 +9,7 @@ from typing import Any, Dict
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
 
 
-def _heads(cfg: Dict[str, Any]):
+def gla_heads(cfg: Dict[str, Any]):
     d, H = int(cfg["hidden_size"]), int(cfg_get(cfg, "num_heads", 4))
     kd, vd = d * float(cfg_get(cfg, "expand_k", 0.5)), d * float(cfg_get(cfg, "expand_v", 1.0))
     require(kd == int(kd) and vd == int(vd) and int(kd) % H == 0 and int(vd) % H == 0, cfg,
@@ -30,8 +30,9 @@ def output_norm_state(p: LayerParams) -> Dict[str, Any]:
 
 @register_fla("gla")
 def convert_gla(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
-    H, dk, dv = _heads(cfg)
-    require(cfg.get("feature_map") is None, cfg, f"feature_map {cfg.get('feature_map')!r}")
+    H, dk, dv = gla_heads(cfg)
+    fm = cfg.get("feature_map")
+    require(fm in (None, "relu"), cfg, f"feature_map {fm!r} (supported: None, relu)")
     require(cfg_get(cfg, "elementwise_affine", True), cfg, "an output norm without a weight (elementwise_affine)")
     short_conv, out_gate = bool(cfg_get(cfg, "use_short_conv", False)), bool(cfg_get(cfg, "use_output_gate", True))
     low_rank = int(p["gk_proj.0.weight"].shape[0])
@@ -39,6 +40,8 @@ def convert_gla(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
                               "gate_low_rank": low_rank}
     if short_conv:
         kwargs["conv_size"] = int(cfg_get(cfg, "conv_size", 4))
+    if fm == "relu":   # fla: relu on q and k after the gate, the scale on relu(q) (the same as relu(scale q))
+        kwargs["feature_map"] = "relu"
     if cfg.get("clamp_min") is not None:
         kwargs["gate_min"] = float(cfg["clamp_min"])
     kv = cfg.get("num_kv_heads")

@@ -14,7 +14,7 @@ import torch
 
 from ...errors import CheckpointError
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .gla import _heads
+from .gla import gla_heads
 
 #: fla's feature_map -> linattn's map of the same phi = psi
 FEATURE_MAPS = {"identity": "identity", "elu": "elu+1", "relu": "relu"}
@@ -41,7 +41,7 @@ def _learned_state(p: LayerParams, tied: bool) -> Dict[str, Any]:
 
 @register_fla("linear_attn")
 def convert_linear_attn(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
-    H, dk, dv = _heads({"expand_k": 1.0, "expand_v": 1.0, **{k: v for k, v in cfg.items() if v is not None}})
+    H, dk, dv = gla_heads({"expand_k": 1.0, "expand_v": 1.0, **{k: v for k, v in cfg.items() if v is not None}})
     fm = cfg_get(cfg, "feature_map", "elementwise_product")
     require(fm in FEATURE_MAPS or fm in LEARNED, cfg,
             f"feature_map {fm!r} (supported: {', '.join(list(FEATURE_MAPS) + list(LEARNED))})")

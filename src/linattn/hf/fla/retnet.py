@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .gla import _heads, output_norm_state
+from .gla import gla_heads, output_norm_state
 
 
 @register_fla("retnet")
 def convert_retnet(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
-    H, dk, dv = _heads({"expand_k": 1.0, "expand_v": 2.0, **{k: v for k, v in cfg.items() if v is not None}})
+    H, dk, dv = gla_heads({"expand_k": 1.0, "expand_v": 2.0, **{k: v for k, v in cfg.items() if v is not None}})
     require(cfg.get("feature_map") is None, cfg, f"feature_map {cfg.get('feature_map')!r}")
     require(cfg_get(cfg, "elementwise_affine", True), cfg, "an output norm without a weight (elementwise_affine)")
     out_gate = bool(cfg_get(cfg, "use_output_gate", True))
