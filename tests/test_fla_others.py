@@ -101,6 +101,25 @@ def test_fla_layer_options_decode_and_pack(mixer, kwargs):
     assert (packed.reshape(2, 7, -1) - full).abs().max() < 1e-10
 
 
+def test_fla_layer_options_bad_values():
+    from linattn.errors import LinattnError
+    from linattn.layers import DeltaFormer, FoX, PaTH
+    cases = [
+        (lambda: FoX(16, 2, n_kv_heads=3), "n_kv_heads"),
+        (lambda: FoX(16, 2, qk_norm=True, qk_norm_weight="row"), "qk_norm_weight"),
+        (lambda: FoX(16, 2, n_kv_heads=1, short_conv=True), "n_kv_heads"),
+        (lambda: FoX(16, 2, qk_norm=True, qk_norm_before_rope=True, short_conv=True), "qk_norm_before_rope"),
+        (lambda: PaTH(16, 2, w_conv_act="gelu"), "w_conv_act"),
+        (lambda: PaTH(16, 2, w_l2norm="l1"), "w_l2norm"),
+        (lambda: PaTH(16, 2, n_kv_heads=1), "n_kv_heads"),
+        (lambda: DeltaFormer(16, 2, beta_act="tanh"), "beta_act"),
+        (lambda: DeltaFormer(16, 2, n_kv_heads=1), "n_kv_heads"),
+    ]
+    for build, name in cases:
+        with pytest.raises(LinattnError, match=name):
+            build()
+
+
 @pytest.mark.parametrize("kwargs", [{"d_per_channel": True, "norm_before_gate": True}, {"gated_norm": False}])
 def test_mamba2_block_options_match_equations(kwargs):
     # Mamba2Block's new options against the fp64 forward written from Mamba2's equations (_mamba2_torch_forward_fp64,

@@ -93,6 +93,8 @@ class _CachedSoftmaxFamily(AttentionBase):
             self.v_proj = nn.Linear(d_model, kvh * self.head_dim_v, bias=bias)
         self.qk_norm = bool(qk_norm)
         self.qk_norm_before_rope = bool(qk_norm_before_rope)
+        if self.qk_norm and self.qk_norm_before_rope and self.short_conv:
+            raise LinattnError("qk_norm_before_rope cannot be combined with short_conv")
         if self.qk_norm:
             eps = kwargs.get("norm_eps", 1e-6) if qk_norm_eps is None else float(qk_norm_eps)
             if qk_norm_weight == "head":
@@ -105,9 +107,7 @@ class _CachedSoftmaxFamily(AttentionBase):
     def _qkv(self, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         if self.n_kv_heads == self.n_heads and not (self.qk_norm and self.qk_norm_before_rope):
             return super()._qkv(x, cache, cu_seqlens)
-        B, T, _ = x.shape      # (no short conv here: refused with n_kv_heads; with qk_norm_before_rope below)
-        if self.short_conv:
-            raise LinattnError("qk_norm_before_rope cannot be combined with short_conv")
+        B, T, _ = x.shape      # (no short conv here: __init__ refuses it with n_kv_heads or qk_norm_before_rope)
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim_v)
