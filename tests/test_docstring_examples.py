@@ -32,8 +32,8 @@ DOCUMENTED = OPERATORS + [
     "linattn.FeatureMap.kernel", "linattn.FeatureMap.feature_dim", "linattn.FeatureMap.phi",
     "linattn.FeatureMap.psi", "linattn.FAVORPlus", "linattn.register_feature_map", "linattn.feature_map_names",
     "linattn.get_feature_map", "linattn.chunk_size_used", "linattn.mixers",
-    "linattn.models.registry.register_mixer", "linattn.audit.check_causality", "linattn.set_checks",
-    "linattn.get_checks", "linattn.prepare_delta", "linattn.prepare_linear_attention",
+    "linattn.models.registry.register_mixer", "linattn.audit.check_causality", "linattn.audit.CausalityReport",
+    "linattn.set_checks", "linattn.get_checks", "linattn.prepare_delta", "linattn.prepare_linear_attention",
     # layers (constructor arguments)
     "linattn.layers.AttentionBase", "linattn.layers.AttentionBase.forward", "linattn.layers.SoftmaxAttention",
     "linattn.layers.FoX", "linattn.layers.DeltaFormer", "linattn.layers.Mamba2Block", "linattn.layers.MesaNet",
@@ -45,7 +45,7 @@ DOCUMENTED = OPERATORS + [
     "linattn.layers.tensor_nbytes", "linattn.layers.ShortConv", "linattn.layers.RotaryEmbedding",
     "linattn.layers.RMSNorm", "linattn.layers.GatedRMSNorm", "linattn.layers.SwiGLU", "linattn.layers.l2_normalize",
     "linattn.layers.check_cu_seqlens", "linattn.layers.packed_positions", "linattn.layers.ShortConv.forward",
-    "linattn.layers.RotaryEmbedding.apply",
+    "linattn.layers.RotaryEmbedding.apply", "linattn.layers.Mamba2Block.forward", "linattn.layers.RWKV7.forward",
     # models
     "linattn.LMConfig", "linattn.LanguageModel", "linattn.LanguageModel.forward", "linattn.LanguageModel.generate",
     "linattn.LMConfig.from_dict", "linattn.LMConfig.to_dict", "linattn.LMConfig.to_json",

@@ -25,11 +25,17 @@ from .errors import LinattnError
 
 @dataclass
 class CausalityReport:
-    """Result of `check_causality`.
+    """Result of `check_causality`; true when the model passed.
 
-    ok: no earlier output changed. offending_positions: the positions whose output changed when
-    only later tokens did. max_diff: the largest change at a position that should not have
-    changed. leaks: {cut p: positions <= p that changed}.
+    Attributes:
+        ok: no earlier output changed.
+        offending_positions: the positions whose output changed when only later tokens did.
+        max_diff: the largest change at a position that should not have changed.
+        seq_len: The length of the probe sequences.
+        cuts: The cut positions tried.
+        atol: The tolerance used.
+        dtype: The dtype the audit ran in.
+        leaks: {cut p: positions <= p that changed}.
     """
     ok: bool
     offending_positions: List[int]

@@ -200,6 +200,16 @@ class RWKV7(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, *,
                 cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mix the tokens of x: the training path, prefill or decoding (as `AttentionBase.forward`).
+
+        Args:
+            x: The input `[B, T, d_model]` (`[1, T_total, d_model]` with cu_seqlens).
+            cache: A `LayerCache` to decode incrementally (continued and updated in place), or None.
+            cu_seqlens: int64 `[N+1]` offsets, to run N packed documents independently of each other.
+
+        Returns:
+            The output `[B, T, d_model]`, in x's dtype.
+        """
         cu_seqlens = check_mixer_call("RWKV7", self.d_model, x, cache, cu_seqlens)
         Bsz, T, _ = x.shape
         H, Dh = self.n_heads, self.head_dim
