@@ -58,7 +58,7 @@ DOCUMENTED = OPERATORS + [
     "linattn.hf.LinattnForCausalLM.from_linattn", "linattn.hf.LinattnForCausalLM.to_linattn",
     "linattn.hf.LinattnConfig.from_lm_config", "linattn.hf.LinattnConfig.lm_config",
     "linattn.hf.kernelize.gdn_chunk", "linattn.hf.kernelize.gdn_recurrent", "linattn.hf.kernelize.kda_chunk",
-    "linattn.hf.kernelize.kda_recurrent",
+    "linattn.hf.kernelize.kda_recurrent", "linattn.hf.fla.import_fla", "linattn.hf.fla.supported_types",
     # training
     "linattn.training.TrainConfig", "linattn.training.train", "linattn.training.TrainResult",
     "linattn.training.evaluate", "linattn.training.EvalResult", "linattn.training.StepOutput",
@@ -67,7 +67,7 @@ DOCUMENTED = OPERATORS + [
     "linattn.training.Trainer.model_state_dict", "linattn.training.TrainConfig.check_split",
     "linattn.training.training_tokens_per_second", "linattn.training.prepare_data", "linattn.training.TrainData",
     "linattn.training.rank_batch", "linattn.training.lr_at", "linattn.training.make_optimizer",
-    "linattn.training.read_metrics", "linattn.training.Dist",
+    "linattn.training.read_metrics", "linattn.training.Dist", "linattn.training.Dist.from_env",
     # benchmarks
     "linattn.bench.add_arguments", "linattn.bench.main", "linattn.bench.load", "linattn.bench.run_benchmark",
     "linattn.bench.command_line",

@@ -65,8 +65,18 @@ class Dist:
 
     @classmethod
     def from_env(cls, device_name: Optional[str] = None) -> "Dist":
-        """The process group of this run: the one already initialised, else one initialised from
-        the environment when WORLD_SIZE > 1, else a single process on `device_name`'s device."""
+        """The process group of this run.
+
+        The one already initialised, else one initialised from the environment when WORLD_SIZE > 1 (torchrun),
+        else a single process on `device_name`'s device.
+
+        Args:
+            device_name: The run's device ("auto", "cpu", "cuda", ...; None: auto); under torchrun each process
+                takes its local rank's GPU.
+
+        Returns:
+            The `Dist`.
+        """
         import torch.distributed as tdist
 
         if tdist.is_available() and tdist.is_initialized():

@@ -91,7 +91,16 @@ def register_fla(model_type: str, *, layout: Optional[FlaLayout] = None) -> Call
 
 
 def supported_types() -> List[str]:
-    """The fla `model_type`s `import_fla` converts."""
+    """The fla `model_type`s `import_fla` converts.
+
+    Returns:
+        The model types, sorted.
+
+    Examples:
+        >>> from linattn.hf.fla import supported_types
+        >>> {"gated_deltanet", "kda", "mamba2"} <= set(supported_types())
+        True
+    """
     return sorted(_CONVERTERS)
 
 
@@ -357,10 +366,25 @@ def _check_state(config: LMConfig, state: Dict[str, Tensor]) -> None:
 
 
 def import_fla(folder: PathLike, out: PathLike, *, overwrite: bool = False, step: int = 0) -> Path:
-    """Write the fla model folder `folder` (config.json with a supported `model_type`, safetensors weights,
-    optionally tokenizer.json) as a linattn checkpoint in the run folder `out`. Returns the step folder.
-    A tokenizer.json linattn cannot read is left out with a warning.
-    The weights keep their dtype (an fp64 fla model gives an fp64 checkpoint)."""
+    """Write a flash-linear-attention model folder as a linattn checkpoint in the run folder `out`.
+
+    The folder holds config.json with a supported `model_type` (`supported_types()`), safetensors weights, and
+    optionally tokenizer.json. A tokenizer.json linattn cannot read is left out with a warning. The weights keep
+    their dtype (an fp64 fla model gives an fp64 checkpoint).
+
+    Args:
+        folder: The fla model folder.
+        out: The linattn run folder to write into.
+        overwrite: Replace the checkpoints `out` already holds.
+        step: The step number of the checkpoint.
+
+    Returns:
+        The step folder.
+
+    Raises:
+        CheckpointError: An unsupported model_type, unreadable weights, or `out` holding a checkpoint without
+            overwrite.
+    """
     folder, out = Path(folder), Path(out)
     cfg = _read_config(folder)
     if cfg.get("model_type") not in _CONVERTERS:
