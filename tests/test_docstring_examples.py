@@ -213,7 +213,10 @@ def test_griffe_parses_without_warnings():
         seen = set()
         parse_all(package, seen)
         for dotted in DOCUMENTED:                    # the documented objects were all reached
-            obj = resolve(dotted)
+            try:
+                obj = resolve(dotted)
+            except pytest.skip.Exception:            # linattn.hf without the hf extra
+                continue
             path = f"{obj.__module__}.{obj.__qualname__}"
             assert path in seen, dotted
             # a "Models:" / "FFN:" group line becomes an admonition box whose lines run together on the site
