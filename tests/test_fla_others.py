@@ -74,7 +74,7 @@ OPTIONS = [   # (mixer, mixer_kwargs) of the options added for fla's layers
     ("fox", {"n_kv_heads": 1, "qkv_bias": True, "qk_norm": True, "qk_norm_weight": "channel", "qk_norm_eps": 1e-5,
              "output_gate": True, "gate_act": "sigmoid", "output_norm": False}),
     ("deltaformer", {"stage1_query": "q", "beta_act": None, "qk_norm": True, "qk_norm_before_rope": True}),
-    ("path", {"w_rank": None, "w_conv": False, "use_forget_gate": True}),
+    ("path", {"w_rank": None, "w_conv": False, "use_forget_gate": True, "n_kv_heads": 1}),
     ("path", {"w_conv_act": "silu", "w_conv_bias": True, "w_l2norm": "rsqrt"}),
     ("mesanet", {"v_conv": False, "scale": 1.0}),
     ("mamba2", {"d_per_channel": True, "norm_before_gate": True}),
@@ -111,7 +111,6 @@ def test_fla_layer_options_bad_values():
         (lambda: FoX(16, 2, qk_norm=True, qk_norm_before_rope=True, short_conv=True), "qk_norm_before_rope"),
         (lambda: PaTH(16, 2, w_conv_act="gelu"), "w_conv_act"),
         (lambda: PaTH(16, 2, w_l2norm="l1"), "w_l2norm"),
-        (lambda: PaTH(16, 2, n_kv_heads=1), "n_kv_heads"),
         (lambda: DeltaFormer(16, 2, beta_act="tanh"), "beta_act"),
         (lambda: DeltaFormer(16, 2, n_kv_heads=1), "n_kv_heads"),
     ]
@@ -323,7 +322,7 @@ def _l2norm_fp64(x, eps=1e-6, output_dtype=None):
 
 
 @pytest.mark.parametrize("variant", [
-    {},                                                               # low-rank w, w's short conv
+    {"num_kv_heads": 1},                                              # low-rank w, w's short conv, GQA
     {"use_forget_gate": True, "use_low_rank_w": False, "use_w_shortconv": False},
 ])
 def test_path_attn_import_matches_fla(tmp_path, variant):
@@ -336,6 +335,8 @@ def test_path_attn_import_matches_fla(tmp_path, variant):
         # fla's naive_path_attn computes in fp32 (x.to(torch.float), fp32 buffers): linattn's fp64 reference of
         # PaTH's definition instead (explicit Householder products)
         assert cu_seqlens is None
+        G = q.shape[2] // k.shape[2]       # grouped k/v heads: each k/v head (with its w, beta) serves G query heads
+        k, v, w, beta = (t.repeat_interleave(G, dim=2) for t in (k, v, w, beta))
         return path_attention_ref(q, k, v, w, beta, g=g, scale=scale).to(q.dtype), None
 
     ops = {"fla.layers.path_attn.parallel_path_attn": path, "fla.layers.path_attn.l2_norm": _l2norm_fp64}

@@ -297,9 +297,8 @@ class PaTH(_CachedSoftmaxFamily):
         if w_conv_act not in (None, "silu") or w_l2norm not in ("normalize", "rsqrt"):
             raise LinattnError(f"w_conv_act must be None or 'silu' and w_l2norm 'normalize' or 'rsqrt', got "
                                f"{w_conv_act!r}, {w_l2norm!r}")
-        if self.n_kv_heads != self.n_heads:
-            raise LinattnError("PaTH: n_kv_heads (grouped k/v heads) is not supported")
-        HK = self.n_heads * self.head_dim
+        # w and beta act on the keys: one per k/v head (grouped heads: fla's PaTH with num_kv_heads)
+        HK = self.n_kv_heads * self.head_dim
         if w_rank is None:
             self.w_proj = nn.Linear(d_model, HK, bias=False)
         else:
@@ -307,7 +306,7 @@ class PaTH(_CachedSoftmaxFamily):
             self.w_up = nn.Linear(int(w_rank), HK, bias=False)
         self.w_l2norm = w_l2norm
         self.w_conv = ShortConv(HK, int(w_conv_size), activation=w_conv_act, bias=w_conv_bias) if w_conv else None
-        self.b_proj = nn.Linear(d_model, self.n_heads, bias=True)
+        self.b_proj = nn.Linear(d_model, self.n_kv_heads, bias=True)
         self.f_proj = nn.Linear(d_model, self.n_heads, bias=True) if use_forget_gate else None
 
     def householder(self, x: torch.Tensor, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor]):
@@ -320,9 +319,13 @@ class PaTH(_CachedSoftmaxFamily):
             w, conv_state = self.w_conv(w, cache.get("conv_w") if cache is not None else None, cu_seqlens)
             if cache is not None:
                 cache["conv_w"] = conv_state
-        w = w.view(B, T, self.n_heads, self.head_dim).to(_cdt(x))
+        w = w.view(B, T, self.n_kv_heads, self.head_dim).to(_cdt(x))
         w = F.normalize(w, dim=-1, eps=1e-6) if self.w_l2norm == "normalize" else l2norm(w, "rsqrt")
-        return w, 2 * torch.sigmoid(self.b_proj(x).to(_cdt(x)))
+        beta = 2 * torch.sigmoid(self.b_proj(x).to(_cdt(x)))
+        if self.n_kv_heads != self.n_heads:   # each query head of a group sees its k/v head's factors
+            g = self.n_heads // self.n_kv_heads
+            w, beta = w.repeat_interleave(g, dim=2), beta.repeat_interleave(g, dim=2)
+        return w, beta
 
     def _extras(self, x, cache, cu_seqlens):
         w, beta = self.householder(x, cache, cu_seqlens)

@@ -4,7 +4,8 @@ fla's PaTHAttention: q/k/v/o projections; w from a low-rank (32) or full-rank pr
 a causal depthwise convolution (kernel 3, SiLU, no bias; use_w_shortconv) and fla's l2_norm (x * rsqrt(sum x^2 +
 1e-6)); beta = 2 sigmoid(bt_proj(x)); an optional FoX gate logsigmoid(g_proj(x)) (use_forget_gate); no RoPE, no
 output norm. linattn's PaTH takes them as options (w_rank=None, w_conv, w_conv_act="silu", w_l2norm="rsqrt") and
-names them w_down / w_up (or w_proj), w_conv, b_proj, f_proj. Grouped k/v heads (num_kv_heads) are refused.
+names them w_down / w_up (or w_proj), w_conv, b_proj, f_proj. Grouped k/v heads (num_kv_heads): w and beta are
+per k/v head, as the keys (linattn's n_kv_heads).
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
 def convert_path_attn(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
     d, H = int(cfg["hidden_size"]), int(cfg_get(cfg, "num_heads", 32))
     require(d % H == 0, cfg, f"hidden_size {d} not divisible by num_heads {H}")
-    require(int(cfg_get(cfg, "num_kv_heads", H)) == H, cfg, "grouped k/v heads (num_kv_heads)")
     low_rank, conv = bool(cfg_get(cfg, "use_low_rank_w", True)), bool(cfg_get(cfg, "use_w_shortconv", True))
     forget = bool(cfg_get(cfg, "use_forget_gate", False))
     state = {f"{n}_proj.weight": p[f"{n}_proj.weight"] for n in "qkvo"}
@@ -40,4 +40,7 @@ def convert_path_attn(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConvers
     if forget:
         kwargs["use_forget_gate"] = True
         state["f_proj.weight"], state["f_proj.bias"] = p["g_proj.weight"], p["g_proj.bias"]
+    kvh = int(cfg_get(cfg, "num_kv_heads", H))
+    if kvh != H:
+        kwargs["n_kv_heads"] = kvh
     return MixerConversion("path", kwargs, state, {"n_heads": H, "head_dim": d // H})
