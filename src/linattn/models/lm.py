@@ -413,9 +413,30 @@ class LanguageModel(nn.Module, CausalLM):
                top_k: Optional[int] = None, top_p: Optional[float] = None,
                generator: Union[torch.Generator, int, None] = None, seed: Optional[int] = None,
                eos_token_id: Optional[int] = None) -> Iterator[Union[int, torch.Tensor]]:
-        """Yield generated tokens one step at a time: an int for a 1-D prompt (a list of ids or a
-        `[T]` tensor), a `[B]` tensor for a `[B, T]` prompt. Stops after max_new_tokens, or once
-        every sequence has produced eos_token_id (which is yielded). See `generate`."""
+        """Yield generated tokens one step at a time (what `generate` collects).
+
+        Stops after max_new_tokens, or once every sequence has produced eos_token_id (which is yielded).
+
+        Args:
+            input_ids: The prompt: a list of ids or a `[T]` tensor, or a `[B, T]` tensor.
+            max_new_tokens: The most tokens to generate.
+            temperature: 0 is greedy.
+            top_k: Keep the k most likely tokens (None: all).
+            top_p: Keep the smallest set of tokens whose probability reaches p (None: all).
+            generator: a torch.Generator or an int seed, to make sampling reproducible.
+            seed: An int seed (as generator=int).
+            eos_token_id: Stop once every sequence has produced it.
+
+        Yields:
+            An int per step for a 1-D prompt, a `[B]` tensor for a `[B, T]` prompt.
+
+        Examples:
+            >>> from linattn import LanguageModel, LMConfig
+            >>> model = LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, mixer="gla"))
+            >>> tokens = list(model.stream([1, 2, 3], 5, temperature=0))
+            >>> len(tokens), all(isinstance(t, int) for t in tokens)
+            (5, True)
+        """
         causal = self.is_causal
         seen = []  # without an incremental form (bidirectional lobe): the whole sequence each step
 
