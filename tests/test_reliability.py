@@ -486,7 +486,7 @@ def test_trainer_suspends_raising_checks_but_keeps_the_fast_cpu_paths():
 
     x = torch.ones(3)
     with value_checks_suspended():
-        assert get_checks() == "auto" and not _common.check_values(x) and _common._reads_values(x)
+        assert get_checks() == "auto" and not _common.check_values(x) and _common.reads_values(x)
     assert _common.check_values(x)
     previous = set_checks("full")
     try:

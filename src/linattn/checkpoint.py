@@ -224,7 +224,7 @@ def _looks_like_checkpoint(p: Path) -> bool:
     return p.is_dir() and (step_of(p) is not None or (p / CONFIG_FILE).exists() or (p / MODEL_FILE).exists())
 
 
-def _no_checkpoint_error(p: Path) -> CheckpointError:
+def no_checkpoint_error(p: Path) -> CheckpointError:
     """The one line for a path that holds no readable checkpoint, saying what is wrong with it."""
     if _looks_like_checkpoint(p):
         return CheckpointError(f"{p} is not a readable checkpoint: {checkpoint_problem(p)}")
@@ -249,7 +249,7 @@ def read_checkpoint_config(path: PathLike) -> Dict[str, Any]:
     """config.json of the checkpoint `path` stands for (see find_latest_checkpoint)."""
     ck = find_latest_checkpoint(path)
     if ck is None:
-        raise _no_checkpoint_error(Path(path)) if Path(path).is_dir() else \
+        raise no_checkpoint_error(Path(path)) if Path(path).is_dir() else \
             CheckpointError(f"no checkpoint found in {path}")
     f = ck / CONFIG_FILE
     try:
@@ -645,7 +645,7 @@ def load_checkpoint(path: PathLike, device: Union[str, torch.device] = "cpu", *,
         raise CheckpointError(f"checkpoint not found: {p}")
     ck = find_latest_checkpoint(p)
     if ck is None:
-        raise _no_checkpoint_error(p)
+        raise no_checkpoint_error(p)
     meta = read_checkpoint_config(ck)
     mdict = meta.get("model")
     if not isinstance(mdict, dict):

@@ -68,7 +68,7 @@ def _git_commit() -> Optional[str]:
         return None
 
 
-def _loadavg() -> Optional[List[float]]:
+def loadavg() -> Optional[List[float]]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except (OSError, AttributeError):
@@ -95,7 +95,7 @@ def machine_info(device: str = "cpu") -> Dict[str, Any]:
         "platform": platform.platform(),
         "linattn": __version__,
         "git_commit": _git_commit(),
-        "loadavg_1_5_15min": _loadavg(),
+        "loadavg_1_5_15min": loadavg(),
         "device": device,
     }
     if device.startswith("cuda") and torch.cuda.is_available():

@@ -31,7 +31,7 @@ from ..cli_support import UsageError, int_at_least
 from ..io import atomic_write_text, write_json
 from ..plotting import save_figure
 from . import common
-from .tlinformer import _fmt_mib, first_token, measure_N
+from .tlinformer import first_token, fmt_mib, measure_N
 
 DESCRIPTION = __doc__
 DEFAULT_MIXERS = "softmax,linear-elu+1,ela-hadamard_exp,retnet,gla,deltanet,gated-deltanet,efla"
@@ -190,7 +190,7 @@ def _report(names: Sequence[str], Ns: Sequence[int], get, elapsed: float) -> str
     softmax grows with N."""
     rows = [[name, N, common.fmt_ms(get(name, N, "miss")), _tok_per_s(N, get(name, N, "miss")),
              common.fmt_ms(get(name, N, "hit")), common.fmt_ms(get(name, N, "matvec_floor")),
-             _fmt_ratio(get(name, N, "step_over_floor")), _fmt_mib(get(name, N, "cache_bytes"))]
+             _fmt_ratio(get(name, N, "step_over_floor")), fmt_mib(get(name, N, "cache_bytes"))]
             for name in names for N in Ns]
     table = common.format_table(["mixer", "N", "prefill ms", "prefill tok/s", "decode ms/token", "floor ms",
                                  "step/floor", "cache MiB"], rows)

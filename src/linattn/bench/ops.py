@@ -1012,7 +1012,7 @@ def run(a) -> int:
     ]
     if info.get("loadavg_1_5_15min"):
         notes.append("the cpus may be shared with other processes (load average at start %s, at end %s): "
-                     "timings are noisy, see the IQR" % (info["loadavg_1_5_15min"], common._loadavg()))
+                     "timings are noisy, see the IQR" % (info["loadavg_1_5_15min"], common.loadavg()))
 
     table = results_table(results)
     skipped_lines = _skipped_summary(skipped)

@@ -334,13 +334,13 @@ def measure_N(models: Dict[str, torch.nn.Module], N: int, a, sync, log,
         miss = rec["miss"]["median_ms"] if rec["miss"] else None
         log(f"  {LABEL.get(d.name, d.name):<20} N={N:>7}: miss {common.fmt_ms(miss):>8} ms, hit "
             f"{common.fmt_ms(rec['hit']['median_ms']):>8} ms (min {common.fmt_ms(rec['hit']['min_ms'])}), "
-            f"cache {_fmt_mib(rec['cache_bytes'])} MiB{extra}")
+            f"cache {fmt_mib(rec['cache_bytes'])} MiB{extra}")
     del decs, floor, runners, mv
     gc.collect()
     return recs
 
 
-def _fmt_mib(b: Optional[int]) -> str:
+def fmt_mib(b: Optional[int]) -> str:
     if b is None:
         return "-"
     mib = b / 2 ** 20
@@ -550,7 +550,7 @@ def _table_row(N: int, names: Sequence[str], get) -> List[Any]:
     row: List[Any] = [N]
     for name in names:
         row += [common.fmt_ms(get(name, N, "miss")), common.fmt_ms(get(name, N, "hit"))]
-        row.append(_fmt_mib(get(name, N, "cache_bytes")))
+        row.append(fmt_mib(get(name, N, "cache_bytes")))
     if "softmax" in names:
         row.append(common.fmt_ms(get("softmax", N, "attn_floor_ms")))
     if "tlinformer" in names and "softmax" in names:
@@ -676,7 +676,7 @@ def _linear_lines(Ns: Sequence[int], get) -> List[str]:
     if not (lh and th):
         return []
     return [f"linear LM at N = {Nl}: hit {lh:.2f} ms (constant in N), cache "
-            f"{_fmt_mib(get('linear', Nl, 'cache_bytes'))} MiB (constant); TLinFormer hit / linear hit "
+            f"{fmt_mib(get('linear', Nl, 'cache_bytes'))} MiB (constant); TLinFormer hit / linear hit "
             f"= {th / lh:.1f}"]
 
 

@@ -51,13 +51,13 @@ import torch
 
 from .sources import (
     CorpusError,
-    _walk_files,
     report_skipped,
     scan,
     scan_files,
     split_by_name,
     split_text,
     text_split_point,
+    walk_files,
 )
 
 DEFAULT_STDLIB_MAX_BYTES = 8 * 1024 * 1024
@@ -131,7 +131,7 @@ def stdlib_files() -> List[Tuple[Path, str]]:
     root = stdlib_root()
     if not root.is_dir():
         raise CorpusError(f"the standard library folder {root} does not exist")
-    files = [f for f in _walk_files(root, STDLIB_EXCLUDED_DIRS) if f.suffix == ".py"]
+    files = [f for f in walk_files(root, STDLIB_EXCLUDED_DIRS) if f.suffix == ".py"]
     names = [(f.relative_to(root).as_posix(), f) for f in files]
     names.sort(key=lambda nf: (hashlib.sha256(nf[0].encode("utf-8")).hexdigest(), nf[0]))
     return [(f, n) for n, f in names]

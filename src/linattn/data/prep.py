@@ -58,8 +58,8 @@ from .sources import (
     CorpusError,
     Manifest,
     Part,
-    _progress_bar,
     part_text,
+    progress_bar,
     report_skipped,
     scan,
     scan_files,
@@ -182,7 +182,7 @@ def _training_texts(parts: Sequence[Part], bar) -> Iterator[str]:
 
 def train_on_parts(parts: Sequence[Part], vocab_size: int, progress: Optional[bool] = False) -> BPETokenizer:
     """Phase 2: a byte-level BPE trained on the parts' text, streamed."""
-    bar = _progress_bar(sum(p.nbytes for p in parts), "tokenizer", progress)
+    bar = progress_bar(sum(p.nbytes for p in parts), "tokenizer", progress)
     try:
         return train_tokenizer(_training_texts(parts, bar), vocab_size=vocab_size)
     finally:
@@ -265,7 +265,7 @@ def tokenize_parts(train_parts: Sequence[Part], val_parts: Sequence[Part], token
     """Phase 3: (ids in memory or None when written to `path`, n_train, train fingerprint, val
     fingerprint). The file appears at `path` only when complete."""
     sink = _Sink(token_dtype(tokenizer.vocab_size), path)
-    bar = _progress_bar(sum(p.nbytes for p in train_parts) + sum(p.nbytes for p in val_parts), "tokenizing",
+    bar = progress_bar(sum(p.nbytes for p in train_parts) + sum(p.nbytes for p in val_parts), "tokenizing",
                         progress)
     try:
         train_fp = _encode_parts(train_parts, tokenizer, sink, bar)

@@ -231,7 +231,7 @@ def _scan_file(path: Path, name: str, want: Optional[int], keep_text: bool, bar=
         return src, text, capped
 
 
-def _walk_files(root: Path, excluded_dirs=frozenset()) -> List[Path]:
+def walk_files(root: Path, excluded_dirs=frozenset()) -> List[Path]:
     """Every non-hidden file name under `root` (symlinked folders are not entered)."""
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -254,7 +254,7 @@ def _file_sizes(paths: Sequence[Path]) -> int:
     return total
 
 
-def _progress_bar(total: int, desc: str, progress: Optional[bool]):
+def progress_bar(total: int, desc: str, progress: Optional[bool]):
     """A tqdm bar in bytes on stderr: shown when `progress` is True, or None and stderr is a terminal."""
     from tqdm.auto import tqdm
 
@@ -272,7 +272,7 @@ def scan_files(candidates: Sequence[Tuple[Path, str]], root: str, max_bytes: Opt
     skipped: List[Tuple[str, str]] = []
     total = 0
     size = _file_sizes([p for p, _ in candidates])
-    bar = _progress_bar(min(size, max_bytes) if max_bytes is not None else size, "reading", progress)
+    bar = progress_bar(min(size, max_bytes) if max_bytes is not None else size, "reading", progress)
     try:
         for path, name in candidates:
             want = None if max_bytes is None else max_bytes - total
@@ -304,7 +304,7 @@ def scan(path: PathLike, max_bytes: Optional[int] = None, extensions: Optional[S
         raise missing_data_error(p)
     if p.is_dir():
         exts = None if extensions is None else {e if e.startswith(".") else "." + e for e in extensions}
-        files = sorted(((f, f.relative_to(p).as_posix()) for f in _walk_files(p)), key=lambda fn: fn[1])
+        files = sorted(((f, f.relative_to(p).as_posix()) for f in walk_files(p)), key=lambda fn: fn[1])
         if exts is not None:
             files = [(f, n) for f, n in files if f.suffix in exts]
         return scan_files(files, str(p), max_bytes, keep_text, progress)

@@ -56,7 +56,7 @@ from transformers.modeling_outputs import (
 from ..errors import ConfigError, LinattnError
 from ..layers.cache import Cache, KVCache
 from ..layers.common import FusedParams
-from ..models.lm import LanguageModel, _check_token_ids
+from ..models.lm import LanguageModel, check_token_ids
 from .configuration_linattn import STATE_SLOTS, LinattnConfig, layer_types_of
 
 # transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache` (the old
@@ -436,7 +436,7 @@ def _embed(stack, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[tor
     if input_ids.shape[1] == 0:
         raise LinattnError("input_ids must hold at least one token")
     input_ids = input_ids.long()
-    _check_token_ids(input_ids, stack.embed.num_embeddings)   # the live size, also after a resize
+    check_token_ids(input_ids, stack.embed.num_embeddings)   # the live size, also after a resize
     return stack.embed(input_ids)
 
 

@@ -17,7 +17,7 @@ from ..ops.l2norm import L2NORM_EPS, l2norm
 from .packing import check_cu_seqlens, packed_positions
 
 
-def _cdt(x: torch.Tensor) -> torch.dtype:
+def cdt(x: torch.Tensor) -> torch.dtype:
     """Compute dtype: fp64 stays fp64, everything else runs in fp32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -38,10 +38,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if not torch.is_grad_enabled() and x.dtype == _cdt(x) and (w is None or w.dtype == x.dtype):
+        if not torch.is_grad_enabled() and x.dtype == cdt(x) and (w is None or w.dtype == x.dtype):
             # inference (decoding): one fused call, the same values as the lines below (tests/test_decode_fast.py)
             return F.rms_norm(x, (self.dim,), w, self.eps)
-        xf = x.to(_cdt(x))
+        xf = x.to(cdt(x))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if w is not None:
             y = y * w.to(xf.dtype)
@@ -100,7 +100,7 @@ class GatedRMSNorm(RMSNorm):
         if self.plain:
             y = super().forward(x)
             return y if gate is None else y * F.silu(gate)
-        xf = x.to(_cdt(x))
+        xf = x.to(cdt(x))
         if gate is not None and self.gate_before_norm:
             xf = xf * gate_activation(self.gate_act, gate.to(xf.dtype))
         if self.group_size is None:
@@ -186,7 +186,7 @@ class RotaryEmbedding(nn.Module):
             pos = (int(offset) + torch.arange(T, device=x.device)).view(1, T)
             need = int(offset) + T
         cos, sin = self.cos_sin(pos, need)  # [B or 1, T, D/2]
-        xf = x.to(_cdt(x))
+        xf = x.to(cdt(x))
         cos, sin = cos.unsqueeze(2).to(xf.dtype), sin.unsqueeze(2).to(xf.dtype)  # broadcast over heads
         x1, x2 = xf[..., : self.dim // 2], xf[..., self.dim // 2:]
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -425,7 +425,7 @@ def mamba_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     """Mamba2's log-decay -exp(A_log) * softplus(a + dt_bias), in fp32 (fp64 when a is fp64: an fp64 model
     keeps its precision). With `owner` (single-token decoding without autograd) -exp(A_log) is kept on it
     while A_log is unchanged (the same values)."""
-    f = _cdt(a)
+    f = cdt(a)
     neg_a = -torch.exp(A_log.to(f)) if owner is None else mamba_neg_a(A_log, f, owner)
     a = a if a.dtype == f else a.to(f)
     return neg_a * F.softplus(a + (dt_bias if dt_bias.dtype == f else dt_bias.to(f)))
@@ -444,7 +444,7 @@ def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS, convention: str = "rs
     Returns:
         The normalised tensor, in x's dtype.
     """
-    return l2norm(x.to(_cdt(x)), convention, eps).to(x.dtype)
+    return l2norm(x.to(cdt(x)), convention, eps).to(x.dtype)
 
 
 def mamba_neg_a(A_log: torch.Tensor, f: torch.dtype, owner: nn.Module) -> torch.Tensor:

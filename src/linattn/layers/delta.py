@@ -32,7 +32,7 @@ from ..ops import delta_rule
 from ..ops.l2norm import L2NORM_CONVENTIONS
 from .base import AttentionBase
 from .cache import LayerCache
-from .common import _cdt, l2_normalize, mamba_log_decay
+from .common import cdt, l2_normalize, mamba_log_decay
 from .linear_attention import init_mamba_decay
 
 BETA_MODES = ("sigmoid", "adaptive", "loose")
@@ -139,14 +139,14 @@ class DeltaNet(AttentionBase):
     def beta(self, x: torch.Tensor) -> torch.Tensor:
         """Write strength `[B, T, HV]` (HV = n_value_heads)."""
         if not self.use_beta:
-            f = _cdt(x)
+            f = cdt(x)
             return torch.full((*x.shape[:2], self.n_value_heads), 2.0 if self.allow_negative_eigenvalues else 1.0,
                               dtype=f, device=x.device)
         return self._beta_of(self.b_proj(x))
 
     def _beta_of(self, b: torch.Tensor) -> torch.Tensor:
         """beta from the b_proj output, in fp32 (fp64 in an fp64 model)."""
-        beta = torch.sigmoid(b.to(_cdt(b)))
+        beta = torch.sigmoid(b.to(cdt(b)))
         return 2.0 * beta if self.allow_negative_eigenvalues else beta
 
     def log_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -168,7 +168,7 @@ class DeltaNet(AttentionBase):
         q, k = self._prepare_qk(q, k)
         l2 = self.l2norm_convention if self.qk_l2norm else False
         if self.qk_norm == "sum":   # fla's sum_norm: F.normalize(x, p=1, eps=1e-6), in place of the L2 norm
-            q, k = (F.normalize(t.to(_cdt(t)), p=1.0, dim=-1, eps=1e-6).to(t.dtype) for t in (q, k))
+            q, k = (F.normalize(t.to(cdt(t)), p=1.0, dim=-1, eps=1e-6).to(t.dtype) for t in (q, k))
             l2 = False
         beta = self.beta(x).to(q.dtype)
         g = self.log_gate(x)
@@ -260,7 +260,7 @@ class EFLA(DeltaNet):
             self.beta_alpha = nn.Parameter(torch.full((self.n_value_heads,), math.log(math.e - 1.0)))
 
     def _beta_of(self, b: torch.Tensor) -> torch.Tensor:
-        b = b.to(_cdt(b))
+        b = b.to(cdt(b))
         if self.beta_mode == "loose":
             return F.softplus(b)
         beta = torch.sigmoid(b)

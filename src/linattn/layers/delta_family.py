@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..errors import LinattnError, LinattnTypeError
 from ..ops import comba, delta_product
 from .cache import LayerCache
-from .common import ShortConv, _cdt, l2_normalize, mamba_log_decay
+from .common import ShortConv, cdt, l2_normalize, mamba_log_decay
 from .delta import DeltaNet, GatedDeltaNet
 from .linear_attention import init_mamba_decay
 from .packing import packed_positions
@@ -160,7 +160,7 @@ class DeltaProduct(DeltaNet):
     def beta(self, x: torch.Tensor) -> torch.Tensor:
         """Step sizes `[B, T, H, n]` in (0, 1), or (0, 2) with allow_negative_eigenvalues."""
         b = self.b_proj(x)
-        b = torch.sigmoid(b.to(_cdt(b))).view(*x.shape[:2], self.n_heads, self.n_householder)
+        b = torch.sigmoid(b.to(cdt(b))).view(*x.shape[:2], self.n_heads, self.n_householder)
         return 2.0 * b if self.allow_negative_eigenvalues else b
 
     def log_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -262,7 +262,7 @@ class KDA(DeltaNet):
         B, T = x.shape[:2]
         HV, K = self.n_value_heads, self.head_dim
         f = self.f_proj(x)
-        f = f.to(_cdt(f))
+        f = f.to(cdt(f))
         f = f.view(B, T, HV, K) + self.dt_bias.to(f.dtype).view(HV, K)
         if self.gate_lower_bound is not None:
             return self.gate_lower_bound * torch.sigmoid(torch.exp(self.A_log.to(f.dtype))[:, None] * f)

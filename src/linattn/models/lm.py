@@ -198,7 +198,7 @@ class Block(nn.Module):
         return out, aux
 
 
-def _check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
+def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
     """Token ids must lie in [0, vocab_size): a value check, so it follows `linattn.set_checks` (CPU
     tensors in eager mode by default; never a host synchronisation on CUDA unless "full")."""
     if ids.numel() == 0 or not check_values(ids):
@@ -339,7 +339,7 @@ class LanguageModel(nn.Module, CausalLM):
                                f"{tuple(getattr(input_ids, 'shape', ()))}")
         if input_ids.shape[1] == 0:
             raise LinattnError("input_ids must hold at least one token")
-        _check_token_ids(input_ids, self.config.vocab_size)
+        check_token_ids(input_ids, self.config.vocab_size)
         if cu_seqlens is not None and (cache is not None or use_cache):
             raise LinattnError("cu_seqlens (packed documents) cannot be combined with a decoding cache "
                                "(cache / use_cache); decode a [B, T] batch instead")

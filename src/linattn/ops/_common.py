@@ -83,7 +83,7 @@ _suspended = False   # value checks suspended by `value_checks_suspended` (the t
 def value_checks_suspended():
     """Inside, the value checks of the "auto" level (which raise on a NaN) do not run; a level the user
     set ("full", "shapes") is kept, and the host reads that only choose a faster path giving the same
-    result (`_reads_values`) still happen. The trainer checks the loss and gradients itself."""
+    result (`reads_values`) still happen. The trainer checks the loss and gradients itself."""
     global _suspended
     previous, _suspended = _suspended, _suspended or _checks == "auto"
     try:
@@ -282,7 +282,7 @@ def pad_time(x: torch.Tensor, multiple: int, dim: int, value: float = 0.0) -> to
     return torch.cat([x, x.new_full(shape, value)], dim=dim)
 
 
-def _reads_values(x: torch.Tensor) -> bool:
+def reads_values(x: torch.Tensor) -> bool:
     """Whether reading a value of `x` on the host is free (CPU tensors in eager mode) and allowed (the
     checks level is not "shapes"): the forms use it only to skip work that gives the same result."""
     return _checks != "shapes" and x.device.type == "cpu" and not torch.compiler.is_compiling()
@@ -299,7 +299,7 @@ def causal_matmul(A: torch.Tensor, X: torch.Tensor, input: Optional[torch.Tensor
     values (the running sum is exactly 0), so CPU tensors in eager mode, where one reduction tells
     whether X is finite, skip the extra passes when it is; elsewhere the branch-free form always runs.
     """
-    if _reads_values(X) and bool(torch.isfinite(X.sum())):
+    if reads_values(X) and bool(torch.isfinite(X.sum())):
         return torch.baddbmm(input, A, X) if (input is not None and A.dim() == 3) else (
             A @ X if input is None else input + A @ X)
     X_safe = torch.nan_to_num(X, nan=0.0, posinf=0.0, neginf=0.0)

@@ -41,7 +41,7 @@ from ._common import (
 )
 from .backend import cpu_delta, requires_grad, select_backend, triton_delta
 from .heads import value_groups
-from .l2norm import _select_rows, l2norm, resolve_l2norm
+from .l2norm import l2norm, resolve_l2norm, select_rows
 
 CHANNEL_BLOCK = 16       # chunk length with per-channel gates (their intra-chunk work is O(T * (c + C/c) * K))
 CHANNEL_SUB = 4          # ... and its sub-blocks (c = sqrt(C) minimises c + C/c; 16/4 and 32/8 measured equal on CPU)
@@ -479,12 +479,12 @@ def key_norms(k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor
     """lam = ||k||^2 [..] (what EFLA's coefficient reads), d2 = max(lam, 1) (detached) and d = sqrt(d2)
     [.., 1] in k's dtype, for k [.., K] (the compute dtype). lam and d2 are fp64 for fp32 keys: ||k||^2
     overflows fp32 from ||k|| ~ 1.8e19, fp64 never for a finite fp32 key; the rows where the fp32 sum
-    overflowed are summed in fp64 (`l2norm._select_rows`), the others are the fp32 sum, exactly widened (so
+    overflowed are summed in fp64 (`l2norm.select_rows`), the others are the fp32 sum, exactly widened (so
     d2 and a d2 round to the fp32 values of the plain formula). d <= sqrt(K) * 3.4e38 is taken back to fp32
     only after the square root. fp64 keys: exact below ||k|| ~ 1e154."""
     lam = (k * k).sum(-1)                                             # [B, T, H]
     if k.dtype == torch.float32:
-        lam = _select_rows(lam.double(), ~torch.isfinite(lam.detach()),
+        lam = select_rows(lam.double(), ~torch.isfinite(lam.detach()),
                            lambda rows: (lambda kw: (kw * kw).sum(-1))((k if rows is None else k[rows]).double()))
     d2 = lam.detach().clamp_min(1.0)
     return lam, d2, d2.sqrt().unsqueeze(-1).to(k.dtype)

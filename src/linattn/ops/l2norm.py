@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
-from ._common import _reads_values
+from ._common import reads_values
 
 L2NORM_EPS = 1e-6
 L2NORM_CONVENTIONS = ("rsqrt", "clamp")
@@ -35,12 +35,12 @@ def resolve_l2norm(value, name: str = "qk_l2norm") -> Optional[str]:
     raise LinattnError(msg) if isinstance(value, str) else LinattnTypeError(msg)
 
 
-def _select_rows(plain: torch.Tensor, bad: torch.Tensor, exact) -> torch.Tensor:
+def select_rows(plain: torch.Tensor, bad: torch.Tensor, exact) -> torch.Tensor:
     """`plain` with the rows where `bad` [..] is True replaced by `exact(rows)`: on CPU tensors in eager mode
     only those rows are recomputed (usually none), elsewhere every row is and torch.where picks (no host read).
     Either way each row is computed from itself alone, by the same formula: the same bits on every path, and no
     later token can change an earlier row."""
-    if _reads_values(plain):
+    if reads_values(plain):
         if not bool(bad.any()):
             return plain
         rows = bad.nonzero(as_tuple=True)
@@ -77,4 +77,4 @@ def l2norm(x: torch.Tensor, convention: str = "rsqrt", eps: float = L2NORM_EPS) 
             return y * torch.rsqrt((y * y).sum(-1, keepdim=True) + eps / (s * s))
         return y / torch.linalg.vector_norm(y, dim=-1, keepdim=True).clamp_min(eps / s)
 
-    return _select_rows(plain, ~torch.isfinite(ss.detach()).squeeze(-1), scaled)
+    return select_rows(plain, ~torch.isfinite(ss.detach()).squeeze(-1), scaled)

@@ -54,7 +54,6 @@ from ..cpu import MAX_CHUNK as CPU_MAX_CHUNK
 from ..errors import LinattnError, LinattnTypeError
 from ..triton import triton_chunk_size
 from ._common import (
-    _reads_values,
     check_cu_seqlens,
     check_finite_output,
     check_log_gate,
@@ -63,6 +62,7 @@ from ._common import (
     check_scale,
     check_values,
     compute_dtype,
+    reads_values,
     run_varlen,
 )
 from .backend import cpu_linear_attention, requires_grad, select_backend, triton_linear_attention
@@ -437,7 +437,7 @@ def _divide_finite_part(num, den):
     """num / den, whose backward stays finite where num is inf or NaN but its gradient is 0 (rows after
     a non-finite token that the loss does not use): autograd's d/d den = -grad * num / den^2 would be
     0 * NaN there and would carry NaN into every earlier key through den. The same values as num / den."""
-    if _reads_values(num) and bool(torch.isfinite(num.sum())):
+    if reads_values(num) and bool(torch.isfinite(num.sum())):
         return num / den
     safe = torch.nan_to_num(num, nan=0.0, posinf=0.0, neginf=0.0)
     return safe / den + (num - safe)
@@ -483,7 +483,7 @@ def finish(p: LinearProblem, num, den, c, kv, z, mu, divided: bool = False,
             # acts on it and the output is invariant to a shift of the queries
             den = den.clamp_min(p.eps)
         else:  # a floor on |den| that keeps its sign (relu features, magnitude_direction's signed weights)
-            if lean_grad and _reads_values(num) and bool(torch.isfinite(num.detach().sum())):
+            if lean_grad and reads_values(num) and bool(torch.isfinite(num.detach().sum())):
                 out = _FlooredDivide.apply(num, den, p.eps)
                 den = None
             else:

@@ -39,7 +39,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._common import _reads_values, causal_matmul, pad_time
+from ._common import causal_matmul, pad_time, reads_values
 from .linear_common import FormResult
 
 SCAN_BLOCK = 16  # chunks per block of the running sum (fixed: the order of additions never depends on T)
@@ -160,7 +160,7 @@ def _causal_baddbmm_(out: torch.Tensor, A: torch.Tensor, X: torch.Tensor) -> tor
     """out += A @ X for a causally masked A [N, C, C], in place, with `causal_matmul`'s guarantee: when X
     may hold inf or NaN (anything but a CPU tensor in eager mode that one reduction shows finite), the
     branch-free `causal_matmul` runs instead."""
-    if _reads_values(X) and bool(torch.isfinite(X.sum())):
+    if reads_values(X) and bool(torch.isfinite(X.sum())):
         return out.baddbmm_(A, X)
     return out.copy_(causal_matmul(A, X, input=out))
 

@@ -30,7 +30,7 @@ def _checkpoint_of(path: str) -> Path:
         raise CheckpointError(f"--init-from {p}: no such run or checkpoint folder")
     ck = ckpt.find_latest_checkpoint(p)
     if ck is None:
-        raise ckpt._no_checkpoint_error(p)
+        raise ckpt.no_checkpoint_error(p)
     return ck
 
 

@@ -227,7 +227,7 @@ def _bwd_dv(q, k, g, do, dh, dv, cu, chunk_index, scale,
 
 
 
-class _Cfg:
+class KernelConfig:
     """Static configuration of one call (not a tensor: kept on ctx)."""
 
     def __init__(self, chunks, BT, fmap, scale, norm, prec):

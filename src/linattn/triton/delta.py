@@ -33,7 +33,7 @@ import triton.language as tl
 from . import triton_chunk_size
 from .common import (
     FMAP_IDENTITY,
-    _Cfg,
+    KernelConfig,
     absent,
     block,
     chunk_bwd_dv,
@@ -660,9 +660,10 @@ def _per_channel(g) -> bool:
     return g is not None and g.dim() == 3
 
 
-def _config(q, starts, chunk_size, g=None) -> _Cfg:
+def _config(q, starts, chunk_size, g=None) -> KernelConfig:
     BT = KDA_CHUNK if _per_channel(g) else triton_chunk_size(chunk_size)
-    return _Cfg(prepare_chunks(list(starts), BT, q.device), BT, FMAP_IDENTITY, 1.0, False, dot_precision(q.dtype))
+    return KernelConfig(prepare_chunks(list(starts), BT, q.device), BT, FMAP_IDENTITY, 1.0, False,
+                        dot_precision(q.dtype))
 
 
 def _chunk_fwd(q, k, v, b, g, h0, cfg, output_final_state):

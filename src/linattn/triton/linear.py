@@ -36,7 +36,7 @@ import triton.language as tl
 from . import triton_chunk_size
 from .common import (
     FUSED_MAPS,
-    _Cfg,
+    KernelConfig,
     absent,
     block,
     chunk_bwd_dv,
@@ -324,10 +324,10 @@ def _given(x):
     return x if x is not None and x.numel() else None
 
 
-def _config(q, fused, scale, norm, starts, chunk_size) -> _Cfg:
+def _config(q, fused, scale, norm, starts, chunk_size) -> KernelConfig:
     BT = triton_chunk_size(chunk_size)
-    return _Cfg(prepare_chunks(list(starts), BT, q.device), BT, FUSED_MAPS[fused], float(scale), bool(norm),
-                dot_precision(q.dtype))
+    return KernelConfig(prepare_chunks(list(starts), BT, q.device), BT, FUSED_MAPS[fused], float(scale), bool(norm),
+                        dot_precision(q.dtype))
 
 
 def _chunk_fwd(q, k, v, g, h0, z0, cfg, output_final_state):
