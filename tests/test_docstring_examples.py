@@ -50,7 +50,8 @@ DOCUMENTED = OPERATORS + [
     "linattn.LMConfig", "linattn.LanguageModel", "linattn.LanguageModel.forward", "linattn.LanguageModel.generate",
     "linattn.LMConfig.from_dict", "linattn.LMConfig.to_dict", "linattn.LMConfig.to_json",
     "linattn.LMConfig.from_json", "linattn.LMConfig.replace", "linattn.LanguageModel.new_cache",
-    "linattn.LanguageModel.num_parameters",
+    "linattn.LanguageModel.num_parameters", "linattn.LanguageModel.stream", "linattn.LMConfig.ela_gpt",
+    "linattn.LMConfig.upgrade_architecture",
     # transformers integration (needs the hf extra)
     "linattn.hf.LinattnConfig", "linattn.hf.LinattnForCausalLM", "linattn.hf.LinattnModel",
     "linattn.hf.LinattnForSequenceClassification", "linattn.hf.export_hf", "linattn.hf.import_hf",

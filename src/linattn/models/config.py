@@ -259,9 +259,18 @@ class LMConfig(JsonConfig):
 
     @classmethod
     def upgrade_architecture(cls, arch: Dict[str, Any]) -> Dict[str, Any]:
-        """An architecture recorded with a checkpoint (`checkpoint.architecture`) before `mixer_names` existed
-        names its mixers the old way (`mamba2` for today's `mamba2-gla`): the same architecture in today's
-        names, so that the weights-vs-config check compares like with like."""
+        """An architecture recorded with a checkpoint, in today's mixer names.
+
+        An architecture recorded with a checkpoint (`checkpoint.architecture`) before `mixer_names` existed
+        names its mixers the old way (`mamba2` for today's `mamba2-gla`): this gives the same architecture in
+        today's names, so that the weights-vs-config check compares like with like.
+
+        Args:
+            arch: The recorded architecture.
+
+        Returns:
+            The architecture (the same dict when it already has `mixer_names`).
+        """
         if "mixer_names" in arch:
             return arch
         arch = dict(arch)
@@ -379,13 +388,23 @@ class LMConfig(JsonConfig):
     # -- presets -----------------------------------------------------------------------------
     @classmethod
     def ela_gpt(cls, vocab_size: int = 6400, kernel: str = "hadamard_exp", **overrides) -> "LMConfig":
-        """The ELA paper's GPT: d 256, 4 layers, 4 heads, MoE with 4 experts top-2 (non-expanding
-        SwiGLU experts), Hyper-Link residual, ELA attention (RoPE, no 1/sqrt(d), no output norm)
-        with the `kernel` ("hadamard_exp" or "sum_sq_euclid"), no final norm, tied head.
+        """The ELA paper's GPT.
+
+        d 256, 4 layers, 4 heads, MoE with 4 experts top-2 (non-expanding SwiGLU experts), Hyper-Link residual,
+        ELA attention (RoPE, no 1/sqrt(d), no output norm) with the `kernel` ("hadamard_exp" or "sum_sq_euclid"),
+        no final norm, tied head.
 
         No memory lobe unless asked (memory_lobe="causal"; the paper's own lobe is bidirectional,
         see LMConfig). With vocab 6400 it has 5,838,864 parameters with residual="prenorm" and
         6,624,272 with Hyper-Link + a memory lobe, the counts the paper reports.
+
+        Args:
+            vocab_size: The vocabulary.
+            kernel: "hadamard_exp" or "sum_sq_euclid".
+            **overrides: Further LMConfig fields.
+
+        Returns:
+            The `LMConfig`.
         """
         if kernel not in ("hadamard_exp", "sum_sq_euclid"):
             raise ConfigError(f"kernel must be 'hadamard_exp' or 'sum_sq_euclid', got {kernel!r}")
