@@ -279,12 +279,17 @@ def test_dataclass_flags_parse_each_type():
 # ----------------------------------------------------------------------------- code shape
 
 def test_no_long_functions_in_training():
-    """The package replaced a 238-line train(): keep every function short."""
+    """The package replaced a 238-line train(): keep every function short (its docstring not counted: the
+    public pieces document Args / Returns / an example)."""
     long = []
     for path in sorted((SRC / "training").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - min([d.lineno for d in node.decorator_list] + [node.lineno]) + 1
+                first = node.body[0]
+                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                        and isinstance(first.value.value, str):
+                    n -= first.end_lineno - first.lineno + 1
                 if n > 60:
                     long.append(f"{path.name}:{node.name} ({n} lines)")
     assert not long, long
