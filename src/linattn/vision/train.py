@@ -33,6 +33,7 @@ import torch
 from .. import checkpoint as ckpt_mod
 from ..errors import CheckpointError, ConfigError, DataError, LinattnError
 from ..io import append_jsonl, read_jsonl, write_json, write_jsonl
+from ..logs import get_logger
 from ..signals import StopFlag
 from .boxes import postprocess
 from .data import Augment, DetectionDataset, Item, YoloFolder, batches, read_yolo_folder, steps_per_epoch
@@ -40,6 +41,7 @@ from .loss import LossWeights, detection_loss
 from .metrics import MeanAP
 from .model import YOLOLAT, VisionConfig, count_parameters
 
+logger = get_logger("vision")
 METRICS_FILE = "metrics.jsonl"
 KIND = "vision-detector"
 DEFAULT_SYNTHETIC_DIR = "runs/synthetic-digits"
@@ -294,9 +296,9 @@ def train_detector(cfg: VisionTrainConfig, model_config: Optional[VisionConfig] 
         t0 = time.perf_counter()
         folder = resolve_data(cfg, progress=bool(chatty))
         if chatty:
-            print(f"[linattn vision] data {folder.root} ({folder.layout}): {len(folder.train)} training, "
-                  f"{len(folder.val)} validation images, {folder.num_classes} classes "
-                  f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+            logger.info(f"[linattn vision] data {folder.root} ({folder.layout}): {len(folder.train)} training, "
+                     f"{len(folder.val)} validation images, {folder.num_classes} classes "
+                     f"({time.perf_counter() - t0:.1f} s)")
     names = folder.class_names or [str(i) for i in range(folder.num_classes)]
     if resume_ck is None:
         model_config = dataclasses.replace(model_config, num_classes=len(names), class_names=list(names)).validate()
@@ -373,10 +375,10 @@ def train_detector(cfg: VisionTrainConfig, model_config: Optional[VisionConfig] 
     from tqdm.auto import tqdm
 
     if chatty:
-        print(f"[linattn vision] YOLOLAT neck={model_config.neck} width={model_config.width}: "
-              f"{count_parameters(model):,} parameters; {spe} steps/epoch x {cfg.epochs} epochs on {device}; "
-              + (f"resuming at step {start}" if resume_ck is not None else "new run")
-              + (f" in {out}" if out is not None else ""), file=sys.stderr, flush=True)
+        logger.info(f"[linattn vision] YOLOLAT neck={model_config.neck} width={model_config.width}: "
+                 f"{count_parameters(model):,} parameters; {spe} steps/epoch x {cfg.epochs} epochs on {device}; "
+                 + (f"resuming at step {start}" if resume_ck is not None else "new run")
+                 + (f" in {out}" if out is not None else ""))
     echo = cfg.progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
     bar = tqdm(total=total, initial=min(start, total), desc="train", unit="step", dynamic_ncols=True,
                disable=(None if cfg.progress is None else not cfg.progress))
@@ -430,8 +432,8 @@ def train_detector(cfg: VisionTrainConfig, model_config: Optional[VisionConfig] 
                         if "val_map_50" in rec:
                             msg += f" | val mAP@.5 {rec['val_map_50']:.3f} mAP {rec['val_map']:.3f}"
                         if echo and (end_epoch or last):
-                            print(f"step {step}/{total} (epoch {rec['epoch']:.2f}) {msg} "
-                                  f"{rec['images_per_s']:.1f} img/s", file=sys.stderr, flush=True)
+                            logger.info(f"step {step}/{total} (epoch {rec['epoch']:.2f}) {msg} "
+                                     f"{rec['images_per_s']:.1f} img/s")
                         bar.set_postfix_str(msg)
                         acc, n_acc, t_int, img_int = {}, 0, time.perf_counter(), 0
                     stopping = stop.signum is not None or (max_steps is not None and step >= max_steps)
