@@ -46,6 +46,8 @@ DOCUMENTED = OPERATORS + [
     "linattn.layers.RMSNorm", "linattn.layers.GatedRMSNorm", "linattn.layers.SwiGLU", "linattn.layers.l2_normalize",
     "linattn.layers.check_cu_seqlens", "linattn.layers.packed_positions", "linattn.layers.ShortConv.forward",
     "linattn.layers.RotaryEmbedding.apply", "linattn.layers.Mamba2Block.forward", "linattn.layers.RWKV7.forward",
+    "linattn.layers.DeltaNet.beta", "linattn.layers.DeltaNet.log_gate", "linattn.layers.GatedDeltaNet.log_gate",
+    "linattn.layers.AttentionBase.resolve_scale",
     # models
     "linattn.LMConfig", "linattn.LanguageModel", "linattn.LanguageModel.forward", "linattn.LanguageModel.generate",
     "linattn.LMConfig.from_dict", "linattn.LMConfig.to_dict", "linattn.LMConfig.to_json",

@@ -185,7 +185,18 @@ class AttentionBase(nn.Module):
 
     @staticmethod
     def resolve_scale(scale: Optional[float], head_dim: int) -> float:
-        """The q scale as a number: None means head_dim**-0.5 (the default of every layer)."""
+        """The q scale as a number: None means head_dim**-0.5 (the default of every layer).
+
+        Args:
+            scale: A number, or None.
+            head_dim: The head width.
+
+        Returns:
+            The scale.
+
+        Raises:
+            LinattnTypeError: scale is neither a number nor None.
+        """
         if scale is None:
             return head_dim ** -0.5
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):

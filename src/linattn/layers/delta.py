@@ -137,7 +137,14 @@ class DeltaNet(AttentionBase):
         return (q, k, v) if self._plain_features else self._features(q, k, v)
 
     def beta(self, x: torch.Tensor) -> torch.Tensor:
-        """Write strength `[B, T, HV]` (HV = n_value_heads)."""
+        """The write strength per token and value head: the hook a delta variant overrides.
+
+        Args:
+            x: The layer input `[B, T, d_model]`.
+
+        Returns:
+            beta `[B, T, HV]` (HV = n_value_heads), in fp32 (fp64 in an fp64 model).
+        """
         if not self.use_beta:
             f = cdt(x)
             return torch.full((*x.shape[:2], self.n_value_heads), 2.0 if self.allow_negative_eigenvalues else 1.0,
@@ -150,6 +157,14 @@ class DeltaNet(AttentionBase):
         return 2.0 * beta if self.allow_negative_eigenvalues else beta
 
     def log_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The log-decay per token: the hook a gated variant overrides (DeltaNet has none).
+
+        Args:
+            x: The layer input `[B, T, d_model]`.
+
+        Returns:
+            g `[B, T, HV]` (per head) or `[B, T, HV, K]` (per key channel), <= 0; or None (no decay).
+        """
         return None
 
     def _prepare_qk(self, q, k):
@@ -215,6 +230,14 @@ class GatedDeltaNet(DeltaNet):
         self.dt_bias = nn.Parameter(dt_bias)
 
     def log_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The Mamba2-style log-decay g = -exp(A_log) * softplus(a_proj(x) + dt_bias) per head.
+
+        Args:
+            x: The layer input `[B, T, d_model]`.
+
+        Returns:
+            g `[B, T, HV]`, <= 0.
+        """
         return self._gate_of(self.a_proj(x))
 
     def _gate_of(self, a: torch.Tensor, fast: bool = False) -> torch.Tensor:
