@@ -447,6 +447,8 @@ LINEARS = {
     "hedgehog": dict(num_heads=4, feature_map="hedgehog"),
     "t2r_tied": dict(num_heads=2, feature_map="t2r", tie_feature_map_qk=True),
     "dpfp": dict(num_heads=4, feature_map="dpfp", expand_k=0.5),
+    "elu_norm_qk": dict(num_heads=2, feature_map="elu", norm_q=True, norm_k=True),
+    "hadamard_norm_k": dict(num_heads=2, norm_k=True),
     "identity_hybrid_attn": dict(num_heads=2, feature_map="identity", attn={"layers": [1], "num_heads": 2}),
 }
 
@@ -465,14 +467,14 @@ def test_linear_attn(tmp_path, name):
         assert res.model.blocks[0].mixer.k_proj.weight.shape[0] == 32
 
 
-@pytest.mark.parametrize("kw", [dict(feature_map="elu", norm_feature_map=True), dict(feature_map="elu", norm_q=True)])
+@pytest.mark.parametrize("kw", [dict(feature_map="elu", norm_feature_map=True)])
 def test_linear_attn_options_linattn_lacks_are_named(tmp_path, kw):
     from fla.models import LinearAttentionConfig
 
     with fla_cpu():
         model = build_fla(LinearAttentionConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=50, **kw))
         model.save_pretrained(tmp_path / "fla", safe_serialization=True)
-    with pytest.raises(CheckpointError, match="norm_feature_map" if "norm_q" not in kw else "norm_q"):
+    with pytest.raises(CheckpointError, match="norm_feature_map"):
         import_fla(tmp_path / "fla", tmp_path / "run")
 
 

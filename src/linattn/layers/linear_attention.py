@@ -51,22 +51,34 @@ def init_mamba_decay(n_heads: int, A_range=(1.0, 16.0), dt_min: float = 1e-3, dt
     return torch.log(A), dt_bias
 
 
-class _ScaledPhi(FeatureMap):
-    """`inner` with phi(x) multiplied by `scale` (psi unchanged): the q scale applied after the feature map."""
+def sum_normalized(f: torch.Tensor) -> torch.Tensor:
+    """Features divided by their sum + 1e-4 (fla's linear_attn norm_q / norm_k)."""
+    return f / (f.sum(-1, keepdim=True) + 1e-4)
 
-    def __init__(self, inner: FeatureMap, scale: float):
+
+class _ScaledPhi(FeatureMap):
+    """`inner` with phi(x) multiplied by `scale` (psi unchanged): the q scale applied after the feature map; with
+    sum_norm_q / sum_norm_k, phi (before the scale) / psi divided by their sum + 1e-4 (`sum_normalized`)."""
+
+    def __init__(self, inner: FeatureMap, scale: float, sum_norm_q: bool = False, sum_norm_k: bool = False):
         if inner.log_space or isinstance(inner, nn.Module):
-            raise LinattnError(f"scale_after_map needs a linear-space feature map without parameters, got "
-                               f"{inner.name!r}")
+            raise LinattnError(f"scale_after_map / sum_norm_q / sum_norm_k need a linear-space feature map without "
+                               f"parameters, got {inner.name!r}")
         super().__init__()
         self.inner, self.scale = inner, float(scale)
+        self.sum_norm_q, self.sum_norm_k = bool(sum_norm_q), bool(sum_norm_k)
         self.name, self.positional = f"{inner.name}*{self.scale:.17g}", inner.positional
+        if self.sum_norm_q or self.sum_norm_k:
+            self.name += f"/sum({'q' * self.sum_norm_q}{'k' * self.sum_norm_k})"
 
     def phi(self, x, pos=None):
-        return self.inner.phi(x, pos) * self.scale
+        f = self.inner.phi(x, pos)
+        f = sum_normalized(f) if self.sum_norm_q else f
+        return f if self.scale == 1.0 else f * self.scale
 
     def psi(self, x, pos=None):
-        return self.inner.psi(x, pos)
+        f = self.inner.psi(x, pos)
+        return sum_normalized(f) if self.sum_norm_k else f
 
     def feature_dim(self, head_dim: int) -> int:
         return self.inner.feature_dim(head_dim)
@@ -93,6 +105,7 @@ class LearnedMap(nn.Module, FeatureMap):
         if kind not in LEARNED_MAPS:
             raise LinattnError(f"learned_map must be one of {LEARNED_MAPS}, got {kind!r}")
         self.kind, self.dim, self.tied, self.phi_scale = kind, int(dim), bool(tied), float(phi_scale)
+        self.sum_norm_q = self.sum_norm_k = False   # set by the layer (sum_norm_q / sum_norm_k)
         self.name = f"learned-{kind}"
         self.q = self._weights()
         self.k = None if tied else self._weights()
@@ -118,10 +131,12 @@ class LearnedMap(nn.Module, FeatureMap):
 
     def phi(self, x, pos=None):
         f = self._features(self.q, x)
+        f = sum_normalized(f) if self.sum_norm_q else f
         return f if self.phi_scale == 1.0 else f * self.phi_scale
 
     def psi(self, x, pos=None):
-        return self._features(self.q if self.k is None else self.k, x)
+        f = self._features(self.q if self.k is None else self.k, x)
+        return sum_normalized(f) if self.sum_norm_k else f
 
     def feature_dim(self, head_dim: int) -> int:
         return {"hadamard": 1, "hedgehog": 2, "t2r": 1, "dpfp": 8}[self.kind] * head_dim
@@ -157,6 +172,9 @@ class LinearAttention(AttentionBase):
         gate_min: an optional floor on the diagonal gate's log decay (fla's GLA `clamp_min`; None: none).
         scale_after_map: phi(q) * scale (fla's linear_attn) instead of phi(scale * q); needs a linear-space
             feature map without parameters.
+        sum_norm_q: divide phi(q) (before scale_after_map's scale) by its sum + 1e-4 (fla's linear_attn norm_q);
+            linear-space maps without parameters, or learned_map.
+        sum_norm_k: the same for psi(k) (fla's norm_k).
         learned_map: one of LEARNED_MAPS, a feature map with its own weights (fla's linear_attn
             maps; `LearnedMap`) used instead of feature_map.
         learned_map_tied: q and k share the learned map's weights.
@@ -187,7 +205,7 @@ class LinearAttention(AttentionBase):
                  chunk_size: int = 64, eps: float = 1e-6, feature_seed: int = 0, gate_low_rank: int = 16,
                  gate_normalizer: float = 16.0, gate_min: Optional[float] = None, scale_after_map: bool = False,
                  n_kv_heads: Optional[int] = None, learned_map: Optional[str] = None, learned_map_tied: bool = False,
-                 **kwargs):
+                 sum_norm_q: bool = False, sum_norm_k: bool = False, **kwargs):
         if gate not in GATES:
             raise LinattnError(f"gate must be one of {GATES}, got {gate!r}")
         super().__init__(d_model, n_heads, **kwargs)
@@ -209,12 +227,16 @@ class LinearAttention(AttentionBase):
         self.normalize, self.gate = bool(normalize), gate
         self.scale = self.resolve_scale(scale, self.head_dim)
         self.scale_after_map = bool(scale_after_map)
-        if self.scale_after_map:   # phi(q) * scale (fla's linear_attn) instead of phi(scale * q)
+        if self.scale_after_map or sum_norm_q or sum_norm_k:
+            # phi(q) * scale (fla's linear_attn) instead of phi(scale * q); features divided by their sums
+            post = self.scale if self.scale_after_map else 1.0
             if isinstance(fmap, LearnedMap):
-                fmap.phi_scale = self.scale
+                fmap.phi_scale, fmap.sum_norm_q, fmap.sum_norm_k = post, bool(sum_norm_q), bool(sum_norm_k)
             else:
-                self.feature_map = _ScaledPhi(fmap, self.scale)
-            self.feature_map_name, self.scale = self.feature_map.name, 1.0
+                self.feature_map = _ScaledPhi(fmap, post, sum_norm_q, sum_norm_k)
+            self.feature_map_name = self.feature_map.name
+            if self.scale_after_map:
+                self.scale = 1.0
         self.chunk_size, self.eps = int(chunk_size), float(eps)
         H = self.n_value_heads   # the decays are per value head (Mamba2: one dt and A per value head)
         self._gamma: Optional[torch.Tensor] = None
