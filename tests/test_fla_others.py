@@ -79,6 +79,7 @@ OPTIONS = [   # (mixer, mixer_kwargs) of the options added for fla's layers
     ("mesanet", {"v_conv": False, "scale": 1.0}),
     ("mamba2", {"d_per_channel": True, "norm_before_gate": True}),
     ("mamba2", {"gated_norm": False}),
+    ("rwkv7", {"kk_norm": "rsqrt", "head_dim_v": 12, "short_conv": True}),
 ]
 
 

@@ -104,6 +104,8 @@ class RWKV7(nn.Module):
         short_conv: not RWKV-7 (whose token shift plays the short conv's role), an option for ablations: a
             causal depthwise conv (no activation) over r, k, v after their projections.
         conv_size: that convolution's kernel.
+        head_dim_v: the value width per head (default head_dim; fla's value_dim / n_heads): v, the gate, the group
+            norm and o_proj's input are n_heads * head_dim_v wide.
         kk_norm: the L2 normalisation of kk, "normalize" (torch's F.normalize, x / max(||x||, 1e-12), fla's
             layer with fuse_norm=False; the default) or "rsqrt" (x * rsqrt(sum x^2 + 1e-6), fla's fused l2_norm:
             fuse_norm=True).
@@ -133,7 +135,7 @@ class RWKV7(nn.Module):
                  chunk_size: int = 64,
                  layer_idx: Optional[int] = None, n_layers: Optional[int] = None, rope: bool = False,
                  rope_base: float = 10000.0, max_seq_len: int = 2048, short_conv: bool = False, conv_size: int = 4,
-                 kk_norm: str = "normalize"):
+                 kk_norm: str = "normalize", head_dim_v: Optional[int] = None):
         super().__init__()
         if kk_norm not in KK_NORMS:
             raise ConfigError(f"RWKV7: kk_norm must be one of {KK_NORMS}, got {kk_norm!r}")
@@ -145,29 +147,31 @@ class RWKV7(nn.Module):
                                   f"or pass head_dim")
             head_dim = d_model // n_heads
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, _pos_int("head_dim", head_dim)
+        self.head_dim_v = self.head_dim if head_dim_v is None else _pos_int("head_dim_v", head_dim_v)
         self.chunk_size = _pos_int("chunk_size", chunk_size)
         self.layer_idx = layer_idx
-        D = n_heads * self.head_dim
+        D, Dv = n_heads * self.head_dim, n_heads * self.head_dim_v
         for name in _MIX:                                             # fla's names x_r .. x_g
             setattr(self, name, nn.Parameter(torch.zeros(d_model)))
         self.r_proj = nn.Linear(d_model, D, bias=False)
         self.k_proj = nn.Linear(d_model, D, bias=False)
-        self.v_proj = nn.Linear(d_model, D, bias=False)
-        self.o_proj = nn.Linear(D, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, Dv, bias=False)
+        self.o_proj = nn.Linear(Dv, d_model, bias=False)
         self.w_lora = _LoRA(d_model, D, _pos_int("decay_rank", decay_rank), "tanh", bias=True)
         self.a_lora = _LoRA(d_model, D, _pos_int("a_rank", a_rank), None, bias=True)
-        self.g_lora = _LoRA(d_model, D, _pos_int("gate_rank", gate_rank), "sigmoid", bias=False)
+        self.g_lora = _LoRA(d_model, Dv, _pos_int("gate_rank", gate_rank), "sigmoid", bias=False)
         # the value residual's mix (fla: every layer but the first); dropped by link_layers from the first RWKV-7 layer
         value_rank = _pos_int("value_rank", value_rank)
-        self.v_lora = _LoRA(d_model, D, value_rank, None, bias=True) if layer_idx else None
+        self.v_lora = _LoRA(d_model, Dv, value_rank, None, bias=True) if layer_idx else None
         self._share: Optional[ValueResidual] = None
         self._first = True
         self.k_k = nn.Parameter(torch.empty(D))
         self.k_a = nn.Parameter(torch.empty(D))
         self.r_k = nn.Parameter(torch.empty(n_heads, self.head_dim))
-        self.g_norm = nn.GroupNorm(n_heads, D, eps=self.head_dim * norm_eps)
+        self.g_norm = nn.GroupNorm(n_heads, Dv, eps=self.head_dim * norm_eps)   # (eps scaled by the key width, as fla)
         self.short_conv = bool(short_conv)
-        self.conv = ShortConv(3 * D, _pos_int("conv_size", conv_size), activation=None) if self.short_conv else None
+        self.conv = (ShortConv(2 * D + Dv, _pos_int("conv_size", conv_size), activation=None) if self.short_conv
+                     else None)
         if rope and self.head_dim % 2:
             raise ConfigError(f"RWKV7: rope needs an even head_dim, got {self.head_dim}")
         self.rope = RotaryEmbedding(self.head_dim, base=rope_base, max_seq_len=max_seq_len) if rope else None
@@ -230,7 +234,7 @@ class RWKV7(nn.Module):
                                         cu_seqlens)
             if cache is not None:
                 cache["conv"] = conv_state
-            r, k, v = rkv.chunk(3, dim=-1)
+            r, k, v = rkv.split([H * Dh, H * Dh, H * self.head_dim_v], dim=-1)
         w = -_W_SCALE * torch.sigmoid(self.w_lora(xw))
         a = torch.sigmoid(self.a_lora(xa))
         g = self.g_lora(xg)
@@ -241,7 +245,9 @@ class RWKV7(nn.Module):
         def heads(t):
             return t.view(Bsz, T, H, Dh)
 
-        r, w, k, v, a = (heads(t) for t in (r, w, k, v, a))
+        r, w, k, a = (heads(t) for t in (r, w, k, a))
+        Dv = self.head_dim_v
+        v = v.view(Bsz, T, H, Dv)
         if self.rope is not None:
             if cu_seqlens is not None:
                 r, k = self.rope(r, k, positions=packed_positions(cu_seqlens, T, x.device))
@@ -257,9 +263,9 @@ class RWKV7(nn.Module):
         if cache is not None:
             cache["state"] = state
             cache["offset"] = cache.offset + T
-        o = self.g_norm(o.reshape(Bsz * T, H * Dh)).view(Bsz, T, H, Dh)
+        o = self.g_norm(o.reshape(Bsz * T, H * Dv)).view(Bsz, T, H, Dv)
         o = o + (r * k * self.r_k).sum(-1, keepdim=True) * v          # the bonus: the current token, weight r.(k*u)
-        return self.o_proj((o.reshape(Bsz, T, H * Dh) * g).to(x.dtype))
+        return self.o_proj((o.reshape(Bsz, T, H * Dv) * g).to(x.dtype))
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}, "

@@ -61,6 +61,8 @@ def convert_rwkv7(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
     require(d % head_dim == 0, cfg, f"hidden_size {d} not divisible by head_dim {head_dim}")
     value_dim = cfg.get("value_dim")
     vd = value_dim[layer_idx] if isinstance(value_dim, list) else value_dim
+    # fla 0.6.0 cannot build a model with wider values itself (its init fails), so that mapping (to the layer's
+    # head_dim_v) could not be checked against fla: refused
     require(vd in (None, d), cfg, f"value_dim {vd} != hidden_size {d}")
     require(cfg_get(cfg, "hidden_act", "sqrelu") == "sqrelu", cfg, f"hidden_act {cfg.get('hidden_act')!r} "
             f"(RWKV-7's channel mix uses sqrelu)")
