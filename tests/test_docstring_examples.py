@@ -62,6 +62,8 @@ DOCUMENTED = OPERATORS + [
     "linattn.hf.LinattnConfig.from_lm_config", "linattn.hf.LinattnConfig.lm_config",
     "linattn.hf.kernelize.gdn_chunk", "linattn.hf.kernelize.gdn_recurrent", "linattn.hf.kernelize.kda_chunk",
     "linattn.hf.kernelize.kda_recurrent", "linattn.hf.fla.import_fla", "linattn.hf.fla.supported_types",
+    "linattn.hf.LinattnForCausalLM.forward", "linattn.hf.LinattnModel.forward",
+    "linattn.hf.LinattnForSequenceClassification.forward",
     # training
     "linattn.training.TrainConfig", "linattn.training.train", "linattn.training.TrainResult",
     "linattn.training.evaluate", "linattn.training.EvalResult", "linattn.training.StepOutput",

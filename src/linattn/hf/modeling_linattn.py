@@ -735,8 +735,23 @@ class LinattnModel(LinattnPreTrainedModel):
                 use_cache: Optional[bool] = None, output_hidden_states: Optional[bool] = None,
                 output_attentions: Optional[bool] = None, return_dict: Optional[bool] = None,
                 cache: Optional[HFCache] = None, **kwargs) -> Union[BaseModelOutputWithPast, tuple]:
-        """input_ids [B, T] (or inputs_embeds [B, T, d]) -> BaseModelOutputWithPast; padding and the cache as
-        in LinattnForCausalLM.forward."""
+        """Run the stack without the head: padding and the cache as in `LinattnForCausalLM.forward`.
+
+        Args:
+            input_ids: `[B, T]` token ids (or pass inputs_embeds).
+            attention_mask: `[B, T]` or `[B, past + T]` (1 = token, 0 = padding).
+            past_key_values: transformers' cache from an earlier call.
+            inputs_embeds: `[B, T, d]` instead of input_ids.
+            use_cache: Return a cache.
+            output_hidden_states: Also return every block's input and the final output.
+            output_attentions: warns and returns None (no attention weights).
+            return_dict: False returns a tuple.
+            cache: Another name for past_key_values.
+            **kwargs: transformers' extra arguments.
+
+        Returns:
+            BaseModelOutputWithPast(last_hidden_state [B, T, d] after the final norm, past_key_values, hidden_states).
+        """
         h, hidden, _, pkv = self._hidden_states(input_ids, inputs_embeds, attention_mask, past_key_values, cache,
                                                 use_cache, 0, output_hidden_states, output_attentions)
         out = BaseModelOutputWithPast(last_hidden_state=h, hidden_states=hidden,
@@ -837,16 +852,29 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
                 logits_to_keep: Union[int, torch.Tensor] = 0, output_hidden_states: Optional[bool] = None,
                 output_attentions: Optional[bool] = None, return_dict: Optional[bool] = None,
                 cache: Optional[HFCache] = None, **kwargs) -> Union[CausalLMOutputWithPast, tuple]:
-        """input_ids [B, T] (or inputs_embeds [B, T, d]) -> CausalLMOutputWithPast(loss, logits [B, T or kept,
-        vocab], past_key_values, hidden_states).
+        """Run the model on token ids (or embeddings): transformers' causal-LM forward.
 
-        attention_mask [B, T] or [B, past + T] (1 = token, 0 = padding; padding never enters a
-        state, module docstring); labels [B, T] give the mean next-token loss (shifted inside,
-        -100 ignored, padding ignored; `num_items_in_batch` from transformers' Trainer divides
-        the summed loss instead); logits_to_keep as in transformers (0: all, n: the last n).
-        output_hidden_states: n_layers + 1 tensors [B, T, d] (the embeddings, the output of every block
-        but the last, and the last block's output after the final norm, as transformers' models return
-        them; zeros at padding); output_attentions warns and returns None (no attention weights).
+        Padding never enters a state (module docstring).
+
+        Args:
+            input_ids: `[B, T]` token ids (or pass inputs_embeds).
+            attention_mask: `[B, T]` or `[B, past + T]` (1 = token, 0 = padding).
+            past_key_values: transformers' cache from an earlier call (continued and updated in place).
+            inputs_embeds: `[B, T, d]` instead of input_ids.
+            labels: `[B, T]` give the mean next-token loss (shifted inside, -100 ignored, padding ignored;
+                `num_items_in_batch` from transformers' Trainer divides the summed loss instead).
+            use_cache: Return a cache (a new one when past_key_values is None).
+            logits_to_keep: as in transformers (0: all, n: the last n).
+            output_hidden_states: n_layers + 1 tensors [B, T, d] (the embeddings, the output of every block
+                but the last, and the last block's output after the final norm, as transformers' models return
+                them; zeros at padding).
+            output_attentions: warns and returns None (no attention weights).
+            return_dict: False returns a tuple.
+            cache: Another name for past_key_values.
+            **kwargs: transformers' extra arguments (`num_items_in_batch`, ...).
+
+        Returns:
+            CausalLMOutputWithPast(loss, logits [B, T or kept, vocab], past_key_values, hidden_states).
         """
         keep = 0 if labels is not None else logits_to_keep
         h, hidden, mask, pkv = self._hidden_states(input_ids, inputs_embeds, attention_mask, past_key_values, cache,
@@ -915,8 +943,27 @@ class LinattnForSequenceClassification(LinattnPreTrainedModel):
                 output_hidden_states: Optional[bool] = None, output_attentions: Optional[bool] = None,
                 return_dict: Optional[bool] = None, cache: Optional[HFCache] = None,
                 **kwargs) -> Union[SequenceClassifierOutputWithPast, tuple]:
-        """input_ids [B, T] (or inputs_embeds) -> SequenceClassifierOutputWithPast(loss, logits [B, num_labels]).
-        No cache unless use_cache=True (a classifier reads one position; a padded batch then runs packed)."""
+        """Classify each row from its last token (class docstring).
+
+        No cache unless use_cache=True (a classifier reads one position; a padded batch then runs packed).
+
+        Args:
+            input_ids: `[B, T]` token ids (or pass inputs_embeds).
+            attention_mask: `[B, T]` (1 = token, 0 = padding).
+            past_key_values: transformers' cache from an earlier call.
+            inputs_embeds: `[B, T, d]` instead of input_ids.
+            labels: The targets: integer class ids, regression values, or float multi-label targets
+                `[B, num_labels]`; the loss follows `config.problem_type` (class docstring).
+            use_cache: Return a cache.
+            output_hidden_states: Also return the hidden states.
+            output_attentions: warns and returns None (no attention weights).
+            return_dict: False returns a tuple.
+            cache: Another name for past_key_values.
+            **kwargs: transformers' extra arguments.
+
+        Returns:
+            SequenceClassifierOutputWithPast(loss, logits [B, num_labels]).
+        """
         use_cache = bool(use_cache) or past_key_values is not None or cache is not None
         base = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
                           inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
