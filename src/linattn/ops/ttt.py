@@ -701,8 +701,8 @@ def _prepare(*args, **kwargs):
 
 register_op("ttt", ttt, prepare=_prepare, forms=TTT_MODES, chunk_arg=None, example=_example, reference=_reference,
             state=True, description="TTT-Linear / TTT-MLP: an inner model trained by mini-batch gradient descent")
-register_op("titans", titans, prepare=_prepare, forms=TTT_MODES, chunk_arg=None, example=_example_titans, reference=_reference,
-            state=True, description="Titans: TTT with momentum and weight decay")
+register_op("titans", titans, prepare=_prepare, forms=TTT_MODES, chunk_arg=None, example=_example_titans,
+            reference=_reference, state=True, description="Titans: TTT with momentum and weight decay")
 
 
 __all__ = ["ttt", "titans", "TTTState", "prepare_ttt", "run_ttt", "TTTProblem", "INNER", "mlp_weight_shapes"]
