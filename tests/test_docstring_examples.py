@@ -47,7 +47,11 @@ DOCUMENTED = OPERATORS + [
     "linattn.layers.check_cu_seqlens", "linattn.layers.packed_positions", "linattn.layers.ShortConv.forward",
     "linattn.layers.RotaryEmbedding.apply", "linattn.layers.Mamba2Block.forward", "linattn.layers.RWKV7.forward",
     "linattn.layers.DeltaNet.beta", "linattn.layers.DeltaNet.log_gate", "linattn.layers.GatedDeltaNet.log_gate",
-    "linattn.layers.AttentionBase.resolve_scale",
+    "linattn.layers.AttentionBase.resolve_scale", "linattn.layers.KDA.log_gate", "linattn.layers.DeltaProduct.beta",
+    "linattn.layers.DeltaProduct.log_gate", "linattn.layers.FoX.log_gate", "linattn.layers.DeltaFormer.beta",
+    "linattn.layers.TTT.learning_rate", "linattn.layers.RMSNorm.forward", "linattn.layers.GatedRMSNorm.forward",
+    "linattn.layers.SwiGLU.forward", "linattn.layers.RotaryEmbedding.forward", "linattn.layers.KVCache.append",
+    "linattn.layers.KVCache.truncate", "linattn.layers.KVCache.index_select", "linattn.layers.Cache.layer",
     # models
     "linattn.LMConfig", "linattn.LanguageModel", "linattn.LanguageModel.forward", "linattn.LanguageModel.generate",
     "linattn.LMConfig.from_dict", "linattn.LMConfig.to_dict", "linattn.LMConfig.to_json",

@@ -133,7 +133,15 @@ class KVCache:
         self.k, self.v = k, v
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
-        """Store new keys/values and return all stored ones (views) with their first position."""
+        """Store new keys/values and return all stored ones (views) with their first position.
+
+        Args:
+            k: New keys `[B, T, H, D]`.
+            v: New values `[B, T, H, Dv]`.
+
+        Returns:
+            (k, v, start): every stored key and value (views of the buffers) and the absolute position of the first.
+        """
         T = k.shape[1]
         if self.window is not None and self.length + T > self.window - 1 + self.keep_extra + self.chunk and self.length:
             keep = min(self.length, max(self.window - 1 + self.keep_extra, 0))
@@ -167,7 +175,11 @@ class KVCache:
         return _KVMark(self.start + self.length)
 
     def truncate(self, end: int) -> None:
-        """Forget every token from absolute position `end` on (a rollback to a `mark`)."""
+        """Forget every token from absolute position `end` on (a rollback to a `mark`).
+
+        Args:
+            end: The absolute position to cut at.
+        """
         # the next query (position end) must still find the keys it attends: all of them, or the
         # window's last w - 1 (`keep_extra` keeps them through a rollback)
         first_needed = 0 if self.window is None else max(end - (self.window - 1), 0)
@@ -178,7 +190,11 @@ class KVCache:
         self.length = end - self.start
 
     def index_select(self, index: torch.Tensor) -> None:
-        """Keep batch rows `index` (beam search), in place."""
+        """Keep batch rows `index` (beam search), in place.
+
+        Args:
+            index: The rows to keep, an int64 tensor.
+        """
         if self.k is not None:
             self.k = self.k.index_select(0, index.to(self.k.device))
             self.v = self.v.index_select(0, index.to(self.v.device))
@@ -424,6 +440,15 @@ class Cache:
                             lc[k] = _select_rows(lc[k], index)
 
     def layer(self, i: int, name: str) -> LayerCache:
+        """The `LayerCache` of module `name` ("mixer", "lobe") in block `i`, created empty on first use.
+
+        Args:
+            i: The block index.
+            name: The module's name in the block.
+
+        Returns:
+            The `LayerCache`.
+        """
         d = self.layers[i]
         if name not in d:
             d[name] = LayerCache()

@@ -37,6 +37,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise x over its last dimension.
+
+        Args:
+            x: `[..., dim]`.
+
+        Returns:
+            The normalised x, in x's dtype.
+        """
         w = self.weight
         if not torch.is_grad_enabled() and x.dtype == cdt(x) and (w is None or w.dtype == x.dtype):
             # inference (decoding): one fused call, the same values as the lines below (tests/test_decode_fast.py)
@@ -97,6 +105,15 @@ class GatedRMSNorm(RMSNorm):
         return self.gate_act == "silu" and not self.gate_before_norm and self.group_size is None
 
     def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Normalise x and apply the gate (class docstring).
+
+        Args:
+            x: `[..., dim]`.
+            gate: The gate's input `[..., dim]` (act(gate) multiplies); None: no gate.
+
+        Returns:
+            The output, in x's dtype.
+        """
         if self.plain:
             y = super().forward(x)
             return y if gate is None else y * F.silu(gate)
@@ -194,6 +211,17 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, offset=0,
                 positions: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k by their tokens' positions (see `apply`).
+
+        Args:
+            q: `[B, T, H, D]`.
+            k: `[B, T, H, D]`.
+            offset: Token t is at absolute position offset + t (an int or a `[B]` tensor).
+            positions: Explicit positions `[T]` or `[B, T]` instead.
+
+        Returns:
+            (q, k) rotated.
+        """
         return self.apply(q, offset, positions), self.apply(k, offset, positions)
 
     def extra_repr(self) -> str:
@@ -373,6 +401,14 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(hidden, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """w_down(silu(x w_gate) * (x w_up)).
+
+        Args:
+            x: `[..., d_model]`.
+
+        Returns:
+            `[..., d_model]`.
+        """
         a, b = self.w_gate_up(x).chunk(2, dim=-1)
         return self.w_down(F.silu(a) * b)
 

@@ -158,12 +158,27 @@ class DeltaProduct(DeltaNet):
             self.dt_bias = nn.Parameter(dt_bias)
 
     def beta(self, x: torch.Tensor) -> torch.Tensor:
-        """Step sizes `[B, T, H, n]` in (0, 1), or (0, 2) with allow_negative_eigenvalues."""
+        """The step sizes of the n Householder steps of every token.
+
+        Args:
+            x: The layer input `[B, T, d_model]`.
+
+        Returns:
+            beta `[B, T, H, n]` in (0, 1), or (0, 2) with allow_negative_eigenvalues.
+        """
         b = self.b_proj(x)
         b = torch.sigmoid(b.to(cdt(b))).view(*x.shape[:2], self.n_heads, self.n_householder)
         return 2.0 * b if self.allow_negative_eigenvalues else b
 
     def log_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Gated DeltaNet's decay per token (applied before the n steps) when `gate=True`.
+
+        Args:
+            x: The layer input `[B, T, d_model]`.
+
+        Returns:
+            g `[B, T, H]` (<= 0), or None without the gate.
+        """
         if not self.gated:
             return None
         return mamba_log_decay(self.a_proj(x), self.A_log, self.dt_bias)
@@ -258,7 +273,14 @@ class KDA(DeltaNet):
         self.dt_bias = nn.Parameter(dt_bias)
 
     def log_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-gate `[B, T, HV, K]` (<= 0), in fp32 (fp64 in an fp64 model)."""
+        """The per-channel log-gate: Kimi Delta Attention's decay.
+
+        Args:
+            x: The layer input `[B, T, d_model]`.
+
+        Returns:
+            g `[B, T, HV, K]` (<= 0), in fp32 (fp64 in an fp64 model).
+        """
         B, T = x.shape[:2]
         HV, K = self.n_value_heads, self.head_dim
         f = self.f_proj(x)

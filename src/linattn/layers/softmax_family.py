@@ -190,7 +190,14 @@ class FoX(_CachedSoftmaxFamily):
         self.f_proj = nn.Linear(d_model, self.n_heads, bias=True)
 
     def log_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """g = log f = logsigmoid(f_proj(x)) `[B, T, H]` (fp32)."""
+        """The forget gate, g = log f = logsigmoid(f_proj(x)).
+
+        Args:
+            x: The layer input `[B, T, d_model]`.
+
+        Returns:
+            g `[B, T, H]` (fp32).
+        """
         return F.logsigmoid(self.f_proj(x).to(_cdt(x)))
 
     def _extras(self, x, cache, cu_seqlens):
@@ -243,7 +250,14 @@ class DeltaFormer(_CachedSoftmaxFamily):
         self.b_proj = nn.Linear(d_model, self.n_heads, bias=True)
 
     def beta(self, x: torch.Tensor) -> torch.Tensor:
-        """beta = sigmoid(b_proj(x)) (or b_proj(x) with beta_act None) `[B, T, H]` (fp32; fp64 for fp64)."""
+        """beta = sigmoid(b_proj(x)) (or b_proj(x) with beta_act None).
+
+        Args:
+            x: The layer input `[B, T, d_model]`.
+
+        Returns:
+            beta `[B, T, H]` (fp32; fp64 for fp64).
+        """
         b = self.b_proj(x).to(_cdt(x))
         return torch.sigmoid(b) if self.beta_act == "sigmoid" else b
 

@@ -99,7 +99,14 @@ class TTT(AttentionBase):
         return (self.W1, self.b1, self.W2, self.b2)
 
     def learning_rate(self, x: torch.Tensor) -> torch.Tensor:
-        """The inner learning rate per token `[B, T, H]`."""
+        """The inner learning rate per token.
+
+        Args:
+            x: The layer input `[B, T, d_model]`.
+
+        Returns:
+            base_lr * sigmoid(lr_proj(x)) / head_dim, `[B, T, H]` (fp32).
+        """
         return self.base_lr * torch.sigmoid(self.lr_proj(x).float()) / self.head_dim
 
     def _op(self, q, k, v, x, **kw):
