@@ -270,7 +270,14 @@ class LinearAttention(AttentionBase):
         return self._gamma
 
     def log_gate(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The data-dependent log-decay for x: `[B, T, H]` (scalar) or `[B, T, H, K_phi]` (diagonal)."""
+        """The data-dependent log-decay for x (gate "scalar" or "diagonal").
+
+        Args:
+            x: The layer input `[B, T, d_model]`.
+
+        Returns:
+            g `[B, T, H]` (scalar) or `[B, T, H, K_phi]` (diagonal); None for the other gates.
+        """
         B, T, _ = x.shape
         if self.gate == "scalar":
             return self._scalar_gate(self.a_proj(x))
