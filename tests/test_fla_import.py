@@ -144,6 +144,28 @@ def test_learned_maps_decode_token_by_token_like_the_full_forward(kind):
     assert layer.feature_map.phi(q).shape[-1] == layer.feature_map.feature_dim(8)
 
 
+def test_linear_normalize_add_divides_by_the_normaliser_plus_the_number_and_decodes():
+    from linattn.layers import LinearAttention
+
+    torch.manual_seed(0)
+    layer = _perturbed(LinearAttention(32, 2, feature_map="elu+1", normalize=False, normalize_add=1e-3,
+                                       gate="retnet").double())
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    q, k, v = layer._qkv(x, None)
+    fq, fk = torch.nn.functional.elu(q * layer.scale) + 1, torch.nn.functional.elu(k) + 1
+    gamma = layer.gamma.double()
+    t = torch.arange(6, dtype=torch.float64)
+    decay = (gamma[:, None, None] ** (t[:, None] - t[None, :])).tril()                   # [H, T, S]
+    att = torch.einsum("bthk,bshk->bhts", fq, fk) * decay
+    want = torch.einsum("bhts,bshv->bthv", att, v) / (att.sum(-1).transpose(1, 2)[..., None] + 1e-3)
+    with torch.no_grad():
+        y = layer(x)
+        assert (y - layer._out(want, x)).abs().max() <= 1e-12
+        cache = LayerCache()
+        steps = [layer(x[:, :2], cache=cache)] + [layer(x[:, i:i + 1], cache=cache) for i in range(2, 6)]
+    assert (torch.cat(steps, dim=1) - y).abs().max() <= 1e-12
+
+
 def test_linear_gate_min_floors_the_diagonal_log_decay():
     from linattn.layers import LinearAttention
 
@@ -428,9 +450,12 @@ def test_retnet(tmp_path, name):
 def _linear_op(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=False, **kw):
     from fla.ops.linear_attn.naive import naive_recurrent_linear_attn
 
-    assert initial_state is None and not output_final_state and kw.get("cu_seqlens") is None and not normalize
-    o = _gated_scan(q, k, v, None, q.shape[-1] ** -0.5 if scale is None else scale)
-    o32, _ = naive_recurrent_linear_attn(q, k, v, scale=scale)
+    assert initial_state is None and not output_final_state and kw.get("cu_seqlens") is None
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    o = _gated_scan(q, k, v, None, s)
+    if normalize:   # fla: o / ((scale q) . cumsum k + 1e-10)
+        o = o / ((q.double() * s * k.double().cumsum(1)).sum(-1, keepdim=True) + 1e-10)
+    o32, _ = naive_recurrent_linear_attn(q, k, v, scale=scale, normalize=normalize)
     assert (o32.double() - o).abs().max() <= 1e-4 * (1 + o.abs().max())
     return o.to(q.dtype), None
 
@@ -449,6 +474,7 @@ LINEARS = {
     "dpfp": dict(num_heads=4, feature_map="dpfp", expand_k=0.5),
     "elu_norm_qk": dict(num_heads=2, feature_map="elu", norm_q=True, norm_k=True),
     "hadamard_norm_k": dict(num_heads=2, norm_k=True),
+    "elu_norm_feature_map": dict(num_heads=2, feature_map="elu", norm_feature_map=True),
     "identity_hybrid_attn": dict(num_heads=2, feature_map="identity", attn={"layers": [1], "num_heads": 2}),
 }
 
@@ -465,17 +491,6 @@ def test_linear_attn(tmp_path, name):
     assert res.model.config.mixer_list()[0] == "linear-" + {"elu": "elu+1", "relu": "relu"}.get(fm, "identity")
     if "num_kv_heads" in LINEARS[name]:
         assert res.model.blocks[0].mixer.k_proj.weight.shape[0] == 32
-
-
-@pytest.mark.parametrize("kw", [dict(feature_map="elu", norm_feature_map=True)])
-def test_linear_attn_options_linattn_lacks_are_named(tmp_path, kw):
-    from fla.models import LinearAttentionConfig
-
-    with fla_cpu():
-        model = build_fla(LinearAttentionConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=50, **kw))
-        model.save_pretrained(tmp_path / "fla", safe_serialization=True)
-    with pytest.raises(CheckpointError, match="norm_feature_map"):
-        import_fla(tmp_path / "fla", tmp_path / "run")
 
 
 def test_hybrid_attention_layers_with_different_settings_are_an_error(tmp_path):

@@ -175,6 +175,8 @@ class LinearAttention(AttentionBase):
         sum_norm_q: divide phi(q) (before scale_after_map's scale) by its sum + 1e-4 (fla's linear_attn norm_q);
             linear-space maps without parameters, or learned_map.
         sum_norm_k: the same for psi(k) (fla's norm_k).
+        normalize_add: with normalize=False, divide by the normaliser phi(q) . sum psi(k) plus this number (fla's
+            linear_attn norm_feature_map: 1e-10) instead of normalize's floor at eps; None: no such division.
         learned_map: one of LEARNED_MAPS, a feature map with its own weights (fla's linear_attn
             maps; `LearnedMap`) used instead of feature_map.
         learned_map_tied: q and k share the learned map's weights.
@@ -205,7 +207,8 @@ class LinearAttention(AttentionBase):
                  chunk_size: int = 64, eps: float = 1e-6, feature_seed: int = 0, gate_low_rank: int = 16,
                  gate_normalizer: float = 16.0, gate_min: Optional[float] = None, scale_after_map: bool = False,
                  n_kv_heads: Optional[int] = None, learned_map: Optional[str] = None, learned_map_tied: bool = False,
-                 sum_norm_q: bool = False, sum_norm_k: bool = False, **kwargs):
+                 sum_norm_q: bool = False, sum_norm_k: bool = False, normalize_add: Optional[float] = None,
+                 **kwargs):
         if gate not in GATES:
             raise LinattnError(f"gate must be one of {GATES}, got {gate!r}")
         super().__init__(d_model, n_heads, **kwargs)
@@ -225,6 +228,9 @@ class LinearAttention(AttentionBase):
         self.feature_map = fmap  # registered as a submodule if it is one (FAVOR+, LearnedMap)
         self.feature_map_name = getattr(fmap, "name", "custom")
         self.normalize, self.gate = bool(normalize), gate
+        if normalize_add is not None and self.normalize:
+            raise LinattnError("normalize_add replaces normalize's floored normaliser: pass normalize=False with it")
+        self.normalize_add = None if normalize_add is None else float(normalize_add)
         self.scale = self.resolve_scale(scale, self.head_dim)
         self.scale_after_map = bool(scale_after_map)
         if self.scale_after_map or sum_norm_q or sum_norm_k:
@@ -298,7 +304,7 @@ class LinearAttention(AttentionBase):
     # -- single-token decoding (fast_decode.py's "linear" step) -------------------------------------
     def fast_step_kind(self) -> Optional[str]:
         return ("linear" if type(self) is LinearAttention and self.n_kv_heads == self.n_heads
-                and fast_decode.linear_supported(self) else None)
+                and self.normalize_add is None and fast_decode.linear_supported(self) else None)
 
     def _qkv(self, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         if self.n_kv_heads == self.n_heads:
@@ -309,6 +315,8 @@ class LinearAttention(AttentionBase):
 
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         T = x.shape[1]
+        if self.normalize_add is not None:   # the normaliser phi(q) . sum psi(k) as one more value column of ones
+            v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
         o, state = linear_attention(
             q, k, v, feature_map=self.feature_map, causal=True, normalize=self.normalize,
             gamma=self._gamma_on(q.device), g=self.log_gate(x), scale=self.scale,
@@ -317,6 +325,8 @@ class LinearAttention(AttentionBase):
             output_final_state=cache is not None, cu_seqlens=cu_seqlens, eps=self.eps)
         if cache is not None:
             cache["state"] = state
+        if self.normalize_add is not None:
+            return o[..., :-1] / (o[..., -1:] + self.normalize_add)
         return o
 
     def extra_repr(self) -> str:

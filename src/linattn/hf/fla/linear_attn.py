@@ -4,9 +4,8 @@ k, the unnormalised causal sum with the scale K_phi**-0.5 on phi(q) (`scale_afte
 
 Feature maps: identity, elu (elu+1) and relu map to linattn's maps of the same name; fla's maps with weights
 (elementwise_product, its default; hedgehog; t2r) and dpfp to LinearAttention's `learned_map` (on the
-`linear-identity` mixer, tied or not as fla's tie_feature_map_qk); norm_q / norm_k to `sum_norm_q` / `sum_norm_k`.
-norm_feature_map (its normaliser adds 1e-10 where linattn's floors at eps) has no linattn counterpart: a
-CheckpointError names it."""
+`linear-identity` mixer, tied or not as fla's tie_feature_map_qk); norm_q / norm_k to `sum_norm_q` / `sum_norm_k`;
+norm_feature_map (the normaliser + 1e-10) to `normalize_add`."""
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -46,13 +45,14 @@ def convert_linear_attn(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConve
     fm = cfg_get(cfg, "feature_map", "elementwise_product")
     require(fm in FEATURE_MAPS or fm in LEARNED, cfg,
             f"feature_map {fm!r} (supported: {', '.join(list(FEATURE_MAPS) + list(LEARNED))})")
-    require(not cfg_get(cfg, "norm_feature_map", False), cfg, "norm_feature_map")
     require(cfg_get(cfg, "elementwise_affine", True), cfg, "an output norm without a weight (elementwise_affine)")
     kphi = dk * (LEARNED[fm][1] if fm in LEARNED else 1)
     kwargs: Dict[str, Any] = {"head_dim": dk, "head_dim_v": dv, "normalize": False, "scale": kphi ** -0.5,
                               "scale_after_map": True, "output_norm": True, "short_conv": False, "rope": False}
     if cfg_get(cfg, "norm_q", False) or cfg_get(cfg, "norm_k", False):   # phi / (sum phi + 1e-4), before the scale
         kwargs.update(sum_norm_q=bool(cfg_get(cfg, "norm_q", False)), sum_norm_k=bool(cfg_get(cfg, "norm_k", False)))
+    if cfg_get(cfg, "norm_feature_map", False):   # fla: o / (phi(q) . sum phi(k) + 1e-10)
+        kwargs["normalize_add"] = 1e-10
     state: Dict[str, Any] = {}
     if fm in LEARNED:
         tied = bool(cfg_get(cfg, "tie_feature_map_qk", False)) or fm == "dpfp"
