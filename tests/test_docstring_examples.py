@@ -34,6 +34,8 @@ DOCUMENTED = OPERATORS + [
     "linattn.get_feature_map", "linattn.chunk_size_used", "linattn.mixers",
     "linattn.models.registry.register_mixer", "linattn.audit.check_causality", "linattn.audit.CausalityReport",
     "linattn.set_checks", "linattn.get_checks", "linattn.prepare_delta", "linattn.prepare_linear_attention",
+    "linattn.FAVORPlus.phi", "linattn.FAVORPlus.build", "linattn.FAVORPlus.feature_dim",
+    "linattn.FAVORPlus.forward",
     # layers (constructor arguments)
     "linattn.layers.AttentionBase", "linattn.layers.AttentionBase.forward", "linattn.layers.SoftmaxAttention",
     "linattn.layers.FoX", "linattn.layers.DeltaFormer", "linattn.layers.Mamba2Block", "linattn.layers.MesaNet",
@@ -52,6 +54,7 @@ DOCUMENTED = OPERATORS + [
     "linattn.layers.TTT.learning_rate", "linattn.layers.RMSNorm.forward", "linattn.layers.GatedRMSNorm.forward",
     "linattn.layers.SwiGLU.forward", "linattn.layers.RotaryEmbedding.forward", "linattn.layers.KVCache.append",
     "linattn.layers.KVCache.truncate", "linattn.layers.KVCache.index_select", "linattn.layers.Cache.layer",
+    "linattn.layers.RotaryEmbedding.cos_sin", "linattn.layers.PaTH.householder", "linattn.layers.RWKV7.link_layers",
     # models
     "linattn.LMConfig", "linattn.LanguageModel", "linattn.LanguageModel.forward", "linattn.LanguageModel.generate",
     "linattn.LMConfig.from_dict", "linattn.LMConfig.to_dict", "linattn.LMConfig.to_json",

@@ -166,7 +166,15 @@ class RotaryEmbedding(nn.Module):
         self._cos, self._sin = torch.cos(ang), torch.sin(ang)
 
     def cos_sin(self, positions: torch.Tensor, need: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `[..., dim/2]` (fp64) of integer positions; `need` > max position (else computed)."""
+        """cos, sin (fp64) of integer positions.
+
+        Args:
+            positions: Integer positions, any shape.
+            need: A number > the largest position, to size the table (None: computed from positions).
+
+        Returns:
+            (cos, sin), each `[..., dim/2]` (fp64).
+        """
         if need is None:
             need = int(positions.max().item()) + 1 if positions.numel() else 1
         n = self._cos.shape[0]

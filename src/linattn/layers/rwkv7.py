@@ -193,8 +193,15 @@ class RWKV7(nn.Module):
         self.r_k.zero_()
 
     def link_layers(self, shared: Optional[ValueResidual]) -> ValueResidual:
-        """Join a model's value residual (module docstring): None makes this layer the first (it publishes its v
-        and has no lora_v); returns the holder for the next RWKV-7 layer."""
+        """Join a model's value residual (module docstring).
+
+        Args:
+            shared: The holder of the previous RWKV-7 layer, or None: this layer becomes the first (it publishes its
+                v and has no lora_v).
+
+        Returns:
+            The holder for the next RWKV-7 layer.
+        """
         if shared is None:
             shared, self._first, self.v_lora = ValueResidual(), True, None
         else:

@@ -324,8 +324,18 @@ class PaTH(_CachedSoftmaxFamily):
         self.f_proj = nn.Linear(d_model, self.n_heads, bias=True) if use_forget_gate else None
 
     def householder(self, x: torch.Tensor, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor]):
-        """(w `[B, T, H, K]` with ||w|| = 1, beta = 2 sigmoid(b_proj(x)) `[B, T, H]`), continuing the
-        convolution's state from `cache` (and writing it back) when given."""
+        """The Householder directions and strengths of every token.
+
+        The w convolution continues from `cache`'s state (and writes it back) when a cache is given.
+
+        Args:
+            x: The layer input `[B, T, d_model]`.
+            cache: The layer's `LayerCache`, or None.
+            cu_seqlens: int64 `[N+1]` offsets of packed documents, or None.
+
+        Returns:
+            (w `[B, T, H, K]` with ||w|| = 1, beta = 2 sigmoid(b_proj(x)) `[B, T, H]`).
+        """
         B, T, _ = x.shape
         mods = self._modules
         w = mods["w_proj"](x) if "w_proj" in mods else self.w_up(self.w_down(x))

@@ -371,6 +371,18 @@ class FAVORPlus(nn.Module, FeatureMap):
         self.projection.copy_(w.to(self.projection.dtype))
 
     def phi(self, x, pos=None):
+        """The log-features w_r . x - |x|^2 / 2 - log(m) / 2 (psi is the same map).
+
+        Args:
+            x: `[..., dim]`.
+            pos: Unused (FAVOR+ is not positional).
+
+        Returns:
+            `[..., n_features]` log-features.
+
+        Raises:
+            LinattnError: x's last dimension is not `dim`.
+        """
         if x.shape[-1] != self.dim:
             raise LinattnError(f"FAVORPlus was built for dim {self.dim}, got inputs with last dim {x.shape[-1]}")
         w = self.projection.to(device=x.device, dtype=x.dtype)
@@ -380,13 +392,38 @@ class FAVORPlus(nn.Module, FeatureMap):
 
     @classmethod
     def build(cls, head_dim: int, *, max_seq_len: Optional[int] = None, seed: int = 0) -> "FAVORPlus":
+        """A FAVORPlus(head_dim, seed=seed): a fixed draw per seed; build FAVORPlus yourself for more control.
+
+        Args:
+            head_dim: The input width.
+            max_seq_len: Unused.
+            seed: Seeds the projection.
+
+        Returns:
+            The map.
+        """
         return cls(head_dim, seed=seed)  # a fixed draw per seed; build FAVORPlus yourself for more control
 
     def feature_dim(self, head_dim: int) -> int:
+        """K_phi = n_features.
+
+        Args:
+            head_dim: The input width (the map's `dim`).
+
+        Returns:
+            n_features.
+        """
         return self.n_features
 
     def forward(self, x):
-        """The (positive) features themselves, exp(phi(x)); for inspection, not for the operator."""
+        """The (positive) features themselves, exp(phi(x)); for inspection, not for the operator.
+
+        Args:
+            x: `[..., dim]`.
+
+        Returns:
+            `[..., n_features]`.
+        """
         return torch.exp(self.phi(x))
 
     def extra_repr(self) -> str:
