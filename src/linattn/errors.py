@@ -30,7 +30,12 @@ class DataError(LinattnError):
 
 
 class UsageError(LinattnError):
-    """Bad command-line arguments: reported as one line on stderr, exit code 2."""
+    """Bad command-line arguments: reported as one line on stderr, exit code 2.
+
+    Args:
+        message: What is wrong, naming the argument.
+        prog: The command to name in the report (None: the command being run).
+    """
 
     def __init__(self, message: str, prog: Optional[str] = None):
         super().__init__(message)
