@@ -14,6 +14,15 @@ transformers = pytest.importorskip("transformers")
 
 from linattn.errors import LinattnError  # noqa: E402
 from linattn.hf import kernelize  # noqa: E402
+from linattn.hf.kernelize import torch_fallbacks  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _torch_fallbacks_fixture():
+    """The unpatched models are transformers' PyTorch fallback, also where flash-linear-attention is installed
+    (transformers then binds fla's Triton kernels, which cannot run on CPU)."""
+    with torch_fallbacks():
+        yield
 
 V = 97          # vocabulary
 T = 21          # not a multiple of any chunk size used on either side

@@ -106,13 +106,19 @@ def decode_maker(model, ids) -> Callable[[], Callable[[], Any]]:
 
 def memory_case(kind: str, quick: bool, vocab_size: int, T: int, patched: bool, seed: int = 0):
     """Builder for common.measure_memory (run in its worker process): one prefill of T tokens."""
-    torch.set_num_threads(1)
-    model = build_model(kind, quick, vocab_size, seed)
-    if patched:
-        from ..hf.kernelize import kernelize
+    from ..hf.kernelize import kernelize, torch_fallbacks
 
+    torch.set_num_threads(1)
+    with torch_fallbacks():  # imports the modeling files now, outside the measured call
+        model = build_model(kind, quick, vocab_size, seed)
+    if patched:
         kernelize(model)
-    return prefill_fn(model, _ids(T, vocab_size, seed))
+    run = prefill_fn(model, _ids(T, vocab_size, seed))
+
+    def run_on_torch_kernels():
+        with torch_fallbacks():
+            return run()
+    return run_on_torch_kernels
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -127,6 +133,17 @@ def _target(case: str, T: int):
 
 
 def run(args) -> int:
+    """The unpatched side runs transformers' PyTorch fallbacks, also where fla is installed (its kernels are
+    Triton-only): `linattn.hf.kernelize.torch_fallbacks`."""
+    if importlib.util.find_spec("transformers") is None:
+        return _run(args)  # which says what is missing
+    from ..hf.kernelize import torch_fallbacks
+
+    with torch_fallbacks():
+        return _run(args)
+
+
+def _run(args) -> int:
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:

@@ -27,9 +27,12 @@ convolutions change.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import importlib
+import inspect
+import sys
 import types
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -42,12 +45,15 @@ from ..errors import LinattnError
 from ..layers.common import ShortConv
 from ..ops import LinearAttentionState, delta_rule, linear_attention
 
-__all__ = ["kernelize", "KernelizeReport", "SERVED_CLASSES", "ATTN_IMPLEMENTATION"]
+__all__ = ["kernelize", "KernelizeReport", "SERVED_CLASSES", "ATTN_IMPLEMENTATION", "torch_fallbacks"]
 
 ATTN_IMPLEMENTATION = "linattn_sdpa"
 
 # True while a kernelized module's forward runs: the dispatchers then call linattn.
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("linattn_kernelize_active", default=False)
+# True inside `torch_fallbacks()`: calls from modules that are not kernelized run transformers' PyTorch
+# fallback instead of the package transformers bound at import (fla's Triton kernels cannot take CPU tensors).
+_TORCH_PATH: contextvars.ContextVar = contextvars.ContextVar("linattn_transformers_torch_path", default=False)
 # The packed documents' cu_seqlens while a kernelized model's forward runs on a packed batch: set by the model's
 # forward wrapper, because not every model passes transformers' cu_seq_lens_* kwargs down to its mixers
 # (Mamba2ForCausalLM drops every extra kwarg).
@@ -409,6 +415,21 @@ _KIND_NEEDS = {
 }
 
 
+def _torch_fallback(orig: Callable, args, kwargs):
+    """Call transformers' PyTorch function behind its hub wrapper (kept as `__wrapped__`) as the wrapper does where
+    the kernel package is absent: packed sequences refused, only the keywords the function takes."""
+    fn = getattr(orig, "__wrapped__", None)
+    if fn is None:
+        return orig(*args, **kwargs)
+    if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
+        raise ValueError(f"{orig.__name__}: transformers' PyTorch fallback cannot keep packed sequences apart "
+                         f"(kernelize the model to run packed documents on linattn)")
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
 def _install_dispatchers(module) -> List[str]:
     """Replace the modeling module's kernel functions by dispatchers (once); returns the names missing."""
     missing = []
@@ -425,12 +446,44 @@ def _install_dispatchers(module) -> List[str]:
             def dispatch(*args, **kwargs):
                 if _ACTIVE.get():
                     return adapter(*args, **kwargs)
+                if _TORCH_PATH.get():
+                    return _torch_fallback(orig, args, kwargs)
                 return orig(*args, **kwargs)
             dispatch._linattn_dispatcher = True
             dispatch._linattn_original = orig
             return dispatch
         setattr(module, name, make())
     return missing
+
+
+@contextlib.contextmanager
+def torch_fallbacks():
+    """Run transformers' own PyTorch kernels in the linear mixers that are not kernelized, while the context lasts.
+
+    transformers binds a mixer's kernel functions once, when its modeling file is imported: to
+    flash-linear-attention's (or mamba_ssm's) kernels whenever that package is installed, else to its PyTorch
+    fallback (`torch_chunk_gated_delta_rule`, ...). fla's kernels are Triton-only, so with fla installed a CPU model
+    of Qwen3-Next, Kimi Linear, ... fails with "0 active drivers". Inside this context the modeling modules of
+    `SERVED_CLASSES` call that PyTorch fallback instead, which is what transformers runs where fla is absent. The
+    modeling files are imported on entry, so a model built inside the context is covered too. Kernelized modules
+    are unaffected (they call linattn). `linattn bench hf` measures its unpatched baseline this way.
+
+    Example:
+        >>> from linattn.hf.kernelize import torch_fallbacks
+        >>> with torch_fallbacks():
+        ...     pass  # model(ids) of an unpatched transformers model runs the PyTorch fallback here
+    """
+    for module_name in sorted({m for m, _kind in SERVED_CLASSES.values()}):
+        try:  # imported now, so a model built inside the context finds the dispatchers in place
+            module = sys.modules.get(module_name) or importlib.import_module(module_name)
+        except ImportError:  # a transformers version without that model
+            continue
+        _install_dispatchers(module)
+    token = _TORCH_PATH.set(True)
+    try:
+        yield
+    finally:
+        _TORCH_PATH.reset(token)
 
 
 def _inner_forward(self: nn.Module, args, kwargs):
