@@ -60,7 +60,9 @@ DOCUMENTED = OPERATORS + [
     "linattn.LMConfig.from_dict", "linattn.LMConfig.to_dict", "linattn.LMConfig.to_json",
     "linattn.LMConfig.from_json", "linattn.LMConfig.replace", "linattn.LanguageModel.new_cache",
     "linattn.LanguageModel.num_parameters", "linattn.LanguageModel.stream", "linattn.LMConfig.ela_gpt",
-    "linattn.LMConfig.upgrade_architecture",
+    "linattn.LMConfig.upgrade_architecture", "linattn.models.register_family", "linattn.models.families",
+    "linattn.models.get_family", "linattn.models.build_model", "linattn.models.sample_next",
+    "linattn.models.LMOutput",
     # transformers integration (needs the hf extra)
     "linattn.hf.LinattnConfig", "linattn.hf.LinattnForCausalLM", "linattn.hf.LinattnModel",
     "linattn.hf.LinattnForSequenceClassification", "linattn.hf.export_hf", "linattn.hf.import_hf",

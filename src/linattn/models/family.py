@@ -127,8 +127,23 @@ def protocol_problems(model_cls: Type) -> List[str]:
 
 def register_family(name: str, config_cls: Type, model_cls: Type, description: str = "", *,
                     tiny_config: Optional[Callable[[int], Any]] = None, overwrite: bool = False) -> None:
-    """Register a model family: `model_cls(config_cls(...))` must follow `CausalLM` (checked here);
-    `tiny_config(vocab_size)` returns a small config for the automatic tests."""
+    """Register a model family: `model_cls(config_cls(...))` must follow `CausalLM` (checked here).
+
+    Training, checkpoints, evaluation and generation then work for it by name (the checkpoint records the
+    family; `build_model` rebuilds it).
+
+    Args:
+        name: The family's name (recorded as "arch" in config dicts).
+        config_cls: Its config class, with `to_dict` / `from_dict`.
+        model_cls: Its model class (`model_cls(config)`), following `CausalLM`.
+        description: One line for listings.
+        tiny_config: `tiny_config(vocab_size)` returns a small config for the automatic tests.
+        overwrite: Replace a family already registered under `name`.
+
+    Raises:
+        ConfigError: An empty or taken name, a config class without to_dict / from_dict, or a model class that
+            does not follow `CausalLM`.
+    """
     if not isinstance(name, str) or not name:
         raise ConfigError(f"a model family name must be a non-empty string, got {name!r}")
     if name in _FAMILIES and not overwrite:
@@ -146,11 +161,31 @@ def register_family(name: str, config_cls: Type, model_cls: Type, description: s
 
 
 def families() -> List[str]:
-    """Names of the registered model families."""
+    """Names of the registered model families.
+
+    Returns:
+        The names, in registration order.
+
+    Examples:
+        >>> from linattn.models import families
+        >>> "lm" in families()
+        True
+    """
     return list(_FAMILIES)
 
 
 def get_family(name: str) -> ModelFamily:
+    """The registered family `name`.
+
+    Args:
+        name: A name of `families()`.
+
+    Returns:
+        Its `ModelFamily` (config class, model class, description).
+
+    Raises:
+        ConfigError: An unknown family.
+    """
     if name not in _FAMILIES:
         raise ConfigError(f"unknown model family {name!r}; known families are: {', '.join(_FAMILIES)}")
     return _FAMILIES[name]
@@ -187,7 +222,24 @@ def config_to_dict(config: Any) -> Dict[str, Any]:
 
 
 def build_model(config: Any) -> torch.nn.Module:
-    """The model of a config object or dict."""
+    """The model of a config object or dict.
+
+    Args:
+        config: A family config (`LMConfig`, ...) or its dict (`config_to_dict`; key "arch" names the family,
+            none means "lm").
+
+    Returns:
+        The model, freshly initialised.
+
+    Raises:
+        ConfigError: An unknown family or a bad config.
+
+    Examples:
+        >>> from linattn import LMConfig
+        >>> from linattn.models import build_model
+        >>> type(build_model(LMConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2))).__name__
+        'LanguageModel'
+    """
     if isinstance(config, dict):
         config = config_from_dict(config)
     return family_of(config).model_cls(config)

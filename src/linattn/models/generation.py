@@ -27,10 +27,23 @@ def make_generator(generator: Union[torch.Generator, int, None], device) -> Opti
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
                 top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Next token ids `[B]` from logits `[B, V]`.
+    """Next token ids from logits.
 
     temperature 0 is greedy (argmax); top_k keeps the k most likely tokens; top_p keeps the
     smallest set whose probability reaches p (nucleus); both apply after the temperature.
+
+    Args:
+        logits: `[B, V]`.
+        temperature: >= 0; 0 is greedy.
+        top_k: Keep the k most likely tokens (None: all).
+        top_p: Keep the smallest set whose probability reaches p (None: all).
+        generator: For reproducible sampling (None: torch's global generator).
+
+    Returns:
+        Token ids `[B]`.
+
+    Raises:
+        LinattnError: A negative temperature, or a bad top_k / top_p.
     """
     if temperature < 0:
         raise LinattnError(f"temperature must be >= 0, got {temperature}")

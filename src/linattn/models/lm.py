@@ -70,8 +70,14 @@ def init_lm_weights(model: nn.Module, std: float, n_layers: int) -> None:
 
 @dataclass
 class LMOutput:
-    """logits `[B, T, vocab]`; aux_loss (scalar, 0 without MoE); cache (None unless decoding);
-    loss (cross-entropy against `targets`, when they are given)."""
+    """What `LanguageModel.forward` returns.
+
+    Attributes:
+        logits: `[B, T, vocab]` (or the kept positions' with logits_to_keep).
+        aux_loss: A scalar, 0 without MoE.
+        cache: The decoding cache (None unless decoding).
+        loss: The cross-entropy against `targets`, when they are given.
+    """
     logits: torch.Tensor
     aux_loss: torch.Tensor
     cache: Optional[Cache] = None
