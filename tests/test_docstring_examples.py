@@ -62,7 +62,8 @@ DOCUMENTED = OPERATORS + [
     "linattn.LanguageModel.num_parameters", "linattn.LanguageModel.stream", "linattn.LMConfig.ela_gpt",
     "linattn.LMConfig.upgrade_architecture", "linattn.models.register_family", "linattn.models.families",
     "linattn.models.get_family", "linattn.models.build_model", "linattn.models.sample_next",
-    "linattn.models.LMOutput",
+    "linattn.models.LMOutput", "linattn.models.build_mixer", "linattn.models.unregister_mixer",
+    "linattn.models.mixer_spec", "linattn.models.registry.mixer_config_kwargs", "linattn.models.registry.MixerSpec",
     # transformers integration (needs the hf extra)
     "linattn.hf.LinattnConfig", "linattn.hf.LinattnForCausalLM", "linattn.hf.LinattnModel",
     "linattn.hf.LinattnForSequenceClassification", "linattn.hf.export_hf", "linattn.hf.import_hf",

@@ -18,6 +18,16 @@ LAYER_IDX = "layer_idx"
 
 
 class MixerSpec(NamedTuple):
+    """One registered mixer (`mixer_spec`).
+
+    Attributes:
+        cls: The layer class or factory.
+        defaults: Keyword arguments always passed to cls.
+        description: One line for listings.
+        rope_default: The rope a mixer uses unless the config or mixer_kwargs say otherwise.
+        short_conv_default: The short_conv it uses unless the config or mixer_kwargs say otherwise.
+        config_fields: The model-config fields passed to `cls` (same keyword names), plus LAYER_IDX.
+    """
     cls: Callable[..., nn.Module]
     defaults: Dict[str, Any]
     description: str
@@ -94,7 +104,14 @@ def register_mixer(name: str, cls: Callable[..., nn.Module], defaults: Optional[
 
 
 def unregister_mixer(name: str) -> None:
-    """Remove a registered mixer (for plugins and tests)."""
+    """Remove a registered mixer (for plugins and tests).
+
+    Args:
+        name: The mixer's name.
+
+    Raises:
+        ConfigError: An unknown mixer.
+    """
     mixer_spec(name)
     del _REGISTRY[name]
 
@@ -116,15 +133,36 @@ def mixers() -> List[str]:
 
 
 def mixer_spec(name: str) -> MixerSpec:
+    """The registration of mixer `name`.
+
+    Args:
+        name: A name of `mixers()`.
+
+    Returns:
+        Its `MixerSpec` (class, defaults, description, rope / short_conv defaults, config fields).
+
+    Raises:
+        ConfigError: An unknown mixer (the message lists the valid ones).
+    """
     if name not in _REGISTRY:
         raise ConfigError(f"unknown mixer {name!r}; valid mixers are: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
 
 
 def mixer_config_kwargs(name: str, config: Any, layer_idx: Optional[int] = None) -> Dict[str, Any]:
-    """The keyword arguments `config` (an `LMConfig`) gives mixer `name` in layer `layer_idx`:
-    the config fields the mixer declares (those set to None left out), `layer_idx` when declared,
-    then `config.mixer_kwargs[name]` on top."""
+    """The keyword arguments `config` (an `LMConfig`) gives mixer `name` in layer `layer_idx`.
+
+    The config fields the mixer declares (those set to None left out), `layer_idx` when declared,
+    then `config.mixer_kwargs[name]` on top.
+
+    Args:
+        name: The mixer's name.
+        config: The model config.
+        layer_idx: The block's index.
+
+    Returns:
+        {keyword: value} for `build_mixer`.
+    """
     spec = mixer_spec(name)
     kw: Dict[str, Any] = {}
     for field in spec.config_fields:
@@ -143,7 +181,26 @@ def mixer_config_kwargs(name: str, config: Any, layer_idx: Optional[int] = None)
 
 
 def build_mixer(name: str, d_model: int, n_heads: int, **kwargs) -> nn.Module:
-    """Build mixer `name`; kwargs override its defaults (rope, short_conv, head_dim, max_seq_len...)."""
+    """Build mixer `name`.
+
+    Args:
+        name: A name of `mixers()`.
+        d_model: The model width.
+        n_heads: The number of heads.
+        **kwargs: Override its defaults (rope, short_conv, head_dim, max_seq_len...).
+
+    Returns:
+        The layer, a module from `[B, T, d_model]` to `[B, T, d_model]`.
+
+    Raises:
+        ConfigError: An unknown mixer.
+
+    Examples:
+        >>> import torch
+        >>> from linattn.models import build_mixer
+        >>> build_mixer("gated-deltanet", 64, 4)(torch.randn(1, 5, 64)).shape
+        torch.Size([1, 5, 64])
+    """
     spec = mixer_spec(name)
     args = dict(spec.defaults)
     args.setdefault("rope", spec.rope_default)
