@@ -35,7 +35,9 @@ DOCUMENTED = OPERATORS + [
     "linattn.models.registry.register_mixer", "linattn.audit.check_causality", "linattn.audit.CausalityReport",
     "linattn.set_checks", "linattn.get_checks", "linattn.prepare_delta", "linattn.prepare_linear_attention",
     "linattn.FAVORPlus.phi", "linattn.FAVORPlus.build", "linattn.FAVORPlus.feature_dim",
-    "linattn.FAVORPlus.forward", "linattn.UsageError",
+    "linattn.FAVORPlus.forward", "linattn.UsageError", "linattn.ops.registry.register_op",
+    "linattn.ops.registry.unregister_op", "linattn.ops.registry.op_names", "linattn.ops.registry.op_spec",
+    "linattn.ops.registry.reference_of", "linattn.ops.registry.chunk_size_ops",
     # layers (constructor arguments)
     "linattn.layers.AttentionBase", "linattn.layers.AttentionBase.forward", "linattn.layers.SoftmaxAttention",
     "linattn.layers.FoX", "linattn.layers.DeltaFormer", "linattn.layers.Mamba2Block", "linattn.layers.MesaNet",

@@ -70,7 +70,28 @@ def register_op(name: str, fn: Callable[..., Any], *, prepare: Optional[Callable
                 backends: bool = False, forms: Tuple[str, ...] = (), chunk_arg: Optional[str] = "chunk_size",
                 example: Optional[Callable[..., Any]] = None, reference: Union[str, Callable[..., Any], None] = None,
                 state: bool = False, description: str = "", overwrite: bool = False) -> None:
-    """Register operator `name` (see `OpSpec` for the fields). Call it at the bottom of the operator's module."""
+    """Register operator `name`. Call it at the bottom of the operator's module.
+
+    Registered operators get their tests without being named (tests/test_registry_conformance.py: each form against
+    the fp64 reference, causality, states across calls), and `chunk_size_used` and the benchmarks know them.
+
+    Args:
+        name: The operator's public name.
+        fn: The public function; it returns `o` or `(o, state)`.
+        prepare: `prepare(*args, **kwargs)` with the operator's own arguments -> its prepared problem, whose
+            `chunk_size_used(backend)` says the chunk really used (None: no chunk size to report).
+        backends: Whether `fn` takes `backend=`.
+        forms: The values `fn`'s `mode=` takes (empty: no mode argument).
+        chunk_arg: The keyword naming its chunk length (`chunk_size`; the softmax side's `block_size`), or None.
+        example: `example(generator, B, T, H, K, V, dtype) -> (args, kwargs)`: small valid inputs.
+        reference: The fp64 formula on the same inputs, a callable or the name of a function of ops/reference.py.
+        state: Whether `fn` takes `initial_state=` / `output_final_state=`.
+        description: One line for listings.
+        overwrite: Replace an operator already registered under `name`.
+
+    Raises:
+        ConfigError: An empty or taken name, or an argument that is not callable / not a tuple of mode names.
+    """
     if not isinstance(name, str) or not name:
         raise ConfigError(f"an operator name must be a non-empty string, got {name!r}")
     if name in _OPS and not overwrite:
@@ -88,24 +109,58 @@ def register_op(name: str, fn: Callable[..., Any], *, prepare: Optional[Callable
 
 
 def unregister_op(name: str) -> None:
-    """Remove a registered operator (for plugins and tests)."""
+    """Remove a registered operator (for plugins and tests).
+
+    Args:
+        name: The operator's name.
+
+    Raises:
+        LinattnError: An unknown operator.
+    """
     op_spec(name)
     del _OPS[name]
 
 
 def op_names() -> List[str]:
-    """The registered operators, in registration order."""
+    """The registered operators, in registration order.
+
+    Returns:
+        Their names.
+
+    Examples:
+        >>> from linattn.ops.registry import op_names
+        >>> {"linear_attention", "delta_rule", "softmax_attention"} <= set(op_names())
+        True
+    """
     return list(_OPS)
 
 
 def op_spec(name: str) -> OpSpec:
+    """The registration of operator `name`.
+
+    Args:
+        name: A name of `op_names()`.
+
+    Returns:
+        Its `OpSpec`.
+
+    Raises:
+        LinattnError: An unknown operator.
+    """
     if name not in _OPS:
         raise LinattnError(f"unknown operator {name!r}; registered: {', '.join(_OPS)}")
     return _OPS[name]
 
 
 def reference_of(name: str) -> Optional[Callable[..., Any]]:
-    """Operator `name`'s fp64 reference as a callable (None if it registered none)."""
+    """Operator `name`'s fp64 reference as a callable.
+
+    Args:
+        name: A name of `op_names()`.
+
+    Returns:
+        The reference (None if the operator registered none).
+    """
     ref = op_spec(name).reference
     if isinstance(ref, str):
         from . import reference  # on use: only the tests and benchmarks need the references
@@ -153,7 +208,11 @@ def chunk_size_used(op: str, *args, backend: str = "auto", **kwargs) -> int:
 
 
 def chunk_size_ops() -> List[str]:
-    """The registered operators `chunk_size_used` answers for."""
+    """The registered operators `chunk_size_used` answers for (those registered with a `prepare`).
+
+    Returns:
+        Their names.
+    """
     return [n for n, s in _OPS.items() if s.prepare is not None]
 
 
