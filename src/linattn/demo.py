@@ -117,7 +117,8 @@ def scaling(out: Path, Ts: List[int]) -> Dict[str, Any]:
     chunks = sorted({r["chunk_size_used"] for r in res["rows"] if r.get("chunk_size_used") is not None})
     print(f"(linear chunk size used: {'/'.join(map(str, chunks)) or '-'}; one timed call after one warm-up call; "
           f"peak memory = growth of the resident set during one call, "
-          f"measured in a separate process; full report: {out / 'scaling.txt'}, plot: {out / 'scaling.png'}) "
+          f"measured in a separate process; full report: {out / 'scaling.txt'}"
+          f"{', plot: ' + str(out / 'scaling.png') if (out / 'scaling.png').is_file() else ''}) "
           f"[{res['wall_s']:.0f} s]")
     return res
 
@@ -167,17 +168,17 @@ def learning(out: Path, steps: int, seed: int) -> Dict[str, Any]:
           f"(validation loss; perplexity {results['linear']['val_ppl']:.1f} vs {results['softmax']['val_ppl']:.1f})")
     print(f"{'tok/s':>6}  {results['linear']['tokens_per_s'] or 0:>13.0f}  "
           f"{results['softmax']['tokens_per_s'] or 0:>13.0f}   (training tokens per second, batch 8 x 128)")
-    try:
-        from .experiments.common import line_panels
+    from .experiments.common import line_panels
+    from .plotting import MISSING, save_figure
 
-        line_panels(out / "learning.png", [{"title": "training loss (demo)", "xlabel": "step", "ylabel": "loss",
-                                            "series": [{"label": "ELA-GPT (Hadamard Exp)", "x": [r[0] for r in rows],
-                                                        "y": [r[1] for r in rows], "color": "C0"},
-                                                       {"label": "softmax GPT", "x": [r[0] for r in rows],
-                                                        "y": [r[2] for r in rows], "color": "k"}]}],
-                    panel_size=(5.0, 3.4))
-    except Exception as e:  # the plot is a convenience
-        print(f"(learning plot failed: {e})")
+    figure = save_figure(out / "learning.png", lambda path: line_panels(path, [{
+        "title": "training loss (demo)", "xlabel": "step", "ylabel": "loss",
+        "series": [{"label": "ELA-GPT (Hadamard Exp)", "x": [r[0] for r in rows], "y": [r[1] for r in rows],
+                    "color": "C0"},
+                   {"label": "softmax GPT", "x": [r[0] for r in rows], "y": [r[2] for r in rows], "color": "k"}]}],
+        panel_size=(5.0, 3.4)))
+    if figure == MISSING or figure.startswith("(plot failed"):  # the plot is a convenience
+        print(f"(learning plot: {figure})")
     results["table"] = rows
     results["data"] = data
     results["wall_s"] = time.perf_counter() - t
