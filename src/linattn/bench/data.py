@@ -50,6 +50,11 @@ print(json.dumps({"wall_s": wall, "seconds": p.seconds, "baseline_kb": base, "pe
 
 
 def add_arguments(p) -> None:
+    """The options of `linattn bench data`.
+
+    Args:
+        p: The argparse parser to add them to.
+    """
     p.add_argument("--mb", type=finite_float(0, low_open=True), nargs="+", default=[100.0],
                    help="sizes of generated text in MB (default 100)")
     p.add_argument("--text", choices=("words", "long-lines"), default="words", help="what text to generate")
@@ -140,6 +145,17 @@ def _row(mb: Optional[float], data: str, cache: str, args) -> Dict[str, Any]:
 
 
 def run(args) -> int:
+    """Run the `linattn bench data` benchmark (module docstring).
+
+    Args:
+        args: The options parsed with `add_arguments` (`linattn bench data --help` lists them).
+
+    Returns:
+        The exit code (0: success).
+
+    Raises:
+        UsageError: Bad options.
+    """
     if args.data is not None and not Path(args.data).exists():
         raise UsageError(f"--data {args.data} not found", prog=PROG)
     paths = common.output_paths("data", args.out, exts=("txt", "json"), overwrite=args.overwrite)

@@ -41,6 +41,11 @@ TORCH_SUFFIX = "+torch"   # --decode-step both: the twin model decoding by the P
 
 
 def add_arguments(p) -> None:
+    """The options of `linattn bench decode`.
+
+    Args:
+        p: The argparse parser to add them to.
+    """
     p.add_argument("--mixers", default=DEFAULT_MIXERS, help=f"comma list of mixer names (default {DEFAULT_MIXERS})")
     p.add_argument("--N", type=int, nargs="+", default=DEFAULT_N, metavar="N",
                    help="context lengths (default 1024 ... 131072, powers of two)")
@@ -221,6 +226,17 @@ def _write_outputs(paths, text: str, result: Dict[str, Any], panels, info: Dict[
 
 
 def run(a) -> int:
+    """Run the `linattn bench decode` benchmark (module docstring).
+
+    Args:
+        a: The options parsed with `add_arguments` (`linattn bench decode --help` lists them).
+
+    Returns:
+        The exit code (0: success).
+
+    Raises:
+        UsageError: Bad options.
+    """
     names = _with_torch_twins(a, _mixer_names(a))
     a.threads, log = common.start_run(a.threads, a.device, a.quiet)
     Ns = sorted(set(a.N))

@@ -90,6 +90,11 @@ class NotCovered(LinattnError):
 
 
 def add_arguments(p):
+    """The options of `linattn bench gpu`.
+
+    Args:
+        p: The argparse parser to add them to.
+    """
     p.add_argument("--out", required=True, help="output folder: DIR/gpu.json and DIR/gpu.md")
     p.add_argument("--budget-min", type=float, default=7.0, help="time budget of the whole run, minutes (default 7)")
     p.add_argument("--steps", nargs="+", default=list(STEPS), metavar="STEP",
@@ -1062,6 +1067,17 @@ def _reexec_interpreted(argv: List[str]) -> int:
 
 
 def run(args) -> int:
+    """Run the `linattn bench gpu` benchmark (module docstring).
+
+    Args:
+        args: The options parsed with `add_arguments` (`linattn bench gpu --help` lists them).
+
+    Returns:
+        The exit code (0: success).
+
+    Raises:
+        UsageError: Bad options.
+    """
     _validate(args)
     from .. import triton as lt
 

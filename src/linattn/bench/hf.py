@@ -30,6 +30,11 @@ KINDS = ("gdn", "kda", "mamba2")
 
 
 def add_arguments(p) -> None:
+    """The options of `linattn bench hf`.
+
+    Args:
+        p: The argparse parser to add them to.
+    """
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)} (default: all)")
     p.add_argument("--T", type=int, nargs="+", default=[512, 2048, 8192], help="prefill lengths (default 512 "
                    "2048 8192)")
@@ -133,8 +138,20 @@ def _target(case: str, T: int):
 
 
 def run(args) -> int:
-    """The unpatched side runs transformers' PyTorch fallbacks, also where fla is installed (its kernels are
-    Triton-only): `linattn.hf.kernelize.torch_fallbacks`."""
+    """Run the `linattn bench hf` benchmark (module docstring).
+
+    The unpatched side runs transformers' PyTorch fallbacks, also where fla is installed (its kernels are
+    Triton-only): `linattn.hf.kernelize.torch_fallbacks`.
+
+    Args:
+        args: The options parsed with `add_arguments` (`linattn bench hf --help` lists them).
+
+    Returns:
+        The exit code (0: success).
+
+    Raises:
+        UsageError: Bad options.
+    """
     if importlib.util.find_spec("transformers") is None:
         return _run(args)  # which says what is missing
     from ..hf.kernelize import torch_fallbacks

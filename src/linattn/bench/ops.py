@@ -519,6 +519,11 @@ def _csv(choices: Sequence[str]):
 
 
 def add_arguments(p) -> None:
+    """The options of `linattn bench ops`.
+
+    Args:
+        p: The argparse parser to add them to.
+    """
     p.add_argument("--T", type=int, nargs="+", default=DEFAULT_T, metavar="T",
                    help="sequence lengths (default 1024 ... 65536, powers of two)")
     p.add_argument("--B", type=int, default=1, help="batch size (default 1)")
@@ -940,6 +945,17 @@ def make_plot(path, results, a, info, matmul) -> None:
 
 
 def run(a) -> int:
+    """Run the `linattn bench ops` benchmark (module docstring).
+
+    Args:
+        a: The options parsed with `add_arguments` (`linattn bench ops --help` lists them).
+
+    Returns:
+        The exit code (0: success).
+
+    Raises:
+        UsageError: Bad options.
+    """
     _validate(a)
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -56,6 +56,11 @@ PROG = "linattn bench tlinformer"
 
 
 def add_arguments(p) -> None:
+    """The options of `linattn bench tlinformer`.
+
+    Args:
+        p: The argparse parser to add them to.
+    """
     p.add_argument("--N", type=int, nargs="+", default=DEFAULT_N, metavar="N",
                    help="context lengths (default 1024 ... 131072, powers of two)")
     p.add_argument("--d-model", type=int, default=64, help="width (default 64)")
@@ -721,6 +726,17 @@ def _write_outputs(paths, a, text: str, result: Dict[str, Any], names: Sequence[
 
 
 def run(a) -> int:
+    """Run the `linattn bench tlinformer` benchmark (module docstring).
+
+    Args:
+        a: The options parsed with `add_arguments` (`linattn bench tlinformer --help` lists them).
+
+    Returns:
+        The exit code (0: success).
+
+    Raises:
+        UsageError: Bad options.
+    """
     names = _model_names(a)
     _check_args(a, names)
     a.threads, log = common.start_run(a.threads, a.device, a.quiet)

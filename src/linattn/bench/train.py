@@ -27,6 +27,11 @@ QUICK = dict(d_model=32, n_layers=2, n_heads=2, seq_len=64, batch=2, vocab_size=
 
 
 def add_arguments(p) -> None:
+    """The options of `linattn bench train`.
+
+    Args:
+        p: The argparse parser to add them to.
+    """
     p.add_argument("--mixers", default=DEFAULT_MIXERS, help=f"comma list of mixer names (default {DEFAULT_MIXERS})")
     p.add_argument("--d-model", type=int_at_least(1), default=256, help="width (default 256)")
     p.add_argument("--n-layers", type=int_at_least(1), default=4, help="layers (default 4)")
@@ -126,6 +131,17 @@ def _report(records: List[Dict[str, Any]]) -> str:
 
 
 def run(a) -> int:
+    """Run the `linattn bench train` benchmark (module docstring).
+
+    Args:
+        a: The options parsed with `add_arguments` (`linattn bench train --help` lists them).
+
+    Returns:
+        The exit code (0: success).
+
+    Raises:
+        UsageError: Bad options.
+    """
     if a.quick:
         for k, v in QUICK.items():
             setattr(a, k, v)

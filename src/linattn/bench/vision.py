@@ -32,6 +32,11 @@ DEFAULT_NECKS = "hadamard_exp,softmax,conv"
 
 
 def add_arguments(p) -> None:
+    """The options of `linattn bench vision`.
+
+    Args:
+        p: The argparse parser to add them to.
+    """
     p.add_argument("--necks", default=DEFAULT_NECKS, help=f"comma list (default {DEFAULT_NECKS}; any linattn "
                                                           f"feature map is a linear-attention neck)")
     p.add_argument("--sizes", type=int, nargs="+", default=[320, 640], help="image sides (default 320 640)")
@@ -80,6 +85,17 @@ def count_flops(model: torch.nn.Module, x: torch.Tensor) -> int:
 
 
 def run(a) -> int:
+    """Run the `linattn bench vision` benchmark (module docstring).
+
+    Args:
+        a: The options parsed with `add_arguments` (`linattn bench vision --help` lists them).
+
+    Returns:
+        The exit code (0: success).
+
+    Raises:
+        UsageError: Bad options.
+    """
     from ..vision.model import NECKS, YOLOLAT, count_parameters, make_mixer
 
     necks = [s.strip() for s in a.necks.split(",") if s.strip()]
