@@ -68,6 +68,7 @@ DOCUMENTED = OPERATORS + [
     "linattn.models.get_family", "linattn.models.build_model", "linattn.models.sample_next",
     "linattn.models.LMOutput", "linattn.models.build_mixer", "linattn.models.unregister_mixer",
     "linattn.models.mixer_spec", "linattn.models.registry.mixer_config_kwargs", "linattn.models.registry.MixerSpec",
+    "linattn.checkpoint.save_checkpoint", "linattn.checkpoint.load_checkpoint", "linattn.checkpoint.Checkpoint",
     # transformers integration (needs the hf extra)
     "linattn.hf.LinattnConfig", "linattn.hf.LinattnForCausalLM", "linattn.hf.LinattnModel",
     "linattn.hf.LinattnForSequenceClassification", "linattn.hf.export_hf", "linattn.hf.import_hf",

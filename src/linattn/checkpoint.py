@@ -327,15 +327,29 @@ def save_checkpoint(run_dir: PathLike, step: int, model: Optional[torch.nn.Modul
                     state_dict: Optional[Dict[str, torch.Tensor]] = None) -> Path:
     """Write checkpoint `run_dir/step_<step>` atomically and point `run_dir/latest` at it.
 
-    `model_config` is the JSON dict of the model's config; `tokenizer` anything with `to_str()`
-    (a BPETokenizer); `training_state` a dict for `torch.save` (optimizer state, RNG states, ...).
-    The weights are `model`'s, or `state_dict` (a full one, e.g. gathered from FSDP shards) with
-    model None. `keep_last` step folders are kept (None keeps all): the older ones beyond
-    `keep_last - 1` are removed before the new one is written (so the disk never holds more than
-    `keep_last` of them, and a run that filled its disk makes room by lowering it), but the newest
-    one always stays until the new one is in place. Returns the step folder.
-    Non-finite weights are refused (CheckpointError); a failed write of any file (a full disk, no
-    permission) raises CheckpointWriteError and leaves the previous checkpoint as it was.
+    `keep_last` step folders are kept (None keeps all): the older ones beyond `keep_last - 1` are removed before
+    the new one is written (so the disk never holds more than `keep_last` of them, and a run that filled its disk
+    makes room by lowering it), but the newest one always stays until the new one is in place.
+
+    Args:
+        run_dir: The run folder.
+        step: The step number (the folder's name).
+        model: The model whose weights are written, or None with `state_dict`.
+        model_config: The JSON dict of the model's config.
+        tokenizer: Anything with `to_str()` (a BPETokenizer), or None.
+        train_config: The run's `TrainConfig` as a dict, or None.
+        training_state: A dict for `torch.save` (optimizer state, RNG states, ...), or None.
+        extra: More JSON fields for config.json.
+        keep_last: The step folders kept (None: all).
+        state_dict: The weights (a full one, e.g. gathered from FSDP shards) with model None.
+
+    Returns:
+        The step folder.
+
+    Raises:
+        CheckpointError: Non-finite weights (refused).
+        CheckpointWriteError: A failed write of any file (a full disk, no permission); the previous checkpoint is
+            left as it was.
     """
     if (model is None) == (state_dict is None):
         raise CheckpointError("save_checkpoint needs exactly one of model and state_dict")
@@ -605,6 +619,18 @@ def check_architecture(ckpt_dir: PathLike, model_config: Dict[str, Any]) -> None
 
 @dataclass
 class Checkpoint:
+    """What `load_checkpoint` returns.
+
+    Attributes:
+        path: The step folder.
+        step: Its step.
+        model: The model, with the weights loaded.
+        model_config: The model's config object.
+        config: The whole config.json.
+        tokenizer: The tokenizer (a BPETokenizer), or None.
+        training_state: The training state (with_training_state=True), or None.
+        train_config: The run's TrainConfig as a dict ({} when none was saved).
+    """
     path: Path
     step: int
     model: torch.nn.Module
@@ -637,8 +663,31 @@ def load_checkpoint(path: PathLike, device: Union[str, torch.device] = "cpu", *,
     """Load the checkpoint that `path` stands for (a step folder, or a run folder: its latest).
 
     The model is built from config.json (`model_factory(model_dict)` if given, else the model of
-    the config's family) and its weights loaded strictly. Every failure is a CheckpointError with
-    a one-line message.
+    the config's family) and its weights loaded strictly.
+
+    Args:
+        path: A step folder, or a run folder (its latest checkpoint).
+        device: Where to load the weights.
+        with_training_state: Also load the training state (optimizer, RNG states).
+        model_factory: `model_factory(model_dict) -> model` instead of the family's model class.
+
+    Returns:
+        A `Checkpoint` (path, step, model, model_config, config, tokenizer, training_state, train_config).
+
+    Raises:
+        CheckpointError: Every failure, with a one-line message.
+
+    Examples:
+        >>> import tempfile
+        >>> from linattn import LanguageModel, LMConfig
+        >>> from linattn.checkpoint import load_checkpoint, save_checkpoint
+        >>> config = LMConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, mixer="gla")
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> step_dir = save_checkpoint(tmp.name, 10, LanguageModel(config), model_config=config.to_dict())
+        >>> ck = load_checkpoint(tmp.name)
+        >>> ck.step, ck.model_config == config
+        (10, True)
+        >>> tmp.cleanup()
     """
     p = Path(path)
     if not p.exists():
