@@ -43,8 +43,8 @@ def one_thread_module():
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """A small generated code-like corpus (`test_training.make_corpus`), one per test module; the modules
+    """A small generated code-like corpus (`tests.helpers.make_corpus`), one per test module; the modules
     that need another kind of text define their own `corpus`."""
-    from test_training import make_corpus
+    from tests.helpers import make_corpus
 
     return make_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")

@@ -6,7 +6,7 @@ the layer modules' operators by what the caller passes (fla's own naive referenc
 linattn's fp64 references):
 
     fla = pytest.importorskip("fla")
-    from fla_cpu import fla_cpu, build_fla, check_import
+    from tests.fla_cpu import fla_cpu, build_fla, check_import
     pytestmark = pytest.mark.usefixtures("one_thread_module")   # tiny fp64 tensors: 2 threads only contend (5x)
 
     def test_gla(tmp_path):

@@ -1,9 +1,25 @@
-"""Helpers shared by several test files (import them as `from helpers import ...`: pytest puts tests/ on the path)."""
+"""Helpers shared by several test files: `from tests.helpers import ...` (tests/ is a package, so test modules in
+different folders may share a basename; a test file never imports another test file, tests/test_structure.py checks).
+"""
 from __future__ import annotations
 
+import ast
+import random
+import shutil
+from pathlib import Path
+from typing import Dict, List, Set
+
+import numpy as np
 import torch
 
+from linattn.data.mnist import write_idx
+from linattn.models import LMConfig
 from linattn.models.registry import build_mixer
+
+ROOT = Path(__file__).resolve().parents[1]   # the repository
+SRC = ROOT / "src"
+PKG = "linattn"
+FIXTURES = ROOT / "tests" / "fixtures"       # checked-in files the tests read (not a package: nothing to collect)
 
 
 def perturbed_mixer(name: str, d: int = 32, H: int = 2, dtype: torch.dtype = torch.float32, **kw):
@@ -16,3 +32,140 @@ def perturbed_mixer(name: str, d: int = 32, H: int = 2, dtype: torch.dtype = tor
             if n.endswith("bias") or "norm" in n:
                 p.add_(0.1 * torch.randn_like(p))
     return layer
+
+
+# ----------------------------------------------------------------------------- the source tree's import graph
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(SRC).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def src_modules() -> Dict[str, Path]:
+    """Every module of src/linattn by dotted name."""
+    return {_module_name(p): p for p in (SRC / PKG).rglob("*.py")}
+
+
+def _resolve(current: str, is_pkg: bool, node: ast.ImportFrom, names: Set[str]) -> List[str]:
+    base = current if is_pkg else current.rsplit(".", 1)[0]
+    if node.level:
+        parts = base.split(".")
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join(parts)
+        target = f"{base}.{node.module}" if node.module else base
+    else:
+        target = node.module or ""
+    out = []
+    if not target.startswith(PKG):
+        return out
+    for alias in node.names:  # `from . import common` imports the submodule common
+        sub = f"{target}.{alias.name}"
+        out.append(sub if sub in names else target)
+    return out
+
+
+def import_graph() -> Dict[str, Set[str]]:
+    """Module -> the linattn modules it imports (imports inside functions count; TYPE_CHECKING ones do not)."""
+    mods = src_modules()
+    names = set(mods)
+    graph: Dict[str, Set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+                node.body = []  # typing-only imports never run
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                targets = _resolve(mod, is_pkg, node, names)
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith(PKG)]
+            else:
+                continue
+            for t in targets:
+                while t not in names and "." in t:
+                    t = t.rsplit(".", 1)[0]
+                if t in names and t != mod:
+                    graph[mod].add(t)
+    return graph
+
+
+# ----------------------------------------------------------------------------- training runs
+
+
+WORDS = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "lambda", "yield", "import",
+         "self", "None", "print", "value", "x"]
+
+
+def make_corpus(path, n_lines=400, seed=0):
+    """A small code-like text file at `path` (seeded): the corpus of the training tests."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        # a learnable pattern: "name = name + 1" statements and random words
+        w = rng.choice(WORDS)
+        lines.append(f"{w} = {w} + {rng.randint(0, 9)}  # " + " ".join(rng.choice(WORDS) for _ in range(6)))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def tiny_model(vocab=300, **kw):
+    """The LMConfig of a 2-layer, 32-wide linear-attention model (override any field)."""
+    args = dict(vocab_size=vocab, d_model=32, n_layers=2, n_heads=2, mixer="linear-elu+1", max_seq_len=64)
+    args.update(kw)
+    return LMConfig(**args)
+
+
+def train_argv(corpus, out, *extra):
+    """`linattn train` flags of a tiny 12-step efla run on `corpus` into `out`."""
+    return ["train", "--data", str(corpus), "--out", str(out), "--mixer", "efla", "--vocab-size", "300",
+            "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "32", "--batch-size", "4",
+            "--steps", "12", "--lr", "3e-3", "--warmup", "2", "--log-every", "4", "--save-every", "6",
+            "--eval-every", "6", "--eval-batches", "2", "--threads", "1", "--no-progress", *extra]
+
+
+def short_train_argv(corpus, out, *extra):
+    """test_training_cli's tiny run, shorter: 4 steps, a record every step, a checkpoint every 2, no evaluation
+    (a later flag wins in argparse, and `extra` comes last)."""
+    return train_argv(corpus, out, "--steps", "4", "--warmup", "1", "--log-every", "1", "--save-every", "2",
+                      "--eval-every", "0", "--eval-batches", "1", *extra)
+
+
+def dead_pid() -> int:
+    """A pid no process can have (above the kernel's pid_max)."""
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    except (OSError, ValueError):
+        return 2 ** 30
+
+
+def error_line(capsys) -> str:
+    """The one error line on stderr (progress lines aside), and no traceback."""
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "error" in ln]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def copy_run(src, dst):
+    """A copy of run folder `src` at `dst`."""
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def fake_mnist(root, n_train=40, n_test=20, gz=True, seed=0):
+    """MNIST's four idx files of random digits under `root` (gzipped or not), as the reader expects them."""
+    g = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    ext = ".gz" if gz else ""
+    for split, n in (("train", n_train), ("t10k", n_test)):
+        write_idx(root / f"{split}-images-idx3-ubyte{ext}", g.integers(0, 256, size=(n, 28, 28), dtype=np.uint8))
+        write_idx(root / f"{split}-labels-idx1-ubyte{ext}", g.integers(0, 10, size=(n,), dtype=np.uint8))
+    return root

@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
-from helpers import perturbed_mixer
 from linattn.cpu import decode as cpu_decode
 from linattn.layers import LayerCache
 from linattn.models import LanguageModel, LMConfig
 from linattn.models.registry import build_mixer
+from tests.helpers import perturbed_mixer
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from helpers import perturbed_mixer
 from linattn.layers import LayerCache, RMSNorm, fast_decode
 from linattn.layers.base import AttentionBase
 from linattn.layers.common import FusedParams
 from linattn.models import LanguageModel, LMConfig
+from tests.helpers import perturbed_mixer
 
 FAST_MIXERS = ["linear-elu+1", "linear-relu", "linear-identity", "linear-taylor2", "retnet", "mamba2-gla", "gla",
                "deltanet", "gated-deltanet", "efla", "efla-adaptive", "efla-loose"]

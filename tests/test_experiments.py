@@ -12,18 +12,9 @@ from linattn import cli
 from linattn.data.mnist import MNISTError, load_mnist, read_idx, write_idx
 from linattn.experiments import EXPERIMENTS, common, mad as mad_exp, smnist
 from linattn.io import write_json
+from tests.helpers import fake_mnist
 
 # ---------------------------------------------------------------- MNIST reader
-
-def _fake_mnist(root, n_train=40, n_test=20, gz=True, seed=0):
-    g = np.random.default_rng(seed)
-    root.mkdir(parents=True, exist_ok=True)
-    ext = ".gz" if gz else ""
-    for split, n in (("train", n_train), ("t10k", n_test)):
-        write_idx(root / f"{split}-images-idx3-ubyte{ext}", g.integers(0, 256, size=(n, 28, 28), dtype=np.uint8))
-        write_idx(root / f"{split}-labels-idx1-ubyte{ext}", g.integers(0, 10, size=(n,), dtype=np.uint8))
-    return root
-
 
 def test_idx_reader_roundtrip_gz_and_raw(tmp_path):
     a = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
@@ -37,10 +28,10 @@ def test_idx_reader_roundtrip_gz_and_raw(tmp_path):
 
 
 def test_load_mnist_and_errors(tmp_path):
-    root = _fake_mnist(tmp_path / "m")
+    root = fake_mnist(tmp_path / "m")
     x, y = load_mnist(root, "train")
     assert x.shape == (40, 28, 28) and x.dtype == torch.uint8 and y.shape == (40,) and y.dtype == torch.int64
-    xt, _ = load_mnist(_fake_mnist(tmp_path / "raw", gz=False), "test")
+    xt, _ = load_mnist(fake_mnist(tmp_path / "raw", gz=False), "test")
     assert xt.shape == (20, 28, 28)
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "train-images-idx3-ubyte").write_bytes(b"\x01\x02\x03\x04")
@@ -128,7 +119,7 @@ def test_registry_and_cli_errors(tmp_path, capsys):
 
 
 def test_smnist_tiny_end_to_end_resume_and_refusal(tmp_path, capsys, monkeypatch):
-    data = _fake_mnist(tmp_path / "mnist")
+    data = fake_mnist(tmp_path / "mnist")
     out = tmp_path / "sm"
     argv = ["smnist-robustness", "--budget", "tiny", "--data", str(data), "--out", str(out), "--no-progress",
             "--threads", "1"]
@@ -172,7 +163,7 @@ def test_smnist_tiny_end_to_end_resume_and_refusal(tmp_path, capsys, monkeypatch
 
 
 def test_smnist_deterministic_for_a_seed(tmp_path):
-    data = _fake_mnist(tmp_path / "mnist")
+    data = fake_mnist(tmp_path / "mnist")
     reps = []
     for name in ("a", "b"):
         argv = ["smnist-robustness", "--budget", "tiny", "--data", str(data), "--out", str(tmp_path / name),

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from linattn import cli
 from linattn.experiments import build_parser, smnist
 from linattn.layers import EFLA
-from test_experiments import _fake_mnist
+from tests.helpers import fake_mnist
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
@@ -30,7 +30,7 @@ def _argv(data, out, *extra):
 def four(tmp_path_factory):
     """One tiny experiment with all four methods: (data folder, results folder, results.json)."""
     root = tmp_path_factory.mktemp("smnist")
-    data, out = _fake_mnist(root / "mnist"), root / "all"
+    data, out = fake_mnist(root / "mnist"), root / "all"
     assert _run(_argv(data, out, "--methods", ALL)) == 0
     return data, out, json.loads((out / "results.json").read_text())
 
@@ -73,7 +73,7 @@ def test_deterministic_and_independent_of_the_other_methods(four, tmp_path):
 
 
 def test_resume_adds_methods(tmp_path, monkeypatch, capsys):
-    data = _fake_mnist(tmp_path / "mnist")
+    data = fake_mnist(tmp_path / "mnist")
     out = tmp_path / "sm"
     assert _run(_argv(data, out, "--methods", "efla")) == 0
     calls = []
@@ -125,7 +125,7 @@ def test_beta_definitions_are_the_formulas_and_the_library_layers():
 
 def test_methods_option_and_budgets(tmp_path, capsys):
     assert smnist.parse_methods("efla-loose, deltanet,efla-loose") == ["deltanet", "efla-loose"]
-    data = _fake_mnist(tmp_path / "mnist")
+    data = fake_mnist(tmp_path / "mnist")
     assert _run(_argv(data, tmp_path / "o", "--methods", "deltanet,efla-strict")) == 2
     err = capsys.readouterr().err
     assert "--methods" in err and "'efla-strict'" in err and ALL in err

@@ -296,7 +296,7 @@ def delta_product_rule(q, k, v, g, beta, scale=None, initial_state=None, output_
 def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False, **unused):
     """fla's causal_conv1d (the fused q|k|v convolution of Gated DeltaNet without a cache): x [B, T, D], w [D, W]."""
     assert initial_state is None
-    from fla_cpu import depthwise_causal_taps
+    from tests.fla_cpu import depthwise_causal_taps
 
     y = depthwise_causal_taps(F.pad(x.transpose(1, 2), (weight.shape[-1] - 1, 0)), weight, bias).transpose(1, 2)
     return (F.silu(y) if activation in ("silu", "swish") else y), None
@@ -393,7 +393,7 @@ def _run(tmp_path, model_type, **kw):
     pytest.importorskip("fla", reason="flash-linear-attention is not installed (the dev extra pins 0.6.0)")
     from transformers import AutoConfig
 
-    from fla_cpu import build_fla, check_import, fla_cpu
+    from tests.fla_cpu import build_fla, check_import, fla_cpu
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # fla warns about use_short_conv=False and Comba's correction_factor
@@ -530,9 +530,9 @@ def test_imported_checkpoint_exports_to_transformers(tmp_path, model_type, kw):
     pytest.importorskip("fla", reason="flash-linear-attention is not installed (the dev extra pins 0.6.0)")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fla_cpu import perturb
     from linattn import checkpoint as ckpt
     from linattn.hf import export_hf, import_fla
+    from tests.fla_cpu import perturb
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

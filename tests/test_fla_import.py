@@ -183,9 +183,9 @@ def test_linear_gate_min_floors_the_diagonal_log_decay():
 
 fla = pytest.importorskip("fla", reason="flash-linear-attention (the dev extra) is needed to build fla's models")
 
-from fla_cpu import build_fla, check_import, fla_cpu, save_unshared  # noqa: E402
 from linattn.hf import import_fla  # noqa: E402
 from linattn.hf.fla import supported_types  # noqa: E402
+from tests.fla_cpu import build_fla, check_import, fla_cpu, save_unshared  # noqa: E402
 
 
 def _strong(model, tmp_path, **kw):
@@ -326,8 +326,8 @@ def test_the_tokenizer_comes_along_and_a_foreign_one_is_left_out_with_a_warning(
 
 
 def test_cli_import_hf_dispatches_to_fla_and_export_hf_takes_the_result(tmp_path, capsys):
-    from fla_cpu import fla_logits, load_linattn
     from linattn.cli import main
+    from tests.fla_cpu import fla_logits, load_linattn
 
     folder = _transformer_folder(tmp_path, num_kv_heads=1)
     assert main(["import-hf", "--model", str(folder), "--out", str(tmp_path / "run")]) == 0

@@ -148,7 +148,7 @@ def test_mamba2_block_options_match_equations(kwargs):
 
 def _fla():
     pytest.importorskip("fla", reason="flash-linear-attention is not installed (the dev extra pins 0.6.0)")
-    import fla_cpu
+    from tests import fla_cpu
     return fla_cpu
 
 
@@ -417,7 +417,7 @@ def test_mamba2_import_of_transformers_folder(tmp_path, monkeypatch):
 
     transformers = pytest.importorskip("transformers")
     mm = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
-    import fla_cpu as fc
+    from tests import fla_cpu as fc
 
     def mixer(self, hidden_states, cache=None, attention_mask=None, **kw):
         ns = SimpleNamespace(num_heads=self.num_heads, head_dim=self.head_dim, n_groups=self.n_groups,

@@ -22,6 +22,7 @@ from linattn.cli import main as cli_main  # noqa: E402
 from linattn.data.tokenizer import train_tokenizer  # noqa: E402
 from linattn.errors import LinattnError  # noqa: E402
 from linattn.models.family import config_to_dict  # noqa: E402
+from tests.helpers import import_graph  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MIXERS = {"softmax": "softmax", "linear": "linear-elu+1", "delta": "gated-deltanet",
@@ -35,8 +36,6 @@ def tiny(mixer, vocab=64, **kw) -> LanguageModel:
 
 
 def test_only_linattn_hf_imports_transformers():
-    from test_structure import import_graph
-
     graph = import_graph()
     users = sorted(m for m, ts in graph.items() if any(t.startswith("linattn.hf") for t in ts)
                    and not m.startswith("linattn.hf"))

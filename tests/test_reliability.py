@@ -18,38 +18,12 @@ import torch
 from linattn import checkpoint as ckpt
 from linattn.cli import main
 from linattn.training import TrainConfig, TrainError, read_metrics, train
-
-sys.path.insert(0, os.path.dirname(__file__))
-from test_training import tiny_model  # noqa: E402
-from test_training_cli import train_argv  # noqa: E402
+from tests.helpers import copy_run, dead_pid, error_line, short_train_argv as argv, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def dead_pid() -> int:
-    """A pid no process can have (above the kernel's pid_max)."""
-    try:
-        return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
-    except (OSError, ValueError):
-        return 2 ** 30
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def argv(corpus, out, *extra):
-    """test_training_cli's tiny run, shorter: 4 steps, a record every step, a checkpoint every 2, no evaluation
-    (a later flag wins in argparse, and `extra` comes last)."""
-    return train_argv(corpus, out, "--steps", "4", "--warmup", "1", "--log-every", "1", "--save-every", "2",
-                      "--eval-every", "0", "--eval-batches", "1", *extra)
-
-
-def error_line(capsys) -> str:
-    """The one error line on stderr (progress lines aside), and no traceback."""
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if "error" in ln]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def weights(path):
@@ -62,11 +36,6 @@ def trained(tmp_path_factory, corpus):
     out = tmp_path_factory.mktemp("trained") / "run"
     assert main(argv(corpus, out)) == 0
     return out
-
-
-def copy_run(src, dst):
-    shutil.copytree(src, dst)
-    return dst
 
 
 # ----------------------------------------------------------------------------- 1. one writer per run folder

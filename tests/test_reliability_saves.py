@@ -21,10 +21,7 @@ from linattn.data.sources import scan
 from linattn.data.tokenizer import train_tokenizer
 from linattn.models.family import build_model, config_to_dict
 from linattn.training import read_metrics
-
-sys.path.insert(0, os.path.dirname(__file__))
-from test_reliability import argv, copy_run, dead_pid, error_line  # noqa: E402
-from test_training import tiny_model  # noqa: E402
+from tests.helpers import copy_run, dead_pid, error_line, short_train_argv as argv, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_SHORT_WRITE = "[enforce fail at inline_container.cc:672] . unexpected pos 909184 vs 909072"

@@ -3,69 +3,11 @@
 error derives from LinattnError."""
 from __future__ import annotations
 
-import ast
-from pathlib import Path
 from typing import Dict, List, Set
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-PKG = "linattn"
-
-
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(SRC).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(parts)
-
-
-def _modules() -> Dict[str, Path]:
-    return {_module_name(p): p for p in (SRC / PKG).rglob("*.py")}
-
-
-def _resolve(current: str, is_pkg: bool, node: ast.ImportFrom, names: Set[str]) -> List[str]:
-    base = current if is_pkg else current.rsplit(".", 1)[0]
-    if node.level:
-        parts = base.split(".")
-        parts = parts[: len(parts) - (node.level - 1)]
-        base = ".".join(parts)
-        target = f"{base}.{node.module}" if node.module else base
-    else:
-        target = node.module or ""
-    out = []
-    if not target.startswith(PKG):
-        return out
-    for alias in node.names:  # `from . import common` imports the submodule common
-        sub = f"{target}.{alias.name}"
-        out.append(sub if sub in names else target)
-    return out
-
-
-def import_graph() -> Dict[str, Set[str]]:
-    mods = _modules()
-    names = set(mods)
-    graph: Dict[str, Set[str]] = {m: set() for m in mods}
-    for mod, path in mods.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        is_pkg = path.name == "__init__.py"
-        for node in ast.walk(tree):
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
-                node.body = []  # typing-only imports never run
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                targets = _resolve(mod, is_pkg, node, names)
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names if a.name.startswith(PKG)]
-            else:
-                continue
-            for t in targets:
-                while t not in names and "." in t:
-                    t = t.rsplit(".", 1)[0]
-                if t in names and t != mod:
-                    graph[mod].add(t)
-    return graph
+from tests.helpers import PKG, import_graph, src_modules
 
 
 def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
@@ -139,7 +81,7 @@ def test_errors_share_one_base():
     import importlib.util
 
     no_hf = importlib.util.find_spec("transformers") is None
-    for mod_name in _modules():
+    for mod_name in src_modules():
         if "triton" in mod_name or (no_hf and mod_name.startswith(f"{PKG}.hf")):  # the optional hf extra
             continue
         mod = pytest.importorskip(mod_name)
@@ -147,3 +89,26 @@ def test_errors_share_one_base():
             if isinstance(obj, type) and issubclass(obj, Exception) and obj.__module__ == mod_name:
                 assert issubclass(obj, LinattnError), f"{mod_name}.{obj.__name__} does not derive from LinattnError"
     assert linattn.LinattnError is LinattnError
+
+
+def test_tests_mirror_src_and_share_code_through_helpers():
+    """tests/<folder>/ mirrors src/linattn/<folder>/ and every folder of test modules is a package (so two modules
+    may share a basename, and tests/triton/ can never be imported as `triton`); a test file never imports another
+    test file: what several use lives in tests/helpers.py (or tests/fla_cpu.py)."""
+    import ast
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    folders = {p.parent for p in tests.rglob("test_*.py")}
+    assert not [str(f) for f in folders if not (f / "__init__.py").is_file()], "a test folder without __init__.py"
+    src_folders = {p.name for p in (tests.parent / "src" / PKG).iterdir() if (p / "__init__.py").is_file()}
+    extra = sorted(f.name for f in folders if f != tests and f.parent == tests and f.name not in src_folders | {"docs"})
+    assert not extra, f"test folders that mirror no package of src/linattn: {extra}"
+    bad = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or "", *(a.name for a in node.names)] if isinstance(node, ast.ImportFrom)
+                     else [])   # `from tests import test_x` too
+            bad += [f"{path.relative_to(tests)}: {n}" for n in names if n.rsplit(".", 1)[-1].startswith("test_")]
+    assert not bad, f"test files importing test files: {bad}"

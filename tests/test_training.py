@@ -1,7 +1,6 @@
 """Training, evaluation, data, tokenizer and checkpoint tests (CPU, tiny models, a few seconds)."""
 import json
 import os
-import random
 import signal
 
 import pytest
@@ -20,36 +19,15 @@ from linattn.data import (
 )
 from linattn.data.corpus import Document
 from linattn.generate import generate_text, sample_next
-from linattn.models import LMConfig
 from linattn.training import TrainConfig, TrainError, evaluate, lr_at, prepare_data, train, training_tokens_per_second
-
-WORDS = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "lambda", "yield", "import",
-         "self", "None", "print", "value", "x"]
-
+from tests.helpers import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny matrices: 2 threads on a busy machine are ~100x slower
-
-
-def make_corpus(path, n_lines=400, seed=0):
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n_lines):
-        # a learnable pattern: "name = name + 1" statements and random words
-        w = rng.choice(WORDS)
-        lines.append(f"{w} = {w} + {rng.randint(0, 9)}  # " + " ".join(rng.choice(WORDS) for _ in range(6)))
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")
 def tokenizer(corpus):
     return train_tokenizer([corpus.read_text()], vocab_size=300)
-
-
-def tiny_model(vocab=300, **kw):
-    args = dict(vocab_size=vocab, d_model=32, n_layers=2, n_heads=2, mixer="linear-elu+1", max_seq_len=64)
-    args.update(kw)
-    return LMConfig(**args)
 
 
 def tiny_cfg(corpus, out=None, **kw):

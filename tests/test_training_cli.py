@@ -10,21 +10,12 @@ from pathlib import Path
 import pytest
 
 from linattn.cli import main
-
-sys.path.insert(0, os.path.dirname(__file__))
-from test_training import make_corpus  # noqa: E402
+from tests.helpers import make_corpus, train_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def train_argv(corpus, out, *extra):
-    return ["train", "--data", str(corpus), "--out", str(out), "--mixer", "efla", "--vocab-size", "300",
-            "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "32", "--batch-size", "4",
-            "--steps", "12", "--lr", "3e-3", "--warmup", "2", "--log-every", "4", "--save-every", "6",
-            "--eval-every", "6", "--eval-batches", "2", "--threads", "1", "--no-progress", *extra]
 
 
 def snapshot(d):
