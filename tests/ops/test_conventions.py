@@ -1,7 +1,6 @@
 """Operator conventions of the models people download (issue 35 point 1) and the overflow / precision
 points of issue 33 (4, 7): the qk L2 normalisation, grouped value heads, the gated output norm, dtypes."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,9 @@ from linattn.errors import ConfigError, LinattnError
 from linattn.models import LMConfig
 from linattn.ops.l2norm import l2norm
 from linattn.ops.reference import delta_rule_ref, rel_err
+from tests.helpers import FIXTURES
 
-LEGACY = Path(__file__).parent / "data" / "legacy_l2norm"
+LEGACY = FIXTURES / "legacy_l2norm"
 
 
 def _inputs(B=1, T=9, H=2, K=8, V=4, seed=0, dtype=torch.float64, key_norm=None):
@@ -70,7 +70,7 @@ def test_layers_share_the_operators_l2norm():
 
 
 def test_legacy_checkpoint_loads_with_clamp_and_same_logits():
-    # tests/data/legacy_l2norm: written by make_fixture.py with the code of commit 046bb29, whose config dicts
+    # tests/fixtures/legacy_l2norm: written by make_fixture.py with the code of commit 046bb29, whose config dicts
     # have no l2norm_convention and whose operators normalised with the clamp form (keys of norm ~1e-3)
     c = ck.load_checkpoint(LEGACY)
     assert c.model_config.l2norm_convention == "clamp"

@@ -17,7 +17,7 @@ from linattn.ops.reference import rwkv7_ref
 
 MODES = ["recurrent", "chunk", "parallel"]
 W_BOUND = 0.6065306597126334   # exp(-1/2): fla's bound on -w in the RWKV-7 layer
-WHEEL = os.path.join(os.path.dirname(__file__), "..", "wheels", "fla_core-0.6.0-py3-none-any.whl")
+WHEEL = os.path.join(os.path.dirname(__file__), "..", "..", "wheels", "fla_core-0.6.0-py3-none-any.whl")
 
 
 def _inputs(B=2, T=11, H=2, K=5, V=4, dtype=torch.float64, seed=0, grad=False):

@@ -1,0 +1,1 @@
+"""Tests of operators (src/linattn/ops/)."""
