@@ -61,7 +61,7 @@ __version__ = "0.1.0"
 _LAZY_ERRORS = {
     "CheckpointWriteError": "checkpoint", "DanglingLatest": "checkpoint",
     "TrainError": "training.config", "TrainConfigError": "training.config", "TrainingDiverged": "training.config",
-    "RunFolderBusy": "training.lock",
+    "RunFolderBusy": "training.lock", "StopRequested": "signals",
     "TokenizerError": "data.tokenizer", "CorpusError": "data.sources", "MNISTError": "data.mnist",
     "GenerateError": "generate", "ExperimentError": "experiments.common",
     "BackendUnavailableError": "ops.backend", "BackendDeviceError": "ops.backend",
@@ -96,6 +96,6 @@ __all__ = [
     "mixers", "LMConfig", "LanguageModel", "audit",
     "ERRORS", "LinattnTypeError", "ConfigError", "CheckpointError", "DataError", "UsageError",
     "CheckpointWriteError", "DanglingLatest", "TrainError", "TrainConfigError", "TrainingDiverged", "RunFolderBusy",
-    "TokenizerError", "CorpusError", "MNISTError", "GenerateError", "ExperimentError", "BackendUnavailableError",
-    "BackendDeviceError", "VisionDependencyError", "ExportError", "VisionTrainError",
+    "StopRequested", "TokenizerError", "CorpusError", "MNISTError", "GenerateError", "ExperimentError",
+    "BackendUnavailableError", "BackendDeviceError", "VisionDependencyError", "ExportError", "VisionTrainError",
 ]
