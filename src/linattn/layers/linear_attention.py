@@ -257,10 +257,11 @@ class LinearAttention(AttentionBase):
             self.dt_bias = nn.Parameter(dt_bias)
         elif gate == "diagonal":
             self.feature_dim = _feature_dim(fmap, self.head_dim)
-            # one decay per k head (the grouped ones with n_kv_heads, widened with k in log_gate)
+            # one decay per value head (grouped value heads: HV of them), or per k/v head with grouped k/v heads
+            # (n_kv_heads, widened with k in log_gate)
+            gate_heads = self.n_kv_heads if self.n_kv_heads != self.n_heads else H
             self.gk_proj = nn.Sequential(nn.Linear(d_model, gate_low_rank, bias=False),
-                                         nn.Linear(gate_low_rank, min(H, self.n_kv_heads) * self.feature_dim,
-                                                   bias=True))
+                                         nn.Linear(gate_low_rank, gate_heads * self.feature_dim, bias=True))
             self.gate_normalizer = float(gate_normalizer)
             # fla's GLA clamp_min: a floor on the log decay (None: none)
             self.gate_min = None if gate_min is None else float(gate_min)
