@@ -7,16 +7,20 @@ a decoding state (prefill with many tokens, then one token at a time), and
 from .base import AttentionBase
 from .cache import Cache, KVCache, LayerCache, tensor_nbytes
 from .common import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, SwiGLU, l2_normalize
-from .delta import EFLA, DeltaNet, GatedDeltaNet
-from .delta_family import KDA, Comba, DeltaProduct
+from .packing import check_cu_seqlens, packed_positions
+
+# isort: off
+# the layer modules register their mixers when imported: this order is the order of linattn.mixers()
+from .softmax import SoftmaxAttention
 from .linear_attention import GATES, LinearAttention
 from .mamba2 import Mamba2Block
-from .mesa import MesaNet
-from .packing import check_cu_seqlens, packed_positions
-from .rwkv7 import RWKV7
-from .softmax import SoftmaxAttention
+from .delta import EFLA, DeltaNet, GatedDeltaNet
 from .softmax_family import DeltaFormer, FoX, PaTH
+from .delta_family import KDA, Comba, DeltaProduct
+from .mesa import MesaNet
 from .ttt import TTT, Titans
+from .rwkv7 import RWKV7
+# isort: on
 
 __all__ = [
     "AttentionBase", "LinearAttention", "DeltaNet", "GatedDeltaNet", "EFLA", "SoftmaxAttention",

@@ -34,6 +34,7 @@ from .base import AttentionBase
 from .cache import LayerCache
 from .common import cdt, l2_normalize, mamba_log_decay
 from .linear_attention import init_mamba_decay
+from .registry import register_mixer
 
 BETA_MODES = ("sigmoid", "adaptive", "loose")
 QK_ACTIVATIONS = ("silu", "relu", "elu", "identity")
@@ -296,3 +297,13 @@ class EFLA(DeltaNet):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", beta_mode={self.beta_mode!r}"
+
+
+# the mixers of this module (their registration order is the order of linattn.mixers(): see layers/__init__.py)
+register_mixer("deltanet", DeltaNet, {}, "DeltaNet: delta rule, sigmoid beta, L2-normalised q/k", short_conv=True)
+register_mixer("gated-deltanet", GatedDeltaNet, {}, "Gated DeltaNet: delta rule with a scalar decay",
+               short_conv=True)
+register_mixer("efla", EFLA, {"beta_mode": "sigmoid"}, "EFLA: exactly integrated delta rule", short_conv=True)
+register_mixer("efla-adaptive", EFLA, {"beta_mode": "adaptive"}, "EFLA + adaptive decay softplus(alpha)*beta",
+               short_conv=True)
+register_mixer("efla-loose", EFLA, {"beta_mode": "loose"}, "EFLA + loose beta (softplus)", short_conv=True)

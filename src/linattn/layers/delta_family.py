@@ -38,6 +38,7 @@ from .common import ShortConv, cdt, l2_normalize, mamba_log_decay
 from .delta import DeltaNet, GatedDeltaNet
 from .linear_attention import init_mamba_decay
 from .packing import packed_positions
+from .registry import register_mixer
 
 
 def _no_value_groups(name: str, n_heads: int, kwargs) -> None:
@@ -294,6 +295,14 @@ class KDA(DeltaNet):
         return (super().extra_repr() + f", gate_rank={self.gate_rank}"
                 + (f", output_gate_rank={self.output_gate_rank}" if self.output_gate_rank is not None else "")
                 + (f", gate_lower_bound={self.gate_lower_bound}" if self.gate_lower_bound is not None else ""))
+
+
+# the mixers of this module (their registration order is the order of linattn.mixers(): see layers/__init__.py)
+register_mixer("comba", Comba, {}, "Comba: gated delta rule with state feedback p = sigmoid(c) k and "
+               "output correction q - d p", short_conv=True)
+register_mixer("delta-product", DeltaProduct, {"n_householder": 2},
+               "DeltaProduct: 2 Householder (delta-rule) steps per token", short_conv=True)
+register_mixer("kda", KDA, {}, "Kimi Delta Attention: gated delta rule with a per-channel decay", short_conv=True)
 
 
 __all__ = ["Comba", "DeltaProduct", "KDA"]

@@ -24,11 +24,12 @@ import torch.nn.functional as F
 
 from ..errors import LinattnError
 from ..ops import linear_attention
-from ..ops.feature_maps import FeatureMap, get_feature_map
+from ..ops.feature_maps import FeatureMap, feature_map_names, get_feature_map, on_feature_map_registered
 from . import fast_decode
 from .base import AttentionBase
 from .cache import LayerCache
 from .common import mamba_log_decay
+from .registry import register_mixer
 from .softmax import group_kv_heads, grouped_qkv, repeat_kv
 
 GATES = (None, "retnet", "scalar", "diagonal")
@@ -333,3 +334,29 @@ class LinearAttention(AttentionBase):
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", feature_map={self.feature_map_name!r}, normalize={self.normalize}, "
                 f"gate={self.gate}, scale={self.scale}")
+
+
+# the mixers of this module (their registration order is the order of linattn.mixers(): see layers/__init__.py)
+def _register_linear_mixer(fm: str) -> None:
+    """`linear-<fm>`: normalised linear attention with the registered feature map `fm`."""
+    defaults = {"feature_map": fm, "normalize": fm != "identity"}
+    if fm != "favor+":
+        defaults["scale"] = 1.0   # no q scaling; FAVOR+ keeps the default head_dim**-0.5
+    register_mixer(f"linear-{fm}", LinearAttention, defaults,
+                   f"normalised linear attention with the {fm} feature map" if fm != "identity"
+                   else "unnormalised linear attention (phi = identity)")
+
+
+for _fm in feature_map_names():
+    _register_linear_mixer(_fm)
+on_feature_map_registered(_register_linear_mixer)   # a map registered later gets its linear-<name> too
+for _fm in ("hadamard_exp", "sum_sq_euclid"):
+    register_mixer(f"ela-{_fm}", LinearAttention, {"feature_map": _fm, "output_norm": False, "scale": 1.0},
+                   f"the ELA paper's layer: {_fm} kernel, RoPE, no scaling, no output norm", rope=True)
+_GATED = {"feature_map": "identity", "normalize": False}   # scale: the default head_dim**-0.5
+register_mixer("retnet", LinearAttention, dict(_GATED, gate="retnet"), "RetNet: fixed per-head decay 1 - 2^(-5-h)")
+register_mixer("mamba2-gla", LinearAttention, dict(_GATED, gate="scalar", output_gate=True),
+               "gated linear attention with a Mamba2-style scalar data-dependent decay per head (the mixer "
+               "named mamba2 before issue 37)", short_conv=True)
+register_mixer("gla", LinearAttention, dict(_GATED, gate="diagonal", output_gate=True),
+               "GLA: data-dependent decay per feature, logsigmoid(.)/16")

@@ -30,6 +30,7 @@ from ..ops.linear import linear_attention
 from .cache import LayerCache
 from .common import GatedRMSNorm, RotaryEmbedding, ShortConv
 from .packing import check_mixer_call, packed_positions
+from .registry import register_mixer
 
 
 def _pos_int(name: str, v) -> int:
@@ -232,6 +233,11 @@ def mamba2_block_kwargs_from_hf(config) -> Dict[str, object]:
                 conv_size=config.conv_kernel, conv_bias=config.use_conv_bias, proj_bias=config.use_bias,
                 dt_limit=tuple(config.time_step_limit), norm_eps=config.layer_norm_epsilon,
                 chunk_size=config.chunk_size)
+
+
+# listed between mamba2-gla and gla (layers/linear_attention.py), beside the other Mamba2-style mixer
+register_mixer("mamba2", Mamba2Block, {}, "Mamba2's block: in_proj, conv, SSD (grouped scalar-gated linear "
+               "attention), D skip, grouped gated RMSNorm, out_proj", short_conv=True, before="gla")
 
 
 __all__ = ["Mamba2Block", "HF_NAMES", "mamba2_state_dict_from_hf", "mamba2_block_kwargs_from_hf"]

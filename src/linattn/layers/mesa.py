@@ -24,6 +24,7 @@ from ..ops import mesa_net
 from .base import AttentionBase
 from .cache import LayerCache
 from .common import l2_normalize
+from .registry import register_mixer
 
 
 def _cdt(x: torch.Tensor) -> torch.dtype:
@@ -112,3 +113,7 @@ class MesaNet(AttentionBase):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", solver={self.solver!r}, max_iter={self.max_iter}"
+
+
+register_mixer("mesanet", MesaNet, {}, "MesaNet: ridge regression H^-1 G per token, chunkwise conjugate "
+               "gradients", short_conv=True)

@@ -38,6 +38,7 @@ from ..ops.rwkv7 import rwkv7
 from .cache import LayerCache
 from .common import RotaryEmbedding, ShortConv
 from .packing import check_mixer_call, packed_positions
+from .registry import register_mixer
 
 _MIX = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 _W_SCALE = 0.6065306597126334   # exp(-1/2): fla's bound on -w, so exp(w) >= 0.545 per token
@@ -320,3 +321,7 @@ class RWKV7ChannelMix(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, hidden={self.hidden}"
+
+
+register_mixer("rwkv7", RWKV7, {}, "RWKV-7 time mixing: token shift, low-rank w/a/g, S <- D S + b (a^T S) + k v^T, "
+               "value residual, group norm, bonus")

@@ -14,6 +14,7 @@ from .base import AttentionBase
 from .cache import KVCache, LayerCache
 from .common import RMSNorm, ShortConv
 from .packing import packed_positions
+from .registry import register_mixer
 
 
 def group_kv_heads(layer: AttentionBase, kv_heads: int) -> None:
@@ -174,3 +175,9 @@ class SoftmaxAttention(AttentionBase):
         return (super().extra_repr() + f", window={self.window}"
                 + (f", n_kv_heads={self.n_kv_heads}" if self.n_kv_heads != self.n_heads else "")
                 + (", qk_norm=True" if self.q_norm is not None else ""))
+
+
+# the mixers of this module (their registration order is the order of linattn.mixers(): see layers/__init__.py)
+register_mixer("softmax", SoftmaxAttention, {}, "causal softmax attention with RoPE and a KV cache", rope=True)
+register_mixer("swa", SoftmaxAttention, {"window": 256},
+               "sliding-window softmax attention (LMConfig.window sets the window)", rope=True)

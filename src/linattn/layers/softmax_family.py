@@ -35,6 +35,7 @@ from .base import AttentionBase
 from .cache import LayerCache
 from .common import RMSNorm, ShortConv
 from .packing import packed_positions
+from .registry import register_mixer
 
 
 def _cdt(x: torch.Tensor) -> torch.dtype:
@@ -367,6 +368,13 @@ class PaTH(_CachedSoftmaxFamily):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", forget_gate={self.f_proj is not None}"
+
+
+# the mixers of this module (their registration order is the order of linattn.mixers(): see layers/__init__.py)
+register_mixer("fox", FoX, {}, "FoX: softmax attention with a sigmoid forget gate per head (no RoPE)")
+register_mixer("deltaformer", DeltaFormer, {}, "DeltaFormer: softmax attention over delta-rule pseudo-values",
+               rope=True)
+register_mixer("path", PaTH, {}, "PaTH: softmax attention with accumulated Householder position encoding")
 
 
 __all__ = ["FoX", "DeltaFormer", "PaTH"]

@@ -30,6 +30,7 @@ from ..ops import titans, ttt
 from .base import AttentionBase
 from .cache import LayerCache
 from .common import l2_normalize
+from .registry import register_mixer
 
 INNER = ("linear", "mlp")
 
@@ -160,3 +161,12 @@ class Titans(TTT):
         alpha = torch.sigmoid(self.alpha_proj(x).float()).to(dt)
         eta = torch.sigmoid(self.momentum_proj(x).float()).to(dt)
         return titans(q, k, v, self.learning_rate(x).to(dt), alpha, eta, **kw)
+
+
+# the mixers of this module (their registration order is the order of linattn.mixers(): see layers/__init__.py)
+register_mixer("ttt-linear", TTT, {"inner": "linear"}, "TTT-Linear: a linear inner model + LayerNorm trained "
+               "by mini-batch gradient descent", short_conv=True)
+register_mixer("ttt-mlp", TTT, {"inner": "mlp"}, "TTT-MLP: a 2-layer MLP inner model + LayerNorm trained by "
+               "mini-batch gradient descent", short_conv=True)
+register_mixer("titans", Titans, {}, "Titans: TTT-MLP memory with momentum and weight decay, L2-normalised q/k",
+               short_conv=True)

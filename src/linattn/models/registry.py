@@ -41,12 +41,7 @@ say `scale=1.0`.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
-
-from ..layers import EFLA, DeltaNet, GatedDeltaNet, LinearAttention, SoftmaxAttention
-from ..layers.delta_family import KDA, Comba, DeltaProduct
-from ..layers.mamba2 import Mamba2Block
-from ..layers.mesa import MesaNet
+from .. import layers  # noqa: F401  (importing the layers registers the built-in mixers)
 from ..layers.registry import (
     LAYER_IDX,
     MixerSpec,
@@ -57,72 +52,6 @@ from ..layers.registry import (
     register_mixer,
     unregister_mixer,
 )
-from ..layers.rwkv7 import RWKV7
-from ..layers.softmax_family import DeltaFormer, FoX, PaTH
-from ..layers.ttt import TTT, Titans
-from ..ops.feature_maps import feature_map_names, on_feature_map_registered
-
-
-def _register_linear_mixer(fm: str) -> None:
-    """`linear-<fm>`: normalised linear attention with feature map `fm` (a registered name)."""
-    defaults: Dict[str, Any] = {"feature_map": fm, "normalize": fm != "identity"}
-    if fm != "favor+":
-        defaults["scale"] = 1.0   # no q scaling; FAVOR+ keeps the default head_dim**-0.5
-    register_mixer(f"linear-{fm}", LinearAttention, defaults,
-                   f"normalised linear attention with the {fm} feature map" if fm != "identity"
-                   else "unnormalised linear attention (phi = identity)")
-
-
-def _register_builtins() -> None:
-    register_mixer("softmax", SoftmaxAttention, {}, "causal softmax attention with RoPE and a KV cache", rope=True)
-    register_mixer("swa", SoftmaxAttention, {"window": 256},
-                   "sliding-window softmax attention (LMConfig.window sets the window)", rope=True)
-    for fm in feature_map_names():
-        _register_linear_mixer(fm)
-    on_feature_map_registered(_register_linear_mixer)   # a map registered later gets its linear-<name> too
-    for fm in ("hadamard_exp", "sum_sq_euclid"):
-        register_mixer(f"ela-{fm}", LinearAttention, {"feature_map": fm, "output_norm": False, "scale": 1.0},
-                       f"the ELA paper's layer: {fm} kernel, RoPE, no scaling, no output norm", rope=True)
-    gated = {"feature_map": "identity", "normalize": False}   # scale: the default head_dim**-0.5
-    register_mixer("retnet", LinearAttention, dict(gated, gate="retnet"),
-                   "RetNet: fixed per-head decay 1 - 2^(-5-h)")
-    register_mixer("mamba2-gla", LinearAttention, dict(gated, gate="scalar", output_gate=True),
-                   "gated linear attention with a Mamba2-style scalar data-dependent decay per head (the mixer "
-                   "named mamba2 before issue 37)", short_conv=True)
-    register_mixer("mamba2", Mamba2Block, {}, "Mamba2's block: in_proj, conv, SSD (grouped scalar-gated linear "
-                   "attention), D skip, grouped gated RMSNorm, out_proj", short_conv=True)
-    register_mixer("gla", LinearAttention, dict(gated, gate="diagonal", output_gate=True),
-                   "GLA: data-dependent decay per feature, logsigmoid(.)/16")
-    register_mixer("deltanet", DeltaNet, {}, "DeltaNet: delta rule, sigmoid beta, L2-normalised q/k", short_conv=True)
-    register_mixer("gated-deltanet", GatedDeltaNet, {}, "Gated DeltaNet: delta rule with a scalar decay",
-                   short_conv=True)
-    register_mixer("efla", EFLA, {"beta_mode": "sigmoid"}, "EFLA: exactly integrated delta rule", short_conv=True)
-    register_mixer("efla-adaptive", EFLA, {"beta_mode": "adaptive"}, "EFLA + adaptive decay softplus(alpha)*beta",
-                   short_conv=True)
-    register_mixer("efla-loose", EFLA, {"beta_mode": "loose"}, "EFLA + loose beta (softplus)", short_conv=True)
-    register_mixer("fox", FoX, {}, "FoX: softmax attention with a sigmoid forget gate per head (no RoPE)")
-    register_mixer("deltaformer", DeltaFormer, {}, "DeltaFormer: softmax attention over delta-rule pseudo-values",
-                   rope=True)
-    register_mixer("path", PaTH, {}, "PaTH: softmax attention with accumulated Householder position encoding")
-    register_mixer("comba", Comba, {}, "Comba: gated delta rule with state feedback p = sigmoid(c) k and "
-                   "output correction q - d p", short_conv=True)
-    register_mixer("delta-product", DeltaProduct, {"n_householder": 2},
-                   "DeltaProduct: 2 Householder (delta-rule) steps per token", short_conv=True)
-    register_mixer("kda", KDA, {}, "Kimi Delta Attention: gated delta rule with a per-channel decay",
-                   short_conv=True)
-    register_mixer("mesanet", MesaNet, {}, "MesaNet: ridge regression H^-1 G per token, chunkwise conjugate "
-                   "gradients", short_conv=True)
-    register_mixer("ttt-linear", TTT, {"inner": "linear"}, "TTT-Linear: a linear inner model + LayerNorm trained "
-                   "by mini-batch gradient descent", short_conv=True)
-    register_mixer("ttt-mlp", TTT, {"inner": "mlp"}, "TTT-MLP: a 2-layer MLP inner model + LayerNorm trained by "
-                   "mini-batch gradient descent", short_conv=True)
-    register_mixer("titans", Titans, {}, "Titans: TTT-MLP memory with momentum and weight decay, L2-normalised q/k",
-                   short_conv=True)
-    register_mixer("rwkv7", RWKV7, {}, "RWKV-7 time mixing: token shift, low-rank w/a/g, S <- D S + b (a^T S) + k v^T, "
-                   "value residual, group norm, bonus")
-
-
-_register_builtins()
 
 __all__ = ["MixerSpec", "LAYER_IDX", "register_mixer", "unregister_mixer", "mixers", "mixer_spec",
            "mixer_config_kwargs", "build_mixer"]
