@@ -1,0 +1,1 @@
+"""Tests of layers (src/linattn/layers/)."""
