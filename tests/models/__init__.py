@@ -1,0 +1,1 @@
+"""Tests of models (src/linattn/models/)."""
