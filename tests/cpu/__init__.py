@@ -1,0 +1,1 @@
+"""Tests of the compiled CPU kernels (src/linattn/cpu/)."""
