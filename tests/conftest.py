@@ -2,7 +2,7 @@ import os
 
 # Triton reads TRITON_INTERPRET when it is first imported, and other tests import it indirectly
 # (torch.compile's inductor backend probes for it): without a GPU, set the interpreter up front so that
-# tests/test_triton.py runs its kernels on CPU whatever ran before it.
+# tests/triton/test_kernels.py runs its kernels on CPU whatever ran before it.
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.environ:
     import torch as _torch
 

@@ -3,7 +3,7 @@
 every input (q, k, v, beta, g, initial_state) against backend='torch' and the fp64 recurrence
 (ops/reference.py's delta_rule_ref), with grouped value heads, T not a multiple of the 16-token tile, T = 1,
 uneven cu_seqlens, strong gates (down to -20 per token: a factorised exp(-G) would overflow fp32 after a few
-tokens), fp32 and bf16. Tolerances as tests/test_triton.py (fp32 1e-3 of the RMS, bf16 1e-2); fp32 measures
+tokens), fp32 and bf16. Tolerances as tests/triton/test_kernels.py (fp32 1e-3 of the RMS, bf16 1e-2); fp32 measures
 ~1e-7..1e-6. Shapes are tiny: the interpreter runs every program in Python.
 """
 import os

@@ -2,7 +2,7 @@
 
 * grouped value heads: q, k [TT, HQ, K] and v, gates, states [.., H, ..] with H a multiple of HQ; value
   head j reads q/k head j // (H // HQ). Each kernel entry point against the same call with q and k
-  expanded to H heads (the plain case, itself tested against the PyTorch forms in test_triton.py):
+  expanded to H heads (the plain case, itself tested against the PyTorch forms in test_kernels.py):
   outputs, final states, and the gradients of every input (a q/k head's gradient is the sum over the
   value heads that read it, which autograd through `repeat_interleave` gives the expanded call);
 * `qk_l2norm=True` (fla's x * rsqrt(sum x^2 + 1e-6)) on the Triton backend against an fp64 reference
@@ -295,7 +295,7 @@ def test_grouped_heads_linear_attention_operator(gate_heads, monkeypatch):
 
 def test_kda_per_channel_gates_recurrent():
     """KDA (delta_rule with g [B, T, H, K]) decodes on the Triton recurrent kernel (grouped heads too),
-    against backend='torch' and an fp64 reference loop (the chunk form: tests/test_triton_kda.py)."""
+    against backend='torch' and an fp64 reference loop (the chunk form: tests/triton/test_kda.py)."""
     gen = torch.Generator().manual_seed(9)
     B, T, HQ, H, K, V = 2, 9, 1, 2, 16, 16
     q, k = torch.randn(B, T, HQ, K, generator=gen), torch.randn(B, T, HQ, K, generator=gen)

@@ -1,0 +1,1 @@
+"""Tests of the Triton kernels (src/linattn/triton/)."""
