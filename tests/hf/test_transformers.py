@@ -24,7 +24,7 @@ from linattn.errors import LinattnError  # noqa: E402
 from linattn.models.family import config_to_dict  # noqa: E402
 from tests.helpers import import_graph  # noqa: E402
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 MIXERS = {"softmax": "softmax", "linear": "linear-elu+1", "delta": "gated-deltanet",
           "hybrid": ["gated-deltanet", "softmax"]}
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -142,7 +142,7 @@ def test_forward_padding_loss_and_logits_to_keep():
     ref = torch.nn.functional.cross_entropy(full[0, :-1], b[1:])
     torch.testing.assert_close(out.loss, ref)
     assert out.logits.shape == (1, 1, 64) and torch.allclose(out.logits[0, 0], full[0, -1], atol=1e-6)
-    with pytest.raises(LinattnError):   # inputs_embeds are accepted (tests/test_hf_model.py), of hidden_size only
+    with pytest.raises(LinattnError):   # inputs_embeds are accepted (tests/hf/test_model.py), of hidden_size only
         hf(inputs_embeds=torch.zeros(1, 2, 31))
 
 

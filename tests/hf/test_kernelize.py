@@ -396,7 +396,7 @@ def test_varlen_sdpa_keeps_documents_apart(causal):
     assert _maxdiff(out, ref) < 1e-6
 
 def equivalence_row(arch):
-    """One row of docs/kernelize.md's equivalence table (`python tests/test_kernelize.py` prints them all)."""
+    """One row of docs/kernelize.md's equivalence table (`python tests/hf/test_kernelize.py` prints them all)."""
     ref, fast, rep = pair(arch)
     ids = _ids(1)
     hidden = ref.config.get_text_config().hidden_size

@@ -1,0 +1,1 @@
+"""Tests of the transformers integration and the fla import (src/linattn/hf/)."""
