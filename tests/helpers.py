@@ -129,7 +129,7 @@ def train_argv(corpus, out, *extra):
 
 
 def short_train_argv(corpus, out, *extra):
-    """test_training_cli's tiny run, shorter: 4 steps, a record every step, a checkpoint every 2, no evaluation
+    """train_argv's tiny run, shorter: 4 steps, a record every step, a checkpoint every 2, no evaluation
     (a later flag wins in argparse, and `extra` comes last)."""
     return train_argv(corpus, out, "--steps", "4", "--warmup", "1", "--log-every", "1", "--save-every", "2",
                       "--eval-every", "0", "--eval-batches", "1", *extra)

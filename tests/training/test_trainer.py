@@ -31,7 +31,7 @@ from linattn.training import (
 )
 from linattn.training.run import RunFolder, StopFlag
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "linattn"
+SRC = Path(__file__).resolve().parents[2] / "src" / "linattn"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,7 +12,7 @@ import pytest
 from linattn.cli import main
 from tests.helpers import make_corpus, train_argv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

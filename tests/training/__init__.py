@@ -1,0 +1,1 @@
+"""Tests of training (src/linattn/training/)."""
