@@ -1,0 +1,1 @@
+"""Tests of data preparation (src/linattn/data/)."""
