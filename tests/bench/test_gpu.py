@@ -18,7 +18,7 @@ import torch
 from linattn.bench import BENCHMARKS, gpu
 from linattn.cli_support import UsageError
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 MISSING_ON_GPU_BOX = ("tqdm", "safetensors", "tokenizers", "matplotlib", "transformers")
 
 # sys.modules[name] = None makes `import name` raise ImportError and find_spec(name) return None,
