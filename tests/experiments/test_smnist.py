@@ -206,7 +206,7 @@ def test_committed_run_records_are_runs_of_the_standard_protocol():
     from dataclasses import asdict
     from pathlib import Path
 
-    src = Path(__file__).resolve().parents[1] / "docs" / "records" / "smnist-standard"
+    src = Path(__file__).resolve().parents[2] / "docs" / "records" / "smnist-standard"
     runs = [json.loads(p.read_text()) for p in sorted((src / "runs").glob("*.json"))]
     assert runs, f"no run records in {src}"
     exp = json.loads((src / "experiment.json").read_text())

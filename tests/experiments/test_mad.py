@@ -148,7 +148,7 @@ def test_committed_run_records_still_render(tmp_path, capsys):
     import shutil
     from pathlib import Path
 
-    src = Path(__file__).resolve().parents[1] / "docs" / "records" / "mad-standard"
+    src = Path(__file__).resolve().parents[2] / "docs" / "records" / "mad-standard"
     records = [json.loads(p.read_text()) for p in sorted((src / "runs").glob("*.json"))]
     assert records, f"no run records in {src}"
     assert json.loads((src / "experiment.json").read_text())["protocol"] == mad.asdict(mad.BUDGETS["standard"])
