@@ -1,0 +1,1 @@
+"""Tests of linattn.vision (src/linattn/vision/)."""
