@@ -290,7 +290,7 @@ def test_griffe_parses_without_warnings():
     handler = Collect()
     logger.addHandler(handler)
     try:
-        src = Path(__file__).resolve().parents[1] / "src"
+        src = Path(__file__).resolve().parents[2] / "src"
         package = griffe.load("linattn", search_paths=[str(src)], docstring_parser="google",
                               allow_inspection=False, resolve_aliases=False)
         seen = set()

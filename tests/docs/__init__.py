@@ -1,0 +1,1 @@
+"""Tests of the documentation site and the public docstrings (mkdocs.yml, docs/)."""
