@@ -3,7 +3,7 @@
 
 `short_conv(xp, w, bias, silu)`: xp `[B, T + K - 1, D]` (the look-back, then x), w `[K, D]`, bias `[D]` or None ->
 `[B, T, D]`, differentiable (an autograd Function). The PyTorch form (`layers/common.py: ShortConv._taps`) stays
-the fallback and the reference (tests/test_short_conv_taps.py). Eager only: under torch.compile tracing
+the fallback and the reference (tests/layers/test_short_conv_taps.py). Eager only: under torch.compile tracing
 `available()` is False and the layer uses the PyTorch form. Nothing here imports linattn.ops.
 """
 from __future__ import annotations

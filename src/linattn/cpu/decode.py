@@ -4,7 +4,7 @@ A decoding step of a delta-rule layer (DeltaNet, Gated DeltaNet, EFLA) or of lin
 linear-space elementwise feature map is three calls: the fused q/k/v/gate projection (one BLAS matrix-vector
 product, in the layer), one compiled call for everything between (short convolution, normalisations, beta,
 decay, state update, read-out, output RMSNorm and SiLU gate), and o_proj. The layers' PyTorch fast step
-(`layers/base.py`) stays the fallback and the reference (tests/test_cpu_decode.py).
+(`layers/base.py`) stays the fallback and the reference (tests/cpu/test_decode.py).
 
 Entry points take the fused projection output y `[B, ldy]` and return fresh tensors (output, new state, new
 conv window): nothing is written in place, so a cache that shares buffers with a copy stays correct.

@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
         """
         w = self.weight
         if not torch.is_grad_enabled() and x.dtype == cdt(x) and (w is None or w.dtype == x.dtype):
-            # inference (decoding): one fused call, the same values as the lines below (tests/test_decode_fast.py)
+            # inference (decoding): one fused call, the same values as the lines below (tests/layers/test_fast_decode)
             return F.rms_norm(x, (self.dim,), w, self.eps)
         xf = x.to(cdt(x))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

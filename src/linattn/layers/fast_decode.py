@@ -18,7 +18,7 @@ cached concatenation of their weights (`FusedParams`, rebuilt when a weight chan
 compiled call (`cpu/decode.py`: short convolution, normalisations, gates, state update, read-out, output norm)
 or, where that does not cover the layer (RoPE, the diagonal gate, other maps, `LINATTN_CPU_KERNELS=0`,
 `layer.compiled_decode = False`), the same step in PyTorch. Both give the general path's values and cache
-entries (tests/test_decode_fast.py, tests/test_cpu_decode.py). What the step keeps between tokens besides the
+entries (tests/layers/test_fast_decode.py, tests/cpu/test_decode.py). What the step keeps between tokens besides the
 cache's entries (the conv windows and the linear state as whole tensors) lives in the cache's typed field
 `LayerCache.fast` (`FastDecodeState`), valid only while the entries are the views it made.
 
