@@ -504,7 +504,8 @@ class _Probe(torch.nn.Module):
 
 
 def test_new_mixer_gets_exactly_its_declared_fields(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    from linattn.layers import registry as mixer_registry  # the registry's dict lives there (issue 38)
+    monkeypatch.setattr(mixer_registry, "_REGISTRY", dict(mixer_registry._REGISTRY))
     registry.register_mixer("probe", _Probe, {"extra": 1}, "test mixer")
     _Probe.built.clear()
     model = tiny("probe", window=5, chunk_size=8)
