@@ -3,7 +3,6 @@ modules (order, names, classes, defaults, descriptions), and registering / unreg
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,9 @@ from linattn.errors import ConfigError, LinattnError, LinattnTypeError
 from linattn.feature_maps import FeatureMap, ReLU, unregister_feature_map
 from linattn.layers import LinearAttention
 from linattn.models.registry import build_mixer, mixer_spec, mixers, register_mixer, unregister_mixer
+from tests.helpers import FIXTURES
 
-LISTING = Path(__file__).parent / "data" / "registry" / "mixers.json"
+LISTING = FIXTURES / "registry" / "mixers.json"
 
 
 def mixer_listing():
@@ -29,7 +29,7 @@ def mixer_listing():
 
 
 def test_mixer_listing_is_unchanged():
-    """tests/data/registry/mixers.json was written from the registry before the registrations moved out of
+    """tests/fixtures/registry/mixers.json was written from the registry before the registrations moved out of
     models/registry.py; a deliberate change (a new mixer) updates that file in the same commit."""
     expected = json.loads(LISTING.read_text(encoding="utf-8"))
     got = mixer_listing()

@@ -9,8 +9,8 @@ Feature maps: linear_attention with the map, normalised and not, without a gate 
 per-feature gate where the reference has per-feature features), in the three forms against `linear_attention_ref`
 (outputs and gradients), causality, and a state carried across two calls.
 Mixers: every registered mixer, `linear-<map>` ones included, is tested by the suites parametrised over
-`linattn.mixers()` (tests/test_models.py, test_layers.py, test_state_conformance.py for decoding,
-test_poison_causality.py::test_every_mixer_is_bitwise_causal).
+`linattn.mixers()` (tests/models/test_lm.py, tests/layers/test_common.py, tests/layers/test_state_conformance.py
+for decoding, test_poison_causality.py::test_every_mixer_is_bitwise_causal).
 
 Everything runs in fp64 at tiny sizes, so the tolerances are far below any real error.
 """
