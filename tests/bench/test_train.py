@@ -21,3 +21,42 @@ def test_bench_train_quick(tmp_path, capsys):
 def test_bench_train_unknown_mixer_exits_2(capsys):
     assert main(["bench", "train", "--quick", "--mixers", "nope"]) == 2
     assert "unknown" in capsys.readouterr().err
+
+
+def test_free_mixer_row_replaces_only_the_attention(tmp_path):
+    """The free-mixer model is softmax's with o = q + k + v: same parameters, attention gone (changing
+    one token changes that position's output only), and every
+    projection still gets a gradient."""
+    import argparse
+
+    import torch
+
+    from linattn.bench import train as bt
+
+    a = argparse.Namespace(**bt.QUICK, seed=0, mixers="softmax", free_mixer=True)
+    assert bt._mixer_names(a) == ["softmax", bt.FREE_MIXER]
+    from linattn.models import LanguageModel, LMConfig
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, mixer="softmax", max_seq_len=64)
+    soft = LanguageModel(cfg)
+    free = bt._free_mixer_model(LanguageModel(cfg))
+    free.load_state_dict(soft.state_dict())
+    ids = torch.randint(0, 64, (1, 12))
+    y_soft, y_free = soft(ids).logits, free(ids).logits
+    assert not torch.allclose(y_soft, y_free)   # the attention is gone
+    ids2 = ids.clone()
+    ids2[0, 3] = (ids[0, 3] + 1) % 64
+    y2 = free(ids2).logits
+    changed = (y2 - y_free).abs().amax(-1)[0] > 0
+    assert changed.tolist() == [i == 3 for i in range(12)]   # no mixing across tokens
+    free(ids, targets=ids).loss.backward()
+    for name, p in free.named_parameters():
+        assert p.grad is not None, name
+
+
+def test_bench_train_free_mixer_quick(tmp_path, capsys):
+    rc = main(["bench", "train", "--quick", "--mixers", "softmax", "--free-mixer", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    data = json.loads((tmp_path / "train.json").read_text())
+    assert [r["model"] for r in data["records"]] == ["softmax", "free-mixer"]
+    assert "free-mixer" in capsys.readouterr().out

@@ -8,6 +8,11 @@ each model and its optimizer live for the whole run (the optimizer state exists 
 The report gives tokens/s (batch x seq-len over the median step) and each mixer's ratio to softmax's
 (the issue-34 targets: Gated DeltaNet >= 1.5x softmax's tokens/s, linear attention >= 2x, on the CPU).
 
+--free-mixer adds the row `free-mixer`: the softmax model with its attention replaced by o = q + k + v (two
+additions, gradients still reach every projection). Everything else of the step (projections, FFN, head,
+cross-entropy, AdamW) is softmax's, so its ratio to softmax is the most any mixer can gain over softmax at this
+configuration: a mixer whose ratio target exceeds it cannot be met by a faster mixer alone.
+
 --quick runs a tiny configuration in a few seconds (the test suite runs it).
 """
 from __future__ import annotations
@@ -22,6 +27,7 @@ from . import common
 
 DESCRIPTION = __doc__
 DEFAULT_MIXERS = "softmax,linear-elu+1,deltanet,gated-deltanet"
+FREE_MIXER = "free-mixer"
 PROG = "linattn bench train"
 QUICK = dict(d_model=32, n_layers=2, n_heads=2, seq_len=64, batch=2, vocab_size=64, repeats=2)
 
@@ -44,6 +50,9 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int_at_least(0), default=0,
                    help="torch threads (default 0: torch's default, all cores: training uses them)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens (default 0)")
+    p.add_argument("--free-mixer", action="store_true",
+                   help="add the row free-mixer: softmax's model with attention replaced by o = q + k + v, the bound "
+                        "on any mixer's gain over softmax at this configuration")
     p.add_argument("--quick", action="store_true",
                    help="a tiny configuration (d 32, 2 layers, seq 64, batch 2, 2 steps) for a smoke test")
     p.add_argument("--out", default=None, help="output folder (default results/bench/train/)")
@@ -58,7 +67,28 @@ def _mixer_names(a) -> List[str]:
     bad = [n for n in names if n not in mixers()]
     if bad or not names:
         raise UsageError(f"--mixers: unknown {bad}; choose from {', '.join(mixers())}", prog=PROG)
+    if getattr(a, "free_mixer", False) and FREE_MIXER not in names:
+        names.append(FREE_MIXER)
     return names
+
+
+def _free_mix(q, k, v, x, cache=None, cu_seqlens=None):
+    """The free mixer's stand-in for softmax attention: no token mixing, every input still trained."""
+    return q + k + v
+
+
+def _free_mixer_model(model):
+    """Replace the attention of every SoftmaxAttention layer of `model` by `_free_mix` (instance attribute,
+    so only this model changes)."""
+    from ..layers.softmax import SoftmaxAttention
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, SoftmaxAttention):
+            m._mix = _free_mix
+            n += 1
+    assert n, "the softmax model has no SoftmaxAttention layer"
+    return model
 
 
 def make_step(name: str, a):
@@ -67,8 +97,11 @@ def make_step(name: str, a):
     from ..models import LanguageModel, LMConfig
 
     torch.manual_seed(a.seed)
+    mixer = "softmax" if name == FREE_MIXER else name
     model = LanguageModel(LMConfig(vocab_size=a.vocab_size, d_model=a.d_model, n_layers=a.n_layers,
-                                   n_heads=a.n_heads, mixer=name, max_seq_len=max(2048, a.seq_len)))
+                                   n_heads=a.n_heads, mixer=mixer, max_seq_len=max(2048, a.seq_len)))
+    if name == FREE_MIXER:
+        _free_mixer_model(model)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(a.seed + 1)
