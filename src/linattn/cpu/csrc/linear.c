@@ -50,6 +50,81 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
 }
 
 #include "vexp.h" /* lin_expf */
+#ifndef PF_PER
+#define PF_PER 12
+#endif
+
+/* A queue of cache lines to prefetch (the next unit's rows), issued a few at a time between the register-blocked
+   products of this unit: a burst of hundreds of prefetches stalls on the few line-fill buffers, while a few per
+   product block overlap with the arithmetic. Hints only: no effect on any result. */
+typedef struct {
+    const char *base[4];
+    int64_t stride[4]; /* bytes between rows */
+    int rows[4], lines[4], rw[4]; /* rw: rows to be written (prefetched for writing) */
+    int nt, t, r, l; /* tensors queued; the cursor (tensor, row, line) */
+} lin_pf_t;
+
+static void lin_pf_init(lin_pf_t *pf) { pf->nt = pf->t = pf->r = pf->l = 0; }
+
+static void lin_pf_add(lin_pf_t *pf, const void *first_row, int rows, int64_t stride, int64_t row_bytes, int rw) {
+    if (pf->nt >= 4 || rows <= 0 || !first_row) return;
+    pf->base[pf->nt] = (const char *)first_row;
+    pf->stride[pf->nt] = stride;
+    pf->rows[pf->nt] = rows;
+    pf->lines[pf->nt] = (int)((row_bytes + 63) / 64);
+    pf->rw[pf->nt] = rw;
+    pf->nt++;
+}
+
+/* issue the next n lines of the queue (n < 0: all); the cursor in locals (the struct's fields would otherwise be
+   stored and reloaded for every line) */
+static inline void lin_pf_step(lin_pf_t *pf, int n) {
+    if (!pf || pf->t >= pf->nt) return;
+    int t = pf->t, r = pf->r, l = pf->l;
+    while (n-- != 0 && t < pf->nt) {
+#if defined(__GNUC__)
+        const char *a = pf->base[t] + r * pf->stride[t] + 64 * l;
+        if (pf->rw[t]) __builtin_prefetch(a, 1, 3);
+        else __builtin_prefetch(a, 0, 3);
+#endif
+        if (++l == pf->lines[t]) {
+            l = 0;
+            if (++r == pf->rows[t]) r = 0, t++;
+        }
+    }
+    pf->t = t, pf->r = r, pf->l = l;
+}
+
+/* elu(y) + 1 = y + 1 for y > 0, exp(y) otherwise; NaN stays NaN. For float, exp on y <= 0 only, in fewer
+   operations than lin_expf (the features are a large part of the forward's arithmetic) and with the same bits:
+   the same reduction and polynomial, y clamped to [-104, 0] (exp(-104) rounds to 0 in float), and 2^n applied
+   as 2^(n + 64) 2^-64 (n >= -150: one exponent field, then one rounding into the subnormals, as lin_expf's two
+   halves give). The magic-number rounding leaves n + 0x4B400000 in tm's bits, so 2^(n + 64) is built from them
+   directly. Written as plain selections and arithmetic so that the loops around it vectorise. */
+static inline float lin_elu1_f32(float y) {
+    const float z = y < 0.0f ? y : 0.0f;        /* NaN -> 0 (the result is then y + 1 = NaN) */
+    const float zc = z > -104.0f ? z : -104.0f; /* -inf -> -104 -> 0 */
+    const float tm = zc * 1.44269504088896341f + 12582912.0f;
+    const float n = tm - 12582912.0f; /* round(zc / ln2) */
+    const float r = (zc - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union {
+        float f;
+        int32_t i;
+    } u, s;
+    u.f = tm;
+    s.i = (u.i + 191) << 23; /* 2^(n + 64): the low bits of tm's pattern hold n (the high ones shift out) */
+    const float e = (p * s.f) * 5.42101086242752217e-20f; /* * 2^-64 */
+    return y <= 0.0f ? e : y + 1.0f;
+}
+static inline double lin_elu1_f64(double y) { return y > 0 ? y + 1 : exp(y > 0 ? 0 : y); }
 
 int64_t linattn_linear_nchunks(int64_t N, const int64_t *starts, int64_t C) {
     int64_t nc = 0;
@@ -103,11 +178,7 @@ static void FN(lin_load_feat)(const REAL *x, int64_t t0, int64_t H, int64_t h, i
         REAL *restrict dst = buf + (int64_t)i * D;
         if (fmap == 2) {
 #pragma omp simd
-            for (int d = 0; d < D; d++) {
-                const REAL y = sc * src[d];
-                const REAL e = FN(lin_exp)(y > 0 ? 0 : y); /* unconditional (vectorises); NaN passes through */
-                dst[d] = y > 0 ? y + 1 : e;
-            }
+            for (int d = 0; d < D; d++) dst[d] = FN(lin_elu1)(sc * src[d]);
         } else if (fmap == 1) {
 #pragma omp simd
             for (int d = 0; d < D; d++) {
@@ -172,6 +243,34 @@ static void FN(lin_prefetch)(const REAL *x, int64_t t0, int len, int64_t H, int6
 #endif
 }
 
+/* FN(gemm) and FN(gemm_lo) of gemm.h (the same calls in the same order: the same bits), issuing `per` queued
+   prefetches after each 4-row block */
+static void FN(pgemm)(int M, int N, int Kd, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
+                      REAL *restrict Cm, int ldc, lin_pf_t *pf, int per) {
+    const int Nv = N - N % (int)(64 / sizeof(REAL));
+    int i0 = 0;
+    for (; i0 + 4 <= M; i0 += 4) {
+        FN(block4)(0, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv);
+        lin_pf_step(pf, per);
+    }
+    for (; i0 < M; i0++) FN(kern1)(0, Kd, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
+    FN(tail)(M, N, Nv, Kd, A, lda, B, ldb, Cm, ldc, 0);
+}
+
+static void FN(pgemm_lo)(int M, int N, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
+                         REAL *restrict Cm, int ldc, lin_pf_t *pf, int per) {
+    const int Nv = N - N % (int)(64 / sizeof(REAL));
+    int i0 = 0;
+    for (; i0 + 4 <= M; i0 += 4) {
+        FN(block4)(0, i0, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv);
+        for (int r = 0; r < 4; r++)
+            FN(kern1)(i0, i0 + r + 1, A + (int64_t)(i0 + r) * lda, B, ldb, Cm + (int64_t)(i0 + r) * ldc, Nv);
+        lin_pf_step(pf, per);
+    }
+    for (; i0 < M; i0++) FN(kern1)(0, i0 + 1, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
+    FN(tail)(M, N, Nv, M, A, lda, B, ldb, Cm, ldc, 1);
+}
+
 /* ---- forward, per chunk: the same arithmetic on every path (one pass per sequence and head, or three passes
    over all chunks), so the result never depends on the thread count or on the batch around a sequence */
 
@@ -188,14 +287,14 @@ static REAL FN(fl_load)(const REAL *q, const REAL *k, const REAL *v, const REAL 
 
 /* U = sum_j exp(GL - G_j) k_j v_j^T (decays Kt's columns in place) */
 static void FN(fl_update)(int len, int K, int W, int C, int has_g, const REAL *G, REAL GL, REAL *Kt, const REAL *Vb,
-                          REAL *U) {
+                          REAL *U, lin_pf_t *pf, int per) {
     if (has_g)
         for (int i = 0; i < len; i++) {
             const REAL e = FN(lin_exp)(GL - G[i]);
             for (int d = 0; d < K; d++) Kt[(int64_t)d * C + i] *= e;
         }
     memset(U, 0, sizeof(REAL) * K * W);
-    FN(gemm)(K, W, len, Kt, C, Vb, W, U, W);
+    FN(pgemm)(K, W, len, Kt, C, Vb, W, U, W, pf, per);
 }
 
 /* o = num / den' for one row (den = src[V]), the arithmetic of `finish` in ops/linear.py: den' = den floored to
@@ -214,9 +313,9 @@ static inline void FN(lin_divide)(REAL *restrict dst, const REAL *restrict src, 
 /* the chunk's outputs from its start state Pc (Kt undecayed) */
 static void FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C, int norm, int has_g,
                        REAL eps, const REAL *Q, REAL *Qd, const REAL *Kt, const REAL *Vb, const REAL *G, const REAL *Pc,
-                       REAL *A, REAL *O, REAL *num, REAL *den) {
+                       REAL *A, REAL *O, REAL *num, REAL *den, lin_pf_t *pf, int per) {
     memset(A, 0, sizeof(REAL) * C * C);
-    FN(gemm)(C, C, K, Q, K, Kt, C, A, C);
+    FN(pgemm)(C, C, K, Q, K, Kt, C, A, C, pf, per);
     const REAL *Qs = Q;
     if (has_g) {
         for (int i = 0; i < C; i++) {
@@ -227,8 +326,8 @@ static void FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, 
         Qs = Qd;
     }
     memset(O, 0, sizeof(REAL) * C * W);
-    FN(gemm)(C, W, K, Qs, K, Pc, W, O, W);
-    FN(gemm_lo)(C, W, A, C, Vb, W, O, W);
+    FN(pgemm)(C, W, K, Qs, K, Pc, W, O, W, pf, per);
+    FN(pgemm_lo)(C, W, A, C, Vb, W, O, W, pf, per);
     for (int i = 0; i < len; i++) {
         const REAL *src = O + (int64_t)i * W;
         if (norm && den) den[(t0 + i) * H + h] = src[V];
@@ -311,19 +410,29 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                             FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
                         /* the next unit's rows: the next head of this chunk, else the first head of the next */
                         const int nxt_h = h + 1 < h0 + nh, nxt_c = c + 1 < first[s + 1];
+                        lin_pf_t pf;
+                        lin_pf_init(&pf);
                         if (nxt_h || nxt_c) {
                             const int64_t t1 = nxt_h ? t0 : ch[c + 1].t0, h1 = nxt_h ? h + 1 : h0;
                             const int l1 = nxt_h ? len : (int)ch[c + 1].len;
-                            FN(lin_prefetch)(q, t1, l1, H, h1, K), FN(lin_prefetch)(k, t1, l1, H, h1, K);
-                            FN(lin_prefetch)(v, t1, l1, H, h1, V);
+                            const int64_t sb = H * (int64_t)sizeof(REAL);
+                            lin_pf_add(&pf, q + (t1 * H + h1) * K, l1, sb * K, (int64_t)sizeof(REAL) * K, 0);
+                            lin_pf_add(&pf, k + (t1 * H + h1) * K, l1, sb * K, (int64_t)sizeof(REAL) * K, 0);
+                            lin_pf_add(&pf, v + (t1 * H + h1) * V, l1, sb * V, (int64_t)sizeof(REAL) * V, 0);
+#ifndef PF_NOW
+                            lin_pf_add(&pf, num + (t1 * H + h1) * V, l1, sb * V, (int64_t)sizeof(REAL) * V, 1);
+#endif
                         }
+                        const int per = PF_PER;
                         const REAL *Pc = Sh;
                         if (P) {
                             memcpy(P + (c * H + h) * KW, Sh, sizeof(REAL) * KW);
                             Pc = P + (c * H + h) * KW;
                         }
-                        FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, Pc, A, O, num, den);
-                        FN(fl_update)(len, K, W, C, has_g, G, GL, Kt, Vb, U);
+                        FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, Pc, A, O, num, den,
+                                   &pf, per);
+                        FN(fl_update)(len, K, W, C, has_g, G, GL, Kt, Vb, U, &pf, per);
+                        lin_pf_step(&pf, -1);
                         FN(carry)(KW, has_g, GL, Sh, U);
                     }
                 }
@@ -338,7 +447,7 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                 const int len = (int)ch[c].len;
                 const REAL GL = FN(fl_load)(q, k, v, g, ch[c].t0, len, H, h, K, V, W, C, fmap, sc, NULL, Km, Kt, Vb, G);
                 gl[task] = GL;
-                FN(fl_update)(len, K, W, C, has_g, G, GL, Kt, Vb, P + task * KW);
+                FN(fl_update)(len, K, W, C, has_g, G, GL, Kt, Vb, P + task * KW, NULL, 0);
             }
             /* 2. the running sum over each sequence's chunks: P[c] = the state before chunk c */
 #pragma omp for schedule(static)
@@ -362,7 +471,8 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                 const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
                 const int len = (int)ch[c].len;
                 FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
-                FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, P + task * KW, A, O, num, den);
+                FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, P + task * KW, A, O, num, den,
+                           NULL, 0);
             }
         }
         free(buf);
