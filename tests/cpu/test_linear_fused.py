@@ -104,16 +104,54 @@ def test_kernel_division_nonfinite_rows():
 
 
 @needs_cc
-def test_kernel_division_has_no_backward():
-    """The custom op called with eps >= 0 (division in the kernel) refuses a backward instead of returning the
-    gradients of num."""
+@pytest.mark.parametrize("fmap", [0, 1, 2])
+def test_kernel_division_backward_matches_autograd(fmap):
+    """The custom op called with eps >= 0 (o = num / den' in the kernel) has the division's backward in its backward
+    kernel: the gradients of q, k, v, the gate and the initial state agree with autograd through the undivided op
+    and PyTorch's floored division (fp64; tiny queries put some |den| under the floor, whose slope is 0)."""
     from linattn.cpu.linear import _fwd
 
-    q, k = (torch.rand(9, 1, 4, requires_grad=True) for _ in range(2))
+    gen = torch.Generator().manual_seed(4)
+    TT, H, K, V, eps = 23, 2, 4, 3, 1e-6
+    q, k = (torch.randn(TT, H, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    q[::3] *= 1e-9 if fmap != 2 else 1.0
+    v = torch.randn(TT, H, V, generator=gen, dtype=torch.float64)
+    g = -torch.rand(TT, H, generator=gen, dtype=torch.float64)
+    S0 = torch.rand(2, H, K, V + 1, generator=gen, dtype=torch.float64)
+    w = torch.randn(TT, H, V, generator=gen, dtype=torch.float64)
+    grads = []
+    for divided in (True, False):
+        xs = [t.clone().requires_grad_() for t in (q, k, v, g, S0)]
+        num, den, S, P, bad = _fwd(*xs, [0, 9, TT], 4, True, fmap, 1.0, True, eps if divided else -1.0)
+        assert int(bad) == 0
+        if not divided:
+            d = torch.where(den < 0, torch.minimum(den, torch.tensor(-eps)), torch.maximum(den, torch.tensor(eps)))
+            num = num / d.unsqueeze(-1)
+        grads.append(torch.autograd.grad((num * w).sum() + S.square().sum(), xs))
+    for a, b in zip(*grads):  # rtol: identity features give signed, ill-conditioned dens (gradients ~1e7)
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-12 * max(1.0, b.abs().max().item()))
+
+
+@needs_cc
+def test_kernel_division_flags_nonfinite_num():
+    """The kernel flags a division that met inf / NaN in num: under autograd the call then runs undivided (the
+    PyTorch division keeps the non-finite rows out of the other gradients), with the PyTorch path's gradients."""
+    from linattn.cpu.linear import _fwd
+
+    q, k = (torch.rand(9, 1, 4) for _ in range(2))
     v = torch.randn(9, 1, 3)
-    num, den, S, P = _fwd(q, k, v, None, None, [0, 9], 4, True, 0, 1.0, True, 1e-6)
-    with pytest.raises(RuntimeError, match="no backward"):
-        num.sum().backward()
+    assert int(_fwd(q, k, v, None, None, [0, 9], 4, True, 0, 1.0, False, 1e-6)[4]) == 0
+    v[6, 0, 1] = float("inf")
+    assert int(_fwd(q, k, v, None, None, [0, 9], 4, True, 0, 1.0, False, 1e-6)[4]) == 1
+    assert int(_fwd(q, k, v, None, None, [0, 9], 4, True, 0, 1.0, False, -1.0)[4]) == 0  # no division, no flag
+    grads = {}
+    for backend in ("cpu", "torch"):
+        xs = [t.clone().double().unsqueeze(0).requires_grad_() for t in (q, k, v)]
+        o, _ = linattn.linear_attention(*xs, feature_map="relu", chunk_size=4, backend=backend)
+        grads[backend] = torch.autograd.grad(o[:, :6].sum(), xs)  # the rows before the inf value
+    for a, b in zip(grads["cpu"], grads["torch"]):  # rows >= 6 meet inf * 0 = NaN on both paths
+        assert torch.isfinite(a[:, :6]).all()
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, equal_nan=True)
 
 
 @needs_cc

@@ -9,9 +9,12 @@ sequences (`starts`, N + 1 row offsets; a batch of B sequences of length T is st
 with decay_ij = exp(sum_{t=j+1..i} g_t). fp32 and fp64 (the same C code, compiled for both).
 
 Two custom ops, so that autograd and torch.compile see single ops: `linattn::cpu_linear_chunk_fwd` ->
-(num [TT, H, V] (or num / den' when eps >= 0, no backward then), den [TT, H] (empty unless norm), final state
-[N, H, K, W], chunk-start states [NC, H, K, W]) and `linattn::cpu_linear_chunk_bwd`, its registered backward
-(it reuses the chunk-start states). W = V + 1 when norm (the normaliser's state z is the last column), else V.
+(num [TT, H, V] (or o = num / den' when eps >= 0, den' = den floored to |den| >= eps with its sign), den [TT, H]
+(empty unless norm), final state [N, H, K, W], chunk-start states [NC, H, K, W], and a flag [1] (int32, set when
+the kernel divided and num held inf / NaN or den' was NaN)) and `linattn::cpu_linear_chunk_bwd`, its registered
+backward (it reuses the chunk-start states; after a division it also takes the division's backward, from o and
+den, as `_FlooredDivide` in ops/linear.py does for finite num). W = V + 1 when norm (the normaliser's state z is
+the last column), else V.
 
 This module never imports linattn.ops; `ops/backend.py` lays a prepared call out for `chunk_linear_attention`.
 """
@@ -40,11 +43,12 @@ def _lib() -> ctypes.CDLL:
     if id(lib) not in _READY:
         for sfx in _SUFFIX.values():
             f = getattr(lib, f"linattn_linear_fwd_{sfx}")
-            f.argtypes = ([c_i64, c_ptr, c_i64, c_i64, c_i64, c_i64, c_int, c_int, c_double, c_double] + [c_ptr] * 9
+            f.argtypes = ([c_i64, c_ptr, c_i64, c_i64, c_i64, c_i64, c_int, c_int, c_double, c_double] + [c_ptr] * 10
                           + [c_int])
             f.restype = c_int
             b = getattr(lib, f"linattn_linear_bwd_{sfx}")
-            b.argtypes = [c_i64, c_ptr, c_i64, c_i64, c_i64, c_i64, c_int, c_int, c_double] + [c_ptr] * 13 + [c_int]
+            b.argtypes = ([c_i64, c_ptr, c_i64, c_i64, c_i64, c_i64, c_int, c_int, c_double] + [c_ptr] * 9 + [c_double]
+                          + [c_ptr] * 6 + [c_int])
             b.restype = c_int
         _READY.add(id(lib))
     return lib
@@ -61,7 +65,7 @@ def _opt(t: Optional[Tensor]) -> Optional[Tensor]:
 @torch.library.custom_op("linattn::cpu_linear_chunk_fwd", mutates_args=(), device_types="cpu")
 def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tensor], starts: List[int],
          chunk_size: int, norm: bool, fmap: int, scale: float,
-         keep_states: bool, eps: float = -1.0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+         keep_states: bool, eps: float = -1.0) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     TT, H, K = q.shape
     V = v.shape[-1]
     W = V + int(norm)
@@ -71,13 +75,14 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tens
     den = q.new_empty(TT, H) if norm else q.new_empty(0)
     S = q.new_empty(N, H, K, W)
     P = q.new_empty(n_chunks(starts, chunk_size), H, K, W) if keep_states else q.new_empty(0)
+    bad = torch.zeros(1, dtype=torch.int32)
     st = torch.tensor(starts, dtype=torch.int64)
     fn = getattr(_lib(), f"linattn_linear_fwd_{_SUFFIX[q.dtype]}")
     rc = fn(N, ptr(st), H, K, V, chunk_size, int(norm), fmap, scale, eps, ptr(q), ptr(k), ptr(v), ptr(g), ptr(S0),
-            ptr(num), ptr(den) if norm else None, ptr(P) if keep_states else None, ptr(S), threads())
+            ptr(num), ptr(den) if norm else None, ptr(P) if keep_states else None, ptr(S), ptr(bad), threads())
     if rc != 0:
         raise MemoryError("linattn: the compiled linear-attention kernel could not allocate its scratch memory")
-    return num, den, S, P
+    return num, den, S, P, bad
 
 
 @_fwd.register_fake
@@ -87,13 +92,15 @@ def _(q, k, v, g, S0, starts, chunk_size, norm, fmap, scale, keep_states, eps=-1
     W = V + int(norm)
     return (q.new_empty(TT, H, V), q.new_empty(TT, H) if norm else q.new_empty(0),
             q.new_empty(len(starts) - 1, H, K, W),
-            q.new_empty(n_chunks(starts, chunk_size), H, K, W) if keep_states else q.new_empty(0))
+            q.new_empty(n_chunks(starts, chunk_size), H, K, W) if keep_states else q.new_empty(0),
+            q.new_empty(1, dtype=torch.int32))
 
 
 @torch.library.custom_op("linattn::cpu_linear_chunk_bwd", mutates_args=(), device_types="cpu")
 def _bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], P: Tensor, dnum: Optional[Tensor],
          dden: Optional[Tensor], dS: Optional[Tensor], starts: List[int], chunk_size: int,
-         norm: bool, fmap: int, scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+         norm: bool, fmap: int, scale: float, o: Optional[Tensor] = None, den: Optional[Tensor] = None,
+         eps: float = -1.0) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     TT, H, K = q.shape
     V = v.shape[-1]
     W = V + int(norm)
@@ -103,20 +110,23 @@ def _bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], P: Tensor, dnum: 
                            "(no input required grad), so it has no backward")
     q, k, v, g, P = q.contiguous(), k.contiguous(), v.contiguous(), _opt(g), P.contiguous()
     dnum, dden, dS = _opt(dnum), _opt(dden) if norm else None, _opt(dS)
+    divided = norm and eps >= 0 and o is not None and den is not None  # dnum is then the gradient of o = num / den'
+    o, den = (o.contiguous(), den.contiguous()) if divided else (None, None)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg = q.new_zeros(TT, H) if g is not None else q.new_empty(0)
     dS0 = q.new_empty(N, H, K, W)
     st = torch.tensor(starts, dtype=torch.int64)
     fn = getattr(_lib(), f"linattn_linear_bwd_{_SUFFIX[q.dtype]}")
     rc = fn(N, ptr(st), H, K, V, chunk_size, int(norm), fmap, scale, ptr(q), ptr(k), ptr(v), ptr(g), ptr(P), ptr(dnum),
-            ptr(dden), ptr(dS), ptr(dq), ptr(dk), ptr(dv), ptr(dg) if g is not None else None, ptr(dS0), threads())
+            ptr(dden), ptr(o), ptr(den), float(eps) if divided else -1.0, ptr(dS), ptr(dq), ptr(dk), ptr(dv),
+            ptr(dg) if g is not None else None, ptr(dS0), threads())
     if rc != 0:
         raise MemoryError("linattn: the compiled linear-attention kernel could not allocate its scratch memory")
     return dq, dk, dv, dg, dS0
 
 
 @_bwd.register_fake
-def _(q, k, v, g, P, dnum, dden, dS, starts, chunk_size, norm, fmap, scale):
+def _(q, k, v, g, P, dnum, dden, dS, starts, chunk_size, norm, fmap, scale, o=None, den=None, eps=-1.0):
     TT, H, K = q.shape
     V = v.shape[-1]
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
@@ -125,18 +135,18 @@ def _(q, k, v, g, P, dnum, dden, dS, starts, chunk_size, norm, fmap, scale):
 
 def _setup(ctx, inputs, output):
     q, k, v, g, S0, starts, chunk_size, norm, fmap, scale, keep_states = inputs[:11]
-    ctx.save_for_backward(q, k, v, g, output[3])
-    ctx.args = (starts, chunk_size, norm, fmap, scale, S0 is not None)
-    ctx.divided = bool(norm) and len(inputs) > 11 and inputs[11] >= 0
+    eps = float(inputs[11]) if len(inputs) > 11 else -1.0
+    ctx.divided = bool(norm) and eps >= 0  # output[0] is o = num / den': the kernel's backward divides too
+    ctx.save_for_backward(q, k, v, g, output[3], *((output[0], output[1]) if ctx.divided else ()))
+    ctx.args = (starts, chunk_size, norm, fmap, scale, S0 is not None, eps)
+    ctx.set_materialize_grads(False)  # unused outputs (the chunk states, often the final state): None, not zeros
 
 
-def _backward(ctx, dnum, dden, dS, dP):
-    q, k, v, g, P = ctx.saved_tensors
-    starts, chunk_size, norm, fmap, scale, has_S0 = ctx.args
-    if ctx.divided:
-        raise RuntimeError("linattn: the compiled linear-attention forward divided by the normaliser in the kernel "
-                           "(eps >= 0), which has no backward; call it with eps=-1 when a gradient is needed")
-    dq, dk, dv, dg, dS0 = _bwd(q, k, v, g, P, dnum, dden, dS, starts, chunk_size, norm, fmap, scale)
+def _backward(ctx, dnum, dden, dS, dP, dbad):
+    q, k, v, g, P, *o_den = ctx.saved_tensors
+    starts, chunk_size, norm, fmap, scale, has_S0, eps = ctx.args
+    o, den = o_den if ctx.divided else (None, None)
+    dq, dk, dv, dg, dS0 = _bwd(q, k, v, g, P, dnum, dden, dS, starts, chunk_size, norm, fmap, scale, o, den, eps)
     return (dq, dk, dv, (dg if g is not None else None), (dS0 if has_S0 else None), None, None, None, None, None, None,
             None)
 
@@ -152,11 +162,18 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor],
     the kernels), v [TT, H, V], g [TT, H] log-gate or None, S0 [N, H, K, W] or None, all of one dtype (fp32 or fp64).
     -> (num [TT, H, V], den [TT, H] or None (norm=False), final state [N, H, K, W], divided).
 
-    eps (with norm): when no backward can follow, the kernel returns o = num / den' in place of num (den' = den
-    floored to |den| >= eps, sign kept: the arithmetic of ops/linear.py's `finish`), saving a pass over the
-    output; `divided` says whether it did (with autograd the division stays in PyTorch, which differentiates it)."""
+    eps (with norm): the kernel returns o = num / den' in place of num (den' = den floored to |den| >= eps, sign
+    kept: the arithmetic of ops/linear.py's `finish`), saving passes over the output, and with autograd its
+    backward kernel takes the division's backward (`_FlooredDivide`'s arithmetic). Not when num holds inf / NaN
+    under autograd (the forward runs again undivided: `finish`'s autograd division keeps them from the other
+    gradients) nor while torch.compile traces with autograd; `divided` says whether it did."""
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, S0))
-    divide = bool(norm) and eps is not None and not keep
-    num, den, S, _ = _fwd(q, k, v, g, S0, [int(s) for s in starts], int(chunk_size), bool(norm), FMAPS[fmap],
-                          float(scale), keep, float(eps) if divide else -1.0)  # chunk states only for a backward
+    # under autograd the division's backward runs in the backward kernel, for finite num (checked by the forward
+    # kernel, which a trace cannot read: there the division stays in PyTorch)
+    divide = bool(norm) and eps is not None and not (keep and torch.compiler.is_compiling())
+    args = ([int(s) for s in starts], int(chunk_size), bool(norm), FMAPS[fmap], float(scale), keep)
+    num, den, S, _, bad = _fwd(q, k, v, g, S0, *args, float(eps) if divide else -1.0)  # chunk states for a backward
+    if divide and keep and bool(bad):  # inf / NaN in num: autograd's division in `finish`, which keeps them apart
+        num, den, S, _, _ = _fwd(q, k, v, g, S0, *args, -1.0)
+        divide = False
     return num, (den if norm else None), S, divide

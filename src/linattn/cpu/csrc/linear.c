@@ -299,19 +299,24 @@ static void FN(fl_update)(int len, int K, int W, int C, int has_g, const REAL *G
 
 /* o = num / den' for one row (den = src[V]), the arithmetic of `finish` in ops/linear.py: den' = den floored to
    |den| >= eps keeping its sign (NaN stays NaN, like torch.minimum/maximum), then the division; a non-finite
-   num n gives 0 / den' + n as `_divide_finite_part` does. IEEE division: the same bits as PyTorch's. */
-static inline void FN(lin_divide)(REAL *restrict dst, const REAL *restrict src, int V, REAL eps) {
+   num n gives 0 / den' + n as `_divide_finite_part` does. IEEE division: the same bits as PyTorch's. Returns
+   whether num held inf / NaN or den' is NaN. */
+static inline int FN(lin_divide)(REAL *restrict dst, const REAL *restrict src, int V, REAL eps) {
     REAL d = src[V];
     d = d != d ? d : (d < 0 ? (d < -eps ? d : -eps) : (d > eps ? d : eps));
-#pragma omp simd
+    int bad = d != d; /* returned: a NaN den' or a non-finite num (the caller's backward then takes another way) */
+#pragma omp simd reduction(| : bad)
     for (int j = 0; j < V; j++) {
         const REAL n = src[j];
-        dst[j] = n - n == 0 ? n / d : (REAL)0 / d + n; /* n - n != 0: n is inf or NaN */
+        const int fin = n - n == 0; /* else n is inf or NaN */
+        dst[j] = fin ? n / d : (REAL)0 / d + n;
+        bad |= !fin;
     }
+    return bad;
 }
 
-/* the chunk's outputs from its start state Pc (Kt undecayed) */
-static void FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C, int norm, int has_g,
+/* the chunk's outputs from its start state Pc (Kt undecayed); returns lin_divide's flag (0 without division) */
+static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C, int norm, int has_g,
                        REAL eps, const REAL *Q, REAL *Qd, const REAL *Kt, const REAL *Vb, const REAL *G, const REAL *Pc,
                        REAL *A, REAL *O, REAL *num, REAL *den, lin_pf_t *pf, int per) {
     memset(A, 0, sizeof(REAL) * C * C);
@@ -328,15 +333,17 @@ static void FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, 
     memset(O, 0, sizeof(REAL) * C * W);
     FN(pgemm)(C, W, K, Qs, K, Pc, W, O, W, pf, per);
     FN(pgemm_lo)(C, W, A, C, Vb, W, O, W, pf, per);
+    int bad = 0;
     for (int i = 0; i < len; i++) {
         const REAL *src = O + (int64_t)i * W;
         if (norm && den) den[(t0 + i) * H + h] = src[V];
         if (norm && eps >= 0) {
-            FN(lin_divide)(num + ((t0 + i) * H + h) * V, src, V, eps);
+            bad |= FN(lin_divide)(num + ((t0 + i) * H + h) * V, src, V, eps);
         } else {
             FN(copy_row)(num + ((t0 + i) * H + h) * V, src, V);
         }
     }
+    return bad;
 }
 
 /* S = exp(GL) S + U (in place), the carried state's update */
@@ -352,7 +359,7 @@ static void FN(carry)(int64_t n, int has_g, REAL GL, REAL *S, const REAL *U) {
 int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t K64, int64_t V64, int64_t C64,
                            int norm, int fmap, double scale, double eps, const REAL *q, const REAL *k,
                            const REAL *v, const REAL *g, const REAL *S0, REAL *num, REAL *den, REAL *P, REAL *S_out,
-                           int nthreads) {
+                           int32_t *nonfinite, int nthreads) {
     const int K = (int)K64, V = (int)V64, C = (int)C64, W = V + (norm ? 1 : 0), has_g = g != NULL;
     const int64_t KW = (int64_t)K * W;
     const REAL sc = (REAL)scale, ep = (REAL)eps; /* eps >= 0 (with norm): num receives num / den' (`lin_divide`) */
@@ -383,10 +390,11 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
             return -1;
         }
     }
-    int failed = 0;
+    int failed = 0, any_bad = 0;
     const size_t scratch = (size_t)(3 * C * K + K * C + 2 * C * W + C * C + C + (nh + 1) * KW);
 #pragma omp parallel num_threads(nthreads)
     {
+        int bad = 0;
         REAL *buf = malloc(sizeof(REAL) * scratch);
         REAL *Q = buf, *Qd = Q + C * K, *Km = Qd + C * K, *Kt = Km + C * K, *Vb = Kt + K * C, *A = Vb + C * W,
              *O = A + C * C, *G = O + C * W, *S = G + C, *U = S + nh * KW;
@@ -429,8 +437,8 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                             memcpy(P + (c * H + h) * KW, Sh, sizeof(REAL) * KW);
                             Pc = P + (c * H + h) * KW;
                         }
-                        FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, Pc, A, O, num, den,
-                                   &pf, per);
+                        bad |= FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, Pc, A, O, num,
+                                          den, &pf, per);
                         FN(fl_update)(len, K, W, C, has_g, G, GL, Kt, Vb, U, &pf, per);
                         lin_pf_step(&pf, -1);
                         FN(carry)(KW, has_g, GL, Sh, U);
@@ -471,13 +479,18 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                 const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
                 const int len = (int)ch[c].len;
                 FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
-                FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, P + task * KW, A, O, num, den,
-                           NULL, 0);
+                bad |= FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, P + task * KW, A, O,
+                                  num, den, NULL, 0);
             }
+        }
+        if (bad) {
+#pragma omp atomic write
+            any_bad = 1;
         }
         free(buf);
     }
     free(first), free(ch), free(gl), free(P_own);
+    if (nonfinite) *nonfinite = any_bad;
     return failed ? -1 : 0;
 }
 
@@ -487,17 +500,33 @@ typedef struct {
     REAL *Q, *Km, *Qd, *Vb, *dO, *Pt, *dPt, *A, *D, *dA, *T2, *X, *Y, *Z, *G, *dG, *Tr;
 } FN(bws);
 
-/* the chunk's features, values, output gradients (rows >= len zero) and G; returns GL */
+/* the chunk's features, values, output gradients (rows >= len zero) and G; returns GL. o (with den, eps): the
+   forward divided by the normaliser (o = num / den', finite num), and dnum is the gradient of o: the division's
+   backward is taken here, as `_FlooredDivide` in ops/linear.py does (W = V + 1) */
 static REAL FN(bl_load)(const REAL *q, const REAL *k, const REAL *v, const REAL *g, const REAL *dnum,
-                        const REAL *dden, int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C,
-                        int fmap, REAL sc, FN(bws) *b) {
+                        const REAL *dden, const REAL *o, const REAL *den, REAL eps, int64_t t0, int len, int64_t H,
+                        int64_t h, int K, int V, int W, int C, int fmap, REAL sc, FN(bws) *b) {
     FN(lin_load_feat)(q, t0, H, h, K, len, C, b->Q, fmap, sc);
     FN(lin_load_feat)(k, t0, H, h, K, len, C, b->Km, fmap, 1);
     FN(lin_load_v)(v, t0, H, h, V, W, len, C, b->Vb);
     for (int i = 0; i < C; i++) {
         const int64_t row = (t0 + i) * H + h;
-        for (int w = 0; w < V; w++) b->dO[(int64_t)i * W + w] = (i < len && dnum) ? dnum[row * V + w] : 0;
-        if (W > V) b->dO[(int64_t)i * W + V] = (i < len && dden) ? dden[row] : 0;
+        REAL *restrict dOi = b->dO + (int64_t)i * W;
+        if (i < len && dnum && o) { /* dnum = do / den', dden = -(dnum . o) where |den| > eps (the floor's slope) */
+            const REAL dr = den[row], dp = dr < 0 ? (dr < -eps ? dr : -eps) : (dr > eps ? dr : eps);
+            const REAL *restrict doi = dnum + row * V, *restrict oi = o + row * V;
+            REAL acc = 0;
+#pragma omp simd reduction(+ : acc)
+            for (int w = 0; w < V; w++) {
+                const REAL x = doi[w] / dp;
+                dOi[w] = x;
+                acc += x * oi[w];
+            }
+            dOi[V] = (dr > eps || dr < -eps ? -acc : 0) + (dden ? dden[row] : 0);
+            continue;
+        }
+        for (int w = 0; w < V; w++) dOi[w] = (i < len && dnum) ? dnum[row * V + w] : 0;
+        if (W > V) dOi[V] = (i < len && dden) ? dden[row] : 0;
     }
     return g ? FN(lin_cumgate)(g, t0, H, h, len, C, b->G) : 0;
 }
@@ -626,11 +655,12 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
 
 int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t K64, int64_t V64, int64_t C64,
                            int norm, int fmap, double scale, const REAL *q, const REAL *k, const REAL *v,
-                           const REAL *g, const REAL *P, const REAL *dnum, const REAL *dden, const REAL *dS, REAL *dq,
-                           REAL *dk, REAL *dv, REAL *dg, REAL *dS0, int nthreads) {
+                           const REAL *g, const REAL *P, const REAL *dnum, const REAL *dden, const REAL *o,
+                           const REAL *den, double eps, const REAL *dS, REAL *dq, REAL *dk, REAL *dv, REAL *dg,
+                           REAL *dS0, int nthreads) {
     const int K = (int)K64, V = (int)V64, C = (int)C64, W = V + (norm ? 1 : 0), has_g = g != NULL;
     const int64_t KW = (int64_t)K * W;
-    const REAL sc = (REAL)scale;
+    const REAL sc = (REAL)scale, ep = (REAL)eps;
     int64_t *first = malloc(sizeof(int64_t) * (N + 1));
     if (!first) return -1;
     const int64_t NC = lin_chunks(N, starts, C, NULL, first);
@@ -677,7 +707,7 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                     for (int64_t h = h0; h < h0 + nh; h++) {
                         REAL *Dh = Dg + (h - h0) * KW;
                         const REAL GL =
-                            FN(bl_load)(q, k, v, g, dnum, dden, t0, len, H, h, K, V, W, C, fmap, sc, &b);
+                            FN(bl_load)(q, k, v, g, dnum, dden, o, den, ep, t0, len, H, h, K, V, W, C, fmap, sc, &b);
                         /* the next unit's rows: the next head of this chunk, else the first head of the previous */
                         const int nxt_h = h + 1 < h0 + nh, nxt_c = c > first[s];
                         if (nxt_h || nxt_c) {
@@ -702,7 +732,8 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                 if (!buf) continue;
                 const int64_t c = task / H, h = task % H;
                 const int len = (int)ch[c].len;
-                gl[task] = FN(bl_load)(q, k, v, g, dnum, dden, ch[c].t0, len, H, h, K, V, W, C, fmap, sc, &b);
+                gl[task] =
+                    FN(bl_load)(q, k, v, g, dnum, dden, o, den, ep, ch[c].t0, len, H, h, K, V, W, C, fmap, sc, &b);
                 FN(bl_R)(len, K, W, C, has_g, &b, dP + task * KW);
             }
             /* 2. reverse running sum: dP[c] = the gradient of the state after chunk c; dS0 = of the initial state */
@@ -726,7 +757,8 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                 if (!buf) continue;
                 const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
                 const int len = (int)ch[c].len;
-                const REAL GL = FN(bl_load)(q, k, v, g, dnum, dden, t0, len, H, h, K, V, W, C, fmap, sc, &b);
+                const REAL GL =
+                    FN(bl_load)(q, k, v, g, dnum, dden, o, den, ep, t0, len, H, h, K, V, W, C, fmap, sc, &b);
                 FN(bl_grads)(t0, len, H, h, K, V, W, C, has_g, fmap, sc, GL, P + task * KW, dP + task * KW, &b, dq,
                              dk, dv, dg);
             }
