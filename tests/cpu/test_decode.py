@@ -36,7 +36,7 @@ CASES = {
 
 
 class Count:
-    """Counts the compiled steps (monkeypatched entry points of cpu/decode.py)."""
+    """Counts the compiled steps (monkeypatched entry points of cpu/decode.py; a whole-model step counts once)."""
 
     def __init__(self, monkeypatch):
         self.n = 0
@@ -48,6 +48,17 @@ class Count:
                 return _inner(*a, **k)
 
             monkeypatch.setattr(cpu_decode, name, counted)
+        model_function = cpu_decode.model_function
+
+        def counted_model(dtype):
+            fn = model_function(dtype)
+
+            def counted(*a):
+                self.n += 1
+                return fn(*a)
+            return counted
+
+        monkeypatch.setattr(cpu_decode, "model_function", counted_model)
 
 
 def _layer(case, d=32, H=2, dtype=torch.float32):
@@ -209,7 +220,7 @@ def test_model_logits_equal_the_torch_step(mixer, monkeypatch):
                 out = model(ids[:, t:t + 1], cache=out.cache)
                 logits.append(out.logits)
         results.append(torch.cat(logits, 1))
-    assert count.n == 2 * 12
+    assert count.n == 12   # one whole-model call per token (tests/cpu/test_decode_model.py)
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         full = model(ids).logits
@@ -255,7 +266,9 @@ def test_decode_and_conv_sources_cross_compile_for_aarch64(name, tmp_path):
     assert out.read_bytes()[:4] == b"\x7fELF"
 
 
-# -- the whole pre-norm block in one call (fast_decode.block_step, csrc/decode.c linattn_decode_block) -----------
+# -- the whole pre-norm block in one call (fast_decode.block_step, csrc/decode.c linattn_decode_block); the models
+# here decode block by block (`compiled_decode = False` on the model: the whole-model step is
+# tests/cpu/test_decode_model.py's) --------------------------------------------------------------------------------
 BLOCK_MIXERS = ["deltanet", "gated-deltanet", "efla", "efla-adaptive", "linear-elu+1", "linear-relu", "retnet",
                 "mamba2-gla"]
 
@@ -268,6 +281,7 @@ def _model(mixer, dtype=torch.float32, **kw):
         for n, p in model.named_parameters():
             if n.endswith("bias") or "norm" in n or "A_log" in n or "alpha" in n:
                 p.add_(0.1 * torch.randn_like(p))
+    model.compiled_decode = False
     return model.eval()
 
 

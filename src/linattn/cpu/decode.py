@@ -20,7 +20,8 @@ import torch
 from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
 from .build import enabled
 
-__all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", "BETA_MODES", "FEATURE_MAPS"]
+__all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", "ModelPlan", "model_function",
+           "BETA_MODES", "FEATURE_MAPS"]
 
 #: the feature maps the linear step computes (the C codes)
 FEATURE_MAPS = {"identity": 0, "elu+1": 1, "relu": 2}
@@ -48,6 +49,9 @@ def _library():
             g.restype = c_int
             f = getattr(lib, f"linattn_decode_block_{sfx}")
             f.argtypes = [ctypes.POINTER(BlockPlan)] + [c_ptr] * 6
+            f.restype = c_int
+            f = getattr(lib, f"linattn_decode_model_{sfx}")
+            f.argtypes = [ctypes.POINTER(ModelPlan)] + [c_ptr] * 6
             f.restype = c_int
         _typed.add(id(lib))
     return lib
@@ -148,3 +152,21 @@ def block_function(dtype: torch.dtype):
     """The compiled whole-block step for dtype (float32 / float64), or None when the kernels are off or absent."""
     lib = _library()
     return None if lib is None else getattr(lib, f"linattn_decode_block_{_SFX[dtype]}")
+
+
+class ModelPlan(ctypes.Structure):
+    """`linattn_model_plan` of csrc/decode.c: a whole model's decoding step (`linattn_decode_model`): the embedding,
+    L block plans, the final RMSNorm and the head, and where each layer's state and conv window sit in the
+    step's state / window buffers. Built in layers/fast_decode.py (`model_step`), which keeps what it points into."""
+
+    _fields_ = ([(n, ctypes.c_int64) for n in ("L", "B", "d", "vocab")]
+                + [("has_norm", ctypes.c_int32), ("nthreads", ctypes.c_int32), ("norm_eps", ctypes.c_double)]
+                + [(n, ctypes.c_void_p) for n in ("embed", "norm_w", "head", "blocks", "s_off", "w_off")])
+
+
+def model_function(dtype: torch.dtype):
+    """The compiled whole-model step for dtype (float32 / float64): fn(byref(plan), ids, S_in, w_in, S_out, w_out,
+    logits) -> 0, 1 (out of memory) or 2 (a token id out of range; nothing written); None when the kernels are off
+    or absent."""
+    lib = _library()
+    return None if lib is None else getattr(lib, f"linattn_decode_model_{_SFX[dtype]}")

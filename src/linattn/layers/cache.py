@@ -294,6 +294,9 @@ class Cache:
     #: whether crop / snapshot / restore / reorder see the whole state (the layers and seen_tokens). A subclass
     #: that keeps more (TLinFormerCache: token ids, window bookkeeping) must opt in after handling it.
     state_ops = True
+    #: the whole-model decoding step's buffers (layers/fast_decode.ModelFastState), valid only while the layers'
+    #: entries are still the views it made of them; never state (an operation that replaces entries makes it stale)
+    fast: Any = None
 
     def _check_state_ops(self, op: str) -> None:
         if type(self) is not Cache and not type(self).__dict__.get("state_ops", False):
@@ -427,6 +430,7 @@ class Cache:
                                f"{getattr(index, 'dtype', type(index).__name__)} {tuple(getattr(index, 'shape', ()))}")
         self._check_state_ops("reorder")
         index = index.long()
+        self.fast = None   # the whole-model step's buffers hold the old rows
         for d in self.layers:
             for lc in d.values():
                 for k in list(lc):

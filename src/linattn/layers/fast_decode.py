@@ -27,6 +27,9 @@ step; `linattn bench decode --decode-step both` compares them).
 """
 from __future__ import annotations
 
+import ctypes
+import math
+import operator
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -38,10 +41,10 @@ from ..ops import LinearAttentionState
 from ..ops.delta_core import efla_coefficient, key_norms
 from ..ops.feature_maps import EluPlusOne, Identity, ReLU
 from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS, l2norm
-from .cache import FastDecodeState, LayerCache
-from .common import GatedRMSNorm, ShortConv, mamba_neg_a
+from .cache import Cache, FastDecodeState, LayerCache
+from .common import GatedRMSNorm, RMSNorm, ShortConv, mamba_neg_a
 
-__all__ = ["STEPS", "BlockPlanSlot", "block_step", "hooked", "step"]
+__all__ = ["STEPS", "BlockPlanSlot", "ModelFastState", "ModelPlanSlot", "block_step", "hooked", "model_step", "step"]
 
 _ELEMENTWISE_MAPS = (Identity, EluPlusOne, ReLU)
 _NONNEGATIVE_MAPS = (EluPlusOne, ReLU)
@@ -467,8 +470,9 @@ def _block_key(layer, x: torch.Tensor, norm1, norm2, ffn):
 
 
 def _block_hooked(layer) -> bool:
-    """`hooked` over the layer's modules that the block step computes (the block checks its norms and FFN)."""
-    return hooked(*layer._modules.values())
+    """`hooked` over the layer and its modules, which the block step computes (the block checks its norms and
+    FFN)."""
+    return hooked(layer, *layer._modules.values())
 
 
 def _build_plan(layer, kind, lins, x, norm1, norm2, ffn):
@@ -527,6 +531,24 @@ def _build_plan(layer, kind, lins, x, norm1, norm2, ffn):
     return p, keep
 
 
+def _new_block_plan(layer, x: torch.Tensor, norm1, norm2, ffn):
+    """(BlockPlan, the tensors it points into) after the full checks (a covered layer, modules exactly the
+    library's, in x's dtype), or None."""
+    kind = layer.fast_step_kind()
+    if kind is None or (kind == "linear" and (type(layer.feature_map) not in _COMPILED_MAPS
+                                              or layer.gate == "diagonal")):
+        return None
+    if ffn is not None and any(t is not None and t.dtype != x.dtype for t in (
+            ffn.w_gate_up.weight, ffn.w_gate_up.bias, ffn.w_down.weight, ffn.w_down.bias)):
+        return None
+    lins = _usable(layer, x, kind)
+    if lins is None or not _cpu_decode.available():
+        return None
+    plan, keep = _build_plan(layer, kind, lins, x, norm1, norm2, ffn)
+    plan.keep = keep   # the plan holds what it points into (a call in flight keeps it alive)
+    return plan, keep
+
+
 def block_step(layer, x: torch.Tensor, cache: Optional[LayerCache], norm1, norm2, ffn) -> Optional[torch.Tensor]:
     """The hook point of a pre-norm model block (models/lm.py) for one decoded token x `[B, 1, d]`:
 
@@ -546,23 +568,13 @@ def block_step(layer, x: torch.Tensor, cache: Optional[LayerCache], norm1, norm2
         return None
     key = _block_key(layer, x, norm1, norm2, ffn)
     if key != slot.key or layer._fused._value is not slot.fused:
-        # the full checks once per plan: a covered layer, modules exactly the library's, in x's dtype
         slot.key = None
-        kind = layer.fast_step_kind()
-        if kind is None or (kind == "linear" and (type(layer.feature_map) not in _COMPILED_MAPS
-                                                  or layer.gate == "diagonal")):
+        built = _new_block_plan(layer, x, norm1, norm2, ffn)
+        if built is None:
             return None
-        if ffn is not None and any(t is not None and t.dtype != x.dtype for t in (
-                ffn.w_gate_up.weight, ffn.w_gate_up.bias, ffn.w_down.weight, ffn.w_down.bias)):
-            return None
-        lins = _usable(layer, x, kind)
-        if lins is None or not _cpu_decode.available():
-            return None
-        plan, keep = _build_plan(layer, kind, lins, x, norm1, norm2, ffn)
-        plan.keep = keep   # the plan holds what it points into (a call in flight keeps it alive)
-        slot.plan, slot.keep = plan, keep
+        slot.plan, slot.keep = built
         slot.fn, slot.fused, slot.key = _cpu_decode.block_function(x.dtype), layer._fused._value, key
-    elif _block_hooked(layer):
+    if _block_hooked(layer):
         return None
     plan, fn = slot.plan, slot.fn
     kind = "delta" if plan.kind == 0 else "linear"
@@ -611,3 +623,335 @@ def block_step(layer, x: torch.Tensor, cache: Optional[LayerCache], norm1, norm2
         _store_window(cache, (mods["q_conv"], mods["k_conv"], mods["v_conv"]), w_out)
     cache["offset"] = cache.offset + 1
     return x_out
+
+
+# -- the whole model in one compiled call (models/lm.py's LanguageModel) -----------------------------------------
+_version_of = operator.attrgetter("_version")
+_fused_value = operator.attrgetter("_value")
+_switches = operator.attrgetter("fast_decode", "compiled_decode")
+_data_ptr = torch.Tensor.data_ptr
+# what a block plan reads from a mixer's / a norm's __dict__ (checked by identity on every token)
+_MIXER_KEYS = ("scale", "l2norm_convention", "beta_mode", "q_l2norm", "qk_l2norm", "exact", "gate", "gate_act",
+               "normalize", "eps", "feature_map", "_gamma", "norm_group_size", "short_conv", "causal", "_fused")
+_NORM_KEYS = ("eps", "plain")
+
+
+class _Layer:
+    """Where one layer's state and conv window sit in a model step's buffers, and their shapes."""
+
+    __slots__ = ("kind", "sshape", "wshape", "sizes", "s_off", "w_off", "V")
+
+    def __init__(self, kind, sshape, wshape, sizes, s_off, w_off, V):
+        self.kind, self.sshape, self.wshape, self.sizes = kind, sshape, wshape, sizes
+        self.s_off, self.w_off, self.V = s_off, w_off, V
+
+
+class ModelPlanSlot:
+    """A LanguageModel's whole-model decoding plan (`cpu/decode.ModelPlan` with its L block plans), what it was
+    built from (checked on every token: `_model_plan_valid`) and the layout of the step's state / window
+    buffers. Not state: a copy or a pickle gets an empty slot, rebuilt on first use."""
+
+    __slots__ = ("plan", "fn", "keep", "B", "dtype", "nthreads", "training", "idicts", "inames", "iobjs", "tdicts",
+                 "tnames", "versions", "ptrs", "aliases", "sdicts", "skeys", "snap", "hookdicts", "mixers",
+                 "fusedobjs", "fused", "switches", "layers", "L", "n_state", "n_win", "same", "lin", "vocab", "sbuf",
+                 "wbuf", "wmode")
+
+    def __init__(self):
+        self.plan = None
+
+    def __reduce__(self):
+        return (ModelPlanSlot, ())
+
+
+class ModelFastState:
+    """What the whole-model step keeps in `Cache.fast` between tokens: the buffers it wrote (all layers' states
+    `S`, conv windows `W`, the linear layers' offsets `offsets` `[n_linear, B]`), valid while the layers' cache
+    entries are still `entries`, the objects it stored (checked by identity)."""
+
+    __slots__ = ("entries", "S", "W", "offsets", "B", "dtype")
+
+    def __init__(self, entries, S, W, offsets, B, dtype):
+        self.entries, self.S, self.W, self.offsets, self.B, self.dtype = entries, S, W, offsets, B, dtype
+
+
+def _model_plan_valid(slot, model, B: int) -> bool:
+    """Whether the plan still describes the model, cheap enough for every token (map over prepared lists, no
+    Python loop): the same batch, threads and mode; every submodule, and every parameter or buffer that was
+    None, still where it was (identity); every parameter and buffer at the same storage (the slot holds the old
+    storages, so a replaced tensor cannot reuse an address) and version (in-place updates); the mixers' and
+    norms' configuration values the same objects, the layers' fused weights the ones the plan was built from;
+    the switches on and no forward hook anywhere (torch registers hooks by mutating these dicts in place)."""
+    if (slot.B != B or slot.nthreads != torch.get_num_threads() or slot.training is not model.training
+            or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or any(slot.hookdicts)):
+        return False
+    try:
+        if not all(map(operator.is_, map(operator.getitem, slot.idicts, slot.inames), slot.iobjs)):
+            return False
+        cur = list(map(operator.getitem, slot.tdicts, slot.tnames))
+    except KeyError:
+        return False
+    return (list(map(_data_ptr, cur)) == slot.ptrs and list(map(_version_of, cur)) == slot.versions
+            and all(map(operator.is_, map(dict.get, slot.sdicts, slot.skeys), slot.snap))
+            and all(map(operator.is_, map(_fused_value, slot.fusedobjs), slot.fused))
+            and list(map(_switches, slot.mixers)) == slot.switches)
+
+
+def _build_model_plan(slot, model, B: int, block_type) -> bool:
+    """Fills slot with a plan for `model` at batch B, or returns False when some part of the model is not covered
+    (then the per-block path runs): an nn.Embedding, blocks of exactly `block_type` whose `fast_parts` accept the
+    token and whose mixers have a compiled block plan, an RMSNorm (or no final norm), an nn.Linear head without
+    bias (or the tied embedding), every weight in the embedding's dtype, no hook."""
+    slot.plan = None
+    mods = model._modules
+    embed, blocks, norm, head = mods.get("embed"), mods.get("blocks"), mods.get("norm"), mods.get("lm_head")
+    if type(embed) is not nn.Embedding or embed.max_norm is not None or blocks is None or len(blocks) == 0:
+        return False
+    cdt = embed.weight.dtype
+    if cdt not in (torch.float32, torch.float64) or embed.weight.device.type != "cpu" or not _cpu_decode.available():
+        return False
+    vocab, d = embed.weight.shape
+    if norm is not None and (type(norm) is not RMSNorm or (norm.weight is not None and norm.weight.dtype != cdt)):
+        return False
+    if head is not None and (type(head) is not nn.Linear or head.bias is not None or head.weight.dtype != cdt
+                             or head.weight.shape != (vocab, d)):
+        return False
+    if hooked(embed, norm, head):
+        return False
+    x = torch.zeros(B, 1, d, dtype=cdt)
+    plans, keep, layers, mixers, snapmods = [], [], [], [], []
+    s_off = w_off = 0
+    for b in blocks:
+        if type(b) is not block_type or b._modules.get("pre_norm") is not None or hooked(b):
+            return False
+        parts = b.fast_parts(x)
+        layer = b._modules.get("mixer")
+        if (parts is None or not isinstance(getattr(layer, "_block_plan", None), BlockPlanSlot) or hooked(layer)
+                or not (layer.fast_decode and layer.compiled_decode) or layer.rope is not None):
+            return False
+        built = _new_block_plan(layer, x, *parts)
+        if built is None:
+            return False
+        plan, kept = built
+        plans.append(plan)
+        keep += kept
+        mixers.append(layer)
+        snapmods.append((layer, tuple(k for k in _MIXER_KEYS if k in layer.__dict__)))
+        snapmods += [(n, tuple(k for k in _NORM_KEYS if k in n.__dict__))
+                     for n in (parts[0], parts[1], layer._modules.get("o_norm")) if n is not None]
+        H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
+        if plan.kind == 0:
+            lay = _Layer("delta", (B, HV, K, V), None, None, s_off, -1, V)
+        else:
+            lay = _Layer("linear", (B, HV, layer.feature_map.feature_dim(K), V + 1), None, None, s_off, -1, V)
+        if plan.KC:
+            lay.wshape, lay.sizes, lay.w_off = (B, 2 * H * K + HV * V, plan.KC - 1), [H * K, H * K, HV * V], w_off
+            w_off += B * lay.wshape[1] * lay.wshape[2]
+        s_off += math.prod(lay.sshape)
+        layers.append(lay)
+    mp = _cpu_decode.ModelPlan(L=len(plans), B=B, d=d, vocab=vocab, has_norm=int(norm is not None),
+                               nthreads=max(1, torch.get_num_threads()),
+                               norm_eps=float(norm.eps) if norm is not None else 0.0)
+    head_w = (head if head is not None else embed).weight.detach()
+    norm_w = norm.weight.detach() if norm is not None and norm.weight is not None else None
+    for t in (embed.weight.detach(), head_w, norm_w):
+        if t is not None and not t.is_contiguous():
+            return False
+    mp.embed, mp.head = embed.weight.data_ptr(), head_w.data_ptr()
+    mp.norm_w = None if norm_w is None else norm_w.data_ptr()
+    block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
+    offs = ((ctypes.c_int64 * len(plans))(*[lay.s_off for lay in layers]),
+            (ctypes.c_int64 * len(plans))(*[lay.w_off for lay in layers]))
+    mp.blocks, mp.s_off, mp.w_off = ctypes.addressof(block_ptrs), ctypes.addressof(offs[0]), ctypes.addressof(offs[1])
+    # every module but the model itself (its own hooks ran in its __call__)
+    every = list(model.modules())[1:]
+    tensors = [(h, k, t) for m in every for h in (m._parameters, m._buffers) for k, t in h.items() if t is not None]
+    if any(t.device.type != "cpu" for _, _, t in tensors):
+        return False
+    ident = [(m._modules, k, c) for m in [model] + every for k, c in m._modules.items()]
+    ident += [(h, k, t) for m in every for h in (m._parameters, m._buffers) for k, t in h.items() if t is None]
+    slot.idicts, slot.inames, slot.iobjs = [list(z) for z in zip(*ident)] if ident else ([], [], [])
+    slot.tdicts, slot.tnames, cur = [list(z) for z in zip(*tensors)]
+    slot.versions, slot.ptrs = list(map(_version_of, cur)), list(map(_data_ptr, cur))
+    slot.aliases = [t.detach() for t in cur]   # the storages stay alive: a new tensor cannot take their address
+    slot.sdicts = [m.__dict__ for m, keys in snapmods for _ in keys]
+    slot.skeys = [k for _, keys in snapmods for k in keys]
+    slot.snap = list(map(dict.get, slot.sdicts, slot.skeys))
+    slot.mixers, slot.fusedobjs = mixers, [m._fused for m in mixers]
+    slot.fused, slot.switches = list(map(_fused_value, slot.fusedobjs)), list(map(_switches, mixers))
+    slot.hookdicts = [h for m in every for h in (m._forward_hooks, m._forward_pre_hooks)]
+    slot.keep = (plans, keep, block_ptrs, offs, embed.weight, head_w, norm_w)
+    slot.fn, slot.B, slot.dtype, slot.vocab = _cpu_decode.model_function(cdt), B, cdt, vocab
+    slot.nthreads, slot.training = torch.get_num_threads(), model.training
+    slot.layers, slot.L, slot.n_state, slot.n_win = layers, len(layers), s_off, w_off
+    first = layers[0]
+    slot.same = all(lay.kind == first.kind and lay.sshape == first.sshape and lay.wshape == first.wshape
+                    and lay.sizes == first.sizes for lay in layers)
+    slot.lin = [i for i, lay in enumerate(layers) if lay.kind == "linear"]
+    # the buffers' shapes (`_store`)
+    slot.sbuf, slot.wbuf, slot.wmode = (s_off,), (w_off,), 0
+    if slot.same:
+        slot.sbuf = (slot.L,) + first.sshape
+        if first.wshape is not None:
+            C, KW = first.wshape[1:]
+            slot.wmode = 1 if B == 1 and first.sizes[0] == first.sizes[2] else 2
+            slot.wbuf = (3 * slot.L, 1, C // 3, KW) if slot.wmode == 1 else (slot.L,) + first.wshape
+    slot.plan = mp
+    return True
+
+
+def _entries(slot, lcs) -> list:
+    """The cache entries a step reads, in a fixed order: per layer its state, then conv_q, conv_k, conv_v."""
+    out = []
+    for lay, lc in zip(slot.layers, lcs):
+        out.append(lc.get("state"))
+        if lay.wshape is not None:
+            out += (lc.get("conv_q"), lc.get("conv_k"), lc.get("conv_v"))
+    return out
+
+
+def _gather(slot, lcs, cdt):
+    """(S_in, W_in, offsets) from cache entries that another path wrote (a prefill, the per-block step, a
+    reorder or restore): fresh buffers in the plan's layout; (None, None, None) before the first token; None
+    when an entry is missing or not this layer's (then the per-block path runs and reports it)."""
+    states, wins, offs, empty = [], [], [], 0
+    for lay, lc in zip(slot.layers, lcs):
+        st = lc.get("state")
+        conv = (lc.get("conv_q"), lc.get("conv_k"), lc.get("conv_v")) if lay.wshape is not None else ()
+        if st is None and all(c is None for c in conv):
+            empty += 1
+            continue
+        if st is None or any(c is None for c in conv):
+            return None
+        if lay.kind == "delta":
+            if not (isinstance(st, torch.Tensor) and st.shape == lay.sshape and st.device.type == "cpu"):
+                return None
+            states.append(st)
+        else:
+            B, HV, Kf, V1 = lay.sshape
+            if not (isinstance(st, LinearAttentionState) and st.log_scale is None
+                    and st.kv.shape == (B, HV, Kf, V1 - 1) and st.z.shape == (B, HV, Kf)
+                    and st.kv.device.type == "cpu" and st.offset.shape == (B,)):
+                return None
+            states.append(torch.cat([st.kv, st.z.unsqueeze(-1)], -1))
+            offs.append(st.offset.to(torch.int64))
+        if conv:
+            B, _, W = lay.wshape
+            if any(not isinstance(c, torch.Tensor) or c.shape != (B, n, W) for c, n in zip(conv, lay.sizes)):
+                return None
+            wins.append(torch.cat(conv, 1))
+    if empty == len(lcs):
+        return None, None, None
+    if empty:
+        return None
+    S = torch.cat([s.to(cdt).reshape(-1) for s in states])
+    W = torch.cat([w.to(cdt).reshape(-1) for w in wins]) if wins else None
+    return S, W, (torch.stack(offs) if offs else None)
+
+
+def _store(slot, lcs, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Optional[torch.Tensor]) -> list:
+    """The new cache entries as views of the step's buffers S (states) and W (windows), as few view ops as
+    possible (each costs microseconds); returns them in the order of `_entries`. With every layer alike
+    (`slot.same`) S is `[L, B, ...]`, and W `[3L, 1, C/3, KC-1]` (batch 1, q | k | v of one width: the same
+    memory as `[L, 1, C, KC-1]`, so one unbind gives every conv entry) or `[L, B, C, KC-1]`."""
+    lays = slot.layers
+    if slot.same:
+        lay = lays[0]
+        if lay.kind == "delta":
+            states = S.unbind(0)
+        else:
+            V = lay.V
+            states = list(map(_linear_state_of, S[..., :V].unbind(0), S[..., V].unbind(0), offsets.unbind(0)))
+        if W is None:
+            convs = None
+        elif slot.wmode == 1:
+            convs = W.unbind(0)
+        else:
+            q, k, v = W.split_with_sizes(lay.sizes, dim=2)
+            convs = [t for qkv in zip(q.unbind(0), k.unbind(0), v.unbind(0)) for t in qkv]
+    else:
+        states, convs, j = [], [], 0
+        for lay in lays:
+            Sl = S[lay.s_off:lay.s_off + math.prod(lay.sshape)].view(lay.sshape)
+            if lay.kind == "delta":
+                states.append(Sl)
+            else:
+                states.append(_linear_state_of(Sl[..., :lay.V], Sl[..., lay.V], offsets[j]))
+                j += 1
+            if lay.wshape is not None:
+                convs += W[lay.w_off:lay.w_off + math.prod(lay.wshape)].view(lay.wshape).split_with_sizes(
+                    lay.sizes, dim=1)
+    out, j = [], 0
+    for lay, lc, st in zip(lays, lcs, states):
+        lc["state"] = st
+        out.append(st)
+        if lay.wshape is not None:
+            lc["conv_q"], lc["conv_k"], lc["conv_v"] = c = convs[j:j + 3]
+            out += c
+            j += 3
+        o = lc.get("offset", 0)
+        lc["offset"] = o + 1 if type(o) is int else lc.offset + 1
+        if lc.fast is not None:
+            lc.fast = None   # the per-block step's views of the old entries
+    return out
+
+
+def _linear_state_of(kv, z, offset):
+    return LinearAttentionState(kv=kv, z=z, log_scale=None, offset=offset)
+
+
+def model_step(model, ids: torch.Tensor, cache, logits_to_keep, block_type) -> Optional[torch.Tensor]:
+    """The hook point of a LanguageModel's forward (models/lm.py) for one decoded token per row, ids `[B, 1]`:
+    the embedding, every block, the final norm and the head as ONE compiled call (csrc/decode.c,
+    linattn_decode_model), the cache advanced as the per-block steps advance it; returns the logits
+    `[B, 1, vocab]`, or None where that does not cover the call (then forward runs as usual and finds the cache
+    untouched): grad enabled, not a plain `Cache` or one with rollback, a block the per-block compiled step would
+    not take (`block_step`, `_build_model_plan`), a hook, `model.compiled_decode = False`, `LINATTN_CPU_KERNELS=0`,
+    a token id out of range, or cache entries that are not this model's.
+
+    The plan is built once and checked on every token (`_model_plan_valid`). The new states and conv windows of
+    all layers are two fresh buffers per token (never written in place: a copy of the cache may share the old
+    ones), and the cache's entries are views of them; while they still are, the next token reads the buffers
+    directly (`ModelFastState` in `Cache.fast`). The blocks' arithmetic is the per-block step's (bit for bit);
+    the final norm and head are C loops (the logits agree with torch's to rounding)."""
+    if (torch.is_grad_enabled() or type(cache) is not Cache or cache.rollback or ids.device.type != "cpu"
+            or type(logits_to_keep) is not int or logits_to_keep < 0 or not getattr(model, "compiled_decode", True)
+            or torch.compiler.is_compiling() or not _cpu_decode.enabled()):
+        return None
+    B = ids.shape[0]
+    slot = model.__dict__.get("_model_plan")
+    if slot is None:
+        slot = model.__dict__["_model_plan"] = ModelPlanSlot()
+    if slot.plan is None or not _model_plan_valid(slot, model, B):
+        if not _build_model_plan(slot, model, B, block_type):
+            return None
+    layers = cache.layers
+    if len(layers) != slot.L:
+        return None
+    lcs = [d.get("mixer") or cache.layer(i, "mixer") for i, d in enumerate(layers)]
+    cdt = slot.dtype
+    rec = cache.fast
+    if (type(rec) is ModelFastState and rec.B == B and rec.dtype is cdt
+            and all(map(operator.is_, _entries(slot, lcs), rec.entries))):
+        S_in, W_in, offsets = rec.S, rec.W, rec.offsets
+    else:
+        got = _gather(slot, lcs, cdt)
+        if got is None:
+            return None
+        S_in, W_in, offsets = got
+    if slot.lin:
+        offsets = torch.ones(len(slot.lin), B, dtype=torch.int64) if offsets is None else offsets + 1
+    if ids.dtype != torch.int64 or not ids.is_contiguous():
+        ids = ids.to(torch.int64).contiguous()
+    S = torch.empty(slot.sbuf, dtype=cdt)
+    W = torch.empty(slot.wbuf, dtype=cdt) if slot.n_win else None
+    logits = torch.empty(B, 1, slot.vocab, dtype=cdt)
+    rc = slot.fn(ctypes.byref(slot.plan), ids.data_ptr(), None if S_in is None else S_in.data_ptr(),
+                 None if W_in is None else W_in.data_ptr(), S.data_ptr(), None if W is None else W.data_ptr(),
+                 logits.data_ptr())
+    if rc == 2:
+        return None   # a token id out of range: forward's checks report it
+    if rc:
+        raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
+    cache.fast = ModelFastState(_store(slot, lcs, S, W, offsets), S, W, offsets, B, cdt)
+    cache.seen_tokens += 1
+    return logits

@@ -29,7 +29,7 @@ from ..errors import LinattnError, LinattnTypeError
 from ..layers import Cache, RMSNorm, SwiGLU, check_cu_seqlens
 from ..layers.base import hooked
 from ..layers.common import FusedParams
-from ..layers.fast_decode import block_step as fast_block_step
+from ..layers.fast_decode import block_step as fast_block_step, model_step as fast_model_step
 from ..layers.rwkv7 import RWKV7ChannelMix
 from ..ops._common import check_values
 from .config import LMConfig
@@ -141,7 +141,7 @@ class Block(nn.Module):
                             cu_seqlens=cu_seqlens), None
         return self.ffn(h), None
 
-    def _fast_parts(self, x: torch.Tensor):
+    def fast_parts(self, x: torch.Tensor):
         """(norm1, norm2, ffn) when `forward` may run one decoded token inline (prenorm, SwiGLU or no FFN,
         no memory lobe; norms and FFN exactly the library's, without hooks, in x's dtype): the same
         operations without their module calls; else None."""
@@ -169,7 +169,7 @@ class Block(nn.Module):
             x = self.pre_norm(x)
         mc = cache.layer(self.layer_idx, "mixer") if cache is not None else None
         if mc is not None and x.shape[1] == 1 and cu_seqlens is None and not torch.is_grad_enabled():
-            parts = self._fast_parts(x)
+            parts = self.fast_parts(x)
             if parts is not None:   # one decoded token, inline (the values of the lines below)
                 n1, n2, ffn = parts
                 out = fast_block_step(self.mixer, x, mc, n1, n2, ffn)   # the whole block in one compiled call
@@ -252,6 +252,9 @@ class LanguageModel(nn.Module, CausalLM):
     supports_cu_seqlens = True
     #: recompute each block in the backward pass instead of keeping its activations (training only)
     activation_checkpointing = False
+    #: one decoded token through the whole model in one compiled call where every block has a compiled block step
+    #: (layers/fast_decode.model_step); False: block by block
+    compiled_decode = True
 
     def __init__(self, config: LMConfig):
         super().__init__()
@@ -345,6 +348,10 @@ class LanguageModel(nn.Module, CausalLM):
                                f"{tuple(getattr(input_ids, 'shape', ()))}")
         if input_ids.shape[1] == 0:
             raise LinattnError("input_ids must hold at least one token")
+        if cache is not None and input_ids.shape[1] == 1 and targets is None and cu_seqlens is None:
+            logits = fast_model_step(self, input_ids, cache, logits_to_keep, Block)   # None: not covered
+            if logits is not None:
+                return LMOutput(logits=logits, aux_loss=torch.zeros((), dtype=torch.float32), cache=cache)
         check_token_ids(input_ids, self.config.vocab_size)
         if cu_seqlens is not None and (cache is not None or use_cache):
             raise LinattnError("cu_seqlens (packed documents) cannot be combined with a decoding cache "

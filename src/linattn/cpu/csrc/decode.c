@@ -264,42 +264,50 @@ typedef struct {
 } linattn_block_plan;
 
 #define DEFINE_BLOCK(SFX, real, SQRT, EXP)                                                                      \
-/* y[b, i] = (add ? add[b, i] : 0) + (W x[b])_i + (bias ? bias[i] : 0), W [n, m] rows contiguous */            \
-static void matvec_##SFX(int64_t B, int64_t n, int64_t m, const real *W, const real *bias, const real *x,      \
-                         const real *add, real *y, int nthreads) {                                              \
-    const int par = nthreads > 1 && n * m >= PAR_MIN_ELEMS;                                                     \
+/* rows i0 .. i0+3 of y[b, i] = (add ? add[b, i] : 0) + (W x[b])_i + (bias ? bias[i] : 0) for every b, W [n, m]   \
+   rows contiguous (at batch > 1 the 4 rows are read from memory once, then from L1) */                        \
+static void matvec_rows_##SFX(int64_t B, int64_t n, int64_t m, int64_t i0, const real *W, const real *bias,     \
+                              const real *x, const real *add, real *y) {                                        \
+    const int64_t r = n - i0 < 4 ? n - i0 : 4;                                                                  \
     for (int64_t b = 0; b < B; ++b) {                                                                           \
         const real *restrict xb = x + b * m;                                                                    \
-        _Pragma("omp parallel for num_threads(nthreads) schedule(static) if(par)")                              \
-        for (int64_t i0 = 0; i0 < n; i0 += 4) {                                                                 \
-            const int64_t r = n - i0 < 4 ? n - i0 : 4;                                                          \
-            real acc[4] = {0, 0, 0, 0};                                                                         \
-            if (r == 4) {                                                                                       \
-                const real *restrict w0 = W + i0 * m, *restrict w1 = w0 + m, *restrict w2 = w1 + m,             \
-                           *restrict w3 = w2 + m;                                                               \
-                real a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                                            \
-                _Pragma("omp simd reduction(+:a0,a1,a2,a3)")                                                    \
-                for (int64_t j = 0; j < m; ++j) {                                                               \
-                    const real xj = xb[j];                                                                      \
-                    a0 += w0[j] * xj; a1 += w1[j] * xj; a2 += w2[j] * xj; a3 += w3[j] * xj;                     \
-                }                                                                                               \
-                acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;                                             \
-            } else                                                                                              \
-                for (int64_t rr = 0; rr < r; ++rr) {                                                            \
-                    const real *restrict w = W + (i0 + rr) * m;                                                 \
-                    real a = 0;                                                                                 \
-                    _Pragma("omp simd reduction(+:a)")                                                          \
-                    for (int64_t j = 0; j < m; ++j) a += w[j] * xb[j];                                          \
-                    acc[rr] = a;                                                                                \
-                }                                                                                               \
-            for (int64_t rr = 0; rr < r; ++rr) {                                                                \
-                const int64_t i = i0 + rr;                                                                      \
-                real v = acc[rr];                                                                               \
-                if (bias) v = v + bias[i];                                                                      \
-                y[b * n + i] = add ? add[b * n + i] + v : v;                                                    \
+        real acc[4] = {0, 0, 0, 0};                                                                             \
+        if (r == 4) {                                                                                           \
+            const real *restrict w0 = W + i0 * m, *restrict w1 = w0 + m, *restrict w2 = w1 + m,                 \
+                       *restrict w3 = w2 + m;                                                                   \
+            real a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                                                \
+            _Pragma("omp simd reduction(+:a0,a1,a2,a3)")                                                        \
+            for (int64_t j = 0; j < m; ++j) {                                                                   \
+                const real xj = xb[j];                                                                          \
+                a0 += w0[j] * xj; a1 += w1[j] * xj; a2 += w2[j] * xj; a3 += w3[j] * xj;                         \
             }                                                                                                   \
+            acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;                                                 \
+        } else                                                                                                  \
+            for (int64_t rr = 0; rr < r; ++rr) {                                                                \
+                const real *restrict w = W + (i0 + rr) * m;                                                     \
+                real a = 0;                                                                                     \
+                _Pragma("omp simd reduction(+:a)")                                                              \
+                for (int64_t j = 0; j < m; ++j) a += w[j] * xb[j];                                              \
+                acc[rr] = a;                                                                                    \
+            }                                                                                                   \
+        for (int64_t rr = 0; rr < r; ++rr) {                                                                    \
+            const int64_t i = i0 + rr;                                                                          \
+            real v = acc[rr];                                                                                   \
+            if (bias) v = v + bias[i];                                                                          \
+            y[b * n + i] = add ? add[b * n + i] + v : v;                                                        \
         }                                                                                                       \
     }                                                                                                           \
+}                                                                                                               \
+                                                                                                                \
+/* y = add + W x + bias for x [B, m] (the rows above); a parallel region only where it pays (entering one     \
+   costs about a microsecond even for one thread, and a decoded token makes ~20 of these calls) */              \
+static void matvec_##SFX(int64_t B, int64_t n, int64_t m, const real *W, const real *bias, const real *x,      \
+                         const real *add, real *y, int nthreads) {                                              \
+    if (nthreads > 1 && n * m >= PAR_MIN_ELEMS) {                                                               \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                      \
+        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_##SFX(B, n, m, i0, W, bias, x, add, y);              \
+    } else                                                                                                      \
+        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_##SFX(B, n, m, i0, W, bias, x, add, y);              \
 }                                                                                                               \
                                                                                                                 \
 /* RMSNorm of each row of x [B, d] (weight w or NULL) into y, as F.rms_norm */                                 \
@@ -355,3 +363,51 @@ int linattn_decode_block_##SFX(const linattn_block_plan *p, const real *x, const
 
 DEFINE_BLOCK(f32, float, sqrtf, expf)
 DEFINE_BLOCK(f64, double, sqrt, exp)
+
+/* The whole model's decoding step in one call (issue 34: with one call per block, the Python around the calls
+   cost more than half the weights' memory traffic): the token embedding, every block (linattn_decode_block, so
+   the blocks' arithmetic is the per-block call's, bit for bit), the final RMSNorm and the head.
+
+       x = embed[ids],   x = block_l(x) for l = 0 .. L-1,   logits = head rmsnorm(x)    (no final norm: head x)
+
+   The states and conv windows of all layers live in one buffer each (layer l's at s_off[l] / w_off[l]
+   elements; w_off[l] < 0: no short convolution), read from S_in / w_in (NULL before the first token) and
+   written to fresh S_out / w_out (never in place). Everything fixed while the parameters are is one plan. */
+typedef struct {
+    int64_t L, B, d, vocab;
+    int32_t has_norm, nthreads;
+    double norm_eps;
+    const void *embed, *norm_w, *head;           /* embed [vocab, d], norm_w [d] or NULL, head [vocab, d] */
+    const linattn_block_plan *const *blocks;     /* L plans */
+    const int64_t *s_off, *w_off;                /* L offsets (elements) into the state / window buffers */
+} linattn_model_plan;
+
+#define DEFINE_MODEL(SFX, real)                                                                                 \
+/* ids [B] -> logits [B, vocab]. Returns 0; 1 out of memory; 2 an id outside [0, vocab) (nothing written). */   \
+int linattn_decode_model_##SFX(const linattn_model_plan *p, const int64_t *ids, const real *S_in,               \
+                               const real *w_in, real *S_out, real *w_out, real *logits) {                      \
+    const int64_t B = p->B, d = p->d;                                                                           \
+    for (int64_t b = 0; b < B; ++b)                                                                             \
+        if (ids[b] < 0 || ids[b] >= p->vocab) return 2;                                                         \
+    real *x = (real *)malloc(sizeof(real) * (size_t)(2 * B * d + 1));                                          \
+    if (!x) return 1;                                                                                           \
+    real *xa = x, *xb = x + B * d;                                                                              \
+    const real *E = (const real *)p->embed;                                                                     \
+    for (int64_t b = 0; b < B; ++b) memcpy(xa + b * d, E + ids[b] * d, sizeof(real) * (size_t)d);              \
+    for (int64_t l = 0; l < p->L; ++l) {                                                                        \
+        const int64_t so = p->s_off[l], wo = p->w_off[l];                                                       \
+        const int rc = linattn_decode_block_##SFX(p->blocks[l], xa, (w_in && wo >= 0) ? w_in + wo : NULL,       \
+                                                  S_in ? S_in + so : NULL, wo >= 0 ? w_out + wo : NULL,         \
+                                                  S_out + so, xb);                                              \
+        if (rc) { free(x); return rc; }                                                                         \
+        real *t = xa; xa = xb; xb = t;                                                                          \
+    }                                                                                                           \
+    const real *h = xa;                                                                                         \
+    if (p->has_norm) { rmsnorm_##SFX(B, d, xa, (const real *)p->norm_w, p->norm_eps, xb); h = xb; }            \
+    matvec_##SFX(B, p->vocab, d, (const real *)p->head, NULL, h, NULL, logits, p->nthreads);                    \
+    free(x);                                                                                                    \
+    return 0;                                                                                                   \
+}
+
+DEFINE_MODEL(f32, float)
+DEFINE_MODEL(f64, double)

@@ -1,0 +1,339 @@
+"""The whole model's decoding step in one compiled call (layers/fast_decode.model_step, csrc/decode.c
+linattn_decode_model): embedding, every block, final norm and head for one token, with the states of all layers in
+one buffer. Checked against the per-block compiled step (`model.compiled_decode = False`: the states, conv windows
+and offsets bit for bit, the logits to rounding: the final norm and head are C loops), the PyTorch step (every
+layer's `compiled_decode = False`) and the full forward; the whole-model call is counted, so a comparison cannot
+pass by taking the same path twice."""
+import copy
+
+import pytest
+import torch
+
+from linattn.cpu import decode as cpu_decode
+from linattn.errors import LinattnError
+from linattn.models import LanguageModel, LMConfig
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
+
+MIXERS = ["linear-elu+1", "deltanet", "gated-deltanet", "efla", "efla-adaptive", "linear-relu", "retnet",
+          "mamba2-gla"]
+VOCAB = 50
+
+
+class ModelCount:
+    """Counts the whole-model compiled calls and the per-block ones."""
+
+    def __init__(self, monkeypatch):
+        self.model = self.block = 0
+        inner_fn, inner_block = cpu_decode.model_function, cpu_decode.block_step
+
+        def model_function(dtype):
+            fn = inner_fn(dtype)
+
+            def counted(*a):
+                self.model += 1
+                return fn(*a)
+            return counted
+
+        def block_step(*a):
+            self.block += 1
+            return inner_block(*a)
+
+        monkeypatch.setattr(cpu_decode, "model_function", model_function)
+        monkeypatch.setattr(cpu_decode, "block_step", block_step)
+
+
+def _model(mixer, dtype=torch.float32, layers=2, **kw):
+    """A small LM whose biases, norm weights and decays are moved off their initial values (seeded)."""
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=VOCAB, d_model=32, n_layers=layers, n_heads=2, mixer=mixer,
+                                   **kw)).to(dtype)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n or "A_log" in n or "alpha" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def _block_twin(model):
+    twin = copy.deepcopy(model)
+    twin.compiled_decode = False
+    return twin
+
+
+def _torch_twin(model):
+    twin = copy.deepcopy(model)
+    for m in twin.modules():
+        if hasattr(m, "compiled_decode"):
+            m.compiled_decode = False
+    return twin
+
+
+def _generate(model, ids, prefill=4, cache=None):
+    with torch.no_grad():
+        logits = []
+        if prefill:
+            out = model(ids[:, :prefill], use_cache=True)
+            cache, logits = out.cache, [out.logits]
+        elif cache is None:
+            cache = model.new_cache()
+        for t in range(prefill, ids.shape[1]):
+            logits.append(model(ids[:, t:t + 1], cache=cache).logits)
+    return torch.cat(logits, 1), cache
+
+
+def _entries(cache):
+    out = []
+    for i, d in enumerate(cache.layers):
+        for name, lc in d.items():
+            for k in sorted(lc):
+                v = lc[k]
+                vals = v if isinstance(v, tuple) else (v,)
+                out += [(f"{i}.{name}.{k}", t) for t in vals if isinstance(t, torch.Tensor)]
+                if not isinstance(v, (tuple, torch.Tensor)):
+                    out.append((f"{i}.{name}.{k}", torch.tensor(v)))
+    return out
+
+
+def _assert_entries(a, b, tol=None):
+    """Same keys, dtypes and shapes; values bit for bit (tol None) or to tol."""
+    ea, eb = _entries(a), _entries(b)
+    assert [k for k, _ in ea] == [k for k, _ in eb]
+    for (k, x), (_, y) in zip(ea, eb):
+        assert x.dtype == y.dtype and x.shape == y.shape, k
+        if tol is None:
+            assert torch.equal(x, y), k
+        else:
+            torch.testing.assert_close(x, y, rtol=tol, atol=tol, msg=k)
+    assert a.seen_tokens == b.seen_tokens
+
+
+def _ids(B, T, seed):
+    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_model_step_equals_block_step_torch_step_and_forward(mixer, dtype, batch, monkeypatch):
+    """Prefill 4 then 10 decoded tokens: the states, windows and offsets bit for bit as the per-block compiled
+    step's, the logits to rounding; logits and entries as the PyTorch step's; logits as the full forward's."""
+    model = _model(mixer, dtype)
+    ids = _ids(batch, 14, 1)
+    count = ModelCount(monkeypatch)
+    got, cache = _generate(model, ids)
+    assert (count.model, count.block) == (10, 0)
+    ref, ref_cache = _generate(_block_twin(model), ids)
+    assert (count.model, count.block) == (10, 2 * 10)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    _assert_entries(cache, ref_cache)
+    tch, tch_cache = _generate(_torch_twin(model), ids)
+    assert count.model == 10
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got, tch, rtol=tol, atol=tol)
+    _assert_entries(cache, tch_cache, tol)
+    with torch.no_grad():
+        full = model(ids).logits
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(got, full, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kw", [dict(mixer=["gated-deltanet", "linear-elu+1", "efla"], layers=3),
+                                dict(mixer="gated-deltanet", n_value_heads=4),
+                                dict(mixer="efla", ffn="none", final_norm=False),
+                                dict(mixer="linear-elu+1", tie_embeddings=False)])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_model_step_mixed_layers_grouped_heads_no_ffn(kw, batch, monkeypatch):
+    """Layers of different kinds and state shapes (one buffer, per-layer views), grouped value heads (q | k | v
+    windows of different widths), no FFN and no final norm, an untied head: the per-block step's values; the
+    first token from an empty cache too."""
+    kw = dict(kw)
+    model = _model(kw.pop("mixer"), layers=kw.pop("layers", 2), **kw)
+    ids = _ids(batch, 9, 2)
+    count = ModelCount(monkeypatch)
+    for prefill in (0, 3):
+        got, cache = _generate(model, ids, prefill)
+        ref, ref_cache = _generate(_block_twin(model), ids, prefill)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        _assert_entries(cache, ref_cache)
+    assert count.model == 9 + 6
+
+
+def test_hybrid_with_softmax_takes_the_block_path(monkeypatch):
+    """A softmax layer has no compiled block step: the model step declines, the covered layers still take the
+    per-block compiled step, and the values are the PyTorch step's."""
+    model = _model(["gated-deltanet", "softmax"])
+    ids = _ids(2, 10, 3)
+    count = ModelCount(monkeypatch)
+    got, _ = _generate(model, ids)
+    assert (count.model, count.block) == (0, 6)
+    ref, _ = _generate(_torch_twin(model), ids)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_earlier_states_copies_and_beams_are_not_corrupted(monkeypatch):
+    """The step writes fresh buffers: a state held from before a step keeps its values, a deepcopy and a snapshot
+    of the cache continue independently, and reorder (beam search) then decoding gives the per-block step's
+    values."""
+    model = _model("gated-deltanet")
+    twin = _block_twin(model)
+    ids = _ids(3, 12, 4)
+    count = ModelCount(monkeypatch)
+    _, cache = _generate(model, ids[:, :6])
+    _, ref_cache = _generate(twin, ids[:, :6])
+    held = [t for _, t in _entries(cache)]
+    before = [t.clone() for t in held]
+    copied, snap = copy.deepcopy(cache), cache.snapshot()
+    got, _ = _generate(model, ids[:, 6:9], prefill=0, cache=cache)
+    assert all(torch.equal(t, u) for t, u in zip(held, before))
+    got_copy, _ = _generate(model, ids[:, 6:9], prefill=0, cache=copied)
+    torch.testing.assert_close(got_copy, got, rtol=0, atol=0)
+    cache.restore(snap)
+    got_again, _ = _generate(model, ids[:, 6:9], prefill=0, cache=cache)
+    torch.testing.assert_close(got_again, got, rtol=0, atol=0)
+    beams = torch.tensor([2, 0, 0])
+    cache.reorder(beams)
+    _generate(twin, ids[:, 6:9], prefill=0, cache=ref_cache)
+    ref_cache.reorder(beams)
+    got, _ = _generate(model, ids[:, 9:], prefill=0, cache=cache)
+    ref, _ = _generate(twin, ids[:, 9:], prefill=0, cache=ref_cache)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    _assert_entries(cache, ref_cache)
+    assert count.model == 2 + 4 * 3
+
+
+def test_nan_reaches_only_later_tokens(monkeypatch):
+    """A NaN embedding at position 6: earlier logits unchanged to the bit, the NaN pattern as the per-block and
+    the PyTorch steps', every later logit NaN."""
+    model = _model("efla")
+    ids = _ids(1, 10, 5)
+    ids[0, :6] = torch.where(ids[0, :6] == ids[0, 6], (ids[0, 6] + 1) % VOCAB, ids[0, :6])
+    clean, _ = _generate(model, ids)
+    with torch.no_grad():
+        model.embed.weight[ids[0, 6]] = float("nan")
+    count = ModelCount(monkeypatch)
+    got, _ = _generate(model, ids)
+    assert count.model == 6
+    keep = torch.arange(VOCAB) != ids[0, 6]   # the tied head's row of the poisoned token is NaN everywhere
+    assert torch.equal(got[:, :6, keep], clean[:, :6, keep])
+    for twin in (_block_twin(model), _torch_twin(model)):
+        ref, _ = _generate(twin, ids)
+        assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert torch.isnan(got[:, 6:]).all()
+
+
+def test_switches_hooks_autograd_and_rollback_take_the_other_paths(monkeypatch):
+    """LINATTN_CPU_KERNELS=0, model.compiled_decode = False, a layer's compiled_decode / fast_decode = False, a hook
+    on any module (or a global one), autograd and a rollback cache: no whole-model call, same logits."""
+    import torch.nn as nn
+    model = _model("gated-deltanet")
+    ids = _ids(1, 7, 6)
+    ref, _ = _generate(_torch_twin(model), ids)
+    count = ModelCount(monkeypatch)
+
+    def check(expect_model, expect_block):
+        count.model = count.block = 0
+        got, _ = _generate(model, ids)
+        torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+        assert (count.model, count.block) == (expect_model, expect_block)
+
+    check(3, 0)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    check(0, 0)
+    monkeypatch.delenv("LINATTN_CPU_KERNELS")
+    model.compiled_decode = False
+    check(0, 6)
+    model.compiled_decode = True
+    for attr in ("compiled_decode", "fast_decode"):
+        setattr(model.blocks[1].mixer, attr, False)
+        check(0, 3)
+        setattr(model.blocks[1].mixer, attr, True)
+    # a hook anywhere stops the model step; the per-block step then skips the blocks whose modules it calls
+    for m, blocks in ((model.blocks[0], 6), (model.blocks[0].mixer, 3), (model.blocks[1].ffn.w_down, 3),
+                      (model.norm, 6), (model.embed, 6)):
+        calls = []
+        h = m.register_forward_pre_hook(lambda *a: calls.append(1))
+        check(0, blocks)
+        assert len(calls) == 4   # the prefill and 3 decoded tokens
+        h.remove()
+    h = nn.modules.module.register_module_forward_hook(lambda *a: None)
+    check(0, 0)
+    h.remove()
+    check(3, 0)
+    count.model = 0
+    out = model(ids[:, :3], use_cache=True)    # grad enabled: the general path
+    model(ids[:, 3:4], cache=out.cache).logits.sum().backward()
+    assert model.blocks[0].mixer.q_proj.weight.grad is not None and count.model == 0
+    with torch.no_grad():
+        cache = model.new_cache(rollback=2)
+        model(ids[:, :3], cache=cache)
+        model(ids[:, 3:4], cache=cache)
+        cache.crop(3)
+    assert count.model == 0
+
+
+def test_plan_follows_updates_replacements_batch_and_dtype(monkeypatch):
+    """In-place updates of any weight (an optimizer step), a parameter or submodule replaced, `.data` swapped, a new
+    batch size, a deepcopy, the model moved to fp64 mid-generation: the plan is rebuilt and the values stay the
+    PyTorch step's."""
+    import torch.nn as nn
+    model = _model("linear-elu+1")
+    ids = _ids(2, 8, 7)
+    count = ModelCount(monkeypatch)
+
+    def check(m=model, batch=ids):
+        got, _ = _generate(m, batch)
+        ref, _ = _generate(_torch_twin(m), batch)
+        torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+    check()
+    with torch.no_grad():
+        for name in ("blocks.0.ffn.w_down.weight", "blocks.1.norm1.weight", "blocks.0.mixer.o_proj.weight",
+                     "blocks.1.mixer.q_proj.weight", "embed.weight", "norm.weight"):
+            dict(model.named_parameters())[name].mul_(1.5)
+    check()
+    model.blocks[0].mixer.k_proj.weight = nn.Parameter(torch.randn_like(model.blocks[0].mixer.k_proj.weight))
+    check()
+    model.blocks[1].mixer.v_proj.weight.data = torch.randn_like(model.blocks[1].mixer.v_proj.weight)
+    check()
+    model.blocks[1].ffn.w_gate_up = nn.Linear(32, model.blocks[1].ffn.w_gate_up.out_features, bias=False)
+    check()
+    check(batch=ids[:1])
+    check(m=copy.deepcopy(model))
+    assert count.model == 7 * 4
+    for mixer in ("gated-deltanet", "linear-elu+1"):
+        outs = []
+        for m in (_model(mixer), _torch_twin(_model(mixer))):
+            with torch.no_grad():
+                out = m(ids[:, :4], use_cache=True)
+                logits = [m(ids[:, t:t + 1], cache=out.cache).logits for t in range(4, 6)]
+                m.double()
+                logits += [m(ids[:, t:t + 1], cache=out.cache).logits.float() for t in range(6, 8)]
+            outs.append(torch.cat(logits, 1))
+        torch.testing.assert_close(outs[0], outs[1], rtol=2e-5, atol=2e-5)
+    assert count.model == 7 * 4 + 2 * 4
+
+
+def test_ids_logits_to_keep_and_generate(monkeypatch):
+    """Out-of-range ids raise forward's error (the cache untouched), int32 ids and logits_to_keep give the same
+    logits, and generate() decodes through the model step."""
+    model = _model("gated-deltanet")
+    ids = _ids(2, 6, 8)
+    count = ModelCount(monkeypatch)
+    _, cache = _generate(model, ids)
+    entries = [t.clone() for _, t in _entries(cache)]
+    with torch.no_grad():
+        with pytest.raises(LinattnError, match="vocab_size"):
+            model(torch.tensor([[1], [VOCAB]]), cache=cache)
+        assert all(torch.equal(t, u) for (_, t), u in zip(_entries(cache), entries))
+        snap = cache.snapshot()
+        a = model(ids[:, 5:6], cache=cache).logits
+        for keep in (1, 3):
+            cache.restore(snap)
+            assert torch.equal(model(ids[:, 5:6], cache=cache, logits_to_keep=keep).logits, a)
+        cache.restore(snap)
+        assert torch.equal(model(ids[:, 5:6].int(), cache=cache).logits, a)
+    n = count.model
+    model.generate(ids[0, :3], 4, temperature=0)
+    assert count.model == n + 4
