@@ -1,10 +1,11 @@
 /* Small dense products on contiguous row-major blocks, for the chunk kernels (a chunk is at most a few
    hundred rows, so everything here fits the caches; the point is register blocking and vectorisation).
 
-   Templated on the including file's REAL (float or double) and FN(name) (a suffixed name): include it once
-   per type, after defining both. Plain C loops that the compiler vectorises (`omp simd` on the contiguous
-   columns; no intrinsics), plus register-blocked kernels written with GCC/clang vector types (64-byte vectors,
-   lowered to AVX-512, AVX2 or NEON registers), with a plain-C fallback for other compilers.
+   Templated on the including file's REAL (float or double), IREAL (the integer of its width: int32_t, int64_t)
+   and FN(name) (a suffixed name): include it once per type, after defining them. Plain C loops that the compiler
+   vectorises (`omp simd` on the contiguous columns; no intrinsics), plus register-blocked kernels written with
+   GCC/clang vector types (64-byte vectors, lowered to AVX-512, AVX2 or NEON registers), with a plain-C fallback
+   for other compilers.
 
    All products accumulate: C[i][:] += sum_k A[i][k] B[k][:]. Columns come in two parts: the leading multiple of
    a 64-byte vector (VL columns), k ascending for every element; the last N % VL columns (the normaliser's
@@ -192,11 +193,59 @@ static void FN(gemm_up)(int M, int N, int Kd, const REAL *restrict A, int lda, c
     FN(tail)(M, N, Nv, Kd, A, lda, B, ldb, Cm, ldc, 2);
 }
 
-/* out[C][R] = in[R][C]^T (in with row stride ldi). Blocks of 16 rows: each output row segment is 16 contiguous
-   stores fed by one strided (gather) loop the compiler vectorises, ~2.5x faster than the element-by-element
-   form on AVX-512 (the backward pass transposes six blocks per chunk); copies only, so the bits are the same */
+/* out[C][R] = in[R][C]^T (in with row stride ldi); copies only, so the bits are the same on every path.
+   With GCC and AVX-512: VL x VL blocks in registers, log2(VL) rounds of two-input shuffles (each round swaps the
+   off-diagonal d x d blocks of every 2d x 2d block), ~4x faster than building each vector from strided scalars
+   (the backward pass transposes several blocks per chunk). Elsewhere: blocks of 16 rows, each output row segment
+   16 contiguous stores fed by one strided loop the compiler vectorises; the rest element by element. */
+#if defined(__GNUC__) && !defined(__clang__) && !defined(LINATTN_PLAIN_C) && defined(__AVX512F__)
+typedef IREAL FN(ivec) __attribute__((vector_size(64)));
+
+/* one round: rows i and i + d (i & d == 0) exchange their off-diagonal d x d blocks */
+static inline __attribute__((always_inline)) void FN(tround)(FN(vec) *r, const int d) {
+    typedef FN(ivec) ivec;
+    ivec lo, hi; /* new row i: its own columns j (j & d == 0), then row i + d's; new row i + d: the others */
+#pragma GCC unroll 16
+    for (int j = 0; j < VL; j++) {
+        lo[j] = (j & d) == 0 ? j : VL + j - d;
+        hi[j] = (j & d) == 0 ? j + d : VL + j;
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < VL; i++)
+        if ((i & d) == 0) {
+            const FN(vec) x = r[i], y = r[i + d];
+            r[i] = __builtin_shuffle(x, y, lo);
+            r[i + d] = __builtin_shuffle(x, y, hi);
+        }
+}
+
+static inline __attribute__((always_inline)) void FN(tblock)(const REAL *restrict in, int64_t ldi,
+                                                             REAL *restrict out, int64_t ldo) {
+    typedef FN(vec) vec;
+    vec r[VL];
+#pragma GCC unroll 16
+    for (int i = 0; i < VL; i++) r[i] = *(const vec *)(in + i * ldi);
+    if (VL == 16) FN(tround)(r, 8);
+    FN(tround)(r, 4);
+    FN(tround)(r, 2);
+    FN(tround)(r, 1);
+#pragma GCC unroll 16
+    for (int i = 0; i < VL; i++) *(vec *)(out + i * ldo) = r[i];
+}
+#define LINATTN_TBLOCK 1
+#endif
+
 static void FN(transpose)(int R, int Cc, const REAL *restrict in, int ldi, REAL *restrict out) {
     int r0 = 0;
+#ifdef LINATTN_TBLOCK
+    for (; r0 + VL <= R; r0 += VL) {
+        int c0 = 0;
+        for (; c0 + VL <= Cc; c0 += VL) FN(tblock)(in + (int64_t)r0 * ldi + c0, ldi, out + (int64_t)c0 * R + r0, R);
+        for (int c = c0; c < Cc; c++)
+            for (int j = 0; j < VL; j++) out[(int64_t)c * R + r0 + j] = in[(int64_t)(r0 + j) * ldi + c];
+    }
+#undef LINATTN_TBLOCK
+#endif
     for (; r0 + 16 <= R; r0 += 16)
         for (int c = 0; c < Cc; c++) {
             REAL *restrict o = out + (int64_t)c * R + r0;

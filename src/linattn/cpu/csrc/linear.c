@@ -50,6 +50,9 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
 }
 
 #include "vexp.h" /* lin_expf */
+#ifndef PF_PER_BWD
+#define PF_PER_BWD 24
+#endif
 #ifndef PF_PER
 #define PF_PER 12
 #endif
@@ -57,17 +60,18 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
 /* A queue of cache lines to prefetch (the next unit's rows), issued a few at a time between the register-blocked
    products of this unit: a burst of hundreds of prefetches stalls on the few line-fill buffers, while a few per
    product block overlap with the arithmetic. Hints only: no effect on any result. */
+#define LIN_PF_MAX 10
 typedef struct {
-    const char *base[4];
-    int64_t stride[4]; /* bytes between rows */
-    int rows[4], lines[4], rw[4]; /* rw: rows to be written (prefetched for writing) */
+    const char *base[LIN_PF_MAX];
+    int64_t stride[LIN_PF_MAX]; /* bytes between rows */
+    int rows[LIN_PF_MAX], lines[LIN_PF_MAX], rw[LIN_PF_MAX]; /* rw: rows to be written (prefetched for writing) */
     int nt, t, r, l; /* tensors queued; the cursor (tensor, row, line) */
 } lin_pf_t;
 
 static void lin_pf_init(lin_pf_t *pf) { pf->nt = pf->t = pf->r = pf->l = 0; }
 
 static void lin_pf_add(lin_pf_t *pf, const void *first_row, int rows, int64_t stride, int64_t row_bytes, int rw) {
-    if (pf->nt >= 4 || rows <= 0 || !first_row) return;
+    if (pf->nt >= LIN_PF_MAX || rows <= 0 || !first_row) return;
     pf->base[pf->nt] = (const char *)first_row;
     pf->stride[pf->nt] = stride;
     pf->rows[pf->nt] = rows;
@@ -133,17 +137,21 @@ int64_t linattn_linear_nchunks(int64_t N, const int64_t *starts, int64_t C) {
 }
 
 #define REAL float
+#define IREAL int32_t
 #define FN(name) name##_f32
 #include "gemm.h"
 #include "linear.c"
 #undef REAL
+#undef IREAL
 #undef FN
 
 #define REAL double
+#define IREAL int64_t
 #define FN(name) name##_f64
 #include "gemm.h"
 #include "linear.c"
 #undef REAL
+#undef IREAL
 #undef FN
 
 #else /* ------------------------------------------------------------------ the body, once per REAL */
@@ -243,7 +251,7 @@ static void FN(lin_prefetch)(const REAL *x, int64_t t0, int len, int64_t H, int6
 #endif
 }
 
-/* FN(gemm) and FN(gemm_lo) of gemm.h (the same calls in the same order: the same bits), issuing `per` queued
+/* FN(gemm), FN(gemm_lo) and FN(gemm_up) of gemm.h (the same calls in the same order: the same bits), issuing `per` queued
    prefetches after each 4-row block */
 static void FN(pgemm)(int M, int N, int Kd, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
                       REAL *restrict Cm, int ldc, lin_pf_t *pf, int per) {
@@ -269,6 +277,21 @@ static void FN(pgemm_lo)(int M, int N, const REAL *restrict A, int lda, const RE
     }
     for (; i0 < M; i0++) FN(kern1)(0, i0 + 1, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
     FN(tail)(M, N, Nv, M, A, lda, B, ldb, Cm, ldc, 1);
+}
+
+static void FN(pgemm_up)(int M, int N, int Kd, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
+                         REAL *restrict Cm, int ldc, lin_pf_t *pf, int per) {
+    const int Nv = N - N % (int)(64 / sizeof(REAL));
+    int i0 = 0;
+    for (; i0 + 4 <= M; i0 += 4) {
+        for (int r = 0; r < 3; r++)
+            FN(kern1)(i0 + r, FN(imin)(i0 + 3, Kd), A + (int64_t)(i0 + r) * lda, B, ldb,
+                      Cm + (int64_t)(i0 + r) * ldc, Nv);
+        FN(block4)(i0 + 3, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv);
+        lin_pf_step(pf, per);
+    }
+    for (; i0 < M; i0++) FN(kern1)(i0, Kd, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
+    FN(tail)(M, N, Nv, Kd, A, lda, B, ldb, Cm, ldc, 2);
 }
 
 /* ---- forward, per chunk: the same arithmetic on every path (one pass per sequence and head, or three passes
@@ -498,6 +521,8 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
 
 typedef struct {
     REAL *Q, *Km, *Qd, *Vb, *dO, *Pt, *dPt, *A, *D, *dA, *T2, *X, *Y, *Z, *G, *dG, *Tr;
+    lin_pf_t *pf; /* the next unit's rows, prefetched `per` lines per product block (NULL: none) */
+    int per;
 } FN(bws);
 
 /* the chunk's features, values, output gradients (rows >= len zero) and G; returns GL. o (with den, eps): the
@@ -540,7 +565,7 @@ static void FN(bl_R)(int len, int K, int W, int C, int has_g, FN(bws) *b, REAL *
             for (int d = 0; d < K; d++) b->Tr[(int64_t)d * C + i] *= e;
         }
     memset(R, 0, sizeof(REAL) * K * W);
-    FN(gemm)(K, W, len, b->Tr, C, b->dO, W, R, W);
+    FN(pgemm)(K, W, len, b->Tr, C, b->dO, W, R, W, b->pf, b->per);
 }
 
 /* the chunk's input gradients, from its start state Pc and the gradient dPn of its end state */
@@ -554,7 +579,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     /* A = (Q K^T) * D */
     FN(transpose)(C, K, Km, K, Tr); /* Tr [K][C] */
     memset(A, 0, sizeof(REAL) * C * C);
-    FN(gemm)(C, C, K, Q, K, Tr, C, A, C);
+    FN(pgemm)(C, C, K, Q, K, Tr, C, A, C, b->pf, b->per);
     if (has_g)
         for (int i = 0; i < C; i++)
             for (int j = 0; j <= i; j++) {
@@ -564,7 +589,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     /* dA = dO Vb^T (rows j <= i used); the gate's part; dM = dA * D, in place */
     FN(transpose)(C, W, Vb, W, Tr); /* Tr [W][C] */
     memset(dA, 0, sizeof(REAL) * C * C);
-    FN(gemm)(C, C, W, dO, W, Tr, C, dA, C);
+    FN(pgemm)(C, C, W, dO, W, Tr, C, dA, C, b->pf, b->per);
     if (has_g)
         for (int i = 0; i < C; i++)
             for (int j = 0; j <= i; j++) {
@@ -576,11 +601,11 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     /* dq = dM K + exp(G_i) P_c dO_i */
     REAL *dQ = b->Qd;
     memset(dQ, 0, sizeof(REAL) * C * K);
-    FN(gemm_lo)(C, K, dA, C, Km, K, dQ, K);
+    FN(pgemm_lo)(C, K, dA, C, Km, K, dQ, K, b->pf, b->per);
     FN(transpose)(K, W, Pc, W, b->Pt); /* Pt [W][K] */
     if (has_g) {
         memset(X, 0, sizeof(REAL) * C * K);
-        FN(gemm)(C, K, W, dO, W, b->Pt, K, X, K);
+        FN(pgemm)(C, K, W, dO, W, b->Pt, K, X, K, b->pf, b->per);
         for (int i = 0; i < len; i++) {
             const REAL e = FN(lin_exp)(G[i]);
             REAL s = 0;
@@ -592,17 +617,17 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
             dG[i] += s;
         }
     } else {
-        FN(gemm)(C, K, W, dO, W, b->Pt, K, dQ, K);
+        FN(pgemm)(C, K, W, dO, W, b->Pt, K, dQ, K, b->pf, b->per);
     }
     /* dk = dM^T Q + exp(GL - G_j) dPn v_j */
     FN(transpose)(C, C, dA, C, T2); /* T2 = dM^T */
     REAL *dK = b->Y;
     memset(dK, 0, sizeof(REAL) * C * K);
-    FN(gemm_up)(C, K, C, T2, C, Q, K, dK, K);
+    FN(pgemm_up)(C, K, C, T2, C, Q, K, dK, K, b->pf, b->per);
     FN(transpose)(K, W, dPn, W, b->dPt); /* dPt [W][K] */
     if (has_g) {
         memset(X, 0, sizeof(REAL) * C * K);
-        FN(gemm)(C, K, W, Vb, W, b->dPt, K, X, K);
+        FN(pgemm)(C, K, W, Vb, W, b->dPt, K, X, K, b->pf, b->per);
         REAL tot = 0;
         for (int j = 0; j < len; j++) {
             const REAL e = FN(lin_exp)(GL - G[j]);
@@ -619,22 +644,22 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
         for (int64_t e = 0; e < KW; e++) pp += dPn[e] * Pc[e];
         if (len > 0) dG[len - 1] += tot + FN(lin_exp)(GL) * pp;
     } else {
-        FN(gemm)(C, K, W, Vb, W, b->dPt, K, dK, K);
+        FN(pgemm)(C, K, W, Vb, W, b->dPt, K, dK, K, b->pf, b->per);
     }
     /* dv = A^T dO + exp(GL - G_j) dPn^T k_j */
     FN(transpose)(C, C, A, C, T2); /* T2 = A^T */
     REAL *dV = b->Z;
     memset(dV, 0, sizeof(REAL) * C * W);
-    FN(gemm_up)(C, W, C, T2, C, dO, W, dV, W);
+    FN(pgemm_up)(C, W, C, T2, C, dO, W, dV, W, b->pf, b->per);
     if (has_g) {
         memset(X, 0, sizeof(REAL) * C * W);
-        FN(gemm)(C, W, K, Km, K, dPn, W, X, W);
+        FN(pgemm)(C, W, K, Km, K, dPn, W, X, W, b->pf, b->per);
         for (int j = 0; j < len; j++) {
             const REAL e = FN(lin_exp)(GL - G[j]);
             for (int w = 0; w < V; w++) dV[(int64_t)j * W + w] += e * X[(int64_t)j * W + w];
         }
     } else {
-        FN(gemm)(C, W, K, Km, K, dPn, W, dV, W);
+        FN(pgemm)(C, W, K, Km, K, dPn, W, dV, W, b->pf, b->per);
     }
     for (int i = 0; i < len; i++) {
         const int64_t row = (t0 + i) * H + h;
@@ -688,7 +713,7 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
         b.Q = buf, b.Km = b.Q + C * K, b.Qd = b.Km + C * K, b.Vb = b.Qd + C * K, b.dO = b.Vb + C * W;
         b.Pt = b.dO + C * W, b.dPt = b.Pt + W * K, b.A = b.dPt + W * K, b.D = b.A + C * C, b.dA = b.D + C * C;
         b.T2 = b.dA + C * C, b.X = b.T2 + C * C, b.Y = b.X + C * MX, b.Z = b.Y + C * MX, b.G = b.Z + C * MX;
-        b.dG = b.G + C, b.Tr = b.dG + C;
+        b.dG = b.G + C, b.Tr = b.dG + C, b.pf = NULL, b.per = 0;
         REAL *Dg = b.Tr + MX * C, *R = Dg + nh * KW;
         if (!buf) {
 #pragma omp atomic write
@@ -710,16 +735,29 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                             FN(bl_load)(q, k, v, g, dnum, dden, o, den, ep, t0, len, H, h, K, V, W, C, fmap, sc, &b);
                         /* the next unit's rows: the next head of this chunk, else the first head of the previous */
                         const int nxt_h = h + 1 < h0 + nh, nxt_c = c > first[s];
+                        lin_pf_t pf;
+                        lin_pf_init(&pf);
                         if (nxt_h || nxt_c) {
-                            const int64_t t1 = nxt_h ? t0 : ch[c - 1].t0, h1 = nxt_h ? h + 1 : h0;
-                            const int l1 = nxt_h ? len : (int)ch[c - 1].len;
-                            FN(lin_prefetch)(q, t1, l1, H, h1, K), FN(lin_prefetch)(k, t1, l1, H, h1, K);
-                            FN(lin_prefetch)(v, t1, l1, H, h1, V);
-                            if (dnum) FN(lin_prefetch)(dnum, t1, l1, H, h1, V);
+                            const int64_t c1 = nxt_h ? c : c - 1, t1 = ch[c1].t0, h1 = nxt_h ? h + 1 : h0;
+                            const int l1 = (int)ch[c1].len;
+                            const int64_t sk = H * K * (int64_t)sizeof(REAL), sv = H * V * (int64_t)sizeof(REAL);
+                            const int64_t rk = K * (int64_t)sizeof(REAL), rv = V * (int64_t)sizeof(REAL);
+                            lin_pf_add(&pf, q + (t1 * H + h1) * K, l1, sk, rk, 0);
+                            lin_pf_add(&pf, k + (t1 * H + h1) * K, l1, sk, rk, 0);
+                            lin_pf_add(&pf, v + (t1 * H + h1) * V, l1, sv, rv, 0);
+                            if (dnum) lin_pf_add(&pf, dnum + (t1 * H + h1) * V, l1, sv, rv, 0);
+                            if (o) lin_pf_add(&pf, o + (t1 * H + h1) * V, l1, sv, rv, 0);
+                            lin_pf_add(&pf, P + (c1 * H + h1) * KW, 1, 0, KW * (int64_t)sizeof(REAL), 0);
+                            lin_pf_add(&pf, dq + (t1 * H + h1) * K, l1, sk, rk, 1);
+                            lin_pf_add(&pf, dk + (t1 * H + h1) * K, l1, sk, rk, 1);
+                            lin_pf_add(&pf, dv + (t1 * H + h1) * V, l1, sv, rv, 1);
                         }
+                        b.pf = &pf, b.per = PF_PER_BWD;
                         FN(bl_grads)(t0, len, H, h, K, V, W, C, has_g, fmap, sc, GL, P + (c * H + h) * KW, Dh, &b,
                                      dq, dk, dv, dg);
                         FN(bl_R)(len, K, W, C, has_g, &b, R);
+                        lin_pf_step(&pf, -1);
+                        b.pf = NULL;
                         FN(carry)(KW, has_g, GL, Dh, R);
                     }
                 }
