@@ -556,9 +556,9 @@ static REAL FN(bl_load)(const REAL *q, const REAL *k, const REAL *v, const REAL 
     return g ? FN(lin_cumgate)(g, t0, H, h, len, C, b->G) : 0;
 }
 
-/* R = sum_i exp(G_i) q_i dO_i^T: the chunk's part of the gradient of its start state */
-static void FN(bl_R)(int len, int K, int W, int C, int has_g, FN(bws) *b, REAL *R) {
-    FN(transpose)(C, K, b->Q, K, b->Tr); /* Tr [K][C] */
+/* R = sum_i exp(G_i) q_i dO_i^T: the chunk's part of the gradient of its start state (qt_ready: Tr holds Q^T) */
+static void FN(bl_R)(int len, int K, int W, int C, int has_g, int qt_ready, FN(bws) *b, REAL *R) {
+    if (!qt_ready) FN(transpose)(C, K, b->Q, K, b->Tr); /* Tr [K][C] (bl_grads leaves it there) */
     if (has_g)
         for (int i = 0; i < len; i++) {
             const REAL e = FN(lin_exp)(b->G[i]);
@@ -576,24 +576,26 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     REAL *Q = b->Q, *Km = b->Km, *Vb = b->Vb, *dO = b->dO, *A = b->A, *D = b->D, *dA = b->dA, *T2 = b->T2,
          *X = b->X, *G = b->G, *dG = b->dG, *Tr = b->Tr;
     if (has_g) memset(dG, 0, sizeof(REAL) * C);
-    /* A = (Q K^T) * D */
-    FN(transpose)(C, K, Km, K, Tr); /* Tr [K][C] */
-    memset(A, 0, sizeof(REAL) * C * C);
-    FN(pgemm)(C, C, K, Q, K, Tr, C, A, C, b->pf, b->per);
+    /* At = ((Q K^T) * D)^T directly, as K Q^T: At[j][i] = k_j . q_i, the same products in the same order as
+       A[i][j] (the same bits), and no transposes of K and A; Q^T stays in Tr for bl_R */
+    FN(transpose)(C, K, Q, K, Tr); /* Tr [K][C] */
+    REAL *At = A;
+    memset(At, 0, sizeof(REAL) * C * C);
+    FN(pgemm)(C, C, K, Km, K, Tr, C, At, C, b->pf, b->per);
     if (has_g)
         for (int i = 0; i < C; i++)
             for (int j = 0; j <= i; j++) {
                 D[(int64_t)i * C + j] = FN(lin_exp)(G[i] - G[j]);
-                A[(int64_t)i * C + j] *= D[(int64_t)i * C + j];
+                At[(int64_t)j * C + i] *= D[(int64_t)i * C + j];
             }
     /* dA = dO Vb^T (rows j <= i used); the gate's part; dM = dA * D, in place */
-    FN(transpose)(C, W, Vb, W, Tr); /* Tr [W][C] */
+    FN(transpose)(C, W, Vb, W, X); /* X [W][C] */
     memset(dA, 0, sizeof(REAL) * C * C);
-    FN(pgemm)(C, C, W, dO, W, Tr, C, dA, C, b->pf, b->per);
+    FN(pgemm)(C, C, W, dO, W, X, C, dA, C, b->pf, b->per);
     if (has_g)
         for (int i = 0; i < C; i++)
             for (int j = 0; j <= i; j++) {
-                const REAL e = dA[(int64_t)i * C + j] * A[(int64_t)i * C + j];
+                const REAL e = dA[(int64_t)i * C + j] * At[(int64_t)j * C + i];
                 dG[i] += e;
                 dG[j] -= e;
                 dA[(int64_t)i * C + j] *= D[(int64_t)i * C + j];
@@ -646,20 +648,19 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     } else {
         FN(pgemm)(C, K, W, Vb, W, b->dPt, K, dK, K, b->pf, b->per);
     }
-    /* dv = A^T dO + exp(GL - G_j) dPn^T k_j */
-    FN(transpose)(C, C, A, C, T2); /* T2 = A^T */
+    /* dv = A^T dO + exp(GL - G_j) dPn^T k_j (V columns: the normaliser's would be dropped) */
     REAL *dV = b->Z;
     memset(dV, 0, sizeof(REAL) * C * W);
-    FN(pgemm_up)(C, W, C, T2, C, dO, W, dV, W, b->pf, b->per);
+    FN(pgemm_up)(C, V, C, At, C, dO, W, dV, W, b->pf, b->per);
     if (has_g) {
         memset(X, 0, sizeof(REAL) * C * W);
-        FN(pgemm)(C, W, K, Km, K, dPn, W, X, W, b->pf, b->per);
+        FN(pgemm)(C, V, K, Km, K, dPn, W, X, W, b->pf, b->per);
         for (int j = 0; j < len; j++) {
             const REAL e = FN(lin_exp)(GL - G[j]);
             for (int w = 0; w < V; w++) dV[(int64_t)j * W + w] += e * X[(int64_t)j * W + w];
         }
     } else {
-        FN(pgemm)(C, W, K, Km, K, dPn, W, dV, W, b->pf, b->per);
+        FN(pgemm)(C, V, K, Km, K, dPn, W, dV, W, b->pf, b->per);
     }
     for (int i = 0; i < len; i++) {
         const int64_t row = (t0 + i) * H + h;
@@ -755,7 +756,7 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                         b.pf = &pf, b.per = PF_PER_BWD;
                         FN(bl_grads)(t0, len, H, h, K, V, W, C, has_g, fmap, sc, GL, P + (c * H + h) * KW, Dh, &b,
                                      dq, dk, dv, dg);
-                        FN(bl_R)(len, K, W, C, has_g, &b, R);
+                        FN(bl_R)(len, K, W, C, has_g, 1, &b, R);
                         lin_pf_step(&pf, -1);
                         b.pf = NULL;
                         FN(carry)(KW, has_g, GL, Dh, R);
@@ -772,7 +773,7 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                 const int len = (int)ch[c].len;
                 gl[task] =
                     FN(bl_load)(q, k, v, g, dnum, dden, o, den, ep, ch[c].t0, len, H, h, K, V, W, C, fmap, sc, &b);
-                FN(bl_R)(len, K, W, C, has_g, &b, dP + task * KW);
+                FN(bl_R)(len, K, W, C, has_g, 0, &b, dP + task * KW);
             }
             /* 2. reverse running sum: dP[c] = the gradient of the state after chunk c; dS0 = of the initial state */
 #pragma omp for schedule(static)
