@@ -654,10 +654,10 @@ class ModelPlanSlot:
     __slots__ = ("plan", "fn", "keep", "B", "dtype", "nthreads", "training", "idicts", "inames", "iobjs", "tdicts",
                  "tnames", "versions", "ptrs", "aliases", "sdicts", "skeys", "snap", "hookdicts", "mixers",
                  "fusedobjs", "fused", "switches", "layers", "L", "n_state", "n_win", "same", "lin", "vocab", "sbuf",
-                 "wbuf", "wmode")
+                 "wbuf", "wmode", "spent")
 
     def __init__(self):
-        self.plan = None
+        self.plan = self.spent = None
 
     def __reduce__(self):
         return (ModelPlanSlot, ())
@@ -848,10 +848,11 @@ def _gather(slot, lcs, cdt):
     return S, W, (torch.stack(offs) if offs else None)
 
 
-def _store(slot, lcs, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Optional[torch.Tensor]) -> list:
-    """The new cache entries as views of the step's buffers S (states) and W (windows), as few view ops as
-    possible (each costs microseconds); returns them in the order of `_entries`. With every layer alike
-    (`slot.same`) S is `[L, B, ...]`, and W `[3L, 1, C/3, KC-1]` (batch 1, q | k | v of one width: the same
+def _views(slot, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Optional[torch.Tensor]):
+    """(states, convs): the new cache entries of every layer as views of the step's buffers S (states) and W
+    (windows), made before the compiled call writes them, in as few view ops as possible (`model_step` says why);
+    convs holds conv_q, conv_k, conv_v of every layer with a short convolution, in layer order. With every layer
+    alike (`slot.same`) S is `[L, B, ...]`, and W `[3L, 1, C/3, KC-1]` (batch 1, q | k | v of one width: the same
     memory as `[L, 1, C, KC-1]`, so one unbind gives every conv entry) or `[L, B, C, KC-1]`."""
     lays = slot.layers
     if slot.same:
@@ -862,26 +863,30 @@ def _store(slot, lcs, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Optio
             V = lay.V
             states = list(map(_linear_state_of, S[..., :V].unbind(0), S[..., V].unbind(0), offsets.unbind(0)))
         if W is None:
-            convs = None
-        elif slot.wmode == 1:
-            convs = W.unbind(0)
+            return states, ()
+        if slot.wmode == 1:
+            return states, W.unbind(0)
+        q, k, v = W.split_with_sizes(lay.sizes, dim=2)
+        return states, [t for qkv in zip(q.unbind(0), k.unbind(0), v.unbind(0)) for t in qkv]
+    states, convs, j = [], [], 0
+    for lay in lays:
+        Sl = S[lay.s_off:lay.s_off + math.prod(lay.sshape)].view(lay.sshape)
+        if lay.kind == "delta":
+            states.append(Sl)
         else:
-            q, k, v = W.split_with_sizes(lay.sizes, dim=2)
-            convs = [t for qkv in zip(q.unbind(0), k.unbind(0), v.unbind(0)) for t in qkv]
-    else:
-        states, convs, j = [], [], 0
-        for lay in lays:
-            Sl = S[lay.s_off:lay.s_off + math.prod(lay.sshape)].view(lay.sshape)
-            if lay.kind == "delta":
-                states.append(Sl)
-            else:
-                states.append(_linear_state_of(Sl[..., :lay.V], Sl[..., lay.V], offsets[j]))
-                j += 1
-            if lay.wshape is not None:
-                convs += W[lay.w_off:lay.w_off + math.prod(lay.wshape)].view(lay.wshape).split_with_sizes(
-                    lay.sizes, dim=1)
+            states.append(_linear_state_of(Sl[..., :lay.V], Sl[..., lay.V], offsets[j]))
+            j += 1
+        if lay.wshape is not None:
+            convs += W[lay.w_off:lay.w_off + math.prod(lay.wshape)].view(lay.wshape).split_with_sizes(lay.sizes,
+                                                                                                      dim=1)
+    return states, convs
+
+
+def _store(slot, lcs, states, convs) -> list:
+    """Stores `_views`' entries in the layers' caches (dict operations only) and advances their offsets; returns
+    the entries in the order of `_entries`."""
     out, j = [], 0
-    for lay, lc, st in zip(lays, lcs, states):
+    for lay, lc, st in zip(slot.layers, lcs, states):
         lc["state"] = st
         out.append(st)
         if lay.wshape is not None:
@@ -899,21 +904,21 @@ def _linear_state_of(kv, z, offset):
     return LinearAttentionState(kv=kv, z=z, log_scale=None, offset=offset)
 
 
-def model_step(model, ids: torch.Tensor, cache, logits_to_keep, block_type) -> Optional[torch.Tensor]:
+def model_step(model, ids: torch.Tensor, cache, logits_to_keep, block_type):
     """The hook point of a LanguageModel's forward (models/lm.py) for one decoded token per row, ids `[B, 1]`:
     the embedding, every block, the final norm and the head as ONE compiled call (csrc/decode.c,
-    linattn_decode_model), the cache advanced as the per-block steps advance it; returns the logits
-    `[B, 1, vocab]`, or None where that does not cover the call (then forward runs as usual and finds the cache
-    untouched): grad enabled, not a plain `Cache` or one with rollback, a block the per-block compiled step would
-    not take (`block_step`, `_build_model_plan`), a hook, `model.compiled_decode = False`, `LINATTN_CPU_KERNELS=0`,
-    a token id out of range, or cache entries that are not this model's.
+    linattn_decode_model), the cache advanced as the per-block steps advance it. Returns (logits `[B, 1, vocab]`,
+    the zero aux loss), or None where that does not cover the call (then forward runs as usual and finds the
+    cache untouched): grad enabled, not a plain `Cache` or one with rollback, a block the per-block compiled step
+    would not take (`block_step`, `_build_model_plan`), a hook, `model.compiled_decode = False`,
+    `LINATTN_CPU_KERNELS=0`, a token id out of range, or cache entries that are not this model's.
 
     The plan is built once and checked on every token (`_model_plan_valid`). The new states and conv windows of
     all layers are two fresh buffers per token (never written in place: a copy of the cache may share the old
     ones), and the cache's entries are views of them; while they still are, the next token reads the buffers
     directly (`ModelFastState` in `Cache.fast`). The blocks' arithmetic is the per-block step's (bit for bit);
     the final norm and head are C loops (the logits agree with torch's to rounding)."""
-    if (torch.is_grad_enabled() or type(cache) is not Cache or cache.rollback or ids.device.type != "cpu"
+    if (torch.is_grad_enabled() or type(cache) is not Cache or cache.rollback or not ids.is_cpu
             or type(logits_to_keep) is not int or logits_to_keep < 0 or not getattr(model, "compiled_decode", True)
             or torch.compiler.is_compiling() or not _cpu_decode.enabled()):
         return None
@@ -942,9 +947,15 @@ def model_step(model, ids: torch.Tensor, cache, logits_to_keep, block_type) -> O
         offsets = torch.ones(len(slot.lin), B, dtype=torch.int64) if offsets is None else offsets + 1
     if ids.dtype != torch.int64 or not ids.is_contiguous():
         ids = ids.to(torch.int64).contiguous()
+    # every torch call before the compiled one: it streams all the weights through the caches, after which each
+    # torch call costs several times more (its code and data are fetched again); the same for freeing the
+    # previous step's buffers (`slot.spent` keeps them until the next token)
+    slot.spent = None
     S = torch.empty(slot.sbuf, dtype=cdt)
     W = torch.empty(slot.wbuf, dtype=cdt) if slot.n_win else None
     logits = torch.empty(B, 1, slot.vocab, dtype=cdt)
+    aux = torch.zeros((), dtype=torch.float32)
+    states, convs = _views(slot, S, W, offsets)
     rc = slot.fn(ctypes.byref(slot.plan), ids.data_ptr(), None if S_in is None else S_in.data_ptr(),
                  None if W_in is None else W_in.data_ptr(), S.data_ptr(), None if W is None else W.data_ptr(),
                  logits.data_ptr())
@@ -952,6 +963,7 @@ def model_step(model, ids: torch.Tensor, cache, logits_to_keep, block_type) -> O
         return None   # a token id out of range: forward's checks report it
     if rc:
         raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
-    cache.fast = ModelFastState(_store(slot, lcs, S, W, offsets), S, W, offsets, B, cdt)
+    slot.spent = cache.fast
+    cache.fast = ModelFastState(_store(slot, lcs, states, convs), S, W, offsets, B, cdt)
     cache.seen_tokens += 1
-    return logits
+    return logits, aux

@@ -349,9 +349,9 @@ class LanguageModel(nn.Module, CausalLM):
         if input_ids.shape[1] == 0:
             raise LinattnError("input_ids must hold at least one token")
         if cache is not None and input_ids.shape[1] == 1 and targets is None and cu_seqlens is None:
-            logits = fast_model_step(self, input_ids, cache, logits_to_keep, Block)   # None: not covered
-            if logits is not None:
-                return LMOutput(logits=logits, aux_loss=torch.zeros((), dtype=torch.float32), cache=cache)
+            out = fast_model_step(self, input_ids, cache, logits_to_keep, Block)   # None: not covered
+            if out is not None:
+                return LMOutput(logits=out[0], aux_loss=out[1], cache=cache)
         check_token_ids(input_ids, self.config.vocab_size)
         if cu_seqlens is not None and (cache is not None or use_cache):
             raise LinattnError("cu_seqlens (packed documents) cannot be combined with a decoding cache "
