@@ -16,6 +16,8 @@
      gemm_lo: row i uses k <= i          (a causal A times V)
      gemm_up: row i uses k >= i          (A^T times dO in the backward pass)                              */
 
+#include <string.h>
+
 #define VL ((int)(64 / sizeof(REAL))) /* elements of one 64-byte vector: 16 float, 8 double */
 #define TAIL_MAX_K 1024               /* longest k range of the tail columns' column buffer (longer: plain loop) */
 
@@ -26,13 +28,19 @@ typedef REAL FN(vec) __attribute__((vector_size(64), aligned(sizeof(REAL)))); /*
 
 /* rows 0..3 of C (ldc apart), columns n0 .. n0 + 4 VL, k in [kb, ke): 16 accumulators in registers */
 static inline void FN(k4v4)(int kb, int ke, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
-                            REAL *restrict Cm, int ldc, int n0) {
+                            REAL *restrict Cm, int ldc, int n0, int zero) {
     typedef FN(vec) vec;
     vec *w0 = (vec *)(Cm + n0), *w1 = (vec *)(Cm + ldc + n0), *w2 = (vec *)(Cm + 2 * ldc + n0),
         *w3 = (vec *)(Cm + 3 * ldc + n0);
     const REAL *a0 = A, *a1 = A + lda, *a2 = a1 + lda, *a3 = a2 + lda;
-    vec s00 = w0[0], s01 = w0[1], s02 = w0[2], s03 = w0[3], s10 = w1[0], s11 = w1[1], s12 = w1[2], s13 = w1[3],
+    vec s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33;
+    if (zero) {
+        const vec z = {0};
+        s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = z;
+    } else {
+        s00 = w0[0], s01 = w0[1], s02 = w0[2], s03 = w0[3], s10 = w1[0], s11 = w1[1], s12 = w1[2], s13 = w1[3];
         s20 = w2[0], s21 = w2[1], s22 = w2[2], s23 = w2[3], s30 = w3[0], s31 = w3[1], s32 = w3[2], s33 = w3[3];
+    }
     for (int k = kb; k < ke; k++) {
         const vec *b = (const vec *)(B + (int64_t)k * ldb + n0);
         const vec b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3];
@@ -48,12 +56,18 @@ static inline void FN(k4v4)(int kb, int ke, const REAL *restrict A, int lda, con
 
 /* the same for 2 VL columns */
 static inline void FN(k4v2)(int kb, int ke, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
-                            REAL *restrict Cm, int ldc, int n0) {
+                            REAL *restrict Cm, int ldc, int n0, int zero) {
     typedef FN(vec) vec;
     vec *w0 = (vec *)(Cm + n0), *w1 = (vec *)(Cm + ldc + n0), *w2 = (vec *)(Cm + 2 * ldc + n0),
         *w3 = (vec *)(Cm + 3 * ldc + n0);
     const REAL *a0 = A, *a1 = A + lda, *a2 = a1 + lda, *a3 = a2 + lda;
-    vec s00 = w0[0], s01 = w0[1], s10 = w1[0], s11 = w1[1], s20 = w2[0], s21 = w2[1], s30 = w3[0], s31 = w3[1];
+    vec s00, s01, s10, s11, s20, s21, s30, s31;
+    if (zero) {
+        const vec z = {0};
+        s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = z;
+    } else {
+        s00 = w0[0], s01 = w0[1], s10 = w1[0], s11 = w1[1], s20 = w2[0], s21 = w2[1], s30 = w3[0], s31 = w3[1];
+    }
     for (int k = kb; k < ke; k++) {
         const vec *b = (const vec *)(B + (int64_t)k * ldb + n0);
         const vec b0 = b[0], b1 = b[1];
@@ -66,12 +80,18 @@ static inline void FN(k4v2)(int kb, int ke, const REAL *restrict A, int lda, con
 
 /* the same for VL columns */
 static inline void FN(k4v1)(int kb, int ke, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
-                            REAL *restrict Cm, int ldc, int n0) {
+                            REAL *restrict Cm, int ldc, int n0, int zero) {
     typedef FN(vec) vec;
     vec *w0 = (vec *)(Cm + n0), *w1 = (vec *)(Cm + ldc + n0), *w2 = (vec *)(Cm + 2 * ldc + n0),
         *w3 = (vec *)(Cm + 3 * ldc + n0);
     const REAL *a0 = A, *a1 = A + lda, *a2 = a1 + lda, *a3 = a2 + lda;
-    vec s0 = w0[0], s1 = w1[0], s2 = w2[0], s3 = w3[0];
+    vec s0, s1, s2, s3;
+    if (zero) {
+        const vec z = {0};
+        s0 = s1 = s2 = s3 = z;
+    } else {
+        s0 = w0[0], s1 = w1[0], s2 = w2[0], s3 = w3[0];
+    }
     for (int k = kb; k < ke; k++) {
         const vec b0 = *(const vec *)(B + (int64_t)k * ldb + n0);
         s0 += a0[k] * b0, s1 += a1[k] * b0, s2 += a2[k] * b0, s3 += a3[k] * b0;
@@ -80,16 +100,25 @@ static inline void FN(k4v1)(int kb, int ke, const REAL *restrict A, int lda, con
 }
 #endif
 
-/* rows i0 .. i0+3 of C, columns 0 .. Nv (a multiple of VL), k in [kb, ke) */
+/* rows i0 .. i0+3 of C, columns 0 .. Nv (a multiple of VL), k in [kb, ke); zero: C = the product (the
+   accumulators start at 0 instead of C's values, the same bits as a zeroed C, without a pass to zero it) */
 static inline void FN(block4)(int kb, int ke, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
-                              REAL *restrict Cm, int ldc, int Nv) {
-    if (kb >= ke || Nv <= 0) return;
+                              REAL *restrict Cm, int ldc, int Nv, int zero) {
+    if (Nv <= 0) return;
 #if defined(__GNUC__) && !defined(LINATTN_PLAIN_C)
+    if (kb >= ke) {
+        if (zero)
+            for (int r = 0; r < 4; r++) memset(Cm + (int64_t)r * ldc, 0, sizeof(REAL) * Nv);
+        return;
+    }
     int n0 = 0;
-    for (; n0 + 4 * VL <= Nv; n0 += 4 * VL) FN(k4v4)(kb, ke, A, lda, B, ldb, Cm, ldc, n0);
-    if (n0 + 2 * VL <= Nv) FN(k4v2)(kb, ke, A, lda, B, ldb, Cm, ldc, n0), n0 += 2 * VL;
-    if (n0 + VL <= Nv) FN(k4v1)(kb, ke, A, lda, B, ldb, Cm, ldc, n0);
+    for (; n0 + 4 * VL <= Nv; n0 += 4 * VL) FN(k4v4)(kb, ke, A, lda, B, ldb, Cm, ldc, n0, zero);
+    if (n0 + 2 * VL <= Nv) FN(k4v2)(kb, ke, A, lda, B, ldb, Cm, ldc, n0, zero), n0 += 2 * VL;
+    if (n0 + VL <= Nv) FN(k4v1)(kb, ke, A, lda, B, ldb, Cm, ldc, n0, zero);
 #else /* plain C: accumulate in memory, the column loop vectorised */
+    if (zero)
+        for (int r = 0; r < 4; r++) memset(Cm + (int64_t)r * ldc, 0, sizeof(REAL) * Nv);
+    if (kb >= ke) return;
     REAL *c0 = Cm, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc;
     const REAL *a0 = A, *a1 = A + lda, *a2 = a1 + lda, *a3 = a2 + lda;
     for (int k = kb; k < ke; k++) {
@@ -159,7 +188,8 @@ static void FN(gemm)(int M, int N, int Kd, const REAL *restrict A, int lda, cons
                      REAL *restrict Cm, int ldc) {
     const int Nv = N - N % VL;
     int i0 = 0;
-    for (; i0 + 4 <= M; i0 += 4) FN(block4)(0, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv);
+    for (; i0 + 4 <= M; i0 += 4)
+        FN(block4)(0, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv, 0);
     for (; i0 < M; i0++) FN(kern1)(0, Kd, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
     FN(tail)(M, N, Nv, Kd, A, lda, B, ldb, Cm, ldc, 0);
 }
@@ -170,7 +200,7 @@ static void FN(gemm_lo)(int M, int N, const REAL *restrict A, int lda, const REA
     const int Nv = N - N % VL;
     int i0 = 0;
     for (; i0 + 4 <= M; i0 += 4) {
-        FN(block4)(0, i0, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv);
+        FN(block4)(0, i0, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv, 0);
         for (int r = 0; r < 4; r++)
             FN(kern1)(i0, i0 + r + 1, A + (int64_t)(i0 + r) * lda, B, ldb, Cm + (int64_t)(i0 + r) * ldc, Nv);
     }
@@ -187,7 +217,7 @@ static void FN(gemm_up)(int M, int N, int Kd, const REAL *restrict A, int lda, c
         for (int r = 0; r < 3; r++)
             FN(kern1)(i0 + r, FN(imin)(i0 + 3, Kd), A + (int64_t)(i0 + r) * lda, B, ldb,
                       Cm + (int64_t)(i0 + r) * ldc, Nv);
-        FN(block4)(i0 + 3, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv);
+        FN(block4)(i0 + 3, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv, 0);
     }
     for (; i0 < M; i0++) FN(kern1)(i0, Kd, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
     FN(tail)(M, N, Nv, Kd, A, lda, B, ldb, Cm, ldc, 2);

@@ -237,31 +237,24 @@ static void FN(lin_load_v)(const REAL *v, int64_t t0, int64_t H, int64_t h, int 
         for (int i = 0; i < len; i++) Vb[(int64_t)i * W + V] = 1;
 }
 
-/* ask for the rows of the next chunk (head h) ahead of time: they lie H * D apart, which the hardware
-   prefetchers follow poorly; a hint only (no effect on results; nothing without GCC/clang) */
-static void FN(lin_prefetch)(const REAL *x, int64_t t0, int len, int64_t H, int64_t h, int D) {
-#if defined(__GNUC__)
-    const int lines = (int)((D * (int64_t)sizeof(REAL) + 63) / 64);
-    for (int i = 0; i < len; i++) {
-        const char *row = (const char *)(x + ((t0 + i) * H + h) * D);
-        for (int l = 0; l < lines; l++) __builtin_prefetch(row + 64 * l, 0, 1);
-    }
-#else
-    (void)x, (void)t0, (void)len, (void)H, (void)h, (void)D;
-#endif
-}
 
-/* FN(gemm), FN(gemm_lo) and FN(gemm_up) of gemm.h (the same calls in the same order: the same bits), issuing `per` queued
-   prefetches after each 4-row block */
+/* FN(gemm), FN(gemm_lo) and FN(gemm_up) of gemm.h (the same calls in the same order: the same bits), issuing
+   `per` queued prefetches after each 4-row block; pgemm's zero: C = A B (C need not be zeroed first) */
 static void FN(pgemm)(int M, int N, int Kd, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
-                      REAL *restrict Cm, int ldc, lin_pf_t *pf, int per) {
+                      REAL *restrict Cm, int ldc, lin_pf_t *pf, int per, int zero) {
     const int Nv = N - N % (int)(64 / sizeof(REAL));
     int i0 = 0;
     for (; i0 + 4 <= M; i0 += 4) {
-        FN(block4)(0, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv);
+        FN(block4)(0, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv, zero);
         lin_pf_step(pf, per);
     }
-    for (; i0 < M; i0++) FN(kern1)(0, Kd, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
+    for (; i0 < M; i0++) {
+        if (zero) memset(Cm + (int64_t)i0 * ldc, 0, sizeof(REAL) * Nv);
+        FN(kern1)(0, Kd, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
+    }
+    if (zero)
+        for (int i = 0; i < M; i++)
+            for (int n = Nv; n < N; n++) Cm[(int64_t)i * ldc + n] = 0;
     FN(tail)(M, N, Nv, Kd, A, lda, B, ldb, Cm, ldc, 0);
 }
 
@@ -270,7 +263,7 @@ static void FN(pgemm_lo)(int M, int N, const REAL *restrict A, int lda, const RE
     const int Nv = N - N % (int)(64 / sizeof(REAL));
     int i0 = 0;
     for (; i0 + 4 <= M; i0 += 4) {
-        FN(block4)(0, i0, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv);
+        FN(block4)(0, i0, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv, 0);
         for (int r = 0; r < 4; r++)
             FN(kern1)(i0, i0 + r + 1, A + (int64_t)(i0 + r) * lda, B, ldb, Cm + (int64_t)(i0 + r) * ldc, Nv);
         lin_pf_step(pf, per);
@@ -287,7 +280,7 @@ static void FN(pgemm_up)(int M, int N, int Kd, const REAL *restrict A, int lda, 
         for (int r = 0; r < 3; r++)
             FN(kern1)(i0 + r, FN(imin)(i0 + 3, Kd), A + (int64_t)(i0 + r) * lda, B, ldb,
                       Cm + (int64_t)(i0 + r) * ldc, Nv);
-        FN(block4)(i0 + 3, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv);
+        FN(block4)(i0 + 3, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv, 0);
         lin_pf_step(pf, per);
     }
     for (; i0 < M; i0++) FN(kern1)(i0, Kd, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
@@ -316,8 +309,7 @@ static void FN(fl_update)(int len, int K, int W, int C, int has_g, const REAL *G
             const REAL e = FN(lin_exp)(GL - G[i]);
             for (int d = 0; d < K; d++) Kt[(int64_t)d * C + i] *= e;
         }
-    memset(U, 0, sizeof(REAL) * K * W);
-    FN(pgemm)(K, W, len, Kt, C, Vb, W, U, W, pf, per);
+    FN(pgemm)(K, W, len, Kt, C, Vb, W, U, W, pf, per, 1);
 }
 
 /* o = num / den' for one row (den = src[V]), the arithmetic of `finish` in ops/linear.py: den' = den floored to
@@ -342,8 +334,7 @@ static inline int FN(lin_divide)(REAL *restrict dst, const REAL *restrict src, i
 static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C, int norm, int has_g,
                        REAL eps, const REAL *Q, REAL *Qd, const REAL *Kt, const REAL *Vb, const REAL *G, const REAL *Pc,
                        REAL *A, REAL *O, REAL *num, REAL *den, lin_pf_t *pf, int per) {
-    memset(A, 0, sizeof(REAL) * C * C);
-    FN(pgemm)(C, C, K, Q, K, Kt, C, A, C, pf, per);
+    FN(pgemm)(C, C, K, Q, K, Kt, C, A, C, pf, per, 1);
     const REAL *Qs = Q;
     if (has_g) {
         for (int i = 0; i < C; i++) {
@@ -353,8 +344,7 @@ static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, i
         }
         Qs = Qd;
     }
-    memset(O, 0, sizeof(REAL) * C * W);
-    FN(pgemm)(C, W, K, Qs, K, Pc, W, O, W, pf, per);
+    FN(pgemm)(C, W, K, Qs, K, Pc, W, O, W, pf, per, 1);
     FN(pgemm_lo)(C, W, A, C, Vb, W, O, W, pf, per);
     int bad = 0;
     for (int i = 0; i < len; i++) {
@@ -564,8 +554,7 @@ static void FN(bl_R)(int len, int K, int W, int C, int has_g, int qt_ready, FN(b
             const REAL e = FN(lin_exp)(b->G[i]);
             for (int d = 0; d < K; d++) b->Tr[(int64_t)d * C + i] *= e;
         }
-    memset(R, 0, sizeof(REAL) * K * W);
-    FN(pgemm)(K, W, len, b->Tr, C, b->dO, W, R, W, b->pf, b->per);
+    FN(pgemm)(K, W, len, b->Tr, C, b->dO, W, R, W, b->pf, b->per, 1);
 }
 
 /* the chunk's input gradients, from its start state Pc and the gradient dPn of its end state */
@@ -580,8 +569,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
        A[i][j] (the same bits), and no transposes of K and A; Q^T stays in Tr for bl_R */
     FN(transpose)(C, K, Q, K, Tr); /* Tr [K][C] */
     REAL *At = A;
-    memset(At, 0, sizeof(REAL) * C * C);
-    FN(pgemm)(C, C, K, Km, K, Tr, C, At, C, b->pf, b->per);
+    FN(pgemm)(C, C, K, Km, K, Tr, C, At, C, b->pf, b->per, 1);
     if (has_g)
         for (int i = 0; i < C; i++)
             for (int j = 0; j <= i; j++) {
@@ -590,8 +578,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
             }
     /* dA = dO Vb^T (rows j <= i used); the gate's part; dM = dA * D, in place */
     FN(transpose)(C, W, Vb, W, X); /* X [W][C] */
-    memset(dA, 0, sizeof(REAL) * C * C);
-    FN(pgemm)(C, C, W, dO, W, X, C, dA, C, b->pf, b->per);
+    FN(pgemm)(C, C, W, dO, W, X, C, dA, C, b->pf, b->per, 1);
     if (has_g)
         for (int i = 0; i < C; i++)
             for (int j = 0; j <= i; j++) {
@@ -606,8 +593,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     FN(pgemm_lo)(C, K, dA, C, Km, K, dQ, K, b->pf, b->per);
     FN(transpose)(K, W, Pc, W, b->Pt); /* Pt [W][K] */
     if (has_g) {
-        memset(X, 0, sizeof(REAL) * C * K);
-        FN(pgemm)(C, K, W, dO, W, b->Pt, K, X, K, b->pf, b->per);
+        FN(pgemm)(C, K, W, dO, W, b->Pt, K, X, K, b->pf, b->per, 1);
         for (int i = 0; i < len; i++) {
             const REAL e = FN(lin_exp)(G[i]);
             REAL s = 0;
@@ -619,7 +605,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
             dG[i] += s;
         }
     } else {
-        FN(pgemm)(C, K, W, dO, W, b->Pt, K, dQ, K, b->pf, b->per);
+        FN(pgemm)(C, K, W, dO, W, b->Pt, K, dQ, K, b->pf, b->per, 0);
     }
     /* dk = dM^T Q + exp(GL - G_j) dPn v_j */
     FN(transpose)(C, C, dA, C, T2); /* T2 = dM^T */
@@ -628,8 +614,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     FN(pgemm_up)(C, K, C, T2, C, Q, K, dK, K, b->pf, b->per);
     FN(transpose)(K, W, dPn, W, b->dPt); /* dPt [W][K] */
     if (has_g) {
-        memset(X, 0, sizeof(REAL) * C * K);
-        FN(pgemm)(C, K, W, Vb, W, b->dPt, K, X, K, b->pf, b->per);
+        FN(pgemm)(C, K, W, Vb, W, b->dPt, K, X, K, b->pf, b->per, 1);
         REAL tot = 0;
         for (int j = 0; j < len; j++) {
             const REAL e = FN(lin_exp)(GL - G[j]);
@@ -646,21 +631,20 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
         for (int64_t e = 0; e < KW; e++) pp += dPn[e] * Pc[e];
         if (len > 0) dG[len - 1] += tot + FN(lin_exp)(GL) * pp;
     } else {
-        FN(pgemm)(C, K, W, Vb, W, b->dPt, K, dK, K, b->pf, b->per);
+        FN(pgemm)(C, K, W, Vb, W, b->dPt, K, dK, K, b->pf, b->per, 0);
     }
     /* dv = A^T dO + exp(GL - G_j) dPn^T k_j (V columns: the normaliser's would be dropped) */
     REAL *dV = b->Z;
     memset(dV, 0, sizeof(REAL) * C * W);
     FN(pgemm_up)(C, V, C, At, C, dO, W, dV, W, b->pf, b->per);
     if (has_g) {
-        memset(X, 0, sizeof(REAL) * C * W);
-        FN(pgemm)(C, V, K, Km, K, dPn, W, X, W, b->pf, b->per);
+        FN(pgemm)(C, V, K, Km, K, dPn, W, X, W, b->pf, b->per, 1);
         for (int j = 0; j < len; j++) {
             const REAL e = FN(lin_exp)(GL - G[j]);
             for (int w = 0; w < V; w++) dV[(int64_t)j * W + w] += e * X[(int64_t)j * W + w];
         }
     } else {
-        FN(pgemm)(C, V, K, Km, K, dPn, W, dV, W, b->pf, b->per);
+        FN(pgemm)(C, V, K, Km, K, dPn, W, dV, W, b->pf, b->per, 0);
     }
     for (int i = 0; i < len; i++) {
         const int64_t row = (t0 + i) * H + h;
