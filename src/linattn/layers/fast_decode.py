@@ -628,12 +628,15 @@ def block_step(layer, x: torch.Tensor, cache: Optional[LayerCache], norm1, norm2
 # -- the whole model in one compiled call (models/lm.py's LanguageModel) -----------------------------------------
 _version_of = operator.attrgetter("_version")
 _fused_value = operator.attrgetter("_value")
-_switches = operator.attrgetter("fast_decode", "compiled_decode")
+_fast_on, _compiled_on = operator.attrgetter("fast_decode"), operator.attrgetter("compiled_decode")
 _data_ptr = torch.Tensor.data_ptr
 # what a block plan reads from a mixer's / a norm's __dict__ (checked by identity on every token)
 _MIXER_KEYS = ("scale", "l2norm_convention", "beta_mode", "q_l2norm", "qk_l2norm", "exact", "gate", "gate_act",
                "normalize", "eps", "feature_map", "_gamma", "norm_group_size", "short_conv", "causal", "_fused")
 _NORM_KEYS = ("eps", "plain")
+# the BlockPlan fields that hold data addresses
+_PLAN_POINTERS = ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay", "nw", "Wo", "n2w", "Wgu", "bgu",
+                  "Wd", "bd")
 
 
 class _Layer:
@@ -652,8 +655,8 @@ class ModelPlanSlot:
     buffers. Not state: a copy or a pickle gets an empty slot, rebuilt on first use."""
 
     __slots__ = ("plan", "fn", "keep", "B", "dtype", "nthreads", "training", "idicts", "inames", "iobjs", "tdicts",
-                 "tnames", "versions", "ptrs", "aliases", "sdicts", "skeys", "snap", "hookdicts", "mixers",
-                 "fusedobjs", "fused", "switches", "layers", "L", "n_state", "n_win", "same", "lin", "vocab", "sbuf",
+                 "tnames", "versions", "ptrs", "copied", "aliases", "sdicts", "skeys", "snap", "hookdicts", "mixers",
+                 "fusedobjs", "fused", "layers", "L", "n_state", "n_win", "same", "lin", "vocab", "sbuf",
                  "wbuf", "wmode", "spent")
 
     def __init__(self):
@@ -678,7 +681,8 @@ def _model_plan_valid(slot, model, B: int) -> bool:
     """Whether the plan still describes the model, cheap enough for every token (map over prepared lists, no
     Python loop): the same batch, threads and mode; every submodule, and every parameter or buffer that was
     None, still where it was (identity); every parameter and buffer at the same storage (the slot holds the old
-    storages, so a replaced tensor cannot reuse an address) and version (in-place updates); the mixers' and
+    storages, so a replaced tensor cannot reuse an address), and those the plan holds copies of (fused
+    projections, converted or derived tensors) at the same version (in-place updates); the mixers' and
     norms' configuration values the same objects, the layers' fused weights the ones the plan was built from;
     the switches on and no forward hook anywhere (torch registers hooks by mutating these dicts in place)."""
     if (slot.B != B or slot.nthreads != torch.get_num_threads() or slot.training is not model.training
@@ -690,10 +694,11 @@ def _model_plan_valid(slot, model, B: int) -> bool:
         cur = list(map(operator.getitem, slot.tdicts, slot.tnames))
     except KeyError:
         return False
-    return (list(map(_data_ptr, cur)) == slot.ptrs and list(map(_version_of, cur)) == slot.versions
+    return (list(map(_data_ptr, cur)) == slot.ptrs
+            and list(map(_version_of, slot.copied(cur))) == slot.versions
             and all(map(operator.is_, map(dict.get, slot.sdicts, slot.skeys), slot.snap))
             and all(map(operator.is_, map(_fused_value, slot.fusedobjs), slot.fused))
-            and list(map(_switches, slot.mixers)) == slot.switches)
+            and all(map(_fast_on, slot.mixers)) and all(map(_compiled_on, slot.mixers)))
 
 
 def _build_model_plan(slot, model, B: int, block_type) -> bool:
@@ -771,13 +776,18 @@ def _build_model_plan(slot, model, B: int, block_type) -> bool:
     ident += [(h, k, t) for m in every for h in (m._parameters, m._buffers) for k, t in h.items() if t is None]
     slot.idicts, slot.inames, slot.iobjs = [list(z) for z in zip(*ident)] if ident else ([], [], [])
     slot.tdicts, slot.tnames, cur = [list(z) for z in zip(*tensors)]
-    slot.versions, slot.ptrs = list(map(_version_of, cur)), list(map(_data_ptr, cur))
+    slot.ptrs = list(map(_data_ptr, cur))
+    # the tensors the plans read in place need no version check (an in-place update is read as it is)
+    direct = {mp.embed, mp.head, mp.norm_w} | {getattr(p, f) for p in plans for f in _PLAN_POINTERS}
+    copied = [i for i, t in enumerate(cur) if t.data_ptr() not in direct] or [0]
+    slot.copied = operator.itemgetter(*copied) if len(copied) > 1 else (lambda ts, i=copied[0]: (ts[i],))
+    slot.versions = list(map(_version_of, slot.copied(cur)))
     slot.aliases = [t.detach() for t in cur]   # the storages stay alive: a new tensor cannot take their address
     slot.sdicts = [m.__dict__ for m, keys in snapmods for _ in keys]
     slot.skeys = [k for _, keys in snapmods for k in keys]
     slot.snap = list(map(dict.get, slot.sdicts, slot.skeys))
     slot.mixers, slot.fusedobjs = mixers, [m._fused for m in mixers]
-    slot.fused, slot.switches = list(map(_fused_value, slot.fusedobjs)), list(map(_switches, mixers))
+    slot.fused = list(map(_fused_value, slot.fusedobjs))
     slot.hookdicts = [h for m in every for h in (m._forward_hooks, m._forward_pre_hooks)]
     slot.keep = (plans, keep, block_ptrs, offs, embed.weight, head_w, norm_w)
     slot.fn, slot.B, slot.dtype, slot.vocab = _cpu_decode.model_function(cdt), B, cdt, vocab
@@ -932,7 +942,10 @@ def model_step(model, ids: torch.Tensor, cache, logits_to_keep, block_type):
     layers = cache.layers
     if len(layers) != slot.L:
         return None
-    lcs = [d.get("mixer") or cache.layer(i, "mixer") for i, d in enumerate(layers)]
+    try:
+        lcs = [d["mixer"] for d in layers]
+    except KeyError:
+        lcs = [cache.layer(i, "mixer") for i in range(slot.L)]
     cdt = slot.dtype
     rec = cache.fast
     if (type(rec) is ModelFastState and rec.B == B and rec.dtype is cdt
