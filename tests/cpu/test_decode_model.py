@@ -337,3 +337,20 @@ def test_ids_logits_to_keep_and_generate(monkeypatch):
     n = count.model
     model.generate(ids[0, :3], 4, temperature=0)
     assert count.model == n + 4
+
+
+def test_bench_decode_all_names_the_block_twin(tmp_path, monkeypatch):
+    """`bench decode --decode-step all` times each mixer with the whole-model step, its <mixer>+block twin (one
+    compiled call per block) and its <mixer>+torch twin."""
+    import json
+
+    from linattn.cli import main
+
+    count = ModelCount(monkeypatch)
+    rc = main(["bench", "decode", "--N", "16", "--mixers", "softmax,gated-deltanet", "--d-model", "16",
+               "--n-heads", "2", "--n-layers", "1", "--vocab-size", "40", "--decode-steps", "2",
+               "--decode-step", "all", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    models = {r["model"] for r in json.loads((tmp_path / "decode.json").read_text())["records"]}
+    assert models == {"softmax", "gated-deltanet", "gated-deltanet+block", "gated-deltanet+torch"}
+    assert count.model > 0 and count.block > 0

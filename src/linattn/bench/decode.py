@@ -38,6 +38,7 @@ DEFAULT_MIXERS = "softmax,linear-elu+1,ela-hadamard_exp,retnet,gla,deltanet,gate
 DEFAULT_N = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 PROG = "linattn bench decode"
 TORCH_SUFFIX = "+torch"   # --decode-step both: the twin model decoding by the PyTorch fast step
+BLOCK_SUFFIX = "+block"   # --decode-step all: the twin decoding block by block (one compiled call per block)
 
 
 def add_arguments(p) -> None:
@@ -62,10 +63,11 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int_at_least(0), default=None,
                    help="torch.set_num_threads (default 1 on cpu, for steadier timings on a shared machine; "
                         "0 = torch's default)")
-    p.add_argument("--decode-step", choices=("auto", "torch", "both"), default="auto",
+    p.add_argument("--decode-step", choices=("auto", "torch", "both", "all"), default="auto",
                    help="the linear mixers' single-token step: auto (the compiled CPU step where it covers the "
-                        "layer, else PyTorch), torch (the PyTorch fast step), both (each mixer twice, the PyTorch "
-                        "one named <mixer>+torch, interleaved; default auto)")
+                        "layer: one call for the whole model, else one per block, else PyTorch), torch (the PyTorch "
+                        "fast step), both (each mixer twice, the PyTorch one named <mixer>+torch, interleaved), all "
+                        "(also <mixer>+block: one compiled call per block; default auto)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
     p.add_argument("--out", default=None, help="output folder (default results/bench/decode/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
@@ -78,7 +80,9 @@ def build_models(a, names) -> Dict[str, torch.nn.Module]:
 
     out = {}
     for name in names:
-        mixer = name[:-len(TORCH_SUFFIX)] if name.endswith(TORCH_SUFFIX) else name
+        mixer = name
+        for suffix in (TORCH_SUFFIX, BLOCK_SUFFIX):
+            mixer = mixer[:-len(suffix)] if mixer.endswith(suffix) else mixer
         torch.manual_seed(a.seed)
         model = LanguageModel(LMConfig(vocab_size=a.vocab_size, d_model=a.d_model, n_layers=a.n_layers,
                                        n_heads=a.n_heads, mixer=mixer, max_seq_len=2048)).to(a.device).eval()
@@ -86,18 +90,23 @@ def build_models(a, names) -> Dict[str, torch.nn.Module]:
             for m in model.modules():   # the PyTorch fast step (layers/base.py), not the compiled one
                 if isinstance(m, AttentionBase):
                     m.compiled_decode = False
+        if name.endswith(BLOCK_SUFFIX):
+            model.compiled_decode = False   # block by block (layers/fast_decode.block_step)
         out[name] = model
     return out
 
 
 def _with_torch_twins(a, names: List[str]) -> List[str]:
-    """--decode-step both: each mixer with a compiled step is followed by its PyTorch twin <mixer>+torch."""
-    if getattr(a, "decode_step", "auto") != "both":
+    """--decode-step both: each mixer with a compiled step is followed by its PyTorch twin <mixer>+torch; all: by
+    <mixer>+block too."""
+    mode = getattr(a, "decode_step", "auto")
+    if mode not in ("both", "all"):
         return names
     out = []
     for n in names:
         out.append(n)
         if n != "softmax":
+            out += [n + BLOCK_SUFFIX] if mode == "all" else []
             out.append(n + TORCH_SUFFIX)
     return out
 
