@@ -654,8 +654,8 @@ class ModelPlanSlot:
     built from (checked on every token: `_model_plan_valid`) and the layout of the step's state / window
     buffers. Not state: a copy or a pickle gets an empty slot, rebuilt on first use."""
 
-    __slots__ = ("plan", "fn", "keep", "B", "dtype", "nthreads", "training", "idicts", "inames", "iobjs", "tdicts",
-                 "tnames", "versions", "ptrs", "copied", "aliases", "sdicts", "skeys", "snap", "hookdicts", "mixers",
+    __slots__ = ("plan", "fn", "keep", "B", "dtype", "nthreads", "training", "idicts", "inames", "iobjs",
+                 "tensors", "vtensors", "versions", "ptrs", "aliases", "hookdicts", "mixers",
                  "fusedobjs", "fused", "layers", "L", "n_state", "n_win", "same", "lin", "vocab", "sbuf",
                  "wbuf", "wmode", "spent")
 
@@ -688,15 +688,13 @@ def _model_plan_valid(slot, model, B: int) -> bool:
     if (slot.B != B or slot.nthreads != torch.get_num_threads() or slot.training is not model.training
             or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or any(slot.hookdicts)):
         return False
-    try:
+    try:   # one pass over every (dict, key) -> object the plan depends on: modules, tensors, configuration
         if not all(map(operator.is_, map(operator.getitem, slot.idicts, slot.inames), slot.iobjs)):
             return False
-        cur = list(map(operator.getitem, slot.tdicts, slot.tnames))
     except KeyError:
         return False
-    return (list(map(_data_ptr, cur)) == slot.ptrs
-            and list(map(_version_of, slot.copied(cur))) == slot.versions
-            and all(map(operator.is_, map(dict.get, slot.sdicts, slot.skeys), slot.snap))
+    return (list(map(_data_ptr, slot.tensors)) == slot.ptrs          # the same objects (checked just above)
+            and list(map(_version_of, slot.vtensors)) == slot.versions
             and all(map(operator.is_, map(_fused_value, slot.fusedobjs), slot.fused))
             and all(map(_fast_on, slot.mixers)) and all(map(_compiled_on, slot.mixers)))
 
@@ -774,18 +772,15 @@ def _build_model_plan(slot, model, B: int, block_type) -> bool:
         return False
     ident = [(m._modules, k, c) for m in [model] + every for k, c in m._modules.items()]
     ident += [(h, k, t) for m in every for h in (m._parameters, m._buffers) for k, t in h.items() if t is None]
-    slot.idicts, slot.inames, slot.iobjs = [list(z) for z in zip(*ident)] if ident else ([], [], [])
-    slot.tdicts, slot.tnames, cur = [list(z) for z in zip(*tensors)]
-    slot.ptrs = list(map(_data_ptr, cur))
+    cur = [t for _, _, t in tensors]
+    slot.tensors, slot.ptrs = cur, list(map(_data_ptr, cur))
     # the tensors the plans read in place need no version check (an in-place update is read as it is)
     direct = {mp.embed, mp.head, mp.norm_w} | {getattr(p, f) for p in plans for f in _PLAN_POINTERS}
-    copied = [i for i, t in enumerate(cur) if t.data_ptr() not in direct] or [0]
-    slot.copied = operator.itemgetter(*copied) if len(copied) > 1 else (lambda ts, i=copied[0]: (ts[i],))
-    slot.versions = list(map(_version_of, slot.copied(cur)))
+    slot.vtensors = [t for t in cur if t.data_ptr() not in direct]
+    slot.versions = list(map(_version_of, slot.vtensors))
     slot.aliases = [t.detach() for t in cur]   # the storages stay alive: a new tensor cannot take their address
-    slot.sdicts = [m.__dict__ for m, keys in snapmods for _ in keys]
-    slot.skeys = [k for _, keys in snapmods for k in keys]
-    slot.snap = list(map(dict.get, slot.sdicts, slot.skeys))
+    ident += tensors + [(m.__dict__, k, m.__dict__[k]) for m, keys in snapmods for k in keys]
+    slot.idicts, slot.inames, slot.iobjs = [list(z) for z in zip(*ident)]
     slot.mixers, slot.fusedobjs = mixers, [m._fused for m in mixers]
     slot.fused = list(map(_fused_value, slot.fusedobjs))
     slot.hookdicts = [h for m in every for h in (m._forward_hooks, m._forward_pre_hooks)]
