@@ -323,15 +323,27 @@ static REAL FN(fl_load)(const REAL *q, const REAL *k, const REAL *v, const REAL 
     return g ? FN(lin_cumgate)(g, t0, H, h, len, C, G) : 0;
 }
 
-/* U = sum_j exp(GL - G_j) k_j v_j^T (decays Kt's columns in place) */
-static void FN(fl_update)(int len, int K, int W, int C, int has_g, const REAL *G, REAL GL, REAL *Kt, const REAL *Vb,
-                          REAL *U, lin_pf_t *pf, int per) {
+/* U = sum_j exp(GL - G_j) k_j [v_j | 1]^T (decays Kt's columns in place); tmp: K values of scratch */
+static void FN(fl_update)(int len, int K, int V, int W, int C, int has_g, const REAL *G, REAL GL, REAL *Kt,
+                          const REAL *Km, const REAL *Vb, REAL *U, REAL *tmp, lin_pf_t *pf, int per) {
     if (has_g)
         for (int i = 0; i < len; i++) {
             const REAL e = FN(lin_exp)(GL - G[i]);
             for (int d = 0; d < K; d++) Kt[(int64_t)d * C + i] *= e;
         }
-    FN(pgemm)(K, W, len, Kt, C, Vb, W, U, W, pf, per, 1);
+    if (has_g || W == V) {
+        FN(pgemm)(K, W, len, Kt, C, Vb, W, U, W, pf, per, 1);
+        return;
+    }
+    /* no gate: the normaliser's column is the sum of the key rows (vector adds, no dot products) */
+    FN(pgemm)(K, V, len, Kt, C, Vb, W, U, W, pf, per, 1);
+    memset(tmp, 0, sizeof(REAL) * K);
+    for (int i = 0; i < len; i++) {
+        const REAL *restrict kr = Km + (int64_t)i * K;
+#pragma omp simd
+        for (int d = 0; d < K; d++) tmp[d] += kr[d];
+    }
+    for (int d = 0; d < K; d++) U[(int64_t)d * W + V] = tmp[d];
 }
 
 /* o = num / den' for one row (den = src[V]), the arithmetic of `finish` in ops/linear.py: den' = den floored to
@@ -354,8 +366,8 @@ static inline int FN(lin_divide)(REAL *restrict dst, const REAL *restrict src, i
 
 /* the chunk's outputs from its start state Pc (Kt undecayed); returns lin_divide's flag (0 without division) */
 static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C, int norm, int has_g,
-                       REAL eps, const REAL *Q, REAL *Qd, const REAL *Kt, const REAL *Vb, const REAL *G, const REAL *Pc,
-                       REAL *A, REAL *O, REAL *num, REAL *den, lin_pf_t *pf, int per) {
+                       REAL eps, const REAL *Q, REAL *Qd, const REAL *Km, const REAL *Kt, const REAL *Vb, const REAL *G,
+                       const REAL *Pc, REAL *A, REAL *O, REAL *num, REAL *den, lin_pf_t *pf, int per) {
     FN(pgemm)(C, C, K, Q, K, Kt, C, A, C, pf, per, 1);
     const REAL *Qs = Q;
     if (has_g) {
@@ -366,8 +378,21 @@ static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, i
         }
         Qs = Qd;
     }
-    FN(pgemm)(C, W, K, Qs, K, Pc, W, O, W, pf, per, 1);
-    FN(pgemm_lo)(C, W, A, C, Vb, W, O, W, pf, per);
+    if (has_g || W == V) {
+        FN(pgemm)(C, W, K, Qs, K, Pc, W, O, W, pf, per, 1);
+        FN(pgemm_lo)(C, W, A, C, Vb, W, O, W, pf, per);
+    } else { /* no gate: den_i = q_i . (z + sum_{j <= i} k_j), one dot per row in place of the column of ones' two */
+        FN(pgemm)(C, V, K, Qs, K, Pc, W, O, W, pf, per, 1);
+        FN(pgemm_lo)(C, V, A, C, Vb, W, O, W, pf, per);
+        REAL *restrict zc = Qd; /* free without a gate */
+        for (int d = 0; d < K; d++) zc[d] = Pc[(int64_t)d * W + V];
+        for (int i = 0; i < len; i++) {
+            const REAL *restrict kr = Km + (int64_t)i * K;
+#pragma omp simd
+            for (int d = 0; d < K; d++) zc[d] += kr[d];
+            O[(int64_t)i * W + V] = FN(dot16)(Q + (int64_t)i * K, zc, K);
+        }
+    }
     int bad = 0;
     for (int i = 0; i < len; i++) {
         const REAL *src = O + (int64_t)i * W;
@@ -474,9 +499,9 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                             memcpy(P + (c * H + h) * KW, Sh, sizeof(REAL) * KW);
                             Pc = P + (c * H + h) * KW;
                         }
-                        bad |= FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, Pc, A, O, num,
-                                          den, &pf, per);
-                        FN(fl_update)(len, K, W, C, has_g, G, GL, Kt, Vb, U, &pf, per);
+                        bad |= FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Km, Kt, Vb, G, Pc, A, O,
+                                          num, den, &pf, per);
+                        FN(fl_update)(len, K, V, W, C, has_g, G, GL, Kt, Km, Vb, U, Qd, &pf, per);
                         lin_pf_step(&pf, -1);
                         FN(carry)(KW, has_g, GL, Sh, U);
                     }
@@ -492,7 +517,7 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                 const int len = (int)ch[c].len;
                 const REAL GL = FN(fl_load)(q, k, v, g, ch[c].t0, len, H, h, K, V, W, C, fmap, sc, NULL, Km, Kt, Vb, G);
                 gl[task] = GL;
-                FN(fl_update)(len, K, W, C, has_g, G, GL, Kt, Vb, P + task * KW, NULL, 0);
+                FN(fl_update)(len, K, V, W, C, has_g, G, GL, Kt, Km, Vb, P + task * KW, Qd, NULL, 0);
             }
             /* 2. the running sum over each sequence's chunks: P[c] = the state before chunk c */
 #pragma omp for schedule(static)
@@ -516,8 +541,8 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                 const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
                 const int len = (int)ch[c].len;
                 FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
-                bad |= FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Kt, Vb, G, P + task * KW, A, O,
-                                  num, den, NULL, 0);
+                bad |= FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Km, Kt, Vb, G, P + task * KW,
+                                  A, O, num, den, NULL, 0);
             }
         }
         if (bad) {
