@@ -11,10 +11,9 @@
    a 64-byte vector (VL columns), k ascending for every element; the last N % VL columns (the normaliser's
    column beside V, for instance) by dot products over k with fixed accumulation lanes. Either way a row's
    result never depends on how many rows are computed with it, nor on where the buffers sit in memory (bitwise
-   prefix causality). The triangular forms restrict the sum by selection (never by multiplying with 0:
-   0 * inf = NaN):
-     gemm_lo: row i uses k <= i          (a causal A times V)
-     gemm_up: row i uses k >= i          (A^T times dO in the backward pass)                              */
+   prefix causality). The including file assembles whole products from these blocks (linear.c: pgemm, and the
+   triangular pgemm_lo, row i using k <= i, a causal A times V, and pgemm_up, k >= i, A^T times dO); triangular
+   products restrict the sum by selection, never by multiplying with 0 (0 * inf = NaN).                      */
 
 #include <string.h>
 
@@ -181,46 +180,6 @@ static void FN(tail)(int M, int N, int Nv, int Kd, const REAL *restrict A, int l
             }
         }
     }
-}
-
-/* C[M][N] += A[M][Kd] B[Kd][N] */
-static void FN(gemm)(int M, int N, int Kd, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
-                     REAL *restrict Cm, int ldc) {
-    const int Nv = N - N % VL;
-    int i0 = 0;
-    for (; i0 + 4 <= M; i0 += 4)
-        FN(block4)(0, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv, 0);
-    for (; i0 < M; i0++) FN(kern1)(0, Kd, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
-    FN(tail)(M, N, Nv, Kd, A, lda, B, ldb, Cm, ldc, 0);
-}
-
-/* C[M][N] += A[M][M] B[M][N] with row i using k <= i */
-static void FN(gemm_lo)(int M, int N, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
-                        REAL *restrict Cm, int ldc) {
-    const int Nv = N - N % VL;
-    int i0 = 0;
-    for (; i0 + 4 <= M; i0 += 4) {
-        FN(block4)(0, i0, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv, 0);
-        for (int r = 0; r < 4; r++)
-            FN(kern1)(i0, i0 + r + 1, A + (int64_t)(i0 + r) * lda, B, ldb, Cm + (int64_t)(i0 + r) * ldc, Nv);
-    }
-    for (; i0 < M; i0++) FN(kern1)(0, i0 + 1, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
-    FN(tail)(M, N, Nv, M, A, lda, B, ldb, Cm, ldc, 1);
-}
-
-/* C[M][N] += A[M][Kd] B[Kd][N] with row i using k >= i */
-static void FN(gemm_up)(int M, int N, int Kd, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
-                        REAL *restrict Cm, int ldc) {
-    const int Nv = N - N % VL;
-    int i0 = 0;
-    for (; i0 + 4 <= M; i0 += 4) {
-        for (int r = 0; r < 3; r++)
-            FN(kern1)(i0 + r, FN(imin)(i0 + 3, Kd), A + (int64_t)(i0 + r) * lda, B, ldb,
-                      Cm + (int64_t)(i0 + r) * ldc, Nv);
-        FN(block4)(i0 + 3, Kd, A + (int64_t)i0 * lda, lda, B, ldb, Cm + (int64_t)i0 * ldc, ldc, Nv, 0);
-    }
-    for (; i0 < M; i0++) FN(kern1)(i0, Kd, A + (int64_t)i0 * lda, B, ldb, Cm + (int64_t)i0 * ldc, Nv);
-    FN(tail)(M, N, Nv, Kd, A, lda, B, ldb, Cm, ldc, 2);
 }
 
 /* out[C][R] = in[R][C]^T (in with row stride ldi); copies only, so the bits are the same on every path.

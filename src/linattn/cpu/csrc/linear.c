@@ -260,8 +260,9 @@ static void FN(lin_load_v)(const REAL *v, int64_t t0, int64_t H, int64_t h, int 
 }
 
 
-/* FN(gemm), FN(gemm_lo) and FN(gemm_up) of gemm.h (the same calls in the same order: the same bits), issuing
-   `per` queued prefetches after each 4-row block; pgemm's zero: C = A B (C need not be zeroed first) */
+/* The chunk's products from gemm.h's register blocks, issuing `per` queued prefetches after each 4-row block:
+   pgemm C[M][N] += A[M][Kd] B[Kd][N] (zero: C = A B, C need not be zeroed first); pgemm_lo the same with row i
+   using k <= i (A lower triangular); pgemm_up with row i using k >= i */
 static void FN(pgemm)(int M, int N, int Kd, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
                       REAL *restrict Cm, int ldc, lin_pf_t *pf, int per, int zero) {
     const int Nv = N - N % (int)(64 / sizeof(REAL));
