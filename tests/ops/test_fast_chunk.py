@@ -165,11 +165,44 @@ def test_bench_peer_rows(tmp_path):
                      "0", "--min-time", "0", "--matmul-n", "64", "--families", "peer", "--passes", "fwd",
                      "--no-memory", "--quiet", "--out", str(out)]) == 0
     report = json.loads((out / "ops.json").read_text())
-    why = ops.peer_unavailable(64)
-    if why is None:
-        rows = {r["op"]: r for r in report["results"]}
-        assert set(rows) == {"fla_linear", "fla_deltanet"} and all(r["ms"] > 0 for r in rows.values())
+    rows = {r["op"]: r for r in report["results"]}
+    skipped = {s["op"]: s["reason"] for s in report["skipped"]}
+    for key in ("fla_linear", "fla_deltanet", ops.HF_GDN):
+        why = ops.peer_unavailable(64, key)
+        if why is None:
+            assert rows[key]["ms"] > 0 and key not in skipped
+        else:
+            assert skipped[key] == why and key not in rows
+    if "fla_linear" in rows:
         assert rows["fla_linear"]["chunk_size_used"] == 64
-    else:
-        assert {s["op"] for s in report["skipped"]} == {"fla_linear", "fla_deltanet"}
-        assert all(s["reason"] == why for s in report["skipped"])
+
+
+def test_bench_transformers_gdn_row_and_target(tmp_path):
+    """The transformers peer row computes what linattn's Gated DeltaNet row computes (same inputs), and with
+    --targets 34 the T = 2048 ratio target is derived from the two rows of the run (never hard-coded)."""
+    import json
+
+    import pytest
+    import torch
+
+    from linattn import cli
+    from linattn.bench import ops
+
+    if ops.peer_unavailable(64, ops.HF_GDN):
+        pytest.skip("transformers is not installed")
+    x = ops._make_inputs(ops.OP_BY_KEY[ops.HF_GDN], 1, 70, 2, 8, 8, torch.float64, "cpu", 0)
+    _, hf, args, kw = ops._hf_gdn_call(x, "chunk", 64)
+    _, mine, args2, kw2 = ops._delta_call(False)(x, "chunk", 16)
+    ref = mine(*args2, **kw2)[0]
+    torch.testing.assert_close(hf(*args, **kw), ref, rtol=0, atol=1e-5)   # transformers computes in fp32
+    assert (hf(*args, **kw) - ref).abs().max() > 0   # really transformers' function, not ours
+    out = tmp_path / "b"
+    assert cli.main(["bench", "ops", "--T", str(ops.HF_GDN_T), "--H", "1", "--K", "8", "--V", "8", "--repeats", "1",
+                     "--warmup", "0", "--min-time", "0", "--matmul-n", "64", "--families", "delta,peer", "--modes",
+                     "chunk", "--passes", "fwd", "--backends", "torch", "--targets", "34", "--no-memory", "--quiet",
+                     "--out", str(out)]) == 0
+    report = json.loads((out / "ops.json").read_text())
+    rows = {(r["op"], r.get("backend")): r for r in report["results"]}
+    t = next(t for t in report["targets"] if "torch_chunk_gated_delta_rule" in t["target"])
+    assert t["threshold"] == 3.0 and t["T"] == ops.HF_GDN_T
+    assert t["measured"] == rows[(ops.HF_GDN, None)]["ms"] / rows[("gated_deltanet", "torch")]["ms"]

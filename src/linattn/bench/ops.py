@@ -381,8 +381,15 @@ register_bench_op(BenchOp(
 PEER_CHUNK = 64  # the chunk size of FLA's naive chunk functions (linear attention's is fixed at 64)
 
 
-def peer_unavailable(T: int) -> Optional[str]:
-    """Why the flash-linear-attention peer rows cannot run (None when they can)."""
+def peer_unavailable(T: int, key: str = "fla_linear") -> Optional[str]:
+    """Why the peer row `key` cannot run (None when it can): flash-linear-attention's naive chunk functions, or
+    transformers' Gated DeltaNet fallback (row hf_gated_deltanet)."""
+    if key == HF_GDN:
+        try:
+            from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: F401
+        except Exception as e:  # transformers is optional
+            return f"transformers' torch_chunk_gated_delta_rule cannot be imported ({type(e).__name__}: {e})"
+        return None
     try:
         import fla.ops.delta_rule.naive  # noqa: F401
         import fla.ops.linear_attn.naive  # noqa: F401
@@ -416,6 +423,30 @@ register_bench_op(BenchOp("fla_linear", "peer", "FLA naive linear elu+1", ("chun
                           _fla_linear_call, _linear_flops, color="C8", chunk=PEER_CHUNK))
 register_bench_op(BenchOp("fla_deltanet", "peer", "FLA naive DeltaNet", ("chunk",), _delta_inputs(False, False),
                           _fla_delta_call, _delta_flops, color="C9", chunk=PEER_CHUNK))
+
+# transformers' own PyTorch fallback of Gated DeltaNet (Qwen3-Next / Qwen3.5), on the gated_deltanet row's inputs
+# (unit q and k, so no in-kernel L2 norm; its default scale 1/sqrt(K) is delta_rule's): issue 34's "Gated
+# DeltaNet forward >= 3x transformers' torch_chunk_gated_delta_rule at T = 2048"
+HF_GDN = "hf_gated_deltanet"
+HF_GDN_T = 2048
+
+
+def _hf_gdn_call(x, mode, C):
+    import inspect
+
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    # the PyTorch function itself: transformers wraps it in a hub-kernel dispatcher that, with fla installed, binds
+    # fla's Triton kernel (which cannot run on a CPU); functools.wraps keeps the function as __wrapped__
+    torch_chunk_gated_delta_rule = inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule)
+
+    def run_hf(q, k, v, g, beta):
+        return torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=PEER_CHUNK)[0]
+    return "transformers torch_chunk_gated_delta_rule", run_hf, (x["q"], x["k"], x["v"], x["g"], x["beta"]), {}
+
+
+register_bench_op(BenchOp(HF_GDN, "peer", "transformers Gated DeltaNet", ("chunk",), _delta_inputs(True, False),
+                          _hf_gdn_call, _delta_flops, color="C6", chunk=PEER_CHUNK))
 
 OPS: Tuple[BenchOp, ...] = tuple(BENCH_OPS.values())
 OP_BY_KEY = BENCH_OPS
@@ -535,8 +566,9 @@ def add_arguments(p) -> None:
     p.add_argument("--families", type=_csv(FAMILIES), default=list(DEFAULT_FAMILIES),
                    help=f"comma-separated subset of {','.join(FAMILIES)} (default all but peer; delta-variants: "
                         f"Comba, DeltaProduct with n={DP_HOUSEHOLDER}, KDA, RWKV-7; ssd: Mamba2's SSD; "
-                        f"peer: flash-linear-attention's "
-                        f"pure-PyTorch chunk functions, when installed)")
+                        f"peer: flash-linear-attention's pure-PyTorch chunk functions and transformers' "
+                        f"torch_chunk_gated_delta_rule, when installed; with --targets 34 and the delta family, the "
+                        f"Gated DeltaNet forward at T={HF_GDN_T} is checked against transformers' (>= 3x))")
     p.add_argument("--modes", type=_csv(MODES), default=list(MODES),
                    help="forms of linear and delta: chunk,recurrent (default both)")
     p.add_argument("--passes", type=_csv(PASSES), default=list(PASSES),
@@ -648,7 +680,7 @@ def _backends(a, op: BenchOp) -> List[Optional[str]]:
 
 def _plan_one(a, rec, op, mode, ps, T, max_sm, max_rec, max_rec_bwd, cases, skipped) -> None:
     """Add one case to `cases`, or to `skipped` with the reason."""
-    peer_missing = peer_unavailable(T) if op.family == "peer" else None
+    peer_missing = peer_unavailable(T, op.key) if op.family == "peer" else None
     if peer_missing is not None:
         skipped.append({**rec, "reason": peer_missing})
     elif op.family == "softmax" and max_sm is not None and T > max_sm:
@@ -816,11 +848,36 @@ def compute_targets(results, skipped, a, matmul: Dict[str, Any]) -> List[Dict[st
                                   "torch time / cpu time", "T": T, "measured": value, "threshold": 1.0, "unit": "x",
                         "met": (value >= 1.0) if value is not None else None,
                         "note": None if base is not None else "the torch row did not run", "backend": "cpu"})
+    if getattr(a, "targets", "15") == "34":
+        out += _hf_gdn_targets(results, skipped, a, chosen)
     for b in chosen:
         def mine(r, b=b):
             return r.get("backend") in (b, None)
         for t in _targets_for([r for r in results if mine(r)], [s for s in skipped if mine(s)], a, matmul):
             out.append({**t, "target": f"[{b}] {t['target']}", "backend": b})
+    return out
+
+
+def _hf_gdn_targets(results, skipped, a, chosen) -> List[Dict[str, Any]]:
+    """Issue 34's Gated DeltaNet chunk forward >= 3x transformers' torch_chunk_gated_delta_rule at T = 2048, per
+    backend that ran (only when the peer family is asked for; skipped rows give the reason)."""
+    if "peer" not in a.families or "delta" not in a.families:
+        return []
+    T = HF_GDN_T
+    by = {(r["op"], r.get("backend")): r for r in results
+          if "ms" in r and r["T"] == T and r["mode"] == "chunk" and r["pass"] == "fwd"}
+    peer = by.get((HF_GDN, None))
+    why = None if peer is not None else next(
+        (s["reason"] for s in skipped if s["op"] == HF_GDN and s["T"] == T), f"T={T} not in --T or the row failed")
+    out = []
+    for b in ([None] if chosen == ["auto"] else chosen):
+        mine = by.get(("gated_deltanet", b))
+        value = peer["ms"] / mine["ms"] if peer is not None and mine is not None else None
+        note = why if peer is None else (None if mine is not None else "the Gated DeltaNet row did not run")
+        out.append({"target": (f"[{b}] " if b else "") + f"Gated DeltaNet chunk fwd at T={T}: transformers' "
+                              "torch_chunk_gated_delta_rule time / op time", "T": T, "measured": value,
+                    "threshold": 3.0, "unit": "x", "met": (value >= 3.0) if value is not None else None,
+                    "note": note, **({"backend": b} if b else {})})
     return out
 
 
