@@ -29,6 +29,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..cpu import gatednorm as _cpu_gnorm
 from ..errors import LinattnError, LinattnTypeError
 from . import fast_decode as _fast
 from .cache import LayerCache
@@ -167,8 +168,8 @@ class AttentionBase(nn.Module):
                 gate = self.g_proj(x).view(B, T, HV, Dv)
             if self.norm_group_size is not None:   # the norm spans the heads (Mamba2's groups)
                 o = self.o_norm(o.reshape(B, T, HV * Dv), None if gate is None else gate.reshape(B, T, HV * Dv))
-            else:
-                o = self.o_norm(o, gate)
+            else:   # on the compiled kernel when it covers the call (cpu/gatednorm.py), else o_norm itself
+                o = _cpu_gnorm.gated_rms_norm(self.o_norm, o, gate)
         elif self.g_proj is not None:
             o = o * gate_activation(self.gate_act, self.g_proj(x).view(B, T, HV, Dv))
         return self.o_proj(o.reshape(B, T, HV * Dv))
