@@ -22,9 +22,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import c_i64, c_int, c_ptr, load_library, ptr, threads
+from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
 
-__all__ = ["CHECKPOINT", "available", "delta_scan"]
+__all__ = ["CHECKPOINT", "available", "delta_prepare", "delta_scan", "prep_available"]
 
 CHECKPOINT = 64  # tokens between the states the forward keeps for the backward
 _typed = set()
@@ -127,6 +127,9 @@ def _(q, k, v, a, g, ckpt, starts, ck_off, do, dS):
 def _setup(ctx, inputs, output):
     q, k, v, a, g, S0, starts, ck_off, n_ckpt = inputs
     ctx.has_gate, ctx.has_S0 = g is not None, S0 is not None
+    # no zero-filled gradients for outputs the loss does not reach: the checkpoints never are ([n_ckpt, H, K, V], a
+    # full pass of writes per call), nor is the final state in training; _backward treats None as zeros
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, a, g, output[2], starts, ck_off)
 
 
@@ -170,3 +173,70 @@ def delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     offs, n = _checkpoints(starts)
     o, S, _ = delta_fwd(q, k, v, a, g, S0, st, torch.tensor(offs, dtype=torch.int64), n if need_grad else 0)
     return o, S
+
+
+# ----------------------------------------------------------------------------------------------
+# The preprocessing of prepare_delta (qk_l2norm="rsqrt", a = beta) in one pass (csrc/deltaprep.c)
+# ----------------------------------------------------------------------------------------------
+
+_prep_typed = set()
+_PREP_SFX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _prep_library():
+    lib = load_library("deltaprep")
+    if lib is not None and id(lib) not in _prep_typed:
+        for sfx in ("f32", "f64"):
+            f = getattr(lib, f"linattn_dprep_fwd_{sfx}")
+            f.argtypes = [c_i64] * 3 + [c_ptr] * 4 + [c_double] * 2 + [c_ptr] * 4 + [c_int]
+            f.restype = c_int
+            b = getattr(lib, f"linattn_dprep_bwd_{sfx}")
+            b.argtypes = [c_i64] * 3 + [c_ptr] * 2 + [c_double] * 2 + [c_ptr] * 8 + [c_int]
+            b.restype = c_int
+        _prep_typed.add(id(lib))
+    return lib
+
+
+def prep_available(dtype: torch.dtype) -> bool:
+    """True for float32 / float64 when the kernels are switched on and deltaprep.c builds, eagerly (the fused
+    preprocessing is an autograd Function around a ctypes call: torch.compile traces the PyTorch form)."""
+    if dtype not in _PREP_SFX or torch.compiler.is_compiling():
+        return False
+    return _prep_library() is not None
+
+
+class _DeltaPrep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, beta, scale, eps):
+        K, V = q.shape[-1], v.shape[-1]
+        R = beta.numel()
+        qo, ko, vo, a = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
+        getattr(_prep_library(), f"linattn_dprep_fwd_{_PREP_SFX[q.dtype]}")(
+            R, K, V, ptr(q), ptr(k), ptr(v), ptr(beta), scale, eps, ptr(qo), ptr(ko), ptr(vo), ptr(a), threads())
+        ctx.save_for_backward(q, k)
+        ctx.scale, ctx.eps, ctx.V = scale, eps, V
+        ctx.set_materialize_grads(False)
+        return qo, ko, vo, a
+
+    @staticmethod
+    def backward(ctx, dqo, dko, dvo, da):
+        q, k = ctx.saved_tensors
+        K, V = q.shape[-1], ctx.V
+        R = q.numel() // K if K else 0
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        dv = q.new_empty(*q.shape[:-1], V)
+        dbeta = q.new_empty(q.shape[:-1])
+        c = [x.contiguous() if x is not None else None for x in (dqo, dko, dvo, da)]
+        getattr(_prep_library(), f"linattn_dprep_bwd_{_PREP_SFX[q.dtype]}")(
+            R, K, V, ptr(q), ptr(k), ctx.scale, ctx.eps, *(ptr(x) for x in c), ptr(dq), ptr(dk), ptr(dv), ptr(dbeta),
+            threads())
+        return dq, dk, dv, dbeta, None, None
+
+
+def delta_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, scale: float,
+                  eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """prepare_delta's preprocessing with qk_l2norm="rsqrt" and a = beta, on q, k [B, T, H, K], v [B, T, H, V],
+    beta [B, T, H] (one dtype, float32 or float64, CPU) -> (scale l2(q), l2(k) / d, v / d, beta d^2), d =
+    max(|l2(k)|, 1), differentiable in q, k, v, beta (d held constant, as there). csrc/deltaprep.c has the formulas."""
+    return _DeltaPrep.apply(q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), float(scale),
+                            float(eps))

@@ -118,7 +118,8 @@ def delta_rule(
         raise LinattnTypeError(f"exact must be a bool, got {type(exact).__name__}")
     p = prepare_delta(q, k, v, beta, g=g, channel_gate=True, coefficient=efla_coefficient if exact else None,
                       scale=scale, qk_l2norm=qk_l2norm, mode=mode, chunk_size=chunk_size,
-                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                      fused=backend in ("auto", "cpu"))   # backend="torch": the PyTorch preprocessing as well
     return run_delta(p, backend)
 
 

@@ -41,7 +41,7 @@ from ._common import (
 )
 from .backend import cpu_delta, requires_grad, select_backend, triton_delta
 from .heads import value_groups
-from .l2norm import l2norm, resolve_l2norm, select_rows
+from .l2norm import L2NORM_EPS, l2norm, resolve_l2norm, select_rows
 
 CHANNEL_BLOCK = 16       # chunk length with per-channel gates (their intra-chunk work is O(T * (c + C/c) * K))
 CHANNEL_SUB = 4          # ... and its sub-blocks (c = sqrt(C) minimises c + C/c; 16/4 and 32/8 measured equal on CPU)
@@ -386,7 +386,8 @@ def _check_flag(x, name: str) -> None:
 def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
                   coefficient: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
                   scale=None, qk_l2norm=False, mode: str = "chunk", chunk_size: int = 64,
-                  initial_state=None, output_final_state: bool = False, cu_seqlens=None) -> DeltaProblem:
+                  initial_state=None, output_final_state: bool = False, cu_seqlens=None,
+                  fused: bool = False) -> DeltaProblem:
     """Every check shared by the delta family, once, and the shared preprocessing: the base of a new delta variant.
 
     A variant chooses the write strength a (through `coefficient`), the read key r and the gate g of the core's
@@ -414,6 +415,10 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
         initial_state: The state `[N, HV, K, V]` to start from, or None.
         output_final_state: Return the final state when the problem is run.
         cu_seqlens: int64 `[N+1]` offsets of N packed sequences (B == 1).
+        fused: Allow the compiled CPU preprocessing (`linattn.cpu.delta.delta_prepare`: the normalisation, scale
+            and key-norm rescaling in one pass each way) where it covers the call: CPU float32 / float64 inputs,
+            qk_l2norm "rsqrt", no coefficient, no r, no grouped value heads, eager, kernels switched on. The same
+            values as the PyTorch lines to rounding; they stay the reference and the fallback.
 
     Returns:
         The prepared call, a `DeltaProblem` in the compute dtype, for `run_delta` (or `chunk_size_used`).
@@ -457,6 +462,14 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
 
     cdt = compute_dtype(q.dtype)
     q_c, k_c, v_c, b_c = q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt)
+    if fused and _fused_prep(q_c, l2, coefficient, r, n):
+        from ..cpu.delta import delta_prepare
+
+        q_c, k_c, v_c, a = delta_prepare(q_c, k_c, v_c, b_c, scale, L2NORM_EPS)
+        S0 = initial_state.to(cdt) if initial_state is not None else None
+        g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
+        return DeltaProblem(q_c, k_c, v_c, None, a, g_c, S0, mode, chunk_size, offsets, N, output_final_state,
+                            q.dtype, n)
     if l2 is not None:
         q_c, k_c = l2norm(q_c, l2), l2norm(k_c, l2)
     q_c = q_c * scale
@@ -473,6 +486,15 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
     return DeltaProblem(q_c, k_c, v_c / d, r_c, (a * d2).to(cdt), g_c, S0, mode,
                         chunk_size, offsets, N, output_final_state, q.dtype, n)
 
+
+
+def _fused_prep(q_c: torch.Tensor, l2: Optional[str], coefficient, r, n: int) -> bool:
+    """Whether prepare_delta's compiled preprocessing covers the call (its `fused` argument)."""
+    if l2 != "rsqrt" or coefficient is not None or r is not None or n != 1 or q_c.device.type != "cpu":
+        return False
+    from ..cpu.delta import prep_available
+
+    return prep_available(q_c.dtype)
 
 
 def key_norms(k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
