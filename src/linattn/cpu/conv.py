@@ -15,7 +15,7 @@ import torch
 from . import c_i64, c_int, c_ptr, load_library, ptr, threads
 from .build import enabled
 
-__all__ = ["available", "short_conv"]
+__all__ = ["available", "short_conv", "short_conv_sep"]
 
 _typed = set()
 _SFX = {torch.float32: "f32", torch.float64: "f64"}
@@ -32,6 +32,12 @@ def _library():
             f.restype = c_int
             g = getattr(lib, f"linattn_conv_bwd_{sfx}")
             g.argtypes = [c_i64] * 4 + [c_ptr] * 7 + [c_int]
+            g.restype = c_int
+            f = getattr(lib, f"linattn_conv_fwd_sep_{sfx}")
+            f.argtypes = [c_i64] * 4 + [c_ptr] * 4 + [c_int] + [c_ptr] * 2 + [c_int]
+            f.restype = c_int
+            g = getattr(lib, f"linattn_conv_bwd_sep_{sfx}")
+            g.argtypes = [c_i64] * 4 + [c_ptr] * 9 + [c_int]
             g.restype = c_int
         _typed.add(id(lib))
     return lib
@@ -83,3 +89,43 @@ def short_conv(xp: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], 
     xp, w = xp.contiguous(), w.contiguous()
     bias = bias.contiguous() if bias is not None else None
     return _ShortConv.apply(xp, w, bias, silu)
+
+
+class _ShortConvSep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, past, w, bias, silu):
+        B, T, D = x.shape
+        K = w.shape[0]
+        y = torch.empty(B, T, D, dtype=x.dtype)
+        pre = torch.empty_like(y) if silu else None
+        _check(getattr(_library(), f"linattn_conv_fwd_sep_{_SFX[x.dtype]}")(
+            B, T, D, K, ptr(x), ptr(past), ptr(w), ptr(bias), int(bool(silu)), ptr(y), ptr(pre), threads()))
+        ctx.save_for_backward(x, past, w, pre)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, past, w, pre = ctx.saved_tensors
+        B, T, D = x.shape
+        K = w.shape[0]
+        gy = gy.contiguous()
+        need_x, need_p, need_w, need_b = ctx.needs_input_grad[:4]
+        dx = torch.empty_like(x) if need_x else None
+        dpast = torch.empty_like(past) if (need_p and past is not None) else None
+        dw = torch.empty_like(w) if need_w else None
+        db = torch.empty(D, dtype=x.dtype) if (need_b and ctx.has_bias) else None
+        _check(getattr(_library(), f"linattn_conv_bwd_sep_{_SFX[x.dtype]}")(
+            B, T, D, K, ptr(x), ptr(past), ptr(w), ptr(pre), ptr(gy), ptr(dx), ptr(dpast), ptr(dw), ptr(db),
+            threads()))
+        return dx, dpast, dw, db, None
+
+
+def short_conv_sep(x: torch.Tensor, past: Optional[torch.Tensor], w: torch.Tensor, bias: Optional[torch.Tensor],
+                   silu: bool) -> torch.Tensor:
+    """`short_conv` with x `[B, T, D]` and its look-back past `[B, K - 1, D]` (None: zeros) apart: the same values,
+    without the padded copy of x (forward) and the slice of its gradient (backward)."""
+    x, w = x.contiguous(), w.contiguous()
+    past = past.contiguous() if past is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    return _ShortConvSep.apply(x, past, w, bias, silu)

@@ -354,6 +354,11 @@ class ShortConv(nn.Module):
         B, T, D = x.shape
         K = self.kernel_size
         w = self.weight.to(x.dtype).view(D, K).t().contiguous()                 # [K, D]: contiguous taps
+        if _cpu_conv.available(x.dtype) and T >= K - 1:   # no padded copy: the kernel reads the look-back apart
+            past = state.to(x.dtype).transpose(1, 2) if state is not None else None
+            y = _cpu_conv.short_conv_sep(x, past, w, None if self.bias is None else self.bias.to(x.dtype),
+                                         self.activation is not None)
+            return y, x[:, T - (K - 1):].transpose(1, 2).contiguous()
         if state is None:
             xp = F.pad(x, (0, 0, K - 1, 0))                                      # [B, T + K - 1, D]
         else:

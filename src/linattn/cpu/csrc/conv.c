@@ -25,19 +25,29 @@
 #pragma clang fp contract(fast)
 #endif
 
+/* Row i of the padded input (i < K - 1: the look-back, past row i, or zeros; else x row i - (K - 1)) of sequence b:
+   the look-back and x are read where they lie, so the layer never builds the padded copy [B, T + K - 1, D] (nor its
+   backward a slice of it). xs, ps: the sequence strides of x and past, in elements. */
+#define CONV_ROW(b, i) ((i) < K - 1 ? (past ? past + (b) * ps + (i) * D : zero) : x + (b) * xs + ((i) - (K - 1)) * D)
+
 #define DEFINE_CONV(SFX, real, EXP)                                                                             \
-int linattn_conv_fwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real *xp, const real *w,          \
-                           const real *bias, int act, real *y, real *pre, int nthreads) {                       \
-    const int64_t TP = T + K - 1;                                                                               \
+static int conv_fwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real *x, int64_t xs,               \
+                          const real *past, int64_t ps, const real *w, const real *bias, int act, real *y,      \
+                          real *pre, int nthreads) {                                                            \
+    real *zero = NULL;                                                                                          \
+    if (!past && K > 1) {                                                                                       \
+        zero = (real *)calloc((size_t)D + 1, sizeof(real));                                                     \
+        if (!zero) return 1;                                                                                    \
+    }                                                                                                           \
     _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                          \
     for (int64_t r = 0; r < B * T; ++r) {                                                                       \
         const int64_t b = r / T, t = r % T;                                                                     \
-        const real *x0 = xp + (b * TP + t) * D;                                                                 \
+        const real *x0 = CONV_ROW(b, t);                                                                        \
         real *yr = y + r * D, *pr = pre ? pre + r * D : NULL;                                                   \
         _Pragma("omp simd")                                                                                     \
         for (int64_t d = 0; d < D; ++d) yr[d] = x0[d] * w[d];                                                   \
         for (int64_t j = 1; j < K; ++j) {                                                                       \
-            const real *restrict xj = x0 + j * D, *restrict wj = w + j * D;                                     \
+            const real *restrict xj = CONV_ROW(b, t + j), *restrict wj = w + j * D;                             \
             _Pragma("omp simd")                                                                                 \
             for (int64_t d = 0; d < D; ++d) yr[d] += xj[d] * wj[d];                                             \
         }                                                                                                       \
@@ -48,28 +58,37 @@ int linattn_conv_fwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const rea
             for (int64_t d = 0; d < D; ++d) { real a = yr[d]; pr[d] = a; yr[d] = a / ((real)1 + EXP(-a)); }     \
         }                                                                                                       \
     }                                                                                                           \
+    free(zero);                                                                                                 \
     return 0;                                                                                                   \
 }                                                                                                               \
                                                                                                                 \
-/* gy [B, T, D]; pre (act) [B, T, D]; outputs dxp [B, T + K - 1, D], dw [K, D], db [D] (NULL: not wanted). */   \
-int linattn_conv_bwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real *xp, const real *w,          \
-                           const real *pre, const real *gy, real *dxp, real *dw, real *db, int nthreads) {      \
+/* gy [B, T, D]; pre (act) [B, T, D]; outputs dx (stride xs), dpast (stride ps; NULL: not wanted), dw [K, D],   \
+   db [D] (NULL: not wanted). */                                                                                \
+static int conv_bwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real *x, int64_t xs,               \
+                          const real *past, int64_t ps, const real *w, const real *pre, const real *gy,         \
+                          real *dx, real *dpast, real *dw, real *db, int nthreads) {                            \
     const int64_t TP = T + K - 1;                                                                               \
-    real *ga = (real *)gy;                                                                                      \
+    real *ga = (real *)gy, *zero = NULL;                                                                        \
+    if (!past && K > 1) {                                                                                       \
+        zero = (real *)calloc((size_t)D + 1, sizeof(real));                                                     \
+        if (!zero) return 1;                                                                                    \
+    }                                                                                                           \
     if (pre) {                                                                                                  \
         ga = (real *)malloc(sizeof(real) * (size_t)(B * T * D + 1));                                            \
-        if (!ga) return 1;                                                                                      \
+        if (!ga) { free(zero); return 1; }                                                                      \
         _Pragma("omp parallel for simd num_threads(nthreads) schedule(static)")                                 \
         for (int64_t i = 0; i < B * T * D; ++i) {                                                               \
             real a = pre[i], s = (real)1 / ((real)1 + EXP(-a));                                                 \
             ga[i] = gy[i] * (s * ((real)1 + a * ((real)1 - s)));                                                \
         }                                                                                                       \
     }                                                                                                           \
-    if (dxp) {                                                                                                  \
+    if (dx || dpast) {                                                                                          \
         _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                      \
         for (int64_t r = 0; r < B * TP; ++r) {                                                                  \
             const int64_t b = r / TP, i = r % TP;                                                               \
-            real *o = dxp + r * D;                                                                              \
+            real *o = i < K - 1 ? (dpast ? dpast + b * ps + i * D : NULL) : (dx ? dx + b * xs + (i - (K - 1)) * D \
+                                                                              : NULL);                          \
+            if (!o) continue;                                                                                   \
             memset(o, 0, sizeof(real) * (size_t)D);                                                             \
             for (int64_t j = 0; j < K; ++j) {                                                                   \
                 const int64_t t = i - j;                                                                        \
@@ -83,7 +102,7 @@ int linattn_conv_bwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const rea
     if (dw || db) {                                                                                             \
         int nt = nthreads > 0 ? nthreads : 1;                                                                   \
         real *part = (real *)calloc((size_t)nt * (size_t)((K + 1) * D), sizeof(real));                          \
-        if (!part) { if (ga != gy) free(ga); return 1; }                                                        \
+        if (!part) { if (ga != gy) free(ga); free(zero); return 1; }                                            \
         _Pragma("omp parallel num_threads(nt)")                                                                 \
         {                                                                                                       \
             int tid = 0, n = 1;                                                                                 \
@@ -93,10 +112,10 @@ int linattn_conv_bwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const rea
                 const int64_t b = r / T, t = r % T;                                                             \
                 const real *restrict g = ga + r * D;                                                            \
                 for (int64_t j = 0; j < K; ++j) {                                                               \
-                    const real *restrict x = xp + (b * TP + t + j) * D;                                         \
+                    const real *restrict xr = CONV_ROW(b, t + j);                                               \
                     real *restrict p = pw + j * D;                                                              \
                     _Pragma("omp simd")                                                                         \
-                    for (int64_t d = 0; d < D; ++d) p[d] += g[d] * x[d];                                        \
+                    for (int64_t d = 0; d < D; ++d) p[d] += g[d] * xr[d];                                       \
                 }                                                                                               \
                 _Pragma("omp simd")                                                                             \
                 for (int64_t d = 0; d < D; ++d) pb[d] += g[d];                                                  \
@@ -111,7 +130,34 @@ int linattn_conv_bwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const rea
         free(part);                                                                                             \
     }                                                                                                           \
     if (ga != gy) free(ga);                                                                                     \
+    free(zero);                                                                                                 \
     return 0;                                                                                                   \
+}                                                                                                               \
+                                                                                                                \
+/* The padded input xp [B, T + K - 1, D] (the look-back, then x). */                                            \
+int linattn_conv_fwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real *xp, const real *w,          \
+                           const real *bias, int act, real *y, real *pre, int nthreads) {                       \
+    const int64_t TP = T + K - 1;                                                                               \
+    return conv_fwd_##SFX(B, T, D, K, xp + (K - 1) * D, TP * D, xp, TP * D, w, bias, act, y, pre, nthreads);    \
+}                                                                                                               \
+                                                                                                                \
+int linattn_conv_bwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real *xp, const real *w,          \
+                           const real *pre, const real *gy, real *dxp, real *dw, real *db, int nthreads) {      \
+    const int64_t TP = T + K - 1;                                                                               \
+    return conv_bwd_##SFX(B, T, D, K, xp + (K - 1) * D, TP * D, xp, TP * D, w, pre, gy,                         \
+                          dxp ? dxp + (K - 1) * D : NULL, dxp, dw, db, nthreads);                               \
+}                                                                                                               \
+                                                                                                                \
+/* x [B, T, D] and its look-back past [B, K - 1, D] (NULL: zeros) apart. */                                     \
+int linattn_conv_fwd_sep_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real *x, const real *past,    \
+                               const real *w, const real *bias, int act, real *y, real *pre, int nthreads) {    \
+    return conv_fwd_##SFX(B, T, D, K, x, T * D, past, (K - 1) * D, w, bias, act, y, pre, nthreads);             \
+}                                                                                                               \
+                                                                                                                \
+int linattn_conv_bwd_sep_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real *x, const real *past,    \
+                               const real *w, const real *pre, const real *gy, real *dx, real *dpast, real *dw, \
+                               real *db, int nthreads) {                                                        \
+    return conv_bwd_##SFX(B, T, D, K, x, T * D, past, (K - 1) * D, w, pre, gy, dx, dpast, dw, db, nthreads);   \
 }
 
 #ifdef _OPENMP
