@@ -354,3 +354,54 @@ def test_bench_decode_all_names_the_block_twin(tmp_path, monkeypatch):
     models = {r["model"] for r in json.loads((tmp_path / "decode.json").read_text())["records"]}
     assert models == {"softmax", "gated-deltanet", "gated-deltanet+block", "gated-deltanet+torch"}
     assert count.model > 0 and count.block > 0
+
+
+def test_pending_tokens_copies_pickles_and_readers(monkeypatch):
+    """Tokens decoded with nothing reading the cache in between are kept pending (`Cache.pending`, no entries
+    written); every way of reading or copying the cache sees the entries the per-block step writes: `layers`,
+    `layer()`, a deepcopy or a pickle taken while tokens are pending (each continues on its own, as the original
+    does), `nbytes`, `snapshot`; `restore` drops pending tokens."""
+    import pickle
+
+    model = _model("linear-elu+1")
+    ids = _ids(2, 14, 9)
+    count = ModelCount(monkeypatch)
+    _, ref_cache = _generate(_block_twin(model), ids)
+    with torch.no_grad():
+        cache = model(ids[:, :4], use_cache=True).cache
+        for t in range(4, 8):
+            model(ids[:, t:t + 1], cache=cache)
+        assert cache.pending is not None and cache.pending.n == 4 and cache.seen_tokens == 8
+        copied, pickled = copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))
+        snap_ids = ids[:, 8:]
+        outs = []
+        for c in (cache, copied, pickled):
+            outs.append(torch.cat([model(snap_ids[:, t:t + 1], cache=c).logits for t in range(snap_ids.shape[1])], 1))
+            assert c.pending is not None and c.pending.n == 10
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        for c in (cache, copied, pickled):
+            _assert_entries(c, ref_cache)
+            assert c.pending is None
+        assert count.model == 4 + 3 * 6
+        # readers between tokens: the entries after each token as the per-block step's
+        cache = model(ids[:, :4], use_cache=True).cache
+        ref = _block_twin(model)(ids[:, :4], use_cache=True).cache
+        twin = _block_twin(model)
+        for t in range(4, 7):
+            model(ids[:, t:t + 1], cache=cache)
+            twin(ids[:, t:t + 1], cache=ref)
+            assert cache.layer(1, "mixer")["offset"] == ref.layer(1, "mixer")["offset"] == t + 1
+            assert torch.equal(cache.layer(0, "mixer")["state"].kv, ref.layer(0, "mixer")["state"].kv)
+            assert cache.nbytes() == ref.nbytes()
+        snap = cache.snapshot()
+        model(ids[:, 7:8], cache=cache)
+        assert cache.pending is not None
+        cache.restore(snap)
+        assert cache.pending is None and cache.seen_tokens == 7
+        _assert_entries(cache, ref)
+    state = cache.__getstate__() if hasattr(cache, "__getstate__") else dict(cache.__dict__)
+    state = dict(state)
+    state["layers"] = state.pop("_layers")   # a cache pickled before `layers` was a property
+    old = type(cache).__new__(type(cache))
+    old.__setstate__(state)
+    _assert_entries(old, ref)

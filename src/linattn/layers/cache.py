@@ -297,6 +297,29 @@ class Cache:
     #: the whole-model decoding step's buffers (layers/fast_decode.ModelFastState), valid only while the layers'
     #: entries are still the views it made of them; never state (an operation that replaces entries makes it stale)
     fast: Any = None
+    #: tokens the whole-model decoding step ran but has not yet written into the layers' entries
+    #: (layers/fast_decode.ModelPending, with `apply(cache)`): reading `layers` applies them first, so every reader
+    #: sees the entries as if they were written token by token; never state of its own (a copy copies it along)
+    pending: Any = None
+
+    @property
+    def layers(self) -> List[Dict[str, LayerCache]]:
+        """`layers[i]` maps a module name ("mixer", "lobe") of block i to its LayerCache."""
+        p = self.pending
+        if p is not None:
+            self.pending = None
+            p.apply(self)
+        return self._layers
+
+    @layers.setter
+    def layers(self, value: List[Dict[str, LayerCache]]) -> None:
+        self.pending = None   # replaced entries: the pending tokens ran on the old ones
+        self._layers = value
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        if "layers" in state:   # pickled before `layers` became a property
+            state["_layers"] = state.pop("layers")
+        self.__dict__.update(state)
 
     def _check_state_ops(self, op: str) -> None:
         if type(self) is not Cache and not type(self).__dict__.get("state_ops", False):

@@ -649,6 +649,22 @@ class _Layer:
         self.s_off, self.w_off, self.V = s_off, w_off, V
 
 
+class _Layout:
+    """Where every layer's state and conv window sit in a model step's buffer (one buffer per token: the states of
+    all layers, `n_state` elements, then their conv windows, `n_win`), for one batch size and dtype. Read-only once
+    built, so a copy of a cache shares it (`__deepcopy__`)."""
+
+    __slots__ = ("layers", "L", "B", "dtype", "vocab", "n_state", "n_win", "same", "lin", "sbuf", "wbuf", "wmode",
+                 "key")
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def fits(self, other: "_Layout") -> bool:
+        """Whether buffers laid out by `other` are laid out as this one's."""
+        return other is self or other.key == self.key
+
+
 class ModelPlanSlot:
     """A LanguageModel's whole-model decoding plan (`cpu/decode.ModelPlan` with its L block plans), what it was
     built from (checked on every token: `_model_plan_valid`) and the layout of the step's state / window
@@ -656,8 +672,7 @@ class ModelPlanSlot:
 
     __slots__ = ("plan", "fn", "keep", "B", "dtype", "nthreads", "training", "idicts", "inames", "iobjs",
                  "tensors", "vtensors", "versions", "ptrs", "aliases", "hookdicts", "mixers",
-                 "fusedobjs", "fused", "layers", "L", "n_state", "n_win", "same", "lin", "vocab", "sbuf",
-                 "wbuf", "wmode", "spent")
+                 "fusedobjs", "fused", "layout", "spent")
 
     def __init__(self):
         self.plan = self.spent = None
@@ -667,14 +682,14 @@ class ModelPlanSlot:
 
 
 class ModelFastState:
-    """What the whole-model step keeps in `Cache.fast` between tokens: the buffers it wrote (all layers' states
-    `S`, conv windows `W`, the linear layers' offsets `offsets` `[n_linear, B]`), valid while the layers' cache
-    entries are still `entries`, the objects it stored (checked by identity)."""
+    """What the whole-model step keeps in `Cache.fast` between tokens: the buffers its entries are views of (all
+    layers' states `S`, conv windows `W`, the linear layers' offsets `offsets` `[n_linear, B]`) in the layout
+    `layout`, valid while the layers' cache entries are still `entries`, the objects it stored (by identity)."""
 
-    __slots__ = ("entries", "S", "W", "offsets", "B", "dtype")
+    __slots__ = ("entries", "S", "W", "offsets", "layout")
 
-    def __init__(self, entries, S, W, offsets, B, dtype):
-        self.entries, self.S, self.W, self.offsets, self.B, self.dtype = entries, S, W, offsets, B, dtype
+    def __init__(self, entries, S, W, offsets, layout):
+        self.entries, self.S, self.W, self.offsets, self.layout = entries, S, W, offsets, layout
 
 
 def _model_plan_valid(slot, model, B: int) -> bool:
@@ -785,41 +800,44 @@ def _build_model_plan(slot, model, B: int, block_type) -> bool:
     slot.fused = list(map(_fused_value, slot.fusedobjs))
     slot.hookdicts = [h for m in every for h in (m._forward_hooks, m._forward_pre_hooks)]
     slot.keep = (plans, keep, block_ptrs, offs, embed.weight, head_w, norm_w)
-    slot.fn, slot.B, slot.dtype, slot.vocab = _cpu_decode.model_function(cdt), B, cdt, vocab
+    slot.fn, slot.B, slot.dtype = _cpu_decode.model_function(cdt), B, cdt
     slot.nthreads, slot.training = torch.get_num_threads(), model.training
-    slot.layers, slot.L, slot.n_state, slot.n_win = layers, len(layers), s_off, w_off
+    slot.layout = lo = _Layout()
+    lo.layers, lo.L, lo.B, lo.dtype, lo.vocab, lo.n_state, lo.n_win = layers, len(layers), B, cdt, vocab, s_off, w_off
     first = layers[0]
-    slot.same = all(lay.kind == first.kind and lay.sshape == first.sshape and lay.wshape == first.wshape
-                    and lay.sizes == first.sizes for lay in layers)
-    slot.lin = [i for i, lay in enumerate(layers) if lay.kind == "linear"]
-    # the buffers' shapes (`_store`)
-    slot.sbuf, slot.wbuf, slot.wmode = (s_off,), (w_off,), 0
-    if slot.same:
-        slot.sbuf = (slot.L,) + first.sshape
+    lo.same = all(lay.kind == first.kind and lay.sshape == first.sshape and lay.wshape == first.wshape
+                  and lay.sizes == first.sizes for lay in layers)
+    lo.lin = [i for i, lay in enumerate(layers) if lay.kind == "linear"]
+    lo.key = (B, cdt, vocab, tuple((lay.kind, lay.sshape, lay.wshape, lay.sizes and tuple(lay.sizes), lay.s_off,
+                                    lay.w_off) for lay in layers))
+    # the buffers' shapes (`_views`)
+    lo.sbuf, lo.wbuf, lo.wmode = (s_off,), (w_off,), 0
+    if lo.same:
+        lo.sbuf = (lo.L,) + first.sshape
         if first.wshape is not None:
             C, KW = first.wshape[1:]
-            slot.wmode = 1 if B == 1 and first.sizes[0] == first.sizes[2] else 2
-            slot.wbuf = (3 * slot.L, 1, C // 3, KW) if slot.wmode == 1 else (slot.L,) + first.wshape
+            lo.wmode = 1 if B == 1 and first.sizes[0] == first.sizes[2] else 2
+            lo.wbuf = (3 * lo.L, 1, C // 3, KW) if lo.wmode == 1 else (lo.L,) + first.wshape
     slot.plan = mp
     return True
 
 
-def _entries(slot, lcs) -> list:
+def _entries(lo: _Layout, lcs) -> list:
     """The cache entries a step reads, in a fixed order: per layer its state, then conv_q, conv_k, conv_v."""
     out = []
-    for lay, lc in zip(slot.layers, lcs):
+    for lay, lc in zip(lo.layers, lcs):
         out.append(lc.get("state"))
         if lay.wshape is not None:
             out += (lc.get("conv_q"), lc.get("conv_k"), lc.get("conv_v"))
     return out
 
 
-def _gather(slot, lcs, cdt):
+def _gather(lo: _Layout, lcs, cdt):
     """(S_in, W_in, offsets) from cache entries that another path wrote (a prefill, the per-block step, a
     reorder or restore): fresh buffers in the plan's layout; (None, None, None) before the first token; None
     when an entry is missing or not this layer's (then the per-block path runs and reports it)."""
     states, wins, offs, empty = [], [], [], 0
-    for lay, lc in zip(slot.layers, lcs):
+    for lay, lc in zip(lo.layers, lcs):
         st = lc.get("state")
         conv = (lc.get("conv_q"), lc.get("conv_k"), lc.get("conv_v")) if lay.wshape is not None else ()
         if st is None and all(c is None for c in conv):
@@ -853,14 +871,14 @@ def _gather(slot, lcs, cdt):
     return S, W, (torch.stack(offs) if offs else None)
 
 
-def _views(slot, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Optional[torch.Tensor]):
-    """(states, convs): the new cache entries of every layer as views of the step's buffers S (states) and W
-    (windows), made before the compiled call writes them, in as few view ops as possible (`model_step` says why);
-    convs holds conv_q, conv_k, conv_v of every layer with a short convolution, in layer order. With every layer
-    alike (`slot.same`) S is `[L, B, ...]`, and W `[3L, 1, C/3, KC-1]` (batch 1, q | k | v of one width: the same
-    memory as `[L, 1, C, KC-1]`, so one unbind gives every conv entry) or `[L, B, C, KC-1]`."""
-    lays = slot.layers
-    if slot.same:
+def _views(lo: _Layout, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Optional[torch.Tensor]):
+    """(states, convs): the cache entries of every layer as views of a step's buffers S (states, `lo.sbuf`) and W
+    (windows, `lo.wbuf`) in as few view ops as possible; convs holds conv_q, conv_k, conv_v of every layer with a
+    short convolution, in layer order. With every layer alike (`lo.same`) S is `[L, B, ...]`, and W `[3L, 1, C/3,
+    KC-1]` (batch 1, q | k | v of one width: the same memory as `[L, 1, C, KC-1]`, so one unbind gives every conv
+    entry) or `[L, B, C, KC-1]`."""
+    lays = lo.layers
+    if lo.same:
         lay = lays[0]
         if lay.kind == "delta":
             states = S.unbind(0)
@@ -869,7 +887,7 @@ def _views(slot, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Optional[t
             states = list(map(_linear_state_of, S[..., :V].unbind(0), S[..., V].unbind(0), offsets.unbind(0)))
         if W is None:
             return states, ()
-        if slot.wmode == 1:
+        if lo.wmode == 1:
             return states, W.unbind(0)
         q, k, v = W.split_with_sizes(lay.sizes, dim=2)
         return states, [t for qkv in zip(q.unbind(0), k.unbind(0), v.unbind(0)) for t in qkv]
@@ -887,11 +905,11 @@ def _views(slot, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Optional[t
     return states, convs
 
 
-def _store(slot, lcs, states, convs) -> list:
-    """Stores `_views`' entries in the layers' caches (dict operations only) and advances their offsets; returns
-    the entries in the order of `_entries`."""
+def _store(lo: _Layout, lcs, states, convs, n: int) -> list:
+    """Stores `_views`' entries in the layers' caches (dict operations only) and advances their offsets by n
+    tokens; returns the entries in the order of `_entries`."""
     out, j = [], 0
-    for lay, lc, st in zip(slot.layers, lcs, states):
+    for lay, lc, st in zip(lo.layers, lcs, states):
         lc["state"] = st
         out.append(st)
         if lay.wshape is not None:
@@ -899,7 +917,7 @@ def _store(slot, lcs, states, convs) -> list:
             out += c
             j += 3
         o = lc.get("offset", 0)
-        lc["offset"] = o + 1 if type(o) is int else lc.offset + 1
+        lc["offset"] = o + n if type(o) is int else lc.offset + n
         if lc.fast is not None:
             lc.fast = None   # the per-block step's views of the old entries
     return out
@@ -907,6 +925,40 @@ def _store(slot, lcs, states, convs) -> list:
 
 def _linear_state_of(kv, z, offset):
     return LinearAttentionState(kv=kv, z=z, log_scale=None, offset=offset)
+
+
+def _mixer_caches(cache: Cache, L: int) -> list:
+    layers = cache.layers
+    try:
+        return [d["mixer"] for d in layers]
+    except KeyError:
+        return [cache.layer(i, "mixer") for i in range(L)]
+
+
+class ModelPending:
+    """Tokens the whole-model step has run on a cache but not yet written into its layers' entries (`Cache.pending`):
+    `buf` the buffer of the last one (every layer's new state, then the new conv windows: `_Layout`), `offsets` the
+    linear layers' offsets `[n_linear, B]` before the first of them (None: zeros), `n` how many. While nothing reads
+    the cache's layers between tokens, the next token reads `buf` directly, so a token makes no views and stores
+    nothing; the first read of `Cache.layers` calls `apply`, which writes the entries as the token-by-token stores
+    would have left them."""
+
+    __slots__ = ("layout", "buf", "offsets", "n")
+
+    def __init__(self, layout: _Layout, buf: torch.Tensor, offsets: Optional[torch.Tensor], n: int):
+        self.layout, self.buf, self.offsets, self.n = layout, buf, offsets, n
+
+    def apply(self, cache: Cache) -> None:
+        lo, buf, n = self.layout, self.buf, self.n
+        S = buf[:lo.n_state].view(lo.sbuf)
+        W = buf[lo.n_state:].view(lo.wbuf) if lo.n_win else None
+        offsets = None
+        if lo.lin:
+            offsets = (torch.full((len(lo.lin), lo.B), n, dtype=torch.int64) if self.offsets is None
+                       else self.offsets + n)
+        lcs = _mixer_caches(cache, lo.L)
+        entries = _store(lo, lcs, *_views(lo, S, W, offsets), n)
+        cache.fast = ModelFastState(entries, S, W, offsets, lo)
 
 
 def model_step(model, ids: torch.Tensor, cache, logits_to_keep, block_type):
@@ -919,10 +971,13 @@ def model_step(model, ids: torch.Tensor, cache, logits_to_keep, block_type):
     `LINATTN_CPU_KERNELS=0`, a token id out of range, or cache entries that are not this model's.
 
     The plan is built once and checked on every token (`_model_plan_valid`). The new states and conv windows of
-    all layers are two fresh buffers per token (never written in place: a copy of the cache may share the old
-    ones), and the cache's entries are views of them; while they still are, the next token reads the buffers
-    directly (`ModelFastState` in `Cache.fast`). The blocks' arithmetic is the per-block step's (bit for bit);
-    the final norm and head are C loops (the logits agree with torch's to rounding)."""
+    all layers are one fresh buffer per token (never written in place: a copy of the cache may share the old
+    ones). The cache's entries are written lazily (`ModelPending`): a token leaves its buffer in `Cache.pending`,
+    the next token reads it from there, and the entries (views of the buffer) are made only when something reads
+    `Cache.layers`. After that, while the entries are still those views, the next token reads the buffer
+    directly (`ModelFastState` in `Cache.fast`), else it gathers the entries. The blocks' arithmetic is the
+    per-block step's (bit for bit); the final norm and head are C loops (the logits agree with torch's to
+    rounding)."""
     if (torch.is_grad_enabled() or type(cache) is not Cache or cache.rollback or not ids.is_cpu
             or type(logits_to_keep) is not int or logits_to_keep < 0 or not getattr(model, "compiled_decode", True)
             or torch.compiler.is_compiling() or not _cpu_decode.enabled()):
@@ -934,44 +989,47 @@ def model_step(model, ids: torch.Tensor, cache, logits_to_keep, block_type):
     if slot.plan is None or not _model_plan_valid(slot, model, B):
         if not _build_model_plan(slot, model, B, block_type):
             return None
-    layers = cache.layers
-    if len(layers) != slot.L:
-        return None
-    try:
-        lcs = [d["mixer"] for d in layers]
-    except KeyError:
-        lcs = [cache.layer(i, "mixer") for i in range(slot.L)]
-    cdt = slot.dtype
-    rec = cache.fast
-    if (type(rec) is ModelFastState and rec.B == B and rec.dtype is cdt
-            and all(map(operator.is_, _entries(slot, lcs), rec.entries))):
-        S_in, W_in, offsets = rec.S, rec.W, rec.offsets
+    lo = slot.layout
+    pend = cache.pending
+    if type(pend) is ModelPending and lo.fits(pend.layout) and len(cache._layers) == lo.L:
+        # the last token's buffer, its entries not yet made: nobody has read the cache since
+        buf_in, offsets, n = pend.buf, pend.offsets, pend.n + 1
+        S_ptr = buf_in.data_ptr()
+        W_ptr = S_ptr + lo.n_state * buf_in.element_size() if lo.n_win else None
     else:
-        got = _gather(slot, lcs, cdt)
-        if got is None:
+        if len(cache.layers) != lo.L:   # (applies a pending step of another layout first)
             return None
-        S_in, W_in, offsets = got
-    if slot.lin:
-        offsets = torch.ones(len(slot.lin), B, dtype=torch.int64) if offsets is None else offsets + 1
+        lcs = _mixer_caches(cache, lo.L)
+        rec = cache.fast
+        if type(rec) is ModelFastState and lo.fits(rec.layout) and all(map(operator.is_, _entries(lo, lcs),
+                                                                             rec.entries)):
+            S_in, W_in, offsets = rec.S, rec.W, rec.offsets
+        else:
+            got = _gather(lo, lcs, lo.dtype)
+            if got is None:
+                return None
+            S_in, W_in, offsets = got
+        buf_in, n = (S_in, W_in), 1
+        S_ptr = None if S_in is None else S_in.data_ptr()
+        W_ptr = None if W_in is None else W_in.data_ptr()
     if ids.dtype != torch.int64 or not ids.is_contiguous():
         ids = ids.to(torch.int64).contiguous()
     # every torch call before the compiled one: it streams all the weights through the caches, after which each
     # torch call costs several times more (its code and data are fetched again); the same for freeing the
     # previous step's buffers (`slot.spent` keeps them until the next token)
     slot.spent = None
-    S = torch.empty(slot.sbuf, dtype=cdt)
-    W = torch.empty(slot.wbuf, dtype=cdt) if slot.n_win else None
-    logits = torch.empty(B, 1, slot.vocab, dtype=cdt)
+    cdt = lo.dtype
+    buf = torch.empty(lo.n_state + lo.n_win, dtype=cdt)
+    logits = torch.empty(B, 1, lo.vocab, dtype=cdt)
     aux = torch.zeros((), dtype=torch.float32)
-    states, convs = _views(slot, S, W, offsets)
-    rc = slot.fn(ctypes.byref(slot.plan), ids.data_ptr(), None if S_in is None else S_in.data_ptr(),
-                 None if W_in is None else W_in.data_ptr(), S.data_ptr(), None if W is None else W.data_ptr(),
-                 logits.data_ptr())
+    out_ptr = buf.data_ptr()
+    rc = slot.fn(ctypes.byref(slot.plan), ids.data_ptr(), S_ptr, W_ptr, out_ptr,
+                 out_ptr + lo.n_state * buf.element_size() if lo.n_win else None, logits.data_ptr())
     if rc == 2:
         return None   # a token id out of range: forward's checks report it
     if rc:
         raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
-    slot.spent = cache.fast
-    cache.fast = ModelFastState(_store(slot, lcs, states, convs), S, W, offsets, B, cdt)
+    slot.spent = buf_in
+    cache.pending = ModelPending(lo, buf, offsets, n)
     cache.seen_tokens += 1
     return logits, aux
