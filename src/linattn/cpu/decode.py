@@ -51,7 +51,7 @@ def _library():
             f.argtypes = [ctypes.POINTER(BlockPlan)] + [c_ptr] * 6
             f.restype = c_int
             f = getattr(lib, f"linattn_decode_model_{sfx}")
-            f.argtypes = [ctypes.POINTER(ModelPlan)] + [c_ptr] * 6
+            f.argtypes = [ctypes.POINTER(ModelPlan)] + [c_ptr] * 7
             f.restype = c_int
         _typed.add(id(lib))
     return lib
@@ -166,7 +166,7 @@ class ModelPlan(ctypes.Structure):
 
 def model_function(dtype: torch.dtype):
     """The compiled whole-model step for dtype (float32 / float64): fn(byref(plan), ids, S_in, w_in, S_out, w_out,
-    logits) -> 0, 1 (out of memory) or 2 (a token id out of range; nothing written); None when the kernels are off
-    or absent."""
+    logits, aux) -> 0, 1 (out of memory) or 2 (a token id out of range; nothing written); aux (a float32 scalar, or
+    None) is set to 0 on success; None when the kernels are off or absent."""
     lib = _library()
     return None if lib is None else getattr(lib, f"linattn_decode_model_{_SFX[dtype]}")

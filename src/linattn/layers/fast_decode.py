@@ -1021,10 +1021,10 @@ def model_step(model, ids: torch.Tensor, cache, logits_to_keep, block_type):
     cdt = lo.dtype
     buf = torch.empty(lo.n_state + lo.n_win, dtype=cdt)
     logits = torch.empty(B, 1, lo.vocab, dtype=cdt)
-    aux = torch.zeros((), dtype=torch.float32)
+    aux = torch.empty((), dtype=torch.float32)   # zeroed by the call (torch.zeros costs a fill kernel's code)
     out_ptr = buf.data_ptr()
     rc = slot.fn(ctypes.byref(slot.plan), ids.data_ptr(), S_ptr, W_ptr, out_ptr,
-                 out_ptr + lo.n_state * buf.element_size() if lo.n_win else None, logits.data_ptr())
+                 out_ptr + lo.n_state * buf.element_size() if lo.n_win else None, logits.data_ptr(), aux.data_ptr())
     if rc == 2:
         return None   # a token id out of range: forward's checks report it
     if rc:
