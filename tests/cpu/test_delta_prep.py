@@ -1,5 +1,6 @@
-"""The delta rule's preprocessing on the compiled kernel (prepare_delta(fused=True): cpu/delta.py delta_prepare,
-csrc/deltaprep.c): q/k L2 normalisation ("rsqrt"), scale and the key-norm rescaling in one pass each way, against
+"""The delta rule's preprocessing on the compiled kernel (prepare_delta(fused=True): cpu/delta.py delta_prepare and
+delta_prepare_raw, csrc/deltaprep.c): q/k L2 normalisation ("rsqrt") or none (EFLA's coefficient, the raw form),
+scale and the key-norm rescaling in one pass each way, against
 the PyTorch lines of prepare_delta (the fallback) and an fp64 reference written from the formula: outputs and the
 gradients of q, k, v and beta; fp32 / fp64, T = 1 and odd T; zero keys, keys whose sum of squares overflows, inf and
 NaN rows (the same rows non-finite, no other row touched); delta_rule with qk_l2norm on the kernels against the fp64
@@ -12,7 +13,7 @@ import torch
 
 from linattn import delta_rule
 from linattn.cpu import delta as cpu_delta
-from linattn.ops.delta_core import prepare_delta
+from linattn.ops.delta_core import efla_coefficient, prepare_delta
 from linattn.ops.reference import delta_rule_ref
 
 pytestmark = [pytest.mark.skipif(not cpu_delta.prep_available(torch.float32),
@@ -188,15 +189,16 @@ def _fused_used(**kw):
     q, k, v, beta = _inputs(torch.float32, T=4)
     q.requires_grad_()
     p = prepare_delta(q, k, v, beta, **kw)
-    return type(p.q.grad_fn).__name__ == "_DeltaPrepBackward"
+    return type(p.q.grad_fn).__name__ in ("_DeltaPrepBackward", "_DeltaPrepRawBackward")
 
 
 def test_what_turns_it_off(monkeypatch):
     assert _fused_used(qk_l2norm=True, fused=True)
     assert not _fused_used(qk_l2norm=True)                                  # prepare_delta's default
     assert not _fused_used(qk_l2norm="clamp", fused=True)
-    assert not _fused_used(qk_l2norm=False, fused=True)
     assert not _fused_used(qk_l2norm=True, fused=True, coefficient=lambda b, lam: b)
+    assert _fused_used(qk_l2norm=False, fused=True, coefficient=efla_coefficient)   # the raw form (EFLA)
+    assert _fused_used(qk_l2norm=False, fused=True)
     monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
     assert not _fused_used(qk_l2norm=True, fused=True)
 
@@ -211,3 +213,83 @@ def test_delta_rule_backend_torch_keeps_the_pytorch_preprocessing(monkeypatch):
     o_c, _ = delta_rule(q, k, v, beta, qk_l2norm=True, backend="auto")
     assert seen
     torch.testing.assert_close(o_c, o_t, atol=2e-5, rtol=2e-5)
+
+
+# ------------------------------------------------------------------ the raw form (no normalisation: EFLA)
+
+def reference_raw(q, k, v, beta, scale, coefficient):
+    """fp64, from the formula: lam = |k|^2, d = sqrt(max(lam, 1)) held constant, a = coefficient(beta, lam) d^2."""
+    q, k, v, beta = (t.double() for t in (q, k, v, beta))
+    lam = (k * k).sum(-1)
+    d2 = lam.detach().clamp_min(1.0)
+    d = d2.sqrt().unsqueeze(-1)
+    a = coefficient(beta, lam) if coefficient is not None else beta
+    return q * scale, k / d, v / d, a * d2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("T", [1, 37])
+def test_raw_against_reference_and_torch(dtype, exact, T):
+    q, k, v, beta = _inputs(dtype, T=T)
+    k = k * 0.3                                   # norms on both sides of 1 (d = 1 and d > 1)
+    k[0, 0, 1] = 0.0
+    coef = efla_coefficient if exact else None
+    x = (q, k, v, beta)
+    leaves = [t.clone().requires_grad_() for t in x]
+    p = prepare_delta(*leaves, coefficient=coef, scale=0.3, fused=True)
+    assert type(p.q.grad_fn).__name__ == "_DeltaPrepRawBackward"
+    tl = [t.clone().requires_grad_() for t in x]
+    tp = prepare_delta(*tl, coefficient=coef, scale=0.3)
+    rl = [t.clone().double().requires_grad_() for t in x]
+    rout = reference_raw(*rl, 0.3, efla_coefficient if exact else None)
+    out, tout = (p.q, p.k, p.v, p.a), (tp.q, tp.k, tp.v, tp.a)
+    ws = [torch.randn(o.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+          for i, o in enumerate(out)]
+    grads = torch.autograd.grad(sum((o.double() * w).sum() for o, w in zip(out, ws)), leaves)
+    tgrads = torch.autograd.grad(sum((o.double() * w).sum() for o, w in zip(tout, ws)), tl)
+    rgrads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(rout, ws)), rl)
+    for name, a, t, r in zip(["q", "k", "v", "a", "dq", "dk", "dv", "dbeta"], [*out, *grads], [*tout, *tgrads],
+                             [*rout, *rgrads]):
+        assert a.dtype == dtype, name
+        _close(a, r, TOL[dtype], f"raw {name} vs the fp64 reference")
+        _close(a, t, TOL[dtype], f"raw {name} vs the PyTorch form")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_raw_overflowing_and_non_finite_rows_as_torch(dtype):
+    """|k|^2 overflowing the float sum (summed in double, as key_norms), inf and NaN keys: the PyTorch form's
+    values and non-finite pattern, every other row untouched."""
+    q, k, v, beta = _inputs(dtype, T=6)
+    k[0, 2, 1] = k[0, 2, 1] * (3e19 if dtype == torch.float32 else 1e150)
+    k[1, 4, 2, 3] = float("nan")
+    k[1, 1, 0, 0] = float("inf")
+    outs = []
+    for fused in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, beta)]
+        p = prepare_delta(*leaves, coefficient=efla_coefficient, fused=fused)
+        out = (p.q, p.k, p.v, p.a)
+        outs.append((*out, *torch.autograd.grad(sum(o.sum() for o in out), leaves)))
+    for a, t in zip(*outs):
+        assert torch.equal(torch.isnan(a), torch.isnan(t)) and torch.equal(torch.isinf(a), torch.isinf(t))
+        fin = torch.isfinite(t)
+        torch.testing.assert_close(a[fin], t[fin], atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gated", [False, True])
+def test_efla_delta_rule_against_reference(dtype, gated):
+    g = torch.Generator().manual_seed(6)
+    B, T, H, K, V = 2, 45, 2, 8, 5
+    q, k = torch.randn(B, T, H, K, generator=g, dtype=dtype), 0.6 * torch.randn(B, T, H, K, generator=g, dtype=dtype)
+    v, beta = torch.randn(B, T, H, V, generator=g, dtype=dtype), torch.rand(B, T, H, generator=g, dtype=dtype)
+    gate = -0.5 * torch.rand(B, T, H, generator=g, dtype=dtype) if gated else None
+    wo = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, beta)]
+    o, _ = delta_rule(*leaves, g=gate, exact=True, backend="cpu")
+    grads = torch.autograd.grad((o.double() * wo).sum(), leaves)
+    rl = [t.clone().double().requires_grad_() for t in (q, k, v, beta)]
+    ro, _ = delta_rule_ref(*rl, g=gate, exact=True)
+    rgrads = torch.autograd.grad((ro * wo).sum(), rl)
+    for a, r in zip([o, *grads], [ro, *rgrads]):
+        _close(a, r, 2e-5 if dtype == torch.float32 else 1e-11, "EFLA on the kernels vs the fp64 reference")

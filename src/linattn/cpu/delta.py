@@ -24,7 +24,7 @@ import torch
 
 from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
 
-__all__ = ["CHECKPOINT", "available", "delta_prepare", "delta_scan", "prep_available"]
+__all__ = ["CHECKPOINT", "available", "delta_prepare", "delta_prepare_raw", "delta_scan", "prep_available"]
 
 CHECKPOINT = 64  # tokens between the states the forward keeps for the backward
 _typed = set()
@@ -193,6 +193,12 @@ def _prep_library():
             b = getattr(lib, f"linattn_dprep_bwd_{sfx}")
             b.argtypes = [c_i64] * 3 + [c_ptr] * 2 + [c_double] * 2 + [c_ptr] * 8 + [c_int]
             b.restype = c_int
+            f = getattr(lib, f"linattn_dprep_raw_fwd_{sfx}")
+            f.argtypes = [c_i64] * 3 + [c_ptr] * 3 + [c_double] + [c_ptr] * 4 + [c_int]
+            f.restype = c_int
+            b = getattr(lib, f"linattn_dprep_raw_bwd_{sfx}")
+            b.argtypes = [c_i64] * 3 + [c_ptr] + [c_double] + [c_ptr] * 7 + [c_int]
+            b.restype = c_int
         _prep_typed.add(id(lib))
     return lib
 
@@ -240,3 +246,39 @@ def delta_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
     max(|l2(k)|, 1), differentiable in q, k, v, beta (d held constant, as there). csrc/deltaprep.c has the formulas."""
     return _DeltaPrep.apply(q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), float(scale),
                             float(eps))
+
+
+class _DeltaPrepRaw(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        K, V = q.shape[-1], v.shape[-1]
+        R = q.numel() // K if K else 0
+        qo, ko, vo = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        lam = q.new_empty(q.shape[:-1], dtype=torch.float64)
+        getattr(_prep_library(), f"linattn_dprep_raw_fwd_{_PREP_SFX[q.dtype]}")(
+            R, K, V, ptr(q), ptr(k), ptr(v), scale, ptr(qo), ptr(ko), ptr(vo), ptr(lam), threads())
+        ctx.save_for_backward(k)
+        ctx.scale, ctx.V = scale, V
+        ctx.set_materialize_grads(False)
+        return qo, ko, vo, lam
+
+    @staticmethod
+    def backward(ctx, dqo, dko, dvo, dlam):
+        (k,) = ctx.saved_tensors
+        K, V = k.shape[-1], ctx.V
+        R = k.numel() // K if K else 0
+        dq, dk = torch.empty_like(k), torch.empty_like(k)
+        dv = k.new_empty(*k.shape[:-1], V)
+        c = [x.contiguous() if x is not None else None for x in (dqo, dko, dvo)]
+        dl = dlam.to(torch.float64).contiguous() if dlam is not None else None
+        getattr(_prep_library(), f"linattn_dprep_raw_bwd_{_PREP_SFX[k.dtype]}")(
+            R, K, V, ptr(k), ctx.scale, *(ptr(x) for x in c), ptr(dl), ptr(dq), ptr(dk), ptr(dv), threads())
+        return dq, dk, dv, None
+
+
+def delta_prepare_raw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """prepare_delta's preprocessing without the q/k normalisation (EFLA, whose coefficient reads lam): q, k
+    [B, T, H, K], v [B, T, H, V] (float32 or float64, CPU) -> (scale q, k / d, v / d, lam = |k|^2 in float64),
+    d = sqrt(max(lam, 1)) held constant; differentiable in q, k, v (and through lam in k)."""
+    return _DeltaPrepRaw.apply(q.contiguous(), k.contiguous(), v.contiguous(), float(scale))

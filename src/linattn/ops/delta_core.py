@@ -417,8 +417,9 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
         cu_seqlens: int64 `[N+1]` offsets of N packed sequences (B == 1).
         fused: Allow the compiled CPU preprocessing (`linattn.cpu.delta.delta_prepare`: the normalisation, scale
             and key-norm rescaling in one pass each way) where it covers the call: CPU float32 / float64 inputs,
-            qk_l2norm "rsqrt", no coefficient, no r, no grouped value heads, eager, kernels switched on. The same
-            values as the PyTorch lines to rounding; they stay the reference and the fallback.
+            qk_l2norm "rsqrt" without a coefficient, or no qk_l2norm with or without one (EFLA: the coefficient
+            and d2 then run in PyTorch on [B, T, H]), no r, no grouped value heads, eager, kernels switched on. The
+            same values as the PyTorch lines to rounding; they stay the reference and the fallback.
 
     Returns:
         The prepared call, a `DeltaProblem` in the compute dtype, for `run_delta` (or `chunk_size_used`).
@@ -463,9 +464,14 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
     cdt = compute_dtype(q.dtype)
     q_c, k_c, v_c, b_c = q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt)
     if fused and _fused_prep(q_c, l2, coefficient, r, n):
-        from ..cpu.delta import delta_prepare
+        from ..cpu.delta import delta_prepare, delta_prepare_raw
 
-        q_c, k_c, v_c, a = delta_prepare(q_c, k_c, v_c, b_c, scale, L2NORM_EPS)
+        if l2 is None:   # the lines below, but for the coefficient and a d2 on [B, T, H] (EFLA)
+            q_c, k_c, v_c, lam = delta_prepare_raw(q_c, k_c, v_c, scale)
+            a = coefficient(b_c.to(lam.dtype), lam) if coefficient is not None else b_c
+            a = (a * lam.detach().clamp_min(1.0)).to(cdt)
+        else:
+            q_c, k_c, v_c, a = delta_prepare(q_c, k_c, v_c, b_c, scale, L2NORM_EPS)
         S0 = initial_state.to(cdt) if initial_state is not None else None
         g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
         return DeltaProblem(q_c, k_c, v_c, None, a, g_c, S0, mode, chunk_size, offsets, N, output_final_state,
@@ -490,7 +496,8 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
 
 def _fused_prep(q_c: torch.Tensor, l2: Optional[str], coefficient, r, n: int) -> bool:
     """Whether prepare_delta's compiled preprocessing covers the call (its `fused` argument)."""
-    if l2 != "rsqrt" or coefficient is not None or r is not None or n != 1 or q_c.device.type != "cpu":
+    if l2 == "clamp" or (l2 is not None and coefficient is not None) or r is not None or n != 1 \
+            or q_c.device.type != "cpu":
         return False
     from ..cpu.delta import prep_available
 

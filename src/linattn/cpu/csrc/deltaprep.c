@@ -162,6 +162,86 @@ int linattn_dprep_bwd_##SFX(int64_t R, int64_t K, int64_t V, const real *q, cons
         }                                                                                                       \
     }                                                                                                           \
     return 0;                                                                                                   \
+}                                                                                                               \
+                                                                                                                \
+/* Without the normalisation (qk_l2norm=False: EFLA, whose coefficient reads lam): q~ = scale q,               \
+   lam = |k|^2 (double; for float keys the float sum, widened, or where it is not finite the double sum, as      \
+   key_norms), d = sqrt(max(lam, 1)), k~ = k / d, v~ = v / d -> qo, ko [R, K], vo [R, V], lam [R]. */           \
+static inline double lam_row_##SFX(const real *restrict x, int64_t K, int *wide) {                              \
+    real ss = 0;                                                                                                \
+    _Pragma("omp simd reduction(+:ss)")                                                                         \
+    for (int64_t j = 0; j < K; ++j) ss += x[j] * x[j];                                                          \
+    *wide = !isfinite(ss);                                                                                      \
+    if (!*wide) return (double)ss;                                                                              \
+    double sd = 0;                                                                                              \
+    for (int64_t j = 0; j < K; ++j) sd += (double)x[j] * (double)x[j];                                          \
+    return sd;                                                                                                  \
+}                                                                                                               \
+                                                                                                                \
+int linattn_dprep_raw_fwd_##SFX(int64_t R, int64_t K, int64_t V, const real *q, const real *k, const real *v,  \
+                                double scale, real *qo, real *ko, real *vo, double *lam, int nthreads) {        \
+    const real sc = (real)scale;                                                                                \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                          \
+    for (int64_t i = 0; i < R; ++i) {                                                                           \
+        const real *restrict qr = q + i * K, *restrict kr = k + i * K, *restrict vr = v + i * V;               \
+        real *restrict qor = qo + i * K, *restrict kor = ko + i * K, *restrict vor = vo + i * V;               \
+        _Pragma("omp simd")                                                                                     \
+        for (int64_t j = 0; j < K; ++j) qor[j] = qr[j] * sc;                                                    \
+        int wide;                                                                                               \
+        const double l = lam_row_##SFX(kr, K, &wide), d2 = (l < 1.0 || l != l) ? (l != l ? l : 1.0) : l;        \
+        const real d = (real)sqrt(d2);                                                                          \
+        lam[i] = l;                                                                                             \
+        if (d != (real)1) {                                                                                     \
+            for (int64_t j = 0; j < K; ++j) kor[j] = kr[j] / d;                                                 \
+            for (int64_t j = 0; j < V; ++j) vor[j] = vr[j] / d;                                                 \
+        } else {                                                                                                \
+            _Pragma("omp simd")                                                                                 \
+            for (int64_t j = 0; j < K; ++j) kor[j] = kr[j];                                                     \
+            _Pragma("omp simd")                                                                                 \
+            for (int64_t j = 0; j < V; ++j) vor[j] = vr[j];                                                     \
+        }                                                                                                       \
+    }                                                                                                           \
+    return 0;                                                                                                   \
+}                                                                                                               \
+                                                                                                                \
+/* gradients of qo, ko, vo (NULL: zero) and lam (double, NULL: zero) -> dq, dk [R, K], dv [R, V]: dk = dko / d  \
+   + 2 k dlam (d held constant). */                                                                             \
+int linattn_dprep_raw_bwd_##SFX(int64_t R, int64_t K, int64_t V, const real *k, double scale, const real *dqo,  \
+                                const real *dko, const real *dvo, const double *dlam, real *dq, real *dk,       \
+                                real *dv, int nthreads) {                                                       \
+    const real sc = (real)scale;                                                                                \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                          \
+    for (int64_t i = 0; i < R; ++i) {                                                                           \
+        const real *restrict kr = k + i * K;                                                                    \
+        real *restrict dqr = dq + i * K, *restrict dkr = dk + i * K, *restrict dvr = dv + i * V;               \
+        if (dqo) {                                                                                              \
+            const real *restrict g = dqo + i * K;                                                               \
+            _Pragma("omp simd")                                                                                 \
+            for (int64_t j = 0; j < K; ++j) dqr[j] = g[j] * sc;                                                 \
+        } else {                                                                                                \
+            for (int64_t j = 0; j < K; ++j) dqr[j] = 0;                                                         \
+        }                                                                                                       \
+        int wide;                                                                                               \
+        const double l = lam_row_##SFX(kr, K, &wide), d2 = (l < 1.0 || l != l) ? (l != l ? l : 1.0) : l;        \
+        const real d = (real)sqrt(d2);                                                                          \
+        for (int64_t j = 0; j < K; ++j) dkr[j] = dko ? (d != (real)1 ? dko[i * K + j] / d : dko[i * K + j]) : 0; \
+        if (dlam) {                                                                                             \
+            if (!wide) {                                                                                        \
+                const real gl = (real)dlam[i];                                                                  \
+                _Pragma("omp simd")                                                                             \
+                for (int64_t j = 0; j < K; ++j) dkr[j] += gl * kr[j] + gl * kr[j];                              \
+            } else {                                                                                            \
+                for (int64_t j = 0; j < K; ++j) dkr[j] += (real)(2.0 * (double)kr[j] * dlam[i]);               \
+            }                                                                                                   \
+        }                                                                                                       \
+        if (dvo) {                                                                                              \
+            const real *restrict g = dvo + i * V;                                                               \
+            for (int64_t j = 0; j < V; ++j) dvr[j] = d != (real)1 ? g[j] / d : g[j];                            \
+        } else {                                                                                                \
+            for (int64_t j = 0; j < V; ++j) dvr[j] = 0;                                                         \
+        }                                                                                                       \
+    }                                                                                                           \
+    return 0;                                                                                                   \
 }
 
 DEFINE_DPREP(f32, float)
