@@ -405,3 +405,15 @@ def test_pending_tokens_copies_pickles_and_readers(monkeypatch):
     old = type(cache).__new__(type(cache))
     old.__setstate__(state)
     _assert_entries(old, ref)
+
+
+def test_switch_read_per_token_follows_the_environment(monkeypatch):
+    """`switched_on` (the per-token read of LINATTN_CPU_KERNELS) agrees with `build.enabled` through every change of
+    the variable, unset included."""
+    from linattn.cpu.build import enabled
+
+    for value in ("0", "1", " OFF ", "no", "yes", "False", "", "0"):
+        monkeypatch.setenv("LINATTN_CPU_KERNELS", value)
+        assert cpu_decode.switched_on() == enabled() == (value.strip().lower() not in ("0", "false", "off", "no"))
+    monkeypatch.delenv("LINATTN_CPU_KERNELS")
+    assert cpu_decode.switched_on() and enabled()

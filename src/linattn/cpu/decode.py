@@ -13,12 +13,13 @@ Grad-free use only (the layers call it under `torch.no_grad` decoding). Nothing 
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Optional, Tuple
 
 import torch
 
 from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
-from .build import enabled
+from .build import ENV_SWITCH, enabled
 
 __all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", "ModelPlan", "model_function",
            "BETA_MODES", "FEATURE_MAPS"]
@@ -55,6 +56,29 @@ def _library():
             f.restype = c_int
         _typed.add(id(lib))
     return lib
+
+
+# the switch is read on every decoded token, where os.environ.get (key encoding, value decoding, normalising: ~50
+# us when its code and data are out of cache, as between other models' steps) cost more than the check is worth:
+# `switched_on` looks the raw value up in os.environ's own mapping and keeps the decision while it is the same
+# object (setting or deleting the variable stores a new one or none)
+_ENV_KEY = os.environ.encodekey(ENV_SWITCH) if hasattr(os.environ, "encodekey") else None
+_switch_seen: tuple = (object(), True)
+
+
+def switched_on() -> bool:
+    """`build.enabled()` (LINATTN_CPU_KERNELS not 0 / false / off / no), cheap enough for every decoded token."""
+    global _switch_seen
+    data = getattr(os.environ, "_data", None)
+    if type(data) is not dict or _ENV_KEY is None:
+        return enabled()
+    raw = data.get(_ENV_KEY)
+    if raw is None:
+        return True
+    seen = _switch_seen
+    if raw is not seen[0]:
+        seen = _switch_seen = (raw, enabled())
+    return seen[1]
 
 
 def available() -> bool:

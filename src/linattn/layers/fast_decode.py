@@ -564,7 +564,7 @@ def block_step(layer, x: torch.Tensor, cache: Optional[LayerCache], norm1, norm2
     if not (isinstance(slot, BlockPlanSlot) and getattr(layer, "fast_decode", False) and layer.compiled_decode
             and cache is not None and x.dim() == 3 and x.shape[1] == 1 and x.device.type == "cpu"
             and not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64) and layer.rope is None
-            and not torch.compiler.is_compiling() and _cpu_decode.enabled()):
+            and not torch.compiler.is_compiling() and _cpu_decode.switched_on()):
         return None
     key = _block_key(layer, x, norm1, norm2, ffn)
     if key != slot.key or layer._fused._value is not slot.fused:
@@ -672,7 +672,7 @@ class ModelPlanSlot:
 
     __slots__ = ("plan", "fn", "keep", "B", "dtype", "nthreads", "training", "idicts", "inames", "iobjs",
                  "tensors", "vtensors", "versions", "ptrs", "aliases", "hookdicts", "mixers",
-                 "fusedobjs", "fused", "layout", "spent")
+                 "fusedobjs", "fused", "layout", "spent", "planref")
 
     def __init__(self):
         self.plan = self.spent = None
@@ -818,7 +818,7 @@ def _build_model_plan(slot, model, B: int, block_type) -> bool:
             C, KW = first.wshape[1:]
             lo.wmode = 1 if B == 1 and first.sizes[0] == first.sizes[2] else 2
             lo.wbuf = (3 * lo.L, 1, C // 3, KW) if lo.wmode == 1 else (lo.L,) + first.wshape
-    slot.plan = mp
+    slot.plan, slot.planref = mp, ctypes.byref(mp)
     return True
 
 
@@ -980,7 +980,7 @@ def model_step(model, ids: torch.Tensor, cache, logits_to_keep, block_type):
     rounding)."""
     if (torch.is_grad_enabled() or type(cache) is not Cache or cache.rollback or not ids.is_cpu
             or type(logits_to_keep) is not int or logits_to_keep < 0 or not getattr(model, "compiled_decode", True)
-            or torch.compiler.is_compiling() or not _cpu_decode.enabled()):
+            or torch.compiler.is_compiling() or not _cpu_decode.switched_on()):
         return None
     B = ids.shape[0]
     slot = model.__dict__.get("_model_plan")
@@ -1023,7 +1023,7 @@ def model_step(model, ids: torch.Tensor, cache, logits_to_keep, block_type):
     logits = torch.empty(B, 1, lo.vocab, dtype=cdt)
     aux = torch.empty((), dtype=torch.float32)   # zeroed by the call (torch.zeros costs a fill kernel's code)
     out_ptr = buf.data_ptr()
-    rc = slot.fn(ctypes.byref(slot.plan), ids.data_ptr(), S_ptr, W_ptr, out_ptr,
+    rc = slot.fn(slot.planref, ids.data_ptr(), S_ptr, W_ptr, out_ptr,
                  out_ptr + lo.n_state * buf.element_size() if lo.n_win else None, logits.data_ptr(), aux.data_ptr())
     if rc == 2:
         return None   # a token id out of range: forward's checks report it
