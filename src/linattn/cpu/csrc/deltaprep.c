@@ -224,7 +224,15 @@ int linattn_dprep_raw_bwd_##SFX(int64_t R, int64_t K, int64_t V, const real *k, 
         int wide;                                                                                               \
         const double l = lam_row_##SFX(kr, K, &wide), d2 = (l < 1.0 || l != l) ? (l != l ? l : 1.0) : l;        \
         const real d = (real)sqrt(d2);                                                                          \
-        for (int64_t j = 0; j < K; ++j) dkr[j] = dko ? (d != (real)1 ? dko[i * K + j] / d : dko[i * K + j]) : 0; \
+        /* the branches outside the loops: a conditional division inside one does not vectorise */              \
+        if (!dko) {                                                                                             \
+            for (int64_t j = 0; j < K; ++j) dkr[j] = 0;                                                         \
+        } else if (d != (real)1) {                                                                              \
+            for (int64_t j = 0; j < K; ++j) dkr[j] = dko[i * K + j] / d;                                        \
+        } else {                                                                                                \
+            _Pragma("omp simd")                                                                                 \
+            for (int64_t j = 0; j < K; ++j) dkr[j] = dko[i * K + j];                                            \
+        }                                                                                                       \
         if (dlam) {                                                                                             \
             if (!wide) {                                                                                        \
                 const real gl = (real)dlam[i];                                                                  \
@@ -236,7 +244,12 @@ int linattn_dprep_raw_bwd_##SFX(int64_t R, int64_t K, int64_t V, const real *k, 
         }                                                                                                       \
         if (dvo) {                                                                                              \
             const real *restrict g = dvo + i * V;                                                               \
-            for (int64_t j = 0; j < V; ++j) dvr[j] = d != (real)1 ? g[j] / d : g[j];                            \
+            if (d != (real)1) {                                                                                 \
+                for (int64_t j = 0; j < V; ++j) dvr[j] = g[j] / d;                                              \
+            } else {                                                                                            \
+                _Pragma("omp simd")                                                                             \
+                for (int64_t j = 0; j < V; ++j) dvr[j] = g[j];                                                  \
+            }                                                                                                   \
         } else {                                                                                                \
             for (int64_t j = 0; j < V; ++j) dvr[j] = 0;                                                         \
         }                                                                                                       \
