@@ -1,8 +1,10 @@
 """The layers' short causal depthwise convolution (ShortConv, T > 1 on the CPU) on a compiled kernel
-(`csrc/conv.c`): forward with the SiLU fused in one pass, backward (dx, dw, dbias) in two.
+(`csrc/conv.c`): forward with the SiLU fused in one pass, backward (dx, dw, dbias) in one.
 
 `short_conv(xp, w, bias, silu)`: xp `[B, T + K - 1, D]` (the look-back, then x), w `[K, D]`, bias `[D]` or None ->
-`[B, T, D]`, differentiable (an autograd Function). The PyTorch form (`layers/common.py: ShortConv._taps`) stays
+`[B, T, D]`, differentiable (an autograd Function). `short_conv_sep(x, past, w, bias, silu)`: the same with x and
+its look-back `[B, K - 1, D]` (or None) apart, what the layer calls (no padded copy; the backward recomputes the
+pre-activation instead of the forward storing it). The PyTorch form (`layers/common.py: ShortConv._taps`) stays
 the fallback and the reference (tests/layers/test_short_conv_taps.py). Eager only: under torch.compile tracing
 `available()` is False and the layer uses the PyTorch form. Nothing here imports linattn.ops.
 """
@@ -37,7 +39,7 @@ def _library():
             f.argtypes = [c_i64] * 4 + [c_ptr] * 4 + [c_int] + [c_ptr] * 2 + [c_int]
             f.restype = c_int
             g = getattr(lib, f"linattn_conv_bwd_sep_{sfx}")
-            g.argtypes = [c_i64] * 4 + [c_ptr] * 9 + [c_int]
+            g.argtypes = [c_i64] * 4 + [c_ptr] * 4 + [c_int] + [c_ptr] * 5 + [c_int]
             g.restype = c_int
         _typed.add(id(lib))
     return lib
@@ -97,16 +99,16 @@ class _ShortConvSep(torch.autograd.Function):
         B, T, D = x.shape
         K = w.shape[0]
         y = torch.empty(B, T, D, dtype=x.dtype)
-        pre = torch.empty_like(y) if silu else None
+        # no pre-activation kept: the backward recomputes it from the rows it reads anyway
         _check(getattr(_library(), f"linattn_conv_fwd_sep_{_SFX[x.dtype]}")(
-            B, T, D, K, ptr(x), ptr(past), ptr(w), ptr(bias), int(bool(silu)), ptr(y), ptr(pre), threads()))
-        ctx.save_for_backward(x, past, w, pre)
-        ctx.has_bias = bias is not None
+            B, T, D, K, ptr(x), ptr(past), ptr(w), ptr(bias), int(bool(silu)), ptr(y), None, threads()))
+        ctx.save_for_backward(x, past, w, bias)
+        ctx.silu = bool(silu)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x, past, w, pre = ctx.saved_tensors
+        x, past, w, bias = ctx.saved_tensors
         B, T, D = x.shape
         K = w.shape[0]
         gy = gy.contiguous()
@@ -114,10 +116,10 @@ class _ShortConvSep(torch.autograd.Function):
         dx = torch.empty_like(x) if need_x else None
         dpast = torch.empty_like(past) if (need_p and past is not None) else None
         dw = torch.empty_like(w) if need_w else None
-        db = torch.empty(D, dtype=x.dtype) if (need_b and ctx.has_bias) else None
+        db = torch.empty(D, dtype=x.dtype) if (need_b and bias is not None) else None
         _check(getattr(_library(), f"linattn_conv_bwd_sep_{_SFX[x.dtype]}")(
-            B, T, D, K, ptr(x), ptr(past), ptr(w), ptr(pre), ptr(gy), ptr(dx), ptr(dpast), ptr(dw), ptr(db),
-            threads()))
+            B, T, D, K, ptr(x), ptr(past), ptr(w), ptr(bias), int(ctx.silu), ptr(gy), ptr(dx), ptr(dpast), ptr(dw),
+            ptr(db), threads()))
         return dx, dpast, dw, db, None
 
 

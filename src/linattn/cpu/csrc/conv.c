@@ -58,7 +58,7 @@ static int conv_fwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real
             for (int64_t d = 0; d < D; ++d) yr[d] += bias[d];                                                   \
         if (act) {                                                                                              \
             _Pragma("omp simd")                                                                                 \
-            for (int64_t d = 0; d < D; ++d) { real a = yr[d]; pr[d] = a; yr[d] = a / ((real)1 + EXP(-a)); }     \
+            for (int64_t d = 0; d < D; ++d) { real a = yr[d]; if (pr) pr[d] = a; yr[d] = a / ((real)1 + EXP(-a)); } \
         }                                                                                                       \
     }                                                                                                           \
     free(zero);                                                                                                 \
@@ -71,8 +71,9 @@ static int conv_fwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real
    dx_i = sum_j ga_{i-j} w_j, dw_j += ga_{i-j} x_i, db += ga_i; dw and db are summed per block, then the blocks  \
    in order (the same bits for every thread count). */                                                          \
 static int conv_bwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real *x, int64_t xs,               \
-                          const real *past, int64_t ps, const real *w, const real *pre, const real *gy,         \
-                          real *dx, real *dpast, real *dw, real *db, int nthreads) {                            \
+                          const real *past, int64_t ps, const real *w, const real *bias, int act,               \
+                          const real *pre, const real *gy, real *dx, real *dpast, real *dw, real *db,           \
+                          int nthreads) {                                                                       \
     const int64_t TP = T + K - 1, nbs = (TP + CONV_BLOCK - 1) / CONV_BLOCK, nb = B * nbs, W = (K + 1) * D;      \
     const int want_w = dw != NULL || db != NULL;                                                                \
     real *zero = NULL, *part = NULL;                                                                            \
@@ -88,25 +89,40 @@ static int conv_bwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real
     _Pragma("omp parallel num_threads(nthreads)")                                                               \
     {                                                                                                           \
         /* ga of outputs t in [i0 - K + 1, i0 + CONV_BLOCK): row t at buf + (t - i0 + K - 1) * D */             \
-        real *buf = pre ? (real *)malloc(sizeof(real) * (size_t)((CONV_BLOCK + K - 1) * D + 1)) : NULL;          \
-        if (pre && !buf) {                                                                                      \
+        real *buf = act ? (real *)malloc(sizeof(real) * (size_t)((CONV_BLOCK + K - 1) * D + 1)) : NULL;          \
+        if (act && !buf) {                                                                                      \
             ATOMIC_WRITE failed = 1;                                                                            \
         }                                                                                                       \
         _Pragma("omp for schedule(static)")                                                                     \
         for (int64_t blk = 0; blk < nb; ++blk) {                                                                \
-            if (pre && !buf) continue;                                                                          \
+            if (act && !buf) continue;                                                                          \
             const int64_t b = blk / nbs, i0 = (blk % nbs) * CONV_BLOCK;                                         \
             const int64_t i1 = i0 + CONV_BLOCK < TP ? i0 + CONV_BLOCK : TP;                                     \
             const int64_t tlo = i0 - K + 1 > 0 ? i0 - K + 1 : 0, thi = i1 < T ? i1 : T;                         \
             const real *gb = gy + b * T * D;                                                                    \
-            if (pre) {                                                                                          \
-                const real *pb = pre + b * T * D;                                                               \
+            if (act) { /* pre from the forward, or recomputed from the rows this block reads anyway */          \
                 for (int64_t t = tlo; t < thi; ++t) {                                                           \
-                    const real *restrict pr = pb + t * D, *restrict gr = gb + t * D;                            \
+                    const real *restrict gr = gb + t * D;                                                       \
                     real *restrict o = buf + (t - i0 + K - 1) * D;                                              \
+                    if (pre) {                                                                                  \
+                        const real *restrict pr = pre + (b * T + t) * D;                                        \
+                        _Pragma("omp simd")                                                                     \
+                        for (int64_t d = 0; d < D; ++d) o[d] = pr[d];                                           \
+                    } else {                                                                                    \
+                        const real *restrict x0 = CONV_ROW(b, t);                                               \
+                        _Pragma("omp simd")                                                                     \
+                        for (int64_t d = 0; d < D; ++d) o[d] = x0[d] * w[d];                                    \
+                        for (int64_t j = 1; j < K; ++j) {                                                       \
+                            const real *restrict xj = CONV_ROW(b, t + j), *restrict wj = w + j * D;             \
+                            _Pragma("omp simd")                                                                 \
+                            for (int64_t d = 0; d < D; ++d) o[d] += xj[d] * wj[d];                              \
+                        }                                                                                       \
+                        if (bias)                                                                               \
+                            for (int64_t d = 0; d < D; ++d) o[d] += bias[d];                                    \
+                    }                                                                                           \
                     _Pragma("omp simd")                                                                         \
                     for (int64_t d = 0; d < D; ++d) {                                                           \
-                        real a = pr[d], s = (real)1 / ((real)1 + EXP(-a));                                      \
+                        real a = o[d], s = (real)1 / ((real)1 + EXP(-a));                                       \
                         o[d] = gr[d] * (s * ((real)1 + a * ((real)1 - s)));                                     \
                     }                                                                                           \
                 }                                                                                               \
@@ -120,7 +136,7 @@ static int conv_bwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real
                 for (int64_t j = 0; j < K; ++j) {                                                               \
                     const int64_t t = i - j;                                                                    \
                     if (t < 0 || t >= T) continue;                                                              \
-                    const real *restrict g = pre ? buf + (t - i0 + K - 1) * D : gb + t * D;                     \
+                    const real *restrict g = act ? buf + (t - i0 + K - 1) * D : gb + t * D;                     \
                     const real *restrict wj = w + j * D;                                                        \
                     if (o) {                                                                                    \
                         _Pragma("omp simd")                                                                     \
@@ -133,7 +149,7 @@ static int conv_bwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real
                     }                                                                                           \
                 }                                                                                               \
                 if (pw && i < T) { /* db: each output once, in the block that holds its index */               \
-                    const real *restrict g = pre ? buf + (i - i0 + K - 1) * D : gb + i * D;                     \
+                    const real *restrict g = act ? buf + (i - i0 + K - 1) * D : gb + i * D;                     \
                     real *restrict p = pw + K * D;                                                              \
                     _Pragma("omp simd")                                                                         \
                     for (int64_t d = 0; d < D; ++d) p[d] += g[d];                                               \
@@ -165,20 +181,22 @@ int linattn_conv_fwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const rea
 int linattn_conv_bwd_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real *xp, const real *w,          \
                            const real *pre, const real *gy, real *dxp, real *dw, real *db, int nthreads) {      \
     const int64_t TP = T + K - 1;                                                                               \
-    return conv_bwd_##SFX(B, T, D, K, xp + (K - 1) * D, TP * D, xp, TP * D, w, pre, gy,                         \
+    return conv_bwd_##SFX(B, T, D, K, xp + (K - 1) * D, TP * D, xp, TP * D, w, NULL, pre != NULL, pre, gy,      \
                           dxp ? dxp + (K - 1) * D : NULL, dxp, dw, db, nthreads);                               \
 }                                                                                                               \
                                                                                                                 \
-/* x [B, T, D] and its look-back past [B, K - 1, D] (NULL: zeros) apart. */                                     \
+/* x [B, T, D] and its look-back past [B, K - 1, D] (NULL: zeros) apart. pre may be NULL with act: the backward \
+   then recomputes it (from the rows it reads anyway), which saves the forward a [B, T, D] write. */             \
 int linattn_conv_fwd_sep_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real *x, const real *past,    \
                                const real *w, const real *bias, int act, real *y, real *pre, int nthreads) {    \
     return conv_fwd_##SFX(B, T, D, K, x, T * D, past, (K - 1) * D, w, bias, act, y, pre, nthreads);             \
 }                                                                                                               \
                                                                                                                 \
 int linattn_conv_bwd_sep_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const real *x, const real *past,    \
-                               const real *w, const real *pre, const real *gy, real *dx, real *dpast, real *dw, \
-                               real *db, int nthreads) {                                                        \
-    return conv_bwd_##SFX(B, T, D, K, x, T * D, past, (K - 1) * D, w, pre, gy, dx, dpast, dw, db, nthreads);   \
+                               const real *w, const real *bias, int act, const real *gy, real *dx,              \
+                               real *dpast, real *dw, real *db, int nthreads) {                                 \
+    return conv_bwd_##SFX(B, T, D, K, x, T * D, past, (K - 1) * D, w, bias, act, NULL, gy, dx, dpast, dw, db,   \
+                          nthreads);                                                                            \
 }
 
 #ifdef _OPENMP
