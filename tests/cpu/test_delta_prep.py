@@ -293,3 +293,55 @@ def test_efla_delta_rule_against_reference(dtype, gated):
     rgrads = torch.autograd.grad((ro * wo).sum(), rl)
     for a, r in zip([o, *grads], [ro, *rgrads]):
         _close(a, r, 2e-5 if dtype == torch.float32 else 1e-11, "EFLA on the kernels vs the fp64 reference")
+
+
+# ------------------------------------------------------------------ a layer's own q normalisation (EFLA)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_l2_rows_against_reference_and_l2_normalize(dtype):
+    """cpu.delta.l2_rows against the fp64 formula and layers.common.l2_normalize (the PyTorch form): values and
+    gradients; zero, tiny, overflowing, inf and NaN rows as the PyTorch form (non-finite pattern, other rows)."""
+    from linattn.layers.common import l2_normalize
+
+    q = _inputs(dtype, T=9)[0]
+    q[0, 0, 0] = 0.0
+    q[0, 1, 1] = q[0, 1, 1] * 1e-4
+    q[0, 2, 2] = q[0, 2, 2] * (1e20 if dtype == torch.float32 else 1e160)
+    q[1, 3, 0, 5] = float("nan")
+    q[1, 4, 1, 2] = float("inf")
+    gy = torch.randn(q.shape, dtype=dtype)
+    x1, x2, xr = q.clone().requires_grad_(), q.clone().requires_grad_(), q.clone().double().requires_grad_()
+    y1 = cpu_delta.l2_rows(x1, EPS)
+    y2 = l2_normalize(x2)
+    g1, = torch.autograd.grad(y1, x1, gy)
+    g2, = torch.autograd.grad(y2, x2, gy)
+    for a, t in ((y1, y2), (g1, g2)):
+        assert a.dtype == dtype
+        assert torch.equal(torch.isfinite(a), torch.isfinite(t))
+        fin = torch.isfinite(t)
+        torch.testing.assert_close(a[fin], t[fin], atol=TOL[dtype], rtol=TOL[dtype])
+    ok = torch.ones(2, 9, 3, dtype=torch.bool)
+    ok[0, 2, 2] = ok[1, 3, 0] = ok[1, 4, 1] = False     # the plain formula overflows / is not finite there
+    yr = xr / torch.sqrt((xr * xr).sum(-1, keepdim=True) + EPS)
+    gr, = torch.autograd.grad(yr, xr, gy.double())
+    _close(y1[ok], yr[ok], TOL[dtype], "l2_rows vs the fp64 formula")
+    _close(g1[ok], gr[ok], TOL[dtype], "l2_rows' gradient vs the fp64 formula")
+
+
+def test_efla_layer_on_the_kernels_matches_switched_off(monkeypatch):
+    from linattn.layers import EFLA
+
+    torch.manual_seed(4)
+    layer = EFLA(64, 2).double()
+    x = torch.randn(2, 37, 64, dtype=torch.float64, requires_grad=True)
+    gy = torch.randn(2, 37, 64, dtype=torch.float64)
+
+    def run():
+        y = layer(x)
+        return (y, *torch.autograd.grad(y, (x, layer.q_proj.weight, layer.k_proj.weight), gy))
+
+    fast = run()
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    slow = run()
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)

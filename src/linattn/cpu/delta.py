@@ -24,7 +24,7 @@ import torch
 
 from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
 
-__all__ = ["CHECKPOINT", "available", "delta_prepare", "delta_prepare_raw", "delta_scan", "prep_available"]
+__all__ = ["CHECKPOINT", "available", "delta_prepare", "delta_prepare_raw", "delta_scan", "l2_rows", "prep_available"]
 
 CHECKPOINT = 64  # tokens between the states the forward keeps for the backward
 _typed = set()
@@ -199,6 +199,12 @@ def _prep_library():
             b = getattr(lib, f"linattn_dprep_raw_bwd_{sfx}")
             b.argtypes = [c_i64] * 3 + [c_ptr] + [c_double] + [c_ptr] * 7 + [c_int]
             b.restype = c_int
+            f = getattr(lib, f"linattn_l2rows_fwd_{sfx}")
+            f.argtypes = [c_i64] * 2 + [c_ptr] + [c_double] + [c_ptr] + [c_int]
+            f.restype = c_int
+            b = getattr(lib, f"linattn_l2rows_bwd_{sfx}")
+            b.argtypes = [c_i64] * 2 + [c_ptr] + [c_double] + [c_ptr] * 2 + [c_int]
+            b.restype = c_int
         _prep_typed.add(id(lib))
     return lib
 
@@ -282,3 +288,31 @@ def delta_prepare_raw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     [B, T, H, K], v [B, T, H, V] (float32 or float64, CPU) -> (scale q, k / d, v / d, lam = |k|^2 in float64),
     d = sqrt(max(lam, 1)) held constant; differentiable in q, k, v (and through lam in k)."""
     return _DeltaPrepRaw.apply(q.contiguous(), k.contiguous(), v.contiguous(), float(scale))
+
+
+class _L2Rows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, eps):
+        K = x.shape[-1]
+        y = torch.empty_like(x)
+        getattr(_prep_library(), f"linattn_l2rows_fwd_{_PREP_SFX[x.dtype]}")(x.numel() // K, K, ptr(x), eps, ptr(y),
+                                                                             threads())
+        ctx.save_for_backward(x)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        K = x.shape[-1]
+        dy = dy.contiguous()
+        dx = torch.empty_like(x)
+        getattr(_prep_library(), f"linattn_l2rows_bwd_{_PREP_SFX[x.dtype]}")(
+            x.numel() // K, K, ptr(x), ctx.eps, ptr(dy), ptr(dx), threads())
+        return dx, None
+
+
+def l2_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(sum x^2 + eps) over the last dimension (ops/l2norm.py's "rsqrt" form, overflow-safe rows
+    included) in one pass each way, for a float32 / float64 CPU x with a non-empty last dimension."""
+    return _L2Rows.apply(x.contiguous(), float(eps))

@@ -27,9 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..cpu import delta as _cpu_delta
 from ..errors import LinattnError
 from ..ops import delta_rule
-from ..ops.l2norm import L2NORM_CONVENTIONS
+from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
 from .base import AttentionBase
 from .cache import LayerCache
 from .common import cdt, l2_normalize, mamba_log_decay
@@ -293,7 +294,11 @@ class EFLA(DeltaNet):
         return beta
 
     def _prepare_qk(self, q, k):
-        return (l2_normalize(q) if self.q_l2norm else q), k
+        if not self.q_l2norm:
+            return q, k
+        if q.device.type == "cpu" and q.shape[-1] and _cpu_delta.prep_available(q.dtype):
+            return _cpu_delta.l2_rows(q, L2NORM_EPS), k   # one compiled pass each way, l2_normalize's values
+        return l2_normalize(q), k
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", beta_mode={self.beta_mode!r}"

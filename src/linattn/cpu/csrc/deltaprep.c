@@ -255,6 +255,33 @@ int linattn_dprep_raw_bwd_##SFX(int64_t R, int64_t K, int64_t V, const real *k, 
         }                                                                                                       \
     }                                                                                                           \
     return 0;                                                                                                   \
+}                                                                                                               \
+                                                                                                                \
+/* l2(x) of rows x [R, K] alone (a layer's own q normalisation, EFLA's): y [R, K]; backward dx from dy. */      \
+int linattn_l2rows_fwd_##SFX(int64_t R, int64_t K, const real *x, double eps, real *y, int nthreads) {          \
+    const real e = (real)eps;                                                                                   \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                          \
+    for (int64_t i = 0; i < R; ++i) {                                                                           \
+        const real *restrict xr = x + i * K;                                                                    \
+        real *restrict yr = y + i * K;                                                                          \
+        real r, s;                                                                                              \
+        l2_row_##SFX(xr, K, e, &r, &s);                                                                         \
+        if (s == (real)1) {                                                                                     \
+            _Pragma("omp simd")                                                                                 \
+            for (int64_t j = 0; j < K; ++j) yr[j] = xr[j] * r;                                                  \
+        } else {                                                                                                \
+            for (int64_t j = 0; j < K; ++j) yr[j] = (xr[j] / s) * r;                                            \
+        }                                                                                                       \
+    }                                                                                                           \
+    return 0;                                                                                                   \
+}                                                                                                               \
+                                                                                                                \
+int linattn_l2rows_bwd_##SFX(int64_t R, int64_t K, const real *x, double eps, const real *dy, real *dx,        \
+                             int nthreads) {                                                                    \
+    const real e = (real)eps;                                                                                   \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                          \
+    for (int64_t i = 0; i < R; ++i) l2_bwd_row_##SFX(x + i * K, dy + i * K, K, e, dx + i * K);                  \
+    return 0;                                                                                                   \
 }
 
 DEFINE_DPREP(f32, float)
