@@ -370,7 +370,8 @@ def test_pending_tokens_copies_pickles_and_readers(monkeypatch):
     with torch.no_grad():
         cache = model(ids[:, :4], use_cache=True).cache
         for t in range(4, 8):
-            model(ids[:, t:t + 1], cache=cache)
+            aux = model(ids[:, t:t + 1], cache=cache).aux_loss   # written by the C call
+            assert aux.dtype == torch.float32 and aux.shape == () and aux.item() == 0.0
         assert cache.pending is not None and cache.pending.n == 4 and cache.seen_tokens == 8
         copied, pickled = copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))
         snap_ids = ids[:, 8:]
