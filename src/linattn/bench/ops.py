@@ -386,7 +386,8 @@ def peer_unavailable(T: int, key: str = "fla_linear") -> Optional[str]:
     transformers' Gated DeltaNet fallback (row hf_gated_deltanet)."""
     if key == HF_GDN:
         try:
-            from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: F401
+            from ..hf.kernelize import torch_fallback_function
+            torch_fallback_function("torch_chunk_gated_delta_rule")
         except Exception as e:  # transformers is optional
             return f"transformers' torch_chunk_gated_delta_rule cannot be imported ({type(e).__name__}: {e})"
         return None
@@ -432,13 +433,10 @@ HF_GDN_T = 2048
 
 
 def _hf_gdn_call(x, mode, C):
-    import inspect
+    from ..hf.kernelize import torch_fallback_function
 
-    from transformers.models.qwen3_next import modeling_qwen3_next
-
-    # the PyTorch function itself: transformers wraps it in a hub-kernel dispatcher that, with fla installed, binds
-    # fla's Triton kernel (which cannot run on a CPU); functools.wraps keeps the function as __wrapped__
-    torch_chunk_gated_delta_rule = inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule)
+    # the function itself, not fla's kernel that transformers binds behind it when fla is installed
+    torch_chunk_gated_delta_rule = torch_fallback_function("torch_chunk_gated_delta_rule")
 
     def run_hf(q, k, v, g, beta):
         return torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=PEER_CHUNK)[0]

@@ -430,6 +430,30 @@ def _torch_fallback(orig: Callable, args, kwargs):
     return fn(*args, **kwargs)
 
 
+def torch_fallback_function(name: str = "torch_chunk_gated_delta_rule",
+                                module_name: str = "transformers.models.qwen3_next.modeling_qwen3_next") -> Callable:
+    """transformers' own PyTorch function `name` of a modeling module, whatever it is bound to now.
+
+    transformers wraps such functions in a hub-kernel dispatcher that, with flash-linear-attention installed,
+    calls fla's Triton kernel (which cannot take CPU tensors); `kernelize` may add its own dispatcher on top. Each
+    wrapper keeps what it wraps as `__wrapped__` (functools.wraps), so the function itself is at the end of that
+    chain. `linattn bench ops` times it as a peer row.
+
+    Args:
+        name: The function's name in the module.
+        module_name: The modeling module (imported if it is not yet).
+
+    Returns:
+        The unwrapped PyTorch function.
+
+    Raises:
+        ImportError: transformers (or that model) is not installed.
+        AttributeError: the module has no such function.
+    """
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    return inspect.unwrap(getattr(module, name))
+
+
 def _install_dispatchers(module) -> List[str]:
     """Replace the modeling module's kernel functions by dispatchers (once); returns the names missing."""
     missing = []
