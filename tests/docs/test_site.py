@@ -127,3 +127,20 @@ def test_links_into_the_old_results_page_are_gone():
         if "results.md" in (ROOT / f).read_text(encoding="utf-8").replace("`results.md`", ""):
             stale.append(f)
     assert not stale, stale
+
+
+def test_results_pages_and_their_links_carry_no_old_section_numbers():
+    """The results pages were once one numbered page (1-16, with gaps): their titles, headings, nav entries and
+    the links to them name what they are, not a number (a paper's "section 5.2" stays)."""
+    heading = re.compile(r"^#{1,4} \d{1,2}[a-e]?\. ", re.M)
+    reference = re.compile(r"\b(?:[Ss]ections?|results) \d{1,2}[a-e]?\b(?![.\d])|\[\d{1,2}[a-e]?\]\(|\(\d{1,2}[a-e]\)")
+    hits = []
+    for f in sorted((ROOT / "docs").rglob("*.md")):
+        if "records" in f.parts:
+            continue
+        text = f.read_text(encoding="utf-8")
+        hits += [f"{f.relative_to(ROOT)}: {m.group(0)!r}" for m in heading.finditer(text)]
+        hits += [f"{f.relative_to(ROOT)}: {m.group(0)!r}" for m in reference.finditer(text)]
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    hits += [f"mkdocs.yml: {line.strip()}" for line in nav.splitlines() if re.match(r"\s*- \d+[a-e]?\. ", line)]
+    assert not hits, "\n".join(hits)
