@@ -231,3 +231,20 @@ def test_every_markdown_list_starts_after_a_blank_line():
                 bad.append(f"{f.relative_to(ROOT)}:{i}: {line[:60]}")
             prev = line
     assert not bad, "lists glued to the paragraph above (add a blank line):\n" + "\n".join(bad)
+
+
+def test_the_tested_transformers_versions_have_one_source():
+    """docs/transformers.md states which transformers versions are tested; the README and pyproject.toml repeat
+    exactly those, and no other page or docstring names tested versions of its own."""
+    stated = re.compile(r"tested with (?:transformers )?(\d+\.\d+(?:\.\d+)?(?:(?:, | and )\d+\.\d+(?:\.\d+)?)*)", re.I)
+
+    def versions(text):
+        return [tuple(re.findall(r"\d+\.\d+(?:\.\d+)?", m.group(1))) for m in stated.finditer(text)]
+
+    source = versions((ROOT / "docs" / "transformers.md").read_text(encoding="utf-8"))
+    assert len(source) == 1 and len(source[0]) >= 1, source
+    for f in ("README.md", "pyproject.toml"):
+        assert versions((ROOT / f).read_text(encoding="utf-8")) == source, f
+    others = [f for f in [*(ROOT / "docs").rglob("*.md"), *(ROOT / "src").rglob("*.py")]
+              if "records" not in f.parts and f.name != "transformers.md" and versions(f.read_text(encoding="utf-8"))]
+    assert not others, [str(f.relative_to(ROOT)) for f in others]
