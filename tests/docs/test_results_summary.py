@@ -117,6 +117,8 @@ def test_the_summary_cpu_table_is_the_newest_records():
 
 def test_the_summary_decode_and_training_numbers_are_the_newest_records():
     folder, para = _newest_cpu_records(), _cpu_paragraph(SUMMARY.read_text(encoding="utf-8"))
+    assert (folder / "decode.txt").is_file() and list(folder.glob("train*.txt")), (
+        f"{folder.name} has no decode.txt / train*.txt: a CPU record folder holds every table the summary quotes")
     decode = (folder / "decode.txt").read_text(encoding="utf-8")
     # the whole-model step of every linear mixer: softmax and the per-block / PyTorch comparison rows left out
     rows = [line.split() for line in decode.splitlines() if re.match(r"^[a-z][\w.+-]*(\s+\S+){7}\s*$", line)]
