@@ -4,6 +4,7 @@ page missing from the build or a docstring griffe cannot parse, fails it), the k
 from the network, and no internal issue number leaks into the results pages or the README."""
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -127,3 +128,123 @@ def test_links_into_the_old_results_page_are_gone():
         if "results.md" in (ROOT / f).read_text(encoding="utf-8").replace("`results.md`", ""):
             stale.append(f)
     assert not stale, stale
+
+
+def test_results_pages_and_their_links_carry_no_old_section_numbers():
+    """The results pages were once one numbered page (1-16, with gaps): their titles, headings, nav entries and
+    the links to them name what they are, not a number (a paper's "section 5.2" stays)."""
+    heading = re.compile(r"^#{1,4} \d{1,2}[a-e]?\. ", re.M)
+    reference = re.compile(r"\b(?:[Ss]ections?|results) \d{1,2}[a-e]?\b(?![.\d])|\[\d{1,2}[a-e]?\]\(|\(\d{1,2}[a-e]\)")
+    hits = []
+    for f in sorted((ROOT / "docs").rglob("*.md")):
+        if "records" in f.parts:
+            continue
+        text = f.read_text(encoding="utf-8")
+        hits += [f"{f.relative_to(ROOT)}: {m.group(0)!r}" for m in heading.finditer(text)]
+        hits += [f"{f.relative_to(ROOT)}: {m.group(0)!r}" for m in reference.finditer(text)]
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    hits += [f"mkdocs.yml: {line.strip()}" for line in nav.splitlines() if re.match(r"\s*- \d+[a-e]?\. ", line)]
+    assert not hits, "\n".join(hits)
+
+
+def _environment_reads(path: Path) -> set:
+    """The environment variables a module reads: `os.environ.get(X)`, `os.environ[X]` (loading), `X in os.environ`,
+    `os.getenv(X)`, where X is a string, a module-level string constant or the variable of a `for` over a tuple
+    of strings. (Variables set for a child process, `dict(os.environ, X=...)`, are not reads.)"""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+              and isinstance(n.value.value, str) for t in n.targets if isinstance(t, ast.Name)}
+    loops = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.For) and isinstance(n.target, ast.Name) and isinstance(n.iter, (ast.Tuple, ast.List)):
+            loops[n.target.id] = [e.value for e in n.iter.elts if isinstance(e, ast.Constant)]
+
+    def values(arg):
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return [arg.value]
+        if isinstance(arg, ast.Name):
+            return [consts[arg.id]] if arg.id in consts else loops.get(arg.id, [])
+        return []
+
+    def is_environ(n):
+        return isinstance(n, ast.Attribute) and n.attr == "environ"
+
+    found = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.args and (
+                (n.func.attr == "get" and is_environ(n.func.value)) or n.func.attr == "getenv"):
+            found.update(values(n.args[0]))
+        elif isinstance(n, ast.Subscript) and is_environ(n.value) and isinstance(n.ctx, ast.Load):
+            found.update(values(n.slice))
+        elif isinstance(n, ast.Compare) and any(is_environ(c) for c in n.comparators):
+            found.update(values(n.left))
+    return found
+
+
+def test_the_switches_page_documents_every_variable_the_code_reads_and_only_those():
+    """docs/environment.md names every environment variable src/linattn reads, and every `LINATTN_*` variable
+    it names is read by src/linattn (fla's `FLA_*` ones by the installed fla, when there is one)."""
+    page = (ROOT / "docs" / "environment.md").read_text(encoding="utf-8")
+    read = set().union(*(_environment_reads(f) for f in (ROOT / "src" / "linattn").rglob("*.py")))
+    assert {"LINATTN_CPU_KERNELS", "LINATTN_CACHE_DIR", "LINATTN_CHECKS", "TRITON_INTERPRET", "CC"} <= read, read
+    assert not [v for v in sorted(read) if f"`{v}`" not in page], "read by src/linattn, missing from the page"
+    documented = set(re.findall(r"^\| `([A-Z][A-Z0-9_]+)`", page, re.M))
+    documented |= set(re.findall(r"`(LINATTN_[A-Z0-9_]+)", page))
+    assert not [v for v in sorted(documented) if v.startswith("LINATTN_") and v not in read], "documented, never read"
+    spec = importlib.util.find_spec("fla")
+    if spec is not None and spec.origin:
+        fla_files = Path(spec.origin).parent.rglob("*.py")
+        fla_src = " ".join(p.read_text(encoding="utf-8", errors="replace") for p in fla_files)
+        assert not [v for v in sorted(documented) if v.startswith("FLA_") and f'"{v}"' not in fla_src]
+
+
+@needs_mkdocs
+def test_contributing_and_the_switches_page_are_on_the_site_and_code_blocks_wrap(site):
+    contributing = (site / "contributing/index.html").read_text(encoding="utf-8")
+    for heading in ("House rules", "Recipes", "A new operator", "A new mixer"):    # CONTRIBUTING.md itself, included
+        assert heading in contributing, heading
+    switches = (site / "environment/index.html").read_text(encoding="utf-8")
+    assert "LINATTN_CPU_KERNELS" in switches and "Troubleshooting" in switches
+    # long code lines wrap rather than run out of a 1280 px window (column-aligned blocks opt out, and scroll)
+    assert 'href="../stylesheets/extra.css"' in switches
+    css = (site / "stylesheets/extra.css").read_text(encoding="utf-8")
+    assert re.search(r"\.md-typeset pre > code \{[^}]*white-space: pre-wrap", css)
+    assert re.search(r"\.md-typeset \.scroll pre > code \{[^}]*white-space: pre;", css)
+    index = (site / "search/search_index.json").read_text(encoding="utf-8")
+    assert '"location":"environment/' in index.replace(" ", "")
+
+
+def test_every_markdown_list_starts_after_a_blank_line():
+    """Python-Markdown (unlike GitHub) renders a list that follows a paragraph line directly as text of that
+    paragraph, with its `*` markers visible."""
+    marker = re.compile(r"^(\* |- |\d+\. )")
+    bad = []
+    for f in [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md"]:
+        if "records" in f.parts:
+            continue
+        fence, prev = False, ""
+        for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if re.match(r"\s*(```|~~~)", line):
+                fence = not fence
+            elif (not fence and marker.match(line) and prev.strip() and not marker.match(prev.lstrip())
+                  and not prev.startswith(("  ", "|", "#", "!!!", "<", ">"))):
+                bad.append(f"{f.relative_to(ROOT)}:{i}: {line[:60]}")
+            prev = line
+    assert not bad, "lists glued to the paragraph above (add a blank line):\n" + "\n".join(bad)
+
+
+def test_the_tested_transformers_versions_have_one_source():
+    """docs/transformers.md states which transformers versions are tested; the README and pyproject.toml repeat
+    exactly those, and no other page or docstring names tested versions of its own."""
+    stated = re.compile(r"tested with (?:transformers )?(\d+\.\d+(?:\.\d+)?(?:(?:, | and )\d+\.\d+(?:\.\d+)?)*)", re.I)
+
+    def versions(text):
+        return [tuple(re.findall(r"\d+\.\d+(?:\.\d+)?", m.group(1))) for m in stated.finditer(text)]
+
+    source = versions((ROOT / "docs" / "transformers.md").read_text(encoding="utf-8"))
+    assert len(source) == 1 and len(source[0]) >= 1, source
+    for f in ("README.md", "pyproject.toml"):
+        assert versions((ROOT / f).read_text(encoding="utf-8")) == source, f
+    others = [f for f in [*(ROOT / "docs").rglob("*.md"), *(ROOT / "src").rglob("*.py")]
+              if "records" not in f.parts and f.name != "transformers.md" and versions(f.read_text(encoding="utf-8"))]
+    assert not others, [str(f.relative_to(ROOT)) for f in others]

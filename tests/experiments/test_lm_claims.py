@@ -175,7 +175,7 @@ def test_tlinformer_end_to_end(tmp_path, corpus):
     assert len({r["n_params"] for r in runs.values()}) == 1 and all(r["causal"] for r in runs.values())
     md = (out / "results.md").read_text()
     for s in ("Base 32", "TLinFormer 32-16-0.5", "TLinFormer 32-32-0.5", "Parameter counts: equal", "22.5", "23.0",
-              "section 12c", "TLinFormer 32-16-0.5 vs Base 32"):
+              "tlinformer.md, \"TLinFormer inference\"", "TLinFormer 32-16-0.5 vs Base 32"):
         assert s in md, s
 
 

@@ -200,7 +200,7 @@ def test_evaluation_equals_a_plain_loop_with_fewer_model_calls():
 
 
 def test_committed_run_records_are_runs_of_the_standard_protocol():
-    """docs/records/smnist-standard holds the run records behind docs/results/smnist.md (13e)'s EFLA-variant
+    """docs/records/smnist-standard holds the run records behind docs/results/smnist.md's (standard budget) EFLA-variant
     tables: they must stay runs of the current standard protocol and plan (so a later session can copy the
     folder to results/ and --resume into it), and summarize them to their own means."""
     from dataclasses import asdict

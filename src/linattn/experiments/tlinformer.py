@@ -26,7 +26,7 @@ CPU time per step: Base 0.52 s, TLinFormer 256-128-0.5 0.83 s, 256-256-0.5 0.70 
 8 x 8 windows per run; more wall time when the CPU is shared); full = the paper's model and windows
 (d 432, 12 heads, 1K tokens: Base 1K, TLinFormer 1K-512-0.5 and 1K-1K-0.5; meant for a GPU; the paper trained 10
 epochs of WikiText-103, this trains on WikiText-2). Inference speed and cache memory:
-docs/results/tlinformer.md, section 12c (`linattn bench tlinformer`). Data, training, outputs: as
+docs/results/tlinformer.md, "TLinFormer inference" (`linattn bench tlinformer`). Data, training, outputs: as
 `linattn experiment lm` (`lm.run_study`).
 """
 from __future__ import annotations
@@ -132,7 +132,7 @@ def notes(budget: Budget, groups) -> list:
              "1K (+2.2%), 1K-1K-0.5 0.2 above (+0.9%).", "",
              common.md_table(["model"] + [f"ep {i}" for i in range(1, 11)], rows), "",
              "Inference speed and cache memory (cache hit / miss vs the softmax baseline's KV cache): "
-             "docs/results/tlinformer.md, section 12c (`linattn bench tlinformer`)."]
+             "docs/results/tlinformer.md, \"TLinFormer inference\" (`linattn bench tlinformer`)."]
     return lines
 
 

@@ -10,7 +10,8 @@
     linattn.hf.import_fla("fla_dir", "runs/gla")   # a flash-linear-attention model folder -> a linattn checkpoint
 
 `import linattn` never imports this package (nor transformers): only `import linattn.hf` does.
-Tested with transformers 5.23 (the `hf` extra pins `transformers>=5.23,<6`).
+The `hf` extra pins `transformers>=5.23,<6`; the versions it is tested with are listed once, on the site's
+transformers page (docs/transformers.md).
 
 The modules:
 
