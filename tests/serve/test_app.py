@@ -1,0 +1,100 @@
+"""The app in this process (httpx's ASGI transport, the official async openai client), for what a real model cannot
+be made to do on demand: a generation that fails answers 500 (or an error event when streamed) and the server
+goes on serving; and the `linattn serve` command's own errors."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+pytest.importorskip("jinja2")
+
+from linattn.checkpoint import save_checkpoint  # noqa: E402
+from linattn.cli import main as cli_main  # noqa: E402
+from linattn.data.tokenizer import train_tokenizer  # noqa: E402
+from linattn.models import LanguageModel  # noqa: E402
+from linattn.serve.app import ServerState, build_app  # noqa: E402
+from linattn.serve.chat import load_renderer  # noqa: E402
+from linattn.serve.engine import Engine  # noqa: E402
+from linattn.serve.metrics import Metrics  # noqa: E402
+from linattn.serve.settings import ServeSettings  # noqa: E402
+from tests.helpers import tiny_model  # noqa: E402
+
+
+class FailsOnPrompt13(torch.nn.Module):
+    """Yields token 40, 41, ...; raises at the third token when the prompt starts with id 13."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def stream(self, input_ids, max_new_tokens, **kw):
+        for i in range(max_new_tokens):
+            if i == 2 and int(input_ids[0]) == 13:
+                raise RuntimeError("boom")
+            yield 40 + i
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(["def f(x):\n    return x + 1\n" * 20], vocab_size=280)
+
+
+def test_a_failing_generation_is_500_and_the_server_keeps_serving(tok, tmp_path):
+    metrics = Metrics()
+    state = ServerState(engine=Engine(FailsOnPrompt13(), tok, metrics=metrics), tokenizer=tok,
+                        vocab_size=tok.vocab_size, settings=ServeSettings(model="m"), model_name="m",
+                        render_chat=load_renderer(tmp_path, None, ""), metrics=metrics)
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=build_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            c = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0)
+            with pytest.raises(openai.InternalServerError, match="boom"):
+                await c.completions.create(model="m", prompt=[13, 1], max_tokens=5)
+            stream = await c.completions.create(model="m", prompt=[13, 1], max_tokens=5, stream=True)
+            with pytest.raises(openai.APIError, match="boom"):
+                async for _ in stream:
+                    pass
+            ok = await c.completions.create(model="m", prompt=[14], max_tokens=5)
+            assert ok.usage.completion_tokens == 5 and ok.choices[0].finish_reason == "length"
+
+    state.engine.start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        state.engine.stop()
+    assert 'code="500"' in metrics.render({})
+
+
+def test_import_linattn_does_not_import_the_web_stack():
+    code = ("import sys, linattn, linattn.serve, linattn.serve.settings, linattn.cli; linattn.cli.build_parser(); "
+            "print(sorted(m for m in ('starlette', 'uvicorn', 'fastapi', 'jinja2', 'openai', 'httpx') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_serve_command_errors(tmp_path, capsys):
+    tok = train_tokenizer(["abc abc"], vocab_size=260)
+    cfg = tiny_model(vocab=tok.vocab_size)
+    save_checkpoint(tmp_path / "run", 1, LanguageModel(cfg), model_config=cfg.to_dict(), tokenizer=tok)
+    bad_template = tmp_path / "t.jinja"
+    bad_template.write_text("{% for %}")
+    for argv, words in [(["--model", str(tmp_path / "missing")], "checkpoint not found"),
+                        (["--model", str(tmp_path / "run"), "--chat-template", str(tmp_path / "none.jinja")],
+                         "--chat-template: no such file"),
+                        (["--model", str(tmp_path / "run"), "--chat-template", str(bad_template)], "does not compile"),
+                        (["--model", str(tmp_path / "run"), "--max-queue", "-1"], "--max-queue"),
+                        (["--model", str(tmp_path / "run"), "--drain-timeout", "nan"], "--drain-timeout"),
+                        (["--model", str(tmp_path / "run"), "--api-key-file", str(tmp_path / "nokey")],
+                         "--api-key-file: cannot read")]:
+        assert cli_main(["serve", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "linattn serve" in err and words in err and "Traceback" not in err, err
