@@ -8,9 +8,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 from contextlib import redirect_stdout
 from io import StringIO
@@ -27,6 +24,8 @@ from linattn.checkpoint import save_checkpoint  # noqa: E402
 from linattn.cli import main as cli_main  # noqa: E402
 from linattn.data.tokenizer import train_tokenizer  # noqa: E402
 from linattn.models import LanguageModel  # noqa: E402
+from linattn.serve.process import ServerProcess  # noqa: E402
+from linattn.serve.settings import API_KEY_ENV  # noqa: E402
 from tests.helpers import ROOT, tiny_model  # noqa: E402
 
 KEY = "test-key-123"
@@ -37,42 +36,18 @@ LIMITS = ["--max-concurrent", "2", "--max-queue", "2", "--max-request-bytes", "2
           "--max-tokens-limit", "100000", "--threads", "1", "--log-level", "warning"]
 
 
-class Server:
-    """`python -m linattn serve ... --port 0` in a subprocess; `url` once it announces its address."""
+class Server(ServerProcess):
+    """The server in a child process (linattn.serve.process) with this checkout's src first on its path and no
+    API key but the one a test sets; `client()` is the official openai client for it."""
 
     def __init__(self, args, env=None):
         paths = [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
-        base = {k: v for k, v in os.environ.items() if k != "LINATTN_API_KEY"}   # only the key a test sets
-        env = {**base, **(env or {}), "PYTHONPATH": os.pathsep.join(paths)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "linattn", "serve", "--port", "0", *args],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines, self.ready, self.url = [], threading.Event(), None
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self.ready.wait(START_S) or self.url is None:
-            self.stop()
-            pytest.fail("the server did not start:\n" + "".join(self.lines))
-
-    def _read(self):
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            m = re.search(r"\[linattn\] serving (\S+) at (http://\S+)", line)
-            if m:
-                self.name, self.url = m.group(1), m.group(2)
-                self.ready.set()
-        self.ready.set()   # the process ended
+        base = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+        super().__init__(args, env={**base, **(env or {}), "PYTHONPATH": os.pathsep.join(paths)},
+                         start_timeout=START_S)
 
     def client(self, key=KEY):
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=WAIT_S)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +64,7 @@ def run_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(run_dir):
     s = Server(["--model", str(run_dir / "tiny"), "--chat-template", str(run_dir / "chat.jinja"), *LIMITS],
-               env={"LINATTN_API_KEY": KEY})
+               env={API_KEY_ENV: KEY})
     yield s
     assert s.stop() == 0
 
@@ -261,7 +236,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(run_dir, tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text("file-key\n")
     s = Server(["--model", str(run_dir / "tiny"), "--api-key-file", str(key_file), "--served-model-name", "m",
-                *LIMITS], env={"LINATTN_API_KEY": "ignored"})
+                *LIMITS], env={API_KEY_ENV: "ignored"})
     try:
         c = s.client(key="file-key")
         status, body = error_of(lambda: c.chat.completions.create(model="m", messages=[{"role": "user",

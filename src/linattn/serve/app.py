@@ -222,27 +222,42 @@ async def _whole(state: ServerState, request: Request, req: GenerationRequest, e
         watcher.cancel()
 
 
+def _drain(event: Any, queue: asyncio.Queue) -> List[Any]:
+    """`event` and those queued behind it, consecutive text deltas merged into one (one server-sent event for
+    all of them when the engine runs ahead of the event loop: fewer wake-ups and writes, the same text)."""
+    events = [event]
+    while not queue.empty():
+        more = queue.get_nowait()
+        if isinstance(more, Delta) and isinstance(events[-1], Delta):
+            events[-1] = Delta(events[-1].text + more.text, events[-1].logprobs + more.logprobs)
+        else:
+            events.append(more)
+    return events
+
+
 async def _stream(state: ServerState, job: Job, queue: asyncio.Queue, answer: Answer, endpoint: str,
                   t0: float) -> AsyncIterator[bytes]:
     first = True
     try:
         if answer.chat:
             yield _sse(answer.chunk("", [], role=True))
-        while True:
-            event = await queue.get()
-            if isinstance(event, Delta):
-                if first:
-                    state.metrics.observe("time_to_first_token_seconds", endpoint, time.perf_counter() - t0)
-                    first = False
-                yield _sse(answer.chunk(event.text, event.logprobs))
-            elif isinstance(event, Failed):
-                yield _sse(ApiError(500, event.message, code="generation_failed").body())
-                break
-            else:
-                yield _sse(answer.chunk(None if answer.chat else "", [], reason=event.reason))
-                if answer.req.include_usage:
-                    yield _sse(answer.usage_chunk(event.usage))
-                break
+        end = None
+        while end is None:
+            for event in _drain(await queue.get(), queue):
+                if isinstance(event, Delta):
+                    if first:
+                        state.metrics.observe("time_to_first_token_seconds", endpoint, time.perf_counter() - t0)
+                        first = False
+                    yield _sse(answer.chunk(event.text, event.logprobs))
+                else:
+                    end = event
+                    break
+        if isinstance(end, Failed):
+            yield _sse(ApiError(500, end.message, code="generation_failed").body())
+        else:
+            yield _sse(answer.chunk(None if answer.chat else "", [], reason=end.reason))
+            if answer.req.include_usage:
+                yield _sse(answer.usage_chunk(end.usage))
         yield b"data: [DONE]\n\n"
         state.metrics.observe("request_latency_seconds", endpoint, time.perf_counter() - t0)
     finally:

@@ -169,7 +169,7 @@ class Engine:
         self._waiting: Deque[Job] = deque()
         self._running: List[_Running] = []
         self._stopping = False
-        self._last_logits: Optional[torch.Tensor] = None
+        self._last_output: Any = None
         # the logits each step sampled from (for logprobs): the model's output as it leaves forward
         self._hook = model.register_forward_hook(self._keep_logits)
         self._thread = threading.Thread(target=self._work, name="linattn-serve-engine", daemon=True)
@@ -210,18 +210,16 @@ class Engine:
 
     # -- the worker thread ------------------------------------------------------------------------------------
     def _keep_logits(self, module, args, output) -> None:
-        logits = getattr(output, "logits", None)
-        if logits is None and isinstance(output, tuple) and output:
-            logits = output[0]
-        self._last_logits = logits[0, -1] if isinstance(logits, torch.Tensor) else None
+        self._last_output = output   # a reference only: logprob_entry reads it when a request asks
 
     def logprob_entry(self, token: int, k: int) -> Dict[str, Any]:
         """{token, logprob, top: [(token, logprob)] * k} under the model's distribution (before temperature and
         filtering) of the step that produced `token`."""
-        logits = self._last_logits
-        if logits is None:
+        out = self._last_output
+        logits = out[0] if isinstance(out, tuple) and out else getattr(out, "logits", None)
+        if not isinstance(logits, torch.Tensor):
             return {"token": token, "logprob": float("nan"), "top": []}
-        lp = torch.log_softmax(logits.float(), dim=-1)
+        lp = torch.log_softmax(logits[0, -1].float(), dim=-1)
         top = lp.topk(min(k, lp.numel())) if k > 0 else None
         return {"token": token, "logprob": float(lp[token]),
                 "top": [] if top is None else [(int(i), float(v)) for v, i in zip(top.values, top.indices)]}
