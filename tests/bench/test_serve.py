@@ -11,17 +11,11 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
 from linattn.bench import run_benchmark  # noqa: E402
-from linattn.checkpoint import save_checkpoint  # noqa: E402
-from linattn.data.tokenizer import train_tokenizer  # noqa: E402
-from linattn.models import LanguageModel  # noqa: E402
-from tests.helpers import tiny_model  # noqa: E402
+from tests.helpers import save_tiny_run  # noqa: E402
 
 
 def test_bench_serve_writes_its_checks(tmp_path, capsys, monkeypatch):
-    tok = train_tokenizer(["def f(x):\n    return x + 1\n" * 20], vocab_size=280)
-    torch.manual_seed(0)
-    cfg = tiny_model(vocab=tok.vocab_size)
-    save_checkpoint(tmp_path / "run", 1, LanguageModel(cfg), model_config=cfg.to_dict(), tokenizer=tok)
+    save_tiny_run(tmp_path / "run")
     monkeypatch.delenv("LINATTN_API_KEY", raising=False)
     n = torch.get_num_threads()
     try:

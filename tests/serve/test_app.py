@@ -15,16 +15,13 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 pytest.importorskip("jinja2")
 
-from linattn.checkpoint import save_checkpoint  # noqa: E402
 from linattn.cli import main as cli_main  # noqa: E402
-from linattn.data.tokenizer import train_tokenizer  # noqa: E402
-from linattn.models import LanguageModel  # noqa: E402
 from linattn.serve.app import ServerState, build_app  # noqa: E402
 from linattn.serve.chat import load_renderer  # noqa: E402
 from linattn.serve.engine import Engine  # noqa: E402
 from linattn.serve.metrics import Metrics  # noqa: E402
 from linattn.serve.settings import ServeSettings  # noqa: E402
-from tests.helpers import tiny_model  # noqa: E402
+from tests.helpers import save_tiny_run  # noqa: E402
 
 
 class FailsOnPrompt13(torch.nn.Module):
@@ -39,11 +36,6 @@ class FailsOnPrompt13(torch.nn.Module):
             if i == 2 and int(input_ids[0]) == 13:
                 raise RuntimeError("boom")
             yield 40 + i
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return train_tokenizer(["def f(x):\n    return x + 1\n" * 20], vocab_size=280)
 
 
 def test_a_failing_generation_is_500_and_the_server_keeps_serving(tok, tmp_path):
@@ -82,9 +74,7 @@ def test_import_linattn_does_not_import_the_web_stack():
 
 
 def test_serve_command_errors(tmp_path, capsys):
-    tok = train_tokenizer(["abc abc"], vocab_size=260)
-    cfg = tiny_model(vocab=tok.vocab_size)
-    save_checkpoint(tmp_path / "run", 1, LanguageModel(cfg), model_config=cfg.to_dict(), tokenizer=tok)
+    save_tiny_run(tmp_path / "run")
     bad_template = tmp_path / "t.jinja"
     bad_template.write_text("{% for %}")
     for argv, words in [(["--model", str(tmp_path / "missing")], "checkpoint not found"),

@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from linattn.data.tokenizer import MIN_VOCAB_SIZE, train_tokenizer
 from linattn.generate import stream_tokens
 from linattn.models import LanguageModel
 from linattn.serve.engine import Delta, Engine, Failed, Finished, Job, QueueFull
@@ -57,16 +56,6 @@ class Scripted(torch.nn.Module):
             if i == self.fail_at and int(input_ids[0]) == 13:
                 raise RuntimeError("boom")
             yield t
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return train_tokenizer(["def f(x):\n    return x + 1\n" * 20], vocab_size=280)
-
-
-@pytest.fixture(scope="module")
-def byte_tok():
-    return train_tokenizer(["abc"], vocab_size=MIN_VOCAB_SIZE)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import pytest
 pytest.importorskip("starlette")
 pytest.importorskip("jinja2")
 
-from linattn.data.tokenizer import MIN_VOCAB_SIZE, train_tokenizer  # noqa: E402
 from linattn.errors import UsageError  # noqa: E402
 from linattn.generate import TextDecoder, prompt_ids  # noqa: E402
 from linattn.serve.chat import ChatTemplate, ChatTemplateError, load_renderer  # noqa: E402
@@ -17,17 +16,6 @@ from linattn.serve.engine import StopMatcher  # noqa: E402
 from linattn.serve.metrics import Metrics  # noqa: E402
 from linattn.serve.protocol import ApiError, Limits, parse_chat, parse_completion  # noqa: E402
 from linattn.serve.settings import API_KEY_ENV, read_api_key  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return train_tokenizer(["def f(x):\n    return x + 1\n" * 20], vocab_size=280)
-
-
-@pytest.fixture(scope="module")
-def byte_tok():
-    """No merges: every byte is its own token, so a multi-byte character spans tokens."""
-    return train_tokenizer(["abc"], vocab_size=MIN_VOCAB_SIZE)
 
 
 def completion(tok, **body):

@@ -20,13 +20,10 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-from linattn.checkpoint import save_checkpoint  # noqa: E402
 from linattn.cli import main as cli_main  # noqa: E402
-from linattn.data.tokenizer import train_tokenizer  # noqa: E402
-from linattn.models import LanguageModel  # noqa: E402
 from linattn.serve.process import ServerProcess  # noqa: E402
 from linattn.serve.settings import API_KEY_ENV  # noqa: E402
-from tests.helpers import ROOT, tiny_model  # noqa: E402
+from tests.helpers import ROOT, save_tiny_run  # noqa: E402
 
 KEY = "test-key-123"
 START_S, WAIT_S = 120, 60     # generous: a loaded 2-core machine; only a hang reaches them
@@ -53,10 +50,7 @@ class Server(ServerProcess):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    tok = train_tokenizer(["def f(x):\n    return x + 1\n héllo wörld ✓\n" * 30], vocab_size=300)
-    torch.manual_seed(0)
-    cfg = tiny_model(vocab=tok.vocab_size)
-    save_checkpoint(tmp / "tiny", 1, LanguageModel(cfg), model_config=cfg.to_dict(), tokenizer=tok)
+    save_tiny_run(tmp / "tiny", "def f(x):\n    return x + 1\n héllo wörld ✓\n" * 30, vocab=300)
     (tmp / "chat.jinja").write_text(TEMPLATE)
     return tmp
 
