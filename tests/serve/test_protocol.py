@@ -53,7 +53,8 @@ def test_defaults_and_values(tok):
     ("response_format", {"type": "json_object"}, "only"), ("model", 3, "expected a string"),
     ("prompt", None, "a prompt is required"), ("prompt", 5, "expected a string"), ("prompt", [], "non-empty"),
     ("prompt", ["a", "b"], "one prompt per request"), ("prompt", [1, 10 ** 6], "token ids must be in"),
-    ("prompt", [-1], "token ids must be in"), ("prompt", "x " * 200, "more than the server's limit of 100"),
+    ("prompt", [-1], "token ids must be in"), ("prompt", "a\ud800b", "lone surrogate"),
+    ("prompt", "x " * 200, "more than the server's limit of 100"),
 ])
 def test_bad_fields_are_400_naming_the_field(tok, field, value, words):
     with pytest.raises(ApiError) as e:
@@ -84,6 +85,7 @@ def test_chat_messages_and_logprobs(tok):
                                                              "messages[0].role"),
                         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
                         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+                        ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
                         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
                         ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs")]:
         with pytest.raises(ApiError) as e:

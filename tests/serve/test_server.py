@@ -169,7 +169,8 @@ def test_error_statuses_in_openai_format(server):
     status, body = error_of(lambda: c.completions.create(model="tiny", prompt="x" * 30000))
     assert status == 413 and "20000" in body["message"]
     headers = {"Authorization": f"Bearer {KEY}"}
-    for raw in (b"{bad json", b"[1, 2]", b"\xff\xfe"):
+    for raw in (b"{bad json", b"[1, 2]", b"\xff\xfe", b"[" * 15000, b'{"prompt": NaN}', b'{"prompt": "\\ud800"}',
+                b'{"prompt": "x", "temperature": Infinity}'):
         r = httpx.post(server.url + "/v1/completions", content=raw, headers=headers)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", raw
     r = httpx.post(server.url + "/v1/completions", content=b" " * 30000, headers=headers)   # no Content-Length trust
@@ -189,6 +190,21 @@ def wait_for(predicate, what):
     while not predicate():
         assert time.monotonic() < deadline, what
         time.sleep(0.05)
+
+
+def test_metrics_count_requests_tokens_and_latency(server):
+    before = metrics(server)
+    r = server.client().completions.create(model="tiny", prompt="def f", max_tokens=5, extra_body={"ignore_eos": True})
+    after = metrics(server)
+
+    def grew(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert grew("linattn_serve_generation_tokens_total") == 5
+    assert grew("linattn_serve_prompt_tokens_total") == r.usage.prompt_tokens
+    assert grew('linattn_serve_requests_total{endpoint="/v1/completions",code="200"}') == 1
+    assert grew('linattn_serve_request_latency_seconds_count{endpoint="/v1/completions"}') == 1
+    assert grew('linattn_serve_time_to_first_token_seconds_count{endpoint="/v1/completions"}') == 1
 
 
 def test_queue_limit_health_under_load_and_disconnect_cancels(server):

@@ -75,8 +75,9 @@ async def read_json(request: Request, limit: int) -> Dict[str, Any]:
             raise too_big
     try:
         data = json.loads(bytes(body))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON in the request body: {e}", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:   # RecursionError: nesting too deep to parse
+        raise ApiError(400, f"malformed JSON in the request body: {type(e).__name__}: {e}",
+                       code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}",
                        code="invalid_json")

@@ -183,15 +183,25 @@ def _sampling(body: Dict, kind: str, prompt_ids: List[int], limits: Limits, defa
         ignore_eos=_bool(body, "ignore_eos"), model=model)
 
 
-def _prompt_ids(body: Dict, tokenizer, vocab_size: int) -> List[int]:
-    """The prompt as token ids: a string, an array of token ids, or an array holding one of those."""
+def encode_prompt(tokenizer, text: str, param: str) -> List[int]:
+    """`linattn generate`'s prompt ids of `text`; 400 naming `param` for text that is not Unicode (JSON's
+    escapes can carry a lone surrogate, which no encoder takes)."""
     from ..generate import prompt_ids
 
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(param, "the text is not valid Unicode (it holds a lone surrogate such as \\ud800)") from None
+    return prompt_ids(tokenizer, text)
+
+
+def _prompt_ids(body: Dict, tokenizer, vocab_size: int) -> List[int]:
+    """The prompt as token ids: a string, an array of token ids, or an array holding one of those."""
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
     if isinstance(p, str):
-        return prompt_ids(tokenizer, p)
+        return encode_prompt(tokenizer, p, "prompt")
     if isinstance(p, list) and p and all(_is_int(t) for t in p):
         out_of_range = [t for t in p if not 0 <= t < vocab_size]
         if out_of_range:
@@ -242,14 +252,13 @@ def parse_chat(body: Dict, tokenizer, render, limits: Limits) -> GenerationReque
     """A `/v1/chat/completions` body, checked; `render(messages) -> str` applies the chat template (it raises
     ApiError when there is none or the template refuses the messages). `logprobs` is a bool, `top_logprobs`
     the alternatives per token."""
-    from ..generate import prompt_ids
-
     messages = check_messages(body.get("messages"))
     want_logprobs = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want_logprobs:
         raise bad("top_logprobs", "needs logprobs: true")
     _refuse_unsupported(body)   # before rendering: a refused field is named even without a chat template
-    req = _sampling(body, "chat", prompt_ids(tokenizer, render(messages)), limits, limits.default_max_tokens)
+    req = _sampling(body, "chat", encode_prompt(tokenizer, render(messages), "messages"), limits,
+                    limits.default_max_tokens)
     req.top_logprobs = (top or 0) if want_logprobs else None
     return req
