@@ -4,6 +4,7 @@ goes on serving; and the `linattn serve` command's own errors."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from linattn.serve.app import ServerState, build_app  # noqa: E402
 from linattn.serve.chat import load_renderer  # noqa: E402
 from linattn.serve.engine import Engine  # noqa: E402
 from linattn.serve.metrics import Metrics  # noqa: E402
+from linattn.serve.server import is_loopback  # noqa: E402
 from linattn.serve.settings import ServeSettings  # noqa: E402
 from tests.helpers import save_tiny_run  # noqa: E402
 
@@ -38,11 +40,34 @@ class FailsOnPrompt13(torch.nn.Module):
             yield 40 + i
 
 
-def test_a_failing_generation_is_500_and_the_server_keeps_serving(tok, tmp_path):
+def app_state(tok, folder, **settings):
     metrics = Metrics()
-    state = ServerState(engine=Engine(FailsOnPrompt13(), tok, metrics=metrics), tokenizer=tok,
-                        vocab_size=tok.vocab_size, settings=ServeSettings(model="m"), model_name="m",
-                        render_chat=load_renderer(tmp_path, None, ""), metrics=metrics)
+    return ServerState(engine=Engine(FailsOnPrompt13(), tok, metrics=metrics), tokenizer=tok,
+                       vocab_size=tok.vocab_size, settings=ServeSettings(model="m", **settings), model_name="m",
+                       render_chat=load_renderer(folder, None, ""), metrics=metrics)
+
+
+def test_the_api_key_is_compared_in_constant_time(tok, tmp_path, monkeypatch):
+    compared = []
+    constant_time = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: compared.append((a, b)) or constant_time(a, b))
+    state = app_state(tok, tmp_path, api_key="sekrit")
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=build_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            assert (await http.get("/v1/models", headers={"Authorization": "Bearer wrong"})).status_code == 401
+            assert (await http.get("/v1/models", headers={"Authorization": "Bearer sekrit"})).status_code == 200
+            assert (await http.get("/v1/models", headers={"Authorization": "Basic sekrit"})).status_code == 401
+            assert (await http.get("/health")).status_code == 200
+
+    asyncio.run(scenario())
+    assert compared[:2] == [(b"wrong", b"sekrit"), (b"sekrit", b"sekrit")]
+
+
+def test_a_failing_generation_is_500_and_the_server_keeps_serving(tok, tmp_path):
+    state = app_state(tok, tmp_path)
+    metrics = state.metrics
 
     async def scenario():
         transport = httpx.ASGITransport(app=build_app(state))
@@ -83,8 +108,14 @@ def test_serve_command_errors(tmp_path, capsys):
                         (["--model", str(tmp_path / "run"), "--chat-template", str(bad_template)], "does not compile"),
                         (["--model", str(tmp_path / "run"), "--max-queue", "-1"], "--max-queue"),
                         (["--model", str(tmp_path / "run"), "--drain-timeout", "nan"], "--drain-timeout"),
+                        (["--model", str(tmp_path / "run"), "--port", "70000"], "--port must be in [0, 65535]"),
                         (["--model", str(tmp_path / "run"), "--api-key-file", str(tmp_path / "nokey")],
                          "--api-key-file: cannot read")]:
         assert cli_main(["serve", *argv]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "linattn serve" in err and words in err and "Traceback" not in err, err
+
+
+def test_only_loopback_addresses_count_as_local():
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.2", "example.org"))

@@ -243,24 +243,30 @@ def test_queue_limit_health_under_load_and_disconnect_cancels(server):
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(run_dir, tmp_path):
+    """A finite stream in flight at SIGTERM runs to its end; one that would outlast --drain-timeout is cut there;
+    the server then exits 0 and takes no new connection. (The key comes from --api-key-file, not the environment.)"""
     key_file = tmp_path / "key"
     key_file.write_text("file-key\n")
     s = Server(["--model", str(run_dir / "tiny"), "--api-key-file", str(key_file), "--served-model-name", "m",
-                *LIMITS], env={API_KEY_ENV: "ignored"})
+                *LIMITS, "--drain-timeout", "5"], env={API_KEY_ENV: "ignored"})
     try:
         c = s.client(key="file-key")
         status, body = error_of(lambda: c.chat.completions.create(model="m", messages=[{"role": "user",
                                                                                        "content": "x"}]))
         assert status == 400 and "--chat-template" in body["message"] and "chat_template.jinja" in body["message"]
-        stream = c.completions.create(model="m", prompt="def", max_tokens=200, stream=True,
+        endless = c.completions.create(model="m", prompt="x", max_tokens=100000, stream=True,
+                                       extra_body={"ignore_eos": True})
+        next(iter(endless))
+        stream = c.completions.create(model="m", prompt="def", max_tokens=100, stream=True,
                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         chunks = iter(stream)
         first = next(chunks)
         s.proc.send_signal(signal.SIGTERM)
         rest = list(chunks)   # the in-flight request runs to its end
-        assert rest[-1].usage.completion_tokens == 200
+        assert rest[-1].usage.completion_tokens == 100
         assert [ch.choices[0].finish_reason for ch in [first, *rest] if ch.choices][-1] == "length"
-        assert s.proc.wait(WAIT_S) == 0
+        assert s.proc.wait(WAIT_S) == 0   # after cutting the endless one at --drain-timeout
+        endless.close()
         with pytest.raises(openai.APIConnectionError):
             c.models.list()
     finally:

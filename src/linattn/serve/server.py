@@ -25,7 +25,8 @@ log = get_logger("serve")
 NEEDS = ("starlette", "uvicorn", "jinja2")   # the `serve` extra
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or localhost) reaches this machine only."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -93,7 +94,7 @@ def serve(settings: ServeSettings) -> int:
     state = build_state(settings)
     app = build_app(state)
     app.state.model_name = state.model_name
-    if not _is_loopback(settings.host) and settings.api_key is None:
+    if not is_loopback(settings.host) and settings.api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach this address can use the model "
                     "(set --api-key-file or $LINATTN_API_KEY)", settings.host)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,

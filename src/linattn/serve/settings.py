@@ -109,6 +109,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     Raises:
         UsageError: A bad flag value, naming the flag.
     """
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535] (0: any free port), got {args.port}", prog=PROG)
     if not args.drain_timeout >= 0:
         raise UsageError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}", prog=PROG)
     if args.chat_template is not None and not Path(args.chat_template).is_file():
