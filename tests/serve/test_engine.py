@@ -179,3 +179,18 @@ def test_cancel_stops_a_request_and_the_queue_limit(model, tok):
         engine.stop()
     with pytest.raises(QueueFull, match="shutting down"):
         engine.submit(Job([1], 1, Events()))
+
+
+def test_stream_interval_groups_text_after_the_first_piece(tok):
+    tokens = tok.encode("def f(x):\n    return x + 1\n")
+    engine = running(Engine(Scripted(tokens), tok))
+    try:
+        every, grouped = Events(), Events()
+        engine.submit(Job([1], len(tokens), every))
+        engine.submit(Job([1], len(tokens), grouped, stream_interval=3600.0))
+        deltas = [e.text for e in grouped.wait().items if isinstance(e, Delta)]
+        assert every.wait().text == grouped.text == tok.decode(tokens)
+        assert len(deltas) == 2 and deltas[0] == tok.decode(tokens[:1])   # the first at once, the rest at the end
+        assert len([e for e in every.items if isinstance(e, Delta)]) == len(tokens)
+    finally:
+        engine.stop()

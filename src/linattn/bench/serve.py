@@ -18,7 +18,7 @@ import time
 import urllib.request
 from typing import Any, Dict, List
 
-from ..cli_support import UsageError, int_at_least
+from ..cli_support import UsageError, finite_float, int_at_least
 from ..io import write_json
 from . import common
 
@@ -41,6 +41,7 @@ def add_arguments(p) -> None:
     p.add_argument("--load-tokens", type=int_at_least(1), default=100000,
                    help="tokens each loading request asks for (they are cancelled once measured)")
     p.add_argument("--health-samples", type=int_at_least(1), default=100, help="/health requests to time (100)")
+    p.add_argument("--stream-interval", type=finite_float(0.0), default=0.0, help="the server's --stream-interval (0)")
     p.add_argument("--out", default=None, help="output folder (default results/bench/serve/)")
     p.add_argument("--overwrite", action="store_true", help="replace earlier output files")
 
@@ -138,12 +139,14 @@ def run(args) -> int:
     paths = common.output_paths("serve", args.out, exts=("txt", "json"), overwrite=args.overwrite)
     ck = load_generator(args.model, "cpu")
     flags = ["--model", args.model, "--threads", str(threads), "--max-concurrent", str(args.streams),
-             "--max-tokens-limit", str(max(args.tokens, args.load_tokens)), "--log-level", "warning"]
+             "--max-tokens-limit", str(max(args.tokens, args.load_tokens)), "--log-level", "warning",
+             "--stream-interval", str(args.stream_interval)]
     load_before = common.loadavg()
     with ServerProcess(flags) as server:
         speed = _speed(ck, server.url, args, log)
         health = _health_under_load(server.url, args, log)
     result = {"model": args.model, "prompt": args.prompt, "tokens": args.tokens, "threads": threads,
+              "stream_interval": args.stream_interval,
               "speed": speed, "health": health, "loadavg_before": load_before, "loadavg_after": common.loadavg(),
               "machine": common.machine_info("cpu")}
     table = common.format_table(

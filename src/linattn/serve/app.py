@@ -186,7 +186,7 @@ def _start(state: ServerState, req: GenerationRequest) -> tuple:
 
     job = Job(prompt_ids=req.prompt_ids, max_tokens=req.max_tokens, emit=emit, temperature=req.temperature,
               top_k=req.top_k, top_p=req.top_p, seed=req.seed, stop=req.stop, top_logprobs=req.top_logprobs,
-              ignore_eos=req.ignore_eos)
+              ignore_eos=req.ignore_eos, stream_interval=state.settings.stream_interval if req.stream else 0.0)
     try:
         state.engine.submit(job)
     except QueueFull as e:

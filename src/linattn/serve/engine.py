@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional
@@ -62,6 +63,7 @@ class Job:
     stop: List[str] = field(default_factory=list)
     top_logprobs: Optional[int] = None   # None: no logprobs; k: the chosen token's and the k likeliest
     ignore_eos: bool = False
+    stream_interval: float = 0.0        # seconds: text is emitted at most this often (the first at once)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -109,6 +111,8 @@ class _Running:
         self.decoder = TextDecoder(tok, skip_special_tokens=True)
         self.stopper = StopMatcher(job.stop)
         self.logprobs: List[Dict[str, Any]] = []
+        self.pending = ""          # text not emitted yet (within the job's stream_interval)
+        self.last_emit = -math.inf
 
     def usage(self) -> Dict[str, int]:
         p, c = len(self.job.prompt_ids), len(self.decoder.tokens)
@@ -131,18 +135,21 @@ class _Running:
             text2, stopped = self.stopper.push(self.decoder.flush())
             return self._finish("stop" if stopped else "length", text + text2 + ("" if stopped else
                                                                                    self.stopper.flush()))
-        if text:
-            self._emit_text(text)
+        self.pending += text
+        if self.pending and time.perf_counter() - self.last_emit >= self.job.stream_interval:
+            self._emit_pending()
         return False
 
-    def _emit_text(self, text: str) -> None:
-        self.job.emit(Delta(text, self.logprobs))
-        self.logprobs = []
+    def _emit_pending(self) -> None:
+        self.job.emit(Delta(self.pending, self.logprobs))
+        self.pending, self.logprobs = "", []
+        self.last_emit = time.perf_counter()
 
     def _finish(self, reason: str, text: str = "") -> bool:
         self.tokens.close()
-        if text or self.logprobs:
-            self._emit_text(text)
+        self.pending += text
+        if self.pending or self.logprobs:
+            self._emit_pending()
         self.job.emit(Finished(reason, self.usage()))
         return True
 

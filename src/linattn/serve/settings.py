@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..cli_support import int_at_least
+from ..cli_support import finite_float, int_at_least
 from ..errors import UsageError
 
 API_KEY_ENV = "LINATTN_API_KEY"   # the environment variable read when --api-key-file is not given
@@ -35,6 +35,7 @@ class ServeSettings:
     max_concurrent: int = 8
     max_queue: int = 64
     drain_timeout: float = 30.0
+    stream_interval: float = 0.0
     threads: Optional[int] = None
     device: Optional[str] = None
     log_level: str = "info"
@@ -73,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before cancelling them "
                         "(default 30)")
+    p.add_argument("--stream-interval", type=finite_float(0.0), default=d.stream_interval,
+                   help="seconds: a stream sends text at most this often, tokens in between together (the first "
+                        "at once); 0 = every token as it comes (default 0)")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N | mps (default auto)")
     p.add_argument("--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"],
@@ -121,4 +125,5 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
         max_concurrent=args.max_concurrent, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
+        stream_interval=args.stream_interval,
         threads=args.threads, device=args.device, log_level=args.log_level)
