@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .engine import Delta, Engine, Failed, Finished, Job, QueueFull, finite_or_none
+from .engine import Delta, Engine, Failed, Finished, Job, QueueFull
 from .metrics import Metrics
 from .protocol import ApiError, GenerationRequest, Limits, parse_chat, parse_completion
 from .settings import ServeSettings
@@ -93,6 +94,11 @@ def check_model(state: ServerState, body: Dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ answer writing
+
+def finite_or_none(x: float) -> Optional[float]:
+    """JSON has no NaN or infinity: a log-probability of -inf (a token the model rules out) becomes None."""
+    return x if math.isfinite(x) else None
+
 
 class Answer:
     """Writes one request's answer (completion or chat, whole or in chunks) in OpenAI's shapes."""

@@ -236,8 +236,10 @@ class Engine:
         with self._cond:
             while not self._running and not self._waiting and not self._stopping:
                 self._cond.wait()
-            if self._stopping:
-                return bool(self._running or self._waiting) and self._drop_cancelled_waiting()
+            if self._stopping:   # stop() cancelled every job: the running ones end in _work, then the thread
+                self._count("cancelled", len(self._waiting))
+                self._waiting.clear()
+                return bool(self._running)
             while self._waiting and len(self._running) < self.max_concurrent:
                 job = self._waiting.popleft()
                 if job.cancelled.is_set():
@@ -248,10 +250,6 @@ class Engine:
                 except Exception as e:  # a bad prompt for this model: only this request fails
                     self._fail(job, e)
             return True
-
-    def _drop_cancelled_waiting(self) -> bool:
-        self._waiting = deque(j for j in self._waiting if not j.cancelled.is_set())
-        return bool(self._running or self._waiting)
 
     def _work(self) -> None:
         while self._admit():
@@ -288,7 +286,3 @@ class Engine:
         if self.metrics is not None and n:
             self.metrics.count(what, n)
 
-
-def finite_or_none(x: float) -> Optional[float]:
-    """JSON has no NaN or infinity: a log-probability of -inf (a token the model rules out) becomes None."""
-    return x if math.isfinite(x) else None
