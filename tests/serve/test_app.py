@@ -21,7 +21,7 @@ from linattn.serve.app import ServerState, build_app  # noqa: E402
 from linattn.serve.chat import load_renderer  # noqa: E402
 from linattn.serve.engine import Engine  # noqa: E402
 from linattn.serve.metrics import Metrics  # noqa: E402
-from linattn.serve.server import is_loopback  # noqa: E402
+from linattn.serve.server import build_state, is_loopback  # noqa: E402
 from linattn.serve.settings import ServeSettings  # noqa: E402
 from tests.helpers import save_tiny_run  # noqa: E402
 
@@ -119,3 +119,12 @@ def test_serve_command_errors(tmp_path, capsys):
 def test_only_loopback_addresses_count_as_local():
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.2", "example.org"))
+
+
+def test_the_served_name_is_the_run_folders(tmp_path):
+    save_tiny_run(tmp_path / "myrun")
+    for model in (tmp_path / "myrun", tmp_path / "myrun" / "step_00000001"):
+        state = build_state(ServeSettings(model=str(model)))
+        assert state.model_name == "myrun"
+        state.engine.stop()
+    assert build_state(ServeSettings(model=str(tmp_path / "myrun"), served_model_name="x")).model_name == "x"

@@ -50,7 +50,8 @@ def build_state(settings: ServeSettings):
     eos_text = tok.decode([tok.eos_id])
     render = load_renderer(Path(ck.path), settings.chat_template, eos_text)
     metrics = Metrics()
-    name = settings.served_model_name or Path(settings.model).resolve().name
+    given = Path(settings.model).resolve()   # a run folder, or one of its step folders: the run's name either way
+    name = settings.served_model_name or (given.parent.name if given == Path(ck.path).resolve() else given.name)
     return ServerState(engine=Engine(ck.model, tok, settings.max_concurrent, settings.max_queue, metrics),
                        tokenizer=tok, vocab_size=tok.vocab_size, settings=settings, model_name=name,
                        render_chat=render, metrics=metrics, created=int(time.time()))
