@@ -50,8 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = ServeSettings(model="")
     p.add_argument("--model", required=True, help="a linattn run folder (its latest checkpoint) or step folder; an "
                                                   "imported fla or transformers checkpoint is one")
-    p.add_argument("--host", default=d.host, help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int_at_least(0, "0 = any free port"), default=d.port, help="TCP port (default 8000)")
+    p.add_argument("--host", default=d.host, help="address to bind (default %(default)s: this machine only)")
+    p.add_argument("--port", type=int_at_least(0, "0 = any free port"), default=d.port,
+                   help="TCP port; 0 = any free port (default %(default)s)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: the run folder's name)")
     p.add_argument("--api-key-file", default=None,
@@ -60,27 +61,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file for /v1/chat/completions (default: the checkpoint's own)")
     p.add_argument("--max-request-bytes", type=int_at_least(1), default=d.max_request_bytes,
-                   help="largest request body; larger ones get 413 (default 1 MiB)")
+                   help="largest request body; larger ones get 413 (default %(default)s bytes)")
     p.add_argument("--max-prompt-tokens", type=int_at_least(1), default=d.max_prompt_tokens,
-                   help="longest prompt in tokens; longer ones get 400 (default 8192)")
+                   help="longest prompt in tokens; longer ones get 400 (default %(default)s)")
     p.add_argument("--max-tokens-limit", type=int_at_least(1), default=d.max_tokens_limit,
-                   help="largest max_tokens a request may ask for; more gets 400 (default 4096)")
+                   help="largest max_tokens a request may ask for; more gets 400 (default %(default)s)")
     p.add_argument("--default-max-tokens", type=int_at_least(1), default=d.default_max_tokens,
-                   help="max_tokens of a chat request that sets none (completions: 16, as OpenAI; default 256)")
+                   help="max_tokens of a chat request that sets none (completions: 16, as OpenAI; default %(default)s)")
     p.add_argument("--max-concurrent", type=int_at_least(1), default=d.max_concurrent,
-                   help="requests generating at once, a token each in turn (default 8)")
+                   help="requests generating at once, a token each in turn (default %(default)s)")
     p.add_argument("--max-queue", type=int_at_least(0), default=d.max_queue,
-                   help="requests waiting for a generation slot; more get 429 (default 64)")
+                   help="requests waiting for a generation slot; more get 429 (default %(default)s)")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before cancelling them "
-                        "(default 30)")
+                        "(default %(default)s)")
     p.add_argument("--stream-interval", type=finite_float(0.0), default=d.stream_interval,
                    help="seconds: a stream sends text at most this often, tokens in between together (the first "
-                        "at once); 0 = every token as it comes (default 0)")
+                        "at once); 0 = every token as it comes (default %(default)s)")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N | mps (default auto)")
     p.add_argument("--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn's log level (default info)")
+                   help="uvicorn's log level (default %(default)s)")
 
 
 def read_api_key(path: Optional[str], environ=os.environ) -> Optional[str]:
