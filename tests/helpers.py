@@ -169,3 +169,17 @@ def fake_mnist(root, n_train=40, n_test=20, gz=True, seed=0):
         write_idx(root / f"{split}-images-idx3-ubyte{ext}", g.integers(0, 256, size=(n, 28, 28), dtype=np.uint8))
         write_idx(root / f"{split}-labels-idx1-ubyte{ext}", g.integers(0, 10, size=(n,), dtype=np.uint8))
     return root
+
+
+def save_tiny_run(run_dir, text: str = "def f(x):\n    return x + 1\n" * 20, vocab: int = 280):
+    """A run folder holding one checkpoint (step 1) of a tiny seeded LM (`tiny_model`) with a BPE tokenizer trained
+    on `text`: what `linattn generate` and `linattn serve` load. Returns the tokenizer."""
+    from linattn.checkpoint import save_checkpoint
+    from linattn.data.tokenizer import train_tokenizer
+    from linattn.models import LanguageModel
+
+    tok = train_tokenizer([text], vocab_size=vocab)
+    torch.manual_seed(0)
+    cfg = tiny_model(vocab=tok.vocab_size)
+    save_checkpoint(run_dir, 1, LanguageModel(cfg), model_config=cfg.to_dict(), tokenizer=tok)
+    return tok

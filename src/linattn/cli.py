@@ -100,6 +100,24 @@ def cmd_generate(sub) -> None:
 COMMANDS += [cmd_train, cmd_eval, cmd_generate]
 
 
+# serve: an OpenAI-compatible HTTP server (linattn.serve, needs the `serve` extra).
+def cmd_serve(sub) -> None:
+    from .serve.settings import add_arguments  # light: the web stack is imported when the server runs
+    p = sub.add_parser("serve", help="serve a checkpoint over HTTP with the OpenAI API (completions, chat)",
+                       description="An OpenAI-compatible server for a checkpoint (docs/serving.md; needs "
+                                   "`pip install linattn[serve]`). Binds 127.0.0.1 unless --host says otherwise.")
+    add_arguments(p)
+
+    def run(args):
+        from .serve.server import main
+        return main(args)
+
+    p.set_defaults(run=run)
+
+
+COMMANDS.append(cmd_serve)
+
+
 # export-hf / import-hf: Hugging Face transformers folders (linattn.hf, needs the `hf` extra).
 def _hf_command(sub, name: str, help: str, source_flag: str, source_help: str, out_help: str, entry: str) -> None:
     p = sub.add_parser(name, help=help, description=help + " (needs `pip install linattn[hf]`)")

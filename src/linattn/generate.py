@@ -79,53 +79,85 @@ def stream_tokens(model, input_ids: torch.Tensor, max_new_tokens: int, *, temper
         yield int(tok)
 
 
+def prompt_ids(tokenizer, prompt: str) -> List[int]:
+    """The token ids generation starts from: the prompt's, or the end-of-document token for an empty prompt
+    (a document boundary)."""
+    ids = tokenizer.encode(prompt) if prompt else []
+    return ids or [tokenizer.eos_id]
+
+
+class TextDecoder:
+    """Turns generated token ids into text pieces as they come. A byte-level BPE token can end inside a UTF-8
+    character: such text is held back (up to 3 tokens) until the character is complete, so a multi-byte
+    character is never shown in halves. `push(token)` returns the new text ('' while held back), `flush()`
+    what is left at the end; `tokens` holds every id pushed."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.tokens: List[int] = []
+        self.shown = ""
+        self._held = 0
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self._text()
+        if text.endswith("\ufffd") and self._held < 3:  # maybe a UTF-8 character cut between tokens
+            self._held += 1
+            return ""
+        self._held = 0
+        if text.startswith(self.shown):
+            piece = text[len(self.shown):]
+        else:  # decoding is not always prefix-stable at merges; show the rest from the common prefix
+            k = 0
+            while k < min(len(text), len(self.shown)) and text[k] == self.shown[k]:
+                k += 1
+            piece = text[k:]
+        self.shown = text
+        return piece
+
+    def flush(self) -> str:
+        text = self._text()
+        if text != self.shown and text.startswith(self.shown):
+            piece, self.shown = text[len(self.shown):], text
+            return piece
+        return ""
+
+
 def stream_text(model, tokenizer, prompt: str, max_new_tokens: int, *, device=None, stats: Optional[Dict] = None,
                 stop_at_eos: bool = False, skip_special_tokens: bool = False, **sampling) -> Iterator[str]:
-    """Yield decoded text pieces as tokens are produced. A byte-level BPE token can end inside a
-    UTF-8 character: such text is held back (up to 3 tokens) until the character is complete. `stats` (a dict),
-    when given, receives tokens, seconds, tokens_per_s and first_token_s. `skip_special_tokens`: leave
-    special tokens (<|endoftext|>) out of the text (they still count as tokens)."""
+    """Yield decoded text pieces as tokens are produced (`TextDecoder`: a UTF-8 character cut between tokens is
+    held back until whole). `stats` (a dict), when given, receives tokens, seconds, tokens_per_s and
+    first_token_s. `skip_special_tokens`: leave special tokens (<|endoftext|>) out of the text (they still count
+    as tokens)."""
     if device is None:
         try:
             device = next(model.parameters()).device
         except StopIteration:
             device = torch.device("cpu")
-    ids = tokenizer.encode(prompt) if prompt else []
-    if not ids:
-        ids = [tokenizer.eos_id]   # an empty prompt starts at a document boundary
+    ids = prompt_ids(tokenizer, prompt)
     x = torch.tensor([ids], dtype=torch.long, device=device)
-    new: List[int] = []
-    shown = ""
+    decoder = TextDecoder(tokenizer, skip_special_tokens)
     t0 = time.perf_counter()
     first = None
-    held = 0
     for tok in stream_tokens(model, x, max_new_tokens, eos_id=tokenizer.eos_id if stop_at_eos else None, **sampling):
         if first is None:
             first = time.perf_counter() - t0
-        new.append(tok)
-        text = tokenizer.decode(new, skip_special_tokens=skip_special_tokens)
-        if text.endswith("\ufffd") and held < 3:  # maybe a UTF-8 character cut between tokens
-            held += 1
-            continue
-        held = 0
-        if text.startswith(shown):
-            piece = text[len(shown):]
-        else:  # decoding is not always prefix-stable at merges; show the rest from the common prefix
-            k = 0
-            while k < min(len(text), len(shown)) and text[k] == shown[k]:
-                k += 1
-            piece = text[k:]
-        shown = text
+        piece = decoder.push(tok)
         if piece:
             yield piece
         if stats is not None:
-            stats["tokens"] = len(new)
-    text = tokenizer.decode(new, skip_special_tokens=skip_special_tokens)
-    if text != shown and text.startswith(shown) and text[len(shown):]:
-        yield text[len(shown):]
+            stats["tokens"] = len(decoder.tokens)
+    rest = decoder.flush()
+    if rest:
+        yield rest
     dt = time.perf_counter() - t0
+    n = len(decoder.tokens)
     if stats is not None:
-        stats.update({"tokens": len(new), "seconds": dt, "tokens_per_s": len(new) / dt if dt > 0 else None,
+        stats.update({"tokens": n, "seconds": dt, "tokens_per_s": n / dt if dt > 0 else None,
                       "first_token_s": first, "prompt_tokens": len(ids)})
 
 

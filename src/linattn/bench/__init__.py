@@ -38,6 +38,7 @@ BENCHMARKS: Dict[str, Tuple[str, str]] = {
     "hf": ("linattn.bench.hf", "transformers' linear-attention models: their PyTorch fallbacks vs linattn.hf.kernelize "
                                "(prefill, decode, training step, peak memory)"),
     "train": ("linattn.bench.train", "LM training throughput (fwd + bwd + AdamW tokens/s) per mixer vs softmax"),
+    "serve": ("linattn.bench.serve", "linattn serve vs linattn generate: decode tokens/s, /health latency under load"),
 }
 
 HELP = "run a benchmark (" + ", ".join(BENCHMARKS) + ")"
