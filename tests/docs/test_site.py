@@ -166,8 +166,8 @@ def _environment_reads(path: Path) -> set:
             return [consts[arg.id]] if arg.id in consts else loops.get(arg.id, [])
         return []
 
-    def is_environ(n):
-        return isinstance(n, ast.Attribute) and n.attr == "environ"
+    def is_environ(n):  # os.environ, or a parameter named environ that defaults to it
+        return (isinstance(n, ast.Attribute) and n.attr == "environ") or (isinstance(n, ast.Name) and n.id == "environ")
 
     found = set()
     for n in ast.walk(tree):
