@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import LinattnError, LinattnTypeError
+from ..fla import DTYPES as FLA_DTYPES, MAX_HEAD_DIM as FLA_MAX_K
 from ..triton import triton_chunk_size
 from ._common import (
     FLOAT_DTYPES,
@@ -39,13 +40,14 @@ from ._common import (
     pad_time,
     run_varlen,
 )
-from .backend import cpu_delta, requires_grad, select_backend, triton_delta
+from .backend import cpu_delta, fla_delta, requires_grad, select_backend, triton_delta
 from .heads import value_groups
 from .l2norm import L2NORM_EPS, l2norm, resolve_l2norm, select_rows
 
 CHANNEL_BLOCK = 16       # chunk length with per-channel gates (their intra-chunk work is O(T * (c + C/c) * K))
 CHANNEL_SUB = 4          # ... and its sub-blocks (c = sqrt(C) minimises c + C/c; 16/4 and 32/8 measured equal on CPU)
 TRITON_MAX_K = 256       # the Triton kernels keep a whole K in registers
+FLA_CHUNK = 64           # fla's chunk kernels' default chunk length
 
 SERIES_BELOW = 1e-3      # the EFLA coefficient uses its Taylor series below x = beta lam = 1e-3
 PSI_SERIES_BELOW = 0.1  # ... and its lam-derivative below x = 0.1
@@ -282,6 +284,20 @@ def _chunk(q, k, v, b, r, g, S, C):
 # Validate and prepare once
 # ----------------------------------------------------------------------------------------------
 
+class DeltaSource(NamedTuple):
+    """The caller's validated inputs of a delta-family call, before the PyTorch preprocessing: what the fla
+    backend translates into fla's arguments (`ops/backend.py`'s `fla_delta`). q, k `[B, T, H, K]`, v `[B, T, HV,
+    V]` and beta `[B, T, HV]` as given; l2 the qk_l2norm convention (None, "rsqrt", "clamp"); scale resolved;
+    coefficient EFLA's (or None)."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    beta: torch.Tensor
+    l2: Optional[str]
+    scale: float
+    coefficient: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+
+
 @dataclass
 class DeltaProblem:
     """One validated delta-family call, preprocessed for every backend, in the compute dtype and the
@@ -303,10 +319,31 @@ class DeltaProblem:
     #: grouped value heads: the caller gave HV = value_groups * H value heads; q, k, r above are already repeated
     #: to HV heads (value head j reads q/k head j // value_groups), so every backend sees an ordinary problem
     value_groups: int = 1
+    #: the caller's inputs (`prepare_delta` sets it; None for a problem built otherwise): the fla backend's input
+    source: Optional[DeltaSource] = None
 
     @property
     def channel_gate(self) -> bool:
         return self.g is not None and self.g.dim() == 4
+
+    def fla_unsupported(self) -> Optional[str]:
+        """Why fla's kernels do not cover this call (None when they do; the device and fla-core itself are checked
+        by the dispatch): chunk and recurrent forms of DeltaNet, Gated DeltaNet, KDA and EFLA in fp16 / bf16 /
+        fp32 with K <= 256; the recurrent kernels are forward-only."""
+        if self.source is None:
+            return "this operator has no fla adapter yet"
+        if self.out_dtype not in FLA_DTYPES:
+            return f"fla's kernels take fp16 / bf16 / fp32 inputs, not {self.out_dtype}"
+        if self.mode not in ("chunk", "recurrent"):
+            return f"mode={self.mode!r} has no fla kernel (chunk and recurrent do)"
+        if self.r is not None:
+            return "a read key of its own (r: Comba's p, RWKV-7) is not translated to fla's kernels yet"
+        if self.q.shape[-1] > FLA_MAX_K:
+            return f"fla's delta-rule kernels take head sizes K <= {FLA_MAX_K}, got K = {self.q.shape[-1]}"
+        src = self.source
+        if self.mode == "recurrent" and requires_grad(src.q, src.k, src.v, src.beta, self.g, self.S0):
+            return "fla's fused_recurrent delta-rule kernels are forward-only (decoding) and an input requires grad"
+        return None
 
     def triton_unsupported(self) -> Optional[str]:
         """Why the Triton kernels do not cover this call (None when they do)."""
@@ -343,6 +380,8 @@ class DeltaProblem:
             return 1
         if self.mode == "parallel":
             return self.q.shape[1]
+        if backend == "fla":  # fla's default chunk (its result does not depend on it)
+            return FLA_CHUNK
         if backend == "triton":  # per-channel gates (KDA): a 16-token tile (triton/delta.py's KDA_CHUNK)
             return 16 if self.channel_gate else triton_chunk_size(self.chunk_size)
         return min(self.chunk_size, CHANNEL_BLOCK) if self.channel_gate else self.chunk_size
@@ -462,6 +501,7 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
         _check_state(initial_state, N, HV, K, V, q.device)
 
     cdt = compute_dtype(q.dtype)
+    source = DeltaSource(q, k, v, beta, l2, scale, coefficient)
     q_c, k_c, v_c, b_c = q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt)
     if fused and _fused_prep(q_c, l2, coefficient, r, n):
         from ..cpu.delta import delta_prepare, delta_prepare_raw
@@ -475,7 +515,7 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
         S0 = initial_state.to(cdt) if initial_state is not None else None
         g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
         return DeltaProblem(q_c, k_c, v_c, None, a, g_c, S0, mode, chunk_size, offsets, N, output_final_state,
-                            q.dtype, n)
+                            q.dtype, n, source)
     if l2 is not None:
         q_c, k_c = l2norm(q_c, l2), l2norm(k_c, l2)
     q_c = q_c * scale
@@ -490,7 +530,7 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
     S0 = initial_state.to(cdt) if initial_state is not None else None
     g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
     return DeltaProblem(q_c, k_c, v_c / d, r_c, (a * d2).to(cdt), g_c, S0, mode,
-                        chunk_size, offsets, N, output_final_state, q.dtype, n)
+                        chunk_size, offsets, N, output_final_state, q.dtype, n, source)
 
 
 
@@ -563,7 +603,9 @@ def _run_torch(p: DeltaProblem):
 def run_delta(p: DeltaProblem, backend: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run a prepared call on `backend` -> (o [B, T, H, V] in the input dtype, final state or None)."""
     chosen = select_backend(backend, p)
-    if chosen == "triton":
+    if chosen == "fla":
+        o, S = fla_delta(p)
+    elif chosen == "triton":
         o, S = triton_delta(p)
     elif chosen == "cpu":
         o, S = cpu_delta(p)

@@ -1,0 +1,226 @@
+"""CPU stand-ins for the fla-core functions that linattn's fla backend calls (a helper, not a test file).
+
+fla's kernels are Triton kernels that do not run on the CPU. Each stand-in here has the signature of the fla
+function it replaces (fla-core 0.6.0: the same argument names and defaults, no others, so a misspelt or
+unknown argument fails) and honours every argument the backend may pass: fla's default scale K**-0.5, the
+in-kernel L2 norm, the gates (g, g_gamma, gk, per-channel g) in log space, beta, grouped value heads (head j
+reads q/k head j // (HV / H)), the initial and final state [N, HV, K, V], and cu_seqlens (B = 1, one state row per
+sequence). They also keep fla's own restrictions that the routing must respect (chunk_delta_rule: no fp32, no
+grouped value heads; cu_seqlens with B = 1; KDA: an fp32 initial state).
+
+All of them run one plain recurrence in fp64 (`scan`), differentiable by autograd; the output is in q's dtype as
+fla's, the final state fp32 (fp64 for fp64 inputs, which the tests allow in place of fla's fp32). `stand_ins()`
+is the mapping from fla's module attributes to these; `fla_backend_on_cpu` (a context manager) installs them and
+lets the backend take CPU tensors (and fp64, for the exactness tests).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator, Optional
+
+import torch
+
+L2_EPS = 1e-6
+CALLS: list = []   # (function name, its keyword names) of every stand-in call, for the tests that check routing
+
+
+def _l2(x):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _state_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def scan(q, k, v, *, beta=None, g=None, gk=None, g_gamma=None, scale=None, initial_state=None,
+         output_final_state=False, cu_seqlens=None, l2norm=False):
+    """The recurrence S_t = D_t S_{t-1} (+ the delta rule's correction when beta is given) + k_t v_t^T and
+    o_t = scale * S_t^T q_t, in fp64: D_t = exp(g_t) per head, exp(gk_t) per key channel or exp(g_gamma) per
+    head; with beta, S_t = D_t S_{t-1} + beta_t k_t (v_t - (D_t S_{t-1})^T k_t)^T."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    assert HV % H == 0, "grouped value heads: HV must be a multiple of H"
+    assert q.dtype == k.dtype == v.dtype, "fla takes q, k, v in one dtype"
+    if cu_seqlens is not None:
+        assert B == 1, "fla wants B = 1 with cu_seqlens"
+        assert cu_seqlens.dtype in (torch.int32, torch.int64)
+    bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
+    N = B if cu_seqlens is None else len(bounds) - 1
+    if initial_state is not None:
+        assert tuple(initial_state.shape) == (N, HV, K, V), (tuple(initial_state.shape), (N, HV, K, V))
+    scale = K ** -0.5 if scale is None else scale
+    n = HV // H
+    d = torch.float64
+    q64, k64 = q.to(d), k.to(d)
+    if l2norm:
+        q64, k64 = _l2(q64), _l2(k64)
+    q64, k64 = q64.repeat_interleave(n, dim=2), k64.repeat_interleave(n, dim=2)
+    v64 = v.to(d)
+    outs, finals = [], []
+    for i in range(1 if cu_seqlens is None else N):   # without cu_seqlens: the B rows together
+        a, b = bounds[i], bounds[i + 1]
+        rows = slice(None) if cu_seqlens is None else slice(i, i + 1)
+        S = (initial_state[rows].to(d) if initial_state is not None
+             else torch.zeros(B if cu_seqlens is None else 1, HV, K, V, dtype=d))
+        for t in range(a, b):
+            bt = slice(None) if cu_seqlens is None else slice(0, 1)
+            if g is not None:
+                S = S * g[bt, t].to(d).exp()[..., None, None]
+            if gk is not None:
+                S = S * gk[bt, t].to(d).exp()[..., None]
+            if g_gamma is not None:
+                S = S * g_gamma.to(d).exp()[:, None, None]
+            kt, vt = k64[bt, t], v64[bt, t]
+            if beta is not None:
+                vt = beta[bt, t].to(d)[..., None] * (vt - torch.einsum("bhkv,bhk->bhv", S, kt))
+            S = S + kt[..., None] * vt[..., None, :]
+            outs.append((scale * torch.einsum("bhkv,bhk->bhv", S, q64[bt, t])).unsqueeze(1))
+        finals.append(S)
+    o = torch.cat(outs, dim=1) if outs else v64.new_zeros(B, 0, HV, V)
+    final = torch.cat(finals, dim=0).to(_state_dtype(q)) if output_final_state else None
+    return o.to(q.dtype), final
+
+
+def _record(name, **kw):
+    CALLS.append((name, sorted(k for k, val in kw.items() if val is not None and val is not False)))
+
+
+# -- fla.ops.simple_gla / fla.ops.gla ------------------------------------------------------------------------
+def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
+                     state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_size=None):
+    assert not state_v_first and (g is None or g_gamma is None)
+    _record("chunk_simple_gla", g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    return scan(q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                               output_final_state=False, reverse=False, state_v_first=False, cu_seqlens=None):
+    assert not reverse and not state_v_first
+    _record("fused_recurrent_simple_gla", g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+            cu_seqlens=cu_seqlens)
+    return scan(q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
+              cu_seqlens=None, cu_seqlens_cpu=None):
+    assert not state_v_first
+    _record("chunk_gla", g=g, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    return scan(q, k, v, gk=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens)
+
+
+def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=None, output_final_state=False,
+                        reverse=False, state_v_first=False, cu_seqlens=None):
+    assert gv is None and not reverse and not state_v_first
+    _record("fused_recurrent_gla", gk=gk, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    return scan(q, k, v, gk=gk, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens)
+
+
+# -- fla.ops.delta_rule / gated_delta_rule / kda -------------------------------------------------------------
+def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None):
+    assert q.dtype != torch.float32, "ChunkDeltaRuleFunction does not support float32"   # fla's own assert
+    assert v.shape[2] == q.shape[2], "chunk_delta_rule has no grouped value heads"
+    assert beta.dim() == 3
+    _record("chunk_delta_rule", beta=beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return scan(q, k, v, beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, l2norm=use_qk_l2norm_in_kernel)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                           cp_context=None):
+    assert g is not None and g.dim() == 3 and not use_beta_sigmoid_in_kernel and not state_v_first
+    _record("chunk_gated_delta_rule", g=g, beta=beta, scale=scale, initial_state=initial_state,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return scan(q, k, v, beta=beta, g=g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, l2norm=use_qk_l2norm_in_kernel)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                     use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None):
+    assert gv is None and not use_gate_in_kernel and not state_v_first and beta is not None
+    _record("fused_recurrent_gated_delta_rule", g=g, gk=gk, beta=beta, scale=scale, initial_state=initial_state,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return scan(q, k, v, beta=beta, g=g, gk=gk, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, l2norm=use_qk_l2norm_in_kernel)
+
+
+def _check_kda(q, g, initial_state):
+    assert g is not None and g.dim() == 4
+    if initial_state is not None and q.dtype != torch.float64:
+        assert initial_state.dtype == torch.float32, "initial_state must be in float32"   # fla's own assert
+    assert q.shape[-1] <= 256
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, use_graph=False, max_num_seqs=None):
+    _check_kda(q, g, initial_state)
+    assert not (use_gate_in_kernel or safe_gate or state_v_first or use_beta_sigmoid_in_kernel)
+    _record("chunk_kda", g=g, beta=beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return scan(q, k, v, beta=beta, gk=g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, l2norm=use_qk_l2norm_in_kernel)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                        state_v_first=False, cu_seqlens=None):
+    _check_kda(q, g, initial_state)
+    assert not (use_gate_in_kernel or state_v_first or use_beta_sigmoid_in_kernel)
+    _record("fused_recurrent_kda", g=g, beta=beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return scan(q, k, v, beta=beta, gk=g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, l2norm=use_qk_l2norm_in_kernel)
+
+
+def stand_ins() -> Dict[str, object]:
+    """fla module -> {function name: stand-in}, every function linattn's fla backend calls."""
+    return {
+        "fla.ops.simple_gla": {"chunk_simple_gla": chunk_simple_gla,
+                               "fused_recurrent_simple_gla": fused_recurrent_simple_gla},
+        "fla.ops.gla": {"chunk_gla": chunk_gla, "fused_recurrent_gla": fused_recurrent_gla},
+        "fla.ops.delta_rule": {"chunk_delta_rule": chunk_delta_rule},
+        "fla.ops.gated_delta_rule": {"chunk_gated_delta_rule": chunk_gated_delta_rule,
+                                     "fused_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule},
+        "fla.ops.kda": {"chunk_kda": chunk_kda, "fused_recurrent_kda": fused_recurrent_kda},
+    }
+
+
+@contextlib.contextmanager
+def fla_backend_on_cpu(monkeypatch, fp64: bool = False, replace: Optional[Dict[str, object]] = None) -> Iterator[list]:
+    """Inside: linattn's fla backend takes CPU tensors (and fp64 when `fp64`), and every fla function it calls is
+    its stand-in above (`replace`: {"module.function": callable} overrides). Yields the list of calls made."""
+    import importlib
+
+    import linattn.fla as lfla
+
+    monkeypatch.setattr(lfla, "runs_on", lambda device: True)
+    if fp64:
+        monkeypatch.setattr(lfla, "DTYPES", (*lfla.DTYPES, torch.float64))
+        import linattn.ops.delta_core as dc
+        import linattn.ops.linear as lin
+
+        monkeypatch.setattr(dc, "FLA_DTYPES", lfla.DTYPES)
+        monkeypatch.setattr(lin, "FLA_DTYPES", lfla.DTYPES)
+    for module, fns in stand_ins().items():
+        mod = importlib.import_module(module)
+        for name, fn in fns.items():
+            monkeypatch.setattr(mod, name, fn)
+    for path, fn in (replace or {}).items():
+        module, name = path.rsplit(".", 1)
+        monkeypatch.setattr(importlib.import_module(module), name, fn)
+    CALLS.clear()
+    yield CALLS
