@@ -487,3 +487,32 @@ def test_chunk_size_used_on_fla(monkeypatch):
     with fla_backend_on_cpu(monkeypatch):
         assert linattn.chunk_size_used("delta_rule", q, k, v, beta, chunk_size=16, backend="fla") == 64
         assert linattn.chunk_size_used("linear_attention", q, k, v, chunk_size=16, backend="fla") == 64
+
+
+# ---------------------------------------------------------------------------------------------- the other delta ops
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("gate", [None, "g", "gk"])
+def test_delta_product_equals_torch(monkeypatch, gate, dtype):
+    """delta_product's interleaved core problem runs on fla's delta kernels as it is (n sub-steps per token)."""
+    gen = torch.Generator().manual_seed(4)
+    B, T, H, n, K, V = 2, 7, 2, 2, 4, 3
+    q = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64).to(dtype)
+    k = F.normalize(torch.randn(B, T, H, n, K, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, n, V, generator=gen, dtype=torch.float64).to(dtype)
+    beta = (2 * torch.rand(B, T, H, n, generator=gen, dtype=torch.float64)).to(dtype)
+    kw = dict(output_final_state=True, chunk_size=4)
+    if gate == "g":
+        kw["g"] = -torch.rand(B, T, H, generator=gen, dtype=torch.float64).to(dtype)
+    elif gate == "gk":
+        kw["g"] = -torch.rand(B, T, H, K, generator=gen, dtype=torch.float64).to(dtype)
+    check_equal(monkeypatch, linattn.delta_product, (q, k, v, beta), kw)
+
+
+def test_comba_and_rwkv7_are_not_covered_yet(monkeypatch):
+    q, k, v, beta = _delta_inputs(torch.float32)
+    with fla_backend_on_cpu(monkeypatch):
+        with pytest.raises(BackendUnavailableError, match="read key of its own"):
+            linattn.comba(q, k, v, beta, backend="fla")
+        choice = linattn.explain("comba", q, k, v, beta)
+        assert choice.backend != "fla"

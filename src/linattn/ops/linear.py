@@ -618,10 +618,11 @@ def linear_attention(
         output_final_state: Also return the state after the last token.
         cu_seqlens: int64 `[N+1]` offsets of N packed independent sequences (B == 1); the state then has N rows.
         eps: The floor on |den| (above).
-        backend: "auto" (Triton kernels for CUDA tensors when Triton is installed and covers the call, the
-            compiled CPU kernels for CPU tensors when they build and cover it, PyTorch otherwise), "torch",
-            "triton" (on CPU only under TRITON_INTERPRET=1; see docs/triton.md) or "cpu" (see
-            docs/cpu_kernels.md).
+        backend: "auto" (for CUDA tensors fla's kernels when fla-core is installed and covers the call, else
+            linattn's Triton kernels when they do; the compiled CPU kernels for CPU tensors when they build and
+            cover it; PyTorch otherwise), "torch", "fla" (CUDA; see docs/backends.md), "triton" (on CPU only
+            under TRITON_INTERPRET=1; see docs/triton.md) or "cpu" (see docs/cpu_kernels.md).
+            `linattn.explain` says which a call takes and why.
 
     Returns:
         o: The output `[B, T, H, V]` (or `[B, T, HV, V]`), in the input dtype.
