@@ -196,6 +196,7 @@ def stand_ins() -> Dict[str, object]:
         "fla.ops.gated_delta_rule": {"chunk_gated_delta_rule": chunk_gated_delta_rule,
                                      "fused_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule},
         "fla.ops.kda": {"chunk_kda": chunk_kda, "fused_recurrent_kda": fused_recurrent_kda},
+        "fla.ops.rwkv7": {"chunk_rwkv7": chunk_rwkv7, "fused_recurrent_rwkv7": fused_recurrent_rwkv7},
     }
 
 
@@ -224,3 +225,50 @@ def fla_backend_on_cpu(monkeypatch, fp64: bool = False, replace: Optional[Dict[s
         monkeypatch.setattr(importlib.import_module(module), name, fn)
     CALLS.clear()
     yield CALLS
+
+
+# -- fla.ops.rwkv7 -------------------------------------------------------------------------------------------
+def scan_rwkv7(r, w, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens):
+    """S_t = Diag(exp(w_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T, o_t = scale S_t^T r_t, in fp64."""
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    assert r.dtype == k.dtype == v.dtype == a.dtype == b.dtype
+    bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
+    N = B if cu_seqlens is None else len(bounds) - 1
+    if cu_seqlens is not None:
+        assert B == 1
+    if initial_state is not None:
+        assert tuple(initial_state.shape) == (N, H, K, V)
+    d = torch.float64
+    r, w, k, v, a, b = (x.to(d) for x in (r, w, k, v, a, b))
+    outs, finals = [], []
+    for i in range(1 if cu_seqlens is None else N):
+        rows = slice(None) if cu_seqlens is None else slice(i, i + 1)
+        S = (initial_state[rows].to(d) if initial_state is not None
+             else torch.zeros(B if cu_seqlens is None else 1, H, K, V, dtype=d))
+        for t in range(bounds[i], bounds[i + 1]):
+            bt = slice(None) if cu_seqlens is None else slice(0, 1)
+            read = torch.einsum("bhkv,bhk->bhv", S, a[bt, t])
+            S = S * w[bt, t].exp()[..., None] + b[bt, t][..., None] * read[..., None, :] \
+                + k[bt, t][..., None] * v[bt, t][..., None, :]
+            outs.append((scale * torch.einsum("bhkv,bhk->bhv", S, r[bt, t])).unsqueeze(1))
+        finals.append(S)
+    o = torch.cat(outs, dim=1)
+    final = torch.cat(finals).to(_state_dtype(r)) if output_final_state else None
+    return o.to(v.dtype), final
+
+
+def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
+                cu_seqlens_cpu=None, safe_gate=False, chunk_size=None, disable_recompute=False, cp_context=None,
+                lower_bound=None):
+    assert not safe_gate and lower_bound is None and cp_context is None
+    _record("chunk_rwkv7", scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    return scan_rwkv7(r, w, k, v, a, b, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=None, initial_state=None, output_final_state=True,
+                          cu_seqlens=None):
+    _record("fused_recurrent_rwkv7", scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    return scan_rwkv7(r, w, k, v, a, b, scale=r.shape[-1] ** -0.5 if scale is None else scale,
+                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)

@@ -509,10 +509,48 @@ def test_delta_product_equals_torch(monkeypatch, gate, dtype):
     check_equal(monkeypatch, linattn.delta_product, (q, k, v, beta), kw)
 
 
-def test_comba_and_rwkv7_are_not_covered_yet(monkeypatch):
+def _rwkv7_inputs(dtype, B=2, T=9, H=2, K=4, V=3):
+    gen = torch.Generator().manual_seed(5)
+    r, k = (torch.randn(B, T, H, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    w = -0.6 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
+    kk = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    a, b = -kk, kk * torch.rand(B, T, H, 1, generator=gen, dtype=torch.float64)
+    return tuple(x.to(dtype) for x in (r, w, k, v, a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("variant", ["plain", "state", "varlen", "scale"])
+def test_rwkv7_equals_torch(monkeypatch, variant, dtype):
+    """rwkv7 has fla's chunk_rwkv7 arguments: on fla it runs the tokens themselves (the core runs 2 sub-steps)."""
+    B = 1 if variant == "varlen" else 2
+    args = _rwkv7_inputs(dtype, B=B)
+    kw = dict(output_final_state=True, chunk_size=4)
+    if variant == "scale":
+        kw["scale"] = 0.5
+    if variant == "varlen":
+        kw["cu_seqlens"] = torch.tensor([0, 2, 9])
+    if variant in ("state", "varlen"):
+        cdt = torch.float64 if dtype == torch.float64 else torch.float32
+        kw["initial_state"] = 0.3 * torch.randn(2, 2, 4, 3, dtype=cdt)
+    _, calls = check_equal(monkeypatch, linattn.rwkv7, args, kw)
+    assert calls[0][0] == "chunk_rwkv7" and "scale" in calls[0][1]
+
+
+def test_rwkv7_recurrent_passes_scale(monkeypatch):
+    """fused_recurrent_rwkv7's default scale is K**-0.5, chunk_rwkv7's 1.0, linattn's 1.0: always passed."""
+    args = _rwkv7_inputs(torch.float64)
+    _, calls = check_equal(monkeypatch, linattn.rwkv7, args, dict(mode="recurrent", output_final_state=True),
+                           grad=False)
+    assert calls[0][0] == "fused_recurrent_rwkv7"
+
+
+def test_comba_is_not_covered_yet(monkeypatch):
     q, k, v, beta = _delta_inputs(torch.float32)
     with fla_backend_on_cpu(monkeypatch):
         with pytest.raises(BackendUnavailableError, match="read key of its own"):
             linattn.comba(q, k, v, beta, backend="fla")
+        with pytest.raises(BackendUnavailableError, match="read key of its own"):
+            linattn.comba(q, k, v, beta, p=0.5 * k, backend="fla")
         choice = linattn.explain("comba", q, k, v, beta)
         assert choice.backend != "fla"

@@ -122,3 +122,16 @@ def test_cu_seqlens_is_separate_sequences():
                                       output_final_state=True)
     _close(o, torch.cat([o1, o2], dim=1), 1e-6)
     _close(s, torch.cat([s1, s2]), 1e-6)
+
+
+def test_rwkv7_against_dplr_naive():
+    from fla.ops.generalized_delta_rule.dplr.naive import dplr_recurrence
+
+    gen = torch.Generator().manual_seed(6)
+    r, w, k, a, b = (torch.randn(B, T, H, K, generator=gen) for _ in range(5))
+    w = -torch.rand(B, T, H, K, generator=gen)
+    v, h0 = torch.randn(B, T, H, V, generator=gen), torch.randn(B, H, K, V, generator=gen)
+    o, s = S.chunk_rwkv7(r, w, k, v, 0.3 * a, 0.3 * b, scale=K ** -0.5, initial_state=h0, output_final_state=True)
+    ro, rs = dplr_recurrence(*(x.transpose(1, 2) for x in (r, k, v, 0.3 * a, 0.3 * b, w)), initial_state=h0)
+    _close(o, ro.transpose(1, 2))
+    _close(s, rs)

@@ -44,6 +44,35 @@ def _recurrent_call(q, k, v, beta, g, kw):
     return kernel("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule")(q, k, v, g=g, beta=beta, **kw)
 
 
+def rwkv7(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+          scale: float, initial_state: Optional[torch.Tensor], output_final_state: bool,
+          cu_seqlens: Optional[torch.Tensor], mode: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """RWKV-7's S_t = Diag(exp(w_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T, o_t = scale S_t^T r_t on fla's
+    `chunk_rwkv7` / `fused_recurrent_rwkv7` (forward only): linattn's `rwkv7` has fla's arguments, layout and
+    meaning, so only the scale needs care: always explicit (fla's defaults differ between the two, 1.0 and
+    K**-0.5).
+
+    Args:
+        r: The receptance `[B, T, H, K]` (fp16, bf16 or fp32).
+        w: The log decay `[B, T, H, K]` (fp32).
+        k: Keys `[B, T, H, K]`, the dtype of r.
+        v: Values `[B, T, H, V]`, the dtype of r.
+        a: The rank-one term's read vector `[B, T, H, K]`, the dtype of r.
+        b: Its write vector `[B, T, H, K]`, the dtype of r.
+        scale: The output scale, passed as it is.
+        initial_state: `[N, H, K, V]` (fp32), or None.
+        output_final_state: Also return the final state `[N, H, K, V]` (fp32).
+        cu_seqlens: int64 `[N + 1]` sequence starts (B = 1), or None.
+        mode: "chunk" or "recurrent".
+
+    Returns:
+        o `[B, T, H, V]` in the dtype of v, and the final state or None.
+    """
+    name = "chunk_rwkv7" if mode == "chunk" else "fused_recurrent_rwkv7"
+    return kernel("fla.ops.rwkv7", name)(r, w, k, v, a, b, scale=scale, initial_state=initial_state,
+                                         output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *,
                g: Optional[torch.Tensor], scale: float, l2norm_in_kernel: bool,
                initial_state: Optional[torch.Tensor], output_final_state: bool,

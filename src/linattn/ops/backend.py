@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -324,8 +324,37 @@ def cpu_delta(p):
     return o.view(B, T, H, V), S
 
 
-def _cu_seqlens(p) -> Optional[torch.Tensor]:
-    return None if p.offsets is None else torch.tensor(p.offsets, dtype=torch.int64, device=p.q.device)
+class DeltaSource(NamedTuple):
+    """The caller's validated inputs of a delta-family call, before the PyTorch preprocessing: what the fla
+    backend translates into fla's arguments (`fla_delta`). q, k `[B, T, H, K]`, v `[B, T, HV,
+    V]` and beta `[B, T, HV]` as given; l2 the qk_l2norm convention (None, "rsqrt", "clamp"); scale resolved;
+    coefficient EFLA's (or None)."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    beta: torch.Tensor
+    l2: Optional[str]
+    scale: float
+    coefficient: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+
+
+class Rwkv7Source(NamedTuple):
+    """The caller's inputs of an `rwkv7` call (fla's `chunk_rwkv7` arguments; the core runs two sub-steps per
+    token instead, `ops/rwkv7.py`); w is the log decay in the compute dtype."""
+    r: torch.Tensor
+    w: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+def _cu_seqlens(p, steps: int = 1) -> Optional[torch.Tensor]:
+    """The prepared offsets as fla's cu_seqlens, on the device; `steps` core sub-steps per token (rwkv7: 2)."""
+    if p.offsets is None:
+        return None
+    return torch.tensor([o // steps for o in p.offsets], dtype=torch.int64, device=p.q.device)
 
 
 def fla_linear_attention(p):
@@ -359,9 +388,12 @@ def fla_delta(p):
     """A prepared delta-family call on fla's kernels (linattn/fla/delta.py), from the caller's own tensors
     (`DeltaProblem.source`): qk_l2norm "rsqrt" in the kernel, "clamp" and EFLA's keys normalised here first.
     -> (o [B, T, HV, V], final state [N, HV, K, V] or None)."""
-    from ..fla.delta import delta_rule
+    from ..fla.delta import delta_rule, rwkv7
 
     src = p.source
+    if isinstance(src, Rwkv7Source):  # fla's chunk_rwkv7 has linattn's rwkv7 arguments and meaning
+        return rwkv7(*src[:6], scale=src.scale, initial_state=p.S0.contiguous() if p.S0 is not None else None,
+                     output_final_state=p.output_final_state, cu_seqlens=_cu_seqlens(p, steps=2), mode=p.mode)
     q, k, beta = src.q, src.k, src.beta
     in_kernel = src.l2 == "rsqrt" and src.coefficient is None
     if src.l2 is not None and not in_kernel:  # clamp, or EFLA's coefficient reading the normalised keys' norm

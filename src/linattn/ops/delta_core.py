@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,15 @@ from ._common import (
     pad_time,
     run_varlen,
 )
-from .backend import cpu_delta, fla_delta, requires_grad, select_backend, triton_delta
+from .backend import (
+    DeltaSource,
+    Rwkv7Source,
+    cpu_delta,
+    fla_delta,
+    requires_grad,
+    select_backend,
+    triton_delta,
+)
 from .heads import value_groups
 from .l2norm import L2NORM_EPS, l2norm, resolve_l2norm, select_rows
 
@@ -284,20 +292,6 @@ def _chunk(q, k, v, b, r, g, S, C):
 # Validate and prepare once
 # ----------------------------------------------------------------------------------------------
 
-class DeltaSource(NamedTuple):
-    """The caller's validated inputs of a delta-family call, before the PyTorch preprocessing: what the fla
-    backend translates into fla's arguments (`ops/backend.py`'s `fla_delta`). q, k `[B, T, H, K]`, v `[B, T, HV,
-    V]` and beta `[B, T, HV]` as given; l2 the qk_l2norm convention (None, "rsqrt", "clamp"); scale resolved;
-    coefficient EFLA's (or None)."""
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    beta: torch.Tensor
-    l2: Optional[str]
-    scale: float
-    coefficient: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
-
-
 @dataclass
 class DeltaProblem:
     """One validated delta-family call, preprocessed for every backend, in the compute dtype and the
@@ -320,7 +314,7 @@ class DeltaProblem:
     #: to HV heads (value head j reads q/k head j // value_groups), so every backend sees an ordinary problem
     value_groups: int = 1
     #: the caller's inputs (`prepare_delta` sets it; None for a problem built otherwise): the fla backend's input
-    source: Optional[DeltaSource] = None
+    source: Union[DeltaSource, Rwkv7Source, None] = None
 
     @property
     def channel_gate(self) -> bool:
@@ -336,12 +330,14 @@ class DeltaProblem:
             return f"fla's kernels take fp16 / bf16 / fp32 inputs, not {self.out_dtype}"
         if self.mode not in ("chunk", "recurrent"):
             return f"mode={self.mode!r} has no fla kernel (chunk and recurrent do)"
-        if self.r is not None:
-            return "a read key of its own (r: Comba's p, RWKV-7) is not translated to fla's kernels yet"
+        src = self.source
+        if self.r is not None and not isinstance(src, Rwkv7Source):
+            return ("a read key of its own (Comba's p) is not translated to fla's kernels yet (fla's Comba reads "
+                    "the decayed state, linattn's the undecayed one)")
         if self.q.shape[-1] > FLA_MAX_K:
             return f"fla's delta-rule kernels take head sizes K <= {FLA_MAX_K}, got K = {self.q.shape[-1]}"
-        src = self.source
-        if self.mode == "recurrent" and requires_grad(src.q, src.k, src.v, src.beta, self.g, self.S0):
+        if self.mode == "recurrent" and requires_grad(*(t for t in src if isinstance(t, torch.Tensor)), self.g,
+                                                      self.S0):
             return "fla's fused_recurrent delta-rule kernels are forward-only (decoding) and an input requires grad"
         return None
 
