@@ -554,3 +554,21 @@ def test_comba_is_not_covered_yet(monkeypatch):
             linattn.comba(q, k, v, beta, p=0.5 * k, backend="fla")
         choice = linattn.explain("comba", q, k, v, beta)
         assert choice.backend != "fla"
+
+
+def test_calls_for_fla_skip_the_pytorch_preprocessing(monkeypatch):
+    """A delta_rule call that fla's kernels take is not preprocessed (fla reads the caller's tensors); one they do
+    not take is, and runs elsewhere; an unprepared problem refuses any other backend."""
+    from linattn.ops.delta_core import run_delta
+
+    q, k, v, beta = _delta_inputs(torch.float32)
+    with fla_backend_on_cpu(monkeypatch):
+        p = linattn.prepare_delta(q, k, v, beta, qk_l2norm=True, backend="fla")
+        assert not p.prepared and p.q is q and p.k is k
+        assert linattn.prepare_delta(q, k, v, beta, backend="torch").prepared
+        assert linattn.prepare_delta(q, k, v, beta).prepared
+        with pytest.raises(linattn.LinattnError, match="prepared for fla"):
+            run_delta(p, "torch")
+        o, _ = run_delta(p, "fla")
+    ref, _ = linattn.delta_rule(q, k, v, beta, qk_l2norm=True, backend="torch")
+    assert rel(o, ref) < 1e-5

@@ -121,7 +121,8 @@ def delta_rule(
     p = prepare_delta(q, k, v, beta, g=g, channel_gate=True, coefficient=efla_coefficient if exact else None,
                       scale=scale, qk_l2norm=qk_l2norm, mode=mode, chunk_size=chunk_size,
                       initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                      fused=backend in ("auto", "cpu"))   # backend="torch": the PyTorch preprocessing as well
+                      fused=backend in ("auto", "cpu"),   # backend="torch": the PyTorch preprocessing as well
+                      backend=backend)                     # a call for fla's kernels: no preprocessing
     return run_delta(p, backend)
 
 

@@ -23,6 +23,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from .. import fla
 from ..errors import LinattnError, LinattnTypeError
 from ..fla import DTYPES as FLA_DTYPES, MAX_HEAD_DIM as FLA_MAX_K
 from ..triton import triton_chunk_size
@@ -43,6 +44,7 @@ from ._common import (
 from .backend import (
     DeltaSource,
     Rwkv7Source,
+    choose_backend,
     cpu_delta,
     fla_delta,
     requires_grad,
@@ -315,6 +317,9 @@ class DeltaProblem:
     value_groups: int = 1
     #: the caller's inputs (`prepare_delta` sets it; None for a problem built otherwise): the fla backend's input
     source: Union[DeltaSource, Rwkv7Source, None] = None
+    #: False: q, k, v, a are the caller's tensors, not preprocessed (`prepare_delta(backend=)` for a call that
+    #: fla's kernels take, which read `source`): only the fla backend may run it
+    prepared: bool = True
 
     @property
     def channel_gate(self) -> bool:
@@ -422,7 +427,7 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
                   coefficient: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
                   scale=None, qk_l2norm=False, mode: str = "chunk", chunk_size: int = 64,
                   initial_state=None, output_final_state: bool = False, cu_seqlens=None,
-                  fused: bool = False) -> DeltaProblem:
+                  fused: bool = False, backend: Optional[str] = None) -> DeltaProblem:
     """Every check shared by the delta family, once, and the shared preprocessing: the base of a new delta variant.
 
     A variant chooses the write strength a (through `coefficient`), the read key r and the gate g of the core's
@@ -455,6 +460,9 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
             qk_l2norm "rsqrt" without a coefficient, or no qk_l2norm with or without one (EFLA: the coefficient
             and d2 then run in PyTorch on [B, T, H]), no r, no grouped value heads, eager, kernels switched on. The
             same values as the PyTorch lines to rounding; they stay the reference and the fallback.
+        backend: The backend the call will be run on, when known: a call that it sends to fla's kernels skips the
+            PyTorch preprocessing (fla takes the caller's tensors, `DeltaProblem.prepared` False); None: always
+            preprocess (the problem then runs on any backend).
 
     Returns:
         The prepared call, a `DeltaProblem` in the compute dtype, for `run_delta` (or `chunk_size_used`).
@@ -498,6 +506,14 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
 
     cdt = compute_dtype(q.dtype)
     source = DeltaSource(q, k, v, beta, l2, scale, coefficient)
+    g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
+    S0 = initial_state.to(cdt) if initial_state is not None else None
+    if backend is not None and backend != "torch" and fla.runs_on(q.device):
+        # the caller's tensors as they are: fla's kernels normalise and scale themselves (`fla_delta`)
+        raw = DeltaProblem(q, k, v, r, beta, g_c, S0, mode, chunk_size, offsets, N, output_final_state, q.dtype,
+                           n, source, prepared=False)
+        if choose_backend(backend, raw).backend == "fla":
+            return raw
     q_c, k_c, v_c, b_c = q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt)
     if fused and _fused_prep(q_c, l2, coefficient, r, n):
         from ..cpu.delta import delta_prepare, delta_prepare_raw
@@ -508,8 +524,6 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
             a = (a * lam.detach().clamp_min(1.0)).to(cdt)
         else:
             q_c, k_c, v_c, a = delta_prepare(q_c, k_c, v_c, b_c, scale, L2NORM_EPS)
-        S0 = initial_state.to(cdt) if initial_state is not None else None
-        g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
         return DeltaProblem(q_c, k_c, v_c, None, a, g_c, S0, mode, chunk_size, offsets, N, output_final_state,
                             q.dtype, n, source)
     if l2 is not None:
@@ -523,8 +537,6 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
         r_c = r_c.repeat_interleave(n, dim=2) if r_c is not None else None
     a = coefficient(b_c.to(lam.dtype), lam) if coefficient is not None else b_c
     # key-norm rescaling (module docstring): k~ = k / d, v~ = v / d, r~ = r / d, a~ = a d^2, d = max(||k||, 1)
-    S0 = initial_state.to(cdt) if initial_state is not None else None
-    g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
     return DeltaProblem(q_c, k_c, v_c / d, r_c, (a * d2).to(cdt), g_c, S0, mode,
                         chunk_size, offsets, N, output_final_state, q.dtype, n, source)
 
@@ -599,6 +611,9 @@ def _run_torch(p: DeltaProblem):
 def run_delta(p: DeltaProblem, backend: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run a prepared call on `backend` -> (o [B, T, H, V] in the input dtype, final state or None)."""
     chosen = select_backend(backend, p)
+    if not p.prepared and chosen != "fla":
+        raise LinattnError(f"this delta problem was prepared for fla's kernels (prepare_delta(backend=...)) and "
+                           f"cannot run on backend {chosen!r}; prepare it without backend=")
     if chosen == "fla":
         o, S = fla_delta(p)
     elif chosen == "triton":
