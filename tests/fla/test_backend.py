@@ -124,8 +124,9 @@ def _linear_call(case, dtype):
     if case.get("state"):
         N = 3 if case.get("varlen") else B
         cdt = torch.float64 if dtype == torch.float64 else torch.float32
-        kv = 0.3 * torch.randn(N, HV, K, v.shape[-1], dtype=cdt)
-        z = 0.5 + torch.rand(N, HV, K, dtype=cdt)
+        gen = torch.Generator().manual_seed(7)
+        kv = 0.3 * torch.randn(N, HV, K, v.shape[-1], generator=gen, dtype=torch.float64).to(cdt)
+        z = 0.5 + torch.rand(N, HV, K, generator=gen, dtype=torch.float64).to(cdt)
         kw["initial_state"] = linattn.LinearAttentionState(kv, z, None, torch.full((N,), 5, dtype=torch.int64))
     return (q, k, v), kw
 
@@ -532,7 +533,8 @@ def test_rwkv7_equals_torch(monkeypatch, variant, dtype):
         kw["cu_seqlens"] = torch.tensor([0, 2, 9])
     if variant in ("state", "varlen"):
         cdt = torch.float64 if dtype == torch.float64 else torch.float32
-        kw["initial_state"] = 0.3 * torch.randn(2, 2, 4, 3, dtype=cdt)
+        gen = torch.Generator().manual_seed(8)
+        kw["initial_state"] = 0.3 * torch.randn(2, 2, 4, 3, generator=gen, dtype=torch.float64).to(cdt)
     _, calls = check_equal(monkeypatch, linattn.rwkv7, args, kw)
     assert calls[0][0] == "chunk_rwkv7" and "scale" in calls[0][1]
 
