@@ -19,8 +19,8 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
 def rel(a, b):
-    if a is None or b is None:
-        assert a is None and b is None
+    if a is None or b is None:   # an unused input: no gradient on one path, zeros on the other
+        assert a is None and b is None or not (a if b is None else b).any()
         return 0.0
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
@@ -574,3 +574,37 @@ def test_calls_for_fla_skip_the_pytorch_preprocessing(monkeypatch):
         o, _ = run_delta(p, "fla")
     ref, _ = linattn.delta_rule(q, k, v, beta, qk_l2norm=True, backend="torch")
     assert rel(o, ref) < 1e-5
+
+
+@pytest.mark.parametrize("name", [n for n in linattn.feature_map_names()
+                                  if not linattn.get_feature_map(n, 4).log_space])
+def test_every_linear_space_feature_map_on_fla(monkeypatch, name):
+    """Every registered map that fla covers (features applied before the kernel, ELA's linear-space kernels and
+    the positional cosFormer included), with a gate and a carried state, forward and gradients, in fp64."""
+    args, kw = _linear_call(dict(feature_map=name, gate="g", state=False), torch.float64)
+    kw["normalize"] = name not in ("identity", "magnitude_direction")   # signed weights: the plain sum
+    check_equal(monkeypatch, linattn.linear_attention, args, kw)
+    kw.pop("output_final_state")
+    o1, st = linattn.linear_attention(*(x[:, :5] for x in args), backend="torch", output_final_state=True,
+                                      **{**kw, "g": kw["g"][:, :5]})
+    kw2 = {**kw, "g": kw["g"][:, 5:], "initial_state": st}
+    check_equal(monkeypatch, linattn.linear_attention, tuple(x[:, 5:] for x in args), kw2)
+
+
+@pytest.mark.parametrize("op", ["linear", "delta", "kda", "rwkv7"])
+def test_single_token_on_fla(monkeypatch, op):
+    """T = 1 (a decoding step), from a carried state."""
+    if op == "linear":
+        args, kw = _linear_call(dict(feature_map="elu+1", gate="g", state=True), torch.float64)
+        args, kw["g"] = tuple(x[:, :1] for x in args), kw["g"][:, :1]
+        fn = linattn.linear_attention
+    elif op == "rwkv7":
+        args = tuple(x[:, :1] for x in _rwkv7_inputs(torch.float64))
+        kw, fn = dict(initial_state=torch.randn(2, 2, 4, 3, dtype=torch.float64), output_final_state=True), \
+            linattn.rwkv7
+    else:
+        args, kw = _delta_call(dict(gate="g" if op == "delta" else "gk", state=True), torch.float64)
+        args, kw["g"] = tuple(x[:, :1] for x in args), kw["g"][:, :1]
+        fn = linattn.delta_rule
+    for mode in ("chunk", "recurrent"):
+        check_equal(monkeypatch, fn, args, {**kw, "mode": mode}, grad=mode == "chunk" or op == "linear")
