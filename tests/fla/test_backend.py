@@ -104,6 +104,9 @@ LINEAR_CASES = [
     dict(feature_map="elu+1", gate="gk", state=True, mode="recurrent"),
     dict(feature_map=None, normalize=False, gate="g", mode="recurrent", state=True),
     dict(feature_map="elu+1", gate="g", varlen=True, state=True),
+    dict(feature_map="elu+1", varlen=True, state=True),                # no gate: the running key sum
+    dict(feature_map="elu+1", state=True, mode="recurrent"),
+    dict(feature_map="elu+1", HV=4),                                   # grouped value heads, folded
     dict(feature_map="elu+1", gate="gamma", HV=4),                     # grouped value heads, folded
     dict(feature_map="elu+1", gate="g", HV=4, state=True),             # grouped value heads, repeated q/k
 ]
@@ -608,3 +611,23 @@ def test_single_token_on_fla(monkeypatch, op):
         fn = linattn.delta_rule
     for mode in ("chunk", "recurrent"):
         check_equal(monkeypatch, fn, args, {**kw, "mode": mode}, grad=mode == "chunk" or op == "linear")
+
+
+def test_normaliser_without_gate_is_a_running_sum(monkeypatch):
+    """No gate: fla's kernel gets v as it is (den is a running key sum); with a gate, v and a ones column."""
+    from tests.fla import standins
+
+    widths = []
+
+    def chunk_simple_gla(q, k, v, **kw):
+        widths.append(v.shape[-1])
+        return standins.chunk_simple_gla(q, k, v, **kw)
+
+    for gate, width in ((None, 3), ("g", 4)):
+        args, kw = _linear_call(dict(feature_map="elu+1", gate=gate, state=True), torch.float64)
+        widths.clear()
+        with fla_backend_on_cpu(monkeypatch, fp64=True, replace={"fla.ops.simple_gla.chunk_simple_gla":
+                                                                 chunk_simple_gla}):
+            linattn.linear_attention(*args, backend="fla", **kw)
+        assert widths == [width]
+    check_equal(monkeypatch, linattn.linear_attention, args, kw)

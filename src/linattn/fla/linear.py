@@ -7,7 +7,9 @@ The translation, argument by argument (docs/backends.md has the table):
   inside phi(scale q) by the caller for every map but the identity, and passed as 1.0 then);
 * scale: always passed explicitly: fla's default (None) is K**-0.5, linattn's is 1;
 * normalize: linattn's own construction, a column of ones appended to v, so that one kernel call returns the
-  numerator and the denominator, decayed by the same gate, and the state is linattn's [kv | z] as it is.
+  numerator and the denominator, decayed by the same gate, and the state is linattn's [kv | z] as it is
+  (without a gate the caller sums the keys itself instead, `ops/backend.py`: the column would widen every
+  value tile).
   (fla's `chunk_linear_attn(normalize=True)` is not used: its denominator adds 1e-10 instead of linattn's
   sign-keeping floor, sums the keys in the input dtype, takes no gate and keeps z as [N, 1, H, K].)
 * gates: a constant decay per head (gamma) is fla's `g_gamma` [H] (log-space), a gate per head fla's `g`

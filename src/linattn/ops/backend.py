@@ -357,11 +357,33 @@ def _cu_seqlens(p, steps: int = 1) -> Optional[torch.Tensor]:
     return torch.tensor([o // steps for o in p.offsets], dtype=torch.int64, device=p.q.device)
 
 
+def _running_key_sum(p, fq, fk, scale):
+    """Without a gate the normaliser is a running sum: z_t = z_0 + sum_{j <= t} psi(k_j) per sequence, den_t =
+    scale phi(q_t) . z_t, in the compute dtype (one cumulative sum instead of a ones column that would widen
+    every value tile of fla's kernel by one). -> den [B, T, H], final z [N, H, K]."""
+    cdt = compute_dtype(p.q.dtype)
+    cs = fk.to(cdt).cumsum(1)                                                    # [B, T, H, K]
+    if p.offsets is not None:  # restart at each sequence: subtract the sum before its first token
+        starts, lens = p.offsets[:-1], [b - a for a, b in zip(p.offsets[:-1], p.offsets[1:])]
+        lens_t = torch.tensor(lens, device=cs.device)
+        before = torch.cat([cs.new_zeros(1, 1, *cs.shape[2:]), cs[:, :-1]], dim=1)[:, starts]
+        cs = cs - before.repeat_interleave(lens_t, dim=1)
+        if p.state is not None:
+            cs = cs + p.state.z.to(cdt).unsqueeze(0).repeat_interleave(lens_t, dim=1)
+        z = cs[0, [b - 1 for b in p.offsets[1:]]]
+    else:
+        if p.state is not None:
+            cs = cs + p.state.z.to(cdt).unsqueeze(1)
+        z = cs[:, -1]
+    return scale * (fq.to(cdt) * cs).sum(-1), z
+
+
 def fla_linear_attention(p):
     """A prepared `linear_attention` call on fla's kernels (linattn/fla/linear.py): the features by PyTorch in
     the input dtype's compute dtype, taken to the kernel dtype (fp16 computes in fp32: its range cannot hold the
-    unnormalised sums), the identity map's scale passed to fla. -> num [B, T, H, V], den [B, T, H] or None,
-    final kv and z (or None)."""
+    unnormalised sums), the identity map's scale passed to fla; the normaliser a running key sum without a gate
+    (`_running_key_sum`), else the ones column. -> num [B, T, H, V], den [B, T, H] or None, final kv and z (or
+    None)."""
     from ..fla.linear import linear_attention
 
     kdt = torch.float32 if p.q.dtype == torch.float16 else p.q.dtype
@@ -372,13 +394,17 @@ def fla_linear_attention(p):
     gamma_log = p.constant_log_gate()  # fla's g_gamma [H]; the log-gates are in the compute dtype (fp32) already
     log_gate = p.log_gate if gamma_log is None else None
     norm = bool(p.normalize or p.output_final_state)  # the final state always carries z
+    summed = norm and p.log_gate is None and p.q.shape[1] > 0
     S0 = None
     if p.state is not None:
         kv0 = p.state.kv
-        S0 = (torch.cat([kv0, p.state.z.unsqueeze(-1)], dim=-1) if norm else kv0).contiguous()
-    num, den, S = linear_attention(fq, fk, p.v.to(kdt), scale=scale, normalize=norm, log_gate=log_gate,
-                                   gamma_log=gamma_log, initial_state=S0, output_final_state=p.output_final_state,
-                                   cu_seqlens=_cu_seqlens(p), mode=p.mode)
+        S0 = (torch.cat([kv0, p.state.z.unsqueeze(-1)], dim=-1) if norm and not summed else kv0).contiguous()
+    num, den, S = linear_attention(fq, fk, p.v.to(kdt), scale=scale, normalize=norm and not summed,
+                                   log_gate=log_gate, gamma_log=gamma_log, initial_state=S0,
+                                   output_final_state=p.output_final_state, cu_seqlens=_cu_seqlens(p), mode=p.mode)
+    if summed:
+        den, z = _running_key_sum(p, fq, fk, scale)
+        return num, den, S, (z if p.output_final_state else None)
     V = p.v.shape[-1]
     kv, z = (S[..., :V], S[..., V]) if S is not None and norm else (S, None)
     return num, den, kv, z
