@@ -631,3 +631,15 @@ def test_normaliser_without_gate_is_a_running_sum(monkeypatch):
             linattn.linear_attention(*args, backend="fla", **kw)
         assert widths == [width]
     check_equal(monkeypatch, linattn.linear_attention, args, kw)
+
+
+def test_auto_does_not_take_fla_under_torch_compile(monkeypatch):
+    """fla's functions are torch.compiler.disable'd: auto would break a fullgraph compile, so it skips them."""
+    import linattn.fla as lfla
+    from linattn.ops import backend
+
+    monkeypatch.setattr(lfla, "unavailable", lambda: None)
+    monkeypatch.setattr(backend, "available", lambda: True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    choice = backend.choose_backend("auto", _FakeCuda())
+    assert choice.backend == "triton" and "torch.compile" in choice.reason

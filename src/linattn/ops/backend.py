@@ -128,7 +128,10 @@ def _choose_auto(problem) -> BackendChoice:
         return BackendChoice("torch", f"CPU tensors; no compiled CPU kernel: {why}")
     if not problem.q.is_cuda:
         return BackendChoice("torch", f"no kernel backend runs on {problem.q.device.type} tensors")
-    no_fla = fla_unsupported(problem)
+    if torch.compiler.is_compiling():  # fla's entry points are torch.compiler.disable'd: a graph break
+        no_fla = "under torch.compile fla's kernels would break the graph (ask for backend='fla' to accept that)"
+    else:
+        no_fla = fla_unsupported(problem)
     if no_fla is None:
         return BackendChoice("fla", f"CUDA tensors and fla-core {fla.TESTED_VERSION} covers the call")
     if not available():
