@@ -542,7 +542,7 @@ def finish(p: LinearProblem, num, den, c, kv, z, mu, divided: bool = False,
 
 
 def run_linear_attention(p: LinearProblem, backend: str = "auto"):
-    """Run a prepared call on `backend` ("auto", "torch", "triton" or "cpu")."""
+    """Run a prepared call on `backend` ("auto", "torch", "triton", "cpu" or "fla")."""
     chosen = select_backend(backend, p)
     if chosen == "cpu":  # without autograd the kernel divides by the normaliser itself (one pass less)
         num, den, kv, z, divided = cpu_linear_attention(p, eps=p.eps if p.normalize else None)
