@@ -197,6 +197,7 @@ def stand_ins() -> Dict[str, object]:
                                      "fused_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule},
         "fla.ops.kda": {"chunk_kda": chunk_kda, "fused_recurrent_kda": fused_recurrent_kda},
         "fla.ops.rwkv7": {"chunk_rwkv7": chunk_rwkv7, "fused_recurrent_rwkv7": fused_recurrent_rwkv7},
+        "fla.ops.forgetting_attn": {"parallel_forgetting_attn": parallel_forgetting_attn},
     }
 
 
@@ -211,11 +212,6 @@ def fla_backend_on_cpu(monkeypatch, fp64: bool = False, replace: Optional[Dict[s
     monkeypatch.setattr(lfla, "runs_on", lambda device: True)
     if fp64:
         monkeypatch.setattr(lfla, "DTYPES", (*lfla.DTYPES, torch.float64))
-        import linattn.ops.delta_core as dc
-        import linattn.ops.linear as lin
-
-        monkeypatch.setattr(dc, "FLA_DTYPES", lfla.DTYPES)
-        monkeypatch.setattr(lin, "FLA_DTYPES", lfla.DTYPES)
     for module, fns in stand_ins().items():
         mod = importlib.import_module(module)
         for name, fn in fns.items():
@@ -272,3 +268,30 @@ def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=None, initial_state=None, outp
     _record("fused_recurrent_rwkv7", scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
     return scan_rwkv7(r, w, k, v, a, b, scale=r.shape[-1] ** -0.5 if scale is None else scale,
                       initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+# -- fla.ops.forgetting_attn ---------------------------------------------------------------------------------
+def parallel_forgetting_attn(q, k, v, g, scale=None, window_size=None, cu_seqlens=None):
+    """softmax_j(scale q_i . k_j + G_i - G_j) over j <= i, i - j < window_size, G the per-sequence cumsum of g."""
+    B, T, H, K = q.shape
+    assert q.dtype == k.dtype == v.dtype and k.shape[2] == H
+    scale = K ** -0.5 if scale is None else scale
+    _record("parallel_forgetting_attn", g=g, scale=scale, window_size=window_size, cu_seqlens=cu_seqlens)
+    bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
+    if cu_seqlens is not None:
+        assert B == 1
+    d = torch.float64
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x[:, a:b].to(d) for x in (q, k, v))
+        s = scale * torch.einsum("bihk,bjhk->bhij", qs, ks)
+        if g is not None:
+            G = g[:, a:b].to(d).cumsum(1).transpose(1, 2)                # [B, H, L]
+            s = s + G[..., :, None] - G[..., None, :]
+        i = torch.arange(b - a)
+        keep = i[:, None] >= i[None, :]
+        if window_size is not None:
+            keep = keep & (i[:, None] - i[None, :] < window_size)
+        s = s.masked_fill(~keep, float("-inf"))
+        outs.append(torch.einsum("bhij,bjhv->bihv", s.softmax(-1), vs))
+    return torch.cat(outs, dim=1).to(q.dtype)

@@ -643,3 +643,40 @@ def test_auto_does_not_take_fla_under_torch_compile(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     choice = backend.choose_backend("auto", _FakeCuda())
     assert choice.backend == "triton" and "torch.compile" in choice.reason
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("variant", ["plain", "no-gate", "window", "varlen", "scale"])
+def test_forgetting_attention_equals_torch(monkeypatch, variant, dtype):
+    """forgetting_attention on fla's parallel_forgetting_attn: outputs and every gradient."""
+    B = 1 if variant == "varlen" else 2
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(B, 11, 2, 4, generator=gen, dtype=torch.float64).to(dtype) for _ in range(3))
+    g = None if variant == "no-gate" else (-torch.rand(B, 11, 2, generator=gen, dtype=torch.float64)).to(dtype)
+    kw = dict(block_size=4)
+    if variant == "window":
+        kw["window"] = 3
+    if variant == "varlen":
+        kw["cu_seqlens"] = torch.tensor([0, 4, 11])
+    if variant == "scale":
+        kw["scale"] = 0.3
+
+    def op(q, k, v, *rest, backend, **kw):
+        return linattn.forgetting_attention(q, k, v, rest[0] if rest else None, backend=backend, **kw), None
+
+    args = (q, k, v) if g is None else (q, k, v, g)
+    _, calls = check_equal(monkeypatch, op, args, kw)
+    assert calls[0][0] == "parallel_forgetting_attn" and "scale" in calls[0][1]
+
+
+def test_forgetting_attention_uncovered_on_fla(monkeypatch):
+    q = k = v = torch.randn(1, 5, 2, 4)
+    g = -torch.rand(1, 5, 2)
+    with fla_backend_on_cpu(monkeypatch):
+        with pytest.raises(BackendUnavailableError, match="decoding state"):
+            linattn.forgetting_attention(q, k, v, g, output_final_state=True, backend="fla")
+        with pytest.raises(BackendUnavailableError, match="chunk"):
+            linattn.forgetting_attention(q, k, v, g, mode="parallel", backend="fla")
+        assert linattn.explain("forgetting_attention", q, k, v, g, backend="fla").backend == "fla"
+        assert linattn.chunk_size_used("forgetting_attention", q, k, v, g, backend="fla") == 128

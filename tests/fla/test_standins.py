@@ -135,3 +135,13 @@ def test_rwkv7_against_dplr_naive():
     ro, rs = dplr_recurrence(*(x.transpose(1, 2) for x in (r, k, v, 0.3 * a, 0.3 * b, w)), initial_state=h0)
     _close(o, ro.transpose(1, 2))
     _close(s, rs)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_forgetting_attention_against_naive(window):
+    from fla.ops.forgetting_attn.naive import naive_forgetting_attn
+
+    q, k, v, _, g, _, _ = _inputs()
+    v = v[..., :3]
+    o = S.parallel_forgetting_attn(q, k, v, g, scale=0.4, window_size=window)
+    _close(o, naive_forgetting_attn(q, k, v, g, scale=0.4, window_size=window))

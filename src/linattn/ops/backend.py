@@ -434,3 +434,13 @@ def fla_delta(p):
     return delta_rule(q, k, src.v, beta.to(q.dtype), g=p.g, scale=src.scale, l2norm_in_kernel=in_kernel,
                       initial_state=S0,
                       output_final_state=p.output_final_state, cu_seqlens=_cu_seqlens(p), mode=p.mode)
+
+
+def fla_forgetting_attention(p) -> torch.Tensor:
+    """A prepared `forgetting_attention` call on fla's `parallel_forgetting_attn` (linattn/fla/attention.py), from
+    the caller's q, k, v (fla scales q itself) and the gate in the compute dtype. -> o [B, T, H, V]."""
+    from ..fla.attention import forgetting_attention
+
+    q, k, v, scale = p.source
+    return forgetting_attention(q, k, v, p.g, scale=scale, window=p.window,
+                                cu_seqlens=_cu_seqlens(p)).to(p.out_dtype)

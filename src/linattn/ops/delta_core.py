@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from .. import fla
 from ..errors import LinattnError, LinattnTypeError
-from ..fla import DTYPES as FLA_DTYPES, MAX_HEAD_DIM as FLA_MAX_K
 from ..triton import triton_chunk_size
 from ._common import (
     FLOAT_DTYPES,
@@ -331,7 +330,7 @@ class DeltaProblem:
         fp32 with K <= 256; the recurrent kernels are forward-only."""
         if self.source is None:
             return "this operator has no fla adapter yet"
-        if self.out_dtype not in FLA_DTYPES:
+        if self.out_dtype not in fla.DTYPES:
             return f"fla's kernels take fp16 / bf16 / fp32 inputs, not {self.out_dtype}"
         if self.mode not in ("chunk", "recurrent"):
             return f"mode={self.mode!r} has no fla kernel (chunk and recurrent do)"
@@ -339,8 +338,8 @@ class DeltaProblem:
         if self.r is not None and not isinstance(src, Rwkv7Source):
             return ("a read key of its own (Comba's p) is not translated to fla's kernels yet (fla's Comba reads "
                     "the decayed state, linattn's the undecayed one)")
-        if self.q.shape[-1] > FLA_MAX_K:
-            return f"fla's delta-rule kernels take head sizes K <= {FLA_MAX_K}, got K = {self.q.shape[-1]}"
+        if self.q.shape[-1] > fla.MAX_HEAD_DIM:
+            return f"fla's delta-rule kernels take head sizes K <= {fla.MAX_HEAD_DIM}, got K = {self.q.shape[-1]}"
         if self.mode == "recurrent" and requires_grad(*(t for t in src if isinstance(t, torch.Tensor)), self.g,
                                                       self.S0):
             return "fla's fused_recurrent delta-rule kernels are forward-only (decoding) and an input requires grad"

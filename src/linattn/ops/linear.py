@@ -50,9 +50,9 @@ from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from .. import fla
 from ..cpu import MAX_CHUNK as CPU_MAX_CHUNK
 from ..errors import LinattnError, LinattnTypeError
-from ..fla import DTYPES as FLA_DTYPES
 from ..triton import triton_chunk_size
 from ._common import (
     check_cu_seqlens,
@@ -178,7 +178,7 @@ class LinearProblem:
         """Why fla's kernels do not cover this call (None when they do; the device and fla-core itself are checked
         by the dispatch): the causal chunk and recurrent forms of the linear-space maps, any gate, fp16 / bf16 /
         fp32."""
-        if self.q.dtype not in FLA_DTYPES:
+        if self.q.dtype not in fla.DTYPES:
             return f"fla's kernels take fp16 / bf16 / fp32 inputs, not {self.q.dtype}"
         if self.mode not in ("chunk", "recurrent"):
             return f"mode={self.mode!r} has no fla kernel (chunk and recurrent do)"
