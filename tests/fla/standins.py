@@ -198,6 +198,7 @@ def stand_ins() -> Dict[str, object]:
         "fla.ops.kda": {"chunk_kda": chunk_kda, "fused_recurrent_kda": fused_recurrent_kda},
         "fla.ops.rwkv7": {"chunk_rwkv7": chunk_rwkv7, "fused_recurrent_rwkv7": fused_recurrent_rwkv7},
         "fla.ops.forgetting_attn": {"parallel_forgetting_attn": parallel_forgetting_attn},
+        "fla.ops.path_attn": {"parallel_path_attn": parallel_path_attn},
     }
 
 
@@ -295,3 +296,37 @@ def parallel_forgetting_attn(q, k, v, g, scale=None, window_size=None, cu_seqlen
         s = s.masked_fill(~keep, float("-inf"))
         outs.append(torch.einsum("bhij,bjhv->bihv", s.softmax(-1), vs))
     return torch.cat(outs, dim=1).to(q.dtype)
+
+
+# -- fla.ops.path_attn ---------------------------------------------------------------------------------------
+def parallel_path_attn(q, k, v, w, beta, g=None, scale=None, cu_seqlens=None, use_cache=False):
+    """softmax_j((q_i^T R_ij k_j + G_i - G_j) scale) v_j over j <= i, R_ij = H_i ... H_{j+1}, H_t = I - beta_t w_t
+    w_t^T: fla's kernel scales the gate with the scores. Keeps fla's asserts (fp32 w, beta, g; head sizes)."""
+    B, T, H, K = q.shape
+    if q.dtype != torch.float64:
+        assert w.dtype == beta.dtype == torch.float32 and (g is None or g.dtype == torch.float32)
+        assert K in (16, 32, 64, 128) and v.shape[-1] in (16, 32, 64, 128)
+    assert not use_cache
+    scale = K ** -0.5 if scale is None else scale
+    _record("parallel_path_attn", g=g, scale=scale, cu_seqlens=cu_seqlens)
+    bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
+    d = torch.float64
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs, ws = (x[:, a:b].to(d) for x in (q, k, v, w))
+        bs = beta[:, a:b].to(d)
+        L = b - a
+        cols = []
+        for j in range(L):                      # u_t = H_t ... H_{j+1} k_j, A_tj = q_t . u_t for t >= j
+            u, col = ks[:, j], []
+            for t in range(L):
+                if t > j:
+                    u = u - bs[:, t, :, None] * ws[:, t] * (ws[:, t] * u).sum(-1, keepdim=True)
+                col.append((qs[:, t] * u).sum(-1) if t >= j else torch.full_like(u[..., 0], float("-inf")))
+            cols.append(torch.stack(col, dim=1))            # [B, L (t), H]
+        A = torch.stack(cols, dim=2).permute(0, 3, 1, 2)   # [B, H, t, j]
+        if g is not None:
+            G = g[:, a:b].to(d).cumsum(1).transpose(1, 2)
+            A = A + G[..., :, None] - G[..., None, :]
+        outs.append(torch.einsum("bhij,bjhv->bihv", (A * scale).softmax(-1), vs))
+    return torch.cat(outs, dim=1).to(q.dtype), None

@@ -680,3 +680,35 @@ def test_forgetting_attention_uncovered_on_fla(monkeypatch):
             linattn.forgetting_attention(q, k, v, g, mode="parallel", backend="fla")
         assert linattn.explain("forgetting_attention", q, k, v, g, backend="fla").backend == "fla"
         assert linattn.chunk_size_used("forgetting_attention", q, k, v, g, backend="fla") == 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("variant", ["plain", "no-gate", "varlen", "scale"])
+def test_path_attention_equals_torch(monkeypatch, variant, dtype):
+    """path_attention on fla's parallel_path_attn (whose kernel scales the gate with the scores: the adapter
+    divides it by the scale first): outputs and every gradient."""
+    B, T, H, K = (1 if variant == "varlen" else 2), 9, 2, 16
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(B, T, H, K, generator=gen, dtype=torch.float64).to(dtype) for _ in range(3))
+    w = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
+    beta = (2 * torch.rand(B, T, H, generator=gen, dtype=torch.float64)).to(dtype)
+    kw = dict(block_size=4)
+    if variant != "no-gate":
+        kw["g"] = (-torch.rand(B, T, H, generator=gen, dtype=torch.float64)).to(dtype)
+    if variant == "varlen":
+        kw["cu_seqlens"] = torch.tensor([0, 4, 9])
+    if variant == "scale":
+        kw["scale"] = 0.7
+
+    def op(*args, backend, **kw):
+        return linattn.path_attention(*args, backend=backend, **kw), None
+
+    _, calls = check_equal(monkeypatch, op, (q, k, v, w, beta), kw)
+    assert calls[0][0] == "parallel_path_attn"
+
+
+def test_path_attention_head_sizes_on_fla(monkeypatch):
+    q = k = v = w = torch.randn(1, 5, 2, 8)
+    with fla_backend_on_cpu(monkeypatch):
+        with pytest.raises(BackendUnavailableError, match="head sizes K, V in"):
+            linattn.path_attention(q, k, v, w, torch.rand(1, 5, 2), backend="fla")

@@ -145,3 +145,14 @@ def test_forgetting_attention_against_naive(window):
     v = v[..., :3]
     o = S.parallel_forgetting_attn(q, k, v, g, scale=0.4, window_size=window)
     _close(o, naive_forgetting_attn(q, k, v, g, scale=0.4, window_size=window))
+
+
+def test_path_attention_against_naive():
+    from fla.ops.path_attn.naive import naive_path_attn
+
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(B, T, H, 16, generator=gen) for _ in range(3))
+    w = torch.nn.functional.normalize(torch.randn(B, T, H, 16, generator=gen), dim=-1)
+    beta, g = 2 * torch.rand(B, T, H, generator=gen), -torch.rand(B, T, H, generator=gen)
+    o, _ = S.parallel_path_attn(q, k, v, w, beta, g, scale=0.3)
+    _close(o, naive_path_attn(q, k, v, w, beta, g, scale=0.3, chunk_size=4))

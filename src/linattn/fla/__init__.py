@@ -12,6 +12,7 @@ linattn's conventions into fla's arguments around one kernel call.
                                           fused_recurrent_gated_delta_rule / fused_recurrent_kda
     linattn.fla.delta.rwkv7               rwkv7: chunk_rwkv7 / fused_recurrent_rwkv7
     linattn.fla.attention.forgetting_attention   forgetting_attention: parallel_forgetting_attn
+    linattn.fla.attention.path_attention  path_attention: parallel_path_attn
 
 `unavailable()` says why fla cannot be used here (not installed, an untested version, a broken install),
 `runs_on(device)` whether its kernels run on a device (CUDA only: they are Triton kernels), and `DTYPES`

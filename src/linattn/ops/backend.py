@@ -444,3 +444,13 @@ def fla_forgetting_attention(p) -> torch.Tensor:
     q, k, v, scale = p.source
     return forgetting_attention(q, k, v, p.g, scale=scale, window=p.window,
                                 cu_seqlens=_cu_seqlens(p)).to(p.out_dtype)
+
+
+def fla_path_attention(p) -> torch.Tensor:
+    """A prepared `path_attention` call on fla's `parallel_path_attn` (linattn/fla/attention.py): the caller's q,
+    k, v (fla scales the scores itself), w, beta and the gate in the compute dtype (fp32, as fla requires).
+    -> o [B, T, H, V]."""
+    from ..fla.attention import path_attention
+
+    q, k, v, scale = p.source
+    return path_attention(q, k, v, p.w, p.beta, p.g, scale=scale, cu_seqlens=_cu_seqlens(p)).to(p.out_dtype)

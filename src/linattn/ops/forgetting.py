@@ -30,6 +30,7 @@ from .. import fla
 from ..errors import LinattnError, LinattnTypeError
 from ._common import check_finite_output, check_log_gate, check_qkv, check_scale, compute_dtype, run_varlen
 from ._flash import (
+    FlaSoftmaxCall,
     causal_mask,
     check_block_size,
     check_finite_gate,
@@ -46,8 +47,6 @@ from ._flash import (
 )
 from .backend import fla_forgetting_attention, select_backend
 from .registry import randn, register_op, uniform
-
-FLA_ATTN_BLOCK = 128   # fla's parallel attention kernels' query tile
 
 
 class ForgettingAttentionState(NamedTuple):
@@ -67,7 +66,7 @@ class ForgettingAttentionState(NamedTuple):
 
 
 @dataclass
-class _Problem:
+class _Problem(FlaSoftmaxCall):
     q: torch.Tensor            # [B, T, H, K] compute dtype, scaled
     k: torch.Tensor
     v: torch.Tensor
@@ -81,28 +80,11 @@ class _Problem:
     #: the caller's q, k, v and the resolved scale (what fla's kernel takes)
     source: Tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]
 
-    def fla_unsupported(self) -> Optional[str]:
-        """Why fla's `parallel_forgetting_attn` does not cover this call (None when it does)."""
-        if self.out_dtype not in fla.DTYPES:
-            return f"fla's kernels take fp16 / bf16 / fp32 inputs, not {self.out_dtype}"
-        if self.mode != "chunk":
-            return f"mode={self.mode!r}: fla's parallel_forgetting_attn is the blockwise (chunk) form"
-        if self.output_final_state:
-            return "output_final_state: the decoding state (linattn's KV cache) is not fla's"
-        if self.q.shape[-1] > fla.MAX_HEAD_DIM:
-            return f"fla's attention kernels take head sizes K <= {fla.MAX_HEAD_DIM}, got K = {self.q.shape[-1]}"
-        return None
+    fla_kernel = "parallel_forgetting_attn"
 
-    def triton_unsupported(self) -> Optional[str]:
-        return "forgetting_attention has no linattn Triton kernel"
-
-    def chunk_size_used(self, backend: str) -> int:
-        """The block length a backend really uses (fla: its 128-query tiles; parallel: T; recurrent: 1)."""
-        if self.mode == "recurrent":
-            return 1
-        if self.mode == "parallel":
-            return self.q.shape[1]
-        return FLA_ATTN_BLOCK if backend == "fla" else self.block_size
+    def fla_head_dims(self) -> Optional[str]:
+        K = self.q.shape[-1]
+        return None if K <= fla.MAX_HEAD_DIM else f"fla's attention kernels take K <= {fla.MAX_HEAD_DIM}, got K = {K}"
 
 
 def _prepare(q, k, v, g, window, scale, mode, block_size, cu_seqlens, output_final_state) -> _Problem:
