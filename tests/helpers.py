@@ -169,3 +169,19 @@ def fake_mnist(root, n_train=40, n_test=20, gz=True, seed=0):
         write_idx(root / f"{split}-images-idx3-ubyte{ext}", g.integers(0, 256, size=(n, 28, 28), dtype=np.uint8))
         write_idx(root / f"{split}-labels-idx1-ubyte{ext}", g.integers(0, 10, size=(n,), dtype=np.uint8))
     return root
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def run_fresh_python(code: str) -> None:
+    """Run `code` in a new Python process (what `import linattn` loads, seen from a clean interpreter), without
+    TRITON_INTERPRET (the Triton tests set it for this process); fails with the child's stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
