@@ -370,9 +370,10 @@ def _running_key_sum(p, fq, fk, scale):
         starts, lens = p.offsets[:-1], [b - a for a, b in zip(p.offsets[:-1], p.offsets[1:])]
         lens_t = torch.tensor(lens, device=cs.device)
         before = torch.cat([cs.new_zeros(1, 1, *cs.shape[2:]), cs[:, :-1]], dim=1)[:, starts]
-        cs = cs - before.repeat_interleave(lens_t, dim=1)
+        T = cs.shape[1]  # output_size: no host read of lens_t
+        cs = cs - before.repeat_interleave(lens_t, dim=1, output_size=T)
         if p.state is not None:
-            cs = cs + p.state.z.to(cdt).unsqueeze(0).repeat_interleave(lens_t, dim=1)
+            cs = cs + p.state.z.to(cdt).unsqueeze(0).repeat_interleave(lens_t, dim=1, output_size=T)
         z = cs[0, [b - 1 for b in p.offsets[1:]]]
     else:
         if p.state is not None:
