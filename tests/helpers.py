@@ -183,3 +183,19 @@ def save_tiny_run(run_dir, text: str = "def f(x):\n    return x + 1\n" * 20, voc
     cfg = tiny_model(vocab=tok.vocab_size)
     save_checkpoint(run_dir, 1, LanguageModel(cfg), model_config=cfg.to_dict(), tokenizer=tok)
     return tok
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def run_fresh_python(code: str) -> None:
+    """Run `code` in a new Python process (what `import linattn` loads, seen from a clean interpreter), without
+    TRITON_INTERPRET (the Triton tests set it for this process); fails with the child's stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -11,6 +11,7 @@ The public API, re-exported:
     forgetting_attention, deltaformer,         the softmax side: FoX, DeltaFormer, PaTH, with their
     path_attention (+ *_step, *State)          decoding steps (ops/forgetting.py, deltaformer.py, path.py)
     ttt, titans, TTTState                      TTT-Linear / TTT-MLP and Titans (ops/ttt.py)
+    explain                                    which backend a call takes and why (ops/registry.py)
     FeatureMap, FAVORPlus, FEATURE_MAP_NAMES   phi/psi pairs (ops/feature_maps.py); register_feature_map adds one
     mixers, LMConfig, LanguageModel            language models and their mixer registry (models/);
                                                layers in linattn.layers, audit.check_causality
@@ -36,6 +37,7 @@ from .ops import (
                   delta_rule,
                   deltaformer,
                   deltaformer_step,
+                  explain,
                   forgetting_attention,
                   forgetting_attention_step,
                   get_checks,
@@ -87,7 +89,7 @@ def __dir__():
 __all__ = [
     "LinattnError",
     "linear_attention", "LinearAttentionState", "softmax_attention", "delta_rule", "set_checks", "get_checks",
-    "chunk_size_used", "prepare_linear_attention", "prepare_delta",
+    "chunk_size_used", "prepare_linear_attention", "prepare_delta", "explain",
     "comba", "delta_product", "rwkv7",
     "mesa_net", "MesaState", "ttt", "titans", "TTTState",
     "forgetting_attention", "forgetting_attention_step", "ForgettingAttentionState", "deltaformer",

@@ -22,7 +22,7 @@ import pytest
 
 # The public operators: each has Args, Returns and a runnable example.
 OPERATORS = [
-    "linattn.linear_attention", "linattn.softmax_attention", "linattn.delta_rule", "linattn.comba",
+    "linattn.linear_attention", "linattn.explain", "linattn.softmax_attention", "linattn.delta_rule", "linattn.comba",
     "linattn.delta_product", "linattn.rwkv7", "linattn.mesa_net", "linattn.ttt", "linattn.titans",
     "linattn.forgetting_attention", "linattn.forgetting_attention_step", "linattn.deltaformer",
     "linattn.deltaformer_step", "linattn.path_attention", "linattn.path_attention_step",

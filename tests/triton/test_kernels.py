@@ -18,8 +18,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import warnings  # noqa: E402
 
 import pytest  # noqa: E402
@@ -30,6 +28,7 @@ from linattn import LinearAttentionState  # noqa: E402
 from linattn.feature_maps import CosFormer  # noqa: E402
 from linattn.ops import backend as B  # noqa: E402
 from linattn.ops.reference import rel_err  # noqa: E402
+from tests.helpers import run_fresh_python  # noqa: E402
 
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
 
@@ -345,7 +344,4 @@ def test_import_linattn_does_not_import_triton():
             "assert select_backend('auto', linattn.prepare_linear_attention(q, q, q)) in ('torch', 'cpu')\n"
             "assert select_backend('auto', linattn.prepare_delta(q, q, q, q[..., 0].abs())) in ('torch', 'cpu')\n"
             "assert 'triton' not in sys.modules, 'triton was imported'\n")
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_fresh_python(code)

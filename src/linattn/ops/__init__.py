@@ -19,7 +19,7 @@ from .forgetting import ForgettingAttentionState, forgetting_attention, forgetti
 from .linear import LinearAttentionState, linear_attention, prepare_linear_attention
 from .mesa import MesaState, mesa_net, prepare_mesa_net
 from .path import PaTHState, path_attention, path_attention_step
-from .registry import chunk_size_used, op_names, op_spec, register_op
+from .registry import chunk_size_used, explain, op_names, op_spec, register_op
 from .rwkv7 import prepare_rwkv7, rwkv7
 from .softmax import softmax_attention
 from .ttt import TTTState, prepare_ttt, titans, ttt
@@ -31,4 +31,4 @@ __all__ = ["delta_rule", "linear_attention", "LinearAttentionState", "softmax_at
            "deltaformer", "deltaformer_step", "DeltaFormerState", "path_attention", "path_attention_step", "PaTHState",
            "get_checks", "value_checks_suspended", "FeatureMap", "feature_map_names", "get_feature_map",
            "register_feature_map", "op_names", "op_spec", "register_op", "chunk_size_used", "prepare_linear_attention",
-           "prepare_delta"]
+           "prepare_delta", "explain"]

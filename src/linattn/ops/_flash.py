@@ -30,6 +30,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
+from .. import fla
 from ..errors import LinattnError, LinattnTypeError
 from ._common import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_scale, check_values, pad_time
 
@@ -326,3 +327,39 @@ __all__ = ["flash_attention", "check_block_size", "check_window", "check_flag", 
            "check_finite_gate", "check_scale_state_packing", "cumulative_gate", "anchored", "causal_mask", "gate_bias",
            "masked_softmax", "empty_kv_cache", "kv_cache_attend", "to_heads_first", "from_heads_first", "NEG_INF",
            "base2", "LOG2E"]
+
+
+FLA_ATTN_BLOCK = 128   # fla's parallel attention kernels' query tile
+
+
+class FlaSoftmaxCall:
+    """The backend questions of a prepared softmax-side call (a dataclass with q, mode, block_size,
+    output_final_state, out_dtype): fla covers its blockwise form, nothing else; linattn has no Triton or compiled
+    CPU kernel for it. A subclass names fla's function and its head-size rule (`fla_head_dims`)."""
+
+    fla_kernel = "fla's kernel"
+
+    def fla_head_dims(self) -> Optional[str]:
+        """Why fla rejects these head sizes (None when it takes them)."""
+        return None
+
+    def fla_unsupported(self) -> Optional[str]:
+        """Why fla's kernel does not cover this call (None when it does; the dispatch checks device and fla)."""
+        if self.out_dtype not in fla.DTYPES:
+            return f"fla's kernels take fp16 / bf16 / fp32 inputs, not {self.out_dtype}"
+        if self.mode != "chunk":
+            return f"mode={self.mode!r}: fla's {self.fla_kernel} is the blockwise (chunk) form"
+        if self.output_final_state:
+            return "output_final_state: the decoding state (linattn's cache) is not fla's"
+        return self.fla_head_dims()
+
+    def triton_unsupported(self) -> Optional[str]:
+        return "the softmax side has no linattn Triton kernel"
+
+    def chunk_size_used(self, backend: str) -> int:
+        """The block length a backend really uses (fla: its 128-query tiles; parallel: T; recurrent: 1)."""
+        if self.mode == "recurrent":
+            return 1
+        if self.mode == "parallel":
+            return self.q.shape[1]
+        return FLA_ATTN_BLOCK if backend == "fla" else self.block_size

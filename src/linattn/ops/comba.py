@@ -63,8 +63,8 @@ def comba(
         initial_state: The state to start from, `[N, H, K, V]`, or None (zeros).
         output_final_state: Also return the state after the last token.
         cu_seqlens: int64 `[N+1]` offsets of N packed sequences (B == 1), each with its own state.
-        backend: "auto", "torch" or "triton" (the Triton kernels do not cover a separate read key: every call
-            runs on PyTorch; "triton" warns once and falls back).
+        backend: "auto", "torch", "triton" or "fla" (neither kernel set covers a separate read key yet: every
+            call runs on PyTorch; "triton" warns once and falls back, "fla" raises).
 
     Returns:
         o: The output `[B, T, H, V]`, in the input dtype.

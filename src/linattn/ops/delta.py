@@ -74,8 +74,10 @@ def delta_rule(
         output_final_state: Also return the state after the last token.
         cu_seqlens: int64 `[N+1]` offsets of N packed sequences (B == 1): each sequence starts from its own
             row of initial_state and ends in its own row of the final state. None: the B rows are the sequences.
-        backend: "auto" (Triton kernels for covered CUDA calls, PyTorch otherwise), "torch" or "triton"
-            (on CPU only under TRITON_INTERPRET=1); see docs/triton.md.
+        backend: "auto" (for CUDA tensors fla's kernels when fla-core is installed and covers the call, else
+            linattn's Triton kernels when they do; the compiled CPU kernels for CPU tensors; PyTorch otherwise),
+            "torch", "fla" (CUDA; see docs/backends.md), "triton" (on CPU only under TRITON_INTERPRET=1; see
+            docs/triton.md) or "cpu". `linattn.explain` says which a call takes and why.
 
     Returns:
         o: The output `[B, T, H, V]` (or `[B, T, HV, V]`), in the input dtype.
@@ -119,7 +121,8 @@ def delta_rule(
     p = prepare_delta(q, k, v, beta, g=g, channel_gate=True, coefficient=efla_coefficient if exact else None,
                       scale=scale, qk_l2norm=qk_l2norm, mode=mode, chunk_size=chunk_size,
                       initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                      fused=backend in ("auto", "cpu"))   # backend="torch": the PyTorch preprocessing as well
+                      fused=backend in ("auto", "cpu"),   # backend="torch": the PyTorch preprocessing as well
+                      backend=backend)                     # a call for fla's kernels: no preprocessing
     return run_delta(p, backend)
 
 

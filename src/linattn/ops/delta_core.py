@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
+from .. import fla
 from ..errors import LinattnError, LinattnTypeError
 from ..triton import triton_chunk_size
 from ._common import (
@@ -39,13 +40,23 @@ from ._common import (
     pad_time,
     run_varlen,
 )
-from .backend import cpu_delta, requires_grad, select_backend, triton_delta
+from .backend import (
+    DeltaSource,
+    Rwkv7Source,
+    choose_backend,
+    cpu_delta,
+    fla_delta,
+    requires_grad,
+    select_backend,
+    triton_delta,
+)
 from .heads import value_groups
 from .l2norm import L2NORM_EPS, l2norm, resolve_l2norm, select_rows
 
 CHANNEL_BLOCK = 16       # chunk length with per-channel gates (their intra-chunk work is O(T * (c + C/c) * K))
 CHANNEL_SUB = 4          # ... and its sub-blocks (c = sqrt(C) minimises c + C/c; 16/4 and 32/8 measured equal on CPU)
 TRITON_MAX_K = 256       # the Triton kernels keep a whole K in registers
+FLA_CHUNK = 64           # fla's chunk kernels' default chunk length
 
 SERIES_BELOW = 1e-3      # the EFLA coefficient uses its Taylor series below x = beta lam = 1e-3
 PSI_SERIES_BELOW = 0.1  # ... and its lam-derivative below x = 0.1
@@ -303,10 +314,36 @@ class DeltaProblem:
     #: grouped value heads: the caller gave HV = value_groups * H value heads; q, k, r above are already repeated
     #: to HV heads (value head j reads q/k head j // value_groups), so every backend sees an ordinary problem
     value_groups: int = 1
+    #: the caller's inputs (`prepare_delta` sets it; None for a problem built otherwise): the fla backend's input
+    source: Union[DeltaSource, Rwkv7Source, None] = None
+    #: False: q, k, v, a are the caller's tensors, not preprocessed (`prepare_delta(backend=)` for a call that
+    #: fla's kernels take, which read `source`): only the fla backend may run it
+    prepared: bool = True
 
     @property
     def channel_gate(self) -> bool:
         return self.g is not None and self.g.dim() == 4
+
+    def fla_unsupported(self) -> Optional[str]:
+        """Why fla's kernels do not cover this call (None when they do; the device and fla-core itself are checked
+        by the dispatch): chunk and recurrent forms of DeltaNet, Gated DeltaNet, KDA and EFLA in fp16 / bf16 /
+        fp32 with K <= 256; the recurrent kernels are forward-only."""
+        if self.source is None:
+            return "this operator has no fla adapter yet"
+        if self.out_dtype not in fla.DTYPES:
+            return f"fla's kernels take fp16 / bf16 / fp32 inputs, not {self.out_dtype}"
+        if self.mode not in ("chunk", "recurrent"):
+            return f"mode={self.mode!r} has no fla kernel (chunk and recurrent do)"
+        src = self.source
+        if self.r is not None and not isinstance(src, Rwkv7Source):
+            return ("a read key of its own (Comba's p) is not translated to fla's kernels yet (fla's Comba reads "
+                    "the decayed state, linattn's the undecayed one)")
+        if self.q.shape[-1] > fla.MAX_HEAD_DIM:
+            return f"fla's delta-rule kernels take head sizes K <= {fla.MAX_HEAD_DIM}, got K = {self.q.shape[-1]}"
+        if self.mode == "recurrent" and requires_grad(*(t for t in src if isinstance(t, torch.Tensor)), self.g,
+                                                      self.S0):
+            return "fla's fused_recurrent delta-rule kernels are forward-only (decoding) and an input requires grad"
+        return None
 
     def triton_unsupported(self) -> Optional[str]:
         """Why the Triton kernels do not cover this call (None when they do)."""
@@ -343,6 +380,8 @@ class DeltaProblem:
             return 1
         if self.mode == "parallel":
             return self.q.shape[1]
+        if backend == "fla":  # fla's default chunk (its result does not depend on it)
+            return FLA_CHUNK
         if backend == "triton":  # per-channel gates (KDA): a 16-token tile (triton/delta.py's KDA_CHUNK)
             return 16 if self.channel_gate else triton_chunk_size(self.chunk_size)
         return min(self.chunk_size, CHANNEL_BLOCK) if self.channel_gate else self.chunk_size
@@ -387,7 +426,7 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
                   coefficient: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
                   scale=None, qk_l2norm=False, mode: str = "chunk", chunk_size: int = 64,
                   initial_state=None, output_final_state: bool = False, cu_seqlens=None,
-                  fused: bool = False) -> DeltaProblem:
+                  fused: bool = False, backend: Optional[str] = None) -> DeltaProblem:
     """Every check shared by the delta family, once, and the shared preprocessing: the base of a new delta variant.
 
     A variant chooses the write strength a (through `coefficient`), the read key r and the gate g of the core's
@@ -420,6 +459,9 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
             qk_l2norm "rsqrt" without a coefficient, or no qk_l2norm with or without one (EFLA: the coefficient
             and d2 then run in PyTorch on [B, T, H]), no r, no grouped value heads, eager, kernels switched on. The
             same values as the PyTorch lines to rounding; they stay the reference and the fallback.
+        backend: The backend the call will be run on, when known: a call that it sends to fla's kernels skips the
+            PyTorch preprocessing (fla takes the caller's tensors, `DeltaProblem.prepared` False); None: always
+            preprocess (the problem then runs on any backend).
 
     Returns:
         The prepared call, a `DeltaProblem` in the compute dtype, for `run_delta` (or `chunk_size_used`).
@@ -462,6 +504,15 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
         _check_state(initial_state, N, HV, K, V, q.device)
 
     cdt = compute_dtype(q.dtype)
+    source = DeltaSource(q, k, v, beta, l2, scale, coefficient)
+    g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
+    S0 = initial_state.to(cdt) if initial_state is not None else None
+    if backend is not None and backend != "torch" and fla.runs_on(q.device):
+        # the caller's tensors as they are: fla's kernels normalise and scale themselves (`fla_delta`)
+        raw = DeltaProblem(q, k, v, r, beta, g_c, S0, mode, chunk_size, offsets, N, output_final_state, q.dtype,
+                           n, source, prepared=False)
+        if choose_backend(backend, raw).backend == "fla":
+            return raw
     q_c, k_c, v_c, b_c = q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt)
     if fused and _fused_prep(q_c, l2, coefficient, r, n):
         from ..cpu.delta import delta_prepare, delta_prepare_raw
@@ -472,10 +523,8 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
             a = (a * lam.detach().clamp_min(1.0)).to(cdt)
         else:
             q_c, k_c, v_c, a = delta_prepare(q_c, k_c, v_c, b_c, scale, L2NORM_EPS)
-        S0 = initial_state.to(cdt) if initial_state is not None else None
-        g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
         return DeltaProblem(q_c, k_c, v_c, None, a, g_c, S0, mode, chunk_size, offsets, N, output_final_state,
-                            q.dtype, n)
+                            q.dtype, n, source)
     if l2 is not None:
         q_c, k_c = l2norm(q_c, l2), l2norm(k_c, l2)
     q_c = q_c * scale
@@ -487,10 +536,8 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
         r_c = r_c.repeat_interleave(n, dim=2) if r_c is not None else None
     a = coefficient(b_c.to(lam.dtype), lam) if coefficient is not None else b_c
     # key-norm rescaling (module docstring): k~ = k / d, v~ = v / d, r~ = r / d, a~ = a d^2, d = max(||k||, 1)
-    S0 = initial_state.to(cdt) if initial_state is not None else None
-    g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
     return DeltaProblem(q_c, k_c, v_c / d, r_c, (a * d2).to(cdt), g_c, S0, mode,
-                        chunk_size, offsets, N, output_final_state, q.dtype, n)
+                        chunk_size, offsets, N, output_final_state, q.dtype, n, source)
 
 
 
@@ -563,7 +610,12 @@ def _run_torch(p: DeltaProblem):
 def run_delta(p: DeltaProblem, backend: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run a prepared call on `backend` -> (o [B, T, H, V] in the input dtype, final state or None)."""
     chosen = select_backend(backend, p)
-    if chosen == "triton":
+    if not p.prepared and chosen != "fla":
+        raise LinattnError(f"this delta problem was prepared for fla's kernels (prepare_delta(backend=...)) and "
+                           f"cannot run on backend {chosen!r}; prepare it without backend=")
+    if chosen == "fla":
+        o, S = fla_delta(p)
+    elif chosen == "triton":
         o, S = triton_delta(p)
     elif chosen == "cpu":
         o, S = cpu_delta(p)

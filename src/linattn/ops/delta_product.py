@@ -134,7 +134,7 @@ def delta_product(
         initial_state: The state to start from, `[N, H, K, V]` (also a `delta_rule` state), or None (zeros).
         output_final_state: Also return the state after the last token.
         cu_seqlens: int64 `[N+1]` offsets over the T tokens of N packed sequences (B == 1).
-        backend: "auto", "torch" or "triton" (see `delta_rule`).
+        backend: "auto", "torch", "fla", "triton" or "cpu" (see `delta_rule`).
 
     Returns:
         o: The output `[B, T, H, V]`, in the input dtype.

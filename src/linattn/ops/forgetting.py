@@ -22,13 +22,15 @@ per token) give exact, finite outputs: every row keeps its own key with bias 0, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
+from .. import fla
 from ..errors import LinattnError, LinattnTypeError
 from ._common import check_finite_output, check_log_gate, check_qkv, check_scale, compute_dtype, run_varlen
 from ._flash import (
+    FlaSoftmaxCall,
     causal_mask,
     check_block_size,
     check_finite_gate,
@@ -43,6 +45,7 @@ from ._flash import (
     masked_softmax,
     to_heads_first,
 )
+from .backend import fla_forgetting_attention, select_backend
 from .registry import randn, register_op, uniform
 
 
@@ -63,7 +66,7 @@ class ForgettingAttentionState(NamedTuple):
 
 
 @dataclass
-class _Problem:
+class _Problem(FlaSoftmaxCall):
     q: torch.Tensor            # [B, T, H, K] compute dtype, scaled
     k: torch.Tensor
     v: torch.Tensor
@@ -74,6 +77,14 @@ class _Problem:
     offsets: Optional[List[int]]
     output_final_state: bool
     out_dtype: torch.dtype
+    #: the caller's q, k, v and the resolved scale (what fla's kernel takes)
+    source: Tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]
+
+    fla_kernel = "parallel_forgetting_attn"
+
+    def fla_head_dims(self) -> Optional[str]:
+        K = self.q.shape[-1]
+        return None if K <= fla.MAX_HEAD_DIM else f"fla's attention kernels take K <= {fla.MAX_HEAD_DIM}, got K = {K}"
 
 
 def _prepare(q, k, v, g, window, scale, mode, block_size, cu_seqlens, output_final_state) -> _Problem:
@@ -87,7 +98,7 @@ def _prepare(q, k, v, g, window, scale, mode, block_size, cu_seqlens, output_fin
     scale, offsets = check_scale_state_packing(scale, K, output_final_state, cu_seqlens, B, T)
     cdt = compute_dtype(q.dtype)
     return _Problem(q.to(cdt) * scale, k.to(cdt), v.to(cdt), g.to(cdt) if g is not None else None, window,
-                    mode, block_size, offsets, output_final_state, q.dtype)
+                    mode, block_size, offsets, output_final_state, q.dtype, (q, k, v, scale))
 
 
 def _parallel(q, k, v, g, window):
@@ -156,7 +167,7 @@ def _run(p: _Problem):
 def forgetting_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], *,
                          window: Optional[int] = None, scale: Optional[float] = None, mode: str = "chunk",
                          block_size: int = 64, cu_seqlens: Optional[torch.Tensor] = None,
-                         output_final_state: bool = False):
+                         output_final_state: bool = False, backend: str = "auto"):
     """Forgetting attention (FoX): softmax attention with a data-dependent forget gate (module docstring).
 
     s_ij = scale q_i . k_j + G_i - G_j over the keys j <= i (and i - j < window), G_t = sum_{s<=t} g_s,
@@ -174,6 +185,8 @@ def forgetting_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: O
         block_size: The chunk form's block length.
         cu_seqlens: int64 `[N+1]` offsets of packed sequences (B must be 1); G restarts at every start.
         output_final_state: Also return a `ForgettingAttentionState` for `forgetting_attention_step`.
+        backend: "auto" (fla's `parallel_forgetting_attn` for covered CUDA calls, PyTorch otherwise), "torch"
+            or "fla" (see docs/backends.md); `linattn.explain` says which a call takes and why.
 
     Returns:
         o (torch.Tensor): The output `[B, T, H, V]` in the input dtype; returned alone unless
@@ -201,7 +214,8 @@ def forgetting_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: O
         >>> torch.allclose(o9, o[:, 8:], atol=1e-5)
         True
     """
-    result = _run(_prepare(q, k, v, g, window, scale, mode, block_size, cu_seqlens, output_final_state))
+    p = _prepare(q, k, v, g, window, scale, mode, block_size, cu_seqlens, output_final_state)
+    result = fla_forgetting_attention(p) if select_backend(backend, p) == "fla" else _run(p)
     return check_finite_output(result, "forgetting_attention", q=q, k=k, v=v)
 
 
@@ -280,7 +294,14 @@ def _example(gen, B, T, H, K, V, dtype):
     return (q, k, v, uniform(gen, (B, T, H), dtype, -0.5, 0.0)), {}
 
 
-register_op("forgetting_attention", forgetting_attention, forms=("parallel", "chunk", "recurrent"),
+def _prepare_call(q, k, v, g, *, window=None, scale=None, mode="chunk", block_size=64, cu_seqlens=None,
+                  output_final_state=False, backend="auto"):
+    """forgetting_attention's prepared problem from its own arguments (the registry's `prepare`)."""
+    return _prepare(q, k, v, g, window, scale, mode, block_size, cu_seqlens, output_final_state)
+
+
+register_op("forgetting_attention", forgetting_attention, prepare=_prepare_call, backends=True,
+            forms=("parallel", "chunk", "recurrent"),
             chunk_arg="block_size", example=_example, reference="forgetting_attention_ref",
             description="FoX: softmax attention with a data-dependent forget gate")
 

@@ -50,6 +50,7 @@ from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from .. import fla
 from ..cpu import MAX_CHUNK as CPU_MAX_CHUNK
 from ..errors import LinattnError, LinattnTypeError
 from ..triton import triton_chunk_size
@@ -65,8 +66,14 @@ from ._common import (
     reads_values,
     run_varlen,
 )
-from .backend import cpu_linear_attention, requires_grad, select_backend, triton_linear_attention
-from .delta_core import LOG_GATE_FLOOR
+from .backend import (
+    cpu_linear_attention,
+    fla_linear_attention,
+    requires_grad,
+    select_backend,
+    triton_linear_attention,
+)
+from .delta_core import FLA_CHUNK, LOG_GATE_FLOOR
 from .feature_maps import FeatureMap, get_feature_map
 from .heads import value_groups
 from .linear_chunk import FUSED, chunk_matmul_form, linear_chunk
@@ -167,6 +174,28 @@ class LinearProblem:
             return "the fused recurrent kernel is forward-only (decoding) and an input requires grad"
         return None
 
+    def fla_unsupported(self) -> Optional[str]:
+        """Why fla's kernels do not cover this call (None when they do; the device and fla-core itself are checked
+        by the dispatch): the causal chunk and recurrent forms of the linear-space maps, any gate, fp16 / bf16 /
+        fp32."""
+        if self.q.dtype not in fla.DTYPES:
+            return f"fla's kernels take fp16 / bf16 / fp32 inputs, not {self.q.dtype}"
+        if self.mode not in ("chunk", "recurrent"):
+            return f"mode={self.mode!r} has no fla kernel (chunk and recurrent do)"
+        if not self.causal:
+            return "causal=False has no fla kernel"
+        if self.fmap.log_space:
+            return f"log-space feature maps ({self.fmap.name}) carry a log-scale state that fla's kernels do not"
+        return None
+
+    def constant_log_gate(self) -> Optional[torch.Tensor]:
+        """The log-gate as one value per head [H] when it is the same at every batch row and token (a constant
+        gamma: expanded, stride 0) and needs no gradient (fla's g_gamma has none), else None."""
+        lg = self.log_gate
+        if lg is None or lg.dim() != 3 or lg.stride()[:2] != (0, 0) or requires_grad(lg):
+            return None
+        return lg[0, 0]
+
     def positions(self) -> torch.Tensor:
         """Absolute token positions [B or 1, T] (positional maps; a carried state continues them)."""
         T, dev = self.q.shape[1], self.q.device
@@ -199,6 +228,8 @@ class LinearProblem:
             return self.q.shape[1]
         if backend == "triton":
             return triton_chunk_size(self.chunk_size)
+        if backend == "fla":  # fla's default chunk (its result does not depend on it)
+            return FLA_CHUNK
         if self.fmap.log_space or self.diagonal_gate:
             return min(self.chunk_size, LOG_BLOCK)
         return self.chunk_size
@@ -511,13 +542,13 @@ def finish(p: LinearProblem, num, den, c, kv, z, mu, divided: bool = False,
 
 
 def run_linear_attention(p: LinearProblem, backend: str = "auto"):
-    """Run a prepared call on `backend` ("auto", "torch", "triton" or "cpu")."""
+    """Run a prepared call on `backend` ("auto", "torch", "triton", "cpu" or "fla")."""
     chosen = select_backend(backend, p)
     if chosen == "cpu":  # without autograd the kernel divides by the normaliser itself (one pass less)
         num, den, kv, z, divided = cpu_linear_attention(p, eps=p.eps if p.normalize else None)
         return finish(p, num, den, None, kv, z, None, divided=divided, lean_grad=True)
-    if chosen == "triton":
-        num, den, kv, z = triton_linear_attention(p)
+    if chosen in ("triton", "fla"):
+        num, den, kv, z = (triton_linear_attention if chosen == "triton" else fla_linear_attention)(p)
         return finish(p, num, den, None, kv, z, None)
     # the forms compute in the prepared compute dtype (fp32 for half inputs): autocast must not take their
     # products back to bf16/fp16 (nor meet the fast form's in-place products)
@@ -587,10 +618,11 @@ def linear_attention(
         output_final_state: Also return the state after the last token.
         cu_seqlens: int64 `[N+1]` offsets of N packed independent sequences (B == 1); the state then has N rows.
         eps: The floor on |den| (above).
-        backend: "auto" (Triton kernels for CUDA tensors when Triton is installed and covers the call, the
-            compiled CPU kernels for CPU tensors when they build and cover it, PyTorch otherwise), "torch",
-            "triton" (on CPU only under TRITON_INTERPRET=1; see docs/triton.md) or "cpu" (see
-            docs/cpu_kernels.md).
+        backend: "auto" (for CUDA tensors fla's kernels when fla-core is installed and covers the call, else
+            linattn's Triton kernels when they do; the compiled CPU kernels for CPU tensors when they build and
+            cover it; PyTorch otherwise), "torch", "fla" (CUDA; see docs/backends.md), "triton" (on CPU only
+            under TRITON_INTERPRET=1; see docs/triton.md) or "cpu" (see docs/cpu_kernels.md).
+            `linattn.explain` says which a call takes and why.
 
     Returns:
         o: The output `[B, T, H, V]` (or `[B, T, HV, V]`), in the input dtype.

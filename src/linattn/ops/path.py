@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -70,6 +70,7 @@ from ._common import (
 )
 from ._flash import (
     NEG_INF,
+    FlaSoftmaxCall,
     anchored,
     base2,
     causal_mask,
@@ -86,8 +87,11 @@ from ._flash import (
     masked_softmax,
     to_heads_first,
 )
+from .backend import fla_path_attention, select_backend
 from .delta_core import check_tensor_like
 from .registry import randn, register_op, uniform, unit
+
+FLA_PATH_DIMS = (16, 32, 64, 128)   # the head sizes fla's parallel_path_attn takes (its assert)
 
 
 class PaTHState(NamedTuple):
@@ -333,7 +337,7 @@ def _step_loop(q, k, v, w, beta, g, state: Optional[PaTHState]):
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
-class _Problem:
+class _Problem(FlaSoftmaxCall):
     q: torch.Tensor            # [B, T, H, K] compute dtype, scaled
     k: torch.Tensor
     v: torch.Tensor
@@ -345,6 +349,16 @@ class _Problem:
     offsets: Optional[List[int]]
     output_final_state: bool
     out_dtype: torch.dtype
+    #: the caller's q, k, v and the resolved scale (what fla's kernel takes)
+    source: Tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]
+
+    fla_kernel = "parallel_path_attn"
+
+    def fla_head_dims(self) -> Optional[str]:
+        K, V = self.q.shape[-1], self.v.shape[-1]
+        if K not in FLA_PATH_DIMS or V not in FLA_PATH_DIMS:
+            return f"fla's PaTH kernel takes head sizes K, V in {FLA_PATH_DIMS}, got K = {K}, V = {V}"
+        return None
 
 
 def _check_w_beta_g(q, w, beta, g, B, T, H):
@@ -363,7 +377,8 @@ def _prepare(q, k, v, w, beta, g, scale, mode, block_size, cu_seqlens, output_fi
     scale, offsets = check_scale_state_packing(scale, K, output_final_state, cu_seqlens, B, T)
     cdt = compute_dtype(q.dtype)
     return _Problem(q.to(cdt) * scale, k.to(cdt), v.to(cdt), w.to(cdt), beta.to(cdt),
-                    g.to(cdt) if g is not None else None, mode, block_size, offsets, output_final_state, q.dtype)
+                    g.to(cdt) if g is not None else None, mode, block_size, offsets, output_final_state, q.dtype,
+                    (q, k, v, scale))
 
 
 def _run(p: _Problem):
@@ -405,7 +420,8 @@ def _run(p: _Problem):
 
 def path_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, *,
                    g: Optional[torch.Tensor] = None, scale: Optional[float] = None, mode: str = "chunk",
-                   block_size: int = 64, cu_seqlens: Optional[torch.Tensor] = None, output_final_state: bool = False):
+                   block_size: int = 64, cu_seqlens: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                   backend: str = "auto"):
     """PaTH attention: position encoding by accumulated Householder-like transforms (module docstring).
 
     A_ij = q_i^T R_ij k_j with R_ij = H_i H_{i-1} ... H_{j+1}, H_s = I - beta_s w_s w_s^T, and
@@ -423,6 +439,8 @@ def path_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.T
         block_size: The chunk form's block length.
         cu_seqlens: int64 `[N+1]` offsets of packed sequences (B must be 1).
         output_final_state: Also return a `PaTHState` for `path_attention_step`.
+        backend: "auto" (fla's `parallel_path_attn` for covered CUDA calls, PyTorch otherwise), "torch" or
+            "fla" (see docs/backends.md); `linattn.explain` says which a call takes and why.
 
     Returns:
         o (torch.Tensor): The output `[B, T, H, V]` in the input dtype; returned alone unless
@@ -448,7 +466,8 @@ def path_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.T
         >>> torch.allclose(o7, o[:, 6:], atol=1e-5)
         True
     """
-    result = _run(_prepare(q, k, v, w, beta, g, scale, mode, block_size, cu_seqlens, output_final_state))
+    p = _prepare(q, k, v, w, beta, g, scale, mode, block_size, cu_seqlens, output_final_state)
+    result = fla_path_attention(p) if select_backend(backend, p) == "fla" else _run(p)
     return check_finite_output(result, "path_attention", q=q, k=k, v=v, w=w)
 
 
@@ -522,7 +541,14 @@ def _example(gen, B, T, H, K, V, dtype):
     return args, {"g": uniform(gen, (B, T, H), dtype, -0.5, 0.0)}
 
 
-register_op("path_attention", path_attention, forms=("parallel", "chunk", "recurrent"), chunk_arg="block_size",
+def _prepare_call(q, k, v, w, beta, *, g=None, scale=None, mode="chunk", block_size=64, cu_seqlens=None,
+                  output_final_state=False, backend="auto"):
+    """path_attention's prepared problem from its own arguments (the registry's `prepare`)."""
+    return _prepare(q, k, v, w, beta, g, scale, mode, block_size, cu_seqlens, output_final_state)
+
+
+register_op("path_attention", path_attention, prepare=_prepare_call, backends=True,
+            forms=("parallel", "chunk", "recurrent"), chunk_arg="block_size",
             example=_example, reference="path_attention_ref",
             description="PaTH: softmax attention with accumulated Householder position encoding")
 

@@ -207,6 +207,43 @@ def chunk_size_used(op: str, *args, backend: str = "auto", **kwargs) -> int:
     return problem.chunk_size_used(select_backend(backend, problem))
 
 
+def explain(op: Union[str, Callable[..., Any]], *args, backend: str = "auto", **kwargs):
+    """Which backend a call would take, and why, without running it: the field's most common surprise is a
+    silent slow fallback. The same decision as the call itself (`linattn.ops.backend.choose_backend`), so a
+    backend that would raise raises here too.
+
+    Args:
+        op: The operator, by name ("linear_attention", "delta_rule", ...) or as the function itself.
+        *args: The operator's positional arguments (q, k, v, ...), as in the call.
+        backend: The backend asked for, as the operator's `backend`.
+        **kwargs: The operator's keyword arguments, as in the call.
+
+    Returns:
+        A `BackendChoice` (backend, reason); `str()` of it reads "fla: CUDA tensors and fla-core 0.6.0 covers
+        the call".
+
+    Raises:
+        LinattnError: An unknown op, arguments the operator rejects, or the backend's own errors
+            (`BackendUnavailableError`, `BackendDeviceError`).
+
+    Examples:
+        >>> import torch
+        >>> import linattn
+        >>> q, k, v = torch.randn(3, 1, 8, 2, 16).unbind(0)
+        >>> linattn.explain("linear_attention", q, k, v, backend="torch").backend
+        'torch'
+    """
+    from .backend import BackendChoice, choose_backend  # on use, as in chunk_size_used
+
+    name = next((n for n, spec in _OPS.items() if spec.fn is op), None) if callable(op) else op
+    spec = _OPS.get(name)
+    if spec is None:
+        raise LinattnError(f"op must be a registered operator ({', '.join(_OPS)}) or its function, got {op!r}")
+    if not spec.backends or spec.prepare is None:
+        return BackendChoice("torch", f"{name} has no backend= argument: it always runs its PyTorch forms")
+    return choose_backend(backend, spec.prepare(*args, **kwargs))
+
+
 def chunk_size_ops() -> List[str]:
     """The registered operators `chunk_size_used` answers for (those registered with a `prepare`).
 

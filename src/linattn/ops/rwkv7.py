@@ -36,7 +36,7 @@ import torch
 
 from ..errors import LinattnError
 from ._common import check_cu_seqlens, check_log_gate, check_mode, check_qkv, check_scale
-from .delta_core import DeltaProblem, check_tensor_like, prepare_delta, run_delta
+from .delta_core import LOG_GATE_FLOOR, DeltaProblem, Rwkv7Source, check_tensor_like, prepare_delta, run_delta
 from .registry import randn, register_op, uniform, unit
 
 
@@ -68,7 +68,9 @@ def prepare_rwkv7(r, w, k, v, a, b, *, scale=None, mode: str = "chunk", chunk_si
                          chunk_size=2 * chunk_size,
                          initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_i)
     sign = torch.tensor([-1.0, 1.0], dtype=prob.a.dtype, device=prob.a.device).repeat(T)[None, :, None]
-    return dataclasses.replace(prob, a=prob.a * sign)
+    # fla's chunk_rwkv7 takes the call as it is (backend="fla"): the caller's tensors, w in the compute dtype
+    source = Rwkv7Source(r, w.to(prob.q.dtype).clamp_min(-LOG_GATE_FLOOR), k, v, a, b, scale)
+    return dataclasses.replace(prob, a=prob.a * sign, source=source)
 
 
 def rwkv7(
@@ -99,8 +101,9 @@ def rwkv7(
         cu_seqlens: int64 `[N+1]` offsets of N packed sequences (B == 1), each with its own state.
         mode: "chunk" (training), "recurrent" (decoding), "parallel" (quadratic closed form).
         chunk_size: Counts tokens (the per-channel-gate chunk path caps it at 8 tokens: module docstring).
-        backend: "auto", "torch" or "triton" (every call runs on PyTorch: the core's Triton and compiled CPU
-            kernels do not cover a read key of its own; "triton" warns once and falls back).
+        backend: "auto", "torch", "fla" (fla's chunk_rwkv7 / fused_recurrent_rwkv7, on CUDA; see
+            docs/backends.md) or "triton" (the core's Triton and compiled CPU kernels do not cover a read key of
+            its own: "triton" warns once and falls back to PyTorch).
 
     Returns:
         o: The output `[B, T, H, V]`, in the input dtype.
@@ -130,6 +133,8 @@ def rwkv7(
                          initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     o, S = run_delta(prob, backend)
     B, T2, H, V = o.shape
+    if T2 == r.shape[1]:   # fla's chunk_rwkv7 ran the tokens themselves
+        return o, S
     return o.reshape(B, T2 // 2, 2, H, V)[:, :, 1], S
 
 
