@@ -27,6 +27,7 @@ from ..io import TMP_PREFIX, give_default_modes, read_json, write_json
 from ..models.family import config_to_dict
 from ..models.lm import LanguageModel
 from .fla import import_fla, supported_types
+from .import_target import check_out, write_import
 from .modeling_linattn import LinattnForCausalLM
 
 PathLike = Union[str, os.PathLike]
@@ -142,36 +143,53 @@ def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step:
         CheckpointError: An unsupported or unreadable folder, or `out` holding a checkpoint without overwrite.
     """
     hf_dir, out = Path(hf_dir), Path(out)
+    if not hf_dir.exists():
+        raise CheckpointError(f"--model {hf_dir}: not found")
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} is not a transformers model folder (no config.json)")
     cfg = read_json(hf_dir / "config.json")
     model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
     if model_type in supported_types():
         return import_fla(hf_dir, out, overwrite=overwrite, step=step or 0)
-    if model_type is not None and model_type != LinattnForCausalLM.config_class.model_type:
-        raise CheckpointError(f"{hf_dir / 'config.json'}: unsupported model_type {model_type!r}; import-hf reads "
-                              f"{LinattnForCausalLM.config_class.model_type!r} (a folder written by export-hf) and the "
-                              f"flash-linear-attention types {', '.join(supported_types())}")
-    if out.exists() and (ckpt.has_checkpoint(out) or (out.is_file())) and not overwrite:
-        raise CheckpointError(f"{out} already holds a checkpoint; pass --overwrite to replace it")
+    ours = LinattnForCausalLM.config_class.model_type
+    if model_type != ours:
+        what = "no model_type" if model_type is None else f"unsupported model_type {model_type!r}"
+        raise CheckpointError(f"{hf_dir / 'config.json'}: {what}; import-hf reads {ours!r} (a folder written by "
+                              f"export-hf) and the flash-linear-attention types {', '.join(supported_types())}")
+    check_out(hf_dir, out, overwrite)
+
+    def write(run: Path) -> Path:
+        hf = _load_strictly(hf_dir)
+        tokenizer = None
+        if (hf_dir / "tokenizer.json").is_file():
+            try:
+                tokenizer = load_tokenizer(hf_dir)
+            except TokenizerError as e:
+                raise CheckpointError(str(e)) from None
+        model = hf.to_linattn()
+        s = int(step if step is not None else getattr(hf.config, "linattn_step", 0) or 0)
+        return ckpt.save_checkpoint(run, s, model, model_config=config_to_dict(model.config), tokenizer=tokenizer,
+                                    extra={"imported_from": str(hf_dir), "n_params": model.num_parameters()},
+                                    keep_last=None)
+
+    return write_import(hf_dir, out, overwrite, write)
+
+
+def _load_strictly(hf_dir: Path) -> LinattnForCausalLM:
+    """The saved LinattnForCausalLM, every parameter read from the folder: transformers fills a tensor the files
+    lack with whatever it initialises (or leaves in memory), and skips a tensor the model lacks, so both refuse."""
     try:
-        hf = LinattnForCausalLM.from_pretrained(hf_dir)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"cannot load {hf_dir} as a linattn transformers model: "
+        hf, info = LinattnForCausalLM.from_pretrained(hf_dir, output_loading_info=True, ignore_mismatched_sizes=True)
+    except Exception as e:  # OSError, ValueError, safetensors' errors on a truncated file, a shape mismatch
+        raise CheckpointError(f"cannot load {hf_dir} as a linattn transformers model: {type(e).__name__}: "
                               f"{' '.join(str(e).split())[:300]}") from None
-    tokenizer = None
-    if (hf_dir / "tokenizer.json").is_file():
-        try:
-            tokenizer = load_tokenizer(hf_dir)
-        except TokenizerError as e:
-            raise CheckpointError(str(e)) from None
-    if overwrite and out.is_dir():
-        for p in ckpt.list_checkpoints(out):
-            shutil.rmtree(p, ignore_errors=True)
-    model = hf.to_linattn()
-    s = int(step if step is not None else getattr(hf.config, "linattn_step", 0) or 0)
-    return ckpt.save_checkpoint(out, s, model, model_config=config_to_dict(model.config), tokenizer=tokenizer,
-                                extra={"imported_from": str(hf_dir), "n_params": model.num_parameters()})
+    for kind, what in (("missing_keys", "lack the tensors"), ("unexpected_keys", "hold tensors the model has not"),
+                       ("mismatched_keys", "hold tensors of the wrong shape")):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(kind) or ())
+        if names:
+            raise CheckpointError(f"the weights of {hf_dir} {what}: {', '.join(names[:8])}"
+                                  + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+    return hf
 
 
 # --------------------------------------------------------------------------- the CLI commands

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from ...errors import CheckpointError
 from ...models.config import LMConfig
 from ...models.family import config_to_dict
 from ...models.lm import LanguageModel
+from ..import_target import check_out, write_import
 
 Tensor = torch.Tensor
 PathLike = Union[str, os.PathLike]
@@ -390,29 +390,34 @@ def import_fla(folder: PathLike, out: PathLike, *, overwrite: bool = False, step
     if cfg.get("model_type") not in _CONVERTERS:
         raise CheckpointError(f"unsupported fla model_type {cfg.get('model_type')!r} in {folder / 'config.json'}; "
                               f"the fla import supports: {', '.join(supported_types())}")
-    if out.exists() and (ckpt.has_checkpoint(out) or out.is_file()) and not overwrite:
-        raise CheckpointError(f"{out} already holds a checkpoint; pass --overwrite to replace it")
-    config, state = fla_to_linattn(cfg, read_fla_weights(folder))
-    tokenizer = None
-    if (folder / "tokenizer.json").is_file():
-        from ...data.tokenizer import TokenizerError, load_tokenizer
+    check_out(folder, out, overwrite)
 
-        try:
-            tokenizer = load_tokenizer(folder)
-        except TokenizerError as e:
-            # the weights are what is imported; a tokenizer linattn cannot use (e.g. one without <|endoftext|>)
-            # leaves the checkpoint without one, said out loud
-            warnings.warn(f"{e}: the checkpoint is written without a tokenizer (linattn reads byte-level BPE "
-                          f"tokenizer.json files with an <|endoftext|> token)", UserWarning, stacklevel=2)
-    if overwrite and out.is_dir():
-        for p in ckpt.list_checkpoints(out):
-            shutil.rmtree(p, ignore_errors=True)
-    n_params = sum(t.numel() for t in state.values())
-    return ckpt.save_checkpoint(out, int(step), None, state_dict={k: v.contiguous() for k, v in state.items()},
-                                model_config=config_to_dict(config), tokenizer=tokenizer,
-                                extra={"imported_from": str(folder), "fla_model_type": cfg["model_type"],
-                                       "n_params": n_params})
+    def write(run: Path) -> Path:
+        config, state = fla_to_linattn(cfg, read_fla_weights(folder))
+        tokenizer = _fla_tokenizer(folder)
+        n_params = sum(t.numel() for t in state.values())
+        return ckpt.save_checkpoint(run, int(step), None, state_dict={k: v.contiguous() for k, v in state.items()},
+                                    model_config=config_to_dict(config), tokenizer=tokenizer, keep_last=None,
+                                    extra={"imported_from": str(folder), "fla_model_type": cfg["model_type"],
+                                           "n_params": n_params})
 
+    return write_import(folder, out, overwrite, write)
+
+
+def _fla_tokenizer(folder: Path):
+    """The folder's tokenizer.json when linattn can read it, else None with a warning."""
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    from ...data.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        return load_tokenizer(folder)
+    except TokenizerError as e:
+        # the weights are what is imported; a tokenizer linattn cannot use (e.g. one without <|endoftext|>)
+        # leaves the checkpoint without one, said out loud
+        warnings.warn(f"{e}: the checkpoint is written without a tokenizer (linattn reads byte-level BPE "
+                      f"tokenizer.json files with an <|endoftext|> token)", UserWarning, stacklevel=3)
+        return None
 
 __all__ = ["MixerConversion", "FlaLayout", "LayerParams", "register_fla", "supported_types", "is_fla_folder",
            "import_fla", "fla_to_linattn", "read_fla_weights", "convert_attention", "attention_specs", "cfg_get",

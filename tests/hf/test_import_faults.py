@@ -1,0 +1,173 @@
+"""`import-hf` under faults and misuse (issue 49.3, 49.4, 49.8): every parameter comes from the folder, a broken
+folder is one CheckpointError line (exit 2), and --overwrite never loses the old checkpoints before the new one is
+complete; one writer per --out (the run lock `train` uses)."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from linattn import LanguageModel, LMConfig, checkpoint as ckpt  # noqa: E402
+from linattn.cli import main as cli_main  # noqa: E402
+from linattn.errors import CheckpointError  # noqa: E402
+from linattn.hf.convert import export_hf, import_hf  # noqa: E402
+from linattn.models.family import config_to_dict  # noqa: E402
+from linattn.training.lock import RunFolderBusy, RunLock  # noqa: E402
+from tests.helpers import error_line  # noqa: E402
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, mixer="gated-deltanet")).eval()
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    m = _model()
+    ckpt.save_checkpoint(tmp_path / "run", 3, m, model_config=config_to_dict(m.config))
+    return export_hf(tmp_path / "run", tmp_path / "hf")
+
+
+def _edit_weights(folder, edit):
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def _cli_error(capsys, *argv):
+    assert cli_main(["import-hf", *argv]) == 2
+    return error_line(capsys)
+
+
+def test_missing_tensor_is_refused_naming_it(hf_dir, tmp_path, capsys):
+    """Before: the checkpoint held whatever memory was there (|q_proj| = 8.6e17 seen) and generated silently."""
+    _edit_weights(hf_dir, lambda t: t.pop("model.blocks.1.mixer.q_proj.weight"))
+    line = _cli_error(capsys, "--model", str(hf_dir), "--out", str(tmp_path / "out"))
+    assert "lack the tensors" in line and "blocks.1.mixer.q_proj.weight" in line
+    assert not ckpt.has_checkpoint(tmp_path / "out")
+
+
+def test_extra_tensor_is_refused_naming_it(hf_dir, tmp_path):
+    _edit_weights(hf_dir, lambda t: t.update({"model.blocks.0.mixer.stray": torch.zeros(3)}))
+    with pytest.raises(CheckpointError, match=r"tensors the model has not: .*blocks\.0\.mixer\.stray"):
+        import_hf(hf_dir, tmp_path / "out")
+
+
+def test_wrong_shape_is_one_line(hf_dir, tmp_path, capsys):
+    _edit_weights(hf_dir, lambda t: t.update({"model.norm.weight": torch.ones(31)}))
+    line = _cli_error(capsys, "--model", str(hf_dir), "--out", str(tmp_path / "out"))
+    assert "wrong shape" in line and "model.norm.weight" in line, line
+
+
+def test_truncated_weights_are_one_line(hf_dir, tmp_path, capsys):
+    f = hf_dir / "model.safetensors"
+    os.truncate(f, f.stat().st_size // 2)
+    line = _cli_error(capsys, "--model", str(hf_dir), "--out", str(tmp_path / "out"))
+    assert f"cannot load {hf_dir}" in line
+
+
+def test_config_without_model_type_is_one_line(hf_dir, tmp_path, capsys):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    del cfg["model_type"]
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    line = _cli_error(capsys, "--model", str(hf_dir), "--out", str(tmp_path / "out"))
+    assert "no model_type" in line
+
+
+def test_nonexistent_model_folder_says_not_found(tmp_path, capsys):
+    line = _cli_error(capsys, "--model", str(tmp_path / "nonexistent"), "--out", str(tmp_path / "out"))
+    assert "not found" in line and "config.json" not in line
+
+
+def test_a_good_folder_still_imports_exactly(hf_dir, tmp_path):
+    step = import_hf(hf_dir, tmp_path / "out")
+    ids = torch.randint(0, 64, (1, 7))
+    assert step.name == ckpt.step_dir_name(3)
+    assert torch.equal(ckpt.load_checkpoint(tmp_path / "out").model(ids).logits, _model()(ids).logits)
+
+
+# ------------------------------------------------------------------------------------------------ --overwrite
+
+def _training_run(folder, seed=5):
+    m = _model(seed)
+    ckpt.save_checkpoint(folder, 10, m, model_config=config_to_dict(m.config), keep_last=None)
+    ckpt.save_checkpoint(folder, 20, m, model_config=config_to_dict(m.config), keep_last=None)
+    (folder / "metrics.jsonl").write_text('{"step": 10, "loss": 3.0}\n')
+    return m
+
+
+def test_overwrite_with_a_full_disk_keeps_the_old_checkpoints(hf_dir, tmp_path, monkeypatch):
+    """Before: the old checkpoints were deleted first; the failed write left a dangling `latest` and said
+    "no earlier checkpoint exists". After: the old run is as it was, and the message says so."""
+    out = tmp_path / "out"
+    old = _training_run(out)
+
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "_save_weights", full)
+    with pytest.raises(CheckpointError, match=r"the disk is full.*previous checkpoint .*step_0*20 is intact"):
+        import_hf(hf_dir, out, overwrite=True)
+    assert [p.name for p in ckpt.list_checkpoints(out)] == [ckpt.step_dir_name(10), ckpt.step_dir_name(20)]
+    ids = torch.randint(0, 64, (1, 5))
+    assert torch.equal(ckpt.load_checkpoint(out).model(ids).logits, old(ids).logits)
+    assert (out / "metrics.jsonl").exists()
+
+
+def test_overwrite_replaces_the_run_and_drops_its_metrics(hf_dir, tmp_path):
+    out = tmp_path / "out"
+    _training_run(out)
+    (out / "notes.txt").write_text("mine")
+    step = import_hf(hf_dir, out, overwrite=True)
+    assert [p.name for p in ckpt.list_checkpoints(out)] == [ckpt.step_dir_name(3)]
+    assert ckpt.find_latest_checkpoint(out) == step
+    assert not (out / "metrics.jsonl").exists() and (out / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_of_the_same_step(hf_dir, tmp_path):
+    out = tmp_path / "out"
+    import_hf(hf_dir, out)
+    assert import_hf(hf_dir, out, overwrite=True).name == ckpt.step_dir_name(3) and ckpt.has_checkpoint(out)
+
+
+def test_without_overwrite_an_occupied_run_is_refused(hf_dir, tmp_path):
+    out = tmp_path / "out"
+    _training_run(out)
+    with pytest.raises(CheckpointError, match="pass --overwrite"):
+        import_hf(hf_dir, out)
+    (tmp_path / "ran").mkdir()
+    (tmp_path / "ran" / "metrics.jsonl").write_text("")  # a run that saved nothing yet is a run too
+    with pytest.raises(CheckpointError, match="pass --overwrite"):
+        import_hf(hf_dir, tmp_path / "ran")
+
+
+@pytest.mark.parametrize("model_type", ["linattn", "gla"])
+def test_a_second_writer_is_refused_by_the_run_lock(hf_dir, tmp_path, capsys, model_type):
+    """Before: two simultaneous imports into one --out both said "wrote" and one silently won."""
+    if model_type != "linattn":  # the fla path takes the same lock before it reads a weight
+        cfg = json.loads((hf_dir / "config.json").read_text())
+        (hf_dir / "config.json").write_text(json.dumps({**cfg, "model_type": model_type}))
+    out = tmp_path / "out"
+    out.mkdir()
+    with RunLock(out):
+        with pytest.raises(RunFolderBusy, match="in use by another run"):
+            import_hf(hf_dir, out)
+        assert _cli_error(capsys, "--model", str(hf_dir), "--out", str(out))
+    assert not ckpt.has_checkpoint(out)
+
+
+def test_out_that_is_the_model_folder_or_a_file_is_refused(hf_dir, tmp_path, capsys):
+    before = sorted(p.name for p in hf_dir.iterdir())
+    line = _cli_error(capsys, "--model", str(hf_dir), "--out", str(hf_dir), "--overwrite")
+    assert "is the model folder" in line and sorted(p.name for p in hf_dir.iterdir()) == before
+    (tmp_path / "afile").write_text("x")
+    line = _cli_error(capsys, "--model", str(hf_dir), "--out", str(tmp_path / "afile"), "--overwrite")
+    assert "is a file" in line and (tmp_path / "afile").read_text() == "x"
