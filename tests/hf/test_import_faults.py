@@ -171,3 +171,34 @@ def test_out_that_is_the_model_folder_or_a_file_is_refused(hf_dir, tmp_path, cap
     (tmp_path / "afile").write_text("x")
     line = _cli_error(capsys, "--model", str(hf_dir), "--out", str(tmp_path / "afile"), "--overwrite")
     assert "is a file" in line and (tmp_path / "afile").read_text() == "x"
+
+
+def test_import_warnings_are_one_line_each(hf_dir, tmp_path, capsys, monkeypatch):
+    """Before: a warning of the import printed its Python source line in the CLI output."""
+    from linattn.hf import convert
+
+    real = convert.import_hf
+
+    def warning_import(*a, **k):
+        import warnings
+
+        warnings.warn("the tokenizer is left out", UserWarning, stacklevel=2)
+        return real(*a, **k)
+
+    monkeypatch.setattr(convert, "import_hf", warning_import)
+    assert cli_main(["import-hf", "--model", str(hf_dir), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "[linattn] warning: the tokenizer is left out" in err and "warnings.warn" not in err
+    assert "UserWarning" not in err, err
+
+
+@pytest.mark.parametrize("value", [0, -2, "4", True])
+def test_fla_sizes_must_be_positive_numbers(value):
+    """Before: num_heads 0 raised a raw ZeroDivisionError from the converters."""
+    from linattn.hf.fla import fla_to_linattn, supported_types
+
+    for model_type in supported_types():
+        cfg = {"model_type": model_type, "hidden_size": 32, "num_hidden_layers": 1, "vocab_size": 10,
+               "num_heads": value}
+        with pytest.raises(CheckpointError, match=r"num_heads must be a number > 0"):
+            fla_to_linattn(cfg, {})

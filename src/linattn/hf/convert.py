@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
@@ -203,8 +205,15 @@ def export_main(args) -> int:
 
 
 def import_main(args) -> int:
-    """`linattn import-hf --model HF_DIR --out DIR [--overwrite]` (a linattn or flash-linear-attention folder)."""
-    step_dir = import_hf(args.model, args.out, overwrite=args.overwrite)
+    """`linattn import-hf --model HF_DIR --out DIR [--overwrite]` (a linattn or flash-linear-attention folder).
+    The import's warnings are one `[linattn] warning:` line each on stderr (not Python's file:line form)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            step_dir = import_hf(args.model, args.out, overwrite=args.overwrite)
+        finally:
+            for w in seen:
+                print(f"[linattn] warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     print(f"[linattn] wrote {step_dir}")
     return 0
 

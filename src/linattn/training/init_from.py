@@ -74,6 +74,9 @@ def init_setup(cfg: TrainConfig, model_config, tokenizer: Optional[BPETokenizer]
     model_config (None: the checkpoint's) must agree with the checkpoint's outside FREE_MODEL_FIELDS and
     vocab_size (the tokenizer's); the free fields it sets are kept."""
     ck, base = checkpoint_model_config(cfg.init_from)
+    damaged = ckpt.weights_problem(ck, base)  # before the corpus is tokenised, not after
+    if damaged is not None:
+        raise CheckpointError(f"--init-from {ck}: {damaged}")
     if cfg.out is not None and Path(cfg.out).resolve() in Path(ck).resolve().parents:
         raise TrainError(f"--init-from {ck} lies in --out {cfg.out}: a new run there would replace it; pass "
                          f"another --out (or --resume to continue that run)")

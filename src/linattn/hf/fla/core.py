@@ -73,6 +73,10 @@ class FlaLayout:
 
 
 Converter = Callable[[Dict[str, Any], int, "LayerParams"], MixerConversion]
+#: config.json sizes the converters divide by or multiply with: when present (not None), numbers > 0
+POSITIVE_SIZES = ("hidden_size", "num_hidden_layers", "vocab_size", "num_heads", "num_kv_heads", "num_v_heads",
+                  "head_dim", "expand_k", "expand_v", "conv_size", "intermediate_size", "hidden_ratio", "state_size",
+                  "n_groups", "num_householder")
 _CONVERTERS: Dict[str, Tuple[Converter, FlaLayout]] = {}
 
 
@@ -258,7 +262,11 @@ def _layer_conversions(cfg: Dict[str, Any], weights: Dict[str, Tensor], convert:
     for i in range(int(cfg["num_hidden_layers"])):
         prefix = layout.layer.format(i=i) + layout.mixer
         p = LayerParams(prefix, {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
-        conv = _hybrid_attention(cfg, specs[i], i, p) if i in specs else convert(cfg, i, p)
+        try:
+            conv = _hybrid_attention(cfg, specs[i], i, p) if i in specs else convert(cfg, i, p)
+        except (ZeroDivisionError, TypeError, KeyError, AttributeError) as e:  # a config value of the wrong kind
+            raise CheckpointError(f"fla type {cfg.get('model_type')!r}, layer {i}: config.json does not fit the "
+                                  f"converter ({type(e).__name__}: {e})") from None
         if not isinstance(conv, MixerConversion):
             raise CheckpointError(f"the converter of fla type {cfg.get('model_type')!r} returned "
                                   f"{type(conv).__name__}, not a MixerConversion")
@@ -279,6 +287,10 @@ def fla_to_linattn(cfg: Dict[str, Any], weights: Dict[str, Tensor]) -> Tuple[LMC
     for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
         if not isinstance(cfg.get(key), int):
             raise CheckpointError(f"config.json of fla type {model_type!r}: {key} must be an int, got {cfg.get(key)!r}")
+    for key in POSITIVE_SIZES:  # (a 0 here was a ZeroDivisionError in the converters)
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise CheckpointError(f"config.json of fla type {model_type!r}: {key} must be a number > 0, got {v!r}")
     require(cfg.get("attnres_block_size") is None, cfg, "attention residuals (attnres_block_size)")
     require(cfg_get(cfg, "hidden_act", "swish") in ("swish", "silu") or layout.mlp is None, cfg,
             f"hidden_act {cfg.get('hidden_act')!r} (only swish)")
