@@ -202,3 +202,59 @@ def test_fla_sizes_must_be_positive_numbers(value):
                "num_heads": value}
         with pytest.raises(CheckpointError, match=r"num_heads must be a number > 0"):
             fla_to_linattn(cfg, {})
+
+
+# ------------------------------------------------------------------------------------------------ dtypes
+
+NON_FLOAT = [torch.int32, torch.bool, torch.complex64]
+
+
+@pytest.mark.parametrize("dtype", NON_FLOAT)
+def test_non_float_weights_are_refused_by_name(hf_dir, tmp_path, dtype):
+    """Before: int32, bool and complex tensors were cast to float without a word."""
+    _edit_weights(hf_dir, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(dtype)}))
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is .*not floating point"):
+        import_hf(hf_dir, tmp_path / "out")
+
+
+def test_fp8_weights_are_converted(hf_dir, tmp_path):
+    want = {}
+
+    def to_fp8(t):
+        t["model.norm.weight"] = t["model.norm.weight"].to(torch.float8_e4m3fn)
+        want["norm"] = t["model.norm.weight"].float()
+
+    _edit_weights(hf_dir, to_fp8)
+    import_hf(hf_dir, tmp_path / "out")
+    assert torch.equal(ckpt.load_checkpoint(tmp_path / "out").model.norm.weight, want["norm"])
+
+
+def _fla_folder(tmp_path):
+    pytest.importorskip("fla", reason="flash-linear-attention (the dev extra) builds the fla model")
+    from fla.models import TransformerConfig
+
+    from tests.fla_cpu import build_fla, fla_cpu
+
+    with fla_cpu():
+        model = build_fla(TransformerConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=50))
+        model.save_pretrained(tmp_path / "fla", safe_serialization=True)
+    return tmp_path / "fla"
+
+
+@pytest.mark.parametrize("dtype", NON_FLOAT + [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fla_weights_of_any_float_dtype_import_and_others_are_refused(tmp_path, dtype):
+    """Before: fp8 crashed with NotImplementedError; ints, bool and complex were cast silently."""
+    folder = _fla_folder(tmp_path)
+    name = "model.layers.0.attn.q_proj.weight"
+    _edit_weights(folder, lambda t: t.update({name: t[name].to(dtype)}))
+    if dtype in NON_FLOAT:
+        with pytest.raises(CheckpointError, match=rf"'{name}' is .*not floating point"):
+            import_hf(folder, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        return
+    import_hf(folder, tmp_path / "out")
+    from safetensors.torch import load_file
+
+    src = load_file(str(folder / "model.safetensors"))[name].float()
+    got = ckpt.load_checkpoint(tmp_path / "out").model.blocks[0].mixer.q_proj.weight
+    assert torch.equal(got.float(), src)

@@ -28,7 +28,7 @@ from ..errors import CheckpointError
 from ..io import TMP_PREFIX, give_default_modes, read_json, write_json
 from ..models.family import config_to_dict
 from ..models.lm import LanguageModel
-from .fla import import_fla, supported_types
+from .fla import import_fla, refuse_non_float, supported_types
 from .import_target import check_out, write_import
 from .modeling_linattn import LinattnForCausalLM
 
@@ -177,9 +177,25 @@ def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step:
     return write_import(hf_dir, out, overwrite, write)
 
 
+def _refuse_non_float_files(hf_dir: Path) -> None:
+    """transformers casts an int / bool / complex tensor into a float parameter without a word: refuse it."""
+    from safetensors import safe_open
+
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as fh:
+                for name in fh.keys():
+                    refuse_non_float(name, fh.get_slice(name).get_dtype(), hf_dir)
+        except CheckpointError:
+            raise
+        except Exception:  # an unreadable file: from_pretrained says why
+            return
+
+
 def _load_strictly(hf_dir: Path) -> LinattnForCausalLM:
     """The saved LinattnForCausalLM, every parameter read from the folder: transformers fills a tensor the files
     lack with whatever it initialises (or leaves in memory), and skips a tensor the model lacks, so both refuse."""
+    _refuse_non_float_files(hf_dir)
     try:
         hf, info = LinattnForCausalLM.from_pretrained(hf_dir, output_loading_info=True, ignore_mismatched_sizes=True)
     except Exception as e:  # OSError, ValueError, safetensors' errors on a truncated file, a shape mismatch

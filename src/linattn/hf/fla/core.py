@@ -238,7 +238,20 @@ def read_fla_weights(folder: PathLike) -> Dict[str, Tensor]:
             out.update(load_file(str(f), device="cpu"))
         except Exception as e:  # OSError, or safetensors' own errors on a corrupt file
             raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+    for name, t in out.items():
+        refuse_non_float(name, t.dtype, folder)
+        if t.dtype.itemsize == 1:  # fp8 (e4m3, e5m2, ...): few of torch's ops take it; float32 holds it exactly
+            out[name] = t.to(torch.float32)
     return out
+
+
+def refuse_non_float(name: str, dtype: Any, folder: Path) -> None:
+    """A CheckpointError naming a weight that is not floating point (ints, bool, complex: casting them to float
+    would import something that was never a weight). `dtype`: a torch dtype or safetensors' name of one."""
+    ok = dtype.is_floating_point if isinstance(dtype, torch.dtype) else str(dtype).startswith(("F", "BF"))
+    if not ok:
+        raise CheckpointError(f"{folder}: the tensor {name!r} is {str(dtype).replace('torch.', '')}, not floating "
+                              f"point; weights must be float tensors (fp64 ... fp8)")
 
 
 def _take(weights: Dict[str, Tensor], used: set, name: str) -> Tensor:
@@ -433,4 +446,4 @@ def _fla_tokenizer(folder: Path):
 
 __all__ = ["MixerConversion", "FlaLayout", "LayerParams", "register_fla", "supported_types", "is_fla_folder",
            "import_fla", "fla_to_linattn", "read_fla_weights", "convert_attention", "attention_specs", "cfg_get",
-           "require", "ATTENTION_MIXER"]
+           "require", "refuse_non_float", "ATTENTION_MIXER"]
