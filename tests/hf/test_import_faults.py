@@ -258,3 +258,87 @@ def test_fla_weights_of_any_float_dtype_import_and_others_are_refused(tmp_path, 
     src = load_file(str(folder / "model.safetensors"))[name].float()
     got = ckpt.load_checkpoint(tmp_path / "out").model.blocks[0].mixer.q_proj.weight
     assert torch.equal(got.float(), src)
+
+
+# ------------------------------------------------------------------------------------------------ tokenizers
+
+TEXT = ["def add(x, y):\n    return x + y\n", "class Point:\n    x = 0\n    y = 0\n",
+        "the quick brown fox jumps over the lazy dog\n"] * 40
+
+
+def _wide_hf_dir(tmp_path, vocab=160):
+    m = LanguageModel(LMConfig(vocab_size=vocab, d_model=32, n_layers=1, n_heads=2, mixer="gated-deltanet")).eval()
+    ckpt.save_checkpoint(tmp_path / "run", 1, m, model_config=config_to_dict(m.config))
+    return export_hf(tmp_path / "run", tmp_path / "hf")
+
+
+def _llama_style_tokenizer_json(path, vocab=120, added=0):
+    """A Llama-style tokenizer.json built offline: BPE over Metaspace pieces, <unk> <s> </s> as special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.add_tokens([f"<extra_{i}>" for i in range(added)])
+    tok.save(str(path))
+    return Tokenizer.from_file(str(path))
+
+
+def _sentencepiece_model(folder):
+    spm = pytest.importorskip("sentencepiece", reason="a SentencePiece tokenizer.model needs sentencepiece")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT), model_prefix=str(folder / "tokenizer"),
+                                   vocab_size=90, model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                   minloglevel=2)
+    (folder / "tokenizer.vocab").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "eos_token": "</s>", "bos_token": "<s>", "unk_token": "<unk>"}))
+
+
+def _generates(capsys, out):
+    assert cli_main(["generate", "--checkpoint", str(out), "--prompt", "def add", "--max-new-tokens", "4",
+                     "--temperature", "0", "--json", "--threads", "1"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_llama_style_tokenizer_json_comes_along(tmp_path, capsys):
+    """Before: a tokenizer without <|endoftext|> was dropped, and generate then refused the checkpoint."""
+    hf = _wide_hf_dir(tmp_path)
+    want = _llama_style_tokenizer_json(hf / "tokenizer.json")
+    import_hf(hf, tmp_path / "out")
+    tok = ckpt.load_checkpoint(tmp_path / "out").tokenizer
+    assert tok.eos_token == "</s>" and tok.eos_id == want.token_to_id("</s>")
+    assert tok.encode("def add(x, y)") == want.encode("def add(x, y)", add_special_tokens=False).ids
+    assert _generates(capsys, tmp_path / "out")
+
+
+def test_sentencepiece_tokenizer_model_comes_along(tmp_path, capsys):
+    hf = _wide_hf_dir(tmp_path)
+    (hf / "tokenizer.json").unlink(missing_ok=True)  # the export of a checkpoint without one has none
+    _sentencepiece_model(hf)
+    import_hf(hf, tmp_path / "out")
+    tok = ckpt.load_checkpoint(tmp_path / "out").tokenizer
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(hf))
+    text = "class Point: x = 0"
+    assert tok.eos_token == "</s>" and tok.eos_id == ref.eos_token_id
+    assert tok.encode(text) == ref(text, add_special_tokens=False)["input_ids"]
+    assert _generates(capsys, tmp_path / "out")
+
+
+def test_explicit_tokenizer_and_its_refusals(tmp_path, capsys):
+    hf = _wide_hf_dir(tmp_path)
+    (hf / "tokenizer.json").unlink(missing_ok=True)  # the export of a checkpoint without one has none
+    elsewhere = tmp_path / "tok" / "tokenizer.json"
+    elsewhere.parent.mkdir()
+    want = _llama_style_tokenizer_json(elsewhere)
+    assert cli_main(["import-hf", "--model", str(hf), "--out", str(tmp_path / "out"), "--tokenizer",
+                     str(elsewhere)]) == 0
+    assert ckpt.load_checkpoint(tmp_path / "out").tokenizer.encode("fox") == want.encode("fox").ids
+    line = _cli_error(capsys, "--model", str(hf), "--out", str(tmp_path / "o2"), "--tokenizer", str(tmp_path / "no"))
+    assert "--tokenizer" in line and "not found" in line
+    big = tmp_path / "big.json"
+    assert _llama_style_tokenizer_json(big, added=100).get_vocab_size() > 160  # more tokens than the model's
+    line = _cli_error(capsys, "--model", str(hf), "--out", str(tmp_path / "o3"), "--tokenizer", str(big))
+    assert "tokens, the model's vocabulary 160" in line and not (tmp_path / "o3").exists()

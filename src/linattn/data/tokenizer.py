@@ -33,6 +33,9 @@ from ..signals import StopFlag
 from .sources import segments
 
 EOS_TOKEN = "<|endoftext|>"
+#: the end-of-text tokens a loaded tokenizer may use, the first one it has wins: linattn's own, then those of the
+#: Llama / Mistral (SentencePiece), Llama 3 and Gemma families, which fla's published checkpoints use
+END_OF_TEXT_TOKENS = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 SPECIAL_TOKENS = (EOS_TOKEN,)
 TOKENIZER_FILE = "tokenizer.json"
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
@@ -48,10 +51,11 @@ class BPETokenizer:
 
     def __init__(self, tokenizer):
         self._tok = tokenizer
-        eos = tokenizer.token_to_id(EOS_TOKEN)
-        if eos is None:
-            raise TokenizerError(f"the tokenizer has no {EOS_TOKEN} token; train it with linattn or add one")
-        self.eos_id: int = int(eos)
+        self.eos_token: str = next((t for t in END_OF_TEXT_TOKENS if tokenizer.token_to_id(t) is not None), "")
+        if not self.eos_token:
+            raise TokenizerError(f"the tokenizer has no end-of-text token (one of {', '.join(END_OF_TEXT_TOKENS)}); "
+                                 f"train it with linattn or add one")
+        self.eos_id: int = int(tokenizer.token_to_id(self.eos_token))
 
     @property
     def vocab_size(self) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from .. import checkpoint as ckpt
-from ..data.tokenizer import EOS_TOKEN, BPETokenizer, TokenizerError, load_tokenizer
+from ..data.tokenizer import BPETokenizer, TokenizerError
 from ..errors import CheckpointError
 from ..io import TMP_PREFIX, give_default_modes, read_json, write_json
 from ..models.family import config_to_dict
@@ -31,12 +31,13 @@ from ..models.lm import LanguageModel
 from .fla import import_fla, refuse_non_float, supported_types
 from .import_target import check_out, write_import
 from .modeling_linattn import LinattnForCausalLM
+from .tokenizer_import import import_tokenizer
 
 PathLike = Union[str, os.PathLike]
 
 
 def hf_tokenizer(tokenizer: BPETokenizer):
-    """linattn's byte-level BPE as a transformers fast tokenizer (eos = bos = pad = <|endoftext|>).
+    """linattn's tokenizer as a transformers fast tokenizer (eos = bos = pad = its end-of-text token).
 
     Args:
         tokenizer: The linattn tokenizer.
@@ -46,8 +47,9 @@ def hf_tokenizer(tokenizer: BPETokenizer):
     """
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
-                                   pad_token=EOS_TOKEN, padding_side="left", clean_up_tokenization_spaces=False)
+    eos = tokenizer.eos_token
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, eos_token=eos, bos_token=eos,
+                                   pad_token=eos, padding_side="left", clean_up_tokenization_spaces=False)
 
 
 def _plain_tokenizer_config(folder: Path) -> None:
@@ -125,7 +127,8 @@ def export_hf(checkpoint: PathLike, out: PathLike, *, overwrite: bool = False,
     return out
 
 
-def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step: Optional[int] = None) -> Path:
+def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step: Optional[int] = None,
+              tokenizer: Optional[PathLike] = None) -> Path:
     """Write a transformers folder as a linattn checkpoint (weights, model config, tokenizer; no training state).
 
     The folder `hf_dir` holds a LinattnForCausalLM. A flash-linear-attention model folder (config.json's
@@ -137,6 +140,8 @@ def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step:
         out: The linattn run folder to write into.
         overwrite: Replace the checkpoints `out` already holds.
         step: The step number the checkpoint is written as (None: the step export_hf recorded, or 0).
+        tokenizer: The tokenizer to keep (a folder, tokenizer.json or tokenizer.model; None: the folder's own, see
+            `tokenizer_import`).
 
     Returns:
         The step folder.
@@ -152,7 +157,7 @@ def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step:
     cfg = read_json(hf_dir / "config.json")
     model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
     if model_type in supported_types():
-        return import_fla(hf_dir, out, overwrite=overwrite, step=step or 0)
+        return import_fla(hf_dir, out, overwrite=overwrite, step=step or 0, tokenizer=tokenizer)
     ours = LinattnForCausalLM.config_class.model_type
     if model_type != ours:
         what = "no model_type" if model_type is None else f"unsupported model_type {model_type!r}"
@@ -162,15 +167,13 @@ def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step:
 
     def write(run: Path) -> Path:
         hf = _load_strictly(hf_dir)
-        tokenizer = None
-        if (hf_dir / "tokenizer.json").is_file():
-            try:
-                tokenizer = load_tokenizer(hf_dir)
-            except TokenizerError as e:
-                raise CheckpointError(str(e)) from None
         model = hf.to_linattn()
+        try:
+            tok = import_tokenizer(hf_dir, model.config.vocab_size, tokenizer)
+        except TokenizerError as e:
+            raise CheckpointError(str(e)) from None
         s = int(step if step is not None else getattr(hf.config, "linattn_step", 0) or 0)
-        return ckpt.save_checkpoint(run, s, model, model_config=config_to_dict(model.config), tokenizer=tokenizer,
+        return ckpt.save_checkpoint(run, s, model, model_config=config_to_dict(model.config), tokenizer=tok,
                                     extra={"imported_from": str(hf_dir), "n_params": model.num_parameters()},
                                     keep_last=None)
 
@@ -221,12 +224,13 @@ def export_main(args) -> int:
 
 
 def import_main(args) -> int:
-    """`linattn import-hf --model HF_DIR --out DIR [--overwrite]` (a linattn or flash-linear-attention folder).
+    """`linattn import-hf --model HF_DIR --out DIR [--overwrite] [--tokenizer PATH]` (a linattn or fla folder).
     The import's warnings are one `[linattn] warning:` line each on stderr (not Python's file:line form)."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         try:
-            step_dir = import_hf(args.model, args.out, overwrite=args.overwrite)
+            step_dir = import_hf(args.model, args.out, overwrite=args.overwrite,
+                                 tokenizer=getattr(args, "tokenizer", None))
         finally:
             for w in seen:
                 print(f"[linattn] warning: {' '.join(str(w.message).split())}", file=sys.stderr)

@@ -390,18 +390,22 @@ def _check_state(config: LMConfig, state: Dict[str, Tensor]) -> None:
                                   f"model needs {tuple(t.shape)}")
 
 
-def import_fla(folder: PathLike, out: PathLike, *, overwrite: bool = False, step: int = 0) -> Path:
+def import_fla(folder: PathLike, out: PathLike, *, overwrite: bool = False, step: int = 0,
+               tokenizer: Optional[PathLike] = None) -> Path:
     """Write a flash-linear-attention model folder as a linattn checkpoint in the run folder `out`.
 
     The folder holds config.json with a supported `model_type` (`supported_types()`), safetensors weights, and
-    optionally tokenizer.json. A tokenizer.json linattn cannot read is left out with a warning. The weights keep
-    their dtype (an fp64 fla model gives an fp64 checkpoint).
+    optionally a tokenizer (tokenizer.json, or a SentencePiece tokenizer.model). The folder's tokenizer linattn
+    cannot use is left out with a warning. The weights keep their dtype (an fp64 fla model gives an fp64
+    checkpoint; fp8 becomes fp32).
 
     Args:
         folder: The fla model folder.
         out: The linattn run folder to write into.
         overwrite: Replace the checkpoints `out` already holds.
         step: The step number of the checkpoint.
+        tokenizer: The tokenizer to keep (a folder, tokenizer.json or tokenizer.model; None: the folder's own, see
+            `linattn.hf.tokenizer_import`).
 
     Returns:
         The step folder.
@@ -418,30 +422,30 @@ def import_fla(folder: PathLike, out: PathLike, *, overwrite: bool = False, step
     check_out(folder, out, overwrite)
 
     def write(run: Path) -> Path:
+        tok = _fla_tokenizer(folder, int(cfg["vocab_size"]) if isinstance(cfg.get("vocab_size"), int) else 0,
+                             tokenizer)
         config, state = fla_to_linattn(cfg, read_fla_weights(folder))
-        tokenizer = _fla_tokenizer(folder)
         n_params = sum(t.numel() for t in state.values())
         return ckpt.save_checkpoint(run, int(step), None, state_dict={k: v.contiguous() for k, v in state.items()},
-                                    model_config=config_to_dict(config), tokenizer=tokenizer, keep_last=None,
+                                    model_config=config_to_dict(config), tokenizer=tok, keep_last=None,
                                     extra={"imported_from": str(folder), "fla_model_type": cfg["model_type"],
                                            "n_params": n_params})
 
     return write_import(folder, out, overwrite, write)
 
 
-def _fla_tokenizer(folder: Path):
-    """The folder's tokenizer.json when linattn can read it, else None with a warning."""
-    if not (folder / "tokenizer.json").is_file():
-        return None
-    from ...data.tokenizer import TokenizerError, load_tokenizer
+def _fla_tokenizer(folder: Path, vocab_size: int, explicit: Optional[PathLike]):
+    """`import_tokenizer`'s; the folder's own tokenizer that linattn cannot use is left out with a warning."""
+    from ...data.tokenizer import TokenizerError
+    from ..tokenizer_import import import_tokenizer
 
     try:
-        return load_tokenizer(folder)
+        return import_tokenizer(folder, vocab_size, explicit)
     except TokenizerError as e:
-        # the weights are what is imported; a tokenizer linattn cannot use (e.g. one without <|endoftext|>)
+        # the weights are what is imported; a tokenizer linattn cannot use (e.g. one without an end-of-text token)
         # leaves the checkpoint without one, said out loud
-        warnings.warn(f"{e}: the checkpoint is written without a tokenizer (linattn reads byte-level BPE "
-                      f"tokenizer.json files with an <|endoftext|> token)", UserWarning, stacklevel=3)
+        warnings.warn(f"{e}: the checkpoint is written without a tokenizer (pass one with --tokenizer)",
+                      UserWarning, stacklevel=3)
         return None
 
 __all__ = ["MixerConversion", "FlaLayout", "LayerParams", "register_fla", "supported_types", "is_fla_folder",
