@@ -342,3 +342,27 @@ def test_explicit_tokenizer_and_its_refusals(tmp_path, capsys):
     assert _llama_style_tokenizer_json(big, added=100).get_vocab_size() > 160  # more tokens than the model's
     line = _cli_error(capsys, "--model", str(hf), "--out", str(tmp_path / "o3"), "--tokenizer", str(big))
     assert "tokens, the model's vocabulary 160" in line and not (tmp_path / "o3").exists()
+
+
+def test_generate_and_eval_take_an_explicit_tokenizer(tmp_path, capsys):
+    """A checkpoint imported without a tokenizer: generate and eval take one with --tokenizer (refused when larger
+    than the model's vocabulary, one line)."""
+    hf = _wide_hf_dir(tmp_path)
+    (hf / "tokenizer.json").unlink(missing_ok=True)
+    import_hf(hf, tmp_path / "out")
+    assert ckpt.load_checkpoint(tmp_path / "out").tokenizer is None
+    tok_file = tmp_path / "tok.json"
+    _llama_style_tokenizer_json(tok_file)
+    assert cli_main(["generate", "--checkpoint", str(tmp_path / "out"), "--tokenizer", str(tok_file), "--prompt",
+                     "def", "--max-new-tokens", "3", "--temperature", "0", "--json", "--threads", "1"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == 3
+    data = tmp_path / "text.txt"
+    data.write_text("".join(TEXT))
+    assert cli_main(["eval", "--checkpoint", str(tmp_path / "out"), "--tokenizer", str(tok_file), "--data", str(data),
+                     "--seq-len", "16", "--max-batches", "1", "--json", "--threads", "1"]) == 0
+    capsys.readouterr()
+    big = tmp_path / "big.json"
+    _llama_style_tokenizer_json(big, added=100)
+    for cmd in (["generate", "--prompt", "x"], ["eval", "--data", str(data), "--seq-len", "16"]):
+        assert cli_main([*cmd, "--checkpoint", str(tmp_path / "out"), "--tokenizer", str(big)]) == 2
+        assert "the model's vocabulary 160" in error_line(capsys)

@@ -24,9 +24,9 @@ def _never_tokenise(monkeypatch):
     monkeypatch.setattr(loop, "prepare_data", lambda *a, **k: pytest.fail("the corpus was tokenised first"))
 
 
-def _init_from(corpus, out, source):
+def _init_from(corpus, out, source, *extra):
     return main(["train", "--data", str(corpus), "--out", str(out), "--init-from", str(source), "--steps", "1",
-                 "--seq-len", "16", "--batch-size", "2", "--threads", "1", "--no-progress"])
+                 "--seq-len", "16", "--batch-size", "2", "--threads", "1", "--no-progress", *extra])
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "other_model"])
@@ -51,3 +51,14 @@ def test_damaged_weights_fail_before_the_corpus_is_tokenised(source, corpus, tmp
 def test_sound_weights_pass_the_check(source):
     assert ckpt.weights_problem(source, ckpt.model_config_from_dict(ckpt.read_checkpoint_config(source)["model"])) \
         is None
+
+
+def test_init_from_takes_an_explicit_tokenizer_of_the_same_vocabulary(source, corpus, tmp_path, capsys, monkeypatch):
+    tok_file = tmp_path / "tok.json"
+    ckpt.load_checkpoint(source).tokenizer.save(tok_file)
+    assert _init_from(corpus, tmp_path / "ft", source, "--tokenizer", str(tok_file)) == 0
+    other = tmp_path / "other.json"
+    train_tokenizer(["x = 1\n" * 30], vocab_size=258).save(other)
+    _never_tokenise(monkeypatch)
+    assert _init_from(corpus, tmp_path / "ft2", source, "--tokenizer", str(other)) == 2
+    assert "needs a tokenizer of the same vocabulary" in capsys.readouterr().err

@@ -88,6 +88,13 @@ class BPETokenizer:
         atomic_write_text(path, self.to_str())
         return path
 
+    def check_fits(self, vocab_size: int, source: str) -> None:
+        """Refuse (TokenizerError naming `source`) a tokenizer with more tokens than a model's vocabulary: its ids
+        beyond the vocabulary would index past the embedding."""
+        if self.vocab_size > vocab_size:
+            raise TokenizerError(f"{source}: the tokenizer has {self.vocab_size} tokens, the model's vocabulary "
+                                 f"{vocab_size}: its ids beyond {vocab_size - 1} would index past the embedding")
+
     def __len__(self) -> int:
         return self.vocab_size
 
@@ -194,3 +201,17 @@ def load_tokenizer(path: Union[str, os.PathLike]) -> BPETokenizer:
         return tokenizer_from_str(text)
     except TokenizerError as e:
         raise TokenizerError(f"{p}: {e}") from None
+
+
+def tokenizer_for_model(path: Union[str, os.PathLike], vocab_size: int, flag: str = "--tokenizer") -> BPETokenizer:
+    """`--tokenizer PATH` of a command on a model with `vocab_size` tokens: `load_tokenizer(path)`, refused (a
+    TokenizerError naming the flag) when missing, unusable or larger than the vocabulary."""
+    p = Path(path)
+    if not p.exists():
+        raise TokenizerError(f"{flag} {p}: not found")
+    try:
+        tok = load_tokenizer(p)
+    except TokenizerError as e:
+        raise TokenizerError(f"{flag} {p}: {e}") from None
+    tok.check_fits(vocab_size, f"{flag} {p}")
+    return tok

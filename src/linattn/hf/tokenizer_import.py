@@ -90,10 +90,11 @@ def import_tokenizer(model_dir: PathLike, vocab_size: int,
             raise CheckpointError(f"--tokenizer {source}: holds no {TOKENIZER_FILE} or {SENTENCEPIECE_FILE}")
     else:
         tok = find_tokenizer(Path(model_dir))
-    if tok is not None and tok.vocab_size > vocab_size:
-        raise CheckpointError(f"the tokenizer has {tok.vocab_size} tokens, the model's vocabulary {vocab_size}: its "
-                              f"ids beyond {vocab_size - 1} would index past the embedding; pass the model's own "
-                              f"tokenizer with --tokenizer")
+    if tok is not None:
+        try:
+            tok.check_fits(vocab_size, str(explicit or model_dir))
+        except TokenizerError as e:  # not the fla import's warning: this one is refused
+            raise CheckpointError(f"{e}; pass the model's own tokenizer with --tokenizer") from None
     return tok
 
 
