@@ -297,12 +297,11 @@ def layers_layout(layers: List[Dict[str, LayerCache]]) -> List[Dict[str, Dict[st
             for d in layers]
 
 
-def model_layout(blocks: Iterable[torch.nn.Module]) -> Tuple[str, ...]:
-    """One line per block: its modules' classes and its parameters' shapes and dtypes, which the decoding states'
-    shapes and meaning follow (`LanguageModel.new_cache` gives it to the cache; snapshots carry it)."""
-    return tuple(" ".join(type(m).__name__ for _, m in b.named_modules()) + " | "
-                 + " ".join(f"{n}{tuple(p.shape)}{str(p.dtype)[6:]}" for n, p in b.named_parameters())
-                 for b in blocks)
+def model_layout(config: Any, dtype: torch.dtype) -> Tuple[Tuple[str, str], ...]:
+    """What a model's decoding states follow, cheaply (once per `LanguageModel.new_cache`): its config's fields and
+    its parameters' dtype, as sorted (name, repr) pairs. Snapshots carry it; `restore` compares."""
+    fields = vars(config) if hasattr(config, "__dict__") else {"config": config}
+    return tuple(sorted((str(k), repr(v)) for k, v in fields.items())) + (("dtype", str(dtype)),)
 
 
 class CacheSnapshot:
@@ -359,7 +358,7 @@ class Cache:
     #: (layers/fast_decode.ModelPending, with `apply(cache)`): reading `layers` applies them first, so every reader
     #: sees the entries as if they were written token by token; never state of its own (a copy copies it along)
     pending: Any = None
-    #: `model_layout(model.blocks)` of the model that made the cache (`LanguageModel.new_cache`), None when unknown:
+    #: `model_layout(config, dtype)` of the model that made the cache (`LanguageModel.new_cache`), None when unknown:
     #: `restore` refuses a snapshot of another model
     model_layout: Optional[Tuple[str, ...]] = None
 
@@ -510,9 +509,10 @@ class Cache:
     def _check_same_model(self, snap: CacheSnapshot) -> None:
         mine = getattr(self, "model_layout", None)
         if mine is not None and snap.model_layout is not None and tuple(mine) != tuple(snap.model_layout):
-            i = next((i for i, (a, b) in enumerate(zip(mine, snap.model_layout)) if a != b), 0)
-            raise LinattnError(f"the snapshot comes from another model: its block {i} is {snap.model_layout[i]!r}, "
-                               f"this cache's model has {mine[i]!r}")
+            here, there = dict(mine), dict(snap.model_layout)
+            diff = [k for k in sorted(set(here) | set(there)) if here.get(k) != there.get(k)]
+            raise LinattnError("the snapshot comes from another model: " + "; ".join(
+                f"its {k} is {there.get(k, 'unset')}, this cache's model's {here.get(k, 'unset')}" for k in diff[:4]))
         live = self.layers
         batch = _batch_of(live)
         if batch is not None and snap.batch is not None and batch != snap.batch:

@@ -305,7 +305,7 @@ class LanguageModel(nn.Module, CausalLM):
             if isinstance(fused, FusedParams):
                 fused.clear()
         cache = Cache(self.config.n_layers, rollback=rollback)
-        cache.model_layout = model_layout(self.blocks)  # restore() refuses another model's snapshot
+        cache.model_layout = model_layout(self.config, self.embed.weight.dtype)  # for restore()'s check
         return cache
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
