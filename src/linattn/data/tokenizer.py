@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Iterable, Iterator, List, Sequence, Union
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Union
 
 from ..errors import DataError
 from ..signals import StopFlag
@@ -203,15 +203,19 @@ def load_tokenizer(path: Union[str, os.PathLike]) -> BPETokenizer:
         raise TokenizerError(f"{p}: {e}") from None
 
 
-def tokenizer_for_model(path: Union[str, os.PathLike], vocab_size: int, flag: str = "--tokenizer") -> BPETokenizer:
-    """`--tokenizer PATH` of a command on a model with `vocab_size` tokens: `load_tokenizer(path)`, refused (a
-    TokenizerError naming the flag) when missing, unusable or larger than the vocabulary."""
+def tokenizer_for_model(path: Union[str, os.PathLike], vocab_size: int, flag: str = "--tokenizer",
+                        reader: Optional[Callable[[Path], Optional[BPETokenizer]]] = None) -> BPETokenizer:
+    """`--tokenizer PATH` of a command on a model with `vocab_size` tokens: `reader(path)` (default
+    `load_tokenizer`), refused (a TokenizerError naming the flag) when missing, unusable, absent (the reader gave
+    None) or larger than the vocabulary."""
     p = Path(path)
     if not p.exists():
         raise TokenizerError(f"{flag} {p}: not found")
     try:
-        tok = load_tokenizer(p)
+        tok = (reader or load_tokenizer)(p)
     except TokenizerError as e:
         raise TokenizerError(f"{flag} {p}: {e}") from None
+    if tok is None:
+        raise TokenizerError(f"{flag} {p}: holds no tokenizer")
     tok.check_fits(vocab_size, f"{flag} {p}")
     return tok

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, TokenizerError, tokenizer_from_str
+from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, TokenizerError, tokenizer_for_model, tokenizer_from_str
 from ..errors import CheckpointError
 
 PathLike = Union[str, os.PathLike]
@@ -79,20 +79,14 @@ def import_tokenizer(model_dir: PathLike, vocab_size: int,
             or one larger than the model's vocabulary.
     """
     if explicit is not None:
-        source = Path(explicit)
-        if not source.exists():
-            raise CheckpointError(f"--tokenizer {source}: not found")
         try:
-            tok = find_tokenizer(source)
-        except TokenizerError as e:
-            raise CheckpointError(f"--tokenizer {source}: {e}") from None
-        if tok is None:
-            raise CheckpointError(f"--tokenizer {source}: holds no {TOKENIZER_FILE} or {SENTENCEPIECE_FILE}")
-    else:
-        tok = find_tokenizer(Path(model_dir))
+            return tokenizer_for_model(explicit, vocab_size, reader=find_tokenizer)
+        except TokenizerError as e:  # an explicit one is required to be usable
+            raise CheckpointError(str(e)) from None
+    tok = find_tokenizer(Path(model_dir))
     if tok is not None:
         try:
-            tok.check_fits(vocab_size, str(explicit or model_dir))
+            tok.check_fits(vocab_size, str(model_dir))
         except TokenizerError as e:  # not the fla import's warning: this one is refused
             raise CheckpointError(f"{e}; pass the model's own tokenizer with --tokenizer") from None
     return tok
