@@ -366,3 +366,41 @@ def test_generate_and_eval_take_an_explicit_tokenizer(tmp_path, capsys):
     for cmd in (["generate", "--prompt", "x"], ["eval", "--data", str(data), "--seq-len", "16"]):
         assert cli_main([*cmd, "--checkpoint", str(tmp_path / "out"), "--tokenizer", str(big)]) == 2
         assert "the model's vocabulary 160" in error_line(capsys)
+
+
+def test_kill_during_an_overwrite_keeps_the_old_run(hf_dir, tmp_path):
+    """kill -9 while the new weights are written: the old checkpoints, `latest` and the metrics are as they were, and
+    the next import (the dead one's lock is free) replaces them."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    old = _training_run(out)
+    code = ("import sys, time\n"
+            "from linattn import checkpoint as ckpt\n"
+            "from linattn.hf.convert import import_hf\n"
+            "real = ckpt._save_weights\n"
+            "def slow(path, *a, **k):\n"
+            "    real(path, *a, **k)\n"
+            "    print('writing', flush=True)\n"
+            "    time.sleep(120)\n"
+            "ckpt._save_weights = slow\n"
+            "import_hf(sys.argv[1], sys.argv[2], overwrite=True)\n")
+    import linattn
+
+    env = dict(os.environ, PYTHONPATH=str(Path(linattn.__file__).resolve().parents[1]))  # the linattn under test
+    proc = subprocess.Popen([sys.executable, "-c", code, str(hf_dir), str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert [p.name for p in ckpt.list_checkpoints(out)] == [ckpt.step_dir_name(10), ckpt.step_dir_name(20)]
+    ids = torch.randint(0, 64, (1, 5))
+    assert torch.equal(ckpt.load_checkpoint(out).model(ids).logits, old(ids).logits)
+    assert (out / "metrics.jsonl").exists()
+    assert import_hf(hf_dir, out, overwrite=True).name == ckpt.step_dir_name(3)
+    assert [p.name for p in ckpt.list_checkpoints(out)] == [ckpt.step_dir_name(3)]
