@@ -422,9 +422,8 @@ def import_fla(folder: PathLike, out: PathLike, *, overwrite: bool = False, step
     check_out(folder, out, overwrite)
 
     def write(run: Path) -> Path:
-        tok = _fla_tokenizer(folder, int(cfg["vocab_size"]) if isinstance(cfg.get("vocab_size"), int) else 0,
-                             tokenizer)
         config, state = fla_to_linattn(cfg, read_fla_weights(folder))
+        tok = _fla_tokenizer(folder, config.vocab_size, tokenizer)
         n_params = sum(t.numel() for t in state.values())
         return ckpt.save_checkpoint(run, int(step), None, state_dict={k: v.contiguous() for k, v in state.items()},
                                     model_config=config_to_dict(config), tokenizer=tok, keep_last=None,
