@@ -569,6 +569,45 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: PathLike, device: Union
         raise CheckpointError(f"weights in {f} are not finite (NaN or inf in {_few(bad)})")
 
 
+def weights_problem(ckpt_dir: PathLike, model_config) -> Optional[str]:
+    """Why `model.safetensors` of `ckpt_dir` cannot fill the model of `model_config`, found without loading it
+    (its header against the file's size and the model's tensor names and shapes, the model built on the meta
+    device), or None. What it cannot see: the values themselves (`load_model_weights` checks them)."""
+    f = Path(ckpt_dir) / MODEL_FILE
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            size = os.fstat(fh.fileno()).st_size
+            if not 0 < n <= size - 8:
+                return f"{f} is not a safetensors file (header of {n} bytes in a file of {size})"
+            header = json.loads(fh.read(n))
+    except OSError as e:
+        return f"{f} cannot be read ({e.strerror or e})"
+    except (ValueError, UnicodeDecodeError):
+        return f"{f} has a damaged header"
+    try:
+        tensors = {k: (tuple(v["shape"]), int(v["data_offsets"][1])) for k, v in header.items() if k != "__metadata__"}
+    except (TypeError, KeyError, ValueError, IndexError, AttributeError):
+        return f"{f} has a damaged header"
+    end = 8 + n + max((e for _, e in tensors.values()), default=0)
+    if size < end:
+        return f"{f} is truncated ({size} bytes, its header describes {end})"
+    with torch.device("meta"):
+        state = family.build_model(model_config).state_dict(keep_vars=True)
+    want = {k: tuple(t.shape) for k, t in state.items()}
+    aliases: Dict[int, List[str]] = {}  # a tensor shared under several names (tied weights) is stored once
+    for k, t in state.items():
+        aliases.setdefault(id(t), []).append(k)
+    missing = sorted(names[0] for names in aliases.values() if not any(k in tensors for k in names))
+    extra = sorted(set(tensors) - set(want))
+    if missing or extra:
+        return f"{f} does not fit the model config: missing {_few(missing)}; unexpected {_few(extra)}"
+    wrong = [k for k in want if k in tensors and tensors[k][0] != want[k]]
+    if wrong:
+        return f"{f} holds {wrong[0]} of shape {tensors[wrong[0]][0]}, the model needs {want[wrong[0]]}"
+    return None
+
+
 def recorded_architecture(ckpt_dir: PathLike) -> Optional[Dict[str, Any]]:
     """The architecture recorded in the weights' metadata (`ARCH_KEY`), or None (older checkpoints)."""
     from safetensors import safe_open

@@ -119,7 +119,7 @@ COMMANDS.append(cmd_serve)
 
 
 # export-hf / import-hf: Hugging Face transformers folders (linattn.hf, needs the `hf` extra).
-def _hf_command(sub, name: str, help: str, source_flag: str, source_help: str, out_help: str, entry: str) -> None:
+def _hf_command(sub, name: str, help: str, source_flag: str, source_help: str, out_help: str, entry: str):
     p = sub.add_parser(name, help=help, description=help + " (needs `pip install linattn[hf]`)")
     p.add_argument(source_flag, required=True, help=source_help)
     p.add_argument("--out", required=True, help=out_help)
@@ -139,6 +139,7 @@ def _hf_command(sub, name: str, help: str, source_flag: str, source_help: str, o
             return report_error(_one_line(e), f"{PROG} {name}")
 
     p.set_defaults(run=run)
+    return p
 
 
 def cmd_export_hf(sub) -> None:
@@ -153,7 +154,9 @@ def cmd_import_hf(sub) -> None:
                 "model folder, as a linattn checkpoint",
                 "--model", "the transformers folder (export-hf's --out, a saved LinattnForCausalLM, or a saved "
                 "flash-linear-attention model: transformer, gla, gated_deltanet, ...)",
-                "run folder to write the checkpoint into (for eval, generate)", "import_main")
+                "run folder to write the checkpoint into (for eval, generate)", "import_main"
+                ).add_argument("--tokenizer", help="the tokenizer to keep: a folder, tokenizer.json or SentencePiece "
+                               "tokenizer.model (default: the model folder's own)")
 
 
 COMMANDS += [cmd_export_hf, cmd_import_hf]

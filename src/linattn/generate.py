@@ -29,6 +29,7 @@ import torch
 
 from .checkpoint import CheckpointError, load_checkpoint
 from .cli_support import finite_float, int_at_least
+from .data.tokenizer import tokenizer_for_model
 from .errors import LinattnError
 from .models.generation import sample_next  # noqa: F401  (re-exported)
 from .training.config import resolve_device
@@ -168,10 +169,13 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, **kw) -> T
     return text, stats
 
 
-def load_generator(checkpoint: str, device: Union[str, torch.device, None] = None):
-    """A loaded checkpoint (model in eval mode, tokenizer) for generation."""
+def load_generator(checkpoint: str, device: Union[str, torch.device, None] = None, tokenizer: Optional[str] = None):
+    """A loaded checkpoint (model in eval mode, tokenizer) for generation; `tokenizer`: a tokenizer.json (or a folder
+    holding one) used instead of the checkpoint's."""
     dev = resolve_device(device)
     ck = load_checkpoint(checkpoint, device=dev)
+    if tokenizer is not None:
+        ck.tokenizer = tokenizer_for_model(tokenizer, int(ck.model.config.vocab_size))
     if ck.tokenizer is None:
         raise CheckpointError(f"{ck.path} has no tokenizer.json")
     ck.model.eval()
@@ -197,6 +201,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N | mps (default auto)")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer.json (or a folder holding one) to use instead of "
+                                                     "the checkpoint's")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -205,7 +211,7 @@ def main(args: argparse.Namespace) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
-        ck = load_generator(args.checkpoint, args.device)
+        ck = load_generator(args.checkpoint, args.device, getattr(args, "tokenizer", None))
         kw = dict(temperature=args.temperature, top_k=args.top_k or None,
                   top_p=args.top_p if args.top_p < 1 else None, seed=args.seed, stop_at_eos=args.stop_at_eos,
                   skip_special_tokens=True)

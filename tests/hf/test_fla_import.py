@@ -218,7 +218,8 @@ def _transformer_folder(tmp_path, **kw):
     from fla.models import TransformerConfig
 
     with fla_cpu():
-        model = build_fla(TransformerConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=50, **kw))
+        kw = {"vocab_size": 50, **kw}
+        model = build_fla(TransformerConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, **kw))
         model.save_pretrained(tmp_path / "fla", safe_serialization=True)
     return tmp_path / "fla"
 
@@ -314,7 +315,7 @@ def test_the_tokenizer_comes_along_and_a_foreign_one_is_left_out_with_a_warning(
     from linattn import checkpoint as ckpt
     from linattn.data.tokenizer import train_tokenizer
 
-    folder = _transformer_folder(tmp_path)
+    folder = _transformer_folder(tmp_path, vocab_size=300)  # a tokenizer larger than the vocabulary is refused
     tok = train_tokenizer("def f(x):\n    return x + 1\n" * 50, vocab_size=300)
     (folder / "tokenizer.json").write_text(tok.backend.to_str())
     ck = ckpt.load_checkpoint(import_fla(folder, tmp_path / "run"))

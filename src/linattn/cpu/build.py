@@ -5,11 +5,15 @@
 * compiler: `$CC`, else `cc`; flags `-O3 -march=native -fopenmp -shared -fPIC`, retried without
   `-march=native` and then without OpenMP (`-fopenmp-simd` keeps the simd pragmas) when refused.
   Never `-ffast-math`: NaN and inf must behave as in the PyTorch forms;
-* cache: `$LINATTN_CACHE_DIR/cpu/<key>/<name>.so`, default `~/.cache/linattn/cpu/<key>/`, where the key
-  hashes the sources (the .c file and every header of csrc/), the flags, the compiler's version and the
-  machine (architecture and CPU model/flags: -march=native code must not run on another CPU);
-* written atomically (the compiler writes a temporary file that is renamed into place) under a file lock,
-  so concurrent processes build once and never load half a library;
+* cache: `<root>/cpu/<key>/<name>.so`, root `$LINATTN_CACHE_DIR`, default `~/.cache/linattn` (the rules on
+  who may own and write it are in `libcache.py`), where the key hashes the sources (the .c file and every
+  header of csrc/), the flags, the compiler's version and the machine (architecture and CPU model/flags:
+  -march=native code must not run on another CPU);
+* written durably under a file lock: the compiler writes a temporary file, which is fsynced, renamed into
+  place (the folder fsynced) and recorded (size, SHA-256); concurrent processes build once;
+* verified: a cached library is loaded only when it matches its record, and after loading it must export the
+  symbols and ABI version `LIBRARIES` lists. A mismatch before loading is rebuilt once; what still fails
+  gives one notice naming the file, and the PyTorch path runs;
 * `LINATTN_CPU_KERNELS=0` turns the compiled kernels off: None, without compiling;
 * no compiler or a failed build: one `warnings.warn` notice per library and process, then None.
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import shlex
@@ -30,7 +35,8 @@ import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ..io import TMP_PREFIX, fsync_dir, remove_stale_temps
+from ..io import TMP_PREFIX, atomic_write_text, current_umask, fsync_dir, remove_stale_temps
+from . import libcache
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 BASE_FLAGS = ("-O3", "-std=c11", "-ffp-contract=fast", "-shared", "-fPIC")  # FMA contraction: no fast-math
@@ -42,7 +48,24 @@ _LOCK = threading.Lock()
 _LOADED: Dict[str, Optional[ctypes.CDLL]] = {}
 _NOTICED = set()
 _COMPILER_INFO: Dict[str, Optional[str]] = {}
-LAST_BUILD: Dict[str, dict] = {}  # name -> {"seconds", "flags", "path", "cached"} (for tests and the bench)
+LAST_BUILD: Dict[str, dict] = {}  # name -> {"seconds", "flags", "path", "cached", "rebuilt"} (tests, the bench)
+
+
+def _both(*stems: str) -> Tuple[str, ...]:
+    return tuple(f"linattn_{stem}_{sfx}" for stem in stems for sfx in ("f32", "f64"))
+
+
+# what the Python bindings of each library call, and the ABI version (`linattn_<name>_abi_version()`) they are
+# written for: a library that lacks one of these or answers another version is never bound
+LIBRARIES: Dict[str, Tuple[int, Tuple[str, ...]]] = {
+    "probe": (1, ("linattn_probe_threads", "linattn_probe_axpy")),
+    "linear": (1, ("linattn_linear_nchunks",) + _both("linear_fwd", "linear_bwd")),
+    "delta": (2, _both("delta_fwd", "delta_bwd")),
+    "deltaprep": (1, _both("dprep_fwd", "dprep_bwd", "dprep_raw_fwd", "dprep_raw_bwd", "l2rows_fwd", "l2rows_bwd")),
+    "conv": (1, _both("conv_fwd", "conv_bwd", "conv_fwd_sep", "conv_bwd_sep")),
+    "gatednorm": (1, _both("gnorm_fwd", "gnorm_bwd")),
+    "decode": (1, _both("decode_delta", "decode_linear", "decode_block", "decode_model")),
+}
 
 
 def enabled() -> bool:
@@ -51,13 +74,17 @@ def enabled() -> bool:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("LINATTN_CACHE_DIR")
-    root = Path(base).expanduser() if base else Path.home() / ".cache" / "linattn"
-    return root / "cpu"
+    """The `cpu/` folder of the first cache root that is safe to use (see `libcache.trusted_root`)."""
+    return libcache.trusted_root() / "cpu"
 
 
 def compiler() -> List[str]:
-    return shlex.split(os.environ.get("CC", "").strip() or "cc")
+    """`$CC` split as a shell would (RuntimeError when it cannot be: an unbalanced quote), else `cc`."""
+    value = os.environ.get("CC", "").strip()
+    try:
+        return shlex.split(value) or ["cc"]
+    except ValueError as e:
+        raise RuntimeError(f"CC={value!r} cannot be split into a command ({e})") from None
 
 
 def _compiler_version(cc: Tuple[str, ...]) -> Optional[str]:
@@ -146,40 +173,80 @@ def _compile(cc, src_file: Path, out: Path, flags) -> Tuple[bool, str]:
     return r.returncode == 0, (r.stderr or r.stdout).strip()
 
 
+def _cached(name: str, target: Path, rebuilt: Optional[str] = None) -> Path:
+    LAST_BUILD[name] = {"seconds": 0.0, "path": str(target), "cached": True, "rebuilt": rebuilt}
+    return target
+
+
+def _trusted_folder(key: str, name: str) -> Path:
+    """`<root>/cpu/<key>`, created private, in the first root whose folders and files for `name` are safe."""
+    while True:
+        root = cache_root()
+        folder = root / key
+        target = folder / f"{name}.so"
+        why = libcache.first_problem([folder, target, libcache.record_path(target)])
+        if why is None:
+            for f in (root, folder):
+                if not f.exists():
+                    f.mkdir(mode=0o700, exist_ok=True)
+            return folder
+        if libcache.is_temporary(root.parent):
+            raise RuntimeError(f"no safe cache folder ({why})")
+        libcache.refuse(root.parent, why)
+
+
+def _durable(tmp: Path) -> None:
+    """Give the compiler's output a mode nobody else can write and push its bytes to the disk before the rename:
+    a library renamed before its data is on the disk can be left truncated by a crash."""
+    os.chmod(tmp, 0o755 & ~current_umask())
+    fd = os.open(str(tmp), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def build(name: str, src_dir: Optional[Path] = None) -> Path:
-    """Compile `src_dir/<name>.c` (default csrc/) into the cache if it is not there yet; returns the .so path.
-    Raises RuntimeError (with the compiler's message) when no compiler exists or every flag set fails."""
+    """Compile `src_dir/<name>.c` (default csrc/) into the cache unless a verified library is there; returns
+    the .so path. A cached library that does not match its build record is rebuilt. Raises RuntimeError
+    (with the compiler's message) when no compiler exists or every flag set fails."""
     src_dir = CSRC if src_dir is None else Path(src_dir)
     cc = tuple(compiler())
     version = _compiler_version(cc)
     if version is None:
         raise RuntimeError(f"no C compiler ({' '.join(cc)!r} not found or not working; set CC)")
     key = _key(_sources(name, src_dir), cc, version)
-    folder = cache_root() / key
+    folder = _trusted_folder(key, name)
     target = folder / f"{name}.so"
-    if target.exists():
-        LAST_BUILD[name] = {"seconds": 0.0, "path": str(target), "cached": True}
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
+    if libcache.mismatch(target) is None:
+        return _cached(name, target)
     with _FileLock(folder / f".{name}.lock"):
-        if target.exists():  # another process built it while we waited
-            LAST_BUILD[name] = {"seconds": 0.0, "path": str(target), "cached": True}
-            return target
+        why = libcache.mismatch(target)
+        if why is None:  # another process built it while we waited
+            return _cached(name, target)
         remove_stale_temps(folder)
-        tmp = folder / f"{TMP_PREFIX}{name}.so.{os.getpid()}"
-        t0 = time.perf_counter()
-        errors = []
-        for flags in FLAG_SETS:
-            ok, msg = _compile(cc, src_dir / f"{name}.c", tmp, flags)
-            if ok:
-                os.replace(tmp, target)
-                fsync_dir(folder)
-                LAST_BUILD[name] = {"seconds": time.perf_counter() - t0, "flags": list(flags), "path": str(target),
-                                    "cached": False}
-                return target
-            errors.append(f"[{' '.join(flags) or 'no extra flags'}] {msg.splitlines()[0] if msg else 'failed'}")
-            tmp.unlink(missing_ok=True)
-        raise RuntimeError("the build failed: " + "; ".join(errors))
+        return _compile_into(name, cc, src_dir, target, rebuilt=None if why == "not built yet" else why)
+
+
+def _compile_into(name: str, cc, src_dir: Path, target: Path, rebuilt: Optional[str]) -> Path:
+    folder = target.parent
+    tmp = folder / f"{TMP_PREFIX}{name}.so.{os.getpid()}"
+    t0 = time.perf_counter()
+    errors = []
+    for flags in FLAG_SETS:
+        ok, msg = _compile(cc, src_dir / f"{name}.c", tmp, flags)
+        if ok:
+            _durable(tmp)
+            record = libcache.describe(tmp)
+            os.replace(tmp, target)
+            fsync_dir(folder)
+            atomic_write_text(libcache.record_path(target), json.dumps(record))  # a crash before: no record
+            LAST_BUILD[name] = {"seconds": time.perf_counter() - t0, "flags": list(flags), "path": str(target),
+                                "cached": False, "rebuilt": rebuilt}
+            return target
+        errors.append(f"[{' '.join(flags) or 'no extra flags'}] {msg.splitlines()[0] if msg else 'failed'}")
+        tmp.unlink(missing_ok=True)
+    raise RuntimeError("the build failed: " + "; ".join(errors))
 
 
 def is_loaded(name: str) -> bool:
@@ -196,8 +263,34 @@ def load_library(name: str, src_dir: Optional[Path] = None) -> Optional[ctypes.C
     with _LOCK:
         if key not in _LOADED:
             try:
-                _LOADED[key] = ctypes.CDLL(str(build(name, src_dir)))
+                _LOADED[key] = _load_checked(name, build(name, src_dir))
             except (OSError, RuntimeError) as e:
                 _notice(name, str(e))
                 _LOADED[key] = None
         return _LOADED[key]
+
+
+def interface_problem(name: str, lib: ctypes.CDLL) -> Optional[str]:
+    """Why a loaded library cannot be bound (a symbol of `LIBRARIES` missing, another ABI version), or None."""
+    if name not in LIBRARIES:
+        return None
+    abi, symbols = LIBRARIES[name]
+    missing = [s for s in (f"linattn_{name}_abi_version",) + symbols if not hasattr(lib, s)]
+    if missing:
+        return f"it does not export {', '.join(missing)}"
+    version = getattr(lib, f"linattn_{name}_abi_version")
+    version.restype, version.argtypes = ctypes.c_int, []
+    if version() != abi:
+        return f"its ABI version is {version()}, these bindings need {abi}"
+    return None
+
+
+def _load_checked(name: str, path: Path) -> ctypes.CDLL:
+    """dlopen a verified library and check its interface; a wrong one loses its record, so that the next
+    process rebuilds it (this one cannot map a new file under the same name)."""
+    lib = ctypes.CDLL(str(path))
+    why = interface_problem(name, lib)
+    if why is not None:
+        libcache.record_path(path).unlink(missing_ok=True)
+        raise RuntimeError(f"{path} cannot be used: {why}")
+    return lib

@@ -26,13 +26,16 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Iterable, Iterator, List, Sequence, Union
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Union
 
 from ..errors import DataError
 from ..signals import StopFlag
 from .sources import segments
 
 EOS_TOKEN = "<|endoftext|>"
+#: the end-of-text tokens a loaded tokenizer may use, the first one it has wins: linattn's own, then those of the
+#: Llama / Mistral (SentencePiece), Llama 3 and Gemma families, which fla's published checkpoints use
+END_OF_TEXT_TOKENS = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 SPECIAL_TOKENS = (EOS_TOKEN,)
 TOKENIZER_FILE = "tokenizer.json"
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
@@ -48,10 +51,11 @@ class BPETokenizer:
 
     def __init__(self, tokenizer):
         self._tok = tokenizer
-        eos = tokenizer.token_to_id(EOS_TOKEN)
-        if eos is None:
-            raise TokenizerError(f"the tokenizer has no {EOS_TOKEN} token; train it with linattn or add one")
-        self.eos_id: int = int(eos)
+        self.eos_token: str = next((t for t in END_OF_TEXT_TOKENS if tokenizer.token_to_id(t) is not None), "")
+        if not self.eos_token:
+            raise TokenizerError(f"the tokenizer has no end-of-text token (one of {', '.join(END_OF_TEXT_TOKENS)}); "
+                                 f"train it with linattn or add one")
+        self.eos_id: int = int(tokenizer.token_to_id(self.eos_token))
 
     @property
     def vocab_size(self) -> int:
@@ -83,6 +87,13 @@ class BPETokenizer:
         from ..io import atomic_write_text
         atomic_write_text(path, self.to_str())
         return path
+
+    def check_fits(self, vocab_size: int, source: str) -> None:
+        """Refuse (TokenizerError naming `source`) a tokenizer with more tokens than a model's vocabulary: its ids
+        beyond the vocabulary would index past the embedding."""
+        if self.vocab_size > vocab_size:
+            raise TokenizerError(f"{source}: the tokenizer has {self.vocab_size} tokens, the model's vocabulary "
+                                 f"{vocab_size}: its ids beyond {vocab_size - 1} would index past the embedding")
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -190,3 +201,21 @@ def load_tokenizer(path: Union[str, os.PathLike]) -> BPETokenizer:
         return tokenizer_from_str(text)
     except TokenizerError as e:
         raise TokenizerError(f"{p}: {e}") from None
+
+
+def tokenizer_for_model(path: Union[str, os.PathLike], vocab_size: int, flag: str = "--tokenizer",
+                        reader: Optional[Callable[[Path], Optional[BPETokenizer]]] = None) -> BPETokenizer:
+    """`--tokenizer PATH` of a command on a model with `vocab_size` tokens: `reader(path)` (default
+    `load_tokenizer`), refused (a TokenizerError naming the flag) when missing, unusable, absent (the reader gave
+    None) or larger than the vocabulary."""
+    p = Path(path)
+    if not p.exists():
+        raise TokenizerError(f"{flag} {p}: not found")
+    try:
+        tok = (reader or load_tokenizer)(p)
+    except TokenizerError as e:
+        raise TokenizerError(f"{flag} {p}: {e}") from None
+    if tok is None:
+        raise TokenizerError(f"{flag} {p}: holds no tokenizer")
+    tok.check_fits(vocab_size, f"{flag} {p}")
+    return tok

@@ -17,23 +17,27 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
 from .. import checkpoint as ckpt
-from ..data.tokenizer import EOS_TOKEN, BPETokenizer, TokenizerError, load_tokenizer
+from ..data.tokenizer import BPETokenizer, TokenizerError
 from ..errors import CheckpointError
 from ..io import TMP_PREFIX, give_default_modes, read_json, write_json
 from ..models.family import config_to_dict
 from ..models.lm import LanguageModel
-from .fla import import_fla, supported_types
+from .fla import import_fla, refuse_non_float, supported_types
+from .import_target import check_out, write_import
 from .modeling_linattn import LinattnForCausalLM
+from .tokenizer_import import import_tokenizer
 
 PathLike = Union[str, os.PathLike]
 
 
 def hf_tokenizer(tokenizer: BPETokenizer):
-    """linattn's byte-level BPE as a transformers fast tokenizer (eos = bos = pad = <|endoftext|>).
+    """linattn's tokenizer as a transformers fast tokenizer (eos = bos = pad = its end-of-text token).
 
     Args:
         tokenizer: The linattn tokenizer.
@@ -43,8 +47,9 @@ def hf_tokenizer(tokenizer: BPETokenizer):
     """
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
-                                   pad_token=EOS_TOKEN, padding_side="left", clean_up_tokenization_spaces=False)
+    eos = tokenizer.eos_token
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, eos_token=eos, bos_token=eos,
+                                   pad_token=eos, padding_side="left", clean_up_tokenization_spaces=False)
 
 
 def _plain_tokenizer_config(folder: Path) -> None:
@@ -122,7 +127,8 @@ def export_hf(checkpoint: PathLike, out: PathLike, *, overwrite: bool = False,
     return out
 
 
-def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step: Optional[int] = None) -> Path:
+def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step: Optional[int] = None,
+              tokenizer: Optional[PathLike] = None) -> Path:
     """Write a transformers folder as a linattn checkpoint (weights, model config, tokenizer; no training state).
 
     The folder `hf_dir` holds a LinattnForCausalLM. A flash-linear-attention model folder (config.json's
@@ -134,6 +140,8 @@ def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step:
         out: The linattn run folder to write into.
         overwrite: Replace the checkpoints `out` already holds.
         step: The step number the checkpoint is written as (None: the step export_hf recorded, or 0).
+        tokenizer: The tokenizer to keep (a folder, tokenizer.json or tokenizer.model; None: the folder's own, see
+            `tokenizer_import`).
 
     Returns:
         The step folder.
@@ -142,36 +150,67 @@ def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step:
         CheckpointError: An unsupported or unreadable folder, or `out` holding a checkpoint without overwrite.
     """
     hf_dir, out = Path(hf_dir), Path(out)
+    if not hf_dir.exists():
+        raise CheckpointError(f"--model {hf_dir}: not found")
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} is not a transformers model folder (no config.json)")
     cfg = read_json(hf_dir / "config.json")
     model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
     if model_type in supported_types():
-        return import_fla(hf_dir, out, overwrite=overwrite, step=step or 0)
-    if model_type is not None and model_type != LinattnForCausalLM.config_class.model_type:
-        raise CheckpointError(f"{hf_dir / 'config.json'}: unsupported model_type {model_type!r}; import-hf reads "
-                              f"{LinattnForCausalLM.config_class.model_type!r} (a folder written by export-hf) and the "
-                              f"flash-linear-attention types {', '.join(supported_types())}")
-    if out.exists() and (ckpt.has_checkpoint(out) or (out.is_file())) and not overwrite:
-        raise CheckpointError(f"{out} already holds a checkpoint; pass --overwrite to replace it")
-    try:
-        hf = LinattnForCausalLM.from_pretrained(hf_dir)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"cannot load {hf_dir} as a linattn transformers model: "
-                              f"{' '.join(str(e).split())[:300]}") from None
-    tokenizer = None
-    if (hf_dir / "tokenizer.json").is_file():
+        return import_fla(hf_dir, out, overwrite=overwrite, step=step or 0, tokenizer=tokenizer)
+    ours = LinattnForCausalLM.config_class.model_type
+    if model_type != ours:
+        what = "no model_type" if model_type is None else f"unsupported model_type {model_type!r}"
+        raise CheckpointError(f"{hf_dir / 'config.json'}: {what}; import-hf reads {ours!r} (a folder written by "
+                              f"export-hf) and the flash-linear-attention types {', '.join(supported_types())}")
+    check_out(hf_dir, out, overwrite)
+
+    def write(run: Path) -> Path:
+        hf = _load_strictly(hf_dir)
+        model = hf.to_linattn()
         try:
-            tokenizer = load_tokenizer(hf_dir)
+            tok = import_tokenizer(hf_dir, model.config.vocab_size, tokenizer)
         except TokenizerError as e:
             raise CheckpointError(str(e)) from None
-    if overwrite and out.is_dir():
-        for p in ckpt.list_checkpoints(out):
-            shutil.rmtree(p, ignore_errors=True)
-    model = hf.to_linattn()
-    s = int(step if step is not None else getattr(hf.config, "linattn_step", 0) or 0)
-    return ckpt.save_checkpoint(out, s, model, model_config=config_to_dict(model.config), tokenizer=tokenizer,
-                                extra={"imported_from": str(hf_dir), "n_params": model.num_parameters()})
+        s = int(step if step is not None else getattr(hf.config, "linattn_step", 0) or 0)
+        return ckpt.save_checkpoint(run, s, model, model_config=config_to_dict(model.config), tokenizer=tok,
+                                    extra={"imported_from": str(hf_dir), "n_params": model.num_parameters()},
+                                    keep_last=None)
+
+    return write_import(hf_dir, out, overwrite, write)
+
+
+def _refuse_non_float_files(hf_dir: Path) -> None:
+    """transformers casts an int / bool / complex tensor into a float parameter without a word: refuse it."""
+    from safetensors import safe_open
+
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as fh:
+                for name in fh.keys():
+                    refuse_non_float(name, fh.get_slice(name).get_dtype(), hf_dir)
+        except CheckpointError:
+            raise
+        except Exception:  # an unreadable file: from_pretrained says why
+            return
+
+
+def _load_strictly(hf_dir: Path) -> LinattnForCausalLM:
+    """The saved LinattnForCausalLM, every parameter read from the folder: transformers fills a tensor the files
+    lack with whatever it initialises (or leaves in memory), and skips a tensor the model lacks, so both refuse."""
+    _refuse_non_float_files(hf_dir)
+    try:
+        hf, info = LinattnForCausalLM.from_pretrained(hf_dir, output_loading_info=True, ignore_mismatched_sizes=True)
+    except Exception as e:  # OSError, ValueError, safetensors' errors on a truncated file, a shape mismatch
+        raise CheckpointError(f"cannot load {hf_dir} as a linattn transformers model: {type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:300]}") from None
+    for kind, what in (("missing_keys", "lack the tensors"), ("unexpected_keys", "hold tensors the model has not"),
+                       ("mismatched_keys", "hold tensors of the wrong shape")):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(kind) or ())
+        if names:
+            raise CheckpointError(f"the weights of {hf_dir} {what}: {', '.join(names[:8])}"
+                                  + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+    return hf
 
 
 # --------------------------------------------------------------------------- the CLI commands
@@ -185,8 +224,16 @@ def export_main(args) -> int:
 
 
 def import_main(args) -> int:
-    """`linattn import-hf --model HF_DIR --out DIR [--overwrite]` (a linattn or flash-linear-attention folder)."""
-    step_dir = import_hf(args.model, args.out, overwrite=args.overwrite)
+    """`linattn import-hf --model HF_DIR --out DIR [--overwrite] [--tokenizer PATH]` (a linattn or fla folder).
+    The import's warnings are one `[linattn] warning:` line each on stderr (not Python's file:line form)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            step_dir = import_hf(args.model, args.out, overwrite=args.overwrite,
+                                 tokenizer=getattr(args, "tokenizer", None))
+        finally:
+            for w in seen:
+                print(f"[linattn] warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     print(f"[linattn] wrote {step_dir}")
     return 0
 

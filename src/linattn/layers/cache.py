@@ -254,17 +254,74 @@ def _copy_layers(layers: List[Dict[str, LayerCache]], record: bool = False) -> L
             for d in layers]
 
 
-class CacheSnapshot:
-    """Every layer's state after `seen_tokens` tokens (`Cache.snapshot`); shares no tensor with any cache."""
+def _rows(value: Any) -> Optional[int]:
+    """The batch size of one LayerCache entry (dim 0 of its first tensor), or None when it holds no tensor."""
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.dim() else None
+    if isinstance(value, KVCache):
+        return None if value.k is None else int(value.k.shape[0])
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    for v in items:
+        n = _rows(v)
+        if n is not None:
+            return n
+    return None
 
-    def __init__(self, layers: List[Dict[str, LayerCache]], seen_tokens: int):
+
+def _batch_of(layers: List[Dict[str, LayerCache]]) -> Optional[int]:
+    for d in layers:
+        for lc in d.values():
+            for k, v in lc.items():
+                n = _rows(v) if k != "offset" else None
+                if n is not None:
+                    return n
+    return None
+
+
+def _entry_layout(value: Any) -> Any:
+    """What restoring an entry over another must agree on: its kind, and for tensors their dtype and rank."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dim(), str(value.dtype))
+    if isinstance(value, KVCache):
+        return ("kv",) if value.k is None else ("kv", tuple(value.k.shape[2:]), str(value.k.dtype))
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__,) + tuple(_entry_layout(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _entry_layout(v)) for k, v in sorted(value.items()))
+    return type(value).__name__
+
+
+def layers_layout(layers: List[Dict[str, LayerCache]]) -> List[Dict[str, Dict[str, Any]]]:
+    """Per layer and module, each entry's `_entry_layout` (the offset aside)."""
+    return [{name: {k: _entry_layout(v) for k, v in lc.items() if k != "offset"} for name, lc in d.items()}
+            for d in layers]
+
+
+def model_layout(config: Any, dtype: torch.dtype) -> Tuple[Tuple[str, str], ...]:
+    """What a model's decoding states follow, cheaply (once per `LanguageModel.new_cache`): its config's fields and
+    its parameters' dtype, as sorted (name, repr) pairs. Snapshots carry it; `restore` compares."""
+    fields = vars(config) if hasattr(config, "__dict__") else {"config": config}
+    return tuple(sorted((str(k), repr(v)) for k, v in fields.items())) + (("dtype", str(dtype)),)
+
+
+class CacheSnapshot:
+    """Every layer's state after `seen_tokens` tokens (`Cache.snapshot`); shares no tensor with any cache.
+    `model_layout`: the model the cache belonged to (None: unknown); `batch`: its rows (None: no state yet);
+    `layout`: `layers_layout` of the states."""
+
+    def __init__(self, layers: List[Dict[str, LayerCache]], seen_tokens: int,
+                 model_layout: Optional[Tuple[str, ...]] = None):
         self.layers, self.seen_tokens = layers, int(seen_tokens)
+        self.model_layout = model_layout
+        self.batch = _batch_of(layers)
+        self.layout = layers_layout(layers)
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for d in self.layers for c in d.values())
 
     def __repr__(self) -> str:
-        return f"CacheSnapshot(n_layers={len(self.layers)}, seen_tokens={self.seen_tokens}, nbytes={self.nbytes()})"
+        return (f"CacheSnapshot(n_layers={len(self.layers)}, seen_tokens={self.seen_tokens}, batch={self.batch}, "
+                f"nbytes={self.nbytes()})")
 
 
 class Cache:
@@ -301,6 +358,9 @@ class Cache:
     #: (layers/fast_decode.ModelPending, with `apply(cache)`): reading `layers` applies them first, so every reader
     #: sees the entries as if they were written token by token; never state of its own (a copy copies it along)
     pending: Any = None
+    #: `model_layout(config, dtype)` of the model that made the cache (`LanguageModel.new_cache`), None when unknown:
+    #: `restore` refuses a snapshot of another model
+    model_layout: Optional[Tuple[str, ...]] = None
 
     @property
     def layers(self) -> List[Dict[str, LayerCache]]:
@@ -417,10 +477,11 @@ class Cache:
         """A deep copy of every layer's state (KV caches included): `restore` it into this or a fresh cache.
 
         Returns:
-            The `CacheSnapshot`.
+            The `CacheSnapshot`, which records the layout it was taken from (the model, the batch size, the
+            entries' kinds and dtypes) for `restore` to check.
         """
         self._check_state_ops("snapshot")
-        return CacheSnapshot(_copy_layers(self.layers), self.seen_tokens)
+        return CacheSnapshot(_copy_layers(self.layers), self.seen_tokens, getattr(self, "model_layout", None))
 
     def restore(self, snap: CacheSnapshot) -> None:
         """Continue from `snap` (its tensors are copied again, so it can be restored any number of times).
@@ -429,16 +490,39 @@ class Cache:
 
         Args:
             snap: A `snapshot()` of a cache of the same model.
+
+        Raises:
+            LinattnError: `snap` comes from another model (other mixers, sizes or dtypes), holds another number of
+                layers, or, into a cache that holds states, another batch size or other kinds of entries.
         """
         self._check_state_ops("restore")
         if not isinstance(snap, CacheSnapshot):
             raise LinattnTypeError(f"restore takes a CacheSnapshot (cache.snapshot()), got {type(snap).__name__}")
         if len(snap.layers) != len(self.layers):
             raise LinattnError(f"the snapshot holds {len(snap.layers)} layers, this cache {len(self.layers)}")
+        self._check_same_model(snap)
         self.layers = _copy_layers(snap.layers)
         self.seen_tokens = snap.seen_tokens
         self._history = []
         self.record()
+
+    def _check_same_model(self, snap: CacheSnapshot) -> None:
+        mine = getattr(self, "model_layout", None)
+        if mine is not None and snap.model_layout is not None and tuple(mine) != tuple(snap.model_layout):
+            here, there = dict(mine), dict(snap.model_layout)
+            diff = [k for k in sorted(set(here) | set(there)) if here.get(k) != there.get(k)]
+            raise LinattnError("the snapshot comes from another model: " + "; ".join(
+                f"its {k} is {there.get(k, 'unset')}, this cache's model's {here.get(k, 'unset')}" for k in diff[:4]))
+        live = self.layers
+        batch = _batch_of(live)
+        if batch is not None and snap.batch is not None and batch != snap.batch:
+            raise LinattnError(f"the snapshot holds {snap.batch} batch rows, this cache {batch}; restore it into a "
+                               f"fresh cache (model.new_cache()) to continue with {snap.batch} rows")
+        for i, (here, there) in enumerate(zip(layers_layout(live), snap.layout)):
+            for name in set(here) & set(there):
+                if here[name] and there[name] and here[name] != there[name]:
+                    raise LinattnError(f"the snapshot's layer {i} ({name}) holds {there[name]}, this cache's "
+                                       f"{here[name]}: it comes from another model")
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows `index` (as transformers' `reorder_cache(beam_idx)`).
@@ -446,13 +530,20 @@ class Cache:
         Every state's dim 0 is indexed, recorded states included.
 
         Args:
-            index: The rows to keep, an int64 tensor `[B']`.
+            index: The rows to keep, an int64 (or int32) tensor `[B']` of values in [0, B).
+
+        Raises:
+            LinattnError: `index` is not a 1-D integer tensor, or names a row the cache does not have.
         """
         if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype not in (torch.int64, torch.int32):
             raise LinattnError(f"index must be a 1-D int64 tensor of batch rows, got "
                                f"{getattr(index, 'dtype', type(index).__name__)} {tuple(getattr(index, 'shape', ()))}")
         self._check_state_ops("reorder")
         index = index.long()
+        batch = _batch_of(self.layers)
+        if index.numel() and batch is not None and not bool(((index >= 0) & (index < batch)).all()):
+            bad = sorted({i for i in index.tolist() if not 0 <= i < batch})
+            raise LinattnError(f"index names rows {bad[:8]} the cache does not have: it holds rows 0..{batch - 1}")
         self.fast = None   # the whole-model step's buffers hold the old rows
         for d in self.layers:
             for lc in d.values():

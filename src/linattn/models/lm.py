@@ -28,6 +28,7 @@ import torch.utils.checkpoint
 from ..errors import LinattnError, LinattnTypeError
 from ..layers import Cache, RMSNorm, SwiGLU, check_cu_seqlens
 from ..layers.base import hooked
+from ..layers.cache import model_layout
 from ..layers.common import FusedParams
 from ..layers.fast_decode import block_step as fast_block_step, model_step as fast_model_step
 from ..layers.rwkv7 import RWKV7ChannelMix
@@ -303,7 +304,9 @@ class LanguageModel(nn.Module, CausalLM):
             fused = getattr(m, "_fused", None)
             if isinstance(fused, FusedParams):
                 fused.clear()
-        return Cache(self.config.n_layers, rollback=rollback)
+        cache = Cache(self.config.n_layers, rollback=rollback)
+        cache.model_layout = model_layout(self.config, self.embed.weight.dtype)  # for restore()'s check
+        return cache
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (shared ones counted once); optionally without the embedding/head.

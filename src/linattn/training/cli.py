@@ -23,6 +23,7 @@ from .. import checkpoint as ckpt
 from ..cli_support import add_dataclass_arguments, flag_name, given_values, int_at_least, report_error
 from ..data.corpus import PackedTokens, load_corpus, split_documents, tokenize_documents
 from ..data.sources import missing_data_error
+from ..data.tokenizer import tokenizer_for_model
 from ..errors import CheckpointError, LinattnError, UsageError
 from ..logs import get_logger
 from ..models.family import ModelFamily, config_from_dict, config_to_dict, families, family_of, get_family
@@ -310,6 +311,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N | mps (default auto)")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer.json (or a folder holding one) to use instead of "
+                                                     "the checkpoint's")
 
 
 def eval_main(args: argparse.Namespace) -> int:
@@ -321,6 +324,8 @@ def eval_main(args: argparse.Namespace) -> int:
         if args.data is not None and not Path(args.data).exists():
             raise missing_data_error(args.data)
         ck = ckpt.load_checkpoint(args.checkpoint, device=device)
+        if getattr(args, "tokenizer", None) is not None:
+            ck.tokenizer = tokenizer_for_model(args.tokenizer, int(ck.model.config.vocab_size))
         if ck.tokenizer is None:
             raise CheckpointError(f"{ck.path} has no tokenizer.json")
         seq_len = args.seq_len if args.seq_len is not None else int(ck.train_config.get("seq_len") or 256)

@@ -4,8 +4,9 @@ The new run has its own --out, starts at step 0 with a fresh optimizer and sched
 from the checkpoint. A model setting that contradicts it (another --d-model, --mixer, --model, ...) is refused
 before anything runs, naming the flag and the checkpoint's value; the settings in `FREE_MODEL_FIELDS` change how
 the model is computed or trained but not its weights, and may differ. --seq-len may not exceed the checkpoint's
-max_seq_len (the length the model was built for). The checkpoint's tokenizer is used (so --tokenizer and a
---vocab-size other than the checkpoint's are refused). `TrainConfig.init_from` records where the run started.
+max_seq_len (the length the model was built for). The checkpoint's tokenizer is used, unless --tokenizer gives one
+of the same vocabulary size (a --vocab-size other than the checkpoint's is refused). `TrainConfig.init_from`
+records where the run started.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from .. import checkpoint as ckpt
 from ..cli_support import flag_name
-from ..data.tokenizer import BPETokenizer, TokenizerError, load_tokenizer
+from ..data.tokenizer import BPETokenizer, TokenizerError, load_tokenizer, tokenizer_for_model
 from ..errors import CheckpointError
 from ..models.family import config_from_dict, config_to_dict
 from .config import TrainConfig, TrainError
@@ -74,6 +75,9 @@ def init_setup(cfg: TrainConfig, model_config, tokenizer: Optional[BPETokenizer]
     model_config (None: the checkpoint's) must agree with the checkpoint's outside FREE_MODEL_FIELDS and
     vocab_size (the tokenizer's); the free fields it sets are kept."""
     ck, base = checkpoint_model_config(cfg.init_from)
+    damaged = ckpt.weights_problem(ck, base)  # before the corpus is tokenised, not after
+    if damaged is not None:
+        raise CheckpointError(f"--init-from {ck}: {damaged}")
     if cfg.out is not None and Path(cfg.out).resolve() in Path(ck).resolve().parents:
         raise TrainError(f"--init-from {ck} lies in --out {cfg.out}: a new run there would replace it; pass "
                          f"another --out (or --resume to continue that run)")
@@ -90,9 +94,11 @@ def init_setup(cfg: TrainConfig, model_config, tokenizer: Optional[BPETokenizer]
     if isinstance(max_len, int) and cfg.seq_len > max_len:
         raise TrainError(f"--seq-len {cfg.seq_len} exceeds the checkpoint's max_seq_len {max_len} ({ck}): the model "
                          f"was built for sequences up to that length")
-    if cfg.tokenizer is not None:
-        raise TrainError(f"--tokenizer {cfg.tokenizer}: --init-from uses the checkpoint's own tokenizer ({ck}); "
-                         f"leave --tokenizer out")
+    if cfg.tokenizer is not None and tokenizer is None:  # one given explicitly, instead of the checkpoint's
+        tokenizer = tokenizer_for_model(cfg.tokenizer, int(model_config.vocab_size))
+        if tokenizer.vocab_size != model_config.vocab_size:  # the run sizes the model by its tokenizer
+            raise TrainError(f"--tokenizer {cfg.tokenizer} has {tokenizer.vocab_size} tokens, the checkpoint's model "
+                             f"{model_config.vocab_size} ({ck}): --init-from needs a tokenizer of the same vocabulary")
     if tokenizer is None and not have_data:
         try:
             tokenizer = load_tokenizer(ck)

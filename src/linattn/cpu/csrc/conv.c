@@ -207,3 +207,6 @@ int linattn_conv_bwd_sep_##SFX(int64_t B, int64_t T, int64_t D, int64_t K, const
 
 DEFINE_CONV(f32, float, lin_expf) /* vectorisable exp (vexp.h): libm's expf is a call per element */
 DEFINE_CONV(f64, double, exp)
+
+/* the interface version the Python bindings check after loading (cpu/build.py LIBRARIES) */
+int linattn_conv_abi_version(void) { return 1; }

@@ -536,3 +536,6 @@ int linattn_decode_model_##SFX(const linattn_model_plan *p, const int64_t *ids, 
 
 DEFINE_MODEL(f32, float)
 DEFINE_MODEL(f64, double)
+
+/* the interface version the Python bindings check after loading (cpu/build.py LIBRARIES) */
+int linattn_decode_abi_version(void) { return 1; }

@@ -286,3 +286,6 @@ int linattn_l2rows_bwd_##SFX(int64_t R, int64_t K, const real *x, double eps, co
 
 DEFINE_DPREP(f32, float)
 DEFINE_DPREP(f64, double)
+
+/* the interface version the Python bindings check after loading (cpu/build.py LIBRARIES) */
+int linattn_deltaprep_abi_version(void) { return 1; }

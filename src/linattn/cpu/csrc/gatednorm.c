@@ -115,3 +115,6 @@ int linattn_gnorm_bwd_##SFX(int64_t R, int64_t D, const real *x, const real *gat
 
 DEFINE_GNORM(f32, float, lin_expf) /* vectorisable exp (vexp.h): libm's expf is a call per element */
 DEFINE_GNORM(f64, double, exp)
+
+/* the interface version the Python bindings check after loading (cpu/build.py LIBRARIES) */
+int linattn_gatednorm_abi_version(void) { return 1; }

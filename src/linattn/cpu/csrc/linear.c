@@ -71,6 +71,10 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
     return nc;
 }
 
+/* the interface version the Python bindings check after loading (cpu/build.py LIBRARIES; linear.c includes
+   itself once per REAL, so this lives in the part compiled once) */
+int linattn_linear_abi_version(void) { return 1; }
+
 #include "vexp.h" /* lin_expf */
 #ifndef PF_PER_BWD
 #define PF_PER_BWD 24

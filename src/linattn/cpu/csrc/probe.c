@@ -24,3 +24,6 @@ void linattn_probe_axpy(int64_t n, float a, const float *restrict x, float *rest
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
+
+/* the interface version the Python bindings check after loading (cpu/build.py LIBRARIES) */
+int linattn_probe_abi_version(void) { return 1; }

@@ -17,6 +17,7 @@ from .core import (  # noqa: F401
     fla_to_linattn,
     import_fla,
     is_fla_folder,
+    refuse_non_float,
     register_fla,
     supported_types,
 )
@@ -26,4 +27,4 @@ for _m in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_m.name}")
 
 __all__ = ["ATTENTION_MIXER", "FlaLayout", "LayerParams", "MixerConversion", "fla_to_linattn", "import_fla",
-           "is_fla_folder", "register_fla", "supported_types"]
+           "is_fla_folder", "refuse_non_float", "register_fla", "supported_types"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from ...errors import CheckpointError
 from ...models.config import LMConfig
 from ...models.family import config_to_dict
 from ...models.lm import LanguageModel
+from ..import_target import check_out, write_import
 
 Tensor = torch.Tensor
 PathLike = Union[str, os.PathLike]
@@ -73,6 +73,10 @@ class FlaLayout:
 
 
 Converter = Callable[[Dict[str, Any], int, "LayerParams"], MixerConversion]
+#: config.json sizes the converters divide by or multiply with: when present (not None), numbers > 0
+POSITIVE_SIZES = ("hidden_size", "num_hidden_layers", "vocab_size", "num_heads", "num_kv_heads", "num_v_heads",
+                  "head_dim", "expand_k", "expand_v", "conv_size", "intermediate_size", "hidden_ratio", "state_size",
+                  "n_groups", "num_householder")
 _CONVERTERS: Dict[str, Tuple[Converter, FlaLayout]] = {}
 
 
@@ -234,7 +238,20 @@ def read_fla_weights(folder: PathLike) -> Dict[str, Tensor]:
             out.update(load_file(str(f), device="cpu"))
         except Exception as e:  # OSError, or safetensors' own errors on a corrupt file
             raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+    for name, t in out.items():
+        refuse_non_float(name, t.dtype, folder)
+        if t.dtype.itemsize == 1:  # fp8 (e4m3, e5m2, ...): few of torch's ops take it; float32 holds it exactly
+            out[name] = t.to(torch.float32)
     return out
+
+
+def refuse_non_float(name: str, dtype: Any, folder: Path) -> None:
+    """A CheckpointError naming a weight that is not floating point (ints, bool, complex: casting them to float
+    would import something that was never a weight). `dtype`: a torch dtype or safetensors' name of one."""
+    ok = dtype.is_floating_point if isinstance(dtype, torch.dtype) else str(dtype).startswith(("F", "BF"))
+    if not ok:
+        raise CheckpointError(f"{folder}: the tensor {name!r} is {str(dtype).replace('torch.', '')}, not floating "
+                              f"point; weights must be float tensors (fp64 ... fp8)")
 
 
 def _take(weights: Dict[str, Tensor], used: set, name: str) -> Tensor:
@@ -258,7 +275,11 @@ def _layer_conversions(cfg: Dict[str, Any], weights: Dict[str, Tensor], convert:
     for i in range(int(cfg["num_hidden_layers"])):
         prefix = layout.layer.format(i=i) + layout.mixer
         p = LayerParams(prefix, {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
-        conv = _hybrid_attention(cfg, specs[i], i, p) if i in specs else convert(cfg, i, p)
+        try:
+            conv = _hybrid_attention(cfg, specs[i], i, p) if i in specs else convert(cfg, i, p)
+        except (ZeroDivisionError, TypeError, KeyError, AttributeError) as e:  # a config value of the wrong kind
+            raise CheckpointError(f"fla type {cfg.get('model_type')!r}, layer {i}: config.json does not fit the "
+                                  f"converter ({type(e).__name__}: {e})") from None
         if not isinstance(conv, MixerConversion):
             raise CheckpointError(f"the converter of fla type {cfg.get('model_type')!r} returned "
                                   f"{type(conv).__name__}, not a MixerConversion")
@@ -279,6 +300,10 @@ def fla_to_linattn(cfg: Dict[str, Any], weights: Dict[str, Tensor]) -> Tuple[LMC
     for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
         if not isinstance(cfg.get(key), int):
             raise CheckpointError(f"config.json of fla type {model_type!r}: {key} must be an int, got {cfg.get(key)!r}")
+    for key in POSITIVE_SIZES:  # (a 0 here was a ZeroDivisionError in the converters)
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise CheckpointError(f"config.json of fla type {model_type!r}: {key} must be a number > 0, got {v!r}")
     require(cfg.get("attnres_block_size") is None, cfg, "attention residuals (attnres_block_size)")
     require(cfg_get(cfg, "hidden_act", "swish") in ("swish", "silu") or layout.mlp is None, cfg,
             f"hidden_act {cfg.get('hidden_act')!r} (only swish)")
@@ -365,18 +390,22 @@ def _check_state(config: LMConfig, state: Dict[str, Tensor]) -> None:
                                   f"model needs {tuple(t.shape)}")
 
 
-def import_fla(folder: PathLike, out: PathLike, *, overwrite: bool = False, step: int = 0) -> Path:
+def import_fla(folder: PathLike, out: PathLike, *, overwrite: bool = False, step: int = 0,
+               tokenizer: Optional[PathLike] = None) -> Path:
     """Write a flash-linear-attention model folder as a linattn checkpoint in the run folder `out`.
 
     The folder holds config.json with a supported `model_type` (`supported_types()`), safetensors weights, and
-    optionally tokenizer.json. A tokenizer.json linattn cannot read is left out with a warning. The weights keep
-    their dtype (an fp64 fla model gives an fp64 checkpoint).
+    optionally a tokenizer (tokenizer.json, or a SentencePiece tokenizer.model). The folder's tokenizer linattn
+    cannot use is left out with a warning. The weights keep their dtype (an fp64 fla model gives an fp64
+    checkpoint; fp8 becomes fp32).
 
     Args:
         folder: The fla model folder.
         out: The linattn run folder to write into.
         overwrite: Replace the checkpoints `out` already holds.
         step: The step number of the checkpoint.
+        tokenizer: The tokenizer to keep (a folder, tokenizer.json or tokenizer.model; None: the folder's own, see
+            `linattn.hf.tokenizer_import`).
 
     Returns:
         The step folder.
@@ -390,30 +419,34 @@ def import_fla(folder: PathLike, out: PathLike, *, overwrite: bool = False, step
     if cfg.get("model_type") not in _CONVERTERS:
         raise CheckpointError(f"unsupported fla model_type {cfg.get('model_type')!r} in {folder / 'config.json'}; "
                               f"the fla import supports: {', '.join(supported_types())}")
-    if out.exists() and (ckpt.has_checkpoint(out) or out.is_file()) and not overwrite:
-        raise CheckpointError(f"{out} already holds a checkpoint; pass --overwrite to replace it")
-    config, state = fla_to_linattn(cfg, read_fla_weights(folder))
-    tokenizer = None
-    if (folder / "tokenizer.json").is_file():
-        from ...data.tokenizer import TokenizerError, load_tokenizer
+    check_out(folder, out, overwrite)
 
-        try:
-            tokenizer = load_tokenizer(folder)
-        except TokenizerError as e:
-            # the weights are what is imported; a tokenizer linattn cannot use (e.g. one without <|endoftext|>)
-            # leaves the checkpoint without one, said out loud
-            warnings.warn(f"{e}: the checkpoint is written without a tokenizer (linattn reads byte-level BPE "
-                          f"tokenizer.json files with an <|endoftext|> token)", UserWarning, stacklevel=2)
-    if overwrite and out.is_dir():
-        for p in ckpt.list_checkpoints(out):
-            shutil.rmtree(p, ignore_errors=True)
-    n_params = sum(t.numel() for t in state.values())
-    return ckpt.save_checkpoint(out, int(step), None, state_dict={k: v.contiguous() for k, v in state.items()},
-                                model_config=config_to_dict(config), tokenizer=tokenizer,
-                                extra={"imported_from": str(folder), "fla_model_type": cfg["model_type"],
-                                       "n_params": n_params})
+    def write(run: Path) -> Path:
+        config, state = fla_to_linattn(cfg, read_fla_weights(folder))
+        tok = _fla_tokenizer(folder, config.vocab_size, tokenizer)
+        n_params = sum(t.numel() for t in state.values())
+        return ckpt.save_checkpoint(run, int(step), None, state_dict={k: v.contiguous() for k, v in state.items()},
+                                    model_config=config_to_dict(config), tokenizer=tok, keep_last=None,
+                                    extra={"imported_from": str(folder), "fla_model_type": cfg["model_type"],
+                                           "n_params": n_params})
 
+    return write_import(folder, out, overwrite, write)
+
+
+def _fla_tokenizer(folder: Path, vocab_size: int, explicit: Optional[PathLike]):
+    """`import_tokenizer`'s; the folder's own tokenizer that linattn cannot use is left out with a warning."""
+    from ...data.tokenizer import TokenizerError
+    from ..tokenizer_import import import_tokenizer
+
+    try:
+        return import_tokenizer(folder, vocab_size, explicit)
+    except TokenizerError as e:
+        # the weights are what is imported; a tokenizer linattn cannot use (e.g. one without an end-of-text token)
+        # leaves the checkpoint without one, said out loud
+        warnings.warn(f"{e}: the checkpoint is written without a tokenizer (pass one with --tokenizer)",
+                      UserWarning, stacklevel=3)
+        return None
 
 __all__ = ["MixerConversion", "FlaLayout", "LayerParams", "register_fla", "supported_types", "is_fla_folder",
            "import_fla", "fla_to_linattn", "read_fla_weights", "convert_attention", "attention_specs", "cfg_get",
-           "require", "ATTENTION_MIXER"]
+           "require", "refuse_non_float", "ATTENTION_MIXER"]

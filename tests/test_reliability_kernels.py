@@ -1,0 +1,219 @@
+"""Reliability of the compiled-kernel cache (issue 49.1, 49.2): a damaged, replaced or planted library is never
+mapped; what cannot be fixed by one rebuild runs the PyTorch path after one notice naming the file; the cache
+folder and its libraries must be the user's and not writable by others."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import linattn
+from linattn.cpu import build as cbuild, libcache
+
+HAVE_CC = shutil.which("cc") is not None
+pytestmark = pytest.mark.skipif(not HAVE_CC, reason="no C compiler (cc): the compiled CPU kernels cannot build")
+IS_ROOT = hasattr(os, "getuid") and os.getuid() == 0
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """A process state that has loaded, noticed and refused nothing, a private cache and a private home."""
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(cbuild, "_LOADED", {})
+    monkeypatch.setattr(cbuild, "_NOTICED", set())
+    monkeypatch.setattr(libcache, "_REFUSED", {})
+    monkeypatch.setattr(libcache, "_NOTICED", set())
+    monkeypatch.setattr(libcache, "_TEMP_ROOT", [])
+    (tmp_path / "home").mkdir(mode=0o700)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setenv("LINATTN_CACHE_DIR", str(cache))
+    return cache
+
+
+def _run_linear(env) -> subprocess.CompletedProcess:
+    code = textwrap.dedent("""
+        import torch, linattn
+        from linattn.cpu import build
+        torch.manual_seed(0)
+        q, k, v = torch.randn(3, 1, 9, 2, 4).unbind(0)
+        o = linattn.linear_attention(q, k, v, backend="cpu")[0]
+        ref = linattn.linear_attention(q, k, v, backend="torch")[0]
+        print("max_err", float((o - ref).abs().max()), "rebuilt", build.LAST_BUILD["linear"].get("rebuilt"))
+    """)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_truncated_library_is_rebuilt_not_mapped(fresh):
+    """Before: a truncated linear.so (a crash after the rename, before the data reached the disk) killed every
+    process with SIGBUS. After: it fails its build record and is rebuilt once; the call gives the right answer."""
+    lib = cbuild.build("linear")
+    full = lib.stat().st_size
+    env = dict(os.environ)
+    with open(lib, "r+b") as f:
+        f.truncate(full // 3)
+    r = _run_linear(env)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    words = r.stdout.split()
+    assert float(words[1]) < 1e-5 and "bytes" in r.stdout  # rebuilt because of the size
+    assert lib.stat().st_size == full and libcache.mismatch(lib) is None
+    lib.write_bytes(b"")  # a zero-length library: rebuilt too, not a notice in every process
+    r = _run_linear(env)
+    assert r.returncode == 0 and "not available" not in r.stderr and libcache.mismatch(lib) is None, r.stderr
+
+
+def test_build_fsyncs_before_the_rename(fresh, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(cbuild.os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                       real_fsync(fd)))
+    monkeypatch.setattr(cbuild.os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b)))
+    lib = cbuild.build("probe")
+    i_lib = events.index(("replace", str(lib)))
+    assert any(e[0] == "fsync" and cbuild.TMP_PREFIX in e[1] for e in events[:i_lib]), events  # the data first
+    assert ("fsync", str(lib.parent)) in events[i_lib:]  # then the folder holding the new name
+    assert json.loads(libcache.record_path(lib).read_text())["size"] == lib.stat().st_size
+
+
+def _forge_record(lib):
+    libcache.record_path(lib).write_text(json.dumps(libcache.describe(lib)))
+
+
+def test_library_without_a_symbol_falls_back_with_one_notice(fresh):
+    """Before: a library lacking an expected symbol raised a raw AttributeError from every call. After: one notice
+    naming the file and the symbols, the PyTorch path, and the record dropped so that the next process rebuilds."""
+    lib = cbuild.build("linear")
+    shutil.copyfile(cbuild.build("probe"), lib)  # a wrong library with a record that matches it
+    _forge_record(lib)
+    with pytest.warns(UserWarning, match=rf"{lib}.*does not export .*linattn_linear_abi_version"):
+        assert cbuild.load_library("linear") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = torch.randn(1, 6, 2, 4)
+        assert torch.equal(linattn.linear_attention(q, q, q)[0], linattn.linear_attention(q, q, q, backend="torch")[0])
+    assert not libcache.record_path(lib).exists()
+    r = _run_linear(dict(os.environ))  # the next process rebuilds it
+    assert r.returncode == 0 and "record" in r.stdout and libcache.mismatch(lib) is None, r.stdout + r.stderr
+
+
+def test_library_of_another_abi_version_is_not_bound(fresh, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(cbuild.CSRC, src)
+    text = (src / "gatednorm.c").read_text()
+    (src / "gatednorm.c").write_text(text.replace("linattn_gatednorm_abi_version(void) { return 1; }",
+                                                  "linattn_gatednorm_abi_version(void) { return 7; }"))
+    with pytest.warns(UserWarning, match=r"gatednorm\.so cannot be used: its ABI version is 7, these bindings need 1"):
+        assert cbuild.load_library("gatednorm", src) is None
+
+
+def test_every_source_exports_the_abi_its_bindings_need(fresh):
+    """Every csrc/*.c has a LIBRARIES entry, and the built library passes the interface check."""
+    sources = sorted(p.stem for p in cbuild.CSRC.glob("*.c"))
+    assert sources == sorted(cbuild.LIBRARIES)
+    for name in ("probe", "gatednorm"):
+        lib = cbuild.load_library(name)
+        assert lib is not None and cbuild.interface_problem(name, lib) is None
+
+
+@pytest.mark.parametrize("cc", ['gcc "', "'"])
+def test_unparsable_cc_is_one_notice_not_a_valueerror(fresh, monkeypatch, cc):
+    """Before: CC with an unbalanced quote raised a raw ValueError from every default-backend call."""
+    monkeypatch.setenv("CC", cc)
+    q = torch.randn(1, 5, 2, 4)
+    with pytest.warns(UserWarning, match=r"CC=.* cannot be split"):
+        assert cbuild.load_library("linear") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(linattn.linear_attention(q, q, q)[0], linattn.linear_attention(q, q, q, backend="torch")[0])
+
+
+# ------------------------------------------------------------------------------------ who may write the cache
+
+def test_cache_writable_by_others_is_refused(fresh, tmp_path):
+    """Before: a LINATTN_CACHE_DIR others can write was used as it is. After: one notice saying why, and the
+    build goes to ~/.cache/linattn, created with mode 0700."""
+    os.chmod(fresh, 0o777)
+    with pytest.warns(UserWarning, match=rf"not using the kernel cache {fresh}: .*writable by group and others"):
+        lib = cbuild.build("probe")
+    home_cache = tmp_path / "home" / ".cache" / "linattn"
+    assert lib.is_relative_to(home_cache) and stat.S_IMODE(home_cache.stat().st_mode) == 0o700
+    assert not (fresh / "cpu").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one notice per process
+        assert cbuild.build("probe") == lib
+
+
+def test_everything_unsafe_builds_into_a_private_temporary_folder(fresh, tmp_path):
+    os.chmod(fresh, 0o777)
+    home = tmp_path / "home"
+    (home / ".cache").mkdir()
+    os.chmod(home / ".cache", 0o777)  # others could rename ~/.cache/linattn away
+    with pytest.warns(UserWarning) as seen:
+        lib = cbuild.build("probe")
+    temp = libcache._TEMP_ROOT[0]
+    assert lib.is_relative_to(temp) and stat.S_IMODE(temp.stat().st_mode) == 0o700
+    text = " ".join(str(w.message) for w in seen)
+    assert str(fresh) in text and "sticky" in text and str(temp) in text
+
+
+PLANTED = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(MARKER, "w");
+    if (f) { fputs("ran", f); fclose(f); }
+}
+int linattn_probe_abi_version(void) { return 1; }
+int linattn_probe_threads(int n) { return n; }
+void linattn_probe_axpy(void) {}
+"""
+
+
+def _plant(folder, tmp_path):
+    """A probe library in the key folder this process would load, whose constructor leaves a marker file."""
+    marker = tmp_path / "planted-code-ran"
+    src = tmp_path / "planted.c"
+    src.write_text(PLANTED)
+    cc = tuple(cbuild.compiler())
+    key = cbuild._key(cbuild._sources("probe", cbuild.CSRC), cc, cbuild._compiler_version(cc))
+    target = folder / "cpu" / key / "probe.so"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cc", "-shared", "-fPIC", f'-DMARKER="{marker}"', str(src), "-o", str(target)], check=True)
+    _forge_record(target)
+    return target, marker
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="giving a file to another uid needs root (CI runs as root)")
+def test_library_owned_by_another_user_is_never_loaded(fresh, tmp_path):
+    """Before: a library another user placed at cpu/<key>/probe.so (the key is computable) was dlopened and its
+    code ran as the user. After: refused with one line saying why; the library is built elsewhere."""
+    target, marker = _plant(fresh, tmp_path)
+    os.chown(target, 12345, 12345)
+    with pytest.warns(UserWarning, match=r"probe\.so is owned by uid 12345, not by you"):
+        lib = cbuild.load_library("probe")
+    assert lib is not None and not marker.exists()
+    assert cbuild.LAST_BUILD["probe"]["path"] != str(target)
+
+
+def test_library_in_a_folder_others_can_write_is_never_loaded(fresh, tmp_path):
+    target, marker = _plant(fresh, tmp_path)
+    os.chmod(target.parent, 0o777)
+    with pytest.warns(UserWarning, match=r"writable by group and others"):
+        assert cbuild.load_library("probe") is not None
+    assert not marker.exists()
+
+
+def test_without_posix_owners_nothing_is_refused(fresh, monkeypatch):
+    """Where os.getuid does not exist (Windows) there are no owners or mode bits to check: nothing is refused."""
+    os.chmod(fresh, 0o777)
+    monkeypatch.delattr(os, "getuid")
+    assert libcache.untrusted(fresh) is None
+    assert libcache.trusted_root() == fresh
