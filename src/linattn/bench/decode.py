@@ -91,7 +91,7 @@ def build_models(a, names) -> Dict[str, torch.nn.Module]:
                 if isinstance(m, AttentionBase):
                     m.compiled_decode = False
         if name.endswith(BLOCK_SUFFIX):
-            model.compiled_decode = False   # block by block (layers/fast_decode.block_step)
+            model.compiled_decode = False   # block by block (models/decode_plan.block_token)
         out[name] = model
     return out
 

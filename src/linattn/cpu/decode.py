@@ -151,7 +151,7 @@ def linear_step(y: torch.Tensor, *, heads: Tuple[int, int, int, int], conv, fmap
 class BlockPlan(ctypes.Structure):
     """`linattn_block_plan` of csrc/decode.c: what a whole-block decoding step (`block_step`) needs besides the
     token and the state, fixed while the layer's parameters are. Pointer fields are data addresses (0: NULL);
-    `keep` holds the tensors they point into (set by the builder, layers/fast_decode.py)."""
+    `keep` holds the tensors they point into (set by the builder, models/decode_plan.py)."""
 
     _fields_ = ([(n, ctypes.c_int64) for n in ("B", "H", "HV", "K", "V", "d", "ny", "KC", "hid")]
                 + [(n, ctypes.c_int32) for n in ("kind", "conv_act", "dkind", "l2conv", "q_l2", "beta_mode", "gated",
@@ -181,7 +181,7 @@ def block_function(dtype: torch.dtype):
 class ModelPlan(ctypes.Structure):
     """`linattn_model_plan` of csrc/decode.c: a whole model's decoding step (`linattn_decode_model`): the embedding,
     L block plans, the final RMSNorm and the head, and where each layer's state and conv window sit in the
-    step's state / window buffers. Built in layers/fast_decode.py (`model_step`), which keeps what it points into."""
+    step's state / window buffers. Built in models/decode_plan.py (`model_step`), which keeps what it points into."""
 
     _fields_ = ([(n, ctypes.c_int64) for n in ("L", "B", "d", "vocab")]
                 + [("has_norm", ctypes.c_int32), ("nthreads", ctypes.c_int32), ("norm_eps", ctypes.c_double)]
