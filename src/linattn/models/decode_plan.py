@@ -230,7 +230,8 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=w.shape[0], KC=convs[0].kernel_size if convs else 0,
                               hid=down.in_features if down is not None else 0, kind=0 if desc.kind == "delta" else 1,
                               conv_act=int(bool(convs) and convs[0].activation is not None), scale=layer.scale,
-                              nthreads=max(1, torch.get_num_threads()), has_ffn=int(down is not None))
+                              nthreads=max(1, torch.get_num_threads()), has_ffn=int(down is not None),
+                              wbf16=int(wdt == torch.bfloat16))
     p.W, p.Wb = addr(w, wdt), addr(b)
     if convs:
         p.cw, p.cb = addr(cw.view(cw.shape[0], -1)), addr(cb)
@@ -432,7 +433,8 @@ class ModelPlanSlot:
     layouts of the step's state / window buffers by batch size, and the batch size the plan is set for. Not state:
     a copy or a pickle gets an empty slot, rebuilt on first use."""
 
-    __slots__ = ("plan", "fn", "keep", "guard", "B", "dtype", "specs", "layouts", "layout", "spent", "planref")
+    __slots__ = ("plan", "fn", "keep", "guard", "B", "dtype", "ldtype", "specs", "layouts", "layout", "spent",
+                 "planref")
 
     def __init__(self):
         self.plan = self.spent = None
@@ -506,7 +508,7 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
         specs.append(("delta" if plan.kind == 0 else "linear", HV, Kf, V, plan.KC, (H * K, H * K, HV * V)))
     norm = desc.norm
     mp = _cpu_decode.ModelPlan(L=len(plans), B=B, d=d, vocab=vocab, has_norm=int(norm is not None),
-                               nthreads=max(1, torch.get_num_threads()),
+                               nthreads=max(1, torch.get_num_threads()), wbf16=int(wdt == torch.bfloat16),
                                norm_eps=float(norm.eps) if norm is not None else 0.0)
     head_w = (desc.head if desc.head is not None else desc.embed).weight.detach()
     norm_w = None
@@ -521,7 +523,8 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     if not slot.guard.valid() or any(t.device.type != "cpu" for t in slot.guard.tensors):
         return False   # (a hook on a module the step would not call)
     slot.keep = (plans, keep, block_ptrs, desc.embed.weight, head_w, norm_w)
-    slot.fn, slot.dtype, slot.specs, slot.layouts = _cpu_decode.model_function(wdt), cdt, specs, {}
+    slot.fn, slot.dtype, slot.ldtype = _cpu_decode.model_function(cdt), cdt, wdt
+    slot.specs, slot.layouts = specs, {}
     slot.plan, slot.planref = mp, ctypes.byref(mp)
     slot.set_batch(B)
     return True
@@ -725,7 +728,7 @@ def model_step(model: nn.Module, ids: torch.Tensor, cache, logits_to_keep) -> Op
     slot.spent = None
     cdt = lo.dtype
     buf = torch.empty(lo.n_state + lo.n_win, dtype=cdt)
-    logits = torch.empty(B, 1, lo.vocab, dtype=cdt)
+    logits = torch.empty(B, 1, lo.vocab, dtype=slot.ldtype)
     aux = torch.empty((), dtype=torch.float32)   # zeroed by the call (torch.zeros costs a fill kernel's code)
     out_ptr = buf.data_ptr()
     rc = slot.fn(slot.planref, ids.data_ptr(), S_ptr, W_ptr, out_ptr,
