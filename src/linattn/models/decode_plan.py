@@ -276,7 +276,8 @@ def _block_guard(owner: nn.Module, desc: BlockDescription, plan) -> PlanGuard:
 
 
 def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Optional[torch.Tensor]:
-    """`block_token`'s compiled call, or None where it does not apply."""
+    """`block_token`'s compiled call, or None where it does not apply. A bf16 block computes in fp32 (its input
+    widened, its output rounded back to bf16, its state fp32)."""
     if torch.compiler.is_compiling() or not _cpu_decode.switched_on():
         return None
     slot = _slot(block, "_block_plan", BlockPlanSlot)
@@ -291,11 +292,11 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
         slot.guard = _block_guard(block, desc, plan)
         if not slot.guard.valid():
             return None
-        slot.plan, slot.fn, slot.wdtype = plan, _cpu_decode.block_function(x.dtype), x.dtype
+        slot.plan, slot.fn, slot.wdtype = plan, _cpu_decode.block_function(compute_dtype(x.dtype)), x.dtype
     plan = slot.plan
     layer = block._modules["mixer"]
     kind = "delta" if plan.kind == 0 else "linear"
-    B, d, cdt = x.shape[0], x.shape[2], x.dtype
+    B, d, cdt = x.shape[0], x.shape[2], compute_dtype(x.dtype)
     if plan.B != B:
         plan.B = B   # a new batch size: the same plan
     H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
@@ -327,8 +328,8 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
                 window = window.to(cdt).contiguous()
         w_out = torch.empty(B, Cc, W, dtype=cdt)
     xin = x.reshape(B, d)
-    if not xin.is_contiguous():
-        xin = xin.contiguous()
+    if xin.dtype != cdt or not xin.is_contiguous():
+        xin = xin.to(cdt).contiguous()
     x_out = torch.empty(B, 1, d, dtype=cdt)
     _cpu_decode.block_step(plan, slot.fn, xin, window, S, w_out, S_out, x_out)
     if kind == "delta":
@@ -340,7 +341,7 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
     if w_out is not None:
         _fast.store_conv_window(cache, (mods["q_conv"], mods["k_conv"], mods["v_conv"]), w_out)
     cache["offset"] = cache.offset + 1
-    return x_out
+    return x_out if x_out.dtype == x.dtype else x_out.to(x.dtype)
 
 
 def _torch_block(desc: BlockDescription, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
@@ -361,13 +362,13 @@ def block_token(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Optiona
     pre-norm block with a SwiGLU or no FFN, norms / FFN not exactly the library's, a hook); the described block runs
     as one compiled call (`linattn_decode_block`) where the mixer has a compiled step, in fp32 / fp64 / bf16
     weights, on the CPU, with the plan kept in the block (`BlockPlanSlot`, checked by its `PlanGuard`); else as
-    the same operations in PyTorch."""
+    the same operations in PyTorch (fp32 / fp64 only: a bf16 block not covered runs its usual path)."""
     if not (x.dim() == 3 and x.shape[1] == 1 and x.device.type == "cpu" and not torch.is_grad_enabled()):
         return None
-    if x.dtype not in (torch.float32, torch.float64):
+    if compute_dtype(x.dtype) is None:
         return None
     out = _compiled_block(block, x, cache)
-    if out is not None:
+    if out is not None or x.dtype == torch.bfloat16:
         return out
     desc = block.decode_description(x.dtype)
     return None if desc is None else _torch_block(desc, x, cache)
