@@ -347,7 +347,8 @@ def test_bench_decode_all_names_the_block_twin(tmp_path, monkeypatch):
     from linattn.cli import main
 
     count = ModelCount(monkeypatch)
-    rc = main(["bench", "decode", "--N", "16", "--mixers", "softmax,gated-deltanet", "--d-model", "16",
+    rc = main(["bench", "decode", "--N", "16", "--mixers", "softmax,gated-deltanet", "--bandwidth-mib", "16",
+               "--d-model", "16",
                "--n-heads", "2", "--n-layers", "1", "--vocab-size", "40", "--decode-steps", "2",
                "--decode-step", "all", "--out", str(tmp_path), "--quiet"])
     assert rc == 0
