@@ -15,7 +15,8 @@ The floor of a decoded token (the one definition `linattn bench decode` uses too
 Per round, every row in turn: one prefill of --prompt tokens (timed: prompt tok/s), then --decode greedy tokens
 on its cache (timed: decode tok/s), then one bandwidth pass; the table gives medians over --repeats rounds. The
 shapes: "qwen3.5-530m" (hidden 1024, 24 layers of 3 Gated DeltaNet : 1 gated softmax attention, Qwen3.5-0.8B's
-head layout, intermediate 3584, vocab 32k, tied head: 530M parameters) and "tiny" (for tests).
+head layout, intermediate 3584, vocab 32k, tied head: 530M parameters), "qwen3.5-small" (the same layout at width
+512, 8 layers, vocab 8k: 37M parameters, for a quick look) and "tiny" (for tests).
 
 llama.cpp: `--llama-bench PATH` with `--gguf FILE` (a GGUF of the same weights per dtype: `--gguf fp32=a.gguf
 bf16=b.gguf`) or `--llama-cpp DIR` (a llama.cpp source tree: its convert_hf_to_gguf.py converts the transformers
@@ -49,6 +50,8 @@ PROG = "linattn bench infer"
 SHAPES: Dict[str, Dict[str, int]] = {
     "qwen3.5-530m": dict(d=1024, layers=24, every=4, vocab=32000, inter=3584, lin_heads=16, lin_dim=128,
                          attn_heads=8, kv_heads=2, attn_dim=256),
+    "qwen3.5-small": dict(d=512, layers=8, every=4, vocab=8192, inter=1792, lin_heads=8, lin_dim=64, attn_heads=4,
+                          kv_heads=2, attn_dim=128),
     "tiny": dict(d=64, layers=4, every=4, vocab=256, inter=128, lin_heads=2, lin_dim=32, attn_heads=2, kv_heads=1,
                  attn_dim=32),
 }
