@@ -9,29 +9,12 @@ import torch
 
 from linattn.cpu import decode as cpu_decode
 from linattn.models import LanguageModel, LMConfig
+from tests.helpers import CompiledDecodeCalls, torch_decode_twin
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 
 VOCAB = 50
 MIXERS = ["gated-deltanet", "deltanet", "efla", "linear-elu+1", "retnet", "mamba2-gla"]
-
-
-class Calls:
-    """Counts the whole-model compiled calls."""
-
-    def __init__(self, monkeypatch):
-        self.n = 0
-        inner = cpu_decode.model_function
-
-        def model_function(dtype):
-            fn = inner(dtype)
-
-            def counted(*a):
-                self.n += 1
-                return fn(*a)
-            return counted
-
-        monkeypatch.setattr(cpu_decode, "model_function", model_function)
 
 
 def _bf16_model(mixer, d=32, **kw):
@@ -43,16 +26,6 @@ def _bf16_model(mixer, d=32, **kw):
             if n.endswith("bias") or "norm" in n or "A_log" in n:
                 p.add_(0.1 * torch.randn_like(p))
     return model.to(torch.bfloat16).eval()
-
-
-def _torch_twin(model, dtype=None):
-    twin = copy.deepcopy(model)
-    if dtype is not None:
-        twin.to(dtype)
-    for m in twin.modules():
-        if hasattr(m, "compiled_decode"):
-            m.compiled_decode = False
-    return twin
 
 
 def _decode(model, ids, prefill=0):
@@ -88,11 +61,11 @@ def test_bf16_step_equals_the_fp32_step_on_rounded_weights(mixer, B, monkeypatch
     the logits the fp32 logits rounded to bf16."""
     model = _bf16_model(mixer)
     ref_model = copy.deepcopy(model).float()
-    calls = Calls(monkeypatch)
+    calls = CompiledDecodeCalls(monkeypatch)
     ids = _ids(B, 8)
     got, cache = _decode(model, ids)
     ref, ref_cache = _decode(ref_model, ids)
-    assert calls.n == 2 * 8 and got.dtype == torch.bfloat16 and got.shape == ref.shape
+    assert calls.model == 2 * 8 and got.dtype == torch.bfloat16 and got.shape == ref.shape
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -8, atol=1e-6)
     for s, r in zip(_states(cache), _states(ref_cache)):
         assert s.dtype == torch.float32
@@ -102,11 +75,11 @@ def test_bf16_step_equals_the_fp32_step_on_rounded_weights(mixer, B, monkeypatch
 def test_bf16_widths_off_the_vector_path_and_untied_head(monkeypatch):
     """d = 40 (rows not a multiple of a 64-byte line of bf16: the scalar loops), an untied head, no final norm."""
     model = _bf16_model("gated-deltanet", d=40, tie_embeddings=False, final_norm=False)
-    calls = Calls(monkeypatch)
+    calls = CompiledDecodeCalls(monkeypatch)
     ids = _ids(2, 6)
     got, cache = _decode(model, ids)
     ref, ref_cache = _decode(copy.deepcopy(model).float(), ids)
-    assert calls.n == 2 * 6
+    assert calls.model == 2 * 6
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -8, atol=1e-6)
     for s, r in zip(_states(cache), _states(ref_cache)):
         torch.testing.assert_close(s, r, rtol=1e-6, atol=1e-7)
@@ -118,13 +91,13 @@ def test_bf16_step_against_the_pytorch_bf16_model(mixer, monkeypatch):
     and states) decode the same tokens; against an fp64 copy of the same weights the compiled step is no further
     off than PyTorch's (it keeps fp32 activations and states), and both are close."""
     model = _bf16_model(mixer)
-    twin = _torch_twin(model)
-    exact = _torch_twin(model, torch.float64)
-    calls = Calls(monkeypatch)
+    twin = torch_decode_twin(model)
+    exact = torch_decode_twin(model, torch.float64)
+    calls = CompiledDecodeCalls(monkeypatch)
     ids = _ids(2, 12, seed=4)
     got, cache = _decode(model, ids, prefill=4)
     ref, _ = _decode(twin, ids, prefill=4)
-    assert calls.n == 8   # the model's 8 decoded tokens (the twin's are PyTorch's)
+    assert calls.model == 8   # the model's 8 decoded tokens (the twin's are PyTorch's)
     truth, _ = _decode(exact, ids, prefill=4)
     scale = truth.abs().max()
     err_got = (got.double() - truth).abs().max() / scale
@@ -144,20 +117,6 @@ def test_bf16_nan_stays_in_its_row():
     assert torch.isnan(got[0]).all() and torch.isfinite(got[1]).all()
 
 
-class BlockCalls:
-    """Counts the per-block compiled calls."""
-
-    def __init__(self, monkeypatch):
-        self.n = 0
-        inner = cpu_decode.block_step
-
-        def block_step(*a):
-            self.n += 1
-            return inner(*a)
-
-        monkeypatch.setattr(cpu_decode, "block_step", block_step)
-
-
 @pytest.mark.parametrize("linear", ["gated-deltanet", "linear-elu+1"])
 def test_bf16_softmax_hybrid_decodes_its_linear_blocks_compiled(linear, monkeypatch):
     """A bf16 hybrid with a softmax layer has no whole-model plan: its linear blocks take the per-block compiled
@@ -165,16 +124,16 @@ def test_bf16_softmax_hybrid_decodes_its_linear_blocks_compiled(linear, monkeypa
     logits as close to an fp64 copy as the PyTorch bf16 model's (both at bf16's rounding), and the first block's
     state after one token the fp32 PyTorch step's on the rounded weights (to 1e-6: only the sums' order differs)."""
     hybrid = _bf16_model([linear, "softmax"])
-    calls, blocks = Calls(monkeypatch), BlockCalls(monkeypatch)
+    calls = CompiledDecodeCalls(monkeypatch)
     ids = _ids(2, 10, seed=5)
     got, cache = _decode(hybrid, ids, prefill=3)
-    assert calls.n == 0 and blocks.n == 7
-    ref, _ = _decode(_torch_twin(hybrid), ids, prefill=3)
-    truth, _ = _decode(_torch_twin(hybrid, torch.float64), ids, prefill=3)
+    assert calls.model == 0 and calls.block == 7
+    ref, _ = _decode(torch_decode_twin(hybrid), ids, prefill=3)
+    truth, _ = _decode(torch_decode_twin(hybrid, torch.float64), ids, prefill=3)
     scale = truth.abs().max()
     err_got, err_ref = ((t.double() - truth).abs().max() / scale for t in (got, ref))
     assert err_got <= 2 * err_ref + 2 ** -8 and err_got < 0.02
     assert _states(cache)[0].dtype == torch.float32
-    _, cache32 = _decode(_torch_twin(hybrid).float(), ids[:, :1])
+    _, cache32 = _decode(torch_decode_twin(hybrid).float(), ids[:, :1])
     _, cache1 = _decode(hybrid, ids[:, :1])
     torch.testing.assert_close(_states(cache1)[0], _states(cache32)[0].float(), rtol=1e-6, atol=1e-7)

@@ -1,8 +1,6 @@
 """The decode plan (models/decode_plan.py): one guard (`PlanGuard`) with a test per invalidation cause, a change of
 batch size without a rebuild, and a plan built from a description of blocks that a model other than
 `LanguageModel` gives."""
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
@@ -11,6 +9,7 @@ from linattn.cpu import decode as cpu_decode
 from linattn.layers import RMSNorm, SwiGLU
 from linattn.models import LanguageModel, LMConfig, decode_plan
 from linattn.models.registry import build_mixer
+from tests.helpers import CompiledDecodeCalls, torch_decode_twin
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 VOCAB = 40
@@ -26,14 +25,6 @@ def _model(mixer="gated-deltanet", dtype=torch.float32, **kw):
     return model.eval()
 
 
-def _torch_twin(model):
-    twin = copy.deepcopy(model)
-    for m in twin.modules():
-        if hasattr(m, "compiled_decode"):
-            m.compiled_decode = False
-    return twin
-
-
 def _ids(B, T=7, seed=1):
     return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
 
@@ -45,24 +36,6 @@ def _generate(model, ids, prefill=3):
         for t in range(prefill, ids.shape[1]):
             logits.append(model(ids[:, t:t + 1], cache=cache).logits)
     return torch.cat(logits, 1)
-
-
-class Calls:
-    """Counts the whole-model compiled calls."""
-
-    def __init__(self, monkeypatch):
-        self.n = 0
-        inner = cpu_decode.model_function
-
-        def model_function(dtype):
-            fn = inner(dtype)
-
-            def counted(*a):
-                self.n += 1
-                return fn(*a)
-            return counted
-
-        monkeypatch.setattr(cpu_decode, "model_function", model_function)
 
 
 def _set_bias(model):
@@ -137,7 +110,7 @@ def test_guard_invalidates_for_each_cause(cause):
     CAUSES[cause](model)
     assert not guard.valid()
     model.eval()   # (train mode: the guard saw it; decode in eval as the reference)
-    ref = _generate(_torch_twin(model), ids)
+    ref = _generate(torch_decode_twin(model), ids)
     got = _generate(model, ids)
     tol = 1e-12 if got.dtype == torch.float64 else 2e-5
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
@@ -165,7 +138,7 @@ def test_unchanged_model_keeps_its_plan_and_an_in_place_update_of_a_direct_weigh
     either, and the next token reads the new values. (A new cache clears the fused weights: `new_cache`.)"""
     model = _model()
     ids = _ids(1, T=6)
-    twin = _torch_twin(model)
+    twin = torch_decode_twin(model)
     with torch.no_grad():
         cache, ref_cache = model(ids[:, :2], use_cache=True).cache, twin(ids[:, :2], use_cache=True).cache
         model(ids[:, 2:3], cache=cache)
@@ -188,8 +161,8 @@ def test_batch_change_needs_no_rebuild(mixer, per_block, monkeypatch):
     whole-model step and on the per-block one."""
     model = _model(mixer)
     model.compiled_decode = not per_block
-    twin = _torch_twin(model)
-    calls = Calls(monkeypatch)
+    twin = torch_decode_twin(model)
+    calls = CompiledDecodeCalls(monkeypatch)
     ids = _ids(3, T=4)
     rows = [torch.tensor(r) for r in ([0, 2], [1, 1, 0, 0], [2], [0, 0, 0])]
     with torch.no_grad():
@@ -206,7 +179,7 @@ def test_batch_change_needs_no_rebuild(mixer, per_block, monkeypatch):
             torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
             tok = ref.argmax(-1)
     assert decode_plan.rebuilds[0] == built
-    assert calls.n == (0 if per_block else 5)
+    assert calls.model == (0 if per_block else 5)
 
 
 class _OtherModel(nn.Module):
@@ -245,13 +218,13 @@ def test_plan_built_from_a_description_of_another_model(monkeypatch):
     the logits and states of its own forward."""
     from linattn.layers import Cache
     model = _OtherModel().eval()
-    calls = Calls(monkeypatch)
+    calls = CompiledDecodeCalls(monkeypatch)
     ids = _ids(2, T=6)
     with torch.no_grad():
         ref_cache, fast_cache = Cache(2), Cache(2)
         ref = torch.cat([model(ids[:, t:t + 1], ref_cache) for t in range(6)], 1)
         got = [decode_plan.model_step(model, ids[:, t:t + 1], fast_cache, 0) for t in range(6)]
-    assert all(g is not None for g in got) and calls.n == 6
+    assert all(g is not None for g in got) and calls.model == 6
     torch.testing.assert_close(torch.cat([g[0] for g in got], 1), ref, rtol=2e-5, atol=2e-5)
     for i in range(2):
         torch.testing.assert_close(fast_cache.layer(i, "mixer")["state"], ref_cache.layer(i, "mixer")["state"],
@@ -260,4 +233,4 @@ def test_plan_built_from_a_description_of_another_model(monkeypatch):
     other.decode_description = lambda: None   # a model that cannot describe itself: no compiled call
     with torch.no_grad():
         assert decode_plan.model_step(other, ids[:, :1], Cache(2), 0) is None
-    assert calls.n == 6
+    assert calls.model == 6
