@@ -231,6 +231,11 @@ def test_plan_built_from_a_description_of_another_model(monkeypatch):
                                    rtol=2e-5, atol=2e-5)
     other = _OtherModel().eval()
     other.decode_description = lambda: None   # a model that cannot describe itself: no compiled call
+    parallel = _OtherModel().eval()
+    desc = parallel.decode_description()
+    desc.blocks[1].residual = "parallel"      # a residual order the compiled block does not compute
+    parallel.decode_description = lambda: desc
     with torch.no_grad():
         assert decode_plan.model_step(other, ids[:, :1], Cache(2), 0) is None
+        assert decode_plan.model_step(parallel, ids[:, :1], Cache(2), 0) is None
     assert calls.model == 6

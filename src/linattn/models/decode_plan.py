@@ -71,14 +71,16 @@ class BlockDescription:
         ffn_gate_up: The FFN's fused gate | up projection `[2 * hidden, d]` (an nn.Linear), or None.
         ffn_down: The FFN's down projection `[d, hidden]`, or None.
         modules: Every module whose forward the plan computes instead of calling it (checked for hooks).
+        residual: The residual order: "prenorm" (above; the only one with a compiled plan).
     """
 
-    __slots__ = ("mixer", "kind", "norm1", "norm2", "ffn", "ffn_gate_up", "ffn_down", "modules")
+    __slots__ = ("mixer", "kind", "norm1", "norm2", "ffn", "ffn_gate_up", "ffn_down", "modules", "residual")
 
     def __init__(self, mixer, kind: str, norm1, norm2=None, ffn: Optional[str] = None, ffn_gate_up=None,
-                 ffn_down=None, modules: Sequence[nn.Module] = ()):
+                 ffn_down=None, modules: Sequence[nn.Module] = (), residual: str = "prenorm"):
         self.mixer, self.kind, self.norm1, self.norm2 = mixer, kind, norm1, norm2
         self.ffn, self.ffn_gate_up, self.ffn_down, self.modules = ffn, ffn_gate_up, ffn_down, tuple(modules)
+        self.residual = residual
 
 
 class ModelDescription:
@@ -208,7 +210,8 @@ def _compiled_mixer(desc: BlockDescription, wdt: torch.dtype):
 def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     """A BlockPlan (holding what it points into in `plan.keep`) for the described block at batch B with weights in
     wdt, or None when the compiled block step does not cover it."""
-    if desc.ffn not in (None, "swiglu") or compute_dtype(wdt) is None or not _cpu_decode.available():
+    if (desc.residual != "prenorm" or desc.ffn not in (None, "swiglu") or compute_dtype(wdt) is None
+            or not _cpu_decode.available()):
         return None
     lins = _compiled_mixer(desc, wdt)
     if lins is None or _fast.hooked(*desc.mixer.modules()):
@@ -344,8 +347,11 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
     return x_out if x_out.dtype == x.dtype else x_out.to(x.dtype)
 
 
-def _torch_block(desc: BlockDescription, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-    """The described block's operations in PyTorch for one token (the mixer's own fast step inside)."""
+def _torch_block(desc: BlockDescription, x: torch.Tensor, cache: LayerCache) -> Optional[torch.Tensor]:
+    """The described block's operations in PyTorch for one token (the mixer's own fast step inside); None for a
+    residual order other than pre-norm."""
+    if desc.residual != "prenorm" or desc.ffn not in (None, "swiglu"):
+        return None
     n1, n2 = desc.norm1, desc.norm2
     h = x + desc.mixer(F.rms_norm(x, (x.shape[-1],), n1.weight, n1.eps), cache=cache)
     if desc.ffn_down is None:
