@@ -439,3 +439,13 @@ def _linear_step_compiled(layer, cache: LayerCache, st: Optional[LinearAttention
 
 #: the fast steps by the kind a layer's `fast_step_kind()` names: step(layer, x, cache, lins) -> output or None
 STEPS: Dict[str, Callable] = {"delta": _delta_step, "linear": _linear_step}
+
+
+class BlockPlanSlot:
+    """An empty stand-in, so that a model pickled whole before the block plans moved to `models/decode_plan.py` (its
+    layers held a slot of this name) still loads; nothing reads it."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (BlockPlanSlot, ())
