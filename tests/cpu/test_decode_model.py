@@ -12,6 +12,7 @@ import torch
 from linattn.cpu import decode as cpu_decode
 from linattn.errors import LinattnError
 from linattn.models import LanguageModel, LMConfig
+from tests.helpers import CompiledDecodeCalls
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 
@@ -20,27 +21,7 @@ MIXERS = ["linear-elu+1", "deltanet", "gated-deltanet", "efla", "efla-adaptive",
 VOCAB = 50
 
 
-class ModelCount:
-    """Counts the whole-model compiled calls and the per-block ones."""
-
-    def __init__(self, monkeypatch):
-        self.model = self.block = 0
-        inner_fn, inner_block = cpu_decode.model_function, cpu_decode.block_step
-
-        def model_function(dtype):
-            fn = inner_fn(dtype)
-
-            def counted(*a):
-                self.model += 1
-                return fn(*a)
-            return counted
-
-        def block_step(*a):
-            self.block += 1
-            return inner_block(*a)
-
-        monkeypatch.setattr(cpu_decode, "model_function", model_function)
-        monkeypatch.setattr(cpu_decode, "block_step", block_step)
+ModelCount = CompiledDecodeCalls   # counts the whole-model compiled calls (.model) and the per-block ones (.block)
 
 
 def _model(mixer, dtype=torch.float32, layers=2, **kw):
