@@ -199,3 +199,42 @@ def run_fresh_python(code: str) -> None:
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+class CompiledDecodeCalls:
+    """Counts the compiled decoding calls (monkeypatched entry points of linattn.cpu.decode): `model`, the whole-model
+    calls; `block`, the per-block ones."""
+
+    def __init__(self, monkeypatch):
+        from linattn.cpu import decode as cpu_decode
+
+        self.model = self.block = 0
+        inner_fn, inner_block = cpu_decode.model_function, cpu_decode.block_step
+
+        def model_function(dtype):
+            fn = inner_fn(dtype)
+
+            def counted(*a):
+                self.model += 1
+                return fn(*a)
+            return counted
+
+        def block_step(*a):
+            self.block += 1
+            return inner_block(*a)
+
+        monkeypatch.setattr(cpu_decode, "model_function", model_function)
+        monkeypatch.setattr(cpu_decode, "block_step", block_step)
+
+
+def torch_decode_twin(model, dtype=None):
+    """A copy of `model` (in dtype) whose layers decode with the PyTorch step (every `compiled_decode` off)."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    if dtype is not None:
+        twin.to(dtype)
+    for m in twin.modules():
+        if hasattr(m, "compiled_decode"):
+            m.compiled_decode = False
+    return twin

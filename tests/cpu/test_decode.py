@@ -239,7 +239,8 @@ def test_layer_switch_and_bench_decode_both(tmp_path, capsys, monkeypatch):
     count = Count(monkeypatch)
     _decode(layer, torch.randn(1, 2, 32))
     assert count.n == 0
-    rc = main(["bench", "decode", "--N", "16", "--mixers", "softmax,gated-deltanet", "--d-model", "16",
+    rc = main(["bench", "decode", "--N", "16", "--mixers", "softmax,gated-deltanet", "--bandwidth-mib", "16",
+               "--d-model", "16",
                "--n-heads", "2", "--n-layers", "1", "--vocab-size", "40", "--decode-steps", "2",
                "--decode-step", "both", "--out", str(tmp_path), "--quiet"])
     assert rc == 0

@@ -12,6 +12,7 @@ import torch
 from linattn.cpu import decode as cpu_decode
 from linattn.errors import LinattnError
 from linattn.models import LanguageModel, LMConfig
+from tests.helpers import CompiledDecodeCalls
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 
@@ -20,27 +21,7 @@ MIXERS = ["linear-elu+1", "deltanet", "gated-deltanet", "efla", "efla-adaptive",
 VOCAB = 50
 
 
-class ModelCount:
-    """Counts the whole-model compiled calls and the per-block ones."""
-
-    def __init__(self, monkeypatch):
-        self.model = self.block = 0
-        inner_fn, inner_block = cpu_decode.model_function, cpu_decode.block_step
-
-        def model_function(dtype):
-            fn = inner_fn(dtype)
-
-            def counted(*a):
-                self.model += 1
-                return fn(*a)
-            return counted
-
-        def block_step(*a):
-            self.block += 1
-            return inner_block(*a)
-
-        monkeypatch.setattr(cpu_decode, "model_function", model_function)
-        monkeypatch.setattr(cpu_decode, "block_step", block_step)
+ModelCount = CompiledDecodeCalls   # counts the whole-model compiled calls (.model) and the per-block ones (.block)
 
 
 def _model(mixer, dtype=torch.float32, layers=2, **kw):
@@ -347,7 +328,8 @@ def test_bench_decode_all_names_the_block_twin(tmp_path, monkeypatch):
     from linattn.cli import main
 
     count = ModelCount(monkeypatch)
-    rc = main(["bench", "decode", "--N", "16", "--mixers", "softmax,gated-deltanet", "--d-model", "16",
+    rc = main(["bench", "decode", "--N", "16", "--mixers", "softmax,gated-deltanet", "--bandwidth-mib", "16",
+               "--d-model", "16",
                "--n-heads", "2", "--n-layers", "1", "--vocab-size", "40", "--decode-steps", "2",
                "--decode-step", "all", "--out", str(tmp_path), "--quiet"])
     assert rc == 0

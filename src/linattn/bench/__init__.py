@@ -30,6 +30,8 @@ BENCHMARKS: Dict[str, Tuple[str, str]] = {
                                                "(paper Fig. 9), vs softmax+KV cache and a linear LM"),
     "decode": ("linattn.bench.decode",
                "per-token decode latency and cache bytes vs context, each mixer vs softmax+KV cache"),
+    "infer": ("linattn.bench.infer", "CPU inference of one model shape: prompt / decode tok/s and decode over the "
+                                     "memory floor, linattn vs transformers (+ kernelize), fp32 / bf16, llama.cpp"),
     "vision": ("linattn.bench.vision", "YOLO-LAT necks: parameters, FLOPs, CPU latency per image at 320/640, "
                                        "neck cost vs grid size"),
     "gpu": ("linattn.bench.gpu", "the prepared GPU check: kernels vs PyTorch, compute-sanitizer, timings vs SDPA "

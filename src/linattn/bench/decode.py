@@ -9,9 +9,12 @@ Per context N and mixer:
   (linear mixers: one recurrent step on their constant-size state; softmax: one token against
   a KV cache of N tokens);
 * cache bytes: `cache.nbytes()` (every tensor the cache holds, capacity included);
-* floor: the model's matrix-vector floor, one `W @ x` (torch.mv) over every 2-D weight (the tied
-  embedding / head once), timed right after each of its decoding steps: a step at batch 1 reads
-  every weight once, so this is its memory-bound floor on this machine; the table gives step / floor;
+* floor: the floor of `linattn bench infer` (one definition): the bytes a decoded token reads (every weight
+  once in its stored dtype, the embedding as one row, a tied head once) over the read bandwidth measured by
+  summing a buffer of at least 4x the last-level cache, once per context N between the models' timings; the
+  table gives step / floor;
+* mv: one `W @ x` (torch.mv) over every 2-D weight, timed right after each decoding step (what torch's own
+  matrix-vector products take to read the same weights);
 * prefill tok/s: the N + 1 prompt tokens over the prefill time.
 
 The softmax baseline's KV cache is preallocated (capacity N + the steps, in-place appends), and
@@ -69,6 +72,8 @@ def add_arguments(p) -> None:
                         "fast step), both (each mixer twice, the PyTorch one named <mixer>+torch, interleaved), all "
                         "(also <mixer>+block: one compiled call per block; default auto)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
+    p.add_argument("--bandwidth-mib", type=int_at_least(1), default=None,
+                   help="size of the floor's bandwidth buffer (default: 4x the last-level cache, at least 64 MiB)")
     p.add_argument("--out", default=None, help="output folder (default results/bench/decode/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--quiet", action="store_true", help="no per-case progress on stderr")
@@ -91,7 +96,7 @@ def build_models(a, names) -> Dict[str, torch.nn.Module]:
                 if isinstance(m, AttentionBase):
                     m.compiled_decode = False
         if name.endswith(BLOCK_SUFFIX):
-            model.compiled_decode = False   # block by block (layers/fast_decode.block_step)
+            model.compiled_decode = False   # block by block (models/decode_plan.block_token)
         out[name] = model
     return out
 
@@ -133,8 +138,9 @@ def _header_lines(a, info: Dict[str, Any]) -> List[str]:
             f"prefill timed up to N = {a.max_miss_softmax or 'any'}",
             f"timing   decode: median of {a.decode_steps} steps after 1 warm-up, models interleaved; "
             f"{torch.get_num_threads()} thread(s)",
-            "floor    after each step, one torch.mv over every 2-D weight of that model (its memory-bound "
-            "floor); step/floor = median decode / median floor"]
+            "floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth (a sum over >= 4x "
+            "the LLC, once per N); step/floor = median decode / floor; mv = one torch.mv over every 2-D weight after "
+            "each step"]
 
 
 @torch.no_grad()
@@ -145,11 +151,26 @@ def _warm_up(models: Dict[str, torch.nn.Module], a, smallest_N: int) -> None:
 
 
 def _measure_all(models: Dict[str, torch.nn.Module], Ns: Sequence[int], a, sync, log):
-    """Every N's records and the seconds they took."""
+    """Every N's records and the seconds they took; each record's floor is `bench infer`'s (decode bytes / the read
+    bandwidth measured right after that N's timings)."""
+    from .infer import ReadBandwidth, model_decode_bytes
+
     t0 = time.perf_counter()
+    bw = ReadBandwidth(None if getattr(a, "bandwidth_mib", None) is None else a.bandwidth_mib << 20)
+    nbytes = {name: model_decode_bytes(m) for name, m in models.items()}
     records: List[Dict[str, Any]] = []
     for N in Ns:
-        records += measure_N(models, N, a, sync, log, matvec_floor=True)
+        recs = measure_N(models, N, a, sync, log, matvec_floor=True)
+        rate = bw.once()
+        for rec in recs:
+            if "error" in rec or rec.get("model") not in nbytes:
+                continue
+            rec["decode_bytes"], rec["bandwidth_gbs"] = nbytes[rec["model"]], rate / 1e9
+            rec["floor_ms"] = nbytes[rec["model"]] / rate * 1e3
+            hit = rec.get("hit")
+            if isinstance(hit, dict):
+                rec["step_over_floor"] = hit["median_ms"] / rec["floor_ms"]
+        records += recs
     return records, time.perf_counter() - t0
 
 
@@ -203,11 +224,12 @@ def _report(names: Sequence[str], Ns: Sequence[int], get, elapsed: float) -> str
     """The table, then the claim to check: linear mixers decode in constant time and memory,
     softmax grows with N."""
     rows = [[name, N, common.fmt_ms(get(name, N, "miss")), _tok_per_s(N, get(name, N, "miss")),
-             common.fmt_ms(get(name, N, "hit")), common.fmt_ms(get(name, N, "matvec_floor")),
-             _fmt_ratio(get(name, N, "step_over_floor")), fmt_mib(get(name, N, "cache_bytes"))]
+             common.fmt_ms(get(name, N, "hit")), common.fmt_ms(get(name, N, "floor_ms")),
+             _fmt_ratio(get(name, N, "step_over_floor")), common.fmt_ms(get(name, N, "matvec_floor")),
+             fmt_mib(get(name, N, "cache_bytes"))]
             for name in names for N in Ns]
     table = common.format_table(["mixer", "N", "prefill ms", "prefill tok/s", "decode ms/token", "floor ms",
-                                 "step/floor", "cache MiB"], rows)
+                                 "step/floor", "mv ms", "cache MiB"], rows)
     lines = [table, ""] + _growth_lines(names, Ns, get) + _speedup_lines(names, Ns, get)
     lines.append(f"\nelapsed {elapsed:.0f} s")
     return "\n".join(lines)

@@ -151,12 +151,13 @@ def linear_step(y: torch.Tensor, *, heads: Tuple[int, int, int, int], conv, fmap
 class BlockPlan(ctypes.Structure):
     """`linattn_block_plan` of csrc/decode.c: what a whole-block decoding step (`block_step`) needs besides the
     token and the state, fixed while the layer's parameters are. Pointer fields are data addresses (0: NULL);
-    `keep` holds the tensors they point into (set by the builder, layers/fast_decode.py)."""
+    `keep` holds the tensors they point into (set by the builder, models/decode_plan.py). `wbf16` (float32 plans):
+    the matrices W, Wo, Wgu and Wd are stored as bfloat16, read with fp32 accumulation."""
 
     _fields_ = ([(n, ctypes.c_int64) for n in ("B", "H", "HV", "K", "V", "d", "ny", "KC", "hid")]
                 + [(n, ctypes.c_int32) for n in ("kind", "conv_act", "dkind", "l2conv", "q_l2", "beta_mode", "gated",
                                                  "fmap", "gate_kind", "normalize", "nonneg", "has_norm", "has_gate",
-                                                 "has_ffn", "nthreads", "pad_")]
+                                                 "has_ffn", "nthreads", "wbf16")]
                 + [(n, ctypes.c_double) for n in ("l2eps", "scale", "eps", "norm_eps", "n1eps", "n2eps")]
                 + [(n, ctypes.c_void_p) for n in ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay",
                                                   "nw", "Wo", "n2w", "Wgu", "bgu", "Wd", "bd")])
@@ -181,16 +182,19 @@ def block_function(dtype: torch.dtype):
 class ModelPlan(ctypes.Structure):
     """`linattn_model_plan` of csrc/decode.c: a whole model's decoding step (`linattn_decode_model`): the embedding,
     L block plans, the final RMSNorm and the head, and where each layer's state and conv window sit in the
-    step's state / window buffers. Built in layers/fast_decode.py (`model_step`), which keeps what it points into."""
+    step's state / window buffers. Built in models/decode_plan.py (`model_step`), which keeps what it points into.
+    `wbf16` (float32 plans): the embedding and head are bfloat16 too, and the logits are written as bfloat16."""
 
     _fields_ = ([(n, ctypes.c_int64) for n in ("L", "B", "d", "vocab")]
-                + [("has_norm", ctypes.c_int32), ("nthreads", ctypes.c_int32), ("norm_eps", ctypes.c_double)]
+                + [(n, ctypes.c_int32) for n in ("has_norm", "nthreads", "wbf16", "pad_")]
+                + [("norm_eps", ctypes.c_double)]
                 + [(n, ctypes.c_void_p) for n in ("embed", "norm_w", "head", "blocks", "s_off", "w_off")])
 
 
 def model_function(dtype: torch.dtype):
-    """The compiled whole-model step for dtype (float32 / float64): fn(byref(plan), ids, S_in, w_in, S_out, w_out,
-    logits, aux) -> 0, 1 (out of memory) or 2 (a token id out of range; nothing written); aux (a float32 scalar, or
-    None) is set to 0 on success; None when the kernels are off or absent."""
+    """The compiled whole-model step for dtype (float32 / float64, the compute dtype: a bf16 plan is float32):
+    fn(byref(plan), ids, S_in, w_in, S_out, w_out, logits, aux) -> 0, 1 (out of memory) or 2 (a token id out of
+    range; nothing written); aux (a float32 scalar, or None) is set to 0 on success; None when the kernels are off
+    or absent."""
     lib = _library()
     return None if lib is None else getattr(lib, f"linattn_decode_model_{_SFX[dtype]}")

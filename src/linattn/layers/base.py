@@ -135,7 +135,6 @@ class AttentionBase(nn.Module):
         self.g_proj = nn.Linear(d_model, HV * Dv, bias=False) if output_gate else None
         # single-token decoding (fast_decode.py): concatenated projection / conv weights, not parameters
         self._fused = FusedParams()
-        self._block_plan = _fast.BlockPlanSlot()   # the whole-block step's plan (fast_decode.block_step)
 
     # -- pieces ------------------------------------------------------------------------------
     def _qkv(self, x: torch.Tensor, cache: Optional[LayerCache],

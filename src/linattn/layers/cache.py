@@ -351,11 +351,11 @@ class Cache:
     #: whether crop / snapshot / restore / reorder see the whole state (the layers and seen_tokens). A subclass
     #: that keeps more (TLinFormerCache: token ids, window bookkeeping) must opt in after handling it.
     state_ops = True
-    #: the whole-model decoding step's buffers (layers/fast_decode.ModelFastState), valid only while the layers'
+    #: the whole-model decoding step's buffers (models/decode_plan.ModelFastState), valid only while the layers'
     #: entries are still the views it made of them; never state (an operation that replaces entries makes it stale)
     fast: Any = None
     #: tokens the whole-model decoding step ran but has not yet written into the layers' entries
-    #: (layers/fast_decode.ModelPending, with `apply(cache)`): reading `layers` applies them first, so every reader
+    #: (models/decode_plan.ModelPending, with `apply(cache)`): reading `layers` applies them first, so every reader
     #: sees the entries as if they were written token by token; never state of its own (a copy copies it along)
     pending: Any = None
     #: `model_layout(config, dtype)` of the model that made the cache (`LanguageModel.new_cache`), None when unknown:

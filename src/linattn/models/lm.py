@@ -30,10 +30,10 @@ from ..layers import Cache, RMSNorm, SwiGLU, check_cu_seqlens
 from ..layers.base import hooked
 from ..layers.cache import model_layout
 from ..layers.common import FusedParams
-from ..layers.fast_decode import block_step as fast_block_step, model_step as fast_model_step
 from ..layers.rwkv7 import RWKV7ChannelMix
 from ..ops._common import check_values
 from .config import LMConfig
+from .decode_plan import BlockDescription, ModelDescription, block_token, model_step
 from .family import CausalLM, register_family
 from .generation import join_generated, stream_tokens
 from .lobe import MemoryLobe
@@ -142,26 +142,30 @@ class Block(nn.Module):
                             cu_seqlens=cu_seqlens), None
         return self.ffn(h), None
 
-    def fast_parts(self, x: torch.Tensor):
-        """(norm1, norm2, ffn) when `forward` may run one decoded token inline (prenorm, SwiGLU or no FFN,
-        no memory lobe; norms and FFN exactly the library's, without hooks, in x's dtype): the same
-        operations without their module calls; else None."""
+    def decode_description(self, dtype: torch.dtype) -> Optional[BlockDescription]:
+        """This block as a decode plan sees it (models/decode_plan.py), for weights in dtype (float32, float64,
+        bfloat16), or None when a decoded token must run `forward`'s usual path: not pre-norm, a memory lobe, an FFN
+        other than SwiGLU, norms / FFN not exactly the library's or not in dtype, a hook on one of them."""
         mods = self._modules
         n1, n2, ffn = mods["norm1"], mods.get("norm2"), mods.get("ffn")
-        if self.residual != "prenorm" or mods.get("lobe") is not None or x.dtype not in (torch.float32, torch.float64):
+        if (self.residual != "prenorm" or mods.get("lobe") is not None or mods.get("pre_norm") is not None
+                or dtype not in (torch.float32, torch.float64, torch.bfloat16)):
             return None
         if ffn is not None and type(ffn) is not SwiGLU:
             return None
         parts = (n1, n2) if ffn is None else (n1, n2, ffn, ffn._modules["w_gate_up"], ffn._modules["w_down"])
         if ffn is not None and (type(parts[3]) is not nn.Linear or type(parts[4]) is not nn.Linear
-                                or parts[3].weight.dtype != x.dtype):
+                                or parts[3].weight.dtype != dtype):
             return None
         if hooked(*parts):
             return None
         for n in (n1, n2):
-            if n is not None and (type(n) is not RMSNorm or (n.weight is not None and n.weight.dtype != x.dtype)):
+            if n is not None and (type(n) is not RMSNorm or (n.weight is not None and n.weight.dtype != dtype)):
                 return None
-        return n1, n2, ffn
+        step_kind = getattr(self.mixer, "fast_step_kind", None)
+        return BlockDescription(self.mixer, step_kind() if step_kind is not None else None, n1, n2,
+                                None if ffn is None else "swiglu", *parts[3:5] if ffn is not None else (None, None),
+                                modules=parts)
 
     def forward(self, x: torch.Tensor, cache: Optional[Cache] = None, cu_seqlens: Optional[torch.Tensor] = None):
         """x `[B, T, d]` -> (out `[B, T, d]`, aux loss or None). cu_seqlens (packed documents) goes
@@ -170,18 +174,9 @@ class Block(nn.Module):
             x = self.pre_norm(x)
         mc = cache.layer(self.layer_idx, "mixer") if cache is not None else None
         if mc is not None and x.shape[1] == 1 and cu_seqlens is None and not torch.is_grad_enabled():
-            parts = self.fast_parts(x)
-            if parts is not None:   # one decoded token, inline (the values of the lines below)
-                n1, n2, ffn = parts
-                out = fast_block_step(self.mixer, x, mc, n1, n2, ffn)   # the whole block in one compiled call
-                if out is not None:
-                    return out, None
-                h = x + self.mixer(F.rms_norm(x, (n1.dim,), n1.weight, n1.eps), cache=mc)
-                if ffn is None:
-                    return h, None
-                u = F.linear(F.rms_norm(h, (n2.dim,), n2.weight, n2.eps), ffn.w_gate_up.weight, ffn.w_gate_up.bias)
-                a, b = u.chunk(2, dim=-1)
-                return h + F.linear(F.silu(a) * b, ffn.w_down.weight, ffn.w_down.bias), None
+            out = block_token(self, x, mc)   # one decoded token (models/decode_plan.py); None: the lines below
+            if out is not None:
+                return out, None
         if cu_seqlens is not None and not self.mixer_packs:
             raise LinattnError(f"mixer {self.mixer_name!r} (layer {self.layer_idx}) does not accept cu_seqlens, so it "
                                f"cannot keep packed documents apart; run one document per row instead")
@@ -254,7 +249,7 @@ class LanguageModel(nn.Module, CausalLM):
     #: recompute each block in the backward pass instead of keeping its activations (training only)
     activation_checkpointing = False
     #: one decoded token through the whole model in one compiled call where every block has a compiled block step
-    #: (layers/fast_decode.model_step); False: block by block
+    #: (models/decode_plan.model_step); False: block by block
     compiled_decode = True
 
     def __init__(self, config: LMConfig):
@@ -284,6 +279,24 @@ class LanguageModel(nn.Module, CausalLM):
     def is_causal(self) -> bool:
         """False when some position depends on later tokens (a bidirectional memory lobe)."""
         return all(b.causal for b in self.blocks)
+
+    def decode_description(self) -> Optional[ModelDescription]:
+        """This model as the whole-model decode plan sees it (models/decode_plan.py): the embedding, every block's
+        `Block.decode_description` in the embedding's dtype, the final norm (an RMSNorm or none) and the head; None
+        when a part is not what the plan computes (a block subclass, another norm, a block that cannot describe
+        itself)."""
+        mods = self._modules
+        embed, norm = mods["embed"], mods.get("norm")
+        if norm is not None and type(norm) is not RMSNorm:
+            return None
+        blocks = []
+        for b in self.blocks:
+            if type(b) is not Block:
+                return None
+            blocks.append(b.decode_description(embed.weight.dtype))
+            if blocks[-1] is None:
+                return None
+        return ModelDescription(embed, blocks, norm, mods.get("lm_head"))
 
     def new_cache(self, rollback: int = 0) -> Cache:
         """An empty decoding cache.
@@ -352,7 +365,7 @@ class LanguageModel(nn.Module, CausalLM):
         if input_ids.shape[1] == 0:
             raise LinattnError("input_ids must hold at least one token")
         if cache is not None and input_ids.shape[1] == 1 and targets is None and cu_seqlens is None:
-            out = fast_model_step(self, input_ids, cache, logits_to_keep, Block)   # None: not covered
+            out = model_step(self, input_ids, cache, logits_to_keep)   # None: not covered
             if out is not None:
                 return LMOutput(logits=out[0], aux_loss=out[1], cache=cache)
         check_token_ids(input_ids, self.config.vocab_size)

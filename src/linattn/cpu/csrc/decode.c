@@ -320,7 +320,7 @@ DEFINE_DECODE(f64, double, sqrt, exp, log1p, expm1)
 typedef struct {
     int64_t B, H, HV, K, V, d, ny, KC, hid;
     int32_t kind, conv_act, dkind, l2conv, q_l2, beta_mode, gated, fmap, gate_kind, normalize, nonneg, has_norm,
-            has_gate, has_ffn, nthreads, pad_;
+            has_gate, has_ffn, nthreads, wbf16;   /* wbf16: W, Wo, Wgu, Wd stored as bf16 (f32 compute only) */
     double l2eps, scale, eps, norm_eps, n1eps, n2eps;
     const void *n1w, *W, *Wb, *cw, *cb, *alpha, *neg_a, *dt_bias, *decay, *nw, *Wo, *n2w, *Wgu, *bgu, *Wd, *bd;
 } linattn_block_plan;
@@ -383,6 +383,113 @@ static inline double vsum_f64(vline_f64 a) {
 #else
 #define MV_LINES(SFX, real)
 #endif
+
+/* bf16 weights (the upper half of an fp32: converting is a 16-bit shift, exact), read by the matrix-vector
+   products of an f32 plan with wbf16 set: half the bytes per decoded token, fp32 accumulation in the same order
+   as the fp32 products over the bf16-rounded weights (one line of 16 weights per row and step, the same vector
+   accumulators and pairwise sums), so the two agree to the last bit where both take the vector path. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* fp32 -> bf16, rounded to nearest even (NaN kept a quiet NaN), as torch's .to(torch.bfloat16) */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if defined(HAVE_VLINE)
+typedef uint16_t vhalf_u16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t vline_u32 __attribute__((vector_size(64)));
+static inline vline_f32 bf16_line(const uint16_t *w) {
+    const vline_u32 u = __builtin_convertvector(*(const vhalf_u16 *)w, vline_u32) << 16;
+    vline_f32 f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+#endif
+
+/* rows i0 .. i0+3 of y = add + W x + bias, W [n, m] bf16 (matvec_rows_f32's loops on converted weights) */
+static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, const uint16_t *W, const float *bias,
+                             const float *x, const float *add, float *y) {
+    const int64_t r = n - i0 < 4 ? n - i0 : 4;
+#if defined(HAVE_VLINE)
+    if (r == 4 && m % 16 == 0) {
+        const uint16_t *w0 = W + i0 * m, *w1 = w0 + m, *w2 = w1 + m, *w3 = w2 + m;
+        const char *pf = (const char *)w0 + MV_PF_BYTES, *pf_end = (const char *)(W + n * m) - 128;
+        for (int64_t b = 0; b < B; ++b) {
+            const float *xb = x + b * m;
+            vline_f32 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t j = 0; j < m; j += 16) {
+                if (b == 0 && pf <= pf_end) {   /* two lines ahead for the two (4 x 32 bytes) read */
+                    __builtin_prefetch(pf, 0, 2); __builtin_prefetch(pf + 64, 0, 2);
+                    pf += 128;
+                }
+                const vline_f32 xv = *(const vline_f32 *)(xb + j);
+                a0 += bf16_line(w0 + j) * xv; a1 += bf16_line(w1 + j) * xv;
+                a2 += bf16_line(w2 + j) * xv; a3 += bf16_line(w3 + j) * xv;
+            }
+            const float acc[4] = {vsum_f32(a0), vsum_f32(a1), vsum_f32(a2), vsum_f32(a3)};
+            for (int64_t rr = 0; rr < 4; ++rr) {
+                const int64_t i = i0 + rr;
+                float v = acc[rr];
+                if (bias) v = v + bias[i];
+                y[b * n + i] = add ? add[b * n + i] + v : v;
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t b = 0; b < B; ++b) {
+        const float *restrict xb = x + b * m;
+        float acc[4] = {0, 0, 0, 0};
+        if (r == 4) {
+            const uint16_t *restrict w0 = W + i0 * m, *restrict w1 = w0 + m, *restrict w2 = w1 + m,
+                           *restrict w3 = w2 + m;
+            float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+            _Pragma("omp simd reduction(+:a0,a1,a2,a3)")
+            for (int64_t j = 0; j < m; ++j) {
+                const float xj = xb[j];
+                a0 += bf16_to_f32(w0[j]) * xj; a1 += bf16_to_f32(w1[j]) * xj;
+                a2 += bf16_to_f32(w2[j]) * xj; a3 += bf16_to_f32(w3[j]) * xj;
+            }
+            acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
+        } else
+            for (int64_t rr = 0; rr < r; ++rr) {
+                const uint16_t *restrict w = W + (i0 + rr) * m;
+                float a = 0;
+                _Pragma("omp simd reduction(+:a)")
+                for (int64_t j = 0; j < m; ++j) a += bf16_to_f32(w[j]) * xb[j];
+                acc[rr] = a;
+            }
+        for (int64_t rr = 0; rr < r; ++rr) {
+            const int64_t i = i0 + rr;
+            float v = acc[rr];
+            if (bias) v = v + bias[i];
+            y[b * n + i] = add ? add[b * n + i] + v : v;
+        }
+    }
+}
+
+static void matvec_bf16(int64_t B, int64_t n, int64_t m, const uint16_t *W, const float *bias, const float *x,
+                        const float *add, float *y, int nthreads) {
+    if (nthreads > 1 && n * m >= PAR_MIN_ELEMS) {
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")
+        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_bf16(B, n, m, i0, W, bias, x, add, y);
+    } else
+        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_bf16(B, n, m, i0, W, bias, x, add, y);
+}
+
+/* a weight matrix's product in the plan's storage: bf16 (f32 plans with wbf16) or the plan's own type */
+#define MATVEC_W_f32(bf, B, n, m, W, bias, x, add, y, nt)                                                      \
+    ((bf) ? matvec_bf16(B, n, m, (const uint16_t *)(W), bias, x, add, y, nt)                                 \
+          : matvec_f32(B, n, m, (const float *)(W), bias, x, add, y, nt))
+#define MATVEC_W_f64(bf, B, n, m, W, bias, x, add, y, nt) matvec_f64(B, n, m, (const double *)(W), bias, x, add, y, nt)
 
 #define DEFINE_BLOCK(SFX, real, SQRT, EXP)                                                                      \
 /* rows i0 .. i0+3 of y[b, i] = (add ? add[b, i] : 0) + (W x[b])_i + (bias ? bias[i] : 0) for every b, W [n, m]   \
@@ -455,7 +562,7 @@ int linattn_decode_block_##SFX(const linattn_block_plan *p, const real *x, const
     const real *cw = (const real *)p->cw, *cb = (const real *)p->cb, *nw = (const real *)p->nw;                 \
     int rc;                                                                                                     \
     rmsnorm_##SFX(B, d, x, (const real *)p->n1w, p->n1eps, xn);                                                 \
-    matvec_##SFX(B, ny, d, (const real *)p->W, (const real *)p->Wb, xn, NULL, y, p->nthreads);                  \
+    MATVEC_W_##SFX(p->wbf16, B, ny, d, p->W, (const real *)p->Wb, xn, NULL, y, p->nthreads);                  \
     if (p->kind == 0)                                                                                           \
         rc = linattn_decode_delta_##SFX(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,    \
                  w_out, p->dkind, p->l2conv, p->q_l2, p->l2eps, p->scale, p->beta_mode, (const real *)p->alpha, \
@@ -468,17 +575,17 @@ int linattn_decode_block_##SFX(const linattn_block_plan *p, const real *x, const
                  p->norm_eps, p->has_gate, o, p->nthreads);                                                     \
     if (rc) { free(xn); return rc; }                                                                            \
     real *hout = p->has_ffn ? h : x_out;                                                                        \
-    matvec_##SFX(B, d, no, (const real *)p->Wo, NULL, o, x, hout, p->nthreads);                                 \
+    MATVEC_W_##SFX(p->wbf16, B, d, no, p->Wo, NULL, o, x, hout, p->nthreads);                                 \
     if (p->has_ffn) {                                                                                           \
         rmsnorm_##SFX(B, d, h, (const real *)p->n2w, p->n2eps, xn);                                             \
-        matvec_##SFX(B, 2 * hid, d, (const real *)p->Wgu, (const real *)p->bgu, xn, NULL, u, p->nthreads);      \
+        MATVEC_W_##SFX(p->wbf16, B, 2 * hid, d, p->Wgu, (const real *)p->bgu, xn, NULL, u, p->nthreads);      \
         for (int64_t b = 0; b < B; ++b) {                                                                       \
             const real *restrict ua = u + b * 2 * hid, *restrict ub = ua + hid;                                 \
             real *restrict gb = g + b * hid;                                                                    \
             _Pragma("omp simd")                                                                                 \
             for (int64_t j = 0; j < hid; ++j) gb[j] = silu_##SFX(ua[j]) * ub[j];                                \
         }                                                                                                       \
-        matvec_##SFX(B, d, hid, (const real *)p->Wd, (const real *)p->bd, g, h, x_out, p->nthreads);            \
+        MATVEC_W_##SFX(p->wbf16, B, d, hid, p->Wd, (const real *)p->bd, g, h, x_out, p->nthreads);            \
     }                                                                                                           \
     free(xn);                                                                                                   \
     return 0;                                                                                                   \
@@ -498,7 +605,7 @@ DEFINE_BLOCK(f64, double, sqrt, exp)
    written to fresh S_out / w_out (never in place). Everything fixed while the parameters are is one plan. */
 typedef struct {
     int64_t L, B, d, vocab;
-    int32_t has_norm, nthreads;
+    int32_t has_norm, nthreads, wbf16, pad_;     /* wbf16: embed and head bf16, logits written as bf16 */
     double norm_eps;
     const void *embed, *norm_w, *head;           /* embed [vocab, d], norm_w [d] or NULL, head [vocab, d] */
     const linattn_block_plan *const *blocks;     /* L plans */
@@ -509,15 +616,21 @@ typedef struct {
 /* ids [B] -> logits [B, vocab] (and 0 into *aux, the model's aux loss, when aux is not NULL: one torch call less  \
    per token). Returns 0; 1 out of memory; 2 an id outside [0, vocab) (nothing written). */                       \
 int linattn_decode_model_##SFX(const linattn_model_plan *p, const int64_t *ids, const real *S_in,               \
-                               const real *w_in, real *S_out, real *w_out, real *logits, float *aux) {          \
-    const int64_t B = p->B, d = p->d;                                                                           \
+                               const real *w_in, real *S_out, real *w_out, void *logits, float *aux) {          \
+    const int64_t B = p->B, d = p->d, V = p->vocab;                                                             \
     for (int64_t b = 0; b < B; ++b)                                                                             \
-        if (ids[b] < 0 || ids[b] >= p->vocab) return 2;                                                         \
-    real *x = (real *)malloc(sizeof(real) * (size_t)(2 * B * d + 1));                                          \
+        if (ids[b] < 0 || ids[b] >= V) return 2;                                                                \
+    /* x: two activation rows per batch row, then (bf16) the fp32 logits before rounding */                    \
+    real *x = (real *)malloc(sizeof(real) * (size_t)(2 * B * d + (p->wbf16 ? B * V : 0) + 1));                \
     if (!x) return 1;                                                                                           \
     real *xa = x, *xb = x + B * d;                                                                              \
-    const real *E = (const real *)p->embed;                                                                     \
-    for (int64_t b = 0; b < B; ++b) memcpy(xa + b * d, E + ids[b] * d, sizeof(real) * (size_t)d);              \
+    for (int64_t b = 0; b < B; ++b) {                                                                           \
+        if (p->wbf16) {                                                                                         \
+            const uint16_t *E = (const uint16_t *)p->embed + ids[b] * d;                                        \
+            for (int64_t j = 0; j < d; ++j) xa[b * d + j] = (real)bf16_to_f32(E[j]);                            \
+        } else                                                                                                  \
+            memcpy(xa + b * d, (const real *)p->embed + ids[b] * d, sizeof(real) * (size_t)d);                  \
+    }                                                                                                           \
     for (int64_t l = 0; l < p->L; ++l) {                                                                        \
         const int64_t so = p->s_off[l], wo = p->w_off[l];                                                       \
         const int rc = linattn_decode_block_##SFX(p->blocks[l], xa, (w_in && wo >= 0) ? w_in + wo : NULL,       \
@@ -528,7 +641,10 @@ int linattn_decode_model_##SFX(const linattn_model_plan *p, const int64_t *ids, 
     }                                                                                                           \
     const real *h = xa;                                                                                         \
     if (p->has_norm) { rmsnorm_##SFX(B, d, xa, (const real *)p->norm_w, p->norm_eps, xb); h = xb; }            \
-    matvec_##SFX(B, p->vocab, d, (const real *)p->head, NULL, h, NULL, logits, p->nthreads);                    \
+    real *lg = p->wbf16 ? xb + B * d : (real *)logits;                                                          \
+    MATVEC_W_##SFX(p->wbf16, B, V, d, p->head, NULL, h, NULL, lg, p->nthreads);                                 \
+    if (p->wbf16)                                                                                               \
+        for (int64_t i = 0; i < B * V; ++i) ((uint16_t *)logits)[i] = f32_to_bf16((float)lg[i]);                \
     if (aux) *aux = 0.0f;                                                                                       \
     free(x);                                                                                                    \
     return 0;                                                                                                   \

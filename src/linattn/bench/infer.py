@@ -1,0 +1,409 @@
+"""`linattn bench infer`: CPU inference of one model shape, prompt and decode tokens/s and decode time as a multiple
+of the memory floor, for linattn's model and the same shape in transformers (its own PyTorch path and served by
+`linattn.hf.kernelize`), fp32 / bf16, at each thread count; llama.cpp as an optional peer row.
+
+The floor of a decoded token (the one definition `linattn bench decode` uses too):
+
+    floor = decode_bytes(model) / read bandwidth
+
+* decode_bytes: the bytes every decoded token must read, in the stored dtype: every parameter and buffer once
+  (shared ones once), the input embedding as one row rather than the table, the head's matrix once (a tied head is
+  the embedding table, counted once); states, caches and activations are left out (they are small here);
+* read bandwidth: one pass summing a buffer of at least 4x the last-level cache (and 64 MiB), timed at the row's
+  thread count, once per round, interleaved with the models' timings: the floor and the models see the same load.
+
+Per round, every row in turn: one prefill of --prompt tokens (timed: prompt tok/s), then --decode greedy tokens
+on its cache (timed: decode tok/s), then one bandwidth pass; the table gives medians over --repeats rounds. The
+shapes: "qwen3.5-530m" (hidden 1024, 24 layers of 3 Gated DeltaNet : 1 gated softmax attention, Qwen3.5-0.8B's
+head layout, intermediate 3584, vocab 32k, tied head: 530M parameters), "qwen3.5-small" (the same layout at width
+512, 8 layers, vocab 8k: 37M parameters, for a quick look) and "tiny" (for tests).
+
+llama.cpp: `--llama-bench PATH` with `--gguf FILE` (a GGUF of the same weights per dtype: `--gguf fp32=a.gguf
+bf16=b.gguf`) or `--llama-cpp DIR` (a llama.cpp source tree: its convert_hf_to_gguf.py converts the transformers
+model, saved to a temporary folder, at each dtype) adds a row per dtype and thread count from `llama-bench -p
+PROMPT -n DECODE -t THREADS -r REPEATS -o json` (its own timing loop, run after the interleaved rounds).
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from ..cli_support import UsageError, int_at_least
+from ..io import atomic_write_text, write_json
+from . import common
+
+DESCRIPTION = __doc__
+PROG = "linattn bench infer"
+#: model shapes: width, layers, one softmax layer in every `every`, vocab, FFN width, Gated DeltaNet heads and their
+#: width, softmax heads, KV heads and their width
+SHAPES: Dict[str, Dict[str, int]] = {
+    "qwen3.5-530m": dict(d=1024, layers=24, every=4, vocab=32000, inter=3584, lin_heads=16, lin_dim=128,
+                         attn_heads=8, kv_heads=2, attn_dim=256),
+    "qwen3.5-small": dict(d=512, layers=8, every=4, vocab=8192, inter=1792, lin_heads=8, lin_dim=64, attn_heads=4,
+                          kv_heads=2, attn_dim=128),
+    "tiny": dict(d=64, layers=4, every=4, vocab=256, inter=128, lin_heads=2, lin_dim=32, attn_heads=2, kv_heads=1,
+                 attn_dim=32),
+}
+ENGINES = ("linattn", "transformers", "kernelize")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MIN_BANDWIDTH_BYTES = 64 << 20
+
+
+def add_arguments(p) -> None:
+    """The options of `linattn bench infer`.
+
+    Args:
+        p: The argparse parser to add them to.
+    """
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-530m", help="model shape (default qwen3.5-530m)")
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help=f"comma list of {', '.join(ENGINES)} (default all; the transformers ones need linattn[hf])")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16 (default both)")
+    p.add_argument("--threads", type=int_at_least(1), nargs="+", default=[1, 2], help="thread counts (default 1 2)")
+    p.add_argument("--prompt", type=int_at_least(1), default=512, help="prompt tokens (default 512)")
+    p.add_argument("--decode", type=int_at_least(1), default=128, help="decoded tokens per round (default 128)")
+    p.add_argument("--repeats", type=int_at_least(1), default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt (default 0)")
+    p.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary (optional)")
+    p.add_argument("--gguf", nargs="+", default=None, metavar="DTYPE=FILE",
+                   help="GGUF files of the transformers model's weights for llama-bench, e.g. fp32=m.gguf")
+    p.add_argument("--llama-cpp", default=None, metavar="DIR",
+                   help="a llama.cpp source tree: convert the model with its convert_hf_to_gguf.py")
+    p.add_argument("--bandwidth-mib", type=int_at_least(1), default=None,
+                   help="size of the bandwidth buffer (default: 4x the last-level cache, at least 64 MiB; a smaller "
+                        "one is read partly from cache and is reported as such)")
+    p.add_argument("--out", default=None, help="output folder (default results/bench/infer/)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--quiet", action="store_true", help="no per-row progress on stderr")
+
+
+# -- the floor ---------------------------------------------------------------------------------------------------
+def decode_bytes(model: torch.nn.Module, embed: torch.nn.Module, head: Optional[torch.nn.Module]) -> int:
+    """The bytes one decoded token reads from `model`'s weights (module docstring): every parameter and buffer once
+    in its stored dtype, `embed`'s table as one row unless `head` (None: tied) reads it whole.
+
+    Args:
+        model: The model.
+        embed: Its input embedding (an nn.Embedding-like module with `.weight` `[vocab, d]`).
+        head: Its output projection, or None when the embedding is the head.
+
+    Returns:
+        The bytes.
+    """
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    w = embed.weight
+    tied = head is None or head.weight.data_ptr() == w.data_ptr()
+    if not tied:   # the table is read one row per token
+        total -= (w.shape[0] - 1) * w.shape[1] * w.element_size()
+    return total
+
+
+def model_decode_bytes(model: torch.nn.Module) -> int:
+    """`decode_bytes` of a linattn `LanguageModel` or a transformers causal LM."""
+    if hasattr(model, "get_input_embeddings"):
+        return decode_bytes(model, model.get_input_embeddings(), model.get_output_embeddings())
+    return decode_bytes(model, model.embed, model.lm_head)
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux sysfs), or 32 MiB when unknown."""
+    best = 0
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            best = max(best, int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return best or 32 << 20
+
+
+class ReadBandwidth:
+    """Memory read bandwidth: one pass summing a float32 buffer of at least 4x the last-level cache (`once` times one
+    pass at the current thread count and returns bytes / second)."""
+
+    def __init__(self, nbytes: Optional[int] = None):
+        nbytes = nbytes or max(4 * last_level_cache_bytes(), MIN_BANDWIDTH_BYTES)
+        self.buf = torch.ones(nbytes // 4, dtype=torch.float32)
+        self.nbytes = self.buf.numel() * 4
+        self.buf.sum()   # the pages touched once
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        self.buf.sum()
+        return self.nbytes / (time.perf_counter() - t0)
+
+
+# -- the models --------------------------------------------------------------------------------------------------
+def linattn_model(shape: Dict[str, int], dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """linattn's `LanguageModel` of `shape`: Gated DeltaNet layers and one softmax layer (8 query / 2 KV heads of
+    256 with an output gate, as Qwen3.5's) in every `every`, SwiGLU, tied head."""
+    from ..models import LanguageModel, LMConfig
+
+    s = shape
+    mixers = ["softmax" if (i + 1) % s["every"] == 0 else "gated-deltanet" for i in range(s["layers"])]
+    cfg = LMConfig(vocab_size=s["vocab"], d_model=s["d"], n_layers=s["layers"], n_heads=s["lin_heads"],
+                   head_dim=s["lin_dim"], mixer=mixers, ffn_hidden=s["inter"], tie_embeddings=True,
+                   mixer_kwargs={"softmax": dict(heads=s["attn_heads"], n_kv_heads=s["kv_heads"],
+                                                 head_dim=s["attn_dim"], output_gate=True)})
+    torch.manual_seed(seed)
+    return LanguageModel(cfg).to(dtype).eval()
+
+
+def build_row(engine: str, shape: Dict[str, int], dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """The model of one row: "linattn", "transformers" (its own PyTorch path) or "kernelize"."""
+    if engine == "linattn":
+        return linattn_model(shape, dtype, seed)
+    from ..hf.infer_models import qwen35_model
+
+    return qwen35_model(shape, dtype, seed, kernelized=engine == "kernelize")
+
+
+class Runner:
+    """Prefill then greedy decode of one model: `prefill(ids)` keeps the cache and the next token, `decode(n)`."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.hf = model, hasattr(model, "get_input_embeddings")
+        if self.hf:
+            import inspect
+
+            params = inspect.signature(type(model).forward).parameters   # (kernelize wraps the instance's forward)
+            self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache = self.tok = None
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor) -> None:
+        if self.hf:
+            out = self.model(ids, use_cache=True, logits_to_keep=1)
+            self.cache = getattr(out, "cache", None) or out.past_key_values
+        else:
+            out = self.model(ids, use_cache=True, logits_to_keep=1)
+            self.cache = out.cache
+        self.tok = out.logits[:, -1:].argmax(-1)
+
+    @torch.no_grad()
+    def decode(self, n: int) -> None:
+        for _ in range(n):
+            if self.hf:
+                out = self.model(self.tok, use_cache=True, **{self.cache_kw: self.cache})
+                self.cache = getattr(out, "cache", None) or out.past_key_values
+            else:
+                out = self.model(self.tok, cache=self.cache)
+            self.tok = out.logits[:, -1:].argmax(-1)
+
+
+# -- llama.cpp ---------------------------------------------------------------------------------------------------
+def parse_llama_bench(text: str) -> Dict[str, float]:
+    """{"prompt_tok_s", "decode_tok_s"} from `llama-bench -o json` output (its records with n_prompt > 0 / n_gen >
+    0 and their avg_ts)."""
+    out = {}
+    for rec in json.loads(text):
+        if rec.get("n_prompt", 0) > 0 and rec.get("n_gen", 0) == 0:
+            out["prompt_tok_s"] = float(rec["avg_ts"])
+        elif rec.get("n_gen", 0) > 0 and rec.get("n_prompt", 0) == 0:
+            out["decode_tok_s"] = float(rec["avg_ts"])
+    return out
+
+
+def _gguf_files(a, shape, dtypes: Sequence[str], log) -> Dict[str, str]:
+    """dtype -> GGUF file: --gguf's, or converted with --llama-cpp's convert_hf_to_gguf.py."""
+    if a.gguf:
+        files = {}
+        for item in a.gguf:
+            name, _, path = item.partition("=")
+            if name not in DTYPES or not path:
+                raise UsageError(f"--gguf takes DTYPE=FILE with DTYPE in {', '.join(DTYPES)}, got {item!r}", prog=PROG)
+            if not os.path.isfile(path):
+                raise UsageError(f"--gguf: no file {path!r}", prog=PROG)
+            files[name] = path
+        return files
+    script = os.path.join(a.llama_cpp, "convert_hf_to_gguf.py")
+    if not os.path.isfile(script):
+        raise UsageError(f"--llama-cpp: no convert_hf_to_gguf.py in {a.llama_cpp!r}", prog=PROG)
+    tmp = tempfile.mkdtemp(prefix="linattn-infer-")
+    build_row("transformers", shape, torch.float32, a.seed).save_pretrained(tmp)
+    files = {}
+    for name in dtypes:
+        out = os.path.join(tmp, f"model-{name}.gguf")
+        log(f"converting to {out}")
+        subprocess.run([sys.executable, script, tmp, "--outtype", {"fp32": "f32", "bf16": "bf16"}[name],
+                        "--outfile", out], check=True, capture_output=True)
+        files[name] = out
+    return files
+
+
+def llama_rows(a, shape, dtypes: Sequence[str], floors: Dict[tuple, float], log) -> List[Dict[str, Any]]:
+    """The llama.cpp rows (one per dtype and thread count), their floor that of the transformers model's bytes."""
+    files = _gguf_files(a, shape, dtypes, log)
+    rows = []
+    for name in dtypes:
+        if name not in files:
+            continue
+        for t in a.threads:
+            cmd = [a.llama_bench, "-m", files[name], "-p", str(a.prompt), "-n", str(a.decode), "-t", str(t),
+                   "-r", str(a.repeats), "-o", "json"]
+            log(" ".join(cmd))
+            res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            got = parse_llama_bench(res.stdout)
+            floor = floors.get((name, t))
+            dec = got.get("decode_tok_s")
+            rows.append({"engine": "llama.cpp", "dtype": name, "threads": t, **got,
+                         "floor_ms": floor, "over_floor": (1e3 / dec) / floor if dec and floor else None})
+    return rows
+
+
+# -- the run -----------------------------------------------------------------------------------------------------
+def _lists(a):
+    engines = [e.strip() for e in a.engines.split(",") if e.strip()]
+    dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
+    if not engines or any(e not in ENGINES for e in engines):
+        raise UsageError(f"--engines: choose from {', '.join(ENGINES)}, got {a.engines!r}", prog=PROG)
+    if not dtypes or any(d not in DTYPES for d in dtypes):
+        raise UsageError(f"--dtypes: choose from {', '.join(DTYPES)}, got {a.dtypes!r}", prog=PROG)
+    if any(e != "linattn" for e in engines) and importlib.util.find_spec("transformers") is None:
+        raise UsageError("--engines transformers / kernelize need transformers: pip install 'linattn[hf]'", prog=PROG)
+    if a.llama_bench is not None:
+        if not os.path.isfile(a.llama_bench):
+            raise UsageError(f"--llama-bench: no file {a.llama_bench!r}", prog=PROG)
+        if not a.gguf and not a.llama_cpp:
+            raise UsageError("--llama-bench needs --gguf DTYPE=FILE ... or --llama-cpp DIR", prog=PROG)
+    return engines, dtypes
+
+
+def _median(xs: List[float]) -> Optional[float]:
+    return statistics.median(xs) if xs else None
+
+
+def _measure(rows: List[Dict[str, Any]], a, bw: ReadBandwidth, log) -> Dict[int, List[float]]:
+    """The interleaved rounds at every thread count: each row's prefill and decode times, one bandwidth pass per
+    round. Returns the bandwidths by thread count."""
+    bws: Dict[int, List[float]] = {t: [] for t in a.threads}
+    gen = torch.Generator().manual_seed(a.seed)
+    for t in a.threads:
+        torch.set_num_threads(t)
+        for r in range(a.repeats):
+            for row in rows:
+                ids = torch.randint(0, row["vocab"], (1, a.prompt), generator=gen)
+                run = row["runner"]
+                t0 = time.perf_counter()
+                run.prefill(ids)
+                t1 = time.perf_counter()
+                run.decode(a.decode)
+                t2 = time.perf_counter()
+                row["times"][t]["prefill"].append(t1 - t0)
+                row["times"][t]["decode"].append((t2 - t1) / a.decode)
+            bws[t].append(bw.once())
+            log(f"threads {t} round {r + 1}/{a.repeats}: {bws[t][-1] / 1e9:.1f} GB/s")
+    return bws
+
+
+def _records(rows, a, bws) -> List[Dict[str, Any]]:
+    out = []
+    for t in a.threads:
+        bw = _median(bws[t])
+        for row in rows:
+            pre, dec = _median(row["times"][t]["prefill"]), _median(row["times"][t]["decode"])
+            floor_ms = row["bytes"] / bw * 1e3
+            out.append({"engine": row["engine"], "dtype": row["dtype"], "threads": t, "bytes": row["bytes"],
+                        "prompt_tok_s": a.prompt / pre, "decode_tok_s": 1.0 / dec, "decode_ms": dec * 1e3,
+                        "floor_ms": floor_ms, "over_floor": dec * 1e3 / floor_ms, "bandwidth_gbs": bw / 1e9})
+    return out
+
+
+def _table(records) -> str:
+    rows = [[r["engine"], r["dtype"], r["threads"], f"{r.get('prompt_tok_s') or 0:,.1f}",
+             f"{r.get('decode_tok_s') or 0:,.2f}", common.fmt_ms(r.get("floor_ms")),
+             "-" if r.get("over_floor") is None else f"{r['over_floor']:.2f}"] for r in records]
+    return common.format_table(["engine", "dtype", "threads", "prompt tok/s", "decode tok/s", "floor ms",
+                                "decode/floor"], rows)
+
+
+def run(a) -> int:
+    """Run the `linattn bench infer` benchmark (module docstring).
+
+    Args:
+        a: The options parsed with `add_arguments` (`linattn bench infer --help` lists them).
+
+    Returns:
+        The exit code (0: success).
+
+    Raises:
+        UsageError: Bad options.
+    """
+    engines, dtypes = _lists(a)
+    log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    shape = SHAPES[a.shape]
+    paths = common.output_paths("infer", a.out, exts=("txt", "json"), overwrite=a.overwrite)
+    context = _fallbacks() if any(e != "linattn" for e in engines) else contextlib.nullcontext()
+    with context:
+        rows = []
+        for e in engines:
+            for name in dtypes:
+                model = build_row(e, shape, DTYPES[name], a.seed)
+                rows.append({"engine": e, "dtype": name, "runner": Runner(model), "vocab": shape["vocab"],
+                             "bytes": model_decode_bytes(model),
+                             "times": {t: {"prefill": [], "decode": []} for t in a.threads}})
+        bw = ReadBandwidth(None if a.bandwidth_mib is None else a.bandwidth_mib << 20)
+        info = common.machine_info("cpu")
+        head = [PROG, common.describe_machine(info),
+                f"shape    {a.shape} {shape}",
+                f"timing   prompt {a.prompt} tokens, {a.decode} decoded tokens per round, {a.repeats} interleaved "
+                f"rounds (medians); threads {a.threads}",
+                f"floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth (sum over "
+                f"{bw.nbytes >> 20} MiB, LLC {last_level_cache_bytes() >> 20} MiB"
+                f"{'' if bw.nbytes >= 4 * last_level_cache_bytes() else ': LESS THAN 4x, partly cached'}, "
+                f"once per round)"]
+        print("\n".join(head) + "\n")
+        for row in rows:   # one warm-up token each (allocator, thread pools, plans)
+            row["runner"].prefill(torch.zeros(1, min(a.prompt, 8), dtype=torch.int64))
+            row["runner"].decode(1)
+        bws = _measure(rows, a, bw, log)
+        records = _records(rows, a, bws)
+    if a.llama_bench is not None:
+        floors = {(r["dtype"], r["threads"]): r["bytes"] / (r["bandwidth_gbs"] * 1e9) * 1e3 for r in records
+                  if r["engine"] != "linattn"} or {(r["dtype"], r["threads"]): r["floor_ms"] for r in records}
+        records += llama_rows(a, shape, dtypes, floors, log)
+    loads = common.loadavg()
+    text = _table(records) + f"\n\nload average after the run: {loads}"
+    print(text)
+    config = {k: v for k, v in vars(a).items() if not callable(v)}
+    atomic_write_text(paths["txt"], "\n".join(head) + "\n\n" + text + "\n")
+    write_json(paths["json"], {"benchmark": "infer", "machine": info, "config": config, "shape": shape,
+                               "records": records, "loadavg_after": loads})
+    print(f"\nwrote {paths['txt']}, {paths['json']}")
+    return 0
+
+
+def _fallbacks():
+    from ..hf.kernelize import torch_fallbacks
+
+    return torch_fallbacks()
+
+
+def floor_ms(model: torch.nn.Module, bandwidth: float) -> float:
+    """One decoded token's floor in ms: `model_decode_bytes(model)` / bandwidth (bytes / s)."""
+    return model_decode_bytes(model) / bandwidth * 1e3
+
+
+__all__ = ["SHAPES", "ENGINES", "ReadBandwidth", "Runner", "add_arguments", "build_row", "decode_bytes", "floor_ms",
+           "last_level_cache_bytes", "linattn_model", "model_decode_bytes", "parse_llama_bench", "run"]

@@ -1,0 +1,750 @@
+"""Decoding one token through a whole block, or a whole model, in one compiled call: the decode plan.
+
+A model describes itself (`BlockDescription` per block, `ModelDescription` for the model: norms, mixer and its
+kind, FFN kind, residual order, embedding, final norm, head), and the plans are built from those descriptions
+only, so any model that can describe its blocks this way (a transformers model, later) decodes through the same
+compiled calls (`cpu/csrc/decode.c`):
+
+* `block_token(block, x, cache)`, the one hook of `Block.forward` (models/lm.py): one decoded token through a
+  pre-norm block, ``h = x + mixer(norm1(x)); out = h + w_down(silu(a) * b), [a | b] = w_gate_up(norm2(h))``, as
+  one compiled call (`linattn_decode_block`) where the mixer has a compiled step, else the same operations in
+  PyTorch (the mixer's own fast step inside), else None (the block's usual path runs);
+* `model_step(model, ids, cache, logits_to_keep)`, the hook of `LanguageModel.forward`: the embedding, every
+  block, the final norm and the head as one compiled call (`linattn_decode_model`), the cache's entries written
+  lazily (`ModelPending`).
+
+What a plan depends on is checked on every token by one class, `PlanGuard` (identity of every submodule,
+parameter and buffer, their storages, the versions of what the plan copied, configuration values, the fused
+weights, the switches, hooks, the thread count, train/eval). The batch size is not part of a plan: the compiled
+calls take it per call and the state layout per batch size is kept, so a server whose batch changes every step
+never rebuilds (`rebuilds` counts the plans built, for tests).
+
+Weights: fp32 and fp64 models compute in their dtype; a bf16 model's matrices are read as stored (bf16) by the
+matrix-vector products, which accumulate in fp32, with fp32 activations and states (the small vectors, norms and
+conv weights are converted once into the plan).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import operator
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..cpu import decode as _cpu_decode
+from ..layers import fast_decode as _fast
+from ..layers.cache import Cache, LayerCache
+from ..layers.common import mamba_neg_a
+from ..ops import LinearAttentionState
+from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
+
+__all__ = ["BlockDescription", "BlockPlanSlot", "ModelDescription", "ModelFastState", "ModelPending",
+           "ModelPlanSlot", "PlanGuard", "block_token", "compute_dtype", "model_step", "rebuilds"]
+
+#: the dtypes a plan reads weights in, and the dtype it computes in for each (bf16: fp32 accumulation and states)
+_COMPUTE = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32}
+#: plans built so far (every build adds one): the tests check that what should not rebuild does not
+rebuilds = [0]
+
+
+def compute_dtype(weight_dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype a compiled plan computes in for weights stored in `weight_dtype` (float32, float64: the same;
+    bfloat16: float32), or None when there is no compiled plan for it."""
+    return _COMPUTE.get(weight_dtype)
+
+
+# -- descriptions ------------------------------------------------------------------------------------------------
+class BlockDescription:
+    """What a decode plan needs to know about one block: ``h = x + mixer(norm1(x))`` then, with an FFN,
+    ``out = h + ffn_down(silu(a) * b)``, ``[a | b] = ffn_gate_up(norm2(h))`` (residual "prenorm", the only order
+    the compiled block computes).
+
+    Attributes:
+        mixer: The attention layer (an `AttentionBase` whose `fast_step_kind()` is `kind`).
+        kind: "delta" or "linear" (`layers/fast_decode.STEPS`).
+        norm1: The norm before the mixer: an RMSNorm (`weight` or None, `eps`).
+        norm2: The norm before the FFN (None without one).
+        ffn: "swiglu" or None.
+        ffn_gate_up: The FFN's fused gate | up projection `[2 * hidden, d]` (an nn.Linear), or None.
+        ffn_down: The FFN's down projection `[d, hidden]`, or None.
+        modules: Every module whose forward the plan computes instead of calling it (checked for hooks).
+        residual: The residual order: "prenorm" (above; the only one with a compiled plan).
+    """
+
+    __slots__ = ("mixer", "kind", "norm1", "norm2", "ffn", "ffn_gate_up", "ffn_down", "modules", "residual")
+
+    def __init__(self, mixer, kind: str, norm1, norm2=None, ffn: Optional[str] = None, ffn_gate_up=None,
+                 ffn_down=None, modules: Sequence[nn.Module] = (), residual: str = "prenorm"):
+        self.mixer, self.kind, self.norm1, self.norm2 = mixer, kind, norm1, norm2
+        self.ffn, self.ffn_gate_up, self.ffn_down, self.modules = ffn, ffn_gate_up, ffn_down, tuple(modules)
+        self.residual = residual
+
+
+class ModelDescription:
+    """What a whole-model decode plan needs: ``x = embed[ids]``, the blocks, ``logits = head(norm(x))``.
+
+    Attributes:
+        embed: The token embedding (an nn.Embedding).
+        blocks: One `BlockDescription` per block, in order.
+        norm: The final RMSNorm, or None.
+        head: The output projection (an nn.Linear without bias `[vocab, d]`), or None for the tied embedding.
+    """
+
+    __slots__ = ("embed", "blocks", "norm", "head")
+
+    def __init__(self, embed, blocks: Sequence[BlockDescription], norm=None, head=None):
+        self.embed, self.blocks, self.norm, self.head = embed, list(blocks), norm, head
+
+
+# -- the guard ---------------------------------------------------------------------------------------------------
+_version_of = operator.attrgetter("_version")
+_fused_value = operator.attrgetter("_value")
+_fast_on, _compiled_on = operator.attrgetter("fast_decode"), operator.attrgetter("compiled_decode")
+_data_ptr = torch.Tensor.data_ptr
+# configuration values a plan reads from a module's __dict__ (mixers, norms), checked by identity on every token
+_CONFIG_KEYS = ("scale", "l2norm_convention", "beta_mode", "q_l2norm", "qk_l2norm", "exact", "gate", "gate_act",
+                "normalize", "eps", "feature_map", "_gamma", "norm_group_size", "short_conv", "causal", "_fused",
+                "plain", "residual")
+
+
+class PlanGuard:
+    """Whether a plan still describes the modules it was built from, cheap enough for every token (`valid`: a few
+    `map` passes over prepared lists, no Python loop). A plan is invalid when, since it was built:
+
+    * a submodule of `owner` or of `modules` was replaced, or a parameter / buffer that was None was set (identity);
+    * a parameter or buffer was replaced, or its storage was (`.data =`, `.to()`: the guard holds the old storages,
+      so a new tensor cannot take their address);
+    * a tensor the plan copied (fused projections, converted or derived vectors) was updated in place (its
+      version; the tensors the plan reads in place, `direct`, need no check);
+    * a configuration value (`_CONFIG_KEYS` in a module's __dict__) was replaced, or a mixer's fused weights were
+      (`LanguageModel.new_cache` clears them, for writes through `p.data`);
+    * a mixer's `fast_decode` or `compiled_decode` was switched off;
+    * a forward hook was registered on one of `modules` or globally (`owner`'s own hooks run in its `__call__`);
+    * the thread count, or `owner.training`, changed.
+
+    The batch size is not checked: plans take it per call."""
+
+    __slots__ = ("owner", "training", "nthreads", "idicts", "inames", "iobjs", "tensors", "ptrs", "vtensors",
+                 "versions", "aliases", "hookdicts", "mixers", "fusedobjs", "fused")
+
+    def __init__(self, owner: nn.Module, modules: Sequence[nn.Module], mixers: Sequence[nn.Module], direct=()):
+        modules = list(dict.fromkeys(m for m in modules if m is not None and m is not owner))
+        self.owner, self.training, self.nthreads = owner, owner.training, torch.get_num_threads()
+        tensors = [(h, k, t) for m in modules for h in (m._parameters, m._buffers) for k, t in h.items()
+                   if t is not None]
+        ident = [(m._modules, k, c) for m in [owner] + modules for k, c in m._modules.items()]
+        ident += [(h, k, t) for m in modules for h in (m._parameters, m._buffers) for k, t in h.items() if t is None]
+        ident += tensors + [(m.__dict__, k, m.__dict__[k]) for m in [owner] + modules for k in _CONFIG_KEYS
+                            if k in m.__dict__]
+        self.idicts, self.inames, self.iobjs = (list(z) for z in zip(*ident)) if ident else ([], [], [])
+        self.tensors = [t for _, _, t in tensors]
+        self.ptrs = list(map(_data_ptr, self.tensors))
+        direct = set(direct) - {None}
+        self.vtensors = [t for t in self.tensors if t.data_ptr() not in direct]
+        self.versions = list(map(_version_of, self.vtensors))
+        self.aliases = [t.detach() for t in self.tensors]   # keeps the storages alive
+        self.hookdicts = [h for m in modules for h in (m._forward_hooks, m._forward_pre_hooks)]
+        self.mixers = list(mixers)
+        self.fusedobjs = [m._fused for m in self.mixers]
+        self.fused = list(map(_fused_value, self.fusedobjs))
+
+    def valid(self) -> bool:
+        """Whether nothing the plan depends on changed (class docstring)."""
+        if (self.nthreads != torch.get_num_threads() or self.training is not self.owner.training
+                or _fast.GLOBAL_HOOKS[0] or _fast.GLOBAL_HOOKS[1] or any(self.hookdicts)):
+            return False
+        try:
+            if not all(map(operator.is_, map(operator.getitem, self.idicts, self.inames), self.iobjs)):
+                return False
+        except KeyError:
+            return False
+        return (list(map(_data_ptr, self.tensors)) == self.ptrs
+                and list(map(_version_of, self.vtensors)) == self.versions
+                and all(map(operator.is_, map(_fused_value, self.fusedobjs), self.fused))
+                and all(map(_fast_on, self.mixers)) and all(map(_compiled_on, self.mixers)))
+
+
+def _slot(owner: nn.Module, name: str, cls):
+    slot = owner.__dict__.get(name)
+    if type(slot) is not cls:
+        slot = owner.__dict__[name] = cls()
+    return slot
+
+
+# -- one block ---------------------------------------------------------------------------------------------------
+# the BlockPlan fields that hold data addresses
+_PLAN_POINTERS = ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay", "nw", "Wo", "n2w", "Wgu", "bgu",
+                  "Wd", "bd")
+
+
+class BlockPlanSlot:
+    """A block's whole-block decoding plan (`cpu/decode.BlockPlan`), its `PlanGuard`, the compiled function and
+    the tensors the plan points into. Not state: a copy or a pickle gets an empty slot, rebuilt on first use."""
+
+    __slots__ = ("plan", "fn", "guard", "wdtype")
+
+    def __init__(self):
+        self.plan = self.fn = self.guard = self.wdtype = None
+
+    def __reduce__(self):
+        return (BlockPlanSlot, ())
+
+
+def _compiled_mixer(desc: BlockDescription, wdt: torch.dtype):
+    """The mixer's fused projections when the compiled block step covers it in weight dtype wdt, else None."""
+    layer, kind = desc.mixer, desc.kind
+    if kind is None or kind != layer.fast_step_kind() or layer.rope is not None or not (
+            layer.fast_decode and layer.compiled_decode):
+        return None
+    if kind == "linear" and (type(layer.feature_map) not in _fast.COMPILED_MAPS or layer.gate == "diagonal"):
+        return None
+    for m in (desc.ffn_gate_up, desc.ffn_down):
+        if m is not None and any(t is not None and t.dtype != wdt for t in (m.weight, m.bias)):
+            return None
+    return _fast.usable_projections(layer, wdt, kind)
+
+
+def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
+    """A BlockPlan (holding what it points into in `plan.keep`) for the described block at batch B with weights in
+    wdt, or None when the compiled block step does not cover it."""
+    if (desc.residual != "prenorm" or desc.ffn not in (None, "swiglu") or compute_dtype(wdt) is None
+            or not _cpu_decode.available()):
+        return None
+    lins = _compiled_mixer(desc, wdt)
+    if lins is None or _fast.hooked(*desc.mixer.modules()):
+        return None
+    layer, cdt, keep = desc.mixer, compute_dtype(wdt), []
+
+    def addr(t, dtype=cdt):   # a vector in the compute dtype, a matrix as stored (wdt)
+        if t is None:
+            return None
+        t = t.detach()
+        if t.dtype != dtype or not t.is_contiguous():
+            t = t.to(dtype).contiguous()
+        keep.append(t)
+        return t.data_ptr()
+
+    convs, w, b, cw, cb = _fast.fused_weights(layer, lins)
+    H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
+    up, down = desc.ffn_gate_up, desc.ffn_down
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=w.shape[0], KC=convs[0].kernel_size if convs else 0,
+                              hid=down.in_features if down is not None else 0, kind=0 if desc.kind == "delta" else 1,
+                              conv_act=int(bool(convs) and convs[0].activation is not None), scale=layer.scale,
+                              nthreads=max(1, torch.get_num_threads()), has_ffn=int(down is not None),
+                              wbf16=int(wdt == torch.bfloat16))
+    p.W, p.Wb = addr(w, wdt), addr(b)
+    if convs:
+        p.cw, p.cb = addr(cw.view(cw.shape[0], -1)), addr(cb)
+    if desc.kind == "delta":
+        p.dkind, p.l2eps = int(bool(layer.exact)), L2NORM_EPS
+        p.l2conv = L2NORM_CONVENTIONS.index(layer.l2norm_convention) if layer.qk_l2norm else 0
+        p.q_l2 = int(bool(getattr(layer, "q_l2norm", False)))
+        if layer.exact:
+            p.beta_mode = _cpu_decode.BETA_MODES.index(layer.beta_mode)
+            if layer.beta_mode == "adaptive":
+                p.alpha = addr(layer.beta_alpha)
+        if layer._modules.get("a_proj") is not None:
+            p.gated = 1
+            p.neg_a, p.dt_bias = addr(mamba_neg_a(layer.A_log, cdt, layer)), addr(layer.dt_bias)
+    else:
+        fm = layer.feature_map
+        p.fmap, p.normalize = _cpu_decode.FEATURE_MAPS[fm.name], int(bool(layer.normalize))
+        p.nonneg, p.eps = int(isinstance(fm, _fast.NONNEGATIVE_MAPS)), float(layer.eps)
+        if layer.gate == "retnet":
+            p.gate_kind, p.decay = 1, addr(_fast.linear_decay(layer, cdt, torch.device("cpu")).reshape(-1).expand(HV))
+        elif layer.gate == "scalar":
+            p.gate_kind = 2
+            p.neg_a = addr(mamba_neg_a(layer.A_log, cdt, layer).reshape(-1).expand(HV))
+            p.dt_bias = addr(layer.dt_bias.reshape(-1).expand(HV))
+    has_norm, nw, neps = _fast.output_norm_args(layer, cdt)
+    p.has_norm, p.nw, p.norm_eps = int(has_norm), addr(nw), neps
+    p.has_gate = int(layer._modules.get("g_proj") is not None)
+    p.Wo = addr(layer._modules["o_proj"].weight, wdt)
+    p.n1w, p.n1eps = addr(desc.norm1.weight), float(desc.norm1.eps)
+    if down is not None:
+        p.n2w, p.n2eps = addr(desc.norm2.weight), float(desc.norm2.eps)
+        p.Wgu, p.bgu = addr(up.weight, wdt), addr(up.bias)
+        p.Wd, p.bd = addr(down.weight, wdt), addr(down.bias)
+    p.keep = keep   # the plan holds what it points into (a call in flight keeps it alive)
+    rebuilds[0] += 1
+    return p
+
+
+def _block_guard(owner: nn.Module, desc: BlockDescription, plan) -> PlanGuard:
+    mods = [*desc.modules, *desc.mixer.modules()]
+    return PlanGuard(owner, mods, [desc.mixer], {getattr(plan, f) for f in _PLAN_POINTERS})
+
+
+def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Optional[torch.Tensor]:
+    """`block_token`'s compiled call, or None where it does not apply. A bf16 block computes in fp32 (its input
+    widened, its output rounded back to bf16, its state fp32)."""
+    if torch.compiler.is_compiling() or not _cpu_decode.switched_on():
+        return None
+    slot = _slot(block, "_block_plan", BlockPlanSlot)
+    if slot.plan is None or slot.wdtype is not x.dtype or not slot.guard.valid():
+        slot.plan = None
+        desc = block.decode_description(x.dtype)
+        if desc is None:
+            return None
+        plan = _new_block_plan(desc, x.shape[0], x.shape[2], x.dtype)
+        if plan is None:
+            return None
+        slot.guard = _block_guard(block, desc, plan)
+        if not slot.guard.valid():
+            return None
+        slot.plan, slot.fn, slot.wdtype = plan, _cpu_decode.block_function(compute_dtype(x.dtype)), x.dtype
+    plan = slot.plan
+    layer = block._modules["mixer"]
+    kind = "delta" if plan.kind == 0 else "linear"
+    B, d, cdt = x.shape[0], x.shape[2], compute_dtype(x.dtype)
+    if plan.B != B:
+        plan.B = B   # a new batch size: the same plan
+    H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
+    st = cache.get("state")
+    if kind == "delta":
+        S = st
+        if S is not None and not (isinstance(S, torch.Tensor) and S.shape == (B, HV, K, V) and S.device == x.device):
+            return None   # the general path checks it and says what is wrong
+        S_out = torch.empty(B, HV, K, V, dtype=cdt)
+    else:
+        Kf = layer.feature_map.feature_dim(K)
+        if st is not None and not (isinstance(st, LinearAttentionState) and st.log_scale is None
+                                   and st.kv.shape == (B, HV, Kf, V) and st.z.shape == (B, HV, Kf)
+                                   and st.kv.device == x.device and st.offset.shape == (B,)):
+            return None
+        S = None if st is None else _fast.linear_state(cache, st, cdt)
+        S_out = torch.empty(B, HV, Kf, V + 1, dtype=cdt)
+    if S is not None and (S.dtype != cdt or not S.is_contiguous()):
+        S = S.to(cdt).contiguous()
+    window = w_out = None
+    mods = layer._modules
+    if layer.short_conv:
+        window = _fast.conv_window(cache, cdt)
+        Cc, W = 2 * H * K + HV * V, mods["q_conv"].kernel_size - 1
+        if window is not None:
+            if window.shape != (B, Cc, W):
+                return None   # not this layer's windows: the general path says what is wrong
+            if window.dtype != cdt or not window.is_contiguous():
+                window = window.to(cdt).contiguous()
+        w_out = torch.empty(B, Cc, W, dtype=cdt)
+    xin = x.reshape(B, d)
+    if xin.dtype != cdt or not xin.is_contiguous():
+        xin = xin.to(cdt).contiguous()
+    x_out = torch.empty(B, 1, d, dtype=cdt)
+    _cpu_decode.block_step(plan, slot.fn, xin, window, S, w_out, S_out, x_out)
+    if kind == "delta":
+        cache["state"] = S_out
+    else:
+        offset = torch.zeros(B, dtype=torch.int64) if st is None else (
+            st.offset if st.offset.dtype == torch.int64 else st.offset.to(torch.int64))
+        _fast.store_linear_state(cache, S_out, offset, V)
+    if w_out is not None:
+        _fast.store_conv_window(cache, (mods["q_conv"], mods["k_conv"], mods["v_conv"]), w_out)
+    cache["offset"] = cache.offset + 1
+    return x_out if x_out.dtype == x.dtype else x_out.to(x.dtype)
+
+
+def _torch_block(desc: BlockDescription, x: torch.Tensor, cache: LayerCache) -> Optional[torch.Tensor]:
+    """The described block's operations in PyTorch for one token (the mixer's own fast step inside); None for a
+    residual order other than pre-norm."""
+    if desc.residual != "prenorm" or desc.ffn not in (None, "swiglu"):
+        return None
+    n1, n2 = desc.norm1, desc.norm2
+    h = x + desc.mixer(F.rms_norm(x, (x.shape[-1],), n1.weight, n1.eps), cache=cache)
+    if desc.ffn_down is None:
+        return h
+    up, down = desc.ffn_gate_up, desc.ffn_down
+    a, b = F.linear(F.rms_norm(h, (h.shape[-1],), n2.weight, n2.eps), up.weight, up.bias).chunk(2, dim=-1)
+    return h + F.linear(F.silu(a) * b, down.weight, down.bias)
+
+
+def block_token(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Optional[torch.Tensor]:
+    """The hook of a model block's forward for one decoded token x `[B, 1, d]` (grad off, the mixer's
+    `LayerCache`): the block's output, or None when the block must run its usual path (which finds the cache
+    untouched). The block describes itself (`block.decode_description(dtype)` -> `BlockDescription` or None: not a
+    pre-norm block with a SwiGLU or no FFN, norms / FFN not exactly the library's, a hook); the described block runs
+    as one compiled call (`linattn_decode_block`) where the mixer has a compiled step, in fp32 / fp64 / bf16
+    weights, on the CPU, with the plan kept in the block (`BlockPlanSlot`, checked by its `PlanGuard`); else as
+    the same operations in PyTorch (fp32 / fp64 only: a bf16 block not covered runs its usual path)."""
+    if not (x.dim() == 3 and x.shape[1] == 1 and x.device.type == "cpu" and not torch.is_grad_enabled()):
+        return None
+    if compute_dtype(x.dtype) is None:
+        return None
+    out = _compiled_block(block, x, cache)
+    if out is not None or x.dtype == torch.bfloat16:
+        return out
+    desc = block.decode_description(x.dtype)
+    return None if desc is None else _torch_block(desc, x, cache)
+
+
+# -- the whole model ---------------------------------------------------------------------------------------------
+class _Layer:
+    """Where one layer's state and conv window sit in a model step's buffers, and their shapes."""
+
+    __slots__ = ("kind", "sshape", "wshape", "sizes", "s_off", "w_off", "V")
+
+    def __init__(self, kind, sshape, wshape, sizes, s_off, w_off, V):
+        self.kind, self.sshape, self.wshape, self.sizes = kind, sshape, wshape, sizes
+        self.s_off, self.w_off, self.V = s_off, w_off, V
+
+
+class _Layout:
+    """Where every layer's state and conv window sit in a model step's buffer (one buffer per token: the states of
+    all layers, `n_state` elements, then their conv windows, `n_win`), for one batch size and dtype. Read-only once
+    built, so a copy of a cache shares it (`__deepcopy__`)."""
+
+    __slots__ = ("layers", "L", "B", "dtype", "vocab", "n_state", "n_win", "same", "lin", "sbuf", "wbuf", "wmode",
+                 "key")
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def fits(self, other: "_Layout") -> bool:
+        """Whether buffers laid out by `other` are laid out as this one's."""
+        return other is self or other.key == self.key
+
+
+def _layout(specs, B: int, cdt: torch.dtype, vocab: int) -> _Layout:
+    """The layout of a model step's buffers at batch B; specs: per layer (kind, HV, Kf, V, KC, [H*K, H*K, HV*V])."""
+    layers, s_off, w_off = [], 0, 0
+    for kind, HV, Kf, V, KC, sizes in specs:
+        lay = _Layer(kind, (B, HV, Kf, V + (kind == "linear")), None, None, s_off, -1, V)
+        if KC:
+            lay.wshape, lay.sizes, lay.w_off = (B, sum(sizes), KC - 1), list(sizes), w_off
+            w_off += B * lay.wshape[1] * lay.wshape[2]
+        s_off += math.prod(lay.sshape)
+        layers.append(lay)
+    lo = _Layout()
+    lo.layers, lo.L, lo.B, lo.dtype, lo.vocab, lo.n_state, lo.n_win = layers, len(layers), B, cdt, vocab, s_off, w_off
+    first = layers[0]
+    lo.same = all(lay.kind == first.kind and lay.sshape == first.sshape and lay.wshape == first.wshape
+                  and lay.sizes == first.sizes for lay in layers)
+    lo.lin = [i for i, lay in enumerate(layers) if lay.kind == "linear"]
+    lo.key = (B, cdt, vocab, tuple((lay.kind, lay.sshape, lay.wshape, lay.sizes and tuple(lay.sizes), lay.s_off,
+                                    lay.w_off) for lay in layers))
+    lo.sbuf, lo.wbuf, lo.wmode = (s_off,), (w_off,), 0   # the buffers' shapes (`_views`)
+    if lo.same:
+        lo.sbuf = (lo.L,) + first.sshape
+        if first.wshape is not None:
+            C, KW = first.wshape[1:]
+            lo.wmode = 1 if B == 1 and first.sizes[0] == first.sizes[2] else 2
+            lo.wbuf = (3 * lo.L, 1, C // 3, KW) if lo.wmode == 1 else (lo.L,) + first.wshape
+    return lo
+
+
+class ModelPlanSlot:
+    """A model's whole-model decoding plan (`cpu/decode.ModelPlan` with its L block plans), its `PlanGuard`, the
+    layouts of the step's state / window buffers by batch size, and the batch size the plan is set for. Not state:
+    a copy or a pickle gets an empty slot, rebuilt on first use."""
+
+    __slots__ = ("plan", "fn", "keep", "guard", "B", "dtype", "ldtype", "specs", "layouts", "layout", "spent",
+                 "planref")
+
+    def __init__(self):
+        self.plan = self.spent = None
+
+    def __reduce__(self):
+        return (ModelPlanSlot, ())
+
+    def set_batch(self, B: int) -> None:
+        """Points the plan at batch B (no rebuild: the block plans' and the model plan's B, the offset arrays)."""
+        got = self.layouts.get(B)
+        if got is None:   # the layout and the C offset arrays (kept here: a pending cache pickles its layout)
+            lo = _layout(self.specs, B, self.dtype, self.plan.vocab)
+            got = self.layouts[B] = (lo, ((ctypes.c_int64 * lo.L)(*[lay.s_off for lay in lo.layers]),
+                                          (ctypes.c_int64 * lo.L)(*[lay.w_off for lay in lo.layers])))
+        lo, offs = got
+        mp = self.plan
+        mp.B = B
+        for p in self.keep[0]:
+            p.B = B
+        mp.s_off, mp.w_off = ctypes.addressof(offs[0]), ctypes.addressof(offs[1])
+        self.B, self.layout = B, lo
+
+
+class ModelFastState:
+    """What the whole-model step keeps in `Cache.fast` between tokens: the buffers its entries are views of (all
+    layers' states `S`, conv windows `W`, the linear layers' offsets `offsets` `[n_linear, B]`) in the layout
+    `layout`, valid while the layers' cache entries are still `entries`, the objects it stored (by identity)."""
+
+    __slots__ = ("entries", "S", "W", "offsets", "layout")
+
+    def __init__(self, entries, S, W, offsets, layout):
+        self.entries, self.S, self.W, self.offsets, self.layout = entries, S, W, offsets, layout
+
+
+def _model_weights_usable(desc: ModelDescription, wdt: torch.dtype) -> bool:
+    """Whether the embedding, final norm and head are what the compiled model step computes, in wdt."""
+    embed, norm, head = desc.embed, desc.norm, desc.head
+    if type(embed) is not nn.Embedding or embed.max_norm is not None or not desc.blocks:
+        return False
+    if compute_dtype(wdt) is None or embed.weight.device.type != "cpu" or not _cpu_decode.available():
+        return False
+    vocab, d = embed.weight.shape
+    if norm is not None and (not hasattr(norm, "eps") or (norm.weight is not None and norm.weight.dtype != wdt)):
+        return False
+    if head is not None and (type(head) is not nn.Linear or head.bias is not None or head.weight.dtype != wdt
+                             or head.weight.shape != (vocab, d)):
+        return False
+    head_w = (head if head is not None else embed).weight
+    return embed.weight.is_contiguous() and head_w.is_contiguous() and not _fast.hooked(embed, norm, head)
+
+
+def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescription, B: int) -> bool:
+    """Fills slot with a plan for the described model at batch B, or returns False when some part of it is not
+    covered (then the per-block path runs): the embedding, norm and head (`_model_weights_usable`) and every block
+    (`_new_block_plan`: a covered mixer, RoPE off), all in the embedding's dtype."""
+    slot.plan = None
+    wdt = desc.embed.weight.dtype
+    if not _model_weights_usable(desc, wdt):
+        return False
+    cdt = compute_dtype(wdt)
+    vocab, d = desc.embed.weight.shape
+    plans, keep, specs = [], [], []
+    for bd in desc.blocks:
+        plan = _new_block_plan(bd, B, d, wdt)
+        if plan is None:
+            return False
+        plans.append(plan)
+        layer = bd.mixer
+        H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
+        Kf = K if plan.kind == 0 else layer.feature_map.feature_dim(K)
+        specs.append(("delta" if plan.kind == 0 else "linear", HV, Kf, V, plan.KC, (H * K, H * K, HV * V)))
+    norm = desc.norm
+    mp = _cpu_decode.ModelPlan(L=len(plans), B=B, d=d, vocab=vocab, has_norm=int(norm is not None),
+                               nthreads=max(1, torch.get_num_threads()), wbf16=int(wdt == torch.bfloat16),
+                               norm_eps=float(norm.eps) if norm is not None else 0.0)
+    head_w = (desc.head if desc.head is not None else desc.embed).weight.detach()
+    norm_w = None
+    if norm is not None and norm.weight is not None:
+        norm_w = norm.weight.detach().to(cdt).contiguous()
+    mp.embed, mp.head = desc.embed.weight.data_ptr(), head_w.data_ptr()
+    mp.norm_w = None if norm_w is None else norm_w.data_ptr()
+    block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
+    mp.blocks = ctypes.addressof(block_ptrs)
+    direct = {mp.embed, mp.head, mp.norm_w} | {getattr(p, f) for p in plans for f in _PLAN_POINTERS}
+    slot.guard = PlanGuard(model, list(model.modules()), [bd.mixer for bd in desc.blocks], direct)
+    if not slot.guard.valid() or any(t.device.type != "cpu" for t in slot.guard.tensors):
+        return False   # (a hook on a module the step would not call)
+    slot.keep = (plans, keep, block_ptrs, desc.embed.weight, head_w, norm_w)
+    slot.fn, slot.dtype, slot.ldtype = _cpu_decode.model_function(cdt), cdt, wdt
+    slot.specs, slot.layouts = specs, {}
+    slot.plan, slot.planref = mp, ctypes.byref(mp)
+    slot.set_batch(B)
+    return True
+
+
+def _entries(lo: _Layout, lcs) -> list:
+    """The cache entries a step reads, in a fixed order: per layer its state, then conv_q, conv_k, conv_v."""
+    out = []
+    for lay, lc in zip(lo.layers, lcs):
+        out.append(lc.get("state"))
+        if lay.wshape is not None:
+            out += (lc.get("conv_q"), lc.get("conv_k"), lc.get("conv_v"))
+    return out
+def _gather(lo: _Layout, lcs, cdt):
+    """(S_in, W_in, offsets) from cache entries that another path wrote (a prefill, the per-block step, a
+    reorder or restore): fresh buffers in the plan's layout; (None, None, None) before the first token; None
+    when an entry is missing or not this layer's (then the per-block path runs and reports it)."""
+    states, wins, offs, empty = [], [], [], 0
+    for lay, lc in zip(lo.layers, lcs):
+        st = lc.get("state")
+        conv = (lc.get("conv_q"), lc.get("conv_k"), lc.get("conv_v")) if lay.wshape is not None else ()
+        if st is None and all(c is None for c in conv):
+            empty += 1
+            continue
+        if st is None or any(c is None for c in conv):
+            return None
+        if lay.kind == "delta":
+            if not (isinstance(st, torch.Tensor) and st.shape == lay.sshape and st.device.type == "cpu"):
+                return None
+            states.append(st)
+        else:
+            B, HV, Kf, V1 = lay.sshape
+            if not (isinstance(st, LinearAttentionState) and st.log_scale is None
+                    and st.kv.shape == (B, HV, Kf, V1 - 1) and st.z.shape == (B, HV, Kf)
+                    and st.kv.device.type == "cpu" and st.offset.shape == (B,)):
+                return None
+            states.append(torch.cat([st.kv, st.z.unsqueeze(-1)], -1))
+            offs.append(st.offset.to(torch.int64))
+        if conv:
+            B, _, W = lay.wshape
+            if any(not isinstance(c, torch.Tensor) or c.shape != (B, n, W) for c, n in zip(conv, lay.sizes)):
+                return None
+            wins.append(torch.cat(conv, 1))
+    if empty == len(lcs):
+        return None, None, None
+    if empty:
+        return None
+    S = torch.cat([s.to(cdt).reshape(-1) for s in states])
+    W = torch.cat([w.to(cdt).reshape(-1) for w in wins]) if wins else None
+    return S, W, (torch.stack(offs) if offs else None)
+
+
+def _views(lo: _Layout, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Optional[torch.Tensor]):
+    """(states, convs): the cache entries of every layer as views of a step's buffers S (states, `lo.sbuf`) and W
+    (windows, `lo.wbuf`) in as few view ops as possible; convs holds conv_q, conv_k, conv_v of every layer with a
+    short convolution, in layer order. With every layer alike (`lo.same`) S is `[L, B, ...]`, and W `[3L, 1, C/3,
+    KC-1]` (batch 1, q | k | v of one width: the same memory as `[L, 1, C, KC-1]`, so one unbind gives every conv
+    entry) or `[L, B, C, KC-1]`."""
+    lays = lo.layers
+    if lo.same:
+        lay = lays[0]
+        if lay.kind == "delta":
+            states = S.unbind(0)
+        else:
+            V = lay.V
+            states = list(map(_linear_state_of, S[..., :V].unbind(0), S[..., V].unbind(0), offsets.unbind(0)))
+        if W is None:
+            return states, ()
+        if lo.wmode == 1:
+            return states, W.unbind(0)
+        q, k, v = W.split_with_sizes(lay.sizes, dim=2)
+        return states, [t for qkv in zip(q.unbind(0), k.unbind(0), v.unbind(0)) for t in qkv]
+    states, convs, j = [], [], 0
+    for lay in lays:
+        Sl = S[lay.s_off:lay.s_off + math.prod(lay.sshape)].view(lay.sshape)
+        if lay.kind == "delta":
+            states.append(Sl)
+        else:
+            states.append(_linear_state_of(Sl[..., :lay.V], Sl[..., lay.V], offsets[j]))
+            j += 1
+        if lay.wshape is not None:
+            convs += W[lay.w_off:lay.w_off + math.prod(lay.wshape)].view(lay.wshape).split_with_sizes(lay.sizes,
+                                                                                                      dim=1)
+    return states, convs
+
+
+def _store(lo: _Layout, lcs, states, convs, n: int) -> list:
+    """Stores `_views`' entries in the layers' caches (dict operations only) and advances their offsets by n
+    tokens; returns the entries in the order of `_entries`."""
+    out, j = [], 0
+    for lay, lc, st in zip(lo.layers, lcs, states):
+        lc["state"] = st
+        out.append(st)
+        if lay.wshape is not None:
+            lc["conv_q"], lc["conv_k"], lc["conv_v"] = c = convs[j:j + 3]
+            out += c
+            j += 3
+        o = lc.get("offset", 0)
+        lc["offset"] = o + n if type(o) is int else lc.offset + n
+        if lc.fast is not None:
+            lc.fast = None   # the per-block step's views of the old entries
+    return out
+
+
+def _linear_state_of(kv, z, offset):
+    return LinearAttentionState(kv=kv, z=z, log_scale=None, offset=offset)
+
+
+def _mixer_caches(cache: Cache, L: int) -> list:
+    layers = cache.layers
+    try:
+        return [d["mixer"] for d in layers]
+    except KeyError:
+        return [cache.layer(i, "mixer") for i in range(L)]
+
+
+class ModelPending:
+    """Tokens the whole-model step has run on a cache but not yet written into its layers' entries (`Cache.pending`):
+    `buf` the buffer of the last one (every layer's new state, then the new conv windows: `_Layout`), `offsets` the
+    linear layers' offsets `[n_linear, B]` before the first of them (None: zeros), `n` how many. While nothing reads
+    the cache's layers between tokens, the next token reads `buf` directly, so a token makes no views and stores
+    nothing; the first read of `Cache.layers` calls `apply`, which writes the entries as the token-by-token stores
+    would have left them."""
+
+    __slots__ = ("layout", "buf", "offsets", "n")
+
+    def __init__(self, layout: _Layout, buf: torch.Tensor, offsets: Optional[torch.Tensor], n: int):
+        self.layout, self.buf, self.offsets, self.n = layout, buf, offsets, n
+
+    def apply(self, cache: Cache) -> None:
+        lo, buf, n = self.layout, self.buf, self.n
+        S = buf[:lo.n_state].view(lo.sbuf)
+        W = buf[lo.n_state:].view(lo.wbuf) if lo.n_win else None
+        offsets = None
+        if lo.lin:
+            offsets = (torch.full((len(lo.lin), lo.B), n, dtype=torch.int64) if self.offsets is None
+                       else self.offsets + n)
+        lcs = _mixer_caches(cache, lo.L)
+        entries = _store(lo, lcs, *_views(lo, S, W, offsets), n)
+        cache.fast = ModelFastState(entries, S, W, offsets, lo)
+
+
+def model_step(model: nn.Module, ids: torch.Tensor, cache, logits_to_keep) -> Optional[tuple]:
+    """The hook of a model's forward for one decoded token per row, ids `[B, 1]`: the embedding, every block, the
+    final norm and the head as ONE compiled call (csrc/decode.c, linattn_decode_model), the cache advanced as the
+    per-block steps advance it. The model describes itself (`model.decode_description()` -> `ModelDescription` or
+    None). Returns (logits `[B, 1, vocab]`, the zero aux loss), or None where that does not cover the call (then
+    forward runs as usual and finds the cache untouched): grad enabled, not a plain `Cache` or one with rollback, a
+    block the compiled block step would not take, a hook, `model.compiled_decode = False`, `LINATTN_CPU_KERNELS=0`,
+    a token id out of range, or cache entries that are not this model's.
+
+    The plan is built once and checked on every token (`PlanGuard`); a new batch size only re-points it
+    (`ModelPlanSlot.set_batch`). The new states and conv windows of all layers are one fresh buffer per token
+    (never written in place: a copy of the cache may share the old ones). The cache's entries are written lazily
+    (`ModelPending`): a token leaves its buffer in `Cache.pending`, the next token reads it from there, and the
+    entries (views of the buffer) are made only when something reads `Cache.layers`. After that, while the entries
+    are still those views, the next token reads the buffer directly (`ModelFastState` in `Cache.fast`), else it
+    gathers the entries. The blocks' arithmetic is the per-block step's (bit for bit); the final norm and head are
+    C loops (the logits agree with torch's to rounding). A bf16 model computes in fp32 (states too) and returns
+    bf16 logits."""
+    if (torch.is_grad_enabled() or type(cache) is not Cache or cache.rollback or not ids.is_cpu
+            or type(logits_to_keep) is not int or logits_to_keep < 0 or not getattr(model, "compiled_decode", True)
+            or torch.compiler.is_compiling() or not _cpu_decode.switched_on()):
+        return None
+    B = ids.shape[0]
+    slot = _slot(model, "_model_plan", ModelPlanSlot)
+    if slot.plan is None or not slot.guard.valid():
+        desc = model.decode_description()
+        if desc is None or not _build_model_plan(slot, model, desc, B):
+            return None
+    elif slot.B != B:
+        slot.set_batch(B)
+    lo = slot.layout
+    pend = cache.pending
+    if type(pend) is ModelPending and lo.fits(pend.layout) and len(cache._layers) == lo.L:
+        # the last token's buffer, its entries not yet made: nobody has read the cache since
+        buf_in, offsets, n = pend.buf, pend.offsets, pend.n + 1
+        S_ptr = buf_in.data_ptr()
+        W_ptr = S_ptr + lo.n_state * buf_in.element_size() if lo.n_win else None
+    else:
+        if len(cache.layers) != lo.L:   # (applies a pending step of another layout first)
+            return None
+        lcs = _mixer_caches(cache, lo.L)
+        rec = cache.fast
+        if type(rec) is ModelFastState and lo.fits(rec.layout) and all(map(operator.is_, _entries(lo, lcs),
+                                                                             rec.entries)):
+            S_in, W_in, offsets = rec.S, rec.W, rec.offsets
+        else:
+            got = _gather(lo, lcs, lo.dtype)
+            if got is None:
+                return None
+            S_in, W_in, offsets = got
+        buf_in, n = (S_in, W_in), 1
+        S_ptr = None if S_in is None else S_in.data_ptr()
+        W_ptr = None if W_in is None else W_in.data_ptr()
+    if ids.dtype != torch.int64 or not ids.is_contiguous():
+        ids = ids.to(torch.int64).contiguous()
+    # every torch call before the compiled one: it streams all the weights through the caches, after which each
+    # torch call costs several times more (its code and data are fetched again); the same for freeing the
+    # previous step's buffers (`slot.spent` keeps them until the next token)
+    slot.spent = None
+    cdt = lo.dtype
+    buf = torch.empty(lo.n_state + lo.n_win, dtype=cdt)
+    logits = torch.empty(B, 1, lo.vocab, dtype=slot.ldtype)
+    aux = torch.empty((), dtype=torch.float32)   # zeroed by the call (torch.zeros costs a fill kernel's code)
+    out_ptr = buf.data_ptr()
+    rc = slot.fn(slot.planref, ids.data_ptr(), S_ptr, W_ptr, out_ptr,
+                 out_ptr + lo.n_state * buf.element_size() if lo.n_win else None, logits.data_ptr(), aux.data_ptr())
+    if rc == 2:
+        return None   # a token id out of range: forward's checks report it
+    if rc:
+        raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
+    slot.spent = buf_in
+    cache.pending = ModelPending(lo, buf, offsets, n)
+    cache.seen_tokens += 1
+    return logits, aux

@@ -1,0 +1,86 @@
+"""`linattn bench infer` at the tiny shape (no timing assertions), its floor definition, llama.cpp's row through a
+stand-in llama-bench."""
+import importlib.util
+import json
+import os
+import stat
+import sys
+
+import pytest
+import torch
+
+from linattn.bench import infer
+from linattn.cli import main
+from linattn.models import LanguageModel, LMConfig
+
+HAS_HF = importlib.util.find_spec("transformers") is not None
+
+
+def test_decode_bytes_counts_one_embedding_row_and_a_tied_head_once():
+    tied = LanguageModel(LMConfig(vocab_size=100, d_model=16, n_layers=1, n_heads=2, mixer="gated-deltanet"))
+    untied = LanguageModel(LMConfig(vocab_size=100, d_model=16, n_layers=1, n_heads=2, mixer="gated-deltanet",
+                                    tie_embeddings=False))
+    every = sum(p.numel() * 4 for p in tied.parameters()) + sum(b.numel() * b.element_size() for b in tied.buffers())
+    assert infer.model_decode_bytes(tied) == every                        # the table is the head: read whole, once
+    every_u = (sum(p.numel() * 4 for p in untied.parameters())
+               + sum(b.numel() * b.element_size() for b in untied.buffers()))
+    assert infer.model_decode_bytes(untied) == every_u - 99 * 16 * 4     # one row of the input table
+    assert infer.model_decode_bytes(untied.to(torch.bfloat16)) * 2 == infer.model_decode_bytes(untied.float()) - sum(
+        b.numel() * b.element_size() for b in untied.buffers() if not b.is_floating_point())
+
+
+def test_read_bandwidth_is_positive_and_sized_from_the_cache(monkeypatch):
+    monkeypatch.setattr(infer, "last_level_cache_bytes", lambda: 1 << 20)
+    bw = infer.ReadBandwidth()
+    assert bw.nbytes == infer.MIN_BANDWIDTH_BYTES and bw.once() > 0
+    assert infer.ReadBandwidth(8 << 20).nbytes == 8 << 20
+
+
+def test_parse_llama_bench():
+    text = json.dumps([{"n_prompt": 16, "n_gen": 0, "avg_ts": 120.5}, {"n_prompt": 0, "n_gen": 4, "avg_ts": 9.25}])
+    assert infer.parse_llama_bench(text) == {"prompt_tok_s": 120.5, "decode_tok_s": 9.25}
+
+
+def _fake_llama_bench(tmp_path):
+    """A stand-in llama-bench printing its own arguments' sizes as JSON records."""
+    path = tmp_path / "llama-bench"
+    path.write_text(f"#!{sys.executable}\nimport json, sys\na = sys.argv\n"
+                    "p, n = int(a[a.index('-p') + 1]), int(a[a.index('-n') + 1])\n"
+                    "print(json.dumps([{'n_prompt': p, 'n_gen': 0, 'avg_ts': 100.0},"
+                    " {'n_prompt': 0, 'n_gen': n, 'avg_ts': 10.0}]))\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+@pytest.mark.skipif(not HAS_HF, reason="needs transformers (the hf extra)")
+def test_bench_infer_tiny(tmp_path, capsys):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    rc = main(["bench", "infer", "--shape", "tiny", "--prompt", "8", "--decode", "2", "--repeats", "1",
+               "--threads", "1", "--bandwidth-mib", "16", "--llama-bench", str(_fake_llama_bench(tmp_path)),
+               "--gguf", f"fp32={gguf}", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "decode/floor" in out and "LESS THAN 4x" in out
+    data = json.loads((tmp_path / "infer.json").read_text())
+    rows = {(r["engine"], r["dtype"]): r for r in data["records"]}
+    assert set(rows) == {(e, d) for e in infer.ENGINES for d in ("fp32", "bf16")} | {("llama.cpp", "fp32")}
+    assert rows[("linattn", "bf16")]["bytes"] < rows[("linattn", "fp32")]["bytes"]
+    # the same shape in both libraries: the weights' bytes agree to the few per-layer vectors they lay out apart
+    lin, hf = rows[("linattn", "fp32")]["bytes"], rows[("transformers", "fp32")]["bytes"]
+    assert abs(lin - hf) / hf < 0.05
+    for r in data["records"]:
+        assert r["decode_tok_s"] > 0 and r["prompt_tok_s"] > 0 and r["over_floor"] > 0
+    assert rows[("llama.cpp", "fp32")]["decode_tok_s"] == 10.0
+
+
+def test_bench_infer_bad_options_exit_2(tmp_path, capsys):
+    assert main(["bench", "infer", "--engines", "nope"]) == 2
+    assert main(["bench", "infer", "--dtypes", "fp16"]) == 2
+    assert main(["bench", "infer", "--llama-bench", str(tmp_path / "missing")]) == 2
+    fake = tmp_path / "lb"
+    fake.write_text("")
+    assert main(["bench", "infer", "--engines", "linattn", "--llama-bench", str(fake)]) == 2   # no --gguf
+    err = capsys.readouterr().err
+    assert "--engines" in err and "--dtypes" in err and "--llama-bench" in err
+    assert os.listdir(tmp_path) == ["lb"]   # nothing written

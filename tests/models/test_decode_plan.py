@@ -1,0 +1,241 @@
+"""The decode plan (models/decode_plan.py): one guard (`PlanGuard`) with a test per invalidation cause, a change of
+batch size without a rebuild, and a plan built from a description of blocks that a model other than
+`LanguageModel` gives."""
+import pytest
+import torch
+import torch.nn as nn
+
+from linattn.cpu import decode as cpu_decode
+from linattn.layers import RMSNorm, SwiGLU
+from linattn.models import LanguageModel, LMConfig, decode_plan
+from linattn.models.registry import build_mixer
+from tests.helpers import CompiledDecodeCalls, torch_decode_twin
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
+VOCAB = 40
+
+
+def _model(mixer="gated-deltanet", dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, mixer=mixer, **kw)).to(dtype)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n or "A_log" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def _ids(B, T=7, seed=1):
+    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, prefill=3):
+    with torch.no_grad():
+        out = model(ids[:, :prefill], use_cache=True)
+        cache, logits = out.cache, [out.logits]
+        for t in range(prefill, ids.shape[1]):
+            logits.append(model(ids[:, t:t + 1], cache=cache).logits)
+    return torch.cat(logits, 1)
+
+
+def _set_bias(model):
+    lin = model.blocks[0].ffn.w_gate_up
+    lin.bias = nn.Parameter(0.1 * torch.randn(lin.out_features))
+
+
+def _replace_submodule(model):
+    old = model.blocks[1].mixer.o_proj
+    new = nn.Linear(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        new.weight.copy_(old.weight * 0.5)
+    model.blocks[1].mixer.o_proj = new
+
+
+def _replace_parameter(model):
+    m = model.blocks[0].ffn.w_down
+    m.weight = nn.Parameter(m.weight.detach() * 1.5)
+
+
+def _swap_data(model):
+    p = model.blocks[0].norm1.weight
+    p.data = p.data * 2
+
+
+def _in_place_copied(model):
+    with torch.no_grad():
+        model.blocks[0].mixer.k_proj.weight.mul_(1.3)   # read through the fused projection (a copy)
+
+
+def _write_through_data(model):
+    model.blocks[1].mixer.q_proj.weight.data.mul_(0.7)   # no version bump: new_cache clears the fused weights
+    model.new_cache()
+
+
+def _config_value(model):
+    model.blocks[0].mixer.scale = 0.25
+
+
+def _switch_off(model):
+    model.blocks[1].mixer.compiled_decode = False
+
+
+def _hook(model):
+    model.blocks[1].ffn.register_forward_hook(lambda *a: None)
+
+
+def _dtype(model):
+    model.double()
+
+
+def _training(model):
+    model.train()
+
+
+CAUSES = {"a parameter set where there was None": _set_bias, "a replaced submodule": _replace_submodule,
+          "a replaced parameter": _replace_parameter, "a swapped .data": _swap_data,
+          "an in-place update of a copied weight": _in_place_copied,
+          "a write through .data, then new_cache": _write_through_data, "a configuration value": _config_value,
+          "a switch": _switch_off, "a hook": _hook, "a dtype change": _dtype, "train mode": _training}
+
+
+@pytest.mark.parametrize("cause", list(CAUSES))
+def test_guard_invalidates_for_each_cause(cause):
+    """Each change that the plan depends on makes its guard invalid; decoding after it gives the PyTorch step's
+    logits (the plan rebuilt, or the usual path where the model no longer qualifies)."""
+    model = _model()
+    ids = _ids(1)
+    _generate(model, ids)
+    guard = model._model_plan.guard
+    assert guard.valid()
+    CAUSES[cause](model)
+    assert not guard.valid()
+    model.eval()   # (train mode: the guard saw it; decode in eval as the reference)
+    ref = _generate(torch_decode_twin(model), ids)
+    got = _generate(model, ids)
+    tol = 1e-12 if got.dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+def test_guard_invalidates_for_a_global_hook_and_the_thread_count():
+    model = _model()
+    _generate(model, _ids(1))
+    guard = model._model_plan.guard
+    h = nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
+    assert not guard.valid()
+    h.remove()
+    assert guard.valid()
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n + 1)
+        assert not guard.valid()
+    finally:
+        torch.set_num_threads(n)
+    assert guard.valid()
+
+
+def test_unchanged_model_keeps_its_plan_and_an_in_place_update_of_a_direct_weight_is_read():
+    """No rebuild between tokens; a weight the plan reads in place (o_proj) updated in place needs no rebuild
+    either, and the next token reads the new values. (A new cache clears the fused weights: `new_cache`.)"""
+    model = _model()
+    ids = _ids(1, T=6)
+    twin = torch_decode_twin(model)
+    with torch.no_grad():
+        cache, ref_cache = model(ids[:, :2], use_cache=True).cache, twin(ids[:, :2], use_cache=True).cache
+        model(ids[:, 2:3], cache=cache)
+        twin(ids[:, 2:3], cache=ref_cache)
+        built = decode_plan.rebuilds[0]
+        for t in range(3, 6):
+            if t == 4:
+                for m in (model, twin):
+                    m.blocks[0].mixer.o_proj.weight.mul_(1.5)
+            got, ref = model(ids[:, t:t + 1], cache=cache).logits, twin(ids[:, t:t + 1], cache=ref_cache).logits
+            torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    assert decode_plan.rebuilds[0] == built
+
+
+@pytest.mark.parametrize("mixer", ["gated-deltanet", "linear-elu+1"])
+@pytest.mark.parametrize("per_block", [False, True])
+def test_batch_change_needs_no_rebuild(mixer, per_block, monkeypatch):
+    """A server's batch changes every step (requests finish, others are repeated / forked: `Cache.reorder`): 3, 2,
+    4, 1, 3 rows decode through the same plans (no rebuild), each step with the PyTorch step's logits, on the
+    whole-model step and on the per-block one."""
+    model = _model(mixer)
+    model.compiled_decode = not per_block
+    twin = torch_decode_twin(model)
+    calls = CompiledDecodeCalls(monkeypatch)
+    ids = _ids(3, T=4)
+    rows = [torch.tensor(r) for r in ([0, 2], [1, 1, 0, 0], [2], [0, 0, 0])]
+    with torch.no_grad():
+        cache, ref_cache = model(ids, use_cache=True).cache, twin(ids, use_cache=True).cache
+        tok = ids[:, -1:]
+        model(tok, cache=cache)
+        twin(tok, cache=ref_cache)
+        built = decode_plan.rebuilds[0]
+        for r in rows:
+            cache.reorder(r)
+            ref_cache.reorder(r)
+            tok = tok[r]
+            got, ref = model(tok, cache=cache).logits, twin(tok, cache=ref_cache).logits
+            torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+            tok = ref.argmax(-1)
+    assert decode_plan.rebuilds[0] == built
+    assert calls.model == (0 if per_block else 5)
+
+
+class _OtherModel(nn.Module):
+    """Not a LanguageModel: its own module names and forward, and a `decode_description` of its blocks."""
+
+    def __init__(self, d=32, hidden=48):
+        super().__init__()
+        torch.manual_seed(3)
+        self.tok = nn.Embedding(VOCAB, d)
+        self.mixers = nn.ModuleList([build_mixer("gated-deltanet", d, 2) for _ in range(2)])
+        self.pre = nn.ModuleList([RMSNorm(d) for _ in range(2)])
+        self.post = nn.ModuleList([RMSNorm(d) for _ in range(2)])
+        self.mlps = nn.ModuleList([SwiGLU(d, hidden) for _ in range(2)])
+        self.out_norm = RMSNorm(d)
+        self.out = nn.Linear(d, VOCAB, bias=False)
+        with torch.no_grad():
+            for n in (*self.pre, *self.post, self.out_norm):
+                n.weight.add_(0.1 * torch.randn_like(n.weight))
+
+    def forward(self, ids, cache):
+        x = self.tok(ids)
+        for i, (mixer, n1, n2, mlp) in enumerate(zip(self.mixers, self.pre, self.post, self.mlps)):
+            h = x + mixer(n1(x), cache=cache.layer(i, "mixer"))
+            x = h + mlp(n2(h))
+        return self.out(self.out_norm(x))
+
+    def decode_description(self):
+        blocks = [decode_plan.BlockDescription(m, m.fast_step_kind(), n1, n2, "swiglu", f.w_gate_up, f.w_down,
+                                               modules=(n1, n2, f, f.w_gate_up, f.w_down))
+                  for m, n1, n2, f in zip(self.mixers, self.pre, self.post, self.mlps)]
+        return decode_plan.ModelDescription(self.tok, blocks, self.out_norm, self.out)
+
+
+def test_plan_built_from_a_description_of_another_model(monkeypatch):
+    """A model that is not a LanguageModel describes its blocks and decodes through the same compiled call, with
+    the logits and states of its own forward."""
+    from linattn.layers import Cache
+    model = _OtherModel().eval()
+    calls = CompiledDecodeCalls(monkeypatch)
+    ids = _ids(2, T=6)
+    with torch.no_grad():
+        ref_cache, fast_cache = Cache(2), Cache(2)
+        ref = torch.cat([model(ids[:, t:t + 1], ref_cache) for t in range(6)], 1)
+        got = [decode_plan.model_step(model, ids[:, t:t + 1], fast_cache, 0) for t in range(6)]
+    assert all(g is not None for g in got) and calls.model == 6
+    torch.testing.assert_close(torch.cat([g[0] for g in got], 1), ref, rtol=2e-5, atol=2e-5)
+    for i in range(2):
+        torch.testing.assert_close(fast_cache.layer(i, "mixer")["state"], ref_cache.layer(i, "mixer")["state"],
+                                   rtol=2e-5, atol=2e-5)
+    other = _OtherModel().eval()
+    other.decode_description = lambda: None   # a model that cannot describe itself: no compiled call
+    parallel = _OtherModel().eval()
+    desc = parallel.decode_description()
+    desc.blocks[1].residual = "parallel"      # a residual order the compiled block does not compute
+    parallel.decode_description = lambda: desc
+    with torch.no_grad():
+        assert decode_plan.model_step(other, ids[:, :1], Cache(2), 0) is None
+        assert decode_plan.model_step(parallel, ids[:, :1], Cache(2), 0) is None
+    assert calls.model == 6
