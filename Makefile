@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCHVISION_SPEC),"$(TORCHVISION_SPEC)")
-	$(PY) -m pip install -q -e ".[dev,vision,onnx]"
+	$(PY) -m pip install -q -e ".[dev,fla-models,vision,onnx]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -93,3 +93,25 @@ def test_checkpoint_imports_the_train_schema_not_the_trainer():
     assert out.strip() == "False"
     with pytest.raises(ckpt.CheckpointError, match="train: TrainConfig.lr must be finite"):
         ckpt._check_train_section({"lr": -1}, "x")
+
+
+def test_the_dev_extra_does_not_install_fla():
+    """Issue 49.9: with flash-linear-attention installed, transformers binds fla's GPU-only kernels into Qwen3.5,
+    Qwen3-Next and Kimi Linear at import, and those models then fail on a CPU. A user who installs linattn's
+    `dev` extra must not meet that: fla's models come only with the `fla-models` extra, which `make test`
+    installs for the fla-import tests."""
+    import re
+    from pathlib import Path
+
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        pytest.importorskip("tomli")
+        import tomli as tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {e: {re.split(r"[<>=!;\[ ]", r, maxsplit=1)[0].strip().lower() for r in reqs} for e, reqs in extras.items()}
+    assert not names["dev"] & {"flash-linear-attention", "fla-core"}
+    assert names["fla-models"] == {"flash-linear-attention"}
+    assert re.search(r"pip install -q -e \"\.\[[^\]]*fla-models", (root / "Makefile").read_text())
