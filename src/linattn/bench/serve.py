@@ -70,6 +70,93 @@ def _running(url: str) -> float:
     return 0.0
 
 
+def _percentile(values: List[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def stream_completion(url: str, body: Dict[str, Any], timeout: float = 600.0) -> Dict[str, Any]:
+    """One streamed completion: {text, completion_tokens, finish_reason, ttft_s, latency_s, error}; a failure is
+    recorded in `error`, never raised."""
+    t0 = time.perf_counter()
+    rec: Dict[str, Any] = {"text": "", "completion_tokens": None, "finish_reason": None, "ttft_s": None,
+                           "latency_s": None, "error": None}
+    try:
+        with _post(url + "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}},
+                   timeout) as r:
+            for line in r:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                for choice in event.get("choices") or []:
+                    if choice.get("text") and rec["ttft_s"] is None:
+                        rec["ttft_s"] = time.perf_counter() - t0
+                    rec["text"] += choice.get("text") or ""
+                    rec["finish_reason"] = choice.get("finish_reason") or rec["finish_reason"]
+                if event.get("usage"):
+                    rec["completion_tokens"] = event["usage"]["completion_tokens"]
+    except Exception as e:  # noqa: BLE001  (counted as an error of this request)
+        rec["error"] = f"{type(e).__name__}: {e}"
+    rec["latency_s"] = time.perf_counter() - t0
+    return rec
+
+
+def run_clients(url: str, make_body, clients: int, duration: float) -> Dict[str, Any]:
+    """`clients` threads, each sending streamed completions one after another for `duration` seconds (the ones in
+    flight then finish): `make_body(client, i)` is the i-th body of a client. Returns {records (each with its
+    client, i and body), wall_s}."""
+    records: List[Dict[str, Any]] = []
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+
+    def client(c: int) -> None:
+        i = 0
+        while time.perf_counter() - t0 < duration:
+            body = make_body(c, i)
+            rec = {"client": c, "i": i, "body": body, **stream_completion(url, body)}
+            with lock:
+                records.append(rec)
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"records": records, "wall_s": time.perf_counter() - t0}
+
+
+def solo_text(model, tokenizer, body: Dict[str, Any]) -> str:
+    """The text a completion body gets from the model alone (`linattn.generate.stream_tokens`, decoded piece by
+    piece as the server streams it): the reference every served output is checked against."""
+    import torch
+
+    from ..generate import TextDecoder, stream_tokens
+
+    ids = body["prompt"] if isinstance(body["prompt"], list) else tokenizer.encode(body["prompt"])
+    tokens = list(stream_tokens(model, torch.tensor([ids]), body["max_tokens"],
+                                temperature=body.get("temperature", 1.0), seed=body.get("seed"),
+                                eos_id=None if body.get("ignore_eos") else tokenizer.eos_id))
+    decoder = TextDecoder(tokenizer, skip_special_tokens=True)
+    return "".join(decoder.push(t) for t in tokens) + decoder.flush()
+
+
+def check_outputs(records: List[Dict[str, Any]], solo) -> Dict[str, Any]:
+    """Counts over served records: errors (failed requests), lost (no end: no finish reason), crossed (an output
+    that is not its own request's solo output), and throughput / latency figures. `solo(body)` gives the
+    reference text."""
+    errors = [r for r in records if r["error"]]
+    lost = [r for r in records if not r["error"] and r["finish_reason"] is None]
+    crossed = [r for r in records if not r["error"] and r["finish_reason"] is not None and r["text"] != solo(r["body"])]
+    ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
+    lat = [r["latency_s"] for r in records if not r["error"]]
+    return {"requests": len(records), "errors": len(errors), "lost": len(lost), "crossed": len(crossed),
+            "completion_tokens": sum(r["completion_tokens"] or 0 for r in records),
+            "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
+            "latency_p50_s": _percentile(lat, 0.5), "latency_p99_s": _percentile(lat, 0.99),
+            "first_errors": [r["error"] for r in errors[:3]]}
+
+
 def _speed(ck, url: str, args, log) -> Dict[str, Any]:
     from ..generate import generate_text
 
