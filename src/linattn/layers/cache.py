@@ -572,6 +572,11 @@ class Cache:
             self._history = []
             return
         self.reorder(torch.tensor(keep, dtype=torch.long))
+        for d in self.layers:
+            for lc in d.values():
+                for v in lc.values():
+                    if isinstance(v, KVCache) and v.k is not None and isinstance(lc.offset, torch.Tensor):
+                        _trim_padding(v, lc)
 
     def rows_mergeable(self, snap: CacheSnapshot) -> Optional[str]:
         """Why the rows of `snap` cannot join this batch (None: they can).
@@ -751,6 +756,14 @@ def _has_padding(lc: LayerCache, other: LayerCache) -> bool:
         return False
     lengths = torch.cat([_kv_row_lengths(kv_a, lc), _kv_row_lengths(kv_b, other)])
     return bool((lengths != max(kv_a.length, kv_b.length)).any())
+
+
+def _trim_padding(kv: KVCache, lc: LayerCache) -> None:
+    """Drop the left padding no row needs any more (its longest row left the batch)."""
+    pad = kv.length - int(_kv_row_lengths(kv, lc).max())
+    if pad > 0:
+        kv.k, kv.v = kv.k[:, pad:kv.length], kv.v[:, pad:kv.length]
+        kv.length, kv.start = kv.length - pad, kv.start + pad
 
 
 def _merge_kv(a: KVCache, b: KVCache, lc: LayerCache, other: LayerCache) -> KVCache:
