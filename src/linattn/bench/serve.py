@@ -265,16 +265,23 @@ def _batch(url: str, vocab: int, args, log) -> Dict[str, Any]:
             t.join()
         if any(r["error"] for r in done):
             raise UsageError(f"a request failed: {[r['error'] for r in done if r['error']][0]}", prog=PROG)
-        return sum(r["completion_tokens"] for r in done) / (time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        # the decode phase: each request's tokens after its first over the time after its first, summed
+        decode = sum((r["completion_tokens"] - 1) / (r["latency_s"] - r["ttft_s"]) for r in done
+                     if r["completion_tokens"] > 1 and r["latency_s"] > r["ttft_s"])
+        return sum(r["completion_tokens"] for r in done) / wall, decode
 
     stream_completion(url, {**body(0, 0), "max_tokens": 4})   # warm
     rows = []
     for i in range(args.rounds):
-        one, many = tokens_per_s(1), tokens_per_s(args.batch_clients)
-        rows.append({"one_tokens_per_s": one, "batch_tokens_per_s": many, "ratio": many / one})
+        (one, one_decode), (many, many_decode) = tokens_per_s(1), tokens_per_s(args.batch_clients)
+        rows.append({"one_tokens_per_s": one, "batch_tokens_per_s": many, "ratio": many / one,
+                     "one_decode_tokens_per_s": one_decode, "batch_decode_tokens_per_s": many_decode,
+                     "decode_ratio": many_decode / one_decode if one_decode else float("nan")})
         log(f"[bench serve] batch round {i + 1}: 1 request {one:.1f} tok/s, {args.batch_clients} requests "
-            f"{many:.1f} tok/s ({many / one:.2f}x)")
-    return {"clients": args.batch_clients, "rounds": rows, "median_ratio": statistics.median(r["ratio"] for r in rows)}
+            f"{many:.1f} tok/s ({many / one:.2f}x; decode phase {rows[-1]['decode_ratio']:.2f}x)")
+    return {"clients": args.batch_clients, "rounds": rows, "median_ratio": statistics.median(r["ratio"] for r in rows),
+            "median_decode_ratio": statistics.median(r["decode_ratio"] for r in rows)}
 
 
 def _prefix(url: str, vocab: int, args, log) -> Dict[str, Any]:
@@ -394,8 +401,10 @@ def _rows(result: Dict[str, Any], args) -> List[List[str]]:
         rows += [[f"/health median ms, {args.streams} streams", f"{h['median_ms']:.1f}", "< 100"],
                  [f"/health max ms, {args.streams} streams", f"{h['max_ms']:.1f}", ""]]
     if "batch" in result:
-        rows.append([f"{args.batch_clients} requests / 1 request, aggregate decode tok/s (median)",
-                     f"{result['batch']['median_ratio']:.2f}", ">= 4"])
+        rows += [[f"{args.batch_clients} requests / 1 request, aggregate tok/s, prefill included (median)",
+                  f"{result['batch']['median_ratio']:.2f}", ""],
+                 [f"{args.batch_clients} requests / 1 request, aggregate decode-phase tok/s (median)",
+                  f"{result['batch']['median_decode_ratio']:.2f}", ">= 4"]]
     if "prefix" in result:
         rows.append([f"TTFT cold / prefix hit, {args.prefix_tokens} + 32 tokens (median)",
                      f"{result['prefix']['median_ratio']:.1f}", ">= 10"])
