@@ -129,14 +129,14 @@ def test_concurrent_requests_on_one_prefix_and_a_cache_under_pressure(tok):
                   for k in (1, 5, 9)]
         for j in same + longer:
             engine.submit(j)
-        for j in same + longer:
-            assert tokens_of(j.emit.wait(), tok) == solo(model, j)
+        got = [tokens_of(j.emit.wait(), tok) for j in same + longer]
         stats = engine.prefix_cache.stats()
         assert stats["hits"] >= 1 and stats["hit_tokens"] >= len(base)
         assert len(set(engine.prefix_cache.keys())) == len(engine.prefix_cache)   # one entry per prefix
         entry = engine.prefix_cache.lookup(base)
     finally:
-        engine.stop()
+        engine.stop()   # the references run after: two threads must not run one model at once
+    assert got == [solo(model, j) for j in same + longer]
     # a budget of about two prompts' states: every request still gets its cold result, evictions happen
     engine = Engine(model, tok, max_concurrent=3, prefill_chunk=8, prefix_every=8,
                     prefix_cache_bytes=2 * entry.nbytes + 1)
@@ -146,9 +146,32 @@ def test_concurrent_requests_on_one_prefix_and_a_cache_under_pressure(tok):
         jobs = [Job(p, 5, Events(), temperature=0, ignore_eos=True, top_logprobs=0) for p in prompts]
         for j in jobs:
             engine.submit(j)
-        for j in jobs:
-            assert tokens_of(j.emit.wait(), tok) == solo(model, j)
+        got = [tokens_of(j.emit.wait(), tok) for j in jobs]
         stats = engine.prefix_cache.stats()
         assert stats["evicted"] > 0 and stats["bytes"] <= stats["budget_bytes"]
     finally:
         engine.stop()
+    assert got == [solo(model, j) for j in jobs]
+
+
+@torch.no_grad()
+def test_a_failing_request_leaves_the_batch_alone(tok):
+    from linattn.serve.engine import Failed
+
+    model = make(tok, **HYBRID)
+    engine = Engine(model, tok, max_concurrent=4)
+    engine.start()
+    try:
+        good = Job(tok.encode("def f"), 12, Events(), temperature=0, ignore_eos=True)
+        bad_ids = Job([tok.vocab_size + 5], 4, Events(), temperature=0)   # an id the model does not have
+        bad_setting = Job(tok.encode("x"), 4, Events(), temperature=-1.0)
+        for j in (good, bad_ids, bad_setting):
+            engine.submit(j)
+        for j in (bad_ids, bad_setting):
+            assert isinstance(j.emit.wait().end, Failed)
+        assert "temperature" in bad_setting.emit.end.message
+        assert good.emit.wait().end.reason == "length"
+        assert engine.counts() == {"running": 0, "waiting": 0}
+    finally:
+        engine.stop()
+    assert good.emit.text == tok.decode(solo(model, good))

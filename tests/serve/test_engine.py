@@ -77,14 +77,16 @@ def test_tokens_equal_stream_tokens_while_another_request_runs(model, tok):
         for j in jobs:
             engine.submit(j)
         for j in jobs:
-            ev = j.emit.wait()
-            want = list(stream_tokens(model, torch.tensor([j.prompt_ids]), 12, temperature=0.9, top_k=20, top_p=0.9,
-                                      seed=j.seed))
-            assert ev.text == tok.decode(want, skip_special_tokens=True)
-            assert ev.end.reason == "length" and ev.end.usage == {
-                "prompt_tokens": len(j.prompt_ids), "completion_tokens": 12, "total_tokens": len(j.prompt_ids) + 12}
+            j.emit.wait()
     finally:
-        engine.stop()
+        engine.stop()   # the references run after: two threads must not run one model at once
+    for j in jobs:
+        ev = j.emit
+        want = list(stream_tokens(model, torch.tensor([j.prompt_ids]), 12, temperature=0.9, top_k=20, top_p=0.9,
+                                  seed=j.seed))
+        assert ev.text == tok.decode(want, skip_special_tokens=True)
+        assert ev.end.reason == "length" and ev.end.usage == {
+            "prompt_tokens": len(j.prompt_ids), "completion_tokens": 12, "total_tokens": len(j.prompt_ids) + 12}
 
 
 def test_logprobs_are_the_models(model, tok):

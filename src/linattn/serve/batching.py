@@ -144,7 +144,10 @@ class BatchScheduler:
             return
         if r.pos == len(r.job.prompt_ids):
             self.prefilling.remove(r)
-            self._first_token(r)
+            try:
+                self._first_token(r)
+            except Exception as e:  # noqa: BLE001  (its state could not join a batch: this request fails)
+                self.fail(r.job, e)
 
     def _advance_prompt(self, r: _Request) -> None:
         ids, pc = r.job.prompt_ids, self.prefix_cache
@@ -191,11 +194,19 @@ class BatchScheduler:
             with torch.no_grad():
                 logits = self.model(ids, cache=batch.cache, logits_to_keep=1).logits[:, -1]
         except Exception as e:  # noqa: BLE001  (the rows of this batch cannot be told apart: all fail)
-            self.batches.remove(batch)
-            for r in batch.rows:
-                self.fail(r.job, e)
+            self._fail_batch(batch, e)
             return
-        self._retire(batch, [b for b, r in enumerate(batch.rows) if self._emit(r, logits[b])])
+        over = [b for b, r in enumerate(batch.rows) if self._emit(r, logits[b])]
+        try:
+            self._retire(batch, over)
+        except Exception as e:  # noqa: BLE001  (a batch whose rows could not be removed cannot go on)
+            self._fail_batch(batch, e)
+
+    def _fail_batch(self, batch: _Batch, e: BaseException) -> None:
+        self.batches.remove(batch)
+        for r in batch.rows:
+            if not r.out.finished:
+                self.fail(r.job, e)
 
     def _emit(self, r: _Request, logits: torch.Tensor) -> bool:
         """Sample r's next token and hand it to its output; True when r is over (finished or failed)."""
