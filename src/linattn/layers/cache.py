@@ -602,6 +602,8 @@ class Cache:
                 if sorted(lc) != sorted(sd[name]):
                     return f"block {i} {name}: the rows hold entries {sorted(sd[name])}, this cache {sorted(lc)}"
                 for k in lc:
+                    if k == "offset":   # an int (one position) or [B] (per row): any two merge
+                        continue
                     why = _merge_problem(lc[k], sd[name][k])
                     if why:
                         return f"block {i} {name} entry {k!r}: {why}"
@@ -701,8 +703,6 @@ def _merge_problem(a: Any, b: Any) -> Optional[str]:
             return f"KV heads/sizes {tuple(b.k.shape[2:])} {b.k.dtype}, the batch's {tuple(a.k.shape[2:])} {a.k.dtype}"
         return None
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if isinstance(a, int) or isinstance(b, int):   # an offset: int (one position) or [B] (per row)
-            return None
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return f"a tensor against {type(b).__name__}"
         if a.dim() != b.dim() or a.dtype != b.dtype or (a.dim() and a.shape[1:] != b.shape[1:]):
