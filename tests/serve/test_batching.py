@@ -11,7 +11,7 @@ from linattn.generate import stream_tokens
 from linattn.models import LanguageModel
 from linattn.serve.engine import Delta, Engine, Job
 from tests.helpers import tiny_model
-from tests.serve.test_engine import Events
+from tests.serve.helpers import Events
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 HYBRID = dict(mixer=["gated-deltanet", "softmax"])

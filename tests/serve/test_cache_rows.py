@@ -6,45 +6,12 @@ alone; a state of another model or mixer is refused."""
 import pytest
 import torch
 
-import linattn
 from linattn.errors import LinattnError
 from linattn.layers.cache import Cache
 from linattn.models import LanguageModel, LMConfig
+from tests.serve.helpers import CASES, HYBRIDS, PER_TOKEN, VOCAB, close, make_model, solo
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
-
-VOCAB, REL_TOL = 64, 1e-5
-HYBRIDS = {
-    "hybrid:gated-deltanet+softmax": dict(mixer=["gated-deltanet", "softmax"]),
-    "hybrid:mamba2+swa4": dict(mixer=["mamba2", "swa"], window=4),
-    "hybrid:kda+fox": dict(mixer=["kda", "fox"]),
-    "hybrid:ttt-linear+softmax": dict(mixer=["ttt-linear", "softmax"]),
-}
-CASES = linattn.mixers() + list(HYBRIDS)
-PER_TOKEN = {"fox", "deltaformer", "path"}
-
-
-def make_model(case, seed=0):
-    torch.manual_seed(seed)
-    extra = HYBRIDS.get(case, {"mixer": case})
-    model = LanguageModel(LMConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, **extra)).eval()
-    for m in model.modules():
-        if isinstance(getattr(m, "kv_chunk", None), int):
-            m.kv_chunk = 3   # KV caches grow (and a window drops keys) inside the test's lengths
-    return model
-
-
-def close(a, b):
-    return (a - b).abs().max().item() <= REL_TOL * max(b.abs().max().item(), 1.0)
-
-
-def solo(model, ids, steps):
-    """Logits after the prompt and after each of `steps` forced tokens, one request alone; and its cache."""
-    cache = model.new_cache()
-    out = [model(ids[None], cache=cache).logits[0, -1]]
-    for t in steps:
-        out.append(model(torch.tensor([[t]]), cache=cache).logits[0, -1])
-    return out, cache
 
 
 @pytest.mark.parametrize("case", CASES)

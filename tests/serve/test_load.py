@@ -19,7 +19,7 @@ from linattn.checkpoint import save_checkpoint  # noqa: E402
 from linattn.data.tokenizer import train_tokenizer  # noqa: E402
 from linattn.models import LanguageModel  # noqa: E402
 from tests.helpers import tiny_model  # noqa: E402
-from tests.serve.test_server import Server  # noqa: E402
+from tests.serve.helpers import Server  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")   # the solo references: threads only contend
 CLIENTS, DURATION_S = 8, 4.0

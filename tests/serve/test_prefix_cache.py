@@ -11,7 +11,7 @@ from linattn.layers.cache import Cache
 from linattn.serve.batching import BatchScheduler
 from linattn.serve.jobs import Job
 from linattn.serve.prefix_cache import PrefixCache
-from tests.serve.test_cache_rows import CASES, REL_TOL, VOCAB, close, make_model
+from tests.serve.helpers import CASES, REL_TOL, VOCAB, close, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
