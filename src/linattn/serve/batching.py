@@ -115,14 +115,14 @@ class BatchScheduler:
     # -- cancellation and retirement ------------------------------------------------------------
     def _drop_cancelled(self) -> None:
         gone = [r for r in self.prefilling if r.job.cancelled.is_set()]
-        for r in gone:
-            self.prefilling.remove(r)
+        self.prefilling = [r for r in self.prefilling if r not in gone]
+        n = len(gone)
         for batch in list(self.batches):
             rows = [b for b, r in enumerate(batch.rows) if r.job.cancelled.is_set()]
             self._retire(batch, rows)
-            gone += [None] * len(rows)
-        if gone:
-            self.count("cancelled", len(gone))
+            n += len(rows)
+        if n:
+            self.count("cancelled", n)
 
     def _retire(self, batch: _Batch, rows: List[int]) -> None:
         if not rows:
