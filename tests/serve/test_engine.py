@@ -3,7 +3,6 @@ runs beside it; logprobs are the model's; stop strings and split UTF-8 character
 leaves the others alone; the queue limit."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -11,36 +10,11 @@ import torch
 
 from linattn.generate import stream_tokens
 from linattn.models import LanguageModel
-from linattn.serve.engine import Delta, Engine, Failed, Finished, Job, QueueFull
+from linattn.serve.engine import Delta, Engine, Failed, Job, QueueFull
 from tests.helpers import tiny_model
+from tests.serve.helpers import WAIT_S, Events
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
-WAIT_S = 60   # generous: the machine may be loaded; only a hang reaches it
-
-
-class Events:
-    """A job's events, collected from the engine's thread."""
-
-    def __init__(self):
-        self.items = []
-        self.done = threading.Event()
-
-    def __call__(self, event):
-        self.items.append(event)
-        if isinstance(event, (Finished, Failed)):
-            self.done.set()
-
-    def wait(self):
-        assert self.done.wait(WAIT_S), "the engine never finished the job"
-        return self
-
-    @property
-    def text(self):
-        return "".join(e.text for e in self.items if isinstance(e, Delta))
-
-    @property
-    def end(self):
-        return self.items[-1]
 
 
 class Scripted(torch.nn.Module):
@@ -77,14 +51,16 @@ def test_tokens_equal_stream_tokens_while_another_request_runs(model, tok):
         for j in jobs:
             engine.submit(j)
         for j in jobs:
-            ev = j.emit.wait()
-            want = list(stream_tokens(model, torch.tensor([j.prompt_ids]), 12, temperature=0.9, top_k=20, top_p=0.9,
-                                      seed=j.seed))
-            assert ev.text == tok.decode(want, skip_special_tokens=True)
-            assert ev.end.reason == "length" and ev.end.usage == {
-                "prompt_tokens": len(j.prompt_ids), "completion_tokens": 12, "total_tokens": len(j.prompt_ids) + 12}
+            j.emit.wait()
     finally:
-        engine.stop()
+        engine.stop()   # the references run after: two threads must not run one model at once
+    for j in jobs:
+        ev = j.emit
+        want = list(stream_tokens(model, torch.tensor([j.prompt_ids]), 12, temperature=0.9, top_k=20, top_p=0.9,
+                                  seed=j.seed))
+        assert ev.text == tok.decode(want, skip_special_tokens=True)
+        assert ev.end.reason == "length" and ev.end.usage == {
+            "prompt_tokens": len(j.prompt_ids), "completion_tokens": 12, "total_tokens": len(j.prompt_ids) + 12}
 
 
 def test_logprobs_are_the_models(model, tok):

@@ -5,7 +5,6 @@ drains in-flight requests and exits 0. Every server is stopped by its fixture (S
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import time
@@ -21,30 +20,14 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
 from linattn.cli import main as cli_main  # noqa: E402
-from linattn.serve.process import ServerProcess  # noqa: E402
 from linattn.serve.settings import API_KEY_ENV  # noqa: E402
-from tests.helpers import ROOT, save_tiny_run  # noqa: E402
+from tests.helpers import save_tiny_run  # noqa: E402
+from tests.serve.helpers import KEY, WAIT_S, Server  # noqa: E402
 
-KEY = "test-key-123"
-START_S, WAIT_S = 120, 60     # generous: a loaded 2-core machine; only a hang reaches them
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 LIMITS = ["--max-concurrent", "2", "--max-queue", "2", "--max-request-bytes", "20000", "--max-prompt-tokens", "200",
           "--max-tokens-limit", "100000", "--threads", "1", "--log-level", "warning"]
-
-
-class Server(ServerProcess):
-    """The server in a child process (linattn.serve.process) with this checkout's src first on its path and no
-    API key but the one a test sets; `client()` is the official openai client for it."""
-
-    def __init__(self, args, env=None):
-        paths = [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
-        base = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
-        super().__init__(args, env={**base, **(env or {}), "PYTHONPATH": os.pathsep.join(paths)},
-                         start_timeout=START_S)
-
-    def client(self, key=KEY):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=WAIT_S)
 
 
 @pytest.fixture(scope="module")

@@ -585,3 +585,293 @@ class Cache:
     def __repr__(self) -> str:
         extra = f", rollback={self.rollback}, history_nbytes={self.history_nbytes()}" if self.rollback else ""
         return f"Cache(n_layers={len(self.layers)}, seen_tokens={self.seen_tokens}, nbytes={self.nbytes()}{extra})"
+
+    # -- rows of a running batch (continuous batching, issue 48) -------------------------------
+    @property
+    def n_rows(self) -> int:
+        """The batch rows this cache holds (0 while empty)."""
+        return _rows_of_layers(self.layers)
+
+    def snapshot_rows(self, rows) -> CacheSnapshot:
+        """A copy of the state of batch rows `rows` only (shares no tensor with the cache).
+
+        Rows of a batch whose positions differ (per-row offsets, left-padded KV caches) come out as single
+        sequences again: each row's own keys and values, its own int offset.
+
+        Args:
+            rows: Row indices (a list of ints or a 1-D int tensor), in the order wanted.
+
+        Returns:
+            A `CacheSnapshot` of len(rows) rows (`seen_tokens`: the first row's tokens).
+
+        Raises:
+            LinattnError: A row out of range, or no rows asked for.
+        """
+        self._check_state_ops("snapshot_rows")
+        index = _row_index(rows, self.n_rows)
+        layers = [{name: LayerCache({k: _take_rows(v, index, lc) for k, v in lc.items()}) for name, lc in d.items()}
+                  for d in self.layers]
+        return CacheSnapshot(layers, _first_row_tokens(layers, self.seen_tokens))
+
+    def insert_rows(self, snap: CacheSnapshot) -> None:
+        """Append the rows of `snap` to this batch (a request joins a running batch); its tensors are copied.
+
+        Rows at other positions than the batch's are kept exact: offsets become per-row `[B]` tensors and softmax
+        KV caches are left-padded to a common length (the padding is masked: docs/serving.md). An empty cache takes
+        the snapshot as it is.
+
+        Args:
+            snap: A `snapshot()` / `snapshot_rows()` of a cache of the same model.
+
+        Raises:
+            LinattnError: The snapshot is of another model or mixer (its layout differs), or its states cannot
+                share a batch with these (`rows_mergeable` says why).
+        """
+        self._check_state_ops("insert_rows")
+        if not isinstance(snap, CacheSnapshot):
+            raise LinattnTypeError(f"insert_rows takes a CacheSnapshot (cache.snapshot_rows(rows)), got "
+                                   f"{type(snap).__name__}")
+        problem = self.rows_mergeable(snap)
+        if problem:
+            raise LinattnError(f"cannot insert these rows: {problem}")
+        self.fast = None   # the whole-model step's buffers hold the old rows
+        if not self.n_rows:
+            self.layers, self.seen_tokens = _copy_layers(snap.layers), snap.seen_tokens
+            return
+        n = self.n_rows
+        for d, sd in zip(self.layers, snap.layers):
+            for name, lc in d.items():
+                other = sd[name]
+                merged = {k: _merge_rows(v, other[k], n, k, lc, other) for k, v in lc.items()}   # reads lc whole
+                lc.update(merged)
+                lc.__dict__.clear()   # the fast steps' views of the old state
+        self.seen_tokens = max(self.seen_tokens, snap.seen_tokens)
+
+    def remove_rows(self, rows) -> None:
+        """Drop batch rows `rows` (requests that finished); the others keep their order.
+
+        Args:
+            rows: Row indices (a list of ints or a 1-D int tensor).
+        """
+        self._check_state_ops("remove_rows")
+        n = self.n_rows
+        drop = set(_row_index(rows, n).tolist())
+        keep = [i for i in range(n) if i not in drop]
+        if not keep:
+            self.layers = [dict() for _ in self.layers]
+            self.seen_tokens, self.fast = 0, None
+            self._history = []
+            return
+        self.reorder(torch.tensor(keep, dtype=torch.long))
+        for d in self.layers:
+            for lc in d.values():
+                for v in lc.values():
+                    if isinstance(v, KVCache) and v.k is not None and isinstance(lc.offset, torch.Tensor):
+                        _trim_padding(v, lc)
+
+    def rows_mergeable(self, snap: CacheSnapshot) -> Optional[str]:
+        """Why the rows of `snap` cannot join this batch (None: they can).
+
+        A different layout (another model or mixer: other modules, entries, dtypes or state sizes) is refused;
+        per-token states other than a softmax KV cache (FoX, DeltaFormer, PaTH) join only rows at the same
+        position.
+
+        Args:
+            snap: A `CacheSnapshot`.
+
+        Returns:
+            None, or the reason as a sentence.
+        """
+        if len(snap.layers) != len(self.layers):
+            return f"the rows hold {len(snap.layers)} layers, this cache {len(self.layers)}"
+        if not self.n_rows:
+            return None
+        for i, (d, sd) in enumerate(zip(self.layers, snap.layers)):
+            if sorted(d) != sorted(sd):
+                return f"block {i} holds modules {sorted(sd)}, this cache {sorted(d)}"
+            for name, lc in d.items():
+                if sorted(lc) != sorted(sd[name]):
+                    return f"block {i} {name}: the rows hold entries {sorted(sd[name])}, this cache {sorted(lc)}"
+                for k in lc:
+                    if k == "offset":   # an int (one position) or [B] (per row): any two merge
+                        continue
+                    why = _merge_problem(lc[k], sd[name][k])
+                    if why:
+                        return f"block {i} {name} entry {k!r}: {why}"
+        return None
+
+
+def _row_index(rows, n: int) -> torch.Tensor:
+    """`rows` as a checked int64 index into n rows."""
+    index = torch.as_tensor(rows, dtype=torch.long) if not isinstance(rows, torch.Tensor) else rows
+    if index.dim() != 1 or index.dtype not in (torch.int64, torch.int32) or index.numel() == 0:
+        raise LinattnError(f"rows must be a non-empty 1-D list or int tensor of row indices, got {rows!r}")
+    if bool(((index < 0) | (index >= n)).any()):
+        raise LinattnError(f"rows {index.tolist()} out of range: this cache holds {n} rows")
+    return index.long()
+
+
+def _rows_of_layers(layers: List[Dict[str, LayerCache]]) -> int:
+    for d in layers:
+        for lc in d.values():
+            for v in lc.values():
+                n = _rows_of(v)
+                if n is not None:
+                    return n
+    return 0
+
+
+def _rows_of(value: Any) -> Optional[int]:
+    if isinstance(value, torch.Tensor):
+        return value.shape[0] if value.dim() else None
+    if isinstance(value, KVCache):
+        return None if value.k is None else value.k.shape[0]
+    if isinstance(value, (tuple, list)):
+        return next((n for n in map(_rows_of, value) if n is not None), None)
+    if isinstance(value, dict):
+        return next((n for n in map(_rows_of, value.values()) if n is not None), None)
+    return None
+
+
+def _per_row_ints(value: Any) -> bool:
+    """A plain tuple / list of ints: one int per row (TTT's mini-batch position, as `_select_rows`)."""
+    return isinstance(value, (tuple, list)) and not hasattr(value, "_fields") and bool(value) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _kv_row_lengths(kv: KVCache, lc: LayerCache) -> torch.Tensor:
+    """The tokens row b really holds in `kv` (the rest is left padding): min(its offset, stored slots)."""
+    n = kv.k.shape[0]
+    off = lc.offset
+    off = off.long().cpu() if isinstance(off, torch.Tensor) else torch.full((n,), kv.start + kv.length)
+    return off.clamp(max=kv.length)
+
+
+def _take_rows(value: Any, index: torch.Tensor, lc: LayerCache, key: str = "") -> Any:
+    """A copy of rows `index` of one entry; a KV cache row as a single sequence (its padding cut off)."""
+    if isinstance(value, KVCache):
+        if value.k is None or index.numel() != 1:
+            out = value.copy()
+            out.index_select(index)
+            return out
+        b = int(index[0])
+        n = int(_kv_row_lengths(value, lc)[b])
+        out = KVCache(chunk=value.chunk, window=value.window)
+        out.k = value.k[b:b + 1, value.length - n:value.length].clone()
+        out.v = value.v[b:b + 1, value.length - n:value.length].clone()
+        out.length, out.keep_extra = n, value.keep_extra
+        out.start = _row_offset(lc, b) - n
+        return out
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and value is lc.get("offset") and index.numel() == 1:
+        return int(value[int(index[0])])
+    return _copy_state(_select_rows(value, index) if not isinstance(value, torch.Tensor) else
+                       (value.index_select(0, index.to(value.device)) if value.dim() else value))
+
+
+def _row_offset(lc: LayerCache, b: int) -> int:
+    off = lc.offset
+    return int(off[b]) if isinstance(off, torch.Tensor) else int(off)
+
+
+def _first_row_tokens(layers: List[Dict[str, LayerCache]], default: int) -> int:
+    for d in layers:
+        for lc in d.values():
+            if "offset" in lc:
+                off = lc.offset
+                return int(off[0]) if isinstance(off, torch.Tensor) else int(off)
+    return default
+
+
+def _merge_problem(a: Any, b: Any) -> Optional[str]:
+    """Why entry values a (the batch's) and b (the new rows') cannot be stacked (None: they can)."""
+    if isinstance(a, KVCache) or isinstance(b, KVCache):
+        if not (isinstance(a, KVCache) and isinstance(b, KVCache)):
+            return "a KV cache against another kind of state"
+        if (a.k is None) != (b.k is None) or a.window != b.window:
+            return "KV caches of another window or an empty one"
+        if a.k is not None and (a.k.shape[2:] != b.k.shape[2:] or a.v.shape[2:] != b.v.shape[2:]
+                                or a.k.dtype != b.k.dtype):
+            return f"KV heads/sizes {tuple(b.k.shape[2:])} {b.k.dtype}, the batch's {tuple(a.k.shape[2:])} {a.k.dtype}"
+        return None
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"a tensor against {type(b).__name__}"
+        if a.dim() != b.dim() or a.dtype != b.dtype or (a.dim() and a.shape[1:] != b.shape[1:]):
+            return f"a {b.dtype} tensor of row shape {tuple(b.shape[1:])}, the batch's {a.dtype} {tuple(a.shape[1:])}"
+        if not a.dim() and not torch.equal(a, b):
+            return "scalar states that differ"
+        return None
+    if _per_row_ints(a) and _per_row_ints(b):
+        return None
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return f"a {type(b).__name__} of {len(b)} items, the batch's {type(a).__name__} of {len(a)}"
+        return next((w for w in map(_merge_problem, a, b) if w), None)
+    if isinstance(a, dict) and isinstance(b, dict):
+        if sorted(a) != sorted(b):
+            return f"keys {sorted(b)}, the batch's {sorted(a)}"
+        return next((w for w in (_merge_problem(a[k], b[k]) for k in a) if w), None)
+    if type(a) is not type(b) or (a != b and not isinstance(a, int)):
+        return f"{b!r}, the batch's {a!r}"
+    return None
+
+
+def _merge_rows(a: Any, b: Any, n: int, key: str, lc: LayerCache, other: LayerCache) -> Any:
+    """Entry a (n rows) with b's rows appended (b copied)."""
+    if key == "offset":
+        ra = lc.offset if isinstance(lc.offset, torch.Tensor) else torch.full((n,), int(a), dtype=torch.long)
+        rb = other.offset if isinstance(other.offset, torch.Tensor) else torch.full(
+            (_rows_of_layers([{"x": other}]) or 1,), int(b), dtype=torch.long)
+        both = torch.cat([ra.long().cpu(), rb.long().cpu()])
+        return int(both[0]) if bool((both == both[0]).all()) and not _has_padding(lc, other) else both
+    if isinstance(a, KVCache):
+        return _merge_kv(a, b, lc, other)
+    if isinstance(a, torch.Tensor):
+        return torch.cat([a, b.to(a.device)]) if a.dim() else a
+    if _per_row_ints(a):
+        return type(a)([*a, *b])
+    if isinstance(a, tuple):
+        items = [_merge_rows(x, y, n, "", lc, other) for x, y in zip(a, b)]
+        return type(a)(*items) if hasattr(a, "_fields") else tuple(items)
+    if isinstance(a, list):
+        return [_merge_rows(x, y, n, "", lc, other) for x, y in zip(a, b)]
+    if isinstance(a, dict):
+        return {k: _merge_rows(a[k], b[k], n, "", lc, other) for k in a}
+    return a
+
+
+def _has_padding(lc: LayerCache, other: LayerCache) -> bool:
+    """Whether the merged KV cache of these entries has a left-padded row (its offsets must then stay per row)."""
+    kv_a, kv_b = lc.get("kv"), other.get("kv")
+    if not isinstance(kv_a, KVCache) or kv_a.k is None or not isinstance(kv_b, KVCache) or kv_b.k is None:
+        return False
+    lengths = torch.cat([_kv_row_lengths(kv_a, lc), _kv_row_lengths(kv_b, other)])
+    return bool((lengths != max(kv_a.length, kv_b.length)).any())
+
+
+def _trim_padding(kv: KVCache, lc: LayerCache) -> None:
+    """Drop the left padding no row needs any more (its longest row left the batch)."""
+    pad = kv.length - int(_kv_row_lengths(kv, lc).max())
+    if pad > 0:
+        kv.k, kv.v = kv.k[:, pad:kv.length], kv.v[:, pad:kv.length]
+        kv.length, kv.start = kv.length - pad, kv.start + pad
+
+
+def _merge_kv(a: KVCache, b: KVCache, lc: LayerCache, other: LayerCache) -> KVCache:
+    """One KV cache of a's rows then b's, right-aligned in L = the longer length (the rest zero padding, which the
+    softmax layer masks for rows with per-row offsets)."""
+    if a.k is None:
+        return a
+    L = max(a.length, b.length)
+    out = KVCache(chunk=a.chunk, window=a.window)
+    na = a.k.shape[0]
+    nb = b.k.shape[0]
+    out.k = a.k.new_zeros(na + nb, L, *a.k.shape[2:])
+    out.v = a.v.new_zeros(na + nb, L, *a.v.shape[2:])
+    out.k[:na, L - a.length:] = a.k[:, :a.length]
+    out.v[:na, L - a.length:] = a.v[:, :a.length]
+    out.k[na:, L - b.length:] = b.k[:, :b.length].to(a.k.device)
+    out.v[na:, L - b.length:] = b.v[:, :b.length].to(a.v.device)
+    out.length, out.keep_extra = L, max(a.keep_extra, b.keep_extra)
+    out.start = max(a.start + a.length, b.start + b.length) - L
+    return out

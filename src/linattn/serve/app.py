@@ -320,7 +320,8 @@ def build_app(state: ServerState) -> Starlette:
         counts = state.engine.counts()
         text = state.metrics.render({"requests_running": ("Requests generating now.", counts["running"]),
                                      "requests_waiting": ("Requests queued for a generation slot.",
-                                                          counts["waiting"])})
+                                                          counts["waiting"]),
+                                     **state.engine.gauges()})
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def api_error(request: Request, e: ApiError) -> Response:

@@ -15,6 +15,8 @@ COUNTERS = {
     "prompt_tokens": "Prompt tokens of the requests that started generating.",
     "generation_tokens": "Tokens generated.",
     "cancelled": "Requests cancelled before they finished (their client disconnected, or shutdown).",
+    "prefill_tokens": "Prompt tokens run through the model (those found in the prefix cache are not).",
+    "prefix_cache_hit_tokens": "Prompt tokens whose state came from the prefix cache.",
 }
 HISTOGRAMS = {
     "request_latency_seconds": "Seconds from a request's arrival to its last byte, by endpoint.",

@@ -52,7 +52,10 @@ def build_state(settings: ServeSettings):
     metrics = Metrics()
     given = Path(settings.model).resolve()   # a run folder, or one of its step folders: the run's name either way
     name = settings.served_model_name or (given.parent.name if given == Path(ck.path).resolve() else given.name)
-    return ServerState(engine=Engine(ck.model, tok, settings.max_concurrent, settings.max_queue, metrics),
+    engine = Engine(ck.model, tok, settings.max_concurrent, settings.max_queue, metrics,
+                    prefix_cache_bytes=settings.prefix_cache_mb << 20, prefix_every=settings.prefix_every,
+                    prefill_chunk=settings.prefill_chunk)
+    return ServerState(engine=engine,
                        tokenizer=tok, vocab_size=tok.vocab_size, settings=settings, model_name=name,
                        render_chat=render, metrics=metrics, created=int(time.time()))
 

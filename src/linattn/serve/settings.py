@@ -34,6 +34,9 @@ class ServeSettings:
     default_max_tokens: int = 256
     max_concurrent: int = 8
     max_queue: int = 64
+    prefix_cache_mb: int = 1024
+    prefix_every: int = 256
+    prefill_chunk: int = 256
     drain_timeout: float = 30.0
     stream_interval: float = 0.0
     threads: Optional[int] = None
@@ -69,9 +72,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int_at_least(1), default=d.default_max_tokens,
                    help="max_tokens of a chat request that sets none (completions: 16, as OpenAI; default %(default)s)")
     p.add_argument("--max-concurrent", type=int_at_least(1), default=d.max_concurrent,
-                   help="requests generating at once, a token each in turn (default %(default)s)")
+                   help="requests generating at once, decoded together in one batch (default %(default)s)")
     p.add_argument("--max-queue", type=int_at_least(0), default=d.max_queue,
                    help="requests waiting for a generation slot; more get 429 (default %(default)s)")
+    p.add_argument("--prefix-cache-mb", type=int_at_least(0), default=d.prefix_cache_mb,
+                   help="memory budget of the prefix cache of prompt states, least recently used evicted first; "
+                        "0 = off (default %(default)s MiB)")
+    p.add_argument("--prefix-every", type=int_at_least(1), default=d.prefix_every,
+                   help="keep a prompt's state every this many tokens, besides at its end (default %(default)s)")
+    p.add_argument("--prefill-chunk", type=int_at_least(1), default=d.prefill_chunk,
+                   help="most prompt tokens prefilled between two decode steps (default %(default)s)")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before cancelling them "
                         "(default %(default)s)")
@@ -126,5 +136,6 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
         max_concurrent=args.max_concurrent, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
+        prefix_cache_mb=args.prefix_cache_mb, prefix_every=args.prefix_every, prefill_chunk=args.prefill_chunk,
         stream_interval=args.stream_interval,
         threads=args.threads, device=args.device, log_level=args.log_level)
