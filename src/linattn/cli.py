@@ -100,6 +100,26 @@ def cmd_generate(sub) -> None:
 COMMANDS += [cmd_train, cmd_eval, cmd_generate]
 
 
+def cmd_quantize(sub) -> None:
+    from .quant.cli import add_command_arguments
+    p = sub.add_parser("quantize", help="write a checkpoint's model with int8 / int4 weights (for generate, eval)")
+    add_command_arguments(p)
+
+    def run(args):
+        from .errors import LinattnError
+        from .quant.cli import command_main
+
+        try:
+            return command_main(args)
+        except LinattnError as e:
+            return report_error(_one_line(e), f"{PROG} quantize")
+
+    p.set_defaults(run=run)
+
+
+COMMANDS += [cmd_quantize]
+
+
 # export-hf / import-hf: Hugging Face transformers folders (linattn.hf, needs the `hf` extra).
 def _hf_command(sub, name: str, help: str, source_flag: str, source_help: str, out_help: str, entry: str) -> None:
     p = sub.add_parser(name, help=help, description=help + " (needs `pip install linattn[hf]`)")

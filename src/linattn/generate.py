@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from .checkpoint import CheckpointError, load_checkpoint
+from .checkpoint import CheckpointError
 from .cli_support import finite_float, int_at_least
 from .errors import LinattnError
 from .models.generation import sample_next  # noqa: F401  (re-exported)
@@ -136,10 +136,13 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, **kw) -> T
     return text, stats
 
 
-def load_generator(checkpoint: str, device: Union[str, torch.device, None] = None):
-    """A loaded checkpoint (model in eval mode, tokenizer) for generation."""
-    dev = resolve_device(device)
-    ck = load_checkpoint(checkpoint, device=dev)
+def load_generator(checkpoint: str, device: Union[str, torch.device, None] = None, quantize: Optional[str] = None,
+                   group_size: Optional[int] = None):
+    """A loaded checkpoint (model in eval mode, tokenizer) for generation, quantized when `quantize` says."""
+    from .quant.cli import load_for_inference
+
+    dev = resolve_device(device if device is not None or quantize is None else "cpu")
+    ck = load_for_inference(checkpoint, dev, quantize, group_size)
     if ck.tokenizer is None:
         raise CheckpointError(f"{ck.path} has no tokenizer.json")
     ck.model.eval()
@@ -165,6 +168,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N | mps (default auto)")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's)")
+    from .quant.cli import add_quantize_arguments
+    add_quantize_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -173,7 +178,7 @@ def main(args: argparse.Namespace) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
-        ck = load_generator(args.checkpoint, args.device)
+        ck = load_generator(args.checkpoint, args.device, args.quantize, args.group_size)
         kw = dict(temperature=args.temperature, top_k=args.top_k or None,
                   top_p=args.top_p if args.top_p < 1 else None, seed=args.seed, stop_at_eos=args.stop_at_eos,
                   skip_special_tokens=True)

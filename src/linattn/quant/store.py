@@ -3,7 +3,8 @@
     OUT/quantized.json          the manifest: {"format": "linattn-quantized", "version": 1, "family": "lm",
                                 "model": LMConfig dict, "mode", "group_size", "compute",
                                 "modules": {name: {"in_features", "out_features", "bias"}},
-                                "moe": [names of quantized MoEs], "skipped": {name: reason}}
+                                "moe": [names of quantized MoEs], "skipped": {name: reason},
+                                "source": {"checkpoint", "step", "train_config"} of the float checkpoint or {}}
     OUT/quantized.safetensors   the state dict: for each quantized linear NAME.qweight (int8 [N, K], or uint8
                                 [N, K/2] for int4: q + 8, even column in the low nibble), NAME.scales (bf16 [N]
                                 or [N, K/group]), NAME.bias (fp32); every other tensor as the float model has it
@@ -50,13 +51,15 @@ def refuse_quantized(path: PathLike, command: str) -> None:
                               f"float checkpoint it was quantized from")
 
 
-def save_quantized(model: LanguageModel, out: PathLike, *, tokenizer=None, overwrite: bool = False) -> Path:
+def save_quantized(model: LanguageModel, out: PathLike, *, tokenizer=None, source: Optional[dict] = None,
+                   overwrite: bool = False) -> Path:
     """Write a quantized `LanguageModel` (and its tokenizer) to the folder `out`.
 
     Args:
         model: A `LanguageModel` after `linattn.quantize`.
         out: The folder to write (written beside, then renamed into place).
         tokenizer: Anything with `save(path)` (a BPETokenizer), or None.
+        source: What the model was quantized from ({"checkpoint", "step", "train_config"}), kept in the manifest.
         overwrite: Replace an existing `out`.
 
     Returns:
@@ -80,7 +83,7 @@ def save_quantized(model: LanguageModel, out: PathLike, *, tokenizer=None, overw
                 "modules": {n: {"in_features": m.in_features, "out_features": m.out_features,
                                 "bias": m.bias is not None} for n, m in quantized_modules(model).items()},
                 "moe": sorted(n for n, m in model.named_modules() if isinstance(m, QuantizedMoE)),
-                "skipped": summary["skipped"]}
+                "skipped": summary["skipped"], "source": dict(source or {})}
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -97,12 +100,8 @@ def save_quantized(model: LanguageModel, out: PathLike, *, tokenizer=None, overw
     return out
 
 
-def load_quantized(path: PathLike) -> Tuple[LanguageModel, Optional[object]]:
-    """Load a folder written by `save_quantized`: (model in eval mode, tokenizer or None).
-
-    Raises:
-        CheckpointError: Not such a folder, an unknown format version, or files that do not match the manifest.
-    """
+def read_manifest(path: PathLike) -> dict:
+    """The manifest of a folder written by `save_quantized` (CheckpointError when it is not one)."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
@@ -110,6 +109,17 @@ def load_quantized(path: PathLike) -> Tuple[LanguageModel, Optional[object]]:
         raise CheckpointError(f"{path} is not a quantized linattn model ({MANIFEST_FILE}: {e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointError(f"{path / MANIFEST_FILE}: expected format {FORMAT!r} version {VERSION}")
+    return manifest
+
+
+def load_quantized(path: PathLike) -> Tuple[LanguageModel, Optional[object]]:
+    """Load a folder written by `save_quantized`: (model in eval mode, tokenizer or None).
+
+    Raises:
+        CheckpointError: Not such a folder, an unknown format version, or files that do not match the manifest.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
     try:
         state = load_file(str(path / WEIGHTS_FILE))
         model = _build(manifest, state)

@@ -310,6 +310,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N | mps (default auto)")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from ..quant.cli import add_quantize_arguments
+    add_quantize_arguments(p)
 
 
 def eval_main(args: argparse.Namespace) -> int:
@@ -317,10 +319,12 @@ def eval_main(args: argparse.Namespace) -> int:
     try:
         if args.threads:
             torch.set_num_threads(args.threads)
-        device = resolve_device(args.device)
+        from ..quant.cli import load_for_inference
+
+        device = resolve_device(args.device if args.device is not None or args.quantize is None else "cpu")
         if args.data is not None and not Path(args.data).exists():
             raise missing_data_error(args.data)
-        ck = ckpt.load_checkpoint(args.checkpoint, device=device)
+        ck = load_for_inference(args.checkpoint, device, args.quantize, args.group_size)
         if ck.tokenizer is None:
             raise CheckpointError(f"{ck.path} has no tokenizer.json")
         seq_len = args.seq_len if args.seq_len is not None else int(ck.train_config.get("seq_len") or 256)
