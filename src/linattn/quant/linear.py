@@ -226,8 +226,8 @@ class QuantizedLinear(nn.Module):
                                                       self._scale_zeros.to(torch.bfloat16))
         else:
             y = F.linear(x2.to(torch.bfloat16), self.dequantize(torch.bfloat16))
-        if self.bias is not None:
-            y = y.float() + self.bias
+        if self.bias is not None:   # in fp32 at least (the bf16 kernels' outputs), fp64 for fp64 inputs
+            y = y.to(torch.promote_types(y.dtype, torch.float32)) + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def stored_bytes(self) -> int:

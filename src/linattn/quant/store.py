@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional, Tuple, Union
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError, LinattnError, LinattnTypeError
@@ -124,7 +125,7 @@ def load_quantized(path: PathLike) -> Tuple[LanguageModel, Optional[object]]:
         state = load_file(str(path / WEIGHTS_FILE))
         model = _build(manifest, state)
         model.load_state_dict(state, strict=True)
-    except (OSError, RuntimeError, KeyError, TypeError, LinattnError) as e:
+    except (OSError, RuntimeError, KeyError, TypeError, SafetensorError, LinattnError) as e:
         raise CheckpointError(f"cannot load the quantized model in {path}: {' '.join(str(e).split())}") from None
     tokenizer = None
     if (path / TOKENIZER_FILE).is_file():
