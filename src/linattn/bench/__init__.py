@@ -38,6 +38,8 @@ BENCHMARKS: Dict[str, Tuple[str, str]] = {
     "hf": ("linattn.bench.hf", "transformers' linear-attention models: their PyTorch fallbacks vs linattn.hf.kernelize "
                                "(prefill, decode, training step, peak memory)"),
     "train": ("linattn.bench.train", "LM training throughput (fwd + bwd + AdamW tokens/s) per mixer vs softmax"),
+    "quant": ("linattn.bench.quant", "fp32 / bf16 / int8 / int4 weights on the CPU: prompt and decode tokens/s, decode "
+                                     "time over the memory floor, perplexity and greedy agreement of a checkpoint"),
 }
 
 HELP = "run a benchmark (" + ", ".join(BENCHMARKS) + ")"
