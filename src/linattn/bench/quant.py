@@ -47,6 +47,8 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=int_at_least(1), default=16, help="decoded tokens per repeat (default 16)")
     p.add_argument("--repeats", type=int_at_least(1), default=5, help="interleaved repeats (default 5)")
     p.add_argument("--threads", type=int_at_least(0), default=None, help="torch threads (default 1; 0 = torch's)")
+    p.add_argument("--bandwidth-mib", type=int_at_least(0), default=0,
+                   help="size of the bandwidth buffer (default 0 = 4x the last-level cache, 256 MiB at least)")
     p.add_argument("--checkpoint", default=None, help="a float checkpoint: also measure its quality on --data")
     p.add_argument("--data", default=None, help="text file for the quality rows (e.g. wikitext-2/valid.txt)")
     p.add_argument("--seq-len", type=int_at_least(1), default=128, help="perplexity windows (default 128)")
@@ -149,7 +151,7 @@ def speed_rows(a, names: List[str], log) -> List[Dict[str, Any]]:
     base = _speed_model(a)
     models = {n: variant(base, n, a.group_size) for n in names}
     nbytes = {n: decode_bytes(m) for n, m in models.items()}
-    buf = torch.ones(max(4 * _llc_bytes(), 256 * 2 ** 20) // 4)
+    buf = torch.ones((a.bandwidth_mib * 2 ** 20 or max(4 * _llc_bytes(), 256 * 2 ** 20)) // 4)
     prompt = torch.randint(0, a.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(a.seed))
     for m in models.values():
         _time_one(m, prompt[:, :8], 2)                          # warm-up: kernels, compiled plans
