@@ -34,10 +34,12 @@ def test_decode_bytes_reads_each_weight_once_and_one_embedding_row():
 def test_bench_quant_tiny(tmp_path, capsys):
     rc = main(["bench", "quant", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--ffn-hidden", "64",
                "--vocab-size", "64", "--prompt", "8", "--tokens", "2", "--repeats", "1", "--bandwidth-mib", "8",
-               "--out", str(tmp_path), "--quiet"])
+               "--kernels", "--out", str(tmp_path), "--quiet"])
     assert rc == 0
     assert "x floor" in capsys.readouterr().out
-    rows = json.loads((tmp_path / "quant.json").read_text())["speed"]
+    result = json.loads((tmp_path / "quant.json").read_text())
+    assert len(result["kernels"]) == 9 * 4 and all(r["ms"] > 0 for r in result["kernels"])
+    rows = result["speed"]
     assert [r["precision"] for r in rows] == ["fp32", "bf16", "int8", "int4"]
     for r in rows:
         assert r["decode_tok_s"] > 0 and abs(r["over_floor"] - r["decode_ms"] / r["floor_ms"]) < 1e-9 * r["over_floor"]

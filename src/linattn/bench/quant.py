@@ -56,6 +56,9 @@ def add_arguments(p) -> None:
     p.add_argument("--agree-prompts", type=int_at_least(1), default=4, help="prompts for the agreement (default 4)")
     p.add_argument("--hf", action="store_true", help="also a kernelized random Qwen3.5 model's logits error")
     p.add_argument("--no-speed", action="store_true", help="only the quality rows")
+    p.add_argument("--kernels", action="store_true",
+                   help="also one --d-model x --ffn-hidden matrix at 1 / 16 / 64 / 512 rows: torch's packed int8 / "
+                        "int4 kernels (bf16 and fp32 activations) against dequantize-then-matmul and fp32 / bf16")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
     p.add_argument("--out", default=None, help="output folder (default results/bench/quant/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
@@ -175,9 +178,43 @@ def speed_rows(a, names: List[str], log) -> List[Dict[str, Any]]:
     return rows
 
 
-def _windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
-    n = (tokens.numel() - 1) // seq_len
-    return tokens[: n * seq_len + 1]
+def kernel_rows(a, log) -> List[Dict[str, Any]]:
+    """ms per product of x [M, K] with one [N, K] weight, each way of computing it, interleaved (median)."""
+    from ..quant import QuantizedLinear
+
+    K, N = a.d_model, a.ffn_hidden
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(a.seed)) * 0.02
+    q8, q4 = QuantizedLinear.from_weight(w, None, "int8"), QuantizedLinear.from_weight(w, None, "int4", a.group_size)
+    wb = w.to(torch.bfloat16)
+    rows = []
+    for M in (1, 16, 64, 512):
+        x = torch.randn(M, K)
+        xb = x.to(torch.bfloat16)
+        ways = {
+            "fp32 matmul": lambda: x @ w.T,
+            "bf16 matmul": lambda: xb @ wb.T,
+            "int8 packed, bf16 x": lambda: torch._weight_int8pack_mm(xb, q8.qweight, q8.scales),
+            "int8 packed, fp32 x": lambda: torch._weight_int8pack_mm(x, q8.qweight, q8.scales.float()),
+            "int8 dequant + bf16 matmul": lambda: xb @ q8.dequantize(torch.bfloat16).T,
+            "int8 dequant + fp32 matmul": lambda: x @ q8.dequantize(torch.float32).T,
+            "int4 packed, bf16 x": lambda: torch._weight_int4pack_mm_for_cpu(xb, q4._packed, q4.group_size,
+                                                                            q4._scale_zeros),
+            "int4 packed, fp32 x": lambda: torch._weight_int4pack_mm_for_cpu(x, q4._packed, q4.group_size,
+                                                                            q4._scale_zeros.float()),
+            "int4 dequant + bf16 matmul": lambda: xb @ q4.dequantize(torch.bfloat16).T,
+        }
+        times = {k: [] for k in ways}
+        n = 3 if M >= 64 else 10
+        for _ in range(a.repeats):
+            for k, f in ways.items():
+                f()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    f()
+                times[k].append((time.perf_counter() - t0) / n * 1e3)
+        rows += [{"rows": M, "way": k, "ms": statistics.median(v)} for k, v in times.items()]
+        log(f"kernels: {M} rows done")
+    return rows
 
 
 def perplexity(model, tokens: torch.Tensor, seq_len: int, batch: int = 16) -> float:
@@ -254,8 +291,14 @@ def hf_rows(a, names: List[str]) -> List[Dict[str, Any]]:
     return rows
 
 
-def _report(speed, quality, hf) -> str:
+def _report(speed, quality, hf, kernels=()) -> str:
     parts = []
+    if kernels:
+        ways = list(dict.fromkeys(r["way"] for r in kernels))
+        Ms = list(dict.fromkeys(r["rows"] for r in kernels))
+        ms = {(r["way"], r["rows"]): r["ms"] for r in kernels}
+        parts.append("one weight, ms per product (median):\n" + common.format_table(
+            ["way", *[f"{M} rows" for M in Ms]], [[w, *[f"{ms[w, M]:.3f}" for M in Ms]] for w in ways]))
     if speed:
         parts.append(common.format_table(
             ["weights", "MiB read/token", "prompt tok/s", "decode tok/s", "decode ms", "floor ms", "x floor"],
@@ -288,9 +331,11 @@ def run(a) -> int:
     speed = [] if a.no_speed else speed_rows(a, names, log)
     quality = quality_rows(a, names, log) if a.checkpoint else []
     hf = hf_rows(a, [n for n in names if n != "fp32"]) if a.hf else []
-    text = _report(speed, quality, hf) + f"\nload at the end: {common.loadavg()}"
+    kernels = kernel_rows(a, log) if a.kernels else []
+    text = _report(speed, quality, hf, kernels) + f"\nload at the end: {common.loadavg()}"
     print(text)
-    result = {"benchmark": "quant", "machine": info, "config": vars(a), "speed": speed, "quality": quality, "hf": hf}
+    result = {"benchmark": "quant", "machine": info, "config": vars(a), "speed": speed, "quality": quality, "hf": hf,
+              "kernels": kernels}
     paths["txt"].write_text(head + "\n\n" + text + "\n", encoding="utf-8")
     write_json(paths["json"], result)
     return 0
