@@ -69,6 +69,10 @@ DOCUMENTED = OPERATORS + [
     "linattn.models.LMOutput", "linattn.models.build_mixer", "linattn.models.unregister_mixer",
     "linattn.models.mixer_spec", "linattn.models.registry.mixer_config_kwargs", "linattn.models.registry.MixerSpec",
     "linattn.checkpoint.save_checkpoint", "linattn.checkpoint.load_checkpoint", "linattn.checkpoint.Checkpoint",
+    "linattn.quantize", "linattn.quant.QuantizedLinear", "linattn.quant.quantization_summary",
+    "linattn.quant.quantized_modules", "linattn.quant.save_quantized", "linattn.quant.load_quantized",
+    "linattn.quant.QuantizedLinear.from_linear", "linattn.quant.QuantizedLinear.from_weight",
+    "linattn.quant.QuantizedLinear.dequantize",
     # transformers integration (needs the hf extra)
     "linattn.hf.LinattnConfig", "linattn.hf.LinattnForCausalLM", "linattn.hf.LinattnModel",
     "linattn.hf.LinattnForSequenceClassification", "linattn.hf.export_hf", "linattn.hf.import_hf",

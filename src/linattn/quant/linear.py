@@ -163,7 +163,21 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Module, mode: str, group_size: Optional[int] = None,
                     compute: str = "bf16") -> "QuantizedLinear":
-        """Quantize an `nn.Linear` (its weight and bias are read, not changed)."""
+        """Quantize an `nn.Linear` (its weight and bias are read, not changed).
+
+        Args:
+            linear: The float layer.
+            mode: "int8" or "int4".
+            group_size: int4's group (32 or 64, default 32); None for int8.
+            compute: "bf16" or "fp32" (the class's Args).
+
+        Returns:
+            The QuantizedLinear.
+
+        Raises:
+            LinattnTypeError: linear is not an nn.Linear.
+            LinattnError: As `from_weight`.
+        """
         if not isinstance(linear, nn.Linear):
             raise LinattnTypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         return cls.from_weight(linear.weight, linear.bias, mode, group_size, compute)
@@ -171,7 +185,22 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], mode: str,
                     group_size: Optional[int] = None, compute: str = "bf16") -> "QuantizedLinear":
-        """Quantize a float weight `[out_features, in_features]` (and a bias)."""
+        """Quantize a float weight `[out_features, in_features]` (and a bias).
+
+        Args:
+            weight: The float weight, on the CPU, finite.
+            bias: `[out_features]` or None.
+            mode: "int8" or "int4".
+            group_size: int4's group (32 or 64, default 32); None for int8.
+            compute: "bf16" or "fp32" (the class's Args).
+
+        Returns:
+            The QuantizedLinear.
+
+        Raises:
+            LinattnError: A bad mode, group size or compute, a shape the format cannot take, a weight off the CPU
+                or with NaN / inf values.
+        """
         group_size = check_mode(mode, group_size)
         if weight.device.type != "cpu":
             raise LinattnError(f"weight is on {weight.device}; quantized weights run on the CPU only (move the model "
@@ -198,7 +227,14 @@ class QuantizedLinear(nn.Module):
         return self.scales.repeat_interleave(self.group_size, dim=1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight `[N, K]` the products use, q * s, in dtype (exact in fp32 and fp64)."""
+        """The weight the products use, q * s.
+
+        Args:
+            dtype: The dtype to return (exact in fp32 and fp64; bf16 rounds).
+
+        Returns:
+            The dequantized weight `[out_features, in_features]`.
+        """
         return self.int_weight().to(dtype) * self.expanded_scales().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

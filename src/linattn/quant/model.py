@@ -47,12 +47,27 @@ class QuantizedMoE(MoE):
 
 
 def quantized_modules(model: nn.Module) -> Dict[str, QuantizedLinear]:
-    """The model's `QuantizedLinear`s by qualified name."""
+    """The model's quantized linear layers.
+
+    Args:
+        model: Any module.
+
+    Returns:
+        {qualified name: QuantizedLinear}.
+    """
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
 
 
 def quantization_summary(model: nn.Module) -> Dict[str, Any]:
-    """{"mode", "group_size", "compute", "modules", "bytes", "skipped"} of a quantized model (mode None if none)."""
+    """What `quantize` did to a model.
+
+    Args:
+        model: A model (quantized or not).
+
+    Returns:
+        {"mode", "group_size", "compute" (None when nothing is quantized), "modules" (names), "bytes" (of the
+        integer weights, scales and biases), "skipped" ({name: why it stayed in float})}.
+    """
     q = quantized_modules(model)
     first = next(iter(q.values()), None)
     return {"mode": first.mode if first else None, "group_size": first.group_size if first else None,

@@ -41,12 +41,27 @@ PathLike = Union[str, os.PathLike]
 
 
 def is_quantized_dir(path: PathLike) -> bool:
-    """Whether `path` is a folder written by `save_quantized`."""
+    """Whether `path` is a folder written by `save_quantized`.
+
+    Args:
+        path: A folder.
+
+    Returns:
+        True when it holds a quantized model's manifest.
+    """
     return (Path(path) / MANIFEST_FILE).is_file()
 
 
 def refuse_quantized(path: PathLike, command: str) -> None:
-    """Raise a clear CheckpointError when `path` holds a quantized model that `command` cannot take."""
+    """Refuse a quantized folder where only a float checkpoint will do.
+
+    Args:
+        path: The checkpoint path given to `command`.
+        command: What needs the float checkpoint (named in the message).
+
+    Raises:
+        CheckpointError: `path` holds a quantized model.
+    """
     if is_quantized_dir(path):
         raise CheckpointError(f"{path} holds a quantized model (linattn's {FORMAT} format); {command} needs the "
                               f"float checkpoint it was quantized from")
@@ -102,7 +117,17 @@ def save_quantized(model: LanguageModel, out: PathLike, *, tokenizer=None, sourc
 
 
 def read_manifest(path: PathLike) -> dict:
-    """The manifest of a folder written by `save_quantized` (CheckpointError when it is not one)."""
+    """The manifest of a folder written by `save_quantized`.
+
+    Args:
+        path: The folder.
+
+    Returns:
+        The manifest (quantized.json) as a dict.
+
+    Raises:
+        CheckpointError: Not such a folder, or an unknown format version.
+    """
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
@@ -114,7 +139,13 @@ def read_manifest(path: PathLike) -> dict:
 
 
 def load_quantized(path: PathLike) -> Tuple[LanguageModel, Optional[object]]:
-    """Load a folder written by `save_quantized`: (model in eval mode, tokenizer or None).
+    """Load a folder written by `save_quantized`.
+
+    Args:
+        path: The folder.
+
+    Returns:
+        (the quantized LanguageModel in eval mode, its tokenizer or None).
 
     Raises:
         CheckpointError: Not such a folder, an unknown format version, or files that do not match the manifest.
