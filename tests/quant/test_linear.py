@@ -77,7 +77,7 @@ def _bounds(layer: QuantizedLinear, x: torch.Tensor, w: torch.Tensor, bias):
 
 @pytest.mark.parametrize("mode, group", FORMATS)
 @pytest.mark.parametrize("compute", ["bf16", "fp32"])
-@pytest.mark.parametrize("rows", [1, 3, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 50])
+@pytest.mark.parametrize("rows", [1, 3, *PACKED_MAX_ROWS.values(), *(n + 1 for n in PACKED_MAX_ROWS.values())])
 def test_outputs_within_the_computed_bound(mode, group, compute, rows):
     N, K = 48, 192
     w, bias = _weights(N, K, seed=rows), torch.randn(N) * 0.1

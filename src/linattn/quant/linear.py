@@ -8,10 +8,10 @@ Formats (symmetric, no zero point, every scale a bf16 value rounded up so that n
 so every dequantized weight q * s is within s / 2 of the original. The int4 values are stored as q + 8 in
 [1, 15], two per byte (low nibble: the even input column). Products run in PyTorch's CPU kernels: for a few
 rows (decoding) the packed matmuls `torch._weight_int8pack_mm` / `torch._weight_int4pack_mm_for_cpu` with bf16
-activations (their fp32-activation paths are 3-8x slower than an fp32 matmul on the CPUs measured); for many
-rows (prefill) the weight is dequantized to bf16 and multiplied by torch's bf16 matmul, which is faster there
-(numbers in docs/quantization.md). `compute="fp32"` dequantizes to fp32 (fp64 for fp64 inputs) instead: slower,
-without the bf16 rounding of activations and outputs.
+activations (their fp32-activation paths are 3-60x slower than an fp32 matmul on the CPU measured); for many
+rows (prefill, above `PACKED_MAX_ROWS`) the weight is dequantized to bf16 and multiplied by torch's bf16
+matmul, which is faster there (numbers in docs/quantization.md). `compute="fp32"` dequantizes to fp32 (fp64
+for fp64 inputs) instead: slower, without the bf16 rounding of activations and outputs.
 """
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64)
 COMPUTES = ("bf16", "fp32")
 INT4_N_MULTIPLE = 16      # torch's int4 CPU packing needs out_features % 16 == 0
-PACKED_MAX_ROWS = 16      # up to this many rows the packed kernels beat dequantize-then-matmul (measured)
+# up to this many rows the packed kernels beat dequantize-then-bf16-matmul (`linattn bench quant --kernels`, a
+# 1024 x 3584 weight, 1 thread: int8 ties at 64 rows and loses 4x at 512; int4 wins at 64, loses at 512)
+PACKED_MAX_ROWS = {"int8": 48, "int4": 128}
 _QMAX = {"int8": 127, "int4": 7}
 
 
@@ -235,7 +237,11 @@ class QuantizedLinear(nn.Module):
         Returns:
             The dequantized weight `[out_features, in_features]`.
         """
-        return self.int_weight().to(dtype) * self.expanded_scales().to(dtype)
+        N, K = self.out_features, self.in_features
+        if self.mode == "int8":
+            return self.qweight.to(dtype) * self.scales.to(dtype).unsqueeze(1)
+        codes = torch.stack((self.qweight & 15, self.qweight >> 4), -1).view(N, K // self.group_size, self.group_size)
+        return ((codes.to(dtype) - 8) * self.scales.to(dtype).unsqueeze(-1)).view(N, K)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
@@ -253,7 +259,7 @@ class QuantizedLinear(nn.Module):
         if self.compute == "fp32" or x2.shape[0] == 0:
             dt = torch.float64 if x.dtype == torch.float64 else torch.float32
             y = F.linear(x2.to(dt), self.dequantize(dt))
-        elif x2.shape[0] <= PACKED_MAX_ROWS:
+        elif x2.shape[0] <= PACKED_MAX_ROWS[self.mode]:
             xb = x2.to(torch.bfloat16).contiguous()
             if self.mode == "int8":
                 y = torch._weight_int8pack_mm(xb, self.qweight, self.scales.to(torch.bfloat16))
