@@ -1,6 +1,8 @@
 """QuantizedLinear against plain references written from the formulas: every weight within half its scale of the
 original, every output within the bound that follows (sum_k |x_k| s_nk / 2 for the weights, plus the rounding of
 the path that ran, computed per output), against a dequantized fp64 reference; refusals with clear errors."""
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -132,6 +134,10 @@ def test_state_dict_round_trip_rederives_the_int4_layout():
     b.load_state_dict(a.state_dict())
     x = torch.randn(1, 64)
     assert torch.equal(a(x), b(x))
+    buf = io.BytesIO()
+    torch.save(a, buf)                                         # the whole module pickles
+    buf.seek(0)
+    assert torch.equal(torch.load(buf, weights_only=False)(x), a(x))
 
 
 @pytest.mark.parametrize("kw, match", [

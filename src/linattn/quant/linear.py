@@ -107,6 +107,10 @@ class _NoBackward(torch.autograd.Function):
                            "inference (run it under torch.no_grad(), or train the float model and quantize after)")
 
 
+def _rederive_after_load(module, incompatible_keys) -> None:
+    module._derive_int4_layout()
+
+
 class QuantizedLinear(nn.Module):
     """y = x Wᵀ + b with W stored in int8 (per output row) or int4 (per group of inputs); CPU only.
 
@@ -153,7 +157,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         if mode == "int4":   # torch's own packed layout, derived (not saved): again after a load_state_dict
             self._derive_int4_layout()
-            self.register_load_state_dict_post_hook(lambda module, keys: module._derive_int4_layout())
+            self.register_load_state_dict_post_hook(_rederive_after_load)   # a named function: pickles
 
     def _derive_int4_layout(self) -> None:
         codes = unpack_int4(self.qweight).to(torch.int32) + 8
