@@ -3,28 +3,17 @@ generate and eval as it is), and the refusals (quantizing twice, --group-size wi
 import json
 
 import pytest
-import torch
 
 from linattn import cli
 from linattn.quant import is_quantized_dir, load_quantized, quantization_summary
+from tests.helpers import make_corpus
 
-WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma"]
-
-
-@pytest.fixture(autouse=True)
-def _keep_threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # the CLI sets torch's threads: restored after each test
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    lines = [f"{WORDS[i % 6]} = {WORDS[(i * 5) % 6]} + {i % 10}  # {WORDS[(i * 7) % 6]}" for i in range(80)]
-    path = tmp_path_factory.mktemp("data") / "c.txt"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
+    return make_corpus(tmp_path_factory.mktemp("data") / "c.txt", n_lines=80)
 
 
 @pytest.fixture(scope="module")
