@@ -152,9 +152,10 @@ class QuantizedLinear(nn.Module):
             if t is not None and t.device.type != "cpu":
                 raise LinattnError(f"QuantizedLinear: {name} is on {t.device}; quantized weights run on the CPU only")
         self.in_features, self.out_features = K, N
-        self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        # fresh (aligned, owned) copies: torch's packed kernels crash on tensors at odd offsets of a file mapping
+        self.register_buffer("qweight", qweight.detach().clone(memory_format=torch.contiguous_format))
+        self.register_buffer("scales", scales.detach().to(torch.bfloat16, copy=True).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32, copy=True).contiguous())
         if mode == "int4":   # torch's own packed layout, derived (not saved): again after a load_state_dict
             self._derive_int4_layout()
             self.register_load_state_dict_post_hook(_rederive_after_load)   # a named function: pickles
