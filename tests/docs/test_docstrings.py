@@ -100,6 +100,7 @@ DOCUMENTED = OPERATORS + [
     "linattn.bench.gpu.add_arguments", "linattn.bench.gpu.run", "linattn.bench.data.add_arguments",
     "linattn.bench.data.run", "linattn.bench.tlinformer.add_arguments", "linattn.bench.tlinformer.run",
     "linattn.bench.vision.add_arguments", "linattn.bench.vision.run",
+    "linattn.bench.quant.add_arguments", "linattn.bench.quant.run",
 ]
 # modules whose docstrings the API reference renders (docs/api/*.md)
 RENDERED_MODULES = ["linattn", "linattn.training", "linattn.hf", "linattn.layers", "linattn.models", "linattn.audit",

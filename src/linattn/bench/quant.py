@@ -33,7 +33,11 @@ PRECISIONS = ("fp32", "bf16", "int8", "int4")
 
 
 def add_arguments(p) -> None:
-    """The options of `linattn bench quant` (argparse parser `p`)."""
+    """The options of `linattn bench quant`.
+
+    Args:
+        p: The argparse parser to add them to.
+    """
     p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list of fp32,bf16,int8,int4")
     p.add_argument("--d-model", type=int_at_least(1), default=1024, help="width (default 1024)")
     p.add_argument("--n-layers", type=int_at_least(1), default=8, help="layers (default 8)")
@@ -319,7 +323,17 @@ def _report(speed, quality, hf, kernels=()) -> str:
 
 
 def run(a) -> int:
-    """Run `linattn bench quant` (module docstring) with the options of `add_arguments`; returns the exit code."""
+    """Run the `linattn bench quant` benchmark (module docstring).
+
+    Args:
+        a: The options parsed with `add_arguments`.
+
+    Returns:
+        The exit code (0: success).
+
+    Raises:
+        UsageError: Bad options.
+    """
     names = _precisions(a)
     if (a.checkpoint is None) != (a.data is None):
         raise UsageError("--checkpoint and --data go together (the quality rows)")
