@@ -252,7 +252,7 @@ def test_generate_does_not_print_special_tokens(monkeypatch, capsys):
     tok = train_tokenizer(["alpha beta gamma " * 20], vocab_size=280)
     ids = tok.encode("alpha") + [tok.eos_id] + tok.encode(" beta")
     ck = types.SimpleNamespace(model=_EosModel(ids), tokenizer=tok, path="fake", step=1)
-    monkeypatch.setattr(generate, "load_generator", lambda checkpoint, device=None, tokenizer=None: ck)
+    monkeypatch.setattr(generate, "load_generator", lambda checkpoint, device=None, tokenizer=None, *quant: ck)
     argv = ["generate", "--checkpoint", "fake", "--prompt", "x ", "--max-new-tokens", str(len(ids))]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out

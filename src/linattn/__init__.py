@@ -15,6 +15,7 @@ The public API, re-exported:
     FeatureMap, FAVORPlus, FEATURE_MAP_NAMES   phi/psi pairs (ops/feature_maps.py); register_feature_map adds one
     mixers, LMConfig, LanguageModel            language models and their mixer registry (models/);
                                                layers in linattn.layers, audit.check_causality
+    quantize                                   int8 / int4 weights for CPU inference (quant/)
     LinattnError and every other exception     what a user can meet, all LinattnError subclasses (errors.py and
     (ERRORS: their names)                      the modules that raise them; those load on first use)
 """
@@ -54,6 +55,7 @@ from .ops import (
                   ttt,
 )
 from .ops.feature_maps import feature_map_names, register_feature_map
+from .quant import quantize
 
 __version__ = "0.1.0"
 
@@ -95,7 +97,7 @@ __all__ = [
     "forgetting_attention", "forgetting_attention_step", "ForgettingAttentionState", "deltaformer",
     "deltaformer_step", "DeltaFormerState", "path_attention", "path_attention_step", "PaTHState",
     "FeatureMap", "FAVORPlus", "FEATURE_MAP_NAMES", "get_feature_map", "feature_map_names", "register_feature_map",
-    "mixers", "LMConfig", "LanguageModel", "audit",
+    "mixers", "LMConfig", "LanguageModel", "audit", "quantize",
     "ERRORS", "LinattnTypeError", "ConfigError", "CheckpointError", "DataError", "UsageError",
     "CheckpointWriteError", "DanglingLatest", "TrainError", "TrainConfigError", "TrainingDiverged", "RunFolderBusy",
     "StopRequested", "TokenizerError", "CorpusError", "MNISTError", "GenerateError", "ExperimentError",

@@ -115,7 +115,24 @@ def cmd_serve(sub) -> None:
     p.set_defaults(run=run)
 
 
-COMMANDS.append(cmd_serve)
+def cmd_quantize(sub) -> None:
+    from .quant.cli import add_command_arguments
+    p = sub.add_parser("quantize", help="write a checkpoint's model with int8 / int4 weights (for generate, eval)")
+    add_command_arguments(p)
+
+    def run(args):
+        from .errors import LinattnError
+        from .quant.cli import command_main
+
+        try:
+            return command_main(args)
+        except LinattnError as e:
+            return report_error(_one_line(e), f"{PROG} quantize")
+
+    p.set_defaults(run=run)
+
+
+COMMANDS += [cmd_serve, cmd_quantize]
 
 
 # export-hf / import-hf: Hugging Face transformers folders (linattn.hf, needs the `hf` extra).

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from .checkpoint import CheckpointError, load_checkpoint
+from .checkpoint import CheckpointError
 from .cli_support import finite_float, int_at_least
 from .data.tokenizer import tokenizer_for_model
 from .errors import LinattnError
@@ -169,11 +169,14 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, **kw) -> T
     return text, stats
 
 
-def load_generator(checkpoint: str, device: Union[str, torch.device, None] = None, tokenizer: Optional[str] = None):
-    """A loaded checkpoint (model in eval mode, tokenizer) for generation; `tokenizer`: a tokenizer.json (or a folder
-    holding one) used instead of the checkpoint's."""
-    dev = resolve_device(device)
-    ck = load_checkpoint(checkpoint, device=dev)
+def load_generator(checkpoint: str, device: Union[str, torch.device, None] = None, tokenizer: Optional[str] = None,
+                   quantize: Optional[str] = None, group_size: Optional[int] = None):
+    """A loaded checkpoint (model in eval mode, tokenizer) for generation, quantized when `quantize` says;
+    `tokenizer`: a tokenizer.json (or a folder holding one) used instead of the checkpoint's."""
+    from .quant.cli import load_for_inference
+
+    dev = resolve_device(device if device is not None or quantize is None else "cpu")
+    ck = load_for_inference(checkpoint, dev, quantize, group_size)
     if tokenizer is not None:
         ck.tokenizer = tokenizer_for_model(tokenizer, int(ck.model.config.vocab_size))
     if ck.tokenizer is None:
@@ -203,6 +206,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json (or a folder holding one) to use instead of "
                                                      "the checkpoint's")
+    from .quant.cli import add_quantize_arguments
+    add_quantize_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -211,7 +216,8 @@ def main(args: argparse.Namespace) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
-        ck = load_generator(args.checkpoint, args.device, getattr(args, "tokenizer", None))
+        ck = load_generator(args.checkpoint, args.device, getattr(args, "tokenizer", None), args.quantize,
+                            args.group_size)
         kw = dict(temperature=args.temperature, top_k=args.top_k or None,
                   top_p=args.top_p if args.top_p < 1 else None, seed=args.seed, stop_at_eos=args.stop_at_eos,
                   skip_special_tokens=True)

@@ -69,6 +69,10 @@ DOCUMENTED = OPERATORS + [
     "linattn.models.LMOutput", "linattn.models.build_mixer", "linattn.models.unregister_mixer",
     "linattn.models.mixer_spec", "linattn.models.registry.mixer_config_kwargs", "linattn.models.registry.MixerSpec",
     "linattn.checkpoint.save_checkpoint", "linattn.checkpoint.load_checkpoint", "linattn.checkpoint.Checkpoint",
+    "linattn.quantize", "linattn.quant.QuantizedLinear", "linattn.quant.quantization_summary",
+    "linattn.quant.quantized_modules", "linattn.quant.save_quantized", "linattn.quant.load_quantized",
+    "linattn.quant.QuantizedLinear.from_linear", "linattn.quant.QuantizedLinear.from_weight",
+    "linattn.quant.QuantizedLinear.dequantize",
     # transformers integration (needs the hf extra)
     "linattn.hf.LinattnConfig", "linattn.hf.LinattnForCausalLM", "linattn.hf.LinattnModel",
     "linattn.hf.LinattnForSequenceClassification", "linattn.hf.export_hf", "linattn.hf.import_hf",
@@ -96,6 +100,7 @@ DOCUMENTED = OPERATORS + [
     "linattn.bench.gpu.add_arguments", "linattn.bench.gpu.run", "linattn.bench.data.add_arguments",
     "linattn.bench.data.run", "linattn.bench.tlinformer.add_arguments", "linattn.bench.tlinformer.run",
     "linattn.bench.vision.add_arguments", "linattn.bench.vision.run",
+    "linattn.bench.quant.add_arguments", "linattn.bench.quant.run",
 ]
 # modules whose docstrings the API reference renders (docs/api/*.md)
 RENDERED_MODULES = ["linattn", "linattn.training", "linattn.hf", "linattn.layers", "linattn.models", "linattn.audit",

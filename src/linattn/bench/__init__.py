@@ -41,6 +41,8 @@ BENCHMARKS: Dict[str, Tuple[str, str]] = {
                                "(prefill, decode, training step, peak memory)"),
     "train": ("linattn.bench.train", "LM training throughput (fwd + bwd + AdamW tokens/s) per mixer vs softmax"),
     "serve": ("linattn.bench.serve", "linattn serve vs linattn generate: decode tokens/s, /health latency under load"),
+    "quant": ("linattn.bench.quant", "fp32 / bf16 / int8 / int4 weights on the CPU: prompt and decode tokens/s, decode "
+                                     "time over the memory floor, perplexity and greedy agreement of a checkpoint"),
 }
 
 HELP = "run a benchmark (" + ", ".join(BENCHMARKS) + ")"

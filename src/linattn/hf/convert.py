@@ -101,6 +101,8 @@ def export_hf(checkpoint: PathLike, out: PathLike, *, overwrite: bool = False,
         CheckpointError: The checkpoint is missing, unreadable or not of the 'lm' family, or `out` exists
             without overwrite.
     """
+    from ..quant import refuse_quantized  # a quantized folder is not a transformers model's weights
+    refuse_quantized(checkpoint, "export-hf")
     ck = ckpt.load_checkpoint(checkpoint)
     if not isinstance(ck.model, LanguageModel):
         raise CheckpointError(f"{ck.path}: only the 'lm' model family converts to transformers, this checkpoint "

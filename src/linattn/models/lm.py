@@ -47,7 +47,8 @@ def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
     seen, total = set(), 0
     skip = set()
     if exclude_embeddings:
-        skip = {id(model.embed.weight)} | ({id(model.lm_head.weight)} if model.lm_head is not None else set())
+        head = getattr(model.lm_head, "weight", None)  # a quantized head holds buffers, no weight parameter
+        skip = {id(model.embed.weight)} | ({id(head)} if head is not None else set())
     for p in model.parameters():
         if id(p) in seen or (exclude_embeddings and id(p) in skip):
             continue

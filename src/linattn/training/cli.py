@@ -313,6 +313,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json (or a folder holding one) to use instead of "
                                                      "the checkpoint's")
+    from ..quant.cli import add_quantize_arguments
+    add_quantize_arguments(p)
 
 
 def eval_main(args: argparse.Namespace) -> int:
@@ -320,10 +322,12 @@ def eval_main(args: argparse.Namespace) -> int:
     try:
         if args.threads:
             torch.set_num_threads(args.threads)
-        device = resolve_device(args.device)
+        from ..quant.cli import load_for_inference
+
+        device = resolve_device(args.device if args.device is not None or args.quantize is None else "cpu")
         if args.data is not None and not Path(args.data).exists():
             raise missing_data_error(args.data)
-        ck = ckpt.load_checkpoint(args.checkpoint, device=device)
+        ck = load_for_inference(args.checkpoint, device, args.quantize, args.group_size)
         if getattr(args, "tokenizer", None) is not None:
             ck.tokenizer = tokenizer_for_model(args.tokenizer, int(ck.model.config.vocab_size))
         if ck.tokenizer is None:

@@ -1,0 +1,287 @@
+"""`QuantizedLinear`: a linear layer whose weight is stored in 8 or 4 bits, for CPU inference.
+
+Formats (symmetric, no zero point, every scale a bf16 value rounded up so that no weight is clipped):
+
+    int8   q = round(w / s) in [-127, 127], s = max|w_row| / 127 per output row (channel)
+    int4   q = round(w / s) in [-7, 7],     s = max|w_group| / 7 per row and group of `group_size` inputs
+
+so every dequantized weight q * s is within s / 2 of the original. The int4 values are stored as q + 8 in
+[1, 15], two per byte (low nibble: the even input column). Products run in PyTorch's CPU kernels: for a few
+rows (decoding) the packed matmuls `torch._weight_int8pack_mm` / `torch._weight_int4pack_mm_for_cpu` with bf16
+activations (their fp32-activation paths are 3-60x slower than an fp32 matmul on the CPU measured); for many
+rows (prefill, above `PACKED_MAX_ROWS`) the weight is dequantized to bf16 and multiplied by torch's bf16
+matmul, which is faster there (numbers in docs/quantization.md). `compute="fp32"` dequantizes to fp32 (fp64
+for fp64 inputs) instead: slower, without the bf16 rounding of activations and outputs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..errors import LinattnError, LinattnTypeError
+
+MODES = ("int8", "int4")
+GROUP_SIZES = (32, 64)
+COMPUTES = ("bf16", "fp32")
+INT4_N_MULTIPLE = 16      # torch's int4 CPU packing needs out_features % 16 == 0
+# up to this many rows the packed kernels beat dequantize-then-bf16-matmul (`linattn bench quant --kernels`, a
+# 1024 x 3584 weight, 1 thread: int8 ties at 64 rows and loses 4x at 512; int4 wins at 64, loses at 512)
+PACKED_MAX_ROWS = {"int8": 48, "int4": 128}
+_QMAX = {"int8": 127, "int4": 7}
+
+
+def check_mode(mode, group_size) -> Optional[int]:
+    """Validate (mode, group_size); returns the group size in use (None for int8)."""
+    if mode not in MODES:
+        raise LinattnError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "int8":
+        if group_size is not None:
+            raise LinattnError(f"group_size applies to int4 only (int8 has one scale per output row), "
+                               f"got {group_size!r}")
+        return None
+    group_size = 32 if group_size is None else group_size
+    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise LinattnError(f"group_size must be one of {GROUP_SIZES} for int4, got {group_size!r}")
+    return int(group_size)
+
+
+def check_compute(compute) -> str:
+    if compute not in COMPUTES:
+        raise LinattnError(f"compute must be one of {COMPUTES}, got {compute!r}")
+    return compute
+
+
+def fits(mode: str, group_size: Optional[int], out_features: int, in_features: int) -> Optional[str]:
+    """Why a weight of this shape cannot take this format (None when it can)."""
+    if mode == "int4" and in_features % group_size:
+        return f"in_features {in_features} is not a multiple of group_size {group_size}"
+    if mode == "int4" and out_features % INT4_N_MULTIPLE:
+        return f"out_features {out_features} is not a multiple of {INT4_N_MULTIPLE} (torch's int4 CPU packing)"
+    return None
+
+
+def _bf16_scale_up(s: torch.Tensor) -> torch.Tensor:
+    """The smallest bf16 values >= s (fp32 -> bf16), at least bf16's smallest normal (all-zero rows)."""
+    tiny = torch.finfo(torch.bfloat16).tiny
+    s = s.float().clamp_min(tiny)
+    b = s.to(torch.bfloat16)
+    return torch.where(b.float() < s, torch.nextafter(b, torch.full_like(b, float("inf"))), b)
+
+
+def quantize_weight(weight: torch.Tensor, mode: str, group_size: Optional[int]):
+    """A float weight `[N, K]` -> (q int8 `[N, K]` in [-qmax, qmax], scales bf16 `[N]` (int8) or `[N, K/G]`)."""
+    w = weight.detach().to(torch.float64)
+    N, K = w.shape
+    qmax = _QMAX[mode]
+    groups = w.view(N, 1, K) if mode == "int8" else w.view(N, K // group_size, group_size)
+    scales = _bf16_scale_up(groups.abs().amax(-1) / qmax)
+    q = torch.round(groups / scales.double().unsqueeze(-1)).clamp_(-qmax, qmax).to(torch.int8).view(N, K)
+    return q, (scales.view(N) if mode == "int8" else scales)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int4 values q `[N, K]` in [-8, 7] -> uint8 `[N, K/2]` of q + 8, the even column in the low nibble."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_int4`'s inverse: uint8 `[N, K/2]` -> int8 `[N, K]`."""
+    lo, hi = packed & 15, packed >> 4
+    return (torch.stack((lo, hi), -1).view(packed.shape[0], -1).to(torch.int16) - 8).to(torch.int8)
+
+
+class _NoBackward(torch.autograd.Function):
+    """Runs the quantized product; refuses gradients (the weights are frozen integers, not parameters)."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        return layer._product(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise LinattnError("backward through quantized weights is not supported: a quantized model is for "
+                           "inference (run it under torch.no_grad(), or train the float model and quantize after)")
+
+
+def _rederive_after_load(module, incompatible_keys) -> None:
+    module._derive_int4_layout()
+
+
+class QuantizedLinear(nn.Module):
+    """y = x Wᵀ + b with W stored in int8 (per output row) or int4 (per group of inputs); CPU only.
+
+    Not an `nn.Linear` (no `.weight`), so no code path that reads a float weight can take it by mistake.
+    Build one with `QuantizedLinear.from_linear` or `linattn.quantize`.
+
+    Args:
+        qweight: int8 `[N, K]` (int8 mode) or uint8 `[N, K/2]` (int4, two values per byte, `pack_int4`).
+        scales: bf16 `[N]` (int8) or `[N, K/group_size]` (int4).
+        bias: `[N]` or None (kept in fp32).
+        mode: "int8" or "int4".
+        group_size: int4's group (32 or 64); None for int8.
+        compute: "bf16" (PyTorch's packed kernels, bf16 activations) or "fp32" (dequantize to fp32).
+
+    Raises:
+        LinattnError: A bad mode, group size, compute or shape, or a tensor not on the CPU.
+    """
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor], mode: str,
+                 group_size: Optional[int] = None, compute: str = "bf16"):
+        super().__init__()
+        group_size = check_mode(mode, group_size)
+        self.mode, self.group_size, self.compute = mode, group_size, check_compute(compute)
+        N = qweight.shape[0]
+        K = qweight.shape[1] * (2 if mode == "int4" else 1)
+        want_q = (torch.int8 if mode == "int8" else torch.uint8, (N, qweight.shape[1]))
+        want_s = (N,) if mode == "int8" else (N, K // group_size)
+        if (qweight.dim() != 2 or (qweight.dtype, tuple(qweight.shape)) != want_q
+                or tuple(scales.shape) != want_s or (bias is not None and tuple(bias.shape) != (N,))):
+            k = "K/2" if mode == "int4" else "K"
+            raise LinattnError(f"QuantizedLinear ({mode}): qweight must be {want_q[0]} [N, {k}], "
+                               f"scales {list(want_s)} and bias [{N}] or None; got qweight "
+                               f"{qweight.dtype} {list(qweight.shape)}, scales {list(scales.shape)}, bias "
+                               f"{None if bias is None else list(bias.shape)}")
+        reason = fits(mode, group_size, N, K)
+        if reason:
+            raise LinattnError(f"QuantizedLinear ({mode}): {reason}")
+        for name, t in (("qweight", qweight), ("scales", scales), ("bias", bias)):
+            if t is not None and t.device.type != "cpu":
+                raise LinattnError(f"QuantizedLinear: {name} is on {t.device}; quantized weights run on the CPU only")
+        self.in_features, self.out_features = K, N
+        # fresh (aligned, owned) copies: torch's packed kernels crash on tensors at odd offsets of a file mapping
+        self.register_buffer("qweight", qweight.detach().clone(memory_format=torch.contiguous_format))
+        self.register_buffer("scales", scales.detach().to(torch.bfloat16, copy=True).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32, copy=True).contiguous())
+        if mode == "int4":   # torch's own packed layout, derived (not saved): again after a load_state_dict
+            self._derive_int4_layout()
+            self.register_load_state_dict_post_hook(_rederive_after_load)   # a named function: pickles
+
+    def _derive_int4_layout(self) -> None:
+        codes = unpack_int4(self.qweight).to(torch.int32) + 8
+        self.register_buffer("_packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1), persistent=False)
+        zeros = torch.zeros_like(self.scales)   # the kernel's weight: (code - 8) * scale + zero
+        self.register_buffer("_scale_zeros", torch.stack((self.scales, zeros), -1).transpose(0, 1).contiguous(),
+                             persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, mode: str, group_size: Optional[int] = None,
+                    compute: str = "bf16") -> "QuantizedLinear":
+        """Quantize an `nn.Linear` (its weight and bias are read, not changed).
+
+        Args:
+            linear: The float layer.
+            mode: "int8" or "int4".
+            group_size: int4's group (32 or 64, default 32); None for int8.
+            compute: "bf16" or "fp32" (the class's Args).
+
+        Returns:
+            The QuantizedLinear.
+
+        Raises:
+            LinattnTypeError: linear is not an nn.Linear.
+            LinattnError: As `from_weight`.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise LinattnTypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        return cls.from_weight(linear.weight, linear.bias, mode, group_size, compute)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], mode: str,
+                    group_size: Optional[int] = None, compute: str = "bf16") -> "QuantizedLinear":
+        """Quantize a float weight `[out_features, in_features]` (and a bias).
+
+        Args:
+            weight: The float weight, on the CPU, finite.
+            bias: `[out_features]` or None.
+            mode: "int8" or "int4".
+            group_size: int4's group (32 or 64, default 32); None for int8.
+            compute: "bf16" or "fp32" (the class's Args).
+
+        Returns:
+            The QuantizedLinear.
+
+        Raises:
+            LinattnError: A bad mode, group size or compute, a shape the format cannot take, a weight off the CPU
+                or with NaN / inf values.
+        """
+        group_size = check_mode(mode, group_size)
+        if weight.device.type != "cpu":
+            raise LinattnError(f"weight is on {weight.device}; quantized weights run on the CPU only (move the model "
+                               f"to the CPU first)")
+        if weight.dim() != 2 or not weight.is_floating_point():
+            raise LinattnError(f"weight must be a float [out_features, in_features] matrix, got {weight.dtype} "
+                               f"{list(weight.shape)}")
+        reason = fits(mode, group_size, *weight.shape)
+        if reason:
+            raise LinattnError(f"weight {list(weight.shape)} cannot be quantized to {mode}: {reason}")
+        if not bool(torch.isfinite(weight).all()):
+            raise LinattnError("weight has NaN or inf values; a quantized weight must be finite")
+        q, scales = quantize_weight(weight, mode, group_size)
+        return cls(q if mode == "int8" else pack_int4(q), scales, bias, mode, group_size, compute)
+
+    def int_weight(self) -> torch.Tensor:
+        """The integer values `[N, K]` (int8)."""
+        return self.qweight if self.mode == "int8" else unpack_int4(self.qweight)
+
+    def expanded_scales(self) -> torch.Tensor:
+        """The scale of every weight, `[N, K]` (bf16)."""
+        if self.mode == "int8":
+            return self.scales.unsqueeze(1).expand(self.out_features, self.in_features)
+        return self.scales.repeat_interleave(self.group_size, dim=1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the products use, q * s.
+
+        Args:
+            dtype: The dtype to return (exact in fp32 and fp64; bf16 rounds).
+
+        Returns:
+            The dequantized weight `[out_features, in_features]`.
+        """
+        N, K = self.out_features, self.in_features
+        if self.mode == "int8":
+            return self.qweight.to(dtype) * self.scales.to(dtype).unsqueeze(1)
+        codes = torch.stack((self.qweight & 15, self.qweight >> 4), -1).view(N, K // self.group_size, self.group_size)
+        return ((codes.to(dtype) - 8) * self.scales.to(dtype).unsqueeze(-1)).view(N, K)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+            raise LinattnError(f"QuantizedLinear: x must be a CPU tensor (quantized weights run on the CPU only), got "
+                               f"{getattr(x, 'device', type(x).__name__)}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features or not x.is_floating_point():
+            raise LinattnError(f"QuantizedLinear: x must be a float [..., {self.in_features}] tensor, got {x.dtype} "
+                               f"{list(x.shape)}")
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _NoBackward.apply(x, self)
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.compute == "fp32" or x2.shape[0] == 0:
+            dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+            y = F.linear(x2.to(dt), self.dequantize(dt))
+        elif x2.shape[0] <= PACKED_MAX_ROWS[self.mode]:
+            xb = x2.to(torch.bfloat16).contiguous()
+            if self.mode == "int8":
+                y = torch._weight_int8pack_mm(xb, self.qweight, self.scales.to(torch.bfloat16))
+            else:
+                y = torch._weight_int4pack_mm_for_cpu(xb, self._packed, self.group_size,
+                                                      self._scale_zeros.to(torch.bfloat16))
+        else:
+            y = F.linear(x2.to(torch.bfloat16), self.dequantize(torch.bfloat16))
+        if self.bias is not None:   # in fp32 at least (the bf16 kernels' outputs), fp64 for fp64 inputs
+            y = y.to(torch.promote_types(y.dtype, torch.float32)) + self.bias
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def stored_bytes(self) -> int:
+        """Bytes of the integer weights and scales (and bias), what a decoded token reads."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.bias) if t is not None)
+
+    def extra_repr(self) -> str:
+        g = f", group_size={self.group_size}" if self.group_size else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"mode={self.mode!r}{g}, compute={self.compute!r}")

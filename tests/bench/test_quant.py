@@ -1,0 +1,53 @@
+"""`linattn bench quant` end to end at tiny sizes (no timing assertions), and the bytes a decoded token reads."""
+import json
+
+import torch
+
+import linattn
+from linattn import LanguageModel, LMConfig
+from linattn.bench.quant import decode_bytes
+from linattn.cli import main
+from linattn.quant import quantized_modules
+
+
+def _model(tie):
+    return LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, mixer="gated-deltanet",
+                                  tie_embeddings=tie))
+
+
+def test_decode_bytes_reads_each_weight_once_and_one_embedding_row():
+    for tie in (False, True):
+        m = _model(tie)
+        every = sum(p.numel() * 4 for p in m.parameters())          # parameters() lists a tied matrix once
+        table = 64 * 32 * 4
+        row = 32 * 4
+        assert decode_bytes(m) == (every if tie else every - table + row)
+        fp32 = decode_bytes(m)
+        assert decode_bytes(m.to(torch.bfloat16)) == fp32 // 2
+    q = linattn.quantize(_model(True), "int8")
+    qbytes = sum(x.numel() * x.element_size() for n, x in q.state_dict().items()
+                 if n.rsplit(".", 1)[0] in quantized_modules(q))
+    float_rest = sum(p.numel() * 4 for n, p in q.named_parameters() if n != "embed.weight")
+    assert decode_bytes(q) == qbytes + float_rest + row
+
+
+def test_bench_quant_tiny(tmp_path, capsys):
+    rc = main(["bench", "quant", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--ffn-hidden", "64",
+               "--vocab-size", "64", "--prompt", "8", "--tokens", "2", "--repeats", "1", "--bandwidth-mib", "8",
+               "--kernels", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    assert "x floor" in capsys.readouterr().out
+    result = json.loads((tmp_path / "quant.json").read_text())
+    assert len(result["kernels"]) == 9 * 4 and all(r["ms"] > 0 for r in result["kernels"])
+    rows = result["speed"]
+    assert [r["precision"] for r in rows] == ["fp32", "bf16", "int8", "int4"]
+    for r in rows:
+        assert r["decode_tok_s"] > 0 and abs(r["over_floor"] - r["decode_ms"] / r["floor_ms"]) < 1e-9 * r["over_floor"]
+    assert rows[2]["bytes_per_token"] < rows[1]["bytes_per_token"] < rows[0]["bytes_per_token"]
+
+
+def test_bench_quant_bad_options_exit_2(capsys):
+    assert main(["bench", "quant", "--precisions", "fp8"]) == 2
+    assert "--precisions" in capsys.readouterr().err
+    assert main(["bench", "quant", "--checkpoint", "x"]) == 2
+    assert "go together" in capsys.readouterr().err
