@@ -12,27 +12,27 @@ How (see docs/kernelize.md). transformers 5.24's own mechanism, `use_kernel_func
 `kernels` package its decorators are no-ops, and with it a provider must be a hub or local *kernel repository*
 (a built package with per-device variants), not a Python callable. Neither can take linattn at run time for
 one model, so kernelize does this:
-- the modeling module's kernel functions (`torch_chunk_gated_delta_rule`, `chunk_kimi_delta_attention`,
-  `mamba2_chunk_scan`, `causal_conv1d_fn`, ...) are replaced by dispatchers that call linattn's operator when
-  the call comes from a kernelized module (a context variable set around that module's forward) and the
-  original function otherwise: other models of the same class keep transformers' behaviour;
-- each served mixer's `forward` (an instance attribute) sets that variable; MiniMax's lightning attention is
-  inline PyTorch with no kernel hook, so its forward is replaced outright;
-- packing: the model's (and its base model's) forward is wrapped: restarting `position_ids`
-  (DataCollatorWithFlattening, batch 1, no mask, no cache) or transformers' `cu_seq_lens_q` set a context
-  variable that every adapter reads (not every model passes kwargs down to its mixers), and the softmax
-  layers get a varlen-aware sdpa registered in transformers' AttentionInterface as "linattn_sdpa".
+- each served mixer gets, as an instance attribute, its class's own `forward` (decorators included) rebuilt
+  over a copy of its modeling module's globals in which the kernel functions (`torch_chunk_gated_delta_rule`,
+  `chunk_kimi_delta_attention`, `mamba2_chunk_scan`, `causal_conv1d_fn`, ...) are linattn's adapters: the modeling
+  module itself is never changed, so other models of the same class keep transformers' code, compiled or not;
+  MiniMax's lightning attention is inline PyTorch with no kernel hook, so its forward is replaced outright;
+- packing: forward pre-hooks on the model and its base model (the forward itself, and so its signature, stay
+  transformers') turn restarting `position_ids` (DataCollatorWithFlattening, batch 1, no mask, no cache) into
+  transformers' `cu_seq_lens_*` kwargs, which the layers pass down to every mixer and which gradient
+  checkpointing keeps for its recomputation; the softmax layers get a varlen-aware sdpa registered in
+  transformers' AttentionInterface as "linattn_sdpa".
 The mixers' projections, gates and norms stay transformers' own code; only the sequence cores and the short
 convolutions change.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib
 import inspect
 import sys
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -48,16 +48,6 @@ from ..ops import LinearAttentionState, delta_rule, linear_attention
 __all__ = ["kernelize", "KernelizeReport", "SERVED_CLASSES", "ATTN_IMPLEMENTATION", "torch_fallbacks"]
 
 ATTN_IMPLEMENTATION = "linattn_sdpa"
-
-# True while a kernelized module's forward runs: the dispatchers then call linattn.
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("linattn_kernelize_active", default=False)
-# True inside `torch_fallbacks()`: calls from modules that are not kernelized run transformers' PyTorch
-# fallback instead of the package transformers bound at import (fla's Triton kernels cannot take CPU tensors).
-_TORCH_PATH: contextvars.ContextVar = contextvars.ContextVar("linattn_transformers_torch_path", default=False)
-# The packed documents' cu_seqlens while a kernelized model's forward runs on a packed batch: set by the model's
-# forward wrapper, because not every model passes transformers' cu_seq_lens_* kwargs down to its mixers
-# (Mamba2ForCausalLM drops every extra kwarg).
-_PACKED: contextvars.ContextVar = contextvars.ContextVar("linattn_kernelize_packed", default=None)
 
 # mixer class name -> (the modeling module it ships in, kind)
 SERVED_CLASSES: Dict[str, tuple] = {
@@ -123,8 +113,6 @@ def _cu_seqlens(kwargs, T: int, device) -> Optional[torch.Tensor]:
     cu = kwargs.get("cu_seqlens")
     if cu is None:
         cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
-        cu = _PACKED.get()
     if cu is None and kwargs.get("seq_idx") is not None:
         seq_idx = kwargs["seq_idx"].reshape(-1)          # mamba_ssm's convention: document index per token
         starts = torch.nonzero(torch.diff(seq_idx) != 0).reshape(-1) + 1
@@ -415,29 +403,32 @@ _KIND_NEEDS = {
 }
 
 
-def _torch_fallback(orig: Callable, args, kwargs):
-    """Call transformers' PyTorch function behind its hub wrapper (kept as `__wrapped__`) as the wrapper does where
-    the kernel package is absent: packed sequences refused, only the keywords the function takes."""
-    fn = getattr(orig, "__wrapped__", None)
-    if fn is None:
-        return orig(*args, **kwargs)
-    if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
-        raise ValueError(f"{orig.__name__}: transformers' PyTorch fallback cannot keep packed sequences apart "
-                         f"(kernelize the model to run packed documents on linattn)")
+def _fallback_of(orig: Callable) -> Callable:
+    """transformers' PyTorch function behind its hub wrapper (kept as `__wrapped__`), called as the wrapper calls it
+    where the kernel package is absent: packed sequences refused, only the keywords the function takes."""
+    fn = inspect.unwrap(orig)
     params = inspect.signature(fn).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(*args, **kwargs)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    @functools.wraps(orig)
+    def fallback(*args, **kwargs):
+        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
+            raise ValueError(f"{orig.__name__}: transformers' PyTorch fallback cannot keep packed sequences apart "
+                             f"(kernelize the model to run packed documents on linattn)")
+        if not takes_any:
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        return fn(*args, **kwargs)
+    return fallback
 
 
 def torch_fallback_function(name: str = "torch_chunk_gated_delta_rule",
-                                module_name: str = "transformers.models.qwen3_next.modeling_qwen3_next") -> Callable:
+                            module_name: str = "transformers.models.qwen3_next.modeling_qwen3_next") -> Callable:
     """transformers' own PyTorch function `name` of a modeling module, whatever it is bound to now.
 
     transformers wraps such functions in a hub-kernel dispatcher that, with flash-linear-attention installed,
-    calls fla's Triton kernel (which cannot take CPU tensors); `kernelize` may add its own dispatcher on top. Each
-    wrapper keeps what it wraps as `__wrapped__` (functools.wraps), so the function itself is at the end of that
-    chain. `linattn bench ops` times it as a peer row.
+    calls fla's Triton kernel (which cannot take CPU tensors); `torch_fallbacks` may put its own wrapper on top.
+    Each wrapper keeps what it wraps as `__wrapped__` (functools.wraps), so the function itself is at the end of
+    that chain. `linattn bench ops` times it as a peer row.
 
     Args:
         name: The function's name in the module.
@@ -454,30 +445,10 @@ def torch_fallback_function(name: str = "torch_chunk_gated_delta_rule",
     return inspect.unwrap(getattr(module, name))
 
 
-def _install_dispatchers(module) -> List[str]:
-    """Replace the modeling module's kernel functions by dispatchers (once); returns the names missing."""
-    missing = []
-    for name, adapter in _ADAPTERS.items():
-        orig = getattr(module, name, None)
-        if orig is None:
-            missing.append(name)
-            continue
-        if getattr(orig, "_linattn_dispatcher", False):
-            continue
-
-        def make(orig=orig, adapter=adapter):
-            @functools.wraps(orig)
-            def dispatch(*args, **kwargs):
-                if _ACTIVE.get():
-                    return adapter(*args, **kwargs)
-                if _TORCH_PATH.get():
-                    return _torch_fallback(orig, args, kwargs)
-                return orig(*args, **kwargs)
-            dispatch._linattn_dispatcher = True
-            dispatch._linattn_original = orig
-            return dispatch
-        setattr(module, name, make())
-    return missing
+# (modeling module, kernel name) -> the function transformers bound there, while `torch_fallbacks` runs
+_SWAPPED: Dict[tuple, Callable] = {}
+_SWAP_DEPTH = [0]
+_SWAP_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -488,53 +459,121 @@ def torch_fallbacks():
     flash-linear-attention's (or mamba_ssm's) kernels whenever that package is installed, else to its PyTorch
     fallback (`torch_chunk_gated_delta_rule`, ...). fla's kernels are Triton-only, so with fla installed a CPU model
     of Qwen3-Next, Kimi Linear, ... fails with "0 active drivers". Inside this context the modeling modules of
-    `SERVED_CLASSES` call that PyTorch fallback instead, which is what transformers runs where fla is absent. The
-    modeling files are imported on entry, so a model built inside the context is covered too. Kernelized modules
-    are unaffected (they call linattn). `linattn bench hf` measures its unpatched baseline this way.
+    `SERVED_CLASSES` have those names bound to the PyTorch fallback, which is what transformers runs where fla is
+    absent; on exit the original bindings come back. The binding is per module, not per thread: it is a tool for
+    tests and benchmarks (nested uses are counted). The modeling files are imported on entry, so a model built
+    inside the context is covered too. Kernelized modules are unaffected (their forwards read linattn's
+    functions from their own globals). `linattn bench hf` measures its unpatched baseline this way.
 
     Example:
         >>> from linattn.hf.kernelize import torch_fallbacks
         >>> with torch_fallbacks():
         ...     pass  # model(ids) of an unpatched transformers model runs the PyTorch fallback here
     """
-    for module_name in sorted({m for m, _kind in SERVED_CLASSES.values()}):
-        try:  # imported now, so a model built inside the context finds the dispatchers in place
-            module = sys.modules.get(module_name) or importlib.import_module(module_name)
-        except ImportError:  # a transformers version without that model
-            continue
-        _install_dispatchers(module)
-    token = _TORCH_PATH.set(True)
+    with _SWAP_LOCK:
+        if _SWAP_DEPTH[0] == 0:
+            for module_name in sorted({m for m, _kind in SERVED_CLASSES.values()}):
+                try:
+                    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+                except ImportError:  # a transformers version without that model
+                    continue
+                for name in _ADAPTERS:
+                    orig = getattr(module, name, None)
+                    if callable(orig) and hasattr(orig, "__wrapped__"):
+                        _SWAPPED[(module, name)] = orig
+                        setattr(module, name, _fallback_of(orig))
+        _SWAP_DEPTH[0] += 1
     try:
         yield
     finally:
-        _TORCH_PATH.reset(token)
+        with _SWAP_LOCK:
+            _SWAP_DEPTH[0] -= 1
+            if _SWAP_DEPTH[0] == 0:
+                for (module, name), orig in _SWAPPED.items():
+                    setattr(module, name, orig)
+                _SWAPPED.clear()
 
 
-def _inner_forward(self: nn.Module, args, kwargs):
-    """The forward kernelize wrapped: an instance-level one found there (accelerate's hooks), else the class's,
-    or linattn's lightning forward. Looked up through `self` so that copy.deepcopy of a kernelized model gives a
-    copy whose forwards run on the copy's own weights (a closure over the original module would not)."""
-    inner = self.__dict__.get("_linattn_inner_forward")
-    if getattr(self, "_linattn_kind", None) == "lightning":
-        return _lightning_forward(self, *args, **kwargs)
+# ------------------------------------------------------------------------------------------------------------
+# Serving a mixer: its class's own forward, rebuilt over globals in which the kernel names are linattn's
+# ------------------------------------------------------------------------------------------------------------
+
+_SERVED_GLOBALS: Dict[str, dict] = {}        # modeling module name -> its globals, kernel names on linattn
+_SERVED_FORWARDS: Dict[type, Callable] = {}  # mixer class -> its forward rebuilt over those globals
+
+
+def _served_globals(module_globals: dict) -> dict:
+    name = module_globals["__name__"]
+    served = _SERVED_GLOBALS.get(name)
+    if served is None:
+        served = dict(module_globals)
+        served.update({k: fn for k, fn in _ADAPTERS.items() if k in served})
+        _SERVED_GLOBALS[name] = served
+    return served
+
+
+def _rebind(fn: types.FunctionType) -> types.FunctionType:
+    """A copy of `fn` whose code looks the kernel names up in linattn's globals. Decorators made with
+    functools.wraps are kept: each one's closure cell that holds the function it wraps gets the rebuilt one."""
+    inner = getattr(fn, "__wrapped__", None)
+    new_inner = _rebind(inner) if isinstance(inner, types.FunctionType) else inner
+    cells, found = [], inner is None
+    for cell in fn.__closure__ or ():
+        try:
+            hit = inner is not None and cell.cell_contents is inner
+        except ValueError:  # an empty cell
+            hit = False
+        found = found or hit
+        cells.append(types.CellType(new_inner) if hit else cell)
+    if not found:
+        raise LinattnError(f"kernelize: the decorator {fn.__qualname__} ({fn.__globals__.get('__name__')}) does "
+                           f"not hold the function it wraps in its closure; kernelize cannot serve through it")
+    own = set(fn.__code__.co_names) & _ADAPTERS.keys()
+    glob = _served_globals(fn.__globals__) if own else fn.__globals__
+    new = types.FunctionType(fn.__code__, glob, fn.__name__, fn.__defaults__,
+                             tuple(cells) if fn.__closure__ is not None else None)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
+    new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    new.__annotations__ = dict(getattr(fn, "__annotations__", {}))
     if inner is not None:
-        return inner(*args, **kwargs)
-    return type(self).forward(self, *args, **kwargs)
+        new.__wrapped__ = new_inner
+    return new
 
 
-def _served_forward(self: nn.Module, *args, **kwargs):
-    """A served mixer's forward: transformers' own, with the kernel dispatchers pointed at linattn."""
-    token = _ACTIVE.set(True)
-    try:
-        return _inner_forward(self, args, kwargs)
-    finally:
-        _ACTIVE.reset(token)
+def _served_forward(cls: type) -> Callable:
+    """`cls.forward` (transformers' code, decorators included) with its kernel calls on linattn (cached per class)."""
+    fn = _SERVED_FORWARDS.get(cls)
+    if fn is None:
+        fn = _rebind(cls.forward)
+        served = {id(g) for g in _SERVED_GLOBALS.values()}
+        f, reached = fn, False
+        while isinstance(f, types.FunctionType):
+            reached = reached or id(f.__globals__) in served
+            f = getattr(f, "__wrapped__", None)
+        if not reached:
+            raise LinattnError(f"kernelize: {cls.__name__}.forward calls none of the kernel functions by name")
+        _SERVED_FORWARDS[cls] = fn
+    return fn
 
 
-def _wrap_forward(mod: nn.Module, wrapper: Callable) -> None:
-    if "forward" in mod.__dict__:                       # keep an instance-level forward (accelerate's hooks)
-        mod._linattn_inner_forward = mod.__dict__["forward"]
-    mod.forward = types.MethodType(wrapper, mod)        # bound methods deep-copy onto the copy
+def _instance_forward_problem(mod: nn.Module) -> Optional[str]:
+    """Why an instance-level forward already on `mod` cannot be served (None: none there, or accelerate's hook,
+    whose `_old_forward` is replaced instead)."""
+    if "forward" not in mod.__dict__ or "_old_forward" in mod.__dict__:
+        return None
+    return f"{type(mod).__name__}: an instance-level forward ({mod.__dict__['forward']!r}) replaces the class's"
+
+
+def _serve(mod: nn.Module, kind: str) -> None:
+    fn = _lightning_forward if kind == "lightning" else _served_forward(type(mod))
+    bound = types.MethodType(fn, mod)            # bound methods deep-copy onto the copy
+    if "_old_forward" in mod.__dict__:           # accelerate's hook calls module._old_forward
+        mod._old_forward = bound
+    else:
+        mod.forward = bound
+    mod._linattn_kind = kind
+    mod._linattn_kernelized = True
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -583,8 +622,6 @@ def _varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     causal = bool(getattr(module, "is_causal", True))     # a VLM's vision tower passes its own, non-causal cu
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None and causal:
-        cu = _PACKED.get()
     T = query.shape[2]
     if cu is not None and query.shape[0] == 1 and key.shape[2] == T:
         cu = cu.to(device=query.device, dtype=torch.int64)
@@ -626,31 +663,78 @@ def _packed_cu(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), T)]).to(torch.int32)
 
 
-def _packed_forward(self: nn.Module, *args, **kwargs):
-    """The model's forward, with packed batches recognised: transformers' cu_seq_lens_q, or position_ids that
-    restart (only without an attention mask and without a cache, transformers' own rule in masking_utils, so
-    generation's padded position_ids are never taken for documents)."""
-    if _PACKED.get() is not None:
-        return _inner_forward(self, args, kwargs)
+def _arg(module: nn.Module, args: tuple, kwargs: dict, name: str):
+    """The argument `name` of a call to module.forward, by keyword or by position (None if not given)."""
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    params = module._linattn_params
+    i = params.index(name) if name in params else len(args)
+    return args[i] if i < len(args) else None
+
+
+def _restart_cu(module: nn.Module, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """cu_seqlens from restarting position_ids: only without an attention mask and without a cache, transformers'
+    own rule in masking_utils, so generation's padded position_ids are never taken for documents."""
+    pos = _arg(module, args, kwargs, "position_ids")
+    if pos is None or _arg(module, args, kwargs, "attention_mask") is not None:
+        return None
+    if _arg(module, args, kwargs, "cache") is not None or _arg(module, args, kwargs, "past_key_values") is not None:
+        return None
+    if torch.compiler.is_compiling():
+        # documents would need data-dependent shapes: in a compiled graph restarting positions fail loudly
+        torch._assert_async((torch.diff(pos, dim=-1) == 1).all(),
+                            "linattn kernelize: packed sequences (restarting position_ids) are not served inside "
+                            "torch.compile; run the packed batch eagerly")
+        return None
+    return _packed_cu(pos)
+
+
+def _packing_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+    """A forward pre-hook of the model (and its base model): a packed batch (transformers' cu_seq_lens_q, or
+    restarting position_ids) becomes transformers' flash-attention kwargs, which the layers pass down to every
+    mixer (and which gradient checkpointing keeps for the recomputation). A model that does not pass its kwargs to
+    its base model (Mamba2ForCausalLM) hands them over through the base model's per-thread stash."""
     cu = kwargs.get("cu_seq_lens_q")
+    stash = module.__dict__.get("_linattn_stash")
+    if cu is None and stash:
+        cu = stash.get(threading.get_ident())
     if cu is None:
-        pos = kwargs.get("position_ids")
-        if pos is None or kwargs.get("attention_mask") is not None:
-            return _inner_forward(self, args, kwargs)
-        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-            return _inner_forward(self, args, kwargs)
-        cu = _packed_cu(pos)
-        if cu is None:
-            return _inner_forward(self, args, kwargs)
-    if kwargs.get("use_cache"):
+        cu = _restart_cu(module, args, kwargs)
+    if cu is None:
+        return None
+    if _arg(module, args, kwargs, "use_cache"):
         raise LinattnError("packed sequences (restarting position_ids or cu_seq_lens_q) cannot fill a cache: "
                            "pass use_cache=False (one state per document would not fit the cache's batch)")
-    kwargs["use_cache"] = False
-    token = _PACKED.set(torch.as_tensor(cu).to(torch.int64))
-    try:
-        return _inner_forward(self, args, kwargs)
-    finally:
-        _PACKED.reset(token)
+    cu = torch.as_tensor(cu)
+    if module._linattn_takes_kwargs and kwargs.get("cu_seq_lens_q") is None:
+        longest = int(torch.diff(cu).max())
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    if "use_cache" in module._linattn_params or module._linattn_takes_kwargs:
+        kwargs["use_cache"] = False
+    base = getattr(module, "base_model", module)
+    if base is not module and "_linattn_stash" in base.__dict__:
+        base._linattn_stash[threading.get_ident()] = cu
+    return args, kwargs
+
+
+def _packing_post_hook(module: nn.Module, args: tuple, kwargs: dict, output):
+    """Empties the base model's stash for this thread (also when the forward raised)."""
+    base = getattr(module, "base_model", module)
+    stash = base.__dict__.get("_linattn_stash")
+    if stash:
+        stash.pop(threading.get_ident(), None)
+    return None
+
+
+def _hook_packing(top: nn.Module) -> None:
+    params = inspect.signature(top.forward).parameters
+    top._linattn_params = [n for n, p in params.items()
+                           if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)]
+    top._linattn_takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    top._linattn_stash = {}
+    top.register_forward_pre_hook(_packing_pre_hook, with_kwargs=True)
+    top.register_forward_hook(_packing_post_hook, with_kwargs=True, always_call=True)
+    top._linattn_packing = True
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -714,6 +798,10 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
             report.unserved[name] = f"{cls}: its modeling module lacks {absent} (a transformers version kernelize " \
                                     f"does not know)"
             continue
+        problem = None if getattr(mod, "_linattn_kernelized", False) else _instance_forward_problem(mod)
+        if problem:
+            report.unserved[name] = problem
+            continue
         act = getattr(mod, "activation", None)
         if kind != "lightning" and act not in (None, "silu", "swish") and not isinstance(act, str):
             report.unserved[name] = f"{cls}: conv activation {act!r}"
@@ -723,16 +811,12 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
         lines = "; ".join(f"{n}: {r}" for n, r in report.unserved.items())
         raise LinattnError(f"kernelize: {len(report.unserved)} module(s) cannot be served by linattn ({lines}); "
                            f"pass skip_unserved=True to serve the rest and leave these on transformers' code")
-    for name, mod, modeling, kind in plan:
+    for name, mod, _modeling, kind in plan:
         if getattr(mod, "_linattn_kernelized", False):
             report.patched.append(name)
             report.kinds[name] = kind
             continue
-        if kind != "lightning":
-            _install_dispatchers(modeling)
-        mod._linattn_kind = kind
-        _wrap_forward(mod, _served_forward)
-        mod._linattn_kernelized = True
+        _serve(mod, kind)
         report.patched.append(name)
         report.kinds[name] = kind
     if packing and plan:
@@ -740,8 +824,7 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
         base = getattr(model, "base_model", model)
         for top in {id(model): model, id(base): base}.values():
             if not getattr(top, "_linattn_packing", False):
-                _wrap_forward(top, _packed_forward)
-                top._linattn_packing = True
+                _hook_packing(top)
             report.packing_wrapped.append(names.get(id(top), ""))
         _register_attention()
         cfg = getattr(model, "config", None)
