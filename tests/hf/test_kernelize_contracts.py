@@ -1,0 +1,99 @@
+"""linattn.hf.kernelize keeps transformers' contracts (issue 45): the model's forward keeps its exact signature, so
+`generate` (position_ids, logits_to_keep), `pipeline("text-generation")` and the `Trainer` on a `datasets.Dataset`
+(remove_unused_columns=True) behave as on the unpatched model, for every served architecture. The unpatched twin
+runs transformers' PyTorch fallbacks (`torch_fallbacks`), also where fla is installed. Tiny random models from
+tests/hf/test_kernelize.py; a tokenizer built offline (a `tokenizers` BPE in a PreTrainedTokenizerFast)."""
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from linattn.hf.kernelize import torch_fallbacks  # noqa: E402
+from tests.hf.test_kernelize import ARCHS, V, _ids, _maxdiff, pair  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _torch_fallbacks_fixture():
+    with torch_fallbacks():
+        yield
+
+
+def _tokenizer():
+    """A character-level BPE over V ids (no merges), built in memory: no download."""
+    tokenizers = pytest.importorskip("tokenizers")
+    chars = [chr(c) for c in range(ord("!"), ord("!") + V - 3)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = tokenizers.decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                                eos_token="</s>")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_signature_and_generate(arch):
+    """The exact signature, and generate's per-step logits (greedy, cached decode: position_ids passed, MiniMax
+    decodes at its true RoPE positions) equal the unpatched model's; logits_to_keep still trims the prefill."""
+    ref, fast, _ = pair(arch)
+    assert inspect.signature(fast.forward) == inspect.signature(ref.forward)
+    assert inspect.signature(fast.base_model.forward) == inspect.signature(ref.base_model.forward)
+    prompt = _ids(21, 9, 2)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    gr, gf = ref.generate(prompt, **kw), fast.generate(prompt, **kw)
+    assert torch.equal(gr.sequences, gf.sequences), arch
+    lr, lf = torch.stack(gr.logits), torch.stack(gf.logits)
+    assert _maxdiff(lr, lf) <= 2e-5 * max(1.0, lr.abs().max().item()), arch
+    if "logits_to_keep" in inspect.signature(ref.forward).parameters:
+        with torch.no_grad():
+            assert fast(prompt, logits_to_keep=1, use_cache=False).logits.shape[1] == 1
+
+
+def test_generate_decodes_at_the_true_positions():
+    """MiniMax's cache reports its length from a linear-attention layer (0): transformers' generate must pass the
+    position_ids itself. A cached generate's logits equal the full forward of the whole sequence, step by step.
+    The softmax layer's q, k and output are scaled up so that RoPE positions show in the logits (at init a wrong
+    position moves them by only ~2e-5; by ~3e-3 here)."""
+    _, fast, _ = pair("minimax")
+    with torch.no_grad():
+        for name, p in fast.named_parameters():
+            if ".self_attn." in name and name.split(".")[-2] in ("q_proj", "k_proj", "o_proj"):
+                p.mul_(10.0 if "o_proj" in name else 4.0)
+    prompt = _ids(22, 7, 1)
+    out = fast.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True,
+                        return_dict_in_generate=True)
+    with torch.no_grad():
+        full = fast(out.sequences, use_cache=False).logits[:, 6:-1]
+    steps = torch.stack(out.logits, dim=1)
+    assert _maxdiff(steps, full) <= 1e-6 * max(1.0, full.abs().max().item())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pipeline_and_trainer(arch, tmp_path):
+    """pipeline("text-generation") gives the unpatched model's text; the Trainer on a datasets.Dataset with its
+    default remove_unused_columns=True (the extra "text" column dropped by the forward's signature) takes a step
+    whose loss is the unpatched model's loss on the same rows (one batch of the whole dataset) and moves the
+    weights."""
+    datasets = pytest.importorskip("datasets")
+    tok = _tokenizer()
+    ref, fast, _ = pair(arch)
+    texts = []
+    for model in (ref, fast):
+        pipe = transformers.pipeline("text-generation", model=model, tokenizer=tok, device="cpu")
+        texts.append(pipe("abcdefg", max_new_tokens=5, min_new_tokens=5, do_sample=False)[0]["generated_text"])
+    assert texts[0] == texts[1] and len(texts[0]) >= len("abcdefg") + 5, (arch, texts)
+
+    ids = _ids(23, 12, 2)
+    data = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist(), "text": ["a", "b"]})
+    with torch.no_grad():
+        expected = ref.train()(ids, labels=ids, use_cache=False).loss.item()
+    before = {n: p.detach().clone() for n, p in fast.named_parameters()}
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
+                                          learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True,
+                                          save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=fast.train(), args=args, train_dataset=data)
+    trainer.train()
+    (loss,) = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert loss == pytest.approx(expected, rel=1e-5), arch
+    assert any(_maxdiff(p, before[n]) > 0 for n, p in fast.named_parameters()), arch
