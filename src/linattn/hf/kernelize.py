@@ -133,17 +133,23 @@ def _state_dtype(x: torch.Tensor) -> torch.dtype:
 # Adapters: each takes exactly the arguments of the transformers function it replaces
 # ------------------------------------------------------------------------------------------------------------
 
-def _conv_module(weight: torch.Tensor, bias, activation):
-    """linattn's ShortConv over transformers' conv weights [C, W] (no copy: a module that borrows them)."""
-    conv = ShortConv.__new__(ShortConv)
-    nn.Module.__init__(conv)
-    C, W = weight.shape
-    conv.dim, conv.kernel_size = C, W
-    conv.activation = "silu" if activation in ("silu", "swish") else None
-    # borrowed tensors, not Parameters of this throwaway module: gradients reach transformers' own weights
-    object.__setattr__(conv, "weight", weight.unsqueeze(1))
-    object.__setattr__(conv, "bias", bias)
-    return conv
+class _BorrowedConv:
+    """linattn's ShortConv over transformers' conv weights [C, W], without a module of its own: building an
+    nn.Module inside a compiled forward is not traceable (torch.compile), and borrowed tensors (not copies,
+    not Parameters) let gradients reach transformers' own weights."""
+    forward, _taps, _packed = ShortConv.forward, ShortConv._taps, ShortConv._packed
+
+    def __init__(self, weight: torch.Tensor, bias, activation):
+        self.dim, self.kernel_size = weight.shape
+        self.activation = "silu" if activation in ("silu", "swish") else None
+        self.weight = weight.unsqueeze(1)
+        self.bias = bias
+
+    __call__ = forward
+
+
+def _conv_module(weight: torch.Tensor, bias, activation) -> _BorrowedConv:
+    return _BorrowedConv(weight, bias, activation)
 
 
 def _act_rest(y: torch.Tensor, activation) -> torch.Tensor:
@@ -341,7 +347,11 @@ def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=No
 
 def _per_head(t: torch.Tensor, keep: int, name: str) -> torch.Tensor:
     """transformers expands dt / A / D / dt_bias over the head dim (A also over the state) for mamba_ssm's
-    kernel: take one value per head, after checking that it really is one (per-channel values: not Mamba2)."""
+    kernel: take one value per head, after checking that it really is one (per-channel values: not Mamba2).
+    An `expand`ed tensor (stride 0 there) is one by construction: no look at the values, so a compiled decode
+    step has no data-dependent branch."""
+    if all(t.stride(d) == 0 or t.shape[d] == 1 for d in range(keep, t.dim())):
+        return t.reshape(*t.shape[:keep], -1)[..., 0]
     flat = t.reshape(*t.shape[:keep], -1)
     col = flat[..., :1]
     if not torch.equal(flat, col.expand_as(flat)):
@@ -503,11 +513,18 @@ _SERVED_FORWARDS: Dict[type, Callable] = {}  # mixer class -> its forward rebuil
 
 
 def _served_globals(module_globals: dict) -> dict:
+    """A copy of a modeling module's globals with the kernel names on linattn's adapters: the namespace of a
+    module of its own, registered in sys.modules, because torch.compile guards on a function's globals through
+    the module named by their `__name__` (under the modeling module's name it would guard on transformers'
+    functions instead of these)."""
     name = module_globals["__name__"]
     served = _SERVED_GLOBALS.get(name)
     if served is None:
-        served = dict(module_globals)
+        twin = types.ModuleType("_linattn_served_" + name.replace(".", "_"))
+        served = twin.__dict__
+        served.update({k: v for k, v in module_globals.items() if k not in ("__name__", "__spec__", "__loader__")})
         served.update({k: fn for k, fn in _ADAPTERS.items() if k in served})
+        sys.modules[twin.__name__] = twin
         _SERVED_GLOBALS[name] = served
     return served
 
