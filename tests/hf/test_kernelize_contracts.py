@@ -97,3 +97,55 @@ def test_pipeline_and_trainer(arch, tmp_path):
     (loss,) = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert loss == pytest.approx(expected, rel=1e-5), arch
     assert any(_maxdiff(p, before[n]) > 0 for n, p in fast.named_parameters()), arch
+
+
+def test_instance_forward_is_never_silently_bypassed():
+    """A forward already set on the instance (not accelerate's hook, whose `_old_forward` kernelize replaces) would
+    hide the served one: kernelize names the module instead of patching around it."""
+    from linattn.errors import LinattnError
+    from linattn.hf import kernelize
+    ref, _, _ = pair("qwen3_5")
+    mixer = ref.get_submodule("model.layers.0.linear_attn")
+    mixer.forward = lambda *a, **k: None
+    with pytest.raises(LinattnError, match="model.layers.0.linear_attn.*instance-level forward"):
+        kernelize(ref)
+    assert kernelize(ref, skip_unserved=True).patched == []
+
+
+def test_accelerate_hook_keeps_serving():
+    """With accelerate's hook on the mixer (module.forward -> hook -> module._old_forward), kernelize serves
+    through `_old_forward` and the hook still runs."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    from linattn.hf import kernelize
+    ref, fast, _ = pair("qwen3_5")
+    twin = ref.__class__(ref.config)
+    twin.load_state_dict(ref.state_dict())
+
+    class Count(hooks.ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Count.calls += 1
+            return args, kwargs
+    hooks.add_hook_to_module(twin.get_submodule("model.layers.0.linear_attn"), Count())
+    assert kernelize(twin).patched == ["model.layers.0.linear_attn"]
+    ids = _ids(24, 11, 1)
+    with torch.no_grad():
+        assert _maxdiff(twin(ids, use_cache=False).logits, fast(ids, use_cache=False).logits) == 0
+    assert Count.calls == 1
+
+
+def test_mamba2_decode_values_per_head():
+    """The decode step takes one dt / A / D per head: an expand (stride 0) is accepted without reading values,
+    a tensor that varies inside a head is refused."""
+    from linattn.errors import LinattnError
+    from linattn.hf.kernelize import mamba2_state_update
+    H, P, N = 2, 3, 4
+    state = torch.zeros(1, H, P, N)
+    x, B, C = torch.randn(1, H, P), torch.randn(1, 1, N), torch.randn(1, 1, N)
+    dt = torch.rand(1, H)[..., None].expand(-1, -1, P)
+    A = -torch.rand(H)[:, None, None].expand(-1, P, N)
+    y = mamba2_state_update(state.clone(), x, dt, A, B, C)
+    assert torch.allclose(y, mamba2_state_update(state.clone(), x, dt.contiguous(), A.contiguous(), B, C))
+    with pytest.raises(LinattnError, match="dt varies inside a head"):
+        mamba2_state_update(state.clone(), x, torch.rand(1, H, P), A, B, C)
