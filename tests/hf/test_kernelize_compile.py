@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from linattn.hf.kernelize import _ADAPTERS, SERVED_CLASSES, kernelize, torch_fallbacks  # noqa: E402
-from tests.hf.test_kernelize import ARCHS, _ids, _maxdiff, build, pair  # noqa: E402
+from tests.hf.kernelize_models import ARCHS, build, ids as _ids, maxdiff as _maxdiff, pair  # noqa: E402
 
 
 def _kernel_bindings():
@@ -69,4 +69,19 @@ def test_fullgraph_compile_mamba2_patched():
     """Mamba2 (the short convolution and the scan through linattn, the backbone's own forward): compiled = eager."""
     _, fast, _ = pair("mamba2")
     assert _compiled_vs_eager(fast, _ids(41, 19, 1)) <= 1e-5
+    torch._dynamo.reset()
+
+
+def test_packed_positions_inside_compile_fail_loudly():
+    """Packing needs data-dependent shapes, so it is not served in a compiled graph: restarting position_ids raise
+    at run time there (never a silent mix of documents); continuing ones run and match eager."""
+    _, fast, _ = pair("qwen3_5")
+    ids = _ids(42, 12, 1)
+    compiled = torch.compile(fast, fullgraph=True)
+    with torch.no_grad():
+        eager = fast(ids, position_ids=torch.arange(12)[None], use_cache=False).logits
+        out = compiled(ids, position_ids=torch.arange(12)[None], use_cache=False).logits
+        assert _maxdiff(out, eager) <= 1e-5 * eager.abs().max().item()
+        with pytest.raises(RuntimeError, match="not served inside torch.compile"):
+            compiled(ids, position_ids=torch.cat([torch.arange(5), torch.arange(7)])[None], use_cache=False)
     torch._dynamo.reset()

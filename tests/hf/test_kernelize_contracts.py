@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from linattn.hf.kernelize import torch_fallbacks  # noqa: E402
-from tests.hf.test_kernelize import ARCHS, V, _ids, _maxdiff, pair  # noqa: E402
+from tests.hf.kernelize_models import ARCHS, V, ids as _ids, maxdiff as _maxdiff, pair  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from linattn.hf.kernelize import torch_fallbacks  # noqa: E402
-from tests.hf.test_kernelize import ARCHS, _ids, _maxdiff, pair  # noqa: E402
+from tests.hf.kernelize_models import ARCHS, ids as _ids, maxdiff as _maxdiff, pair  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -79,3 +79,15 @@ def test_trainer_packed_with_gradient_checkpointing(arch, tmp_path):
     assert any(getattr(m, "gradient_checkpointing", False) for m in fast.modules())
     (loss,) = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert loss == pytest.approx(expected, rel=1e-5), arch
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "mamba2"])
+def test_unpatched_transformers_mixes_packed_documents(arch):
+    """What docs/kernelize.md says of transformers without kernelize (and without fla / mamba_ssm): given restarting
+    position_ids alone, its linear mixers run the packed row as one sequence, silently (no error)."""
+    ref, _, _ = pair(arch)
+    docs, ids, pos = _packed_batch()
+    with torch.no_grad():
+        packed = ref(ids, position_ids=pos, use_cache=False).logits
+        alone = torch.cat([ref(d, use_cache=False).logits for d in docs], dim=1)
+    assert _maxdiff(packed, alone) > 1e-3 * alone.abs().max().item(), arch

@@ -89,7 +89,8 @@ class KernelizeReport:
         unserved: {name: reason} of the linear mixers left as they were (skip_unserved=True).
         kinds: The kind of each patched module ({name: "gdn" | "kda" | "lightning" | "mamba2" ...}).
         attn_implementation: The attention implementation now set.
-        packing_wrapped: The modules whose forward was wrapped for packing ("" is the model itself).
+        packing_wrapped: The modules given the packing hooks ("" is the model itself); their forwards are
+            left as they were.
     """
     patched: List[str] = field(default_factory=list)
     unserved: Dict[str, str] = field(default_factory=dict)
@@ -769,8 +770,9 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
         model: A transformers model (Qwen3-Next / Qwen3.5 / OLMo-hybrid Gated DeltaNet, Kimi Linear's KDA,
             Mamba2, MiniMax's lightning attention, ...; docs/kernelize.md lists them).
         packing: True: restarting `position_ids` (batch 1, no attention mask, no cache) or transformers'
-            `cu_seq_lens_q` keep documents apart in every layer; the softmax layers switch to "linattn_sdpa"
-            (transformers' sdpa plus a block-diagonal causal mask for packed batches).
+            `cu_seq_lens_q` keep documents apart in every layer, also under gradient checkpointing (forward
+            pre-hooks pass them down as transformers' `cu_seq_lens_*` kwargs); the softmax layers switch to
+            "linattn_sdpa" (transformers' sdpa plus a block-diagonal causal mask for packed batches).
         skip_unserved: A module whose class is a known linear mixer that linattn cannot serve (Mamba1, mLSTM,
             ...) raises `LinattnError` naming it and the reason, before anything is changed; with
             `skip_unserved=True` it is left as it is and listed in `unserved` instead.
