@@ -8,6 +8,16 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from linattn.hf import kernelize  # noqa: E402
+from linattn.hf.kernelize import torch_fallbacks  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def transformers_torch_code():
+    """The unpatched models run transformers' PyTorch fallbacks, also where flash-linear-attention is installed
+    (transformers then binds fla's Triton kernels, which cannot run on CPU). Autouse where a test module imports it."""
+    with torch_fallbacks():
+        yield
+
 
 V = 97          # vocabulary
 T = 21          # not a multiple of any chunk size used on either side

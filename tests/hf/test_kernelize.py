@@ -14,16 +14,17 @@ transformers = pytest.importorskip("transformers")
 
 from linattn.errors import LinattnError  # noqa: E402
 from linattn.hf import kernelize  # noqa: E402
-from linattn.hf.kernelize import torch_fallbacks  # noqa: E402
-from tests.hf.kernelize_models import ARCHS, T, V, build, ids as _ids, maxdiff as _maxdiff, pair  # noqa: E402, F401
+from tests.hf.kernelize_models import (  # noqa: E402, F401
+    ARCHS,
+    T,
+    V,
+    build,
+    ids as _ids,
+    maxdiff as _maxdiff,
+    pair,
+    transformers_torch_code,  # noqa: E402, F401  (autouse)
+)
 
-
-@pytest.fixture(autouse=True)
-def _torch_fallbacks_fixture():
-    """The unpatched models are transformers' PyTorch fallback, also where flash-linear-attention is installed
-    (transformers then binds fla's Triton kernels, which cannot run on CPU)."""
-    with torch_fallbacks():
-        yield
 
 def _mixer_out(mod, hidden, seed=11):
     """One served module on a random [2, T, hidden] input, without a cache."""

@@ -10,14 +10,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from linattn.hf.kernelize import torch_fallbacks  # noqa: E402
-from tests.hf.kernelize_models import ARCHS, V, ids as _ids, maxdiff as _maxdiff, pair  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _torch_fallbacks_fixture():
-    with torch_fallbacks():
-        yield
+from tests.hf.kernelize_models import (  # noqa: E402
+    ARCHS,
+    V,
+    ids as _ids,
+    maxdiff as _maxdiff,
+    pair,
+    transformers_torch_code,  # noqa: E402, F401  (autouse)
+)
 
 
 def _tokenizer():
