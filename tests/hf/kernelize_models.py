@@ -123,11 +123,26 @@ def build(arch):
                    mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, chunk_size=8, num_mem_blocks=1,
                    use_mem_eff_path=False)
         return _model("Zamba2ForCausalLM", cfg)
+    if arch == "lara_mini":
+        cfg = _cfg("LaraMiniConfig", **{k: v for k, v in ATTN.items() if k != "intermediate_size"}, **GDN,
+                   num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                   shared_expert_intermediate_size=16, sliding_window=8,
+                   layer_types=["linear_attention", "sliding_attention", "full_attention"])
+        return _model("LaraMiniForCausalLM", cfg)
+    if arch == "nemotron_h_omni":   # the multimodal wrapper, text-only inputs: its language model is Nemotron-H's
+        text = _cfg("NemotronHConfig", **ATTN, layers_block_type=["mamba", "attention"], ssm_state_size=8,
+                    mamba_num_heads=4, mamba_head_dim=16, n_groups=2, conv_kernel=4, expand=2, chunk_size=8)
+        vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, patch_size=4, image_size=16,
+                      max_img_size=32, num_registers=1, num_cls_tokens=1, video_temporal_patch_size=2)
+        cfg = _cfg("NemotronH_Omni_Reasoning_V3_Config", text_config=text.to_dict(), vision_config=vision,
+                   audio_config=None, projector_hidden_size=16)
+        return _model("NemotronH_Omni_Reasoning_V3", cfg)
     raise AssertionError(arch)
 
 
 ARCHS = ["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear", "glm5_next", "minimax", "mamba2", "bamba",
-         "falcon_h1", "granitemoehybrid", "nemotron_h", "qwen3_5_moe", "bailing_hybrid", "zamba2"]
+         "falcon_h1", "granitemoehybrid", "nemotron_h", "qwen3_5_moe", "bailing_hybrid", "zamba2", "lara_mini",
+         "nemotron_h_omni"]
 
 
 def pair(arch, dtype=torch.float32):

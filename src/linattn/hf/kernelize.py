@@ -55,6 +55,7 @@ SERVED_CLASSES: Dict[str, tuple] = {
     "Qwen3_5GatedDeltaNet": ("transformers.models.qwen3_5.modeling_qwen3_5", "gdn"),
     "Qwen3_5MoeGatedDeltaNet": ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "gdn"),
     "OlmoHybridGatedDeltaNet": ("transformers.models.olmo_hybrid.modeling_olmo_hybrid", "gdn"),
+    "LaraMiniGatedDeltaNet": ("transformers.models.lara_mini.modeling_lara_mini", "gdn"),
     "KimiLinearDeltaAttention": ("transformers.models.kimi_linear.modeling_kimi_linear", "kda"),
     "Glm5NextTextLinearAttention": ("transformers.models.glm5_next.modeling_glm5_next", "kda"),
     "BailingHybridDeltaAttention": ("transformers.models.bailing_hybrid.modeling_bailing_hybrid", "kda"),
