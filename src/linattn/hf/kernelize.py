@@ -1,8 +1,9 @@
 """`linattn.hf.kernelize(model)`: serve a transformers model's linear mixers with linattn's operators, in place.
 
     from linattn.hf import kernelize
-    report = kernelize(model)          # a Qwen3-Next / Qwen3.5 / OLMo-Hybrid / Kimi-Linear / GLM-5-Next /
-                                       # MiniMax / Mamba2 / Falcon-H1 / Granite-4.0-H / Bamba / Nemotron-H model
+    report = kernelize(model)          # a Qwen3-Next / Qwen3.5 / OLMo-Hybrid / LaRA-mini / Kimi-Linear /
+                                       # GLM-5-Next / Bailing / MiniMax / Mamba2 / Falcon-H1 / Granite-4.0-H /
+                                       # Bamba / Nemotron-H (Omni) / Zamba2 model
     report.patched                     # names of the modules now served by linattn
     report.unserved                    # {} here: a module that cannot be served raises (never a partial patch)
 
