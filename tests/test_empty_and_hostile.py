@@ -184,8 +184,9 @@ def test_finite_scales_still_work():
 # Issue 33.6: every exception a user can meet is importable from `linattn` (the README lists them)
 # ---------------------------------------------------------------------------------------------
 
-# raised and caught inside `linattn bench gpu` (control flow of its time budget), never seen by a user
-INTERNAL = {"BudgetExceeded", "Terminated", "NotCovered"}
+# raised and caught inside `linattn bench gpu` (control flow of its time budget), and inside `linattn serve`
+# (turned into the HTTP error a client receives: ApiError, QueueFull's 429), never seen by a Python user
+INTERNAL = {"BudgetExceeded", "Terminated", "NotCovered", "ApiError", "QueueFull"}
 
 
 def _exception_classes_in_src():

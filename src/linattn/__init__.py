@@ -70,6 +70,7 @@ _LAZY_ERRORS = {
     "GenerateError": "generate", "ExperimentError": "experiments.common",
     "BackendUnavailableError": "ops.backend", "BackendDeviceError": "ops.backend",
     "VisionDependencyError": "vision.boxes", "ExportError": "vision.export", "VisionTrainError": "vision.train",
+    "ChatTemplateError": "serve.chat", "ServerDidNotStart": "serve.process",
 }
 ERRORS = ("LinattnError", "LinattnTypeError", "ConfigError", "CheckpointError", "DataError", "UsageError",
           *_LAZY_ERRORS)

@@ -1,8 +1,9 @@
 """`linattn.hf.kernelize(model)`: serve a transformers model's linear mixers with linattn's operators, in place.
 
     from linattn.hf import kernelize
-    report = kernelize(model)          # a Qwen3-Next / Qwen3.5 / OLMo-Hybrid / Kimi-Linear / GLM-5-Next /
-                                       # MiniMax / Mamba2 / Falcon-H1 / Granite-4.0-H / Bamba / Nemotron-H model
+    report = kernelize(model)          # a Qwen3-Next / Qwen3.5 / OLMo-Hybrid / LaRA-mini / Kimi-Linear /
+                                       # GLM-5-Next / Bailing / MiniMax / Mamba2 / Falcon-H1 / Granite-4.0-H /
+                                       # Bamba / Nemotron-H (Omni) / Zamba2 model
     report.patched                     # names of the modules now served by linattn
     report.unserved                    # {} here: a module that cannot be served raises (never a partial patch)
 
@@ -12,27 +13,27 @@ How (see docs/kernelize.md). transformers 5.24's own mechanism, `use_kernel_func
 `kernels` package its decorators are no-ops, and with it a provider must be a hub or local *kernel repository*
 (a built package with per-device variants), not a Python callable. Neither can take linattn at run time for
 one model, so kernelize does this:
-- the modeling module's kernel functions (`torch_chunk_gated_delta_rule`, `chunk_kimi_delta_attention`,
-  `mamba2_chunk_scan`, `causal_conv1d_fn`, ...) are replaced by dispatchers that call linattn's operator when
-  the call comes from a kernelized module (a context variable set around that module's forward) and the
-  original function otherwise: other models of the same class keep transformers' behaviour;
-- each served mixer's `forward` (an instance attribute) sets that variable; MiniMax's lightning attention is
-  inline PyTorch with no kernel hook, so its forward is replaced outright;
-- packing: the model's (and its base model's) forward is wrapped: restarting `position_ids`
-  (DataCollatorWithFlattening, batch 1, no mask, no cache) or transformers' `cu_seq_lens_q` set a context
-  variable that every adapter reads (not every model passes kwargs down to its mixers), and the softmax
-  layers get a varlen-aware sdpa registered in transformers' AttentionInterface as "linattn_sdpa".
+- each served mixer gets, as an instance attribute, its class's own `forward` (decorators included) rebuilt
+  over a copy of its modeling module's globals in which the kernel functions (`torch_chunk_gated_delta_rule`,
+  `chunk_kimi_delta_attention`, `mamba2_chunk_scan`, `causal_conv1d_fn`, ...) are linattn's adapters: the modeling
+  module itself is never changed, so other models of the same class keep transformers' code, compiled or not;
+  MiniMax's lightning attention is inline PyTorch with no kernel hook, so its forward is replaced outright;
+- packing: forward pre-hooks on the model and its base model (the forward itself, and so its signature, stay
+  transformers') turn restarting `position_ids` (DataCollatorWithFlattening, batch 1, no mask, no cache) into
+  transformers' `cu_seq_lens_*` kwargs, which the layers pass down to every mixer and which gradient
+  checkpointing keeps for its recomputation; the softmax layers get a varlen-aware sdpa registered in
+  transformers' AttentionInterface as "linattn_sdpa".
 The mixers' projections, gates and norms stay transformers' own code; only the sequence cores and the short
 convolutions change.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib
 import inspect
 import sys
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -49,22 +50,13 @@ __all__ = ["kernelize", "KernelizeReport", "SERVED_CLASSES", "ATTN_IMPLEMENTATIO
 
 ATTN_IMPLEMENTATION = "linattn_sdpa"
 
-# True while a kernelized module's forward runs: the dispatchers then call linattn.
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("linattn_kernelize_active", default=False)
-# True inside `torch_fallbacks()`: calls from modules that are not kernelized run transformers' PyTorch
-# fallback instead of the package transformers bound at import (fla's Triton kernels cannot take CPU tensors).
-_TORCH_PATH: contextvars.ContextVar = contextvars.ContextVar("linattn_transformers_torch_path", default=False)
-# The packed documents' cu_seqlens while a kernelized model's forward runs on a packed batch: set by the model's
-# forward wrapper, because not every model passes transformers' cu_seq_lens_* kwargs down to its mixers
-# (Mamba2ForCausalLM drops every extra kwarg).
-_PACKED: contextvars.ContextVar = contextvars.ContextVar("linattn_kernelize_packed", default=None)
-
 # mixer class name -> (the modeling module it ships in, kind)
 SERVED_CLASSES: Dict[str, tuple] = {
     "Qwen3NextGatedDeltaNet": ("transformers.models.qwen3_next.modeling_qwen3_next", "gdn"),
     "Qwen3_5GatedDeltaNet": ("transformers.models.qwen3_5.modeling_qwen3_5", "gdn"),
     "Qwen3_5MoeGatedDeltaNet": ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "gdn"),
     "OlmoHybridGatedDeltaNet": ("transformers.models.olmo_hybrid.modeling_olmo_hybrid", "gdn"),
+    "LaraMiniGatedDeltaNet": ("transformers.models.lara_mini.modeling_lara_mini", "gdn"),
     "KimiLinearDeltaAttention": ("transformers.models.kimi_linear.modeling_kimi_linear", "kda"),
     "Glm5NextTextLinearAttention": ("transformers.models.glm5_next.modeling_glm5_next", "kda"),
     "BailingHybridDeltaAttention": ("transformers.models.bailing_hybrid.modeling_bailing_hybrid", "kda"),
@@ -99,7 +91,8 @@ class KernelizeReport:
         unserved: {name: reason} of the linear mixers left as they were (skip_unserved=True).
         kinds: The kind of each patched module ({name: "gdn" | "kda" | "lightning" | "mamba2" ...}).
         attn_implementation: The attention implementation now set.
-        packing_wrapped: The modules whose forward was wrapped for packing ("" is the model itself).
+        packing_wrapped: The modules given the packing hooks ("" is the model itself); their forwards are
+            left as they were.
     """
     patched: List[str] = field(default_factory=list)
     unserved: Dict[str, str] = field(default_factory=dict)
@@ -123,8 +116,6 @@ def _cu_seqlens(kwargs, T: int, device) -> Optional[torch.Tensor]:
     cu = kwargs.get("cu_seqlens")
     if cu is None:
         cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
-        cu = _PACKED.get()
     if cu is None and kwargs.get("seq_idx") is not None:
         seq_idx = kwargs["seq_idx"].reshape(-1)          # mamba_ssm's convention: document index per token
         starts = torch.nonzero(torch.diff(seq_idx) != 0).reshape(-1) + 1
@@ -145,17 +136,23 @@ def _state_dtype(x: torch.Tensor) -> torch.dtype:
 # Adapters: each takes exactly the arguments of the transformers function it replaces
 # ------------------------------------------------------------------------------------------------------------
 
-def _conv_module(weight: torch.Tensor, bias, activation):
-    """linattn's ShortConv over transformers' conv weights [C, W] (no copy: a module that borrows them)."""
-    conv = ShortConv.__new__(ShortConv)
-    nn.Module.__init__(conv)
-    C, W = weight.shape
-    conv.dim, conv.kernel_size = C, W
-    conv.activation = "silu" if activation in ("silu", "swish") else None
-    # borrowed tensors, not Parameters of this throwaway module: gradients reach transformers' own weights
-    object.__setattr__(conv, "weight", weight.unsqueeze(1))
-    object.__setattr__(conv, "bias", bias)
-    return conv
+class _BorrowedConv:
+    """linattn's ShortConv over transformers' conv weights [C, W], without a module of its own: building an
+    nn.Module inside a compiled forward is not traceable (torch.compile), and borrowed tensors (not copies,
+    not Parameters) let gradients reach transformers' own weights."""
+    forward, _taps, _packed = ShortConv.forward, ShortConv._taps, ShortConv._packed
+
+    def __init__(self, weight: torch.Tensor, bias, activation):
+        self.dim, self.kernel_size = weight.shape
+        self.activation = "silu" if activation in ("silu", "swish") else None
+        self.weight = weight.unsqueeze(1)
+        self.bias = bias
+
+    __call__ = forward
+
+
+def _conv_module(weight: torch.Tensor, bias, activation) -> _BorrowedConv:
+    return _BorrowedConv(weight, bias, activation)
 
 
 def _act_rest(y: torch.Tensor, activation) -> torch.Tensor:
@@ -353,7 +350,11 @@ def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=No
 
 def _per_head(t: torch.Tensor, keep: int, name: str) -> torch.Tensor:
     """transformers expands dt / A / D / dt_bias over the head dim (A also over the state) for mamba_ssm's
-    kernel: take one value per head, after checking that it really is one (per-channel values: not Mamba2)."""
+    kernel: take one value per head, after checking that it really is one (per-channel values: not Mamba2).
+    An `expand`ed tensor (stride 0 there) is one by construction: no look at the values, so a compiled decode
+    step has no data-dependent branch."""
+    if all(t.stride(d) == 0 or t.shape[d] == 1 for d in range(keep, t.dim())):
+        return t.reshape(*t.shape[:keep], -1)[..., 0]
     flat = t.reshape(*t.shape[:keep], -1)
     col = flat[..., :1]
     if not torch.equal(flat, col.expand_as(flat)):
@@ -415,29 +416,32 @@ _KIND_NEEDS = {
 }
 
 
-def _torch_fallback(orig: Callable, args, kwargs):
-    """Call transformers' PyTorch function behind its hub wrapper (kept as `__wrapped__`) as the wrapper does where
-    the kernel package is absent: packed sequences refused, only the keywords the function takes."""
-    fn = getattr(orig, "__wrapped__", None)
-    if fn is None:
-        return orig(*args, **kwargs)
-    if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
-        raise ValueError(f"{orig.__name__}: transformers' PyTorch fallback cannot keep packed sequences apart "
-                         f"(kernelize the model to run packed documents on linattn)")
+def _fallback_of(orig: Callable) -> Callable:
+    """transformers' PyTorch function behind its hub wrapper (kept as `__wrapped__`), called as the wrapper calls it
+    where the kernel package is absent: packed sequences refused, only the keywords the function takes."""
+    fn = inspect.unwrap(orig)
     params = inspect.signature(fn).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(*args, **kwargs)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    @functools.wraps(orig)
+    def fallback(*args, **kwargs):
+        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
+            raise ValueError(f"{orig.__name__}: transformers' PyTorch fallback cannot keep packed sequences apart "
+                             f"(kernelize the model to run packed documents on linattn)")
+        if not takes_any:
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        return fn(*args, **kwargs)
+    return fallback
 
 
 def torch_fallback_function(name: str = "torch_chunk_gated_delta_rule",
-                                module_name: str = "transformers.models.qwen3_next.modeling_qwen3_next") -> Callable:
+                            module_name: str = "transformers.models.qwen3_next.modeling_qwen3_next") -> Callable:
     """transformers' own PyTorch function `name` of a modeling module, whatever it is bound to now.
 
     transformers wraps such functions in a hub-kernel dispatcher that, with flash-linear-attention installed,
-    calls fla's Triton kernel (which cannot take CPU tensors); `kernelize` may add its own dispatcher on top. Each
-    wrapper keeps what it wraps as `__wrapped__` (functools.wraps), so the function itself is at the end of that
-    chain. `linattn bench ops` times it as a peer row.
+    calls fla's Triton kernel (which cannot take CPU tensors); `torch_fallbacks` may put its own wrapper on top.
+    Each wrapper keeps what it wraps as `__wrapped__` (functools.wraps), so the function itself is at the end of
+    that chain. `linattn bench ops` times it as a peer row.
 
     Args:
         name: The function's name in the module.
@@ -454,30 +458,10 @@ def torch_fallback_function(name: str = "torch_chunk_gated_delta_rule",
     return inspect.unwrap(getattr(module, name))
 
 
-def _install_dispatchers(module) -> List[str]:
-    """Replace the modeling module's kernel functions by dispatchers (once); returns the names missing."""
-    missing = []
-    for name, adapter in _ADAPTERS.items():
-        orig = getattr(module, name, None)
-        if orig is None:
-            missing.append(name)
-            continue
-        if getattr(orig, "_linattn_dispatcher", False):
-            continue
-
-        def make(orig=orig, adapter=adapter):
-            @functools.wraps(orig)
-            def dispatch(*args, **kwargs):
-                if _ACTIVE.get():
-                    return adapter(*args, **kwargs)
-                if _TORCH_PATH.get():
-                    return _torch_fallback(orig, args, kwargs)
-                return orig(*args, **kwargs)
-            dispatch._linattn_dispatcher = True
-            dispatch._linattn_original = orig
-            return dispatch
-        setattr(module, name, make())
-    return missing
+# (modeling module, kernel name) -> the function transformers bound there, while `torch_fallbacks` runs
+_SWAPPED: Dict[tuple, Callable] = {}
+_SWAP_DEPTH = [0]
+_SWAP_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -488,53 +472,128 @@ def torch_fallbacks():
     flash-linear-attention's (or mamba_ssm's) kernels whenever that package is installed, else to its PyTorch
     fallback (`torch_chunk_gated_delta_rule`, ...). fla's kernels are Triton-only, so with fla installed a CPU model
     of Qwen3-Next, Kimi Linear, ... fails with "0 active drivers". Inside this context the modeling modules of
-    `SERVED_CLASSES` call that PyTorch fallback instead, which is what transformers runs where fla is absent. The
-    modeling files are imported on entry, so a model built inside the context is covered too. Kernelized modules
-    are unaffected (they call linattn). `linattn bench hf` measures its unpatched baseline this way.
+    `SERVED_CLASSES` have those names bound to the PyTorch fallback, which is what transformers runs where fla is
+    absent; on exit the original bindings come back. The binding is per module, not per thread: it is a tool for
+    tests and benchmarks (nested uses are counted). The modeling files are imported on entry, so a model built
+    inside the context is covered too. Kernelized modules are unaffected (their forwards read linattn's
+    functions from their own globals). `linattn bench hf` measures its unpatched baseline this way.
 
     Example:
         >>> from linattn.hf.kernelize import torch_fallbacks
         >>> with torch_fallbacks():
         ...     pass  # model(ids) of an unpatched transformers model runs the PyTorch fallback here
     """
-    for module_name in sorted({m for m, _kind in SERVED_CLASSES.values()}):
-        try:  # imported now, so a model built inside the context finds the dispatchers in place
-            module = sys.modules.get(module_name) or importlib.import_module(module_name)
-        except ImportError:  # a transformers version without that model
-            continue
-        _install_dispatchers(module)
-    token = _TORCH_PATH.set(True)
+    with _SWAP_LOCK:
+        if _SWAP_DEPTH[0] == 0:
+            for module_name in sorted({m for m, _kind in SERVED_CLASSES.values()}):
+                try:
+                    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+                except ImportError:  # a transformers version without that model
+                    continue
+                for name in _ADAPTERS:
+                    orig = getattr(module, name, None)
+                    if callable(orig) and hasattr(orig, "__wrapped__"):
+                        _SWAPPED[(module, name)] = orig
+                        setattr(module, name, _fallback_of(orig))
+        _SWAP_DEPTH[0] += 1
     try:
         yield
     finally:
-        _TORCH_PATH.reset(token)
+        with _SWAP_LOCK:
+            _SWAP_DEPTH[0] -= 1
+            if _SWAP_DEPTH[0] == 0:
+                for (module, name), orig in _SWAPPED.items():
+                    setattr(module, name, orig)
+                _SWAPPED.clear()
 
 
-def _inner_forward(self: nn.Module, args, kwargs):
-    """The forward kernelize wrapped: an instance-level one found there (accelerate's hooks), else the class's,
-    or linattn's lightning forward. Looked up through `self` so that copy.deepcopy of a kernelized model gives a
-    copy whose forwards run on the copy's own weights (a closure over the original module would not)."""
-    inner = self.__dict__.get("_linattn_inner_forward")
-    if getattr(self, "_linattn_kind", None) == "lightning":
-        return _lightning_forward(self, *args, **kwargs)
+# ------------------------------------------------------------------------------------------------------------
+# Serving a mixer: its class's own forward, rebuilt over globals in which the kernel names are linattn's
+# ------------------------------------------------------------------------------------------------------------
+
+_SERVED_GLOBALS: Dict[str, dict] = {}        # modeling module name -> its globals, kernel names on linattn
+_SERVED_FORWARDS: Dict[type, Callable] = {}  # mixer class -> its forward rebuilt over those globals
+
+
+def _served_globals(module_globals: dict) -> dict:
+    """A copy of a modeling module's globals with the kernel names on linattn's adapters: the namespace of a
+    module of its own, registered in sys.modules, because torch.compile guards on a function's globals through
+    the module named by their `__name__` (under the modeling module's name it would guard on transformers'
+    functions instead of these)."""
+    name = module_globals["__name__"]
+    served = _SERVED_GLOBALS.get(name)
+    if served is None:
+        twin = types.ModuleType("_linattn_served_" + name.replace(".", "_"))
+        served = twin.__dict__
+        served.update({k: v for k, v in module_globals.items() if k not in ("__name__", "__spec__", "__loader__")})
+        served.update({k: fn for k, fn in _ADAPTERS.items() if k in served})
+        sys.modules[twin.__name__] = twin
+        _SERVED_GLOBALS[name] = served
+    return served
+
+
+def _rebind(fn: types.FunctionType) -> types.FunctionType:
+    """A copy of `fn` whose code looks the kernel names up in linattn's globals. Decorators made with
+    functools.wraps are kept: each one's closure cell that holds the function it wraps gets the rebuilt one."""
+    inner = getattr(fn, "__wrapped__", None)
+    new_inner = _rebind(inner) if isinstance(inner, types.FunctionType) else inner
+    cells, found = [], inner is None
+    for cell in fn.__closure__ or ():
+        try:
+            hit = inner is not None and cell.cell_contents is inner
+        except ValueError:  # an empty cell
+            hit = False
+        found = found or hit
+        cells.append(types.CellType(new_inner) if hit else cell)
+    if not found:
+        raise LinattnError(f"kernelize: the decorator {fn.__qualname__} ({fn.__globals__.get('__name__')}) does "
+                           f"not hold the function it wraps in its closure; kernelize cannot serve through it")
+    own = set(fn.__code__.co_names) & _ADAPTERS.keys()
+    glob = _served_globals(fn.__globals__) if own else fn.__globals__
+    new = types.FunctionType(fn.__code__, glob, fn.__name__, fn.__defaults__,
+                             tuple(cells) if fn.__closure__ is not None else None)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
+    new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    new.__annotations__ = dict(getattr(fn, "__annotations__", {}))
     if inner is not None:
-        return inner(*args, **kwargs)
-    return type(self).forward(self, *args, **kwargs)
+        new.__wrapped__ = new_inner
+    return new
 
 
-def _served_forward(self: nn.Module, *args, **kwargs):
-    """A served mixer's forward: transformers' own, with the kernel dispatchers pointed at linattn."""
-    token = _ACTIVE.set(True)
-    try:
-        return _inner_forward(self, args, kwargs)
-    finally:
-        _ACTIVE.reset(token)
+def _served_forward(cls: type) -> Callable:
+    """`cls.forward` (transformers' code, decorators included) with its kernel calls on linattn (cached per class)."""
+    fn = _SERVED_FORWARDS.get(cls)
+    if fn is None:
+        fn = _rebind(cls.forward)
+        served = {id(g) for g in _SERVED_GLOBALS.values()}
+        f, reached = fn, False
+        while isinstance(f, types.FunctionType):
+            reached = reached or id(f.__globals__) in served
+            f = getattr(f, "__wrapped__", None)
+        if not reached:
+            raise LinattnError(f"kernelize: {cls.__name__}.forward calls none of the kernel functions by name")
+        _SERVED_FORWARDS[cls] = fn
+    return fn
 
 
-def _wrap_forward(mod: nn.Module, wrapper: Callable) -> None:
-    if "forward" in mod.__dict__:                       # keep an instance-level forward (accelerate's hooks)
-        mod._linattn_inner_forward = mod.__dict__["forward"]
-    mod.forward = types.MethodType(wrapper, mod)        # bound methods deep-copy onto the copy
+def _instance_forward_problem(mod: nn.Module) -> Optional[str]:
+    """Why an instance-level forward already on `mod` cannot be served (None: none there, or accelerate's hook,
+    whose `_old_forward` is replaced instead)."""
+    if "forward" not in mod.__dict__ or "_old_forward" in mod.__dict__:
+        return None
+    return f"{type(mod).__name__}: an instance-level forward ({mod.__dict__['forward']!r}) replaces the class's"
+
+
+def _serve(mod: nn.Module, kind: str) -> None:
+    fn = _lightning_forward if kind == "lightning" else _served_forward(type(mod))
+    bound = types.MethodType(fn, mod)            # bound methods deep-copy onto the copy
+    if "_old_forward" in mod.__dict__:           # accelerate's hook calls module._old_forward
+        mod._old_forward = bound
+    else:
+        mod.forward = bound
+    mod._linattn_kind = kind
+    mod._linattn_kernelized = True
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -583,8 +642,6 @@ def _varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     causal = bool(getattr(module, "is_causal", True))     # a VLM's vision tower passes its own, non-causal cu
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None and causal:
-        cu = _PACKED.get()
     T = query.shape[2]
     if cu is not None and query.shape[0] == 1 and key.shape[2] == T:
         cu = cu.to(device=query.device, dtype=torch.int64)
@@ -626,31 +683,78 @@ def _packed_cu(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), T)]).to(torch.int32)
 
 
-def _packed_forward(self: nn.Module, *args, **kwargs):
-    """The model's forward, with packed batches recognised: transformers' cu_seq_lens_q, or position_ids that
-    restart (only without an attention mask and without a cache, transformers' own rule in masking_utils, so
-    generation's padded position_ids are never taken for documents)."""
-    if _PACKED.get() is not None:
-        return _inner_forward(self, args, kwargs)
+def _arg(module: nn.Module, args: tuple, kwargs: dict, name: str):
+    """The argument `name` of a call to module.forward, by keyword or by position (None if not given)."""
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    params = module._linattn_params
+    i = params.index(name) if name in params else len(args)
+    return args[i] if i < len(args) else None
+
+
+def _restart_cu(module: nn.Module, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """cu_seqlens from restarting position_ids: only without an attention mask and without a cache, transformers'
+    own rule in masking_utils, so generation's padded position_ids are never taken for documents."""
+    pos = _arg(module, args, kwargs, "position_ids")
+    if pos is None or _arg(module, args, kwargs, "attention_mask") is not None:
+        return None
+    if _arg(module, args, kwargs, "cache") is not None or _arg(module, args, kwargs, "past_key_values") is not None:
+        return None
+    if torch.compiler.is_compiling():
+        # documents would need data-dependent shapes: in a compiled graph restarting positions fail loudly
+        torch._assert_async((torch.diff(pos, dim=-1) == 1).all(),
+                            "linattn kernelize: packed sequences (restarting position_ids) are not served inside "
+                            "torch.compile; run the packed batch eagerly")
+        return None
+    return _packed_cu(pos)
+
+
+def _packing_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+    """A forward pre-hook of the model (and its base model): a packed batch (transformers' cu_seq_lens_q, or
+    restarting position_ids) becomes transformers' flash-attention kwargs, which the layers pass down to every
+    mixer (and which gradient checkpointing keeps for the recomputation). A model that does not pass its kwargs to
+    its base model (Mamba2ForCausalLM) hands them over through the base model's per-thread stash."""
     cu = kwargs.get("cu_seq_lens_q")
+    stash = module.__dict__.get("_linattn_stash")
+    if cu is None and stash:
+        cu = stash.get(threading.get_ident())
     if cu is None:
-        pos = kwargs.get("position_ids")
-        if pos is None or kwargs.get("attention_mask") is not None:
-            return _inner_forward(self, args, kwargs)
-        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-            return _inner_forward(self, args, kwargs)
-        cu = _packed_cu(pos)
-        if cu is None:
-            return _inner_forward(self, args, kwargs)
-    if kwargs.get("use_cache"):
+        cu = _restart_cu(module, args, kwargs)
+    if cu is None:
+        return None
+    if _arg(module, args, kwargs, "use_cache"):
         raise LinattnError("packed sequences (restarting position_ids or cu_seq_lens_q) cannot fill a cache: "
                            "pass use_cache=False (one state per document would not fit the cache's batch)")
-    kwargs["use_cache"] = False
-    token = _PACKED.set(torch.as_tensor(cu).to(torch.int64))
-    try:
-        return _inner_forward(self, args, kwargs)
-    finally:
-        _PACKED.reset(token)
+    cu = torch.as_tensor(cu)
+    if module._linattn_takes_kwargs and kwargs.get("cu_seq_lens_q") is None:
+        longest = int(torch.diff(cu).max())
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    if "use_cache" in module._linattn_params or module._linattn_takes_kwargs:
+        kwargs["use_cache"] = False
+    base = getattr(module, "base_model", module)
+    if base is not module and "_linattn_stash" in base.__dict__:
+        base._linattn_stash[threading.get_ident()] = cu
+    return args, kwargs
+
+
+def _packing_post_hook(module: nn.Module, args: tuple, kwargs: dict, output):
+    """Empties the base model's stash for this thread (also when the forward raised)."""
+    base = getattr(module, "base_model", module)
+    stash = base.__dict__.get("_linattn_stash")
+    if stash:
+        stash.pop(threading.get_ident(), None)
+    return None
+
+
+def _hook_packing(top: nn.Module) -> None:
+    params = inspect.signature(top.forward).parameters
+    top._linattn_params = [n for n, p in params.items()
+                           if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)]
+    top._linattn_takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    top._linattn_stash = {}
+    top.register_forward_pre_hook(_packing_pre_hook, with_kwargs=True)
+    top.register_forward_hook(_packing_post_hook, with_kwargs=True, always_call=True)
+    top._linattn_packing = True
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -668,8 +772,9 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
         model: A transformers model (Qwen3-Next / Qwen3.5 / OLMo-hybrid Gated DeltaNet, Kimi Linear's KDA,
             Mamba2, MiniMax's lightning attention, ...; docs/kernelize.md lists them).
         packing: True: restarting `position_ids` (batch 1, no attention mask, no cache) or transformers'
-            `cu_seq_lens_q` keep documents apart in every layer; the softmax layers switch to "linattn_sdpa"
-            (transformers' sdpa plus a block-diagonal causal mask for packed batches).
+            `cu_seq_lens_q` keep documents apart in every layer, also under gradient checkpointing (forward
+            pre-hooks pass them down as transformers' `cu_seq_lens_*` kwargs); the softmax layers switch to
+            "linattn_sdpa" (transformers' sdpa plus a block-diagonal causal mask for packed batches).
         skip_unserved: A module whose class is a known linear mixer that linattn cannot serve (Mamba1, mLSTM,
             ...) raises `LinattnError` naming it and the reason, before anything is changed; with
             `skip_unserved=True` it is left as it is and listed in `unserved` instead.
@@ -714,6 +819,10 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
             report.unserved[name] = f"{cls}: its modeling module lacks {absent} (a transformers version kernelize " \
                                     f"does not know)"
             continue
+        problem = None if getattr(mod, "_linattn_kernelized", False) else _instance_forward_problem(mod)
+        if problem:
+            report.unserved[name] = problem
+            continue
         act = getattr(mod, "activation", None)
         if kind != "lightning" and act not in (None, "silu", "swish") and not isinstance(act, str):
             report.unserved[name] = f"{cls}: conv activation {act!r}"
@@ -723,16 +832,12 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
         lines = "; ".join(f"{n}: {r}" for n, r in report.unserved.items())
         raise LinattnError(f"kernelize: {len(report.unserved)} module(s) cannot be served by linattn ({lines}); "
                            f"pass skip_unserved=True to serve the rest and leave these on transformers' code")
-    for name, mod, modeling, kind in plan:
+    for name, mod, _modeling, kind in plan:
         if getattr(mod, "_linattn_kernelized", False):
             report.patched.append(name)
             report.kinds[name] = kind
             continue
-        if kind != "lightning":
-            _install_dispatchers(modeling)
-        mod._linattn_kind = kind
-        _wrap_forward(mod, _served_forward)
-        mod._linattn_kernelized = True
+        _serve(mod, kind)
         report.patched.append(name)
         report.kinds[name] = kind
     if packing and plan:
@@ -740,8 +845,7 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
         base = getattr(model, "base_model", model)
         for top in {id(model): model, id(base): base}.values():
             if not getattr(top, "_linattn_packing", False):
-                _wrap_forward(top, _packed_forward)
-                top._linattn_packing = True
+                _hook_packing(top)
             report.packing_wrapped.append(names.get(id(top), ""))
         _register_attention()
         cfg = getattr(model, "config", None)
