@@ -103,4 +103,5 @@ __all__ = [
     "CheckpointWriteError", "DanglingLatest", "TrainError", "TrainConfigError", "TrainingDiverged", "RunFolderBusy",
     "StopRequested", "TokenizerError", "CorpusError", "MNISTError", "GenerateError", "ExperimentError",
     "BackendUnavailableError", "BackendDeviceError", "VisionDependencyError", "ExportError", "VisionTrainError",
+    "ChatTemplateError", "ServerDidNotStart",
 ]

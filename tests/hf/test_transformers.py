@@ -39,8 +39,10 @@ def test_only_linattn_hf_imports_transformers():
     graph = import_graph()
     users = sorted(m for m, ts in graph.items() if any(t.startswith("linattn.hf") for t in ts)
                    and not m.startswith("linattn.hf"))
-    # lazily: `bench hf`; `bench ops`'s transformers peer row; the export-hf / import-hf commands
-    assert users == ["linattn.bench.hf", "linattn.bench.ops", "linattn.cli"]
+    # lazily: `bench hf`; `bench infer`'s and `bench quant`'s transformers rows; `bench ops`'s transformers peer
+    # row; the export-hf / import-hf commands; quantizing a kernelized transformers model
+    assert users == ["linattn.bench.hf", "linattn.bench.infer", "linattn.bench.ops", "linattn.bench.quant",
+                     "linattn.cli"]
     for path in (SRC / "linattn").rglob("*.py"):
         if "hf" not in path.relative_to(SRC / "linattn").parts:
             text = path.read_text(encoding="utf-8")

@@ -270,18 +270,15 @@ def quality_rows(a, names: List[str], log) -> List[Dict[str, Any]]:
     return rows
 
 
-def hf_rows(a, names: List[str]) -> List[Dict[str, Any]]:
-    import transformers
+# the kernelized transformers model of the quality rows: a small random Qwen3.5 (3 Gated DeltaNet : 1 softmax)
+HF_SHAPE = dict(d=256, layers=4, every=4, vocab=2048, inter=896, lin_heads=8, lin_dim=32, attn_heads=8, kv_heads=2,
+                attn_dim=64)
 
-    from ..hf import kernelize
-    torch.manual_seed(a.seed)
-    cfg = transformers.Qwen3_5TextConfig(vocab_size=2048, hidden_size=256, intermediate_size=896,
-                                         num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                                         num_hidden_layers=4, linear_num_key_heads=4, linear_num_value_heads=8,
-                                         linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-                                         tie_word_embeddings=True)
-    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
-    kernelize(model)
+
+def hf_rows(a, names: List[str]) -> List[Dict[str, Any]]:
+    from ..hf.infer_models import qwen35_model
+
+    model = qwen35_model(HF_SHAPE, seed=a.seed, kernelized=True)
     ids = torch.randint(0, 2048, (2, 96), generator=torch.Generator().manual_seed(a.seed))
     with torch.no_grad():
         ref = model(ids).logits.double()
