@@ -2,11 +2,11 @@
 1.5x transformers' own fp32 error (its PyTorch `mamba2_chunk_scan`), max over 3 seeds, at the op.
 
 The fp64 reference is the recurrence itself, written from the formulas: h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,
-y_t = h_t C_t + D x_t, dt = softplus(dt_raw + dt_bias). Known gap (strict xfail, so the fix shows): the chunk
-forms compute the decays exp(G_i - G_j) from the gate's running sum G in fp32, and with Mamba2's dt A (|G| up to
-~1000 in a chunk) the difference of two long sums loses |G| * 6e-8 of the exponent: 4-9x transformers' error,
-which sums each segment directly (segment_sum). With G in fp64 the PyTorch chunk form matches transformers'
-error exactly (2.4e-7 both, measured); the compiled CPU kernel (cpu/csrc/linear.c, lin_cumgate) needs the same."""
+y_t = h_t C_t + D x_t, dt = softplus(dt_raw + dt_bias). What this guards: the chunk forms compute the decays
+exp(G_i - G_j) from the gate's running sum G, and with Mamba2's dt A (|G| up to ~1000 in a chunk) the difference of
+two fp32 sums loses |G| * 6e-8 of the exponent (4-9x transformers' error, which sums each segment directly). G is
+therefore summed, and differenced, in fp64 in both the PyTorch chunk form (ops/linear_chunk.py) and the compiled
+kernel (cpu/csrc/linear.c, lin_cumgate)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,11 +54,7 @@ def _errors(T):
     return worst_ours, worst_theirs
 
 
-@pytest.mark.parametrize("T", [
-    1,
-    pytest.param(63, marks=pytest.mark.xfail(strict=True, reason="fp32 gate running sum in the chunk forms")),
-    pytest.param(2048, marks=pytest.mark.xfail(strict=True, reason="fp32 gate running sum in the chunk forms")),
-])
+@pytest.mark.parametrize("T", [1, 63, 2048])
 def test_mamba2_scan_fp32_accuracy_at_least_transformers(T):
     ours, theirs = _errors(T)
     assert theirs < 1e-5                           # the reference is right: transformers' own error is small

@@ -69,11 +69,14 @@ def chunk_matmul_form(fq, fk, v, g, S, C: int) -> FormResult:
         decay = None
         q_inter = fq
     else:
-        G = pad_time(g[..., 0], C, dim=2).view(B, H, n, C).cumsum(-1)
-        A = A * torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~mask, float("-inf")))
+        # the running sum and its differences in fp64: with strong decays (Mamba2's dt A) |G| reaches ~1e3 inside
+        # a chunk, and the difference of two fp32 sums would lose |G| * 6e-8 of every exponent
+        G64 = pad_time(g[..., 0], C, dim=2).view(B, H, n, C).to(torch.float64).cumsum(-1)
+        G = G64.to(A.dtype)
+        A = A * torch.exp((G64.unsqueeze(-1) - G64.unsqueeze(-2)).to(A.dtype).masked_fill(~mask, float("-inf")))
         A = A.masked_fill_(~mask, 0.0)  # by selection: an inf key would make the masked 0 * inf NaN
         G_end = G[..., -1:]  # [B, H, n, 1]
-        k_dec = fk * torch.exp(G_end - G).unsqueeze(-1)  # keys decayed to the chunk's end
+        k_dec = fk * torch.exp((G64[..., -1:] - G64).to(A.dtype)).unsqueeze(-1)  # keys decayed to the chunk's end
         U = torch.cat([k_dec.transpose(-1, -2) @ v, k_dec.sum(3).unsqueeze(-1)], dim=-1)
         decay = torch.exp(G_end).unsqueeze(-1)  # [B, H, n, 1, 1]
         q_inter = fq * torch.exp(G).unsqueeze(-1)

@@ -227,11 +227,13 @@ static void FN(lin_load_feat)(const REAL *x, int64_t t0, int64_t H, int64_t h, i
     for (int i = len; i < C; i++) memset(buf + (int64_t)i * D, 0, sizeof(REAL) * D);
 }
 
-/* G[i] = cumulative log-gate of the chunk's row i (rows >= len repeat the last value); returns G[len-1] */
-static REAL FN(lin_cumgate)(const REAL *g, int64_t t0, int64_t H, int64_t h, int len, int C, REAL *G) {
-    REAL s = 0;
+/* G[i] = cumulative log-gate of the chunk's row i (rows >= len repeat the last value); returns G[len-1]. In double
+   for both REALs: with strong decays (Mamba2's dt A) |G| reaches ~1e3 inside a chunk, and the decays exp(G_i - G_j)
+   would lose |G| * 6e-8 of every exponent to float sums; only the differences are rounded to REAL */
+static double FN(lin_cumgate)(const REAL *g, int64_t t0, int64_t H, int64_t h, int len, int C, double *G) {
+    double s = 0;
     for (int i = 0; i < len; i++) {
-        s += g[(t0 + i) * H + h];
+        s += (double)g[(t0 + i) * H + h];
         G[i] = s;
     }
     for (int i = len; i < C; i++) G[i] = s;
@@ -318,9 +320,9 @@ static void FN(pgemm_up)(int M, int N, int Kd, const REAL *restrict A, int lda, 
    over all chunks), so the result never depends on the thread count or on the batch around a sequence */
 
 /* the chunk's features and values: Q (when asked), Km, Kt = Km^T, Vb, G; returns GL (0 without a gate) */
-static REAL FN(fl_load)(const REAL *q, const REAL *k, const REAL *v, const REAL *g, int64_t t0, int len, int64_t H,
-                        int64_t h, int K, int V, int W, int C, int fmap, REAL sc, REAL *Q, REAL *Km, REAL *Kt,
-                        REAL *Vb, REAL *G) {
+static double FN(fl_load)(const REAL *q, const REAL *k, const REAL *v, const REAL *g, int64_t t0, int len,
+                          int64_t H, int64_t h, int K, int V, int W, int C, int fmap, REAL sc, REAL *Q, REAL *Km,
+                          REAL *Kt, REAL *Vb, double *G) {
     if (Q) FN(lin_load_feat)(q, t0, H, h, K, len, C, Q, fmap, sc);
     FN(lin_load_feat)(k, t0, H, h, K, len, C, Km, fmap, 1);
     FN(transpose)(C, K, Km, K, Kt);
@@ -329,11 +331,11 @@ static REAL FN(fl_load)(const REAL *q, const REAL *k, const REAL *v, const REAL 
 }
 
 /* U = sum_j exp(GL - G_j) k_j [v_j | 1]^T (decays Kt's columns in place); tmp: K values of scratch */
-static void FN(fl_update)(int len, int K, int V, int W, int C, int has_g, const REAL *G, REAL GL, REAL *Kt,
+static void FN(fl_update)(int len, int K, int V, int W, int C, int has_g, const double *G, double GL, REAL *Kt,
                           const REAL *Km, const REAL *Vb, REAL *U, REAL *tmp, lin_pf_t *pf, int per) {
     if (has_g)
         for (int i = 0; i < len; i++) {
-            const REAL e = FN(lin_exp)(GL - G[i]);
+            const REAL e = FN(lin_exp)((REAL)(GL - G[i]));
             for (int d = 0; d < K; d++) Kt[(int64_t)d * C + i] *= e;
         }
     if (has_g || W == V) {
@@ -371,14 +373,14 @@ static inline int FN(lin_divide)(REAL *restrict dst, const REAL *restrict src, i
 
 /* the chunk's outputs from its start state Pc (Kt undecayed); returns lin_divide's flag (0 without division) */
 static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C, int norm, int has_g,
-                       REAL eps, const REAL *Q, REAL *Qd, const REAL *Km, const REAL *Kt, const REAL *Vb, const REAL *G,
+                       REAL eps, const REAL *Q, REAL *Qd, const REAL *Km, const REAL *Kt, const REAL *Vb, const double *G,
                        const REAL *Pc, REAL *A, REAL *O, REAL *num, REAL *den, lin_pf_t *pf, int per) {
     FN(pgemm)(C, C, K, Q, K, Kt, C, A, C, pf, per, 1);
     const REAL *Qs = Q;
     if (has_g) {
         for (int i = 0; i < C; i++) {
-            for (int j = 0; j <= i; j++) A[(int64_t)i * C + j] *= FN(lin_exp)(G[i] - G[j]);
-            const REAL e = FN(lin_exp)(G[i]);
+            for (int j = 0; j <= i; j++) A[(int64_t)i * C + j] *= FN(lin_exp)((REAL)(G[i] - G[j]));
+            const REAL e = FN(lin_exp)((REAL)G[i]);
             for (int d = 0; d < K; d++) Qd[(int64_t)i * K + d] = e * Q[(int64_t)i * K + d];
         }
         Qs = Qd;
@@ -463,8 +465,10 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
     {
         int bad = 0;
         REAL *buf = malloc(sizeof(REAL) * scratch);
+        double *G = malloc(sizeof(double) * C); /* the chunk's cumulative gate (lin_cumgate) */
+        if (!G) free(buf), buf = NULL;
         REAL *Q = buf, *Qd = Q + C * K, *Km = Qd + C * K, *Kt = Km + C * K, *Vb = Kt + K * C, *A = Vb + C * W,
-             *O = A + C * C, *G = O + C * W, *S = G + C, *U = S + nh * KW;
+             *O = A + C * C, *S = O + C * W + C, *U = S + nh * KW;
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -481,7 +485,7 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                     const int len = (int)ch[c].len;
                     for (int64_t h = h0; h < h0 + nh; h++) {
                         REAL *Sh = S + (h - h0) * KW;
-                        const REAL GL =
+                        const double GL =
                             FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
                         /* the next unit's rows: the next head of this chunk, else the first head of the next */
                         const int nxt_h = h + 1 < h0 + nh, nxt_c = c + 1 < first[s + 1];
@@ -508,7 +512,7 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                                           num, den, &pf, per);
                         FN(fl_update)(len, K, V, W, C, has_g, G, GL, Kt, Km, Vb, U, Qd, &pf, per);
                         lin_pf_step(&pf, -1);
-                        FN(carry)(KW, has_g, GL, Sh, U);
+                        FN(carry)(KW, has_g, (REAL)GL, Sh, U);
                     }
                 }
                 if (S_out) memcpy(S_out + (s * H + h0) * KW, S, sizeof(REAL) * nh * KW);
@@ -520,8 +524,9 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                 if (!buf) continue;
                 const int64_t c = task / H, h = task % H;
                 const int len = (int)ch[c].len;
-                const REAL GL = FN(fl_load)(q, k, v, g, ch[c].t0, len, H, h, K, V, W, C, fmap, sc, NULL, Km, Kt, Vb, G);
-                gl[task] = GL;
+                const double GL =
+                    FN(fl_load)(q, k, v, g, ch[c].t0, len, H, h, K, V, W, C, fmap, sc, NULL, Km, Kt, Vb, G);
+                gl[task] = (REAL)GL;
                 FN(fl_update)(len, K, V, W, C, has_g, G, GL, Kt, Km, Vb, P + task * KW, Qd, NULL, 0);
             }
             /* 2. the running sum over each sequence's chunks: P[c] = the state before chunk c */
@@ -554,7 +559,7 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
 #pragma omp atomic write
             any_bad = 1;
         }
-        free(buf);
+        free(buf), free(G);
     }
     free(first), free(ch), free(gl), free(P_own);
     if (nonfinite) *nonfinite = any_bad;
@@ -564,7 +569,8 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
 /* ---- backward, per chunk (same rule: identical arithmetic on both paths) */
 
 typedef struct {
-    REAL *Q, *Km, *Qd, *Vb, *dO, *Pt, *dPt, *A, *D, *dA, *T2, *X, *Y, *Z, *G, *dG, *Tr;
+    REAL *Q, *Km, *Qd, *Vb, *dO, *Pt, *dPt, *A, *D, *dA, *T2, *X, *Y, *Z, *dG, *Tr;
+    double *G; /* the chunk's cumulative gate (lin_cumgate) */
     lin_pf_t *pf; /* the next unit's rows, prefetched `per` lines per product block (NULL: none) */
     int per;
 } FN(bws);
@@ -572,7 +578,7 @@ typedef struct {
 /* the chunk's features, values, output gradients (rows >= len zero) and G; returns GL. o (with den, eps): the
    forward divided by the normaliser (o = num / den', finite num), and dnum is the gradient of o: the division's
    backward is taken here, as `_FlooredDivide` in ops/linear.py does (W = V + 1) */
-static REAL FN(bl_load)(const REAL *q, const REAL *k, const REAL *v, const REAL *g, const REAL *dnum,
+static double FN(bl_load)(const REAL *q, const REAL *k, const REAL *v, const REAL *g, const REAL *dnum,
                         const REAL *dden, const REAL *o, const REAL *den, REAL eps, int64_t t0, int len, int64_t H,
                         int64_t h, int K, int V, int W, int C, int fmap, REAL sc, FN(bws) *b) {
     FN(lin_load_feat)(q, t0, H, h, K, len, C, b->Q, fmap, sc);
@@ -605,7 +611,7 @@ static void FN(bl_R)(int len, int K, int W, int C, int has_g, int qt_ready, FN(b
     if (!qt_ready) FN(transpose)(C, K, b->Q, K, b->Tr); /* Tr [K][C] (bl_grads leaves it there) */
     if (has_g)
         for (int i = 0; i < len; i++) {
-            const REAL e = FN(lin_exp)(b->G[i]);
+            const REAL e = FN(lin_exp)((REAL)b->G[i]);
             for (int d = 0; d < K; d++) b->Tr[(int64_t)d * C + i] *= e;
         }
     FN(pgemm)(K, W, len, b->Tr, C, b->dO, W, R, W, b->pf, b->per, 1);
@@ -613,11 +619,12 @@ static void FN(bl_R)(int len, int K, int W, int C, int has_g, int qt_ready, FN(b
 
 /* the chunk's input gradients, from its start state Pc and the gradient dPn of its end state */
 static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C, int has_g, int fmap,
-                         REAL sc, REAL GL, const REAL *Pc, const REAL *dPn, FN(bws) *b, REAL *dq, REAL *dk, REAL *dv,
+                         REAL sc, double GL, const REAL *Pc, const REAL *dPn, FN(bws) *b, REAL *dq, REAL *dk, REAL *dv,
                          REAL *dg) {
     const int64_t KW = (int64_t)K * W;
     REAL *Q = b->Q, *Km = b->Km, *Vb = b->Vb, *dO = b->dO, *A = b->A, *D = b->D, *dA = b->dA, *T2 = b->T2,
-         *X = b->X, *G = b->G, *dG = b->dG, *Tr = b->Tr;
+         *X = b->X, *dG = b->dG, *Tr = b->Tr;
+    const double *G = b->G;
     if (has_g) memset(dG, 0, sizeof(REAL) * C);
     /* At = ((Q K^T) * D)^T directly, as K Q^T: At[j][i] = k_j . q_i, the same products in the same order as
        A[i][j] (the same bits), and no transposes of K and A; Q^T stays in Tr for bl_R */
@@ -627,7 +634,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     if (has_g)
         for (int i = 0; i < C; i++)
             for (int j = 0; j <= i; j++) {
-                D[(int64_t)i * C + j] = FN(lin_exp)(G[i] - G[j]);
+                D[(int64_t)i * C + j] = FN(lin_exp)((REAL)(G[i] - G[j]));
                 At[(int64_t)j * C + i] *= D[(int64_t)i * C + j];
             }
     /* dA = dO Vb^T (rows j <= i used); the gate's part; dM = dA * D, in place */
@@ -649,7 +656,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     if (has_g) {
         FN(pgemm)(C, K, W, dO, W, b->Pt, K, X, K, b->pf, b->per, 1);
         for (int i = 0; i < len; i++) {
-            const REAL e = FN(lin_exp)(G[i]);
+            const REAL e = FN(lin_exp)((REAL)G[i]);
             REAL s = 0;
             for (int d = 0; d < K; d++) {
                 const REAL x = e * X[(int64_t)i * K + d];
@@ -671,7 +678,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
         FN(pgemm)(C, K, W, Vb, W, b->dPt, K, X, K, b->pf, b->per, 1);
         REAL tot = 0;
         for (int j = 0; j < len; j++) {
-            const REAL e = FN(lin_exp)(GL - G[j]);
+            const REAL e = FN(lin_exp)((REAL)(GL - G[j]));
             REAL s = 0;
             for (int d = 0; d < K; d++) {
                 const REAL x = e * X[(int64_t)j * K + d];
@@ -683,7 +690,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
         }
         REAL pp = 0; /* <dPn, P_c>: the carried state's decay */
         for (int64_t e = 0; e < KW; e++) pp += dPn[e] * Pc[e];
-        if (len > 0) dG[len - 1] += tot + FN(lin_exp)(GL) * pp;
+        if (len > 0) dG[len - 1] += tot + FN(lin_exp)((REAL)GL) * pp;
     } else {
         FN(pgemm)(C, K, W, Vb, W, b->dPt, K, dK, K, b->pf, b->per, 0);
     }
@@ -694,7 +701,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     if (has_g) {
         FN(pgemm)(C, V, K, Km, K, dPn, W, X, W, b->pf, b->per, 1);
         for (int j = 0; j < len; j++) {
-            const REAL e = FN(lin_exp)(GL - G[j]);
+            const REAL e = FN(lin_exp)((REAL)(GL - G[j]));
             for (int w = 0; w < V; w++) dV[(int64_t)j * W + w] += e * X[(int64_t)j * W + w];
         }
     } else {
@@ -752,10 +759,12 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
     {
         REAL *buf = malloc(sizeof(REAL) * scratch);
         FN(bws) b;
+        b.G = malloc(sizeof(double) * C);
+        if (!b.G) free(buf), buf = NULL;
         b.Q = buf, b.Km = b.Q + C * K, b.Qd = b.Km + C * K, b.Vb = b.Qd + C * K, b.dO = b.Vb + C * W;
         b.Pt = b.dO + C * W, b.dPt = b.Pt + W * K, b.A = b.dPt + W * K, b.D = b.A + C * C, b.dA = b.D + C * C;
-        b.T2 = b.dA + C * C, b.X = b.T2 + C * C, b.Y = b.X + C * MX, b.Z = b.Y + C * MX, b.G = b.Z + C * MX;
-        b.dG = b.G + C, b.Tr = b.dG + C, b.pf = NULL, b.per = 0;
+        b.T2 = b.dA + C * C, b.X = b.T2 + C * C, b.Y = b.X + C * MX, b.Z = b.Y + C * MX;
+        b.dG = b.Z + C * MX + C, b.Tr = b.dG + C, b.pf = NULL, b.per = 0;
         REAL *Dg = b.Tr + MX * C, *R = Dg + nh * KW;
         if (!buf) {
 #pragma omp atomic write
@@ -773,7 +782,7 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                     const int len = (int)ch[c].len;
                     for (int64_t h = h0; h < h0 + nh; h++) {
                         REAL *Dh = Dg + (h - h0) * KW;
-                        const REAL GL =
+                        const double GL =
                             FN(bl_load)(q, k, v, g, dnum, dden, o, den, ep, t0, len, H, h, K, V, W, C, fmap, sc, &b);
                         /* the next unit's rows: the next head of this chunk, else the first head of the previous */
                         const int nxt_h = h + 1 < h0 + nh, nxt_c = c > first[s];
@@ -800,7 +809,7 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                         FN(bl_R)(len, K, W, C, has_g, 1, &b, R);
                         lin_pf_step(&pf, -1);
                         b.pf = NULL;
-                        FN(carry)(KW, has_g, GL, Dh, R);
+                        FN(carry)(KW, has_g, (REAL)GL, Dh, R);
                     }
                 }
                 if (dS0) memcpy(dS0 + (s * H + h0) * KW, Dg, sizeof(REAL) * nh * KW);
@@ -837,13 +846,13 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                 if (!buf) continue;
                 const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
                 const int len = (int)ch[c].len;
-                const REAL GL =
+                const double GL =
                     FN(bl_load)(q, k, v, g, dnum, dden, o, den, ep, t0, len, H, h, K, V, W, C, fmap, sc, &b);
                 FN(bl_grads)(t0, len, H, h, K, V, W, C, has_g, fmap, sc, GL, P + task * KW, dP + task * KW, &b, dq,
                              dk, dv, dg);
             }
         }
-        free(buf);
+        free(buf), free(b.G);
     }
     free(first), free(ch), free(gl), free(dP);
     return failed ? -1 : 0;
