@@ -712,25 +712,14 @@ def _row_index(rows, n: int) -> torch.Tensor:
 
 
 def _rows_of_layers(layers: List[Dict[str, LayerCache]]) -> int:
+    """The rows of the first entry that has any (a per-row offset counts, unlike `_batch_of`); 0 when none."""
     for d in layers:
         for lc in d.values():
             for v in lc.values():
-                n = _rows_of(v)
+                n = _rows(v)
                 if n is not None:
                     return n
     return 0
-
-
-def _rows_of(value: Any) -> Optional[int]:
-    if isinstance(value, torch.Tensor):
-        return value.shape[0] if value.dim() else None
-    if isinstance(value, KVCache):
-        return None if value.k is None else value.k.shape[0]
-    if isinstance(value, (tuple, list)):
-        return next((n for n in map(_rows_of, value) if n is not None), None)
-    if isinstance(value, dict):
-        return next((n for n in map(_rows_of, value.values()) if n is not None), None)
-    return None
 
 
 def _per_row_ints(value: Any) -> bool:
