@@ -235,7 +235,8 @@ def test_import_linattn_stays_light():
     import subprocess
     import sys
     code = ("import sys, linattn\n"
-            "heavy = [m for m in ('linattn.checkpoint', 'linattn.vision.train', 'linattn.experiments.common') "
+            "heavy = [m for m in ('linattn.checkpoint', 'linattn.vision.train', 'linattn.experiments.common', "
+            "'safetensors', 'starlette', 'transformers', 'fla') "
             "if m in sys.modules]\n"
             "assert not heavy, heavy\n"
             "assert linattn.RunFolderBusy.__name__ == 'RunFolderBusy' and 'linattn.training.lock' in sys.modules\n")

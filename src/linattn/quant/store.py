@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import Optional, Tuple, Union
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError, LinattnError, LinattnTypeError
 from ..models.config import LMConfig
@@ -104,6 +102,8 @@ def save_quantized(model: LanguageModel, out: PathLike, *, tokenizer=None, sourc
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
+        from safetensors.torch import save_file  # here, not at import: `import linattn` stays light
+
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / WEIGHTS_FILE))
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
         if tokenizer is not None:
@@ -150,6 +150,9 @@ def load_quantized(path: PathLike) -> Tuple[LanguageModel, Optional[object]]:
     Raises:
         CheckpointError: Not such a folder, an unknown format version, or files that do not match the manifest.
     """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     path = Path(path)
     manifest = read_manifest(path)
     try:
