@@ -59,3 +59,29 @@ def test_mamba2_scan_fp32_accuracy_at_least_transformers(T):
     ours, theirs = _errors(T)
     assert theirs < 1e-5                           # the reference is right: transformers' own error is small
     assert ours <= 1.5 * theirs, (T, ours, theirs)
+
+
+# ---------------------------------------------------------------------------------------------
+# every served architecture at a tiny model's logits (issue 45.4): fp32 error against the same model evaluated in
+# fp64 (kernelized: linattn computes fp64 models in fp64), ours at most 1.5x transformers' own fp32 error
+# ---------------------------------------------------------------------------------------------
+
+from tests.hf.kernelize_models import ARCHS, ids, pair, transformers_torch_code  # noqa: E402,F401
+
+# below a few fp32 ulps of the logits' size both errors are rounding noise: ratios of such errors mean nothing
+NOISE_ULPS = 8
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_logits_at_least_as_accurate_as_transformers(arch):
+    ref32, fast32, _ = pair(arch, torch.float32)
+    _, fast64, _ = pair(arch, torch.float64)
+    for T in (1, 63) + ((2048,) if arch == "mamba2" else ()):
+        x = ids(0, n=T, b=1)
+        with torch.no_grad():
+            r = fast64(x).logits
+            scale = r.abs().max().item()
+            ours = (fast32(x).logits.double() - r).abs().max().item() / scale
+            theirs = (ref32(x).logits.double() - r).abs().max().item() / scale
+        assert theirs < 1e-3, (arch, T, theirs)    # the fp64 evaluation is the same model
+        assert ours <= 1.5 * max(theirs, NOISE_ULPS * 2.0 ** -23), (arch, T, ours, theirs)
