@@ -65,6 +65,7 @@ LIBRARIES: Dict[str, Tuple[int, Tuple[str, ...]]] = {
     "conv": (1, _both("conv_fwd", "conv_bwd", "conv_fwd_sep", "conv_bwd_sep")),
     "gatednorm": (1, _both("gnorm_fwd", "gnorm_bwd")),
     "decode": (1, _both("decode_delta", "decode_linear", "decode_block", "decode_model")),
+    "rwkv7": (1, _both("rwkv7_fwd", "rwkv7_bwd")),
 }
 
 

@@ -1,0 +1,283 @@
+/* RWKV-7's diagonal-plus-rank-one scan on a CPU: forward and backward, token by token (linattn.cpu.rwkv7).
+
+       u_t = S_{t-1}^T a_t,     S_t = Diag(e_t) S_{t-1} + b_t u_t^T + k_t v_t^T,     o_t = scale S_t^T r_t
+
+   with the state S [K, V] per (sequence, head) (fla's layout), e_t = exp(w_t) the per-channel decays (computed
+   by torch before the call, as for csrc/delta.c). Every column j of S evolves on its own given the token's
+   vectors (u_t[j] reads column j only), so a step works on blocks of VB value columns whose accumulators stay
+   in registers while the state stays in L1 (16 KB for K = V = 64 in float).
+
+   Why a scan and not the chunk (WY/UT) form of fla's DPLR kernels: per token and head the scan costs 4 K V
+   multiply-adds over a state in cache; the chunk form costs more per token for chunks of C >= K and needs the
+   within-chunk decay ratios exp(W_i - W_j) (bounded only by splitting chunks where the decays are strong),
+   while the scan multiplies by e_t <= 1 alone: nothing in it can overflow that the recurrence itself does not.
+   Causality is structural: nothing computed for token t reads a later token's inputs except the next token's
+   read u_{t+1}, which only that token uses; a prefix gives the same bits.
+
+   Layout: tokens flat, [TT, H, D] contiguous; sequence n covers tokens starts[n] .. starts[n+1]-1. States
+   [N, H, K, V]. One OpenMP task per (sequence, head).
+
+   Backward: the forward keeps the state before every `chunk`-th token (ckpt [NCK, H, K, V], sequence n's first
+   at ck_off[n]); the backward walks the stretches in reverse, recomputes a stretch's states and reads u_t from
+   its checkpoint, then runs the reverse recurrence (G = dL/dS_t):
+       G += scale r_t do_t^T;  dr_t = scale S_t do_t;  dk_t = G v_t;  dv_t = G^T k_t;  db_t = G u_t;
+       du = G^T b_t;  dw_t = e_t * rowsum(G o S_{t-1});  da_t = S_{t-1} du;  G <- Diag(e_t) G + a_t du^T.
+
+   No -ffast-math: the reductions are vectorised through `omp simd reduction` (reassociation only); NaN and inf
+   propagate as in the PyTorch forms. The body is compiled for float (_f32) and double (_f64) by including this
+   file into itself. */
+#ifndef LINATTN_RWKV7_BODY
+#define LINATTN_RWKV7_BODY
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* -std=c11 turns floating-point contraction off; a fused multiply-add rounds once (as PyTorch's CPU kernels do)
+   and keeps NaN and inf as they are. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=fast", "no-loop-unroll-and-jam")
+#elif defined(__clang__)
+#pragma clang fp contract(fast)
+#endif
+
+#define RW_PRAGMA(x) _Pragma(#x)
+#define RW_SIMD RW_PRAGMA(omp simd)
+#define RW_SIMD_SUM(...) RW_PRAGMA(omp simd reduction(+ : __VA_ARGS__))
+#if defined(_OPENMP)
+#define RW_PARALLEL_FOR(n) RW_PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(n))
+#define RW_ATOMIC_WRITE RW_PRAGMA(omp atomic write)
+#else
+#define RW_PARALLEL_FOR(n)
+#define RW_ATOMIC_WRITE
+#endif
+#define RW_INLINE static inline __attribute__((always_inline))
+/* a block of value columns: 256 bytes with AVX-512 (32 registers), 128 without (16) */
+#if defined(__AVX512F__)
+#define RW_VBYTES 256
+#else
+#define RW_VBYTES 128
+#endif
+
+/* the interface version the Python bindings check after loading (cpu/build.py LIBRARIES) */
+int linattn_rwkv7_abi_version(void) { return 1; }
+
+#define REAL float
+#define FN(name) name##_f32
+#include "rwkv7.c"
+#undef REAL
+#undef FN
+
+#define REAL double
+#define FN(name) name##_f64
+#include "rwkv7.c"
+#undef REAL
+#undef FN
+
+#else /* ------------------------------------------------------------------ the body, once per REAL */
+
+enum { FN(RW_VB) = RW_VBYTES / sizeof(REAL) };
+
+/* u = S^T a on the columns [0, nw) of S (row stride V): the first token of a stretch */
+RW_INLINE void FN(rw_read_cols)(int64_t K, int64_t V, int64_t nw, const REAL *restrict S, const REAL *restrict a,
+                                REAL *restrict u) {
+    REAL acc[FN(RW_VB)];
+    RW_SIMD for (int64_t j = 0; j < nw; j++) acc[j] = 0;
+    for (int64_t d = 0; d < K; d++) {
+        const REAL *restrict Sd = S + d * V;
+        const REAL c = a[d];
+        RW_SIMD for (int64_t j = 0; j < nw; j++) acc[j] += c * Sd[j];
+    }
+    RW_SIMD for (int64_t j = 0; j < nw; j++) u[j] = acc[j];
+}
+
+/* One token on the columns [0, nw): Sout = Diag(e) Sin + b u^T + k v^T (Sin may be Sout: each element is read,
+   then written), o = scale Sout^T r when has_o, un = Sout^T an (the next token's read) when has_next. */
+RW_INLINE void FN(rw_step_cols)(int64_t K, int64_t V, int64_t nw, const REAL *Sin, REAL *Sout,
+                                const REAL *restrict e, const REAL *restrict b, const REAL *restrict k,
+                                const REAL *restrict u, const REAL *restrict v, const REAL *restrict r, REAL scale,
+                                REAL *restrict o, int has_o, const REAL *restrict an, REAL *restrict un,
+                                int has_next) {
+    REAL ur[FN(RW_VB)], vr[FN(RW_VB)], out[FN(RW_VB)], accn[FN(RW_VB)];
+    RW_SIMD for (int64_t j = 0; j < nw; j++) { ur[j] = u[j]; vr[j] = v[j]; out[j] = 0; accn[j] = 0; }
+    for (int64_t d = 0; d < K; d++) {
+        const REAL *Sid = Sin + d * V;
+        REAL *Sod = Sout + d * V;
+        const REAL ed = e[d], bd = b[d], kd = k[d], rd = has_o ? r[d] : 0, ad = has_next ? an[d] : 0;
+        RW_SIMD for (int64_t j = 0; j < nw; j++) {
+            const REAL s = ed * Sid[j] + bd * ur[j] + kd * vr[j];
+            Sod[j] = s;
+            if (has_o) out[j] += rd * s;
+            if (has_next) accn[j] += ad * s;
+        }
+    }
+    if (has_o) { RW_SIMD for (int64_t j = 0; j < nw; j++) o[j] = scale * out[j]; }
+    if (has_next) { RW_SIMD for (int64_t j = 0; j < nw; j++) un[j] = accn[j]; }
+}
+
+RW_INLINE void FN(rw_read)(int64_t K, int64_t V, const REAL *S, const REAL *a, REAL *u) {
+    int64_t j0 = 0;
+    for (; j0 + FN(RW_VB) <= V; j0 += FN(RW_VB)) FN(rw_read_cols)(K, V, FN(RW_VB), S + j0, a, u + j0);
+    if (j0 < V) FN(rw_read_cols)(K, V, V - j0, S + j0, a, u + j0);
+}
+
+/* one token over every column block; has_o and has_next are constants at each call site (specialised) */
+RW_INLINE void FN(rw_step)(int64_t K, int64_t V, const REAL *Sin, REAL *Sout, const REAL *e, const REAL *b,
+                           const REAL *k, const REAL *u, const REAL *v, const REAL *r, REAL scale, REAL *o,
+                           int has_o, const REAL *an, REAL *un, int has_next) {
+    int64_t j0 = 0;
+    for (; j0 + FN(RW_VB) <= V; j0 += FN(RW_VB))
+        FN(rw_step_cols)(K, V, FN(RW_VB), Sin + j0, Sout + j0, e, b, k, u + j0, v + j0, r, scale,
+                         has_o ? o + j0 : NULL, has_o, an, has_next ? un + j0 : NULL, has_next);
+    if (j0 < V)
+        FN(rw_step_cols)(K, V, V - j0, Sin + j0, Sout + j0, e, b, k, u + j0, v + j0, r, scale,
+                         has_o ? o + j0 : NULL, has_o, an, has_next ? un + j0 : NULL, has_next);
+}
+
+/* Tokens t0 .. t0+L-1 of head h from the state S (updated in place, or written to Sstates[i+1] when Sstates is
+   given, with Sstates[0] = S), outputs into o (or none), u_t into ustates[i] (or none); ckpt: the state before
+   every `chunk`-th token (or none). Returns -1 when scratch memory is missing. */
+static int FN(rw_scan)(int64_t H, int64_t K, int64_t V, int64_t h, int64_t t0, int64_t L, const REAL *r,
+                       const REAL *e, const REAL *k, const REAL *v, const REAL *a, const REAL *b, REAL scale, REAL *S,
+                       REAL *Sstates, REAL *o, REAL *ustates, REAL *ckpt, int64_t chunk) {
+    if (L <= 0) return 0;
+    const int64_t KV = K * V;
+    REAL *buf = (REAL *)malloc((size_t)(2 * V) * sizeof(REAL));
+    if (buf == NULL) return -1;
+    REAL *u = buf, *un = buf + V;
+    FN(rw_read)(K, V, S, a + (t0 * H + h) * K, u);
+    const REAL *Sin = S;
+    for (int64_t i = 0; i < L; i++) {
+        const int64_t th = (t0 + i) * H + h, tn = th + H;
+        REAL *Sout = Sstates != NULL ? Sstates + (i + 1) * KV : S;
+        if (ckpt != NULL && i % chunk == 0) memcpy(ckpt + (i / chunk) * H * KV, Sin, (size_t)KV * sizeof(REAL));
+        if (ustates != NULL) memcpy(ustates + i * V, u, (size_t)V * sizeof(REAL));
+        const REAL *et = e + th * K, *bt = b + th * K, *kt = k + th * K, *vt = v + th * V, *rt = r + th * K;
+        if (i + 1 < L) {
+            if (o != NULL)
+                FN(rw_step)(K, V, Sin, Sout, et, bt, kt, u, vt, rt, scale, o + th * V, 1, a + tn * K, un, 1);
+            else
+                FN(rw_step)(K, V, Sin, Sout, et, bt, kt, u, vt, NULL, scale, NULL, 0, a + tn * K, un, 1);
+        } else {
+            if (o != NULL)
+                FN(rw_step)(K, V, Sin, Sout, et, bt, kt, u, vt, rt, scale, o + th * V, 1, NULL, NULL, 0);
+            else
+                FN(rw_step)(K, V, Sin, Sout, et, bt, kt, u, vt, NULL, scale, NULL, 0, NULL, NULL, 0);
+        }
+        REAL *tmp = u;
+        u = un;
+        un = tmp;
+        Sin = Sout;
+    }
+    free(buf);
+    return 0;
+}
+
+/* S0 may be NULL (zeros); ckpt NULL keeps no checkpoints (no gradient). Returns -1 when scratch memory is
+   missing. */
+int FN(linattn_rwkv7_fwd)(int64_t N, int64_t H, int64_t K, int64_t V, const int64_t *starts, const REAL *r,
+                          const REAL *e, const REAL *k, const REAL *v, const REAL *a, const REAL *b, double scale,
+                          const REAL *S0, REAL *o, REAL *S_out, REAL *ckpt, const int64_t *ck_off, int64_t chunk,
+                          int nthreads) {
+    const int64_t KV = K * V;
+    int failed = 0;
+    RW_PARALLEL_FOR(nthreads)
+    for (int64_t task = 0; task < N * H; task++) {
+        const int64_t n = task / H, h = task % H;
+        REAL *S = S_out + task * KV;
+        if (S0 != NULL) memcpy(S, S0 + task * KV, (size_t)KV * sizeof(REAL));
+        else memset(S, 0, (size_t)KV * sizeof(REAL));
+        if (FN(rw_scan)(H, K, V, h, starts[n], starts[n + 1] - starts[n], r, e, k, v, a, b, (REAL)scale, S, NULL,
+                        o, NULL, ckpt != NULL ? ckpt + (ck_off[n] * H + h) * KV : NULL, chunk) != 0) {
+            RW_ATOMIC_WRITE failed = 1;
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* The reverse step of one token (module comment): G = dL/dS_t enters, dL/dS_{t-1} leaves; du: [V] scratch. */
+RW_INLINE void FN(rw_back_token)(int64_t K, int64_t V, REAL *restrict G, const REAL *restrict St,
+                                 const REAL *restrict Sp, const REAL *restrict u, const REAL *restrict e,
+                                 const REAL *restrict r, const REAL *restrict k, const REAL *restrict v,
+                                 const REAL *restrict a, const REAL *restrict b, const REAL *restrict dout, REAL scale,
+                                 REAL *restrict du, REAL *restrict dr, REAL *restrict dk, REAL *restrict dv,
+                                 REAL *restrict da, REAL *restrict db, REAL *restrict dw) {
+    RW_SIMD for (int64_t j = 0; j < V; j++) { du[j] = 0; dv[j] = 0; }
+    for (int64_t d = 0; d < K; d++) {
+        REAL *restrict Gd = G + d * V;
+        const REAL *restrict Std = St + d * V, *restrict Spd = Sp + d * V;
+        const REAL rd = scale * r[d], kd = k[d], bd = b[d];
+        REAL sr = 0, sk = 0, sb = 0, sw = 0;
+        RW_SIMD_SUM(sr, sk, sb, sw) for (int64_t j = 0; j < V; j++) {
+            const REAL g = Gd[j] + rd * dout[j];
+            Gd[j] = g;
+            sr += Std[j] * dout[j];
+            sk += g * v[j];
+            sb += g * u[j];
+            sw += g * Spd[j];
+            dv[j] += kd * g;
+            du[j] += bd * g;
+        }
+        dr[d] = scale * sr;
+        dk[d] = sk;
+        db[d] = sb;
+        dw[d] = e[d] * sw;
+    }
+    for (int64_t d = 0; d < K; d++) {
+        REAL *restrict Gd = G + d * V;
+        const REAL *restrict Spd = Sp + d * V;
+        const REAL ed = e[d], ad = a[d];
+        REAL sa = 0;
+        RW_SIMD_SUM(sa) for (int64_t j = 0; j < V; j++) {
+            sa += Spd[j] * du[j];
+            Gd[j] = ed * Gd[j] + ad * du[j];
+        }
+        da[d] = sa;
+    }
+}
+
+/* dS [N, H, K, V] enters as dL/dS_final (zeros when the final state has no gradient) and leaves as dL/dS0; dout
+   [TT, H, V] (zeros when the outputs have none). dw is dL/dw (the chain rule through e = exp(w) included).
+   Returns -1 when scratch memory is missing. */
+int FN(linattn_rwkv7_bwd)(int64_t N, int64_t H, int64_t K, int64_t V, const int64_t *starts, const REAL *r,
+                          const REAL *e, const REAL *k, const REAL *v, const REAL *a, const REAL *b, double scale,
+                          const REAL *ckpt, const int64_t *ck_off, int64_t chunk, const REAL *dout, REAL *dS_all,
+                          REAL *dr, REAL *dk, REAL *dv, REAL *da, REAL *db, REAL *dw, int nthreads) {
+    const int64_t KV = K * V;
+    int failed = 0;
+    RW_PARALLEL_FOR(nthreads)
+    for (int64_t task = 0; task < N * H; task++) {
+        const int64_t n = task / H, h = task % H;
+        const int64_t s = starts[n], L = starts[n + 1] - s;
+        REAL *restrict G = dS_all + task * KV;
+        if (L <= 0) continue;
+        /* a stretch's states S_{t0-1} .. S_{t0+Lc-1}, its reads u, and a [V] scratch row */
+        REAL *Sbuf = (REAL *)malloc((size_t)((chunk + 1) * KV + chunk * V + V) * sizeof(REAL));
+        if (Sbuf == NULL) {
+            RW_ATOMIC_WRITE failed = 1;
+            continue;
+        }
+        REAL *ubuf = Sbuf + (chunk + 1) * KV, *du = ubuf + chunk * V;
+        for (int64_t c = (L + chunk - 1) / chunk - 1; c >= 0; c--) {
+            const int64_t t0 = s + c * chunk, Lc = (L - c * chunk) < chunk ? (L - c * chunk) : chunk;
+            memcpy(Sbuf, ckpt + ((ck_off[n] + c) * H + h) * KV, (size_t)KV * sizeof(REAL));
+            if (FN(rw_scan)(H, K, V, h, t0, Lc, r, e, k, v, a, b, (REAL)scale, Sbuf, Sbuf, NULL, ubuf, NULL,
+                            chunk) != 0) {
+                RW_ATOMIC_WRITE failed = 1;
+                break;
+            }
+            for (int64_t i = Lc - 1; i >= 0; i--) {
+                const int64_t th = (t0 + i) * H + h;
+                const int64_t tk = th * K, tv = th * V;
+                FN(rw_back_token)(K, V, G, Sbuf + (i + 1) * KV, Sbuf + i * KV, ubuf + i * V, e + tk, r + tk, k + tk,
+                                  v + tv, a + tk, b + tk, dout + tv, (REAL)scale, du, dr + tk, dk + tk, dv + tv,
+                                  da + tk, db + tk, dw + tk);
+            }
+        }
+        free(Sbuf);
+    }
+    return failed ? -1 : 0;
+}
+
+#endif
