@@ -16,6 +16,9 @@ from linattn.errors import LinattnError
 from linattn.ops.reference import rwkv7_ref
 
 MODES = ["recurrent", "chunk", "parallel"]
+# "torch": the core's interleaved forms (the fallback); "auto": on CPU tensors the compiled scan (csrc/rwkv7.c)
+# when a C compiler is at hand, else the same fallback (tests/ops/test_rwkv7_cpu.py checks which ran)
+BACKENDS = ["torch", "auto"]
 W_BOUND = 0.6065306597126334   # exp(-1/2): fla's bound on -w in the RWKV-7 layer
 WHEEL = os.path.join(os.path.dirname(__file__), "..", "..", "wheels", "fla_core-0.6.0-py3-none-any.whl")
 
@@ -40,10 +43,12 @@ def _tol(dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("T", [1, 11, 20])
-def test_forms_match_reference(mode, dtype, T):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forms_match_reference(mode, dtype, T, backend):
     # chunk_size 3 tokens: T = 11 and 20 are not multiples; T = 1 a single token
     (r, w, k, v, a, b), S0 = _inputs(T=T, dtype=dtype)
-    o, S = linattn.rwkv7(r, w, k, v, a, b, initial_state=S0, output_final_state=True, mode=mode, chunk_size=3)
+    o, S = linattn.rwkv7(r, w, k, v, a, b, initial_state=S0, output_final_state=True, mode=mode, chunk_size=3,
+                         backend=backend)
     o_ref, S_ref = rwkv7_ref(r, w, k, v, a, b, S0=S0)
     assert o.dtype == dtype and S.shape == S0.shape
     tol = _tol(dtype)
@@ -53,9 +58,11 @@ def test_forms_match_reference(mode, dtype, T):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("mode", MODES)
-def test_gradients_match_reference(mode, dtype):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_match_reference(mode, dtype, backend):
     xs, S0 = _inputs(T=7, dtype=dtype, grad=True, seed=1)
-    o, S = linattn.rwkv7(*xs, scale=0.7, initial_state=S0, output_final_state=True, mode=mode, chunk_size=3)
+    o, S = linattn.rwkv7(*xs, scale=0.7, initial_state=S0, output_final_state=True, mode=mode, chunk_size=3,
+                         backend=backend)
     go = torch.randn(o.shape, generator=torch.Generator().manual_seed(5))
     gS = torch.randn(S.shape, generator=torch.Generator().manual_seed(6))
     grads = torch.autograd.grad((o * go.to(dtype)).sum() + (S * gS.to(S.dtype)).sum(), xs + [S0])
@@ -79,13 +86,14 @@ def test_default_scale_is_one_and_states_carry_across_calls():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_cu_seqlens(mode):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cu_seqlens(mode, backend):
     lens = [4, 1, 9]
     (r, w, k, v, a, b), S0 = _inputs(B=1, T=sum(lens), seed=2)
     S0 = torch.randn(len(lens), *S0.shape[1:], dtype=S0.dtype)
     cu = torch.tensor([0, 4, 5, 14])
     o, S = linattn.rwkv7(r, w, k, v, a, b, initial_state=S0, output_final_state=True, cu_seqlens=cu, mode=mode,
-                         chunk_size=3)
+                         chunk_size=3, backend=backend)
     for i, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         o_ref, S_ref = rwkv7_ref(*(x[:, lo:hi] for x in (r, w, k, v, a, b)), S0=S0[i:i + 1])
         assert torch.allclose(o[:, lo:hi], o_ref, atol=1e-12, rtol=0)
@@ -143,9 +151,10 @@ def test_matches_fla_naive_fp64(monkeypatch, tmp_path, T):
     fo, fS = fo.as_subclass(torch.Tensor).transpose(1, 2), fS.as_subclass(torch.Tensor)
     assert fo.dtype == torch.float64
     for mode in MODES:  # fla's naive scales q by K**-0.5 (its chunk_rwkv7 defaults to 1.0)
-        o, S = linattn.rwkv7(r, w, k, v, a, b, scale=K ** -0.5, initial_state=S0, output_final_state=True,
-                             mode=mode, chunk_size=4)
-        assert (o - fo).abs().max() <= 1e-12 and (S - fS).abs().max() <= 1e-12, mode
+        for backend in BACKENDS:
+            o, S = linattn.rwkv7(r, w, k, v, a, b, scale=K ** -0.5, initial_state=S0, output_final_state=True,
+                                 mode=mode, chunk_size=4, backend=backend)
+            assert (o - fo).abs().max() <= 1e-12 and (S - fS).abs().max() <= 1e-12, (mode, backend)
 
 
 def test_bad_input():
@@ -297,12 +306,14 @@ def test_layer_rejects_bad_config():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_strong_decays_stay_finite_and_exact(mode):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strong_decays_stay_finite_and_exact(mode, backend):
     # log decays down to -20 per token (exp(-20) ~ 2e-9) in fp32: the core's per-channel path keeps every exponent
-    # <= 0, so nothing overflows and the forms agree with the fp64 loop
+    # <= 0 and the compiled scan multiplies by exp(w) <= 1 alone, so nothing overflows and the forms agree with the
+    # fp64 loop
     (r, w, k, v, a, b), _ = _inputs(B=1, T=40, K=8, V=8, dtype=torch.float32, seed=4)
     w = w / W_BOUND * 20
-    o, S = linattn.rwkv7(r, w, k, v, a, b, mode=mode, output_final_state=True)
+    o, S = linattn.rwkv7(r, w, k, v, a, b, mode=mode, output_final_state=True, backend=backend)
     o_ref, S_ref = rwkv7_ref(r, w, k, v, a, b)
     assert torch.isfinite(o).all() and torch.isfinite(S).all()
     assert (o.double() - o_ref).abs().max() < 1e-4 * (1 + o_ref.abs().max())
