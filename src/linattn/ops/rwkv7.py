@@ -35,8 +35,8 @@ from typing import Optional, Tuple
 import torch
 
 from ..errors import LinattnError
-from ._common import check_cu_seqlens, check_log_gate, check_mode, check_qkv, check_scale
-from .delta_core import LOG_GATE_FLOOR, DeltaProblem, Rwkv7Source, check_tensor_like, prepare_delta, run_delta
+from ._common import LOG_GATE_FLOOR, check_cu_seqlens, check_log_gate, check_mode, check_qkv, check_scale
+from .delta_core import DeltaProblem, Rwkv7Source, check_tensor_like, prepare_delta, run_delta
 from .registry import randn, register_op, uniform, unit
 
 
