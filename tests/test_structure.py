@@ -112,3 +112,42 @@ def test_tests_mirror_src_and_share_code_through_helpers():
                      else [])   # `from tests import test_x` too
             bad += [f"{path.relative_to(tests)}: {n}" for n in names if n.rsplit(".", 1)[-1].startswith("test_")]
     assert not bad, f"test files importing test files: {bad}"
+
+
+def _longest_chain(graph: Dict[str, Set[str]], package: str) -> List[str]:
+    """The longest chain of imports between the modules of `package` (its __init__ left out: it re-exports)."""
+    inside = {m for m in graph if m.startswith(package + ".")}
+    best: Dict[str, List[str]] = {}
+
+    def walk(m: str) -> List[str]:
+        if m not in best:
+            tails = [walk(t) for t in graph[m] if t in inside]
+            best[m] = [m] + max(tails, key=len, default=[])
+        return best[m]
+
+    return max((walk(m) for m in inside), key=len, default=[])
+
+
+# the import levels a subpackage may stack; layers/: registry and cache, packing, common, the fast decoding step,
+# base, a mixer, a mixer built on another (delta_family on delta), one spare
+CHAIN_LIMITS = {"layers": 8}
+DEFAULT_CHAIN_LIMIT = 6
+
+
+def test_import_chains_inside_subpackages_stay_short():
+    """A helper two sibling modules share moves down (layers/common.py, a module of its own), rather than one
+    sibling importing the other: that keeps each subpackage a few levels deep."""
+    graph = _package_edges(import_graph())
+    packages = sorted({m.rsplit(".", 1)[0] for m in graph if m.count(".") >= 2})
+    long = {}
+    for package in packages:
+        chain = _longest_chain(graph, package)
+        limit = CHAIN_LIMITS.get(package.split(".", 1)[1], DEFAULT_CHAIN_LIMIT)
+        if len(chain) > limit:
+            long[package] = f"{len(chain)} > {limit}: " + " -> ".join(chain)
+    assert not long, f"import chains too long: {long}"
+
+
+def test_longest_chain_follows_the_imports():
+    graph = {"p.a": {"p.b", "q.x"}, "p.b": {"p.c"}, "p.c": set(), "p.d": {"p.c"}, "q.x": set()}
+    assert _longest_chain(graph, "p") == ["p.a", "p.b", "p.c"]

@@ -2,7 +2,7 @@
 
 1. Exactness: every feature map of `linear_attention` (each exactly decomposable kernel) and the
    delta rule (DeltaNet, Gated DeltaNet, EFLA) in their parallel, chunk and recurrent forms against
-   the fp64 references of `linattn.ops.reference` (`linattn.bench.ops.run_exactness`); max errors.
+   the fp64 references of `linattn.ops.reference` (`linattn.exactness.run_exactness`); max errors.
 2. Scaling: causal attention time and peak memory from 1k to 32k tokens, linear (elu+1, chunk
    form) against softmax (SDPA), forward, with a plot (`linattn bench ops`).
 3. Learning: a short training of a small ELA-GPT (Hadamard Exp kernel) and of the same GPT with
@@ -59,7 +59,7 @@ def add_arguments(p) -> None:
 # ----------------------------------------------------------------------------------------------
 
 def exactness() -> Dict[str, Any]:
-    from .bench.ops import format_exactness, run_exactness
+    from .exactness import format_exactness, run_exactness
 
     _section("1. Exactness (fp64): every kernel's and EFLA's three forms against the quadratic reference")
     t = time.perf_counter()

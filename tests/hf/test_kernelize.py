@@ -297,3 +297,36 @@ if __name__ == "__main__":
     print("|---|---|---|---|---|---|---|---|---|")
     for arch in ARCHS:
         print(equivalence_row(arch), flush=True)
+
+
+@pytest.mark.parametrize("name, replaces, module", [
+    ("gdn_chunk", "torch_chunk_gated_delta_rule", "qwen3_next"),
+    ("gdn_recurrent", "torch_recurrent_gated_delta_rule", "qwen3_next"),
+    ("kda_chunk", "chunk_kimi_delta_attention", "kimi_linear"),
+    ("kda_recurrent", "recurrent_kimi_delta_attention", "kimi_linear")])
+def test_delta_adapters_keep_transformers_signature_and_compute_delta_rule(name, replaces, module):
+    """The four adapters come from one factory: each takes its transformers function's parameters (positionally
+    too) and returns delta_rule's answer in that form."""
+    import inspect
+
+    from linattn import delta_rule
+
+    mod = importlib.import_module("linattn.hf.kernelize")
+    adapter = getattr(mod, name)
+    theirs = inspect.unwrap(getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
+                                    replaces))
+    assert list(inspect.signature(adapter).parameters) == list(inspect.signature(theirs).parameters)
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 7, 2, 4, generator=gen, dtype=torch.float64), torch.randn(1, 7, 2, 4, generator=gen,
+                                                                                   dtype=torch.float64)
+    v, beta = torch.randn(1, 7, 4, 3, generator=gen, dtype=torch.float64), torch.rand(1, 7, 4, generator=gen,
+                                                                                     dtype=torch.float64)
+    g = -torch.rand(1, 7, 4, *((4,) if name.startswith("kda") else ()), generator=gen, dtype=torch.float64)
+    s0 = torch.randn(1, 4, 4, 3, generator=gen, dtype=torch.float64)
+    mode = "chunk" if name.endswith("chunk") else "recurrent"
+    want = delta_rule(q, k, v, beta, g=g, qk_l2norm="rsqrt", mode=mode, initial_state=s0, output_final_state=True)
+    positional = (q, k, v, g, beta) + ((64,) if mode == "chunk" else ()) + (s0, True, True)
+    for got in (adapter(*positional), adapter(q, k, v, g=g, beta=beta, initial_state=s0, output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True)):
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)

@@ -363,3 +363,15 @@ def test_packed_argument_errors():
         layer(torch.randn(1, 31, 32), cu_seqlens=[0, 5, 31])
     with pytest.raises(LinattnError, match="integer"):
         layer(torch.randn(1, 31, 32), cu_seqlens=cu.float())
+
+
+def test_every_registered_mixer_declares_that_it_packs_documents():
+    """`Block` trusts the class attribute instead of reading forward's signature: the two must agree."""
+    import inspect
+
+    from linattn.models import build_mixer, mixers
+
+    for name in mixers():
+        layer = build_mixer(name, 16, 2)
+        takes = "cu_seqlens" in inspect.signature(layer.forward).parameters
+        assert getattr(layer, "supports_cu_seqlens", False) == takes, name

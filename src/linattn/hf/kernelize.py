@@ -185,19 +185,15 @@ def conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None,
     return _act_rest(y.transpose(1, 2), activation).to(hidden_states.dtype)
 
 
-def _delta(query, key, value, g, beta, mode, initial_state, output_final_state, use_qk_l2norm_in_kernel, kwargs):
-    cu = _cu_seqlens(kwargs, query.shape[1], query.device)
-    dt = query.dtype
-    s0 = None if initial_state is None else initial_state.to(_state_dtype(query))
-    o, state = delta_rule(query, key, value.to(dt), beta.to(dt), g=g.to(_state_dtype(query)),
-                          qk_l2norm="rsqrt" if use_qk_l2norm_in_kernel else False, mode=mode,
-                          initial_state=s0, output_final_state=bool(output_final_state), cu_seqlens=cu)
-    return o, state
-
-
-def gdn_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, **kwargs):
-    """transformers' `torch_chunk_gated_delta_rule`, served by `delta_rule` (chunk form: training and prefill).
+# transformers' two signatures of a delta-rule kernel (the chunk one takes a chunk size, which linattn picks itself)
+_DELTA_SIGNATURES = {
+    "chunk": inspect.signature(lambda query, key, value, g, beta, chunk_size=64, initial_state=None,
+                               output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs: None),
+    "recurrent": inspect.signature(lambda query, key, value, g, beta, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm_in_kernel=False, **kwargs: None),
+}
+_DELTA_USE = {"chunk": "chunk form: training and prefill", "recurrent": "recurrent form: decoding, any T"}
+_DELTA_DOC = """transformers' `{replaces}`, served by `delta_rule` ({use}).
 
     `kernelize` installs it in place of transformers' function; it takes that function's arguments and returns
     what it returns.
@@ -206,9 +202,8 @@ def gdn_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, out
         query: Queries `[B, T, H, K]`.
         key: Keys `[B, T, H, K]`.
         value: Values `[B, T, HV, V]` (HV a multiple of H: grouped value heads).
-        g: The log-gate per value head `[B, T, HV]` (<= 0).
-        beta: Write strengths `[B, T, HV]`.
-        chunk_size: Accepted for the signature; linattn picks its own chunk.
+        g: {gate}
+        beta: Write strengths `[B, T, HV]`.{chunk_arg}
         initial_state: The state `[N, HV, K, V]` to start from, or None.
         output_final_state: Also return the final state.
         use_qk_l2norm_in_kernel: L2-normalise q and k inside the operator (the "rsqrt" form).
@@ -217,11 +212,10 @@ def gdn_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, out
     Returns:
         (o `[B, T, HV, V]` in the input dtype, the final state `[N, HV, K, V]` in fp32 (fp64 for fp64 inputs)
         or None).
-
+{example}"""
+_GDN_EXAMPLE = """
     Examples:
         >>> import torch
-        >>> import torch.nn.functional as F
-        >>> from linattn import delta_rule
         >>> from linattn.hf.kernelize import gdn_chunk, gdn_recurrent
         >>> q, k = torch.randn(1, 9, 2, 8), torch.randn(1, 9, 2, 8)
         >>> v, g, beta = torch.randn(1, 9, 4, 8), -torch.rand(1, 9, 4), torch.rand(1, 9, 4)
@@ -231,88 +225,40 @@ def gdn_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, out
         >>> o_rec, _ = gdn_recurrent(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
         >>> torch.allclose(o, o_rec, atol=1e-5)
         True
-    """
-    return _delta(query, key, value, g, beta, "chunk", initial_state, output_final_state,
-                  use_qk_l2norm_in_kernel, kwargs)
+"""
 
 
-def gdn_recurrent(query, key, value, g, beta, initial_state=None, output_final_state=False,
-                  use_qk_l2norm_in_kernel=False, **kwargs):
-    """transformers' `torch_recurrent_gated_delta_rule`, served by `delta_rule` (recurrent form: decoding, any T).
+def _delta_adapter(name: str, mode: str, replaces: str, gate: str, example: str = "") -> Callable:
+    """One delta-rule adapter: transformers' kernel signature of `mode` over `delta_rule` in that form."""
+    signature = _DELTA_SIGNATURES[mode]
 
-    `kernelize` installs it in place of transformers' function; it takes that function's arguments and returns
-    what it returns.
+    def adapter(*args, **kwargs):
+        a = signature.bind(*args, **kwargs)
+        a.apply_defaults()
+        p = a.arguments
+        query, s0 = p["query"], p["initial_state"]
+        cu = _cu_seqlens(p["kwargs"], query.shape[1], query.device)
+        dt, sdt = query.dtype, _state_dtype(query)
+        return delta_rule(query, p["key"], p["value"].to(dt), p["beta"].to(dt), g=p["g"].to(sdt),
+                          qk_l2norm="rsqrt" if p["use_qk_l2norm_in_kernel"] else False, mode=mode,
+                          initial_state=None if s0 is None else s0.to(sdt),
+                          output_final_state=bool(p["output_final_state"]), cu_seqlens=cu)
 
-    Args:
-        query: Queries `[B, T, H, K]`.
-        key: Keys `[B, T, H, K]`.
-        value: Values `[B, T, HV, V]` (HV a multiple of H: grouped value heads).
-        g: The log-gate per value head `[B, T, HV]` (<= 0).
-        beta: Write strengths `[B, T, HV]`.
-        initial_state: The state `[N, HV, K, V]` to start from, or None.
-        output_final_state: Also return the final state.
-        use_qk_l2norm_in_kernel: L2-normalise q and k inside the operator (the "rsqrt" form).
-        **kwargs: transformers' packed-sequence arguments (`cu_seqlens`, `cu_seq_lens_q`), or none.
-
-    Returns:
-        (o `[B, T, HV, V]` in the input dtype, the final state `[N, HV, K, V]` in fp32 (fp64 for fp64 inputs)
-        or None).
-    """
-    return _delta(query, key, value, g, beta, "recurrent", initial_state, output_final_state,
-                  use_qk_l2norm_in_kernel, kwargs)
-
-
-def kda_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, **kwargs):
-    """transformers' `chunk_kimi_delta_attention`, served by `delta_rule` (chunk form: training and prefill).
-
-    `kernelize` installs it in place of transformers' function; it takes that function's arguments and returns
-    what it returns.
-
-    Args:
-        query: Queries `[B, T, H, K]`.
-        key: Keys `[B, T, H, K]`.
-        value: Values `[B, T, HV, V]` (HV a multiple of H: grouped value heads).
-        g: The per-channel log-gates `[B, T, HV, K]` (<= 0).
-        beta: Write strengths `[B, T, HV]`.
-        chunk_size: Accepted for the signature; linattn picks its own chunk.
-        initial_state: The state `[N, HV, K, V]` to start from, or None.
-        output_final_state: Also return the final state.
-        use_qk_l2norm_in_kernel: L2-normalise q and k inside the operator (the "rsqrt" form).
-        **kwargs: transformers' packed-sequence arguments (`cu_seqlens`, `cu_seq_lens_q`), or none.
-
-    Returns:
-        (o `[B, T, HV, V]` in the input dtype, the final state `[N, HV, K, V]` in fp32 (fp64 for fp64 inputs)
-        or None).
-    """
-    return _delta(query, key, value, g, beta, "chunk", initial_state, output_final_state,
-                  use_qk_l2norm_in_kernel, kwargs)
+    adapter.__name__ = adapter.__qualname__ = name
+    adapter.__signature__ = signature
+    chunk_arg = ("\n        chunk_size: Accepted for the signature; linattn picks its own chunk." if mode == "chunk"
+                 else "")
+    adapter.__doc__ = _DELTA_DOC.format(replaces=replaces, use=_DELTA_USE[mode], gate=gate, chunk_arg=chunk_arg,
+                                        example=example)
+    return adapter
 
 
-def kda_recurrent(query, key, value, g, beta, initial_state=None, output_final_state=False,
-                  use_qk_l2norm_in_kernel=False, **kwargs):
-    """transformers' `recurrent_kimi_delta_attention`, served by `delta_rule` (recurrent form: decoding, any T).
-
-    `kernelize` installs it in place of transformers' function; it takes that function's arguments and returns
-    what it returns.
-
-    Args:
-        query: Queries `[B, T, H, K]`.
-        key: Keys `[B, T, H, K]`.
-        value: Values `[B, T, HV, V]` (HV a multiple of H: grouped value heads).
-        g: The per-channel log-gates `[B, T, HV, K]` (<= 0).
-        beta: Write strengths `[B, T, HV]`.
-        initial_state: The state `[N, HV, K, V]` to start from, or None.
-        output_final_state: Also return the final state.
-        use_qk_l2norm_in_kernel: L2-normalise q and k inside the operator (the "rsqrt" form).
-        **kwargs: transformers' packed-sequence arguments (`cu_seqlens`, `cu_seq_lens_q`), or none.
-
-    Returns:
-        (o `[B, T, HV, V]` in the input dtype, the final state `[N, HV, K, V]` in fp32 (fp64 for fp64 inputs)
-        or None).
-    """
-    return _delta(query, key, value, g, beta, "recurrent", initial_state, output_final_state,
-                  use_qk_l2norm_in_kernel, kwargs)
+_GDN_GATE = "The log-gate per value head `[B, T, HV]` (<= 0)."
+_KDA_GATE = "The per-channel log-gates `[B, T, HV, K]` (<= 0)."
+gdn_chunk = _delta_adapter("gdn_chunk", "chunk", "torch_chunk_gated_delta_rule", _GDN_GATE, _GDN_EXAMPLE)
+gdn_recurrent = _delta_adapter("gdn_recurrent", "recurrent", "torch_recurrent_gated_delta_rule", _GDN_GATE)
+kda_chunk = _delta_adapter("kda_chunk", "chunk", "chunk_kimi_delta_attention", _KDA_GATE)
+kda_recurrent = _delta_adapter("kda_recurrent", "recurrent", "recurrent_kimi_delta_attention", _KDA_GATE)
 
 
 def _mamba_state(kv: torch.Tensor) -> LinearAttentionState:

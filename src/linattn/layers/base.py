@@ -82,6 +82,8 @@ class AttentionBase(nn.Module):
     #: the fast step may run as one compiled call (cpu/decode.py) where it covers the layer; False: the PyTorch
     #: fast step (bench decode --decode-step both compares them); LINATTN_CPU_KERNELS=0 turns it off everywhere
     compiled_decode = True
+    #: forward takes cu_seqlens (packed documents) and keeps the documents apart (`Block` relies on it)
+    supports_cu_seqlens = True
     #: the model-config fields this layer takes (same names as its keyword arguments), plus the
     #: block's "layer_idx"; subclasses extend it with their own (module docstring)
     config_fields: Tuple[str, ...] = ("head_dim", "rope", "rope_base", "short_conv", "max_seq_len", "norm_eps",

@@ -480,6 +480,16 @@ def mamba_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     return neg_a * F.softplus(a + (dt_bias if dt_bias.dtype == f else dt_bias.to(f)))
 
 
+def init_mamba_decay(n_heads: int, A_range=(1.0, 16.0), dt_min: float = 1e-3, dt_max: float = 0.1):
+    """Mamba2's initialisation: A ~ U(A_range) (stored as log A), dt ~ logU(dt_min, dt_max)
+    (stored through the inverse softplus as dt_bias)."""
+    A = torch.empty(n_heads).uniform_(*A_range)
+    dt = torch.exp(torch.rand(n_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp(min=1e-4)
+    dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse of softplus
+    return torch.log(A), dt_bias
+
+
 def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS, convention: str = "rsqrt") -> torch.Tensor:
     """x / ||x|| over the last dimension (in fp32, or fp64), the delta rule's q/k normalisation.
 

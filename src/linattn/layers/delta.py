@@ -33,8 +33,7 @@ from ..ops import delta_rule
 from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
 from .base import AttentionBase
 from .cache import LayerCache
-from .common import cdt, l2_normalize, mamba_log_decay
-from .linear_attention import init_mamba_decay
+from .common import cdt, init_mamba_decay, l2_normalize, mamba_log_decay
 from .registry import register_mixer
 
 BETA_MODES = ("sigmoid", "adaptive", "loose")

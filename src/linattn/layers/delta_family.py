@@ -34,9 +34,8 @@ import torch.nn.functional as F
 from ..errors import LinattnError, LinattnTypeError
 from ..ops import comba, delta_product
 from .cache import LayerCache
-from .common import ShortConv, cdt, l2_normalize, mamba_log_decay
+from .common import ShortConv, cdt, init_mamba_decay, l2_normalize, mamba_log_decay
 from .delta import DeltaNet, GatedDeltaNet
-from .linear_attention import init_mamba_decay
 from .packing import packed_positions
 from .registry import register_mixer
 

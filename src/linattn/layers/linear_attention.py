@@ -15,7 +15,6 @@ B/C) every gate is per value head (retnet: gamma_j for j < HV).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
@@ -28,9 +27,9 @@ from ..ops.feature_maps import FeatureMap, feature_map_names, get_feature_map, o
 from . import fast_decode
 from .base import AttentionBase
 from .cache import LayerCache
-from .common import mamba_log_decay
+from .common import init_mamba_decay, mamba_log_decay
+from .grouped_kv import group_kv_heads, grouped_qkv, repeat_kv
 from .registry import register_mixer
-from .softmax import group_kv_heads, grouped_qkv, repeat_kv
 
 GATES = (None, "retnet", "scalar", "diagonal")
 
@@ -40,16 +39,6 @@ def _feature_dim(fmap: FeatureMap, head_dim: int) -> int:
     x = torch.zeros(1, 1, 1, head_dim)
     pos = torch.zeros(1, 1, dtype=torch.long)
     return int(fmap.phi(x, pos).shape[-1])
-
-
-def init_mamba_decay(n_heads: int, A_range=(1.0, 16.0), dt_min: float = 1e-3, dt_max: float = 0.1):
-    """Mamba2's initialisation: A ~ U(A_range) (stored as log A), dt ~ logU(dt_min, dt_max)
-    (stored through the inverse softplus as dt_bias)."""
-    A = torch.empty(n_heads).uniform_(*A_range)
-    dt = torch.exp(torch.rand(n_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-    dt = dt.clamp(min=1e-4)
-    dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse of softplus
-    return torch.log(A), dt_bias
 
 
 def sum_normalized(f: torch.Tensor) -> torch.Tensor:

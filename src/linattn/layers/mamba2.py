@@ -90,6 +90,8 @@ class Mamba2Block(nn.Module):
     causal = True
     #: the q (= C) scale: the SSD reads the state with C as it is
     scale = 1.0
+    #: forward takes cu_seqlens (packed documents) and keeps the documents apart (`Block` relies on it)
+    supports_cu_seqlens = True
     config_fields = ("head_dim", "rope", "rope_base", "short_conv", "max_seq_len", "norm_eps", "chunk_size",
                      "layer_idx")
 

@@ -127,6 +127,8 @@ class RWKV7(nn.Module):
     """
 
     causal = True
+    #: forward takes cu_seqlens (packed documents) and keeps the documents apart (`Block` relies on it)
+    supports_cu_seqlens = True
     config_fields = ("head_dim", "rope", "rope_base", "short_conv", "max_seq_len", "chunk_size", "layer_idx",
                      "n_layers")
     scale = 1.0

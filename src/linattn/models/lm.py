@@ -14,7 +14,6 @@ Packed documents: `model(ids [1, T_total], cu_seqlens=offsets)` runs every docum
 """
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 from dataclasses import dataclass
@@ -110,8 +109,8 @@ class Block(nn.Module):
         self.residual = c.residual
         self.hyperlink_ffn_skip = c.hyperlink_ffn_skip
         self.mixer = build_mixer(self.mixer_name, c.d_model, c.n_heads, **mixer_kwargs(c, self.mixer_name, layer_idx))
-        params = inspect.signature(self.mixer.forward).parameters
-        self.mixer_packs = "cu_seqlens" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        # packed documents (cu_seqlens) only reach a mixer that says it keeps them apart
+        self.mixer_packs = bool(getattr(self.mixer, "supports_cu_seqlens", False))
         self.norm1 = make_norm(c)
         # RWKV-7's norm of the embeddings (its ln0), kept in the first block as fla does
         self.pre_norm = make_norm(c) if c.embed_norm and layer_idx == 0 else None

@@ -30,6 +30,10 @@ from ..errors import LinattnError, LinattnTypeError
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MODES = ("parallel", "chunk", "recurrent")
 CHECK_LEVELS = ("auto", "full", "shapes")
+FLA_CHUNK = 64   # fla's chunk kernels' default chunk length
+# per-token log-gates below -LOG_GATE_FLOOR are raised to it: exp() of either is exactly 0 in every dtype, and
+# a cumulative sum of gates near the dtype's lowest value would reach -inf (then -inf - -inf = NaN)
+LOG_GATE_FLOOR = 1e4
 
 _checks = os.environ.get("LINATTN_CHECKS", "auto").strip().lower() or "auto"
 if _checks not in CHECK_LEVELS:

@@ -27,7 +27,9 @@ from .. import fla
 from ..errors import LinattnError, LinattnTypeError
 from ..triton import triton_chunk_size
 from ._common import (
+    FLA_CHUNK,
     FLOAT_DTYPES,
+    LOG_GATE_FLOOR,
     causal_matmul,
     check_cu_seqlens,
     check_log_gate,
@@ -56,13 +58,9 @@ from .l2norm import L2NORM_EPS, l2norm, resolve_l2norm, select_rows
 CHANNEL_BLOCK = 16       # chunk length with per-channel gates (their intra-chunk work is O(T * (c + C/c) * K))
 CHANNEL_SUB = 4          # ... and its sub-blocks (c = sqrt(C) minimises c + C/c; 16/4 and 32/8 measured equal on CPU)
 TRITON_MAX_K = 256       # the Triton kernels keep a whole K in registers
-FLA_CHUNK = 64           # fla's chunk kernels' default chunk length
 
 SERIES_BELOW = 1e-3      # the EFLA coefficient uses its Taylor series below x = beta lam = 1e-3
 PSI_SERIES_BELOW = 0.1  # ... and its lam-derivative below x = 0.1
-# per-token log-gates below -LOG_GATE_FLOOR are raised to it: exp() of either is exactly 0 in every dtype, and
-# a cumulative sum of gates near the dtype's lowest value would reach -inf (then -inf - -inf = NaN)
-LOG_GATE_FLOOR = 1e4
 WIDE_GATES_ABOVE = 64    # blocks longer than this (the parallel form) sum fp32 gates in fp64 (`_wy_blocks`)
 
 

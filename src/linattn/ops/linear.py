@@ -55,6 +55,8 @@ from ..cpu import MAX_CHUNK as CPU_MAX_CHUNK
 from ..errors import LinattnError, LinattnTypeError
 from ..triton import triton_chunk_size
 from ._common import (
+    FLA_CHUNK,
+    LOG_GATE_FLOOR,
     check_cu_seqlens,
     check_finite_output,
     check_log_gate,
@@ -73,7 +75,6 @@ from .backend import (
     select_backend,
     triton_linear_attention,
 )
-from .delta_core import FLA_CHUNK, LOG_GATE_FLOOR
 from .feature_maps import FeatureMap, get_feature_map
 from .heads import value_groups
 from .linear_chunk import FUSED, chunk_matmul_form, linear_chunk

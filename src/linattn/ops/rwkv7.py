@@ -40,9 +40,18 @@ from typing import ClassVar, List, Optional, Tuple
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
-from ._common import FLOAT_DTYPES, check_cu_seqlens, check_log_gate, check_mode, check_qkv, check_scale, compute_dtype
+from ._common import (
+    FLOAT_DTYPES,
+    LOG_GATE_FLOOR,
+    check_cu_seqlens,
+    check_log_gate,
+    check_mode,
+    check_qkv,
+    check_scale,
+    compute_dtype,
+)
 from .backend import select_backend
-from .delta_core import LOG_GATE_FLOOR, DeltaProblem, Rwkv7Source, check_tensor_like, prepare_delta, run_delta
+from .delta_core import DeltaProblem, Rwkv7Source, check_tensor_like, prepare_delta, run_delta
 from .registry import randn, register_op, uniform, unit
 
 
