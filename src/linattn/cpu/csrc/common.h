@@ -1,0 +1,164 @@
+/* The house style of the kernel sources in csrc/: what every file shares.
+
+   Included twice by a kernel source: once at its top (the part below LINATTN_COMMON_ONCE: headers, pragmas as
+   macros, the two exp functions, the ABI and sizeof export macros) and once inside its body for each REAL (the
+   part under `#ifdef REAL`: SiLU, the overflow-safe L2 row, the RMSNorm row, compiled once per REAL with FN()).
+
+   Floating-point contraction: ON (fused multiply-add where the compiler finds a * b + c), decided once, by the
+   build flag -ffp-contract=fast (cpu/build.py BASE_FLAGS), and stated nowhere else: no source carries an
+   fp-contract pragma. Why on: an FMA rounds once instead of twice (never less accurate than the two roundings),
+   it is what PyTorch's own vectorised CPU kernels do, it keeps inf and NaN as they are (unlike -ffast-math,
+   which the build never uses), and on the delta family it was measured faster. GCC's -std=c11 would default
+   to off ("standard" contraction), which is why the flag is explicit. The bits therefore depend on the
+   compiler's choice of which products to fuse: the golden-bits test (tests/cpu/test_golden_bits.py) is keyed
+   by compiler version and CPU. */
+#ifndef LINATTN_COMMON_ONCE
+#define LINATTN_COMMON_ONCE
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+/* simd pragmas always (honoured under -fopenmp or -fopenmp-simd, ignored otherwise); threads under OpenMP */
+#define LA_PRAGMA(x) _Pragma(#x)
+#define LA_SIMD LA_PRAGMA(omp simd)
+#define LA_SIMD_SUM(...) LA_PRAGMA(omp simd reduction(+ : __VA_ARGS__))
+#if defined(_OPENMP)
+#define LA_ATOMIC_WRITE LA_PRAGMA(omp atomic write)
+#else
+#define LA_ATOMIC_WRITE
+#endif
+#define LA_INLINE static inline __attribute__((always_inline))
+#if defined(__GNUC__)
+#define LA_PREFETCH(p, w) __builtin_prefetch((p), (w))
+#else
+#define LA_PREFETCH(p, w) ((void)0)
+#endif
+
+/* Every library exports its interface version, which the loader checks against the binding table
+   (cpu/bindings.py), and the size of each plan struct it takes (checked against the ctypes struct). */
+#define LA_ABI_VERSION(lib, n) \
+    int linattn_##lib##_abi_version(void) { return (n); }
+#define LA_EXPORT_SIZEOF(type) \
+    int64_t linattn_sizeof_##type(void) { return (int64_t)sizeof(type); }
+
+/* exp in plain arithmetic, so that loops over it vectorise (libm's exp is a call per element) and every element
+   gets the same bits wherever it sits in a vector (a prefix run reproduces the full run's values). x = n ln2 + r,
+   |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts, n rounded by adding and subtracting 1.5 2^k), e^r by its Taylor
+   polynomial (degree 7 in float, 13 in double: the truncation is far below half an ulp), times 2^n applied as
+   two exact powers of two, so that results down into the subnormals and the overflow to inf come out of the last
+   product with one rounding. Within 1 ulp of libm over the whole range (tests/cpu/test_common.py).
+   Clamps: x is clamped to [-104, 100] (float) / [-746, 710] (double) before the reduction, which keeps n and the
+   two exponent fields in range; below the lower bound exp(x) rounds to 0 and is returned as 0, above the upper
+   bound the product overflows to inf. NaN stays NaN, exp(-inf) = 0, exp(inf) = inf. The float function is
+   linear.c's elu+1 polynomial too (lin_elu1_f32 reproduces its bits). */
+static inline float la_expf(float x) {
+    float xc = x < -104.0f ? -104.0f : (x > 100.0f ? 100.0f : x);
+    xc = x == x ? xc : 0.0f; /* NaN: computed on 0 (no float-to-int conversion of NaN), then NaN returned */
+    const float t = xc * 1.44269504088896341f;
+    const float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest (|t| < 2^22) */
+    const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t ni = (int32_t)n, n1 = ni / 2, n2 = ni - n1;
+    union {
+        int32_t i;
+        float f;
+    } s1, s2; /* 2^n1, 2^n2 by their bits (a union, not memcpy: the loops around stay vectorisable) */
+    s1.i = (n1 + 127) << 23;
+    s2.i = (n2 + 127) << 23;
+    const float y = (p * s1.f) * s2.f;
+    return x < -104.0f ? 0.0f : (x != x ? x : y);
+}
+
+static inline double la_exp(double x) {
+    double xc = x < -746.0 ? -746.0 : (x > 710.0 ? 710.0 : x);
+    xc = x == x ? xc : 0.0;
+    const double t = xc * 1.44269504088896338700e+00;
+    const double n = (t + 6755399441055744.0) - 6755399441055744.0; /* round to nearest (|t| < 2^51) */
+    const double r = (xc - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10;
+    double p = 1.0 / 6227020800.0;
+    p = p * r + 1.0 / 479001600.0;
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    const int64_t ni = (int64_t)n, n1 = ni / 2, n2 = ni - n1;
+    union {
+        int64_t i;
+        double f;
+    } s1, s2;
+    s1.i = (n1 + 1023) << 52;
+    s2.i = (n2 + 1023) << 52;
+    const double y = (p * s1.f) * s2.f;
+    return x < -746.0 ? 0.0 : (x != x ? x : y);
+}
+
+#endif /* LINATTN_COMMON_ONCE */
+
+/* ------------------------------------------------------------------------------------------- once per REAL */
+#if defined(REAL) && defined(FN)
+
+static inline REAL FN(la_exp)(REAL x) { return sizeof(REAL) == 4 ? (REAL)la_expf((float)x) : (REAL)la_exp((double)x); }
+
+/* the logistic function and SiLU: x sigma(x) = x / (1 + exp(-x)) (inf -> inf, -inf -> -0 ... NaN -> NaN) */
+static inline REAL FN(la_sigmoid)(REAL x) { return (REAL)1 / ((REAL)1 + FN(la_exp)(-x)); }
+static inline REAL FN(la_silu)(REAL x) { return x / ((REAL)1 + FN(la_exp)(-x)); }
+
+/* The L2 normalisation of a row x [K] (ops/l2norm.py's "rsqrt" form): l2(x) = (x / s) r, returned as r and s.
+   r = 1 / sqrt(sum x^2 + eps) and s = 1 on the plain path; for a row whose sum of squares is not finite
+   (overflow, inf or NaN) the row is first divided by s = max(max |x|, 1) (NaN if the row has a NaN), and
+   r = 1 / sqrt(sum (x/s)^2 + eps / s^2). s is held constant in the backward. */
+static inline void FN(la_l2_row)(const REAL *restrict x, int64_t K, REAL eps, REAL *r, REAL *s) {
+    REAL ss = 0;
+    LA_SIMD_SUM(ss)
+    for (int64_t j = 0; j < K; ++j) ss += x[j] * x[j];
+    if (isfinite(ss)) {
+        *s = 1;
+        *r = (REAL)1 / (REAL)sqrt((double)(ss + eps));
+        return;
+    }
+    REAL m = 0;
+    for (int64_t j = 0; j < K; ++j) {
+        const REAL a = fabs(x[j]);
+        if (a != a || a > m) m = a;
+        if (m != m) break; /* NaN sticks */
+    }
+    const REAL sc = (m != m) ? m : (m > (REAL)1 ? m : (REAL)1);
+    REAL sy = 0;
+    for (int64_t j = 0; j < K; ++j) {
+        const REAL y = x[j] / sc;
+        sy += y * y;
+    }
+    *s = sc;
+    *r = (REAL)1 / (REAL)sqrt((double)(sy + eps / (sc * sc)));
+}
+
+/* RMSNorm's factor of a row x [D]: 1 / sqrt(mean x^2 + eps) (the square root in double, as torch's rsqrt of a
+   float rounds once) */
+static inline REAL FN(la_rms_rstd)(const REAL *restrict x, int64_t D, REAL eps) {
+    REAL ss = 0;
+    LA_SIMD_SUM(ss)
+    for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
+    return (REAL)1 / (REAL)sqrt((double)(ss / (REAL)D + eps));
+}
+
+#endif /* REAL */
