@@ -213,10 +213,10 @@ int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL
                           const REAL *g, const REAL *S0, REAL *o, REAL *S_out, REAL *ckpt) {
     const int64_t N = p->N, H = p->H, K = p->K, V = p->V, chunk = p->chunk, *starts = p->starts,
                   *ck_off = p->ck_off;
-    const int gate = p->gate, nthreads = p->nthreads;
+    const int gate = p->gate;
     const int64_t KV = K * V;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
     for (int64_t task = 0; task < N * H; task++) {
         const int64_t n = task / H, h = task % H;
         REAL *S = S_out + task * KV;
@@ -356,10 +356,10 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
                           REAL *dv, REAL *da, REAL *dg) {
     const int64_t N = p->N, H = p->H, K = p->K, V = p->V, chunk = p->chunk, *starts = p->starts,
                   *ck_off = p->ck_off;
-    const int gate = p->gate, nthreads = p->nthreads;
+    const int gate = p->gate;
     const int64_t KV = K * V;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
     for (int64_t task = 0; task < N * H; task++) {
         const int64_t n = task / H, h = task % H;
         const int64_t s = starts[n], L = starts[n + 1] - s;
