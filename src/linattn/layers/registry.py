@@ -153,7 +153,8 @@ def mixer_config_kwargs(name: str, config: Any, layer_idx: Optional[int] = None)
     """The keyword arguments `config` (an `LMConfig`) gives mixer `name` in layer `layer_idx`.
 
     The config fields the mixer declares (those set to None left out), `layer_idx` when declared,
-    then `config.mixer_kwargs[name]` on top.
+    then `config.mixer_kwargs[name]` on top; a layer class with a `config_kwargs(kwargs)` classmethod then maps
+    them to its own keywords (the delta rule's layers fold `l2norm_convention` into `qk_norm`).
 
     Args:
         name: The mixer's name.
@@ -177,7 +178,8 @@ def mixer_config_kwargs(name: str, config: Any, layer_idx: Optional[int] = None)
         if value is not None:
             kw[field] = value
     kw.update((getattr(config, "mixer_kwargs", None) or {}).get(name, {}))
-    return kw
+    adapt = getattr(spec.cls, "config_kwargs", None)   # a layer that reads an old config field its own way
+    return adapt(kw) if adapt is not None else kw
 
 
 def build_mixer(name: str, d_model: int, n_heads: int, **kwargs) -> nn.Module:
