@@ -127,7 +127,7 @@ def check_same_device(x: torch.Tensor, name: str, ref: torch.Tensor) -> None:
 def check_qkv(q, k, v, allow_empty_k: bool = False) -> Tuple[int, int, int, int, int]:
     """Check q, k `[B, T, H, K]` and v `[B, T, H, V]`; return (B, T, H, K, V).
 
-    Empty dimensions (issue 33.6): T = 0 is refused (no token to attend to); K = 0 is refused too, since
+    Empty dimensions: T = 0 is refused (no token to attend to); K = 0 is refused too, since
     the default scale K^-1/2 and every state [K, V] would be degenerate, except where the caller
     defines it (`allow_empty_k`: softmax attention, whose scores are then all 0). B, H or V = 0 give
     empty outputs of the right shape in every mode (operators with a further rule check it themselves)."""
@@ -163,7 +163,7 @@ def _all_finite(x: torch.Tensor) -> bool:
 
 def check_finite_output(result, op: str, also: Sequence[torch.Tensor] = (), **inputs: Optional[torch.Tensor]):
     """Refuse an output that overflowed: finite inputs, yet inf or NaN in the output, or in the tensors
-    `also` (statistics that can overflow while the output stays finite) (issue 33.4). `result` is the
+    `also` (statistics that can overflow while the output stays finite). `result` is the
     output or a tuple (output, state); it is returned as it is. Inputs that hold inf/NaN themselves pass
     (their outputs are inf/NaN by design). Runs when value checks run for the output; the finite case
     costs one pass over each tensor."""
@@ -193,7 +193,7 @@ def check_scale(scale, default: float) -> float:
         return float(default)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise LinattnTypeError(f"scale must be a float or None (the default), got {type(scale).__name__}")
-    if not math.isfinite(scale):  # nan/inf would turn every output into NaN (issue 33.6)
+    if not math.isfinite(scale):  # nan/inf would turn every output into NaN
         raise LinattnError(f"scale must be a finite number (or None for the default), got {scale!r}")
     return float(scale)
 
