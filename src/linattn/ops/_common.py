@@ -24,6 +24,7 @@ import os
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import LinattnError, LinattnTypeError
 
@@ -220,11 +221,18 @@ def check_log_gate(g, name: str, B: int, T: int, H: int, K: Optional[int] = None
                            f"got a maximum of {g.max().item():.4g}")
 
 
+# offsets already read and validated: tensor -> (its version, T, the offsets). A packed call checks the same
+# cu_seqlens in the model, every layer, its short convolutions and its operator; the host reads it once (for a CUDA
+# tensor every read is a device-to-host synchronisation). An in-place change bumps the version: read again.
+_CHECKED_OFFSETS = WeakIdKeyDictionary()
+
+
 def check_cu_seqlens(cu_seqlens, B: int, T: int) -> Optional[List[int]]:
     """Validate packed-sequence offsets; return them as a Python list (or None).
 
-    Reading the offsets is one host synchronisation per call for a CUDA tensor: the sequence
-    boundaries decide the work, so every backend needs them on the host.
+    Reading the offsets is one host synchronisation for a CUDA tensor (the sequence boundaries decide the work, so
+    every backend needs them on the host), once per tensor: the same offsets checked again (the next layer, the
+    operator under a layer) are not read again unless they were changed in place.
     """
     if cu_seqlens is None:
         return None
@@ -234,13 +242,22 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> Optional[List[int]]:
         raise LinattnError(f"cu_seqlens must be an integer tensor of shape [N+1] with N >= 1, "
                            f"got dtype {cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}")
     if B != 1:
-        raise LinattnError(f"cu_seqlens packs sequences along T and needs batch size B == 1, got B = {B}")
+        raise LinattnError(f"cu_seqlens packs sequences along T and needs batch size 1 ([1, T_total, ...]), "
+                           f"got batch size {B}")
+    remember = not torch.compiler.is_compiling()
+    seen = _CHECKED_OFFSETS.get(cu_seqlens) if remember else None
+    if seen is not None and seen[0] == cu_seqlens._version and seen[1] == T:
+        return list(seen[2])
     offs = [int(x) for x in cu_seqlens.tolist()]
     if offs[0] != 0 or offs[-1] != T:
-        raise LinattnError(f"cu_seqlens must start at 0 and end at T = {T}, got {offs[0]} ... {offs[-1]}")
+        raise LinattnError(f"cu_seqlens must start at 0 and end at T = {T} (the sequence length), got {offs[0]} ... "
+                           f"{offs[-1]}")
     if any(b <= a for a, b in zip(offs[:-1], offs[1:])):
-        raise LinattnError("cu_seqlens must be strictly increasing (every sequence needs at least one token)")
-    return offs
+        raise LinattnError(f"cu_seqlens must be strictly increasing (every sequence needs at least one token), "
+                           f"got {offs}")
+    if remember:
+        _CHECKED_OFFSETS[cu_seqlens] = (cu_seqlens._version, T, offs)
+    return list(offs)
 
 
 def cat_parts(parts: Sequence[Any], dim: int) -> Any:
