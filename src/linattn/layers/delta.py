@@ -150,9 +150,9 @@ class DeltaNet(AttentionBase):
 
     @classmethod
     def config_kwargs(cls, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-        """The keyword arguments for this layer from what a model config gives it (`mixer_config_kwargs`): the
-        model's `l2norm_convention` and a saved config's old options fold into `qk_norm`, without a warning (a
-        saved config keeps its meaning).
+        """The keyword arguments for this layer from what the registry gives it (`build_mixer`: a model config's
+        fields and mixer_kwargs): the model's `l2norm_convention` and a saved config's old options fold into
+        `qk_norm`, without a warning (a saved config keeps its meaning).
 
         Args:
             kwargs: The config fields and mixer_kwargs for the layer.

@@ -153,8 +153,7 @@ def mixer_config_kwargs(name: str, config: Any, layer_idx: Optional[int] = None)
     """The keyword arguments `config` (an `LMConfig`) gives mixer `name` in layer `layer_idx`.
 
     The config fields the mixer declares (those set to None left out), `layer_idx` when declared,
-    then `config.mixer_kwargs[name]` on top; a layer class with a `config_kwargs(kwargs)` classmethod then maps
-    them to its own keywords (the delta rule's layers fold `l2norm_convention` into `qk_norm`).
+    then `config.mixer_kwargs[name]` on top.
 
     Args:
         name: The mixer's name.
@@ -178,8 +177,7 @@ def mixer_config_kwargs(name: str, config: Any, layer_idx: Optional[int] = None)
         if value is not None:
             kw[field] = value
     kw.update((getattr(config, "mixer_kwargs", None) or {}).get(name, {}))
-    adapt = getattr(spec.cls, "config_kwargs", None)   # a layer that reads an old config field its own way
-    return adapt(kw) if adapt is not None else kw
+    return kw
 
 
 def build_mixer(name: str, d_model: int, n_heads: int, **kwargs) -> nn.Module:
@@ -189,7 +187,10 @@ def build_mixer(name: str, d_model: int, n_heads: int, **kwargs) -> nn.Module:
         name: A name of `mixers()`.
         d_model: The model width.
         n_heads: The number of heads.
-        **kwargs: Override its defaults (rope, short_conv, head_dim, max_seq_len...).
+        **kwargs: Override its defaults (rope, short_conv, head_dim, max_seq_len...). A layer class with a
+            `config_kwargs(kwargs)` classmethod maps them to its own keywords first (the delta rule's layers fold a
+            model config's `l2norm_convention` and old options into `qk_norm`, silently: a saved config keeps its
+            meaning).
 
     Returns:
         The layer, a module from `[B, T, d_model]` to `[B, T, d_model]`.
@@ -208,6 +209,9 @@ def build_mixer(name: str, d_model: int, n_heads: int, **kwargs) -> nn.Module:
     args.setdefault("rope", spec.rope_default)
     args.setdefault("short_conv", spec.short_conv_default)
     args.update(kwargs)
+    adapt = getattr(spec.cls, "config_kwargs", None)   # a layer that reads old config fields its own way
+    if adapt is not None:
+        args = adapt(args)
     try:
         return spec.cls(d_model, n_heads, **args)
     except TypeError as e:
