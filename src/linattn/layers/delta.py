@@ -68,8 +68,7 @@ class DeltaNet(AttentionBase):
             x * rsqrt(sum x^2 + 1e-6), as fla and transformers; "l2-clamp" x / max(||x||, 1e-6), what checkpoints
             written before the choice existed used (`LMConfig.l2norm_convention="clamp"`); "sum" x / max(sum |x|,
             1e-6), fla's DeltaNet qk_norm="sum"; "none" (EFLA: its queries; keys are never normalised there).
-            The old options `l2norm_convention` ("rsqrt" / "clamp") and EFLA's `q_l2norm` still work, with a
-            DeprecationWarning.
+        l2norm_convention: Deprecated (a DeprecationWarning): "clamp" means qk_norm="l2-clamp", "rsqrt" "l2".
         **kwargs: `AttentionBase`'s options (head_dim, n_value_heads, output_gate, ...).
 
     Raises:
@@ -304,6 +303,7 @@ class EFLA(DeltaNet):
         d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
         n_heads: The number of heads.
         beta_mode: "sigmoid" | "adaptive" | "loose" (module docstring).
+        q_l2norm: Deprecated (a DeprecationWarning): False means qk_norm="none", True "l2".
         **kwargs: `DeltaNet`'s options (chunk_size, scale, qk_norm: "l2", the default, normalises the queries,
             "none" leaves them; keys never are) and `AttentionBase`'s.
 
