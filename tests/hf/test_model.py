@@ -1,4 +1,4 @@
-"""linattn.hf as a complete transformers model (issue 36, points 1-6): resize_token_embeddings + save/load,
+"""linattn.hf as a complete transformers model: resize_token_embeddings + save/load,
 hidden states and output_attentions, inputs_embeds (forward, generate, a prompt-tuning prefix), AutoModel and
 AutoModelForSequenceClassification (from an LM folder, with `import linattn.hf` and with trust_remote_code),
 activation checkpointing flags and recomputation, cache_implementation refused. Tiny models, no downloads."""

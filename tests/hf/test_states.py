@@ -89,7 +89,7 @@ def test_crop_beyond_the_recorded_window_and_without_recording():
         cache.activate_past_recording()
         _run(hf, cache, ids[:, :5])
         _run(hf, cache, ids[:, 5:])
-        with pytest.raises(LinattnError, match=r"recorded its states back to position 6 only \(at 8\).*"
+        with pytest.raises(LinattnError, match=r"can go back to 6 at the earliest \(seen_tokens 8\).*"
                                                r"past_recording_window"):
             cache.crop(-3)
         cache.crop(-2)

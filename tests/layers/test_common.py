@@ -338,7 +338,7 @@ def test_rope_positions_restart_per_document():
 
 @pytest.mark.parametrize("cu,match", [
     ([0, 5, 31], None),
-    ([0, 5, 30], "end at the sequence length 31"),
+    ([0, 5, 30], "end at T = 31"),
     ([1, 5, 31], "start at 0"),
     ([0, 5, 5, 31], "strictly increasing"),
     ([31], "shape"),
@@ -375,3 +375,26 @@ def test_every_registered_mixer_declares_that_it_packs_documents():
         layer = build_mixer(name, 16, 2)
         takes = "cu_seqlens" in inspect.signature(layer.forward).parameters
         assert getattr(layer, "supports_cu_seqlens", False) == takes, name
+
+
+def test_packed_offsets_are_read_from_the_host_once_per_call(monkeypatch):
+    """The model, every layer, its short convolutions and its operator check the same cu_seqlens: one host read
+    (a device-to-host sync on CUDA) for the whole forward; offsets changed in place are read and checked again."""
+    from linattn import LanguageModel, LMConfig
+
+    model = LanguageModel(LMConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, mixer="gated-deltanet"))
+    ids, cu = torch.randint(0, 32, (1, 11)), torch.tensor([0, 4, 11])
+    reads, tolist = [], torch.Tensor.tolist
+
+    def counting(self):
+        if self is cu:
+            reads.append(1)
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    model(ids, cu_seqlens=cu)
+    assert len(reads) == 1
+    cu[1] = 11   # in place: an empty second document, which the next call must see
+    with pytest.raises(LinattnError, match="strictly increasing"):
+        model(ids, cu_seqlens=cu)
+    assert len(reads) == 2

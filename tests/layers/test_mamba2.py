@@ -250,7 +250,7 @@ def test_block_bad_arguments_name_them():
         mamba2_state_dict_from_hf({"a.D": torch.zeros(1)}, "b.")
 
 
-# ------------------------------------------------------------------ the old name: `mamba2` before issue 37
+# ------------------------------------------------------------------ the old name: `mamba2` in mixer names version 1
 
 def _old_dict(**kw):
     """A config dict as the code before this change wrote it: every field up to l2norm_convention, no mixer_names."""

@@ -1,4 +1,4 @@
-"""ShortConv on the CPU for T > 1 (`ShortConv._taps`: K shifted multiply-adds in [B, T, D], issue 34.5) against the
+"""ShortConv on the CPU for T > 1 (`ShortConv._taps`: K shifted multiply-adds in [B, T, D]) against the
 formula in fp64 (y_t = act(bias + sum_j w_j x_{t-K+1+j}), the look-back from the state or zeros): outputs, returned
 states and the gradients of x, weight, bias and the state; fp32 and fp64, T below and above K, K = 1."""
 import pytest

@@ -1,4 +1,4 @@
-"""Recurrent states under serving schedules (issue 36, second half): for every registered mixer (new ones
+"""Recurrent states under serving schedules: for every registered mixer (new ones
 join automatically) and a few hybrids, a random sequence run under many schedules gives the logits of
 the one-shot forward: prefill split at arbitrary points, chunks of k tokens, one token at a time,
 speculative steps (draft, accept m, crop the rest, continue), a snapshot restored into fresh caches

@@ -80,15 +80,15 @@ MODES = ("chunk", "recurrent")
 PASSES = ("fwd", "fwdbwd")
 PASS_LABEL = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}
 BACKENDS = ("auto", "torch", "triton", "cpu")
-# thresholds at T = 16384 (x softmax time / op time; the matmul fraction): issue 15's (the PyTorch forms) and
-# issue 34's (the compiled CPU kernels); the delta ops' "rec" is their chunk-over-recurrent target (None: none)
+# thresholds at T = 16384 (x softmax time / op time; the matmul fraction), by --targets: "15" the PyTorch forms',
+# "34" the compiled CPU kernels'; the delta ops' "rec" is their chunk-over-recurrent target (None: none)
 TARGET_SETS = {
     "15": {"linear": (30.0, 25.0, 0.40), "deltanet": (15.0, 10.0), "gated_deltanet": (15.0, 10.0), "efla": (15.0, 10.0),
            "rec": 20.0},
     "34": {"linear": (40.0, 40.0, 0.45), "deltanet": (20.0, 20.0), "gated_deltanet": (15.0, 15.0), "efla": (20.0, 20.0),
            "rec": None},
 }
-SMALL_T = 1024  # issue 34: at this T the compiled path is never slower than the PyTorch one
+SMALL_T = 1024  # the compiled CPU kernels' target: at this T never slower than the PyTorch forms
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
 DEFAULT_T = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
@@ -414,7 +414,7 @@ register_bench_op(BenchOp("fla_deltanet", "peer", "FLA naive DeltaNet", ("chunk"
                           _fla_delta_call, _delta_flops, color="C9", chunk=PEER_CHUNK))
 
 # transformers' own PyTorch fallback of Gated DeltaNet (Qwen3-Next / Qwen3.5), on the gated_deltanet row's inputs
-# (unit q and k, so no in-kernel L2 norm; its default scale 1/sqrt(K) is delta_rule's): issue 34's "Gated
+# (unit q and k, so no in-kernel L2 norm; its default scale 1/sqrt(K) is delta_rule's): the target "Gated
 # DeltaNet forward >= 3x transformers' torch_chunk_gated_delta_rule at T = 2048"
 HF_GDN = "hf_gated_deltanet"
 HF_GDN_T = 2048
@@ -845,7 +845,7 @@ def compute_targets(results, skipped, a, matmul: Dict[str, Any]) -> List[Dict[st
 
 
 def _hf_gdn_targets(results, skipped, a, chosen) -> List[Dict[str, Any]]:
-    """Issue 34's Gated DeltaNet chunk forward >= 3x transformers' torch_chunk_gated_delta_rule at T = 2048, per
+    """The target Gated DeltaNet chunk forward >= 3x transformers' torch_chunk_gated_delta_rule at T = 2048, per
     backend that ran (only when the peer family is asked for; skipped rows give the reason)."""
     if "peer" not in a.families or "delta" not in a.families:
         return []
@@ -869,9 +869,9 @@ def _hf_gdn_targets(results, skipped, a, chosen) -> List[Dict[str, Any]]:
 
 def _targets_for(results, skipped, a, matmul: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The targets at T = 16384, from this run's measurements (never hard-coded), thresholds of --targets:
-    issue 15's linear elu+1 chunk fwd >= 30x and fwd+bwd >= 25x softmax, fwd >= 40% of the matmul rate; delta
-    chunk fwd >= 15x and fwd+bwd >= 10x softmax (and the first version's chunk-over-recurrent 20x); or issue 34's
-    (TARGET_SETS["34"])."""
+    "15": linear elu+1 chunk fwd >= 30x and fwd+bwd >= 25x softmax, fwd >= 40% of the matmul rate; delta chunk
+    fwd >= 15x and fwd+bwd >= 10x softmax (and the first version's chunk-over-recurrent 20x); or "34", the
+    compiled CPU kernels' (TARGET_SETS["34"])."""
     T = TARGET_T
     th = TARGET_SETS[getattr(a, "targets", "15")]
     by = {(r["T"], r["op"], r["mode"], r["pass"]): r for r in results if "ms" in r}

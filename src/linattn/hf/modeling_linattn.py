@@ -2,8 +2,8 @@
 `LanguageModel` (the model itself, under `.model`; its weights are `model.*` in the state dict);
 `LinattnModel` (`AutoModel`: the stack without the head, parameters named like `LanguageModel`'s) and
 `LinattnForSequenceClassification` (`.model` a LinattnModel, `.score` a linear head), so an LM folder
-loads into both. All three run the blocks themselves (`LinattnPreTrainedModel._run_blocks`, the calls of
-`LanguageModel.forward`), which gives `inputs_embeds`, hidden states and transformers' activation
+loads into both. All three run the blocks through `LanguageModel.run_blocks` (the stack `LanguageModel.forward`
+runs), which takes embeddings (`inputs_embeds`), collects hidden states and takes transformers' activation
 checkpointing (`gradient_checkpointing_func`, `every_n_layers`).
 
 Decoding state lives in transformers' own cache: `DynamicCache(config=...)` builds one layer per
@@ -18,15 +18,16 @@ tokens each row has consumed are one more slot of layer 0. So `reorder_cache` (b
 
 Past recording (`cache.activate_past_recording()`, what assisted generation does): the cache layers
 get linattn's rollback (`_RollbackLayer`): while recording, the last `past_recording_window` tokens of
-every call run one at a time and every layer's slots are copied after each, so `crop(-n)` restores the
-state of n tokens back and cuts the keys/values (docs/states.md). Hence `_is_stateful = False`.
+every call run one at a time and every layer's slots are recorded after each (`Cache.record` of a one-layer
+linattn `Cache`), so `crop(-n)` restores the state of n tokens back (`Cache.crop`) and cuts the keys/values
+(docs/states.md). Hence `_is_stateful = False`.
 
 Padding (`attention_mask` with zeros, left padding for batched generation) never enters a state:
 
 * without a cache, the real tokens of every row are packed into one row and run with `cu_seqlens`,
   so every row is computed exactly as if it were alone (one forward call);
 * a prefill with a cache runs every row on its own real tokens (one call per row) and merges the
-  per-row states into the batch; keys/values are left-padded, and the softmax layers mask the
+  per-row states into the batch (`Cache.insert_rows`); keys/values are left-padded, and the softmax layers mask the
   padded slots with the rows' own positions (`SoftmaxAttention._row_mask`);
 * later steps decode the whole batch at once, every row from its own state and position.
 """
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import warnings
 from functools import partial
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -53,9 +54,8 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
 )
 
-from ..errors import ConfigError, LinattnError
-from ..layers.cache import Cache, KVCache
-from ..layers.common import FusedParams
+from ..errors import ConfigError, LinattnError, UsageError
+from ..layers.cache import Cache, KVCache, LayerCache
 from ..models.lm import LanguageModel, check_token_ids
 from .configuration_linattn import STATE_SLOTS, LinattnConfig, layer_types_of
 
@@ -250,30 +250,23 @@ class _RollbackLayer:
             self.record_past = rec
 
     def crop(self, tokens_to_remove: int) -> None:
-        hist = self.__dict__.get("_linattn_hist")
-        if not getattr(self, "record_past", False) or hist is None:
+        record = self.__dict__.get("_linattn_record")
+        if not getattr(self, "record_past", False) or record is None:
             return _RollbackLayer._base(self).crop(self, tokens_to_remove)
         if tokens_to_remove > 0:
             raise LinattnError(f"crop({tokens_to_remove}): a linattn cache layer takes a negative number "
                                f"(the tokens to remove), as transformers' linear-attention layers")
-        n = abs(int(tokens_to_remove))
-        seq = self._linattn_seq
-        rec = next((r for r in hist if r[0] == seq - n), None)
-        if rec is None:
-            oldest = min((r[0] for r in hist), default=seq)
-            raise LinattnError(f"crop({tokens_to_remove}): this cache layer recorded its states back to position "
-                               f"{oldest} only (at {seq}); raise the model's past_recording_window")
+        if tokens_to_remove < 0:   # (crop(0) removes nothing: only a sliding window's keys are trimmed below)
+            try:
+                record.crop(int(tokens_to_remove))   # linattn's own rollback: the slots recorded n tokens back
+            except UsageError as e:
+                raise UsageError(f"{e}; raise the model's past_recording_window") from None
+            for name, slots in record.layers[0].items():
+                setattr(self, name, dict(slots))
         if isinstance(self, DynamicSlidingWindowLayer):
             DynamicSlidingWindowLayer.crop(self, tokens_to_remove)
         elif isinstance(self, DynamicLayer):
             DynamicLayer.crop(self, tokens_to_remove)
-        _, conv, recur, flags = rec
-        self.conv_states = {i: (t.clone() if t is not None else None) for i, t in conv.items()}
-        self.recurrent_states = {i: (t.clone() if t is not None else None) for i, t in recur.items()}
-        self.has_previous_state, self.is_conv_states_initialized, self.is_recurrent_states_initialized = (
-            dict(f) for f in flags)
-        self._linattn_seq = seq - n
-        self._linattn_hist = [r for r in hist if r[0] <= seq - n]
 
 
 _ROLLBACK_CLASSES: Dict[type, type] = {}
@@ -290,14 +283,26 @@ def _rollback_class(cls: type) -> type:
     return _ROLLBACK_CLASSES[cls]
 
 
+# the dicts of a transformers linear-attention cache layer that hold its state (slot index -> tensor or flag)
+_LAYER_STATE = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
+                "is_recurrent_states_initialized")
+
+
 def _record_layer(layer, seq: int, window: int) -> None:
-    """Keep a copy of every state slot of `layer` after `seq` positions (and forget those older than window)."""
-    hist = [r for r in layer.__dict__.get("_linattn_hist", []) if seq - window <= r[0] < seq]
-    copy = lambda d: {i: (t.detach().clone() if t is not None else None) for i, t in d.items()}  # noqa: E731
-    hist.append((seq, copy(layer.conv_states), copy(layer.recurrent_states),
-                 (dict(layer.has_previous_state), dict(layer.is_conv_states_initialized),
-                  dict(layer.is_recurrent_states_initialized))))
-    layer._linattn_hist, layer._linattn_seq = hist, seq
+    """Record every state slot of `layer` after `seq` positions, forgetting those older than window: a one-layer
+    linattn `Cache` with rollback keeps the records (`Cache.record`) and rolls back to one (`Cache.crop`)."""
+    record = layer.__dict__.get("_linattn_record")
+    if record is None:
+        record = layer._linattn_record = Cache(1)   # no record of the empty state: crop starts where recording did
+    record.rollback = window
+    record.layers = [{name: LayerCache(getattr(layer, name)) for name in _LAYER_STATE}]
+    record.seen_tokens = seq
+    record.record()
+
+
+def _recorded_position(layer) -> Optional[int]:
+    record = layer.__dict__.get("_linattn_record")
+    return None if record is None else record.seen_tokens
 
 
 def _position(hf_cache: HFCache) -> int:
@@ -362,54 +367,18 @@ def _from_linattn(cache: Cache, hf_cache: HFCache, offsets: torch.Tensor, T: int
 
 
 def _merge_rows(caches: List[Cache]) -> Cache:
-    """One batched linattn Cache from per-row caches (B = 1 each): tensors are concatenated on the
-    batch dimension; keys/values are left-padded to the longest row."""
-    merged = Cache(len(caches[0]))
-    for i in range(len(merged)):
-        for module, lc0 in caches[0].layers[i].items():
-            out = merged.layer(i, module)
-            for key, v0 in lc0.items():
-                if key == "offset":
-                    continue
-                vals = [c.layers[i][module][key] for c in caches]
-                out[key] = _left_pad_kv(vals) if isinstance(v0, KVCache) else _cat_tree(vals, i, module, key)
+    """One batched linattn Cache from per-row caches (B = 1 each), through `Cache.insert_rows` (keys/values
+    left-padded to the longest row)."""
+    merged = caches[0]
+    for cache in caches[1:]:
+        snap = cache.snapshot()
+        problem = merged.rows_mergeable(snap)
+        if problem:
+            raise LinattnError(f"the rows of this padded batch cannot share one cache ({problem}); this model cannot "
+                               f"decode a left-padded batch: generate the prompts one at a time, or give them the "
+                               f"same length")
+        merged.insert_rows(snap)
     return merged
-
-
-def _cat_tree(vals: List[Any], i: int, module: str, key: str):
-    """Per-row values (tensors, None, or tuples / lists of them) concatenated on the batch dimension."""
-    v0 = vals[0]
-    if v0 is None:
-        return None
-    if isinstance(v0, torch.Tensor):
-        return _cat_rows(vals, i, module, key)
-    if _is_ints(v0):   # one int per row
-        return type(v0)(x for v in vals for x in v)
-    if isinstance(v0, (tuple, list)):
-        items = [_cat_tree(list(parts), i, module, key) for parts in zip(*vals)]
-        return type(v0)(*items) if hasattr(v0, "_fields") else type(v0)(items)
-    raise LinattnError(f"cannot batch the cache entry {module}.{key} ({type(v0).__name__})")
-
-
-def _cat_rows(tensors: List[torch.Tensor], i: int, module: str, key: str) -> torch.Tensor:
-    if any(t.shape[1:] != tensors[0].shape[1:] for t in tensors):
-        raise LinattnError(f"block {i} ({module}) keeps a per-token state ({key!r}) that differs in length between "
-                           f"the rows of a padded batch; this mixer cannot decode a left-padded batch: generate "
-                           f"the prompts one at a time, or give them the same length")
-    return torch.cat(tensors, 0)
-
-
-def _left_pad_kv(kvs: List[KVCache]) -> KVCache:
-    L = max(kv.length for kv in kvs)
-    ks, vs = [], []
-    for kv in kvs:
-        k, v = kv.k[:, :kv.length], kv.v[:, :kv.length]
-        pad = L - kv.length
-        ks.append(F.pad(k, (0, 0, 0, 0, pad, 0)))
-        vs.append(F.pad(v, (0, 0, 0, 0, pad, 0)))
-    out = KVCache(chunk=kvs[0].chunk, window=kvs[0].window)
-    out.k, out.v, out.length = torch.cat(ks, 0), torch.cat(vs, 0), L
-    return out
 
 
 # --------------------------------------------------------------------------- running the stack
@@ -451,16 +420,6 @@ def _padding_mask(attention_mask, B: int, T: int, device) -> Optional[torch.Tens
                            f"{tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
     mask = attention_mask[:, -T:].to(device).bool()
     return None if bool(mask.all()) else mask
-
-
-def _new_cache(stack) -> Cache:
-    """An empty linattn Cache for `stack`; like `LanguageModel.new_cache`, it drops the fused decode weights
-    so that a prefill after a weight update rebuilds them."""
-    for m in stack.modules():
-        fused = getattr(m, "_fused", None)
-        if isinstance(fused, FusedParams):
-            fused.clear()
-    return Cache(len(stack.blocks))
 
 
 def _scatter(parts: List[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -521,14 +480,14 @@ class LinattnPreTrainedModel(PreTrainedModel):
             elif isinstance(m, LanguageModel):   # linattn's own flag, for to_linattn() and linattn's trainer
                 m.activation_checkpointing = bool(enable)
 
-    def _recompute(self, cache) -> Tuple[bool, Any, int]:
-        stack = self._stack()
-        on = bool(self.gradient_checkpointing or getattr(stack, "activation_checkpointing", False))
+    def _checkpoint(self, cache) -> Tuple[Optional[Callable], int]:
+        """(the function recomputing blocks in the backward pass or None, every how many blocks)."""
+        on = bool(self.gradient_checkpointing or getattr(self._stack(), "activation_checkpointing", False))
         if not (on and self.training and cache is None and torch.is_grad_enabled()):
-            return False, None, 1
+            return None, 1
         func = getattr(self, "_gradient_checkpointing_func", None) or partial(torch.utils.checkpoint.checkpoint,
                                                                               use_reentrant=False)
-        return True, func, getattr(self, "_checkpoint_every", 1)
+        return func, getattr(self, "_checkpoint_every", 1)
 
     # -- vocabulary -------------------------------------------------------------------------------
     def _sync_vocab_size(self) -> None:
@@ -561,25 +520,16 @@ class LinattnPreTrainedModel(PreTrainedModel):
         return out
 
     # -- the forward pass shared by every head -----------------------------------------------------
+    def _language_model(self) -> LanguageModel:
+        raise NotImplementedError
+
     def _run_blocks(self, x: torch.Tensor, cache: Optional[Cache], cu_seqlens: Optional[torch.Tensor],
                     hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
-        """The blocks of `LanguageModel.forward` over embeddings x [B, T, d] (the same calls, so the same
-        numbers); appends each block's input to `hidden`. Returns the last block's output (no final norm)."""
-        stack = self._stack()
-        if cache is not None and not all(b.causal for b in stack.blocks):
-            raise LinattnError("this model has a bidirectional memory lobe: it cannot decode incrementally "
-                               "with a cache (call it on the whole sequence instead)")
-        recompute, func, every = self._recompute(cache)
-        for i, block in enumerate(stack.blocks):
-            if hidden is not None:
-                hidden.append(x)
-            if recompute and i % every == 0:
-                x, _ = func(block, x, None, cu_seqlens)
-            else:
-                x, _ = block(x, cache, cu_seqlens)
-        if cache is not None:
-            cache.seen_tokens += x.shape[1]
-        return x
+        """`LanguageModel.run_blocks` over embeddings x [B, T, d] (the same calls, so the same numbers), with
+        transformers' activation checkpointing. Returns the last block's output (no final norm)."""
+        func, every = self._checkpoint(cache)
+        return self._language_model().run_blocks(x, cache, cu_seqlens, hidden=hidden, checkpoint=func,
+                                                  checkpoint_every=every)[0]
 
     def _run_padded(self, x: torch.Tensor, mask: torch.Tensor, hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
         """A padded batch without a cache: the real positions of all rows packed in one row with cu_seqlens
@@ -612,7 +562,7 @@ class LinattnPreTrainedModel(PreTrainedModel):
         head = T - min(T, window)
         if mask is not None and not bool(mask[:, head:].all()):
             head = int((~mask).nonzero()[:, 1].max()) + 1
-        if not _is_empty(hf_cache) and hf_cache.layers[0].__dict__.get("_linattn_seq") != _position(hf_cache):
+        if not _is_empty(hf_cache) and _recorded_position(hf_cache.layers[0]) != _position(hf_cache):
             for layer in hf_cache.layers:   # the state before this call (recording began after the last one)
                 _record_layer(layer, _position(hf_cache), window)
         outs, subs = [], []
@@ -631,17 +581,17 @@ class LinattnPreTrainedModel(PreTrainedModel):
                          hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
         n = self.config.num_hidden_layers
         B, T = x.shape[:2]
-        stack = self._stack()
+        lm = self._language_model()
         if _is_empty(hf_cache):   # prefill
             if mask is None:
-                cache = _new_cache(stack)
+                cache = lm.new_cache()
                 out = self._run_blocks(x, cache, None, hidden)
                 lengths = torch.full((B,), T, dtype=torch.long, device=x.device)
             else:
                 rows = [x[b][mask[b]] for b in range(B)]
                 if any(r.shape[0] == 0 for r in rows):
                     raise LinattnError("every row needs at least one token that is not padding (attention_mask 1)")
-                caches = [_new_cache(stack) for _ in rows]
+                caches = [lm.new_cache() for _ in rows]
                 subs = [[] if hidden is not None else None for _ in rows]
                 outs = [self._run_blocks(r[None], c, None, s)[0] for r, c, s in zip(rows, caches, subs)]
                 cache = _merge_rows(caches)
@@ -718,11 +668,18 @@ class LinattnModel(LinattnPreTrainedModel):
         super().__init__(config)
         lm = LanguageModel(config.lm_config())   # its embed / blocks / norm, initialised as linattn does
         self.embed, self.blocks, self.norm = lm.embed, lm.blocks, lm.norm
+        lm.lm_head = None   # the stack has no head; the LanguageModel is kept (unregistered) to run the blocks
+        object.__setattr__(self, "_blocks_runner", lm)
         self._keeps_kv = [t != "linear_attention" for t in layer_types_of(lm.config)]
         self.post_init()
 
     def _stack(self):
         return self
+
+    def _language_model(self) -> LanguageModel:
+        lm = self._blocks_runner
+        lm.blocks = self.blocks   # the stack's blocks, also after someone replaced them
+        return lm
 
     def get_input_embeddings(self):
         return self.embed
@@ -787,6 +744,9 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _stack(self):
+        return self.model
+
+    def _language_model(self) -> LanguageModel:
         return self.model
 
     # -- conversions ----------------------------------------------------------------------------

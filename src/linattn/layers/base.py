@@ -35,7 +35,8 @@ from . import fast_decode as _fast
 from .cache import LayerCache
 from .common import GATE_ACTIVATIONS, FusedParams, GatedRMSNorm, RotaryEmbedding, ShortConv, gate_activation
 from .fast_decode import hooked
-from .packing import check_mixer_call, packed_positions
+from .grouped_kv import grouped_qkv
+from .packing import check_mixer_call
 
 __all__ = ["AttentionBase", "hooked"]
 
@@ -141,24 +142,7 @@ class AttentionBase(nn.Module):
     # -- pieces ------------------------------------------------------------------------------
     def _qkv(self, x: torch.Tensor, cache: Optional[LayerCache],
              cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, ...]:
-        B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.short_conv:
-            get = (lambda n: cache.get(n)) if cache is not None else (lambda n: None)
-            q, sq = self.q_conv(q, get("conv_q"), cu_seqlens)
-            k, sk = self.k_conv(k, get("conv_k"), cu_seqlens)
-            v, sv = self.v_conv(v, get("conv_v"), cu_seqlens)
-            if cache is not None:
-                cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_heads, self.head_dim)
-        v = v.view(B, T, self.n_value_heads, self.head_dim_v)
-        if self.rope is not None:
-            if cu_seqlens is not None:
-                q, k = self.rope(q, k, positions=packed_positions(cu_seqlens, T, x.device))
-            else:
-                q, k = self.rope(q, k, cache.offset if cache is not None else 0)
-        return q, k, v
+        return grouped_qkv(self, x, cache, cu_seqlens, self.n_heads, v_heads=self.n_value_heads)
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         B, T = x.shape[:2]

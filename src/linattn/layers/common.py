@@ -350,7 +350,7 @@ class ShortConv(nn.Module):
     def _taps(self, x: torch.Tensor, state: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """The convolution on the CPU as K multiply-adds of shifted inputs in x's own [B, T, D] layout: the
         same values as F.conv1d (to rounding), but its backward is a few elementwise passes, where the
-        depthwise conv1d's (mkldnn) backward took ~30% of a Gated DeltaNet LM's training step (issue 34.5)."""
+        depthwise conv1d's (mkldnn) backward took ~30% of a Gated DeltaNet LM's training step."""
         B, T, D = x.shape
         K = self.kernel_size
         w = self.weight.to(x.dtype).view(D, K).t().contiguous()                 # [K, D]: contiguous taps

@@ -21,7 +21,8 @@ fp32, or fp64 in an fp64 model.
 from __future__ import annotations
 
 import math
-from typing import Optional
+import warnings
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -38,7 +39,8 @@ from .registry import register_mixer
 
 BETA_MODES = ("sigmoid", "adaptive", "loose")
 QK_ACTIVATIONS = ("silu", "relu", "elu", "identity")
-QK_NORMS = ("l2", "sum")
+#: the q/k normalisations (`qk_norm`), last dimension, eps = 1e-6 (docs/conventions.md)
+QK_NORMS = ("l2", "l2-clamp", "sum", "none")
 
 
 class DeltaNet(AttentionBase):
@@ -54,11 +56,6 @@ class DeltaNet(AttentionBase):
         scale: for q (None, the default, means head_dim**-0.5).
         short_conv: The short convolution on q, k, v (default True).
         output_norm: The per-head output norm (default True).
-        l2norm_convention: the operator's q/k normalisation ("rsqrt": x * rsqrt(sum x^2 + 1e-6) as fla and
-            transformers, the default; "clamp": x / max(||x||, 1e-6), what checkpoints written before the choice
-            existed used: `LMConfig.l2norm_convention`). It applies where the operator normalises (DeltaNet, Gated
-            DeltaNet, KDA, DeltaProduct); EFLA's queries and Comba's q/k are normalised by the layer in the "rsqrt"
-            form, as they always were.
         beta_bias: (True): b_proj has a bias (fla's has none).
         use_beta: (True): False means beta = 1 and no b_proj.
         allow_negative_eigenvalues: (False): beta doubled, so 1 - beta ||k||^2 reaches -1 (state tracking).
@@ -67,8 +64,11 @@ class DeltaNet(AttentionBase):
             as fla's DeltaNet.
         activation_without_conv: (False): without a short convolution q, k and v are the plain projections; True
             applies SiLU to them anyway (q and k: unless qk_activation says otherwise), as all of fla's delta layers.
-        qk_norm: ("l2"): "sum" divides q and k by the sum of their absolute values (max 1e-6) instead of the L2
-            norm (fla's DeltaNet qk_norm="sum"; DeltaNet, Gated DeltaNet and KDA only).
+        qk_norm: The q/k normalisation, one of the class's `qk_norms` (`QK_NORMS`): "l2" (the default)
+            x * rsqrt(sum x^2 + 1e-6), as fla and transformers; "l2-clamp" x / max(||x||, 1e-6), what checkpoints
+            written before the choice existed used (`LMConfig.l2norm_convention="clamp"`); "sum" x / max(sum |x|,
+            1e-6), fla's DeltaNet qk_norm="sum"; "none" (EFLA: its queries; keys are never normalised there).
+        l2norm_convention: Deprecated (a DeprecationWarning): "clamp" means qk_norm="l2-clamp", "rsqrt" "l2".
         **kwargs: `AttentionBase`'s options (head_dim, n_value_heads, output_gate, ...).
 
     Raises:
@@ -87,34 +87,82 @@ class DeltaNet(AttentionBase):
     """
 
     exact = False
-    qk_l2norm = True
+    #: the `qk_norm` values this layer takes ("l2", the default, first)
+    qk_norms: Tuple[str, ...] = ("l2", "l2-clamp", "sum")
+    #: whether qk_norm normalises the keys too (EFLA: the queries only)
+    normalises_keys = True
+    # LMConfig.l2norm_convention is the L2 form of the model's "l2" layers (`config_kwargs` folds it into qk_norm)
     config_fields = AttentionBase.config_fields + ("chunk_size", "l2norm_convention", "n_value_heads")
 
     def __init__(self, d_model: int, n_heads: int, *, chunk_size: int = 64, scale: Optional[float] = None,
-                 short_conv: bool = True, output_norm: bool = True, l2norm_convention: str = "rsqrt",
+                 short_conv: bool = True, output_norm: bool = True, qk_norm: Optional[str] = None,
                  beta_bias: bool = True, use_beta: bool = True, allow_negative_eigenvalues: bool = False,
-                 qk_activation: str = "silu", activation_without_conv: bool = False, qk_norm: str = "l2", **kwargs):
-        if l2norm_convention not in L2NORM_CONVENTIONS:
-            raise LinattnError(f"l2norm_convention must be one of {L2NORM_CONVENTIONS}, got {l2norm_convention!r}")
+                 qk_activation: str = "silu", activation_without_conv: bool = False,
+                 l2norm_convention: Optional[str] = None, **kwargs):
+        if l2norm_convention is not None:
+            warnings.warn(f"{type(self).__name__}(l2norm_convention=...) is deprecated: give qk_norm='l2' (the rsqrt "
+                          f"form) or qk_norm='l2-clamp' (the clamp form) instead", DeprecationWarning, stacklevel=2)
+            if l2norm_convention not in L2NORM_CONVENTIONS:
+                raise LinattnError(f"l2norm_convention must be one of {L2NORM_CONVENTIONS}, got "
+                                   f"{l2norm_convention!r}")
+        qk_norm = self.resolve_qk_norm(qk_norm, l2norm_convention)
+        if qk_norm not in self.qk_norms:
+            raise LinattnError(f"qk_norm must be one of {self.qk_norms} for {type(self).__name__}, got {qk_norm!r}")
         if qk_activation not in QK_ACTIVATIONS:
             raise LinattnError(f"qk_activation must be one of {QK_ACTIVATIONS}, got {qk_activation!r}")
-        if qk_norm not in QK_NORMS:
-            raise LinattnError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
-        if qk_norm != "l2" and not (self.qk_l2norm and type(self)._mix is DeltaNet._mix):
-            raise LinattnError(f"qk_norm={qk_norm!r} applies to DeltaNet, GatedDeltaNet and KDA only, "
-                               f"not {type(self).__name__}")
         super().__init__(d_model, n_heads, short_conv=short_conv, output_norm=output_norm, **kwargs)
-        self.l2norm_convention = l2norm_convention
+        # the one option, and what the operator and the decoding steps read from it (plain attributes)
+        self.qk_norm = qk_norm
+        self.qk_l2norm = self.normalises_keys and qk_norm in ("l2", "l2-clamp")   # q and k, inside the operator
+        self.l2norm_convention = "clamp" if qk_norm == "l2-clamp" else "rsqrt"
+        self.q_l2norm = not self.normalises_keys and qk_norm == "l2"              # the queries only, by the layer
         self.chunk_size = int(chunk_size)
         self.scale = self.resolve_scale(scale, self.head_dim)
         self.use_beta = bool(use_beta)
         self.allow_negative_eigenvalues = bool(allow_negative_eigenvalues)
-        self.qk_activation, self.qk_norm = qk_activation, qk_norm
+        self.qk_activation = qk_activation
         self.activation_without_conv = bool(activation_without_conv)
         if self.use_beta:
             self.b_proj = nn.Linear(d_model, self.n_value_heads, bias=bool(beta_bias))     # one beta per value head
         if qk_activation != "silu" and self.short_conv:   # the activation comes after the q/k convolutions
             self.q_conv.activation = self.k_conv.activation = None
+
+    @classmethod
+    def resolve_qk_norm(cls, qk_norm: Optional[str], l2norm_convention: Optional[str] = None,
+                        q_l2norm: Optional[bool] = None) -> str:
+        """The `qk_norm` that the old options meant: `l2norm_convention` "clamp" turns "l2" into "l2-clamp" where
+        the layer had that choice (the operator normalised q and k), EFLA's `q_l2norm` is "l2" or "none".
+
+        Args:
+            qk_norm: The new option, or None (the default, "l2", unless q_l2norm says otherwise).
+            l2norm_convention: "rsqrt", "clamp" or None.
+            q_l2norm: EFLA's old switch, or None.
+
+        Returns:
+            The qk_norm value.
+        """
+        if qk_norm is None:
+            qk_norm = "none" if q_l2norm is False else "l2"
+        if qk_norm == "l2" and l2norm_convention == "clamp" and "l2-clamp" in cls.qk_norms:
+            return "l2-clamp"
+        return qk_norm
+
+    @classmethod
+    def config_kwargs(cls, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        """The keyword arguments for this layer from what the registry gives it (`build_mixer`: a model config's
+        fields and mixer_kwargs): the model's `l2norm_convention` and a saved config's old options fold into
+        `qk_norm`, without a warning (a saved config keeps its meaning).
+
+        Args:
+            kwargs: The config fields and mixer_kwargs for the layer.
+
+        Returns:
+            The same without `l2norm_convention` / `q_l2norm`, with `qk_norm`.
+        """
+        kw = dict(kwargs)
+        kw["qk_norm"] = cls.resolve_qk_norm(kw.get("qk_norm"), kw.pop("l2norm_convention", None),
+                                            kw.pop("q_l2norm", None))
+        return kw
 
     @property
     def _plain_features(self) -> bool:
@@ -176,7 +224,7 @@ class DeltaNet(AttentionBase):
         # subclasses change the operator; fla's options (hf import) change q/k/v or beta: the general path
         if type(self) not in (DeltaNet, GatedDeltaNet, EFLA) or not getattr(self, "_plain_features", True) \
                 or not getattr(self, "use_beta", True) or getattr(self, "allow_negative_eigenvalues", False) \
-                or getattr(self, "qk_norm", "l2") != "l2":
+                or self.qk_norm == "sum":
             return None
         return "delta"
 
@@ -208,7 +256,7 @@ class GatedDeltaNet(DeltaNet):
         d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
         n_heads: The number of heads.
         output_gate: defaults to True.
-        **kwargs: `DeltaNet`'s options (chunk_size, scale, l2norm_convention, ...) and `AttentionBase`'s
+        **kwargs: `DeltaNet`'s options (chunk_size, scale, qk_norm, ...) and `AttentionBase`'s
             (head_dim, n_value_heads, ...).
 
     Examples:
@@ -255,8 +303,9 @@ class EFLA(DeltaNet):
         d_model: The model width; the layer maps `[B, T, d_model]` to `[B, T, d_model]`.
         n_heads: The number of heads.
         beta_mode: "sigmoid" | "adaptive" | "loose" (module docstring).
-        q_l2norm: (default True) normalises queries.
-        **kwargs: `DeltaNet`'s options (chunk_size, scale, ...) and `AttentionBase`'s.
+        q_l2norm: Deprecated (a DeprecationWarning): False means qk_norm="none", True "l2".
+        **kwargs: `DeltaNet`'s options (chunk_size, scale, qk_norm: "l2", the default, normalises the queries,
+            "none" leaves them; keys never are) and `AttentionBase`'s.
 
     Raises:
         LinattnError: A bad beta_mode or other option (the message names it).
@@ -269,16 +318,22 @@ class EFLA(DeltaNet):
     """
 
     exact = True
-    qk_l2norm = False
+    qk_norms = ("l2", "none")
+    normalises_keys = False
 
-    def __init__(self, d_model: int, n_heads: int, *, beta_mode: str = "sigmoid", q_l2norm: bool = True, **kwargs):
+    def __init__(self, d_model: int, n_heads: int, *, beta_mode: str = "sigmoid", q_l2norm: Optional[bool] = None,
+                 **kwargs):
+        if q_l2norm is not None:
+            warnings.warn("EFLA(q_l2norm=...) is deprecated: give qk_norm='l2' (queries normalised) or qk_norm='none'",
+                          DeprecationWarning, stacklevel=2)
+            kwargs["qk_norm"] = self.resolve_qk_norm(kwargs.get("qk_norm"), q_l2norm=bool(q_l2norm))
         if beta_mode not in BETA_MODES:
             raise LinattnError(f"beta_mode must be one of {BETA_MODES}, got {beta_mode!r}")
         if kwargs.get("allow_negative_eigenvalues") or not kwargs.get("use_beta", True):
             raise LinattnError("EFLA takes neither allow_negative_eigenvalues=True nor use_beta=False (beta_mode "
                                "chooses its beta)")
         super().__init__(d_model, n_heads, **kwargs)
-        self.beta_mode, self.q_l2norm = beta_mode, bool(q_l2norm)
+        self.beta_mode = beta_mode
         if beta_mode == "adaptive":
             # softplus(alpha) = 1 at init, i.e. alpha = log(e - 1)
             self.beta_alpha = nn.Parameter(torch.full((self.n_value_heads,), math.log(math.e - 1.0)))

@@ -73,6 +73,8 @@ class Comba(GatedDeltaNet):
         torch.Size([2, 10, 64])
     """
 
+    qk_norms = ("l2",)   # the layer normalises q, k (and p) itself, in the rsqrt form
+
     def __init__(self, d_model: int, n_heads: int, *, correction_factor: float = 1.0, output_correction: bool = True,
                  inner_decay: bool = True, correction_before_norm: bool = False, **kwargs):
         super().__init__(d_model, n_heads, **kwargs)
@@ -131,6 +133,8 @@ class DeltaProduct(DeltaNet):
         >>> DeltaProduct(64, 4, n_householder=2, allow_negative_eigenvalues=True)(torch.randn(2, 10, 64)).shape
         torch.Size([2, 10, 64])
     """
+
+    qk_norms = ("l2", "l2-clamp")
 
     def __init__(self, d_model: int, n_heads: int, *, n_householder: int = 2, allow_negative_eigenvalues: bool = False,
                  gate: bool = False, conv_size: int = 4, qkv_bias: bool = False, beta_bias: bool = True, **kwargs):

@@ -1,5 +1,6 @@
-"""Grouped k/v heads (GQA) for `AttentionBase` layers: fewer k/v heads than query heads, each serving a group of
-query heads. Used by softmax attention and linear attention alike, so it sits below both."""
+"""q/k/v of `AttentionBase` layers, with grouped k/v heads (GQA: fewer k/v heads than query heads, each serving a
+group of query heads) or not. `AttentionBase._qkv`, softmax attention and linear attention use it, so it sits below
+them all."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -29,9 +30,11 @@ def group_kv_heads(layer: AttentionBase, kv_heads: int) -> None:
 
 
 def grouped_qkv(layer: AttentionBase, x: torch.Tensor, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor],
-                kv_heads: int, q_norm: Optional[nn.Module] = None, k_norm: Optional[nn.Module] = None):
-    """`AttentionBase._qkv` for k/v with `kv_heads` heads (`group_kv_heads`) and optional per-head q/k norms
-    (before RoPE): q `[B, T, H, K]`, k `[B, T, kv_heads, K]`, v `[B, T, kv_heads, V]`."""
+                kv_heads: int, q_norm: Optional[nn.Module] = None, k_norm: Optional[nn.Module] = None,
+                v_heads: Optional[int] = None):
+    """The projections, short convolutions and RoPE of an `AttentionBase` layer (its `_qkv`), for k with `kv_heads`
+    heads (`group_kv_heads`; n_heads: not grouped), v with `v_heads` (default kv_heads) and optional per-head q/k
+    norms (before RoPE): q `[B, T, H, K]`, k `[B, T, kv_heads, K]`, v `[B, T, v_heads, V]`."""
     B, T, _ = x.shape
     q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
     if layer.short_conv:
@@ -43,7 +46,7 @@ def grouped_qkv(layer: AttentionBase, x: torch.Tensor, cache: Optional[LayerCach
             cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
     q = q.view(B, T, layer.n_heads, layer.head_dim)
     k = k.view(B, T, kv_heads, layer.head_dim)
-    v = v.view(B, T, kv_heads, layer.head_dim_v)
+    v = v.view(B, T, kv_heads if v_heads is None else v_heads, layer.head_dim_v)
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
     if layer.rope is not None:

@@ -13,8 +13,8 @@ h // (H / G), transformers' repeat_interleave), which is linear_attention's grou
 
 Names follow transformers' `Mamba2Mixer` (in_proj, conv, dt_bias, A_log, D, norm; out_proj is called o_proj, the
 name linattn's model init scales), so `mamba2_state_dict_from_hf` maps a Mamba2Mixer's state dict by renaming.
-Before issue 37 the mixer `mamba2` was `LinearAttention` with a Mamba2-style gate; that layer is now `mamba2-gla`
-(old configs are mapped, see `LMConfig.mixer_names`).
+In configs of mixer names version 1 the mixer `mamba2` was `LinearAttention` with a Mamba2-style gate; that layer
+is now `mamba2-gla` (old configs are mapped, see `LMConfig.mixer_names`).
 """
 from __future__ import annotations
 

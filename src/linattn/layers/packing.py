@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..errors import LinattnError, LinattnTypeError
+from ..ops._common import check_cu_seqlens as check_offsets
 from .cache import LayerCache
 
 
@@ -31,24 +32,8 @@ def check_cu_seqlens(cu_seqlens, batch_size: int, seq_len: int) -> Optional[torc
         LinattnError: naming what is wrong: not a 1-D integer tensor, batch size other than 1, offsets that do
             not start at 0 and end at seq_len, or an empty document.
     """
-    if cu_seqlens is None:
+    if check_offsets(cu_seqlens, batch_size, seq_len) is None:   # the operators' check: one host read per tensor
         return None
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise LinattnTypeError(f"cu_seqlens must be an int64 tensor [N+1] of document offsets, "
-                               f"got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in (torch.int64, torch.int32) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise LinattnError(f"cu_seqlens must be an integer tensor of shape [N+1] with N >= 1 documents, "
-                           f"got dtype {cu_seqlens.dtype} and shape {tuple(cu_seqlens.shape)}")
-    if batch_size != 1:
-        raise LinattnError(f"cu_seqlens packs documents along the time axis: the input must have batch size 1 "
-                           f"([1, T_total, ...]), got batch size {batch_size}")
-    offs = cu_seqlens.tolist()   # one host sync for every check
-    if offs[0] != 0 or offs[-1] != seq_len:
-        raise LinattnError(f"cu_seqlens must start at 0 and end at the sequence length {seq_len}, "
-                           f"got {offs[0]} ... {offs[-1]}")
-    if any(b <= a for a, b in zip(offs[:-1], offs[1:])):
-        raise LinattnError(f"cu_seqlens must be strictly increasing (every document needs at least one token), "
-                           f"got {offs}")
     return cu_seqlens.long()
 
 

@@ -187,7 +187,10 @@ def build_mixer(name: str, d_model: int, n_heads: int, **kwargs) -> nn.Module:
         name: A name of `mixers()`.
         d_model: The model width.
         n_heads: The number of heads.
-        **kwargs: Override its defaults (rope, short_conv, head_dim, max_seq_len...).
+        **kwargs: Override its defaults (rope, short_conv, head_dim, max_seq_len...). A layer class with a
+            `config_kwargs(kwargs)` classmethod maps them to its own keywords first (the delta rule's layers fold a
+            model config's `l2norm_convention` and old options into `qk_norm`, silently: a saved config keeps its
+            meaning).
 
     Returns:
         The layer, a module from `[B, T, d_model]` to `[B, T, d_model]`.
@@ -206,6 +209,9 @@ def build_mixer(name: str, d_model: int, n_heads: int, **kwargs) -> nn.Module:
     args.setdefault("rope", spec.rope_default)
     args.setdefault("short_conv", spec.short_conv_default)
     args.update(kwargs)
+    adapt = getattr(spec.cls, "config_kwargs", None)   # a layer that reads old config fields its own way
+    if adapt is not None:
+        args = adapt(args)
     try:
         return spec.cls(d_model, n_heads, **args)
     except TypeError as e:

@@ -107,7 +107,7 @@ _data_ptr = torch.Tensor.data_ptr
 # configuration values a plan reads from a module's __dict__ (mixers, norms), checked by identity on every token
 _CONFIG_KEYS = ("scale", "l2norm_convention", "beta_mode", "q_l2norm", "qk_l2norm", "exact", "gate", "gate_act",
                 "normalize", "eps", "feature_map", "_gamma", "norm_group_size", "short_conv", "causal", "_fused",
-                "plain", "residual")
+                "plain", "residual", "qk_norm")
 
 
 class PlanGuard:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+from functools import partial
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -382,9 +383,6 @@ class LanguageModel(nn.Module, CausalLM):
             if not isinstance(cache, Cache) or len(cache) != self.config.n_layers:
                 raise LinattnError(f"cache must be a linattn Cache with {self.config.n_layers} layers "
                                    f"(model.new_cache()), got {cache!r}")
-            if not self.is_causal:
-                raise LinattnError("this model has a bidirectional memory lobe: it cannot decode incrementally "
-                                   "with a cache (call it on the whole sequence instead)")
         if cache is not None and cache.rollback:
             logits, aux = self._forward_recorded(input_ids, cache)
             if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
@@ -414,18 +412,51 @@ class LanguageModel(nn.Module, CausalLM):
             aux = aux + a * (ids.shape[1] / T)
         return torch.cat(logits, dim=1), aux
 
-    def _forward_blocks(self, input_ids, cache, cu_seqlens, targets, logits_to_keep):
-        """The embedding, blocks, final norm and head (forward's body) -> (logits, aux loss)."""
-        x = self.embed(input_ids)
+    def run_blocks(self, x: torch.Tensor, cache: Optional[Cache] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                   *, hidden: Optional[List[torch.Tensor]] = None, checkpoint: Optional[Callable] = None,
+                   checkpoint_every: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The blocks over embeddings: the stack between the embedding and the final norm (what `forward` runs, and
+        the transformers models of `linattn.hf`).
+
+        Args:
+            x: Embeddings `[B, T, d_model]`.
+            cache: A `Cache` (continued and updated in place; `seen_tokens` counts the T positions), or None.
+            cu_seqlens: Packed documents (as in `forward`), or None.
+            hidden: A list that receives every block's input (transformers' hidden states), or None.
+            checkpoint: Recompute blocks in the backward pass through this function (called as
+                `checkpoint(block, x, None, cu_seqlens)`, like `torch.utils.checkpoint.checkpoint`); only without a
+                cache.
+            checkpoint_every: Recompute every this-many-th block (transformers' `every_n_layers`).
+
+        Returns:
+            (the last block's output `[B, T, d_model]` before the final norm, the summed aux loss).
+
+        Raises:
+            LinattnError: A cache with a bidirectional memory lobe (it cannot decode incrementally).
+        """
+        if cache is not None and not self.is_causal:
+            raise LinattnError("this model has a bidirectional memory lobe: it cannot decode incrementally "
+                               "with a cache (call it on the whole sequence instead)")
         aux = torch.zeros((), dtype=torch.float32, device=x.device)
-        recompute = self.activation_checkpointing and self.training and cache is None and torch.is_grad_enabled()
-        for block in self.blocks:
-            if recompute:
-                x, a = torch.utils.checkpoint.checkpoint(block, x, None, cu_seqlens, use_reentrant=False)
+        for i, block in enumerate(self.blocks):
+            if hidden is not None:
+                hidden.append(x)
+            if checkpoint is not None and cache is None and i % checkpoint_every == 0:
+                x, a = checkpoint(block, x, None, cu_seqlens)
             else:
                 x, a = block(x, cache, cu_seqlens)
             if a is not None:
                 aux = aux + a
+        if cache is not None:
+            cache.seen_tokens += x.shape[1]
+        return x, aux
+
+    def _forward_blocks(self, input_ids, cache, cu_seqlens, targets, logits_to_keep):
+        """The embedding, blocks, final norm and head (forward's body) -> (logits, aux loss)."""
+        recompute = self.activation_checkpointing and self.training and cache is None and torch.is_grad_enabled()
+        x, aux = self.run_blocks(self.embed(input_ids), cache, cu_seqlens,
+                                 checkpoint=partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+                                 if recompute else None)
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             if targets is not None:
                 raise LinattnError("logits_to_keep cannot be combined with targets (the loss needs every logit)")
@@ -433,8 +464,6 @@ class LanguageModel(nn.Module, CausalLM):
         if self.norm is not None:
             x = self.norm(x)
         logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
-        if cache is not None:
-            cache.seen_tokens += input_ids.shape[1]
         return logits, aux
 
     # -- generation --------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import os
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import LinattnError, LinattnTypeError
 
@@ -127,7 +128,7 @@ def check_same_device(x: torch.Tensor, name: str, ref: torch.Tensor) -> None:
 def check_qkv(q, k, v, allow_empty_k: bool = False) -> Tuple[int, int, int, int, int]:
     """Check q, k `[B, T, H, K]` and v `[B, T, H, V]`; return (B, T, H, K, V).
 
-    Empty dimensions (issue 33.6): T = 0 is refused (no token to attend to); K = 0 is refused too, since
+    Empty dimensions: T = 0 is refused (no token to attend to); K = 0 is refused too, since
     the default scale K^-1/2 and every state [K, V] would be degenerate, except where the caller
     defines it (`allow_empty_k`: softmax attention, whose scores are then all 0). B, H or V = 0 give
     empty outputs of the right shape in every mode (operators with a further rule check it themselves)."""
@@ -163,7 +164,7 @@ def _all_finite(x: torch.Tensor) -> bool:
 
 def check_finite_output(result, op: str, also: Sequence[torch.Tensor] = (), **inputs: Optional[torch.Tensor]):
     """Refuse an output that overflowed: finite inputs, yet inf or NaN in the output, or in the tensors
-    `also` (statistics that can overflow while the output stays finite) (issue 33.4). `result` is the
+    `also` (statistics that can overflow while the output stays finite). `result` is the
     output or a tuple (output, state); it is returned as it is. Inputs that hold inf/NaN themselves pass
     (their outputs are inf/NaN by design). Runs when value checks run for the output; the finite case
     costs one pass over each tensor."""
@@ -193,7 +194,7 @@ def check_scale(scale, default: float) -> float:
         return float(default)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise LinattnTypeError(f"scale must be a float or None (the default), got {type(scale).__name__}")
-    if not math.isfinite(scale):  # nan/inf would turn every output into NaN (issue 33.6)
+    if not math.isfinite(scale):  # nan/inf would turn every output into NaN
         raise LinattnError(f"scale must be a finite number (or None for the default), got {scale!r}")
     return float(scale)
 
@@ -220,11 +221,18 @@ def check_log_gate(g, name: str, B: int, T: int, H: int, K: Optional[int] = None
                            f"got a maximum of {g.max().item():.4g}")
 
 
+# offsets already read and validated: tensor -> (its version, T, the offsets). A packed call checks the same
+# cu_seqlens in the model, every layer, its short convolutions and its operator; the host reads it once (for a CUDA
+# tensor every read is a device-to-host synchronisation). An in-place change bumps the version: read again.
+_CHECKED_OFFSETS = WeakIdKeyDictionary()
+
+
 def check_cu_seqlens(cu_seqlens, B: int, T: int) -> Optional[List[int]]:
     """Validate packed-sequence offsets; return them as a Python list (or None).
 
-    Reading the offsets is one host synchronisation per call for a CUDA tensor: the sequence
-    boundaries decide the work, so every backend needs them on the host.
+    Reading the offsets is one host synchronisation for a CUDA tensor (the sequence boundaries decide the work, so
+    every backend needs them on the host), once per tensor: the same offsets checked again (the next layer, the
+    operator under a layer) are not read again unless they were changed in place.
     """
     if cu_seqlens is None:
         return None
@@ -234,13 +242,22 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> Optional[List[int]]:
         raise LinattnError(f"cu_seqlens must be an integer tensor of shape [N+1] with N >= 1, "
                            f"got dtype {cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}")
     if B != 1:
-        raise LinattnError(f"cu_seqlens packs sequences along T and needs batch size B == 1, got B = {B}")
+        raise LinattnError(f"cu_seqlens packs sequences along T and needs batch size 1 ([1, T_total, ...]), "
+                           f"got batch size {B}")
+    remember = not torch.compiler.is_compiling()
+    seen = _CHECKED_OFFSETS.get(cu_seqlens) if remember else None
+    if seen is not None and seen[0] == cu_seqlens._version and seen[1] == T:
+        return list(seen[2])
     offs = [int(x) for x in cu_seqlens.tolist()]
     if offs[0] != 0 or offs[-1] != T:
-        raise LinattnError(f"cu_seqlens must start at 0 and end at T = {T}, got {offs[0]} ... {offs[-1]}")
+        raise LinattnError(f"cu_seqlens must start at 0 and end at T = {T} (the sequence length), got {offs[0]} ... "
+                           f"{offs[-1]}")
     if any(b <= a for a, b in zip(offs[:-1], offs[1:])):
-        raise LinattnError("cu_seqlens must be strictly increasing (every sequence needs at least one token)")
-    return offs
+        raise LinattnError(f"cu_seqlens must be strictly increasing (every sequence needs at least one token), "
+                           f"got {offs}")
+    if remember:
+        _CHECKED_OFFSETS[cu_seqlens] = (cu_seqlens._version, T, offs)
+    return list(offs)
 
 
 def cat_parts(parts: Sequence[Any], dim: int) -> Any:

@@ -212,7 +212,7 @@ def _wy_blocks(q, k, v, b, r, g):
         q_dec, k_dec, block_decay, w_rhs = q, k, None, kb_r
     else:
         # a long block (the parallel form: C = T) sums its gates in fp64: in fp32 a sum near -400 carries an
-        # absolute error ~3e-5 into every exp(G_t - G_i), even for neighbours (issue 33.7); the exponentials are
+        # absolute error ~3e-5 into every exp(G_t - G_i), even for neighbours; the exponentials are
         # taken in that dtype and cast back (`ex`), so everything else stays in q's dtype
         if C > WIDE_GATES_ABOVE and g.dtype == torch.float32:
             g = g.double()

@@ -661,7 +661,7 @@ def linear_attention(
     p = prepare_linear_attention(q, k, v, feature_map=feature_map, causal=causal, normalize=normalize, gamma=gamma,
                                  g=g, scale=scale, mode=mode, chunk_size=chunk_size, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens, eps=eps)
-    # finite inputs whose kernel values or sums exceed the dtype: a clear error, not NaN (issue 33.4)
+    # finite inputs whose kernel values or sums exceed the dtype: a clear error, not NaN
     return check_finite_output(run_linear_attention(p, backend), "linear_attention", q=q, k=k, v=v)
 
 

@@ -2,9 +2,9 @@
 
     linattn.hf.import_fla("fla_gla_folder", "runs/gla")        # or: linattn import-hf --model FOLDER --out RUN
 
-`core.py` holds the registry and everything the model types share; each other module of this package converts
-one fla `model_type` (its mixer) and registers itself with `@register_fla(...)`: adding a model type means adding
-a file. Importing this package imports every module in it.
+`core.py` holds the registry and everything the model types share, `shared.py` the helpers two or more converters
+use; each other module of this package converts one fla `model_type` (its mixer) and registers itself with
+`@register_fla(...)`: adding a model type means adding a file. Importing this package imports every module in it.
 """
 import importlib
 import pkgutil

@@ -4,8 +4,7 @@ sigmoid-gated output norm, grouped value heads, the inner decay and output corre
 from __future__ import annotations
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla
-from .delta_net import base_state, common_kwargs
-from .gated_deltanet import grouped_heads
+from .shared import base_state, common_kwargs, grouped_heads
 
 
 @register_fla("comba")

@@ -1,44 +1,10 @@
-"""fla's `delta_net` (fla/models/delta_net, fla/layers/delta_net.py) as linattn's `deltanet` mixer; also the pieces
-the delta-family types share (q/k/v projections and short convolutions, the output norm and gate)."""
+"""fla's `delta_net` (fla/models/delta_net, fla/layers/delta_net.py) as linattn's `deltanet` mixer."""
 from __future__ import annotations
 
-import math
-from typing import Any, Dict
-
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
+from .shared import as_int, base_state, common_kwargs
 
 QK_ACTIVATIONS = ("silu", "relu", "elu", "identity")
-
-
-def as_int(cfg: Dict[str, Any], value: float, what: str) -> int:
-    """A width fla computes as a float product (hidden_size * expand_k, head_dim * expand_v), as an int."""
-    n = int(round(value))
-    require(math.isclose(value, n, rel_tol=1e-9), cfg, f"{what} = {value} (not an integer)")
-    return n
-
-
-def base_state(p: LayerParams, short_conv: bool, output_gate: bool) -> Dict[str, Any]:
-    """The tensors every fla delta layer names alike: q/k/v/o projections, the q/k/v short convolutions
-    (`q_conv1d` -> `q_conv`), the output norm and the output gate projection."""
-    state = {f"{n}_proj.weight": p[f"{n}_proj.weight"] for n in "qkvo"}
-    if short_conv:
-        for n in "qkv":
-            state[f"{n}_conv.weight"] = p[f"{n}_conv1d.weight"]
-    state["o_norm.weight"] = p["o_norm.weight"]
-    if output_gate:
-        state["g_proj.weight"] = p["g_proj.weight"]
-    return state
-
-
-def common_kwargs(cfg: Dict[str, Any], short_conv: bool) -> Dict[str, Any]:
-    """The layer options all fla delta layers share: b_proj without bias, the conv width, and SiLU on q/k/v even
-    without a short convolution."""
-    kwargs: Dict[str, Any] = {"beta_bias": False, "conv_size": int(cfg_get(cfg, "conv_size", 4))}
-    if not short_conv:
-        kwargs["activation_without_conv"] = True
-    if cfg_get(cfg, "allow_neg_eigval", False):
-        kwargs["allow_negative_eigenvalues"] = True
-    return kwargs
 
 
 @register_fla("delta_net")

@@ -4,16 +4,7 @@ a plain RMSNorm, allow_neg_eigval, with or without the short convolutions."""
 from __future__ import annotations
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .delta_net import as_int, base_state, common_kwargs
-
-
-def grouped_heads(cfg: dict, default_heads: int, default_head_dim: int, default_expand_v: float):
-    """(H, HV, head_dim, head_dim_v) of the layers with head_dim / num_heads / num_v_heads / expand_v."""
-    H, Dk = int(cfg_get(cfg, "num_heads", default_heads)), int(cfg_get(cfg, "head_dim", default_head_dim))
-    HV = int(cfg_get(cfg, "num_v_heads", H))
-    require(HV % H == 0, cfg, f"num_v_heads {HV} not a multiple of num_heads {H}")
-    Dv = as_int(cfg, Dk * float(cfg_get(cfg, "expand_v", default_expand_v)), "head_dim * expand_v")
-    return H, HV, Dk, Dv
+from .shared import base_state, common_kwargs, grouped_heads
 
 
 @register_fla("gated_deltanet")

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .delta_net import base_state, common_kwargs
-from .gated_deltanet import grouped_heads
+from .shared import base_state, common_kwargs, grouped_heads
 
 
 def step_major_to_head_major(w: torch.Tensor, n: int, H: int) -> torch.Tensor:

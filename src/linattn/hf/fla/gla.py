@@ -7,25 +7,12 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-
-
-def gla_heads(cfg: Dict[str, Any]):
-    d, H = int(cfg["hidden_size"]), int(cfg_get(cfg, "num_heads", 4))
-    kd, vd = d * float(cfg_get(cfg, "expand_k", 0.5)), d * float(cfg_get(cfg, "expand_v", 1.0))
-    require(kd == int(kd) and vd == int(vd) and int(kd) % H == 0 and int(vd) % H == 0, cfg,
-            f"key / value widths {kd} / {vd} that are not whole multiples of num_heads {H}")
-    return H, int(kd) // H, int(vd) // H
+from .shared import gla_heads, output_norm_state
 
 
 def conv_state(p: LayerParams, names=("q", "k", "v")) -> Dict[str, Any]:
     """fla's ShortConvolution weights `{x}_conv1d.weight` [D, 1, W] as linattn's `{x}_conv.weight` (same layout)."""
     return {f"{n}_conv.weight": p[f"{n}_conv1d.weight"] for n in names}
-
-
-def output_norm_state(p: LayerParams) -> Dict[str, Any]:
-    """The per-head output norm's weight: fla's fused norm-and-gate (g_norm_swish_gate) or its plain g_norm."""
-    name = "g_norm_swish_gate.weight" if "g_norm_swish_gate.weight" in p else "g_norm.weight"
-    return {"o_norm.weight": p[name]}
 
 
 @register_fla("gla")

@@ -4,8 +4,7 @@ RMSNorm, grouped value heads, allow_neg_eigval, and the bounded gate of safe_gat
 from __future__ import annotations
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .delta_net import base_state, common_kwargs
-from .gated_deltanet import grouped_heads
+from .shared import base_state, common_kwargs, grouped_heads
 
 
 @register_fla("kda")

@@ -14,7 +14,7 @@ import torch
 
 from ...errors import CheckpointError
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .gla import gla_heads
+from .shared import gla_heads
 
 #: fla's feature_map -> linattn's map of the same phi = psi
 FEATURE_MAPS = {"identity": "identity", "elu": "elu+1", "relu": "relu"}

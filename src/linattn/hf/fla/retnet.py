@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .gla import gla_heads, output_norm_state
+from .shared import gla_heads, output_norm_state
 
 
 @register_fla("retnet")
