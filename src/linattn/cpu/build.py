@@ -64,7 +64,7 @@ LIBRARIES: Dict[str, Tuple[int, Tuple[str, ...]]] = {
     "deltaprep": (1, _both("dprep_fwd", "dprep_bwd", "dprep_raw_fwd", "dprep_raw_bwd", "l2rows_fwd", "l2rows_bwd")),
     "conv": (1, _both("conv_fwd", "conv_bwd", "conv_fwd_sep", "conv_bwd_sep")),
     "gatednorm": (1, _both("gnorm_fwd", "gnorm_bwd")),
-    "decode": (1, _both("decode_delta", "decode_linear", "decode_block", "decode_model")),
+    "decode": (2, _both("decode_delta", "decode_linear", "decode_block", "decode_model")),
 }
 
 
