@@ -535,9 +535,9 @@ static int softmax_mix_##SFX(const linattn_block_plan *p, const real *xn, real *
     MATVEC_W_##SFX(p->wbf16, B, nk, d, p->Wk, (const real *)p->bk, xn, NULL, k, p->nthreads);                 \
     MATVEC_W_##SFX(p->wbf16, B, nv, d, p->Wv, (const real *)p->bv, xn, NULL, v, p->nthreads);                 \
     if (p->att_gate == 1) MATVEC_W_##SFX(p->wbf16, B, H * Dv, d, p->Wg, NULL, xn, NULL, g, p->nthreads);      \
-    real *w = (real *)malloc(sizeof(real) * (size_t)(L + R + 1));                                               \
-    if (!w) return 1;                                                                                           \
-    real *cs = w + L, *sn = cs + R / 2;                                                                         \
+    real *ws = (real *)malloc(sizeof(real) * (size_t)(H * L + R + 1));                                          \
+    if (!ws) return 1;                                                                                          \
+    real *cs = ws + H * L, *sn = cs + R / 2;                                                                    \
     const double *inv = (const double *)p->inv_freq;                                                            \
     const real *qnw = (const real *)p->qnw, *knw = (const real *)p->knw;                                        \
     const real scale = (real)p->scale;                                                                          \
@@ -565,9 +565,13 @@ static int softmax_mix_##SFX(const linattn_block_plan *p, const real *xn, real *
             for (int64_t i = 0; i < D; ++i) KV_PUT(kb, p->kc, ko + i, kh[i], real);                                   \
             for (int64_t i = 0; i < Dv; ++i) KV_PUT(kb, p->vc, vo + i, v[b * nv + j * Dv + i], real);                 \
         }                                                                                                       \
+        /* the heads in parallel only where the keys they read pay for waking the threads */                  \
+        const int par = p->nthreads > 1 && H > 1 && H * (L - lo) * (D + Dv) >= PAR_MIN_ELEMS;                  \
+        _Pragma("omp parallel for num_threads(p->nthreads) schedule(static) if(par)")                          \
         for (int64_t h = 0; h < H; ++h) {                                                                       \
             const real *qh = q + b * nq + h * qw;                                                               \
             const int64_t j = h / grp;                                                                          \
+            real *restrict w = ws + h * L;                                                                      \
             real m = -INFINITY, den = 0;                                                                        \
             int nan = 0;                                                                                        \
             for (int64_t t = lo; t < L; ++t) {                                                                  \
@@ -595,7 +599,7 @@ static int softmax_mix_##SFX(const linattn_block_plan *p, const real *xn, real *
             }                                                                                                   \
         }                                                                                                       \
     }                                                                                                           \
-    free(w);                                                                                                    \
+    free(ws);                                                                                                   \
     return 0;                                                                                                   \
 }
 
