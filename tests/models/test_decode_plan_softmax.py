@@ -315,3 +315,26 @@ def test_long_context_on_two_threads():
     finally:
         torch.set_num_threads(n)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_model_of_softmax_layers_only_and_a_trimmed_kv_view(monkeypatch):
+    """Every layer softmax (no recurrent state in the step's buffers); a KV cache that is a strided view (as
+    `remove_rows` trims left padding to): one compiled call per token, the per-block path's logits."""
+    model = _model(every=1, layers=2)
+    twin = torch_decode_twin(model)
+    twin.compiled_decode = False
+    ids = _ids(2, 9)
+    calls = CompiledDecodeCalls(monkeypatch)
+    got, cache = _decode(model, ids, 3)
+    want, _ = _decode(twin, ids, 3)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    assert calls.model == 6
+    with torch.no_grad():
+        kv = cache.layer(0, "mixer")["kv"]
+        kv.k, kv.v = kv.k[:, :kv.length + 2], kv.v[:, :kv.length + 2]   # strided views, room for two rows
+        assert not kv.k.is_contiguous()
+        tcache = copy.deepcopy(cache)
+        tok = ids[:, -1:]
+        got, want = model(tok, cache=cache).logits, twin(tok, cache=tcache).logits
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    assert calls.model == 7

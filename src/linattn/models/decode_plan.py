@@ -818,8 +818,7 @@ def _kv_args(slot: ModelPlanSlot, cache: Cache, B: int) -> Optional[list]:
                 return None
         elif type(kv) is not KVCache or (kv.k is not None and not (
                 kv.k.shape[0] == B and kv.k.shape[2:] == (G, D) and kv.v.shape[2:] == (G, Dv) and kv.k.dtype == dt
-                and kv.v.dtype == dt and kv.k.is_cpu and kv.v.is_cpu and kv.k.is_contiguous()
-                and kv.v.is_contiguous())) or kv.window != att.window:
+                and kv.v.dtype == dt and kv.k.is_cpu and kv.v.is_cpu)) or kv.window != att.window:
             return None
         if type(off) is int:
             if kv is not None and off != kv.start + kv.length:
@@ -832,6 +831,8 @@ def _kv_args(slot: ModelPlanSlot, cache: Cache, B: int) -> Optional[list]:
         att = p.att
         if kv is None:
             kv = rec[2] = lc["kv"] = KVCache(chunk=att.kv_chunk, window=att.window)
+        if kv.k is not None and not (kv.k.is_contiguous() and kv.v.is_contiguous()):
+            kv.k, kv.v = kv.k.contiguous(), kv.v.contiguous()   # (a trimmed view: the same tokens, one buffer)
         if kv.k is None:
             kv.reserve(1, torch.empty(B, 0, att.kv_heads, att.head_dim, dtype=slot.ldtype),
                        torch.empty(B, 0, att.kv_heads, att.head_dim_v, dtype=slot.ldtype))
