@@ -338,3 +338,119 @@ def test_a_model_of_softmax_layers_only_and_a_trimmed_kv_view(monkeypatch):
         got, want = model(tok, cache=cache).logits, twin(tok, cache=tcache).logits
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     assert calls.model == 7
+
+
+class _ZeroCentredNorm(nn.Module):
+    """transformers' Qwen3-Next / Qwen3.5 RMSNorm: x / rms(x) * (1 + weight), in fp32."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(0.1 * torch.randn(dim)), eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
+
+
+class _GatedAttention(nn.Module):
+    """Qwen3.5's attention written from its formulas for one decoded token (the reference): q_proj rows per head
+    [query D | gate D], zero-centred q/k norms, RoPE on the first `rot` channels with fp32 angles, softmax over the
+    cached keys in fp32, o * sigmoid(gate); keys and values in linattn's KVCache."""
+
+    def __init__(self, d, H, G, D, rot, base=10000.0):
+        super().__init__()
+        self.H, self.G, self.D, self.rot = H, G, D, rot
+        self.q_proj, self.k_proj = nn.Linear(d, H * 2 * D, bias=False), nn.Linear(d, G * D, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(d, G * D, bias=False), nn.Linear(H * D, d, bias=False)
+        self.q_norm, self.k_norm = _ZeroCentredNorm(D), _ZeroCentredNorm(D)
+        self.inv_freq = 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
+
+    def _rope(self, x, pos):
+        ang = pos.float()[:, None, None, None] * self.inv_freq   # [B, 1, 1, rot/2], fp32 as transformers
+        c, s = torch.cat([ang.cos()] * 2, -1).to(x.dtype), torch.cat([ang.sin()] * 2, -1).to(x.dtype)
+        r, rest = x[..., :self.rot], x[..., self.rot:]
+        half = torch.cat([-r[..., self.rot // 2:], r[..., :self.rot // 2]], -1)
+        return torch.cat([r * c + half * s, rest], -1)
+
+    def forward(self, x, lc):
+        B, H, G, D = x.shape[0], self.H, self.G, self.D
+        q, gate = self.q_proj(x).view(B, 1, H, 2 * D).split(D, -1)
+        q, k = self.q_norm(q), self.k_norm(self.k_proj(x).view(B, 1, G, D))
+        v = self.v_proj(x).view(B, 1, G, D)
+        pos = torch.full((B,), lc.offset, dtype=torch.long)
+        q, k = self._rope(q, pos), self._rope(k, pos)
+        kv = lc.get("kv")
+        if kv is None:
+            kv = lc["kv"] = KVCache(chunk=4)
+        ks, vs, _ = kv.append(k, v)
+        ks, vs = ks.repeat_interleave(H // G, 2), vs.repeat_interleave(H // G, 2)
+        w = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q.float(), ks.float()) * D ** -0.5, -1)
+        o = torch.einsum("bhqk,bkhd->bqhd", w, vs.float()).to(x.dtype).reshape(B, 1, H * D)
+        lc["offset"] = lc.offset + 1
+        return self.o_proj(o * torch.sigmoid(gate.reshape(B, 1, H * D)))
+
+    def description(self):
+        return decode_plan.AttentionDescription(
+            q_proj=self.q_proj, k_proj=self.k_proj, v_proj=self.v_proj, o_proj=self.o_proj, heads=self.H,
+            kv_heads=self.G, head_dim=self.D, head_dim_v=self.D, scale=self.D ** -0.5, window=None,
+            q_norm=self.q_norm, k_norm=self.k_norm, norm_offset=1, rot=self.rot, inv_freq=self.inv_freq.double(),
+            rope_f32=True, rope_scale=1.0, gate="q", g_proj=None, gate_act="sigmoid", kv_chunk=4)
+
+
+class _QwenLikeModel(nn.Module):
+    """A Gated DeltaNet block then a Qwen3.5-style attention block (pre-norm, SwiGLU), described for the plan
+    through an explicit `AttentionDescription`, as a transformers model's description would be."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        from linattn.layers import RMSNorm, SwiGLU
+        from linattn.models.registry import build_mixer
+        torch.manual_seed(4)
+        self.tok = nn.Embedding(VOCAB, d)
+        self.mixers = nn.ModuleList([build_mixer("gated-deltanet", d, 2), _GatedAttention(d, 4, 2, 16, rot=8)])
+        self.pre = nn.ModuleList([RMSNorm(d) for _ in range(2)])
+        self.post = nn.ModuleList([RMSNorm(d) for _ in range(2)])
+        self.mlps = nn.ModuleList([SwiGLU(d, 48) for _ in range(2)])
+        self.out_norm, self.out = RMSNorm(d), nn.Linear(d, VOCAB, bias=False)
+        with torch.no_grad():
+            self.mixers[1].q_proj.weight.mul_(3.0)
+            self.mixers[1].k_proj.weight.mul_(3.0)
+
+    def forward(self, ids, cache):
+        x = self.tok(ids)
+        for i, (mixer, n1, n2, mlp) in enumerate(zip(self.mixers, self.pre, self.post, self.mlps)):
+            h = x + mixer(n1(x), cache.layer(i, "mixer")) if i else x + mixer(n1(x), cache=cache.layer(i, "mixer"))
+            x = h + mlp(n2(h))
+        return self.out(self.out_norm(x))
+
+    def decode_description(self):
+        blocks = []
+        for m, n1, n2, f in zip(self.mixers, self.pre, self.post, self.mlps):
+            att = m.description() if isinstance(m, _GatedAttention) else None
+            kind = None if att is not None else m.fast_step_kind()
+            blocks.append(decode_plan.BlockDescription(m, kind, n1, n2, "swiglu", f.w_gate_up, f.w_down,
+                                                       modules=(n1, n2, f, f.w_gate_up, f.w_down), attention=att))
+        return decode_plan.ModelDescription(self.tok, blocks, self.out_norm, self.out)
+
+
+def test_transformers_conventions_partial_rotary_q_gate_zero_centred_norms(monkeypatch):
+    """The description's transformers conventions (the gate in q_proj's rows, zero-centred q/k norms precomputed
+    as 1 + w, partial rotary with fp32 angles, a sigmoid gate) against a reference written from Qwen3.5's formulas,
+    token by token (T = 1 prompt, batch 2, the KV cache grown past its chunk), and an in-place update of a
+    zero-centred norm weight (copied into the plan as 1 + w) rebuilds the plan."""
+    from linattn.layers import Cache
+    model = _QwenLikeModel().eval()
+    calls = CompiledDecodeCalls(monkeypatch)
+    ids = _ids(2, 10)
+    with torch.no_grad():
+        ref_cache, fast_cache = Cache(2), Cache(2)
+        for t in range(10):
+            if t == 6:
+                model.mixers[1].k_norm.weight.add_(0.3)
+            ref = model(ids[:, t:t + 1], ref_cache)
+            got = decode_plan.model_step(model, ids[:, t:t + 1], fast_cache, 0)
+            assert got is not None
+            torch.testing.assert_close(got[0], ref, rtol=1e-5, atol=1e-5)
+    assert calls.model == 10
+    kv, rkv = fast_cache.layer(1, "mixer")["kv"], ref_cache.layer(1, "mixer")["kv"]
+    torch.testing.assert_close(kv.k[:, :kv.length], rkv.k[:, :rkv.length], rtol=1e-5, atol=1e-6)

@@ -665,7 +665,9 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
     mp.blocks = ctypes.addressof(block_ptrs)
     direct = {mp.embed, mp.head, mp.norm_w} | {getattr(p, f) for p in plans for f in _PLAN_POINTERS}
-    slot.guard = PlanGuard(model, list(model.modules()), [bd.mixer for bd in desc.blocks], direct)
+    # (the switches and fused weights of linattn's layers; a described module of another library has neither)
+    mixers = [bd.mixer for bd in desc.blocks if getattr(bd.mixer, "_fused", None) is not None]
+    slot.guard = PlanGuard(model, list(model.modules()), mixers, direct)
     if not slot.guard.valid() or any(t.device.type != "cpu" for t in slot.guard.tensors):
         return False   # (a hook on a module the step would not call)
     slot.keep = (plans, keep, block_ptrs, desc.embed.weight, head_w, norm_w)
