@@ -119,11 +119,13 @@ def test_bf16_nan_stays_in_its_row():
 
 @pytest.mark.parametrize("linear", ["gated-deltanet", "linear-elu+1"])
 def test_bf16_softmax_hybrid_decodes_its_linear_blocks_compiled(linear, monkeypatch):
-    """A bf16 hybrid with a softmax layer has no whole-model plan: its linear blocks take the per-block compiled
-    step (bf16 weights, fp32 inside, the block's output rounded to bf16), the softmax block PyTorch's bf16 path; the
-    logits as close to an fp64 copy as the PyTorch bf16 model's (both at bf16's rounding), and the first block's
-    state after one token the fp32 PyTorch step's on the rounded weights (to 1e-6: only the sums' order differs)."""
+    """A bf16 hybrid with a softmax layer decoded block by block (`compiled_decode = False`; the whole-model step:
+    tests/models/test_decode_plan_softmax.py): its linear blocks take the per-block compiled step (bf16 weights,
+    fp32 inside, the block's output rounded to bf16), the softmax block PyTorch's bf16 path; the logits as close
+    to an fp64 copy as the PyTorch bf16 model's (both at bf16's rounding), and the first block's state after one
+    token the fp32 PyTorch step's on the rounded weights (to 1e-6: only the sums' order differs)."""
     hybrid = _bf16_model([linear, "softmax"])
+    hybrid.compiled_decode = False
     calls = CompiledDecodeCalls(monkeypatch)
     ids = _ids(2, 10, seed=5)
     got, cache = _decode(hybrid, ids, prefill=3)

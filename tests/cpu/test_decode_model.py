@@ -141,16 +141,21 @@ def test_model_step_mixed_layers_grouped_heads_no_ffn(kw, batch, monkeypatch):
     assert count.model == 9 + 6
 
 
-def test_hybrid_with_softmax_takes_the_block_path(monkeypatch):
-    """A softmax layer has no compiled block step: the model step declines, the covered layers still take the
-    per-block compiled step, and the values are the PyTorch step's."""
+def test_hybrid_with_softmax_takes_the_model_step(monkeypatch):
+    """A hybrid with a softmax layer decodes in the whole-model step (tests/models/test_decode_plan_softmax.py); block
+    by block (`compiled_decode = False`) the softmax layer has no compiled block step and the covered layers take
+    the per-block one; the values are the PyTorch step's either way."""
     model = _model(["gated-deltanet", "softmax"])
     ids = _ids(2, 10, 3)
     count = ModelCount(monkeypatch)
     got, _ = _generate(model, ids)
-    assert (count.model, count.block) == (0, 6)
+    assert (count.model, count.block) == (6, 0)
+    model.compiled_decode = False
+    got_blocks, _ = _generate(model, ids)
+    assert (count.model, count.block) == (6, 6)
     ref, _ = _generate(_torch_twin(model), ids)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got_blocks, ref, rtol=2e-5, atol=2e-5)
 
 
 def test_earlier_states_copies_and_beams_are_not_corrupted(monkeypatch):

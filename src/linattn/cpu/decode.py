@@ -152,7 +152,9 @@ class BlockPlan(ctypes.Structure):
     """`linattn_block_plan` of csrc/decode.c: what a whole-block decoding step (`block_step`) needs besides the
     token and the state, fixed while the layer's parameters are. Pointer fields are data addresses (0: NULL);
     `keep` holds the tensors they point into (set by the builder, models/decode_plan.py). `wbf16` (float32 plans):
-    the matrices W, Wo, Wgu and Wd are stored as bfloat16, read with fp32 accumulation."""
+    the matrices W, Wo, Wgu and Wd are stored as bfloat16, read with fp32 accumulation. kind 2 is softmax
+    attention (its projections Wq, Wk, Wv, Wg; the KV cache's buffers and the token's row and positions set per
+    call, models/decode_plan.py)."""
 
     _fields_ = ([(n, ctypes.c_int64) for n in ("B", "H", "HV", "K", "V", "d", "ny", "KC", "hid")]
                 + [(n, ctypes.c_int32) for n in ("kind", "conv_act", "dkind", "l2conv", "q_l2", "beta_mode", "gated",
@@ -160,7 +162,13 @@ class BlockPlan(ctypes.Structure):
                                                  "has_ffn", "nthreads", "wbf16")]
                 + [(n, ctypes.c_double) for n in ("l2eps", "scale", "eps", "norm_eps", "n1eps", "n2eps")]
                 + [(n, ctypes.c_void_p) for n in ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay",
-                                                  "nw", "Wo", "n2w", "Wgu", "bgu", "Wd", "bd")])
+                                                  "nw", "Wo", "n2w", "Wgu", "bgu", "Wd", "bd")]
+                # softmax attention (kind 2): fixed per plan, except kv_cap .. lo0, kc, vc, pos, lo (set per call)
+                + [(n, ctypes.c_int64) for n in ("kvh", "rot", "kv_cap", "kv_len", "pos0", "lo0")]
+                + [(n, ctypes.c_int32) for n in ("att_gate", "gate_sig", "qk_norm", "kv_bf16", "rope_f32", "pad2_")]
+                + [(n, ctypes.c_double) for n in ("qk_eps", "rope_scale")]
+                + [(n, ctypes.c_void_p) for n in ("Wq", "bq", "Wk", "bk", "Wv", "bv", "Wg", "qnw", "knw", "inv_freq",
+                                                  "kc", "vc", "pos", "lo")])
 
 
 def block_step(plan: BlockPlan, fn, x: torch.Tensor, w_in: Optional[torch.Tensor], S_in: Optional[torch.Tensor],

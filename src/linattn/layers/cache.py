@@ -132,6 +132,19 @@ class KVCache:
             v[:, : self.length] = self.v[:, : self.length]
         self.k, self.v = k, v
 
+    def reserve(self, T: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        """Make rows `length` .. `length + T - 1` of the buffers writable: drop what a window no longer needs, then
+        grow (buffers shaped and typed like like_k / like_v `[B, *, H, D]`). `append` stores there; the compiled
+        decoding step (models/decode_plan.py) writes the row itself and then advances `length`."""
+        if self.window is not None and self.length + T > self.window - 1 + self.keep_extra + self.chunk and self.length:
+            keep = min(self.length, max(self.window - 1 + self.keep_extra, 0))
+            drop = self.length - keep
+            if drop > 0:
+                self.k[:, :keep] = self.k[:, drop: self.length].clone()
+                self.v[:, :keep] = self.v[:, drop: self.length].clone()
+                self.length, self.start = keep, self.start + drop
+        self._grow(self.length + T, like_k, like_v)
+
     def append(self, k: torch.Tensor, v: torch.Tensor):
         """Store new keys/values and return all stored ones (views) with their first position.
 
@@ -143,14 +156,7 @@ class KVCache:
             (k, v, start): every stored key and value (views of the buffers) and the absolute position of the first.
         """
         T = k.shape[1]
-        if self.window is not None and self.length + T > self.window - 1 + self.keep_extra + self.chunk and self.length:
-            keep = min(self.length, max(self.window - 1 + self.keep_extra, 0))
-            drop = self.length - keep
-            if drop > 0:
-                self.k[:, :keep] = self.k[:, drop: self.length].clone()
-                self.v[:, :keep] = self.v[:, drop: self.length].clone()
-                self.length, self.start = keep, self.start + drop
-        self._grow(self.length + T, k, v)
+        self.reserve(T, k, v)
         self.k[:, self.length: self.length + T] = k
         self.v[:, self.length: self.length + T] = v
         self.length += T

@@ -36,13 +36,15 @@ import torch.nn.functional as F
 
 from ..cpu import decode as _cpu_decode
 from ..layers import fast_decode as _fast
-from ..layers.cache import Cache, LayerCache
-from ..layers.common import mamba_neg_a
+from ..layers.cache import Cache, KVCache, LayerCache
+from ..layers.common import RMSNorm, RotaryEmbedding, mamba_neg_a
+from ..layers.softmax import SoftmaxAttention
 from ..ops import LinearAttentionState
 from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
 
-__all__ = ["BlockDescription", "BlockPlanSlot", "ModelDescription", "ModelFastState", "ModelPending",
-           "ModelPlanSlot", "PlanGuard", "block_token", "compute_dtype", "model_step", "rebuilds"]
+__all__ = ["AttentionDescription", "BlockDescription", "BlockPlanSlot", "ModelDescription", "ModelFastState",
+           "ModelPending", "ModelPlanSlot", "PlanGuard", "block_token", "compute_dtype", "describe_softmax",
+           "model_step", "rebuilds"]
 
 #: the dtypes a plan reads weights in, and the dtype it computes in for each (bf16: fp32 accumulation and states)
 _COMPUTE = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32}
@@ -72,15 +74,89 @@ class BlockDescription:
         ffn_down: The FFN's down projection `[d, hidden]`, or None.
         modules: Every module whose forward the plan computes instead of calling it (checked for hooks).
         residual: The residual order: "prenorm" (above; the only one with a compiled plan).
+        attention: For kind "softmax", the mixer's parts (`AttentionDescription`); None: built from the mixer
+            when the plan needs it (`describe_softmax`, linattn's `SoftmaxAttention`). A block of linattn's
+            `SoftmaxAttention` (kind None from its `fast_step_kind`) is of kind "softmax".
     """
 
-    __slots__ = ("mixer", "kind", "norm1", "norm2", "ffn", "ffn_gate_up", "ffn_down", "modules", "residual")
+    __slots__ = ("mixer", "kind", "norm1", "norm2", "ffn", "ffn_gate_up", "ffn_down", "modules", "residual",
+                 "attention")
 
     def __init__(self, mixer, kind: str, norm1, norm2=None, ffn: Optional[str] = None, ffn_gate_up=None,
-                 ffn_down=None, modules: Sequence[nn.Module] = (), residual: str = "prenorm"):
+                 ffn_down=None, modules: Sequence[nn.Module] = (), residual: str = "prenorm", attention=None):
+        if kind is None and (attention is not None or type(mixer) is SoftmaxAttention):
+            kind = "softmax"
         self.mixer, self.kind, self.norm1, self.norm2 = mixer, kind, norm1, norm2
         self.ffn, self.ffn_gate_up, self.ffn_down, self.modules = ffn, ffn_gate_up, ffn_down, tuple(modules)
-        self.residual = residual
+        self.residual, self.attention = residual, attention
+
+
+class AttentionDescription:
+    """A softmax-attention mixer as the compiled decode computes it, for one token at position p with the keys
+    and values of the earlier tokens in a KV cache:
+
+        q, k, v = q_proj(x), k_proj(x), v_proj(x)   (q_proj also yields the gate: `gate` "q")
+        q, k = rope(q_norm(q), p), rope(k_norm(k), p)   per head; RoPE on the first `rot` channels (rotate-half)
+        o_h = softmax(scale q_h . K_g) V_g   over the visible cached keys and the new one, g = h // (H / kv_heads)
+        out = o_proj(o * act(gate))
+
+    Attributes:
+        q_proj, k_proj, v_proj, o_proj: nn.Linear layers (q_proj `[H * D]`, or `[H * 2D]` rows when the gate
+            is "q": per head D query rows then D gate rows, Qwen3-Next's layout).
+        heads, kv_heads, head_dim, head_dim_v: H, the key/value heads, D, Dv.
+        scale: The score scale.
+        window: A sliding window w (keys at distance < w), or None.
+        q_norm, k_norm: Per-head RMSNorm modules (`weight` [D] or None, `eps`), or None.
+        norm_offset: 1 when those norms scale by (1 + weight) (zero-centred weights), else 0.
+        rot: The rotated channels per head (0: no RoPE; partial rotary: < D).
+        inv_freq: float64 `[rot / 2]` frequencies.
+        rope_f32: True: angles, cos and sin in float32 (times rope_scale), as transformers; False: in float64,
+            as `layers/common.RotaryEmbedding`.
+        rope_scale: transformers' attention_scaling (1.0 otherwise).
+        gate: None, "proj" (`g_proj`, an nn.Linear `[H * Dv, d]`) or "q" (from q_proj).
+        g_proj: The gate's projection (gate "proj").
+        gate_act: "silu" or "sigmoid".
+        kv_chunk: The KV cache's growth step (a new `KVCache`).
+    """
+
+    __slots__ = ("q_proj", "k_proj", "v_proj", "o_proj", "heads", "kv_heads", "head_dim", "head_dim_v", "scale",
+                 "window", "q_norm", "k_norm", "norm_offset", "rot", "inv_freq", "rope_f32", "rope_scale", "gate",
+                 "g_proj", "gate_act", "kv_chunk")
+
+    def __init__(self, **fields):
+        for k in self.__slots__:
+            setattr(self, k, fields.pop(k, None))
+        if fields:
+            raise TypeError(f"unknown fields {sorted(fields)}")
+
+
+def describe_softmax(layer) -> Optional[AttentionDescription]:
+    """linattn's `SoftmaxAttention` layer as an `AttentionDescription`, or None where the compiled step does not
+    compute it (a subclass, a short convolution, an output norm, grouped value heads, modules that are not exactly
+    the library's, `fast_decode` / `compiled_decode` off)."""
+    if type(layer) is not SoftmaxAttention or not (layer.fast_decode and layer.compiled_decode):
+        return None
+    mods = layer._modules
+    if layer.short_conv or mods.get("o_norm") is not None or layer.n_value_heads != layer.n_heads:
+        return None
+    lins = [mods[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    g = mods.get("g_proj")
+    if any(type(m) is not nn.Linear for m in lins + ([g] if g is not None else [])):
+        return None
+    qn, kn, rope = mods.get("q_norm"), mods.get("k_norm"), mods.get("rope")
+    if (qn is None) != (kn is None) or any(m is not None and type(m) is not RMSNorm for m in (qn, kn)):
+        return None
+    if rope is not None and type(rope) is not RotaryEmbedding:
+        return None
+    inv = None
+    if rope is not None:   # as RotaryEmbedding._build
+        inv = 1.0 / (rope.base ** (torch.arange(0, rope.dim, 2, dtype=torch.float64) / rope.dim))
+    return AttentionDescription(
+        q_proj=lins[0], k_proj=lins[1], v_proj=lins[2], o_proj=lins[3], heads=layer.n_heads,
+        kv_heads=layer.n_kv_heads, head_dim=layer.head_dim, head_dim_v=layer.head_dim_v, scale=layer.scale,
+        window=layer.window, q_norm=qn, k_norm=kn, norm_offset=0, rot=0 if rope is None else rope.dim,
+        inv_freq=inv, rope_f32=False, rope_scale=1.0, gate=None if g is None else "proj", g_proj=g,
+        gate_act=layer.gate_act, kv_chunk=layer.kv_chunk)
 
 
 class ModelDescription:
@@ -107,7 +183,7 @@ _data_ptr = torch.Tensor.data_ptr
 # configuration values a plan reads from a module's __dict__ (mixers, norms), checked by identity on every token
 _CONFIG_KEYS = ("scale", "l2norm_convention", "beta_mode", "q_l2norm", "qk_l2norm", "exact", "gate", "gate_act",
                 "normalize", "eps", "feature_map", "_gamma", "norm_group_size", "short_conv", "causal", "_fused",
-                "plain", "residual", "qk_norm")
+                "plain", "residual", "qk_norm", "window", "n_kv_heads", "kv_chunk")
 
 
 class PlanGuard:
@@ -177,7 +253,7 @@ def _slot(owner: nn.Module, name: str, cls):
 # -- one block ---------------------------------------------------------------------------------------------------
 # the BlockPlan fields that hold data addresses
 _PLAN_POINTERS = ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay", "nw", "Wo", "n2w", "Wgu", "bgu",
-                  "Wd", "bd")
+                  "Wd", "bd", "Wq", "bq", "Wk", "bk", "Wv", "bv", "Wg", "qnw", "knw")
 
 
 class BlockPlanSlot:
@@ -213,23 +289,16 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     if (desc.residual != "prenorm" or desc.ffn not in (None, "swiglu") or compute_dtype(wdt) is None
             or not _cpu_decode.available()):
         return None
+    if desc.kind == "softmax":
+        return _new_softmax_plan(desc, B, d, wdt)
     lins = _compiled_mixer(desc, wdt)
     if lins is None or _fast.hooked(*desc.mixer.modules()):
         return None
     layer, cdt, keep = desc.mixer, compute_dtype(wdt), []
-
-    def addr(t, dtype=cdt):   # a vector in the compute dtype, a matrix as stored (wdt)
-        if t is None:
-            return None
-        t = t.detach()
-        if t.dtype != dtype or not t.is_contiguous():
-            t = t.to(dtype).contiguous()
-        keep.append(t)
-        return t.data_ptr()
-
+    addr = _addresser(keep, cdt)
     convs, w, b, cw, cb = _fast.fused_weights(layer, lins)
     H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
-    up, down = desc.ffn_gate_up, desc.ffn_down
+    down = desc.ffn_down
     p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=w.shape[0], KC=convs[0].kernel_size if convs else 0,
                               hid=down.in_features if down is not None else 0, kind=0 if desc.kind == "delta" else 1,
                               conv_act=int(bool(convs) and convs[0].activation is not None), scale=layer.scale,
@@ -263,6 +332,12 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     p.has_norm, p.nw, p.norm_eps = int(has_norm), addr(nw), neps
     p.has_gate = int(layer._modules.get("g_proj") is not None)
     p.Wo = addr(layer._modules["o_proj"].weight, wdt)
+    return _finish_plan(p, desc, addr, keep, wdt)
+
+
+def _finish_plan(p, desc: BlockDescription, addr, keep: list, wdt: torch.dtype):
+    """The block's norms and FFN into plan p (addr: a tensor's address in the plan, kept in keep)."""
+    up, down = desc.ffn_gate_up, desc.ffn_down
     p.n1w, p.n1eps = addr(desc.norm1.weight), float(desc.norm1.eps)
     if down is not None:
         p.n2w, p.n2eps = addr(desc.norm2.weight), float(desc.norm2.eps)
@@ -271,6 +346,66 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     p.keep = keep   # the plan holds what it points into (a call in flight keeps it alive)
     rebuilds[0] += 1
     return p
+
+
+def _addresser(keep: list, cdt: torch.dtype):
+    def addr(t, dtype=cdt):   # a vector in the compute dtype, a matrix as stored (wdt)
+        if t is None:
+            return None
+        t = t.detach()
+        if t.dtype != dtype or not t.is_contiguous():
+            t = t.to(dtype).contiguous()
+        keep.append(t)
+        return t.data_ptr()
+    return addr
+
+
+def _new_softmax_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
+    """A BlockPlan of kind 2 (softmax attention) for the described block, or None when the compiled step does not
+    cover it. The KV cache's buffers and the token's positions are set per call (`_kv_args`)."""
+    att = desc.attention if desc.attention is not None else describe_softmax(desc.mixer)
+    if att is None or _fast.hooked(*desc.mixer.modules()):
+        return None
+    H, G, D, Dv = att.heads, att.kv_heads, att.head_dim, att.head_dim_v
+    gq = att.gate == "q"
+    if H % G or (gq and Dv != D) or att.rot % 2 or att.rot > D or att.gate_act not in ("silu", "sigmoid"):
+        return None
+    lins = (att.q_proj, att.k_proj, att.v_proj, att.o_proj) + ((att.g_proj,) if att.gate == "proj" else ())
+    shapes = [(H * D * (2 if gq else 1), d), (G * D, d), (G * Dv, d), (d, H * Dv)] + [(H * Dv, d)] * (len(lins) - 4)
+    if any(m.weight.dtype != wdt or tuple(m.weight.shape) != s for m, s in zip(lins, shapes)):
+        return None
+    if att.o_proj.bias is not None or (att.gate == "proj" and att.g_proj.bias is not None):
+        return None
+    for m in (desc.ffn_gate_up, desc.ffn_down):
+        if m is not None and any(t is not None and t.dtype != wdt for t in (m.weight, m.bias)):
+            return None
+    cdt, keep = compute_dtype(wdt), []
+    addr = _addresser(keep, cdt)
+    ng = H * Dv if att.gate == "proj" else 0
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=D, V=Dv, d=d, ny=H * D * (2 if gq else 1) + G * (D + Dv) + ng,
+                              hid=desc.ffn_down.in_features if desc.ffn_down is not None else 0, kind=2,
+                              scale=float(att.scale), nthreads=max(1, torch.get_num_threads()),
+                              has_ffn=int(desc.ffn_down is not None), wbf16=int(wdt == torch.bfloat16),
+                              kvh=G, rot=att.rot, att_gate={None: 0, "proj": 1, "q": 2}[att.gate],
+                              gate_sig=int(att.gate_act == "sigmoid"), kv_bf16=int(wdt == torch.bfloat16),
+                              rope_f32=int(bool(att.rope_f32)), rope_scale=float(att.rope_scale or 1.0))
+    p.Wq, p.bq = addr(att.q_proj.weight, wdt), addr(att.q_proj.bias)
+    p.Wk, p.bk = addr(att.k_proj.weight, wdt), addr(att.k_proj.bias)
+    p.Wv, p.bv = addr(att.v_proj.weight, wdt), addr(att.v_proj.bias)
+    if att.gate == "proj":
+        p.Wg = addr(att.g_proj.weight, wdt)
+    if att.q_norm is not None:
+        qw, kw = att.q_norm.weight, att.k_norm.weight
+        if att.norm_offset:   # (1 + w) once into the plan; the guard sees the weights' versions
+            qw, kw = (None if w is None else w.detach().to(cdt) + 1 for w in (qw, kw))
+        if float(att.q_norm.eps) != float(att.k_norm.eps):
+            return None
+        p.qk_norm, p.qk_eps, p.qnw, p.knw = 1, float(att.q_norm.eps), addr(qw), addr(kw)
+    if att.rot:
+        p.inv_freq = addr(att.inv_freq, torch.float64)
+    p.Wo = addr(att.o_proj.weight, wdt)
+    p.att = att   # (a ctypes Structure takes new attributes) what `_kv_args` reads per call
+    return _finish_plan(p, desc, addr, keep, wdt)
 
 
 def _block_guard(owner: nn.Module, desc: BlockDescription, plan) -> PlanGuard:
@@ -287,7 +422,7 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
     if slot.plan is None or slot.wdtype is not x.dtype or not slot.guard.valid():
         slot.plan = None
         desc = block.decode_description(x.dtype)
-        if desc is None:
+        if desc is None or desc.kind == "softmax":   # (its KV cache: the whole-model step only)
             return None
         plan = _new_block_plan(desc, x.shape[0], x.shape[2], x.dtype)
         if plan is None:
@@ -420,8 +555,9 @@ def _layout(specs, B: int, cdt: torch.dtype, vocab: int) -> _Layout:
     lo = _Layout()
     lo.layers, lo.L, lo.B, lo.dtype, lo.vocab, lo.n_state, lo.n_win = layers, len(layers), B, cdt, vocab, s_off, w_off
     first = layers[0]
-    lo.same = all(lay.kind == first.kind and lay.sshape == first.sshape and lay.wshape == first.wshape
-                  and lay.sizes == first.sizes for lay in layers)
+    lo.same = first.kind != "softmax" and all(lay.kind == first.kind and lay.sshape == first.sshape
+                                              and lay.wshape == first.wshape and lay.sizes == first.sizes
+                                              for lay in layers)
     lo.lin = [i for i, lay in enumerate(layers) if lay.kind == "linear"]
     lo.key = (B, cdt, vocab, tuple((lay.kind, lay.sshape, lay.wshape, lay.sizes and tuple(lay.sizes), lay.s_off,
                                     lay.w_off) for lay in layers))
@@ -441,7 +577,7 @@ class ModelPlanSlot:
     a copy or a pickle gets an empty slot, rebuilt on first use."""
 
     __slots__ = ("plan", "fn", "keep", "guard", "B", "dtype", "ldtype", "specs", "layouts", "layout", "spent",
-                 "planref")
+                 "planref", "att")
 
     def __init__(self):
         self.plan = self.spent = None
@@ -509,6 +645,9 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
         if plan is None:
             return False
         plans.append(plan)
+        if plan.kind == 2:   # softmax attention: its KV cache, not the step's buffers
+            specs.append(("softmax", 0, 0, 0, 0, ()))
+            continue
         layer = bd.mixer
         H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
         Kf = K if plan.kind == 0 else layer.feature_map.feature_dim(K)
@@ -526,12 +665,15 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
     mp.blocks = ctypes.addressof(block_ptrs)
     direct = {mp.embed, mp.head, mp.norm_w} | {getattr(p, f) for p in plans for f in _PLAN_POINTERS}
-    slot.guard = PlanGuard(model, list(model.modules()), [bd.mixer for bd in desc.blocks], direct)
+    # (the switches and fused weights of linattn's layers; a described module of another library has neither)
+    mixers = [bd.mixer for bd in desc.blocks if getattr(bd.mixer, "_fused", None) is not None]
+    slot.guard = PlanGuard(model, list(model.modules()), mixers, direct)
     if not slot.guard.valid() or any(t.device.type != "cpu" for t in slot.guard.tensors):
         return False   # (a hook on a module the step would not call)
     slot.keep = (plans, keep, block_ptrs, desc.embed.weight, head_w, norm_w)
     slot.fn, slot.dtype, slot.ldtype = _cpu_decode.model_function(cdt), cdt, wdt
     slot.specs, slot.layouts = specs, {}
+    slot.att = [(i, p) for i, p in enumerate(plans) if p.kind == 2]
     slot.plan, slot.planref = mp, ctypes.byref(mp)
     slot.set_batch(B)
     return True
@@ -541,6 +683,8 @@ def _entries(lo: _Layout, lcs) -> list:
     """The cache entries a step reads, in a fixed order: per layer its state, then conv_q, conv_k, conv_v."""
     out = []
     for lay, lc in zip(lo.layers, lcs):
+        if lay.kind == "softmax":   # (its KV cache is written on every token, in place)
+            continue
         out.append(lc.get("state"))
         if lay.wshape is not None:
             out += (lc.get("conv_q"), lc.get("conv_k"), lc.get("conv_v"))
@@ -549,8 +693,11 @@ def _gather(lo: _Layout, lcs, cdt):
     """(S_in, W_in, offsets) from cache entries that another path wrote (a prefill, the per-block step, a
     reorder or restore): fresh buffers in the plan's layout; (None, None, None) before the first token; None
     when an entry is missing or not this layer's (then the per-block path runs and reports it)."""
-    states, wins, offs, empty = [], [], [], 0
+    states, wins, offs, empty, n_rec = [], [], [], 0, 0
     for lay, lc in zip(lo.layers, lcs):
+        if lay.kind == "softmax":
+            continue
+        n_rec += 1
         st = lc.get("state")
         conv = (lc.get("conv_q"), lc.get("conv_k"), lc.get("conv_v")) if lay.wshape is not None else ()
         if st is None and all(c is None for c in conv):
@@ -575,7 +722,7 @@ def _gather(lo: _Layout, lcs, cdt):
             if any(not isinstance(c, torch.Tensor) or c.shape != (B, n, W) for c, n in zip(conv, lay.sizes)):
                 return None
             wins.append(torch.cat(conv, 1))
-    if empty == len(lcs):
+    if empty == n_rec:
         return None, None, None
     if empty:
         return None
@@ -606,6 +753,9 @@ def _views(lo: _Layout, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Opt
         return states, [t for qkv in zip(q.unbind(0), k.unbind(0), v.unbind(0)) for t in qkv]
     states, convs, j = [], [], 0
     for lay in lays:
+        if lay.kind == "softmax":
+            states.append(None)
+            continue
         Sl = S[lay.s_off:lay.s_off + math.prod(lay.sshape)].view(lay.sshape)
         if lay.kind == "delta":
             states.append(Sl)
@@ -623,6 +773,8 @@ def _store(lo: _Layout, lcs, states, convs, n: int) -> list:
     tokens; returns the entries in the order of `_entries`."""
     out, j = [], 0
     for lay, lc, st in zip(lo.layers, lcs, states):
+        if lay.kind == "softmax":   # its KV cache and offset are written on every token (`_kv_args`)
+            continue
         lc["state"] = st
         out.append(st)
         if lay.wshape is not None:
@@ -646,6 +798,58 @@ def _mixer_caches(cache: Cache, L: int) -> list:
         return [d["mixer"] for d in layers]
     except KeyError:
         return [cache.layer(i, "mixer") for i in range(L)]
+
+
+def _kv_args(slot: ModelPlanSlot, cache: Cache, B: int) -> Optional[list]:
+    """Points every softmax layer's plan at its KV cache for this token (`linattn_block_plan`'s per-call fields:
+    the buffers, made room for one more row, the row, the token's position and first visible key per batch row)
+    and returns what `model_step` advances after the call: (plan, LayerCache, KVCache, offset, positions). None
+    when an entry is not what the step writes (then the per-block path runs and reports it): the KV cache is
+    written in place at its next row, as `KVCache.append` writes it, so its entries stay valid for every other
+    path (a copy of the cache holds copied buffers), and its offset advances with it, on every token."""
+    layers, out = cache._layers, []
+    for i, p in slot.att:
+        att, d = p.att, layers[i]
+        lc = d.get("mixer")
+        if lc is None:
+            lc = d["mixer"] = LayerCache()   # (as Cache.layer would; harmless when the step then steps aside)
+        kv, off = lc.get("kv"), lc.offset
+        G, D, Dv, dt = att.kv_heads, att.head_dim, att.head_dim_v, slot.ldtype
+        if kv is None:
+            if not (type(off) is int and off == 0):
+                return None
+        elif type(kv) is not KVCache or (kv.k is not None and not (
+                kv.k.shape[0] == B and kv.k.shape[2:] == (G, D) and kv.v.shape[2:] == (G, Dv) and kv.k.dtype == dt
+                and kv.v.dtype == dt and kv.k.is_cpu and kv.v.is_cpu)) or kv.window != att.window:
+            return None
+        if type(off) is int:
+            if kv is not None and off != kv.start + kv.length:
+                return None
+        elif not (off.shape == (B,) and off.dtype in (torch.int32, torch.int64) and off.device.type == "cpu"):
+            return None
+        out.append([p, lc, kv, off, None])
+    for rec in out:   # every layer checked: nothing was written before
+        p, lc, kv, off, _ = rec
+        att = p.att
+        if kv is None:
+            kv = rec[2] = lc["kv"] = KVCache(chunk=att.kv_chunk, window=att.window)
+        if kv.k is not None and not (kv.k.is_contiguous() and kv.v.is_contiguous()):
+            kv.k, kv.v = kv.k.contiguous(), kv.v.contiguous()   # (a trimmed view: the same tokens, one buffer)
+        if kv.k is None:
+            kv.reserve(1, torch.empty(B, 0, att.kv_heads, att.head_dim, dtype=slot.ldtype),
+                       torch.empty(B, 0, att.kv_heads, att.head_dim_v, dtype=slot.ldtype))
+        else:
+            kv.reserve(1, kv.k, kv.v)
+        L = kv.length + 1
+        p.kc, p.vc, p.kv_cap, p.kv_len = kv.k.data_ptr(), kv.v.data_ptr(), kv.k.shape[1], kv.length
+        if type(off) is int:
+            p.pos, p.lo, p.pos0, p.lo0 = None, None, off, 0 if att.window is None else max(0, L - att.window)
+        else:   # rows at different lengths: row b's tokens are the last off[b] + 1 slots (SoftmaxAttention._row_mask)
+            pos = off.to(torch.int64).contiguous()
+            lo = (L - 1 - pos).clamp(min=0 if att.window is None else max(0, L - att.window))
+            rec[4] = (pos, lo)
+            p.pos, p.lo = pos.data_ptr(), lo.data_ptr()
+    return out
 
 
 class ModelPending:
@@ -727,6 +931,9 @@ def model_step(model: nn.Module, ids: torch.Tensor, cache, logits_to_keep) -> Op
         buf_in, n = (S_in, W_in), 1
         S_ptr = None if S_in is None else S_in.data_ptr()
         W_ptr = None if W_in is None else W_in.data_ptr()
+    kvs = _kv_args(slot, cache, B) if slot.att else ()
+    if kvs is None:
+        return None
     if ids.dtype != torch.int64 or not ids.is_contiguous():
         ids = ids.to(torch.int64).contiguous()
     # every torch call before the compiled one: it streams all the weights through the caches, after which each
@@ -745,6 +952,9 @@ def model_step(model: nn.Module, ids: torch.Tensor, cache, logits_to_keep) -> Op
     if rc:
         raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
     slot.spent = buf_in
+    for _, lc, kv, off, _ in kvs:   # the row the call wrote
+        kv.length += 1
+        lc["offset"] = off + 1
     cache.pending = ModelPending(lo, buf, offsets, n)
     cache.seen_tokens += 1
     return logits, aux

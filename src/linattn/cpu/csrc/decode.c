@@ -323,6 +323,20 @@ typedef struct {
             has_gate, has_ffn, nthreads, wbf16;   /* wbf16: W, Wo, Wgu, Wd stored as bf16 (f32 compute only) */
     double l2eps, scale, eps, norm_eps, n1eps, n2eps;
     const void *n1w, *W, *Wb, *cw, *cb, *alpha, *neg_a, *dt_bias, *decay, *nw, *Wo, *n2w, *Wgu, *bgu, *Wd, *bd;
+    /* softmax attention (kind 2; H query heads, kvh key/value heads of K / V, HV = H): q, k, v (and the gate's)
+       projections Wq.. in the weights' storage, per-head q/k RMSNorm weights qnw / knw (qk_norm), RoPE on the
+       first rot channels of each head (inv_freq [rot/2] doubles; rope_f32: angles and cos / sin in float, times
+       rope_scale, as transformers; else in double, as layers/common.RotaryEmbedding), an output gate (att_gate 1:
+       its own projection Wg, 2: the second half of each head's q_proj rows, Qwen3-Next's; gate_sig: sigmoid, else
+       SiLU). Set per call: the KV cache kc / vc [B, kv_cap, kvh, K / V] (bf16 when kv_bf16, else the plan's
+       type), the new token's row kv_len, its position pos[b] (NULL: pos0 for every row) and its first visible
+       key lo[b] (NULL: lo0). */
+    int64_t kvh, rot, kv_cap, kv_len, pos0, lo0;
+    int32_t att_gate, gate_sig, qk_norm, kv_bf16, rope_f32, pad2_;
+    double qk_eps, rope_scale;
+    const void *Wq, *bq, *Wk, *bk, *Wv, *bv, *Wg, *qnw, *knw, *inv_freq;
+    void *kc, *vc;
+    const int64_t *pos, *lo;
 } linattn_block_plan;
 
 /* The matrix-vector products stream every weight once per token (from memory at batch 1: the model is bigger
@@ -491,6 +505,104 @@ static void matvec_bf16(int64_t B, int64_t n, int64_t m, const uint16_t *W, cons
           : matvec_f32(B, n, m, (const float *)(W), bias, x, add, y, nt))
 #define MATVEC_W_f64(bf, B, n, m, W, bias, x, add, y, nt) matvec_f64(B, n, m, (const double *)(W), bias, x, add, y, nt)
 
+/* one key / value element of the cache, as the plan computes (bf16 or the plan's type) */
+#define KV_GET(bf, base, i, real) ((bf) ? (real)bf16_to_f32(((const uint16_t *)(base))[i]) : ((const real *)(base))[i])
+#define KV_PUT(bf, base, i, x, real) do { if (bf) ((uint16_t *)(base))[i] = f32_to_bf16((float)(x));            \
+                                          else ((real *)(base))[i] = (x); } while (0)
+
+#define DEFINE_SOFTMAX(SFX, real, SQRT, EXP)                                                                    \
+/* the rotation of one head's first R channels (rotate-half form) by cos c / sin s [R/2] */                   \
+static void rope_head_##SFX(real *restrict x, int64_t R, const real *c, const real *s) {                       \
+    const int64_t h = R / 2;                                                                                    \
+    for (int64_t i = 0; i < h; ++i) {                                                                           \
+        const real x1 = x[i], x2 = x[i + h];                                                                    \
+        x[i] = x1 * c[i] - x2 * s[i];                                                                           \
+        x[i + h] = x2 * c[i] + x1 * s[i];                                                                       \
+    }                                                                                                           \
+}                                                                                                               \
+                                                                                                                \
+/* Softmax attention of one token (kind 2) on xn [B, d] (the normed input) into o [B, H * V]: the projections  \
+   into y, per-head q / k norms, RoPE, the new k / v written into the cache at row kv_len, softmax over the     \
+   visible keys lo .. kv_len with the maximum subtracted (in the plan's type, fp32 for bf16 weights), the       \
+   output gate. Returns 0, or 1 when out of memory. */                                                          \
+static int softmax_mix_##SFX(const linattn_block_plan *p, const real *xn, real *y, real *o) {                  \
+    const int64_t B = p->B, d = p->d, H = p->H, G = p->kvh, D = p->K, Dv = p->V, R = p->rot;                    \
+    const int64_t qw = p->att_gate == 2 ? 2 * D : D, nq = H * qw, nk = G * D, nv = G * Dv, grp = H / G;        \
+    const int64_t L = p->kv_len + 1, cap = p->kv_cap, row = p->kv_len;                                          \
+    const int kb = p->kv_bf16;                                                                                  \
+    real *q = y, *k = q + B * nq, *v = k + B * nk, *g = v + B * nv;                                             \
+    MATVEC_W_##SFX(p->wbf16, B, nq, d, p->Wq, (const real *)p->bq, xn, NULL, q, p->nthreads);                 \
+    MATVEC_W_##SFX(p->wbf16, B, nk, d, p->Wk, (const real *)p->bk, xn, NULL, k, p->nthreads);                 \
+    MATVEC_W_##SFX(p->wbf16, B, nv, d, p->Wv, (const real *)p->bv, xn, NULL, v, p->nthreads);                 \
+    if (p->att_gate == 1) MATVEC_W_##SFX(p->wbf16, B, H * Dv, d, p->Wg, NULL, xn, NULL, g, p->nthreads);      \
+    real *ws = (real *)malloc(sizeof(real) * (size_t)(H * L + R + 1));                                          \
+    if (!ws) return 1;                                                                                          \
+    real *cs = ws + H * L, *sn = cs + R / 2;                                                                    \
+    const double *inv = (const double *)p->inv_freq;                                                            \
+    const real *qnw = (const real *)p->qnw, *knw = (const real *)p->knw;                                        \
+    const real scale = (real)p->scale;                                                                          \
+    for (int64_t b = 0; b < B; ++b) {                                                                           \
+        const int64_t pos = p->pos ? p->pos[b] : p->pos0, lo = p->lo ? p->lo[b] : p->lo0;                      \
+        for (int64_t i = 0; i < R / 2; ++i) {                                                                   \
+            if (p->rope_f32) {                                                                                  \
+                const float a = (float)pos * (float)inv[i];                                                     \
+                cs[i] = (real)(cosf(a) * (float)p->rope_scale); sn[i] = (real)(sinf(a) * (float)p->rope_scale); \
+            } else {                                                                                            \
+                const double a = (double)pos * inv[i];                                                          \
+                cs[i] = (real)cos(a); sn[i] = (real)sin(a);                                                     \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int64_t h = 0; h < H; ++h) {                                                                       \
+            real *qh = q + b * nq + h * qw;                                                                     \
+            if (p->qk_norm) rmsnorm_##SFX(1, D, qh, qnw, p->qk_eps, qh);                                        \
+            if (R) rope_head_##SFX(qh, R, cs, sn);                                                              \
+        }                                                                                                       \
+        for (int64_t j = 0; j < G; ++j) {                                                                       \
+            real *kh = k + b * nk + j * D;                                                                      \
+            if (p->qk_norm) rmsnorm_##SFX(1, D, kh, knw, p->qk_eps, kh);                                        \
+            if (R) rope_head_##SFX(kh, R, cs, sn);                                                              \
+            const int64_t ko = ((b * cap + row) * G + j) * D, vo = ((b * cap + row) * G + j) * Dv;             \
+            for (int64_t i = 0; i < D; ++i) KV_PUT(kb, p->kc, ko + i, kh[i], real);                                   \
+            for (int64_t i = 0; i < Dv; ++i) KV_PUT(kb, p->vc, vo + i, v[b * nv + j * Dv + i], real);                 \
+        }                                                                                                       \
+        /* the heads in parallel only where the keys they read pay for waking the threads */                  \
+        const int par = p->nthreads > 1 && H > 1 && H * (L - lo) * (D + Dv) >= PAR_MIN_ELEMS;                  \
+        _Pragma("omp parallel for num_threads(p->nthreads) schedule(static) if(par)")                          \
+        for (int64_t h = 0; h < H; ++h) {                                                                       \
+            const real *qh = q + b * nq + h * qw;                                                               \
+            const int64_t j = h / grp;                                                                          \
+            real *restrict w = ws + h * L;                                                                      \
+            real m = -INFINITY, den = 0;                                                                        \
+            int nan = 0;                                                                                        \
+            for (int64_t t = lo; t < L; ++t) {                                                                  \
+                const int64_t ko = ((b * cap + t) * G + j) * D;                                                 \
+                real s = 0;                                                                                     \
+                for (int64_t i = 0; i < D; ++i) s += qh[i] * KV_GET(kb, p->kc, ko + i, real);                   \
+                s *= scale;                                                                                     \
+                w[t] = s;                                                                                       \
+                nan |= s != s;                                                                                  \
+                if (s > m) m = s;                                                                               \
+            }                                                                                                   \
+            real *oh = o + b * H * Dv + h * Dv;                                                                 \
+            for (int64_t i = 0; i < Dv; ++i) oh[i] = 0;                                                         \
+            for (int64_t t = lo; t < L; ++t) {                                                                  \
+                const real e = nan ? (real)NAN : EXP(w[t] - m);                                                 \
+                const int64_t vo = ((b * cap + t) * G + j) * Dv;                                                \
+                den += e;                                                                                       \
+                for (int64_t i = 0; i < Dv; ++i) oh[i] += e * KV_GET(kb, p->vc, vo + i, real);                  \
+            }                                                                                                   \
+            const real *gh = p->att_gate == 1 ? g + b * H * Dv + h * Dv : p->att_gate == 2 ? qh + D : NULL;     \
+            for (int64_t i = 0; i < Dv; ++i) {                                                                  \
+                real r = oh[i] / den;                                                                           \
+                if (gh) r *= p->gate_sig ? (real)1 / ((real)1 + EXP(-gh[i])) : silu_##SFX(gh[i]);              \
+                oh[i] = r;                                                                                      \
+            }                                                                                                   \
+        }                                                                                                       \
+    }                                                                                                           \
+    free(ws);                                                                                                   \
+    return 0;                                                                                                   \
+}
+
 #define DEFINE_BLOCK(SFX, real, SQRT, EXP)                                                                      \
 /* rows i0 .. i0+3 of y[b, i] = (add ? add[b, i] : 0) + (W x[b])_i + (bias ? bias[i] : 0) for every b, W [n, m]   \
    rows contiguous (at batch > 1 the 4 rows are read from memory once, then from L1) */                        \
@@ -550,6 +662,7 @@ static void rmsnorm_##SFX(int64_t B, int64_t d, const real *x, const real *w, do
     }                                                                                                           \
 }                                                                                                               \
                                                                                                                 \
+DEFINE_SOFTMAX(SFX, real, SQRT, EXP)                                                                            \
 /* x [B, d] -> x_out [B, d]; the mixer's conv window w_in -> w_out and state S_in -> S_out (S_in, w_in NULL     \
    before the first token). Returns 0, or 1 when out of memory. */                                              \
 int linattn_decode_block_##SFX(const linattn_block_plan *p, const real *x, const real *w_in, const real *S_in,  \
@@ -562,8 +675,10 @@ int linattn_decode_block_##SFX(const linattn_block_plan *p, const real *x, const
     const real *cw = (const real *)p->cw, *cb = (const real *)p->cb, *nw = (const real *)p->nw;                 \
     int rc;                                                                                                     \
     rmsnorm_##SFX(B, d, x, (const real *)p->n1w, p->n1eps, xn);                                                 \
-    MATVEC_W_##SFX(p->wbf16, B, ny, d, p->W, (const real *)p->Wb, xn, NULL, y, p->nthreads);                  \
-    if (p->kind == 0)                                                                                           \
+    if (p->kind != 2) MATVEC_W_##SFX(p->wbf16, B, ny, d, p->W, (const real *)p->Wb, xn, NULL, y, p->nthreads);\
+    if (p->kind == 2)                                                                                           \
+        rc = softmax_mix_##SFX(p, xn, y, o);                                                                    \
+    else if (p->kind == 0)                                                                                      \
         rc = linattn_decode_delta_##SFX(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,    \
                  w_out, p->dkind, p->l2conv, p->q_l2, p->l2eps, p->scale, p->beta_mode, (const real *)p->alpha, \
                  p->gated, (const real *)p->neg_a, (const real *)p->dt_bias, S_in, S_out, p->has_norm, nw,      \
@@ -654,4 +769,4 @@ DEFINE_MODEL(f32, float)
 DEFINE_MODEL(f64, double)
 
 /* the interface version the Python bindings check after loading (cpu/build.py LIBRARIES) */
-int linattn_decode_abi_version(void) { return 1; }
+int linattn_decode_abi_version(void) { return 2; }
