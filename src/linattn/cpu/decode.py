@@ -22,12 +22,16 @@ from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
 from .build import ENV_SWITCH, enabled
 
 __all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", "ModelPlan", "model_function",
-           "BETA_MODES", "FEATURE_MAPS"]
+           "BETA_MODES", "FEATURE_MAPS", "WEIGHT_FORMATS", "WEIGHT_MATRICES"]
 
 #: the feature maps the linear step computes (the C codes)
 FEATURE_MAPS = {"identity": 0, "elu+1": 1, "relu": 2}
 #: EFLA's beta modes in the order of their C codes (beta_mode 0, 1, 2)
 BETA_MODES = ("sigmoid", "adaptive", "loose")
+#: the weight formats of the plans' matrices (csrc/qmatvec.h WF_*: `fmt_<matrix>` fields, 0 = as `wbf16` says)
+WEIGHT_FORMATS = {"plan": 0, "bf16": 1, "int8": 2, "int4": 3}
+#: a block plan's weight matrices (each with `fmt_`, `grp_` (int4 group) and `sc_` (bf16 scales) fields)
+WEIGHT_MATRICES = ("W", "Wo", "Wgu", "Wd")
 _typed = set()
 _SFX = {torch.float32: "f32", torch.float64: "f64"}
 
@@ -152,7 +156,9 @@ class BlockPlan(ctypes.Structure):
     """`linattn_block_plan` of csrc/decode.c: what a whole-block decoding step (`block_step`) needs besides the
     token and the state, fixed while the layer's parameters are. Pointer fields are data addresses (0: NULL);
     `keep` holds the tensors they point into (set by the builder, models/decode_plan.py). `wbf16` (float32 plans):
-    the matrices W, Wo, Wgu and Wd are stored as bfloat16, read with fp32 accumulation."""
+    the matrices W, Wo, Wgu and Wd are stored as bfloat16, read with fp32 accumulation. `fmt_<M>` (float32 plans,
+    0: as `wbf16` says): matrix M's own format (`WEIGHT_FORMATS`), int8 / int4 with bf16 scales `sc_<M>` and int4
+    group `grp_<M>` (csrc/qmatvec.h)."""
 
     _fields_ = ([(n, ctypes.c_int64) for n in ("B", "H", "HV", "K", "V", "d", "ny", "KC", "hid")]
                 + [(n, ctypes.c_int32) for n in ("kind", "conv_act", "dkind", "l2conv", "q_l2", "beta_mode", "gated",
@@ -160,7 +166,10 @@ class BlockPlan(ctypes.Structure):
                                                  "has_ffn", "nthreads", "wbf16")]
                 + [(n, ctypes.c_double) for n in ("l2eps", "scale", "eps", "norm_eps", "n1eps", "n2eps")]
                 + [(n, ctypes.c_void_p) for n in ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay",
-                                                  "nw", "Wo", "n2w", "Wgu", "bgu", "Wd", "bd")])
+                                                  "nw", "Wo", "n2w", "Wgu", "bgu", "Wd", "bd")]
+                + [(f"fmt_{n}", ctypes.c_int32) for n in WEIGHT_MATRICES]
+                + [(f"grp_{n}", ctypes.c_int64) for n in WEIGHT_MATRICES]
+                + [(f"sc_{n}", ctypes.c_void_p) for n in WEIGHT_MATRICES])
 
 
 def block_step(plan: BlockPlan, fn, x: torch.Tensor, w_in: Optional[torch.Tensor], S_in: Optional[torch.Tensor],
@@ -183,12 +192,15 @@ class ModelPlan(ctypes.Structure):
     """`linattn_model_plan` of csrc/decode.c: a whole model's decoding step (`linattn_decode_model`): the embedding,
     L block plans, the final RMSNorm and the head, and where each layer's state and conv window sit in the
     step's state / window buffers. Built in models/decode_plan.py (`model_step`), which keeps what it points into.
-    `wbf16` (float32 plans): the embedding and head are bfloat16 too, and the logits are written as bfloat16."""
+    `wbf16` (float32 plans): the embedding and head are bfloat16 too, and the logits are written as bfloat16.
+    `fmt_head` / `grp_head` / `sc_head`: the head's own format (as a block plan's `fmt_<M>`)."""
 
     _fields_ = ([(n, ctypes.c_int64) for n in ("L", "B", "d", "vocab")]
                 + [(n, ctypes.c_int32) for n in ("has_norm", "nthreads", "wbf16", "pad_")]
                 + [("norm_eps", ctypes.c_double)]
-                + [(n, ctypes.c_void_p) for n in ("embed", "norm_w", "head", "blocks", "s_off", "w_off")])
+                + [(n, ctypes.c_void_p) for n in ("embed", "norm_w", "head", "blocks", "s_off", "w_off")]
+                + [("fmt_head", ctypes.c_int32), ("pad2_", ctypes.c_int32), ("grp_head", ctypes.c_int64),
+                   ("sc_head", ctypes.c_void_p)])
 
 
 def model_function(dtype: torch.dtype):

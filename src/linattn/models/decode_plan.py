@@ -42,12 +42,29 @@ from ..ops import LinearAttentionState
 from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
 
 __all__ = ["BlockDescription", "BlockPlanSlot", "ModelDescription", "ModelFastState", "ModelPending",
-           "ModelPlanSlot", "PlanGuard", "block_token", "compute_dtype", "model_step", "rebuilds"]
+           "ModelPlanSlot", "PlanGuard", "block_token", "compute_dtype", "model_step", "plan_linear", "rebuilds",
+           "stored_weights"]
 
 #: the dtypes a plan reads weights in, and the dtype it computes in for each (bf16: fp32 accumulation and states)
 _COMPUTE = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32}
 #: plans built so far (every build adds one): the tests check that what should not rebuild does not
 rebuilds = [0]
+
+
+def stored_weights(linear: nn.Module):
+    """(mode, qweight, scales, group) of a linear whose weights are stored quantized (a module with a
+    `stored_weights()` method: quant/linear.QuantizedLinear, which describes itself so that this module need not
+    import it), else None."""
+    fn = getattr(type(linear), "stored_weights", None)
+    return None if fn is None else fn(linear)
+
+
+def plan_linear(linear: nn.Module, wdt: torch.dtype) -> bool:
+    """Whether a plan with weights in wdt reads this linear layer's matrix: an `nn.Linear` in wdt, or (an fp32 or
+    bf16 plan, which computes in fp32) int8 / int4 weights (`stored_weights`)."""
+    if type(linear) is nn.Linear:
+        return linear.weight.dtype == wdt
+    return compute_dtype(wdt) is torch.float32 and stored_weights(linear) is not None
 
 
 def compute_dtype(weight_dtype: torch.dtype) -> Optional[torch.dtype]:
@@ -177,7 +194,7 @@ def _slot(owner: nn.Module, name: str, cls):
 # -- one block ---------------------------------------------------------------------------------------------------
 # the BlockPlan fields that hold data addresses
 _PLAN_POINTERS = ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay", "nw", "Wo", "n2w", "Wgu", "bgu",
-                  "Wd", "bd")
+                  "Wd", "bd") + tuple(f"sc_{n}" for n in _cpu_decode.WEIGHT_MATRICES)
 
 
 class BlockPlanSlot:
@@ -202,9 +219,52 @@ def _compiled_mixer(desc: BlockDescription, wdt: torch.dtype):
     if kind == "linear" and (type(layer.feature_map) not in _fast.COMPILED_MAPS or layer.gate == "diagonal"):
         return None
     for m in (desc.ffn_gate_up, desc.ffn_down):
-        if m is not None and any(t is not None and t.dtype != wdt for t in (m.weight, m.bias)):
+        if m is not None and not (plan_linear(m, wdt) and (type(m) is not nn.Linear or m.bias is None
+                                                           or m.bias.dtype == wdt)):
             return None
-    return _fast.usable_projections(layer, wdt, kind)
+    lins = _fast.usable_projections(layer, wdt, kind, accept=lambda m: plan_linear(m, wdt))
+    if lins is None or _fused_format(lins) is None:
+        return None
+    return lins
+
+
+def _fused_format(lins):
+    """The stored format the fused projections share: "plan" (every one an nn.Linear), or (mode, group) of their
+    int8 / int4 weights; None when they differ (the fused product has one format)."""
+    fmts = {("plan", 0) if type(m) is nn.Linear else stored_weights(m)[::3] for m in lins}
+    return next(iter(fmts)) if len(fmts) == 1 else None
+
+
+def _set_weight(p, name: str, linear: nn.Module, wdt: torch.dtype, addr) -> None:
+    """Points plan field `name` (and its format, scales and group fields) at linear's matrix as stored."""
+    got = stored_weights(linear) if type(linear) is not nn.Linear else None
+    if got is None:
+        setattr(p, name, addr(linear.weight, wdt))
+        return
+    mode, q, scales, group = got
+    setattr(p, name, addr(q, q.dtype))
+    setattr(p, f"fmt_{name}", _cpu_decode.WEIGHT_FORMATS[mode])
+    setattr(p, f"sc_{name}", addr(scales, torch.bfloat16))
+    setattr(p, f"grp_{name}", group)
+
+
+def _fused_quantized(layer, lins, cdt):
+    """(convs, q, scales, bias, cw, cb) for projections stored quantized, as `_fast.fused_weights` gives for float
+    ones: their integer weights and scales concatenated by rows (copies, kept by the plan), the biases (zeros where
+    one has none) in cdt."""
+    mods = layer._modules
+    convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"]) if layer.short_conv else ()
+    parts = [stored_weights(m) for m in lins]
+    q = torch.cat([w[1] for w in parts])
+    scales = torch.cat([w[2] for w in parts])
+    b = None
+    if any(m.bias is not None for m in lins):
+        b = torch.cat([m.bias.to(cdt) if m.bias is not None else torch.zeros(m.out_features, dtype=cdt)
+                       for m in lins])
+    cw = torch.cat([c.weight.detach() for c in convs]) if convs else None
+    cb = torch.cat([c.bias.detach() for c in convs if c.bias is not None]) if convs and convs[0].bias is not None \
+        else None
+    return convs, q, scales, b, cw, cb
 
 
 def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
@@ -227,7 +287,11 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         keep.append(t)
         return t.data_ptr()
 
-    convs, w, b, cw, cb = _fast.fused_weights(layer, lins)
+    quantized = type(lins[0]) is not nn.Linear
+    if quantized:
+        convs, w, scales, b, cw, cb = _fused_quantized(layer, lins, cdt)
+    else:
+        convs, w, b, cw, cb = _fast.fused_weights(layer, lins)
     H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
     up, down = desc.ffn_gate_up, desc.ffn_down
     p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=w.shape[0], KC=convs[0].kernel_size if convs else 0,
@@ -235,7 +299,10 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
                               conv_act=int(bool(convs) and convs[0].activation is not None), scale=layer.scale,
                               nthreads=max(1, torch.get_num_threads()), has_ffn=int(down is not None),
                               wbf16=int(wdt == torch.bfloat16))
-    p.W, p.Wb = addr(w, wdt), addr(b)
+    p.W, p.Wb = addr(w, w.dtype if quantized else wdt), addr(b)
+    if quantized:
+        mode, _, _, group = stored_weights(lins[0])
+        p.fmt_W, p.sc_W, p.grp_W = _cpu_decode.WEIGHT_FORMATS[mode], addr(scales, torch.bfloat16), group
     if convs:
         p.cw, p.cb = addr(cw.view(cw.shape[0], -1)), addr(cb)
     if desc.kind == "delta":
@@ -262,12 +329,13 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     has_norm, nw, neps = _fast.output_norm_args(layer, cdt)
     p.has_norm, p.nw, p.norm_eps = int(has_norm), addr(nw), neps
     p.has_gate = int(layer._modules.get("g_proj") is not None)
-    p.Wo = addr(layer._modules["o_proj"].weight, wdt)
+    _set_weight(p, "Wo", layer._modules["o_proj"], wdt, addr)
     p.n1w, p.n1eps = addr(desc.norm1.weight), float(desc.norm1.eps)
     if down is not None:
         p.n2w, p.n2eps = addr(desc.norm2.weight), float(desc.norm2.eps)
-        p.Wgu, p.bgu = addr(up.weight, wdt), addr(up.bias)
-        p.Wd, p.bd = addr(down.weight, wdt), addr(down.bias)
+        _set_weight(p, "Wgu", up, wdt, addr)
+        _set_weight(p, "Wd", down, wdt, addr)
+        p.bgu, p.bd = addr(up.bias), addr(down.bias)
     p.keep = keep   # the plan holds what it points into (a call in flight keeps it alive)
     rebuilds[0] += 1
     return p
@@ -349,9 +417,10 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
 
 def _torch_block(desc: BlockDescription, x: torch.Tensor, cache: LayerCache) -> Optional[torch.Tensor]:
     """The described block's operations in PyTorch for one token (the mixer's own fast step inside); None for a
-    residual order other than pre-norm."""
-    if desc.residual != "prenorm" or desc.ffn not in (None, "swiglu"):
-        return None
+    residual order other than pre-norm or an FFN not in nn.Linear layers."""
+    if desc.residual != "prenorm" or desc.ffn not in (None, "swiglu") or any(
+            m is not None and type(m) is not nn.Linear for m in (desc.ffn_gate_up, desc.ffn_down)):
+        return None   # (quantized FFN weights: the block's usual path calls the modules)
     n1, n2 = desc.norm1, desc.norm2
     h = x + desc.mixer(F.rms_norm(x, (x.shape[-1],), n1.weight, n1.eps), cache=cache)
     if desc.ffn_down is None:
@@ -486,11 +555,21 @@ def _model_weights_usable(desc: ModelDescription, wdt: torch.dtype) -> bool:
     vocab, d = embed.weight.shape
     if norm is not None and (not hasattr(norm, "eps") or (norm.weight is not None and norm.weight.dtype != wdt)):
         return False
-    if head is not None and (type(head) is not nn.Linear or head.bias is not None or head.weight.dtype != wdt
-                             or head.weight.shape != (vocab, d)):
+    if head is not None and (not plan_linear(head, wdt) or head.bias is not None
+                             or (head.out_features, head.in_features) != (vocab, d)):
         return False
-    head_w = (head if head is not None else embed).weight
+    head_w = _head_matrix(desc)
+    if head is not None and type(head) is nn.Linear and head_w.shape != (vocab, d):
+        return False
     return embed.weight.is_contiguous() and head_w.is_contiguous() and not _fast.hooked(embed, norm, head)
+
+
+def _head_matrix(desc: ModelDescription) -> torch.Tensor:
+    """The matrix the head's product reads as stored: the head's weight (its integer weights when quantized) or the
+    tied embedding's."""
+    head = desc.head
+    got = None if head is None or type(head) is nn.Linear else stored_weights(head)
+    return got[1] if got is not None else (head if head is not None else desc.embed).weight.detach()
 
 
 def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescription, B: int) -> bool:
@@ -517,7 +596,10 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     mp = _cpu_decode.ModelPlan(L=len(plans), B=B, d=d, vocab=vocab, has_norm=int(norm is not None),
                                nthreads=max(1, torch.get_num_threads()), wbf16=int(wdt == torch.bfloat16),
                                norm_eps=float(norm.eps) if norm is not None else 0.0)
-    head_w = (desc.head if desc.head is not None else desc.embed).weight.detach()
+    head_w, head_sc = _head_matrix(desc), None
+    if desc.head is not None and type(desc.head) is not nn.Linear:
+        mode, _, head_sc, mp.grp_head = stored_weights(desc.head)
+        mp.fmt_head, mp.sc_head = _cpu_decode.WEIGHT_FORMATS[mode], head_sc.data_ptr()
     norm_w = None
     if norm is not None and norm.weight is not None:
         norm_w = norm.weight.detach().to(cdt).contiguous()
@@ -525,11 +607,11 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     mp.norm_w = None if norm_w is None else norm_w.data_ptr()
     block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
     mp.blocks = ctypes.addressof(block_ptrs)
-    direct = {mp.embed, mp.head, mp.norm_w} | {getattr(p, f) for p in plans for f in _PLAN_POINTERS}
+    direct = {mp.embed, mp.head, mp.norm_w, mp.sc_head} | {getattr(p, f) for p in plans for f in _PLAN_POINTERS}
     slot.guard = PlanGuard(model, list(model.modules()), [bd.mixer for bd in desc.blocks], direct)
     if not slot.guard.valid() or any(t.device.type != "cpu" for t in slot.guard.tensors):
         return False   # (a hook on a module the step would not call)
-    slot.keep = (plans, keep, block_ptrs, desc.embed.weight, head_w, norm_w)
+    slot.keep = (plans, keep, block_ptrs, desc.embed.weight, head_w, norm_w, head_sc)
     slot.fn, slot.dtype, slot.ldtype = _cpu_decode.model_function(cdt), cdt, wdt
     slot.specs, slot.layouts = specs, {}
     slot.plan, slot.planref = mp, ctypes.byref(mp)

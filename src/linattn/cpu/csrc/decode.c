@@ -323,6 +323,10 @@ typedef struct {
             has_gate, has_ffn, nthreads, wbf16;   /* wbf16: W, Wo, Wgu, Wd stored as bf16 (f32 compute only) */
     double l2eps, scale, eps, norm_eps, n1eps, n2eps;
     const void *n1w, *W, *Wb, *cw, *cb, *alpha, *neg_a, *dt_bias, *decay, *nw, *Wo, *n2w, *Wgu, *bgu, *Wd, *bd;
+    /* the matrices' formats (qmatvec.h WF_*; 0: as wbf16 says), bf16 scales and int4 groups */
+    int32_t fmt_W, fmt_Wo, fmt_Wgu, fmt_Wd;
+    int64_t grp_W, grp_Wo, grp_Wgu, grp_Wd;
+    const void *sc_W, *sc_Wo, *sc_Wgu, *sc_Wd;
 } linattn_block_plan;
 
 /* The matrix-vector products stream every weight once per token (from memory at batch 1: the model is bigger
@@ -485,11 +489,13 @@ static void matvec_bf16(int64_t B, int64_t n, int64_t m, const uint16_t *W, cons
         for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_bf16(B, n, m, i0, W, bias, x, add, y);
 }
 
-/* a weight matrix's product in the plan's storage: bf16 (f32 plans with wbf16) or the plan's own type */
-#define MATVEC_W_f32(bf, B, n, m, W, bias, x, add, y, nt)                                                      \
-    ((bf) ? matvec_bf16(B, n, m, (const uint16_t *)(W), bias, x, add, y, nt)                                 \
-          : matvec_f32(B, n, m, (const float *)(W), bias, x, add, y, nt))
-#define MATVEC_W_f64(bf, B, n, m, W, bias, x, add, y, nt) matvec_f64(B, n, m, (const double *)(W), bias, x, add, y, nt)
+#include "qmatvec.h"
+
+/* a weight matrix's product in its format (qmatvec.h: f32 plans read fp32, bf16, int8 or int4; f64 plans fp64) */
+#define MATVEC_W_f32(fmt, sc, grp, B, n, m, W, bias, x, add, y, nt)                                            \
+    matvec_w_f32(fmt, W, sc, grp, B, n, m, bias, x, add, y, nt)
+#define MATVEC_W_f64(fmt, sc, grp, B, n, m, W, bias, x, add, y, nt)                                            \
+    matvec_f64(B, n, m, (const double *)(W), bias, x, add, y, nt)
 
 #define DEFINE_BLOCK(SFX, real, SQRT, EXP)                                                                      \
 /* rows i0 .. i0+3 of y[b, i] = (add ? add[b, i] : 0) + (W x[b])_i + (bias ? bias[i] : 0) for every b, W [n, m]   \
@@ -562,7 +568,8 @@ int linattn_decode_block_##SFX(const linattn_block_plan *p, const real *x, const
     const real *cw = (const real *)p->cw, *cb = (const real *)p->cb, *nw = (const real *)p->nw;                 \
     int rc;                                                                                                     \
     rmsnorm_##SFX(B, d, x, (const real *)p->n1w, p->n1eps, xn);                                                 \
-    MATVEC_W_##SFX(p->wbf16, B, ny, d, p->W, (const real *)p->Wb, xn, NULL, y, p->nthreads);                  \
+    MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_W), p->sc_W, p->grp_W,                                        \
+            B, ny, d, p->W, (const real *)p->Wb, xn, NULL, y, p->nthreads);                                     \
     if (p->kind == 0)                                                                                           \
         rc = linattn_decode_delta_##SFX(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,    \
                  w_out, p->dkind, p->l2conv, p->q_l2, p->l2eps, p->scale, p->beta_mode, (const real *)p->alpha, \
@@ -575,17 +582,20 @@ int linattn_decode_block_##SFX(const linattn_block_plan *p, const real *x, const
                  p->norm_eps, p->has_gate, o, p->nthreads);                                                     \
     if (rc) { free(xn); return rc; }                                                                            \
     real *hout = p->has_ffn ? h : x_out;                                                                        \
-    MATVEC_W_##SFX(p->wbf16, B, d, no, p->Wo, NULL, o, x, hout, p->nthreads);                                 \
+    MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_Wo), p->sc_Wo, p->grp_Wo,                                     \
+            B, d, no, p->Wo, NULL, o, x, hout, p->nthreads);                                                    \
     if (p->has_ffn) {                                                                                           \
         rmsnorm_##SFX(B, d, h, (const real *)p->n2w, p->n2eps, xn);                                             \
-        MATVEC_W_##SFX(p->wbf16, B, 2 * hid, d, p->Wgu, (const real *)p->bgu, xn, NULL, u, p->nthreads);      \
+        MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_Wgu), p->sc_Wgu, p->grp_Wgu,                              \
+                B, 2 * hid, d, p->Wgu, (const real *)p->bgu, xn, NULL, u, p->nthreads);                         \
         for (int64_t b = 0; b < B; ++b) {                                                                       \
             const real *restrict ua = u + b * 2 * hid, *restrict ub = ua + hid;                                 \
             real *restrict gb = g + b * hid;                                                                    \
             _Pragma("omp simd")                                                                                 \
             for (int64_t j = 0; j < hid; ++j) gb[j] = silu_##SFX(ua[j]) * ub[j];                                \
         }                                                                                                       \
-        MATVEC_W_##SFX(p->wbf16, B, d, hid, p->Wd, (const real *)p->bd, g, h, x_out, p->nthreads);            \
+        MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_Wd), p->sc_Wd, p->grp_Wd,                                 \
+                B, d, hid, p->Wd, (const real *)p->bd, g, h, x_out, p->nthreads);                               \
     }                                                                                                           \
     free(xn);                                                                                                   \
     return 0;                                                                                                   \
@@ -610,6 +620,9 @@ typedef struct {
     const void *embed, *norm_w, *head;           /* embed [vocab, d], norm_w [d] or NULL, head [vocab, d] */
     const linattn_block_plan *const *blocks;     /* L plans */
     const int64_t *s_off, *w_off;                /* L offsets (elements) into the state / window buffers */
+    int32_t fmt_head, pad2_;                     /* the head's format (qmatvec.h WF_*; 0: as wbf16 says) */
+    int64_t grp_head;                            /* its int4 group */
+    const void *sc_head;                         /* its bf16 scales */
 } linattn_model_plan;
 
 #define DEFINE_MODEL(SFX, real)                                                                                 \
@@ -642,7 +655,8 @@ int linattn_decode_model_##SFX(const linattn_model_plan *p, const int64_t *ids, 
     const real *h = xa;                                                                                         \
     if (p->has_norm) { rmsnorm_##SFX(B, d, xa, (const real *)p->norm_w, p->norm_eps, xb); h = xb; }            \
     real *lg = p->wbf16 ? xb + B * d : (real *)logits;                                                          \
-    MATVEC_W_##SFX(p->wbf16, B, V, d, p->head, NULL, h, NULL, lg, p->nthreads);                                 \
+    MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_head), p->sc_head, p->grp_head,                               \
+            B, V, d, p->head, NULL, h, NULL, lg, p->nthreads);                                                  \
     if (p->wbf16)                                                                                               \
         for (int64_t i = 0; i < B * V; ++i) ((uint16_t *)logits)[i] = f32_to_bf16((float)lg[i]);                \
     if (aux) *aux = 0.0f;                                                                                       \
