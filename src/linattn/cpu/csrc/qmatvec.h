@@ -34,10 +34,21 @@ static inline void q_store_row(int64_t B, int64_t n, int64_t b, int64_t i, float
 }
 
 #if defined(HAVE_VLINE)
-typedef int8_t vq_i8 __attribute__((vector_size(16), aligned(1)));
-typedef uint8_t vq_u8 __attribute__((vector_size(16), aligned(1)));
-typedef int32_t vq_idx __attribute__((vector_size(64)));
-static inline vline_f32 i8_line(const int8_t *w) { return __builtin_convertvector(*(const vq_i8 *)w, vline_f32); }
+typedef int8_t vq_i8 __attribute__((vector_size(16)));
+typedef uint8_t vq_u8 __attribute__((vector_size(16)));
+typedef int32_t vq_i32 __attribute__((vector_size(64)));
+/* 16 bytes loaded (unaligned) into a vector register: without the empty asm GCC 12 widens a loaded byte vector one
+   byte at a time (16 scalar sign extensions and conversions instead of one vpmovsxbd) */
+#if defined(__x86_64__) || defined(__i386__)
+#define Q_LOAD16(v, p) do { memcpy(&(v), (p), 16); __asm__("" : "+x"(v)); } while (0)
+#else
+#define Q_LOAD16(v, p) memcpy(&(v), (p), 16)
+#endif
+static inline vline_f32 i8_line(const int8_t *w) {
+    vq_i8 v;
+    Q_LOAD16(v, w);
+    return __builtin_convertvector(__builtin_convertvector(v, vq_i32), vline_f32);
+}
 #endif
 
 /* rows i0 .. i0+3 of y = add + W x + bias, W int8 [n, m] with per-row scales s (bf16) */
@@ -87,10 +98,16 @@ static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, const 
 /* one row's int4 dot product over 32 inputs x[0 .. 31] from 16 bytes (codes of x[2k] low, x[2k+1] high), the
    codes minus 8 exact in int8 then fp32 */
 #if defined(HAVE_VLINE)
-static inline vline_f32 int4_chunk(const uint8_t *w, vline_f32 xe, vline_f32 xo) {
-    const vq_u8 v = *(const vq_u8 *)w;
-    const vq_i8 lo = (vq_i8)(v & 15) - 8, hi = (vq_i8)(v >> 4) - 8;
-    return __builtin_convertvector(lo, vline_f32) * xe + __builtin_convertvector(hi, vline_f32) * xo;
+/* acc + the products of 32 inputs (even ones xe, odd ones xo) with their weights, 16 bytes of codes c (x[2k] low
+   nibble, x[2k+1] high), dequantized by a table: tbl[c] = (c - 8) * scale, exact in fp32 (4 bits times a bf16's
+   8). A shuffle's selector is taken modulo 16, so the widened byte selects by its low nibble and the byte shifted
+   right by 4 by its high one: one vpermps each, no masks or conversions. */
+static inline vline_f32 int4_chunk(vline_f32 acc, const uint8_t *w, vline_f32 tbl, vline_f32 xe, vline_f32 xo) {
+    vq_u8 v;
+    Q_LOAD16(v, w);
+    const vq_i32 b = __builtin_convertvector(v, vq_i32);
+    acc += __builtin_shuffle(tbl, b) * xe;
+    return acc + __builtin_shuffle(tbl, b >> 4) * xo;
 }
 #endif
 
@@ -103,16 +120,18 @@ static void matvec_rows_int4(int64_t B, int64_t n, int64_t m, int64_t group, int
     for (int64_t b = 0; b < B; ++b) {
         const float *restrict xb = x + b * m;
 #if defined(HAVE_VLINE)
-        const vq_idx even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-        const vq_idx odd = even + 1;
+        const vq_i32 even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+        const vq_i32 odd = even + 1;
         const int64_t cpg = group / 32;   /* chunks of 32 inputs per group */
         if (r == 4 && group % 32 == 0) {
             const uint8_t *w0 = W + i0 * mb, *w1 = w0 + mb, *w2 = w1 + mb, *w3 = w2 + mb;
             const uint16_t *s0 = s + i0 * ng, *s1 = s0 + ng, *s2 = s1 + ng, *s3 = s2 + ng;
             const char *pf = (const char *)w0 + MV_PF_BYTES, *pf_end = (const char *)(W + n * mb) - 64;
+            const vline_f32 codes = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
             vline_f32 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int64_t g = 0; g < ng; ++g) {
-                vline_f32 g0 = {0}, g1 = {0}, g2 = {0}, g3 = {0};
+                const vline_f32 t0 = codes * bf16_to_f32(s0[g]), t1 = codes * bf16_to_f32(s1[g]),
+                                t2 = codes * bf16_to_f32(s2[g]), t3 = codes * bf16_to_f32(s3[g]);
                 for (int64_t c = 0; c < cpg; ++c) {
                     const int64_t j = (g * cpg + c) * 32;
                     if (b == 0 && pf <= pf_end) {
@@ -121,11 +140,9 @@ static void matvec_rows_int4(int64_t B, int64_t n, int64_t m, int64_t group, int
                     }
                     const vline_f32 x0 = *(const vline_f32 *)(xb + j), x1 = *(const vline_f32 *)(xb + j + 16);
                     const vline_f32 xe = __builtin_shuffle(x0, x1, even), xo = __builtin_shuffle(x0, x1, odd);
-                    g0 += int4_chunk(w0 + j / 2, xe, xo); g1 += int4_chunk(w1 + j / 2, xe, xo);
-                    g2 += int4_chunk(w2 + j / 2, xe, xo); g3 += int4_chunk(w3 + j / 2, xe, xo);
+                    a0 = int4_chunk(a0, w0 + j / 2, t0, xe, xo); a1 = int4_chunk(a1, w1 + j / 2, t1, xe, xo);
+                    a2 = int4_chunk(a2, w2 + j / 2, t2, xe, xo); a3 = int4_chunk(a3, w3 + j / 2, t3, xe, xo);
                 }
-                a0 += g0 * bf16_to_f32(s0[g]); a1 += g1 * bf16_to_f32(s1[g]);
-                a2 += g2 * bf16_to_f32(s2[g]); a3 += g3 * bf16_to_f32(s3[g]);
             }
             q_store_row(B, n, b, i0, vsum_f32(a0), bias, add, y);
             q_store_row(B, n, b, i0 + 1, vsum_f32(a1), bias, add, y);
@@ -139,12 +156,12 @@ static void matvec_rows_int4(int64_t B, int64_t n, int64_t m, int64_t group, int
             const uint16_t *sr = s + (i0 + rr) * ng;
             float a = 0;
             for (int64_t g = 0; g < ng; ++g) {
-                float ga = 0;
+                const float sg = bf16_to_f32(sr[g]);
                 for (int64_t j = g * group; j < (g + 1) * group; j += 2) {
                     const uint8_t v = w[j / 2];
-                    ga += (float)((int)(v & 15) - 8) * xb[j] + (float)((int)(v >> 4) - 8) * xb[j + 1];
+                    a += (float)((int)(v & 15) - 8) * sg * xb[j];
+                    a += (float)((int)(v >> 4) - 8) * sg * xb[j + 1];
                 }
-                a += ga * bf16_to_f32(sr[g]);
             }
             q_store_row(B, n, b, i0 + rr, a, bias, add, y);
         }
