@@ -18,11 +18,12 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..errors import LinattnError
 from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
 from .build import ENV_SWITCH, enabled
 
 __all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", "ModelPlan", "model_function",
-           "BETA_MODES", "FEATURE_MAPS", "WEIGHT_FORMATS", "WEIGHT_MATRICES"]
+           "BETA_MODES", "FEATURE_MAPS", "WEIGHT_FORMATS", "WEIGHT_MATRICES", "weight_matvec"]
 
 #: the feature maps the linear step computes (the C codes)
 FEATURE_MAPS = {"identity": 0, "elu+1": 1, "relu": 2}
@@ -58,6 +59,8 @@ def _library():
             f = getattr(lib, f"linattn_decode_model_{sfx}")
             f.argtypes = [ctypes.POINTER(ModelPlan)] + [c_ptr] * 7
             f.restype = c_int
+        lib.linattn_decode_matvec_f32.argtypes = [c_int, c_ptr, c_ptr] + [c_i64] * 4 + [c_ptr] * 4 + [c_int]
+        lib.linattn_decode_matvec_f32.restype = None
         _typed.add(id(lib))
     return lib
 
@@ -210,3 +213,38 @@ def model_function(dtype: torch.dtype):
     or absent."""
     lib = _library()
     return None if lib is None else getattr(lib, f"linattn_decode_model_{_SFX[dtype]}")
+
+
+def weight_matvec(x: torch.Tensor, fmt: str, W: torch.Tensor, scales: Optional[torch.Tensor] = None, group: int = 0,
+                  bias: Optional[torch.Tensor] = None, add: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y `[B, n]` = add + W x + bias for float32 x `[B, m]` through the compiled decode's one weight product
+    (csrc/qmatvec.h `matvec_w_f32`, at torch's thread count), W in format fmt (`WEIGHT_FORMATS`): "plan" float32
+    `[n, m]`, "bf16" `[n, m]`, "int8" `[n, m]` with bf16 scales `[n]`, "int4" uint8 `[n, m / 2]` (two codes a byte,
+    quant/linear.py) with bf16 scales `[n, m / group]`, group 32 or 64. For tests and benchmarks (the plans call it
+    from C); bias and add float32. Every tensor contiguous and on the CPU (`ptr` checks)."""
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise LinattnError(f"weight_matvec: x must be float32 [B, m], got {x.dtype} {list(x.shape)}")
+    B, m = x.shape
+    n = W.shape[0] if W.dim() == 2 else -1
+    want = {"plan": (torch.float32, (n, m), None), "bf16": (torch.bfloat16, (n, m), None),
+            "int8": (torch.int8, (n, m), (n,)),
+            "int4": (torch.uint8, (n, m // 2), (n, m // group) if group in (32, 64) and m % group == 0 else None)}
+    if fmt not in want:
+        raise LinattnError(f"weight_matvec: fmt must be one of {sorted(want)}, got {fmt!r}")
+    wdt, wshape, sshape = want[fmt]
+    if (W.dtype, tuple(W.shape)) != (wdt, wshape) or (fmt == "int4" and sshape is None) or (
+            sshape is not None and (scales is None or scales.dtype != torch.bfloat16 or tuple(scales.shape) != sshape)):
+        raise LinattnError(f"weight_matvec ({fmt}): W must be {wdt} {list(wshape)}"
+                           + (f", scales bfloat16 {list(sshape)}" if sshape else "")
+                           + (" (group 32 or 64 dividing m)" if fmt == "int4" else "")
+                           + f"; got W {W.dtype} {list(W.shape)}, scales "
+                           + ("None" if scales is None else f"{scales.dtype} {list(scales.shape)}")
+                           + f", group {group}")
+    for name, t, shape in (("bias", bias, (n,)), ("add", add, (B, n))):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape):
+            raise LinattnError(f"weight_matvec: {name} must be float32 {list(shape)}, got {t.dtype} {list(t.shape)}")
+    lib = _library()
+    y = torch.empty(B, n, dtype=torch.float32)
+    lib.linattn_decode_matvec_f32(WEIGHT_FORMATS[fmt], ptr(W), ptr(scales if sshape else None), group, B, n, m,
+                                  ptr(bias), ptr(x), ptr(add), ptr(y), threads())
+    return y
