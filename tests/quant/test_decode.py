@@ -397,3 +397,26 @@ def test_guard_bias_and_hook(monkeypatch):
     _guard_case(lambda model: model.blocks[0].ffn.w_down.register_forward_hook(lambda *a: seen.append(1)),
                 monkeypatch)
     assert seen
+
+
+# -- the bench rows ----------------------------------------------------------------------------------------------
+def test_bench_infer_quantized_rows_and_bytes(tmp_path, capsys):
+    """`linattn bench infer --dtypes int8,int4`: rows whose bytes are the stored integers, scales and biases (not
+    torch's derived int4 layout), the input embedding as one row and the quantized tied head once."""
+    import json
+
+    from linattn.bench import infer
+    from linattn.cli import main
+
+    q = quantize(_model(), "int4")
+    floats = sum(t.numel() * t.element_size() for n, t in q.named_parameters() if n != "embed.weight")
+    stored = sum(m.stored_bytes() for m in quantized_modules(q).values())
+    row = q.embed.weight.shape[1] * 4
+    assert infer.model_decode_bytes(q) == floats + stored + row
+    rc = main(["bench", "infer", "--shape", "tiny", "--engines", "linattn", "--dtypes", "fp32,int8,int4",
+               "--prompt", "4", "--decode", "2", "--repeats", "1", "--threads", "1", "--bandwidth-mib", "16",
+               "--out", str(tmp_path), "--quiet"])
+    assert rc == 0 and "decode/floor" in capsys.readouterr().out
+    rows = {r["dtype"]: r for r in json.loads((tmp_path / "infer.json").read_text())["records"]}
+    assert rows["int4"]["bytes"] < rows["int8"]["bytes"] < rows["fp32"]["bytes"]
+    assert all(r["decode_tok_s"] > 0 and r["over_floor"] > 0 for r in rows.values())
