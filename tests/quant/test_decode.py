@@ -73,7 +73,8 @@ def _qlinear(n, k, mode, group, seed=0, bias=False):
 
 # -- the products ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode,group", FORMATS)
-@pytest.mark.parametrize("n,k", [(16, 64), (16, 192), (48, 320), (4, 64), (32, 128), (13, 64), (1, 128), (6, 192)])
+@pytest.mark.parametrize("n,k", [(16, 64), (16, 192), (48, 320), (4, 64), (32, 128), (13, 64), (1, 128), (6, 192),
+                                 (8, 1088), (5, 2048)])
 @pytest.mark.parametrize("B", [1, 3])
 def test_product_matches_dequantized_fp64(mode, group, n, k, B):
     if mode == "int4" and k % group:

@@ -129,9 +129,21 @@ static void matvec_rows_int4(int64_t B, int64_t n, int64_t m, int64_t group, int
             const char *pf = (const char *)w0 + MV_PF_BYTES, *pf_end = (const char *)(W + n * mb) - 64;
             const vline_f32 codes = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
             vline_f32 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            float sc[4][16];   /* 16 groups' scales of each row in fp32, converted 16 at a time */
             for (int64_t g = 0; g < ng; ++g) {
-                const vline_f32 t0 = codes * bf16_to_f32(s0[g]), t1 = codes * bf16_to_f32(s1[g]),
-                                t2 = codes * bf16_to_f32(s2[g]), t3 = codes * bf16_to_f32(s3[g]);
+                const int64_t k = g & 15;
+                if (k == 0) {
+                    const uint16_t *sr[4] = {s0 + g, s1 + g, s2 + g, s3 + g};
+                    for (int rr = 0; rr < 4; ++rr) {
+                        if (ng - g >= 16) {
+                            const vline_f32 v = bf16_line(sr[rr]);
+                            memcpy(sc[rr], &v, sizeof v);
+                        } else
+                            for (int64_t kk = 0; kk < ng - g; ++kk) sc[rr][kk] = bf16_to_f32(sr[rr][kk]);
+                    }
+                }
+                const vline_f32 t0 = codes * sc[0][k], t1 = codes * sc[1][k], t2 = codes * sc[2][k],
+                                t3 = codes * sc[3][k];
                 for (int64_t c = 0; c < cpg; ++c) {
                     const int64_t j = (g * cpg + c) * 32;
                     if (b == 0 && pf <= pf_end) {
