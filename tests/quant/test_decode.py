@@ -213,6 +213,26 @@ def test_model_plan_matches_dequantized(mode, group, tie, monkeypatch):
     assert calls.model == 6 and calls.block == 0
 
 
+@pytest.mark.parametrize("mode,group", [("int8", None), ("int4", 32)])
+def test_model_plan_threads(mode, group, monkeypatch):
+    """At 2 threads the big products (the head here) split their rows over the threads: the same logits, bit for
+    bit, as at 1 thread (each row's sums are the same); the plan is rebuilt for the new thread count."""
+    q = quantize(_model(d_model=256, vocab=1024), mode, group_size=group, compute="fp32")
+    calls = CompiledDecodeCalls(monkeypatch)
+    ids = torch.randint(0, 1024, (2, 6), generator=torch.Generator().manual_seed(7))
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _step_logits(q, ids, prefill=1)   # (a one-token prompt runs the compiled blocks too)
+        built = decode_plan.rebuilds[0]
+        torch.set_num_threads(2)
+        two = _step_logits(q, ids, prefill=1)
+    finally:
+        torch.set_num_threads(old)
+    assert calls.model == 10 and decode_plan.rebuilds[0] > built   # (the prompt: the block calls)
+    assert torch.equal(one, two)
+
+
 @pytest.mark.parametrize("mode,group", FORMATS)
 def test_block_plans_match_dequantized(mode, group, monkeypatch):
     """The per-block plans (the whole-model step off), batch 1, a prompt of one token."""
