@@ -8,11 +8,11 @@
        WF_INT4  uint8 [n, m/2] of two codes c = q + 8 per byte (the even column in the low nibble), one bf16 scale
                 per row and group of `group` inputs (32 or 64):  W[i, j] = (c[i, j] - 8) * s[i, j / group]
 
-   (quant/linear.py stores them so; the bytes are read as stored.) Activations and accumulation are fp32: each
-   integer weight converts exactly to fp32, a row's (int8) or a group's (int4) dot product accumulates in fp32
-   vector lanes and is multiplied by its scale once, so the result is the dequantized matrix's product up to the
-   rounding of fp32 sums. Four rows are read per step as in the fp32 / bf16 products, the weights prefetched
-   MV_PF_BYTES ahead. */
+   (quant/linear.py stores them so; the bytes are read as stored.) Activations and accumulation are fp32: int8
+   weights convert exactly to fp32, a row's products accumulate in fp32 vector lanes and the sum is multiplied by
+   the row's scale once; an int4 weight becomes its exact dequantized value (c - 8) * s (4 bits times a bf16's 8)
+   before its product. So the result is the dequantized matrix's product up to the rounding of fp32 operations.
+   Four rows are read per step as in the fp32 / bf16 products, the weights prefetched MV_PF_BYTES ahead. */
 #ifndef LINATTN_QMATVEC_H
 #define LINATTN_QMATVEC_H
 
@@ -26,9 +26,9 @@
 static void matvec_f32(int64_t B, int64_t n, int64_t m, const float *W, const float *bias, const float *x,
                        const float *add, float *y, int nthreads);
 
-static inline void q_store_row(int64_t B, int64_t n, int64_t b, int64_t i, float v, const float *bias,
-                               const float *add, float *y) {
-    (void)B;
+/* y[b, i] = add[b, i] + v + bias[i] (add, bias: NULL for none) */
+static inline void q_store_row(int64_t n, int64_t b, int64_t i, float v, const float *bias, const float *add,
+                               float *y) {
     if (bias) v = v + bias[i];
     y[b * n + i] = add ? add[b * n + i] + v : v;
 }
@@ -90,7 +90,7 @@ static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, const 
             const int8_t *w = W + (i0 + rr) * m;
             float a = 0;
             for (int64_t j = mv; j < m; ++j) a += (float)w[j] * xb[j];
-            q_store_row(B, n, b, i0 + rr, (acc[rr] + a) * bf16_to_f32(s[i0 + rr]), bias, add, y);
+            q_store_row(n, b, i0 + rr, (acc[rr] + a) * bf16_to_f32(s[i0 + rr]), bias, add, y);
         }
     }
 }
@@ -156,10 +156,10 @@ static void matvec_rows_int4(int64_t B, int64_t n, int64_t m, int64_t group, int
                     a2 = int4_chunk(a2, w2 + j / 2, t2, xe, xo); a3 = int4_chunk(a3, w3 + j / 2, t3, xe, xo);
                 }
             }
-            q_store_row(B, n, b, i0, vsum_f32(a0), bias, add, y);
-            q_store_row(B, n, b, i0 + 1, vsum_f32(a1), bias, add, y);
-            q_store_row(B, n, b, i0 + 2, vsum_f32(a2), bias, add, y);
-            q_store_row(B, n, b, i0 + 3, vsum_f32(a3), bias, add, y);
+            q_store_row(n, b, i0, vsum_f32(a0), bias, add, y);
+            q_store_row(n, b, i0 + 1, vsum_f32(a1), bias, add, y);
+            q_store_row(n, b, i0 + 2, vsum_f32(a2), bias, add, y);
+            q_store_row(n, b, i0 + 3, vsum_f32(a3), bias, add, y);
             continue;
         }
 #endif
@@ -175,7 +175,7 @@ static void matvec_rows_int4(int64_t B, int64_t n, int64_t m, int64_t group, int
                     a += (float)((int)(v >> 4) - 8) * sg * xb[j + 1];
                 }
             }
-            q_store_row(B, n, b, i0 + rr, a, bias, add, y);
+            q_store_row(n, b, i0 + rr, a, bias, add, y);
         }
     }
 }
