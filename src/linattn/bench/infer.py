@@ -1,14 +1,16 @@
 """`linattn bench infer`: CPU inference of one model shape, prompt and decode tokens/s and decode time as a multiple
 of the memory floor, for linattn's model and the same shape in transformers (its own PyTorch path and served by
-`linattn.hf.kernelize`), fp32 / bf16, at each thread count; llama.cpp as an optional peer row.
+`linattn.hf.kernelize`), fp32 / bf16 (and int8 / int4: the fp32 model through `linattn.quantize`), at each thread
+count; llama.cpp as an optional peer row.
 
 The floor of a decoded token (the one definition `linattn bench decode` uses too):
 
     floor = decode_bytes(model) / read bandwidth
 
 * decode_bytes: the bytes every decoded token must read, in the stored dtype: every parameter and buffer once
-  (shared ones once), the input embedding as one row rather than the table, the head's matrix once (a tied head is
-  the embedding table, counted once); states, caches and activations are left out (they are small here);
+  (shared ones once; int8 / int4 layers: their integers, bf16 scales and biases), the input embedding as one row
+  rather than the table, the head's matrix once (a tied head is the embedding table, counted once; a quantized tied
+  head is its own integers); states, caches and activations are left out (they are small here);
 * read bandwidth: one pass summing a buffer of at least 4x the last-level cache (and 64 MiB), timed at the row's
   thread count, once per round, interleaved with the models' timings: the floor and the models see the same load.
 
@@ -57,6 +59,9 @@ SHAPES: Dict[str, Dict[str, int]] = {
 }
 ENGINES = ("linattn", "transformers", "kernelize")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: the fp32 model quantized by `linattn.quantize` (int4: group 32), and llama.cpp's nearest GGUF types
+QUANTIZED = ("int8", "int4")
+GGUF_TYPES = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}   # (convert_hf_to_gguf.py writes no Q4_0: --gguf)
 MIN_BANDWIDTH_BYTES = 64 << 20
 
 
@@ -69,7 +74,8 @@ def add_arguments(p) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-530m", help="model shape (default qwen3.5-530m)")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"comma list of {', '.join(ENGINES)} (default all; the transformers ones need linattn[hf])")
-    p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16 (default both)")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16, int8, int4 (default fp32,bf16; "
+                                                         "int8 / int4: the fp32 model through linattn.quantize)")
     p.add_argument("--threads", type=int_at_least(1), nargs="+", default=[1, 2], help="thread counts (default 1 2)")
     p.add_argument("--prompt", type=int_at_least(1), default=512, help="prompt tokens (default 512)")
     p.add_argument("--decode", type=int_at_least(1), default=128, help="decoded tokens per round (default 128)")
@@ -102,13 +108,17 @@ def decode_bytes(model: torch.nn.Module, embed: torch.nn.Module, head: Optional[
         The bytes.
     """
     seen, total = set(), 0
+    for m in model.modules():   # quantized layers' derived copies for torch's kernels ("_" buffers) are not read
+        if callable(getattr(m, "stored_weights", None)):
+            seen.update((t.data_ptr(), t.numel(), t.dtype) for n, t in m.named_buffers() if n.startswith("_"))
     for t in list(model.parameters()) + list(model.buffers()):
         key = (t.data_ptr(), t.numel(), t.dtype)
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()
     w = embed.weight
-    tied = head is None or head.weight.data_ptr() == w.data_ptr()
+    head_w = getattr(head, "weight", None)   # (a quantized head has none: its own integers, counted above)
+    tied = head is None or (head_w is not None and head_w.data_ptr() == w.data_ptr())
     if not tied:   # the table is read one row per token
         total -= (w.shape[0] - 1) * w.shape[1] * w.element_size()
     return total
@@ -168,6 +178,15 @@ def linattn_model(shape: Dict[str, int], dtype: torch.dtype, seed: int) -> torch
                                                  head_dim=s["attn_dim"], output_gate=True)})
     torch.manual_seed(seed)
     return LanguageModel(cfg).to(dtype).eval()
+
+
+def build_model(engine: str, shape: Dict[str, int], dtype_name: str, seed: int) -> torch.nn.Module:
+    """The model of one row by dtype name: `build_row`'s, or for int8 / int4 its fp32 model quantized."""
+    if dtype_name in QUANTIZED:
+        from ..quant import quantize
+
+        return quantize(build_row(engine, shape, torch.float32, seed), dtype_name, inplace=True)
+    return build_row(engine, shape, DTYPES[dtype_name], seed)
 
 
 def build_row(engine: str, shape: Dict[str, int], dtype: torch.dtype, seed: int) -> torch.nn.Module:
@@ -231,8 +250,9 @@ def _gguf_files(a, shape, dtypes: Sequence[str], log) -> Dict[str, str]:
         files = {}
         for item in a.gguf:
             name, _, path = item.partition("=")
-            if name not in DTYPES or not path:
-                raise UsageError(f"--gguf takes DTYPE=FILE with DTYPE in {', '.join(DTYPES)}, got {item!r}", prog=PROG)
+            if name not in (*DTYPES, *QUANTIZED) or not path:
+                raise UsageError(f"--gguf takes DTYPE=FILE with DTYPE in {', '.join((*DTYPES, *QUANTIZED))}, got "
+                                 f"{item!r}", prog=PROG)
             if not os.path.isfile(path):
                 raise UsageError(f"--gguf: no file {path!r}", prog=PROG)
             files[name] = path
@@ -244,9 +264,12 @@ def _gguf_files(a, shape, dtypes: Sequence[str], log) -> Dict[str, str]:
     build_row("transformers", shape, torch.float32, a.seed).save_pretrained(tmp)
     files = {}
     for name in dtypes:
+        if name not in GGUF_TYPES:
+            log(f"no llama.cpp row for {name}: convert_hf_to_gguf.py cannot write it (pass --gguf {name}=FILE)")
+            continue
         out = os.path.join(tmp, f"model-{name}.gguf")
         log(f"converting to {out}")
-        subprocess.run([sys.executable, script, tmp, "--outtype", {"fp32": "f32", "bf16": "bf16"}[name],
+        subprocess.run([sys.executable, script, tmp, "--outtype", GGUF_TYPES[name],
                         "--outfile", out], check=True, capture_output=True)
         files[name] = out
     return files
@@ -278,8 +301,8 @@ def _lists(a):
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     if not engines or any(e not in ENGINES for e in engines):
         raise UsageError(f"--engines: choose from {', '.join(ENGINES)}, got {a.engines!r}", prog=PROG)
-    if not dtypes or any(d not in DTYPES for d in dtypes):
-        raise UsageError(f"--dtypes: choose from {', '.join(DTYPES)}, got {a.dtypes!r}", prog=PROG)
+    if not dtypes or any(d not in DTYPES and d not in QUANTIZED for d in dtypes):
+        raise UsageError(f"--dtypes: choose from {', '.join((*DTYPES, *QUANTIZED))}, got {a.dtypes!r}", prog=PROG)
     if any(e != "linattn" for e in engines) and importlib.util.find_spec("transformers") is None:
         raise UsageError("--engines transformers / kernelize need transformers: pip install 'linattn[hf]'", prog=PROG)
     if a.llama_bench is not None:
@@ -359,7 +382,7 @@ def run(a) -> int:
         rows = []
         for e in engines:
             for name in dtypes:
-                model = build_row(e, shape, DTYPES[name], a.seed)
+                model = build_model(e, shape, name, a.seed)
                 rows.append({"engine": e, "dtype": name, "runner": Runner(model), "vocab": shape["vocab"],
                              "bytes": model_decode_bytes(model),
                              "times": {t: {"prefill": [], "decode": []} for t in a.threads}})
@@ -405,5 +428,6 @@ def floor_ms(model: torch.nn.Module, bandwidth: float) -> float:
     return model_decode_bytes(model) / bandwidth * 1e3
 
 
-__all__ = ["SHAPES", "ENGINES", "ReadBandwidth", "Runner", "add_arguments", "build_row", "decode_bytes", "floor_ms",
-           "last_level_cache_bytes", "linattn_model", "model_decode_bytes", "parse_llama_bench", "run"]
+__all__ = ["SHAPES", "ENGINES", "QUANTIZED", "ReadBandwidth", "Runner", "add_arguments", "build_model", "build_row",
+           "decode_bytes", "floor_ms", "last_level_cache_bytes", "linattn_model", "model_decode_bytes",
+           "parse_llama_bench", "run"]

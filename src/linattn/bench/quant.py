@@ -62,7 +62,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-speed", action="store_true", help="only the quality rows")
     p.add_argument("--kernels", action="store_true",
                    help="also one --d-model x --ffn-hidden matrix at 1 / 16 / 64 / 512 rows: torch's packed int8 / "
-                        "int4 kernels (bf16 and fp32 activations) against dequantize-then-matmul and fp32 / bf16")
+                        "int4 kernels (bf16 and fp32 activations) and the compiled decode's own products against "
+                        "dequantize-then-matmul and fp32 / bf16")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
     p.add_argument("--out", default=None, help="output folder (default results/bench/quant/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
@@ -184,6 +185,7 @@ def speed_rows(a, names: List[str], log) -> List[Dict[str, Any]]:
 
 def kernel_rows(a, log) -> List[Dict[str, Any]]:
     """ms per product of x [M, K] with one [N, K] weight, each way of computing it, interleaved (median)."""
+    from ..cpu import decode as cpu_decode
     from ..quant import QuantizedLinear
 
     K, N = a.d_model, a.ffn_hidden
@@ -207,6 +209,10 @@ def kernel_rows(a, log) -> List[Dict[str, Any]]:
                                                                             q4._scale_zeros.float()),
             "int4 dequant + bf16 matmul": lambda: xb @ q4.dequantize(torch.bfloat16).T,
         }
+        if cpu_decode.available():   # the compiled decode's own products (csrc/qmatvec.h), fp32 activations
+            ways["int8 compiled decode, fp32 x"] = lambda: cpu_decode.weight_matvec(x, "int8", q8.qweight, q8.scales)
+            ways["int4 compiled decode, fp32 x"] = lambda: cpu_decode.weight_matvec(x, "int4", q4.qweight, q4.scales,
+                                                                                     q4.group_size)
         times = {k: [] for k in ways}
         n = 3 if M >= 64 else 10
         for _ in range(a.repeats):

@@ -120,7 +120,7 @@ LIBRARIES: Dict[str, Library] = {
            + (c_int,)),
     )),
     # decode.c's functions are bound by cpu/decode.py (their plan structs live there)
-    "decode": Library(2, tuple(Fn(f"linattn_decode_{stem}", ()) for stem in ("delta", "linear", "block", "model")),
+    "decode": Library(3, tuple(Fn(f"linattn_decode_{stem}", ()) for stem in ("delta", "linear", "block", "model")),
                       bound_by="linattn.cpu.decode"),
 }
 

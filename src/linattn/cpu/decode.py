@@ -18,16 +18,21 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..errors import LinattnError
 from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
 from .build import ENV_SWITCH, enabled
 
 __all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", "ModelPlan", "model_function",
-           "BETA_MODES", "FEATURE_MAPS"]
+           "BETA_MODES", "FEATURE_MAPS", "WEIGHT_FORMATS", "WEIGHT_MATRICES", "weight_matvec"]
 
 #: the feature maps the linear step computes (the C codes)
 from ..feature_codes import FUSED_MAPS as FEATURE_MAPS  # noqa: E402, I001 (one table, every path)
 #: EFLA's beta modes in the order of their C codes (beta_mode 0, 1, 2)
 BETA_MODES = ("sigmoid", "adaptive", "loose")
+#: the weight formats of the plans' matrices (csrc/qmatvec.h WF_*: `fmt_<matrix>` fields, 0 = as `wbf16` says)
+WEIGHT_FORMATS = {"plan": 0, "bf16": 1, "int8": 2, "int4": 3}
+#: a block plan's weight matrices (each with `fmt_`, `grp_` (int4 group) and `sc_` (bf16 scales) fields)
+WEIGHT_MATRICES = ("W", "Wo", "Wgu", "Wd", "Wq", "Wk", "Wv", "Wg")
 _typed = set()
 _SFX = {torch.float32: "f32", torch.float64: "f64"}
 
@@ -54,6 +59,8 @@ def _library():
             f = getattr(lib, f"linattn_decode_model_{sfx}")
             f.argtypes = [ctypes.POINTER(ModelPlan)] + [c_ptr] * 7
             f.restype = c_int
+        lib.linattn_decode_matvec_f32.argtypes = [c_int, c_ptr, c_ptr] + [c_i64] * 4 + [c_ptr] * 4 + [c_int]
+        lib.linattn_decode_matvec_f32.restype = None
         _typed.add(id(lib))
     return lib
 
@@ -154,7 +161,8 @@ class BlockPlan(ctypes.Structure):
     `keep` holds the tensors they point into (set by the builder, models/decode_plan.py). `wbf16` (float32 plans):
     the matrices W, Wo, Wgu and Wd are stored as bfloat16, read with fp32 accumulation. kind 2 is softmax
     attention (its projections Wq, Wk, Wv, Wg; the KV cache's buffers and the token's row and positions set per
-    call, models/decode_plan.py)."""
+    call, models/decode_plan.py). `fmt_<M>` (float32 plans, 0: as `wbf16` says): matrix M's own format
+    (`WEIGHT_FORMATS`), int8 / int4 with bf16 scales `sc_<M>` and int4 group `grp_<M>` (csrc/qmatvec.h)."""
 
     _fields_ = ([(n, ctypes.c_int64) for n in ("B", "H", "HV", "K", "V", "d", "ny", "KC", "hid")]
                 + [(n, ctypes.c_int32) for n in ("kind", "conv_act", "dkind", "l2conv", "q_l2", "beta_mode", "gated",
@@ -168,7 +176,10 @@ class BlockPlan(ctypes.Structure):
                 + [(n, ctypes.c_int32) for n in ("att_gate", "gate_sig", "qk_norm", "kv_bf16", "rope_f32", "pad2_")]
                 + [(n, ctypes.c_double) for n in ("qk_eps", "rope_scale")]
                 + [(n, ctypes.c_void_p) for n in ("Wq", "bq", "Wk", "bk", "Wv", "bv", "Wg", "qnw", "knw", "inv_freq",
-                                                  "kc", "vc", "pos", "lo")])
+                                                  "kc", "vc", "pos", "lo")]
+                + [(f"fmt_{n}", ctypes.c_int32) for n in WEIGHT_MATRICES]
+                + [(f"grp_{n}", ctypes.c_int64) for n in WEIGHT_MATRICES]
+                + [(f"sc_{n}", ctypes.c_void_p) for n in WEIGHT_MATRICES])
 
 
 def block_step(plan: BlockPlan, fn, x: torch.Tensor, w_in: Optional[torch.Tensor], S_in: Optional[torch.Tensor],
@@ -191,12 +202,15 @@ class ModelPlan(ctypes.Structure):
     """`linattn_model_plan` of csrc/decode.c: a whole model's decoding step (`linattn_decode_model`): the embedding,
     L block plans, the final RMSNorm and the head, and where each layer's state and conv window sit in the
     step's state / window buffers. Built in models/decode_plan.py (`model_step`), which keeps what it points into.
-    `wbf16` (float32 plans): the embedding and head are bfloat16 too, and the logits are written as bfloat16."""
+    `wbf16` (float32 plans): the embedding and head are bfloat16 too, and the logits are written as bfloat16.
+    `fmt_head` / `grp_head` / `sc_head`: the head's own format (as a block plan's `fmt_<M>`)."""
 
     _fields_ = ([(n, ctypes.c_int64) for n in ("L", "B", "d", "vocab")]
                 + [(n, ctypes.c_int32) for n in ("has_norm", "nthreads", "wbf16", "pad_")]
                 + [("norm_eps", ctypes.c_double)]
-                + [(n, ctypes.c_void_p) for n in ("embed", "norm_w", "head", "blocks", "s_off", "w_off")])
+                + [(n, ctypes.c_void_p) for n in ("embed", "norm_w", "head", "blocks", "s_off", "w_off")]
+                + [("fmt_head", ctypes.c_int32), ("pad2_", ctypes.c_int32), ("grp_head", ctypes.c_int64),
+                   ("sc_head", ctypes.c_void_p)])
 
 
 def model_function(dtype: torch.dtype):
@@ -206,3 +220,38 @@ def model_function(dtype: torch.dtype):
     or absent."""
     lib = _library()
     return None if lib is None else getattr(lib, f"linattn_decode_model_{_SFX[dtype]}")
+
+
+def weight_matvec(x: torch.Tensor, fmt: str, W: torch.Tensor, scales: Optional[torch.Tensor] = None, group: int = 0,
+                  bias: Optional[torch.Tensor] = None, add: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y `[B, n]` = add + W x + bias for float32 x `[B, m]` through the compiled decode's one weight product
+    (csrc/qmatvec.h `matvec_w_f32`, at torch's thread count), W in format fmt (`WEIGHT_FORMATS`): "plan" float32
+    `[n, m]`, "bf16" `[n, m]`, "int8" `[n, m]` with bf16 scales `[n]`, "int4" uint8 `[n, m / 2]` (two codes a byte,
+    quant/linear.py) with bf16 scales `[n, m / group]`, group 32 or 64. For tests and benchmarks (the plans call it
+    from C); bias and add float32. Every tensor contiguous and on the CPU (`ptr` checks)."""
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise LinattnError(f"weight_matvec: x must be float32 [B, m], got {x.dtype} {list(x.shape)}")
+    B, m = x.shape
+    n = W.shape[0] if W.dim() == 2 else -1
+    want = {"plan": (torch.float32, (n, m), None), "bf16": (torch.bfloat16, (n, m), None),
+            "int8": (torch.int8, (n, m), (n,)),
+            "int4": (torch.uint8, (n, m // 2), (n, m // group) if group in (32, 64) and m % group == 0 else None)}
+    if fmt not in want:
+        raise LinattnError(f"weight_matvec: fmt must be one of {sorted(want)}, got {fmt!r}")
+    wdt, wshape, sshape = want[fmt]
+    if (W.dtype, tuple(W.shape)) != (wdt, wshape) or (fmt == "int4" and sshape is None) or (
+            sshape is not None and (scales is None or scales.dtype != torch.bfloat16 or tuple(scales.shape) != sshape)):
+        raise LinattnError(f"weight_matvec ({fmt}): W must be {wdt} {list(wshape)}"
+                           + (f", scales bfloat16 {list(sshape)}" if sshape else "")
+                           + (" (group 32 or 64 dividing m)" if fmt == "int4" else "")
+                           + f"; got W {W.dtype} {list(W.shape)}, scales "
+                           + ("None" if scales is None else f"{scales.dtype} {list(scales.shape)}")
+                           + f", group {group}")
+    for name, t, shape in (("bias", bias, (n,)), ("add", add, (B, n))):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape):
+            raise LinattnError(f"weight_matvec: {name} must be float32 {list(shape)}, got {t.dtype} {list(t.shape)}")
+    lib = _library()
+    y = torch.empty(B, n, dtype=torch.float32)
+    lib.linattn_decode_matvec_f32(WEIGHT_FORMATS[fmt], ptr(W), ptr(scales if sshape else None), group, B, n, m,
+                                  ptr(bias), ptr(x), ptr(add), ptr(y), threads())
+    return y

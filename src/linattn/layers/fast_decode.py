@@ -98,15 +98,15 @@ def _extra(layer, kind: str) -> Tuple[nn.Module, ...]:
     return extra + ((mods["g_proj"],) if mods.get("g_proj") is not None else ())
 
 
-def usable_projections(layer, dtype: torch.dtype, kind: str):
+def usable_projections(layer, dtype: torch.dtype, kind: str, accept=None):
     """The fused projections (q, k, v, then `_extra`) when the layer's modules are exactly the library's, in
-    `dtype` and without hooks; else None."""
+    `dtype` (or, with `accept`, linear layers for which accept(module) is true) and without hooks; else None."""
     if layer.gate_act != "silu" or layer.norm_group_size is not None:
         return None   # the fast step computes the default gated norm only
     mods = layer._modules
     lins = (mods["q_proj"], mods["k_proj"], mods["v_proj"]) + _extra(layer, kind)
     for m in lins + (mods["o_proj"],):
-        if type(m) is not nn.Linear or m.weight.dtype != dtype:
+        if not (accept(m) if accept is not None else type(m) is nn.Linear and m.weight.dtype == dtype):
             return None
     norm = mods.get("o_norm")
     if (norm is not None and (type(norm) is not GatedRMSNorm or not norm.plain)) or hooked(*lins, mods["o_proj"], norm):

@@ -44,12 +44,28 @@ from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
 
 __all__ = ["AttentionDescription", "BlockDescription", "BlockPlanSlot", "ModelDescription", "ModelFastState",
            "ModelPending", "ModelPlanSlot", "PlanGuard", "block_token", "compute_dtype", "describe_softmax",
-           "model_step", "rebuilds"]
+           "model_step", "plan_linear", "rebuilds", "stored_weights"]
 
 #: the dtypes a plan reads weights in, and the dtype it computes in for each (bf16: fp32 accumulation and states)
 _COMPUTE = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32}
 #: plans built so far (every build adds one): the tests check that what should not rebuild does not
 rebuilds = [0]
+
+
+def stored_weights(linear: nn.Module):
+    """(mode, qweight, scales, group) of a linear whose weights are stored quantized (a module with a
+    `stored_weights()` method: quant/linear.QuantizedLinear, which describes itself so that this module need not
+    import it), else None."""
+    fn = getattr(type(linear), "stored_weights", None)
+    return None if fn is None else fn(linear)
+
+
+def plan_linear(linear: nn.Module, wdt: torch.dtype) -> bool:
+    """Whether a plan with weights in wdt reads this linear layer's matrix: an `nn.Linear` in wdt, or (an fp32 or
+    bf16 plan, which computes in fp32) int8 / int4 weights (`stored_weights`)."""
+    if type(linear) is nn.Linear:
+        return linear.weight.dtype == wdt
+    return compute_dtype(wdt) is torch.float32 and stored_weights(linear) is not None
 
 
 def compute_dtype(weight_dtype: torch.dtype) -> Optional[torch.dtype]:
@@ -141,7 +157,7 @@ def describe_softmax(layer) -> Optional[AttentionDescription]:
         return None
     lins = [mods[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     g = mods.get("g_proj")
-    if any(type(m) is not nn.Linear for m in lins + ([g] if g is not None else [])):
+    if any(type(m) is not nn.Linear and stored_weights(m) is None for m in lins + ([g] if g is not None else [])):
         return None
     qn, kn, rope = mods.get("q_norm"), mods.get("k_norm"), mods.get("rope")
     if (qn is None) != (kn is None) or any(m is not None and type(m) is not RMSNorm for m in (qn, kn)):
@@ -253,7 +269,8 @@ def _slot(owner: nn.Module, name: str, cls):
 # -- one block ---------------------------------------------------------------------------------------------------
 # the BlockPlan fields that hold data addresses
 _PLAN_POINTERS = ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay", "nw", "Wo", "n2w", "Wgu", "bgu",
-                  "Wd", "bd", "Wq", "bq", "Wk", "bk", "Wv", "bv", "Wg", "qnw", "knw")
+                  "Wd", "bd", "Wq", "bq", "Wk", "bk", "Wv", "bv", "Wg", "qnw", "knw") + tuple(
+                  f"sc_{n}" for n in _cpu_decode.WEIGHT_MATRICES)
 
 
 class BlockPlanSlot:
@@ -278,9 +295,52 @@ def _compiled_mixer(desc: BlockDescription, wdt: torch.dtype):
     if kind == "linear" and (type(layer.feature_map) not in _fast.COMPILED_MAPS or layer.gate == "diagonal"):
         return None
     for m in (desc.ffn_gate_up, desc.ffn_down):
-        if m is not None and any(t is not None and t.dtype != wdt for t in (m.weight, m.bias)):
+        if m is not None and not (plan_linear(m, wdt) and (type(m) is not nn.Linear or m.bias is None
+                                                           or m.bias.dtype == wdt)):
             return None
-    return _fast.usable_projections(layer, wdt, kind)
+    lins = _fast.usable_projections(layer, wdt, kind, accept=lambda m: plan_linear(m, wdt))
+    if lins is None or _fused_format(lins) is None:
+        return None
+    return lins
+
+
+def _fused_format(lins):
+    """The stored format the fused projections share: "plan" (every one an nn.Linear), or (mode, group) of their
+    int8 / int4 weights; None when they differ (the fused product has one format)."""
+    fmts = {("plan", 0) if type(m) is nn.Linear else stored_weights(m)[::3] for m in lins}
+    return next(iter(fmts)) if len(fmts) == 1 else None
+
+
+def _set_weight(p, name: str, linear: nn.Module, wdt: torch.dtype, addr) -> None:
+    """Points plan field `name` (and its format, scales and group fields) at linear's matrix as stored."""
+    got = stored_weights(linear) if type(linear) is not nn.Linear else None
+    if got is None:
+        setattr(p, name, addr(linear.weight, wdt))
+        return
+    mode, q, scales, group = got
+    setattr(p, name, addr(q, q.dtype))
+    setattr(p, f"fmt_{name}", _cpu_decode.WEIGHT_FORMATS[mode])
+    setattr(p, f"sc_{name}", addr(scales, torch.bfloat16))
+    setattr(p, f"grp_{name}", group)
+
+
+def _fused_quantized(layer, lins, cdt):
+    """(convs, q, scales, bias, cw, cb) for projections stored quantized, as `_fast.fused_weights` gives for float
+    ones: their integer weights and scales concatenated by rows (copies, kept by the plan), the biases (zeros where
+    one has none) in cdt."""
+    mods = layer._modules
+    convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"]) if layer.short_conv else ()
+    parts = [stored_weights(m) for m in lins]
+    q = torch.cat([w[1] for w in parts])
+    scales = torch.cat([w[2] for w in parts])
+    b = None
+    if any(m.bias is not None for m in lins):
+        b = torch.cat([m.bias.to(cdt) if m.bias is not None else torch.zeros(m.out_features, dtype=cdt)
+                       for m in lins])
+    cw = torch.cat([c.weight.detach() for c in convs]) if convs else None
+    cb = torch.cat([c.bias.detach() for c in convs if c.bias is not None]) if convs and convs[0].bias is not None \
+        else None
+    return convs, q, scales, b, cw, cb
 
 
 def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
@@ -296,7 +356,11 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         return None
     layer, cdt, keep = desc.mixer, compute_dtype(wdt), []
     addr = _addresser(keep, cdt)
-    convs, w, b, cw, cb = _fast.fused_weights(layer, lins)
+    quantized = type(lins[0]) is not nn.Linear
+    if quantized:
+        convs, w, scales, b, cw, cb = _fused_quantized(layer, lins, cdt)
+    else:
+        convs, w, b, cw, cb = _fast.fused_weights(layer, lins)
     H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
     down = desc.ffn_down
     p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=w.shape[0], KC=convs[0].kernel_size if convs else 0,
@@ -304,7 +368,10 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
                               conv_act=int(bool(convs) and convs[0].activation is not None), scale=layer.scale,
                               nthreads=max(1, torch.get_num_threads()), has_ffn=int(down is not None),
                               wbf16=int(wdt == torch.bfloat16))
-    p.W, p.Wb = addr(w, wdt), addr(b)
+    p.W, p.Wb = addr(w, w.dtype if quantized else wdt), addr(b)
+    if quantized:
+        mode, _, _, group = stored_weights(lins[0])
+        p.fmt_W, p.sc_W, p.grp_W = _cpu_decode.WEIGHT_FORMATS[mode], addr(scales, torch.bfloat16), group
     if convs:
         p.cw, p.cb = addr(cw.view(cw.shape[0], -1)), addr(cb)
     if desc.kind == "delta":
@@ -331,7 +398,7 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     has_norm, nw, neps = _fast.output_norm_args(layer, cdt)
     p.has_norm, p.nw, p.norm_eps = int(has_norm), addr(nw), neps
     p.has_gate = int(layer._modules.get("g_proj") is not None)
-    p.Wo = addr(layer._modules["o_proj"].weight, wdt)
+    _set_weight(p, "Wo", layer._modules["o_proj"], wdt, addr)
     return _finish_plan(p, desc, addr, keep, wdt)
 
 
@@ -341,8 +408,9 @@ def _finish_plan(p, desc: BlockDescription, addr, keep: list, wdt: torch.dtype):
     p.n1w, p.n1eps = addr(desc.norm1.weight), float(desc.norm1.eps)
     if down is not None:
         p.n2w, p.n2eps = addr(desc.norm2.weight), float(desc.norm2.eps)
-        p.Wgu, p.bgu = addr(up.weight, wdt), addr(up.bias)
-        p.Wd, p.bd = addr(down.weight, wdt), addr(down.bias)
+        _set_weight(p, "Wgu", up, wdt, addr)
+        _set_weight(p, "Wd", down, wdt, addr)
+        p.bgu, p.bd = addr(up.bias), addr(down.bias)
     p.keep = keep   # the plan holds what it points into (a call in flight keeps it alive)
     rebuilds[0] += 1
     return p
@@ -372,12 +440,13 @@ def _new_softmax_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         return None
     lins = (att.q_proj, att.k_proj, att.v_proj, att.o_proj) + ((att.g_proj,) if att.gate == "proj" else ())
     shapes = [(H * D * (2 if gq else 1), d), (G * D, d), (G * Dv, d), (d, H * Dv)] + [(H * Dv, d)] * (len(lins) - 4)
-    if any(m.weight.dtype != wdt or tuple(m.weight.shape) != s for m, s in zip(lins, shapes)):
+    if any(not plan_linear(m, wdt) or (m.out_features, m.in_features) != s for m, s in zip(lins, shapes)):
         return None
     if att.o_proj.bias is not None or (att.gate == "proj" and att.g_proj.bias is not None):
         return None
     for m in (desc.ffn_gate_up, desc.ffn_down):
-        if m is not None and any(t is not None and t.dtype != wdt for t in (m.weight, m.bias)):
+        if m is not None and not (plan_linear(m, wdt) and (type(m) is not nn.Linear or m.bias is None
+                                                           or m.bias.dtype == wdt)):
             return None
     cdt, keep = compute_dtype(wdt), []
     addr = _addresser(keep, cdt)
@@ -389,11 +458,11 @@ def _new_softmax_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
                               kvh=G, rot=att.rot, att_gate={None: 0, "proj": 1, "q": 2}[att.gate],
                               gate_sig=int(att.gate_act == "sigmoid"), kv_bf16=int(wdt == torch.bfloat16),
                               rope_f32=int(bool(att.rope_f32)), rope_scale=float(att.rope_scale or 1.0))
-    p.Wq, p.bq = addr(att.q_proj.weight, wdt), addr(att.q_proj.bias)
-    p.Wk, p.bk = addr(att.k_proj.weight, wdt), addr(att.k_proj.bias)
-    p.Wv, p.bv = addr(att.v_proj.weight, wdt), addr(att.v_proj.bias)
+    for name, m in (("Wq", att.q_proj), ("Wk", att.k_proj), ("Wv", att.v_proj)):
+        _set_weight(p, name, m, wdt, addr)
+    p.bq, p.bk, p.bv = addr(att.q_proj.bias), addr(att.k_proj.bias), addr(att.v_proj.bias)
     if att.gate == "proj":
-        p.Wg = addr(att.g_proj.weight, wdt)
+        _set_weight(p, "Wg", att.g_proj, wdt, addr)
     if att.q_norm is not None:
         qw, kw = att.q_norm.weight, att.k_norm.weight
         if att.norm_offset:   # (1 + w) once into the plan; the guard sees the weights' versions
@@ -403,7 +472,7 @@ def _new_softmax_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         p.qk_norm, p.qk_eps, p.qnw, p.knw = 1, float(att.q_norm.eps), addr(qw), addr(kw)
     if att.rot:
         p.inv_freq = addr(att.inv_freq, torch.float64)
-    p.Wo = addr(att.o_proj.weight, wdt)
+    _set_weight(p, "Wo", att.o_proj, wdt, addr)
     p.att = att   # (a ctypes Structure takes new attributes) what `_kv_args` reads per call
     return _finish_plan(p, desc, addr, keep, wdt)
 
@@ -484,9 +553,10 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
 
 def _torch_block(desc: BlockDescription, x: torch.Tensor, cache: LayerCache) -> Optional[torch.Tensor]:
     """The described block's operations in PyTorch for one token (the mixer's own fast step inside); None for a
-    residual order other than pre-norm."""
-    if desc.residual != "prenorm" or desc.ffn not in (None, "swiglu"):
-        return None
+    residual order other than pre-norm or an FFN not in nn.Linear layers."""
+    if desc.residual != "prenorm" or desc.ffn not in (None, "swiglu") or any(
+            m is not None and type(m) is not nn.Linear for m in (desc.ffn_gate_up, desc.ffn_down)):
+        return None   # (quantized FFN weights: the block's usual path calls the modules)
     n1, n2 = desc.norm1, desc.norm2
     h = x + desc.mixer(F.rms_norm(x, (x.shape[-1],), n1.weight, n1.eps), cache=cache)
     if desc.ffn_down is None:
@@ -622,11 +692,21 @@ def _model_weights_usable(desc: ModelDescription, wdt: torch.dtype) -> bool:
     vocab, d = embed.weight.shape
     if norm is not None and (not hasattr(norm, "eps") or (norm.weight is not None and norm.weight.dtype != wdt)):
         return False
-    if head is not None and (type(head) is not nn.Linear or head.bias is not None or head.weight.dtype != wdt
-                             or head.weight.shape != (vocab, d)):
+    if head is not None and (not plan_linear(head, wdt) or head.bias is not None
+                             or (head.out_features, head.in_features) != (vocab, d)):
         return False
-    head_w = (head if head is not None else embed).weight
+    head_w = _head_matrix(desc)
+    if head is not None and type(head) is nn.Linear and head_w.shape != (vocab, d):
+        return False
     return embed.weight.is_contiguous() and head_w.is_contiguous() and not _fast.hooked(embed, norm, head)
+
+
+def _head_matrix(desc: ModelDescription) -> torch.Tensor:
+    """The matrix the head's product reads as stored: the head's weight (its integer weights when quantized) or the
+    tied embedding's."""
+    head = desc.head
+    got = None if head is None or type(head) is nn.Linear else stored_weights(head)
+    return got[1] if got is not None else (head if head is not None else desc.embed).weight.detach()
 
 
 def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescription, B: int) -> bool:
@@ -656,7 +736,10 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     mp = _cpu_decode.ModelPlan(L=len(plans), B=B, d=d, vocab=vocab, has_norm=int(norm is not None),
                                nthreads=max(1, torch.get_num_threads()), wbf16=int(wdt == torch.bfloat16),
                                norm_eps=float(norm.eps) if norm is not None else 0.0)
-    head_w = (desc.head if desc.head is not None else desc.embed).weight.detach()
+    head_w, head_sc = _head_matrix(desc), None
+    if desc.head is not None and type(desc.head) is not nn.Linear:
+        mode, _, head_sc, mp.grp_head = stored_weights(desc.head)
+        mp.fmt_head, mp.sc_head = _cpu_decode.WEIGHT_FORMATS[mode], head_sc.data_ptr()
     norm_w = None
     if norm is not None and norm.weight is not None:
         norm_w = norm.weight.detach().to(cdt).contiguous()
@@ -664,13 +747,13 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     mp.norm_w = None if norm_w is None else norm_w.data_ptr()
     block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
     mp.blocks = ctypes.addressof(block_ptrs)
-    direct = {mp.embed, mp.head, mp.norm_w} | {getattr(p, f) for p in plans for f in _PLAN_POINTERS}
+    direct = {mp.embed, mp.head, mp.norm_w, mp.sc_head} | {getattr(p, f) for p in plans for f in _PLAN_POINTERS}
     # (the switches and fused weights of linattn's layers; a described module of another library has neither)
     mixers = [bd.mixer for bd in desc.blocks if getattr(bd.mixer, "_fused", None) is not None]
     slot.guard = PlanGuard(model, list(model.modules()), mixers, direct)
     if not slot.guard.valid() or any(t.device.type != "cpu" for t in slot.guard.tensors):
         return False   # (a hook on a module the step would not call)
-    slot.keep = (plans, keep, block_ptrs, desc.embed.weight, head_w, norm_w)
+    slot.keep = (plans, keep, block_ptrs, desc.embed.weight, head_w, norm_w, head_sc)
     slot.fn, slot.dtype, slot.ldtype = _cpu_decode.model_function(cdt), cdt, wdt
     slot.specs, slot.layouts = specs, {}
     slot.att = [(i, p) for i, p in enumerate(plans) if p.kind == 2]

@@ -33,7 +33,7 @@ from ..layers.common import FusedParams
 from ..layers.rwkv7 import RWKV7ChannelMix
 from ..ops._common import check_values
 from .config import LMConfig
-from .decode_plan import BlockDescription, ModelDescription, block_token, model_step
+from .decode_plan import BlockDescription, ModelDescription, block_token, model_step, plan_linear
 from .family import CausalLM, register_family
 from .generation import join_generated, stream_tokens
 from .lobe import MemoryLobe
@@ -155,8 +155,7 @@ class Block(nn.Module):
         if ffn is not None and type(ffn) is not SwiGLU:
             return None
         parts = (n1, n2) if ffn is None else (n1, n2, ffn, ffn._modules["w_gate_up"], ffn._modules["w_down"])
-        if ffn is not None and (type(parts[3]) is not nn.Linear or type(parts[4]) is not nn.Linear
-                                or parts[3].weight.dtype != dtype):
+        if ffn is not None and not (plan_linear(parts[3], dtype) and plan_linear(parts[4], dtype)):
             return None
         if hooked(*parts):
             return None

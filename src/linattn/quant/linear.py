@@ -277,6 +277,15 @@ class QuantizedLinear(nn.Module):
             y = y.to(torch.promote_types(y.dtype, torch.float32)) + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
+    def stored_weights(self):
+        """What the compiled decode's products read in place (models/decode_plan.py, cpu/csrc/qmatvec.h).
+
+        Returns:
+            (mode, qweight, scales, group): "int8" or "int4", the stored integer weights, the bf16 scales and int4's
+            group size (0 for int8).
+        """
+        return self.mode, self.qweight, self.scales, self.group_size or 0
+
     def stored_bytes(self) -> int:
         """Bytes of the integer weights and scales (and bias), what a decoded token reads."""
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.bias) if t is not None)

@@ -337,6 +337,10 @@ typedef struct {
     const void *Wq, *bq, *Wk, *bk, *Wv, *bv, *Wg, *qnw, *knw, *inv_freq;
     void *kc, *vc;
     const int64_t *pos, *lo;
+    /* the matrices' formats (qmatvec.h WF_*; 0: as wbf16 says), bf16 scales and int4 groups */
+    int32_t fmt_W, fmt_Wo, fmt_Wgu, fmt_Wd, fmt_Wq, fmt_Wk, fmt_Wv, fmt_Wg;
+    int64_t grp_W, grp_Wo, grp_Wgu, grp_Wd, grp_Wq, grp_Wk, grp_Wv, grp_Wg;
+    const void *sc_W, *sc_Wo, *sc_Wgu, *sc_Wd, *sc_Wq, *sc_Wk, *sc_Wv, *sc_Wg;
 } linattn_block_plan;
 
 /* The matrix-vector products stream every weight once per token (from memory at batch 1: the model is bigger
@@ -499,11 +503,13 @@ static void matvec_bf16(int64_t B, int64_t n, int64_t m, const uint16_t *W, cons
         for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_bf16(B, n, m, i0, W, bias, x, add, y);
 }
 
-/* a weight matrix's product in the plan's storage: bf16 (f32 plans with wbf16) or the plan's own type */
-#define MATVEC_W_f32(bf, B, n, m, W, bias, x, add, y, nt)                                                      \
-    ((bf) ? matvec_bf16(B, n, m, (const uint16_t *)(W), bias, x, add, y, nt)                                 \
-          : matvec_f32(B, n, m, (const float *)(W), bias, x, add, y, nt))
-#define MATVEC_W_f64(bf, B, n, m, W, bias, x, add, y, nt) matvec_f64(B, n, m, (const double *)(W), bias, x, add, y, nt)
+#include "qmatvec.h"
+
+/* a weight matrix's product in its format (qmatvec.h: f32 plans read fp32, bf16, int8 or int4; f64 plans fp64) */
+#define MATVEC_W_f32(fmt, sc, grp, B, n, m, W, bias, x, add, y, nt)                                            \
+    matvec_w_f32(fmt, W, sc, grp, B, n, m, bias, x, add, y, nt)
+#define MATVEC_W_f64(fmt, sc, grp, B, n, m, W, bias, x, add, y, nt)                                            \
+    matvec_f64(B, n, m, (const double *)(W), bias, x, add, y, nt)
 
 /* one key / value element of the cache, as the plan computes (bf16 or the plan's type) */
 #define KV_GET(bf, base, i, real) ((bf) ? (real)bf16_to_f32(((const uint16_t *)(base))[i]) : ((const real *)(base))[i])
@@ -531,10 +537,14 @@ static int softmax_mix_##SFX(const linattn_block_plan *p, const real *xn, real *
     const int64_t L = p->kv_len + 1, cap = p->kv_cap, row = p->kv_len;                                          \
     const int kb = p->kv_bf16;                                                                                  \
     real *q = y, *k = q + B * nq, *v = k + B * nk, *g = v + B * nv;                                             \
-    MATVEC_W_##SFX(p->wbf16, B, nq, d, p->Wq, (const real *)p->bq, xn, NULL, q, p->nthreads);                 \
-    MATVEC_W_##SFX(p->wbf16, B, nk, d, p->Wk, (const real *)p->bk, xn, NULL, k, p->nthreads);                 \
-    MATVEC_W_##SFX(p->wbf16, B, nv, d, p->Wv, (const real *)p->bv, xn, NULL, v, p->nthreads);                 \
-    if (p->att_gate == 1) MATVEC_W_##SFX(p->wbf16, B, H * Dv, d, p->Wg, NULL, xn, NULL, g, p->nthreads);      \
+    MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_Wq), p->sc_Wq, p->grp_Wq,                                     \
+            B, nq, d, p->Wq, (const real *)p->bq, xn, NULL, q, p->nthreads);                                    \
+    MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_Wk), p->sc_Wk, p->grp_Wk,                                     \
+            B, nk, d, p->Wk, (const real *)p->bk, xn, NULL, k, p->nthreads);                                    \
+    MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_Wv), p->sc_Wv, p->grp_Wv,                                     \
+            B, nv, d, p->Wv, (const real *)p->bv, xn, NULL, v, p->nthreads);                                    \
+    if (p->att_gate == 1) MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_Wg), p->sc_Wg, p->grp_Wg,               \
+            B, H * Dv, d, p->Wg, NULL, xn, NULL, g, p->nthreads);                                               \
     real *ws = (real *)malloc(sizeof(real) * (size_t)(H * L + R + 1));                                          \
     if (!ws) return 1;                                                                                          \
     real *cs = ws + H * L, *sn = cs + R / 2;                                                                    \
@@ -675,7 +685,8 @@ int linattn_decode_block_##SFX(const linattn_block_plan *p, const real *x, const
     const real *cw = (const real *)p->cw, *cb = (const real *)p->cb, *nw = (const real *)p->nw;                 \
     int rc;                                                                                                     \
     rmsnorm_##SFX(B, d, x, (const real *)p->n1w, p->n1eps, xn);                                                 \
-    if (p->kind != 2) MATVEC_W_##SFX(p->wbf16, B, ny, d, p->W, (const real *)p->Wb, xn, NULL, y, p->nthreads);\
+    if (p->kind != 2) MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_W), p->sc_W, p->grp_W,                      \
+            B, ny, d, p->W, (const real *)p->Wb, xn, NULL, y, p->nthreads);                                     \
     if (p->kind == 2)                                                                                           \
         rc = softmax_mix_##SFX(p, xn, y, o);                                                                    \
     else if (p->kind == 0)                                                                                      \
@@ -690,17 +701,20 @@ int linattn_decode_block_##SFX(const linattn_block_plan *p, const real *x, const
                  p->norm_eps, p->has_gate, o, p->nthreads);                                                     \
     if (rc) { free(xn); return rc; }                                                                            \
     real *hout = p->has_ffn ? h : x_out;                                                                        \
-    MATVEC_W_##SFX(p->wbf16, B, d, no, p->Wo, NULL, o, x, hout, p->nthreads);                                 \
+    MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_Wo), p->sc_Wo, p->grp_Wo,                                     \
+            B, d, no, p->Wo, NULL, o, x, hout, p->nthreads);                                                    \
     if (p->has_ffn) {                                                                                           \
         rmsnorm_##SFX(B, d, h, (const real *)p->n2w, p->n2eps, xn);                                             \
-        MATVEC_W_##SFX(p->wbf16, B, 2 * hid, d, p->Wgu, (const real *)p->bgu, xn, NULL, u, p->nthreads);      \
+        MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_Wgu), p->sc_Wgu, p->grp_Wgu,                              \
+                B, 2 * hid, d, p->Wgu, (const real *)p->bgu, xn, NULL, u, p->nthreads);                         \
         for (int64_t b = 0; b < B; ++b) {                                                                       \
             const real *restrict ua = u + b * 2 * hid, *restrict ub = ua + hid;                                 \
             real *restrict gb = g + b * hid;                                                                    \
             _Pragma("omp simd")                                                                                 \
             for (int64_t j = 0; j < hid; ++j) gb[j] = silu_##SFX(ua[j]) * ub[j];                                \
         }                                                                                                       \
-        MATVEC_W_##SFX(p->wbf16, B, d, hid, p->Wd, (const real *)p->bd, g, h, x_out, p->nthreads);            \
+        MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_Wd), p->sc_Wd, p->grp_Wd,                                 \
+                B, d, hid, p->Wd, (const real *)p->bd, g, h, x_out, p->nthreads);                               \
     }                                                                                                           \
     free(xn);                                                                                                   \
     return 0;                                                                                                   \
@@ -725,6 +739,9 @@ typedef struct {
     const void *embed, *norm_w, *head;           /* embed [vocab, d], norm_w [d] or NULL, head [vocab, d] */
     const linattn_block_plan *const *blocks;     /* L plans */
     const int64_t *s_off, *w_off;                /* L offsets (elements) into the state / window buffers */
+    int32_t fmt_head, pad2_;                     /* the head's format (qmatvec.h WF_*; 0: as wbf16 says) */
+    int64_t grp_head;                            /* its int4 group */
+    const void *sc_head;                         /* its bf16 scales */
 } linattn_model_plan;
 
 #define DEFINE_MODEL(SFX, real)                                                                                 \
@@ -757,7 +774,8 @@ int linattn_decode_model_##SFX(const linattn_model_plan *p, const int64_t *ids, 
     const real *h = xa;                                                                                         \
     if (p->has_norm) { rmsnorm_##SFX(B, d, xa, (const real *)p->norm_w, p->norm_eps, xb); h = xb; }            \
     real *lg = p->wbf16 ? xb + B * d : (real *)logits;                                                          \
-    MATVEC_W_##SFX(p->wbf16, B, V, d, p->head, NULL, h, NULL, lg, p->nthreads);                                 \
+    MATVEC_W_##SFX(WEIGHT_FORMAT(p->wbf16, p->fmt_head), p->sc_head, p->grp_head,                               \
+            B, V, d, p->head, NULL, h, NULL, lg, p->nthreads);                                                  \
     if (p->wbf16)                                                                                               \
         for (int64_t i = 0; i < B * V; ++i) ((uint16_t *)logits)[i] = f32_to_bf16((float)lg[i]);                \
     if (aux) *aux = 0.0f;                                                                                       \
@@ -769,4 +787,4 @@ DEFINE_MODEL(f32, float)
 DEFINE_MODEL(f64, double)
 
 /* the interface version the Python bindings check after loading (cpu/build.py LIBRARIES) */
-int linattn_decode_abi_version(void) { return 2; }
+int linattn_decode_abi_version(void) { return 3; }
