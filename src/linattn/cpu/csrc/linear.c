@@ -34,9 +34,8 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
-#if defined(__unix__) || defined(__APPLE__)
-#include <sched.h>
-#endif
+
+#include "chains.h"
 
 /* Ask for transparent huge pages on the 2 MiB-aligned part of a large output buffer that the kernel is about to
    write: torch's CPU allocator hands fresh allocations of this size straight from the OS, and the first write to
@@ -81,10 +80,9 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
    * many units (>= LIN_UNITS_PER_THREAD per thread): one pass per unit (or per sequence, all its heads), units
      claimed dynamically; the tail (the last units) is short beside the whole.
    * at least one unit per thread, fewer than that (B = 1, H = 4 on 2 threads): still one pass per unit, the same
-     arithmetic, but a unit is claimed for a run of LIN_CHAIN_RUN chunks at a time, its state kept in a shared
-     array between runs; a thread takes the free unit the claim cursor reaches next (round robin), so the units
-     advance together and end together, and a thread that the system deschedules (another process on its core)
-     holds back one run of one unit while the others take the other units.
+     arithmetic, as chains (chains.h): a unit is claimed for a run of LIN_CHAIN_RUN chunks at a time, its state
+     kept in a shared array between runs, so that the units advance together and a descheduled thread holds
+     back one run of one unit.
    * fewer units than threads: each chunk's work in two halves, every (unit, chunk) task claimed from one
      counter in the order: every chunk's first half (the forward's state update, the backward's state-gradient
      part), unit by unit, then every chunk's second half (outputs, input gradients). The thread that finishes a
@@ -95,61 +93,34 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
    No barrier inside a call: a waiting thread yields its core. Every path runs the same per-chunk arithmetic in
    the same order per unit, so the results do not depend on the thread count. */
 typedef struct {
-    _Atomic int64_t next;  /* the next task to claim; the chains' claim cursor */
-    _Atomic int64_t left;  /* chains: units not finished */
-    _Atomic int64_t *done; /* split: per unit, first halves finished */
-    _Atomic int *ready;    /* split: per unit, its running sum is written; chains: per unit, held by a thread */
-    int64_t *run;          /* chains: per unit, its next chunk (read and written by the holder only) */
+    _Atomic int64_t next;  /* the next task to claim */
+    _Atomic int64_t *done; /* per unit: first halves finished */
+    _Atomic int *ready;    /* per unit: its running sum is written */
 } lin_flow_t;
 
-static int lin_flow_init(lin_flow_t *f, int64_t units, const int64_t *first, int64_t H, int chains, int reverse) {
+static int lin_flow_init(lin_flow_t *f, int64_t units) {
     const size_t n = (size_t)(units > 0 ? units : 1);
     f->done = malloc(sizeof(*f->done) * n);
     f->ready = malloc(sizeof(*f->ready) * n);
-    f->run = malloc(sizeof(*f->run) * n);
-    if (!f->done || !f->ready || !f->run) {
-        free((void *)f->done), free((void *)f->ready), free(f->run);
+    if (!f->done || !f->ready) {
+        free((void *)f->done), free((void *)f->ready);
+        f->done = NULL, f->ready = NULL;
         return -1;
     }
     atomic_init(&f->next, 0);
-    int64_t left = 0;
-    for (int64_t u = 0; u < units; u++) {
-        const int64_t s = u / H, empty = first[s + 1] == first[s];
-        atomic_init(&f->done[u], 0);
-        atomic_init(&f->ready[u], chains && empty); /* an empty unit is never claimed */
-        f->run[u] = reverse ? first[s + 1] : first[s]; /* reverse: the chunks below run[u] are left */
-        left += !empty;
-    }
-    atomic_init(&f->left, chains ? left : 0);
+    for (int64_t u = 0; u < units; u++) atomic_init(&f->done[u], 0), atomic_init(&f->ready[u], 0);
     return 0;
 }
 
-static void lin_flow_free(lin_flow_t *f) { free((void *)f->done), free((void *)f->ready), free(f->run); }
+static void lin_flow_free(lin_flow_t *f) { free((void *)f->done), free((void *)f->ready); }
 
-static inline void lin_yield(void) {
-#if defined(__unix__) || defined(__APPLE__)
-    sched_yield(); /* the thread this one waits for may need this core */
-#endif
-}
-
-/* chains: a unit with chunks left that no other thread holds, now held by the caller; -1 when every unit is done */
-static int64_t lin_chain_claim(lin_flow_t *f, int64_t units) {
-    while (atomic_load(&f->left) > 0) {
-        const int64_t c0 = atomic_fetch_add(&f->next, 1);
-        for (int64_t i = 0; i < units; i++) {
-            const int64_t u = (c0 + i) % units;
-            if (!atomic_exchange_explicit(&f->ready[u], 1, memory_order_acquire)) return u;
-        }
-        lin_yield();
-    }
-    return -1;
-}
-
-/* chains: the holder of unit u ran it up to chunk `to` (end: past its last chunk); a finished unit stays held */
-static void lin_chain_release(lin_flow_t *f, int64_t u, int64_t to, int64_t end) {
-    f->run[u] = to;
-    if (to == end) atomic_fetch_sub(&f->left, 1);
-    else atomic_store_explicit(&f->ready[u], 0, memory_order_release);
+/* chains (chains.h) of (sequence, head) units: every unit with chunks, from its first chunk (reverse: from past its
+   last, the chunks below run[u] left) */
+static int lin_chains(la_chains_t *ch, int64_t N, int64_t H, const int64_t *first, int reverse) {
+    if (la_chains_init(ch, N * H) != 0) return -1;
+    for (int64_t u = 0; u < N * H; u++)
+        if (first[u / H + 1] > first[u / H]) la_chains_add(ch, u, reverse ? first[u / H + 1] : first[u / H]);
+    return 0;
 }
 
 /* split: task j < NC * H of the unit-major order (sequence s, head h, then its chunks) -> its chunk c and head h */
@@ -166,7 +137,7 @@ static inline int lin_flow_finish(lin_flow_t *f, int64_t u, int64_t n) {
 }
 
 static inline void lin_flow_wait(lin_flow_t *f, int64_t u) {
-    while (!atomic_load_explicit(&f->ready[u], memory_order_acquire)) lin_yield();
+    while (!atomic_load_explicit(&f->ready[u], memory_order_acquire)) la_yield(); /* the holder may need the core */
 }
 
 #ifndef LIN_CHAIN_RUN
@@ -604,10 +575,13 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
        carried states */
     REAL *P_own = NULL, *Su = NULL;
     lin_flow_t flow = {0};
+    la_chains_t chn = {0};
     if (chains || !one_pass) {
         if (!P && !one_pass) P = P_own = malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1));
         if (chains) Su = malloc(sizeof(REAL) * (N * H * KW > 0 ? N * H * KW : 1));
-        if ((!one_pass && !P) || (chains && !Su) || lin_flow_init(&flow, N * H, first, H, chains, 0) != 0) {
+        if ((!one_pass && (!P || lin_flow_init(&flow, N * H) != 0)) ||
+            (chains && (!Su || lin_chains(&chn, N, H, first, 0) != 0))) {
+            if (flow.done) lin_flow_free(&flow);
             free(first), free(ch), free(gl), free(P_own), free(Su);
             return -1;
         }
@@ -640,8 +614,8 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
         }
         FN(fws) ws = {Q, Qd, Km, Kt, Vb, A, O, U, G};
         if (chains) {
-            for (int64_t u; buf && (u = lin_chain_claim(&flow, N * H)) >= 0;) {
-                const int64_t s = u / H, h = u % H, cb = flow.run[u], end = first[s + 1];
+            for (int64_t u; buf && (u = la_chains_claim(&chn, N * H)) >= 0;) {
+                const int64_t s = u / H, h = u % H, cb = chn.run[u], end = first[s + 1];
                 const int64_t ce = end - cb > LIN_CHAIN_RUN ? cb + LIN_CHAIN_RUN : end;
                 REAL *Sh = Su + u * KW;
                 for (int64_t c = cb; c < ce; c++) {
@@ -650,7 +624,7 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
                                         nxt ? (int)ch[c + 1].len : 0);
                 }
                 if (ce == end && S_out) memcpy(S_out + u * KW, Sh, sizeof(REAL) * KW);
-                lin_chain_release(&flow, u, ce, end);
+                la_chains_release(&chn, u, ce, ce == end);
             }
         } else if (one_pass) {
 #pragma omp for schedule(dynamic, 1)
@@ -710,7 +684,8 @@ int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
         }
         free(buf), free(G);
     }
-    if (chains || !one_pass) lin_flow_free(&flow);
+    if (!one_pass) lin_flow_free(&flow);
+    if (chains) la_chains_free(&chn);
     free(first), free(ch), free(gl), free(P_own), free(Su);
     if (nonfinite) *nonfinite = any_bad;
     return failed ? -1 : 0;
@@ -942,8 +917,10 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
     REAL *dP = one_pass ? NULL : malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1));
     REAL *Du = chains ? malloc(sizeof(REAL) * (N * H * KW > 0 ? N * H * KW : 1)) : NULL;
     lin_flow_t flow = {0};
-    if (!ch || !gl || (!one_pass && !dP) || (chains && !Du) ||
-        ((chains || !one_pass) && lin_flow_init(&flow, N * H, first, H, chains, 1) != 0)) {
+    la_chains_t chn = {0};
+    if (!ch || !gl || (!one_pass && (!dP || lin_flow_init(&flow, N * H) != 0)) ||
+        (chains && (!Du || lin_chains(&chn, N, H, first, 1) != 0))) {
+        if (flow.done) lin_flow_free(&flow);
         free(first), free(ch), free(gl), free(dP), free(Du);
         return -1;
     }
@@ -981,14 +958,14 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
             failed = 1;
         }
         if (chains) {
-            for (int64_t u; buf && (u = lin_chain_claim(&flow, N * H)) >= 0;) {
-                const int64_t s = u / H, h = u % H, cb = flow.run[u], end = first[s];
+            for (int64_t u; buf && (u = la_chains_claim(&chn, N * H)) >= 0;) {
+                const int64_t s = u / H, h = u % H, cb = chn.run[u], end = first[s];
                 const int64_t ce = cb - end > LIN_CHAIN_RUN ? cb - LIN_CHAIN_RUN : end;
                 REAL *Dh = Du + u * KW;
                 for (int64_t c = cb - 1; c >= ce; c--)
                     FN(bl_chunk)(&ba, &b, c, ch[c].t0, (int)ch[c].len, h, Dh, R, c > end ? c - 1 : -1, h, ch);
                 if (ce == end && dS0) memcpy(dS0 + u * KW, Dh, sizeof(REAL) * KW);
-                lin_chain_release(&flow, u, ce, end);
+                la_chains_release(&chn, u, ce, ce == end);
             }
         } else if (one_pass) { /* each task: the chunks in reverse, the state gradients carried */
 #pragma omp for schedule(dynamic, 1)
@@ -1045,7 +1022,8 @@ int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t 
         }
         free(buf), free(b.G);
     }
-    if (chains || !one_pass) lin_flow_free(&flow);
+    if (!one_pass) lin_flow_free(&flow);
+    if (chains) la_chains_free(&chn);
     free(first), free(ch), free(gl), free(dP), free(Du);
     return failed ? -1 : 0;
 }
