@@ -109,8 +109,7 @@ def test_library_of_another_abi_version_is_not_bound(fresh, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(cbuild.CSRC, src)
     text = (src / "gatednorm.c").read_text()
-    (src / "gatednorm.c").write_text(text.replace("linattn_gatednorm_abi_version(void) { return 1; }",
-                                                  "linattn_gatednorm_abi_version(void) { return 7; }"))
+    (src / "gatednorm.c").write_text(text.replace("LA_ABI_VERSION(gatednorm, 1)", "LA_ABI_VERSION(gatednorm, 7)"))
     with pytest.warns(UserWarning, match=r"gatednorm\.so cannot be used: its ABI version is 7, these bindings need 1"):
         assert cbuild.load_library("gatednorm", src) is None
 

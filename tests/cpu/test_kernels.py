@@ -436,7 +436,7 @@ def test_sources_cross_compile_for_aarch64(name, tmp_path):
 @needs_cc
 def test_linear_cpu_plain_c_fallback(tmp_path, monkeypatch):
     """The products without GCC/clang vector types (-DLINATTN_PLAIN_C, what another compiler gets) agree too."""
-    import linattn.cpu.linear as cl
+    from linattn.cpu import bindings
 
     src = tmp_path / "src"
     src.mkdir()
@@ -445,7 +445,7 @@ def test_linear_cpu_plain_c_fallback(tmp_path, monkeypatch):
     (src / "linear.c").write_text("#define LINATTN_PLAIN_C\n" + (cbuild.CSRC / "linear.c").read_text())
     monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path / "cache"))
     lib = ctypes.CDLL(str(cbuild.build("linear", src)))
-    monkeypatch.setattr(cl, "load_library", lambda name: lib)
+    monkeypatch.setattr(bindings, "load_library", lambda name: lib)
     q, k, v = (x.requires_grad_() for x in _lin_inputs(2, 45, 2, 8, 33, torch.float32, seed=5))
     g = -torch.rand(2, 45, 2)
     o, _ = _run("cpu", q, k, v, g=g, chunk_size=16)

@@ -10,9 +10,11 @@ contiguous tensors ([TT, H, D] rows with the sequence boundaries), and `ops/back
 call out for them. The kernels are registered as custom ops (`torch.library.custom_op("linattn::...")`,
 with fake and autograd registrations) so that autograd and torch.compile see them as single ops.
 
-Helpers shared by the kernel modules: `ptr` (the address of a contiguous tensor for ctypes), `threads`
-(torch's intra-op thread count, passed to every kernel as an argument: a kernel's `num_threads(n)` follows
-`torch.set_num_threads`), `available(name)`.
+Every library's interface (functions, argument types, return codes, ABI version, plan structs) is declared once
+in `abi.py`; `bindings.py` loads a library and binds it from that table (`bindings.require(name)`), and `build.py`
+checks a loaded library against it. Helpers shared by the kernel modules: `ptr` (the address of a contiguous
+tensor for ctypes), `threads` (torch's intra-op thread count, passed to every kernel: a kernel's `num_threads(n)`
+follows `torch.set_num_threads`), `available(name)`.
 """
 from __future__ import annotations
 

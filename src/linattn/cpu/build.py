@@ -11,8 +11,10 @@
   -march=native code must not run on another CPU);
 * written durably under a file lock: the compiler writes a temporary file, which is fsynced, renamed into
   place (the folder fsynced) and recorded (size, SHA-256); concurrent processes build once;
-* verified: a cached library is loaded only when it matches its record, and after loading it must export the
-  symbols and ABI version `LIBRARIES` lists. A mismatch before loading is rebuilt once; what still fails
+* verified: a cached library is loaded only when it matches its record, and after loading it must match its
+  table in `abi.LIBRARIES` (the one table of every library's functions, ABI version and plan structs): every
+  symbol exported, `linattn_<name>_abi_version()` equal to the table's and each `linattn_sizeof_<plan>()` equal
+  to its ctypes struct's size. A mismatch before loading is rebuilt once; what still fails
   gives one notice naming the file, and the PyTorch path runs;
 * `LINATTN_CPU_KERNELS=0` turns the compiled kernels off: None, without compiling;
 * no compiler or a failed build: one `warnings.warn` notice per library and process, then None.
@@ -37,6 +39,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..io import TMP_PREFIX, atomic_write_text, current_umask, fsync_dir, remove_stale_temps
 from . import libcache
+from .abi import LIBRARIES, symbols
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 BASE_FLAGS = ("-O3", "-std=c11", "-ffp-contract=fast", "-shared", "-fPIC")  # FMA contraction: no fast-math
@@ -49,23 +52,6 @@ _LOADED: Dict[str, Optional[ctypes.CDLL]] = {}
 _NOTICED = set()
 _COMPILER_INFO: Dict[str, Optional[str]] = {}
 LAST_BUILD: Dict[str, dict] = {}  # name -> {"seconds", "flags", "path", "cached", "rebuilt"} (tests, the bench)
-
-
-def _both(*stems: str) -> Tuple[str, ...]:
-    return tuple(f"linattn_{stem}_{sfx}" for stem in stems for sfx in ("f32", "f64"))
-
-
-# what the Python bindings of each library call, and the ABI version (`linattn_<name>_abi_version()`) they are
-# written for: a library that lacks one of these or answers another version is never bound
-LIBRARIES: Dict[str, Tuple[int, Tuple[str, ...]]] = {
-    "probe": (1, ("linattn_probe_threads", "linattn_probe_axpy")),
-    "linear": (1, ("linattn_linear_nchunks",) + _both("linear_fwd", "linear_bwd")),
-    "delta": (2, _both("delta_fwd", "delta_bwd")),
-    "deltaprep": (1, _both("dprep_fwd", "dprep_bwd", "dprep_raw_fwd", "dprep_raw_bwd", "l2rows_fwd", "l2rows_bwd")),
-    "conv": (1, _both("conv_fwd", "conv_bwd", "conv_fwd_sep", "conv_bwd_sep")),
-    "gatednorm": (1, _both("gnorm_fwd", "gnorm_bwd")),
-    "decode": (1, _both("decode_delta", "decode_linear", "decode_block", "decode_model")),
-}
 
 
 def enabled() -> bool:
@@ -271,17 +257,23 @@ def load_library(name: str, src_dir: Optional[Path] = None) -> Optional[ctypes.C
 
 
 def interface_problem(name: str, lib: ctypes.CDLL) -> Optional[str]:
-    """Why a loaded library cannot be bound (a symbol of `LIBRARIES` missing, another ABI version), or None."""
+    """Why a loaded library cannot be bound (a symbol of its `abi.LIBRARIES` table missing, another ABI version,
+    a plan struct of another size), or None. A library without a table (a test's own source) is not checked."""
     if name not in LIBRARIES:
         return None
-    abi, symbols = LIBRARIES[name]
-    missing = [s for s in (f"linattn_{name}_abi_version",) + symbols if not hasattr(lib, s)]
+    table = LIBRARIES[name]
+    missing = [s for s in symbols(name) if not hasattr(lib, s)]
     if missing:
         return f"it does not export {', '.join(missing)}"
     version = getattr(lib, f"linattn_{name}_abi_version")
     version.restype, version.argtypes = ctypes.c_int, []
-    if version() != abi:
-        return f"its ABI version is {version()}, these bindings need {abi}"
+    if version() != table.abi:
+        return f"its ABI version is {version()}, these bindings need {table.abi}"
+    for struct_name, struct in table.structs.items():
+        size = getattr(lib, f"linattn_sizeof_{struct_name}")
+        size.restype, size.argtypes = ctypes.c_int64, []
+        if size() != ctypes.sizeof(struct):
+            return f"its {struct_name} has {size()} bytes, the binding's {ctypes.sizeof(struct)}"
     return None
 
 

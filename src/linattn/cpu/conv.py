@@ -14,47 +14,19 @@ from typing import Optional
 
 import torch
 
-from . import c_i64, c_int, c_ptr, load_library, ptr, threads
+from . import bindings, ptr, threads
 from .build import enabled
 
 __all__ = ["available", "short_conv", "short_conv_sep"]
 
-_typed = set()
 _SFX = {torch.float32: "f32", torch.float64: "f64"}
-
-
-def _library():
-    if not enabled():
-        return None
-    lib = load_library("conv")
-    if lib is not None and id(lib) not in _typed:
-        for sfx in ("f32", "f64"):
-            f = getattr(lib, f"linattn_conv_fwd_{sfx}")
-            f.argtypes = [c_i64] * 4 + [c_ptr] * 3 + [c_int] + [c_ptr] * 2 + [c_int]
-            f.restype = c_int
-            g = getattr(lib, f"linattn_conv_bwd_{sfx}")
-            g.argtypes = [c_i64] * 4 + [c_ptr] * 7 + [c_int]
-            g.restype = c_int
-            f = getattr(lib, f"linattn_conv_fwd_sep_{sfx}")
-            f.argtypes = [c_i64] * 4 + [c_ptr] * 4 + [c_int] + [c_ptr] * 2 + [c_int]
-            f.restype = c_int
-            g = getattr(lib, f"linattn_conv_bwd_sep_{sfx}")
-            g.argtypes = [c_i64] * 4 + [c_ptr] * 4 + [c_int] + [c_ptr] * 5 + [c_int]
-            g.restype = c_int
-        _typed.add(id(lib))
-    return lib
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
     """True for float32 / float64 when the kernels are switched on and conv.c builds (compiled once), eagerly."""
-    if dtype not in _SFX or torch.compiler.is_compiling():
+    if dtype not in _SFX or torch.compiler.is_compiling() or not enabled():
         return False
-    return _library() is not None
-
-
-def _check(rc: int) -> None:
-    if rc:
-        raise MemoryError("linattn: the compiled short convolution could not allocate its work buffer")
+    return bindings.bind("conv") is not None
 
 
 class _ShortConv(torch.autograd.Function):
@@ -65,8 +37,9 @@ class _ShortConv(torch.autograd.Function):
         T = TP - K + 1
         y = torch.empty(B, T, D, dtype=xp.dtype)
         pre = torch.empty_like(y) if silu else None
-        _check(getattr(_library(), f"linattn_conv_fwd_{_SFX[xp.dtype]}")(
-            B, T, D, K, ptr(xp), ptr(w), ptr(bias), int(bool(silu)), ptr(y), ptr(pre), threads()))
+        bindings.require("conv")(
+            "linattn_conv_fwd", xp.dtype, B, T, D, K, ptr(xp), ptr(w), ptr(bias), int(bool(silu)), ptr(y), ptr(pre),
+            threads())
         ctx.save_for_backward(xp, w, pre)
         ctx.has_bias = bias is not None
         return y
@@ -81,8 +54,9 @@ class _ShortConv(torch.autograd.Function):
         dxp = torch.empty_like(xp) if need_x else None
         dw = torch.empty_like(w) if need_w else None
         db = torch.empty(D, dtype=xp.dtype) if (need_b and ctx.has_bias) else None
-        _check(getattr(_library(), f"linattn_conv_bwd_{_SFX[xp.dtype]}")(
-            B, TP - K + 1, D, K, ptr(xp), ptr(w), ptr(pre), ptr(gy), ptr(dxp), ptr(dw), ptr(db), threads()))
+        bindings.require("conv")(
+            "linattn_conv_bwd", xp.dtype, B, TP - K + 1, D, K, ptr(xp), ptr(w), ptr(pre), ptr(gy), ptr(dxp), ptr(dw),
+            ptr(db), threads())
         return dxp, dw, db, None
 
 
@@ -100,8 +74,9 @@ class _ShortConvSep(torch.autograd.Function):
         K = w.shape[0]
         y = torch.empty(B, T, D, dtype=x.dtype)
         # no pre-activation kept: the backward recomputes it from the rows it reads anyway
-        _check(getattr(_library(), f"linattn_conv_fwd_sep_{_SFX[x.dtype]}")(
-            B, T, D, K, ptr(x), ptr(past), ptr(w), ptr(bias), int(bool(silu)), ptr(y), None, threads()))
+        bindings.require("conv")(
+            "linattn_conv_fwd_sep", x.dtype, B, T, D, K, ptr(x), ptr(past), ptr(w), ptr(bias), int(bool(silu)), ptr(y),
+            None, threads())
         ctx.save_for_backward(x, past, w, bias)
         ctx.silu = bool(silu)
         return y
@@ -117,9 +92,9 @@ class _ShortConvSep(torch.autograd.Function):
         dpast = torch.empty_like(past) if (need_p and past is not None) else None
         dw = torch.empty_like(w) if need_w else None
         db = torch.empty(D, dtype=x.dtype) if (need_b and bias is not None) else None
-        _check(getattr(_library(), f"linattn_conv_bwd_sep_{_SFX[x.dtype]}")(
-            B, T, D, K, ptr(x), ptr(past), ptr(w), ptr(bias), int(ctx.silu), ptr(gy), ptr(dx), ptr(dpast), ptr(dw),
-            ptr(db), threads()))
+        bindings.require("conv")(
+            "linattn_conv_bwd_sep", x.dtype, B, T, D, K, ptr(x), ptr(past), ptr(w), ptr(bias), int(ctx.silu), ptr(gy),
+            ptr(dx), ptr(dpast), ptr(dw), ptr(db), threads())
         return dx, dpast, dw, db, None
 
 

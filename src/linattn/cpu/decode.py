@@ -25,7 +25,7 @@ __all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", 
            "BETA_MODES", "FEATURE_MAPS"]
 
 #: the feature maps the linear step computes (the C codes)
-FEATURE_MAPS = {"identity": 0, "elu+1": 1, "relu": 2}
+from ..feature_codes import FUSED_MAPS as FEATURE_MAPS  # noqa: E402, I001 (one table, every path)
 #: EFLA's beta modes in the order of their C codes (beta_mode 0, 1, 2)
 BETA_MODES = ("sigmoid", "adaptive", "loose")
 _typed = set()

@@ -18,35 +18,22 @@ entry point. Nothing here imports linattn.ops.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
+from . import bindings, ptr, threads
+from .abi import DeltaPlan
 
 __all__ = ["CHECKPOINT", "available", "delta_prepare", "delta_prepare_raw", "delta_scan", "l2_rows", "prep_available"]
 
 CHECKPOINT = 64  # tokens between the states the forward keeps for the backward
-_typed = set()
-
-
-def _library():
-    lib = load_library("delta")
-    if lib is not None and id(lib) not in _typed:
-        for sfx in ("f32", "f64"):
-            fwd = getattr(lib, f"linattn_delta_fwd_{sfx}")
-            fwd.argtypes = [c_i64] * 4 + [c_ptr] * 6 + [c_int] + [c_ptr] * 5 + [c_i64, c_int]
-            fwd.restype = c_int
-            bwd = getattr(lib, f"linattn_delta_bwd_{sfx}")
-            bwd.argtypes = [c_i64] * 4 + [c_ptr] * 6 + [c_int] + [c_ptr] * 2 + [c_i64] + [c_ptr] * 7 + [c_int]
-            bwd.restype = c_int
-        _typed.add(id(lib))
-    return lib
 
 
 def available() -> bool:
     """True when the kernels are switched on and delta.c builds (compiles it on the first call)."""
-    return _library() is not None
+    return bindings.bind("delta") is not None
 
 
 def _gate(g: Optional[torch.Tensor]) -> int:
@@ -58,17 +45,9 @@ def _decays(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return torch.exp(g) if g is not None else None
 
 
-def _sfx(x: torch.Tensor) -> str:
-    if x.dtype == torch.float32:
-        return "f32"
-    if x.dtype == torch.float64:
-        return "f64"
-    raise TypeError(f"internal: the delta kernels take float32 or float64, got {x.dtype}")
-
-
-def _call(fn, *args) -> None:
-    if fn(*args) != 0:
-        raise MemoryError("linattn's compiled delta kernel could not allocate its scratch memory")
+def _plan(q: torch.Tensor, V: int, starts: torch.Tensor, ck_off: torch.Tensor, g: Optional[torch.Tensor]) -> DeltaPlan:
+    _, H, K = q.shape
+    return DeltaPlan(starts.numel() - 1, H, K, V, CHECKPOINT, ptr(starts), ptr(ck_off), _gate(g), threads())
 
 
 def _forward(q, k, v, a, g, S0, starts, ck_off, n_ckpt):
@@ -78,10 +57,9 @@ def _forward(q, k, v, a, g, S0, starts, ck_off, n_ckpt):
     S = q.new_empty(N, H, K, V)
     ckpt = q.new_empty(n_ckpt, H, K, V)
     dec = _decays(g)  # held here: the kernel reads it through a raw pointer
-    lib = _library()
-    _call(getattr(lib, f"linattn_delta_fwd_{_sfx(q)}"), N, H, K, V, ptr(starts), ptr(q), ptr(k), ptr(v), ptr(a),
-          ptr(dec), _gate(g), ptr(S0), ptr(o), ptr(S), ptr(ckpt) if n_ckpt else None, ptr(ck_off), CHECKPOINT,
-          threads())
+    plan = _plan(q, V, starts, ck_off, g)
+    bindings.require("delta")("linattn_delta_fwd", q.dtype, ctypes.byref(plan), ptr(q), ptr(k), ptr(v), ptr(a),
+                              ptr(dec), ptr(S0), ptr(o), ptr(S), ptr(ckpt) if n_ckpt else None)
     return o, S, ckpt
 
 
@@ -105,16 +83,14 @@ def delta_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor
               ckpt: torch.Tensor, starts: torch.Tensor, ck_off: torch.Tensor, do: torch.Tensor, dS: torch.Tensor
               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv, da, dg (empty without a gate), dS0) from do [TT, H, V] and dS = dL/dS_final."""
-    TT, H, K = q.shape
-    V, N = v.shape[-1], starts.numel() - 1
     dq, dk, dv, da = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(a)
     dg = torch.empty_like(g) if g is not None else q.new_empty(0)
     dS0 = dS.clone()  # the kernel turns dL/dS_final into dL/dS0 in place
     dec = _decays(g)  # held here: the kernel reads it through a raw pointer
-    lib = _library()
-    _call(getattr(lib, f"linattn_delta_bwd_{_sfx(q)}"), N, H, K, V, ptr(starts), ptr(q), ptr(k), ptr(v), ptr(a),
-          ptr(dec), _gate(g), ptr(ckpt), ptr(ck_off), CHECKPOINT, ptr(do), ptr(dS0), ptr(dq), ptr(dk), ptr(dv),
-          ptr(da), ptr(dg) if g is not None else None, threads())
+    plan = _plan(q, v.shape[-1], starts, ck_off, g)
+    bindings.require("delta")("linattn_delta_bwd", q.dtype, ctypes.byref(plan), ptr(q), ptr(k), ptr(v), ptr(a),
+                              ptr(dec), ptr(ckpt), ptr(do), ptr(dS0), ptr(dq), ptr(dk), ptr(dv), ptr(da),
+                              ptr(dg) if g is not None else None)
     return dq, dk, dv, da, dg, dS0
 
 
@@ -179,42 +155,12 @@ def delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
 # The preprocessing of prepare_delta (qk_l2norm="rsqrt", a = beta) in one pass (csrc/deltaprep.c)
 # ----------------------------------------------------------------------------------------------
 
-_prep_typed = set()
-_PREP_SFX = {torch.float32: "f32", torch.float64: "f64"}
-
-
-def _prep_library():
-    lib = load_library("deltaprep")
-    if lib is not None and id(lib) not in _prep_typed:
-        for sfx in ("f32", "f64"):
-            f = getattr(lib, f"linattn_dprep_fwd_{sfx}")
-            f.argtypes = [c_i64] * 3 + [c_ptr] * 4 + [c_double] * 2 + [c_ptr] * 4 + [c_int]
-            f.restype = c_int
-            b = getattr(lib, f"linattn_dprep_bwd_{sfx}")
-            b.argtypes = [c_i64] * 3 + [c_ptr] * 2 + [c_double] * 2 + [c_ptr] * 8 + [c_int]
-            b.restype = c_int
-            f = getattr(lib, f"linattn_dprep_raw_fwd_{sfx}")
-            f.argtypes = [c_i64] * 3 + [c_ptr] * 3 + [c_double] + [c_ptr] * 4 + [c_int]
-            f.restype = c_int
-            b = getattr(lib, f"linattn_dprep_raw_bwd_{sfx}")
-            b.argtypes = [c_i64] * 3 + [c_ptr] + [c_double] + [c_ptr] * 7 + [c_int]
-            b.restype = c_int
-            f = getattr(lib, f"linattn_l2rows_fwd_{sfx}")
-            f.argtypes = [c_i64] * 2 + [c_ptr] + [c_double] + [c_ptr] + [c_int]
-            f.restype = c_int
-            b = getattr(lib, f"linattn_l2rows_bwd_{sfx}")
-            b.argtypes = [c_i64] * 2 + [c_ptr] + [c_double] + [c_ptr] * 2 + [c_int]
-            b.restype = c_int
-        _prep_typed.add(id(lib))
-    return lib
-
-
 def prep_available(dtype: torch.dtype) -> bool:
     """True for float32 / float64 when the kernels are switched on and deltaprep.c builds, eagerly (the fused
     preprocessing is an autograd Function around a ctypes call: torch.compile traces the PyTorch form)."""
-    if dtype not in _PREP_SFX or torch.compiler.is_compiling():
+    if dtype not in (torch.float32, torch.float64) or torch.compiler.is_compiling():
         return False
-    return _prep_library() is not None
+    return bindings.bind("deltaprep") is not None
 
 
 class _DeltaPrep(torch.autograd.Function):
@@ -223,8 +169,8 @@ class _DeltaPrep(torch.autograd.Function):
         K, V = q.shape[-1], v.shape[-1]
         R = beta.numel()
         qo, ko, vo, a = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
-        getattr(_prep_library(), f"linattn_dprep_fwd_{_PREP_SFX[q.dtype]}")(
-            R, K, V, ptr(q), ptr(k), ptr(v), ptr(beta), scale, eps, ptr(qo), ptr(ko), ptr(vo), ptr(a), threads())
+        bindings.require("deltaprep")("linattn_dprep_fwd", q.dtype, R, K, V, ptr(q), ptr(k), ptr(v), ptr(beta), scale,
+                                      eps, ptr(qo), ptr(ko), ptr(vo), ptr(a), threads())
         ctx.save_for_backward(q, k)
         ctx.scale, ctx.eps, ctx.V = scale, eps, V
         ctx.set_materialize_grads(False)
@@ -239,9 +185,8 @@ class _DeltaPrep(torch.autograd.Function):
         dv = q.new_empty(*q.shape[:-1], V)
         dbeta = q.new_empty(q.shape[:-1])
         c = [x.contiguous() if x is not None else None for x in (dqo, dko, dvo, da)]
-        getattr(_prep_library(), f"linattn_dprep_bwd_{_PREP_SFX[q.dtype]}")(
-            R, K, V, ptr(q), ptr(k), ctx.scale, ctx.eps, *(ptr(x) for x in c), ptr(dq), ptr(dk), ptr(dv), ptr(dbeta),
-            threads())
+        bindings.require("deltaprep")("linattn_dprep_bwd", q.dtype, R, K, V, ptr(q), ptr(k), ctx.scale, ctx.eps,
+                                      *(ptr(x) for x in c), ptr(dq), ptr(dk), ptr(dv), ptr(dbeta), threads())
         return dq, dk, dv, dbeta, None, None
 
 
@@ -261,8 +206,8 @@ class _DeltaPrepRaw(torch.autograd.Function):
         R = q.numel() // K if K else 0
         qo, ko, vo = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         lam = q.new_empty(q.shape[:-1], dtype=torch.float64)
-        getattr(_prep_library(), f"linattn_dprep_raw_fwd_{_PREP_SFX[q.dtype]}")(
-            R, K, V, ptr(q), ptr(k), ptr(v), scale, ptr(qo), ptr(ko), ptr(vo), ptr(lam), threads())
+        bindings.require("deltaprep")("linattn_dprep_raw_fwd", q.dtype, R, K, V, ptr(q), ptr(k), ptr(v), scale,
+                                      ptr(qo), ptr(ko), ptr(vo), ptr(lam), threads())
         ctx.save_for_backward(k)
         ctx.scale, ctx.V = scale, V
         ctx.set_materialize_grads(False)
@@ -277,8 +222,8 @@ class _DeltaPrepRaw(torch.autograd.Function):
         dv = k.new_empty(*k.shape[:-1], V)
         c = [x.contiguous() if x is not None else None for x in (dqo, dko, dvo)]
         dl = dlam.to(torch.float64).contiguous() if dlam is not None else None
-        getattr(_prep_library(), f"linattn_dprep_raw_bwd_{_PREP_SFX[k.dtype]}")(
-            R, K, V, ptr(k), ctx.scale, *(ptr(x) for x in c), ptr(dl), ptr(dq), ptr(dk), ptr(dv), threads())
+        bindings.require("deltaprep")("linattn_dprep_raw_bwd", k.dtype, R, K, V, ptr(k), ctx.scale,
+                                      *(ptr(x) for x in c), ptr(dl), ptr(dq), ptr(dk), ptr(dv), threads())
         return dq, dk, dv, None
 
 
@@ -295,8 +240,8 @@ class _L2Rows(torch.autograd.Function):
     def forward(ctx, x, eps):
         K = x.shape[-1]
         y = torch.empty_like(x)
-        getattr(_prep_library(), f"linattn_l2rows_fwd_{_PREP_SFX[x.dtype]}")(x.numel() // K, K, ptr(x), eps, ptr(y),
-                                                                             threads())
+        bindings.require("deltaprep")("linattn_l2rows_fwd", x.dtype, x.numel() // K, K, ptr(x), eps, ptr(y),
+                                      threads())
         ctx.save_for_backward(x)
         ctx.eps = eps
         return y
@@ -307,8 +252,8 @@ class _L2Rows(torch.autograd.Function):
         K = x.shape[-1]
         dy = dy.contiguous()
         dx = torch.empty_like(x)
-        getattr(_prep_library(), f"linattn_l2rows_bwd_{_PREP_SFX[x.dtype]}")(
-            x.numel() // K, K, ptr(x), ctx.eps, ptr(dy), ptr(dx), threads())
+        bindings.require("deltaprep")("linattn_l2rows_bwd", x.dtype, x.numel() // K, K, ptr(x), ctx.eps, ptr(dy),
+                                      ptr(dx), threads())
         return dx, None
 
 

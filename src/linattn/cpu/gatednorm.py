@@ -12,36 +12,19 @@ from typing import Optional
 
 import torch
 
-from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
+from . import bindings, ptr, threads
 from .build import enabled
 
 __all__ = ["available", "gated_rms_norm"]
 
-_typed = set()
 _SFX = {torch.float32: "f32", torch.float64: "f64"}
-
-
-def _library():
-    if not enabled():
-        return None
-    lib = load_library("gatednorm")
-    if lib is not None and id(lib) not in _typed:
-        for sfx in ("f32", "f64"):
-            f = getattr(lib, f"linattn_gnorm_fwd_{sfx}")
-            f.argtypes = [c_i64] * 2 + [c_ptr] * 3 + [c_double] + [c_ptr] * 2 + [c_int]
-            f.restype = c_int
-            g = getattr(lib, f"linattn_gnorm_bwd_{sfx}")
-            g.argtypes = [c_i64] * 2 + [c_ptr] * 8 + [c_int]
-            g.restype = c_int
-        _typed.add(id(lib))
-    return lib
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
     """True for float32 / float64 when the kernels are switched on and gatednorm.c builds (compiled once), eagerly."""
-    if dtype not in _SFX or torch.compiler.is_compiling():
+    if dtype not in _SFX or torch.compiler.is_compiling() or not enabled():
         return False
-    return _library() is not None
+    return bindings.bind("gatednorm") is not None
 
 
 class _GatedRMSNorm(torch.autograd.Function):
@@ -51,8 +34,8 @@ class _GatedRMSNorm(torch.autograd.Function):
         R = x.numel() // D
         y = torch.empty_like(x)
         rstd = x.new_empty(x.shape[:-1])
-        getattr(_library(), f"linattn_gnorm_fwd_{_SFX[x.dtype]}")(R, D, ptr(x), ptr(gate), ptr(w), eps, ptr(y),
-                                                                  ptr(rstd), threads())
+        bindings.require("gatednorm")("linattn_gnorm_fwd", x.dtype, R, D, ptr(x), ptr(gate), ptr(w), eps, ptr(y),
+                                      ptr(rstd), threads())
         ctx.save_for_backward(x, gate, w, rstd)
         return y
 
@@ -65,9 +48,8 @@ class _GatedRMSNorm(torch.autograd.Function):
         dx = torch.empty_like(x)
         dgate = torch.empty_like(gate) if gate is not None else None
         dw = torch.empty_like(w) if (w is not None and ctx.needs_input_grad[2]) else None
-        if getattr(_library(), f"linattn_gnorm_bwd_{_SFX[x.dtype]}")(
-                R, D, ptr(x), ptr(gate), ptr(w), ptr(rstd), ptr(dy), ptr(dx), ptr(dgate), ptr(dw), threads()):
-            raise MemoryError("linattn: the compiled gated norm could not allocate its work buffer")
+        bindings.require("gatednorm")("linattn_gnorm_bwd", x.dtype, R, D, ptr(x), ptr(gate), ptr(w), ptr(rstd), ptr(dy),
+                                      ptr(dx), ptr(dgate), ptr(dw), threads())
         return dx, dgate, dw, None
 
 

@@ -26,32 +26,16 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..errors import LinattnError
-from . import c_double, c_i64, c_int, c_ptr, ptr, threads
-from .build import load_library
+from ..feature_codes import FMAP_IDENTITY, FUSED_MAPS
+from . import bindings, ptr, threads
+from .abi import LinearPlan
 
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-FMAPS = {None: 0, "identity": 0, "relu": 1, "elu+1": 2}  # the maps applied inside the kernels (None: features given)
-_READY = set()
+FMAPS = {None: FMAP_IDENTITY, **FUSED_MAPS}  # the maps applied inside the kernels (None: features given)
 
 
-def _lib() -> ctypes.CDLL:
-    lib = load_library("linear")
-    if lib is None:
-        raise LinattnError("the compiled CPU kernel 'linear' is not available (LINATTN_CPU_KERNELS=0 or no C "
-                           "compiler); use backend='torch'")
-    if id(lib) not in _READY:
-        for sfx in _SUFFIX.values():
-            f = getattr(lib, f"linattn_linear_fwd_{sfx}")
-            f.argtypes = ([c_i64, c_ptr, c_i64, c_i64, c_i64, c_i64, c_int, c_int, c_double, c_double] + [c_ptr] * 10
-                          + [c_int])
-            f.restype = c_int
-            b = getattr(lib, f"linattn_linear_bwd_{sfx}")
-            b.argtypes = ([c_i64, c_ptr, c_i64, c_i64, c_i64, c_i64, c_int, c_int, c_double] + [c_ptr] * 9 + [c_double]
-                          + [c_ptr] * 6 + [c_int])
-            b.restype = c_int
-        _READY.add(id(lib))
-    return lib
+def _plan(starts: Tensor, N: int, H: int, K: int, V: int, C: int, norm: bool, fmap: int, scale: float,
+          eps: float) -> LinearPlan:
+    return LinearPlan(N, H, K, V, C, ptr(starts), int(norm), fmap, threads(), 0, scale, eps)
 
 
 def n_chunks(starts: List[int], C: int) -> int:
@@ -77,11 +61,10 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tens
     P = q.new_empty(n_chunks(starts, chunk_size), H, K, W) if keep_states else q.new_empty(0)
     bad = torch.zeros(1, dtype=torch.int32)
     st = torch.tensor(starts, dtype=torch.int64)
-    fn = getattr(_lib(), f"linattn_linear_fwd_{_SUFFIX[q.dtype]}")
-    rc = fn(N, ptr(st), H, K, V, chunk_size, int(norm), fmap, scale, eps, ptr(q), ptr(k), ptr(v), ptr(g), ptr(S0),
-            ptr(num), ptr(den) if norm else None, ptr(P) if keep_states else None, ptr(S), ptr(bad), threads())
-    if rc != 0:
-        raise MemoryError("linattn: the compiled linear-attention kernel could not allocate its scratch memory")
+    plan = _plan(st, N, H, K, V, chunk_size, norm, fmap, scale, eps)
+    bindings.require("linear")("linattn_linear_fwd", q.dtype, ctypes.byref(plan), ptr(q), ptr(k), ptr(v), ptr(g),
+                               ptr(S0), ptr(num), ptr(den) if norm else None, ptr(P) if keep_states else None, ptr(S),
+                               ptr(bad))
     return num, den, S, P, bad
 
 
@@ -116,12 +99,10 @@ def _bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], P: Tensor, dnum: 
     dg = q.new_zeros(TT, H) if g is not None else q.new_empty(0)
     dS0 = q.new_empty(N, H, K, W)
     st = torch.tensor(starts, dtype=torch.int64)
-    fn = getattr(_lib(), f"linattn_linear_bwd_{_SUFFIX[q.dtype]}")
-    rc = fn(N, ptr(st), H, K, V, chunk_size, int(norm), fmap, scale, ptr(q), ptr(k), ptr(v), ptr(g), ptr(P), ptr(dnum),
-            ptr(dden), ptr(o), ptr(den), float(eps) if divided else -1.0, ptr(dS), ptr(dq), ptr(dk), ptr(dv),
-            ptr(dg) if g is not None else None, ptr(dS0), threads())
-    if rc != 0:
-        raise MemoryError("linattn: the compiled linear-attention kernel could not allocate its scratch memory")
+    plan = _plan(st, N, H, K, V, chunk_size, norm, fmap, scale, float(eps) if divided else -1.0)
+    bindings.require("linear")("linattn_linear_bwd", q.dtype, ctypes.byref(plan), ptr(q), ptr(k), ptr(v), ptr(g),
+                               ptr(P), ptr(dnum), ptr(dden), ptr(o), ptr(den), ptr(dS), ptr(dq), ptr(dk), ptr(dv),
+                               ptr(dg) if g is not None else None, ptr(dS0))
     return dq, dk, dv, dg, dS0
 
 

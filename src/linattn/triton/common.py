@@ -10,11 +10,10 @@ import triton
 import triton.language as tl
 
 from ..errors import LinattnError
+from ..feature_codes import FMAP_ELU1, FMAP_IDENTITY, FMAP_RELU, FUSED_MAPS  # noqa: F401
 
-# feature maps fused into the kernels, by the name a FeatureMap gives as its `fused_kernel`
-# (other maps are computed in PyTorch and passed as identity)
-FMAP_IDENTITY, FMAP_ELU1, FMAP_RELU = 0, 1, 2
-FUSED_MAPS = {"identity": FMAP_IDENTITY, "elu+1": FMAP_ELU1, "relu": FMAP_RELU}
+# feature maps fused into the kernels, by the name a FeatureMap gives as its `fused_kernel`, come from
+# feature_codes (one table with the CPU kernels; other maps are computed in PyTorch and passed as identity)
 MAX_FULL_DIM = 256  # kernels that hold a whole K (or K x BV) state in registers
 
 

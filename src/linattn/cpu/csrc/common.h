@@ -39,12 +39,18 @@
 #define LA_PREFETCH(p, w) ((void)0)
 #endif
 
+/* The feature maps a kernel applies itself (linear.c; decode.c's literals are the same numbers), shared with
+   the Python side through linattn/feature_codes.py: identity (features given), elu(x) + 1, relu. */
+#define LA_FMAP_IDENTITY 0
+#define LA_FMAP_ELU1 1
+#define LA_FMAP_RELU 2
+
 /* Every library exports its interface version, which the loader checks against the binding table
    (cpu/bindings.py), and the size of each plan struct it takes (checked against the ctypes struct). */
 #define LA_ABI_VERSION(lib, n) \
     int linattn_##lib##_abi_version(void) { return (n); }
-#define LA_EXPORT_SIZEOF(type) \
-    int64_t linattn_sizeof_##type(void) { return (int64_t)sizeof(type); }
+#define LA_EXPORT_SIZEOF(name) \
+    int64_t linattn_sizeof_##name(void) { return (int64_t)sizeof(linattn_##name); }
 
 /* exp in plain arithmetic, so that loops over it vectorise (libm's exp is a call per element) and every element
    gets the same bits wherever it sits in a vector (a prefix run reproduces the full run's values). x = n ln2 + r,

@@ -53,7 +53,19 @@
 #define DELTA_RUN 512
 #endif
 
-LA_ABI_VERSION(delta, 2)
+LA_ABI_VERSION(delta, 3)
+
+/* What a call needs besides its tensors (cpu/bindings.py's DeltaPlan mirrors it; its size is exported and checked).
+   Tokens flat, sequence n covering starts[n] .. starts[n + 1] - 1; the forward keeps the state before every
+   `chunk`-th token of sequence n at checkpoint ck_off[n] + i (ckpt [NCK, H, K, V]). */
+typedef struct {
+    int64_t N, H, K, V; /* sequences, heads, key and value sizes */
+    int64_t chunk;      /* tokens between the checkpoints */
+    const int64_t *starts, *ck_off;
+    int32_t gate;       /* GATE_NONE, GATE_HEAD (g [TT, H]) or GATE_CHANNEL (g [TT, H, K]): decays exp(g) */
+    int32_t nthreads;
+} linattn_delta_plan;
+LA_EXPORT_SIZEOF(delta_plan)
 
 /* Columns of the state are independent given k, a and g: every step works on blocks of VB value columns
    (256 bytes: 64 floats, 32 doubles; 128 bytes without AVX-512, which has half the registers) so that the
@@ -210,10 +222,11 @@ static int FN(scan)(int64_t H, int64_t K, int64_t V, int64_t h, int64_t t0, int6
     return 0;
 }
 
-int FN(linattn_delta_fwd)(int64_t N, int64_t H, int64_t K, int64_t V, const int64_t *starts,
-                          const REAL *q, const REAL *k, const REAL *v, const REAL *a, const REAL *g,
-                          int gate, const REAL *S0, REAL *o, REAL *S_out, REAL *ckpt,
-                          const int64_t *ck_off, int64_t chunk, int nthreads) {
+int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL *k, const REAL *v, const REAL *a,
+                          const REAL *g, const REAL *S0, REAL *o, REAL *S_out, REAL *ckpt) {
+    const int64_t N = p->N, H = p->H, K = p->K, V = p->V, chunk = p->chunk, *starts = p->starts,
+                  *ck_off = p->ck_off;
+    const int gate = p->gate, nthreads = p->nthreads;
     const int64_t KV = K * V;
     int failed = 0;
     if (nthreads > 1 && N * H < DELTA_UNITS_PER_THREAD * (int64_t)nthreads) {
@@ -450,11 +463,12 @@ static int FN(bwd_stretches)(int64_t H, int64_t K, int64_t V, const int64_t *sta
 
 /* dS [N, H, K, V] enters as dL/dS_final (the caller zero-fills it when the final state has no gradient)
    and leaves as dL/dS0. dg may be NULL without a gate. Returns -1 when scratch memory is missing. */
-int FN(linattn_delta_bwd)(int64_t N, int64_t H, int64_t K, int64_t V, const int64_t *starts,
-                          const REAL *q, const REAL *k, const REAL *v, const REAL *a, const REAL *g,
-                          int gate, const REAL *ckpt, const int64_t *ck_off, int64_t chunk,
-                          const REAL *dout, REAL *dS_all, REAL *dq, REAL *dk, REAL *dv, REAL *da,
-                          REAL *dg, int nthreads) {
+int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL *k, const REAL *v, const REAL *a,
+                          const REAL *g, const REAL *ckpt, const REAL *dout, REAL *dS_all, REAL *dq, REAL *dk,
+                          REAL *dv, REAL *da, REAL *dg) {
+    const int64_t N = p->N, H = p->H, K = p->K, V = p->V, chunk = p->chunk, *starts = p->starts,
+                  *ck_off = p->ck_off;
+    const int gate = p->gate, nthreads = p->nthreads;
     const int64_t KV = K * V;
     int failed = 0;
     const int chains = nthreads > 1 && N * H < DELTA_UNITS_PER_THREAD * (int64_t)nthreads;

@@ -26,11 +26,7 @@
 #if defined(__linux__) && !defined(_DEFAULT_SOURCE)
 #define _DEFAULT_SOURCE /* madvise (sys/mman.h) under -std=c11 */
 #endif
-#include <math.h>
-#include <stdatomic.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "common.h"
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -147,11 +143,23 @@ static inline void lin_flow_wait(lin_flow_t *f, int64_t u) {
 #define LIN_UNITS_PER_THREAD 4 /* fewer (sequence, head) units per thread: chains (lin_flow_t) */
 #endif
 
-/* the interface version the Python bindings check after loading (cpu/build.py LIBRARIES; linear.c includes
-   itself once per REAL, so this lives in the part compiled once) */
-int linattn_linear_abi_version(void) { return 1; }
+/* the interface version the Python bindings check after loading (cpu/bindings.py; linear.c includes itself once
+   per REAL, so this lives in the part compiled once) */
+LA_ABI_VERSION(linear, 2)
 
-#include "vexp.h" /* lin_expf */
+/* What a call needs besides its tensors (cpu/bindings.py's LinearPlan mirrors it; its size is exported and
+   checked): N sequences at row offsets starts [N + 1], H heads, K key / V value columns, chunks of C rows; norm:
+   the normaliser column (W = V + 1); fmap: a feature map applied in the kernel (common.h's LA_FMAP_*); q is
+   scaled by `scale` before its map; eps >= 0 with norm: the forward divides num by den' and the backward takes
+   the division's backward (eps < 0: neither). */
+typedef struct {
+    int64_t N, H, K, V, C;
+    const int64_t *starts;
+    int32_t norm, fmap, nthreads, pad_;
+    double scale, eps;
+} linattn_linear_plan;
+LA_EXPORT_SIZEOF(linear_plan)
+
 #ifndef PF_PER_BWD
 #define PF_PER_BWD 24
 #endif
@@ -202,9 +210,9 @@ static inline void lin_pf_step(lin_pf_t *pf, int n) {
 }
 
 /* elu(y) + 1 = y + 1 for y > 0, exp(y) otherwise; NaN stays NaN. For float, exp on y <= 0 only, in fewer
-   operations than lin_expf (the features are a large part of the forward's arithmetic) and with the same bits:
+   operations than la_expf (common.h; the features are a large part of the forward's arithmetic) and with the same bits:
    the same reduction and polynomial, y clamped to [-104, 0] (exp(-104) rounds to 0 in float), and 2^n applied
-   as 2^(n + 64) 2^-64 (n >= -150: one exponent field, then one rounding into the subnormals, as lin_expf's two
+   as 2^(n + 64) 2^-64 (n >= -150: one exponent field, then one rounding into the subnormals, as la_expf's two
    halves give). The magic-number rounding leaves n + 0x4B400000 in tm's bits, so 2^(n + 64) is built from them
    directly. Written as plain selections and arithmetic so that the loops around it vectorise. */
 static inline float lin_elu1_f32(float y) {
@@ -230,7 +238,7 @@ static inline float lin_elu1_f32(float y) {
     const float e = (p * s.f) * 5.42101086242752217e-20f; /* * 2^-64 */
     return y <= 0.0f ? e : y + 1.0f;
 }
-static inline double lin_elu1_f64(double y) { return y > 0 ? y + 1 : exp(y > 0 ? 0 : y); }
+static inline double lin_elu1_f64(double y) { return y > 0 ? y + 1 : la_exp(y > 0 ? 0 : y); }
 
 int64_t linattn_linear_nchunks(int64_t N, const int64_t *starts, int64_t C) {
     int64_t nc = 0;
@@ -258,16 +266,16 @@ int64_t linattn_linear_nchunks(int64_t N, const int64_t *starts, int64_t C) {
 
 #else /* ------------------------------------------------------------------ the body, once per REAL */
 
-static inline REAL FN(lin_exp)(REAL x) { return sizeof(REAL) == 4 ? (REAL)lin_expf((float)x) : (REAL)exp((double)x); }
+#include "common.h" /* its per-REAL part: la_exp */
 
-/* the in-kernel feature maps (lin_load_feat applies them): 0 identity (features given), 1 relu, 2 elu+1
-   (= x + 1 for x > 0, exp(x) otherwise); the queries are scaled first (phi(scale q)). NaN stays NaN. */
+/* the in-kernel feature maps (lin_load_feat applies them), by common.h's codes: identity (features given), relu,
+   elu+1 (= x + 1 for x > 0, exp(x) otherwise); the queries are scaled first (phi(scale q)). NaN stays NaN. */
 
 /* dx = dphi * phi'(x) * sc from the features phi alone, in place on dx */
 static void FN(lin_map_grad)(REAL *restrict dx, const REAL *restrict phi, int D, int fmap, REAL sc) {
-    if (fmap == 1) {
+    if (fmap == LA_FMAP_RELU) {
         for (int d = 0; d < D; d++) dx[d] = phi[d] > 0 ? dx[d] : 0;
-    } else if (fmap == 2) { /* slope 1 where phi > 1 (x > 0), phi = exp(x) otherwise */
+    } else if (fmap == LA_FMAP_ELU1) { /* slope 1 where phi > 1 (x > 0), phi = exp(x) otherwise */
 #pragma omp simd
         for (int d = 0; d < D; d++) dx[d] *= phi[d] > 1 ? 1 : phi[d];
     }
@@ -279,17 +287,17 @@ static void FN(lin_map_grad)(REAL *restrict dx, const REAL *restrict phi, int D,
 static void FN(lin_load)(const REAL *x, int64_t t0, int64_t H, int64_t h, int D, int len, int C, REAL *buf, int ld);
 static void FN(lin_load_feat)(const REAL *x, int64_t t0, int64_t H, int64_t h, int D, int len, int C, REAL *buf,
                               int fmap, REAL sc) {
-    if (fmap == 0 && sc == 1) {
+    if (fmap == LA_FMAP_IDENTITY && sc == 1) {
         FN(lin_load)(x, t0, H, h, D, len, C, buf, D);
         return;
     }
     for (int i = 0; i < len; i++) { /* one pass: load, scale, map (the arithmetic of lin_map) */
         const REAL *restrict src = x + ((t0 + i) * H + h) * D;
         REAL *restrict dst = buf + (int64_t)i * D;
-        if (fmap == 2) {
+        if (fmap == LA_FMAP_ELU1) {
 #pragma omp simd
             for (int d = 0; d < D; d++) dst[d] = FN(lin_elu1)(sc * src[d]);
-        } else if (fmap == 1) {
+        } else if (fmap == LA_FMAP_RELU) {
 #pragma omp simd
             for (int d = 0; d < D; d++) {
                 const REAL y = sc * src[d];
@@ -411,7 +419,7 @@ static void FN(fl_update)(int len, int K, int V, int W, int C, int has_g, const 
                           const REAL *Km, const REAL *Vb, REAL *U, REAL *tmp, lin_pf_t *pf, int per) {
     if (has_g)
         for (int i = 0; i < len; i++) {
-            const REAL e = FN(lin_exp)((REAL)(GL - G[i]));
+            const REAL e = FN(la_exp)((REAL)(GL - G[i]));
             for (int d = 0; d < K; d++) Kt[(int64_t)d * C + i] *= e;
         }
     if (has_g || W == V) {
@@ -455,8 +463,8 @@ static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, i
     const REAL *Qs = Q;
     if (has_g) {
         for (int i = 0; i < C; i++) {
-            for (int j = 0; j <= i; j++) A[(int64_t)i * C + j] *= FN(lin_exp)((REAL)(G[i] - G[j]));
-            const REAL e = FN(lin_exp)((REAL)G[i]);
+            for (int j = 0; j <= i; j++) A[(int64_t)i * C + j] *= FN(la_exp)((REAL)(G[i] - G[j]));
+            const REAL e = FN(la_exp)((REAL)G[i]);
             for (int d = 0; d < K; d++) Qd[(int64_t)i * K + d] = e * Q[(int64_t)i * K + d];
         }
         Qs = Qd;
@@ -492,7 +500,7 @@ static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, i
 /* S = exp(GL) S + U (in place), the carried state's update */
 static void FN(carry)(int64_t n, int has_g, REAL GL, REAL *S, const REAL *U) {
     if (has_g) {
-        const REAL d = FN(lin_exp)(GL);
+        const REAL d = FN(la_exp)(GL);
         for (int64_t e = 0; e < n; e++) S[e] = d * S[e] + U[e];
     } else {
         for (int64_t e = 0; e < n; e++) S[e] = S[e] + U[e];
@@ -545,10 +553,11 @@ static int FN(fl_chunk)(const FN(fargs) *a, FN(fws) *w, int64_t c, int64_t t0, i
     return bad;
 }
 
-int FN(linattn_linear_fwd)(int64_t N, const int64_t *starts, int64_t H, int64_t K64, int64_t V64, int64_t C64,
-                           int norm, int fmap, double scale, double eps, const REAL *q, const REAL *k,
-                           const REAL *v, const REAL *g, const REAL *S0, REAL *num, REAL *den, REAL *P, REAL *S_out,
-                           int32_t *nonfinite, int nthreads) {
+int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const REAL *k, const REAL *v, const REAL *g,
+                           const REAL *S0, REAL *num, REAL *den, REAL *P, REAL *S_out, int32_t *nonfinite) {
+    const int64_t N = p->N, H = p->H, K64 = p->K, V64 = p->V, C64 = p->C, *starts = p->starts;
+    const int norm = p->norm, fmap = p->fmap, nthreads = p->nthreads;
+    const double scale = p->scale, eps = p->eps;
     const int K = (int)K64, V = (int)V64, C = (int)C64, W = V + (norm ? 1 : 0), has_g = g != NULL;
     const int64_t KW = (int64_t)K * W;
     const REAL sc = (REAL)scale, ep = (REAL)eps; /* eps >= 0 (with norm): num receives num / den' (`lin_divide`) */
@@ -736,7 +745,7 @@ static void FN(bl_R)(int len, int K, int W, int C, int has_g, int qt_ready, FN(b
     if (!qt_ready) FN(transpose)(C, K, b->Q, K, b->Tr); /* Tr [K][C] (bl_grads leaves it there) */
     if (has_g)
         for (int i = 0; i < len; i++) {
-            const REAL e = FN(lin_exp)((REAL)b->G[i]);
+            const REAL e = FN(la_exp)((REAL)b->G[i]);
             for (int d = 0; d < K; d++) b->Tr[(int64_t)d * C + i] *= e;
         }
     FN(pgemm)(K, W, len, b->Tr, C, b->dO, W, R, W, b->pf, b->per, 1);
@@ -759,7 +768,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     if (has_g)
         for (int i = 0; i < C; i++)
             for (int j = 0; j <= i; j++) {
-                D[(int64_t)i * C + j] = FN(lin_exp)((REAL)(G[i] - G[j]));
+                D[(int64_t)i * C + j] = FN(la_exp)((REAL)(G[i] - G[j]));
                 At[(int64_t)j * C + i] *= D[(int64_t)i * C + j];
             }
     /* dA = dO Vb^T (rows j <= i used); the gate's part; dM = dA * D, in place */
@@ -781,7 +790,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     if (has_g) {
         FN(pgemm)(C, K, W, dO, W, b->Pt, K, X, K, b->pf, b->per, 1);
         for (int i = 0; i < len; i++) {
-            const REAL e = FN(lin_exp)((REAL)G[i]);
+            const REAL e = FN(la_exp)((REAL)G[i]);
             REAL s = 0;
             for (int d = 0; d < K; d++) {
                 const REAL x = e * X[(int64_t)i * K + d];
@@ -803,7 +812,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
         FN(pgemm)(C, K, W, Vb, W, b->dPt, K, X, K, b->pf, b->per, 1);
         REAL tot = 0;
         for (int j = 0; j < len; j++) {
-            const REAL e = FN(lin_exp)((REAL)(GL - G[j]));
+            const REAL e = FN(la_exp)((REAL)(GL - G[j]));
             REAL s = 0;
             for (int d = 0; d < K; d++) {
                 const REAL x = e * X[(int64_t)j * K + d];
@@ -815,7 +824,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
         }
         REAL pp = 0; /* <dPn, P_c>: the carried state's decay */
         for (int64_t e = 0; e < KW; e++) pp += dPn[e] * Pc[e];
-        if (len > 0) dG[len - 1] += tot + FN(lin_exp)((REAL)GL) * pp;
+        if (len > 0) dG[len - 1] += tot + FN(la_exp)((REAL)GL) * pp;
     } else {
         FN(pgemm)(C, K, W, Vb, W, b->dPt, K, dK, K, b->pf, b->per, 0);
     }
@@ -826,7 +835,7 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     if (has_g) {
         FN(pgemm)(C, V, K, Km, K, dPn, W, X, W, b->pf, b->per, 1);
         for (int j = 0; j < len; j++) {
-            const REAL e = FN(lin_exp)((REAL)(GL - G[j]));
+            const REAL e = FN(la_exp)((REAL)(GL - G[j]));
             for (int w = 0; w < V; w++) dV[(int64_t)j * W + w] += e * X[(int64_t)j * W + w];
         }
     } else {
@@ -893,11 +902,12 @@ static void FN(bl_chunk)(const FN(bargs) *a, FN(bws) *b, int64_t c, int64_t t0, 
     FN(carry)(KW, a->has_g, (REAL)GL, Dh, R);
 }
 
-int FN(linattn_linear_bwd)(int64_t N, const int64_t *starts, int64_t H, int64_t K64, int64_t V64, int64_t C64,
-                           int norm, int fmap, double scale, const REAL *q, const REAL *k, const REAL *v,
-                           const REAL *g, const REAL *P, const REAL *dnum, const REAL *dden, const REAL *o,
-                           const REAL *den, double eps, const REAL *dS, REAL *dq, REAL *dk, REAL *dv, REAL *dg,
-                           REAL *dS0, int nthreads) {
+int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const REAL *k, const REAL *v, const REAL *g,
+                           const REAL *P, const REAL *dnum, const REAL *dden, const REAL *o, const REAL *den,
+                           const REAL *dS, REAL *dq, REAL *dk, REAL *dv, REAL *dg, REAL *dS0) {
+    const int64_t N = p->N, H = p->H, K64 = p->K, V64 = p->V, C64 = p->C, *starts = p->starts;
+    const int norm = p->norm, fmap = p->fmap, nthreads = p->nthreads;
+    const double scale = p->scale, eps = p->eps;
     const int K = (int)K64, V = (int)V64, C = (int)C64, W = V + (norm ? 1 : 0), has_g = g != NULL;
     const int64_t KW = (int64_t)K * W;
     const REAL sc = (REAL)scale, ep = (REAL)eps;
