@@ -25,6 +25,15 @@ T_LONG = 1100   # > 2 runs of a unit in both kernels, and not a whole number of 
 CHUNK = 64
 
 
+@pytest.fixture(autouse=True)
+def _every_call_threaded(monkeypatch):
+    """These calls are small: without this the kernels would get one thread (cpu.threads' grain)."""
+    from linattn.cpu import delta as cdelta, linear as clinear
+
+    monkeypatch.setattr(clinear, "GRAIN", 1.0)
+    monkeypatch.setattr(cdelta, "GRAIN", 1.0)
+
+
 def _lin_inputs(B, T, H, dtype, gate, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = {"q": torch.randn(B, T, H, 16, generator=g, dtype=dtype), "k": torch.randn(B, T, H, 16, generator=g,
@@ -153,3 +162,23 @@ def test_same_bits_without_openmp(tmp_path, monkeypatch):
     for (one, two), none in zip(with_omp, no_omp):
         _same_bits(two, one)
         _same_bits(none, one)
+
+
+def test_small_calls_get_fewer_threads(monkeypatch):
+    """A thread per grain of work: a short call runs on one thread (forking costs more than it saves, and on a busy
+    machine a descheduled thread would hold it back), a long one on all of torch's."""
+    from linattn.cpu import delta as cdelta, linear as clinear, threads
+
+    monkeypatch.undo()
+    n0 = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        st = torch.tensor([0, 256])
+        assert clinear._plan(st, 256, 1, 4, 64, 64, 64, True, 0, 1.0, -1.0).nthreads == 1
+        assert clinear._plan(st, 16384, 1, 4, 64, 64, 64, True, 0, 1.0, -1.0).nthreads == 3
+        q = torch.empty(16384, 4, 64)
+        assert cdelta._plan(q[:256], 64, st, st, None).nthreads == 1
+        assert cdelta._plan(q, 64, st, st, None).nthreads == 3
+        assert threads() == 3 and threads(5.0, 2.0) == 2 and threads(1.0, 2.0) == 1
+    finally:
+        torch.set_num_threads(n0)

@@ -14,6 +14,10 @@ before the first call and stops it after the last: one core is held for the whol
 under a CPU quota, and no thread count may then be slower than 1 thread. The 1/5/15-minute load averages are
 recorded before the busy loop starts and at the end (the busy loop itself then counts about 1).
 
+The OpenMP runtime's wait policy (OMP_WAIT_POLICY, read when the runtime loads) is recorded: by default an idle
+OpenMP thread spins for a while after every parallel region (torch's and the kernels' share one runtime), which on a
+core held by another process takes time from the threads that work; `passive` makes it sleep at once.
+
 The default run takes about a minute on two cores; --quick runs a tiny configuration (the test suite runs it).
 """
 from __future__ import annotations
@@ -35,7 +39,7 @@ DESCRIPTION = __doc__
 PROG = "linattn bench threads"
 OPS = ("linear", "gated_deltanet")
 PASSES = ("fwd", "fwd+bwd")
-QUICK = dict(T=256, repeats=2, threads="1,2")
+QUICK = dict(T=256, repeats=2)
 BUSY_LOOP = "while True:\n    pass\n"
 
 
@@ -216,12 +220,13 @@ def run(a) -> int:
             f"timing   {a.repeats} rounds, one call per (case, threads) each, order reversed every other round; "
             f"speedup = median over rounds of the paired ratio (min in brackets)",
             f"busy     {'one busy-loop process held a core for the whole run' if busy else 'no busy loop'}; "
-            f"load at the end {' '.join(map(str, load_end or []))}"]
+            f"load at the end {' '.join(map(str, load_end or []))}",
+            f"openmp   OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: idle threads spin a while)')}"]
     text = _report(records, counts)
     print("\n".join(head) + "\n\n" + text)
     atomic_write_text(paths["txt"], "\n".join(head) + "\n\n" + text + "\n")
     write_json(paths["json"], {"benchmark": "threads", "machine": info, "load_end": load_end,
-                               "busy_core": bool(busy), "pid": os.getpid(),
+                               "busy_core": bool(busy), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                                "config": {k: v for k, v in vars(a).items() if k != "func"},
                                "records": records})
     print(f"\nwrote {paths['txt']}, {paths['json']}")
