@@ -9,10 +9,10 @@
    Per chunk (G the gate's cumulative sum inside the chunk, GL its last value, decay D_ij = exp(G_i - G_j)):
      A_ij = (q_i . k_j) D_ij (j <= i),   o_i = sum_{j<=i} A_ij v_j + exp(G_i) q_i^T P_c,
      P_{c+1} = exp(GL) P_c + sum_j exp(GL - G_j) k_j v_j^T.
-   Threads (OpenMP, num_threads from the caller): one pass per (sequence, head) when there are enough of them;
+   Threads (OpenMP, num_threads from the caller): one pass per (sequence, head) when there is one per thread;
    else every chunk's own state update U_c, the running sum over the chunks of each (sequence, head), then every
-   chunk's outputs, claimed as tasks without a barrier (lin_flow_t). The backward pass mirrors them with the
-   reverse running sum of the state gradients.
+   chunk's outputs, claimed as tasks without a barrier (lin_flow_t says how the work is shared). The backward
+   pass mirrors them with the reverse running sum of the state gradients.
 
    Causality: a row's output uses only rows <= it (triangular products by selection, never a multiply by 0) and
    chunk states summed in a fixed order over earlier chunks; a chunk is always computed on C rows (the tail
@@ -83,7 +83,7 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
      counter in the order: every chunk's first half (the forward's state update, the backward's state-gradient
      part), unit by unit, then every chunk's second half (outputs, input gradients). The thread that finishes a
      unit's last first half runs that unit's running sum over its chunks at once; a second half waits only for
-     its own unit's sum. It loads every chunk twice (about 1.7x the work of one pass, measured), so it is used
+     its own unit's sum. It loads every chunk twice (1.7-1.9x the work of one pass, measured), so it is used
      only where one pass cannot use every thread.
 
    No barrier inside a call: a waiting thread yields its core. Every path runs the same per-chunk arithmetic in
@@ -140,7 +140,7 @@ static inline void lin_flow_wait(lin_flow_t *f, int64_t u) {
 #define LIN_CHAIN_RUN 8 /* chunks per claim of a unit */
 #endif
 #ifndef LIN_UNITS_PER_THREAD
-#define LIN_UNITS_PER_THREAD 4 /* fewer (sequence, head) units per thread: chains (lin_flow_t) */
+#define LIN_UNITS_PER_THREAD 4 /* fewer (sequence, head) units per thread: chains */
 #endif
 
 /* the interface version the Python bindings check after loading (cpu/bindings.py; linear.c includes itself once
