@@ -19,8 +19,9 @@ def test_bench_threads_quick(tmp_path, capsys, busy):
     assert "speedup" in out and ("busy-loop process held a core" in out) == busy
     data = json.loads((tmp_path / "threads.json").read_text())
     assert data["busy_core"] == busy and data["machine"]["loadavg_1_5_15min"] is not None
-    cases = {(r["op"], r["pass"]) for r in data["records"]}
-    assert cases == {(op, ps) for op in ("linear", "gated_deltanet") for ps in ("fwd", "fwd+bwd")}
+    cases = {(r["level"], r["op"], r["pass"]) for r in data["records"]}
+    assert cases == {(lv, op, ps) for lv in ("op", "kernel") for op in ("linear", "gated_deltanet")
+                     for ps in ("fwd", "fwd+bwd")}
     for r in data["records"]:
         assert set(r["median_ms"]) == {"1", "2"} and all(len(v) == 2 for v in r["ms"].values())
 

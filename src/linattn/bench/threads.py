@@ -4,6 +4,11 @@ Cases: causal linear attention (elu+1, normalised) and Gated DeltaNet (L2-normal
 per head), chunk form on the compiled CPU backend, forward and forward+backward, at B = 1, H = 4, K = V = 64,
 T = 16384 by default (one long sequence: the threads must split it, there are fewer heads than cores to hide in).
 
+Levels (--levels): `op`, the public call (`linear_attention`, `delta_rule` with backend="cpu": the input checks, the
+feature map or the delta rule's preparation and the output layout around the kernels, which are torch operators with
+their own threads), and `kernel`, the compiled kernels' custom ops alone on prepared inputs (the features, the
+normalised keys), so that the kernels' own scaling is seen apart from what surrounds them.
+
 Timing: every (case, thread count) is called once per round, the rounds repeated (--repeats), the order of the
 calls reversed every other round; `torch.set_num_threads` is set before each call (untimed). A case's speedup at
 n threads is the median over rounds of (its 1-thread time / its n-thread time in the same round), so that a change
@@ -18,7 +23,7 @@ The OpenMP runtime's wait policy (OMP_WAIT_POLICY, read when the runtime loads) 
 OpenMP thread spins for a while after every parallel region (torch's and the kernels' share one runtime), which on a
 core held by another process takes time from the threads that work; `passive` makes it sleep at once.
 
-The default run takes about a minute on two cores; --quick runs a tiny configuration (the test suite runs it).
+The default run takes under a minute on two quiet cores; --quick runs a tiny configuration (the test suite runs it).
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ DESCRIPTION = __doc__
 PROG = "linattn bench threads"
 OPS = ("linear", "gated_deltanet")
 PASSES = ("fwd", "fwd+bwd")
+LEVELS = ("op", "kernel")
 QUICK = dict(T=256, repeats=2)
 BUSY_LOOP = "while True:\n    pass\n"
 
@@ -57,6 +63,8 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", default="1,2", help="comma list of thread counts; 1 is always added (default 1,2)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)} (default both)")
     p.add_argument("--passes", default=",".join(PASSES), help=f"comma list of {', '.join(PASSES)} (default both)")
+    p.add_argument("--levels", default=",".join(LEVELS),
+                   help=f"comma list of {', '.join(LEVELS)}: the public call, the kernels alone (default both)")
     p.add_argument("--repeats", type=int_at_least(1), default=9, help="rounds of timed calls (default 9)")
     p.add_argument("--busy-core", action="store_true",
                    help="hold one core with a busy-loop child process (same priority) for the whole run")
@@ -83,6 +91,45 @@ def _names(text: str, allowed, what: str) -> List[str]:
     if bad or not names:
         raise UsageError(f"{what}: unknown {bad}; choose from {', '.join(allowed)}", prog=PROG)
     return names
+
+
+def make_kernel_case(op: str, passes: str, a) -> Callable[[], Any]:
+    """A zero-argument call of `op`'s compiled kernels alone (the registered custom ops) on prepared, flat inputs
+    [B T, H, D]: the forward, or the forward keeping its states and then the backward kernel."""
+    from ..cpu import delta as cdelta, linear as clinear
+
+    gen = torch.Generator().manual_seed(a.seed)
+    B, T, H, K, V = a.B, a.T, a.H, a.K, a.V
+    TT, grad = B * T, passes == "fwd+bwd"
+    starts = [i * T for i in range(B + 1)]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k, v, do = randn(TT, H, K), randn(TT, H, K), randn(TT, H, V), randn(TT, H, V)
+    if op == "linear":
+        fwd, bwd, fmap = torch.ops.linattn.cpu_linear_chunk_fwd, torch.ops.linattn.cpu_linear_chunk_bwd, \
+            clinear.FMAPS["elu+1"]
+
+        def run():
+            num, den, S, P, _ = fwd(q, k, v, None, None, starts, 64, True, fmap, 1.0, grad, 1e-6)
+            if grad:
+                bwd(q, k, v, None, P, do, None, None, starts, 64, True, fmap, 1.0, num, den, 1e-6)
+            return num
+        return run
+    q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    beta, g = torch.sigmoid(randn(TT, H)), -torch.nn.functional.softplus(randn(TT, H)) / 16
+    st = torch.tensor(starts, dtype=torch.int64)
+    n_ck = T // cdelta.CHECKPOINT + (T % cdelta.CHECKPOINT > 0)
+    ck_off = torch.tensor([i * n_ck for i in range(B)], dtype=torch.int64)
+    fwd, bwd = torch.ops.linattn.cpu_delta_fwd, torch.ops.linattn.cpu_delta_bwd
+
+    def run_delta():
+        o, S, ck = fwd(q, k, v, beta, g, None, st, ck_off, B * n_ck if grad else 0)
+        if grad:
+            bwd(q, k, v, beta, g, ck, st, ck_off, do, torch.zeros_like(S))
+        return o
+    return run_delta
 
 
 def make_case(op: str, passes: str, a) -> Callable[[], Any]:
@@ -139,19 +186,26 @@ def _busy_stop(p: subprocess.Popen) -> None:
         p.wait()
 
 
+def _set_threads(n: int, wake: torch.Tensor) -> None:
+    """torch's thread count, then one small parallel op untimed: the pool's threads are up before the timed call."""
+    torch.set_num_threads(n)
+    wake.sum()
+
+
 def measure(cases: List[Dict[str, Any]], counts: List[int], repeats: int, log) -> None:
     """Fills each case's "ms" {threads: [per-round ms]}: one warm-up call per (case, threads), then `repeats`
     rounds of one timed call each, the order reversed every other round."""
     calls = [(c, n) for c in cases for n in counts]
+    wake = torch.ones(1 << 18)
     for c in cases:
         c["ms"] = {n: [] for n in counts}
     for c, n in calls:
-        torch.set_num_threads(n)
+        _set_threads(n, wake)
         c["fn"]()
     log("warmed up")
     for r in range(repeats):
         for c, n in (calls if r % 2 == 0 else calls[::-1]):
-            torch.set_num_threads(n)
+            _set_threads(n, wake)
             t0 = time.perf_counter()
             c["fn"]()
             c["ms"][n].append((time.perf_counter() - t0) * 1e3)
@@ -162,7 +216,8 @@ def summarise(cases: List[Dict[str, Any]], counts: List[int]) -> List[Dict[str, 
     """One record per case: median ms per thread count and the median paired speedup over 1 thread."""
     out = []
     for c in cases:
-        rec = {"op": c["op"], "pass": c["pass"], "median_ms": {}, "speedup": {}, "speedup_min": {}, "ms": c["ms"]}
+        rec = {"level": c["level"], "op": c["op"], "pass": c["pass"], "median_ms": {}, "speedup": {},
+               "speedup_min": {}, "ms": c["ms"]}
         for n in counts:
             rec["median_ms"][n] = statistics.median(c["ms"][n])
             ratios = [a / b for a, b in zip(c["ms"][1], c["ms"][n])]
@@ -173,10 +228,11 @@ def summarise(cases: List[Dict[str, Any]], counts: List[int]) -> List[Dict[str, 
 
 
 def _report(records: List[Dict[str, Any]], counts: List[int]) -> str:
-    head = ["op", "pass"] + [f"{n} thr ms" for n in counts] + [f"{n} thr speedup (min)" for n in counts if n > 1]
+    head = ["level", "op", "pass"] + [f"{n} thr ms" for n in counts] + [f"{n} thr speedup (min)" for n in counts
+                                                                        if n > 1]
     rows = []
     for r in records:
-        rows.append([r["op"], r["pass"]] + [common.fmt_ms(r["median_ms"][n]) for n in counts]
+        rows.append([r["level"], r["op"], r["pass"]] + [common.fmt_ms(r["median_ms"][n]) for n in counts]
                     + [f"{r['speedup'][n]:.2f}x ({r['speedup_min'][n]:.2f}x)" for n in counts if n > 1])
     return common.format_table(head, rows)
 
@@ -198,6 +254,7 @@ def run(a) -> int:
             setattr(a, k, v)
     counts = _int_list(a.threads, "--threads")
     ops, passes = _names(a.ops, OPS, "--ops"), _names(a.passes, PASSES, "--passes")
+    levels = _names(a.levels, LEVELS, "--levels")
     from ..cpu import available
 
     if not (available("linear") and available("delta")):
@@ -208,7 +265,9 @@ def run(a) -> int:
     info = common.machine_info("cpu")
     busy = _busy_start() if a.busy_core else None
     try:
-        cases = [{"op": op, "pass": ps, "fn": make_case(op, ps, a)} for op in ops for ps in passes]
+        cases = [{"level": lv, "op": op, "pass": ps,
+                  "fn": (make_case if lv == "op" else make_kernel_case)(op, ps, a)}
+                 for lv in levels for op in ops for ps in passes]
         measure(cases, counts, a.repeats, log)
     finally:
         if busy is not None:
