@@ -84,6 +84,11 @@ def test_step_flops_counts_the_projections_and_attention():
     model_params = sum(p.numel() for n, p in m.named_parameters() if p.dim() == 2 and "emb" not in n)
     tokens = a.batch * a.seq_len
     assert fl >= 6 * tokens * model_params * 0.9
+    # the attention's products, counted in full as torch counts SDPA: forward QK^T and AV (2 x 2 T^2 d per layer),
+    # backward five (the scores again, dV, dP, dQ, dK): 14 B T^2 d per layer
+    attn = 14 * a.batch * a.seq_len ** 2 * a.d_model * a.n_layers
+    free, _ = bt.make_step(bt.FREE_MIXER, a)
+    assert abs((fl - bt.step_flops(free)) / attn - 1) < 1e-3
 
 
 def test_bench_train_profile_prints_the_table(tmp_path, capsys):

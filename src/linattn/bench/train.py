@@ -14,8 +14,9 @@ cross-entropy, AdamW) is softmax's, so its ratio to softmax is the most any mixe
 configuration: a mixer whose ratio target exceeds it cannot be met by a faster mixer alone.
 
 Model-FLOPs utilisation (the mfu column): each step's matmul FLOPs, counted once per mixer on an untimed step by
-`torch.utils.flop_counter.FlopCounterMode` (matrix products and SDPA, forward and backward; the compiled mixer
-kernels run as custom ops it does not see, and elementwise work is not counted), over the median step time times the
+`torch.utils.flop_counter.FlopCounterMode` (matrix products and SDPA, forward and backward, SDPA's T x T products
+counted in full as torch counts them; the compiled mixer kernels run as custom ops it does not see, and elementwise
+work is not counted), over the median step time times the
 fp32 matmul rate of this machine measured in the same run at the same thread count (`common.matmul_rate`, a
 2048^3 product). --profile N adds, per mixer, a torch.profiler table of one step's top N operators by self CPU
 time and the share of the step spent outside the matrix products (what the mixer's bound is made of).
@@ -135,11 +136,28 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
+def _cpu_sdpa_flops():
+    """FlopCounterMode's SDPA formulas for the CPU flash-attention ops, which its registry lacks (torch 2.13): the
+    full T x T products, as it counts SDPA elsewhere (a causal mask is not halved)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def fwd(query, key, value, *args, out_val=None, **kwargs):  # the counter passes shapes for tensors
+        return sdpa_flop_count(query, key, value)
+
+    def bwd(grad_out, query, key, value, *args, out_val=None, **kwargs):
+        return sdpa_backward_flop_count(grad_out, query, key, value)
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu: fwd,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd}
+
+
 def step_flops(step) -> int:
     """The matmul FLOPs of one call of `step` (FlopCounterMode: matrix products and SDPA, forward and backward)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_cpu_sdpa_flops())
     with counter:
         step()
     return int(counter.get_total_flops())
