@@ -15,7 +15,9 @@ def test_bench_train_quick(tmp_path, capsys):
     assert set(recs) == {"softmax", "gated-deltanet", "linear-elu+1"}
     for r in recs.values():
         assert "error" not in r and r["tokens_per_s"] > 0 and r["step"]["repeats"] >= 2
+        assert r["matmul_flops"] > 0 and 0 < r["mfu"]   # model-FLOPs utilisation against the measured rate
     assert data["config"]["seq_len"] == 64 and data["config"]["batch"] == 2   # --quick's configuration
+    assert data["matmul_rate"]["gflops"] > 0 and "mfu" in out
 
 
 def test_bench_train_unknown_mixer_exits_2(capsys):
@@ -60,3 +62,39 @@ def test_bench_train_free_mixer_quick(tmp_path, capsys):
     data = json.loads((tmp_path / "train.json").read_text())
     assert [r["model"] for r in data["records"]] == ["softmax", "free-mixer"]
     assert "free-mixer" in capsys.readouterr().out
+
+
+def test_step_flops_counts_the_projections_and_attention():
+    """The counted matmul FLOPs of a softmax step: at least 6 x tokens x the parameters of the matrix products (two
+    for the forward, four for the backward) and more with the attention's T^2 products."""
+    import argparse
+
+    import torch
+
+    from linattn.bench import train as bt
+
+    a = argparse.Namespace(**bt.QUICK, seed=0)
+    step, _ = bt.make_step("softmax", a)
+    fl = bt.step_flops(step)
+    # the dense weights a token passes through: every 2-D parameter but the embedding table
+    from linattn.models import LanguageModel, LMConfig
+    torch.manual_seed(0)
+    m = LanguageModel(LMConfig(vocab_size=a.vocab_size, d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads,
+                               mixer="softmax", max_seq_len=2048))
+    model_params = sum(p.numel() for n, p in m.named_parameters() if p.dim() == 2 and "emb" not in n)
+    tokens = a.batch * a.seq_len
+    assert fl >= 6 * tokens * model_params * 0.9
+    # the attention's products, counted in full as torch counts SDPA: forward QK^T and AV (2 x 2 T^2 d per layer),
+    # backward five (the scores again, dV, dP, dQ, dK): 14 B T^2 d per layer
+    attn = 14 * a.batch * a.seq_len ** 2 * a.d_model * a.n_layers
+    free, _ = bt.make_step(bt.FREE_MIXER, a)
+    assert abs((fl - bt.step_flops(free)) / attn - 1) < 1e-3
+
+
+def test_bench_train_profile_prints_the_table(tmp_path, capsys):
+    rc = main(["bench", "train", "--quick", "--mixers", "softmax", "--profile", "5", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "in matrix products" in out and "aten::mm" in out
+    data = json.loads((tmp_path / "train.json").read_text())
+    assert 0 < data["records"][0]["profile"]["matmul_share"] <= 1

@@ -39,6 +39,8 @@ BENCHMARKS: Dict[str, Tuple[str, str]] = {
     "data": ("linattn.bench.data", "data preparation: peak memory and time of reading, tokenizer training, tokenizing"),
     "hf": ("linattn.bench.hf", "transformers' linear-attention models: their PyTorch fallbacks vs linattn.hf.kernelize "
                                "(prefill, decode, training step, peak memory)"),
+    "threads": ("linattn.bench.threads", "thread scaling of the compiled CPU kernels at one long sequence, quiet "
+                                         "or with a busy core (--busy-core)"),
     "train": ("linattn.bench.train", "LM training throughput (fwd + bwd + AdamW tokens/s) per mixer vs softmax"),
     "serve": ("linattn.bench.serve", "linattn serve vs linattn generate: decode tokens/s, /health latency under load"),
     "quant": ("linattn.bench.quant", "fp32 / bf16 / int8 / int4 weights on the CPU: prompt and decode tokens/s, decode "

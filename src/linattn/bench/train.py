@@ -13,6 +13,14 @@ additions, gradients still reach every projection). Everything else of the step 
 cross-entropy, AdamW) is softmax's, so its ratio to softmax is the most any mixer can gain over softmax at this
 configuration: a mixer whose ratio target exceeds it cannot be met by a faster mixer alone.
 
+Model-FLOPs utilisation (the mfu column): each step's matmul FLOPs, counted once per mixer on an untimed step by
+`torch.utils.flop_counter.FlopCounterMode` (matrix products and SDPA, forward and backward, SDPA's T x T products
+counted in full as torch counts them; the compiled mixer kernels run as custom ops it does not see, and elementwise
+work is not counted), over the median step time times the
+fp32 matmul rate of this machine measured in the same run at the same thread count (`common.matmul_rate`, a
+2048^3 product). --profile N adds, per mixer, a torch.profiler table of one step's top N operators by self CPU
+time and the share of the step spent outside the matrix products (what the mixer's bound is made of).
+
 --quick runs a tiny configuration in a few seconds (the test suite runs it).
 """
 from __future__ import annotations
@@ -53,6 +61,9 @@ def add_arguments(p) -> None:
     p.add_argument("--free-mixer", action="store_true",
                    help="add the row free-mixer: softmax's model with attention replaced by o = q + k + v, the bound "
                         "on any mixer's gain over softmax at this configuration")
+    p.add_argument("--profile", type=int_at_least(0), default=0, metavar="N",
+                   help="print a torch.profiler table of one step per mixer, its top N operators by self CPU time "
+                        "(default 0: none)")
     p.add_argument("--quick", action="store_true",
                    help="a tiny configuration (d 32, 2 layers, seq 64, batch 2, 2 steps) for a smoke test")
     p.add_argument("--out", default=None, help="output folder (default results/bench/train/)")
@@ -119,6 +130,52 @@ def make_step(name: str, a):
     return step, sum(p.numel() for p in model.parameters())
 
 
+# the operators whose time counts as matrix products in the profile (their FLOPs are what FlopCounterMode counts)
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+              "aten::_scaled_dot_product_flash_attention_for_cpu",
+              "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _cpu_sdpa_flops():
+    """FlopCounterMode's SDPA formulas for the CPU flash-attention ops, which its registry lacks (torch 2.13): the
+    full T x T products, as it counts SDPA elsewhere (a causal mask is not halved)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def fwd(query, key, value, *args, out_val=None, **kwargs):  # the counter passes shapes for tensors
+        return sdpa_flop_count(query, key, value)
+
+    def bwd(grad_out, query, key, value, *args, out_val=None, **kwargs):
+        return sdpa_backward_flop_count(grad_out, query, key, value)
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu: fwd,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd}
+
+
+def step_flops(step) -> int:
+    """The matmul FLOPs of one call of `step` (FlopCounterMode: matrix products and SDPA, forward and backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False, custom_mapping=_cpu_sdpa_flops())
+    with counter:
+        step()
+    return int(counter.get_total_flops())
+
+
+def profile_step(step, rows: int) -> Dict[str, Any]:
+    """One step under torch.profiler: the share of self CPU time in matrix products and the top `rows` operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ev = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in ev)
+    mm = sum(e.self_cpu_time_total for e in ev if e.key in MATMUL_OPS)
+    return {"self_cpu_ms": total / 1e3, "matmul_share": mm / total if total else 0.0,
+            "table": ev.table(sort_by="self_cpu_time_total", row_limit=rows)}
+
+
 def measure(names: List[str], a, log) -> List[Dict[str, Any]]:
     """One record per mixer: the step's Timing (or the error), tokens/s and the parameter count."""
     steps, records = [], []
@@ -147,7 +204,21 @@ def measure(names: List[str], a, log) -> List[Dict[str, Any]]:
         else:
             rec["step"] = t.to_dict()
             rec["tokens_per_s"] = tokens / (t.median_ms / 1e3)
+    for rec, fn in zip(records, steps):  # untimed: the counter and the profiler slow the step down
+        if "error" in rec:
+            continue
+        rec["matmul_flops"] = step_flops(fn)
+        if getattr(a, "profile", 0):
+            rec["profile"] = profile_step(fn, a.profile)
+            log(f"profiled {rec['model']}")
     return records
+
+
+def add_mfu(records: List[Dict[str, Any]], rate_gflops: float) -> None:
+    """mfu = the step's matmul FLOPs / (median step seconds x the measured fp32 matmul rate)."""
+    for r in records:
+        if "matmul_flops" in r and rate_gflops > 0:
+            r["mfu"] = r["matmul_flops"] / (r["step"]["median_ms"] / 1e3) / (rate_gflops * 1e9)
 
 
 def _report(records: List[Dict[str, Any]]) -> str:
@@ -158,9 +229,18 @@ def _report(records: List[Dict[str, Any]]) -> str:
             rows.append([r["model"], "-", "-", "-", r["error"][:60]])
             continue
         ratio = f"{r['tokens_per_s'] / soft:.2f}x" if soft else "-"
+        gflop = f"{r['matmul_flops'] / 1e9:.1f}" if "matmul_flops" in r else "-"
         rows.append([r["model"], f"{r['params']:,}", common.fmt_ms(r["step"]["median_ms"]),
-                     f"{r['tokens_per_s']:,.0f}", ratio])
-    return common.format_table(["mixer", "params", "step ms (median)", "tokens/s", "vs softmax"], rows)
+                     f"{r['tokens_per_s']:,.0f}", ratio, gflop, f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"])
+    text = common.format_table(["mixer", "params", "step ms (median)", "tokens/s", "vs softmax", "matmul GFLOP",
+                                "mfu"], rows)
+    for r in records:
+        if "profile" in r:
+            pr = r["profile"]
+            text += (f"\n\n{r['model']}: one step under torch.profiler, {pr['self_cpu_ms']:.0f} ms self CPU time, "
+                     f"{100 * pr['matmul_share']:.0f}% in matrix products, {100 * (1 - pr['matmul_share']):.0f}% "
+                     f"outside\n{pr['table']}")
+    return text
 
 
 def run(a) -> int:
@@ -189,9 +269,15 @@ def run(a) -> int:
             f"warm-up, mixers interleaved; {torch.get_num_threads()} thread(s)"]
     print("\n".join(head) + "\n")
     records = measure(names, a, log)
+    rate = common.matmul_rate(2048 if not a.quick else 256)
+    add_mfu(records, rate["gflops"])
+    print(f"matmul   fp32 {rate['n']}^3 product: {rate['gflops']:.1f} GFLOP/s (median) at {torch.get_num_threads()} "
+          f"thread(s), measured after the steps; mfu = a step's matmul FLOPs / (its median time x this rate)\n")
+    head.append(f"matmul   fp32 {rate['n']}^3: {rate['gflops']:.1f} GFLOP/s; mfu = matmul FLOPs / (step time x rate)")
     text = _report(records)
     print(text)
     atomic_write_text(paths["txt"], "\n".join(head) + "\n\n" + text + "\n")
-    write_json(paths["json"], {"benchmark": "train", "machine": info, "config": vars(a), "records": records})
+    write_json(paths["json"], {"benchmark": "train", "machine": info, "config": vars(a), "matmul_rate": rate,
+                               "records": records})
     print(f"\nwrote {paths['txt']}, {paths['json']}")
     return 1 if any("error" in r for r in records) else 0

@@ -47,8 +47,12 @@ def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return t.data_ptr()
 
 
-def threads() -> int:
-    return max(1, torch.get_num_threads())
+def threads(work: Optional[float] = None, grain: float = 1.0) -> int:
+    """torch's intra-op thread count, or fewer for a small call: at most one thread per `grain` of `work` (a kernel's
+    own cost measure; a grain is about a millisecond of one thread's work). Forking threads for less than that costs
+    more than it saves, and on a busy machine a thread that the system deschedules holds the whole call back."""
+    n = max(1, torch.get_num_threads())
+    return n if work is None else max(1, min(n, int(work // grain)))
 
 
 c_ptr = ctypes.c_void_p

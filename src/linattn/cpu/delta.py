@@ -45,9 +45,14 @@ def _decays(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return torch.exp(g) if g is not None else None
 
 
+# a thread per GRAIN of tokens x heads x K x V (about a millisecond of one thread's forward scan)
+GRAIN = float(1 << 23)
+
+
 def _plan(q: torch.Tensor, V: int, starts: torch.Tensor, ck_off: torch.Tensor, g: Optional[torch.Tensor]) -> DeltaPlan:
-    _, H, K = q.shape
-    return DeltaPlan(starts.numel() - 1, H, K, V, CHECKPOINT, ptr(starts), ptr(ck_off), _gate(g), threads())
+    TT, H, K = q.shape
+    return DeltaPlan(starts.numel() - 1, H, K, V, CHECKPOINT, ptr(starts), ptr(ck_off), _gate(g),
+                     threads(float(TT) * H * K * V, GRAIN))
 
 
 def _forward(q, k, v, a, g, S0, starts, ck_off, n_ckpt):

@@ -33,9 +33,14 @@ from .abi import LinearPlan
 FMAPS = {None: FMAP_IDENTITY, **FUSED_MAPS}  # the maps applied inside the kernels (None: features given)
 
 
-def _plan(starts: Tensor, N: int, H: int, K: int, V: int, C: int, norm: bool, fmap: int, scale: float,
+# a thread per GRAIN of rows x heads x K x (C + W) (about a millisecond of one thread's forward)
+GRAIN = float(1 << 24)
+
+
+def _plan(starts: Tensor, rows: int, N: int, H: int, K: int, V: int, C: int, norm: bool, fmap: int, scale: float,
           eps: float) -> LinearPlan:
-    return LinearPlan(N, H, K, V, C, ptr(starts), int(norm), fmap, threads(), 0, scale, eps)
+    nthreads = threads(float(rows) * H * K * (C + V + int(norm)), GRAIN)
+    return LinearPlan(N, H, K, V, C, ptr(starts), int(norm), fmap, nthreads, 0, scale, eps)
 
 
 def n_chunks(starts: List[int], C: int) -> int:
@@ -61,7 +66,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tens
     P = q.new_empty(n_chunks(starts, chunk_size), H, K, W) if keep_states else q.new_empty(0)
     bad = torch.zeros(1, dtype=torch.int32)
     st = torch.tensor(starts, dtype=torch.int64)
-    plan = _plan(st, N, H, K, V, chunk_size, norm, fmap, scale, eps)
+    plan = _plan(st, TT, N, H, K, V, chunk_size, norm, fmap, scale, eps)
     bindings.require("linear")("linattn_linear_fwd", q.dtype, ctypes.byref(plan), ptr(q), ptr(k), ptr(v), ptr(g),
                                ptr(S0), ptr(num), ptr(den) if norm else None, ptr(P) if keep_states else None, ptr(S),
                                ptr(bad))
@@ -99,7 +104,7 @@ def _bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], P: Tensor, dnum: 
     dg = q.new_zeros(TT, H) if g is not None else q.new_empty(0)
     dS0 = q.new_empty(N, H, K, W)
     st = torch.tensor(starts, dtype=torch.int64)
-    plan = _plan(st, N, H, K, V, chunk_size, norm, fmap, scale, float(eps) if divided else -1.0)
+    plan = _plan(st, TT, N, H, K, V, chunk_size, norm, fmap, scale, float(eps) if divided else -1.0)
     bindings.require("linear")("linattn_linear_bwd", q.dtype, ctypes.byref(plan), ptr(q), ptr(k), ptr(v), ptr(g),
                                ptr(P), ptr(dnum), ptr(dden), ptr(o), ptr(den), ptr(dS), ptr(dq), ptr(dk), ptr(dv),
                                ptr(dg) if g is not None else None, ptr(dS0))

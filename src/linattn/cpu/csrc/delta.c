@@ -15,7 +15,8 @@
    token, so a later inf/NaN never reaches an earlier output and a prefix gives the same bits.
 
    Layout: tokens flat, [TT, H, D] contiguous; sequence n covers tokens starts[n] .. starts[n+1]-1 (B equal
-   sequences or cu_seqlens). States [N, H, K, V]. One OpenMP task per (sequence, head).
+   sequences or cu_seqlens). States [N, H, K, V]. One OpenMP task per (sequence, head), or runs of tokens of
+   each (sequence, head) when there are few of them for the threads (DELTA_UNITS_PER_THREAD).
 
    Backward: the forward stores the state at the start of every chunk of `chunk` tokens (ckpt [NCK, H, K, V],
    sequence n's first at ck_off[n]); the backward walks the chunks in reverse, recomputes a chunk's states
@@ -28,6 +29,7 @@
 #define LINATTN_DELTA_BODY
 
 #include "common.h"
+#include "chains.h"
 
 /* GCC's unroll-and-jam of the row loops (-O3) kept the column accumulators on the stack: the forward ran 1.5-2x
    slower (measured), so it is off here. */
@@ -39,6 +41,17 @@
 #define GATE_HEAD 1
 #define GATE_CHANNEL 2
 #define PF_AHEAD 4 /* tokens: a head's rows lie H * D apart, which the hardware prefetchers follow poorly */
+/* Threads: one task per (sequence, head) unit when there are at least DELTA_UNITS_PER_THREAD per thread; with
+   fewer, the units are chains (chains.h), claimed for a run of about DELTA_RUN tokens at a time (a whole number
+   of checkpoint chunks), so that a descheduled thread holds back one run of one unit, not a whole sequence. The
+   scan of a unit is the same either way: a run starts with its first token's prediction from the stored state,
+   the same products in the same order as the previous token's pass would have made (same bits). */
+#ifndef DELTA_UNITS_PER_THREAD
+#define DELTA_UNITS_PER_THREAD 4
+#endif
+#ifndef DELTA_RUN
+#define DELTA_RUN 512
+#endif
 
 LA_ABI_VERSION(delta, 3)
 
@@ -213,10 +226,32 @@ int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL
                           const REAL *g, const REAL *S0, REAL *o, REAL *S_out, REAL *ckpt) {
     const int64_t N = p->N, H = p->H, K = p->K, V = p->V, chunk = p->chunk, *starts = p->starts,
                   *ck_off = p->ck_off;
-    const int gate = p->gate;
+    const int gate = p->gate, nthreads = p->nthreads;
     const int64_t KV = K * V;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
+    if (nthreads > 1 && N * H < DELTA_UNITS_PER_THREAD * (int64_t)nthreads) {
+        la_chains_t chn;
+        if (la_chains_init(&chn, N * H) != 0) return -1;
+        const int64_t run = chunk * (DELTA_RUN / chunk > 1 ? DELTA_RUN / chunk : 1); /* whole checkpoint chunks */
+        for (int64_t u = 0; u < N * H; u++) {
+            if (S0 != NULL) memcpy(S_out + u * KV, S0 + u * KV, (size_t)KV * sizeof(REAL));
+            else memset(S_out + u * KV, 0, (size_t)KV * sizeof(REAL));
+            if (starts[u / H + 1] > starts[u / H]) la_chains_add(&chn, u, 0);
+        }
+#pragma omp parallel num_threads(nthreads)
+        for (int64_t u; (u = la_chains_claim(&chn, N * H)) >= 0;) {
+            const int64_t n = u / H, h = u % H, L = starts[n + 1] - starts[n], i0 = chn.run[u];
+            const int64_t Lr = L - i0 < run ? L - i0 : run;
+            if (FN(scan)(H, K, V, h, starts[n] + i0, Lr, q, k, v, a, g, gate, S_out + u * KV, NULL, o, NULL, NULL,
+                         ckpt != NULL ? ckpt + ((ck_off[n] + i0 / chunk) * H + h) * KV : NULL, chunk) != 0) {
+                LA_ATOMIC_WRITE failed = 1;
+            }
+            la_chains_release(&chn, u, i0 + Lr, i0 + Lr == L);
+        }
+        la_chains_free(&chn);
+        return failed ? -1 : 0;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t task = 0; task < N * H; task++) {
         const int64_t n = task / H, h = task % H;
         REAL *S = S_out + task * KV;
@@ -349,6 +384,83 @@ LA_INLINE void FN(bwd_token)(int64_t K, int64_t V, REAL *dS, const REAL *Sp, con
                      dqp);
 }
 
+/* the scratch of one thread's backward: a stretch's states S_{t-1} and its last S_t, its w and e; derr of this and
+   the previous token, dq, dk and dg of a token */
+static size_t FN(bwd_scratch)(int64_t K, int64_t V, int64_t chunk) {
+    return (size_t)((chunk + 1) * K * V + chunk * (V + K) + 2 * V + 4 * K) * sizeof(REAL);
+}
+
+/* The stretches c_hi - 1 down to c_lo of unit (n, h) (stretch c: tokens s + c chunk ...), dS = its state gradient,
+   carried; dcarry [V]: derr of the token after the first stretch, in and out (c_hi = the last stretch: not read).
+   Returns -1 when the recomputing scan found no memory. */
+static int FN(bwd_stretches)(int64_t H, int64_t K, int64_t V, const int64_t *starts, const REAL *q, const REAL *k,
+                             const REAL *v, const REAL *a, const REAL *g, int gate, const REAL *ckpt,
+                             const int64_t *ck_off, int64_t chunk, const REAL *dout, REAL *dq, REAL *dk, REAL *dv,
+                             REAL *da, REAL *dg, int64_t n, int64_t h, int64_t c_hi, int64_t c_lo, REAL *restrict dS,
+                             REAL *dcarry, REAL *Sbuf) {
+    const int64_t KV = K * V, s = starts[n], L = starts[n + 1] - s;
+    REAL *wbuf = Sbuf + (chunk + 1) * KV, *ebuf = wbuf + chunk * V, *derr = ebuf + chunk * K;
+    REAL *derrp = derr + V, *dqp = derrp + V, *dkt = dqp + K, *dgt = dkt + K;
+    if (c_hi < (L + chunk - 1) / chunk) memcpy(derr, dcarry, (size_t)V * sizeof(REAL));
+    for (int64_t c = c_hi - 1; c >= c_lo; c--) {
+        const int64_t t0 = s + c * chunk, Lc = (L - c * chunk) < chunk ? (L - c * chunk) : chunk;
+        memcpy(Sbuf, ckpt + ((ck_off[n] + c) * H + h) * KV, (size_t)KV * sizeof(REAL));
+        if (FN(scan)(H, K, V, h, t0, Lc, q, k, v, a, g, gate, Sbuf, Sbuf, NULL, wbuf, ebuf, NULL, chunk) != 0)
+            return -1;
+        if (t0 + Lc == s + L) { /* the sequence's last token: its own output's term, derr and dq */
+            const int64_t th = (s + L - 1) * H + h;
+            const REAL *St = Sbuf + Lc * KV;
+            for (int64_t d = 0; d < K; d++) dqp[d] = 0;
+            int64_t j0 = 0;
+            for (; j0 + FN(VB) <= V; j0 += FN(VB))
+                FN(bwd_first_cols)(K, V, FN(VB), dS + j0, St + j0, q + th * K, k + th * K, dout + th * V + j0,
+                                   derr + j0, dqp);
+            if (j0 < V)
+                FN(bwd_first_cols)(K, V, V - j0, dS + j0, St + j0, q + th * K, k + th * K, dout + th * V + j0,
+                                   derr + j0, dqp);
+            memcpy(dq + th * K, dqp, (size_t)K * sizeof(REAL));
+        }
+        for (int64_t i = Lc - 1; i >= 0; i--) {
+            const int64_t th = (t0 + i) * H + h, tp = th - H;
+            const int has_prev = t0 + i > s;
+            const REAL *Sp = Sbuf + i * KV, *w = wbuf + i * V, *e = ebuf + i * K, *kt = k + th * K;
+            REAL dat = 0, gsum = 0;
+            for (int64_t d = 0; d < K; d++) { dqp[d] = 0; dkt[d] = 0; dgt[d] = 0; }
+            /* six specialisations: the gate (none, head, channel) x whether a previous token exists */
+            if (has_prev) {
+                const REAL *qp = q + tp * K, *kp = k + tp * K, *dop = dout + tp * V;
+                if (gate == GATE_NONE)
+                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
+                                  &dat, GATE_NONE, 1, qp, kp, dop, derrp, dqp);
+                else if (gate == GATE_HEAD)
+                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
+                                  &dat, GATE_HEAD, 1, qp, kp, dop, derrp, dqp);
+                else
+                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
+                                  &dat, GATE_CHANNEL, 1, qp, kp, dop, derrp, dqp);
+                memcpy(dq + tp * K, dqp, (size_t)K * sizeof(REAL));
+            } else {
+                if (gate == GATE_NONE)
+                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
+                                  &dat, GATE_NONE, 0, NULL, NULL, NULL, NULL, NULL);
+                else if (gate == GATE_HEAD)
+                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
+                                  &dat, GATE_HEAD, 0, NULL, NULL, NULL, NULL, NULL);
+                else
+                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
+                                  &dat, GATE_CHANNEL, 0, NULL, NULL, NULL, NULL, NULL);
+            }
+            da[th] = dat;
+            memcpy(dk + th * K, dkt, (size_t)K * sizeof(REAL));
+            if (gate == GATE_CHANNEL) memcpy(dg + th * K, dgt, (size_t)K * sizeof(REAL));
+            if (gate == GATE_HEAD) dg[th] = gsum;
+            REAL *tmp = derr; derr = derrp; derrp = tmp;
+        }
+    }
+    memcpy(dcarry, derr, (size_t)V * sizeof(REAL));
+    return 0;
+}
+
 /* dS [N, H, K, V] enters as dL/dS_final (the caller zero-fills it when the final state has no gradient)
    and leaves as dL/dS0. dg may be NULL without a gate. Returns -1 when scratch memory is missing. */
 int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL *k, const REAL *v, const REAL *a,
@@ -356,83 +468,55 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
                           REAL *dv, REAL *da, REAL *dg) {
     const int64_t N = p->N, H = p->H, K = p->K, V = p->V, chunk = p->chunk, *starts = p->starts,
                   *ck_off = p->ck_off;
-    const int gate = p->gate;
+    const int gate = p->gate, nthreads = p->nthreads;
     const int64_t KV = K * V;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
-    for (int64_t task = 0; task < N * H; task++) {
-        const int64_t n = task / H, h = task % H;
-        const int64_t s = starts[n], L = starts[n + 1] - s;
-        REAL *restrict dS = dS_all + task * KV;
-        if (L <= 0) continue;
-        /* a stretch's states S_{t-1} and its last S_t, its w and e; derr of this and the previous token */
-        REAL *Sbuf = (REAL *)malloc((size_t)((chunk + 1) * KV + chunk * (V + K) + 2 * V + 4 * K) * sizeof(REAL));
-        if (Sbuf == NULL) {
-            LA_ATOMIC_WRITE failed = 1;
-            continue;
-        }
-        REAL *wbuf = Sbuf + (chunk + 1) * KV, *ebuf = wbuf + chunk * V, *derr = ebuf + chunk * K;
-        REAL *derrp = derr + V, *dqp = derrp + V, *dkt = dqp + K, *dgt = dkt + K;
-        for (int64_t c = (L + chunk - 1) / chunk - 1; c >= 0; c--) {
-            const int64_t t0 = s + c * chunk, Lc = (L - c * chunk) < chunk ? (L - c * chunk) : chunk;
-            memcpy(Sbuf, ckpt + ((ck_off[n] + c) * H + h) * KV, (size_t)KV * sizeof(REAL));
-            if (FN(scan)(H, K, V, h, t0, Lc, q, k, v, a, g, gate, Sbuf, Sbuf, NULL, wbuf, ebuf, NULL,
-                         chunk) != 0) {
-                LA_ATOMIC_WRITE failed = 1;
-                break;
-            }
-            if (t0 + Lc == s + L) { /* the sequence's last token: its own output's term, derr and dq */
-                const int64_t th = (s + L - 1) * H + h;
-                const REAL *St = Sbuf + Lc * KV;
-                for (int64_t d = 0; d < K; d++) dqp[d] = 0;
-                int64_t j0 = 0;
-                for (; j0 + FN(VB) <= V; j0 += FN(VB))
-                    FN(bwd_first_cols)(K, V, FN(VB), dS + j0, St + j0, q + th * K, k + th * K,
-                                       dout + th * V + j0, derr + j0, dqp);
-                if (j0 < V)
-                    FN(bwd_first_cols)(K, V, V - j0, dS + j0, St + j0, q + th * K, k + th * K,
-                                       dout + th * V + j0, derr + j0, dqp);
-                memcpy(dq + th * K, dqp, (size_t)K * sizeof(REAL));
-            }
-            for (int64_t i = Lc - 1; i >= 0; i--) {
-                const int64_t th = (t0 + i) * H + h, tp = th - H;
-                const int has_prev = t0 + i > s;
-                const REAL *Sp = Sbuf + i * KV, *w = wbuf + i * V, *e = ebuf + i * K, *kt = k + th * K;
-                REAL dat = 0, gsum = 0;
-                for (int64_t d = 0; d < K; d++) { dqp[d] = 0; dkt[d] = 0; dgt[d] = 0; }
-                /* six specialisations: the gate (none, head, channel) x whether a previous token exists */
-                if (has_prev) {
-                    const REAL *qp = q + tp * K, *kp = k + tp * K, *dop = dout + tp * V;
-                    if (gate == GATE_NONE)
-                        FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
-                                      &dat, GATE_NONE, 1, qp, kp, dop, derrp, dqp);
-                    else if (gate == GATE_HEAD)
-                        FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
-                                      &dat, GATE_HEAD, 1, qp, kp, dop, derrp, dqp);
-                    else
-                        FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
-                                      &dat, GATE_CHANNEL, 1, qp, kp, dop, derrp, dqp);
-                    memcpy(dq + tp * K, dqp, (size_t)K * sizeof(REAL));
-                } else {
-                    if (gate == GATE_NONE)
-                        FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
-                                      &dat, GATE_NONE, 0, NULL, NULL, NULL, NULL, NULL);
-                    else if (gate == GATE_HEAD)
-                        FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
-                                      &dat, GATE_HEAD, 0, NULL, NULL, NULL, NULL, NULL);
-                    else
-                        FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
-                                      &dat, GATE_CHANNEL, 0, NULL, NULL, NULL, NULL, NULL);
-                }
-                da[th] = dat;
-                memcpy(dk + th * K, dkt, (size_t)K * sizeof(REAL));
-                if (gate == GATE_CHANNEL) memcpy(dg + th * K, dgt, (size_t)K * sizeof(REAL));
-                if (gate == GATE_HEAD) dg[th] = gsum;
-                REAL *tmp = derr; derr = derrp; derrp = tmp;
-            }
-        }
-        free(Sbuf);
+    const int chains = nthreads > 1 && N * H < DELTA_UNITS_PER_THREAD * (int64_t)nthreads;
+    /* chains: runs of whole stretches, each unit's derr carried between them in dcar */
+    const int64_t run = DELTA_RUN / chunk > 1 ? DELTA_RUN / chunk : 1;
+    la_chains_t chn = {0};
+    REAL *dcar = chains ? (REAL *)malloc((size_t)(N * H * V > 0 ? N * H * V : 1) * sizeof(REAL)) : NULL;
+    if (chains && (!dcar || la_chains_init(&chn, N * H) != 0)) {
+        free(dcar);
+        return -1;
     }
+    if (chains)
+        for (int64_t u = 0; u < N * H; u++) {
+            const int64_t L = starts[u / H + 1] - starts[u / H];
+            if (L > 0) la_chains_add(&chn, u, (L + chunk - 1) / chunk); /* the stretches below run[u] are left */
+        }
+#pragma omp parallel num_threads(nthreads)
+    {
+        REAL *Sbuf = (REAL *)malloc(FN(bwd_scratch)(K, V, chunk));
+        REAL *dc = (REAL *)malloc((size_t)(V > 0 ? V : 1) * sizeof(REAL));
+        if (Sbuf == NULL || dc == NULL) {
+            LA_ATOMIC_WRITE failed = 1;
+        }
+        if (chains) {
+            for (int64_t u; Sbuf && dc && (u = la_chains_claim(&chn, N * H)) >= 0;) {
+                const int64_t c_hi = chn.run[u], c_lo = c_hi > run ? c_hi - run : 0;
+                if (FN(bwd_stretches)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv,
+                                      da, dg, u / H, u % H, c_hi, c_lo, dS_all + u * KV, dcar + u * V, Sbuf) != 0) {
+                    LA_ATOMIC_WRITE failed = 1;
+                }
+                la_chains_release(&chn, u, c_lo, c_lo == 0);
+            }
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < N * H; task++) {
+                const int64_t n = task / H, L = starts[n + 1] - starts[n];
+                if (L <= 0 || !Sbuf || !dc) continue;
+                if (FN(bwd_stretches)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv,
+                                      da, dg, n, task % H, (L + chunk - 1) / chunk, 0, dS_all + task * KV, dc,
+                                      Sbuf) != 0) {
+                    LA_ATOMIC_WRITE failed = 1;
+                }
+            }
+        }
+        free(Sbuf), free(dc);
+    }
+    if (chains) la_chains_free(&chn);
+    free(dcar);
     return failed ? -1 : 0;
 }
 

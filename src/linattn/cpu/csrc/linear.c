@@ -9,9 +9,10 @@
    Per chunk (G the gate's cumulative sum inside the chunk, GL its last value, decay D_ij = exp(G_i - G_j)):
      A_ij = (q_i . k_j) D_ij (j <= i),   o_i = sum_{j<=i} A_ij v_j + exp(G_i) q_i^T P_c,
      P_{c+1} = exp(GL) P_c + sum_j exp(GL - G_j) k_j v_j^T.
-   Three passes, each parallel (OpenMP, num_threads from the caller): every chunk's own state update U_c, the
-   running sum over the chunks of each (sequence, head), then every chunk's outputs. The backward pass mirrors
-   them with the reverse running sum of the state gradients.
+   Threads (OpenMP, num_threads from the caller): one pass per (sequence, head) when there is one per thread;
+   else every chunk's own state update U_c, the running sum over the chunks of each (sequence, head), then every
+   chunk's outputs, claimed as tasks without a barrier (lin_flow_t says how the work is shared). The backward
+   pass mirrors them with the reverse running sum of the state gradients.
 
    Causality: a row's output uses only rows <= it (triangular products by selection, never a multiply by 0) and
    chunk states summed in a fixed order over earlier chunks; a chunk is always computed on C rows (the tail
@@ -29,6 +30,8 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+
+#include "chains.h"
 
 /* Ask for transparent huge pages on the 2 MiB-aligned part of a large output buffer that the kernel is about to
    write: torch's CPU allocator hands fresh allocations of this size straight from the OS, and the first write to
@@ -67,6 +70,78 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
     first[N] = nc;
     return nc;
 }
+
+/* How the threads share the work (OpenMP, num_threads from the caller), by the number of (sequence, head) units:
+
+   * many units (>= LIN_UNITS_PER_THREAD per thread): one pass per unit (or per sequence, all its heads), units
+     claimed dynamically; the tail (the last units) is short beside the whole.
+   * at least one unit per thread, fewer than that (B = 1, H = 4 on 2 threads): still one pass per unit, the same
+     arithmetic, as chains (chains.h): a unit is claimed for a run of LIN_CHAIN_RUN chunks at a time, its state
+     kept in a shared array between runs, so that the units advance together and a descheduled thread holds
+     back one run of one unit.
+   * fewer units than threads: each chunk's work in two halves, every (unit, chunk) task claimed from one
+     counter in the order: every chunk's first half (the forward's state update, the backward's state-gradient
+     part), unit by unit, then every chunk's second half (outputs, input gradients). The thread that finishes a
+     unit's last first half runs that unit's running sum over its chunks at once; a second half waits only for
+     its own unit's sum. It loads every chunk twice (1.7-1.9x the work of one pass, measured), so it is used
+     only where one pass cannot use every thread.
+
+   No barrier inside a call: a waiting thread yields its core. Every path runs the same per-chunk arithmetic in
+   the same order per unit, so the results do not depend on the thread count. */
+typedef struct {
+    _Atomic int64_t next;  /* the next task to claim */
+    _Atomic int64_t *done; /* per unit: first halves finished */
+    _Atomic int *ready;    /* per unit: its running sum is written */
+} lin_flow_t;
+
+static int lin_flow_init(lin_flow_t *f, int64_t units) {
+    const size_t n = (size_t)(units > 0 ? units : 1);
+    f->done = malloc(sizeof(*f->done) * n);
+    f->ready = malloc(sizeof(*f->ready) * n);
+    if (!f->done || !f->ready) {
+        free((void *)f->done), free((void *)f->ready);
+        f->done = NULL, f->ready = NULL;
+        return -1;
+    }
+    atomic_init(&f->next, 0);
+    for (int64_t u = 0; u < units; u++) atomic_init(&f->done[u], 0), atomic_init(&f->ready[u], 0);
+    return 0;
+}
+
+static void lin_flow_free(lin_flow_t *f) { free((void *)f->done), free((void *)f->ready); }
+
+/* chains (chains.h) of (sequence, head) units: every unit with chunks, from its first chunk (reverse: from past its
+   last, the chunks below run[u] left) */
+static int lin_chains(la_chains_t *ch, int64_t N, int64_t H, const int64_t *first, int reverse) {
+    if (la_chains_init(ch, N * H) != 0) return -1;
+    for (int64_t u = 0; u < N * H; u++)
+        if (first[u / H + 1] > first[u / H]) la_chains_add(ch, u, reverse ? first[u / H + 1] : first[u / H]);
+    return 0;
+}
+
+/* split: task j < NC * H of the unit-major order (sequence s, head h, then its chunks) -> its chunk c and head h */
+static inline void lin_flow_task(int64_t j, int64_t H, const lin_chunk_t *ch, const int64_t *first, int64_t *c,
+                                 int64_t *h) {
+    const int64_t s = ch[j / H].seq, n = first[s + 1] - first[s], r = j - first[s] * H;
+    *h = r / n;
+    *c = first[s] + r % n;
+}
+
+/* split: a first half of unit u is finished: 1 when it was the unit's last (the caller then runs the sum) */
+static inline int lin_flow_finish(lin_flow_t *f, int64_t u, int64_t n) {
+    return atomic_fetch_add(&f->done[u], 1) + 1 == n;
+}
+
+static inline void lin_flow_wait(lin_flow_t *f, int64_t u) {
+    while (!atomic_load_explicit(&f->ready[u], memory_order_acquire)) la_yield(); /* the holder may need the core */
+}
+
+#ifndef LIN_CHAIN_RUN
+#define LIN_CHAIN_RUN 8 /* chunks per claim of a unit */
+#endif
+#ifndef LIN_UNITS_PER_THREAD
+#define LIN_UNITS_PER_THREAD 4 /* fewer (sequence, head) units per thread: chains */
+#endif
 
 /* the interface version the Python bindings check after loading (cpu/bindings.py; linear.c includes itself once
    per REAL, so this lives in the part compiled once) */
@@ -432,6 +507,52 @@ static void FN(carry)(int64_t n, int has_g, REAL GL, REAL *S, const REAL *U) {
     }
 }
 
+/* one pass over chunk c of head h: outputs from the carried state Sh, then Sh carried past the chunk; the next
+   unit's rows (chunk t1, head h1, l1 rows; l1 = 0: none) are prefetched between the products */
+typedef struct {
+    const REAL *q, *k, *v, *g;
+    REAL *num, *den, *P;
+    int64_t H;
+    int K, V, W, C, norm, has_g, fmap;
+    REAL sc, ep;
+} FN(fargs);
+
+typedef struct {
+    REAL *Q, *Qd, *Km, *Kt, *Vb, *A, *O, *U;
+    double *G;
+} FN(fws);
+
+static int FN(fl_chunk)(const FN(fargs) *a, FN(fws) *w, int64_t c, int64_t t0, int len, int64_t h, REAL *Sh,
+                        int64_t t1, int64_t h1, int l1) {
+    const int64_t H = a->H, KW = (int64_t)a->K * a->W;
+    const int K = a->K, V = a->V, W = a->W, C = a->C;
+    const double GL = FN(fl_load)(a->q, a->k, a->v, a->g, t0, len, H, h, K, V, W, C, a->fmap, a->sc, w->Q, w->Km,
+                                  w->Kt, w->Vb, w->G);
+    lin_pf_t pf;
+    lin_pf_init(&pf);
+    if (l1 > 0) {
+        const int64_t sb = H * (int64_t)sizeof(REAL);
+        lin_pf_add(&pf, a->q + (t1 * H + h1) * K, l1, sb * K, (int64_t)sizeof(REAL) * K, 0);
+        lin_pf_add(&pf, a->k + (t1 * H + h1) * K, l1, sb * K, (int64_t)sizeof(REAL) * K, 0);
+        lin_pf_add(&pf, a->v + (t1 * H + h1) * V, l1, sb * V, (int64_t)sizeof(REAL) * V, 0);
+#ifndef PF_NOW
+        lin_pf_add(&pf, a->num + (t1 * H + h1) * V, l1, sb * V, (int64_t)sizeof(REAL) * V, 1);
+#endif
+    }
+    const int per = PF_PER;
+    const REAL *Pc = Sh;
+    if (a->P) {
+        memcpy(a->P + (c * H + h) * KW, Sh, sizeof(REAL) * KW);
+        Pc = a->P + (c * H + h) * KW;
+    }
+    const int bad = FN(fl_out)(t0, len, H, h, K, V, W, C, a->norm, a->has_g, a->ep, w->Q, w->Qd, w->Km, w->Kt, w->Vb,
+                               w->G, Pc, w->A, w->O, a->num, a->den, &pf, per);
+    FN(fl_update)(len, K, V, W, C, a->has_g, w->G, GL, w->Kt, w->Km, w->Vb, w->U, w->Qd, &pf, per);
+    lin_pf_step(&pf, -1);
+    FN(carry)(KW, a->has_g, (REAL)GL, Sh, w->U);
+    return bad;
+}
+
 int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const REAL *k, const REAL *v, const REAL *g,
                            const REAL *S0, REAL *num, REAL *den, REAL *P, REAL *S_out, int32_t *nonfinite) {
     const int64_t N = p->N, H = p->H, K64 = p->K, V64 = p->V, C64 = p->C, *starts = p->starts;
@@ -450,23 +571,40 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
         return -1;
     }
     lin_chunks(N, starts, C, ch, first);
-    /* enough (sequence, head) pairs for the threads: one pass each, the state carried in cache; else three passes
-       over all chunks (parallel inside a sequence) */
-    const int one_pass = nthreads <= 1 || N * H >= 2 * (int64_t)nthreads;
+    /* one pass per (sequence, head) unit, the state carried in cache, when there is a unit per thread; else the
+       chunks' work in two halves split over the threads within each sequence (lin_flow_t) */
+    const int one_pass = nthreads <= 1 || N * H >= (int64_t)nthreads;
+    const int chains = one_pass && nthreads > 1 && N * H < LIN_UNITS_PER_THREAD * (int64_t)nthreads;
     /* one pass over whole sequences when there are enough of them: all heads of a chunk in turn, so the rows
        read form one contiguous block (rows of one head lie H * D apart, which the prefetchers follow poorly) and
        the H carried states stay in cache; the arithmetic per (chunk, head) is the same either way */
-    const int seq_major = one_pass && (nthreads <= 1 || N >= 2 * (int64_t)nthreads);
+    const int seq_major = one_pass && !chains && (nthreads <= 1 || N >= 2 * (int64_t)nthreads);
     const int64_t nh = seq_major && H > 0 ? H : 1; /* heads per one-pass task */
-    /* P == NULL: the chunk states are not kept (no backward); the three-pass path still needs them */
-    REAL *P_own = NULL;
-    if (!P && !one_pass) {
-        P = P_own = malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1));
-        if (!P_own) {
-            free(first), free(ch), free(gl);
+    /* P == NULL: the chunk states are not kept (no backward); the split path still needs them. Su: the chains'
+       carried states */
+    REAL *P_own = NULL, *Su = NULL;
+    lin_flow_t flow = {0};
+    la_chains_t chn = {0};
+    if (chains || !one_pass) {
+        if (!P && !one_pass) P = P_own = malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1));
+        if (chains) Su = malloc(sizeof(REAL) * (N * H * KW > 0 ? N * H * KW : 1));
+        if ((!one_pass && (!P || lin_flow_init(&flow, N * H) != 0)) ||
+            (chains && (!Su || lin_chains(&chn, N, H, first, 0) != 0))) {
+            if (flow.done) lin_flow_free(&flow);
+            free(first), free(ch), free(gl), free(P_own), free(Su);
             return -1;
         }
+        if (Su) {
+            if (S0) memcpy(Su, S0, sizeof(REAL) * N * H * KW);
+            else memset(Su, 0, sizeof(REAL) * N * H * KW);
+        }
+        for (int64_t u = 0; u < N * H; u++) /* a unit without chunks (an empty sequence): its final state only */
+            if (first[u / H + 1] == first[u / H] && S_out) {
+                if (S0) memcpy(S_out + u * KW, S0 + u * KW, sizeof(REAL) * KW);
+                else memset(S_out + u * KW, 0, sizeof(REAL) * KW);
+            }
     }
+    const FN(fargs) fa = {q, k, v, g, num, den, P, H, K, V, W, C, norm, has_g, fmap, sc, ep};
     lin_hugepages(num, (int64_t)sizeof(REAL) * starts[N] * H * V);
     if (P != P_own) lin_hugepages(P, (int64_t)sizeof(REAL) * NC * H * KW);
     int failed = 0, any_bad = 0;
@@ -483,86 +621,70 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
 #pragma omp atomic write
             failed = 1;
         }
-        if (one_pass) {
+        FN(fws) ws = {Q, Qd, Km, Kt, Vb, A, O, U, G};
+        if (chains) {
+            for (int64_t u; buf && (u = la_chains_claim(&chn, N * H)) >= 0;) {
+                const int64_t s = u / H, h = u % H, cb = chn.run[u], end = first[s + 1];
+                const int64_t ce = end - cb > LIN_CHAIN_RUN ? cb + LIN_CHAIN_RUN : end;
+                REAL *Sh = Su + u * KW;
+                for (int64_t c = cb; c < ce; c++) {
+                    const int nxt = c + 1 < end;
+                    bad |= FN(fl_chunk)(&fa, &ws, c, ch[c].t0, (int)ch[c].len, h, Sh, nxt ? ch[c + 1].t0 : 0, h,
+                                        nxt ? (int)ch[c + 1].len : 0);
+                }
+                if (ce == end && S_out) memcpy(S_out + u * KW, Sh, sizeof(REAL) * KW);
+                la_chains_release(&chn, u, ce, ce == end);
+            }
+        } else if (one_pass) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < N * H / nh; task++) {
                 if (!buf) continue;
                 const int64_t s = seq_major ? task : task / H, h0 = seq_major ? 0 : task % H;
                 if (S0) memcpy(S, S0 + (s * H + h0) * KW, sizeof(REAL) * nh * KW);
                 else memset(S, 0, sizeof(REAL) * nh * KW);
-                for (int64_t c = first[s]; c < first[s + 1]; c++) {
-                    const int64_t t0 = ch[c].t0;
-                    const int len = (int)ch[c].len;
+                for (int64_t c = first[s]; c < first[s + 1]; c++)
                     for (int64_t h = h0; h < h0 + nh; h++) {
-                        REAL *Sh = S + (h - h0) * KW;
-                        const double GL =
-                            FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
                         /* the next unit's rows: the next head of this chunk, else the first head of the next */
                         const int nxt_h = h + 1 < h0 + nh, nxt_c = c + 1 < first[s + 1];
-                        lin_pf_t pf;
-                        lin_pf_init(&pf);
-                        if (nxt_h || nxt_c) {
-                            const int64_t t1 = nxt_h ? t0 : ch[c + 1].t0, h1 = nxt_h ? h + 1 : h0;
-                            const int l1 = nxt_h ? len : (int)ch[c + 1].len;
-                            const int64_t sb = H * (int64_t)sizeof(REAL);
-                            lin_pf_add(&pf, q + (t1 * H + h1) * K, l1, sb * K, (int64_t)sizeof(REAL) * K, 0);
-                            lin_pf_add(&pf, k + (t1 * H + h1) * K, l1, sb * K, (int64_t)sizeof(REAL) * K, 0);
-                            lin_pf_add(&pf, v + (t1 * H + h1) * V, l1, sb * V, (int64_t)sizeof(REAL) * V, 0);
-#ifndef PF_NOW
-                            lin_pf_add(&pf, num + (t1 * H + h1) * V, l1, sb * V, (int64_t)sizeof(REAL) * V, 1);
-#endif
-                        }
-                        const int per = PF_PER;
-                        const REAL *Pc = Sh;
-                        if (P) {
-                            memcpy(P + (c * H + h) * KW, Sh, sizeof(REAL) * KW);
-                            Pc = P + (c * H + h) * KW;
-                        }
-                        bad |= FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Km, Kt, Vb, G, Pc, A, O,
-                                          num, den, &pf, per);
-                        FN(fl_update)(len, K, V, W, C, has_g, G, GL, Kt, Km, Vb, U, Qd, &pf, per);
-                        lin_pf_step(&pf, -1);
-                        FN(carry)(KW, has_g, (REAL)GL, Sh, U);
+                        const int64_t c1 = nxt_h ? c : c + 1;
+                        bad |= FN(fl_chunk)(&fa, &ws, c, ch[c].t0, (int)ch[c].len, h, S + (h - h0) * KW,
+                                            nxt_h || nxt_c ? ch[c1].t0 : 0, nxt_h ? h + 1 : h0,
+                                            nxt_h || nxt_c ? (int)ch[c1].len : 0);
                     }
-                }
                 if (S_out) memcpy(S_out + (s * H + h0) * KW, S, sizeof(REAL) * nh * KW);
             }
-        } else {
-            /* 1. every chunk's state update U_c, into P[c] for now */
-#pragma omp for schedule(dynamic, 4)
-            for (int64_t task = 0; task < NC * H; task++) {
-                if (!buf) continue;
-                const int64_t c = task / H, h = task % H;
+        } else if (buf) { /* a thread without scratch claims nothing: the others take every task */
+            const int64_t NT = NC * H;
+            for (;;) {
+                const int64_t i = atomic_fetch_add(&flow.next, 1);
+                if (i >= 2 * NT) break;
+                int64_t c, h;
+                lin_flow_task(i < NT ? i : i - NT, H, ch, first, &c, &h);
+                const int64_t s = ch[c].seq, u = s * H + h, t0 = ch[c].t0, task = c * H + h;
                 const int len = (int)ch[c].len;
-                const double GL =
-                    FN(fl_load)(q, k, v, g, ch[c].t0, len, H, h, K, V, W, C, fmap, sc, NULL, Km, Kt, Vb, G);
-                gl[task] = (REAL)GL;
-                FN(fl_update)(len, K, V, W, C, has_g, G, GL, Kt, Km, Vb, P + task * KW, Qd, NULL, 0);
-            }
-            /* 2. the running sum over each sequence's chunks: P[c] = the state before chunk c */
-#pragma omp for schedule(static)
-            for (int64_t task = 0; task < N * H; task++) {
-                if (!buf) continue;
-                const int64_t s = task / H, h = task % H;
-                if (S0) memcpy(S, S0 + task * KW, sizeof(REAL) * KW);
-                else memset(S, 0, sizeof(REAL) * KW);
-                for (int64_t c = first[s]; c < first[s + 1]; c++) {
-                    REAL *Pc = P + (c * H + h) * KW;
-                    memcpy(U, Pc, sizeof(REAL) * KW);
-                    memcpy(Pc, S, sizeof(REAL) * KW);
-                    FN(carry)(KW, has_g, gl[c * H + h], S, U);
+                if (i < NT) { /* the chunk's state update U_c, into P[c] for now */
+                    const double GL =
+                        FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, NULL, Km, Kt, Vb, G);
+                    gl[task] = (REAL)GL;
+                    FN(fl_update)(len, K, V, W, C, has_g, G, GL, Kt, Km, Vb, P + task * KW, Qd, NULL, 0);
+                    if (!lin_flow_finish(&flow, u, first[s + 1] - first[s])) continue;
+                    /* the unit's running sum: P[c] = the state before chunk c */
+                    if (S0) memcpy(S, S0 + u * KW, sizeof(REAL) * KW);
+                    else memset(S, 0, sizeof(REAL) * KW);
+                    for (int64_t c1 = first[s]; c1 < first[s + 1]; c1++) {
+                        REAL *Pc = P + (c1 * H + h) * KW;
+                        memcpy(U, Pc, sizeof(REAL) * KW);
+                        memcpy(Pc, S, sizeof(REAL) * KW);
+                        FN(carry)(KW, has_g, gl[c1 * H + h], S, U);
+                    }
+                    if (S_out) memcpy(S_out + u * KW, S, sizeof(REAL) * KW);
+                    atomic_store_explicit(&flow.ready[u], 1, memory_order_release);
+                } else { /* the chunk's outputs */
+                    lin_flow_wait(&flow, u);
+                    FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
+                    bad |= FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Km, Kt, Vb, G,
+                                      P + task * KW, A, O, num, den, NULL, 0);
                 }
-                if (S_out) memcpy(S_out + task * KW, S, sizeof(REAL) * KW);
-            }
-            /* 3. every chunk's outputs */
-#pragma omp for schedule(dynamic, 4)
-            for (int64_t task = 0; task < NC * H; task++) {
-                if (!buf) continue;
-                const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
-                const int len = (int)ch[c].len;
-                FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
-                bad |= FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Km, Kt, Vb, G, P + task * KW,
-                                  A, O, num, den, NULL, 0);
             }
         }
         if (bad) {
@@ -571,7 +693,9 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
         }
         free(buf), free(G);
     }
-    free(first), free(ch), free(gl), free(P_own);
+    if (!one_pass) lin_flow_free(&flow);
+    if (chains) la_chains_free(&chn);
+    free(first), free(ch), free(gl), free(P_own), free(Su);
     if (nonfinite) *nonfinite = any_bad;
     return failed ? -1 : 0;
 }
@@ -734,6 +858,50 @@ static void FN(bl_grads)(int64_t t0, int len, int64_t H, int64_t h, int K, int V
     }
 }
 
+/* the backward's call constants */
+typedef struct {
+    const REAL *q, *k, *v, *g, *P, *dnum, *dden, *o, *den;
+    REAL *dq, *dk, *dv, *dg;
+    int64_t H;
+    int K, V, W, C, has_g, fmap;
+    REAL sc, ep;
+} FN(bargs);
+
+/* one pass over chunk c of head h, in reverse: its input gradients from the carried gradient Dh of its end state,
+   then Dh carried to its start (R: KW values of scratch); the rows of chunk c1 (-1: none), head h1, are
+   prefetched between the products */
+static void FN(bl_chunk)(const FN(bargs) *a, FN(bws) *b, int64_t c, int64_t t0, int len, int64_t h, REAL *Dh,
+                         REAL *R, int64_t c1, int64_t h1, const lin_chunk_t *ch) {
+    const int64_t H = a->H, KW = (int64_t)a->K * a->W;
+    const int K = a->K, V = a->V, W = a->W, C = a->C;
+    const double GL = FN(bl_load)(a->q, a->k, a->v, a->g, a->dnum, a->dden, a->o, a->den, a->ep, t0, len, H, h, K, V,
+                                  W, C, a->fmap, a->sc, b);
+    lin_pf_t pf;
+    lin_pf_init(&pf);
+    if (c1 >= 0) {
+        const int64_t t1 = ch[c1].t0;
+        const int l1 = (int)ch[c1].len;
+        const int64_t sk = H * K * (int64_t)sizeof(REAL), sv = H * V * (int64_t)sizeof(REAL);
+        const int64_t rk = K * (int64_t)sizeof(REAL), rv = V * (int64_t)sizeof(REAL);
+        lin_pf_add(&pf, a->q + (t1 * H + h1) * K, l1, sk, rk, 0);
+        lin_pf_add(&pf, a->k + (t1 * H + h1) * K, l1, sk, rk, 0);
+        lin_pf_add(&pf, a->v + (t1 * H + h1) * V, l1, sv, rv, 0);
+        if (a->dnum) lin_pf_add(&pf, a->dnum + (t1 * H + h1) * V, l1, sv, rv, 0);
+        if (a->o) lin_pf_add(&pf, a->o + (t1 * H + h1) * V, l1, sv, rv, 0);
+        lin_pf_add(&pf, a->P + (c1 * H + h1) * KW, 1, 0, KW * (int64_t)sizeof(REAL), 0);
+        lin_pf_add(&pf, a->dq + (t1 * H + h1) * K, l1, sk, rk, 1);
+        lin_pf_add(&pf, a->dk + (t1 * H + h1) * K, l1, sk, rk, 1);
+        lin_pf_add(&pf, a->dv + (t1 * H + h1) * V, l1, sv, rv, 1);
+    }
+    b->pf = &pf, b->per = PF_PER_BWD;
+    FN(bl_grads)(t0, len, H, h, K, V, W, C, a->has_g, a->fmap, a->sc, GL, a->P + (c * H + h) * KW, Dh, b, a->dq,
+                 a->dk, a->dv, a->dg);
+    FN(bl_R)(len, K, W, C, a->has_g, 1, b, R);
+    lin_pf_step(&pf, -1);
+    b->pf = NULL;
+    FN(carry)(KW, a->has_g, (REAL)GL, Dh, R);
+}
+
 int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const REAL *k, const REAL *v, const REAL *g,
                            const REAL *P, const REAL *dnum, const REAL *dden, const REAL *o, const REAL *den,
                            const REAL *dS, REAL *dq, REAL *dk, REAL *dv, REAL *dg, REAL *dS0) {
@@ -746,23 +914,41 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
     int64_t *first = malloc(sizeof(int64_t) * (N + 1));
     if (!first) return -1;
     const int64_t NC = lin_chunks(N, starts, C, NULL, first);
-    const int one_pass = nthreads <= 1 || N * H >= 2 * (int64_t)nthreads;
+    /* as in the forward pass: one pass per unit (chains with few units per thread), else the split */
+    const int one_pass = nthreads <= 1 || N * H >= (int64_t)nthreads;
+    const int chains = one_pass && nthreads > 1 && N * H < LIN_UNITS_PER_THREAD * (int64_t)nthreads;
     /* whole sequences per one-pass task when there are enough (all heads of a chunk in turn: contiguous rows),
        as in the forward pass */
-    const int seq_major = one_pass && (nthreads <= 1 || N >= 2 * (int64_t)nthreads);
+    const int seq_major = one_pass && !chains && (nthreads <= 1 || N >= 2 * (int64_t)nthreads);
     const int64_t nh = seq_major && H > 0 ? H : 1;
     lin_chunk_t *ch = malloc(sizeof(lin_chunk_t) * (NC > 0 ? NC : 1));
     REAL *gl = malloc(sizeof(REAL) * (NC * H > 0 ? NC * H : 1));
-    /* the gradient of each chunk's end state (three-pass path only) */
+    /* the gradient of each chunk's end state (split path only); Du: the chains' carried state gradients */
     REAL *dP = one_pass ? NULL : malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1));
-    if (!ch || !gl || (!one_pass && !dP)) {
-        free(first), free(ch), free(gl), free(dP);
+    REAL *Du = chains ? malloc(sizeof(REAL) * (N * H * KW > 0 ? N * H * KW : 1)) : NULL;
+    lin_flow_t flow = {0};
+    la_chains_t chn = {0};
+    if (!ch || !gl || (!one_pass && (!dP || lin_flow_init(&flow, N * H) != 0)) ||
+        (chains && (!Du || lin_chains(&chn, N, H, first, 1) != 0))) {
+        if (flow.done) lin_flow_free(&flow);
+        free(first), free(ch), free(gl), free(dP), free(Du);
         return -1;
     }
     lin_chunks(N, starts, C, ch, first);
+    if (Du) {
+        if (dS) memcpy(Du, dS, sizeof(REAL) * N * H * KW);
+        else memset(Du, 0, sizeof(REAL) * N * H * KW);
+    }
+    if ((chains || !one_pass) && dS0) /* a unit without chunks (an empty sequence): its initial state's gradient */
+        for (int64_t u = 0; u < N * H; u++)
+            if (first[u / H + 1] == first[u / H]) {
+                if (dS) memcpy(dS0 + u * KW, dS + u * KW, sizeof(REAL) * KW);
+                else memset(dS0 + u * KW, 0, sizeof(REAL) * KW);
+            }
     lin_hugepages(dq, (int64_t)sizeof(REAL) * starts[N] * H * K);
     lin_hugepages(dk, (int64_t)sizeof(REAL) * starts[N] * H * K);
     lin_hugepages(dv, (int64_t)sizeof(REAL) * starts[N] * H * V);
+    const FN(bargs) ba = {q, k, v, g, P, dnum, dden, o, den, dq, dk, dv, dg, H, K, V, W, C, has_g, fmap, sc, ep};
     int failed = 0;
     const int MX = K > W ? K : W;
     const size_t scratch = (size_t)(3 * C * K + 2 * C * W + 2 * W * K + 4 * C * C + 3 * C * MX + 2 * C + MX * C + (nh + 1) * KW);
@@ -781,7 +967,17 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
 #pragma omp atomic write
             failed = 1;
         }
-        if (one_pass) { /* each task: the chunks in reverse, the state gradients carried */
+        if (chains) {
+            for (int64_t u; buf && (u = la_chains_claim(&chn, N * H)) >= 0;) {
+                const int64_t s = u / H, h = u % H, cb = chn.run[u], end = first[s];
+                const int64_t ce = cb - end > LIN_CHAIN_RUN ? cb - LIN_CHAIN_RUN : end;
+                REAL *Dh = Du + u * KW;
+                for (int64_t c = cb - 1; c >= ce; c--)
+                    FN(bl_chunk)(&ba, &b, c, ch[c].t0, (int)ch[c].len, h, Dh, R, c > end ? c - 1 : -1, h, ch);
+                if (ce == end && dS0) memcpy(dS0 + u * KW, Dh, sizeof(REAL) * KW);
+                la_chains_release(&chn, u, ce, ce == end);
+            }
+        } else if (one_pass) { /* each task: the chunks in reverse, the state gradients carried */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < N * H / nh; task++) {
                 if (!buf) continue;
@@ -792,80 +988,53 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
                     const int64_t t0 = ch[c].t0;
                     const int len = (int)ch[c].len;
                     for (int64_t h = h0; h < h0 + nh; h++) {
-                        REAL *Dh = Dg + (h - h0) * KW;
-                        const double GL =
-                            FN(bl_load)(q, k, v, g, dnum, dden, o, den, ep, t0, len, H, h, K, V, W, C, fmap, sc, &b);
                         /* the next unit's rows: the next head of this chunk, else the first head of the previous */
                         const int nxt_h = h + 1 < h0 + nh, nxt_c = c > first[s];
-                        lin_pf_t pf;
-                        lin_pf_init(&pf);
-                        if (nxt_h || nxt_c) {
-                            const int64_t c1 = nxt_h ? c : c - 1, t1 = ch[c1].t0, h1 = nxt_h ? h + 1 : h0;
-                            const int l1 = (int)ch[c1].len;
-                            const int64_t sk = H * K * (int64_t)sizeof(REAL), sv = H * V * (int64_t)sizeof(REAL);
-                            const int64_t rk = K * (int64_t)sizeof(REAL), rv = V * (int64_t)sizeof(REAL);
-                            lin_pf_add(&pf, q + (t1 * H + h1) * K, l1, sk, rk, 0);
-                            lin_pf_add(&pf, k + (t1 * H + h1) * K, l1, sk, rk, 0);
-                            lin_pf_add(&pf, v + (t1 * H + h1) * V, l1, sv, rv, 0);
-                            if (dnum) lin_pf_add(&pf, dnum + (t1 * H + h1) * V, l1, sv, rv, 0);
-                            if (o) lin_pf_add(&pf, o + (t1 * H + h1) * V, l1, sv, rv, 0);
-                            lin_pf_add(&pf, P + (c1 * H + h1) * KW, 1, 0, KW * (int64_t)sizeof(REAL), 0);
-                            lin_pf_add(&pf, dq + (t1 * H + h1) * K, l1, sk, rk, 1);
-                            lin_pf_add(&pf, dk + (t1 * H + h1) * K, l1, sk, rk, 1);
-                            lin_pf_add(&pf, dv + (t1 * H + h1) * V, l1, sv, rv, 1);
-                        }
-                        b.pf = &pf, b.per = PF_PER_BWD;
-                        FN(bl_grads)(t0, len, H, h, K, V, W, C, has_g, fmap, sc, GL, P + (c * H + h) * KW, Dh, &b,
-                                     dq, dk, dv, dg);
-                        FN(bl_R)(len, K, W, C, has_g, 1, &b, R);
-                        lin_pf_step(&pf, -1);
-                        b.pf = NULL;
-                        FN(carry)(KW, has_g, (REAL)GL, Dh, R);
+                        const int64_t c1 = nxt_h ? c : (nxt_c ? c - 1 : -1);
+                        FN(bl_chunk)(&ba, &b, c, t0, len, h, Dg + (h - h0) * KW, R, c1, nxt_h ? h + 1 : h0, ch);
                     }
                 }
                 if (dS0) memcpy(dS0 + (s * H + h0) * KW, Dg, sizeof(REAL) * nh * KW);
             }
-        } else {
-            /* 1. every chunk's R_c, into dP[c] for now */
-#pragma omp for schedule(dynamic, 4)
-            for (int64_t task = 0; task < NC * H; task++) {
-                if (!buf) continue;
-                const int64_t c = task / H, h = task % H;
+        } else if (buf) { /* a thread without scratch claims nothing: the others take every task */
+            const int64_t NT = NC * H;
+            for (;;) {
+                const int64_t i = atomic_fetch_add(&flow.next, 1);
+                if (i >= 2 * NT) break;
+                int64_t c, h;
+                lin_flow_task(i < NT ? i : i - NT, H, ch, first, &c, &h);
+                const int64_t s = ch[c].seq, u = s * H + h, t0 = ch[c].t0, task = c * H + h;
                 const int len = (int)ch[c].len;
-                gl[task] =
-                    FN(bl_load)(q, k, v, g, dnum, dden, o, den, ep, ch[c].t0, len, H, h, K, V, W, C, fmap, sc, &b);
-                FN(bl_R)(len, K, W, C, has_g, 0, &b, dP + task * KW);
-            }
-            /* 2. reverse running sum: dP[c] = the gradient of the state after chunk c; dS0 = of the initial state */
-#pragma omp for schedule(static)
-            for (int64_t task = 0; task < N * H; task++) {
-                if (!buf) continue;
-                const int64_t s = task / H, h = task % H;
-                if (dS) memcpy(Dg, dS + task * KW, sizeof(REAL) * KW);
-                else memset(Dg, 0, sizeof(REAL) * KW);
-                for (int64_t c = first[s + 1] - 1; c >= first[s]; c--) {
-                    REAL *Rc = dP + (c * H + h) * KW;
-                    memcpy(R, Rc, sizeof(REAL) * KW);
-                    memcpy(Rc, Dg, sizeof(REAL) * KW);
-                    FN(carry)(KW, has_g, gl[c * H + h], Dg, R);
+                if (i < NT) { /* the chunk's R_c, into dP[c] for now */
+                    gl[task] =
+                        FN(bl_load)(q, k, v, g, dnum, dden, o, den, ep, t0, len, H, h, K, V, W, C, fmap, sc, &b);
+                    FN(bl_R)(len, K, W, C, has_g, 0, &b, dP + task * KW);
+                    if (!lin_flow_finish(&flow, u, first[s + 1] - first[s])) continue;
+                    /* the unit's reverse running sum: dP[c] = the gradient of the state after chunk c */
+                    if (dS) memcpy(Dg, dS + u * KW, sizeof(REAL) * KW);
+                    else memset(Dg, 0, sizeof(REAL) * KW);
+                    for (int64_t c1 = first[s + 1] - 1; c1 >= first[s]; c1--) {
+                        REAL *Rc = dP + (c1 * H + h) * KW;
+                        memcpy(R, Rc, sizeof(REAL) * KW);
+                        memcpy(Rc, Dg, sizeof(REAL) * KW);
+                        FN(carry)(KW, has_g, gl[c1 * H + h], Dg, R);
+                    }
+                    if (dS0) memcpy(dS0 + u * KW, Dg, sizeof(REAL) * KW);
+                    atomic_store_explicit(&flow.ready[u], 1, memory_order_release);
+                } else { /* the chunk's input gradients */
+                    lin_flow_wait(&flow, u);
+                    const double GL =
+                        FN(bl_load)(q, k, v, g, dnum, dden, o, den, ep, t0, len, H, h, K, V, W, C, fmap, sc, &b);
+                    FN(bl_grads)(t0, len, H, h, K, V, W, C, has_g, fmap, sc, GL, P + task * KW, dP + task * KW, &b,
+                                 dq, dk, dv, dg);
                 }
-                if (dS0) memcpy(dS0 + task * KW, Dg, sizeof(REAL) * KW);
-            }
-            /* 3. every chunk's input gradients */
-#pragma omp for schedule(dynamic, 4)
-            for (int64_t task = 0; task < NC * H; task++) {
-                if (!buf) continue;
-                const int64_t c = task / H, h = task % H, t0 = ch[c].t0;
-                const int len = (int)ch[c].len;
-                const double GL =
-                    FN(bl_load)(q, k, v, g, dnum, dden, o, den, ep, t0, len, H, h, K, V, W, C, fmap, sc, &b);
-                FN(bl_grads)(t0, len, H, h, K, V, W, C, has_g, fmap, sc, GL, P + task * KW, dP + task * KW, &b, dq,
-                             dk, dv, dg);
             }
         }
         free(buf), free(b.G);
     }
-    free(first), free(ch), free(gl), free(dP);
+    if (!one_pass) lin_flow_free(&flow);
+    if (chains) la_chains_free(&chn);
+    free(first), free(ch), free(gl), free(dP), free(Du);
     return failed ? -1 : 0;
 }
 

@@ -1,0 +1,184 @@
+"""How the compiled CPU kernels share a call among threads (csrc/chains.h, linear.c, delta.c): one pass per
+(sequence, head), chains of runs within the sequences when there are few (sequence, head) units per thread, and
+linear attention's two-half split when there are fewer units than threads. Every way gives the same bits as one
+thread, forward and backward, with and without gates, packed sequences and initial states, at 1, 2 and 3 threads
+and in a build without OpenMP (where the one thread runs each schedule's claims in turn). The sequences are long
+enough for several runs per unit (linear: 8 chunks of 64 rows, the delta scan: 512 tokens) and not a multiple of
+either. Skips without a C compiler."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn import delta_rule, linear_attention
+from linattn.cpu import build as cbuild
+
+HAVE_CC = shutil.which(os.environ.get("CC", "").strip() or "cc") is not None
+pytestmark = pytest.mark.skipif(not HAVE_CC or not cbuild.enabled(),
+                                reason="no C compiler (cc / $CC) or LINATTN_CPU_KERNELS=0")
+
+T_LONG = 1100   # > 2 runs of a unit in both kernels, and not a whole number of chunks
+CHUNK = 64
+
+
+@pytest.fixture(autouse=True)
+def _every_call_threaded(monkeypatch):
+    """These calls are small: without this the kernels would get one thread (cpu.threads' grain)."""
+    from linattn.cpu import delta as cdelta, linear as clinear
+
+    monkeypatch.setattr(clinear, "GRAIN", 1.0)
+    monkeypatch.setattr(cdelta, "GRAIN", 1.0)
+
+
+def _lin_inputs(B, T, H, dtype, gate, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = {"q": torch.randn(B, T, H, 16, generator=g, dtype=dtype), "k": torch.randn(B, T, H, 16, generator=g,
+                                                                                      dtype=dtype),
+         "v": torch.randn(B, T, H, 8, generator=g, dtype=dtype)}
+    if gate:
+        x["g"] = -0.1 * torch.rand(B, T, H, generator=g, dtype=dtype)
+    return x
+
+
+def _delta_inputs(B, T, H, dtype, gate, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = {"q": F.normalize(torch.randn(B, T, H, 16, generator=g, dtype=dtype), dim=-1),
+         "k": F.normalize(torch.randn(B, T, H, 16, generator=g, dtype=dtype), dim=-1),
+         "v": torch.randn(B, T, H, 8, generator=g, dtype=dtype),
+         "beta": torch.rand(B, T, H, generator=g, dtype=dtype)}
+    if gate:
+        x["g"] = -0.1 * torch.rand(B, T, H, generator=g, dtype=dtype)
+    return x
+
+
+def _run(op, x, threads, backend="cpu", cu_seqlens=None, S0=None):
+    """(outputs..., gradients...) of one call with autograd at `threads` torch threads."""
+    n0 = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        if op == "linear":
+            o, s = linear_attention(leaves["q"], leaves["k"], leaves["v"], feature_map="elu+1", normalize=True,
+                                    g=leaves.get("g"), mode="chunk", chunk_size=CHUNK, backend=backend,
+                                    cu_seqlens=cu_seqlens, initial_state=S0, output_final_state=True)
+            outs = (o, s.kv, s.z)
+        else:
+            o, s = delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["beta"], g=leaves.get("g"), mode="chunk",
+                              backend=backend, cu_seqlens=cu_seqlens, initial_state=S0, output_final_state=True)
+            outs = (o, s)
+        w = torch.Generator().manual_seed(5)
+        loss = sum((t * torch.randn(t.shape, generator=w, dtype=t.dtype)).sum() for t in outs)
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        return tuple(t.detach() for t in outs) + tuple(grads)
+    finally:
+        torch.set_num_threads(n0)
+
+
+def _same_bits(a, b):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.shape == y.shape and torch.equal(x, y), f"tensor {i} differs: max |diff| {(x - y).abs().max()}"
+
+
+# (B, H): units = B * H; at 2 and 3 threads these are chains (1 <= units per thread < 4) or, for linear attention,
+# the split (fewer units than threads), or one pass per unit (many units)
+SHAPES = [(1, 1), (1, 2), (1, 4), (2, 3), (3, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gate", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_linear_same_bits_at_every_thread_count(shape, gate, dtype):
+    B, H = shape
+    x = _lin_inputs(B, T_LONG, H, dtype, gate)
+    one = _run("linear", x, 1)
+    for threads in (2, 3):
+        _same_bits(_run("linear", x, threads), one)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gate", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_delta_same_bits_at_every_thread_count(shape, gate, dtype):
+    B, H = shape
+    x = _delta_inputs(B, T_LONG, H, dtype, gate)
+    one = _run("delta", x, 1)
+    for threads in (2, 3):
+        _same_bits(_run("delta", x, threads), one)
+
+
+@pytest.mark.parametrize("op", ["linear", "delta"])
+def test_packed_sequences_and_initial_state_same_bits(op):
+    """cu_seqlens with a 1-token and a long sequence, an initial state: every unit's runs in order."""
+    lens = [700, 1, 650]
+    cu = torch.tensor([0, 700, 701, 1351])
+    H = 2
+    if op == "linear":
+        x = _lin_inputs(1, sum(lens), H, torch.float32, True, seed=3)
+        p = _lin_inputs(3, 5, H, torch.float32, True, seed=4)  # a state as a call leaves it
+        _, S0 = linear_attention(p["q"], p["k"], p["v"], feature_map="elu+1", normalize=True, g=p["g"],
+                                 output_final_state=True)
+    else:
+        x = _delta_inputs(1, sum(lens), H, torch.float32, True, seed=3)
+        S0 = torch.randn(3, H, 16, 8, generator=torch.Generator().manual_seed(4))
+    one = _run(op, x, 1, cu_seqlens=cu, S0=S0)
+    for threads in (2, 3):
+        _same_bits(_run(op, x, threads, cu_seqlens=cu, S0=S0), one)
+
+
+@pytest.mark.parametrize("op", ["linear", "delta"])
+def test_threaded_schedules_match_the_pytorch_forms(op):
+    """The chains and the split (2, 3 threads at B * H = 2) against the PyTorch chunk form, outputs and gradients
+    (fp64: the formulas, not only self-consistency)."""
+    x = (_lin_inputs if op == "linear" else _delta_inputs)(1, 300, 2, torch.float64, True, seed=7)
+    want = _run(op, x, 1, backend="torch")
+    for threads in (2, 3):
+        got = _run(op, x, threads)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, rtol=1e-9, atol=1e-10), (a - b).abs().max()
+
+
+def test_same_bits_without_openmp(tmp_path, monkeypatch):
+    """A build without -fopenmp (the build's fallback) runs a 2-thread call's schedule on its one thread: the
+    same bits as the OpenMP build at 1 and 2 threads."""
+    cases = [("linear", _lin_inputs(1, T_LONG, 2, torch.float32, True)),
+             ("linear", _lin_inputs(1, T_LONG, 1, torch.float32, False)),
+             ("delta", _delta_inputs(1, T_LONG, 2, torch.float32, True))]
+    with_omp = [(_run(op, x, 1), _run(op, x, 2)) for op, x in cases]
+    if cbuild.load_library("probe").linattn_probe_threads(2) != 2:
+        pytest.skip("the default build has no OpenMP here")
+    monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path))
+    # the fallback a compiler that refuses -fopenmp gets (-march=native kept: the same instructions, FMA included)
+    monkeypatch.setattr(cbuild, "FLAG_SETS", (("-march=native", "-fopenmp-simd"),))
+    monkeypatch.setattr(cbuild, "_LOADED", {})
+    no_omp = [_run(op, x, 2) for op, x in cases]
+    assert cbuild.load_library("probe").linattn_probe_threads(2) == 1
+    for name in ("linear", "delta"):
+        assert cbuild.LAST_BUILD[name]["flags"] == ["-march=native", "-fopenmp-simd"], cbuild.LAST_BUILD[name]
+    for (one, two), none in zip(with_omp, no_omp):
+        _same_bits(two, one)
+        _same_bits(none, one)
+
+
+def test_small_calls_get_fewer_threads(monkeypatch):
+    """A thread per grain of work: a short call runs on one thread (forking costs more than it saves, and on a busy
+    machine a descheduled thread would hold it back), a long one on all of torch's."""
+    from linattn.cpu import delta as cdelta, linear as clinear, threads
+
+    monkeypatch.undo()
+    n0 = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        st = torch.tensor([0, 256])
+        assert clinear._plan(st, 256, 1, 4, 64, 64, 64, True, 0, 1.0, -1.0).nthreads == 1
+        assert clinear._plan(st, 16384, 1, 4, 64, 64, 64, True, 0, 1.0, -1.0).nthreads == 3
+        q = torch.empty(16384, 4, 64)
+        assert cdelta._plan(q[:256], 64, st, st, None).nthreads == 1
+        assert cdelta._plan(q, 64, st, st, None).nthreads == 3
+        assert threads() == 3 and threads(5.0, 2.0) == 2 and threads(1.0, 2.0) == 1
+    finally:
+        torch.set_num_threads(n0)
