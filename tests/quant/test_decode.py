@@ -441,3 +441,23 @@ def test_bench_infer_quantized_rows_and_bytes(tmp_path, capsys):
     rows = {r["dtype"]: r for r in json.loads((tmp_path / "infer.json").read_text())["records"]}
     assert rows["int4"]["bytes"] < rows["int8"]["bytes"] < rows["fp32"]["bytes"]
     assert all(r["decode_tok_s"] > 0 and r["over_floor"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize("mode,group", FORMATS)
+def test_hybrid_model_plan_reads_quantized_softmax_projections(mode, group, monkeypatch):
+    """A hybrid (Gated DeltaNet and softmax attention with grouped KV heads and an output gate): the softmax
+    block's q / k / v / gate / o projections are read quantized by the same one compiled call per token."""
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=16, head_dim=16,
+                   mixer=["gated-deltanet", "softmax"],
+                   mixer_kwargs={"softmax": dict(heads=4, n_kv_heads=2, head_dim=16, output_gate=True)})
+    m = LanguageModel(cfg)
+    with torch.no_grad():
+        m.embed.weight.mul_(4)
+    q = quantize(m.eval(), mode, group_size=group, compute="fp32")
+    names = quantized_modules(q)
+    assert {f"blocks.1.mixer.{n}_proj" for n in "qkvgo"} <= set(names), sorted(names)
+    calls = CompiledDecodeCalls(monkeypatch)
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(3))
+    _assert_close_to_reference(q, ids, calls)
+    assert calls.model == 5 and calls.block == 0
