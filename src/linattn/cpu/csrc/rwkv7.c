@@ -53,6 +53,12 @@
 #define RW_ATOMIC_WRITE
 #endif
 #define RW_INLINE static inline __attribute__((always_inline))
+#if defined(__GNUC__)
+#define RW_PREFETCH(p, w) __builtin_prefetch((p), (w))
+#else
+#define RW_PREFETCH(p, w) ((void)0)
+#endif
+#define RW_AHEAD 4 /* tokens: a head's rows lie H * D apart, which the hardware prefetchers follow poorly */
 /* a block of value columns: 256 bytes with AVX-512 (32 registers), 128 without (16) */
 #if defined(__AVX512F__)
 #define RW_VBYTES 256
@@ -154,6 +160,20 @@ static int FN(rw_scan)(int64_t H, int64_t K, int64_t V, int64_t h, int64_t t0, i
         if (ckpt != NULL && i % chunk == 0) memcpy(ckpt + (i / chunk) * H * KV, Sin, (size_t)KV * sizeof(REAL));
         if (ustates != NULL) memcpy(ustates + i * V, u, (size_t)V * sizeof(REAL));
         const REAL *et = e + th * K, *bt = b + th * K, *kt = k + th * K, *vt = v + th * V, *rt = r + th * K;
+        if (i + RW_AHEAD < L) {
+            const int64_t tp = th + RW_AHEAD * H;
+            for (int64_t c = 0; c < K; c += 64 / (int64_t)sizeof(REAL)) {
+                RW_PREFETCH(e + tp * K + c, 0);
+                RW_PREFETCH(b + tp * K + c, 0);
+                RW_PREFETCH(k + tp * K + c, 0);
+                RW_PREFETCH(a + tp * K + c, 0);
+                if (o != NULL) RW_PREFETCH(r + tp * K + c, 0);
+            }
+            for (int64_t c = 0; c < V; c += 64 / (int64_t)sizeof(REAL)) {
+                RW_PREFETCH(v + tp * V + c, 0);
+                if (o != NULL) RW_PREFETCH(o + tp * V + c, 1);
+            }
+        }
         if (i + 1 < L) {
             if (o != NULL)
                 FN(rw_step)(K, V, Sin, Sout, et, bt, kt, u, vt, rt, scale, o + th * V, 1, a + tn * K, un, 1);
