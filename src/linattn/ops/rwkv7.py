@@ -84,7 +84,6 @@ class Rwkv7Problem:
     chunk_size: int
     initial_state: Optional[torch.Tensor]
     output_final_state: bool
-    cu_seqlens: Optional[torch.Tensor]
     offsets: Optional[List[int]]
     core_problem: Optional[DeltaProblem] = None
 
@@ -135,8 +134,7 @@ def prepare_rwkv7(r, w, k, v, a, b, *, scale=None, mode: str = "chunk", chunk_si
     offsets = check_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None:
         _check_state(initial_state, B if offsets is None else len(offsets) - 1, H, K, V, r.device)
-    return Rwkv7Problem(r, w, k, v, a, b, scale, mode, chunk_size, initial_state, output_final_state, cu_seqlens,
-                        offsets)
+    return Rwkv7Problem(r, w, k, v, a, b, scale, mode, chunk_size, initial_state, output_final_state, offsets)
 
 
 def _interleave(p: Rwkv7Problem) -> DeltaProblem:

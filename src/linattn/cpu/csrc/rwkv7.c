@@ -53,6 +53,12 @@
 #define RW_ATOMIC_WRITE
 #endif
 #define RW_INLINE static inline __attribute__((always_inline))
+#if defined(__GNUC__)
+#define RW_PREFETCH(p, w) __builtin_prefetch((p), (w))
+#else
+#define RW_PREFETCH(p, w) ((void)0)
+#endif
+#define RW_AHEAD 4 /* tokens: a head's rows lie H * D apart, which the hardware prefetchers follow poorly */
 /* a block of value columns: 256 bytes with AVX-512 (32 registers), 128 without (16) */
 #if defined(__AVX512F__)
 #define RW_VBYTES 256
@@ -78,6 +84,8 @@ int linattn_rwkv7_abi_version(void) { return 1; }
 #else /* ------------------------------------------------------------------ the body, once per REAL */
 
 enum { FN(RW_VB) = RW_VBYTES / sizeof(REAL) };
+/* the backward holds six column vectors per block in registers: half the forward's block */
+enum { FN(RW_VBB) = RW_VBYTES / 2 / sizeof(REAL) };
 
 /* u = S^T a on the columns [0, nw) of S (row stride V): the first token of a stretch */
 RW_INLINE void FN(rw_read_cols)(int64_t K, int64_t V, int64_t nw, const REAL *restrict S, const REAL *restrict a,
@@ -154,6 +162,20 @@ static int FN(rw_scan)(int64_t H, int64_t K, int64_t V, int64_t h, int64_t t0, i
         if (ckpt != NULL && i % chunk == 0) memcpy(ckpt + (i / chunk) * H * KV, Sin, (size_t)KV * sizeof(REAL));
         if (ustates != NULL) memcpy(ustates + i * V, u, (size_t)V * sizeof(REAL));
         const REAL *et = e + th * K, *bt = b + th * K, *kt = k + th * K, *vt = v + th * V, *rt = r + th * K;
+        if (i + RW_AHEAD < L) {
+            const int64_t tp = th + RW_AHEAD * H;
+            for (int64_t c = 0; c < K; c += 64 / (int64_t)sizeof(REAL)) {
+                RW_PREFETCH(e + tp * K + c, 0);
+                RW_PREFETCH(b + tp * K + c, 0);
+                RW_PREFETCH(k + tp * K + c, 0);
+                RW_PREFETCH(a + tp * K + c, 0);
+                if (o != NULL) RW_PREFETCH(r + tp * K + c, 0);
+            }
+            for (int64_t c = 0; c < V; c += 64 / (int64_t)sizeof(REAL)) {
+                RW_PREFETCH(v + tp * V + c, 0);
+                if (o != NULL) RW_PREFETCH(o + tp * V + c, 1);
+            }
+        }
         if (i + 1 < L) {
             if (o != NULL)
                 FN(rw_step)(K, V, Sin, Sout, et, bt, kt, u, vt, rt, scale, o + th * V, 1, a + tn * K, un, 1);
@@ -196,41 +218,122 @@ int FN(linattn_rwkv7_fwd)(int64_t N, int64_t H, int64_t K, int64_t V, const int6
     return failed ? -1 : 0;
 }
 
-/* The reverse step of one token (module comment): G = dL/dS_t enters, dL/dS_{t-1} leaves; du: [V] scratch. */
-RW_INLINE void FN(rw_back_token)(int64_t K, int64_t V, REAL *restrict G, const REAL *restrict St,
-                                 const REAL *restrict Sp, const REAL *restrict u, const REAL *restrict e,
-                                 const REAL *restrict r, const REAL *restrict k, const REAL *restrict v,
-                                 const REAL *restrict a, const REAL *restrict b, const REAL *restrict dout, REAL scale,
-                                 REAL *restrict du, REAL *restrict dr, REAL *restrict dk, REAL *restrict dv,
-                                 REAL *restrict da, REAL *restrict db, REAL *restrict dw) {
-    RW_SIMD for (int64_t j = 0; j < V; j++) { du[j] = 0; dv[j] = 0; }
-    for (int64_t d = 0; d < K; d++) {
-        REAL *restrict Gd = G + d * V;
-        const REAL *restrict Std = St + d * V, *restrict Spd = Sp + d * V;
-        const REAL rd = scale * r[d], kd = k[d], bd = b[d];
-        REAL sr = 0, sk = 0, sb = 0, sw = 0;
-        RW_SIMD_SUM(sr, sk, sb, sw) for (int64_t j = 0; j < V; j++) {
-            const REAL g = Gd[j] + rd * dout[j];
-            Gd[j] = g;
-            sr += Std[j] * dout[j];
-            sk += g * v[j];
-            sb += g * u[j];
-            sw += g * Spd[j];
-            dv[j] += kd * g;
-            du[j] += bd * g;
-        }
-        dr[d] = scale * sr;
-        dk[d] = sk;
-        db[d] = sb;
-        dw[d] = e[d] * sw;
+/* x[0] + ... + x[L-1] of L = 64 bytes of lanes, by halving with constant bounds */
+enum { FN(RW_L) = 64 / sizeof(REAL) };
+RW_INLINE REAL FN(rw_lanes_sum)(REAL *restrict x) {
+    RW_SIMD for (int64_t l = 0; l < FN(RW_L) / 2; l++) x[l] += x[l + FN(RW_L) / 2];
+    RW_SIMD for (int64_t l = 0; l < FN(RW_L) / 4; l++) x[l] += x[l + FN(RW_L) / 4];
+    for (int64_t l = 0; l < FN(RW_L) / 8; l++) x[l] += x[l + FN(RW_L) / 8];
+    return FN(RW_L) == 16 ? x[0] + x[1] : x[0];
+}
+
+/* The reverse recurrence, one token t on the value columns [0, nw) of G = dL/dS (row stride V), fused with the
+   second half of token t+1's step when has_next (both walk the same rows and read S_t):
+       token t+1 (has_next):  da_{t+1} += S_t du_{t+1};   G <- Diag(e_{t+1}) G + a_{t+1} du_{t+1}^T
+       token t:               G += scale r_t do_t^T;  dr_t += scale S_t do_t;  dk_t += G v_t;  db_t += G u_t;
+                              dw_t += rowsum(G o S_{t-1});  dv_t = G^T k_t;  du_t = G^T b_t
+   The row sums (dr, dk, db, dw, da: [K]) accumulate over the column blocks; dv and du are this block's columns. */
+RW_INLINE void FN(rw_back_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict G, const REAL *restrict St,
+                                const REAL *restrict Sp, const REAL *restrict u, const REAL *restrict v,
+                                const REAL *restrict dout, const REAL *restrict r, const REAL *restrict k,
+                                const REAL *restrict b, REAL scale, const REAL *restrict en,
+                                const REAL *restrict an, const REAL *restrict dun, REAL *restrict dan, int has_next,
+                                REAL *restrict dr, REAL *restrict dk, REAL *restrict db, REAL *restrict dw,
+                                REAL *restrict dv, REAL *restrict du) {
+    REAL dva[FN(RW_VBB)], dua[FN(RW_VBB)];
+    RW_SIMD for (int64_t j = 0; j < nw; j++) {
+        dva[j] = 0;
+        dua[j] = 0;
     }
     for (int64_t d = 0; d < K; d++) {
         REAL *restrict Gd = G + d * V;
-        const REAL *restrict Spd = Sp + d * V;
+        const REAL *restrict Std = St + d * V, *restrict Spd = Sp + d * V;
+        const REAL ed = has_next ? en[d] : 1, ad = has_next ? an[d] : 0;
+        const REAL rd = scale * r[d], kd = k[d], bd = b[d];
+        REAL sa = 0, sr = 0, sk = 0, sb = 0, sw = 0;
+        if (nw % FN(RW_L) == 0) {
+            /* the row sums in lanes, summed by halving at the end: a reduction's own horizontal sum is serial */
+            REAL pa[FN(RW_L)], pr[FN(RW_L)], pk[FN(RW_L)], pb[FN(RW_L)], pw[FN(RW_L)];
+            RW_SIMD for (int64_t l = 0; l < FN(RW_L); l++) pa[l] = pr[l] = pk[l] = pb[l] = pw[l] = 0;
+            for (int64_t j0 = 0; j0 < nw; j0 += FN(RW_L)) {
+                RW_SIMD for (int64_t l = 0; l < FN(RW_L); l++) {
+                    const int64_t j = j0 + l;
+                    const REAL s = Std[j];
+                    REAL g = Gd[j];
+                    if (has_next) {
+                        pa[l] += s * dun[j];
+                        g = ed * g + ad * dun[j];
+                    }
+                    g += rd * dout[j];
+                    Gd[j] = g;
+                    pr[l] += s * dout[j];
+                    pk[l] += g * v[j];
+                    pb[l] += g * u[j];
+                    pw[l] += g * Spd[j];
+                    dva[j] += kd * g;
+                    dua[j] += bd * g;
+                }
+            }
+            if (has_next) sa = FN(rw_lanes_sum)(pa);
+            sr = FN(rw_lanes_sum)(pr);
+            sk = FN(rw_lanes_sum)(pk);
+            sb = FN(rw_lanes_sum)(pb);
+            sw = FN(rw_lanes_sum)(pw);
+        } else {
+            RW_SIMD_SUM(sa, sr, sk, sb, sw) for (int64_t j = 0; j < nw; j++) {
+                const REAL s = Std[j];
+                REAL g = Gd[j];
+                if (has_next) {
+                    sa += s * dun[j];
+                    g = ed * g + ad * dun[j];
+                }
+                g += rd * dout[j];
+                Gd[j] = g;
+                sr += s * dout[j];
+                sk += g * v[j];
+                sb += g * u[j];
+                sw += g * Spd[j];
+                dva[j] += kd * g;
+                dua[j] += bd * g;
+            }
+        }
+        if (has_next) dan[d] += sa;
+        dr[d] += sr;
+        dk[d] += sk;
+        db[d] += sb;
+        dw[d] += sw;
+    }
+    RW_SIMD for (int64_t j = 0; j < nw; j++) {
+        dv[j] = dva[j];
+        du[j] = dua[j];
+    }
+}
+
+/* token t (and t+1's second half when has_next) over every column block; has_next is a constant at each call */
+RW_INLINE void FN(rw_back_token)(int64_t K, int64_t V, REAL *G, const REAL *St, const REAL *Sp, const REAL *u,
+                                 const REAL *v, const REAL *dout, const REAL *r, const REAL *k, const REAL *b,
+                                 REAL scale, const REAL *en, const REAL *an, const REAL *dun, REAL *dan, int has_next,
+                                 REAL *dr, REAL *dk, REAL *db, REAL *dw, REAL *dv, REAL *du) {
+    int64_t j0 = 0;
+    for (; j0 + FN(RW_VBB) <= V; j0 += FN(RW_VBB))
+        FN(rw_back_cols)(K, V, FN(RW_VBB), G + j0, St + j0, Sp + j0, u + j0, v + j0, dout + j0, r, k, b, scale, en,
+                         an, has_next ? dun + j0 : NULL, dan, has_next, dr, dk, db, dw, dv + j0, du + j0);
+    if (j0 < V)
+        FN(rw_back_cols)(K, V, V - j0, G + j0, St + j0, Sp + j0, u + j0, v + j0, dout + j0, r, k, b, scale, en, an,
+                         has_next ? dun + j0 : NULL, dan, has_next, dr, dk, db, dw, dv + j0, du + j0);
+}
+
+/* the second half of a sequence's first token s: da_s = S_{s-1} du_s, G <- Diag(e_s) G + a_s du_s^T (dL/dS0) */
+static void FN(rw_back_first)(int64_t K, int64_t V, REAL *restrict G, const REAL *restrict S0,
+                              const REAL *restrict e, const REAL *restrict a, const REAL *restrict du,
+                              REAL *restrict da) {
+    for (int64_t d = 0; d < K; d++) {
+        REAL *restrict Gd = G + d * V;
+        const REAL *restrict Sd = S0 + d * V;
         const REAL ed = e[d], ad = a[d];
         REAL sa = 0;
         RW_SIMD_SUM(sa) for (int64_t j = 0; j < V; j++) {
-            sa += Spd[j] * du[j];
+            sa += Sd[j] * du[j];
             Gd[j] = ed * Gd[j] + ad * du[j];
         }
         da[d] = sa;
@@ -245,6 +348,7 @@ int FN(linattn_rwkv7_bwd)(int64_t N, int64_t H, int64_t K, int64_t V, const int6
                           const REAL *ckpt, const int64_t *ck_off, int64_t chunk, const REAL *dout, REAL *dS_all,
                           REAL *dr, REAL *dk, REAL *dv, REAL *da, REAL *db, REAL *dw, int nthreads) {
     const int64_t KV = K * V;
+    const REAL sc = (REAL)scale;
     int failed = 0;
     RW_PARALLEL_FOR(nthreads)
     for (int64_t task = 0; task < N * H; task++) {
@@ -252,28 +356,49 @@ int FN(linattn_rwkv7_bwd)(int64_t N, int64_t H, int64_t K, int64_t V, const int6
         const int64_t s = starts[n], L = starts[n + 1] - s;
         REAL *restrict G = dS_all + task * KV;
         if (L <= 0) continue;
-        /* a stretch's states S_{t0-1} .. S_{t0+Lc-1}, its reads u, and a [V] scratch row */
-        REAL *Sbuf = (REAL *)malloc((size_t)((chunk + 1) * KV + chunk * V + V) * sizeof(REAL));
+        /* a stretch's states S_{t0-1} .. S_{t0+Lc-1} and reads u; du of this and the next token ([V] each); the
+           row sums of this token (dr, dk, db, dw) and of the next (da) ([K] each) */
+        REAL *Sbuf = (REAL *)malloc((size_t)((chunk + 1) * KV + chunk * V + 2 * V + 5 * K) * sizeof(REAL));
         if (Sbuf == NULL) {
             RW_ATOMIC_WRITE failed = 1;
             continue;
         }
-        REAL *ubuf = Sbuf + (chunk + 1) * KV, *du = ubuf + chunk * V;
+        REAL *ubuf = Sbuf + (chunk + 1) * KV, *du = ubuf + chunk * V, *dun = du + V;
+        REAL *sr = dun + V, *sk = sr + K, *sb = sk + K, *sw = sb + K, *san = sw + K;
         for (int64_t c = (L + chunk - 1) / chunk - 1; c >= 0; c--) {
             const int64_t t0 = s + c * chunk, Lc = (L - c * chunk) < chunk ? (L - c * chunk) : chunk;
             memcpy(Sbuf, ckpt + ((ck_off[n] + c) * H + h) * KV, (size_t)KV * sizeof(REAL));
-            if (FN(rw_scan)(H, K, V, h, t0, Lc, r, e, k, v, a, b, (REAL)scale, Sbuf, Sbuf, NULL, ubuf, NULL,
-                            chunk) != 0) {
+            if (FN(rw_scan)(H, K, V, h, t0, Lc, r, e, k, v, a, b, sc, Sbuf, Sbuf, NULL, ubuf, NULL, chunk) != 0) {
                 RW_ATOMIC_WRITE failed = 1;
                 break;
             }
             for (int64_t i = Lc - 1; i >= 0; i--) {
-                const int64_t th = (t0 + i) * H + h;
+                const int64_t th = (t0 + i) * H + h, tn = th + H;
                 const int64_t tk = th * K, tv = th * V;
-                FN(rw_back_token)(K, V, G, Sbuf + (i + 1) * KV, Sbuf + i * KV, ubuf + i * V, e + tk, r + tk, k + tk,
-                                  v + tv, a + tk, b + tk, dout + tv, (REAL)scale, du, dr + tk, dk + tk, dv + tv,
-                                  da + tk, db + tk, dw + tk);
+                const int has_next = t0 + i + 1 < s + L;
+                for (int64_t d = 0; d < K; d++) sr[d] = sk[d] = sb[d] = sw[d] = san[d] = 0;
+                REAL *tmp = du; /* the next token's du (written by the previous iteration) becomes dun */
+                du = dun;
+                dun = tmp;
+                const REAL *St = Sbuf + (i + 1) * KV, *Sp = Sbuf + i * KV, *u = ubuf + i * V;
+                if (has_next)
+                    FN(rw_back_token)(K, V, G, St, Sp, u, v + tv, dout + tv, r + tk, k + tk, b + tk, sc, e + tn * K,
+                                      a + tn * K, dun, san, 1, sr, sk, sb, sw, dv + tv, du);
+                else
+                    FN(rw_back_token)(K, V, G, St, Sp, u, v + tv, dout + tv, r + tk, k + tk, b + tk, sc, NULL, NULL,
+                                      NULL, san, 0, sr, sk, sb, sw, dv + tv, du);
+                if (has_next) memcpy(da + tn * K, san, (size_t)K * sizeof(REAL));
+                for (int64_t d = 0; d < K; d++) {
+                    dr[tk + d] = sc * sr[d];
+                    dk[tk + d] = sk[d];
+                    db[tk + d] = sb[d];
+                    dw[tk + d] = e[tk + d] * sw[d];
+                }
             }
+        }
+        if (!failed) { /* Sbuf holds the first stretch: Sbuf[0] = S_{s-1}, the initial state */
+            const int64_t ts = (s * H + h) * K;
+            FN(rw_back_first)(K, V, G, Sbuf, e + ts, a + ts, du, da + ts);
         }
         free(Sbuf);
     }
