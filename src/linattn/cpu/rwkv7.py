@@ -17,37 +17,16 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
+from . import bindings, ptr, threads
 
 __all__ = ["CHECKPOINT", "available", "rwkv7_scan"]
 
 CHECKPOINT = 64  # tokens between the states the forward keeps for the backward
-_typed = set()
-_SFX = {torch.float32: "f32", torch.float64: "f64"}
-
-
-def _library():
-    lib = load_library("rwkv7")
-    if lib is not None and id(lib) not in _typed:
-        for sfx in _SFX.values():
-            fwd = getattr(lib, f"linattn_rwkv7_fwd_{sfx}")
-            fwd.argtypes = [c_i64] * 4 + [c_ptr] * 7 + [c_double] + [c_ptr] * 5 + [c_i64, c_int]
-            fwd.restype = c_int
-            bwd = getattr(lib, f"linattn_rwkv7_bwd_{sfx}")
-            bwd.argtypes = [c_i64] * 4 + [c_ptr] * 7 + [c_double] + [c_ptr] * 2 + [c_i64] + [c_ptr] * 8 + [c_int]
-            bwd.restype = c_int
-        _typed.add(id(lib))
-    return lib
 
 
 def available() -> bool:
     """True when the kernels are switched on and rwkv7.c builds (compiles it on the first call)."""
-    return _library() is not None
-
-
-def _call(fn, *args) -> None:
-    if fn(*args) != 0:
-        raise MemoryError("linattn's compiled RWKV-7 kernel could not allocate its scratch memory")
+    return bindings.bind("rwkv7") is not None
 
 
 def _forward(r, w, k, v, a, b, S0, starts, ck_off, n_ckpt, scale):
@@ -57,7 +36,7 @@ def _forward(r, w, k, v, a, b, S0, starts, ck_off, n_ckpt, scale):
     S = r.new_empty(N, H, K, V)
     ckpt = r.new_empty(n_ckpt, H, K, V)
     dec = torch.exp(w)  # held here: the kernel reads it through a raw pointer
-    _call(getattr(_library(), f"linattn_rwkv7_fwd_{_SFX[r.dtype]}"), N, H, K, V, ptr(starts), ptr(r), ptr(dec),
+    bindings.require("rwkv7")("linattn_rwkv7_fwd", r.dtype, N, H, K, V, ptr(starts), ptr(r), ptr(dec),
           ptr(k), ptr(v), ptr(a), ptr(b), scale, ptr(S0), ptr(o), ptr(S), ptr(ckpt) if n_ckpt else None, ptr(ck_off),
           CHECKPOINT, threads())
     return o, S, ckpt
@@ -89,7 +68,7 @@ def rwkv7_bwd(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dr, dw, dk, dv, da, db = (torch.empty_like(x) for x in (r, w, k, v, a, b))
     dS0 = dS.clone()  # the kernel turns dL/dS_final into dL/dS0 in place
     dec = torch.exp(w)  # held here: the kernel reads it through a raw pointer
-    _call(getattr(_library(), f"linattn_rwkv7_bwd_{_SFX[r.dtype]}"), N, H, K, V, ptr(starts), ptr(r), ptr(dec),
+    bindings.require("rwkv7")("linattn_rwkv7_bwd", r.dtype, N, H, K, V, ptr(starts), ptr(r), ptr(dec),
           ptr(k), ptr(v), ptr(a), ptr(b), scale, ptr(ckpt), ptr(ck_off), CHECKPOINT, ptr(do), ptr(dS0), ptr(dr),
           ptr(dk), ptr(dv), ptr(da), ptr(db), ptr(dw), threads())
     return dr, dw, dk, dv, da, db, dS0

@@ -29,34 +29,17 @@
 #ifndef LINATTN_RWKV7_BODY
 #define LINATTN_RWKV7_BODY
 
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "common.h"
 
-/* -std=c11 turns floating-point contraction off; a fused multiply-add rounds once (as PyTorch's CPU kernels do)
-   and keeps NaN and inf as they are. */
+/* unroll-and-jam of the column-block loops made the scan slower when measured (register pressure) */
 #if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=fast", "no-loop-unroll-and-jam")
-#elif defined(__clang__)
-#pragma clang fp contract(fast)
+#pragma GCC optimize("no-loop-unroll-and-jam")
 #endif
 
-#define RW_PRAGMA(x) _Pragma(#x)
-#define RW_SIMD RW_PRAGMA(omp simd)
-#define RW_SIMD_SUM(...) RW_PRAGMA(omp simd reduction(+ : __VA_ARGS__))
 #if defined(_OPENMP)
-#define RW_PARALLEL_FOR(n) RW_PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(n))
-#define RW_ATOMIC_WRITE RW_PRAGMA(omp atomic write)
+#define RW_PARALLEL_FOR(n) LA_PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(n))
 #else
 #define RW_PARALLEL_FOR(n)
-#define RW_ATOMIC_WRITE
-#endif
-#define RW_INLINE static inline __attribute__((always_inline))
-#if defined(__GNUC__)
-#define RW_PREFETCH(p, w) __builtin_prefetch((p), (w))
-#else
-#define RW_PREFETCH(p, w) ((void)0)
 #endif
 #define RW_AHEAD 4 /* tokens: a head's rows lie H * D apart, which the hardware prefetchers follow poorly */
 /* a block of value columns: 256 bytes with AVX-512 (32 registers), 128 without (16) */
@@ -66,8 +49,7 @@
 #define RW_VBYTES 128
 #endif
 
-/* the interface version the Python bindings check after loading (cpu/build.py LIBRARIES) */
-int linattn_rwkv7_abi_version(void) { return 1; }
+LA_ABI_VERSION(rwkv7, 1)
 
 #define REAL float
 #define FN(name) name##_f32
@@ -88,50 +70,50 @@ enum { FN(RW_VB) = RW_VBYTES / sizeof(REAL) };
 enum { FN(RW_VBB) = RW_VBYTES / 2 / sizeof(REAL) };
 
 /* u = S^T a on the columns [0, nw) of S (row stride V): the first token of a stretch */
-RW_INLINE void FN(rw_read_cols)(int64_t K, int64_t V, int64_t nw, const REAL *restrict S, const REAL *restrict a,
+LA_INLINE void FN(rw_read_cols)(int64_t K, int64_t V, int64_t nw, const REAL *restrict S, const REAL *restrict a,
                                 REAL *restrict u) {
     REAL acc[FN(RW_VB)];
-    RW_SIMD for (int64_t j = 0; j < nw; j++) acc[j] = 0;
+    LA_SIMD for (int64_t j = 0; j < nw; j++) acc[j] = 0;
     for (int64_t d = 0; d < K; d++) {
         const REAL *restrict Sd = S + d * V;
         const REAL c = a[d];
-        RW_SIMD for (int64_t j = 0; j < nw; j++) acc[j] += c * Sd[j];
+        LA_SIMD for (int64_t j = 0; j < nw; j++) acc[j] += c * Sd[j];
     }
-    RW_SIMD for (int64_t j = 0; j < nw; j++) u[j] = acc[j];
+    LA_SIMD for (int64_t j = 0; j < nw; j++) u[j] = acc[j];
 }
 
 /* One token on the columns [0, nw): Sout = Diag(e) Sin + b u^T + k v^T (Sin may be Sout: each element is read,
    then written), o = scale Sout^T r when has_o, un = Sout^T an (the next token's read) when has_next. */
-RW_INLINE void FN(rw_step_cols)(int64_t K, int64_t V, int64_t nw, const REAL *Sin, REAL *Sout,
+LA_INLINE void FN(rw_step_cols)(int64_t K, int64_t V, int64_t nw, const REAL *Sin, REAL *Sout,
                                 const REAL *restrict e, const REAL *restrict b, const REAL *restrict k,
                                 const REAL *restrict u, const REAL *restrict v, const REAL *restrict r, REAL scale,
                                 REAL *restrict o, int has_o, const REAL *restrict an, REAL *restrict un,
                                 int has_next) {
     REAL ur[FN(RW_VB)], vr[FN(RW_VB)], out[FN(RW_VB)], accn[FN(RW_VB)];
-    RW_SIMD for (int64_t j = 0; j < nw; j++) { ur[j] = u[j]; vr[j] = v[j]; out[j] = 0; accn[j] = 0; }
+    LA_SIMD for (int64_t j = 0; j < nw; j++) { ur[j] = u[j]; vr[j] = v[j]; out[j] = 0; accn[j] = 0; }
     for (int64_t d = 0; d < K; d++) {
         const REAL *Sid = Sin + d * V;
         REAL *Sod = Sout + d * V;
         const REAL ed = e[d], bd = b[d], kd = k[d], rd = has_o ? r[d] : 0, ad = has_next ? an[d] : 0;
-        RW_SIMD for (int64_t j = 0; j < nw; j++) {
+        LA_SIMD for (int64_t j = 0; j < nw; j++) {
             const REAL s = ed * Sid[j] + bd * ur[j] + kd * vr[j];
             Sod[j] = s;
             if (has_o) out[j] += rd * s;
             if (has_next) accn[j] += ad * s;
         }
     }
-    if (has_o) { RW_SIMD for (int64_t j = 0; j < nw; j++) o[j] = scale * out[j]; }
-    if (has_next) { RW_SIMD for (int64_t j = 0; j < nw; j++) un[j] = accn[j]; }
+    if (has_o) { LA_SIMD for (int64_t j = 0; j < nw; j++) o[j] = scale * out[j]; }
+    if (has_next) { LA_SIMD for (int64_t j = 0; j < nw; j++) un[j] = accn[j]; }
 }
 
-RW_INLINE void FN(rw_read)(int64_t K, int64_t V, const REAL *S, const REAL *a, REAL *u) {
+LA_INLINE void FN(rw_read)(int64_t K, int64_t V, const REAL *S, const REAL *a, REAL *u) {
     int64_t j0 = 0;
     for (; j0 + FN(RW_VB) <= V; j0 += FN(RW_VB)) FN(rw_read_cols)(K, V, FN(RW_VB), S + j0, a, u + j0);
     if (j0 < V) FN(rw_read_cols)(K, V, V - j0, S + j0, a, u + j0);
 }
 
 /* one token over every column block; has_o and has_next are constants at each call site (specialised) */
-RW_INLINE void FN(rw_step)(int64_t K, int64_t V, const REAL *Sin, REAL *Sout, const REAL *e, const REAL *b,
+LA_INLINE void FN(rw_step)(int64_t K, int64_t V, const REAL *Sin, REAL *Sout, const REAL *e, const REAL *b,
                            const REAL *k, const REAL *u, const REAL *v, const REAL *r, REAL scale, REAL *o,
                            int has_o, const REAL *an, REAL *un, int has_next) {
     int64_t j0 = 0;
@@ -165,15 +147,15 @@ static int FN(rw_scan)(int64_t H, int64_t K, int64_t V, int64_t h, int64_t t0, i
         if (i + RW_AHEAD < L) {
             const int64_t tp = th + RW_AHEAD * H;
             for (int64_t c = 0; c < K; c += 64 / (int64_t)sizeof(REAL)) {
-                RW_PREFETCH(e + tp * K + c, 0);
-                RW_PREFETCH(b + tp * K + c, 0);
-                RW_PREFETCH(k + tp * K + c, 0);
-                RW_PREFETCH(a + tp * K + c, 0);
-                if (o != NULL) RW_PREFETCH(r + tp * K + c, 0);
+                LA_PREFETCH(e + tp * K + c, 0);
+                LA_PREFETCH(b + tp * K + c, 0);
+                LA_PREFETCH(k + tp * K + c, 0);
+                LA_PREFETCH(a + tp * K + c, 0);
+                if (o != NULL) LA_PREFETCH(r + tp * K + c, 0);
             }
             for (int64_t c = 0; c < V; c += 64 / (int64_t)sizeof(REAL)) {
-                RW_PREFETCH(v + tp * V + c, 0);
-                if (o != NULL) RW_PREFETCH(o + tp * V + c, 1);
+                LA_PREFETCH(v + tp * V + c, 0);
+                if (o != NULL) LA_PREFETCH(o + tp * V + c, 1);
             }
         }
         if (i + 1 < L) {
@@ -212,7 +194,7 @@ int FN(linattn_rwkv7_fwd)(int64_t N, int64_t H, int64_t K, int64_t V, const int6
         else memset(S, 0, (size_t)KV * sizeof(REAL));
         if (FN(rw_scan)(H, K, V, h, starts[n], starts[n + 1] - starts[n], r, e, k, v, a, b, (REAL)scale, S, NULL,
                         o, NULL, ckpt != NULL ? ckpt + (ck_off[n] * H + h) * KV : NULL, chunk) != 0) {
-            RW_ATOMIC_WRITE failed = 1;
+            LA_ATOMIC_WRITE failed = 1;
         }
     }
     return failed ? -1 : 0;
@@ -220,9 +202,9 @@ int FN(linattn_rwkv7_fwd)(int64_t N, int64_t H, int64_t K, int64_t V, const int6
 
 /* x[0] + ... + x[L-1] of L = 64 bytes of lanes, by halving with constant bounds */
 enum { FN(RW_L) = 64 / sizeof(REAL) };
-RW_INLINE REAL FN(rw_lanes_sum)(REAL *restrict x) {
-    RW_SIMD for (int64_t l = 0; l < FN(RW_L) / 2; l++) x[l] += x[l + FN(RW_L) / 2];
-    RW_SIMD for (int64_t l = 0; l < FN(RW_L) / 4; l++) x[l] += x[l + FN(RW_L) / 4];
+LA_INLINE REAL FN(rw_lanes_sum)(REAL *restrict x) {
+    LA_SIMD for (int64_t l = 0; l < FN(RW_L) / 2; l++) x[l] += x[l + FN(RW_L) / 2];
+    LA_SIMD for (int64_t l = 0; l < FN(RW_L) / 4; l++) x[l] += x[l + FN(RW_L) / 4];
     for (int64_t l = 0; l < FN(RW_L) / 8; l++) x[l] += x[l + FN(RW_L) / 8];
     return FN(RW_L) == 16 ? x[0] + x[1] : x[0];
 }
@@ -233,7 +215,7 @@ RW_INLINE REAL FN(rw_lanes_sum)(REAL *restrict x) {
        token t:               G += scale r_t do_t^T;  dr_t += scale S_t do_t;  dk_t += G v_t;  db_t += G u_t;
                               dw_t += rowsum(G o S_{t-1});  dv_t = G^T k_t;  du_t = G^T b_t
    The row sums (dr, dk, db, dw, da: [K]) accumulate over the column blocks; dv and du are this block's columns. */
-RW_INLINE void FN(rw_back_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict G, const REAL *restrict St,
+LA_INLINE void FN(rw_back_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict G, const REAL *restrict St,
                                 const REAL *restrict Sp, const REAL *restrict u, const REAL *restrict v,
                                 const REAL *restrict dout, const REAL *restrict r, const REAL *restrict k,
                                 const REAL *restrict b, REAL scale, const REAL *restrict en,
@@ -241,7 +223,7 @@ RW_INLINE void FN(rw_back_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict
                                 REAL *restrict dr, REAL *restrict dk, REAL *restrict db, REAL *restrict dw,
                                 REAL *restrict dv, REAL *restrict du) {
     REAL dva[FN(RW_VBB)], dua[FN(RW_VBB)];
-    RW_SIMD for (int64_t j = 0; j < nw; j++) {
+    LA_SIMD for (int64_t j = 0; j < nw; j++) {
         dva[j] = 0;
         dua[j] = 0;
     }
@@ -254,9 +236,9 @@ RW_INLINE void FN(rw_back_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict
         if (nw % FN(RW_L) == 0) {
             /* the row sums in lanes, summed by halving at the end: a reduction's own horizontal sum is serial */
             REAL pa[FN(RW_L)], pr[FN(RW_L)], pk[FN(RW_L)], pb[FN(RW_L)], pw[FN(RW_L)];
-            RW_SIMD for (int64_t l = 0; l < FN(RW_L); l++) pa[l] = pr[l] = pk[l] = pb[l] = pw[l] = 0;
+            LA_SIMD for (int64_t l = 0; l < FN(RW_L); l++) pa[l] = pr[l] = pk[l] = pb[l] = pw[l] = 0;
             for (int64_t j0 = 0; j0 < nw; j0 += FN(RW_L)) {
-                RW_SIMD for (int64_t l = 0; l < FN(RW_L); l++) {
+                LA_SIMD for (int64_t l = 0; l < FN(RW_L); l++) {
                     const int64_t j = j0 + l;
                     const REAL s = Std[j];
                     REAL g = Gd[j];
@@ -280,7 +262,7 @@ RW_INLINE void FN(rw_back_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict
             sb = FN(rw_lanes_sum)(pb);
             sw = FN(rw_lanes_sum)(pw);
         } else {
-            RW_SIMD_SUM(sa, sr, sk, sb, sw) for (int64_t j = 0; j < nw; j++) {
+            LA_SIMD_SUM(sa, sr, sk, sb, sw) for (int64_t j = 0; j < nw; j++) {
                 const REAL s = Std[j];
                 REAL g = Gd[j];
                 if (has_next) {
@@ -303,14 +285,14 @@ RW_INLINE void FN(rw_back_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict
         db[d] += sb;
         dw[d] += sw;
     }
-    RW_SIMD for (int64_t j = 0; j < nw; j++) {
+    LA_SIMD for (int64_t j = 0; j < nw; j++) {
         dv[j] = dva[j];
         du[j] = dua[j];
     }
 }
 
 /* token t (and t+1's second half when has_next) over every column block; has_next is a constant at each call */
-RW_INLINE void FN(rw_back_token)(int64_t K, int64_t V, REAL *G, const REAL *St, const REAL *Sp, const REAL *u,
+LA_INLINE void FN(rw_back_token)(int64_t K, int64_t V, REAL *G, const REAL *St, const REAL *Sp, const REAL *u,
                                  const REAL *v, const REAL *dout, const REAL *r, const REAL *k, const REAL *b,
                                  REAL scale, const REAL *en, const REAL *an, const REAL *dun, REAL *dan, int has_next,
                                  REAL *dr, REAL *dk, REAL *db, REAL *dw, REAL *dv, REAL *du) {
@@ -332,7 +314,7 @@ static void FN(rw_back_first)(int64_t K, int64_t V, REAL *restrict G, const REAL
         const REAL *restrict Sd = S0 + d * V;
         const REAL ed = e[d], ad = a[d];
         REAL sa = 0;
-        RW_SIMD_SUM(sa) for (int64_t j = 0; j < V; j++) {
+        LA_SIMD_SUM(sa) for (int64_t j = 0; j < V; j++) {
             sa += Sd[j] * du[j];
             Gd[j] = ed * Gd[j] + ad * du[j];
         }
@@ -360,7 +342,7 @@ int FN(linattn_rwkv7_bwd)(int64_t N, int64_t H, int64_t K, int64_t V, const int6
            row sums of this token (dr, dk, db, dw) and of the next (da) ([K] each) */
         REAL *Sbuf = (REAL *)malloc((size_t)((chunk + 1) * KV + chunk * V + 2 * V + 5 * K) * sizeof(REAL));
         if (Sbuf == NULL) {
-            RW_ATOMIC_WRITE failed = 1;
+            LA_ATOMIC_WRITE failed = 1;
             continue;
         }
         REAL *ubuf = Sbuf + (chunk + 1) * KV, *du = ubuf + chunk * V, *dun = du + V;
@@ -369,7 +351,7 @@ int FN(linattn_rwkv7_bwd)(int64_t N, int64_t H, int64_t K, int64_t V, const int6
             const int64_t t0 = s + c * chunk, Lc = (L - c * chunk) < chunk ? (L - c * chunk) : chunk;
             memcpy(Sbuf, ckpt + ((ck_off[n] + c) * H + h) * KV, (size_t)KV * sizeof(REAL));
             if (FN(rw_scan)(H, K, V, h, t0, Lc, r, e, k, v, a, b, sc, Sbuf, Sbuf, NULL, ubuf, NULL, chunk) != 0) {
-                RW_ATOMIC_WRITE failed = 1;
+                LA_ATOMIC_WRITE failed = 1;
                 break;
             }
             for (int64_t i = Lc - 1; i >= 0; i--) {
