@@ -275,8 +275,6 @@ def _delta_step(layer, x: torch.Tensor, cache: LayerCache, lins) -> Optional[tor
     if fused is not None:
         return _delta_step_compiled(layer, cache, S, gated, *fused)
     qk, v, extra = _project(layer, x, cache, lins)                        # [B, 2H, 1, K], [B, HV, 1, V]
-    if fm.log_space:   # Hadamard Exp, FAVOR+: the state keeps its log-scale (layers/fast_decode_log.py)
-        return _log_linear_step(layer, cache, st, qk, v, extra)
     if layer.qk_l2norm:          # DeltaNet, GatedDeltaNet: both, inside the operator
         q, k = l2norm(qk, layer.l2norm_convention).split(H, dim=1)
     else:                        # EFLA: the layer normalises q (or not); keys keep their norm

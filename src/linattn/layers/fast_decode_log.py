@@ -19,8 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..cpu import build as _build
-from ..cpu import linear_log as _cpu_log
+from ..cpu import build as _build, linear_log as _cpu_log
 
 __all__ = ["log_state_step"]
 
