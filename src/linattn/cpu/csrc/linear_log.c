@@ -74,45 +74,49 @@ int64_t linattn_linear_log_nchunks(int64_t N, const int64_t *starts, int64_t C) 
 #else /* ------------------------------------------------------------------ the body, once per REAL */
 #include "common.h"
 
-/* One token into the state (S [K, W], mu [K]): mu_d <- max(mu_d + g, lk_d), the row rescaled only when the key
-   raises it. v1 is [v | 1] (W = V + 1). */
-LA_INLINE void FN(ll_push)(REAL *restrict S, REAL *restrict mu, const REAL *restrict lk, const REAL *restrict v1,
-                           REAL g, int64_t K, int64_t W) {
-    for (int64_t d = 0; d < K; ++d) {
-        const REAL m = mu[d] + g, x = lk[d];
-        REAL *restrict row = S + d * W;
-        if (x > m) {
-            const REAL f = FN(la_exp)(m - x);
-            LA_SIMD
-            for (int64_t w = 0; w < W; ++w) row[w] = row[w] * f + v1[w];
-            mu[d] = x;
-        } else {
-            const REAL e = FN(la_exp)(x - m);
-            LA_SIMD
-            for (int64_t w = 0; w < W; ++w) row[w] += e * v1[w];
-            mu[d] = m;
-        }
-    }
-}
-
-/* The output row relative to c = max_d (lq_d + mu_d): y [W] = sum_d exp(lq_d + mu_d - c) S[d]; returns c.
-   wq [K] is scratch (it keeps the weights). */
-LA_INLINE REAL FN(ll_read)(const REAL *restrict S, const REAL *restrict mu, const REAL *restrict lq, REAL *restrict wq,
-                           REAL *restrict y, int64_t K, int64_t W) {
+/* One token: its key into the state (S [K, W], mu [K]: mu_d <- max(mu_d + g, lk_d), a row rescaled only when the
+   key raises its mu) and the output row y [W] = sum_d exp(lq_d + mu_d - c) S[d] relative to c = max_d (lq_d + mu_d),
+   returned. The scalars first (f, e, wq [K] scratch), then one pass over the state that updates each row and reads
+   it out: the state is loaded and stored once per token. v1 is [v | 1] (W = V + 1). The forward, the backward's
+   recomputation and the decoding step all take this function, so their states have the same bits. */
+LA_INLINE REAL FN(ll_token)(REAL *restrict S, REAL *restrict mu, const REAL *restrict lk, const REAL *restrict v1,
+                            REAL g, const REAL *restrict lq, REAL *restrict f, REAL *restrict e, REAL *restrict wq,
+                            REAL *restrict y, int64_t K, int64_t W) {
     REAL c = (REAL)-INFINITY;
     for (int64_t d = 0; d < K; ++d) {
-        const REAL x = lq[d] + mu[d];
-        if (x > c || x != x) c = x;
-        if (c != c) break;
+        const REAL m = mu[d] + g, x = lk[d];
+        const int up = x > m;
+        f[d] = up ? FN(la_exp)(m - x) : (REAL)1; /* the old rows' factor (1: untouched) */
+        e[d] = up ? (REAL)1 : FN(la_exp)(x - m);  /* the new key's weight */
+        mu[d] = up ? x : m;
+        const REAL a = lq[d] + mu[d];
+        if (a > c || a != a) c = a;
     }
-    LA_SIMD
-    for (int64_t d = 0; d < K; ++d) wq[d] = FN(la_exp)(lq[d] + mu[d] - c);
+    if (c != c) { /* a NaN among the logits: every weight NaN, as in the PyTorch forms */
+        for (int64_t d = 0; d < K; ++d) wq[d] = c;
+    } else {
+        LA_SIMD
+        for (int64_t d = 0; d < K; ++d) wq[d] = FN(la_exp)(lq[d] + mu[d] - c);
+    }
     for (int64_t w = 0; w < W; ++w) y[w] = 0;
     for (int64_t d = 0; d < K; ++d) {
-        const REAL e = wq[d];
-        const REAL *restrict row = S + d * W;
-        LA_SIMD
-        for (int64_t w = 0; w < W; ++w) y[w] += e * row[w];
+        REAL *restrict row = S + d * W;
+        const REAL fd = f[d], ed = e[d], qd = wq[d];
+        if (fd != (REAL)1) {
+            LA_SIMD
+            for (int64_t w = 0; w < W; ++w) {
+                const REAL r = row[w] * fd + v1[w];
+                row[w] = r;
+                y[w] += qd * r;
+            }
+        } else {
+            LA_SIMD
+            for (int64_t w = 0; w < W; ++w) {
+                const REAL r = row[w] + ed * v1[w];
+                row[w] = r;
+                y[w] += qd * r;
+            }
+        }
     }
     return c;
 }
@@ -131,7 +135,7 @@ int FN(linattn_linear_log_fwd)(const linattn_linear_log_plan *p, const REAL *lq,
     int failed = 0;
 #pragma omp parallel num_threads(p->nthreads)
     {
-        REAL *buf = (REAL *)malloc(sizeof(REAL) * (size_t)(2 * W + K + 1));
+        REAL *buf = (REAL *)malloc(sizeof(REAL) * (size_t)(2 * W + 3 * K + 1));
         if (!buf) {
             LA_ATOMIC_WRITE
             failed = 1;
@@ -140,7 +144,7 @@ int FN(linattn_linear_log_fwd)(const linattn_linear_log_plan *p, const REAL *lq,
         for (int64_t s = 0; s < N; ++s)
             for (int64_t h = 0; h < H; ++h) {
                 if (!buf) continue;
-                REAL *v1 = buf, *y = buf + W, *wq = buf + 2 * W;
+                REAL *v1 = buf, *y = buf + W, *wq = buf + 2 * W, *fk = wq + K, *ek = fk + K;
                 REAL *St = S + (s * H + h) * K * W, *mt = mu + (s * H + h) * K;
                 if (S0) {
                     memcpy(St, S0 + (s * H + h) * K * W, sizeof(REAL) * (size_t)(K * W));
@@ -158,8 +162,7 @@ int FN(linattn_linear_log_fwd)(const linattn_linear_log_plan *p, const REAL *lq,
                     const int64_t r = t * H + h;
                     memcpy(v1, v + r * V, sizeof(REAL) * (size_t)V);
                     v1[V] = 1;
-                    FN(ll_push)(St, mt, lk + r * K, v1, g ? g[r] : (REAL)0, K, W);
-                    c[r] = FN(ll_read)(St, mt, lq + r * K, wq, y, K, W);
+                    c[r] = FN(ll_token)(St, mt, lk + r * K, v1, g ? g[r] : (REAL)0, lq + r * K, fk, ek, wq, y, K, W);
                     memcpy(num + r * V, y, sizeof(REAL) * (size_t)V);
                     den[r] = y[V];
                 }
@@ -186,8 +189,9 @@ int FN(linattn_linear_log_bwd)(const linattn_linear_log_plan *p, const REAL *lq,
     int failed = 0;
 #pragma omp parallel num_threads(p->nthreads)
     {
-        /* the chunk's states after each token (slot 0: before its first), their mu, R, nu, [v | 1], dy */
-        const size_t n = (size_t)((C + 1) * K * W + (C + 1) * K + K * W + K + 2 * W);
+        /* the chunk's states after each token (slot 0: before its first), their mu, R, nu, [v | 1], dy, and the
+           token step's scratch */
+        const size_t n = (size_t)((C + 1) * K * W + (C + 1) * K + K * W + 4 * K + 3 * W);
         REAL *buf = (REAL *)malloc(sizeof(REAL) * n);
         if (!buf) {
             LA_ATOMIC_WRITE
@@ -198,7 +202,7 @@ int FN(linattn_linear_log_bwd)(const linattn_linear_log_plan *p, const REAL *lq,
             for (int64_t h = 0; h < H; ++h) {
                 if (!buf) continue;
                 REAL *Sc = buf, *mc = Sc + (C + 1) * K * W, *R = mc + (C + 1) * K, *nu = R + K * W, *v1 = nu + K,
-                     *dy = v1 + W;
+                     *dy = v1 + W, *yk = dy + W, *fk = yk + W, *ek = fk + K, *wq = ek + K;
                 const int64_t a = p->starts[s], b = p->starts[s + 1], sh = s * H + h;
                 /* the gradient of the final state: G = exp(-mu_end) dS, features with no state at all aside */
                 for (int64_t d = 0; d < K; ++d) {
@@ -218,7 +222,8 @@ int FN(linattn_linear_log_bwd)(const linattn_linear_log_plan *p, const REAL *lq,
                         memcpy(mc + (j + 1) * K, mc + j * K, sizeof(REAL) * (size_t)K);
                         memcpy(v1, v + r * V, sizeof(REAL) * (size_t)V);
                         v1[V] = 1;
-                        FN(ll_push)(Sc + (j + 1) * K * W, mc + (j + 1) * K, lk + r * K, v1, g ? g[r] : (REAL)0, K, W);
+                        FN(ll_token)(Sc + (j + 1) * K * W, mc + (j + 1) * K, lk + r * K, v1, g ? g[r] : (REAL)0,
+                                     lq + r * K, fk, ek, wq, yk, K, W);
                     }
                     for (int64_t t = t1 - 1; t >= t0; --t) {
                         const int64_t r = t * H + h, j = t - t0;
