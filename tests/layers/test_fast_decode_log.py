@@ -8,9 +8,46 @@ import pytest
 import torch
 
 from linattn.cpu import available
-from linattn.layers import LayerCache
+from linattn.layers import LayerCache, fast_decode
 from tests.helpers import perturbed_mixer
-from tests.layers.test_fast_decode import FastCount, _run, assert_same_cache
+
+
+class FastCount:
+    """Counts the calls in which the linear fast step produced the output."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        inner = fast_decode.STEPS["linear"]
+
+        def counted(layer, x, cache, lins):
+            out = inner(layer, x, cache, lins)
+            self.n += out is not None
+            return out
+        monkeypatch.setitem(fast_decode.STEPS, "linear", counted)
+
+
+def _run(layer, x, prefill, fast):
+    """Prefill `prefill` tokens (chunk form), then one token at a time; outputs [B, T, d] and the cache."""
+    layer.fast_decode = fast
+    cache, outs = LayerCache(), []
+    with torch.no_grad():
+        if prefill:
+            outs.append(layer(x[:, :prefill], cache=cache))
+        for t in range(prefill, x.shape[1]):
+            outs.append(layer(x[:, t:t + 1], cache=cache))
+    return torch.cat(outs, 1), cache
+
+
+def assert_same_cache(a: LayerCache, b: LayerCache):
+    assert set(a) == set(b)
+    for key in a:
+        va, vb = a[key], b[key]
+        ta = [t for t in (va if isinstance(va, tuple) else (va,)) if isinstance(t, torch.Tensor)]
+        tb = [t for t in (vb if isinstance(vb, tuple) else (vb,)) if isinstance(t, torch.Tensor)]
+        assert len(ta) == len(tb), key
+        for x, y in zip(ta, tb):
+            assert x.dtype == y.dtype and x.shape == y.shape, key
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 CASES = [("linear-hadamard_exp", {}), ("linear-favor+", {}), ("ela-hadamard_exp", {}),
          ("linear-hadamard_exp", {"gate": "retnet"}), ("linear-hadamard_exp", {"gate": "scalar", "output_gate": True}),

@@ -10,8 +10,9 @@ A layer opts in through `fast_step_kind()`, which names one of `STEPS`:
 
 * "delta": one step of `delta_rule`'s recurrent form (prepare_delta, then one update of the state) for
   DeltaNet, Gated DeltaNet and EFLA;
-* "linear": one step of `linear_attention`'s recurrent form for linear-space, non-positional feature maps,
-  with the state [kv | z] kept whole between steps (kv and z in the cache are views of it).
+* "linear": one step of `linear_attention`'s recurrent form for non-positional feature maps, with the state
+  [kv | z] kept whole between steps (kv and z in the cache are views of it); the log-space maps (Hadamard Exp,
+  FAVOR+; not with the diagonal gate) keep its log-scale too, through `fast_decode_log.py`.
 
 Each step runs the q/k/v (and beta / decay / output-gate) projections as one matrix-vector product over a
 cached concatenation of their weights (`FusedParams`, rebuilt when a weight changes), and then either one
