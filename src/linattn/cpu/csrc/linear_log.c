@@ -82,22 +82,28 @@ int64_t linattn_linear_log_nchunks(int64_t N, const int64_t *starts, int64_t C) 
 LA_INLINE REAL FN(ll_token)(REAL *restrict S, REAL *restrict mu, const REAL *restrict lk, const REAL *restrict v1,
                             REAL g, const REAL *restrict lq, REAL *restrict f, REAL *restrict e, REAL *restrict wq,
                             REAL *restrict y, int64_t K, int64_t W) {
-    REAL c = (REAL)-INFINITY;
+    /* the scalars in vector loops (one exp per feature for the key, one for the query) */
+    LA_SIMD
     for (int64_t d = 0; d < K; ++d) {
         const REAL m = mu[d] + g, x = lk[d];
         const int up = x > m;
-        f[d] = up ? FN(la_exp)(m - x) : (REAL)1; /* the old rows' factor (1: untouched) */
-        e[d] = up ? (REAL)1 : FN(la_exp)(x - m);  /* the new key's weight */
+        const REAL ex = FN(la_exp)(up ? m - x : x - m);
+        f[d] = up ? ex : (REAL)1; /* the old rows' factor (1: untouched) */
+        e[d] = up ? (REAL)1 : ex; /* the new key's weight */
         mu[d] = up ? x : m;
-        const REAL a = lq[d] + mu[d];
-        if (a > c || a != a) c = a;
+        wq[d] = lq[d] + mu[d];
     }
-    if (c != c) { /* a NaN among the logits: every weight NaN, as in the PyTorch forms */
-        for (int64_t d = 0; d < K; ++d) wq[d] = c;
-    } else {
-        LA_SIMD
-        for (int64_t d = 0; d < K; ++d) wq[d] = FN(la_exp)(lq[d] + mu[d] - c);
+    REAL c = (REAL)-INFINITY;
+    int bad = 0;
+    LA_PRAGMA(omp simd reduction(max : c) reduction(| : bad))
+    for (int64_t d = 0; d < K; ++d) {
+        const REAL a = wq[d];
+        c = a > c ? a : c;
+        bad |= a != a;
     }
+    if (bad) c = (REAL)NAN; /* a NaN among the logits: every weight NaN, as in the PyTorch forms */
+    LA_SIMD
+    for (int64_t d = 0; d < K; ++d) wq[d] = FN(la_exp)(wq[d] - c);
     for (int64_t w = 0; w < W; ++w) y[w] = 0;
     for (int64_t d = 0; d < K; ++d) {
         REAL *restrict row = S + d * W;
