@@ -19,6 +19,7 @@ CSRC = cbuild.CSRC
 SCALAR = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "double": ctypes.c_double,
           "float": ctypes.c_float, "void": None}
 STRUCTS = {"linattn_linear_plan": abi.LinearPlan, "linattn_delta_plan": abi.DeltaPlan,
+           "linattn_linear_log_plan": abi.LinearLogPlan,
            "linattn_block_plan": cpu_decode.BlockPlan, "linattn_model_plan": cpu_decode.ModelPlan}
 
 

@@ -424,10 +424,11 @@ def test_log_space_matmul_path_equals_block_path(name, gated, monkeypatch):
     calls = []
     real = lin._chunk_shifted
     monkeypatch.setattr(lin, "_chunk_shifted", lambda *a: calls.append(1) or real(*a))
-    o1, s1 = linear_attention(q, k, v, feature_map=fm, g=g, initial_state=s0, output_final_state=True, chunk_size=16)
+    kw = dict(feature_map=fm, g=g, initial_state=s0, output_final_state=True, chunk_size=16, backend="torch")
+    o1, s1 = linear_attention(q, k, v, **kw)
     assert calls, "moderate inputs should take the matmul path"
     monkeypatch.setattr(lin, "SAFE_SPAN", 0.0)
-    o2, s2 = linear_attention(q, k, v, feature_map=fm, g=g, initial_state=s0, output_final_state=True, chunk_size=16)
+    o2, s2 = linear_attention(q, k, v, **kw)
     assert len(calls) == 1
     assert rel_err(o1, o2) < 1e-12
     true1 = s1.kv * s1.log_scale.exp().unsqueeze(-1)

@@ -19,6 +19,9 @@ c_ptr, c_i64, c_int, c_double, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes
 
 #: what a nonzero return code means, for every function that returns int unless its entry says otherwise
 OUT_OF_MEMORY = "could not allocate its scratch memory"
+#: csrc/linear_log.c's refusal of features wider than its LL_MAX_FEATURES (the dispatch checks it first)
+LOG_MAX_FEATURES = 4096
+LOG_ERRORS = {1: OUT_OF_MEMORY, 2: f"takes at most {LOG_MAX_FEATURES} features (K_phi)"}
 
 
 class LinearPlan(ctypes.Structure):
@@ -27,6 +30,13 @@ class LinearPlan(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("N", "H", "K", "V", "C")] + [("starts", ctypes.c_void_p)]
                 + [(n, ctypes.c_int32) for n in ("norm", "fmap", "nthreads", "pad_")]
                 + [(n, ctypes.c_double) for n in ("scale", "eps")])
+
+
+class LinearLogPlan(ctypes.Structure):
+    """`linattn_linear_log_plan` (csrc/linear_log.c): shapes, sequence offsets, checkpoint interval, threads."""
+
+    _fields_ = ([(n, ctypes.c_int64) for n in ("N", "H", "K", "V", "C")] + [("starts", ctypes.c_void_p)]
+                + [(n, ctypes.c_int32) for n in ("nthreads", "pad_")])
 
 
 class DeltaPlan(ctypes.Structure):
@@ -78,6 +88,13 @@ LIBRARIES: Dict[str, Library] = {
         # plan, q, k, v, g, P, dnum, dden, o, den, dS -> dq, dk, dv, dg, dS0
         Fn("linattn_linear_bwd", (_plan(LinearPlan),) + (c_ptr,) * 15),
     ), {"linear_plan": LinearPlan}),
+    "linear_log": Library(1, (
+        Fn("linattn_linear_log_nchunks", (c_i64, c_ptr, c_i64), restype=c_i64, typed=False, status=False),
+        # plan, lq, lk, v, g, S0, mu0 -> num, den, c, S, mu, P, Pmu
+        Fn("linattn_linear_log_fwd", (_plan(LinearLogPlan),) + (c_ptr,) * 13, errors=LOG_ERRORS),
+        # plan, lq, lk, v, g, mu0, c, P, Pmu, mu_end, dnum, dden, dS -> dlq, dlk, dv, dg, dS0
+        Fn("linattn_linear_log_bwd", (_plan(LinearLogPlan),) + (c_ptr,) * 17, errors=LOG_ERRORS),
+    ), {"linear_log_plan": LinearLogPlan}),
     "delta": Library(3, (
         # plan, q, k, v, a, decays, S0 -> o, S_out, ckpt
         Fn("linattn_delta_fwd", (_plan(DeltaPlan),) + (c_ptr,) * 9),

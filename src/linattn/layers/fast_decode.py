@@ -10,8 +10,9 @@ A layer opts in through `fast_step_kind()`, which names one of `STEPS`:
 
 * "delta": one step of `delta_rule`'s recurrent form (prepare_delta, then one update of the state) for
   DeltaNet, Gated DeltaNet and EFLA;
-* "linear": one step of `linear_attention`'s recurrent form for linear-space, non-positional feature maps,
-  with the state [kv | z] kept whole between steps (kv and z in the cache are views of it).
+* "linear": one step of `linear_attention`'s recurrent form for non-positional feature maps, with the state
+  [kv | z] kept whole between steps (kv and z in the cache are views of it); the log-space maps (Hadamard Exp,
+  FAVOR+; not with the diagonal gate) keep its log-scale too, through `fast_decode_log.py`.
 
 Each step runs the q/k/v (and beta / decay / output-gate) projections as one matrix-vector product over a
 cached concatenation of their weights (`FusedParams`, rebuilt when a weight changes), and then either one
@@ -44,6 +45,7 @@ from ..ops.feature_maps import EluPlusOne, Identity, ReLU
 from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS, l2norm
 from .cache import FastDecodeState, LayerCache
 from .common import GatedRMSNorm, ShortConv, mamba_neg_a
+from .fast_decode_log import log_state_step
 
 __all__ = ["COMPILED_MAPS", "GLOBAL_HOOKS", "NONNEGATIVE_MAPS", "STEPS", "conv_window", "fused_weights", "hooked",
            "linear_decay", "linear_state", "output_norm_args", "step", "store_conv_window", "store_linear_state",
@@ -335,7 +337,7 @@ def linear_supported(layer) -> bool:
         g = layer._modules["gk_proj"]
         if not (type(g) is nn.Sequential and len(g) == 2 and type(g[1]) is nn.Linear) or hooked(g, g[1]):
             return False
-    return not fm.log_space and not fm.positional
+    return not fm.positional and not (fm.log_space and layer.gate == "diagonal")
 
 
 def linear_decay(layer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -351,8 +353,9 @@ def linear_state(cache: LayerCache, st: LinearAttentionState, cdt: torch.dtype) 
     return torch.cat([st.kv, st.z.unsqueeze(-1)], -1).to(cdt)
 
 
-def store_linear_state(cache: LayerCache, S: torch.Tensor, offset: torch.Tensor, V: int) -> None:
-    state = LinearAttentionState(kv=S[..., :V], z=S[..., V], log_scale=None, offset=offset + 1)
+def store_linear_state(cache: LayerCache, S: torch.Tensor, offset: torch.Tensor, V: int,
+                       log_scale: Optional[torch.Tensor] = None) -> None:
+    state = LinearAttentionState(kv=S[..., :V], z=S[..., V], log_scale=log_scale, offset=offset + 1)
     cache["state"] = state
     fs = _fast_state(cache)
     fs.linear_of, fs.linear_state = state, S
@@ -364,7 +367,9 @@ def _linear_step(layer, x: torch.Tensor, cache: LayerCache, lins) -> Optional[to
     B, H, HV, V, cdt = x.shape[0], layer.n_heads, layer.n_value_heads, layer.head_dim_v, x.dtype
     Kf = fm.feature_dim(layer.head_dim)
     st = cache.get("state")
-    if st is not None and not (isinstance(st, LinearAttentionState) and st.log_scale is None
+    if st is not None and not (isinstance(st, LinearAttentionState)
+                               and (st.log_scale is None if not fm.log_space else
+                                    isinstance(st.log_scale, torch.Tensor) and st.log_scale.shape == (B, HV, Kf))
                                and st.kv.shape == (B, HV, Kf, V) and st.z.shape == (B, HV, Kf)
                                and st.kv.device == x.device and st.offset.shape == (B,)):
         return None   # the general path checks it and says what is wrong
@@ -373,6 +378,8 @@ def _linear_step(layer, x: torch.Tensor, cache: LayerCache, lins) -> Optional[to
         if fused is not None:
             return _linear_step_compiled(layer, cache, st, *fused)
     qk, v, extra = _project(layer, x, cache, lins)                        # [B, 2H, 1, K], [B, HV, 1, V]
+    if fm.log_space:   # Hadamard Exp, FAVOR+: the state keeps its log-scale (layers/fast_decode_log.py)
+        return _log_linear_step(layer, cache, st, qk, v, extra)
     if isinstance(fm, _ELEMENTWISE_MAPS) and layer.scale == 1.0:
         fq, fk = fm.phi(qk).split(H, dim=1)
     else:
@@ -407,6 +414,24 @@ def _linear_step(layer, x: torch.Tensor, cache: LayerCache, lins) -> Optional[to
         o = o / den
     store_linear_state(cache, S, offset, V)
     return _out(layer, o, _gate_out(layer, extra))
+
+
+def _log_linear_step(layer, cache: LayerCache, st: Optional[LinearAttentionState], qk, v, extra):
+    B, H, HV, cdt = v.shape[0], layer.n_heads, layer.n_value_heads, v.dtype
+    S = mu = None
+    offset = torch.zeros(B, dtype=torch.int64, device=v.device)
+    if st is not None:
+        S, mu = linear_state(cache, st, cdt), st.log_scale.to(cdt)
+        offset = st.offset if st.offset.dtype == torch.int64 else st.offset.to(torch.int64)
+    g = None
+    if layer.gate == "retnet":
+        g = torch.log(layer._gamma_on(v.device).to(cdt)).reshape(1, -1).expand(B, HV)
+    elif layer.gate == "scalar":
+        g = layer._scalar_gate(extra[0], fast=True).to(cdt).view(B, HV)
+    q, k = qk.view(B, 2 * H, -1).split(H, dim=1)
+    o, S, mu = log_state_step(layer, q, k, v.view(B, HV, -1), g, S, mu)
+    store_linear_state(cache, S, offset, v.shape[-1], log_scale=mu)
+    return _out(layer, o.unsqueeze(2), _gate_out(layer, extra))
 
 
 def _linear_step_compiled(layer, cache: LayerCache, st: Optional[LinearAttentionState], y: torch.Tensor, conv,

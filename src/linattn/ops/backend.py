@@ -297,6 +297,30 @@ def cpu_linear_attention(p, eps=None):
     return num.view(B, T, H, V), (den.view(B, T, H) if den is not None else None), kv, z, divided
 
 
+def cpu_linear_log_attention(p):
+    """A prepared `linear_attention` call of a log-space map (Hadamard Exp, FAVOR+) on the compiled CPU kernels
+    (linattn/cpu/linear_log.py): the log-features by PyTorch in the compute dtype, the token scan compiled (the
+    chunk and recurrent forms alike). -> num, den [B, T, H, *] relative to the row log-scale c [B, T, H], the
+    final kv, z and log-scale (or None), in the compute dtype."""
+    from ..cpu.linear_log import chunk_linear_log_attention
+
+    B, T, H = p.q.shape[:3]
+    V = p.v.shape[-1]
+    cdt = torch.float64 if p.q.dtype == torch.float64 else torch.float32
+    with torch.autocast("cpu", enabled=False):
+        fq, fk = p.features(cdt)
+        g = _flat(p.log_gate.to(cdt)) if p.log_gate is not None else None
+        S0 = mu0 = None
+        if p.state is not None:
+            S0 = torch.cat([p.state.kv.to(cdt), p.state.z.to(cdt).unsqueeze(-1)], dim=-1).contiguous()
+            mu0 = p.state.log_scale.detach().to(cdt).contiguous()
+        num, den, c, S, mu = chunk_linear_log_attention(_flat(fq), _flat(fk), _flat(p.v.to(cdt)), g, S0, mu0,
+                                                        starts=_starts(p), chunk_size=p.chunk_size)
+    kv, z = (S[..., :V], S[..., V]) if p.output_final_state else (None, None)
+    return (num.view(B, T, H, V), den.view(B, T, H), c.view(B, T, H), kv, z,
+            mu if p.output_final_state else None)
+
+
 def triton_delta(p):
     """A prepared delta-family call on the Triton kernels. -> (o [B, T, H, V] fp32, final state or None)."""
     from ..triton.delta import chunk_delta_rule, fused_recurrent_delta_rule

@@ -52,6 +52,7 @@ import torch
 
 from .. import fla
 from ..cpu import MAX_CHUNK as CPU_MAX_CHUNK
+from ..cpu.abi import LOG_MAX_FEATURES as CPU_LOG_MAX_FEATURES
 from ..errors import LinattnError, LinattnTypeError
 from ..triton import triton_chunk_size
 from ._common import (
@@ -70,6 +71,7 @@ from ._common import (
 )
 from .backend import (
     cpu_linear_attention,
+    cpu_linear_log_attention,
     fla_linear_attention,
     requires_grad,
     select_backend,
@@ -140,19 +142,29 @@ class LinearProblem:
     def diagonal_gate(self) -> bool:
         return self.log_gate is not None and self.log_gate.dim() == 4
 
-    cpu_kernel = "linear"  # the compiled CPU library (linattn/cpu/csrc/linear.c)
+    @property
+    def cpu_kernel(self) -> str:
+        """The compiled CPU library: csrc/linear_log.c for the log-space maps, csrc/linear.c for the others."""
+        return "linear_log" if self.fmap.log_space else "linear"
 
     def cpu_unsupported(self) -> Optional[str]:
         """Why the compiled CPU kernels do not cover this call (None when they do): the causal chunk form of the
-        linear-space maps with no gate or a scalar one; any float dtype (computed in fp32, fp64 for fp64)."""
+        linear-space maps with no gate or a scalar one, and the causal chunk and recurrent forms of the log-space
+        maps (one token scan, csrc/linear_log.c) with K_phi up to its limit; any float dtype (computed in fp32,
+        fp64 for fp64)."""
         if self.q.device.type != "cpu":
             return f"the compiled kernels run on CPU tensors, not {self.q.device.type}"
-        if self.mode != "chunk":
+        log_space = self.fmap.log_space
+        if self.mode != "chunk" and not (log_space and self.mode == "recurrent"):
             return f"mode={self.mode!r} has no compiled CPU kernel (chunk has)"
         if not self.causal:
             return "causal=False has no compiled CPU kernel"
-        if self.fmap.log_space:
-            return f"log-space feature maps ({self.fmap.name}) have no compiled CPU kernel"
+        if log_space and self.Kf > CPU_LOG_MAX_FEATURES:
+            return (f"the feature map {self.fmap.name} gives K_phi = {self.Kf} log-features for head width "
+                    f"{self.q.shape[-1]}; the compiled log-space kernel takes at most {CPU_LOG_MAX_FEATURES}")
+        if log_space and self.state is not None and self.state.log_scale is not None \
+                and self.state.log_scale.requires_grad:
+            return "an initial log_scale that requires grad has no compiled CPU kernel (kv and z may)"
         if self.diagonal_gate:
             return "diagonal gates g [B, T, H, K] (GLA) have no compiled CPU kernel"
         if self.chunk_size > CPU_MAX_CHUNK:
@@ -545,6 +557,9 @@ def finish(p: LinearProblem, num, den, c, kv, z, mu, divided: bool = False,
 def run_linear_attention(p: LinearProblem, backend: str = "auto"):
     """Run a prepared call on `backend` ("auto", "torch", "triton", "cpu" or "fla")."""
     chosen = select_backend(backend, p)
+    if chosen == "cpu" and p.fmap.log_space:  # num and den come relative to the row log-scale c
+        num, den, c, kv, z, mu = cpu_linear_log_attention(p)
+        return finish(p, num, den, c, kv, z, mu)
     if chosen == "cpu":  # without autograd the kernel divides by the normaliser itself (one pass less)
         num, den, kv, z, divided = cpu_linear_attention(p, eps=p.eps if p.normalize else None)
         return finish(p, num, den, None, kv, z, None, divided=divided, lean_grad=True)
