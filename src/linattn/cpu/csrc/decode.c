@@ -263,27 +263,28 @@ void linattn_decode_matvec_f32(int fmt, const void *W, const void *scales, int64
 
 static REAL FN(softplus)(REAL x) { return x > (REAL)20 ? x : MATH(log1p)(MATH(exp)(x)); }
 
-/* x[n] normalised in place: conv 0 "rsqrt" x * rsqrt(sum x^2 + eps), 1 "clamp" x / max(||x||, eps); a row
-   whose sum of squares overflows is scaled by s = max(max |x|, 1) first (ops/l2norm.py, same result). */
+/* x[n] L2-normalised in place (ops/l2norm.py): conv 0 "rsqrt" x * rsqrt(sum x^2 + eps) by common.h's row,
+   1 "clamp" x / max(||x||, eps). A row whose sum of squares is not finite is divided by common.h's scale
+   s = max(max |x|, 1) first (NaN when the row holds a NaN, and then the whole row is NaN, as in torch). */
 static void FN(l2norm)(REAL *restrict x, int64_t n, int conv, REAL eps) {
-    REAL ss = 0, s = 1;
+    REAL r, s = 1;
+    if (conv == 0) {
+        FN(la_l2_row)(x, n, eps, &r, &s);
+        LA_SIMD
+        for (int64_t i = 0; i < n; ++i) x[i] = (x[i] / s) * r;
+        return;
+    }
+    REAL ss = 0;
+    LA_SIMD_SUM(ss)
     for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
     if (!isfinite(ss)) {
-        REAL m = 1;
-        for (int64_t i = 0; i < n; ++i) { REAL a = fabs(x[i]); if (a > m) m = a; }
-        if (isfinite(m)) {
-            s = m; ss = 0;
-            for (int64_t i = 0; i < n; ++i) { x[i] /= s; ss += x[i] * x[i]; }
-        }
+        FN(la_l2_row)(x, n, 0, &r, &s);   /* (for its s) */
+        ss = 0;
+        for (int64_t i = 0; i < n; ++i) ss += (x[i] / s) * (x[i] / s);
     }
-    if (conv == 0) {
-        REAL r = (REAL)1 / MATH(sqrt)(ss + eps / (s * s));
-        for (int64_t i = 0; i < n; ++i) x[i] *= r;
-    } else {
-        REAL nrm = MATH(sqrt)(ss), lo = eps / s;
-        REAL den = nrm > lo ? nrm : (isnan(nrm) ? nrm : lo);
-        for (int64_t i = 0; i < n; ++i) x[i] /= den;
-    }
+    const REAL nrm = MATH(sqrt)(ss), lo = eps / s;
+    const REAL den = nrm > lo ? nrm : (isnan(nrm) ? nrm : lo);
+    for (int64_t i = 0; i < n; ++i) x[i] = (x[i] / s) / den;
 }
 
 /* the short convolution of one token over the first C channels of y [B, ldy] (q | k | v) into u [B, C]:
@@ -327,9 +328,7 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
 static void FN(outnorm)(REAL *restrict o, int64_t V, int has_norm, const REAL *nw, double eps,
                           const REAL *g) {
     if (has_norm) {
-        REAL ms = 0;
-        for (int64_t j = 0; j < V; ++j) ms += o[j] * o[j];
-        REAL r = (REAL)1 / MATH(sqrt)(ms / (REAL)V + (REAL)eps);
+        const REAL r = FN(la_rms_rstd)(o, V, (REAL)eps);
         for (int64_t j = 0; j < V; ++j) o[j] = o[j] * r * (nw ? nw[j] : (REAL)1);
     }
     if (g)
@@ -576,9 +575,7 @@ static void FN(matvec)(int64_t B, int64_t n, int64_t m, const REAL *W, const REA
 static void FN(rmsnorm)(int64_t B, int64_t d, const REAL *x, const REAL *w, double eps, REAL *y) {
     for (int64_t b = 0; b < B; ++b) {
         const REAL *xb = x + b * d;
-        REAL ms = 0;
-        for (int64_t j = 0; j < d; ++j) ms += xb[j] * xb[j];
-        const REAL r = (REAL)1 / MATH(sqrt)(ms / (REAL)d + (REAL)eps);
+        const REAL r = FN(la_rms_rstd)(xb, d, (REAL)eps);
         for (int64_t j = 0; j < d; ++j) y[b * d + j] = w ? xb[j] * r * w[j] : xb[j] * r;
     }
 }
