@@ -163,7 +163,7 @@ static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, const 
             const uint16_t *restrict w0 = W + i0 * m, *restrict w1 = w0 + m, *restrict w2 = w1 + m,
                            *restrict w3 = w2 + m;
             float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-            #pragma omp simd reduction(+:a0,a1,a2,a3)
+#pragma omp simd reduction(+:a0,a1,a2,a3)
             for (int64_t j = 0; j < m; ++j) {
                 const float xj = xb[j];
                 a0 += bf16_to_f32(w0[j]) * xj; a1 += bf16_to_f32(w1[j]) * xj;
@@ -174,7 +174,7 @@ static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, const 
             for (int64_t rr = 0; rr < r; ++rr) {
                 const uint16_t *restrict w = W + (i0 + rr) * m;
                 float a = 0;
-                #pragma omp simd reduction(+:a)
+#pragma omp simd reduction(+:a)
                 for (int64_t j = 0; j < m; ++j) a += bf16_to_f32(w[j]) * xb[j];
                 acc[rr] = a;
             }
@@ -190,7 +190,7 @@ static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, const 
 static void matvec_bf16(int64_t B, int64_t n, int64_t m, const uint16_t *W, const float *bias, const float *x,
                         const float *add, float *y, int nthreads) {
     if (nthreads > 1 && n * m >= PAR_MIN_ELEMS) {
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_bf16(B, n, m, i0, W, bias, x, add, y);
     } else
         for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_bf16(B, n, m, i0, W, bias, x, add, y);
@@ -290,7 +290,7 @@ static void FN(l2norm)(REAL *restrict x, int64_t n, int conv, REAL eps) {
 /* the short convolution of one token over the first C channels of y [B, ldy] (q | k | v) into u [B, C]:
    window w_in [B, C, KC-1] (NULL: zeros) then the token; new window to w_out [B, C, KC-1]. */
 static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ldy, const REAL *w_in,
-                       const REAL *cw, const REAL *cb, int act, REAL *w_out, REAL *u) {
+                     const REAL *cw, const REAL *cb, int act, REAL *w_out, REAL *u) {
     const int64_t W = KC - 1;
     if (W == 3 && w_in) {   /* the default kernel size 4, one vectorised pass per row */
         for (int64_t b = 0; b < B; ++b) {
@@ -326,14 +326,15 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
 
 /* RMSNorm over V (weight nw or NULL) and the SiLU gate (g or NULL), in place */
 static void FN(outnorm)(REAL *restrict o, int64_t V, int has_norm, const REAL *nw, double eps,
-                          const REAL *g) {
+                        const REAL *g) {
     if (has_norm) {
         const REAL r = FN(la_rms_rstd)(o, V, (REAL)eps);
         for (int64_t j = 0; j < V; ++j) o[j] = o[j] * r * (nw ? nw[j] : (REAL)1);
     }
-    if (g)
+    if (g) {
 #pragma omp simd
         for (int64_t j = 0; j < V; ++j) o[j] *= FN(la_silu)(g[j]);
+    }
 }
 
 /* Delta-rule layers. y [B, ldy] = [q H*K | k H*K | v HV*V | b HV | a HV (gated) | gate HV*V (has_gate)]
@@ -499,7 +500,7 @@ int FN(linattn_decode_linear)(int64_t B, int64_t H, int64_t HV, int64_t K, int64
 /* rows i0 .. i0+3 of y[b, i] = (add ? add[b, i] : 0) + (W x[b])_i + (bias ? bias[i] : 0) for every b, W [n, m]
    rows contiguous (at batch > 1 the 4 rows are read from memory once, then from L1) */
 static void FN(matvec_rows)(int64_t B, int64_t n, int64_t m, int64_t i0, const REAL *W, const REAL *bias,
-                              const REAL *x, const REAL *add, REAL *y) {
+                            const REAL *x, const REAL *add, REAL *y) {
     const int64_t r = n - i0 < 4 ? n - i0 : 4;
 #if defined(HAVE_VLINE)
     if (r == 4 && m % (int64_t)(64 / sizeof(REAL)) == 0) {
@@ -563,7 +564,7 @@ static void FN(matvec_rows)(int64_t B, int64_t n, int64_t m, int64_t i0, const R
 /* y = add + W x + bias for x [B, m] (the rows above); a parallel region only where it pays (entering one
    costs about a microsecond even for one thread, and a decoded token makes ~20 of these calls) */
 static void FN(matvec)(int64_t B, int64_t n, int64_t m, const REAL *W, const REAL *bias, const REAL *x,
-                         const REAL *add, REAL *y, int nthreads) {
+                       const REAL *add, REAL *y, int nthreads) {
     if (nthreads > 1 && n * m >= PAR_MIN_ELEMS) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t i0 = 0; i0 < n; i0 += 4) FN(matvec_rows)(B, n, m, i0, W, bias, x, add, y);
@@ -691,7 +692,7 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
 /* x [B, d] -> x_out [B, d]; the mixer's conv window w_in -> w_out and state S_in -> S_out (S_in, w_in NULL
    before the first token). Returns 0, or 1 when out of memory. */
 int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const REAL *w_in, const REAL *S_in,
-                               REAL *w_out, REAL *S_out, REAL *x_out) {
+                             REAL *w_out, REAL *S_out, REAL *x_out) {
     const int64_t B = p->B, d = p->d, ny = p->ny, no = p->HV * p->V, hid = p->hid;
     const int64_t nwork = B * (2 * d + ny + no + (p->has_ffn ? 3 * hid : 0));
     REAL *xn = (REAL *)malloc(sizeof(REAL) * (size_t)(nwork + 1));
@@ -738,7 +739,7 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
 /* ids [B] -> logits [B, vocab] (and 0 into *aux, the model's aux loss, when aux is not NULL: one torch call less
    per token). Returns 0; 1 out of memory; 2 an id outside [0, vocab) (nothing written). */
 int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, const REAL *S_in,
-                               const REAL *w_in, REAL *S_out, REAL *w_out, void *logits, float *aux) {
+                             const REAL *w_in, REAL *S_out, REAL *w_out, void *logits, float *aux) {
     const int64_t B = p->B, d = p->d, V = p->vocab;
     for (int64_t b = 0; b < B; ++b)
         if (ids[b] < 0 || ids[b] >= V) return 2;
