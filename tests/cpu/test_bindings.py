@@ -1,9 +1,9 @@
 """Every ctypes binding against the C prototypes it calls: the exported functions of each csrc/*.c are parsed from
-the source (the self-included REAL / FN() form, and decode.c's DEFINE_* macros), and each one's argument count and
-types and its return type must equal the binding's (abi.LIBRARIES, or cpu/decode.py's own for decode.c). The plan
-structs are checked field by field against the C typedefs and by size against the library's exported
-`linattn_sizeof_<plan>()`; the feature-map codes of common.h against linattn/feature_codes.py. A binding that
-drifts from its C function fails here instead of passing garbage through ctypes."""
+the source (the self-included REAL / FN() form of every file), and each one's argument count and types and its
+return type must equal the binding's (abi.LIBRARIES). The plan structs are checked field by field against the C
+typedefs and by size against the library's exported `linattn_sizeof_<plan>()`; the feature-map codes of common.h
+against linattn/feature_codes.py. A binding that drifts from its C function fails here instead of passing garbage
+through ctypes."""
 from __future__ import annotations
 
 import ctypes
@@ -20,7 +20,7 @@ SCALAR = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "int32_t": ctypes.c_in
           "float": ctypes.c_float, "void": None}
 STRUCTS = {"linattn_linear_plan": abi.LinearPlan, "linattn_delta_plan": abi.DeltaPlan,
            "linattn_linear_log_plan": abi.LinearLogPlan,
-           "linattn_block_plan": cpu_decode.BlockPlan, "linattn_model_plan": cpu_decode.ModelPlan}
+           "linattn_block_plan": abi.BlockPlan, "linattn_model_plan": abi.ModelPlan}
 
 
 def _source(name: str) -> str:
@@ -86,18 +86,12 @@ def struct_fields(typedef: str) -> List[Tuple[str, object]]:
 
 
 def _bound_types(name: str) -> Dict[str, Tuple[object, List[object]]]:
-    """What the Python side declares for library `name`: the table's entries, or decode.py's own argtypes."""
-    table = abi.LIBRARIES[name]
-    if table.bound_by is None:
-        out = {}
-        for fn in table.functions:
-            for sym in ([f"{fn.name}_f32", f"{fn.name}_f64"] if fn.typed else [fn.name]):
-                out[sym] = (fn.restype, list(fn.args))
-        return out
-    assert cpu_decode.available()
-    lib = cbuild.load_library(name)
-    return {s: (getattr(lib, s).restype, list(getattr(lib, s).argtypes)) for s in abi.symbols(name)
-            if not s.startswith(("linattn_sizeof_", f"linattn_{name}_abi_version"))}
+    """What the Python side declares for library `name`: its table's entries."""
+    out = {}
+    for fn in abi.LIBRARIES[name].functions:
+        for sym in ([f"{fn.name}_f32", f"{fn.name}_f64"] if fn.typed else [fn.name]):
+            out[sym] = (fn.restype, list(fn.args))
+    return out
 
 
 def _same(a, b) -> bool:
@@ -166,6 +160,18 @@ def test_every_library_exports_its_abi_version_and_the_loader_checks_it(tmp_path
     assert "ABI version is 999" in cbuild.interface_problem("delta", lib)
     with pytest.warns(UserWarning, match="ABI version is 999"):
         assert cbuild.load_library("delta", src) is None
+
+
+def test_every_source_is_in_the_house_style():
+    """One template form (no backslash-continued DEFINE_* bodies), common.h's fp-contract decision (no pragma),
+    exp, SiLU and rows (no copy of its own), and decode's plan structs declared once (abi.py)."""
+    for path in sorted(CSRC.glob("*.c")):
+        text = re.sub(r"/\*.*?\*/", " ", path.read_text(), flags=re.S)
+        assert not re.search(r"^#define DEFINE_\w+\(", text, re.M), path.name
+        assert not re.search(r"\b(vexp_f(32|64)|silu_f(32|64))\b", text), path.name
+        on_common = '#include "common.h"' in text and not re.search(r"fp-contract|fp contract|FP_CONTRACT", text)
+        assert on_common, path.name
+    assert cpu_decode.BlockPlan is abi.BlockPlan and cpu_decode.ModelPlan is abi.ModelPlan
 
 
 def test_the_binding_maps_return_codes_and_picks_the_dtype_variant():

@@ -190,11 +190,14 @@ def test_nan_reaches_only_later_outputs_like_the_torch_step(case, monkeypatch):
     assert torch.equal(torch.isnan(got), torch.isnan(ref))
 
 
-def test_huge_keys_stay_finite_like_the_torch_step(monkeypatch):
-    """Keys whose sum of squares overflows fp32 normalise by the rescaled formula (ops/l2norm.py), not to 0/NaN."""
-    layer = _layer("deltanet-clamp-noconv")
+@pytest.mark.parametrize("case", ["deltanet-clamp-noconv", "deltanet"])
+@pytest.mark.parametrize("proj", ["k_proj", "q_proj"])
+def test_huge_keys_stay_finite_like_the_torch_step(case, proj, monkeypatch):
+    """Keys (or queries) whose sum of squares overflows fp32 normalise by the rescaled formula (ops/l2norm.py), not
+    to 0/NaN, in both conventions ("clamp", and "rsqrt" through common.h's L2 row)."""
+    layer = _layer(case)
     with torch.no_grad():
-        layer.k_proj.weight.mul_(1e20)
+        getattr(layer, proj).weight.mul_(1e25)  # squares ~1e48: the sum overflows
     x = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(5))
     got, _ = _decode(layer, x)
     monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")

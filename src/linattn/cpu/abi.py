@@ -47,6 +47,52 @@ class DeltaPlan(ctypes.Structure):
                 + [(n, ctypes.c_int32) for n in ("gate", "nthreads")])
 
 
+#: a block plan's weight matrices (each with `fmt_`, `grp_` (int4 group) and `sc_` (bf16 scales) fields)
+WEIGHT_MATRICES = ("W", "Wo", "Wgu", "Wd", "Wq", "Wk", "Wv", "Wg")
+
+
+class BlockPlan(ctypes.Structure):
+    """`linattn_block_plan` (csrc/decode.c): what a whole-block decoding step needs besides the token and the state,
+    fixed while the layer's parameters are. Pointer fields are data addresses (0: NULL); `keep` holds the tensors
+    they point into (set by the builder, models/decode_plan.py). `wbf16` (float32 plans): the matrices W, Wo, Wgu
+    and Wd are stored as bfloat16, read with fp32 accumulation. kind 2 is softmax attention (its projections Wq,
+    Wk, Wv, Wg; the KV cache's buffers and the token's row and positions set per call, models/decode_plan.py).
+    `fmt_<M>` (float32 plans, 0: as `wbf16` says): matrix M's own format (`cpu/decode.WEIGHT_FORMATS`), int8 /
+    int4 with bf16 scales `sc_<M>` and int4 group `grp_<M>` (csrc/qmatvec.h)."""
+
+    _fields_ = ([(n, ctypes.c_int64) for n in ("B", "H", "HV", "K", "V", "d", "ny", "KC", "hid")]
+                + [(n, ctypes.c_int32) for n in ("kind", "conv_act", "dkind", "l2conv", "q_l2", "beta_mode", "gated",
+                                                 "fmap", "gate_kind", "normalize", "nonneg", "has_norm", "has_gate",
+                                                 "has_ffn", "nthreads", "wbf16")]
+                + [(n, ctypes.c_double) for n in ("l2eps", "scale", "eps", "norm_eps", "n1eps", "n2eps")]
+                + [(n, ctypes.c_void_p) for n in ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay",
+                                                  "nw", "Wo", "n2w", "Wgu", "bgu", "Wd", "bd")]
+                # softmax attention (kind 2): fixed per plan, except kv_cap .. lo0, kc, vc, pos, lo (set per call)
+                + [(n, ctypes.c_int64) for n in ("kvh", "rot", "kv_cap", "kv_len", "pos0", "lo0")]
+                + [(n, ctypes.c_int32) for n in ("att_gate", "gate_sig", "qk_norm", "kv_bf16", "rope_f32", "pad2_")]
+                + [(n, ctypes.c_double) for n in ("qk_eps", "rope_scale")]
+                + [(n, ctypes.c_void_p) for n in ("Wq", "bq", "Wk", "bk", "Wv", "bv", "Wg", "qnw", "knw", "inv_freq",
+                                                  "kc", "vc", "pos", "lo")]
+                + [(f"fmt_{n}", ctypes.c_int32) for n in WEIGHT_MATRICES]
+                + [(f"grp_{n}", ctypes.c_int64) for n in WEIGHT_MATRICES]
+                + [(f"sc_{n}", ctypes.c_void_p) for n in WEIGHT_MATRICES])
+
+
+class ModelPlan(ctypes.Structure):
+    """`linattn_model_plan` (csrc/decode.c): a whole model's decoding step (`linattn_decode_model`): the embedding,
+    L block plans, the final RMSNorm and the head, and where each layer's state and conv window sit in the step's
+    state / window buffers. Built in models/decode_plan.py (`model_step`), which keeps what it points into.
+    `wbf16` (float32 plans): the embedding and head are bfloat16 too, and the logits are written as bfloat16.
+    `fmt_head` / `grp_head` / `sc_head`: the head's own format (as a block plan's `fmt_<M>`)."""
+
+    _fields_ = ([(n, ctypes.c_int64) for n in ("L", "B", "d", "vocab")]
+                + [(n, ctypes.c_int32) for n in ("has_norm", "nthreads", "wbf16", "pad_")]
+                + [("norm_eps", ctypes.c_double)]
+                + [(n, ctypes.c_void_p) for n in ("embed", "norm_w", "head", "blocks", "s_off", "w_off")]
+                + [("fmt_head", ctypes.c_int32), ("pad2_", ctypes.c_int32), ("grp_head", ctypes.c_int64),
+                   ("sc_head", ctypes.c_void_p)])
+
+
 class Fn(NamedTuple):
     """One exported function: `name` (with `_f32` / `_f64` appended when `typed`), its argument types, its return
     type; `status`: the int it returns is a status code (0 success), whose nonzero values `errors` explains
@@ -62,13 +108,11 @@ class Fn(NamedTuple):
 
 class Library(NamedTuple):
     """One compiled library: its ABI version, its functions, and its plan structs by the name `LA_EXPORT_SIZEOF`
-    exports (`linattn_sizeof_<name>`). `bound_by`: a module that sets the argument types itself (the table then
-    lists the symbols and version the loader checks, and the prototype test reads the module's own types)."""
+    exports (`linattn_sizeof_<name>`)."""
 
     abi: int
     functions: Tuple[Fn, ...]
     structs: Dict[str, type] = {}
-    bound_by: Optional[str] = None
 
 
 def _plan(struct) -> type:
@@ -136,9 +180,25 @@ LIBRARIES: Dict[str, Library] = {
         Fn("linattn_rwkv7_bwd", (c_i64,) * 4 + (c_ptr,) * 7 + (c_double,) + (c_ptr,) * 2 + (c_i64,) + (c_ptr,) * 8
            + (c_int,)),
     )),
-    # decode.c's functions are bound by cpu/decode.py (their plan structs live there)
-    "decode": Library(3, tuple(Fn(f"linattn_decode_{stem}", ()) for stem in ("delta", "linear", "block", "model")),
-                      bound_by="linattn.cpu.decode"),
+    "decode": Library(4, (
+        # B, H, HV, K, V, y, ldy, KC, w_in, cw, cb, conv_act, w_out, kind, l2conv, q_l2, l2eps, scale, beta_mode,
+        # alpha, gated, neg_a, dt_bias, S_in, S_out, has_norm, nw, norm_eps, has_gate, out, threads
+        Fn("linattn_decode_delta", (c_i64,) * 5 + (c_ptr, c_i64, c_i64) + (c_ptr,) * 3 + (c_int, c_ptr) + (c_int,) * 3
+           + (c_double,) * 2 + (c_int, c_ptr, c_int) + (c_ptr,) * 4 + (c_int, c_ptr, c_double, c_int, c_ptr, c_int)),
+        # B, H, HV, K, V, y, ldy, KC, w_in, cw, cb, conv_act, w_out, fmap, scale, gate_kind, decay, neg_a, dt_bias,
+        # S_in, S_out, normalize, nonneg, eps, has_norm, nw, norm_eps, has_gate, out, threads
+        Fn("linattn_decode_linear", (c_i64,) * 5 + (c_ptr, c_i64, c_i64) + (c_ptr,) * 3 + (c_int, c_ptr)
+           + (c_int, c_double, c_int) + (c_ptr,) * 5 + (c_int, c_int, c_double) + (c_int, c_ptr, c_double, c_int, c_ptr,
+                                                                                  c_int)),
+        # plan, x, w_in, S_in -> w_out, S_out, x_out
+        Fn("linattn_decode_block", (_plan(BlockPlan),) + (c_ptr,) * 6),
+        # plan, ids, S_in, w_in -> S_out, w_out, logits, aux
+        Fn("linattn_decode_model", (_plan(ModelPlan),) + (c_ptr,) * 7,
+           errors={1: OUT_OF_MEMORY, 2: "was given a token id outside [0, vocab) (nothing written)"}),
+        # fmt, W, scales, group, B, n, m, bias, x, add -> y; threads
+        Fn("linattn_decode_matvec_f32", (c_int, c_ptr, c_ptr) + (c_i64,) * 4 + (c_ptr,) * 4 + (c_int,), restype=None,
+           typed=False, status=False),
+    ), {"block_plan": BlockPlan, "model_plan": ModelPlan}),
 }
 
 

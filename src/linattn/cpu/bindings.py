@@ -71,8 +71,6 @@ class Bound:
 
 def bind(name: str) -> Optional[Bound]:
     """The library `name` bound from its table, or None when the kernels are off or it cannot be built."""
-    if LIBRARIES[name].bound_by is not None:
-        raise ValueError(f"internal: {name} is bound by {LIBRARIES[name].bound_by}")
     lib = load_library(name)
     if lib is None:
         return None

@@ -19,7 +19,8 @@ from typing import Optional, Tuple
 import torch
 
 from ..errors import LinattnError
-from . import c_double, c_i64, c_int, c_ptr, load_library, ptr, threads
+from . import bindings, ptr, threads
+from .abi import WEIGHT_MATRICES, BlockPlan, ModelPlan
 from .build import ENV_SWITCH, enabled
 
 __all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", "ModelPlan", "model_function",
@@ -31,38 +32,11 @@ from ..feature_codes import FUSED_MAPS as FEATURE_MAPS  # noqa: E402, I001 (one 
 BETA_MODES = ("sigmoid", "adaptive", "loose")
 #: the weight formats of the plans' matrices (csrc/qmatvec.h WF_*: `fmt_<matrix>` fields, 0 = as `wbf16` says)
 WEIGHT_FORMATS = {"plan": 0, "bf16": 1, "int8": 2, "int4": 3}
-#: a block plan's weight matrices (each with `fmt_`, `grp_` (int4 group) and `sc_` (bf16 scales) fields)
-WEIGHT_MATRICES = ("W", "Wo", "Wgu", "Wd", "Wq", "Wk", "Wv", "Wg")
-_typed = set()
-_SFX = {torch.float32: "f32", torch.float64: "f64"}
 
 
-def _library():
-    if not enabled():
-        return None
-    lib = load_library("decode")
-    if lib is not None and id(lib) not in _typed:
-        for sfx in ("f32", "f64"):
-            f = getattr(lib, f"linattn_decode_delta_{sfx}")
-            f.argtypes = ([c_i64] * 5 + [c_ptr, c_i64, c_i64] + [c_ptr] * 3 + [c_int, c_ptr]
-                          + [c_int] * 3 + [c_double] * 2 + [c_int, c_ptr, c_int] + [c_ptr] * 4
-                          + [c_int, c_ptr, c_double, c_int, c_ptr, c_int])
-            f.restype = c_int
-            g = getattr(lib, f"linattn_decode_linear_{sfx}")
-            g.argtypes = ([c_i64] * 5 + [c_ptr, c_i64, c_i64] + [c_ptr] * 3 + [c_int, c_ptr]
-                          + [c_int, c_double, c_int] + [c_ptr] * 5 + [c_int, c_int, c_double]
-                          + [c_int, c_ptr, c_double, c_int, c_ptr, c_int])
-            g.restype = c_int
-            f = getattr(lib, f"linattn_decode_block_{sfx}")
-            f.argtypes = [ctypes.POINTER(BlockPlan)] + [c_ptr] * 6
-            f.restype = c_int
-            f = getattr(lib, f"linattn_decode_model_{sfx}")
-            f.argtypes = [ctypes.POINTER(ModelPlan)] + [c_ptr] * 7
-            f.restype = c_int
-        lib.linattn_decode_matvec_f32.argtypes = [c_int, c_ptr, c_ptr] + [c_i64] * 4 + [c_ptr] * 4 + [c_int]
-        lib.linattn_decode_matvec_f32.restype = None
-        _typed.add(id(lib))
-    return lib
+def _library() -> Optional[bindings.Bound]:
+    """decode.c bound from its table (cpu/abi.py), or None when the kernels are off or cannot be built."""
+    return bindings.bind("decode") if enabled() else None
 
 
 # the switch is read on every decoded token, where os.environ.get (key encoding, value decoding, normalising: ~50
@@ -127,7 +101,7 @@ def delta_step(y: torch.Tensor, *, heads: Tuple[int, int, int, int], conv, kind:
     S_out = torch.empty(B, HV, K, V, dtype=y.dtype)
     out = torch.empty(B, HV * V, dtype=y.dtype)
     has_norm, nw, neps = norm
-    _check(getattr(lib, f"linattn_decode_delta_{_SFX[y.dtype]}")(
+    _check(lib.function("linattn_decode_delta", y.dtype)(
         B, H, HV, K, V, ptr(y), ldy, KC, ptr(w_in), ptr(cw), ptr(cb), act, ptr(w_out),
         kind, l2conv, int(q_l2), l2eps, scale, beta_mode, ptr(alpha), int(gated), ptr(neg_a), ptr(dt_bias),
         ptr(S), ptr(S_out), int(has_norm), ptr(nw), neps, int(has_gate), ptr(out), threads()))
@@ -148,38 +122,11 @@ def linear_step(y: torch.Tensor, *, heads: Tuple[int, int, int, int], conv, fmap
     S_out = torch.empty(B, HV, K, V + 1, dtype=y.dtype)
     out = torch.empty(B, HV * V, dtype=y.dtype)
     has_norm, nw, neps = norm
-    _check(getattr(lib, f"linattn_decode_linear_{_SFX[y.dtype]}")(
+    _check(lib.function("linattn_decode_linear", y.dtype)(
         B, H, HV, K, V, ptr(y), ldy, KC, ptr(w_in), ptr(cw), ptr(cb), act, ptr(w_out),
         fmap, scale, gate_kind, ptr(decay), ptr(neg_a), ptr(dt_bias), ptr(S), ptr(S_out),
         int(normalize), int(nonneg), eps, int(has_norm), ptr(nw), neps, int(has_gate), ptr(out), threads()))
     return out, S_out, w_out
-
-
-class BlockPlan(ctypes.Structure):
-    """`linattn_block_plan` of csrc/decode.c: what a whole-block decoding step (`block_step`) needs besides the
-    token and the state, fixed while the layer's parameters are. Pointer fields are data addresses (0: NULL);
-    `keep` holds the tensors they point into (set by the builder, models/decode_plan.py). `wbf16` (float32 plans):
-    the matrices W, Wo, Wgu and Wd are stored as bfloat16, read with fp32 accumulation. kind 2 is softmax
-    attention (its projections Wq, Wk, Wv, Wg; the KV cache's buffers and the token's row and positions set per
-    call, models/decode_plan.py). `fmt_<M>` (float32 plans, 0: as `wbf16` says): matrix M's own format
-    (`WEIGHT_FORMATS`), int8 / int4 with bf16 scales `sc_<M>` and int4 group `grp_<M>` (csrc/qmatvec.h)."""
-
-    _fields_ = ([(n, ctypes.c_int64) for n in ("B", "H", "HV", "K", "V", "d", "ny", "KC", "hid")]
-                + [(n, ctypes.c_int32) for n in ("kind", "conv_act", "dkind", "l2conv", "q_l2", "beta_mode", "gated",
-                                                 "fmap", "gate_kind", "normalize", "nonneg", "has_norm", "has_gate",
-                                                 "has_ffn", "nthreads", "wbf16")]
-                + [(n, ctypes.c_double) for n in ("l2eps", "scale", "eps", "norm_eps", "n1eps", "n2eps")]
-                + [(n, ctypes.c_void_p) for n in ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay",
-                                                  "nw", "Wo", "n2w", "Wgu", "bgu", "Wd", "bd")]
-                # softmax attention (kind 2): fixed per plan, except kv_cap .. lo0, kc, vc, pos, lo (set per call)
-                + [(n, ctypes.c_int64) for n in ("kvh", "rot", "kv_cap", "kv_len", "pos0", "lo0")]
-                + [(n, ctypes.c_int32) for n in ("att_gate", "gate_sig", "qk_norm", "kv_bf16", "rope_f32", "pad2_")]
-                + [(n, ctypes.c_double) for n in ("qk_eps", "rope_scale")]
-                + [(n, ctypes.c_void_p) for n in ("Wq", "bq", "Wk", "bk", "Wv", "bv", "Wg", "qnw", "knw", "inv_freq",
-                                                  "kc", "vc", "pos", "lo")]
-                + [(f"fmt_{n}", ctypes.c_int32) for n in WEIGHT_MATRICES]
-                + [(f"grp_{n}", ctypes.c_int64) for n in WEIGHT_MATRICES]
-                + [(f"sc_{n}", ctypes.c_void_p) for n in WEIGHT_MATRICES])
 
 
 def block_step(plan: BlockPlan, fn, x: torch.Tensor, w_in: Optional[torch.Tensor], S_in: Optional[torch.Tensor],
@@ -195,22 +142,7 @@ def block_step(plan: BlockPlan, fn, x: torch.Tensor, w_in: Optional[torch.Tensor
 def block_function(dtype: torch.dtype):
     """The compiled whole-block step for dtype (float32 / float64), or None when the kernels are off or absent."""
     lib = _library()
-    return None if lib is None else getattr(lib, f"linattn_decode_block_{_SFX[dtype]}")
-
-
-class ModelPlan(ctypes.Structure):
-    """`linattn_model_plan` of csrc/decode.c: a whole model's decoding step (`linattn_decode_model`): the embedding,
-    L block plans, the final RMSNorm and the head, and where each layer's state and conv window sit in the
-    step's state / window buffers. Built in models/decode_plan.py (`model_step`), which keeps what it points into.
-    `wbf16` (float32 plans): the embedding and head are bfloat16 too, and the logits are written as bfloat16.
-    `fmt_head` / `grp_head` / `sc_head`: the head's own format (as a block plan's `fmt_<M>`)."""
-
-    _fields_ = ([(n, ctypes.c_int64) for n in ("L", "B", "d", "vocab")]
-                + [(n, ctypes.c_int32) for n in ("has_norm", "nthreads", "wbf16", "pad_")]
-                + [("norm_eps", ctypes.c_double)]
-                + [(n, ctypes.c_void_p) for n in ("embed", "norm_w", "head", "blocks", "s_off", "w_off")]
-                + [("fmt_head", ctypes.c_int32), ("pad2_", ctypes.c_int32), ("grp_head", ctypes.c_int64),
-                   ("sc_head", ctypes.c_void_p)])
+    return None if lib is None else lib.function("linattn_decode_block", dtype)
 
 
 def model_function(dtype: torch.dtype):
@@ -219,7 +151,7 @@ def model_function(dtype: torch.dtype):
     range; nothing written); aux (a float32 scalar, or None) is set to 0 on success; None when the kernels are off
     or absent."""
     lib = _library()
-    return None if lib is None else getattr(lib, f"linattn_decode_model_{_SFX[dtype]}")
+    return None if lib is None else lib.function("linattn_decode_model", dtype)
 
 
 def weight_matvec(x: torch.Tensor, fmt: str, W: torch.Tensor, scales: Optional[torch.Tensor] = None, group: int = 0,
@@ -252,6 +184,6 @@ def weight_matvec(x: torch.Tensor, fmt: str, W: torch.Tensor, scales: Optional[t
             raise LinattnError(f"weight_matvec: {name} must be float32 {list(shape)}, got {t.dtype} {list(t.shape)}")
     lib = _library()
     y = torch.empty(B, n, dtype=torch.float32)
-    lib.linattn_decode_matvec_f32(WEIGHT_FORMATS[fmt], ptr(W), ptr(scales if sshape else None), group, B, n, m,
-                                  ptr(bias), ptr(x), ptr(add), ptr(y), threads())
+    lib("linattn_decode_matvec_f32", None, WEIGHT_FORMATS[fmt], ptr(W), ptr(scales if sshape else None), group, B,
+        n, m, ptr(bias), ptr(x), ptr(add), ptr(y), threads())
     return y

@@ -212,10 +212,4 @@ static void matvec_w_f32(int fmt, const void *W, const void *scales, int64_t gro
     }
 }
 
-/* the dispatch as an entry point, for tests and benchmarks (cpu/decode.py `weight_matvec`) */
-void linattn_decode_matvec_f32(int fmt, const void *W, const void *scales, int64_t group, int64_t B, int64_t n,
-                               int64_t m, const float *bias, const float *x, const float *add, float *y, int nthreads) {
-    matvec_w_f32(fmt, W, scales, group, B, n, m, bias, x, add, y, nthreads);
-}
-
 #endif
