@@ -221,3 +221,22 @@ def test_other_architectures_keep_the_per_module_decode():
     from tests.hf.kernelize_models import build
     model = build("qwen3_next").eval()
     assert not kernelize(model).compiled_decode and "forward" not in model.__dict__
+
+
+def test_under_torch_compile_the_plan_steps_aside(monkeypatch):
+    """A cached one-token call inside torch.compile runs transformers' code (traced), not the compiled plan: the
+    same logits as the eager call on a copy of the cache, no compiled call."""
+    _, fast = _pair()
+    prompt = _prompt(1, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        cache = fast(prompt, use_cache=True).past_key_values
+        twin = copy.deepcopy(cache)
+        tok = prompt[:, -1:]
+        torch._dynamo.reset()
+        got = torch.compile(fast)(tok, cache=cache).logits
+        assert calls.model == 0
+        want = fast(tok, cache=twin).logits
+    assert calls.model == 1
+    assert maxdiff(got, want) <= 1e-5 * max(1.0, want.abs().max().item())
+    torch._dynamo.reset()

@@ -297,8 +297,11 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     if slot.plan is None or not slot.guard.valid():
         if slot.failed is not None and slot.failed.valid():
             return None   # (nothing changed since the plan could not be built)
+        mods = [m for m in model.modules() if m is not model and m is not model.model]
+        if _dp._fast.hooked(*mods):
+            return None   # (before the copies a build makes: a hooked model would make them on every token)
         if not _build(slot, model, B):
-            slot.failed = _dp.PlanGuard(model.model, [m for m in model.modules() if m is not model], [], ())
+            slot.failed = _dp.PlanGuard(model.model, mods, [], ())
             return None
         slot.failed = None
     elif slot.B != B:
