@@ -331,10 +331,10 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         L = n
     if L is None:
         L = cache.get_seq_length()
-    if attention_mask is not None and not (attention_mask.dim() == 2 and attention_mask.shape == (B, L + 1)
-                                           and bool(attention_mask.all())):
+    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor)
+                                           and attention_mask.shape == (B, L + 1) and bool(attention_mask.all())):
         return None   # (left padding: transformers' masked path)
-    if position_ids is not None and not bool((position_ids == L).all()):
+    if position_ids is not None and not (isinstance(position_ids, torch.Tensor) and bool((position_ids == L).all())):
         return None
     store = cache.__dict__.setdefault("_linattn_kv", {})
     mirrors = []
