@@ -240,3 +240,19 @@ def test_under_torch_compile_the_plan_steps_aside(monkeypatch):
     assert calls.model == 1
     assert maxdiff(got, want) <= 1e-5 * max(1.0, want.abs().max().item())
     torch._dynamo.reset()
+
+
+def test_position_ids_other_than_the_cache_length_step_aside(monkeypatch):
+    """A token at a position the cache does not end at (position ids given explicitly) runs transformers' forward,
+    with the unpatched model's logits; at the cache length it takes the plan."""
+    ref, fast = _pair()
+    prompt = _prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        caches = [m(prompt, use_cache=True).past_key_values for m in (fast, ref)]
+        tok = prompt[:, -1:]
+        for pos, n in ((9, 0), (4, 0), (7, 1)):   # (the cache holds 5, 6, then 7 tokens)
+            ids = torch.full((2, 1), pos)
+            lg = [m(tok, cache=c, position_ids=ids).logits for m, c in zip((fast, ref), caches)]
+            assert calls.model == n
+            assert maxdiff(lg[0], lg[1]) <= 1e-5 * max(1.0, lg[1].abs().max().item())
