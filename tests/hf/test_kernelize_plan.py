@@ -160,7 +160,7 @@ def test_cache_reused_copied_and_advanced_by_transformers_between_calls(monkeypa
     got = _generate(fast, prompt, 4)
     want = _generate(ref, prompt, 4)
     seq = [g.sequences for g in (got, want)]
-    more = [_generate(m, s, 5, past_key_values=g.past_key_values) for m, s, g in zip((fast, ref), seq, (got, want))]
+    more = [_generate(m, s, 5, cache=g.past_key_values) for m, s, g in zip((fast, ref), seq, (got, want))]
     assert torch.equal(more[0].sequences, more[1].sequences)
     assert maxdiff(torch.stack(more[0].logits), torch.stack(more[1].logits)) <= 1e-5
 
