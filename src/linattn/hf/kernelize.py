@@ -93,12 +93,14 @@ class KernelizeReport:
         attn_implementation: The attention implementation now set.
         packing_wrapped: The modules given the packing hooks ("" is the model itself); their forwards are
             left as they were.
+        compiled_decode: Whether the model decodes a cached token through the compiled plan (hf/kernelize_plan.py).
     """
     patched: List[str] = field(default_factory=list)
     unserved: Dict[str, str] = field(default_factory=dict)
     kinds: Dict[str, str] = field(default_factory=dict)
     attn_implementation: Optional[str] = None
     packing_wrapped: List[str] = field(default_factory=list)   # modules whose forward recognises packed batches
+    compiled_decode: bool = False
 
     def __iter__(self):                   # `for name in kernelize(model)` walks the patched names
         return iter(self.patched)
@@ -786,6 +788,9 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
         _serve(mod, kind)
         report.patched.append(name)
         report.kinds[name] = kind
+    if plan:
+        from .kernelize_plan import hook_model  # (imports models/: not at hf's import)
+        report.compiled_decode = hook_model(model)
     if packing and plan:
         names = {id(m): n for n, m in model.named_modules()}
         base = getattr(model, "base_model", model)

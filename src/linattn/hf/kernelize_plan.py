@@ -1,0 +1,443 @@
+"""A kernelized transformers model decoded through the compiled decode plan: one call per token for the whole model.
+
+`kernelize` serves the linear mixers of a transformers model with linattn's operators, but a decoded token still
+runs one transformers module at a time (most of it torch's one-row `nn.Linear`). For the models described here
+(`Qwen3_5ForCausalLM`: Gated DeltaNet and gated softmax attention, zero-centred RMSNorms, SwiGLU MLPs), the
+model's `forward` is given a hook (`hook_model`, an instance attribute with the class forward's signature) that
+decodes one token per row as ONE compiled call (`cpu/csrc/decode.c`, `linattn_decode_model`), built by
+`models/decode_plan.py` from a description of transformers' own modules:
+
+* the GDN layer: `in_proj_qkv | in_proj_b | in_proj_a | in_proj_z` fused once into the plan's
+  `[q | k | v | b | a | gate]` projection, the depthwise `conv1d`, `A_log` / `dt_bias`, the gated output RMSNorm;
+* the attention: `decode_plan.AttentionDescription` (q-interleaved sigmoid gate, `1 + w` q/k norms, partial
+  rotary with fp32 angles);
+* the block norms and the final norm: zero-centred, so `1 + w` is precomputed into the plan; `gate_proj` and
+  `up_proj` concatenated once; the head tied or not.
+
+Copies (the fused projections, `1 + w`, `-exp(A_log)`) are guarded by the versions of their sources
+(`decode_plan.PlanGuard`): an in-place weight update rebuilds the plan.
+
+transformers' cache objects stay valid after every token, each written on that token:
+* a GDN layer's recurrent state becomes a view of the step's output buffer (a dict assignment, no copy); its conv
+  state (the last K inputs, where the plan keeps K - 1) is shifted and copied (C x K values per row);
+* a softmax layer's `keys` / `values` become `[B, KV heads, T, D]` views (permuted, no copy) of a buffer of
+  linattn's `[B, T, KV heads, D]` layout into which the compiled call writes the new row; it is reused while the
+  layer still holds the views of the last token, else rebuilt from what the layer holds (a crop, a reorder, a
+  cache filled by transformers' own code).
+
+The hook steps aside (transformers' forward runs, the cache untouched) for anything it does not compute: grad
+enabled, torch.compile tracing, more than one token, `inputs_embeds`, labels, an attention mask with a zero (left
+padding), position ids that are not the cache length, a cache that is not a `DynamicCache` of exactly these
+layer types or that records its past (speculative decoding), a hook on a described module, non-CPU or dtypes
+without a plan, `LINATTN_CPU_KERNELS=0`.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import types
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..cpu import decode as _cpu_decode
+from ..layers.cache import KVCache
+from ..models import decode_plan as _dp
+
+__all__ = ["describe_model", "hook_model", "model_token"]
+
+#: a softmax layer's KV buffer grows by this many rows at a time
+_KV_CHUNK = 64
+
+
+class _Norm:
+    """An RMSNorm as the plan reads it: `weight` (already 1 + w for a zero-centred norm), `eps`."""
+
+    __slots__ = ("weight", "eps")
+
+    def __init__(self, weight, eps):
+        self.weight, self.eps = weight, float(eps)
+
+
+class _Linear:
+    """A projection the plan reads (fused from several of transformers' `nn.Linear`): `weight`, `bias` None."""
+
+    __slots__ = ("weight", "bias", "in_features")
+
+    def __init__(self, weight):
+        self.weight, self.bias, self.in_features = weight, None, weight.shape[1]
+
+
+def _zero_centred(norm: nn.Module, cdt: torch.dtype) -> _Norm:
+    return _Norm(norm.weight.detach().to(cdt) + 1, norm.eps)
+
+
+def _ffn(mlp: nn.Module, wdt: torch.dtype):
+    m = mlp._modules
+    gate, up, down = m.get("gate_proj"), m.get("up_proj"), m.get("down_proj")
+    if any(type(x) is not nn.Linear or x.bias is not None or x.weight.dtype != wdt for x in (gate, up, down)):
+        return None
+    if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
+        return None
+    return _Linear(torch.cat([gate.weight.detach(), up.weight.detach()])), down
+
+
+class _GDN:
+    """A transformers Gated DeltaNet layer (Qwen3.5's separate `in_proj_*`) as the plan's delta block needs it."""
+
+    __slots__ = ("layer", "H", "HV", "K", "V", "KC", "W")
+
+    def __init__(self, layer, wdt):
+        self.layer, self.H, self.HV = layer, layer.num_k_heads, layer.num_v_heads
+        self.K, self.V, self.KC = layer.head_k_dim, layer.head_v_dim, layer.conv_kernel_size
+        m = layer._modules
+        self.W = torch.cat([m[n].weight.detach() for n in ("in_proj_qkv", "in_proj_b", "in_proj_a", "in_proj_z")])
+
+
+def _gdn_usable(layer, wdt) -> bool:
+    m = layer._modules
+    lins = [m.get(n) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]
+    conv, norm = m.get("conv1d"), m.get("norm")
+    return (all(type(x) is nn.Linear and x.bias is None and x.weight.dtype == wdt for x in lins)
+            and type(conv) is nn.Conv1d and conv.bias is None and layer.activation in ("silu", "swish")
+            and conv.weight.shape == (layer.conv_dim, 1, layer.conv_kernel_size)
+            and type(norm).__name__.endswith("RMSNormGated") and getattr(norm, "activation", None) == "silu"
+            and layer.num_v_heads % layer.num_k_heads == 0)
+
+
+def _gdn_plan(g: _GDN, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
+    """The plan's delta block (kind 0, gated) for a transformers GDN layer: y = [q | k | v | b | a | z]."""
+    layer, cdt, keep = g.layer, _dp.compute_dtype(wdt), []
+    addr = _dp._addresser(keep, cdt)
+    p = _cpu_decode.BlockPlan(B=B, H=g.H, HV=g.HV, K=g.K, V=g.V, d=d, ny=g.W.shape[0], KC=g.KC,
+                              hid=bd.ffn_down.in_features, kind=0, conv_act=1, scale=g.K ** -0.5,
+                              nthreads=max(1, torch.get_num_threads()), has_ffn=1, wbf16=int(wdt == torch.bfloat16))
+    p.W = addr(g.W, wdt)
+    conv = layer._modules["conv1d"].weight
+    p.cw = addr(conv.view(conv.shape[0], -1))
+    # transformers' l2norm: x * rsqrt(sum x^2 + 1e-6) on q and k ("rsqrt", L2NORM_EPS)
+    p.dkind, p.l2conv, p.l2eps, p.gated = 0, 0, 1e-6, 1
+    p.neg_a, p.dt_bias = addr(-torch.exp(layer.A_log.detach().to(cdt))), addr(layer.dt_bias)
+    norm = layer._modules["norm"]
+    p.has_norm, p.nw, p.norm_eps, p.has_gate = 1, addr(norm.weight), float(norm.variance_epsilon), 1
+    p.Wo = addr(layer._modules["out_proj"].weight, wdt)
+    return _dp._finish_plan(p, bd, addr, keep, wdt)
+
+
+def _attention(att: nn.Module, rotary: nn.Module, wdt: torch.dtype) -> Optional[_dp.AttentionDescription]:
+    m = att._modules
+    lins = [m.get(n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if any(type(x) is not nn.Linear or x.weight.dtype != wdt for x in lins):
+        return None
+    cfg = att.config
+    H, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, att.head_dim
+    if lins[0].out_features != 2 * H * D or getattr(rotary, "rope_type", "default") != "default":
+        return None
+    inv = rotary.inv_freq
+    return _dp.AttentionDescription(
+        q_proj=lins[0], k_proj=lins[1], v_proj=lins[2], o_proj=lins[3], heads=H, kv_heads=G, head_dim=D,
+        head_dim_v=D, scale=float(att.scaling), window=None, q_norm=m["q_norm"], k_norm=m["k_norm"], norm_offset=1,
+        rot=2 * inv.numel(), inv_freq=inv.detach().to(torch.float64), rope_f32=True,
+        rope_scale=float(rotary.attention_scaling), gate="q", g_proj=None, gate_act="sigmoid", kv_chunk=_KV_CHUNK)
+
+
+def describe_model(model: nn.Module):
+    """(ModelDescription, per-layer GDN or None) of a described transformers model, or None (another
+    architecture, or a part the compiled plan does not compute: then the hook always steps aside)."""
+    if type(model).__name__ != "Qwen3_5ForCausalLM":
+        return None
+    base = model.model
+    embed, wdt = base.embed_tokens, base.embed_tokens.weight.dtype
+    cdt = _dp.compute_dtype(wdt)
+    if cdt is None:
+        return None
+    blocks, gdns = [], []
+    for layer in base.layers:
+        ffn = _ffn(layer.mlp, wdt)
+        if ffn is None:
+            return None
+        n1, n2 = (_zero_centred(layer._modules[n], cdt) for n in ("input_layernorm", "post_attention_layernorm"))
+        if layer.block_type == "linear_attention":
+            mixer = layer.linear_attn
+            if not _gdn_usable(mixer, wdt):
+                return None
+            g, att, kind = _GDN(mixer, wdt), None, "delta"
+        else:
+            mixer = layer.self_attn
+            att = _attention(mixer, base.rotary_emb, wdt)
+            if att is None:
+                return None
+            g, kind = None, "softmax"
+        blocks.append(_dp.BlockDescription(mixer, kind, n1, n2, "swiglu", ffn[0], ffn[1], attention=att))
+        gdns.append(g)
+    head = model.lm_head
+    # (the final norm as the module: `_build` gives the plan its 1 + w)
+    desc = _dp.ModelDescription(embed, blocks, base.norm, None if head.weight is embed.weight else head)
+    return desc, gdns
+
+
+class _Slot:
+    """The model's plan (`cpu/decode.ModelPlan`), its guard, the layout per batch size and what it points into.
+    Not state: a copy or a pickle gets an empty slot."""
+
+    __slots__ = ("plan", "fn", "guard", "keep", "blocks", "specs", "layouts", "B", "layout", "cdt", "wdt", "gdn",
+                 "att", "failed")
+
+    def __init__(self):
+        self.plan, self.failed = None, None
+
+    def __reduce__(self):
+        return (_Slot, ())
+
+
+def _build(slot: _Slot, model: nn.Module, B: int) -> bool:
+    slot.plan = None
+    got = describe_model(model)
+    if got is None:
+        return False
+    desc, gdns = got
+    wdt = desc.embed.weight.dtype
+    if not _dp._model_weights_usable(desc, wdt):
+        return False
+    vocab, d = desc.embed.weight.shape
+    plans, specs = [], []
+    for bd, g in zip(desc.blocks, gdns):
+        if _dp._fast.hooked(*bd.mixer.modules()):
+            return False
+        p = _gdn_plan(g, bd, B, d, wdt) if g is not None else _dp._new_softmax_plan(bd, B, d, wdt)
+        if p is None:
+            return False
+        plans.append(p)
+        specs.append(("delta", g.HV, g.K, g.V, g.KC, (g.H * g.K, g.H * g.K, g.HV * g.V)) if g is not None
+                     else ("softmax", 0, 0, 0, 0, ()))
+    cdt = _dp.compute_dtype(wdt)
+    mp = _cpu_decode.ModelPlan(L=len(plans), B=B, d=d, vocab=vocab, has_norm=1,
+                               nthreads=max(1, torch.get_num_threads()), wbf16=int(wdt == torch.bfloat16),
+                               norm_eps=float(desc.norm.eps))
+    head_w = (desc.head if desc.head is not None else desc.embed).weight.detach()
+    norm_w = _zero_centred(desc.norm, cdt).weight
+    mp.embed, mp.head, mp.norm_w = desc.embed.weight.data_ptr(), head_w.data_ptr(), norm_w.data_ptr()
+    block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
+    mp.blocks = ctypes.addressof(block_ptrs)
+    direct = {mp.embed, mp.head} | {getattr(p, f) for p in plans for f in _dp._PLAN_POINTERS}
+    # every module but the model and its base model, whose own hooks run in their __call__ (kernelize's packing
+    # hooks on the base model among them: they do nothing for a cached token)
+    mods = [m for m in model.modules() if m is not model and m is not model.model]
+    slot.guard = _dp.PlanGuard(model.model, mods, [], direct)
+    if not slot.guard.valid() or any(t.device.type != "cpu" for t in slot.guard.tensors):
+        return False
+    slot.keep = (plans, block_ptrs, head_w, norm_w)
+    slot.plan, slot.fn, slot.cdt, slot.wdt = mp, _cpu_decode.model_function(cdt), cdt, wdt
+    slot.specs, slot.layouts, slot.B = specs, {}, None
+    slot.gdn = [(i, g) for i, g in enumerate(gdns) if g is not None]
+    slot.att = [(i, p) for i, p in enumerate(plans) if p.kind == 2]
+    _set_batch(slot, B)
+    return True
+
+
+def _set_batch(slot: _Slot, B: int) -> None:
+    got = slot.layouts.get(B)
+    if got is None:
+        lo = _dp._layout(slot.specs, B, slot.cdt, slot.plan.vocab)
+        got = slot.layouts[B] = (lo, ((ctypes.c_int64 * lo.L)(*[lay.s_off for lay in lo.layers]),
+                                      (ctypes.c_int64 * lo.L)(*[lay.w_off for lay in lo.layers])))
+    lo, offs = got
+    slot.plan.B = B
+    for p in slot.keep[0]:
+        p.B = B
+    slot.plan.s_off, slot.plan.w_off = ctypes.addressof(offs[0]), ctypes.addressof(offs[1])
+    slot.B, slot.layout = B, lo
+
+
+def _cache_types():
+    from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionLayer
+    return DynamicCache, DynamicLayer, LinearAttentionLayer
+
+
+class _Mirror:
+    """A softmax layer's keys and values in the plan's layout (`KVCache`, `[B, T, G, D]`), valid while the
+    transformers layer still holds the views made of it after the last token (`keys`, `values`)."""
+
+    __slots__ = ("kv", "keys", "values")
+
+    def __init__(self, kv, keys, values):
+        self.kv, self.keys, self.values = kv, keys, values
+
+
+def _mirror(store: dict, i: int, layer, B: int, G: int, D: int, dt: torch.dtype) -> Optional[_Mirror]:
+    keys, values = layer.keys, layer.values
+    mir = store.get(i)
+    if mir is not None and mir.keys is keys and mir.values is values:
+        return mir
+    if not (keys.shape[0] == B and keys.shape[1] == G and keys.shape[3] == D and values.shape == keys.shape
+            and keys.dtype == dt and values.dtype == dt and keys.is_cpu):
+        return None
+    kv = KVCache(chunk=_KV_CHUNK)
+    kv.append(keys.transpose(1, 2), values.transpose(1, 2))
+    mir = store[i] = _Mirror(kv, keys, values)
+    return mir
+
+
+def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids) -> Optional[torch.Tensor]:
+    """The logits `[B, 1, vocab]` of one decoded token per row through the compiled plan, `cache` (a transformers
+    `DynamicCache` holding the prompt) advanced as transformers' forward would; None where the plan does not
+    cover the call (module docstring), the cache untouched."""
+    if (torch.is_grad_enabled() or torch.compiler.is_compiling() or not _cpu_decode.switched_on()
+            or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] != 1
+            or not input_ids.is_cpu or input_ids.dtype not in (torch.int64, torch.int32)):
+        return None
+    DynamicCache, DynamicLayer, LinearAttentionLayer = _cache_types()
+    if type(cache) is not DynamicCache:
+        return None
+    B = input_ids.shape[0]
+    slot = model.__dict__.get("_linattn_model_plan")
+    if type(slot) is not _Slot:
+        slot = model.__dict__["_linattn_model_plan"] = _Slot()
+    if slot.plan is None or not slot.guard.valid():
+        if slot.failed is not None and slot.failed.valid():
+            return None   # (nothing changed since the plan could not be built)
+        mods = [m for m in model.modules() if m is not model and m is not model.model]
+        if _dp._fast.hooked(*mods):
+            return None   # (before the copies a build makes: a hooked model would make them on every token)
+        if not _build(slot, model, B):
+            slot.failed = _dp.PlanGuard(model.model, mods, [], ())
+            return None
+        slot.failed = None
+    elif slot.B != B:
+        _set_batch(slot, B)
+    layers, lo = cache.layers, slot.layout
+    if len(layers) != lo.L:
+        return None
+    # the cache: every GDN layer past its prompt, every softmax layer at the same length L
+    S_parts, W_parts = [], []
+    for (i, g), lay in zip(slot.gdn, (x for x in lo.layers if x.kind != "softmax")):
+        c = layers[i]
+        if type(c) is not LinearAttentionLayer or c.record_past or not c.has_previous_state[0]:
+            return None
+        rs, cs = c.recurrent_states[0], c.conv_states[0]
+        if rs is None or cs is None or rs.shape != lay.sshape or cs.shape != (B, lay.wshape[1], g.KC):
+            return None
+        S_parts.append(rs)
+        W_parts.append(cs)
+    L = None
+    for i, _ in slot.att:
+        c = layers[i]
+        if type(c) is not DynamicLayer or not c.is_initialized or c.keys is None or c.keys.dim() != 4:
+            return None
+        n = c.keys.shape[2]
+        if L is not None and n != L:
+            return None
+        L = n
+    if L is None:
+        L = cache.get_seq_length()
+    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor)
+                                           and attention_mask.shape == (B, L + 1) and bool(attention_mask.all())):
+        return None   # (left padding: transformers' masked path)
+    if position_ids is not None and not (isinstance(position_ids, torch.Tensor) and bool((position_ids == L).all())):
+        return None
+    store = cache.__dict__.setdefault("_linattn_kv", {})
+    mirrors = []
+    for i, p in slot.att:
+        att = p.att
+        mir = _mirror(store, i, layers[i], B, att.kv_heads, att.head_dim, slot.wdt)
+        if mir is None or mir.kv.length != L:
+            return None
+        mirrors.append((i, p, mir))
+    cdt = slot.cdt
+    # the states in the plan's layout: in place when they are the views the last token left, else gathered
+    prev = cache.__dict__.get("_linattn_states")
+    if prev is not None and prev[0] is lo and all(map(lambda a, b: a is b, S_parts, prev[1])):
+        S_in = prev[2]
+    else:
+        S_in = torch.cat([s.to(cdt).reshape(-1) for s in S_parts]) if S_parts else None
+    W_in = torch.cat([w[..., 1:].to(cdt).reshape(-1) for w in W_parts]) if W_parts else None
+    for _, p, mir in mirrors:
+        kv = mir.kv
+        kv.reserve(1, kv.k, kv.v)
+        p.kc, p.vc, p.kv_cap, p.kv_len = kv.k.data_ptr(), kv.v.data_ptr(), kv.k.shape[1], kv.length
+        p.pos, p.lo, p.pos0, p.lo0 = None, None, L, 0
+    ids = input_ids if input_ids.dtype == torch.int64 and input_ids.is_contiguous() else \
+        input_ids.to(torch.int64).contiguous()
+    buf = torch.empty(lo.n_state + lo.n_win, dtype=cdt)
+    logits = torch.empty(B, 1, lo.vocab, dtype=slot.wdt)
+    out = buf.data_ptr()
+    rc = slot.fn(ctypes.byref(slot.plan), ids.data_ptr(), None if S_in is None else S_in.data_ptr(),
+                 None if W_in is None else W_in.data_ptr(), out,
+                 out + lo.n_state * buf.element_size() if lo.n_win else None, logits.data_ptr(), None)
+    if rc == 2:
+        return None   # a token id out of range: transformers' embedding reports it
+    if rc:
+        raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
+    # write transformers' cache: states as views of the new buffer (a copy where the layer keeps another dtype),
+    # conv states shifted by one column, keys / values as views of the grown buffers
+    S_new = buf[:lo.n_state]
+    views = []
+    for (i, g), lay in zip(slot.gdn, (x for x in lo.layers if x.kind != "softmax")):
+        c = layers[i]
+        st = S_new[lay.s_off:lay.s_off + B * g.HV * g.K * g.V].view(lay.sshape)
+        if c.recurrent_states[0].dtype == cdt:
+            c.recurrent_states[0] = st
+        else:
+            c.recurrent_states[0].copy_(st)
+        views.append(c.recurrent_states[0])
+        cs = c.conv_states[0]
+        cs[..., :1].copy_(cs[..., 1:2])
+        cs[..., 1:].copy_(buf[lo.n_state + lay.w_off:lo.n_state + lay.w_off + B * lay.wshape[1] * (g.KC - 1)]
+                          .view(lay.wshape))
+    cache.__dict__["_linattn_states"] = (lo, views, S_new)
+    for i, _, mir in mirrors:
+        kv, c = mir.kv, layers[i]
+        kv.length += 1
+        c.keys = mir.keys = kv.k[:, :kv.length].transpose(1, 2)
+        c.values = mir.values = kv.v[:, :kv.length].transpose(1, 2)
+    return logits
+
+
+_FAST_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
+                          "logits_to_keep", "return_dict", "output_attentions", "output_hidden_states"})
+
+
+_HOOKED_FORWARDS: dict = {}   # model class -> its forward with the decode hook in front
+
+
+def _hooked_forward(cls: type):
+    fn = _HOOKED_FORWARDS.get(cls)
+    if fn is not None:
+        return fn
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    inner = cls.forward
+
+    @functools.wraps(inner)   # (inspect.signature follows __wrapped__: the class forward's exact signature)
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling() or len(args) > 1 or (args and "input_ids" in kwargs):
+            return inner(self, *args, **kwargs)
+        if args:
+            kwargs["input_ids"] = args[0]
+        if (kwargs.keys() <= _FAST_KWARGS and kwargs.get("use_cache", True) is not False
+                and kwargs.get("return_dict", True) is not False and not kwargs.get("output_attentions")
+                and not kwargs.get("output_hidden_states") and type(kwargs.get("logits_to_keep", 0)) is int):
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            logits = model_token(self, kwargs.get("input_ids"), cache, kwargs.get("attention_mask"),
+                                 kwargs.get("position_ids"))
+            if logits is not None:
+                return CausalLMOutputWithPast(logits=logits, cache=cache)
+        return inner(self, **kwargs)
+
+    fn = _HOOKED_FORWARDS[cls] = forward
+    return fn
+
+
+def hook_model(model: nn.Module) -> bool:
+    """Gives a described model (`describe_model`: `Qwen3_5ForCausalLM`) the decode hook: an instance `forward`
+    (a method bound to the model, so a deep copy is bound to the copy) with the class forward's signature that
+    decodes a cached one-token call through the compiled plan (`model_token`) and runs transformers' forward
+    otherwise. Returns whether the model is hooked."""
+    if type(model).__name__ != "Qwen3_5ForCausalLM":
+        return False
+    fn = _hooked_forward(type(model))
+    own = model.__dict__.get("forward")
+    if own is not None:
+        return getattr(own, "__func__", None) is fn
+    model.forward = types.MethodType(fn, model)
+    return True
