@@ -60,12 +60,17 @@ def stored_weights(linear: nn.Module):
     return None if fn is None else fn(linear)
 
 
-def plan_linear(linear: nn.Module, wdt: torch.dtype) -> bool:
-    """Whether a plan with weights in wdt reads this linear layer's matrix: an `nn.Linear` in wdt, or (an fp32 or
-    bf16 plan, which computes in fp32) int8 / int4 weights (`stored_weights`)."""
+def plan_linear(linear, wdt: torch.dtype) -> bool:
+    """Whether a plan with weights in wdt reads this linear layer's matrix: an `nn.Linear` in wdt, int8 / int4
+    weights (`stored_weights`; fp32 and bf16 plans, which compute in fp32), or a matrix a description prepared
+    itself (not a module: an object with a `weight` in wdt, e.g. projections fused once by hf/kernelize_plan.py).
+    Any other module (a subclass of nn.Linear, an adapter) is not read: its forward may compute something else."""
     if type(linear) is nn.Linear:
         return linear.weight.dtype == wdt
-    return compute_dtype(wdt) is torch.float32 and stored_weights(linear) is not None
+    if stored_weights(linear) is not None:
+        return compute_dtype(wdt) is torch.float32
+    w = None if isinstance(linear, nn.Module) else getattr(linear, "weight", None)
+    return isinstance(w, torch.Tensor) and w.dtype == wdt
 
 
 def compute_dtype(weight_dtype: torch.dtype) -> Optional[torch.dtype]:
