@@ -314,12 +314,13 @@ def test_linear_cpu_poison_and_prefix_bits(gate):
 def test_linear_dispatch_auto_and_fallbacks(monkeypatch):
     q, k, v = _lin_inputs(1, 20, 2, 4, 4, torch.float32)
     assert B.select_backend("auto", _problem(q)) == "cpu"
-    for kw in ({"feature_map": "hadamard_exp"}, {"mode": "recurrent"}, {"causal": False},
-               {"g": -torch.rand(1, 4, 2, 8)}, {"mode": "parallel"}):
+    for kw in ({"mode": "recurrent"}, {"causal": False}, {"g": -torch.rand(1, 4, 2, 8)}, {"mode": "parallel"},
+               {"feature_map": "hadamard_exp", "g": -torch.rand(1, 4, 2, 8)}):
         p = _problem(**kw)
         assert p.cpu_unsupported() is not None and B.select_backend("auto", p) == "torch"
-    with pytest.warns(UserWarning, match="backend='cpu': log-space feature maps .* falling back"):
-        o, _ = linattn.linear_attention(q, k, v, feature_map="hadamard_exp", backend="cpu")
+    # the log-space maps have their own compiled kernel (cpu/linear_log.py), chosen by auto
+    assert B.select_backend("auto", _problem(feature_map="hadamard_exp")) == "cpu"
+    o, _ = linattn.linear_attention(q, k, v, feature_map="hadamard_exp", backend="cpu")
     assert rel_err(o, linear_attention_ref(q, k, v, "hadamard_exp")) < 1e-5
     o_auto, _ = linattn.linear_attention(q, k, v)
     monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")  # off: auto is the PyTorch path, same values

@@ -393,7 +393,7 @@ def _qkv(B=1, T=8, H=2, K=4, V=3):
     (lambda q, k, v: linear_attention(q, k, v, g=torch.full((1, 8, 2), 0.1)), ValueError, "<= 0"),
     (lambda q, k, v: linear_attention(q, k, v, g=torch.zeros(1, 8, 2), gamma=0.5), ValueError, "not both"),
     (lambda q, k, v: linear_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
-                                      cu_seqlens=torch.tensor([0, 8])), ValueError, "B == 1"),
+                                      cu_seqlens=torch.tensor([0, 8])), ValueError, "needs batch size 1"),
     (lambda q, k, v: linear_attention(q, k, v, cu_seqlens=torch.tensor([0, 5, 3, 8])), ValueError, "increasing"),
     (lambda q, k, v: linear_attention(q, k, v, cu_seqlens=torch.tensor([0, 5, 7])), ValueError, "end at T"),
     (lambda q, k, v: linear_attention(q, k, v, cu_seqlens=torch.tensor([0., 8.])), ValueError, "integer"),

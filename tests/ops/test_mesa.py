@@ -238,7 +238,7 @@ def test_bad_inputs():
         (dict(initial_state=(H0[:1], G0)), LinattnError, r"initial_state.kk must have shape"),
         (dict(initial_state=(H0, G0[..., :2])), LinattnError, r"initial_state.kv must have shape"),
         (dict(output_final_state=1), LinattnTypeError, "output_final_state"),
-        (dict(cu_seqlens=torch.tensor([0, 4, 10])), LinattnError, "B == 1"),
+        (dict(cu_seqlens=torch.tensor([0, 4, 10])), LinattnError, "needs batch size 1"),
         (dict(scale="big"), LinattnTypeError, "scale"),
     ]
     base = dict(beta=beta, g=g, lam=lam)

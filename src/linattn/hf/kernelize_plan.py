@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from ..cpu import decode as _cpu_decode
+from ..layers import fast_decode as _fast
 from ..layers.cache import KVCache
 from ..models import decode_plan as _dp
 
@@ -109,7 +110,7 @@ def _gdn_usable(layer, wdt) -> bool:
 def _gdn_plan(g: _GDN, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
     """The plan's delta block (kind 0, gated) for a transformers GDN layer: y = [q | k | v | b | a | z]."""
     layer, cdt, keep = g.layer, _dp.compute_dtype(wdt), []
-    addr = _dp._addresser(keep, cdt)
+    addr = _dp.plan_addresser(keep, cdt)
     p = _cpu_decode.BlockPlan(B=B, H=g.H, HV=g.HV, K=g.K, V=g.V, d=d, ny=g.W.shape[0], KC=g.KC,
                               hid=bd.ffn_down.in_features, kind=0, conv_act=1, scale=g.K ** -0.5,
                               nthreads=max(1, torch.get_num_threads()), has_ffn=1, wbf16=int(wdt == torch.bfloat16))
@@ -122,7 +123,7 @@ def _gdn_plan(g: _GDN, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtyp
     norm = layer._modules["norm"]
     p.has_norm, p.nw, p.norm_eps, p.has_gate = 1, addr(norm.weight), float(norm.variance_epsilon), 1
     p.Wo = addr(layer._modules["out_proj"].weight, wdt)
-    return _dp._finish_plan(p, bd, addr, keep, wdt)
+    return _dp.finish_block_plan(p, bd, addr, keep, wdt)
 
 
 def _attention(att: nn.Module, rotary: nn.Module, wdt: torch.dtype) -> Optional[_dp.AttentionDescription]:
@@ -198,14 +199,14 @@ def _build(slot: _Slot, model: nn.Module, B: int) -> bool:
         return False
     desc, gdns = got
     wdt = desc.embed.weight.dtype
-    if not _dp._model_weights_usable(desc, wdt):
+    if not _dp.model_weights_usable(desc, wdt):
         return False
     vocab, d = desc.embed.weight.shape
     plans, specs = [], []
     for bd, g in zip(desc.blocks, gdns):
-        if _dp._fast.hooked(*bd.mixer.modules()):
+        if _fast.hooked(*bd.mixer.modules()):
             return False
-        p = _gdn_plan(g, bd, B, d, wdt) if g is not None else _dp._new_softmax_plan(bd, B, d, wdt)
+        p = _gdn_plan(g, bd, B, d, wdt) if g is not None else _dp.new_softmax_plan(bd, B, d, wdt)
         if p is None:
             return False
         plans.append(p)
@@ -220,7 +221,7 @@ def _build(slot: _Slot, model: nn.Module, B: int) -> bool:
     mp.embed, mp.head, mp.norm_w = desc.embed.weight.data_ptr(), head_w.data_ptr(), norm_w.data_ptr()
     block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
     mp.blocks = ctypes.addressof(block_ptrs)
-    direct = {mp.embed, mp.head} | {getattr(p, f) for p in plans for f in _dp._PLAN_POINTERS}
+    direct = {mp.embed, mp.head} | {getattr(p, f) for p in plans for f in _dp.PLAN_POINTERS}
     # every module but the model and its base model, whose own hooks run in their __call__ (kernelize's packing
     # hooks on the base model among them: they do nothing for a cached token)
     mods = [m for m in model.modules() if m is not model and m is not model.model]
@@ -239,7 +240,7 @@ def _build(slot: _Slot, model: nn.Module, B: int) -> bool:
 def _set_batch(slot: _Slot, B: int) -> None:
     got = slot.layouts.get(B)
     if got is None:
-        lo = _dp._layout(slot.specs, B, slot.cdt, slot.plan.vocab)
+        lo = _dp.state_layout(slot.specs, B, slot.cdt, slot.plan.vocab)
         got = slot.layouts[B] = (lo, ((ctypes.c_int64 * lo.L)(*[lay.s_off for lay in lo.layers]),
                                       (ctypes.c_int64 * lo.L)(*[lay.w_off for lay in lo.layers])))
     lo, offs = got
@@ -298,7 +299,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         if slot.failed is not None and slot.failed.valid():
             return None   # (nothing changed since the plan could not be built)
         mods = [m for m in model.modules() if m is not model and m is not model.model]
-        if _dp._fast.hooked(*mods):
+        if _fast.hooked(*mods):
             return None   # (before the copies a build makes: a hooked model would make them on every token)
         if not _build(slot, model, B):
             slot.failed = _dp.PlanGuard(model.model, mods, [], ())

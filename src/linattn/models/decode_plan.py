@@ -44,7 +44,8 @@ from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
 
 __all__ = ["AttentionDescription", "BlockDescription", "BlockPlanSlot", "ModelDescription", "ModelFastState",
            "ModelPending", "ModelPlanSlot", "PlanGuard", "block_token", "compute_dtype", "describe_softmax",
-           "model_step", "plan_linear", "rebuilds", "stored_weights"]
+           "finish_block_plan", "model_step", "model_weights_usable", "new_softmax_plan", "plan_addresser",
+           "plan_linear", "PLAN_POINTERS", "rebuilds", "state_layout", "stored_weights"]
 
 #: the dtypes a plan reads weights in, and the dtype it computes in for each (bf16: fp32 accumulation and states)
 _COMPUTE = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32}
@@ -273,7 +274,7 @@ def _slot(owner: nn.Module, name: str, cls):
 
 # -- one block ---------------------------------------------------------------------------------------------------
 # the BlockPlan fields that hold data addresses
-_PLAN_POINTERS = ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay", "nw", "Wo", "n2w", "Wgu", "bgu",
+PLAN_POINTERS = ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay", "nw", "Wo", "n2w", "Wgu", "bgu",
                   "Wd", "bd", "Wq", "bq", "Wk", "bk", "Wv", "bv", "Wg", "qnw", "knw") + tuple(
                   f"sc_{n}" for n in _cpu_decode.WEIGHT_MATRICES)
 
@@ -355,12 +356,12 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
             or not _cpu_decode.available()):
         return None
     if desc.kind == "softmax":
-        return _new_softmax_plan(desc, B, d, wdt)
+        return new_softmax_plan(desc, B, d, wdt)
     lins = _compiled_mixer(desc, wdt)
     if lins is None or _fast.hooked(*desc.mixer.modules()):
         return None
     layer, cdt, keep = desc.mixer, compute_dtype(wdt), []
-    addr = _addresser(keep, cdt)
+    addr = plan_addresser(keep, cdt)
     quantized = type(lins[0]) is not nn.Linear
     if quantized:
         convs, w, scales, b, cw, cb = _fused_quantized(layer, lins, cdt)
@@ -404,10 +405,10 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     p.has_norm, p.nw, p.norm_eps = int(has_norm), addr(nw), neps
     p.has_gate = int(layer._modules.get("g_proj") is not None)
     _set_weight(p, "Wo", layer._modules["o_proj"], wdt, addr)
-    return _finish_plan(p, desc, addr, keep, wdt)
+    return finish_block_plan(p, desc, addr, keep, wdt)
 
 
-def _finish_plan(p, desc: BlockDescription, addr, keep: list, wdt: torch.dtype):
+def finish_block_plan(p, desc: BlockDescription, addr, keep: list, wdt: torch.dtype):
     """The block's norms and FFN into plan p (addr: a tensor's address in the plan, kept in keep)."""
     up, down = desc.ffn_gate_up, desc.ffn_down
     p.n1w, p.n1eps = addr(desc.norm1.weight), float(desc.norm1.eps)
@@ -421,7 +422,9 @@ def _finish_plan(p, desc: BlockDescription, addr, keep: list, wdt: torch.dtype):
     return p
 
 
-def _addresser(keep: list, cdt: torch.dtype):
+def plan_addresser(keep: list, cdt: torch.dtype):
+    """`addr(t, dtype=cdt)`: the data address of t in dtype (a vector: the compute dtype; a matrix: pass its stored
+    dtype), converted and made contiguous where needed; what it points into is kept alive in keep (the plan's)."""
     def addr(t, dtype=cdt):   # a vector in the compute dtype, a matrix as stored (wdt)
         if t is None:
             return None
@@ -433,7 +436,7 @@ def _addresser(keep: list, cdt: torch.dtype):
     return addr
 
 
-def _new_softmax_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
+def new_softmax_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     """A BlockPlan of kind 2 (softmax attention) for the described block, or None when the compiled step does not
     cover it. The KV cache's buffers and the token's positions are set per call (`_kv_args`)."""
     att = desc.attention if desc.attention is not None else describe_softmax(desc.mixer)
@@ -454,7 +457,7 @@ def _new_softmax_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
                                                            or m.bias.dtype == wdt)):
             return None
     cdt, keep = compute_dtype(wdt), []
-    addr = _addresser(keep, cdt)
+    addr = plan_addresser(keep, cdt)
     ng = H * Dv if att.gate == "proj" else 0
     p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=D, V=Dv, d=d, ny=H * D * (2 if gq else 1) + G * (D + Dv) + ng,
                               hid=desc.ffn_down.in_features if desc.ffn_down is not None else 0, kind=2,
@@ -479,12 +482,12 @@ def _new_softmax_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         p.inv_freq = addr(att.inv_freq, torch.float64)
     _set_weight(p, "Wo", att.o_proj, wdt, addr)
     p.att = att   # (a ctypes Structure takes new attributes) what `_kv_args` reads per call
-    return _finish_plan(p, desc, addr, keep, wdt)
+    return finish_block_plan(p, desc, addr, keep, wdt)
 
 
 def _block_guard(owner: nn.Module, desc: BlockDescription, plan) -> PlanGuard:
     mods = [*desc.modules, *desc.mixer.modules()]
-    return PlanGuard(owner, mods, [desc.mixer], {getattr(plan, f) for f in _PLAN_POINTERS})
+    return PlanGuard(owner, mods, [desc.mixer], {getattr(plan, f) for f in PLAN_POINTERS})
 
 
 def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Optional[torch.Tensor]:
@@ -617,7 +620,7 @@ class _Layout:
         return other is self or other.key == self.key
 
 
-def _layout(specs, B: int, cdt: torch.dtype, vocab: int) -> _Layout:
+def state_layout(specs, B: int, cdt: torch.dtype, vocab: int) -> _Layout:
     """The layout of a model step's buffers at batch B; specs: per layer (kind, HV, Kf, V, KC, [H*K, H*K, HV*V])."""
     layers, s_off, w_off = [], 0, 0
     for kind, HV, Kf, V, KC, sizes in specs:
@@ -664,7 +667,7 @@ class ModelPlanSlot:
         """Points the plan at batch B (no rebuild: the block plans' and the model plan's B, the offset arrays)."""
         got = self.layouts.get(B)
         if got is None:   # the layout and the C offset arrays (kept here: a pending cache pickles its layout)
-            lo = _layout(self.specs, B, self.dtype, self.plan.vocab)
+            lo = state_layout(self.specs, B, self.dtype, self.plan.vocab)
             got = self.layouts[B] = (lo, ((ctypes.c_int64 * lo.L)(*[lay.s_off for lay in lo.layers]),
                                           (ctypes.c_int64 * lo.L)(*[lay.w_off for lay in lo.layers])))
         lo, offs = got
@@ -687,7 +690,7 @@ class ModelFastState:
         self.entries, self.S, self.W, self.offsets, self.layout = entries, S, W, offsets, layout
 
 
-def _model_weights_usable(desc: ModelDescription, wdt: torch.dtype) -> bool:
+def model_weights_usable(desc: ModelDescription, wdt: torch.dtype) -> bool:
     """Whether the embedding, final norm and head are what the compiled model step computes, in wdt."""
     embed, norm, head = desc.embed, desc.norm, desc.head
     if type(embed) is not nn.Embedding or embed.max_norm is not None or not desc.blocks:
@@ -716,11 +719,11 @@ def _head_matrix(desc: ModelDescription) -> torch.Tensor:
 
 def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescription, B: int) -> bool:
     """Fills slot with a plan for the described model at batch B, or returns False when some part of it is not
-    covered (then the per-block path runs): the embedding, norm and head (`_model_weights_usable`) and every block
+    covered (then the per-block path runs): the embedding, norm and head (`model_weights_usable`) and every block
     (`_new_block_plan`: a covered mixer, RoPE off), all in the embedding's dtype."""
     slot.plan = None
     wdt = desc.embed.weight.dtype
-    if not _model_weights_usable(desc, wdt):
+    if not model_weights_usable(desc, wdt):
         return False
     cdt = compute_dtype(wdt)
     vocab, d = desc.embed.weight.shape
@@ -752,7 +755,7 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     mp.norm_w = None if norm_w is None else norm_w.data_ptr()
     block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
     mp.blocks = ctypes.addressof(block_ptrs)
-    direct = {mp.embed, mp.head, mp.norm_w, mp.sc_head} | {getattr(p, f) for p in plans for f in _PLAN_POINTERS}
+    direct = {mp.embed, mp.head, mp.norm_w, mp.sc_head} | {getattr(p, f) for p in plans for f in PLAN_POINTERS}
     # (the switches and fused weights of linattn's layers; a described module of another library has neither)
     mixers = [bd.mixer for bd in desc.blocks if getattr(bd.mixer, "_fused", None) is not None]
     slot.guard = PlanGuard(model, list(model.modules()), mixers, direct)
