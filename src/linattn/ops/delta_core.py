@@ -401,7 +401,9 @@ def _check_step(x, name: str, shape, ref: torch.Tensor, layout: str) -> None:
                            f"{x.min().item():.4g}")
 
 
-def _check_state(state, N, H, K, V, device) -> None:
+def check_state(state, N, H, K, V, device, ref: str = "q") -> None:
+    """An initial state `[N, H, K, V]` of the delta family: a floating tensor of that shape on `device` (that of
+    the input named `ref`)."""
     layout = f"[N, H, K, V] = {(N, H, K, V)}"
     if not isinstance(state, torch.Tensor):
         raise LinattnTypeError(f"initial_state must be a torch.Tensor of shape {layout} (as returned with "
@@ -412,7 +414,7 @@ def _check_state(state, N, H, K, V, device) -> None:
         raise LinattnError(f"initial_state must have shape {layout} (N = B, or the number of sequences in "
                            f"cu_seqlens), got {tuple(state.shape)}")
     if state.device != device:
-        raise LinattnError(f"initial_state must be on the device of q ({device}), got {state.device}")
+        raise LinattnError(f"initial_state must be on the device of {ref} ({device}), got {state.device}")
 
 
 def _check_flag(x, name: str) -> None:
@@ -499,7 +501,7 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
     offsets = check_cu_seqlens(cu_seqlens, B, T)
     N = B if offsets is None else len(offsets) - 1
     if initial_state is not None:
-        _check_state(initial_state, N, HV, K, V, q.device)
+        check_state(initial_state, N, HV, K, V, q.device)
 
     cdt = compute_dtype(q.dtype)
     source = DeltaSource(q, k, v, beta, l2, scale, coefficient)

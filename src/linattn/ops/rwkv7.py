@@ -39,9 +39,8 @@ from typing import ClassVar, List, Optional, Tuple
 
 import torch
 
-from ..errors import LinattnError, LinattnTypeError
+from ..errors import LinattnTypeError
 from ._common import (
-    FLOAT_DTYPES,
     LOG_GATE_FLOOR,
     check_cu_seqlens,
     check_log_gate,
@@ -51,22 +50,8 @@ from ._common import (
     compute_dtype,
 )
 from .backend import select_backend
-from .delta_core import DeltaProblem, Rwkv7Source, check_tensor_like, prepare_delta, run_delta
+from .delta_core import DeltaProblem, Rwkv7Source, check_state, check_tensor_like, prepare_delta, run_delta
 from .registry import randn, register_op, uniform, unit
-
-
-def _check_state(state, N, H, K, V, device) -> None:
-    layout = f"[N, H, K, V] = {(N, H, K, V)}"
-    if not isinstance(state, torch.Tensor):
-        raise LinattnTypeError(f"initial_state must be a torch.Tensor of shape {layout} (as returned with "
-                               f"output_final_state=True), got {type(state).__name__}")
-    if state.dtype not in FLOAT_DTYPES:
-        raise LinattnTypeError(f"initial_state must be a floating tensor, got {state.dtype}")
-    if tuple(state.shape) != (N, H, K, V):
-        raise LinattnError(f"initial_state must have shape {layout} (N = B, or the number of sequences in "
-                           f"cu_seqlens), got {tuple(state.shape)}")
-    if state.device != device:
-        raise LinattnError(f"initial_state must be on the device of r ({device}), got {state.device}")
 
 
 @dataclasses.dataclass
@@ -133,7 +118,7 @@ def prepare_rwkv7(r, w, k, v, a, b, *, scale=None, mode: str = "chunk", chunk_si
         raise LinattnTypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
     offsets = check_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None:
-        _check_state(initial_state, B if offsets is None else len(offsets) - 1, H, K, V, r.device)
+        check_state(initial_state, B if offsets is None else len(offsets) - 1, H, K, V, r.device, ref="r")
     return Rwkv7Problem(r, w, k, v, a, b, scale, mode, chunk_size, initial_state, output_final_state, offsets)
 
 
