@@ -52,6 +52,19 @@
 #define LA_EXPORT_SIZEOF(name) \
     int64_t linattn_sizeof_##name(void) { return (int64_t)sizeof(linattn_##name); }
 
+/* e^r for |r| <= ln2 / 2 by its Taylor polynomial of degree 7 (Horner; the truncation is far below half an ulp):
+   the float exp's core, shared by la_expf and linear.c's elu+1 */
+static inline float la_expf_poly(float r) {
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    return p * r + 1.0f;
+}
+
 /* exp in plain arithmetic, so that loops over it vectorise (libm's exp is a call per element) and every element
    gets the same bits wherever it sits in a vector (a prefix run reproduces the full run's values). x = n ln2 + r,
    |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts, n rounded by adding and subtracting 1.5 2^k), e^r by its Taylor
@@ -68,14 +81,7 @@ static inline float la_expf(float x) {
     const float t = xc * 1.44269504088896341f;
     const float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest (|t| < 2^22) */
     const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    const float p = la_expf_poly(r);
     const int32_t ni = (int32_t)n, n1 = ni / 2, n2 = ni - n1;
     union {
         int32_t i;

@@ -221,14 +221,7 @@ static inline float lin_elu1_f32(float y) {
     const float tm = zc * 1.44269504088896341f + 12582912.0f;
     const float n = tm - 12582912.0f; /* round(zc / ln2) */
     const float r = (zc - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    const float p = la_expf_poly(r);
     union {
         float f;
         int32_t i;
