@@ -1034,11 +1034,11 @@ def _store(lo: _Layout, lcs, states, convs, n: int) -> list:
         lc["state"] = st
         out.append(st)
         if lay.wshape is not None:
-            n = len(lay.keys)
-            for key, c in zip(lay.keys, convs[j:j + n]):
+            nk = len(lay.keys)
+            for key, c in zip(lay.keys, convs[j:j + nk]):
                 lc[key] = c
-            out += convs[j:j + n]
-            j += n
+            out += convs[j:j + nk]
+            j += nk
         o = lc.get("offset", 0)
         lc["offset"] = o + n if type(o) is int else lc.offset + n
         if lc.fast is not None:
