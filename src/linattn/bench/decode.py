@@ -81,6 +81,7 @@ def add_arguments(p) -> None:
 
 def build_models(a, names) -> Dict[str, torch.nn.Module]:
     from ..layers.base import AttentionBase
+    from ..layers.mamba2 import Mamba2Block
     from ..models import LanguageModel, LMConfig
 
     out = {}
@@ -93,7 +94,7 @@ def build_models(a, names) -> Dict[str, torch.nn.Module]:
                                        n_heads=a.n_heads, mixer=mixer, max_seq_len=2048)).to(a.device).eval()
         if name.endswith(TORCH_SUFFIX) or getattr(a, "decode_step", "auto") == "torch":
             for m in model.modules():   # the PyTorch fast step (layers/base.py), not the compiled one
-                if isinstance(m, AttentionBase):
+                if isinstance(m, (AttentionBase, Mamba2Block)):   # (Mamba2: its PyTorch forward)
                     m.compiled_decode = False
         if name.endswith(BLOCK_SUFFIX):
             model.compiled_decode = False   # block by block (models/decode_plan.block_token)
