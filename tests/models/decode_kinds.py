@@ -184,3 +184,66 @@ def check_nan_token(model):
     assert got[0, 2:].isnan().all()
     assert not got[:, :2].isnan().any() and not got[1].isnan().any()
     torch.testing.assert_close(got[1], want[0], rtol=1e-10, atol=1e-10)
+
+
+CACHE_OPS = ["deepcopy", "reorder", "snapshot-restore", "remove rows"]
+
+
+def check_cache_op(model, op, monkeypatch):
+    """A cache copied, reordered, snapshot and restored, or left by rows between compiled tokens: the PyTorch
+    path's logits after it, every token still one compiled call, and a copy's decoding never changes the original."""
+    twin = pytorch_twin(model)
+    ids = ids_of(3, 10)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        caches = [m(ids[:, :4], use_cache=True).cache for m in (model, twin)]
+        for m, c in zip((model, twin), caches):
+            m(ids[:, 4:5], cache=c)
+        tok = ids[:, 5:6]
+        originals = caches
+        if op == "deepcopy":
+            before = copy.deepcopy(originals[0].layer(0, "mixer"))
+            caches = [copy.deepcopy(c) for c in caches]
+        elif op == "reorder":
+            for c in caches:
+                c.reorder(torch.tensor([2, 0, 0, 1]))
+            tok = tok[[2, 0, 0, 1]]
+        elif op == "snapshot-restore":
+            snaps = [c.snapshot() for c in caches]
+            for m, c in zip((model, twin), caches):
+                m(tok, cache=c)
+                m(tok, cache=c)
+            for c, s in zip(caches, snaps):
+                c.restore(s)
+        else:
+            for c in caches:
+                c.remove_rows([1])
+            tok = tok[[0, 2]]
+        n0 = calls.model
+        for _ in range(4):
+            outs = [m(tok, cache=c).logits for m, c in zip((model, twin), caches)]
+            torch.testing.assert_close(outs[0], outs[1], rtol=2e-5, atol=2e-5)
+            tok = outs[1].argmax(-1)
+        assert calls.model == n0 + 4
+    if op == "deepcopy":   # the original's entries: as before the copies decoded
+        after = originals[0].layer(0, "mixer")
+        for key, value in before.items():
+            x, y = after[key], value
+            xs, ys = (tuple(x) if isinstance(x, tuple) else (x,)), (tuple(y) if isinstance(y, tuple) else (y,))
+            for u, v in zip(xs, ys):
+                assert (u is None and v is None) or torch.equal(torch.as_tensor(u), torch.as_tensor(v)), key
+
+
+def check_threads(model):
+    """At 2 threads the heads (and the big products' rows) split over the threads: the same logits, bit for bit, as
+    at 1 thread (each item's arithmetic is the same); the plan is rebuilt for the thread count."""
+    ids = ids_of(4, 6)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = decode(model, ids, 2)
+        torch.set_num_threads(2)
+        two, _ = decode(model, ids, 2)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two)

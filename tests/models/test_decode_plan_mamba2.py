@@ -154,3 +154,15 @@ def test_hostile_values_propagate():
     want, _ = dk.decode(dk.pytorch_twin(model), ids, 3)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     dk.check_nan_token(model)
+
+
+@pytest.mark.parametrize("op", dk.CACHE_OPS)
+def test_cache_operations_between_tokens(op, monkeypatch):
+    dk.check_cache_op(_model(**CASES["defaults"]), op, monkeypatch)
+
+
+def test_two_threads_give_the_same_bits():
+    """Batch 4 with heads big enough that the heads' loop and the products run on 2 threads."""
+    model = dk.hybrid("mamba2", torch.float32, dict(state_size=64, head_dim=64), pattern=(0, 1, 0), d_model=256,
+                      n_heads=4)
+    dk.check_threads(model)
