@@ -166,3 +166,19 @@ def test_two_threads_give_the_same_bits():
     model = dk.hybrid("mamba2", torch.float32, dict(state_size=64, head_dim=64), pattern=(0, 1, 0), d_model=256,
                       n_heads=4)
     dk.check_threads(model)
+
+
+def test_bench_decode_torch_twin_takes_the_pytorch_path(monkeypatch):
+    """`linattn bench decode --decode-step both`: the `mamba2+torch` row is the PyTorch path (what such a model ran
+    before its compiled kind), the `mamba2` row one compiled call per token."""
+    import argparse
+
+    from linattn.bench.decode import build_models
+
+    a = argparse.Namespace(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seed=0, device="cpu", decode_step="both")
+    models = build_models(a, ["mamba2", "mamba2+torch"])
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    for name, want in (("mamba2+torch", 0), ("mamba2", 3)):
+        calls = CompiledDecodeCalls(monkeypatch)
+        dk.decode(models[name], ids, 3)
+        assert (calls.model, calls.block) == (want, 0), name

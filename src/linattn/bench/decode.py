@@ -37,7 +37,7 @@ from . import common
 from .tlinformer import first_token, fmt_mib, measure_N
 
 DESCRIPTION = __doc__
-DEFAULT_MIXERS = "softmax,linear-elu+1,ela-hadamard_exp,retnet,gla,deltanet,gated-deltanet,efla"
+DEFAULT_MIXERS = "softmax,linear-elu+1,ela-hadamard_exp,retnet,gla,deltanet,gated-deltanet,efla,kda,mamba2"
 DEFAULT_N = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 PROG = "linattn bench decode"
 TORCH_SUFFIX = "+torch"   # --decode-step both: the twin model decoding by the PyTorch fast step
