@@ -37,7 +37,7 @@ from . import common
 from .tlinformer import first_token, fmt_mib, measure_N
 
 DESCRIPTION = __doc__
-DEFAULT_MIXERS = "softmax,linear-elu+1,ela-hadamard_exp,retnet,gla,deltanet,gated-deltanet,efla"
+DEFAULT_MIXERS = "softmax,linear-elu+1,ela-hadamard_exp,retnet,gla,deltanet,gated-deltanet,efla,kda,mamba2"
 DEFAULT_N = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 PROG = "linattn bench decode"
 TORCH_SUFFIX = "+torch"   # --decode-step both: the twin model decoding by the PyTorch fast step
@@ -81,6 +81,7 @@ def add_arguments(p) -> None:
 
 def build_models(a, names) -> Dict[str, torch.nn.Module]:
     from ..layers.base import AttentionBase
+    from ..layers.mamba2 import Mamba2Block
     from ..models import LanguageModel, LMConfig
 
     out = {}
@@ -93,7 +94,7 @@ def build_models(a, names) -> Dict[str, torch.nn.Module]:
                                        n_heads=a.n_heads, mixer=mixer, max_seq_len=2048)).to(a.device).eval()
         if name.endswith(TORCH_SUFFIX) or getattr(a, "decode_step", "auto") == "torch":
             for m in model.modules():   # the PyTorch fast step (layers/base.py), not the compiled one
-                if isinstance(m, AttentionBase):
+                if isinstance(m, (AttentionBase, Mamba2Block)):   # (Mamba2: its PyTorch forward)
                     m.compiled_decode = False
         if name.endswith(BLOCK_SUFFIX):
             model.compiled_decode = False   # block by block (models/decode_plan.block_token)

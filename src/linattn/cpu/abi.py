@@ -49,6 +49,8 @@ class DeltaPlan(ctypes.Structure):
 
 #: a block plan's weight matrices (each with `fmt_`, `grp_` (int4 group) and `sc_` (bf16 scales) fields)
 WEIGHT_MATRICES = ("W", "Wo", "Wgu", "Wd", "Wq", "Wk", "Wv", "Wg")
+#: KDA's second-stage matrices (the gate's and the low-rank output gate's), with the same three fields each
+KDA_MATRICES = ("Wf", "Wg2")
 
 
 class BlockPlan(ctypes.Structure):
@@ -75,7 +77,15 @@ class BlockPlan(ctypes.Structure):
                                                   "kc", "vc", "pos", "lo")]
                 + [(f"fmt_{n}", ctypes.c_int32) for n in WEIGHT_MATRICES]
                 + [(f"grp_{n}", ctypes.c_int64) for n in WEIGHT_MATRICES]
-                + [(f"sc_{n}", ctypes.c_void_p) for n in WEIGHT_MATRICES])
+                + [(f"sc_{n}", ctypes.c_void_p) for n in WEIGHT_MATRICES]
+                # KDA (kind 4) and Mamba2 (kind 5): csrc/decode_kda.h, csrc/decode_mamba2.h; `bo` o_proj's bias
+                + [(n, ctypes.c_int64) for n in ("rank_f", "rank_g", "n_groups")]
+                + [(n, ctypes.c_int32) for n in ("gate_lb_on", "norm_mode", "d_per_channel", "pad3_")]
+                + [(n, ctypes.c_double) for n in ("gate_lb", "dt_lo", "dt_hi")]
+                + [(n, ctypes.c_void_p) for n in ("Wf", "Wg2", "bg2", "Dsk", "bo")]
+                + [(f"fmt_{n}", ctypes.c_int32) for n in KDA_MATRICES]
+                + [(f"grp_{n}", ctypes.c_int64) for n in KDA_MATRICES]
+                + [(f"sc_{n}", ctypes.c_void_p) for n in KDA_MATRICES])
 
 
 class ModelPlan(ctypes.Structure):
@@ -180,7 +190,7 @@ LIBRARIES: Dict[str, Library] = {
         Fn("linattn_rwkv7_bwd", (c_i64,) * 4 + (c_ptr,) * 7 + (c_double,) + (c_ptr,) * 2 + (c_i64,) + (c_ptr,) * 8
            + (c_int,)),
     )),
-    "decode": Library(4, (
+    "decode": Library(5, (
         # B, H, HV, K, V, y, ldy, KC, w_in, cw, cb, conv_act, w_out, kind, l2conv, q_l2, l2eps, scale, beta_mode,
         # alpha, gated, neg_a, dt_bias, S_in, S_out, has_norm, nw, norm_eps, has_gate, out, threads
         Fn("linattn_decode_delta", (c_i64,) * 5 + (c_ptr, c_i64, c_i64) + (c_ptr,) * 3 + (c_int, c_ptr) + (c_int,) * 3

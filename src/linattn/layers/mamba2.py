@@ -92,6 +92,9 @@ class Mamba2Block(nn.Module):
     scale = 1.0
     #: forward takes cu_seqlens (packed documents) and keeps the documents apart (`Block` relies on it)
     supports_cu_seqlens = True
+    #: a decoded token may run as the compiled block step (models/decode_plan.py, kind "mamba2"); False for either
+    #: switch: the PyTorch path
+    fast_decode = compiled_decode = True
     config_fields = ("head_dim", "rope", "rope_base", "short_conv", "max_seq_len", "norm_eps", "chunk_size",
                      "layer_idx")
 

@@ -37,7 +37,9 @@ import torch.nn.functional as F
 from ..cpu import decode as _cpu_decode
 from ..layers import fast_decode as _fast
 from ..layers.cache import Cache, KVCache, LayerCache
-from ..layers.common import RMSNorm, RotaryEmbedding, mamba_neg_a
+from ..layers.common import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, mamba_neg_a
+from ..layers.delta_family import KDA
+from ..layers.mamba2 import Mamba2Block
 from ..layers.softmax import SoftmaxAttention
 from ..ops import LinearAttentionState
 from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
@@ -88,7 +90,9 @@ class BlockDescription:
 
     Attributes:
         mixer: The attention layer (an `AttentionBase` whose `fast_step_kind()` is `kind`).
-        kind: "delta" or "linear" (`layers/fast_decode.STEPS`).
+        kind: "delta" or "linear" (`layers/fast_decode.STEPS`), "softmax", "kda" or "mamba2" (the compiled
+            block kinds 4 and 5; a block of linattn's `KDA` / `Mamba2Block`, whose `fast_step_kind` is None or
+            absent, is of that kind).
         norm1: The norm before the mixer: an RMSNorm (`weight` or None, `eps`).
         norm2: The norm before the FFN (None without one).
         ffn: "swiglu" or None.
@@ -108,9 +112,15 @@ class BlockDescription:
                  ffn_down=None, modules: Sequence[nn.Module] = (), residual: str = "prenorm", attention=None):
         if kind is None and (attention is not None or type(mixer) is SoftmaxAttention):
             kind = "softmax"
+        elif kind is None:
+            kind = _OWN_KINDS.get(type(mixer))
         self.mixer, self.kind, self.norm1, self.norm2 = mixer, kind, norm1, norm2
         self.ffn, self.ffn_gate_up, self.ffn_down, self.modules = ffn, ffn_gate_up, ffn_down, tuple(modules)
         self.residual, self.attention = residual, attention
+
+
+#: mixers with a compiled block kind of their own but no per-layer fast step (kind None from the block)
+_OWN_KINDS = {KDA: "kda", Mamba2Block: "mamba2"}
 
 
 class AttentionDescription:
@@ -205,7 +215,10 @@ _data_ptr = torch.Tensor.data_ptr
 # configuration values a plan reads from a module's __dict__ (mixers, norms), checked by identity on every token
 _CONFIG_KEYS = ("scale", "l2norm_convention", "beta_mode", "q_l2norm", "qk_l2norm", "exact", "gate", "gate_act",
                 "normalize", "eps", "feature_map", "_gamma", "norm_group_size", "short_conv", "causal", "_fused",
-                "plain", "residual", "qk_norm", "window", "n_kv_heads", "kv_chunk")
+                "plain", "residual", "qk_norm", "window", "n_kv_heads", "kv_chunk",
+                # KDA, Mamba2 and their gated norms
+                "gate_lower_bound", "dt_limit", "d_per_channel", "gate_before_norm", "group_size", "activation",
+                "qk_activation", "activation_without_conv", "use_beta", "allow_negative_eigenvalues")
 
 
 class PlanGuard:
@@ -246,7 +259,7 @@ class PlanGuard:
         self.aliases = [t.detach() for t in self.tensors]   # keeps the storages alive
         self.hookdicts = [h for m in modules for h in (m._forward_hooks, m._forward_pre_hooks)]
         self.mixers = list(mixers)
-        self.fusedobjs = [m._fused for m in self.mixers]
+        self.fusedobjs = [m._fused for m in self.mixers if getattr(m, "_fused", None) is not None]
         self.fused = list(map(_fused_value, self.fusedobjs))
 
     def valid(self) -> bool:
@@ -276,7 +289,8 @@ def _slot(owner: nn.Module, name: str, cls):
 # the BlockPlan fields that hold data addresses
 PLAN_POINTERS = ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay", "nw", "Wo", "n2w", "Wgu", "bgu",
                   "Wd", "bd", "Wq", "bq", "Wk", "bk", "Wv", "bv", "Wg", "qnw", "knw") + tuple(
-                  f"sc_{n}" for n in _cpu_decode.WEIGHT_MATRICES)
+                  f"sc_{n}" for n in _cpu_decode.WEIGHT_MATRICES) + (
+                  "Wf", "Wg2", "bg2", "Dsk", "bo") + tuple(f"sc_{n}" for n in _cpu_decode.KDA_MATRICES)
 
 
 class BlockPlanSlot:
@@ -300,10 +314,8 @@ def _compiled_mixer(desc: BlockDescription, wdt: torch.dtype):
         return None
     if kind == "linear" and (type(layer.feature_map) not in _fast.COMPILED_MAPS or layer.gate == "diagonal"):
         return None
-    for m in (desc.ffn_gate_up, desc.ffn_down):
-        if m is not None and not (plan_linear(m, wdt) and (type(m) is not nn.Linear or m.bias is None
-                                                           or m.bias.dtype == wdt)):
-            return None
+    if not _ffn_usable(desc, wdt):
+        return None
     lins = _fast.usable_projections(layer, wdt, kind, accept=lambda m: plan_linear(m, wdt))
     if lins is None or _fused_format(lins) is None:
         return None
@@ -357,6 +369,11 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         return None
     if desc.kind == "softmax":
         return new_softmax_plan(desc, B, d, wdt)
+    if desc.kind in _OWN_PLANS:
+        if not (_ffn_usable(desc, wdt) and desc.mixer.fast_decode and desc.mixer.compiled_decode) or _fast.hooked(
+                *desc.mixer.modules()):
+            return None
+        return _OWN_PLANS[desc.kind](desc, B, d, wdt)
     lins = _compiled_mixer(desc, wdt)
     if lins is None or _fast.hooked(*desc.mixer.modules()):
         return None
@@ -405,7 +422,155 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     p.has_norm, p.nw, p.norm_eps = int(has_norm), addr(nw), neps
     p.has_gate = int(layer._modules.get("g_proj") is not None)
     _set_weight(p, "Wo", layer._modules["o_proj"], wdt, addr)
+    Kf = K if desc.kind == "delta" else layer.feature_map.feature_dim(K)
+    p.spec = _state_spec(desc.kind, HV, Kf, V, p.KC, (H * K, H * K, HV * V))
     return finish_block_plan(p, desc, addr, keep, wdt)
+
+
+#: the cache keys of a mixer's conv windows: q | k | v (linattn's AttentionBase layers), or one (Mamba2's "conv")
+QKV_CONV = ("conv_q", "conv_k", "conv_v")
+
+
+def _state_spec(kind: str, HV: int, Kf: int, V: int, KC: int, sizes, keys=QKV_CONV) -> tuple:
+    """What a recurrent block plan reads from and writes to its cache (`state_layout`'s spec): the state's kind
+    ("delta": a tensor [B, HV, Kf, V]; "linear": a `LinearAttentionState`, [kv | z] [B, HV, Kf, V + 1]), the conv
+    window's width KC (0: none), its channels per entry and the entries' keys."""
+    return (kind, HV, Kf, V, KC, tuple(sizes), tuple(keys))
+
+
+def _ffn_usable(desc: BlockDescription, wdt: torch.dtype) -> bool:
+    """Whether the block's FFN matrices (if any) are read by a plan in wdt."""
+    return all(m is None or (plan_linear(m, wdt) and (type(m) is not nn.Linear or m.bias is None
+                                                       or m.bias.dtype == wdt))
+               for m in (desc.ffn_gate_up, desc.ffn_down))
+
+
+def _linear_ok(m, wdt: torch.dtype, shape, bias: Optional[bool] = None) -> bool:
+    """m is a linear layer the plan reads in wdt (`plan_linear`) of shape [out, in]; bias True / False: must have
+    one / none (None: either)."""
+    if m is None or not plan_linear(m, wdt) or (m.out_features, m.in_features) != tuple(shape):
+        return False
+    has_b = getattr(m, "bias", None) is not None
+    return bias is None or has_b == bias
+
+
+def _conv_ok(c, dim: int, wdt: torch.dtype) -> bool:
+    return (type(c) is ShortConv and c.dim == dim and c.weight.dtype == wdt and c.activation in (None, "silu")
+            and not _fast.hooked(c))
+
+
+def _new_kda_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
+    """A BlockPlan of kind 4 (KDA, csrc/decode_kda.h), or None where the compiled step does not compute the layer:
+    the layer's defaults for q / k / v and beta (silu features, beta = sigmoid, L2 q / k norm), no RoPE, the per-head
+    output norm (plain, or sigmoid-gated) or none."""
+    layer, mods = desc.mixer, desc.mixer._modules
+    H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
+    if (layer.rope is not None or not layer._plain_features or not layer.use_beta or layer.allow_negative_eigenvalues
+            or not layer.qk_l2norm or layer.norm_group_size is not None or layer.gate_act not in ("silu", "sigmoid")):
+        return None
+    norm, g, f = mods.get("o_norm"), mods.get("g_proj"), mods["f_proj"]
+    if norm is not None and (type(norm) is not GatedRMSNorm or norm.gate_before_norm or norm.group_size is not None
+                             or norm.gate_act != layer.gate_act):
+        return None
+    if not (type(f) is nn.Sequential and len(f) == 2 and _linear_ok(f[0], wdt, (layer.gate_rank, d), False)
+            and _linear_ok(f[1], wdt, (HV * K, layer.gate_rank), False)):
+        return None
+    g1 = g2 = None
+    if g is not None:
+        if type(g) is nn.Sequential:
+            if not (len(g) == 2 and _linear_ok(g[0], wdt, (g[0].out_features, d), False)
+                    and _linear_ok(g[1], wdt, (HV * V, g[0].out_features), True)):
+                return None
+            g1, g2 = g
+        elif _linear_ok(g, wdt, (HV * V, d), False):
+            g1 = g
+        else:
+            return None
+    lins = (mods["q_proj"], mods["k_proj"], mods["v_proj"], mods["b_proj"], f[0]) + ((g1,) if g1 is not None else ())
+    shapes = [(H * K, d), (H * K, d), (HV * V, d), (HV, d)]
+    if not all(_linear_ok(m, wdt, s) for m, s in zip(lins, shapes)) or not _linear_ok(mods["o_proj"], wdt,
+                                                                                      (d, HV * V), False):
+        return None
+    if _fused_format(lins) is None:
+        return None
+    convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"]) if layer.short_conv else ()
+    if convs and not (all(_conv_ok(c, n, wdt) for c, n in zip(convs, (H * K, H * K, HV * V)))
+                      and len({(c.kernel_size, c.activation, c.bias is None) for c in convs}) == 1):
+        return None
+    cdt, keep = compute_dtype(wdt), []
+    addr = plan_addresser(keep, cdt)
+    quantized = type(lins[0]) is not nn.Linear
+    if quantized:
+        convs, w, scales, b, cw, cb = _fused_quantized(layer, lins, cdt)
+    else:
+        convs, w, b, cw, cb = _fast.fused_weights(layer, lins)
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=w.shape[0], KC=convs[0].kernel_size if convs else 0,
+                              hid=desc.ffn_down.in_features if desc.ffn_down is not None else 0, kind=4,
+                              conv_act=int(bool(convs) and convs[0].activation is not None), scale=layer.scale,
+                              nthreads=max(1, torch.get_num_threads()), has_ffn=int(desc.ffn_down is not None),
+                              wbf16=int(wdt == torch.bfloat16), rank_f=layer.gate_rank,
+                              rank_g=g1.out_features if g2 is not None else 0,
+                              gate_sig=int(layer.gate_act == "sigmoid"),
+                              l2eps=L2NORM_EPS, l2conv=L2NORM_CONVENTIONS.index(layer.l2norm_convention))
+    p.W, p.Wb = addr(w, w.dtype if quantized else wdt), addr(b)
+    if quantized:
+        mode, _, _, group = stored_weights(lins[0])
+        p.fmt_W, p.sc_W, p.grp_W = _cpu_decode.WEIGHT_FORMATS[mode], addr(scales, torch.bfloat16), group
+    if convs:
+        p.cw, p.cb = addr(cw.view(cw.shape[0], -1)), addr(cb)
+    _set_weight(p, "Wf", f[1], wdt, addr)
+    if g2 is not None:
+        _set_weight(p, "Wg2", g2, wdt, addr)
+        p.bg2 = addr(g2.bias)
+    p.neg_a, p.dt_bias = addr(mamba_neg_a(layer.A_log, cdt, layer)), addr(layer.dt_bias)
+    if layer.gate_lower_bound is not None:
+        p.gate_lb_on, p.gate_lb = 1, layer.gate_lower_bound
+    has_norm, nw, neps = _fast.output_norm_args(layer, cdt)
+    p.has_norm, p.nw, p.norm_eps, p.has_gate = int(has_norm), addr(nw), neps, int(g is not None)
+    _set_weight(p, "Wo", mods["o_proj"], wdt, addr)
+    p.spec = _state_spec("delta", HV, K, V, p.KC, (H * K, H * K, HV * V))
+    return finish_block_plan(p, desc, addr, keep, wdt)
+
+
+def _new_mamba2_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
+    """A BlockPlan of kind 5 (Mamba2's mixer, csrc/decode_mamba2.h), or None where the compiled step does not compute
+    the layer (RoPE on B / C, modules that are not exactly the library's)."""
+    layer, mods = desc.mixer, desc.mixer._modules
+    H, P, G, N = layer.n_heads, layer.head_dim, layer.n_groups, layer.state_size
+    DI, CD = layer.d_inner, layer.conv_dim
+    conv, norm, inp, out = mods.get("conv"), mods.get("norm"), mods["in_proj"], mods["o_proj"]
+    if layer.rope is not None or not (_linear_ok(inp, wdt, (DI + CD + H, d)) and _linear_ok(out, wdt, (d, DI))):
+        return None
+    if conv is not None and not _conv_ok(conv, CD, wdt):
+        return None
+    if norm is not None and (type(norm) is not GatedRMSNorm or norm.gate_act != "silu"
+                             or (norm.weight is not None and norm.weight.shape != (DI,))
+                             or (norm.group_size or DI) != DI // G):
+        return None
+    cdt, keep = compute_dtype(wdt), []
+    addr = plan_addresser(keep, cdt)
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=N, V=P, d=d, ny=DI + CD + H, KC=conv.kernel_size if conv else 0,
+                              hid=desc.ffn_down.in_features if desc.ffn_down is not None else 0, kind=5,
+                              conv_act=int(conv is not None and conv.activation is not None),
+                              nthreads=max(1, torch.get_num_threads()), has_ffn=int(desc.ffn_down is not None),
+                              wbf16=int(wdt == torch.bfloat16), n_groups=G, d_per_channel=int(layer.d_per_channel),
+                              dt_lo=layer.dt_limit[0], dt_hi=layer.dt_limit[1],
+                              norm_mode=0 if norm is None else 1 if norm.gate_before_norm else 2)
+    _set_weight(p, "W", inp, wdt, addr)
+    p.Wb = addr(inp.bias)
+    if conv is not None:
+        p.cw, p.cb = addr(conv.weight.detach().view(CD, -1)), addr(conv.bias)
+    p.neg_a, p.dt_bias, p.Dsk = addr(mamba_neg_a(layer.A_log, cdt, layer)), addr(layer.dt_bias), addr(layer.D)
+    if norm is not None:
+        p.nw, p.norm_eps = addr(norm.weight), float(norm.eps)
+    _set_weight(p, "Wo", out, wdt, addr)
+    p.bo = addr(out.bias)
+    p.spec = _state_spec("linear", H, N, P, p.KC, (CD,), ("conv",))
+    return finish_block_plan(p, desc, addr, keep, wdt)
+
+
+#: the builders of the block kinds that have no per-layer fast step
+_OWN_PLANS = {"kda": _new_kda_plan, "mamba2": _new_mamba2_plan}
 
 
 def finish_block_plan(p, desc: BlockDescription, addr, keep: list, wdt: torch.dtype):
@@ -452,10 +617,8 @@ def new_softmax_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         return None
     if att.o_proj.bias is not None or (att.gate == "proj" and att.g_proj.bias is not None):
         return None
-    for m in (desc.ffn_gate_up, desc.ffn_down):
-        if m is not None and not (plan_linear(m, wdt) and (type(m) is not nn.Linear or m.bias is None
-                                                           or m.bias.dtype == wdt)):
-            return None
+    if not _ffn_usable(desc, wdt):
+        return None
     cdt, keep = compute_dtype(wdt), []
     addr = plan_addresser(keep, cdt)
     ng = H * Dv if att.gate == "proj" else 0
@@ -510,19 +673,18 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
         slot.plan, slot.fn, slot.wdtype = plan, _cpu_decode.block_function(compute_dtype(x.dtype)), x.dtype
     plan = slot.plan
     layer = block._modules["mixer"]
-    kind = "delta" if plan.kind == 0 else "linear"
+    kind, HV, Kf, V, KC, sizes, keys = plan.spec
     B, d, cdt = x.shape[0], x.shape[2], compute_dtype(x.dtype)
     if plan.B != B:
         plan.B = B   # a new batch size: the same plan
-    H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
     st = cache.get("state")
     if kind == "delta":
         S = st
-        if S is not None and not (isinstance(S, torch.Tensor) and S.shape == (B, HV, K, V) and S.device == x.device):
+        if S is not None and not (isinstance(S, torch.Tensor) and S.shape == (B, HV, Kf, V)
+                                  and S.device == x.device):
             return None   # the general path checks it and says what is wrong
-        S_out = torch.empty(B, HV, K, V, dtype=cdt)
+        S_out = torch.empty(B, HV, Kf, V, dtype=cdt)
     else:
-        Kf = layer.feature_map.feature_dim(K)
         if st is not None and not (isinstance(st, LinearAttentionState) and st.log_scale is None
                                    and st.kv.shape == (B, HV, Kf, V) and st.z.shape == (B, HV, Kf)
                                    and st.kv.device == x.device and st.offset.shape == (B,)):
@@ -533,15 +695,15 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
         S = S.to(cdt).contiguous()
     window = w_out = None
     mods = layer._modules
-    if layer.short_conv:
-        window = _fast.conv_window(cache, cdt)
-        Cc, W = 2 * H * K + HV * V, mods["q_conv"].kernel_size - 1
+    if KC:
+        Cc = sum(sizes)
+        window = _fast.conv_window(cache, cdt) if keys == QKV_CONV else cache.get(keys[0])
         if window is not None:
-            if window.shape != (B, Cc, W):
+            if not isinstance(window, torch.Tensor) or window.shape != (B, Cc, KC - 1):
                 return None   # not this layer's windows: the general path says what is wrong
             if window.dtype != cdt or not window.is_contiguous():
                 window = window.to(cdt).contiguous()
-        w_out = torch.empty(B, Cc, W, dtype=cdt)
+        w_out = torch.empty(B, Cc, KC - 1, dtype=cdt)
     xin = x.reshape(B, d)
     if xin.dtype != cdt or not xin.is_contiguous():
         xin = xin.to(cdt).contiguous()
@@ -554,7 +716,10 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
             st.offset if st.offset.dtype == torch.int64 else st.offset.to(torch.int64))
         _fast.store_linear_state(cache, S_out, offset, V)
     if w_out is not None:
-        _fast.store_conv_window(cache, (mods["q_conv"], mods["k_conv"], mods["v_conv"]), w_out)
+        if keys == QKV_CONV:
+            _fast.store_conv_window(cache, (mods["q_conv"], mods["k_conv"], mods["v_conv"]), w_out)
+        else:
+            cache[keys[0]] = w_out
     cache["offset"] = cache.offset + 1
     return x_out if x_out.dtype == x.dtype else x_out.to(x.dtype)
 
@@ -597,11 +762,11 @@ def block_token(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Optiona
 class _Layer:
     """Where one layer's state and conv window sit in a model step's buffers, and their shapes."""
 
-    __slots__ = ("kind", "sshape", "wshape", "sizes", "s_off", "w_off", "V")
+    __slots__ = ("kind", "sshape", "wshape", "sizes", "s_off", "w_off", "V", "keys")
 
-    def __init__(self, kind, sshape, wshape, sizes, s_off, w_off, V):
+    def __init__(self, kind, sshape, wshape, sizes, s_off, w_off, V, keys=QKV_CONV):
         self.kind, self.sshape, self.wshape, self.sizes = kind, sshape, wshape, sizes
-        self.s_off, self.w_off, self.V = s_off, w_off, V
+        self.s_off, self.w_off, self.V, self.keys = s_off, w_off, V, keys
 
 
 class _Layout:
@@ -621,10 +786,13 @@ class _Layout:
 
 
 def state_layout(specs, B: int, cdt: torch.dtype, vocab: int) -> _Layout:
-    """The layout of a model step's buffers at batch B; specs: per layer (kind, HV, Kf, V, KC, [H*K, H*K, HV*V])."""
+    """The layout of a model step's buffers at batch B; specs: per layer (kind, HV, Kf, V, KC, [H*K, H*K, HV*V]) and
+    optionally the conv entries' keys (default q | k | v: `QKV_CONV`; one per size), as `_state_spec` gives."""
     layers, s_off, w_off = [], 0, 0
-    for kind, HV, Kf, V, KC, sizes in specs:
-        lay = _Layer(kind, (B, HV, Kf, V + (kind == "linear")), None, None, s_off, -1, V)
+    for spec in specs:
+        kind, HV, Kf, V, KC, sizes = spec[:6]
+        lay = _Layer(kind, (B, HV, Kf, V + (kind == "linear")), None, None, s_off, -1, V,
+                     tuple(spec[6]) if len(spec) > 6 else QKV_CONV)
         if KC:
             lay.wshape, lay.sizes, lay.w_off = (B, sum(sizes), KC - 1), list(sizes), w_off
             w_off += B * lay.wshape[1] * lay.wshape[2]
@@ -635,16 +803,16 @@ def state_layout(specs, B: int, cdt: torch.dtype, vocab: int) -> _Layout:
     first = layers[0]
     lo.same = first.kind != "softmax" and all(lay.kind == first.kind and lay.sshape == first.sshape
                                               and lay.wshape == first.wshape and lay.sizes == first.sizes
-                                              for lay in layers)
+                                              and lay.keys == first.keys for lay in layers)
     lo.lin = [i for i, lay in enumerate(layers) if lay.kind == "linear"]
     lo.key = (B, cdt, vocab, tuple((lay.kind, lay.sshape, lay.wshape, lay.sizes and tuple(lay.sizes), lay.s_off,
-                                    lay.w_off) for lay in layers))
+                                    lay.w_off, lay.keys) for lay in layers))
     lo.sbuf, lo.wbuf, lo.wmode = (s_off,), (w_off,), 0   # the buffers' shapes (`_views`)
     if lo.same:
         lo.sbuf = (lo.L,) + first.sshape
         if first.wshape is not None:
             C, KW = first.wshape[1:]
-            lo.wmode = 1 if B == 1 and first.sizes[0] == first.sizes[2] else 2
+            lo.wmode = 1 if B == 1 and len(first.sizes) == 3 and first.sizes[0] == first.sizes[2] else 2
             lo.wbuf = (3 * lo.L, 1, C // 3, KW) if lo.wmode == 1 else (lo.L,) + first.wshape
     return lo
 
@@ -736,10 +904,7 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
         if plan.kind == 2:   # softmax attention: its KV cache, not the step's buffers
             specs.append(("softmax", 0, 0, 0, 0, ()))
             continue
-        layer = bd.mixer
-        H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
-        Kf = K if plan.kind == 0 else layer.feature_map.feature_dim(K)
-        specs.append(("delta" if plan.kind == 0 else "linear", HV, Kf, V, plan.KC, (H * K, H * K, HV * V)))
+        specs.append(plan.spec)
     norm = desc.norm
     mp = _cpu_decode.ModelPlan(L=len(plans), B=B, d=d, vocab=vocab, has_norm=int(norm is not None),
                                nthreads=max(1, torch.get_num_threads()), wbf16=int(wdt == torch.bfloat16),
@@ -757,7 +922,7 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     mp.blocks = ctypes.addressof(block_ptrs)
     direct = {mp.embed, mp.head, mp.norm_w, mp.sc_head} | {getattr(p, f) for p in plans for f in PLAN_POINTERS}
     # (the switches and fused weights of linattn's layers; a described module of another library has neither)
-    mixers = [bd.mixer for bd in desc.blocks if getattr(bd.mixer, "_fused", None) is not None]
+    mixers = [bd.mixer for bd in desc.blocks if hasattr(bd.mixer, "compiled_decode")]
     slot.guard = PlanGuard(model, list(model.modules()), mixers, direct)
     if not slot.guard.valid() or any(t.device.type != "cpu" for t in slot.guard.tensors):
         return False   # (a hook on a module the step would not call)
@@ -771,14 +936,14 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
 
 
 def _entries(lo: _Layout, lcs) -> list:
-    """The cache entries a step reads, in a fixed order: per layer its state, then conv_q, conv_k, conv_v."""
+    """The cache entries a step reads, in a fixed order: per layer its state, then its conv entries (`_Layer.keys`)."""
     out = []
     for lay, lc in zip(lo.layers, lcs):
         if lay.kind == "softmax":   # (its KV cache is written on every token, in place)
             continue
         out.append(lc.get("state"))
         if lay.wshape is not None:
-            out += (lc.get("conv_q"), lc.get("conv_k"), lc.get("conv_v"))
+            out += [lc.get(k) for k in lay.keys]
     return out
 def _gather(lo: _Layout, lcs, cdt):
     """(S_in, W_in, offsets) from cache entries that another path wrote (a prefill, the per-block step, a
@@ -790,7 +955,7 @@ def _gather(lo: _Layout, lcs, cdt):
             continue
         n_rec += 1
         st = lc.get("state")
-        conv = (lc.get("conv_q"), lc.get("conv_k"), lc.get("conv_v")) if lay.wshape is not None else ()
+        conv = tuple(lc.get(k) for k in lay.keys) if lay.wshape is not None else ()
         if st is None and all(c is None for c in conv):
             empty += 1
             continue
@@ -840,8 +1005,8 @@ def _views(lo: _Layout, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Opt
             return states, ()
         if lo.wmode == 1:
             return states, W.unbind(0)
-        q, k, v = W.split_with_sizes(lay.sizes, dim=2)
-        return states, [t for qkv in zip(q.unbind(0), k.unbind(0), v.unbind(0)) for t in qkv]
+        parts = [t.unbind(0) for t in W.split_with_sizes(lay.sizes, dim=2)]
+        return states, [t for entries in zip(*parts) for t in entries]
     states, convs, j = [], [], 0
     for lay in lays:
         if lay.kind == "softmax":
@@ -869,9 +1034,11 @@ def _store(lo: _Layout, lcs, states, convs, n: int) -> list:
         lc["state"] = st
         out.append(st)
         if lay.wshape is not None:
-            lc["conv_q"], lc["conv_k"], lc["conv_v"] = c = convs[j:j + 3]
-            out += c
-            j += 3
+            nk = len(lay.keys)
+            for key, c in zip(lay.keys, convs[j:j + nk]):
+                lc[key] = c
+            out += convs[j:j + nk]
+            j += nk
         o = lc.get("offset", 0)
         lc["offset"] = o + n if type(o) is int else lc.offset + n
         if lc.fast is not None:

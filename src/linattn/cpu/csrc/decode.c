@@ -21,7 +21,7 @@
 
 #include "common.h"
 
-LA_ABI_VERSION(decode, 4)
+LA_ABI_VERSION(decode, 5)
 
 /* parallelise over (batch, value head) only when the state is big enough to pay for waking the threads */
 #define PAR_MIN_ELEMS 65536
@@ -61,6 +61,19 @@ typedef struct {
     int32_t fmt_W, fmt_Wo, fmt_Wgu, fmt_Wd, fmt_Wq, fmt_Wk, fmt_Wv, fmt_Wg;
     int64_t grp_W, grp_Wo, grp_Wgu, grp_Wd, grp_Wq, grp_Wk, grp_Wv, grp_Wg;
     const void *sc_W, *sc_Wo, *sc_Wgu, *sc_Wd, *sc_Wq, *sc_Wk, *sc_Wv, *sc_Wg;
+    /* KDA (kind 4, decode_kda.h) and Mamba2 (kind 5, decode_mamba2.h). KDA: the gate's low-rank second stage Wf
+       [HV*K, rank_f] (its first stage is in W), the output gate's Wg2 [HV*V, rank_g] + bg2 when low-rank
+       (rank_g 0: a full-rank gate in W), gate_lb_on: fla's bounded gate gate_lb * sigmoid(-neg_a f) instead of
+       neg_a softplus(f); gate_sig: the output gate's sigmoid. Mamba2: n_groups of B / C, dt clamped to
+       [dt_lo, dt_hi], D skip Dsk ([H], or [H*P] with d_per_channel), norm_mode 0 y*silu(z), 1 RMSNorm(y*silu(z))
+       (Mamba2's), 2 RMSNorm(y)*silu(z), over groups of H*P / n_groups. bo: o_proj's bias (any kind). */
+    int64_t rank_f, rank_g, n_groups;
+    int32_t gate_lb_on, norm_mode, d_per_channel, pad3_;
+    double gate_lb, dt_lo, dt_hi;
+    const void *Wf, *Wg2, *bg2, *Dsk, *bo;
+    int32_t fmt_Wf, fmt_Wg2;
+    int64_t grp_Wf, grp_Wg2;
+    const void *sc_Wf, *sc_Wg2;
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
 
@@ -337,6 +350,29 @@ static void FN(outnorm)(REAL *restrict o, int64_t V, int has_norm, const REAL *n
     }
 }
 
+/* The delta rule's q / k of one token, in place in u [B, C] (q H*K | k H*K | ...): kind 0 both l2-normalised
+   (l2conv), 1 (EFLA) q by "rsqrt" when q_l2, keys kept; q scaled; the key-norm rescaling k / d, with d2 = max(lam,
+   1) and lam = ||k||^2 per (b, h) into dd[2 (b H + h)] and dd[2 (b H + h) + 1]. */
+static void FN(delta_prepare_qk)(int64_t B, int64_t H, int64_t K, int64_t C, REAL *u, int kind, int l2conv,
+                                 int q_l2, double l2eps, double scale, double *dd) {
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h) {
+            REAL *q = u + b * C + h * K, *k = u + b * C + H * K + h * K;
+            if (kind == 0) { FN(l2norm)(q, K, l2conv, (REAL)l2eps); FN(l2norm)(k, K, l2conv, (REAL)l2eps); }
+            else if (q_l2) FN(l2norm)(q, K, 0, (REAL)l2eps);
+            for (int64_t i = 0; i < K; ++i) q[i] = q[i] * (REAL)scale;
+            /* key norms (ops/delta_core.key_norms): lam = ||k||^2, the fp32 sum unless it overflowed */
+            REAL lr = 0;
+            for (int64_t i = 0; i < K; ++i) lr += k[i] * k[i];
+            double lam = lr;
+            if (!isfinite(lr)) { lam = 0; for (int64_t i = 0; i < K; ++i) lam += (double)k[i] * (double)k[i]; }
+            double d2 = lam > 1.0 ? lam : (isnan(lam) ? lam : 1.0);
+            REAL d = (REAL)sqrt(d2);
+            for (int64_t i = 0; i < K; ++i) k[i] = k[i] / d;
+            dd[2 * (b * H + h)] = d2; dd[2 * (b * H + h) + 1] = lam;
+        }
+}
+
 /* Delta-rule layers. y [B, ldy] = [q H*K | k H*K | v HV*V | b HV | a HV (gated) | gate HV*V (has_gate)]
    (q, k, v before the conv when KC > 0). kind 0: DeltaNet / Gated DeltaNet (q, k l2-normalised by l2conv),
    1: EFLA (q by "rsqrt" when q_l2, keys kept; exact coefficient). beta_mode 0 sigmoid, 1 adaptive (alpha),
@@ -354,22 +390,7 @@ int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_
     if (!u || !dd) { free(u); free(dd); return 1; }
     if (KC > 0) FN(conv)(B, C, KC, y, ldy, w_in, cw, cb, conv_act, w_out, u);
     else for (int64_t b = 0; b < B; ++b) memcpy(u + b * C, y + b * ldy, sizeof(REAL) * (size_t)C);
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < H; ++h) {
-            REAL *q = u + b * C + h * K, *k = u + b * C + H * K + h * K;
-            if (kind == 0) { FN(l2norm)(q, K, l2conv, (REAL)l2eps); FN(l2norm)(k, K, l2conv, (REAL)l2eps); }
-            else if (q_l2) FN(l2norm)(q, K, 0, (REAL)l2eps);
-            for (int64_t i = 0; i < K; ++i) q[i] = q[i] * (REAL)scale;
-            /* key norms (ops/delta_core.key_norms): lam = ||k||^2, the fp32 sum unless it overflowed */
-            REAL lr = 0;
-            for (int64_t i = 0; i < K; ++i) lr += k[i] * k[i];
-            double lam = lr;
-            if (!isfinite(lr)) { lam = 0; for (int64_t i = 0; i < K; ++i) lam += (double)k[i] * (double)k[i]; }
-            double d2 = lam > 1.0 ? lam : (isnan(lam) ? lam : 1.0);
-            REAL d = (REAL)sqrt(d2);
-            for (int64_t i = 0; i < K; ++i) k[i] = k[i] / d;
-            dd[2 * (b * H + h)] = d2; dd[2 * (b * H + h) + 1] = lam;
-        }
+    FN(delta_prepare_qk)(B, H, K, C, u, kind, l2conv, q_l2, l2eps, scale, dd);
     const int64_t nb = B * HV;
     const int par = nb > 1 && nb * K * V >= PAR_MIN_ELEMS;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if(par)
@@ -689,6 +710,9 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
     return 0;
 }
 
+#include "decode_kda.h"
+#include "decode_mamba2.h"
+
 /* x [B, d] -> x_out [B, d]; the mixer's conv window w_in -> w_out and state S_in -> S_out (S_in, w_in NULL
    before the first token). Returns 0, or 1 when out of memory. */
 int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const REAL *w_in, const REAL *S_in,
@@ -705,6 +729,10 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
             B, ny, d, p->W, (const REAL *)p->Wb, xn, NULL, y, p->nthreads);
     if (p->kind == 2)
         rc = FN(softmax_mix)(p, xn, y, o);
+    else if (p->kind == 4)
+        rc = FN(kda_mix)(p, y, w_in, S_in, w_out, S_out, o);
+    else if (p->kind == 5)
+        rc = FN(mamba2_mix)(p, y, w_in, S_in, w_out, S_out, o);
     else if (p->kind == 0)
         rc = FN(linattn_decode_delta)(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,
                  w_out, p->dkind, p->l2conv, p->q_l2, p->l2eps, p->scale, p->beta_mode, (const REAL *)p->alpha,
@@ -718,7 +746,7 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
     if (rc) { free(xn); return rc; }
     REAL *hout = p->has_ffn ? h : x_out;
     FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wo), p->sc_Wo, p->grp_Wo,
-            B, d, no, p->Wo, NULL, o, x, hout, p->nthreads);
+            B, d, no, p->Wo, (const REAL *)p->bo, o, x, hout, p->nthreads);
     if (p->has_ffn) {
         FN(rmsnorm)(B, d, h, (const REAL *)p->n2w, p->n2eps, xn);
         FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wgu), p->sc_Wgu, p->grp_Wgu,
