@@ -40,6 +40,7 @@ from ..layers.cache import Cache, KVCache, LayerCache
 from ..layers.common import RMSNorm, RotaryEmbedding, mamba_neg_a
 from ..layers.softmax import SoftmaxAttention
 from ..ops import LinearAttentionState
+from ..ops.feature_maps import HadamardExp
 from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
 
 __all__ = ["AttentionDescription", "BlockDescription", "BlockPlanSlot", "ModelDescription", "ModelFastState",
@@ -272,11 +273,50 @@ def _slot(owner: nn.Module, name: str, cls):
     return slot
 
 
+# -- log-space linear attention (block kind 3, csrc/decode_log.h) ------------------------------------------------
+#: the log-space maps the compiled decode computes itself, by class -> the plan's `log_fmap` code
+LOG_MAPS = {HadamardExp: 0}
+#: the columns a linear layer's state adds to V in the step's buffers: z; z and the log-scale
+_STATE_EXTRA = {"linear": 1, "linear_log": 2}
+
+
+def _log_map(layer) -> bool:
+    """Whether a LinearAttention layer's map is a log-space one the compiled decode computes (with no gate, RetNet's
+    or the scalar gate)."""
+    return type(layer.feature_map) in LOG_MAPS and layer.gate != "diagonal"
+
+
+def _log_fields(p, layer, cdt: torch.dtype, addr) -> None:
+    """Plan p as block kind 3 for the log-space layer: its map, normalisation and gate (RetNet's as log gamma, the
+    operator's log-gate; the scalar gate as the linear kind's)."""
+    HV = layer.n_value_heads
+    p.kind, p.log_fmap = 3, LOG_MAPS[type(layer.feature_map)]
+    p.normalize, p.eps = int(bool(layer.normalize)), float(layer.eps)
+    if layer.gate == "retnet":
+        p.gate_kind = 1
+        p.log_decay = addr(torch.log(layer._gamma_on(torch.device("cpu")).to(cdt)).reshape(-1).expand(HV))
+    elif layer.gate == "scalar":
+        p.gate_kind = 2
+        p.neg_a = addr(mamba_neg_a(layer.A_log, cdt, layer).reshape(-1).expand(HV))
+        p.dt_bias = addr(layer.dt_bias.reshape(-1).expand(HV))
+
+
+def _log_state_in(st, shape, cdt: torch.dtype) -> Optional[torch.Tensor]:
+    """[kv | z | log-scale] `[B, HV, Kf, V + 2]` (contiguous, cdt) of a log-space layer's state, or None when st is
+    not a state of that shape (B, HV, Kf, V) on the CPU."""
+    B, HV, Kf, V = shape
+    if not (isinstance(st, LinearAttentionState) and isinstance(st.log_scale, torch.Tensor)
+            and st.kv.shape == (B, HV, Kf, V) and st.z.shape == (B, HV, Kf) and st.log_scale.shape == (B, HV, Kf)
+            and st.kv.device.type == "cpu" and st.offset.shape == (B,)):
+        return None
+    return torch.cat([st.kv, st.z.unsqueeze(-1), st.log_scale.unsqueeze(-1)], -1).to(cdt)
+
+
 # -- one block ---------------------------------------------------------------------------------------------------
 # the BlockPlan fields that hold data addresses
 PLAN_POINTERS = ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay", "nw", "Wo", "n2w", "Wgu", "bgu",
                   "Wd", "bd", "Wq", "bq", "Wk", "bk", "Wv", "bv", "Wg", "qnw", "knw") + tuple(
-                  f"sc_{n}" for n in _cpu_decode.WEIGHT_MATRICES)
+                  f"sc_{n}" for n in _cpu_decode.WEIGHT_MATRICES) + ("log_decay",)
 
 
 class BlockPlanSlot:
@@ -298,7 +338,8 @@ def _compiled_mixer(desc: BlockDescription, wdt: torch.dtype):
     if kind is None or kind != layer.fast_step_kind() or layer.rope is not None or not (
             layer.fast_decode and layer.compiled_decode):
         return None
-    if kind == "linear" and (type(layer.feature_map) not in _fast.COMPILED_MAPS or layer.gate == "diagonal"):
+    if kind == "linear" and ((type(layer.feature_map) not in _fast.COMPILED_MAPS and not _log_map(layer))
+                             or layer.gate == "diagonal"):
         return None
     for m in (desc.ffn_gate_up, desc.ffn_down):
         if m is not None and not (plan_linear(m, wdt) and (type(m) is not nn.Linear or m.bias is None
@@ -391,6 +432,8 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         if layer._modules.get("a_proj") is not None:
             p.gated = 1
             p.neg_a, p.dt_bias = addr(mamba_neg_a(layer.A_log, cdt, layer)), addr(layer.dt_bias)
+    elif _log_map(layer):
+        _log_fields(p, layer, cdt, addr)
     else:
         fm = layer.feature_map
         p.fmap, p.normalize = _cpu_decode.FEATURE_MAPS[fm.name], int(bool(layer.normalize))
@@ -521,6 +564,11 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
         if S is not None and not (isinstance(S, torch.Tensor) and S.shape == (B, HV, K, V) and S.device == x.device):
             return None   # the general path checks it and says what is wrong
         S_out = torch.empty(B, HV, K, V, dtype=cdt)
+    elif plan.kind == 3:
+        S = None if st is None else _log_state_in(st, (B, HV, K, V), cdt)
+        if st is not None and S is None:
+            return None
+        S_out = torch.empty(B, HV, K, V + 2, dtype=cdt)
     else:
         Kf = layer.feature_map.feature_dim(K)
         if st is not None and not (isinstance(st, LinearAttentionState) and st.log_scale is None
@@ -552,7 +600,10 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
     else:
         offset = torch.zeros(B, dtype=torch.int64) if st is None else (
             st.offset if st.offset.dtype == torch.int64 else st.offset.to(torch.int64))
-        _fast.store_linear_state(cache, S_out, offset, V)
+        if plan.kind == 3:
+            _fast.store_linear_state(cache, S_out[..., :V + 1], offset, V, log_scale=S_out[..., V + 1])
+        else:
+            _fast.store_linear_state(cache, S_out, offset, V)
     if w_out is not None:
         _fast.store_conv_window(cache, (mods["q_conv"], mods["k_conv"], mods["v_conv"]), w_out)
     cache["offset"] = cache.offset + 1
@@ -624,7 +675,7 @@ def state_layout(specs, B: int, cdt: torch.dtype, vocab: int) -> _Layout:
     """The layout of a model step's buffers at batch B; specs: per layer (kind, HV, Kf, V, KC, [H*K, H*K, HV*V])."""
     layers, s_off, w_off = [], 0, 0
     for kind, HV, Kf, V, KC, sizes in specs:
-        lay = _Layer(kind, (B, HV, Kf, V + (kind == "linear")), None, None, s_off, -1, V)
+        lay = _Layer(kind, (B, HV, Kf, V + _STATE_EXTRA.get(kind, 0)), None, None, s_off, -1, V)
         if KC:
             lay.wshape, lay.sizes, lay.w_off = (B, sum(sizes), KC - 1), list(sizes), w_off
             w_off += B * lay.wshape[1] * lay.wshape[2]
@@ -636,7 +687,7 @@ def state_layout(specs, B: int, cdt: torch.dtype, vocab: int) -> _Layout:
     lo.same = first.kind != "softmax" and all(lay.kind == first.kind and lay.sshape == first.sshape
                                               and lay.wshape == first.wshape and lay.sizes == first.sizes
                                               for lay in layers)
-    lo.lin = [i for i, lay in enumerate(layers) if lay.kind == "linear"]
+    lo.lin = [i for i, lay in enumerate(layers) if lay.kind in _STATE_EXTRA]
     lo.key = (B, cdt, vocab, tuple((lay.kind, lay.sshape, lay.wshape, lay.sizes and tuple(lay.sizes), lay.s_off,
                                     lay.w_off) for lay in layers))
     lo.sbuf, lo.wbuf, lo.wmode = (s_off,), (w_off,), 0   # the buffers' shapes (`_views`)
@@ -739,7 +790,8 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
         layer = bd.mixer
         H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
         Kf = K if plan.kind == 0 else layer.feature_map.feature_dim(K)
-        specs.append(("delta" if plan.kind == 0 else "linear", HV, Kf, V, plan.KC, (H * K, H * K, HV * V)))
+        specs.append(("delta" if plan.kind == 0 else "linear_log" if plan.kind == 3 else "linear", HV, Kf, V, plan.KC,
+                      (H * K, H * K, HV * V)))
     norm = desc.norm
     mp = _cpu_decode.ModelPlan(L=len(plans), B=B, d=d, vocab=vocab, has_norm=int(norm is not None),
                                nthreads=max(1, torch.get_num_threads()), wbf16=int(wdt == torch.bfloat16),
@@ -800,6 +852,12 @@ def _gather(lo: _Layout, lcs, cdt):
             if not (isinstance(st, torch.Tensor) and st.shape == lay.sshape and st.device.type == "cpu"):
                 return None
             states.append(st)
+        elif lay.kind == "linear_log":
+            S = _log_state_in(st, lay.sshape[:3] + (lay.V,), cdt)
+            if S is None:
+                return None
+            states.append(S)
+            offs.append(st.offset.to(torch.int64))
         else:
             B, HV, Kf, V1 = lay.sshape
             if not (isinstance(st, LinearAttentionState) and st.log_scale is None
@@ -835,7 +893,8 @@ def _views(lo: _Layout, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Opt
             states = S.unbind(0)
         else:
             V = lay.V
-            states = list(map(_linear_state_of, S[..., :V].unbind(0), S[..., V].unbind(0), offsets.unbind(0)))
+            mus = S[..., V + 1].unbind(0) if lay.kind == "linear_log" else (None,) * lo.L
+            states = list(map(_linear_state_of, S[..., :V].unbind(0), S[..., V].unbind(0), offsets.unbind(0), mus))
         if W is None:
             return states, ()
         if lo.wmode == 1:
@@ -851,7 +910,8 @@ def _views(lo: _Layout, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Opt
         if lay.kind == "delta":
             states.append(Sl)
         else:
-            states.append(_linear_state_of(Sl[..., :lay.V], Sl[..., lay.V], offsets[j]))
+            states.append(_linear_state_of(Sl[..., :lay.V], Sl[..., lay.V], offsets[j],
+                                           Sl[..., lay.V + 1] if lay.kind == "linear_log" else None))
             j += 1
         if lay.wshape is not None:
             convs += W[lay.w_off:lay.w_off + math.prod(lay.wshape)].view(lay.wshape).split_with_sizes(lay.sizes,
@@ -879,8 +939,8 @@ def _store(lo: _Layout, lcs, states, convs, n: int) -> list:
     return out
 
 
-def _linear_state_of(kv, z, offset):
-    return LinearAttentionState(kv=kv, z=z, log_scale=None, offset=offset)
+def _linear_state_of(kv, z, offset, log_scale=None):
+    return LinearAttentionState(kv=kv, z=z, log_scale=log_scale, offset=offset)
 
 
 def _mixer_caches(cache: Cache, L: int) -> list:

@@ -61,6 +61,9 @@ typedef struct {
     int32_t fmt_W, fmt_Wo, fmt_Wgu, fmt_Wd, fmt_Wq, fmt_Wk, fmt_Wv, fmt_Wg;
     int64_t grp_W, grp_Wo, grp_Wgu, grp_Wd, grp_Wq, grp_Wk, grp_Wv, grp_Wg;
     const void *sc_W, *sc_Wo, *sc_Wgu, *sc_Wd, *sc_Wq, *sc_Wk, *sc_Wv, *sc_Wg;
+    /* log-space linear attention (kind 3, decode_log.h): the map (0: Hadamard Exp), RetNet's log gamma [HV] */
+    int32_t log_fmap, pad3_;
+    const void *log_decay;
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
 
@@ -689,6 +692,8 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
     return 0;
 }
 
+#include "decode_log.h" /* kind 3: FN(decode_linear_log) */
+
 /* x [B, d] -> x_out [B, d]; the mixer's conv window w_in -> w_out and state S_in -> S_out (S_in, w_in NULL
    before the first token). Returns 0, or 1 when out of memory. */
 int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const REAL *w_in, const REAL *S_in,
@@ -705,6 +710,8 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
             B, ny, d, p->W, (const REAL *)p->Wb, xn, NULL, y, p->nthreads);
     if (p->kind == 2)
         rc = FN(softmax_mix)(p, xn, y, o);
+    else if (p->kind == 3)
+        rc = FN(decode_linear_log)(p, y, ny, w_in, w_out, S_in, S_out, o);
     else if (p->kind == 0)
         rc = FN(linattn_decode_delta)(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,
                  w_out, p->dkind, p->l2conv, p->q_l2, p->l2eps, p->scale, p->beta_mode, (const REAL *)p->alpha,
