@@ -23,12 +23,11 @@ CASES = [dict(), dict(gate="retnet"), dict(gate="scalar", output_gate=True),
 IDS = ["plain", "retnet", "scalar-gated", "conv-grouped", "unnormalised"]
 
 
-def _model(dtype=torch.float32, layers=2, d=32, heads=2, **mixer_kw):
-    """A small LM of linear-hadamard_exp blocks, biases and norm weights moved off their initial values (seeded)."""
+def _model(dtype=torch.float32, layers=2, d=32, heads=2, mixer="linear-hadamard_exp", **mixer_kw):
+    """A small LM of `mixer` blocks, biases and norm weights moved off their initial values (seeded)."""
     torch.manual_seed(0)
-    model = LanguageModel(LMConfig(vocab_size=VOCAB, d_model=d, n_layers=layers, n_heads=heads,
-                                   mixer="linear-hadamard_exp",
-                                   mixer_kwargs={"linear-hadamard_exp": mixer_kw}))
+    model = LanguageModel(LMConfig(vocab_size=VOCAB, d_model=d, n_layers=layers, n_heads=heads, mixer=mixer,
+                                   mixer_kwargs={mixer: mixer_kw}))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("bias") or "norm" in n or "A_log" in n:
@@ -64,11 +63,11 @@ def _generate(model, ids, prefill=4, cache=None):
 
 
 def _states(cache):
-    """(kv, z, log_scale) of every layer."""
+    """(kv, z, log_scale) of every layer (kv, z for the linear-space maps)."""
     out = []
     for d in cache.layers:
         st = d["mixer"]["state"]
-        out += [st.kv, st.z, st.log_scale]
+        out += [st.kv, st.z] + ([st.log_scale] if st.log_scale is not None else [])
     return out
 
 
@@ -108,6 +107,34 @@ def test_model_and_block_steps_against_the_fp64_pytorch_step(kw, batch, monkeypa
     torch.testing.assert_close(got64, ref, rtol=1e-12, atol=1e-12)
     for a, b in zip(_states(cache64), _states(ref_cache)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+ELA_CASES = [("linear-sum_sq_euclid", {}), ("linear-sub_sq_euclid", dict(gate="retnet")),
+             ("linear-magnitude_direction", dict(gate="scalar", output_gate=True)),
+             ("linear-sub_sq_euclid", dict(short_conv=True, n_value_heads=4, normalize=False))]
+
+
+@pytest.mark.parametrize("mixer, kw", ELA_CASES, ids=["sum", "sub-retnet", "magdir-scalar-gated", "sub-conv-plain"])
+def test_ela_linear_space_maps_in_the_model_step(mixer, kw, monkeypatch):
+    """ELA's linear-space maps (block kind 4, K_phi = K + 2 / K + 1): the whole-model step's states bit for bit as
+    the per-block compiled step's; fp32 against the fp64 PyTorch step within 4x the fp32 PyTorch step's own error;
+    fp64 to 1e-12 (relative to the logits' scale)."""
+    model = _model(mixer=mixer, **kw)
+    ids = _ids(2, 12, 6)
+    calls = CompiledDecodeCalls(monkeypatch)
+    got, cache = _generate(model, ids)
+    assert (calls.model, calls.block) == (8, 0)
+    blk, blk_cache = _generate(_twin(model, block=True), ids)
+    assert calls.block == 2 * 8
+    torch.testing.assert_close(got, blk, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_states(cache), _states(blk_cache)):
+        assert a.shape == b.shape and torch.equal(a, b)
+    ref, ref_cache = _generate(_twin(model, torch.float64), ids)
+    t32, _ = _generate(_twin(model), ids)
+    assert _err(got, ref) <= 4 * _err(t32, ref) + 1e-6 * float(ref.abs().max())
+    got64, _ = _generate(_model(torch.float64, mixer=mixer, **kw), ids)
+    assert calls.model == 16
+    torch.testing.assert_close(got64, ref, rtol=1e-12, atol=1e-12 * float(ref.abs().max()))
 
 
 def test_cache_handoff_both_ways(monkeypatch):

@@ -40,7 +40,7 @@ from ..layers.cache import Cache, KVCache, LayerCache
 from ..layers.common import RMSNorm, RotaryEmbedding, mamba_neg_a
 from ..layers.softmax import SoftmaxAttention
 from ..ops import LinearAttentionState
-from ..ops.feature_maps import HadamardExp
+from ..ops.feature_maps import HadamardExp, MagnitudeDirection, SubSqEuclid, SumSqEuclid
 from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
 
 __all__ = ["AttentionDescription", "BlockDescription", "BlockPlanSlot", "ModelDescription", "ModelFastState",
@@ -273,28 +273,34 @@ def _slot(owner: nn.Module, name: str, cls):
     return slot
 
 
-# -- log-space linear attention (block kind 3, csrc/decode_log.h) ------------------------------------------------
-#: the log-space maps the compiled decode computes itself, by class -> the plan's `log_fmap` code
+# -- ELA's maps: log-space (block kind 3, csrc/decode_log.h), linear-space (kind 4, csrc/decode_ela.h) ----------
+#: the log-space maps the compiled decode computes itself, by class -> the plan's `ela_map` code
 LOG_MAPS = {HadamardExp: 0}
+#: ELA's linear-space maps (features wider than K: not the linear kind's elementwise maps) -> `ela_map`
+ELA_MAPS = {SumSqEuclid: 1, SubSqEuclid: 2, MagnitudeDirection: 3}
 #: the columns a linear layer's state adds to V in the step's buffers: z; z and the log-scale
 _STATE_EXTRA = {"linear": 1, "linear_log": 2}
 
 
-def _log_map(layer) -> bool:
-    """Whether a LinearAttention layer's map is a log-space one the compiled decode computes (with no gate, RetNet's
-    or the scalar gate)."""
-    return type(layer.feature_map) in LOG_MAPS and layer.gate != "diagonal"
+def _ela_map(layer) -> bool:
+    """Whether a LinearAttention layer's map is one of ELA's the compiled decode computes (kind 3 or 4; gates none,
+    RetNet's, the scalar one)."""
+    return (type(layer.feature_map) in LOG_MAPS or type(layer.feature_map) in ELA_MAPS) and layer.gate != "diagonal"
 
 
-def _log_fields(p, layer, cdt: torch.dtype, addr) -> None:
-    """Plan p as block kind 3 for the log-space layer: its map, normalisation and gate (RetNet's as log gamma, the
-    operator's log-gate; the scalar gate as the linear kind's)."""
-    HV = layer.n_value_heads
-    p.kind, p.log_fmap = 3, LOG_MAPS[type(layer.feature_map)]
+def _ela_fields(p, layer, cdt: torch.dtype, addr) -> None:
+    """Plan p as block kind 3 (a log-space map) or 4 (a linear-space one) for a layer with one of ELA's maps: the map,
+    normalisation and gate (RetNet's as log gamma for kind 3, the operator's log-gate, and as the decay for kind 4;
+    the scalar gate as the linear kind's)."""
+    HV, fm = layer.n_value_heads, type(layer.feature_map)
+    p.kind, p.ela_map = (3, LOG_MAPS[fm]) if fm in LOG_MAPS else (4, ELA_MAPS[fm])
     p.normalize, p.eps = int(bool(layer.normalize)), float(layer.eps)
     if layer.gate == "retnet":
         p.gate_kind = 1
-        p.log_decay = addr(torch.log(layer._gamma_on(torch.device("cpu")).to(cdt)).reshape(-1).expand(HV))
+        if p.kind == 3:
+            p.log_decay = addr(torch.log(layer._gamma_on(torch.device("cpu")).to(cdt)).reshape(-1).expand(HV))
+        else:
+            p.decay = addr(_fast.linear_decay(layer, cdt, torch.device("cpu")).reshape(-1).expand(HV))
     elif layer.gate == "scalar":
         p.gate_kind = 2
         p.neg_a = addr(mamba_neg_a(layer.A_log, cdt, layer).reshape(-1).expand(HV))
@@ -338,7 +344,7 @@ def _compiled_mixer(desc: BlockDescription, wdt: torch.dtype):
     if kind is None or kind != layer.fast_step_kind() or layer.rope is not None or not (
             layer.fast_decode and layer.compiled_decode):
         return None
-    if kind == "linear" and ((type(layer.feature_map) not in _fast.COMPILED_MAPS and not _log_map(layer))
+    if kind == "linear" and ((type(layer.feature_map) not in _fast.COMPILED_MAPS and not _ela_map(layer))
                              or layer.gate == "diagonal"):
         return None
     for m in (desc.ffn_gate_up, desc.ffn_down):
@@ -432,8 +438,8 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         if layer._modules.get("a_proj") is not None:
             p.gated = 1
             p.neg_a, p.dt_bias = addr(mamba_neg_a(layer.A_log, cdt, layer)), addr(layer.dt_bias)
-    elif _log_map(layer):
-        _log_fields(p, layer, cdt, addr)
+    elif _ela_map(layer):
+        _ela_fields(p, layer, cdt, addr)
     else:
         fm = layer.feature_map
         p.fmap, p.normalize = _cpu_decode.FEATURE_MAPS[fm.name], int(bool(layer.normalize))

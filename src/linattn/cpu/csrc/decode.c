@@ -61,8 +61,9 @@ typedef struct {
     int32_t fmt_W, fmt_Wo, fmt_Wgu, fmt_Wd, fmt_Wq, fmt_Wk, fmt_Wv, fmt_Wg;
     int64_t grp_W, grp_Wo, grp_Wgu, grp_Wd, grp_Wq, grp_Wk, grp_Wv, grp_Wg;
     const void *sc_W, *sc_Wo, *sc_Wgu, *sc_Wd, *sc_Wq, *sc_Wk, *sc_Wv, *sc_Wg;
-    /* log-space linear attention (kind 3, decode_log.h): the map (0: Hadamard Exp), RetNet's log gamma [HV] */
-    int32_t log_fmap, pad3_;
+    /* ELA's maps: kind 3, log-space (decode_log.h; ela_map 0 Hadamard Exp, log_decay RetNet's log gamma [HV]),
+       kind 4, linear-space (decode_ela.h; ela_map 1 / 2 squared-Euclidean sum / sub, 3 magnitude-direction) */
+    int32_t ela_map, pad3_;
     const void *log_decay;
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
@@ -693,6 +694,7 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
 }
 
 #include "decode_log.h" /* kind 3: FN(decode_linear_log) */
+#include "decode_ela.h" /* kind 4: FN(decode_linear_ela) */
 
 /* x [B, d] -> x_out [B, d]; the mixer's conv window w_in -> w_out and state S_in -> S_out (S_in, w_in NULL
    before the first token). Returns 0, or 1 when out of memory. */
@@ -712,6 +714,8 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
         rc = FN(softmax_mix)(p, xn, y, o);
     else if (p->kind == 3)
         rc = FN(decode_linear_log)(p, y, ny, w_in, w_out, S_in, S_out, o);
+    else if (p->kind == 4)
+        rc = FN(decode_linear_ela)(p, y, ny, w_in, w_out, S_in, S_out, o);
     else if (p->kind == 0)
         rc = FN(linattn_decode_delta)(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,
                  w_out, p->dkind, p->l2conv, p->q_l2, p->l2eps, p->scale, p->beta_mode, (const REAL *)p->alpha,

@@ -1,5 +1,5 @@
 /* The whole-block / whole-model decode of linear attention with a log-space feature map (block kind 3): ELA's
-   Hadamard Exp (log_fmap 0: phi(q) = scale q, psi(k) = k as log-features, K_phi = K). Included by decode.c inside
+   Hadamard Exp (ela_map 0: phi(q) = scale q, psi(k) = k as log-features, K_phi = K). Included by decode.c inside
    its body, once per REAL; its mixer step is FN(decode_linear_log), which linattn_decode_block dispatches to.
 
    The state of a value head is [K, V + 2]: the kv columns, z, then the per-feature log-scale mu (the true state is
