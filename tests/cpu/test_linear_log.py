@@ -79,6 +79,28 @@ def test_outputs_and_gradients_against_the_fp64_reference(name, mode, gate, T):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m: f"d{name_}: {m}")
 
 
+@pytest.mark.parametrize("V", [16, 32, 64, 70, 80, 129])
+def test_value_widths_of_the_vector_blocks(V):
+    """The token update's column passes (blocks of 4 vector lines, single lines, scalar columns; z riding along the
+    first vector pass or on its own): value widths that take each of them in fp32 (16 lanes) and fp64 (8 lanes),
+    outputs and gradients against the fp64 reference, keys that raise the running maximum mid-sequence."""
+    B, T, H, K = 1, 37, 2, 8
+    q, k, v, g = _inputs(B, T, H, K, V, torch.float64, seed=11, mag=2.0)
+    k[:, 20] += 30.0
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    o, _ = _run(*leaves[:3], "hadamard_exp", leaves[3], chunk_size=16)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    r = _ref(*ref_leaves[:3], "hadamard_exp", ref_leaves[3])
+    torch.testing.assert_close(o, r, rtol=1e-10, atol=1e-10)
+    w = torch.randn_like(r)
+    for name_, a, b in zip("qkvg", torch.autograd.grad((o * w).sum(), leaves),
+                           torch.autograd.grad((r * w).sum(), ref_leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m: f"d{name_}: {m}")
+    o32, _ = _run(q.float(), k.float(), v.float(), "hadamard_exp", g.float(), normalize=False, chunk_size=16)
+    r32 = _ref(q, k, v, "hadamard_exp", g, normalize=False)
+    torch.testing.assert_close(o32.double(), r32, rtol=3e-5, atol=3e-5 * float(r32.abs().max()))
+
+
 @pytest.mark.parametrize("name", MAPS)
 def test_unnormalised_and_fp32(name):
     B, T, H, K, V = 1, 29, 3, 8, 4

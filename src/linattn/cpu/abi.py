@@ -57,8 +57,11 @@ class BlockPlan(ctypes.Structure):
     """`linattn_block_plan` (csrc/decode.c): what a whole-block decoding step needs besides the token and the state,
     fixed while the layer's parameters are. Pointer fields are data addresses (0: NULL); `keep` holds the tensors
     they point into (set by the builder, models/decode_plan.py). `wbf16` (float32 plans): the matrices W, Wo, Wgu
-    and Wd are stored as bfloat16, read with fp32 accumulation. kind 2 is softmax attention (its projections Wq,
-    Wk, Wv, Wg; the KV cache's buffers and the token's row and positions set per call, models/decode_plan.py).
+    and Wd are stored as bfloat16, read with fp32 accumulation. kind 2 is softmax attention (its projections Wq, Wk,
+    Wv, Wg; the KV cache's buffers and the token's row and positions set per call, models/decode_plan.py). Kinds 3
+    and 4 are linear attention with ELA's maps (`ela_map`): log-space Hadamard Exp (csrc/decode_log.h, `log_decay`;
+    a layer's state [B, HV, K, V + 2] = kv | z | log-scale) and the linear-space squared-Euclidean and
+    magnitude-direction kernels (csrc/decode_ela.h).
     `fmt_<M>` (float32 plans, 0: as `wbf16` says): matrix M's own format (`cpu/decode.WEIGHT_FORMATS`), int8 /
     int4 with bf16 scales `sc_<M>` and int4 group `grp_<M>` (csrc/qmatvec.h)."""
 
@@ -85,7 +88,11 @@ class BlockPlan(ctypes.Structure):
                 + [(n, ctypes.c_void_p) for n in ("Wf", "Wg2", "bg2", "Dsk", "bo")]
                 + [(f"fmt_{n}", ctypes.c_int32) for n in KDA_MATRICES]
                 + [(f"grp_{n}", ctypes.c_int64) for n in KDA_MATRICES]
-                + [(f"sc_{n}", ctypes.c_void_p) for n in KDA_MATRICES])
+                + [(f"sc_{n}", ctypes.c_void_p) for n in KDA_MATRICES]
+                # ELA's maps: kind 3 log-space (csrc/decode_log.h: ela_map 0 Hadamard Exp, log_decay RetNet's log
+                # gamma [HV]), kind 6 linear-space (csrc/decode_ela.h: ela_map 1 / 2 sum / sub squared-Euclidean,
+                # 3 magnitude-direction)
+                + [("ela_map", ctypes.c_int32), ("pad4_", ctypes.c_int32), ("log_decay", ctypes.c_void_p)])
 
 
 class ModelPlan(ctypes.Structure):

@@ -10,8 +10,9 @@ c = max_d (lq_d + mu_d), so every exponent is <= 0 whatever the magnitudes. The 
 (`compiled_decode`); otherwise the same arithmetic in PyTorch (ops/linear_recurrent.py's). Gates: none, RetNet's
 gamma and the scalar (Mamba2) gate; the diagonal gate takes the general path.
 
-Whole-block and whole-model plans (`models/decode_plan.py`) do not take these maps: such a model decodes layer by
-layer through this step.
+Inside a model, Hadamard Exp without RoPE decodes through the whole-block and whole-model plans instead
+(`models/decode_plan.py`, block kind 3: csrc/decode_log.h, the same token update); FAVOR+ and RoPE layers decode
+layer by layer through this step.
 """
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ from ..layers.delta_family import KDA
 from ..layers.mamba2 import Mamba2Block
 from ..layers.softmax import SoftmaxAttention
 from ..ops import LinearAttentionState
+from ..ops.feature_maps import HadamardExp, MagnitudeDirection, SubSqEuclid, SumSqEuclid
 from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
 
 __all__ = ["AttentionDescription", "BlockDescription", "BlockPlanSlot", "ModelDescription", "ModelFastState",
@@ -285,12 +286,57 @@ def _slot(owner: nn.Module, name: str, cls):
     return slot
 
 
+# -- ELA's maps: log-space (block kind 3, csrc/decode_log.h), linear-space (kind 6, csrc/decode_ela.h) ----------
+#: the log-space maps the compiled decode computes itself, by class -> the plan's `ela_map` code
+LOG_MAPS = {HadamardExp: 0}
+#: ELA's linear-space maps (features wider than K: not the linear kind's elementwise maps) -> `ela_map`
+ELA_MAPS = {SumSqEuclid: 1, SubSqEuclid: 2, MagnitudeDirection: 3}
+#: the columns a linear layer's state adds to V in the step's buffers: z; z and the log-scale
+_STATE_EXTRA = {"linear": 1, "linear_log": 2}
+
+
+def _ela_map(layer) -> bool:
+    """Whether a LinearAttention layer's map is one of ELA's the compiled decode computes (kind 3 or 6; gates none,
+    RetNet's, the scalar one)."""
+    return (type(layer.feature_map) in LOG_MAPS or type(layer.feature_map) in ELA_MAPS) and layer.gate != "diagonal"
+
+
+def _ela_fields(p, layer, cdt: torch.dtype, addr) -> None:
+    """Plan p as block kind 3 (a log-space map) or 6 (a linear-space one) for a layer with one of ELA's maps: the map,
+    normalisation and gate (RetNet's as log gamma for kind 3, the operator's log-gate, and as the decay for kind 6;
+    the scalar gate as the linear kind's)."""
+    HV, fm = layer.n_value_heads, type(layer.feature_map)
+    p.kind, p.ela_map = (3, LOG_MAPS[fm]) if fm in LOG_MAPS else (6, ELA_MAPS[fm])
+    p.normalize, p.eps = int(bool(layer.normalize)), float(layer.eps)
+    if layer.gate == "retnet":
+        p.gate_kind = 1
+        if p.kind == 3:
+            p.log_decay = addr(torch.log(layer._gamma_on(torch.device("cpu")).to(cdt)).reshape(-1).expand(HV))
+        else:
+            p.decay = addr(_fast.linear_decay(layer, cdt, torch.device("cpu")).reshape(-1).expand(HV))
+    elif layer.gate == "scalar":
+        p.gate_kind = 2
+        p.neg_a = addr(mamba_neg_a(layer.A_log, cdt, layer).reshape(-1).expand(HV))
+        p.dt_bias = addr(layer.dt_bias.reshape(-1).expand(HV))
+
+
+def _log_state_in(st, shape, cdt: torch.dtype) -> Optional[torch.Tensor]:
+    """[kv | z | log-scale] `[B, HV, Kf, V + 2]` (contiguous, cdt) of a log-space layer's state, or None when st is
+    not a state of that shape (B, HV, Kf, V) on the CPU."""
+    B, HV, Kf, V = shape
+    if not (isinstance(st, LinearAttentionState) and isinstance(st.log_scale, torch.Tensor)
+            and st.kv.shape == (B, HV, Kf, V) and st.z.shape == (B, HV, Kf) and st.log_scale.shape == (B, HV, Kf)
+            and st.kv.device.type == "cpu" and st.offset.shape == (B,)):
+        return None
+    return torch.cat([st.kv, st.z.unsqueeze(-1), st.log_scale.unsqueeze(-1)], -1).to(cdt)
+
+
 # -- one block ---------------------------------------------------------------------------------------------------
 # the BlockPlan fields that hold data addresses
 PLAN_POINTERS = ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "decay", "nw", "Wo", "n2w", "Wgu", "bgu",
                   "Wd", "bd", "Wq", "bq", "Wk", "bk", "Wv", "bv", "Wg", "qnw", "knw") + tuple(
                   f"sc_{n}" for n in _cpu_decode.WEIGHT_MATRICES) + (
-                  "Wf", "Wg2", "bg2", "Dsk", "bo") + tuple(f"sc_{n}" for n in _cpu_decode.KDA_MATRICES)
+                  "Wf", "Wg2", "bg2", "Dsk", "bo") + tuple(f"sc_{n}" for n in _cpu_decode.KDA_MATRICES) + ("log_decay",)
 
 
 class BlockPlanSlot:
@@ -312,7 +358,8 @@ def _compiled_mixer(desc: BlockDescription, wdt: torch.dtype):
     if kind is None or kind != layer.fast_step_kind() or layer.rope is not None or not (
             layer.fast_decode and layer.compiled_decode):
         return None
-    if kind == "linear" and (type(layer.feature_map) not in _fast.COMPILED_MAPS or layer.gate == "diagonal"):
+    if kind == "linear" and ((type(layer.feature_map) not in _fast.COMPILED_MAPS and not _ela_map(layer))
+                             or layer.gate == "diagonal"):
         return None
     if not _ffn_usable(desc, wdt):
         return None
@@ -408,6 +455,8 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         if layer._modules.get("a_proj") is not None:
             p.gated = 1
             p.neg_a, p.dt_bias = addr(mamba_neg_a(layer.A_log, cdt, layer)), addr(layer.dt_bias)
+    elif _ela_map(layer):
+        _ela_fields(p, layer, cdt, addr)
     else:
         fm = layer.feature_map
         p.fmap, p.normalize = _cpu_decode.FEATURE_MAPS[fm.name], int(bool(layer.normalize))
@@ -423,7 +472,7 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     p.has_gate = int(layer._modules.get("g_proj") is not None)
     _set_weight(p, "Wo", layer._modules["o_proj"], wdt, addr)
     Kf = K if desc.kind == "delta" else layer.feature_map.feature_dim(K)
-    p.spec = _state_spec(desc.kind, HV, Kf, V, p.KC, (H * K, H * K, HV * V))
+    p.spec = _state_spec("linear_log" if p.kind == 3 else desc.kind, HV, Kf, V, p.KC, (H * K, H * K, HV * V))
     return finish_block_plan(p, desc, addr, keep, wdt)
 
 
@@ -433,8 +482,9 @@ QKV_CONV = ("conv_q", "conv_k", "conv_v")
 
 def _state_spec(kind: str, HV: int, Kf: int, V: int, KC: int, sizes, keys=QKV_CONV) -> tuple:
     """What a recurrent block plan reads from and writes to its cache (`state_layout`'s spec): the state's kind
-    ("delta": a tensor [B, HV, Kf, V]; "linear": a `LinearAttentionState`, [kv | z] [B, HV, Kf, V + 1]), the conv
-    window's width KC (0: none), its channels per entry and the entries' keys."""
+    ("delta": a tensor [B, HV, Kf, V]; "linear": a `LinearAttentionState`, [kv | z] [B, HV, Kf, V + 1];
+    "linear_log": one with a log scale, [kv | z | log-scale] [B, HV, Kf, V + 2]), the conv window's width KC (0:
+    none), its channels per entry and the entries' keys."""
     return (kind, HV, Kf, V, KC, tuple(sizes), tuple(keys))
 
 
@@ -684,6 +734,11 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
                                   and S.device == x.device):
             return None   # the general path checks it and says what is wrong
         S_out = torch.empty(B, HV, Kf, V, dtype=cdt)
+    elif kind == "linear_log":
+        S = None if st is None else _log_state_in(st, (B, HV, Kf, V), cdt)
+        if st is not None and S is None:
+            return None
+        S_out = torch.empty(B, HV, Kf, V + 2, dtype=cdt)
     else:
         if st is not None and not (isinstance(st, LinearAttentionState) and st.log_scale is None
                                    and st.kv.shape == (B, HV, Kf, V) and st.z.shape == (B, HV, Kf)
@@ -714,7 +769,10 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
     else:
         offset = torch.zeros(B, dtype=torch.int64) if st is None else (
             st.offset if st.offset.dtype == torch.int64 else st.offset.to(torch.int64))
-        _fast.store_linear_state(cache, S_out, offset, V)
+        if plan.kind == 3:
+            _fast.store_linear_state(cache, S_out[..., :V + 1], offset, V, log_scale=S_out[..., V + 1])
+        else:
+            _fast.store_linear_state(cache, S_out, offset, V)
     if w_out is not None:
         if keys == QKV_CONV:
             _fast.store_conv_window(cache, (mods["q_conv"], mods["k_conv"], mods["v_conv"]), w_out)
@@ -791,7 +849,7 @@ def state_layout(specs, B: int, cdt: torch.dtype, vocab: int) -> _Layout:
     layers, s_off, w_off = [], 0, 0
     for spec in specs:
         kind, HV, Kf, V, KC, sizes = spec[:6]
-        lay = _Layer(kind, (B, HV, Kf, V + (kind == "linear")), None, None, s_off, -1, V,
+        lay = _Layer(kind, (B, HV, Kf, V + _STATE_EXTRA.get(kind, 0)), None, None, s_off, -1, V,
                      tuple(spec[6]) if len(spec) > 6 else QKV_CONV)
         if KC:
             lay.wshape, lay.sizes, lay.w_off = (B, sum(sizes), KC - 1), list(sizes), w_off
@@ -804,7 +862,7 @@ def state_layout(specs, B: int, cdt: torch.dtype, vocab: int) -> _Layout:
     lo.same = first.kind != "softmax" and all(lay.kind == first.kind and lay.sshape == first.sshape
                                               and lay.wshape == first.wshape and lay.sizes == first.sizes
                                               and lay.keys == first.keys for lay in layers)
-    lo.lin = [i for i, lay in enumerate(layers) if lay.kind == "linear"]
+    lo.lin = [i for i, lay in enumerate(layers) if lay.kind in _STATE_EXTRA]
     lo.key = (B, cdt, vocab, tuple((lay.kind, lay.sshape, lay.wshape, lay.sizes and tuple(lay.sizes), lay.s_off,
                                     lay.w_off, lay.keys) for lay in layers))
     lo.sbuf, lo.wbuf, lo.wmode = (s_off,), (w_off,), 0   # the buffers' shapes (`_views`)
@@ -965,6 +1023,12 @@ def _gather(lo: _Layout, lcs, cdt):
             if not (isinstance(st, torch.Tensor) and st.shape == lay.sshape and st.device.type == "cpu"):
                 return None
             states.append(st)
+        elif lay.kind == "linear_log":
+            S = _log_state_in(st, lay.sshape[:3] + (lay.V,), cdt)
+            if S is None:
+                return None
+            states.append(S)
+            offs.append(st.offset.to(torch.int64))
         else:
             B, HV, Kf, V1 = lay.sshape
             if not (isinstance(st, LinearAttentionState) and st.log_scale is None
@@ -1000,7 +1064,8 @@ def _views(lo: _Layout, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Opt
             states = S.unbind(0)
         else:
             V = lay.V
-            states = list(map(_linear_state_of, S[..., :V].unbind(0), S[..., V].unbind(0), offsets.unbind(0)))
+            mus = S[..., V + 1].unbind(0) if lay.kind == "linear_log" else (None,) * lo.L
+            states = list(map(_linear_state_of, S[..., :V].unbind(0), S[..., V].unbind(0), offsets.unbind(0), mus))
         if W is None:
             return states, ()
         if lo.wmode == 1:
@@ -1016,7 +1081,8 @@ def _views(lo: _Layout, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Opt
         if lay.kind == "delta":
             states.append(Sl)
         else:
-            states.append(_linear_state_of(Sl[..., :lay.V], Sl[..., lay.V], offsets[j]))
+            states.append(_linear_state_of(Sl[..., :lay.V], Sl[..., lay.V], offsets[j],
+                                           Sl[..., lay.V + 1] if lay.kind == "linear_log" else None))
             j += 1
         if lay.wshape is not None:
             convs += W[lay.w_off:lay.w_off + math.prod(lay.wshape)].view(lay.wshape).split_with_sizes(lay.sizes,
@@ -1046,8 +1112,8 @@ def _store(lo: _Layout, lcs, states, convs, n: int) -> list:
     return out
 
 
-def _linear_state_of(kv, z, offset):
-    return LinearAttentionState(kv=kv, z=z, log_scale=None, offset=offset)
+def _linear_state_of(kv, z, offset, log_scale=None):
+    return LinearAttentionState(kv=kv, z=z, log_scale=log_scale, offset=offset)
 
 
 def _mixer_caches(cache: Cache, L: int) -> list:

@@ -74,6 +74,10 @@ typedef struct {
     int32_t fmt_Wf, fmt_Wg2;
     int64_t grp_Wf, grp_Wg2;
     const void *sc_Wf, *sc_Wg2;
+    /* ELA's maps: kind 3, log-space (decode_log.h; ela_map 0 Hadamard Exp, log_decay RetNet's log gamma [HV]),
+       kind 6, linear-space (decode_ela.h; ela_map 1 / 2 squared-Euclidean sum / sub, 3 magnitude-direction) */
+    int32_t ela_map, pad4_;
+    const void *log_decay;
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
 
@@ -712,6 +716,8 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
 
 #include "decode_kda.h"
 #include "decode_mamba2.h"
+#include "decode_log.h" /* kind 3: FN(decode_linear_log) */
+#include "decode_ela.h" /* kind 6: FN(decode_linear_ela) */
 
 /* x [B, d] -> x_out [B, d]; the mixer's conv window w_in -> w_out and state S_in -> S_out (S_in, w_in NULL
    before the first token). Returns 0, or 1 when out of memory. */
@@ -733,6 +739,10 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
         rc = FN(kda_mix)(p, y, w_in, S_in, w_out, S_out, o);
     else if (p->kind == 5)
         rc = FN(mamba2_mix)(p, y, w_in, S_in, w_out, S_out, o);
+    else if (p->kind == 3)
+        rc = FN(decode_linear_log)(p, y, ny, w_in, w_out, S_in, S_out, o);
+    else if (p->kind == 6)
+        rc = FN(decode_linear_ela)(p, y, ny, w_in, w_out, S_in, S_out, o);
     else if (p->kind == 0)
         rc = FN(linattn_decode_delta)(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,
                  w_out, p->dkind, p->l2conv, p->q_l2, p->l2eps, p->scale, p->beta_mode, (const REAL *)p->alpha,

@@ -33,6 +33,14 @@ LA_ABI_VERSION(linear_log, 1)
 
 #define LL_MAX_FEATURES 4096
 #define LL_NEG (-1e30) /* the log-scale of an empty state (ops/linear_common.py's NEG) */
+/* tokens ahead whose rows are prefetched: a (sequence, head) walks its rows H K apart, a few per page, which the
+   hardware prefetchers follow poorly; without it the scan waited on memory at every token (16k tokens) */
+#define LL_AHEAD 8
+
+/* the bytes at x into the cache, one 64-byte line at a time */
+static inline void ll_prefetch(const void *x, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) LA_PREFETCH((const char *)x + o, 0);
+}
 
 /* shapes, sequence offsets (N + 1 rows of packed sequences), the checkpoint interval C (tokens), threads */
 typedef struct {
@@ -74,58 +82,7 @@ int64_t linattn_linear_log_nchunks(int64_t N, const int64_t *starts, int64_t C) 
 #else /* ------------------------------------------------------------------ the body, once per REAL */
 #include "common.h"
 
-/* One token: its key into the state (S [K, W], mu [K]: mu_d <- max(mu_d + g, lk_d), a row rescaled only when the
-   key raises its mu) and the output row y [W] = sum_d exp(lq_d + mu_d - c) S[d] relative to c = max_d (lq_d + mu_d),
-   returned. The scalars first (f, e, wq [K] scratch), then one pass over the state that updates each row and reads
-   it out: the state is loaded and stored once per token. v1 is [v | 1] (W = V + 1). The forward, the backward's
-   recomputation and the decoding step all take this function, so their states have the same bits. */
-LA_INLINE REAL FN(ll_token)(REAL *restrict S, REAL *restrict mu, const REAL *restrict lk, const REAL *restrict v1,
-                            REAL g, const REAL *restrict lq, REAL *restrict f, REAL *restrict e, REAL *restrict wq,
-                            REAL *restrict y, int64_t K, int64_t W) {
-    /* the scalars in vector loops (one exp per feature for the key, one for the query) */
-    LA_SIMD
-    for (int64_t d = 0; d < K; ++d) {
-        const REAL m = mu[d] + g, x = lk[d];
-        const int up = x > m;
-        const REAL ex = FN(la_exp)(up ? m - x : x - m);
-        f[d] = up ? ex : (REAL)1; /* the old rows' factor (1: untouched) */
-        e[d] = up ? (REAL)1 : ex; /* the new key's weight */
-        mu[d] = up ? x : m;
-        wq[d] = lq[d] + mu[d];
-    }
-    REAL c = (REAL)-INFINITY;
-    int bad = 0;
-    LA_PRAGMA(omp simd reduction(max : c) reduction(| : bad))
-    for (int64_t d = 0; d < K; ++d) {
-        const REAL a = wq[d];
-        c = a > c ? a : c;
-        bad |= a != a;
-    }
-    if (bad) c = (REAL)NAN; /* a NaN among the logits: every weight NaN, as in the PyTorch forms */
-    LA_SIMD
-    for (int64_t d = 0; d < K; ++d) wq[d] = FN(la_exp)(wq[d] - c);
-    for (int64_t w = 0; w < W; ++w) y[w] = 0;
-    for (int64_t d = 0; d < K; ++d) {
-        REAL *restrict row = S + d * W;
-        const REAL fd = f[d], ed = e[d], qd = wq[d];
-        if (fd != (REAL)1) {
-            LA_SIMD
-            for (int64_t w = 0; w < W; ++w) {
-                const REAL r = row[w] * fd + v1[w];
-                row[w] = r;
-                y[w] += qd * r;
-            }
-        } else {
-            LA_SIMD
-            for (int64_t w = 0; w < W; ++w) {
-                const REAL r = row[w] + ed * v1[w];
-                row[w] = r;
-                y[w] += qd * r;
-            }
-        }
-    }
-    return c;
-}
+#include "log_state.h" /* FN(ls_token): the token update, shared with the compiled decode */
 
 /* lq, lk [TT, H, K], v [TT, H, V], g [TT, H] (NULL: no gate), S0 [N, H, K, W] and mu0 [N, H, K] (NULL: empty)
    -> num [TT, H, V], den [TT, H], c [TT, H], S [N, H, K, W], mu [N, H, K]; P [NC, H, K, W] and Pmu [NC, H, K]
@@ -141,7 +98,7 @@ int FN(linattn_linear_log_fwd)(const linattn_linear_log_plan *p, const REAL *lq,
     int failed = 0;
 #pragma omp parallel num_threads(p->nthreads)
     {
-        REAL *buf = (REAL *)malloc(sizeof(REAL) * (size_t)(2 * W + 3 * K + 1));
+        REAL *buf = (REAL *)malloc(sizeof(REAL) * (size_t)(3 * K + 1));
         if (!buf) {
             LA_ATOMIC_WRITE
             failed = 1;
@@ -150,7 +107,7 @@ int FN(linattn_linear_log_fwd)(const linattn_linear_log_plan *p, const REAL *lq,
         for (int64_t s = 0; s < N; ++s)
             for (int64_t h = 0; h < H; ++h) {
                 if (!buf) continue;
-                REAL *v1 = buf, *y = buf + W, *wq = buf + 2 * W, *fk = wq + K, *ek = fk + K;
+                REAL *wq = buf, *fk = wq + K, *ek = fk + K;
                 REAL *St = S + (s * H + h) * K * W, *mt = mu + (s * H + h) * K;
                 if (S0) {
                     memcpy(St, S0 + (s * H + h) * K * W, sizeof(REAL) * (size_t)(K * W));
@@ -166,11 +123,14 @@ int FN(linattn_linear_log_fwd)(const linattn_linear_log_plan *p, const REAL *lq,
                         ++chunk;
                     }
                     const int64_t r = t * H + h;
-                    memcpy(v1, v + r * V, sizeof(REAL) * (size_t)V);
-                    v1[V] = 1;
-                    c[r] = FN(ll_token)(St, mt, lk + r * K, v1, g ? g[r] : (REAL)0, lq + r * K, fk, ek, wq, y, K, W);
-                    memcpy(num + r * V, y, sizeof(REAL) * (size_t)V);
-                    den[r] = y[V];
+                    if (t + LL_AHEAD < p->starts[s + 1]) {
+                        const int64_t ra = r + LL_AHEAD * H;
+                        ll_prefetch(lq + ra * K, K * (int64_t)sizeof(REAL));
+                        ll_prefetch(lk + ra * K, K * (int64_t)sizeof(REAL));
+                        ll_prefetch(v + ra * V, V * (int64_t)sizeof(REAL));
+                    }
+                    c[r] = FN(ls_token)(St, W, mt, lk + r * K, v + r * V, g ? g[r] : (REAL)0, lq + r * K, fk, ek, wq,
+                                        num + r * V, den + r, K, V);
                 }
             }
         free(buf);
@@ -226,10 +186,8 @@ int FN(linattn_linear_log_bwd)(const linattn_linear_log_plan *p, const REAL *lq,
                         const int64_t r = t * H + h, j = t - t0;
                         memcpy(Sc + (j + 1) * K * W, Sc + j * K * W, sizeof(REAL) * (size_t)(K * W));
                         memcpy(mc + (j + 1) * K, mc + j * K, sizeof(REAL) * (size_t)K);
-                        memcpy(v1, v + r * V, sizeof(REAL) * (size_t)V);
-                        v1[V] = 1;
-                        FN(ll_token)(Sc + (j + 1) * K * W, mc + (j + 1) * K, lk + r * K, v1, g ? g[r] : (REAL)0,
-                                     lq + r * K, fk, ek, wq, yk, K, W);
+                        FN(ls_token)(Sc + (j + 1) * K * W, W, mc + (j + 1) * K, lk + r * K, v + r * V,
+                                     g ? g[r] : (REAL)0, lq + r * K, fk, ek, wq, yk, yk + V, K, V);
                     }
                     for (int64_t t = t1 - 1; t >= t0; --t) {
                         const int64_t r = t * H + h, j = t - t0;
