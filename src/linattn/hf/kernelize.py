@@ -120,8 +120,7 @@ def _cu_seqlens(kwargs, T: int, device) -> Optional[torch.Tensor]:
         cu = kwargs.get("cu_seq_lens_q")
     if cu is None and kwargs.get("seq_idx") is not None:
         seq_idx = kwargs["seq_idx"].reshape(-1)          # mamba_ssm's convention: document index per token
-        starts = torch.nonzero(torch.diff(seq_idx) != 0).reshape(-1) + 1
-        cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), seq_idx.numel())])
+        cu = _cu_of_starts(torch.diff(seq_idx) != 0, seq_idx.numel())
     if cu is None:
         return None
     cu = cu.to(device=device, dtype=torch.int64)
@@ -153,10 +152,6 @@ class _BorrowedConv:
     __call__ = forward
 
 
-def _conv_module(weight: torch.Tensor, bias, activation) -> _BorrowedConv:
-    return _BorrowedConv(weight, bias, activation)
-
-
 def _act_rest(y: torch.Tensor, activation) -> torch.Tensor:
     if activation is None or activation in ("silu", "swish"):
         return y
@@ -168,7 +163,7 @@ def conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
     """causal_conv1d_fn: x [B, C, T] -> [B, C, T], documents kept apart with cu_seq_lens_q."""
     B, C, T = hidden_states.shape
     cu = _cu_seqlens(kwargs, T, hidden_states.device)
-    conv = _conv_module(weight, bias, activation)
+    conv = _BorrowedConv(weight, bias, activation)
     x = hidden_states.to(weight.dtype).transpose(1, 2)
     y, _ = conv(x, None, cu)
     return _act_rest(y.transpose(1, 2), activation).to(hidden_states.dtype)
@@ -177,7 +172,7 @@ def conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
 def conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):
     """causal_conv1d_update: the decode step; conv_state [B, C, W] is updated in place (transformers' layout)."""
     B, C, T = hidden_states.shape
-    conv = _conv_module(weight, bias, activation)
+    conv = _BorrowedConv(weight, bias, activation)
     W = weight.shape[-1]
     # linattn's ShortConv continues from the last W - 1 inputs (transformers' conv_state may hold more)
     y, _ = conv(hidden_states.to(weight.dtype).transpose(1, 2), conv_state[..., conv_state.shape[-1] - (W - 1):],
@@ -624,11 +619,14 @@ def _packed_cu(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
                                f"DataCollatorWithFlattening makes them; got position_ids of shape "
                                f"{tuple(position_ids.shape)}")
         return None
-    starts = torch.nonzero(torch.diff(pos[0]) != 1).reshape(-1) + 1
-    if starts.numel() == 0:
-        return None
-    T = pos.shape[1]
-    return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), T)]).to(torch.int32)
+    restart = torch.diff(pos[0]) != 1
+    return _cu_of_starts(restart, pos.shape[1]).to(torch.int32) if bool(restart.any()) else None
+
+
+def _cu_of_starts(new_doc: torch.Tensor, T: int) -> torch.Tensor:
+    """cu_seqlens of T tokens from `new_doc` [T - 1] (whether token t + 1 starts a document)."""
+    starts = torch.nonzero(new_doc).reshape(-1) + 1
+    return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), T)])
 
 
 def _arg(module: nn.Module, args: tuple, kwargs: dict, name: str):
@@ -781,11 +779,8 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
         raise LinattnError(f"kernelize: {len(report.unserved)} module(s) cannot be served by linattn ({lines}); "
                            f"pass skip_unserved=True to serve the rest and leave these on transformers' code")
     for name, mod, _modeling, kind in plan:
-        if getattr(mod, "_linattn_kernelized", False):
-            report.patched.append(name)
-            report.kinds[name] = kind
-            continue
-        _serve(mod, kind)
+        if not getattr(mod, "_linattn_kernelized", False):
+            _serve(mod, kind)
         report.patched.append(name)
         report.kinds[name] = kind
     if plan:

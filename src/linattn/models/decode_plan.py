@@ -515,7 +515,7 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
     if plan.B != B:
         plan.B = B   # a new batch size: the same plan
     H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
-    st = cache.get("state")
+    st = cache.state
     if kind == "delta":
         S = st
         if S is not None and not (isinstance(S, torch.Tensor) and S.shape == (B, HV, K, V) and S.device == x.device):
@@ -548,14 +548,14 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
     x_out = torch.empty(B, 1, d, dtype=cdt)
     _cpu_decode.block_step(plan, slot.fn, xin, window, S, w_out, S_out, x_out)
     if kind == "delta":
-        cache["state"] = S_out
+        cache.state = S_out
     else:
         offset = torch.zeros(B, dtype=torch.int64) if st is None else (
             st.offset if st.offset.dtype == torch.int64 else st.offset.to(torch.int64))
         _fast.store_linear_state(cache, S_out, offset, V)
     if w_out is not None:
         _fast.store_conv_window(cache, (mods["q_conv"], mods["k_conv"], mods["v_conv"]), w_out)
-    cache["offset"] = cache.offset + 1
+    cache.offset = cache.offset + 1
     return x_out if x_out.dtype == x.dtype else x_out.to(x.dtype)
 
 
@@ -771,14 +771,14 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
 
 
 def _entries(lo: _Layout, lcs) -> list:
-    """The cache entries a step reads, in a fixed order: per layer its state, then conv_q, conv_k, conv_v."""
+    """The cache entries a step reads, in a fixed order: per layer its state, then its conv windows q, k, v."""
     out = []
     for lay, lc in zip(lo.layers, lcs):
         if lay.kind == "softmax":   # (its KV cache is written on every token, in place)
             continue
-        out.append(lc.get("state"))
+        out.append(lc.state)
         if lay.wshape is not None:
-            out += (lc.get("conv_q"), lc.get("conv_k"), lc.get("conv_v"))
+            out += (lc.conv.get("q"), lc.conv.get("k"), lc.conv.get("v"))
     return out
 def _gather(lo: _Layout, lcs, cdt):
     """(S_in, W_in, offsets) from cache entries that another path wrote (a prefill, the per-block step, a
@@ -789,8 +789,8 @@ def _gather(lo: _Layout, lcs, cdt):
         if lay.kind == "softmax":
             continue
         n_rec += 1
-        st = lc.get("state")
-        conv = (lc.get("conv_q"), lc.get("conv_k"), lc.get("conv_v")) if lay.wshape is not None else ()
+        st = lc.state
+        conv = (lc.conv.get("q"), lc.conv.get("k"), lc.conv.get("v")) if lay.wshape is not None else ()
         if st is None and all(c is None for c in conv):
             empty += 1
             continue
@@ -866,14 +866,14 @@ def _store(lo: _Layout, lcs, states, convs, n: int) -> list:
     for lay, lc, st in zip(lo.layers, lcs, states):
         if lay.kind == "softmax":   # its KV cache and offset are written on every token (`_kv_args`)
             continue
-        lc["state"] = st
+        lc.state = st
         out.append(st)
         if lay.wshape is not None:
-            lc["conv_q"], lc["conv_k"], lc["conv_v"] = c = convs[j:j + 3]
+            c = convs[j:j + 3]
+            lc.conv.update(q=c[0], k=c[1], v=c[2])
             out += c
             j += 3
-        o = lc.get("offset", 0)
-        lc["offset"] = o + n if type(o) is int else lc.offset + n
+        lc.offset = lc.offset + n
         if lc.fast is not None:
             lc.fast = None   # the per-block step's views of the old entries
     return out
@@ -904,7 +904,7 @@ def _kv_args(slot: ModelPlanSlot, cache: Cache, B: int) -> Optional[list]:
         lc = d.get("mixer")
         if lc is None:
             lc = d["mixer"] = LayerCache()   # (as Cache.layer would; harmless when the step then steps aside)
-        kv, off = lc.get("kv"), lc.offset
+        kv, off = lc.kv, lc.offset
         G, D, Dv, dt = att.kv_heads, att.head_dim, att.head_dim_v, slot.ldtype
         if kv is None:
             if not (type(off) is int and off == 0):
@@ -923,7 +923,7 @@ def _kv_args(slot: ModelPlanSlot, cache: Cache, B: int) -> Optional[list]:
         p, lc, kv, off, _ = rec
         att = p.att
         if kv is None:
-            kv = rec[2] = lc["kv"] = KVCache(chunk=att.kv_chunk, window=att.window)
+            kv = rec[2] = lc.kv = KVCache(chunk=att.kv_chunk, window=att.window)
         if kv.k is not None and not (kv.k.is_contiguous() and kv.v.is_contiguous()):
             kv.k, kv.v = kv.k.contiguous(), kv.v.contiguous()   # (a trimmed view: the same tokens, one buffer)
         if kv.k is None:
@@ -1045,7 +1045,7 @@ def model_step(model: nn.Module, ids: torch.Tensor, cache, logits_to_keep) -> Op
     slot.spent = buf_in
     for _, lc, kv, off, _ in kvs:   # the row the call wrote
         kv.length += 1
-        lc["offset"] = off + 1
+        lc.offset = off + 1
     cache.pending = ModelPending(lo, buf, offsets, n)
     cache.seen_tokens += 1
     return logits, aux
