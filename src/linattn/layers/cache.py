@@ -122,6 +122,15 @@ class LayerCache(MutableMapping):
 
     Dict access (`cache["state"]`, `cache.get("conv_q")`, ...) still works, with a `DeprecationWarning` (once):
     the names of the dict form map to the fields ("conv_q" is conv["q"], "conv" is conv["in"]), others to `extra`.
+
+    Args:
+        entries: A dict of the dict form (deprecated), mapped to the fields.
+        state: The recurrent state.
+        conv: The convolution windows by stream.
+        shift: The token shift.
+        kv: The keys and values.
+        offset: The tokens consumed.
+        extra: Entries under other names.
     """
 
     def __init__(self, entries: Optional[Dict[str, Any]] = None, *, state: Any = None,
@@ -147,9 +156,11 @@ class LayerCache(MutableMapping):
     def offset(self, value) -> None:
         self._offset = value
 
-    def state_fields(self) -> Tuple[Any, ...]:
-        """The state held, as one tuple in `STATE_FIELDS` order (the offset aside): what sizes and layouts walk."""
-        return self.state, self.conv, self.shift, self.kv, self.extra
+    def state_fields(self) -> Dict[str, Any]:
+        """The fields that hold state, by name in `STATE_FIELDS` order (None and empty ones, and the offset, left
+        out): what sizes, layouts and row merges walk."""
+        return {n: v for n, v in zip(STATE_FIELDS, (self.state, self.conv, self.shift, self.kv, self.extra))
+                if v is not None and not (isinstance(v, dict) and not v)}
 
     def nbytes(self) -> int:
         return tensor_nbytes(self.state_fields())
@@ -213,12 +224,12 @@ class LayerCache(MutableMapping):
 
 
 def _flatten_layer_cache(lc: LayerCache):
-    return [lc.state, lc.conv, lc.shift, lc.kv, lc._offset, lc.extra], None
+    held = lc.state_fields()   # (the fields that hold nothing are no nodes: every walk is shorter)
+    return [*held.values(), lc._offset], tuple(held)
 
 
-def _unflatten_layer_cache(children, _context) -> LayerCache:
-    state, conv, shift, kv, offset, extra = children
-    return LayerCache(state=state, conv=conv, shift=shift, kv=kv, offset=offset, extra=extra)
+def _unflatten_layer_cache(children, names) -> LayerCache:
+    return LayerCache(**dict(zip(names, children)), offset=children[-1])
 
 
 pytree.register_pytree_node(LayerCache, _flatten_layer_cache, _unflatten_layer_cache,
@@ -407,23 +418,19 @@ def _leaf_layout(value: Any) -> Any:
     return ("ints",) if per_row_ints(value) else type(value).__name__
 
 
-def _field_layouts(lc: LayerCache) -> Dict[str, Any]:
-    """{field: (structure, leaf layouts)} of the fields that hold something (the offset aside)."""
-    out = {}
-    for name, value in zip(STATE_FIELDS, lc.state_fields()):
-        leaves, spec = flatten_state(value)
-        if any(x is not None for x in leaves):
-            out[name] = (spec, tuple(map(_leaf_layout, leaves)))
-    return out
+def _layout(lc: LayerCache) -> Tuple[Any, ...]:
+    """(structure, leaf layouts) of the state a LayerCache holds (the offset aside); () when it holds none."""
+    leaves, spec = flatten_state(lc.state_fields())
+    return (spec, tuple(map(_leaf_layout, leaves))) if leaves else ()
 
 
-def layers_layout(layers: List[Dict[str, LayerCache]]) -> List[Dict[str, Dict[str, Any]]]:
-    """Per layer and module, `_field_layouts` of its LayerCache."""
-    return [{name: _field_layouts(lc) for name, lc in d.items()} for d in layers]
+def layers_layout(layers: List[Dict[str, LayerCache]]) -> List[Dict[str, Tuple[Any, ...]]]:
+    """Per layer and module, `_layout` of its LayerCache."""
+    return [{name: _layout(lc) for name, lc in d.items()} for d in layers]
 
 
-def _describe(layout: Dict[str, Any]) -> str:
-    return "; ".join(f"{k}: {list(leaves)}" for k, (_, leaves) in layout.items()) or "nothing"
+def _describe(layout: Tuple[Any, ...]) -> str:
+    return f"{list(layout[0].context)} {list(layout[1])}" if layout else "nothing"
 
 
 def model_layout(config: Any, dtype: torch.dtype) -> Tuple[Tuple[str, str], ...]:
@@ -827,11 +834,6 @@ def _kv_row_lengths(kv: KVCache, lc: LayerCache) -> torch.Tensor:
     return off.clamp(max=kv.length)
 
 
-def _with_fields(fields: Tuple[Any, ...], offset: Any) -> LayerCache:
-    """A LayerCache of `state_fields()`-ordered fields and an offset."""
-    return LayerCache(**dict(zip(STATE_FIELDS, fields)), offset=offset)
-
-
 def _take_rows(lc: LayerCache, index: torch.Tensor) -> LayerCache:
     """A copy of rows `index` of a LayerCache; a KV cache row as a single sequence (its padding cut off)."""
     def take(value):
@@ -842,7 +844,7 @@ def _take_rows(lc: LayerCache, index: torch.Tensor) -> LayerCache:
     off = lc._offset
     if isinstance(off, torch.Tensor) and off.dim() == 1 and index.numel() == 1:
         off = int(off[int(index[0])])
-    return _with_fields(map_state(take, lc.state_fields()), take(off))
+    return LayerCache(**map_state(take, lc.state_fields()), offset=take(off))
 
 
 def _take_kv_rows(value: KVCache, index: torch.Tensor, lc: LayerCache) -> KVCache:
@@ -876,8 +878,11 @@ def _first_row_tokens(layers: List[Dict[str, LayerCache]], default: int) -> int:
 def _merge_problem(lc: LayerCache, other: LayerCache) -> Optional[str]:
     """Why the rows of `other` cannot be stacked under those of `lc` (None: they can); the offsets always can (an
     int or a per-row `[B]`)."""
-    for name, a, b in zip(STATE_FIELDS, lc.state_fields(), other.state_fields()):
-        (la, sa), (lb, sb) = flatten_state(a), flatten_state(b)
+    fa, fb = lc.state_fields(), other.state_fields()
+    if list(fa) != list(fb):
+        return f"the rows hold entries {list(fb)}, this cache {list(fa)}"
+    for name in fa:
+        (la, sa), (lb, sb) = flatten_state(fa[name]), flatten_state(fb[name])
         if sa != sb:
             return f"entry {name!r}: the rows hold {' '.join(str(sb).split())}, this cache {' '.join(str(sa).split())}"
         why = next((w for w in map(_leaf_merge_problem, la, lb) if w), None)
@@ -926,7 +931,7 @@ def _merge_rows(lc: LayerCache, other: LayerCache, n: int) -> LayerCache:
         (_rows_of_layers([{"x": other}]) or 1,), other.offset, dtype=torch.long)
     both = torch.cat([ra.long().cpu(), rb.long().cpu()])
     offset = int(both[0]) if bool((both == both[0]).all()) and not _has_padding(lc, other) else both
-    return _with_fields(map_state(merge, lc.state_fields(), other.state_fields()), offset)
+    return LayerCache(**map_state(merge, lc.state_fields(), other.state_fields()), offset=offset)
 
 
 def _has_padding(lc: LayerCache, other: LayerCache) -> bool:
