@@ -111,8 +111,9 @@ def test_the_library_mixers_write_fields_not_the_dict_form(mixer, monkeypatch):
 def test_the_dict_names_map_to_the_fields(monkeypatch):
     monkeypatch.setattr(cache_mod, "_dict_access_warned", False)
     lc = LayerCache(state=torch.ones(2, 3), conv={"q": torch.zeros(2, 4, 3), "in": torch.zeros(2, 5, 3)})
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(DeprecationWarning) as seen:
         assert lc["conv_q"] is lc.conv["q"] and lc["conv"] is lc.conv["in"] and lc["state"] is lc.state
+    assert seen[0].filename == __file__
     lc["shift"] = torch.ones(2, 7)
     lc["offset"] = 4
     lc["mine"] = (1, 2)

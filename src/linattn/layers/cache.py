@@ -31,6 +31,7 @@ Serving schedules (docs/states.md):
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import MutableMapping
 from dataclasses import dataclass
@@ -90,15 +91,19 @@ class FastDecodeState:
 # the state fields of a LayerCache, in the order the walks see them (`offset` and `fast` aside)
 STATE_FIELDS = ("state", "conv", "shift", "kv", "extra")
 _dict_access_warned = False
+_MIXINS_FILE = MutableMapping.get.__code__.co_filename   # (collections.abc's, frozen or not)
 
 
 def _warn_dict_access() -> None:
     global _dict_access_warned
     if not _dict_access_warned:
         _dict_access_warned = True
+        level, frame = 2, sys._getframe(1)   # point at the first caller outside this module and the Mapping mixins
+        while frame is not None and frame.f_code.co_filename in (__file__, _MIXINS_FILE):
+            level, frame = level + 1, frame.f_back
         warnings.warn("reading or writing a LayerCache as a dict (cache['state']) is deprecated: use its fields "
                       "(cache.state, cache.conv['q'], cache.shift, cache.kv, cache.offset; docs/states.md)",
-                      DeprecationWarning, stacklevel=4)
+                      DeprecationWarning, stacklevel=level)
 
 
 def _conv_name(key: str) -> Optional[str]:
