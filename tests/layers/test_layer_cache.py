@@ -148,3 +148,19 @@ def test_one_walk_over_states():
     cache.layers[0]["mixer"] = lc
     cache.reorder(torch.tensor([1]))
     assert cache.layers[0]["mixer"] is lc and lc.state[1] == (6,) and lc.offset.tolist() == [4] and lc.fast is None
+
+
+@torch.no_grad()
+def test_a_dict_style_mixer_through_the_transformers_cache(dict_style_mixer):
+    """Its own entry ("steps", in `extra`) travels through transformers' cache layers like the declared fields."""
+    pytest.importorskip("transformers")
+    from linattn.hf import LinattnForCausalLM
+
+    hf = LinattnForCausalLM.from_linattn(_model(dict_style_mixer)).eval()
+    ids = torch.randint(0, 32, (2, 7))
+    full = hf(ids).logits
+    out = hf(ids[:, :5], use_cache=True)
+    pkv = out.cache if "cache" in out else out.past_key_values
+    for t in (5, 6):
+        out = hf(ids[:, t:t + 1], cache=pkv, use_cache=True)
+        torch.testing.assert_close(out.logits[:, -1], full[:, t], rtol=1e-5, atol=1e-5)
