@@ -176,9 +176,9 @@ class TLinFormerConfig(JsonConfig):
 class TLinFormerCache(Cache):
     """The decoding cache of a `TLinFormerLM`.
 
-    layers[i]["ctx"].kv: (keys, values) `[B, H, S, Dh]` the window attends to in layer i (S = N in the
-        compress layers, W = min(W_oh, N) in the others); None while the history is empty.
-    layers[i]["x"].kv:   the window's own (keys, values) `[B, H, W_og, Dh]` (preallocated once).
+    layers[i]["ctx"].extra: keys/values "k", "v" `[B, H, S, Dh]` the window attends to in layer i (S = N in the
+        compress layers, W = min(W_oh, N) in the others); empty while the history is empty.
+    layers[i]["x"].extra:   the window's own keys/values "k", "v" `[B, H, W_og, Dh]` (preallocated once).
     ids: every token consumed so far (a miss re-encodes the history from them).
     context_len: the history length N of the cached window (None: nothing cached yet);
     x_len: tokens of that window consumed; hits / misses: how each call was served.
@@ -389,15 +389,18 @@ class TLinFormerLM(nn.Module, CausalLM):
         return x
 
     def _store(self, cache: TLinFormerCache, li: int, ctx, k: torch.Tensor, v: torch.Tensor) -> None:
-        cache.layer(li, "ctx").kv = ctx
-        xc = cache.layer(li, "x")
+        lc = cache.layer(li, "ctx")
+        lc.extra = {} if ctx is None else dict(zip("kv", ctx))
+        x_lc = cache.layer(li, "x")
+        xc = x_lc.extra
         B, T, H, D = k.shape
         Wg = self.config.generation_window
-        if xc.kv is None or xc.kv[0].shape[0] != B or xc.kv[0].dtype != k.dtype or xc.kv[0].device != k.device:
-            xc.kv = (k.new_empty(B, H, Wg, D), v.new_empty(B, H, Wg, v.shape[-1]))
-        xc.kv[0][:, :, :T] = k.transpose(1, 2)
-        xc.kv[1][:, :, :T] = v.transpose(1, 2)
-        xc.offset = T
+        if "k" not in xc or xc["k"].shape[0] != B or xc["k"].dtype != k.dtype or xc["k"].device != k.device:
+            xc["k"] = k.new_empty(B, H, Wg, D)
+            xc["v"] = v.new_empty(B, H, Wg, v.shape[-1])
+        xc["k"][:, :, :T] = k.transpose(1, 2)
+        xc["v"][:, :, :T] = v.transpose(1, 2)
+        x_lc.offset = T
 
     def _hit(self, ids: torch.Tensor, cache: TLinFormerCache) -> torch.Tensor:
         """New tokens `ids` continuing the cached window (a cache hit): only their own work."""
@@ -409,15 +412,15 @@ class TLinFormerLM(nn.Module, CausalLM):
             mask = (m + torch.arange(T, device=ids.device))[:, None] >= torch.arange(m + T, device=ids.device)[None]
         for li, lay in enumerate(self.layers):
             q, k, v = lay.qkv(x, self.rope, N + m)
-            xc = cache.layers[li]["x"]
-            xk, xv = xc.kv
-            xk[:, :, m:m + T] = k.transpose(1, 2)
-            xv[:, :, m:m + T] = v.transpose(1, 2)
-            xc.offset = m + T
-            a = _cross(q, xk[:, :, : m + T], xv[:, :, : m + T], mask)
-            ctx = cache.layers[li]["ctx"].kv
-            if ctx is not None:
-                a = a + _cross(q, *ctx)
+            x_lc = cache.layers[li]["x"]
+            xc = x_lc.extra
+            xc["k"][:, :, m:m + T] = k.transpose(1, 2)
+            xc["v"][:, :, m:m + T] = v.transpose(1, 2)
+            x_lc.offset = m + T
+            a = _cross(q, xc["k"][:, :, : m + T], xc["v"][:, :, : m + T], mask)
+            ctx = cache.layers[li]["ctx"].extra
+            if "k" in ctx:
+                a = a + _cross(q, ctx["k"], ctx["v"])
             x = lay.finish(x, a)
         cache.x_len = m + T
         cache.hits += 1
