@@ -45,6 +45,7 @@ from torch import nn
 from ..errors import LinattnError
 from ..layers.common import ShortConv
 from ..ops import LinearAttentionState, delta_rule, linear_attention
+from ..ops._common import compute_dtype
 
 __all__ = ["kernelize", "KernelizeReport", "SERVED_CLASSES", "ATTN_IMPLEMENTATION", "torch_fallbacks"]
 
@@ -127,10 +128,6 @@ def _cu_seqlens(kwargs, T: int, device) -> Optional[torch.Tensor]:
     if int(cu[-1]) != T:
         raise LinattnError(f"cu_seq_lens_q must end at the packed length {T}, got {int(cu[-1])}")
     return cu
-
-
-def _state_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -235,7 +232,7 @@ def _delta_adapter(name: str, mode: str, replaces: str, gate: str, example: str 
         p = a.arguments
         query, s0 = p["query"], p["initial_state"]
         cu = _cu_seqlens(p["kwargs"], query.shape[1], query.device)
-        dt, sdt = query.dtype, _state_dtype(query)
+        dt, sdt = query.dtype, compute_dtype(query.dtype)
         return delta_rule(query, p["key"], p["value"].to(dt), p["beta"].to(dt), g=p["g"].to(sdt),
                           qk_l2norm="rsqrt" if p["use_qk_l2norm_in_kernel"] else False, mode=mode,
                           initial_state=None if s0 is None else s0.to(sdt),
@@ -272,7 +269,7 @@ def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=No
     if kwargs.get("z") is not None:
         raise LinattnError("mamba2_chunk_scan: z (the fused output gate) is not served; the mixers apply it in "
                            "their norm")
-    cd = _state_dtype(hidden_states)
+    cd = compute_dtype(hidden_states.dtype)
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
@@ -309,7 +306,7 @@ def _per_head(t: torch.Tensor, keep: int, name: str) -> torch.Tensor:
 def mamba2_state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None,
                         **kwargs):
     """selective_state_update: one decoded token; state [B, H, P, N] is updated in place."""
-    cd = _state_dtype(hidden_states)
+    cd = compute_dtype(hidden_states.dtype)
     Bn, H, P = hidden_states.shape
     dt = _per_head(dt, 2, "dt").to(cd)                                       # [B, H]
     if dt_bias is not None:
@@ -554,7 +551,7 @@ def _lightning_forward(self, hidden_states, position_embeddings=None, attention_
     qkv = self.act_fn(self.qkv_proj(hidden_states))
     qkv = apply_mask_to_padding_states(qkv, attention_mask)
     q, k, v = torch.split(qkv.reshape(Bn, T, H, 3 * Dh), Dh, dim=3)
-    cd = _state_dtype(q)
+    cd = compute_dtype(q.dtype)
     gamma = torch.exp(-self.slope_rate.reshape(H).to(cd))
     kv0 = cache.get_linear_cache(self.layer_idx) if cache is not None else None
     s0 = None

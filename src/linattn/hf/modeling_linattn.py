@@ -232,18 +232,9 @@ def _record_layer(layer, seq: int, window: int) -> None:
     record.record()
 
 
-def _recorded_position(layer) -> Optional[int]:
-    record = layer.__dict__.get("_linattn_record")
-    return None if record is None else record.seen_tokens
-
-
 def _position(hf_cache: HFCache) -> int:
     """The positions consumed (the longest row's tokens): what a recorded state is keyed by."""
     return int(_offsets(hf_cache).max())
-
-
-def _recording(hf_cache: HFCache) -> bool:
-    return any(getattr(layer, "record_past", False) for layer in hf_cache.layers)
 
 
 def _check_layers(hf_cache: HFCache, n_layers: int, config: LinattnConfig) -> None:
@@ -503,7 +494,7 @@ class LinattnPreTrainedModel(PreTrainedModel):
     def _run_cached(self, x: torch.Tensor, mask: Optional[torch.Tensor], hf_cache: HFCache,
                     hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
         _check_layers(hf_cache, self.config.num_hidden_layers, self.config)
-        if not _recording(hf_cache):
+        if not any(getattr(layer, "record_past", False) for layer in hf_cache.layers):
             return self._run_cached_once(x, mask, hf_cache, hidden)
         # past recording: the first tokens at once (all padding among them), the last ones one at a time, every
         # layer's slots copied after each piece, so that crop(-n) can go back n tokens
@@ -511,7 +502,8 @@ class LinattnPreTrainedModel(PreTrainedModel):
         head = T - min(T, window)
         if mask is not None and not bool(mask[:, head:].all()):
             head = int((~mask).nonzero()[:, 1].max()) + 1
-        if not _is_empty(hf_cache) and _recorded_position(hf_cache.layers[0]) != _position(hf_cache):
+        record = hf_cache.layers[0].__dict__.get("_linattn_record")
+        if not _is_empty(hf_cache) and (record is None or record.seen_tokens != _position(hf_cache)):
             for layer in hf_cache.layers:   # the state before this call (recording began after the last one)
                 _record_layer(layer, _position(hf_cache), window)
         outs, subs = [], []
