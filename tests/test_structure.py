@@ -151,3 +151,15 @@ def test_import_chains_inside_subpackages_stay_short():
 def test_longest_chain_follows_the_imports():
     graph = {"p.a": {"p.b", "q.x"}, "p.b": {"p.c"}, "p.c": set(), "p.d": {"p.c"}, "q.x": set()}
     assert _longest_chain(graph, "p") == ["p.a", "p.b", "p.c"]
+
+
+def test_no_issue_history_notes_in_the_source():
+    """What a reader needs goes to the docs page of the area; "issue N" history notes in the source go stale."""
+    import re
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src" / PKG
+    pattern = re.compile(r"\bissues? \d+", re.IGNORECASE)
+    found = [f"{p.relative_to(src)}:{i}" for p in sorted(src.rglob("*")) if p.suffix in (".py", ".c", ".h")
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    assert not found, f"history notes in the source: {found[:10]}"

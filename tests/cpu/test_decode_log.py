@@ -66,7 +66,7 @@ def _states(cache):
     """(kv, z, log_scale) of every layer (kv, z for the linear-space maps)."""
     out = []
     for d in cache.layers:
-        st = d["mixer"]["state"]
+        st = d["mixer"].state
         out += [st.kv, st.z] + ([st.log_scale] if st.log_scale is not None else [])
     return out
 

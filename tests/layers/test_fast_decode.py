@@ -360,6 +360,6 @@ def test_fast_step_state_lives_in_the_typed_cache_field(name, compiled):
     with torch.no_grad():
         for _ in range(3):
             layer(torch.randn(1, 1, 32), cache=cache)
-    assert set(vars(cache)) == {"fast"} and isinstance(cache.fast, FastDecodeState)
+    assert set(vars(cache)) == set(vars(LayerCache())) and isinstance(cache.fast, FastDecodeState)   # no more
     assert all(a is cache[k] for a, k in zip(cache.fast.conv_views, ("conv_q", "conv_k", "conv_v")))
     assert (cache.fast.linear_of is cache["state"]) == name.startswith("linear")

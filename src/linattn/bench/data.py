@@ -6,7 +6,7 @@ resident set, `ru_maxrss`, is the preparation's own plus the interpreter and its
 separately as the baseline), twice: cold (empty cache: every phase runs) and warm (the cache of the
 cold run is found). The text is generated from a fixed seed: --text words (lines of words drawn
 from a Zipf-distributed synthetic vocabulary, punctuation, numbers) or long-lines (lines of 1 MB of
-A/C/G/T without spaces, the case of issue 19 point 2); --data uses an existing file or folder
+A/C/G/T without spaces: no line breaks to split at); --data uses an existing file or folder
 instead. "ratio" is (peak - baseline) / bytes of the token array, the target being <= 2 (the
 tokenizer library's word counts are part of the constant).
 """

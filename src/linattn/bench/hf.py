@@ -9,7 +9,7 @@ x 128, 32 value heads x 128, conv 4); kda = a Kimi-Linear-like KDA layer (KimiLi
 The MLP (intermediate 2 x hidden), the embeddings and the head (vocab --vocab-size) are the same on both sides.
 gdn and kda models have a second layer, a minimal softmax one (1 head x 16; transformers 5.24 cannot build the
 causal mask of a cached model without any attention layer), the same on both sides too.
-Targets (issue 35.4): prefill >= 2x faster at T = 2048 and 8192, a training step >= 3x at 2048, decode not
+Targets: prefill >= 2x faster at T = 2048 and 8192, a training step >= 3x at 2048, decode not
 slower, prefill peak memory at T = 8192 <= 0.5x the unpatched model's; the table says which are met.
 --quick: tiny sizes (hidden 64), for the tests.
 """

@@ -7,7 +7,7 @@
 2. `/health` latency while --streams requests generate at once (the target: under 100 ms): the requests stream
    --load-tokens tokens each; /health is asked --health-samples times, 20 ms apart, once all of them generate.
 
-3. `batch` (issue 48): aggregate decode tokens/s of --batch-clients (8) concurrent requests (--prompt-tokens
+3. `batch`: aggregate decode tokens/s of --batch-clients (8) concurrent requests (--prompt-tokens
    random prompt tokens, --tokens generated each) against one request alone through the same server (target >= 4).
 4. `prefix`: time to first token of a --prefix-tokens (2000) prefix plus 32 new tokens, cold against a prefix-cache
    hit, --rounds fresh prefixes (target: the hit >= 10x faster).

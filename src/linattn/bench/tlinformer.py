@@ -153,8 +153,7 @@ def synthetic_kv_cache(model, N: int, room: int, device):
         kv.append(k, v)
         del k, v
         lc = cache.layer(i, "mixer")
-        lc["kv"] = kv
-        lc["offset"] = N
+        lc.kv, lc.offset = kv, N
     cache.seen_tokens = N
     return cache
 

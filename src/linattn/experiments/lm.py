@@ -13,7 +13,7 @@ head), differing only in the token mixer (and the memory lobe):
     ela-lobe-bidir     ELA-GPT (Hadamard Exp) + the paper's bidirectional memory lobe: position t
                        sees later tokens, so its loss is not a language model's (a leak, flagged
                        by the causality audit `linattn.audit.check_causality`)
-    comba ... path     the rest of the family (issues 11, 12), with their layers' defaults
+    comba ... path     the rest of the family, with their layers' defaults
 
 Every model trains on the same batches (same seed, same number of tokens) with `linattn.training`
 (AdamW, warmup then cosine, gradient clipping), validation loss/perplexity on the same held-out
@@ -109,7 +109,7 @@ MODELS: Dict[str, Model] = {
     "ela-lobe-bidir": Model("ELA-GPT + lobe (bidirectional, leaks)",
                             ela_gpt(mixer="ela-hadamard_exp", memory_lobe="bidirectional", allow_future_leak=True),
                             "C5"),
-    # issue 11: the delta-rule variants and the test-time regression / training mixers (4 heads of 32)
+    # the delta-rule variants and the test-time regression / training mixers (4 heads of 32)
     "comba": Model("Comba", ela_gpt(mixer="comba"), "C6"),
     "delta-product": Model("DeltaProduct (n=2)", ela_gpt(mixer="delta-product"), "C7"),
     "kda": Model("KDA", ela_gpt(mixer="kda"), "C8"),
@@ -117,7 +117,7 @@ MODELS: Dict[str, Model] = {
     "ttt-linear": Model("TTT-Linear", ela_gpt(mixer="ttt-linear"), "saddlebrown"),   # C8 is olive already
     "ttt-mlp": Model("TTT-MLP", ela_gpt(mixer="ttt-mlp"), "navy"),
     "titans": Model("Titans", ela_gpt(mixer="titans"), "teal"),
-    # issue 12: softmax attention fed back by linear attention (4 heads of 32)
+    # softmax attention fed back by linear attention (4 heads of 32)
     "fox": Model("FoX", ela_gpt(mixer="fox"), "magenta"),
     "deltaformer": Model("DeltaFormer", ela_gpt(mixer="deltaformer"), "goldenrod"),
     "path": Model("PaTH", ela_gpt(mixer="path"), "lime"),

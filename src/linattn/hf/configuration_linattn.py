@@ -30,31 +30,29 @@ from ..models.registry import mixer_config_kwargs, mixer_spec
 STATE_SLOTS = 32
 
 
-def layer_types_of(lm: LMConfig) -> List[str]:
-    """The transformers cache-layer type of every block of `lm` (module docstring)."""
-    types = []
+_NO_KV = object()
+
+
+def _windows(lm: LMConfig) -> list:
+    """Per block: its softmax mixer's window (None: every key), or `_NO_KV` for a mixer that keeps no keys/values."""
+    out = []
     for i, name in enumerate(lm.mixer_list()):
         spec = mixer_spec(name)
-        if isinstance(spec.cls, type) and issubclass(spec.cls, SoftmaxAttention):
-            window = mixer_config_kwargs(name, lm, i).get("window", spec.defaults.get("window"))
-            types.append("hybrid" if window is None else "hybrid_sliding")
-        else:
-            types.append("linear_attention")
-    return types
+        kv = isinstance(spec.cls, type) and issubclass(spec.cls, SoftmaxAttention)
+        out.append(mixer_config_kwargs(name, lm, i).get("window", spec.defaults.get("window")) if kv else _NO_KV)
+    return out
+
+
+def layer_types_of(lm: LMConfig) -> List[str]:
+    """The transformers cache-layer type of every block of `lm` (module docstring)."""
+    return ["linear_attention" if w is _NO_KV else "hybrid" if w is None else "hybrid_sliding" for w in _windows(lm)]
 
 
 def sliding_window_of(lm: LMConfig) -> Optional[int]:
-    """The window of the sliding softmax layers (transformers keeps one `sliding_window` per config)."""
-    windows = set()
-    for i, name in enumerate(lm.mixer_list()):
-        spec = mixer_spec(name)
-        if isinstance(spec.cls, type) and issubclass(spec.cls, SoftmaxAttention):
-            w = mixer_config_kwargs(name, lm, i).get("window", spec.defaults.get("window"))
-            if w is not None:
-                windows.add(int(w))
-    if len(windows) > 1:  # different windows per layer: keep every key, the layers mask them
-        return None
-    return windows.pop() if windows else None
+    """The window of the sliding softmax layers (transformers keeps one `sliding_window` per config; different
+    windows per layer: None, every key kept, the layers mask them)."""
+    windows = {int(w) for w in _windows(lm) if w is not _NO_KV and w is not None}
+    return windows.pop() if len(windows) == 1 else None
 
 
 class LinattnConfig(PreTrainedConfig):

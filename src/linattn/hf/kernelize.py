@@ -45,6 +45,7 @@ from torch import nn
 from ..errors import LinattnError
 from ..layers.common import ShortConv
 from ..ops import LinearAttentionState, delta_rule, linear_attention
+from ..ops._common import compute_dtype
 
 __all__ = ["kernelize", "KernelizeReport", "SERVED_CLASSES", "ATTN_IMPLEMENTATION", "torch_fallbacks"]
 
@@ -120,18 +121,13 @@ def _cu_seqlens(kwargs, T: int, device) -> Optional[torch.Tensor]:
         cu = kwargs.get("cu_seq_lens_q")
     if cu is None and kwargs.get("seq_idx") is not None:
         seq_idx = kwargs["seq_idx"].reshape(-1)          # mamba_ssm's convention: document index per token
-        starts = torch.nonzero(torch.diff(seq_idx) != 0).reshape(-1) + 1
-        cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), seq_idx.numel())])
+        cu = _cu_of_starts(torch.diff(seq_idx) != 0, seq_idx.numel())
     if cu is None:
         return None
     cu = cu.to(device=device, dtype=torch.int64)
     if int(cu[-1]) != T:
         raise LinattnError(f"cu_seq_lens_q must end at the packed length {T}, got {int(cu[-1])}")
     return cu
-
-
-def _state_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -153,10 +149,6 @@ class _BorrowedConv:
     __call__ = forward
 
 
-def _conv_module(weight: torch.Tensor, bias, activation) -> _BorrowedConv:
-    return _BorrowedConv(weight, bias, activation)
-
-
 def _act_rest(y: torch.Tensor, activation) -> torch.Tensor:
     if activation is None or activation in ("silu", "swish"):
         return y
@@ -168,7 +160,7 @@ def conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
     """causal_conv1d_fn: x [B, C, T] -> [B, C, T], documents kept apart with cu_seq_lens_q."""
     B, C, T = hidden_states.shape
     cu = _cu_seqlens(kwargs, T, hidden_states.device)
-    conv = _conv_module(weight, bias, activation)
+    conv = _BorrowedConv(weight, bias, activation)
     x = hidden_states.to(weight.dtype).transpose(1, 2)
     y, _ = conv(x, None, cu)
     return _act_rest(y.transpose(1, 2), activation).to(hidden_states.dtype)
@@ -177,7 +169,7 @@ def conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
 def conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):
     """causal_conv1d_update: the decode step; conv_state [B, C, W] is updated in place (transformers' layout)."""
     B, C, T = hidden_states.shape
-    conv = _conv_module(weight, bias, activation)
+    conv = _BorrowedConv(weight, bias, activation)
     W = weight.shape[-1]
     # linattn's ShortConv continues from the last W - 1 inputs (transformers' conv_state may hold more)
     y, _ = conv(hidden_states.to(weight.dtype).transpose(1, 2), conv_state[..., conv_state.shape[-1] - (W - 1):],
@@ -240,7 +232,7 @@ def _delta_adapter(name: str, mode: str, replaces: str, gate: str, example: str 
         p = a.arguments
         query, s0 = p["query"], p["initial_state"]
         cu = _cu_seqlens(p["kwargs"], query.shape[1], query.device)
-        dt, sdt = query.dtype, _state_dtype(query)
+        dt, sdt = query.dtype, compute_dtype(query.dtype)
         return delta_rule(query, p["key"], p["value"].to(dt), p["beta"].to(dt), g=p["g"].to(sdt),
                           qk_l2norm="rsqrt" if p["use_qk_l2norm_in_kernel"] else False, mode=mode,
                           initial_state=None if s0 is None else s0.to(sdt),
@@ -277,7 +269,7 @@ def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=No
     if kwargs.get("z") is not None:
         raise LinattnError("mamba2_chunk_scan: z (the fused output gate) is not served; the mixers apply it in "
                            "their norm")
-    cd = _state_dtype(hidden_states)
+    cd = compute_dtype(hidden_states.dtype)
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
@@ -314,7 +306,7 @@ def _per_head(t: torch.Tensor, keep: int, name: str) -> torch.Tensor:
 def mamba2_state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None,
                         **kwargs):
     """selective_state_update: one decoded token; state [B, H, P, N] is updated in place."""
-    cd = _state_dtype(hidden_states)
+    cd = compute_dtype(hidden_states.dtype)
     Bn, H, P = hidden_states.shape
     dt = _per_head(dt, 2, "dt").to(cd)                                       # [B, H]
     if dt_bias is not None:
@@ -559,7 +551,7 @@ def _lightning_forward(self, hidden_states, position_embeddings=None, attention_
     qkv = self.act_fn(self.qkv_proj(hidden_states))
     qkv = apply_mask_to_padding_states(qkv, attention_mask)
     q, k, v = torch.split(qkv.reshape(Bn, T, H, 3 * Dh), Dh, dim=3)
-    cd = _state_dtype(q)
+    cd = compute_dtype(q.dtype)
     gamma = torch.exp(-self.slope_rate.reshape(H).to(cd))
     kv0 = cache.get_linear_cache(self.layer_idx) if cache is not None else None
     s0 = None
@@ -624,11 +616,14 @@ def _packed_cu(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
                                f"DataCollatorWithFlattening makes them; got position_ids of shape "
                                f"{tuple(position_ids.shape)}")
         return None
-    starts = torch.nonzero(torch.diff(pos[0]) != 1).reshape(-1) + 1
-    if starts.numel() == 0:
-        return None
-    T = pos.shape[1]
-    return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), T)]).to(torch.int32)
+    restart = torch.diff(pos[0]) != 1
+    return _cu_of_starts(restart, pos.shape[1]).to(torch.int32) if bool(restart.any()) else None
+
+
+def _cu_of_starts(new_doc: torch.Tensor, T: int) -> torch.Tensor:
+    """cu_seqlens of T tokens from `new_doc` [T - 1] (whether token t + 1 starts a document)."""
+    starts = torch.nonzero(new_doc).reshape(-1) + 1
+    return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), T)])
 
 
 def _arg(module: nn.Module, args: tuple, kwargs: dict, name: str):
@@ -781,11 +776,8 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
         raise LinattnError(f"kernelize: {len(report.unserved)} module(s) cannot be served by linattn ({lines}); "
                            f"pass skip_unserved=True to serve the rest and leave these on transformers' code")
     for name, mod, _modeling, kind in plan:
-        if getattr(mod, "_linattn_kernelized", False):
-            report.patched.append(name)
-            report.kinds[name] = kind
-            continue
-        _serve(mod, kind)
+        if not getattr(mod, "_linattn_kernelized", False):
+            _serve(mod, kind)
         report.patched.append(name)
         report.kinds[name] = kind
     if plan:

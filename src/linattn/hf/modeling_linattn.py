@@ -9,9 +9,9 @@ checkpointing (`gradient_checkpointing_func`, `every_n_layers`).
 Decoding state lives in transformers' own cache: `DynamicCache(config=...)` builds one layer per
 block from `config.layer_types` (see `configuration_linattn`): `LinearAttentionLayer` for linear and
 delta-rule mixers, `LinearAttentionAndFullAttentionLayer` (or its sliding-window twin) for softmax
-mixers. Every tensor of a block's linattn `LayerCache` gets a numbered state slot of that layer:
-short-convolution states (`conv_q`, `conv_k`, `conv_v`) go through `update_conv_state`, recurrent
-states (a delta-rule state, or the fields of a `LinearAttentionState`) through
+mixers. Every tensor of a block's linattn `LayerCache` (the leaves of its fields, `flatten_state`) gets a
+numbered state slot of that layer: the convolution windows (`conv`) go through `update_conv_state`, the rest
+(a delta-rule state, the fields of a `LinearAttentionState`, a token shift) through
 `update_recurrent_state`, and a softmax mixer's keys/values through the layer's own `update`. The
 tokens each row has consumed are one more slot of layer 0. So `reorder_cache` (beam search),
 `reset` and `batch_select_indices` of transformers act on all of it.
@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import (
@@ -55,7 +56,7 @@ from transformers.modeling_outputs import (
 )
 
 from ..errors import ConfigError, LinattnError, UsageError
-from ..layers.cache import Cache, KVCache, LayerCache
+from ..layers.cache import Cache, KVCache, LayerCache, flatten_state, per_row_ints
 from ..models.lm import LanguageModel, check_token_ids
 from .configuration_linattn import STATE_SLOTS, LinattnConfig, layer_types_of
 
@@ -82,79 +83,12 @@ class _HFKV:
 
 
 def _slots(layer) -> Dict[Tuple[str, str], Any]:
-    """{(module, key): where the value lives} of a transformers cache layer (kept on the layer)."""
+    """{(module, field): (structure, leaf slots)} of a transformers cache layer (kept on the layer): where the
+    leaves of one LayerCache field (`flatten_state`) live, each ("conv" | "rec", slot index) or ("ints", slot
+    index, tuple / list) for a per-row int tuple, kept as an int64 tensor [B] (so that beam search reorders it)."""
     if not hasattr(layer, "_linattn_slots"):
         layer._linattn_slots = {}
     return layer._linattn_slots
-
-
-def _free_slot(slots: Dict, need: int = 1) -> int:
-    used = [i for spec in slots.values() for i in _spec_indices(spec)]
-    n = max(used) + 1 if used else 0
-    if n + need > STATE_SLOTS:
-        raise LinattnError(f"a block keeps more than {STATE_SLOTS} state tensors; raise STATE_SLOTS in "
-                           f"linattn.hf.configuration_linattn")
-    return n
-
-
-# A slot spec: ("conv", i) | ("rec", i) for a tensor; ("tree", node) for a tuple / NamedTuple / list of
-# tensors, None and such containers, node = ("t", i) | ("none",) | ("seq", type, [nodes]) |
-# ("ints", i, type): a tuple of Python ints is one int per row, kept as an int64 tensor [B] (so that
-# beam search reorders it with the rest).
-
-
-def _is_ints(value) -> bool:
-    return isinstance(value, (tuple, list)) and len(value) > 0 and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value)
-
-def _spec_indices(spec) -> List[int]:
-    if spec[0] in ("conv", "rec"):
-        return [spec[1]]
-    out: List[int] = []
-
-    def walk(node):
-        if node[0] in ("t", "ints"):
-            out.append(node[1])
-        elif node[0] == "seq":
-            for child in node[2]:
-                walk(child)
-    walk(spec[1])
-    return out
-
-
-def _tree_spec(value, module: str, key: str, counter: List[int]):
-    if value is None:
-        return ("none",)
-    if isinstance(value, torch.Tensor):
-        counter[0] += 1
-        return ("t", counter[0] - 1)
-    if _is_ints(value):
-        counter[0] += 1
-        return ("ints", counter[0] - 1, type(value))
-    if isinstance(value, (tuple, list)):
-        return ("seq", type(value), [_tree_spec(v, module, key, counter) for v in value])
-    raise LinattnError(f"cannot keep {module}.{key} (holding a {type(value).__name__}) in a transformers cache")
-
-
-def _tree_leaves(value, node) -> List[Tuple[int, torch.Tensor]]:
-    if node[0] == "t":
-        return [(node[1], value)]
-    if node[0] == "ints":
-        return [(node[1], torch.tensor(list(value), dtype=torch.int64))]
-    if node[0] == "seq":
-        return [leaf for v, child in zip(value, node[2]) for leaf in _tree_leaves(v, child)]
-    return []
-
-
-def _tree_build(layer, node):
-    if node[0] == "t":
-        return layer.recurrent_states[node[1]]
-    if node[0] == "ints":
-        return node[2](int(v) for v in layer.recurrent_states[node[1]].tolist())
-    if node[0] == "none":
-        return None
-    cls, items = node[1], [_tree_build(layer, child) for child in node[2]]
-    return cls(*items) if hasattr(cls, "_fields") else cls(items)
 
 
 def _put_tensor(layer, kind: str, idx: int, t: torch.Tensor) -> None:
@@ -172,52 +106,50 @@ def _put_tensor(layer, kind: str, idx: int, t: torch.Tensor) -> None:
         layer.device, layer.dtype = t.device, t.dtype
 
 
-def _put(layer, module: str, key: str, value) -> None:
-    """Store one LayerCache entry in a transformers cache layer (allocating its slots once)."""
+def _put(layer, module: str, field: str, value) -> None:
+    """Store one LayerCache field in a transformers cache layer (allocating its slots once): convolution windows
+    through `update_conv_state`, the rest through the recurrent-state slots."""
     slots = _slots(layer)
-    spec = slots.get((module, key))
-    if isinstance(value, torch.Tensor):
-        if spec is None:
-            kind = "conv" if key.startswith("conv") and value.dim() == 3 else "rec"
-            spec = slots[(module, key)] = (kind, _free_slot(slots))
-        _put_tensor(layer, spec[0], spec[1], value)
-        return
-    if spec is None:
-        counter = [0]
-        node = _tree_spec(value, module, key, counter)
-        start = _free_slot(slots, counter[0])
-        spec = slots[(module, key)] = ("tree", _shift(node, start))
-    for idx, t in _tree_leaves(value, spec[1]):
-        _put_tensor(layer, "rec", idx, t)
+    leaves, spec = flatten_state(value)
+    if (module, field) not in slots:
+        bad = next((t for t in leaves if not (t is None or isinstance(t, torch.Tensor) or per_row_ints(t))), None)
+        if bad is not None:
+            raise LinattnError(f"cannot keep {module}.{field} (holding a {type(bad).__name__}) in a transformers cache")
+        n = 1 + max((p[1] for _, places in slots.values() for p in places if p[0] != "none"), default=-1)
+        places = []
+        for t in leaves:
+            places.append(("none",) if t is None else ("ints", n, type(t)) if per_row_ints(t) else
+                          ("conv" if field == "conv" and t.dim() == 3 else "rec", n))
+            n += t is not None
+        if n > STATE_SLOTS:
+            raise LinattnError(f"a block keeps more than {STATE_SLOTS} state tensors; raise STATE_SLOTS in "
+                               f"linattn.hf.configuration_linattn")
+        slots[(module, field)] = (spec, places)
+    for place, t in zip(slots[(module, field)][1], leaves):
+        if place[0] != "none":
+            t = torch.tensor(list(t), dtype=torch.int64) if place[0] == "ints" else t
+            _put_tensor(layer, "conv" if place[0] == "conv" else "rec", place[1], t)
 
 
-def _shift(node, start: int):
-    if node[0] in ("t", "ints"):
-        return (node[0], node[1] + start) + tuple(node[2:])
-    if node[0] == "seq":
-        return ("seq", node[1], [_shift(child, start) for child in node[2]])
-    return node
+def _get(layer, spec, places):
+    leaves = [None if p[0] == "none" else layer.conv_states[p[1]] if p[0] == "conv" else
+              layer.recurrent_states[p[1]] for p in places]
+    leaves = [p[2](int(v) for v in t.tolist()) if p[0] == "ints" else t for p, t in zip(places, leaves)]
+    return pytree.tree_unflatten(leaves, spec)
 
 
-def _get(layer, spec):
-    if spec[0] == "conv":
-        return layer.conv_states[spec[1]]
-    if spec[0] == "rec":
-        return layer.recurrent_states[spec[1]]
-    return _tree_build(layer, spec[1])
+def _offsets_slot(hf_cache: HFCache) -> Optional[int]:
+    found = _slots(hf_cache.layers[0]).get(_OFFSETS) if len(hf_cache.layers) else None
+    return None if found is None else found[1][0][1]
 
 
 def _is_empty(hf_cache: HFCache) -> bool:
-    if len(hf_cache.layers) == 0:
-        return True
-    layer = hf_cache.layers[0]
-    spec = _slots(layer).get(_OFFSETS)
-    return spec is None or not layer.has_previous_state[spec[1]]
+    idx = _offsets_slot(hf_cache)
+    return idx is None or not hf_cache.layers[0].has_previous_state[idx]
 
 
 def _offsets(hf_cache: HFCache) -> torch.Tensor:
-    layer = hf_cache.layers[0]
-    return layer.recurrent_states[_slots(layer)[_OFFSETS][1]]
+    return hf_cache.layers[0].recurrent_states[_offsets_slot(hf_cache)]
 
 
 # --------------------------------------------------------------------------- past recording (rollback)
@@ -261,7 +193,7 @@ class _RollbackLayer:
                 record.crop(int(tokens_to_remove))   # linattn's own rollback: the slots recorded n tokens back
             except UsageError as e:
                 raise UsageError(f"{e}; raise the model's past_recording_window") from None
-            for name, slots in record.layers[0].items():
+            for name, slots in record.layers[0]["layer"].state.items():
                 setattr(self, name, dict(slots))
         if isinstance(self, DynamicSlidingWindowLayer):
             DynamicSlidingWindowLayer.crop(self, tokens_to_remove)
@@ -295,23 +227,14 @@ def _record_layer(layer, seq: int, window: int) -> None:
     if record is None:
         record = layer._linattn_record = Cache(1)   # no record of the empty state: crop starts where recording did
     record.rollback = window
-    record.layers = [{name: LayerCache(getattr(layer, name)) for name in _LAYER_STATE}]
+    record.layers = [{"layer": LayerCache(state={name: dict(getattr(layer, name)) for name in _LAYER_STATE})}]
     record.seen_tokens = seq
     record.record()
-
-
-def _recorded_position(layer) -> Optional[int]:
-    record = layer.__dict__.get("_linattn_record")
-    return None if record is None else record.seen_tokens
 
 
 def _position(hf_cache: HFCache) -> int:
     """The positions consumed (the longest row's tokens): what a recorded state is keyed by."""
     return int(_offsets(hf_cache).max())
-
-
-def _recording(hf_cache: HFCache) -> bool:
-    return any(getattr(layer, "record_past", False) for layer in hf_cache.layers)
 
 
 def _check_layers(hf_cache: HFCache, n_layers: int, config: LinattnConfig) -> None:
@@ -333,13 +256,13 @@ def _to_linattn(hf_cache: HFCache, n_layers: int, keeps_kv: List[bool]) -> Cache
     offsets = _offsets(hf_cache)
     cache = Cache(n_layers)
     for i, layer in enumerate(hf_cache.layers):
-        for (module, key), spec in _slots(layer).items():
+        for (module, field), (spec, places) in _slots(layer).items():
             if module:
-                cache.layer(i, module)[key] = _get(layer, spec)
+                setattr(cache.layer(i, module), field, _get(layer, spec, places))
         if keeps_kv[i]:
-            cache.layer(i, "mixer")["kv"] = _HFKV(layer)
+            cache.layer(i, "mixer").kv = _HFKV(layer)
         for lc in cache.layers[i].values():
-            lc["offset"] = offsets
+            lc.offset = offsets
     return cache
 
 
@@ -348,18 +271,17 @@ def _from_linattn(cache: Cache, hf_cache: HFCache, offsets: torch.Tensor, T: int
     new offsets; with count_positions, T zero-width keys into layer 0 (configuration_linattn)."""
     for i, (modules, layer) in enumerate(zip(cache.layers, hf_cache.layers)):
         for module, lc in modules.items():
-            for key, value in lc.items():
-                if key == "offset" or value is None or isinstance(value, _HFKV):
-                    continue
-                if isinstance(value, KVCache):
-                    if not isinstance(layer, DynamicLayer):
-                        raise LinattnError(f"block {i} keeps keys/values but its transformers cache layer "
-                                           f"({type(layer).__name__}) has none; config.layer_types is wrong")
-                    if value.length:
-                        layer.update(value.k[:, :value.length].transpose(1, 2).contiguous(),
-                                     value.v[:, :value.length].transpose(1, 2).contiguous())
-                    continue
-                _put(layer, module, key, value)
+            kv = lc.kv
+            if isinstance(kv, KVCache):
+                if not isinstance(layer, DynamicLayer):
+                    raise LinattnError(f"block {i} keeps keys/values but its transformers cache layer "
+                                       f"({type(layer).__name__}) has none; config.layer_types is wrong")
+                if kv.length:
+                    layer.update(kv.k[:, :kv.length].transpose(1, 2).contiguous(),
+                                 kv.v[:, :kv.length].transpose(1, 2).contiguous())
+            for field in ("state", "conv", "shift", "extra"):   # (the offsets: one slot of layer 0, below)
+                if any(t is not None for t in flatten_state(getattr(lc, field))[0]):
+                    _put(layer, module, field, getattr(lc, field))
     _put(hf_cache.layers[0], *_OFFSETS, offsets)
     if count_positions:
         marker = offsets.new_zeros((offsets.shape[0], 1, T, 0), dtype=torch.float32)
@@ -422,6 +344,14 @@ def _padding_mask(attention_mask, B: int, T: int, device) -> Optional[torch.Tens
     return None if bool(mask.all()) else mask
 
 
+def _real_rows(x: torch.Tensor, mask: torch.Tensor) -> List[torch.Tensor]:
+    """Each row's real (not padding) positions of x [B, T, d]."""
+    rows = [x[b][mask[b]] for b in range(x.shape[0])]
+    if any(r.shape[0] == 0 for r in rows):
+        raise LinattnError("every row needs at least one token that is not padding (attention_mask 1)")
+    return rows
+
+
 def _scatter(parts: List[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     """Per-row outputs over the real tokens -> [B, T, d] with zeros at padding."""
     first = parts[0]
@@ -456,6 +386,12 @@ class LinattnPreTrainedModel(PreTrainedModel):
 
     def _stack(self):
         raise NotImplementedError
+
+    def get_input_embeddings(self):
+        return self._stack().embed
+
+    def set_input_embeddings(self, value):
+        self._stack().embed = value
 
     def _init_weights(self, module):
         """linattn initialises its own weights (`LanguageModel`); loading replaces them. A task head that a
@@ -534,9 +470,7 @@ class LinattnPreTrainedModel(PreTrainedModel):
     def _run_padded(self, x: torch.Tensor, mask: torch.Tensor, hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
         """A padded batch without a cache: the real positions of all rows packed in one row with cu_seqlens
         (one call), or row by row if a mixer cannot pack; zeros at padding (also in `hidden`)."""
-        rows = [x[b][mask[b]] for b in range(x.shape[0])]
-        if any(r.shape[0] == 0 for r in rows):
-            raise LinattnError("every row needs at least one token that is not padding (attention_mask 1)")
+        rows = _real_rows(x, mask)
         lens = [r.shape[0] for r in rows]
         if all(getattr(b, "mixer_packs", False) for b in self._stack().blocks):
             cu = torch.tensor([0] + lens, device=x.device).cumsum(0)
@@ -545,8 +479,14 @@ class LinattnPreTrainedModel(PreTrainedModel):
             if hidden is not None:
                 hidden.extend(_scatter([h[0]], mask) for h in sub)
             return _scatter([out[0]], mask)
+        return self._run_rows(rows, mask, [None] * len(rows), hidden)
+
+    def _run_rows(self, rows: List[torch.Tensor], mask: torch.Tensor, caches: List[Optional[Cache]],
+                  hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
+        """Each row's real tokens alone (with its own cache of `caches`), scattered back to [B, T, d] with zeros at
+        padding (also in `hidden`)."""
         subs = [[] if hidden is not None else None for _ in rows]
-        outs = [self._run_blocks(r[None], None, None, s)[0] for r, s in zip(rows, subs)]
+        outs = [self._run_blocks(r[None], c, None, s)[0] for r, c, s in zip(rows, caches, subs)]
         if hidden is not None:
             hidden.extend(_scatter([s[j][0] for s in subs], mask) for j in range(len(subs[0])))
         return _scatter(outs, mask)
@@ -554,7 +494,7 @@ class LinattnPreTrainedModel(PreTrainedModel):
     def _run_cached(self, x: torch.Tensor, mask: Optional[torch.Tensor], hf_cache: HFCache,
                     hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
         _check_layers(hf_cache, self.config.num_hidden_layers, self.config)
-        if not _recording(hf_cache):
+        if not any(getattr(layer, "record_past", False) for layer in hf_cache.layers):
             return self._run_cached_once(x, mask, hf_cache, hidden)
         # past recording: the first tokens at once (all padding among them), the last ones one at a time, every
         # layer's slots copied after each piece, so that crop(-n) can go back n tokens
@@ -562,7 +502,8 @@ class LinattnPreTrainedModel(PreTrainedModel):
         head = T - min(T, window)
         if mask is not None and not bool(mask[:, head:].all()):
             head = int((~mask).nonzero()[:, 1].max()) + 1
-        if not _is_empty(hf_cache) and _recorded_position(hf_cache.layers[0]) != _position(hf_cache):
+        record = hf_cache.layers[0].__dict__.get("_linattn_record")
+        if not _is_empty(hf_cache) and (record is None or record.seen_tokens != _position(hf_cache)):
             for layer in hf_cache.layers:   # the state before this call (recording began after the last one)
                 _record_layer(layer, _position(hf_cache), window)
         outs, subs = [], []
@@ -588,16 +529,9 @@ class LinattnPreTrainedModel(PreTrainedModel):
                 out = self._run_blocks(x, cache, None, hidden)
                 lengths = torch.full((B,), T, dtype=torch.long, device=x.device)
             else:
-                rows = [x[b][mask[b]] for b in range(B)]
-                if any(r.shape[0] == 0 for r in rows):
-                    raise LinattnError("every row needs at least one token that is not padding (attention_mask 1)")
-                caches = [lm.new_cache() for _ in rows]
-                subs = [[] if hidden is not None else None for _ in rows]
-                outs = [self._run_blocks(r[None], c, None, s)[0] for r, c, s in zip(rows, caches, subs)]
+                caches = [lm.new_cache() for _ in range(B)]
+                out = self._run_rows(_real_rows(x, mask), mask, caches, hidden)
                 cache = _merge_rows(caches)
-                if hidden is not None:
-                    hidden.extend(_scatter([s[j][0] for s in subs], mask) for j in range(len(subs[0])))
-                out = _scatter(outs, mask)
                 lengths = mask.sum(1).long()
             _from_linattn(cache, hf_cache, lengths, T, not self._keeps_kv[0])
             return out
@@ -680,12 +614,6 @@ class LinattnModel(LinattnPreTrainedModel):
         lm = self._blocks_runner
         lm.blocks = self.blocks   # the stack's blocks, also after someone replaced them
         return lm
-
-    def get_input_embeddings(self):
-        return self.embed
-
-    def set_input_embeddings(self, value):
-        self.embed = value
 
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[HFCache] = None, inputs_embeds: Optional[torch.Tensor] = None,
@@ -780,12 +708,6 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         return self.model
 
     # -- transformers' accessors ----------------------------------------------------------------
-    def get_input_embeddings(self):
-        return self.model.embed
-
-    def set_input_embeddings(self, value):
-        self.model.embed = value
-
     def get_output_embeddings(self):
         return self.model.lm_head   # None when tied: the head is the embedding itself (resized with it)
 
@@ -890,12 +812,6 @@ class LinattnForSequenceClassification(LinattnPreTrainedModel):
 
     def _stack(self):
         return self.model
-
-    def get_input_embeddings(self):
-        return self.model.embed
-
-    def set_input_embeddings(self, value):
-        self.model.embed = value
 
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[HFCache] = None, inputs_embeds: Optional[torch.Tensor] = None,

@@ -217,7 +217,7 @@ class AttentionBase(nn.Module):
         q, k, v = self._qkv(x, cache, cu_seqlens)
         o = self._mix(q, k, v, x, cache, cu_seqlens=cu_seqlens)
         if cache is not None:
-            cache["offset"] = cache.offset + x.shape[1]
+            cache.offset = cache.offset + x.shape[1]
         return self._out(o, x)
 
     def extra_repr(self) -> str:

@@ -1,11 +1,15 @@
 """Decoding caches.
 
-* `LayerCache`: the state of one module (a dict: recurrent state, conv states, KV cache, position
-  offset). A layer called with `cache=LayerCache()` reads its state from it and writes the new
-  one back, so prefill (many tokens) and decoding (one token at a time) just reuse the object.
+* `LayerCache`: the state of one module, in declared fields (recurrent state, convolution windows, token
+  shift, keys/values, position offset). A layer called with `cache=LayerCache()` reads its state from it and
+  writes the new one back, so prefill (many tokens) and decoding (one token at a time) just reuse the object.
 * `KVCache`: the growing key/value store of softmax attention, preallocated in chunks so that
   appending a token is an in-place copy (optionally trimmed to a sliding window).
 * `Cache`: the whole model's cache, one `LayerCache` per (block, module).
+
+Every operation over states (copy, record, reorder, row selection and merging, sizes, the transformers
+bridge of linattn.hf) is one walk with torch's pytree utilities (`map_state`, `flatten_state`): `LayerCache`
+is a registered node, tensors, `KVCache` and tuples of per-row Python ints (`per_row_ints`) are leaves.
 
 `nbytes()` counts every tensor held (for the KV cache: the allocated capacity). Linear mixers
 hold a constant-size state, so their `nbytes()` does not depend on the number of tokens seen.
@@ -27,12 +31,33 @@ Serving schedules (docs/states.md):
 """
 from __future__ import annotations
 
+import sys
+import warnings
+from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 
 from ..errors import LinattnError, LinattnTypeError, UsageError
+
+
+def per_row_ints(value: Any) -> bool:
+    """A plain tuple / list of Python ints: one int per batch row (TTT's position in its mini-batch), one leaf."""
+    return isinstance(value, (tuple, list)) and not hasattr(value, "_fields") and bool(value) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def map_state(fn: Callable[..., Any], tree: Any, *rests: Any) -> Any:
+    """`tree` (and `rests`, of the same structure) with every leaf replaced by fn(leaf, *rest_leaves): torch's
+    `tree_map` with a tuple of per-row ints as one leaf (None is a leaf too)."""
+    return pytree.tree_map(fn, tree, *rests, is_leaf=per_row_ints)
+
+
+def flatten_state(tree: Any) -> Tuple[List[Any], pytree.TreeSpec]:
+    """(leaves, structure) of a state, as `map_state` sees it; `pytree.tree_unflatten` rebuilds it."""
+    return pytree.tree_flatten(tree, is_leaf=per_row_ints)
 
 
 def tensor_nbytes(obj: Any) -> int:
@@ -44,25 +69,17 @@ def tensor_nbytes(obj: Any) -> int:
     Returns:
         The total size in bytes.
     """
-    if obj is None:
-        return 0
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if hasattr(obj, "nbytes") and callable(obj.nbytes):
-        return int(obj.nbytes())
-    if isinstance(obj, dict):
-        return sum(tensor_nbytes(v) for v in obj.values())
-    if isinstance(obj, (tuple, list)):
-        return sum(tensor_nbytes(v) for v in obj)
-    return 0
+    leaves = pytree.tree_leaves(obj, is_leaf=lambda v: per_row_ints(v) or isinstance(v, LayerCache))
+    return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else
+               int(t.nbytes()) if callable(getattr(t, "nbytes", None)) else 0 for t in leaves)
 
 
 @dataclass
 class FastDecodeState:
     """What the single-token fast path (layers/fast_decode.py) keeps beside a cache's entries so that the next
     step finds its buffers whole: `window` the q | k | v conv windows as one `[B, C, K - 1]`, valid while
-    conv_q/k/v are still the views `conv_views` of it; `linear_state` the linear-attention state [kv | z] as
-    one `[B, HV, K, V + 1]`, valid while the cache's "state" is still `linear_of`. Never counted or copied as
+    conv["q"/"k"/"v"] are still the views `conv_views` of it; `linear_state` the linear-attention state [kv | z] as
+    one `[B, HV, K, V + 1]`, valid while the cache's `state` is still `linear_of`. Never counted or copied as
     state: a cache whose entries were replaced simply rebuilds it."""
 
     conv_views: Optional[Tuple[torch.Tensor, ...]] = None
@@ -71,27 +88,157 @@ class FastDecodeState:
     linear_state: Optional[torch.Tensor] = None
 
 
-class LayerCache(dict):
-    """The decoding state of one module. `offset` is the number of tokens it has consumed: an int,
-    or an int64 tensor `[B]` when the rows of a batch have consumed different numbers of tokens
-    (a left-padded batch: row b's tokens are then the last offset[b] of every stored sequence).
-    `fast`: the decoding fast path's own view of the entries (`FastDecodeState`), None until it runs."""
+# the state fields of a LayerCache, in the order the walks see them (`offset` and `fast` aside)
+STATE_FIELDS = ("state", "conv", "shift", "kv", "extra")
+_dict_access_warned = False
+_MIXINS_FILE = MutableMapping.get.__code__.co_filename   # (collections.abc's, frozen or not)
 
-    fast: Optional[FastDecodeState] = None
+
+def _warn_dict_access() -> None:
+    global _dict_access_warned
+    if not _dict_access_warned:
+        _dict_access_warned = True
+        level, frame = 2, sys._getframe(1)   # point at the first caller outside this module and the Mapping mixins
+        while frame is not None and frame.f_code.co_filename in (__file__, _MIXINS_FILE):
+            level, frame = level + 1, frame.f_back
+        warnings.warn("reading or writing a LayerCache as a dict (cache['state']) is deprecated: use its fields "
+                      "(cache.state, cache.conv['q'], cache.shift, cache.kv, cache.offset; docs/states.md)",
+                      DeprecationWarning, stacklevel=level)
+
+
+def _conv_name(key: str) -> Optional[str]:
+    """The `conv` window a dict-style entry name means ("conv_q" -> "q", "conv" -> "in"), None for other names."""
+    return "in" if key == "conv" else key[5:] if key.startswith("conv_") else None
+
+
+class LayerCache(MutableMapping):
+    """The decoding state of one module (docs/states.md lists each mixer's):
+
+    * `state`: the recurrent state (a tensor, or a NamedTuple / tuple of them), None before the first call;
+    * `conv`: the short convolutions' windows `[B, C, w - 1]` by the stream they convolve: "q", "k", "v"; "w"
+      (PaTH's Householder directions); "in" (one convolution over the mixed input: Mamba2's x|B|C, RWKV-7's r|k|v);
+    * `shift`: the last input token `[B, d_model]` (RWKV-7's token shift), or None;
+    * `kv`: softmax attention's keys and values (a `KVCache`), or None;
+    * `offset`: the tokens consumed: an int, or an int64 tensor `[B]` when the rows of a batch have consumed
+      different numbers of tokens (a left-padded batch: row b's tokens are then the last offset[b] of every
+      stored sequence);
+    * `extra`: entries under other names (what a mixer writes through dict access);
+    * `fast`: the decoding fast path's own view of the entries (`FastDecodeState`), None until it runs; never state.
+
+    Dict access (`cache["state"]`, `cache.get("conv_q")`, ...) still works, with a `DeprecationWarning` (once):
+    the names of the dict form map to the fields ("conv_q" is conv["q"], "conv" is conv["in"]), others to `extra`.
+
+    Args:
+        entries: A dict of the dict form (deprecated), mapped to the fields.
+        state: The recurrent state.
+        conv: The convolution windows by stream.
+        shift: The token shift.
+        kv: The keys and values.
+        offset: The tokens consumed.
+        extra: Entries under other names.
+    """
+
+    def __init__(self, entries: Optional[Dict[str, Any]] = None, *, state: Any = None,
+                 conv: Optional[Dict[str, torch.Tensor]] = None, shift: Optional[torch.Tensor] = None,
+                 kv: Any = None, offset: Any = 0, extra: Optional[Dict[str, Any]] = None):
+        self.state, self.conv, self.shift, self.kv = state, dict(conv or {}), shift, kv
+        self.offset = offset
+        self.extra: Dict[str, Any] = dict(extra or {})
+        self.fast: Optional[FastDecodeState] = None
+        if entries:
+            _warn_dict_access()
+            for k, v in entries.items():
+                self._set_entry(k, v)
 
     @property
     def offset(self):
-        o = self.get("offset", 0)
+        o = self._offset
         if isinstance(o, torch.Tensor) and o.dim() == 1:
             return o
         return int(o)
 
+    @offset.setter
+    def offset(self, value) -> None:
+        self._offset = value
+
+    def state_fields(self) -> Dict[str, Any]:
+        """The fields that hold state, by name in `STATE_FIELDS` order (None and empty ones, and the offset, left
+        out): what sizes, layouts and row merges walk."""
+        return {n: v for n, v in zip(STATE_FIELDS, (self.state, self.conv, self.shift, self.kv, self.extra))
+                if v is not None and not (isinstance(v, dict) and not v)}
+
     def nbytes(self) -> int:
-        return sum(tensor_nbytes(v) for k, v in self.items() if k != "offset")
+        return tensor_nbytes(self.state_fields())
 
     def __repr__(self) -> str:
-        keys = ", ".join(k for k in self if k != "offset")
-        return f"LayerCache(offset={self.offset}, [{keys}], nbytes={self.nbytes()})"
+        held = [n for n in ("state", "shift", "kv") if getattr(self, n) is not None]
+        held += [f"conv[{', '.join(self.conv)}]"] if self.conv else []
+        held += [f"extra[{', '.join(self.extra)}]"] if self.extra else []
+        return f"LayerCache(offset={self.offset}, [{', '.join(held)}], nbytes={self.nbytes()})"
+
+    # -- the deprecated dict form ------------------------------------------------------------------------------
+    def _entries(self) -> Dict[str, Any]:
+        """The fields under their dict-form names (those that hold something)."""
+        out = {k: getattr(self, k) for k in ("state", "shift", "kv") if getattr(self, k) is not None}
+        out.update(("conv" if n == "in" else f"conv_{n}", t) for n, t in self.conv.items())
+        out["offset"] = self._offset
+        out.update(self.extra)
+        return out
+
+    def _set_entry(self, key: str, value: Any) -> None:
+        conv = _conv_name(key)
+        if key in ("state", "shift", "kv", "offset"):
+            setattr(self, key, value)
+        elif conv is not None:
+            self.conv[conv] = value
+        else:
+            self.extra[key] = value
+
+    def __getitem__(self, key: str) -> Any:
+        _warn_dict_access()
+        return self._entries()[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        _warn_dict_access()
+        self._set_entry(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        _warn_dict_access()
+        conv = _conv_name(key)
+        if key not in self._entries():
+            raise KeyError(key)
+        if key in ("state", "shift", "kv"):
+            setattr(self, key, None)
+        elif key == "offset":
+            self._offset = 0
+        elif conv is not None:
+            del self.conv[conv]
+        else:
+            del self.extra[key]
+
+    def __iter__(self):
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
+
+    def __eq__(self, other: Any) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
+
+
+def _flatten_layer_cache(lc: LayerCache):
+    held = lc.state_fields()   # (the fields that hold nothing are no nodes: every walk is shorter)
+    return [*held.values(), lc._offset], tuple(held)
+
+
+def _unflatten_layer_cache(children, names) -> LayerCache:
+    return LayerCache(**dict(zip(names, children)), offset=children[-1])
+
+
+pytree.register_pytree_node(LayerCache, _flatten_layer_cache, _unflatten_layer_cache,
+                            serialized_type_name="linattn.layers.cache.LayerCache")
 
 
 class KVCache:
@@ -213,94 +360,82 @@ class _KVMark(int):
     """A recorded `KVCache`: the absolute position where its tokens ended (rolled back by truncation)."""
 
 
-def _copy_state(value: Any, record: bool = False) -> Any:
-    """A copy of one LayerCache entry that shares no tensor with it: tensors cloned, tuples (state
-    NamedTuples), lists and dicts rebuilt, ints and None kept; a KVCache deep-copied, or with
-    `record` only marked (its keys and values are cut back by truncation, not copied)."""
+def _copy_leaf(value: Any, record: bool = False) -> Any:
+    """A copy of one leaf that shares no tensor with it; a KVCache deep-copied, or with `record` only marked (its
+    keys and values are cut back by truncation, not copied)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, KVCache):
         return value.mark() if record else value.copy()
-    if isinstance(value, tuple):
-        items = [_copy_state(v, record) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        return [_copy_state(v, record) for v in value]
-    if isinstance(value, dict):
-        return {k: _copy_state(v, record) for k, v in value.items()}
+    if per_row_ints(value):
+        return type(value)(value)
     raise LinattnTypeError(f"a cache entry of type {type(value).__name__} cannot be copied: a layer's cache may hold "
                            f"tensors, KVCache, tuples / NamedTuples, lists, dicts, numbers and None")
 
 
-def _select_rows(value: Any, index: torch.Tensor) -> Any:
-    """`value` with batch rows `index` (dim 0 of every tensor of at least one dimension)."""
+def _copy_state(tree: Any, record: bool = False) -> Any:
+    """A copy of a state (a LayerCache, the layers of a Cache, ...) that shares no tensor with it."""
+    return map_state(lambda v: _copy_leaf(v, record), tree)
+
+
+def _select_leaf(value: Any, index: torch.Tensor) -> Any:
     if isinstance(value, torch.Tensor):
         return value.index_select(0, index.to(value.device)) if value.dim() else value
     if isinstance(value, KVCache):
         value.index_select(index)
         return value
-    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields") and value and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
-        # a tuple of Python ints is one int per row (TTT's position in its mini-batch), as in linattn.hf
+    if per_row_ints(value):
         return type(value)(value[i] for i in index.tolist())
-    if isinstance(value, tuple):
-        items = [_select_rows(v, index) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        return [_select_rows(v, index) for v in value]
-    if isinstance(value, dict):
-        return {k: _select_rows(v, index) for k, v in value.items()}
     return value
 
 
-def _copy_layers(layers: List[Dict[str, LayerCache]], record: bool = False) -> List[Dict[str, LayerCache]]:
-    return [{name: LayerCache({k: _copy_state(v, record) for k, v in lc.items()}) for name, lc in d.items()}
-            for d in layers]
+def _select_rows(tree: Any, index: torch.Tensor) -> Any:
+    """`tree` with batch rows `index`: dim 0 of every tensor of at least one dimension, each per-row int tuple;
+    a KVCache in place."""
+    return map_state(lambda v: _select_leaf(v, index), tree)
 
 
-def _rows(value: Any) -> Optional[int]:
-    """The batch size of one LayerCache entry (dim 0 of its first tensor), or None when it holds no tensor."""
+def _leaf_rows(value: Any) -> Optional[int]:
     if isinstance(value, torch.Tensor):
         return int(value.shape[0]) if value.dim() else None
     if isinstance(value, KVCache):
         return None if value.k is None else int(value.k.shape[0])
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
-    for v in items:
-        n = _rows(v)
-        if n is not None:
-            return n
     return None
+
+
+def _rows(tree: Any) -> Optional[int]:
+    """The batch size of a state (dim 0 of its first tensor), or None when it holds no tensor."""
+    return next((n for n in map(_leaf_rows, flatten_state(tree)[0]) if n is not None), None)
 
 
 def _batch_of(layers: List[Dict[str, LayerCache]]) -> Optional[int]:
-    for d in layers:
-        for lc in d.values():
-            for k, v in lc.items():
-                n = _rows(v) if k != "offset" else None
-                if n is not None:
-                    return n
-    return None
+    return _rows([lc.state_fields() for d in layers for lc in d.values()])
 
 
-def _entry_layout(value: Any) -> Any:
-    """What restoring an entry over another must agree on: its kind, and for tensors their dtype and rank."""
+def _leaf_layout(value: Any) -> Any:
+    """What restoring a leaf over another must agree on: its kind, and for tensors their dtype and rank."""
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dim(), str(value.dtype))
     if isinstance(value, KVCache):
         return ("kv",) if value.k is None else ("kv", tuple(value.k.shape[2:]), str(value.k.dtype))
-    if isinstance(value, (tuple, list)):
-        return (type(value).__name__,) + tuple(_entry_layout(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _entry_layout(v)) for k, v in sorted(value.items()))
-    return type(value).__name__
+    return ("ints",) if per_row_ints(value) else type(value).__name__
 
 
-def layers_layout(layers: List[Dict[str, LayerCache]]) -> List[Dict[str, Dict[str, Any]]]:
-    """Per layer and module, each entry's `_entry_layout` (the offset aside)."""
-    return [{name: {k: _entry_layout(v) for k, v in lc.items() if k != "offset"} for name, lc in d.items()}
-            for d in layers]
+def _layout(lc: LayerCache) -> Tuple[Any, ...]:
+    """(structure, leaf layouts) of the state a LayerCache holds (the offset aside); () when it holds none."""
+    leaves, spec = flatten_state(lc.state_fields())
+    return (spec, tuple(map(_leaf_layout, leaves))) if leaves else ()
+
+
+def layers_layout(layers: List[Dict[str, LayerCache]]) -> List[Dict[str, Tuple[Any, ...]]]:
+    """Per layer and module, `_layout` of its LayerCache."""
+    return [{name: _layout(lc) for name, lc in d.items()} for d in layers]
+
+
+def _describe(layout: Tuple[Any, ...]) -> str:
+    return f"{list(layout[0].context)} {list(layout[1])}" if layout else "nothing"
 
 
 def model_layout(config: Any, dtype: torch.dtype) -> Tuple[Tuple[str, str], ...]:
@@ -410,12 +545,11 @@ class Cache:
             return
         for d in self.layers:    # a sliding window must keep its keys through a rollback
             for lc in d.values():
-                for v in lc.values():
-                    if isinstance(v, KVCache):
-                        v.keep_extra = max(v.keep_extra, self.rollback)
+                if isinstance(lc.kv, KVCache):
+                    lc.kv.keep_extra = max(lc.kv.keep_extra, self.rollback)
         n = self.seen_tokens
         self._history = [(s, rec) for s, rec in self._history if n - self.rollback <= s < n]
-        self._history.append((n, _copy_layers(self.layers, record=True)))
+        self._history.append((n, _copy_state(self.layers, record=True)))
 
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` tokens: transformers' `DynamicCache.crop`.
@@ -454,20 +588,12 @@ class Cache:
 
     def _set_layers(self, rec: List[Dict[str, LayerCache]]) -> None:
         """Live layers from recorded ones: tensors copied (the record may be needed again), KV caches cut back."""
-        live = []
+        live = _copy_state(rec)
         for i, d in enumerate(rec):
-            out = {}
             for name, lc in d.items():
-                new = LayerCache()
-                for k, v in lc.items():
-                    if isinstance(v, _KVMark):
-                        kv = self.layers[i][name][k]
-                        kv.truncate(int(v))
-                        new[k] = kv
-                    else:
-                        new[k] = _copy_state(v)
-                out[name] = new
-            live.append(out)
+                if isinstance(lc.kv, _KVMark):
+                    kv = live[i][name].kv = self.layers[i][name].kv
+                    kv.truncate(int(lc.kv))
         self.layers = live
 
     def history_nbytes(self) -> int:
@@ -487,7 +613,7 @@ class Cache:
             entries' kinds and dtypes) for `restore` to check.
         """
         self._check_state_ops("snapshot")
-        return CacheSnapshot(_copy_layers(self.layers), self.seen_tokens, getattr(self, "model_layout", None))
+        return CacheSnapshot(_copy_state(self.layers), self.seen_tokens, getattr(self, "model_layout", None))
 
     def restore(self, snap: CacheSnapshot) -> None:
         """Continue from `snap` (its tensors are copied again, so it can be restored any number of times).
@@ -507,7 +633,7 @@ class Cache:
         if len(snap.layers) != len(self.layers):
             raise LinattnError(f"the snapshot holds {len(snap.layers)} layers, this cache {len(self.layers)}")
         self._check_same_model(snap)
-        self.layers = _copy_layers(snap.layers)
+        self.layers = _copy_state(snap.layers)
         self.seen_tokens = snap.seen_tokens
         self._history = []
         self.record()
@@ -527,8 +653,8 @@ class Cache:
         for i, (here, there) in enumerate(zip(layers_layout(live), snap.layout)):
             for name in set(here) & set(there):
                 if here[name] and there[name] and here[name] != there[name]:
-                    raise LinattnError(f"the snapshot's layer {i} ({name}) holds {there[name]}, this cache's "
-                                       f"{here[name]}: it comes from another model")
+                    raise LinattnError(f"the snapshot's layer {i} ({name}) holds {_describe(there[name])}, this "
+                                       f"cache's {_describe(here[name])}: it comes from another model")
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows `index` (as transformers' `reorder_cache(beam_idx)`).
@@ -551,17 +677,10 @@ class Cache:
             bad = sorted({i for i in index.tolist() if not 0 <= i < batch})
             raise LinattnError(f"index names rows {bad[:8]} the cache does not have: it holds rows 0..{batch - 1}")
         self.fast = None   # the whole-model step's buffers hold the old rows
-        for d in self.layers:
-            for lc in d.values():
-                for k in list(lc):
-                    lc[k] = _select_rows(lc[k], index)
-                lc.__dict__.clear()   # the fast steps' views of the old state
-        for _, rec in self._history:
-            for d in rec:
-                for lc in d.values():
-                    for k in list(lc):
-                        if not isinstance(lc[k], _KVMark):
-                            lc[k] = _select_rows(lc[k], index)
+        for layers in [self.layers] + [rec for _, rec in self._history]:
+            for d in layers:
+                for lc in d.values():   # in place (a new `fast`: the fast steps' views held the old rows)
+                    vars(lc).update(vars(_select_rows(lc, index)))
 
     def layer(self, i: int, name: str) -> LayerCache:
         """The `LayerCache` of module `name` ("mixer", "lobe") in block `i`, created empty on first use.
@@ -592,7 +711,7 @@ class Cache:
         extra = f", rollback={self.rollback}, history_nbytes={self.history_nbytes()}" if self.rollback else ""
         return f"Cache(n_layers={len(self.layers)}, seen_tokens={self.seen_tokens}, nbytes={self.nbytes()}{extra})"
 
-    # -- rows of a running batch (continuous batching, issue 48) -------------------------------
+    # -- rows of a running batch (continuous batching) -------------------------------
     @property
     def n_rows(self) -> int:
         """The batch rows this cache holds (0 while empty)."""
@@ -615,8 +734,7 @@ class Cache:
         """
         self._check_state_ops("snapshot_rows")
         index = _row_index(rows, self.n_rows)
-        layers = [{name: LayerCache({k: _take_rows(v, index, lc) for k, v in lc.items()}) for name, lc in d.items()}
-                  for d in self.layers]
+        layers = [{name: _take_rows(lc, index) for name, lc in d.items()} for d in self.layers]
         return CacheSnapshot(layers, _first_row_tokens(layers, self.seen_tokens))
 
     def insert_rows(self, snap: CacheSnapshot) -> None:
@@ -642,15 +760,12 @@ class Cache:
             raise LinattnError(f"cannot insert these rows: {problem}")
         self.fast = None   # the whole-model step's buffers hold the old rows
         if not self.n_rows:
-            self.layers, self.seen_tokens = _copy_layers(snap.layers), snap.seen_tokens
+            self.layers, self.seen_tokens = _copy_state(snap.layers), snap.seen_tokens
             return
         n = self.n_rows
         for d, sd in zip(self.layers, snap.layers):
-            for name, lc in d.items():
-                other = sd[name]
-                merged = {k: _merge_rows(v, other[k], n, k, lc, other) for k, v in lc.items()}   # reads lc whole
-                lc.update(merged)
-                lc.__dict__.clear()   # the fast steps' views of the old state
+            for name, lc in d.items():   # in place (a new `fast`: the fast steps' views held the old rows)
+                vars(lc).update(vars(_merge_rows(lc, sd[name], n)))
         self.seen_tokens = max(self.seen_tokens, snap.seen_tokens)
 
     def remove_rows(self, rows) -> None:
@@ -671,9 +786,8 @@ class Cache:
         self.reorder(torch.tensor(keep, dtype=torch.long))
         for d in self.layers:
             for lc in d.values():
-                for v in lc.values():
-                    if isinstance(v, KVCache) and v.k is not None and isinstance(lc.offset, torch.Tensor):
-                        _trim_padding(v, lc)
+                if isinstance(lc.kv, KVCache) and lc.kv.k is not None and isinstance(lc.offset, torch.Tensor):
+                    _trim_padding(lc.kv, lc)
 
     def rows_mergeable(self, snap: CacheSnapshot) -> Optional[str]:
         """Why the rows of `snap` cannot join this batch (None: they can).
@@ -696,14 +810,9 @@ class Cache:
             if sorted(d) != sorted(sd):
                 return f"block {i} holds modules {sorted(sd)}, this cache {sorted(d)}"
             for name, lc in d.items():
-                if sorted(lc) != sorted(sd[name]):
-                    return f"block {i} {name}: the rows hold entries {sorted(sd[name])}, this cache {sorted(lc)}"
-                for k in lc:
-                    if k == "offset":   # an int (one position) or [B] (per row): any two merge
-                        continue
-                    why = _merge_problem(lc[k], sd[name][k])
-                    if why:
-                        return f"block {i} {name} entry {k!r}: {why}"
+                why = _merge_problem(lc, sd[name])
+                if why:
+                    return f"block {i} {name} {why}"
         return None
 
 
@@ -719,19 +828,7 @@ def _row_index(rows, n: int) -> torch.Tensor:
 
 def _rows_of_layers(layers: List[Dict[str, LayerCache]]) -> int:
     """The rows of the first entry that has any (a per-row offset counts, unlike `_batch_of`); 0 when none."""
-    for d in layers:
-        for lc in d.values():
-            for v in lc.values():
-                n = _rows(v)
-                if n is not None:
-                    return n
-    return 0
-
-
-def _per_row_ints(value: Any) -> bool:
-    """A plain tuple / list of ints: one int per row (TTT's mini-batch position, as `_select_rows`)."""
-    return isinstance(value, (tuple, list)) and not hasattr(value, "_fields") and bool(value) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return _rows([(lc.state_fields(), lc._offset) for d in layers for lc in d.values()]) or 0
 
 
 def _kv_row_lengths(kv: KVCache, lc: LayerCache) -> torch.Tensor:
@@ -742,25 +839,32 @@ def _kv_row_lengths(kv: KVCache, lc: LayerCache) -> torch.Tensor:
     return off.clamp(max=kv.length)
 
 
-def _take_rows(value: Any, index: torch.Tensor, lc: LayerCache, key: str = "") -> Any:
-    """A copy of rows `index` of one entry; a KV cache row as a single sequence (its padding cut off)."""
-    if isinstance(value, KVCache):
-        if value.k is None or index.numel() != 1:
-            out = value.copy()
-            out.index_select(index)
-            return out
-        b = int(index[0])
-        n = int(_kv_row_lengths(value, lc)[b])
-        out = KVCache(chunk=value.chunk, window=value.window)
-        out.k = value.k[b:b + 1, value.length - n:value.length].clone()
-        out.v = value.v[b:b + 1, value.length - n:value.length].clone()
-        out.length, out.keep_extra = n, value.keep_extra
-        out.start = _row_offset(lc, b) - n
+def _take_rows(lc: LayerCache, index: torch.Tensor) -> LayerCache:
+    """A copy of rows `index` of a LayerCache; a KV cache row as a single sequence (its padding cut off)."""
+    def take(value):
+        if isinstance(value, KVCache):
+            return _take_kv_rows(value, index, lc)
+        return _copy_leaf(_select_leaf(value, index))
+
+    off = lc._offset
+    if isinstance(off, torch.Tensor) and off.dim() == 1 and index.numel() == 1:
+        off = int(off[int(index[0])])
+    return LayerCache(**map_state(take, lc.state_fields()), offset=take(off))
+
+
+def _take_kv_rows(value: KVCache, index: torch.Tensor, lc: LayerCache) -> KVCache:
+    if value.k is None or index.numel() != 1:
+        out = value.copy()
+        out.index_select(index)
         return out
-    if isinstance(value, torch.Tensor) and value.dim() == 1 and value is lc.get("offset") and index.numel() == 1:
-        return int(value[int(index[0])])
-    return _copy_state(_select_rows(value, index) if not isinstance(value, torch.Tensor) else
-                       (value.index_select(0, index.to(value.device)) if value.dim() else value))
+    b = int(index[0])
+    n = int(_kv_row_lengths(value, lc)[b])
+    out = KVCache(chunk=value.chunk, window=value.window)
+    out.k = value.k[b:b + 1, value.length - n:value.length].clone()
+    out.v = value.v[b:b + 1, value.length - n:value.length].clone()
+    out.length, out.keep_extra = n, value.keep_extra
+    out.start = _row_offset(lc, b) - n
+    return out
 
 
 def _row_offset(lc: LayerCache, b: int) -> int:
@@ -769,16 +873,31 @@ def _row_offset(lc: LayerCache, b: int) -> int:
 
 
 def _first_row_tokens(layers: List[Dict[str, LayerCache]], default: int) -> int:
-    for d in layers:
-        for lc in d.values():
-            if "offset" in lc:
-                off = lc.offset
-                return int(off[0]) if isinstance(off, torch.Tensor) else int(off)
-    return default
+    lc = next((lc for d in layers for lc in d.values()), None)
+    if lc is None:
+        return default
+    off = lc.offset
+    return int(off[0]) if isinstance(off, torch.Tensor) else int(off)
 
 
-def _merge_problem(a: Any, b: Any) -> Optional[str]:
-    """Why entry values a (the batch's) and b (the new rows') cannot be stacked (None: they can)."""
+def _merge_problem(lc: LayerCache, other: LayerCache) -> Optional[str]:
+    """Why the rows of `other` cannot be stacked under those of `lc` (None: they can); the offsets always can (an
+    int or a per-row `[B]`)."""
+    fa, fb = lc.state_fields(), other.state_fields()
+    if list(fa) != list(fb):
+        return f"the rows hold entries {list(fb)}, this cache {list(fa)}"
+    for name in fa:
+        (la, sa), (lb, sb) = flatten_state(fa[name]), flatten_state(fb[name])
+        if sa != sb:
+            return f"entry {name!r}: the rows hold {' '.join(str(sb).split())}, this cache {' '.join(str(sa).split())}"
+        why = next((w for w in map(_leaf_merge_problem, la, lb) if w), None)
+        if why:
+            return f"entry {name!r}: {why}"
+    return None
+
+
+def _leaf_merge_problem(a: Any, b: Any) -> Optional[str]:
+    """Why leaves a (the batch's) and b (the new rows') cannot be stacked (None: they can)."""
     if isinstance(a, KVCache) or isinstance(b, KVCache):
         if not (isinstance(a, KVCache) and isinstance(b, KVCache)):
             return "a KV cache against another kind of state"
@@ -796,48 +915,33 @@ def _merge_problem(a: Any, b: Any) -> Optional[str]:
         if not a.dim() and not torch.equal(a, b):
             return "scalar states that differ"
         return None
-    if _per_row_ints(a) and _per_row_ints(b):
+    if per_row_ints(a) and per_row_ints(b):
         return None
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        if type(a) is not type(b) or len(a) != len(b):
-            return f"a {type(b).__name__} of {len(b)} items, the batch's {type(a).__name__} of {len(a)}"
-        return next((w for w in map(_merge_problem, a, b) if w), None)
-    if isinstance(a, dict) and isinstance(b, dict):
-        if sorted(a) != sorted(b):
-            return f"keys {sorted(b)}, the batch's {sorted(a)}"
-        return next((w for w in (_merge_problem(a[k], b[k]) for k in a) if w), None)
     if type(a) is not type(b) or (a != b and not isinstance(a, int)):
         return f"{b!r}, the batch's {a!r}"
     return None
 
 
-def _merge_rows(a: Any, b: Any, n: int, key: str, lc: LayerCache, other: LayerCache) -> Any:
-    """Entry a (n rows) with b's rows appended (b copied)."""
-    if key == "offset":
-        ra = lc.offset if isinstance(lc.offset, torch.Tensor) else torch.full((n,), int(a), dtype=torch.long)
-        rb = other.offset if isinstance(other.offset, torch.Tensor) else torch.full(
-            (_rows_of_layers([{"x": other}]) or 1,), int(b), dtype=torch.long)
-        both = torch.cat([ra.long().cpu(), rb.long().cpu()])
-        return int(both[0]) if bool((both == both[0]).all()) and not _has_padding(lc, other) else both
-    if isinstance(a, KVCache):
-        return _merge_kv(a, b, lc, other)
-    if isinstance(a, torch.Tensor):
-        return torch.cat([a, b.to(a.device)]) if a.dim() else a
-    if _per_row_ints(a):
-        return type(a)([*a, *b])
-    if isinstance(a, tuple):
-        items = [_merge_rows(x, y, n, "", lc, other) for x, y in zip(a, b)]
-        return type(a)(*items) if hasattr(a, "_fields") else tuple(items)
-    if isinstance(a, list):
-        return [_merge_rows(x, y, n, "", lc, other) for x, y in zip(a, b)]
-    if isinstance(a, dict):
-        return {k: _merge_rows(a[k], b[k], n, "", lc, other) for k in a}
-    return a
+def _merge_rows(lc: LayerCache, other: LayerCache, n: int) -> LayerCache:
+    """LayerCache lc (n rows) with other's rows appended (copied)."""
+    def merge(a, b):
+        if isinstance(a, KVCache):
+            return _merge_kv(a, b, lc, other)
+        if isinstance(a, torch.Tensor):
+            return torch.cat([a, b.to(a.device)]) if a.dim() else a
+        return type(a)([*a, *b]) if per_row_ints(a) else a
+
+    ra = lc.offset if isinstance(lc.offset, torch.Tensor) else torch.full((n,), lc.offset, dtype=torch.long)
+    rb = other.offset if isinstance(other.offset, torch.Tensor) else torch.full(
+        (_rows_of_layers([{"x": other}]) or 1,), other.offset, dtype=torch.long)
+    both = torch.cat([ra.long().cpu(), rb.long().cpu()])
+    offset = int(both[0]) if bool((both == both[0]).all()) and not _has_padding(lc, other) else both
+    return LayerCache(**map_state(merge, lc.state_fields(), other.state_fields()), offset=offset)
 
 
 def _has_padding(lc: LayerCache, other: LayerCache) -> bool:
     """Whether the merged KV cache of these entries has a left-padded row (its offsets must then stay per row)."""
-    kv_a, kv_b = lc.get("kv"), other.get("kv")
+    kv_a, kv_b = lc.kv, other.kv
     if not isinstance(kv_a, KVCache) or kv_a.k is None or not isinstance(kv_b, KVCache) or kv_b.k is None:
         return False
     lengths = torch.cat([_kv_row_lengths(kv_a, lc), _kv_row_lengths(kv_b, other)])

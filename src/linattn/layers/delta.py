@@ -239,10 +239,10 @@ class DeltaNet(AttentionBase):
         o, state = delta_rule(
             q, k, v, beta, g=g, exact=self.exact, scale=self.scale, qk_l2norm=l2,
             mode=self._mode(cache, x.shape[1]), chunk_size=self.chunk_size,
-            initial_state=cache.get("state") if cache is not None else None,
+            initial_state=cache.state if cache is not None else None,
             output_final_state=cache is not None, cu_seqlens=cu_seqlens)
         if cache is not None:
-            cache["state"] = state
+            cache.state = state
         return o
 
 

@@ -98,10 +98,10 @@ class Comba(GatedDeltaNet):
         beta = self.beta(x).to(q.dtype)
         o, state = comba(
             q, k, v, beta, p=p, g=self.log_gate(x), scale=self.scale, mode=self._mode(cache, x.shape[1]),
-            chunk_size=self.chunk_size, initial_state=cache.get("state") if cache is not None else None,
+            chunk_size=self.chunk_size, initial_state=cache.state if cache is not None else None,
             output_final_state=cache is not None, cu_seqlens=cu_seqlens)
         if cache is not None:
-            cache["state"] = state
+            cache.state = state
         return o
 
     def extra_repr(self) -> str:
@@ -193,12 +193,12 @@ class DeltaProduct(DeltaNet):
         H, n = self.n_heads, self.n_householder
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.short_conv:
-            get = (lambda name: cache.get(name)) if cache is not None else (lambda name: None)
-            q, sq = self.q_conv(q, get("conv_q"), cu_seqlens)
-            k, sk = self.k_conv(k, get("conv_k"), cu_seqlens)
-            v, sv = self.v_conv(v, get("conv_v"), cu_seqlens)
+            conv = cache.conv if cache is not None else {}
+            q, sq = self.q_conv(q, conv.get("q"), cu_seqlens)
+            k, sk = self.k_conv(k, conv.get("k"), cu_seqlens)
+            v, sv = self.v_conv(v, conv.get("v"), cu_seqlens)
             if cache is not None:
-                cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
+                cache.conv.update(q=sq, k=sk, v=sv)
         if not self._plain_features:
             q, k, v = self._features(q, k, v)
         q = q.view(B, T, H, self.head_dim)
@@ -216,10 +216,10 @@ class DeltaProduct(DeltaNet):
         o, state = delta_product(
             q, k, v, beta, g=self.log_gate(x), scale=self.scale, qk_l2norm=self.l2norm_convention,
             mode=self._mode(cache, x.shape[1]), chunk_size=self.chunk_size,
-            initial_state=cache.get("state") if cache is not None else None,
+            initial_state=cache.state if cache is not None else None,
             output_final_state=cache is not None, cu_seqlens=cu_seqlens)
         if cache is not None:
-            cache["state"] = state
+            cache.state = state
         return o
 
     def extra_repr(self) -> str:

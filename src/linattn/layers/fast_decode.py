@@ -85,7 +85,7 @@ def step(layer, x: torch.Tensor, cache: Optional[LayerCache], cu_seqlens) -> Opt
         return None
     out = STEPS[kind](layer, x, cache, lins)
     if out is not None:
-        cache["offset"] = cache.offset + 1
+        cache.offset = cache.offset + 1
     return out
 
 
@@ -154,7 +154,7 @@ def _fused(layer, x: torch.Tensor, lins):
 
 def conv_window(cache: LayerCache, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """The q | k | v conv windows as one contiguous `[B, C, K - 1]` (None before the first token)."""
-    old = (cache.get("conv_q"), cache.get("conv_k"), cache.get("conv_v"))
+    old = (cache.conv.get("q"), cache.conv.get("k"), cache.conv.get("v"))
     fs = cache.fast
     if fs is not None and fs.conv_views is not None and all(a is b for a, b in zip(fs.conv_views, old)):
         return fs.window
@@ -164,16 +164,16 @@ def conv_window(cache: LayerCache, dtype: torch.dtype) -> Optional[torch.Tensor]
 
 
 def store_conv_window(cache: LayerCache, convs, new: torch.Tensor) -> None:
-    """conv_q/k/v in cache as views of the new window `[B, C, K - 1]` (kept whole for the next step)."""
+    """conv["q"/"k"/"v"] of cache as views of the new window `[B, C, K - 1]` (kept whole for the next step)."""
     sq, sk, sv = new.split_with_sizes([convs[0].dim, convs[1].dim, convs[2].dim], dim=1)
-    cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
+    cache.conv.update(q=sq, k=sk, v=sv)
     fs = _fast_state(cache)
     fs.conv_views, fs.window = (sq, sk, sv), new
 
 
 def _conv(u: torch.Tensor, cache: LayerCache, convs, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """The q, k and v short convolutions of one token as one: u `[B, C]` (q | k | v before the convolution),
-    w their weights `[C, 1, K]` -> `[B, C]`; the states conv_q/k/v in cache are views of one window."""
+    w their weights `[C, 1, K]` -> `[B, C]`; the windows conv["q"/"k"/"v"] of cache are views of one window."""
     K, C = convs[0].kernel_size, u.shape[1]
     state = conv_window(cache, u.dtype)
     if state is None:
@@ -268,7 +268,7 @@ def output_norm_args(layer, dtype: torch.dtype):
 def _delta_step(layer, x: torch.Tensor, cache: LayerCache, lins) -> Optional[torch.Tensor]:
     """The recurrent form of `delta_rule` (ops/delta_core.py: prepare_delta, then one step of _recurrent)."""
     B, H, HV, K, V, cdt = x.shape[0], layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v, x.dtype
-    S = cache.get("state")
+    S = cache.state
     if S is not None and not (isinstance(S, torch.Tensor) and S.shape == (B, HV, K, V) and S.device == x.device):
         return None   # the general path checks it and says what is wrong
     gated = layer._modules.get("a_proj") is not None    # Gated DeltaNet's decay
@@ -300,7 +300,7 @@ def _delta_step(layer, x: torch.Tensor, cache: LayerCache, lins) -> Optional[tor
         S = S * torch.exp(g if g.dtype == cdt else g.to(cdt)).view(B, HV, 1, 1)
     err = torch.addcmul(bv, a, k @ S, value=-1.0)                          # a (v - S^T k)
     S = torch.addcmul(S, k.transpose(-1, -2), err)
-    cache["state"] = S
+    cache.state = S
     return _out(layer, q @ S, _gate_out(layer, extra))
 
 
@@ -324,7 +324,7 @@ def _delta_step_compiled(layer, cache: LayerCache, S: Optional[torch.Tensor], ga
         q_l2=bool(getattr(layer, "q_l2norm", False)), l2eps=L2NORM_EPS, scale=layer.scale, beta_mode=beta_mode,
         alpha=alpha, gated=gated, neg_a=neg_a, dt_bias=dt_bias, S=S, norm=output_norm_args(layer, cdt),
         has_gate=layer._modules.get("g_proj") is not None)
-    cache["state"] = S
+    cache.state = S
     return _compiled_out(layer, cache, o, window)
 
 
@@ -346,7 +346,7 @@ def linear_decay(layer, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 
 def linear_state(cache: LayerCache, st: LinearAttentionState, cdt: torch.dtype) -> torch.Tensor:
-    """[kv | z] `[B, HV, K, V + 1]`: the kept whole tensor while cache["state"] is the state made from it."""
+    """[kv | z] `[B, HV, K, V + 1]`: the kept whole tensor while cache.state is the state made from it."""
     fs = cache.fast
     if fs is not None and fs.linear_of is st:
         return fs.linear_state
@@ -356,7 +356,7 @@ def linear_state(cache: LayerCache, st: LinearAttentionState, cdt: torch.dtype) 
 def store_linear_state(cache: LayerCache, S: torch.Tensor, offset: torch.Tensor, V: int,
                        log_scale: Optional[torch.Tensor] = None) -> None:
     state = LinearAttentionState(kv=S[..., :V], z=S[..., V], log_scale=log_scale, offset=offset + 1)
-    cache["state"] = state
+    cache.state = state
     fs = _fast_state(cache)
     fs.linear_of, fs.linear_state = state, S
 
@@ -366,7 +366,7 @@ def _linear_step(layer, x: torch.Tensor, cache: LayerCache, lins) -> Optional[to
     fm = layer.feature_map
     B, H, HV, V, cdt = x.shape[0], layer.n_heads, layer.n_value_heads, layer.head_dim_v, x.dtype
     Kf = fm.feature_dim(layer.head_dim)
-    st = cache.get("state")
+    st = cache.state
     if st is not None and not (isinstance(st, LinearAttentionState)
                                and (st.log_scale is None if not fm.log_space else
                                     isinstance(st.log_scale, torch.Tensor) and st.log_scale.shape == (B, HV, Kf))

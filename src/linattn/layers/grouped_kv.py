@@ -38,12 +38,12 @@ def grouped_qkv(layer: AttentionBase, x: torch.Tensor, cache: Optional[LayerCach
     B, T, _ = x.shape
     q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
     if layer.short_conv:
-        get = (lambda n: cache.get(n)) if cache is not None else (lambda n: None)
-        q, sq = layer.q_conv(q, get("conv_q"), cu_seqlens)
-        k, sk = layer.k_conv(k, get("conv_k"), cu_seqlens)
-        v, sv = layer.v_conv(v, get("conv_v"), cu_seqlens)
+        conv = cache.conv if cache is not None else {}
+        q, sq = layer.q_conv(q, conv.get("q"), cu_seqlens)
+        k, sk = layer.k_conv(k, conv.get("k"), cu_seqlens)
+        v, sv = layer.v_conv(v, conv.get("v"), cu_seqlens)
         if cache is not None:
-            cache["conv_q"], cache["conv_k"], cache["conv_v"] = sq, sk, sv
+            cache.conv.update(q=sq, k=sk, v=sv)
     q = q.view(B, T, layer.n_heads, layer.head_dim)
     k = k.view(B, T, kv_heads, layer.head_dim)
     v = v.view(B, T, kv_heads if v_heads is None else v_heads, layer.head_dim_v)

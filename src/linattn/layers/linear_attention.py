@@ -312,10 +312,10 @@ class LinearAttention(AttentionBase):
             q, k, v, feature_map=self.feature_map, causal=True, normalize=self.normalize,
             gamma=self._gamma_on(q.device), g=self.log_gate(x), scale=self.scale,
             mode=self._mode(cache, T), chunk_size=self.chunk_size,
-            initial_state=cache.get("state") if cache is not None else None,
+            initial_state=cache.state if cache is not None else None,
             output_final_state=cache is not None, cu_seqlens=cu_seqlens, eps=self.eps)
         if cache is not None:
-            cache["state"] = state
+            cache.state = state
         if self.normalize_add is not None:
             return o[..., :-1] / (o[..., -1:] + self.normalize_add)
         return o
@@ -346,6 +346,6 @@ _GATED = {"feature_map": "identity", "normalize": False}   # scale: the default 
 register_mixer("retnet", LinearAttention, dict(_GATED, gate="retnet"), "RetNet: fixed per-head decay 1 - 2^(-5-h)")
 register_mixer("mamba2-gla", LinearAttention, dict(_GATED, gate="scalar", output_gate=True),
                "gated linear attention with a Mamba2-style scalar data-dependent decay per head (the mixer "
-               "named mamba2 before issue 37)", short_conv=True)
+               "named mamba2 in version-1 configs)", short_conv=True)
 register_mixer("gla", LinearAttention, dict(_GATED, gate="diagonal", output_gate=True),
                "GLA: data-dependent decay per feature, logsigmoid(.)/16")

@@ -172,9 +172,9 @@ class Mamba2Block(nn.Module):
         H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.state_size
         z, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, H], dim=-1)
         if self.conv is not None:
-            xbc, conv_state = self.conv(xbc, cache.get("conv") if cache is not None else None, cu_seqlens)
+            xbc, conv_state = self.conv(xbc, cache.conv.get("in") if cache is not None else None, cu_seqlens)
             if cache is not None:
-                cache["conv"] = conv_state
+                cache.conv["in"] = conv_state
         else:
             xbc = F.silu(xbc)
         xs, b, c = xbc.split([self.d_inner, G * N, G * N], dim=-1)
@@ -192,11 +192,11 @@ class Mamba2Block(nn.Module):
         y, state = linear_attention(c.to(cd), b.to(cd), xs * dt[..., None], feature_map=None, normalize=False,
                                     g=dt * a, scale=1.0, mode="recurrent" if cache is not None and T == 1 else "chunk",
                                     chunk_size=self.chunk_size,
-                                    initial_state=cache.get("state") if cache is not None else None,
+                                    initial_state=cache.state if cache is not None else None,
                                     output_final_state=cache is not None, cu_seqlens=cu_seqlens)
         if cache is not None:
-            cache["state"] = state
-            cache["offset"] = cache.offset + T
+            cache.state = state
+            cache.offset = cache.offset + T
         y = y + self.D.to(cd).view(H, -1) * xs                          # D per head [H, 1] or per channel [H, P]
         y = y.reshape(Bsz, T, self.d_inner)
         y = self.norm(y, z.to(cd)) if self.norm is not None else y * F.silu(z.to(cd))

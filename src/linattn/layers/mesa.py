@@ -90,11 +90,11 @@ class MesaNet(AttentionBase):
         if not self.short_conv or self.v_conv_on:
             return super()._qkv(x, cache, cu_seqlens)
         B, T, _ = x.shape                       # v_conv=False: the short convolution on q and k only
-        get = (lambda n: cache.get(n)) if cache is not None else (lambda n: None)
-        q, sq = self.q_conv(self.q_proj(x), get("conv_q"), cu_seqlens)
-        k, sk = self.k_conv(self.k_proj(x), get("conv_k"), cu_seqlens)
+        conv = cache.conv if cache is not None else {}
+        q, sq = self.q_conv(self.q_proj(x), conv.get("q"), cu_seqlens)
+        k, sk = self.k_conv(self.k_proj(x), conv.get("k"), cu_seqlens)
         if cache is not None:
-            cache["conv_q"], cache["conv_k"] = sq, sk
+            cache.conv.update(q=sq, k=sk)
         return (q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_heads, self.head_dim),
                 self.v_proj(x).view(B, T, self.n_value_heads, self.head_dim_v))
 
@@ -105,10 +105,10 @@ class MesaNet(AttentionBase):
         o, state = mesa_net(
             q, k, v, beta, g, self.ridge().to(q.dtype), solver=self.solver, max_iter=self.max_iter, tol=self.tol,
             scale=self.scale, mode=self._mode(cache, x.shape[1]), chunk_size=self.chunk_size,
-            initial_state=cache.get("state") if cache is not None else None,
+            initial_state=cache.state if cache is not None else None,
             output_final_state=cache is not None, cu_seqlens=cu_seqlens)
         if cache is not None:
-            cache["state"] = state
+            cache.state = state
         return o
 
     def extra_repr(self) -> str:

@@ -240,10 +240,10 @@ class RWKV7(nn.Module):
                                    f"after the first one in the same model call")
             v = torch.lerp(v, v_first.to(v.dtype), torch.sigmoid(self.v_lora(xv)))
         if self.conv is not None:
-            rkv, conv_state = self.conv(torch.cat([r, k, v], dim=-1), cache.get("conv") if cache is not None else None,
-                                        cu_seqlens)
+            rkv, conv_state = self.conv(torch.cat([r, k, v], dim=-1),
+                                        cache.conv.get("in") if cache is not None else None, cu_seqlens)
             if cache is not None:
-                cache["conv"] = conv_state
+                cache.conv["in"] = conv_state
             r, k, v = rkv.split([H * Dh, H * Dh, H * self.head_dim_v], dim=-1)
         w = -_W_SCALE * torch.sigmoid(self.w_lora(xw))
         a = torch.sigmoid(self.a_lora(xa))
@@ -268,11 +268,11 @@ class RWKV7(nn.Module):
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
         o, state = rwkv7(r.to(cd), w.to(cd), k.to(cd), v.to(cd), (-kk).to(cd), (kk * a).to(cd), scale=self.scale,
                          mode="recurrent" if cache is not None and T == 1 else "chunk", chunk_size=self.chunk_size,
-                         initial_state=cache.get("state") if cache is not None else None,
+                         initial_state=cache.state if cache is not None else None,
                          output_final_state=cache is not None, cu_seqlens=cu_seqlens)
         if cache is not None:
-            cache["state"] = state
-            cache["offset"] = cache.offset + T
+            cache.state = state
+            cache.offset = cache.offset + T
         o = self.g_norm(o.reshape(Bsz * T, H * Dv)).view(Bsz, T, H, Dv)
         o = o + (r * k * self.r_k).sum(-1, keepdim=True) * v          # the bonus: the current token, weight r.(k*u)
         return self.o_proj((o.reshape(Bsz, T, H * Dv) * g).to(x.dtype))
@@ -284,15 +284,15 @@ class RWKV7(nn.Module):
 
 def _token_shift(x: torch.Tensor, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
     """x_{t-1} - x_t (zero before a document's first token, or the cached last token of the previous call);
-    stores x's last token in cache["shift"]."""
+    stores x's last token in cache.shift."""
     Bsz, T, C = x.shape
-    prev = cache.get("shift") if cache is not None else None
+    prev = cache.shift if cache is not None else None
     prev = x.new_zeros(Bsz, 1, C) if prev is None else prev.unsqueeze(1).to(x.dtype)
     shifted = torch.cat([prev, x[:, :-1]], dim=1)
     if cu_seqlens is not None:
         shifted = shifted.masked_fill((packed_positions(cu_seqlens, T, x.device) == 0)[None, :, None], 0.0)
     if cache is not None:
-        cache["shift"] = x[:, -1].detach().clone()
+        cache.shift = x[:, -1].detach().clone()
     return shifted - x
 
 

@@ -92,9 +92,9 @@ class SoftmaxAttention(AttentionBase):
         if cache is None:
             return softmax_attention(q, self._heads(k), self._heads(v), causal=True, scale=self.scale,
                                      window=self.window, cu_seqlens=cu_seqlens)
-        kv = cache.get("kv")
+        kv = cache.kv
         if kv is None:
-            kv = cache["kv"] = KVCache(chunk=self.kv_chunk, window=self.window)
+            kv = cache.kv = KVCache(chunk=self.kv_chunk, window=self.window)
         T = q.shape[1]
         k_all, v_all, start = kv.append(k, v)
         offset = cache.offset

@@ -142,12 +142,12 @@ class _CachedSoftmaxFamily(AttentionBase):
         extras = self._extras(x, cache, cu_seqlens)
         if cache is None:
             return self._forward(q, k, v, extras, cu_seqlens=cu_seqlens)
-        state = cache.get("state")
+        state = cache.state
         if state is None and q.shape[1] > 1:     # prefill: the chunk form, then its final state
             o, state = self._forward(q, k, v, extras, output_final_state=True)
         else:
             o, state = self._step(q, k, v, extras, state)
-        cache["state"] = state
+        cache.state = state
         return o
 
     def extra_repr(self) -> str:
@@ -341,9 +341,9 @@ class PaTH(_CachedSoftmaxFamily):
         mods = self._modules
         w = mods["w_proj"](x) if "w_proj" in mods else self.w_up(self.w_down(x))
         if self.w_conv is not None:
-            w, conv_state = self.w_conv(w, cache.get("conv_w") if cache is not None else None, cu_seqlens)
+            w, conv_state = self.w_conv(w, cache.conv.get("w") if cache is not None else None, cu_seqlens)
             if cache is not None:
-                cache["conv_w"] = conv_state
+                cache.conv["w"] = conv_state
         w = w.view(B, T, self.n_kv_heads, self.head_dim).to(_cdt(x))
         w = F.normalize(w, dim=-1, eps=1e-6) if self.w_l2norm == "normalize" else l2norm(w, "rsqrt")
         beta = 2 * torch.sigmoid(self.b_proj(x).to(_cdt(x)))

@@ -116,14 +116,14 @@ class TTT(AttentionBase):
     def _mix(self, q, k, v, x, cache: Optional[LayerCache], cu_seqlens: Optional[torch.Tensor] = None):
         if self.l2_qk:
             q, k = l2_normalize(q), l2_normalize(k)
-        state = cache.get("state") if cache is not None else None
+        state = cache.state if cache is not None else None
         o, state = self._op(
             q, k, v, x, inner=self.inner, mini_batch=self.mini_batch, ln_weight=self.ln_weight,
             ln_bias=self.ln_bias, residual=self.residual, scale=self.scale, mode=self._mode(cache, x.shape[1]),
             initial_state=state if state is not None else self.initial_weights(),
             output_final_state=cache is not None, cu_seqlens=cu_seqlens)
         if cache is not None:
-            cache["state"] = state
+            cache.state = state
         return o
 
     def extra_repr(self) -> str:

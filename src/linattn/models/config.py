@@ -155,7 +155,7 @@ class LMConfig(JsonConfig):
             checkpoint gives the outputs it gave (`from_dict`); a partial dict (CLI flags, a hand-written
             --model-config) gets the default.
         mixer_names: the version of the mixer names. 2 (today): `mamba2` is Mamba2's own block and `mamba2-gla`
-            the gated linear attention that was called `mamba2` before issue 37 (version 1). A config of version
+            the gated linear attention that version 1 called `mamba2`. A config of version
             1 (a saved dict without this field, like l2norm_convention above, or mixer_names=1 given) has its
             names mapped on construction (`MIXER_RENAMES`) and holds version 2 afterwards.
 
@@ -227,7 +227,7 @@ class LMConfig(JsonConfig):
         "help": "delta-rule q/k L2 norm: rsqrt = x*rsqrt(sum x^2+1e-6) (fla, transformers); clamp = "
                 "x/max(|x|,1e-6) (checkpoints written before this field)", "choices": L2NORM_CONVENTIONS})
     mixer_names: int = field(default=MIXER_NAMES_VERSION, metadata={
-        "help": "what the mixer names mean: 2 = today's; 1 = before issue 37 (`mamba2` named today's `mamba2-gla`; "
+        "help": "what the mixer names mean: 2 = today's; 1 = the first names (`mamba2` named today's `mamba2-gla`; "
                 "saved configs without this field); a version-1 config is mapped to version 2 on construction"})
 
     @classmethod

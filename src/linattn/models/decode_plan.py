@@ -476,8 +476,8 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     return finish_block_plan(p, desc, addr, keep, wdt)
 
 
-#: the cache keys of a mixer's conv windows: q | k | v (linattn's AttentionBase layers), or one (Mamba2's "conv")
-QKV_CONV = ("conv_q", "conv_k", "conv_v")
+#: the `LayerCache.conv` streams of a mixer's windows: q | k | v (linattn's AttentionBase layers), or Mamba2's "in"
+QKV_CONV = ("q", "k", "v")
 
 
 def _state_spec(kind: str, HV: int, Kf: int, V: int, KC: int, sizes, keys=QKV_CONV) -> tuple:
@@ -615,7 +615,7 @@ def _new_mamba2_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         p.nw, p.norm_eps = addr(norm.weight), float(norm.eps)
     _set_weight(p, "Wo", out, wdt, addr)
     p.bo = addr(out.bias)
-    p.spec = _state_spec("linear", H, N, P, p.KC, (CD,), ("conv",))
+    p.spec = _state_spec("linear", H, N, P, p.KC, (CD,), ("in",))
     return finish_block_plan(p, desc, addr, keep, wdt)
 
 
@@ -727,7 +727,7 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
     B, d, cdt = x.shape[0], x.shape[2], compute_dtype(x.dtype)
     if plan.B != B:
         plan.B = B   # a new batch size: the same plan
-    st = cache.get("state")
+    st = cache.state
     if kind == "delta":
         S = st
         if S is not None and not (isinstance(S, torch.Tensor) and S.shape == (B, HV, Kf, V)
@@ -752,7 +752,7 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
     mods = layer._modules
     if KC:
         Cc = sum(sizes)
-        window = _fast.conv_window(cache, cdt) if keys == QKV_CONV else cache.get(keys[0])
+        window = _fast.conv_window(cache, cdt) if keys == QKV_CONV else cache.conv.get(keys[0])
         if window is not None:
             if not isinstance(window, torch.Tensor) or window.shape != (B, Cc, KC - 1):
                 return None   # not this layer's windows: the general path says what is wrong
@@ -765,7 +765,7 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
     x_out = torch.empty(B, 1, d, dtype=cdt)
     _cpu_decode.block_step(plan, slot.fn, xin, window, S, w_out, S_out, x_out)
     if kind == "delta":
-        cache["state"] = S_out
+        cache.state = S_out
     else:
         offset = torch.zeros(B, dtype=torch.int64) if st is None else (
             st.offset if st.offset.dtype == torch.int64 else st.offset.to(torch.int64))
@@ -777,8 +777,8 @@ def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Opt
         if keys == QKV_CONV:
             _fast.store_conv_window(cache, (mods["q_conv"], mods["k_conv"], mods["v_conv"]), w_out)
         else:
-            cache[keys[0]] = w_out
-    cache["offset"] = cache.offset + 1
+            cache.conv[keys[0]] = w_out
+    cache.offset = cache.offset + 1
     return x_out if x_out.dtype == x.dtype else x_out.to(x.dtype)
 
 
@@ -994,14 +994,14 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
 
 
 def _entries(lo: _Layout, lcs) -> list:
-    """The cache entries a step reads, in a fixed order: per layer its state, then its conv entries (`_Layer.keys`)."""
+    """The cache entries a step reads, in a fixed order: per layer its state, then its conv windows (`_Layer.keys`)."""
     out = []
     for lay, lc in zip(lo.layers, lcs):
         if lay.kind == "softmax":   # (its KV cache is written on every token, in place)
             continue
-        out.append(lc.get("state"))
+        out.append(lc.state)
         if lay.wshape is not None:
-            out += [lc.get(k) for k in lay.keys]
+            out += [lc.conv.get(k) for k in lay.keys]
     return out
 def _gather(lo: _Layout, lcs, cdt):
     """(S_in, W_in, offsets) from cache entries that another path wrote (a prefill, the per-block step, a
@@ -1012,8 +1012,8 @@ def _gather(lo: _Layout, lcs, cdt):
         if lay.kind == "softmax":
             continue
         n_rec += 1
-        st = lc.get("state")
-        conv = tuple(lc.get(k) for k in lay.keys) if lay.wshape is not None else ()
+        st = lc.state
+        conv = tuple(lc.conv.get(k) for k in lay.keys) if lay.wshape is not None else ()
         if st is None and all(c is None for c in conv):
             empty += 1
             continue
@@ -1097,16 +1097,15 @@ def _store(lo: _Layout, lcs, states, convs, n: int) -> list:
     for lay, lc, st in zip(lo.layers, lcs, states):
         if lay.kind == "softmax":   # its KV cache and offset are written on every token (`_kv_args`)
             continue
-        lc["state"] = st
+        lc.state = st
         out.append(st)
         if lay.wshape is not None:
             nk = len(lay.keys)
             for key, c in zip(lay.keys, convs[j:j + nk]):
-                lc[key] = c
+                lc.conv[key] = c
             out += convs[j:j + nk]
             j += nk
-        o = lc.get("offset", 0)
-        lc["offset"] = o + n if type(o) is int else lc.offset + n
+        lc.offset = lc.offset + n
         if lc.fast is not None:
             lc.fast = None   # the per-block step's views of the old entries
     return out
@@ -1137,7 +1136,7 @@ def _kv_args(slot: ModelPlanSlot, cache: Cache, B: int) -> Optional[list]:
         lc = d.get("mixer")
         if lc is None:
             lc = d["mixer"] = LayerCache()   # (as Cache.layer would; harmless when the step then steps aside)
-        kv, off = lc.get("kv"), lc.offset
+        kv, off = lc.kv, lc.offset
         G, D, Dv, dt = att.kv_heads, att.head_dim, att.head_dim_v, slot.ldtype
         if kv is None:
             if not (type(off) is int and off == 0):
@@ -1156,7 +1155,7 @@ def _kv_args(slot: ModelPlanSlot, cache: Cache, B: int) -> Optional[list]:
         p, lc, kv, off, _ = rec
         att = p.att
         if kv is None:
-            kv = rec[2] = lc["kv"] = KVCache(chunk=att.kv_chunk, window=att.window)
+            kv = rec[2] = lc.kv = KVCache(chunk=att.kv_chunk, window=att.window)
         if kv.k is not None and not (kv.k.is_contiguous() and kv.v.is_contiguous()):
             kv.k, kv.v = kv.k.contiguous(), kv.v.contiguous()   # (a trimmed view: the same tokens, one buffer)
         if kv.k is None:
@@ -1278,7 +1277,7 @@ def model_step(model: nn.Module, ids: torch.Tensor, cache, logits_to_keep) -> Op
     slot.spent = buf_in
     for _, lc, kv, off, _ in kvs:   # the row the call wrote
         kv.length += 1
-        lc["offset"] = off + 1
+        lc.offset = off + 1
     cache.pending = ModelPending(lo, buf, offsets, n)
     cache.seen_tokens += 1
     return logits, aux

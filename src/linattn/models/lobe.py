@@ -67,11 +67,11 @@ class MemoryLobe(nn.Module):
         mode = "recurrent" if cache is not None and T == 1 else "chunk"
         o, state = linear_attention(q, k, v, feature_map=self.feature_map, causal=True, scale=self.scale,
                                     mode=mode, chunk_size=self.chunk_size,
-                                    initial_state=cache.get("state") if cache is not None else None,
+                                    initial_state=cache.state if cache is not None else None,
                                     output_final_state=cache is not None, cu_seqlens=cu_seqlens, eps=self.eps)
         if cache is not None:
-            cache["state"] = state
-            cache["offset"] = cache.offset + T
+            cache.state = state
+            cache.offset = cache.offset + T
         return o.reshape(B, T, self.d_model)
 
     def extra_repr(self) -> str:

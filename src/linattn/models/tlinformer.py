@@ -176,9 +176,9 @@ class TLinFormerConfig(JsonConfig):
 class TLinFormerCache(Cache):
     """The decoding cache of a `TLinFormerLM`.
 
-    layers[i]["ctx"]: keys/values `[B, H, S, Dh]` the window attends to in layer i (S = N in the
+    layers[i]["ctx"].extra: keys/values "k", "v" `[B, H, S, Dh]` the window attends to in layer i (S = N in the
         compress layers, W = min(W_oh, N) in the others); empty while the history is empty.
-    layers[i]["x"]:   the window's own keys/values `[B, H, W_og, Dh]` (preallocated once).
+    layers[i]["x"].extra:   the window's own keys/values "k", "v" `[B, H, W_og, Dh]` (preallocated once).
     ids: every token consumed so far (a miss re-encodes the history from them).
     context_len: the history length N of the cached window (None: nothing cached yet);
     x_len: tokens of that window consumed; hits / misses: how each call was served.
@@ -390,10 +390,9 @@ class TLinFormerLM(nn.Module, CausalLM):
 
     def _store(self, cache: TLinFormerCache, li: int, ctx, k: torch.Tensor, v: torch.Tensor) -> None:
         lc = cache.layer(li, "ctx")
-        lc.clear()
-        if ctx is not None:
-            lc["k"], lc["v"] = ctx
-        xc = cache.layer(li, "x")
+        lc.extra = {} if ctx is None else dict(zip("kv", ctx))
+        x_lc = cache.layer(li, "x")
+        xc = x_lc.extra
         B, T, H, D = k.shape
         Wg = self.config.generation_window
         if "k" not in xc or xc["k"].shape[0] != B or xc["k"].dtype != k.dtype or xc["k"].device != k.device:
@@ -401,7 +400,7 @@ class TLinFormerLM(nn.Module, CausalLM):
             xc["v"] = v.new_empty(B, H, Wg, v.shape[-1])
         xc["k"][:, :, :T] = k.transpose(1, 2)
         xc["v"][:, :, :T] = v.transpose(1, 2)
-        xc["offset"] = T
+        x_lc.offset = T
 
     def _hit(self, ids: torch.Tensor, cache: TLinFormerCache) -> torch.Tensor:
         """New tokens `ids` continuing the cached window (a cache hit): only their own work."""
@@ -413,12 +412,13 @@ class TLinFormerLM(nn.Module, CausalLM):
             mask = (m + torch.arange(T, device=ids.device))[:, None] >= torch.arange(m + T, device=ids.device)[None]
         for li, lay in enumerate(self.layers):
             q, k, v = lay.qkv(x, self.rope, N + m)
-            xc = cache.layers[li]["x"]
+            x_lc = cache.layers[li]["x"]
+            xc = x_lc.extra
             xc["k"][:, :, m:m + T] = k.transpose(1, 2)
             xc["v"][:, :, m:m + T] = v.transpose(1, 2)
-            xc["offset"] = m + T
+            x_lc.offset = m + T
             a = _cross(q, xc["k"][:, :, : m + T], xc["v"][:, :, : m + T], mask)
-            ctx = cache.layers[li]["ctx"]
+            ctx = cache.layers[li]["ctx"].extra
             if "k" in ctx:
                 a = a + _cross(q, ctx["k"], ctx["v"])
             x = lay.finish(x, a)

@@ -23,7 +23,7 @@ Registry. `register_feature_map(name, cls)` adds a map by name, from any module 
 it, and tests/test_registry_conformance.py gives it its fp64-reference, form-agreement, causality and decode
 tests. The maps below register themselves at the bottom of this module; `feature_map_names()` lists them all.
 
-Range (issue 33.4). Every map computes its features from the formula, and the features are as large as
+Range. Every map computes its features from the formula, and the features are as large as
 the kernel they build: taylor2's x x^T and the squared-Euclidean maps' |x|^2 exceed float32 once |x|
 passes ~1e19, magnitude_direction's (|x|^2 + 1) x once it passes ~7e12, and q . k does for the
 linear-space maps when |q| |k| passes ~3e38. No rescaling inside a map can avoid it: with normalize=False

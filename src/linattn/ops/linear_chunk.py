@@ -1,7 +1,7 @@
 """The chunk forms of causal linear attention with linear-space features and no gate or a scalar gate.
 
 `chunk_matmul_form`: the autograd form, only matmuls, with a scalar gate (and under torch.compile).
-`linear_chunk`: the fast form with no gate (issue 15), below. Both return a `FormResult` (`linear_common.py`).
+`linear_chunk`: the fast form with no gate, below. Both return a `FormResult` (`linear_common.py`).
 
 The fast form is one `torch.autograd.Function` with a hand-written backward, for the hot path of `linear_attention`
 (elu+1, relu, identity or any other linear-space map, with no decay):

@@ -19,7 +19,7 @@ from .linear_chunk import chunk_matmul_form
 from .linear_chunk_log import chunk_log_form
 from .linear_common import LOG_BLOCK, NEG, FormResult, row_scale, split_ones, with_ones
 
-PARALLEL_WIDE_GATES_ABOVE = 64  # the parallel form sums fp32 gates in fp64 beyond this length (issue 33.7)
+PARALLEL_WIDE_GATES_ABOVE = 64  # the parallel form sums fp32 gates in fp64 beyond this length
 
 
 def parallel_form(fq, fk, v, g, S, mu, causal: bool, log_space: bool, final_state: bool) -> FormResult:

@@ -97,7 +97,7 @@ def _pcg(apply, b: torch.Tensor, diag: torch.Tensor, max_iter: int, tol: float, 
     `early_exit` (host reads allowed) ends the loop once every vector has stopped.
 
     CG squares its residuals (||r||^2 overflows fp32 for |b| > ~1e19, which stopped it at once with a
-    wrong x; issue 33.4), and x is linear in b: so each b is divided by a power of two s >= 1 near its
+    wrong x), and x is linear in b: so each b is divided by a power of two s >= 1 near its
     largest entry, and x multiplied back. Powers of two scale exactly: where nothing overflowed, x has
     the same bits as without the scaling."""
     with torch.no_grad():

@@ -130,7 +130,7 @@ def _ln(z, w, b, eps):
     """(LN(z), z_hat, 1/sigma).
 
     LN is scale-invariant, but its variance squares z and overflows for |z| > ~1e19 in fp32, which turned
-    a finite LN(z) into 0 or NaN (issue 33.4). So each row is divided by a power of two s >= 1 near its
+    a finite LN(z) into 0 or NaN. So each row is divided by a power of two s >= 1 near its
     largest |z| first: LN(z) = (z/s - mean) / sqrt(var(z/s) + eps/s^2). Dividing by a power of two is
     exact, so for every row where nothing overflows the results have the same bits as without it. s is a
     constant for autograd (LN does not depend on it)."""
@@ -478,7 +478,7 @@ def run_ttt(p: TTTProblem) -> Tuple[torch.Tensor, Optional[TTTState]]:
     B, T, H, K = p.q.shape
     V = p.v.shape[-1]
     form = _chunk if p.mode == "chunk" else _recurrent
-    if B * H == 0:  # no row to train or read (issue 33.6): an empty output, and the state only moves on
+    if B * H == 0:  # no row to train or read: an empty output, and the state only moves on
         return _empty_run(p)
 
     def rows(x):  # [b, t, H, *] -> [b*H, t, *]

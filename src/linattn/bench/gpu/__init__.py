@@ -1,4 +1,4 @@
-"""`linattn bench gpu`: the prepared GPU run, one command within a time budget (issue 44).
+"""`linattn bench gpu`: the prepared GPU run, one command within a time budget.
 
     PYTHONPATH=src python -m linattn bench gpu --out DIR [--budget-min 8.5] [--steps ...] [--wheels DIR]
                                                 [--triton-cache ARCHIVE] [--dry-run] [--overwrite]

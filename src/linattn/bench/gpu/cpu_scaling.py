@@ -1,6 +1,6 @@
 """Step `cpu-scaling` (optional, last): the compiled CPU kernels' linear attention and Gated DeltaNet chunk
 forward and forward + backward at T = 16k, B = 1, H = 16 on 1, 2, 4, 8, 16 threads of the GPU machine's CPU
-(the speed-up over 1 thread, for issue 53's target: >= 8x at 16 threads for the forward)."""
+(the speed-up over 1 thread; the target: >= 8x at 16 threads for the forward)."""
 from __future__ import annotations
 
 import os

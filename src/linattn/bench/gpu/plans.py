@@ -14,7 +14,7 @@ def gpu_backends() -> Tuple[str, ...]:
 
 
 def gpu_plan() -> Dict[str, Any]:
-    """The GPU run (issue 44): correctness at T in 65, 1, 2048 (K 128 first, then 64), fp32 / bf16, the fla
+    """The GPU run: correctness at T in 65, 1, 2048 (K 128 first, then 64), fp32 / bf16, the fla
     backend and the Triton kernels; timing at B*H = 64, K = V = 128, bf16, T = 8k first (the targets), then 2k,
     32k; a 12-layer d 1024 LM at T = 8k; the compiled CPU kernels at T = 16k on 1-16 threads."""
     return dict(device="cuda", B=4, H=16, Ks=(128, 64), Ts=(65, 1, 2048), dtypes=(torch.float32, torch.bfloat16),

@@ -1,5 +1,5 @@
 /* Fused single-token decoding step of the delta-rule layers (DeltaNet, Gated DeltaNet, EFLA) and of linear
-   attention (linear-space elementwise feature maps), issue 34.
+   attention (linear-space elementwise feature maps).
 
    The layer's projections stay one matrix-vector product in torch (BLAS reads the fused weights at the memory
    rate; nothing to win there) and o_proj another; everything between them is one call here: the short
@@ -28,7 +28,7 @@ LA_ABI_VERSION(decode, 5)
 /* rows of a head's state prefetched ahead in the first pass over it */
 #define PF_ROWS 8
 
-/* A whole pre-norm block of one decoded token in one call (issue 34: the per-op dispatch of ~15 torch calls per
+/* A whole pre-norm block of one decoded token in one call (the per-op dispatch of ~15 torch calls per
    layer cost more than the weights' memory traffic):
 
        h = x + o_proj(mixer(rmsnorm1(x))),   x_out = h + w_down(silu(a) * b), [a | b] = w_gate_up(rmsnorm2(h))
@@ -215,7 +215,7 @@ static void matvec_bf16(int64_t B, int64_t n, int64_t m, const uint16_t *W, cons
 
 #include "qmatvec.h"
 
-/* The whole model's decoding step in one call (issue 34: with one call per block, the Python around the calls
+/* The whole model's decoding step in one call (with one call per block, the Python around the calls
    cost more than half the weights' memory traffic): the token embedding, every block (linattn_decode_block, so
    the blocks' arithmetic is the per-block call's, bit for bit), the final RMSNorm and the head.
 
