@@ -227,7 +227,7 @@ def test_plan_built_from_a_description_of_another_model(monkeypatch):
     assert all(g is not None for g in got) and calls.model == 6
     torch.testing.assert_close(torch.cat([g[0] for g in got], 1), ref, rtol=2e-5, atol=2e-5)
     for i in range(2):
-        torch.testing.assert_close(fast_cache.layer(i, "mixer")["state"], ref_cache.layer(i, "mixer")["state"],
+        torch.testing.assert_close(fast_cache.layer(i, "mixer").state, ref_cache.layer(i, "mixer").state,
                                    rtol=2e-5, atol=2e-5)
     other = _OtherModel().eval()
     other.decode_description = lambda: None   # a model that cannot describe itself: no compiled call
