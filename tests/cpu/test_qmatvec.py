@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from linattn.cpu import bindings
-from linattn.cpu import build as cbuild
-from linattn.cpu import decode as cpu_decode
+from linattn.cpu import bindings, build as cbuild, decode as cpu_decode
 from tests.quant.test_decode import _check_product, _Stored
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
