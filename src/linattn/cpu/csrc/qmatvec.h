@@ -130,6 +130,20 @@ static inline float int4_row_scalar(int64_t j0, int64_t m, int64_t group, const 
 #if defined(__AVX512F__) && !defined(LINATTN_PLAIN_C)
 #include <immintrin.h>
 #define Q4_LANES 16
+#if defined(__AVX512BW__)
+/* the code in bits 16-19 of each lane (its nibble s + 4 after the shift that serves nibble s) as an fp32: a 16-bit
+   permute writes the upper half of the lane from a table of the codes' upper halves (c - 8 is exact in them, the
+   lower half zero), its index bit 4 (the next nibble's low bit) falling on the table's second, equal half. So 3
+   shifts serve the 8 nibbles of a lane instead of 7. */
+static const uint16_t Q4_UPPER_TABLE[32] = {
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0,
+    0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040,
+    0x4080, 0x40A0, 0x40C0, 0x40E0};
+#define Q4_UPPER(d, codes) _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16( \
+        0xAAAAAAAAu, d, _mm512_loadu_si512((const void *)Q4_UPPER_TABLE)))
+#else
+#define Q4_UPPER(d, codes) _mm512_permutexvar_ps(_mm512_srli_epi32(d, 16), codes)
+#endif
 /* R (1 or 4) rows r of W from w (stride mb bytes) and scales sr (stride ng) times the permuted x: out[r] */
 static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int64_t m, int64_t group,
                                                                 const uint8_t *w, const uint16_t *sr,
@@ -169,14 +183,16 @@ static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int
                 ++line;
             }
             const __m512i d = _mm512_loadu_si512((const void *)(w + r * mb + j / 2));
+            const __m512i d1 = _mm512_srli_epi32(d, 4), d2 = _mm512_srli_epi32(d, 8),
+                          d3 = _mm512_srli_epi32(d, 12);
             __m512 part = _mm512_mul_ps(_mm512_permutexvar_ps(d, codes), x0);
-            part = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), codes), x1, part);
-            part = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 8), codes), x2, part);
-            part = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 12), codes), x3, part);
-            part = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 16), codes), x4, part);
-            part = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 20), codes), x5, part);
-            part = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 24), codes), x6, part);
-            part = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 28), codes), x7, part);
+            part = _mm512_fmadd_ps(_mm512_permutexvar_ps(d1, codes), x1, part);
+            part = _mm512_fmadd_ps(_mm512_permutexvar_ps(d2, codes), x2, part);
+            part = _mm512_fmadd_ps(_mm512_permutexvar_ps(d3, codes), x3, part);
+            part = _mm512_fmadd_ps(Q4_UPPER(d, codes), x4, part);
+            part = _mm512_fmadd_ps(Q4_UPPER(d1, codes), x5, part);
+            part = _mm512_fmadd_ps(Q4_UPPER(d2, codes), x6, part);
+            part = _mm512_fmadd_ps(Q4_UPPER(d3, codes), x7, part);
             acc[r] = _mm512_fmadd_ps(part, _mm512_permutexvar_ps(si, sc[r]), acc[r]);
         }
     }
