@@ -1,8 +1,8 @@
-"""The int4 product's other code paths (csrc/qmatvec.h): the AVX2 path and the scalar one, each built from the same
-sources with the machine's AVX-512 macro removed or LINATTN_PLAIN_C defined, against the dequantized matrix's
-fp64 product within the computed bound (tests/quant/test_decode.py's check; the native build is tested there).
-Widths with and without a tail after the last vector block, rows not a multiple of 4, groups 32 and 64, batches,
-threads, NaN / inf and huge / tiny inputs."""
+"""The int4 product's other code paths (csrc/qmatvec.h): AVX-512 without AVX-512BW, AVX2 and scalar, each built from
+the same sources with the machine's AVX-512BW or AVX-512 macro removed or LINATTN_PLAIN_C defined, against the
+dequantized matrix's fp64 product within the computed bound (tests/quant/test_decode.py's check; the native build
+is tested there). Widths with and without a tail after the last vector block, rows not a multiple of 4, groups 32
+and 64, batches, threads, NaN / inf and huge / tiny inputs."""
 from __future__ import annotations
 
 import ctypes
@@ -29,6 +29,7 @@ def _cpu_flags() -> set:
 
 # the prefix that selects each path (on top of -march=native); the AVX2 path needs AVX2 and FMA on this machine
 PATHS = {
+    "avx512f": ("#undef __AVX512BW__\n", {"avx512f"}),   # without the 16-bit permute: a shift per nibble
     "avx2": ("#undef __AVX512F__\n", {"avx2", "fma"}),
     "scalar": ("#define LINATTN_PLAIN_C\n", set()),
 }
