@@ -196,13 +196,22 @@ static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int
             acc[r] = _mm512_fmadd_ps(part, _mm512_permutexvar_ps(si, sc[r]), acc[r]);
         }
     }
-    for (int r = 0; r < R; ++r) {
+    float sum[4];
+    if (R == 4) {   /* the four rows' lanes summed together: a row's quarters, then a quarter's lanes */
+        const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], 0x44),
+                                        _mm512_shuffle_f32x4(acc[0], acc[1], 0xEE)),
+                     u1 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], 0x44),
+                                        _mm512_shuffle_f32x4(acc[2], acc[3], 0xEE));
+        __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+        v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));
+        v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
         float t[16];
-        _mm512_storeu_ps(t, acc[r]);
-        for (int h = 8; h >= 1; h /= 2)
-            for (int q = 0; q < h; ++q) t[q] += t[q + h];
-        out[r] = t[0] + int4_row_scalar(mv, m, group, w + r * mb, sr + r * ng, x);
-    }
+        _mm512_storeu_ps(t, v);
+        for (int r = 0; r < 4; ++r) sum[r] = t[4 * r];
+    } else
+        for (int r = 0; r < R; ++r) sum[r] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < R; ++r)
+        out[r] = mv < m ? sum[r] + int4_row_scalar(mv, m, group, w + r * mb, sr + r * ng, x) : sum[r];
 }
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(LINATTN_PLAIN_C)
 #include <immintrin.h>
