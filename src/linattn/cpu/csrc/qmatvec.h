@@ -106,10 +106,11 @@ static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, const 
    and its two nibbles split. The inputs are permuted once per call to match (x_perm[b + L s + k] = x[b + 8k + s]
    per block of 8L inputs, L lanes), the 4 rows of a step sharing their loads. A lane's 8 codes lie in one group
    (groups are 32 or 64 inputs), so a block's partial sums take their scales lane by lane. The next rows' bytes
-   are prefetched two steps of 4 rows ahead, one line per row read: one stream at the pace of the four rows read
-   (this product computes ~0.4 of the time its bytes take from memory; prefetched less far ahead, the two did not
-   overlap: 1.6x its bytes' floor instead of 1.2x). */
-#define Q4_PF_AHEAD 2   /* steps of 4 rows */
+   are prefetched Q4_PF_BYTES ahead (whole steps of 4 rows, at least 2), one line per row read: one stream at the
+   pace of the four rows read (this product computes ~0.5 of the time its bytes take from memory; without the
+   prefetch the two overlapped poorly: ~2.2x its bytes' floor instead of ~1.3x, a loaded 1-thread loop over 4096 x
+   4096 matrices). A distance in bytes keeps short rows (1024 inputs: 2 KiB a step) as far ahead as long ones. */
+#define Q4_PF_BYTES 16384
 
 /* the scalar product of one row (every build; the vector paths' tail of < one block): inputs j0 .. m-1 */
 static inline float int4_row_scalar(int64_t j0, int64_t m, int64_t group, const uint8_t *w, const uint16_t *sr,
@@ -177,7 +178,7 @@ static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int
                      x3 = _mm512_load_ps(xb + 48), x4 = _mm512_load_ps(xb + 64), x5 = _mm512_load_ps(xb + 80),
                      x6 = _mm512_load_ps(xb + 96), x7 = _mm512_load_ps(xb + 112);
         for (int r = 0; r < R; ++r) {
-            if (pf_bytes > 0) {   /* line `line` of the rows Q4_PF_AHEAD steps on, taken row by row */
+            if (pf_bytes > 0) {   /* line `line` of the rows ahead, taken row by row */
                 const int64_t off = (line & 3) * mb + (line >> 2) * 64;
                 if (off < pf_bytes) _mm_prefetch((const char *)(pf + off), _MM_HINT_T1);
                 ++line;
@@ -277,8 +278,9 @@ static void matvec_rows_int4(int64_t B, int64_t n, int64_t m, int64_t group, int
         float out[4];
 #if defined(Q4_LANES)
         if (xp) {
-            /* the rows Q4_PF_AHEAD steps on (pf_bytes of them in W), prefetched while the first x row is read */
-            const int64_t ahead = i0 + 4 * Q4_PF_AHEAD, pf_bytes = b == 0 && ahead < n ? (n - ahead) * mb : 0;
+            /* the rows Q4_PF_BYTES on (pf_bytes of them in W), prefetched while the first x row is read */
+            const int64_t steps = (Q4_PF_BYTES + 4 * mb - 1) / (4 * mb), ahead = i0 + 4 * (steps < 2 ? 2 : steps),
+                          pf_bytes = b == 0 && ahead < n ? (n - ahead) * mb : 0;
             const uint8_t *pf = pf_bytes ? W + ahead * mb : W;
             if (r == 4)
                 int4_rows_vec(4, m, group, W + i0 * mb, s + i0 * ng, xp + b * m, xb, pf, pf_bytes, out);
