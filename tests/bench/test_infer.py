@@ -74,6 +74,24 @@ def test_bench_infer_tiny(tmp_path, capsys):
     assert rows[("llama.cpp", "fp32")]["decode_tok_s"] == 10.0
 
 
+@pytest.mark.skipif(not HAS_HF, reason="needs transformers (the hf extra)")
+def test_bench_infer_quantized_llama_rows_pass_llama_args(tmp_path):
+    """--gguf int8= / int4= rows (Q8_0 / Q4_0 files), with --llama-args reaching llama-bench's command line."""
+    fake = _fake_llama_bench(tmp_path)
+    fake.write_text(fake.read_text().replace("a = sys.argv\n", "a = sys.argv\nassert a[-2:] == ['--repack', '0'], a\n"))
+    files = {d: tmp_path / f"{d}.gguf" for d in ("int8", "int4")}
+    for f in files.values():
+        f.write_bytes(b"GGUF")
+    rc = main(["bench", "infer", "--shape", "tiny", "--engines", "linattn", "--dtypes", "int8,int4", "--prompt", "4",
+               "--decode", "1", "--repeats", "1", "--threads", "1", "--bandwidth-mib", "16", "--llama-bench",
+               str(fake), "--llama-args", "--repack 0", "--gguf", *(f"{d}={f}" for d, f in files.items()),
+               "--out", str(tmp_path / "out"), "--quiet"])
+    assert rc == 0
+    data = json.loads((tmp_path / "out" / "infer.json").read_text())
+    rows = {(r["engine"], r["dtype"]): r for r in data["records"]}
+    assert rows[("llama.cpp", "int8")]["decode_tok_s"] == rows[("llama.cpp", "int4")]["decode_tok_s"] == 10.0
+
+
 def test_bench_infer_bad_options_exit_2(tmp_path, capsys):
     assert main(["bench", "infer", "--engines", "nope"]) == 2
     assert main(["bench", "infer", "--dtypes", "fp16"]) == 2

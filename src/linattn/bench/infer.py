@@ -32,6 +32,7 @@ import glob
 import importlib.util
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -84,6 +85,9 @@ def add_arguments(p) -> None:
     p.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary (optional)")
     p.add_argument("--gguf", nargs="+", default=None, metavar="DTYPE=FILE",
                    help="GGUF files of the transformers model's weights for llama-bench, e.g. fp32=m.gguf")
+    p.add_argument("--llama-args", default="", metavar="ARGS",
+                   help="more arguments for llama-bench, one string (e.g. \"--repack 0\" where its repacked "
+                        "Q4_0 / Q8_0 kernels use instructions the machine refuses)")
     p.add_argument("--llama-cpp", default=None, metavar="DIR",
                    help="a llama.cpp source tree: convert the model with its convert_hf_to_gguf.py")
     p.add_argument("--bandwidth-mib", type=int_at_least(1), default=None,
@@ -284,7 +288,7 @@ def llama_rows(a, shape, dtypes: Sequence[str], floors: Dict[tuple, float], log)
             continue
         for t in a.threads:
             cmd = [a.llama_bench, "-m", files[name], "-p", str(a.prompt), "-n", str(a.decode), "-t", str(t),
-                   "-r", str(a.repeats), "-o", "json"]
+                   "-r", str(a.repeats), "-o", "json", *shlex.split(a.llama_args)]
             log(" ".join(cmd))
             res = subprocess.run(cmd, check=True, capture_output=True, text=True)
             got = parse_llama_bench(res.stdout)

@@ -1,0 +1,98 @@
+"""The int4 product's other code paths (csrc/qmatvec.h): AVX-512 without AVX-512BW, AVX2 and scalar, each built from
+the same sources with the machine's AVX-512BW or AVX-512 macro removed or LINATTN_PLAIN_C defined, against the
+dequantized matrix's fp64 product within the computed bound (tests/quant/test_decode.py's check; the native build
+is tested there). Widths with and without a tail after the last vector block, rows not a multiple of 4, groups 32
+and 64, batches, threads, NaN / inf and huge / tiny inputs."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from linattn.cpu import bindings, build as cbuild, decode as cpu_decode
+from tests.quant.test_decode import _check_product, _Stored
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
+
+
+def _cpu_flags() -> set:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# the prefix that selects each path (on top of -march=native); the AVX2 path needs AVX2 and FMA on this machine
+PATHS = {
+    "avx512f": ("#undef __AVX512BW__\n", {"avx512f"}),   # without the 16-bit permute: a shift per nibble
+    "avx2": ("#undef __AVX512F__\n", {"avx2", "fma"}),
+    "scalar": ("#define LINATTN_PLAIN_C\n", set()),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PATHS))
+def decode_lib(request, tmp_path_factory):
+    """decode.c built with `PATHS[name]`'s prefix, bound in place of the native library for the test."""
+    prefix, needs = PATHS[request.param]
+    if not needs <= _cpu_flags():
+        pytest.skip(f"the {request.param} path needs {sorted(needs)}")
+    tmp = tmp_path_factory.mktemp(request.param)
+    src = tmp / "src"
+    src.mkdir()
+    for f in cbuild.CSRC.iterdir():
+        if f.is_file():
+            (src / f.name).write_bytes(f.read_bytes())
+    (src / "decode.c").write_text(prefix + (cbuild.CSRC / "decode.c").read_text())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LINATTN_CACHE_DIR", str(tmp / "cache"))
+        lib = ctypes.CDLL(str(cbuild.build("decode", src)))
+        mp.setattr(bindings, "load_library", lambda name: lib if name == "decode" else None)
+        yield request.param
+
+
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("n,k", [(13, 64), (16, 128), (9, 192), (8, 320), (5, 1088), (4, 2048)])
+def test_int4_paths_match_dequantized_fp64(decode_lib, group, n, k):
+    if k % group:
+        pytest.skip("int4 needs in_features a multiple of the group")
+    q = _Stored(n, k, "int4", group, seed=n + k, bias=True)
+    for B in (1, 3):
+        x = torch.randn(B, k, generator=torch.Generator().manual_seed(B))
+        add = torch.randn(B, n, generator=torch.Generator().manual_seed(B + 7))
+        _check_product(q, x)
+        _check_product(q, x, bias=q.bias, add=add)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_paths_hostile_inputs(decode_lib, group):
+    q = _Stored(8, 256, "int4", group, seed=3)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    x[1, 130] = float("nan")   # in the second vector block
+    x[2, 7] = float("inf")
+    y = cpu_decode.weight_matvec(x, "int4", q.stored, q.scales, group)
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+    col = q.dequantize(torch.float64)[:, 7]
+    want = torch.where(col == 0, float("nan"), torch.sign(col) * float("inf"))
+    assert torch.equal(torch.isnan(y[2]), torch.isnan(want)) and torch.equal(y[2][col != 0].double(), want[col != 0])
+    for scale in (1e-38, 1e35):   # subnormal products; partial sums far from overflow (8 * group * 1e35 < 3.4e38)
+        _check_product(q, torch.randn(2, 256, generator=torch.Generator().manual_seed(5)) * scale)
+
+
+def test_int4_paths_threads(decode_lib):
+    """Rows split across threads: the same bits as one thread."""
+    q = _Stored(532, 512, "int4", 32, seed=9, bias=True)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1, _ = _check_product(q, x, bias=q.bias)
+        torch.set_num_threads(2)
+        y2, _ = _check_product(q, x, bias=q.bias)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(y1, y2)
