@@ -276,3 +276,44 @@ def test_scoped_steps_match_the_torch_lines():
         dy = torch.randn(50, generator=torch.Generator().manual_seed(4), dtype=dtype)
         ya.backward(dy), yb.backward(dy)
         assert ya.dtype == dtype and torch.equal(ya, yb) and torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("case", ["taylor2 map", "clamp norm"])
+def test_calls_with_torch_work_keep_torch_threads(case, monkeypatch):
+    """Where torch computes the features (a map outside the kernels) or the preparation (qk_l2norm="clamp"), its
+    work is large: it runs at the caller's count, not inside torch_on_one_thread (the linear kernel then too)."""
+    from linattn.cpu import bindings
+    from linattn.ops import delta_core
+
+    seen = []
+    real_require, real_l2norm = bindings.require, delta_core.l2norm
+
+    def spy(name):
+        bound = real_require(name)
+
+        def call(fn, *args):
+            seen.append((fn, torch.get_num_threads()))
+            return bound(fn, *args)
+        return call
+
+    def l2norm_spy(x, mode):
+        seen.append(("l2norm", torch.get_num_threads()))
+        return real_l2norm(x, mode)
+
+    monkeypatch.setattr(bindings, "require", spy)
+    monkeypatch.setattr(delta_core, "l2norm", l2norm_spy)
+    n0 = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        if case == "taylor2 map":
+            x = _lin_inputs(1, 200, 2, torch.float64, False, seed=2)
+            linear_attention(x["q"], x["k"], x["v"], feature_map="taylor2", mode="chunk", backend="cpu")
+            watched = "linattn_linear_fwd"
+        else:
+            x = _delta_inputs(1, 200, 2, torch.float64, True, seed=2)
+            delta_rule(x["q"], x["k"], x["v"], x["beta"], g=x["g"], qk_l2norm="clamp", backend="cpu")
+            watched = "l2norm"
+    finally:
+        torch.set_num_threads(n0)
+    counts = [n for fn, n in seen if fn == watched]
+    assert counts and all(n == 3 for n in counts), seen
