@@ -32,6 +32,7 @@ def _every_call_threaded(monkeypatch):
 
     monkeypatch.setattr(clinear, "GRAIN", 1.0)
     monkeypatch.setattr(cdelta, "GRAIN", 1.0)
+    monkeypatch.setattr(cdelta, "PREP_GRAIN", 1.0)
 
 
 def _lin_inputs(B, T, H, dtype, gate, seed=0):
@@ -55,8 +56,9 @@ def _delta_inputs(B, T, H, dtype, gate, seed=0):
     return x
 
 
-def _run(op, x, threads, backend="cpu", cu_seqlens=None, S0=None):
-    """(outputs..., gradients...) of one call with autograd at `threads` torch threads."""
+def _run(op, x, threads, backend="cpu", cu_seqlens=None, S0=None, counts=None):
+    """(outputs..., gradients...) of one call with autograd at `threads` torch threads (`counts`: a list that
+    receives torch's thread count after the call and after its backward)."""
     n0 = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -70,9 +72,13 @@ def _run(op, x, threads, backend="cpu", cu_seqlens=None, S0=None):
             o, s = delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["beta"], g=leaves.get("g"), mode="chunk",
                               backend=backend, cu_seqlens=cu_seqlens, initial_state=S0, output_final_state=True)
             outs = (o, s)
+        if counts is not None:
+            counts.append(torch.get_num_threads())
         w = torch.Generator().manual_seed(5)
         loss = sum((t * torch.randn(t.shape, generator=w, dtype=t.dtype)).sum() for t in outs)
         grads = torch.autograd.grad(loss, list(leaves.values()))
+        if counts is not None:
+            counts.append(torch.get_num_threads())
         return tuple(t.detach() for t in outs) + tuple(grads)
     finally:
         torch.set_num_threads(n0)
@@ -179,6 +185,135 @@ def test_small_calls_get_fewer_threads(monkeypatch):
         q = torch.empty(16384, 4, 64)
         assert cdelta._plan(q[:256], 64, st, st, None).nthreads == 1
         assert cdelta._plan(q, 64, st, st, None).nthreads == 3
+        assert cdelta._prep_threads(256 * 4, 192) == 1 and cdelta._prep_threads(16384 * 4, 192) == 3
         assert threads() == 3 and threads(5.0, 2.0) == 2 and threads(1.0, 2.0) == 1
     finally:
         torch.set_num_threads(n0)
+
+
+def test_torch_on_one_thread_keeps_the_kernels_count():
+    """Inside the block torch runs on one thread and `threads()` gives the count from before; nested blocks keep
+    it; the count comes back after (a count set inside is kept); at one thread nothing changes."""
+    from linattn.cpu import threads, torch_on_one_thread
+
+    n0 = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        with torch_on_one_thread():
+            assert torch.get_num_threads() == 1 and threads() == 3 and threads(5.0, 2.0) == 2
+            with torch_on_one_thread():
+                assert torch.get_num_threads() == 1 and threads() == 3
+            assert torch.get_num_threads() == 1 and threads() == 3
+        assert torch.get_num_threads() == 3 and threads() == 3
+        with pytest.raises(RuntimeError):
+            with torch_on_one_thread():
+                raise RuntimeError("boom")
+        assert torch.get_num_threads() == 3 and threads() == 3
+        with torch_on_one_thread():
+            torch.set_num_threads(2)   # the caller's own setting, made inside: kept
+        assert torch.get_num_threads() == 2 and threads() == 2
+        torch.set_num_threads(1)
+        with torch_on_one_thread():
+            assert torch.get_num_threads() == 1 and threads() == 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(n0)
+
+
+@pytest.mark.parametrize("op", ["linear", "delta"])
+def test_public_calls_run_torch_on_one_thread_around_the_kernels(op, monkeypatch):
+    """linear_attention (elu+1, a map inside the kernels) and delta_rule (Gated DeltaNet) on the CPU backend: every
+    kernel call, forward and backward, gets the caller's 3 threads while torch's count is 1 (its operators around the
+    kernels on one thread); afterwards torch's count is 3 again. The values are those of the PyTorch forms."""
+    from linattn.cpu import bindings
+
+    seen = []
+    real = bindings.require
+
+    def spy(name):
+        bound = real(name)
+
+        def call(fn, *args):
+            seen.append((name, fn, torch.get_num_threads(), _plan_threads(args)))
+            return bound(fn, *args)
+        return call
+
+    def _plan_threads(args):
+        plan = getattr(args[1], "_obj", None) if len(args) > 1 else None   # ctypes.byref(plan)
+        return getattr(plan, "nthreads", args[-1])   # the plan's count, or deltaprep's last argument
+
+    x = (_lin_inputs if op == "linear" else _delta_inputs)(1, T_LONG, 2, torch.float64, True, seed=11)
+    want = _run(op, x, 1, backend="torch")
+    monkeypatch.setattr(bindings, "require", spy)
+    counts = []
+    got = _run(op, x, 3, counts=counts)
+    assert counts == [3, 3]
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-10), (a - b).abs().max()
+    fns = {fn for _, fn, _, _ in seen}
+    assert any(f.endswith("_fwd") for f in fns) and any(f.endswith("_bwd") for f in fns), fns
+    for name, fn, torch_threads, plan_threads in seen:
+        assert torch_threads == 1 and plan_threads == 3, (name, fn, torch_threads, plan_threads)
+
+
+def test_scoped_steps_match_the_torch_lines():
+    """floor_log_gate and write_strength (prepare_delta's gate floor and rescaled beta on the compiled path) give
+    the bits of the torch lines they replace, values and gradients, at the floor, below it, NaN included."""
+    from linattn.cpu.delta import floor_log_gate, write_strength
+
+    for dtype in (torch.float32, torch.float64):
+        g = torch.tensor([0.0, -1.5, -1e4, -1e4 - 1, -3e38, float("nan"), -0.0], dtype=dtype)
+        dy = torch.linspace(-1, 1, g.numel(), dtype=dtype)
+        a, b = g.clone().requires_grad_(), g.clone().requires_grad_()
+        ya, yb = floor_log_gate(a, 1e4), b.clamp_min(-1e4)
+        ya.backward(dy), yb.backward(dy)
+        assert torch.equal(ya.nan_to_num(7.0), yb.nan_to_num(7.0)) and torch.equal(a.grad, b.grad)
+        beta = torch.rand(50, generator=torch.Generator().manual_seed(2), dtype=dtype)
+        lam = torch.rand(50, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+        lam[0], lam[1] = 1.0, float("inf")
+        a, b = beta.clone().requires_grad_(), beta.clone().requires_grad_()
+        ya, yb = write_strength(a, lam), (b * lam.clamp_min(1.0)).to(dtype)
+        dy = torch.randn(50, generator=torch.Generator().manual_seed(4), dtype=dtype)
+        ya.backward(dy), yb.backward(dy)
+        assert ya.dtype == dtype and torch.equal(ya, yb) and torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("case", ["taylor2 map", "clamp norm"])
+def test_calls_with_torch_work_keep_torch_threads(case, monkeypatch):
+    """Where torch computes the features (a map outside the kernels) or the preparation (qk_l2norm="clamp"), its
+    work is large: it runs at the caller's count, not inside torch_on_one_thread (the linear kernel then too)."""
+    from linattn.cpu import bindings
+    from linattn.ops import delta_core
+
+    seen = []
+    real_require, real_l2norm = bindings.require, delta_core.l2norm
+
+    def spy(name):
+        bound = real_require(name)
+
+        def call(fn, *args):
+            seen.append((fn, torch.get_num_threads()))
+            return bound(fn, *args)
+        return call
+
+    def l2norm_spy(x, mode):
+        seen.append(("l2norm", torch.get_num_threads()))
+        return real_l2norm(x, mode)
+
+    monkeypatch.setattr(bindings, "require", spy)
+    monkeypatch.setattr(delta_core, "l2norm", l2norm_spy)
+    n0 = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        if case == "taylor2 map":
+            x = _lin_inputs(1, 200, 2, torch.float64, False, seed=2)
+            linear_attention(x["q"], x["k"], x["v"], feature_map="taylor2", mode="chunk", backend="cpu")
+            watched = "linattn_linear_fwd"
+        else:
+            x = _delta_inputs(1, 200, 2, torch.float64, True, seed=2)
+            delta_rule(x["q"], x["k"], x["v"], x["beta"], g=x["g"], qk_l2norm="clamp", backend="cpu")
+            watched = "l2norm"
+    finally:
+        torch.set_num_threads(n0)
+    counts = [n for fn, n in seen if fn == watched]
+    assert counts and all(n == 3 for n in counts), seen

@@ -14,19 +14,23 @@ Every library's interface (functions, argument types, return codes, ABI version,
 in `abi.py`; `bindings.py` loads a library and binds it from that table (`bindings.require(name)`), and `build.py`
 checks a loaded library against it. Helpers shared by the kernel modules: `ptr` (the address of a contiguous
 tensor for ctypes), `threads` (torch's intra-op thread count, passed to every kernel: a kernel's `num_threads(n)`
-follows `torch.set_num_threads`), `available(name)`.
+follows `torch.set_num_threads`), `torch_on_one_thread` (the small torch operators around a kernel on one thread,
+the kernel on the caller's count), `available(name)`.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from typing import Optional
+import threading
+from typing import Iterator, Optional
 
 import torch
 
 from ..errors import LinattnError
 from .build import enabled, load_library
 
-__all__ = ["available", "enabled", "load_library", "ptr", "threads", "KERNEL_DTYPES", "MAX_CHUNK"]
+__all__ = ["available", "enabled", "load_library", "ptr", "threads", "torch_on_one_thread", "KERNEL_DTYPES",
+           "MAX_CHUNK"]
 
 KERNEL_DTYPES = (torch.float32, torch.float64)  # the kernels compute in these; other dtypes are cast or fall back
 MAX_CHUNK = 512  # the chunk kernels keep a few C x C blocks per thread
@@ -51,8 +55,36 @@ def threads(work: Optional[float] = None, grain: float = 1.0) -> int:
     """torch's intra-op thread count, or fewer for a small call: at most one thread per `grain` of `work` (a kernel's
     own cost measure; a grain is about a millisecond of one thread's work). Forking threads for less than that costs
     more than it saves, and on a busy machine a thread that the system deschedules holds the whole call back."""
-    n = max(1, torch.get_num_threads())
+    n = max(1, getattr(_SCOPE, "threads", 0) or torch.get_num_threads())
     return n if work is None else max(1, min(n, int(work // grain)))
+
+
+_SCOPE = threading.local()  # per Python thread: the count torch_on_one_thread keeps for the kernels
+
+
+@contextlib.contextmanager
+def torch_on_one_thread() -> Iterator[None]:
+    """Inside the block torch's operators run on one thread, and `threads()` still gives the kernels torch's count
+    from before it. The operators around a kernel call (checks, gates, casts, layouts: a few passes over [B, T, H]
+    or [B, T, H, D]) are short, and each parallel one ends at a barrier: on a machine where another process holds
+    a core, the thread the system deschedules holds every such operator back by up to a time slice (measured on a
+    loaded 2-core machine: 15-30 ms each for 64k elements at 2 threads, where one thread takes 0.1 ms), while the
+    kernels themselves share their work dynamically (chains.h). Nested blocks keep the outer count; under
+    torch.compile (which traces the operators, not this state) and at one thread it does nothing. torch's count is
+    one per process: another Python thread running torch meanwhile runs on one thread too, and a count that it sets
+    meanwhile is kept."""
+    if torch.compiler.is_compiling() or getattr(_SCOPE, "threads", 0) or torch.get_num_threads() <= 1:
+        yield
+        return
+    n = torch.get_num_threads()
+    _SCOPE.threads = n
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        _SCOPE.threads = 0
+        if torch.get_num_threads() == 1:
+            torch.set_num_threads(n)
 
 
 c_ptr = ctypes.c_void_p

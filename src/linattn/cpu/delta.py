@@ -23,10 +23,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import bindings, ptr, threads
+from . import bindings, ptr, threads, torch_on_one_thread
 from .abi import DeltaPlan
 
-__all__ = ["CHECKPOINT", "available", "delta_prepare", "delta_prepare_raw", "delta_scan", "l2_rows", "prep_available"]
+__all__ = ["CHECKPOINT", "available", "delta_prepare", "delta_prepare_raw", "delta_scan", "floor_log_gate", "l2_rows",
+           "prep_available", "write_strength"]
 
 CHECKPOINT = 64  # tokens between the states the forward keeps for the backward
 
@@ -117,9 +118,10 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, do, dS, _dckpt):
     q, k, v, a, g, ckpt, starts, ck_off = ctx.saved_tensors
     N, H, K, V = starts.shape[0] - 1, q.shape[1], q.shape[2], v.shape[-1]
-    do = do.contiguous() if do is not None else v.new_zeros(v.shape)
-    dS = dS.contiguous() if dS is not None else q.new_zeros(N, H, K, V)
-    dq, dk, dv, da, dg, dS0 = delta_bwd(q, k, v, a, g, ckpt, starts, ck_off, do, dS)
+    with torch_on_one_thread():  # the layout and zeros around the kernel: cpu.torch_on_one_thread says why
+        do = do.contiguous() if do is not None else v.new_zeros(v.shape)
+        dS = dS.contiguous() if dS is not None else q.new_zeros(N, H, K, V)
+        dq, dk, dv, da, dg, dS0 = delta_bwd(q, k, v, a, g, ckpt, starts, ck_off, do, dS)
     return dq, dk, dv, da, (dg if ctx.has_gate else None), (dS0 if ctx.has_S0 else None), None, None, None
 
 
@@ -160,6 +162,14 @@ def delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
 # The preprocessing of prepare_delta (qk_l2norm="rsqrt", a = beta) in one pass (csrc/deltaprep.c)
 # ----------------------------------------------------------------------------------------------
 
+# a thread per PREP_GRAIN of rows x their width (about a millisecond of one thread's pass)
+PREP_GRAIN = float(1 << 20)
+
+
+def _prep_threads(rows: int, width: int) -> int:
+    return threads(float(rows) * width, PREP_GRAIN)
+
+
 def prep_available(dtype: torch.dtype) -> bool:
     """True for float32 / float64 when the kernels are switched on and deltaprep.c builds, eagerly (the fused
     preprocessing is an autograd Function around a ctypes call: torch.compile traces the PyTorch form)."""
@@ -175,13 +185,14 @@ class _DeltaPrep(torch.autograd.Function):
         R = beta.numel()
         qo, ko, vo, a = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
         bindings.require("deltaprep")("linattn_dprep_fwd", q.dtype, R, K, V, ptr(q), ptr(k), ptr(v), ptr(beta), scale,
-                                      eps, ptr(qo), ptr(ko), ptr(vo), ptr(a), threads())
+                                      eps, ptr(qo), ptr(ko), ptr(vo), ptr(a), _prep_threads(R, 2 * K + V))
         ctx.save_for_backward(q, k)
         ctx.scale, ctx.eps, ctx.V = scale, eps, V
         ctx.set_materialize_grads(False)
         return qo, ko, vo, a
 
     @staticmethod
+    @torch_on_one_thread()
     def backward(ctx, dqo, dko, dvo, da):
         q, k = ctx.saved_tensors
         K, V = q.shape[-1], ctx.V
@@ -191,7 +202,8 @@ class _DeltaPrep(torch.autograd.Function):
         dbeta = q.new_empty(q.shape[:-1])
         c = [x.contiguous() if x is not None else None for x in (dqo, dko, dvo, da)]
         bindings.require("deltaprep")("linattn_dprep_bwd", q.dtype, R, K, V, ptr(q), ptr(k), ctx.scale, ctx.eps,
-                                      *(ptr(x) for x in c), ptr(dq), ptr(dk), ptr(dv), ptr(dbeta), threads())
+                                      *(ptr(x) for x in c), ptr(dq), ptr(dk), ptr(dv), ptr(dbeta),
+                                      _prep_threads(R, 2 * K + V))
         return dq, dk, dv, dbeta, None, None
 
 
@@ -212,13 +224,14 @@ class _DeltaPrepRaw(torch.autograd.Function):
         qo, ko, vo = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         lam = q.new_empty(q.shape[:-1], dtype=torch.float64)
         bindings.require("deltaprep")("linattn_dprep_raw_fwd", q.dtype, R, K, V, ptr(q), ptr(k), ptr(v), scale,
-                                      ptr(qo), ptr(ko), ptr(vo), ptr(lam), threads())
+                                      ptr(qo), ptr(ko), ptr(vo), ptr(lam), _prep_threads(R, 2 * K + V))
         ctx.save_for_backward(k)
         ctx.scale, ctx.V = scale, V
         ctx.set_materialize_grads(False)
         return qo, ko, vo, lam
 
     @staticmethod
+    @torch_on_one_thread()
     def backward(ctx, dqo, dko, dvo, dlam):
         (k,) = ctx.saved_tensors
         K, V = k.shape[-1], ctx.V
@@ -228,7 +241,8 @@ class _DeltaPrepRaw(torch.autograd.Function):
         c = [x.contiguous() if x is not None else None for x in (dqo, dko, dvo)]
         dl = dlam.to(torch.float64).contiguous() if dlam is not None else None
         bindings.require("deltaprep")("linattn_dprep_raw_bwd", k.dtype, R, K, V, ptr(k), ctx.scale,
-                                      *(ptr(x) for x in c), ptr(dl), ptr(dq), ptr(dk), ptr(dv), threads())
+                                      *(ptr(x) for x in c), ptr(dl), ptr(dq), ptr(dk), ptr(dv),
+                                      _prep_threads(R, 2 * K + V))
         return dq, dk, dv, None
 
 
@@ -246,19 +260,20 @@ class _L2Rows(torch.autograd.Function):
         K = x.shape[-1]
         y = torch.empty_like(x)
         bindings.require("deltaprep")("linattn_l2rows_fwd", x.dtype, x.numel() // K, K, ptr(x), eps, ptr(y),
-                                      threads())
+                                      _prep_threads(x.numel() // K, K))
         ctx.save_for_backward(x)
         ctx.eps = eps
         return y
 
     @staticmethod
+    @torch_on_one_thread()
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         K = x.shape[-1]
         dy = dy.contiguous()
         dx = torch.empty_like(x)
         bindings.require("deltaprep")("linattn_l2rows_bwd", x.dtype, x.numel() // K, K, ptr(x), ctx.eps, ptr(dy),
-                                      ptr(dx), threads())
+                                      ptr(dx), _prep_threads(x.numel() // K, K))
         return dx, None
 
 
@@ -266,3 +281,46 @@ def l2_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(sum x^2 + eps) over the last dimension (ops/l2norm.py's "rsqrt" form, overflow-safe rows
     included) in one pass each way, for a float32 / float64 CPU x with a non-empty last dimension."""
     return _L2Rows.apply(x.contiguous(), float(eps))
+
+
+# ----------------------------------------------------------------------------------------------
+# The small torch steps of a compiled call, their backward on one thread too (cpu.torch_on_one_thread)
+# ----------------------------------------------------------------------------------------------
+
+class _FloorLogGate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, floor):
+        ctx.save_for_backward(g)
+        ctx.floor = floor
+        return g.clamp_min(-floor)
+
+    @staticmethod
+    @torch_on_one_thread()
+    def backward(ctx, dy):
+        (g,) = ctx.saved_tensors
+        return torch.where(g >= -ctx.floor, dy, torch.zeros((), dtype=dy.dtype)), None  # clamp_min's backward
+
+
+def floor_log_gate(g: torch.Tensor, floor: float) -> torch.Tensor:
+    """g.clamp_min(-floor), the same values and gradient (torch's clamp_min backward), its backward on one thread."""
+    return _FloorLogGate.apply(g, float(floor))
+
+
+class _WriteStrength(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, beta, lam):
+        d2 = lam.clamp_min(1.0)
+        ctx.save_for_backward(d2)
+        return (beta.to(d2.dtype) * d2).to(beta.dtype)
+
+    @staticmethod
+    @torch_on_one_thread()
+    def backward(ctx, da):
+        (d2,) = ctx.saved_tensors
+        return (da.to(d2.dtype) * d2).to(da.dtype), None
+
+
+def write_strength(beta: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """The rescaled write strength beta max(lam, 1) (lam = |k|^2 held constant, in float64), in beta's dtype: the
+    arithmetic of prepare_delta's PyTorch lines, differentiable in beta, its backward on one thread."""
+    return _WriteStrength.apply(beta, lam.detach())

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..feature_codes import FMAP_IDENTITY, FUSED_MAPS
-from . import bindings, ptr, threads
+from . import bindings, ptr, threads, torch_on_one_thread
 from .abi import LinearPlan
 
 FMAPS = {None: FMAP_IDENTITY, **FUSED_MAPS}  # the maps applied inside the kernels (None: features given)
@@ -132,7 +132,8 @@ def _backward(ctx, dnum, dden, dS, dP, dbad):
     q, k, v, g, P, *o_den = ctx.saved_tensors
     starts, chunk_size, norm, fmap, scale, has_S0, eps = ctx.args
     o, den = o_den if ctx.divided else (None, None)
-    dq, dk, dv, dg, dS0 = _bwd(q, k, v, g, P, dnum, dden, dS, starts, chunk_size, norm, fmap, scale, o, den, eps)
+    with torch_on_one_thread():  # only the allocations around the kernel: cpu.torch_on_one_thread says why
+        dq, dk, dv, dg, dS0 = _bwd(q, k, v, g, P, dnum, dden, dS, starts, chunk_size, norm, fmap, scale, o, den, eps)
     return (dq, dk, dv, (dg if g is not None else None), (dS0 if has_S0 else None), None, None, None, None, None, None,
             None)
 

@@ -16,6 +16,7 @@ on the delta rule page of the documentation: docs/delta_rule.md.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
@@ -480,6 +481,33 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
         >>> torch.allclose(o, delta_rule(q, k, v, beta)[0], atol=1e-6)
         True
     """
+    with _torch_scope(fused, q, v, qk_l2norm, coefficient, r):
+        return _prepare_delta(q, k, v, beta, g=g, r=r, channel_gate=channel_gate, coefficient=coefficient,
+                              scale=scale, qk_l2norm=qk_l2norm, mode=mode, chunk_size=chunk_size,
+                              initial_state=initial_state, output_final_state=output_final_state,
+                              cu_seqlens=cu_seqlens, fused=fused, backend=backend)
+
+
+def _torch_scope(fused: bool, q, v, qk_l2norm, coefficient, r):
+    """`cpu.torch_on_one_thread` when the compiled preprocessing takes the call (the torch operators left around
+    the kernels are then a few passes over [B, T, H]: on one thread they never wait for a descheduled one), else
+    nothing (bad arguments: nothing here, the checks raise)."""
+    if (not fused or torch.compiler.is_compiling() or not isinstance(q, torch.Tensor)
+            or not isinstance(v, torch.Tensor) or q.device.type != "cpu"):
+        return contextlib.nullcontext()
+    try:
+        covered = _fused_prep(compute_dtype(q.dtype), q.device, resolve_l2norm(qk_l2norm), coefficient, r,
+                              value_groups(q, v))
+    except (LinattnError, RuntimeError):
+        return contextlib.nullcontext()
+    from ..cpu import torch_on_one_thread
+
+    return torch_on_one_thread() if covered else contextlib.nullcontext()
+
+
+def _prepare_delta(q, k, v, beta, *, g, r, channel_gate, coefficient, scale, qk_l2norm, mode, chunk_size,
+                   initial_state, output_final_state, cu_seqlens, fused, backend) -> DeltaProblem:
+    """prepare_delta's work (its docstring)."""
     n = value_groups(q, v)
     B, T, H, K, V = check_qkv(q, k, v[:, :, ::n] if n > 1 else v)   # a view with H heads: metadata only
     HV = H * n
@@ -505,7 +533,13 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
 
     cdt = compute_dtype(q.dtype)
     source = DeltaSource(q, k, v, beta, l2, scale, coefficient)
-    g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
+    fused = fused and _fused_prep(cdt, q.device, l2, coefficient, r, n)
+    if fused:  # the floor's backward as well on one thread (`cpu.torch_on_one_thread`)
+        from ..cpu.delta import delta_prepare, delta_prepare_raw, floor_log_gate, write_strength
+
+        g_c = floor_log_gate(g.to(cdt), LOG_GATE_FLOOR) if g is not None else None
+    else:
+        g_c = g.to(cdt).clamp_min(-LOG_GATE_FLOOR) if g is not None else None
     S0 = initial_state.to(cdt) if initial_state is not None else None
     if backend is not None and backend != "torch" and fla.runs_on(q.device):
         # the caller's tensors as they are: fla's kernels normalise and scale themselves (`fla_delta`)
@@ -514,13 +548,13 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
         if choose_backend(backend, raw).backend == "fla":
             return raw
     q_c, k_c, v_c, b_c = q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt)
-    if fused and _fused_prep(q_c, l2, coefficient, r, n):
-        from ..cpu.delta import delta_prepare, delta_prepare_raw
-
+    if fused:
         if l2 is None:   # the lines below, but for the coefficient and a d2 on [B, T, H] (EFLA)
             q_c, k_c, v_c, lam = delta_prepare_raw(q_c, k_c, v_c, scale)
-            a = coefficient(b_c.to(lam.dtype), lam) if coefficient is not None else b_c
-            a = (a * lam.detach().clamp_min(1.0)).to(cdt)
+            if coefficient is not None:
+                a = (coefficient(b_c.to(lam.dtype), lam) * lam.detach().clamp_min(1.0)).to(cdt)
+            else:
+                a = write_strength(b_c, lam)
         else:
             q_c, k_c, v_c, a = delta_prepare(q_c, k_c, v_c, b_c, scale, L2NORM_EPS)
         return DeltaProblem(q_c, k_c, v_c, None, a, g_c, S0, mode, chunk_size, offsets, N, output_final_state,
@@ -541,14 +575,14 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
 
 
 
-def _fused_prep(q_c: torch.Tensor, l2: Optional[str], coefficient, r, n: int) -> bool:
+def _fused_prep(cdt: torch.dtype, device: torch.device, l2: Optional[str], coefficient, r, n: int) -> bool:
     """Whether prepare_delta's compiled preprocessing covers the call (its `fused` argument)."""
     if l2 == "clamp" or (l2 is not None and coefficient is not None) or r is not None or n != 1 \
-            or q_c.device.type != "cpu":
+            or device.type != "cpu":
         return False
     from ..cpu.delta import prep_available
 
-    return prep_available(q_c.dtype)
+    return prep_available(cdt)
 
 
 def key_norms(k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -607,6 +641,17 @@ def _run_torch(p: DeltaProblem):
     return o.transpose(1, 2), S
 
 
+def _run_cpu(p: DeltaProblem) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cpu_delta, the decays and layouts around the scan on one thread (`cpu.torch_on_one_thread` says why)."""
+    if torch.compiler.is_compiling():
+        return cpu_delta(p)
+    from ..cpu import torch_on_one_thread
+
+    with torch_on_one_thread():
+        o, S = cpu_delta(p)
+        return o.to(p.out_dtype), S
+
+
 def run_delta(p: DeltaProblem, backend: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run a prepared call on `backend` -> (o [B, T, H, V] in the input dtype, final state or None)."""
     chosen = select_backend(backend, p)
@@ -618,7 +663,7 @@ def run_delta(p: DeltaProblem, backend: str = "auto") -> Tuple[torch.Tensor, Opt
     elif chosen == "triton":
         o, S = triton_delta(p)
     elif chosen == "cpu":
-        o, S = cpu_delta(p)
+        o, S = _run_cpu(p)
     else:
         # the forms compute in the prepared compute dtype (fp32 for half inputs): autocast must not take their
         # products back to bf16/fp16 (the CPU's triangular solve has no bf16 kernel; the states stay fp32)

@@ -45,6 +45,7 @@ constant to every query entry leaves the output unchanged.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
@@ -70,6 +71,7 @@ from ._common import (
     run_varlen,
 )
 from .backend import (
+    choose_backend,
     cpu_linear_attention,
     cpu_linear_log_attention,
     fla_linear_attention,
@@ -677,7 +679,21 @@ def linear_attention(
                                  g=g, scale=scale, mode=mode, chunk_size=chunk_size, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens, eps=eps)
     # finite inputs whose kernel values or sums exceed the dtype: a clear error, not NaN
-    return check_finite_output(run_linear_attention(p, backend), "linear_attention", q=q, k=k, v=v)
+    with _cpu_torch_scope(p, backend):
+        return check_finite_output(run_linear_attention(p, backend), "linear_attention", q=q, k=k, v=v)
+
+
+def _cpu_torch_scope(p: LinearProblem, backend: str):
+    """`cpu.torch_on_one_thread` for a call that the compiled kernels take with the map inside them (the torch
+    operators around them are then the layout and one finiteness pass), else nothing."""
+    from ..cpu import torch_on_one_thread
+    from ..cpu.linear import FMAPS
+
+    if (not torch.compiler.is_compiling() and p.q.device.type == "cpu" and p.fmap.fused_kernel is not None
+            and p.fmap.fused_kernel in FMAPS and not p.fmap.positional and not p.fmap.log_space
+            and choose_backend(backend, p).backend == "cpu"):
+        return torch_on_one_thread()
+    return contextlib.nullcontext()
 
 
 def _prepare(q, k, v, *, backend: str = "auto", **kwargs):

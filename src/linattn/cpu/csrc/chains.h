@@ -3,7 +3,8 @@
    between runs. A thread takes the free unit the claim cursor reaches next (round robin), so the units advance
    together and end together, and a thread that the system deschedules (another process on its core, a CPU quota)
    holds back one run of one unit while the others take the other units. There is no barrier inside the work: a
-   thread that finds every unfinished unit held yields its core (the holder may need it) and tries again.
+   thread that finds every unfinished unit held sleeps briefly and tries again (la_wait: its core goes idle, so the
+   system can move a descheduled holder onto it; a spinning or yielding thread keeps the core looking busy).
 
    The arithmetic of a unit is the same whoever runs which run, so results do not depend on the thread count.
    Without OpenMP the one thread claims every run in turn. Used by linear.c and delta.c. */
@@ -17,7 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__unix__) || defined(__APPLE__)
-#include <sched.h>
+#include <time.h>
 #endif
 
 typedef struct {
@@ -27,9 +28,15 @@ typedef struct {
     int64_t *run;           /* per unit: where its next run starts (read and written by the holder only) */
 } la_chains_t;
 
-static inline void la_yield(void) {
+#ifndef LA_WAIT_NS
+#define LA_WAIT_NS 20000 /* a wait's sleep: short beside a run (a millisecond or so), long enough to idle the core */
+#endif
+
+/* a thread with nothing to do until another thread's run ends: sleep (not spin, not sched_yield) */
+static inline void la_wait(void) {
 #if defined(__unix__) || defined(__APPLE__)
-    sched_yield();
+    const struct timespec ts = {0, LA_WAIT_NS};
+    nanosleep(&ts, NULL);
 #endif
 }
 
@@ -66,7 +73,7 @@ static int64_t la_chains_claim(la_chains_t *c, int64_t units) {
             const int64_t u = (c0 + i) % units;
             if (!atomic_exchange_explicit(&c->held[u], 1, memory_order_acquire)) return u;
         }
-        la_yield();
+        la_wait();
     }
     return -1;
 }

@@ -18,6 +18,10 @@
 
 LA_ABI_VERSION(deltaprep, 1)
 
+/* rows per claim: the threads claim blocks of rows as they go (a thread that the system deschedules holds back
+   one block, not a static half of the call); every row's arithmetic is its own, so any split gives the same bits */
+#define LA_PREP_ROWS 1024
+
 #define REAL float
 #define FN(name) name##_f32
 #include "deltaprep.c"
@@ -38,7 +42,7 @@ int FN(linattn_dprep_fwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const 
                           const REAL *beta, double scale, double eps, REAL *qo, REAL *ko, REAL *vo, REAL *a,
                           int nthreads) {
     const REAL sc = (REAL)scale, e = (REAL)eps;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, LA_PREP_ROWS)
     for (int64_t i = 0; i < R; ++i) {
         const REAL *restrict qr = q + i * K, *restrict kr = k + i * K, *restrict vr = v + i * V;
         REAL *restrict qor = qo + i * K, *restrict kor = ko + i * K, *restrict vor = vo + i * V;
@@ -99,7 +103,7 @@ int FN(linattn_dprep_bwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const 
 #pragma omp parallel num_threads(nthreads)
     {
         REAL G[K > 0 ? K : 1];
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, LA_PREP_ROWS)
         for (int64_t i = 0; i < R; ++i) {
             const REAL *restrict qr = q + i * K, *restrict kr = k + i * K;
             if (dqo) {
@@ -168,7 +172,7 @@ static inline double FN(lam_row)(const REAL *restrict x, int64_t K, int *wide) {
 int FN(linattn_dprep_raw_fwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v,
                               double scale, REAL *qo, REAL *ko, REAL *vo, double *lam, int nthreads) {
     const REAL sc = (REAL)scale;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, LA_PREP_ROWS)
     for (int64_t i = 0; i < R; ++i) {
         const REAL *restrict qr = q + i * K, *restrict kr = k + i * K, *restrict vr = v + i * V;
         REAL *restrict qor = qo + i * K, *restrict kor = ko + i * K, *restrict vor = vo + i * V;
@@ -197,7 +201,7 @@ int FN(linattn_dprep_raw_bwd)(int64_t R, int64_t K, int64_t V, const REAL *k, do
                               const REAL *dko, const REAL *dvo, const double *dlam, REAL *dq, REAL *dk,
                               REAL *dv, int nthreads) {
     const REAL sc = (REAL)scale;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, LA_PREP_ROWS)
     for (int64_t i = 0; i < R; ++i) {
         const REAL *restrict kr = k + i * K;
         REAL *restrict dqr = dq + i * K, *restrict dkr = dk + i * K, *restrict dvr = dv + i * V;
@@ -247,7 +251,7 @@ int FN(linattn_dprep_raw_bwd)(int64_t R, int64_t K, int64_t V, const REAL *k, do
 /* l2(x) of rows x [R, K] alone (a layer's own q normalisation, EFLA's): y [R, K]; backward dx from dy. */
 int FN(linattn_l2rows_fwd)(int64_t R, int64_t K, const REAL *x, double eps, REAL *y, int nthreads) {
     const REAL e = (REAL)eps;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, LA_PREP_ROWS)
     for (int64_t i = 0; i < R; ++i) {
         const REAL *restrict xr = x + i * K;
         REAL *restrict yr = y + i * K;
@@ -266,7 +270,7 @@ int FN(linattn_l2rows_fwd)(int64_t R, int64_t K, const REAL *x, double eps, REAL
 int FN(linattn_l2rows_bwd)(int64_t R, int64_t K, const REAL *x, double eps, const REAL *dy, REAL *dx,
                            int nthreads) {
     const REAL e = (REAL)eps;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, LA_PREP_ROWS)
     for (int64_t i = 0; i < R; ++i) FN(l2_bwd_row)(x + i * K, dy + i * K, K, e, dx + i * K);
     return 0;
 }

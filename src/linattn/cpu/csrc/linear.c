@@ -86,8 +86,8 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
      its own unit's sum. It loads every chunk twice (1.7-1.9x the work of one pass, measured), so it is used
      only where one pass cannot use every thread.
 
-   No barrier inside a call: a waiting thread yields its core. Every path runs the same per-chunk arithmetic in
-   the same order per unit, so the results do not depend on the thread count. */
+   No barrier inside a call: a waiting thread sleeps briefly (la_wait). Every path runs the same per-chunk
+   arithmetic in the same order per unit, so the results do not depend on the thread count. */
 typedef struct {
     _Atomic int64_t next;  /* the next task to claim */
     _Atomic int64_t *done; /* per unit: first halves finished */
@@ -133,7 +133,7 @@ static inline int lin_flow_finish(lin_flow_t *f, int64_t u, int64_t n) {
 }
 
 static inline void lin_flow_wait(lin_flow_t *f, int64_t u) {
-    while (!atomic_load_explicit(&f->ready[u], memory_order_acquire)) la_yield(); /* the holder may need the core */
+    while (!atomic_load_explicit(&f->ready[u], memory_order_acquire)) la_wait(); /* the holder may need the core */
 }
 
 #ifndef LIN_CHAIN_RUN
