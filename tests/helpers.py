@@ -238,3 +238,47 @@ def torch_decode_twin(model, dtype=None):
         if hasattr(m, "compiled_decode"):
             m.compiled_decode = False
     return twin
+
+
+# -- quantized weights (tests/quant, tests/cpu/test_qmatvec.py) ----------------------------------------------
+def _gamma_fp32(n: int) -> float:
+    u = 2.0 ** -24   # fp32 unit roundoff
+    return n * u / (1 - n * u)
+
+
+class StoredWeights:
+    """A matrix in a stored format without QuantizedLinear's shape rules (int4's out_features % 16 is torch's
+    packing's, not the compiled product's): quantize_weight / pack_int4 as QuantizedLinear stores them."""
+
+    def __init__(self, n, k, mode, group, seed=0, bias=False):
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 3   # rows of different scales
+        self.bias = torch.randn(n, generator=g) if bias else None
+        self.mode, self.group, self.in_features = mode, group or 0, k
+        from linattn.quant.linear import pack_int4, quantize_weight
+        self.q, self.scales = quantize_weight(w, mode, group)
+        self.stored = self.q if mode == "int8" else pack_int4(self.q)
+
+    def dequantize(self, dtype):
+        s = self.scales.to(dtype)
+        s = s.unsqueeze(1) if self.mode == "int8" else s.repeat_interleave(self.group, dim=1)
+        return self.q.to(dtype) * s
+
+
+def check_quantized_product(q: "StoredWeights", x, bias=None, add=None):
+    """The compiled product of q's stored weights against the fp64 product of its dequantized matrix."""
+    from linattn.cpu import decode as cpu_decode
+    y = cpu_decode.weight_matvec(x, q.mode, q.stored, q.scales, q.group, bias, add)
+    W = q.dequantize(torch.float64)
+    x64 = x.double()
+    ref = x64 @ W.t()
+    mag = x64.abs() @ W.abs().t()
+    if bias is not None:
+        ref, mag = ref + bias.double(), mag + bias.double().abs()
+    if add is not None:
+        ref, mag = ref + add.double(), mag + add.double().abs()
+    bound = _gamma_fp32(q.in_features + 8) * mag + 2.0 ** -140   # (+ subnormal rounding)
+    err = (y.double() - ref).abs()
+    assert torch.isfinite(y).all()
+    assert (err <= bound).all(), f"{q.mode}: max error {err.max().item():.3g}, bound {bound.min().item():.3g}"
+    return y, ref

@@ -1,7 +1,7 @@
 """The int4 product's other code paths (csrc/qmatvec.h): AVX-512 without AVX-512BW, AVX2 and scalar, each built from
 the same sources with the machine's AVX-512BW or AVX-512 macro removed or LINATTN_PLAIN_C defined, against the
-dequantized matrix's fp64 product within the computed bound (tests/quant/test_decode.py's check; the native build
-is tested there). Widths with and without a tail after the last vector block, rows not a multiple of 4, groups 32
+dequantized matrix's fp64 product within the computed bound (tests/helpers.py's check; tests/quant/test_decode.py
+tests the native build). Widths with and without a tail after the last vector block, rows not a multiple of 4, groups 32
 and 64, batches, threads, NaN / inf and huge / tiny inputs."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from linattn.cpu import bindings, build as cbuild, decode as cpu_decode
-from tests.quant.test_decode import _check_product, _Stored
+from tests.helpers import StoredWeights as _Stored, check_quantized_product as _check_product
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 
