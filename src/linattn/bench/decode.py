@@ -138,8 +138,8 @@ def _header_lines(a, info: Dict[str, Any]) -> List[str]:
             f"prefill timed up to N = {a.max_miss_softmax or 'any'}",
             f"timing   decode: median of {a.decode_steps} steps after 1 warm-up, models interleaved; "
             f"{torch.get_num_threads()} thread(s)",
-            "floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth (a sum over >= 4x "
-            "the LLC, once per N); step/floor = median decode / floor; mv = one torch.mv over every 2-D weight after "
+            "floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth (bench infer's "
+            "compiled read of >= 4x the LLC, best of 3 passes, once per N); step/floor = median decode / floor; mv = one torch.mv over every 2-D weight after "
             "each step"]
 
 

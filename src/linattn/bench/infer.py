@@ -11,8 +11,9 @@ The floor of a decoded token (the one definition `linattn bench decode` uses too
   (shared ones once; int8 / int4 layers: their integers, bf16 scales and biases), the input embedding as one row
   rather than the table, the head's matrix once (a tied head is the embedding table, counted once; a quantized tied
   head is its own integers); states, caches and activations are left out (they are small here);
-* read bandwidth: one pass summing a buffer of at least 4x the last-level cache (and 64 MiB), timed at the row's
-  thread count, once per round, interleaved with the models' timings: the floor and the models see the same load.
+* read bandwidth: the fastest of 3 passes reading a float32 buffer of at least 4x the last-level cache (and 64 MiB)
+  with a compiled vectorised sum (`ReadBandwidth`), at the row's thread count, once per round, interleaved with the
+  models' timings (the floor and the models see the same load); the table's bandwidth is the median over rounds.
 
 Per round, every row in turn: one prefill of --prompt tokens (timed: prompt tok/s), then --decode greedy tokens
 on its cache (timed: decode tok/s), then one bandwidth pass; the table gives medians over --repeats rounds. The
@@ -149,19 +150,39 @@ def last_level_cache_bytes() -> int:
 
 
 class ReadBandwidth:
-    """Memory read bandwidth: one pass summing a float32 buffer of at least 4x the last-level cache (`once` times one
-    pass at the current thread count and returns bytes / second)."""
+    """Memory read bandwidth over a float32 buffer of at least 4x the last-level cache (and 64 MiB): `once()` reads
+    it `passes` times at the current thread count and returns the fastest pass's bytes / second.
 
-    def __init__(self, nbytes: Optional[int] = None):
+    The pass is the compiled `linattn_probe_read_sum` (cpu/csrc/probe.c: blocks split across the threads, 64
+    independent vector lanes each, so it waits on memory, not on its own adds), a read as fast as a decode's weight
+    stream; `method` says "compiled", or "torch sum" when the compiled kernels are off or cannot be built (torch's
+    sum, slower at one thread: its floor is then an upper bound, and a decode can beat it).
+    """
+
+    def __init__(self, nbytes: Optional[int] = None, passes: int = 3):
+        from ..cpu import bindings
+
         nbytes = nbytes or max(4 * last_level_cache_bytes(), MIN_BANDWIDTH_BYTES)
         self.buf = torch.ones(nbytes // 4, dtype=torch.float32)
-        self.nbytes = self.buf.numel() * 4
-        self.buf.sum()   # the pages touched once
+        self.nbytes, self.passes = self.buf.numel() * 4, passes
+        self._lib, self._out = bindings.bind("probe"), torch.zeros(1, dtype=torch.float64)
+        self.method = "torch sum" if self._lib is None else "compiled"
+        self._read()   # the pages touched once
+
+    def _read(self) -> float:
+        if self._lib is None:
+            return float(self.buf.sum())
+        self._lib("linattn_probe_read_sum", None, self.buf.numel(), self.buf.data_ptr(),
+                  max(1, torch.get_num_threads()), self._out.data_ptr())
+        return float(self._out)
 
     def once(self) -> float:
-        t0 = time.perf_counter()
-        self.buf.sum()
-        return self.nbytes / (time.perf_counter() - t0)
+        best = float("inf")
+        for _ in range(self.passes):
+            t0 = time.perf_counter()
+            self._read()
+            best = min(best, time.perf_counter() - t0)
+        return self.nbytes / best
 
 
 # -- the models --------------------------------------------------------------------------------------------------
@@ -244,8 +265,29 @@ def parse_llama_bench(text: str) -> Dict[str, float]:
     return out
 
 
-def _gguf_files(a, shape, dtypes: Sequence[str], log) -> Dict[str, str]:
-    """dtype -> GGUF file: --gguf's, or converted with --llama-cpp's convert_hf_to_gguf.py."""
+#: run inside a fresh interpreter: llama.cpp's convert_hf_to_gguf.py (argv: the source tree, then the script's own
+#: arguments), its `conversion` and `gguf-py` packages first on the path, with the BPE pre-tokenizer named "qwen2":
+#: the random model's stand-in tokenizer (`write_stand_in_tokenizer`) is no published model's, whose hash the
+#: script would refuse, and llama-bench reads token ids only
+_CONVERT = """
+import runpy, sys
+root = sys.argv[1]
+sys.path[:0] = [root, root + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = [root + "/convert_hf_to_gguf.py"] + sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert_command(llama_cpp: str, folder: str, gguf_type: str, out: str) -> List[str]:
+    """The command converting the transformers model saved in `folder` to `out` (GGUF type `gguf_type`) with the
+    llama.cpp source tree `llama_cpp` (its multi-token-prediction head left out: the random model has none)."""
+    return [sys.executable, "-c", _CONVERT, llama_cpp, folder, "--outtype", gguf_type, "--no-mtp", "--outfile", out]
+
+
+def _gguf_files(a, shape, dtypes: Sequence[str], tmp: str, log) -> Dict[str, str]:
+    """dtype -> GGUF file: --gguf's, or converted into tmp with --llama-cpp's convert_hf_to_gguf.py."""
     if a.gguf:
         files = {}
         for item in a.gguf:
@@ -257,11 +299,12 @@ def _gguf_files(a, shape, dtypes: Sequence[str], log) -> Dict[str, str]:
                 raise UsageError(f"--gguf: no file {path!r}", prog=PROG)
             files[name] = path
         return files
-    script = os.path.join(a.llama_cpp, "convert_hf_to_gguf.py")
-    if not os.path.isfile(script):
-        raise UsageError(f"--llama-cpp: no convert_hf_to_gguf.py in {a.llama_cpp!r}", prog=PROG)
-    tmp = tempfile.mkdtemp(prefix="linattn-infer-")
-    build_row("transformers", shape, torch.float32, a.seed).save_pretrained(tmp)
+    from ..hf.infer_models import write_stand_in_tokenizer
+
+    model = build_row("transformers", shape, torch.float32, a.seed)
+    model.save_pretrained(tmp)
+    write_stand_in_tokenizer(tmp, shape["vocab"])
+    del model
     files = {}
     for name in dtypes:
         if name not in GGUF_TYPES:
@@ -269,15 +312,22 @@ def _gguf_files(a, shape, dtypes: Sequence[str], log) -> Dict[str, str]:
             continue
         out = os.path.join(tmp, f"model-{name}.gguf")
         log(f"converting to {out}")
-        subprocess.run([sys.executable, script, tmp, "--outtype", GGUF_TYPES[name],
-                        "--outfile", out], check=True, capture_output=True)
+        res = subprocess.run(convert_command(a.llama_cpp, tmp, GGUF_TYPES[name], out), capture_output=True,
+                             text=True)
+        if res.returncode != 0 or not os.path.isfile(out):
+            raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed ({res.returncode}) on the {name} model:\n"
+                               + "\n".join((res.stderr or res.stdout).strip().splitlines()[-12:]))
         files[name] = out
     return files
 
 
 def llama_rows(a, shape, dtypes: Sequence[str], floors: Dict[tuple, float], log) -> List[Dict[str, Any]]:
     """The llama.cpp rows (one per dtype and thread count), their floor that of the transformers model's bytes."""
-    files = _gguf_files(a, shape, dtypes, log)
+    with tempfile.TemporaryDirectory(prefix="linattn-infer-") as tmp:
+        return _llama_rows(_gguf_files(a, shape, dtypes, tmp, log), a, dtypes, floors, log)
+
+
+def _llama_rows(files: Dict[str, str], a, dtypes: Sequence[str], floors: Dict[tuple, float], log):
     rows = []
     for name in dtypes:
         if name not in files:
@@ -286,7 +336,10 @@ def llama_rows(a, shape, dtypes: Sequence[str], floors: Dict[tuple, float], log)
             cmd = [a.llama_bench, "-m", files[name], "-p", str(a.prompt), "-n", str(a.decode), "-t", str(t),
                    "-r", str(a.repeats), "-o", "json"]
             log(" ".join(cmd))
-            res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"llama-bench failed ({res.returncode}): " + " ".join(cmd) + "\n"
+                                   + "\n".join(res.stderr.strip().splitlines()[-12:]))
             got = parse_llama_bench(res.stdout)
             floor = floors.get((name, t))
             dec = got.get("decode_tok_s")
@@ -306,6 +359,8 @@ def _lists(a):
     if any(e != "linattn" for e in engines) and importlib.util.find_spec("transformers") is None:
         raise UsageError("--engines transformers / kernelize need transformers: pip install 'linattn[hf]'", prog=PROG)
     if a.llama_bench is not None:
+        if a.llama_cpp is not None and not os.path.isfile(os.path.join(a.llama_cpp, "convert_hf_to_gguf.py")):
+            raise UsageError(f"--llama-cpp: no convert_hf_to_gguf.py in {a.llama_cpp!r}", prog=PROG)
         if not os.path.isfile(a.llama_bench):
             raise UsageError(f"--llama-bench: no file {a.llama_bench!r}", prog=PROG)
         if not a.gguf and not a.llama_cpp:
@@ -356,9 +411,10 @@ def _records(rows, a, bws) -> List[Dict[str, Any]]:
 def _table(records) -> str:
     rows = [[r["engine"], r["dtype"], r["threads"], f"{r.get('prompt_tok_s') or 0:,.1f}",
              f"{r.get('decode_tok_s') or 0:,.2f}", common.fmt_ms(r.get("floor_ms")),
-             "-" if r.get("over_floor") is None else f"{r['over_floor']:.2f}"] for r in records]
+             "-" if r.get("over_floor") is None else f"{r['over_floor']:.2f}",
+             "-" if r.get("bandwidth_gbs") is None else f"{r['bandwidth_gbs']:.1f}"] for r in records]
     return common.format_table(["engine", "dtype", "threads", "prompt tok/s", "decode tok/s", "floor ms",
-                                "decode/floor"], rows)
+                                "decode/floor", "read GB/s"], rows)
 
 
 def run(a) -> int:
@@ -392,10 +448,10 @@ def run(a) -> int:
                 f"shape    {a.shape} {shape}",
                 f"timing   prompt {a.prompt} tokens, {a.decode} decoded tokens per round, {a.repeats} interleaved "
                 f"rounds (medians); threads {a.threads}",
-                f"floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth (sum over "
-                f"{bw.nbytes >> 20} MiB, LLC {last_level_cache_bytes() >> 20} MiB"
+                f"floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth ({bw.method} "
+                f"read of {bw.nbytes >> 20} MiB, LLC {last_level_cache_bytes() >> 20} MiB"
                 f"{'' if bw.nbytes >= 4 * last_level_cache_bytes() else ': LESS THAN 4x, partly cached'}, "
-                f"once per round)"]
+                f"best of {bw.passes} passes once per round, median over rounds)"]
         print("\n".join(head) + "\n")
         for row in rows:   # one warm-up token each (allocator, thread pools, plans)
             row["runner"].prefill(torch.zeros(1, min(a.prompt, 8), dtype=torch.int64))
