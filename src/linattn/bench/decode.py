@@ -139,7 +139,8 @@ def _header_lines(a, info: Dict[str, Any]) -> List[str]:
             f"timing   decode: median of {a.decode_steps} steps after 1 warm-up, models interleaved; "
             f"{torch.get_num_threads()} thread(s)",
             "floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth (bench infer's "
-            "compiled read of >= 4x the LLC, best of 3 passes, once per N); step/floor = median decode / floor; mv = one torch.mv over every 2-D weight after "
+            "compiled read of >= 4x the LLC, best of 3 passes, once per N); step/floor = median decode / floor; "
+            "mv = one torch.mv over every 2-D weight after "
             "each step"]
 
 
