@@ -2,13 +2,16 @@
 
 `kernelize` serves the linear mixers of a transformers model with linattn's operators, but a decoded token still
 runs one transformers module at a time (most of it torch's one-row `nn.Linear`). For the models described here
-(`Qwen3_5ForCausalLM`: Gated DeltaNet and gated softmax attention, zero-centred RMSNorms, SwiGLU MLPs), the
+(`Qwen3_5ForCausalLM`, and `Qwen3NextForCausalLM` with dense feed-forwards: Gated DeltaNet and gated softmax
+attention, zero-centred RMSNorms, SwiGLU MLPs; Qwen3-Next with experts and OLMo-hybrid, whose attention blocks are
+post-norm, are not described), the
 model's `forward` is given a hook (`hook_model`, an instance attribute with the class forward's signature) that
 decodes one token per row as ONE compiled call (`cpu/csrc/decode.c`, `linattn_decode_model`), built by
 `models/decode_plan.py` from a description of transformers' own modules:
 
-* the GDN layer: `in_proj_qkv | in_proj_b | in_proj_a | in_proj_z` fused once into the plan's
-  `[q | k | v | b | a | gate]` projection, the depthwise `conv1d`, `A_log` / `dt_bias`, the gated output RMSNorm;
+* the GDN layer: `in_proj_qkv | in_proj_b | in_proj_a | in_proj_z` (Qwen3-Next: `in_proj_qkvz`, `in_proj_ba`,
+  rows grouped per key head, regrouped) fused once into the plan's `[q | k | v | b | a | gate]` projection, the
+  depthwise `conv1d`, `A_log` / `dt_bias`, the gated output RMSNorm;
 * the attention: `decode_plan.AttentionDescription` (q-interleaved sigmoid gate, `1 + w` q/k norms, partial
   rotary with fp32 angles);
 * the block norms and the final norm: zero-centred, so `1 + w` is precomputed into the plan; `gate_proj` and
