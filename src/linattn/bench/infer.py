@@ -417,6 +417,34 @@ def _table(records) -> str:
                                 "decode/floor", "read GB/s"], rows)
 
 
+def _interleaved(a, engines: Sequence[str], dtypes: Sequence[str], shape, log) -> tuple:
+    """Builds every row's model and the bandwidth buffer, prints the report's head, runs the interleaved rounds.
+    Returns (the head's lines, the machine's description, the records)."""
+    rows = []
+    for e in engines:
+        for name in dtypes:
+            model = build_model(e, shape, name, a.seed)
+            rows.append({"engine": e, "dtype": name, "runner": Runner(model), "vocab": shape["vocab"],
+                         "bytes": model_decode_bytes(model),
+                         "times": {t: {"prefill": [], "decode": []} for t in a.threads}})
+    bw = ReadBandwidth(None if a.bandwidth_mib is None else a.bandwidth_mib << 20)
+    info = common.machine_info("cpu")
+    head = [PROG, common.describe_machine(info),
+            f"shape    {a.shape} {shape}",
+            f"timing   prompt {a.prompt} tokens, {a.decode} decoded tokens per round, {a.repeats} interleaved "
+            f"rounds (medians); threads {a.threads}",
+            f"floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth ({bw.method} "
+            f"read of {bw.nbytes >> 20} MiB, LLC {last_level_cache_bytes() >> 20} MiB"
+            f"{'' if bw.nbytes >= 4 * last_level_cache_bytes() else ': LESS THAN 4x, partly cached'}, "
+            f"best of {bw.passes} passes once per round, median over rounds)"]
+    print("\n".join(head) + "\n")
+    for row in rows:   # one warm-up token each (allocator, thread pools, plans)
+        row["runner"].prefill(torch.zeros(1, min(a.prompt, 8), dtype=torch.int64))
+        row["runner"].decode(1)
+    bws = _measure(rows, a, bw, log)
+    return head, info, _records(rows, a, bws)
+
+
 def run(a) -> int:
     """Run the `linattn bench infer` benchmark (module docstring).
 
@@ -434,30 +462,8 @@ def run(a) -> int:
     shape = SHAPES[a.shape]
     paths = common.output_paths("infer", a.out, exts=("txt", "json"), overwrite=a.overwrite)
     context = _fallbacks() if any(e != "linattn" for e in engines) else contextlib.nullcontext()
-    with context:
-        rows = []
-        for e in engines:
-            for name in dtypes:
-                model = build_model(e, shape, name, a.seed)
-                rows.append({"engine": e, "dtype": name, "runner": Runner(model), "vocab": shape["vocab"],
-                             "bytes": model_decode_bytes(model),
-                             "times": {t: {"prefill": [], "decode": []} for t in a.threads}})
-        bw = ReadBandwidth(None if a.bandwidth_mib is None else a.bandwidth_mib << 20)
-        info = common.machine_info("cpu")
-        head = [PROG, common.describe_machine(info),
-                f"shape    {a.shape} {shape}",
-                f"timing   prompt {a.prompt} tokens, {a.decode} decoded tokens per round, {a.repeats} interleaved "
-                f"rounds (medians); threads {a.threads}",
-                f"floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth ({bw.method} "
-                f"read of {bw.nbytes >> 20} MiB, LLC {last_level_cache_bytes() >> 20} MiB"
-                f"{'' if bw.nbytes >= 4 * last_level_cache_bytes() else ': LESS THAN 4x, partly cached'}, "
-                f"best of {bw.passes} passes once per round, median over rounds)"]
-        print("\n".join(head) + "\n")
-        for row in rows:   # one warm-up token each (allocator, thread pools, plans)
-            row["runner"].prefill(torch.zeros(1, min(a.prompt, 8), dtype=torch.int64))
-            row["runner"].decode(1)
-        bws = _measure(rows, a, bw, log)
-        records = _records(rows, a, bws)
+    with context:   # (the models are freed on return: the llama.cpp conversion builds and converts another copy)
+        head, info, records = _interleaved(a, engines, dtypes, shape, log)
     if a.llama_bench is not None:
         floors = {(r["dtype"], r["threads"]): r["bytes"] / (r["bandwidth_gbs"] * 1e9) * 1e3 for r in records
                   if r["engine"] != "linattn"} or {(r["dtype"], r["threads"]): r["floor_ms"] for r in records}
