@@ -95,7 +95,12 @@ def test_bench_infer_tiny(tmp_path, capsys):
     assert abs(lin - hf) / hf < 0.05
     for r in data["records"]:
         assert r["decode_tok_s"] > 0 and r["prompt_tok_s"] > 0 and r["over_floor"] > 0
-    assert rows[("llama.cpp", "fp32")]["decode_tok_s"] == 10.0
+    lr = rows[("llama.cpp", "fp32")]
+    assert lr["decode_tok_s"] == 10.0
+    # its floor: the transformers model's bytes (the GGUF's weights) over the bandwidth measured around its run
+    assert lr["bytes"] == rows[("transformers", "fp32")]["bytes"] and lr["bandwidth_gbs"] > 0
+    assert lr["floor_ms"] == pytest.approx(lr["bytes"] / (lr["bandwidth_gbs"] * 1e9) * 1e3)
+    assert lr["over_floor"] == pytest.approx(100.0 / lr["floor_ms"])
 
 
 def test_bench_infer_bad_options_exit_2(tmp_path, capsys):

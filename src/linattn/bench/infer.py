@@ -24,7 +24,8 @@ head layout, intermediate 3584, vocab 32k, tied head: 530M parameters), "qwen3.5
 llama.cpp: `--llama-bench PATH` with `--gguf FILE` (a GGUF of the same weights per dtype: `--gguf fp32=a.gguf
 bf16=b.gguf`) or `--llama-cpp DIR` (a llama.cpp source tree: its convert_hf_to_gguf.py converts the transformers
 model, saved to a temporary folder, at each dtype) adds a row per dtype and thread count from `llama-bench -p
-PROMPT -n DECODE -t THREADS -r REPEATS -o json` (its own timing loop, run after the interleaved rounds).
+PROMPT -n DECODE -t THREADS -r REPEATS -o json` (its own timing loop, run after the interleaved rounds; its floor
+from the bandwidth measured right before and after each llama-bench run).
 """
 from __future__ import annotations
 
@@ -321,31 +322,40 @@ def _gguf_files(a, shape, dtypes: Sequence[str], tmp: str, log) -> Dict[str, str
     return files
 
 
-def llama_rows(a, shape, dtypes: Sequence[str], floors: Dict[tuple, float], log) -> List[Dict[str, Any]]:
-    """The llama.cpp rows (one per dtype and thread count), their floor that of the transformers model's bytes."""
+def llama_rows(a, shape, dtypes: Sequence[str], nbytes: Dict[str, int], log) -> List[Dict[str, Any]]:
+    """The llama.cpp rows (one per dtype and thread count). Their floor: `nbytes[dtype]` (the transformers model's
+    decode bytes, else linattn's) over the read bandwidth measured right before and right after that llama-bench
+    run at its thread count (the mean of the two), so that it sees llama-bench's load, not the rounds'."""
     with tempfile.TemporaryDirectory(prefix="linattn-infer-") as tmp:
-        return _llama_rows(_gguf_files(a, shape, dtypes, tmp, log), a, dtypes, floors, log)
+        files = _gguf_files(a, shape, dtypes, tmp, log)
+        bw = ReadBandwidth(None if a.bandwidth_mib is None else a.bandwidth_mib << 20)
+        rows = []
+        for name in dtypes:
+            if name not in files:
+                continue
+            for t in a.threads:
+                torch.set_num_threads(t)
+                before = bw.once()
+                got = _llama_bench(a, files[name], t, log)
+                rate = (before + bw.once()) / 2
+                floor = nbytes[name] / rate * 1e3 if name in nbytes else None
+                dec = got.get("decode_tok_s")
+                rows.append({"engine": "llama.cpp", "dtype": name, "threads": t, **got, "bytes": nbytes.get(name),
+                             "bandwidth_gbs": rate / 1e9, "floor_ms": floor,
+                             "over_floor": (1e3 / dec) / floor if dec and floor else None})
+        return rows
 
 
-def _llama_rows(files: Dict[str, str], a, dtypes: Sequence[str], floors: Dict[tuple, float], log):
-    rows = []
-    for name in dtypes:
-        if name not in files:
-            continue
-        for t in a.threads:
-            cmd = [a.llama_bench, "-m", files[name], "-p", str(a.prompt), "-n", str(a.decode), "-t", str(t),
-                   "-r", str(a.repeats), "-o", "json"]
-            log(" ".join(cmd))
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode != 0:
-                raise RuntimeError(f"llama-bench failed ({res.returncode}): " + " ".join(cmd) + "\n"
-                                   + "\n".join(res.stderr.strip().splitlines()[-12:]))
-            got = parse_llama_bench(res.stdout)
-            floor = floors.get((name, t))
-            dec = got.get("decode_tok_s")
-            rows.append({"engine": "llama.cpp", "dtype": name, "threads": t, **got,
-                         "floor_ms": floor, "over_floor": (1e3 / dec) / floor if dec and floor else None})
-    return rows
+def _llama_bench(a, path: str, threads: int, log) -> Dict[str, float]:
+    """One `llama-bench` run on GGUF `path`: {"prompt_tok_s", "decode_tok_s"}."""
+    cmd = [a.llama_bench, "-m", path, "-p", str(a.prompt), "-n", str(a.decode), "-t", str(threads),
+           "-r", str(a.repeats), "-o", "json"]
+    log(" ".join(cmd))
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({res.returncode}): " + " ".join(cmd) + "\n"
+                           + "\n".join(res.stderr.strip().splitlines()[-12:]))
+    return parse_llama_bench(res.stdout)
 
 
 # -- the run -----------------------------------------------------------------------------------------------------
@@ -464,10 +474,10 @@ def run(a) -> int:
     context = _fallbacks() if any(e != "linattn" for e in engines) else contextlib.nullcontext()
     with context:   # (the models are freed on return: the llama.cpp conversion builds and converts another copy)
         head, info, records = _interleaved(a, engines, dtypes, shape, log)
-    if a.llama_bench is not None:
-        floors = {(r["dtype"], r["threads"]): r["bytes"] / (r["bandwidth_gbs"] * 1e9) * 1e3 for r in records
-                  if r["engine"] != "linattn"} or {(r["dtype"], r["threads"]): r["floor_ms"] for r in records}
-        records += llama_rows(a, shape, dtypes, floors, log)
+    if a.llama_bench is not None:   # (the transformers model's bytes: the GGUF holds its weights)
+        nbytes = {r["dtype"]: r["bytes"] for r in records if r["engine"] == "linattn"}
+        nbytes.update({r["dtype"]: r["bytes"] for r in records if r["engine"] != "linattn"})
+        records += llama_rows(a, shape, dtypes, nbytes, log)
     loads = common.loadavg()
     text = _table(records) + f"\n\nload average after the run: {loads}"
     print(text)
