@@ -11,6 +11,7 @@ import torch
 
 from linattn.bench import infer
 from linattn.cli import main
+from linattn.cpu import available as cpu_available, bindings
 from linattn.models import LanguageModel, LMConfig
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
@@ -34,6 +35,29 @@ def test_read_bandwidth_is_positive_and_sized_from_the_cache(monkeypatch):
     bw = infer.ReadBandwidth()
     assert bw.nbytes == infer.MIN_BANDWIDTH_BYTES and bw.once() > 0
     assert infer.ReadBandwidth(8 << 20).nbytes == 8 << 20
+
+
+@pytest.mark.skipif(not cpu_available(), reason="needs the compiled CPU kernels")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [0, 5, 16384, 16384 * 3 + 17, 100_003])
+def test_compiled_read_pass_reads_every_element(n, threads):
+    """The bandwidth pass is a real read: its sum is the buffer's (fp64 reference), whole blocks, tail and all, at
+    any thread count."""
+    x = torch.rand(n, dtype=torch.float32, generator=torch.Generator().manual_seed(n)) - 0.25
+    x[n // 2:n // 2 + 1] = 1000.0   # one large element anywhere must count
+    out = torch.full((1,), float("nan"), dtype=torch.float64)
+    bindings.bind("probe")("linattn_probe_read_sum", None, n, x.data_ptr(), threads, out.data_ptr())
+    got, ref = float(out), float(x.double().sum())
+    assert abs(got - ref) <= 1e-5 * (float(x.double().abs().sum()) + 1)
+
+
+def test_read_bandwidth_uses_the_compiled_pass_or_says_it_does_not(monkeypatch):
+    bw = infer.ReadBandwidth(4 << 20, passes=2)
+    assert bw.method == ("compiled" if cpu_available() else "torch sum")
+    assert bw._read() == bw.nbytes // 4   # a buffer of ones: the pass read every float
+    monkeypatch.setattr(bindings, "bind", lambda name: None)
+    off = infer.ReadBandwidth(4 << 20)
+    assert off.method == "torch sum" and off._read() == off.nbytes // 4 and off.once() > 0
 
 
 def test_parse_llama_bench():
@@ -71,7 +95,12 @@ def test_bench_infer_tiny(tmp_path, capsys):
     assert abs(lin - hf) / hf < 0.05
     for r in data["records"]:
         assert r["decode_tok_s"] > 0 and r["prompt_tok_s"] > 0 and r["over_floor"] > 0
-    assert rows[("llama.cpp", "fp32")]["decode_tok_s"] == 10.0
+    lr = rows[("llama.cpp", "fp32")]
+    assert lr["decode_tok_s"] == 10.0
+    # its floor: the transformers model's bytes (the GGUF's weights) over the bandwidth measured around its run
+    assert lr["bytes"] == rows[("transformers", "fp32")]["bytes"] and lr["bandwidth_gbs"] > 0
+    assert lr["floor_ms"] == pytest.approx(lr["bytes"] / (lr["bandwidth_gbs"] * 1e9) * 1e3)
+    assert lr["over_floor"] == pytest.approx(100.0 / lr["floor_ms"])
 
 
 @pytest.mark.skipif(not HAS_HF, reason="needs transformers (the hf extra)")
@@ -102,3 +131,46 @@ def test_bench_infer_bad_options_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--engines" in err and "--dtypes" in err and "--llama-bench" in err
     assert os.listdir(tmp_path) == ["lb"]   # nothing written
+
+
+def _fake_llama_cpp(tmp_path):
+    """A stand-in llama.cpp source tree: its convert_hf_to_gguf.py checks what the real one needs (a saved model
+    with a tokenizer, the pre-tokenizer named, the arguments) and writes a file."""
+    root = tmp_path / "llama.cpp"
+    (root / "conversion").mkdir(parents=True)
+    (root / "gguf-py").mkdir()
+    (root / "conversion" / "__init__.py").write_text("")
+    (root / "conversion" / "base.py").write_text("class TextModel:\n    pass\n")
+    (root / "convert_hf_to_gguf.py").write_text(
+        "import os, sys\nfrom conversion import base\n"
+        "a = sys.argv\nfolder = a[1]\n"
+        "assert base.TextModel.get_vocab_base_pre(None, None) == 'qwen2'\n"
+        "for f in ('config.json', 'tokenizer.json', 'tokenizer_config.json'):\n"
+        "    assert os.path.isfile(os.path.join(folder, f)), f\n"
+        "assert '--no-mtp' in a and a[a.index('--outtype') + 1] in ('f32', 'bf16')\n"
+        "open(a[a.index('--outfile') + 1], 'w').write(a[a.index('--outtype') + 1])\n")
+    return root
+
+
+@pytest.mark.skipif(not HAS_HF, reason="needs transformers (the hf extra)")
+def test_bench_infer_converts_with_a_llama_cpp_tree(tmp_path, capsys):
+    rc = main(["bench", "infer", "--shape", "tiny", "--engines", "linattn", "--prompt", "4", "--decode", "1",
+               "--repeats", "1", "--threads", "1", "2", "--bandwidth-mib", "16",
+               "--llama-bench", str(_fake_llama_bench(tmp_path)), "--llama-cpp", str(_fake_llama_cpp(tmp_path)),
+               "--out", str(tmp_path / "out"), "--quiet"])
+    assert rc == 0
+    data = json.loads((tmp_path / "out" / "infer.json").read_text())
+    rows = {(r["engine"], r["dtype"], r["threads"]) for r in data["records"]}
+    assert {("llama.cpp", d, t) for d in ("fp32", "bf16") for t in (1, 2)} <= rows
+
+
+@pytest.mark.skipif(not HAS_HF, reason="needs transformers (the hf extra)")
+def test_bench_infer_names_a_failed_conversion(tmp_path):
+    root = _fake_llama_cpp(tmp_path)
+    (root / "convert_hf_to_gguf.py").write_text("import sys\nprint('no such architecture', file=sys.stderr)\n"
+                                                "sys.exit(3)\n")
+    with pytest.raises(RuntimeError, match="(?s)convert_hf_to_gguf.py failed.*no such architecture"):
+        main(["bench", "infer", "--shape", "tiny", "--engines", "linattn", "--dtypes", "fp32", "--prompt", "4",
+              "--decode", "1", "--repeats", "1", "--threads", "1", "--bandwidth-mib", "16",
+              "--llama-bench", str(_fake_llama_bench(tmp_path)), "--llama-cpp", str(root),
+              "--out", str(tmp_path / "out"), "--quiet"])

@@ -290,6 +290,29 @@ def test_fused_params_key():
     assert f._value is None
 
 
+def test_fused_params_after_clear_reuse_only_what_still_matches():
+    """After `clear` (a new generation), unchanged parameters give back the same tensors (no new copy: the plans
+    pointing into them stay valid); a write through `p.data` (no version bump, a NaN included) or another zero row count
+    gives a new concatenation with the values as they are now (compared bit for bit)."""
+    w1, w2, bias = (nn.Parameter(torch.randn(*s)) for s in ((3, 4), (2, 4), (2,)))
+    f = FusedParams()
+    a, b = f.get([w1, w2], [3, bias])
+    f.clear()
+    assert all(x is y for x, y in zip(f.get([w1, w2], [3, bias]), (a, b)))
+    f.clear()
+    w2.data[1, 2] += 1.0                  # invisible to the version key
+    a2, b2 = f.get([w1, w2], [3, bias])
+    assert a2 is not a and torch.equal(a2, torch.cat([w1, w2]).detach()) and b2 is not b
+    f.clear()
+    bias.data[0] = float("nan")
+    b3 = f.get([w1, w2], [3, bias])[1]
+    assert b3 is not b2 and torch.isnan(b3[3])
+    f.clear()
+    a3 = f.get([w1, w2], [3, bias])[0]
+    f.clear()
+    assert f.get([w1, w2], [2, bias])[0] is not a3   # another key: a new concatenation
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 32), (1, 1, 256), (1, 4, 64), (3, 5, 7)])
 def test_rmsnorm_inference_path_is_bitwise(shape):
     norm = RMSNorm(shape[-1])

@@ -11,8 +11,8 @@ Per context N and mixer:
 * cache bytes: `cache.nbytes()` (every tensor the cache holds, capacity included);
 * floor: the floor of `linattn bench infer` (one definition): the bytes a decoded token reads (every weight
   once in its stored dtype, the embedding as one row, a tied head once) over the read bandwidth measured by
-  summing a buffer of at least 4x the last-level cache, once per context N between the models' timings; the
-  table gives step / floor;
+  `bench infer`'s compiled read of a buffer of at least 4x the last-level cache (the fastest of 3 passes), once
+  per context N between the models' timings; the table gives step / floor;
 * mv: one `W @ x` (torch.mv) over every 2-D weight, timed right after each decoding step (what torch's own
   matrix-vector products take to read the same weights);
 * prefill tok/s: the N + 1 prompt tokens over the prefill time.
@@ -139,8 +139,9 @@ def _header_lines(a, info: Dict[str, Any]) -> List[str]:
             f"prefill timed up to N = {a.max_miss_softmax or 'any'}",
             f"timing   decode: median of {a.decode_steps} steps after 1 warm-up, models interleaved; "
             f"{torch.get_num_threads()} thread(s)",
-            "floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth (a sum over >= 4x "
-            "the LLC, once per N); step/floor = median decode / floor; mv = one torch.mv over every 2-D weight after "
+            "floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth (bench infer's "
+            "compiled read of >= 4x the LLC, best of 3 passes, once per N); step/floor = median decode / floor; "
+            "mv = one torch.mv over every 2-D weight after "
             "each step"]
 
 

@@ -11,8 +11,9 @@ The floor of a decoded token (the one definition `linattn bench decode` uses too
   (shared ones once; int8 / int4 layers: their integers, bf16 scales and biases), the input embedding as one row
   rather than the table, the head's matrix once (a tied head is the embedding table, counted once; a quantized tied
   head is its own integers); states, caches and activations are left out (they are small here);
-* read bandwidth: one pass summing a buffer of at least 4x the last-level cache (and 64 MiB), timed at the row's
-  thread count, once per round, interleaved with the models' timings: the floor and the models see the same load.
+* read bandwidth: the fastest of 3 passes reading a float32 buffer of at least 4x the last-level cache (and 64 MiB)
+  with a compiled vectorised sum (`ReadBandwidth`), at the row's thread count, once per round, interleaved with the
+  models' timings (the floor and the models see the same load); the table's bandwidth is the median over rounds.
 
 Per round, every row in turn: one prefill of --prompt tokens (timed: prompt tok/s), then --decode greedy tokens
 on its cache (timed: decode tok/s), then one bandwidth pass; the table gives medians over --repeats rounds. The
@@ -23,7 +24,8 @@ head layout, intermediate 3584, vocab 32k, tied head: 530M parameters), "qwen3.5
 llama.cpp: `--llama-bench PATH` with `--gguf FILE` (a GGUF of the same weights per dtype: `--gguf fp32=a.gguf
 bf16=b.gguf`) or `--llama-cpp DIR` (a llama.cpp source tree: its convert_hf_to_gguf.py converts the transformers
 model, saved to a temporary folder, at each dtype) adds a row per dtype and thread count from `llama-bench -p
-PROMPT -n DECODE -t THREADS -r REPEATS -o json` (its own timing loop, run after the interleaved rounds).
+PROMPT -n DECODE -t THREADS -r REPEATS -o json` (its own timing loop, run after the interleaved rounds; its floor
+from the bandwidth measured right before and after each llama-bench run).
 """
 from __future__ import annotations
 
@@ -153,19 +155,39 @@ def last_level_cache_bytes() -> int:
 
 
 class ReadBandwidth:
-    """Memory read bandwidth: one pass summing a float32 buffer of at least 4x the last-level cache (`once` times one
-    pass at the current thread count and returns bytes / second)."""
+    """Memory read bandwidth over a float32 buffer of at least 4x the last-level cache (and 64 MiB): `once()` reads
+    it `passes` times at the current thread count and returns the fastest pass's bytes / second.
 
-    def __init__(self, nbytes: Optional[int] = None):
+    The pass is the compiled `linattn_probe_read_sum` (cpu/csrc/probe.c: blocks split across the threads, 64
+    independent vector lanes each, so it waits on memory, not on its own adds), a read as fast as a decode's weight
+    stream; `method` says "compiled", or "torch sum" when the compiled kernels are off or cannot be built (torch's
+    sum, slower at one thread: its floor is then an upper bound, and a decode can beat it).
+    """
+
+    def __init__(self, nbytes: Optional[int] = None, passes: int = 3):
+        from ..cpu import bindings
+
         nbytes = nbytes or max(4 * last_level_cache_bytes(), MIN_BANDWIDTH_BYTES)
         self.buf = torch.ones(nbytes // 4, dtype=torch.float32)
-        self.nbytes = self.buf.numel() * 4
-        self.buf.sum()   # the pages touched once
+        self.nbytes, self.passes = self.buf.numel() * 4, passes
+        self._lib, self._out = bindings.bind("probe"), torch.zeros(1, dtype=torch.float64)
+        self.method = "torch sum" if self._lib is None else "compiled"
+        self._read()   # the pages touched once
+
+    def _read(self) -> float:
+        if self._lib is None:
+            return float(self.buf.sum())
+        self._lib("linattn_probe_read_sum", None, self.buf.numel(), self.buf.data_ptr(),
+                  max(1, torch.get_num_threads()), self._out.data_ptr())
+        return float(self._out)
 
     def once(self) -> float:
-        t0 = time.perf_counter()
-        self.buf.sum()
-        return self.nbytes / (time.perf_counter() - t0)
+        best = float("inf")
+        for _ in range(self.passes):
+            t0 = time.perf_counter()
+            self._read()
+            best = min(best, time.perf_counter() - t0)
+        return self.nbytes / best
 
 
 # -- the models --------------------------------------------------------------------------------------------------
@@ -248,8 +270,29 @@ def parse_llama_bench(text: str) -> Dict[str, float]:
     return out
 
 
-def _gguf_files(a, shape, dtypes: Sequence[str], log) -> Dict[str, str]:
-    """dtype -> GGUF file: --gguf's, or converted with --llama-cpp's convert_hf_to_gguf.py."""
+#: run inside a fresh interpreter: llama.cpp's convert_hf_to_gguf.py (argv: the source tree, then the script's own
+#: arguments), its `conversion` and `gguf-py` packages first on the path, with the BPE pre-tokenizer named "qwen2":
+#: the random model's stand-in tokenizer (`write_stand_in_tokenizer`) is no published model's, whose hash the
+#: script would refuse, and llama-bench reads token ids only
+_CONVERT = """
+import runpy, sys
+root = sys.argv[1]
+sys.path[:0] = [root, root + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = [root + "/convert_hf_to_gguf.py"] + sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert_command(llama_cpp: str, folder: str, gguf_type: str, out: str) -> List[str]:
+    """The command converting the transformers model saved in `folder` to `out` (GGUF type `gguf_type`) with the
+    llama.cpp source tree `llama_cpp` (its multi-token-prediction head left out: the random model has none)."""
+    return [sys.executable, "-c", _CONVERT, llama_cpp, folder, "--outtype", gguf_type, "--no-mtp", "--outfile", out]
+
+
+def _gguf_files(a, shape, dtypes: Sequence[str], tmp: str, log) -> Dict[str, str]:
+    """dtype -> GGUF file: --gguf's, or converted into tmp with --llama-cpp's convert_hf_to_gguf.py."""
     if a.gguf:
         files = {}
         for item in a.gguf:
@@ -261,11 +304,12 @@ def _gguf_files(a, shape, dtypes: Sequence[str], log) -> Dict[str, str]:
                 raise UsageError(f"--gguf: no file {path!r}", prog=PROG)
             files[name] = path
         return files
-    script = os.path.join(a.llama_cpp, "convert_hf_to_gguf.py")
-    if not os.path.isfile(script):
-        raise UsageError(f"--llama-cpp: no convert_hf_to_gguf.py in {a.llama_cpp!r}", prog=PROG)
-    tmp = tempfile.mkdtemp(prefix="linattn-infer-")
-    build_row("transformers", shape, torch.float32, a.seed).save_pretrained(tmp)
+    from ..hf.infer_models import write_stand_in_tokenizer
+
+    model = build_row("transformers", shape, torch.float32, a.seed)
+    model.save_pretrained(tmp)
+    write_stand_in_tokenizer(tmp, shape["vocab"])
+    del model
     files = {}
     for name in dtypes:
         if name not in GGUF_TYPES:
@@ -273,30 +317,49 @@ def _gguf_files(a, shape, dtypes: Sequence[str], log) -> Dict[str, str]:
             continue
         out = os.path.join(tmp, f"model-{name}.gguf")
         log(f"converting to {out}")
-        subprocess.run([sys.executable, script, tmp, "--outtype", GGUF_TYPES[name],
-                        "--outfile", out], check=True, capture_output=True)
+        res = subprocess.run(convert_command(a.llama_cpp, tmp, GGUF_TYPES[name], out), capture_output=True,
+                             text=True)
+        if res.returncode != 0 or not os.path.isfile(out):
+            raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed ({res.returncode}) on the {name} model:\n"
+                               + "\n".join((res.stderr or res.stdout).strip().splitlines()[-12:]))
         files[name] = out
     return files
 
 
-def llama_rows(a, shape, dtypes: Sequence[str], floors: Dict[tuple, float], log) -> List[Dict[str, Any]]:
-    """The llama.cpp rows (one per dtype and thread count), their floor that of the transformers model's bytes."""
-    files = _gguf_files(a, shape, dtypes, log)
-    rows = []
-    for name in dtypes:
-        if name not in files:
-            continue
-        for t in a.threads:
-            cmd = [a.llama_bench, "-m", files[name], "-p", str(a.prompt), "-n", str(a.decode), "-t", str(t),
-                   "-r", str(a.repeats), "-o", "json", *shlex.split(a.llama_args)]
-            log(" ".join(cmd))
-            res = subprocess.run(cmd, check=True, capture_output=True, text=True)
-            got = parse_llama_bench(res.stdout)
-            floor = floors.get((name, t))
-            dec = got.get("decode_tok_s")
-            rows.append({"engine": "llama.cpp", "dtype": name, "threads": t, **got,
-                         "floor_ms": floor, "over_floor": (1e3 / dec) / floor if dec and floor else None})
-    return rows
+def llama_rows(a, shape, dtypes: Sequence[str], nbytes: Dict[str, int], log) -> List[Dict[str, Any]]:
+    """The llama.cpp rows (one per dtype and thread count). Their floor: `nbytes[dtype]` (the transformers model's
+    decode bytes, else linattn's) over the read bandwidth measured right before and right after that llama-bench
+    run at its thread count (the mean of the two), so that it sees llama-bench's load, not the rounds'."""
+    with tempfile.TemporaryDirectory(prefix="linattn-infer-") as tmp:
+        files = _gguf_files(a, shape, dtypes, tmp, log)
+        bw = ReadBandwidth(None if a.bandwidth_mib is None else a.bandwidth_mib << 20)
+        rows = []
+        for name in dtypes:
+            if name not in files:
+                continue
+            for t in a.threads:
+                torch.set_num_threads(t)
+                before = bw.once()
+                got = _llama_bench(a, files[name], t, log)
+                rate = (before + bw.once()) / 2
+                floor = nbytes[name] / rate * 1e3 if name in nbytes else None
+                dec = got.get("decode_tok_s")
+                rows.append({"engine": "llama.cpp", "dtype": name, "threads": t, **got, "bytes": nbytes.get(name),
+                             "bandwidth_gbs": rate / 1e9, "floor_ms": floor,
+                             "over_floor": (1e3 / dec) / floor if dec and floor else None})
+        return rows
+
+
+def _llama_bench(a, path: str, threads: int, log) -> Dict[str, float]:
+    """One `llama-bench` run on GGUF `path`: {"prompt_tok_s", "decode_tok_s"}."""
+    cmd = [a.llama_bench, "-m", path, "-p", str(a.prompt), "-n", str(a.decode), "-t", str(threads),
+           "-r", str(a.repeats), "-o", "json", *shlex.split(a.llama_args)]
+    log(" ".join(cmd))
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({res.returncode}): " + " ".join(cmd) + "\n"
+                           + "\n".join(res.stderr.strip().splitlines()[-12:]))
+    return parse_llama_bench(res.stdout)
 
 
 # -- the run -----------------------------------------------------------------------------------------------------
@@ -310,6 +373,8 @@ def _lists(a):
     if any(e != "linattn" for e in engines) and importlib.util.find_spec("transformers") is None:
         raise UsageError("--engines transformers / kernelize need transformers: pip install 'linattn[hf]'", prog=PROG)
     if a.llama_bench is not None:
+        if a.llama_cpp is not None and not os.path.isfile(os.path.join(a.llama_cpp, "convert_hf_to_gguf.py")):
+            raise UsageError(f"--llama-cpp: no convert_hf_to_gguf.py in {a.llama_cpp!r}", prog=PROG)
         if not os.path.isfile(a.llama_bench):
             raise UsageError(f"--llama-bench: no file {a.llama_bench!r}", prog=PROG)
         if not a.gguf and not a.llama_cpp:
@@ -360,9 +425,38 @@ def _records(rows, a, bws) -> List[Dict[str, Any]]:
 def _table(records) -> str:
     rows = [[r["engine"], r["dtype"], r["threads"], f"{r.get('prompt_tok_s') or 0:,.1f}",
              f"{r.get('decode_tok_s') or 0:,.2f}", common.fmt_ms(r.get("floor_ms")),
-             "-" if r.get("over_floor") is None else f"{r['over_floor']:.2f}"] for r in records]
+             "-" if r.get("over_floor") is None else f"{r['over_floor']:.2f}",
+             "-" if r.get("bandwidth_gbs") is None else f"{r['bandwidth_gbs']:.1f}"] for r in records]
     return common.format_table(["engine", "dtype", "threads", "prompt tok/s", "decode tok/s", "floor ms",
-                                "decode/floor"], rows)
+                                "decode/floor", "read GB/s"], rows)
+
+
+def _interleaved(a, engines: Sequence[str], dtypes: Sequence[str], shape, log) -> tuple:
+    """Builds every row's model and the bandwidth buffer, prints the report's head, runs the interleaved rounds.
+    Returns (the head's lines, the machine's description, the records)."""
+    rows = []
+    for e in engines:
+        for name in dtypes:
+            model = build_model(e, shape, name, a.seed)
+            rows.append({"engine": e, "dtype": name, "runner": Runner(model), "vocab": shape["vocab"],
+                         "bytes": model_decode_bytes(model),
+                         "times": {t: {"prefill": [], "decode": []} for t in a.threads}})
+    bw = ReadBandwidth(None if a.bandwidth_mib is None else a.bandwidth_mib << 20)
+    info = common.machine_info("cpu")
+    head = [PROG, common.describe_machine(info),
+            f"shape    {a.shape} {shape}",
+            f"timing   prompt {a.prompt} tokens, {a.decode} decoded tokens per round, {a.repeats} interleaved "
+            f"rounds (medians); threads {a.threads}",
+            f"floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth ({bw.method} "
+            f"read of {bw.nbytes >> 20} MiB, LLC {last_level_cache_bytes() >> 20} MiB"
+            f"{'' if bw.nbytes >= 4 * last_level_cache_bytes() else ': LESS THAN 4x, partly cached'}, "
+            f"best of {bw.passes} passes once per round, median over rounds)"]
+    print("\n".join(head) + "\n")
+    for row in rows:   # one warm-up token each (allocator, thread pools, plans)
+        row["runner"].prefill(torch.zeros(1, min(a.prompt, 8), dtype=torch.int64))
+        row["runner"].decode(1)
+    bws = _measure(rows, a, bw, log)
+    return head, info, _records(rows, a, bws)
 
 
 def run(a) -> int:
@@ -382,34 +476,12 @@ def run(a) -> int:
     shape = SHAPES[a.shape]
     paths = common.output_paths("infer", a.out, exts=("txt", "json"), overwrite=a.overwrite)
     context = _fallbacks() if any(e != "linattn" for e in engines) else contextlib.nullcontext()
-    with context:
-        rows = []
-        for e in engines:
-            for name in dtypes:
-                model = build_model(e, shape, name, a.seed)
-                rows.append({"engine": e, "dtype": name, "runner": Runner(model), "vocab": shape["vocab"],
-                             "bytes": model_decode_bytes(model),
-                             "times": {t: {"prefill": [], "decode": []} for t in a.threads}})
-        bw = ReadBandwidth(None if a.bandwidth_mib is None else a.bandwidth_mib << 20)
-        info = common.machine_info("cpu")
-        head = [PROG, common.describe_machine(info),
-                f"shape    {a.shape} {shape}",
-                f"timing   prompt {a.prompt} tokens, {a.decode} decoded tokens per round, {a.repeats} interleaved "
-                f"rounds (medians); threads {a.threads}",
-                f"floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth (sum over "
-                f"{bw.nbytes >> 20} MiB, LLC {last_level_cache_bytes() >> 20} MiB"
-                f"{'' if bw.nbytes >= 4 * last_level_cache_bytes() else ': LESS THAN 4x, partly cached'}, "
-                f"once per round)"]
-        print("\n".join(head) + "\n")
-        for row in rows:   # one warm-up token each (allocator, thread pools, plans)
-            row["runner"].prefill(torch.zeros(1, min(a.prompt, 8), dtype=torch.int64))
-            row["runner"].decode(1)
-        bws = _measure(rows, a, bw, log)
-        records = _records(rows, a, bws)
-    if a.llama_bench is not None:
-        floors = {(r["dtype"], r["threads"]): r["bytes"] / (r["bandwidth_gbs"] * 1e9) * 1e3 for r in records
-                  if r["engine"] != "linattn"} or {(r["dtype"], r["threads"]): r["floor_ms"] for r in records}
-        records += llama_rows(a, shape, dtypes, floors, log)
+    with context:   # (the models are freed on return: the llama.cpp conversion builds and converts another copy)
+        head, info, records = _interleaved(a, engines, dtypes, shape, log)
+    if a.llama_bench is not None:   # (the transformers model's bytes: the GGUF holds its weights)
+        nbytes = {r["dtype"]: r["bytes"] for r in records if r["engine"] == "linattn"}
+        nbytes.update({r["dtype"]: r["bytes"] for r in records if r["engine"] != "linattn"})
+        records += llama_rows(a, shape, dtypes, nbytes, log)
     loads = common.loadavg()
     text = _table(records) + f"\n\nload average after the run: {loads}"
     print(text)

@@ -137,10 +137,12 @@ def _plan(struct) -> type:
 
 
 LIBRARIES: Dict[str, Library] = {
-    "probe": Library(2, (
+    "probe": Library(3, (
         Fn("linattn_probe_threads", (c_int,), typed=False, status=False),
         Fn("linattn_probe_axpy", (c_i64, c_float, c_ptr, c_ptr), restype=None, typed=False, status=False),
         Fn("linattn_probe_exp", (c_i64, c_ptr, c_ptr), restype=None, status=False),
+        # bench infer's floor: the bandwidth pass (n, x, nthreads, out: the sum, one double)
+        Fn("linattn_probe_read_sum", (c_i64, c_ptr, c_int, c_ptr), restype=None, typed=False, status=False),
     )),
     "linear": Library(2, (
         Fn("linattn_linear_nchunks", (c_i64, c_ptr, c_i64), restype=c_i64, typed=False, status=False),

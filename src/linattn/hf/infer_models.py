@@ -39,3 +39,23 @@ def qwen35_model(shape: Dict[str, Any], dtype: torch.dtype = torch.float32, seed
     if kernelized:
         kernelize(model)
     return model
+
+
+def write_stand_in_tokenizer(folder: str, vocab: int) -> None:
+    """Writes a byte-level BPE tokenizer of at most `vocab` tokens (the characters of a fixed sentence and the
+    merges learnt from it: llama.cpp refuses a BPE vocabulary without merges) into `folder` as transformers saves
+    one: what llama.cpp's converter needs beside a random model's weights (it converts the vocabulary too; ids the
+    tokenizer lacks become padding tokens; llama-bench feeds token ids, never text).
+
+    Args:
+        folder: The saved model's folder.
+        vocab: The model's vocabulary size (at least 256).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab, 320), show_progress=False)
+    tok.train_from_iterator(["linear attention decodes a token in constant time and memory"] * 4, trainer)
+    tf.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)

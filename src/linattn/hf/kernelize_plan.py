@@ -2,13 +2,16 @@
 
 `kernelize` serves the linear mixers of a transformers model with linattn's operators, but a decoded token still
 runs one transformers module at a time (most of it torch's one-row `nn.Linear`). For the models described here
-(`Qwen3_5ForCausalLM`: Gated DeltaNet and gated softmax attention, zero-centred RMSNorms, SwiGLU MLPs), the
+(`Qwen3_5ForCausalLM`, and `Qwen3NextForCausalLM` with dense feed-forwards: Gated DeltaNet and gated softmax
+attention, zero-centred RMSNorms, SwiGLU MLPs; Qwen3-Next with experts and OLMo-hybrid, whose attention blocks are
+post-norm, are not described), the
 model's `forward` is given a hook (`hook_model`, an instance attribute with the class forward's signature) that
 decodes one token per row as ONE compiled call (`cpu/csrc/decode.c`, `linattn_decode_model`), built by
 `models/decode_plan.py` from a description of transformers' own modules:
 
-* the GDN layer: `in_proj_qkv | in_proj_b | in_proj_a | in_proj_z` fused once into the plan's
-  `[q | k | v | b | a | gate]` projection, the depthwise `conv1d`, `A_log` / `dt_bias`, the gated output RMSNorm;
+* the GDN layer: `in_proj_qkv | in_proj_b | in_proj_a | in_proj_z` (Qwen3-Next: `in_proj_qkvz`, `in_proj_ba`,
+  rows grouped per key head, regrouped) fused once into the plan's `[q | k | v | b | a | gate]` projection, the
+  depthwise `conv1d`, `A_log` / `dt_bias`, the gated output RMSNorm;
 * the attention: `decode_plan.AttentionDescription` (q-interleaved sigmoid gate, `1 + w` q/k norms, partial
   rotary with fp32 angles);
 * the block norms and the final norm: zero-centred, so `1 + w` is precomputed into the plan; `gate_proj` and
@@ -84,27 +87,51 @@ def _ffn(mlp: nn.Module, wdt: torch.dtype):
     return _Linear(torch.cat([gate.weight.detach(), up.weight.detach()])), down
 
 
+#: the GDN projections of each described architecture, in the order `_GDN` reads them
+_GDN_PROJECTIONS = {
+    "Qwen3_5ForCausalLM": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+    "Qwen3NextForCausalLM": ("in_proj_qkvz", "in_proj_ba", "out_proj"),
+}
+
+
 class _GDN:
-    """A transformers Gated DeltaNet layer (Qwen3.5's separate `in_proj_*`) as the plan's delta block needs it."""
+    """A transformers Gated DeltaNet layer as the plan's delta block needs it: its projections as one matrix with
+    the plan's rows `[q | k | v | b | a | z]` (`W`, a copy made once)."""
 
     __slots__ = ("layer", "H", "HV", "K", "V", "KC", "W")
 
-    def __init__(self, layer, wdt):
+    def __init__(self, layer, arch: str):
         self.layer, self.H, self.HV = layer, layer.num_k_heads, layer.num_v_heads
         self.K, self.V, self.KC = layer.head_k_dim, layer.head_v_dim, layer.conv_kernel_size
         m = layer._modules
-        self.W = torch.cat([m[n].weight.detach() for n in ("in_proj_qkv", "in_proj_b", "in_proj_a", "in_proj_z")])
+        if arch == "Qwen3NextForCausalLM":
+            self.W = self._regrouped(m["in_proj_qkvz"].weight.detach(), m["in_proj_ba"].weight.detach())
+        else:   # Qwen3.5: q | k | v in one, b, a, z apart
+            self.W = torch.cat([m[n].weight.detach() for n in ("in_proj_qkv", "in_proj_b", "in_proj_a",
+                                                                 "in_proj_z")])
+
+    def _regrouped(self, qkvz: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
+        """Qwen3-Next's fused projections hold their rows per key head h: `[q_h (K) | k_h (K) | v (r V) | z (r V)]`
+        and `[b (r) | a (r)]` with r = HV / H value heads per key head (value head h r + j, as its
+        `fix_query_key_value_ordering` splits them); the plan reads every q, then every k, v, b, a, z."""
+        H, K, V, r, d = self.H, self.K, self.V, self.HV // self.H, qkvz.shape[1]
+        g = qkvz.view(H, 2 * K + 2 * r * V, d)
+        q, k, v, z = torch.split(g, [K, K, r * V, r * V], dim=1)
+        b, a = torch.split(ba.view(H, 2 * r, d), [r, r], dim=1)
+        return torch.cat([x.reshape(-1, d) for x in (q, k, v, b, a, z)])
 
 
-def _gdn_usable(layer, wdt) -> bool:
+def _gdn_usable(layer, arch: str, wdt) -> bool:
     m = layer._modules
-    lins = [m.get(n) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]
+    lins = [m.get(n) for n in _GDN_PROJECTIONS[arch]]
     conv, norm = m.get("conv1d"), m.get("norm")
+    HV, H = layer.num_v_heads, layer.num_k_heads
     return (all(type(x) is nn.Linear and x.bias is None and x.weight.dtype == wdt for x in lins)
             and type(conv) is nn.Conv1d and conv.bias is None and layer.activation in ("silu", "swish")
             and conv.weight.shape == (layer.conv_dim, 1, layer.conv_kernel_size)
             and type(norm).__name__.endswith("RMSNormGated") and getattr(norm, "activation", None) == "silu"
-            and layer.num_v_heads % layer.num_k_heads == 0)
+            and HV % H == 0 and lins[0].out_features == (2 * H * layer.head_k_dim + HV * layer.head_v_dim
+                                                         * (2 if arch == "Qwen3NextForCausalLM" else 1)))
 
 
 def _gdn_plan(g: _GDN, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
@@ -146,7 +173,8 @@ def _attention(att: nn.Module, rotary: nn.Module, wdt: torch.dtype) -> Optional[
 def describe_model(model: nn.Module):
     """(ModelDescription, per-layer GDN or None) of a described transformers model, or None (another
     architecture, or a part the compiled plan does not compute: then the hook always steps aside)."""
-    if type(model).__name__ != "Qwen3_5ForCausalLM":
+    arch = type(model).__name__
+    if arch not in _GDN_PROJECTIONS:
         return None
     base = model.model
     embed, wdt = base.embed_tokens, base.embed_tokens.weight.dtype
@@ -161,9 +189,9 @@ def describe_model(model: nn.Module):
         n1, n2 = (_zero_centred(layer._modules[n], cdt) for n in ("input_layernorm", "post_attention_layernorm"))
         if layer.block_type == "linear_attention":
             mixer = layer.linear_attn
-            if not _gdn_usable(mixer, wdt):
+            if not _gdn_usable(mixer, arch, wdt):
                 return None
-            g, att, kind = _GDN(mixer, wdt), None, "delta"
+            g, att, kind = _GDN(mixer, arch), None, "delta"
         else:
             mixer = layer.self_attn
             att = _attention(mixer, base.rotary_emb, wdt)
@@ -429,12 +457,19 @@ def _hooked_forward(cls: type):
     return fn
 
 
+def _dense_ffns(model: nn.Module) -> bool:
+    """Whether every layer's feed-forward is a dense gated MLP (not a mixture of experts: its router picks rows
+    per token, which the plan does not compute)."""
+    return all(all(type(layer.mlp._modules.get(n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
+               for layer in model.model.layers)
+
+
 def hook_model(model: nn.Module) -> bool:
-    """Gives a described model (`describe_model`: `Qwen3_5ForCausalLM`) the decode hook: an instance `forward`
-    (a method bound to the model, so a deep copy is bound to the copy) with the class forward's signature that
-    decodes a cached one-token call through the compiled plan (`model_token`) and runs transformers' forward
-    otherwise. Returns whether the model is hooked."""
-    if type(model).__name__ != "Qwen3_5ForCausalLM":
+    """Gives a described model (`describe_model`: `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM` with dense
+    feed-forwards) the decode hook: an instance `forward` (a method bound to the model, so a deep copy is bound to
+    the copy) with the class forward's signature that decodes a cached one-token call through the compiled plan
+    (`model_token`) and runs transformers' forward otherwise. Returns whether the model is hooked."""
+    if type(model).__name__ not in _GDN_PROJECTIONS or not _dense_ffns(model):
         return False
     fn = _hooked_forward(type(model))
     own = model.__dict__.get("forward")

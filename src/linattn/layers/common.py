@@ -4,6 +4,7 @@ All of them are plain PyTorch and work on the library's `[B, T, ...]` layout.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Optional, Tuple
 
@@ -436,12 +437,17 @@ class FusedParams:
     state dict and the parameters are untouched. Use it only without autograd (the results are
     detached)."""
 
-    __slots__ = ("_key", "_value")
+    __slots__ = ("_key", "_value", "_last")
 
     def __init__(self):
-        self.clear()
+        self._key = self._value = self._last = None
 
     def clear(self) -> None:
+        """Forget the concatenations. The last ones stay a candidate: the next `get` reuses those same tensors when
+        every part still equals its rows bit for bit (a read instead of a new copy: a new generation after nothing
+        changed, `LanguageModel.new_cache`, costs no re-fusing and keeps the plans that point into them)."""
+        if self._value is not None:
+            self._last = (self._key, self._value)
         self._key, self._value = None, None
 
     def get(self, *groups) -> Tuple[torch.Tensor, ...]:
@@ -451,9 +457,27 @@ class FusedParams:
                     for g in groups for p in (*g, None))
         if key != self._key:
             with torch.no_grad():
-                self._value = tuple(self._cat(g) for g in groups)
+                last, self._last = self._last, None
+                if last is not None and last[0] == key and all(map(self._holds, last[1], groups)):
+                    self._value = last[1]
+                else:
+                    self._value = tuple(self._cat(g) for g in groups)
             self._key = key
         return self._value
+
+    @staticmethod
+    def _holds(cat: Optional[torch.Tensor], group) -> bool:
+        """Whether `cat` is still `_cat(group)`, bit for bit."""
+        if cat is None:
+            return not any(isinstance(p, torch.Tensor) for p in group)
+        row = 0
+        for p in group:
+            n = p.shape[0] if isinstance(p, torch.Tensor) else p
+            part = cat[row:row + n]
+            if not (_same_bits(part, p.detach()) if isinstance(p, torch.Tensor) else not part.any()):
+                return False
+            row += n
+        return row == cat.shape[0]
 
     @staticmethod
     def _cat(group) -> Optional[torch.Tensor]:
@@ -468,6 +492,29 @@ class FusedParams:
 
     def __reduce__(self):  # pickling / deepcopy give an empty one: rebuilt on first use
         return (FusedParams, ())
+
+
+def _libc_memcmp():
+    try:
+        fn = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.c_int
+    return fn
+
+
+_MEMCMP = _libc_memcmp()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits: libc's memcmp over contiguous CPU storage (a read at memory speed;
+    torch.equal builds an elementwise mask first, several times slower on large weights), else torch.equal."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if (_MEMCMP is None or a.device.type != "cpu" or b.device.type != "cpu" or not a.is_contiguous()
+            or not b.is_contiguous()):
+        return torch.equal(a, b)
+    return _MEMCMP(a.data_ptr(), b.data_ptr(), a.numel() * a.element_size()) == 0
 
 
 def mamba_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, owner: Optional[nn.Module] = None):

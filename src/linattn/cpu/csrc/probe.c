@@ -3,10 +3,13 @@
    linattn_probe_threads(n): the number of threads an OpenMP region with num_threads(n) gets (1 without OpenMP).
    linattn_probe_axpy(n, a, x, y): y += a * x, a vectorisable loop (checks the simd pragma compiles).
    linattn_probe_exp_f32 / _f64(n, x, y): y = la_exp(x), elementwise, in a vectorised loop (the bits the kernels
-   get: a vector lane computes what a scalar call does). */
+   get: a vector lane computes what a scalar call does).
+   linattn_probe_read_sum(n, x, nthreads, out): *out = the sum of x[0..n) in blocks across nthreads threads, 64 independent
+   lanes per thread (no add waits on the previous one): a read of the buffer at the rate the memory gives, the
+   bandwidth pass of `linattn bench infer`'s floor. */
 #include "common.h"
 
-LA_ABI_VERSION(probe, 2)
+LA_ABI_VERSION(probe, 3)
 
 int linattn_probe_threads(int n) {
     int got = 1;
@@ -35,4 +38,31 @@ void linattn_probe_exp_f32(int64_t n, const float *restrict x, float *restrict y
 void linattn_probe_exp_f64(int64_t n, const double *restrict x, double *restrict y) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) y[i] = la_exp(x[i]);
+}
+
+/* the bandwidth pass (bench/infer.py ReadBandwidth) */
+#define LA_READ_LANES 64
+#define LA_READ_BLOCK 16384   /* floats per block: 64 KiB, scheduled statically across the threads */
+
+void linattn_probe_read_sum(int64_t n, const float *restrict x, int nthreads, double *out) {
+    int64_t nblocks = n / LA_READ_BLOCK;
+    double total = 0.0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : total)
+#else
+    (void)nthreads;
+#endif
+    for (int64_t b = 0; b < nblocks; b++) {
+        const float *p = x + b * LA_READ_BLOCK;
+        float acc[LA_READ_LANES] = {0};
+        for (int64_t i = 0; i < LA_READ_BLOCK; i += LA_READ_LANES) {
+#pragma omp simd
+            for (int j = 0; j < LA_READ_LANES; j++) acc[j] += p[i + j];
+        }
+        float s = 0.0f;
+        for (int j = 0; j < LA_READ_LANES; j++) s += acc[j];
+        total += s;
+    }
+    for (int64_t i = nblocks * LA_READ_BLOCK; i < n; i++) total += x[i];
+    *out = total;
 }
