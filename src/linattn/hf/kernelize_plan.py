@@ -45,6 +45,7 @@ from ..cpu import decode as _cpu_decode
 from ..layers import fast_decode as _fast
 from ..layers.cache import KVCache
 from ..models import decode_plan as _dp
+from . import kernelize_plan_kimi as _kimi  # (Kimi Linear's description: its own module)
 
 __all__ = ["describe_model", "hook_model", "model_token"]
 
@@ -434,6 +435,8 @@ def hook_model(model: nn.Module) -> bool:
     (a method bound to the model, so a deep copy is bound to the copy) with the class forward's signature that
     decodes a cached one-token call through the compiled plan (`model_token`) and runs transformers' forward
     otherwise. Returns whether the model is hooked."""
+    if type(model).__name__ in _kimi.MODELS:   # Kimi Linear: hf/kernelize_plan_kimi.py
+        return _kimi.hook_model(model)
     if type(model).__name__ != "Qwen3_5ForCausalLM":
         return False
     fn = _hooked_forward(type(model))
