@@ -45,7 +45,10 @@ from ..cpu import decode as _cpu_decode
 from ..layers import fast_decode as _fast
 from ..layers.cache import KVCache
 from ..models import decode_plan as _dp
-from . import kernelize_plan_kimi as _kimi  # (Kimi Linear's description: its own module)
+from . import (
+    kernelize_plan_kimi as _kimi,  # (Kimi Linear's description: its own module)
+    kernelize_plan_mamba2 as _mamba2,  # (Mamba2's: its own module)
+)
 
 __all__ = ["describe_model", "hook_model", "model_token"]
 
@@ -437,6 +440,8 @@ def hook_model(model: nn.Module) -> bool:
     otherwise. Returns whether the model is hooked."""
     if type(model).__name__ in _kimi.MODELS:   # Kimi Linear: hf/kernelize_plan_kimi.py
         return _kimi.hook_model(model)
+    if type(model).__name__ in _mamba2.MODELS:   # Mamba2: hf/kernelize_plan_mamba2.py
+        return _mamba2.hook_model(model)
     if type(model).__name__ != "Qwen3_5ForCausalLM":
         return False
     fn = _hooked_forward(type(model))
