@@ -216,3 +216,22 @@ def test_a_clamped_time_step_steps_aside():
     prompt = _prompt(2, 4)
     got, want = _generate(fast, prompt, 4), _generate(ref, prompt, 4)
     assert torch.equal(got.sequences, want.sequences)
+
+
+def test_under_torch_compile_the_plan_steps_aside(monkeypatch):
+    """A cached one-token call inside torch.compile runs transformers' code (traced), not the compiled plan: the
+    same logits as the eager call on a copy of the cache, no compiled call."""
+    _, fast = _pair()
+    prompt = _prompt(1, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        cache = fast(prompt, use_cache=True).cache
+        twin = copy.deepcopy(cache)
+        tok = prompt[:, -1:]
+        torch._dynamo.reset()
+        got = torch.compile(fast)(tok, cache=cache).logits
+        assert calls.model == 0
+        want = fast(tok, cache=twin).logits
+    assert calls.model == 1
+    assert _close(got, want)
+    torch._dynamo.reset()
