@@ -48,6 +48,10 @@ from ..cpu import decode as _cpu_decode
 from ..layers import fast_decode as _fast
 from ..layers.cache import KVCache
 from ..models import decode_plan as _dp
+from . import (
+    kernelize_plan_kimi as _kimi,  # (Kimi Linear's description: its own module)
+    kernelize_plan_mamba2 as _mamba2,  # (Mamba2's: its own module)
+)
 
 __all__ = ["describe_model", "hook_model", "model_token"]
 
@@ -466,9 +470,14 @@ def _dense_ffns(model: nn.Module) -> bool:
 
 def hook_model(model: nn.Module) -> bool:
     """Gives a described model (`describe_model`: `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM` with dense
-    feed-forwards) the decode hook: an instance `forward` (a method bound to the model, so a deep copy is bound to
-    the copy) with the class forward's signature that decodes a cached one-token call through the compiled plan
-    (`model_token`) and runs transformers' forward otherwise. Returns whether the model is hooked."""
+    feed-forwards; Kimi Linear and Mamba2 through their own modules) the decode hook: an instance `forward` (a method
+    bound to the model, so a deep copy is bound to the copy) with the class forward's signature that decodes a
+    cached one-token call through the compiled plan (`model_token`) and runs transformers' forward otherwise.
+    Returns whether the model is hooked."""
+    if type(model).__name__ in _kimi.MODELS:   # Kimi Linear: hf/kernelize_plan_kimi.py
+        return _kimi.hook_model(model)
+    if type(model).__name__ in _mamba2.MODELS:   # Mamba2: hf/kernelize_plan_mamba2.py
+        return _mamba2.hook_model(model)
     if type(model).__name__ not in _GDN_PROJECTIONS or not _dense_ffns(model):
         return False
     fn = _hooked_forward(type(model))
