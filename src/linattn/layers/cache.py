@@ -31,6 +31,7 @@ Serving schedules (docs/states.md):
 """
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections.abc import MutableMapping
@@ -62,11 +63,17 @@ def map_state(fn: Callable[..., Any], tree: Any, *rests: Any) -> Any:
     Decoding calls it per layer and token, so the cases that need no structure are answered before torch's
     flatten (which builds a TreeSpec per node): a leaf is fn(leaf); a LayerCache maps its fields by name, each
     value through this same walk."""
-    if _is_leaf(tree):
+    if type(tree) is torch.Tensor or _is_leaf(tree):
         return fn(tree, *rests)
     if type(tree) is LayerCache:
-        return LayerCache(**_map_fields(fn, tree, *rests), offset=fn(tree._offset, *(r._offset for r in rests)))
+        return _map_layer_cache(fn, tree, *rests)
     return pytree.tree_map(fn, tree, *rests, is_leaf=per_row_ints)
+
+
+def _map_layer_cache(fn: Callable[..., Any], lc: "LayerCache", *others: "LayerCache") -> "LayerCache":
+    """`map_state` of a LayerCache: a new one (without the fast path's view) of its mapped fields and offset."""
+    return _rebuild(LayerCache.__new__(LayerCache), _map_fields(fn, lc, *others),
+                    fn(lc._offset, *[o._offset for o in others]))
 
 
 def flatten_state(tree: Any) -> Tuple[List[Any], pytree.TreeSpec]:
@@ -85,8 +92,14 @@ def tensor_nbytes(obj: Any) -> int:
     """
     leaves = [obj] if _is_leaf(obj) or isinstance(obj, LayerCache) else \
         pytree.tree_leaves(obj, is_leaf=lambda v: per_row_ints(v) or isinstance(v, LayerCache))
-    return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else
-               int(t.nbytes()) if callable(getattr(t, "nbytes", None)) else 0 for t in leaves)
+    return sum(map(_leaf_nbytes, leaves))
+
+
+def _leaf_nbytes(leaf: Any) -> int:
+    """Bytes of a tensor, or what an object with an `nbytes()` method (KVCache, LayerCache) reports; else 0."""
+    if type(leaf) is torch.Tensor or isinstance(leaf, torch.Tensor):
+        return leaf.numel() * leaf.element_size()
+    return int(leaf.nbytes()) if callable(getattr(leaf, "nbytes", None)) else 0
 
 
 @dataclass
@@ -188,8 +201,10 @@ class LayerCache(MutableMapping):
                 if _holds(v)}
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else
-                   int(t.nbytes()) if callable(getattr(t, "nbytes", None)) else 0 for t in _state_leaves(self))
+        total = 0
+        for leaf in _state_leaves(self):   # (a loop: sizes are read per token by schedulers)
+            total += leaf.nbytes if type(leaf) is torch.Tensor else _leaf_nbytes(leaf)
+        return total
 
     def __repr__(self) -> str:
         held = [n for n in ("state", "shift", "kv") if getattr(self, n) is not None]
@@ -260,33 +275,48 @@ def _unflatten_layer_cache(children, names) -> LayerCache:
 
 def _slots(lc: LayerCache) -> List[Tuple[str, Any]]:
     """(name, value) of what a LayerCache holds, `state_fields` order, its conv windows one by one ("conv.q"): the
-    units the walks compare and map (the offset aside)."""
-    out = [("state", lc.state)] if _holds(lc.state) else []
+    units the walks compare (the offset aside)."""
+    out = [("state", lc.state)] if lc.state is not None and _holds(lc.state) else []
     out += [("conv." + s, w) for s, w in lc.conv.items()]
-    return out + [(n, v) for n, v in (("shift", lc.shift), ("kv", lc.kv), ("extra", lc.extra)) if _holds(v)]
-
-
-def _slot(lc: LayerCache, name: str) -> Any:
-    return lc.conv[name[5:]] if name.startswith("conv.") else getattr(lc, name)
+    return out + [(n, v) for n, v in (("shift", lc.shift), ("kv", lc.kv), ("extra", lc.extra))
+                  if v is not None and _holds(v)]
 
 
 def _map_fields(fn: Callable[..., Any], lc: LayerCache, *others: LayerCache) -> Dict[str, Any]:
     """The LayerCache field values (keyword arguments, the offset aside) of `map_state(fn, lc, *others)`."""
-    out: Dict[str, Any] = {"conv": {s: map_state(fn, w, *(o.conv[s] for o in others)) for s, w in lc.conv.items()}}
-    for name, value in (("state", lc.state), ("shift", lc.shift), ("kv", lc.kv), ("extra", lc.extra)):
-        if _holds(value):
-            out[name] = map_state(fn, value, *(getattr(o, name) for o in others))
+    values = (("state", lc.state), ("shift", lc.shift), ("kv", lc.kv), ("extra", lc.extra))
+    if others:
+        out: Dict[str, Any] = {"conv": {s: map_state(fn, w, *[o.conv[s] for o in others]) for s, w in lc.conv.items()}}
+        out.update((name, map_state(fn, v, *[getattr(o, name) for o in others])) for name, v in values
+                   if v is not None and _holds(v))
+        return out
+    # one tree, the common case (per layer and token): tensors and KV caches need no call of the walk
+    out = {"conv": {s: fn(w) if type(w) is torch.Tensor else map_state(fn, w) for s, w in lc.conv.items()}}
+    for name, v in values:
+        if v is not None:
+            if type(v) is torch.Tensor or type(v) is KVCache:
+                out[name] = fn(v)
+            elif _holds(v):
+                out[name] = map_state(fn, v)
     return out
+
+
+def _rebuild(lc: LayerCache, fields: Dict[str, Any], offset: Any) -> LayerCache:
+    """`lc` made to hold `fields` (`_map_fields`) and `offset` instead, in place, without the fast path's view."""
+    lc.state, lc.conv, lc.shift = fields.get("state"), fields["conv"], fields.get("shift")
+    lc.kv, lc.extra, lc._offset, lc.fast = fields.get("kv"), fields.get("extra", {}), offset, None
+    return lc
 
 
 def _state_leaves(lc: LayerCache) -> List[Any]:
     """The leaves of what a LayerCache holds (the offset aside), in `flatten_state` order."""
     out: List[Any] = []
-    for value in (lc.state, *lc.conv.values(), lc.shift, lc.kv, lc.extra):
-        if _is_leaf(value):
-            if value is not None:
-                out.append(value)
-        else:
+    for value in (lc.state, *lc.conv.values(), lc.shift, lc.kv, lc.extra or None):
+        if value is None:
+            continue
+        if type(value) is torch.Tensor or _is_leaf(value):
+            out.append(value)
+        elif _holds(value):
             out += pytree.tree_leaves(value, is_leaf=per_row_ints)
     return out
 
@@ -417,10 +447,10 @@ class _KVMark(int):
 def _copy_leaf(value: Any, record: bool = False) -> Any:
     """A copy of one leaf that shares no tensor with it; a KVCache deep-copied, or with `record` only marked (its
     keys and values are cut back by truncation, not copied)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
     if isinstance(value, KVCache):
         return value.mark() if record else value.copy()
     if per_row_ints(value):
@@ -431,8 +461,12 @@ def _copy_leaf(value: Any, record: bool = False) -> Any:
 
 def _copy_layers(layers: List[Dict[str, LayerCache]], record: bool = False) -> List[Dict[str, LayerCache]]:
     """A copy of a Cache's layers that shares no tensor with them (`_copy_leaf` through every LayerCache)."""
-    copy = (lambda v: _copy_leaf(v, True)) if record else _copy_leaf
-    return [{name: map_state(copy, lc) for name, lc in d.items()} for d in layers]
+    copy = _record_leaf if record else _copy_leaf
+    return [{name: _map_layer_cache(copy, lc) for name, lc in d.items()} for d in layers]
+
+
+def _record_leaf(value: Any) -> Any:
+    return _copy_leaf(value, record=True)
 
 
 def _select_leaf(value: Any, index: torch.Tensor) -> Any:
@@ -444,12 +478,6 @@ def _select_leaf(value: Any, index: torch.Tensor) -> Any:
     if per_row_ints(value):
         return type(value)(value[i] for i in index.tolist())
     return value
-
-
-def _update(lc: LayerCache, fields: Dict[str, Any], offset: Any) -> None:
-    """Replace what `lc` holds in place by `fields` (`_map_fields`) and `offset`; the fast path's view is dropped."""
-    lc.state, lc.conv, lc.shift = fields.get("state"), fields["conv"], fields.get("shift")
-    lc.kv, lc.extra, lc._offset, lc.fast = fields.get("kv"), fields.get("extra", {}), offset, None
 
 
 def _leaf_rows(value: Any) -> Optional[int]:
@@ -466,27 +494,34 @@ def _rows(leaves: Iterable[Any]) -> Optional[int]:
 
 
 def _batch_of(layers: List[Dict[str, LayerCache]]) -> Optional[int]:
-    return next((n for d in layers for lc in d.values() for n in [_rows(_state_leaves(lc))] if n is not None), None)
+    for d in layers:
+        for lc in d.values():
+            n = _rows(_state_leaves(lc))
+            if n is not None:
+                return n
+    return None
 
 
 def _leaf_layout(value: Any) -> Any:
     """What restoring a leaf over another must agree on: its kind, and for tensors their dtype and rank."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", value.dim(), str(value.dtype))
+        return ("tensor", value.dim(), value.dtype)
     if isinstance(value, KVCache):
-        return ("kv",) if value.k is None else ("kv", tuple(value.k.shape[2:]), str(value.k.dtype))
+        return ("kv",) if value.k is None else ("kv", tuple(value.k.shape[2:]), value.k.dtype)
     return ("ints",) if per_row_ints(value) else type(value).__name__
 
 
 def _layout(lc: LayerCache) -> Tuple[Any, ...]:
-    """(name, layout) of every value a LayerCache holds (the offset aside): a leaf's `_leaf_layout`, or the
-    structure and leaf layouts of a tree; () when it holds none."""
-    return tuple((name, _leaf_layout(v) if _is_leaf(v) else _tree_layout(v)) for name, v in _slots(lc))
-
-
-def _tree_layout(value: Any) -> Tuple[Any, ...]:
-    leaves, spec = flatten_state(value)
-    return (" ".join(str(spec).split()), tuple(map(_leaf_layout, leaves)))
+    """What restoring a LayerCache over another must agree on (the offset aside): the fields it holds (its conv
+    streams by name, the structure of a field that is a tree) and `_leaf_layout` of every leaf; () when it holds
+    none."""
+    kinds = tuple([_leaf_layout(v) for v in _state_leaves(lc)])
+    if not kinds:
+        return ()
+    fields = [n if type(v) is torch.Tensor or _is_leaf(v) else (n, " ".join(str(flatten_state(v)[1]).split()))
+              for n, v in (("state", lc.state), ("shift", lc.shift), ("kv", lc.kv), ("extra", lc.extra))
+              if v is not None and _holds(v)]
+    return (tuple(fields), tuple(lc.conv), kinds)
 
 
 def layers_layout(layers: List[Dict[str, LayerCache]]) -> List[Dict[str, Tuple[Any, ...]]]:
@@ -495,7 +530,7 @@ def layers_layout(layers: List[Dict[str, LayerCache]]) -> List[Dict[str, Tuple[A
 
 
 def _describe(layout: Tuple[Any, ...]) -> str:
-    return ", ".join(f"{name} {value}" for name, value in layout) if layout else "nothing"
+    return f"fields {list(layout[0])}, conv {list(layout[1])}, leaves {list(layout[2])}" if layout else "nothing"
 
 
 def model_layout(config: Any, dtype: torch.dtype) -> Tuple[Tuple[str, str], ...]:
@@ -737,10 +772,11 @@ class Cache:
             bad = sorted({i for i in index.tolist() if not 0 <= i < batch})
             raise LinattnError(f"index names rows {bad[:8]} the cache does not have: it holds rows 0..{batch - 1}")
         self.fast = None   # the whole-model step's buffers hold the old rows
+        select = functools.partial(_select_leaf, index=index)
         for layers in [self.layers] + [rec for _, rec in self._history]:
             for d in layers:
                 for lc in d.values():   # in place (no `fast`: the fast steps' views held the old rows)
-                    _update(lc, _map_fields(lambda v: _select_leaf(v, index), lc), _select_leaf(lc._offset, index))
+                    _rebuild(lc, _map_fields(select, lc), select(lc._offset))
 
     def layer(self, i: int, name: str) -> LayerCache:
         """The `LayerCache` of module `name` ("mixer", "lobe") in block `i`, created empty on first use.
@@ -825,7 +861,7 @@ class Cache:
         n = self.n_rows
         for d, sd in zip(self.layers, snap.layers):
             for name, lc in d.items():   # in place (no `fast`: the fast steps' views held the old rows)
-                _update(lc, *_merge_rows(lc, sd[name], n))
+                _rebuild(lc, *_merge_rows(lc, sd[name], n))
         self.seen_tokens = max(self.seen_tokens, snap.seen_tokens)
 
     def remove_rows(self, rows) -> None:
@@ -888,8 +924,7 @@ def _row_index(rows, n: int) -> torch.Tensor:
 
 def _rows_of_layers(layers: List[Dict[str, LayerCache]]) -> int:
     """The rows of the first entry that has any (a per-row offset counts, unlike `_batch_of`); 0 when none."""
-    return next((n for d in layers for lc in d.values() for n in [_rows([*_state_leaves(lc), lc._offset])]
-                 if n is not None), 0)
+    return _rows(leaf for d in layers for lc in d.values() for leaf in (*_state_leaves(lc), lc._offset)) or 0
 
 
 def _kv_row_lengths(kv: KVCache, lc: LayerCache) -> torch.Tensor:
