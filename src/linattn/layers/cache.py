@@ -9,7 +9,10 @@
 
 Every operation over states (copy, record, reorder, row selection and merging, sizes, the transformers
 bridge of linattn.hf) is one walk with torch's pytree utilities (`map_state`, `flatten_state`): `LayerCache`
-is a registered node, tensors, `KVCache` and tuples of per-row Python ints (`per_row_ints`) are leaves.
+is a registered node, tensors, `KVCache` and tuples of per-row Python ints (`per_row_ints`) are leaves. The walk
+answers a leaf (fn(leaf)) and a LayerCache (its fields by name, each value walked) before torch's flatten, which
+builds a TreeSpec per node: the per-token operations (record, reorder, row merges, sizes) then cost what copying
+the tensors costs; only a field that is itself a tree (a NamedTuple state, `extra`) goes through torch's walk.
 
 `nbytes()` counts every tensor held (for the KV cache: the allocated capacity). Linear mixers
 hold a constant-size state, so their `nbytes()` does not depend on the number of tokens seen.
@@ -444,15 +447,14 @@ class _KVMark(int):
     """A recorded `KVCache`: the absolute position where its tokens ended (rolled back by truncation)."""
 
 
-def _copy_leaf(value: Any, record: bool = False) -> Any:
-    """A copy of one leaf that shares no tensor with it; a KVCache deep-copied, or with `record` only marked (its
-    keys and values are cut back by truncation, not copied)."""
+def _copy_leaf(value: Any) -> Any:
+    """A copy of one leaf that shares no tensor with it (a KVCache deep-copied)."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, KVCache):
-        return value.mark() if record else value.copy()
+        return value.copy()
     if per_row_ints(value):
         return type(value)(value)
     raise LinattnTypeError(f"a cache entry of type {type(value).__name__} cannot be copied: a layer's cache may hold "
@@ -466,10 +468,13 @@ def _copy_layers(layers: List[Dict[str, LayerCache]], record: bool = False) -> L
 
 
 def _record_leaf(value: Any) -> Any:
-    return _copy_leaf(value, record=True)
+    """`_copy_leaf`, except that a KVCache is only marked (a rollback cuts its keys and values back, no copy)."""
+    if type(value) is torch.Tensor:
+        return value.detach().clone()
+    return value.mark() if isinstance(value, KVCache) else _copy_leaf(value)
 
 
-def _select_leaf(value: Any, index: torch.Tensor) -> Any:
+def _select_leaf(index: torch.Tensor, value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.index_select(0, index.to(value.device)) if value.dim() else value
     if isinstance(value, KVCache):
@@ -488,17 +493,13 @@ def _leaf_rows(value: Any) -> Optional[int]:
     return None
 
 
-def _rows(leaves: Iterable[Any]) -> Optional[int]:
-    """The batch size of states (dim 0 of their first tensor), or None when they hold no tensor."""
-    return next((n for n in map(_leaf_rows, leaves) if n is not None), None)
-
-
 def _batch_of(layers: List[Dict[str, LayerCache]]) -> Optional[int]:
     for d in layers:
         for lc in d.values():
-            n = _rows(_state_leaves(lc))
-            if n is not None:
-                return n
+            for leaf in _state_leaves(lc):
+                n = _leaf_rows(leaf)
+                if n is not None:
+                    return n
     return None
 
 
@@ -512,16 +513,22 @@ def _leaf_layout(value: Any) -> Any:
 
 
 def _layout(lc: LayerCache) -> Tuple[Any, ...]:
-    """What restoring a LayerCache over another must agree on (the offset aside): the fields it holds (its conv
-    streams by name, the structure of a field that is a tree) and `_leaf_layout` of every leaf; () when it holds
-    none."""
-    kinds = tuple([_leaf_layout(v) for v in _state_leaves(lc)])
+    """What restoring a LayerCache over another must agree on (the offset aside): the fields it holds, its conv
+    streams, the structure of a field that is a tree, `_leaf_layout` of every leaf; () when it holds none."""
+    kinds, trees = [], []
+    for value in (lc.state, *lc.conv.values(), lc.shift, lc.kv, lc.extra or None):
+        if value is None:
+            continue
+        if type(value) is torch.Tensor or _is_leaf(value):
+            kinds.append(_leaf_layout(value))
+        elif _holds(value):
+            leaves, spec = flatten_state(value)
+            trees.append(" ".join(str(spec).split()))
+            kinds += map(_leaf_layout, leaves)
     if not kinds:
         return ()
-    fields = [n if type(v) is torch.Tensor or _is_leaf(v) else (n, " ".join(str(flatten_state(v)[1]).split()))
-              for n, v in (("state", lc.state), ("shift", lc.shift), ("kv", lc.kv), ("extra", lc.extra))
-              if v is not None and _holds(v)]
-    return (tuple(fields), tuple(lc.conv), kinds)
+    held = (lc.state is not None, lc.shift is not None, lc.kv is not None, bool(lc.extra))
+    return (held, tuple(lc.conv), tuple(trees), tuple(kinds))
 
 
 def layers_layout(layers: List[Dict[str, LayerCache]]) -> List[Dict[str, Tuple[Any, ...]]]:
@@ -530,7 +537,10 @@ def layers_layout(layers: List[Dict[str, LayerCache]]) -> List[Dict[str, Tuple[A
 
 
 def _describe(layout: Tuple[Any, ...]) -> str:
-    return f"fields {list(layout[0])}, conv {list(layout[1])}, leaves {list(layout[2])}" if layout else "nothing"
+    if not layout:
+        return "nothing"
+    held = [n for n, h in zip(("state", "shift", "kv", "extra"), layout[0]) if h]
+    return f"fields {held}, conv {list(layout[1])}, trees {list(layout[2])}, leaves {list(layout[3])}"
 
 
 def model_layout(config: Any, dtype: torch.dtype) -> Tuple[Tuple[str, str], ...]:
@@ -550,7 +560,11 @@ class CacheSnapshot:
         self.layers, self.seen_tokens = layers, int(seen_tokens)
         self.model_layout = model_layout
         self.batch = _batch_of(layers)
-        self.layout = layers_layout(layers)
+
+    @functools.cached_property
+    def layout(self) -> List[Dict[str, Tuple[Any, ...]]]:
+        """`layers_layout` of the states, computed when a `restore` first compares it (a snapshot never changes)."""
+        return layers_layout(self.layers)
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for d in self.layers for c in d.values())
@@ -772,7 +786,7 @@ class Cache:
             bad = sorted({i for i in index.tolist() if not 0 <= i < batch})
             raise LinattnError(f"index names rows {bad[:8]} the cache does not have: it holds rows 0..{batch - 1}")
         self.fast = None   # the whole-model step's buffers hold the old rows
-        select = functools.partial(_select_leaf, index=index)
+        select = functools.partial(_select_leaf, index)
         for layers in [self.layers] + [rec for _, rec in self._history]:
             for d in layers:
                 for lc in d.values():   # in place (no `fast`: the fast steps' views held the old rows)
@@ -924,7 +938,13 @@ def _row_index(rows, n: int) -> torch.Tensor:
 
 def _rows_of_layers(layers: List[Dict[str, LayerCache]]) -> int:
     """The rows of the first entry that has any (a per-row offset counts, unlike `_batch_of`); 0 when none."""
-    return _rows(leaf for d in layers for lc in d.values() for leaf in (*_state_leaves(lc), lc._offset)) or 0
+    for d in layers:
+        for lc in d.values():
+            for leaf in (*_state_leaves(lc), lc._offset):
+                n = _leaf_rows(leaf)
+                if n is not None:
+                    return n
+    return 0
 
 
 def _kv_row_lengths(kv: KVCache, lc: LayerCache) -> torch.Tensor:
@@ -940,7 +960,7 @@ def _take_rows(lc: LayerCache, index: torch.Tensor) -> LayerCache:
     def take(value):
         if isinstance(value, KVCache):
             return _take_kv_rows(value, index, lc)
-        return _copy_leaf(_select_leaf(value, index))
+        return _copy_leaf(_select_leaf(index, value))
 
     off = lc._offset
     if isinstance(off, torch.Tensor) and off.dim() == 1 and index.numel() == 1:
