@@ -205,6 +205,7 @@ def test_the_walk_agrees_with_torchs_tree_map():
                                   t.nbytes() if isinstance(t, KVCache) else 0 for t in cache_mod._state_leaves(lc))
     for leaf in (torch.ones(2), None, 3, (1, 2), KVCache()):
         assert map_state(tag, leaf) == tag(leaf)
+        assert flatten_state(leaf) == pytree.tree_flatten(leaf, is_leaf=cache_mod.per_row_ints)
 
 
 def test_the_layout_tells_structures_apart():

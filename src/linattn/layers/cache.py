@@ -81,7 +81,12 @@ def _map_layer_cache(fn: Callable[..., Any], lc: "LayerCache", *others: "LayerCa
 
 def flatten_state(tree: Any) -> Tuple[List[Any], pytree.TreeSpec]:
     """(leaves, structure) of a state, as `map_state` sees it; `pytree.tree_unflatten` rebuilds it."""
+    if type(tree) is torch.Tensor or _is_leaf(tree):
+        return [tree], _LEAF_SPEC
     return pytree.tree_flatten(tree, is_leaf=per_row_ints)
+
+
+_LEAF_SPEC = pytree.tree_flatten(0)[1]   # torch's structure of a leaf
 
 
 def tensor_nbytes(obj: Any) -> int:
