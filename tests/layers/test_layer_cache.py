@@ -7,6 +7,7 @@
 * The dict names map to the fields ("conv_q" is conv["q"], "conv" is conv["in"]), others to `extra`.
 * `map_state` / `flatten_state` see a LayerCache as a node, a per-row int tuple as one leaf."""
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -164,3 +165,69 @@ def test_a_dict_style_mixer_through_the_transformers_cache(dict_style_mixer):
     for t in (5, 6):
         out = hf(ids[:, t:t + 1], cache=pkv, use_cache=True)
         torch.testing.assert_close(out.logits[:, -1], full[:, t], rtol=1e-5, atol=1e-5)
+
+
+class _PairState(NamedTuple):
+    kv: torch.Tensor
+    z: torch.Tensor
+
+
+def _trees():
+    """LayerCaches of every field kind: a tensor state; a NamedTuple state holding a per-row int tuple and None; conv
+    windows; a token shift; a KV cache; `extra` entries that are trees; an int and a per-row offset."""
+    kv = KVCache(chunk=4)
+    kv.append(torch.randn(2, 3, 1, 2, dtype=torch.float64), torch.randn(2, 3, 1, 2, dtype=torch.float64))
+    return [
+        LayerCache(state=torch.randn(2, 3), conv={"q": torch.randn(2, 4, 2), "k": torch.randn(2, 4, 2)}, offset=5),
+        LayerCache(state=_PairState(torch.randn(2, 2, 2), torch.randn(2, 2)), shift=torch.randn(2, 4),
+                   offset=torch.tensor([1, 2])),
+        LayerCache(state=(torch.randn(2, 1), (3, 4), None), kv=kv, extra={"steps": (1, 2), "aux": [torch.ones(2)]}),
+        LayerCache(),
+    ]
+
+
+def test_the_walk_agrees_with_torchs_tree_map():
+    """`map_state` answers leaves and LayerCaches itself (speed): the result, leaf by leaf and field by field, is
+    torch's `tree_map` over the registered node, for one tree and for several."""
+    import torch.utils._pytree as pytree
+
+    def tag(x, *rest):
+        return ("leaf", type(x).__name__, *(type(r).__name__ for r in rest))
+
+    for lc in _trees():
+        ours, theirs = map_state(tag, lc), pytree.tree_map(tag, lc, is_leaf=cache_mod.per_row_ints)
+        assert flatten_state(ours) == flatten_state(theirs)
+        assert flatten_state(map_state(tag, lc, lc)) == flatten_state(
+            pytree.tree_map(tag, lc, lc, is_leaf=cache_mod.per_row_ints))
+        assert map_state(tag, lc).fast is None and map_state(tag, lc) is not lc
+        assert cache_mod._state_leaves(lc) == [x for x in flatten_state(lc.state_fields())[0]]
+        assert lc.nbytes() == sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else
+                                  t.nbytes() if isinstance(t, KVCache) else 0 for t in cache_mod._state_leaves(lc))
+    for leaf in (torch.ones(2), None, 3, (1, 2), KVCache()):
+        assert map_state(tag, leaf) == tag(leaf)
+        assert flatten_state(leaf) == pytree.tree_flatten(leaf, is_leaf=cache_mod.per_row_ints)
+
+
+def test_the_layout_tells_structures_apart():
+    """The layout restore compares sees the fields held, the conv streams, a field's tree structure and the leaves'
+    kinds, ranks and dtypes: each change below is a different layout, the same states are the same."""
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    base = cache_mod._layout(LayerCache(state=a, conv={"q": b}))
+    assert base == cache_mod._layout(LayerCache(state=b.clone(), conv={"q": a.clone()}, offset=7))
+    others = [LayerCache(state=(a,), conv={"q": b}), LayerCache(state=a, conv={"k": b}),
+              LayerCache(state=a, shift=b), LayerCache(state=a.double(), conv={"q": b}),
+              LayerCache(state=a[0], conv={"q": b}), LayerCache(state=a, conv={"q": b}, extra={"x": b}),
+              LayerCache(state=(a, (1, 2)), conv={"q": b})]
+    layouts = [cache_mod._layout(lc) for lc in others]
+    assert base not in layouts and len(set(map(repr, layouts))) == len(layouts)
+    assert cache_mod._layout(LayerCache()) == () and cache_mod._layout(LayerCache(offset=3, extra={})) == ()
+
+
+def test_a_snapshot_layout_is_the_layout_of_its_states():
+    """`CacheSnapshot.layout` (computed when first read) is `layers_layout` of its states."""
+    cache = Cache(2)
+    for i, lc in enumerate(_trees()[:2]):
+        cache.layers[i]["mixer"] = lc
+    snap = cache.snapshot()
+    assert snap.layout == cache_mod.layers_layout(cache.layers) == cache_mod.layers_layout(snap.layers)
+    assert snap.batch == 2

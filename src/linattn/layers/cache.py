@@ -9,7 +9,10 @@
 
 Every operation over states (copy, record, reorder, row selection and merging, sizes, the transformers
 bridge of linattn.hf) is one walk with torch's pytree utilities (`map_state`, `flatten_state`): `LayerCache`
-is a registered node, tensors, `KVCache` and tuples of per-row Python ints (`per_row_ints`) are leaves.
+is a registered node, tensors, `KVCache` and tuples of per-row Python ints (`per_row_ints`) are leaves. The walk
+answers a leaf (fn(leaf)) and a LayerCache (its fields by name, each value walked) before torch's flatten, which
+builds a TreeSpec per node: the per-token operations (record, reorder, row merges, sizes) then cost what copying
+the tensors costs; only a field that is itself a tree (a NamedTuple state, `extra`) goes through torch's walk.
 
 `nbytes()` counts every tensor held (for the KV cache: the allocated capacity). Linear mixers
 hold a constant-size state, so their `nbytes()` does not depend on the number of tokens seen.
@@ -31,6 +34,7 @@ Serving schedules (docs/states.md):
 """
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections.abc import MutableMapping
@@ -49,15 +53,40 @@ def per_row_ints(value: Any) -> bool:
         isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
+def _is_leaf(value: Any) -> bool:
+    """Whether the walk sees `value` as a leaf (no pytree node), told by its type alone where it can be: tensors,
+    KV caches, numbers, strings, None and per-row int tuples."""
+    return value is None or isinstance(value, (torch.Tensor, KVCache, int, float, str)) or per_row_ints(value)
+
+
 def map_state(fn: Callable[..., Any], tree: Any, *rests: Any) -> Any:
     """`tree` (and `rests`, of the same structure) with every leaf replaced by fn(leaf, *rest_leaves): torch's
-    `tree_map` with a tuple of per-row ints as one leaf (None is a leaf too)."""
+    `tree_map` with a tuple of per-row ints as one leaf (None is a leaf too).
+
+    Decoding calls it per layer and token, so the cases that need no structure are answered before torch's
+    flatten (which builds a TreeSpec per node): a leaf is fn(leaf); a LayerCache maps its fields by name, each
+    value through this same walk."""
+    if type(tree) is torch.Tensor or _is_leaf(tree):
+        return fn(tree, *rests)
+    if type(tree) is LayerCache:
+        return _map_layer_cache(fn, tree, *rests)
     return pytree.tree_map(fn, tree, *rests, is_leaf=per_row_ints)
+
+
+def _map_layer_cache(fn: Callable[..., Any], lc: "LayerCache", *others: "LayerCache") -> "LayerCache":
+    """`map_state` of a LayerCache: a new one (without the fast path's view) of its mapped fields and offset."""
+    return _rebuild(LayerCache.__new__(LayerCache), _map_fields(fn, lc, *others),
+                    fn(lc._offset, *[o._offset for o in others]))
 
 
 def flatten_state(tree: Any) -> Tuple[List[Any], pytree.TreeSpec]:
     """(leaves, structure) of a state, as `map_state` sees it; `pytree.tree_unflatten` rebuilds it."""
+    if type(tree) is torch.Tensor or _is_leaf(tree):
+        return [tree], _LEAF_SPEC
     return pytree.tree_flatten(tree, is_leaf=per_row_ints)
+
+
+_LEAF_SPEC = pytree.tree_flatten(0)[1]   # torch's structure of a leaf
 
 
 def tensor_nbytes(obj: Any) -> int:
@@ -69,9 +98,16 @@ def tensor_nbytes(obj: Any) -> int:
     Returns:
         The total size in bytes.
     """
-    leaves = pytree.tree_leaves(obj, is_leaf=lambda v: per_row_ints(v) or isinstance(v, LayerCache))
-    return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else
-               int(t.nbytes()) if callable(getattr(t, "nbytes", None)) else 0 for t in leaves)
+    leaves = [obj] if _is_leaf(obj) or isinstance(obj, LayerCache) else \
+        pytree.tree_leaves(obj, is_leaf=lambda v: per_row_ints(v) or isinstance(v, LayerCache))
+    return sum(map(_leaf_nbytes, leaves))
+
+
+def _leaf_nbytes(leaf: Any) -> int:
+    """Bytes of a tensor, or what an object with an `nbytes()` method (KVCache, LayerCache) reports; else 0."""
+    if type(leaf) is torch.Tensor or isinstance(leaf, torch.Tensor):
+        return leaf.numel() * leaf.element_size()
+    return int(leaf.nbytes()) if callable(getattr(leaf, "nbytes", None)) else 0
 
 
 @dataclass
@@ -104,6 +140,11 @@ def _warn_dict_access() -> None:
         warnings.warn("reading or writing a LayerCache as a dict (cache['state']) is deprecated: use its fields "
                       "(cache.state, cache.conv['q'], cache.shift, cache.kv, cache.offset; docs/states.md)",
                       DeprecationWarning, stacklevel=level)
+
+
+def _holds(value: Any) -> bool:
+    """Whether a field holds state (neither None nor an empty dict)."""
+    return value is not None and not (isinstance(value, dict) and not value)
 
 
 def _conv_name(key: str) -> Optional[str]:
@@ -165,10 +206,13 @@ class LayerCache(MutableMapping):
         """The fields that hold state, by name in `STATE_FIELDS` order (None and empty ones, and the offset, left
         out): what sizes, layouts and row merges walk."""
         return {n: v for n, v in zip(STATE_FIELDS, (self.state, self.conv, self.shift, self.kv, self.extra))
-                if v is not None and not (isinstance(v, dict) and not v)}
+                if _holds(v)}
 
     def nbytes(self) -> int:
-        return tensor_nbytes(self.state_fields())
+        total = 0
+        for leaf in _state_leaves(self):   # (a loop: sizes are read per token by schedulers)
+            total += leaf.nbytes if type(leaf) is torch.Tensor else _leaf_nbytes(leaf)
+        return total
 
     def __repr__(self) -> str:
         held = [n for n in ("state", "shift", "kv") if getattr(self, n) is not None]
@@ -235,6 +279,54 @@ def _flatten_layer_cache(lc: LayerCache):
 
 def _unflatten_layer_cache(children, names) -> LayerCache:
     return LayerCache(**dict(zip(names, children)), offset=children[-1])
+
+
+def _slots(lc: LayerCache) -> List[Tuple[str, Any]]:
+    """(name, value) of what a LayerCache holds, `state_fields` order, its conv windows one by one ("conv.q"): the
+    units the walks compare (the offset aside)."""
+    out = [("state", lc.state)] if lc.state is not None and _holds(lc.state) else []
+    out += [("conv." + s, w) for s, w in lc.conv.items()]
+    return out + [(n, v) for n, v in (("shift", lc.shift), ("kv", lc.kv), ("extra", lc.extra))
+                  if v is not None and _holds(v)]
+
+
+def _map_fields(fn: Callable[..., Any], lc: LayerCache, *others: LayerCache) -> Dict[str, Any]:
+    """The LayerCache field values (keyword arguments, the offset aside) of `map_state(fn, lc, *others)`."""
+    values = (("state", lc.state), ("shift", lc.shift), ("kv", lc.kv), ("extra", lc.extra))
+    if others:
+        out: Dict[str, Any] = {"conv": {s: map_state(fn, w, *[o.conv[s] for o in others]) for s, w in lc.conv.items()}}
+        out.update((name, map_state(fn, v, *[getattr(o, name) for o in others])) for name, v in values
+                   if v is not None and _holds(v))
+        return out
+    # one tree, the common case (per layer and token): tensors and KV caches need no call of the walk
+    out = {"conv": {s: fn(w) if type(w) is torch.Tensor else map_state(fn, w) for s, w in lc.conv.items()}}
+    for name, v in values:
+        if v is not None:
+            if type(v) is torch.Tensor or type(v) is KVCache:
+                out[name] = fn(v)
+            elif _holds(v):
+                out[name] = map_state(fn, v)
+    return out
+
+
+def _rebuild(lc: LayerCache, fields: Dict[str, Any], offset: Any) -> LayerCache:
+    """`lc` made to hold `fields` (`_map_fields`) and `offset` instead, in place, without the fast path's view."""
+    lc.state, lc.conv, lc.shift = fields.get("state"), fields["conv"], fields.get("shift")
+    lc.kv, lc.extra, lc._offset, lc.fast = fields.get("kv"), fields.get("extra", {}), offset, None
+    return lc
+
+
+def _state_leaves(lc: LayerCache) -> List[Any]:
+    """The leaves of what a LayerCache holds (the offset aside), in `flatten_state` order."""
+    out: List[Any] = []
+    for value in (lc.state, *lc.conv.values(), lc.shift, lc.kv, lc.extra or None):
+        if value is None:
+            continue
+        if type(value) is torch.Tensor or _is_leaf(value):
+            out.append(value)
+        elif _holds(value):
+            out += pytree.tree_leaves(value, is_leaf=per_row_ints)
+    return out
 
 
 pytree.register_pytree_node(LayerCache, _flatten_layer_cache, _unflatten_layer_cache,
@@ -360,27 +452,34 @@ class _KVMark(int):
     """A recorded `KVCache`: the absolute position where its tokens ended (rolled back by truncation)."""
 
 
-def _copy_leaf(value: Any, record: bool = False) -> Any:
-    """A copy of one leaf that shares no tensor with it; a KVCache deep-copied, or with `record` only marked (its
-    keys and values are cut back by truncation, not copied)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
+def _copy_leaf(value: Any) -> Any:
+    """A copy of one leaf that shares no tensor with it (a KVCache deep-copied)."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
     if isinstance(value, KVCache):
-        return value.mark() if record else value.copy()
+        return value.copy()
     if per_row_ints(value):
         return type(value)(value)
     raise LinattnTypeError(f"a cache entry of type {type(value).__name__} cannot be copied: a layer's cache may hold "
                            f"tensors, KVCache, tuples / NamedTuples, lists, dicts, numbers and None")
 
 
-def _copy_state(tree: Any, record: bool = False) -> Any:
-    """A copy of a state (a LayerCache, the layers of a Cache, ...) that shares no tensor with it."""
-    return map_state(lambda v: _copy_leaf(v, record), tree)
+def _copy_layers(layers: List[Dict[str, LayerCache]], record: bool = False) -> List[Dict[str, LayerCache]]:
+    """A copy of a Cache's layers that shares no tensor with them (`_copy_leaf` through every LayerCache)."""
+    copy = _record_leaf if record else _copy_leaf
+    return [{name: _map_layer_cache(copy, lc) for name, lc in d.items()} for d in layers]
 
 
-def _select_leaf(value: Any, index: torch.Tensor) -> Any:
+def _record_leaf(value: Any) -> Any:
+    """`_copy_leaf`, except that a KVCache is only marked (a rollback cuts its keys and values back, no copy)."""
+    if type(value) is torch.Tensor:
+        return value.detach().clone()
+    return value.mark() if isinstance(value, KVCache) else _copy_leaf(value)
+
+
+def _select_leaf(index: torch.Tensor, value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.index_select(0, index.to(value.device)) if value.dim() else value
     if isinstance(value, KVCache):
@@ -391,12 +490,6 @@ def _select_leaf(value: Any, index: torch.Tensor) -> Any:
     return value
 
 
-def _select_rows(tree: Any, index: torch.Tensor) -> Any:
-    """`tree` with batch rows `index`: dim 0 of every tensor of at least one dimension, each per-row int tuple;
-    a KVCache in place."""
-    return map_state(lambda v: _select_leaf(v, index), tree)
-
-
 def _leaf_rows(value: Any) -> Optional[int]:
     if isinstance(value, torch.Tensor):
         return int(value.shape[0]) if value.dim() else None
@@ -405,28 +498,42 @@ def _leaf_rows(value: Any) -> Optional[int]:
     return None
 
 
-def _rows(tree: Any) -> Optional[int]:
-    """The batch size of a state (dim 0 of its first tensor), or None when it holds no tensor."""
-    return next((n for n in map(_leaf_rows, flatten_state(tree)[0]) if n is not None), None)
-
-
 def _batch_of(layers: List[Dict[str, LayerCache]]) -> Optional[int]:
-    return _rows([lc.state_fields() for d in layers for lc in d.values()])
+    for d in layers:
+        for lc in d.values():
+            for leaf in _state_leaves(lc):
+                n = _leaf_rows(leaf)
+                if n is not None:
+                    return n
+    return None
 
 
 def _leaf_layout(value: Any) -> Any:
     """What restoring a leaf over another must agree on: its kind, and for tensors their dtype and rank."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", value.dim(), str(value.dtype))
+        return ("tensor", value.dim(), value.dtype)
     if isinstance(value, KVCache):
-        return ("kv",) if value.k is None else ("kv", tuple(value.k.shape[2:]), str(value.k.dtype))
+        return ("kv",) if value.k is None else ("kv", tuple(value.k.shape[2:]), value.k.dtype)
     return ("ints",) if per_row_ints(value) else type(value).__name__
 
 
 def _layout(lc: LayerCache) -> Tuple[Any, ...]:
-    """(structure, leaf layouts) of the state a LayerCache holds (the offset aside); () when it holds none."""
-    leaves, spec = flatten_state(lc.state_fields())
-    return (spec, tuple(map(_leaf_layout, leaves))) if leaves else ()
+    """What restoring a LayerCache over another must agree on (the offset aside): the fields it holds, its conv
+    streams, the structure of a field that is a tree, `_leaf_layout` of every leaf; () when it holds none."""
+    kinds, trees = [], []
+    for value in (lc.state, *lc.conv.values(), lc.shift, lc.kv, lc.extra or None):
+        if value is None:
+            continue
+        if type(value) is torch.Tensor or _is_leaf(value):
+            kinds.append(_leaf_layout(value))
+        elif _holds(value):
+            leaves, spec = flatten_state(value)
+            trees.append(" ".join(str(spec).split()))
+            kinds += map(_leaf_layout, leaves)
+    if not kinds:
+        return ()
+    held = (lc.state is not None, lc.shift is not None, lc.kv is not None, bool(lc.extra))
+    return (held, tuple(lc.conv), tuple(trees), tuple(kinds))
 
 
 def layers_layout(layers: List[Dict[str, LayerCache]]) -> List[Dict[str, Tuple[Any, ...]]]:
@@ -435,7 +542,10 @@ def layers_layout(layers: List[Dict[str, LayerCache]]) -> List[Dict[str, Tuple[A
 
 
 def _describe(layout: Tuple[Any, ...]) -> str:
-    return f"{list(layout[0].context)} {list(layout[1])}" if layout else "nothing"
+    if not layout:
+        return "nothing"
+    held = [n for n, h in zip(("state", "shift", "kv", "extra"), layout[0]) if h]
+    return f"fields {held}, conv {list(layout[1])}, trees {list(layout[2])}, leaves {list(layout[3])}"
 
 
 def model_layout(config: Any, dtype: torch.dtype) -> Tuple[Tuple[str, str], ...]:
@@ -455,7 +565,11 @@ class CacheSnapshot:
         self.layers, self.seen_tokens = layers, int(seen_tokens)
         self.model_layout = model_layout
         self.batch = _batch_of(layers)
-        self.layout = layers_layout(layers)
+
+    @functools.cached_property
+    def layout(self) -> List[Dict[str, Tuple[Any, ...]]]:
+        """`layers_layout` of the states, computed when a `restore` first compares it (a snapshot never changes)."""
+        return layers_layout(self.layers)
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for d in self.layers for c in d.values())
@@ -549,7 +663,7 @@ class Cache:
                     lc.kv.keep_extra = max(lc.kv.keep_extra, self.rollback)
         n = self.seen_tokens
         self._history = [(s, rec) for s, rec in self._history if n - self.rollback <= s < n]
-        self._history.append((n, _copy_state(self.layers, record=True)))
+        self._history.append((n, _copy_layers(self.layers, record=True)))
 
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` tokens: transformers' `DynamicCache.crop`.
@@ -588,7 +702,7 @@ class Cache:
 
     def _set_layers(self, rec: List[Dict[str, LayerCache]]) -> None:
         """Live layers from recorded ones: tensors copied (the record may be needed again), KV caches cut back."""
-        live = _copy_state(rec)
+        live = _copy_layers(rec)
         for i, d in enumerate(rec):
             for name, lc in d.items():
                 if isinstance(lc.kv, _KVMark):
@@ -613,7 +727,7 @@ class Cache:
             entries' kinds and dtypes) for `restore` to check.
         """
         self._check_state_ops("snapshot")
-        return CacheSnapshot(_copy_state(self.layers), self.seen_tokens, getattr(self, "model_layout", None))
+        return CacheSnapshot(_copy_layers(self.layers), self.seen_tokens, getattr(self, "model_layout", None))
 
     def restore(self, snap: CacheSnapshot) -> None:
         """Continue from `snap` (its tensors are copied again, so it can be restored any number of times).
@@ -633,7 +747,7 @@ class Cache:
         if len(snap.layers) != len(self.layers):
             raise LinattnError(f"the snapshot holds {len(snap.layers)} layers, this cache {len(self.layers)}")
         self._check_same_model(snap)
-        self.layers = _copy_state(snap.layers)
+        self.layers = _copy_layers(snap.layers)
         self.seen_tokens = snap.seen_tokens
         self._history = []
         self.record()
@@ -677,10 +791,11 @@ class Cache:
             bad = sorted({i for i in index.tolist() if not 0 <= i < batch})
             raise LinattnError(f"index names rows {bad[:8]} the cache does not have: it holds rows 0..{batch - 1}")
         self.fast = None   # the whole-model step's buffers hold the old rows
+        select = functools.partial(_select_leaf, index)
         for layers in [self.layers] + [rec for _, rec in self._history]:
             for d in layers:
-                for lc in d.values():   # in place (a new `fast`: the fast steps' views held the old rows)
-                    vars(lc).update(vars(_select_rows(lc, index)))
+                for lc in d.values():   # in place (no `fast`: the fast steps' views held the old rows)
+                    _rebuild(lc, _map_fields(select, lc), select(lc._offset))
 
     def layer(self, i: int, name: str) -> LayerCache:
         """The `LayerCache` of module `name` ("mixer", "lobe") in block `i`, created empty on first use.
@@ -760,12 +875,12 @@ class Cache:
             raise LinattnError(f"cannot insert these rows: {problem}")
         self.fast = None   # the whole-model step's buffers hold the old rows
         if not self.n_rows:
-            self.layers, self.seen_tokens = _copy_state(snap.layers), snap.seen_tokens
+            self.layers, self.seen_tokens = _copy_layers(snap.layers), snap.seen_tokens
             return
         n = self.n_rows
         for d, sd in zip(self.layers, snap.layers):
-            for name, lc in d.items():   # in place (a new `fast`: the fast steps' views held the old rows)
-                vars(lc).update(vars(_merge_rows(lc, sd[name], n)))
+            for name, lc in d.items():   # in place (no `fast`: the fast steps' views held the old rows)
+                _rebuild(lc, *_merge_rows(lc, sd[name], n))
         self.seen_tokens = max(self.seen_tokens, snap.seen_tokens)
 
     def remove_rows(self, rows) -> None:
@@ -828,7 +943,13 @@ def _row_index(rows, n: int) -> torch.Tensor:
 
 def _rows_of_layers(layers: List[Dict[str, LayerCache]]) -> int:
     """The rows of the first entry that has any (a per-row offset counts, unlike `_batch_of`); 0 when none."""
-    return _rows([(lc.state_fields(), lc._offset) for d in layers for lc in d.values()]) or 0
+    for d in layers:
+        for lc in d.values():
+            for leaf in (*_state_leaves(lc), lc._offset):
+                n = _leaf_rows(leaf)
+                if n is not None:
+                    return n
+    return 0
 
 
 def _kv_row_lengths(kv: KVCache, lc: LayerCache) -> torch.Tensor:
@@ -844,12 +965,12 @@ def _take_rows(lc: LayerCache, index: torch.Tensor) -> LayerCache:
     def take(value):
         if isinstance(value, KVCache):
             return _take_kv_rows(value, index, lc)
-        return _copy_leaf(_select_leaf(value, index))
+        return _copy_leaf(_select_leaf(index, value))
 
     off = lc._offset
     if isinstance(off, torch.Tensor) and off.dim() == 1 and index.numel() == 1:
         off = int(off[int(index[0])])
-    return LayerCache(**map_state(take, lc.state_fields()), offset=take(off))
+    return LayerCache(**_map_fields(take, lc), offset=take(off))
 
 
 def _take_kv_rows(value: KVCache, index: torch.Tensor, lc: LayerCache) -> KVCache:
@@ -883,11 +1004,16 @@ def _first_row_tokens(layers: List[Dict[str, LayerCache]], default: int) -> int:
 def _merge_problem(lc: LayerCache, other: LayerCache) -> Optional[str]:
     """Why the rows of `other` cannot be stacked under those of `lc` (None: they can); the offsets always can (an
     int or a per-row `[B]`)."""
-    fa, fb = lc.state_fields(), other.state_fields()
-    if list(fa) != list(fb):
-        return f"the rows hold entries {list(fb)}, this cache {list(fa)}"
-    for name in fa:
-        (la, sa), (lb, sb) = flatten_state(fa[name]), flatten_state(fb[name])
+    fa, fb = _slots(lc), _slots(other)
+    if [n for n, _ in fa] != [n for n, _ in fb]:
+        return f"the rows hold entries {[n for n, _ in fb]}, this cache {[n for n, _ in fa]}"
+    for (name, va), (_, vb) in zip(fa, fb):
+        if _is_leaf(va) and _is_leaf(vb):
+            why = _leaf_merge_problem(va, vb)
+            if why:
+                return f"entry {name!r}: {why}"
+            continue
+        (la, sa), (lb, sb) = flatten_state(va), flatten_state(vb)
         if sa != sb:
             return f"entry {name!r}: the rows hold {' '.join(str(sb).split())}, this cache {' '.join(str(sa).split())}"
         why = next((w for w in map(_leaf_merge_problem, la, lb) if w), None)
@@ -922,8 +1048,8 @@ def _leaf_merge_problem(a: Any, b: Any) -> Optional[str]:
     return None
 
 
-def _merge_rows(lc: LayerCache, other: LayerCache, n: int) -> LayerCache:
-    """LayerCache lc (n rows) with other's rows appended (copied)."""
+def _merge_rows(lc: LayerCache, other: LayerCache, n: int) -> Tuple[Dict[str, Any], Any]:
+    """(fields, offset) of LayerCache lc (n rows) with other's rows appended (copied)."""
     def merge(a, b):
         if isinstance(a, KVCache):
             return _merge_kv(a, b, lc, other)
@@ -936,7 +1062,7 @@ def _merge_rows(lc: LayerCache, other: LayerCache, n: int) -> LayerCache:
         (_rows_of_layers([{"x": other}]) or 1,), other.offset, dtype=torch.long)
     both = torch.cat([ra.long().cpu(), rb.long().cpu()])
     offset = int(both[0]) if bool((both == both[0]).all()) and not _has_padding(lc, other) else both
-    return LayerCache(**map_state(merge, lc.state_fields(), other.state_fields()), offset=offset)
+    return _map_fields(merge, lc, other), offset
 
 
 def _has_padding(lc: LayerCache, other: LayerCache) -> bool:
