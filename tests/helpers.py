@@ -240,6 +240,33 @@ def torch_decode_twin(model, dtype=None):
     return twin
 
 
+def block_decode_twin(model, dtype=None):
+    """A copy of `model` (in dtype) that decodes block by block with each layer's compiled block step (the model's
+    whole-model step off, the layers' `compiled_decode` as they are)."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    if dtype is not None:
+        twin.to(dtype)
+    twin.compiled_decode = False
+    return twin
+
+
+def decode_tokens(model, ids, prefill=4, cache=None):
+    """(logits, cache): a prefill of the first `prefill` tokens (its logits for every token), then one token at a
+    time; prefill 0 continues `cache` (a new one when None)."""
+    with torch.no_grad():
+        logits = []
+        if prefill:
+            out = model(ids[:, :prefill], use_cache=True)
+            cache, logits = out.cache, [out.logits]
+        elif cache is None:
+            cache = model.new_cache()
+        for t in range(prefill, ids.shape[1]):
+            logits.append(model(ids[:, t:t + 1], cache=cache).logits)
+    return torch.cat(logits, 1), cache
+
+
 # -- quantized weights (tests/quant, tests/cpu/test_qmatvec.py) ----------------------------------------------
 def _gamma_fp32(n: int) -> float:
     u = 2.0 ** -24   # fp32 unit roundoff
@@ -282,3 +309,36 @@ def check_quantized_product(q: "StoredWeights", x, bias=None, add=None):
     assert torch.isfinite(y).all()
     assert (err <= bound).all(), f"{q.mode}: max error {err.max().item():.3g}, bound {bound.min().item():.3g}"
     return y, ref
+
+
+def check_product_threads(q: "StoredWeights", x):
+    """q's compiled product (with its bias) at 1 and at 2 threads: the same bits, each within the fp64 bound."""
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1, _ = check_quantized_product(q, x, bias=q.bias)
+        torch.set_num_threads(2)
+        y2, _ = check_quantized_product(q, x, bias=q.bias)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(y1, y2)
+
+
+def dequantized_fp64(qmodel):
+    """qmodel with every QuantizedLinear replaced by an fp64 nn.Linear of its dequantized weight (exact)."""
+    import copy
+
+    from torch import nn
+
+    from linattn.quant import quantized_modules
+
+    ref = copy.deepcopy(qmodel)
+    for name, q in quantized_modules(ref).items():
+        lin = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
+        with torch.no_grad():
+            lin.weight = nn.Parameter(q.dequantize(torch.float64))
+            if q.bias is not None:
+                lin.bias = nn.Parameter(q.bias.double())
+        parent, _, attr = name.rpartition(".")
+        setattr(ref.get_submodule(parent) if parent else ref, attr, lin)
+    return ref.double()

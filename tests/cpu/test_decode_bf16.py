@@ -9,7 +9,7 @@ import torch
 
 from linattn.cpu import decode as cpu_decode
 from linattn.models import LanguageModel, LMConfig
-from tests.helpers import CompiledDecodeCalls, torch_decode_twin
+from tests.helpers import CompiledDecodeCalls, decode_tokens, torch_decode_twin
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 
@@ -26,17 +26,6 @@ def _bf16_model(mixer, d=32, **kw):
             if n.endswith("bias") or "norm" in n or "A_log" in n:
                 p.add_(0.1 * torch.randn_like(p))
     return model.to(torch.bfloat16).eval()
-
-
-def _decode(model, ids, prefill=0):
-    """Logits of every decoded token (the prefill's too) and the cache."""
-    with torch.no_grad():
-        logits, cache = [], model.new_cache()
-        if prefill:
-            logits.append(model(ids[:, :prefill], cache=cache).logits)
-        for t in range(prefill, ids.shape[1]):
-            logits.append(model(ids[:, t:t + 1], cache=cache).logits)
-    return torch.cat(logits, 1), cache
 
 
 def _states(cache):
@@ -63,8 +52,8 @@ def test_bf16_step_equals_the_fp32_step_on_rounded_weights(mixer, B, monkeypatch
     ref_model = copy.deepcopy(model).float()
     calls = CompiledDecodeCalls(monkeypatch)
     ids = _ids(B, 8)
-    got, cache = _decode(model, ids)
-    ref, ref_cache = _decode(ref_model, ids)
+    got, cache = decode_tokens(model, ids, prefill=0)
+    ref, ref_cache = decode_tokens(ref_model, ids, prefill=0)
     assert calls.model == 2 * 8 and got.dtype == torch.bfloat16 and got.shape == ref.shape
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -8, atol=1e-6)
     for s, r in zip(_states(cache), _states(ref_cache)):
@@ -77,8 +66,8 @@ def test_bf16_widths_off_the_vector_path_and_untied_head(monkeypatch):
     model = _bf16_model("gated-deltanet", d=40, tie_embeddings=False, final_norm=False)
     calls = CompiledDecodeCalls(monkeypatch)
     ids = _ids(2, 6)
-    got, cache = _decode(model, ids)
-    ref, ref_cache = _decode(copy.deepcopy(model).float(), ids)
+    got, cache = decode_tokens(model, ids, prefill=0)
+    ref, ref_cache = decode_tokens(copy.deepcopy(model).float(), ids, prefill=0)
     assert calls.model == 2 * 6
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -8, atol=1e-6)
     for s, r in zip(_states(cache), _states(ref_cache)):
@@ -95,10 +84,10 @@ def test_bf16_step_against_the_pytorch_bf16_model(mixer, monkeypatch):
     exact = torch_decode_twin(model, torch.float64)
     calls = CompiledDecodeCalls(monkeypatch)
     ids = _ids(2, 12, seed=4)
-    got, cache = _decode(model, ids, prefill=4)
-    ref, _ = _decode(twin, ids, prefill=4)
+    got, cache = decode_tokens(model, ids, prefill=4)
+    ref, _ = decode_tokens(twin, ids, prefill=4)
     assert calls.model == 8   # the model's 8 decoded tokens (the twin's are PyTorch's)
-    truth, _ = _decode(exact, ids, prefill=4)
+    truth, _ = decode_tokens(exact, ids, prefill=4)
     scale = truth.abs().max()
     err_got = (got.double() - truth).abs().max() / scale
     err_ref = (ref.double() - truth).abs().max() / scale
@@ -113,7 +102,7 @@ def test_bf16_nan_stays_in_its_row():
     with torch.no_grad():
         model.embed.weight[7] = float("nan")
     ids = torch.tensor([[7, 1, 2], [3, 4, 5]])
-    got, _ = _decode(model, ids)
+    got, _ = decode_tokens(model, ids, prefill=0)
     assert torch.isnan(got[0]).all() and torch.isfinite(got[1]).all()
 
 
@@ -128,14 +117,14 @@ def test_bf16_softmax_hybrid_decodes_its_linear_blocks_compiled(linear, monkeypa
     hybrid.compiled_decode = False
     calls = CompiledDecodeCalls(monkeypatch)
     ids = _ids(2, 10, seed=5)
-    got, cache = _decode(hybrid, ids, prefill=3)
+    got, cache = decode_tokens(hybrid, ids, prefill=3)
     assert calls.model == 0 and calls.block == 7
-    ref, _ = _decode(torch_decode_twin(hybrid), ids, prefill=3)
-    truth, _ = _decode(torch_decode_twin(hybrid, torch.float64), ids, prefill=3)
+    ref, _ = decode_tokens(torch_decode_twin(hybrid), ids, prefill=3)
+    truth, _ = decode_tokens(torch_decode_twin(hybrid, torch.float64), ids, prefill=3)
     scale = truth.abs().max()
     err_got, err_ref = ((t.double() - truth).abs().max() / scale for t in (got, ref))
     assert err_got <= 2 * err_ref + 2 ** -8 and err_got < 0.02
     assert _states(cache)[0].dtype == torch.float32
-    _, cache32 = _decode(torch_decode_twin(hybrid).float(), ids[:, :1])
-    _, cache1 = _decode(hybrid, ids[:, :1])
+    _, cache32 = decode_tokens(torch_decode_twin(hybrid).float(), ids[:, :1], prefill=0)
+    _, cache1 = decode_tokens(hybrid, ids[:, :1], prefill=0)
     torch.testing.assert_close(_states(cache1)[0], _states(cache32)[0].float(), rtol=1e-6, atol=1e-7)

@@ -12,7 +12,7 @@ import torch
 
 from linattn.cpu import decode as cpu_decode
 from linattn.models import LanguageModel, LMConfig
-from tests.helpers import CompiledDecodeCalls
+from tests.helpers import CompiledDecodeCalls, block_decode_twin, decode_tokens, torch_decode_twin
 
 pytestmark = [pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off"),
               pytest.mark.usefixtures("one_thread_module")]
@@ -33,33 +33,6 @@ def _model(dtype=torch.float32, layers=2, d=32, heads=2, mixer="linear-hadamard_
             if n.endswith("bias") or "norm" in n or "A_log" in n:
                 p.add_(0.1 * torch.randn_like(p))
     return model.to(dtype).eval()
-
-
-def _twin(model, dtype=None, block=False):
-    """A copy (in dtype) that decodes block by block: with the compiled block step (block) or every layer's PyTorch
-    step (`compiled_decode` off everywhere)."""
-    twin = copy.deepcopy(model)
-    if dtype is not None:
-        twin = twin.to(dtype)
-    twin.compiled_decode = False
-    if not block:
-        for m in twin.modules():
-            if hasattr(m, "compiled_decode"):
-                m.compiled_decode = False
-    return twin
-
-
-def _generate(model, ids, prefill=4, cache=None):
-    with torch.no_grad():
-        logits = []
-        if prefill:
-            out = model(ids[:, :prefill], use_cache=True)
-            cache, logits = out.cache, [out.logits]
-        elif cache is None:
-            cache = model.new_cache()
-        for t in range(prefill, ids.shape[1]):
-            logits.append(model(ids[:, t:t + 1], cache=cache).logits)
-    return torch.cat(logits, 1), cache
 
 
 def _states(cache):
@@ -88,21 +61,21 @@ def test_model_and_block_steps_against_the_fp64_pytorch_step(kw, batch, monkeypa
     model = _model(**kw)
     ids = _ids(batch, 14, 1)
     calls = CompiledDecodeCalls(monkeypatch)
-    got, cache = _generate(model, ids)
+    got, cache = decode_tokens(model, ids)
     assert (calls.model, calls.block) == (10, 0)
-    blk, blk_cache = _generate(_twin(model, block=True), ids)
+    blk, blk_cache = decode_tokens(block_decode_twin(model), ids)
     assert (calls.model, calls.block) == (10, 2 * 10)
     torch.testing.assert_close(got, blk, rtol=1e-5, atol=1e-5)
     for a, b in zip(_states(cache), _states(blk_cache)):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    ref, ref_cache = _generate(_twin(model, torch.float64), ids)
-    t32, t32_cache = _generate(_twin(model), ids)
+    ref, ref_cache = decode_tokens(torch_decode_twin(model, torch.float64), ids)
+    t32, t32_cache = decode_tokens(torch_decode_twin(model), ids)
     assert calls.model == 10
     bound = 4 * _err(t32, ref) + 1e-6
     assert _err(got, ref) <= bound, (_err(got, ref), bound)
     for a, b, t in zip(_states(cache), _states(ref_cache), _states(t32_cache)):
         assert _err(a, b) <= 4 * _err(t, b) + 1e-6 * max(1.0, float(b.abs().max()))
-    got64, cache64 = _generate(_model(torch.float64, **kw), ids)
+    got64, cache64 = decode_tokens(_model(torch.float64, **kw), ids)
     assert calls.model == 20
     torch.testing.assert_close(got64, ref, rtol=1e-12, atol=1e-12)
     for a, b in zip(_states(cache64), _states(ref_cache)):
@@ -122,17 +95,17 @@ def test_ela_linear_space_maps_in_the_model_step(mixer, kw, monkeypatch):
     model = _model(mixer=mixer, **kw)
     ids = _ids(2, 12, 6)
     calls = CompiledDecodeCalls(monkeypatch)
-    got, cache = _generate(model, ids)
+    got, cache = decode_tokens(model, ids)
     assert (calls.model, calls.block) == (8, 0)
-    blk, blk_cache = _generate(_twin(model, block=True), ids)
+    blk, blk_cache = decode_tokens(block_decode_twin(model), ids)
     assert calls.block == 2 * 8
     torch.testing.assert_close(got, blk, rtol=1e-5, atol=1e-5)
     for a, b in zip(_states(cache), _states(blk_cache)):
         assert a.shape == b.shape and torch.equal(a, b)
-    ref, ref_cache = _generate(_twin(model, torch.float64), ids)
-    t32, _ = _generate(_twin(model), ids)
+    ref, ref_cache = decode_tokens(torch_decode_twin(model, torch.float64), ids)
+    t32, _ = decode_tokens(torch_decode_twin(model), ids)
     assert _err(got, ref) <= 4 * _err(t32, ref) + 1e-6 * float(ref.abs().max())
-    got64, _ = _generate(_model(torch.float64, mixer=mixer, **kw), ids)
+    got64, _ = decode_tokens(_model(torch.float64, mixer=mixer, **kw), ids)
     assert calls.model == 16
     torch.testing.assert_close(got64, ref, rtol=1e-12, atol=1e-12 * float(ref.abs().max()))
 
@@ -143,7 +116,7 @@ def test_cache_handoff_both_ways(monkeypatch):
     model = _model(gate="retnet", short_conv=True)
     ids = _ids(2, 20, 2)
     calls = CompiledDecodeCalls(monkeypatch)
-    ref, ref_cache = _generate(_twin(model), ids)
+    ref, ref_cache = decode_tokens(torch_decode_twin(model), ids)
     assert calls.model == 0
     layers = [m for m in model.modules() if hasattr(m, "compiled_decode") and m is not model]
     with torch.no_grad():
@@ -167,21 +140,21 @@ def test_batch_rows_are_independent(monkeypatch):
     state keeps it finite), and a NaN in one row stays in that row."""
     model = _model()
     ids = _ids(3, 10, 3)
-    got, _ = _generate(model, ids)
+    got, _ = decode_tokens(model, ids)
     for b in range(3):
-        alone, _ = _generate(model, ids[b:b + 1])
+        alone, _ = decode_tokens(model, ids[b:b + 1])
         torch.testing.assert_close(got[b:b + 1], alone, rtol=1e-6, atol=1e-6)
     big = _model()
     with torch.no_grad():
         big.embed.weight[ids[1, 6]] *= 100.0
-    g, _ = _generate(big, ids)
+    g, _ = decode_tokens(big, ids)
     assert torch.isfinite(g).all()
     nan_id = next(i for i in range(VOCAB) if not (ids[:2] == i).any() and not (ids[2, :6] == i).any())
     ids[2, 6] = nan_id
-    g, _ = _generate(big, ids)
+    g, _ = decode_tokens(big, ids)
     with torch.no_grad():
         big.embed.weight[nan_id] = float("nan")
-    g2, _ = _generate(big, ids)
+    g2, _ = decode_tokens(big, ids)
     cols = torch.arange(VOCAB) != nan_id   # (the tied head's row of that id is NaN for every row)
     g, g2 = g[..., cols], g2[..., cols]
     assert torch.isnan(g2[2, 6:]).all() and torch.equal(g2[2, :6], g[2, :6]) and torch.equal(g2[:2], g[:2])
@@ -193,8 +166,8 @@ def test_bf16_weights(monkeypatch):
     model = _model().to(torch.bfloat16)
     calls = CompiledDecodeCalls(monkeypatch)
     ids = _ids(2, 8, 4)
-    got, cache = _generate(model, ids, prefill=0)
-    ref, ref_cache = _generate(copy.deepcopy(model).float(), ids, prefill=0)
+    got, cache = decode_tokens(model, ids, prefill=0)
+    ref, ref_cache = decode_tokens(copy.deepcopy(model).float(), ids, prefill=0)
     assert calls.model == 2 * 8 and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -8, atol=1e-6)
     for s, r in zip(_states(cache), _states(ref_cache)):
@@ -209,5 +182,5 @@ def test_generate_greedy_identical(monkeypatch):
     prompt = _ids(1, 5, 5)[0]
     got = model.generate(prompt, 12, temperature=0)
     assert calls.model >= 11
-    ref = _twin(model).generate(prompt, 12, temperature=0)
+    ref = torch_decode_twin(model).generate(prompt, 12, temperature=0)
     assert torch.equal(got, ref)

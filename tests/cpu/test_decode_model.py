@@ -12,7 +12,7 @@ import torch
 from linattn.cpu import decode as cpu_decode
 from linattn.errors import LinattnError
 from linattn.models import LanguageModel, LMConfig
-from tests.helpers import CompiledDecodeCalls
+from tests.helpers import CompiledDecodeCalls, block_decode_twin, decode_tokens, torch_decode_twin
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 
@@ -34,33 +34,6 @@ def _model(mixer, dtype=torch.float32, layers=2, **kw):
             if n.endswith("bias") or "norm" in n or "A_log" in n or "alpha" in n:
                 p.add_(0.1 * torch.randn_like(p))
     return model.eval()
-
-
-def _block_twin(model):
-    twin = copy.deepcopy(model)
-    twin.compiled_decode = False
-    return twin
-
-
-def _torch_twin(model):
-    twin = copy.deepcopy(model)
-    for m in twin.modules():
-        if hasattr(m, "compiled_decode"):
-            m.compiled_decode = False
-    return twin
-
-
-def _generate(model, ids, prefill=4, cache=None):
-    with torch.no_grad():
-        logits = []
-        if prefill:
-            out = model(ids[:, :prefill], use_cache=True)
-            cache, logits = out.cache, [out.logits]
-        elif cache is None:
-            cache = model.new_cache()
-        for t in range(prefill, ids.shape[1]):
-            logits.append(model(ids[:, t:t + 1], cache=cache).logits)
-    return torch.cat(logits, 1), cache
 
 
 def _entries(cache):
@@ -102,14 +75,14 @@ def test_model_step_equals_block_step_torch_step_and_forward(mixer, dtype, batch
     model = _model(mixer, dtype)
     ids = _ids(batch, 14, 1)
     count = ModelCount(monkeypatch)
-    got, cache = _generate(model, ids)
+    got, cache = decode_tokens(model, ids)
     assert (count.model, count.block) == (10, 0)
-    ref, ref_cache = _generate(_block_twin(model), ids)
+    ref, ref_cache = decode_tokens(block_decode_twin(model), ids)
     assert (count.model, count.block) == (10, 2 * 10)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
     _assert_entries(cache, ref_cache)
-    tch, tch_cache = _generate(_torch_twin(model), ids)
+    tch, tch_cache = decode_tokens(torch_decode_twin(model), ids)
     assert count.model == 10
     tol = 1e-12 if dtype == torch.float64 else 2e-5
     torch.testing.assert_close(got, tch, rtol=tol, atol=tol)
@@ -134,8 +107,8 @@ def test_model_step_mixed_layers_grouped_heads_no_ffn(kw, batch, monkeypatch):
     ids = _ids(batch, 9, 2)
     count = ModelCount(monkeypatch)
     for prefill in (0, 3):
-        got, cache = _generate(model, ids, prefill)
-        ref, ref_cache = _generate(_block_twin(model), ids, prefill)
+        got, cache = decode_tokens(model, ids, prefill)
+        ref, ref_cache = decode_tokens(block_decode_twin(model), ids, prefill)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         _assert_entries(cache, ref_cache)
     assert count.model == 9 + 6
@@ -148,12 +121,12 @@ def test_hybrid_with_softmax_takes_the_model_step(monkeypatch):
     model = _model(["gated-deltanet", "softmax"])
     ids = _ids(2, 10, 3)
     count = ModelCount(monkeypatch)
-    got, _ = _generate(model, ids)
+    got, _ = decode_tokens(model, ids)
     assert (count.model, count.block) == (6, 0)
     model.compiled_decode = False
-    got_blocks, _ = _generate(model, ids)
+    got_blocks, _ = decode_tokens(model, ids)
     assert (count.model, count.block) == (6, 6)
-    ref, _ = _generate(_torch_twin(model), ids)
+    ref, _ = decode_tokens(torch_decode_twin(model), ids)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(got_blocks, ref, rtol=2e-5, atol=2e-5)
 
@@ -163,27 +136,27 @@ def test_earlier_states_copies_and_beams_are_not_corrupted(monkeypatch):
     of the cache continue independently, and reorder (beam search) then decoding gives the per-block step's
     values."""
     model = _model("gated-deltanet")
-    twin = _block_twin(model)
+    twin = block_decode_twin(model)
     ids = _ids(3, 12, 4)
     count = ModelCount(monkeypatch)
-    _, cache = _generate(model, ids[:, :6])
-    _, ref_cache = _generate(twin, ids[:, :6])
+    _, cache = decode_tokens(model, ids[:, :6])
+    _, ref_cache = decode_tokens(twin, ids[:, :6])
     held = [t for _, t in _entries(cache)]
     before = [t.clone() for t in held]
     copied, snap = copy.deepcopy(cache), cache.snapshot()
-    got, _ = _generate(model, ids[:, 6:9], prefill=0, cache=cache)
+    got, _ = decode_tokens(model, ids[:, 6:9], prefill=0, cache=cache)
     assert all(torch.equal(t, u) for t, u in zip(held, before))
-    got_copy, _ = _generate(model, ids[:, 6:9], prefill=0, cache=copied)
+    got_copy, _ = decode_tokens(model, ids[:, 6:9], prefill=0, cache=copied)
     torch.testing.assert_close(got_copy, got, rtol=0, atol=0)
     cache.restore(snap)
-    got_again, _ = _generate(model, ids[:, 6:9], prefill=0, cache=cache)
+    got_again, _ = decode_tokens(model, ids[:, 6:9], prefill=0, cache=cache)
     torch.testing.assert_close(got_again, got, rtol=0, atol=0)
     beams = torch.tensor([2, 0, 0])
     cache.reorder(beams)
-    _generate(twin, ids[:, 6:9], prefill=0, cache=ref_cache)
+    decode_tokens(twin, ids[:, 6:9], prefill=0, cache=ref_cache)
     ref_cache.reorder(beams)
-    got, _ = _generate(model, ids[:, 9:], prefill=0, cache=cache)
-    ref, _ = _generate(twin, ids[:, 9:], prefill=0, cache=ref_cache)
+    got, _ = decode_tokens(model, ids[:, 9:], prefill=0, cache=cache)
+    ref, _ = decode_tokens(twin, ids[:, 9:], prefill=0, cache=ref_cache)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     _assert_entries(cache, ref_cache)
     assert count.model == 2 + 4 * 3
@@ -195,16 +168,16 @@ def test_nan_reaches_only_later_tokens(monkeypatch):
     model = _model("efla")
     ids = _ids(1, 10, 5)
     ids[0, :6] = torch.where(ids[0, :6] == ids[0, 6], (ids[0, 6] + 1) % VOCAB, ids[0, :6])
-    clean, _ = _generate(model, ids)
+    clean, _ = decode_tokens(model, ids)
     with torch.no_grad():
         model.embed.weight[ids[0, 6]] = float("nan")
     count = ModelCount(monkeypatch)
-    got, _ = _generate(model, ids)
+    got, _ = decode_tokens(model, ids)
     assert count.model == 6
     keep = torch.arange(VOCAB) != ids[0, 6]   # the tied head's row of the poisoned token is NaN everywhere
     assert torch.equal(got[:, :6, keep], clean[:, :6, keep])
-    for twin in (_block_twin(model), _torch_twin(model)):
-        ref, _ = _generate(twin, ids)
+    for twin in (block_decode_twin(model), torch_decode_twin(model)):
+        ref, _ = decode_tokens(twin, ids)
         assert torch.equal(torch.isnan(got), torch.isnan(ref))
     assert torch.isnan(got[:, 6:]).all()
 
@@ -215,12 +188,12 @@ def test_switches_hooks_autograd_and_rollback_take_the_other_paths(monkeypatch):
     import torch.nn as nn
     model = _model("gated-deltanet")
     ids = _ids(1, 7, 6)
-    ref, _ = _generate(_torch_twin(model), ids)
+    ref, _ = decode_tokens(torch_decode_twin(model), ids)
     count = ModelCount(monkeypatch)
 
     def check(expect_model, expect_block):
         count.model = count.block = 0
-        got, _ = _generate(model, ids)
+        got, _ = decode_tokens(model, ids)
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
         assert (count.model, count.block) == (expect_model, expect_block)
 
@@ -269,8 +242,8 @@ def test_plan_follows_updates_replacements_batch_and_dtype(monkeypatch):
     count = ModelCount(monkeypatch)
 
     def check(m=model, batch=ids):
-        got, _ = _generate(m, batch)
-        ref, _ = _generate(_torch_twin(m), batch)
+        got, _ = decode_tokens(m, batch)
+        ref, _ = decode_tokens(torch_decode_twin(m), batch)
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
     check()
@@ -290,7 +263,7 @@ def test_plan_follows_updates_replacements_batch_and_dtype(monkeypatch):
     assert count.model == 7 * 4
     for mixer in ("gated-deltanet", "linear-elu+1"):
         outs = []
-        for m in (_model(mixer), _torch_twin(_model(mixer))):
+        for m in (_model(mixer), torch_decode_twin(_model(mixer))):
             with torch.no_grad():
                 out = m(ids[:, :4], use_cache=True)
                 logits = [m(ids[:, t:t + 1], cache=out.cache).logits for t in range(4, 6)]
@@ -307,7 +280,7 @@ def test_ids_logits_to_keep_and_generate(monkeypatch):
     model = _model("gated-deltanet")
     ids = _ids(2, 6, 8)
     count = ModelCount(monkeypatch)
-    _, cache = _generate(model, ids)
+    _, cache = decode_tokens(model, ids)
     entries = [t.clone() for _, t in _entries(cache)]
     with torch.no_grad():
         with pytest.raises(LinattnError, match="vocab_size"):
@@ -353,7 +326,7 @@ def test_pending_tokens_copies_pickles_and_readers(monkeypatch):
     model = _model("linear-elu+1")
     ids = _ids(2, 14, 9)
     count = ModelCount(monkeypatch)
-    _, ref_cache = _generate(_block_twin(model), ids)
+    _, ref_cache = decode_tokens(block_decode_twin(model), ids)
     with torch.no_grad():
         cache = model(ids[:, :4], use_cache=True).cache
         for t in range(4, 8):
@@ -373,8 +346,8 @@ def test_pending_tokens_copies_pickles_and_readers(monkeypatch):
         assert count.model == 4 + 3 * 6
         # readers between tokens: the entries after each token as the per-block step's
         cache = model(ids[:, :4], use_cache=True).cache
-        ref = _block_twin(model)(ids[:, :4], use_cache=True).cache
-        twin = _block_twin(model)
+        ref = block_decode_twin(model)(ids[:, :4], use_cache=True).cache
+        twin = block_decode_twin(model)
         for t in range(4, 7):
             model(ids[:, t:t + 1], cache=cache)
             twin(ids[:, t:t + 1], cache=ref)

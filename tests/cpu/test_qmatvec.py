@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from linattn.cpu import bindings, build as cbuild, decode as cpu_decode
-from tests.helpers import StoredWeights as _Stored, check_quantized_product as _check_product
+from tests.helpers import StoredWeights as _Stored, check_product_threads, check_quantized_product as _check_product
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 
@@ -85,14 +85,5 @@ def test_int4_paths_hostile_inputs(decode_lib, group):
 
 def test_int4_paths_threads(decode_lib):
     """Rows split across threads: the same bits as one thread."""
-    q = _Stored(532, 512, "int4", 32, seed=9, bias=True)
-    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        y1, _ = _check_product(q, x, bias=q.bias)
-        torch.set_num_threads(2)
-        y2, _ = _check_product(q, x, bias=q.bias)
-    finally:
-        torch.set_num_threads(old)
-    assert torch.equal(y1, y2)
+    check_product_threads(_Stored(532, 512, "int4", 32, seed=9, bias=True),
+                          torch.randn(2, 512, generator=torch.Generator().manual_seed(3)))

@@ -4,11 +4,9 @@ plans and by the per-block PyTorch path, compared against that PyTorch path in f
 import copy
 
 import torch
-import torch.nn as nn
 
 from linattn.models import LanguageModel, LMConfig
-from linattn.quant import quantized_modules
-from tests.helpers import CompiledDecodeCalls, torch_decode_twin
+from tests.helpers import CompiledDecodeCalls, dequantized_fp64, torch_decode_twin
 
 VOCAB = 61
 EPS = {torch.float32: 2.0 ** -23, torch.float64: 2.0 ** -52, torch.bfloat16: 2.0 ** -8}
@@ -141,20 +139,6 @@ def check_guard(model, change, monkeypatch):
     return calls
 
 
-def dequantized_fp64(qmodel) -> nn.Module:
-    """qmodel with every QuantizedLinear replaced by an fp64 nn.Linear of its dequantized weight (exact)."""
-    ref = copy.deepcopy(qmodel)
-    for name, q in quantized_modules(ref).items():
-        lin = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
-        with torch.no_grad():
-            lin.weight = nn.Parameter(q.dequantize(torch.float64))
-            if q.bias is not None:
-                lin.bias = nn.Parameter(q.bias.double())
-        parent, _, attr = name.rpartition(".")
-        setattr(ref.get_submodule(parent) if parent else ref, attr, lin)
-    return ref.double()
-
-
 def check_quantized(qmodel, monkeypatch):
     """The compiled decode of a quantized model (one call per token) vs its dequantized weights in fp64, within 4x
     PyTorch's own fp32 error on those weights."""
@@ -255,3 +239,48 @@ def check_threads(model):
     finally:
         torch.set_num_threads(old)
     assert torch.equal(one, two)
+
+
+def assert_matches_twin(model, ids, prefill, tol=2e-5):
+    """The model's decoded logits are its PyTorch twin's within tol."""
+    got, _ = decode(model, ids, prefill)
+    want, _ = decode(pytorch_twin(model), ids, prefill)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def check_block_plans_alone(model, monkeypatch):
+    """`compiled_decode = False` on the model (pattern (0, 1, 0, 2)): every non-softmax block is its own compiled
+    call per token (the softmax block has the whole-model step only), with the PyTorch path's logits."""
+    model.compiled_decode = False
+    calls = CompiledDecodeCalls(monkeypatch)
+    ids = ids_of(3, 9)
+    assert_matches_twin(model, ids, 3)
+    assert calls.model == 0 and calls.block == 6 * 3
+
+
+def check_steps_aside(model, monkeypatch):
+    """A model the compiled step does not cover decodes on the per-block PyTorch path (no compiled whole-model
+    call), with the twin's logits."""
+    calls = CompiledDecodeCalls(monkeypatch)
+    assert_matches_twin(model, ids_of(2, 7), 3)
+    assert calls.model == 0
+
+
+def check_update_in_place_without_rebuild(model, update):
+    """Weights the plan reads in place: `update(model)` in place between two tokens of one cache is seen at once,
+    without a rebuild of the plan (the twin, updated alike, gives the same logits)."""
+    from linattn.models import decode_plan
+
+    twin = pytorch_twin(model)
+    ids = ids_of(2, 8)
+    with torch.no_grad():
+        caches = [m(ids[:, :3], use_cache=True).cache for m in (model, twin)]
+        for m, c in zip((model, twin), caches):
+            m(ids[:, 3:4], cache=c)
+        built = decode_plan.rebuilds[0]
+        for m in (model, twin):
+            update(m)
+        for t in range(4, 8):
+            got, want = (m(ids[:, t:t + 1], cache=c).logits for m, c in zip((model, twin), caches))
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    assert decode_plan.rebuilds[0] == built

@@ -8,7 +8,6 @@ import torch
 
 from linattn.cpu import decode as cpu_decode
 from linattn.quant import quantize, quantized_modules
-from tests.helpers import CompiledDecodeCalls
 from tests.models import decode_kinds as dk
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
@@ -53,14 +52,7 @@ def test_handoff_between_the_whole_model_plan_the_block_plans_and_pytorch(case, 
 
 def test_block_plans_alone_match_the_pytorch_path(monkeypatch):
     """`compiled_decode = False` on the model: every block is its own compiled call (KDA's too)."""
-    model = _model(**CASES["bounded gate, low-rank sigmoid output gate"])
-    model.compiled_decode = False
-    calls = CompiledDecodeCalls(monkeypatch)
-    ids = dk.ids_of(3, 9)
-    got, _ = dk.decode(model, ids, 3)
-    assert calls.model == 0 and calls.block == 6 * 3   # (the softmax block: the whole-model step only)
-    want, _ = dk.decode(dk.pytorch_twin(model), ids, 3)
-    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    dk.check_block_plans_alone(_model(**CASES["bounded gate, low-rank sigmoid output gate"]), monkeypatch)
 
 
 def _in_place_gate_weight(model):
@@ -106,23 +98,11 @@ def test_guard_invalidates_for_each_kda_cause(cause, monkeypatch):
 def test_in_place_update_of_a_weight_read_in_place_needs_no_rebuild():
     """f_proj's second stage and dt_bias are read in place: an in-place update between two tokens of one cache is
     seen without a rebuild (a new cache rebuilds anyway: `new_cache` clears the fused weights)."""
-    from linattn.models import decode_plan
+    def update(m):
+        m.blocks[0].mixer.f_proj[1].weight.mul_(2.0)
+        m.blocks[2].mixer.dt_bias.add_(1.0)
 
-    model = _model()
-    twin = dk.pytorch_twin(model)
-    ids = dk.ids_of(2, 8)
-    with torch.no_grad():
-        caches = [m(ids[:, :3], use_cache=True).cache for m in (model, twin)]
-        for m, c in zip((model, twin), caches):
-            m(ids[:, 3:4], cache=c)
-        built = decode_plan.rebuilds[0]
-        for m in (model, twin):
-            m.blocks[0].mixer.f_proj[1].weight.mul_(2.0)
-            m.blocks[2].mixer.dt_bias.add_(1.0)
-        for t in range(4, 8):
-            got, want = (m(ids[:, t:t + 1], cache=c).logits for m, c in zip((model, twin), caches))
-            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
-    assert decode_plan.rebuilds[0] == built
+    dk.check_update_in_place_without_rebuild(_model(), update)
 
 
 @pytest.mark.parametrize("mode,group", [("int8", None), ("int4", 32)])
@@ -145,13 +125,7 @@ def test_generate_matches_the_pytorch_path():
 def test_rope_steps_aside(monkeypatch):
     """A KDA layer with RoPE is not what the compiled step computes: the per-block PyTorch path decodes it (no
     compiled call for its model), with the same logits as the twin."""
-    model = _model(rope=True)
-    calls = CompiledDecodeCalls(monkeypatch)
-    ids = dk.ids_of(2, 7)
-    got, _ = dk.decode(model, ids, 3)
-    assert calls.model == 0
-    want, _ = dk.decode(dk.pytorch_twin(model), ids, 3)
-    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    dk.check_steps_aside(_model(rope=True), monkeypatch)
 
 
 def test_hostile_values_propagate():
@@ -161,10 +135,7 @@ def test_hostile_values_propagate():
     with torch.no_grad():
         model.blocks[0].mixer.dt_bias[:5] = -1e4
         model.blocks[0].mixer.dt_bias[5:9] = 1e4
-    ids = dk.ids_of(2, 7)
-    got, _ = dk.decode(model, ids, 3)
-    want, _ = dk.decode(dk.pytorch_twin(model), ids, 3)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    dk.assert_matches_twin(model, dk.ids_of(2, 7), 3, tol=1e-10)
     dk.check_nan_token(model)
 
 

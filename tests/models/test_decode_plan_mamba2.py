@@ -42,14 +42,8 @@ def test_handoff_between_the_whole_model_plan_the_block_plans_and_pytorch(case, 
 
 
 def test_block_plans_alone_match_the_pytorch_path(monkeypatch):
-    model = _model(**CASES["groups, D per channel, norm before gate, biases, dt clamp"])
-    model.compiled_decode = False
-    calls = CompiledDecodeCalls(monkeypatch)
-    ids = dk.ids_of(3, 9)
-    got, _ = dk.decode(model, ids, 3)
-    assert calls.model == 0 and calls.block == 6 * 3   # (the softmax block: the whole-model step only)
-    want, _ = dk.decode(dk.pytorch_twin(model), ids, 3)
-    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    dk.check_block_plans_alone(_model(**CASES["groups, D per channel, norm before gate, biases, dt clamp"]),
+                               monkeypatch)
 
 
 def _dt_limit(model):
@@ -95,24 +89,12 @@ def test_guard_invalidates_for_each_mamba2_cause(cause, monkeypatch):
 def test_in_place_update_of_weights_read_in_place_needs_no_rebuild():
     """in_proj, D and dt_bias are read in place: an in-place update between two tokens of one cache is seen without
     a rebuild."""
-    from linattn.models import decode_plan
+    def update(m):
+        m.blocks[0].mixer.in_proj.weight.mul_(1.5)
+        m.blocks[2].mixer.D.add_(1.0)
+        m.blocks[2].mixer.dt_bias.sub_(1.0)
 
-    model = _model(**CASES["defaults"])
-    twin = dk.pytorch_twin(model)
-    ids = dk.ids_of(2, 8)
-    with torch.no_grad():
-        caches = [m(ids[:, :3], use_cache=True).cache for m in (model, twin)]
-        for m, c in zip((model, twin), caches):
-            m(ids[:, 3:4], cache=c)
-        built = decode_plan.rebuilds[0]
-        for m in (model, twin):
-            m.blocks[0].mixer.in_proj.weight.mul_(1.5)
-            m.blocks[2].mixer.D.add_(1.0)
-            m.blocks[2].mixer.dt_bias.sub_(1.0)
-        for t in range(4, 8):
-            got, want = (m(ids[:, t:t + 1], cache=c).logits for m, c in zip((model, twin), caches))
-            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
-    assert decode_plan.rebuilds[0] == built
+    dk.check_update_in_place_without_rebuild(_model(**CASES["defaults"]), update)
 
 
 @pytest.mark.parametrize("mode,group", [("int8", None), ("int4", 32)])
@@ -132,13 +114,7 @@ def test_generate_matches_the_pytorch_path():
 
 def test_rope_steps_aside(monkeypatch):
     """Mamba2 with RoPE on B / C is not what the compiled step computes: the PyTorch path decodes that model."""
-    model = _model(state_size=16, rope=True)
-    calls = CompiledDecodeCalls(monkeypatch)
-    ids = dk.ids_of(2, 7)
-    got, _ = dk.decode(model, ids, 3)
-    assert calls.model == 0
-    want, _ = dk.decode(dk.pytorch_twin(model), ids, 3)
-    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    dk.check_steps_aside(_model(state_size=16, rope=True), monkeypatch)
 
 
 def test_hostile_values_propagate():
@@ -149,10 +125,7 @@ def test_hostile_values_propagate():
         model.blocks[0].mixer.dt_bias[0] = 50.0
         model.blocks[0].mixer.dt_bias[1] = -1e4
         model.blocks[2].mixer.A_log[0] = 30.0
-    ids = dk.ids_of(2, 7)
-    got, _ = dk.decode(model, ids, 3)
-    want, _ = dk.decode(dk.pytorch_twin(model), ids, 3)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    dk.assert_matches_twin(model, dk.ids_of(2, 7), 3, tol=1e-10)
     dk.check_nan_token(model)
 
 

@@ -13,10 +13,9 @@ from linattn.cpu import decode as cpu_decode
 from linattn.layers import KVCache, RotaryEmbedding
 from linattn.models import LanguageModel, LMConfig, decode_plan
 from tests.helpers import CompiledDecodeCalls, torch_decode_twin
+from tests.models import decode_kinds as dk
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
-VOCAB = 61
-EPS = {torch.float32: 2.0 ** -23, torch.float64: 2.0 ** -52, torch.bfloat16: 2.0 ** -8}
 
 
 def _model(dtype=torch.float32, mixer="softmax", every=2, layers=4, **softmax_kw):
@@ -25,7 +24,7 @@ def _model(dtype=torch.float32, mixer="softmax", every=2, layers=4, **softmax_kw
     kw = dict(heads=4, n_kv_heads=2, head_dim=16, output_gate=True, kv_chunk=4)
     kw.update(softmax_kw)
     mixers = [mixer if (i + 1) % every == 0 else "gated-deltanet" for i in range(layers)]
-    cfg = LMConfig(vocab_size=VOCAB, d_model=32, n_layers=layers, n_heads=2, head_dim=16, mixer=mixers,
+    cfg = LMConfig(vocab_size=dk.VOCAB, d_model=32, n_layers=layers, n_heads=2, head_dim=16, mixer=mixers,
                    ffn_hidden=48, mixer_kwargs={mixer: kw}, window=kw.pop("window", None) if mixer == "swa" else None)
     model = LanguageModel(cfg)
     with torch.no_grad():
@@ -35,27 +34,6 @@ def _model(dtype=torch.float32, mixer="softmax", every=2, layers=4, **softmax_kw
             if "q_proj" in n or "k_proj" in n:   # sharper attention: the softmax's max-subtraction matters
                 p.mul_(3.0)
     return model.to(dtype).eval()
-
-
-def _ids(B, T, seed=1):
-    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def _decode(model, ids, prefill):
-    """Logits of a prefill of `prefill` tokens then one token at a time (the cache of the last step)."""
-    with torch.no_grad():
-        out = model(ids[:, :prefill], use_cache=True)
-        cache, logits = out.cache, [out.logits[:, -1:]]
-        for t in range(prefill, ids.shape[1]):
-            logits.append(model(ids[:, t:t + 1], cache=cache).logits)
-    return torch.cat(logits, 1), cache
-
-
-def _bound(got, ref64, twin_err, dtype):
-    """|got - ref64| <= 4 * the per-block path's own error + a few ulps of the logits' scale."""
-    err = (got.double() - ref64).abs().max().item()
-    allowed = 4 * twin_err + 16 * EPS[dtype] * ref64.abs().max().item()
-    assert err <= allowed, (err, allowed, twin_err)
 
 
 CASES = {
@@ -82,14 +60,14 @@ def test_hybrid_decodes_in_one_compiled_call(case, dtype, B, prefill, monkeypatc
     twin = torch_decode_twin(model)
     twin.compiled_decode = False
     ref = torch_decode_twin(model, torch.float64)
-    ids = _ids(B, prefill + 11)
+    ids = dk.ids_of(B, prefill + 11)
     calls = CompiledDecodeCalls(monkeypatch)
-    got, cache = _decode(model, ids, prefill)
+    got, cache = dk.decode(model, ids, prefill)
     assert calls.model == ids.shape[1] - prefill
-    want, twin_cache = _decode(twin, ids, prefill)
-    ref64, _ = _decode(ref, ids, prefill)
+    want, twin_cache = dk.decode(twin, ids, prefill)
+    ref64, _ = dk.decode(ref, ids, prefill)
     assert calls.model == ids.shape[1] - prefill   # (the twins take the per-block path)
-    _bound(got, ref64, (want.double() - ref64).abs().max().item(), dtype)
+    dk.assert_within_bound(got, ref64, (want.double() - ref64).abs().max().item(), dtype)
     if dtype != torch.bfloat16:
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     tol = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
@@ -108,7 +86,7 @@ def test_the_per_block_path_continues_the_compiled_caches():
     model = _model()
     twin = torch_decode_twin(model)
     twin.compiled_decode = False
-    ids = _ids(2, 12)
+    ids = dk.ids_of(2, 12)
     with torch.no_grad():
         cache, tcache = model(ids[:, :3], use_cache=True).cache, twin(ids[:, :3], use_cache=True).cache
         for t in range(3, 12):
@@ -126,7 +104,7 @@ def test_cache_operations_between_tokens(op, monkeypatch):
     model = _model(n_kv_heads=1)
     twin = torch_decode_twin(model)
     twin.compiled_decode = False
-    ids = _ids(3, 10)
+    ids = dk.ids_of(3, 10)
     calls = CompiledDecodeCalls(monkeypatch)
 
     def run(m, cache, tok):
@@ -177,7 +155,7 @@ def test_generate_greedy_and_sampled_tokens_match():
     model = _model()
     twin = torch_decode_twin(model)
     twin.compiled_decode = False
-    ids = _ids(1, 4)[0]
+    ids = dk.ids_of(1, 4)[0]
     for kw in (dict(temperature=0.0), dict(temperature=0.8, top_k=20, generator=5)):
         assert torch.equal(model.generate(ids, 12, **kw), twin.generate(ids, 12, **kw))
 
@@ -224,16 +202,16 @@ def test_guard_invalidates_for_each_softmax_cause(cause):
     """Each change of a softmax block the plan depends on invalidates its guard; the next tokens give the per-block
     path's logits (rebuilt, or on the usual path)."""
     model = _model(qk_norm=True)
-    ids = _ids(2, 8)
-    _decode(model, ids, 3)
+    ids = dk.ids_of(2, 8)
+    dk.decode(model, ids, 3)
     guard = model._model_plan.guard
     assert guard.valid()
     SOFTMAX_CAUSES[cause](model)
     assert not guard.valid()
     twin = torch_decode_twin(model)
     twin.compiled_decode = False
-    got, _ = _decode(model, ids, 3)
-    want, _ = _decode(twin, ids, 3)
+    got, _ = dk.decode(model, ids, 3)
+    want, _ = dk.decode(twin, ids, 3)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -243,7 +221,7 @@ def test_in_place_update_of_a_weight_read_in_place_needs_no_rebuild():
     model = _model(qk_norm=True)
     twin = torch_decode_twin(model)
     twin.compiled_decode = False
-    ids = _ids(2, 8)
+    ids = dk.ids_of(2, 8)
     with torch.no_grad():
         cache, tcache = model(ids[:, :3], use_cache=True).cache, twin(ids[:, :3], use_cache=True).cache
         model(ids[:, 3:4], cache=cache)
@@ -262,7 +240,7 @@ def test_softmax_entries_the_step_does_not_write_step_aside(monkeypatch):
     """A KV cache of another layout (batch rows, heads) or an offset that disagrees with it: no compiled call,
     and the usual path's error or result."""
     model = _model()
-    ids = _ids(2, 6)
+    ids = dk.ids_of(2, 6)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
         cache = model(ids[:, :3], use_cache=True).cache
@@ -285,7 +263,7 @@ def test_hostile_values_propagate():
     """A NaN in a cached key reaches the outputs of the rows that see it and no other row; huge query weights
     (scores ~1e4: the max-subtraction) stay finite."""
     model = _model()
-    ids = _ids(2, 6)
+    ids = dk.ids_of(2, 6)
     with torch.no_grad():
         cache = model(ids[:, :3], use_cache=True).cache
         cache.layer(1, "mixer")["kv"].k[1, 0, 0, 0] = float("nan")
@@ -293,10 +271,10 @@ def test_hostile_values_propagate():
         assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all()
         big = _model()
         big.blocks[1].mixer.q_proj.weight.mul_(1e3)
-        got, _ = _decode(big, ids, 2)
+        got, _ = dk.decode(big, ids, 2)
         twin = torch_decode_twin(big)
         twin.compiled_decode = False
-        want, _ = _decode(twin, ids, 2)
+        want, _ = dk.decode(twin, ids, 2)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -309,9 +287,9 @@ def test_long_context_on_two_threads():
         model = _model(kv_chunk=256)
         twin = torch_decode_twin(model)
         twin.compiled_decode = False
-        ids = _ids(2, 1100)
-        got, _ = _decode(model, ids, 1096)
-        want, _ = _decode(twin, ids, 1096)
+        ids = dk.ids_of(2, 1100)
+        got, _ = dk.decode(model, ids, 1096)
+        want, _ = dk.decode(twin, ids, 1096)
     finally:
         torch.set_num_threads(n)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
@@ -323,10 +301,10 @@ def test_a_model_of_softmax_layers_only_and_a_trimmed_kv_view(monkeypatch):
     model = _model(every=1, layers=2)
     twin = torch_decode_twin(model)
     twin.compiled_decode = False
-    ids = _ids(2, 9)
+    ids = dk.ids_of(2, 9)
     calls = CompiledDecodeCalls(monkeypatch)
-    got, cache = _decode(model, ids, 3)
-    want, _ = _decode(twin, ids, 3)
+    got, cache = dk.decode(model, ids, 3)
+    want, _ = dk.decode(twin, ids, 3)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     assert calls.model == 6
     with torch.no_grad():
@@ -406,12 +384,12 @@ class _QwenLikeModel(nn.Module):
         from linattn.layers import RMSNorm, SwiGLU
         from linattn.models.registry import build_mixer
         torch.manual_seed(4)
-        self.tok = nn.Embedding(VOCAB, d)
+        self.tok = nn.Embedding(dk.VOCAB, d)
         self.mixers = nn.ModuleList([build_mixer("gated-deltanet", d, 2), _GatedAttention(d, 4, 2, 16, rot=8)])
         self.pre = nn.ModuleList([RMSNorm(d) for _ in range(2)])
         self.post = nn.ModuleList([RMSNorm(d) for _ in range(2)])
         self.mlps = nn.ModuleList([SwiGLU(d, 48) for _ in range(2)])
-        self.out_norm, self.out = RMSNorm(d), nn.Linear(d, VOCAB, bias=False)
+        self.out_norm, self.out = RMSNorm(d), nn.Linear(d, dk.VOCAB, bias=False)
         with torch.no_grad():
             self.mixers[1].q_proj.weight.mul_(3.0)
             self.mixers[1].k_proj.weight.mul_(3.0)
@@ -441,7 +419,7 @@ def test_transformers_conventions_partial_rotary_q_gate_zero_centred_norms(monke
     from linattn.layers import Cache
     model = _QwenLikeModel().eval()
     calls = CompiledDecodeCalls(monkeypatch)
-    ids = _ids(2, 10)
+    ids = dk.ids_of(2, 10)
     with torch.no_grad():
         ref_cache, fast_cache = Cache(2), Cache(2)
         for t in range(10):

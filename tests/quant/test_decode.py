@@ -11,14 +11,20 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from linattn import LanguageModel, LMConfig
 from linattn.cpu import decode as cpu_decode
 from linattn.errors import LinattnError
 from linattn.models import decode_plan
 from linattn.quant import QuantizedLinear, quantize, quantized_modules
-from tests.helpers import CompiledDecodeCalls, StoredWeights as _Stored, check_quantized_product as _check_product
+from tests.helpers import (
+    CompiledDecodeCalls,
+    StoredWeights as _Stored,
+    check_product_threads,
+    check_quantized_product as _check_product,
+    dequantized_fp64,
+    torch_decode_twin,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 
@@ -56,17 +62,8 @@ def test_int8_odd_sizes(n, k):
 @pytest.mark.parametrize("mode,group", FORMATS)
 def test_product_threads(mode, group):
     """Big enough for the parallel rows (the threshold in qmatvec.h): 1 and 2 threads, the same bits."""
-    q = _qlinear(528, 512, mode, group, bias=True)
-    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        y1, _ = _check_product(q, x, bias=q.bias)
-        torch.set_num_threads(2)
-        y2, _ = _check_product(q, x, bias=q.bias)
-    finally:
-        torch.set_num_threads(old)
-    assert torch.equal(y1, y2)
+    check_product_threads(_qlinear(528, 512, mode, group, bias=True),
+                          torch.randn(2, 512, generator=torch.Generator().manual_seed(3)))
 
 
 @pytest.mark.parametrize("mode,group", FORMATS)
@@ -113,28 +110,6 @@ def _model(dtype=torch.float32, n_heads=16, d_model=64, head_dim=16, layers=2, v
     return m.eval()
 
 
-def _dequantized_fp64(qmodel) -> nn.Module:
-    """qmodel with every QuantizedLinear replaced by an fp64 nn.Linear of its dequantized weight (exact)."""
-    ref = copy.deepcopy(qmodel)
-    for name, q in quantized_modules(ref).items():
-        lin = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
-        with torch.no_grad():
-            lin.weight = nn.Parameter(q.dequantize(torch.float64))
-            if q.bias is not None:
-                lin.bias = nn.Parameter(q.bias.double())
-        parent, _, attr = name.rpartition(".")
-        setattr(ref.get_submodule(parent) if parent else ref, attr, lin)
-    return ref.double()
-
-
-def _compiled_off(model):
-    twin = copy.deepcopy(model)
-    for m in twin.modules():
-        if hasattr(m, "compiled_decode"):
-            m.compiled_decode = False
-    return twin
-
-
 def _step_logits(model, ids, prefill=3):
     """Logits of the prefill's last token and of every later token decoded one at a time on the cache."""
     with torch.no_grad():
@@ -151,8 +126,8 @@ def _assert_close_to_reference(qmodel, ids, calls):
     ours = _step_logits(qmodel, ids).double()
     assert calls.model + calls.block > 0
     n = calls.model + calls.block
-    ref = _step_logits(_compiled_off(_dequantized_fp64(qmodel)), ids)
-    torch_fp32 = _step_logits(_compiled_off(_dequantized_fp64(qmodel).float()), ids).double()
+    ref = _step_logits(torch_decode_twin(dequantized_fp64(qmodel)), ids)
+    torch_fp32 = _step_logits(torch_decode_twin(dequantized_fp64(qmodel).float()), ids).double()
     assert calls.model + calls.block == n
     err, err_torch = (ours - ref).abs().max().item(), (torch_fp32 - ref).abs().max().item()
     bound = 4 * err_torch + 16 * U32 * ref.abs().max().item()
@@ -205,10 +180,10 @@ def test_block_plans_match_dequantized(mode, group, monkeypatch):
         for t in range(1, ids.shape[1]):
             ours.append(q(ids[:, t:t + 1], cache=cache).logits)
     assert calls.block == 2 * ids.shape[1] and calls.model == 0   # (a one-token prompt decodes as a token)
-    ref = _dequantized_fp64(q)
+    ref = dequantized_fp64(q)
     with torch.no_grad():
         want = ref(ids).logits
-    torch_fp32 = _compiled_off(_dequantized_fp64(q).float())
+    torch_fp32 = torch_decode_twin(dequantized_fp64(q).float())
     with torch.no_grad():
         err_torch = (torch_fp32(ids).logits.double() - want).abs().max().item()
     err = (torch.cat(ours, 1).double() - want).abs().max().item()
@@ -233,7 +208,7 @@ def test_int4_skipped_projection_falls_back(monkeypatch):
     ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(3))
     got = _step_logits(q, ids)
     assert calls.model == 0 and calls.block == 0
-    assert torch.equal(got, _step_logits(_compiled_off(q), ids))
+    assert torch.equal(got, _step_logits(torch_decode_twin(q), ids))
 
 
 @pytest.mark.parametrize("mode,group", [("int8", None), ("int4", 32)])
@@ -245,13 +220,13 @@ def test_bf16_and_fp64_models(mode, group, monkeypatch):
     qb = quantize(_model(torch.bfloat16), mode, group_size=group)
     got = _step_logits(qb, ids)
     assert got.dtype == torch.bfloat16 and calls.model > 0
-    ref = _step_logits(_compiled_off(_dequantized_fp64(qb)), ids)
+    ref = _step_logits(torch_decode_twin(dequantized_fp64(qb)), ids)
     assert (got.double() - ref).abs().max() <= 0.05 * ref.abs().max()   # bf16 embedding rows and logits
     n = calls.model + calls.block
     qd = quantize(_model(torch.float64), mode, group_size=group)
     got = _step_logits(qd, ids)
     assert calls.model + calls.block == n
-    assert torch.equal(got, _step_logits(_compiled_off(qd), ids))
+    assert torch.equal(got, _step_logits(torch_decode_twin(qd), ids))
 
 
 @pytest.mark.parametrize("mode,group", [("int8", None), ("int4", 32)])
@@ -269,7 +244,7 @@ def test_generate_greedy_matches_pytorch_path(mode, group, monkeypatch):
     with torch.no_grad():
         ours = q.generate(prompt, 24, temperature=0)
     assert calls.model > 0
-    torch_path = _compiled_off(q)
+    torch_path = torch_decode_twin(q)
     n = calls.model
     with torch.no_grad():
         theirs = torch_path.generate(prompt, 24, temperature=0)
@@ -310,7 +285,7 @@ def _guard_case(change, monkeypatch, mode="int8", group=None):
     built = decode_plan.rebuilds[0]
     got = _decode_one(q, cache, ids[:, 4:5])
     rebuilt = decode_plan.rebuilds[0] - built
-    want = _decode_one(_compiled_off(q), twin_cache, ids[:, 4:5])
+    want = _decode_one(torch_decode_twin(q), twin_cache, ids[:, 4:5])
     err = (got - want).abs().max().item()
     assert err <= 1e-4 * want.abs().max().item(), f"stale plan: error {err:.3g}"
     return rebuilt

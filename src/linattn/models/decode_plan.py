@@ -408,6 +408,26 @@ def _fused_quantized(layer, lins, cdt):
     return convs, q, scales, b, cw, cb
 
 
+def _fused_input(layer, lins, cdt):
+    """(convs, w, scales, bias, cw, cb): the block's input projections fused by rows, quantized ones as stored
+    (scales their scales) or float ones as `_fast.fused_weights` gives them (scales None)."""
+    if type(lins[0]) is not nn.Linear:
+        return _fused_quantized(layer, lins, cdt)
+    convs, w, b, cw, cb = _fast.fused_weights(layer, lins)
+    return convs, w, None, b, cw, cb
+
+
+def _point_input(p, addr, lins, wdt, convs, w, scales, b, cw, cb):
+    """Points plan p's fused input projection (W, Wb, and the stored format when scales is given) and its short
+    convolution (cw, cb, when cw is given) at what `_fused_input` returned."""
+    p.W, p.Wb = addr(w, wdt if scales is None else w.dtype), addr(b)
+    if scales is not None:
+        mode, _, _, group = stored_weights(lins[0])
+        p.fmt_W, p.sc_W, p.grp_W = _cpu_decode.WEIGHT_FORMATS[mode], addr(scales, torch.bfloat16), group
+    if convs:
+        p.cw, p.cb = addr(cw.view(cw.shape[0], -1)), addr(cb)
+
+
 def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     """A BlockPlan (holding what it points into in `plan.keep`) for the described block at batch B with weights in
     wdt, or None when the compiled block step does not cover it."""
@@ -426,11 +446,7 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         return None
     layer, cdt, keep = desc.mixer, compute_dtype(wdt), []
     addr = plan_addresser(keep, cdt)
-    quantized = type(lins[0]) is not nn.Linear
-    if quantized:
-        convs, w, scales, b, cw, cb = _fused_quantized(layer, lins, cdt)
-    else:
-        convs, w, b, cw, cb = _fast.fused_weights(layer, lins)
+    convs, w, scales, b, cw, cb = _fused_input(layer, lins, cdt)
     H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
     down = desc.ffn_down
     p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=w.shape[0], KC=convs[0].kernel_size if convs else 0,
@@ -438,12 +454,7 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
                               conv_act=int(bool(convs) and convs[0].activation is not None), scale=layer.scale,
                               nthreads=max(1, torch.get_num_threads()), has_ffn=int(down is not None),
                               wbf16=int(wdt == torch.bfloat16))
-    p.W, p.Wb = addr(w, w.dtype if quantized else wdt), addr(b)
-    if quantized:
-        mode, _, _, group = stored_weights(lins[0])
-        p.fmt_W, p.sc_W, p.grp_W = _cpu_decode.WEIGHT_FORMATS[mode], addr(scales, torch.bfloat16), group
-    if convs:
-        p.cw, p.cb = addr(cw.view(cw.shape[0], -1)), addr(cb)
+    _point_input(p, addr, lins, wdt, convs, w, scales, b, cw, cb)
     if desc.kind == "delta":
         p.dkind, p.l2eps = int(bool(layer.exact)), L2NORM_EPS
         p.l2conv = L2NORM_CONVENTIONS.index(layer.l2norm_convention) if layer.qk_l2norm else 0
@@ -549,11 +560,7 @@ def _new_kda_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         return None
     cdt, keep = compute_dtype(wdt), []
     addr = plan_addresser(keep, cdt)
-    quantized = type(lins[0]) is not nn.Linear
-    if quantized:
-        convs, w, scales, b, cw, cb = _fused_quantized(layer, lins, cdt)
-    else:
-        convs, w, b, cw, cb = _fast.fused_weights(layer, lins)
+    convs, w, scales, b, cw, cb = _fused_input(layer, lins, cdt)
     p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=w.shape[0], KC=convs[0].kernel_size if convs else 0,
                               hid=desc.ffn_down.in_features if desc.ffn_down is not None else 0, kind=4,
                               conv_act=int(bool(convs) and convs[0].activation is not None), scale=layer.scale,
@@ -562,12 +569,7 @@ def _new_kda_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
                               rank_g=g1.out_features if g2 is not None else 0,
                               gate_sig=int(layer.gate_act == "sigmoid"),
                               l2eps=L2NORM_EPS, l2conv=L2NORM_CONVENTIONS.index(layer.l2norm_convention))
-    p.W, p.Wb = addr(w, w.dtype if quantized else wdt), addr(b)
-    if quantized:
-        mode, _, _, group = stored_weights(lins[0])
-        p.fmt_W, p.sc_W, p.grp_W = _cpu_decode.WEIGHT_FORMATS[mode], addr(scales, torch.bfloat16), group
-    if convs:
-        p.cw, p.cb = addr(cw.view(cw.shape[0], -1)), addr(cb)
+    _point_input(p, addr, lins, wdt, convs, w, scales, b, cw, cb)
     _set_weight(p, "Wf", f[1], wdt, addr)
     if g2 is not None:
         _set_weight(p, "Wg2", g2, wdt, addr)

@@ -377,6 +377,61 @@ static void FN(delta_prepare_qk)(int64_t B, int64_t H, int64_t K, int64_t C, REA
         }
 }
 
+/* The delta rule's write and read for one head, after the decayed old state is in S and o holds k^T S:
+   err = a (v / d) - a (k^T S) (in o), S += k err^T, then o = S^T q. Kinds 0, 1 and KDA share it. */
+static void FN(delta_write_read)(int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v, REAL d,
+                                 REAL ar, REAL *S, REAL *o) {
+    for (int64_t j = 0; j < V; ++j) o[j] = (v[j] / d) * ar - ar * o[j];
+    for (int64_t i = 0; i < K; ++i) {
+        REAL *restrict s = S + i * V;
+        const REAL ki = k[i];
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) s[j] += ki * o[j];
+    }
+    for (int64_t j = 0; j < V; ++j) o[j] = 0;
+    for (int64_t i = 0; i < K; ++i) {
+        const REAL *restrict s = S + i * V;
+        const REAL qi = q[i];
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) o[j] += qi * s[j];
+    }
+}
+
+/* One head's step of the kernel-map state [kv | z] ([K, V+1] rows): S = decay S0 + k [v | 1] (S0 NULL: none;
+   gated 0: decay unused), o = S[:, :V]^T q; returns the normaliser q^T z. Linear (kind 2) and ELA share it. */
+static REAL FN(kv_z_step)(int64_t K, int64_t V, const REAL *fq, const REAL *fk, const REAL *v, int gated,
+                          REAL decay, const REAL *S0, REAL *S, REAL *o) {
+    const int64_t V1 = V + 1;
+    REAL dn = 0;
+    for (int64_t j = 0; j < V; ++j) o[j] = 0;
+    for (int64_t i = 0; i < K; ++i) {
+        const REAL *restrict s0 = S0 ? S0 + i * V1 : NULL;
+        REAL *restrict s = S + i * V1;
+        const REAL ki = fk[i], qi = fq[i];
+        if (s0) {
+#pragma omp simd
+            for (int64_t j = 0; j < V; ++j) s[j] = (gated ? decay * s0[j] : s0[j]) + ki * v[j];
+            s[V] = (gated ? decay * s0[V] : s0[V]) + ki;
+        } else {
+#pragma omp simd
+            for (int64_t j = 0; j < V; ++j) s[j] = ki * v[j];
+            s[V] = ki;
+        }
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) o[j] += qi * s[j];
+        dn += qi * s[V];
+    }
+    return dn;
+}
+
+/* The normaliser's floor eps: nonneg clamps below at eps (as clamp_min), else |dn| >= eps keeping the sign;
+   NaN stays NaN. */
+static REAL FN(den_floor)(REAL dn, REAL e, int nonneg) {
+    if (nonneg) return dn < e ? (isnan(dn) ? dn : e) : dn;
+    if (dn < 0) return dn < -e ? dn : -e;
+    return dn > e ? dn : (isnan(dn) ? dn : e);
+}
+
 /* Delta-rule layers. y [B, ldy] = [q H*K | k H*K | v HV*V | b HV | a HV (gated) | gate HV*V (has_gate)]
    (q, k, v before the conv when KC > 0). kind 0: DeltaNet / Gated DeltaNet (q, k l2-normalised by l2conv),
    1: EFLA (q by "rsqrt" when q_l2, keys kept; exact coefficient). beta_mode 0 sigmoid, 1 adaptive (alpha),
@@ -435,20 +490,7 @@ int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_
                                                   o[j] += ki * sv; }
             }
         } else memset(S, 0, sizeof(REAL) * (size_t)(K * V));
-        for (int64_t j = 0; j < V; ++j) o[j] = (v[j] / d) * ar - ar * o[j];
-        for (int64_t i = 0; i < K; ++i) {
-            REAL *restrict s = S + i * V;
-            const REAL ki = k[i];
-#pragma omp simd
-            for (int64_t j = 0; j < V; ++j) s[j] += ki * o[j];
-        }
-        for (int64_t j = 0; j < V; ++j) o[j] = 0;
-        for (int64_t i = 0; i < K; ++i) {
-            const REAL *restrict s = S + i * V;
-            const REAL qi = q[i];
-#pragma omp simd
-            for (int64_t j = 0; j < V; ++j) o[j] += qi * s[j];
-        }
+        FN(delta_write_read)(K, V, q, k, v, d, ar, S, o);
         FN(outnorm)(o, V, has_norm, nw, norm_eps, has_gate ? y + b * ldy + ldy - HV * V + hv * V : NULL);
     }
     free(u); free(dd);
@@ -490,31 +532,10 @@ int FN(linattn_decode_linear)(int64_t B, int64_t H, int64_t HV, int64_t K, int64
         const REAL *S0 = S_in ? S_in + t * K * V1 : NULL;
         REAL *S = S_out + t * K * V1;
         REAL *o = out + t * V;
-        REAL dn = 0;
-        for (int64_t j = 0; j < V; ++j) o[j] = 0;
-        for (int64_t i = 0; i < K; ++i) {
-            const REAL *restrict s0 = S0 ? S0 + i * V1 : NULL;
-            REAL *restrict s = S + i * V1;
-            const REAL ki = fk[i], qi = fq[i];
-            if (s0) {
-#pragma omp simd
-                for (int64_t j = 0; j < V; ++j) s[j] = (gate_kind ? decay * s0[j] : s0[j]) + ki * v[j];
-                s[V] = (gate_kind ? decay * s0[V] : s0[V]) + ki;
-            } else {
-#pragma omp simd
-                for (int64_t j = 0; j < V; ++j) s[j] = ki * v[j];
-                s[V] = ki;
-            }
-#pragma omp simd
-            for (int64_t j = 0; j < V; ++j) o[j] += qi * s[j];
-            dn += qi * s[V];
-        }
+        const REAL dn = FN(kv_z_step)(K, V, fq, fk, v, gate_kind, decay, S0, S, o);
         if (normalize) {
-            REAL e = (REAL)eps;
-            if (nonneg) dn = dn < e ? (isnan(dn) ? dn : e) : dn;
-            else if (dn < 0) dn = dn < -e ? dn : -e;
-            else dn = dn > e ? dn : (isnan(dn) ? dn : e);
-            for (int64_t j = 0; j < V; ++j) o[j] = o[j] / dn;
+            const REAL den = FN(den_floor)(dn, (REAL)eps, nonneg);
+            for (int64_t j = 0; j < V; ++j) o[j] = o[j] / den;
         }
         FN(outnorm)(o, V, has_norm, nw, norm_eps, has_gate ? y + b * ldy + ldy - HV * V + hv * V : NULL);
     }

@@ -56,30 +56,11 @@ static int FN(decode_linear_ela)(const linattn_block_plan *p, const REAL *y, int
         if (p->gate_kind == 1) decay = decay_h[hv];
         else if (p->gate_kind == 2) decay = MATH(exp)(neg_a[hv] * FN(softplus)(y[b * ldy + C + hv] + dt_bias[hv]));
         const REAL *S0 = S_in ? S_in + t * Kf * V1 : NULL;
-        REAL *S = S_out + t * Kf * V1, *o = out + t * V, dn = 0;
-        for (int64_t j = 0; j < V; ++j) o[j] = 0;
-        for (int64_t i = 0; i < Kf; ++i) {
-            const REAL *restrict s0 = S0 ? S0 + i * V1 : NULL;
-            REAL *restrict s = S + i * V1;
-            const REAL ki = fk[i], qi = fq[i];
-            if (s0) {
-#pragma omp simd
-                for (int64_t j = 0; j < V; ++j) s[j] = (p->gate_kind ? decay * s0[j] : s0[j]) + ki * v[j];
-                s[V] = (p->gate_kind ? decay * s0[V] : s0[V]) + ki;
-            } else {
-#pragma omp simd
-                for (int64_t j = 0; j < V; ++j) s[j] = ki * v[j];
-                s[V] = ki;
-            }
-#pragma omp simd
-            for (int64_t j = 0; j < V; ++j) o[j] += qi * s[j];
-            dn += qi * s[V];
-        }
+        REAL *S = S_out + t * Kf * V1, *o = out + t * V;
+        const REAL dn = FN(kv_z_step)(Kf, V, fq, fk, v, p->gate_kind, decay, S0, S, o);
         if (p->normalize) { /* a floor on |den| that keeps its sign, as the operator */
-            const REAL e = (REAL)p->eps;
-            if (dn < 0) dn = dn < -e ? dn : -e;
-            else dn = dn > e ? dn : (isnan(dn) ? dn : e);
-            for (int64_t j = 0; j < V; ++j) o[j] = o[j] / dn;
+            const REAL den = FN(den_floor)(dn, (REAL)p->eps, 0);
+            for (int64_t j = 0; j < V; ++j) o[j] = o[j] / den;
         }
         FN(outnorm)(o, V, p->has_norm, (const REAL *)p->nw, p->norm_eps,
                     p->has_gate ? y + b * ldy + ldy - HV * V + hv * V : NULL);

@@ -1,6 +1,6 @@
 /* KDA (Kimi Delta Attention, layers/delta_family.KDA) as block kind 4 of the compiled decode: the delta rule with
    a decay per key channel. Included by decode.c's body once per REAL (its FN / MATH / REAL and the body's
-   helpers: conv, delta_prepare_qk, weight_product).
+   helpers: conv, delta_prepare_qk, delta_write_read, weight_product).
 
    y [B, ny] = W rmsnorm1(x) + Wb = [q H*K | k H*K | v HV*V | b HV | f1 rank_f | gate: HV*V, or g1 rank_g]
    (q, k, v before the short convolution). Per token, as the layer's general path (DeltaNet._mix with KDA's
@@ -67,20 +67,7 @@ static int FN(kda_mix)(const linattn_block_plan *p, const REAL *y, const REAL *w
                 for (int64_t j = 0; j < V; ++j) { const REAL sv = s0[j] * decay; s[j] = sv; o[j] += ki * sv; }
             }
         } else memset(S, 0, sizeof(REAL) * (size_t)(K * V));
-        for (int64_t j = 0; j < V; ++j) o[j] = (v[j] / d) * ar - ar * o[j];
-        for (int64_t i = 0; i < K; ++i) {
-            REAL *restrict s = S + i * V;
-            const REAL ki = k[i];
-#pragma omp simd
-            for (int64_t j = 0; j < V; ++j) s[j] += ki * o[j];
-        }
-        for (int64_t j = 0; j < V; ++j) o[j] = 0;
-        for (int64_t i = 0; i < K; ++i) {
-            const REAL *restrict s = S + i * V;
-            const REAL qi = q[i];
-#pragma omp simd
-            for (int64_t j = 0; j < V; ++j) o[j] += qi * s[j];
-        }
+        FN(delta_write_read)(K, V, q, k, v, d, ar, S, o);
         if (p->has_norm) {
             const REAL r = FN(la_rms_rstd)(o, V, (REAL)p->norm_eps);
             for (int64_t j = 0; j < V; ++j) o[j] = o[j] * r * (nw ? nw[j] : (REAL)1);
