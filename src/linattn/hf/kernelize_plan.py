@@ -52,6 +52,7 @@ from ..models import decode_plan as _dp
 from . import (
     kernelize_plan_kimi as _kimi,  # (Kimi Linear's description: its own module)
     kernelize_plan_mamba2 as _mamba2,  # (Mamba2's: its own module)
+    kernelize_plan_parts as _parts,
 )
 
 __all__ = ["describe_model", "hook_model", "model_token"]
@@ -60,26 +61,8 @@ __all__ = ["describe_model", "hook_model", "model_token"]
 _KV_CHUNK = 64
 
 
-class _Norm:
-    """An RMSNorm as the plan reads it: `weight` (already 1 + w for a zero-centred norm), `eps`."""
-
-    __slots__ = ("weight", "eps")
-
-    def __init__(self, weight, eps):
-        self.weight, self.eps = weight, float(eps)
-
-
-class _Linear:
-    """A projection the plan reads (fused from several of transformers' `nn.Linear`): `weight`, `bias` None."""
-
-    __slots__ = ("weight", "bias", "in_features")
-
-    def __init__(self, weight):
-        self.weight, self.bias, self.in_features = weight, None, weight.shape[1]
-
-
-def _zero_centred(norm: nn.Module, cdt: torch.dtype) -> _Norm:
-    return _Norm(norm.weight.detach().to(cdt) + 1, norm.eps)
+def _zero_centred(norm: nn.Module, cdt: torch.dtype):
+    return _parts.norm(norm.weight.detach().to(cdt) + 1, norm.eps)
 
 
 def _ffn(mlp: nn.Module, wdt: torch.dtype):
@@ -89,7 +72,7 @@ def _ffn(mlp: nn.Module, wdt: torch.dtype):
         return None
     if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
         return None
-    return _Linear(torch.cat([gate.weight.detach(), up.weight.detach()])), down
+    return _parts.fused_linear(torch.cat([gate.weight.detach(), up.weight.detach()])), down
 
 
 #: the GDN projections of each described architecture, in the order `_GDN` reads them
@@ -178,13 +161,11 @@ def _attention(att: nn.Module, rotary: nn.Module, wdt: torch.dtype) -> Optional[
 def _describe(model: nn.Module) -> Union[tuple, str]:
     """(ModelDescription, per-layer GDN or None) or why the plan does not compute the model."""
     arch = type(model).__name__
-    if arch not in _GDN_PROJECTIONS:
-        return f"{arch} is not one of {tuple(_GDN_PROJECTIONS)}"
-    base = model.model
-    embed, wdt = base.embed_tokens, base.embed_tokens.weight.dtype
+    got = _parts.base_and_embedding(model, tuple(_GDN_PROJECTIONS), "model", "embed_tokens")
+    if isinstance(got, str):
+        return got
+    base, embed, wdt = got
     cdt = _dp.compute_dtype(wdt)
-    if cdt is None:
-        return f"weights in {wdt} (the plan reads fp32, fp64, bf16)"
     blocks, gdns = [], []
     for i, layer in enumerate(base.layers):
         ffn = _ffn(layer.mlp, wdt)
@@ -215,8 +196,7 @@ def _describe(model: nn.Module) -> Union[tuple, str]:
 def describe_model(model: nn.Module):
     """(ModelDescription, per-layer GDN or None) of a described transformers model, or None (another
     architecture, or a part the compiled plan does not compute: then the hook always steps aside)."""
-    got = _describe(model)
-    return None if isinstance(got, str) else got
+    return _parts.description(_describe(model))
 
 
 def _dense_ffns(model: nn.Module) -> bool:

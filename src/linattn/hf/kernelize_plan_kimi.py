@@ -39,7 +39,6 @@ dtypes without a plan, `LINATTN_CPU_KERNELS=0`.
 """
 from __future__ import annotations
 
-import types
 from typing import Optional, Union
 
 import torch
@@ -47,16 +46,12 @@ import torch.nn as nn
 
 from ..cpu import decode as _cpu_decode
 from ..models import decode_plan as _dp
+from . import kernelize_plan_parts as _parts
 
 __all__ = ["MODELS", "describe_model", "undescribed_reason"]
 
 #: the transformers classes this module describes
 MODELS = ("KimiLinearForCausalLM",)
-
-
-def _norm(weight, eps):
-    """An RMSNorm as the plan reads it: `weight`, `eps`."""
-    return types.SimpleNamespace(weight=weight, eps=float(eps))
 
 
 class _KDA:
@@ -114,20 +109,15 @@ def _ffn(mlp: nn.Module, d: int, wdt):
         return "an MLP whose projections are not bias-free nn.Linear layers of the model's dtype"
     if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
         return "an MLP activation other than SiLU"
-    w = torch.cat([gate.weight.detach(), up.weight.detach()])   # (gate | up fused once)
-    return types.SimpleNamespace(weight=w, bias=None, out_features=w.shape[0], in_features=d), down
+    return _parts.fused_linear(torch.cat([gate.weight.detach(), up.weight.detach()])), down
 
 
 def _describe(model: nn.Module) -> Union[tuple, str]:
     """(ModelDescription, per-layer `_KDA`) or the reason the plan does not compute the model."""
-    if type(model).__name__ not in MODELS:
-        return f"{type(model).__name__} is not one of {MODELS}"
-    base = model.model
-    embed = base.embed_tokens
-    wdt = embed.weight.dtype
-    cdt = _dp.compute_dtype(wdt)
-    if cdt is None:
-        return f"weights in {wdt} (the plan reads fp32, fp64, bf16)"
+    got = _parts.base_and_embedding(model, MODELS, "model", "embed_tokens")
+    if isinstance(got, str):
+        return got
+    base, embed, wdt = got
     d = embed.weight.shape[1]
     blocks, kdas = [], []
     for i, layer in enumerate(base.layers):
@@ -141,32 +131,25 @@ def _describe(model: nn.Module) -> Union[tuple, str]:
             why = "block norms that are not transformers' KimiLinearRMSNorm"
         if why is not None:
             return f"layer {i}: {why}"
-        n1, n2 = (_norm(n.weight, n.variance_epsilon) for n in norms)
+        n1, n2 = (_parts.norm(n.weight, n.variance_epsilon) for n in norms)
         blocks.append(_dp.BlockDescription(mixer, "kda", n1, n2, "swiglu", ffn[0], ffn[1]))
         kdas.append(_KDA(mixer))
-    norm = base.norm
-    if type(norm).__name__ != "KimiLinearRMSNorm" or norm.weight.dtype != wdt:
-        return "a final norm that is not transformers' KimiLinearRMSNorm"
-    head = model.lm_head
-    desc = _dp.ModelDescription(embed, blocks, None, None if head.weight is embed.weight else head)
-    if not _dp.model_weights_usable(desc, wdt):   # (the final norm checked above: its eps is variance_epsilon)
-        return "an embedding or head the plan does not read (a bias, another dtype, a hook)"
-    desc.norm = _norm(norm.weight, norm.variance_epsilon)
+    desc = _parts.model_description(model, embed, blocks, base.norm, "KimiLinearRMSNorm", wdt)
+    if isinstance(desc, str):
+        return desc
     return desc, kdas
 
 
 def describe_model(model: nn.Module):
     """(ModelDescription, per-layer KDA description) of a transformers Kimi Linear model, or None where the plan
     does not compute some part of it (`undescribed_reason` says which)."""
-    got = _describe(model)
-    return None if isinstance(got, str) else got
+    return _parts.description(_describe(model))
 
 
 def undescribed_reason(model: nn.Module) -> Optional[str]:
     """Why a Kimi Linear model does not decode through the compiled plan (an MLA layer, an MoE feed-forward, ...),
     or None when it does."""
-    got = _describe(model)
-    return got if isinstance(got, str) else None
+    return _parts.reason(_describe(model))
 
 
 def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):

@@ -23,7 +23,6 @@ hook on a described module, non-CPU tensors or dtypes without a plan, `LINATTN_C
 from __future__ import annotations
 
 import math
-import types
 from typing import Optional, Union
 
 import torch
@@ -31,16 +30,12 @@ import torch.nn as nn
 
 from ..cpu import decode as _cpu_decode
 from ..models import decode_plan as _dp
+from . import kernelize_plan_parts as _parts
 
 __all__ = ["MODELS", "describe_model", "undescribed_reason"]
 
 #: the transformers classes this module describes
 MODELS = ("Mamba2ForCausalLM",)
-
-
-def _norm(weight, eps):
-    """An RMSNorm as the plan reads it: `weight`, `eps`."""
-    return types.SimpleNamespace(weight=weight, eps=float(eps))
 
 
 def _linear(m, shape, wdt) -> bool:
@@ -74,13 +69,10 @@ def _mixer_reason(mx, d: int, wdt) -> Optional[str]:
 
 def _describe(model: nn.Module) -> Union[tuple, str]:
     """(ModelDescription, per-layer mixer) or the reason the plan does not compute the model."""
-    if type(model).__name__ not in MODELS:
-        return f"{type(model).__name__} is not one of {MODELS}"
-    base = model.backbone
-    embed = base.embeddings
-    wdt = embed.weight.dtype
-    if _dp.compute_dtype(wdt) is None:
-        return f"weights in {wdt} (the plan reads fp32, fp64, bf16)"
+    got = _parts.base_and_embedding(model, MODELS, "backbone", "embeddings")
+    if isinstance(got, str):
+        return got
+    base, embed, wdt = got
     d = embed.weight.shape[1]
     blocks, mixers = [], []
     for i, block in enumerate(base.layers):
@@ -91,30 +83,23 @@ def _describe(model: nn.Module) -> Union[tuple, str]:
             why = "a block that is not transformers' Mamba2Block with its Mamba2RMSNorm"
         if why is not None:
             return f"layer {i}: {why}"
-        blocks.append(_dp.BlockDescription(mx, "mamba2", _norm(norm.weight, norm.variance_epsilon)))
+        blocks.append(_dp.BlockDescription(mx, "mamba2", _parts.norm(norm.weight, norm.variance_epsilon)))
         mixers.append(mx)
-    norm = base.norm_f
-    if type(norm).__name__ != "Mamba2RMSNorm" or norm.weight.dtype != wdt:
-        return "a final norm that is not transformers' Mamba2RMSNorm"
-    head = model.lm_head
-    desc = _dp.ModelDescription(embed, blocks, None, None if head.weight is embed.weight else head)
-    if not _dp.model_weights_usable(desc, wdt):   # (the final norm checked above: its eps is variance_epsilon)
-        return "an embedding or head the plan does not read (a bias, another dtype, a hook)"
-    desc.norm = _norm(norm.weight, norm.variance_epsilon)
+    desc = _parts.model_description(model, embed, blocks, base.norm_f, "Mamba2RMSNorm", wdt)
+    if isinstance(desc, str):
+        return desc
     return desc, mixers
 
 
 def describe_model(model: nn.Module):
     """(ModelDescription, per-layer mixer) of a transformers Mamba2 model, or None where the plan does not compute
     some part of it (`undescribed_reason` says which)."""
-    got = _describe(model)
-    return None if isinstance(got, str) else got
+    return _parts.description(_describe(model))
 
 
 def undescribed_reason(model: nn.Module) -> Optional[str]:
     """Why a Mamba2 model does not decode through the compiled plan, or None when it does."""
-    got = _describe(model)
-    return got if isinstance(got, str) else None
+    return _parts.reason(_describe(model))
 
 
 def _mamba2_plan(mx, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
