@@ -39,6 +39,7 @@ dtypes without a plan, `LINATTN_CPU_KERNELS=0`.
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional, Union
 
 import torch
@@ -180,8 +181,7 @@ def _call_usable(cache, B: int, L, attention_mask, position_ids) -> bool:
         return False   # (transformers' forward reports the missing length)
     if type(attention_mask) is dict:   # (the per-layer-type masks transformers' forward takes as they are)
         attention_mask = attention_mask.get("linear_attention", 0)
-    return attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
-                                      and attention_mask.shape[0] == B and bool(attention_mask.all()))
+    return _parts.unpadded(attention_mask, B)
 
 
 def output_class():
@@ -195,14 +195,8 @@ FAST_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache",
 TRANSPOSED_STATES, FP32_LOGITS = False, False
 describe, block_plan, call_usable = _describe, _kda_plan, _call_usable
 
-
-def base(model: nn.Module) -> nn.Module:
-    return model.model
-
-
-def hookable(model: nn.Module) -> bool:
-    """Whether the plan describes the model (False with an MLA layer or an MoE feed-forward: `undescribed_reason`)."""
-    return describe_model(model) is not None and _cpu_decode.available()
+base = operator.attrgetter("model")
+hookable = _parts.hookable(_describe)   # (False with an MLA layer or an MoE feed-forward: `undescribed_reason`)
 
 
 def state_spec(k: _KDA) -> tuple:

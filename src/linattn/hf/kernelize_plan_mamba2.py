@@ -23,6 +23,7 @@ hook on a described module, non-CPU tensors or dtypes without a plan, `LINATTN_C
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional, Union
 
 import torch
@@ -122,8 +123,7 @@ def _mamba2_plan(mx, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype)
 
 
 def _call_usable(cache, B: int, L, attention_mask, position_ids) -> bool:
-    return attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
-                                      and attention_mask.shape[0] == B and bool(attention_mask.all()))
+    return _parts.unpadded(attention_mask, B)
 
 
 def output_class():
@@ -138,14 +138,8 @@ FAST_KWARGS = frozenset({"input_ids", "attention_mask", "cache", "past_key_value
 TRANSPOSED_STATES, FP32_LOGITS = True, True
 describe, block_plan, call_usable = _describe, _mamba2_plan, _call_usable
 
-
-def base(model: nn.Module) -> nn.Module:
-    return model.backbone
-
-
-def hookable(model: nn.Module) -> bool:
-    """Whether the plan describes the model (`undescribed_reason` says why not)."""
-    return describe_model(model) is not None and _cpu_decode.available()
+base = operator.attrgetter("backbone")
+hookable = _parts.hookable(_describe)
 
 
 def state_spec(mx) -> tuple:

@@ -8,6 +8,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
+from ..cpu import decode as _cpu_decode
 from ..models import decode_plan as _dp
 
 
@@ -57,3 +58,15 @@ def description(got: Union[tuple, str]) -> Optional[tuple]:
 def reason(got: Union[tuple, str]) -> Optional[str]:
     """A `describe` answer as `undescribed_reason` returns it: why not, or None."""
     return got if isinstance(got, str) else None
+
+
+def unpadded(attention_mask, B: int) -> bool:
+    """Whether an attention mask (2-D, B rows, or None) keeps every position: no left padding."""
+    return attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+                                      and attention_mask.shape[0] == B and bool(attention_mask.all()))
+
+
+def hookable(describe):
+    """A description's `hookable(model)` where every model `describe` describes is hooked: described, and the
+    compiled decode available."""
+    return lambda model: not isinstance(describe(model), str) and _cpu_decode.available()
