@@ -76,6 +76,21 @@ def check_beam_search(ref, fast, monkeypatch):
     assert torch.equal(got, want)
 
 
+def check_left_padded_generate(ref, fast, calls, compiled):
+    """A left-padded prompt through `generate`: `compiled` compiled calls counted by `calls` (a CompiledDecodeCalls
+    made before the plan: 0 where the plan steps aside, every decoded token where the mask only enters the prefill),
+    the unpatched model's tokens and logits. The prompt and mask returned."""
+    ids = prompt(2, 7)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    got = generate(fast, ids, 6, attention_mask=mask)
+    assert calls.model == compiled
+    want = generate(ref, ids, 6, attention_mask=mask)
+    assert torch.equal(got.sequences, want.sequences)
+    assert close(torch.stack(got.logits), torch.stack(want.logits))
+    return ids, mask
+
+
 def check_cache_copied_and_advanced(ref, fast, watched, monkeypatch):
     """A deep copy of the cache decoded on its own (the original's `watched(cache)` tensor unchanged); tokens
     decoded by transformers' own code (LINATTN_CPU_KERNELS=0) between compiled ones; a generate continued on a

@@ -18,7 +18,6 @@ from tests.hf import plan_decode as pd  # noqa: E402
 from tests.hf.kernelize_models import (  # noqa: E402
     ATTN,
     GDN,
-    maxdiff,
     transformers_torch_code,  # noqa: F401  (autouse)
 )
 
@@ -96,16 +95,7 @@ def test_beam_search_reorders_the_cache(arch, monkeypatch):
 def test_left_padding_steps_aside(arch, monkeypatch):
     """A padded attention mask: the plan cannot honour it (its GDN layers take every token), so every token runs
     transformers' forward; the tokens and logits are the unpatched model's."""
-    ref, fast = _pair(arch=arch)
-    prompt = pd.prompt(2, 7)
-    mask = torch.ones_like(prompt)
-    mask[0, :3] = 0
-    calls = CompiledDecodeCalls(monkeypatch)
-    got = pd.generate(fast, prompt, 6, attention_mask=mask)
-    assert calls.model == 0
-    want = pd.generate(ref, prompt, 6, attention_mask=mask)
-    assert torch.equal(got.sequences, want.sequences)
-    assert maxdiff(torch.stack(got.logits), torch.stack(want.logits)) <= 1e-5
+    pd.check_left_padded_generate(*_pair(arch=arch), CompiledDecodeCalls(monkeypatch), 0)
 
 
 def test_cache_reused_copied_and_advanced_by_transformers_between_calls(monkeypatch):

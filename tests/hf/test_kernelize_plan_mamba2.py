@@ -65,15 +65,8 @@ def test_left_padding(monkeypatch):
     one-token steps, which decode every row from its state), so the decoded tokens take the plan and give the
     unpatched model's tokens and logits; a call given a mask with a zero steps aside."""
     ref, fast = _pair()
-    prompt = pd.prompt(2, 7)
-    mask = torch.ones_like(prompt)
-    mask[0, :3] = 0
     calls = CompiledDecodeCalls(monkeypatch)
-    got = pd.generate(fast, prompt, 6, attention_mask=mask)
-    assert calls.model == 5
-    want = pd.generate(ref, prompt, 6, attention_mask=mask)
-    assert torch.equal(got.sequences, want.sequences)
-    assert pd.close(torch.stack(got.logits), torch.stack(want.logits))
+    prompt, mask = pd.check_left_padded_generate(ref, fast, calls, 5)
     with torch.no_grad():
         caches = [m(prompt, use_cache=True).cache for m in (fast, ref)]
         step = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)

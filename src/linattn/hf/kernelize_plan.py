@@ -33,6 +33,10 @@ enabled, torch.compile tracing, more than one token, `inputs_embeds`, labels, an
 padding), position ids that are not the cache length, a cache that is not a `DynamicCache` of exactly these
 layer types or that records its past (speculative decoding), a hook on a described module, non-CPU or dtypes
 without a plan, `LINATTN_CPU_KERNELS=0`.
+
+Other architectures are described in their own modules (hf/kernelize_plan_kimi.py, hf/kernelize_plan_mamba2.py;
+what descriptions share: hf/kernelize_plan_parts.py); this module holds what every described model runs: the
+hooked forward, the plan slot and its guard, the batch switch, the cache checks and writes (`_ARCHITECTURES`).
 """
 from __future__ import annotations
 
