@@ -19,10 +19,10 @@ if not hasattr(transformers, "KimiLinearForCausalLM"):
                 allow_module_level=True)
 
 from linattn.cpu import decode as cpu_decode  # noqa: E402
-from linattn.hf import kernelize  # noqa: E402
 from linattn.hf.kernelize_plan_kimi import describe_model, undescribed_reason  # noqa: E402
 from tests.helpers import CompiledDecodeCalls  # noqa: E402
-from tests.hf.kernelize_models import V, maxdiff, transformers_torch_code  # noqa: E402, F401  (autouse)
+from tests.hf import plan_decode as pd  # noqa: E402
+from tests.hf.kernelize_models import V, transformers_torch_code  # noqa: E402, F401  (autouse)
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 
@@ -44,23 +44,8 @@ def _config(layers=KDA3, mlp=None, tied=False):
 def _pair(dtype=torch.float32, tied=False, layers=KDA3, mlp=None, hooked=True):
     """(unpatched, kernelized) Kimi Linear; the norms, A_log / dt_bias and the gated norm moved off their init
     values, q / k scaled up so that the L2 norms and the decays show."""
-    torch.manual_seed(0)
-    ref = transformers.KimiLinearForCausalLM(_config(layers, mlp, tied))
-    with torch.no_grad():
-        for n, p in ref.named_parameters():
-            if "norm" in n or "A_log" in n or "dt_bias" in n:
-                p.add_(0.2 * torch.randn_like(p))
-            if "q_proj" in n or "k_proj" in n:
-                p.mul_(3.0)
-    ref = ref.to(dtype).eval()
-    fast = copy.deepcopy(ref)
-    report = kernelize(fast)
-    assert report.compiled_decode is hooked
-    return ref, fast
-
-
-def _prompt(B, T, seed=1):
-    return torch.randint(3, V, (B, T), generator=torch.Generator().manual_seed(seed))
+    return pd.perturbed_pair(transformers.KimiLinearForCausalLM, _config(layers, mlp, tied), dtype, hooked,
+                             moved=("norm", "A_log", "dt_bias"), scaled=("q_proj", "k_proj"))
 
 
 def _prefill(models, prompt):
@@ -74,8 +59,21 @@ def _step(model, tok, cache, pos, **kw):
     return model(tok, cache=cache, position_ids=torch.full((1, 1), pos), **kw).logits
 
 
-def _close(a, b, tol=1e-5):
-    return maxdiff(a, b) <= tol * max(1.0, b.abs().max().item())
+def _prefilled(models, prompt):
+    """(the unpatched model's greedy next token, the caches) after the prompt."""
+    logits, caches = _prefill(models, prompt)
+    return logits[-1].argmax(-1), caches
+
+
+def _decode(models, tok, caches, pos, n, check=None):
+    """n tokens decoded greedily (the unpatched model's picks) from position pos, `check(logits)` at each; the last
+    token."""
+    for i in range(n):
+        lg = [_step(m, tok, c, pos + i) for m, c in zip(models, caches)]
+        if check is not None:
+            check(lg)
+        tok = lg[-1].argmax(-1)
+    return tok
 
 
 @pytest.mark.parametrize("B,T,n,tied", [(1, 1, 12, False), (3, 9, 40, False), (2, 5, 8, True)])
@@ -84,7 +82,7 @@ def test_greedy_decode_matches_the_unpatched_model(B, T, n, tied, monkeypatch):
     decoded token (the prompt is transformers' prefill)."""
     ref, fast = _pair(tied=tied)
     assert inspect.signature(fast.forward) == inspect.signature(ref.forward)
-    prompt = _prompt(B, T)
+    prompt = pd.prompt(B, T)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
         (lg, lw), caches = _prefill((fast, ref), prompt)
@@ -92,7 +90,7 @@ def test_greedy_decode_matches_the_unpatched_model(B, T, n, tied, monkeypatch):
         for i in range(n):
             assert torch.equal(toks[0], toks[1]), i
             lg, lw = (_step(m, t, c, T + i) for m, t, c in zip((fast, ref), toks, caches))
-            assert _close(lg, lw), i
+            assert pd.close(lg, lw), i
             toks = [lg.argmax(-1), lw.argmax(-1)]
     assert calls.model == n
 
@@ -100,14 +98,11 @@ def test_greedy_decode_matches_the_unpatched_model(B, T, n, tied, monkeypatch):
 def test_cache_objects_hold_transformers_values(monkeypatch):
     """After compiled tokens the cache holds what transformers' own decode leaves: recurrent and conv states."""
     ref, fast = _pair()
-    prompt = _prompt(2, 6)
+    prompt = pd.prompt(2, 6)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
-        (tok, _), caches = _prefill((fast, ref), prompt)
-        tok = tok.argmax(-1)
-        for i in range(5):
-            lg = [_step(m, tok, c, 6 + i) for m, c in zip((fast, ref), caches)]
-            tok = lg[1].argmax(-1)
+        tok, caches = _prefilled((fast, ref), prompt)
+        _decode((fast, ref), tok, caches, 6, 5)
     assert calls.model == 5
     got, want = caches
     assert len(got.layers) == len(want.layers) == 3
@@ -122,7 +117,7 @@ def test_sampling_with_a_seed(monkeypatch):
     """Tokens sampled from the softmax of the logits (temperature, top-k) with one seeded generator per model: the
     same tokens."""
     ref, fast = _pair()
-    prompt = _prompt(2, 4)
+    prompt = pd.prompt(2, 4)
     calls = CompiledDecodeCalls(monkeypatch)
     seqs = []
     with torch.no_grad():
@@ -145,25 +140,24 @@ def test_cache_copied_and_advanced_by_transformers_between_calls(monkeypatch):
     (LINATTN_CPU_KERNELS=0) between compiled ones, and compiled ones continuing after them: the unpatched model's
     logits throughout."""
     ref, fast = _pair()
-    prompt = _prompt(2, 6)
+    prompt = pd.prompt(2, 6)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
-        (_, tok), caches = _prefill((fast, ref), prompt)
-        tok = tok.argmax(-1)
+        tok, caches = _prefilled((fast, ref), prompt)
         for step in range(8):
             pos = 6 + step
             if step == 3:
                 copies = [copy.deepcopy(c) for c in caches]
                 snap = caches[0].layers[1].recurrent_states[0].clone()
                 lc = [_step(m, tok, c, pos) for m, c in zip((fast, ref), copies)]
-                assert _close(lc[0], lc[1])
+                assert pd.close(lc[0], lc[1])
                 assert torch.equal(caches[0].layers[1].recurrent_states[0], snap)
             if step in (4, 5):
                 monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
             else:
                 monkeypatch.delenv("LINATTN_CPU_KERNELS", raising=False)
             lg = [_step(m, tok, c, pos) for m, c in zip((fast, ref), caches)]
-            assert _close(lg[0], lg[1]), step
+            assert pd.close(lg[0], lg[1]), step
             tok = lg[1].argmax(-1)
     assert calls.model == 8 - 2 + 1
 
@@ -177,11 +171,10 @@ def test_in_place_update_of_a_copied_weight_rebuilds(name, monkeypatch):
     """The plan copies gate | up, the fused first product and -exp(A_log): a weight updated in place between tokens
     invalidates it, and the next token reads the new value (weights read in place too: the norms)."""
     ref, fast = _pair()
-    prompt = _prompt(2, 5)
+    prompt = pd.prompt(2, 5)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
-        (tok, _), caches = _prefill((fast, ref), prompt)
-        tok = tok.argmax(-1)
+        tok, caches = _prefilled((fast, ref), prompt)
         for m, c in zip((fast, ref), caches):
             _step(m, tok, c, 5)
         guard = fast._linattn_model_plan.guard
@@ -190,23 +183,21 @@ def test_in_place_update_of_a_copied_weight_rebuilds(name, monkeypatch):
         assert guard.valid() is name.endswith("norm.weight")   # (fp32 norm weights: read in place)
         lg = [_step(m, tok, c, 6) for m, c in zip((fast, ref), caches)]
     assert calls.model == 2
-    assert _close(lg[0], lg[1])
+    assert pd.close(lg[0], lg[1])
 
 
 def test_bf16_decodes_through_the_plan(monkeypatch):
     """bf16 weights: the plan reads them as stored and computes in fp32; the logits stay within bf16's rounding
     of the unpatched model's (which rounds every activation to bf16)."""
     ref, fast = _pair(torch.bfloat16)
-    prompt = _prompt(2, 5)
+    prompt = pd.prompt(2, 5)
     calls = CompiledDecodeCalls(monkeypatch)
+    def check(lg):
+        assert lg[0].dtype == torch.bfloat16
+        assert pd.close(lg[0].float(), lg[1].float(), 0.05)
+
     with torch.no_grad():
-        (tok, _), caches = _prefill((fast, ref), prompt)
-        tok = tok.argmax(-1)
-        for i in range(4):
-            lg = [_step(m, tok, c, 5 + i) for m, c in zip((fast, ref), caches)]
-            assert lg[0].dtype == torch.bfloat16
-            assert _close(lg[0].float(), lg[1].float(), 0.05)
-            tok = lg[1].argmax(-1)
+        _decode((fast, ref), *_prefilled((fast, ref), prompt), 5, 4, check)
     assert calls.model == 4
 
 
@@ -214,28 +205,27 @@ def test_what_the_plan_does_not_compute_steps_aside(monkeypatch):
     """A hook on a described module, grad enabled, a padded token in the linear layers' mask, no position ids:
     transformers' forward runs (the same error when it raises one), with the unpatched model's logits."""
     ref, fast = _pair()
-    prompt = _prompt(2, 4)
+    prompt = pd.prompt(2, 4)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
-        (tok, _), caches = _prefill((fast, ref), prompt)
-        tok = tok.argmax(-1)
+        tok, caches = _prefilled((fast, ref), prompt)
         pad = {"full_attention": None, "linear_attention": torch.tensor([[1], [0]])}
         lg = [_step(m, tok, c, 4, attention_mask=pad) for m, c in zip((fast, ref), caches)]
-        assert calls.model == 0 and _close(lg[0], lg[1])
+        assert calls.model == 0 and pd.close(lg[0], lg[1])
         for m, c in zip((fast, ref), caches):
             with pytest.raises(ValueError, match="get_seq_length"):
                 m(tok, cache=c, attention_mask=NO_MASK)
         seen = []
         handle = fast.model.layers[1].self_attn.o_norm.register_forward_hook(lambda *a: seen.append(1))
         lg = [_step(m, tok, c, 5) for m, c in zip((fast, ref), caches)]
-        assert calls.model == 0 and len(seen) == 1 and _close(lg[0], lg[1])
+        assert calls.model == 0 and len(seen) == 1 and pd.close(lg[0], lg[1])
         handle.remove()
     with torch.enable_grad():
         lg = [_step(m, tok, c, 6) for m, c in zip((fast, ref), caches)]
-    assert calls.model == 0 and _close(lg[0].detach(), lg[1].detach())
+    assert calls.model == 0 and pd.close(lg[0].detach(), lg[1].detach())
     with torch.no_grad():
         lg = [_step(m, tok, c, 7) for m, c in zip((fast, ref), caches)]
-    assert calls.model == 1 and _close(lg[0], lg[1])
+    assert calls.model == 1 and pd.close(lg[0], lg[1])
 
 
 @pytest.mark.parametrize("layers,mlp,why", [
@@ -251,13 +241,12 @@ def test_mla_layers_and_moe_feed_forwards_step_aside(layers, mlp, why, monkeypat
     assert "forward" not in fast.__dict__ and describe_model(fast) is None
     if "full_attention" not in layers:
         return
-    prompt = _prompt(2, 5)
+    prompt = pd.prompt(2, 5)
     calls = CompiledDecodeCalls(monkeypatch)
-    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    got, want = (m.generate(prompt, **kw) for m in (fast, ref))
+    got, want = (pd.generate(m, prompt, 6) for m in (fast, ref))
     assert calls.model == 0
     assert torch.equal(got.sequences, want.sequences)
-    assert _close(torch.stack(got.logits), torch.stack(want.logits))
+    assert pd.close(torch.stack(got.logits), torch.stack(want.logits))
 
 
 def test_a_kda_only_model_is_described():

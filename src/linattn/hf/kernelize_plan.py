@@ -33,13 +33,18 @@ enabled, torch.compile tracing, more than one token, `inputs_embeds`, labels, an
 padding), position ids that are not the cache length, a cache that is not a `DynamicCache` of exactly these
 layer types or that records its past (speculative decoding), a hook on a described module, non-CPU or dtypes
 without a plan, `LINATTN_CPU_KERNELS=0`.
+
+Other architectures are described in their own modules (hf/kernelize_plan_kimi.py, hf/kernelize_plan_mamba2.py;
+what descriptions share: hf/kernelize_plan_parts.py); this module holds what every described model runs: the
+hooked forward, the plan slot and its guard, the batch switch, the cache checks and writes (`_ARCHITECTURES`).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import types
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -51,6 +56,7 @@ from ..models import decode_plan as _dp
 from . import (
     kernelize_plan_kimi as _kimi,  # (Kimi Linear's description: its own module)
     kernelize_plan_mamba2 as _mamba2,  # (Mamba2's: its own module)
+    kernelize_plan_parts as _parts,
 )
 
 __all__ = ["describe_model", "hook_model", "model_token"]
@@ -59,26 +65,8 @@ __all__ = ["describe_model", "hook_model", "model_token"]
 _KV_CHUNK = 64
 
 
-class _Norm:
-    """An RMSNorm as the plan reads it: `weight` (already 1 + w for a zero-centred norm), `eps`."""
-
-    __slots__ = ("weight", "eps")
-
-    def __init__(self, weight, eps):
-        self.weight, self.eps = weight, float(eps)
-
-
-class _Linear:
-    """A projection the plan reads (fused from several of transformers' `nn.Linear`): `weight`, `bias` None."""
-
-    __slots__ = ("weight", "bias", "in_features")
-
-    def __init__(self, weight):
-        self.weight, self.bias, self.in_features = weight, None, weight.shape[1]
-
-
-def _zero_centred(norm: nn.Module, cdt: torch.dtype) -> _Norm:
-    return _Norm(norm.weight.detach().to(cdt) + 1, norm.eps)
+def _zero_centred(norm: nn.Module, cdt: torch.dtype):
+    return _parts.norm(norm.weight.detach().to(cdt) + 1, norm.eps)
 
 
 def _ffn(mlp: nn.Module, wdt: torch.dtype):
@@ -88,7 +76,7 @@ def _ffn(mlp: nn.Module, wdt: torch.dtype):
         return None
     if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
         return None
-    return _Linear(torch.cat([gate.weight.detach(), up.weight.detach()])), down
+    return _parts.fused_linear(torch.cat([gate.weight.detach(), up.weight.detach()])), down
 
 
 #: the GDN projections of each described architecture, in the order `_GDN` reads them
@@ -174,48 +162,96 @@ def _attention(att: nn.Module, rotary: nn.Module, wdt: torch.dtype) -> Optional[
         rope_scale=float(rotary.attention_scaling), gate="q", g_proj=None, gate_act="sigmoid", kv_chunk=_KV_CHUNK)
 
 
-def describe_model(model: nn.Module):
-    """(ModelDescription, per-layer GDN or None) of a described transformers model, or None (another
-    architecture, or a part the compiled plan does not compute: then the hook always steps aside)."""
+def _describe(model: nn.Module) -> Union[tuple, str]:
+    """(ModelDescription, per-layer GDN or None) or why the plan does not compute the model."""
     arch = type(model).__name__
-    if arch not in _GDN_PROJECTIONS:
-        return None
-    base = model.model
-    embed, wdt = base.embed_tokens, base.embed_tokens.weight.dtype
+    got = _parts.base_and_embedding(model, tuple(_GDN_PROJECTIONS), "model", "embed_tokens")
+    if isinstance(got, str):
+        return got
+    base, embed, wdt = got
     cdt = _dp.compute_dtype(wdt)
-    if cdt is None:
-        return None
     blocks, gdns = [], []
-    for layer in base.layers:
+    for i, layer in enumerate(base.layers):
         ffn = _ffn(layer.mlp, wdt)
         if ffn is None:
-            return None
+            return f"layer {i}: a feed-forward that is not a bias-free SiLU gated MLP of the model's dtype"
         n1, n2 = (_zero_centred(layer._modules[n], cdt) for n in ("input_layernorm", "post_attention_layernorm"))
         if layer.block_type == "linear_attention":
             mixer = layer.linear_attn
             if not _gdn_usable(mixer, arch, wdt):
-                return None
+                return f"layer {i}: a Gated DeltaNet layer the plan's delta block does not compute"
             g, att, kind = _GDN(mixer, arch), None, "delta"
         else:
             mixer = layer.self_attn
             att = _attention(mixer, base.rotary_emb, wdt)
             if att is None:
-                return None
+                return f"layer {i}: an attention layer the plan's softmax block does not compute"
             g, kind = None, "softmax"
         blocks.append(_dp.BlockDescription(mixer, kind, n1, n2, "swiglu", ffn[0], ffn[1], attention=att))
         gdns.append(g)
     head = model.lm_head
-    # (the final norm as the module: `_build` gives the plan its 1 + w)
     desc = _dp.ModelDescription(embed, blocks, base.norm, None if head.weight is embed.weight else head)
+    if not _dp.model_weights_usable(desc, wdt):
+        return "an embedding, final norm or head the plan does not read (a bias, another dtype, a hook)"
+    desc.norm = _zero_centred(base.norm, cdt)   # (the plan reads 1 + w)
     return desc, gdns
+
+
+def describe_model(model: nn.Module):
+    """(ModelDescription, per-layer GDN or None) of a described transformers model, or None (another
+    architecture, or a part the compiled plan does not compute: then the hook always steps aside)."""
+    return _parts.description(_describe(model))
+
+
+def _dense_ffns(model: nn.Module) -> bool:
+    """Whether every layer's feed-forward is a dense gated MLP (not a mixture of experts: its router picks rows
+    per token, which the plan does not compute)."""
+    return all(all(type(layer.mlp._modules.get(n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
+               for layer in model.model.layers)
+
+
+def _qwen_call_usable(cache, B: int, L: Optional[int], attention_mask, position_ids) -> bool:
+    if L is None:
+        L = cache.get_seq_length()
+    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor)
+                                           and attention_mask.shape == (B, L + 1) and bool(attention_mask.all())):
+        return False   # (left padding: transformers' masked path)
+    return position_ids is None or (isinstance(position_ids, torch.Tensor) and bool((position_ids == L).all()))
+
+
+def _qwen_output():
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    return CausalLMOutputWithPast
+
+
+#: Qwen3.5 / Qwen3-Next as an architecture description (the protocol: `_ARCHITECTURES`)
+_QWEN = types.SimpleNamespace(
+    MODELS=tuple(_GDN_PROJECTIONS),
+    FAST_KWARGS=frozenset({"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
+                           "logits_to_keep", "return_dict", "output_attentions", "output_hidden_states"}),
+    base=lambda model: model.model, describe=_describe, hookable=_dense_ffns, call_usable=_qwen_call_usable,
+    block_plan=lambda g, bd, B, d, wdt: (_gdn_plan(g, bd, B, d, wdt) if g is not None
+                                         else _dp.new_softmax_plan(bd, B, d, wdt)),
+    state_spec=lambda g: (("delta", g.HV, g.K, g.V, g.KC, (g.H * g.K, g.H * g.K, g.HV * g.V)) if g is not None
+                          else ("softmax", 0, 0, 0, 0, ())),
+    output_class=_qwen_output, TRANSPOSED_STATES=False, FP32_LOGITS=False)
+
+#: every described architecture. A description (a module or a namespace; the per-architecture modules import
+#: nothing from here) gives: `MODELS` (transformers class names), `FAST_KWARGS` (the forward's keywords the hook
+#: serves), `base(model)` (the base model, whose own hooks run in its __call__), `describe(model)` ((ModelDescription
+#: with the final norm as the plan reads it, per-layer part) or why not), `hookable(model)`, `block_plan(part, bd,
+#: B, d, wdt)` (a BlockPlan or None), `state_spec(part)` (`decode_plan.state_layout`'s), `call_usable(cache, B, L,
+#: attention_mask, position_ids)` (L the softmax layers' length or None), `output_class()`, `TRANSPOSED_STATES`
+#: (transformers keeps a state `[.., P, N]` of the plan's `[.., N, P + 1]`), `FP32_LOGITS`.
+_ARCHITECTURES = {name: a for a in (_QWEN, _kimi, _mamba2) for name in a.MODELS}
 
 
 class _Slot:
     """The model's plan (`cpu/decode.ModelPlan`), its guard, the layout per batch size and what it points into.
     Not state: a copy or a pickle gets an empty slot."""
 
-    __slots__ = ("plan", "fn", "guard", "keep", "blocks", "specs", "layouts", "B", "layout", "cdt", "wdt", "gdn",
-                 "att", "failed")
+    __slots__ = ("plan", "fn", "guard", "keep", "specs", "layouts", "B", "layout", "cdt", "wdt", "recurrent", "att",
+                 "failed")
 
     def __init__(self):
         self.plan, self.failed = None, None
@@ -224,46 +260,46 @@ class _Slot:
         return (_Slot, ())
 
 
-def _build(slot: _Slot, model: nn.Module, B: int) -> bool:
+def _described_modules(model: nn.Module, arch) -> list:
+    # every module but the model and its base model, whose own hooks run in their __call__ (kernelize's packing
+    # hooks on the base model among them: they do nothing for a cached token)
+    base = arch.base(model)
+    return [m for m in model.modules() if m is not model and m is not base]
+
+
+def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
     slot.plan = None
-    got = describe_model(model)
-    if got is None:
+    got = arch.describe(model)
+    if isinstance(got, str):
         return False
-    desc, gdns = got
+    desc, parts = got
     wdt = desc.embed.weight.dtype
-    if not _dp.model_weights_usable(desc, wdt):
-        return False
     vocab, d = desc.embed.weight.shape
-    plans, specs = [], []
-    for bd, g in zip(desc.blocks, gdns):
+    plans = []
+    for bd, part in zip(desc.blocks, parts):
         if _fast.hooked(*bd.mixer.modules()):
             return False
-        p = _gdn_plan(g, bd, B, d, wdt) if g is not None else _dp.new_softmax_plan(bd, B, d, wdt)
+        p = arch.block_plan(part, bd, B, d, wdt)
         if p is None:
             return False
         plans.append(p)
-        specs.append(("delta", g.HV, g.K, g.V, g.KC, (g.H * g.K, g.H * g.K, g.HV * g.V)) if g is not None
-                     else ("softmax", 0, 0, 0, 0, ()))
     cdt = _dp.compute_dtype(wdt)
     mp = _cpu_decode.ModelPlan(L=len(plans), B=B, d=d, vocab=vocab, has_norm=1,
                                nthreads=max(1, torch.get_num_threads()), wbf16=int(wdt == torch.bfloat16),
                                norm_eps=float(desc.norm.eps))
     head_w = (desc.head if desc.head is not None else desc.embed).weight.detach()
-    norm_w = _zero_centred(desc.norm, cdt).weight
+    norm_w = desc.norm.weight.detach().to(cdt).contiguous()
     mp.embed, mp.head, mp.norm_w = desc.embed.weight.data_ptr(), head_w.data_ptr(), norm_w.data_ptr()
     block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
     mp.blocks = ctypes.addressof(block_ptrs)
-    direct = {mp.embed, mp.head} | {getattr(p, f) for p in plans for f in _dp.PLAN_POINTERS}
-    # every module but the model and its base model, whose own hooks run in their __call__ (kernelize's packing
-    # hooks on the base model among them: they do nothing for a cached token)
-    mods = [m for m in model.modules() if m is not model and m is not model.model]
-    slot.guard = _dp.PlanGuard(model.model, mods, [], direct)
+    direct = {mp.embed, mp.head, mp.norm_w} | {getattr(p, f) for p in plans for f in _dp.PLAN_POINTERS}
+    slot.guard = _dp.PlanGuard(arch.base(model), _described_modules(model, arch), [], direct)
     if not slot.guard.valid() or any(t.device.type != "cpu" for t in slot.guard.tensors):
         return False
     slot.keep = (plans, block_ptrs, head_w, norm_w)
     slot.plan, slot.fn, slot.cdt, slot.wdt = mp, _cpu_decode.model_function(cdt), cdt, wdt
-    slot.specs, slot.layouts, slot.B = specs, {}, None
-    slot.gdn = [(i, g) for i, g in enumerate(gdns) if g is not None]
+    slot.specs, slot.layouts, slot.B = [arch.state_spec(part) for part in parts], {}, None
+    slot.recurrent = [i for i, p in enumerate(plans) if p.kind != 2]
     slot.att = [(i, p) for i, p in enumerate(plans) if p.kind == 2]
     _set_batch(slot, B)
     return True
@@ -281,6 +317,26 @@ def _set_batch(slot: _Slot, B: int) -> None:
         p.B = B
     slot.plan.s_off, slot.plan.w_off = ctypes.addressof(offs[0]), ctypes.addressof(offs[1])
     slot.B, slot.layout = B, lo
+
+
+def _usable_slot(model: nn.Module, arch, B: int) -> Optional[_Slot]:
+    """The model's slot with a valid plan at batch B (built when needed), or None."""
+    slot = model.__dict__.get("_linattn_model_plan")
+    if type(slot) is not _Slot:
+        slot = model.__dict__["_linattn_model_plan"] = _Slot()
+    if slot.plan is None or not slot.guard.valid():
+        if slot.failed is not None and slot.failed.valid():
+            return None   # (nothing changed since the plan could not be built)
+        mods = _described_modules(model, arch)
+        if _fast.hooked(*mods):
+            return None   # (before the copies a build makes: a hooked model would make them on every token)
+        if not _build(slot, arch, model, B):
+            slot.failed = _dp.PlanGuard(arch.base(model), mods, [], ())
+            return None
+        slot.failed = None
+    elif slot.B != B:
+        _set_batch(slot, B)
+    return slot
 
 
 def _cache_types():
@@ -312,11 +368,17 @@ def _mirror(store: dict, i: int, layer, B: int, G: int, D: int, dt: torch.dtype)
     return mir
 
 
-def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids) -> Optional[torch.Tensor]:
+def _transformers_state_shape(shape: tuple, transposed: bool) -> tuple:
+    """The shape transformers keeps of a plan state `shape` (`[B, H, N, P + 1]` -> `[B, H, P, N]` when transposed)."""
+    return (*shape[:2], shape[3] - 1, shape[2]) if transposed else shape
+
+
+def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids=None) -> Optional[torch.Tensor]:
     """The logits `[B, 1, vocab]` of one decoded token per row through the compiled plan, `cache` (a transformers
     `DynamicCache` holding the prompt) advanced as transformers' forward would; None where the plan does not
-    cover the call (module docstring), the cache untouched."""
-    if (torch.is_grad_enabled() or torch.compiler.is_compiling() or not _cpu_decode.switched_on()
+    cover the call (the modules' docstrings), the cache untouched."""
+    arch = _ARCHITECTURES.get(type(model).__name__)
+    if (arch is None or torch.is_grad_enabled() or torch.compiler.is_compiling() or not _cpu_decode.switched_on()
             or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] != 1
             or not input_ids.is_cpu or input_ids.dtype not in (torch.int64, torch.int32)):
         return None
@@ -324,32 +386,22 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     if type(cache) is not DynamicCache:
         return None
     B = input_ids.shape[0]
-    slot = model.__dict__.get("_linattn_model_plan")
-    if type(slot) is not _Slot:
-        slot = model.__dict__["_linattn_model_plan"] = _Slot()
-    if slot.plan is None or not slot.guard.valid():
-        if slot.failed is not None and slot.failed.valid():
-            return None   # (nothing changed since the plan could not be built)
-        mods = [m for m in model.modules() if m is not model and m is not model.model]
-        if _fast.hooked(*mods):
-            return None   # (before the copies a build makes: a hooked model would make them on every token)
-        if not _build(slot, model, B):
-            slot.failed = _dp.PlanGuard(model.model, mods, [], ())
-            return None
-        slot.failed = None
-    elif slot.B != B:
-        _set_batch(slot, B)
-    layers, lo = cache.layers, slot.layout
+    slot = _usable_slot(model, arch, B)
+    if slot is None:
+        return None
+    layers, lo, transposed = cache.layers, slot.layout, arch.TRANSPOSED_STATES
     if len(layers) != lo.L:
         return None
-    # the cache: every GDN layer past its prompt, every softmax layer at the same length L
+    # the cache: every recurrent layer past its prompt, every softmax layer at the same length L
     S_parts, W_parts = [], []
-    for (i, g), lay in zip(slot.gdn, (x for x in lo.layers if x.kind != "softmax")):
-        c = layers[i]
+    for i in slot.recurrent:
+        c, lay = layers[i], lo.layers[i]
         if type(c) is not LinearAttentionLayer or c.record_past or not c.has_previous_state[0]:
             return None
         rs, cs = c.recurrent_states[0], c.conv_states[0]
-        if rs is None or cs is None or rs.shape != lay.sshape or cs.shape != (B, lay.wshape[1], g.KC):
+        if (not isinstance(rs, torch.Tensor) or not isinstance(cs, torch.Tensor)
+                or rs.shape != _transformers_state_shape(lay.sshape, transposed)
+                or cs.shape != (B, lay.wshape[1], lay.wshape[2] + 1) or not (rs.is_cpu and cs.is_cpu)):
             return None
         S_parts.append(rs)
         W_parts.append(cs)
@@ -362,14 +414,9 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         if L is not None and n != L:
             return None
         L = n
-    if L is None:
-        L = cache.get_seq_length()
-    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor)
-                                           and attention_mask.shape == (B, L + 1) and bool(attention_mask.all())):
-        return None   # (left padding: transformers' masked path)
-    if position_ids is not None and not (isinstance(position_ids, torch.Tensor) and bool((position_ids == L).all())):
+    if not arch.call_usable(cache, B, L, attention_mask, position_ids):
         return None
-    store = cache.__dict__.setdefault("_linattn_kv", {})
+    store = cache.__dict__.setdefault("_linattn_kv", {}) if slot.att else None
     mirrors = []
     for i, p in slot.att:
         att = p.att
@@ -378,12 +425,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
             return None
         mirrors.append((i, p, mir))
     cdt = slot.cdt
-    # the states in the plan's layout: in place when they are the views the last token left, else gathered
-    prev = cache.__dict__.get("_linattn_states")
-    if prev is not None and prev[0] is lo and all(map(lambda a, b: a is b, S_parts, prev[1])):
-        S_in = prev[2]
-    else:
-        S_in = torch.cat([s.to(cdt).reshape(-1) for s in S_parts]) if S_parts else None
+    S_in = _states_in(cache, lo, slot, S_parts, cdt, transposed)
     W_in = torch.cat([w[..., 1:].to(cdt).reshape(-1) for w in W_parts]) if W_parts else None
     for _, p, mir in mirrors:
         kv = mir.kv
@@ -402,44 +444,61 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         return None   # a token id out of range: transformers' embedding reports it
     if rc:
         raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
-    # write transformers' cache: states as views of the new buffer (a copy where the layer keeps another dtype),
-    # conv states shifted by one column, keys / values as views of the grown buffers
-    S_new = buf[:lo.n_state]
-    views = []
-    for (i, g), lay in zip(slot.gdn, (x for x in lo.layers if x.kind != "softmax")):
-        c = layers[i]
-        st = S_new[lay.s_off:lay.s_off + B * g.HV * g.K * g.V].view(lay.sshape)
-        if c.recurrent_states[0].dtype == cdt:
-            c.recurrent_states[0] = st
-        else:
-            c.recurrent_states[0].copy_(st)
-        views.append(c.recurrent_states[0])
-        cs = c.conv_states[0]
-        cs[..., :1].copy_(cs[..., 1:2])
-        cs[..., 1:].copy_(buf[lo.n_state + lay.w_off:lo.n_state + lay.w_off + B * lay.wshape[1] * (g.KC - 1)]
-                          .view(lay.wshape))
-    cache.__dict__["_linattn_states"] = (lo, views, S_new)
+    _write_recurrent(cache, lo, slot, buf, transposed)
     for i, _, mir in mirrors:
         kv, c = mir.kv, layers[i]
         kv.length += 1
         c.keys = mir.keys = kv.k[:, :kv.length].transpose(1, 2)
         c.values = mir.values = kv.v[:, :kv.length].transpose(1, 2)
-    return logits
+    return logits.float() if arch.FP32_LOGITS else logits
 
 
-_FAST_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
-                          "logits_to_keep", "return_dict", "output_attentions", "output_hidden_states"})
+def _states_in(cache, lo, slot: _Slot, S_parts: list, cdt: torch.dtype, transposed: bool) -> Optional[torch.Tensor]:
+    """The recurrent states in the plan's layout: in place when they are the views the last token left, else
+    gathered (transposed ones with the unused z column zero)."""
+    if not S_parts:
+        return None
+    if transposed:
+        S_in = torch.zeros(lo.n_state, dtype=cdt)
+        for rs, i in zip(S_parts, slot.recurrent):
+            lay = lo.layers[i]
+            S_in[lay.s_off:lay.s_off + math.prod(lay.sshape)].view(lay.sshape)[..., :-1].copy_(rs.transpose(-1, -2))
+        return S_in
+    prev = cache.__dict__.get("_linattn_states")
+    if prev is not None and prev[0] is lo and all(map(lambda a, b: a is b, S_parts, prev[1])):
+        return prev[2]
+    return torch.cat([s.to(cdt).reshape(-1) for s in S_parts])
+
+
+def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, transposed: bool) -> None:
+    """transformers' recurrent layers after the step: states as views of the new buffer (a copy where the layer
+    keeps another dtype or layout), conv states shifted by one column."""
+    S_new, views, layers = buf[:lo.n_state], [], cache.layers
+    for i in slot.recurrent:
+        c, lay = layers[i], lo.layers[i]
+        st = S_new[lay.s_off:lay.s_off + math.prod(lay.sshape)].view(lay.sshape)
+        if transposed:
+            c.recurrent_states[0].copy_(st[..., :-1].transpose(-1, -2))
+        elif c.recurrent_states[0].dtype == slot.cdt:
+            c.recurrent_states[0] = st
+        else:
+            c.recurrent_states[0].copy_(st)
+        views.append(c.recurrent_states[0])
+        cs, n = c.conv_states[0], lay.wshape[1] * lay.wshape[2]
+        cs[..., :1].copy_(cs[..., 1:2])
+        cs[..., 1:].copy_(buf[lo.n_state + lay.w_off:lo.n_state + lay.w_off + lay.wshape[0] * n].view(lay.wshape))
+    if views and not transposed:
+        cache.__dict__["_linattn_states"] = (lo, views, S_new)
 
 
 _HOOKED_FORWARDS: dict = {}   # model class -> its forward with the decode hook in front
 
 
-def _hooked_forward(cls: type):
+def _hooked_forward(cls: type, arch):
     fn = _HOOKED_FORWARDS.get(cls)
     if fn is not None:
         return fn
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-    inner = cls.forward
+    output, fast_kwargs, inner = arch.output_class(), arch.FAST_KWARGS, cls.forward
 
     @functools.wraps(inner)   # (inspect.signature follows __wrapped__: the class forward's exact signature)
     def forward(self, *args, **kwargs):
@@ -447,42 +506,34 @@ def _hooked_forward(cls: type):
             return inner(self, *args, **kwargs)
         if args:
             kwargs["input_ids"] = args[0]
-        if (kwargs.keys() <= _FAST_KWARGS and kwargs.get("use_cache", True) is not False
+        if (kwargs.keys() <= fast_kwargs and kwargs.get("use_cache", True) is not False
                 and kwargs.get("return_dict", True) is not False and not kwargs.get("output_attentions")
                 and not kwargs.get("output_hidden_states") and type(kwargs.get("logits_to_keep", 0)) is int):
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             logits = model_token(self, kwargs.get("input_ids"), cache, kwargs.get("attention_mask"),
                                  kwargs.get("position_ids"))
             if logits is not None:
-                return CausalLMOutputWithPast(logits=logits, cache=cache)
+                return output(logits=logits, cache=cache)
         return inner(self, **kwargs)
 
     fn = _HOOKED_FORWARDS[cls] = forward
     return fn
 
 
-def _dense_ffns(model: nn.Module) -> bool:
-    """Whether every layer's feed-forward is a dense gated MLP (not a mixture of experts: its router picks rows
-    per token, which the plan does not compute)."""
-    return all(all(type(layer.mlp._modules.get(n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
-               for layer in model.model.layers)
-
-
 def hook_model(model: nn.Module) -> bool:
-    """Gives a described model (`describe_model`: `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM` with dense
-    feed-forwards; Kimi Linear and Mamba2 through their own modules) the decode hook: an instance `forward` (a method
-    bound to the model, so a deep copy is bound to the copy) with the class forward's signature that decodes a
-    cached one-token call through the compiled plan (`model_token`) and runs transformers' forward otherwise.
-    Returns whether the model is hooked."""
-    if type(model).__name__ in _kimi.MODELS:   # Kimi Linear: hf/kernelize_plan_kimi.py
-        return _kimi.hook_model(model)
-    if type(model).__name__ in _mamba2.MODELS:   # Mamba2: hf/kernelize_plan_mamba2.py
-        return _mamba2.hook_model(model)
-    if type(model).__name__ not in _GDN_PROJECTIONS or not _dense_ffns(model):
+    """Gives a described model (`_ARCHITECTURES`: `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM` with dense
+    feed-forwards; Kimi Linear and Mamba2 through hf/kernelize_plan_kimi.py and hf/kernelize_plan_mamba2.py) the
+    decode hook: an instance `forward` (a method bound to the model, so a deep copy is bound to the copy) with the
+    class forward's signature that decodes a cached one-token call through the compiled plan (`model_token`) and runs
+    transformers' forward otherwise. Returns whether the model is hooked."""
+    arch = _ARCHITECTURES.get(type(model).__name__)
+    if arch is None:
         return False
-    fn = _hooked_forward(type(model))
+    fn = _hooked_forward(type(model), arch)
     own = model.__dict__.get("forward")
     if own is not None:
         return getattr(own, "__func__", None) is fn
+    if not arch.hookable(model):
+        return False
     model.forward = types.MethodType(fn, model)
     return True

@@ -1,0 +1,185 @@
+"""What the tests of the kernelized whole-model plan share (tests/hf/test_kernelize_plan*.py): the (unpatched,
+kernelized) pair with weights moved off their init values, prompts, the logits tolerance, and the checks that read
+the same for every architecture that decodes through transformers' `generate`."""
+import copy
+
+import torch
+
+from linattn.hf import kernelize
+from tests.helpers import CompiledDecodeCalls
+from tests.hf.kernelize_models import V, maxdiff
+
+GREEDY = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+def perturbed_pair(cls, cfg, dtype=torch.float32, hooked=True, moved=(), scaled=()):
+    """(unpatched, kernelized) `cls(cfg)` seeded 0: parameters whose name contains one of `moved` get 0.2 x noise
+    added (off their init values), those with one of `scaled` are multiplied by 3 (q / k large enough that norms and
+    softmax show); `kernelize` must report the compiled decode `hooked`."""
+    torch.manual_seed(0)
+    ref = cls(cfg)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if any(s in n for s in moved):
+                p.add_(0.2 * torch.randn_like(p))
+            if any(s in n for s in scaled):
+                p.mul_(3.0)
+    ref = ref.to(dtype).eval()
+    fast = copy.deepcopy(ref)
+    assert kernelize(fast).compiled_decode is hooked
+    return ref, fast
+
+
+def prompt(B, T, seed=1):
+    return torch.randint(3, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def close(a, b, tol=1e-5):
+    """Within tol relative to the reference's scale (at least 1)."""
+    return maxdiff(a, b) <= tol * max(1.0, b.abs().max().item())
+
+
+def generate(model, ids, n, **kw):
+    """Greedy `generate` of exactly n tokens, the logits returned."""
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, **{**GREEDY, **kw})
+
+
+def check_greedy_generate(ref, fast, B, T, n, monkeypatch):
+    """Greedy tokens identical, every step's logits within 1e-5, one compiled call per decoded token (the prompt
+    is transformers' prefill)."""
+    ids = prompt(B, T)
+    calls = CompiledDecodeCalls(monkeypatch)
+    got = generate(fast, ids, n)
+    assert calls.model == n - 1
+    want = generate(ref, ids, n)
+    assert torch.equal(got.sequences, want.sequences)
+    assert close(torch.stack(got.logits), torch.stack(want.logits))
+
+
+def check_sampling_with_a_seed(ref, fast, monkeypatch):
+    ids = prompt(2, 4)
+    calls = CompiledDecodeCalls(monkeypatch)
+    outs = []
+    for m in (fast, ref):
+        torch.manual_seed(7)
+        outs.append(m.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=True, top_k=20, temperature=0.9))
+    assert calls.model == 9
+    assert torch.equal(outs[0], outs[1])
+
+
+def check_beam_search(ref, fast, monkeypatch):
+    ids = prompt(1, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    got = fast.generate(ids, max_new_tokens=8, min_new_tokens=8, num_beams=3, do_sample=False)
+    assert calls.model > 0
+    want = ref.generate(ids, max_new_tokens=8, min_new_tokens=8, num_beams=3, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def check_left_padded_generate(ref, fast, calls, compiled):
+    """A left-padded prompt through `generate`: `compiled` compiled calls counted by `calls` (a CompiledDecodeCalls
+    made before the plan: 0 where the plan steps aside, every decoded token where the mask only enters the prefill),
+    the unpatched model's tokens and logits. The prompt and mask returned."""
+    ids = prompt(2, 7)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    got = generate(fast, ids, 6, attention_mask=mask)
+    assert calls.model == compiled
+    want = generate(ref, ids, 6, attention_mask=mask)
+    assert torch.equal(got.sequences, want.sequences)
+    assert close(torch.stack(got.logits), torch.stack(want.logits))
+    return ids, mask
+
+
+def check_cache_copied_and_advanced(ref, fast, watched, monkeypatch):
+    """A deep copy of the cache decoded on its own (the original's `watched(cache)` tensor unchanged); tokens
+    decoded by transformers' own code (LINATTN_CPU_KERNELS=0) between compiled ones; a generate continued on a
+    returned cache: the unpatched model's logits throughout."""
+    ids = prompt(2, 6)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        outs = [m(ids, use_cache=True) for m in (fast, ref)]
+        caches = [o.cache for o in outs]
+        tok = outs[1].logits[:, -1:].argmax(-1)
+        for step in range(8):
+            if step == 3:
+                copies = [copy.deepcopy(c) for c in caches]
+                snap = watched(caches[0]).clone()
+                lc = [m(tok, cache=c).logits for m, c in zip((fast, ref), copies)]
+                assert close(lc[0], lc[1])
+                assert torch.equal(watched(caches[0]), snap)
+            if step in (4, 5):
+                monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+            else:
+                monkeypatch.delenv("LINATTN_CPU_KERNELS", raising=False)
+            lg = [m(tok, cache=c).logits for m, c in zip((fast, ref), caches)]
+            assert close(lg[0], lg[1]), step
+            tok = lg[1].argmax(-1)
+    assert calls.model == 8 - 2 + 1
+    got, want = generate(fast, ids, 4), generate(ref, ids, 4)
+    more = [generate(m, g.sequences, 5, cache=g.past_key_values) for m, g in zip((fast, ref), (got, want))]
+    assert torch.equal(more[0].sequences, more[1].sequences)
+    assert close(torch.stack(more[0].logits), torch.stack(more[1].logits))
+
+
+def check_in_place_update(ref, fast, name, copied, monkeypatch):
+    """Parameter `name` updated in place between tokens: the plan's guard fails exactly when the plan `copied` it,
+    and the next token reads the new value."""
+    ids = prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
+        tok = ids[:, -1:]
+        for m, c in zip((fast, ref), caches):
+            m(tok, cache=c)
+        guard = fast._linattn_model_plan.guard
+        for m in (fast, ref):
+            m.get_parameter(name).add_(0.5)
+        assert guard.valid() is not copied
+        lg = [m(tok, cache=c).logits for m, c in zip((fast, ref), caches)]
+    assert calls.model == 2
+    assert close(lg[0], lg[1])
+
+
+def check_hook_steps_aside(ref, fast, module, monkeypatch):
+    """A forward hook on `module` (a described module of `fast`): every token runs transformers' forward."""
+    seen = []
+    module.register_forward_hook(lambda *a: seen.append(1))
+    calls = CompiledDecodeCalls(monkeypatch)
+    ids = prompt(1, 4)
+    got, want = generate(fast, ids, 4), generate(ref, ids, 4)
+    assert calls.model == 0 and len(seen) == 4
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def check_bf16(ref, fast, dtype, monkeypatch):
+    """bf16 weights, computed in fp32: the logits (of `dtype`) within bf16's rounding of the unpatched model's."""
+    ids = prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
+        tok = ids[:, -1:]
+        for _ in range(4):
+            lg = [m(tok, cache=c).logits for m, c in zip((fast, ref), caches)]
+            assert lg[0].dtype == lg[1].dtype == dtype
+            assert close(lg[0].float(), lg[1].float(), 0.05)
+            tok = lg[1].argmax(-1)
+    assert calls.model == 4
+
+
+def check_torch_compile_steps_aside(fast, monkeypatch):
+    """A cached one-token call inside torch.compile runs transformers' code (traced), not the compiled plan: the
+    same logits as the eager call on a copy of the cache, no compiled call."""
+    ids = prompt(1, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        cache = fast(ids, use_cache=True).cache
+        twin = copy.deepcopy(cache)
+        tok = ids[:, -1:]
+        torch._dynamo.reset()
+        got = torch.compile(fast)(tok, cache=cache).logits
+        assert calls.model == 0
+        want = fast(tok, cache=twin).logits
+    assert calls.model == 1
+    assert close(got, want)
+    torch._dynamo.reset()
