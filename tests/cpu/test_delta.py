@@ -284,10 +284,11 @@ def test_auto_takes_the_kernels_and_comba_falls_back(monkeypatch):
 @pytest.mark.parametrize("gate", ["none", "head", "channel"])
 def test_custom_op_registrations(gate):
     """torch.library.opcheck: schema, fake (meta) kernel, autograd registration, as torch.compile needs them."""
-    from linattn.cpu.delta import _checkpoints, delta_fwd
+    from linattn.cpu import checkpoint_offsets
+    from linattn.cpu.delta import CHECKPOINT, delta_fwd
     TT, H, K, V = 70, 2, 4, 3
     starts = [0, 30, 70]
-    offs, n = _checkpoints(starts)
+    offs, n = checkpoint_offsets(starts, CHECKPOINT)
     g = {"none": None, "head": -torch.rand(TT, H), "channel": -torch.rand(TT, H, K)}[gate]
     args = (torch.randn(TT, H, K, requires_grad=True), F.normalize(torch.randn(TT, H, K), dim=-1).requires_grad_(),
             torch.randn(TT, H, V, requires_grad=True), torch.rand(TT, H, requires_grad=True),

@@ -306,10 +306,11 @@ def test_empty_dimensions_take_the_fallback():
 
 def test_custom_op_registrations():
     """torch.library.opcheck: schema, fake (meta) kernel, autograd registration, as torch.compile needs them."""
-    from linattn.cpu.rwkv7 import _checkpoints, rwkv7_fwd
+    from linattn.cpu import checkpoint_offsets
+    from linattn.cpu.rwkv7 import CHECKPOINT, rwkv7_fwd
     TT, H, K, V = 70, 2, 4, 3
     starts = [0, 30, 70]
-    offs, n = _checkpoints(starts)
+    offs, n = checkpoint_offsets(starts, CHECKPOINT)
     r, w, k, v, a, b, _ = (t[0] for t in _inputs(1, TT, H, K, V, torch.float32, seed=13))
     args = (*(t.clone().requires_grad_() for t in (r, w, k, v, a, b)), torch.randn(2, H, K, V, requires_grad=True),
             torch.tensor(starts), torch.tensor(offs), n, 0.5)

@@ -22,15 +22,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import LinattnError
 from .build import enabled, load_library
 
-__all__ = ["available", "enabled", "load_library", "ptr", "threads", "torch_on_one_thread", "KERNEL_DTYPES",
-           "MAX_CHUNK"]
+__all__ = ["available", "enabled", "load_library", "ptr", "threads", "checkpoint_offsets", "torch_on_one_thread",
+           "KERNEL_DTYPES", "MAX_CHUNK"]
 
 KERNEL_DTYPES = (torch.float32, torch.float64)  # the kernels compute in these; other dtypes are cast or fall back
 MAX_CHUNK = 512  # the chunk kernels keep a few C x C blocks per thread
@@ -49,6 +49,16 @@ def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
         raise LinattnError(f"the compiled CPU kernels take contiguous CPU tensors, got one of shape {tuple(t.shape)} "
                            f"on {t.device} (contiguous: {t.is_contiguous()})")
     return t.data_ptr()
+
+
+def checkpoint_offsets(starts: Sequence[int], every: int) -> Tuple[List[int], int]:
+    """For a scan that keeps a state every `every` tokens of each sequence (cu_seqlens `starts`) for its backward:
+    each sequence's first checkpoint index and the total, ceil(length / every) per sequence."""
+    offs, n = [], 0
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        offs.append(n)
+        n += -(-(hi - lo) // every)
+    return offs, n
 
 
 def threads(work: Optional[float] = None, grain: float = 1.0) -> int:

@@ -19,11 +19,11 @@ entry point. Nothing here imports linattn.ops.
 from __future__ import annotations
 
 import ctypes
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import bindings, ptr, threads, torch_on_one_thread
+from . import bindings, checkpoint_offsets, ptr, threads, torch_on_one_thread
 from .abi import DeltaPlan
 
 __all__ = ["CHECKPOINT", "available", "delta_prepare", "delta_prepare_raw", "delta_scan", "floor_log_gate", "l2_rows",
@@ -128,14 +128,6 @@ def _backward(ctx, do, dS, _dckpt):
 delta_fwd.register_autograd(_backward, setup_context=_setup)
 
 
-def _checkpoints(starts: Sequence[int]) -> Tuple[List[int], int]:
-    """Each sequence's first checkpoint index and the total: ceil(length / CHECKPOINT) per sequence."""
-    offs, n = [], 0
-    for lo, hi in zip(starts[:-1], starts[1:]):
-        offs.append(n)
-        n += -(-(hi - lo) // CHECKPOINT)
-    return offs, n
-
 
 def delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, g: Optional[torch.Tensor],
                S0: Optional[torch.Tensor], starts: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +145,7 @@ def delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
         # one-token step (the op is there for autograd and torch.compile)
         o, S, _ = _forward(q, k, v, a, g, S0, st, st, 0)
         return o, S
-    offs, n = _checkpoints(starts)
+    offs, n = checkpoint_offsets(starts, CHECKPOINT)
     o, S, _ = delta_fwd(q, k, v, a, g, S0, st, torch.tensor(offs, dtype=torch.int64), n if need_grad else 0)
     return o, S
 

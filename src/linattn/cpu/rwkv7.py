@@ -13,11 +13,11 @@ point. Nothing here imports linattn.ops.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import bindings, ptr, threads
+from . import bindings, checkpoint_offsets, ptr, threads
 
 __all__ = ["CHECKPOINT", "available", "rwkv7_scan"]
 
@@ -100,14 +100,6 @@ def _backward(ctx, do, dS, _dckpt):
 rwkv7_fwd.register_autograd(_backward, setup_context=_setup)
 
 
-def _checkpoints(starts: Sequence[int]) -> Tuple[List[int], int]:
-    """Each sequence's first checkpoint index and the total: ceil(length / CHECKPOINT) per sequence."""
-    offs, n = [], 0
-    for lo, hi in zip(starts[:-1], starts[1:]):
-        offs.append(n)
-        n += -(-(hi - lo) // CHECKPOINT)
-    return offs, n
-
 
 def rwkv7_scan(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                S0: Optional[torch.Tensor], starts: Sequence[int], scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +116,6 @@ def rwkv7_scan(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         # eager inference (decoding): the kernel directly; the custom op's dispatch costs more than a one-token step
         o, S, _ = _forward(r, w, k, v, a, b, S0, st, st, 0, scale)
         return o, S
-    offs, n = _checkpoints(starts)
+    offs, n = checkpoint_offsets(starts, CHECKPOINT)
     o, S, _ = rwkv7_fwd(r, w, k, v, a, b, S0, st, torch.tensor(offs, dtype=torch.int64), n if need_grad else 0, scale)
     return o, S
