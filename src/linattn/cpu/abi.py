@@ -92,7 +92,10 @@ class BlockPlan(ctypes.Structure):
                 # ELA's maps: kind 3 log-space (csrc/decode_log.h: ela_map 0 Hadamard Exp, log_decay RetNet's log
                 # gamma [HV]), kind 6 linear-space (csrc/decode_ela.h: ela_map 1 / 2 sum / sub squared-Euclidean,
                 # 3 magnitude-direction)
-                + [("ela_map", ctypes.c_int32), ("pad4_", ctypes.c_int32), ("log_decay", ctypes.c_void_p)])
+                + [("ela_map", ctypes.c_int32), ("pad4_", ctypes.c_int32), ("log_decay", ctypes.c_void_p)]
+                # the residual order: postnorm 0 pre-norm, 1 post-norm (OLMo-hybrid's attention blocks: n1w / n2w
+                # on the mixer's / the FFN's output before each residual add)
+                + [("postnorm", ctypes.c_int32), ("pad5_", ctypes.c_int32)])
 
 
 class ModelPlan(ctypes.Structure):

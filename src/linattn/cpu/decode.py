@@ -29,8 +29,9 @@ __all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", 
 
 #: the feature maps the linear step computes (the C codes)
 from ..feature_codes import FUSED_MAPS as FEATURE_MAPS  # noqa: E402, I001 (one table, every path)
-#: EFLA's beta modes in the order of their C codes (beta_mode 0, 1, 2)
-BETA_MODES = ("sigmoid", "adaptive", "loose")
+#: the delta step's beta modes in the order of their C codes (beta_mode 0, 1, 2: EFLA's; 3 "doubled": 2 sigmoid,
+#: negative eigenvalues allowed, as OLMo-hybrid's Gated DeltaNet)
+BETA_MODES = ("sigmoid", "adaptive", "loose", "doubled")
 #: the weight formats of the plans' matrices (csrc/qmatvec.h WF_*: `fmt_<matrix>` fields, 0 = as `wbf16` says)
 WEIGHT_FORMATS = {"plan": 0, "bf16": 1, "int8": 2, "int4": 3}
 

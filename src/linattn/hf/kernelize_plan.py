@@ -56,13 +56,13 @@ from ..models import decode_plan as _dp
 from . import (
     kernelize_plan_kimi as _kimi,  # (Kimi Linear's description: its own module)
     kernelize_plan_mamba2 as _mamba2,  # (Mamba2's: its own module)
+    kernelize_plan_olmo as _olmo,  # (OLMo-hybrid's: its own module)
     kernelize_plan_parts as _parts,
 )
 
 __all__ = ["describe_model", "hook_model", "model_token"]
 
-#: a softmax layer's KV buffer grows by this many rows at a time
-_KV_CHUNK = 64
+_KV_CHUNK = _parts.KV_CHUNK
 
 
 def _zero_centred(norm: nn.Module, cdt: torch.dtype):
@@ -128,21 +128,8 @@ def _gdn_usable(layer, arch: str, wdt) -> bool:
 
 def _gdn_plan(g: _GDN, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
     """The plan's delta block (kind 0, gated) for a transformers GDN layer: y = [q | k | v | b | a | z]."""
-    layer, cdt, keep = g.layer, _dp.compute_dtype(wdt), []
-    addr = _dp.plan_addresser(keep, cdt)
-    p = _cpu_decode.BlockPlan(B=B, H=g.H, HV=g.HV, K=g.K, V=g.V, d=d, ny=g.W.shape[0], KC=g.KC,
-                              hid=bd.ffn_down.in_features, kind=0, conv_act=1, scale=g.K ** -0.5,
-                              nthreads=max(1, torch.get_num_threads()), has_ffn=1, wbf16=int(wdt == torch.bfloat16))
-    p.W = addr(g.W, wdt)
-    conv = layer._modules["conv1d"].weight
-    p.cw = addr(conv.view(conv.shape[0], -1))
-    # transformers' l2norm: x * rsqrt(sum x^2 + 1e-6) on q and k ("rsqrt", L2NORM_EPS)
-    p.dkind, p.l2conv, p.l2eps, p.gated = 0, 0, 1e-6, 1
-    p.neg_a, p.dt_bias = addr(-torch.exp(layer.A_log.detach().to(cdt))), addr(layer.dt_bias)
-    norm = layer._modules["norm"]
-    p.has_norm, p.nw, p.norm_eps, p.has_gate = 1, addr(norm.weight), float(norm.variance_epsilon), 1
-    p.Wo = addr(layer._modules["out_proj"].weight, wdt)
-    return _dp.finish_block_plan(p, bd, addr, keep, wdt)
+    m = g.layer._modules
+    return _parts.gdn_plan(g.layer, g.W, m["norm"], m["out_proj"], bd, B, d, wdt)
 
 
 def _attention(att: nn.Module, rotary: nn.Module, wdt: torch.dtype) -> Optional[_dp.AttentionDescription]:
@@ -210,15 +197,6 @@ def _dense_ffns(model: nn.Module) -> bool:
                for layer in model.model.layers)
 
 
-def _qwen_call_usable(cache, B: int, L: Optional[int], attention_mask, position_ids) -> bool:
-    if L is None:
-        L = cache.get_seq_length()
-    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor)
-                                           and attention_mask.shape == (B, L + 1) and bool(attention_mask.all())):
-        return False   # (left padding: transformers' masked path)
-    return position_ids is None or (isinstance(position_ids, torch.Tensor) and bool((position_ids == L).all()))
-
-
 def _qwen_output():
     from transformers.modeling_outputs import CausalLMOutputWithPast
     return CausalLMOutputWithPast
@@ -227,9 +205,8 @@ def _qwen_output():
 #: Qwen3.5 / Qwen3-Next as an architecture description (the protocol: `_ARCHITECTURES`)
 _QWEN = types.SimpleNamespace(
     MODELS=tuple(_GDN_PROJECTIONS),
-    FAST_KWARGS=frozenset({"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
-                           "logits_to_keep", "return_dict", "output_attentions", "output_hidden_states"}),
-    base=lambda model: model.model, describe=_describe, hookable=_dense_ffns, call_usable=_qwen_call_usable,
+    FAST_KWARGS=_parts.CAUSAL_LM_KWARGS,
+    base=lambda model: model.model, describe=_describe, hookable=_dense_ffns, call_usable=_parts.cached_call_usable,
     block_plan=lambda g, bd, B, d, wdt: (_gdn_plan(g, bd, B, d, wdt) if g is not None
                                          else _dp.new_softmax_plan(bd, B, d, wdt)),
     state_spec=lambda g: (("delta", g.HV, g.K, g.V, g.KC, (g.H * g.K, g.H * g.K, g.HV * g.V)) if g is not None
@@ -243,7 +220,7 @@ _QWEN = types.SimpleNamespace(
 #: B, d, wdt)` (a BlockPlan or None), `state_spec(part)` (`decode_plan.state_layout`'s), `call_usable(cache, B, L,
 #: attention_mask, position_ids)` (L the softmax layers' length or None), `output_class()`, `TRANSPOSED_STATES`
 #: (transformers keeps a state `[.., P, N]` of the plan's `[.., N, P + 1]`), `FP32_LOGITS`.
-_ARCHITECTURES = {name: a for a in (_QWEN, _kimi, _mamba2) for name in a.MODELS}
+_ARCHITECTURES = {name: a for a in (_QWEN, _kimi, _mamba2, _olmo) for name in a.MODELS}
 
 
 class _Slot:

@@ -67,10 +67,6 @@ class _KDA:
                                                          fg["f_a_proj"], m["g_a_proj"])])
 
 
-def _plain(m, shape, wdt) -> bool:
-    return type(m) is nn.Linear and m.bias is None and m.weight.dtype == wdt and tuple(m.weight.shape) == shape
-
-
 def _kda_reason(layer, d: int, wdt) -> Optional[str]:
     """Why the plan's KDA block does not compute this layer, or None."""
     if type(layer).__name__ != "KimiLinearDeltaAttention":
@@ -84,8 +80,9 @@ def _kda_reason(layer, d: int, wdt) -> Optional[str]:
     f = fg._modules
     shapes = {"q_proj": (HK, d), "k_proj": (HK, d), "v_proj": (HK, d), "b_proj": (H, d), "g_a_proj": (K, d),
               "g_b_proj": (HK, K), "o_proj": (d, HK)}
-    if not all(_plain(m.get(n), s, wdt) for n, s in shapes.items()) or not (
-            _plain(f.get("f_a_proj"), (K, d), wdt) and _plain(f.get("f_b_proj"), (HK, K), wdt)):
+    plain = _parts.plain_linear
+    if not all(plain(m.get(n), s, wdt) for n, s in shapes.items()) or not (
+            plain(f.get("f_a_proj"), (K, d), wdt) and plain(f.get("f_b_proj"), (HK, K), wdt)):
         return "projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
     conv, norm = m.get("conv1d"), m.get("o_norm")
     if (type(conv) is not nn.Conv1d or conv.bias is not None or conv.weight.shape != (3 * HK, 1, KC)
@@ -99,20 +96,6 @@ def _kda_reason(layer, d: int, wdt) -> Optional[str]:
     return None
 
 
-def _ffn(mlp: nn.Module, d: int, wdt):
-    """(fused gate | up, down) of a dense SwiGLU MLP, or a reason string."""
-    if type(mlp).__name__ != "KimiLinearMLP":
-        return f"a {type(mlp).__name__} feed-forward (MoE: routed experts are not a plan block)"
-    m = mlp._modules
-    gate, up, down = m.get("gate_proj"), m.get("up_proj"), m.get("down_proj")
-    hid = getattr(gate, "out_features", None)
-    if hid is None or not (_plain(gate, (hid, d), wdt) and _plain(up, (hid, d), wdt) and _plain(down, (d, hid), wdt)):
-        return "an MLP whose projections are not bias-free nn.Linear layers of the model's dtype"
-    if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
-        return "an MLP activation other than SiLU"
-    return _parts.fused_linear(torch.cat([gate.weight.detach(), up.weight.detach()])), down
-
-
 def _describe(model: nn.Module) -> Union[tuple, str]:
     """(ModelDescription, per-layer `_KDA`) or the reason the plan does not compute the model."""
     got = _parts.base_and_embedding(model, MODELS, "model", "embed_tokens")
@@ -124,7 +107,7 @@ def _describe(model: nn.Module) -> Union[tuple, str]:
     for i, layer in enumerate(base.layers):
         mixer = layer.self_attn
         why = _kda_reason(mixer, d, wdt)
-        ffn = _ffn(layer.mlp, d, wdt)
+        ffn = _parts.swiglu_ffn(layer.mlp, "KimiLinearMLP", d, wdt)
         if why is None and isinstance(ffn, str):
             why = ffn
         norms = [layer._modules.get(n) for n in ("input_layernorm", "post_attention_layernorm")]

@@ -11,6 +11,9 @@ import torch.nn as nn
 from ..cpu import decode as _cpu_decode
 from ..models import decode_plan as _dp
 
+#: a softmax layer's KV buffer (the plan's layout, hf/kernelize_plan.py's mirrors) grows by this many rows at a time
+KV_CHUNK = 64
+
 
 def norm(weight: torch.Tensor, eps) -> types.SimpleNamespace:
     """An RMSNorm as the plan reads it: `weight` (what the plan multiplies by), `eps`."""
@@ -20,6 +23,27 @@ def norm(weight: torch.Tensor, eps) -> types.SimpleNamespace:
 def fused_linear(weight: torch.Tensor) -> types.SimpleNamespace:
     """A projection the plan reads, fused once from several of transformers' `nn.Linear` (bias-free)."""
     return types.SimpleNamespace(weight=weight, bias=None, out_features=weight.shape[0], in_features=weight.shape[1])
+
+
+def plain_linear(m, shape, wdt) -> bool:
+    """m is exactly a bias-free `nn.Linear` of weight dtype wdt and weight shape `shape` ([out, in])."""
+    return type(m) is nn.Linear and m.bias is None and m.weight.dtype == wdt and tuple(m.weight.shape) == shape
+
+
+def swiglu_ffn(mlp: nn.Module, cls_name: str, d: int, wdt) -> Union[tuple, str]:
+    """(fused gate | up, down) of transformers' dense SwiGLU MLP of class `cls_name` (`gate_proj`, `up_proj`,
+    `down_proj`, `config.hidden_act` SiLU), or why the plan does not compute it."""
+    if type(mlp).__name__ != cls_name:
+        return f"a {type(mlp).__name__} feed-forward (MoE: routed experts are not a plan block)"
+    m = mlp._modules
+    gate, up, down = m.get("gate_proj"), m.get("up_proj"), m.get("down_proj")
+    hid = getattr(gate, "out_features", None)
+    if hid is None or not (plain_linear(gate, (hid, d), wdt) and plain_linear(up, (hid, d), wdt)
+                           and plain_linear(down, (d, hid), wdt)):
+        return "an MLP whose projections are not bias-free nn.Linear layers of the model's dtype"
+    if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
+        return "an MLP activation other than SiLU"
+    return fused_linear(torch.cat([gate.weight.detach(), up.weight.detach()])), down
 
 
 def base_and_embedding(model: nn.Module, models: tuple, base: str, embedding: str) -> Union[tuple, str]:
@@ -64,6 +88,48 @@ def unpadded(attention_mask, B: int) -> bool:
     """Whether an attention mask (2-D, B rows, or None) keeps every position: no left padding."""
     return attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
                                       and attention_mask.shape[0] == B and bool(attention_mask.all()))
+
+
+def gdn_plan(layer, W: torch.Tensor, norm: nn.Module, out_proj: nn.Module, bd: _dp.BlockDescription, B: int, d: int,
+             wdt: torch.dtype, beta_mode: str = "sigmoid"):
+    """The plan's delta block (kind 0, gated) for a transformers Gated DeltaNet layer (Qwen3.5's, Qwen3-Next's,
+    OLMo-hybrid's: `num_k_heads`, `num_v_heads`, `head_k_dim`, `head_v_dim`, `conv_kernel_size`, `conv1d`, `A_log`,
+    `dt_bias`): W its projections fused by rows as the plan reads them, `[q | k | v | b | a | z]`; norm its gated
+    output RMSNorm (`weight`, `variance_epsilon`, SiLU gate), out_proj its output projection; beta_mode one of
+    `cpu/decode.BETA_MODES` ("doubled": beta = 2 sigmoid(b))."""
+    cdt, keep = _dp.compute_dtype(wdt), []
+    addr = _dp.plan_addresser(keep, cdt)
+    H, HV, K = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=layer.head_v_dim, d=d, ny=W.shape[0],
+                              KC=layer.conv_kernel_size, hid=bd.ffn_down.in_features, kind=0, conv_act=1,
+                              scale=K ** -0.5, nthreads=max(1, torch.get_num_threads()), has_ffn=1,
+                              wbf16=int(wdt == torch.bfloat16), beta_mode=_cpu_decode.BETA_MODES.index(beta_mode))
+    p.W = addr(W, wdt)
+    conv = layer._modules["conv1d"].weight
+    p.cw = addr(conv.view(conv.shape[0], -1))
+    # transformers' l2norm: x * rsqrt(sum x^2 + 1e-6) on q and k ("rsqrt", L2NORM_EPS)
+    p.dkind, p.l2conv, p.l2eps, p.gated = 0, 0, 1e-6, 1
+    p.neg_a, p.dt_bias = addr(-torch.exp(layer.A_log.detach().to(cdt))), addr(layer.dt_bias)
+    p.has_norm, p.nw, p.norm_eps, p.has_gate = 1, addr(norm.weight), float(norm.variance_epsilon), 1
+    p.Wo = addr(out_proj.weight, wdt)
+    return _dp.finish_block_plan(p, bd, addr, keep, wdt)
+
+
+def cached_call_usable(cache, B: int, L: Optional[int], attention_mask, position_ids) -> bool:
+    """A description's `call_usable` for a model whose forward takes the position from the cache (transformers'
+    `cache.get_seq_length()`, L when the model has softmax layers): no left padding, position ids (if given) at the
+    cache's length."""
+    if L is None:
+        L = cache.get_seq_length()
+    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor)
+                                           and attention_mask.shape == (B, L + 1) and bool(attention_mask.all())):
+        return False   # (left padding: transformers' masked path)
+    return position_ids is None or (isinstance(position_ids, torch.Tensor) and bool((position_ids == L).all()))
+
+
+#: the keywords of a causal LM's forward the hook serves
+CAUSAL_LM_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
+                              "logits_to_keep", "return_dict", "output_attentions", "output_hidden_states"})
 
 
 def hookable(describe):

@@ -86,21 +86,24 @@ def compute_dtype(weight_dtype: torch.dtype) -> Optional[torch.dtype]:
 # -- descriptions ------------------------------------------------------------------------------------------------
 class BlockDescription:
     """What a decode plan needs to know about one block: ``h = x + mixer(norm1(x))`` then, with an FFN,
-    ``out = h + ffn_down(silu(a) * b)``, ``[a | b] = ffn_gate_up(norm2(h))`` (residual "prenorm", the only order
-    the compiled block computes).
+    ``out = h + ffn_down(silu(a) * b)``, ``[a | b] = ffn_gate_up(norm2(h))`` (residual "prenorm"); or, residual
+    "postnorm" (OLMo-hybrid's attention blocks), ``h = x + norm1(mixer(x))``, ``out = h + norm2(ffn_down(silu(a) *
+    b))``, ``[a | b] = ffn_gate_up(h)``.
 
     Attributes:
         mixer: The attention layer (an `AttentionBase` whose `fast_step_kind()` is `kind`).
         kind: "delta" or "linear" (`layers/fast_decode.STEPS`), "softmax", "kda" or "mamba2" (the compiled
             block kinds 4 and 5; a block of linattn's `KDA` / `Mamba2Block`, whose `fast_step_kind` is None or
             absent, is of that kind).
-        norm1: The norm before the mixer: an RMSNorm (`weight` or None, `eps`).
-        norm2: The norm before the FFN (None without one).
+        norm1: The norm before the mixer (post-norm: on its output): an RMSNorm (`weight` or None, `eps`).
+        norm2: The norm before the FFN (post-norm: on its output; None without an FFN).
         ffn: "swiglu" or None.
         ffn_gate_up: The FFN's fused gate | up projection `[2 * hidden, d]` (an nn.Linear), or None.
         ffn_down: The FFN's down projection `[d, hidden]`, or None.
         modules: Every module whose forward the plan computes instead of calling it (checked for hooks).
-        residual: The residual order: "prenorm" (above; the only one with a compiled plan).
+        residual: The residual order: "prenorm" or "postnorm" (above). The compiled block computes both (the
+            `postnorm` field of its plan); the per-block paths of linattn's own blocks (`block_token`) and the
+            whole-model step of its models take pre-norm blocks only.
         attention: For kind "softmax", the mixer's parts (`AttentionDescription`); None: built from the mixer
             when the plan needs it (`describe_softmax`, linattn's `SoftmaxAttention`). A block of linattn's
             `SoftmaxAttention` (kind None from its `fast_step_kind`) is of kind "softmax".
@@ -139,7 +142,9 @@ class AttentionDescription:
         heads, kv_heads, head_dim, head_dim_v: H, the key/value heads, D, Dv.
         scale: The score scale.
         window: A sliding window w (keys at distance < w), or None.
-        q_norm, k_norm: Per-head RMSNorm modules (`weight` [D] or None, `eps`), or None.
+        q_norm, k_norm: RMSNorm modules (`weight` or None, `eps`), or None: per head (`weight` [D]), or over the
+            whole projection when `norm_whole` (`weight` [H * D] / [kv_heads * D], before RoPE; OLMo-hybrid's).
+        norm_whole: True when q_norm / k_norm normalise the whole projection, not each head.
         norm_offset: 1 when those norms scale by (1 + weight) (zero-centred weights), else 0.
         rot: The rotated channels per head (0: no RoPE; partial rotary: < D).
         inv_freq: float64 `[rot / 2]` frequencies.
@@ -154,7 +159,7 @@ class AttentionDescription:
 
     __slots__ = ("q_proj", "k_proj", "v_proj", "o_proj", "heads", "kv_heads", "head_dim", "head_dim_v", "scale",
                  "window", "q_norm", "k_norm", "norm_offset", "rot", "inv_freq", "rope_f32", "rope_scale", "gate",
-                 "g_proj", "gate_act", "kv_chunk")
+                 "g_proj", "gate_act", "kv_chunk", "norm_whole")
 
     def __init__(self, **fields):
         for k in self.__slots__:
@@ -629,6 +634,7 @@ def finish_block_plan(p, desc: BlockDescription, addr, keep: list, wdt: torch.dt
     """The block's norms and FFN into plan p (addr: a tensor's address in the plan, kept in keep)."""
     up, down = desc.ffn_gate_up, desc.ffn_down
     p.n1w, p.n1eps = addr(desc.norm1.weight), float(desc.norm1.eps)
+    p.postnorm = int(desc.residual == "postnorm")
     if down is not None:
         p.n2w, p.n2eps = addr(desc.norm2.weight), float(desc.norm2.eps)
         _set_weight(p, "Wgu", up, wdt, addr)
@@ -690,9 +696,9 @@ def new_softmax_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         qw, kw = att.q_norm.weight, att.k_norm.weight
         if att.norm_offset:   # (1 + w) once into the plan; the guard sees the weights' versions
             qw, kw = (None if w is None else w.detach().to(cdt) + 1 for w in (qw, kw))
-        if float(att.q_norm.eps) != float(att.k_norm.eps):
-            return None
-        p.qk_norm, p.qk_eps, p.qnw, p.knw = 1, float(att.q_norm.eps), addr(qw), addr(kw)
+        if float(att.q_norm.eps) != float(att.k_norm.eps) or (att.norm_whole and gq):
+            return None   # (a whole-projection norm of q rows interleaved with the gate's: no model has one)
+        p.qk_norm, p.qk_eps, p.qnw, p.knw = 2 if att.norm_whole else 1, float(att.q_norm.eps), addr(qw), addr(kw)
     if att.rot:
         p.inv_freq = addr(att.inv_freq, torch.float64)
     _set_weight(p, "Wo", att.o_proj, wdt, addr)

@@ -33,7 +33,9 @@ LA_ABI_VERSION(decode, 5)
 
        h = x + o_proj(mixer(rmsnorm1(x))),   x_out = h + w_down(silu(a) * b), [a | b] = w_gate_up(rmsnorm2(h))
 
-   (no FFN: x_out = h). The mixer is the delta or linear step above on the fused projection y = W rmsnorm1(x) + Wb.
+   (no FFN: x_out = h); or post-norm (`postnorm`, OLMo-hybrid's attention blocks): the norms on the mixer's and the
+   FFN's outputs, h = x + rmsnorm1(o_proj(mixer(x))), x_out = h + rmsnorm2(w_down(silu(a) * b)), [a | b] =
+   w_gate_up(h). The mixer is the delta or linear step above on the fused projection y = W rmsnorm1(x) + Wb.
    Everything per layer that does not change from token to token is one plan (the struct below, built once in
    cpu/decode.py and checked against the parameters' versions there), so a token costs one call with 6
    buffers. The matrix-vector products read each weight row once, 4 rows at a time (memory-bound at batch 1). */
@@ -44,7 +46,8 @@ typedef struct {
     double l2eps, scale, eps, norm_eps, n1eps, n2eps;
     const void *n1w, *W, *Wb, *cw, *cb, *alpha, *neg_a, *dt_bias, *decay, *nw, *Wo, *n2w, *Wgu, *bgu, *Wd, *bd;
     /* softmax attention (kind 2; H query heads, kvh key/value heads of K / V, HV = H): q, k, v (and the gate's)
-       projections Wq.. in the weights' storage, per-head q/k RMSNorm weights qnw / knw (qk_norm), RoPE on the
+       projections Wq.. in the weights' storage, q/k RMSNorm weights qnw / knw (qk_norm 1: per head, [K]; 2: over
+       the whole projection, [H*K] / [kvh*K], before the heads are split, OLMo-hybrid's), RoPE on the
        first rot channels of each head (inv_freq [rot/2] doubles; rope_f32: angles and cos / sin in float, times
        rope_scale, as transformers; else in double, as layers/common.RotaryEmbedding), an output gate (att_gate 1:
        its own projection Wg, 2: the second half of each head's q_proj rows, Qwen3-Next's; gate_sig: sigmoid, else
@@ -78,6 +81,9 @@ typedef struct {
        kind 6, linear-space (decode_ela.h; ela_map 1 / 2 squared-Euclidean sum / sub, 3 magnitude-direction) */
     int32_t ela_map, pad4_;
     const void *log_decay;
+    /* the residual order: postnorm 0, pre-norm (above: n1w before the mixer, n2w before the FFN); 1, post-norm
+       (OLMo-hybrid's attention blocks): h = x + rmsnorm_n1(mixer(x)), x_out = h + rmsnorm_n2(ffn(h)) */
+    int32_t postnorm, pad5_;
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
 
@@ -435,7 +441,7 @@ static REAL FN(den_floor)(REAL dn, REAL e, int nonneg) {
 /* Delta-rule layers. y [B, ldy] = [q H*K | k H*K | v HV*V | b HV | a HV (gated) | gate HV*V (has_gate)]
    (q, k, v before the conv when KC > 0). kind 0: DeltaNet / Gated DeltaNet (q, k l2-normalised by l2conv),
    1: EFLA (q by "rsqrt" when q_l2, keys kept; exact coefficient). beta_mode 0 sigmoid, 1 adaptive (alpha),
-   2 loose. neg_a = -exp(A_log), dt_bias [HV] when gated. S_in [B, HV, K, V] or NULL -> S_out; out [B, HV*V].
+   2 loose, 3 doubled (2 sigmoid: negative eigenvalues allowed, OLMo-hybrid's). neg_a = -exp(A_log), dt_bias [HV] when gated. S_in [B, HV, K, V] or NULL -> S_out; out [B, HV*V].
    Returns 0, or 1 when out of memory. */
 int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, const REAL *y,
         int64_t ldy, int64_t KC, const REAL *w_in, const REAL *cw, const REAL *cb, int conv_act, REAL *w_out,
@@ -462,6 +468,7 @@ int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_
         REAL bt = yb[hv];
         REAL beta = beta_mode == 2 ? FN(softplus)(bt) : (REAL)1 / ((REAL)1 + MATH(exp)(-bt));
         if (beta_mode == 1) beta = FN(softplus)(alpha[hv]) * beta;
+        else if (beta_mode == 3) beta = beta * (REAL)2;
         double a = beta;
         if (kind == 1) {   /* EFLA: (1 - exp(-beta lam)) / lam, its series below x = 1e-3 (delta_core) */
             double x = a * lam;
@@ -675,6 +682,10 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
     const REAL scale = (REAL)p->scale;
     for (int64_t b = 0; b < B; ++b) {
         const int64_t pos = p->pos ? p->pos[b] : p->pos0, lo = p->lo ? p->lo[b] : p->lo0;
+        if (p->qk_norm == 2) {
+            FN(rmsnorm)(1, nq, q + b * nq, qnw, p->qk_eps, q + b * nq);
+            FN(rmsnorm)(1, nk, k + b * nk, knw, p->qk_eps, k + b * nk);
+        }
         for (int64_t i = 0; i < R / 2; ++i) {
             if (p->rope_f32) {
                 const float a = (float)pos * (float)inv[i];
@@ -686,12 +697,12 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
         }
         for (int64_t h = 0; h < H; ++h) {
             REAL *qh = q + b * nq + h * qw;
-            if (p->qk_norm) FN(rmsnorm)(1, D, qh, qnw, p->qk_eps, qh);
+            if (p->qk_norm == 1) FN(rmsnorm)(1, D, qh, qnw, p->qk_eps, qh);
             if (R) FN(rope_head)(qh, R, cs, sn);
         }
         for (int64_t j = 0; j < G; ++j) {
             REAL *kh = k + b * nk + j * D;
-            if (p->qk_norm) FN(rmsnorm)(1, D, kh, knw, p->qk_eps, kh);
+            if (p->qk_norm == 1) FN(rmsnorm)(1, D, kh, knw, p->qk_eps, kh);
             if (R) FN(rope_head)(kh, R, cs, sn);
             const int64_t ko = ((b * cap + row) * G + j) * D, vo = ((b * cap + row) * G + j) * Dv;
             for (int64_t i = 0; i < D; ++i) FN(kv_put)(kb, p->kc, ko + i, kh[i]);
@@ -740,6 +751,12 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
 #include "decode_log.h" /* kind 3: FN(decode_linear_log) */
 #include "decode_ela.h" /* kind 6: FN(decode_linear_ela) */
 
+/* a post-norm block's residual add: out = res + rmsnorm(y) (y [B, d] normed in place) */
+static void FN(postnorm_add)(int64_t B, int64_t d, const REAL *res, REAL *y, const REAL *w, double eps, REAL *out) {
+    FN(rmsnorm)(B, d, y, w, eps, y);
+    for (int64_t i = 0; i < B * d; ++i) out[i] = res[i] + y[i];
+}
+
 /* x [B, d] -> x_out [B, d]; the mixer's conv window w_in -> w_out and state S_in -> S_out (S_in, w_in NULL
    before the first token). Returns 0, or 1 when out of memory. */
 int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const REAL *w_in, const REAL *S_in,
@@ -751,7 +768,8 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
     REAL *y = xn + B * d, *o = y + B * ny, *h = o + B * no, *u = h + B * d, *g = u + 2 * B * hid;
     const REAL *cw = (const REAL *)p->cw, *cb = (const REAL *)p->cb, *nw = (const REAL *)p->nw;
     int rc;
-    FN(rmsnorm)(B, d, x, (const REAL *)p->n1w, p->n1eps, xn);
+    if (p->postnorm) memcpy(xn, x, sizeof(REAL) * (size_t)(B * d));   /* (the mixer reads x itself) */
+    else FN(rmsnorm)(B, d, x, (const REAL *)p->n1w, p->n1eps, xn);
     if (p->kind != 2) FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_W), p->sc_W, p->grp_W,
             B, ny, d, p->W, (const REAL *)p->Wb, xn, NULL, y, p->nthreads);
     if (p->kind == 2)
@@ -777,11 +795,12 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
     if (rc) { free(xn); return rc; }
     REAL *hout = p->has_ffn ? h : x_out;
     FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wo), p->sc_Wo, p->grp_Wo,
-            B, d, no, p->Wo, (const REAL *)p->bo, o, x, hout, p->nthreads);
+            B, d, no, p->Wo, (const REAL *)p->bo, o, p->postnorm ? NULL : x, p->postnorm ? xn : hout, p->nthreads);
+    if (p->postnorm) FN(postnorm_add)(B, d, x, xn, (const REAL *)p->n1w, p->n1eps, hout);
     if (p->has_ffn) {
-        FN(rmsnorm)(B, d, h, (const REAL *)p->n2w, p->n2eps, xn);
+        if (!p->postnorm) FN(rmsnorm)(B, d, h, (const REAL *)p->n2w, p->n2eps, xn);
         FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wgu), p->sc_Wgu, p->grp_Wgu,
-                B, 2 * hid, d, p->Wgu, (const REAL *)p->bgu, xn, NULL, u, p->nthreads);
+                B, 2 * hid, d, p->Wgu, (const REAL *)p->bgu, p->postnorm ? h : xn, NULL, u, p->nthreads);
         for (int64_t b = 0; b < B; ++b) {
             const REAL *restrict ua = u + b * 2 * hid, *restrict ub = ua + hid;
             REAL *restrict gb = g + b * hid;
@@ -789,7 +808,9 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
             for (int64_t j = 0; j < hid; ++j) gb[j] = FN(la_silu)(ua[j]) * ub[j];
         }
         FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wd), p->sc_Wd, p->grp_Wd,
-                B, d, hid, p->Wd, (const REAL *)p->bd, g, h, x_out, p->nthreads);
+                B, d, hid, p->Wd, (const REAL *)p->bd, g, p->postnorm ? NULL : h, p->postnorm ? xn : x_out,
+                p->nthreads);
+        if (p->postnorm) FN(postnorm_add)(B, d, h, xn, (const REAL *)p->n2w, p->n2eps, x_out);
     }
     free(xn);
     return 0;
