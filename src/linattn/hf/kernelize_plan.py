@@ -3,8 +3,7 @@
 `kernelize` serves the linear mixers of a transformers model with linattn's operators, but a decoded token still
 runs one transformers module at a time (most of it torch's one-row `nn.Linear`). For the models described here
 (`Qwen3_5ForCausalLM`, and `Qwen3NextForCausalLM` with dense feed-forwards: Gated DeltaNet and gated softmax
-attention, zero-centred RMSNorms, SwiGLU MLPs; Qwen3-Next with experts and OLMo-hybrid, whose attention blocks are
-post-norm, are not described), the
+attention, zero-centred RMSNorms, SwiGLU MLPs; Qwen3-Next with experts is not described), the
 model's `forward` is given a hook (`hook_model`, an instance attribute with the class forward's signature) that
 decodes one token per row as ONE compiled call (`cpu/csrc/decode.c`, `linattn_decode_model`), built by
 `models/decode_plan.py` from a description of transformers' own modules:
@@ -34,9 +33,10 @@ padding), position ids that are not the cache length, a cache that is not a `Dyn
 layer types or that records its past (speculative decoding), a hook on a described module, non-CPU or dtypes
 without a plan, `LINATTN_CPU_KERNELS=0`.
 
-Other architectures are described in their own modules (hf/kernelize_plan_kimi.py, hf/kernelize_plan_mamba2.py;
-what descriptions share: hf/kernelize_plan_parts.py); this module holds what every described model runs: the
-hooked forward, the plan slot and its guard, the batch switch, the cache checks and writes (`_ARCHITECTURES`).
+Other architectures are described in their own modules (hf/kernelize_plan_kimi.py, hf/kernelize_plan_mamba2.py,
+hf/kernelize_plan_olmo.py; what descriptions share: hf/kernelize_plan_parts.py); this module holds what every
+described model runs: the hooked forward, the plan slot and its guard, the batch switch, the cache checks and writes
+(`_ARCHITECTURES`).
 """
 from __future__ import annotations
 
@@ -499,7 +499,7 @@ def _hooked_forward(cls: type, arch):
 
 def hook_model(model: nn.Module) -> bool:
     """Gives a described model (`_ARCHITECTURES`: `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM` with dense
-    feed-forwards; Kimi Linear and Mamba2 through hf/kernelize_plan_kimi.py and hf/kernelize_plan_mamba2.py) the
+    feed-forwards; Kimi Linear, Mamba2 and OLMo-hybrid through their hf/kernelize_plan_<arch>.py modules) the
     decode hook: an instance `forward` (a method bound to the model, so a deep copy is bound to the copy) with the
     class forward's signature that decodes a cached one-token call through the compiled plan (`model_token`) and runs
     transformers' forward otherwise. Returns whether the model is hooked."""
