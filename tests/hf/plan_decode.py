@@ -1,6 +1,7 @@
 """What the tests of the kernelized whole-model plan share (tests/hf/test_kernelize_plan*.py): the (unpatched,
-kernelized) pair with weights moved off their init values, prompts, the logits tolerance, and the checks that read
-the same for every architecture that decodes through transformers' `generate`."""
+kernelized) pair with weights moved off their init values, prompts, the logits tolerance, the checks that read
+the same for every architecture that decodes through transformers' `generate`, and the token-by-token forward of
+those that cannot (no attention layer)."""
 import copy
 
 import torch
@@ -183,3 +184,41 @@ def check_torch_compile_steps_aside(fast, monkeypatch):
     assert calls.model == 1
     assert close(got, want)
     torch._dynamo.reset()
+
+
+# -- models without an attention layer (Kimi Linear, Bailing hybrid made of KDA layers): transformers' cache reports
+#    no sequence length, so `generate` cannot run them; they decode token by token through the forward with explicit
+#    position ids and the per-layer-type masks as a dict, which transformers' forward takes as they are
+
+#: the per-layer-type masks of an unpadded batch
+NO_MASK = {"full_attention": None, "linear_attention": None}
+
+
+def prefill(models, prompt):
+    """([last logits], [caches]) of each model after the prompt."""
+    pos = torch.arange(prompt.shape[1]).unsqueeze(0)
+    outs = [m(prompt, position_ids=pos, use_cache=True, attention_mask=NO_MASK) for m in models]
+    return [o.logits[:, -1:] for o in outs], [o.past_key_values for o in outs]
+
+
+def step(model, tok, cache, pos, **kw):
+    """The logits of one cached token at position pos."""
+    kw.setdefault("attention_mask", NO_MASK)
+    return model(tok, cache=cache, position_ids=torch.full((1, 1), pos), **kw).logits
+
+
+def prefilled(models, prompt):
+    """(the last model's greedy next token, the caches) after the prompt."""
+    logits, caches = prefill(models, prompt)
+    return logits[-1].argmax(-1), caches
+
+
+def decode(models, tok, caches, pos, n, check=None):
+    """n tokens decoded greedily (the last model's picks) from position pos, `check(logits)` at each; the last
+    token."""
+    for i in range(n):
+        lg = [step(m, tok, c, pos + i) for m, c in zip(models, caches)]
+        if check is not None:
+            check(lg)
+        tok = lg[-1].argmax(-1)
+    return tok

@@ -26,8 +26,6 @@ from tests.hf.kernelize_models import V, transformers_torch_code  # noqa: E402, 
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 
-#: the per-layer-type masks of an unpadded batch (transformers' forward takes a dict as it is)
-NO_MASK = {"full_attention": None, "linear_attention": None}
 KDA3 = ("linear_attention",) * 3
 
 
@@ -48,34 +46,6 @@ def _pair(dtype=torch.float32, tied=False, layers=KDA3, mlp=None, hooked=True):
                              moved=("norm", "A_log", "dt_bias"), scaled=("q_proj", "k_proj"))
 
 
-def _prefill(models, prompt):
-    pos = torch.arange(prompt.shape[1]).unsqueeze(0)
-    outs = [m(prompt, position_ids=pos, use_cache=True, attention_mask=NO_MASK) for m in models]
-    return [o.logits[:, -1:] for o in outs], [o.past_key_values for o in outs]
-
-
-def _step(model, tok, cache, pos, **kw):
-    kw.setdefault("attention_mask", NO_MASK)
-    return model(tok, cache=cache, position_ids=torch.full((1, 1), pos), **kw).logits
-
-
-def _prefilled(models, prompt):
-    """(the unpatched model's greedy next token, the caches) after the prompt."""
-    logits, caches = _prefill(models, prompt)
-    return logits[-1].argmax(-1), caches
-
-
-def _decode(models, tok, caches, pos, n, check=None):
-    """n tokens decoded greedily (the unpatched model's picks) from position pos, `check(logits)` at each; the last
-    token."""
-    for i in range(n):
-        lg = [_step(m, tok, c, pos + i) for m, c in zip(models, caches)]
-        if check is not None:
-            check(lg)
-        tok = lg[-1].argmax(-1)
-    return tok
-
-
 @pytest.mark.parametrize("B,T,n,tied", [(1, 1, 12, False), (3, 9, 40, False), (2, 5, 8, True)])
 def test_greedy_decode_matches_the_unpatched_model(B, T, n, tied, monkeypatch):
     """Greedy tokens identical, every step's logits within 1e-5 (relative to their scale), one compiled call per
@@ -85,11 +55,11 @@ def test_greedy_decode_matches_the_unpatched_model(B, T, n, tied, monkeypatch):
     prompt = pd.prompt(B, T)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
-        (lg, lw), caches = _prefill((fast, ref), prompt)
+        (lg, lw), caches = pd.prefill((fast, ref), prompt)
         toks = [lg.argmax(-1), lw.argmax(-1)]
         for i in range(n):
             assert torch.equal(toks[0], toks[1]), i
-            lg, lw = (_step(m, t, c, T + i) for m, t, c in zip((fast, ref), toks, caches))
+            lg, lw = (pd.step(m, t, c, T + i) for m, t, c in zip((fast, ref), toks, caches))
             assert pd.close(lg, lw), i
             toks = [lg.argmax(-1), lw.argmax(-1)]
     assert calls.model == n
@@ -101,8 +71,8 @@ def test_cache_objects_hold_transformers_values(monkeypatch):
     prompt = pd.prompt(2, 6)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
-        tok, caches = _prefilled((fast, ref), prompt)
-        _decode((fast, ref), tok, caches, 6, 5)
+        tok, caches = pd.prefilled((fast, ref), prompt)
+        pd.decode((fast, ref), tok, caches, 6, 5)
     assert calls.model == 5
     got, want = caches
     assert len(got.layers) == len(want.layers) == 3
@@ -121,7 +91,7 @@ def test_sampling_with_a_seed(monkeypatch):
     calls = CompiledDecodeCalls(monkeypatch)
     seqs = []
     with torch.no_grad():
-        logits, caches = _prefill((fast, ref), prompt)
+        logits, caches = pd.prefill((fast, ref), prompt)
         for m, lg, c in zip((fast, ref), logits, caches):
             gen, out = torch.Generator().manual_seed(7), []
             for i in range(10):
@@ -129,7 +99,7 @@ def test_sampling_with_a_seed(monkeypatch):
                 pick = torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)
                 tok = top.indices.gather(-1, pick)
                 out.append(tok)
-                lg = _step(m, tok, c, 4 + i)
+                lg = pd.step(m, tok, c, 4 + i)
             seqs.append(torch.cat(out, 1))
     assert calls.model == 10
     assert torch.equal(seqs[0], seqs[1])
@@ -143,20 +113,20 @@ def test_cache_copied_and_advanced_by_transformers_between_calls(monkeypatch):
     prompt = pd.prompt(2, 6)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
-        tok, caches = _prefilled((fast, ref), prompt)
+        tok, caches = pd.prefilled((fast, ref), prompt)
         for step in range(8):
             pos = 6 + step
             if step == 3:
                 copies = [copy.deepcopy(c) for c in caches]
                 snap = caches[0].layers[1].recurrent_states[0].clone()
-                lc = [_step(m, tok, c, pos) for m, c in zip((fast, ref), copies)]
+                lc = [pd.step(m, tok, c, pos) for m, c in zip((fast, ref), copies)]
                 assert pd.close(lc[0], lc[1])
                 assert torch.equal(caches[0].layers[1].recurrent_states[0], snap)
             if step in (4, 5):
                 monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
             else:
                 monkeypatch.delenv("LINATTN_CPU_KERNELS", raising=False)
-            lg = [_step(m, tok, c, pos) for m, c in zip((fast, ref), caches)]
+            lg = [pd.step(m, tok, c, pos) for m, c in zip((fast, ref), caches)]
             assert pd.close(lg[0], lg[1]), step
             tok = lg[1].argmax(-1)
     assert calls.model == 8 - 2 + 1
@@ -174,14 +144,14 @@ def test_in_place_update_of_a_copied_weight_rebuilds(name, monkeypatch):
     prompt = pd.prompt(2, 5)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
-        tok, caches = _prefilled((fast, ref), prompt)
+        tok, caches = pd.prefilled((fast, ref), prompt)
         for m, c in zip((fast, ref), caches):
-            _step(m, tok, c, 5)
+            pd.step(m, tok, c, 5)
         guard = fast._linattn_model_plan.guard
         for m in (fast, ref):
             m.get_parameter(name).add_(0.5)
         assert guard.valid() is name.endswith("norm.weight")   # (fp32 norm weights: read in place)
-        lg = [_step(m, tok, c, 6) for m, c in zip((fast, ref), caches)]
+        lg = [pd.step(m, tok, c, 6) for m, c in zip((fast, ref), caches)]
     assert calls.model == 2
     assert pd.close(lg[0], lg[1])
 
@@ -197,7 +167,7 @@ def test_bf16_decodes_through_the_plan(monkeypatch):
         assert pd.close(lg[0].float(), lg[1].float(), 0.05)
 
     with torch.no_grad():
-        _decode((fast, ref), *_prefilled((fast, ref), prompt), 5, 4, check)
+        pd.decode((fast, ref), *pd.prefilled((fast, ref), prompt), 5, 4, check)
     assert calls.model == 4
 
 
@@ -208,23 +178,23 @@ def test_what_the_plan_does_not_compute_steps_aside(monkeypatch):
     prompt = pd.prompt(2, 4)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
-        tok, caches = _prefilled((fast, ref), prompt)
+        tok, caches = pd.prefilled((fast, ref), prompt)
         pad = {"full_attention": None, "linear_attention": torch.tensor([[1], [0]])}
-        lg = [_step(m, tok, c, 4, attention_mask=pad) for m, c in zip((fast, ref), caches)]
+        lg = [pd.step(m, tok, c, 4, attention_mask=pad) for m, c in zip((fast, ref), caches)]
         assert calls.model == 0 and pd.close(lg[0], lg[1])
         for m, c in zip((fast, ref), caches):
             with pytest.raises(ValueError, match="get_seq_length"):
-                m(tok, cache=c, attention_mask=NO_MASK)
+                m(tok, cache=c, attention_mask=pd.NO_MASK)
         seen = []
         handle = fast.model.layers[1].self_attn.o_norm.register_forward_hook(lambda *a: seen.append(1))
-        lg = [_step(m, tok, c, 5) for m, c in zip((fast, ref), caches)]
+        lg = [pd.step(m, tok, c, 5) for m, c in zip((fast, ref), caches)]
         assert calls.model == 0 and len(seen) == 1 and pd.close(lg[0], lg[1])
         handle.remove()
     with torch.enable_grad():
-        lg = [_step(m, tok, c, 6) for m, c in zip((fast, ref), caches)]
+        lg = [pd.step(m, tok, c, 6) for m, c in zip((fast, ref), caches)]
     assert calls.model == 0 and pd.close(lg[0].detach(), lg[1].detach())
     with torch.no_grad():
-        lg = [_step(m, tok, c, 7) for m, c in zip((fast, ref), caches)]
+        lg = [pd.step(m, tok, c, 7) for m, c in zip((fast, ref), caches)]
     assert calls.model == 1 and pd.close(lg[0], lg[1])
 
 

@@ -34,9 +34,9 @@ layer types or that records its past (speculative decoding), a hook on a describ
 without a plan, `LINATTN_CPU_KERNELS=0`.
 
 Other architectures are described in their own modules (hf/kernelize_plan_kimi.py, hf/kernelize_plan_mamba2.py,
-hf/kernelize_plan_olmo.py; what descriptions share: hf/kernelize_plan_parts.py); this module holds what every
-described model runs: the hooked forward, the plan slot and its guard, the batch switch, the cache checks and writes
-(`_ARCHITECTURES`).
+hf/kernelize_plan_olmo.py, hf/kernelize_plan_bailing.py; what descriptions share: hf/kernelize_plan_parts.py); this
+module holds what every described model runs: the hooked forward, the plan slot and its guard, the batch switch, the
+cache checks and writes (`_ARCHITECTURES`).
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ from ..layers import fast_decode as _fast
 from ..layers.cache import KVCache
 from ..models import decode_plan as _dp
 from . import (
+    kernelize_plan_bailing as _bailing,  # (Bailing hybrid's: its own module)
     kernelize_plan_kimi as _kimi,  # (Kimi Linear's description: its own module)
     kernelize_plan_mamba2 as _mamba2,  # (Mamba2's: its own module)
     kernelize_plan_olmo as _olmo,  # (OLMo-hybrid's: its own module)
@@ -220,7 +221,7 @@ _QWEN = types.SimpleNamespace(
 #: B, d, wdt)` (a BlockPlan or None), `state_spec(part)` (`decode_plan.state_layout`'s), `call_usable(cache, B, L,
 #: attention_mask, position_ids)` (L the softmax layers' length or None), `output_class()`, `TRANSPOSED_STATES`
 #: (transformers keeps a state `[.., P, N]` of the plan's `[.., N, P + 1]`), `FP32_LOGITS`.
-_ARCHITECTURES = {name: a for a in (_QWEN, _kimi, _mamba2, _olmo) for name in a.MODELS}
+_ARCHITECTURES = {name: a for a in (_QWEN, _kimi, _mamba2, _olmo, _bailing) for name in a.MODELS}
 
 
 class _Slot:
@@ -499,10 +500,10 @@ def _hooked_forward(cls: type, arch):
 
 def hook_model(model: nn.Module) -> bool:
     """Gives a described model (`_ARCHITECTURES`: `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM` with dense
-    feed-forwards; Kimi Linear, Mamba2 and OLMo-hybrid through their hf/kernelize_plan_<arch>.py modules) the
-    decode hook: an instance `forward` (a method bound to the model, so a deep copy is bound to the copy) with the
-    class forward's signature that decodes a cached one-token call through the compiled plan (`model_token`) and runs
-    transformers' forward otherwise. Returns whether the model is hooked."""
+    feed-forwards; Kimi Linear, Mamba2, OLMo-hybrid and Bailing hybrid through their hf/kernelize_plan_<arch>.py
+    modules) the decode hook: an instance `forward` (a method bound to the model, so a deep copy is bound to the
+    copy) with the class forward's signature that decodes a cached one-token call through the compiled plan
+    (`model_token`) and runs transformers' forward otherwise. Returns whether the model is hooked."""
     arch = _ARCHITECTURES.get(type(model).__name__)
     if arch is None:
         return False

@@ -45,7 +45,6 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from ..cpu import decode as _cpu_decode
 from ..models import decode_plan as _dp
 from . import kernelize_plan_parts as _parts
 
@@ -138,25 +137,9 @@ def undescribed_reason(model: nn.Module) -> Optional[str]:
 
 def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
     """The plan's KDA block (kind 4) for a transformers KDA layer: y = [q | k | v | b | f1 | g1]."""
-    layer, cdt, keep = k.layer, _dp.compute_dtype(wdt), []
-    m, fg = layer._modules, layer.forget_gate
-    addr = _dp.plan_addresser(keep, cdt)
-    H, K = k.H, k.K
-    p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=K, V=K, d=d, ny=k.W.shape[0], KC=k.KC,
-                              hid=bd.ffn_down.in_features, kind=4, conv_act=1, scale=K ** -0.5,
-                              nthreads=max(1, torch.get_num_threads()), has_ffn=1, wbf16=int(wdt == torch.bfloat16),
-                              rank_f=K, rank_g=K, gate_sig=1, l2eps=1e-6, l2conv=0)
-    p.W = addr(k.W, wdt)
-    conv = m["conv1d"].weight
-    p.cw = addr(conv.view(conv.shape[0], -1))
-    p.Wf = addr(fg._modules["f_b_proj"].weight, wdt)
-    p.Wg2 = addr(m["g_b_proj"].weight, wdt)
-    p.neg_a = addr(-torch.exp(fg.A_log.detach().to(cdt)).reshape(H))
-    p.dt_bias = addr(fg.dt_bias)
-    norm = m["o_norm"]
-    p.has_norm, p.nw, p.norm_eps, p.has_gate = 1, addr(norm.weight), float(norm.variance_epsilon), 1
-    p.Wo = addr(m["o_proj"].weight, wdt)
-    return _dp.finish_block_plan(p, bd, addr, keep, wdt)
+    m, fg = k.layer._modules, k.layer.forget_gate
+    return _parts.kda_plan(k.H, k.K, k.KC, k.W, m["conv1d"], fg.A_log, fg.dt_bias, m["o_norm"], m["o_proj"], bd, B,
+                           d, wdt, Wf=fg._modules["f_b_proj"].weight, Wg2=m["g_b_proj"].weight)
 
 
 def _call_usable(cache, B: int, L, attention_mask, position_ids) -> bool:

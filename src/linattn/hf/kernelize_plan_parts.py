@@ -115,6 +115,38 @@ def gdn_plan(layer, W: torch.Tensor, norm: nn.Module, out_proj: nn.Module, bd: _
     return _dp.finish_block_plan(p, bd, addr, keep, wdt)
 
 
+def kda_plan(H: int, K: int, KC: int, W: torch.Tensor, conv: nn.Module, A_log: torch.Tensor, dt_bias: torch.Tensor,
+             norm: nn.Module, out_proj: nn.Module, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype, *,
+             Wf: Optional[torch.Tensor] = None, Wg2: Optional[torch.Tensor] = None, gate_lb: Optional[float] = None):
+    """The plan's KDA block (kind 4, csrc/decode_kda.h) for a transformers KDA layer of H heads of K (Kimi Linear's,
+    Bailing hybrid's): W its first products fused by rows, `[q | k | v | b | f | gate]` where f and the gate are the
+    low-rank first stages when `Wf` / `Wg2` (their second stages `[H K, rank]`) are given, else the full-rank
+    gates; conv its depthwise `nn.Conv1d` (SiLU); beta = sigmoid(b); the decay `-exp(A_log)` softplus(f + dt_bias),
+    or `gate_lb` sigmoid(exp(A_log) (f + dt_bias)) (the lower-bounded "safe" gate); norm its per-head RMSNorm
+    (`weight`, `variance_epsilon`) times sigmoid(gate); q / k L2-normalised as transformers' (`x * rsqrt(sum x^2 +
+    1e-6)`), scale `K ** -0.5`."""
+    cdt, keep = _dp.compute_dtype(wdt), []
+    addr = _dp.plan_addresser(keep, cdt)
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=K, V=K, d=d, ny=W.shape[0], KC=KC, hid=bd.ffn_down.in_features,
+                              kind=4, conv_act=1, scale=K ** -0.5, nthreads=max(1, torch.get_num_threads()),
+                              has_ffn=1, wbf16=int(wdt == torch.bfloat16),
+                              rank_f=0 if Wf is None else Wf.shape[1], rank_g=0 if Wg2 is None else Wg2.shape[1],
+                              gate_sig=1, l2eps=1e-6, l2conv=0)
+    p.W = addr(W, wdt)
+    p.cw = addr(conv.weight.view(conv.weight.shape[0], -1))
+    if Wf is not None:
+        p.Wf = addr(Wf, wdt)
+    if Wg2 is not None:
+        p.Wg2 = addr(Wg2, wdt)
+    if gate_lb is not None:
+        p.gate_lb_on, p.gate_lb = 1, float(gate_lb)
+    p.neg_a = addr(-torch.exp(A_log.detach().to(cdt)).reshape(H))
+    p.dt_bias = addr(dt_bias)
+    p.has_norm, p.nw, p.norm_eps, p.has_gate = 1, addr(norm.weight), float(norm.variance_epsilon), 1
+    p.Wo = addr(out_proj.weight, wdt)
+    return _dp.finish_block_plan(p, bd, addr, keep, wdt)
+
+
 def cached_call_usable(cache, B: int, L: Optional[int], attention_mask, position_ids) -> bool:
     """A description's `call_usable` for a model whose forward takes the position from the cache (transformers'
     `cache.get_seq_length()`, L when the model has softmax layers): no left padding, position ids (if given) at the

@@ -3,10 +3,10 @@
    helpers: conv, delta_prepare_qk, delta_write_read, weight_product).
 
    y [B, ny] = W rmsnorm1(x) + Wb = [q H*K | k H*K | v HV*V | b HV | f1 rank_f | gate: HV*V, or g1 rank_g]
-   (q, k, v before the short convolution). Per token, as the layer's general path (DeltaNet._mix with KDA's
-   log_gate, then AttentionBase._out):
+   (q, k, v before the short convolution; rank_f 0: a full-rank gate, f1 is f itself, HV*K wide, Bailing's). Per
+   token, as the layer's general path (DeltaNet._mix with KDA's log_gate, then AttentionBase._out):
 
-       f = Wf f1 + dt_bias                                  [HV, K]
+       f = Wf f1 + dt_bias    (full rank: f1 + dt_bias)     [HV, K]
        g = neg_a softplus(f), or gate_lb sigmoid(-neg_a f)  (neg_a = -exp(A_log) per value head)
        S = diag(exp(g)) S;  S += a k (v / d - k^T S)^T      (q, k l2-normalised, the key-norm rescaling d, a =
                                                              sigmoid(b) d^2, as the delta kind 0)
@@ -18,7 +18,7 @@ static int FN(kda_mix)(const linattn_block_plan *p, const REAL *y, const REAL *w
                        REAL *w_out, REAL *S_out, REAL *out) {
     const int64_t B = p->B, H = p->H, HV = p->HV, K = p->K, V = p->V, ny = p->ny, G = HV / H;
     const int64_t C = 2 * H * K + HV * V, rf = p->rank_f, rg = p->rank_g;
-    const int64_t off_b = C, off_f = C + HV, off_g = off_f + rf;
+    const int64_t off_b = C, off_f = C + HV, off_g = off_f + (rf ? rf : HV * K);
     /* work: u (q | k | v prepared) [B, C], the gate's inputs and outputs, then d2 / lam per (b, h) */
     const int64_t nwork = B * (C + rf + HV * K + rg + (rg ? HV * V : 0));
     REAL *u = (REAL *)malloc(sizeof(REAL) * (size_t)(nwork + 1));
@@ -28,12 +28,13 @@ static int FN(kda_mix)(const linattn_block_plan *p, const REAL *y, const REAL *w
     if (p->KC > 0) FN(conv)(B, C, p->KC, y, ny, w_in, (const REAL *)p->cw, (const REAL *)p->cb, p->conv_act, w_out, u);
     else for (int64_t b = 0; b < B; ++b) memcpy(u + b * C, y + b * ny, sizeof(REAL) * (size_t)C);
     FN(delta_prepare_qk)(B, H, K, C, u, 0, p->l2conv, 0, p->l2eps, p->scale, dd);
-    /* the low-rank second stages read contiguous rows */
+    /* the low-rank second stages read contiguous rows (a full-rank gate: f's rows as they are) */
     for (int64_t b = 0; b < B; ++b) {
-        memcpy(xf + b * rf, y + b * ny + off_f, sizeof(REAL) * (size_t)rf);
+        if (rf) memcpy(xf + b * rf, y + b * ny + off_f, sizeof(REAL) * (size_t)rf);
+        else memcpy(f + b * HV * K, y + b * ny + off_f, sizeof(REAL) * (size_t)(HV * K));
         if (rg) memcpy(xg + b * rg, y + b * ny + off_g, sizeof(REAL) * (size_t)rg);
     }
-    FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wf), p->sc_Wf, p->grp_Wf,
+    if (rf) FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wf), p->sc_Wf, p->grp_Wf,
             B, HV * K, rf, p->Wf, NULL, xf, NULL, f, p->nthreads);
     if (rg) FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wg2), p->sc_Wg2, p->grp_Wg2,
             B, HV * V, rg, p->Wg2, (const REAL *)p->bg2, xg, NULL, gg, p->nthreads);

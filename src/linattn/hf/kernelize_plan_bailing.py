@@ -1,0 +1,145 @@
+"""A kernelized transformers Bailing hybrid decoded through the compiled decode plan: one call per token for the model.
+
+`BailingHybridForCausalLM`'s blocks are pre-norm (`input_layernorm`, `post_attention_layernorm`, plain RMSNorm
+weights). Its KDA layers (`BailingHybridDeltaAttention`) map onto the plan's KDA block (kind 4,
+`cpu/csrc/decode_kda.h`) with FULL-RANK gates, made once when the plan is built:
+
+* `q_proj | k_proj | v_proj | b_proj | forget_gate.f_proj | g_proj` fused into the plan's one first product
+  `[q | k | v | b | f | gate]` (the forget gate `[H K, d]` and the output gate `[H K, d]` full rank: the block's
+  `rank_f` / `rank_g` 0);
+* `conv1d` (depthwise over q | k | v, SiLU) as the plan's short convolution;
+* the forget gate per key channel: `kda_lower_bound * sigmoid(exp(A_log) (f + dt_bias))` with `kda_safe_gate` (the
+  plan's lower-bounded gate), else `-exp(A_log) softplus(f + dt_bias)`;
+* beta = sigmoid(b), q / k L2-normalised as transformers' (`x * rsqrt(sum x^2 + 1e-6)`), scale `head_dim ** -0.5`;
+* `o_norm` (per-head RMSNorm times sigmoid of the gate), `o_proj`; the MLP's `gate_proj | up_proj` concatenated
+  once.
+
+What the plan does not compute makes the whole model step aside (every cached token then runs transformers'
+forward, as kernelize serves it; `undescribed_reason` says why):
+
+* an attention layer (`BailingHybridAttention`, every released checkpoint has them): multi-head latent attention,
+  its keys and values expanded from the RMS-normalised latent `kv_a_layernorm(kv_a_proj_with_mqa(x))` with an
+  interleaved RoPE on a shared key part and a head-wise sigmoid gate; the softmax block (keys a projection of x)
+  does not compute it, a latent-attention block kind is needed;
+* an MoE feed-forward (`BailingHybridMoE`: routed experts, not a plan block);
+* another activation, conv bias, biases, modules that are not exactly transformers'.
+
+So the plan serves Bailing hybrids made of KDA layers and dense MLPs only. As for Kimi Linear
+(hf/kernelize_plan_kimi.py, whose call checks and output class this module takes), transformers' cache of such a
+model reports no sequence length, so its `generate` fails before and after kernelize; its forward runs given
+explicit `position_ids` and the per-layer-type masks as a dict, and so does the hook. The cache objects stay valid
+after every token (each layer's recurrent state a view of the step's buffer, its conv state shifted and copied).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+
+from ..models import decode_plan as _dp
+from . import kernelize_plan_kimi as _kimi, kernelize_plan_parts as _parts
+
+__all__ = ["MODELS", "describe_model", "undescribed_reason"]
+
+#: the transformers classes this module describes
+MODELS = ("BailingHybridForCausalLM",)
+
+
+class _KDA:
+    """A transformers `BailingHybridDeltaAttention` as the plan's KDA block reads it: the fused first product W."""
+
+    __slots__ = ("layer", "H", "K", "KC", "W")
+
+    def __init__(self, layer):
+        self.layer, self.H, self.K, self.KC = layer, layer.num_heads, layer.head_dim, layer.conv_kernel_size
+        m = layer._modules
+        self.W = torch.cat([w.weight.detach() for w in (m["q_proj"], m["k_proj"], m["v_proj"], m["b_proj"],
+                                                         layer.forget_gate.f_proj, m["g_proj"])])
+
+
+def _kda_reason(layer, d: int, wdt) -> Optional[str]:
+    """Why the plan's KDA block does not compute this layer, or None."""
+    if type(layer).__name__ != "BailingHybridDeltaAttention":
+        return f"an attention layer of type {type(layer).__name__} (MLA: no latent-attention block kind)"
+    m = layer._modules
+    fg = m.get("forget_gate")
+    H, K, KC = layer.num_heads, layer.head_dim, layer.conv_kernel_size
+    HK = H * K
+    if type(fg).__name__ != "BailingHybridForgetGate" or fg.num_heads != H or fg.head_dim != K:
+        return "a forget gate that is not transformers' BailingHybridForgetGate of the layer's heads"
+    shapes = {"q_proj": (HK, d), "k_proj": (HK, d), "v_proj": (HK, d), "b_proj": (H, d), "g_proj": (HK, d),
+              "o_proj": (d, HK)}
+    if not all(_parts.plain_linear(m.get(n), s, wdt) for n, s in shapes.items()) or not _parts.plain_linear(
+            fg._modules.get("f_proj"), (HK, d), wdt):
+        return "projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
+    conv, norm = m.get("conv1d"), m.get("o_norm")
+    if (type(conv) is not nn.Conv1d or conv.bias is not None or conv.weight.shape != (3 * HK, 1, KC)
+            or conv.groups != 3 * HK or layer.activation not in ("silu", "swish")):
+        return "a short convolution that is not a bias-free depthwise SiLU nn.Conv1d"
+    if (type(norm).__name__ != "BailingHybridRMSNormGated" or getattr(norm, "activation", None) != "sigmoid"
+            or norm.weight.shape != (K,)):
+        return "an output norm that is not a per-head RMSNorm with a sigmoid gate"
+    if fg.A_log.numel() != H or fg.dt_bias.shape != (HK,):
+        return "A_log / dt_bias of unexpected shapes"
+    return None
+
+
+def _describe(model: nn.Module) -> Union[tuple, str]:
+    """(ModelDescription, per-layer `_KDA`) or the reason the plan does not compute the model."""
+    got = _parts.base_and_embedding(model, MODELS, "model", "embed_tokens")
+    if isinstance(got, str):
+        return got
+    base, embed, wdt = got
+    d = embed.weight.shape[1]
+    blocks, kdas = [], []
+    for i, layer in enumerate(base.layers[:model.config.num_hidden_layers]):   # (the rest: multi-token prediction)
+        mixer = layer.self_attn
+        why = _kda_reason(mixer, d, wdt)
+        ffn = _parts.swiglu_ffn(layer.mlp, "BailingHybridMLP", d, wdt)
+        if why is None and isinstance(ffn, str):
+            why = ffn
+        norms = [layer._modules.get(n) for n in ("input_layernorm", "post_attention_layernorm")]
+        if why is None and any(type(n).__name__ != "BailingHybridRMSNorm" or n.weight.dtype != wdt for n in norms):
+            why = "block norms that are not transformers' BailingHybridRMSNorm"
+        if why is not None:
+            return f"layer {i}: {why}"
+        n1, n2 = (_parts.norm(n.weight, n.variance_epsilon) for n in norms)
+        blocks.append(_dp.BlockDescription(mixer, "kda", n1, n2, "swiglu", ffn[0], ffn[1]))
+        kdas.append(_KDA(mixer))
+    desc = _parts.model_description(model, embed, blocks, base.norm, "BailingHybridRMSNorm", wdt)
+    if isinstance(desc, str):
+        return desc
+    return desc, kdas
+
+
+def describe_model(model: nn.Module):
+    """(ModelDescription, per-layer KDA description) of a transformers Bailing hybrid, or None where the plan does
+    not compute some part of it (`undescribed_reason` says which)."""
+    return _parts.description(_describe(model))
+
+
+def undescribed_reason(model: nn.Module) -> Optional[str]:
+    """Why a Bailing hybrid does not decode through the compiled plan (an MLA layer, an MoE feed-forward, ...), or
+    None when it does."""
+    return _parts.reason(_describe(model))
+
+
+def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
+    """The plan's KDA block (kind 4) with full-rank gates: y = [q | k | v | b | f | gate]."""
+    m, fg = k.layer._modules, k.layer.forget_gate
+    return _parts.kda_plan(k.H, k.K, k.KC, k.W, m["conv1d"], fg.A_log, fg.dt_bias, m["o_norm"], m["o_proj"], bd, B,
+                           d, wdt, gate_lb=fg.lower_bound if fg.safe_gate else None)
+
+
+# -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol): Kimi
+#    Linear's but for the blocks ---------------------------------------------------------------------------------
+FAST_KWARGS, TRANSPOSED_STATES, FP32_LOGITS = _parts.CAUSAL_LM_KWARGS, False, False
+describe, block_plan, call_usable, output_class = _describe, _kda_plan, _kimi.call_usable, _kimi.output_class
+base = operator.attrgetter("model")
+hookable = _parts.hookable(_describe)   # (False with an MLA layer or an MoE feed-forward: `undescribed_reason`)
+
+
+def state_spec(k: _KDA) -> tuple:
+    return ("delta", k.H, k.K, k.K, k.KC, (k.H * k.K,) * 3)
