@@ -57,6 +57,25 @@ def check_greedy_generate(ref, fast, B, T, n, monkeypatch):
     assert close(torch.stack(got.logits), torch.stack(want.logits))
 
 
+def check_cache_values(ref, fast, monkeypatch, state_dtype=True):
+    """After compiled tokens through `generate` the cache holds what transformers' own decode leaves: recurrent and
+    conv states, keys and values, the sequence length (`state_dtype` False: the recurrent states' dtypes may differ,
+    transformers' own GDN code keeping fp32 states in an fp64 model)."""
+    ids = prompt(2, 6)
+    calls = CompiledDecodeCalls(monkeypatch)
+    got, want = (generate(m, ids, 5).past_key_values for m in (fast, ref))
+    assert calls.model == 4
+    assert got.get_seq_length() == want.get_seq_length() == 10
+    for lg, lw in zip(got.layers, want.layers):
+        if hasattr(lg, "recurrent_states"):
+            torch.testing.assert_close(lg.recurrent_states[0], lw.recurrent_states[0], rtol=1e-5, atol=1e-6,
+                                       check_dtype=state_dtype)
+            torch.testing.assert_close(lg.conv_states[0], lw.conv_states[0], rtol=1e-5, atol=1e-6)
+        else:
+            torch.testing.assert_close(lg.keys, lw.keys, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(lg.values, lw.values, rtol=1e-5, atol=1e-6)
+
+
 def check_sampling_with_a_seed(ref, fast, monkeypatch):
     ids = prompt(2, 4)
     calls = CompiledDecodeCalls(monkeypatch)
@@ -222,3 +241,108 @@ def decode(models, tok, caches, pos, n, check=None):
             check(lg)
         tok = lg[-1].argmax(-1)
     return tok
+
+
+def check_forward_greedy(ref, fast, B, T, n, monkeypatch):
+    """Token by token through the forward: greedy tokens identical, every step's logits within 1e-5 (relative to
+    their scale), one compiled call per decoded token (the prompt is transformers' prefill)."""
+    ids = prompt(B, T)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        (lg, lw), caches = prefill((fast, ref), ids)
+        toks = [lg.argmax(-1), lw.argmax(-1)]
+        for i in range(n):
+            assert torch.equal(toks[0], toks[1]), i
+            lg, lw = (step(m, t, c, T + i) for m, t, c in zip((fast, ref), toks, caches))
+            assert close(lg, lw), i
+            toks = [lg.argmax(-1), lw.argmax(-1)]
+    assert calls.model == n
+
+
+def check_forward_cache_values(ref, fast, n_layers, monkeypatch):
+    """After compiled tokens through the forward the cache holds what transformers' own decode leaves: recurrent and
+    conv states of every layer."""
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        tok, caches = prefilled((fast, ref), prompt(2, 6))
+        decode((fast, ref), tok, caches, 6, 5)
+    assert calls.model == 5
+    got, want = caches
+    assert len(got.layers) == len(want.layers) == n_layers
+    for lg, lw in zip(got.layers, want.layers):
+        assert lg.recurrent_states[0].dtype == lw.recurrent_states[0].dtype
+        torch.testing.assert_close(lg.recurrent_states[0], lw.recurrent_states[0], rtol=1e-5, atol=1e-6)
+        assert lg.conv_states[0].shape == lw.conv_states[0].shape
+        torch.testing.assert_close(lg.conv_states[0], lw.conv_states[0], rtol=1e-5, atol=1e-6)
+
+
+def check_forward_cache_copied_and_advanced(ref, fast, monkeypatch):
+    """Through the forward: a deep copy of the cache decoded on its own (the original unchanged); tokens decoded by
+    transformers' own code (LINATTN_CPU_KERNELS=0) between compiled ones, and compiled ones after them: the unpatched
+    model's logits throughout."""
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        tok, caches = prefilled((fast, ref), prompt(2, 6))
+        for i in range(8):
+            pos = 6 + i
+            if i == 3:
+                copies = [copy.deepcopy(c) for c in caches]
+                snap = caches[0].layers[1].recurrent_states[0].clone()
+                lc = [step(m, tok, c, pos) for m, c in zip((fast, ref), copies)]
+                assert close(lc[0], lc[1])
+                assert torch.equal(caches[0].layers[1].recurrent_states[0], snap)
+            if i in (4, 5):
+                monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+            else:
+                monkeypatch.delenv("LINATTN_CPU_KERNELS", raising=False)
+            lg = [step(m, tok, c, pos) for m, c in zip((fast, ref), caches)]
+            assert close(lg[0], lg[1]), i
+            tok = lg[1].argmax(-1)
+    assert calls.model == 8 - 2 + 1
+
+
+def check_forward_in_place_update(ref, fast, name, copied, monkeypatch):
+    """Through the forward, parameter `name` updated in place between tokens: the plan's guard fails exactly when
+    the plan `copied` it, and the next token reads the new value."""
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        tok, caches = prefilled((fast, ref), prompt(2, 5))
+        for m, c in zip((fast, ref), caches):
+            step(m, tok, c, 5)
+        guard = fast._linattn_model_plan.guard
+        for m in (fast, ref):
+            m.get_parameter(name).add_(0.5)
+        assert guard.valid() is not copied
+        lg = [step(m, tok, c, 6) for m, c in zip((fast, ref), caches)]
+    assert calls.model == 2
+    assert close(lg[0], lg[1])
+
+
+def check_forward_bf16(ref, fast, monkeypatch):
+    """Through the forward, bf16 weights computed in fp32: bf16 logits within bf16's rounding of the unpatched
+    model's (which rounds every activation to bf16)."""
+    calls = CompiledDecodeCalls(monkeypatch)
+
+    def check(lg):
+        assert lg[0].dtype == torch.bfloat16
+        assert close(lg[0].float(), lg[1].float(), 0.05)
+
+    with torch.no_grad():
+        decode((fast, ref), *prefilled((fast, ref), prompt(2, 5)), 5, 4, check)
+    assert calls.model == 4
+
+
+def check_not_described(ref, fast, reason, why, describe, generates, monkeypatch):
+    """A model the plan does not describe (`reason(fast)` contains `why`, `describe(fast)` None) is not hooked: its
+    forward stays the class's, and where `generate` runs (`generates`: a model with an attention layer, whose cache
+    reports a length) it gives the unpatched model's tokens and logits with no compiled call."""
+    assert why in reason(fast)
+    assert "forward" not in fast.__dict__ and describe(fast) is None
+    if not generates:
+        return
+    ids = prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    got, want = (generate(m, ids, 6) for m in (fast, ref))
+    assert calls.model == 0
+    assert torch.equal(got.sequences, want.sequences)
+    assert close(torch.stack(got.logits), torch.stack(want.logits))

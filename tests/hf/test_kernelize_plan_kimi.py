@@ -7,7 +7,6 @@ it copied is updated in place; MLA layers and MoE feed-forwards step aside (the 
 A Kimi Linear model without an attention layer cannot be decoded by transformers' `generate` (its cache reports no
 sequence length): the KDA-only models here decode token by token through the model's forward with explicit
 `position_ids` and the per-layer-type masks as a dict, which transformers' forward takes as they are."""
-import copy
 import inspect
 
 import pytest
@@ -48,39 +47,15 @@ def _pair(dtype=torch.float32, tied=False, layers=KDA3, mlp=None, hooked=True):
 
 @pytest.mark.parametrize("B,T,n,tied", [(1, 1, 12, False), (3, 9, 40, False), (2, 5, 8, True)])
 def test_greedy_decode_matches_the_unpatched_model(B, T, n, tied, monkeypatch):
-    """Greedy tokens identical, every step's logits within 1e-5 (relative to their scale), one compiled call per
-    decoded token (the prompt is transformers' prefill)."""
     ref, fast = _pair(tied=tied)
     assert inspect.signature(fast.forward) == inspect.signature(ref.forward)
-    prompt = pd.prompt(B, T)
-    calls = CompiledDecodeCalls(monkeypatch)
-    with torch.no_grad():
-        (lg, lw), caches = pd.prefill((fast, ref), prompt)
-        toks = [lg.argmax(-1), lw.argmax(-1)]
-        for i in range(n):
-            assert torch.equal(toks[0], toks[1]), i
-            lg, lw = (pd.step(m, t, c, T + i) for m, t, c in zip((fast, ref), toks, caches))
-            assert pd.close(lg, lw), i
-            toks = [lg.argmax(-1), lw.argmax(-1)]
-    assert calls.model == n
+    pd.check_forward_greedy(ref, fast, B, T, n, monkeypatch)
 
 
 def test_cache_objects_hold_transformers_values(monkeypatch):
-    """After compiled tokens the cache holds what transformers' own decode leaves: recurrent and conv states."""
+    """After compiled tokens the cache holds what transformers' own decode leaves (fp32 states, as transformers')."""
     ref, fast = _pair()
-    prompt = pd.prompt(2, 6)
-    calls = CompiledDecodeCalls(monkeypatch)
-    with torch.no_grad():
-        tok, caches = pd.prefilled((fast, ref), prompt)
-        pd.decode((fast, ref), tok, caches, 6, 5)
-    assert calls.model == 5
-    got, want = caches
-    assert len(got.layers) == len(want.layers) == 3
-    for lg, lw in zip(got.layers, want.layers):
-        assert lg.recurrent_states[0].dtype == lw.recurrent_states[0].dtype == torch.float32
-        torch.testing.assert_close(lg.recurrent_states[0], lw.recurrent_states[0], rtol=1e-5, atol=1e-6)
-        assert lg.conv_states[0].shape == lw.conv_states[0].shape
-        torch.testing.assert_close(lg.conv_states[0], lw.conv_states[0], rtol=1e-5, atol=1e-6)
+    pd.check_forward_cache_values(ref, fast, 3, monkeypatch)
 
 
 def test_sampling_with_a_seed(monkeypatch):
@@ -106,30 +81,7 @@ def test_sampling_with_a_seed(monkeypatch):
 
 
 def test_cache_copied_and_advanced_by_transformers_between_calls(monkeypatch):
-    """A deep copy of the cache decoded on its own (the original unchanged); tokens decoded by transformers' own code
-    (LINATTN_CPU_KERNELS=0) between compiled ones, and compiled ones continuing after them: the unpatched model's
-    logits throughout."""
-    ref, fast = _pair()
-    prompt = pd.prompt(2, 6)
-    calls = CompiledDecodeCalls(monkeypatch)
-    with torch.no_grad():
-        tok, caches = pd.prefilled((fast, ref), prompt)
-        for step in range(8):
-            pos = 6 + step
-            if step == 3:
-                copies = [copy.deepcopy(c) for c in caches]
-                snap = caches[0].layers[1].recurrent_states[0].clone()
-                lc = [pd.step(m, tok, c, pos) for m, c in zip((fast, ref), copies)]
-                assert pd.close(lc[0], lc[1])
-                assert torch.equal(caches[0].layers[1].recurrent_states[0], snap)
-            if step in (4, 5):
-                monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
-            else:
-                monkeypatch.delenv("LINATTN_CPU_KERNELS", raising=False)
-            lg = [pd.step(m, tok, c, pos) for m, c in zip((fast, ref), caches)]
-            assert pd.close(lg[0], lg[1]), step
-            tok = lg[1].argmax(-1)
-    assert calls.model == 8 - 2 + 1
+    pd.check_forward_cache_copied_and_advanced(*_pair(), monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["model.layers.0.input_layernorm.weight", "model.layers.1.mlp.up_proj.weight",
@@ -139,36 +91,14 @@ def test_cache_copied_and_advanced_by_transformers_between_calls(monkeypatch):
                                   "model.layers.1.self_attn.g_a_proj.weight", "model.norm.weight"])
 def test_in_place_update_of_a_copied_weight_rebuilds(name, monkeypatch):
     """The plan copies gate | up, the fused first product and -exp(A_log): a weight updated in place between tokens
-    invalidates it, and the next token reads the new value (weights read in place too: the norms)."""
-    ref, fast = _pair()
-    prompt = pd.prompt(2, 5)
-    calls = CompiledDecodeCalls(monkeypatch)
-    with torch.no_grad():
-        tok, caches = pd.prefilled((fast, ref), prompt)
-        for m, c in zip((fast, ref), caches):
-            pd.step(m, tok, c, 5)
-        guard = fast._linattn_model_plan.guard
-        for m in (fast, ref):
-            m.get_parameter(name).add_(0.5)
-        assert guard.valid() is name.endswith("norm.weight")   # (fp32 norm weights: read in place)
-        lg = [pd.step(m, tok, c, 6) for m, c in zip((fast, ref), caches)]
-    assert calls.model == 2
-    assert pd.close(lg[0], lg[1])
+    invalidates it, and the next token reads the new value (weights read in place too: the fp32 norms)."""
+    pd.check_forward_in_place_update(*_pair(), name, not name.endswith("norm.weight"), monkeypatch)
 
 
 def test_bf16_decodes_through_the_plan(monkeypatch):
     """bf16 weights: the plan reads them as stored and computes in fp32; the logits stay within bf16's rounding
     of the unpatched model's (which rounds every activation to bf16)."""
-    ref, fast = _pair(torch.bfloat16)
-    prompt = pd.prompt(2, 5)
-    calls = CompiledDecodeCalls(monkeypatch)
-    def check(lg):
-        assert lg[0].dtype == torch.bfloat16
-        assert pd.close(lg[0].float(), lg[1].float(), 0.05)
-
-    with torch.no_grad():
-        pd.decode((fast, ref), *pd.prefilled((fast, ref), prompt), 5, 4, check)
-    assert calls.model == 4
+    pd.check_forward_bf16(*_pair(torch.bfloat16), monkeypatch)
 
 
 def test_what_the_plan_does_not_compute_steps_aside(monkeypatch):
@@ -207,16 +137,8 @@ def test_mla_layers_and_moe_feed_forwards_step_aside(layers, mlp, why, monkeypat
     is given, the forward stays the class's, and `generate` (which these models can run: with an MLA layer the cache
     reports its length) gives the unpatched model's tokens and logits with no compiled call."""
     ref, fast = _pair(layers=layers, mlp=mlp, hooked=False)
-    assert why in undescribed_reason(fast)
-    assert "forward" not in fast.__dict__ and describe_model(fast) is None
-    if "full_attention" not in layers:
-        return
-    prompt = pd.prompt(2, 5)
-    calls = CompiledDecodeCalls(monkeypatch)
-    got, want = (pd.generate(m, prompt, 6) for m in (fast, ref))
-    assert calls.model == 0
-    assert torch.equal(got.sequences, want.sequences)
-    assert pd.close(torch.stack(got.logits), torch.stack(want.logits))
+    pd.check_not_described(ref, fast, undescribed_reason, why, describe_model, "full_attention" in layers,
+                           monkeypatch)
 
 
 def test_a_kda_only_model_is_described():

@@ -92,21 +92,7 @@ def test_cache_objects_hold_transformers_values(monkeypatch):
     """After compiled tokens the cache holds what transformers' own decode leaves: recurrent and conv states, keys
     and values, the sequence length (fp64: transformers' own GDN code keeps its recurrent states in fp32, the
     kernelized model in the model's dtype)."""
-    ref, fast = _pair(torch.float64)
-    prompt = pd.prompt(2, 6)
-    calls = CompiledDecodeCalls(monkeypatch)
-    caches = [pd.generate(m, prompt, 5).past_key_values for m in (fast, ref)]
-    assert calls.model == 4
-    got, want = caches
-    assert got.get_seq_length() == want.get_seq_length() == 10
-    for lg, lw in zip(got.layers, want.layers):
-        if hasattr(lg, "recurrent_states"):
-            torch.testing.assert_close(lg.recurrent_states[0], lw.recurrent_states[0], rtol=1e-5, atol=1e-6,
-                                       check_dtype=False)
-            torch.testing.assert_close(lg.conv_states[0], lw.conv_states[0], rtol=1e-5, atol=1e-6)
-        else:
-            torch.testing.assert_close(lg.keys, lw.keys, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(lg.values, lw.values, rtol=1e-5, atol=1e-6)
+    pd.check_cache_values(*_pair(torch.float64), monkeypatch, state_dtype=False)
 
 
 def test_sampling_with_a_seed(monkeypatch):

@@ -88,30 +88,7 @@ def _kda_reason(layer, d: int, wdt) -> Optional[str]:
 
 def _describe(model: nn.Module) -> Union[tuple, str]:
     """(ModelDescription, per-layer `_KDA`) or the reason the plan does not compute the model."""
-    got = _parts.base_and_embedding(model, MODELS, "model", "embed_tokens")
-    if isinstance(got, str):
-        return got
-    base, embed, wdt = got
-    d = embed.weight.shape[1]
-    blocks, kdas = [], []
-    for i, layer in enumerate(base.layers[:model.config.num_hidden_layers]):   # (the rest: multi-token prediction)
-        mixer = layer.self_attn
-        why = _kda_reason(mixer, d, wdt)
-        ffn = _parts.swiglu_ffn(layer.mlp, "BailingHybridMLP", d, wdt)
-        if why is None and isinstance(ffn, str):
-            why = ffn
-        norms = [layer._modules.get(n) for n in ("input_layernorm", "post_attention_layernorm")]
-        if why is None and any(type(n).__name__ != "BailingHybridRMSNorm" or n.weight.dtype != wdt for n in norms):
-            why = "block norms that are not transformers' BailingHybridRMSNorm"
-        if why is not None:
-            return f"layer {i}: {why}"
-        n1, n2 = (_parts.norm(n.weight, n.variance_epsilon) for n in norms)
-        blocks.append(_dp.BlockDescription(mixer, "kda", n1, n2, "swiglu", ffn[0], ffn[1]))
-        kdas.append(_KDA(mixer))
-    desc = _parts.model_description(model, embed, blocks, base.norm, "BailingHybridRMSNorm", wdt)
-    if isinstance(desc, str):
-        return desc
-    return desc, kdas
+    return _parts.describe_kda_model(model, MODELS, _kda_reason, _KDA, "BailingHybridMLP", "BailingHybridRMSNorm")
 
 
 def describe_model(model: nn.Module):

@@ -441,7 +441,8 @@ static REAL FN(den_floor)(REAL dn, REAL e, int nonneg) {
 /* Delta-rule layers. y [B, ldy] = [q H*K | k H*K | v HV*V | b HV | a HV (gated) | gate HV*V (has_gate)]
    (q, k, v before the conv when KC > 0). kind 0: DeltaNet / Gated DeltaNet (q, k l2-normalised by l2conv),
    1: EFLA (q by "rsqrt" when q_l2, keys kept; exact coefficient). beta_mode 0 sigmoid, 1 adaptive (alpha),
-   2 loose, 3 doubled (2 sigmoid: negative eigenvalues allowed, OLMo-hybrid's). neg_a = -exp(A_log), dt_bias [HV] when gated. S_in [B, HV, K, V] or NULL -> S_out; out [B, HV*V].
+   2 loose, 3 doubled (2 sigmoid: negative eigenvalues allowed, OLMo-hybrid's). neg_a = -exp(A_log), dt_bias [HV]
+   when gated. S_in [B, HV, K, V] or NULL -> S_out; out [B, HV*V].
    Returns 0, or 1 when out of memory. */
 int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, const REAL *y,
         int64_t ldy, int64_t KC, const REAL *w_in, const REAL *cw, const REAL *cb, int conv_act, REAL *w_out,
