@@ -33,6 +33,7 @@ Padding (`attention_mask` with zeros, left padding for batched generation) never
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -49,6 +50,7 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
     LinearAttentionCacheLayerMixin,
 )
+from transformers.loss.loss_utils import ForCausalLMLoss, ForSequenceClassificationLoss
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
@@ -201,18 +203,11 @@ class _RollbackLayer:
             DynamicLayer.crop(self, tokens_to_remove)
 
 
-_ROLLBACK_CLASSES: Dict[type, type] = {}
-
-
+@functools.cache
 def _rollback_class(cls: type) -> type:
-    if getattr(cls, "_linattn_rollback", False):
-        return cls
-    if cls not in _ROLLBACK_CLASSES:
-        _ROLLBACK_CLASSES[cls] = type(f"Linattn{cls.__name__}", (cls,), {
-            "_linattn_rollback": True, "is_croppable": property(_RollbackLayer.is_croppable),
-            "update_conv_state": _RollbackLayer.update_conv_state, "crop": _RollbackLayer.crop,
-            "__module__": __name__})
-    return _ROLLBACK_CLASSES[cls]
+    return type(f"Linattn{cls.__name__}", (cls,), {
+        "_linattn_rollback": True, "is_croppable": property(_RollbackLayer.is_croppable),
+        "update_conv_state": _RollbackLayer.update_conv_state, "crop": _RollbackLayer.crop, "__module__": __name__})
 
 
 # the dicts of a transformers linear-attention cache layer that hold its state (slot index -> tensor or flag)
@@ -360,6 +355,10 @@ def _scatter(parts: List[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+#: recomputing a block in the backward pass when transformers gave no function of its own
+_RECOMPUTE = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+
 def _keep(x: torch.Tensor, keep) -> torch.Tensor:
     if isinstance(keep, int):
         return x if keep == 0 else x[:, -keep:]
@@ -405,7 +404,7 @@ class LinattnPreTrainedModel(PreTrainedModel):
         """transformers' activation_checkpointing_enable / disable (and the deprecated gradient_* names):
         blocks are recomputed in the backward pass through `gradient_checkpointing_func` (transformers'
         `checkpoint` with its kwargs), every `every_n_layers`-th block."""
-        func = gradient_checkpointing_func or partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        func = gradient_checkpointing_func or _RECOMPUTE
         if int(every_n_layers) < 1:
             raise LinattnError(f"every_n_layers must be >= 1, got {every_n_layers}")
         for m in self.modules():
@@ -421,9 +420,7 @@ class LinattnPreTrainedModel(PreTrainedModel):
         on = bool(self.gradient_checkpointing or getattr(self._stack(), "activation_checkpointing", False))
         if not (on and self.training and cache is None and torch.is_grad_enabled()):
             return None, 1
-        func = getattr(self, "_gradient_checkpointing_func", None) or partial(torch.utils.checkpoint.checkpoint,
-                                                                              use_reentrant=False)
-        return func, getattr(self, "_checkpoint_every", 1)
+        return getattr(self, "_gradient_checkpointing_func", None) or _RECOMPUTE, getattr(self, "_checkpoint_every", 1)
 
     # -- vocabulary -------------------------------------------------------------------------------
     def _sync_vocab_size(self) -> None:
@@ -457,7 +454,7 @@ class LinattnPreTrainedModel(PreTrainedModel):
 
     # -- the forward pass shared by every head -----------------------------------------------------
     def _language_model(self) -> LanguageModel:
-        raise NotImplementedError
+        return self._stack()   # LinattnModel: an unregistered LanguageModel over its own blocks
 
     def _run_blocks(self, x: torch.Tensor, cache: Optional[Cache], cu_seqlens: Optional[torch.Tensor],
                     hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
@@ -571,14 +568,13 @@ class LinattnPreTrainedModel(PreTrainedModel):
             x = self._run_padded(x, mask, hidden)
         else:
             x = self._run_blocks(x, None, None, hidden)
-        norm = stack.norm
-        if hidden is not None:   # transformers' convention: the last hidden state is after the final norm
-            x = norm(x) if norm is not None else x
+        # the norm on the kept positions only (decoding needs one), unless the hidden states are returned: their last
+        # one is after the final norm (transformers' convention)
+        x = _keep(x, keep) if hidden is None else x
+        x = stack.norm(x) if stack.norm is not None else x
+        if hidden is not None:
             hidden.append(x)
             x = _keep(x, keep)
-        else:   # the norm on the kept positions only (decoding needs one)
-            x = _keep(x, keep)
-            x = norm(x) if norm is not None else x
         return x, (tuple(hidden) if hidden is not None else None), mask, (past_key_values if use_cache else None)
 
 
@@ -672,9 +668,6 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _stack(self):
-        return self.model
-
-    def _language_model(self) -> LanguageModel:
         return self.model
 
     # -- conversions ----------------------------------------------------------------------------
@@ -776,14 +769,8 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         labels = labels.to(logits.device).long()
         if labels.shape != logits.shape[:2]:
             raise LinattnError(f"labels must be [batch, seq] = {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
-        if mask is not None:
-            labels = labels.masked_fill(~mask, -100)
-        shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
-        shift_labels = labels[:, 1:].reshape(-1)
-        if num_items is None:
-            return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
-        total = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
-        return total / (num_items.to(total.device) if isinstance(num_items, torch.Tensor) else num_items)
+        labels = labels.masked_fill(~mask, -100) if mask is not None else labels
+        return ForCausalLMLoss(logits, labels, logits.shape[-1], num_items_in_batch=num_items)
 
 
 class LinattnForSequenceClassification(LinattnPreTrainedModel):
@@ -846,15 +833,13 @@ class LinattnForSequenceClassification(LinattnPreTrainedModel):
                           output_attentions=output_attentions, cache=cache, return_dict=True)
         h = base.last_hidden_state
         B, T = h.shape[:2]
-        positions = torch.arange(T, device=h.device)
+        real = None
         if attention_mask is not None:
             real = attention_mask[:, -T:].to(h.device).bool()
-            last = (positions * real).argmax(-1)
         elif input_ids is not None and getattr(self.config, "pad_token_id", None) is not None:
             real = input_ids.to(h.device) != self.config.pad_token_id
-            last = (positions * real).argmax(-1)
-        else:
-            last = torch.full((B,), T - 1, device=h.device, dtype=torch.long)
+        last = (torch.arange(T, device=h.device) * real).argmax(-1) if real is not None else \
+            torch.full((B,), T - 1, device=h.device, dtype=torch.long)
         logits = self.score(h)[torch.arange(B, device=h.device), last]
         loss = self._loss(logits, labels) if labels is not None else None
         out = SequenceClassifierOutputWithPast(loss=loss, logits=logits, hidden_states=base.hidden_states,
@@ -863,25 +848,14 @@ class LinattnForSequenceClassification(LinattnPreTrainedModel):
         return out if return_dict is not False else out.to_tuple()
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        labels = labels.to(logits.device)
-        if self.config.problem_type is None:
-            if self.num_labels == 1:
-                self.config.problem_type = "regression"
-            elif labels.dtype in (torch.long, torch.int):
-                self.config.problem_type = "single_label_classification"
-            else:
-                self.config.problem_type = "multi_label_classification"
-        kind, logits = self.config.problem_type, logits.float()
-        if kind == "regression":
-            if self.num_labels == 1:
-                return F.mse_loss(logits.squeeze(-1), labels.float().reshape(-1))
-            return F.mse_loss(logits, labels.float())
-        if kind == "single_label_classification":
-            return F.cross_entropy(logits.reshape(-1, self.num_labels), labels.long().reshape(-1))
-        if kind == "multi_label_classification":
-            return F.binary_cross_entropy_with_logits(logits, labels.float())
-        raise ConfigError(f"config.problem_type must be 'regression', 'single_label_classification' or "
-                          f"'multi_label_classification', got {kind!r}")
+        kind = self.config.problem_type
+        if kind not in (None, "regression", "single_label_classification", "multi_label_classification"):
+            raise ConfigError(f"config.problem_type must be 'regression', 'single_label_classification' or "
+                              f"'multi_label_classification', got {kind!r}")
+        # the targets in the loss's dtype (transformers' losses take them as they come): class ids or floats
+        single = kind == "single_label_classification" or (kind is None and self.num_labels > 1
+                                                            and labels.dtype in (torch.long, torch.int))
+        return ForSequenceClassificationLoss(labels.long() if single else labels.float(), logits.float(), self.config)
 
 
 #: the cache_implementation values generate() accepts (module docstring of LinattnForCausalLM)
