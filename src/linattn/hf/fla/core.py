@@ -183,12 +183,20 @@ def convert_attention(cfg: Dict[str, Any], layer_idx: int, p: LayerParams, *, nu
     if kv != num_heads:
         kwargs["n_kv_heads"] = kv
     state = {f"{n}_proj.weight": p[f"{n}_proj.weight"] for n in "qkvo"}
+    biases_and_qk_norm(p, kwargs, state, qkv_bias, qk_norm)
+    return MixerConversion(ATTENTION_MIXER, kwargs, state)
+
+
+def biases_and_qk_norm(p: LayerParams, kwargs: Dict[str, Any], state: Dict[str, Tensor], qkv_bias: bool,
+                       qk_norm: bool, **norm_kwargs) -> None:
+    """fla's optional q/k/v projection biases and q/k norm weights (attention, FoX, DeltaFormer), into the layer's
+    kwargs (`norm_kwargs`: the norm's form) and state."""
     if qkv_bias:
+        kwargs["qkv_bias"] = True
         state.update({f"{n}_proj.bias": p[f"{n}_proj.bias"] for n in "qkv"})
     if qk_norm:
-        kwargs["qk_norm"] = True
+        kwargs.update(qk_norm=True, **norm_kwargs)
         state["q_norm.weight"], state["k_norm.weight"] = p["q_norm.weight"], p["k_norm.weight"]
-    return MixerConversion(ATTENTION_MIXER, kwargs, state)
 
 
 def _hybrid_attention(cfg: Dict[str, Any], spec: Dict[str, Any], layer_idx: int, p: LayerParams) -> MixerConversion:
@@ -449,4 +457,4 @@ def _fla_tokenizer(folder: Path, vocab_size: int, explicit: Optional[PathLike]):
 
 __all__ = ["MixerConversion", "FlaLayout", "LayerParams", "register_fla", "supported_types", "is_fla_folder",
            "import_fla", "fla_to_linattn", "read_fla_weights", "convert_attention", "attention_specs", "cfg_get",
-           "require", "refuse_non_float", "ATTENTION_MIXER"]
+           "require", "refuse_non_float", "biases_and_qk_norm", "ATTENTION_MIXER"]
