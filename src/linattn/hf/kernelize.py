@@ -158,8 +158,7 @@ def _act_rest(y: torch.Tensor, activation) -> torch.Tensor:
 
 def conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
     """causal_conv1d_fn: x [B, C, T] -> [B, C, T], documents kept apart with cu_seq_lens_q."""
-    B, C, T = hidden_states.shape
-    cu = _cu_seqlens(kwargs, T, hidden_states.device)
+    cu = _cu_seqlens(kwargs, hidden_states.shape[-1], hidden_states.device)
     conv = _BorrowedConv(weight, bias, activation)
     x = hidden_states.to(weight.dtype).transpose(1, 2)
     y, _ = conv(x, None, cu)
@@ -168,7 +167,6 @@ def conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
 
 def conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):
     """causal_conv1d_update: the decode step; conv_state [B, C, W] is updated in place (transformers' layout)."""
-    B, C, T = hidden_states.shape
     conv = _BorrowedConv(weight, bias, activation)
     W = weight.shape[-1]
     # linattn's ShortConv continues from the last W - 1 inputs (transformers' conv_state may hold more)
@@ -307,7 +305,6 @@ def mamba2_state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None,
                         **kwargs):
     """selective_state_update: one decoded token; state [B, H, P, N] is updated in place."""
     cd = compute_dtype(hidden_states.dtype)
-    Bn, H, P = hidden_states.shape
     dt = _per_head(dt, 2, "dt").to(cd)                                       # [B, H]
     if dt_bias is not None:
         dt = dt + _per_head(dt_bias, 1, "dt_bias").to(cd)
@@ -812,7 +809,6 @@ def _set_attn(model: nn.Module) -> None:
             cfg._attn_implementation = ATTN_IMPLEMENTATION
         except Exception:  # pragma: no cover - a config that refuses the attribute keeps its own attention
             pass
-        for sub in ("text_config",):
-            sc = getattr(cfg, sub, None)
-            if sc is not None and hasattr(sc, "_attn_implementation"):
-                sc._attn_implementation = ATTN_IMPLEMENTATION
+        text = getattr(cfg, "text_config", None)
+        if text is not None and hasattr(text, "_attn_implementation"):
+            text._attn_implementation = ATTN_IMPLEMENTATION

@@ -88,9 +88,7 @@ def _slots(layer) -> Dict[Tuple[str, str], Any]:
     """{(module, field): (structure, leaf slots)} of a transformers cache layer (kept on the layer): where the
     leaves of one LayerCache field (`flatten_state`) live, each ("conv" | "rec", slot index) or ("ints", slot
     index, tuple / list) for a per-row int tuple, kept as an int64 tensor [B] (so that beam search reorders it)."""
-    if not hasattr(layer, "_linattn_slots"):
-        layer._linattn_slots = {}
-    return layer._linattn_slots
+    return layer.__dict__.setdefault("_linattn_slots", {})
 
 
 def _put_tensor(layer, kind: str, idx: int, t: torch.Tensor) -> None:

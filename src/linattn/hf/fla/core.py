@@ -38,7 +38,7 @@ from ...errors import CheckpointError
 from ...models.config import LMConfig
 from ...models.family import config_to_dict
 from ...models.lm import LanguageModel
-from ..import_target import check_out, write_import
+from ..import_target import write_import
 
 Tensor = torch.Tensor
 PathLike = Union[str, os.PathLike]
@@ -427,7 +427,6 @@ def import_fla(folder: PathLike, out: PathLike, *, overwrite: bool = False, step
     if cfg.get("model_type") not in _CONVERTERS:
         raise CheckpointError(f"unsupported fla model_type {cfg.get('model_type')!r} in {folder / 'config.json'}; "
                               f"the fla import supports: {', '.join(supported_types())}")
-    check_out(folder, out, overwrite)
 
     def write(run: Path) -> Path:
         config, state = fla_to_linattn(cfg, read_fla_weights(folder))
