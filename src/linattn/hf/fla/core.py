@@ -262,13 +262,6 @@ def refuse_non_float(name: str, dtype: Any, folder: Path) -> None:
                               f"point; weights must be float tensors (fp64 ... fp8)")
 
 
-def _take(weights: Dict[str, Tensor], used: set, name: str) -> Tensor:
-    if name not in weights:
-        raise CheckpointError(f"the fla weights lack the tensor {name!r}")
-    used.add(name)
-    return weights[name]
-
-
 def _mlp_hidden(cfg: Dict[str, Any]) -> int:
     """fla's GatedMLP width: intermediate_size, else 2/3 hidden_ratio (default 4) hidden_size rounded up to 256."""
     if cfg.get("intermediate_size") is not None:
@@ -315,7 +308,7 @@ def fla_to_linattn(cfg: Dict[str, Any], weights: Dict[str, Tensor]) -> Tuple[LMC
     require(cfg.get("attnres_block_size") is None, cfg, "attention residuals (attnres_block_size)")
     require(cfg_get(cfg, "hidden_act", "swish") in ("swish", "silu") or layout.mlp is None, cfg,
             f"hidden_act {cfg.get('hidden_act')!r} (only swish)")
-    used: set = set()
+    every = LayerParams("", weights)   # every tensor of the folder, by full name; what is read is marked used
     state: Dict[str, Tensor] = {}
     mixers: List[str] = []
     mixer_kwargs: Dict[str, Dict[str, Any]] = {}
@@ -324,7 +317,7 @@ def fla_to_linattn(cfg: Dict[str, Any], weights: Dict[str, Tensor]) -> Tuple[LMC
         bad = p.unused()
         if bad:
             raise CheckpointError(f"fla type {model_type!r}: the import does not use the tensors {bad} of layer {i}")
-        used.update(p.prefix + k for k in p)
+        every.used.update(p.prefix + k for k in p)
         if conv.mixer in mixer_kwargs and not _same(mixer_kwargs[conv.mixer], conv.kwargs):
             raise CheckpointError(f"fla type {model_type!r}: layer {i} needs mixer {conv.mixer!r} with "
                                   f"{conv.kwargs}, an earlier layer with {mixer_kwargs[conv.mixer]}; linattn "
@@ -339,26 +332,25 @@ def fla_to_linattn(cfg: Dict[str, Any], weights: Dict[str, Tensor]) -> Tuple[LMC
         for k, v in conv.state.items():
             state[f"blocks.{i}.mixer.{k}"] = v
         lp = layout.layer.format(i=i)
-        state[f"blocks.{i}.norm1.weight"] = _take(weights, used, lp + layout.attn_norm)
+        state[f"blocks.{i}.norm1.weight"] = every[lp + layout.attn_norm]
         if layout.mlp is not None:
-            gate = _take(weights, used, lp + layout.mlp + "gate_proj.weight")
-            up = _take(weights, used, lp + layout.mlp + "up_proj.weight")
-            state[f"blocks.{i}.ffn.w_gate_up.weight"] = torch.cat([gate, up], dim=0)
-            state[f"blocks.{i}.ffn.w_down.weight"] = _take(weights, used, lp + layout.mlp + "down_proj.weight")
-            state[f"blocks.{i}.norm2.weight"] = _take(weights, used, lp + layout.mlp_norm)
+            mlp = lp + layout.mlp
+            state[f"blocks.{i}.ffn.w_gate_up.weight"] = torch.cat([every[mlp + "gate_proj.weight"],
+                                                                   every[mlp + "up_proj.weight"]], dim=0)
+            state[f"blocks.{i}.ffn.w_down.weight"] = every[mlp + "down_proj.weight"]
+            state[f"blocks.{i}.norm2.weight"] = every[lp + layout.mlp_norm]
     if layout.extra is not None:
-        state.update(layout.extra(cfg, lambda name: _take(weights, used, name)))
-    state["embed.weight"] = _take(weights, used, layout.embed)
-    state["norm.weight"] = _take(weights, used, layout.final_norm)
+        state.update(layout.extra(cfg, every.__getitem__))
+    state["embed.weight"] = every[layout.embed]
+    state["norm.weight"] = every[layout.final_norm]
     tied = bool(cfg_get(cfg, "tie_word_embeddings", False))
     if not tied:
-        state["lm_head.weight"] = _take(weights, used, layout.head)
+        state["lm_head.weight"] = every[layout.head]
     elif layout.head in weights:   # a tied head saved anyway: the embedding's copy
-        used.add(layout.head)
-        if not torch.equal(weights[layout.head], state["embed.weight"]):
+        if not torch.equal(every[layout.head], state["embed.weight"]):
             raise CheckpointError(f"config.json ties the embeddings, but {layout.head!r} differs from "
                                   f"{layout.embed!r}")
-    left = sorted(set(weights) - used)
+    left = every.unused()
     if left:
         raise CheckpointError(f"fla type {model_type!r}: the import does not use the tensors {left[:12]}"
                               + (f" (and {len(left) - 12} more)" if len(left) > 12 else ""))
