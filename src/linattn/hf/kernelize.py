@@ -683,7 +683,6 @@ def _packing_post_hook(module: nn.Module, args: tuple, kwargs: dict, output):
     stash = base.__dict__.get("_linattn_stash")
     if stash:
         stash.pop(threading.get_ident(), None)
-    return None
 
 
 def _hook_packing(top: nn.Module) -> None:

@@ -163,15 +163,16 @@ class _RollbackLayer:
     as transformers does (docs/states.md). The layer objects change class in place, so the class is the
     transformers class plus these functions (a mixin base would change the object layout)."""
 
+    _linattn_rollback = True
+
     @staticmethod
     def _base(layer) -> type:
         return type(layer).__bases__[0]
 
+    @property
     def is_croppable(self) -> bool:
-        if getattr(self, "record_past", False):
-            return True
         attr = _RollbackLayer._base(self).is_croppable   # the transformers class's own answer
-        return attr.__get__(self) if isinstance(attr, property) else bool(attr)
+        return getattr(self, "record_past", False) or (attr.__get__(self) if isinstance(attr, property) else bool(attr))
 
     def update_conv_state(self, conv_states, state_idx: int = 0, **kwargs):
         # our conv slots hold exactly linattn's window: recording keeps copies instead of growing the window
@@ -203,9 +204,8 @@ class _RollbackLayer:
 
 @functools.cache
 def _rollback_class(cls: type) -> type:
-    return type(f"Linattn{cls.__name__}", (cls,), {
-        "_linattn_rollback": True, "is_croppable": property(_RollbackLayer.is_croppable),
-        "update_conv_state": _RollbackLayer.update_conv_state, "crop": _RollbackLayer.crop, "__module__": __name__})
+    own = {k: v for k, v in vars(_RollbackLayer).items() if not k.startswith("__")}
+    return type(f"Linattn{cls.__name__}", (cls,), {**own, "__module__": __name__})
 
 
 # the dicts of a transformers linear-attention cache layer that hold its state (slot index -> tensor or flag)
