@@ -466,22 +466,17 @@ class LinattnPreTrainedModel(PreTrainedModel):
         """A padded batch without a cache: the real positions of all rows packed in one row with cu_seqlens
         (one call), or row by row if a mixer cannot pack; zeros at padding (also in `hidden`)."""
         rows = _real_rows(x, mask)
-        lens = [r.shape[0] for r in rows]
         if all(getattr(b, "mixer_packs", False) for b in self._stack().blocks):
-            cu = torch.tensor([0] + lens, device=x.device).cumsum(0)
-            sub: Optional[List[torch.Tensor]] = [] if hidden is not None else None
-            out = self._run_blocks(torch.cat(rows)[None], None, cu, sub)
-            if hidden is not None:
-                hidden.extend(_scatter([h[0]], mask) for h in sub)
-            return _scatter([out[0]], mask)
+            cu = torch.tensor([0] + [r.shape[0] for r in rows], device=x.device).cumsum(0)
+            return self._run_rows([torch.cat(rows)], mask, [None], hidden, cu)
         return self._run_rows(rows, mask, [None] * len(rows), hidden)
 
     def _run_rows(self, rows: List[torch.Tensor], mask: torch.Tensor, caches: List[Optional[Cache]],
-                  hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
-        """Each row's real tokens alone (with its own cache of `caches`), scattered back to [B, T, d] with zeros at
-        padding (also in `hidden`)."""
+                  hidden: Optional[List[torch.Tensor]], cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Each row's real tokens alone (with its own cache of `caches`; or every row's, packed in one with
+        cu_seqlens), scattered back to [B, T, d] with zeros at padding (also in `hidden`)."""
         subs = [[] if hidden is not None else None for _ in rows]
-        outs = [self._run_blocks(r[None], c, None, s)[0] for r, c, s in zip(rows, caches, subs)]
+        outs = [self._run_blocks(r[None], c, cu_seqlens, s)[0] for r, c, s in zip(rows, caches, subs)]
         if hidden is not None:
             hidden.extend(_scatter([s[j][0] for s in subs], mask) for j in range(len(subs[0])))
         return _scatter(outs, mask)
