@@ -510,7 +510,6 @@ class LinattnPreTrainedModel(PreTrainedModel):
 
     def _run_cached_once(self, x: torch.Tensor, mask: Optional[torch.Tensor], hf_cache: HFCache,
                          hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
-        n = self.config.num_hidden_layers
         B, T = x.shape[:2]
         lm = self._language_model()
         if _is_empty(hf_cache):   # prefill
@@ -529,7 +528,7 @@ class LinattnPreTrainedModel(PreTrainedModel):
             raise LinattnError("padding (attention_mask 0) among the new tokens of a running cache is not "
                                "supported: pad the prompt on the left and let generate() continue it")
         offsets = _offsets(hf_cache).clone()
-        cache = _to_linattn(hf_cache, n, self._keeps_kv)
+        cache = _to_linattn(hf_cache, self.config.num_hidden_layers, self._keeps_kv)
         out = self._run_blocks(x, cache, None, hidden)
         _from_linattn(cache, hf_cache, offsets + T, T, not self._keeps_kv[0])
         return out
@@ -545,8 +544,6 @@ class LinattnPreTrainedModel(PreTrainedModel):
             warnings.warn(f"{type(self).__name__}: output_attentions=True is not supported: linattn's mixers are "
                           f"recurrent (linear attention, delta rule, ...) and form no attention-weight matrix, so "
                           f"`attentions` is None", UserWarning, stacklevel=3)
-        if output_hidden_states is None:
-            output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
         stack = self._stack()
         x = _embed(stack, input_ids, inputs_embeds)
         B, T = x.shape[:2]
@@ -554,6 +551,8 @@ class LinattnPreTrainedModel(PreTrainedModel):
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if output_hidden_states is None:   # the config's default, as in transformers
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
         hidden: Optional[List[torch.Tensor]] = [] if output_hidden_states else None
         if past_key_values is not None and (use_cache or not _is_empty(past_key_values)):
             x = self._run_cached(x, mask, past_key_values, hidden)
