@@ -42,9 +42,8 @@ def common_kwargs(cfg: Dict[str, Any], short_conv: bool) -> Dict[str, Any]:
 
 
 def delta_config(head_dim: int, short_conv: bool, n_value_heads: int = 0) -> Dict[str, Any]:
-    """The model config of the delta layers; the L2 form is fla's rsqrt one, named because a saved config without
-    the field means the older clamp form (`LMConfig.l2norm_convention`)."""
-    config = {"head_dim": head_dim, "short_conv": short_conv, "l2norm_convention": "rsqrt"}
+    """The model config fields the delta layers set (their q/k L2 norm is LMConfig's default, fla's rsqrt form)."""
+    config = {"head_dim": head_dim, "short_conv": short_conv}
     return {**config, "n_value_heads": n_value_heads} if n_value_heads else config
 
 
