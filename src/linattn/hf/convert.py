@@ -70,8 +70,7 @@ def _claim(out: Path, overwrite: bool, what: str) -> Path:
         raise CheckpointError(f"{out} already exists; pass --overwrite to replace it with the {what}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f"{TMP_PREFIX}{out.name}.{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)   # a leftover of a killed export
     tmp.mkdir()
     return tmp
 
