@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import linattn.hf as lh  # noqa: E402
 from linattn import LanguageModel, LMConfig  # noqa: E402
-from linattn.errors import LinattnError  # noqa: E402
+from linattn.errors import ConfigError, LinattnError  # noqa: E402
 
 HYBRID = ["gated-deltanet", "softmax"]
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -255,6 +255,23 @@ def test_sequence_classification_loss_by_problem_type(num_labels, labels, kind):
     torch.testing.assert_close(out.loss, want)
     out.loss.backward()
     assert cls.score.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("num_labels,labels,kind", [
+    (1, torch.tensor([1, -2]), "regression"),                                      # integer regression targets
+    (3, torch.tensor([[1, 0, 1], [0, 1, 0]]), "multi_label_classification")])      # integer multi-hot targets
+def test_sequence_classification_loss_takes_integer_targets(num_labels, labels, kind):
+    cfg = lh.LinattnConfig.from_lm_config(tiny().config, num_labels=num_labels, problem_type=kind)
+    torch.manual_seed(0)
+    cls = lh.LinattnForSequenceClassification(cfg)
+    out = cls(ids_of(), labels=labels)
+    logits = cls.score(cls.model(ids_of()).last_hidden_state[:, -1])
+    want = F.mse_loss(logits[:, 0], labels.float()) if kind == "regression" else \
+        F.binary_cross_entropy_with_logits(logits, labels.float())
+    torch.testing.assert_close(out.loss, want)
+    cls.config.problem_type = "ordinal"
+    with pytest.raises(ConfigError, match="problem_type"):
+        cls(ids_of(), labels=labels)
 
 
 def test_trust_remote_code_loads_every_head(lm_folder, tmp_path):

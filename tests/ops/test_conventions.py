@@ -286,6 +286,21 @@ def test_delta_rule_grouped_gradients_and_varlen(mode, gate):
         assert rel_err(o[:, a:b], ro) < 1e-13 and rel_err(S[i:i + 1], rS) < 1e-13
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_prepared_grouped_problem_keeps_the_query_key_heads(backend):
+    from linattn.ops.delta_core import prepare_delta, run_delta
+    q, k, v, beta, g, S0 = _grouped(gate="head")
+    p = prepare_delta(q, k, v, beta, g=g, qk_l2norm=True, initial_state=S0, output_final_state=True)
+    # q and k are prepared once on their own 2 heads; a, g, v~ and the state are per value head
+    assert p.value_groups == 3 and p.q.shape[2] == p.k.shape[2] == 2 and p.v.shape[2] == p.a.shape[2] == 6
+    q_v, k_v, r_v = p.value_head_qkr()
+    assert torch.equal(q_v, p.q.repeat_interleave(3, dim=2)) and torch.equal(k_v, p.k.repeat_interleave(3, dim=2))
+    assert r_v is None
+    o, S = run_delta(p, backend)
+    ref_o, ref_S = delta_rule_ref(q, k, v, beta, g=g, qk_l2norm=True, S0=S0)
+    assert rel_err(o, ref_o) < 1e-13 and rel_err(S, ref_S) < 1e-13
+
+
 def test_grouped_heads_errors_name_the_shapes():
     q, k, v, beta, g, S0 = _grouped(H=2, n=3)
     with pytest.raises(LinattnError, match=r"HV = n \* H .*\(2, 13, 2, 8\).*\(2, 13, 5, 4\)"):

@@ -29,7 +29,7 @@ from ..io import TMP_PREFIX, give_default_modes, read_json, write_json
 from ..models.family import config_to_dict
 from ..models.lm import LanguageModel
 from .fla import import_fla, refuse_non_float, supported_types
-from .import_target import check_out, write_import
+from .import_target import write_import
 from .modeling_linattn import LinattnForCausalLM
 from .tokenizer_import import import_tokenizer
 
@@ -70,8 +70,7 @@ def _claim(out: Path, overwrite: bool, what: str) -> Path:
         raise CheckpointError(f"{out} already exists; pass --overwrite to replace it with the {what}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f"{TMP_PREFIX}{out.name}.{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)   # a leftover of a killed export
     tmp.mkdir()
     return tmp
 
@@ -114,9 +113,7 @@ def export_hf(checkpoint: PathLike, out: PathLike, *, overwrite: bool = False,
         hf = LinattnForCausalLM.from_linattn(ck.model, eos_token_id=eos, bos_token_id=eos, pad_token_id=eos,
                                              linattn_step=ck.step)
         if eos is not None:
-            hf.generation_config.eos_token_id = eos
-            hf.generation_config.bos_token_id = eos
-            hf.generation_config.pad_token_id = eos
+            hf.generation_config.update(eos_token_id=eos, bos_token_id=eos, pad_token_id=eos)
         hf.save_pretrained(tmp, safe_serialization=safe_serialization)
         if ck.tokenizer is not None:
             hf_tokenizer(ck.tokenizer).save_pretrained(tmp)
@@ -165,7 +162,6 @@ def import_hf(hf_dir: PathLike, out: PathLike, *, overwrite: bool = False, step:
         what = "no model_type" if model_type is None else f"unsupported model_type {model_type!r}"
         raise CheckpointError(f"{hf_dir / 'config.json'}: {what}; import-hf reads {ours!r} (a folder written by "
                               f"export-hf) and the flash-linear-attention types {', '.join(supported_types())}")
-    check_out(hf_dir, out, overwrite)
 
     def write(run: Path) -> Path:
         hf = _load_strictly(hf_dir)

@@ -158,8 +158,7 @@ def _act_rest(y: torch.Tensor, activation) -> torch.Tensor:
 
 def conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
     """causal_conv1d_fn: x [B, C, T] -> [B, C, T], documents kept apart with cu_seq_lens_q."""
-    B, C, T = hidden_states.shape
-    cu = _cu_seqlens(kwargs, T, hidden_states.device)
+    cu = _cu_seqlens(kwargs, hidden_states.shape[-1], hidden_states.device)
     conv = _BorrowedConv(weight, bias, activation)
     x = hidden_states.to(weight.dtype).transpose(1, 2)
     y, _ = conv(x, None, cu)
@@ -168,7 +167,6 @@ def conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
 
 def conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):
     """causal_conv1d_update: the decode step; conv_state [B, C, W] is updated in place (transformers' layout)."""
-    B, C, T = hidden_states.shape
     conv = _BorrowedConv(weight, bias, activation)
     W = weight.shape[-1]
     # linattn's ShortConv continues from the last W - 1 inputs (transformers' conv_state may hold more)
@@ -255,11 +253,11 @@ kda_chunk = _delta_adapter("kda_chunk", "chunk", "chunk_kimi_delta_attention", _
 kda_recurrent = _delta_adapter("kda_recurrent", "recurrent", "recurrent_kimi_delta_attention", _KDA_GATE)
 
 
-def _mamba_state(kv: torch.Tensor) -> LinearAttentionState:
-    """mamba_ssm's state [N, H, P, N_state] -> linattn's (kv [N, H, N_state, P]); no normaliser is used."""
-    N, H, P, S = kv.shape
-    return LinearAttentionState(kv=kv.transpose(-1, -2), z=kv.new_zeros(N, H, S), log_scale=None,
-                                offset=torch.zeros(N, dtype=torch.int64, device=kv.device))
+def _kv_state(kv: torch.Tensor) -> LinearAttentionState:
+    """linattn's state of an unnormalised linear attention (Mamba2's, lightning attention's) from kv
+    [N, H, K, V] (mamba_ssm's state [N, H, P, N_state] is that transposed)."""
+    return LinearAttentionState(kv=kv, z=kv.new_zeros(kv.shape[:-1]), log_scale=None,
+                                offset=torch.zeros(kv.shape[0], dtype=torch.int64, device=kv.device))
 
 
 def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
@@ -277,7 +275,7 @@ def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=No
     dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1]).to(cd)
     x = hidden_states.to(cd)
     cu = _cu_seqlens(kwargs, x.shape[1], x.device)
-    s0 = None if initial_states is None else _mamba_state(initial_states.to(cd))
+    s0 = None if initial_states is None else _kv_state(initial_states.to(cd).transpose(-1, -2))
     y, state = linear_attention(C.to(cd), B.to(cd), x * dt[..., None], feature_map=None, normalize=False,
                                 g=A.to(cd) * dt, scale=1.0, mode="chunk", chunk_size=64, initial_state=s0,
                                 output_final_state=bool(return_final_states), cu_seqlens=cu)
@@ -307,7 +305,6 @@ def mamba2_state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None,
                         **kwargs):
     """selective_state_update: one decoded token; state [B, H, P, N] is updated in place."""
     cd = compute_dtype(hidden_states.dtype)
-    Bn, H, P = hidden_states.shape
     dt = _per_head(dt, 2, "dt").to(cd)                                       # [B, H]
     if dt_bias is not None:
         dt = dt + _per_head(dt_bias, 1, "dt_bias").to(cd)
@@ -315,7 +312,7 @@ def mamba2_state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None,
         dt = F.softplus(dt)
     a = _per_head(A, 1, "A").to(cd)                                          # [H]
     x = hidden_states.to(cd)
-    s0 = _mamba_state(state.to(cd))
+    s0 = _kv_state(state.to(cd).transpose(-1, -2))
     y, new = linear_attention(C.to(cd)[:, None], B.to(cd)[:, None], (x * dt[..., None])[:, None],
                               feature_map=None, normalize=False, g=(a * dt)[:, None], scale=1.0,
                               mode="recurrent", initial_state=s0, output_final_state=True)
@@ -554,10 +551,7 @@ def _lightning_forward(self, hidden_states, position_embeddings=None, attention_
     cd = compute_dtype(q.dtype)
     gamma = torch.exp(-self.slope_rate.reshape(H).to(cd))
     kv0 = cache.get_linear_cache(self.layer_idx) if cache is not None else None
-    s0 = None
-    if kv0 is not None:
-        s0 = LinearAttentionState(kv=kv0.to(cd), z=kv0.new_zeros(Bn, H, Dh).to(cd), log_scale=None,
-                                  offset=torch.zeros(Bn, dtype=torch.int64, device=q.device))
+    s0 = _kv_state(kv0.to(cd)) if kv0 is not None else None
     cu = _cu_seqlens(kwargs, T, q.device)
     o, state = linear_attention(q, k, v, feature_map=None, normalize=False, gamma=gamma, scale=1.0,
                                 mode="recurrent" if (T == 1 and s0 is not None) else "chunk",
@@ -686,7 +680,6 @@ def _packing_post_hook(module: nn.Module, args: tuple, kwargs: dict, output):
     stash = base.__dict__.get("_linattn_stash")
     if stash:
         stash.pop(threading.get_ident(), None)
-    return None
 
 
 def _hook_packing(top: nn.Module) -> None:
@@ -812,7 +805,6 @@ def _set_attn(model: nn.Module) -> None:
             cfg._attn_implementation = ATTN_IMPLEMENTATION
         except Exception:  # pragma: no cover - a config that refuses the attribute keeps its own attention
             pass
-        for sub in ("text_config",):
-            sc = getattr(cfg, sub, None)
-            if sc is not None and hasattr(sc, "_attn_implementation"):
-                sc._attn_implementation = ATTN_IMPLEMENTATION
+        text = getattr(cfg, "text_config", None)
+        if text is not None and hasattr(text, "_attn_implementation"):
+            text._attn_implementation = ATTN_IMPLEMENTATION

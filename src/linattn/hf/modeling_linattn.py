@@ -33,6 +33,7 @@ Padding (`attention_mask` with zeros, left padding for batched generation) never
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -49,6 +50,7 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
     LinearAttentionCacheLayerMixin,
 )
+from transformers.loss.loss_utils import ForCausalLMLoss, ForSequenceClassificationLoss
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
@@ -86,9 +88,7 @@ def _slots(layer) -> Dict[Tuple[str, str], Any]:
     """{(module, field): (structure, leaf slots)} of a transformers cache layer (kept on the layer): where the
     leaves of one LayerCache field (`flatten_state`) live, each ("conv" | "rec", slot index) or ("ints", slot
     index, tuple / list) for a per-row int tuple, kept as an int64 tensor [B] (so that beam search reorders it)."""
-    if not hasattr(layer, "_linattn_slots"):
-        layer._linattn_slots = {}
-    return layer._linattn_slots
+    return layer.__dict__.setdefault("_linattn_slots", {})
 
 
 def _put_tensor(layer, kind: str, idx: int, t: torch.Tensor) -> None:
@@ -163,15 +163,16 @@ class _RollbackLayer:
     as transformers does (docs/states.md). The layer objects change class in place, so the class is the
     transformers class plus these functions (a mixin base would change the object layout)."""
 
+    _linattn_rollback = True
+
     @staticmethod
     def _base(layer) -> type:
         return type(layer).__bases__[0]
 
+    @property
     def is_croppable(self) -> bool:
-        if getattr(self, "record_past", False):
-            return True
         attr = _RollbackLayer._base(self).is_croppable   # the transformers class's own answer
-        return attr.__get__(self) if isinstance(attr, property) else bool(attr)
+        return getattr(self, "record_past", False) or (attr.__get__(self) if isinstance(attr, property) else bool(attr))
 
     def update_conv_state(self, conv_states, state_idx: int = 0, **kwargs):
         # our conv slots hold exactly linattn's window: recording keeps copies instead of growing the window
@@ -201,18 +202,10 @@ class _RollbackLayer:
             DynamicLayer.crop(self, tokens_to_remove)
 
 
-_ROLLBACK_CLASSES: Dict[type, type] = {}
-
-
+@functools.cache
 def _rollback_class(cls: type) -> type:
-    if getattr(cls, "_linattn_rollback", False):
-        return cls
-    if cls not in _ROLLBACK_CLASSES:
-        _ROLLBACK_CLASSES[cls] = type(f"Linattn{cls.__name__}", (cls,), {
-            "_linattn_rollback": True, "is_croppable": property(_RollbackLayer.is_croppable),
-            "update_conv_state": _RollbackLayer.update_conv_state, "crop": _RollbackLayer.crop,
-            "__module__": __name__})
-    return _ROLLBACK_CLASSES[cls]
+    own = {k: v for k, v in vars(_RollbackLayer).items() if not k.startswith("__")}
+    return type(f"Linattn{cls.__name__}", (cls,), {**own, "__module__": __name__})
 
 
 # the dicts of a transformers linear-attention cache layer that hold its state (slot index -> tensor or flag)
@@ -360,6 +353,10 @@ def _scatter(parts: List[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+#: recomputing a block in the backward pass when transformers gave no function of its own
+_RECOMPUTE = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+
 def _keep(x: torch.Tensor, keep) -> torch.Tensor:
     if isinstance(keep, int):
         return x if keep == 0 else x[:, -keep:]
@@ -405,7 +402,7 @@ class LinattnPreTrainedModel(PreTrainedModel):
         """transformers' activation_checkpointing_enable / disable (and the deprecated gradient_* names):
         blocks are recomputed in the backward pass through `gradient_checkpointing_func` (transformers'
         `checkpoint` with its kwargs), every `every_n_layers`-th block."""
-        func = gradient_checkpointing_func or partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        func = gradient_checkpointing_func or _RECOMPUTE
         if int(every_n_layers) < 1:
             raise LinattnError(f"every_n_layers must be >= 1, got {every_n_layers}")
         for m in self.modules():
@@ -421,9 +418,7 @@ class LinattnPreTrainedModel(PreTrainedModel):
         on = bool(self.gradient_checkpointing or getattr(self._stack(), "activation_checkpointing", False))
         if not (on and self.training and cache is None and torch.is_grad_enabled()):
             return None, 1
-        func = getattr(self, "_gradient_checkpointing_func", None) or partial(torch.utils.checkpoint.checkpoint,
-                                                                              use_reentrant=False)
-        return func, getattr(self, "_checkpoint_every", 1)
+        return getattr(self, "_gradient_checkpointing_func", None) or _RECOMPUTE, getattr(self, "_checkpoint_every", 1)
 
     # -- vocabulary -------------------------------------------------------------------------------
     def _sync_vocab_size(self) -> None:
@@ -457,7 +452,7 @@ class LinattnPreTrainedModel(PreTrainedModel):
 
     # -- the forward pass shared by every head -----------------------------------------------------
     def _language_model(self) -> LanguageModel:
-        raise NotImplementedError
+        return self._stack()   # LinattnModel: an unregistered LanguageModel over its own blocks
 
     def _run_blocks(self, x: torch.Tensor, cache: Optional[Cache], cu_seqlens: Optional[torch.Tensor],
                     hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
@@ -471,22 +466,17 @@ class LinattnPreTrainedModel(PreTrainedModel):
         """A padded batch without a cache: the real positions of all rows packed in one row with cu_seqlens
         (one call), or row by row if a mixer cannot pack; zeros at padding (also in `hidden`)."""
         rows = _real_rows(x, mask)
-        lens = [r.shape[0] for r in rows]
         if all(getattr(b, "mixer_packs", False) for b in self._stack().blocks):
-            cu = torch.tensor([0] + lens, device=x.device).cumsum(0)
-            sub: Optional[List[torch.Tensor]] = [] if hidden is not None else None
-            out = self._run_blocks(torch.cat(rows)[None], None, cu, sub)
-            if hidden is not None:
-                hidden.extend(_scatter([h[0]], mask) for h in sub)
-            return _scatter([out[0]], mask)
+            cu = torch.tensor([0] + [r.shape[0] for r in rows], device=x.device).cumsum(0)
+            return self._run_rows([torch.cat(rows)], mask, [None], hidden, cu)
         return self._run_rows(rows, mask, [None] * len(rows), hidden)
 
     def _run_rows(self, rows: List[torch.Tensor], mask: torch.Tensor, caches: List[Optional[Cache]],
-                  hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
-        """Each row's real tokens alone (with its own cache of `caches`), scattered back to [B, T, d] with zeros at
-        padding (also in `hidden`)."""
+                  hidden: Optional[List[torch.Tensor]], cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Each row's real tokens alone (with its own cache of `caches`; or every row's, packed in one with
+        cu_seqlens), scattered back to [B, T, d] with zeros at padding (also in `hidden`)."""
         subs = [[] if hidden is not None else None for _ in rows]
-        outs = [self._run_blocks(r[None], c, None, s)[0] for r, c, s in zip(rows, caches, subs)]
+        outs = [self._run_blocks(r[None], c, cu_seqlens, s)[0] for r, c, s in zip(rows, caches, subs)]
         if hidden is not None:
             hidden.extend(_scatter([s[j][0] for s in subs], mask) for j in range(len(subs[0])))
         return _scatter(outs, mask)
@@ -520,7 +510,6 @@ class LinattnPreTrainedModel(PreTrainedModel):
 
     def _run_cached_once(self, x: torch.Tensor, mask: Optional[torch.Tensor], hf_cache: HFCache,
                          hidden: Optional[List[torch.Tensor]]) -> torch.Tensor:
-        n = self.config.num_hidden_layers
         B, T = x.shape[:2]
         lm = self._language_model()
         if _is_empty(hf_cache):   # prefill
@@ -539,7 +528,7 @@ class LinattnPreTrainedModel(PreTrainedModel):
             raise LinattnError("padding (attention_mask 0) among the new tokens of a running cache is not "
                                "supported: pad the prompt on the left and let generate() continue it")
         offsets = _offsets(hf_cache).clone()
-        cache = _to_linattn(hf_cache, n, self._keeps_kv)
+        cache = _to_linattn(hf_cache, self.config.num_hidden_layers, self._keeps_kv)
         out = self._run_blocks(x, cache, None, hidden)
         _from_linattn(cache, hf_cache, offsets + T, T, not self._keeps_kv[0])
         return out
@@ -555,8 +544,6 @@ class LinattnPreTrainedModel(PreTrainedModel):
             warnings.warn(f"{type(self).__name__}: output_attentions=True is not supported: linattn's mixers are "
                           f"recurrent (linear attention, delta rule, ...) and form no attention-weight matrix, so "
                           f"`attentions` is None", UserWarning, stacklevel=3)
-        if output_hidden_states is None:
-            output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
         stack = self._stack()
         x = _embed(stack, input_ids, inputs_embeds)
         B, T = x.shape[:2]
@@ -564,6 +551,8 @@ class LinattnPreTrainedModel(PreTrainedModel):
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if output_hidden_states is None:   # the config's default, as in transformers
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
         hidden: Optional[List[torch.Tensor]] = [] if output_hidden_states else None
         if past_key_values is not None and (use_cache or not _is_empty(past_key_values)):
             x = self._run_cached(x, mask, past_key_values, hidden)
@@ -571,14 +560,13 @@ class LinattnPreTrainedModel(PreTrainedModel):
             x = self._run_padded(x, mask, hidden)
         else:
             x = self._run_blocks(x, None, None, hidden)
-        norm = stack.norm
-        if hidden is not None:   # transformers' convention: the last hidden state is after the final norm
-            x = norm(x) if norm is not None else x
+        # the norm on the kept positions only (decoding needs one), unless the hidden states are returned: their last
+        # one is after the final norm (transformers' convention)
+        x = _keep(x, keep) if hidden is None else x
+        x = stack.norm(x) if stack.norm is not None else x
+        if hidden is not None:
             hidden.append(x)
             x = _keep(x, keep)
-        else:   # the norm on the kept positions only (decoding needs one)
-            x = _keep(x, keep)
-            x = norm(x) if norm is not None else x
         return x, (tuple(hidden) if hidden is not None else None), mask, (past_key_values if use_cache else None)
 
 
@@ -672,9 +660,6 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _stack(self):
-        return self.model
-
-    def _language_model(self) -> LanguageModel:
         return self.model
 
     # -- conversions ----------------------------------------------------------------------------
@@ -776,14 +761,8 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         labels = labels.to(logits.device).long()
         if labels.shape != logits.shape[:2]:
             raise LinattnError(f"labels must be [batch, seq] = {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
-        if mask is not None:
-            labels = labels.masked_fill(~mask, -100)
-        shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
-        shift_labels = labels[:, 1:].reshape(-1)
-        if num_items is None:
-            return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
-        total = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
-        return total / (num_items.to(total.device) if isinstance(num_items, torch.Tensor) else num_items)
+        labels = labels.masked_fill(~mask, -100) if mask is not None else labels
+        return ForCausalLMLoss(logits, labels, logits.shape[-1], num_items_in_batch=num_items)
 
 
 class LinattnForSequenceClassification(LinattnPreTrainedModel):
@@ -846,15 +825,13 @@ class LinattnForSequenceClassification(LinattnPreTrainedModel):
                           output_attentions=output_attentions, cache=cache, return_dict=True)
         h = base.last_hidden_state
         B, T = h.shape[:2]
-        positions = torch.arange(T, device=h.device)
+        real = None
         if attention_mask is not None:
             real = attention_mask[:, -T:].to(h.device).bool()
-            last = (positions * real).argmax(-1)
         elif input_ids is not None and getattr(self.config, "pad_token_id", None) is not None:
             real = input_ids.to(h.device) != self.config.pad_token_id
-            last = (positions * real).argmax(-1)
-        else:
-            last = torch.full((B,), T - 1, device=h.device, dtype=torch.long)
+        last = (torch.arange(T, device=h.device) * real).argmax(-1) if real is not None else \
+            torch.full((B,), T - 1, device=h.device, dtype=torch.long)
         logits = self.score(h)[torch.arange(B, device=h.device), last]
         loss = self._loss(logits, labels) if labels is not None else None
         out = SequenceClassifierOutputWithPast(loss=loss, logits=logits, hidden_states=base.hidden_states,
@@ -863,25 +840,14 @@ class LinattnForSequenceClassification(LinattnPreTrainedModel):
         return out if return_dict is not False else out.to_tuple()
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        labels = labels.to(logits.device)
-        if self.config.problem_type is None:
-            if self.num_labels == 1:
-                self.config.problem_type = "regression"
-            elif labels.dtype in (torch.long, torch.int):
-                self.config.problem_type = "single_label_classification"
-            else:
-                self.config.problem_type = "multi_label_classification"
-        kind, logits = self.config.problem_type, logits.float()
-        if kind == "regression":
-            if self.num_labels == 1:
-                return F.mse_loss(logits.squeeze(-1), labels.float().reshape(-1))
-            return F.mse_loss(logits, labels.float())
-        if kind == "single_label_classification":
-            return F.cross_entropy(logits.reshape(-1, self.num_labels), labels.long().reshape(-1))
-        if kind == "multi_label_classification":
-            return F.binary_cross_entropy_with_logits(logits, labels.float())
-        raise ConfigError(f"config.problem_type must be 'regression', 'single_label_classification' or "
-                          f"'multi_label_classification', got {kind!r}")
+        kind = self.config.problem_type
+        if kind not in (None, "regression", "single_label_classification", "multi_label_classification"):
+            raise ConfigError(f"config.problem_type must be 'regression', 'single_label_classification' or "
+                              f"'multi_label_classification', got {kind!r}")
+        # the targets in the loss's dtype (transformers' losses take them as they come): class ids or floats
+        single = kind == "single_label_classification" or (kind is None and self.num_labels > 1
+                                                            and labels.dtype in (torch.long, torch.int))
+        return ForSequenceClassificationLoss(labels.long() if single else labels.float(), logits.float(), self.config)
 
 
 #: the cache_implementation values generate() accepts (module docstring of LinattnForCausalLM)

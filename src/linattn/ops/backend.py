@@ -245,7 +245,7 @@ def triton_linear_attention(p):
     from ..triton.linear import chunk_linear_attention, fused_recurrent_linear_attention
 
     B, T = p.q.shape[:2]
-    H, V = p.v.shape[2], p.v.shape[-1]  # value heads: the kernels take grouped q/k heads (H a multiple)
+    H, V = p.v.shape[2], p.v.shape[-1]  # value heads; q, k keep theirs: value head j reads q/k head j // (H / Hq)
     if p.fmap.fused_kernel is not None:  # phi(scale q) is computed inside the kernels
         fq, fk, fused, scale = p.q, p.k, p.fmap.fused_kernel, p.scale
     else:  # any other linear-space map: features by PyTorch (fp32), identity in the kernels
@@ -326,10 +326,8 @@ def triton_delta(p):
     from ..triton.delta import chunk_delta_rule, fused_recurrent_delta_rule
 
     B, T = p.q.shape[:2]
-    H, V = p.v.shape[2], p.v.shape[-1]  # value heads: the kernels take grouped q/k heads (H a multiple)
-    n = p.value_groups  # prepare_delta repeated q, k to the value heads; the kernels read head j // n themselves
-    q, k = (p.q, p.k) if n == 1 else (p.q[:, :, ::n], p.k[:, :, ::n])
-    args = (_flat(q), _flat(k), _flat(p.v), _flat(p.a), _flat(p.g) if p.g is not None else None,
+    H, V = p.v.shape[2], p.v.shape[-1]  # value heads; q, k keep theirs: value head j reads q/k head j // (H / Hq)
+    args = (_flat(p.q), _flat(p.k), _flat(p.v), _flat(p.a), _flat(p.g) if p.g is not None else None,
             p.S0.float().contiguous() if p.S0 is not None else None)
     kw = dict(starts=_starts(p), output_final_state=p.output_final_state)
     if p.mode == "recurrent":
@@ -344,9 +342,9 @@ def cpu_delta(p):
     read (r = None), any gate. -> (o [B, T, H, V], final state [N, H, K, V]) in the compute dtype."""
     from ..cpu.delta import delta_scan
 
-    B, T, H = p.q.shape[:3]
-    V = p.v.shape[-1]
-    o, S = delta_scan(_flat(p.q), _flat(p.k), _flat(p.v), _flat(p.a), _flat(p.g) if p.g is not None else None,
+    B, T, H, V = p.v.shape
+    q, k, _ = p.value_head_qkr()
+    o, S = delta_scan(_flat(q), _flat(k), _flat(p.v), _flat(p.a), _flat(p.g) if p.g is not None else None,
                       p.S0, _starts(p))
     return o.view(B, T, H, V), S
 

@@ -296,7 +296,8 @@ def _chunk(q, k, v, b, r, g, S, C):
 class DeltaProblem:
     """One validated delta-family call, preprocessed for every backend, in the compute dtype and the
     caller's layout [B, T, H, *]: q (normalised if asked, scaled), k~, v~, r~ (or None) rescaled by
-    d = max(||k||, 1), a = a~ [B, T, H], g [B, T, H] or [B, T, H, K] (or None), S0 [N, H, K, V] or None."""
+    d = max(||k||, 1), a = a~ [B, T, H], g [B, T, H] or [B, T, H, K] (or None), S0 [N, H, K, V] or None
+    (H: v's heads; q, k, r may have fewer, `value_groups`)."""
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -310,8 +311,9 @@ class DeltaProblem:
     N: int
     output_final_state: bool
     out_dtype: torch.dtype
-    #: grouped value heads: the caller gave HV = value_groups * H value heads; q, k, r above are already repeated
-    #: to HV heads (value head j reads q/k head j // value_groups), so every backend sees an ordinary problem
+    #: grouped value heads: v, a, g and the state have HV = value_groups * H heads, q, k, r the caller's H (value
+    #: head j reads q/k head j // value_groups): the Triton kernels read them so, the other forms through
+    #: `value_head_qkr`
     value_groups: int = 1
     #: the caller's inputs (`prepare_delta` sets it; None for a problem built otherwise): the fla backend's input
     source: Union[DeltaSource, Rwkv7Source, None] = None
@@ -322,6 +324,17 @@ class DeltaProblem:
     @property
     def channel_gate(self) -> bool:
         return self.g is not None and self.g.dim() == 4
+
+    def value_head_qkr(self) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """q, k, r with one head per value head (repeated when value_groups > 1): the forms that take q, k and v
+        with the same heads (PyTorch, the compiled CPU scan)."""
+        n = self.value_groups
+        if n == 1:
+            return self.q, self.k, self.r
+        q, k = self.q.repeat_interleave(n, dim=2), self.k.repeat_interleave(n, dim=2)
+        # Comba without p reads with k itself: one repeat, so its two gradients add before the heads' sum
+        r = k if self.r is self.k else self.r.repeat_interleave(n, dim=2) if self.r is not None else None
+        return q, k, r
 
     def fla_unsupported(self) -> Optional[str]:
         """Why fla's kernels do not cover this call (None when they do; the device and fla-core itself are checked
@@ -435,8 +448,8 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
     the prepared problem with `linattn.ops.delta_core.run_delta(problem, backend)`.
 
     Grouped value heads: HV = n H (n >= 1), value head j reads q/k (and r) head j // n (transformers'
-    repeat_interleave); beta, g and the state `[N, HV, K, V]` are per value head. The prepared q, k, r are
-    repeated to HV heads (after the normalisation and key norms, which run on the H heads).
+    repeat_interleave); beta, g and the state `[N, HV, K, V]` are per value head. The prepared q, k, r keep the
+    H heads (`DeltaProblem.value_head_qkr` repeats them for the forms that need HV).
 
     Args:
         q: Queries `[B, T, H, K]`, any float dtype.
@@ -565,9 +578,8 @@ def _prepare_delta(q, k, v, beta, *, g, r, channel_gate, coefficient, scale, qk_
     lam, d2, d = key_norms(k_c)
     k_c = k_c / d
     r_c = r.to(cdt) / d if r is not None else None
-    if n > 1:  # value head j reads q/k head j // n: materialised here (every form and backend then runs as is)
-        q_c, k_c, lam, d2, d = (x.repeat_interleave(n, dim=2) for x in (q_c, k_c, lam, d2, d))
-        r_c = r_c.repeat_interleave(n, dim=2) if r_c is not None else None
+    if n > 1:  # a and v~ per value head; q, k, r stay on the H heads (`DeltaProblem.value_head_qkr`)
+        lam, d2, d = (x.repeat_interleave(n, dim=2) for x in (lam, d2, d))
     a = coefficient(b_c.to(lam.dtype), lam) if coefficient is not None else b_c
     # key-norm rescaling (module docstring): k~ = k / d, v~ = v / d, r~ = r / d, a~ = a d^2, d = max(||k||, 1)
     return DeltaProblem(q_c, k_c, v_c / d, r_c, (a * d2).to(cdt), g_c, S0, mode,
@@ -617,13 +629,14 @@ def check_tensor_like(x, name: str, q: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------
 
 def _run_torch(p: DeltaProblem):
-    B, T, H, K = p.q.shape
-    V = p.v.shape[-1]
+    B, T, H, V = p.v.shape
+    K = p.q.shape[-1]
 
     def bht(x):  # [B, T, H, *] -> [B, H, T, *], contiguous once, so that the chunk blocks are plain views
         return x.transpose(1, 2).contiguous() if x is not None else None
 
-    q, k, v, r, b, g = (bht(x) for x in (p.q, p.k, p.v, p.r, p.a, p.g))
+    q, k, r = p.value_head_qkr()
+    q, k, v, r, b, g = (bht(x) for x in (q, k, p.v, r, p.a, p.g))
     S0 = p.S0 if p.S0 is not None else torch.zeros(p.N, H, K, V, dtype=q.dtype, device=q.device)
 
     def run(q, k, v, b, r, g, S):

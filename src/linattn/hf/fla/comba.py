@@ -4,7 +4,7 @@ sigmoid-gated output norm, grouped value heads, the inner decay and output corre
 from __future__ import annotations
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla
-from .shared import base_state, common_kwargs, grouped_heads
+from .shared import base_state, common_kwargs, delta_config, grouped_heads
 
 
 @register_fla("comba")
@@ -26,6 +26,4 @@ def convert_comba(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
         state["p_gain"] = p["decay"]
     if correction:
         state["d"] = p["D"]
-    return MixerConversion("comba", kwargs, state,
-                           {"head_dim": Dk, "n_value_heads": HV, "short_conv": short_conv,
-                            "l2norm_convention": "rsqrt"})
+    return MixerConversion("comba", kwargs, state, delta_config(Dk, short_conv, HV))

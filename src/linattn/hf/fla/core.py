@@ -38,7 +38,7 @@ from ...errors import CheckpointError
 from ...models.config import LMConfig
 from ...models.family import config_to_dict
 from ...models.lm import LanguageModel
-from ..import_target import check_out, write_import
+from ..import_target import write_import
 
 Tensor = torch.Tensor
 PathLike = Union[str, os.PathLike]
@@ -183,12 +183,20 @@ def convert_attention(cfg: Dict[str, Any], layer_idx: int, p: LayerParams, *, nu
     if kv != num_heads:
         kwargs["n_kv_heads"] = kv
     state = {f"{n}_proj.weight": p[f"{n}_proj.weight"] for n in "qkvo"}
+    biases_and_qk_norm(p, kwargs, state, qkv_bias, qk_norm)
+    return MixerConversion(ATTENTION_MIXER, kwargs, state)
+
+
+def biases_and_qk_norm(p: LayerParams, kwargs: Dict[str, Any], state: Dict[str, Tensor], qkv_bias: bool,
+                       qk_norm: bool, **norm_kwargs) -> None:
+    """fla's optional q/k/v projection biases and q/k norm weights (attention, FoX, DeltaFormer), into the layer's
+    kwargs (`norm_kwargs`: the norm's form) and state."""
     if qkv_bias:
+        kwargs["qkv_bias"] = True
         state.update({f"{n}_proj.bias": p[f"{n}_proj.bias"] for n in "qkv"})
     if qk_norm:
-        kwargs["qk_norm"] = True
+        kwargs.update(qk_norm=True, **norm_kwargs)
         state["q_norm.weight"], state["k_norm.weight"] = p["q_norm.weight"], p["k_norm.weight"]
-    return MixerConversion(ATTENTION_MIXER, kwargs, state)
 
 
 def _hybrid_attention(cfg: Dict[str, Any], spec: Dict[str, Any], layer_idx: int, p: LayerParams) -> MixerConversion:
@@ -254,13 +262,6 @@ def refuse_non_float(name: str, dtype: Any, folder: Path) -> None:
                               f"point; weights must be float tensors (fp64 ... fp8)")
 
 
-def _take(weights: Dict[str, Tensor], used: set, name: str) -> Tensor:
-    if name not in weights:
-        raise CheckpointError(f"the fla weights lack the tensor {name!r}")
-    used.add(name)
-    return weights[name]
-
-
 def _mlp_hidden(cfg: Dict[str, Any]) -> int:
     """fla's GatedMLP width: intermediate_size, else 2/3 hidden_ratio (default 4) hidden_size rounded up to 256."""
     if cfg.get("intermediate_size") is not None:
@@ -307,7 +308,7 @@ def fla_to_linattn(cfg: Dict[str, Any], weights: Dict[str, Tensor]) -> Tuple[LMC
     require(cfg.get("attnres_block_size") is None, cfg, "attention residuals (attnres_block_size)")
     require(cfg_get(cfg, "hidden_act", "swish") in ("swish", "silu") or layout.mlp is None, cfg,
             f"hidden_act {cfg.get('hidden_act')!r} (only swish)")
-    used: set = set()
+    every = LayerParams("", weights)   # every tensor of the folder, by full name; what is read is marked used
     state: Dict[str, Tensor] = {}
     mixers: List[str] = []
     mixer_kwargs: Dict[str, Dict[str, Any]] = {}
@@ -316,7 +317,7 @@ def fla_to_linattn(cfg: Dict[str, Any], weights: Dict[str, Tensor]) -> Tuple[LMC
         bad = p.unused()
         if bad:
             raise CheckpointError(f"fla type {model_type!r}: the import does not use the tensors {bad} of layer {i}")
-        used.update(p.prefix + k for k in p)
+        every.used.update(p.prefix + k for k in p)
         if conv.mixer in mixer_kwargs and not _same(mixer_kwargs[conv.mixer], conv.kwargs):
             raise CheckpointError(f"fla type {model_type!r}: layer {i} needs mixer {conv.mixer!r} with "
                                   f"{conv.kwargs}, an earlier layer with {mixer_kwargs[conv.mixer]}; linattn "
@@ -331,26 +332,25 @@ def fla_to_linattn(cfg: Dict[str, Any], weights: Dict[str, Tensor]) -> Tuple[LMC
         for k, v in conv.state.items():
             state[f"blocks.{i}.mixer.{k}"] = v
         lp = layout.layer.format(i=i)
-        state[f"blocks.{i}.norm1.weight"] = _take(weights, used, lp + layout.attn_norm)
+        state[f"blocks.{i}.norm1.weight"] = every[lp + layout.attn_norm]
         if layout.mlp is not None:
-            gate = _take(weights, used, lp + layout.mlp + "gate_proj.weight")
-            up = _take(weights, used, lp + layout.mlp + "up_proj.weight")
-            state[f"blocks.{i}.ffn.w_gate_up.weight"] = torch.cat([gate, up], dim=0)
-            state[f"blocks.{i}.ffn.w_down.weight"] = _take(weights, used, lp + layout.mlp + "down_proj.weight")
-            state[f"blocks.{i}.norm2.weight"] = _take(weights, used, lp + layout.mlp_norm)
+            mlp = lp + layout.mlp
+            state[f"blocks.{i}.ffn.w_gate_up.weight"] = torch.cat([every[mlp + "gate_proj.weight"],
+                                                                   every[mlp + "up_proj.weight"]], dim=0)
+            state[f"blocks.{i}.ffn.w_down.weight"] = every[mlp + "down_proj.weight"]
+            state[f"blocks.{i}.norm2.weight"] = every[lp + layout.mlp_norm]
     if layout.extra is not None:
-        state.update(layout.extra(cfg, lambda name: _take(weights, used, name)))
-    state["embed.weight"] = _take(weights, used, layout.embed)
-    state["norm.weight"] = _take(weights, used, layout.final_norm)
+        state.update(layout.extra(cfg, every.__getitem__))
+    state["embed.weight"] = every[layout.embed]
+    state["norm.weight"] = every[layout.final_norm]
     tied = bool(cfg_get(cfg, "tie_word_embeddings", False))
     if not tied:
-        state["lm_head.weight"] = _take(weights, used, layout.head)
+        state["lm_head.weight"] = every[layout.head]
     elif layout.head in weights:   # a tied head saved anyway: the embedding's copy
-        used.add(layout.head)
-        if not torch.equal(weights[layout.head], state["embed.weight"]):
+        if not torch.equal(every[layout.head], state["embed.weight"]):
             raise CheckpointError(f"config.json ties the embeddings, but {layout.head!r} differs from "
                                   f"{layout.embed!r}")
-    left = sorted(set(weights) - used)
+    left = every.unused()
     if left:
         raise CheckpointError(f"fla type {model_type!r}: the import does not use the tensors {left[:12]}"
                               + (f" (and {len(left) - 12} more)" if len(left) > 12 else ""))
@@ -419,7 +419,6 @@ def import_fla(folder: PathLike, out: PathLike, *, overwrite: bool = False, step
     if cfg.get("model_type") not in _CONVERTERS:
         raise CheckpointError(f"unsupported fla model_type {cfg.get('model_type')!r} in {folder / 'config.json'}; "
                               f"the fla import supports: {', '.join(supported_types())}")
-    check_out(folder, out, overwrite)
 
     def write(run: Path) -> Path:
         config, state = fla_to_linattn(cfg, read_fla_weights(folder))
@@ -449,4 +448,4 @@ def _fla_tokenizer(folder: Path, vocab_size: int, explicit: Optional[PathLike]):
 
 __all__ = ["MixerConversion", "FlaLayout", "LayerParams", "register_fla", "supported_types", "is_fla_folder",
            "import_fla", "fla_to_linattn", "read_fla_weights", "convert_attention", "attention_specs", "cfg_get",
-           "require", "refuse_non_float", "ATTENTION_MIXER"]
+           "require", "refuse_non_float", "biases_and_qk_norm", "ATTENTION_MIXER"]

@@ -2,18 +2,14 @@
 from __future__ import annotations
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .shared import as_int, base_state, common_kwargs
+from .shared import base_state, common_kwargs, delta_config, expand_heads
 
 QK_ACTIVATIONS = ("silu", "relu", "elu", "identity")
 
 
 @register_fla("delta_net")
 def convert_delta_net(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
-    d, H = int(cfg["hidden_size"]), int(cfg_get(cfg, "num_heads", 16))
-    key_dim = as_int(cfg, d * float(cfg_get(cfg, "expand_k", 1.0)), "hidden_size * expand_k")
-    value_dim = as_int(cfg, d * float(cfg_get(cfg, "expand_v", 1.0)), "hidden_size * expand_v")
-    require(key_dim % H == 0 and value_dim % H == 0, cfg, f"key/value widths {key_dim}/{value_dim} not divisible by "
-            f"num_heads {H}")
+    H, dk, dv = expand_heads(cfg, 16, 1.0, 1.0)
     short_conv = bool(cfg_get(cfg, "use_short_conv", True))
     use_gate, use_beta = bool(cfg_get(cfg, "use_gate", False)), bool(cfg_get(cfg, "use_beta", True))
     qk_act, qk_norm = cfg_get(cfg, "qk_activation", "silu"), cfg_get(cfg, "qk_norm", "l2")
@@ -21,8 +17,8 @@ def convert_delta_net(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConvers
     require(qk_norm in ("l2", "sum"), cfg, f"qk_norm {qk_norm!r}")
     kwargs = common_kwargs(cfg, short_conv)
     kwargs["output_gate"] = use_gate
-    if value_dim // H != key_dim // H:
-        kwargs["head_dim_v"] = value_dim // H
+    if dv != dk:
+        kwargs["head_dim_v"] = dv
     if not use_beta:
         kwargs["use_beta"] = False
     if qk_act != "silu":
@@ -32,5 +28,4 @@ def convert_delta_net(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConvers
     state = base_state(p, short_conv, use_gate)
     if use_beta:
         state["b_proj.weight"] = p["b_proj.weight"]
-    return MixerConversion("deltanet", kwargs, state,
-                           {"head_dim": key_dim // H, "short_conv": short_conv, "l2norm_convention": "rsqrt"})
+    return MixerConversion("deltanet", kwargs, state, delta_config(dk, short_conv))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
+from .core import LayerParams, MixerConversion, biases_and_qk_norm, cfg_get, register_fla, require
 
 
 @register_fla("deltaformer")
@@ -22,11 +22,7 @@ def convert_deltaformer(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConve
                               "beta_act": None}
     state = {f"{n}_proj.weight": p[f"{n}_proj.weight"] for n in "qkvob"}
     state["b_proj.bias"] = p["b_proj.bias"]
-    if cfg_get(cfg, "qkv_bias", False):
-        kwargs["qkv_bias"] = True
-        state.update({f"{n}_proj.bias": p[f"{n}_proj.bias"] for n in "qkv"})
-    if cfg_get(cfg, "qk_norm", False):
-        kwargs.update(qk_norm=True, qk_norm_eps=1e-5, qk_norm_before_rope=True)
-        state["q_norm.weight"], state["k_norm.weight"] = p["q_norm.weight"], p["k_norm.weight"]
+    biases_and_qk_norm(p, kwargs, state, cfg_get(cfg, "qkv_bias", False), cfg_get(cfg, "qk_norm", False),
+                       qk_norm_eps=1e-5, qk_norm_before_rope=True)
     config = {"n_heads": H, "head_dim": d // H, "rope_base": float(cfg_get(cfg, "rope_theta", 10000.0))}
     return MixerConversion("deltaformer", kwargs, state, config)

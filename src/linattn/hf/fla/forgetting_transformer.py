@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
+from .core import LayerParams, MixerConversion, biases_and_qk_norm, cfg_get, register_fla, require
+from .shared import kv_heads
 
 
 @register_fla("forgetting_transformer")
@@ -21,21 +22,12 @@ def convert_forgetting_transformer(cfg: dict, layer_idx: int, p: LayerParams) ->
     d, H = int(cfg["hidden_size"]), int(cfg_get(cfg, "num_heads", 32))
     require(d % H == 0, cfg, f"hidden_size {d} not divisible by num_heads {H}")
     require(cfg.get("window_size") is None, cfg, "window_size (fla applies it when decoding only)")
-    kvh = int(cfg_get(cfg, "num_kv_heads", H))
-    qkv_bias, qk_norm = bool(cfg_get(cfg, "qkv_bias", False)), bool(cfg_get(cfg, "qk_norm", False))
-    gate = bool(cfg_get(cfg, "use_output_gate", False))
-    kwargs: Dict[str, Any] = {"rope": False, "short_conv": False, "output_norm": False}
+    kwargs: Dict[str, Any] = {"rope": False, "short_conv": False, "output_norm": False, **kv_heads(cfg, H)}
     state = {f"{n}_proj.weight": p[f"{n}_proj.weight"] for n in "qkvof"}
     state["f_proj.bias"] = p["f_proj.bias"]
-    if kvh != H:
-        kwargs["n_kv_heads"] = kvh
-    if qkv_bias:
-        kwargs["qkv_bias"] = True
-        state.update({f"{n}_proj.bias": p[f"{n}_proj.bias"] for n in "qkv"})
-    if qk_norm:
-        kwargs.update(qk_norm=True, qk_norm_weight="channel", qk_norm_eps=1e-5)
-        state["q_norm.weight"], state["k_norm.weight"] = p["q_norm.weight"], p["k_norm.weight"]
-    if gate:
+    biases_and_qk_norm(p, kwargs, state, cfg_get(cfg, "qkv_bias", False), cfg_get(cfg, "qk_norm", False),
+                       qk_norm_weight="channel", qk_norm_eps=1e-5)
+    if cfg_get(cfg, "use_output_gate", False):
         kwargs.update(output_gate=True, gate_act="sigmoid")
         state["g_proj.weight"] = p["g_proj.weight"]
     return MixerConversion("fox", kwargs, state, {"n_heads": H, "head_dim": d // H})

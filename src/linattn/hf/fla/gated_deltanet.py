@@ -4,7 +4,7 @@ a plain RMSNorm, allow_neg_eigval, with or without the short convolutions."""
 from __future__ import annotations
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .shared import base_state, common_kwargs, grouped_heads
+from .shared import base_state, common_kwargs, delta_config, grouped_heads
 
 
 @register_fla("gated_deltanet")
@@ -19,6 +19,4 @@ def convert_gated_deltanet(cfg: dict, layer_idx: int, p: LayerParams) -> MixerCo
         kwargs["gate_act"] = "sigmoid"
     state = base_state(p, short_conv, use_gate)
     state.update({n: p[n] for n in ("a_proj.weight", "b_proj.weight", "A_log", "dt_bias")})
-    return MixerConversion("gated-deltanet", kwargs, state,
-                           {"head_dim": Dk, "n_value_heads": HV, "short_conv": short_conv,
-                            "l2norm_convention": "rsqrt"})
+    return MixerConversion("gated-deltanet", kwargs, state, delta_config(Dk, short_conv, HV))

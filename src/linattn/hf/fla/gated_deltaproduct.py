@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .shared import base_state, common_kwargs, grouped_heads
+from .shared import base_state, common_kwargs, delta_config, grouped_heads
 
 
 def step_major_to_head_major(w: torch.Tensor, n: int, H: int) -> torch.Tensor:
@@ -32,5 +32,4 @@ def convert_gated_deltaproduct(cfg: dict, layer_idx: int, p: LayerParams) -> Mix
         state[name] = step_major_to_head_major(state[name] if name in state else p[name], n, H)
     if forget:
         state.update({name: p[name] for name in ("a_proj.weight", "A_log", "dt_bias")})
-    return MixerConversion("delta-product", kwargs, state,
-                           {"head_dim": Dk, "short_conv": short_conv, "l2norm_convention": "rsqrt"})
+    return MixerConversion("delta-product", kwargs, state, delta_config(Dk, short_conv))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .shared import gla_heads, output_norm_state
+from .shared import expand_heads, kv_heads, output_norm_state
 
 
 def conv_state(p: LayerParams, names=("q", "k", "v")) -> Dict[str, Any]:
@@ -17,7 +17,7 @@ def conv_state(p: LayerParams, names=("q", "k", "v")) -> Dict[str, Any]:
 
 @register_fla("gla")
 def convert_gla(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
-    H, dk, dv = gla_heads(cfg)
+    H, dk, dv = expand_heads(cfg, 4, 0.5, 1.0)
     fm = cfg.get("feature_map")
     require(fm in (None, "relu"), cfg, f"feature_map {fm!r} (supported: None, relu)")
     require(cfg_get(cfg, "elementwise_affine", True), cfg, "an output norm without a weight (elementwise_affine)")
@@ -31,9 +31,7 @@ def convert_gla(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
         kwargs["feature_map"] = "relu"
     if cfg.get("clamp_min") is not None:
         kwargs["gate_min"] = float(cfg["clamp_min"])
-    kv = cfg.get("num_kv_heads")
-    if kv is not None and int(kv) != H:   # grouped k/v heads (and GLA's decay): k_proj / v_proj are smaller
-        kwargs["n_kv_heads"] = int(kv)
+    kwargs.update(kv_heads(cfg, H))   # (GLA's decay is per k/v head then)
     state = {f"{n}_proj.weight": p[f"{n}_proj.weight"] for n in "qkvo"}
     state.update({"gk_proj.0.weight": p["gk_proj.0.weight"], "gk_proj.1.weight": p["gk_proj.1.weight"],
                   "gk_proj.1.bias": p["gk_proj.1.bias"]})

@@ -4,7 +4,7 @@ RMSNorm, grouped value heads, allow_neg_eigval, and the bounded gate of safe_gat
 from __future__ import annotations
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .shared import base_state, common_kwargs, grouped_heads
+from .shared import base_state, common_kwargs, delta_config, grouped_heads
 
 
 @register_fla("kda")
@@ -21,6 +21,4 @@ def convert_kda(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
     state = base_state(p, short_conv, output_gate=False)
     state.update({n: p[n] for n in ("f_proj.0.weight", "f_proj.1.weight", "g_proj.0.weight", "g_proj.1.weight",
                                     "g_proj.1.bias", "b_proj.weight", "A_log", "dt_bias")})
-    return MixerConversion("kda", kwargs, state,
-                           {"head_dim": Dk, "n_value_heads": HV, "short_conv": short_conv,
-                            "l2norm_convention": "rsqrt"})
+    return MixerConversion("kda", kwargs, state, delta_config(Dk, short_conv, HV))

@@ -14,7 +14,7 @@ import torch
 
 from ...errors import CheckpointError
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .shared import gla_heads
+from .shared import expand_heads, kv_heads
 
 #: fla's feature_map -> linattn's map of the same phi = psi
 FEATURE_MAPS = {"identity": "identity", "elu": "elu+1", "relu": "relu"}
@@ -41,7 +41,7 @@ def _learned_state(p: LayerParams, tied: bool) -> Dict[str, Any]:
 
 @register_fla("linear_attn")
 def convert_linear_attn(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
-    H, dk, dv = gla_heads({"expand_k": 1.0, "expand_v": 1.0, **{k: v for k, v in cfg.items() if v is not None}})
+    H, dk, dv = expand_heads(cfg, 4, 1.0, 1.0)
     fm = cfg_get(cfg, "feature_map", "elementwise_product")
     require(fm in FEATURE_MAPS or fm in LEARNED, cfg,
             f"feature_map {fm!r} (supported: {', '.join(list(FEATURE_MAPS) + list(LEARNED))})")
@@ -58,9 +58,7 @@ def convert_linear_attn(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConve
         tied = bool(cfg_get(cfg, "tie_feature_map_qk", False)) or fm == "dpfp"
         kwargs.update(learned_map=LEARNED[fm][0], learned_map_tied=tied)
         state.update(_learned_state(p, tied))
-    kv = cfg.get("num_kv_heads")
-    if kv is not None and int(kv) != H:   # grouped k/v heads: k_proj / v_proj are smaller
-        kwargs["n_kv_heads"] = int(kv)
+    kwargs.update(kv_heads(cfg, H))
     state.update({f"{n}_proj.weight": p[f"{n}_proj.weight"] for n in "qkvo"})
     state["o_norm.weight"] = p["norm.weight"]
     return MixerConversion("linear-" + FEATURE_MAPS.get(fm, "identity"), kwargs, state, {"n_heads": H})

@@ -45,11 +45,11 @@ def convert_mamba2(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion
     require(not cfg.get("attn"), cfg, "hybrid layouts")
     lim = _first(cfg, ("dt_limit", "time_step_limit"), (0.0, float("inf")))
     gated_norm = bool(_first(cfg, ("rmsnorm", "rms_norm"), True))
+    eps = float(_first(cfg, ("norm_eps", "layer_norm_epsilon"), 1e-5))
     kwargs: Dict[str, Any] = {
         "state_size": int(cfg_get(cfg, "state_size", 128)), "n_groups": int(cfg_get(cfg, "n_groups", 1)),
         "conv_size": int(cfg_get(cfg, "conv_kernel", 4)), "conv_bias": bool(cfg_get(cfg, "use_conv_bias", True)),
-        "proj_bias": bool(cfg_get(cfg, "use_bias", False)),
-        "norm_eps": float(_first(cfg, ("norm_eps", "layer_norm_epsilon"), 1e-5))}
+        "proj_bias": bool(cfg_get(cfg, "use_bias", False)), "norm_eps": eps}
     lo, hi = _float(lim[0]), _float(lim[1])
     if (lo, hi) != (0.0, float("inf")):
         # JSON has no infinity: an unbounded top is the largest float, the same clamp for every finite dt
@@ -68,6 +68,5 @@ def convert_mamba2(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion
         if fla_name.endswith(".bias") and fla_name not in p:
             continue                      # no bias (use_bias / use_conv_bias False): the module has none either
         state[ours] = p[fla_name]
-    config = {"n_heads": H, "head_dim": head_dim, "short_conv": True,
-              "norm_eps": float(_first(cfg, ("norm_eps", "layer_norm_epsilon"), 1e-5))}
-    return MixerConversion("mamba2", kwargs, state, config)
+    return MixerConversion("mamba2", kwargs, state, {"n_heads": H, "head_dim": head_dim, "short_conv": True,
+                                                     "norm_eps": eps})

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
+from .shared import kv_heads
 
 
 @register_fla("path_attn")
@@ -40,7 +41,5 @@ def convert_path_attn(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConvers
     if forget:
         kwargs["use_forget_gate"] = True
         state["f_proj.weight"], state["f_proj.bias"] = p["g_proj.weight"], p["g_proj.bias"]
-    kvh = int(cfg_get(cfg, "num_kv_heads", H))
-    if kvh != H:
-        kwargs["n_kv_heads"] = kvh
+    kwargs.update(kv_heads(cfg, H))
     return MixerConversion("path", kwargs, state, {"n_heads": H, "head_dim": d // H})

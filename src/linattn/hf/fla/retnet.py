@@ -7,21 +7,18 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from .core import LayerParams, MixerConversion, cfg_get, register_fla, require
-from .shared import gla_heads, output_norm_state
+from .shared import expand_heads, kv_heads, output_norm_state
 
 
 @register_fla("retnet")
 def convert_retnet(cfg: dict, layer_idx: int, p: LayerParams) -> MixerConversion:
-    H, dk, dv = gla_heads({"expand_k": 1.0, "expand_v": 2.0, **{k: v for k, v in cfg.items() if v is not None}})
+    H, dk, dv = expand_heads(cfg, 4, 1.0, 2.0)
     require(cfg.get("feature_map") is None, cfg, f"feature_map {cfg.get('feature_map')!r}")
     require(cfg_get(cfg, "elementwise_affine", True), cfg, "an output norm without a weight (elementwise_affine)")
     out_gate = bool(cfg_get(cfg, "use_output_gate", True))
     # fla's RetNet block never passes use_short_conv to its layer: no short convolution whatever the config says
     kwargs: Dict[str, Any] = {"head_dim": dk, "head_dim_v": dv, "output_gate": out_gate, "rope": True,
-                              "rope_base": 10000.0, "short_conv": False}
-    kv = cfg.get("num_kv_heads")
-    if kv is not None and int(kv) != H:   # grouped k/v heads (and GLA's decay): k_proj / v_proj are smaller
-        kwargs["n_kv_heads"] = int(kv)
+                              "rope_base": 10000.0, "short_conv": False, **kv_heads(cfg, H)}
     state = {f"{n}_proj.weight": p[f"{n}_proj.weight"] for n in "qkvo"}
     state.update(output_norm_state(p))
     if out_gate:

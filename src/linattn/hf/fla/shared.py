@@ -1,6 +1,7 @@
 """The pieces two or more fla converters share: the delta family's projections, convolutions, output norm and
-gate (`base_state`), its common options (`common_kwargs`), grouped value heads (`grouped_heads`); the GLA family's
-head widths (`gla_heads`) and output norm (`output_norm_state`)."""
+gate (`base_state`), its common options (`common_kwargs`) and model config (`delta_config`), grouped value heads
+(`grouped_heads`); head widths from expand_k / expand_v (`expand_heads`), grouped k/v heads (`kv_heads`) and the
+GLA family's output norm (`output_norm_state`)."""
 from __future__ import annotations
 
 import math
@@ -40,6 +41,12 @@ def common_kwargs(cfg: Dict[str, Any], short_conv: bool) -> Dict[str, Any]:
     return kwargs
 
 
+def delta_config(head_dim: int, short_conv: bool, n_value_heads: int = 0) -> Dict[str, Any]:
+    """The model config fields the delta layers set (their q/k L2 norm is LMConfig's default, fla's rsqrt form)."""
+    config = {"head_dim": head_dim, "short_conv": short_conv}
+    return {**config, "n_value_heads": n_value_heads} if n_value_heads else config
+
+
 def grouped_heads(cfg: dict, default_heads: int, default_head_dim: int, default_expand_v: float):
     """(H, HV, head_dim, head_dim_v) of the layers with head_dim / num_heads / num_v_heads / expand_v."""
     H, Dk = int(cfg_get(cfg, "num_heads", default_heads)), int(cfg_get(cfg, "head_dim", default_head_dim))
@@ -49,13 +56,20 @@ def grouped_heads(cfg: dict, default_heads: int, default_head_dim: int, default_
     return H, HV, Dk, Dv
 
 
-def gla_heads(cfg: Dict[str, Any]):
-    """(H, head_dim, head_dim_v) of the GLA-family layers (hidden_size * expand_k / expand_v over num_heads)."""
-    d, H = int(cfg["hidden_size"]), int(cfg_get(cfg, "num_heads", 4))
-    kd, vd = d * float(cfg_get(cfg, "expand_k", 0.5)), d * float(cfg_get(cfg, "expand_v", 1.0))
-    require(kd == int(kd) and vd == int(vd) and int(kd) % H == 0 and int(vd) % H == 0, cfg,
-            f"key / value widths {kd} / {vd} that are not whole multiples of num_heads {H}")
-    return H, int(kd) // H, int(vd) // H
+def expand_heads(cfg: Dict[str, Any], heads: int, expand_k: float, expand_v: float):
+    """(H, head_dim, head_dim_v) of the layers whose key / value widths are hidden_size * expand_k / expand_v over
+    num_heads (GLA, RetNet, LinearAttention, DeltaNet; the arguments are the layer's defaults)."""
+    d, H = int(cfg["hidden_size"]), int(cfg_get(cfg, "num_heads", heads))
+    kd = as_int(cfg, d * float(cfg_get(cfg, "expand_k", expand_k)), "hidden_size * expand_k")
+    vd = as_int(cfg, d * float(cfg_get(cfg, "expand_v", expand_v)), "hidden_size * expand_v")
+    require(kd % H == 0 and vd % H == 0, cfg, f"key / value widths {kd} / {vd} not divisible by num_heads {H}")
+    return H, kd // H, vd // H
+
+
+def kv_heads(cfg: Dict[str, Any], H: int) -> Dict[str, int]:
+    """The layer option of grouped k/v heads (num_kv_heads below num_heads: k_proj / v_proj are smaller), or none."""
+    kv = cfg.get("num_kv_heads")
+    return {"n_kv_heads": int(kv)} if kv is not None and int(kv) != H else {}
 
 
 def output_norm_state(p: LayerParams) -> Dict[str, Any]:
