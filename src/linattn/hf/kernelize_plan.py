@@ -76,7 +76,7 @@ def _ffn(mlp: nn.Module, wdt: torch.dtype):
         return None
     if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
         return None
-    return _parts.fused_linear(torch.cat([gate.weight.detach(), up.weight.detach()])), down
+    return _parts.fused_linear(gate.weight, up.weight), down
 
 
 #: the GDN projections of each described architecture, in the order `_GDN` reads them
@@ -87,8 +87,9 @@ _GDN_PROJECTIONS = {
 
 
 class _GDN:
-    """A transformers Gated DeltaNet layer as the plan's delta block needs it: its projections as one matrix with
-    the plan's rows `[q | k | v | b | a | z]` (`W`, a copy made once)."""
+    """A transformers Gated DeltaNet layer as the plan's delta block needs it: its projections with the plan's rows
+    `[q | k | v | b | a | z]` (`W`: Qwen3.5's four projections read in place; Qwen3-Next's regrouped once into a
+    copy, its rows interleave per key head)."""
 
     __slots__ = ("layer", "H", "HV", "K", "V", "KC", "W")
 
@@ -97,10 +98,10 @@ class _GDN:
         self.K, self.V, self.KC = layer.head_k_dim, layer.head_v_dim, layer.conv_kernel_size
         m = layer._modules
         if arch == "Qwen3NextForCausalLM":
-            self.W = self._regrouped(m["in_proj_qkvz"].weight.detach(), m["in_proj_ba"].weight.detach())
+            self.W = _parts.fused_linear(self._regrouped(m["in_proj_qkvz"].weight.detach(),
+                                                         m["in_proj_ba"].weight.detach()))
         else:   # Qwen3.5: q | k | v in one, b, a, z apart
-            self.W = torch.cat([m[n].weight.detach() for n in ("in_proj_qkv", "in_proj_b", "in_proj_a",
-                                                                 "in_proj_z")])
+            self.W = _parts.fused_linear(*(m[n].weight for n in ("in_proj_qkv", "in_proj_b", "in_proj_a", "in_proj_z")))
 
     def _regrouped(self, qkvz: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
         """Qwen3-Next's fused projections hold their rows per key head h: `[q_h (K) | k_h (K) | v (r V) | z (r V)]`
@@ -130,10 +131,10 @@ def _gdn_plan(g: _GDN, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtyp
     """The plan's delta block (kind 0, gated) for a transformers GDN layer: y = [q | k | v | b | a | z]."""
     layer, cdt, keep = g.layer, _dp.compute_dtype(wdt), []
     addr = _dp.plan_addresser(keep, cdt)
-    p = _cpu_decode.BlockPlan(B=B, H=g.H, HV=g.HV, K=g.K, V=g.V, d=d, ny=g.W.shape[0], KC=g.KC,
+    p = _cpu_decode.BlockPlan(B=B, H=g.H, HV=g.HV, K=g.K, V=g.V, d=d, ny=g.W.out_features, KC=g.KC,
                               hid=bd.ffn_down.in_features, kind=0, conv_act=1, scale=g.K ** -0.5,
                               nthreads=max(1, torch.get_num_threads()), has_ffn=1, wbf16=int(wdt == torch.bfloat16))
-    p.W = addr(g.W, wdt)
+    _dp.set_weight(p, "W", g.W, wdt, addr)
     conv = layer._modules["conv1d"].weight
     p.cw = addr(conv.view(conv.shape[0], -1))
     # transformers' l2norm: x * rsqrt(sum x^2 + 1e-6) on q and k ("rsqrt", L2NORM_EPS)
@@ -292,7 +293,7 @@ def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
     mp.embed, mp.head, mp.norm_w = desc.embed.weight.data_ptr(), head_w.data_ptr(), norm_w.data_ptr()
     block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
     mp.blocks = ctypes.addressof(block_ptrs)
-    direct = {mp.embed, mp.head, mp.norm_w} | {getattr(p, f) for p in plans for f in _dp.PLAN_POINTERS}
+    direct = {mp.embed, mp.head, mp.norm_w}.union(*map(_dp.plan_pointers, plans))
     slot.guard = _dp.PlanGuard(arch.base(model), _described_modules(model, arch), [], direct)
     if not slot.guard.valid() or any(t.device.type != "cpu" for t in slot.guard.tensors):
         return False

@@ -56,15 +56,16 @@ MODELS = ("KimiLinearForCausalLM",)
 
 
 class _KDA:
-    """A transformers `KimiLinearDeltaAttention` as the plan's KDA block reads it: the fused first product W."""
+    """A transformers `KimiLinearDeltaAttention` as the plan's KDA block reads it: the fused first product W (its
+    six projections read in place)."""
 
     __slots__ = ("layer", "H", "K", "KC", "W")
 
     def __init__(self, layer):
         self.layer, self.H, self.K, self.KC = layer, layer.num_heads, layer.head_dim, layer.conv_kernel_size
         m, fg = layer._modules, layer.forget_gate._modules
-        self.W = torch.cat([w.weight.detach() for w in (m["q_proj"], m["k_proj"], m["v_proj"], m["b_proj"],
-                                                         fg["f_a_proj"], m["g_a_proj"])])
+        self.W = _parts.fused_linear(*(w.weight for w in (m["q_proj"], m["k_proj"], m["v_proj"], m["b_proj"],
+                                                           fg["f_a_proj"], m["g_a_proj"])))
 
 
 def _plain(m, shape, wdt) -> bool:
@@ -110,7 +111,7 @@ def _ffn(mlp: nn.Module, d: int, wdt):
         return "an MLP whose projections are not bias-free nn.Linear layers of the model's dtype"
     if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
         return "an MLP activation other than SiLU"
-    return _parts.fused_linear(torch.cat([gate.weight.detach(), up.weight.detach()])), down
+    return _parts.fused_linear(gate.weight, up.weight), down
 
 
 def _describe(model: nn.Module) -> Union[tuple, str]:
@@ -159,11 +160,11 @@ def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtyp
     m, fg = layer._modules, layer.forget_gate
     addr = _dp.plan_addresser(keep, cdt)
     H, K = k.H, k.K
-    p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=K, V=K, d=d, ny=k.W.shape[0], KC=k.KC,
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=K, V=K, d=d, ny=k.W.out_features, KC=k.KC,
                               hid=bd.ffn_down.in_features, kind=4, conv_act=1, scale=K ** -0.5,
                               nthreads=max(1, torch.get_num_threads()), has_ffn=1, wbf16=int(wdt == torch.bfloat16),
                               rank_f=K, rank_g=K, gate_sig=1, l2eps=1e-6, l2conv=0)
-    p.W = addr(k.W, wdt)
+    _dp.set_weight(p, "W", k.W, wdt, addr)
     conv = m["conv1d"].weight
     p.cw = addr(conv.view(conv.shape[0], -1))
     p.Wf = addr(fg._modules["f_b_proj"].weight, wdt)

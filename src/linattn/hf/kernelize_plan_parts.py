@@ -17,9 +17,10 @@ def norm(weight: torch.Tensor, eps) -> types.SimpleNamespace:
     return types.SimpleNamespace(weight=weight, eps=float(eps))
 
 
-def fused_linear(weight: torch.Tensor) -> types.SimpleNamespace:
-    """A projection the plan reads, fused once from several of transformers' `nn.Linear` (bias-free)."""
-    return types.SimpleNamespace(weight=weight, bias=None, out_features=weight.shape[0], in_features=weight.shape[1])
+def fused_linear(*weights: torch.Tensor) -> _dp.StackedRows:
+    """A projection the plan reads, fused from several of transformers' bias-free `nn.Linear` weights stacked by
+    rows: read in place (no copy), or one matrix when a single weight is given (e.g. rows regrouped once)."""
+    return _dp.StackedRows(weights)
 
 
 def base_and_embedding(model: nn.Module, models: tuple, base: str, embedding: str) -> Union[tuple, str]:
