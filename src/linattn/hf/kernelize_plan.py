@@ -9,15 +9,16 @@ model's `forward` is given a hook (`hook_model`, an instance attribute with the 
 decodes one token per row as ONE compiled call (`cpu/csrc/decode.c`, `linattn_decode_model`), built by
 `models/decode_plan.py` from a description of transformers' own modules:
 
-* the GDN layer: `in_proj_qkv | in_proj_b | in_proj_a | in_proj_z` (Qwen3-Next: `in_proj_qkvz`, `in_proj_ba`,
-  rows grouped per key head, regrouped) fused once into the plan's `[q | k | v | b | a | gate]` projection, the
+* the GDN layer: `in_proj_qkv | in_proj_b | in_proj_a | in_proj_z` read in place as the parts of the plan's
+  `[q | k | v | b | a | gate]` projection (Qwen3-Next: `in_proj_qkvz`, `in_proj_ba`, rows grouped per key head,
+  regrouped once into a copy), the
   depthwise `conv1d`, `A_log` / `dt_bias`, the gated output RMSNorm;
 * the attention: `decode_plan.AttentionDescription` (q-interleaved sigmoid gate, `1 + w` q/k norms, partial
   rotary with fp32 angles);
 * the block norms and the final norm: zero-centred, so `1 + w` is precomputed into the plan; `gate_proj` and
-  `up_proj` concatenated once; the head tied or not.
+  `up_proj` read in place as the two parts of one product; the head tied or not.
 
-Copies (the fused projections, `1 + w`, `-exp(A_log)`) are guarded by the versions of their sources
+Copies (`1 + w`, `-exp(A_log)`, Qwen3-Next's regrouped projections) are guarded by the versions of their sources
 (`decode_plan.PlanGuard`): an in-place weight update rebuilds the plan.
 
 transformers' cache objects stay valid after every token, each written on that token:
