@@ -72,6 +72,7 @@ def struct_fields(typedef: str) -> List[Tuple[str, object]]:
             break
     else:
         raise AssertionError(f"no typedef {typedef}")
+    sizes = {k: int(v) for k, v in re.findall(r"^#define (\w+) (\d+)\s*$", text, re.M)}
     fields = []
     for decl in m.group(1).split(";"):
         decl = " ".join(decl.split())
@@ -80,8 +81,9 @@ def struct_fields(typedef: str) -> List[Tuple[str, object]]:
         base = re.match(r"((?:const\s+)?\w+)", decl).group(1)
         for item in decl[len(base):].split(","):
             item = item.strip()
-            fname = re.search(r"(\w+)\s*$", item).group(1)
-            fields.append((fname, ctypes.c_void_p if "*" in item else SCALAR[base.replace("const", "").strip()]))
+            fname, count = re.search(r"(\w+)\s*(?:\[(\w+)\])?$", item).groups()   # (an array: [N] or [NAME])
+            t = ctypes.c_void_p if "*" in item else SCALAR[base.replace("const", "").strip()]
+            fields.append((fname, t if count is None else t * (int(count) if count.isdigit() else sizes[count])))
     return fields
 
 

@@ -89,14 +89,20 @@ def test_cache_reused_copied_and_advanced_by_transformers_between_calls(monkeypa
     pd.check_cache_copied_and_advanced(*_pair(), lambda c: c.layers[1].keys, monkeypatch)
 
 
+#: what the plan copies: (1 + w), -exp(A_log), Qwen3-Next's GDN projections (regrouped per key head); it reads
+#: gate | up and Qwen3.5's GDN projections from their parts in place
+COPIED = {"model.layers.0.input_layernorm.weight", "model.layers.2.linear_attn.A_log", "model.norm.weight",
+          "model.layers.1.self_attn.q_norm.weight"}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", ["model.layers.0.input_layernorm.weight", "model.layers.1.mlp.up_proj.weight",
-                                  "model.layers.0.linear_attn.FUSED.weight", "model.layers.2.linear_attn.A_log",
-                                  "model.norm.weight", "model.layers.1.self_attn.q_norm.weight"])
-def test_in_place_update_of_a_copied_weight_rebuilds(name, arch, monkeypatch):
-    """The plan copies (1 + w), gate | up, the fused GDN projection and -exp(A_log): a weight updated in place
-    between tokens invalidates it, and the next token reads the new value."""
-    pd.check_in_place_update(*_pair(arch=arch), name.replace("FUSED", FUSED[arch]), True, monkeypatch)
+@pytest.mark.parametrize("name", sorted(COPIED) + ["model.layers.1.mlp.up_proj.weight",
+                                                   "model.layers.0.linear_attn.FUSED.weight"])
+def test_in_place_update_of_a_weight(name, arch, monkeypatch):
+    """A weight the plan copied, updated in place between tokens, invalidates the plan; one it reads in place (a
+    part of a fused product) does not; either way the next token reads the new value."""
+    copied = name in COPIED or (arch == "qwen3_next" and "FUSED" in name)
+    pd.check_in_place_update(*_pair(arch=arch), name.replace("FUSED", FUSED[arch]), copied, monkeypatch)
 
 
 def test_a_hook_on_a_described_module_steps_aside(monkeypatch):
@@ -147,7 +153,34 @@ def test_qwen3_next_fused_rows_regrouped_as_its_own_split():
     x = torch.randn(3, 1, ATTN["hidden_size"], dtype=torch.float64)
     with torch.no_grad():
         q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x), layer.in_proj_ba(x))
-        y = x @ _GDN(layer, "Qwen3NextForCausalLM").W.T
+        W = _GDN(layer, "Qwen3NextForCausalLM").W.parts   # (one part: the regrouped copy)
+        assert len(W) == 1
+        y = x @ W[0].T
     want = torch.cat([t.reshape(3, 1, -1) for t in (q, k, v, b, a, z)], -1)
     assert y.shape == want.shape
     torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_products_read_from_their_parts_equal_the_concatenated_copy(dtype, monkeypatch):
+    """Qwen3.5's GDN projections (in_proj_qkv | b | a | z) and every MLP's gate | up are read from transformers'
+    weights in place (the plan points at them: no copy of the fused matrices); every decoded token's logits are the
+    bits of a plan that concatenates them (`PLAN_PARTS` 0 forces the copies)."""
+    _, fast = _pair(dtype)
+    ids = pd.prompt(2, 5)
+
+    def run():
+        fast.__dict__.pop("_linattn_model_plan", None)
+        out = pd.generate(fast, ids, 4)
+        return torch.stack(out.logits), fast._linattn_model_plan.keep[0]
+
+    got, plans = run()
+    layer = fast.model.layers[0]
+    gdn = [layer.linear_attn._modules[n].weight for n in ("in_proj_qkv", "in_proj_b", "in_proj_a", "in_proj_z")]
+    assert list(plans[0].parts_W[:plans[0].nparts_W]) == [w.data_ptr() for w in gdn]
+    assert list(plans[0].parts_Wgu[:plans[0].nparts_Wgu]) == [layer.mlp.gate_proj.weight.data_ptr(),
+                                                              layer.mlp.up_proj.weight.data_ptr()]
+    monkeypatch.setattr(cpu_decode, "PLAN_PARTS", 0)
+    ref, plans = run()
+    assert plans[0].nparts_W == plans[0].nparts_Wgu == 0
+    assert torch.equal(got, ref)

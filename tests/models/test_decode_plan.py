@@ -63,11 +63,11 @@ def _swap_data(model):
 
 def _in_place_copied(model):
     with torch.no_grad():
-        model.blocks[0].mixer.k_proj.weight.mul_(1.3)   # read through the fused projection (a copy)
+        model.blocks[0].mixer.k_conv.weight.mul_(1.3)   # read through the fused conv weights (a copy)
 
 
 def _write_through_data(model):
-    model.blocks[1].mixer.q_proj.weight.data.mul_(0.7)   # no version bump: new_cache clears the fused weights
+    model.blocks[1].mixer.q_conv.weight.data.mul_(0.7)   # no version bump: new_cache clears the fused weights
     model.new_cache()
 
 
@@ -134,8 +134,9 @@ def test_guard_invalidates_for_a_global_hook_and_the_thread_count():
 
 
 def test_unchanged_model_keeps_its_plan_and_an_in_place_update_of_a_direct_weight_is_read():
-    """No rebuild between tokens; a weight the plan reads in place (o_proj) updated in place needs no rebuild
-    either, and the next token reads the new values. (A new cache clears the fused weights: `new_cache`.)"""
+    """No rebuild between tokens; a weight the plan reads in place (o_proj; k_proj, a part of the fused input
+    projection; w_gate_up) updated in place needs no rebuild either, and the next token reads the new values. (A new
+    cache clears the fused weights: `new_cache`.)"""
     model = _model()
     ids = _ids(1, T=6)
     twin = torch_decode_twin(model)
@@ -148,6 +149,10 @@ def test_unchanged_model_keeps_its_plan_and_an_in_place_update_of_a_direct_weigh
             if t == 4:
                 for m in (model, twin):
                     m.blocks[0].mixer.o_proj.weight.mul_(1.5)
+            if t == 5:
+                for m in (model, twin):
+                    m.blocks[1].mixer.k_proj.weight.mul_(0.8)
+                    m.blocks[1].ffn.w_gate_up.weight.mul_(1.2)
             got, ref = model(ids[:, t:t + 1], cache=cache).logits, twin(ids[:, t:t + 1], cache=ref_cache).logits
             torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
     assert decode_plan.rebuilds[0] == built
@@ -239,3 +244,30 @@ def test_plan_built_from_a_description_of_another_model(monkeypatch):
         assert decode_plan.model_step(other, ids[:, :1], Cache(2), 0) is None
         assert decode_plan.model_step(parallel, ids[:, :1], Cache(2), 0) is None
     assert calls.model == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fused_input_read_from_its_parts_equals_the_concatenated_copy(dtype, monkeypatch):
+    """The plan reads a Gated DeltaNet layer's fused input projection (q | k | v | g | b | a) from the six weights in
+    place (no concatenated copy: `nparts_W`, the parts' own addresses): the logits of every decoded token are the
+    bits of a plan that concatenates them (`PLAN_PARTS` 0 forces the copy). b and a have 2 rows each, so groups of
+    four rows straddle the parts."""
+    def logits(model):
+        model.__dict__.pop("_model_plan", None)
+        got = _generate(model, _ids(2))
+        return got, model._model_plan.keep[0]
+
+    model = _model(dtype=dtype)
+    got, plans = logits(model)
+    mixer = model.blocks[0].mixer
+    lins = [m for m in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.g_proj, mixer.b_proj, mixer.a_proj)
+            if m is not None]
+    by_ptr = {m.weight.data_ptr(): m for m in lins}
+    assert plans[0].nparts_W == len(lins) == 6 and set(plans[0].parts_W[:6]) == set(by_ptr)
+    assert plans[0].W == plans[0].parts_W[0]
+    assert list(plans[0].rows_W[:6]) == [by_ptr[a].out_features for a in plans[0].parts_W[:6]]
+    assert mixer.b_proj.out_features == mixer.a_proj.out_features == 2
+    monkeypatch.setattr(cpu_decode, "PLAN_PARTS", 0)
+    ref, plans = logits(model)
+    assert plans[0].nparts_W == 0 and plans[0].W not in {m.weight.data_ptr() for m in lins}
+    assert torch.equal(got, ref)

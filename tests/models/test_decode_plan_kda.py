@@ -55,9 +55,9 @@ def test_block_plans_alone_match_the_pytorch_path(monkeypatch):
     dk.check_block_plans_alone(_model(**CASES["bounded gate, low-rank sigmoid output gate"]), monkeypatch)
 
 
-def _in_place_gate_weight(model):
+def _in_place_conv_weight(model):
     with torch.no_grad():
-        model.blocks[0].mixer.f_proj[0].weight.mul_(1.5)   # fused into the plan's W (a copy)
+        model.blocks[0].mixer.k_conv.weight.mul_(1.5)   # fused into the plan's conv weights (a copy)
 
 
 def _a_log(model):
@@ -85,7 +85,7 @@ def _hook(model):
     model.blocks[2].mixer.f_proj[1].register_forward_hook(lambda *a: None)
 
 
-CAUSES = {"in-place fused gate weight": _in_place_gate_weight, "A_log in place": _a_log,
+CAUSES = {"in-place fused conv weight": _in_place_conv_weight, "A_log in place": _a_log,
           "gate_lower_bound": _bound, "gated norm's act": _gate_act, "output gate removed": _output_gate,
           "switch": _switch, "hook on the gate": _hook}
 
@@ -96,10 +96,12 @@ def test_guard_invalidates_for_each_kda_cause(cause, monkeypatch):
 
 
 def test_in_place_update_of_a_weight_read_in_place_needs_no_rebuild():
-    """f_proj's second stage and dt_bias are read in place: an in-place update between two tokens of one cache is
-    seen without a rebuild (a new cache rebuilds anyway: `new_cache` clears the fused weights)."""
+    """f_proj's two stages (the first a part of the fused input projection) and dt_bias are read in place: an
+    in-place update between two tokens of one cache is seen without a rebuild (a new cache rebuilds anyway:
+    `new_cache` clears the fused weights)."""
     def update(m):
         m.blocks[0].mixer.f_proj[1].weight.mul_(2.0)
+        m.blocks[2].mixer.f_proj[0].weight.mul_(1.5)
         m.blocks[2].mixer.dt_bias.add_(1.0)
 
     dk.check_update_in_place_without_rebuild(_model(), update)

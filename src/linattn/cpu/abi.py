@@ -51,6 +51,10 @@ class DeltaPlan(ctypes.Structure):
 WEIGHT_MATRICES = ("W", "Wo", "Wgu", "Wd", "Wq", "Wk", "Wv", "Wg")
 #: KDA's second-stage matrices (the gate's and the low-rank output gate's), with the same three fields each
 KDA_MATRICES = ("Wf", "Wg2")
+#: the fused products a block plan may read from separate matrices, and the most parts each (csrc/decode.c
+#: PLAN_PARTS)
+FUSED_PRODUCTS = ("W", "Wgu")
+PLAN_PARTS = 8
 
 
 class BlockPlan(ctypes.Structure):
@@ -95,7 +99,12 @@ class BlockPlan(ctypes.Structure):
                 + [("ela_map", ctypes.c_int32), ("pad4_", ctypes.c_int32), ("log_decay", ctypes.c_void_p)]
                 # the residual order: postnorm 0 pre-norm, 1 post-norm (OLMo-hybrid's attention blocks: n1w / n2w
                 # on the mixer's / the FFN's output before each residual add)
-                + [("postnorm", ctypes.c_int32), ("pad5_", ctypes.c_int32)])
+                + [("postnorm", ctypes.c_int32), ("pad5_", ctypes.c_int32)]
+                # fused products read from their parts (no concatenated copy): `FUSED_PARTS` per product, part i
+                # at parts_<M>[i] with rows_<M>[i] rows, nparts_<M> 0: <M> is one matrix
+                + [("nparts_W", ctypes.c_int32), ("nparts_Wgu", ctypes.c_int32)]
+                + [(f, t * PLAN_PARTS) for n in FUSED_PRODUCTS
+                   for f, t in ((f"parts_{n}", ctypes.c_void_p), (f"rows_{n}", ctypes.c_int64))])
 
 
 class ModelPlan(ctypes.Structure):
@@ -202,7 +211,7 @@ LIBRARIES: Dict[str, Library] = {
         Fn("linattn_rwkv7_bwd", (c_i64,) * 4 + (c_ptr,) * 7 + (c_double,) + (c_ptr,) * 2 + (c_i64,) + (c_ptr,) * 8
            + (c_int,)),
     )),
-    "decode": Library(5, (
+    "decode": Library(6, (
         # B, H, HV, K, V, y, ldy, KC, w_in, cw, cb, conv_act, w_out, kind, l2conv, q_l2, l2eps, scale, beta_mode,
         # alpha, gated, neg_a, dt_bias, S_in, S_out, has_norm, nw, norm_eps, has_gate, out, threads
         Fn("linattn_decode_delta", (c_i64,) * 5 + (c_ptr, c_i64, c_i64) + (c_ptr,) * 3 + (c_int, c_ptr) + (c_int,) * 3

@@ -20,12 +20,12 @@ import torch
 
 from ..errors import LinattnError
 from . import bindings, ptr, threads
-from .abi import KDA_MATRICES, WEIGHT_MATRICES, BlockPlan, ModelPlan
+from .abi import FUSED_PRODUCTS, KDA_MATRICES, PLAN_PARTS, WEIGHT_MATRICES, BlockPlan, ModelPlan
 from .build import ENV_SWITCH, enabled
 
 __all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", "ModelPlan", "model_function",
-           "BETA_MODES", "FEATURE_MAPS", "KDA_MATRICES", "WEIGHT_FORMATS", "WEIGHT_MATRICES",
-           "weight_matvec"]
+           "BETA_MODES", "FEATURE_MAPS", "FUSED_PRODUCTS", "KDA_MATRICES", "PLAN_PARTS", "WEIGHT_FORMATS",
+           "WEIGHT_MATRICES", "weight_matvec"]
 
 #: the feature maps the linear step computes (the C codes)
 from ..feature_codes import FUSED_MAPS as FEATURE_MAPS  # noqa: E402, I001 (one table, every path)

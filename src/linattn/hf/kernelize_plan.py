@@ -8,15 +8,16 @@ model's `forward` is given a hook (`hook_model`, an instance attribute with the 
 decodes one token per row as ONE compiled call (`cpu/csrc/decode.c`, `linattn_decode_model`), built by
 `models/decode_plan.py` from a description of transformers' own modules:
 
-* the GDN layer: `in_proj_qkv | in_proj_b | in_proj_a | in_proj_z` (Qwen3-Next: `in_proj_qkvz`, `in_proj_ba`,
-  rows grouped per key head, regrouped) fused once into the plan's `[q | k | v | b | a | gate]` projection, the
+* the GDN layer: `in_proj_qkv | in_proj_b | in_proj_a | in_proj_z` read in place as the parts of the plan's
+  `[q | k | v | b | a | gate]` projection (Qwen3-Next: `in_proj_qkvz`, `in_proj_ba`, rows grouped per key head,
+  regrouped once into a copy), the
   depthwise `conv1d`, `A_log` / `dt_bias`, the gated output RMSNorm;
 * the attention: `decode_plan.AttentionDescription` (q-interleaved sigmoid gate, `1 + w` q/k norms, partial
   rotary with fp32 angles);
 * the block norms and the final norm: zero-centred, so `1 + w` is precomputed into the plan; `gate_proj` and
-  `up_proj` concatenated once; the head tied or not.
+  `up_proj` read in place as the two parts of one product; the head tied or not.
 
-Copies (the fused projections, `1 + w`, `-exp(A_log)`) are guarded by the versions of their sources
+Copies (`1 + w`, `-exp(A_log)`, Qwen3-Next's regrouped projections) are guarded by the versions of their sources
 (`decode_plan.PlanGuard`): an in-place weight update rebuilds the plan.
 
 transformers' cache objects stay valid after every token, each written on that token:
@@ -77,7 +78,7 @@ def _ffn(mlp: nn.Module, wdt: torch.dtype):
         return None
     if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
         return None
-    return _parts.fused_linear(torch.cat([gate.weight.detach(), up.weight.detach()])), down
+    return _parts.fused_linear(gate.weight, up.weight), down
 
 
 #: the GDN projections of each described architecture, in the order `_GDN` reads them
@@ -88,8 +89,9 @@ _GDN_PROJECTIONS = {
 
 
 class _GDN:
-    """A transformers Gated DeltaNet layer as the plan's delta block needs it: its projections as one matrix with
-    the plan's rows `[q | k | v | b | a | z]` (`W`, a copy made once)."""
+    """A transformers Gated DeltaNet layer as the plan's delta block needs it: its projections with the plan's rows
+    `[q | k | v | b | a | z]` (`W`: Qwen3.5's four projections read in place; Qwen3-Next's regrouped once into a
+    copy, its rows interleave per key head)."""
 
     __slots__ = ("layer", "H", "HV", "K", "V", "KC", "W")
 
@@ -98,10 +100,10 @@ class _GDN:
         self.K, self.V, self.KC = layer.head_k_dim, layer.head_v_dim, layer.conv_kernel_size
         m = layer._modules
         if arch == "Qwen3NextForCausalLM":
-            self.W = self._regrouped(m["in_proj_qkvz"].weight.detach(), m["in_proj_ba"].weight.detach())
+            self.W = _parts.fused_linear(self._regrouped(m["in_proj_qkvz"].weight.detach(),
+                                                         m["in_proj_ba"].weight.detach()))
         else:   # Qwen3.5: q | k | v in one, b, a, z apart
-            self.W = torch.cat([m[n].weight.detach() for n in ("in_proj_qkv", "in_proj_b", "in_proj_a",
-                                                                 "in_proj_z")])
+            self.W = _parts.fused_linear(*(m[n].weight for n in ("in_proj_qkv", "in_proj_b", "in_proj_a", "in_proj_z")))
 
     def _regrouped(self, qkvz: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
         """Qwen3-Next's fused projections hold their rows per key head h: `[q_h (K) | k_h (K) | v (r V) | z (r V)]`
@@ -270,7 +272,7 @@ def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
     mp.embed, mp.head, mp.norm_w = desc.embed.weight.data_ptr(), head_w.data_ptr(), norm_w.data_ptr()
     block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
     mp.blocks = ctypes.addressof(block_ptrs)
-    direct = {mp.embed, mp.head, mp.norm_w} | {getattr(p, f) for p in plans for f in _dp.PLAN_POINTERS}
+    direct = {mp.embed, mp.head, mp.norm_w}.union(*map(_dp.plan_pointers, plans))
     slot.guard = _dp.PlanGuard(arch.base(model), _described_modules(model, arch), [], direct)
     if not slot.guard.valid() or any(t.device.type != "cpu" for t in slot.guard.tensors):
         return False

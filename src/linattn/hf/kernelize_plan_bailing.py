@@ -55,8 +55,8 @@ class _KDA:
     def __init__(self, layer):
         self.layer, self.H, self.K, self.KC = layer, layer.num_heads, layer.head_dim, layer.conv_kernel_size
         m = layer._modules
-        self.W = torch.cat([w.weight.detach() for w in (m["q_proj"], m["k_proj"], m["v_proj"], m["b_proj"],
-                                                         layer.forget_gate.f_proj, m["g_proj"])])
+        self.W = _parts.fused_linear(*(w.weight for w in (m["q_proj"], m["k_proj"], m["v_proj"], m["b_proj"],
+                                                            layer.forget_gate.f_proj, m["g_proj"])))
 
 
 def _kda_reason(layer, d: int, wdt) -> Optional[str]:

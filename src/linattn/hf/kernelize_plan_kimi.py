@@ -55,15 +55,16 @@ MODELS = ("KimiLinearForCausalLM",)
 
 
 class _KDA:
-    """A transformers `KimiLinearDeltaAttention` as the plan's KDA block reads it: the fused first product W."""
+    """A transformers `KimiLinearDeltaAttention` as the plan's KDA block reads it: the fused first product W (its
+    six projections read in place)."""
 
     __slots__ = ("layer", "H", "K", "KC", "W")
 
     def __init__(self, layer):
         self.layer, self.H, self.K, self.KC = layer, layer.num_heads, layer.head_dim, layer.conv_kernel_size
         m, fg = layer._modules, layer.forget_gate._modules
-        self.W = torch.cat([w.weight.detach() for w in (m["q_proj"], m["k_proj"], m["v_proj"], m["b_proj"],
-                                                         fg["f_a_proj"], m["g_a_proj"])])
+        self.W = _parts.fused_linear(*(w.weight for w in (m["q_proj"], m["k_proj"], m["v_proj"], m["b_proj"],
+                                                           fg["f_a_proj"], m["g_a_proj"])))
 
 
 def _kda_reason(layer, d: int, wdt) -> Optional[str]:

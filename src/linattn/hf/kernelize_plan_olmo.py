@@ -13,7 +13,8 @@
   q/k norm), full RoPE with fp32 angles when the model has a rotary embedding, none (NoPE, the released
   checkpoints) when it has not; no output gate.
 
-The norms are plain RMSNorms (weights as they are), `gate_proj | up_proj` concatenated once, the head tied or not.
+The norms are plain RMSNorms (weights as they are), `gate_proj | up_proj` read in place as one product, the head
+tied or not.
 
 What the plan does not compute makes the whole model step aside (every cached token runs transformers' forward, as
 kernelize serves it; `undescribed_reason` says why): attention biases, a RoPE type other than the default, q / k
@@ -42,15 +43,15 @@ _GDN_ROWS = ("q_proj", "k_proj", "v_proj", "b_proj", "a_proj", "g_proj")
 
 
 class _GDN:
-    """A transformers `OlmoHybridGatedDeltaNet` as the plan's delta block reads it: the fused projection W (a copy
-    made once) and its beta mode."""
+    """A transformers `OlmoHybridGatedDeltaNet` as the plan's delta block reads it: the fused projection W (its parts
+    read in place) and its beta mode."""
 
     __slots__ = ("layer", "H", "HV", "K", "V", "KC", "W", "beta_mode")
 
     def __init__(self, layer):
         self.layer, self.H, self.HV = layer, layer.num_k_heads, layer.num_v_heads
         self.K, self.V, self.KC = layer.head_k_dim, layer.head_v_dim, layer.conv_kernel_size
-        self.W = torch.cat([layer._modules[n].weight.detach() for n in _GDN_ROWS])
+        self.W = _parts.fused_linear(*(layer._modules[n].weight for n in _GDN_ROWS))
         self.beta_mode = "doubled" if layer.allow_neg_eigval else "sigmoid"
 
 

@@ -20,9 +20,10 @@ def norm(weight: torch.Tensor, eps) -> types.SimpleNamespace:
     return types.SimpleNamespace(weight=weight, eps=float(eps))
 
 
-def fused_linear(weight: torch.Tensor) -> types.SimpleNamespace:
-    """A projection the plan reads, fused once from several of transformers' `nn.Linear` (bias-free)."""
-    return types.SimpleNamespace(weight=weight, bias=None, out_features=weight.shape[0], in_features=weight.shape[1])
+def fused_linear(*weights: torch.Tensor) -> _dp.StackedRows:
+    """A projection the plan reads, fused from several of transformers' bias-free `nn.Linear` weights stacked by
+    rows: read in place (no copy), or one matrix when a single weight is given (e.g. rows regrouped once)."""
+    return _dp.StackedRows(weights)
 
 
 def plain_linear(m, shape, wdt) -> bool:
@@ -43,7 +44,7 @@ def swiglu_ffn(mlp: nn.Module, cls_name: str, d: int, wdt) -> Union[tuple, str]:
         return "an MLP whose projections are not bias-free nn.Linear layers of the model's dtype"
     if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
         return "an MLP activation other than SiLU"
-    return fused_linear(torch.cat([gate.weight.detach(), up.weight.detach()])), down
+    return fused_linear(gate.weight, up.weight), down
 
 
 def base_and_embedding(model: nn.Module, models: tuple, base: str, embedding: str) -> Union[tuple, str]:
@@ -90,7 +91,7 @@ def unpadded(attention_mask, B: int) -> bool:
                                       and attention_mask.shape[0] == B and bool(attention_mask.all()))
 
 
-def gdn_plan(layer, W: torch.Tensor, norm: nn.Module, out_proj: nn.Module, bd: _dp.BlockDescription, B: int, d: int,
+def gdn_plan(layer, W: _dp.StackedRows, norm: nn.Module, out_proj: nn.Module, bd: _dp.BlockDescription, B: int, d: int,
              wdt: torch.dtype, beta_mode: str = "sigmoid"):
     """The plan's delta block (kind 0, gated) for a transformers Gated DeltaNet layer (Qwen3.5's, Qwen3-Next's,
     OLMo-hybrid's: `num_k_heads`, `num_v_heads`, `head_k_dim`, `head_v_dim`, `conv_kernel_size`, `conv1d`, `A_log`,
@@ -100,11 +101,11 @@ def gdn_plan(layer, W: torch.Tensor, norm: nn.Module, out_proj: nn.Module, bd: _
     cdt, keep = _dp.compute_dtype(wdt), []
     addr = _dp.plan_addresser(keep, cdt)
     H, HV, K = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim
-    p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=layer.head_v_dim, d=d, ny=W.shape[0],
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=layer.head_v_dim, d=d, ny=W.out_features,
                               KC=layer.conv_kernel_size, hid=bd.ffn_down.in_features, kind=0, conv_act=1,
                               scale=K ** -0.5, nthreads=max(1, torch.get_num_threads()), has_ffn=1,
                               wbf16=int(wdt == torch.bfloat16), beta_mode=_cpu_decode.BETA_MODES.index(beta_mode))
-    p.W = addr(W, wdt)
+    _dp.set_weight(p, "W", W, wdt, addr)
     conv = layer._modules["conv1d"].weight
     p.cw = addr(conv.view(conv.shape[0], -1))
     # transformers' l2norm: x * rsqrt(sum x^2 + 1e-6) on q and k ("rsqrt", L2NORM_EPS)
@@ -115,7 +116,7 @@ def gdn_plan(layer, W: torch.Tensor, norm: nn.Module, out_proj: nn.Module, bd: _
     return _dp.finish_block_plan(p, bd, addr, keep, wdt)
 
 
-def kda_plan(H: int, K: int, KC: int, W: torch.Tensor, conv: nn.Module, A_log: torch.Tensor, dt_bias: torch.Tensor,
+def kda_plan(H: int, K: int, KC: int, W: _dp.StackedRows, conv: nn.Module, A_log: torch.Tensor, dt_bias: torch.Tensor,
              norm: nn.Module, out_proj: nn.Module, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype, *,
              Wf: Optional[torch.Tensor] = None, Wg2: Optional[torch.Tensor] = None, gate_lb: Optional[float] = None):
     """The plan's KDA block (kind 4, csrc/decode_kda.h) for a transformers KDA layer of H heads of K (Kimi Linear's,
@@ -127,12 +128,12 @@ def kda_plan(H: int, K: int, KC: int, W: torch.Tensor, conv: nn.Module, A_log: t
     1e-6)`), scale `K ** -0.5`."""
     cdt, keep = _dp.compute_dtype(wdt), []
     addr = _dp.plan_addresser(keep, cdt)
-    p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=K, V=K, d=d, ny=W.shape[0], KC=KC, hid=bd.ffn_down.in_features,
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=K, V=K, d=d, ny=W.out_features, KC=KC, hid=bd.ffn_down.in_features,
                               kind=4, conv_act=1, scale=K ** -0.5, nthreads=max(1, torch.get_num_threads()),
                               has_ffn=1, wbf16=int(wdt == torch.bfloat16),
                               rank_f=0 if Wf is None else Wf.shape[1], rank_g=0 if Wg2 is None else Wg2.shape[1],
                               gate_sig=1, l2eps=1e-6, l2conv=0)
-    p.W = addr(W, wdt)
+    _dp.set_weight(p, "W", W, wdt, addr)
     p.cw = addr(conv.weight.view(conv.weight.shape[0], -1))
     if Wf is not None:
         p.Wf = addr(Wf, wdt)

@@ -48,7 +48,8 @@ from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
 __all__ = ["AttentionDescription", "BlockDescription", "BlockPlanSlot", "ModelDescription", "ModelFastState",
            "ModelPending", "ModelPlanSlot", "PlanGuard", "block_token", "compute_dtype", "describe_softmax",
            "finish_block_plan", "model_step", "model_weights_usable", "new_softmax_plan", "plan_addresser",
-           "plan_linear", "PLAN_POINTERS", "rebuilds", "state_layout", "stored_weights"]
+           "plan_linear", "plan_pointers", "PLAN_POINTERS", "rebuilds", "set_weight", "StackedRows",
+           "state_layout", "stored_weights"]
 
 #: the dtypes a plan reads weights in, and the dtype it computes in for each (bf16: fp32 accumulation and states)
 _COMPUTE = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32}
@@ -64,13 +65,30 @@ def stored_weights(linear: nn.Module):
     return None if fn is None else fn(linear)
 
 
+class StackedRows:
+    """A fused projection read from its parts in place: the matrices `parts` (each `[rows_i, in_features]`, one
+    dtype, bias-free) stacked by rows in order. A plan points at the parts (`BlockPlan.parts_<M>`, for the fused
+    products `cpu.decode.FUSED_PRODUCTS`), so the fused matrix is never copied: a model holds its weights once,
+    and a weight written in place is read by the next token."""
+
+    __slots__ = ("parts", "bias", "out_features", "in_features")
+
+    def __init__(self, parts: Sequence[torch.Tensor]):
+        self.parts = tuple(p.detach() for p in parts)
+        self.bias = None
+        self.out_features = sum(p.shape[0] for p in self.parts)
+        self.in_features = self.parts[0].shape[1]
+
+
 def plan_linear(linear, wdt: torch.dtype) -> bool:
     """Whether a plan with weights in wdt reads this linear layer's matrix: an `nn.Linear` in wdt, int8 / int4
-    weights (`stored_weights`; fp32 and bf16 plans, which compute in fp32), or a matrix a description prepared
-    itself (not a module: an object with a `weight` in wdt, e.g. projections fused once by hf/kernelize_plan.py).
+    weights (`stored_weights`; fp32 and bf16 plans, which compute in fp32), parts stacked by rows in wdt
+    (`StackedRows`), or a matrix a description prepared itself (not a module: an object with a `weight` in wdt).
     Any other module (a subclass of nn.Linear, an adapter) is not read: its forward may compute something else."""
     if type(linear) is nn.Linear:
         return linear.weight.dtype == wdt
+    if type(linear) is StackedRows:
+        return all(p.dtype == wdt and p.shape[1] == linear.in_features for p in linear.parts)
     if stored_weights(linear) is not None:
         return compute_dtype(wdt) is torch.float32
     w = None if isinstance(linear, nn.Module) else getattr(linear, "weight", None)
@@ -98,7 +116,8 @@ class BlockDescription:
         norm1: The norm before the mixer (post-norm: on its output): an RMSNorm (`weight` or None, `eps`).
         norm2: The norm before the FFN (post-norm: on its output; None without an FFN).
         ffn: "swiglu" or None.
-        ffn_gate_up: The FFN's fused gate | up projection `[2 * hidden, d]` (an nn.Linear), or None.
+        ffn_gate_up: The FFN's fused gate | up projection `[2 * hidden, d]` (an nn.Linear, or a `StackedRows` of
+            the gate's and the up projection's weights), or None.
         ffn_down: The FFN's down projection `[d, hidden]`, or None.
         modules: Every module whose forward the plan computes instead of calling it (checked for hooks).
         residual: The residual order: "prenorm" or "postnorm" (above). The compiled block computes both (the
@@ -344,6 +363,14 @@ PLAN_POINTERS = ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "dec
                   "Wf", "Wg2", "bg2", "Dsk", "bo") + tuple(f"sc_{n}" for n in _cpu_decode.KDA_MATRICES) + ("log_decay",)
 
 
+def plan_pointers(p) -> set:
+    """Every data address block plan p reads: its `PLAN_POINTERS` fields and its fused products' parts."""
+    out = {getattr(p, f) for f in PLAN_POINTERS}
+    for name in _cpu_decode.FUSED_PRODUCTS:
+        out.update(getattr(p, f"parts_{name}")[:getattr(p, f"nparts_{name}")])
+    return out
+
+
 class BlockPlanSlot:
     """A block's whole-block decoding plan (`cpu/decode.BlockPlan`), its `PlanGuard`, the compiled function and
     the tensors the plan points into. Not state: a copy or a pickle gets an empty slot, rebuilt on first use."""
@@ -381,8 +408,27 @@ def _fused_format(lins):
     return next(iter(fmts)) if len(fmts) == 1 else None
 
 
-def _set_weight(p, name: str, linear: nn.Module, wdt: torch.dtype, addr) -> None:
-    """Points plan field `name` (and its format, scales and group fields) at linear's matrix as stored."""
+def _set_parts(p, name: str, parts, wdt: torch.dtype, addr) -> None:
+    """Points fused product `name` of plan p at its parts in place (`parts_<name>`, `rows_<name>`; `name` at the
+    first). Where the plan cannot read them so (not one of `FUSED_PRODUCTS`, more than `PLAN_PARTS` parts, a part
+    in another dtype or not contiguous) they are concatenated once into a copy the plan keeps."""
+    if len(parts) == 1 or len(parts) > _cpu_decode.PLAN_PARTS or name not in _cpu_decode.FUSED_PRODUCTS or any(
+            w.dtype != wdt or not w.is_contiguous() for w in parts):
+        setattr(p, name, addr(parts[0] if len(parts) == 1 else torch.cat(parts), wdt))
+        return
+    ptrs, rows = getattr(p, f"parts_{name}"), getattr(p, f"rows_{name}")
+    for i, w in enumerate(parts):
+        ptrs[i], rows[i] = addr(w, wdt), w.shape[0]
+    setattr(p, f"nparts_{name}", len(parts))
+    setattr(p, name, ptrs[0])
+
+
+def set_weight(p, name: str, linear: nn.Module, wdt: torch.dtype, addr) -> None:
+    """Points plan field `name` (and its format, scales and group fields) at linear's matrix as stored (a
+    `StackedRows`: at its parts)."""
+    if type(linear) is StackedRows:
+        _set_parts(p, name, linear.parts, wdt, addr)
+        return
     got = stored_weights(linear) if type(linear) is not nn.Linear else None
     if got is None:
         setattr(p, name, addr(linear.weight, wdt))
@@ -415,17 +461,31 @@ def _fused_quantized(layer, lins, cdt):
 
 def _fused_input(layer, lins, cdt):
     """(convs, w, scales, bias, cw, cb): the block's input projections fused by rows, quantized ones as stored
-    (scales their scales) or float ones as `_fast.fused_weights` gives them (scales None)."""
+    (concatenated; scales their scales) or float ones read in place (w a `StackedRows`, scales None), with the
+    biases and conv weights fused by the layer's `FusedParams` (small; a `p.data` write there is seen through it)."""
     if type(lins[0]) is not nn.Linear:
         return _fused_quantized(layer, lins, cdt)
-    convs, w, b, cw, cb = _fast.fused_weights(layer, lins)
-    return convs, w, None, b, cw, cb
+    mods = layer._modules
+    convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"]) if layer.short_conv else ()
+    _, b, cw, cb = layer._fused.get([], [m.bias if m.bias is not None else m.out_features for m in lins]
+                                    if any(m.bias is not None for m in lins) else [],
+                                    [c.weight for c in convs], [c.bias for c in convs if c.bias is not None])
+    return convs, StackedRows([m.weight for m in lins]), None, b, cw, cb
+
+
+def _rows(w) -> int:
+    """The rows of a fused input projection as `_fused_input` returns it."""
+    return w.out_features if type(w) is StackedRows else w.shape[0]
 
 
 def _point_input(p, addr, lins, wdt, convs, w, scales, b, cw, cb):
     """Points plan p's fused input projection (W, Wb, and the stored format when scales is given) and its short
     convolution (cw, cb, when cw is given) at what `_fused_input` returned."""
-    p.W, p.Wb = addr(w, wdt if scales is None else w.dtype), addr(b)
+    if scales is None:
+        set_weight(p, "W", w, wdt, addr)
+    else:
+        p.W = addr(w, w.dtype)
+    p.Wb = addr(b)
     if scales is not None:
         mode, _, _, group = stored_weights(lins[0])
         p.fmt_W, p.sc_W, p.grp_W = _cpu_decode.WEIGHT_FORMATS[mode], addr(scales, torch.bfloat16), group
@@ -454,7 +514,7 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     convs, w, scales, b, cw, cb = _fused_input(layer, lins, cdt)
     H, HV, K, V = layer.n_heads, layer.n_value_heads, layer.head_dim, layer.head_dim_v
     down = desc.ffn_down
-    p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=w.shape[0], KC=convs[0].kernel_size if convs else 0,
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=_rows(w), KC=convs[0].kernel_size if convs else 0,
                               hid=down.in_features if down is not None else 0, kind=0 if desc.kind == "delta" else 1,
                               conv_act=int(bool(convs) and convs[0].activation is not None), scale=layer.scale,
                               nthreads=max(1, torch.get_num_threads()), has_ffn=int(down is not None),
@@ -486,7 +546,7 @@ def _new_block_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     has_norm, nw, neps = _fast.output_norm_args(layer, cdt)
     p.has_norm, p.nw, p.norm_eps = int(has_norm), addr(nw), neps
     p.has_gate = int(layer._modules.get("g_proj") is not None)
-    _set_weight(p, "Wo", layer._modules["o_proj"], wdt, addr)
+    set_weight(p, "Wo", layer._modules["o_proj"], wdt, addr)
     Kf = K if desc.kind == "delta" else layer.feature_map.feature_dim(K)
     p.spec = _state_spec("linear_log" if p.kind == 3 else desc.kind, HV, Kf, V, p.KC, (H * K, H * K, HV * V))
     return finish_block_plan(p, desc, addr, keep, wdt)
@@ -566,7 +626,7 @@ def _new_kda_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
     cdt, keep = compute_dtype(wdt), []
     addr = plan_addresser(keep, cdt)
     convs, w, scales, b, cw, cb = _fused_input(layer, lins, cdt)
-    p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=w.shape[0], KC=convs[0].kernel_size if convs else 0,
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=HV, K=K, V=V, d=d, ny=_rows(w), KC=convs[0].kernel_size if convs else 0,
                               hid=desc.ffn_down.in_features if desc.ffn_down is not None else 0, kind=4,
                               conv_act=int(bool(convs) and convs[0].activation is not None), scale=layer.scale,
                               nthreads=max(1, torch.get_num_threads()), has_ffn=int(desc.ffn_down is not None),
@@ -575,16 +635,16 @@ def _new_kda_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
                               gate_sig=int(layer.gate_act == "sigmoid"),
                               l2eps=L2NORM_EPS, l2conv=L2NORM_CONVENTIONS.index(layer.l2norm_convention))
     _point_input(p, addr, lins, wdt, convs, w, scales, b, cw, cb)
-    _set_weight(p, "Wf", f[1], wdt, addr)
+    set_weight(p, "Wf", f[1], wdt, addr)
     if g2 is not None:
-        _set_weight(p, "Wg2", g2, wdt, addr)
+        set_weight(p, "Wg2", g2, wdt, addr)
         p.bg2 = addr(g2.bias)
     p.neg_a, p.dt_bias = addr(mamba_neg_a(layer.A_log, cdt, layer)), addr(layer.dt_bias)
     if layer.gate_lower_bound is not None:
         p.gate_lb_on, p.gate_lb = 1, layer.gate_lower_bound
     has_norm, nw, neps = _fast.output_norm_args(layer, cdt)
     p.has_norm, p.nw, p.norm_eps, p.has_gate = int(has_norm), addr(nw), neps, int(g is not None)
-    _set_weight(p, "Wo", mods["o_proj"], wdt, addr)
+    set_weight(p, "Wo", mods["o_proj"], wdt, addr)
     p.spec = _state_spec("delta", HV, K, V, p.KC, (H * K, H * K, HV * V))
     return finish_block_plan(p, desc, addr, keep, wdt)
 
@@ -613,14 +673,14 @@ def _new_mamba2_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
                               wbf16=int(wdt == torch.bfloat16), n_groups=G, d_per_channel=int(layer.d_per_channel),
                               dt_lo=layer.dt_limit[0], dt_hi=layer.dt_limit[1],
                               norm_mode=0 if norm is None else 1 if norm.gate_before_norm else 2)
-    _set_weight(p, "W", inp, wdt, addr)
+    set_weight(p, "W", inp, wdt, addr)
     p.Wb = addr(inp.bias)
     if conv is not None:
         p.cw, p.cb = addr(conv.weight.detach().view(CD, -1)), addr(conv.bias)
     p.neg_a, p.dt_bias, p.Dsk = addr(mamba_neg_a(layer.A_log, cdt, layer)), addr(layer.dt_bias), addr(layer.D)
     if norm is not None:
         p.nw, p.norm_eps = addr(norm.weight), float(norm.eps)
-    _set_weight(p, "Wo", out, wdt, addr)
+    set_weight(p, "Wo", out, wdt, addr)
     p.bo = addr(out.bias)
     p.spec = _state_spec("linear", H, N, P, p.KC, (CD,), ("in",))
     return finish_block_plan(p, desc, addr, keep, wdt)
@@ -637,8 +697,8 @@ def finish_block_plan(p, desc: BlockDescription, addr, keep: list, wdt: torch.dt
     p.postnorm = int(desc.residual == "postnorm")
     if down is not None:
         p.n2w, p.n2eps = addr(desc.norm2.weight), float(desc.norm2.eps)
-        _set_weight(p, "Wgu", up, wdt, addr)
-        _set_weight(p, "Wd", down, wdt, addr)
+        set_weight(p, "Wgu", up, wdt, addr)
+        set_weight(p, "Wd", down, wdt, addr)
         p.bgu, p.bd = addr(up.bias), addr(down.bias)
     p.keep = keep   # the plan holds what it points into (a call in flight keeps it alive)
     rebuilds[0] += 1
@@ -688,10 +748,10 @@ def new_softmax_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
                               gate_sig=int(att.gate_act == "sigmoid"), kv_bf16=int(wdt == torch.bfloat16),
                               rope_f32=int(bool(att.rope_f32)), rope_scale=float(att.rope_scale or 1.0))
     for name, m in (("Wq", att.q_proj), ("Wk", att.k_proj), ("Wv", att.v_proj)):
-        _set_weight(p, name, m, wdt, addr)
+        set_weight(p, name, m, wdt, addr)
     p.bq, p.bk, p.bv = addr(att.q_proj.bias), addr(att.k_proj.bias), addr(att.v_proj.bias)
     if att.gate == "proj":
-        _set_weight(p, "Wg", att.g_proj, wdt, addr)
+        set_weight(p, "Wg", att.g_proj, wdt, addr)
     if att.q_norm is not None:
         qw, kw = att.q_norm.weight, att.k_norm.weight
         if att.norm_offset:   # (1 + w) once into the plan; the guard sees the weights' versions
@@ -701,14 +761,14 @@ def new_softmax_plan(desc: BlockDescription, B: int, d: int, wdt: torch.dtype):
         p.qk_norm, p.qk_eps, p.qnw, p.knw = 2 if att.norm_whole else 1, float(att.q_norm.eps), addr(qw), addr(kw)
     if att.rot:
         p.inv_freq = addr(att.inv_freq, torch.float64)
-    _set_weight(p, "Wo", att.o_proj, wdt, addr)
+    set_weight(p, "Wo", att.o_proj, wdt, addr)
     p.att = att   # (a ctypes Structure takes new attributes) what `_kv_args` reads per call
     return finish_block_plan(p, desc, addr, keep, wdt)
 
 
 def _block_guard(owner: nn.Module, desc: BlockDescription, plan) -> PlanGuard:
     mods = [*desc.modules, *desc.mixer.modules()]
-    return PlanGuard(owner, mods, [desc.mixer], {getattr(plan, f) for f in PLAN_POINTERS})
+    return PlanGuard(owner, mods, [desc.mixer], plan_pointers(plan))
 
 
 def _compiled_block(block: nn.Module, x: torch.Tensor, cache: LayerCache) -> Optional[torch.Tensor]:
@@ -986,7 +1046,7 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     mp.norm_w = None if norm_w is None else norm_w.data_ptr()
     block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
     mp.blocks = ctypes.addressof(block_ptrs)
-    direct = {mp.embed, mp.head, mp.norm_w, mp.sc_head} | {getattr(p, f) for p in plans for f in PLAN_POINTERS}
+    direct = {mp.embed, mp.head, mp.norm_w, mp.sc_head}.union(*map(plan_pointers, plans))
     # (the switches and fused weights of linattn's layers; a described module of another library has neither)
     mixers = [bd.mixer for bd in desc.blocks if hasattr(bd.mixer, "compiled_decode")]
     slot.guard = PlanGuard(model, list(model.modules()), mixers, direct)

@@ -21,7 +21,10 @@
 
 #include "common.h"
 
-LA_ABI_VERSION(decode, 5)
+LA_ABI_VERSION(decode, 6)
+
+/* the most parts a fused product is read from (the plan's parts_W / parts_Wgu tables) */
+#define PLAN_PARTS 8
 
 /* parallelise over (batch, value head) only when the state is big enough to pay for waking the threads */
 #define PAR_MIN_ELEMS 65536
@@ -84,15 +87,25 @@ typedef struct {
     /* the residual order: postnorm 0, pre-norm (above: n1w before the mixer, n2w before the FFN); 1, post-norm
        (OLMo-hybrid's attention blocks): h = x + rmsnorm_n1(mixer(x)), x_out = h + rmsnorm_n2(ffn(h)) */
     int32_t postnorm, pad5_;
+    /* Fused products read from their parts (no concatenated copy of the weights): W's rows are nparts_W matrices
+       stacked in order, part i at parts_W[i] with rows_W[i] rows (nparts_W 0: W is one matrix); likewise Wgu's
+       (gate | up). Parts are in the plan's type or bf16 (a quantized fused product is one matrix). */
+    int32_t nparts_W, nparts_Wgu;
+    const void *parts_W[PLAN_PARTS];
+    int64_t rows_W[PLAN_PARTS];
+    const void *parts_Wgu[PLAN_PARTS];
+    int64_t rows_Wgu[PLAN_PARTS];
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
 
 /* The matrix-vector products stream every weight once per token (from memory at batch 1: the model is bigger
    than L2). Four rows are read at once, one 64-byte line of each per step into four vector accumulators (GCC /
-   clang vector types; the rows' lengths a multiple of a line), with the weights MV_PF_BYTES ahead prefetched
-   into L2 at the pace they are read: the hardware prefetcher follows four interleaved rows of one page poorly,
-   and without it the products ran at ~55% of the rate of the same loop with it when the weights sat in L3 (the
-   interleaved bench decode, and any model that fits L3), ~4% slower from memory. */
+   clang vector types; the rows' lengths a multiple of a line), and each of the four row streams is prefetched
+   into L2 MV_PF_BYTES ahead of where it is read (`mv_prefetch4`): the hardware prefetcher follows four
+   interleaved rows of one page poorly (without a prefetch the products ran at ~55% of the rate when the weights
+   sat in L3, the interleaved bench decode and any model that fits L3). One pointer running linearly ahead of the
+   group of rows, the scheme before, fell behind the reads at the start of every group of short rows: bf16 rows
+   of 1024 inputs (2 KiB) read at ~0.8 of the memory's rate, ~0.95 with a distance per stream. */
 #define MV_PF_BYTES 4096
 #if defined(__GNUC__)
 #define HAVE_VLINE 1
@@ -118,6 +131,46 @@ static inline double vsum_f64(vline_f64 a) {
 
 
 
+/* prefetch into L2 the line `off` bytes into each of the four rows w (rows of rowbytes bytes; past a row's end:
+   the same row of the next group of four, the rows being consecutive), unless past `end` */
+static inline void mv_prefetch4(const char *const w[4], int64_t off, int64_t rowbytes, const char *end) {
+    const int64_t o = off < rowbytes ? off : off + 3 * rowbytes;
+    if ((uintptr_t)(w[3] + o) < (uintptr_t)end) {
+        __builtin_prefetch(w[0] + o, 0, 2); __builtin_prefetch(w[1] + o, 0, 2);
+        __builtin_prefetch(w[2] + o, 0, 2); __builtin_prefetch(w[3] + o, 0, 2);
+    }
+}
+
+/* Where a product's weight rows are: one matrix W (nparts 0), or nparts matrices stacked by rows, part i at
+   parts[i] with rows[i] rows (a fused product read from its parts). Rows are grouped by four over the stacked
+   rows, as in one concatenated matrix, so both give the same bits. */
+typedef struct {
+    const void *W;
+    int nparts;
+    const void *const *parts;
+    const int64_t *rows;
+} mv_src;
+
+/* the addresses of rows i0 .. i0+3 (past the last row: the last row again, unused) of n rows of rowbytes bytes,
+   and the end of the part holding row i0 (where its prefetch stops) */
+static inline void mv_rows_at(const mv_src *s, int64_t n, size_t rowbytes, int64_t i0, const char *w[4],
+                              const char **end) {
+    if (!s->nparts) {
+        const char *base = (const char *)s->W;
+        for (int k = 0; k < 4; ++k) w[k] = base + (size_t)(i0 + k < n ? i0 + k : n - 1) * rowbytes;
+        *end = base + (size_t)n * rowbytes;
+        return;
+    }
+    int p = 0;
+    int64_t first = 0;
+    for (int k = 0; k < 4; ++k) {
+        const int64_t i = i0 + k < n ? i0 + k : n - 1;
+        while (p < s->nparts - 1 && i >= first + s->rows[p]) first += s->rows[p++];
+        w[k] = (const char *)s->parts[p] + (size_t)(i - first) * rowbytes;
+        if (k == 0) *end = (const char *)s->parts[p] + (size_t)s->rows[p] * rowbytes;
+    }
+}
+
 /* bf16 weights (the upper half of an fp32: converting is a 16-bit shift, exact), read by the matrix-vector
    products of an f32 plan with wbf16 set: half the bytes per decoded token, fp32 accumulation in the same order
    as the fp32 products over the bf16-rounded weights (one line of 16 weights per row and step, the same vector
@@ -137,6 +190,18 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+#if defined(HAVE_VLINE) && defined(__AVX512F__) && !defined(LINATTN_PLAIN_C)
+#include <immintrin.h>
+/* One line of 16 bf16 weights widened in a 512-bit register: one zero-extending load (vpmovzxwd from memory) and a
+   shift. The vector types' generic code splits a line into two 256-bit halves wherever the compiler prefers 256-bit
+   vectors (GCC's tuning for recent Xeons): three shuffles per line, which made the bf16 product compute-bound
+   (~0.75 of the read rate at one thread, where the fp32 product keeps up). The same lanes and the same fused
+   multiply-adds as the generic path: the same bits. */
+#define BF16_ZMM 1
+static inline __m512 bf16_zmm(const uint16_t *w) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
+}
+#endif
 #if defined(HAVE_VLINE)
 typedef uint16_t vhalf_u16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t vline_u32 __attribute__((vector_size(64)));
@@ -148,26 +213,38 @@ static inline vline_f32 bf16_line(const uint16_t *w) {
 }
 #endif
 
-/* rows i0 .. i0+3 of y = add + W x + bias, W [n, m] bf16 (matvec_rows_f32's loops on converted weights) */
-static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, const uint16_t *W, const float *bias,
+/* rows i0 .. i0+3 of y = add + W x + bias, W [n, m] bf16 from src (matvec_rows_f32's loops on converted weights) */
+static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, const mv_src *src, const float *bias,
                              const float *x, const float *add, float *y) {
     const int64_t r = n - i0 < 4 ? n - i0 : 4;
+    const char *wr[4], *end;
+    mv_rows_at(src, n, sizeof(uint16_t) * (size_t)m, i0, wr, &end);
 #if defined(HAVE_VLINE)
     if (r == 4 && m % 16 == 0) {
-        const uint16_t *w0 = W + i0 * m, *w1 = w0 + m, *w2 = w1 + m, *w3 = w2 + m;
-        const char *pf = (const char *)w0 + MV_PF_BYTES, *pf_end = (const char *)(W + n * m) - 128;
+        const uint16_t *w0 = (const uint16_t *)wr[0], *w1 = (const uint16_t *)wr[1], *w2 = (const uint16_t *)wr[2],
+                       *w3 = (const uint16_t *)wr[3];
+        const int64_t rb = 2 * m;
         for (int64_t b = 0; b < B; ++b) {
             const float *xb = x + b * m;
             vline_f32 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+#if defined(BF16_ZMM)
+            __m512 z0 = _mm512_setzero_ps(), z1 = z0, z2 = z0, z3 = z0;
             for (int64_t j = 0; j < m; j += 16) {
-                if (b == 0 && pf <= pf_end) {   /* two lines ahead for the two (4 x 32 bytes) read */
-                    __builtin_prefetch(pf, 0, 2); __builtin_prefetch(pf + 64, 0, 2);
-                    pf += 128;
-                }
+                if (b == 0 && (j & 31) == 0) mv_prefetch4(wr, 2 * j + MV_PF_BYTES, rb, end);   /* a line a row */
+                const __m512 xv = _mm512_loadu_ps(xb + j);
+                z0 = _mm512_fmadd_ps(bf16_zmm(w0 + j), xv, z0); z1 = _mm512_fmadd_ps(bf16_zmm(w1 + j), xv, z1);
+                z2 = _mm512_fmadd_ps(bf16_zmm(w2 + j), xv, z2); z3 = _mm512_fmadd_ps(bf16_zmm(w3 + j), xv, z3);
+            }
+            memcpy(&a0, &z0, sizeof a0); memcpy(&a1, &z1, sizeof a1);
+            memcpy(&a2, &z2, sizeof a2); memcpy(&a3, &z3, sizeof a3);
+#else
+            for (int64_t j = 0; j < m; j += 16) {
+                if (b == 0 && (j & 31) == 0) mv_prefetch4(wr, 2 * j + MV_PF_BYTES, rb, end);   /* a line a row */
                 const vline_f32 xv = *(const vline_f32 *)(xb + j);
                 a0 += bf16_line(w0 + j) * xv; a1 += bf16_line(w1 + j) * xv;
                 a2 += bf16_line(w2 + j) * xv; a3 += bf16_line(w3 + j) * xv;
             }
+#endif
             const float acc[4] = {vsum_f32(a0), vsum_f32(a1), vsum_f32(a2), vsum_f32(a3)};
             for (int64_t rr = 0; rr < 4; ++rr) {
                 const int64_t i = i0 + rr;
@@ -183,8 +260,8 @@ static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, const 
         const float *restrict xb = x + b * m;
         float acc[4] = {0, 0, 0, 0};
         if (r == 4) {
-            const uint16_t *restrict w0 = W + i0 * m, *restrict w1 = w0 + m, *restrict w2 = w1 + m,
-                           *restrict w3 = w2 + m;
+            const uint16_t *restrict w0 = (const uint16_t *)wr[0], *restrict w1 = (const uint16_t *)wr[1],
+                           *restrict w2 = (const uint16_t *)wr[2], *restrict w3 = (const uint16_t *)wr[3];
             float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
 #pragma omp simd reduction(+:a0,a1,a2,a3)
             for (int64_t j = 0; j < m; ++j) {
@@ -195,7 +272,7 @@ static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, const 
             acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
         } else
             for (int64_t rr = 0; rr < r; ++rr) {
-                const uint16_t *restrict w = W + (i0 + rr) * m;
+                const uint16_t *restrict w = (const uint16_t *)wr[rr];
                 float a = 0;
 #pragma omp simd reduction(+:a)
                 for (int64_t j = 0; j < m; ++j) a += bf16_to_f32(w[j]) * xb[j];
@@ -210,13 +287,19 @@ static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, const 
     }
 }
 
-static void matvec_bf16(int64_t B, int64_t n, int64_t m, const uint16_t *W, const float *bias, const float *x,
-                        const float *add, float *y, int nthreads) {
+static void matvec_src_bf16(int64_t B, int64_t n, int64_t m, const mv_src *src, const float *bias, const float *x,
+                            const float *add, float *y, int nthreads) {
     if (nthreads > 1 && n * m >= PAR_MIN_ELEMS) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_bf16(B, n, m, i0, W, bias, x, add, y);
+        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_bf16(B, n, m, i0, src, bias, x, add, y);
     } else
-        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_bf16(B, n, m, i0, W, bias, x, add, y);
+        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_bf16(B, n, m, i0, src, bias, x, add, y);
+}
+
+static void matvec_bf16(int64_t B, int64_t n, int64_t m, const uint16_t *W, const float *bias, const float *x,
+                        const float *add, float *y, int nthreads) {
+    const mv_src src = {W, 0, NULL, NULL};
+    matvec_src_bf16(B, n, m, &src, bias, x, add, y, nthreads);
 }
 
 #include "qmatvec.h"
@@ -268,18 +351,22 @@ void linattn_decode_matvec_f32(int fmt, const void *W, const void *scales, int64
 #define REAL float
 #define FN(name) name##_f32
 #define MATH(name) name##f
+#define REAL_IS_FLOAT 1   /* (bf16 weights: f32 plans only) */
 #include "decode.c"
 #undef REAL
 #undef FN
 #undef MATH
+#undef REAL_IS_FLOAT
 
 #define REAL double
 #define FN(name) name##_f64
 #define MATH(name) name
+#define REAL_IS_FLOAT 0
 #include "decode.c"
 #undef REAL
 #undef FN
 #undef MATH
+#undef REAL_IS_FLOAT
 
 #else /* ------------------------------------------------------------------ the body, once per REAL */
 #include "common.h" /* its per-REAL part: la_silu, la_l2_row, la_rms_rstd */
@@ -553,23 +640,22 @@ int FN(linattn_decode_linear)(int64_t B, int64_t H, int64_t HV, int64_t K, int64
 
 /* rows i0 .. i0+3 of y[b, i] = (add ? add[b, i] : 0) + (W x[b])_i + (bias ? bias[i] : 0) for every b, W [n, m]
    rows contiguous (at batch > 1 the 4 rows are read from memory once, then from L1) */
-static void FN(matvec_rows)(int64_t B, int64_t n, int64_t m, int64_t i0, const REAL *W, const REAL *bias,
+static void FN(matvec_rows)(int64_t B, int64_t n, int64_t m, int64_t i0, const mv_src *src, const REAL *bias,
                             const REAL *x, const REAL *add, REAL *y) {
     const int64_t r = n - i0 < 4 ? n - i0 : 4;
+    const char *wr[4], *end;
+    mv_rows_at(src, n, sizeof(REAL) * (size_t)m, i0, wr, &end);
 #if defined(HAVE_VLINE)
     if (r == 4 && m % (int64_t)(64 / sizeof(REAL)) == 0) {
         const int64_t VL = 64 / sizeof(REAL);
-        const REAL *w0 = W + i0 * m, *w1 = w0 + m, *w2 = w1 + m, *w3 = w2 + m;
-        const char *pf = (const char *)w0 + MV_PF_BYTES, *pf_end = (const char *)(W + n * m) - 256;
+        const REAL *w0 = (const REAL *)wr[0], *w1 = (const REAL *)wr[1], *w2 = (const REAL *)wr[2],
+                   *w3 = (const REAL *)wr[3];
+        const int64_t rb = (int64_t)sizeof(REAL) * m;
         for (int64_t b = 0; b < B; ++b) {
             const REAL *xb = x + b * m;
             FN(vline) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int64_t j = 0; j < m; j += VL) {
-                if (b == 0 && pf <= pf_end) {   /* four lines ahead for the four read */
-                    __builtin_prefetch(pf, 0, 2); __builtin_prefetch(pf + 64, 0, 2);
-                    __builtin_prefetch(pf + 128, 0, 2); __builtin_prefetch(pf + 192, 0, 2);
-                    pf += 256;
-                }
+                if (b == 0) mv_prefetch4(wr, (int64_t)sizeof(REAL) * j + MV_PF_BYTES, rb, end);
                 const FN(vline) xv = *(const FN(vline) *)(xb + j);
                 a0 += *(const FN(vline) *)(w0 + j) * xv; a1 += *(const FN(vline) *)(w1 + j) * xv;
                 a2 += *(const FN(vline) *)(w2 + j) * xv; a3 += *(const FN(vline) *)(w3 + j) * xv;
@@ -589,8 +675,8 @@ static void FN(matvec_rows)(int64_t B, int64_t n, int64_t m, int64_t i0, const R
         const REAL *restrict xb = x + b * m;
         REAL acc[4] = {0, 0, 0, 0};
         if (r == 4) {
-            const REAL *restrict w0 = W + i0 * m, *restrict w1 = w0 + m, *restrict w2 = w1 + m,
-                       *restrict w3 = w2 + m;
+            const REAL *restrict w0 = (const REAL *)wr[0], *restrict w1 = (const REAL *)wr[1],
+                       *restrict w2 = (const REAL *)wr[2], *restrict w3 = (const REAL *)wr[3];
             REAL a0 = 0, a1 = 0, a2 = 0, a3 = 0;
 #pragma omp simd reduction(+:a0,a1,a2,a3)
             for (int64_t j = 0; j < m; ++j) {
@@ -600,7 +686,7 @@ static void FN(matvec_rows)(int64_t B, int64_t n, int64_t m, int64_t i0, const R
             acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
         } else
             for (int64_t rr = 0; rr < r; ++rr) {
-                const REAL *restrict w = W + (i0 + rr) * m;
+                const REAL *restrict w = (const REAL *)wr[rr];
                 REAL a = 0;
 #pragma omp simd reduction(+:a)
                 for (int64_t j = 0; j < m; ++j) a += w[j] * xb[j];
@@ -617,13 +703,37 @@ static void FN(matvec_rows)(int64_t B, int64_t n, int64_t m, int64_t i0, const R
 
 /* y = add + W x + bias for x [B, m] (the rows above); a parallel region only where it pays (entering one
    costs about a microsecond even for one thread, and a decoded token makes ~20 of these calls) */
-static void FN(matvec)(int64_t B, int64_t n, int64_t m, const REAL *W, const REAL *bias, const REAL *x,
-                       const REAL *add, REAL *y, int nthreads) {
+static void FN(matvec_src)(int64_t B, int64_t n, int64_t m, const mv_src *src, const REAL *bias, const REAL *x,
+                           const REAL *add, REAL *y, int nthreads) {
     if (nthreads > 1 && n * m >= PAR_MIN_ELEMS) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t i0 = 0; i0 < n; i0 += 4) FN(matvec_rows)(B, n, m, i0, W, bias, x, add, y);
+        for (int64_t i0 = 0; i0 < n; i0 += 4) FN(matvec_rows)(B, n, m, i0, src, bias, x, add, y);
     } else
-        for (int64_t i0 = 0; i0 < n; i0 += 4) FN(matvec_rows)(B, n, m, i0, W, bias, x, add, y);
+        for (int64_t i0 = 0; i0 < n; i0 += 4) FN(matvec_rows)(B, n, m, i0, src, bias, x, add, y);
+}
+
+static void FN(matvec)(int64_t B, int64_t n, int64_t m, const REAL *W, const REAL *bias, const REAL *x,
+                       const REAL *add, REAL *y, int nthreads) {
+    const mv_src src = {W, 0, NULL, NULL};
+    FN(matvec_src)(B, n, m, &src, bias, x, add, y, nthreads);
+}
+
+/* a fused product (W or Wgu): from its parts when the plan lists them, else as one matrix (weight_product) */
+static void FN(fused_product)(int fmt, const void *sc, int64_t grp, int nparts, const void *const *parts,
+                              const int64_t *rows, int64_t B, int64_t n, int64_t m, const void *W, const REAL *bias,
+                              const REAL *x, const REAL *add, REAL *y, int nthreads) {
+    if (nparts <= 0) {
+        FN(weight_product)(fmt, sc, grp, B, n, m, W, bias, x, add, y, nthreads);
+        return;
+    }
+    const mv_src src = {W, nparts, parts, rows};
+#if REAL_IS_FLOAT
+    if (fmt == WF_BF16) {
+        matvec_src_bf16(B, n, m, &src, bias, x, add, y, nthreads);
+        return;
+    }
+#endif
+    FN(matvec_src)(B, n, m, &src, bias, x, add, y, nthreads);
 }
 
 /* RMSNorm of each row of x [B, d] (weight w or NULL) into y, as F.rms_norm */
@@ -771,8 +881,8 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
     int rc;
     if (p->postnorm) memcpy(xn, x, sizeof(REAL) * (size_t)(B * d));   /* (the mixer reads x itself) */
     else FN(rmsnorm)(B, d, x, (const REAL *)p->n1w, p->n1eps, xn);
-    if (p->kind != 2) FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_W), p->sc_W, p->grp_W,
-            B, ny, d, p->W, (const REAL *)p->Wb, xn, NULL, y, p->nthreads);
+    if (p->kind != 2) FN(fused_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_W), p->sc_W, p->grp_W, p->nparts_W,
+            p->parts_W, p->rows_W, B, ny, d, p->W, (const REAL *)p->Wb, xn, NULL, y, p->nthreads);
     if (p->kind == 2)
         rc = FN(softmax_mix)(p, xn, y, o);
     else if (p->kind == 4)
@@ -800,8 +910,8 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
     if (p->postnorm) FN(postnorm_add)(B, d, x, xn, (const REAL *)p->n1w, p->n1eps, hout);
     if (p->has_ffn) {
         if (!p->postnorm) FN(rmsnorm)(B, d, h, (const REAL *)p->n2w, p->n2eps, xn);
-        FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wgu), p->sc_Wgu, p->grp_Wgu,
-                B, 2 * hid, d, p->Wgu, (const REAL *)p->bgu, p->postnorm ? h : xn, NULL, u, p->nthreads);
+        FN(fused_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wgu), p->sc_Wgu, p->grp_Wgu, p->nparts_Wgu, p->parts_Wgu,
+                p->rows_Wgu, B, 2 * hid, d, p->Wgu, (const REAL *)p->bgu, p->postnorm ? h : xn, NULL, u, p->nthreads);
         for (int64_t b = 0; b < B; ++b) {
             const REAL *restrict ua = u + b * 2 * hid, *restrict ub = ua + hid;
             REAL *restrict gb = g + b * hid;
