@@ -246,8 +246,8 @@ class QuantizedLinear(nn.Module):
             The QuantizedLinear.
 
         Raises:
-            LinattnError: A bad mode, group size, compute or activations, a shape the format cannot take, a weight off the CPU
-                or with NaN / inf values.
+            LinattnError: A bad mode, group size, compute or activations, a shape the format cannot take, a weight
+                off the CPU or with NaN / inf values.
         """
         group_size = check_mode(mode, group_size)
         check_activations(activations)

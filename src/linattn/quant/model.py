@@ -33,10 +33,11 @@ class QuantizedMoE(MoE):
         self.init_std, self.out_std = moe.init_std, moe.out_std
         self.router = copy.deepcopy(moe.router)
         # MoE stores x @ W ([E, d, 2h], [E, h, d]): an nn.Linear-layout weight is W[e]ᵀ
-        self.experts_gate_up = nn.ModuleList(QuantizedLinear.from_weight(moe.w_gate_up[e].t(), None, mode, group_size,
-                                                                         compute, activations) for e in range(self.n_experts))
-        self.experts_down = nn.ModuleList(QuantizedLinear.from_weight(moe.w_down[e].t(), None, mode, group_size,
-                                                                      compute, activations) for e in range(self.n_experts))
+        how = (mode, group_size, compute, activations)
+        self.experts_gate_up = nn.ModuleList(QuantizedLinear.from_weight(moe.w_gate_up[e].t(), None, *how)
+                                             for e in range(self.n_experts))
+        self.experts_down = nn.ModuleList(QuantizedLinear.from_weight(moe.w_down[e].t(), None, *how)
+                                          for e in range(self.n_experts))
 
     def reset_parameters(self) -> None:
         raise LinattnError("a QuantizedMoE has no float expert weights to initialise")
@@ -110,8 +111,8 @@ def quantize(model: nn.Module, mode: str, *, group_size: Optional[int] = None, c
         The quantized model, in eval mode. A backward pass through it raises `LinattnError`.
 
     Raises:
-        LinattnError: Unknown mode, compute or activations, a bad group size, a model already quantized, parameters off the
-            CPU, or a non-finite weight.
+        LinattnError: Unknown mode, compute or activations, a bad group size, a model already quantized,
+            parameters off the CPU, or a non-finite weight.
         LinattnTypeError: model is not an nn.Module.
     """
     group_size = check_mode(mode, group_size)
