@@ -88,6 +88,17 @@ def test_compiled_decode_matches_pytorch_path(mode, group, tie, monkeypatch):
     assert moved > 1e-3 and err <= 0.05 * moved + 64 * U32 * torch_path.abs().max().item()
 
 
+def test_moe_experts_and_head_take_the_setting():
+    """Every quantized layer rounds: a MoE's experts, the tied head's own copy, the projections."""
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, mixer="softmax", ffn="moe",
+                                   n_experts=4, top_k=2, expert_hidden=64))
+    q = quantize(model, "int4", activations="int8")
+    mods = quantized_modules(q)
+    assert any("experts_gate_up" in n for n in mods) and "lm_head" in mods
+    assert {m.activations for m in mods.values()} == {"int8"}
+
+
 def test_save_load_keeps_activations(tmp_path):
     q = quantize(_model(), "int4", activations="int8", compute="fp32")
     out = save_quantized(q, tmp_path / "q")
