@@ -311,6 +311,71 @@ def check_quantized_product(q: "StoredWeights", x, bias=None, add=None):
     return y, ref
 
 
+def rounded_activations_fp64(x):
+    """x [B, m] (float32) rounded to int8 per block of 32 inputs, written from the format's definition block by block
+    (numpy float32 scalars, independent of quant/linear.round_activations): (x^ = q s in fp64, s per input in fp64).
+    s = max|x| / 127 in fp32, raised by ulps until s * 127 >= max; q = round-half-even(x / s) in [-127, 127]."""
+    import numpy as np
+
+    xs = x.numpy().astype(np.float32)
+    xhat = np.zeros(xs.shape, dtype=np.float64)
+    sc = np.zeros(xs.shape, dtype=np.float64)
+    for b in range(xs.shape[0]):
+        for j0 in range(0, xs.shape[1], 32):
+            blk = xs[b, j0:j0 + 32]
+            mx = np.float32(np.abs(blk).max())
+            s = np.float32(mx / np.float32(127))
+            while np.float32(s * np.float32(127)) < mx:
+                s = np.nextafter(s, np.float32(np.inf))
+            q = np.zeros_like(blk) if s == 0 else np.clip(np.rint(blk / s), -127, 127)
+            xhat[b, j0:j0 + 32] = q.astype(np.float64) * np.float64(s)
+            sc[b, j0:j0 + 32] = np.float64(s)
+    return torch.from_numpy(xhat), torch.from_numpy(sc)
+
+
+def check_a8_product(q: "StoredWeights", x, bias=None, add=None):
+    """The compiled int8-activation product (q's format + "_a8") against fp64: (1) the product of the dequantized
+    matrix with x rounded per block (`rounded_activations_fp64`) within gamma_{m+8} sum |w x^| (the integer sums are
+    exact; only the fp32 scaling and summation round), (2) the exact product W x within the derived bound
+    sum_j |w_j| s_j / 2 + (1)'s."""
+    from linattn.cpu import decode as cpu_decode
+    y = cpu_decode.weight_matvec(x, q.mode + "_a8", q.stored, q.scales, q.group, bias, add).double()
+    W = q.dequantize(torch.float64)
+    xhat, s = rounded_activations_fp64(x)
+    ref_hat, mag = xhat @ W.t(), xhat.abs() @ W.abs().t()
+    ref = x.double() @ W.t()
+    for t in (bias, add):
+        if t is not None:
+            ref_hat, ref, mag = ref_hat + t.double(), ref + t.double(), mag + t.double().abs()
+    rounding = _gamma_fp32(q.in_features + 8) * mag + 2.0 ** -140
+    assert torch.isfinite(y).all()
+    err = (y - ref_hat).abs()
+    assert (err <= rounding).all(), f"{q.mode}_a8 vs x^: max error {err.max().item():.3g}"
+    assert ((x.double() - xhat).abs() <= s / 2).all()
+    bound = (s / 2) @ W.abs().t() + rounding
+    err = (y - ref).abs()
+    assert (err <= bound).all(), f"{q.mode}_a8 vs x: max error {err.max().item():.3g}"
+    return y, ref
+
+
+def build_decode_variant(tmp, prefix: str):
+    """decode.c built from the package's sources with `prefix` put before it (a macro undefined or defined to
+    select another code path) into tmp; the loaded ctypes library. immintrin.h is included before the prefix:
+    its `#pragma GCC target` sections restore the command line's feature macros when included later, which would
+    undo an #undef."""
+    import ctypes
+
+    from linattn.cpu import build as cbuild
+    src = tmp / "src"
+    src.mkdir()
+    for f in cbuild.CSRC.iterdir():
+        if f.is_file():
+            (src / f.name).write_bytes(f.read_bytes())
+    first = "#if defined(__x86_64__) || defined(__i386__)\n#include <immintrin.h>\n#endif\n"
+    (src / "decode.c").write_text(first + prefix + (cbuild.CSRC / "decode.c").read_text())
+    return ctypes.CDLL(str(cbuild.build("decode", src)))
+
+
 def check_product_threads(q: "StoredWeights", x):
     """q's compiled product (with its bias) at 1 and at 2 threads: the same bits, each within the fp64 bound."""
     old = torch.get_num_threads()

@@ -170,13 +170,14 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, **kw) -> T
 
 
 def load_generator(checkpoint: str, device: Union[str, torch.device, None] = None, tokenizer: Optional[str] = None,
-                   quantize: Optional[str] = None, group_size: Optional[int] = None):
+                   quantize: Optional[str] = None, group_size: Optional[int] = None,
+                   activations: Optional[str] = None):
     """A loaded checkpoint (model in eval mode, tokenizer) for generation, quantized when `quantize` says;
     `tokenizer`: a tokenizer.json (or a folder holding one) used instead of the checkpoint's."""
     from .quant.cli import load_for_inference
 
     dev = resolve_device(device if device is not None or quantize is None else "cpu")
-    ck = load_for_inference(checkpoint, dev, quantize, group_size)
+    ck = load_for_inference(checkpoint, dev, quantize, group_size, activations)
     if tokenizer is not None:
         ck.tokenizer = tokenizer_for_model(tokenizer, int(ck.model.config.vocab_size))
     if ck.tokenizer is None:
@@ -217,7 +218,7 @@ def main(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
         ck = load_generator(args.checkpoint, args.device, getattr(args, "tokenizer", None), args.quantize,
-                            args.group_size)
+                            args.group_size, args.activations)
         kw = dict(temperature=args.temperature, top_k=args.top_k or None,
                   top_p=args.top_p if args.top_p < 1 else None, seed=args.seed, stop_at_eos=args.stop_at_eos,
                   skip_special_tokens=True)

@@ -30,6 +30,25 @@ def test_decode_bytes_counts_one_embedding_row_and_a_tied_head_once():
         b.numel() * b.element_size() for b in untied.buffers() if not b.is_floating_point())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_traffic_counts_states_twice_and_kv_rows_per_context(dtype):
+    """The tiny shape's cache, counted from the shape: every Gated DeltaNet layer's fp32 state [H, K, K] and its q / k
+    / v conv windows (3 channels of H K, conv size 4 - 1 columns) read and written; the softmax layer's K and V rows
+    (KV heads x head dim, the model's dtype) read over the context, one written."""
+    s = infer.SHAPES["tiny"]
+    run = infer.Runner(infer.linattn_model(s, dtype, 0))
+    run.prefill(torch.zeros(1, 7, dtype=torch.int64))
+    run.decode(2)
+    got = infer.state_traffic(run.cache)
+    gdn = s["layers"] - s["layers"] // s["every"]
+    conv = 3 * s["lin_heads"] * s["lin_dim"] * 3 * 4   # (the windows are fp32 in either dtype)
+    assert got["state"] == 2 * gdn * (s["lin_heads"] * s["lin_dim"] ** 2 * 4 + conv)
+    row = (s["layers"] // s["every"]) * 2 * s["kv_heads"] * s["attn_dim"] * torch.tensor([], dtype=dtype).element_size()
+    assert got["kv_row"] == row and got["kv_tokens"] == 9
+    assert infer.state_bytes(got, 10.5) == got["state"] + 11.5 * row
+    assert infer.state_traffic(object()) is None and infer.state_bytes(None, 3) is None
+
+
 def test_read_bandwidth_is_positive_and_sized_from_the_cache(monkeypatch):
     monkeypatch.setattr(infer, "last_level_cache_bytes", lambda: 1 << 20)
     bw = infer.ReadBandwidth()
@@ -95,6 +114,11 @@ def test_bench_infer_tiny(tmp_path, capsys):
     assert abs(lin - hf) / hf < 0.05
     for r in data["records"]:
         assert r["decode_tok_s"] > 0 and r["prompt_tok_s"] > 0 and r["over_floor"] > 0
+    for r in data["records"]:   # the second floor: the same model's states and KV rows at the mean context
+        lin = rows[("linattn", r["dtype"])]
+        assert r["state_bytes"] == lin["state_bytes"] > 0 and r["floor_states_ms"] > r["floor_ms"]
+        assert r["over_floor_states"] == pytest.approx(r["over_floor"] * r["floor_ms"] / r["floor_states_ms"])
+    assert "decode/floor+st" in out
     lr = rows[("llama.cpp", "fp32")]
     assert lr["decode_tok_s"] == 10.0
     # its floor: the transformers model's bytes (the GGUF's weights) over the bandwidth measured around its run
@@ -174,3 +198,15 @@ def test_bench_infer_names_a_failed_conversion(tmp_path):
               "--decode", "1", "--repeats", "1", "--threads", "1", "--bandwidth-mib", "16",
               "--llama-bench", str(_fake_llama_bench(tmp_path)), "--llama-cpp", str(root),
               "--out", str(tmp_path / "out"), "--quiet"])
+
+
+def test_build_model_int8_activation_rows():
+    """"int8-a8" / "int4-a8": the fp32 model quantized with activations="int8"; the same bytes as without."""
+    from linattn.quant import quantization_summary
+
+    s = infer.SHAPES["tiny"]
+    for mode in ("int8", "int4"):
+        a8, plain = infer.build_model("linattn", s, f"{mode}-a8", 0), infer.build_model("linattn", s, mode, 0)
+        assert quantization_summary(a8)["activations"] == "int8" and quantization_summary(a8)["mode"] == mode
+        assert quantization_summary(plain)["activations"] == "float"
+        assert infer.model_decode_bytes(a8) == infer.model_decode_bytes(plain)

@@ -39,13 +39,23 @@ def test_bench_quant_tiny(tmp_path, capsys):
     assert rc == 0
     assert "x floor" in capsys.readouterr().out
     result = json.loads((tmp_path / "quant.json").read_text())
-    ways = 9 + 2 * cpu_decode.available()   # (+ the compiled decode's int8 / int4 products)
+    ways = 9 + 4 * cpu_decode.available()   # (+ the compiled decode's int8 / int4 products, fp32 and int8 x)
     assert len(result["kernels"]) == ways * 4 and all(r["ms"] > 0 for r in result["kernels"])
     rows = result["speed"]
     assert [r["precision"] for r in rows] == ["fp32", "bf16", "int8", "int4"]
     for r in rows:
         assert r["decode_tok_s"] > 0 and abs(r["over_floor"] - r["decode_ms"] / r["floor_ms"]) < 1e-9 * r["over_floor"]
     assert rows[2]["bytes_per_token"] < rows[1]["bytes_per_token"] < rows[0]["bytes_per_token"]
+
+
+def test_bench_quant_int8_activation_rows(tmp_path):
+    rc = main(["bench", "quant", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--ffn-hidden", "64",
+               "--vocab-size", "64", "--prompt", "8", "--tokens", "2", "--repeats", "1", "--bandwidth-mib", "8",
+               "--precisions", "int4,int4-a8,int8-a8", "--compute", "fp32", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "quant.json").read_text())["speed"]
+    assert [r["precision"] for r in rows] == ["int4", "int4-a8", "int8-a8"]
+    assert rows[0]["bytes_per_token"] == rows[1]["bytes_per_token"] < rows[2]["bytes_per_token"]
 
 
 def test_bench_quant_bad_options_exit_2(capsys):

@@ -5,14 +5,18 @@ tests the native build). Widths with and without a tail after the last vector bl
 and 64, batches, threads, NaN / inf and huge / tiny inputs."""
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import pytest
 import torch
 
-from linattn.cpu import bindings, build as cbuild, decode as cpu_decode
-from tests.helpers import StoredWeights as _Stored, check_product_threads, check_quantized_product as _check_product
+from linattn.cpu import bindings, decode as cpu_decode
+from tests.helpers import (
+    StoredWeights as _Stored,
+    build_decode_variant,
+    check_product_threads,
+    check_quantized_product as _check_product,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 
@@ -42,15 +46,9 @@ def decode_lib(request, tmp_path_factory):
     if not needs <= _cpu_flags():
         pytest.skip(f"the {request.param} path needs {sorted(needs)}")
     tmp = tmp_path_factory.mktemp(request.param)
-    src = tmp / "src"
-    src.mkdir()
-    for f in cbuild.CSRC.iterdir():
-        if f.is_file():
-            (src / f.name).write_bytes(f.read_bytes())
-    (src / "decode.c").write_text(prefix + (cbuild.CSRC / "decode.c").read_text())
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LINATTN_CACHE_DIR", str(tmp / "cache"))
-        lib = ctypes.CDLL(str(cbuild.build("decode", src)))
+        lib = build_decode_variant(tmp, prefix)
         mp.setattr(bindings, "load_library", lambda name: lib if name == "decode" else None)
         yield request.param
 

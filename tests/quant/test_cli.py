@@ -85,3 +85,29 @@ def test_refusals(run, tmp_path, capsys):
     assert cli.main(["export-hf", "--checkpoint", str(out), "--out", str(tmp_path / "hf")]) == 2
     line = _error(capsys)
     assert "holds a quantized model" in line and "export-hf needs the float checkpoint" in line
+
+
+def test_activations_flag(run, corpus, tmp_path, capsys):
+    """--activations int8: generate / eval run it, `linattn quantize` saves it (the folder loads with it, and eval
+    of the folder equals eval --quantize --activations); without --quantize it is refused."""
+    ev = ["eval", "--checkpoint", str(run), "--data", str(corpus), "--json", "--quantize", "int4"]
+    assert cli.main(ev) == 0
+    exact = _json_out(capsys)
+    assert cli.main(ev + ["--activations", "int8"]) == 0
+    a8 = _json_out(capsys)
+    assert a8["tokens"] == exact["tokens"] and a8["loss"] != exact["loss"]
+    out = tmp_path / "q"
+    assert cli.main(["quantize", "--checkpoint", str(run), "--mode", "int4", "--activations", "int8",
+                     "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert json.loads((out / "quantized.json").read_text())["activations"] == "int8"
+    assert quantization_summary(load_quantized(out)[0])["activations"] == "int8"
+    assert cli.main(["eval", "--checkpoint", str(out), "--data", str(corpus), "--json"]) == 0
+    assert _json_out(capsys)["loss"] == a8["loss"]
+    assert cli.main(["generate", "--checkpoint", str(run), "--quantize", "int8", "--activations", "int8",
+                     "--max-new-tokens", "3", "--temperature", "0", "--json"]) == 0
+    assert _json_out(capsys)["tokens"] == 3
+    assert cli.main(["generate", "--checkpoint", str(run), "--activations", "int8", "--max-new-tokens", "1"]) == 2
+    assert "--activations needs --quantize" in _error(capsys)
+    assert cli.main(["generate", "--checkpoint", str(out), "--activations", "int8", "--max-new-tokens", "1"]) == 2
+    assert "--activations needs --quantize" in _error(capsys)

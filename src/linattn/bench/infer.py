@@ -10,7 +10,13 @@ The floor of a decoded token (the one definition `linattn bench decode` uses too
 * decode_bytes: the bytes every decoded token must read, in the stored dtype: every parameter and buffer once
   (shared ones once; int8 / int4 layers: their integers, bf16 scales and biases), the input embedding as one row
   rather than the table, the head's matrix once (a tied head is the embedding table, counted once; a quantized tied
-  head is its own integers); states, caches and activations are left out (they are small here);
+  head is its own integers); the weights only: states, caches and activations are in the next floor;
+* state_bytes (the second floor, "floor+st" = (decode_bytes + state_bytes) / read bandwidth): what a decoded token
+  reads and writes in its cache besides the weights: every constant-size state (the recurrent states, in fp32 for
+  Gated DeltaNet, and the short convolutions' windows) read once and written once, and each KV cache's keys and
+  values read over the context and one new row written (`state_traffic`). The bench counts it at the decode's
+  mean context, prompt + decode / 2, from a linattn model's cache of the same shape and dtype (the transformers
+  and llama.cpp rows take the same count: their states are the same model's, stored as their engines store them);
 * read bandwidth: the fastest of 3 passes reading a float32 buffer of at least 4x the last-level cache (and 64 MiB)
   with a compiled vectorised sum (`ReadBandwidth`), at the row's thread count, once per round, interleaved with the
   models' timings (the floor and the models see the same load); the table's bandwidth is the median over rounds.
@@ -62,8 +68,9 @@ SHAPES: Dict[str, Dict[str, int]] = {
 }
 ENGINES = ("linattn", "transformers", "kernelize")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-#: the fp32 model quantized by `linattn.quantize` (int4: group 32), and llama.cpp's nearest GGUF types
-QUANTIZED = ("int8", "int4")
+#: the fp32 model quantized by `linattn.quantize` (int4: group 32; "-a8": with activations="int8"), and llama.cpp's
+#: nearest GGUF types
+QUANTIZED = ("int8", "int4", "int8-a8", "int4-a8")
 GGUF_TYPES = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}   # (convert_hf_to_gguf.py writes no Q4_0: --gguf)
 MIN_BANDWIDTH_BYTES = 64 << 20
 
@@ -77,8 +84,9 @@ def add_arguments(p) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-530m", help="model shape (default qwen3.5-530m)")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"comma list of {', '.join(ENGINES)} (default all; the transformers ones need linattn[hf])")
-    p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16, int8, int4 (default fp32,bf16; "
-                                                         "int8 / int4: the fp32 model through linattn.quantize)")
+    p.add_argument("--dtypes", default="fp32,bf16",
+                   help="comma list of fp32, bf16, int8, int4, int8-a8, int4-a8 (default fp32,bf16; int8 / int4: the "
+                        "fp32 model through linattn.quantize; -a8: with activations='int8')")
     p.add_argument("--threads", type=int_at_least(1), nargs="+", default=[1, 2], help="thread counts (default 1 2)")
     p.add_argument("--prompt", type=int_at_least(1), default=512, help="prompt tokens (default 512)")
     p.add_argument("--decode", type=int_at_least(1), default=128, help="decoded tokens per round (default 128)")
@@ -190,6 +198,44 @@ class ReadBandwidth:
         return self.nbytes / best
 
 
+def state_traffic(cache) -> Optional[Dict[str, int]]:
+    """What one decoded token reads and writes in a linattn cache besides the weights.
+
+    Args:
+        cache: A linattn `Cache` (a model's `out.cache`); anything else gives None.
+
+    Returns:
+        {"state": bytes of the constant-size states (recurrent states, convolution windows, token shifts: each read
+        and written once per token, so counted twice), "kv_row": bytes of one token's keys and values over every KV
+        cache (written once per token; read once per token of context), "kv_tokens": the tokens the KV caches hold
+        now}, or None.
+    """
+    from ..layers.cache import Cache, KVCache
+
+    if not isinstance(cache, Cache):
+        return None
+    from torch.utils import _pytree as pytree
+
+    state = kv_row = kv_tokens = 0
+    for leaf in pytree.tree_leaves(cache.layers, is_leaf=lambda v: isinstance(v, KVCache)):
+        if isinstance(leaf, KVCache):
+            if leaf.k is not None:
+                k, v = leaf.k, leaf.v
+                kv_row += k.shape[0] * (k[0, 0].numel() * k.element_size() + v[0, 0].numel() * v.element_size())
+                kv_tokens = max(kv_tokens, leaf.length)
+        elif isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            state += 2 * leaf.numel() * leaf.element_size()
+    return {"state": state, "kv_row": kv_row, "kv_tokens": kv_tokens}
+
+
+def state_bytes(traffic: Optional[Dict[str, int]], context: float) -> Optional[float]:
+    """`state_traffic`'s bytes for one token decoded at `context` tokens of context: the states, plus the KV rows
+    read over the context and the one written (None for None)."""
+    if traffic is None:
+        return None
+    return traffic["state"] + traffic["kv_row"] * (context + 1)
+
+
 # -- the models --------------------------------------------------------------------------------------------------
 def linattn_model(shape: Dict[str, int], dtype: torch.dtype, seed: int) -> torch.nn.Module:
     """linattn's `LanguageModel` of `shape`: Gated DeltaNet layers and one softmax layer (8 query / 2 KV heads of
@@ -211,7 +257,9 @@ def build_model(engine: str, shape: Dict[str, int], dtype_name: str, seed: int) 
     if dtype_name in QUANTIZED:
         from ..quant import quantize
 
-        return quantize(build_row(engine, shape, torch.float32, seed), dtype_name, inplace=True)
+        mode, _, a8 = dtype_name.partition("-")
+        return quantize(build_row(engine, shape, torch.float32, seed), mode, activations="int8" if a8 else "float",
+                        inplace=True)
     return build_row(engine, shape, DTYPES[dtype_name], seed)
 
 
@@ -326,10 +374,12 @@ def _gguf_files(a, shape, dtypes: Sequence[str], tmp: str, log) -> Dict[str, str
     return files
 
 
-def llama_rows(a, shape, dtypes: Sequence[str], nbytes: Dict[str, int], log) -> List[Dict[str, Any]]:
+def llama_rows(a, shape, dtypes: Sequence[str], nbytes: Dict[str, int], log,
+               sbytes: Optional[Dict[str, float]] = None) -> List[Dict[str, Any]]:
     """The llama.cpp rows (one per dtype and thread count). Their floor: `nbytes[dtype]` (the transformers model's
     decode bytes, else linattn's) over the read bandwidth measured right before and right after that llama-bench
-    run at its thread count (the mean of the two), so that it sees llama-bench's load, not the rounds'."""
+    run at its thread count (the mean of the two), so that it sees llama-bench's load, not the rounds'. Its floor
+    with states: `sbytes[dtype]` (the same model's state traffic) added."""
     with tempfile.TemporaryDirectory(prefix="linattn-infer-") as tmp:
         files = _gguf_files(a, shape, dtypes, tmp, log)
         bw = ReadBandwidth(None if a.bandwidth_mib is None else a.bandwidth_mib << 20)
@@ -343,10 +393,14 @@ def llama_rows(a, shape, dtypes: Sequence[str], nbytes: Dict[str, int], log) -> 
                 got = _llama_bench(a, files[name], t, log)
                 rate = (before + bw.once()) / 2
                 floor = nbytes[name] / rate * 1e3 if name in nbytes else None
+                st = (sbytes or {}).get(name)
+                floor_st = (nbytes[name] + st) / rate * 1e3 if floor is not None and st is not None else None
                 dec = got.get("decode_tok_s")
                 rows.append({"engine": "llama.cpp", "dtype": name, "threads": t, **got, "bytes": nbytes.get(name),
                              "bandwidth_gbs": rate / 1e9, "floor_ms": floor,
-                             "over_floor": (1e3 / dec) / floor if dec and floor else None})
+                             "over_floor": (1e3 / dec) / floor if dec and floor else None, "state_bytes": st,
+                             "floor_states_ms": floor_st,
+                             "over_floor_states": (1e3 / dec) / floor_st if dec and floor_st else None})
         return rows
 
 
@@ -416,19 +470,28 @@ def _records(rows, a, bws) -> List[Dict[str, Any]]:
         for row in rows:
             pre, dec = _median(row["times"][t]["prefill"]), _median(row["times"][t]["decode"])
             floor_ms = row["bytes"] / bw * 1e3
+            st = row.get("state_bytes")
+            floor_st = None if st is None else (row["bytes"] + st) / bw * 1e3
             out.append({"engine": row["engine"], "dtype": row["dtype"], "threads": t, "bytes": row["bytes"],
                         "prompt_tok_s": a.prompt / pre, "decode_tok_s": 1.0 / dec, "decode_ms": dec * 1e3,
-                        "floor_ms": floor_ms, "over_floor": dec * 1e3 / floor_ms, "bandwidth_gbs": bw / 1e9})
+                        "floor_ms": floor_ms, "over_floor": dec * 1e3 / floor_ms, "state_bytes": st,
+                        "floor_states_ms": floor_st, "over_floor_states": None if st is None else dec * 1e3 / floor_st,
+                        "bandwidth_gbs": bw / 1e9})
     return out
+
+
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _table(records) -> str:
     rows = [[r["engine"], r["dtype"], r["threads"], f"{r.get('prompt_tok_s') or 0:,.1f}",
-             f"{r.get('decode_tok_s') or 0:,.2f}", common.fmt_ms(r.get("floor_ms")),
-             "-" if r.get("over_floor") is None else f"{r['over_floor']:.2f}",
-             "-" if r.get("bandwidth_gbs") is None else f"{r['bandwidth_gbs']:.1f}"] for r in records]
+             f"{r.get('decode_tok_s') or 0:,.2f}", common.fmt_ms(r.get("floor_ms")), _ratio(r.get("over_floor")),
+             common.fmt_ms(r.get("floor_states_ms")), _ratio(r.get("over_floor_states")),
+             "-" if r.get("bandwidth_gbs") is None else f"{r['bandwidth_gbs']:.1f}"]
+            for r in records]
     return common.format_table(["engine", "dtype", "threads", "prompt tok/s", "decode tok/s", "floor ms",
-                                "decode/floor", "read GB/s"], rows)
+                                "decode/floor", "floor+st ms", "decode/floor+st", "read GB/s"], rows)
 
 
 def _interleaved(a, engines: Sequence[str], dtypes: Sequence[str], shape, log) -> tuple:
@@ -450,11 +513,18 @@ def _interleaved(a, engines: Sequence[str], dtypes: Sequence[str], shape, log) -
             f"floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth ({bw.method} "
             f"read of {bw.nbytes >> 20} MiB, LLC {last_level_cache_bytes() >> 20} MiB"
             f"{'' if bw.nbytes >= 4 * last_level_cache_bytes() else ': LESS THAN 4x, partly cached'}, "
-            f"best of {bw.passes} passes once per round, median over rounds)"]
+            f"best of {bw.passes} passes once per round, median over rounds); floor+st: the same with the states "
+            f"and KV rows a token reads and writes at the decode's mean context ({a.prompt + a.decode / 2:g} tokens)"]
     print("\n".join(head) + "\n")
     for row in rows:   # one warm-up token each (allocator, thread pools, plans)
         row["runner"].prefill(torch.zeros(1, min(a.prompt, 8), dtype=torch.int64))
         row["runner"].decode(1)
+        row["traffic"] = state_traffic(row["runner"].cache)
+    context = a.prompt + a.decode / 2   # (the decode's mean context)
+    for row in rows:   # the same shape's count where the engine's cache is not linattn's: the same dtype first
+        same = [r["traffic"] for r in rows if r["traffic"] is not None and r["dtype"] == row["dtype"]]
+        any_ = [r["traffic"] for r in rows if r["traffic"] is not None]
+        row["state_bytes"] = state_bytes(row["traffic"] or (same or any_ or [None])[0], context)
     bws = _measure(rows, a, bw, log)
     return head, info, _records(rows, a, bws)
 
@@ -481,7 +551,8 @@ def run(a) -> int:
     if a.llama_bench is not None:   # (the transformers model's bytes: the GGUF holds its weights)
         nbytes = {r["dtype"]: r["bytes"] for r in records if r["engine"] == "linattn"}
         nbytes.update({r["dtype"]: r["bytes"] for r in records if r["engine"] != "linattn"})
-        records += llama_rows(a, shape, dtypes, nbytes, log)
+        sbytes = {r["dtype"]: r["state_bytes"] for r in records if r.get("state_bytes") is not None}
+        records += llama_rows(a, shape, dtypes, nbytes, log, sbytes)
     loads = common.loadavg()
     text = _table(records) + f"\n\nload average after the run: {loads}"
     print(text)
@@ -506,4 +577,4 @@ def floor_ms(model: torch.nn.Module, bandwidth: float) -> float:
 
 __all__ = ["SHAPES", "ENGINES", "QUANTIZED", "ReadBandwidth", "Runner", "add_arguments", "build_model", "build_row",
            "decode_bytes", "floor_ms", "last_level_cache_bytes", "linattn_model", "model_decode_bytes",
-           "parse_llama_bench", "run"]
+           "parse_llama_bench", "run", "state_bytes", "state_traffic"]

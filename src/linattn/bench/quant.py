@@ -29,7 +29,9 @@ from ..io import write_json
 from . import common
 
 DESCRIPTION = __doc__
-PRECISIONS = ("fp32", "bf16", "int8", "int4")
+#: (int8-a8 / int4-a8: quantize(..., activations="int8"), every product's input rounded to int8 per block of 32)
+PRECISIONS = ("fp32", "bf16", "int8", "int4", "int8-a8", "int4-a8")
+DEFAULT_PRECISIONS = ("fp32", "bf16", "int8", "int4")
 
 
 def add_arguments(p) -> None:
@@ -38,7 +40,12 @@ def add_arguments(p) -> None:
     Args:
         p: The argparse parser to add them to.
     """
-    p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list of fp32,bf16,int8,int4")
+    p.add_argument("--precisions", default=",".join(DEFAULT_PRECISIONS),
+                   help="comma list of fp32,bf16,int8,int4,int8-a8,int4-a8 (default fp32,bf16,int8,int4; -a8: "
+                        "activations rounded to int8 per block of 32)")
+    p.add_argument("--compute", choices=("bf16", "fp32"), default="bf16",
+                   help="the quantized layers' PyTorch path (prefill, the quality rows' perplexity): bf16 (default, "
+                        "bf16 activations) or fp32 (the compiled decode's arithmetic: fp32 activations)")
     p.add_argument("--d-model", type=int_at_least(1), default=1024, help="width (default 1024)")
     p.add_argument("--n-layers", type=int_at_least(1), default=8, help="layers (default 8)")
     p.add_argument("--n-heads", type=int_at_least(1), default=8, help="heads (default 8)")
@@ -78,8 +85,9 @@ def _precisions(a) -> List[str]:
     return names
 
 
-def variant(model, precision: str, group_size: int):
-    """`model` (fp32) in a precision: a copy (bf16: the weights cast; int8/int4: linattn.quantize)."""
+def variant(model, precision: str, group_size: int, compute: str = "bf16"):
+    """`model` (fp32) in a precision: a copy (bf16: the weights cast; int8/int4[-a8]: linattn.quantize with
+    `compute`, -a8 with activations="int8")."""
     import copy
 
     from ..quant import quantize
@@ -87,7 +95,9 @@ def variant(model, precision: str, group_size: int):
         return model
     if precision == "bf16":
         return copy.deepcopy(model).to(torch.bfloat16)
-    return quantize(model, precision, group_size=group_size if precision == "int4" else None)
+    mode, _, a8 = precision.partition("-")
+    return quantize(model, mode, group_size=group_size if mode == "int4" else None, compute=compute,
+                    activations="int8" if a8 else "float")
 
 
 def decode_bytes(model) -> int:
@@ -157,7 +167,7 @@ def _time_one(model, prompt: torch.Tensor, n: int):
 
 def speed_rows(a, names: List[str], log) -> List[Dict[str, Any]]:
     base = _speed_model(a)
-    models = {n: variant(base, n, a.group_size) for n in names}
+    models = {n: variant(base, n, a.group_size, a.compute) for n in names}
     nbytes = {n: decode_bytes(m) for n, m in models.items()}
     buf = torch.ones((a.bandwidth_mib * 2 ** 20 or max(4 * _llc_bytes(), 256 * 2 ** 20)) // 4)
     prompt = torch.randint(0, a.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(a.seed))
@@ -213,6 +223,11 @@ def kernel_rows(a, log) -> List[Dict[str, Any]]:
             ways["int8 compiled decode, fp32 x"] = lambda: cpu_decode.weight_matvec(x, "int8", q8.qweight, q8.scales)
             ways["int4 compiled decode, fp32 x"] = lambda: cpu_decode.weight_matvec(x, "int4", q4.qweight, q4.scales,
                                                                                      q4.group_size)
+            # x rounded to int8 per block of 32 (activations="int8"): integer products
+            ways["int8 compiled decode, int8 x"] = lambda: cpu_decode.weight_matvec(x, "int8_a8", q8.qweight,
+                                                                                    q8.scales)
+            ways["int4 compiled decode, int8 x"] = lambda: cpu_decode.weight_matvec(x, "int4_a8", q4.qweight,
+                                                                                    q4.scales, q4.group_size)
         times = {k: [] for k in ways}
         n = 3 if M >= 64 else 10
         for _ in range(a.repeats):
@@ -265,7 +280,7 @@ def quality_rows(a, names: List[str], log) -> List[Dict[str, Any]]:
         ref = base.generate(prompts, a.agree_tokens, temperature=0)
     rows = []
     for n in names:
-        m = variant(base, n, a.group_size)
+        m = variant(base, n, a.group_size, a.compute)
         ppl = perplexity(m, tokens, a.seq_len)
         forced, free = greedy_agreement(m, ref, 32, ref)
         rows.append({"precision": n, "ppl": ppl, "tokens": int(((tokens.numel() - 1) // a.seq_len) * a.seq_len),
@@ -290,7 +305,7 @@ def hf_rows(a, names: List[str]) -> List[Dict[str, Any]]:
         ref = model(ids).logits.double()
         rows = []
         for n in names:
-            m = variant(model, n, a.group_size)
+            m = variant(model, n, a.group_size, a.compute)
             err = (m(ids).logits.double() - ref).abs()
             rows.append({"precision": n, "max_err_rel": (err.max() / ref.abs().max()).item(),
                          "mean_err_rel": (err.mean() / ref.abs().mean()).item(),

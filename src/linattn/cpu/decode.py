@@ -33,7 +33,8 @@ from ..feature_codes import FUSED_MAPS as FEATURE_MAPS  # noqa: E402, I001 (one 
 #: negative eigenvalues allowed, as OLMo-hybrid's Gated DeltaNet)
 BETA_MODES = ("sigmoid", "adaptive", "loose", "doubled")
 #: the weight formats of the plans' matrices (csrc/qmatvec.h WF_*: `fmt_<matrix>` fields, 0 = as `wbf16` says)
-WEIGHT_FORMATS = {"plan": 0, "bf16": 1, "int8": 2, "int4": 3}
+WEIGHT_FORMATS = {"plan": 0, "bf16": 1, "int8": 2, "int4": 3,
+                  "int8_a8": 4, "int4_a8": 5}   # (int8 / int4 weights, x rounded to int8 per block of 32)
 
 
 def _library() -> Optional[bindings.Bound]:
@@ -161,7 +162,8 @@ def weight_matvec(x: torch.Tensor, fmt: str, W: torch.Tensor, scales: Optional[t
     """y `[B, n]` = add + W x + bias for float32 x `[B, m]` through the compiled decode's one weight product
     (csrc/qmatvec.h `matvec_w_f32`, at torch's thread count), W in format fmt (`WEIGHT_FORMATS`): "plan" float32
     `[n, m]`, "bf16" `[n, m]`, "int8" `[n, m]` with bf16 scales `[n]`, "int4" uint8 `[n, m / 2]` (two codes a byte,
-    quant/linear.py) with bf16 scales `[n, m / group]`, group 32 or 64. For tests and benchmarks (the plans call it
+    quant/linear.py) with bf16 scales `[n, m / group]`, group 32 or 64; "int8_a8" / "int4_a8" the same weights
+    times x rounded to int8 per block of 32 inputs (csrc/qmatvec.h). For tests and benchmarks (the plans call it
     from C); bias and add float32. Every tensor contiguous and on the CPU (`ptr` checks)."""
     if x.dim() != 2 or x.dtype != torch.float32:
         raise LinattnError(f"weight_matvec: x must be float32 [B, m], got {x.dtype} {list(x.shape)}")
@@ -170,14 +172,15 @@ def weight_matvec(x: torch.Tensor, fmt: str, W: torch.Tensor, scales: Optional[t
     want = {"plan": (torch.float32, (n, m), None), "bf16": (torch.bfloat16, (n, m), None),
             "int8": (torch.int8, (n, m), (n,)),
             "int4": (torch.uint8, (n, m // 2), (n, m // group) if group in (32, 64) and m % group == 0 else None)}
+    want["int8_a8"], want["int4_a8"] = want["int8"], want["int4"]
     if fmt not in want:
         raise LinattnError(f"weight_matvec: fmt must be one of {sorted(want)}, got {fmt!r}")
     wdt, wshape, sshape = want[fmt]
-    if (W.dtype, tuple(W.shape)) != (wdt, wshape) or (fmt == "int4" and sshape is None) or (
+    if (W.dtype, tuple(W.shape)) != (wdt, wshape) or (fmt.startswith("int4") and sshape is None) or (
             sshape is not None and (scales is None or scales.dtype != torch.bfloat16 or tuple(scales.shape) != sshape)):
         raise LinattnError(f"weight_matvec ({fmt}): W must be {wdt} {list(wshape)}"
                            + (f", scales bfloat16 {list(sshape)}" if sshape else "")
-                           + (" (group 32 or 64 dividing m)" if fmt == "int4" else "")
+                           + (" (group 32 or 64 dividing m)" if fmt.startswith("int4") else "")
                            + f"; got W {W.dtype} {list(W.shape)}, scales "
                            + ("None" if scales is None else f"{scales.dtype} {list(scales.shape)}")
                            + f", group {group}")

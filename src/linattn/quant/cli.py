@@ -9,25 +9,33 @@ import torch
 
 from ..checkpoint import Checkpoint, load_checkpoint
 from ..errors import LinattnError
-from .linear import GROUP_SIZES, MODES
+from .linear import ACTIVATIONS, GROUP_SIZES, MODES
 from .model import quantization_summary, quantize
 from .store import is_quantized_dir, load_quantized, read_manifest, save_quantized
 
 
 def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
-    """--quantize and --group-size (generate, eval)."""
+    """--quantize, --group-size and --activations (generate, eval)."""
     p.add_argument("--quantize", choices=MODES, default=None,
                    help="run with int8 (per-row scales) or int4 (per-group scales) weights, CPU only (default: "
                         "the checkpoint's own weights; a folder written by `linattn quantize` loads as it is)")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,
                    help="int4's group of inputs sharing a scale (default 32)")
+    _add_activations(p)
 
 
-def load_for_inference(checkpoint: str, device, mode=None, group_size=None) -> Checkpoint:
+def _add_activations(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--activations", choices=ACTIVATIONS, default=None,
+                   help="int8: the quantized products round their inputs to int8 per block of 32 (faster decoding, "
+                        "a small extra error; docs/quantization.md); default float")
+
+
+def load_for_inference(checkpoint: str, device, mode=None, group_size=None, activations=None) -> Checkpoint:
     """A checkpoint (a run or step folder, or a folder written by `linattn quantize`), quantized when `mode` says.
 
     Raises:
-        LinattnError: Quantizing a quantized folder, a quantized model off the CPU, a bad mode or group size.
+        LinattnError: Quantizing a quantized folder, a quantized model off the CPU, a bad mode or group size,
+            --activations without --quantize.
         CheckpointError: The checkpoint cannot be read.
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -35,6 +43,9 @@ def load_for_inference(checkpoint: str, device, mode=None, group_size=None) -> C
         raise LinattnError(f"quantized weights run on the CPU only: pass --device cpu (got {device})")
     if group_size is not None and mode is None:
         raise LinattnError("--group-size needs --quantize int4")
+    if activations is not None and mode is None:
+        raise LinattnError("--activations needs --quantize int8|int4 (a folder written by `linattn quantize` keeps "
+                           "the activations it was written with)")
     if is_quantized_dir(checkpoint):
         if mode is not None:
             raise LinattnError(f"{checkpoint} is already quantized ({read_manifest(checkpoint)['mode']}); drop "
@@ -42,7 +53,7 @@ def load_for_inference(checkpoint: str, device, mode=None, group_size=None) -> C
         return _quantized_checkpoint(checkpoint)
     ck = load_checkpoint(checkpoint, device=device)
     if mode is not None:
-        ck.model = quantize(ck.model, mode, group_size=group_size, inplace=True)
+        ck.model = quantize(ck.model, mode, group_size=group_size, activations=activations or "float", inplace=True)
     return ck
 
 
@@ -59,6 +70,7 @@ def add_command_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="the float checkpoint: run folder (its latest) or step folder")
     p.add_argument("--mode", required=True, choices=MODES, help="int8 (per-row scales) or int4 (per-group scales)")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None, help="int4's group (default 32)")
+    _add_activations(p)
     p.add_argument("--out", required=True, help="the folder to write (quantized.json, quantized.safetensors, "
                                                 "tokenizer.json); generate / eval take it as --checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -66,7 +78,7 @@ def add_command_arguments(p: argparse.ArgumentParser) -> None:
 
 def command_main(args: argparse.Namespace) -> int:
     """`linattn quantize --checkpoint DIR --mode int8|int4 --out QDIR`."""
-    ck = load_for_inference(args.checkpoint, "cpu", args.mode, args.group_size)
+    ck = load_for_inference(args.checkpoint, "cpu", args.mode, args.group_size, args.activations)
     out = save_quantized(ck.model, args.out, tokenizer=ck.tokenizer, overwrite=args.overwrite,
                          source={"checkpoint": str(ck.path), "step": ck.step, "train_config": ck.train_config})
     s = quantization_summary(ck.model)

@@ -26,6 +26,8 @@ from ..errors import LinattnError, LinattnTypeError
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64)
 COMPUTES = ("bf16", "fp32")
+ACTIVATIONS = ("float", "int8")
+ACTIVATION_BLOCK = 32     # int8 activations: inputs sharing one scale (csrc/qmatvec.h A8_BLOCK)
 INT4_N_MULTIPLE = 16      # torch's int4 CPU packing needs out_features % 16 == 0
 # up to this many rows the packed kernels beat dequantize-then-bf16-matmul (`linattn bench quant --kernels`, a
 # 1024 x 3584 weight, 1 thread: int8 ties at 64 rows and loses 4x at 512; int4 wins at 64, loses at 512)
@@ -52,6 +54,39 @@ def check_compute(compute) -> str:
     if compute not in COMPUTES:
         raise LinattnError(f"compute must be one of {COMPUTES}, got {compute!r}")
     return compute
+
+
+def check_activations(activations) -> str:
+    if activations not in ACTIVATIONS:
+        raise LinattnError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    return activations
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 per block of 32 consecutive inputs (the last dim), as the compiled products round it.
+
+    A block's scale is s = max|x| / 127 (in fp32, fp64 for fp64 x; raised by ulps until 127 s >= the max), each
+    value q = round(x / s) in [-127, 127], ties to even; returns q * s in x's dtype (fp32 for bf16 / fp16 x, whose
+    products compute in fp32). A tensor with a NaN or inf is returned unrounded: its products run exact, as the
+    compiled ones do (csrc/qmatvec.h). |x - q s| <= s / 2 elementwise.
+    """
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x = x.to(dt)
+    if x.numel() == 0 or not bool(torch.isfinite(x).all()):
+        return x
+    K = x.shape[-1]
+    nb = -(-K // ACTIVATION_BLOCK)
+    blocks = F.pad(x, (0, nb * ACTIVATION_BLOCK - K)).unflatten(-1, (nb, ACTIVATION_BLOCK))
+    mx = blocks.abs().amax(-1, keepdim=True)
+    s = mx / 127
+    inf = torch.full_like(s, float("inf"))
+    while True:   # at most a few ulps, near the smallest floats
+        low = s * 127 < mx
+        if not bool(low.any()):
+            break
+        s = torch.where(low, torch.nextafter(s, inf), s)
+    q = torch.where(s > 0, torch.round(blocks / torch.where(s > 0, s, torch.ones_like(s))), torch.zeros_like(blocks))
+    return (q.clamp_(-127, 127) * s).flatten(-2)[..., :K]
 
 
 def fits(mode: str, group_size: Optional[int], out_features: int, in_features: int) -> Optional[str]:
@@ -124,16 +159,19 @@ class QuantizedLinear(nn.Module):
         mode: "int8" or "int4".
         group_size: int4's group (32 or 64); None for int8.
         compute: "bf16" (PyTorch's packed kernels, bf16 activations) or "fp32" (dequantize to fp32).
+        activations: "float" (default: the products take x as it is) or "int8": every product first rounds x to
+            int8 per block of 32 inputs (`round_activations`); the compiled decode then multiplies integers.
 
     Raises:
-        LinattnError: A bad mode, group size, compute or shape, or a tensor not on the CPU.
+        LinattnError: A bad mode, group size, compute, activations or shape, or a tensor not on the CPU.
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor], mode: str,
-                 group_size: Optional[int] = None, compute: str = "bf16"):
+                 group_size: Optional[int] = None, compute: str = "bf16", activations: str = "float"):
         super().__init__()
         group_size = check_mode(mode, group_size)
         self.mode, self.group_size, self.compute = mode, group_size, check_compute(compute)
+        self.activations = check_activations(activations)
         N = qweight.shape[0]
         K = qweight.shape[1] * (2 if mode == "int4" else 1)
         want_q = (torch.int8 if mode == "int8" else torch.uint8, (N, qweight.shape[1]))
@@ -169,7 +207,7 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, mode: str, group_size: Optional[int] = None,
-                    compute: str = "bf16") -> "QuantizedLinear":
+                    compute: str = "bf16", activations: str = "float") -> "QuantizedLinear":
         """Quantize an `nn.Linear` (its weight and bias are read, not changed).
 
         Args:
@@ -177,6 +215,7 @@ class QuantizedLinear(nn.Module):
             mode: "int8" or "int4".
             group_size: int4's group (32 or 64, default 32); None for int8.
             compute: "bf16" or "fp32" (the class's Args).
+            activations: "float" or "int8" (the class's Args).
 
         Returns:
             The QuantizedLinear.
@@ -187,11 +226,12 @@ class QuantizedLinear(nn.Module):
         """
         if not isinstance(linear, nn.Linear):
             raise LinattnTypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        return cls.from_weight(linear.weight, linear.bias, mode, group_size, compute)
+        return cls.from_weight(linear.weight, linear.bias, mode, group_size, compute, activations)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], mode: str,
-                    group_size: Optional[int] = None, compute: str = "bf16") -> "QuantizedLinear":
+                    group_size: Optional[int] = None, compute: str = "bf16",
+                    activations: str = "float") -> "QuantizedLinear":
         """Quantize a float weight `[out_features, in_features]` (and a bias).
 
         Args:
@@ -200,15 +240,17 @@ class QuantizedLinear(nn.Module):
             mode: "int8" or "int4".
             group_size: int4's group (32 or 64, default 32); None for int8.
             compute: "bf16" or "fp32" (the class's Args).
+            activations: "float" or "int8" (the class's Args).
 
         Returns:
             The QuantizedLinear.
 
         Raises:
-            LinattnError: A bad mode, group size or compute, a shape the format cannot take, a weight off the CPU
-                or with NaN / inf values.
+            LinattnError: A bad mode, group size, compute or activations, a shape the format cannot take, a weight
+                off the CPU or with NaN / inf values.
         """
         group_size = check_mode(mode, group_size)
+        check_activations(activations)
         if weight.device.type != "cpu":
             raise LinattnError(f"weight is on {weight.device}; quantized weights run on the CPU only (move the model "
                                f"to the CPU first)")
@@ -221,7 +263,7 @@ class QuantizedLinear(nn.Module):
         if not bool(torch.isfinite(weight).all()):
             raise LinattnError("weight has NaN or inf values; a quantized weight must be finite")
         q, scales = quantize_weight(weight, mode, group_size)
-        return cls(q if mode == "int8" else pack_int4(q), scales, bias, mode, group_size, compute)
+        return cls(q if mode == "int8" else pack_int4(q), scales, bias, mode, group_size, compute, activations)
 
     def int_weight(self) -> torch.Tensor:
         """The integer values `[N, K]` (int8)."""
@@ -261,6 +303,8 @@ class QuantizedLinear(nn.Module):
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
+        if self.activations == "int8":
+            x2 = round_activations(x2)
         if self.compute == "fp32" or x2.shape[0] == 0:
             dt = torch.float64 if x.dtype == torch.float64 else torch.float32
             y = F.linear(x2.to(dt), self.dequantize(dt))
@@ -281,10 +325,12 @@ class QuantizedLinear(nn.Module):
         """What the compiled decode's products read in place (models/decode_plan.py, cpu/csrc/qmatvec.h).
 
         Returns:
-            (mode, qweight, scales, group): "int8" or "int4", the stored integer weights, the bf16 scales and int4's
+            (format, qweight, scales, group): the product's format (`cpu/decode.WEIGHT_FORMATS`: "int8" or "int4",
+            "int8_a8" / "int4_a8" with int8 activations), the stored integer weights, the bf16 scales and int4's
             group size (0 for int8).
         """
-        return self.mode, self.qweight, self.scales, self.group_size or 0
+        fmt = self.mode if self.activations == "float" else f"{self.mode}_a8"
+        return fmt, self.qweight, self.scales, self.group_size or 0
 
     def stored_bytes(self) -> int:
         """Bytes of the integer weights and scales (and bias), what a decoded token reads."""
@@ -293,4 +339,5 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"mode={self.mode!r}{g}, compute={self.compute!r}")
+                f"mode={self.mode!r}{g}, compute={self.compute!r}"
+                + (f", activations={self.activations!r}" if self.activations != "float" else ""))

@@ -20,23 +20,24 @@ from torch.nn import functional as F
 from ..errors import LinattnError, LinattnTypeError
 from ..models.lm import LanguageModel
 from ..models.moe import MoE
-from .linear import QuantizedLinear, check_compute, check_mode, fits
+from .linear import QuantizedLinear, check_activations, check_compute, check_mode, fits
 
 
 class QuantizedMoE(MoE):
     """A linattn `MoE` whose experts' SwiGLU matrices are `QuantizedLinear`s (the router stays float)."""
 
-    def __init__(self, moe: MoE, mode: str, group_size: Optional[int], compute: str):
+    def __init__(self, moe: MoE, mode: str, group_size: Optional[int], compute: str, activations: str = "float"):
         nn.Module.__init__(self)
         self.d_model, self.n_experts, self.top_k, self.hidden = moe.d_model, moe.n_experts, moe.top_k, moe.hidden
         self.bias_mode, self.aux_loss_coef, self.renormalize = moe.bias_mode, moe.aux_loss_coef, moe.renormalize
         self.init_std, self.out_std = moe.init_std, moe.out_std
         self.router = copy.deepcopy(moe.router)
         # MoE stores x @ W ([E, d, 2h], [E, h, d]): an nn.Linear-layout weight is W[e]ᵀ
-        self.experts_gate_up = nn.ModuleList(QuantizedLinear.from_weight(moe.w_gate_up[e].t(), None, mode, group_size,
-                                                                         compute) for e in range(self.n_experts))
-        self.experts_down = nn.ModuleList(QuantizedLinear.from_weight(moe.w_down[e].t(), None, mode, group_size,
-                                                                      compute) for e in range(self.n_experts))
+        how = (mode, group_size, compute, activations)
+        self.experts_gate_up = nn.ModuleList(QuantizedLinear.from_weight(moe.w_gate_up[e].t(), None, *how)
+                                             for e in range(self.n_experts))
+        self.experts_down = nn.ModuleList(QuantizedLinear.from_weight(moe.w_down[e].t(), None, *how)
+                                          for e in range(self.n_experts))
 
     def reset_parameters(self) -> None:
         raise LinattnError("a QuantizedMoE has no float expert weights to initialise")
@@ -65,13 +66,15 @@ def quantization_summary(model: nn.Module) -> Dict[str, Any]:
         model: A model (quantized or not).
 
     Returns:
-        {"mode", "group_size", "compute" (None when nothing is quantized), "modules" (names), "bytes" (of the
+        {"mode", "group_size", "compute", "activations" (None when nothing is quantized), "modules" (names),
+        "bytes" (of the
         integer weights, scales and biases), "skipped" ({name: why it stayed in float})}.
     """
     q = quantized_modules(model)
     first = next(iter(q.values()), None)
     return {"mode": first.mode if first else None, "group_size": first.group_size if first else None,
-            "compute": first.compute if first else None, "modules": sorted(q),
+            "compute": first.compute if first else None, "activations": first.activations if first else None,
+            "modules": sorted(q),
             "bytes": sum(m.stored_bytes() for m in q.values()),
             "skipped": dict(getattr(model, "_linattn_quant_skipped", {}))}
 
@@ -89,7 +92,7 @@ def _check_model(model) -> None:
 
 
 def quantize(model: nn.Module, mode: str, *, group_size: Optional[int] = None, compute: str = "bf16",
-             inplace: bool = False) -> nn.Module:
+             activations: str = "float", inplace: bool = False) -> nn.Module:
     """Quantize a model's linear layers to int8 (per output row) or int4 (per group of inputs), for CPU inference.
 
     Args:
@@ -98,26 +101,32 @@ def quantize(model: nn.Module, mode: str, *, group_size: Optional[int] = None, c
         group_size: int4's group of inputs sharing a scale, 32 (default) or 64; not for int8.
         compute: "bf16" (default: PyTorch's packed int8/int4 kernels with bf16 activations, fp32 accumulation)
             or "fp32" (dequantize to fp32 for each product: slower, no bf16 rounding).
+        activations: "float" (default: the products take the activations as they are) or "int8": every product of
+            a quantized layer rounds its input to int8 per block of 32 inputs first (an fp32 scale per block, as
+            llama.cpp's Q8_0), and the compiled decode multiplies the integers (AVX-512 VNNI, AVX2 or plain C):
+            faster decoding, an extra error of at most half a block's scale per input (docs/quantization.md).
         inplace: Replace the modules of `model` itself (its float weights are dropped); default: a copy.
 
     Returns:
         The quantized model, in eval mode. A backward pass through it raises `LinattnError`.
 
     Raises:
-        LinattnError: Unknown mode or compute, a bad group size, a model already quantized, parameters off the
-            CPU, or a non-finite weight.
+        LinattnError: Unknown mode, compute or activations, a bad group size, a model already quantized,
+            parameters off the CPU, or a non-finite weight.
         LinattnTypeError: model is not an nn.Module.
     """
     group_size = check_mode(mode, group_size)
     check_compute(compute)
+    check_activations(activations)
     _check_model(model)
     if not inplace:
         model = copy.deepcopy(model)
     skipped: Dict[str, str] = {}
     tied = _tied_head(model)
-    _replace_children(model, "", mode, group_size, compute, skipped)
+    how = (mode, group_size, compute, activations)
+    _replace_children(model, "", how, skipped)
     if tied is not None:
-        _quantize_tied_head(model, tied, mode, group_size, compute, skipped)
+        _quantize_tied_head(model, tied, how, skipped)
     model._linattn_quant_skipped = skipped
     return model.eval()
 
@@ -129,15 +138,18 @@ def _tied_head(model: nn.Module) -> Optional[torch.Tensor]:
     return None
 
 
-def _quantize_tied_head(model, weight, mode, group_size, compute, skipped) -> None:
-    reason = fits(mode, group_size, *weight.shape)
+def _quantize_tied_head(model, weight, how, skipped) -> None:
+    reason = fits(how[0], how[1], *weight.shape)
     if reason:
         skipped["lm_head"] = reason
         return
-    model.lm_head = QuantizedLinear.from_weight(weight, None, mode, group_size, compute)
+    model.lm_head = QuantizedLinear.from_weight(weight, None, *how)
 
 
-def _replace_children(module: nn.Module, prefix: str, mode, group_size, compute, skipped) -> None:
+def _replace_children(module: nn.Module, prefix: str, how, skipped) -> None:
+    """Replaces module's nn.Linear / MoE children (recursively) by quantized ones; how: (mode, group_size, compute,
+    activations)."""
+    mode, group_size = how[:2]
     for name, child in module.named_children():
         full = f"{prefix}{name}"
         if type(child) is nn.Linear:
@@ -146,15 +158,15 @@ def _replace_children(module: nn.Module, prefix: str, mode, group_size, compute,
                 skipped[full] = reason
                 continue
             try:
-                setattr(module, name, QuantizedLinear.from_linear(child, mode, group_size, compute))
+                setattr(module, name, QuantizedLinear.from_linear(child, *how))
             except LinattnError as e:
                 raise LinattnError(f"{full}: {e}") from None
         elif type(child) is MoE:
             if any(fits(mode, group_size, n, k) for n, k in ((2 * child.hidden, child.d_model),
                                                               (child.d_model, child.hidden))):
                 skipped[full] = f"experts' shapes do not fit {mode}"
-                _replace_children(child, full + ".", mode, group_size, compute, skipped)
+                _replace_children(child, full + ".", how, skipped)
                 continue
-            setattr(module, name, QuantizedMoE(child, mode, group_size, compute))
+            setattr(module, name, QuantizedMoE(child, *how))
         else:
-            _replace_children(child, full + ".", mode, group_size, compute, skipped)
+            _replace_children(child, full + ".", how, skipped)

@@ -1,7 +1,8 @@
 """Saving and loading a quantized linattn `LanguageModel`: a folder of its own (not a training checkpoint).
 
     OUT/quantized.json          the manifest: {"format": "linattn-quantized", "version": 1, "family": "lm",
-                                "model": LMConfig dict, "mode", "group_size", "compute",
+                                "model": LMConfig dict, "mode", "group_size", "compute", "activations" ("float"
+                                or "int8"; absent in folders written before it: "float"),
                                 "modules": {name: {"in_features", "out_features", "bias"}},
                                 "moe": [names of quantized MoEs], "skipped": {name: reason},
                                 "source": {"checkpoint", "step", "train_config"} of the float checkpoint or {}}
@@ -94,6 +95,7 @@ def save_quantized(model: LanguageModel, out: PathLike, *, tokenizer=None, sourc
         raise CheckpointError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     manifest = {"format": FORMAT, "version": VERSION, "family": "lm", "model": model.config.to_dict(),
                 "mode": summary["mode"], "group_size": summary["group_size"], "compute": summary["compute"],
+                "activations": summary["activations"],
                 "modules": {n: {"in_features": m.in_features, "out_features": m.out_features,
                                 "bias": m.bias is not None} for n, m in quantized_modules(model).items()},
                 "moe": sorted(n for n, m in model.named_modules() if isinstance(m, QuantizedMoE)),
@@ -172,17 +174,17 @@ def load_quantized(path: PathLike) -> Tuple[LanguageModel, Optional[object]]:
 def _build(manifest, state) -> LanguageModel:
     """The float model of the manifest's config, with its quantized modules put in place from `state`."""
     model = LanguageModel(LMConfig.from_dict(manifest["model"]))
-    mode, group, compute = manifest["mode"], manifest["group_size"], manifest["compute"]
+    how = (manifest["mode"], manifest["group_size"], manifest["compute"], manifest.get("activations", "float"))
     for name in manifest["moe"]:
         parent, attr = _parent(model, name)
         moe = getattr(parent, attr)
         with torch.no_grad():   # placeholders of the right shapes; the state dict fills them
-            setattr(parent, attr, QuantizedMoE(moe, mode, group, compute))
+            setattr(parent, attr, QuantizedMoE(moe, *how))
     for name, info in manifest["modules"].items():
         q, s = state[f"{name}.qweight"], state[f"{name}.scales"]
         b = state.get(f"{name}.bias") if info["bias"] else None
         parent, attr = _parent(model, name)
-        setattr(parent, attr, QuantizedLinear(q, s, b, mode, group, compute))
+        setattr(parent, attr, QuantizedLinear(q, s, b, *how))
     return model
 
 

@@ -327,7 +327,7 @@ def eval_main(args: argparse.Namespace) -> int:
         device = resolve_device(args.device if args.device is not None or args.quantize is None else "cpu")
         if args.data is not None and not Path(args.data).exists():
             raise missing_data_error(args.data)
-        ck = load_for_inference(args.checkpoint, device, args.quantize, args.group_size)
+        ck = load_for_inference(args.checkpoint, device, args.quantize, args.group_size, args.activations)
         if getattr(args, "tokenizer", None) is not None:
             ck.tokenizer = tokenizer_for_model(args.tokenizer, int(ck.model.config.vocab_size))
         if ck.tokenizer is None:

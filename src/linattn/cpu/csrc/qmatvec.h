@@ -20,6 +20,8 @@
 #define WF_BF16 1
 #define WF_INT8 2
 #define WF_INT4 3
+#define WF_INT8_A8 4   /* WF_INT8 / WF_INT4 weights times x rounded to int8 per block of 32 inputs (below) */
+#define WF_INT4_A8 5
 /* the format a plan's matrix is in: its own field when set, else the plan-wide bf16 switch */
 #define WEIGHT_FORMAT(wbf16, fmt) ((fmt) ? (int)(fmt) : ((wbf16) ? WF_BF16 : WF_PLAN))
 
@@ -325,6 +327,333 @@ static void matvec_int4(int64_t B, int64_t n, int64_t m, int64_t group, const ui
     free(xp);
 }
 
+/* ---- int8 activations (WF_INT8_A8, WF_INT4_A8): the opt-in products of quantize(..., activations="int8") ----
+
+   x is rounded once per call, per block of A8_BLOCK consecutive inputs (the last block of a row may be shorter):
+   s_b = max_{j in b} |x_j| / 127 (fp32, raised by ulps until s_b * 127 >= the max), q_j = round(x_j / s_b) in
+   [-127, 127] (nearest, ties to even), so |x_j - q_j s_b| <= s_b / 2. The weights stay exact: a block's products
+   q_w q_j are summed as integers (exact: |sum| < 2^19), and the sum times s_b (and the weight's scale) enters an fp32
+   accumulator. So y = sum_j w_j x^_j with x^_j = q_j s_b up to fp32 rounding, and
+       |y - W x| <= sum_b (s_b / 2) sum_{j in b} |w_j|  +  gamma_{m+8} sum_j |w_j| |x^_j|
+   (tests/cpu/test_qmatvec_a8.py asserts both parts against fp64). A partial sum is scaled before it is added
+   (the integer sum times s_b, then times the weight scale: neither product underflows for x as small as 1e-38),
+   so |x| above ~6e35 overflows a 4-input partial, as in the exact products. A NaN or inf anywhere in x sends the
+   whole call to the exact product (whose NaN / inf pattern it then has).
+
+   Paths: AVX-512 VNNI (`vpdpbusd`: unsigned bytes times signed bytes, 4 at a time into int32 lanes), AVX2
+   (`vpmaddubsw` + `vpmaddwd`), plain C. The unsigned operand is the weights': int4 codes c = q + 8 are already in
+   [1, 15], int8 weights become w + 128 by one xor (VNNI); the excess 8 (or 128) times the lane's sum of x's
+   integers is subtracted per lane from a table made once per call. AVX2's `vpmaddubsw` saturates 16-bit pair sums,
+   which int8 weights + 128 would reach: there x's magnitudes are the unsigned operand and the weights take x's
+   sign (`vpsignb`), exact. */
+#include <float.h>
+#define A8_BLOCK 32
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && !defined(LINATTN_PLAIN_C)
+#include <immintrin.h>
+#define A8_I8_COLS 64    /* int8 weights: inputs per vector step (one 64-byte load per row) */
+#define A8_I4_COLS 128   /* int4: inputs per vector step (64 bytes of codes per row) */
+#elif defined(__AVX2__) && !defined(LINATTN_PLAIN_C)
+#include <immintrin.h>
+#define A8_I8_COLS 32
+#define A8_I4_COLS 64
+#endif
+
+/* x rounded per block, with the vector paths' tables (every array [B, ...], row b at b * its row length) */
+typedef struct {
+    int64_t m, nb, mv, nl;   /* inputs, blocks, inputs on the vector path, lanes on it (mv / lane width) */
+    int8_t *q;               /* [B, m] x's integers */
+    float *s;                /* [B, nb] the blocks' scales */
+    int8_t *v;               /* [B, mv] int4: per step of A8_I4_COLS inputs its even inputs' integers, then its odd
+                                ones' (the low and high nibbles of the step's bytes); int8 on AVX2: |q| */
+    float *ls;               /* [B, nl] the scale of each lane's block */
+    int32_t *lc;             /* [B, nl] the excess to subtract per lane: 8 (int4) or 128 (int8, VNNI) x its sum of q */
+    void *mem;
+} a8_x;
+
+/* x's row (m inputs) rounded per block into q and s; 0 when it holds a NaN or inf */
+static int a8_round_row(int64_t m, const float *x, int8_t *q, float *s) {
+    for (int64_t j0 = 0, b = 0; j0 < m; j0 += A8_BLOCK, ++b) {
+        const int64_t e = j0 + A8_BLOCK < m ? j0 + A8_BLOCK : m;
+        float mx = 0;
+        for (int64_t j = j0; j < e; ++j) {
+            const float a = fabsf(x[j]);
+            if (!(a <= FLT_MAX)) return 0;
+            mx = a > mx ? a : mx;
+        }
+        float sc = mx / 127.0f;
+        while (sc * 127.0f < mx) sc = nextafterf(sc, INFINITY);   /* (a max near fp32's smallest values) */
+        s[b] = sc;
+        for (int64_t j = j0; j < e; ++j) {
+            const float r = sc > 0 ? nearbyintf(x[j] / sc) : 0.0f;
+            q[j] = (int8_t)(r > 127.0f ? 127 : r < -127.0f ? -127 : r);
+        }
+    }
+    return 1;
+}
+
+/* x [B, m] rounded (the tables for int4 weights when int4); 0 (nothing allocated) on a NaN / inf or no memory */
+static int a8_prepare(int int4, int64_t B, int64_t m, const float *x, a8_x *p) {
+    const int64_t lw = int4 ? 8 : 4;   /* inputs per int32 lane */
+#if defined(A8_I8_COLS)
+    const int64_t cols = int4 ? A8_I4_COLS : A8_I8_COLS;
+#else
+    const int64_t cols = m + 1;
+#endif
+    p->m = m, p->nb = (m + A8_BLOCK - 1) / A8_BLOCK, p->mv = m - m % cols, p->nl = p->mv / lw;
+    const size_t nq = (size_t)((B * m + 63) & ~(int64_t)63), nv = (size_t)((B * p->mv + 63) & ~(int64_t)63),
+                 ns = (size_t)B * (size_t)(p->nb + 2 * p->nl) * 4;
+    if (!(p->mem = aligned_alloc(64, (nq + nv + ns + 63) & ~(size_t)63))) return 0;
+    p->q = (int8_t *)p->mem, p->v = p->q + nq, p->s = (float *)(void *)(p->v + nv), p->ls = p->s + B * p->nb;
+    p->lc = (int32_t *)(void *)(p->ls + B * p->nl);
+    for (int64_t b = 0; b < B; ++b) {
+        int8_t *q = p->q + b * m, *v = p->v + b * p->mv;
+        const float *s = p->s + b * p->nb;
+        if (!a8_round_row(m, x + b * m, q, p->s + b * p->nb)) {
+            free(p->mem);
+            return 0;
+        }
+        for (int64_t l = 0; l < p->nl; ++l) {
+            int32_t sum = 0;
+            for (int64_t j = l * lw; j < (l + 1) * lw; ++j) sum += q[j];
+            p->ls[b * p->nl + l] = s[l * lw / A8_BLOCK];
+            p->lc[b * p->nl + l] = int4 ? 8 * sum : 128 * sum;
+        }
+        if (int4)
+            for (int64_t j = 0; j < p->mv; j += cols)
+                for (int64_t k = 0; k < cols / 2; ++k) v[j + k] = q[j + 2 * k], v[j + cols / 2 + k] = q[j + 2 * k + 1];
+        else
+            for (int64_t j = 0; j < p->mv; ++j) v[j] = (int8_t)(q[j] < 0 ? -q[j] : q[j]);
+    }
+    return 1;
+}
+
+/* one row's product over inputs j0 .. m-1 (block-aligned) in plain C: the int8 / int4 weights' rows */
+static inline float a8_int8_row_scalar(int64_t j0, int64_t m, const int8_t *w, float ws, const int8_t *q,
+                                       const float *s) {
+    float a = 0;
+    for (int64_t b0 = j0; b0 < m; b0 += A8_BLOCK) {
+        const int64_t e = b0 + A8_BLOCK < m ? b0 + A8_BLOCK : m;
+        int32_t si = 0;
+        for (int64_t j = b0; j < e; ++j) si += (int32_t)w[j] * q[j];
+        a += (float)((double)si * ((double)s[b0 / A8_BLOCK] * ws));   /* exact in double, one rounding */
+    }
+    return a;
+}
+static inline float a8_int4_row_scalar(int64_t j0, int64_t m, int64_t group, const uint8_t *w, const uint16_t *sr,
+                                       const int8_t *q, const float *s) {
+    float a = 0;
+    for (int64_t b0 = j0; b0 < m; b0 += A8_BLOCK) {   /* (m is a multiple of the group, 32 or 64) */
+        int32_t si = 0;
+        for (int64_t j = b0; j < b0 + A8_BLOCK; j += 2) {
+            const uint8_t c = w[j / 2];
+            si += ((int32_t)(c & 15) - 8) * q[j] + ((int32_t)(c >> 4) - 8) * q[j + 1];
+        }
+        a += (float)((double)si * ((double)s[b0 / A8_BLOCK] * bf16_to_f32(sr[b0 / group])));
+    }
+    return a;
+}
+
+/* rows ahead prefetched as in the exact int4 product: one 64-byte line per row and vector step, Q4_PF_BYTES on */
+#define A8_PREFETCH(pf, pf_bytes, line, rowbytes)                                          \
+    do {                                                                                   \
+        if ((pf_bytes) > 0) {                                                              \
+            const int64_t off_ = ((line) & 3) * (rowbytes) + ((line) >> 2) * 64;           \
+            if (off_ < (pf_bytes)) _mm_prefetch((const char *)((pf) + off_), _MM_HINT_T1); \
+            ++(line);                                                                      \
+        }                                                                                  \
+    } while (0)
+
+#if defined(A8_I8_COLS) && defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* R (1 or 4) rows of int8 weights (stride m) with scales ws[r]: out[r], b's row of the rounded x */
+static inline __attribute__((always_inline)) void a8_int8_rows_vec(const int R, const a8_x *p, int64_t b,
+                                                                   const int8_t *w, const float *ws,
+                                                                   const uint8_t *pf, int64_t pf_bytes, float *out) {
+    const int64_t m = p->m, mv = p->mv;
+    const int8_t *q = p->q + b * m;
+    const float *ls = p->ls + b * p->nl;
+    const int32_t *lc = p->lc + b * p->nl;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[4], wsv[4];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), wsv[r] = _mm512_set1_ps(ws[r]);
+    int64_t line = 0;
+    for (int64_t j = 0; j < mv; j += 64) {
+        const __m512i xq = _mm512_loadu_si512((const void *)(q + j)), corr = _mm512_loadu_si512((const void *)(lc + j / 4));
+        const __m512 xs = _mm512_loadu_ps(ls + j / 4);
+        for (int r = 0; r < R; ++r) {
+            A8_PREFETCH(pf, pf_bytes, line, m);
+            const __m512i d = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + r * m + j)), flip);
+            const __m512i i = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), d, xq), corr);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), xs), wsv[r], acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        out[r] = _mm512_reduce_add_ps(acc[r]) + a8_int8_row_scalar(mv, m, w + r * m, ws[r], q, p->s + b * p->nb);
+}
+
+/* R rows of int4 weights (m / 2 bytes a row) with scales sr (stride m / group): out[r] */
+static inline __attribute__((always_inline)) void a8_int4_rows_vec(const int R, const a8_x *p, int64_t b,
+                                                                   int64_t group, const uint8_t *w,
+                                                                   const uint16_t *sr, const uint8_t *pf,
+                                                                   int64_t pf_bytes, float *out) {
+    const int64_t m = p->m, mv = p->mv, mb = m / 2, ng = m / group;
+    const int8_t *v = p->v + b * mv;
+    const float *ls = p->ls + b * p->nl;
+    const int32_t *lc = p->lc + b * p->nl;
+    const __m512i nib = _mm512_set1_epi8(15);
+    /* lane k (inputs 8k .. 8k+7 of the step) is in group k / 4 (32) or k / 8 (64) of the step's first */
+    const __m512i lane_group = group == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                                           : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512 acc[4], sc[4];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    int64_t line = 0;
+    for (int64_t j = 0; j < mv; j += 128) {
+        const int64_t g0 = j / group, k = g0 & 15;
+        if (k == 0)
+            for (int r = 0; r < R; ++r) {   /* the next 16 scales of row r in fp32 */
+                uint16_t tmp[16] = {0};
+                const uint16_t *src = sr + r * ng + g0;
+                if (ng - g0 < 16) {
+                    memcpy(tmp, src, (size_t)(ng - g0) * sizeof *tmp);
+                    src = tmp;
+                }
+                const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
+                sc[r] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+            }
+        const __m512i si = _mm512_add_epi32(lane_group, _mm512_set1_epi32((int)k));
+        const __m512i xe = _mm512_loadu_si512((const void *)(v + j)), xo = _mm512_loadu_si512((const void *)(v + j + 64)),
+                      corr = _mm512_loadu_si512((const void *)(lc + j / 8));
+        const __m512 xs = _mm512_loadu_ps(ls + j / 8);
+        for (int r = 0; r < R; ++r) {
+            A8_PREFETCH(pf, pf_bytes, line, mb);
+            const __m512i d = _mm512_loadu_si512((const void *)(w + r * mb + j / 2));
+            const __m512i lo = _mm512_and_si512(d, nib), hi = _mm512_and_si512(_mm512_srli_epi32(d, 4), nib);
+            __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe);
+            i = _mm512_sub_epi32(_mm512_dpbusd_epi32(i, hi, xo), corr);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), xs), _mm512_permutexvar_ps(si, sc[r]),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        out[r] = _mm512_reduce_add_ps(acc[r])
+                 + a8_int4_row_scalar(mv, m, group, w + r * mb, sr + r * ng, p->q + b * m, p->s + b * p->nb);
+}
+#elif defined(A8_I8_COLS)
+static inline float a8_hsum256(__m256 a) {
+    float t[8];
+    _mm256_storeu_ps(t, a);
+    for (int h = 4; h >= 1; h /= 2)
+        for (int k = 0; k < h; ++k) t[k] += t[k + h];
+    return t[0];
+}
+static inline __attribute__((always_inline)) void a8_int8_rows_vec(const int R, const a8_x *p, int64_t b,
+                                                                   const int8_t *w, const float *ws,
+                                                                   const uint8_t *pf, int64_t pf_bytes, float *out) {
+    const int64_t m = p->m, mv = p->mv;
+    const int8_t *q = p->q + b * m, *xa = p->v + b * mv;
+    const float *ls = p->ls + b * p->nl;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4], wsv[4];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), wsv[r] = _mm256_set1_ps(ws[r]);
+    int64_t line = 0;
+    for (int64_t j = 0; j < mv; j += 32) {
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(q + j)), ax = _mm256_loadu_si256((const __m256i *)(xa + j));
+        const __m256 xs = _mm256_loadu_ps(ls + j / 4);
+        for (int r = 0; r < R; ++r) {
+            if (j & 32) A8_PREFETCH(pf, pf_bytes, line, m);   /* a line per two steps of 32 bytes */
+            const __m256i d = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(w + r * m + j)), xq);
+            const __m256i i = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, d), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), xs), wsv[r], acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        out[r] = a8_hsum256(acc[r]) + a8_int8_row_scalar(mv, m, w + r * m, ws[r], q, p->s + b * p->nb);
+}
+static inline __attribute__((always_inline)) void a8_int4_rows_vec(const int R, const a8_x *p, int64_t b,
+                                                                   int64_t group, const uint8_t *w,
+                                                                   const uint16_t *sr, const uint8_t *pf,
+                                                                   int64_t pf_bytes, float *out) {
+    const int64_t m = p->m, mv = p->mv, mb = m / 2, ng = m / group;
+    const int8_t *v = p->v + b * mv;
+    const float *ls = p->ls + b * p->nl;
+    const int32_t *lc = p->lc + b * p->nl;
+    const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    int64_t line = 0;
+    for (int64_t j = 0; j < mv; j += 64) {
+        const __m256i xe = _mm256_loadu_si256((const __m256i *)(v + j)), xo = _mm256_loadu_si256((const __m256i *)(v + j + 32)),
+                      corr = _mm256_loadu_si256((const __m256i *)(lc + j / 8));
+        const __m256 xs = _mm256_loadu_ps(ls + j / 8);
+        for (int r = 0; r < R; ++r) {
+            if (j & 64) A8_PREFETCH(pf, pf_bytes, line, mb);
+            const __m256i d = _mm256_loadu_si256((const __m256i *)(w + r * mb + j / 2));
+            const __m256i lo = _mm256_and_si256(d, nib), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), nib);
+            /* pair sums of codes <= 15 times |q| <= 127: no saturation, and lo + hi < 2^15 */
+            const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+            const __m256i i = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), corr);
+            const uint16_t *s = sr + r * ng + j / group;   /* lanes 0-3 and 4-7: one or two groups */
+            const float sa = bf16_to_f32(s[0]), sb = group == 32 ? bf16_to_f32(s[1]) : sa;
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), xs),
+                                     _mm256_setr_ps(sa, sa, sa, sa, sb, sb, sb, sb), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        out[r] = a8_hsum256(acc[r])
+                 + a8_int4_row_scalar(mv, m, group, w + r * mb, sr + r * ng, p->q + b * m, p->s + b * p->nb);
+}
+#endif
+
+/* rows i0 .. i0+3 of y = add + W x^ + bias, W int8 [n, m] (row scales) or int4 [n, m / 2] (group scales) */
+static void matvec_rows_a8(int int4, const a8_x *p, int64_t B, int64_t n, int64_t group, int64_t i0, const void *W,
+                           const uint16_t *s, const float *bias, const float *add, float *y) {
+    const int64_t m = p->m, r = n - i0 < 4 ? n - i0 : 4, rowb = int4 ? m / 2 : m, ng = int4 ? m / group : 1;
+    const uint8_t *Wb = (const uint8_t *)W;
+    float ws[4];
+    for (int64_t rr = 0; rr < r; ++rr) ws[rr] = int4 ? 0.0f : bf16_to_f32(s[i0 + rr]);
+    for (int64_t b = 0; b < B; ++b) {
+        float out[4];
+#if defined(A8_I8_COLS)
+        const int64_t steps = (Q4_PF_BYTES + 4 * rowb - 1) / (4 * rowb), ahead = i0 + 4 * (steps < 2 ? 2 : steps),
+                      pf_bytes = b == 0 && ahead < n ? (n - ahead) * rowb : 0;
+        const uint8_t *pf = pf_bytes ? Wb + ahead * rowb : Wb;
+        if (int4) {
+            if (r == 4) a8_int4_rows_vec(4, p, b, group, Wb + i0 * rowb, s + i0 * ng, pf, pf_bytes, out);
+            else
+                for (int64_t rr = 0; rr < r; ++rr)
+                    a8_int4_rows_vec(1, p, b, group, Wb + (i0 + rr) * rowb, s + (i0 + rr) * ng, pf, 0, out + rr);
+        } else {
+            if (r == 4) a8_int8_rows_vec(4, p, b, (const int8_t *)(Wb + i0 * rowb), ws, pf, pf_bytes, out);
+            else
+                for (int64_t rr = 0; rr < r; ++rr)
+                    a8_int8_rows_vec(1, p, b, (const int8_t *)(Wb + (i0 + rr) * rowb), ws + rr, pf, 0, out + rr);
+        }
+#else
+        for (int64_t rr = 0; rr < r; ++rr)
+            out[rr] = int4 ? a8_int4_row_scalar(0, m, group, Wb + (i0 + rr) * rowb, s + (i0 + rr) * ng,
+                                                p->q + b * m, p->s + b * p->nb)
+                           : a8_int8_row_scalar(0, m, (const int8_t *)(Wb + (i0 + rr) * rowb), ws[rr],
+                                                p->q + b * m, p->s + b * p->nb);
+#endif
+        for (int64_t rr = 0; rr < r; ++rr) q_store_row(n, b, i0 + rr, out[rr], bias, add, y);
+    }
+}
+
+static void matvec_a8(int int4, int64_t B, int64_t n, int64_t m, int64_t group, const void *W, const uint16_t *s,
+                      const float *bias, const float *x, const float *add, float *y, int nthreads) {
+    a8_x p;
+    if (!a8_prepare(int4, B, m, x, &p)) {   /* NaN / inf in x (or no memory): the exact product */
+        if (int4) matvec_int4(B, n, m, group, (const uint8_t *)W, s, bias, x, add, y, nthreads);
+        else matvec_int8(B, n, m, (const int8_t *)W, s, bias, x, add, y, nthreads);
+        return;
+    }
+    if (nthreads > 1 && n * m >= (int4 ? 4 : 2) * PAR_MIN_ELEMS) {
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")
+        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_a8(int4, &p, B, n, group, i0, W, s, bias, add, y);
+    } else
+        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_a8(int4, &p, B, n, group, i0, W, s, bias, add, y);
+    free(p.mem);
+}
+
 /* y [B, n] = add + W x + bias for x [B, m], W [n, m] in format fmt (WF_*; scales and group for the integer ones):
    every weight matrix of an f32 plan goes through here */
 static void matvec_w_f32(int fmt, const void *W, const void *scales, int64_t group, int64_t B, int64_t n,
@@ -335,6 +664,8 @@ static void matvec_w_f32(int fmt, const void *W, const void *scales, int64_t gro
     case WF_INT4:
         matvec_int4(B, n, m, group, (const uint8_t *)W, (const uint16_t *)scales, bias, x, add, y, nthreads);
         break;
+    case WF_INT8_A8: matvec_a8(0, B, n, m, 0, W, (const uint16_t *)scales, bias, x, add, y, nthreads); break;
+    case WF_INT4_A8: matvec_a8(1, B, n, m, group, W, (const uint16_t *)scales, bias, x, add, y, nthreads); break;
     default: matvec_f32(B, n, m, (const float *)W, bias, x, add, y, nthreads); break;
     }
 }

@@ -1,0 +1,143 @@
+"""The int8-activation products (csrc/qmatvec.h, formats "int8_a8" / "int4_a8"): x rounded to int8 per block of 32
+inputs, the weights exact. Every path (AVX-512 VNNI, AVX2 with and without AVX-512 on the machine, plain C) against
+fp64: the dequantized matrix times x rounded by the format's definition (tests/helpers.py, written block by block),
+within the fp32 rounding of the scaling and summation, and the exact product within the derived bound
+sum_j |w_j| s_j / 2 + that rounding. Widths with and without a tail after the last vector step (int8: any width),
+rows not a multiple of 4, groups 32 and 64, batches, threads, zero blocks, NaN / inf, huge / tiny inputs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from linattn.cpu import bindings, decode as cpu_decode
+from linattn.quant import round_activations
+from tests.helpers import (
+    StoredWeights as _Stored,
+    build_decode_variant,
+    check_a8_product,
+    rounded_activations_fp64,
+)
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
+
+
+def _cpu_flags() -> set:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# the prefix that selects each path on top of -march=native, and what the machine needs for it
+PATHS = {
+    "native": ("", set()),
+    "avx2-beside-avx512": ("#undef __AVX512VNNI__\n", {"avx2"}),
+    "avx2": ("#undef __AVX512F__\n#undef __AVX512VNNI__\n", {"avx2", "fma"}),
+    "scalar": ("#define LINATTN_PLAIN_C\n", set()),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PATHS))
+def decode_lib(request, tmp_path_factory):
+    """decode.c built with `PATHS[name]`'s prefix, bound in place of the native library for the test."""
+    prefix, needs = PATHS[request.param]
+    if not needs <= _cpu_flags():
+        pytest.skip(f"the {request.param} path needs {sorted(needs)}")
+    if not prefix:
+        yield request.param
+        return
+    tmp = tmp_path_factory.mktemp(request.param)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LINATTN_CACHE_DIR", str(tmp / "cache"))
+        lib = build_decode_variant(tmp, prefix)
+        mp.setattr(bindings, "load_library", lambda name: lib if name == "decode" else None)
+        yield request.param
+
+
+FORMATS = [("int8", None), ("int4", 32), ("int4", 64)]
+
+
+@pytest.mark.parametrize("mode,group", FORMATS)
+@pytest.mark.parametrize("n,k", [(13, 64), (16, 128), (9, 192), (8, 320), (5, 1088), (4, 2048), (7, 100), (6, 33),
+                                 (3, 1), (5, 17)])
+def test_a8_paths_match_fp64(decode_lib, mode, group, n, k):
+    if mode == "int4" and k % group:
+        pytest.skip("int4 needs in_features a multiple of the group")
+    q = _Stored(n, k, mode, group, seed=n + k, bias=True)
+    for B in (1, 3):
+        x = torch.randn(B, k, generator=torch.Generator().manual_seed(B)) * torch.rand(1, k) * 4
+        add = torch.randn(B, n, generator=torch.Generator().manual_seed(B + 7))
+        check_a8_product(q, x)
+        check_a8_product(q, x, bias=q.bias, add=add)
+
+
+@pytest.mark.parametrize("mode,group", FORMATS)
+def test_a8_paths_hostile_inputs(decode_lib, mode, group):
+    q = _Stored(8, 256, mode, group, seed=3)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    x[0, 64:128] = 0   # zero blocks: scale 0, integers 0
+    check_a8_product(q, x)
+    check_a8_product(q, torch.zeros(2, 256))
+    # a NaN or inf anywhere: the exact product, NaN / inf pattern included
+    x[1, 130] = float("nan")
+    x[2, 7] = float("inf")
+    y = cpu_decode.weight_matvec(x, mode + "_a8", q.stored, q.scales, q.group)
+    exact = cpu_decode.weight_matvec(x, mode, q.stored, q.scales, q.group)
+    assert torch.isnan(y[1]).all() and torch.equal(torch.isnan(y), torch.isnan(exact))
+    assert torch.equal(y[~torch.isnan(y)], exact[~torch.isnan(exact)])
+    for scale in (1e-38, 1e-30, 1e35):   # scales near fp32's smallest normals; partials far from overflow
+        check_a8_product(q, torch.randn(2, 256, generator=torch.Generator().manual_seed(5)) * scale)
+    tiny = torch.full((1, 256), 2.0 ** -149)   # subnormal inputs: the scale raised by ulps
+    tiny[0, ::3] = -3 * 2.0 ** -149
+    check_a8_product(q, tiny)
+
+
+@pytest.mark.parametrize("mode,group", FORMATS)
+def test_a8_paths_threads(decode_lib, mode, group):
+    """Rows split across threads: the same bits as one thread, within the bounds."""
+    q = _Stored(532, 512, mode, group, seed=9, bias=True)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1, _ = check_a8_product(q, x, bias=q.bias)
+        torch.set_num_threads(2)
+        y2, _ = check_a8_product(q, x, bias=q.bias)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(y1, y2)
+
+
+def test_a8_differs_from_exact():
+    """The rounding is applied: the result moves off the exact product (by more than fp32 rounding) and toward x^'s."""
+    q = _Stored(16, 512, "int4", 32, seed=1)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(2))
+    y8 = cpu_decode.weight_matvec(x, "int4_a8", q.stored, q.scales, 32).double()
+    y = cpu_decode.weight_matvec(x, "int4", q.stored, q.scales, 32).double()
+    W = q.dequantize(torch.float64)
+    xhat, _ = rounded_activations_fp64(x)
+    assert (y8 - y).abs().max() > 1e3 * (y - x.double() @ W.t()).abs().max()
+    assert (y8 - xhat @ W.t()).abs().max() < 1e-3 * (y8 - y).abs().max()
+
+
+def test_round_activations_matches_the_definition():
+    """The PyTorch paths' rounding (quant/linear.round_activations) equals the definition bit for bit (fp32 x),
+    tails, zero blocks, subnormals and extremes included; a NaN / inf leaves x as it is."""
+    g = torch.Generator().manual_seed(0)
+    for k in (1, 31, 32, 33, 100, 256):
+        x = torch.randn(3, k, generator=g) * torch.tensor([[1.0], [1e-38], [1e35]])
+        x[0, : min(k, 5)] = 0
+        xhat, _ = rounded_activations_fp64(x)
+        got = round_activations(x)
+        assert got.dtype == torch.float32 and torch.equal(got, xhat.float())
+    sub = torch.full((1, 40), 2.0 ** -149) * torch.arange(40)
+    assert torch.equal(round_activations(sub), rounded_activations_fp64(sub)[0].float())
+    bad = torch.randn(2, 40)
+    bad[1, 3] = float("inf")
+    assert torch.equal(round_activations(bad), bad)
+    assert round_activations(torch.randn(2, 3, 40).double()).dtype == torch.float64
