@@ -84,6 +84,13 @@ typedef struct {
     /* the residual order: postnorm 0, pre-norm (above: n1w before the mixer, n2w before the FFN); 1, post-norm
        (OLMo-hybrid's attention blocks): h = x + rmsnorm_n1(mixer(x)), x_out = h + rmsnorm_n2(ffn(h)) */
     int32_t postnorm, pad5_;
+    /* a mixture-of-experts feed-forward (ffn_kind 1, decode_moe.h; 0: the dense SwiGLU above): n_experts E, top_k
+       k, renormalised top-k probabilities (norm_topk), the router Wr [E, d], the experts' fused gate | up Weg
+       [E, 2 moe_hid, d] and down Wed [E, d, moe_hid] (in the weights' storage, as wbf16 says), the shared expert
+       in Wgu / Wd (hid > 0) with its sigmoid gate Wsg [1, d] (NULL: ungated) */
+    int64_t n_experts, top_k, moe_hid;
+    int32_t ffn_kind, norm_topk;
+    const void *Wr, *Weg, *Wed, *Wsg;
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
 
@@ -751,6 +758,7 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
 #include "decode_mamba2.h"
 #include "decode_log.h" /* kind 3: FN(decode_linear_log) */
 #include "decode_ela.h" /* kind 6: FN(decode_linear_ela) */
+#include "decode_moe.h" /* ffn_kind 1: FN(moe_ffn) */
 
 /* a post-norm block's residual add: out = res + rmsnorm(y) (y [B, d] normed in place) */
 static void FN(postnorm_add)(int64_t B, int64_t d, const REAL *res, REAL *y, const REAL *w, double eps, REAL *out) {
@@ -798,6 +806,12 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
     FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wo), p->sc_Wo, p->grp_Wo,
             B, d, no, p->Wo, (const REAL *)p->bo, o, p->postnorm ? NULL : x, p->postnorm ? xn : hout, p->nthreads);
     if (p->postnorm) FN(postnorm_add)(B, d, x, xn, (const REAL *)p->n1w, p->n1eps, hout);
+    if (p->has_ffn && p->ffn_kind == 1) {   /* (pre-norm only: the builders describe no post-norm MoE) */
+        FN(rmsnorm)(B, d, h, (const REAL *)p->n2w, p->n2eps, xn);
+        rc = FN(moe_ffn)(p, xn, h, x_out);
+        free(xn);
+        return rc;
+    }
     if (p->has_ffn) {
         if (!p->postnorm) FN(rmsnorm)(B, d, h, (const REAL *)p->n2w, p->n2eps, xn);
         FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wgu), p->sc_Wgu, p->grp_Wgu,
