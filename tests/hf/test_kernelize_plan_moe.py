@@ -190,7 +190,7 @@ def test_route_matches_torch_topk_with_ties(E, k, norm):
     idx, w = cpu_decode.moe_route(lg, k, norm)
     want_i, want_w = _torch_route(lg, k, norm)
     assert torch.equal(idx, want_i)
-    torch.testing.assert_close(w, want_w, rtol=2e-7, atol=1e-8, equal_nan=True)
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7, equal_nan=True)
     lowest = torch.topk(torch.softmax(lg, -1) - torch.arange(E) * 1e-7, k, -1).indices.sort(-1).values
     highest = torch.topk(torch.softmax(lg, -1) + torch.arange(E) * 1e-7, k, -1).indices.sort(-1).values
     assert not torch.equal(want_i, highest)
