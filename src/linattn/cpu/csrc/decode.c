@@ -272,6 +272,19 @@ void linattn_decode_matvec_f32(int fmt, const void *W, const void *scales, int64
     matvec_w_f32(fmt, W, scales, group, B, n, m, bias, x, add, y, nthreads);
 }
 
+#include "decode_moe.h" /* (the routing: moe_route_row) */
+
+/* the routing as an entry point (tests): R rows of E logits -> idx [R, k] (increasing), w [R, k]. Returns 0, or
+   1 when out of memory. */
+int linattn_decode_moe_route(int64_t R, int64_t E, int64_t k, int norm, const float *logits, int64_t *idx,
+                             float *w) {
+    moe_elem *buf = (moe_elem *)malloc(sizeof(moe_elem) * (size_t)(E + 1));
+    if (!buf) return 1;
+    for (int64_t r = 0; r < R; ++r) moe_route_row(E, k, norm, logits + r * E, buf, idx + r * k, w + r * k);
+    free(buf);
+    return 0;
+}
+
 #define REAL float
 #define FN(name) name##_f32
 #define MATH(name) name##f

@@ -21,7 +21,7 @@
    first" as the order, and the set of the first k after it is what is chosen. The same steps are written out
    below (introselect with median-of-three pivots and an insertion sort below 4 elements, the heap select); the
    order within the set does not matter (the experts are summed in index order), only the set.
-   Included by decode.c's body once per REAL; the routing (float only) once. */
+   Included by decode.c once before its body (the routing, float only) and by the body once per REAL. */
 
 #ifndef LINATTN_DECODE_MOE_ROUTE
 #define LINATTN_DECODE_MOE_ROUTE
@@ -129,18 +129,9 @@ static void moe_route_row(int64_t E, int64_t k, int norm, const float *lg, moe_e
     }
 }
 
-/* the routing as an entry point (tests): R rows of E logits -> idx [R, k] (increasing), w [R, k]. Returns 0, or
-   1 when out of memory. */
-int linattn_decode_moe_route(int64_t R, int64_t E, int64_t k, int norm, const float *logits, int64_t *idx,
-                             float *w) {
-    moe_elem *buf = (moe_elem *)malloc(sizeof(moe_elem) * (size_t)(E + 1));
-    if (!buf) return 1;
-    for (int64_t r = 0; r < R; ++r) moe_route_row(E, k, norm, logits + r * E, buf, idx + r * k, w + r * k);
-    free(buf);
-    return 0;
-}
-
 #endif /* LINATTN_DECODE_MOE_ROUTE */
+
+#ifdef FN /* the feed-forward, once per REAL */
 
 /* xn [B, d] (the normed input of the FFN), h [B, d] (the residual) -> x_out = h + moe(xn). Returns 0, or 1 when
    out of memory. */
@@ -207,3 +198,4 @@ static int FN(moe_ffn)(const linattn_block_plan *p, const REAL *xn, const REAL *
     free(lg); free(lgf); free(idx); free(buf);
     return 0;
 }
+#endif /* FN */
