@@ -12,7 +12,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from linattn.cpu import decode as cpu_decode  # noqa: E402
-from linattn.hf import kernelize  # noqa: E402
 from tests.helpers import CompiledDecodeCalls  # noqa: E402
 from tests.hf import plan_decode as pd  # noqa: E402
 from tests.hf.kernelize_models import (  # noqa: E402
@@ -115,13 +114,6 @@ def test_bf16_decodes_through_the_plan(arch, monkeypatch):
     """bf16 weights: the plan reads them as stored and computes in fp32; the logits stay within bf16's rounding
     of the unpatched model's (which rounds every activation to bf16)."""
     pd.check_bf16(*_pair(torch.bfloat16, arch=arch), torch.bfloat16, monkeypatch)
-
-
-def test_mixture_of_experts_keeps_the_per_module_decode():
-    """Qwen3-Next with mixture-of-experts feed-forwards is served but not hooked: its forward stays the class's."""
-    from tests.hf.kernelize_models import build
-    model = build("qwen3_next").eval()
-    assert not kernelize(model).compiled_decode and "forward" not in model.__dict__
 
 
 def test_under_torch_compile_the_plan_steps_aside(monkeypatch):

@@ -104,7 +104,13 @@ class BlockPlan(ctypes.Structure):
                 # at parts_<M>[i] with rows_<M>[i] rows, nparts_<M> 0: <M> is one matrix
                 + [("nparts_W", ctypes.c_int32), ("nparts_Wgu", ctypes.c_int32)]
                 + [(f, t * PLAN_PARTS) for n in FUSED_PRODUCTS
-                   for f, t in ((f"parts_{n}", ctypes.c_void_p), (f"rows_{n}", ctypes.c_int64))])
+                   for f, t in ((f"parts_{n}", ctypes.c_void_p), (f"rows_{n}", ctypes.c_int64))]
+                # a mixture-of-experts feed-forward (ffn_kind 1, csrc/decode_moe.h; 0 the dense SwiGLU): the router
+                # Wr [E, d], the experts' fused Weg [E, 2 moe_hid, d] / Wed [E, d, moe_hid] read in place, the
+                # shared expert in Wgu / Wd (hid > 0) gated by sigmoid(Wsg x) (Wsg NULL: ungated)
+                + [(n, ctypes.c_int64) for n in ("n_experts", "top_k", "moe_hid")]
+                + [(n, ctypes.c_int32) for n in ("ffn_kind", "norm_topk")]
+                + [(n, ctypes.c_void_p) for n in ("Wr", "Weg", "Wed", "Wsg")])
 
 
 class ModelPlan(ctypes.Structure):
@@ -229,6 +235,8 @@ LIBRARIES: Dict[str, Library] = {
         # fmt, W, scales, group, B, n, m, bias, x, add -> y; threads
         Fn("linattn_decode_matvec_f32", (c_int, c_ptr, c_ptr) + (c_i64,) * 4 + (c_ptr,) * 4 + (c_int,), restype=None,
            typed=False, status=False),
+        # R, E, k, norm, logits (float) -> idx (int64, increasing), w (float): a mixture of experts' routing
+        Fn("linattn_decode_moe_route", (c_i64,) * 3 + (c_int,) + (c_ptr,) * 3, typed=False),
     ), {"block_plan": BlockPlan, "model_plan": ModelPlan}),
 }
 

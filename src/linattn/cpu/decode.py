@@ -192,3 +192,19 @@ def weight_matvec(x: torch.Tensor, fmt: str, W: torch.Tensor, scales: Optional[t
     lib("linattn_decode_matvec_f32", None, WEIGHT_FORMATS[fmt], ptr(W), ptr(scales if sshape else None), group, B,
         n, m, ptr(bias), ptr(x), ptr(add), ptr(y), threads())
     return y
+
+
+def moe_route(logits: torch.Tensor, k: int, norm: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' routing as the compiled decode computes it (csrc/decode_moe.h): for float32 router
+    logits `[R, E]`, the softmax's k largest probabilities as torch.topk chooses them on the CPU (ties included),
+    renormalised over the k when `norm`. Returns (indices int64 `[R, k]`, increasing; weights float32 `[R, k]`).
+    For tests (the plans route in C)."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise LinattnError(f"moe_route: logits must be float32 [R, E], got {logits.dtype} {list(logits.shape)}")
+    R, E = logits.shape
+    if not 1 <= k <= E:
+        raise LinattnError(f"moe_route: k must be in [1, E = {E}], got {k}")
+    lg = logits.contiguous()
+    idx, w = torch.empty(R, k, dtype=torch.int64), torch.empty(R, k, dtype=torch.float32)
+    _library()("linattn_decode_moe_route", None, R, E, k, int(bool(norm)), ptr(lg), ptr(idx), ptr(w))
+    return idx, w

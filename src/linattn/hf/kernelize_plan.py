@@ -2,8 +2,8 @@
 
 `kernelize` serves the linear mixers of a transformers model with linattn's operators, but a decoded token still
 runs one transformers module at a time (most of it torch's one-row `nn.Linear`). For the models described here
-(`Qwen3_5ForCausalLM`, and `Qwen3NextForCausalLM` with dense feed-forwards: Gated DeltaNet and gated softmax
-attention, zero-centred RMSNorms, SwiGLU MLPs; Qwen3-Next with experts is not described), the
+(`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM` and `Qwen3NextForCausalLM`: Gated DeltaNet and gated softmax
+attention, zero-centred RMSNorms, SwiGLU MLPs or sparse mixtures of experts with a gated shared expert), the
 model's `forward` is given a hook (`hook_model`, an instance attribute with the class forward's signature) that
 decodes one token per row as ONE compiled call (`cpu/csrc/decode.c`, `linattn_decode_model`), built by
 `models/decode_plan.py` from a description of transformers' own modules:
@@ -15,7 +15,10 @@ decodes one token per row as ONE compiled call (`cpu/csrc/decode.c`, `linattn_de
 * the attention: `decode_plan.AttentionDescription` (q-interleaved sigmoid gate, `1 + w` q/k norms, partial
   rotary with fp32 angles);
 * the block norms and the final norm: zero-centred, so `1 + w` is precomputed into the plan; `gate_proj` and
-  `up_proj` read in place as the two parts of one product; the head tied or not.
+  `up_proj` read in place as the two parts of one product; the head tied or not;
+* a sparse MoE block (`kernelize_plan_parts.qwen_sparse_moe`): the router's weight and the experts' fused 3-D
+  `gate_up_proj` / `down_proj` read in place (a token reads its top-k experts' rows only), the shared expert's
+  gate | up read in place as parts, its sigmoid gate.
 
 Copies (`1 + w`, `-exp(A_log)`, Qwen3-Next's regrouped projections) are guarded by the versions of their sources
 (`decode_plan.PlanGuard`): an in-place weight update rebuilds the plan.
@@ -85,6 +88,7 @@ def _ffn(mlp: nn.Module, wdt: torch.dtype):
 _GDN_PROJECTIONS = {
     "Qwen3_5ForCausalLM": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
     "Qwen3NextForCausalLM": ("in_proj_qkvz", "in_proj_ba", "out_proj"),
+    "Qwen3_5MoeForCausalLM": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
 }
 
 
@@ -159,12 +163,21 @@ def _describe(model: nn.Module) -> Union[tuple, str]:
     if isinstance(got, str):
         return got
     base, embed, wdt = got
-    cdt = _dp.compute_dtype(wdt)
+    if getattr(model.config, "output_router_logits", False):
+        return "output_router_logits set (the plan returns no router logits)"
+    cdt, d = _dp.compute_dtype(wdt), embed.weight.shape[1]
     blocks, gdns = [], []
     for i, layer in enumerate(base.layers):
-        ffn = _ffn(layer.mlp, wdt)
-        if ffn is None:
-            return f"layer {i}: a feed-forward that is not a bias-free SiLU gated MLP of the model's dtype"
+        moe = None
+        if type(layer.mlp).__name__ in _parts.QWEN_SPARSE_MOE:
+            ffn = _parts.qwen_sparse_moe(layer.mlp, d, wdt)
+            if isinstance(ffn, str):
+                return f"layer {i}: {ffn}"
+            moe = ffn[2]
+        else:
+            ffn = _ffn(layer.mlp, wdt)
+            if ffn is None:
+                return f"layer {i}: a feed-forward that is not a bias-free SiLU gated MLP of the model's dtype"
         n1, n2 = (_zero_centred(layer._modules[n], cdt) for n in ("input_layernorm", "post_attention_layernorm"))
         if layer.block_type == "linear_attention":
             mixer = layer.linear_attn
@@ -177,7 +190,8 @@ def _describe(model: nn.Module) -> Union[tuple, str]:
             if att is None:
                 return f"layer {i}: an attention layer the plan's softmax block does not compute"
             g, kind = None, "softmax"
-        blocks.append(_dp.BlockDescription(mixer, kind, n1, n2, "swiglu", ffn[0], ffn[1], attention=att))
+        blocks.append(_dp.BlockDescription(mixer, kind, n1, n2, "swiglu" if moe is None else "moe", ffn[0], ffn[1],
+                                           attention=att, moe=moe))
         gdns.append(g)
     head = model.lm_head
     desc = _dp.ModelDescription(embed, blocks, base.norm, None if head.weight is embed.weight else head)
@@ -193,10 +207,11 @@ def describe_model(model: nn.Module):
     return _parts.description(_describe(model))
 
 
-def _dense_ffns(model: nn.Module) -> bool:
-    """Whether every layer's feed-forward is a dense gated MLP (not a mixture of experts: its router picks rows
-    per token, which the plan does not compute)."""
-    return all(all(type(layer.mlp._modules.get(n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
+def _described_ffns(model: nn.Module) -> bool:
+    """Whether every layer's feed-forward is a dense gated MLP or one of the sparse MoE blocks the plan computes
+    (`kernelize_plan_parts.QWEN_SPARSE_MOE`)."""
+    return all(type(layer.mlp).__name__ in _parts.QWEN_SPARSE_MOE
+               or all(type(layer.mlp._modules.get(n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
                for layer in model.model.layers)
 
 
@@ -209,7 +224,7 @@ def _qwen_output():
 _QWEN = types.SimpleNamespace(
     MODELS=tuple(_GDN_PROJECTIONS),
     FAST_KWARGS=_parts.CAUSAL_LM_KWARGS,
-    base=lambda model: model.model, describe=_describe, hookable=_dense_ffns, call_usable=_parts.cached_call_usable,
+    base=lambda model: model.model, describe=_describe, hookable=_described_ffns, call_usable=_parts.cached_call_usable,
     block_plan=lambda g, bd, B, d, wdt: (_gdn_plan(g, bd, B, d, wdt) if g is not None
                                          else _dp.new_softmax_plan(bd, B, d, wdt)),
     state_spec=lambda g: (("delta", g.HV, g.K, g.V, g.KC, (g.H * g.K, g.H * g.K, g.HV * g.V)) if g is not None
@@ -501,11 +516,11 @@ def _hooked_forward(cls: type, arch):
 
 
 def hook_model(model: nn.Module) -> bool:
-    """Gives a described model (`_ARCHITECTURES`: `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM` with dense
-    feed-forwards; Kimi Linear, Mamba2, OLMo-hybrid and Bailing hybrid through their hf/kernelize_plan_<arch>.py
-    modules) the decode hook: an instance `forward` (a method bound to the model, so a deep copy is bound to the
-    copy) with the class forward's signature that decodes a cached one-token call through the compiled plan
-    (`model_token`) and runs transformers' forward otherwise. Returns whether the model is hooked."""
+    """Gives a described model (`_ARCHITECTURES`: `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`,
+    `Qwen3NextForCausalLM`; Kimi Linear, Mamba2, OLMo-hybrid and Bailing hybrid through their
+    hf/kernelize_plan_<arch>.py modules) the decode hook: an instance `forward` (a method bound to the model, so a
+    deep copy is bound to the copy) with the class forward's signature that decodes a cached one-token call through
+    the compiled plan (`model_token`) and runs transformers' forward otherwise. Returns whether the model is hooked."""
     arch = _ARCHITECTURES.get(type(model).__name__)
     if arch is None:
         return False

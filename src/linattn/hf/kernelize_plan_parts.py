@@ -47,6 +47,38 @@ def swiglu_ffn(mlp: nn.Module, cls_name: str, d: int, wdt) -> Union[tuple, str]:
     return fused_linear(gate.weight, up.weight), down
 
 
+#: transformers' sparse MoE blocks whose router is a softmax top-k (`<Model>TopKRouter`), fused 3-D experts
+#: (`gate_up_proj [E, 2I, d]`, `down_proj [E, d, I]`) and a sigmoid-gated shared expert; the value: whether the
+#: router renormalises its top-k probabilities (None: its `norm_topk_prob`)
+QWEN_SPARSE_MOE = {"Qwen3NextSparseMoeBlock": None, "Qwen3_5MoeSparseMoeBlock": True}
+
+
+def qwen_sparse_moe(mlp: nn.Module, d: int, wdt) -> Union[tuple, str]:
+    """(shared expert's fused gate | up, its down, `decode_plan.MoEDescription`) of a Qwen3-Next / Qwen3.5-MoE
+    sparse MoE block (`QWEN_SPARSE_MOE`), read as it is (the experts in place), or why the plan does not compute
+    it."""
+    norm_topk = QWEN_SPARSE_MOE.get(type(mlp).__name__, False)
+    if norm_topk is False:
+        return f"a {type(mlp).__name__} feed-forward (neither a dense SwiGLU MLP nor a described MoE block)"
+    m = mlp._modules
+    router, experts, shared, sgate = (m.get(n) for n in ("gate", "experts", "shared_expert", "shared_expert_gate"))
+    if (router is None or experts is None or type(router).__name__ != type(mlp).__name__.replace("SparseMoeBlock",
+                                                                                                    "TopKRouter")
+            or set(router._parameters) != {"weight"} or set(experts._parameters) != {"gate_up_proj", "down_proj"}
+            or type(getattr(experts, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation")):
+        return "an MoE block whose router or experts are not transformers' softmax top-k router and fused experts"
+    got = swiglu_ffn(shared, type(shared).__name__, d, wdt) if shared is not None else "no shared expert"
+    if isinstance(got, str):
+        return f"an MoE block's shared expert: {got}"
+    if not plain_linear(sgate, (1, d), wdt):
+        return "an MoE block's shared-expert gate that is not a bias-free nn.Linear [1, d]"
+    moe = _dp.MoEDescription(router.weight.detach(), experts.gate_up_proj.detach(), experts.down_proj.detach(),
+                             router.top_k, router.norm_topk_prob if norm_topk is None else norm_topk, sgate)
+    if not _dp.moe_usable(moe, d, wdt):
+        return "an MoE block whose router or experts the plan does not read (shapes, dtype, layout)"
+    return got[0], got[1], moe
+
+
 def base_and_embedding(model: nn.Module, models: tuple, base: str, embedding: str) -> Union[tuple, str]:
     """(base model `model.<base>`, its embedding `<embedding>`, the weights' dtype) of a model whose class is one of
     `models`, or why the plan cannot compute it."""

@@ -49,7 +49,7 @@ __all__ = ["AttentionDescription", "BlockDescription", "BlockPlanSlot", "ModelDe
            "ModelPending", "ModelPlanSlot", "PlanGuard", "block_token", "compute_dtype", "describe_softmax",
            "finish_block_plan", "model_step", "model_weights_usable", "new_softmax_plan", "plan_addresser",
            "plan_linear", "plan_pointers", "PLAN_POINTERS", "rebuilds", "set_weight", "StackedRows",
-           "state_layout", "stored_weights"]
+           "state_layout", "stored_weights", "MoEDescription", "moe_usable"]
 
 #: the dtypes a plan reads weights in, and the dtype it computes in for each (bf16: fp32 accumulation and states)
 _COMPUTE = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32}
@@ -115,10 +115,11 @@ class BlockDescription:
             absent, is of that kind).
         norm1: The norm before the mixer (post-norm: on its output): an RMSNorm (`weight` or None, `eps`).
         norm2: The norm before the FFN (post-norm: on its output; None without an FFN).
-        ffn: "swiglu" or None.
+        ffn: "swiglu", "moe" (a mixture of experts, `moe`; the compiled whole-model plans of transformers models
+            only) or None.
         ffn_gate_up: The FFN's fused gate | up projection `[2 * hidden, d]` (an nn.Linear, or a `StackedRows` of
-            the gate's and the up projection's weights), or None.
-        ffn_down: The FFN's down projection `[d, hidden]`, or None.
+            the gate's and the up projection's weights), or None (with "moe": the shared expert's).
+        ffn_down: The FFN's down projection `[d, hidden]`, or None (with "moe": the shared expert's).
         modules: Every module whose forward the plan computes instead of calling it (checked for hooks).
         residual: The residual order: "prenorm" or "postnorm" (above). The compiled block computes both (the
             `postnorm` field of its plan); the per-block paths of linattn's own blocks (`block_token`) and the
@@ -126,20 +127,46 @@ class BlockDescription:
         attention: For kind "softmax", the mixer's parts (`AttentionDescription`); None: built from the mixer
             when the plan needs it (`describe_softmax`, linattn's `SoftmaxAttention`). A block of linattn's
             `SoftmaxAttention` (kind None from its `fast_step_kind`) is of kind "softmax".
+        moe: For ffn "moe", the router and the routed experts (`MoEDescription`); pre-norm blocks only.
     """
 
     __slots__ = ("mixer", "kind", "norm1", "norm2", "ffn", "ffn_gate_up", "ffn_down", "modules", "residual",
-                 "attention")
+                 "attention", "moe")
 
     def __init__(self, mixer, kind: str, norm1, norm2=None, ffn: Optional[str] = None, ffn_gate_up=None,
-                 ffn_down=None, modules: Sequence[nn.Module] = (), residual: str = "prenorm", attention=None):
+                 ffn_down=None, modules: Sequence[nn.Module] = (), residual: str = "prenorm", attention=None,
+                 moe=None):
         if kind is None and (attention is not None or type(mixer) is SoftmaxAttention):
             kind = "softmax"
         elif kind is None:
             kind = _OWN_KINDS.get(type(mixer))
         self.mixer, self.kind, self.norm1, self.norm2 = mixer, kind, norm1, norm2
         self.ffn, self.ffn_gate_up, self.ffn_down, self.modules = ffn, ffn_gate_up, ffn_down, tuple(modules)
-        self.residual, self.attention = residual, attention
+        self.residual, self.attention, self.moe = residual, attention, moe
+
+
+class MoEDescription:
+    """A mixture-of-experts feed-forward as the compiled decode computes it (csrc/decode_moe.h), on xn = norm2(h):
+
+        p = softmax(router xn) (in float);  the k largest p as torch.topk picks them (renormalised: `norm_topk`)
+        out = sum over the chosen e of p_e down_e(silu(a) * b), [a | b] = gate_up_e xn    (+ the block's shared
+              expert `ffn_gate_up` / `ffn_down`, times sigmoid(shared_gate xn) when `shared_gate` is given)
+
+    Attributes:
+        router: The router's weight `[E, d]` (a tensor, read in place).
+        gate_up: The experts' fused gate | up weights `[E, 2 * hidden, d]` (read in place; gate rows first).
+        down: The experts' down weights `[E, d, hidden]` (read in place).
+        top_k: k, the experts each token takes.
+        norm_topk: Whether the k probabilities are divided by their sum.
+        shared_gate: The shared expert's gate (an nn.Linear `[1, d]`, bias-free), or None (ungated).
+    """
+
+    __slots__ = ("router", "gate_up", "down", "top_k", "norm_topk", "shared_gate")
+
+    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, norm_topk: bool,
+                 shared_gate=None):
+        self.router, self.gate_up, self.down, self.top_k = router, gate_up, down, int(top_k)
+        self.norm_topk, self.shared_gate = bool(norm_topk), shared_gate
 
 
 #: mixers with a compiled block kind of their own but no per-layer fast step (kind None from the block)
@@ -243,7 +270,9 @@ _CONFIG_KEYS = ("scale", "l2norm_convention", "beta_mode", "q_l2norm", "qk_l2nor
                 "plain", "residual", "qk_norm", "window", "n_kv_heads", "kv_chunk",
                 # KDA, Mamba2 and their gated norms
                 "gate_lower_bound", "dt_limit", "d_per_channel", "gate_before_norm", "group_size", "activation",
-                "qk_activation", "activation_without_conv", "use_beta", "allow_negative_eigenvalues")
+                "qk_activation", "activation_without_conv", "use_beta", "allow_negative_eigenvalues",
+                # a mixture of experts' router
+                "top_k", "norm_topk_prob", "num_experts")
 
 
 class PlanGuard:
@@ -361,6 +390,8 @@ PLAN_POINTERS = ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "dec
                   "Wd", "bd", "Wq", "bq", "Wk", "bk", "Wv", "bv", "Wg", "qnw", "knw") + tuple(
                   f"sc_{n}" for n in _cpu_decode.WEIGHT_MATRICES) + (
                   "Wf", "Wg2", "bg2", "Dsk", "bo") + tuple(f"sc_{n}" for n in _cpu_decode.KDA_MATRICES) + ("log_decay",)
+# (a mixture of experts' router, experts and shared gate)
+PLAN_POINTERS += ("Wr", "Weg", "Wed", "Wsg")
 
 
 def plan_pointers(p) -> set:
@@ -700,9 +731,34 @@ def finish_block_plan(p, desc: BlockDescription, addr, keep: list, wdt: torch.dt
         set_weight(p, "Wgu", up, wdt, addr)
         set_weight(p, "Wd", down, wdt, addr)
         p.bgu, p.bd = addr(up.bias), addr(down.bias)
+    if desc.ffn == "moe":
+        _set_moe(p, desc.moe, wdt, addr)
     p.keep = keep   # the plan holds what it points into (a call in flight keeps it alive)
     rebuilds[0] += 1
     return p
+
+
+def _set_moe(p, moe: MoEDescription, wdt: torch.dtype, addr) -> None:
+    """A mixture-of-experts feed-forward (ffn_kind 1) into plan p: the router, the experts' weights and the shared
+    gate read in place (their stored dtype must be wdt: `moe_usable`)."""
+    E, two_i, _ = moe.gate_up.shape
+    p.ffn_kind, p.n_experts, p.top_k, p.moe_hid = 1, E, moe.top_k, two_i // 2
+    p.norm_topk, p.has_ffn = int(moe.norm_topk), 1
+    p.Wr, p.Weg, p.Wed = addr(moe.router, wdt), addr(moe.gate_up, wdt), addr(moe.down, wdt)
+    p.Wsg = None if moe.shared_gate is None else addr(moe.shared_gate.weight, wdt)
+
+
+def moe_usable(moe: MoEDescription, d: int, wdt: torch.dtype) -> bool:
+    """Whether the compiled plan reads the described experts as they are: contiguous weights of dtype wdt and the
+    shapes `MoEDescription` gives, 1 <= k <= E."""
+    E = moe.router.shape[0] if moe.router.dim() == 2 else 0
+    hid = moe.down.shape[-1] if moe.down.dim() == 3 else 0
+    return (E > 0 and hid > 0 and 1 <= moe.top_k <= E and tuple(moe.router.shape) == (E, d)
+            and tuple(moe.gate_up.shape) == (E, 2 * hid, d) and tuple(moe.down.shape) == (E, d, hid)
+            and all(t.dtype == wdt and t.is_contiguous() and t.device.type == "cpu"
+                    for t in (moe.router, moe.gate_up, moe.down))
+            and (moe.shared_gate is None or (plan_linear(moe.shared_gate, wdt) and moe.shared_gate.bias is None
+                                             and tuple(moe.shared_gate.weight.shape) == (1, d))))
 
 
 def plan_addresser(keep: list, cdt: torch.dtype):

@@ -95,6 +95,13 @@ typedef struct {
     int64_t rows_W[PLAN_PARTS];
     const void *parts_Wgu[PLAN_PARTS];
     int64_t rows_Wgu[PLAN_PARTS];
+    /* a mixture-of-experts feed-forward (ffn_kind 1, decode_moe.h; 0: the dense SwiGLU above): n_experts E, top_k
+       k, renormalised top-k probabilities (norm_topk), the router Wr [E, d], the experts' fused gate | up Weg
+       [E, 2 moe_hid, d] and down Wed [E, d, moe_hid] (in the weights' storage, as wbf16 says), the shared expert
+       in Wgu / Wd (hid > 0) with its sigmoid gate Wsg [1, d] (NULL: ungated) */
+    int64_t n_experts, top_k, moe_hid;
+    int32_t ffn_kind, norm_topk;
+    const void *Wr, *Weg, *Wed, *Wsg;
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
 
@@ -346,6 +353,19 @@ static inline void weight_product_f64(int fmt, const void *sc, int64_t grp, int6
 void linattn_decode_matvec_f32(int fmt, const void *W, const void *scales, int64_t group, int64_t B, int64_t n,
                                int64_t m, const float *bias, const float *x, const float *add, float *y, int nthreads) {
     matvec_w_f32(fmt, W, scales, group, B, n, m, bias, x, add, y, nthreads);
+}
+
+#include "decode_moe.h" /* (the routing: moe_route_row) */
+
+/* the routing as an entry point (tests): R rows of E logits -> idx [R, k] (increasing), w [R, k]. Returns 0, or
+   1 when out of memory. */
+int linattn_decode_moe_route(int64_t R, int64_t E, int64_t k, int norm, const float *logits, int64_t *idx,
+                             float *w) {
+    moe_elem *buf = (moe_elem *)malloc(sizeof(moe_elem) * (size_t)(E + 1));
+    if (!buf) return 1;
+    for (int64_t r = 0; r < R; ++r) moe_route_row(E, k, norm, logits + r * E, buf, idx + r * k, w + r * k);
+    free(buf);
+    return 0;
 }
 
 #define REAL float
@@ -861,6 +881,7 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
 #include "decode_mamba2.h"
 #include "decode_log.h" /* kind 3: FN(decode_linear_log) */
 #include "decode_ela.h" /* kind 6: FN(decode_linear_ela) */
+#include "decode_moe.h" /* ffn_kind 1: FN(moe_ffn) */
 
 /* a post-norm block's residual add: out = res + rmsnorm(y) (y [B, d] normed in place) */
 static void FN(postnorm_add)(int64_t B, int64_t d, const REAL *res, REAL *y, const REAL *w, double eps, REAL *out) {
@@ -908,6 +929,12 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
     FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wo), p->sc_Wo, p->grp_Wo,
             B, d, no, p->Wo, (const REAL *)p->bo, o, p->postnorm ? NULL : x, p->postnorm ? xn : hout, p->nthreads);
     if (p->postnorm) FN(postnorm_add)(B, d, x, xn, (const REAL *)p->n1w, p->n1eps, hout);
+    if (p->has_ffn && p->ffn_kind == 1) {   /* (pre-norm only: the builders describe no post-norm MoE) */
+        FN(rmsnorm)(B, d, h, (const REAL *)p->n2w, p->n2eps, xn);
+        rc = FN(moe_ffn)(p, xn, h, x_out);
+        free(xn);
+        return rc;
+    }
     if (p->has_ffn) {
         if (!p->postnorm) FN(rmsnorm)(B, d, h, (const REAL *)p->n2w, p->n2eps, xn);
         FN(fused_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wgu), p->sc_Wgu, p->grp_Wgu, p->nparts_Wgu, p->parts_Wgu,
