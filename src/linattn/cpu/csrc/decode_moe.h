@@ -182,8 +182,8 @@ static int FN(moe_ffn)(const linattn_block_plan *p, const REAL *xn, const REAL *
         }
     }
     if (Is > 0) {
-        FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wgu), p->sc_Wgu, p->grp_Wgu,
-                B, 2 * Is, d, p->Wgu, (const REAL *)p->bgu, xn, NULL, U, p->nthreads);
+        FN(fused_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wgu), p->sc_Wgu, p->grp_Wgu, p->nparts_Wgu, p->parts_Wgu,
+                p->rows_Wgu, B, 2 * Is, d, p->Wgu, (const REAL *)p->bgu, xn, NULL, U, p->nthreads);
         for (int64_t b = 0; b < B; ++b)
             for (int64_t j = 0; j < Is; ++j) G[b * Is + j] = FN(la_silu)(U[b * 2 * Is + j]) * U[b * 2 * Is + Is + j];
         FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wd), p->sc_Wd, p->grp_Wd,
