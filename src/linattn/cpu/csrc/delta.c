@@ -231,22 +231,25 @@ int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL
     int failed = 0;
     if (nthreads > 1 && N * H < DELTA_UNITS_PER_THREAD * (int64_t)nthreads) {
         la_chains_t chn;
-        if (la_chains_init(&chn, N * H) != 0) return -1;
+        if (la_chains_init(&chn, N * H, nthreads) != 0) return -1;
         const int64_t run = chunk * (DELTA_RUN / chunk > 1 ? DELTA_RUN / chunk : 1); /* whole checkpoint chunks */
         for (int64_t u = 0; u < N * H; u++) {
             if (S0 != NULL) memcpy(S_out + u * KV, S0 + u * KV, (size_t)KV * sizeof(REAL));
             else memset(S_out + u * KV, 0, (size_t)KV * sizeof(REAL));
-            if (starts[u / H + 1] > starts[u / H]) la_chains_add(&chn, u, 0);
+            if (starts[u / H + 1] > starts[u / H]) la_chains_add(&chn, u, 0, starts[u / H + 1] - starts[u / H]);
         }
 #pragma omp parallel num_threads(nthreads)
-        for (int64_t u; (u = la_chains_claim(&chn, N * H)) >= 0;) {
-            const int64_t n = u / H, h = u % H, L = starts[n + 1] - starts[n], i0 = chn.run[u];
-            const int64_t Lr = L - i0 < run ? L - i0 : run;
-            if (FN(scan)(H, K, V, h, starts[n] + i0, Lr, q, k, v, a, g, gate, S_out + u * KV, NULL, o, NULL, NULL,
-                         ckpt != NULL ? ckpt + ((ck_off[n] + i0 / chunk) * H + h) * KV : NULL, chunk) != 0) {
-                LA_ATOMIC_WRITE failed = 1;
+        {
+            const int me = la_thread_index();
+            for (int64_t u, prev = -1; (u = la_chains_claim(&chn, N * H, me, prev)) >= 0; prev = u) {
+                const int64_t n = u / H, h = u % H, L = starts[n + 1] - starts[n], i0 = chn.run[u];
+                const int64_t Lr = L - i0 < run ? L - i0 : run;
+                if (FN(scan)(H, K, V, h, starts[n] + i0, Lr, q, k, v, a, g, gate, S_out + u * KV, NULL, o, NULL, NULL,
+                             ckpt != NULL ? ckpt + ((ck_off[n] + i0 / chunk) * H + h) * KV : NULL, chunk) != 0) {
+                    LA_ATOMIC_WRITE failed = 1;
+                }
+                la_chains_release(&chn, u, i0 + Lr, i0 + Lr == L, me);
             }
-            la_chains_release(&chn, u, i0 + Lr, i0 + Lr == L);
         }
         la_chains_free(&chn);
         return failed ? -1 : 0;
@@ -476,14 +479,14 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
     const int64_t run = DELTA_RUN / chunk > 1 ? DELTA_RUN / chunk : 1;
     la_chains_t chn = {0};
     REAL *dcar = chains ? (REAL *)malloc((size_t)(N * H * V > 0 ? N * H * V : 1) * sizeof(REAL)) : NULL;
-    if (chains && (!dcar || la_chains_init(&chn, N * H) != 0)) {
+    if (chains && (!dcar || la_chains_init(&chn, N * H, nthreads) != 0)) {
         free(dcar);
         return -1;
     }
     if (chains)
         for (int64_t u = 0; u < N * H; u++) {
             const int64_t L = starts[u / H + 1] - starts[u / H];
-            if (L > 0) la_chains_add(&chn, u, (L + chunk - 1) / chunk); /* the stretches below run[u] are left */
+            if (L > 0) la_chains_add(&chn, u, (L + chunk - 1) / chunk, 0); /* the stretches below run[u] are left */
         }
 #pragma omp parallel num_threads(nthreads)
     {
@@ -493,13 +496,14 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
             LA_ATOMIC_WRITE failed = 1;
         }
         if (chains) {
-            for (int64_t u; Sbuf && dc && (u = la_chains_claim(&chn, N * H)) >= 0;) {
+            const int me = la_thread_index();
+            for (int64_t u, prev = -1; Sbuf && dc && (u = la_chains_claim(&chn, N * H, me, prev)) >= 0; prev = u) {
                 const int64_t c_hi = chn.run[u], c_lo = c_hi > run ? c_hi - run : 0;
                 if (FN(bwd_stretches)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv,
                                       da, dg, u / H, u % H, c_hi, c_lo, dS_all + u * KV, dcar + u * V, Sbuf) != 0) {
                     LA_ATOMIC_WRITE failed = 1;
                 }
-                la_chains_release(&chn, u, c_lo, c_lo == 0);
+                la_chains_release(&chn, u, c_lo, c_lo == 0, me);
             }
         } else {
 #pragma omp for schedule(dynamic, 1)

@@ -77,8 +77,8 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
      claimed dynamically; the tail (the last units) is short beside the whole.
    * at least one unit per thread, fewer than that (B = 1, H = 4 on 2 threads): still one pass per unit, the same
      arithmetic, as chains (chains.h): a unit is claimed for a run of LIN_CHAIN_RUN chunks at a time, its state
-     kept in a shared array between runs, so that the units advance together and a descheduled thread holds
-     back one run of one unit.
+     kept in a shared array between runs, so that a descheduled thread holds back one short run of one unit and
+     a thread on a shared core hands the last units to a faster one.
    * fewer units than threads: each chunk's work in two halves, every (unit, chunk) task claimed from one
      counter in the order: every chunk's first half (the forward's state update, the backward's state-gradient
      part), unit by unit, then every chunk's second half (outputs, input gradients). The thread that finishes a
@@ -112,10 +112,12 @@ static void lin_flow_free(lin_flow_t *f) { free((void *)f->done), free((void *)f
 
 /* chains (chains.h) of (sequence, head) units: every unit with chunks, from its first chunk (reverse: from past its
    last, the chunks below run[u] left) */
-static int lin_chains(la_chains_t *ch, int64_t N, int64_t H, const int64_t *first, int reverse) {
-    if (la_chains_init(ch, N * H) != 0) return -1;
-    for (int64_t u = 0; u < N * H; u++)
-        if (first[u / H + 1] > first[u / H]) la_chains_add(ch, u, reverse ? first[u / H + 1] : first[u / H]);
+static int lin_chains(la_chains_t *ch, int64_t N, int64_t H, const int64_t *first, int reverse, int threads) {
+    if (la_chains_init(ch, N * H, threads) != 0) return -1;
+    for (int64_t u = 0; u < N * H; u++) {
+        const int64_t lo = first[u / H], hi = first[u / H + 1];
+        if (hi > lo) la_chains_add(ch, u, reverse ? hi : lo, reverse ? lo : hi);
+    }
     return 0;
 }
 
@@ -137,7 +139,7 @@ static inline void lin_flow_wait(lin_flow_t *f, int64_t u) {
 }
 
 #ifndef LIN_CHAIN_RUN
-#define LIN_CHAIN_RUN 8 /* chunks per claim of a unit */
+#define LIN_CHAIN_RUN 2 /* chunks per claim of a unit: short, so that the last claims end together */
 #endif
 #ifndef LIN_UNITS_PER_THREAD
 #define LIN_UNITS_PER_THREAD 4 /* fewer (sequence, head) units per thread: chains */
@@ -582,7 +584,7 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
         if (!P && !one_pass) P = P_own = malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1));
         if (chains) Su = malloc(sizeof(REAL) * (N * H * KW > 0 ? N * H * KW : 1));
         if ((!one_pass && (!P || lin_flow_init(&flow, N * H) != 0)) ||
-            (chains && (!Su || lin_chains(&chn, N, H, first, 0) != 0))) {
+            (chains && (!Su || lin_chains(&chn, N, H, first, 0, nthreads) != 0))) {
             if (flow.done) lin_flow_free(&flow);
             free(first), free(ch), free(gl), free(P_own), free(Su);
             return -1;
@@ -616,7 +618,8 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
         }
         FN(fws) ws = {Q, Qd, Km, Kt, Vb, A, O, U, G};
         if (chains) {
-            for (int64_t u; buf && (u = la_chains_claim(&chn, N * H)) >= 0;) {
+            const int me = la_thread_index();
+            for (int64_t u, prev = -1; buf && (u = la_chains_claim(&chn, N * H, me, prev)) >= 0; prev = u) {
                 const int64_t s = u / H, h = u % H, cb = chn.run[u], end = first[s + 1];
                 const int64_t ce = end - cb > LIN_CHAIN_RUN ? cb + LIN_CHAIN_RUN : end;
                 REAL *Sh = Su + u * KW;
@@ -626,7 +629,7 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
                                         nxt ? (int)ch[c + 1].len : 0);
                 }
                 if (ce == end && S_out) memcpy(S_out + u * KW, Sh, sizeof(REAL) * KW);
-                la_chains_release(&chn, u, ce, ce == end);
+                la_chains_release(&chn, u, ce, ce == end, me);
             }
         } else if (one_pass) {
 #pragma omp for schedule(dynamic, 1)
@@ -922,7 +925,7 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
     lin_flow_t flow = {0};
     la_chains_t chn = {0};
     if (!ch || !gl || (!one_pass && (!dP || lin_flow_init(&flow, N * H) != 0)) ||
-        (chains && (!Du || lin_chains(&chn, N, H, first, 1) != 0))) {
+        (chains && (!Du || lin_chains(&chn, N, H, first, 1, nthreads) != 0))) {
         if (flow.done) lin_flow_free(&flow);
         free(first), free(ch), free(gl), free(dP), free(Du);
         return -1;
@@ -961,14 +964,15 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
             failed = 1;
         }
         if (chains) {
-            for (int64_t u; buf && (u = la_chains_claim(&chn, N * H)) >= 0;) {
+            const int me = la_thread_index();
+            for (int64_t u, prev = -1; buf && (u = la_chains_claim(&chn, N * H, me, prev)) >= 0; prev = u) {
                 const int64_t s = u / H, h = u % H, cb = chn.run[u], end = first[s];
                 const int64_t ce = cb - end > LIN_CHAIN_RUN ? cb - LIN_CHAIN_RUN : end;
                 REAL *Dh = Du + u * KW;
                 for (int64_t c = cb - 1; c >= ce; c--)
                     FN(bl_chunk)(&ba, &b, c, ch[c].t0, (int)ch[c].len, h, Dh, R, c > end ? c - 1 : -1, h, ch);
                 if (ce == end && dS0) memcpy(dS0 + u * KW, Dh, sizeof(REAL) * KW);
-                la_chains_release(&chn, u, ce, ce == end);
+                la_chains_release(&chn, u, ce, ce == end, me);
             }
         } else if (one_pass) { /* each task: the chunks in reverse, the state gradients carried */
 #pragma omp for schedule(dynamic, 1)
