@@ -49,6 +49,35 @@ static void lin_hugepages(void *p, int64_t bytes) {
 #endif
 }
 
+/* The forward's output rows are written with non-temporal stores where AVX-512 is compiled in: they are written
+   once and read by the next operator, not by this call, so their cache lines need not be read in first (a plain
+   store reads each line before writing it: half of the output's memory traffic, shared by the threads). A copy:
+   no effect on any bit. lin_stream_fence orders a thread's streamed stores before the call returns. */
+#if defined(__AVX512F__) && !defined(LINATTN_PLAIN_C)
+#include <immintrin.h>
+#define LIN_STREAM 1
+#else
+#define LIN_STREAM 0
+#endif
+
+/* dst[0..bytes) = src[0..bytes): streamed when dst is 64-byte aligned and bytes a multiple of 64, else memcpy */
+static inline void lin_stream(void *dst, const void *src, int64_t bytes) {
+#if LIN_STREAM
+    if (((uintptr_t)dst & 63) == 0 && (bytes & 63) == 0) {
+        for (int64_t b = 0; b < bytes; b += 64)
+            _mm512_stream_si512((__m512i *)((char *)dst + b), _mm512_loadu_si512((const char *)src + b));
+        return;
+    }
+#endif
+    memcpy(dst, src, (size_t)bytes);
+}
+
+static inline void lin_stream_fence(void) {
+#if LIN_STREAM
+    _mm_sfence();
+#endif
+}
+
 typedef struct {
     int64_t seq, t0, len;
 } lin_chunk_t;
@@ -480,13 +509,19 @@ static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, i
         }
     }
     int bad = 0;
+    REAL *restrict row = Qd; /* free after the products: a divided row before it is streamed out */
+    const int stream = LIN_STREAM && V <= C * K;
     for (int i = 0; i < len; i++) {
         const REAL *src = O + (int64_t)i * W;
+        REAL *dst = num + ((t0 + i) * H + h) * V;
         if (norm && den) den[(t0 + i) * H + h] = src[V];
         if (norm && eps >= 0) {
-            bad |= FN(lin_divide)(num + ((t0 + i) * H + h) * V, src, V, eps);
+            bad |= FN(lin_divide)(stream ? row : dst, src, V, eps);
+            if (stream) lin_stream(dst, row, (int64_t)sizeof(REAL) * V);
+        } else if (stream) {
+            lin_stream(dst, src, (int64_t)sizeof(REAL) * V);
         } else {
-            FN(copy_row)(num + ((t0 + i) * H + h) * V, src, V);
+            FN(copy_row)(dst, src, V);
         }
     }
     return bad;
@@ -530,9 +565,8 @@ static int FN(fl_chunk)(const FN(fargs) *a, FN(fws) *w, int64_t c, int64_t t0, i
         lin_pf_add(&pf, a->q + (t1 * H + h1) * K, l1, sb * K, (int64_t)sizeof(REAL) * K, 0);
         lin_pf_add(&pf, a->k + (t1 * H + h1) * K, l1, sb * K, (int64_t)sizeof(REAL) * K, 0);
         lin_pf_add(&pf, a->v + (t1 * H + h1) * V, l1, sb * V, (int64_t)sizeof(REAL) * V, 0);
-#ifndef PF_NOW
-        lin_pf_add(&pf, a->num + (t1 * H + h1) * V, l1, sb * V, (int64_t)sizeof(REAL) * V, 1);
-#endif
+        if (!LIN_STREAM) /* streamed rows are not read in */
+            lin_pf_add(&pf, a->num + (t1 * H + h1) * V, l1, sb * V, (int64_t)sizeof(REAL) * V, 1);
     }
     const int per = PF_PER;
     const REAL *Pc = Sh;
@@ -687,6 +721,7 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
 #pragma omp atomic write
             any_bad = 1;
         }
+        lin_stream_fence();
         free(buf), free(G);
     }
     if (!one_pass) lin_flow_free(&flow);
