@@ -12,7 +12,8 @@
      gives the last unit to the thread that runs at full speed instead of finishing it at its own pace.
 
    The arithmetic of a unit is the same whoever runs which run, so results do not depend on the thread count or
-   on who claimed what. Without OpenMP the one thread claims every run in turn. Used by linear.c and delta.c. */
+   on who claimed what. Without OpenMP the one thread claims every run in turn. Used by linear.c (on la_team_run's
+   threads) and delta.c (on an OpenMP parallel region). */
 #ifndef LINATTN_CHAINS_H
 #define LINATTN_CHAINS_H
 
@@ -27,6 +28,13 @@
 #endif
 #if defined(_OPENMP)
 #include <omp.h>
+#endif
+/* the chains' own team of POSIX threads (la_team_run), under the OpenMP build (which links the thread library) */
+#if defined(_OPENMP) && (defined(__unix__) || defined(__APPLE__))
+#include <pthread.h>
+#define LA_TEAM 1
+#else
+#define LA_TEAM 0
 #endif
 
 typedef struct {
@@ -168,6 +176,64 @@ static void la_chains_release(la_chains_t *c, int64_t u, int64_t to, int finishe
     atomic_store_explicit(&c->run[u], to, memory_order_relaxed);
     if (finished) atomic_fetch_sub(&c->left, 1);
     else atomic_store_explicit(&c->held[u], 0, memory_order_release);
+}
+
+/* A team for chains without OpenMP's barrier: the caller runs work(ctx, 0) itself and nthreads - 1 helper threads
+   (created per call, detached) run work(ctx, i). An OpenMP parallel region ends only when every team thread has
+   been scheduled at least once and has reached its barrier, and its idle threads spin before they sleep: on a
+   machine whose cores are shared with other processes, a thread that never got a core in time still holds the
+   call, and a spinning one takes the core of the thread that works. Here the caller returns once `work` returns
+   (every unit finished) and no helper is inside `work`; a helper that starts after that leaves without touching
+   ctx. The block is freed by whoever leaves it last. Without the thread library, the caller runs alone. */
+typedef void (*la_team_fn)(void *ctx, int me);
+
+typedef struct {
+    _Atomic int closed; /* the caller is done: a helper starting now must not enter work */
+    _Atomic int inside; /* helpers inside work (or deciding whether to enter) */
+    _Atomic int refs;   /* the caller and the helpers not yet gone */
+    _Atomic int next;   /* the next helper's index */
+    la_team_fn work;
+    void *ctx;
+} la_team_t;
+
+static inline void la_team_leave(la_team_t *t) {
+    if (atomic_fetch_sub(&t->refs, 1) == 1) free(t);
+}
+
+#if LA_TEAM
+static void *la_team_helper(void *p) {
+    la_team_t *t = p;
+    atomic_fetch_add(&t->inside, 1); /* before reading closed: the caller waits for inside == 0 after closing */
+    if (!atomic_load(&t->closed)) t->work(t->ctx, atomic_fetch_add(&t->next, 1));
+    atomic_fetch_sub(&t->inside, 1);
+    la_team_leave(t);
+    return NULL;
+}
+#endif
+
+static void la_team_run(int nthreads, la_team_fn work, void *ctx) {
+    la_team_t *t = LA_TEAM && nthreads > 1 ? malloc(sizeof(*t)) : NULL;
+    if (!t) {
+        work(ctx, 0);
+        return;
+    }
+    atomic_init(&t->closed, 0), atomic_init(&t->inside, 0), atomic_init(&t->refs, 1), atomic_init(&t->next, 1);
+    t->work = work, t->ctx = ctx;
+#if LA_TEAM
+    pthread_attr_t attr;
+    const int attr_ok =
+        pthread_attr_init(&attr) == 0 && pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED) == 0;
+    for (int i = 1; attr_ok && i < nthreads; i++) {
+        pthread_t th;
+        atomic_fetch_add(&t->refs, 1);
+        if (pthread_create(&th, &attr, la_team_helper, t) != 0) atomic_fetch_sub(&t->refs, 1); /* fewer helpers */
+    }
+    if (attr_ok) pthread_attr_destroy(&attr);
+#endif
+    work(ctx, 0);
+    atomic_store(&t->closed, 1);
+    while (atomic_load(&t->inside) > 0) la_wait(); /* a helper inside work: it finds nothing left and leaves */
+    la_team_leave(t);
 }
 
 #endif
