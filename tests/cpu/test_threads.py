@@ -319,11 +319,12 @@ def test_calls_with_torch_work_keep_torch_threads(case, monkeypatch):
     assert counts and all(n == 3 for n in counts), seen
 
 
-def test_linear_chains_back_to_back_calls_same_bits():
-    """Linear attention's chains run on chains.h's own team, whose helper threads may start after the call has
-    returned (they must then leave without touching it): many short calls in a row, forward and backward, at 2
-    and 3 threads, give one thread's bits every time (a helper touching a finished call would corrupt or crash)."""
-    x = _lin_inputs(1, 200, 4, torch.float32, True, seed=3)
-    one = _run("linear", x, 1)
-    for i in range(60):
-        _same_bits(_run("linear", x, 2 + i % 2), one)
+@pytest.mark.parametrize("op", ["linear", "delta"])
+def test_chains_back_to_back_calls_same_bits(op):
+    """Chains run on chains.h's own team, whose helper threads may start after the call has returned (they must
+    then leave without touching it): many short calls in a row, forward and backward, at 2 and 3 threads, give one
+    thread's bits every time (a helper touching a finished call would corrupt it or crash)."""
+    x = (_lin_inputs if op == "linear" else _delta_inputs)(1, 200, 4, torch.float32, True, seed=3)
+    one = _run(op, x, 1)
+    for i in range(40):
+        _same_bits(_run(op, x, 2 + i % 2), one)

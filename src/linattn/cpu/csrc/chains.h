@@ -12,8 +12,8 @@
      gives the last unit to the thread that runs at full speed instead of finishing it at its own pace.
 
    The arithmetic of a unit is the same whoever runs which run, so results do not depend on the thread count or
-   on who claimed what. Without OpenMP the one thread claims every run in turn. Used by linear.c (on la_team_run's
-   threads) and delta.c (on an OpenMP parallel region). */
+   on who claimed what. The threads are la_team_run's (below), not an OpenMP region's; without OpenMP the one
+   thread claims every run in turn. Used by linear.c and delta.c. */
 #ifndef LINATTN_CHAINS_H
 #define LINATTN_CHAINS_H
 
@@ -25,9 +25,6 @@
 #include <stdlib.h>
 #if defined(__unix__) || defined(__APPLE__)
 #include <time.h>
-#endif
-#if defined(_OPENMP)
-#include <omp.h>
 #endif
 /* the chains' own team of POSIX threads (la_team_run), under the OpenMP build (which links the thread library) */
 #if defined(_OPENMP) && (defined(__unix__) || defined(__APPLE__))
@@ -71,15 +68,6 @@ static inline int64_t la_now_ns(void) {
     if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0) return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 #endif
     return 0;
-}
-
-/* the calling thread's index in the team (0 without OpenMP) */
-static inline int la_thread_index(void) {
-#if defined(_OPENMP)
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
 }
 
 static void la_chains_free(la_chains_t *c) {
@@ -143,7 +131,7 @@ static inline int la_chains_take(la_chains_t *c, int64_t u, int me) {
     return 1;
 }
 
-/* a unit with steps left that no other thread holds, now held by thread `me` (la_thread_index()), which last ran
+/* a unit with steps left that no other thread holds, now held by thread `me` (its index in la_team_run's team), which last ran
    unit `prev` (-1: none); -1 when every unit is finished */
 static int64_t la_chains_claim(la_chains_t *c, int64_t units, int me, int64_t prev) {
     int handing = prev >= 0 && la_chains_faster_waits(c, me);
