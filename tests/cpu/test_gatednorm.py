@@ -139,3 +139,42 @@ def test_layer_matches_switched_off(dtype, monkeypatch):
     tol = dict(atol=5e-5, rtol=5e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("affine", [True, False])
+def test_rmsnorm_training_runs_on_the_kernel(dtype, affine, monkeypatch):
+    """RMSNorm (the models' block and final norms) in a training step (train mode, grad on, x requiring grad) takes
+    the compiled pass (no gate): values and the gradients of x and the weight against the fp64 reference; in eval
+    mode or without grad, the PyTorch form."""
+    if not cpu_gnorm.available(dtype):
+        pytest.skip("compiled kernels unavailable")
+    from linattn.layers.common import RMSNorm
+
+    torch.manual_seed(0)
+    n = RMSNorm(48, elementwise_affine=affine).to(dtype)
+    if affine:
+        with torch.no_grad():
+            n.weight.copy_(torch.randn(48, dtype=dtype))
+    calls = []
+    real = cpu_gnorm._GatedRMSNorm.apply
+    monkeypatch.setattr(cpu_gnorm._GatedRMSNorm, "apply", lambda *a: calls.append(1) or real(*a))
+    x = (3 * torch.randn(2, 7, 48, dtype=dtype)).requires_grad_()
+    y = n(x)
+    assert calls, "RMSNorm with grad did not take the compiled pass"
+    dy = torch.randn_like(y)
+    wrt = [x] + ([n.weight] if affine else [])
+    grads = torch.autograd.grad(y, wrt, dy)
+    ref_in = [t.detach().double().requires_grad_() for t in wrt]
+    ref = reference(ref_in[0], None, ref_in[1] if affine else None, n.eps)
+    ref_grads = torch.autograd.grad(ref, ref_in, dy.double())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y.double(), ref.detach(), **tol)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, **tol)
+    n_calls = len(calls)
+    with torch.no_grad():
+        torch.testing.assert_close(n(x), y.detach(), **tol)
+    n.eval()
+    torch.testing.assert_close(n(x), y, **tol)
+    assert len(calls) == n_calls  # inference and eval mode keep the PyTorch form

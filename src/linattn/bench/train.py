@@ -2,7 +2,8 @@
 
 One `LanguageModel` per mixer (same width, depth, heads and SwiGLU FFN, random weights and tokens, fp32).
 A step is forward with targets (cross-entropy), backward, AdamW step and zero_grad: what `linattn train`
-does per optimizer step, without data loading. The steps of the mixers are interleaved in rounds
+does per optimizer step, with its optimizer (`training.make_optimizer`: the fused AdamW on the CPU), without data
+loading. The steps of the mixers are interleaved in rounds
 (`common.time_interleaved`), so a change of background load hits them alike and the ratios stay fair;
 each model and its optimizer live for the whole run (the optimizer state exists after the warm-up step).
 The report gives tokens/s (batch x seq-len over the median step) and each mixer's ratio to softmax's
@@ -106,6 +107,7 @@ def make_step(name: str, a):
     """(step, n_params): step() runs one fwd + bwd + AdamW step of a fresh model of mixer `name` on fixed random
     tokens; the model and optimizer are kept in the closure."""
     from ..models import LanguageModel, LMConfig
+    from ..training import TrainConfig, make_optimizer
 
     torch.manual_seed(a.seed)
     mixer = "softmax" if name == FREE_MIXER else name
@@ -114,7 +116,7 @@ def make_step(name: str, a):
     if name == FREE_MIXER:
         _free_mixer_model(model)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = make_optimizer(model, TrainConfig(lr=1e-4))  # the optimizer `linattn train` builds
     gen = torch.Generator().manual_seed(a.seed + 1)
     ids = torch.randint(0, a.vocab_size, (a.batch, a.seq_len + 1), generator=gen)
     x, y = ids[:, :-1], ids[:, 1:]

@@ -15,7 +15,7 @@ import torch
 from . import bindings, ptr, threads
 from .build import enabled
 
-__all__ = ["available", "gated_rms_norm"]
+__all__ = ["available", "covers", "gated_rms_norm"]
 
 _SFX = {torch.float32: "f32", torch.float64: "f64"}
 
@@ -53,7 +53,8 @@ class _GatedRMSNorm(torch.autograd.Function):
         return dx, dgate, dw, None
 
 
-def _covers(norm, x: torch.Tensor, gate: Optional[torch.Tensor]) -> bool:
+def covers(norm, x: torch.Tensor, gate: Optional[torch.Tensor]) -> bool:
+    """Whether the compiled kernel computes `norm(x, gate)` (module docstring)."""
     w = norm.weight
     return (getattr(norm, "plain", False) and x.device.type == "cpu" and x.dim() >= 1 and x.shape[-1] == norm.dim
             and x.numel() > 0 and (gate is None or (gate.dtype == x.dtype and gate.shape == x.shape))
@@ -63,7 +64,7 @@ def _covers(norm, x: torch.Tensor, gate: Optional[torch.Tensor]) -> bool:
 def gated_rms_norm(norm, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`norm(x, gate)` for a GatedRMSNorm `norm` (x, gate `[..., dim]`): on the compiled kernel when it covers the
     call (module docstring), the same values to rounding; otherwise the PyTorch form."""
-    if not _covers(norm, x, gate):
+    if not covers(norm, x, gate):
         return norm(x, gate)
     w = norm.weight
     w = w.to(x.dtype).contiguous() if w is not None else None

@@ -21,7 +21,7 @@ checkpoints (`linattn.checkpoint`); exact resume and signal handling are describ
 The modules:
 
     config.py    TrainConfig (documented fields), TrainError, resume compatibility, resolve_device
-    schedule.py  lr_at (warmup + cosine), make_optimizer (AdamW), autocast
+    schedule.py  lr_at (warmup + cosine), make_optimizer (AdamW, fused where torch has it), autocast
     data.py      TrainData, prepare_data
     run.py       RunFolder (out dir checks, clearing, metrics.jsonl), read_metrics, StopFlag (signals)
     trainer.py   Trainer (train_step / evaluate / state_dict / load_state_dict), evaluate,
