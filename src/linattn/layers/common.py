@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..cpu import conv as _cpu_conv, gatednorm as _cpu_gnorm
+from ..cpu import conv as _cpu_conv
 from ..errors import LinattnError
 from ..ops.l2norm import L2NORM_EPS, l2norm
 from .packing import check_cu_seqlens, packed_positions
@@ -32,8 +32,6 @@ class RMSNorm(nn.Module):
         elementwise_affine: A learnable weight per channel (else none).
     """
 
-    plain = True  # the compiled norm's form (cpu/gatednorm.py), with no gate
-
     def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True):
         super().__init__()
         self.dim, self.eps = int(dim), float(eps)
@@ -52,11 +50,6 @@ class RMSNorm(nn.Module):
         if not torch.is_grad_enabled() and x.dtype == cdt(x) and (w is None or w.dtype == x.dtype):
             # inference (decoding): one fused call, the same values as the lines below (tests/layers/test_fast_decode)
             return F.rms_norm(x, (self.dim,), w, self.eps)
-        if self.training and torch.is_grad_enabled() and x.requires_grad and _cpu_gnorm.covers(self, x, None):
-            # a training step on the CPU: one compiled pass each way in place of about a dozen elementwise operators
-            # (forward and backward) of the lines below; the same values to rounding (tests/cpu/test_gatednorm.py).
-            # Evaluation keeps the lines below, bitwise equal to the inference path above
-            return _cpu_gnorm.gated_rms_norm(self, x)
         xf = x.to(cdt(x))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if w is not None:
