@@ -92,7 +92,10 @@ class BlockPlan(ctypes.Structure):
                 # ELA's maps: kind 3 log-space (csrc/decode_log.h: ela_map 0 Hadamard Exp, log_decay RetNet's log
                 # gamma [HV]), kind 6 linear-space (csrc/decode_ela.h: ela_map 1 / 2 sum / sub squared-Euclidean,
                 # 3 magnitude-direction)
-                + [("ela_map", ctypes.c_int32), ("pad4_", ctypes.c_int32), ("log_decay", ctypes.c_void_p)])
+                + [("ela_map", ctypes.c_int32), ("pad4_", ctypes.c_int32), ("log_decay", ctypes.c_void_p)]
+                # Mamba2 (kind 5): state_pn 1 keeps a head's state [P, N] (transformers' layout, no z column), 0
+                # [N, P + 1] (linear attention's kv | z)
+                + [("state_pn", ctypes.c_int32), ("pad5_", ctypes.c_int32)])
 
 
 class ModelPlan(ctypes.Structure):

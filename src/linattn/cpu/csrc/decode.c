@@ -78,6 +78,9 @@ typedef struct {
        kind 6, linear-space (decode_ela.h; ela_map 1 / 2 squared-Euclidean sum / sub, 3 magnitude-direction) */
     int32_t ela_map, pad4_;
     const void *log_decay;
+    /* Mamba2 (kind 5): state_pn 1 keeps a head's state as [P, N] (transformers' ssm state, no z column: the
+       cache's own tensor is the plan's state), 0 as [N, P + 1] (linear attention's kv | z, linattn's layout) */
+    int32_t state_pn, pad5_;
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
 
