@@ -16,33 +16,34 @@
    tensor is read and written as it is, no per-token transpose), with the same arithmetic in the same order: the
    same bits. Returns 0, or 1 when out of memory. */
 
-/* The same step in the [P, N] layout: M2_ROWS rows of the state at a time, their elements at one n side by side
-   (a vector), each row summing C_g S[p, :] over n in order (the [N, P + 1] loop's order) in its own accumulator */
+/* The same step in the [P, N] layout: the update row by row (contiguous in n, vectorised; elementwise, so the
+   order does not matter), then C_g S[p, :] summed over n in order (the [N, P + 1] loop's order, so the same bits)
+   for M2_ROWS rows at a time, each in its own accumulator: independent chains over rows just written (in cache).
+   A layer's heads (32, P 64, N 128, fp32) cost 0.07-0.3 ms more than in the [N, P + 1] layout; the per-token
+   transposes in torch that this layout replaces cost 2.8-3.0 ms (both at load 7-10 on 2 cores). */
 #define M2_ROWS 16
 
 static void FN(mamba2_head_pn)(int64_t N, int64_t P, REAL decay, REAL dt, const REAL *x, const REAL *Bg,
                                const REAL *Cg, const REAL *S0, REAL *S, REAL *o) {
+    for (int64_t p = 0; p < P; ++p) {
+        const REAL xd = x[p] * dt;
+        REAL *restrict s = S + p * N;
+        if (S0) {
+            const REAL *restrict s0 = S0 + p * N;
+#pragma omp simd
+            for (int64_t n = 0; n < N; ++n) s[n] = decay * s0[n] + Bg[n] * xd;
+        } else {
+#pragma omp simd
+            for (int64_t n = 0; n < N; ++n) s[n] = Bg[n] * xd;
+        }
+    }
     for (int64_t p0 = 0; p0 < P; p0 += M2_ROWS) {
         const int64_t nr = P - p0 < M2_ROWS ? P - p0 : M2_ROWS;
-        REAL acc[M2_ROWS], xd[M2_ROWS];
-        for (int64_t k = 0; k < nr; ++k) acc[k] = 0, xd[k] = x[p0 + k] * dt;
+        const REAL *s = S + p0 * N;
+        REAL acc[M2_ROWS] = {0};
         for (int64_t n = 0; n < N; ++n) {
-            const REAL bn = Bg[n], cn = Cg[n];
-            REAL *restrict s = S + p0 * N + n;
-            if (S0) {
-                const REAL *restrict s0 = S0 + p0 * N + n;
-#pragma omp simd
-                for (int64_t k = 0; k < nr; ++k) {
-                    s[k * N] = decay * s0[k * N] + bn * xd[k];
-                    acc[k] += cn * s[k * N];
-                }
-            } else {
-#pragma omp simd
-                for (int64_t k = 0; k < nr; ++k) {
-                    s[k * N] = bn * xd[k];
-                    acc[k] += cn * s[k * N];
-                }
-            }
+            const REAL cn = Cg[n];
+            for (int64_t k = 0; k < nr; ++k) acc[k] += cn * s[k * N + n];
         }
         for (int64_t k = 0; k < nr; ++k) o[p0 + k] = acc[k];
     }
