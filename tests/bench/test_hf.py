@@ -78,3 +78,26 @@ def test_bench_hf_bad_arguments(tmp_path):
         run_benchmark("hf", ["--kinds", "rwkv", "--out", str(tmp_path)])
     with pytest.raises(UsageError, match="--T must be >= 2"):
         run_benchmark("hf", ["--T", "1", "--out", str(tmp_path)])
+
+
+def test_bench_hf_load_stops_its_busy_loops_on_sigterm(monkeypatch, tmp_path):
+    """A SIGTERM during a run with --load ends it through the code that stops the busy loops (else they would
+    outlive the run), and the previous SIGTERM handler is back afterwards."""
+    import os
+    import signal
+
+    from linattn.bench import hf, threads
+
+    started, inner = [], threads._busy_start
+    monkeypatch.setattr(threads, "_busy_start", lambda: started.append(inner()) or started[-1])
+
+    def killed(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("not reached: the SIGTERM handler exits")
+
+    monkeypatch.setattr(hf, "_run", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        run_benchmark("hf", ["--quick", "--load", "1", "--quiet", "--out", str(tmp_path)])
+    assert e.value.code == 143 and len(started) == 1 and started[0].poll() is not None
+    assert signal.getsignal(signal.SIGTERM) is before

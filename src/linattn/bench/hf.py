@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import signal
+import sys
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -183,13 +185,17 @@ def run(args) -> int:
     from ..hf.kernelize import torch_fallbacks
     from .threads import _busy_start, _busy_stop
 
-    busy = [_busy_start() for _ in range(getattr(args, "load", 0))]
+    # (a SIGTERM ends the run through the finally below, which stops the busy loops: they would outlive it)
+    old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if args.load else None
+    busy = [_busy_start() for _ in range(args.load)]
     try:
         with torch_fallbacks():
             return _run(args)
     finally:
         for p in busy:
             _busy_stop(p)
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
 
 
 def _run(args) -> int:
