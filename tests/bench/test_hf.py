@@ -32,14 +32,14 @@ def test_bench_hf_quick(tmp_path, capsys):
 def test_bench_hf_load_holds_busy_loops_for_the_run_and_stops_them(tmp_path, monkeypatch):
     from linattn.bench import threads
 
-    started, inner = [], threads._busy_start
+    started, inner = [], threads.busy_start
 
     def busy_start():
         started.append(inner())
         assert started[-1].poll() is None
         return started[-1]
 
-    monkeypatch.setattr(threads, "_busy_start", busy_start)
+    monkeypatch.setattr(threads, "busy_start", busy_start)
     rc = run_benchmark("hf", ["--quick", "--kinds", "mamba2", "--threads", "1", "--repeats", "1", "--no-memory",
                               "--quiet", "--load", "2", "--out", str(tmp_path)])
     assert rc == 0 and len(started) == 2 and all(p.poll() is not None for p in started)
@@ -88,8 +88,8 @@ def test_bench_hf_load_stops_its_busy_loops_on_sigterm(monkeypatch, tmp_path):
 
     from linattn.bench import hf, threads
 
-    started, inner = [], threads._busy_start
-    monkeypatch.setattr(threads, "_busy_start", lambda: started.append(inner()) or started[-1])
+    started, inner = [], threads.busy_start
+    monkeypatch.setattr(threads, "busy_start", lambda: started.append(inner()) or started[-1])
 
     def killed(args):
         os.kill(os.getpid(), signal.SIGTERM)

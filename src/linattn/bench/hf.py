@@ -183,17 +183,17 @@ def run(args) -> int:
     if importlib.util.find_spec("transformers") is None:
         return _run(args)  # which says what is missing
     from ..hf.kernelize import torch_fallbacks
-    from .threads import _busy_start, _busy_stop
+    from .threads import busy_start, busy_stop
 
     # (a SIGTERM ends the run through the finally below, which stops the busy loops: they would outlive it)
     old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if args.load else None
-    busy = [_busy_start() for _ in range(args.load)]
+    busy = [busy_start() for _ in range(args.load)]
     try:
         with torch_fallbacks():
             return _run(args)
     finally:
         for p in busy:
-            _busy_stop(p)
+            busy_stop(p)
         if old is not None:
             signal.signal(signal.SIGTERM, old)
 
