@@ -1,12 +1,17 @@
-"""`linattn bench hf --quick`: runs end to end at tiny sizes and writes its table and JSON (no timing assertions)."""
+"""`linattn bench hf --quick`: runs end to end at tiny sizes and writes its table and JSON (no timing assertions);
+its decode rows time consecutive tokens through the compiled whole-model plan where the model has one; `--load N`
+holds N busy loops for the run and stops them."""
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
 from linattn.bench import run_benchmark  # noqa: E402
 from linattn.cli_support import UsageError  # noqa: E402
+from linattn.cpu import decode as cpu_decode  # noqa: E402
+from tests.helpers import CompiledDecodeCalls  # noqa: E402
 
 
 def test_bench_hf_quick(tmp_path, capsys):
@@ -15,11 +20,49 @@ def test_bench_hf_quick(tmp_path, capsys):
     assert rc == 0
     rec = json.loads((tmp_path / "hf.json").read_text())
     cases = {(r["kind"], r["case"], r["T"]) for r in rec["timings"]}
-    for kind in ("gdn", "kda", "mamba2"):
-        assert {(kind, "prefill", 32), (kind, "prefill", 64), (kind, "decode", 64), (kind, "train", 32)} <= cases
+    for kind in ("gdn", "kda", "mamba2", "lightning", "bamba"):
+        train_T = 16 if kind == "kda" else 32   # (--kda-train-T, said in the output)
+        assert {(kind, "prefill", 32), (kind, "prefill", 64), (kind, "decode", 64), (kind, "train", train_T)} <= cases
     assert rec["skipped"] == []
-    assert all(r["unpatched_ms"] > 0 and r["patched_ms"] > 0 for r in rec["timings"])
-    assert "speedup" in (tmp_path / "hf.txt").read_text()
+    assert all(r["unpatched_ms"] > 0 and r["patched_ms"] > 0 and r["target"] >= 1.0 for r in rec["timings"])
+    text = (tmp_path / "hf.txt").read_text()
+    assert "speedup" in text and "kda      training step at T = 16" in text and "8 consecutive tokens" in text
+
+
+def test_bench_hf_load_holds_busy_loops_for_the_run_and_stops_them(tmp_path, monkeypatch):
+    from linattn.bench import threads
+
+    started, inner = [], threads.busy_start
+
+    def busy_start():
+        started.append(inner())
+        assert started[-1].poll() is None
+        return started[-1]
+
+    monkeypatch.setattr(threads, "busy_start", busy_start)
+    rc = run_benchmark("hf", ["--quick", "--kinds", "mamba2", "--threads", "1", "--repeats", "1", "--no-memory",
+                              "--quiet", "--load", "2", "--out", str(tmp_path)])
+    assert rc == 0 and len(started) == 2 and all(p.poll() is not None for p in started)
+    rec = json.loads((tmp_path / "hf.json").read_text())
+    assert rec["config"]["load"] == 2 and len(rec["load_start"]) == 3
+    assert "2 busy-loop process(es) for the whole run" in (tmp_path / "hf.txt").read_text()
+
+
+@pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+def test_bench_hf_decode_steps_go_through_the_plan(kind, monkeypatch):
+    """The timed decode: n consecutive tokens at their own positions after the prompt, each one compiled
+    whole-model call (as generation decodes), with the unpatched model's logits."""
+    from linattn.bench import hf
+    from linattn.hf.kernelize import torch_fallbacks
+
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch_fallbacks():
+        ref, fast = hf.pair(kind, True, 64)
+        ids = hf._ids(12, 64, 0)
+        got, want = (hf.decode_maker(m, ids, 4)()() for m in (fast, ref))
+    assert calls.model == 4
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_bench_hf_memory_builder():
@@ -35,3 +78,26 @@ def test_bench_hf_bad_arguments(tmp_path):
         run_benchmark("hf", ["--kinds", "rwkv", "--out", str(tmp_path)])
     with pytest.raises(UsageError, match="--T must be >= 2"):
         run_benchmark("hf", ["--T", "1", "--out", str(tmp_path)])
+
+
+def test_bench_hf_load_stops_its_busy_loops_on_sigterm(monkeypatch, tmp_path):
+    """A SIGTERM during a run with --load ends it through the code that stops the busy loops (else they would
+    outlive the run), and the previous SIGTERM handler is back afterwards."""
+    import os
+    import signal
+
+    from linattn.bench import hf, threads
+
+    started, inner = [], threads.busy_start
+    monkeypatch.setattr(threads, "busy_start", lambda: started.append(inner()) or started[-1])
+
+    def killed(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("not reached: the SIGTERM handler exits")
+
+    monkeypatch.setattr(hf, "_run", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        run_benchmark("hf", ["--quick", "--load", "1", "--quiet", "--out", str(tmp_path)])
+    assert e.value.code == 143 and len(started) == 1 and started[0].poll() is not None
+    assert signal.getsignal(signal.SIGTERM) is before

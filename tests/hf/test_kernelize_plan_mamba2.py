@@ -3,7 +3,8 @@ transformers' `generate`, against the UNPATCHED model (transformers' PyTorch cod
 logits within 1e-5 (fp32), sampled tokens with a seed, batch > 1, beam search, transformers' cache objects holding
 transformers' values, a cache copied, continued or advanced by transformers' own code between compiled tokens, left
 padding, one compiled call per decoded token, the plan rebuilt when a weight it copied is updated in
-place, bf16, and what the plan does not compute stepping aside."""
+place, bf16, and what the plan does not compute stepping aside. The block reads and writes transformers' `[P, N]`
+states (`state_pn`) with the bits of linattn's `[N, P + 1]` layout, and the cache's state tensor is the plan's."""
 import inspect
 
 import pytest
@@ -14,6 +15,7 @@ if not hasattr(transformers, "Mamba2ForCausalLM"):
     pytest.skip(f"the installed transformers ({transformers.__version__}) has no Mamba2", allow_module_level=True)
 
 from linattn.cpu import decode as cpu_decode  # noqa: E402
+from linattn.hf import kernelize_plan_mamba2 as plan_mamba2  # noqa: E402
 from linattn.hf.kernelize_plan_mamba2 import undescribed_reason  # noqa: E402
 from tests.helpers import CompiledDecodeCalls  # noqa: E402
 from tests.hf import plan_decode as pd  # noqa: E402
@@ -109,3 +111,63 @@ def test_a_clamped_time_step_steps_aside():
 
 def test_under_torch_compile_the_plan_steps_aside(monkeypatch):
     pd.check_torch_compile_steps_aside(_pair()[1], monkeypatch)
+
+
+def _block_step(p, x, w_in, S_in, S_shape):
+    fn = cpu_decode.block_function(x.dtype)
+    w_out, S_out, x_out = torch.empty_like(w_in), torch.empty(S_shape, dtype=x.dtype), torch.empty_like(x)
+    cpu_decode.block_step(p, fn, x, w_in, S_in, w_out, S_out, x_out)
+    return x_out, S_out, w_out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B,first", [(1, False), (3, False), (2, True)])
+def test_state_in_transformers_layout_has_the_bits_of_the_plan_layout(dtype, B, first):
+    """The Mamba2 block with `state_pn` (a head's state [P, N], as transformers keeps it) against the same block in
+    linattn's [N, P + 1] layout (the unused z column random): the same output and new state, bit for bit (first:
+    no state in, a zero state), for every layer (2 groups, head_dim 16 = the [P, N] loop's 16 rows; 20: a partial
+    tile; state 8)."""
+    for head_dim in (16, 20):
+        model = _pair(dtype, head_dim=head_dim, hidden_size=2 * head_dim)[1]
+        desc, mixers = plan_mamba2.describe(model)
+        d = desc.embed.weight.shape[1]
+        g = torch.Generator().manual_seed(3)
+        for bd, mx in zip(desc.blocks, mixers):
+            H, P, N, CD, KC = mx.num_heads, mx.head_dim, mx.ssm_state_size, mx.conv_dim, mx.conv_kernel_size
+            p_pn, p_np = (plan_mamba2.block_plan(mx, bd, B, d, dtype) for _ in range(2))
+            p_np.state_pn = 0
+            assert p_pn.state_pn == 1
+            x = torch.randn(B, d, dtype=dtype, generator=g)
+            w_in = torch.randn(B, CD, KC - 1, dtype=dtype, generator=g)
+            S_pn = torch.randn(B, H, P, N, dtype=dtype, generator=g)
+            S_np = torch.cat([S_pn.transpose(-1, -2), torch.randn(B, H, N, 1, dtype=dtype, generator=g)], -1)
+            x_pn, Sn_pn, w_pn = _block_step(p_pn, x, w_in, None if first else S_pn.contiguous(), (B, H, P, N))
+            x_np, Sn_np, w_np = _block_step(p_np, x, w_in, None if first else S_np.contiguous(), (B, H, N, P + 1))
+            assert torch.equal(x_pn, x_np) and torch.equal(w_pn, w_np)
+            assert torch.equal(Sn_pn, Sn_np[..., :P].transpose(-1, -2))
+
+
+def test_the_cache_state_is_the_plan_state(monkeypatch):
+    """After a compiled token each layer's state tensor is a view of the plan's new state buffer (no copy), the
+    next token reads it in place, and transformers' own step continues from it (a copy in place of its own)."""
+    ref, fast = _pair()
+    calls = CompiledDecodeCalls(monkeypatch)
+    prompt = pd.prompt(2, 5)
+    with torch.no_grad():
+        caches = [m(prompt, use_cache=True).cache for m in (fast, ref)]
+        for t in range(3):
+            tok = prompt[:, t:t + 1]
+            got, want = (m(tok, cache=c, use_cache=True).logits for m, c in zip((fast, ref), caches))
+            assert pd.close(got, want)
+            states = [lay.recurrent_states[0] for lay in caches[0].layers]
+            base = states[0].untyped_storage().data_ptr()
+            assert all(s.untyped_storage().data_ptr() == base for s in states)
+        assert calls.model == 3
+        # transformers' own step from the plan's state (the hook steps aside under grad), then the plan again
+        with torch.enable_grad():
+            got, want = (m(prompt[:, 3:4], cache=c, use_cache=True).logits for m, c in zip((fast, ref), caches))
+        assert calls.model == 3 and pd.close(got.detach(), want.detach())
+        got, want = (m(prompt[:, 4:5], cache=c, use_cache=True).logits for m, c in zip((fast, ref), caches))
+        assert calls.model == 4 and pd.close(got, want)
+        for lg, lw in zip(caches[0].layers, caches[1].layers):
+            torch.testing.assert_close(lg.recurrent_states[0], lw.recurrent_states[0], rtol=1e-5, atol=1e-6)

@@ -172,12 +172,12 @@ def make_case(op: str, passes: str, a) -> Callable[[], Any]:
     return run
 
 
-def _busy_start() -> subprocess.Popen:
+def busy_start() -> subprocess.Popen:
     # a child inherits this process's nice value and cpu affinity: the same priority
     return subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdin=subprocess.DEVNULL)
 
 
-def _busy_stop(p: subprocess.Popen) -> None:
+def busy_stop(p: subprocess.Popen) -> None:
     p.terminate()
     try:
         p.wait(timeout=5)
@@ -263,7 +263,7 @@ def run(a) -> int:
     _, log = common.start_run(None, "cpu", a.quiet)
     paths = common.output_paths("threads", a.out, exts=("txt", "json"), overwrite=a.overwrite)
     info = common.machine_info("cpu")
-    busy = _busy_start() if a.busy_core else None
+    busy = busy_start() if a.busy_core else None
     try:
         cases = [{"level": lv, "op": op, "pass": ps,
                   "fn": (make_case if lv == "op" else make_kernel_case)(op, ps, a)}
@@ -271,7 +271,7 @@ def run(a) -> int:
         measure(cases, counts, a.repeats, log)
     finally:
         if busy is not None:
-            _busy_stop(busy)
+            busy_stop(busy)
     load_end = common.loadavg()
     records = summarise(cases, counts)
     head = [PROG, common.describe_machine(info),

@@ -110,7 +110,10 @@ class BlockPlan(ctypes.Structure):
                 # shared expert in Wgu / Wd (hid > 0) gated by sigmoid(Wsg x) (Wsg NULL: ungated)
                 + [(n, ctypes.c_int64) for n in ("n_experts", "top_k", "moe_hid")]
                 + [(n, ctypes.c_int32) for n in ("ffn_kind", "norm_topk")]
-                + [(n, ctypes.c_void_p) for n in ("Wr", "Weg", "Wed", "Wsg")])
+                + [(n, ctypes.c_void_p) for n in ("Wr", "Weg", "Wed", "Wsg")]
+                # Mamba2 (kind 5): state_pn 1 keeps a head's state [P, N] (transformers' layout, no z column), 0
+                # [N, P + 1] (linear attention's kv | z)
+                + [("state_pn", ctypes.c_int32), ("pad6_", ctypes.c_int32)])
 
 
 class ModelPlan(ctypes.Structure):

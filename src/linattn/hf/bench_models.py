@@ -9,7 +9,7 @@ import transformers as tf
 from ..errors import LinattnError
 from .kernelize import kernelize
 
-KINDS = ("gdn", "kda", "mamba2")
+KINDS = ("gdn", "kda", "mamba2", "lightning", "bamba")
 
 
 def build_model(kind: str, quick: bool, vocab_size: int, seed: int = 0) -> torch.nn.Module:
@@ -39,6 +39,23 @@ def build_model(kind: str, quick: bool, vocab_size: int, seed: int = 0) -> torch
         cfg = tf.Mamba2Config(**ids, vocab_size=vocab_size, hidden_size=d, num_heads=h, head_dim=p, state_size=n,
                               n_groups=1, expand=2, conv_kernel=4, num_hidden_layers=1, chunk_size=256)
         model = tf.Mamba2ForCausalLM(cfg)
+    elif kind == "lightning":
+        # MiniMax's lightning attention (a block-wise decayed linear attention; MiniMax-Text-01 is hidden 6144,
+        # 64 heads x 128: here 16 heads x 128), its MoE feed-forward with 2 experts, top 1
+        d, h, dk = (64, 4, 16) if quick else (2048, 16, 128)
+        cfg = tf.MiniMaxConfig(**ids, vocab_size=vocab_size, hidden_size=d, intermediate_size=2 * d,
+                               num_hidden_layers=2, num_attention_heads=h, num_key_value_heads=h, head_dim=dk,
+                               num_local_experts=2, num_experts_per_tok=1, block_size=256,
+                               layer_types=["linear_attention", "full_attention"])
+        model = tf.MiniMaxForCausalLM(cfg)
+    elif kind == "bamba":
+        # a Mamba2 hybrid: Bamba's Mamba2 layer as the mamba2 kind's, then a minimal softmax layer (1 head)
+        d, h, p, n = (64, 4, 32, 16) if quick else (1024, 32, 64, 128)
+        cfg = tf.BambaConfig(**ids, vocab_size=vocab_size, hidden_size=d, intermediate_size=2 * d,
+                             num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                             attn_layer_indices=[1], mamba_n_heads=h, mamba_d_head=p, mamba_n_groups=1,
+                             mamba_d_state=n, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256)
+        model = tf.BambaForCausalLM(cfg)
     else:
         raise LinattnError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     return model.float().eval()

@@ -229,15 +229,15 @@ _QWEN = types.SimpleNamespace(
                                          else _dp.new_softmax_plan(bd, B, d, wdt)),
     state_spec=lambda g: (("delta", g.HV, g.K, g.V, g.KC, (g.H * g.K, g.H * g.K, g.HV * g.V)) if g is not None
                           else ("softmax", 0, 0, 0, 0, ())),
-    output_class=_qwen_output, TRANSPOSED_STATES=False, FP32_LOGITS=False)
+    output_class=_qwen_output, FP32_LOGITS=False)
 
 #: every described architecture. A description (a module or a namespace; the per-architecture modules import
 #: nothing from here) gives: `MODELS` (transformers class names), `FAST_KWARGS` (the forward's keywords the hook
 #: serves), `base(model)` (the base model, whose own hooks run in its __call__), `describe(model)` ((ModelDescription
 #: with the final norm as the plan reads it, per-layer part) or why not), `hookable(model)`, `block_plan(part, bd,
 #: B, d, wdt)` (a BlockPlan or None), `state_spec(part)` (`decode_plan.state_layout`'s), `call_usable(cache, B, L,
-#: attention_mask, position_ids)` (L the softmax layers' length or None), `output_class()`, `TRANSPOSED_STATES`
-#: (transformers keeps a state `[.., P, N]` of the plan's `[.., N, P + 1]`), `FP32_LOGITS`.
+#: attention_mask, position_ids)` (L the softmax layers' length or None), `output_class()`, `FP32_LOGITS`. A layer's
+#: plan state (`state_spec`'s layout) has the shape and order of transformers' recurrent state tensor.
 _ARCHITECTURES = {name: a for a in (_QWEN, _kimi, _mamba2, _olmo, _bailing) for name in a.MODELS}
 
 
@@ -363,11 +363,6 @@ def _mirror(store: dict, i: int, layer, B: int, G: int, D: int, dt: torch.dtype)
     return mir
 
 
-def _transformers_state_shape(shape: tuple, transposed: bool) -> tuple:
-    """The shape transformers keeps of a plan state `shape` (`[B, H, N, P + 1]` -> `[B, H, P, N]` when transposed)."""
-    return (*shape[:2], shape[3] - 1, shape[2]) if transposed else shape
-
-
 def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids=None) -> Optional[torch.Tensor]:
     """The logits `[B, 1, vocab]` of one decoded token per row through the compiled plan, `cache` (a transformers
     `DynamicCache` holding the prompt) advanced as transformers' forward would; None where the plan does not
@@ -384,7 +379,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     slot = _usable_slot(model, arch, B)
     if slot is None:
         return None
-    layers, lo, transposed = cache.layers, slot.layout, arch.TRANSPOSED_STATES
+    layers, lo = cache.layers, slot.layout
     if len(layers) != lo.L:
         return None
     # the cache: every recurrent layer past its prompt, every softmax layer at the same length L
@@ -395,7 +390,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
             return None
         rs, cs = c.recurrent_states[0], c.conv_states[0]
         if (not isinstance(rs, torch.Tensor) or not isinstance(cs, torch.Tensor)
-                or rs.shape != _transformers_state_shape(lay.sshape, transposed)
+                or rs.shape != lay.sshape
                 or cs.shape != (B, lay.wshape[1], lay.wshape[2] + 1) or not (rs.is_cpu and cs.is_cpu)):
             return None
         S_parts.append(rs)
@@ -420,7 +415,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
             return None
         mirrors.append((i, p, mir))
     cdt = slot.cdt
-    S_in = _states_in(cache, lo, slot, S_parts, cdt, transposed)
+    S_in = _states_in(cache, lo, S_parts, cdt)
     W_in = torch.cat([w[..., 1:].to(cdt).reshape(-1) for w in W_parts]) if W_parts else None
     for _, p, mir in mirrors:
         kv = mir.kv
@@ -439,7 +434,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         return None   # a token id out of range: transformers' embedding reports it
     if rc:
         raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
-    _write_recurrent(cache, lo, slot, buf, transposed)
+    _write_recurrent(cache, lo, slot, buf)
     for i, _, mir in mirrors:
         kv, c = mir.kv, layers[i]
         kv.length += 1
@@ -448,41 +443,35 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     return logits.float() if arch.FP32_LOGITS else logits
 
 
-def _states_in(cache, lo, slot: _Slot, S_parts: list, cdt: torch.dtype, transposed: bool) -> Optional[torch.Tensor]:
-    """The recurrent states in the plan's layout: in place when they are the views the last token left, else
-    gathered (transposed ones with the unused z column zero)."""
+def _states_in(cache, lo, S_parts: list, cdt: torch.dtype) -> Optional[torch.Tensor]:
+    """The recurrent states in the plan's buffer: in place when they are the views the last token left, else
+    gathered."""
     if not S_parts:
         return None
-    if transposed:
-        S_in = torch.zeros(lo.n_state, dtype=cdt)
-        for rs, i in zip(S_parts, slot.recurrent):
-            lay = lo.layers[i]
-            S_in[lay.s_off:lay.s_off + math.prod(lay.sshape)].view(lay.sshape)[..., :-1].copy_(rs.transpose(-1, -2))
-        return S_in
     prev = cache.__dict__.get("_linattn_states")
     if prev is not None and prev[0] is lo and all(map(lambda a, b: a is b, S_parts, prev[1])):
         return prev[2]
     return torch.cat([s.to(cdt).reshape(-1) for s in S_parts])
 
 
-def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, transposed: bool) -> None:
+def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor) -> None:
     """transformers' recurrent layers after the step: states as views of the new buffer (a copy where the layer
     keeps another dtype or layout), conv states shifted by one column."""
     S_new, views, layers = buf[:lo.n_state], [], cache.layers
     for i in slot.recurrent:
         c, lay = layers[i], lo.layers[i]
         st = S_new[lay.s_off:lay.s_off + math.prod(lay.sshape)].view(lay.sshape)
-        if transposed:
-            c.recurrent_states[0].copy_(st[..., :-1].transpose(-1, -2))
-        elif c.recurrent_states[0].dtype == slot.cdt:
-            c.recurrent_states[0] = st
+        if c.recurrent_states[0].dtype == slot.cdt:
+            # (detached: a view made under no_grad could not be written in place by transformers' own step
+            # under grad)
+            c.recurrent_states[0] = st.detach()
         else:
             c.recurrent_states[0].copy_(st)
         views.append(c.recurrent_states[0])
         cs, n = c.conv_states[0], lay.wshape[1] * lay.wshape[2]
         cs[..., :1].copy_(cs[..., 1:2])
         cs[..., 1:].copy_(buf[lo.n_state + lay.w_off:lo.n_state + lay.w_off + lay.wshape[0] * n].view(lay.wshape))
-    if views and not transposed:
+    if views:
         cache.__dict__["_linattn_states"] = (lo, views, S_new)
 
 

@@ -112,7 +112,7 @@ def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtyp
 
 # -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol): Kimi
 #    Linear's but for the blocks ---------------------------------------------------------------------------------
-FAST_KWARGS, TRANSPOSED_STATES, FP32_LOGITS = _parts.CAUSAL_LM_KWARGS, False, False
+FAST_KWARGS, FP32_LOGITS = _parts.CAUSAL_LM_KWARGS, False
 describe, block_plan, call_usable, output_class = _describe, _kda_plan, _kimi.call_usable, _kimi.output_class
 base = operator.attrgetter("model")
 hookable = _parts.hookable(_describe)   # (False with an MLA layer or an MoE feed-forward: `undescribed_reason`)

@@ -136,7 +136,7 @@ def output_class():
 # -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) ----------
 FAST_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
                          "logits_to_keep", "return_dict", "output_attentions", "output_hidden_states"})
-TRANSPOSED_STATES, FP32_LOGITS = False, False
+FP32_LOGITS = False
 describe, block_plan, call_usable = _describe, _kda_plan, _call_usable
 
 base = operator.attrgetter("model")

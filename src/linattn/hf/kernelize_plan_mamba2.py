@@ -12,10 +12,11 @@ forward, as kernelize serves it; `undescribed_reason` says why): an `in_proj` wi
 `time_step_limit` other than (0, inf) (transformers clamps dt in its chunked prefill but not in its one-token step;
 the plan would clamp both), an activation other than SiLU, modules that are not exactly transformers'.
 
-transformers' cache stays valid after every token: the plan's state is `[N, P + 1]` per head (linear attention's
-kv | z, z unused by Mamba2's output) where transformers keeps `[P, N]`, so each token gathers the states transposed
-(z zero) and copies the new ones back in place (`H P N` values per layer and row, the layer's own tensors: their
-static addresses kept); the conv state (the last K inputs; the plan keeps K - 1) is shifted and copied. The hook
+transformers' cache stays valid after every token: the plan's block keeps each head's state as transformers does,
+`[P, N]` (its `state_pn` layout: no z column, the arithmetic of linattn's `[N, P + 1]` layout in the same order),
+so the cache's state tensors are the plan's state, read in place, and after the step the layer holds a view of the
+new state (hf/kernelize_plan.py, as for Gated DeltaNet); the conv state (the last K inputs; the plan keeps K - 1) is
+shifted and copied. Positions (`position_ids`) are accepted and ignored, as Mamba2's forward ignores them. The hook
 steps aside for: grad enabled, torch.compile tracing, more than one token, `inputs_embeds`, labels, an attention
 mask with a zero (left padding), a cache that is not a `DynamicCache` of these layers or that records its past, a
 hook on a described module, non-CPU tensors or dtypes without a plan, `LINATTN_CPU_KERNELS=0`.
@@ -111,7 +112,7 @@ def _mamba2_plan(mx, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype)
     p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=N, V=P, d=d, ny=H * P + CD + H, KC=mx.conv_kernel_size, hid=0,
                               kind=5, conv_act=1, nthreads=max(1, torch.get_num_threads()), has_ffn=0,
                               wbf16=int(wdt == torch.bfloat16), n_groups=G, d_per_channel=0, dt_lo=0.0,
-                              dt_hi=math.inf, norm_mode=1)
+                              dt_hi=math.inf, norm_mode=1, state_pn=1)
     inp, out, conv, norm = m["in_proj"], m["out_proj"], m["conv1d"], m["norm"]
     p.W, p.Wb = addr(inp.weight, wdt), addr(inp.bias)
     p.cw, p.cb = addr(conv.weight.detach().view(CD, -1)), addr(conv.bias)
@@ -132,10 +133,10 @@ def output_class():
 
 
 # -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) ----------
-FAST_KWARGS = frozenset({"input_ids", "attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
-                         "return_dict", "output_hidden_states"})
-#: transformers keeps a state [P, N] where the plan keeps [N, P + 1]; the logits in fp32, as transformers returns them
-TRANSPOSED_STATES, FP32_LOGITS = True, True
+FAST_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
+                         "logits_to_keep", "return_dict", "output_hidden_states"})
+#: the logits in fp32, as transformers returns them
+FP32_LOGITS = True
 describe, block_plan, call_usable = _describe, _mamba2_plan, _call_usable
 
 base = operator.attrgetter("backbone")
@@ -143,4 +144,5 @@ hookable = _parts.hookable(_describe)
 
 
 def state_spec(mx) -> tuple:
-    return ("linear", mx.num_heads, mx.ssm_state_size, mx.head_dim, mx.conv_kernel_size, (mx.conv_dim,), ("conv",))
+    # ("ssm": a state [B, H, P, N] as the block's state_pn layout keeps it, no extra column)
+    return ("ssm", mx.num_heads, mx.head_dim, mx.ssm_state_size, mx.conv_kernel_size, (mx.conv_dim,), ("conv",))

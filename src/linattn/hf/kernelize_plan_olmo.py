@@ -183,7 +183,7 @@ def output_class():
 
 # -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) ----------
 FAST_KWARGS = _parts.CAUSAL_LM_KWARGS
-TRANSPOSED_STATES, FP32_LOGITS = False, False
+FP32_LOGITS = False
 describe, block_plan, call_usable = _describe, _block_plan, _parts.cached_call_usable
 base = operator.attrgetter("model")
 hookable = _parts.hookable(_describe)

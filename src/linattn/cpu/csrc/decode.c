@@ -102,6 +102,9 @@ typedef struct {
     int64_t n_experts, top_k, moe_hid;
     int32_t ffn_kind, norm_topk;
     const void *Wr, *Weg, *Wed, *Wsg;
+    /* Mamba2 (kind 5): state_pn 1 keeps a head's state as [P, N] (transformers' ssm state, no z column: the
+       cache's own tensor is the plan's state), 0 as [N, P + 1] (linear attention's kv | z, linattn's layout) */
+    int32_t state_pn, pad6_;
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
 
