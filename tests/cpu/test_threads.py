@@ -3,7 +3,7 @@
 linear attention's two-half split when there are fewer units than threads. Every way gives the same bits as one
 thread, forward and backward, with and without gates, packed sequences and initial states, at 1, 2 and 3 threads
 and in a build without OpenMP (where the one thread runs each schedule's claims in turn). The sequences are long
-enough for several runs per unit (linear: 2 chunks of 64 rows, the delta scan: 512 tokens) and not a multiple of
+enough for several runs per unit (linear: 8 chunks of 64 rows, the delta scan: 512 tokens) and not a multiple of
 either. Skips without a C compiler."""
 from __future__ import annotations
 
@@ -321,9 +321,8 @@ def test_calls_with_torch_work_keep_torch_threads(case, monkeypatch):
 
 @pytest.mark.parametrize("op", ["linear", "delta"])
 def test_chains_back_to_back_calls_same_bits(op):
-    """Chains run on chains.h's own team, whose helper threads may start after the call has returned (they must
-    then leave without touching it): many short calls in a row, forward and backward, at 2 and 3 threads, give one
-    thread's bits every time (a helper touching a finished call would corrupt it or crash)."""
+    """Many short chain calls in a row, forward and backward, alternating 2 and 3 threads, give one thread's bits
+    every time (a thread of one call left inside the next, or shared chain state not reset, would change them)."""
     x = (_lin_inputs if op == "linear" else _delta_inputs)(1, 200, 4, torch.float32, True, seed=3)
     one = _run(op, x, 1)
     for i in range(40):

@@ -43,8 +43,7 @@
 #define PF_AHEAD 4 /* tokens: a head's rows lie H * D apart, which the hardware prefetchers follow poorly */
 /* Threads: one task per (sequence, head) unit when there are at least DELTA_UNITS_PER_THREAD per thread; with
    fewer, the units are chains (chains.h), claimed for a run of about DELTA_RUN tokens at a time (a whole number
-   of checkpoint chunks), so that a descheduled thread holds back one run of one unit, not a whole sequence (on
-   chains.h's own team, la_team_run: the call never waits for a thread that holds nothing). The
+   of checkpoint chunks), so that a descheduled thread holds back one run of one unit, not a whole sequence. The
    scan of a unit is the same either way: a run starts with its first token's prediction from the stored state,
    the same products in the same order as the previous token's pass would have made (same bits). */
 #ifndef DELTA_UNITS_PER_THREAD
@@ -223,30 +222,6 @@ static int FN(scan)(int64_t H, int64_t K, int64_t V, int64_t h, int64_t t0, int6
     return 0;
 }
 
-/* the forward's and backward's chains (chains.h), one per thread of la_team_run */
-typedef struct {
-    const linattn_delta_plan *p;
-    const REAL *q, *k, *v, *a, *g, *ckpt, *dout;
-    REAL *o, *S_out, *dS_all, *dq, *dk, *dv, *da, *dg, *dcar;
-    la_chains_t *chn;
-    int64_t run;
-    _Atomic int failed;
-} FN(dchains);
-
-static void FN(fwd_chains_work)(void *ctx, int me) {
-    FN(dchains) *x = ctx;
-    const int64_t H = x->p->H, K = x->p->K, V = x->p->V, chunk = x->p->chunk, *starts = x->p->starts, KV = K * V;
-    for (int64_t u, prev = -1; (u = la_chains_claim(x->chn, x->p->N * H, me, prev)) >= 0; prev = u) {
-        const int64_t n = u / H, h = u % H, L = starts[n + 1] - starts[n], i0 = x->chn->run[u];
-        const int64_t Lr = L - i0 < x->run ? L - i0 : x->run;
-        REAL *ck = x->ckpt != NULL ? (REAL *)x->ckpt + ((x->p->ck_off[n] + i0 / chunk) * H + h) * KV : NULL;
-        if (FN(scan)(H, K, V, h, starts[n] + i0, Lr, x->q, x->k, x->v, x->a, x->g, x->p->gate, x->S_out + u * KV,
-                     NULL, x->o, NULL, NULL, ck, chunk) != 0)
-            atomic_store(&x->failed, 1);
-        la_chains_release(x->chn, u, i0 + Lr, i0 + Lr == L, me);
-    }
-}
-
 int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL *k, const REAL *v, const REAL *a,
                           const REAL *g, const REAL *S0, REAL *o, REAL *S_out, REAL *ckpt) {
     const int64_t N = p->N, H = p->H, K = p->K, V = p->V, chunk = p->chunk, *starts = p->starts,
@@ -256,18 +231,25 @@ int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL
     int failed = 0;
     if (nthreads > 1 && N * H < DELTA_UNITS_PER_THREAD * (int64_t)nthreads) {
         la_chains_t chn;
-        if (la_chains_init(&chn, N * H, nthreads) != 0) return -1;
+        if (la_chains_init(&chn, N * H) != 0) return -1;
         const int64_t run = chunk * (DELTA_RUN / chunk > 1 ? DELTA_RUN / chunk : 1); /* whole checkpoint chunks */
         for (int64_t u = 0; u < N * H; u++) {
             if (S0 != NULL) memcpy(S_out + u * KV, S0 + u * KV, (size_t)KV * sizeof(REAL));
             else memset(S_out + u * KV, 0, (size_t)KV * sizeof(REAL));
-            if (starts[u / H + 1] > starts[u / H]) la_chains_add(&chn, u, 0, starts[u / H + 1] - starts[u / H]);
+            if (starts[u / H + 1] > starts[u / H]) la_chains_add(&chn, u, 0);
         }
-        FN(dchains) x = {p, q, k, v, a, g, ckpt, NULL, o, S_out, NULL, NULL, NULL, NULL, NULL, NULL, NULL, &chn, run,
-                         0};
-        la_team_run(nthreads, FN(fwd_chains_work), &x); /* chains.h's own team: no OpenMP barrier */
+#pragma omp parallel num_threads(nthreads)
+        for (int64_t u; (u = la_chains_claim(&chn, N * H)) >= 0;) {
+            const int64_t n = u / H, h = u % H, L = starts[n + 1] - starts[n], i0 = chn.run[u];
+            const int64_t Lr = L - i0 < run ? L - i0 : run;
+            if (FN(scan)(H, K, V, h, starts[n] + i0, Lr, q, k, v, a, g, gate, S_out + u * KV, NULL, o, NULL, NULL,
+                         ckpt != NULL ? ckpt + ((ck_off[n] + i0 / chunk) * H + h) * KV : NULL, chunk) != 0) {
+                LA_ATOMIC_WRITE failed = 1;
+            }
+            la_chains_release(&chn, u, i0 + Lr, i0 + Lr == L);
+        }
         la_chains_free(&chn);
-        return atomic_load(&x.failed) ? -1 : 0;
+        return failed ? -1 : 0;
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t task = 0; task < N * H; task++) {
@@ -479,25 +461,6 @@ static int FN(bwd_stretches)(int64_t H, int64_t K, int64_t V, const int64_t *sta
     return 0;
 }
 
-static void FN(bwd_chains_work)(void *ctx, int me) {
-    FN(dchains) *x = ctx;
-    const int64_t H = x->p->H, K = x->p->K, V = x->p->V, chunk = x->p->chunk, KV = K * V;
-    REAL *Sbuf = (REAL *)malloc(FN(bwd_scratch)(K, V, chunk));
-    if (Sbuf == NULL) {
-        atomic_store(&x->failed, 1);
-        return;
-    }
-    for (int64_t u, prev = -1; (u = la_chains_claim(x->chn, x->p->N * H, me, prev)) >= 0; prev = u) {
-        const int64_t c_hi = x->chn->run[u], c_lo = c_hi > x->run ? c_hi - x->run : 0;
-        if (FN(bwd_stretches)(H, K, V, x->p->starts, x->q, x->k, x->v, x->a, x->g, x->p->gate, x->ckpt, x->p->ck_off,
-                              chunk, x->dout, x->dq, x->dk, x->dv, x->da, x->dg, u / H, u % H, c_hi, c_lo,
-                              x->dS_all + u * KV, x->dcar + u * V, Sbuf) != 0)
-            atomic_store(&x->failed, 1);
-        la_chains_release(x->chn, u, c_lo, c_lo == 0, me);
-    }
-    free(Sbuf);
-}
-
 /* dS [N, H, K, V] enters as dL/dS_final (the caller zero-fills it when the final state has no gradient)
    and leaves as dL/dS0. dg may be NULL without a gate. Returns -1 when scratch memory is missing. */
 int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL *k, const REAL *v, const REAL *a,
@@ -513,28 +476,32 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
     const int64_t run = DELTA_RUN / chunk > 1 ? DELTA_RUN / chunk : 1;
     la_chains_t chn = {0};
     REAL *dcar = chains ? (REAL *)malloc((size_t)(N * H * V > 0 ? N * H * V : 1) * sizeof(REAL)) : NULL;
-    if (chains && (!dcar || la_chains_init(&chn, N * H, nthreads) != 0)) {
+    if (chains && (!dcar || la_chains_init(&chn, N * H) != 0)) {
         free(dcar);
         return -1;
     }
     if (chains)
         for (int64_t u = 0; u < N * H; u++) {
             const int64_t L = starts[u / H + 1] - starts[u / H];
-            if (L > 0) la_chains_add(&chn, u, (L + chunk - 1) / chunk, 0); /* the stretches below run[u] are left */
+            if (L > 0) la_chains_add(&chn, u, (L + chunk - 1) / chunk); /* the stretches below run[u] are left */
         }
-    if (chains) { /* chains.h's own team: no OpenMP barrier */
-        FN(dchains) x = {p, q, k, v, a, g, ckpt, dout, NULL, NULL, dS_all, dq, dk, dv, da, dg, dcar, &chn, run, 0};
-        la_team_run(nthreads, FN(bwd_chains_work), &x);
-        failed = atomic_load(&x.failed);
-    }
-#pragma omp parallel num_threads(nthreads) if (!chains)
-    if (!chains) {
+#pragma omp parallel num_threads(nthreads)
+    {
         REAL *Sbuf = (REAL *)malloc(FN(bwd_scratch)(K, V, chunk));
         REAL *dc = (REAL *)malloc((size_t)(V > 0 ? V : 1) * sizeof(REAL));
         if (Sbuf == NULL || dc == NULL) {
             LA_ATOMIC_WRITE failed = 1;
         }
-        {
+        if (chains) {
+            for (int64_t u; Sbuf && dc && (u = la_chains_claim(&chn, N * H)) >= 0;) {
+                const int64_t c_hi = chn.run[u], c_lo = c_hi > run ? c_hi - run : 0;
+                if (FN(bwd_stretches)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv,
+                                      da, dg, u / H, u % H, c_hi, c_lo, dS_all + u * KV, dcar + u * V, Sbuf) != 0) {
+                    LA_ATOMIC_WRITE failed = 1;
+                }
+                la_chains_release(&chn, u, c_lo, c_lo == 0);
+            }
+        } else {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < N * H; task++) {
                 const int64_t n = task / H, L = starts[n + 1] - starts[n];

@@ -49,35 +49,6 @@ static void lin_hugepages(void *p, int64_t bytes) {
 #endif
 }
 
-/* The forward's output rows are written with non-temporal stores where AVX-512 is compiled in: they are written
-   once and read by the next operator, not by this call, so their cache lines need not be read in first (a plain
-   store reads each line before writing it: half of the output's memory traffic, shared by the threads). A copy:
-   no effect on any bit. lin_stream_fence orders a thread's streamed stores before the call returns. */
-#if defined(__AVX512F__) && !defined(LINATTN_PLAIN_C)
-#include <immintrin.h>
-#define LIN_STREAM 1
-#else
-#define LIN_STREAM 0
-#endif
-
-/* dst[0..bytes) = src[0..bytes): streamed when dst is 64-byte aligned and bytes a multiple of 64, else memcpy */
-static inline void lin_stream(void *dst, const void *src, int64_t bytes) {
-#if LIN_STREAM
-    if (((uintptr_t)dst & 63) == 0 && (bytes & 63) == 0) {
-        for (int64_t b = 0; b < bytes; b += 64)
-            _mm512_stream_si512((__m512i *)((char *)dst + b), _mm512_loadu_si512((const char *)src + b));
-        return;
-    }
-#endif
-    memcpy(dst, src, (size_t)bytes);
-}
-
-static inline void lin_stream_fence(void) {
-#if LIN_STREAM
-    _mm_sfence();
-#endif
-}
-
 typedef struct {
     int64_t seq, t0, len;
 } lin_chunk_t;
@@ -106,9 +77,8 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
      claimed dynamically; the tail (the last units) is short beside the whole.
    * at least one unit per thread, fewer than that (B = 1, H = 4 on 2 threads): still one pass per unit, the same
      arithmetic, as chains (chains.h): a unit is claimed for a run of LIN_CHAIN_RUN chunks at a time, its state
-     kept in a shared array between runs, so that a descheduled thread holds back one short run of one unit and
-     a thread on a shared core hands the last units to a faster one. These run on chains.h's own team
-     (la_team_run), not in an OpenMP region: the call never waits for a thread that holds nothing.
+     kept in a shared array between runs, so that the units advance together and a descheduled thread holds
+     back one run of one unit.
    * fewer units than threads: each chunk's work in two halves, every (unit, chunk) task claimed from one
      counter in the order: every chunk's first half (the forward's state update, the backward's state-gradient
      part), unit by unit, then every chunk's second half (outputs, input gradients). The thread that finishes a
@@ -142,12 +112,10 @@ static void lin_flow_free(lin_flow_t *f) { free((void *)f->done), free((void *)f
 
 /* chains (chains.h) of (sequence, head) units: every unit with chunks, from its first chunk (reverse: from past its
    last, the chunks below run[u] left) */
-static int lin_chains(la_chains_t *ch, int64_t N, int64_t H, const int64_t *first, int reverse, int threads) {
-    if (la_chains_init(ch, N * H, threads) != 0) return -1;
-    for (int64_t u = 0; u < N * H; u++) {
-        const int64_t lo = first[u / H], hi = first[u / H + 1];
-        if (hi > lo) la_chains_add(ch, u, reverse ? hi : lo, reverse ? lo : hi);
-    }
+static int lin_chains(la_chains_t *ch, int64_t N, int64_t H, const int64_t *first, int reverse) {
+    if (la_chains_init(ch, N * H) != 0) return -1;
+    for (int64_t u = 0; u < N * H; u++)
+        if (first[u / H + 1] > first[u / H]) la_chains_add(ch, u, reverse ? first[u / H + 1] : first[u / H]);
     return 0;
 }
 
@@ -169,7 +137,7 @@ static inline void lin_flow_wait(lin_flow_t *f, int64_t u) {
 }
 
 #ifndef LIN_CHAIN_RUN
-#define LIN_CHAIN_RUN 2 /* chunks per claim of a unit: short, so that the last claims end together */
+#define LIN_CHAIN_RUN 8 /* chunks per claim of a unit */
 #endif
 #ifndef LIN_UNITS_PER_THREAD
 #define LIN_UNITS_PER_THREAD 4 /* fewer (sequence, head) units per thread: chains */
@@ -510,19 +478,13 @@ static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, i
         }
     }
     int bad = 0;
-    REAL *restrict row = Qd; /* free after the products: a divided row before it is streamed out */
-    const int stream = LIN_STREAM && V <= C * K;
     for (int i = 0; i < len; i++) {
         const REAL *src = O + (int64_t)i * W;
-        REAL *dst = num + ((t0 + i) * H + h) * V;
         if (norm && den) den[(t0 + i) * H + h] = src[V];
         if (norm && eps >= 0) {
-            bad |= FN(lin_divide)(stream ? row : dst, src, V, eps);
-            if (stream) lin_stream(dst, row, (int64_t)sizeof(REAL) * V);
-        } else if (stream) {
-            lin_stream(dst, src, (int64_t)sizeof(REAL) * V);
+            bad |= FN(lin_divide)(num + ((t0 + i) * H + h) * V, src, V, eps);
         } else {
-            FN(copy_row)(dst, src, V);
+            FN(copy_row)(num + ((t0 + i) * H + h) * V, src, V);
         }
     }
     return bad;
@@ -566,8 +528,9 @@ static int FN(fl_chunk)(const FN(fargs) *a, FN(fws) *w, int64_t c, int64_t t0, i
         lin_pf_add(&pf, a->q + (t1 * H + h1) * K, l1, sb * K, (int64_t)sizeof(REAL) * K, 0);
         lin_pf_add(&pf, a->k + (t1 * H + h1) * K, l1, sb * K, (int64_t)sizeof(REAL) * K, 0);
         lin_pf_add(&pf, a->v + (t1 * H + h1) * V, l1, sb * V, (int64_t)sizeof(REAL) * V, 0);
-        if (!LIN_STREAM) /* streamed rows are not read in */
-            lin_pf_add(&pf, a->num + (t1 * H + h1) * V, l1, sb * V, (int64_t)sizeof(REAL) * V, 1);
+#ifndef PF_NOW
+        lin_pf_add(&pf, a->num + (t1 * H + h1) * V, l1, sb * V, (int64_t)sizeof(REAL) * V, 1);
+#endif
     }
     const int per = PF_PER;
     const REAL *Pc = Sh;
@@ -581,55 +544,6 @@ static int FN(fl_chunk)(const FN(fargs) *a, FN(fws) *w, int64_t c, int64_t t0, i
     lin_pf_step(&pf, -1);
     FN(carry)(KW, a->has_g, (REAL)GL, Sh, w->U);
     return bad;
-}
-
-/* the forward's scratch in buf (the sizes of linattn_linear_fwd's `scratch`); returns S, nh states */
-static REAL *FN(fws_layout)(FN(fws) *w, REAL *buf, double *G, int C, int K, int W) {
-    w->Q = buf, w->Qd = w->Q + C * K, w->Km = w->Qd + C * K, w->Kt = w->Km + C * K, w->Vb = w->Kt + K * C;
-    w->A = w->Vb + C * W, w->O = w->A + C * C, w->G = G;
-    return w->O + C * W + C;
-}
-
-/* the forward's chains (chains.h), one per thread of la_team_run, each with its own scratch */
-typedef struct {
-    const FN(fargs) *fa;
-    la_chains_t *chn;
-    const lin_chunk_t *ch;
-    const int64_t *first;
-    REAL *Su, *S_out;
-    int64_t units;
-    size_t scratch;
-    _Atomic int bad, failed;
-} FN(fchains);
-
-static void FN(fl_chains_work)(void *p, int me) {
-    FN(fchains) *x = p;
-    const int64_t H = x->fa->H, KW = (int64_t)x->fa->K * x->fa->W;
-    REAL *buf = malloc(sizeof(REAL) * x->scratch);
-    double *G = malloc(sizeof(double) * x->fa->C);
-    if (!buf || !G) {
-        free(buf), free(G);
-        atomic_store(&x->failed, 1);
-        return;
-    }
-    FN(fws) ws;
-    ws.U = FN(fws_layout)(&ws, buf, G, x->fa->C, x->fa->K, x->fa->W) + KW; /* after one state (unused here) */
-    int bad = 0;
-    for (int64_t u, prev = -1; (u = la_chains_claim(x->chn, x->units, me, prev)) >= 0; prev = u) {
-        const int64_t s = u / H, h = u % H, cb = x->chn->run[u], end = x->first[s + 1];
-        const int64_t ce = end - cb > LIN_CHAIN_RUN ? cb + LIN_CHAIN_RUN : end;
-        REAL *Sh = x->Su + u * KW;
-        for (int64_t c = cb; c < ce; c++) {
-            const int nxt = c + 1 < end;
-            bad |= FN(fl_chunk)(x->fa, &ws, c, x->ch[c].t0, (int)x->ch[c].len, h, Sh, nxt ? x->ch[c + 1].t0 : 0, h,
-                                nxt ? (int)x->ch[c + 1].len : 0);
-        }
-        if (ce == end && x->S_out) memcpy(x->S_out + u * KW, Sh, sizeof(REAL) * KW);
-        lin_stream_fence(); /* the run's streamed rows are out before the unit is released (or the call ends) */
-        la_chains_release(x->chn, u, ce, ce == end, me);
-    }
-    if (bad) atomic_store(&x->bad, 1);
-    free(buf), free(G);
 }
 
 int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const REAL *k, const REAL *v, const REAL *g,
@@ -668,7 +582,7 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
         if (!P && !one_pass) P = P_own = malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1));
         if (chains) Su = malloc(sizeof(REAL) * (N * H * KW > 0 ? N * H * KW : 1));
         if ((!one_pass && (!P || lin_flow_init(&flow, N * H) != 0)) ||
-            (chains && (!Su || lin_chains(&chn, N, H, first, 0, nthreads) != 0))) {
+            (chains && (!Su || lin_chains(&chn, N, H, first, 0) != 0))) {
             if (flow.done) lin_flow_free(&flow);
             free(first), free(ch), free(gl), free(P_own), free(Su);
             return -1;
@@ -688,26 +602,33 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
     if (P != P_own) lin_hugepages(P, (int64_t)sizeof(REAL) * NC * H * KW);
     int failed = 0, any_bad = 0;
     const size_t scratch = (size_t)(3 * C * K + K * C + 2 * C * W + C * C + C + (nh + 1) * KW);
-    if (chains) { /* the chains' own team (chains.h: no OpenMP barrier to wait at) */
-        FN(fchains) x = {&fa, &chn, ch, first, Su, S_out, N * H, scratch, 0, 0};
-        la_team_run(nthreads, FN(fl_chains_work), &x);
-        failed = atomic_load(&x.failed), any_bad = atomic_load(&x.bad);
-    }
-#pragma omp parallel num_threads(nthreads) if (!chains)
-    if (!chains) {
+#pragma omp parallel num_threads(nthreads)
+    {
         int bad = 0;
         REAL *buf = malloc(sizeof(REAL) * scratch);
         double *G = malloc(sizeof(double) * C); /* the chunk's cumulative gate (lin_cumgate) */
         if (!G) free(buf), buf = NULL;
-        FN(fws) ws = {0};
-        REAL *S = buf ? FN(fws_layout)(&ws, buf, G, C, K, W) : NULL;
-        ws.U = S ? S + nh * KW : NULL;
-        REAL *Q = ws.Q, *Qd = ws.Qd, *Km = ws.Km, *Kt = ws.Kt, *Vb = ws.Vb, *A = ws.A, *O = ws.O, *U = ws.U;
+        REAL *Q = buf, *Qd = Q + C * K, *Km = Qd + C * K, *Kt = Km + C * K, *Vb = Kt + K * C, *A = Vb + C * W,
+             *O = A + C * C, *S = O + C * W + C, *U = S + nh * KW;
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
-        if (one_pass) {
+        FN(fws) ws = {Q, Qd, Km, Kt, Vb, A, O, U, G};
+        if (chains) {
+            for (int64_t u; buf && (u = la_chains_claim(&chn, N * H)) >= 0;) {
+                const int64_t s = u / H, h = u % H, cb = chn.run[u], end = first[s + 1];
+                const int64_t ce = end - cb > LIN_CHAIN_RUN ? cb + LIN_CHAIN_RUN : end;
+                REAL *Sh = Su + u * KW;
+                for (int64_t c = cb; c < ce; c++) {
+                    const int nxt = c + 1 < end;
+                    bad |= FN(fl_chunk)(&fa, &ws, c, ch[c].t0, (int)ch[c].len, h, Sh, nxt ? ch[c + 1].t0 : 0, h,
+                                        nxt ? (int)ch[c + 1].len : 0);
+                }
+                if (ce == end && S_out) memcpy(S_out + u * KW, Sh, sizeof(REAL) * KW);
+                la_chains_release(&chn, u, ce, ce == end);
+            }
+        } else if (one_pass) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < N * H / nh; task++) {
                 if (!buf) continue;
@@ -763,7 +684,6 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
 #pragma omp atomic write
             any_bad = 1;
         }
-        lin_stream_fence();
         free(buf), free(G);
     }
     if (!one_pass) lin_flow_free(&flow);
@@ -975,54 +895,6 @@ static void FN(bl_chunk)(const FN(bargs) *a, FN(bws) *b, int64_t c, int64_t t0, 
     FN(carry)(KW, a->has_g, (REAL)GL, Dh, R);
 }
 
-/* the backward's scratch in buf (the sizes of linattn_linear_bwd's `scratch`, MX = max(K, W)); returns Dg, nh
-   state gradients (then R, one) */
-static REAL *FN(bws_layout)(FN(bws) *b, REAL *buf, double *G, int C, int K, int W, int MX) {
-    b->G = G;
-    b->Q = buf, b->Km = b->Q + C * K, b->Qd = b->Km + C * K, b->Vb = b->Qd + C * K, b->dO = b->Vb + C * W;
-    b->Pt = b->dO + C * W, b->dPt = b->Pt + W * K, b->A = b->dPt + W * K, b->D = b->A + C * C, b->dA = b->D + C * C;
-    b->T2 = b->dA + C * C, b->X = b->T2 + C * C, b->Y = b->X + C * MX, b->Z = b->Y + C * MX;
-    b->dG = b->Z + C * MX + C, b->Tr = b->dG + C, b->pf = NULL, b->per = 0;
-    return b->Tr + MX * C;
-}
-
-/* the backward's chains, one per thread of la_team_run, each with its own scratch */
-typedef struct {
-    const FN(bargs) *ba;
-    la_chains_t *chn;
-    const lin_chunk_t *ch;
-    const int64_t *first;
-    REAL *Du, *dS0;
-    int64_t units;
-    size_t scratch;
-    _Atomic int failed;
-} FN(bchains);
-
-static void FN(bl_chains_work)(void *p, int me) {
-    FN(bchains) *x = p;
-    const int K = x->ba->K, W = x->ba->W, C = x->ba->C, MX = K > W ? K : W;
-    const int64_t H = x->ba->H, KW = (int64_t)K * W;
-    REAL *buf = malloc(sizeof(REAL) * x->scratch);
-    double *G = malloc(sizeof(double) * C);
-    if (!buf || !G) {
-        free(buf), free(G);
-        atomic_store(&x->failed, 1);
-        return;
-    }
-    FN(bws) b;
-    REAL *R = FN(bws_layout)(&b, buf, G, C, K, W, MX) + KW; /* after one state gradient (unused here) */
-    for (int64_t u, prev = -1; (u = la_chains_claim(x->chn, x->units, me, prev)) >= 0; prev = u) {
-        const int64_t s = u / H, h = u % H, cb = x->chn->run[u], end = x->first[s];
-        const int64_t ce = cb - end > LIN_CHAIN_RUN ? cb - LIN_CHAIN_RUN : end;
-        REAL *Dh = x->Du + u * KW;
-        for (int64_t c = cb - 1; c >= ce; c--)
-            FN(bl_chunk)(x->ba, &b, c, x->ch[c].t0, (int)x->ch[c].len, h, Dh, R, c > end ? c - 1 : -1, h, x->ch);
-        if (ce == end && x->dS0) memcpy(x->dS0 + u * KW, Dh, sizeof(REAL) * KW);
-        la_chains_release(x->chn, u, ce, ce == end, me);
-    }
-    free(buf), free(G);
-}
-
 int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const REAL *k, const REAL *v, const REAL *g,
                            const REAL *P, const REAL *dnum, const REAL *dden, const REAL *o, const REAL *den,
                            const REAL *dS, REAL *dq, REAL *dk, REAL *dv, REAL *dg, REAL *dS0) {
@@ -1050,7 +922,7 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
     lin_flow_t flow = {0};
     la_chains_t chn = {0};
     if (!ch || !gl || (!one_pass && (!dP || lin_flow_init(&flow, N * H) != 0)) ||
-        (chains && (!Du || lin_chains(&chn, N, H, first, 1, nthreads) != 0))) {
+        (chains && (!Du || lin_chains(&chn, N, H, first, 1) != 0))) {
         if (flow.done) lin_flow_free(&flow);
         free(first), free(ch), free(gl), free(dP), free(Du);
         return -1;
@@ -1073,23 +945,32 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
     int failed = 0;
     const int MX = K > W ? K : W;
     const size_t scratch = (size_t)(3 * C * K + 2 * C * W + 2 * W * K + 4 * C * C + 3 * C * MX + 2 * C + MX * C + (nh + 1) * KW);
-    if (chains) { /* the chains' own team (chains.h) */
-        FN(bchains) x = {&ba, &chn, ch, first, Du, dS0, N * H, scratch, 0};
-        la_team_run(nthreads, FN(bl_chains_work), &x);
-        failed = atomic_load(&x.failed);
-    }
-#pragma omp parallel num_threads(nthreads) if (!chains)
-    if (!chains) {
+#pragma omp parallel num_threads(nthreads)
+    {
         REAL *buf = malloc(sizeof(REAL) * scratch);
-        double *G = malloc(sizeof(double) * C);
-        if (!G) free(buf), buf = NULL;
-        FN(bws) b = {0};
-        REAL *Dg = buf ? FN(bws_layout)(&b, buf, G, C, K, W, MX) : NULL, *R = Dg ? Dg + nh * KW : NULL;
+        FN(bws) b;
+        b.G = malloc(sizeof(double) * C);
+        if (!b.G) free(buf), buf = NULL;
+        b.Q = buf, b.Km = b.Q + C * K, b.Qd = b.Km + C * K, b.Vb = b.Qd + C * K, b.dO = b.Vb + C * W;
+        b.Pt = b.dO + C * W, b.dPt = b.Pt + W * K, b.A = b.dPt + W * K, b.D = b.A + C * C, b.dA = b.D + C * C;
+        b.T2 = b.dA + C * C, b.X = b.T2 + C * C, b.Y = b.X + C * MX, b.Z = b.Y + C * MX;
+        b.dG = b.Z + C * MX + C, b.Tr = b.dG + C, b.pf = NULL, b.per = 0;
+        REAL *Dg = b.Tr + MX * C, *R = Dg + nh * KW;
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
-        if (one_pass) { /* each task: the chunks in reverse, the state gradients carried */
+        if (chains) {
+            for (int64_t u; buf && (u = la_chains_claim(&chn, N * H)) >= 0;) {
+                const int64_t s = u / H, h = u % H, cb = chn.run[u], end = first[s];
+                const int64_t ce = cb - end > LIN_CHAIN_RUN ? cb - LIN_CHAIN_RUN : end;
+                REAL *Dh = Du + u * KW;
+                for (int64_t c = cb - 1; c >= ce; c--)
+                    FN(bl_chunk)(&ba, &b, c, ch[c].t0, (int)ch[c].len, h, Dh, R, c > end ? c - 1 : -1, h, ch);
+                if (ce == end && dS0) memcpy(dS0 + u * KW, Dh, sizeof(REAL) * KW);
+                la_chains_release(&chn, u, ce, ce == end);
+            }
+        } else if (one_pass) { /* each task: the chunks in reverse, the state gradients carried */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < N * H / nh; task++) {
                 if (!buf) continue;
@@ -1142,7 +1023,7 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
                 }
             }
         }
-        free(buf), free(G);
+        free(buf), free(b.G);
     }
     if (!one_pass) lin_flow_free(&flow);
     if (chains) la_chains_free(&chn);
