@@ -151,6 +151,26 @@ def test_minimax_fp64():
     assert _maxdiff(gr, gf) < 1e-11
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_lightning_decode_step_is_the_recurrent_form(dtype):
+    """The one-token lightning step (kernelize's decode of MiniMax's lightning attention) gives the bits of
+    `linear_attention`'s recurrent form with the same options (compute dtype fp32 for bf16 inputs)."""
+    from linattn.hf.kernelize import _kv_state, lightning_step
+    from linattn.ops import linear_attention
+
+    g = torch.Generator().manual_seed(3)
+    B, H, D = 2, 3, 8
+    cd = torch.float64 if dtype == torch.float64 else torch.float32
+    q, k, v = (torch.randn(B, 1, H, D, generator=g).to(dtype) for _ in range(3))
+    gamma = torch.exp(-torch.rand(H, generator=g, dtype=cd))
+    kv0 = torch.randn(B, H, D, D, generator=g, dtype=cd)
+    kv, o = lightning_step(q, k, v, gamma, kv0)
+    o_ref, st = linear_attention(q, k, v, feature_map=None, normalize=False, gamma=gamma, scale=1.0,
+                                 mode="recurrent", initial_state=_kv_state(kv0), output_final_state=True)
+    assert o.dtype == dtype and o.shape == o_ref.shape
+    assert torch.equal(kv, st.kv) and torch.equal(o, o_ref)
+
+
 def test_cu_seq_lens_kwargs():
     """transformers' own cu_seq_lens_* kwargs (flash-attention style) pack as well as restarting position_ids."""
     _, fast, _ = pair("qwen3_5")

@@ -65,7 +65,7 @@ def _kda_reason(layer, d: int, wdt) -> Optional[str]:
         return f"an attention layer of type {type(layer).__name__} (MLA: no latent-attention block kind)"
     m = layer._modules
     fg = m.get("forget_gate")
-    H, K, KC = layer.num_heads, layer.head_dim, layer.conv_kernel_size
+    H, K = layer.num_heads, layer.head_dim
     HK = H * K
     if type(fg).__name__ != "BailingHybridForgetGate" or fg.num_heads != H or fg.head_dim != K:
         return "a forget gate that is not transformers' BailingHybridForgetGate of the layer's heads"
@@ -74,16 +74,7 @@ def _kda_reason(layer, d: int, wdt) -> Optional[str]:
     if not all(_parts.plain_linear(m.get(n), s, wdt) for n, s in shapes.items()) or not _parts.plain_linear(
             fg._modules.get("f_proj"), (HK, d), wdt):
         return "projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
-    conv, norm = m.get("conv1d"), m.get("o_norm")
-    if (type(conv) is not nn.Conv1d or conv.bias is not None or conv.weight.shape != (3 * HK, 1, KC)
-            or conv.groups != 3 * HK or layer.activation not in ("silu", "swish")):
-        return "a short convolution that is not a bias-free depthwise SiLU nn.Conv1d"
-    if (type(norm).__name__ != "BailingHybridRMSNormGated" or getattr(norm, "activation", None) != "sigmoid"
-            or norm.weight.shape != (K,)):
-        return "an output norm that is not a per-head RMSNorm with a sigmoid gate"
-    if fg.A_log.numel() != H or fg.dt_bias.shape != (HK,):
-        return "A_log / dt_bias of unexpected shapes"
-    return None
+    return _parts.kda_conv_norm_reason(layer, "BailingHybridRMSNormGated", wdt)
 
 
 def _describe(model: nn.Module) -> Union[tuple, str]:

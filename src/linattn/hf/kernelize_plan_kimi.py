@@ -73,7 +73,7 @@ def _kda_reason(layer, d: int, wdt) -> Optional[str]:
         return f"an attention layer of type {type(layer).__name__} (MLA: no latent-attention block kind)"
     m = layer._modules
     fg = m.get("forget_gate")
-    H, K, KC = layer.num_heads, layer.head_dim, layer.conv_kernel_size
+    H, K = layer.num_heads, layer.head_dim
     HK = H * K
     if type(fg).__name__ != "KimiLinearForgetGate" or fg.num_heads != H or fg.head_dim != K:
         return "a forget gate that is not transformers' KimiLinearForgetGate of the layer's heads"
@@ -84,16 +84,7 @@ def _kda_reason(layer, d: int, wdt) -> Optional[str]:
     if not all(plain(m.get(n), s, wdt) for n, s in shapes.items()) or not (
             plain(f.get("f_a_proj"), (K, d), wdt) and plain(f.get("f_b_proj"), (HK, K), wdt)):
         return "projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
-    conv, norm = m.get("conv1d"), m.get("o_norm")
-    if (type(conv) is not nn.Conv1d or conv.bias is not None or conv.weight.shape != (3 * HK, 1, KC)
-            or conv.groups != 3 * HK or conv.weight.dtype != wdt or layer.activation not in ("silu", "swish")):
-        return "a short convolution that is not a bias-free depthwise SiLU nn.Conv1d"
-    if (type(norm).__name__ != "KimiLinearRMSNormGated" or getattr(norm, "activation", None) != "sigmoid"
-            or norm.weight.shape != (K,)):
-        return "an output norm that is not a per-head RMSNorm with a sigmoid gate"
-    if fg.A_log.numel() != H or fg.dt_bias.shape != (HK,):
-        return "A_log / dt_bias of unexpected shapes"
-    return None
+    return _parts.kda_conv_norm_reason(layer, "KimiLinearRMSNormGated", wdt)
 
 
 def _describe(model: nn.Module) -> Union[tuple, str]:

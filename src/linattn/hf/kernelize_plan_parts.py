@@ -180,6 +180,24 @@ def kda_plan(H: int, K: int, KC: int, W: _dp.StackedRows, conv: nn.Module, A_log
     return _dp.finish_block_plan(p, bd, addr, keep, wdt)
 
 
+def kda_conv_norm_reason(layer, norm_class: str, wdt) -> Optional[str]:
+    """Why a transformers KDA layer's short convolution, gated output norm (of class `norm_class`) or A_log / dt_bias
+    are not what the plan's KDA block computes (a bias-free depthwise SiLU conv of the model's dtype, a per-head
+    RMSNorm with a sigmoid gate, A_log per head, dt_bias per channel), or None."""
+    H, K, KC = layer.num_heads, layer.head_dim, layer.conv_kernel_size
+    HK, m, fg = H * K, layer._modules, layer._modules["forget_gate"]
+    conv, onorm = m.get("conv1d"), m.get("o_norm")
+    if (type(conv) is not nn.Conv1d or conv.bias is not None or conv.weight.shape != (3 * HK, 1, KC)
+            or conv.groups != 3 * HK or conv.weight.dtype != wdt or layer.activation not in ("silu", "swish")):
+        return "a short convolution that is not a bias-free depthwise SiLU nn.Conv1d"
+    if (type(onorm).__name__ != norm_class or getattr(onorm, "activation", None) != "sigmoid"
+            or onorm.weight.shape != (K,)):
+        return "an output norm that is not a per-head RMSNorm with a sigmoid gate"
+    if fg.A_log.numel() != H or fg.dt_bias.shape != (HK,):
+        return "A_log / dt_bias of unexpected shapes"
+    return None
+
+
 def describe_kda_model(model: nn.Module, models: tuple, kda_reason, part, mlp_class: str,
                        norm_class: str) -> Union[tuple, str]:
     """(ModelDescription, per-layer `part(mixer)`) of a transformers model whose pre-norm blocks are a KDA mixer
