@@ -407,3 +407,14 @@ def dequantized_fp64(qmodel):
         parent, _, attr = name.rpartition(".")
         setattr(ref.get_submodule(parent) if parent else ref, attr, lin)
     return ref.double()
+
+
+def cpu_flags() -> set:
+    """This machine's CPU feature flags (/proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()

@@ -5,8 +5,6 @@ tests the native build). Widths with and without a tail after the last vector bl
 and 64, batches, threads, NaN / inf and huge / tiny inputs."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,19 +14,10 @@ from tests.helpers import (
     build_decode_variant,
     check_product_threads,
     check_quantized_product as _check_product,
+    cpu_flags,
 )
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
-
-
-def _cpu_flags() -> set:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 # the prefix that selects each path (on top of -march=native); the AVX2 path needs AVX2 and FMA on this machine
@@ -43,7 +32,7 @@ PATHS = {
 def decode_lib(request, tmp_path_factory):
     """decode.c built with `PATHS[name]`'s prefix, bound in place of the native library for the test."""
     prefix, needs = PATHS[request.param]
-    if not needs <= _cpu_flags():
+    if not needs <= cpu_flags():
         pytest.skip(f"the {request.param} path needs {sorted(needs)}")
     tmp = tmp_path_factory.mktemp(request.param)
     with pytest.MonkeyPatch.context() as mp:

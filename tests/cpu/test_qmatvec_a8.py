@@ -6,8 +6,6 @@ sum_j |w_j| s_j / 2 + that rounding. Widths with and without a tail after the la
 rows not a multiple of 4, groups 32 and 64, batches, threads, zero blocks, NaN / inf, huge / tiny inputs."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,20 +15,11 @@ from tests.helpers import (
     StoredWeights as _Stored,
     build_decode_variant,
     check_a8_product,
+    cpu_flags,
     rounded_activations_fp64,
 )
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
-
-
-def _cpu_flags() -> set:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 # the prefix that selects each path on top of -march=native, and what the machine needs for it
@@ -46,7 +35,7 @@ PATHS = {
 def decode_lib(request, tmp_path_factory):
     """decode.c built with `PATHS[name]`'s prefix, bound in place of the native library for the test."""
     prefix, needs = PATHS[request.param]
-    if not needs <= _cpu_flags():
+    if not needs <= cpu_flags():
         pytest.skip(f"the {request.param} path needs {sorted(needs)}")
     if not prefix:
         yield request.param

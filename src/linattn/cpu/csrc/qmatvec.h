@@ -133,6 +133,16 @@ static inline float int4_row_scalar(int64_t j0, int64_t m, int64_t group, const 
 #if defined(__AVX512F__) && !defined(LINATTN_PLAIN_C)
 #include <immintrin.h>
 #define Q4_LANES 16
+/* the next 16 group scales of a row (bf16 bits, `left` of them remaining: the others read as 0) in fp32 */
+static inline __m512 q4_scales16(const uint16_t *s, int64_t left) {
+    uint16_t tmp[16] = {0};
+    if (left < 16) {
+        memcpy(tmp, s, (size_t)left * sizeof *tmp);
+        s = tmp;
+    }
+    const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)s));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
 #if defined(__AVX512BW__)
 /* the code in bits 16-19 of each lane (its nibble s + 4 after the shift that serves nibble s) as an fp32: a 16-bit
    permute writes the upper half of the lane from a table of the codes' upper halves (c - 8 is exact in them, the
@@ -164,16 +174,7 @@ static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int
     for (int64_t j = 0; j < mv; j += 128) {
         const int64_t g0 = j / group, k = g0 & 15;
         if (k == 0)
-            for (int r = 0; r < R; ++r) {   /* the next 16 scales of row r in fp32 */
-                uint16_t tmp[16] = {0};
-                const uint16_t *src = sr + r * ng + g0;
-                if (ng - g0 < 16) {
-                    memcpy(tmp, src, (size_t)(ng - g0) * sizeof *tmp);
-                    src = tmp;
-                }
-                const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
-                sc[r] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
-            }
+            for (int r = 0; r < R; ++r) sc[r] = q4_scales16(sr + r * ng + g0, ng - g0);   /* row r's next 16 */
         const __m512i si = _mm512_add_epi32(lane_group, _mm512_set1_epi32((int)k));
         const float *xb = xp + j;
         const __m512 x0 = _mm512_load_ps(xb), x1 = _mm512_load_ps(xb + 16), x2 = _mm512_load_ps(xb + 32),
@@ -509,16 +510,7 @@ static inline __attribute__((always_inline)) void a8_int4_rows_vec(const int R, 
     for (int64_t j = 0; j < mv; j += 128) {
         const int64_t g0 = j / group, k = g0 & 15;
         if (k == 0)
-            for (int r = 0; r < R; ++r) {   /* the next 16 scales of row r in fp32 */
-                uint16_t tmp[16] = {0};
-                const uint16_t *src = sr + r * ng + g0;
-                if (ng - g0 < 16) {
-                    memcpy(tmp, src, (size_t)(ng - g0) * sizeof *tmp);
-                    src = tmp;
-                }
-                const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
-                sc[r] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
-            }
+            for (int r = 0; r < R; ++r) sc[r] = q4_scales16(sr + r * ng + g0, ng - g0);   /* row r's next 16 */
         const __m512i si = _mm512_add_epi32(lane_group, _mm512_set1_epi32((int)k));
         const __m512i xe = _mm512_loadu_si512((const void *)(v + j)), xo = _mm512_loadu_si512((const void *)(v + j + 64)),
                       corr = _mm512_loadu_si512((const void *)(lc + j / 8));
