@@ -376,14 +376,16 @@ def build_decode_variant(tmp, prefix: str):
     return ctypes.CDLL(str(cbuild.build("decode", src)))
 
 
-def check_product_threads(q: "StoredWeights", x):
-    """q's compiled product (with its bias) at 1 and at 2 threads: the same bits, each within the fp64 bound."""
+def check_product_threads(q: "StoredWeights", x, check=None):
+    """q's compiled product (with its bias) at 1 and at 2 threads: the same bits, each within its fp64 bound as
+    `check` asserts it (default `check_quantized_product`; `check_a8_product` for int8 activations)."""
+    check = check or check_quantized_product
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        y1, _ = check_quantized_product(q, x, bias=q.bias)
+        y1, _ = check(q, x, bias=q.bias)
         torch.set_num_threads(2)
-        y2, _ = check_quantized_product(q, x, bias=q.bias)
+        y2, _ = check(q, x, bias=q.bias)
     finally:
         torch.set_num_threads(old)
     assert torch.equal(y1, y2)

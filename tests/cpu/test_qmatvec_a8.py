@@ -15,6 +15,7 @@ from tests.helpers import (
     StoredWeights as _Stored,
     build_decode_variant,
     check_a8_product,
+    check_product_threads,
     cpu_flags,
     rounded_activations_fp64,
 )
@@ -90,16 +91,7 @@ def test_a8_paths_hostile_inputs(decode_lib, mode, group):
 def test_a8_paths_threads(decode_lib, mode, group):
     """Rows split across threads: the same bits as one thread, within the bounds."""
     q = _Stored(532, 512, mode, group, seed=9, bias=True)
-    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        y1, _ = check_a8_product(q, x, bias=q.bias)
-        torch.set_num_threads(2)
-        y2, _ = check_a8_product(q, x, bias=q.bias)
-    finally:
-        torch.set_num_threads(old)
-    assert torch.equal(y1, y2)
+    check_product_threads(q, torch.randn(2, 512, generator=torch.Generator().manual_seed(3)), check_a8_product)
 
 
 def test_a8_differs_from_exact():
