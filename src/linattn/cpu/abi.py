@@ -113,7 +113,18 @@ class BlockPlan(ctypes.Structure):
                 + [(n, ctypes.c_void_p) for n in ("Wr", "Weg", "Wed", "Wsg")]
                 # Mamba2 (kind 5): state_pn 1 keeps a head's state [P, N] (transformers' layout, no z column), 0
                 # [N, P + 1] (linear attention's kv | z)
-                + [("state_pn", ctypes.c_int32), ("pad6_", ctypes.c_int32)])
+                + [("state_pn", ctypes.c_int32), ("pad6_", ctypes.c_int32)]
+                # MLA (kind 7, csrc/decode_mla.h): latent rank, nope / rope / q-lora dims, the head-wise gate,
+                # the latent's and q_a's RMSNorms, kv_b_proj and q_b_proj
+                + [(n, ctypes.c_int64) for n in ("mla_rank", "mla_nope", "mla_rope", "mla_qr")]
+                + [(n, ctypes.c_int32) for n in ("mla_gate", "pad_mla_")]
+                + [(n, ctypes.c_double) for n in ("mla_kv_eps", "mla_q_eps")]
+                + [(n, ctypes.c_void_p) for n in ("mla_Wkb", "mla_kvnw", "mla_Wqb", "mla_qnw")]
+                # MoE router mode 2 (csrc/decode_moe.h: DeepSeek-V3's sigmoid grouped top-k with a correction
+                # bias e_bias for the choice and a routed scaling factor)
+                + [(n, ctypes.c_int64) for n in ("moe_groups", "moe_topk_groups")]
+                + [(n, ctypes.c_int32) for n in ("router", "router_wbf16")]
+                + [("routed_scale", ctypes.c_double), ("e_bias", ctypes.c_void_p)])
 
 
 class ModelPlan(ctypes.Structure):
@@ -240,6 +251,8 @@ LIBRARIES: Dict[str, Library] = {
            typed=False, status=False),
         # R, E, k, norm, logits (float) -> idx (int64, increasing), w (float): a mixture of experts' routing
         Fn("linattn_decode_moe_route", (c_i64,) * 3 + (c_int,) + (c_ptr,) * 3, typed=False),
+        # R, E, k, groups, topk_groups, norm, scale, logits (float), bias (float) -> idx, w: router mode 2
+        Fn("linattn_decode_moe_route_grouped", (c_i64,) * 5 + (c_int, c_double) + (c_ptr,) * 4, typed=False),
     ), {"block_plan": BlockPlan, "model_plan": ModelPlan}),
 }
 

@@ -208,3 +208,28 @@ def moe_route(logits: torch.Tensor, k: int, norm: bool) -> Tuple[torch.Tensor, t
     idx, w = torch.empty(R, k, dtype=torch.int64), torch.empty(R, k, dtype=torch.float32)
     _library()("linattn_decode_moe_route", None, R, E, k, int(bool(norm)), ptr(lg), ptr(idx), ptr(w))
     return idx, w
+
+
+def moe_route_grouped(logits: torch.Tensor, bias: torch.Tensor, k: int, groups: int, topk_groups: int, norm: bool,
+                      scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Router mode 2 as the compiled decode computes it (csrc/decode_moe.h, DeepSeek-V3's `TopkRouter`): for
+    float32 router logits `[R, E]` and the correction bias `[E]`, the k experts chosen on sigmoid(logits) + bias
+    within the `topk_groups` best of `groups` groups, as torch.topk chooses them on the CPU (ties included); their
+    sigmoid scores (renormalised when `norm`) times `scale`. Returns (indices int64 `[R, k]`, increasing; weights
+    float32 `[R, k]`). For tests (the plans route in C)."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise LinattnError(f"moe_route_grouped: logits must be float32 [R, E], got {logits.dtype} "
+                           f"{list(logits.shape)}")
+    R, E = logits.shape
+    if bias.dtype != torch.float32 or tuple(bias.shape) != (E,):
+        raise LinattnError(f"moe_route_grouped: bias must be float32 [{E}], got {bias.dtype} {list(bias.shape)}")
+    if groups < 1 or E % groups or E // groups < 2 or not 1 <= topk_groups <= groups:
+        raise LinattnError(f"moe_route_grouped: groups must divide E = {E} into groups of >= 2 and topk_groups be in "
+                           f"[1, groups], got {groups}, {topk_groups}")
+    if not 1 <= k <= topk_groups * (E // groups):
+        raise LinattnError(f"moe_route_grouped: k must be in [1, {topk_groups * (E // groups)}], got {k}")
+    lg, b = logits.contiguous(), bias.contiguous()
+    idx, w = torch.empty(R, k, dtype=torch.int64), torch.empty(R, k, dtype=torch.float32)
+    _library()("linattn_decode_moe_route_grouped", None, R, E, k, groups, topk_groups, int(bool(norm)), float(scale),
+               ptr(lg), ptr(b), ptr(idx), ptr(w))
+    return idx, w

@@ -105,6 +105,22 @@ typedef struct {
     /* Mamba2 (kind 5): state_pn 1 keeps a head's state as [P, N] (transformers' ssm state, no z column: the
        cache's own tensor is the plan's state), 0 as [N, P + 1] (linear attention's kv | z, linattn's layout) */
     int32_t state_pn, pad6_;
+    /* MLA: multi-head latent attention (kind 7, decode_mla.h; H heads, V the value head dim dv, scale, the cache
+       fields kc / vc / kv_cap / kv_len / pos / lo and the RoPE fields rot (0: none) / inv_freq / rope_scale of the
+       softmax kind): kv_lora_rank mla_rank, qk_nope_head_dim mla_nope, qk_rope_head_dim mla_rope, q_lora_rank
+       mla_qr (0: q in the first product), the head-wise sigmoid output gate (mla_gate), kv_b_proj mla_Wkb
+       [H (nope + dv), rank], the latent's RMSNorm weight mla_kvnw, q_b_proj mla_Wqb and q_a's norm mla_qnw */
+    int64_t mla_rank, mla_nope, mla_rope, mla_qr;
+    int32_t mla_gate, pad_mla_;
+    double mla_kv_eps, mla_q_eps;
+    const void *mla_Wkb, *mla_kvnw, *mla_Wqb, *mla_qnw;
+    /* MoE router mode 2 (decode_moe.h; 0: the softmax top-k above): DeepSeek-V3's sigmoid scores, the choice on
+       scores + e_bias [E] (float) in moe_groups groups of which moe_topk_groups are kept, routed_scale times the
+       (renormalised with norm_topk) scores; the router Wr bf16 when router_wbf16, else in the plan's type */
+    int64_t moe_groups, moe_topk_groups;
+    int32_t router, router_wbf16;
+    double routed_scale;
+    const void *e_bias;
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
 
@@ -885,6 +901,7 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
 #include "decode_log.h" /* kind 3: FN(decode_linear_log) */
 #include "decode_ela.h" /* kind 6: FN(decode_linear_ela) */
 #include "decode_moe.h" /* ffn_kind 1: FN(moe_ffn) */
+#include "decode_mla.h" /* kind 7: FN(mla_mix) */
 
 /* a post-norm block's residual add: out = res + rmsnorm(y) (y [B, d] normed in place) */
 static void FN(postnorm_add)(int64_t B, int64_t d, const REAL *res, REAL *y, const REAL *w, double eps, REAL *out) {
@@ -917,6 +934,8 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
         rc = FN(decode_linear_log)(p, y, ny, w_in, w_out, S_in, S_out, o);
     else if (p->kind == 6)
         rc = FN(decode_linear_ela)(p, y, ny, w_in, w_out, S_in, S_out, o);
+    else if (p->kind == 7)
+        rc = FN(mla_mix)(p, y, o);
     else if (p->kind == 0)
         rc = FN(linattn_decode_delta)(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,
                  w_out, p->dkind, p->l2conv, p->q_l2, p->l2eps, p->scale, p->beta_mode, (const REAL *)p->alpha,

@@ -129,6 +129,60 @@ static void moe_route_row(int64_t E, int64_t k, int norm, const float *lg, moe_e
     }
 }
 
+/* Router mode 2, DeepSeek-V3's (Kimi Linear's, Bailing hybrid's `<Model>TopkRouter`), for one row of E float
+   logits lg:
+       s = sigmoid(lg);  c = s + bias                       (the correction bias: for the choice only)
+       group g's score = the sum of its two largest c       (G groups of E / G experts, in order)
+       the kg groups torch.topk(sorted=False) keeps; c of the other groups -inf
+       the k experts torch.topk(sorted=False) keeps of c;  w = s of them (/ (their sum + 1e-20) when norm), * scale
+   Both choices through the selections above (ATen's, ties included). idx increasing; the renormalising sum in
+   the order torch.topk returns them (the buffer's order after the selection). buf: E + 1 elements, gs: G floats,
+   sc: E floats of work. */
+static void moe_route_grouped_row(int64_t E, int64_t k, int64_t G, int64_t kg, int norm, float scale,
+                                  const float *lg, const float *bias, moe_elem *buf, float *gs, float *sc,
+                                  int64_t *idx, float *w) {
+    const int64_t n = E / G;
+    for (int64_t e = 0; e < E; ++e) sc[e] = 1.0f / (1.0f + expf(-lg[e]));
+    for (int64_t g = 0; g < G; ++g) {
+        float a = -INFINITY, b = -INFINITY;   /* the two largest of the group (a NaN first, as the order says) */
+        for (int64_t e = g * n; e < (g + 1) * n; ++e) {
+            const moe_elem x = {sc[e] + bias[e], e}, ea = {a, 0}, eb = {b, 0};
+            if (moe_before(x, ea)) { b = a; a = x.v; } else if (moe_before(x, eb)) b = x.v;
+        }
+        gs[g] = a + b;
+    }
+    for (int64_t g = 0; g < G; ++g) { buf[g].v = gs[g]; buf[g].i = g; }
+    if (kg * 64 <= G) moe_heap_select(buf, 0, kg, G); else moe_nth_element(buf, kg - 1, G);
+    for (int64_t g = 0; g < G; ++g) gs[g] = 0;
+    for (int64_t j = 0; j < kg; ++j) gs[buf[j].i] = 1;
+    for (int64_t e = 0; e < E; ++e) { buf[e].v = gs[e / n] != 0 ? sc[e] + bias[e] : -INFINITY; buf[e].i = e; }
+    if (k * 64 <= E) moe_heap_select(buf, 0, k, E); else moe_nth_element(buf, k - 1, E);
+    if (k * 64 <= E) moe_insertion_sort(buf, 0, k);   /* (std::partial_sort sorts what it selects) */
+    float t = 0;
+    for (int64_t j = 0; j < k; ++j) t += sc[buf[j].i];
+    t += 1e-20f;
+    for (int64_t j = 0; j < k; ++j) {   /* insertion by index (k is small) */
+        int64_t pos = j;
+        while (pos > 0 && idx[pos - 1] > buf[j].i) { idx[pos] = idx[pos - 1]; w[pos] = w[pos - 1]; --pos; }
+        idx[pos] = buf[j].i;
+        w[pos] = (norm ? sc[buf[j].i] / t : sc[buf[j].i]) * scale;
+    }
+}
+
+/* router mode 2 as an entry point (tests): R rows of E logits -> idx [R, k] (increasing), w [R, k]. Returns 0,
+   or 1 when out of memory. */
+int linattn_decode_moe_route_grouped(int64_t R, int64_t E, int64_t k, int64_t G, int64_t kg, int norm, double scale,
+                                     const float *logits, const float *bias, int64_t *idx, float *w) {
+    moe_elem *buf = (moe_elem *)malloc(sizeof(moe_elem) * (size_t)(E + 1));
+    float *f = (float *)malloc(sizeof(float) * (size_t)(E + G + 1));
+    if (!buf || !f) { free(buf); free(f); return 1; }
+    for (int64_t r = 0; r < R; ++r)
+        moe_route_grouped_row(E, k, G, kg, norm, (float)scale, logits + r * E, bias, buf, f + E, f, idx + r * k,
+                              w + r * k);
+    free(buf); free(f);
+    return 0;
+}
+
 #endif /* LINATTN_DECODE_MOE_ROUTE */
 
 #ifdef FN /* the feed-forward, once per REAL */
@@ -151,6 +205,18 @@ static int FN(moe_ffn)(const linattn_block_plan *p, const REAL *xn, const REAL *
     REAL *wts = Y + B * d, *sg = wts + B;
     float *wf = lgf + B * E;
     int64_t *rows = idx + B * k;
+    if (p->router == 2) {   /* router mode 2 (above): in float, the input as a bf16 model's router reads it */
+        float *gsc = (float *)malloc(sizeof(float) * (size_t)(E + p->moe_groups + 1));
+        if (!gsc) { free(lg); free(lgf); free(idx); free(buf); return 1; }
+        for (int64_t i = 0; i < B * d; ++i) X[i] = p->wbf16 ? (REAL)bf16_to_f32(f32_to_bf16((float)xn[i])) : xn[i];
+        FN(weight_product)(p->router_wbf16 ? WF_BF16 : WF_PLAN, NULL, 0, B, E, d, p->Wr, NULL, X, NULL, lg,
+                           p->nthreads);
+        for (int64_t i = 0; i < B * E; ++i) lgf[i] = (float)lg[i];
+        for (int64_t b = 0; b < B; ++b)
+            moe_route_grouped_row(E, k, p->moe_groups, p->moe_topk_groups, p->norm_topk, (float)p->routed_scale,
+                                  lgf + b * E, (const float *)p->e_bias, buf, gsc + E, gsc, idx + b * k, wf + b * k);
+        free(gsc);
+    } else {
     FN(weight_product)(fmt, NULL, 0, B, E, d, p->Wr, NULL, xn, NULL, lg, p->nthreads);
     for (int64_t i = 0; i < B * E; ++i) {
         const float v = (float)lg[i];
@@ -159,6 +225,7 @@ static int FN(moe_ffn)(const linattn_block_plan *p, const REAL *xn, const REAL *
     for (int64_t b = 0; b < B; ++b) moe_route_row(E, k, p->norm_topk, lgf + b * E, buf, idx + b * k, wf + b * k);
     if (p->wbf16)
         for (int64_t i = 0; i < B * k; ++i) wf[i] = bf16_to_f32(f32_to_bf16(wf[i]));
+    }
     for (int64_t i = 0; i < B * d; ++i) acc[i] = 0;
     for (int64_t e = 0; e < E; ++e) {
         int64_t nb = 0;
