@@ -294,8 +294,8 @@ def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
     slot.keep = (plans, block_ptrs, head_w, norm_w)
     slot.plan, slot.fn, slot.cdt, slot.wdt = mp, _cpu_decode.model_function(cdt), cdt, wdt
     slot.specs, slot.layouts, slot.B = [arch.state_spec(part) for part in parts], {}, None
-    slot.recurrent = [i for i, p in enumerate(plans) if p.kind != 2]
-    slot.att = [(i, p) for i, p in enumerate(plans) if p.kind == 2]
+    slot.recurrent = [i for i, p in enumerate(plans) if p.kind not in _KV_KINDS]
+    slot.att = [(i, p) for i, p in enumerate(plans) if p.kind in _KV_KINDS]
     _set_batch(slot, B)
     return True
 
@@ -339,6 +339,11 @@ def _cache_types():
     return DynamicCache, DynamicLayer, LinearAttentionLayer
 
 
+#: the block kinds whose layers keep keys and values in transformers' cache (softmax 2; latent attention 7, whose
+#: "keys" are the normed latents and "values" the shared rotary keys: `kernelize_plan_parts.mla_plan`)
+_KV_KINDS = (2, 7)
+
+
 class _Mirror:
     """A softmax layer's keys and values in the plan's layout (`KVCache`, `[B, T, G, D]`), valid while the
     transformers layer still holds the views made of it after the last token (`keys`, `values`)."""
@@ -349,12 +354,13 @@ class _Mirror:
         self.kv, self.keys, self.values = kv, keys, values
 
 
-def _mirror(store: dict, i: int, layer, B: int, G: int, D: int, dt: torch.dtype) -> Optional[_Mirror]:
+def _mirror(store: dict, i: int, layer, B: int, G: int, D: int, dt: torch.dtype, Dv: int) -> Optional[_Mirror]:
     keys, values = layer.keys, layer.values
     mir = store.get(i)
     if mir is not None and mir.keys is keys and mir.values is values:
         return mir
-    if not (keys.shape[0] == B and keys.shape[1] == G and keys.shape[3] == D and values.shape == keys.shape
+    if not (keys.shape[0] == B and keys.shape[1] == G and keys.shape[3] == D
+            and values.shape == keys.shape[:3] + (Dv,)
             and keys.dtype == dt and values.dtype == dt and keys.is_cpu):
         return None
     kv = KVCache(chunk=_KV_CHUNK)
@@ -410,7 +416,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     mirrors = []
     for i, p in slot.att:
         att = p.att
-        mir = _mirror(store, i, layers[i], B, att.kv_heads, att.head_dim, slot.wdt)
+        mir = _mirror(store, i, layers[i], B, att.kv_heads, att.head_dim, slot.wdt, att.head_dim_v)
         if mir is None or mir.kv.length != L:
             return None
         mirrors.append((i, p, mir))

@@ -11,31 +11,39 @@ regrouping, made once when the plan is built:
 * beta = sigmoid(b), q / k L2-normalised (transformers' `x / sqrt(sum x^2 + 1e-6)`, fla's; the plan's "rsqrt" row
   agrees to rounding), scale `head_dim ** -0.5`;
 * `o_norm` (per-head RMSNorm, then times sigmoid of the gate) with `g_b_proj` as the gate's second stage;
-* the block norms and the final norm as they are (plain RMSNorm weights), `gate_proj | up_proj` concatenated once.
+* the block norms and the final norm as they are (plain RMSNorm weights), `gate_proj | up_proj` read in place.
+
+Its MLA layers (`KimiLinearAttention`: every real checkpoint has them) map onto the plan's latent-attention block
+(kind 7, `cpu/csrc/decode_mla.h`; `kernelize_plan_parts.mla_plan`): `q_proj` (or `q_a_proj`, its norm and
+`q_b_proj`) and `kv_a_proj_with_mqa` read in place as one first product, the latent's RMSNorm `kv_a_layernorm`,
+`kv_b_proj` applied to q and to the weighted latents (never to the whole cache), no position (NoPE: the rope part of
+the key is the raw shared `k_rot`), softmax over the cache, `o_proj`. transformers' cache holds the layer's normed
+latents `[B, 1, T, kv_lora_rank]` as its keys and the shared `k_rot` `[B, 1, T, qk_rope_head_dim]` as its values:
+the plan writes the new row into a mirror buffer of which the cache's tensors are views after every token.
+
+Its MoE feed-forwards (`KimiLinearMoE`, DeepSeek-V3's) are the plan's MoE FFN with router mode 2
+(`kernelize_plan_parts.deepseek_moe`, `csrc/decode_moe.h`): sigmoid scores, the `e_score_correction_bias` for the
+choice only, grouped top-k, renormalised (`moe_renormalize`) and times `routed_scaling_factor`, each chosen expert
+read in place from the fused 3-D `gate_up_proj` / `down_proj`, the ungated shared experts; the dense first layers
+are SwiGLU MLPs.
 
 What the plan does not compute makes the whole model step aside (every cached token then runs transformers'
-forward, as kernelize serves it; `describe_model` says why):
+forward, as kernelize serves it; `describe_model` says why): another activation, conv bias, attention biases,
+grouped key/value heads, `output_router_logits`, modules that are not exactly transformers'.
 
-* an MLA layer (`KimiLinearAttention`, every real Kimi Linear checkpoint has them): its keys and values are the
-  RMS-normalised latent `kv_a_layernorm(kv_a_proj(x))` expanded by `kv_b_proj`, a norm between the projection and
-  the keys that the softmax block (kind 2: keys a projection of x, then a per-head norm over all channels) does
-  not compute; a latent-attention block kind is needed;
-* an MoE feed-forward (`KimiLinearMoE`: routed experts, not a plan block);
-* another activation, conv bias, unequal head dims, modules that are not exactly transformers'.
-
-So today the plan serves Kimi Linear models made of KDA layers and dense MLPs only. transformers' own cache of such
-a model cannot report a sequence length (`DynamicCache.get_seq_length` raises without an attention layer), so its
+A model with MLA layers decodes as transformers' does (the cache reports its length; an attention mask and
+position ids, if given, must keep every position and be at the cache's length). A model of KDA layers only: its
+cache cannot report a sequence length (`DynamicCache.get_seq_length` raises without an attention layer), so its
 `generate` and a plain cached forward fail on them; transformers' forward runs them given explicit `position_ids`
-(which a model without attention layers does not read) and the per-layer-type masks as a dict
-(`{"full_attention": None, "linear_attention": None}`), and so does the hook.
+and the per-layer-type masks as a dict (`{"full_attention": None, "linear_attention": None}`), and so does the hook.
 
 transformers' cache objects stay valid after every token: each KDA layer's recurrent state becomes a view of the
 step's output buffer (a copy where the layer keeps another dtype), its conv state (the last K inputs; the plan keeps
-K - 1) is shifted and copied. The hook steps aside for: grad enabled, torch.compile tracing, more than one token,
-`inputs_embeds`, labels, no `position_ids` (transformers' forward then reports the missing length), an attention
-mask with a zero (left padding; in a dict of masks, a "linear_attention" mask), a cache that is not a
-`DynamicCache` of exactly these layers or that records its past, a hook on a described module, non-CPU tensors or
-dtypes without a plan, `LINATTN_CPU_KERNELS=0`.
+K - 1) is shifted and copied; each MLA layer's keys / values are views of its mirror. The hook steps aside for:
+grad enabled, torch.compile tracing, more than one token, `inputs_embeds`, labels, a KDA-only model called without
+`position_ids`, an attention mask with a zero (left padding; in a dict of masks, a "linear_attention" mask; a model
+with MLA layers given a dict), a cache that is not a `DynamicCache` of exactly these layers or that records its
+past, a hook on a described module, non-CPU tensors or dtypes without a plan, `LINATTN_CPU_KERNELS=0`.
 """
 from __future__ import annotations
 
@@ -70,7 +78,7 @@ class _KDA:
 def _kda_reason(layer, d: int, wdt) -> Optional[str]:
     """Why the plan's KDA block does not compute this layer, or None."""
     if type(layer).__name__ != "KimiLinearDeltaAttention":
-        return f"an attention layer of type {type(layer).__name__} (MLA: no latent-attention block kind)"
+        return f"an attention layer of type {type(layer).__name__}"
     m = layer._modules
     fg = m.get("forget_gate")
     H, K = layer.num_heads, layer.head_dim
@@ -88,8 +96,10 @@ def _kda_reason(layer, d: int, wdt) -> Optional[str]:
 
 
 def _describe(model: nn.Module) -> Union[tuple, str]:
-    """(ModelDescription, per-layer `_KDA`) or the reason the plan does not compute the model."""
-    return _parts.describe_kda_model(model, MODELS, _kda_reason, _KDA, "KimiLinearMLP", "KimiLinearRMSNorm")
+    """(ModelDescription, per-layer part: `_KDA` or `kernelize_plan_parts.MLA`, with its router for an MoE block)
+    or the reason the plan does not compute the model."""
+    return _parts.describe_mla_kda_model(model, MODELS, _kda_reason, _KDA, "KimiLinearAttention", "KimiLinearMLP",
+                                         "KimiLinearRMSNorm")
 
 
 def describe_model(model: nn.Module):
@@ -99,8 +109,7 @@ def describe_model(model: nn.Module):
 
 
 def undescribed_reason(model: nn.Module) -> Optional[str]:
-    """Why a Kimi Linear model does not decode through the compiled plan (an MLA layer, an MoE feed-forward, ...),
-    or None when it does."""
+    """Why a Kimi Linear model does not decode through the compiled plan, or None when it does."""
     return _parts.reason(_describe(model))
 
 
@@ -112,6 +121,9 @@ def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtyp
 
 
 def _call_usable(cache, B: int, L, attention_mask, position_ids) -> bool:
+    if L is not None:   # MLA layers: the position is the cache's length, as transformers' forward takes it
+        return type(attention_mask) is not dict and _parts.cached_call_usable(cache, B, L, attention_mask,
+                                                                               position_ids)
     if not isinstance(position_ids, torch.Tensor):
         return False   # (transformers' forward reports the missing length)
     if type(attention_mask) is dict:   # (the per-layer-type masks transformers' forward takes as they are)
@@ -128,11 +140,15 @@ def output_class():
 FAST_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
                          "logits_to_keep", "return_dict", "output_attentions", "output_hidden_states"})
 FP32_LOGITS = False
-describe, block_plan, call_usable = _describe, _kda_plan, _call_usable
+describe, call_usable = _describe, _call_usable
+block_plan = _parts.mla_kda_block_plan(_kda_plan)
 
 base = operator.attrgetter("model")
-hookable = _parts.hookable(_describe)   # (False with an MLA layer or an MoE feed-forward: `undescribed_reason`)
+hookable = _parts.hookable(_describe)   # (False where `undescribed_reason` says why)
 
 
-def state_spec(k: _KDA) -> tuple:
+def _kda_state_spec(k: _KDA) -> tuple:
     return ("delta", k.H, k.K, k.K, k.KC, (k.H * k.K,) * 3)
+
+
+state_spec = _parts.mla_kda_state_spec(_kda_state_spec)

@@ -248,3 +248,199 @@ def hookable(describe):
     """A description's `hookable(model)` where every model `describe` describes is hooked: described, and the
     compiled decode available."""
     return lambda model: not isinstance(describe(model), str) and _cpu_decode.available()
+
+
+# -- multi-head latent attention (kind 7) and DeepSeek-V3's routed experts (router mode 2): Kimi Linear's and
+#    Bailing hybrid's ---------------------------------------------------------------------------------------------
+
+class MLA:
+    """A transformers MLA layer (DeepSeek-V3's attention as Kimi Linear's `KimiLinearAttention` and Bailing
+    hybrid's `BailingHybridAttention` compute it) as the plan's latent-attention block reads it: the fused first
+    product `W = [q_proj (or q_a_proj) | kv_a_proj_with_mqa | g_proj (the head-wise gate, when `gated`)]` read in
+    place, and the base model's rotary embedding (None: no position, Kimi's NoPE)."""
+
+    __slots__ = ("layer", "W", "rotary", "gated")
+
+    def __init__(self, layer, rotary, gated: bool):
+        m = layer._modules
+        first = m["q_proj"] if layer.q_lora_rank is None else m["q_a_proj"]
+        self.layer, self.rotary, self.gated = layer, rotary, gated
+        self.W = fused_linear(first.weight, m["kv_a_proj_with_mqa"].weight, *((m["g_proj"].weight,) if gated else ()))
+
+
+def mla_reason(layer, cls_name: str, d: int, wdt, rotary=None, gated: bool = False) -> Optional[str]:
+    """Why the plan's latent-attention block (kind 7, csrc/decode_mla.h) does not compute this transformers MLA
+    layer of class `cls_name` (bias-free projections of the model's dtype, plain RMSNorms on the latent and the low-
+    rank q, one key/value head group per head; `rotary` the base model's default RoPE
+    for a layer that rotates its rope part, `gated` a head-wise sigmoid gate `g_proj`), or None."""
+    if type(layer).__name__ != cls_name:
+        return f"an attention layer of type {type(layer).__name__}"
+    H, r, R, dn, dv = layer.num_heads, layer.kv_lora_rank, layer.qk_rope_head_dim, layer.qk_nope_head_dim, \
+        layer.v_head_dim
+    qr, m = layer.q_lora_rank, layer._modules
+    if layer.num_key_value_groups != 1 or R % 2 or min(H, r, dn, dv) < 1:
+        return "an MLA layer with grouped key/value heads or an odd rope dim"
+    shapes = {"kv_a_proj_with_mqa": (r + R, d), "kv_b_proj": (H * (dn + dv), r), "o_proj": (d, H * dv)}
+    shapes.update({"q_proj": (H * (dn + R), d)} if qr is None
+                  else {"q_a_proj": (qr, d), "q_b_proj": (H * (dn + R), qr)})
+    if gated:
+        shapes["g_proj"] = (H, d)
+    if not all(plain_linear(m.get(n), s, wdt) for n, s in shapes.items()):
+        return "MLA projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
+    norms = [m.get("kv_a_layernorm")] + ([] if qr is None else [m.get("q_a_layernorm")])
+    if any(not type(n).__name__.endswith("RMSNorm") or n.weight.dtype != wdt or set(n._parameters) != {"weight"}
+           for n in norms) or norms[0].weight.shape != (r,):
+        return "MLA latent norms that are not plain RMSNorms of the model's dtype"
+    if rotary is not None and (getattr(rotary, "rope_type", "default") != "default"
+                               or rotary.inv_freq.numel() != R // 2):
+        return "an MLA rotary embedding that is not a default RoPE over the rope dims"
+    return None
+
+
+def mla_plan(part: MLA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
+    """The plan's latent-attention block (kind 7) for `part`: its cache rows are transformers' (`keys` the normed
+    latents `[B, 1, T, kv_lora_rank]`, `values` the rotated shared keys `[B, 1, T, qk_rope_head_dim]`; `p.att` says
+    so to hf/kernelize_plan.py's mirrors)."""
+    layer, m = part.layer, part.layer._modules
+    cdt, keep = _dp.compute_dtype(wdt), []
+    addr = _dp.plan_addresser(keep, cdt)
+    H, r, R, dn, dv = layer.num_heads, layer.kv_lora_rank, layer.qk_rope_head_dim, layer.qk_nope_head_dim, \
+        layer.v_head_dim
+    qr = layer.q_lora_rank or 0
+    rot = part.rotary
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=dn + R, V=dv, d=d, ny=part.W.out_features,
+                              hid=bd.ffn_down.in_features, kind=7, scale=float(layer.scaling),
+                              nthreads=max(1, torch.get_num_threads()), has_ffn=1, wbf16=int(wdt == torch.bfloat16),
+                              kvh=1, rot=R if rot is not None else 0, kv_bf16=int(wdt == torch.bfloat16), rope_f32=1,
+                              rope_scale=float(getattr(rot, "attention_scaling", 1.0) or 1.0), mla_rank=r, mla_nope=dn,
+                              mla_rope=R, mla_qr=qr, mla_gate=int(part.gated))
+    _dp.set_weight(p, "W", part.W, wdt, addr)
+    kvn = m["kv_a_layernorm"]
+    p.mla_kvnw, p.mla_kv_eps = addr(kvn.weight), float(kvn.variance_epsilon)
+    p.mla_Wkb = addr(m["kv_b_proj"].weight, wdt)
+    if qr:
+        qn = m["q_a_layernorm"]
+        p.mla_qnw, p.mla_q_eps, p.mla_Wqb = addr(qn.weight), float(qn.variance_epsilon), addr(m["q_b_proj"].weight, wdt)
+    if rot is not None:
+        p.inv_freq = addr(rot.inv_freq, torch.float64)
+    p.Wo = addr(m["o_proj"].weight, wdt)
+    p.att = types.SimpleNamespace(kv_heads=1, head_dim=r, head_dim_v=R)
+    return _dp.finish_block_plan(p, bd, addr, keep, wdt)
+
+
+#: transformers' DeepSeek-V3-style MoE blocks: a sigmoid `<Model>TopkRouter` (correction bias, groups, routed
+#: scaling), fused 3-D experts `gate_up_proj [E, 2I, d]` / `down_proj [E, d, I]`, an ungated shared expert
+DEEPSEEK_MOE = ("KimiLinearMoE", "BailingHybridMoE")
+
+
+def deepseek_moe(mlp: nn.Module, d: int, wdt) -> Union[tuple, str]:
+    """(shared expert's fused gate | up, its down, `decode_plan.MoEDescription`, the router module) of a
+    DeepSeek-V3-style MoE block (`DEEPSEEK_MOE`), the experts read in place, or why the plan does not compute it.
+    The router (router mode 2) is set into the block plan by `set_router2`."""
+    name = type(mlp).__name__
+    if name not in DEEPSEEK_MOE:
+        return f"a {name} feed-forward (neither a dense SwiGLU MLP nor a described MoE block)"
+    m = mlp._modules
+    router, experts, shared = (m.get(n) for n in ("gate", "experts", "shared_experts"))
+    E = getattr(router, "num_experts", 0)
+    G, kg, k = getattr(router, "num_group", 0), getattr(router, "topk_group", 0), getattr(router, "top_k", 0)
+    if (type(router).__name__ != name.replace("MoE", "TopkRouter") or set(router._parameters) != {"weight"}
+            or set(router._buffers) != {"e_score_correction_bias"} or experts is None
+            or set(experts._parameters) != {"gate_up_proj", "down_proj"}
+            or type(getattr(experts, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation")):
+        return "an MoE block whose router or experts are not transformers' sigmoid top-k router and fused experts"
+    if not (G >= 1 and E % G == 0 and E // G >= 2 and 1 <= kg <= G and 1 <= k <= kg * (E // G)):
+        return "an MoE router whose groups the plan does not choose among (E / groups < 2, k too large)"
+    bias, w = router.e_score_correction_bias, router.weight
+    if (tuple(w.shape) != (E, d) or w.dtype not in (wdt, torch.float32) or not w.is_contiguous()
+            or tuple(bias.shape) != (E,) or not bias.dtype.is_floating_point):
+        return "an MoE router whose weight or correction bias the plan does not read (shapes, dtype)"
+    got = swiglu_ffn(shared, type(shared).__name__, d, wdt) if shared is not None else "no shared expert"
+    if isinstance(got, str):
+        return f"an MoE block's shared expert: {got}"
+    # (the router's weight as `MoEDescription` checks it: the plan reads the router itself, `set_router2`)
+    moe = _dp.MoEDescription(w.detach().to(wdt) if w.dtype != wdt else w.detach(), experts.gate_up_proj.detach(),
+                             experts.down_proj.detach(), k, router.norm_topk_prob)
+    if not _dp.moe_usable(moe, d, wdt):
+        return "an MoE block whose experts the plan does not read (shapes, dtype, layout)"
+    return got[0], got[1], moe, router
+
+
+def set_router2(p, router: nn.Module, wdt: torch.dtype):
+    """Router mode 2 (csrc/decode_moe.h) into block plan p: DeepSeek-V3's sigmoid grouped top-k `router` (its
+    weight read in place in fp32 or the model's dtype, as transformers' router reads it in fp32; the correction
+    bias in float), its groups and routed scaling factor. Returns p."""
+    cdt = _dp.compute_dtype(wdt)
+    w = router.weight.detach()
+    if not (w.dtype == torch.bfloat16 and cdt == torch.float32) and w.dtype != cdt:
+        w = w.to(cdt).contiguous()   # (an fp64 plan's router: its products are in the plan's type)
+    b = router.e_score_correction_bias.detach()
+    if b.dtype != torch.float32:
+        b = b.float().contiguous()
+    p.keep.extend((w, b))
+    p.router, p.router_wbf16, p.Wr, p.e_bias = 2, int(w.dtype == torch.bfloat16), w.data_ptr(), b.data_ptr()
+    p.moe_groups, p.moe_topk_groups = router.num_group, router.topk_group
+    p.routed_scale = float(router.routed_scaling_factor)
+    return p
+
+
+def describe_mla_kda_model(model: nn.Module, models: tuple, kda_reason, kda_part, mla_class: str, mlp_class: str,
+                           norm_class: str, rotary=None, gated: bool = False) -> Union[tuple, str]:
+    """(ModelDescription, per-layer part) of a transformers Kimi-Linear-like model: pre-norm blocks whose mixer
+    (`layer.self_attn`) is a KDA layer (`kda_reason(mixer, d, wdt)` None; part `kda_part(mixer)`) or an MLA layer
+    of class `mla_class` (part `MLA`), and whose feed-forward is a dense SwiGLU MLP of class `mlp_class` or a
+    DeepSeek-V3-style MoE block (`DEEPSEEK_MOE`: the part is then `(part, router)`), with plain RMSNorms of class
+    `norm_class`; or the reason the plan does not compute it."""
+    got = base_and_embedding(model, models, "model", "embed_tokens")
+    if isinstance(got, str):
+        return got
+    base, embed, wdt = got
+    if getattr(model.config, "output_router_logits", False):
+        return "output_router_logits set (the plan returns no router logits)"
+    d = embed.weight.shape[1]
+    blocks, parts = [], []
+    for i, layer in enumerate(base.layers):
+        mixer = layer.self_attn
+        is_mla = type(mixer).__name__ == mla_class
+        why = mla_reason(mixer, mla_class, d, wdt, rotary, gated) if is_mla else kda_reason(mixer, d, wdt)
+        moe = None
+        if type(layer.mlp).__name__ in DEEPSEEK_MOE:
+            ffn = deepseek_moe(layer.mlp, d, wdt)
+            moe = None if isinstance(ffn, str) else ffn[2]
+        else:
+            ffn = swiglu_ffn(layer.mlp, mlp_class, d, wdt)
+        if why is None and isinstance(ffn, str):
+            why = ffn
+        norms = [layer._modules.get(n) for n in ("input_layernorm", "post_attention_layernorm")]
+        if why is None and any(type(n).__name__ != norm_class or n.weight.dtype != wdt for n in norms):
+            why = f"block norms that are not transformers' {norm_class}"
+        if why is not None:
+            return f"layer {i}: {why}"
+        n1, n2 = (norm(n.weight, n.variance_epsilon) for n in norms)
+        blocks.append(_dp.BlockDescription(mixer, "mla" if is_mla else "kda", n1, n2,
+                                           "swiglu" if moe is None else "moe", ffn[0], ffn[1], moe=moe))
+        part = MLA(mixer, rotary, gated) if is_mla else kda_part(mixer)
+        parts.append(part if moe is None else (part, ffn[3]))
+    desc = model_description(model, embed, blocks, base.norm, norm_class, wdt)
+    return desc if isinstance(desc, str) else (desc, parts)
+
+
+def mla_kda_block_plan(kda_plan):
+    """A description's `block_plan` for `describe_mla_kda_model`'s parts: MLA parts through `mla_plan`, the others
+    through `kda_plan(part, bd, B, d, wdt)`, then router mode 2 where the part carries a router."""
+    def block_plan(part, bd, B: int, d: int, wdt: torch.dtype):
+        router = None
+        if type(part) is tuple:
+            part, router = part
+        p = mla_plan(part, bd, B, d, wdt) if type(part) is MLA else kda_plan(part, bd, B, d, wdt)
+        return p if p is None or router is None else set_router2(p, router, wdt)
+    return block_plan
+
+
+def mla_kda_state_spec(kda_spec):
+    """A description's `state_spec` for `describe_mla_kda_model`'s parts (an MLA layer keeps no recurrent state:
+    its cache rows are the KV mirrors')."""
+    def state_spec(part) -> tuple:
+        part = part[0] if type(part) is tuple else part
+        return ("softmax", 0, 0, 0, 0, ()) if type(part) is MLA else kda_spec(part)
+    return state_spec

@@ -392,6 +392,8 @@ PLAN_POINTERS = ("n1w", "W", "Wb", "cw", "cb", "alpha", "neg_a", "dt_bias", "dec
                   "Wf", "Wg2", "bg2", "Dsk", "bo") + tuple(f"sc_{n}" for n in _cpu_decode.KDA_MATRICES) + ("log_decay",)
 # (a mixture of experts' router, experts and shared gate)
 PLAN_POINTERS += ("Wr", "Weg", "Wed", "Wsg")
+# (latent attention's and router mode 2's)
+PLAN_POINTERS += ("mla_Wkb", "mla_kvnw", "mla_Wqb", "mla_qnw", "e_bias")
 
 
 def plan_pointers(p) -> set:
