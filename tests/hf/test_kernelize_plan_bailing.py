@@ -3,8 +3,9 @@
 model (transformers' PyTorch code), fp64 and fp32: greedy tokens identical and logits within 1e-5, batch > 1, the
 lower-bounded ("safe") gate and the softplus one, transformers' cache objects holding transformers' values, a cache
 copied or advanced by transformers' own code between compiled tokens, one compiled call per decoded token, the plan
-rebuilt when a weight it copied is updated in place, bf16; MLA layers and MoE feed-forwards step aside (the whole
-model), through `generate`.
+rebuilt when a weight it copied is updated in place, bf16; MLA layers and MoE feed-forwards the plan does not compute
+(a YaRN RoPE, router logits asked for) step aside (the whole model), through `generate`. Models with MLA layers and MoE
+feed-forwards the plan computes: tests/hf/test_kernelize_plan_bailing_mla.py.
 
 Such a model has no attention layer, so transformers' `generate` cannot run it (its cache reports no length): it
 decodes token by token through the forward (tests/hf/plan_decode.py's `prefill` / `step`)."""
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compile
 KDA3 = ("linear_attention",) * 3
 
 
-def _pair(dtype=torch.float32, tied=False, layers=KDA3, mlp=None, hooked=True, safe=True):
+def _pair(dtype=torch.float32, tied=False, layers=KDA3, mlp=None, hooked=True, safe=True, **kw):
     """(unpatched, kernelized) Bailing hybrid (4 KDA heads of 16); the norms, A_log / dt_bias and the gated norm
     moved off their init values, q / k scaled up so that the L2 norms and the decays show."""
     cfg = transformers.BailingHybridConfig(
@@ -37,7 +38,7 @@ def _pair(dtype=torch.float32, tied=False, layers=KDA3, mlp=None, hooked=True, s
         q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, moe_intermediate_size=16,
         num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
         kda_safe_gate=safe, layer_types=list(layers), mlp_layer_types=list(mlp or ["dense"] * len(layers)),
-        tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
     return pd.perturbed_pair(transformers.BailingHybridForCausalLM, cfg, dtype, hooked,
                              moved=("norm", "A_log", "dt_bias"), scaled=("q_proj", "k_proj"))
 
@@ -75,13 +76,15 @@ def test_bf16_decodes_through_the_plan(monkeypatch):
     pd.check_forward_bf16(*_pair(torch.bfloat16), monkeypatch)
 
 
-@pytest.mark.parametrize("layers,mlp,why", [
-    (("linear_attention", "full_attention", "linear_attention"), None, "MLA"),
-    (KDA3, ("dense", "sparse", "dense"), "MoE"),
+@pytest.mark.parametrize("layers,mlp,kw,why", [
+    (("linear_attention", "full_attention", "linear_attention"), None,
+     {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                          "original_max_position_embeddings": 64}}, "default RoPE"),
+    (KDA3, ("dense", "sparse", "dense"), {"output_router_logits": True}, "output_router_logits"),
 ])
-def test_mla_layers_and_moe_feed_forwards_step_aside(layers, mlp, why, monkeypatch):
-    """A model with an MLA layer (every released checkpoint) or an MoE feed-forward: not hooked, the reason given."""
-    ref, fast = _pair(layers=layers, mlp=mlp, hooked=False)
+def test_what_mla_and_moe_blocks_do_not_compute_step_aside(layers, mlp, kw, why, monkeypatch):
+    """An MLA layer with a YaRN RoPE, or router logits asked for: not hooked, the reason given."""
+    ref, fast = _pair(layers=layers, mlp=mlp, hooked=False, **kw)
     pd.check_not_described(ref, fast, undescribed_reason, why, describe_model, "full_attention" in layers,
                            monkeypatch)
 

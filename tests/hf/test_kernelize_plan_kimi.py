@@ -2,7 +2,9 @@
 UNPATCHED model (transformers' PyTorch code): greedy tokens identical and logits within 1e-5 (fp32), sampled tokens
 with a seed, batch > 1, transformers' cache objects holding transformers' values, a cache copied or advanced by
 transformers' own code between compiled tokens, one compiled call per decoded token, the plan rebuilt when a weight
-it copied is updated in place; MLA layers and MoE feed-forwards step aside (the whole model), through `generate`.
+it copied is updated in place; MLA layers and MoE feed-forwards the plan does not compute (attention biases, router
+logits asked for) step aside (the whole model), through `generate`. Models with MLA layers and MoE feed-forwards
+the plan computes: tests/hf/test_kernelize_plan_kimi_mla.py.
 
 A Kimi Linear model without an attention layer cannot be decoded by transformers' `generate` (its cache reports no
 sequence length): the KDA-only models here decode token by token through the model's forward with explicit
@@ -28,20 +30,20 @@ pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compile
 KDA3 = ("linear_attention",) * 3
 
 
-def _config(layers=KDA3, mlp=None, tied=False):
+def _config(layers=KDA3, mlp=None, tied=False, **kw):
     return transformers.KimiLinearConfig(
         vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=len(layers), num_attention_heads=2,
         num_key_value_heads=2, linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4, kv_lora_rank=16,
         q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, moe_intermediate_size=16,
         num_local_experts=4, num_experts_per_tok=2, layer_types=list(layers),
         mlp_layer_types=list(mlp or ["dense"] * len(layers)), tie_word_embeddings=tied, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2)
+        bos_token_id=1, eos_token_id=2, **kw)
 
 
-def _pair(dtype=torch.float32, tied=False, layers=KDA3, mlp=None, hooked=True):
+def _pair(dtype=torch.float32, tied=False, layers=KDA3, mlp=None, hooked=True, **kw):
     """(unpatched, kernelized) Kimi Linear; the norms, A_log / dt_bias and the gated norm moved off their init
     values, q / k scaled up so that the L2 norms and the decays show."""
-    return pd.perturbed_pair(transformers.KimiLinearForCausalLM, _config(layers, mlp, tied), dtype, hooked,
+    return pd.perturbed_pair(transformers.KimiLinearForCausalLM, _config(layers, mlp, tied, **kw), dtype, hooked,
                              moved=("norm", "A_log", "dt_bias"), scaled=("q_proj", "k_proj"))
 
 
@@ -129,15 +131,15 @@ def test_what_the_plan_does_not_compute_steps_aside(monkeypatch):
     assert calls.model == 1 and pd.close(lg[0], lg[1])
 
 
-@pytest.mark.parametrize("layers,mlp,why", [
-    (("linear_attention", "full_attention", "linear_attention"), None, "MLA"),
-    (KDA3, ("dense", "sparse", "dense"), "MoE"),
+@pytest.mark.parametrize("layers,mlp,kw,why", [
+    (("linear_attention", "full_attention", "linear_attention"), None, {"attention_bias": True}, "bias-free"),
+    (KDA3, ("dense", "sparse", "dense"), {"output_router_logits": True}, "output_router_logits"),
 ])
-def test_mla_layers_and_moe_feed_forwards_step_aside(layers, mlp, why, monkeypatch):
-    """A model with an MLA layer (every real Kimi Linear checkpoint) or an MoE feed-forward is not hooked: the reason
-    is given, the forward stays the class's, and `generate` (which these models can run: with an MLA layer the cache
+def test_what_mla_and_moe_blocks_do_not_compute_steps_aside(layers, mlp, kw, why, monkeypatch):
+    """An MLA layer with projection biases, or router logits asked for: the model is not hooked, the reason is
+    given, the forward stays the class's, and `generate` (which these models can run: with an MLA layer the cache
     reports its length) gives the unpatched model's tokens and logits with no compiled call."""
-    ref, fast = _pair(layers=layers, mlp=mlp, hooked=False)
+    ref, fast = _pair(layers=layers, mlp=mlp, hooked=False, **kw)
     pd.check_not_described(ref, fast, undescribed_reason, why, describe_model, "full_attention" in layers,
                            monkeypatch)
 

@@ -14,21 +14,28 @@ weights). Its KDA layers (`BailingHybridDeltaAttention`) map onto the plan's KDA
 * `o_norm` (per-head RMSNorm times sigmoid of the gate), `o_proj`; the MLP's `gate_proj | up_proj` concatenated
   once.
 
+Its MLA layers (`BailingHybridAttention`: every released checkpoint has them, the last of each group of
+`layer_group_size`) map onto the plan's latent-attention block (kind 7, `cpu/csrc/decode_mla.h`;
+`kernelize_plan_parts.mla_plan`): `q_proj` (or `q_a_proj`, its norm, `q_b_proj`), `kv_a_proj_with_mqa` and the
+head-wise gate `g_proj` read in place as one first product; the latent's RMSNorm `kv_a_layernorm`; DeepSeek's
+interleaved RoPE (the base model's default rotary embedding, angles in fp32 as transformers') on q's rope part and
+the shared key part; `kv_b_proj` applied to q and to the weighted latents; softmax over the cache; each head's output
+times sigmoid of its gate; `o_proj`. transformers' cache holds the normed latents as the layer's keys and the
+rotated shared keys as its values, views of the plan's mirror buffer after every token. Its MoE feed-forwards
+(`BailingHybridMoE`, DeepSeek-V3's: sigmoid scores, correction bias for the choice, grouped top-k, routed scaling
+factor, shared experts) are the plan's MoE FFN with router mode 2 (`kernelize_plan_parts.deepseek_moe`); the first
+`first_k_dense_replace` layers' dense MLPs are SwiGLU MLPs.
+
 What the plan does not compute makes the whole model step aside (every cached token then runs transformers'
-forward, as kernelize serves it; `undescribed_reason` says why):
+forward, as kernelize serves it; `undescribed_reason` says why): another activation, conv bias, attention biases,
+a RoPE other than the default one (YaRN), grouped key/value heads, `output_router_logits`, modules that are not
+exactly transformers'.
 
-* an attention layer (`BailingHybridAttention`, every released checkpoint has them): multi-head latent attention,
-  its keys and values expanded from the RMS-normalised latent `kv_a_layernorm(kv_a_proj_with_mqa(x))` with an
-  interleaved RoPE on a shared key part and a head-wise sigmoid gate; the softmax block (keys a projection of x)
-  does not compute it, a latent-attention block kind is needed;
-* an MoE feed-forward (`BailingHybridMoE`: routed experts, not a plan block);
-* another activation, conv bias, biases, modules that are not exactly transformers'.
-
-So the plan serves Bailing hybrids made of KDA layers and dense MLPs only. As for Kimi Linear
-(hf/kernelize_plan_kimi.py, whose call checks and output class this module takes), transformers' cache of such a
-model reports no sequence length, so its `generate` fails before and after kernelize; its forward runs given
-explicit `position_ids` and the per-layer-type masks as a dict, and so does the hook. The cache objects stay valid
-after every token (each layer's recurrent state a view of the step's buffer, its conv state shifted and copied).
+The call checks and the output class are Kimi Linear's (hf/kernelize_plan_kimi.py): a model with MLA layers decodes
+as transformers' does; a KDA-only one (its cache reports no length, so its `generate` fails before and after
+kernelize) given explicit `position_ids` and the per-layer-type masks as a dict. The cache objects stay valid after
+every token (each KDA layer's recurrent state a view of the step's buffer, its conv state shifted and copied; each
+MLA layer's keys and values views of its mirror).
 """
 from __future__ import annotations
 
@@ -62,7 +69,7 @@ class _KDA:
 def _kda_reason(layer, d: int, wdt) -> Optional[str]:
     """Why the plan's KDA block does not compute this layer, or None."""
     if type(layer).__name__ != "BailingHybridDeltaAttention":
-        return f"an attention layer of type {type(layer).__name__} (MLA: no latent-attention block kind)"
+        return f"an attention layer of type {type(layer).__name__}"
     m = layer._modules
     fg = m.get("forget_gate")
     H, K = layer.num_heads, layer.head_dim
@@ -78,8 +85,11 @@ def _kda_reason(layer, d: int, wdt) -> Optional[str]:
 
 
 def _describe(model: nn.Module) -> Union[tuple, str]:
-    """(ModelDescription, per-layer `_KDA`) or the reason the plan does not compute the model."""
-    return _parts.describe_kda_model(model, MODELS, _kda_reason, _KDA, "BailingHybridMLP", "BailingHybridRMSNorm")
+    """(ModelDescription, per-layer part: `_KDA` or `kernelize_plan_parts.MLA`, with its router for an MoE block)
+    or the reason the plan does not compute the model."""
+    return _parts.describe_mla_kda_model(model, MODELS, _kda_reason, _KDA, "BailingHybridAttention",
+                                         "BailingHybridMLP", "BailingHybridRMSNorm",
+                                         rotary=getattr(model.model, "rotary_emb", None), gated=True)
 
 
 def describe_model(model: nn.Module):
@@ -89,8 +99,7 @@ def describe_model(model: nn.Module):
 
 
 def undescribed_reason(model: nn.Module) -> Optional[str]:
-    """Why a Bailing hybrid does not decode through the compiled plan (an MLA layer, an MoE feed-forward, ...), or
-    None when it does."""
+    """Why a Bailing hybrid does not decode through the compiled plan, or None when it does."""
     return _parts.reason(_describe(model))
 
 
@@ -104,10 +113,10 @@ def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtyp
 # -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol): Kimi
 #    Linear's but for the blocks ---------------------------------------------------------------------------------
 FAST_KWARGS, FP32_LOGITS = _parts.CAUSAL_LM_KWARGS, False
-describe, block_plan, call_usable, output_class = _describe, _kda_plan, _kimi.call_usable, _kimi.output_class
+describe, call_usable, output_class = _describe, _kimi.call_usable, _kimi.output_class
+block_plan = _parts.mla_kda_block_plan(_kda_plan)
 base = operator.attrgetter("model")
-hookable = _parts.hookable(_describe)   # (False with an MLA layer or an MoE feed-forward: `undescribed_reason`)
+hookable = _parts.hookable(_describe)   # (False where `undescribed_reason` says why)
 
 
-def state_spec(k: _KDA) -> tuple:
-    return ("delta", k.H, k.K, k.K, k.KC, (k.H * k.K,) * 3)
+state_spec = _kimi.state_spec
