@@ -8,12 +8,13 @@ a long prompt is not what the decode rows time, and on a slow fallback it bounde
 
 Kinds (--kinds): gdn = a Qwen3.5-0.8B-like Gated DeltaNet layer (Qwen3_5ForCausalLM: hidden 1024, 16 key heads
 x 128, 32 value heads x 128, conv 4); kda = a Kimi-Linear-like KDA layer (KimiLinearForCausalLM: hidden 2304,
-32 heads x 128); mamba2 = a Mamba2 layer (Mamba2ForCausalLM: hidden 1024, 32 heads x 64, state 128, 1 group);
+32 heads x 128) then Kimi Linear's MLA layer (32 heads, latent 512) with an MoE feed-forward (8 experts of 1024,
+top 2, one shared); mamba2 = a Mamba2 layer (Mamba2ForCausalLM: hidden 1024, 32 heads x 64, state 128, 1 group);
 lightning = MiniMax's lightning attention (MiniMaxForCausalLM: hidden 2048, 16 heads x 128, block 256, a MoE
 feed-forward of 2 experts, top 1, and a full-attention second layer of the same heads); bamba = a Mamba2 hybrid
 (BambaForCausalLM: the mamba2 kind's layer, then a minimal softmax layer).
 The MLP (intermediate 2 x hidden), the embeddings and the head (vocab --vocab-size) are the same on both sides.
-gdn, kda and bamba models have a second layer, a minimal softmax one (1 head; transformers 5.24 cannot build the
+gdn and bamba models have a second layer, a minimal softmax one (1 head; transformers 5.24 cannot build the
 causal mask of a cached model without any attention layer), the same on both sides too.
 KDA's unpatched training step (transformers' PyTorch chunk code) takes minutes at T = 2048 on 2 cores: its row
 runs at --kda-train-T (default 512), and the table says so.

@@ -25,14 +25,19 @@ def build_model(kind: str, quick: bool, vocab_size: int, seed: int = 0) -> torch
                                    layer_types=["linear_attention", "full_attention"])
         model = tf.Qwen3_5ForCausalLM(cfg)
     elif kind == "kda":
+        # Kimi Linear's KDA layer (dense MLP), then its MLA layer (Kimi-Linear-48B's heads: 32, latent 512, nope
+        # 128, rope 64, v 128) with an MoE feed-forward (its expert size 1024 and router: sigmoid, correction bias,
+        # scaling 2.446; 8 experts, top 2, one shared, where the checkpoint has 256, top 8)
         d, h, dk = (64, 4, 16) if quick else (2304, 32, 128)
+        ha, r, nope, rope, dv, hid = (2, 16, 16, 8, 16, 16) if quick else (32, 512, 128, 64, 128, 1024)
         cfg = tf.KimiLinearConfig(**ids, vocab_size=vocab_size, hidden_size=d, intermediate_size=2 * d,
-                                  num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                                  num_hidden_layers=2, num_attention_heads=ha, num_key_value_heads=ha,
                                   linear_num_heads=h, linear_head_dim=dk, linear_conv_kernel_dim=4,
-                                  kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
-                                  qk_nope_head_dim=16, moe_intermediate_size=16, num_local_experts=2,
-                                  num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"],
-                                  mlp_layer_types=["dense", "dense"])
+                                  kv_lora_rank=r, q_lora_rank=None, qk_rope_head_dim=rope, v_head_dim=dv,
+                                  qk_nope_head_dim=nope, moe_intermediate_size=hid, num_local_experts=8,
+                                  num_experts_per_tok=2, num_shared_experts=1, routed_scaling_factor=2.446,
+                                  layer_types=["linear_attention", "full_attention"],
+                                  mlp_layer_types=["dense", "sparse"])
         model = tf.KimiLinearForCausalLM(cfg)
     elif kind == "mamba2":
         d, h, p, n = (64, 4, 32, 16) if quick else (1024, 32, 64, 128)
