@@ -387,6 +387,20 @@ int linattn_decode_moe_route(int64_t R, int64_t E, int64_t k, int norm, const fl
     return 0;
 }
 
+/* router mode 2 as an entry point (tests): R rows of E logits -> idx [R, k] (increasing), w [R, k]. Returns 0,
+   or 1 when out of memory. */
+int linattn_decode_moe_route_grouped(int64_t R, int64_t E, int64_t k, int64_t G, int64_t kg, int norm, double scale,
+                                     const float *logits, const float *bias, int64_t *idx, float *w) {
+    moe_elem *buf = (moe_elem *)malloc(sizeof(moe_elem) * (size_t)(E + 1));
+    float *f = (float *)malloc(sizeof(float) * (size_t)(E + G + 1));
+    if (!buf || !f) { free(buf); free(f); return 1; }
+    for (int64_t r = 0; r < R; ++r)
+        moe_route_grouped_row(E, k, G, kg, norm, (float)scale, logits + r * E, bias, buf, f + E, f, idx + r * k,
+                              w + r * k);
+    free(buf); free(f);
+    return 0;
+}
+
 #define REAL float
 #define FN(name) name##_f32
 #define MATH(name) name##f
