@@ -36,6 +36,34 @@ static void FN(mla_product_t)(int bf, const void *W, int64_t n, int64_t m, const
     }
 }
 
+/* sum_i a[i] x_i over n cache elements from element off (bf16 or the plan's type) */
+static inline REAL FN(mla_dot)(int kb, const void *base, int64_t off, const REAL *restrict a, int64_t n) {
+    REAL s = 0;
+    if (kb) {
+        const uint16_t *restrict x = (const uint16_t *)base + off;
+#pragma omp simd reduction(+:s)
+        for (int64_t i = 0; i < n; ++i) s += a[i] * (REAL)bf16_to_f32(x[i]);
+    } else {
+        const REAL *restrict x = (const REAL *)base + off;
+#pragma omp simd reduction(+:s)
+        for (int64_t i = 0; i < n; ++i) s += a[i] * x[i];
+    }
+    return s;
+}
+
+/* acc[i] += e x_i over n cache elements from element off */
+static inline void FN(mla_axpy)(int kb, const void *base, int64_t off, REAL e, REAL *restrict acc, int64_t n) {
+    if (kb) {
+        const uint16_t *restrict x = (const uint16_t *)base + off;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) acc[i] += e * (REAL)bf16_to_f32(x[i]);
+    } else {
+        const REAL *restrict x = (const REAL *)base + off;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) acc[i] += e * x[i];
+    }
+}
+
 /* DeepSeek's interleaved rotation of R channels: pairs (x[2i], x[2i+1]) by angle i, written rotate-half
    ([x0' x2' .. | x1' x3' ..]) into out, as transformers' apply_rotary_pos_emb_interleave */
 static void FN(mla_rope)(const REAL *x, int64_t R, const REAL *c, const REAL *s, REAL *out) {
@@ -100,19 +128,15 @@ static int FN(mla_mix)(const linattn_block_plan *p, REAL *y, REAL *o) {
             int nan = 0;
             for (int64_t t = lo; t < L; ++t) {
                 const int64_t c0 = (b * cap + t) * r, r0 = (b * cap + t) * R;
-                REAL s = 0, s2 = 0;
-                for (int64_t i = 0; i < r; ++i) s += qt[i] * FN(kv_get)(kb, p->kc, c0 + i);
-                for (int64_t i = 0; i < R; ++i) s2 += qrh[i] * FN(kv_get)(kb, p->vc, r0 + i);
-                s = (s + s2) * scale;
+                const REAL s = (FN(mla_dot)(kb, p->kc, c0, qt, r) + FN(mla_dot)(kb, p->vc, r0, qrh, R)) * scale;
                 w[t] = s;
                 nan |= s != s;
                 if (s > m) m = s;
             }
             for (int64_t t = lo; t < L; ++t) {
                 const REAL e = nan ? (REAL)NAN : MATH(exp)(w[t] - m);
-                const int64_t c0 = (b * cap + t) * r;
                 den += e;
-                for (int64_t i = 0; i < r; ++i) cbar[i] += e * FN(kv_get)(kb, p->kc, c0 + i);
+                FN(mla_axpy)(kb, p->kc, (b * cap + t) * r, e, cbar, r);
             }
             for (int64_t i = 0; i < r; ++i) cbar[i] /= den;
             REAL *oh = o + b * H * dv + h * dv;
