@@ -46,7 +46,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import math
+import os
+import pkgutil
 import types
 from typing import Optional, Union
 
@@ -57,13 +60,7 @@ from ..cpu import decode as _cpu_decode
 from ..layers import fast_decode as _fast
 from ..layers.cache import KVCache
 from ..models import decode_plan as _dp
-from . import (
-    kernelize_plan_bailing as _bailing,  # (Bailing hybrid's: its own module)
-    kernelize_plan_kimi as _kimi,  # (Kimi Linear's description: its own module)
-    kernelize_plan_mamba2 as _mamba2,  # (Mamba2's: its own module)
-    kernelize_plan_olmo as _olmo,  # (OLMo-hybrid's: its own module)
-    kernelize_plan_parts as _parts,
-)
+from . import kernelize_plan_parts as _parts
 
 __all__ = ["describe_model", "hook_model", "model_token"]
 
@@ -238,7 +235,20 @@ _QWEN = types.SimpleNamespace(
 #: B, d, wdt)` (a BlockPlan or None), `state_spec(part)` (`decode_plan.state_layout`'s), `call_usable(cache, B, L,
 #: attention_mask, position_ids)` (L the softmax layers' length or None), `output_class()`, `FP32_LOGITS`. A layer's
 #: plan state (`state_spec`'s layout) has the shape and order of transformers' recurrent state tensor.
-_ARCHITECTURES = {name: a for a in (_QWEN, _kimi, _mamba2, _olmo, _bailing) for name in a.MODELS}
+_ARCHITECTURES = {name: _QWEN for name in _QWEN.MODELS}
+
+
+def _join_descriptions() -> None:
+    """Every description module of this package (`kernelize_plan_<arch>.py` with a `MODELS` tuple) joins
+    `_ARCHITECTURES` on import: describing an architecture is adding its module."""
+    for info in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        if info.name.startswith("kernelize_plan_"):
+            mod = importlib.import_module(f"{__package__}.{info.name}")
+            for name in getattr(mod, "MODELS", ()):
+                _ARCHITECTURES.setdefault(name, mod)
+
+
+_join_descriptions()
 
 
 class _Slot:
