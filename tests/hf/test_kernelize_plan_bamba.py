@@ -153,3 +153,13 @@ def test_what_the_plan_does_not_compute_steps_aside(cfg, why, monkeypatch):
     kernelized model decodes as the unpatched one."""
     ref, fast = _pair(hooked=False, **cfg)
     pd.check_not_described(ref, fast, undescribed_reason, why, describe_model, True, monkeypatch)
+
+
+def test_the_hook_returns_the_unpatched_forwards_output_class(monkeypatch):
+    ref, fast = _pair()
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
+        got, want = (m(ids[:, -1:], cache=c, position_ids=torch.full((1, 1), 5)) for m, c in zip((fast, ref), caches))
+    assert calls.model == 1 and type(got) is type(want)
