@@ -111,10 +111,17 @@ def check_left_padded_generate(ref, fast, calls, compiled):
     return ids, mask
 
 
-def check_cache_copied_and_advanced(ref, fast, watched, monkeypatch):
+def at(positions: bool, pos: int) -> dict:
+    """The keywords of a one-token call at position pos: its position ids when `positions` (models whose forward
+    does not take them from the cache, Bamba's), else none."""
+    return {"position_ids": torch.full((1, 1), pos)} if positions else {}
+
+
+def check_cache_copied_and_advanced(ref, fast, watched, monkeypatch, positions=False):
     """A deep copy of the cache decoded on its own (the original's `watched(cache)` tensor unchanged); tokens
     decoded by transformers' own code (LINATTN_CPU_KERNELS=0) between compiled ones; a generate continued on a
-    returned cache: the unpatched model's logits throughout."""
+    returned cache: the unpatched model's logits throughout (`positions`: each token's position ids passed, for
+    models whose forward does not take them from the cache)."""
     ids = prompt(2, 6)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
@@ -125,14 +132,14 @@ def check_cache_copied_and_advanced(ref, fast, watched, monkeypatch):
             if step == 3:
                 copies = [copy.deepcopy(c) for c in caches]
                 snap = watched(caches[0]).clone()
-                lc = [m(tok, cache=c).logits for m, c in zip((fast, ref), copies)]
+                lc = [m(tok, cache=c, **at(positions, 6 + step)).logits for m, c in zip((fast, ref), copies)]
                 assert close(lc[0], lc[1])
                 assert torch.equal(watched(caches[0]), snap)
             if step in (4, 5):
                 monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
             else:
                 monkeypatch.delenv("LINATTN_CPU_KERNELS", raising=False)
-            lg = [m(tok, cache=c).logits for m, c in zip((fast, ref), caches)]
+            lg = [m(tok, cache=c, **at(positions, 6 + step)).logits for m, c in zip((fast, ref), caches)]
             assert close(lg[0], lg[1]), step
             tok = lg[1].argmax(-1)
     assert calls.model == 8 - 2 + 1
@@ -142,21 +149,21 @@ def check_cache_copied_and_advanced(ref, fast, watched, monkeypatch):
     assert close(torch.stack(more[0].logits), torch.stack(more[1].logits))
 
 
-def check_in_place_update(ref, fast, name, copied, monkeypatch):
+def check_in_place_update(ref, fast, name, copied, monkeypatch, positions=False):
     """Parameter `name` updated in place between tokens: the plan's guard fails exactly when the plan `copied` it,
-    and the next token reads the new value."""
+    and the next token reads the new value (`positions`: `at`'s)."""
     ids = prompt(2, 5)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
         caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
         tok = ids[:, -1:]
         for m, c in zip((fast, ref), caches):
-            m(tok, cache=c)
+            m(tok, cache=c, **at(positions, 5))
         guard = fast._linattn_model_plan.guard
         for m in (fast, ref):
             m.get_parameter(name).add_(0.5)
         assert guard.valid() is not copied
-        lg = [m(tok, cache=c).logits for m, c in zip((fast, ref), caches)]
+        lg = [m(tok, cache=c, **at(positions, 6)).logits for m, c in zip((fast, ref), caches)]
     assert calls.model == 2
     assert close(lg[0], lg[1])
 
@@ -172,24 +179,25 @@ def check_hook_steps_aside(ref, fast, module, monkeypatch):
     assert torch.equal(got.sequences, want.sequences)
 
 
-def check_bf16(ref, fast, dtype, monkeypatch):
-    """bf16 weights, computed in fp32: the logits (of `dtype`) within bf16's rounding of the unpatched model's."""
+def check_bf16(ref, fast, dtype, monkeypatch, positions=False):
+    """bf16 weights, computed in fp32: the logits (of `dtype`) within bf16's rounding of the unpatched model's
+    (`positions`: `at`'s)."""
     ids = prompt(2, 5)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
         caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
         tok = ids[:, -1:]
-        for _ in range(4):
-            lg = [m(tok, cache=c).logits for m, c in zip((fast, ref), caches)]
+        for i in range(4):
+            lg = [m(tok, cache=c, **at(positions, 5 + i)).logits for m, c in zip((fast, ref), caches)]
             assert lg[0].dtype == lg[1].dtype == dtype
             assert close(lg[0].float(), lg[1].float(), 0.05)
             tok = lg[1].argmax(-1)
     assert calls.model == 4
 
 
-def check_torch_compile_steps_aside(fast, monkeypatch):
+def check_torch_compile_steps_aside(fast, monkeypatch, positions=False):
     """A cached one-token call inside torch.compile runs transformers' code (traced), not the compiled plan: the
-    same logits as the eager call on a copy of the cache, no compiled call."""
+    same logits as the eager call on a copy of the cache, no compiled call (`positions`: `at`'s)."""
     ids = prompt(1, 5)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
@@ -197,9 +205,9 @@ def check_torch_compile_steps_aside(fast, monkeypatch):
         twin = copy.deepcopy(cache)
         tok = ids[:, -1:]
         torch._dynamo.reset()
-        got = torch.compile(fast)(tok, cache=cache).logits
+        got = torch.compile(fast)(tok, cache=cache, **at(positions, 5)).logits
         assert calls.model == 0
-        want = fast(tok, cache=twin).logits
+        want = fast(tok, cache=twin, **at(positions, 5)).logits
     assert calls.model == 1
     assert close(got, want)
     torch._dynamo.reset()

@@ -206,3 +206,19 @@ def test_route_refuses_bad_input():
         cpu_decode.moe_route(torch.zeros(3, 4, dtype=torch.float64), 2, True)
     with pytest.raises(ValueError, match=r"k must be in \[1, E = 4\]"):
         cpu_decode.moe_route(torch.zeros(3, 4), 5, True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_hook_returns_the_unpatched_forwards_output_class(arch, monkeypatch):
+    """A compiled token returns the class transformers' forward returns (`MoeCausalLMOutputWithPast`), its aux loss
+    and router logits None as the unpatched forward leaves them without `output_router_logits`."""
+    ref, fast = _pair(arch)
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
+        got, want = (m(ids[:, -1:], cache=c) for m, c in zip((fast, ref), caches))
+    assert calls.model == 1
+    assert type(got) is type(want) is transformers.modeling_outputs.MoeCausalLMOutputWithPast
+    assert got.aux_loss is want.aux_loss is None and got.router_logits is want.router_logits is None
+    assert pd.close(got.logits, want.logits)

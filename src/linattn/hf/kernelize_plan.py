@@ -46,7 +46,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import math
+import os
+import pkgutil
 import types
 from typing import Optional, Union
 
@@ -57,13 +60,7 @@ from ..cpu import decode as _cpu_decode
 from ..layers import fast_decode as _fast
 from ..layers.cache import KVCache
 from ..models import decode_plan as _dp
-from . import (
-    kernelize_plan_bailing as _bailing,  # (Bailing hybrid's: its own module)
-    kernelize_plan_kimi as _kimi,  # (Kimi Linear's description: its own module)
-    kernelize_plan_mamba2 as _mamba2,  # (Mamba2's: its own module)
-    kernelize_plan_olmo as _olmo,  # (OLMo-hybrid's: its own module)
-    kernelize_plan_parts as _parts,
-)
+from . import kernelize_plan_parts as _parts
 
 __all__ = ["describe_model", "hook_model", "model_token"]
 
@@ -215,21 +212,26 @@ def _described_ffns(model: nn.Module) -> bool:
                for layer in model.model.layers)
 
 
-def _qwen_output():
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-    return CausalLMOutputWithPast
+def _qwen_output(moe: bool):
+    """The output class of the unpatched forward: Qwen3-Next's and Qwen3.5-MoE's are `MoeCausalLMOutputWithPast`
+    (the hook leaves its aux_loss and router_logits None: the plan steps aside when they are asked for)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+    return MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
 
 
-#: Qwen3.5 / Qwen3-Next as an architecture description (the protocol: `_ARCHITECTURES`)
+#: Qwen3.5 as an architecture description (the protocol: `_ARCHITECTURES`)
 _QWEN = types.SimpleNamespace(
-    MODELS=tuple(_GDN_PROJECTIONS),
+    MODELS=("Qwen3_5ForCausalLM",),
     FAST_KWARGS=_parts.CAUSAL_LM_KWARGS,
     base=lambda model: model.model, describe=_describe, hookable=_described_ffns, call_usable=_parts.cached_call_usable,
     block_plan=lambda g, bd, B, d, wdt: (_gdn_plan(g, bd, B, d, wdt) if g is not None
                                          else _dp.new_softmax_plan(bd, B, d, wdt)),
     state_spec=lambda g: (("delta", g.HV, g.K, g.V, g.KC, (g.H * g.K, g.H * g.K, g.HV * g.V)) if g is not None
                           else ("softmax", 0, 0, 0, 0, ())),
-    output_class=_qwen_output, FP32_LOGITS=False)
+    output_class=lambda: _qwen_output(False), FP32_LOGITS=False)
+#: Qwen3-Next / Qwen3.5-MoE: Qwen3.5's description with the MoE models' output class
+_QWEN_MOE = types.SimpleNamespace(**{**vars(_QWEN), "MODELS": ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"),
+                                     "output_class": lambda: _qwen_output(True)})
 
 #: every described architecture. A description (a module or a namespace; the per-architecture modules import
 #: nothing from here) gives: `MODELS` (transformers class names), `FAST_KWARGS` (the forward's keywords the hook
@@ -237,8 +239,22 @@ _QWEN = types.SimpleNamespace(
 #: with the final norm as the plan reads it, per-layer part) or why not), `hookable(model)`, `block_plan(part, bd,
 #: B, d, wdt)` (a BlockPlan or None), `state_spec(part)` (`decode_plan.state_layout`'s), `call_usable(cache, B, L,
 #: attention_mask, position_ids)` (L the softmax layers' length or None), `output_class()`, `FP32_LOGITS`. A layer's
-#: plan state (`state_spec`'s layout) has the shape and order of transformers' recurrent state tensor.
-_ARCHITECTURES = {name: a for a in (_QWEN, _kimi, _mamba2, _olmo, _bailing) for name in a.MODELS}
+#: plan state (`state_spec`'s layout) has the shape and order of transformers' recurrent state tensor. Every module
+#: of this package named `kernelize_plan_<arch>` with a `MODELS` tuple is such a description and joins on import.
+_ARCHITECTURES = {name: a for a in (_QWEN, _QWEN_MOE) for name in a.MODELS}
+
+
+def _join_descriptions() -> None:
+    """Every description module of this package (`kernelize_plan_<arch>.py` with a `MODELS` tuple) joins
+    `_ARCHITECTURES` on import: describing an architecture is adding its module."""
+    for info in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        if info.name.startswith("kernelize_plan_"):
+            mod = importlib.import_module(f"{__package__}.{info.name}")
+            for name in getattr(mod, "MODELS", ()):
+                _ARCHITECTURES.setdefault(name, mod)
+
+
+_join_descriptions()
 
 
 class _Slot:

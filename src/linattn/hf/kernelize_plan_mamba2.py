@@ -45,9 +45,11 @@ def _linear(m, shape, wdt) -> bool:
             and (m.bias is None or m.bias.dtype == wdt))
 
 
-def _mixer_reason(mx, d: int, wdt) -> Optional[str]:
-    """Why the plan's Mamba2 block does not compute this mixer, or None."""
-    if type(mx).__name__ != "Mamba2Mixer":
+def mixer_reason(mx, d: int, wdt, mixer_class: str = "Mamba2Mixer",
+                 norm_class: str = "MambaRMSNormGated") -> Optional[str]:
+    """Why the plan's Mamba2 block does not compute this mixer (transformers' `mixer_class`, its gated norm of class
+    `norm_class`: Mamba2's, or a hybrid's with the same attributes), or None."""
+    if type(mx).__name__ != mixer_class:
         return f"a mixer of type {type(mx).__name__}"
     H, P, G, N, KC = mx.num_heads, mx.head_dim, mx.n_groups, mx.ssm_state_size, mx.conv_kernel_size
     DI, CD = mx.intermediate_size, mx.conv_dim
@@ -60,8 +62,8 @@ def _mixer_reason(mx, d: int, wdt) -> Optional[str]:
     if (type(conv) is not nn.Conv1d or conv.weight.shape != (CD, 1, KC) or conv.groups != CD
             or conv.weight.dtype != wdt or mx.activation not in ("silu", "swish")):
         return "a short convolution that is not a depthwise SiLU nn.Conv1d"
-    if type(norm).__name__ != "MambaRMSNormGated" or norm.weight.shape != (DI,) or norm.group_size != DI // G:
-        return "an output norm that is not transformers' MambaRMSNormGated over the groups"
+    if type(norm).__name__ != norm_class or norm.weight.shape != (DI,) or norm.group_size != DI // G:
+        return f"an output norm that is not transformers' {norm_class} over the groups"
     if tuple(float(x) for x in mx.time_step_limit) != (0.0, math.inf):
         return "a time_step_limit other than (0, inf) (transformers' one-token step does not clamp dt)"
     if mx.A_log.shape != (H,) or mx.dt_bias.shape != (H,) or mx.D.shape != (H,):
@@ -79,7 +81,7 @@ def _describe(model: nn.Module) -> Union[tuple, str]:
     blocks, mixers = [], []
     for i, block in enumerate(base.layers):
         mx, norm = block._modules.get("mixer"), block._modules.get("norm")
-        why = _mixer_reason(mx, d, wdt)
+        why = mixer_reason(mx, d, wdt)
         if why is None and (type(block).__name__ != "Mamba2Block" or type(norm).__name__ != "Mamba2RMSNorm"
                             or norm.weight.dtype != wdt):
             why = "a block that is not transformers' Mamba2Block with its Mamba2RMSNorm"
@@ -104,13 +106,15 @@ def undescribed_reason(model: nn.Module) -> Optional[str]:
     return _parts.reason(_describe(model))
 
 
-def _mamba2_plan(mx, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
-    """The plan's Mamba2 block (kind 5) for a transformers Mamba2 mixer."""
+def mixer_plan(mx, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
+    """The plan's Mamba2 block (kind 5) for a transformers Mamba2 mixer (`mixer_reason` None), with the block's
+    feed-forward when `bd` describes one (the Mamba2 hybrids')."""
     cdt, keep, m = _dp.compute_dtype(wdt), [], mx._modules
     addr = _dp.plan_addresser(keep, cdt)
     H, P, G, N, CD = mx.num_heads, mx.head_dim, mx.n_groups, mx.ssm_state_size, mx.conv_dim
-    p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=N, V=P, d=d, ny=H * P + CD + H, KC=mx.conv_kernel_size, hid=0,
-                              kind=5, conv_act=1, nthreads=max(1, torch.get_num_threads()), has_ffn=0,
+    p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=N, V=P, d=d, ny=H * P + CD + H, KC=mx.conv_kernel_size,
+                              hid=0 if bd.ffn_down is None else bd.ffn_down.in_features, kind=5, conv_act=1,
+                              nthreads=max(1, torch.get_num_threads()), has_ffn=int(bd.ffn_down is not None),
                               wbf16=int(wdt == torch.bfloat16), n_groups=G, d_per_channel=0, dt_lo=0.0,
                               dt_hi=math.inf, norm_mode=1, state_pn=1)
     inp, out, conv, norm = m["in_proj"], m["out_proj"], m["conv1d"], m["norm"]
@@ -137,7 +141,7 @@ FAST_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache",
                          "logits_to_keep", "return_dict", "output_hidden_states"})
 #: the logits in fp32, as transformers returns them
 FP32_LOGITS = True
-describe, block_plan, call_usable = _describe, _mamba2_plan, _call_usable
+describe, block_plan, call_usable = _describe, mixer_plan, _call_usable
 
 base = operator.attrgetter("backbone")
 hookable = _parts.hookable(_describe)
