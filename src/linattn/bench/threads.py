@@ -296,11 +296,12 @@ def _spread(xs: List[float]) -> Dict[str, float]:
 def summarise(cases: List[Dict[str, Any]], counts: List[int]) -> List[Dict[str, Any]]:
     """One record per case: median ms per thread count; the paired speedups over 1 thread (median, quartiles, min,
     max; and split by the placement: the rounds whose n threads ended on n CPUs, "apart", or on fewer, "shared"); the
-    median CPU ms, runqueue wait ms and kernels' ms per thread count."""
+    median CPU ms, runqueue wait ms, kernels' ms and the rest of the call's ms per thread count."""
     out = []
     for c in cases:
         rec = {"level": c["level"], "op": c["op"], "pass": c["pass"], "median_ms": {}, "speedup": {},
                "speedup_min": {}, "spread": {}, "placement": {}, "cpu_ms": {}, "wait_ms": {}, "kernel_ms": {},
+               "around_ms": {},
                "ms": c["ms"], "calls": c["calls"]}
         for n in counts:
             calls = c["calls"][n]
@@ -308,6 +309,7 @@ def summarise(cases: List[Dict[str, Any]], counts: List[int]) -> List[Dict[str, 
             rec["cpu_ms"][n] = statistics.median(x["cpu_ms"] for x in calls)
             rec["wait_ms"][n] = statistics.median(x["wait_ms"] for x in calls)
             rec["kernel_ms"][n] = statistics.median(x["kernel_ms"] for x in calls)
+            rec["around_ms"][n] = statistics.median(ms - x["kernel_ms"] for ms, x in zip(c["ms"][n], calls))
             ratios = [a / b for a, b in zip(c["ms"][1], c["ms"][n])]
             rec["speedup"][n] = statistics.median(ratios)
             rec["speedup_min"][n] = min(ratios)
@@ -339,7 +341,7 @@ def _report(records: List[Dict[str, Any]], counts: List[int]) -> str:
         rows.append([r["level"], r["op"], r["pass"]] + [common.fmt_ms(r["median_ms"][n]) for n in counts]
                     + [f"{x['median']:.2f}x [{x['q1']:.2f}-{x['q3']:.2f}] ({x['min']:.2f}-{x['max']:.2f})" for x in sp]
                     + [f"{r['cpu_ms'][n]:.1f}" for n in counts] + [f"{r['wait_ms'][n]:.1f}" for n in counts]
-                    + [f"{r['median_ms'][n] - r['kernel_ms'][n]:.1f}" if r["level"] == "op" else "-" for n in counts]
+                    + [f"{r['around_ms'][n]:.1f}" if r["level"] == "op" else "-" for n in counts]
                     + [_placement(r["placement"][n]) for n in multi])
     return common.format_table(head, rows)
 
