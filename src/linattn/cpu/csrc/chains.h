@@ -53,13 +53,14 @@ static int la_team_init(la_team_t *t, int threads) {
 #if LA_PLACEMENT
     t->saved = malloc(sizeof(*t->saved) * (size_t)t->n);
     t->moved = calloc((size_t)t->n, sizeof(*t->moved));
-    if (!t->saved || !t->moved) {
+    if (!t->cpu || !t->saved || !t->moved) {
         free((void *)t->cpu), free(t->saved), free(t->moved);
         t->cpu = NULL, t->saved = NULL, t->moved = NULL;
         return -1;
     }
-#endif
+#else
     if (!t->cpu) return -1;
+#endif
     for (int i = 0; i < t->n; i++) atomic_init(&t->cpu[i], -1);
     return 0;
 }
