@@ -327,3 +327,55 @@ def test_chains_back_to_back_calls_same_bits(op):
     one = _run(op, x, 1)
     for i in range(40):
         _same_bits(_run(op, x, 2 + i % 2), one)
+
+
+def _affinities():
+    """Every thread of this process: its allowed CPUs as /proc lists them."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                out[tid] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("Cpus_allowed_list"))
+        except (OSError, StopIteration):
+            pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
+                    reason="Linux with at least 2 CPUs allowed")
+def test_threads_moved_off_a_shared_cpu_take_their_mask_back(tmp_path, monkeypatch):
+    """chains.h's placement: a thread of a call that finds another thread of the call on its CPU restricts itself to
+    the other CPUs until it leaves the call. In a build where every thread but the first moves at every claim
+    (LA_TEAM_ALWAYS_MOVE), a thread is seen with a narrower mask during a 2-thread call, every thread has its own
+    mask back after it, and the results are the default build's bits."""
+    import threading
+
+    x = _lin_inputs(1, 4096, 2, torch.float32, True, seed=11)
+    want = _run("linear", x, 2)
+    if cbuild.load_library("probe").linattn_probe_threads(2) != 2:
+        pytest.skip("the default build has no OpenMP here")
+    monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cbuild, "FLAG_SETS", (("-march=native", "-fopenmp", "-DLA_TEAM_ALWAYS_MOVE"),
+                                              ("-fopenmp", "-DLA_TEAM_ALWAYS_MOVE")))
+    monkeypatch.setattr(cbuild, "_LOADED", {})
+    before, narrowed = _affinities(), []  # torch's threads are up (the 2-thread call above)
+    for _ in range(20):
+        stop = threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                narrowed.extend(tid for tid, cpus in _affinities().items() if cpus != before.get(tid, cpus))
+
+        w = threading.Thread(target=watch)
+        w.start()
+        try:
+            got = _run("linear", x, 2)
+        finally:
+            stop.set()
+            w.join()
+        _same_bits(got, want)
+        after = _affinities()  # (a thread that ends or starts meanwhile, as the watcher, is not compared)
+        assert {t: m for t, m in after.items() if t in before} == {t: m for t, m in before.items() if t in after}
+        if narrowed:
+            break
+    assert narrowed, "no thread of a 2-thread call was seen restricted in 20 calls"

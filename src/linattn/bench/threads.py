@@ -9,21 +9,32 @@ feature map or the delta rule's preparation and the output layout around the ker
 their own threads), and `kernel`, the compiled kernels' custom ops alone on prepared inputs (the features, the
 normalised keys), so that the kernels' own scaling is seen apart from what surrounds them.
 
-Timing: every (case, thread count) is called once per round, the rounds repeated (--repeats), the order of the
-calls reversed every other round; `torch.set_num_threads` is set before each call (untimed). A case's speedup at
-n threads is the median over rounds of (its 1-thread time / its n-thread time in the same round), so that a change
-of background load hits both sides of a ratio alike; the table also gives each median time.
+Timing: every (case, thread count) is called once per round, the rounds repeated (--repeats, default 15), the calls
+of one case at its thread counts side by side and the order of all calls reversed every other round;
+`torch.set_num_threads` is set before each call (untimed). A case's speedup at n threads is the median over rounds of
+(its 1-thread time / its n-thread time in the same round), so that a change of background load hits both sides of a
+ratio alike; the table gives its spread too: the quartiles of the paired ratios and their min and max.
+
+What each call cost besides its wall time (Linux, from /proc/self/task/*/schedstat and stat before and after each
+call, untimed): the CPU time of all the process's threads (`cpu ms`: a 2-thread call that costs more CPU time than a
+1-thread call runs below 2x even on two idle cores; an idle OpenMP thread spinning at the end of a region counts
+here), the time they spent runnable but waiting for a core (`wait ms`: the busy loop's and other processes' share),
+and where the system put them: the CPU each thread that ran ran on last. An n-thread call whose threads ended on
+fewer CPUs than n ran "shared" (two of its threads took turns on one CPU); the table splits the paired speedups by
+that. At the `op` level the time inside the compiled kernels (`cpu.bindings.kernel_time`) is measured too, and the
+rest of the call (Python, torch's operators: checks, layouts, allocations) is given apart (`around ms`).
 
 --busy-core starts one busy-loop process (`while True: pass`, a child at this process's priority and affinity)
 before the first call and stops it after the last: one core is held for the whole run, as on a shared machine or
-under a CPU quota, and no thread count may then be slower than 1 thread. The 1/5/15-minute load averages are
-recorded before the busy loop starts and at the end (the busy loop itself then counts about 1).
+under a CPU quota, and no thread count may then be slower than 1 thread. The OS places it as it likes (and moves it)
+unless --busy-pin CPU pins it to one CPU. The 1/5/15-minute load averages are recorded before the busy loop starts
+and at the end (the busy loop itself then counts about 1).
 
 The OpenMP runtime's wait policy (OMP_WAIT_POLICY, read when the runtime loads) is recorded: by default an idle
 OpenMP thread spins for a while after every parallel region (torch's and the kernels' share one runtime), which on a
 core held by another process takes time from the threads that work; `passive` makes it sleep at once.
 
-The default run takes under a minute on two quiet cores; --quick runs a tiny configuration (the test suite runs it).
+The default run takes about a minute on two quiet cores; --quick runs a tiny configuration (the test suite runs it).
 """
 from __future__ import annotations
 
@@ -32,7 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -46,6 +57,7 @@ OPS = ("linear", "gated_deltanet")
 PASSES = ("fwd", "fwd+bwd")
 LEVELS = ("op", "kernel")
 QUICK = dict(T=256, repeats=2)
+SHARED_MIN_RUN = 0.2  # a thread counts for the placement when it ran at least this share of the call's CPU time
 BUSY_LOOP = "while True:\n    pass\n"
 
 
@@ -65,9 +77,11 @@ def add_arguments(p) -> None:
     p.add_argument("--passes", default=",".join(PASSES), help=f"comma list of {', '.join(PASSES)} (default both)")
     p.add_argument("--levels", default=",".join(LEVELS),
                    help=f"comma list of {', '.join(LEVELS)}: the public call, the kernels alone (default both)")
-    p.add_argument("--repeats", type=int_at_least(1), default=9, help="rounds of timed calls (default 9)")
+    p.add_argument("--repeats", type=int_at_least(1), default=15, help="rounds of timed calls (default 15)")
     p.add_argument("--busy-core", action="store_true",
                    help="hold one core with a busy-loop child process (same priority) for the whole run")
+    p.add_argument("--busy-pin", type=int_at_least(0), default=None, metavar="CPU",
+                   help="with --busy-core: pin the busy loop to this CPU (default: not pinned, the OS places it)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
     p.add_argument("--quick", action="store_true", help="a tiny configuration (T 256, 2 rounds) for a smoke test")
     p.add_argument("--out", default=None, help="output folder (default results/bench/threads/)")
@@ -172,9 +186,17 @@ def make_case(op: str, passes: str, a) -> Callable[[], Any]:
     return run
 
 
-def busy_start() -> subprocess.Popen:
-    # a child inherits this process's nice value and cpu affinity: the same priority
-    return subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdin=subprocess.DEVNULL)
+def busy_start(pin: Optional[int] = None) -> subprocess.Popen:
+    """The busy-loop child (it inherits this process's nice value and cpu affinity: the same priority), pinned to
+    CPU `pin` when given."""
+    p = subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdin=subprocess.DEVNULL)
+    if pin is not None:
+        try:
+            os.sched_setaffinity(p.pid, {pin})
+        except (OSError, AttributeError) as e:
+            busy_stop(p)
+            raise UsageError(f"--busy-pin: cannot pin the busy loop to CPU {pin} ({e})", prog=PROG) from None
+    return p
 
 
 def busy_stop(p: subprocess.Popen) -> None:
@@ -186,19 +208,65 @@ def busy_stop(p: subprocess.Popen) -> None:
         p.wait()
 
 
+def task_stats(pid: str = "self") -> Dict[str, Tuple[int, int, int]]:
+    """Per thread of process `pid`: (ns run on a CPU, ns runnable but waiting for one, the CPU it ran on last), from
+    /proc (Linux with schedstats; {} elsewhere); for this process's threads the run time from each thread's CPU clock
+    (/proc's figure lags by up to a tick for a thread running meanwhile). Threads that end between the listing and
+    the reads are left out."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+            if pid == "self":  # Linux's clock id of a thread's CPU time (CPUCLOCK_PERTHREAD | CPUCLOCK_SCHED)
+                run_ns = time.clock_gettime_ns((~int(tid) << 3) | 6)
+        except (OSError, ValueError):
+            continue
+        # the fields after the command name (which may hold spaces and parentheses): "processor" is field 39
+        out[tid] = (run_ns, wait_ns, int(stat.rsplit(")", 1)[1].split()[36]))
+    return out
+
+
+def call_record(before: Dict[str, Tuple[int, int, int]], after: Dict[str, Tuple[int, int, int]]) -> Dict[str, Any]:
+    """What one call cost the process's threads: CPU ms, runqueue wait ms, and per thread that ran [CPU before,
+    CPU after, ms run]; `threads`: how many threads ran at least SHARED_MIN_RUN of the call's CPU time, `cpus`: on
+    how many distinct CPUs they ran last."""
+    ran, cpu_ms, wait_ms = [], 0.0, 0.0
+    for tid, (run1, wait1, cpu1) in after.items():
+        run0, wait0, cpu0 = before.get(tid, (0, 0, cpu1))
+        if run1 > run0:
+            ran.append([cpu0, cpu1, round((run1 - run0) / 1e6, 3)])
+            cpu_ms += (run1 - run0) / 1e6
+            wait_ms += max(0, wait1 - wait0) / 1e6
+    main = [r for r in ran if r[2] >= SHARED_MIN_RUN * cpu_ms]
+    return {"cpu_ms": cpu_ms, "wait_ms": wait_ms, "ran": ran, "threads": len(main),
+            "cpus": len({r[1] for r in main})}
+
+
 def _set_threads(n: int, wake: torch.Tensor) -> None:
     """torch's thread count, then one small parallel op untimed: the pool's threads are up before the timed call."""
     torch.set_num_threads(n)
     wake.sum()
 
 
-def measure(cases: List[Dict[str, Any]], counts: List[int], repeats: int, log) -> None:
-    """Fills each case's "ms" {threads: [per-round ms]}: one warm-up call per (case, threads), then `repeats`
-    rounds of one timed call each, the order reversed every other round."""
+def measure(cases: List[Dict[str, Any]], counts: List[int], repeats: int, log,
+            busy: Optional[subprocess.Popen] = None) -> None:
+    """Fills each case's "ms" {threads: [per-round ms]} and "calls" {threads: [per-round call_record, with the
+    kernels' ms inside the call and the CPU the busy loop ran on last]}: one warm-up call per (case, threads), then
+    `repeats` rounds of one timed call each, the calls of one case side by side, the order reversed every other
+    round."""
+    from ..cpu.bindings import kernel_time
+
     calls = [(c, n) for c in cases for n in counts]
     wake = torch.ones(1 << 18)
     for c in cases:
-        c["ms"] = {n: [] for n in counts}
+        c["ms"], c["calls"] = {n: [] for n in counts}, {n: [] for n in counts}
     for c, n in calls:
         _set_threads(n, wake)
         c["fn"]()
@@ -206,35 +274,83 @@ def measure(cases: List[Dict[str, Any]], counts: List[int], repeats: int, log) -
     for r in range(repeats):
         for c, n in (calls if r % 2 == 0 else calls[::-1]):
             _set_threads(n, wake)
-            t0 = time.perf_counter()
-            c["fn"]()
-            c["ms"][n].append((time.perf_counter() - t0) * 1e3)
+            before = task_stats()
+            with kernel_time() as spent:
+                t0 = time.perf_counter()
+                c["fn"]()
+                ms = (time.perf_counter() - t0) * 1e3
+            rec = call_record(before, task_stats())
+            rec["kernel_ms"] = spent[0] * 1e3
+            if busy is not None:
+                rec["busy_cpu"] = next(iter(task_stats(str(busy.pid)).values()), (0, 0, -1))[2]
+            c["ms"][n].append(ms)
+            c["calls"][n].append(rec)
         log(f"round {r + 1}/{repeats}")
 
 
+def _spread(xs: List[float]) -> Dict[str, float]:
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "q1": q[0], "q3": q[2], "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
 def summarise(cases: List[Dict[str, Any]], counts: List[int]) -> List[Dict[str, Any]]:
-    """One record per case: median ms per thread count and the median paired speedup over 1 thread."""
+    """One record per case: median ms per thread count; the paired speedups over 1 thread (median, quartiles, min,
+    max; and split by the placement: the rounds whose n threads ended on n CPUs, "apart", or on fewer, "shared"); the
+    median CPU ms, runqueue wait ms, kernels' ms and the rest of the call's ms per thread count."""
     out = []
     for c in cases:
         rec = {"level": c["level"], "op": c["op"], "pass": c["pass"], "median_ms": {}, "speedup": {},
-               "speedup_min": {}, "ms": c["ms"]}
+               "speedup_min": {}, "spread": {}, "placement": {}, "cpu_ms": {}, "wait_ms": {}, "kernel_ms": {},
+               "around_ms": {},
+               "ms": c["ms"], "calls": c["calls"]}
         for n in counts:
+            calls = c["calls"][n]
             rec["median_ms"][n] = statistics.median(c["ms"][n])
+            rec["cpu_ms"][n] = statistics.median(x["cpu_ms"] for x in calls)
+            rec["wait_ms"][n] = statistics.median(x["wait_ms"] for x in calls)
+            rec["kernel_ms"][n] = statistics.median(x["kernel_ms"] for x in calls)
+            rec["around_ms"][n] = statistics.median(ms - x["kernel_ms"] for ms, x in zip(c["ms"][n], calls))
             ratios = [a / b for a, b in zip(c["ms"][1], c["ms"][n])]
             rec["speedup"][n] = statistics.median(ratios)
             rec["speedup_min"][n] = min(ratios)
+            rec["spread"][n] = _spread(ratios)
+            apart = [r for r, x in zip(ratios, calls) if x["threads"] >= n and x["cpus"] >= n]
+            shared = [r for r, x in zip(ratios, calls) if x["cpus"] < x["threads"]]
+            rec["placement"][n] = {"apart": len(apart), "shared": len(shared),
+                                   "apart_speedup": statistics.median(apart) if apart else None,
+                                   "shared_speedup": statistics.median(shared) if shared else None}
         out.append(rec)
     return out
 
 
+def _placement(x: Dict[str, Any]) -> str:
+    def one(k):
+        return f"{x[k]} x {x[k + '_speedup']:.2f}x" if x[k] else "0"
+    return f"{one('apart')} / {one('shared')}"
+
+
 def _report(records: List[Dict[str, Any]], counts: List[int]) -> str:
-    head = ["level", "op", "pass"] + [f"{n} thr ms" for n in counts] + [f"{n} thr speedup (min)" for n in counts
-                                                                        if n > 1]
+    multi = [n for n in counts if n > 1]
+    head = (["level", "op", "pass"] + [f"{n} thr ms" for n in counts]
+            + [f"{n} thr speedup [q1-q3] (min-max)" for n in multi] + [f"{n} thr cpu ms" for n in counts]
+            + [f"{n} thr wait ms" for n in counts] + [f"{n} thr around ms" for n in counts]
+            + [f"{n} thr apart / shared" for n in multi])
     rows = []
     for r in records:
+        sp = [r["spread"][n] for n in multi]
         rows.append([r["level"], r["op"], r["pass"]] + [common.fmt_ms(r["median_ms"][n]) for n in counts]
-                    + [f"{r['speedup'][n]:.2f}x ({r['speedup_min'][n]:.2f}x)" for n in counts if n > 1])
+                    + [f"{x['median']:.2f}x [{x['q1']:.2f}-{x['q3']:.2f}] ({x['min']:.2f}-{x['max']:.2f})" for x in sp]
+                    + [f"{r['cpu_ms'][n]:.1f}" for n in counts] + [f"{r['wait_ms'][n]:.1f}" for n in counts]
+                    + [f"{r['around_ms'][n]:.1f}" if r["level"] == "op" else "-" for n in counts]
+                    + [_placement(r["placement"][n]) for n in multi])
     return common.format_table(head, rows)
+
+
+def _busy_text(busy: Optional[subprocess.Popen], pin: Optional[int]) -> str:
+    if busy is None:
+        return "no busy loop"
+    return "one busy-loop process held a core for the whole run, " + (
+        f"pinned to CPU {pin}" if pin is not None else "not pinned (the OS placed it)")
 
 
 def run(a) -> int:
@@ -263,12 +379,14 @@ def run(a) -> int:
     _, log = common.start_run(None, "cpu", a.quiet)
     paths = common.output_paths("threads", a.out, exts=("txt", "json"), overwrite=a.overwrite)
     info = common.machine_info("cpu")
-    busy = busy_start() if a.busy_core else None
+    if a.busy_pin is not None and not a.busy_core:
+        raise UsageError("--busy-pin: only with --busy-core", prog=PROG)
+    busy = busy_start(a.busy_pin) if a.busy_core else None
     try:
         cases = [{"level": lv, "op": op, "pass": ps,
                   "fn": (make_case if lv == "op" else make_kernel_case)(op, ps, a)}
                  for lv in levels for op in ops for ps in passes]
-        measure(cases, counts, a.repeats, log)
+        measure(cases, counts, a.repeats, log, busy)
     finally:
         if busy is not None:
             busy_stop(busy)
@@ -277,15 +395,19 @@ def run(a) -> int:
     head = [PROG, common.describe_machine(info),
             f"shape    B {a.B}, T {a.T}, H {a.H}, K {a.K}, V {a.V}, fp32, chunk form, backend cpu",
             f"timing   {a.repeats} rounds, one call per (case, threads) each, order reversed every other round; "
-            f"speedup = median over rounds of the paired ratio (min in brackets)",
-            f"busy     {'one busy-loop process held a core for the whole run' if busy else 'no busy loop'}; "
-            f"load at the end {' '.join(map(str, load_end or []))}",
+            f"speedup = median over rounds of the paired ratio [quartiles] (min-max)",
+            f"busy     {_busy_text(busy, a.busy_pin)}; load at the end {' '.join(map(str, load_end or []))}",
+            f"threads  torch {torch.get_num_threads()} by default; cpu / wait ms: CPU time of all the process's "
+            f"threads and their time runnable without a core, per call (median); around: the public call's time "
+            f"outside the compiled kernels; apart / shared: rounds whose n threads ended on n CPUs / fewer, with "
+            f"their median speedup",
             f"openmp   OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: idle threads spin a while)')}"]
     text = _report(records, counts)
     print("\n".join(head) + "\n\n" + text)
     atomic_write_text(paths["txt"], "\n".join(head) + "\n\n" + text + "\n")
     write_json(paths["json"], {"benchmark": "threads", "machine": info, "load_end": load_end,
-                               "busy_core": bool(busy), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                               "busy_core": bool(busy), "busy_pin": a.busy_pin,
+                               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                                "config": {k: v for k, v in vars(a).items() if k != "func"},
                                "records": records})
     print(f"\nwrote {paths['txt']}, {paths['json']}")

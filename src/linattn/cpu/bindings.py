@@ -13,12 +13,17 @@ A `Bound` library is called with the function's name without its dtype suffix an
 which picks `_f32` / `_f64`, calls it and turns a nonzero return code into the exception the table gives
 (`MemoryError` for the scratch allocations). `lib.function(name, dtype)` gives the raw ctypes function, for a
 caller that checks the code itself.
+
+`kernel_time()` measures how much of a stretch of code runs inside the compiled functions called this way (the rest of
+a public call is Python and torch operators): `linattn bench threads` reports both parts.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
-from typing import Dict, Optional, Tuple
+import time
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -26,11 +31,24 @@ from ..errors import LinattnError
 from .abi import LIBRARIES, OUT_OF_MEMORY, Fn
 from .build import load_library
 
-__all__ = ["Bound", "bind", "require", "suffix"]
+__all__ = ["Bound", "bind", "require", "suffix", "kernel_time"]
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _BOUND: Dict[int, "Bound"] = {}
 _LOCK = threading.Lock()
+_CLOCK = threading.local()  # .spent: the list kernel_time() adds to in this Python thread (absent: not measuring)
+
+
+@contextlib.contextmanager
+def kernel_time() -> Iterator[List[float]]:
+    """Inside the block, the seconds spent in calls through a `Bound` library from this Python thread add up in the
+    one-element list it yields (nested blocks: the innermost one counts)."""
+    outer = getattr(_CLOCK, "spent", None)
+    _CLOCK.spent = spent = [0.0]
+    try:
+        yield spent
+    finally:
+        _CLOCK.spent = outer
 
 
 def suffix(dtype: torch.dtype) -> str:
@@ -61,7 +79,13 @@ class Bound:
         """Call `name` (dtype's variant) with args; a nonzero status code raises (MemoryError when the kernel
         could not allocate, else RuntimeError)."""
         f, spec = self._fns[(name, suffix(dtype) if dtype is not None else None)]
-        rc = f(*args)
+        spent = getattr(_CLOCK, "spent", None)
+        if spent is None:
+            rc = f(*args)
+        else:
+            t0 = time.perf_counter()
+            rc = f(*args)
+            spent[0] += time.perf_counter() - t0
         if spec.status and rc != 0:
             why = (spec.errors or {}).get(rc, OUT_OF_MEMORY if spec.errors is None else f"returned {rc}")
             what = f"linattn: the compiled kernel {name} ({self.name}) {why}"

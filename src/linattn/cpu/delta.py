@@ -74,7 +74,8 @@ def delta_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor
               S0: Optional[torch.Tensor], starts: torch.Tensor, ck_off: torch.Tensor, n_ckpt: int
               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (o [TT, H, V], S [N, H, K, V], checkpoints [n_ckpt, H, K, V]; n_ckpt = 0: none kept)."""
-    return _forward(q, k, v, a, g, S0, starts, ck_off, n_ckpt)
+    with torch_on_one_thread():  # the decays (torch.exp) around the kernel, also when the op is called directly
+        return _forward(q, k, v, a, g, S0, starts, ck_off, n_ckpt)
 
 
 @delta_fwd.register_fake
@@ -89,6 +90,11 @@ def delta_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor
               ckpt: torch.Tensor, starts: torch.Tensor, ck_off: torch.Tensor, do: torch.Tensor, dS: torch.Tensor
               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv, da, dg (empty without a gate), dS0) from do [TT, H, V] and dS = dL/dS_final."""
+    with torch_on_one_thread():  # the decays and the copy around the kernel, also when the op is called directly
+        return _backward_kernel(q, k, v, a, g, ckpt, starts, ck_off, do, dS)
+
+
+def _backward_kernel(q, k, v, a, g, ckpt, starts, ck_off, do, dS):
     dq, dk, dv, da = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(a)
     dg = torch.empty_like(g) if g is not None else q.new_empty(0)
     dS0 = dS.clone()  # the kernel turns dL/dS_final into dL/dS0 in place

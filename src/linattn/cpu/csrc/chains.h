@@ -6,8 +6,18 @@
    thread that finds every unfinished unit held sleeps briefly and tries again (la_wait: its core goes idle, so the
    system can move a descheduled holder onto it; a spinning or yielding thread keeps the core looking busy).
 
-   The arithmetic of a unit is the same whoever runs which run, so results do not depend on the thread count.
-   Without OpenMP the one thread claims every run in turn. Used by linear.c and delta.c. */
+   Placement (la_team_t): the system may put two of a call's threads on one CPU while another CPU runs some other
+   process. With no idle CPU a woken thread stays where it is or joins its waker, and the load balancer does not undo
+   it (moving one of the two would leave the same imbalance, reversed), so the two take turns on one CPU for the
+   whole call: at one thread's speed, minus the switching, beside a 1-thread call that has a CPU to itself. At every
+   claim a thread notes its CPU; the higher-numbered of two threads found on one CPU restricts itself to the CPUs of
+   its affinity mask on which no other thread of the call was last seen (when there is one), and takes its own mask
+   back when it leaves the call (its last claim). It then shares a CPU with the other process, not with a thread of
+   its own call. Linux with _GNU_SOURCE only (sched_getcpu, sched_setaffinity); elsewhere threads stay where the
+   system puts them.
+
+   The arithmetic of a unit is the same whoever runs which run, so results do not depend on the thread count, nor on
+   where the threads run. Without OpenMP the one thread claims every run in turn. Used by linear.c and delta.c. */
 #ifndef LINATTN_CHAINS_H
 #define LINATTN_CHAINS_H
 
@@ -20,12 +30,97 @@
 #if defined(__unix__) || defined(__APPLE__)
 #include <time.h>
 #endif
+#if defined(__linux__) && defined(_GNU_SOURCE) && defined(_OPENMP)
+#include <sched.h>
+#define LA_PLACEMENT 1
+#else
+#define LA_PLACEMENT 0
+#endif
+
+/* a call's threads and the CPU each was last seen on (la_team_check) */
+typedef struct {
+    int n;            /* threads of the call */
+    _Atomic int *cpu; /* per thread: its CPU at its last claim, -1 before the first and after the last */
+#if LA_PLACEMENT
+    cpu_set_t *saved; /* per thread: its affinity mask before it moved */
+    int *moved;       /* per thread: it restricted its mask (and takes `saved` back when it leaves) */
+#endif
+} la_team_t;
+
+static int la_team_init(la_team_t *t, int threads) {
+    t->n = threads > 1 ? threads : 1;
+    t->cpu = malloc(sizeof(*t->cpu) * (size_t)t->n);
+#if LA_PLACEMENT
+    t->saved = malloc(sizeof(*t->saved) * (size_t)t->n);
+    t->moved = calloc((size_t)t->n, sizeof(*t->moved));
+    if (!t->cpu || !t->saved || !t->moved) {
+        free((void *)t->cpu), free(t->saved), free(t->moved);
+        t->cpu = NULL, t->saved = NULL, t->moved = NULL;
+        return -1;
+    }
+#else
+    if (!t->cpu) return -1;
+#endif
+    for (int i = 0; i < t->n; i++) atomic_init(&t->cpu[i], -1);
+    return 0;
+}
+
+static void la_team_free(la_team_t *t) {
+    free((void *)t->cpu);
+#if LA_PLACEMENT
+    free(t->saved), free(t->moved);
+#endif
+}
+
+/* the caller is about to claim work: note its CPU, and move off a CPU that another thread of the call was seen on */
+static void la_team_check(la_team_t *t) {
+#if LA_PLACEMENT
+    const int me = omp_get_thread_num(), cpu = sched_getcpu();
+    if (t->n < 2 || me >= t->n || cpu < 0) return;
+    atomic_store_explicit(&t->cpu[me], cpu, memory_order_relaxed);
+    int clash = 0;
+    for (int i = 0; i < me; i++) clash |= atomic_load_explicit(&t->cpu[i], memory_order_relaxed) == cpu;
+#ifdef LA_TEAM_ALWAYS_MOVE /* a test build: every thread but the first moves off the others' CPUs at every claim */
+    clash = me > 0;
+#endif
+    if (!clash || (!t->moved[me] && sched_getaffinity(0, sizeof(cpu_set_t), &t->saved[me]) != 0)) return;
+    cpu_set_t to;
+    CPU_ZERO(&to);
+    int free_cpus = 0;
+    for (int c = 0; c < CPU_SETSIZE; c++) {
+        if (!CPU_ISSET(c, &t->saved[me])) continue;
+        int seen = c == cpu;
+#ifdef LA_TEAM_ALWAYS_MOVE
+        seen = 0;
+#endif
+        for (int i = 0; i < t->n && !seen; i++)
+            seen = i != me && atomic_load_explicit(&t->cpu[i], memory_order_relaxed) == c;
+        if (!seen) CPU_SET(c, &to), free_cpus++;
+    }
+    if (free_cpus > 0 && sched_setaffinity(0, sizeof(cpu_set_t), &to) == 0) t->moved[me] = 1;
+#else
+    (void)t;
+#endif
+}
+
+/* the caller has no more work in this call: forget its CPU and take its own affinity mask back */
+static void la_team_leave(la_team_t *t) {
+#if LA_PLACEMENT
+    const int me = omp_get_thread_num();
+    if (me >= t->n) return;
+    atomic_store_explicit(&t->cpu[me], -1, memory_order_relaxed);
+    if (t->moved[me] && sched_setaffinity(0, sizeof(cpu_set_t), &t->saved[me]) == 0) t->moved[me] = 0;
+#else
+    (void)t;
+#endif
+}
 
 typedef struct {
     _Atomic int64_t cursor; /* where the next claim starts looking */
     _Atomic int64_t left;   /* units with steps left */
     _Atomic int *held;      /* per unit: held by a thread (or finished, or never added) */
     int64_t *run;           /* per unit: where its next run starts (read and written by the holder only) */
+    la_team_t team;         /* the call's threads and where they run */
 } la_chains_t;
 
 #ifndef LA_WAIT_NS
@@ -40,12 +135,13 @@ static inline void la_wait(void) {
 #endif
 }
 
-/* every unit starts held (not claimable) until la_chains_add; returns -1 when memory is missing */
-static int la_chains_init(la_chains_t *c, int64_t units) {
+/* every unit starts held (not claimable) until la_chains_add; `threads`: the call's thread count; returns -1 when
+   memory is missing */
+static int la_chains_init(la_chains_t *c, int64_t units, int threads) {
     const size_t n = (size_t)(units > 0 ? units : 1);
     c->held = malloc(sizeof(*c->held) * n);
     c->run = malloc(sizeof(*c->run) * n);
-    if (!c->held || !c->run) {
+    if (!c->held || !c->run || la_team_init(&c->team, threads) != 0) {
         free((void *)c->held), free(c->run);
         c->held = NULL, c->run = NULL;
         return -1;
@@ -56,7 +152,7 @@ static int la_chains_init(la_chains_t *c, int64_t units) {
     return 0;
 }
 
-static void la_chains_free(la_chains_t *c) { free((void *)c->held), free(c->run); }
+static void la_chains_free(la_chains_t *c) { free((void *)c->held), free(c->run), la_team_free(&c->team); }
 
 /* unit u has steps to run, from `start` (before the threads start) */
 static void la_chains_add(la_chains_t *c, int64_t u, int64_t start) {
@@ -65,8 +161,10 @@ static void la_chains_add(la_chains_t *c, int64_t u, int64_t start) {
     atomic_fetch_add(&c->left, 1);
 }
 
-/* a unit with steps left that no other thread holds, now held by the caller; -1 when every unit is finished */
+/* a unit with steps left that no other thread holds, now held by the caller; -1 when every unit is finished (the
+   caller then leaves the call's team: no more claims from it in this call) */
 static int64_t la_chains_claim(la_chains_t *c, int64_t units) {
+    la_team_check(&c->team);
     while (atomic_load(&c->left) > 0) {
         const int64_t c0 = atomic_fetch_add(&c->cursor, 1);
         for (int64_t i = 0; i < units; i++) {
@@ -75,6 +173,7 @@ static int64_t la_chains_claim(la_chains_t *c, int64_t units) {
         }
         la_wait();
     }
+    la_team_leave(&c->team);
     return -1;
 }
 

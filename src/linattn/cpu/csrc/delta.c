@@ -28,6 +28,9 @@
 #ifndef LINATTN_DELTA_BODY
 #define LINATTN_DELTA_BODY
 
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* sched_getcpu / sched_setaffinity (chains.h) */
+#endif
 #include "common.h"
 #include "chains.h"
 
@@ -231,7 +234,7 @@ int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL
     int failed = 0;
     if (nthreads > 1 && N * H < DELTA_UNITS_PER_THREAD * (int64_t)nthreads) {
         la_chains_t chn;
-        if (la_chains_init(&chn, N * H) != 0) return -1;
+        if (la_chains_init(&chn, N * H, nthreads) != 0) return -1;
         const int64_t run = chunk * (DELTA_RUN / chunk > 1 ? DELTA_RUN / chunk : 1); /* whole checkpoint chunks */
         for (int64_t u = 0; u < N * H; u++) {
             if (S0 != NULL) memcpy(S_out + u * KV, S0 + u * KV, (size_t)KV * sizeof(REAL));
@@ -476,7 +479,7 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
     const int64_t run = DELTA_RUN / chunk > 1 ? DELTA_RUN / chunk : 1;
     la_chains_t chn = {0};
     REAL *dcar = chains ? (REAL *)malloc((size_t)(N * H * V > 0 ? N * H * V : 1) * sizeof(REAL)) : NULL;
-    if (chains && (!dcar || la_chains_init(&chn, N * H) != 0)) {
+    if (chains && (!dcar || la_chains_init(&chn, N * H, nthreads) != 0)) {
         free(dcar);
         return -1;
     }

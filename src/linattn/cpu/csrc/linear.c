@@ -23,8 +23,8 @@
 #ifndef LINATTN_LINEAR_BODY
 #define LINATTN_LINEAR_BODY
 
-#if defined(__linux__) && !defined(_DEFAULT_SOURCE)
-#define _DEFAULT_SOURCE /* madvise (sys/mman.h) under -std=c11 */
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* madvise (sys/mman.h) under -std=c11; sched_getcpu / sched_setaffinity (chains.h) */
 #endif
 #include "common.h"
 #if defined(__linux__)
@@ -112,8 +112,8 @@ static void lin_flow_free(lin_flow_t *f) { free((void *)f->done), free((void *)f
 
 /* chains (chains.h) of (sequence, head) units: every unit with chunks, from its first chunk (reverse: from past its
    last, the chunks below run[u] left) */
-static int lin_chains(la_chains_t *ch, int64_t N, int64_t H, const int64_t *first, int reverse) {
-    if (la_chains_init(ch, N * H) != 0) return -1;
+static int lin_chains(la_chains_t *ch, int64_t N, int64_t H, const int64_t *first, int reverse, int threads) {
+    if (la_chains_init(ch, N * H, threads) != 0) return -1;
     for (int64_t u = 0; u < N * H; u++)
         if (first[u / H + 1] > first[u / H]) la_chains_add(ch, u, reverse ? first[u / H + 1] : first[u / H]);
     return 0;
@@ -582,7 +582,7 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
         if (!P && !one_pass) P = P_own = malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1));
         if (chains) Su = malloc(sizeof(REAL) * (N * H * KW > 0 ? N * H * KW : 1));
         if ((!one_pass && (!P || lin_flow_init(&flow, N * H) != 0)) ||
-            (chains && (!Su || lin_chains(&chn, N, H, first, 0) != 0))) {
+            (chains && (!Su || lin_chains(&chn, N, H, first, 0, nthreads) != 0))) {
             if (flow.done) lin_flow_free(&flow);
             free(first), free(ch), free(gl), free(P_own), free(Su);
             return -1;
@@ -922,7 +922,7 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
     lin_flow_t flow = {0};
     la_chains_t chn = {0};
     if (!ch || !gl || (!one_pass && (!dP || lin_flow_init(&flow, N * H) != 0)) ||
-        (chains && (!Du || lin_chains(&chn, N, H, first, 1) != 0))) {
+        (chains && (!Du || lin_chains(&chn, N, H, first, 1, nthreads) != 0))) {
         if (flow.done) lin_flow_free(&flow);
         free(first), free(ch), free(gl), free(dP), free(Du);
         return -1;
