@@ -43,9 +43,14 @@ static inline void q_store_row(int64_t n, int64_t b, int64_t i, float v, const f
     y[b * n + i] = add ? add[b * n + i] + v : v;
 }
 
-/* bytes ahead of a row stream's read that it prefetches (into L2: prefetcht1 on x86), unless past the matrix */
+/* Q_PF(p, end): the line Q_PF_BYTES past a row stream's read at p prefetched (into L2: prefetcht1 on x86), unless
+   at or past the matrix's end (addresses as integers: no pointer is formed past the array) */
 #define Q_PF_BYTES 1024
-#define Q_PF(p, end) do { if ((const uint8_t *)(p) < (end)) __builtin_prefetch((const void *)(p), 0, 2); } while (0)
+#define Q_PF(p, end)                                                                          \
+    do {                                                                                      \
+        const uintptr_t a_ = (uintptr_t)(p) + Q_PF_BYTES;                                     \
+        if (a_ < (uintptr_t)(end)) __builtin_prefetch((const void *)a_, 0, 2);                \
+    } while (0)
 
 /* step t of a product over n rows (t < n / 4 + n % 4): its first row, the stride to its other rows, its row count */
 static inline int64_t q_step_rows(int64_t n, int64_t t, int64_t *stride, int *r) {
@@ -97,8 +102,8 @@ static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, int64_
             vline_f32 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int64_t j = 0; j < mv; j += 16) {
                 if (b == 0 && (j & 63) == 0) {   /* a line of each stream per 4 steps */
-                    Q_PF(w0 + j + Q_PF_BYTES, end); Q_PF(w1 + j + Q_PF_BYTES, end);
-                    Q_PF(w2 + j + Q_PF_BYTES, end); Q_PF(w3 + j + Q_PF_BYTES, end);
+                    Q_PF(w0 + j, end); Q_PF(w1 + j, end);
+                    Q_PF(w2 + j, end); Q_PF(w3 + j, end);
                 }
                 const vline_f32 xv = *(const vline_f32 *)(xb + j);
                 a0 += i8_line(w0 + j) * xv; a1 += i8_line(w1 + j) * xv;
@@ -202,7 +207,7 @@ static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int
                      x6 = _mm512_load_ps(xb + 96), x7 = _mm512_load_ps(xb + 112);
         for (int r = 0; r < R; ++r) {
             const uint8_t *wr = w + r * ws + j / 2;
-            if (pf_end) Q_PF(wr + Q_PF_BYTES, pf_end);
+            if (pf_end) Q_PF(wr, pf_end);
             const __m512i d = _mm512_loadu_si512((const void *)wr);
             const __m512i d1 = _mm512_srli_epi32(d, 4), d2 = _mm512_srli_epi32(d, 8),
                           d3 = _mm512_srli_epi32(d, 12);
@@ -257,7 +262,7 @@ static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int
                      x6 = _mm256_load_ps(xb + 48), x7 = _mm256_load_ps(xb + 56);
         for (int r = 0; r < R; ++r) {
             const uint8_t *wr = w + r * ws + j / 2;
-            if (pf_end && (j & 64)) Q_PF(wr + Q_PF_BYTES, pf_end);   /* 32 bytes a step: a line every other step */
+            if (pf_end && (j & 64)) Q_PF(wr, pf_end);   /* 32 bytes a step: a line every other step */
             const __m256i d = _mm256_loadu_si256((const __m256i *)wr);
             __m256 part = _mm256_mul_ps(Q4_CODE(d, 0), x0);
             part = _mm256_fmadd_ps(Q4_CODE(d, 1), x1, part);
@@ -498,7 +503,7 @@ static inline __attribute__((always_inline)) void a8_int8_rows_vec(const int R, 
         const __m512 xs = _mm512_loadu_ps(ls + j / 4);
         for (int r = 0; r < R; ++r) {
             const int8_t *wr = w + r * rs + j;
-            if (pf_end) Q_PF(wr + Q_PF_BYTES, pf_end);
+            if (pf_end) Q_PF(wr, pf_end);
             const __m512i d = _mm512_xor_si512(_mm512_loadu_si512((const void *)wr), flip);
             const __m512i i = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), d, xq), corr);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), xs), wsv[r], acc[r]);
@@ -533,7 +538,7 @@ static inline __attribute__((always_inline)) void a8_int4_rows_vec(const int R, 
         const __m512 xs = _mm512_loadu_ps(ls + j / 8);
         for (int r = 0; r < R; ++r) {
             const uint8_t *wr = w + r * rs + j / 2;
-            if (pf_end) Q_PF(wr + Q_PF_BYTES, pf_end);
+            if (pf_end) Q_PF(wr, pf_end);
             const __m512i d = _mm512_loadu_si512((const void *)wr);
             const __m512i lo = _mm512_and_si512(d, nib), hi = _mm512_and_si512(_mm512_srli_epi32(d, 4), nib);
             __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe);
@@ -568,7 +573,7 @@ static inline __attribute__((always_inline)) void a8_int8_rows_vec(const int R, 
         const __m256 xs = _mm256_loadu_ps(ls + j / 4);
         for (int r = 0; r < R; ++r) {
             const int8_t *wr = w + r * rs + j;
-            if (pf_end && (j & 32)) Q_PF(wr + Q_PF_BYTES, pf_end);   /* a line per two steps of 32 bytes */
+            if (pf_end && (j & 32)) Q_PF(wr, pf_end);   /* a line per two steps of 32 bytes */
             const __m256i d = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)wr), xq);
             const __m256i i = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, d), ones);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), xs), wsv[r], acc[r]);
@@ -594,7 +599,7 @@ static inline __attribute__((always_inline)) void a8_int4_rows_vec(const int R, 
         const __m256 xs = _mm256_loadu_ps(ls + j / 8);
         for (int r = 0; r < R; ++r) {
             const uint8_t *wr = w + r * rs + j / 2;
-            if (pf_end && (j & 64)) Q_PF(wr + Q_PF_BYTES, pf_end);
+            if (pf_end && (j & 64)) Q_PF(wr, pf_end);
             const __m256i d = _mm256_loadu_si256((const __m256i *)wr);
             const __m256i lo = _mm256_and_si256(d, nib), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), nib);
             /* pair sums of codes <= 15 times |q| <= 127: no saturation, and lo + hi < 2^15 */
