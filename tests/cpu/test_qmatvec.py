@@ -74,3 +74,15 @@ def test_int4_paths_threads(decode_lib):
     """Rows split across threads: the same bits as one thread."""
     check_product_threads(_Stored(532, 512, "int4", 32, seed=9, bias=True),
                           torch.randn(2, 512, generator=torch.Generator().manual_seed(3)))
+
+
+@pytest.mark.parametrize("mode,group", [("int8", None), ("int4", 32), ("int4", 64)])
+def test_row_schedule_every_row_count(decode_lib, mode, group):
+    """A step reads rows i, i + n/4, i + 2n/4, i + 3n/4 (four streams), the n % 4 last rows one at a time: every row
+    count from 1 to 9, and one with many steps and a tail split across 2 threads (the same bits as 1 thread), each
+    row against its own fp64 product (a row read from the wrong quarter, or left out, fails)."""
+    for n in range(1, 10):
+        q = _Stored(n, 256, mode, group, seed=n, bias=True)
+        _check_product(q, torch.randn(2, 256, generator=torch.Generator().manual_seed(n)), bias=q.bias)
+    check_product_threads(_Stored(4 * 130 + 3, 512, mode, group, seed=11, bias=True),
+                          torch.randn(2, 512, generator=torch.Generator().manual_seed(12)))

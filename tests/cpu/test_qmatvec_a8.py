@@ -122,3 +122,12 @@ def test_round_activations_matches_the_definition():
     bad[1, 3] = float("inf")
     assert torch.equal(round_activations(bad), bad)
     assert round_activations(torch.randn(2, 3, 40).double()).dtype == torch.float64
+
+
+@pytest.mark.parametrize("mode,group", FORMATS)
+def test_a8_row_schedule_every_row_count(decode_lib, mode, group):
+    """The four-stream row schedule (rows i, i + n/4, ...; the n % 4 last one at a time) for every row count from 1
+    to 9, each row within its bounds."""
+    for n in range(1, 10):
+        q = _Stored(n, 256, mode, group, seed=n, bias=True)
+        check_a8_product(q, torch.randn(2, 256, generator=torch.Generator().manual_seed(n)), bias=q.bias)

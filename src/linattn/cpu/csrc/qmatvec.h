@@ -12,7 +12,15 @@
    weights convert exactly to fp32, a row's products accumulate in fp32 vector lanes and the sum is multiplied by
    the row's scale once; int4 codes minus 8 are exact fp32 integers, a group's products are summed and the sum
    multiplied by the group's scale. So the result is the dequantized matrix's product up to the rounding of fp32
-   operations. Four rows are read per step as in the fp32 / bf16 products. */
+   operations.
+
+   The row schedule (every integer product): a step reads four rows i, i + q, i + 2q, i + 3q (q = n / 4), sharing
+   its loads of x, so the four rows are four sequential streams, each through its own quarter of the matrix, and
+   each stream's line Q_PF_BYTES ahead is prefetched as its line is read; the n % 4 last rows one at a time. Four
+   neighbouring rows (the fp32 / bf16 products' schedule) share a 4 KiB page when rows are short (int4 rows of 1024
+   inputs: 512 bytes), and the hardware prefetcher, which follows about one stream per page, then leaves the reads
+   to the software prefetches alone, whose fill buffers cap one core near 8-11 GB/s: those products read at 0.6-0.8
+   of the read pass's rate. Each row's arithmetic is what it was (the same bits). */
 #ifndef LINATTN_QMATVEC_H
 #define LINATTN_QMATVEC_H
 
@@ -35,6 +43,27 @@ static inline void q_store_row(int64_t n, int64_t b, int64_t i, float v, const f
     y[b * n + i] = add ? add[b * n + i] + v : v;
 }
 
+/* Q_PF(p, end): the line Q_PF_BYTES past a row stream's read at p prefetched (into L2: prefetcht1 on x86), unless
+   at or past the matrix's end (addresses as integers: no pointer is formed past the array) */
+#define Q_PF_BYTES 1024
+#define Q_PF(p, end)                                                                          \
+    do {                                                                                      \
+        const uintptr_t a_ = (uintptr_t)(p) + Q_PF_BYTES;                                     \
+        if (a_ < (uintptr_t)(end)) __builtin_prefetch((const void *)a_, 0, 2);                \
+    } while (0)
+
+/* step t of a product over n rows (t < n / 4 + n % 4): its first row, the stride to its other rows, its row count */
+static inline int64_t q_step_rows(int64_t n, int64_t t, int64_t *stride, int *r) {
+    const int64_t q = n / 4;
+    if (t < q) {
+        *stride = q, *r = 4;
+        return t;
+    }
+    *stride = 0, *r = 1;
+    return 4 * q + (t - q);
+}
+#define Q_STEPS(n) ((n) / 4 + (n) % 4)
+
 #if defined(HAVE_VLINE)
 typedef int8_t vq_i8 __attribute__((vector_size(16)));
 typedef uint8_t vq_u8 __attribute__((vector_size(16)));
@@ -53,12 +82,14 @@ static inline vline_f32 i8_line(const int8_t *w) {
 }
 #endif
 
-/* rows i0 .. i0+3 of y = add + W x + bias, W int8 [n, m] with per-row scales s (bf16) */
-static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, const int8_t *W, const uint16_t *s,
-                             const float *bias, const float *x, const float *add, float *y) {
-    const int64_t r = n - i0 < 4 ? n - i0 : 4;
+/* the r rows i0, i0 + stride, ... (q_step_rows) of y = add + W x + bias, W int8 [n, m] with per-row scales s (bf16) */
+static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, int64_t stride, int r, const int8_t *W,
+                             const uint16_t *s, const float *bias, const float *x, const float *add, float *y) {
+    int64_t row[4];
+    for (int k = 0; k < r; ++k) row[k] = i0 + k * stride;
 #if defined(HAVE_VLINE)
     const int64_t mv = m & ~(int64_t)15;   /* the vector part; the rest scalar */
+    const uint8_t *end = (const uint8_t *)(W + n * m);
 #else
     const int64_t mv = 0;
 #endif
@@ -67,13 +98,12 @@ static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, const 
         float acc[4] = {0, 0, 0, 0};
 #if defined(HAVE_VLINE)
         if (r == 4) {
-            const int8_t *w0 = W + i0 * m, *w1 = w0 + m, *w2 = w1 + m, *w3 = w2 + m;
-            const char *pf = (const char *)w0 + MV_PF_BYTES, *pf_end = (const char *)(W + n * m) - 64;
+            const int8_t *w0 = W + row[0] * m, *w1 = W + row[1] * m, *w2 = W + row[2] * m, *w3 = W + row[3] * m;
             vline_f32 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int64_t j = 0; j < mv; j += 16) {
-                if (b == 0 && pf <= pf_end) {   /* one line ahead for the one (4 x 16 bytes) read */
-                    __builtin_prefetch(pf, 0, 2);
-                    pf += 64;
+                if (b == 0 && (j & 63) == 0) {   /* a line of each stream per 4 steps */
+                    Q_PF(w0 + j, end); Q_PF(w1 + j, end);
+                    Q_PF(w2 + j, end); Q_PF(w3 + j, end);
                 }
                 const vline_f32 xv = *(const vline_f32 *)(xb + j);
                 a0 += i8_line(w0 + j) * xv; a1 += i8_line(w1 + j) * xv;
@@ -81,18 +111,18 @@ static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, const 
             }
             acc[0] = vsum_f32(a0); acc[1] = vsum_f32(a1); acc[2] = vsum_f32(a2); acc[3] = vsum_f32(a3);
         } else
-            for (int64_t rr = 0; rr < r; ++rr) {
-                const int8_t *w = W + (i0 + rr) * m;
+            for (int k = 0; k < r; ++k) {
+                const int8_t *w = W + row[k] * m;
                 vline_f32 a = {0};
                 for (int64_t j = 0; j < mv; j += 16) a += i8_line(w + j) * *(const vline_f32 *)(xb + j);
-                acc[rr] = vsum_f32(a);
+                acc[k] = vsum_f32(a);
             }
 #endif
-        for (int64_t rr = 0; rr < r; ++rr) {
-            const int8_t *w = W + (i0 + rr) * m;
+        for (int k = 0; k < r; ++k) {
+            const int8_t *w = W + row[k] * m;
             float a = 0;
             for (int64_t j = mv; j < m; ++j) a += (float)w[j] * xb[j];
-            q_store_row(n, b, i0 + rr, (acc[rr] + a) * bf16_to_f32(s[i0 + rr]), bias, add, y);
+            q_store_row(n, b, row[k], (acc[k] + a) * bf16_to_f32(s[row[k]]), bias, add, y);
         }
     }
 }
@@ -107,12 +137,7 @@ static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, const 
    and 8 single-instruction conversions per 128 codes, against 3 instructions per 32 codes when a byte is widened
    and its two nibbles split. The inputs are permuted once per call to match (x_perm[b + L s + k] = x[b + 8k + s]
    per block of 8L inputs, L lanes), the 4 rows of a step sharing their loads. A lane's 8 codes lie in one group
-   (groups are 32 or 64 inputs), so a block's partial sums take their scales lane by lane. The next rows' bytes
-   are prefetched Q4_PF_BYTES ahead (whole steps of 4 rows, at least 2), one line per row read: one stream at the
-   pace of the four rows read (this product computes ~0.5 of the time its bytes take from memory; without the
-   prefetch the two overlapped poorly: ~2.2x its bytes' floor instead of ~1.3x, a loaded 1-thread loop over 4096 x
-   4096 matrices). A distance in bytes keeps short rows (1024 inputs: 2 KiB a step) as far ahead as long ones. */
-#define Q4_PF_BYTES 16384
+   (groups are 32 or 64 inputs), so a block's partial sums take their scales lane by lane. */
 
 /* the scalar product of one row (every build; the vector paths' tail of < one block): inputs j0 .. m-1 */
 static inline float int4_row_scalar(int64_t j0, int64_t m, int64_t group, const uint8_t *w, const uint16_t *sr,
@@ -157,12 +182,13 @@ static const uint16_t Q4_UPPER_TABLE[32] = {
 #else
 #define Q4_UPPER(d, codes) _mm512_permutexvar_ps(_mm512_srli_epi32(d, 16), codes)
 #endif
-/* R (1 or 4) rows r of W from w (stride mb bytes) and scales sr (stride ng) times the permuted x: out[r] */
+/* R (1 or 4) rows r of W from w + r ws (bytes) and scales sr + r ss times the permuted x: out[r]; each row's line
+   Q_PF_BYTES ahead prefetched unless past pf_end (NULL: none) */
 static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int64_t m, int64_t group,
-                                                                const uint8_t *w, const uint16_t *sr,
-                                                                const float *xp, const float *x, const uint8_t *pf,
-                                                                int64_t pf_bytes, float *out) {
-    const int64_t mb = m / 2, ng = m / group, mv = m & ~(int64_t)127;
+                                                                const uint8_t *w, int64_t ws, const uint16_t *sr,
+                                                                int64_t ss, const float *xp, const float *x,
+                                                                const uint8_t *pf_end, float *out) {
+    const int64_t ng = m / group, mv = m & ~(int64_t)127, gsh = group == 32 ? 5 : 6;
     const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     /* lane k's group within its block: k / 4 (group 32) or k / 8 (64), offset by the block's first group among
        the 16 scales converted at a time */
@@ -170,23 +196,19 @@ static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int
                                            : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     __m512 acc[4], sc[4];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    int64_t line = 0;
     for (int64_t j = 0; j < mv; j += 128) {
-        const int64_t g0 = j / group, k = g0 & 15;
+        const int64_t g0 = j >> gsh, k = g0 & 15;
         if (k == 0)
-            for (int r = 0; r < R; ++r) sc[r] = q4_scales16(sr + r * ng + g0, ng - g0);   /* row r's next 16 */
+            for (int r = 0; r < R; ++r) sc[r] = q4_scales16(sr + r * ss + g0, ng - g0);   /* row r's next 16 */
         const __m512i si = _mm512_add_epi32(lane_group, _mm512_set1_epi32((int)k));
         const float *xb = xp + j;
         const __m512 x0 = _mm512_load_ps(xb), x1 = _mm512_load_ps(xb + 16), x2 = _mm512_load_ps(xb + 32),
                      x3 = _mm512_load_ps(xb + 48), x4 = _mm512_load_ps(xb + 64), x5 = _mm512_load_ps(xb + 80),
                      x6 = _mm512_load_ps(xb + 96), x7 = _mm512_load_ps(xb + 112);
         for (int r = 0; r < R; ++r) {
-            if (pf_bytes > 0) {   /* line `line` of the rows ahead, taken row by row */
-                const int64_t off = (line & 3) * mb + (line >> 2) * 64;
-                if (off < pf_bytes) _mm_prefetch((const char *)(pf + off), _MM_HINT_T1);
-                ++line;
-            }
-            const __m512i d = _mm512_loadu_si512((const void *)(w + r * mb + j / 2));
+            const uint8_t *wr = w + r * ws + j / 2;
+            if (pf_end) Q_PF(wr, pf_end);
+            const __m512i d = _mm512_loadu_si512((const void *)wr);
             const __m512i d1 = _mm512_srli_epi32(d, 4), d2 = _mm512_srli_epi32(d, 8),
                           d3 = _mm512_srli_epi32(d, 12);
             __m512 part = _mm512_mul_ps(_mm512_permutexvar_ps(d, codes), x0);
@@ -215,7 +237,7 @@ static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int
     } else
         for (int r = 0; r < R; ++r) sum[r] = _mm512_reduce_add_ps(acc[r]);
     for (int r = 0; r < R; ++r)
-        out[r] = mv < m ? sum[r] + int4_row_scalar(mv, m, group, w + r * mb, sr + r * ng, x) : sum[r];
+        out[r] = mv < m ? sum[r] + int4_row_scalar(mv, m, group, w + r * ws, sr + r * ss, x) : sum[r];
 }
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(LINATTN_PLAIN_C)
 #include <immintrin.h>
@@ -223,15 +245,14 @@ static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int
 /* as the AVX-512 path on 8 lanes (blocks of 64 inputs); without a 16-entry shuffle a code c becomes c - 8 through
    the float whose bits are 0x4B000000 | c (2^23 + c, exact) minus 2^23 + 8 */
 static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int64_t m, int64_t group,
-                                                                const uint8_t *w, const uint16_t *sr,
-                                                                const float *xp, const float *x, const uint8_t *pf,
-                                                                int64_t pf_bytes, float *out) {
-    const int64_t mb = m / 2, ng = m / group, mv = m & ~(int64_t)63;
+                                                                const uint8_t *w, int64_t ws, const uint16_t *sr,
+                                                                int64_t ss, const float *xp, const float *x,
+                                                                const uint8_t *pf_end, float *out) {
+    const int64_t mv = m & ~(int64_t)63, gsh = group == 32 ? 5 : 6;
     const __m256i nib = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);
     const __m256 bias = _mm256_set1_ps(8388616.0f);
     __m256 acc[4];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    int64_t line = 0;
 #define Q4_CODE(d, s) _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256( \
         _mm256_and_si256(_mm256_srli_epi32(d, 4 * (s)), nib), magic)), bias)
     for (int64_t j = 0; j < mv; j += 64) {
@@ -240,12 +261,9 @@ static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int
                      x3 = _mm256_load_ps(xb + 24), x4 = _mm256_load_ps(xb + 32), x5 = _mm256_load_ps(xb + 40),
                      x6 = _mm256_load_ps(xb + 48), x7 = _mm256_load_ps(xb + 56);
         for (int r = 0; r < R; ++r) {
-            if (pf_bytes > 0 && (j & 64)) {   /* a 32-byte read per row step: a line every other step */
-                const int64_t off = (line & 3) * mb + (line >> 2) * 64;
-                if (off < pf_bytes) _mm_prefetch((const char *)(pf + off), _MM_HINT_T1);
-                ++line;
-            }
-            const __m256i d = _mm256_loadu_si256((const __m256i *)(w + r * mb + j / 2));
+            const uint8_t *wr = w + r * ws + j / 2;
+            if (pf_end && (j & 64)) Q_PF(wr, pf_end);   /* 32 bytes a step: a line every other step */
+            const __m256i d = _mm256_loadu_si256((const __m256i *)wr);
             __m256 part = _mm256_mul_ps(Q4_CODE(d, 0), x0);
             part = _mm256_fmadd_ps(Q4_CODE(d, 1), x1, part);
             part = _mm256_fmadd_ps(Q4_CODE(d, 2), x2, part);
@@ -254,7 +272,7 @@ static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int
             part = _mm256_fmadd_ps(Q4_CODE(d, 5), x5, part);
             part = _mm256_fmadd_ps(Q4_CODE(d, 6), x6, part);
             part = _mm256_fmadd_ps(Q4_CODE(d, 7), x7, part);
-            const uint16_t *s = sr + r * ng + j / group;   /* lanes 0-3 and 4-7: one or two groups */
+            const uint16_t *s = sr + r * ss + (j >> gsh);   /* lanes 0-3 and 4-7: one or two groups */
             const float sa = bf16_to_f32(s[0]), sb = group == 32 ? bf16_to_f32(s[1]) : sa;
             acc[r] = _mm256_fmadd_ps(part, _mm256_setr_ps(sa, sa, sa, sa, sb, sb, sb, sb), acc[r]);
         }
@@ -265,47 +283,63 @@ static inline __attribute__((always_inline)) void int4_rows_vec(const int R, int
         _mm256_storeu_ps(t, acc[r]);
         for (int h = 4; h >= 1; h /= 2)
             for (int q = 0; q < h; ++q) t[q] += t[q + h];
-        out[r] = t[0] + int4_row_scalar(mv, m, group, w + r * mb, sr + r * ng, x);
+        out[r] = t[0] + int4_row_scalar(mv, m, group, w + r * ws, sr + r * ss, x);
     }
 }
 #endif
 
-/* rows i0 .. i0+3 of y = add + W x + bias, W int4 [n, m] (m / 2 bytes a row) with scales s [n, m / group] (bf16);
-   xp: x permuted per block (Q4_LANES), NULL for the scalar path */
-static void matvec_rows_int4(int64_t B, int64_t n, int64_t m, int64_t group, int64_t i0, const uint8_t *W,
-                             const uint16_t *s, const float *bias, const float *x, const float *xp,
+/* the r rows i0, i0 + stride, ... (q_step_rows) of y = add + W x + bias, W int4 [n, m] (m / 2 bytes a row) with
+   scales s [n, m / group] (bf16); xp: x permuted per block (Q4_LANES), NULL for the scalar path */
+static void matvec_rows_int4(int64_t B, int64_t n, int64_t m, int64_t group, int64_t i0, int64_t stride, int r,
+                             const uint8_t *W, const uint16_t *s, const float *bias, const float *x, const float *xp,
                              const float *add, float *y) {
-    const int64_t r = n - i0 < 4 ? n - i0 : 4, mb = m / 2, ng = m / group;
+    const int64_t mb = m / 2, ng = m / group;
     for (int64_t b = 0; b < B; ++b) {
         const float *xb = x + b * m;
         float out[4];
 #if defined(Q4_LANES)
         if (xp) {
-            /* the rows Q4_PF_BYTES on (pf_bytes of them in W), prefetched while the first x row is read */
-            const int64_t steps = (Q4_PF_BYTES + 4 * mb - 1) / (4 * mb), ahead = i0 + 4 * (steps < 2 ? 2 : steps),
-                          pf_bytes = b == 0 && ahead < n ? (n - ahead) * mb : 0;
-            const uint8_t *pf = pf_bytes ? W + ahead * mb : W;
+            const uint8_t *pf_end = b == 0 ? W + n * mb : NULL;   /* (later x rows find the rows in cache) */
             if (r == 4)
-                int4_rows_vec(4, m, group, W + i0 * mb, s + i0 * ng, xp + b * m, xb, pf, pf_bytes, out);
+                int4_rows_vec(4, m, group, W + i0 * mb, stride * mb, s + i0 * ng, stride * ng, xp + b * m, xb,
+                              pf_end, out);
             else
-                for (int64_t rr = 0; rr < r; ++rr)
-                    int4_rows_vec(1, m, group, W + (i0 + rr) * mb, s + (i0 + rr) * ng, xp + b * m, xb, pf, 0,
-                                  out + rr);
+                int4_rows_vec(1, m, group, W + i0 * mb, 0, s + i0 * ng, 0, xp + b * m, xb, pf_end, out);
         } else
 #endif
-            for (int64_t rr = 0; rr < r; ++rr)
-                out[rr] = int4_row_scalar(0, m, group, W + (i0 + rr) * mb, s + (i0 + rr) * ng, xb);
-        for (int64_t rr = 0; rr < r; ++rr) q_store_row(n, b, i0 + rr, out[rr], bias, add, y);
+            for (int k = 0; k < r; ++k)
+                out[k] = int4_row_scalar(0, m, group, W + (i0 + k * stride) * mb, s + (i0 + k * stride) * ng, xb);
+        for (int k = 0; k < r; ++k) q_store_row(n, b, i0 + k * stride, out[k], bias, add, y);
     }
 }
 
+/* every step of a product over n rows (q_step_rows: i0, stride, r) through `call`, across the scope's `nthreads`
+   threads when `par` */
+#define Q_FOR_STEPS(n, par, call)                                          \
+    do {                                                                             \
+        const int64_t steps_ = Q_STEPS(n);                                           \
+        if (par) {                                                                   \
+            _Pragma("omp parallel for num_threads(nthreads) schedule(static)")       \
+            for (int64_t t_ = 0; t_ < steps_; ++t_) {                                \
+                int64_t stride;                                                      \
+                int r;                                                               \
+                const int64_t i0 = q_step_rows(n, t_, &stride, &r);                  \
+                call;                                                                \
+            }                                                                        \
+        } else                                                                       \
+            for (int64_t t_ = 0; t_ < steps_; ++t_) {                                \
+                int64_t stride;                                                      \
+                int r;                                                               \
+                const int64_t i0 = q_step_rows(n, t_, &stride, &r);                  \
+                call;                                                                \
+            }                                                                        \
+    } while (0)
+
 static void matvec_int8(int64_t B, int64_t n, int64_t m, const int8_t *W, const uint16_t *s, const float *bias,
                         const float *x, const float *add, float *y, int nthreads) {
-    if (nthreads > 1 && n * m >= 2 * PAR_MIN_ELEMS) {   /* (the threshold in bytes of fp32 weights) */
-        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")
-        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_int8(B, n, m, i0, W, s, bias, x, add, y);
-    } else
-        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_int8(B, n, m, i0, W, s, bias, x, add, y);
+    /* (the threshold in bytes of fp32 weights) */
+    Q_FOR_STEPS(n, nthreads > 1 && n * m >= 2 * PAR_MIN_ELEMS,
+                matvec_rows_int8(B, n, m, i0, stride, r, W, s, bias, x, add, y));
 }
 
 static void matvec_int4(int64_t B, int64_t n, int64_t m, int64_t group, const uint8_t *W, const uint16_t *s,
@@ -320,11 +354,8 @@ static void matvec_int4(int64_t B, int64_t n, int64_t m, int64_t group, const ui
                 for (int sh = 0; sh < 8; ++sh)
                     for (int k = 0; k < Q4_LANES; ++k) xp[b * m + j + Q4_LANES * sh + k] = x[b * m + j + 8 * k + sh];
 #endif
-    if (nthreads > 1 && n * m >= 4 * PAR_MIN_ELEMS) {
-        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")
-        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_int4(B, n, m, group, i0, W, s, bias, x, xp, add, y);
-    } else
-        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_int4(B, n, m, group, i0, W, s, bias, x, xp, add, y);
+    Q_FOR_STEPS(n, nthreads > 1 && n * m >= 4 * PAR_MIN_ELEMS,
+                matvec_rows_int4(B, n, m, group, i0, stride, r, W, s, bias, x, xp, add, y));
     free(xp);
 }
 
@@ -454,21 +485,12 @@ static inline float a8_int4_row_scalar(int64_t j0, int64_t m, int64_t group, con
     return a;
 }
 
-/* rows ahead prefetched as in the exact int4 product: one 64-byte line per row and vector step, Q4_PF_BYTES on */
-#define A8_PREFETCH(pf, pf_bytes, line, rowbytes)                                          \
-    do {                                                                                   \
-        if ((pf_bytes) > 0) {                                                              \
-            const int64_t off_ = ((line) & 3) * (rowbytes) + ((line) >> 2) * 64;           \
-            if (off_ < (pf_bytes)) _mm_prefetch((const char *)((pf) + off_), _MM_HINT_T1); \
-            ++(line);                                                                      \
-        }                                                                                  \
-    } while (0)
-
 #if defined(A8_I8_COLS) && defined(__AVX512F__) && defined(__AVX512VNNI__)
-/* R (1 or 4) rows of int8 weights (stride m) with scales ws[r]: out[r], b's row of the rounded x */
+/* R (1 or 4) rows of int8 weights (row r at w + r rs) with scales ws[r]: out[r], b's row of the rounded x; each row's
+   line Q_PF_BYTES ahead prefetched unless past pf_end (NULL: none) */
 static inline __attribute__((always_inline)) void a8_int8_rows_vec(const int R, const a8_x *p, int64_t b,
-                                                                   const int8_t *w, const float *ws,
-                                                                   const uint8_t *pf, int64_t pf_bytes, float *out) {
+                                                                   const int8_t *w, int64_t rs, const float *ws,
+                                                                   const uint8_t *pf_end, float *out) {
     const int64_t m = p->m, mv = p->mv;
     const int8_t *q = p->q + b * m;
     const float *ls = p->ls + b * p->nl;
@@ -476,27 +498,27 @@ static inline __attribute__((always_inline)) void a8_int8_rows_vec(const int R, 
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[4], wsv[4];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), wsv[r] = _mm512_set1_ps(ws[r]);
-    int64_t line = 0;
     for (int64_t j = 0; j < mv; j += 64) {
         const __m512i xq = _mm512_loadu_si512((const void *)(q + j)), corr = _mm512_loadu_si512((const void *)(lc + j / 4));
         const __m512 xs = _mm512_loadu_ps(ls + j / 4);
         for (int r = 0; r < R; ++r) {
-            A8_PREFETCH(pf, pf_bytes, line, m);
-            const __m512i d = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + r * m + j)), flip);
+            const int8_t *wr = w + r * rs + j;
+            if (pf_end) Q_PF(wr, pf_end);
+            const __m512i d = _mm512_xor_si512(_mm512_loadu_si512((const void *)wr), flip);
             const __m512i i = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), d, xq), corr);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), xs), wsv[r], acc[r]);
         }
     }
     for (int r = 0; r < R; ++r)
-        out[r] = _mm512_reduce_add_ps(acc[r]) + a8_int8_row_scalar(mv, m, w + r * m, ws[r], q, p->s + b * p->nb);
+        out[r] = _mm512_reduce_add_ps(acc[r]) + a8_int8_row_scalar(mv, m, w + r * rs, ws[r], q, p->s + b * p->nb);
 }
 
-/* R rows of int4 weights (m / 2 bytes a row) with scales sr (stride m / group): out[r] */
+/* R rows of int4 weights (row r at w + r rs bytes) with scales sr + r ss: out[r] (prefetch as a8_int8_rows_vec) */
 static inline __attribute__((always_inline)) void a8_int4_rows_vec(const int R, const a8_x *p, int64_t b,
-                                                                   int64_t group, const uint8_t *w,
-                                                                   const uint16_t *sr, const uint8_t *pf,
-                                                                   int64_t pf_bytes, float *out) {
-    const int64_t m = p->m, mv = p->mv, mb = m / 2, ng = m / group;
+                                                                   int64_t group, const uint8_t *w, int64_t rs,
+                                                                   const uint16_t *sr, int64_t ss,
+                                                                   const uint8_t *pf_end, float *out) {
+    const int64_t m = p->m, mv = p->mv, ng = m / group, gsh = group == 32 ? 5 : 6;
     const int8_t *v = p->v + b * mv;
     const float *ls = p->ls + b * p->nl;
     const int32_t *lc = p->lc + b * p->nl;
@@ -506,18 +528,18 @@ static inline __attribute__((always_inline)) void a8_int4_rows_vec(const int R, 
                                            : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     __m512 acc[4], sc[4];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    int64_t line = 0;
     for (int64_t j = 0; j < mv; j += 128) {
-        const int64_t g0 = j / group, k = g0 & 15;
+        const int64_t g0 = j >> gsh, k = g0 & 15;
         if (k == 0)
-            for (int r = 0; r < R; ++r) sc[r] = q4_scales16(sr + r * ng + g0, ng - g0);   /* row r's next 16 */
+            for (int r = 0; r < R; ++r) sc[r] = q4_scales16(sr + r * ss + g0, ng - g0);   /* row r's next 16 */
         const __m512i si = _mm512_add_epi32(lane_group, _mm512_set1_epi32((int)k));
         const __m512i xe = _mm512_loadu_si512((const void *)(v + j)), xo = _mm512_loadu_si512((const void *)(v + j + 64)),
                       corr = _mm512_loadu_si512((const void *)(lc + j / 8));
         const __m512 xs = _mm512_loadu_ps(ls + j / 8);
         for (int r = 0; r < R; ++r) {
-            A8_PREFETCH(pf, pf_bytes, line, mb);
-            const __m512i d = _mm512_loadu_si512((const void *)(w + r * mb + j / 2));
+            const uint8_t *wr = w + r * rs + j / 2;
+            if (pf_end) Q_PF(wr, pf_end);
+            const __m512i d = _mm512_loadu_si512((const void *)wr);
             const __m512i lo = _mm512_and_si512(d, nib), hi = _mm512_and_si512(_mm512_srli_epi32(d, 4), nib);
             __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe);
             i = _mm512_sub_epi32(_mm512_dpbusd_epi32(i, hi, xo), corr);
@@ -527,7 +549,7 @@ static inline __attribute__((always_inline)) void a8_int4_rows_vec(const int R, 
     }
     for (int r = 0; r < R; ++r)
         out[r] = _mm512_reduce_add_ps(acc[r])
-                 + a8_int4_row_scalar(mv, m, group, w + r * mb, sr + r * ng, p->q + b * m, p->s + b * p->nb);
+                 + a8_int4_row_scalar(mv, m, group, w + r * rs, sr + r * ss, p->q + b * m, p->s + b * p->nb);
 }
 #elif defined(A8_I8_COLS)
 static inline float a8_hsum256(__m256 a) {
@@ -538,52 +560,52 @@ static inline float a8_hsum256(__m256 a) {
     return t[0];
 }
 static inline __attribute__((always_inline)) void a8_int8_rows_vec(const int R, const a8_x *p, int64_t b,
-                                                                   const int8_t *w, const float *ws,
-                                                                   const uint8_t *pf, int64_t pf_bytes, float *out) {
+                                                                   const int8_t *w, int64_t rs, const float *ws,
+                                                                   const uint8_t *pf_end, float *out) {
     const int64_t m = p->m, mv = p->mv;
     const int8_t *q = p->q + b * m, *xa = p->v + b * mv;
     const float *ls = p->ls + b * p->nl;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[4], wsv[4];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), wsv[r] = _mm256_set1_ps(ws[r]);
-    int64_t line = 0;
     for (int64_t j = 0; j < mv; j += 32) {
         const __m256i xq = _mm256_loadu_si256((const __m256i *)(q + j)), ax = _mm256_loadu_si256((const __m256i *)(xa + j));
         const __m256 xs = _mm256_loadu_ps(ls + j / 4);
         for (int r = 0; r < R; ++r) {
-            if (j & 32) A8_PREFETCH(pf, pf_bytes, line, m);   /* a line per two steps of 32 bytes */
-            const __m256i d = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(w + r * m + j)), xq);
+            const int8_t *wr = w + r * rs + j;
+            if (pf_end && (j & 32)) Q_PF(wr, pf_end);   /* a line per two steps of 32 bytes */
+            const __m256i d = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)wr), xq);
             const __m256i i = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, d), ones);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), xs), wsv[r], acc[r]);
         }
     }
     for (int r = 0; r < R; ++r)
-        out[r] = a8_hsum256(acc[r]) + a8_int8_row_scalar(mv, m, w + r * m, ws[r], q, p->s + b * p->nb);
+        out[r] = a8_hsum256(acc[r]) + a8_int8_row_scalar(mv, m, w + r * rs, ws[r], q, p->s + b * p->nb);
 }
 static inline __attribute__((always_inline)) void a8_int4_rows_vec(const int R, const a8_x *p, int64_t b,
-                                                                   int64_t group, const uint8_t *w,
-                                                                   const uint16_t *sr, const uint8_t *pf,
-                                                                   int64_t pf_bytes, float *out) {
-    const int64_t m = p->m, mv = p->mv, mb = m / 2, ng = m / group;
+                                                                   int64_t group, const uint8_t *w, int64_t rs,
+                                                                   const uint16_t *sr, int64_t ss,
+                                                                   const uint8_t *pf_end, float *out) {
+    const int64_t m = p->m, mv = p->mv, gsh = group == 32 ? 5 : 6;
     const int8_t *v = p->v + b * mv;
     const float *ls = p->ls + b * p->nl;
     const int32_t *lc = p->lc + b * p->nl;
     const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 acc[4];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    int64_t line = 0;
     for (int64_t j = 0; j < mv; j += 64) {
         const __m256i xe = _mm256_loadu_si256((const __m256i *)(v + j)), xo = _mm256_loadu_si256((const __m256i *)(v + j + 32)),
                       corr = _mm256_loadu_si256((const __m256i *)(lc + j / 8));
         const __m256 xs = _mm256_loadu_ps(ls + j / 8);
         for (int r = 0; r < R; ++r) {
-            if (j & 64) A8_PREFETCH(pf, pf_bytes, line, mb);
-            const __m256i d = _mm256_loadu_si256((const __m256i *)(w + r * mb + j / 2));
+            const uint8_t *wr = w + r * rs + j / 2;
+            if (pf_end && (j & 64)) Q_PF(wr, pf_end);
+            const __m256i d = _mm256_loadu_si256((const __m256i *)wr);
             const __m256i lo = _mm256_and_si256(d, nib), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), nib);
             /* pair sums of codes <= 15 times |q| <= 127: no saturation, and lo + hi < 2^15 */
             const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
             const __m256i i = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), corr);
-            const uint16_t *s = sr + r * ng + j / group;   /* lanes 0-3 and 4-7: one or two groups */
+            const uint16_t *s = sr + r * ss + (j >> gsh);   /* lanes 0-3 and 4-7: one or two groups */
             const float sa = bf16_to_f32(s[0]), sb = group == 32 ? bf16_to_f32(s[1]) : sa;
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), xs),
                                      _mm256_setr_ps(sa, sa, sa, sa, sb, sb, sb, sb), acc[r]);
@@ -591,42 +613,38 @@ static inline __attribute__((always_inline)) void a8_int4_rows_vec(const int R, 
     }
     for (int r = 0; r < R; ++r)
         out[r] = a8_hsum256(acc[r])
-                 + a8_int4_row_scalar(mv, m, group, w + r * mb, sr + r * ng, p->q + b * m, p->s + b * p->nb);
+                 + a8_int4_row_scalar(mv, m, group, w + r * rs, sr + r * ss, p->q + b * m, p->s + b * p->nb);
 }
 #endif
 
-/* rows i0 .. i0+3 of y = add + W x^ + bias, W int8 [n, m] (row scales) or int4 [n, m / 2] (group scales) */
-static void matvec_rows_a8(int int4, const a8_x *p, int64_t B, int64_t n, int64_t group, int64_t i0, const void *W,
-                           const uint16_t *s, const float *bias, const float *add, float *y) {
-    const int64_t m = p->m, r = n - i0 < 4 ? n - i0 : 4, rowb = int4 ? m / 2 : m, ng = int4 ? m / group : 1;
+/* the r rows i0, i0 + stride, ... (q_step_rows) of y = add + W x^ + bias, W int8 [n, m] (row scales) or int4
+   [n, m / 2] (group scales) */
+static void matvec_rows_a8(int int4, const a8_x *p, int64_t B, int64_t n, int64_t group, int64_t i0, int64_t stride,
+                           int r, const void *W, const uint16_t *s, const float *bias, const float *add, float *y) {
+    const int64_t m = p->m, rowb = int4 ? m / 2 : m, ng = int4 ? m / group : 1;
     const uint8_t *Wb = (const uint8_t *)W;
     float ws[4];
-    for (int64_t rr = 0; rr < r; ++rr) ws[rr] = int4 ? 0.0f : bf16_to_f32(s[i0 + rr]);
+    for (int k = 0; k < r; ++k) ws[k] = int4 ? 0.0f : bf16_to_f32(s[i0 + k * stride]);
     for (int64_t b = 0; b < B; ++b) {
         float out[4];
 #if defined(A8_I8_COLS)
-        const int64_t steps = (Q4_PF_BYTES + 4 * rowb - 1) / (4 * rowb), ahead = i0 + 4 * (steps < 2 ? 2 : steps),
-                      pf_bytes = b == 0 && ahead < n ? (n - ahead) * rowb : 0;
-        const uint8_t *pf = pf_bytes ? Wb + ahead * rowb : Wb;
+        const uint8_t *pf_end = b == 0 ? Wb + n * rowb : NULL;   /* (later x rows find the rows in cache) */
         if (int4) {
-            if (r == 4) a8_int4_rows_vec(4, p, b, group, Wb + i0 * rowb, s + i0 * ng, pf, pf_bytes, out);
-            else
-                for (int64_t rr = 0; rr < r; ++rr)
-                    a8_int4_rows_vec(1, p, b, group, Wb + (i0 + rr) * rowb, s + (i0 + rr) * ng, pf, 0, out + rr);
+            if (r == 4) a8_int4_rows_vec(4, p, b, group, Wb + i0 * rowb, stride * rowb, s + i0 * ng, stride * ng, pf_end, out);
+            else a8_int4_rows_vec(1, p, b, group, Wb + i0 * rowb, 0, s + i0 * ng, 0, pf_end, out);
         } else {
-            if (r == 4) a8_int8_rows_vec(4, p, b, (const int8_t *)(Wb + i0 * rowb), ws, pf, pf_bytes, out);
-            else
-                for (int64_t rr = 0; rr < r; ++rr)
-                    a8_int8_rows_vec(1, p, b, (const int8_t *)(Wb + (i0 + rr) * rowb), ws + rr, pf, 0, out + rr);
+            if (r == 4) a8_int8_rows_vec(4, p, b, (const int8_t *)(Wb + i0 * rowb), stride * rowb, ws, pf_end, out);
+            else a8_int8_rows_vec(1, p, b, (const int8_t *)(Wb + i0 * rowb), 0, ws, pf_end, out);
         }
 #else
-        for (int64_t rr = 0; rr < r; ++rr)
-            out[rr] = int4 ? a8_int4_row_scalar(0, m, group, Wb + (i0 + rr) * rowb, s + (i0 + rr) * ng,
-                                                p->q + b * m, p->s + b * p->nb)
-                           : a8_int8_row_scalar(0, m, (const int8_t *)(Wb + (i0 + rr) * rowb), ws[rr],
-                                                p->q + b * m, p->s + b * p->nb);
+        for (int k = 0; k < r; ++k) {
+            const int64_t i = i0 + k * stride;
+            out[k] = int4 ? a8_int4_row_scalar(0, m, group, Wb + i * rowb, s + i * ng, p->q + b * m, p->s + b * p->nb)
+                          : a8_int8_row_scalar(0, m, (const int8_t *)(Wb + i * rowb), ws[k], p->q + b * m,
+                                               p->s + b * p->nb);
+        }
 #endif
-        for (int64_t rr = 0; rr < r; ++rr) q_store_row(n, b, i0 + rr, out[rr], bias, add, y);
+        for (int k = 0; k < r; ++k) q_store_row(n, b, i0 + k * stride, out[k], bias, add, y);
     }
 }
 
@@ -638,11 +656,8 @@ static void matvec_a8(int int4, int64_t B, int64_t n, int64_t m, int64_t group, 
         else matvec_int8(B, n, m, (const int8_t *)W, s, bias, x, add, y, nthreads);
         return;
     }
-    if (nthreads > 1 && n * m >= (int4 ? 4 : 2) * PAR_MIN_ELEMS) {
-        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")
-        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_a8(int4, &p, B, n, group, i0, W, s, bias, add, y);
-    } else
-        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_a8(int4, &p, B, n, group, i0, W, s, bias, add, y);
+    Q_FOR_STEPS(n, nthreads > 1 && n * m >= (int4 ? 4 : 2) * PAR_MIN_ELEMS,
+                matvec_rows_a8(int4, &p, B, n, group, i0, stride, r, W, s, bias, add, y));
     free(p.mem);
 }
 
