@@ -98,3 +98,68 @@ def test_bench_train_profile_prints_the_table(tmp_path, capsys):
     assert "in matrix products" in out and "aten::mm" in out
     data = json.loads((tmp_path / "train.json").read_text())
     assert 0 < data["records"][0]["profile"]["matmul_share"] <= 1
+
+
+def test_free_core_rows_replace_only_the_operator():
+    """free:<mixer> is the mixer's own model with only its operator call costing nothing: same parameters, outputs
+    differ from the real model's, no mixing beyond the short convolution's window, every parameter still reached by
+    the backward, and the operator is back in place after the step."""
+    import argparse
+
+    import torch
+
+    import linattn.layers.delta as layers_delta
+    from linattn.bench import train as bt
+    from linattn.models import LanguageModel, LMConfig
+
+    a = argparse.Namespace(**bt.QUICK, seed=0, mixers="softmax,gated-deltanet,linear-elu+1,kda", free_mixer=True)
+    assert bt._mixer_names(a) == ["softmax", "gated-deltanet", "linear-elu+1", "kda", bt.FREE_MIXER,
+                                  "free:gated-deltanet", "free:linear-elu+1"]   # kda's layer calls no FREE_CORES op
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, mixer="gated-deltanet",
+                                   max_seq_len=64))
+    ids = torch.randint(0, 64, (1, 16))
+    y_real = model(ids).logits
+    real_op = layers_delta.delta_rule
+    with bt.freed_core(bt.free_core_of("gated-deltanet")):
+        assert layers_delta.delta_rule is bt.free_core
+        y_free = model(ids).logits
+        ids2 = ids.clone()
+        ids2[0, 3] = (ids[0, 3] + 1) % 64
+        changed = ((model(ids2).logits - y_free).abs().amax(-1)[0] > 0).tolist()
+        model(ids, targets=ids).loss.backward()
+    assert layers_delta.delta_rule is real_op
+    assert not torch.allclose(y_real, y_free)
+    # two layers of a kernel-4 causal convolution reach 6 tokens ahead; no token before the changed one moves
+    assert changed == [3 <= i <= 3 + 2 * 3 for i in range(16)]
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+
+
+def test_free_core_backward_passes_the_gradient_to_v():
+    import torch
+
+    from linattn.bench import train as bt
+
+    q, k = torch.randn(2, 5, 3, 4, requires_grad=True), torch.randn(2, 5, 3, 4, requires_grad=True)
+    v, beta = torch.randn(2, 5, 3, 6, requires_grad=True), torch.rand(2, 5, 3, requires_grad=True)
+    o, state = bt.free_core(q, k, v, beta, g=None, scale=0.5)
+    assert state is None and torch.equal(o, v) and o.data_ptr() != v.data_ptr()
+    w = torch.randn_like(o)
+    (o * w).sum().backward()
+    assert torch.equal(v.grad, w)
+    for t in (q, k, beta):
+        assert torch.equal(t.grad, torch.zeros_like(t))
+
+
+def test_bench_train_free_core_quick(tmp_path, capsys):
+    rc = main(["bench", "train", "--quick", "--mixers", "softmax,gated-deltanet", "--free-mixer", "--out",
+               str(tmp_path), "--quiet"])
+    assert rc == 0
+    data = json.loads((tmp_path / "train.json").read_text())
+    recs = {r["model"]: r for r in data["records"]}
+    assert list(recs) == ["softmax", "gated-deltanet", "free-mixer", "free:gated-deltanet"]
+    assert recs["free:gated-deltanet"]["params"] == recs["gated-deltanet"]["params"]
+    ratio = recs["gated-deltanet"]["tokens_per_s"] / recs["free:gated-deltanet"]["tokens_per_s"]
+    assert abs(recs["gated-deltanet"]["of_bound"] / ratio - 1) < 1e-12
+    assert "of_bound" not in recs["softmax"] and "of bound" in capsys.readouterr().out

@@ -12,7 +12,14 @@ The report gives tokens/s (batch x seq-len over the median step) and each mixer'
 --free-mixer adds the row `free-mixer`: the softmax model with its attention replaced by o = q + k + v (two
 additions, gradients still reach every projection). Everything else of the step (projections, FFN, head,
 cross-entropy, AdamW) is softmax's, so its ratio to softmax is the most any mixer can gain over softmax at this
-configuration: a mixer whose ratio target exceeds it cannot be met by a faster mixer alone.
+configuration: a mixer whose ratio target exceeds it cannot be met by a faster mixer alone. It also adds, for each
+other listed mixer whose layer calls one of the operators in `FREE_CORES` (the delta family's `delta_rule`, linear
+attention's `linear_attention`), the row `free:<mixer>`: that mixer's own model with only the operator call replaced by
+an op of the same shapes that costs nothing (o = v; a backward that passes the output's gradient to v and zeros to
+q, k, beta, the gate: every projection, the short convolutions, beta and the gate, the output norm and gate, the FFN,
+head and AdamW stay the mixer's). That row is the mixer's own bound, and the column `of bound` gives each mixer's
+tokens/s over it: the share of the step left to its operator (its preparation inside the call included: the q/k L2
+norm, the key-norm rescaling, the layouts, the kernels forward and backward).
 
 Model-FLOPs utilisation (the mfu column): each step's matmul FLOPs, counted once per mixer on an untimed step by
 `torch.utils.flop_counter.FlopCounterMode` (matrix products and SDPA, forward and backward, SDPA's T x T products
@@ -26,7 +33,9 @@ time and the share of the step spent outside the matrix products (what the mixer
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import contextlib
+import importlib
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -61,7 +70,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens (default 0)")
     p.add_argument("--free-mixer", action="store_true",
                    help="add the row free-mixer: softmax's model with attention replaced by o = q + k + v, the bound "
-                        "on any mixer's gain over softmax at this configuration")
+                        "on any mixer's gain over softmax at this configuration; and free:<mixer> for each listed "
+                        "mixer whose operator FREE_CORES names: its own model with that operator costing nothing, "
+                        "its own bound (column 'of bound')")
     p.add_argument("--profile", type=int_at_least(0), default=0, metavar="N",
                    help="print a torch.profiler table of one step per mixer, its top N operators by self CPU time "
                         "(default 0: none)")
@@ -79,14 +90,64 @@ def _mixer_names(a) -> List[str]:
     bad = [n for n in names if n not in mixers()]
     if bad or not names:
         raise UsageError(f"--mixers: unknown {bad}; choose from {', '.join(mixers())}", prog=PROG)
-    if getattr(a, "free_mixer", False) and FREE_MIXER not in names:
-        names.append(FREE_MIXER)
+    if getattr(a, "free_mixer", False):
+        if FREE_MIXER not in names:
+            names.append(FREE_MIXER)
+        names += [FREE_CORE_PREFIX + n for n in list(names) if n != FREE_MIXER
+                  and not n.startswith(FREE_CORE_PREFIX) and free_core_of(n) is not None]
     return names
 
 
 def _free_mix(q, k, v, x, cache=None, cu_seqlens=None):
     """The free mixer's stand-in for softmax attention: no token mixing, every input still trained."""
     return q + k + v
+
+
+#: the operators a mixer's own bound replaces: {layer module: the operator it calls, by that module's global name}
+FREE_CORES = {"linattn.layers.delta": "delta_rule", "linattn.layers.linear_attention": "linear_attention"}
+FREE_CORE_PREFIX = "free:"
+
+
+class _FreeCore(torch.autograd.Function):
+    """o = v (a copy), the same shape as the operator's output; backward: do to v, zeros to the other inputs (their
+    producers' backward still runs, as under the real operator)."""
+
+    @staticmethod
+    def forward(ctx, v, *others):
+        ctx.others = [(t.shape, t.dtype, t.device) for t in others]
+        return v.clone()
+
+    @staticmethod
+    def backward(ctx, do):
+        return (do, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.others))
+
+
+def free_core(q, k, v, *args, **kwargs):
+    """The stand-in for an operator called as op(q, k, v, ...) -> (o, state): o = v at no cost, no state."""
+    others = [t for t in (q, k, *args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return _FreeCore.apply(v, *others), None
+
+
+def free_core_of(name: str) -> Optional[str]:
+    """The layer module (a `FREE_CORES` key) whose operator the model of mixer `name` calls, or None."""
+    from ..models import mixer_spec
+
+    module = getattr(mixer_spec(name).cls, "__module__", None)
+    return module if module in FREE_CORES else None
+
+
+@contextlib.contextmanager
+def freed_core(module: str):
+    """Within the block, the layers of `module` call `free_core` instead of their operator (the module's global;
+    a step runs one model at a time, so only the free row's steps see it)."""
+    mod = importlib.import_module(module)
+    name = FREE_CORES[module]
+    real = getattr(mod, name)
+    setattr(mod, name, free_core)
+    try:
+        yield
+    finally:
+        setattr(mod, name, real)
 
 
 def _free_mixer_model(model):
@@ -110,7 +171,8 @@ def make_step(name: str, a):
     from ..training import TrainConfig, make_optimizer
 
     torch.manual_seed(a.seed)
-    mixer = "softmax" if name == FREE_MIXER else name
+    mixer = "softmax" if name == FREE_MIXER else name.removeprefix(FREE_CORE_PREFIX)
+    core = free_core_of(mixer) if name.startswith(FREE_CORE_PREFIX) else None
     model = LanguageModel(LMConfig(vocab_size=a.vocab_size, d_model=a.d_model, n_layers=a.n_layers,
                                    n_heads=a.n_heads, mixer=mixer, max_seq_len=max(2048, a.seq_len)))
     if name == FREE_MIXER:
@@ -122,9 +184,10 @@ def make_step(name: str, a):
     x, y = ids[:, :-1], ids[:, 1:]
 
     def step():
-        out = model(x, targets=y)
-        loss = out.loss + out.aux_loss
-        loss.backward()
+        with freed_core(core) if core is not None else contextlib.nullcontext():
+            out = model(x, targets=y)
+            loss = out.loss + out.aux_loss
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -223,6 +286,15 @@ def add_mfu(records: List[Dict[str, Any]], rate_gflops: float) -> None:
             r["mfu"] = r["matmul_flops"] / (r["step"]["median_ms"] / 1e3) / (rate_gflops * 1e9)
 
 
+def add_bound_ratios(records: List[Dict[str, Any]]) -> None:
+    """of_bound = a mixer's tokens/s over its own free row's (`free:<mixer>`), where both were measured."""
+    speed = {r["model"]: r.get("tokens_per_s") for r in records}
+    for r in records:
+        bound = speed.get(FREE_CORE_PREFIX + r["model"])
+        if r.get("tokens_per_s") and bound:
+            r["of_bound"] = r["tokens_per_s"] / bound
+
+
 def _report(records: List[Dict[str, Any]]) -> str:
     soft = next((r.get("tokens_per_s") for r in records if r["model"] == "softmax"), None)
     rows = []
@@ -233,9 +305,10 @@ def _report(records: List[Dict[str, Any]]) -> str:
         ratio = f"{r['tokens_per_s'] / soft:.2f}x" if soft else "-"
         gflop = f"{r['matmul_flops'] / 1e9:.1f}" if "matmul_flops" in r else "-"
         rows.append([r["model"], f"{r['params']:,}", common.fmt_ms(r["step"]["median_ms"]),
-                     f"{r['tokens_per_s']:,.0f}", ratio, gflop, f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"])
-    text = common.format_table(["mixer", "params", "step ms (median)", "tokens/s", "vs softmax", "matmul GFLOP",
-                                "mfu"], rows)
+                     f"{r['tokens_per_s']:,.0f}", ratio, f"{r['of_bound']:.2f}x" if "of_bound" in r else "-", gflop,
+                     f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"])
+    text = common.format_table(["mixer", "params", "step ms (median)", "tokens/s", "vs softmax", "of bound",
+                                "matmul GFLOP", "mfu"], rows)
     for r in records:
         if "profile" in r:
             pr = r["profile"]
@@ -273,6 +346,7 @@ def run(a) -> int:
     records = measure(names, a, log)
     rate = common.matmul_rate(2048 if not a.quick else 256)
     add_mfu(records, rate["gflops"])
+    add_bound_ratios(records)
     print(f"matmul   fp32 {rate['n']}^3 product: {rate['gflops']:.1f} GFLOP/s (median) at {torch.get_num_threads()} "
           f"thread(s), measured after the steps; mfu = a step's matmul FLOPs / (its median time x this rate)\n")
     head.append(f"matmul   fp32 {rate['n']}^3: {rate['gflops']:.1f} GFLOP/s; mfu = matmul FLOPs / (step time x rate)")
