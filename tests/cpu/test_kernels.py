@@ -444,7 +444,7 @@ def test_linear_cpu_plain_c_fallback(tmp_path, monkeypatch):
     for f in cbuild.CSRC.iterdir():
         (src / f.name).write_bytes(f.read_bytes())
     (src / "linear.c").write_text("#define LINATTN_PLAIN_C\n" + (cbuild.CSRC / "linear.c").read_text())
-    monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path / "cache"))
+    # the default cache: its key hashes these sources (the define included), so a later run reuses this build
     lib = ctypes.CDLL(str(cbuild.build("linear", src)))
     monkeypatch.setattr(bindings, "load_library", lambda name: lib)
     q, k, v = (x.requires_grad_() for x in _lin_inputs(2, 45, 2, 8, 33, torch.float32, seed=5))

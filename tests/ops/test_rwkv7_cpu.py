@@ -120,8 +120,9 @@ def test_gradcheck_fp64():
     """torch.autograd.gradcheck of every input (a and b included) against finite differences, with and without the
     final state in the loss, across a checkpoint (T = 66)."""
     x = [t.requires_grad_() for t in _inputs(1, 66, 2, 3, 2, torch.float64, seed=3)]
-    assert torch.autograd.gradcheck(lambda *t: _op("cpu")(*t), x, atol=1e-7, rtol=1e-6)
-    assert torch.autograd.gradcheck(lambda *t: _op("cpu")(*t)[0], x, atol=1e-7, rtol=1e-6)
+    # fast_mode: a random projection u^T J v, numerical against analytical (a wrong term moves it), not all of J
+    assert torch.autograd.gradcheck(lambda *t: _op("cpu")(*t), x, atol=1e-7, rtol=1e-6, fast_mode=True)
+    assert torch.autograd.gradcheck(lambda *t: _op("cpu")(*t)[0], x, atol=1e-7, rtol=1e-6, fast_mode=True)
 
 
 @pytest.mark.parametrize("mode", ["chunk", "recurrent"])
