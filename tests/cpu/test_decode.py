@@ -110,6 +110,26 @@ def test_compiled_step_equals_torch_step_and_forward(case, prefill, monkeypatch)
     torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("case", ["deltanet", "gated-deltanet", "efla"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_state_rows_not_a_whole_line(case, dtype, monkeypatch):
+    """Heads of 20 channels (a state row of 80 / 160 bytes, not a whole number of 64-byte lines: the state update's
+    plain stores, where 16-channel heads take its streamed lines): 12 steps, B=2, outputs and states as the PyTorch
+    fast step's."""
+    layer = _layer(case, d=40, dtype=dtype)
+    assert layer.head_dim == 20
+    x = torch.randn(2, 12, 40, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    count = Count(monkeypatch)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    ref, ref_cache = _decode(layer, x, 2)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "1")
+    got, cache = _decode(layer, x, 2)
+    assert count.n == 10
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(cache.state, ref_cache.state, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("case", ["gated-deltanet-gva", "efla-adaptive", "linear-elu+1-scalar-gva", "retnet"])
 def test_compiled_step_against_fp64(case, monkeypatch):
     """fp32 compiled decoding vs an fp64 copy of the layer run by the general chunk form; and the fp64 compiled

@@ -88,6 +88,42 @@ def test_cache_reused_copied_and_advanced_by_transformers_between_calls(monkeypa
     pd.check_cache_copied_and_advanced(*_pair(), lambda c: c.layers[1].keys, monkeypatch)
 
 
+def test_conv_states_copied_and_advanced_by_transformers_between_calls(monkeypatch):
+    """The GDN layers' conv states are views of one tensor after a compiled token (kernelize_plan._conv_stack): a
+    deep copy decoded on its own leaves the original's unchanged, transformers' own steps (which write them in
+    place) between compiled ones are read by the next compiled token."""
+    pd.check_cache_copied_and_advanced(*_pair(), lambda c: c.layers[0].conv_states[0], monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_state_written_in_place_between_tokens(dtype, monkeypatch):
+    """A conv state written in place between compiled tokens (a version the plan did not leave): the next token
+    reads the new values, as the unpatched model does; so does one replaced by another tensor (bf16: transformers'
+    conv states in bf16, the plan's windows in fp32). Three GDN layers: the middle one is replaced."""
+    ref, fast = _pair(dtype=dtype, layers=("linear_attention",) * 3 + ("full_attention",))
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
+        tok = ids[:, -1:]
+        for step in range(4):
+            lg = [m(tok, cache=c).logits for m, c in zip((fast, ref), caches)]
+            assert pd.close(lg[0].float(), lg[1].float(), tol), step
+            tok = lg[1].argmax(-1)
+            for c in caches:
+                if step == 1:
+                    c.layers[0].conv_states[0][..., -1].mul_(-2.0)
+                if step == 2:
+                    c.layers[1].conv_states[0] = c.layers[1].conv_states[0] * 0.5
+        lg = [m(tok, cache=c).logits for m, c in zip((fast, ref), caches)]
+        assert pd.close(lg[0].float(), lg[1].float(), tol)
+    assert calls.model == 5
+    for lg_, lw in zip(caches[0].layers, caches[1].layers):
+        if hasattr(lg_, "conv_states"):
+            torch.testing.assert_close(lg_.conv_states[0].float(), lw.conv_states[0].float(), rtol=tol, atol=tol)
+
+
 #: what the plan copies: (1 + w), -exp(A_log), Qwen3-Next's GDN projections (regrouped per key head); it reads
 #: gate | up and Qwen3.5's GDN projections from their parts in place
 COPIED = {"model.layers.0.input_layernorm.weight", "model.layers.2.linear_attn.A_log", "model.norm.weight",

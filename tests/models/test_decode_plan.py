@@ -271,3 +271,35 @@ def test_fused_input_read_from_its_parts_equals_the_concatenated_copy(dtype, mon
     ref, plans = logits(model)
     assert plans[0].nparts_W == 0 and plans[0].W not in {m.weight.data_ptr() for m in lins}
     assert torch.equal(got, ref)
+
+
+def test_the_state_buffer_reused_only_when_nothing_holds_it(monkeypatch):
+    """The whole-model step writes its new states into the buffer of the token before last when nothing else holds
+    that buffer (two buffers in turn: no fresh memory a token); an entry read from the cache (a view of a buffer), a
+    pending step held by a shallow copy of the cache, keep theirs: their values do not change while decoding goes
+    on, and the logits are those of a model decoding into fresh buffers (the state read through a shallow copy, whose
+    layers are the cache's, is the last step's; the cache's next token then reads the entries)."""
+    import copy
+
+    model, ids = _model(), _ids(2, 18)
+    calls = CompiledDecodeCalls(monkeypatch)
+    ref = _generate(model, ids)
+    with torch.no_grad():
+        out = model(ids[:, :3], use_cache=True)
+        cache, logits, ptrs = out.cache, [out.logits], []
+        for t in range(3, 18):
+            if t == 6:
+                held = cache.layers[0]["mixer"].state   # (a view of the last step's buffer)
+                snap = held.clone()
+            if t == 9:   # a shallow copy holding the pending step
+                twin = copy.copy(cache)
+                pending, snap2 = twin.pending, twin.pending.buf.clone()
+            if t == 11:   # one whose entries were made (views of the buffer; its pending step dropped)
+                viewed = copy.copy(cache).layers[1]["mixer"].state
+                snap3 = viewed.clone()
+            logits.append(model(ids[:, t:t + 1], cache=cache).logits)
+            ptrs.append(cache.pending.buf.data_ptr())
+    assert calls.model == 2 * 15
+    assert torch.equal(torch.cat(logits, 1), ref)
+    assert torch.equal(held, snap) and torch.equal(pending.buf, snap2) and torch.equal(viewed, snap3)
+    assert ptrs[-1] == ptrs[-3] and ptrs[-2] == ptrs[-4] and ptrs[-1] != ptrs[-2]   # (reused at the end)

@@ -48,6 +48,7 @@ import ctypes
 import functools
 import importlib
 import math
+import operator
 import os
 import pkgutil
 import types
@@ -438,7 +439,11 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         mirrors.append((i, p, mir))
     cdt = slot.cdt
     S_in = _states_in(cache, lo, S_parts, cdt)
-    W_in = torch.cat([w[..., 1:].to(cdt).reshape(-1) for w in W_parts]) if W_parts else None
+    convs = _conv_stack(cache, lo, slot, W_parts)
+    if convs is not None:
+        W_in = _windows_of(convs, cdt)
+    else:
+        W_in = torch.cat([w[..., 1:].to(cdt).reshape(-1) for w in W_parts]) if W_parts else None
     for _, p, mir in mirrors:
         kv = mir.kv
         kv.reserve(1, kv.k, kv.v)
@@ -456,7 +461,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         return None   # a token id out of range: transformers' embedding reports it
     if rc:
         raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
-    _write_recurrent(cache, lo, slot, buf)
+    _write_recurrent(cache, lo, slot, buf, convs)
     for i, _, mir in mirrors:
         kv, c = mir.kv, layers[i]
         kv.length += 1
@@ -476,10 +481,56 @@ def _states_in(cache, lo, S_parts: list, cdt: torch.dtype) -> Optional[torch.Ten
     return torch.cat([s.to(cdt).reshape(-1) for s in S_parts])
 
 
-def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor) -> None:
+def _conv_stack(cache, lo, slot: _Slot, W_parts: list) -> Optional[torch.Tensor]:
+    """The recurrent layers' conv states as one `[n, B, C, KC]` tensor when they are alike and their windows follow
+    each other in the plan's buffer (Qwen3.5's: one conversion and two copies a token instead of three small
+    strided ones per layer): the tensor the last token left them views of, while nothing wrote them since (the
+    shared version counter), else a stack of them; None otherwise (the per-layer path)."""
+    if not W_parts:
+        return None
+    prev = cache.__dict__.get("_linattn_conv")
+    if (prev is not None and prev[0] is lo and prev[1]._version == prev[3]
+            and all(map(operator.is_, W_parts, prev[2])) and W_parts[0].data_ptr() == prev[1].data_ptr()
+            and W_parts[-1].data_ptr() == prev[1][-1].data_ptr()):   # (still its views: a deep copy keeps them)
+        return prev[1]
+    w0 = W_parts[0]
+    size = math.prod(lo.layers[slot.recurrent[0]].wshape)
+    if any(w.shape != w0.shape or w.dtype != w0.dtype or lo.layers[i].w_off != j * size
+           for j, (i, w) in enumerate(zip(slot.recurrent, W_parts))):
+        return None
+    return torch.stack(W_parts)
+
+
+def _windows_of(convs: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """The plan's conv windows `[n B C (KC - 1)]` in cdt: the last KC - 1 columns of `_conv_stack`'s `[n, B, C,
+    KC]`, copied a column at a time (one strided copy with an inner loop of KC - 1 elements costs ~3x more)."""
+    KC = convs.shape[3]
+    rows = convs.view(-1, KC)
+    out = torch.empty(rows.shape[0], KC - 1, dtype=cdt)
+    for j in range(KC - 1):
+        out[:, j].copy_(rows[:, j + 1])
+    return out.view(-1)
+
+
+def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[torch.Tensor] = None) -> None:
     """transformers' recurrent layers after the step: states as views of the new buffer (a copy where the layer
-    keeps another dtype or layout), conv states shifted by one column."""
+    keeps another dtype or layout), conv states shifted by one column (all at once in `convs`, `_conv_stack`'s,
+    whose views they become)."""
     S_new, views, layers = buf[:lo.n_state], [], cache.layers
+    if convs is not None:
+        KC = convs.shape[3]
+        rows = convs.view(-1, KC)
+        wins = buf[lo.n_state:lo.n_state + rows.shape[0] * (KC - 1)].view(-1, KC - 1)
+        for j in range(KC):   # (by column: `_windows_of`)
+            rows[:, j].copy_(rows[:, 1] if j == 0 else wins[:, j - 1])
+        prev = cache.__dict__.get("_linattn_conv")
+        if prev is not None and prev[1] is convs:
+            conv_views = prev[2]
+        else:   # (detached: transformers' own step under grad writes them in place)
+            conv_views = [c.detach() for c in convs.unbind(0)]
+            for i, c in zip(slot.recurrent, conv_views):
+                layers[i].conv_states[0] = c
+        cache.__dict__["_linattn_conv"] = (lo, convs, conv_views, convs._version)
     for i in slot.recurrent:
         c, lay = layers[i], lo.layers[i]
         st = S_new[lay.s_off:lay.s_off + math.prod(lay.sshape)].view(lay.sshape)
@@ -490,9 +541,11 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor) -> None:
         else:
             c.recurrent_states[0].copy_(st)
         views.append(c.recurrent_states[0])
-        cs, n = c.conv_states[0], lay.wshape[1] * lay.wshape[2]
-        cs[..., :1].copy_(cs[..., 1:2])
-        cs[..., 1:].copy_(buf[lo.n_state + lay.w_off:lo.n_state + lay.w_off + lay.wshape[0] * n].view(lay.wshape))
+        if convs is None:
+            cs, n = c.conv_states[0], lay.wshape[1] * lay.wshape[2]
+            cs[..., :1].copy_(cs[..., 1:2])
+            cs[..., 1:].copy_(buf[lo.n_state + lay.w_off:lo.n_state + lay.w_off + lay.wshape[0] * n]
+                              .view(lay.wshape))
     if views:
         cache.__dict__["_linattn_states"] = (lo, views, S_new)
 

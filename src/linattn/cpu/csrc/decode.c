@@ -543,6 +543,109 @@ static void FN(delta_write_read)(int64_t K, int64_t V, const REAL *q, const REAL
     }
 }
 
+/* The second pass's rows by 512-bit lines, the new state written past the caches by streaming stores (the state is
+   read back only by the next token, after every weight of the model has gone through the caches, so reading the
+   fresh buffer's lines in to write them, as a plain store does, is a third of the traffic). The operations are
+   the plain loop's (a product, then two fmas). */
+#if defined(HAVE_VLINE) && defined(__AVX512F__) && !defined(LINATTN_PLAIN_C)
+#define STREAM_LINES 1
+#if REAL_IS_FLOAT
+#define ZV __m512
+#define ZLOAD _mm512_loadu_ps
+#define ZSTORE _mm512_storeu_ps
+#define ZSET1 _mm512_set1_ps
+#define ZMUL _mm512_mul_ps
+#define ZFMA _mm512_fmadd_ps
+#define ZSTREAM _mm512_stream_ps
+#else
+#define ZV __m512d
+#define ZLOAD _mm512_loadu_pd
+#define ZSTORE _mm512_storeu_pd
+#define ZSET1 _mm512_set1_pd
+#define ZMUL _mm512_mul_pd
+#define ZFMA _mm512_fmadd_pd
+#define ZSTREAM _mm512_stream_pd
+#endif
+static inline void FN(delta_row_stream)(int64_t V, const REAL *s0, int gated, REAL decay, REAL ki, REAL qi,
+                                        const REAL *e, REAL *s, REAL *o) {
+    const ZV dv = ZSET1(decay), kv = ZSET1(ki), qv = ZSET1(qi);
+    for (int64_t c = 0; c < V; c += 64 / (int64_t)sizeof(REAL)) {
+        ZV sv = s0 ? ZLOAD(s0 + c) : ZSET1((REAL)0);
+        if (gated && s0) sv = ZMUL(sv, dv);
+        const ZV sn = ZFMA(kv, ZLOAD(e + c), sv);
+        ZSTORE(o + c, ZFMA(qv, sn, ZLOAD(o + c)));
+        ZSTREAM(s + c, sn);
+    }
+}
+#undef ZV
+#undef ZLOAD
+#undef ZSTORE
+#undef ZSET1
+#undef ZMUL
+#undef ZFMA
+#undef ZSTREAM
+#else
+#define STREAM_LINES 0
+#endif
+
+/* The delta rule's state update and read for one head in two passes over the state (kinds 0 and 1):
+
+       pass 1 (reads S0):           ks = k^T (decay S0),   err = a (v / d) - a ks   (into e [V])
+       pass 2 (reads S0, writes S): S = decay S0 + k err^T, row by row, and o += q_i S[i, :] as each row is made
+
+   The same operations in the same order as the three passes they replace (decay, k^T S, the rank-1 write, then
+   S^T q accumulated over ascending rows), so the same bits; the second pass reads S0 from L2 (a head's state is
+   64 KiB at 128 x 128 fp32) and writes S once, by streaming stores when `stream` (S 64-byte aligned, V a multiple
+   of a line). S0 NULL: a zero state. The rank-1 write is an explicit fma where the target has one: written as
+   decay * s0 + k_i err_j, contraction may fuse either product (the three passes stored decay S0 first). */
+static void FN(delta_update)(int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v, REAL d, REAL ar,
+                             int gated, REAL decay, const REAL *S0, REAL *S, REAL *e, REAL *o, int stream) {
+    for (int64_t j = 0; j < V; ++j) e[j] = 0;
+    if (S0)
+        for (int64_t i = 0; i < K; ++i) {
+            const REAL *restrict s0 = S0 + i * V;
+            const REAL ki = k[i];
+            if (i + PF_ROWS < K)   /* the old state a few rows ahead (not cached), and the new one's rows for the
+                                      second pass's plain stores (fetched beside the old: two streams at once) */
+                for (int64_t c = 0; c < V; c += 64 / (int64_t)sizeof(REAL)) {
+                    __builtin_prefetch(s0 + PF_ROWS * V + c, 0, 3);
+                    if (!stream) __builtin_prefetch(S + (i + PF_ROWS) * V + c, 1, 3);
+                }
+#pragma omp simd
+            for (int64_t j = 0; j < V; ++j) { REAL sv = gated ? s0[j] * decay : s0[j]; e[j] += ki * sv; }
+        }
+    for (int64_t j = 0; j < V; ++j) e[j] = (v[j] / d) * ar - ar * e[j];
+    for (int64_t j = 0; j < V; ++j) o[j] = 0;
+#if defined(__FMA__)
+#define DELTA_WRITE(sv, ki, ej) MATH(fma)(ki, ej, sv)
+#else
+#define DELTA_WRITE(sv, ki, ej) ((sv) + (ki) * (ej))
+#endif
+    for (int64_t i = 0; i < K; ++i) {
+        const REAL *restrict s0 = S0 ? S0 + i * V : NULL;
+        REAL *restrict s = S + i * V;
+        const REAL ki = k[i], qi = q[i];
+#if STREAM_LINES
+        if (stream) {
+            FN(delta_row_stream)(V, s0, gated, decay, ki, qi, e, s, o);
+            continue;
+        }
+#endif
+        (void)stream;
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) {
+            REAL sv = s0 ? (gated ? s0[j] * decay : s0[j]) : (REAL)0;
+            REAL sn = DELTA_WRITE(sv, ki, e[j]);
+            s[j] = sn;
+            o[j] += qi * sn;
+        }
+    }
+#if STREAM_LINES
+    if (stream) _mm_sfence();   /* (the streamed lines ordered before whatever reads the state next) */
+#endif
+#undef DELTA_WRITE
+}
+
 /* One head's step of the kernel-map state [kv | z] ([K, V+1] rows): S = decay S0 + k [v | 1] (S0 NULL: none;
    gated 0: decay unused), o = S[:, :V]^T q; returns the normaliser q^T z. Linear (kind 2) and ELA share it. */
 static REAL FN(kv_z_step)(int64_t K, int64_t V, const REAL *fq, const REAL *fk, const REAL *v, int gated,
@@ -591,13 +694,16 @@ int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_
         const REAL *nw, double norm_eps, int has_gate, REAL *out, int nthreads) {
     const int64_t C = 2 * H * K + HV * V, G = HV / H;
     /* work: the prepared q | k | v per batch row [B, C], then d (key rescaling) and lam per (b, h) */
-    REAL *u = (REAL *)malloc(sizeof(REAL) * (size_t)(B * C + 1));
+    /* and err per (b, hv) [B HV, V] (delta_update) */
+    REAL *u = (REAL *)malloc(sizeof(REAL) * (size_t)(B * C + B * HV * V + 1));
     double *dd = (double *)malloc(sizeof(double) * (size_t)(2 * B * H + 1));
     if (!u || !dd) { free(u); free(dd); return 1; }
+    REAL *e = u + B * C;
     if (KC > 0) FN(conv)(B, C, KC, y, ldy, w_in, cw, cb, conv_act, w_out, u);
     else for (int64_t b = 0; b < B; ++b) memcpy(u + b * C, y + b * ldy, sizeof(REAL) * (size_t)C);
     FN(delta_prepare_qk)(B, H, K, C, u, kind, l2conv, q_l2, l2eps, scale, dd);
     const int64_t nb = B * HV;
+    const int stream = V % (64 / (int64_t)sizeof(REAL)) == 0 && ((uintptr_t)S_out & 63) == 0;
     const int par = nb > 1 && nb * K * V >= PAR_MIN_ELEMS;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if(par)
     for (int64_t t = 0; t < nb; ++t) {
@@ -621,24 +727,7 @@ int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_
         const REAL *S0 = S_in ? S_in + t * K * V : NULL;
         REAL *S = S_out + t * K * V;
         REAL *o = out + t * V;
-        /* o is scratch for err = a (v / d) - a (k^T (decay S0)) first */
-        for (int64_t j = 0; j < V; ++j) o[j] = 0;
-        if (S0) {
-            for (int64_t i = 0; i < K; ++i) {
-                const REAL *restrict s0 = S0 + i * V;
-                REAL *restrict s = S + i * V;
-                const REAL ki = k[i];
-                if (i + PF_ROWS < K)   /* the old state and the fresh output a few rows ahead (not cached) */
-                    for (int64_t c = 0; c < V; c += 64 / (int64_t)sizeof(REAL)) {
-                        __builtin_prefetch(s0 + PF_ROWS * V + c, 0, 3);
-                        __builtin_prefetch(s + PF_ROWS * V + c, 1, 3);
-                    }
-#pragma omp simd
-                for (int64_t j = 0; j < V; ++j) { REAL sv = gated ? s0[j] * decay : s0[j]; s[j] = sv;
-                                                  o[j] += ki * sv; }
-            }
-        } else memset(S, 0, sizeof(REAL) * (size_t)(K * V));
-        FN(delta_write_read)(K, V, q, k, v, d, ar, S, o);
+        FN(delta_update)(K, V, q, k, v, d, ar, gated, decay, S0, S, e + t * V, o, stream);
         FN(outnorm)(o, V, has_norm, nw, norm_eps, has_gate ? y + b * ldy + ldy - HV * V + hv * V : NULL);
     }
     free(u); free(dd);
