@@ -198,35 +198,6 @@ def kda_conv_norm_reason(layer, norm_class: str, wdt) -> Optional[str]:
     return None
 
 
-def describe_kda_model(model: nn.Module, models: tuple, kda_reason, part, mlp_class: str,
-                       norm_class: str) -> Union[tuple, str]:
-    """(ModelDescription, per-layer `part(mixer)`) of a transformers model whose pre-norm blocks are a KDA mixer
-    (`layer.self_attn`, `kda_reason(mixer, d, wdt)` None) and a dense SwiGLU MLP of class `mlp_class`, with plain
-    RMSNorms of class `norm_class` (Kimi Linear's, Bailing hybrid's), or the reason the plan does not compute it."""
-    got = base_and_embedding(model, models, "model", "embed_tokens")
-    if isinstance(got, str):
-        return got
-    base, embed, wdt = got
-    d = embed.weight.shape[1]
-    blocks, parts = [], []
-    for i, layer in enumerate(base.layers):
-        mixer = layer.self_attn
-        why = kda_reason(mixer, d, wdt)
-        ffn = swiglu_ffn(layer.mlp, mlp_class, d, wdt)
-        if why is None and isinstance(ffn, str):
-            why = ffn
-        norms = [layer._modules.get(n) for n in ("input_layernorm", "post_attention_layernorm")]
-        if why is None and any(type(n).__name__ != norm_class or n.weight.dtype != wdt for n in norms):
-            why = f"block norms that are not transformers' {norm_class}"
-        if why is not None:
-            return f"layer {i}: {why}"
-        n1, n2 = (norm(n.weight, n.variance_epsilon) for n in norms)
-        blocks.append(_dp.BlockDescription(mixer, "kda", n1, n2, "swiglu", ffn[0], ffn[1]))
-        parts.append(part(mixer))
-    desc = model_description(model, embed, blocks, base.norm, norm_class, wdt)
-    return desc if isinstance(desc, str) else (desc, parts)
-
-
 def cached_call_usable(cache, B: int, L: Optional[int], attention_mask, position_ids) -> bool:
     """A description's `call_usable` for a model whose forward takes the position from the cache (transformers'
     `cache.get_seq_length()`, L when the model has softmax layers): no left padding, position ids (if given) at the
