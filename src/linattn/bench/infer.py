@@ -20,6 +20,9 @@ The floor of a decoded token (the one definition `linattn bench decode` uses too
 * read bandwidth: the fastest of 3 passes reading a float32 buffer of at least 4x the last-level cache (and 64 MiB)
   with a compiled vectorised sum (`ReadBandwidth`), at the row's thread count, once per round, interleaved with the
   models' timings (the floor and the models see the same load); the table's bandwidth is the median over rounds.
+  The buffer is on 2 MiB pages where the machine gives them (`linattn.cpu.hugepages`, as the models' weights are
+  when a decode plan is built): the machine's best read rate, so the floor cannot flatter an engine whose weights
+  sit on 4 KiB pages. The JSON's `bandwidth_pages` says how much of it the kernel put on huge pages.
 
 Per round, every row in turn: one prefill of --prompt tokens (timed: prompt tok/s), then --decode greedy tokens
 on its cache (timed: decode tok/s), then one bandwidth pass; the table gives medians over --repeats rounds. The
@@ -29,9 +32,11 @@ head layout, intermediate 3584, vocab 32k, tied head: 530M parameters), "qwen3.5
 
 llama.cpp: `--llama-bench PATH` with `--gguf FILE` (a GGUF of the same weights per dtype: `--gguf fp32=a.gguf
 bf16=b.gguf`) or `--llama-cpp DIR` (a llama.cpp source tree: its convert_hf_to_gguf.py converts the transformers
-model, saved to a temporary folder, at each dtype) adds a row per dtype and thread count from `llama-bench -p
-PROMPT -n DECODE -t THREADS -r REPEATS -o json` (its own timing loop, run after the interleaved rounds; its floor
-from the bandwidth measured right before and after each llama-bench run).
+model, saved to a temporary folder, at each dtype, before the models are built) adds a row per dtype and thread
+count: in every round one `llama-bench -p PROMPT -n DECODE -t THREADS -r 1 -o json` (its own warm-up and one
+timed run), run right after the round's other rows of the same dtype, so the peer is re-measured in the same run
+under the same load; its floor from that round's bandwidth, as every row's. llama.cpp runs as it ships (its
+weights mmap'd from the GGUF: page cache, 4 KiB pages here); `--llama-args` passes its own options.
 """
 from __future__ import annotations
 
@@ -90,9 +95,12 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int_at_least(1), nargs="+", default=[1, 2], help="thread counts (default 1 2)")
     p.add_argument("--prompt", type=int_at_least(1), default=512, help="prompt tokens (default 512)")
     p.add_argument("--decode", type=int_at_least(1), default=128, help="decoded tokens per round (default 128)")
-    p.add_argument("--repeats", type=int_at_least(1), default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--repeats", type=int_at_least(1), default=5,
+                   help="interleaved rounds (default 5; a llama.cpp row runs llama-bench -r 1 once per round)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt (default 0)")
-    p.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary (optional)")
+    p.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="llama.cpp's llama-bench binary (optional): a row per GGUF, one llama-bench -r 1 per round, "
+                        "run between the round's other rows")
     p.add_argument("--gguf", nargs="+", default=None, metavar="DTYPE=FILE",
                    help="GGUF files of the transformers model's weights for llama-bench, e.g. fp32=m.gguf")
     p.add_argument("--llama-args", default="", metavar="ARGS",
@@ -173,14 +181,25 @@ class ReadBandwidth:
     """
 
     def __init__(self, nbytes: Optional[int] = None, passes: int = 3):
-        from ..cpu import bindings
+        from ..cpu import bindings, hugepages
 
         nbytes = nbytes or max(4 * last_level_cache_bytes(), MIN_BANDWIDTH_BYTES)
-        self.buf = torch.ones(nbytes // 4, dtype=torch.float32)
+        self.buf = hugepages.empty(nbytes // 4, torch.float32).fill_(1.0)   # (the pages touched once)
         self.nbytes, self.passes = self.buf.numel() * 4, passes
         self._lib, self._out = bindings.bind("probe"), torch.zeros(1, dtype=torch.float64)
         self.method = "torch sum" if self._lib is None else "compiled"
-        self._read()   # the pages touched once
+        huge = hugepages.tensor_huge_bytes([self.buf])
+        #: how the buffer sits in memory: {"bytes", "huge_bytes" (the kernel's count on 2 MiB pages; None:
+        #: unreadable), "unavailable" (why huge pages were not asked for; None: they were)}
+        self.pages = {"bytes": self.nbytes, "huge_bytes": huge, "unavailable": hugepages.unavailable()}
+
+    def describe_pages(self) -> str:
+        """The buffer's pages in words, e.g. "100 % on 2 MiB pages"."""
+        p = self.pages
+        if p["huge_bytes"] is None:
+            return "pages unknown"
+        why = f"; {p['unavailable']}" if p["unavailable"] else ""
+        return f"{100 * p['huge_bytes'] / max(1, p['bytes']):.0f} % on 2 MiB pages{why}"
 
     def _read(self) -> float:
         if self._lib is None:
@@ -374,46 +393,37 @@ def _gguf_files(a, shape, dtypes: Sequence[str], tmp: str, log) -> Dict[str, str
     return files
 
 
-def llama_rows(a, shape, dtypes: Sequence[str], nbytes: Dict[str, int], log,
-               sbytes: Optional[Dict[str, float]] = None) -> List[Dict[str, Any]]:
-    """The llama.cpp rows (one per dtype and thread count). Their floor: `nbytes[dtype]` (the transformers model's
-    decode bytes, else linattn's) over the read bandwidth measured right before and right after that llama-bench
-    run at its thread count (the mean of the two), so that it sees llama-bench's load, not the rounds'. Its floor
-    with states: `sbytes[dtype]` (the same model's state traffic) added."""
-    with tempfile.TemporaryDirectory(prefix="linattn-infer-") as tmp:
-        files = _gguf_files(a, shape, dtypes, tmp, log)
-        bw = ReadBandwidth(None if a.bandwidth_mib is None else a.bandwidth_mib << 20)
-        rows = []
-        for name in dtypes:
-            if name not in files:
-                continue
-            for t in a.threads:
-                torch.set_num_threads(t)
-                before = bw.once()
-                got = _llama_bench(a, files[name], t, log)
-                rate = (before + bw.once()) / 2
-                floor = nbytes[name] / rate * 1e3 if name in nbytes else None
-                st = (sbytes or {}).get(name)
-                floor_st = (nbytes[name] + st) / rate * 1e3 if floor is not None and st is not None else None
-                dec = got.get("decode_tok_s")
-                rows.append({"engine": "llama.cpp", "dtype": name, "threads": t, **got, "bytes": nbytes.get(name),
-                             "bandwidth_gbs": rate / 1e9, "floor_ms": floor,
-                             "over_floor": (1e3 / dec) / floor if dec and floor else None, "state_bytes": st,
-                             "floor_states_ms": floor_st,
-                             "over_floor_states": (1e3 / dec) / floor_st if dec and floor_st else None})
-        return rows
+def llama_rows(files: Dict[str, str], rows: List[Dict[str, Any]], threads: Sequence[int]) -> List[Dict[str, Any]]:
+    """The llama.cpp rows, one per GGUF in `files` (dtype -> path) whose dtype has model rows: each placed in `rows`
+    right after the last model row of its dtype (returned: the new order). Their bytes: the transformers model's
+    decode bytes of that dtype (the GGUF holds its weights), else linattn's; their state traffic the same model's."""
+    out = list(rows)
+    for name, path in files.items():
+        same = [r for r in rows if r["dtype"] == name]
+        if not same:
+            continue
+        hf = [r for r in same if r["engine"] != "linattn"]
+        src = (hf or same)[0]
+        row = {"engine": "llama.cpp", "dtype": name, "gguf": path, "bytes": src["bytes"],
+               "state_bytes": src.get("state_bytes"), "times": {t: {"prefill": [], "decode": []} for t in threads}}
+        out.insert(out.index(same[-1]) + 1, row)
+    return out
 
 
 def _llama_bench(a, path: str, threads: int, log) -> Dict[str, float]:
-    """One `llama-bench` run on GGUF `path`: {"prompt_tok_s", "decode_tok_s"}."""
+    """One `llama-bench` run (one timed repeat after its warm-up) on GGUF `path`: {"prompt_tok_s",
+    "decode_tok_s"}."""
     cmd = [a.llama_bench, "-m", path, "-p", str(a.prompt), "-n", str(a.decode), "-t", str(threads),
-           "-r", str(a.repeats), "-o", "json", *shlex.split(a.llama_args)]
+           "-r", "1", "-o", "json", *shlex.split(a.llama_args)]
     log(" ".join(cmd))
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({res.returncode}): " + " ".join(cmd) + "\n"
                            + "\n".join(res.stderr.strip().splitlines()[-12:]))
-    return parse_llama_bench(res.stdout)
+    got = parse_llama_bench(res.stdout)
+    if set(got) != {"prompt_tok_s", "decode_tok_s"}:
+        raise RuntimeError("llama-bench gave no prompt and decode rates: " + " ".join(cmd) + "\n" + res.stdout[-2000:])
+    return got
 
 
 # -- the run -----------------------------------------------------------------------------------------------------
@@ -449,6 +459,11 @@ def _measure(rows: List[Dict[str, Any]], a, bw: ReadBandwidth, log) -> Dict[int,
         torch.set_num_threads(t)
         for r in range(a.repeats):
             for row in rows:
+                if "gguf" in row:   # (llama-bench's own process and timing loop)
+                    got = _llama_bench(a, row["gguf"], t, log)
+                    row["times"][t]["prefill"].append(a.prompt / got["prompt_tok_s"])
+                    row["times"][t]["decode"].append(1.0 / got["decode_tok_s"])
+                    continue
                 ids = torch.randint(0, row["vocab"], (1, a.prompt), generator=gen)
                 run = row["runner"]
                 t0 = time.perf_counter()
@@ -469,13 +484,14 @@ def _records(rows, a, bws) -> List[Dict[str, Any]]:
         bw = _median(bws[t])
         for row in rows:
             pre, dec = _median(row["times"][t]["prefill"]), _median(row["times"][t]["decode"])
-            floor_ms = row["bytes"] / bw * 1e3
+            floor_ms = None if row["bytes"] is None else row["bytes"] / bw * 1e3
             st = row.get("state_bytes")
-            floor_st = None if st is None else (row["bytes"] + st) / bw * 1e3
+            floor_st = None if st is None or floor_ms is None else (row["bytes"] + st) / bw * 1e3
             out.append({"engine": row["engine"], "dtype": row["dtype"], "threads": t, "bytes": row["bytes"],
                         "prompt_tok_s": a.prompt / pre, "decode_tok_s": 1.0 / dec, "decode_ms": dec * 1e3,
-                        "floor_ms": floor_ms, "over_floor": dec * 1e3 / floor_ms, "state_bytes": st,
-                        "floor_states_ms": floor_st, "over_floor_states": None if st is None else dec * 1e3 / floor_st,
+                        "floor_ms": floor_ms, "over_floor": None if floor_ms is None else dec * 1e3 / floor_ms,
+                        "state_bytes": st, "floor_states_ms": floor_st,
+                        "over_floor_states": None if floor_st is None else dec * 1e3 / floor_st,
                         "bandwidth_gbs": bw / 1e9})
     return out
 
@@ -494,9 +510,10 @@ def _table(records) -> str:
                                 "decode/floor", "floor+st ms", "decode/floor+st", "read GB/s"], rows)
 
 
-def _interleaved(a, engines: Sequence[str], dtypes: Sequence[str], shape, log) -> tuple:
-    """Builds every row's model and the bandwidth buffer, prints the report's head, runs the interleaved rounds.
-    Returns (the head's lines, the machine's description, the records)."""
+def _interleaved(a, engines: Sequence[str], dtypes: Sequence[str], shape, log, gguf: Dict[str, str]) -> tuple:
+    """Builds every row's model (and the llama.cpp rows of the GGUFs in `gguf`) and the bandwidth buffer, prints
+    the report's head, runs the interleaved rounds. Returns (the head's lines, the machine's description, the
+    records, the bandwidth buffer's pages)."""
     rows = []
     for e in engines:
         for name in dtypes:
@@ -511,7 +528,7 @@ def _interleaved(a, engines: Sequence[str], dtypes: Sequence[str], shape, log) -
             f"timing   prompt {a.prompt} tokens, {a.decode} decoded tokens per round, {a.repeats} interleaved "
             f"rounds (medians); threads {a.threads}",
             f"floor    decode bytes (stored dtype, embedding row, tied head once) / read bandwidth ({bw.method} "
-            f"read of {bw.nbytes >> 20} MiB, LLC {last_level_cache_bytes() >> 20} MiB"
+            f"read of {bw.nbytes >> 20} MiB ({bw.describe_pages()}), LLC {last_level_cache_bytes() >> 20} MiB"
             f"{'' if bw.nbytes >= 4 * last_level_cache_bytes() else ': LESS THAN 4x, partly cached'}, "
             f"best of {bw.passes} passes once per round, median over rounds); floor+st: the same with the states "
             f"and KV rows a token reads and writes at the decode's mean context ({a.prompt + a.decode / 2:g} tokens)"]
@@ -525,8 +542,9 @@ def _interleaved(a, engines: Sequence[str], dtypes: Sequence[str], shape, log) -
         same = [r["traffic"] for r in rows if r["traffic"] is not None and r["dtype"] == row["dtype"]]
         any_ = [r["traffic"] for r in rows if r["traffic"] is not None]
         row["state_bytes"] = state_bytes(row["traffic"] or (same or any_ or [None])[0], context)
+    rows = llama_rows(gguf, rows, a.threads)
     bws = _measure(rows, a, bw, log)
-    return head, info, _records(rows, a, bws)
+    return head, info, _records(rows, a, bws), bw.pages
 
 
 def run(a) -> int:
@@ -546,20 +564,17 @@ def run(a) -> int:
     shape = SHAPES[a.shape]
     paths = common.output_paths("infer", a.out, exts=("txt", "json"), overwrite=a.overwrite)
     context = _fallbacks() if any(e != "linattn" for e in engines) else contextlib.nullcontext()
-    with context:   # (the models are freed on return: the llama.cpp conversion builds and converts another copy)
-        head, info, records = _interleaved(a, engines, dtypes, shape, log)
-    if a.llama_bench is not None:   # (the transformers model's bytes: the GGUF holds its weights)
-        nbytes = {r["dtype"]: r["bytes"] for r in records if r["engine"] == "linattn"}
-        nbytes.update({r["dtype"]: r["bytes"] for r in records if r["engine"] != "linattn"})
-        sbytes = {r["dtype"]: r["state_bytes"] for r in records if r.get("state_bytes") is not None}
-        records += llama_rows(a, shape, dtypes, nbytes, log, sbytes)
+    with tempfile.TemporaryDirectory(prefix="linattn-infer-") as tmp, context:
+        # (converted first: the conversion builds its own copy of the model, freed before the rows' are built)
+        gguf = _gguf_files(a, shape, dtypes, tmp, log) if a.llama_bench is not None else {}
+        head, info, records, pages = _interleaved(a, engines, dtypes, shape, log, gguf)
     loads = common.loadavg()
     text = _table(records) + f"\n\nload average after the run: {loads}"
     print(text)
     config = {k: v for k, v in vars(a).items() if not callable(v)}
     atomic_write_text(paths["txt"], "\n".join(head) + "\n\n" + text + "\n")
     write_json(paths["json"], {"benchmark": "infer", "machine": info, "config": config, "shape": shape,
-                               "records": records, "loadavg_after": loads})
+                               "records": records, "bandwidth_pages": pages, "loadavg_after": loads})
     print(f"\nwrote {paths['txt']}, {paths['json']}")
     return 0
 

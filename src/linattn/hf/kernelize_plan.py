@@ -57,7 +57,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from ..cpu import decode as _cpu_decode
+from ..cpu import decode as _cpu_decode, hugepages as _hugepages
 from ..layers import fast_decode as _fast
 from ..layers.cache import KVCache
 from ..models import decode_plan as _dp
@@ -281,6 +281,7 @@ def _described_modules(model: nn.Module, arch) -> list:
 
 def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
     slot.plan = None
+    _hugepages.place_module(model)   # (before any pointer is taken: the plan reads every weight per token)
     got = arch.describe(model)
     if isinstance(got, str):
         return False
@@ -451,7 +452,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         p.pos, p.lo, p.pos0, p.lo0 = None, None, L, 0
     ids = input_ids if input_ids.dtype == torch.int64 and input_ids.is_contiguous() else \
         input_ids.to(torch.int64).contiguous()
-    buf = torch.empty(lo.n_state + lo.n_win, dtype=cdt)
+    buf = _hugepages.empty(lo.n_state + lo.n_win, cdt)
     logits = torch.empty(B, 1, lo.vocab, dtype=slot.wdt)
     out = buf.data_ptr()
     rc = slot.fn(ctypes.byref(slot.plan), ids.data_ptr(), None if S_in is None else S_in.data_ptr(),

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..cpu import decode as _cpu_decode
+from ..cpu import decode as _cpu_decode, hugepages as _hugepages
 from ..layers import fast_decode as _fast
 from ..layers.cache import Cache, KVCache, LayerCache
 from ..layers.common import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, mamba_neg_a
@@ -481,7 +481,7 @@ def _fused_quantized(layer, lins, cdt):
     mods = layer._modules
     convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"]) if layer.short_conv else ()
     parts = [stored_weights(m) for m in lins]
-    q = torch.cat([w[1] for w in parts])
+    q = _hugepages.place_copy(torch.cat([w[1] for w in parts]))
     scales = torch.cat([w[2] for w in parts])
     b = None
     if any(m.bias is not None for m in lins):
@@ -772,7 +772,7 @@ def plan_addresser(keep: list, cdt: torch.dtype):
             return None
         t = t.detach()
         if t.dtype != dtype or not t.is_contiguous():
-            t = t.to(dtype).contiguous()
+            t = _hugepages.place_copy(t.to(dtype).contiguous())
         keep.append(t)
         return t.data_ptr()
     return addr
@@ -1078,6 +1078,7 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     wdt = desc.embed.weight.dtype
     if not model_weights_usable(desc, wdt):
         return False
+    _hugepages.place_module(model)   # (before any pointer is taken: the step reads every weight per token)
     cdt = compute_dtype(wdt)
     vocab, d = desc.embed.weight.shape
     plans, keep, specs = [], [], []
@@ -1318,7 +1319,7 @@ def _reusable(spent, n: int, dtype: torch.dtype) -> torch.Tensor:
             and spent.numel() == n and sys.getrefcount(spent) <= _SPENT_REFS
             and _storage_use_count(spent.untyped_storage()._cdata) == 2):
         return spent
-    return torch.empty(n, dtype=dtype)
+    return _hugepages.empty(n, dtype)
 
 
 class ModelPending:

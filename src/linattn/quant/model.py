@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..cpu import hugepages
 from ..errors import LinattnError, LinattnTypeError
 from ..models.lm import LanguageModel
 from ..models.moe import MoE
@@ -128,6 +129,7 @@ def quantize(model: nn.Module, mode: str, *, group_size: Optional[int] = None, c
     if tied is not None:
         _quantize_tied_head(model, tied, how, skipped)
     model._linattn_quant_skipped = skipped
+    hugepages.place_module(model)   # (the integers every decoded token reads)
     return model.eval()
 
 
