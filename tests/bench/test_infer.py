@@ -56,6 +56,20 @@ def test_read_bandwidth_is_positive_and_sized_from_the_cache(monkeypatch):
     assert infer.ReadBandwidth(8 << 20).nbytes == 8 << 20
 
 
+def test_read_bandwidth_buffer_is_on_huge_page_mappings(monkeypatch):
+    """The floor's buffer asks for 2 MiB pages (the machine's best read), and says so; LINATTN_HUGEPAGES=0: not."""
+    from linattn.cpu import hugepages
+
+    bw = infer.ReadBandwidth(8 << 20)
+    if hugepages.unavailable() is None:
+        assert hugepages._ours(bw.buf.data_ptr()) and bw.pages["unavailable"] is None
+        assert "on 2 MiB pages" in bw.describe_pages()
+    monkeypatch.setenv("LINATTN_HUGEPAGES", "0")
+    off = infer.ReadBandwidth(8 << 20)
+    assert not hugepages._ours(off.buf.data_ptr()) and off.pages["unavailable"] == "LINATTN_HUGEPAGES=0"
+    assert off._read() == off.nbytes // 4
+
+
 @pytest.mark.skipif(not cpu_available(), reason="needs the compiled CPU kernels")
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("n", [0, 5, 16384, 16384 * 3 + 17, 100_003])
@@ -121,10 +135,44 @@ def test_bench_infer_tiny(tmp_path, capsys):
     assert "decode/floor+st" in out
     lr = rows[("llama.cpp", "fp32")]
     assert lr["decode_tok_s"] == 10.0
-    # its floor: the transformers model's bytes (the GGUF's weights) over the bandwidth measured around its run
-    assert lr["bytes"] == rows[("transformers", "fp32")]["bytes"] and lr["bandwidth_gbs"] > 0
+    # its floor: the transformers model's bytes (the GGUF's weights) over the rounds' bandwidth, as every row's
+    assert lr["bytes"] == rows[("transformers", "fp32")]["bytes"]
+    assert lr["bandwidth_gbs"] == rows[("linattn", "fp32")]["bandwidth_gbs"] > 0
+    pages = data["bandwidth_pages"]   # the floor's buffer: how much of it the kernel put on 2 MiB pages
+    assert pages["bytes"] == 16 << 20 and (pages["huge_bytes"] is None or 0 <= pages["huge_bytes"] <= 18 << 20)
     assert lr["floor_ms"] == pytest.approx(lr["bytes"] / (lr["bandwidth_gbs"] * 1e9) * 1e3)
     assert lr["over_floor"] == pytest.approx(100.0 / lr["floor_ms"])
+
+
+def test_llama_bench_runs_once_per_round_between_the_rows(tmp_path, monkeypatch):
+    """One `llama-bench -r 1` per round and row, right after the round's model rows of its dtype."""
+    events = []
+    real_llama, real_decode = infer._llama_bench, infer.Runner.decode
+
+    def llama(a, path, threads, log):
+        events.append(("llama", os.path.basename(path), threads))
+        return real_llama(a, path, threads, log)
+
+    def decode(self, n):
+        if n == 3:   # (the rounds' decodes; the warm-up decodes one token)
+            events.append(("model", self.model.embed.weight.dtype))
+        return real_decode(self, n)
+
+    monkeypatch.setattr(infer, "_llama_bench", llama)
+    monkeypatch.setattr(infer.Runner, "decode", decode)
+    fake = _fake_llama_bench(tmp_path)
+    fake.write_text(fake.read_text().replace("a = sys.argv\n", "a = sys.argv\nassert a[a.index('-r') + 1] == '1', a\n"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    rc = main(["bench", "infer", "--shape", "tiny", "--engines", "linattn", "--prompt", "4", "--decode", "3",
+               "--repeats", "2", "--threads", "1", "--bandwidth-mib", "16", "--llama-bench", str(fake),
+               "--gguf", f"fp32={gguf}", "--out", str(tmp_path / "out"), "--quiet"])
+    assert rc == 0
+    one_round = [("model", torch.float32), ("llama", "m.gguf", 1), ("model", torch.bfloat16)]
+    assert events == one_round * 2
+    data = json.loads((tmp_path / "out" / "infer.json").read_text())
+    assert [(r["engine"], r["dtype"]) for r in data["records"]] == [("linattn", "fp32"), ("llama.cpp", "fp32"),
+                                                                    ("linattn", "bf16")]
 
 
 @pytest.mark.skipif(not HAS_HF, reason="needs transformers (the hf extra)")
