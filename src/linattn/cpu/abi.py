@@ -124,7 +124,12 @@ class BlockPlan(ctypes.Structure):
                 # bias e_bias for the choice and a routed scaling factor)
                 + [(n, ctypes.c_int64) for n in ("moe_groups", "moe_topk_groups")]
                 + [(n, ctypes.c_int32) for n in ("router", "router_wbf16")]
-                + [("routed_scale", ctypes.c_double), ("e_bias", ctypes.c_void_p)])
+                + [("routed_scale", ctypes.c_double), ("e_bias", ctypes.c_void_p)]
+                # MiniMax: lightning attention (kind 8, csrc/decode_lightning.h: `decay` exp(-slope) per head, one
+                # RMSNorm over all heads' outputs) and the scaled residual order (res_scaled 1: the normed input is
+                # the residual, h = a1 n1(x) + b1 mixer, x_out = a2 n2(h) + b2 ffn)
+                + [("res_scaled", ctypes.c_int32), ("pad_mx_", ctypes.c_int32)]
+                + [(n, ctypes.c_double) for n in ("res_a1", "res_b1", "res_a2", "res_b2")])
 
 
 class ModelPlan(ctypes.Structure):

@@ -397,19 +397,27 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
             or not input_ids.is_cpu or input_ids.dtype not in (torch.int64, torch.int32)):
         return None
     DynamicCache, DynamicLayer, LinearAttentionLayer = _cache_types()
-    if type(cache) is not DynamicCache:
+    own = getattr(arch, "cache_type", None)   # (a cache class of the architecture's own: `_ARCHITECTURES`)
+    if type(cache) is not (DynamicCache if own is None else own()):
         return None
     B = input_ids.shape[0]
     slot = _usable_slot(model, arch, B)
     if slot is None:
         return None
     layers, lo = cache.layers, slot.layout
-    if len(layers) != lo.L:
+    if len(layers) != lo.L if own is None else len(layers) > lo.L:
         return None
     # the cache: every recurrent layer past its prompt, every softmax layer at the same length L
     S_parts, W_parts = [], []
     for i in slot.recurrent:
-        c, lay = layers[i], lo.layers[i]
+        lay = lo.layers[i]
+        if own is not None:   # (a state tensor per layer, no conv window)
+            rs = arch.get_state(cache, i)
+            if rs is None or rs.shape != lay.sshape or not rs.is_cpu or lay.wshape is not None:
+                return None
+            S_parts.append(rs)
+            continue
+        c = layers[i]
         if type(c) is not LinearAttentionLayer or c.record_past or not c.has_previous_state[0]:
             return None
         rs, cs = c.recurrent_states[0], c.conv_states[0]
@@ -421,7 +429,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         W_parts.append(cs)
     L = None
     for i, _ in slot.att:
-        c = layers[i]
+        c = layers[i] if i < len(layers) else None
         if type(c) is not DynamicLayer or not c.is_initialized or c.keys is None or c.keys.dim() != 4:
             return None
         n = c.keys.shape[2]
@@ -439,6 +447,8 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
             return None
         mirrors.append((i, p, mir))
     cdt = slot.cdt
+    # the token's position: the softmax layers' length, or where the architecture's forward takes it from
+    pos = arch.position(cache, L, position_ids) if hasattr(arch, "position") else L
     S_in = _states_in(cache, lo, S_parts, cdt)
     convs = _conv_stack(cache, lo, slot, W_parts)
     if convs is not None:
@@ -449,7 +459,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         kv = mir.kv
         kv.reserve(1, kv.k, kv.v)
         p.kc, p.vc, p.kv_cap, p.kv_len = kv.k.data_ptr(), kv.v.data_ptr(), kv.k.shape[1], kv.length
-        p.pos, p.lo, p.pos0, p.lo0 = None, None, L, 0
+        p.pos, p.lo, p.pos0, p.lo0 = None, None, pos, 0
     ids = input_ids if input_ids.dtype == torch.int64 and input_ids.is_contiguous() else \
         input_ids.to(torch.int64).contiguous()
     buf = _hugepages.empty(lo.n_state + lo.n_win, cdt)
@@ -462,7 +472,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         return None   # a token id out of range: transformers' embedding reports it
     if rc:
         raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
-    _write_recurrent(cache, lo, slot, buf, convs)
+    _write_recurrent(cache, lo, slot, buf, convs, arch if own is not None else None)
     for i, _, mir in mirrors:
         kv, c = mir.kv, layers[i]
         kv.length += 1
@@ -513,10 +523,12 @@ def _windows_of(convs: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     return out.view(-1)
 
 
-def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[torch.Tensor] = None) -> None:
+def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[torch.Tensor] = None,
+                     own=None) -> None:
     """transformers' recurrent layers after the step: states as views of the new buffer (a copy where the layer
     keeps another dtype or layout), conv states shifted by one column (all at once in `convs`, `_conv_stack`'s,
-    whose views they become)."""
+    whose views they become). `own`: the description of a cache of the architecture's own, whose states it gets
+    and sets (`get_state` / `set_state`; no conv windows), a new tensor where it keeps another dtype."""
     S_new, views, layers = buf[:lo.n_state], [], cache.layers
     if convs is not None:
         KC = convs.shape[3]
@@ -533,8 +545,14 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[
                 layers[i].conv_states[0] = c
         cache.__dict__["_linattn_conv"] = (lo, convs, conv_views, convs._version)
     for i in slot.recurrent:
-        c, lay = layers[i], lo.layers[i]
+        lay = lo.layers[i]
         st = S_new[lay.s_off:lay.s_off + math.prod(lay.sshape)].view(lay.sshape)
+        if own is not None:
+            dt = own.get_state(cache, i).dtype
+            own.set_state(cache, i, st.detach() if dt == slot.cdt else st.to(dt))
+            views.append(own.get_state(cache, i))
+            continue
+        c = layers[i]
         if c.recurrent_states[0].dtype == slot.cdt:
             # (detached: a view made under no_grad could not be written in place by transformers' own step
             # under grad)

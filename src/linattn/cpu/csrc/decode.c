@@ -121,6 +121,12 @@ typedef struct {
     int32_t router, router_wbf16;
     double routed_scale;
     const void *e_bias;
+    /* MiniMax: lightning attention (kind 8, decode_lightning.h: the per-head decay exp(-slope) in `decay` [H], the
+       norm over all heads' outputs in nw / norm_eps) and the scaled residual order res_scaled 1 (pre-norm, the
+       normed input as the residual): h = a1 rmsnorm_n1(x) + b1 o_proj(mixer(rmsnorm_n1(x))), x_out = a2
+       rmsnorm_n2(h) + b2 ffn(rmsnorm_n2(h)) */
+    int32_t res_scaled, pad_mx_;
+    double res_a1, res_b1, res_a2, res_b2;
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
 
@@ -1005,6 +1011,13 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
 #include "decode_ela.h" /* kind 6: FN(decode_linear_ela) */
 #include "decode_moe.h" /* ffn_kind 1: FN(moe_ffn) */
 #include "decode_mla.h" /* kind 7: FN(mla_mix) */
+#include "decode_lightning.h" /* kind 8: FN(lightning_mix) */
+
+/* MiniMax's scaled residual (res_scaled): out = a res + b out */
+static void FN(scaled_add)(int64_t n, const REAL *res, double a, double b, REAL *out) {
+    const REAL ra = (REAL)a, rb = (REAL)b;
+    for (int64_t i = 0; i < n; ++i) out[i] = res[i] * ra + out[i] * rb;
+}
 
 /* a post-norm block's residual add: out = res + rmsnorm(y) (y [B, d] normed in place) */
 static void FN(postnorm_add)(int64_t B, int64_t d, const REAL *res, REAL *y, const REAL *w, double eps, REAL *out) {
@@ -1039,6 +1052,8 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
         rc = FN(decode_linear_ela)(p, y, ny, w_in, w_out, S_in, S_out, o);
     else if (p->kind == 7)
         rc = FN(mla_mix)(p, y, o);
+    else if (p->kind == 8)
+        rc = FN(lightning_mix)(p, y, S_in, S_out, o);
     else if (p->kind == 0)
         rc = FN(linattn_decode_delta)(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,
                  w_out, p->dkind, p->l2conv, p->q_l2, p->l2eps, p->scale, p->beta_mode, (const REAL *)p->alpha,
@@ -1052,11 +1067,15 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
     if (rc) { free(xn); return rc; }
     REAL *hout = p->has_ffn ? h : x_out;
     FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wo), p->sc_Wo, p->grp_Wo,
-            B, d, no, p->Wo, (const REAL *)p->bo, o, p->postnorm ? NULL : x, p->postnorm ? xn : hout, p->nthreads);
+            B, d, no, p->Wo, (const REAL *)p->bo, o, p->postnorm || p->res_scaled ? NULL : x,
+            p->postnorm ? xn : hout, p->nthreads);
     if (p->postnorm) FN(postnorm_add)(B, d, x, xn, (const REAL *)p->n1w, p->n1eps, hout);
+    if (p->res_scaled) FN(scaled_add)(B * d, xn, p->res_a1, p->res_b1, hout);
     if (p->has_ffn && p->ffn_kind == 1) {   /* (pre-norm only: the builders describe no post-norm MoE) */
         FN(rmsnorm)(B, d, h, (const REAL *)p->n2w, p->n2eps, xn);
+        if (p->res_scaled) memset(h, 0, sizeof(REAL) * (size_t)(B * d));   /* (x_out = the experts' sum alone) */
         rc = FN(moe_ffn)(p, xn, h, x_out);
+        if (p->res_scaled) FN(scaled_add)(B * d, xn, p->res_a2, p->res_b2, x_out);
         free(xn);
         return rc;
     }
@@ -1071,9 +1090,10 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
             for (int64_t j = 0; j < hid; ++j) gb[j] = FN(la_silu)(ua[j]) * ub[j];
         }
         FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wd), p->sc_Wd, p->grp_Wd,
-                B, d, hid, p->Wd, (const REAL *)p->bd, g, p->postnorm ? NULL : h, p->postnorm ? xn : x_out,
-                p->nthreads);
+                B, d, hid, p->Wd, (const REAL *)p->bd, g, p->postnorm || p->res_scaled ? NULL : h,
+                p->postnorm ? xn : x_out, p->nthreads);
         if (p->postnorm) FN(postnorm_add)(B, d, h, xn, (const REAL *)p->n2w, p->n2eps, x_out);
+        if (p->res_scaled) FN(scaled_add)(B * d, xn, p->res_a2, p->res_b2, x_out);
     }
     free(xn);
     return 0;
