@@ -131,14 +131,12 @@ typedef struct {
 LA_EXPORT_SIZEOF(block_plan)
 
 /* The matrix-vector products stream every weight once per token (from memory at batch 1: the model is bigger
-   than L2). Four rows are read at once, one 64-byte line of each per step into four vector accumulators (GCC /
-   clang vector types; the rows' lengths a multiple of a line), and each of the four row streams is prefetched
-   into L2 MV_PF_BYTES ahead of where it is read (`mv_prefetch4`): the hardware prefetcher follows four
-   interleaved rows of one page poorly (without a prefetch the products ran at ~55% of the rate when the weights
-   sat in L3, the interleaved bench decode and any model that fits L3). One pointer running linearly ahead of the
-   group of rows, the scheme before, fell behind the reads at the start of every group of short rows: bf16 rows
-   of 1024 inputs (2 KiB) read at ~0.8 of the memory's rate, ~0.95 with a distance per stream. */
-#define MV_PF_BYTES 4096
+   than L2). A step reads one 64-byte line of each of four rows into four vector accumulators (GCC / clang vector
+   types; the rows' lengths a multiple of a line), the rows of rowsched.h's schedule: rows i, i + n/4, i + 2n/4,
+   i + 3n/4, four sequential streams each prefetched Q_PF_BYTES ahead. Four neighbouring rows, the schedule before,
+   restarted four short streams every step (a 4 KiB fp32 row of 1024 inputs each its own page, two bf16 rows a
+   page), which the hardware prefetcher follows poorly. */
+#include "rowsched.h"
 #if defined(__GNUC__)
 #define HAVE_VLINE 1
 typedef float vline_f32 __attribute__((vector_size(64), aligned(4)));
@@ -163,19 +161,10 @@ static inline double vsum_f64(vline_f64 a) {
 
 
 
-/* prefetch into L2 the line `off` bytes into each of the four rows w (rows of rowbytes bytes; past a row's end:
-   the same row of the next group of four, the rows being consecutive), unless past `end` */
-static inline void mv_prefetch4(const char *const w[4], int64_t off, int64_t rowbytes, const char *end) {
-    const int64_t o = off < rowbytes ? off : off + 3 * rowbytes;
-    if ((uintptr_t)(w[3] + o) < (uintptr_t)end) {
-        __builtin_prefetch(w[0] + o, 0, 2); __builtin_prefetch(w[1] + o, 0, 2);
-        __builtin_prefetch(w[2] + o, 0, 2); __builtin_prefetch(w[3] + o, 0, 2);
-    }
-}
 
 /* Where a product's weight rows are: one matrix W (nparts 0), or nparts matrices stacked by rows, part i at
-   parts[i] with rows[i] rows (a fused product read from its parts). Rows are grouped by four over the stacked
-   rows, as in one concatenated matrix, so both give the same bits. */
+   parts[i] with rows[i] rows (a fused product read from its parts). Rows are scheduled over the stacked rows, as
+   in one concatenated matrix, so both give the same bits. */
 typedef struct {
     const void *W;
     int nparts;
@@ -183,24 +172,24 @@ typedef struct {
     const int64_t *rows;
 } mv_src;
 
-/* the addresses of rows i0 .. i0+3 (past the last row: the last row again, unused) of n rows of rowbytes bytes,
-   and the end of the part holding row i0 (where its prefetch stops) */
-static inline void mv_rows_at(const mv_src *s, int64_t n, size_t rowbytes, int64_t i0, const char *w[4],
-                              const char **end) {
+/* the address of row i of n rows of rowbytes bytes, and the end of the matrix or part holding it (where its
+   stream's prefetch stops) */
+static inline const char *mv_row_at(const mv_src *s, int64_t n, size_t rowbytes, int64_t i, const char **end) {
     if (!s->nparts) {
-        const char *base = (const char *)s->W;
-        for (int k = 0; k < 4; ++k) w[k] = base + (size_t)(i0 + k < n ? i0 + k : n - 1) * rowbytes;
-        *end = base + (size_t)n * rowbytes;
-        return;
+        *end = (const char *)s->W + (size_t)n * rowbytes;
+        return (const char *)s->W + (size_t)i * rowbytes;
     }
     int p = 0;
     int64_t first = 0;
-    for (int k = 0; k < 4; ++k) {
-        const int64_t i = i0 + k < n ? i0 + k : n - 1;
-        while (p < s->nparts - 1 && i >= first + s->rows[p]) first += s->rows[p++];
-        w[k] = (const char *)s->parts[p] + (size_t)(i - first) * rowbytes;
-        if (k == 0) *end = (const char *)s->parts[p] + (size_t)s->rows[p] * rowbytes;
-    }
+    while (p < s->nparts - 1 && i >= first + s->rows[p]) first += s->rows[p++];
+    *end = (const char *)s->parts[p] + (size_t)s->rows[p] * rowbytes;
+    return (const char *)s->parts[p] + (size_t)(i - first) * rowbytes;
+}
+
+/* the r (4 or 1) rows i0, i0 + stride, ... of a step (q_step_rows) from src: their addresses and ends */
+static inline void mv_step_rows(const mv_src *s, int64_t n, size_t rowbytes, int64_t i0, int64_t stride, int r,
+                                const char *w[4], const char *end[4]) {
+    for (int k = 0; k < r; ++k) w[k] = mv_row_at(s, n, rowbytes, i0 + k * stride, &end[k]);
 }
 
 /* bf16 weights (the upper half of an fp32: converting is a 16-bit shift, exact), read by the matrix-vector
@@ -245,24 +234,25 @@ static inline vline_f32 bf16_line(const uint16_t *w) {
 }
 #endif
 
-/* rows i0 .. i0+3 of y = add + W x + bias, W [n, m] bf16 from src (matvec_rows_f32's loops on converted weights) */
-static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, const mv_src *src, const float *bias,
-                             const float *x, const float *add, float *y) {
-    const int64_t r = n - i0 < 4 ? n - i0 : 4;
-    const char *wr[4], *end;
-    mv_rows_at(src, n, sizeof(uint16_t) * (size_t)m, i0, wr, &end);
+/* the r rows i0, i0 + stride, ... (q_step_rows) of y = add + W x + bias, W [n, m] bf16 from src (matvec_rows_f32's
+   loops on converted weights) */
+static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, int64_t stride, int r, const mv_src *src,
+                             const float *bias, const float *x, const float *add, float *y) {
+    const char *wr[4], *end[4];
+    mv_step_rows(src, n, sizeof(uint16_t) * (size_t)m, i0, stride, r, wr, end);
 #if defined(HAVE_VLINE)
     if (r == 4 && m % 16 == 0) {
         const uint16_t *w0 = (const uint16_t *)wr[0], *w1 = (const uint16_t *)wr[1], *w2 = (const uint16_t *)wr[2],
                        *w3 = (const uint16_t *)wr[3];
-        const int64_t rb = 2 * m;
         for (int64_t b = 0; b < B; ++b) {
             const float *xb = x + b * m;
             vline_f32 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
 #if defined(BF16_ZMM)
             __m512 z0 = _mm512_setzero_ps(), z1 = z0, z2 = z0, z3 = z0;
             for (int64_t j = 0; j < m; j += 16) {
-                if (b == 0 && (j & 31) == 0) mv_prefetch4(wr, 2 * j + MV_PF_BYTES, rb, end);   /* a line a row */
+                if (b == 0 && (j & 31) == 0) {   /* a line of each stream per 2 steps */
+                    Q_PF(w0 + j, end[0]); Q_PF(w1 + j, end[1]); Q_PF(w2 + j, end[2]); Q_PF(w3 + j, end[3]);
+                }
                 const __m512 xv = _mm512_loadu_ps(xb + j);
                 z0 = _mm512_fmadd_ps(bf16_zmm(w0 + j), xv, z0); z1 = _mm512_fmadd_ps(bf16_zmm(w1 + j), xv, z1);
                 z2 = _mm512_fmadd_ps(bf16_zmm(w2 + j), xv, z2); z3 = _mm512_fmadd_ps(bf16_zmm(w3 + j), xv, z3);
@@ -271,16 +261,18 @@ static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, const 
             memcpy(&a2, &z2, sizeof a2); memcpy(&a3, &z3, sizeof a3);
 #else
             for (int64_t j = 0; j < m; j += 16) {
-                if (b == 0 && (j & 31) == 0) mv_prefetch4(wr, 2 * j + MV_PF_BYTES, rb, end);   /* a line a row */
+                if (b == 0 && (j & 31) == 0) {   /* a line of each stream per 2 steps */
+                    Q_PF(w0 + j, end[0]); Q_PF(w1 + j, end[1]); Q_PF(w2 + j, end[2]); Q_PF(w3 + j, end[3]);
+                }
                 const vline_f32 xv = *(const vline_f32 *)(xb + j);
                 a0 += bf16_line(w0 + j) * xv; a1 += bf16_line(w1 + j) * xv;
                 a2 += bf16_line(w2 + j) * xv; a3 += bf16_line(w3 + j) * xv;
             }
 #endif
             const float acc[4] = {vsum_f32(a0), vsum_f32(a1), vsum_f32(a2), vsum_f32(a3)};
-            for (int64_t rr = 0; rr < 4; ++rr) {
-                const int64_t i = i0 + rr;
-                float v = acc[rr];
+            for (int k = 0; k < 4; ++k) {
+                const int64_t i = i0 + k * stride;
+                float v = acc[k];
                 if (bias) v = v + bias[i];
                 y[b * n + i] = add ? add[b * n + i] + v : v;
             }
@@ -303,16 +295,16 @@ static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, const 
             }
             acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
         } else
-            for (int64_t rr = 0; rr < r; ++rr) {
-                const uint16_t *restrict w = (const uint16_t *)wr[rr];
+            for (int k = 0; k < r; ++k) {
+                const uint16_t *restrict w = (const uint16_t *)wr[k];
                 float a = 0;
 #pragma omp simd reduction(+:a)
                 for (int64_t j = 0; j < m; ++j) a += bf16_to_f32(w[j]) * xb[j];
-                acc[rr] = a;
+                acc[k] = a;
             }
-        for (int64_t rr = 0; rr < r; ++rr) {
-            const int64_t i = i0 + rr;
-            float v = acc[rr];
+        for (int k = 0; k < r; ++k) {
+            const int64_t i = i0 + k * stride;
+            float v = acc[k];
             if (bias) v = v + bias[i];
             y[b * n + i] = add ? add[b * n + i] + v : v;
         }
@@ -321,11 +313,8 @@ static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, const 
 
 static void matvec_src_bf16(int64_t B, int64_t n, int64_t m, const mv_src *src, const float *bias, const float *x,
                             const float *add, float *y, int nthreads) {
-    if (nthreads > 1 && n * m >= PAR_MIN_ELEMS) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_bf16(B, n, m, i0, src, bias, x, add, y);
-    } else
-        for (int64_t i0 = 0; i0 < n; i0 += 4) matvec_rows_bf16(B, n, m, i0, src, bias, x, add, y);
+    Q_FOR_STEPS(n, nthreads > 1 && n * m >= PAR_MIN_ELEMS,
+                matvec_rows_bf16(B, n, m, i0, stride, r, src, bias, x, add, y));
 }
 
 static void matvec_bf16(int64_t B, int64_t n, int64_t m, const uint16_t *W, const float *bias, const float *x,
@@ -786,32 +775,32 @@ int FN(linattn_decode_linear)(int64_t B, int64_t H, int64_t HV, int64_t K, int64
     return 0;
 }
 
-/* rows i0 .. i0+3 of y[b, i] = (add ? add[b, i] : 0) + (W x[b])_i + (bias ? bias[i] : 0) for every b, W [n, m]
-   rows contiguous (at batch > 1 the 4 rows are read from memory once, then from L1) */
-static void FN(matvec_rows)(int64_t B, int64_t n, int64_t m, int64_t i0, const mv_src *src, const REAL *bias,
-                            const REAL *x, const REAL *add, REAL *y) {
-    const int64_t r = n - i0 < 4 ? n - i0 : 4;
-    const char *wr[4], *end;
-    mv_rows_at(src, n, sizeof(REAL) * (size_t)m, i0, wr, &end);
+/* the r rows i0, i0 + stride, ... (q_step_rows) of y[b, i] = (add ? add[b, i] : 0) + (W x[b])_i + (bias ? bias[i] :
+   0) for every b, W [n, m] rows contiguous (at batch > 1 the 4 rows are read from memory once, then from L1) */
+static void FN(matvec_rows)(int64_t B, int64_t n, int64_t m, int64_t i0, int64_t stride, int r, const mv_src *src,
+                            const REAL *bias, const REAL *x, const REAL *add, REAL *y) {
+    const char *wr[4], *end[4];
+    mv_step_rows(src, n, sizeof(REAL) * (size_t)m, i0, stride, r, wr, end);
 #if defined(HAVE_VLINE)
     if (r == 4 && m % (int64_t)(64 / sizeof(REAL)) == 0) {
         const int64_t VL = 64 / sizeof(REAL);
         const REAL *w0 = (const REAL *)wr[0], *w1 = (const REAL *)wr[1], *w2 = (const REAL *)wr[2],
                    *w3 = (const REAL *)wr[3];
-        const int64_t rb = (int64_t)sizeof(REAL) * m;
         for (int64_t b = 0; b < B; ++b) {
             const REAL *xb = x + b * m;
             FN(vline) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int64_t j = 0; j < m; j += VL) {
-                if (b == 0) mv_prefetch4(wr, (int64_t)sizeof(REAL) * j + MV_PF_BYTES, rb, end);
+                if (b == 0) {   /* a line of each stream per step */
+                    Q_PF(w0 + j, end[0]); Q_PF(w1 + j, end[1]); Q_PF(w2 + j, end[2]); Q_PF(w3 + j, end[3]);
+                }
                 const FN(vline) xv = *(const FN(vline) *)(xb + j);
                 a0 += *(const FN(vline) *)(w0 + j) * xv; a1 += *(const FN(vline) *)(w1 + j) * xv;
                 a2 += *(const FN(vline) *)(w2 + j) * xv; a3 += *(const FN(vline) *)(w3 + j) * xv;
             }
             const REAL acc[4] = {FN(vsum)(a0), FN(vsum)(a1), FN(vsum)(a2), FN(vsum)(a3)};
-            for (int64_t rr = 0; rr < 4; ++rr) {
-                const int64_t i = i0 + rr;
-                REAL v = acc[rr];
+            for (int k = 0; k < 4; ++k) {
+                const int64_t i = i0 + k * stride;
+                REAL v = acc[k];
                 if (bias) v = v + bias[i];
                 y[b * n + i] = add ? add[b * n + i] + v : v;
             }
@@ -833,31 +822,28 @@ static void FN(matvec_rows)(int64_t B, int64_t n, int64_t m, int64_t i0, const m
             }
             acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
         } else
-            for (int64_t rr = 0; rr < r; ++rr) {
-                const REAL *restrict w = (const REAL *)wr[rr];
+            for (int k = 0; k < r; ++k) {
+                const REAL *restrict w = (const REAL *)wr[k];
                 REAL a = 0;
 #pragma omp simd reduction(+:a)
                 for (int64_t j = 0; j < m; ++j) a += w[j] * xb[j];
-                acc[rr] = a;
+                acc[k] = a;
             }
-        for (int64_t rr = 0; rr < r; ++rr) {
-            const int64_t i = i0 + rr;
-            REAL v = acc[rr];
+        for (int k = 0; k < r; ++k) {
+            const int64_t i = i0 + k * stride;
+            REAL v = acc[k];
             if (bias) v = v + bias[i];
             y[b * n + i] = add ? add[b * n + i] + v : v;
         }
     }
 }
 
-/* y = add + W x + bias for x [B, m] (the rows above); a parallel region only where it pays (entering one
-   costs about a microsecond even for one thread, and a decoded token makes ~20 of these calls) */
+/* y = add + W x + bias for x [B, m] (the rows above, in rowsched.h's steps); a parallel region only where it pays
+   (entering one costs about a microsecond even for one thread, and a decoded token makes ~20 of these calls) */
 static void FN(matvec_src)(int64_t B, int64_t n, int64_t m, const mv_src *src, const REAL *bias, const REAL *x,
                            const REAL *add, REAL *y, int nthreads) {
-    if (nthreads > 1 && n * m >= PAR_MIN_ELEMS) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t i0 = 0; i0 < n; i0 += 4) FN(matvec_rows)(B, n, m, i0, src, bias, x, add, y);
-    } else
-        for (int64_t i0 = 0; i0 < n; i0 += 4) FN(matvec_rows)(B, n, m, i0, src, bias, x, add, y);
+    Q_FOR_STEPS(n, nthreads > 1 && n * m >= PAR_MIN_ELEMS,
+                FN(matvec_rows)(B, n, m, i0, stride, r, src, bias, x, add, y));
 }
 
 static void FN(matvec)(int64_t B, int64_t n, int64_t m, const REAL *W, const REAL *bias, const REAL *x,

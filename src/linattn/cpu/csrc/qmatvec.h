@@ -43,26 +43,7 @@ static inline void q_store_row(int64_t n, int64_t b, int64_t i, float v, const f
     y[b * n + i] = add ? add[b * n + i] + v : v;
 }
 
-/* Q_PF(p, end): the line Q_PF_BYTES past a row stream's read at p prefetched (into L2: prefetcht1 on x86), unless
-   at or past the matrix's end (addresses as integers: no pointer is formed past the array) */
-#define Q_PF_BYTES 1024
-#define Q_PF(p, end)                                                                          \
-    do {                                                                                      \
-        const uintptr_t a_ = (uintptr_t)(p) + Q_PF_BYTES;                                     \
-        if (a_ < (uintptr_t)(end)) __builtin_prefetch((const void *)a_, 0, 2);                \
-    } while (0)
-
-/* step t of a product over n rows (t < n / 4 + n % 4): its first row, the stride to its other rows, its row count */
-static inline int64_t q_step_rows(int64_t n, int64_t t, int64_t *stride, int *r) {
-    const int64_t q = n / 4;
-    if (t < q) {
-        *stride = q, *r = 4;
-        return t;
-    }
-    *stride = 0, *r = 1;
-    return 4 * q + (t - q);
-}
-#define Q_STEPS(n) ((n) / 4 + (n) % 4)
+#include "rowsched.h"   /* the row schedule: q_step_rows, Q_STEPS, Q_FOR_STEPS, the stream prefetch Q_PF */
 
 #if defined(HAVE_VLINE)
 typedef int8_t vq_i8 __attribute__((vector_size(16)));
@@ -312,28 +293,6 @@ static void matvec_rows_int4(int64_t B, int64_t n, int64_t m, int64_t group, int
         for (int k = 0; k < r; ++k) q_store_row(n, b, i0 + k * stride, out[k], bias, add, y);
     }
 }
-
-/* every step of a product over n rows (q_step_rows: i0, stride, r) through `call`, across the scope's `nthreads`
-   threads when `par` */
-#define Q_FOR_STEPS(n, par, call)                                          \
-    do {                                                                             \
-        const int64_t steps_ = Q_STEPS(n);                                           \
-        if (par) {                                                                   \
-            _Pragma("omp parallel for num_threads(nthreads) schedule(static)")       \
-            for (int64_t t_ = 0; t_ < steps_; ++t_) {                                \
-                int64_t stride;                                                      \
-                int r;                                                               \
-                const int64_t i0 = q_step_rows(n, t_, &stride, &r);                  \
-                call;                                                                \
-            }                                                                        \
-        } else                                                                       \
-            for (int64_t t_ = 0; t_ < steps_; ++t_) {                                \
-                int64_t stride;                                                      \
-                int r;                                                               \
-                const int64_t i0 = q_step_rows(n, t_, &stride, &r);                  \
-                call;                                                                \
-            }                                                                        \
-    } while (0)
 
 static void matvec_int8(int64_t B, int64_t n, int64_t m, const int8_t *W, const uint16_t *s, const float *bias,
                         const float *x, const float *add, float *y, int nthreads) {
