@@ -84,7 +84,7 @@ def _linear(dtype, gen) -> List[str]:
                     q = q.detach().abs().requires_grad_()
                     k = k.detach().abs().requires_grad_()
                     S0 = S0.detach().abs().requires_grad_()
-                num, den, S, _ = linear.chunk_linear_attention(q, k, v, g, S0, starts=starts, chunk_size=16,
+                num, den, S, *_ = linear.chunk_linear_attention(q, k, v, g, S0, starts=starts, chunk_size=16,
                                                                norm=norm, fmap=fmap, scale=0.5,
                                                                eps=1e-6 if norm else None)
                 grads = _grads((num, den, S), (q, k, v, g, S0), gen)
@@ -95,7 +95,7 @@ def _linear(dtype, gen) -> List[str]:
     v = _rand(gen, 21, H, V, dtype=dtype)
     g = -torch.rand(21, H, generator=gen, dtype=torch.float64).to(dtype) * 60
     for fmap in ("elu+1", "relu"):
-        num, den, S, _ = linear.chunk_linear_attention(q, k, v, g, None, starts=[0, 21], chunk_size=5, norm=True,
+        num, den, S, *_ = linear.chunk_linear_attention(q, k, v, g, None, starts=[0, 21], chunk_size=5, norm=True,
                                                        fmap=fmap, scale=1.0, eps=None)
         out.append(_digest(num, den, S))
     return out

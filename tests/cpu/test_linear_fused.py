@@ -136,14 +136,15 @@ def test_kernel_division_backward_matches_autograd(fmap):
 def test_kernel_division_flags_nonfinite_num():
     """The kernel flags a division that met inf / NaN in num: under autograd the call then runs undivided (the
     PyTorch division keeps the non-finite rows out of the other gradients), with the PyTorch path's gradients."""
-    from linattn.cpu.linear import _fwd
+    from linattn.cpu.linear import NUM_NONFINITE, OUT_NONFINITE, _fwd
 
     q, k = (torch.rand(9, 1, 4) for _ in range(2))
     v = torch.randn(9, 1, 3)
     assert int(_fwd(q, k, v, None, None, [0, 9], 4, True, 0, 1.0, False, 1e-6)[4]) == 0
     v[6, 0, 1] = float("inf")
-    assert int(_fwd(q, k, v, None, None, [0, 9], 4, True, 0, 1.0, False, 1e-6)[4]) == 1
-    assert int(_fwd(q, k, v, None, None, [0, 9], 4, True, 0, 1.0, False, -1.0)[4]) == 0  # no division, no flag
+    assert int(_fwd(q, k, v, None, None, [0, 9], 4, True, 0, 1.0, False, 1e-6)[4]) == NUM_NONFINITE | OUT_NONFINITE
+    # no division: num is the output, flagged as such
+    assert int(_fwd(q, k, v, None, None, [0, 9], 4, True, 0, 1.0, False, -1.0)[4]) == OUT_NONFINITE
     grads = {}
     for backend in ("cpu", "torch"):
         xs = [t.clone().double().unsqueeze(0).requires_grad_() for t in (q, k, v)]
@@ -190,3 +191,72 @@ def test_lean_division_floor_slope(fmap):
         grads[backend] = torch.autograd.grad(o.square().sum(), xs)
     for a, b in zip(grads["cpu"], grads["torch"]):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-13 * max(1.0, b.abs().max().item()))
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_flags_output_overflow(dtype):
+    """An output that overflows from finite num (signed weights summing to den = 0, floored to eps) is flagged as
+    output, not as num: the lean backward still applies, and linear_attention's overflow error still comes."""
+    from linattn.cpu.linear import OUT_NONFINITE, _fwd
+
+    big = torch.finfo(dtype).max / 4
+    q = torch.ones(2, 1, 1, dtype=dtype)
+    k = torch.tensor([1.0, -1.0], dtype=dtype).view(2, 1, 1)
+    v = torch.tensor([big, -big], dtype=dtype).view(2, 1, 1)  # num_1 = 2 big / 2 ... = big; den_1 = 0
+    num, den, _, _, flags = _fwd(q, k, v, None, None, [0, 2], 4, True, 0, 1.0, False, 1e-6)
+    assert int(flags) == OUT_NONFINITE and torch.isinf(num[1]).all() and torch.isfinite(num[0]).all()
+    with pytest.raises(linattn.LinattnError, match="overflowed"):
+        linattn.linear_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), feature_map="identity",
+                                 backend="cpu")
+
+
+def _planted(where: str, bad: float, dtype, T=200, H=3, C=16):
+    """q, k, v [1, T, H, 4] with `bad` in one value of one row of head 1: in the first, a middle or the last chunk."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, T, H, 4, generator=gen, dtype=torch.float64).to(dtype) for _ in range(3))
+    row = {"first": 3, "middle": T // 2 + 5, "last": T - 2}[where]
+    v[0, row, 1, 2] = bad
+    return q, k, v, row
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_planted_nonfinite_matches_torch_path(monkeypatch, threads, where, bad):
+    """A NaN / inf value planted in one row of one head: the compiled path (its kernel's flags deciding the lean
+    backward and the output check) gives the PyTorch path's outputs and gradients, NaN where it has NaN, in fp64
+    (the rows before it finite); the heads it cannot reach match the fp64 reference, outputs and gradients."""
+    from linattn.cpu import linear as clinear
+
+    monkeypatch.setattr(clinear, "GRAIN", 1.0)  # a small call: the kernels would otherwise get one thread
+    q, k, v, row = _planted(where, bad, torch.float64)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    got = {}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for backend in ("cpu", "torch"):
+            xs = [t.clone().requires_grad_() for t in (q, k, v)]
+            o, _ = linattn.linear_attention(*xs, feature_map="elu+1", chunk_size=16, backend=backend)
+            # the loss reads the rows before the planted one, and head 0 everywhere
+            mask = torch.zeros_like(o)
+            mask[:, :row] = 1
+            mask[:, :, 0] = 1
+            got[backend] = (o.detach(), *torch.autograd.grad((o * w * mask).sum(), xs))
+    finally:
+        torch.set_num_threads(previous)
+    for a, b in zip(got["cpu"], got["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, equal_nan=True)
+    o = got["cpu"][0]
+    assert not torch.isfinite(o[0, row, 1]).all() and torch.isfinite(o[0, :row]).all()
+    assert all(torch.isfinite(d[0, :row]).all() for d in got["cpu"][1:])
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference.linear_attention_ref(*xs, "elu+1")
+    # the reference's masked products (0 * NaN) poison its whole head 1: heads 0 and 2, which never see the value
+    dref = torch.autograd.grad((ref * w * mask).sum(), xs)
+    for h in (0, 2):
+        torch.testing.assert_close(o[:, :, h], ref[:, :, h].detach(), rtol=1e-9, atol=1e-11)
+        for a, b in zip(got["cpu"][1:], dref):
+            torch.testing.assert_close(a[:, :, h], b[:, :, h], rtol=1e-9, atol=1e-11)

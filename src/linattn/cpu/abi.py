@@ -181,9 +181,9 @@ LIBRARIES: Dict[str, Library] = {
         # bench infer's floor: the bandwidth pass (n, x, nthreads, out: the sum, one double)
         Fn("linattn_probe_read_sum", (c_i64, c_ptr, c_int, c_ptr), restype=None, typed=False, status=False),
     )),
-    "linear": Library(2, (
+    "linear": Library(3, (
         Fn("linattn_linear_nchunks", (c_i64, c_ptr, c_i64), restype=c_i64, typed=False, status=False),
-        # plan, q, k, v, g, S0 -> num, den, P, S_out, nonfinite (int32 flag)
+        # plan, q, k, v, g, S0 -> num, den, P, S_out, nonfinite (int32 flags: 1 num, 2 output held inf / NaN)
         Fn("linattn_linear_fwd", (_plan(LinearPlan),) + (c_ptr,) * 10),
         # plan, q, k, v, g, P, dnum, dden, o, den, dS -> dq, dk, dv, dg, dS0
         Fn("linattn_linear_bwd", (_plan(LinearPlan),) + (c_ptr,) * 15),

@@ -10,8 +10,9 @@ with decay_ij = exp(sum_{t=j+1..i} g_t). fp32 and fp64 (the same C code, compile
 
 Two custom ops, so that autograd and torch.compile see single ops: `linattn::cpu_linear_chunk_fwd` ->
 (num [TT, H, V] (or o = num / den' when eps >= 0, den' = den floored to |den| >= eps with its sign), den [TT, H]
-(empty unless norm), final state [N, H, K, W], chunk-start states [NC, H, K, W], and a flag [1] (int32, set when
-the kernel divided and num held inf / NaN or den' was NaN)) and `linattn::cpu_linear_chunk_bwd`, its registered
+(empty unless norm), final state [N, H, K, W], chunk-start states [NC, H, K, W], and flags [1] (int32: NUM_NONFINITE
+when the kernel divided and num held inf / NaN or den' was NaN, OUT_NONFINITE when a value written to num (o) is
+inf / NaN)) and `linattn::cpu_linear_chunk_bwd`, its registered
 backward (it reuses the chunk-start states; after a division it also takes the division's backward, from o and
 den, as `_FlooredDivide` in ops/linear.py does for finite num). W = V + 1 when norm (the normaliser's state z is
 the last column), else V.
@@ -31,6 +32,8 @@ from . import bindings, ptr, threads, torch_on_one_thread
 from .abi import LinearPlan
 
 FMAPS = {None: FMAP_IDENTITY, **FUSED_MAPS}  # the maps applied inside the kernels (None: features given)
+# the forward's flags (linear.c's LIN_*_NONFINITE): num held inf / NaN where it divided; the output held inf / NaN
+NUM_NONFINITE, OUT_NONFINITE = 1, 2
 
 
 # a thread per GRAIN of rows x heads x K x (C + W) (about a millisecond of one thread's forward)
@@ -144,23 +147,27 @@ _fwd.register_autograd(_backward, setup_context=_setup)
 def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tensor], *,
                            starts: List[int], chunk_size: int, norm: bool, fmap: Optional[str] = None,
                            scale: float = 1.0, eps: Optional[float] = None
-                           ) -> Tuple[Tensor, Optional[Tensor], Tensor, bool]:
+                           ) -> Tuple[Tensor, Optional[Tensor], Tensor, bool, Optional[bool]]:
     """q, k [TT, H, K] (features, or the inputs of `fmap`, one of FMAPS: phi(scale q), psi(k) are then computed in
     the kernels), v [TT, H, V], g [TT, H] log-gate or None, S0 [N, H, K, W] or None, all of one dtype (fp32 or fp64).
-    -> (num [TT, H, V], den [TT, H] or None (norm=False), final state [N, H, K, W], divided).
+    -> (num [TT, H, V], den [TT, H] or None (norm=False), final state [N, H, K, W], divided, finite).
 
     eps (with norm): the kernel returns o = num / den' in place of num (den' = den floored to |den| >= eps, sign
     kept: the arithmetic of ops/linear.py's `finish`), saving passes over the output, and with autograd its
     backward kernel takes the division's backward (`_FlooredDivide`'s arithmetic). Not when num holds inf / NaN
     under autograd (the forward runs again undivided: `finish`'s autograd division keeps them from the other
-    gradients) nor while torch.compile traces with autograd; `divided` says whether it did."""
+    gradients) nor while torch.compile traces with autograd; `divided` says whether it did. finite: whether every
+    value of the returned num (o when divided) is finite, as the forward kernel found while writing them (no
+    extra pass); None while torch.compile traces (the flag is not readable there)."""
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, S0))
     # under autograd the division's backward runs in the backward kernel, for finite num (checked by the forward
     # kernel, which a trace cannot read: there the division stays in PyTorch)
-    divide = bool(norm) and eps is not None and not (keep and torch.compiler.is_compiling())
+    tracing = torch.compiler.is_compiling()
+    divide = bool(norm) and eps is not None and not (keep and tracing)
     args = ([int(s) for s in starts], int(chunk_size), bool(norm), FMAPS[fmap], float(scale), keep)
-    num, den, S, _, bad = _fwd(q, k, v, g, S0, *args, float(eps) if divide else -1.0)  # chunk states for a backward
-    if divide and keep and bool(bad):  # inf / NaN in num: autograd's division in `finish`, which keeps them apart
-        num, den, S, _, _ = _fwd(q, k, v, g, S0, *args, -1.0)
+    num, den, S, _, flags = _fwd(q, k, v, g, S0, *args, float(eps) if divide else -1.0)  # chunk states kept
+    if divide and keep and int(flags) & NUM_NONFINITE:  # autograd's division in `finish` keeps inf / NaN apart
+        num, den, S, _, flags = _fwd(q, k, v, g, S0, *args, -1.0)
         divide = False
-    return num, (den if norm else None), S, divide
+    finite = None if tracing else not (int(flags) & OUT_NONFINITE)
+    return num, (den if norm else None), S, divide, finite

@@ -271,8 +271,9 @@ def triton_linear_attention(p):
 def cpu_linear_attention(p, eps=None):
     """A prepared `linear_attention` call on the compiled CPU kernels (linattn/cpu/linear.py): the features by
     PyTorch in the compute dtype (fp32, fp64 for fp64 inputs; autograd differentiates the map), the chunk form
-    compiled. -> num [B, T, H, V], den [B, T, H] or None, final kv and z (or None), in the compute dtype, and
-    whether num is already num / den (eps given and no backward: the kernel divides, see `finish`)."""
+    compiled. -> num [B, T, H, V], den [B, T, H] or None, final kv and z (or None), in the compute dtype,
+    whether num is already num / den (eps given: the kernel divides, see `finish`) and whether every value of num
+    is finite (the kernel's flag; None when unknown)."""
     from ..cpu.linear import FMAPS, chunk_linear_attention
 
     B, T, H = p.q.shape[:3]
@@ -290,11 +291,11 @@ def cpu_linear_attention(p, eps=None):
         if p.state is not None:
             kv0 = p.state.kv.to(cdt)
             S0 = (torch.cat([kv0, p.state.z.to(cdt).unsqueeze(-1)], dim=-1) if norm else kv0).contiguous()
-        num, den, S, divided = chunk_linear_attention(_flat(fq), _flat(fk), _flat(p.v.to(cdt)), g, S0,
-                                                      starts=_starts(p), chunk_size=p.chunk_size, norm=norm,
-                                                      fmap=fused, scale=scale, eps=eps)
+        num, den, S, divided, finite = chunk_linear_attention(_flat(fq), _flat(fk), _flat(p.v.to(cdt)), g, S0,
+                                                              starts=_starts(p), chunk_size=p.chunk_size, norm=norm,
+                                                              fmap=fused, scale=scale, eps=eps)
     kv, z = (S[..., :V], S[..., V]) if norm else (S, None)
-    return num.view(B, T, H, V), (den.view(B, T, H) if den is not None else None), kv, z, divided
+    return num.view(B, T, H, V), (den.view(B, T, H) if den is not None else None), kv, z, divided, finite
 
 
 def cpu_linear_log_attention(p):

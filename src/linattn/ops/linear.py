@@ -479,11 +479,15 @@ def _run_torch(p: LinearProblem) -> FormResult:
                                              S0[i:i + 1], mu0[i:i + 1] if mu0 is not None else None))
 
 
-def _divide_finite_part(num, den):
+def _divide_finite_part(num, den, finite: Optional[bool] = None):
     """num / den, whose backward stays finite where num is inf or NaN but its gradient is 0 (rows after
     a non-finite token that the loss does not use): autograd's d/d den = -grad * num / den^2 would be
-    0 * NaN there and would carry NaN into every earlier key through den. The same values as num / den."""
-    if reads_values(num) and bool(torch.isfinite(num.sum())):
+    0 * NaN there and would carry NaN into every earlier key through den. The same values as num / den.
+    finite: whether num is finite when the caller knows it (the compiled kernel's flag), else one reduction
+    tells (CPU tensors in eager mode)."""
+    if finite is None:
+        finite = reads_values(num) and bool(torch.isfinite(num.sum()))
+    if finite:
         return num / den
     safe = torch.nan_to_num(num, nan=0.0, posinf=0.0, neginf=0.0)
     return safe / den + (num - safe)
@@ -516,11 +520,14 @@ class _FlooredDivide(torch.autograd.Function):
 
 
 def finish(p: LinearProblem, num, den, c, kv, z, mu, divided: bool = False,
-           lean_grad: bool = False) -> Tuple[torch.Tensor, Optional[LinearAttentionState]]:
+           lean_grad: bool = False, finite: Optional[bool] = None
+           ) -> Tuple[torch.Tensor, Optional[LinearAttentionState]]:
     """Outputs [B, T, H, V] in the input dtype from num [B, T, H, V] and den [B, T, H] (both taken
     relative to the row log-scale c [B, T, H] for log-space maps), and the final state. divided: num is already
     the normalised output (the compiled CPU kernel's lin_divide does this division, bit for bit). lean_grad:
-    divide finite num through `_FlooredDivide` (the compiled path; the PyTorch forms keep autograd's division)."""
+    divide finite num through `_FlooredDivide` (the compiled path; the PyTorch forms keep autograd's division).
+    finite: whether every value of num is finite, when the caller knows it (the compiled kernel's flag, read in
+    place of a reduction over num); None: a reduction tells where one is free (CPU tensors in eager mode)."""
     if p.normalize and divided:
         out = num
     elif p.normalize:
@@ -529,13 +536,15 @@ def finish(p: LinearProblem, num, den, c, kv, z, mu, divided: bool = False,
             # acts on it and the output is invariant to a shift of the queries
             den = den.clamp_min(p.eps)
         else:  # a floor on |den| that keeps its sign (relu features, magnitude_direction's signed weights)
-            if lean_grad and reads_values(num) and bool(torch.isfinite(num.detach().sum())):
+            if finite is None and lean_grad:
+                finite = reads_values(num) and bool(torch.isfinite(num.detach().sum()))
+            if lean_grad and finite:
                 out = _FlooredDivide.apply(num, den, p.eps)
                 den = None
             else:
                 den = _den_floor(den, p.eps)
         if den is not None:
-            out = _divide_finite_part(num, den.unsqueeze(-1))
+            out = _divide_finite_part(num, den.unsqueeze(-1), finite)
     else:
         # exp(c) alone may overflow fp32 where the product does not: rescale in fp64
         out = num if c is None else (num.double() * torch.exp(c.double()).unsqueeze(-1)).to(num.dtype)
@@ -558,16 +567,23 @@ def finish(p: LinearProblem, num, den, c, kv, z, mu, divided: bool = False,
 
 def run_linear_attention(p: LinearProblem, backend: str = "auto"):
     """Run a prepared call on `backend` ("auto", "torch", "triton", "cpu" or "fla")."""
+    return _run_linear_attention(p, backend)[0]
+
+
+def _run_linear_attention(p: LinearProblem, backend: str):
+    """`run_linear_attention`, and whether every value of the output is known finite without a pass over it (the
+    compiled CPU kernel's flag, when the output is its own, not converted to another dtype nor divided here)."""
     chosen = select_backend(backend, p)
     if chosen == "cpu" and p.fmap.log_space:  # num and den come relative to the row log-scale c
         num, den, c, kv, z, mu = cpu_linear_log_attention(p)
-        return finish(p, num, den, c, kv, z, mu)
-    if chosen == "cpu":  # without autograd the kernel divides by the normaliser itself (one pass less)
-        num, den, kv, z, divided = cpu_linear_attention(p, eps=p.eps if p.normalize else None)
-        return finish(p, num, den, None, kv, z, None, divided=divided, lean_grad=True)
+        return finish(p, num, den, c, kv, z, mu), False
+    if chosen == "cpu":  # the kernel divides by the normaliser itself (one pass less), flagging inf / NaN
+        num, den, kv, z, divided, finite = cpu_linear_attention(p, eps=p.eps if p.normalize else None)
+        out = finish(p, num, den, None, kv, z, None, divided=divided, lean_grad=True, finite=finite)
+        return out, bool(finite) and (divided or not p.normalize) and out[0].dtype == num.dtype
     if chosen in ("triton", "fla"):
         num, den, kv, z = (triton_linear_attention if chosen == "triton" else fla_linear_attention)(p)
-        return finish(p, num, den, None, kv, z, None)
+        return finish(p, num, den, None, kv, z, None), False
     # the forms compute in the prepared compute dtype (fp32 for half inputs): autocast must not take their
     # products back to bf16/fp16 (nor meet the fast form's in-place products)
     with torch.autocast(p.q.device.type, enabled=False):
@@ -575,7 +591,7 @@ def run_linear_attention(p: LinearProblem, backend: str = "auto"):
         V = p.v.shape[-1]
         kv, z = (S[..., :V], S[..., V]) if S is not None else (None, None)
         num, den = num.transpose(1, 2), den.transpose(1, 2)  # [B, H, T, *] -> [B, T, H, *]
-        return finish(p, num, den, c.transpose(1, 2) if c is not None else None, kv, z, mu)
+        return finish(p, num, den, c.transpose(1, 2) if c is not None else None, kv, z, mu), False
 
 
 def linear_attention(
@@ -678,14 +694,17 @@ def linear_attention(
     p = prepare_linear_attention(q, k, v, feature_map=feature_map, causal=causal, normalize=normalize, gamma=gamma,
                                  g=g, scale=scale, mode=mode, chunk_size=chunk_size, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens, eps=eps)
-    # finite inputs whose kernel values or sums exceed the dtype: a clear error, not NaN
+    # finite inputs whose kernel values or sums exceed the dtype: a clear error, not NaN (an output that the
+    # compiled kernel found finite while writing it needs no pass over it)
     with _cpu_torch_scope(p, backend):
-        return check_finite_output(run_linear_attention(p, backend), "linear_attention", q=q, k=k, v=v)
+        result, finite = _run_linear_attention(p, backend)
+        return result if finite else check_finite_output(result, "linear_attention", q=q, k=k, v=v)
 
 
 def _cpu_torch_scope(p: LinearProblem, backend: str):
     """`cpu.torch_on_one_thread` for a call that the compiled kernels take with the map inside them (the torch
-    operators around them are then the layout and one finiteness pass), else nothing."""
+    operators around them are then the layout and, where the kernel's flag does not settle it, one finiteness
+    pass), else nothing."""
     from ..cpu import torch_on_one_thread
     from ..cpu.linear import FMAPS
 

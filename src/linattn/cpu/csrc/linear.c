@@ -143,9 +143,15 @@ static inline void lin_flow_wait(lin_flow_t *f, int64_t u) {
 #define LIN_UNITS_PER_THREAD 4 /* fewer (sequence, head) units per thread: chains */
 #endif
 
+/* the forward's `nonfinite` flags, ORed over every row it writes (cpu/linear.py reads them): num held inf / NaN
+   (or den' was NaN) where the kernel divided, so the caller's lean backward does not apply; a value written to the
+   output (o, or num undivided) is inf / NaN, so the caller's output check has work to do (else it is skipped) */
+#define LIN_NUM_NONFINITE 1
+#define LIN_OUT_NONFINITE 2
+
 /* the interface version the Python bindings check after loading (cpu/bindings.py; linear.c includes itself once
    per REAL, so this lives in the part compiled once) */
-LA_ABI_VERSION(linear, 2)
+LA_ABI_VERSION(linear, 3)
 
 /* What a call needs besides its tensors (cpu/bindings.py's LinearPlan mirrors it; its size is exported and
    checked): N sequences at row offsets starts [N + 1], H heads, K key / V value columns, chunks of C rows; norm:
@@ -433,22 +439,35 @@ static void FN(fl_update)(int len, int K, int V, int W, int C, int has_g, const 
 /* o = num / den' for one row (den = src[V]), the arithmetic of `finish` in ops/linear.py: den' = den floored to
    |den| >= eps keeping its sign (NaN stays NaN, like torch.minimum/maximum), then the division; a non-finite
    num n gives 0 / den' + n as `_divide_finite_part` does. IEEE division: the same bits as PyTorch's. Returns
-   whether num held inf / NaN or den' is NaN. */
+   LIN_NUM_NONFINITE when num held inf / NaN or den' is NaN, LIN_OUT_NONFINITE when a written o is inf / NaN. */
 static inline int FN(lin_divide)(REAL *restrict dst, const REAL *restrict src, int V, REAL eps) {
     REAL d = src[V];
     d = d != d ? d : (d < 0 ? (d < -eps ? d : -eps) : (d > eps ? d : eps));
-    int bad = d != d; /* returned: a NaN den' or a non-finite num (the caller's backward then takes another way) */
-#pragma omp simd reduction(| : bad)
+    int bad = d != d, out_bad = 0; /* the caller's backward takes another way on bad; out_bad: the output check */
+#pragma omp simd reduction(| : bad, out_bad)
     for (int j = 0; j < V; j++) {
         const REAL n = src[j];
         const int fin = n - n == 0; /* else n is inf or NaN */
-        dst[j] = fin ? n / d : (REAL)0 / d + n;
+        const REAL o = fin ? n / d : (REAL)0 / d + n;
+        dst[j] = o;
         bad |= !fin;
+        out_bad |= !(o - o == 0);
     }
-    return bad;
+    return (bad ? LIN_NUM_NONFINITE : 0) | (out_bad ? LIN_OUT_NONFINITE : 0);
 }
 
-/* the chunk's outputs from its start state Pc (Kt undecayed); returns lin_divide's flag (0 without division) */
+/* copy_row, returning LIN_OUT_NONFINITE when a copied value is inf / NaN */
+static inline int FN(copy_row_checked)(REAL *restrict dst, const REAL *restrict src, int n) {
+    int out_bad = 0;
+#pragma omp simd reduction(| : out_bad)
+    for (int d = 0; d < n; d++) {
+        dst[d] = src[d];
+        out_bad |= !(src[d] - src[d] == 0);
+    }
+    return out_bad ? LIN_OUT_NONFINITE : 0;
+}
+
+/* the chunk's outputs from its start state Pc (Kt undecayed); returns the LIN_*_NONFINITE flags of its rows */
 static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C, int norm, int has_g,
                        REAL eps, const REAL *Q, REAL *Qd, const REAL *Km, const REAL *Kt, const REAL *Vb, const double *G,
                        const REAL *Pc, REAL *A, REAL *O, REAL *num, REAL *den, lin_pf_t *pf, int per) {
@@ -484,7 +503,7 @@ static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, i
         if (norm && eps >= 0) {
             bad |= FN(lin_divide)(num + ((t0 + i) * H + h) * V, src, V, eps);
         } else {
-            FN(copy_row)(num + ((t0 + i) * H + h) * V, src, V);
+            bad |= FN(copy_row_checked)(num + ((t0 + i) * H + h) * V, src, V);
         }
     }
     return bad;
@@ -681,8 +700,8 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
             }
         }
         if (bad) {
-#pragma omp atomic write
-            any_bad = 1;
+#pragma omp atomic
+            any_bad |= bad;
         }
         free(buf), free(G);
     }
