@@ -260,3 +260,15 @@ def test_planted_nonfinite_matches_torch_path(monkeypatch, threads, where, bad):
         torch.testing.assert_close(o[:, :, h], ref[:, :, h].detach(), rtol=1e-9, atol=1e-11)
         for a, b in zip(got["cpu"][1:], dref):
             torch.testing.assert_close(a[:, :, h], b[:, :, h], rtol=1e-9, atol=1e-11)
+
+
+def test_nonfinite_flag_values_match_the_c_source():
+    """cpu/linear.py reads the forward's flags by the values linear.c defines."""
+    import re
+    from pathlib import Path
+
+    from linattn.cpu import linear as clinear
+
+    text = (Path(clinear.__file__).parent / "csrc" / "linear.c").read_text()
+    flags = {m.group(1): int(m.group(2)) for m in re.finditer(r"#define LIN_(\w+_NONFINITE) (\d+)", text)}
+    assert flags == {"NUM_NONFINITE": clinear.NUM_NONFINITE, "OUT_NONFINITE": clinear.OUT_NONFINITE}
