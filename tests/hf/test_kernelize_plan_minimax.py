@@ -18,8 +18,10 @@ if not hasattr(transformers, "MiniMaxForCausalLM"):
     pytest.skip(f"the installed transformers ({transformers.__version__}) has no MiniMax", allow_module_level=True)
 
 from linattn.cpu import decode as cpu_decode  # noqa: E402
-from linattn.hf import kernelize_plan as plan  # noqa: E402
-from linattn.hf import kernelize_plan_minimax as mx  # noqa: E402
+from linattn.hf import (  # noqa: E402
+    kernelize_plan as plan,
+    kernelize_plan_minimax as mx,
+)
 from tests.helpers import CompiledDecodeCalls  # noqa: E402
 from tests.hf import plan_decode as pd  # noqa: E402
 from tests.hf.kernelize_models import (  # noqa: E402
