@@ -38,7 +38,8 @@ layer types or that records its past (speculative decoding), a hook on a describ
 without a plan, `LINATTN_CPU_KERNELS=0`.
 
 Other architectures are described in their own modules (hf/kernelize_plan_kimi.py, hf/kernelize_plan_mamba2.py,
-hf/kernelize_plan_olmo.py, hf/kernelize_plan_bailing.py; what descriptions share: hf/kernelize_plan_parts.py); this
+hf/kernelize_plan_olmo.py, hf/kernelize_plan_bailing.py, hf/kernelize_plan_bamba.py, hf/kernelize_plan_minimax.py;
+what descriptions share: hf/kernelize_plan_parts.py); this
 module holds what every described model runs: the hooked forward, the plan slot and its guard, the batch switch, the
 cache checks and writes (`_ARCHITECTURES`).
 """
@@ -239,7 +240,10 @@ _QWEN_MOE = types.SimpleNamespace(**{**vars(_QWEN), "MODELS": ("Qwen3NextForCaus
 #: serves), `base(model)` (the base model, whose own hooks run in its __call__), `describe(model)` ((ModelDescription
 #: with the final norm as the plan reads it, per-layer part) or why not), `hookable(model)`, `block_plan(part, bd,
 #: B, d, wdt)` (a BlockPlan or None), `state_spec(part)` (`decode_plan.state_layout`'s), `call_usable(cache, B, L,
-#: attention_mask, position_ids)` (L the softmax layers' length or None), `output_class()`, `FP32_LOGITS`. A layer's
+#: attention_mask, position_ids)` (L the softmax layers' length or None), `output_class()`, `FP32_LOGITS`; and,
+#: optionally, `cache_type()` (a cache class of its own, MiniMax's, instead of `DynamicCache`: its recurrent states
+#: are `get_state(cache, i)` / `set_state(cache, i, state)`, no conv windows) and `position(cache, L, position_ids)`
+#: (the token's position, where the forward does not take it as L). A layer's
 #: plan state (`state_spec`'s layout) has the shape and order of transformers' recurrent state tensor. Every module
 #: of this package named `kernelize_plan_<arch>` with a `MODELS` tuple is such a description and joins on import.
 _ARCHITECTURES = {name: a for a in (_QWEN, _QWEN_MOE) for name in a.MODELS}

@@ -126,9 +126,10 @@ def _moe(mlp, cfg, d: int, wdt) -> Union[_dp.MoEDescription, str]:
         return f"a {type(mlp).__name__} feed-forward"
     router, experts = mlp._modules.get("gate"), mlp._modules.get("experts")
     if (type(router).__name__ != "MiniMaxTopKRouter" or type(experts).__name__ != "MiniMaxExperts"
-            or set(router._parameters) != {"weight"} or set(experts._parameters) != {"gate_up_proj", "down_proj"}
-            or not _silu(cfg) or type(getattr(experts, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation")):
+            or set(router._parameters) != {"weight"} or set(experts._parameters) != {"gate_up_proj", "down_proj"}):
         return "an MoE block whose router or experts are not transformers' softmax top-k router and fused experts"
+    if not _silu(cfg) or type(getattr(experts, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+        return "an MoE activation other than SiLU"
     if mlp.training and mlp.jitter_noise > 0:
         return "router jitter noise (training mode)"
     moe = _dp.MoEDescription(router.weight.detach(), experts.gate_up_proj.detach(), experts.down_proj.detach(),
