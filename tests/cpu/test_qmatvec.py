@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from linattn.cpu import bindings, decode as cpu_decode
+from linattn.cpu import decode as cpu_decode
+from tests.cpu.decode_variants import decode_variant_fixture
 from tests.helpers import (
     StoredWeights as _Stored,
-    build_decode_variant,
     check_product_threads,
     check_quantized_product as _check_product,
-    cpu_flags,
 )
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
@@ -28,18 +27,7 @@ PATHS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(PATHS))
-def decode_lib(request, tmp_path_factory):
-    """decode.c built with `PATHS[name]`'s prefix, bound in place of the native library for the test."""
-    prefix, needs = PATHS[request.param]
-    if not needs <= cpu_flags():
-        pytest.skip(f"the {request.param} path needs {sorted(needs)}")
-    tmp = tmp_path_factory.mktemp(request.param)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LINATTN_CACHE_DIR", str(tmp / "cache"))
-        lib = build_decode_variant(tmp, prefix)
-        mp.setattr(bindings, "load_library", lambda name: lib if name == "decode" else None)
-        yield request.param
+decode_lib = decode_variant_fixture(PATHS)
 
 
 @pytest.mark.parametrize("group", [32, 64])

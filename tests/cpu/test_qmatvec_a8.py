@@ -9,14 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from linattn.cpu import bindings, decode as cpu_decode
+from linattn.cpu import decode as cpu_decode
 from linattn.quant import round_activations
+from tests.cpu.decode_variants import decode_variant_fixture
 from tests.helpers import (
     StoredWeights as _Stored,
-    build_decode_variant,
     check_a8_product,
     check_product_threads,
-    cpu_flags,
     rounded_activations_fp64,
 )
 
@@ -32,21 +31,7 @@ PATHS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(PATHS))
-def decode_lib(request, tmp_path_factory):
-    """decode.c built with `PATHS[name]`'s prefix, bound in place of the native library for the test."""
-    prefix, needs = PATHS[request.param]
-    if not needs <= cpu_flags():
-        pytest.skip(f"the {request.param} path needs {sorted(needs)}")
-    if not prefix:
-        yield request.param
-        return
-    tmp = tmp_path_factory.mktemp(request.param)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LINATTN_CACHE_DIR", str(tmp / "cache"))
-        lib = build_decode_variant(tmp, prefix)
-        mp.setattr(bindings, "load_library", lambda name: lib if name == "decode" else None)
-        yield request.param
+decode_lib = decode_variant_fixture(PATHS)
 
 
 FORMATS = [("int8", None), ("int4", 32), ("int4", 64)]

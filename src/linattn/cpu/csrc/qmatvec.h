@@ -444,135 +444,111 @@ static inline float a8_int4_row_scalar(int64_t j0, int64_t m, int64_t group, con
     return a;
 }
 
-#if defined(A8_I8_COLS) && defined(__AVX512F__) && defined(__AVX512VNNI__)
-/* R (1 or 4) rows of int8 weights (row r at w + r rs) with scales ws[r]: out[r], b's row of the rounded x; each row's
-   line Q_PF_BYTES ahead prefetched unless past pf_end (NULL: none) */
-static inline __attribute__((always_inline)) void a8_int8_rows_vec(const int R, const a8_x *p, int64_t b,
-                                                                   const int8_t *w, int64_t rs, const float *ws,
-                                                                   const uint8_t *pf_end, float *out) {
-    const int64_t m = p->m, mv = p->mv;
-    const int8_t *q = p->q + b * m;
-    const float *ls = p->ls + b * p->nl;
-    const int32_t *lc = p->lc + b * p->nl;
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[4], wsv[4];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), wsv[r] = _mm512_set1_ps(ws[r]);
-    for (int64_t j = 0; j < mv; j += 64) {
-        const __m512i xq = _mm512_loadu_si512((const void *)(q + j)), corr = _mm512_loadu_si512((const void *)(lc + j / 4));
-        const __m512 xs = _mm512_loadu_ps(ls + j / 4);
-        for (int r = 0; r < R; ++r) {
-            const int8_t *wr = w + r * rs + j;
-            if (pf_end) Q_PF(wr, pf_end);
-            const __m512i d = _mm512_xor_si512(_mm512_loadu_si512((const void *)wr), flip);
-            const __m512i i = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), d, xq), corr);
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), xs), wsv[r], acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        out[r] = _mm512_reduce_add_ps(acc[r]) + a8_int8_row_scalar(mv, m, w + r * rs, ws[r], q, p->s + b * p->nb);
+/* b's row of the rounded x times one row of int8 weights (scale ws) or int4 weights (group scales sr), inputs j0 .. m-1
+   in plain C: the vector paths' tail, and every row without them */
+static inline float a8_row_scalar(int int4, const a8_x *p, int64_t b, int64_t j0, int64_t group, const uint8_t *w,
+                                  const uint16_t *sr, float ws) {
+    const int8_t *q = p->q + b * p->m;
+    const float *s = p->s + b * p->nb;
+    return int4 ? a8_int4_row_scalar(j0, p->m, group, w, sr, q, s)
+                : a8_int8_row_scalar(j0, p->m, (const int8_t *)w, ws, q, s);
 }
 
-/* R rows of int4 weights (row r at w + r rs bytes) with scales sr + r ss: out[r] (prefetch as a8_int8_rows_vec) */
-static inline __attribute__((always_inline)) void a8_int4_rows_vec(const int R, const a8_x *p, int64_t b,
-                                                                   int64_t group, const uint8_t *w, int64_t rs,
-                                                                   const uint16_t *sr, int64_t ss,
-                                                                   const uint8_t *pf_end, float *out) {
-    const int64_t m = p->m, mv = p->mv, ng = m / group, gsh = group == 32 ? 5 : 6;
-    const int8_t *v = p->v + b * mv;
+/* The vector paths: a8_rows_vec(int4, R, ...) is R (1 or 4) rows, row r's bytes at w + r rs, of int8 weights (int4 0;
+   scales ws[r]) or int4 weights (int4 1; group scales sr + r ss) times b's row of the rounded x: out[r]. Each row's
+   line Q_PF_BYTES ahead is prefetched unless past pf_end (NULL: none). A step reads 64 bytes (AVX-512) or 32 bytes
+   (AVX2) of each row: int8 weights, or int4 codes whose low nibbles meet the step's even inputs and high nibbles its
+   odd ones (a8_x.v); its integer lanes less the excess (a8_x.lc), converted, times the lanes' x scales and weight
+   scales, enter the row's fp32 accumulator. int4 / R are constants at every call (always inlined). */
+#if defined(A8_I8_COLS) && defined(__AVX512F__) && defined(__AVX512VNNI__)
+static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
+                                                              int64_t group, const uint8_t *w, int64_t rs,
+                                                              const uint16_t *sr, int64_t ss, const float *ws,
+                                                              const uint8_t *pf_end, float *out) {
+    const int64_t m = p->m, mv = p->mv, ng = int4 ? m / group : 1, gsh = group == 32 ? 5 : 6;
+    const int64_t cols = int4 ? A8_I4_COLS : A8_I8_COLS, lw = int4 ? 8 : 4;   /* inputs a step, an int32 lane */
+    const int8_t *xi = int4 ? p->v + b * mv : p->q + b * m;
     const float *ls = p->ls + b * p->nl;
     const int32_t *lc = p->lc + b * p->nl;
-    const __m512i nib = _mm512_set1_epi8(15);
-    /* lane k (inputs 8k .. 8k+7 of the step) is in group k / 4 (32) or k / 8 (64) of the step's first */
+    const __m512i nib = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    /* int4: lane k (inputs 8k .. 8k+7 of the step) is in group k / 4 (32) or k / 8 (64) of the step's first */
     const __m512i lane_group = group == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
                                            : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     __m512 acc[4], sc[4];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < mv; j += 128) {
-        const int64_t g0 = j >> gsh, k = g0 & 15;
-        if (k == 0)
-            for (int r = 0; r < R; ++r) sc[r] = q4_scales16(sr + r * ss + g0, ng - g0);   /* row r's next 16 */
-        const __m512i si = _mm512_add_epi32(lane_group, _mm512_set1_epi32((int)k));
-        const __m512i xe = _mm512_loadu_si512((const void *)(v + j)), xo = _mm512_loadu_si512((const void *)(v + j + 64)),
-                      corr = _mm512_loadu_si512((const void *)(lc + j / 8));
-        const __m512 xs = _mm512_loadu_ps(ls + j / 8);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), sc[r] = _mm512_set1_ps(int4 ? 0.0f : ws[r]);
+    for (int64_t j = 0; j < mv; j += cols) {
+        __m512i si = _mm512_setzero_si512();
+        if (int4) {
+            const int64_t g0 = j >> gsh, k = g0 & 15;
+            if (k == 0)
+                for (int r = 0; r < R; ++r) sc[r] = q4_scales16(sr + r * ss + g0, ng - g0);   /* row r's next 16 */
+            si = _mm512_add_epi32(lane_group, _mm512_set1_epi32((int)k));
+        }
+        const __m512i x0 = _mm512_loadu_si512((const void *)(xi + j)),
+                      x1 = int4 ? _mm512_loadu_si512((const void *)(xi + j + 64)) : x0,
+                      corr = _mm512_loadu_si512((const void *)(lc + j / lw));
+        const __m512 xs = _mm512_loadu_ps(ls + j / lw);
         for (int r = 0; r < R; ++r) {
-            const uint8_t *wr = w + r * rs + j / 2;
+            const uint8_t *wr = w + r * rs + (int4 ? j / 2 : j);
             if (pf_end) Q_PF(wr, pf_end);
             const __m512i d = _mm512_loadu_si512((const void *)wr);
-            const __m512i lo = _mm512_and_si512(d, nib), hi = _mm512_and_si512(_mm512_srli_epi32(d, 4), nib);
-            __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe);
-            i = _mm512_sub_epi32(_mm512_dpbusd_epi32(i, hi, xo), corr);
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), xs), _mm512_permutexvar_ps(si, sc[r]),
-                                     acc[r]);
+            const __m512i i = int4 ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                                             _mm512_and_si512(d, nib), x0),
+                                                         _mm512_and_si512(_mm512_srli_epi32(d, 4), nib), x1)
+                                   : _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(d, flip), x0);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i, corr)), xs),
+                                     int4 ? _mm512_permutexvar_ps(si, sc[r]) : sc[r], acc[r]);
         }
     }
     for (int r = 0; r < R; ++r)
-        out[r] = _mm512_reduce_add_ps(acc[r])
-                 + a8_int4_row_scalar(mv, m, group, w + r * rs, sr + r * ss, p->q + b * m, p->s + b * p->nb);
+        out[r] = _mm512_reduce_add_ps(acc[r]) + a8_row_scalar(int4, p, b, mv, group, w + r * rs, sr + r * ss, ws[r]);
 }
 #elif defined(A8_I8_COLS)
-static inline float a8_hsum256(__m256 a) {
-    float t[8];
-    _mm256_storeu_ps(t, a);
-    for (int h = 4; h >= 1; h /= 2)
-        for (int k = 0; k < h; ++k) t[k] += t[k + h];
-    return t[0];
-}
-static inline __attribute__((always_inline)) void a8_int8_rows_vec(const int R, const a8_x *p, int64_t b,
-                                                                   const int8_t *w, int64_t rs, const float *ws,
-                                                                   const uint8_t *pf_end, float *out) {
-    const int64_t m = p->m, mv = p->mv;
-    const int8_t *q = p->q + b * m, *xa = p->v + b * mv;
-    const float *ls = p->ls + b * p->nl;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4], wsv[4];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), wsv[r] = _mm256_set1_ps(ws[r]);
-    for (int64_t j = 0; j < mv; j += 32) {
-        const __m256i xq = _mm256_loadu_si256((const __m256i *)(q + j)), ax = _mm256_loadu_si256((const __m256i *)(xa + j));
-        const __m256 xs = _mm256_loadu_ps(ls + j / 4);
-        for (int r = 0; r < R; ++r) {
-            const int8_t *wr = w + r * rs + j;
-            if (pf_end && (j & 32)) Q_PF(wr, pf_end);   /* a line per two steps of 32 bytes */
-            const __m256i d = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)wr), xq);
-            const __m256i i = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, d), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), xs), wsv[r], acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        out[r] = a8_hsum256(acc[r]) + a8_int8_row_scalar(mv, m, w + r * rs, ws[r], q, p->s + b * p->nb);
-}
-static inline __attribute__((always_inline)) void a8_int4_rows_vec(const int R, const a8_x *p, int64_t b,
-                                                                   int64_t group, const uint8_t *w, int64_t rs,
-                                                                   const uint16_t *sr, int64_t ss,
-                                                                   const uint8_t *pf_end, float *out) {
+/* AVX2: `vpmaddubsw` pairs then `vpmaddwd` with ones; int8 weights take x's sign (x's magnitudes the unsigned operand,
+   a8_x.v), so no excess is subtracted for them */
+static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
+                                                              int64_t group, const uint8_t *w, int64_t rs,
+                                                              const uint16_t *sr, int64_t ss, const float *ws,
+                                                              const uint8_t *pf_end, float *out) {
     const int64_t m = p->m, mv = p->mv, gsh = group == 32 ? 5 : 6;
-    const int8_t *v = p->v + b * mv;
+    const int64_t cols = int4 ? A8_I4_COLS : A8_I8_COLS, lw = int4 ? 8 : 4;   /* inputs a step, an int32 lane */
+    const int8_t *q = p->q + b * m, *v = p->v + b * mv;
     const float *ls = p->ls + b * p->nl;
     const int32_t *lc = p->lc + b * p->nl;
     const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 acc[4];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < mv; j += 64) {
-        const __m256i xe = _mm256_loadu_si256((const __m256i *)(v + j)), xo = _mm256_loadu_si256((const __m256i *)(v + j + 32)),
-                      corr = _mm256_loadu_si256((const __m256i *)(lc + j / 8));
-        const __m256 xs = _mm256_loadu_ps(ls + j / 8);
+    for (int64_t j = 0; j < mv; j += cols) {
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(int4 ? v + j : q + j)),
+                      x1 = _mm256_loadu_si256((const __m256i *)(int4 ? v + j + 32 : v + j)),
+                      corr = int4 ? _mm256_loadu_si256((const __m256i *)(lc + j / lw)) : _mm256_setzero_si256();
+        const __m256 xs = _mm256_loadu_ps(ls + j / lw);
         for (int r = 0; r < R; ++r) {
-            const uint8_t *wr = w + r * rs + j / 2;
-            if (pf_end && (j & 64)) Q_PF(wr, pf_end);
+            const uint8_t *wr = w + r * rs + (int4 ? j / 2 : j);
+            if (pf_end && (j & cols)) Q_PF(wr, pf_end);   /* 32 bytes a step: a line every other step */
             const __m256i d = _mm256_loadu_si256((const __m256i *)wr);
-            const __m256i lo = _mm256_and_si256(d, nib), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), nib);
-            /* pair sums of codes <= 15 times |q| <= 127: no saturation, and lo + hi < 2^15 */
-            const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+            /* int4: pair sums of codes <= 15 times |q| <= 127, no saturation, and lo + hi < 2^15 */
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), nib);
+            const __m256i s16 = int4 ? _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(d, nib), x0),
+                                                        _mm256_maddubs_epi16(hi, x1))
+                                     : _mm256_maddubs_epi16(x1, _mm256_sign_epi8(d, x0));
             const __m256i i = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), corr);
-            const uint16_t *s = sr + r * ss + (j >> gsh);   /* lanes 0-3 and 4-7: one or two groups */
-            const float sa = bf16_to_f32(s[0]), sb = group == 32 ? bf16_to_f32(s[1]) : sa;
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), xs),
-                                     _mm256_setr_ps(sa, sa, sa, sa, sb, sb, sb, sb), acc[r]);
+            __m256 s = _mm256_set1_ps(int4 ? 0.0f : ws[r]);
+            if (int4) {   /* lanes 0-3 and 4-7: one or two groups */
+                const uint16_t *g = sr + r * ss + (j >> gsh);
+                const float sa = bf16_to_f32(g[0]), sb = group == 32 ? bf16_to_f32(g[1]) : sa;
+                s = _mm256_setr_ps(sa, sa, sa, sa, sb, sb, sb, sb);
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), xs), s, acc[r]);
         }
     }
-    for (int r = 0; r < R; ++r)
-        out[r] = a8_hsum256(acc[r])
-                 + a8_int4_row_scalar(mv, m, group, w + r * rs, sr + r * ss, p->q + b * m, p->s + b * p->nb);
+    for (int r = 0; r < R; ++r) {
+        float t[8];
+        _mm256_storeu_ps(t, acc[r]);
+        for (int h = 4; h >= 1; h /= 2)
+            for (int k = 0; k < h; ++k) t[k] += t[k + h];
+        out[r] = t[0] + a8_row_scalar(int4, p, b, mv, group, w + r * rs, sr + r * ss, ws[r]);
+    }
 }
 #endif
 
@@ -582,26 +558,22 @@ static void matvec_rows_a8(int int4, const a8_x *p, int64_t B, int64_t n, int64_
                            int r, const void *W, const uint16_t *s, const float *bias, const float *add, float *y) {
     const int64_t m = p->m, rowb = int4 ? m / 2 : m, ng = int4 ? m / group : 1;
     const uint8_t *Wb = (const uint8_t *)W;
+    const uint16_t *si = int4 ? s + i0 * ng : s;   /* (int8: no group scales) */
     float ws[4];
     for (int k = 0; k < r; ++k) ws[k] = int4 ? 0.0f : bf16_to_f32(s[i0 + k * stride]);
     for (int64_t b = 0; b < B; ++b) {
         float out[4];
 #if defined(A8_I8_COLS)
         const uint8_t *pf_end = b == 0 ? Wb + n * rowb : NULL;   /* (later x rows find the rows in cache) */
-        if (int4) {
-            if (r == 4) a8_int4_rows_vec(4, p, b, group, Wb + i0 * rowb, stride * rowb, s + i0 * ng, stride * ng, pf_end, out);
-            else a8_int4_rows_vec(1, p, b, group, Wb + i0 * rowb, 0, s + i0 * ng, 0, pf_end, out);
-        } else {
-            if (r == 4) a8_int8_rows_vec(4, p, b, (const int8_t *)(Wb + i0 * rowb), stride * rowb, ws, pf_end, out);
-            else a8_int8_rows_vec(1, p, b, (const int8_t *)(Wb + i0 * rowb), 0, ws, pf_end, out);
-        }
+        const uint8_t *w = Wb + i0 * rowb;
+        const int64_t rs = stride * rowb, ss = int4 ? stride * ng : 0;
+        if (int4 && r == 4) a8_rows_vec(1, 4, p, b, group, w, rs, si, ss, ws, pf_end, out);
+        else if (int4) a8_rows_vec(1, 1, p, b, group, w, 0, si, 0, ws, pf_end, out);
+        else if (r == 4) a8_rows_vec(0, 4, p, b, group, w, rs, si, 0, ws, pf_end, out);
+        else a8_rows_vec(0, 1, p, b, group, w, 0, si, 0, ws, pf_end, out);
 #else
-        for (int k = 0; k < r; ++k) {
-            const int64_t i = i0 + k * stride;
-            out[k] = int4 ? a8_int4_row_scalar(0, m, group, Wb + i * rowb, s + i * ng, p->q + b * m, p->s + b * p->nb)
-                          : a8_int8_row_scalar(0, m, (const int8_t *)(Wb + i * rowb), ws[k], p->q + b * m,
-                                               p->s + b * p->nb);
-        }
+        for (int k = 0; k < r; ++k)
+            out[k] = a8_row_scalar(int4, p, b, 0, group, Wb + (i0 + k * stride) * rowb, si + k * stride * ng, ws[k]);
 #endif
         for (int k = 0; k < r; ++k) q_store_row(n, b, i0 + k * stride, out[k], bias, add, y);
     }
