@@ -89,6 +89,29 @@ def test_build_fsyncs_before_the_rename(fresh, monkeypatch):
     assert json.loads(libcache.record_path(lib).read_text())["size"] == lib.stat().st_size
 
 
+def test_compiler_timeout_caches_nothing_and_tries_no_slower_flags(fresh, monkeypatch):
+    """Before: a compile that ran past its time limit on a loaded machine counted as `-march=native` refused, so
+    the next flag set's slower library was cached under the same key for good. After: the build fails (the
+    PyTorch path for this process), no other flag set is tried, nothing is cached, and the next build succeeds."""
+    seen = []
+    real_run = cbuild.subprocess.run
+
+    def slow_compiler(cmd, *a, **k):
+        if "-o" in cmd:
+            seen.append(cmd)
+            raise subprocess.TimeoutExpired(cmd, k.get("timeout"))
+        return real_run(cmd, *a, **k)
+
+    monkeypatch.setattr(cbuild.subprocess, "run", slow_compiler)
+    with pytest.raises(RuntimeError, match="ran past"):
+        cbuild.build("probe")
+    assert len(seen) == 1 and "-march=native" in seen[0]           # no fallback to other flags
+    assert not list(fresh.rglob("probe.so"))                       # nothing cached
+    monkeypatch.setattr(cbuild.subprocess, "run", real_run)
+    lib = cbuild.build("probe")
+    assert cbuild.LAST_BUILD["probe"]["flags"] == list(cbuild.FLAG_SETS[0]) and libcache.mismatch(lib) is None
+
+
 def _forge_record(lib):
     libcache.record_path(lib).write_text(json.dumps(libcache.describe(lib)))
 

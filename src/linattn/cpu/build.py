@@ -3,7 +3,9 @@
 `load_library(name)` -> `ctypes.CDLL` of `csrc/<name>.c`, or None (the caller then uses PyTorch):
 
 * compiler: `$CC`, else `cc`; flags `-O3 -march=native -fopenmp -shared -fPIC`, retried without
-  `-march=native` and then without OpenMP (`-fopenmp-simd` keeps the simd pragmas) when refused.
+  `-march=native` and then without OpenMP (`-fopenmp-simd` keeps the simd pragmas) when refused (a compiler
+  that runs past its time limit refused nothing: that build fails and nothing is cached, so a loaded machine
+  never leaves a slower library in the cache).
   Never `-ffast-math`: NaN and inf must behave as in the PyTorch forms;
 * cache: `<root>/cpu/<key>/<name>.so`, root `$LINATTN_CACHE_DIR`, default `~/.cache/linattn` (the rules on
   who may own and write it are in `libcache.py`), where the key hashes the sources (the .c file and every
@@ -150,10 +152,18 @@ def _notice(name: str, why: str) -> None:
                       "using the PyTorch implementation", stacklevel=3)
 
 
+COMPILE_TIMEOUT_S = 600
+
+
 def _compile(cc, src_file: Path, out: Path, flags) -> Tuple[bool, str]:
     cmd = [*cc, *BASE_FLAGS, *flags, f"-I{src_file.parent}", str(src_file), "-o", str(out), "-lm"]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # a slow machine, not a refused flag: the next flag set would cache a slower library under this key
+        out.unlink(missing_ok=True)
+        raise RuntimeError(f"the compiler ran past {COMPILE_TIMEOUT_S} s with {' '.join(flags) or 'no extra flags'} "
+                           "(nothing cached; the next use tries again)") from None
     except (OSError, subprocess.SubprocessError) as e:
         return False, str(e)
     return r.returncode == 0, (r.stderr or r.stdout).strip()
