@@ -4,6 +4,8 @@ different folders may share a basename; a test file never imports another test f
 from __future__ import annotations
 
 import ast
+import contextlib
+import os
 import random
 import shutil
 from pathlib import Path
@@ -358,11 +360,19 @@ def check_a8_product(q: "StoredWeights", x, bias=None, add=None):
     return y, ref
 
 
+#: LINATTN_CACHE_DIR as the session found it (tests.helpers is imported while the tests are collected, before any
+#: fixture points the variable elsewhere)
+_SESSION_CACHE_DIR = os.environ.get("LINATTN_CACHE_DIR")
+
+
 def build_decode_variant(tmp, prefix: str):
     """decode.c built from the package's sources with `prefix` put before it (a macro undefined or defined to
-    select another code path) into tmp; the loaded ctypes library. immintrin.h is included before the prefix:
-    its `#pragma GCC target` sections restore the command line's feature macros when included later, which would
-    undo an #undef."""
+    select another code path); the loaded ctypes library. The sources are written into tmp, the library is built
+    into the session's kernel cache (`_SESSION_CACHE_DIR`, whatever LINATTN_CACHE_DIR a fixture set meanwhile), keyed
+    like every cached library by a hash of its sources — the prefix included —, so a later run or another fixture
+    with the same prefix loads it instead of compiling again. immintrin.h is included before the prefix: its
+    `#pragma GCC target` sections restore the command line's feature macros when included later, which would undo
+    an #undef."""
     import ctypes
 
     from linattn.cpu import build as cbuild
@@ -373,7 +383,25 @@ def build_decode_variant(tmp, prefix: str):
             (src / f.name).write_bytes(f.read_bytes())
     first = "#if defined(__x86_64__) || defined(__i386__)\n#include <immintrin.h>\n#endif\n"
     (src / "decode.c").write_text(first + prefix + (cbuild.CSRC / "decode.c").read_text())
-    return ctypes.CDLL(str(cbuild.build("decode", src)))
+    with _session_cache():
+        return ctypes.CDLL(str(cbuild.build("decode", src)))
+
+
+@contextlib.contextmanager
+def _session_cache():
+    """LINATTN_CACHE_DIR as the session found it, for the duration of the block."""
+    before = os.environ.get("LINATTN_CACHE_DIR")
+    try:
+        if _SESSION_CACHE_DIR is None:
+            os.environ.pop("LINATTN_CACHE_DIR", None)
+        else:
+            os.environ["LINATTN_CACHE_DIR"] = _SESSION_CACHE_DIR
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LINATTN_CACHE_DIR", None)
+        else:
+            os.environ["LINATTN_CACHE_DIR"] = before
 
 
 def check_product_threads(q: "StoredWeights", x, check=None):

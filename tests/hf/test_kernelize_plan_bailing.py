@@ -5,7 +5,7 @@ lower-bounded ("safe") gate and the softplus one, transformers' cache objects ho
 copied or advanced by transformers' own code between compiled tokens, one compiled call per decoded token, the plan
 rebuilt when a weight it copied is updated in place, bf16; MLA layers and MoE feed-forwards the plan does not compute
 (a YaRN RoPE, router logits asked for) step aside (the whole model), through `generate`. Models with MLA layers and MoE
-feed-forwards the plan computes: tests/hf/test_kernelize_plan_bailing_mla.py.
+feed-forwards the plan computes: tests/hf/test_kernelize_plan_mla.py.
 
 Such a model has no attention layer, so transformers' `generate` cannot run it (its cache reports no length): it
 decodes token by token through the forward (tests/hf/plan_decode.py's `prefill` / `step`)."""

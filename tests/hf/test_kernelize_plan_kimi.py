@@ -4,7 +4,7 @@ with a seed, batch > 1, transformers' cache objects holding transformers' values
 transformers' own code between compiled tokens, one compiled call per decoded token, the plan rebuilt when a weight
 it copied is updated in place; MLA layers and MoE feed-forwards the plan does not compute (attention biases, router
 logits asked for) step aside (the whole model), through `generate`. Models with MLA layers and MoE feed-forwards
-the plan computes: tests/hf/test_kernelize_plan_kimi_mla.py.
+the plan computes: tests/hf/test_kernelize_plan_mla.py.
 
 A Kimi Linear model without an attention layer cannot be decoded by transformers' `generate` (its cache reports no
 sequence length): the KDA-only models here decode token by token through the model's forward with explicit

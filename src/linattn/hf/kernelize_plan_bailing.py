@@ -92,15 +92,7 @@ def _describe(model: nn.Module) -> Union[tuple, str]:
                                          rotary=getattr(model.model, "rotary_emb", None), gated=True)
 
 
-def describe_model(model: nn.Module):
-    """(ModelDescription, per-layer KDA description) of a transformers Bailing hybrid, or None where the plan does
-    not compute some part of it (`undescribed_reason` says which)."""
-    return _parts.description(_describe(model))
-
-
-def undescribed_reason(model: nn.Module) -> Optional[str]:
-    """Why a Bailing hybrid does not decode through the compiled plan, or None when it does."""
-    return _parts.reason(_describe(model))
+describe_model, undescribed_reason = _kimi.public_description(_describe, "a transformers Bailing hybrid")
 
 
 def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):

@@ -48,7 +48,7 @@ past, a hook on a described module, non-CPU tensors or dtypes without a plan, `L
 from __future__ import annotations
 
 import operator
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -102,15 +102,23 @@ def _describe(model: nn.Module) -> Union[tuple, str]:
                                          "KimiLinearRMSNorm")
 
 
-def describe_model(model: nn.Module):
-    """(ModelDescription, per-layer KDA description) of a transformers Kimi Linear model, or None where the plan
-    does not compute some part of it (`undescribed_reason` says which)."""
-    return _parts.description(_describe(model))
+def public_description(describe: Callable[[nn.Module], Union[tuple, str]], what: str):
+    """(describe_model, undescribed_reason) of an MLA / KDA architecture whose `describe` gives (ModelDescription,
+    per-layer parts) or the reason the plan does not compute the model (Kimi Linear's and Bailing's)."""
+
+    def describe_model(model: nn.Module):
+        return _parts.description(describe(model))
+
+    def undescribed_reason(model: nn.Module) -> Optional[str]:
+        return _parts.reason(describe(model))
+
+    describe_model.__doc__ = (f"(ModelDescription, per-layer parts) of {what}, or None where the plan does not "
+                              "compute some part of it (`undescribed_reason` says which).")
+    undescribed_reason.__doc__ = f"Why {what} does not decode through the compiled plan, or None when it does."
+    return describe_model, undescribed_reason
 
 
-def undescribed_reason(model: nn.Module) -> Optional[str]:
-    """Why a Kimi Linear model does not decode through the compiled plan, or None when it does."""
-    return _parts.reason(_describe(model))
+describe_model, undescribed_reason = public_description(_describe, "a transformers Kimi Linear model")
 
 
 def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
