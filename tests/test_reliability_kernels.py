@@ -91,23 +91,23 @@ def test_build_fsyncs_before_the_rename(fresh, monkeypatch):
 
 def test_compiler_timeout_caches_nothing_and_tries_no_slower_flags(fresh, monkeypatch):
     """Before: a compile that ran past its time limit on a loaded machine counted as `-march=native` refused, so
-    the next flag set's slower library was cached under the same key for good. After: the build fails (the
-    PyTorch path for this process), no other flag set is tried, nothing is cached, and the next build succeeds."""
+    the next flag set's slower library was cached under the same key for good (and the killed driver left its cc1
+    running). After: the build fails (the PyTorch path for this process), no other flag set is tried, nothing is
+    cached, the compiler's process group is gone, and the next build succeeds."""
     seen = []
-    real_run = cbuild.subprocess.run
+    real_popen = cbuild.subprocess.Popen
 
-    def slow_compiler(cmd, *a, **k):
-        if "-o" in cmd:
-            seen.append(cmd)
-            raise subprocess.TimeoutExpired(cmd, k.get("timeout"))
-        return real_run(cmd, *a, **k)
+    def record(cmd, *a, **k):
+        seen.append(cmd)
+        return real_popen(cmd, *a, **k)
 
-    monkeypatch.setattr(cbuild.subprocess, "run", slow_compiler)
+    monkeypatch.setattr(cbuild.subprocess, "Popen", record)
+    monkeypatch.setattr(cbuild, "COMPILE_TIMEOUT_S", 0.001)    # no compiler finishes in a millisecond
     with pytest.raises(RuntimeError, match="ran past"):
         cbuild.build("probe")
-    assert len(seen) == 1 and "-march=native" in seen[0]           # no fallback to other flags
-    assert not list(fresh.rglob("probe.so"))                       # nothing cached
-    monkeypatch.setattr(cbuild.subprocess, "run", real_run)
+    assert len(seen) == 1 and "-march=native" in seen[0]           # no fallback to other flag sets
+    assert not list(fresh.rglob("probe.so")) and not list(fresh.rglob("*.so.*"))   # nothing cached or left
+    monkeypatch.setattr(cbuild, "COMPILE_TIMEOUT_S", 600)
     lib = cbuild.build("probe")
     assert cbuild.LAST_BUILD["probe"]["flags"] == list(cbuild.FLAG_SETS[0]) and libcache.mismatch(lib) is None
 

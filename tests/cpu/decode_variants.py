@@ -21,10 +21,8 @@ def decode_variant_fixture(paths: dict[str, tuple[str, set[str]]]):
         if not prefix:
             yield request.param
             return
-        tmp = tmp_path_factory.mktemp(request.param)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("LINATTN_CACHE_DIR", str(tmp / "cache"))
-            lib = build_decode_variant(tmp, prefix)
+            lib = build_decode_variant(tmp_path_factory.mktemp(request.param), prefix)   # cached by source hash
             mp.setattr(bindings, "load_library", lambda name: lib if name == "decode" else None)
             yield request.param
 

@@ -32,6 +32,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -157,16 +158,24 @@ COMPILE_TIMEOUT_S = 600
 
 def _compile(cc, src_file: Path, out: Path, flags) -> Tuple[bool, str]:
     cmd = [*cc, *BASE_FLAGS, *flags, f"-I{src_file.parent}", str(src_file), "-o", str(out), "-lm"]
+    try:   # its own process group: a timeout stops the driver's cc1 / as too, not only the driver
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, str(e)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        stdout, stderr = proc.communicate(timeout=COMPILE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         # a slow machine, not a refused flag: the next flag set would cache a slower library under this key
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (AttributeError, OSError):   # (no process groups here)
+            proc.kill()
+        proc.communicate()
         out.unlink(missing_ok=True)
         raise RuntimeError(f"the compiler ran past {COMPILE_TIMEOUT_S} s with {' '.join(flags) or 'no extra flags'} "
                            "(nothing cached; the next use tries again)") from None
-    except (OSError, subprocess.SubprocessError) as e:
-        return False, str(e)
-    return r.returncode == 0, (r.stderr or r.stdout).strip()
+    return proc.returncode == 0, (stderr or stdout).strip()
 
 
 def _cached(name: str, target: Path, rebuilt: Optional[str] = None) -> Path:
