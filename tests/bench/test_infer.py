@@ -138,6 +138,11 @@ def test_bench_infer_tiny(tmp_path, capsys):
     # its floor: the transformers model's bytes (the GGUF's weights) over the rounds' bandwidth, as every row's
     assert lr["bytes"] == rows[("transformers", "fp32")]["bytes"]
     assert lr["bandwidth_gbs"] == rows[("linattn", "fp32")]["bandwidth_gbs"] > 0
+    for e in ("linattn", "kernelize"):   # placed when the plan was built (the tiny weights: all under 2 MiB)
+        wp = rows[(e, "fp32")]["weights_pages"]
+        assert wp["placed_bytes"] == 0 and sum(wp["skipped"].values()) == rows[(e, "fp32")]["bytes"] + (
+            wp["skipped"].get("smaller than min_bytes", 0) - rows[(e, "fp32")]["bytes"])
+    assert rows[("transformers", "fp32")]["weights_pages"] is None and lr["weights_pages"] is None
     pages = data["bandwidth_pages"]   # the floor's buffer: how much of it the kernel put on 2 MiB pages
     assert pages["bytes"] == 16 << 20 and (pages["huge_bytes"] is None or 0 <= pages["huge_bytes"] <= 18 << 20)
     assert lr["floor_ms"] == pytest.approx(lr["bytes"] / (lr["bandwidth_gbs"] * 1e9) * 1e3)

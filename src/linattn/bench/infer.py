@@ -255,6 +255,17 @@ def state_bytes(traffic: Optional[Dict[str, int]], context: float) -> Optional[f
     return traffic["state"] + traffic["kv_row"] * (context + 1)
 
 
+def weights_pages(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
+    """Where a model's weights sit after its decode plan was built (`linattn.cpu.hugepages`' last report on it):
+    {"placed_bytes" (on huge-page mappings), "huge_bytes" (the kernel's count of those on 2 MiB pages now),
+    "skipped" (bytes left in place, by reason), "unavailable"}, or None where nothing placed it."""
+    rep = getattr(model, "_linattn_hugepages", None)
+    if rep is None:
+        return None
+    return {"placed_bytes": rep.placed_bytes + rep.already_bytes, "huge_bytes": rep.huge_bytes(),
+            "skipped": dict(rep.skipped), "unavailable": rep.reason}
+
+
 # -- the models --------------------------------------------------------------------------------------------------
 def linattn_model(shape: Dict[str, int], dtype: torch.dtype, seed: int) -> torch.nn.Module:
     """linattn's `LanguageModel` of `shape`: Gated DeltaNet layers and one softmax layer (8 query / 2 KV heads of
@@ -492,7 +503,7 @@ def _records(rows, a, bws) -> List[Dict[str, Any]]:
                         "floor_ms": floor_ms, "over_floor": None if floor_ms is None else dec * 1e3 / floor_ms,
                         "state_bytes": st, "floor_states_ms": floor_st,
                         "over_floor_states": None if floor_st is None else dec * 1e3 / floor_st,
-                        "bandwidth_gbs": bw / 1e9})
+                        "bandwidth_gbs": bw / 1e9, "weights_pages": row.get("weights_pages")})
     return out
 
 
@@ -537,6 +548,7 @@ def _interleaved(a, engines: Sequence[str], dtypes: Sequence[str], shape, log, g
         row["runner"].prefill(torch.zeros(1, min(a.prompt, 8), dtype=torch.int64))
         row["runner"].decode(1)
         row["traffic"] = state_traffic(row["runner"].cache)
+        row["weights_pages"] = weights_pages(row["runner"].model)
     context = a.prompt + a.decode / 2   # (the decode's mean context)
     for row in rows:   # the same shape's count where the engine's cache is not linattn's: the same dtype first
         same = [r["traffic"] for r in rows if r["traffic"] is not None and r["dtype"] == row["dtype"]]
@@ -592,4 +604,4 @@ def floor_ms(model: torch.nn.Module, bandwidth: float) -> float:
 
 __all__ = ["SHAPES", "ENGINES", "QUANTIZED", "ReadBandwidth", "Runner", "add_arguments", "build_model", "build_row",
            "decode_bytes", "floor_ms", "last_level_cache_bytes", "linattn_model", "model_decode_bytes",
-           "parse_llama_bench", "run", "state_bytes", "state_traffic"]
+           "parse_llama_bench", "run", "state_bytes", "state_traffic", "weights_pages"]
