@@ -124,7 +124,13 @@ class BlockPlan(ctypes.Structure):
                 # bias e_bias for the choice and a routed scaling factor)
                 + [(n, ctypes.c_int64) for n in ("moe_groups", "moe_topk_groups")]
                 + [(n, ctypes.c_int32) for n in ("router", "router_wbf16")]
-                + [("routed_scale", ctypes.c_double), ("e_bias", ctypes.c_void_p)])
+                + [("routed_scale", ctypes.c_double), ("e_bias", ctypes.c_void_p)]
+                # Granite / Nemotron-H: res_scaled, the mixer's and the FFN's outputs times res_scale before each
+                # residual add (Granite's residual_multiplier); ffn_only, a block without a mixer (h = x, its norm in
+                # n2w: Nemotron-H's MLP / MoE blocks); ffn_act 1, a non-gated relu^2 FFN (dense, experts, shared
+                # expert: Wgu / Weg hold the up rows only), 0 SwiGLU
+                + [(n, ctypes.c_int32) for n in ("res_scaled", "ffn_only", "ffn_act", "pad_gn_")]
+                + [("res_scale", ctypes.c_double)])
 
 
 class ModelPlan(ctypes.Structure):
@@ -139,7 +145,11 @@ class ModelPlan(ctypes.Structure):
                 + [("norm_eps", ctypes.c_double)]
                 + [(n, ctypes.c_void_p) for n in ("embed", "norm_w", "head", "blocks", "s_off", "w_off")]
                 + [("fmt_head", ctypes.c_int32), ("pad2_", ctypes.c_int32), ("grp_head", ctypes.c_int64),
-                   ("sc_head", ctypes.c_void_p)])
+                   ("sc_head", ctypes.c_void_p)]
+                # Granite / Nemotron-H: the embedded row times emb_scale (Granite's embedding_multiplier), the
+                # logits divided by logits_div (its logits_scaling), each when its flag is set
+                + [(n, ctypes.c_int32) for n in ("emb_scaled", "logits_scaled")]
+                + [(n, ctypes.c_double) for n in ("emb_scale", "logits_div")])
 
 
 class Fn(NamedTuple):
