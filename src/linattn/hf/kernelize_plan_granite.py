@@ -57,7 +57,8 @@ def _attention(att, rotary, d: int, wdt) -> Union[_dp.AttentionDescription, str]
         return "attention projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
     rot, inv, scale = 0, None, 1.0
     if rotary is not None:
-        if type(rotary).__name__ != "GraniteMoeHybridRotaryEmbedding" or getattr(rotary, "rope_type", None) != "default":
+        if (type(rotary).__name__ != "GraniteMoeHybridRotaryEmbedding"
+                or getattr(rotary, "rope_type", None) != "default"):
             return "a rotary embedding other than the default RoPE"
         inv = rotary.inv_freq.detach().to(torch.float64)
         rot, scale = 2 * inv.numel(), float(rotary.attention_scaling)

@@ -765,7 +765,8 @@ def moe_usable(moe: MoEDescription, d: int, wdt: torch.dtype) -> bool:
     E = moe.router.shape[0] if moe.router.dim() == 2 else 0
     hid = moe.down.shape[-1] if moe.down.dim() == 3 else 0
     return (E > 0 and hid > 0 and 1 <= moe.top_k <= E and tuple(moe.router.shape) == (E, d)
-            and tuple(moe.gate_up.shape) == (E, (2 if moe.gated else 1) * hid, d) and tuple(moe.down.shape) == (E, d, hid)
+            and tuple(moe.gate_up.shape) == (E, (2 if moe.gated else 1) * hid, d)
+            and tuple(moe.down.shape) == (E, d, hid)
             and all(t.dtype == wdt and t.is_contiguous() and t.device.type == "cpu"
                     for t in (moe.router, moe.gate_up, moe.down))
             and (moe.shared_gate is None or (plan_linear(moe.shared_gate, wdt) and moe.shared_gate.bias is None
