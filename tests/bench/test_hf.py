@@ -20,7 +20,7 @@ def test_bench_hf_quick(tmp_path, capsys):
     assert rc == 0
     rec = json.loads((tmp_path / "hf.json").read_text())
     cases = {(r["kind"], r["case"], r["T"]) for r in rec["timings"]}
-    for kind in ("gdn", "kda", "mamba2", "lightning", "bamba"):
+    for kind in ("gdn", "kda", "mamba2", "lightning", "bamba", "granite", "nemotron_h"):
         train_T = 16 if kind == "kda" else 32   # (--kda-train-T, said in the output)
         assert {(kind, "prefill", 32), (kind, "prefill", 64), (kind, "decode", 64), (kind, "train", train_T)} <= cases
     assert rec["skipped"] == []
@@ -49,7 +49,7 @@ def test_bench_hf_load_holds_busy_loops_for_the_run_and_stops_them(tmp_path, mon
 
 
 @pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
-@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+@pytest.mark.parametrize("kind", ["gdn", "mamba2", "granite", "nemotron_h"])
 def test_bench_hf_decode_steps_go_through_the_plan(kind, monkeypatch):
     """The timed decode: n consecutive tokens at their own positions after the prompt, each one compiled
     whole-model call (as generation decodes), with the unpatched model's logits."""

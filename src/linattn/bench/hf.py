@@ -12,7 +12,10 @@ x 128, 32 value heads x 128, conv 4); kda = a Kimi-Linear-like KDA layer (KimiLi
 top 2, one shared); mamba2 = a Mamba2 layer (Mamba2ForCausalLM: hidden 1024, 32 heads x 64, state 128, 1 group);
 lightning = MiniMax's lightning attention (MiniMaxForCausalLM: hidden 2048, 16 heads x 128, block 256, a MoE
 feed-forward of 2 experts, top 1, and a full-attention second layer of the same heads); bamba = a Mamba2 hybrid
-(BambaForCausalLM: the mamba2 kind's layer, then a minimal softmax layer).
+(BambaForCausalLM: the mamba2 kind's layer, then a minimal softmax layer); granite = Granite-4.0-H
+(GraniteMoeHybridForCausalLM: as bamba, the shared MLP dense, its multipliers); nemotron_h = Nemotron-H
+(NemotronHForCausalLM: the mamba2 kind's layer, a MoE block of 8 relu^2 experts of hidden / 2, top 2, a shared
+one, a minimal softmax block, a relu^2 MLP block).
 The MLP (intermediate 2 x hidden), the embeddings and the head (vocab --vocab-size) are the same on both sides.
 gdn and bamba models have a second layer, a minimal softmax one (1 head; transformers 5.24 cannot build the
 causal mask of a cached model without any attention layer), the same on both sides too.
@@ -40,7 +43,7 @@ from . import common
 
 DESCRIPTION = __doc__
 PROG = "linattn bench hf"
-KINDS = ("gdn", "kda", "mamba2", "lightning", "bamba")
+KINDS = ("gdn", "kda", "mamba2", "lightning", "bamba", "granite", "nemotron_h")
 
 
 def add_arguments(p) -> None:

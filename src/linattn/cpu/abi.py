@@ -125,11 +125,16 @@ class BlockPlan(ctypes.Structure):
                 + [(n, ctypes.c_int64) for n in ("moe_groups", "moe_topk_groups")]
                 + [(n, ctypes.c_int32) for n in ("router", "router_wbf16")]
                 + [("routed_scale", ctypes.c_double), ("e_bias", ctypes.c_void_p)]
-                # MiniMax: lightning attention (kind 8, csrc/decode_lightning.h: `decay` exp(-slope) per head, one
-                # RMSNorm over all heads' outputs) and the scaled residual order (res_scaled 1: the normed input is
-                # the residual, h = a1 n1(x) + b1 mixer, x_out = a2 n2(h) + b2 ffn)
+                # the scaled residual orders (res_scaled; a, b per half: out = a res + b branch): 1, MiniMax's (the
+                # normed input is the residual: h = a1 n1(x) + b1 mixer, x_out = a2 n2(h) + b2 ffn); 2, Granite's
+                # residual multiplier (h = x + b1 mixer, x_out = h + b2 ffn; a1 = a2 = 1). Lightning attention is
+                # kind 8 (csrc/decode_lightning.h: `decay` exp(-slope) per head, one RMSNorm over all heads' outputs)
                 + [("res_scaled", ctypes.c_int32), ("pad_mx_", ctypes.c_int32)]
-                + [(n, ctypes.c_double) for n in ("res_a1", "res_b1", "res_a2", "res_b2")])
+                + [(n, ctypes.c_double) for n in ("res_a1", "res_b1", "res_a2", "res_b2")]
+                # Granite / Nemotron-H: ffn_only, a block without a mixer (h = x, its norm in n2w: Nemotron-H's MLP /
+                # MoE blocks); ffn_act 1, a non-gated relu^2 FFN (dense, experts, shared expert: Wgu / Weg hold the up
+                # rows only), 0 SwiGLU
+                + [(n, ctypes.c_int32) for n in ("ffn_only", "ffn_act")])
 
 
 class ModelPlan(ctypes.Structure):
@@ -144,7 +149,11 @@ class ModelPlan(ctypes.Structure):
                 + [("norm_eps", ctypes.c_double)]
                 + [(n, ctypes.c_void_p) for n in ("embed", "norm_w", "head", "blocks", "s_off", "w_off")]
                 + [("fmt_head", ctypes.c_int32), ("pad2_", ctypes.c_int32), ("grp_head", ctypes.c_int64),
-                   ("sc_head", ctypes.c_void_p)])
+                   ("sc_head", ctypes.c_void_p)]
+                # Granite / Nemotron-H: the embedded row times emb_scale (Granite's embedding_multiplier), the
+                # logits divided by logits_div (its logits_scaling), each when its flag is set
+                + [(n, ctypes.c_int32) for n in ("emb_scaled", "logits_scaled")]
+                + [(n, ctypes.c_double) for n in ("emb_scale", "logits_div")])
 
 
 class Fn(NamedTuple):

@@ -9,7 +9,7 @@ import transformers as tf
 from ..errors import LinattnError
 from .kernelize import kernelize
 
-KINDS = ("gdn", "kda", "mamba2", "lightning", "bamba")
+KINDS = ("gdn", "kda", "mamba2", "lightning", "bamba", "granite", "nemotron_h")
 
 
 def build_model(kind: str, quick: bool, vocab_size: int, seed: int = 0) -> torch.nn.Module:
@@ -61,6 +61,31 @@ def build_model(kind: str, quick: bool, vocab_size: int, seed: int = 0) -> torch
                              attn_layer_indices=[1], mamba_n_heads=h, mamba_d_head=p, mamba_n_groups=1,
                              mamba_d_state=n, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256)
         model = tf.BambaForCausalLM(cfg)
+    elif kind == "granite":
+        # Granite-4.0-H: the mamba2 kind's layer, then a minimal softmax layer, each with the shared SwiGLU MLP
+        # (dense, as Granite-4.0-H-micro; intermediate 2 x hidden) and Granite's multipliers
+        d, h, p, n = (64, 4, 32, 16) if quick else (1024, 32, 64, 128)
+        cfg = tf.GraniteMoeHybridConfig(**ids, vocab_size=vocab_size, hidden_size=d, shared_intermediate_size=2 * d,
+                                        num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                                        num_local_experts=0, layer_types=["linear_attention", "full_attention"],
+                                        mamba_n_heads=h, mamba_d_head=p, mamba_n_groups=1, mamba_d_state=n,
+                                        mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+                                        embedding_multiplier=12.0, residual_multiplier=0.22,
+                                        attention_multiplier=0.0078125, logits_scaling=4.0)
+        model = tf.GraniteMoeHybridForCausalLM(cfg)
+    elif kind == "nemotron_h":
+        # Nemotron-H: the mamba2 kind's layer (a block of its own), a MoE block (8 relu^2 experts of hidden / 2,
+        # top 2, a relu^2 shared expert of hidden, the grouped sigmoid router), a minimal softmax block, a relu^2
+        # MLP block (2 x hidden)
+        d, h, p, n = (64, 4, 32, 16) if quick else (1024, 32, 64, 128)
+        cfg = tf.NemotronHConfig(**ids, vocab_size=vocab_size, hidden_size=d, intermediate_size=2 * d,
+                                 layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+                                 num_attention_heads=1, num_key_value_heads=1, head_dim=16, mamba_num_heads=h,
+                                 mamba_head_dim=p, n_groups=1, ssm_state_size=n, conv_kernel=4, expand=2,
+                                 chunk_size=256, n_routed_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=d // 2, moe_shared_expert_intermediate_size=d, n_group=1,
+                                 topk_group=1)
+        model = tf.NemotronHForCausalLM(cfg)
     else:
         raise LinattnError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     return model.float().eval()

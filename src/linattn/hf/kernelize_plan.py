@@ -242,8 +242,9 @@ _QWEN_MOE = types.SimpleNamespace(**{**vars(_QWEN), "MODELS": ("Qwen3NextForCaus
 #: B, d, wdt)` (a BlockPlan or None), `state_spec(part)` (`decode_plan.state_layout`'s), `call_usable(cache, B, L,
 #: attention_mask, position_ids)` (L the softmax layers' length or None), `output_class()`, `FP32_LOGITS`; and,
 #: optionally, `cache_type()` (a cache class of its own, MiniMax's, instead of `DynamicCache`: its recurrent states
-#: are `get_state(cache, i)` / `set_state(cache, i, state)`, no conv windows) and `position(cache, L, position_ids)`
-#: (the token's position, where the forward does not take it as L). A layer's
+#: are `get_state(cache, i)` / `set_state(cache, i, state)`, no conv windows), `position(cache, L, position_ids)`
+#: (the token's position, where the forward does not take it as L) and `model_fields(model)` (ModelPlan fields to
+#: set: Granite's multipliers). A layer's
 #: plan state (`state_spec`'s layout) has the shape and order of transformers' recurrent state tensor. Every module
 #: of this package named `kernelize_plan_<arch>` with a `MODELS` tuple is such a description and joins on import.
 _ARCHITECTURES = {name: a for a in (_QWEN, _QWEN_MOE) for name in a.MODELS}
@@ -304,6 +305,8 @@ def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
     mp = _cpu_decode.ModelPlan(L=len(plans), B=B, d=d, vocab=vocab, has_norm=1,
                                nthreads=max(1, torch.get_num_threads()), wbf16=int(wdt == torch.bfloat16),
                                norm_eps=float(desc.norm.eps))
+    for name, value in arch.model_fields(model).items() if hasattr(arch, "model_fields") else ():
+        setattr(mp, name, value)   # (Granite's multipliers)
     head_w = (desc.head if desc.head is not None else desc.embed).weight.detach()
     norm_w = desc.norm.weight.detach().to(cdt).contiguous()
     mp.embed, mp.head, mp.norm_w = desc.embed.weight.data_ptr(), head_w.data_ptr(), norm_w.data_ptr()
@@ -316,7 +319,7 @@ def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
     slot.keep = (plans, block_ptrs, head_w, norm_w)
     slot.plan, slot.fn, slot.cdt, slot.wdt = mp, _cpu_decode.model_function(cdt), cdt, wdt
     slot.specs, slot.layouts, slot.B = [arch.state_spec(part) for part in parts], {}, None
-    slot.recurrent = [i for i, p in enumerate(plans) if p.kind not in _KV_KINDS]
+    slot.recurrent = [i for i, p in enumerate(plans) if p.kind not in _KV_KINDS and not p.ffn_only]
     slot.att = [(i, p) for i, p in enumerate(plans) if p.kind in _KV_KINDS]
     _set_batch(slot, B)
     return True

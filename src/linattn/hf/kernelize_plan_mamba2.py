@@ -45,10 +45,12 @@ def _linear(m, shape, wdt) -> bool:
             and (m.bias is None or m.bias.dtype == wdt))
 
 
-def mixer_reason(mx, d: int, wdt, mixer_class: str = "Mamba2Mixer",
-                 norm_class: str = "MambaRMSNormGated") -> Optional[str]:
+def mixer_reason(mx, d: int, wdt, mixer_class: str = "Mamba2Mixer", norm_class: str = "MambaRMSNormGated",
+                 any_dt_limit: bool = False) -> Optional[str]:
     """Why the plan's Mamba2 block does not compute this mixer (transformers' `mixer_class`, its gated norm of class
-    `norm_class`: Mamba2's, or a hybrid's with the same attributes), or None."""
+    `norm_class`: Mamba2's, or a hybrid's with the same attributes), or None. `any_dt_limit`: a model whose every
+    Mamba2 mixer has a `time_step_limit` (Nemotron-H's (time_step_min, inf)): its one-token step, the one the plan
+    computes, does not clamp dt either."""
     if type(mx).__name__ != mixer_class:
         return f"a mixer of type {type(mx).__name__}"
     H, P, G, N, KC = mx.num_heads, mx.head_dim, mx.n_groups, mx.ssm_state_size, mx.conv_kernel_size
@@ -64,7 +66,7 @@ def mixer_reason(mx, d: int, wdt, mixer_class: str = "Mamba2Mixer",
         return "a short convolution that is not a depthwise SiLU nn.Conv1d"
     if type(norm).__name__ != norm_class or norm.weight.shape != (DI,) or norm.group_size != DI // G:
         return f"an output norm that is not transformers' {norm_class} over the groups"
-    if tuple(float(x) for x in mx.time_step_limit) != (0.0, math.inf):
+    if not any_dt_limit and tuple(float(x) for x in mx.time_step_limit) != (0.0, math.inf):
         return "a time_step_limit other than (0, inf) (transformers' one-token step does not clamp dt)"
     if mx.A_log.shape != (H,) or mx.dt_bias.shape != (H,) or mx.D.shape != (H,):
         return "A_log / dt_bias / D of unexpected shapes"

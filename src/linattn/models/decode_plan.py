@@ -117,7 +117,8 @@ class BlockDescription:
         norm1: The norm before the mixer (post-norm: on its output): an RMSNorm (`weight` or None, `eps`).
         norm2: The norm before the FFN (post-norm: on its output; None without an FFN).
         ffn: "swiglu", "moe" (a mixture of experts, `moe`; the compiled whole-model plans of transformers models
-            only) or None.
+            only), "relu2" (non-gated, ``ffn_down(relu(ffn_gate_up(xn))^2)``: `ffn_gate_up` is the up projection
+            `[hidden, d]`; those plans only) or None.
         ffn_gate_up: The FFN's fused gate | up projection `[2 * hidden, d]` (an nn.Linear, or a `StackedRows` of
             the gate's and the up projection's weights), or None (with "moe": the shared expert's).
         ffn_down: The FFN's down projection `[d, hidden]`, or None (with "moe": the shared expert's).
@@ -160,14 +161,16 @@ class MoEDescription:
         top_k: k, the experts each token takes.
         norm_topk: Whether the k probabilities are divided by their sum.
         shared_gate: The shared expert's gate (an nn.Linear `[1, d]`, bias-free), or None (ungated).
+        gated: False: non-gated experts, `gate_up` holds only the up rows `[E, hidden, d]` and the hidden row is
+            relu(up xn)^2 (Nemotron-H's; the block plan's `ffn_act` 1, the shared expert alike).
     """
 
-    __slots__ = ("router", "gate_up", "down", "top_k", "norm_topk", "shared_gate")
+    __slots__ = ("router", "gate_up", "down", "top_k", "norm_topk", "shared_gate", "gated")
 
     def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, norm_topk: bool,
-                 shared_gate=None):
+                 shared_gate=None, gated: bool = True):
         self.router, self.gate_up, self.down, self.top_k = router, gate_up, down, int(top_k)
-        self.norm_topk, self.shared_gate = bool(norm_topk), shared_gate
+        self.norm_topk, self.shared_gate, self.gated = bool(norm_topk), shared_gate, bool(gated)
 
 
 #: mixers with a compiled block kind of their own but no per-layer fast step (kind None from the block)
@@ -273,7 +276,9 @@ _CONFIG_KEYS = ("scale", "l2norm_convention", "beta_mode", "q_l2norm", "qk_l2nor
                 "gate_lower_bound", "dt_limit", "d_per_channel", "gate_before_norm", "group_size", "activation",
                 "qk_activation", "activation_without_conv", "use_beta", "allow_negative_eigenvalues",
                 # a mixture of experts' router
-                "top_k", "norm_topk_prob", "num_experts")
+                "top_k", "norm_topk_prob", "num_experts",
+                # Granite's multipliers
+                "embedding_multiplier", "residual_multiplier")
 
 
 class PlanGuard:
@@ -736,6 +741,8 @@ def finish_block_plan(p, desc: BlockDescription, addr, keep: list, wdt: torch.dt
         p.bgu, p.bd = addr(up.bias), addr(down.bias)
     if desc.ffn == "moe":
         _set_moe(p, desc.moe, wdt, addr)
+    elif desc.ffn == "relu2":   # (a non-gated relu^2 MLP, Nemotron-H's: Wgu holds the up rows only)
+        p.ffn_act = 1
     p.keep = keep   # the plan holds what it points into (a call in flight keeps it alive)
     rebuilds[0] += 1
     return p
@@ -744,8 +751,9 @@ def finish_block_plan(p, desc: BlockDescription, addr, keep: list, wdt: torch.dt
 def _set_moe(p, moe: MoEDescription, wdt: torch.dtype, addr) -> None:
     """A mixture-of-experts feed-forward (ffn_kind 1) into plan p: the router, the experts' weights and the shared
     gate read in place (their stored dtype must be wdt: `moe_usable`)."""
-    E, two_i, _ = moe.gate_up.shape
-    p.ffn_kind, p.n_experts, p.top_k, p.moe_hid = 1, E, moe.top_k, two_i // 2
+    E, rows, _ = moe.gate_up.shape
+    p.ffn_kind, p.n_experts, p.top_k, p.moe_hid = 1, E, moe.top_k, rows // 2 if moe.gated else rows
+    p.ffn_act = 0 if moe.gated else 1
     p.norm_topk, p.has_ffn = int(moe.norm_topk), 1
     p.Wr, p.Weg, p.Wed = addr(moe.router, wdt), addr(moe.gate_up, wdt), addr(moe.down, wdt)
     p.Wsg = None if moe.shared_gate is None else addr(moe.shared_gate.weight, wdt)
@@ -757,7 +765,8 @@ def moe_usable(moe: MoEDescription, d: int, wdt: torch.dtype) -> bool:
     E = moe.router.shape[0] if moe.router.dim() == 2 else 0
     hid = moe.down.shape[-1] if moe.down.dim() == 3 else 0
     return (E > 0 and hid > 0 and 1 <= moe.top_k <= E and tuple(moe.router.shape) == (E, d)
-            and tuple(moe.gate_up.shape) == (E, 2 * hid, d) and tuple(moe.down.shape) == (E, d, hid)
+            and tuple(moe.gate_up.shape) == (E, (2 if moe.gated else 1) * hid, d)
+            and tuple(moe.down.shape) == (E, d, hid)
             and all(t.dtype == wdt and t.is_contiguous() and t.device.type == "cpu"
                     for t in (moe.router, moe.gate_up, moe.down))
             and (moe.shared_gate is None or (plan_linear(moe.shared_gate, wdt) and moe.shared_gate.bias is None

@@ -121,12 +121,18 @@ typedef struct {
     int32_t router, router_wbf16;
     double routed_scale;
     const void *e_bias;
-    /* MiniMax: lightning attention (kind 8, decode_lightning.h: the per-head decay exp(-slope) in `decay` [H], the
-       norm over all heads' outputs in nw / norm_eps) and the scaled residual order res_scaled 1 (pre-norm, the
-       normed input as the residual): h = a1 rmsnorm_n1(x) + b1 o_proj(mixer(rmsnorm_n1(x))), x_out = a2
-       rmsnorm_n2(h) + b2 ffn(rmsnorm_n2(h)) */
+    /* the scaled residual orders (res_scaled, pre-norm; out = a res + b branch, per half): 1, MiniMax's, the normed
+       input as the residual: h = a1 rmsnorm_n1(x) + b1 o_proj(mixer(rmsnorm_n1(x))), x_out = a2 rmsnorm_n2(h) + b2
+       ffn(rmsnorm_n2(h)); 2, Granite's residual multiplier: h = x + b1 o_proj(..), x_out = h + b2 ffn(..) (a1 = a2 =
+       1). MiniMax's lightning attention is kind 8 (decode_lightning.h: the per-head decay exp(-slope) in `decay`
+       [H], the norm over all heads' outputs in nw / norm_eps). */
     int32_t res_scaled, pad_mx_;
     double res_a1, res_b1, res_a2, res_b2;
+    /* Granite / Nemotron-H. ffn_only: a block without a mixer, h = x, its one norm in n2w (Nemotron-H's MLP and MoE
+       blocks). ffn_act 1: the FFN is non-gated, act = relu(u)^2 of its first product u = Wgu xn [hid] (Nemotron-H's
+       relu2; the MoE experts' Weg [E, moe_hid, d] and the shared expert alike); 0: silu(a) * b of u = [a | b]
+       [2 hid]. */
+    int32_t ffn_only, ffn_act;
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
 
@@ -344,6 +350,10 @@ typedef struct {
     int32_t fmt_head, pad2_;                     /* the head's format (qmatvec.h WF_*; 0: as wbf16 says) */
     int64_t grp_head;                            /* its int4 group */
     const void *sc_head;                         /* its bf16 scales */
+    /* Granite / Nemotron-H: the embedded row times emb_scale (emb_scaled: Granite's embedding_multiplier), the
+       logits divided by logits_div (logits_scaled: Granite's logits_scaling) */
+    int32_t emb_scaled, logits_scaled;
+    double emb_scale, logits_div;
 } linattn_model_plan;
 LA_EXPORT_SIZEOF(model_plan)
 
@@ -991,6 +1001,32 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
     return 0;
 }
 
+/* the FFN's hidden rows g [R, n] from its first product u: silu(a) * b of u = [a | b] [R, 2n] (act 0), or
+   relu(u)^2 of u [R, n] (act 1, non-gated: Nemotron-H's relu2; NaN stays NaN, as torch.relu) */
+static void FN(ffn_hidden)(int act, int64_t R, int64_t n, const REAL *u, REAL *g) {
+    for (int64_t r = 0; r < R; ++r) {
+        REAL *restrict gr = g + r * n;
+        if (act) {
+            const REAL *restrict ur = u + r * n;
+            for (int64_t j = 0; j < n; ++j) {
+                const REAL v = ur[j] > 0 || ur[j] != ur[j] ? ur[j] : (REAL)0;
+                gr[j] = v * v;
+            }
+        } else {
+            const REAL *restrict ua = u + r * 2 * n, *restrict ub = ua + n;
+#pragma omp simd
+            for (int64_t j = 0; j < n; ++j) gr[j] = FN(la_silu)(ua[j]) * ub[j];
+        }
+    }
+}
+
+/* a scaled residual add (res_scaled): out = a res + b y, elementwise (y may be out). Granite's (a = 1) is
+   transformers' `residual + branch * multiplier` to the bit: 1 * res is exact. */
+static void FN(scaled_add)(int64_t n, const REAL *res, double a, const REAL *y, double b, REAL *out) {
+    const REAL ra = (REAL)a, rb = (REAL)b;
+    for (int64_t i = 0; i < n; ++i) out[i] = res[i] * ra + y[i] * rb;
+}
+
 #include "decode_kda.h"
 #include "decode_mamba2.h"
 #include "decode_log.h" /* kind 3: FN(decode_linear_log) */
@@ -998,12 +1034,6 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
 #include "decode_moe.h" /* ffn_kind 1: FN(moe_ffn) */
 #include "decode_mla.h" /* kind 7: FN(mla_mix) */
 #include "decode_lightning.h" /* kind 8: FN(lightning_mix) */
-
-/* MiniMax's scaled residual (res_scaled): out = a res + b out */
-static void FN(scaled_add)(int64_t n, const REAL *res, double a, double b, REAL *out) {
-    const REAL ra = (REAL)a, rb = (REAL)b;
-    for (int64_t i = 0; i < n; ++i) out[i] = res[i] * ra + out[i] * rb;
-}
 
 /* a post-norm block's residual add: out = res + rmsnorm(y) (y [B, d] normed in place) */
 static void FN(postnorm_add)(int64_t B, int64_t d, const REAL *res, REAL *y, const REAL *w, double eps, REAL *out) {
@@ -1022,6 +1052,11 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
     REAL *y = xn + B * d, *o = y + B * ny, *h = o + B * no, *u = h + B * d, *g = u + 2 * B * hid;
     const REAL *cw = (const REAL *)p->cw, *cb = (const REAL *)p->cb, *nw = (const REAL *)p->nw;
     int rc;
+    const int scaled = p->postnorm ? 0 : p->res_scaled;   /* (the scaled orders are pre-norm) */
+    if (p->ffn_only) {   /* (Nemotron-H's MLP / MoE blocks: no mixer) */
+        memcpy(h, x, sizeof(REAL) * (size_t)(B * d));
+        goto ffn;
+    }
     if (p->postnorm) memcpy(xn, x, sizeof(REAL) * (size_t)(B * d));   /* (the mixer reads x itself) */
     else FN(rmsnorm)(B, d, x, (const REAL *)p->n1w, p->n1eps, xn);
     if (p->kind != 2) FN(fused_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_W), p->sc_W, p->grp_W, p->nparts_W,
@@ -1053,33 +1088,28 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
     if (rc) { free(xn); return rc; }
     REAL *hout = p->has_ffn ? h : x_out;
     FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wo), p->sc_Wo, p->grp_Wo,
-            B, d, no, p->Wo, (const REAL *)p->bo, o, p->postnorm || p->res_scaled ? NULL : x,
-            p->postnorm ? xn : hout, p->nthreads);
+            B, d, no, p->Wo, (const REAL *)p->bo, o, p->postnorm || scaled ? NULL : x, p->postnorm ? xn : hout,
+            p->nthreads);
     if (p->postnorm) FN(postnorm_add)(B, d, x, xn, (const REAL *)p->n1w, p->n1eps, hout);
-    if (p->res_scaled) FN(scaled_add)(B * d, xn, p->res_a1, p->res_b1, hout);
+    if (scaled) FN(scaled_add)(B * d, scaled == 1 ? xn : x, p->res_a1, hout, p->res_b1, hout);
+ffn:
     if (p->has_ffn && p->ffn_kind == 1) {   /* (pre-norm only: the builders describe no post-norm MoE) */
         FN(rmsnorm)(B, d, h, (const REAL *)p->n2w, p->n2eps, xn);
-        if (p->res_scaled) memset(h, 0, sizeof(REAL) * (size_t)(B * d));   /* (x_out = the experts' sum alone) */
         rc = FN(moe_ffn)(p, xn, h, x_out);
-        if (p->res_scaled) FN(scaled_add)(B * d, xn, p->res_a2, p->res_b2, x_out);
         free(xn);
         return rc;
     }
     if (p->has_ffn) {
         if (!p->postnorm) FN(rmsnorm)(B, d, h, (const REAL *)p->n2w, p->n2eps, xn);
         FN(fused_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wgu), p->sc_Wgu, p->grp_Wgu, p->nparts_Wgu, p->parts_Wgu,
-                p->rows_Wgu, B, 2 * hid, d, p->Wgu, (const REAL *)p->bgu, p->postnorm ? h : xn, NULL, u, p->nthreads);
-        for (int64_t b = 0; b < B; ++b) {
-            const REAL *restrict ua = u + b * 2 * hid, *restrict ub = ua + hid;
-            REAL *restrict gb = g + b * hid;
-#pragma omp simd
-            for (int64_t j = 0; j < hid; ++j) gb[j] = FN(la_silu)(ua[j]) * ub[j];
-        }
+                p->rows_Wgu, B, (p->ffn_act ? 1 : 2) * hid, d, p->Wgu, (const REAL *)p->bgu, p->postnorm ? h : xn, NULL,
+                u, p->nthreads);
+        FN(ffn_hidden)(p->ffn_act, B, hid, u, g);
         FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wd), p->sc_Wd, p->grp_Wd,
-                B, d, hid, p->Wd, (const REAL *)p->bd, g, p->postnorm || p->res_scaled ? NULL : h,
+                B, d, hid, p->Wd, (const REAL *)p->bd, g, p->postnorm || scaled ? NULL : h,
                 p->postnorm ? xn : x_out, p->nthreads);
         if (p->postnorm) FN(postnorm_add)(B, d, h, xn, (const REAL *)p->n2w, p->n2eps, x_out);
-        if (p->res_scaled) FN(scaled_add)(B * d, xn, p->res_a2, p->res_b2, x_out);
+        if (scaled) FN(scaled_add)(B * d, scaled == 1 ? xn : h, p->res_a2, x_out, p->res_b2, x_out);
     }
     free(xn);
     return 0;
@@ -1103,6 +1133,8 @@ int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, co
         } else
             memcpy(xa + b * d, (const REAL *)p->embed + ids[b] * d, sizeof(REAL) * (size_t)d);
     }
+    if (p->emb_scaled)
+        for (int64_t i = 0; i < B * d; ++i) xa[i] = xa[i] * (REAL)p->emb_scale;
     for (int64_t l = 0; l < p->L; ++l) {
         const int64_t so = p->s_off[l], wo = p->w_off[l];
         const int rc = FN(linattn_decode_block)(p->blocks[l], xa, (w_in && wo >= 0) ? w_in + wo : NULL,
@@ -1116,6 +1148,8 @@ int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, co
     REAL *lg = p->wbf16 ? xb + B * d : (REAL *)logits;
     FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_head), p->sc_head, p->grp_head,
             B, V, d, p->head, NULL, h, NULL, lg, p->nthreads);
+    if (p->logits_scaled)
+        for (int64_t i = 0; i < B * V; ++i) lg[i] = lg[i] / (REAL)p->logits_div;
     if (p->wbf16)
         for (int64_t i = 0; i < B * V; ++i) ((uint16_t *)logits)[i] = f32_to_bf16((float)lg[i]);
     if (aux) *aux = 0.0f;

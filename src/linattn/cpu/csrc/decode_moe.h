@@ -223,11 +223,11 @@ static int FN(moe_ffn)(const linattn_block_plan *p, const REAL *xn, const REAL *
                     ++nb;
                 }
         if (!nb) continue;
-        const char *Wgu = (const char *)p->Weg + (size_t)(e * 2 * I * d) * esz;
+        const int64_t nu = (p->ffn_act ? 1 : 2) * I;   /* (ffn_act: non-gated relu^2 experts, Nemotron-H's) */
+        const char *Wgu = (const char *)p->Weg + (size_t)(e * nu * d) * esz;
         const char *Wdn = (const char *)p->Wed + (size_t)(e * d * I) * esz;
-        FN(weight_product)(fmt, NULL, 0, nb, 2 * I, d, Wgu, NULL, X, NULL, U, p->nthreads);
-        for (int64_t r = 0; r < nb; ++r)
-            for (int64_t j = 0; j < I; ++j) G[r * I + j] = FN(la_silu)(U[r * 2 * I + j]) * U[r * 2 * I + I + j];
+        FN(weight_product)(fmt, NULL, 0, nb, nu, d, Wgu, NULL, X, NULL, U, p->nthreads);
+        FN(ffn_hidden)(p->ffn_act, nb, I, U, G);
         FN(weight_product)(fmt, NULL, 0, nb, d, I, Wdn, NULL, G, NULL, Y, p->nthreads);
         for (int64_t r = 0; r < nb; ++r) {
             REAL *ab = acc + rows[r] * d;
@@ -236,9 +236,8 @@ static int FN(moe_ffn)(const linattn_block_plan *p, const REAL *xn, const REAL *
     }
     if (Is > 0) {
         FN(fused_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wgu), p->sc_Wgu, p->grp_Wgu, p->nparts_Wgu, p->parts_Wgu,
-                p->rows_Wgu, B, 2 * Is, d, p->Wgu, (const REAL *)p->bgu, xn, NULL, U, p->nthreads);
-        for (int64_t b = 0; b < B; ++b)
-            for (int64_t j = 0; j < Is; ++j) G[b * Is + j] = FN(la_silu)(U[b * 2 * Is + j]) * U[b * 2 * Is + Is + j];
+                p->rows_Wgu, B, (p->ffn_act ? 1 : 2) * Is, d, p->Wgu, (const REAL *)p->bgu, xn, NULL, U, p->nthreads);
+        FN(ffn_hidden)(p->ffn_act, B, Is, U, G);
         FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wd), p->sc_Wd, p->grp_Wd,
                 B, d, Is, p->Wd, (const REAL *)p->bd, G, NULL, Y, p->nthreads);
         if (p->Wsg) FN(weight_product)(fmt, NULL, 0, B, 1, d, p->Wsg, NULL, xn, NULL, sg, p->nthreads);
@@ -247,7 +246,10 @@ static int FN(moe_ffn)(const linattn_block_plan *p, const REAL *xn, const REAL *
             for (int64_t j = 0; j < d; ++j) acc[b * d + j] += s * Y[b * d + j];
         }
     }
-    for (int64_t i = 0; i < B * d; ++i) x_out[i] = h[i] + acc[i];
+    if (p->res_scaled)   /* (the scaled residual orders: MiniMax's residual is the normed input xn) */
+        FN(scaled_add)(B * d, p->res_scaled == 1 ? xn : h, p->res_a2, acc, p->res_b2, x_out);
+    else
+        for (int64_t i = 0; i < B * d; ++i) x_out[i] = h[i] + acc[i];
     free(lg); free(lgf); free(idx); free(buf);
     return 0;
 }
