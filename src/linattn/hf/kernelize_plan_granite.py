@@ -20,8 +20,9 @@ value could be chosen otherwise) and the same weights to rounding.
 
 Granite's multipliers are plan fields: the embedded row times `embedding_multiplier` (model plan `emb_scale`),
 each block's mixer output and feed-forward output times `residual_multiplier` before its residual add (block plan
-`res_scaled` 2 with `res_b1` = `res_b2` = the multiplier), the logits divided by `logits_scaling` (model plan `logits_div`). The multipliers the modules hold
-are checked on every token (`decode_plan.PlanGuard`); `config.logits_scaling`, which the forward reads from the
+`res_scaled` 2 with `res_b1` = `res_b2` = the multiplier), the logits divided by `logits_scaling` (model plan
+`logits_div`). The multipliers the modules hold are checked on every token (`decode_plan.PlanGuard`);
+`config.logits_scaling`, which the forward reads from the
 config, is read when the plan is built.
 
 What the plan does not compute makes the whole model step aside (`undescribed_reason` says why): attention or MLP
