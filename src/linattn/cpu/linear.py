@@ -144,6 +144,19 @@ def _backward(ctx, dnum, dden, dS, dP, dbad):
 _fwd.register_autograd(_backward, setup_context=_setup)
 
 
+class OutputFinite:
+    """The forward kernel's word that every value it wrote is finite, read only when asked (`bool(finite)`): where
+    no check needs it (value checks off, as CUDA's default), a decoded token reads nothing on the host."""
+
+    __slots__ = ("_flags",)
+
+    def __init__(self, flags: Tensor):
+        self._flags = flags
+
+    def __bool__(self) -> bool:
+        return not (int(self._flags) & OUT_NONFINITE)
+
+
 def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tensor], *,
                            starts: List[int], chunk_size: int, norm: bool, fmap: Optional[str] = None,
                            scale: float = 1.0, eps: Optional[float] = None
@@ -158,7 +171,7 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor],
     under autograd (the forward runs again undivided: `finish`'s autograd division keeps them from the other
     gradients) nor while torch.compile traces with autograd; `divided` says whether it did. finite: whether every
     value of the returned num (o when divided) is finite, as the forward kernel found while writing them (no
-    extra pass); None while torch.compile traces (the flag is not readable there)."""
+    extra pass; an `OutputFinite`, read when asked); None while torch.compile traces (the flag is unreadable there)."""
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, S0))
     # under autograd the division's backward runs in the backward kernel, for finite num (checked by the forward
     # kernel, which a trace cannot read: there the division stays in PyTorch)
@@ -169,5 +182,5 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor],
     if divide and keep and int(flags) & NUM_NONFINITE:  # autograd's division in `finish` keeps inf / NaN apart
         num, den, S, _, flags = _fwd(q, k, v, g, S0, *args, -1.0)
         divide = False
-    finite = None if tracing else not (int(flags) & OUT_NONFINITE)
+    finite = None if tracing else OutputFinite(flags)
     return num, (den if norm else None), S, divide, finite

@@ -580,7 +580,8 @@ def _run_linear_attention(p: LinearProblem, backend: str):
     if chosen == "cpu":  # the kernel divides by the normaliser itself (one pass less), flagging inf / NaN
         num, den, kv, z, divided, finite = cpu_linear_attention(p, eps=p.eps if p.normalize else None)
         out = finish(p, num, den, None, kv, z, None, divided=divided, lean_grad=True, finite=finite)
-        return out, bool(finite) and (divided or not p.normalize) and out[0].dtype == num.dtype
+        known = (divided or not p.normalize) and out[0].dtype == num.dtype
+        return out, finite if known else False   # (the flag itself is read only by a value check)
     if chosen in ("triton", "fla"):
         num, den, kv, z = (triton_linear_attention if chosen == "triton" else fla_linear_attention)(p)
         return finish(p, num, den, None, kv, z, None), False
@@ -698,7 +699,10 @@ def linear_attention(
     # compiled kernel found finite while writing it needs no pass over it)
     with _cpu_torch_scope(p, backend):
         result, finite = _run_linear_attention(p, backend)
-        return result if finite else check_finite_output(result, "linear_attention", q=q, k=k, v=v)
+        o = result[0] if isinstance(result, tuple) else result
+        if not check_values(o) or finite:   # (`finite`, the kernel's flag, read only where values are checked)
+            return result
+        return check_finite_output(result, "linear_attention", q=q, k=k, v=v)
 
 
 def _cpu_torch_scope(p: LinearProblem, backend: str):
