@@ -194,9 +194,7 @@ def call_usable(cache, B: int, L, attention_mask, position_ids) -> bool:
     return _parts.cached_call_usable(cache, B, L, attention_mask, position_ids)
 
 
-def output_class():
-    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
-    return MoeCausalLMOutputWithPast
+output_class = _parts.moe_output_class
 
 
 # -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) ----------

@@ -269,9 +269,7 @@ def _call_usable(cache, B: int, L, attention_mask, position_ids) -> bool:
     return position(cache, L, position_ids) is not None
 
 
-def output_class():
-    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
-    return MoeCausalLMOutputWithPast
+output_class = _parts.moe_output_class
 
 
 # -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) ----------

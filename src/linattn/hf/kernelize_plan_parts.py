@@ -117,6 +117,12 @@ def reason(got: Union[tuple, str]) -> Optional[str]:
     return got if isinstance(got, str) else None
 
 
+def moe_output_class():
+    """The output class of a mixture-of-experts model's unpatched forward (router logits and aux loss left None)."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+    return MoeCausalLMOutputWithPast
+
+
 def unpadded(attention_mask, B: int) -> bool:
     """Whether an attention mask (2-D, B rows, or None) keeps every position: no left padding."""
     return attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
