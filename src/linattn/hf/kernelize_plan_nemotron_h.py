@@ -49,9 +49,9 @@ def _attention(att, d: int, wdt) -> Union[_dp.AttentionDescription, str]:
         return f"an attention layer of type {type(att).__name__}"
     cfg, m = att.config, att._modules
     H, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, att.head_dim
-    shapes = {"q_proj": (H * D, d), "k_proj": (G * D, d), "v_proj": (G * D, d), "o_proj": (d, H * D)}
-    if H % G or not all(_parts.plain_linear(m.get(n), s, wdt) for n, s in shapes.items()):
-        return "attention projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
+    why = _parts.gqa_projections_reason(m, H, G, D, d, wdt)
+    if why:
+        return why
     if getattr(cfg, "sliding_window", None) is not None:
         return "a sliding window"
     return _dp.AttentionDescription(

@@ -117,6 +117,15 @@ def reason(got: Union[tuple, str]) -> Optional[str]:
     return got if isinstance(got, str) else None
 
 
+def gqa_projections_reason(modules, H: int, G: int, D: int, d: int, wdt) -> Optional[str]:
+    """Why an attention's q / k / v / o projections (`modules`: its `_modules`) are not the softmax kind's: H query
+    and G key / value heads of D, bias-free nn.Linear layers of the model's dtype and shapes; None when they are."""
+    shapes = {"q_proj": (H * D, d), "k_proj": (G * D, d), "v_proj": (G * D, d), "o_proj": (d, H * D)}
+    if H % G or not all(plain_linear(modules.get(n), s, wdt) for n, s in shapes.items()):
+        return "attention projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
+    return None
+
+
 def moe_output_class():
     """The output class of a mixture-of-experts model's unpatched forward (router logits and aux loss left None)."""
     from transformers.modeling_outputs import MoeCausalLMOutputWithPast
