@@ -104,16 +104,28 @@ def _libc():
     return _LIBC
 
 
+_THP_MODE_TEXT: Dict[str, Optional[str]] = {}
+
+
+def _thp_mode_text(path: str) -> Optional[str]:
+    """The THP mode file's text (None: unreadable), read once per path: `empty` asks on every decoded token."""
+    if path not in _THP_MODE_TEXT:
+        try:
+            with open(path) as f:
+                _THP_MODE_TEXT[path] = f.read()
+        except OSError:
+            _THP_MODE_TEXT[path] = None
+    return _THP_MODE_TEXT[path]
+
+
 def unavailable() -> Optional[str]:
     """Why huge-page mappings cannot be made here (None: they can)."""
     if not switched_on():
         return "LINATTN_HUGEPAGES=0"
     if not sys.platform.startswith("linux"):
         return f"not Linux ({sys.platform})"
-    try:
-        with open(_THP_MODE) as f:
-            mode = f.read()
-    except OSError:
+    mode = _thp_mode_text(_THP_MODE)
+    if mode is None:
         return f"no transparent huge pages ({_THP_MODE} unreadable)"
     if "[never]" in mode:
         return "transparent huge pages are 'never'"
