@@ -114,6 +114,9 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default=None, help="output folder (default results/bench/infer/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--quiet", action="store_true", help="no per-row progress on stderr")
+    p.add_argument("--profile", action="store_true",
+                   help="where a decoded token's time goes: the compiled plans run their timing build "
+                        "(LINATTN_DECODE_TIMING) and a per-section table follows (a developer's tool)")
 
 
 # -- the floor ---------------------------------------------------------------------------------------------------
@@ -480,8 +483,12 @@ def _measure(rows: List[Dict[str, Any]], a, bw: ReadBandwidth, log) -> Dict[int,
                 t0 = time.perf_counter()
                 run.prefill(ids)
                 t1 = time.perf_counter()
+                if a.profile:
+                    _cpu_decode().section_times(reset=True)
                 run.decode(a.decode)
                 t2 = time.perf_counter()
+                if a.profile:
+                    row["sections"][t].append((t2 - t1, _cpu_decode().section_times(reset=True)))
                 row["times"][t]["prefill"].append(t1 - t0)
                 row["times"][t]["decode"].append((t2 - t1) / a.decode)
             bws[t].append(bw.once())
@@ -504,7 +511,58 @@ def _records(rows, a, bws) -> List[Dict[str, Any]]:
                         "state_bytes": st, "floor_states_ms": floor_st,
                         "over_floor_states": None if floor_st is None else dec * 1e3 / floor_st,
                         "bandwidth_gbs": bw / 1e9, "weights_pages": row.get("weights_pages")})
+            if a.profile:
+                out[-1]["sections"] = profile_sections(row.get("sections", {}).get(t, []), a.decode)
     return out
+
+
+def _cpu_decode():
+    from ..cpu import decode
+
+    return decode
+
+
+def profile_sections(runs, tokens: int) -> Optional[Dict[str, Dict[str, float]]]:
+    """{section: {"ms": per token, "bytes": per token}} from (decode seconds, `section_times`) of each round: the
+    medians over rounds of the compiled call's sections (cpu/decode.SECTIONS), "in call" (the whole-model call),
+    "outside call" (the decode loop's time outside it: Python, torch, the cache) and "decode" (the loop's wall time);
+    None when no round ran the timing build (a row without a whole-model plan)."""
+    got = [(wall, st) for wall, st in runs if st is not None and st["tokens"] > 0]
+    if not got:
+        return None
+    out: Dict[str, Dict[str, float]] = {}
+    for name in _cpu_decode().SECTIONS[:-1]:
+        out[name] = {"ms": _median([st["seconds"][name] / st["tokens"] * 1e3 for _, st in got]),
+                     "bytes": _median([st["bytes"][name] / st["tokens"] for _, st in got])}
+    out["in call"] = {"ms": _median([st["seconds"]["total"] / st["tokens"] * 1e3 for _, st in got]), "bytes": 0.0}
+    out["outside call"] = {"ms": _median([(wall - st["seconds"]["total"]) / tokens * 1e3 for wall, st in got]),
+                           "bytes": 0.0}
+    out["decode"] = {"ms": _median([wall / tokens * 1e3 for wall, _ in got]), "bytes": 0.0}
+    out["in call"]["bytes"] = sum(v["bytes"] for k, v in out.items() if k not in ("in call", "outside call", "decode"))
+    return out
+
+
+def _profile_table(records) -> str:
+    """Per row with sections: each section's ms per token, share of the decode, MB per token, GB/s and its time over
+    the time its bytes take at the row's read rate."""
+    lines = []
+    for r in records:
+        sec = r.get("sections")
+        if not sec:
+            continue
+        total, bw = sec["decode"]["ms"], r["bandwidth_gbs"]
+        rows = []
+        for name, v in sec.items():
+            if v["ms"] == 0 and v["bytes"] == 0:
+                continue
+            gbs = v["bytes"] / (v["ms"] * 1e6) if v["ms"] > 0 and v["bytes"] > 0 else None
+            rows.append([name, f"{v['ms']:.3f}", f"{100 * v['ms'] / total:.1f}", f"{v['bytes'] / 1e6:.2f}",
+                         "-" if gbs is None else f"{gbs:.1f}", "-" if gbs is None else f"{bw / gbs:.2f}"])
+        lines.append(f"{r['engine']} {r['dtype']}, {r['threads']} thread(s): where a decoded token's time goes "
+                     f"(median over rounds; read {bw:.1f} GB/s)")
+        lines.append(common.format_table(["section", "ms/token", "% of decode", "MB/token", "GB/s", "x read time"],
+                                         rows))
+    return "\n\n".join(lines)
 
 
 def _ratio(x) -> str:
@@ -531,7 +589,8 @@ def _interleaved(a, engines: Sequence[str], dtypes: Sequence[str], shape, log, g
             model = build_model(e, shape, name, a.seed)
             rows.append({"engine": e, "dtype": name, "runner": Runner(model), "vocab": shape["vocab"],
                          "bytes": model_decode_bytes(model),
-                         "times": {t: {"prefill": [], "decode": []} for t in a.threads}})
+                         "times": {t: {"prefill": [], "decode": []} for t in a.threads},
+                         "sections": {t: [] for t in a.threads}})
     bw = ReadBandwidth(None if a.bandwidth_mib is None else a.bandwidth_mib << 20)
     info = common.machine_info("cpu")
     head = [PROG, common.describe_machine(info),
@@ -576,12 +635,26 @@ def run(a) -> int:
     shape = SHAPES[a.shape]
     paths = common.output_paths("infer", a.out, exts=("txt", "json"), overwrite=a.overwrite)
     context = _fallbacks() if any(e != "linattn" for e in engines) else contextlib.nullcontext()
-    with tempfile.TemporaryDirectory(prefix="linattn-infer-") as tmp, context:
-        # (converted first: the conversion builds its own copy of the model, freed before the rows' are built)
-        gguf = _gguf_files(a, shape, dtypes, tmp, log) if a.llama_bench is not None else {}
-        head, info, records, pages = _interleaved(a, engines, dtypes, shape, log, gguf)
+    if a.profile and _cpu_decode().timing_library() is None:
+        raise UsageError("--profile needs the compiled CPU kernels (LINATTN_CPU_KERNELS on, a C compiler)", prog=PROG)
+    switch = _cpu_decode().TIMING_SWITCH
+    before = os.environ.get(switch)
+    try:
+        if a.profile:   # (read when each plan is built: before the models' warm-up)
+            os.environ[switch] = "1"
+        with tempfile.TemporaryDirectory(prefix="linattn-infer-") as tmp, context:
+            # (converted first: the conversion builds its own copy of the model, freed before the rows' are built)
+            gguf = _gguf_files(a, shape, dtypes, tmp, log) if a.llama_bench is not None else {}
+            head, info, records, pages = _interleaved(a, engines, dtypes, shape, log, gguf)
+    finally:
+        if before is None:
+            os.environ.pop(switch, None)
+        else:
+            os.environ[switch] = before
     loads = common.loadavg()
     text = _table(records) + f"\n\nload average after the run: {loads}"
+    if a.profile:
+        text += "\n\n" + _profile_table(records)
     print(text)
     config = {k: v for k, v in vars(a).items() if not callable(v)}
     atomic_write_text(paths["txt"], "\n".join(head) + "\n\n" + text + "\n")

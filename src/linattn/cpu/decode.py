@@ -25,7 +25,7 @@ from .build import ENV_SWITCH, enabled
 
 __all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", "ModelPlan", "model_function",
            "BETA_MODES", "FEATURE_MAPS", "FUSED_PRODUCTS", "KDA_MATRICES", "PLAN_PARTS", "WEIGHT_FORMATS",
-           "WEIGHT_MATRICES", "weight_matvec"]
+           "WEIGHT_MATRICES", "weight_matvec", "SECTIONS", "TIMING_SWITCH", "section_times", "timing_library"]
 
 #: the feature maps the linear step computes (the C codes)
 from ..feature_codes import FUSED_MAPS as FEATURE_MAPS  # noqa: E402, I001 (one table, every path)
@@ -152,9 +152,70 @@ def model_function(dtype: torch.dtype):
     """The compiled whole-model step for dtype (float32 / float64, the compute dtype: a bf16 plan is float32):
     fn(byref(plan), ids, S_in, w_in, S_out, w_out, logits, aux) -> 0, 1 (out of memory) or 2 (a token id out of
     range; nothing written); aux (a float32 scalar, or None) is set to 0 on success; None when the kernels are off
-    or absent."""
-    lib = _library()
+    or absent. With `LINATTN_DECODE_TIMING` set (read here, so once per plan built) the step of the timing build
+    (`timing_library`), whose sections `section_times` reads."""
+    lib = timing_library() if timing_requested() else _library()
     return None if lib is None else lib.function("linattn_decode_model", dtype)
+
+
+#: the variable that makes a plan built while it is set run the timing build of the whole-model step
+TIMING_SWITCH = "LINATTN_DECODE_TIMING"
+#: csrc/decode.c's timed sections (its LT_* order): products by matrix (qkv: the mixer's fused input product, or
+#: softmax attention's q / k / v / gate products), the mixers' own work, norms, the embedding, the head and the
+#: logits' scaling and rounding; `total` is the whole-model call's wall time
+SECTIONS = ("embed", "norm", "qkv", "conv", "state", "attn", "mixer", "out", "residual", "gate_up", "ffn_act", "down",
+            "moe", "head", "logits", "total")
+_timing_lib: list = []   # [Bound or None] once built
+
+
+def timing_requested() -> bool:
+    """Whether LINATTN_DECODE_TIMING asks for the timing build (set, and not 0 / false / off / no / empty)."""
+    return os.environ.get(TIMING_SWITCH, "").strip().lower() not in ("", "0", "false", "off", "no")
+
+
+def timing_library() -> Optional[bindings.Bound]:
+    """decode.c built with LINATTN_DECODE_TIMING defined (a developer's build: each section of a decoded token timed
+    into process-wide counters), bound like the native library; None when the kernels are off or it cannot be
+    built. Cached by its sources' hash like every library (the define is part of them)."""
+    if not enabled():
+        return None
+    if not _timing_lib:
+        import tempfile
+        from pathlib import Path
+
+        from . import build as cbuild
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp)
+            for f in cbuild.CSRC.iterdir():
+                if f.is_file():
+                    (src / f.name).write_bytes(f.read_bytes())
+            (src / "decode.c").write_text("#define LINATTN_DECODE_TIMING 1\n" + (cbuild.CSRC / "decode.c").read_text())
+            try:
+                lib = ctypes.CDLL(str(cbuild.build("decode", src)))
+            except (OSError, RuntimeError):
+                lib = None
+        if lib is not None and cbuild.interface_problem("decode", lib) is None:
+            fn = lib.linattn_decode_timing
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int64
+            _timing_lib.append(bindings.Bound("decode", lib))
+        else:
+            _timing_lib.append(None)
+    return _timing_lib[0]
+
+
+def section_times(reset: bool = True) -> Optional[dict]:
+    """The timing build's counters since the last reset: {"tokens": whole-model calls, "seconds": {section: s},
+    "bytes": {section: bytes read or written}} (`SECTIONS`), summed over every plan of the process that runs the
+    timing build; reset after reading when `reset`. None when the timing build was never loaded."""
+    if not _timing_lib or _timing_lib[0] is None:
+        return None
+    n = len(SECTIONS)
+    out = (ctypes.c_double * (2 * n + 1))()
+    got = _timing_lib[0].lib.linattn_decode_timing(out, int(reset))
+    if got != n:
+        raise RuntimeError(f"internal: the timing build has {got} sections, cpu/decode.SECTIONS {n}")
+    return {"tokens": int(out[2 * n]), "seconds": dict(zip(SECTIONS, out[:n])),
+            "bytes": dict(zip(SECTIONS, out[n:2 * n]))}
 
 
 def weight_matvec(x: torch.Tensor, fmt: str, W: torch.Tensor, scales: Optional[torch.Tensor] = None, group: int = 0,

@@ -31,6 +31,50 @@ LA_ABI_VERSION(decode, 6)
 /* rows of a head's state prefetched ahead in the first pass over it */
 #define PF_ROWS 8
 
+/* Where a decoded token's time goes (a developer's build: cpu/decode.py builds decode.c with LINATTN_DECODE_TIMING
+   defined when the variable of that name is set at plan build; the library built without it has none of this). Each
+   section's seconds and the bytes it read or wrote from memory (weights, states, KV cache) add up in process-wide
+   counters over every call, read and reset by linattn_decode_timing; a lap is taken on the calling thread, around
+   the parallel regions, so at n threads a section's time is its wall time. */
+enum { LT_EMBED, LT_NORM, LT_QKV, LT_CONV, LT_STATE, LT_ATTN, LT_MIXER, LT_OUT, LT_RESID, LT_GATE_UP, LT_ACT, LT_DOWN,
+       LT_MOE, LT_HEAD, LT_LOGITS, LT_TOTAL, LT_N };
+#if defined(LINATTN_DECODE_TIMING)
+#include <time.h>
+static double lt_sec[LT_N], lt_bytes[LT_N], lt_pending;
+static int64_t lt_tokens;
+static inline double lt_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+#define LT_START(t) double t = lt_now()
+/* the time since t (and the bytes counted since the last lap) to section s; t restarts */
+#define LT_LAP(t, s)                                                                             \
+    do {                                                                                         \
+        const double n_ = lt_now();                                                              \
+        lt_sec[s] += n_ - (t), lt_bytes[s] += lt_pending, lt_pending = 0, (t) = n_;              \
+    } while (0)
+/* t restarts (a callee timed its own sections) */
+#define LT_RESTART(t) ((t) = lt_now())
+#define LT_BYTES(n) (lt_pending += (double)(n))
+/* out[0 .. LT_N) seconds, out[LT_N .. 2 LT_N) bytes, out[2 LT_N] whole-model calls; reset after reading when reset.
+   Returns LT_N (the sections' count). */
+int64_t linattn_decode_timing(double *out, int reset) {
+    for (int s = 0; s < LT_N; ++s) out[s] = lt_sec[s], out[LT_N + s] = lt_bytes[s];
+    out[2 * LT_N] = (double)lt_tokens;
+    if (reset) {
+        memset(lt_sec, 0, sizeof lt_sec), memset(lt_bytes, 0, sizeof lt_bytes);
+        lt_tokens = 0, lt_pending = 0;
+    }
+    return LT_N;
+}
+#else
+#define LT_START(t) ((void)0)
+#define LT_LAP(t, s) ((void)0)
+#define LT_RESTART(t) ((void)0)
+#define LT_BYTES(n) ((void)0)
+#endif
+
 /* A whole pre-norm block of one decoded token in one call (the per-op dispatch of ~15 torch calls per
    layer cost more than the weights' memory traffic):
 
@@ -331,6 +375,18 @@ static void matvec_bf16(int64_t B, int64_t n, int64_t m, const uint16_t *W, cons
 
 #include "qmatvec.h"
 
+#if defined(LINATTN_DECODE_TIMING)
+/* the bytes a product over W [n, m] in format fmt reads (real: the plan's element size for fp32 / fp64 weights) */
+static double lt_weight_bytes(int fmt, int64_t n, int64_t m, int64_t grp, size_t real) {
+    switch (fmt) {
+    case WF_BF16: return 2.0 * (double)n * (double)m;
+    case WF_INT8: case WF_INT8_A8: return (double)n * (double)m + 2.0 * (double)n;
+    case WF_INT4: case WF_INT4_A8: return 0.5 * (double)n * (double)m + 2.0 * (double)n * (double)(m / (grp ? grp : 1));
+    default: return (double)real * (double)n * (double)m;
+    }
+}
+#endif
+
 /* The whole model's decoding step in one call (with one call per block, the Python around the calls
    cost more than half the weights' memory traffic): the token embedding, every block (linattn_decode_block, so
    the blocks' arithmetic is the per-block call's, bit for bit), the final RMSNorm and the head.
@@ -364,12 +420,14 @@ static void matvec_f64(int64_t B, int64_t n, int64_t m, const double *W, const d
 static inline void weight_product_f32(int fmt, const void *sc, int64_t grp, int64_t B, int64_t n, int64_t m,
                                       const void *W, const float *bias, const float *x, const float *add, float *y,
                                       int nthreads) {
+    LT_BYTES(lt_weight_bytes(fmt, n, m, grp, sizeof(float)));
     matvec_w_f32(fmt, W, sc, grp, B, n, m, bias, x, add, y, nthreads);
 }
 static inline void weight_product_f64(int fmt, const void *sc, int64_t grp, int64_t B, int64_t n, int64_t m,
                                       const void *W, const double *bias, const double *x, const double *add, double *y,
                                       int nthreads) {
     (void)fmt, (void)sc, (void)grp;
+    LT_BYTES(lt_weight_bytes(WF_PLAN, n, m, 0, sizeof(double)));
     matvec_f64(B, n, m, (const double *)W, bias, x, add, y, nthreads);
 }
 
@@ -698,6 +756,7 @@ int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_
         int gated, const REAL *neg_a, const REAL *dt_bias, const REAL *S_in, REAL *S_out, int has_norm,
         const REAL *nw, double norm_eps, int has_gate, REAL *out, int nthreads) {
     const int64_t C = 2 * H * K + HV * V, G = HV / H;
+    LT_START(lt);
     /* work: the prepared q | k | v per batch row [B, C], then d (key rescaling) and lam per (b, h) */
     /* and err per (b, hv) [B HV, V] (delta_update) */
     REAL *u = (REAL *)malloc(sizeof(REAL) * (size_t)(B * C + B * HV * V + 1));
@@ -707,6 +766,7 @@ int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_
     if (KC > 0) FN(conv)(B, C, KC, y, ldy, w_in, cw, cb, conv_act, w_out, u);
     else for (int64_t b = 0; b < B; ++b) memcpy(u + b * C, y + b * ldy, sizeof(REAL) * (size_t)C);
     FN(delta_prepare_qk)(B, H, K, C, u, kind, l2conv, q_l2, l2eps, scale, dd);
+    LT_LAP(lt, LT_CONV);
     const int64_t nb = B * HV;
     const int stream = V % (64 / (int64_t)sizeof(REAL)) == 0 && ((uintptr_t)S_out & 63) == 0;
     const int par = nb > 1 && nb * K * V >= PAR_MIN_ELEMS;
@@ -735,6 +795,8 @@ int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_
         FN(delta_update)(K, V, q, k, v, d, ar, gated, decay, S0, S, e + t * V, o, stream);
         FN(outnorm)(o, V, has_norm, nw, norm_eps, has_gate ? y + b * ldy + ldy - HV * V + hv * V : NULL);
     }
+    LT_BYTES(sizeof(REAL) * (double)(nb * K * V) * (S_in ? 2 : 1));
+    LT_LAP(lt, LT_STATE);
     free(u); free(dd);
     return 0;
 }
@@ -749,6 +811,7 @@ int FN(linattn_decode_linear)(int64_t B, int64_t H, int64_t HV, int64_t K, int64
         const REAL *S_in, REAL *S_out, int normalize, int nonneg, double eps, int has_norm, const REAL *nw,
         double norm_eps, int has_gate, REAL *out, int nthreads) {
     const int64_t C = 2 * H * K + HV * V, G = HV / H, V1 = V + 1;
+    LT_START(lt);
     REAL *u = (REAL *)malloc(sizeof(REAL) * (size_t)(B * C + 1));
     if (!u) return 1;
     if (KC > 0) FN(conv)(B, C, KC, y, ldy, w_in, cw, cb, conv_act, w_out, u);
@@ -761,6 +824,7 @@ int FN(linattn_decode_linear)(int64_t B, int64_t H, int64_t HV, int64_t K, int64
             else if (fmap == 2) x = x > 0 ? x : (isnan(x) ? x : (REAL)0);
             u[b * C + i] = x;
         }
+    LT_LAP(lt, LT_CONV);
     const int64_t nb = B * HV;
     const int par = nb > 1 && nb * K * V1 >= PAR_MIN_ELEMS;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if(par)
@@ -781,6 +845,8 @@ int FN(linattn_decode_linear)(int64_t B, int64_t H, int64_t HV, int64_t K, int64
         }
         FN(outnorm)(o, V, has_norm, nw, norm_eps, has_gate ? y + b * ldy + ldy - HV * V + hv * V : NULL);
     }
+    LT_BYTES(sizeof(REAL) * (double)(nb * K * V1) * (S_in ? 2 : 1));
+    LT_LAP(lt, LT_STATE);
     free(u);
     return 0;
 }
@@ -871,6 +937,7 @@ static void FN(fused_product)(int fmt, const void *sc, int64_t grp, int nparts, 
         return;
     }
     const mv_src src = {W, nparts, parts, rows};
+    LT_BYTES(lt_weight_bytes(fmt == WF_BF16 ? WF_BF16 : WF_PLAN, n, m, 0, sizeof(REAL)));
 #if REAL_IS_FLOAT
     if (fmt == WF_BF16) {
         matvec_src_bf16(B, n, m, &src, bias, x, add, y, nthreads);
@@ -921,6 +988,7 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
     const int64_t L = p->kv_len + 1, cap = p->kv_cap, row = p->kv_len;
     const int kb = p->kv_bf16;
     REAL *q = y, *k = q + B * nq, *v = k + B * nk, *g = v + B * nv;
+    LT_START(lt);
     FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wq), p->sc_Wq, p->grp_Wq,
             B, nq, d, p->Wq, (const REAL *)p->bq, xn, NULL, q, p->nthreads);
     FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wk), p->sc_Wk, p->grp_Wk,
@@ -929,6 +997,7 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
             B, nv, d, p->Wv, (const REAL *)p->bv, xn, NULL, v, p->nthreads);
     if (p->att_gate == 1) FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wg), p->sc_Wg, p->grp_Wg,
             B, H * Dv, d, p->Wg, NULL, xn, NULL, g, p->nthreads);
+    LT_LAP(lt, LT_QKV);
     REAL *ws = (REAL *)malloc(sizeof(REAL) * (size_t)(H * L + R + 1));
     if (!ws) return 1;
     REAL *cs = ws + H * L, *sn = cs + R / 2;
@@ -996,7 +1065,9 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
                 oh[i] = r;
             }
         }
+        LT_BYTES((double)(kb ? 2 : sizeof(REAL)) * (double)((L - lo) * G * (D + Dv)));
     }
+    LT_LAP(lt, LT_ATTN);
     free(ws);
     return 0;
 }
@@ -1047,6 +1118,7 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
                              REAL *w_out, REAL *S_out, REAL *x_out) {
     const int64_t B = p->B, d = p->d, ny = p->ny, no = p->HV * p->V, hid = p->hid;
     const int64_t nwork = B * (2 * d + ny + no + (p->has_ffn ? 3 * hid : 0));
+    LT_START(lt);
     REAL *xn = (REAL *)malloc(sizeof(REAL) * (size_t)(nwork + 1));
     if (!xn) return 1;
     REAL *y = xn + B * d, *o = y + B * ny, *h = o + B * no, *u = h + B * d, *g = u + 2 * B * hid;
@@ -1059,8 +1131,10 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
     }
     if (p->postnorm) memcpy(xn, x, sizeof(REAL) * (size_t)(B * d));   /* (the mixer reads x itself) */
     else FN(rmsnorm)(B, d, x, (const REAL *)p->n1w, p->n1eps, xn);
+    LT_LAP(lt, LT_NORM);
     if (p->kind != 2) FN(fused_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_W), p->sc_W, p->grp_W, p->nparts_W,
             p->parts_W, p->rows_W, B, ny, d, p->W, (const REAL *)p->Wb, xn, NULL, y, p->nthreads);
+    LT_LAP(lt, LT_QKV);
     if (p->kind == 2)
         rc = FN(softmax_mix)(p, xn, y, o);
     else if (p->kind == 4)
@@ -1085,33 +1159,44 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
                  w_out, p->fmap, p->scale, p->gate_kind, (const REAL *)p->decay, (const REAL *)p->neg_a,
                  (const REAL *)p->dt_bias, S_in, S_out, p->normalize, p->nonneg, p->eps, p->has_norm, nw,
                  p->norm_eps, p->has_gate, o, p->nthreads);
+    if (p->kind == 0 || p->kind == 1 || p->kind == 2) LT_RESTART(lt);   /* (timed their own sections) */
+    else LT_LAP(lt, LT_MIXER);
     if (rc) { free(xn); return rc; }
     REAL *hout = p->has_ffn ? h : x_out;
     FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wo), p->sc_Wo, p->grp_Wo,
             B, d, no, p->Wo, (const REAL *)p->bo, o, p->postnorm || scaled ? NULL : x, p->postnorm ? xn : hout,
             p->nthreads);
+    LT_LAP(lt, LT_OUT);
     if (p->postnorm) FN(postnorm_add)(B, d, x, xn, (const REAL *)p->n1w, p->n1eps, hout);
     if (scaled) FN(scaled_add)(B * d, scaled == 1 ? xn : x, p->res_a1, hout, p->res_b1, hout);
+    LT_LAP(lt, LT_RESID);
 ffn:
     if (p->has_ffn && p->ffn_kind == 1) {   /* (pre-norm only: the builders describe no post-norm MoE) */
         FN(rmsnorm)(B, d, h, (const REAL *)p->n2w, p->n2eps, xn);
+        LT_LAP(lt, LT_NORM);
         rc = FN(moe_ffn)(p, xn, h, x_out);
+        LT_LAP(lt, LT_MOE);
         free(xn);
         return rc;
     }
     if (p->has_ffn) {
         if (!p->postnorm) FN(rmsnorm)(B, d, h, (const REAL *)p->n2w, p->n2eps, xn);
+        LT_LAP(lt, LT_NORM);
         FN(fused_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wgu), p->sc_Wgu, p->grp_Wgu, p->nparts_Wgu, p->parts_Wgu,
                 p->rows_Wgu, B, (p->ffn_act ? 1 : 2) * hid, d, p->Wgu, (const REAL *)p->bgu, p->postnorm ? h : xn, NULL,
                 u, p->nthreads);
+        LT_LAP(lt, LT_GATE_UP);
         FN(ffn_hidden)(p->ffn_act, B, hid, u, g);
+        LT_LAP(lt, LT_ACT);
         FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wd), p->sc_Wd, p->grp_Wd,
                 B, d, hid, p->Wd, (const REAL *)p->bd, g, p->postnorm || scaled ? NULL : h,
                 p->postnorm ? xn : x_out, p->nthreads);
+        LT_LAP(lt, LT_DOWN);
         if (p->postnorm) FN(postnorm_add)(B, d, h, xn, (const REAL *)p->n2w, p->n2eps, x_out);
         if (scaled) FN(scaled_add)(B * d, scaled == 1 ? xn : h, p->res_a2, x_out, p->res_b2, x_out);
     }
     free(xn);
+    LT_LAP(lt, LT_RESID);
     return 0;
 }
 
@@ -1122,6 +1207,8 @@ int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, co
     const int64_t B = p->B, d = p->d, V = p->vocab;
     for (int64_t b = 0; b < B; ++b)
         if (ids[b] < 0 || ids[b] >= V) return 2;
+    LT_START(lt_call);
+    LT_START(lt);
     /* x: two activation rows per batch row, then (bf16) the fp32 logits before rounding */
     REAL *x = (REAL *)malloc(sizeof(REAL) * (size_t)(2 * B * d + (p->wbf16 ? B * V : 0) + 1));
     if (!x) return 1;
@@ -1135,6 +1222,8 @@ int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, co
     }
     if (p->emb_scaled)
         for (int64_t i = 0; i < B * d; ++i) xa[i] = xa[i] * (REAL)p->emb_scale;
+    LT_BYTES((double)B * (double)d * (p->wbf16 ? 2.0 : (double)sizeof(REAL)));
+    LT_LAP(lt, LT_EMBED);
     for (int64_t l = 0; l < p->L; ++l) {
         const int64_t so = p->s_off[l], wo = p->w_off[l];
         const int rc = FN(linattn_decode_block)(p->blocks[l], xa, (w_in && wo >= 0) ? w_in + wo : NULL,
@@ -1143,17 +1232,25 @@ int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, co
         if (rc) { free(x); return rc; }
         REAL *t = xa; xa = xb; xb = t;
     }
+    LT_RESTART(lt);   /* (the blocks timed their own sections) */
     const REAL *h = xa;
     if (p->has_norm) { FN(rmsnorm)(B, d, xa, (const REAL *)p->norm_w, p->norm_eps, xb); h = xb; }
+    LT_LAP(lt, LT_NORM);
     REAL *lg = p->wbf16 ? xb + B * d : (REAL *)logits;
     FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_head), p->sc_head, p->grp_head,
             B, V, d, p->head, NULL, h, NULL, lg, p->nthreads);
+    LT_LAP(lt, LT_HEAD);
     if (p->logits_scaled)
         for (int64_t i = 0; i < B * V; ++i) lg[i] = lg[i] / (REAL)p->logits_div;
     if (p->wbf16)
         for (int64_t i = 0; i < B * V; ++i) ((uint16_t *)logits)[i] = f32_to_bf16((float)lg[i]);
     if (aux) *aux = 0.0f;
     free(x);
+    LT_LAP(lt, LT_LOGITS);
+    LT_LAP(lt_call, LT_TOTAL);
+#if defined(LINATTN_DECODE_TIMING)
+    ++lt_tokens;
+#endif
     return 0;
 }
 
