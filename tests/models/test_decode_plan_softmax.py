@@ -42,6 +42,8 @@ CASES = {
     "no gate, qk norm": dict(output_gate=False, qk_norm=True),
     "one kv head, no rope": dict(n_kv_heads=1, rope=False),
     "sliding window": dict(mixer="swa", window=3, kv_chunk=2),
+    # (the scores by whole 64-byte lines where the head is a multiple of one: fp64's 8 elements, not fp32's 16)
+    "head dim 24": dict(head_dim=24),
 }
 
 

@@ -968,6 +968,91 @@ static inline void FN(kv_put)(int bf, void *base, int64_t i, REAL x) {
         ((REAL *)base)[i] = x;
 }
 
+/* The scores q . k_t of one query head against nt cached keys (rows `stride` elements apart from element `first` of
+   the cache, bf16 when bf, else in the plan's type), times scale, into w[0 .. nt). Each score is summed by 64-byte
+   lines into one vector accumulator and its lanes added pairwise (vsum: the products' order) where D is a multiple
+   of a line, four keys at a time (four independent chains); else in order, one element after another. */
+static void FN(kv_scores)(int bf, const void *kc, int64_t first, int64_t stride, int64_t nt, int64_t D, const REAL *q,
+                          REAL scale, REAL *w) {
+    int64_t t = 0;
+#if defined(HAVE_VLINE)
+    const int64_t VL = 64 / sizeof(REAL);
+    if (D % VL == 0 && !bf) {
+        const REAL *k = (const REAL *)kc + first;
+        for (; t + 4 <= nt; t += 4) {
+            const REAL *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+            FN(vline) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t i = 0; i < D; i += VL) {
+                const FN(vline) qv = *(const FN(vline) *)(q + i);
+                a0 += *(const FN(vline) *)(k0 + i) * qv; a1 += *(const FN(vline) *)(k1 + i) * qv;
+                a2 += *(const FN(vline) *)(k2 + i) * qv; a3 += *(const FN(vline) *)(k3 + i) * qv;
+            }
+            w[t] = FN(vsum)(a0) * scale; w[t + 1] = FN(vsum)(a1) * scale;
+            w[t + 2] = FN(vsum)(a2) * scale; w[t + 3] = FN(vsum)(a3) * scale;
+        }
+        for (; t < nt; ++t) {
+            const REAL *k0 = k + t * stride;
+            FN(vline) a0 = {0};
+            for (int64_t i = 0; i < D; i += VL) a0 += *(const FN(vline) *)(k0 + i) * *(const FN(vline) *)(q + i);
+            w[t] = FN(vsum)(a0) * scale;
+        }
+        return;
+    }
+#if REAL_IS_FLOAT
+    if (D % 16 == 0 && bf) {   /* (bf16 keys widened a line at a time, as the bf16 products' weights) */
+        const uint16_t *k = (const uint16_t *)kc + first;
+        for (; t + 4 <= nt; t += 4) {
+            const uint16_t *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+            vline_f32 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+#if defined(BF16_ZMM)
+            __m512 z0 = _mm512_setzero_ps(), z1 = z0, z2 = z0, z3 = z0;
+            for (int64_t i = 0; i < D; i += 16) {
+                const __m512 qv = _mm512_loadu_ps(q + i);
+                z0 = _mm512_fmadd_ps(bf16_zmm(k0 + i), qv, z0); z1 = _mm512_fmadd_ps(bf16_zmm(k1 + i), qv, z1);
+                z2 = _mm512_fmadd_ps(bf16_zmm(k2 + i), qv, z2); z3 = _mm512_fmadd_ps(bf16_zmm(k3 + i), qv, z3);
+            }
+            memcpy(&a0, &z0, sizeof a0); memcpy(&a1, &z1, sizeof a1);
+            memcpy(&a2, &z2, sizeof a2); memcpy(&a3, &z3, sizeof a3);
+#else
+            for (int64_t i = 0; i < D; i += 16) {
+                const vline_f32 qv = *(const vline_f32 *)(q + i);
+                a0 += bf16_line(k0 + i) * qv; a1 += bf16_line(k1 + i) * qv;
+                a2 += bf16_line(k2 + i) * qv; a3 += bf16_line(k3 + i) * qv;
+            }
+#endif
+            w[t] = vsum_f32(a0) * scale; w[t + 1] = vsum_f32(a1) * scale;
+            w[t + 2] = vsum_f32(a2) * scale; w[t + 3] = vsum_f32(a3) * scale;
+        }
+        for (; t < nt; ++t) {
+            const uint16_t *k0 = k + t * stride;
+            vline_f32 a0 = {0};
+            for (int64_t i = 0; i < D; i += 16) a0 += bf16_line(k0 + i) * *(const vline_f32 *)(q + i);
+            w[t] = vsum_f32(a0) * scale;
+        }
+        return;
+    }
+#endif
+#endif
+    for (; t < nt; ++t) {
+        REAL s = 0;
+        for (int64_t i = 0; i < D; ++i) s += q[i] * FN(kv_get)(bf, kc, first + t * stride + i);
+        w[t] = s * scale;
+    }
+}
+
+/* o[0 .. Dv) += e * v, v the cached value row at element `off` (bf16 when bf, else in the plan's type) */
+static inline void FN(kv_axpy)(int bf, const void *vc, int64_t off, int64_t Dv, REAL e, REAL *restrict o) {
+    if (bf) {
+        const uint16_t *restrict v = (const uint16_t *)vc + off;
+#pragma omp simd
+        for (int64_t i = 0; i < Dv; ++i) o[i] += e * (REAL)bf16_to_f32(v[i]);
+    } else {
+        const REAL *restrict v = (const REAL *)vc + off;
+#pragma omp simd
+        for (int64_t i = 0; i < Dv; ++i) o[i] += e * v[i];
+    }
+}
+
 /* the rotation of one head's first R channels (rotate-half form) by cos c / sin s [R/2] */
 static void FN(rope_head)(REAL *restrict x, int64_t R, const REAL *c, const REAL *s) {
     const int64_t h = R / 2;
@@ -1041,12 +1126,9 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
             REAL *restrict w = ws + h * L;
             REAL m = -INFINITY, den = 0;
             int nan = 0;
+            FN(kv_scores)(kb, p->kc, ((b * cap + lo) * G + j) * D, G * D, L - lo, D, qh, scale, w + lo);
             for (int64_t t = lo; t < L; ++t) {
-                const int64_t ko = ((b * cap + t) * G + j) * D;
-                REAL s = 0;
-                for (int64_t i = 0; i < D; ++i) s += qh[i] * FN(kv_get)(kb, p->kc, ko + i);
-                s *= scale;
-                w[t] = s;
+                const REAL s = w[t];
                 nan |= s != s;
                 if (s > m) m = s;
             }
@@ -1054,9 +1136,8 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
             for (int64_t i = 0; i < Dv; ++i) oh[i] = 0;
             for (int64_t t = lo; t < L; ++t) {
                 const REAL e = nan ? (REAL)NAN : MATH(exp)(w[t] - m);
-                const int64_t vo = ((b * cap + t) * G + j) * Dv;
                 den += e;
-                for (int64_t i = 0; i < Dv; ++i) oh[i] += e * FN(kv_get)(kb, p->vc, vo + i);
+                FN(kv_axpy)(kb, p->vc, ((b * cap + t) * G + j) * Dv, Dv, e, oh);
             }
             const REAL *gh = p->att_gate == 1 ? g + b * H * Dv + h * Dv : p->att_gate == 2 ? qh + D : NULL;
             for (int64_t i = 0; i < Dv; ++i) {
