@@ -212,3 +212,28 @@ def test_fused_products_read_from_their_parts_equal_the_concatenated_copy(dtype,
     ref, plans = run()
     assert plans[0].nparts_W == plans[0].nparts_Wgu == 0
     assert torch.equal(got, ref)
+
+
+def test_the_state_buffer_reused_only_when_nothing_holds_it(monkeypatch):
+    """The plan writes a token's new recurrent states into the buffer of the token before last when nothing holds it
+    any more (two buffers in turn: no fresh memory and no page faults a token); a state read from the cache and kept
+    (a view of its buffer) keeps its buffer: its values do not change while decoding goes on, and the logits stay
+    the unpatched model's."""
+    ref, fast = _pair()
+    ids = pd.prompt(2, 16)
+    calls = CompiledDecodeCalls(monkeypatch)
+    got, want, ptrs = [], [], []
+    with torch.no_grad():
+        outs = [m(ids[:, :3], use_cache=True) for m in (fast, ref)]
+        caches = [getattr(o, "cache", None) or o.past_key_values for o in outs]
+        for t in range(3, 16):
+            if t == 6:
+                held = caches[0].layers[0].recurrent_states[0]   # (a view of the last token's buffer)
+                snap = held.clone()
+            for m, c, out in zip((fast, ref), caches, (got, want)):
+                out.append(m(ids[:, t:t + 1], cache=c, use_cache=True).logits)
+            ptrs.append(caches[0].layers[0].recurrent_states[0].data_ptr())
+    assert calls.model == 13
+    assert pd.close(torch.cat(got, 1), torch.cat(want, 1))
+    assert torch.equal(held, snap) and held.data_ptr() not in ptrs[4:]
+    assert ptrs[-1] == ptrs[-3] and ptrs[-2] == ptrs[-4] and ptrs[-1] != ptrs[-2]   # (reused)

@@ -268,10 +268,11 @@ class _Slot:
     Not state: a copy or a pickle gets an empty slot."""
 
     __slots__ = ("plan", "fn", "guard", "keep", "specs", "layouts", "B", "layout", "cdt", "wdt", "recurrent", "att",
-                 "failed")
+                 "failed", "last", "spent")
 
     def __init__(self):
         self.plan, self.failed = None, None
+        self.last = self.spent = None   # the last token's state buffer, and the one before (`_dp.reusable_buffer`)
 
     def __reduce__(self):
         return (_Slot, ())
@@ -469,7 +470,10 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         p.pos, p.lo, p.pos0, p.lo0 = None, None, pos, 0
     ids = input_ids if input_ids.dtype == torch.int64 and input_ids.is_contiguous() else \
         input_ids.to(torch.int64).contiguous()
-    buf = _hugepages.empty(lo.n_state + lo.n_win, cdt)
+    # the token before last's buffer when nothing holds it any more (the cache's states are views of the last one's)
+    spent, slot.spent = slot.spent, None
+    buf = _dp.reusable_buffer(spent, lo.n_state + lo.n_win, cdt)
+    del spent
     logits = torch.empty(B, 1, lo.vocab, dtype=slot.wdt)
     out = buf.data_ptr()
     rc = slot.fn(ctypes.byref(slot.plan), ids.data_ptr(), None if S_in is None else S_in.data_ptr(),
@@ -479,6 +483,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         return None   # a token id out of range: transformers' embedding reports it
     if rc:
         raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
+    slot.spent, slot.last = slot.last, buf
     _write_recurrent(cache, lo, slot, buf, convs, arch if own is not None else None)
     for i, _, mir in mirrors:
         kv, c = mir.kv, layers[i]

@@ -1314,16 +1314,17 @@ def _kv_args(slot: ModelPlanSlot, cache: Cache, B: int) -> Optional[list]:
 
 #: torch's count of the references to a storage (private: without it every token's buffer is a fresh one)
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-#: the references to the spent tensor object itself while `_reusable` looks at it (the caller's name, the argument,
+#: the references to the spent tensor object itself while `reusable_buffer` looks at it (the caller's name, the argument,
 #: getrefcount's): one more is another holder (a ModelPending of a shallow copy of the cache)
 _SPENT_REFS = 3
 
 
-def _reusable(spent, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer of n elements for the step's new states: the one the token before last wrote (`slot.spent`) when
-    nothing else holds its memory (no view of it in a cache entry or anywhere: the tensor and the storage object
-    asked here are the only references), else a fresh one. A fresh 18 MiB buffer a token (the 530M shape's states)
-    is 3,200 page faults: the allocator hands the freed one back to the system."""
+def reusable_buffer(spent, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of n elements for a whole-model step's new states: the one the token before last wrote (`spent`, a
+    plan slot's, the caller's only reference) when nothing else holds its memory (no view of it in a cache entry or
+    anywhere: the tensor and the storage object asked here are the only references), else a fresh one. A fresh 18
+    MiB buffer a token (the 530M shape's states) is 3,200 page faults on 4 KiB pages, or nine 2 MiB pages the kernel
+    zeroes: the allocator hands the freed one back to the system. Used by linattn's and the kernelized plans."""
     if (type(spent) is torch.Tensor and _storage_use_count is not None and spent.dtype == dtype
             and spent.numel() == n and sys.getrefcount(spent) <= _SPENT_REFS
             and _storage_use_count(spent.untyped_storage()._cdata) == 2):
@@ -1369,7 +1370,7 @@ def model_step(model: nn.Module, ids: torch.Tensor, cache, logits_to_keep) -> Op
     The plan is built once and checked on every token (`PlanGuard`); a new batch size only re-points it
     (`ModelPlanSlot.set_batch`). The new states and conv windows of all layers are one buffer per token, never the
     one it reads (a copy of the cache may share that): a fresh one, or the token before last's when nothing holds
-    it any more (`_reusable`). The cache's entries are written lazily
+    it any more (`reusable_buffer`). The cache's entries are written lazily
     (`ModelPending`): a token leaves its buffer in `Cache.pending`, the next token reads it from there, and the
     entries (views of the buffer) are made only when something reads `Cache.layers`. After that, while the entries
     are still those views, the next token reads the buffer directly (`ModelFastState` in `Cache.fast`), else it
@@ -1421,7 +1422,7 @@ def model_step(model: nn.Module, ids: torch.Tensor, cache, logits_to_keep) -> Op
     # previous step's buffers (`slot.spent` keeps them until the next token)
     spent, slot.spent = slot.spent, None
     cdt = lo.dtype
-    buf = _reusable(spent, lo.n_state + lo.n_win, cdt)
+    buf = reusable_buffer(spent, lo.n_state + lo.n_win, cdt)
     logits = torch.empty(B, 1, lo.vocab, dtype=slot.ldtype)
     aux = torch.empty((), dtype=torch.float32)   # zeroed by the call (torch.zeros costs a fill kernel's code)
     out_ptr = buf.data_ptr()
