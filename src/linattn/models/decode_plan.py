@@ -1314,8 +1314,8 @@ def _kv_args(slot: ModelPlanSlot, cache: Cache, B: int) -> Optional[list]:
 
 #: torch's count of the references to a storage (private: without it every token's buffer is a fresh one)
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-#: the references to the spent tensor object itself while `reusable_buffer` looks at it (the caller's name, the argument,
-#: getrefcount's): one more is another holder (a ModelPending of a shallow copy of the cache)
+#: the references to the spent tensor object itself while `reusable_buffer` looks at it (the caller's name, the
+#: argument, getrefcount's): one more is another holder (a ModelPending of a shallow copy of the cache)
 _SPENT_REFS = 3
 
 
