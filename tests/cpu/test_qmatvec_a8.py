@@ -1,21 +1,24 @@
 """The int8-activation products (csrc/qmatvec.h, formats "int8_a8" / "int4_a8"): x rounded to int8 per block of 32
-inputs, the weights exact. Every path (AVX-512 VNNI, AVX2 with and without AVX-512 on the machine, plain C) against
-fp64: the dequantized matrix times x rounded by the format's definition (tests/helpers.py, written block by block),
-within the fp32 rounding of the scaling and summation, and the exact product within the derived bound
-sum_j |w_j| s_j / 2 + that rounding. Widths with and without a tail after the last vector step (int8: any width),
-rows not a multiple of 4, groups 32 and 64, batches, threads, zero blocks, NaN / inf, huge / tiny inputs."""
+inputs, the weights exact. Every path (AVX-512 VNNI, AVX-VNNI, AVX2 without VNNI with and without AVX-512 on the
+machine, plain C) against fp64: the dequantized matrix times x rounded by the format's definition (tests/helpers.py,
+written block by block), within the fp32 rounding of the scaling and summation, and the exact product within the
+derived bound sum_j |w_j| s_j / 2 + that rounding. Widths with and without a tail after the last vector step (int8:
+any width), rows not a multiple of 4, groups 32 and 64, batches, threads, zero blocks, NaN / inf, huge / tiny
+inputs."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from linattn.cpu import decode as cpu_decode
+from linattn.cpu import bindings, decode as cpu_decode
 from linattn.quant import round_activations
 from tests.cpu.decode_variants import decode_variant_fixture
 from tests.helpers import (
     StoredWeights as _Stored,
+    build_decode_variant,
     check_a8_product,
     check_product_threads,
+    cpu_flags,
     rounded_activations_fp64,
 )
 
@@ -25,8 +28,9 @@ pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compile
 # the prefix that selects each path on top of -march=native, and what the machine needs for it
 PATHS = {
     "native": ("", set()),
-    "avx2-beside-avx512": ("#undef __AVX512VNNI__\n", {"avx2"}),
-    "avx2": ("#undef __AVX512F__\n#undef __AVX512VNNI__\n", {"avx2", "fma"}),
+    "avx2-beside-avx512": ("#undef __AVX512VNNI__\n#undef __AVXVNNI__\n", {"avx2"}),
+    "avx2": ("#undef __AVX512F__\n#undef __AVX512VNNI__\n#undef __AVXVNNI__\n", {"avx2", "fma"}),
+    "avx-vnni": ("#undef __AVX512F__\n#undef __AVX512VNNI__\n#define __AVXVNNI__ 1\n", {"avx2", "fma", "avx_vnni"}),
     "scalar": ("#define LINATTN_PLAIN_C\n", set()),
 }
 
@@ -116,3 +120,30 @@ def test_a8_row_schedule_every_row_count(decode_lib, mode, group):
     for n in range(1, 10):
         q = _Stored(n, 256, mode, group, seed=n, bias=True)
         check_a8_product(q, torch.randn(2, 256, generator=torch.Generator().manual_seed(n)), bias=q.bias)
+
+
+def test_a8_avx_vnni_same_bits_as_avx2(tmp_path, monkeypatch):
+    """AVX-VNNI's `vpdpbusd` (the excess folded into its start) and AVX2's `vpmaddubsw` + `vpmaddwd` make the same
+    integer lanes, and the float steps after them are the same: the same bits, rows 1-9 and 523, 1 and 2 threads."""
+    if not {"avx2", "fma", "avx_vnni"} <= cpu_flags():
+        pytest.skip("needs AVX2, FMA and AVX-VNNI")
+    cases = [_Stored(n, 512, mode, group, seed=n, bias=True) for n in (1, 5, 9, 523) for mode, group in FORMATS]
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(7)) * 3
+    got, threads = {}, torch.get_num_threads()
+    try:
+        for name in ("avx-vnni", "avx2", "scalar"):
+            (tmp_path / name).mkdir()
+            lib = build_decode_variant(tmp_path / name, PATHS[name][0])
+            monkeypatch.setattr(bindings, "load_library", lambda n, lib=lib: lib if n == "decode" else None)
+            got[name] = []
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                got[name] += [cpu_decode.weight_matvec(x, q.mode + "_a8", q.stored, q.scales, q.group, bias=q.bias)
+                              for q in cases]
+    finally:
+        torch.set_num_threads(threads)
+    assert len(got["avx2"]) == 2 * len(cases)
+    for a, b in zip(got["avx-vnni"], got["avx2"]):
+        assert torch.equal(a, b)
+    # (the variants were the ones run: plain C sums in another order, so its bits differ somewhere)
+    assert any(not torch.equal(a, c) for a, c in zip(got["avx2"], got["scalar"]))

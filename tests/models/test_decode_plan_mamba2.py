@@ -103,7 +103,7 @@ def test_quantized_weights(mode, group, monkeypatch):
     in_proj's z | xBC | dt rows)."""
     model = dk.hybrid("mamba2", torch.float32, dict(state_size=16, head_dim=4), pattern=(0, 0), d_model=64,
                       ffn_hidden=64, n_heads=16)
-    q = quantize(model, mode, group_size=group, compute="fp32")
+    q = quantize(model, mode, group_size=group, compute="fp32", activations="float")
     assert {f"blocks.{i}.mixer.{n}" for i in (0, 1) for n in ("in_proj", "o_proj")} <= set(quantized_modules(q))
     dk.check_quantized(q, monkeypatch)
 

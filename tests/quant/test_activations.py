@@ -5,6 +5,8 @@ compiled decode's logits against the same model's PyTorch path (both compute sum
 differently only where fp32 noise moves it across a rounding boundary, so the two agree far more closely than
 either agrees with the float-activation model); saving and loading keeps the setting; refusals. The products
 themselves: tests/cpu/test_qmatvec_a8.py."""
+import json
+
 import pytest
 import torch
 
@@ -33,7 +35,8 @@ def test_layer_pytorch_path_rounds_activations(mode, group):
     mag = xhat.abs() @ W.abs().t() + b.double().abs()
     n = 128 + 8
     assert ((y - ref).abs() <= n * U32 / (1 - n * U32) * mag * 2).all()   # (x^ rounded to fp32 once: one more ulp)
-    exact = QuantizedLinear.from_weight(w, b, mode, group, compute="fp32")(x).double().reshape(6, 48)
+    exact = QuantizedLinear.from_weight(w, b, mode, group, compute="fp32", activations="float")(x)
+    exact = exact.double().reshape(6, 48)
     assert (y - exact).abs().max() > 100 * (y - ref).abs().max()   # the rounding is there
     # the bf16 path takes the rounded x too (then rounds it to bf16, as it rounds every x)
     fast = QuantizedLinear.from_weight(w, b, mode, group, activations="int8")
@@ -45,7 +48,8 @@ def test_stored_weights_and_summary():
     q8 = QuantizedLinear.from_weight(torch.randn(16, 64, generator=g), None, "int8", activations="int8")
     q4 = QuantizedLinear.from_weight(torch.randn(16, 64, generator=g), None, "int4", 64, activations="int8")
     assert q8.stored_weights()[0] == "int8_a8" and q4.stored_weights()[0] == "int4_a8"
-    assert QuantizedLinear.from_weight(torch.randn(16, 64), None, "int4").stored_weights()[0] == "int4"
+    assert QuantizedLinear.from_weight(torch.randn(16, 64), None, "int4", activations="float").stored_weights()[0] \
+        == "int4"
     assert "activations='int8'" in repr(q4)
     model = LanguageModel(LMConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, mixer="gated-deltanet"))
     assert quantization_summary(quantize(model, "int8", activations="int8"))["activations"] == "int8"
@@ -76,7 +80,7 @@ def _step_logits(model, ids, prefill=3):
 def test_compiled_decode_matches_pytorch_path(mode, group, tie, monkeypatch):
     base = _model(tie=tie)
     q = quantize(base, mode, group_size=group, compute="fp32", activations="int8")
-    exact = quantize(base, mode, group_size=group, compute="fp32")
+    exact = quantize(base, mode, group_size=group, compute="fp32", activations="float")
     calls = CompiledDecodeCalls(monkeypatch)
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
     ours = _step_logits(q, ids)
@@ -111,10 +115,33 @@ def test_save_load_keeps_activations(tmp_path):
 
 def test_refusals():
     w = torch.randn(16, 64)
-    for bad in ("int4", "fp8", None, 8):
+    for bad in ("int4", "fp8", "", 8):
         with pytest.raises(LinattnError, match="activations must be one of"):
             QuantizedLinear.from_weight(w, None, "int8", activations=bad)
         with pytest.raises(LinattnError, match="activations must be one of"):
             quantize(_model(), "int8", activations=bad)
     with pytest.raises(LinattnError, match="--activations needs --quantize"):
         load_for_inference("runs/nowhere", "cpu", None, None, "int8")
+
+
+def test_default_activations_by_mode(tmp_path):
+    """Without `activations`: int4's products round x to int8 (its stored format int4_a8, the same rounding as
+    activations="int8", bit for bit), int8's take x as it is; a folder records what it was written with, and one
+    written before the setting existed (no "activations" key) loads with float activations."""
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(32, 64, generator=g), torch.randn(3, 64, generator=g)
+    q4 = QuantizedLinear.from_weight(w, None, "int4", compute="fp32")
+    assert q4.activations == "int8" and q4.stored_weights()[0] == "int4_a8"
+    assert torch.equal(q4(x), QuantizedLinear.from_weight(w, None, "int4", compute="fp32", activations="int8")(x))
+    assert QuantizedLinear.from_weight(w, None, "int8").activations == "float"
+    model = _model()
+    assert quantization_summary(quantize(model, "int4"))["activations"] == "int8"
+    assert quantization_summary(quantize(model, "int8"))["activations"] == "float"
+    assert quantization_summary(quantize(model, "int4", activations="float"))["activations"] == "float"
+    out = save_quantized(quantize(model, "int4", compute="fp32"), tmp_path / "q")
+    manifest = json.loads((out / "quantized.json").read_text())
+    assert manifest["activations"] == "int8"
+    del manifest["activations"]   # a folder from before the setting: float activations, as then
+    (out / "quantized.json").write_text(json.dumps(manifest))
+    loaded, _ = load_quantized(out)
+    assert {m.activations for m in quantized_modules(loaded).values()} == {"float"}

@@ -88,14 +88,17 @@ def test_refusals(run, tmp_path, capsys):
 
 
 def test_activations_flag(run, corpus, tmp_path, capsys):
-    """--activations int8: generate / eval run it, `linattn quantize` saves it (the folder loads with it, and eval
-    of the folder equals eval --quantize --activations); without --quantize it is refused."""
+    """--activations int8 / float: generate / eval run it (int4's default: int8), `linattn quantize` saves it (the
+    folder loads with it, and eval of the folder equals eval --quantize --activations); without --quantize it is
+    refused."""
     ev = ["eval", "--checkpoint", str(run), "--data", str(corpus), "--json", "--quantize", "int4"]
-    assert cli.main(ev) == 0
+    assert cli.main(ev + ["--activations", "float"]) == 0
     exact = _json_out(capsys)
     assert cli.main(ev + ["--activations", "int8"]) == 0
     a8 = _json_out(capsys)
     assert a8["tokens"] == exact["tokens"] and a8["loss"] != exact["loss"]
+    assert cli.main(ev) == 0
+    assert _json_out(capsys)["loss"] == a8["loss"]
     out = tmp_path / "q"
     assert cli.main(["quantize", "--checkpoint", str(run), "--mode", "int4", "--activations", "int8",
                      "--out", str(out)]) == 0

@@ -139,7 +139,8 @@ def _assert_close_to_reference(qmodel, ids, calls):
 @pytest.mark.parametrize("tie", [True, False])
 def test_model_plan_matches_dequantized(mode, group, tie, monkeypatch):
     """The whole-model plan (embedding, blocks, final norm, quantized head: a tied head gets its own), batch 2."""
-    q = quantize(_model(tie_embeddings=tie), mode, group_size=group, compute="fp32")   # (the prefill's products)
+    q = quantize(_model(tie_embeddings=tie), mode, group_size=group, compute="fp32",
+                 activations="float")   # (the prefill's products)
     assert "lm_head" in quantized_modules(q)
     calls = CompiledDecodeCalls(monkeypatch)
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -151,7 +152,7 @@ def test_model_plan_matches_dequantized(mode, group, tie, monkeypatch):
 def test_model_plan_threads(mode, group, monkeypatch):
     """At 2 threads the big products (the head here) split their rows over the threads: the same logits, bit for
     bit, as at 1 thread (each row's sums are the same); the plan is rebuilt for the new thread count."""
-    q = quantize(_model(d_model=256, vocab=1024), mode, group_size=group, compute="fp32")
+    q = quantize(_model(d_model=256, vocab=1024), mode, group_size=group, compute="fp32", activations="float")
     calls = CompiledDecodeCalls(monkeypatch)
     ids = torch.randint(0, 1024, (2, 6), generator=torch.Generator().manual_seed(7))
     old = torch.get_num_threads()
@@ -170,7 +171,7 @@ def test_model_plan_threads(mode, group, monkeypatch):
 @pytest.mark.parametrize("mode,group", FORMATS)
 def test_block_plans_match_dequantized(mode, group, monkeypatch):
     """The per-block plans (the whole-model step off), batch 1, a prompt of one token."""
-    q = quantize(_model(), mode, group_size=group, compute="fp32")
+    q = quantize(_model(), mode, group_size=group, compute="fp32", activations="float")
     q.compiled_decode = False
     calls = CompiledDecodeCalls(monkeypatch)
     ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
@@ -388,7 +389,7 @@ def test_hybrid_model_plan_reads_quantized_softmax_projections(mode, group, monk
     m = LanguageModel(cfg)
     with torch.no_grad():
         m.embed.weight.mul_(4)
-    q = quantize(m.eval(), mode, group_size=group, compute="fp32")
+    q = quantize(m.eval(), mode, group_size=group, compute="fp32", activations="float")
     names = quantized_modules(q)
     assert {f"blocks.1.mixer.{n}_proj" for n in "qkvgo"} <= set(names), sorted(names)
     calls = CompiledDecodeCalls(monkeypatch)

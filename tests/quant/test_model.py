@@ -79,7 +79,7 @@ CASES = {
 @pytest.mark.parametrize("mode, group", [("int8", None), ("int4", 32), ("int4", 64)])
 def test_lm_logits_equal_the_dequantized_reference(case, mode, group):
     model = _model(**CASES[case])
-    qmodel = linattn.quantize(model, mode, group_size=group, compute="fp32")
+    qmodel = linattn.quantize(model, mode, group_size=group, compute="fp32", activations="float")
     ref = dequantized_reference(model, qmodel)
     ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -122,7 +122,7 @@ def test_cached_decoding_equals_the_full_forward_and_the_float_models_compiled_d
     """main's compiled decode takes only nn.Linear weights: the quantized blocks step aside to the per-block
     PyTorch path, whose decoded logits equal the full forward's and the float reference's compiled decode."""
     model = _model()
-    qmodel = linattn.quantize(model, mode, compute="fp32")
+    qmodel = linattn.quantize(model, mode, compute="fp32", activations="float")
     ref = dequantized_reference(model, qmodel)
     ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -231,7 +231,7 @@ def test_kernelized_qwen3_5_equals_its_dequantized_reference(mode):
     from linattn.hf import kernelize
 
     kernelize(model)
-    qmodel = linattn.quantize(model, mode, compute="fp32")
+    qmodel = linattn.quantize(model, mode, compute="fp32", activations="float")
     assert isinstance(qmodel.lm_head, QuantizedLinear)                       # the tied head: its own copy
     assert qmodel.model.embed_tokens.weight.dtype == torch.float64
     ref = dequantized_reference(model, qmodel)

@@ -202,7 +202,8 @@ def kernel_rows(a, log) -> List[Dict[str, Any]]:
 
     K, N = a.d_model, a.ffn_hidden
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(a.seed)) * 0.02
-    q8, q4 = QuantizedLinear.from_weight(w, None, "int8"), QuantizedLinear.from_weight(w, None, "int4", a.group_size)
+    q8 = QuantizedLinear.from_weight(w, None, "int8", activations="float")
+    q4 = QuantizedLinear.from_weight(w, None, "int4", a.group_size, activations="float")
     wb = w.to(torch.bfloat16)
     rows = []
     for M in (1, 16, 64, 512):

@@ -27,7 +27,8 @@ def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
 def _add_activations(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", choices=ACTIVATIONS, default=None,
                    help="int8: the quantized products round their inputs to int8 per block of 32 (faster decoding, "
-                        "a small extra error; docs/quantization.md); default float")
+                        "a small extra error; docs/quantization.md); float: exact inputs. Default: int8 for int4 "
+                        "weights, float for int8")
 
 
 def load_for_inference(checkpoint: str, device, mode=None, group_size=None, activations=None) -> Checkpoint:
@@ -53,7 +54,7 @@ def load_for_inference(checkpoint: str, device, mode=None, group_size=None, acti
         return _quantized_checkpoint(checkpoint)
     ck = load_checkpoint(checkpoint, device=device)
     if mode is not None:
-        ck.model = quantize(ck.model, mode, group_size=group_size, activations=activations or "float", inplace=True)
+        ck.model = quantize(ck.model, mode, group_size=group_size, activations=activations, inplace=True)
     return ck
 
 

@@ -27,6 +27,10 @@ MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64)
 COMPUTES = ("bf16", "fp32")
 ACTIVATIONS = ("float", "int8")
+#: what each mode's products take when `activations` is not given: int4's round x to int8 (its integer products
+#: read at the memory's rate where its fp32-activation products, a table shuffle per 16 weights, compute slower
+#: than that; perplexity as weight-only's: docs/quantization.md), int8's take x as it is
+DEFAULT_ACTIVATIONS = {"int8": "float", "int4": "int8"}
 ACTIVATION_BLOCK = 32     # int8 activations: inputs sharing one scale (csrc/qmatvec.h A8_BLOCK)
 INT4_N_MULTIPLE = 16      # torch's int4 CPU packing needs out_features % 16 == 0
 # up to this many rows the packed kernels beat dequantize-then-bf16-matmul (`linattn bench quant --kernels`, a
@@ -56,9 +60,14 @@ def check_compute(compute) -> str:
     return compute
 
 
-def check_activations(activations) -> str:
+def check_activations(activations, mode: str) -> str:
+    """The activations in use: `activations`, or mode's default (`DEFAULT_ACTIVATIONS`) for None; mode checked
+    before."""
+    if activations is None:
+        return DEFAULT_ACTIVATIONS[mode]
     if activations not in ACTIVATIONS:
-        raise LinattnError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        raise LinattnError(f"activations must be one of {ACTIVATIONS} (or None: int8 for int4, float for int8), "
+                           f"got {activations!r}")
     return activations
 
 
@@ -159,19 +168,20 @@ class QuantizedLinear(nn.Module):
         mode: "int8" or "int4".
         group_size: int4's group (32 or 64); None for int8.
         compute: "bf16" (PyTorch's packed kernels, bf16 activations) or "fp32" (dequantize to fp32).
-        activations: "float" (default: the products take x as it is) or "int8": every product first rounds x to
-            int8 per block of 32 inputs (`round_activations`); the compiled decode then multiplies integers.
+        activations: "float" (the products take x as it is) or "int8": every product first rounds x to int8 per
+            block of 32 inputs (`round_activations`); the compiled decode then multiplies integers. None (default):
+            "int8" for int4, "float" for int8 (`DEFAULT_ACTIVATIONS`).
 
     Raises:
         LinattnError: A bad mode, group size, compute, activations or shape, or a tensor not on the CPU.
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor], mode: str,
-                 group_size: Optional[int] = None, compute: str = "bf16", activations: str = "float"):
+                 group_size: Optional[int] = None, compute: str = "bf16", activations: Optional[str] = None):
         super().__init__()
         group_size = check_mode(mode, group_size)
         self.mode, self.group_size, self.compute = mode, group_size, check_compute(compute)
-        self.activations = check_activations(activations)
+        self.activations = check_activations(activations, mode)
         N = qweight.shape[0]
         K = qweight.shape[1] * (2 if mode == "int4" else 1)
         want_q = (torch.int8 if mode == "int8" else torch.uint8, (N, qweight.shape[1]))
@@ -207,7 +217,7 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, mode: str, group_size: Optional[int] = None,
-                    compute: str = "bf16", activations: str = "float") -> "QuantizedLinear":
+                    compute: str = "bf16", activations: Optional[str] = None) -> "QuantizedLinear":
         """Quantize an `nn.Linear` (its weight and bias are read, not changed).
 
         Args:
@@ -215,7 +225,7 @@ class QuantizedLinear(nn.Module):
             mode: "int8" or "int4".
             group_size: int4's group (32 or 64, default 32); None for int8.
             compute: "bf16" or "fp32" (the class's Args).
-            activations: "float" or "int8" (the class's Args).
+            activations: "float", "int8" or None (the class's Args).
 
         Returns:
             The QuantizedLinear.
@@ -231,7 +241,7 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], mode: str,
                     group_size: Optional[int] = None, compute: str = "bf16",
-                    activations: str = "float") -> "QuantizedLinear":
+                    activations: Optional[str] = None) -> "QuantizedLinear":
         """Quantize a float weight `[out_features, in_features]` (and a bias).
 
         Args:
@@ -240,7 +250,7 @@ class QuantizedLinear(nn.Module):
             mode: "int8" or "int4".
             group_size: int4's group (32 or 64, default 32); None for int8.
             compute: "bf16" or "fp32" (the class's Args).
-            activations: "float" or "int8" (the class's Args).
+            activations: "float", "int8" or None (the class's Args).
 
         Returns:
             The QuantizedLinear.
@@ -250,7 +260,7 @@ class QuantizedLinear(nn.Module):
                 off the CPU or with NaN / inf values.
         """
         group_size = check_mode(mode, group_size)
-        check_activations(activations)
+        activations = check_activations(activations, mode)
         if weight.device.type != "cpu":
             raise LinattnError(f"weight is on {weight.device}; quantized weights run on the CPU only (move the model "
                                f"to the CPU first)")

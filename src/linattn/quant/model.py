@@ -27,7 +27,8 @@ from .linear import QuantizedLinear, check_activations, check_compute, check_mod
 class QuantizedMoE(MoE):
     """A linattn `MoE` whose experts' SwiGLU matrices are `QuantizedLinear`s (the router stays float)."""
 
-    def __init__(self, moe: MoE, mode: str, group_size: Optional[int], compute: str, activations: str = "float"):
+    def __init__(self, moe: MoE, mode: str, group_size: Optional[int], compute: str,
+                 activations: Optional[str] = None):
         nn.Module.__init__(self)
         self.d_model, self.n_experts, self.top_k, self.hidden = moe.d_model, moe.n_experts, moe.top_k, moe.hidden
         self.bias_mode, self.aux_loss_coef, self.renormalize = moe.bias_mode, moe.aux_loss_coef, moe.renormalize
@@ -93,7 +94,7 @@ def _check_model(model) -> None:
 
 
 def quantize(model: nn.Module, mode: str, *, group_size: Optional[int] = None, compute: str = "bf16",
-             activations: str = "float", inplace: bool = False) -> nn.Module:
+             activations: Optional[str] = None, inplace: bool = False) -> nn.Module:
     """Quantize a model's linear layers to int8 (per output row) or int4 (per group of inputs), for CPU inference.
 
     Args:
@@ -102,10 +103,11 @@ def quantize(model: nn.Module, mode: str, *, group_size: Optional[int] = None, c
         group_size: int4's group of inputs sharing a scale, 32 (default) or 64; not for int8.
         compute: "bf16" (default: PyTorch's packed int8/int4 kernels with bf16 activations, fp32 accumulation)
             or "fp32" (dequantize to fp32 for each product: slower, no bf16 rounding).
-        activations: "float" (default: the products take the activations as they are) or "int8": every product of
-            a quantized layer rounds its input to int8 per block of 32 inputs first (an fp32 scale per block, as
-            llama.cpp's Q8_0), and the compiled decode multiplies the integers (AVX-512 VNNI, AVX2 or plain C):
-            faster decoding, an extra error of at most half a block's scale per input (docs/quantization.md).
+        activations: "float" (the products take the activations as they are) or "int8": every product of a
+            quantized layer rounds its input to int8 per block of 32 inputs first (an fp32 scale per block, as
+            llama.cpp's Q8_0), and the compiled decode multiplies the integers (AVX-512 VNNI, AVX-VNNI, AVX2 or
+            plain C): faster decoding, an extra error of at most half a block's scale per input
+            (docs/quantization.md). None (default): "int8" for int4, "float" for int8.
         inplace: Replace the modules of `model` itself (its float weights are dropped); default: a copy.
 
     Returns:
@@ -118,7 +120,7 @@ def quantize(model: nn.Module, mode: str, *, group_size: Optional[int] = None, c
     """
     group_size = check_mode(mode, group_size)
     check_compute(compute)
-    check_activations(activations)
+    activations = check_activations(activations, mode)
     _check_model(model)
     if not inplace:
         model = copy.deepcopy(model)

@@ -331,22 +331,27 @@ static void matvec_int4(int64_t B, int64_t n, int64_t m, int64_t group, const ui
    so |x| above ~6e35 overflows a 4-input partial, as in the exact products. A NaN or inf anywhere in x sends the
    whole call to the exact product (whose NaN / inf pattern it then has).
 
-   Paths: AVX-512 VNNI (`vpdpbusd`: unsigned bytes times signed bytes, 4 at a time into int32 lanes), AVX2
-   (`vpmaddubsw` + `vpmaddwd`), plain C. The unsigned operand is the weights': int4 codes c = q + 8 are already in
-   [1, 15], int8 weights become w + 128 by one xor (VNNI); the excess 8 (or 128) times the lane's sum of x's
-   integers is subtracted per lane from a table made once per call. AVX2's `vpmaddubsw` saturates 16-bit pair sums,
-   which int8 weights + 128 would reach: there x's magnitudes are the unsigned operand and the weights take x's
-   sign (`vpsignb`), exact. */
+   Paths: AVX-512 VNNI and AVX-VNNI (`vpdpbusd` on 64 / 32 bytes: unsigned bytes times signed bytes, 4 at a time
+   into int32 lanes), AVX2 without VNNI (`vpmaddubsw` + `vpmaddwd`), plain C. The unsigned operand is the weights':
+   int4 codes c = q + 8 are already in [1, 15], int8 weights become w + 128 by one xor (VNNI); the excess 8 (or 128)
+   times the lane's sum of x's integers, negated in a table made once per call, is the value `vpdpbusd` starts its
+   lanes from, so the lanes come out corrected (exact in int32) without a subtraction per row. AVX2's `vpmaddubsw`
+   saturates 16-bit pair sums, which int8 weights + 128 would reach: there x's magnitudes are the unsigned operand
+   and the weights take x's sign (`vpsignb`), exact. */
 #include <float.h>
 #define A8_BLOCK 32
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && !defined(LINATTN_PLAIN_C)
 #include <immintrin.h>
 #define A8_I8_COLS 64    /* int8 weights: inputs per vector step (one 64-byte load per row) */
 #define A8_I4_COLS 128   /* int4: inputs per vector step (64 bytes of codes per row) */
+#define A8_VNNI 1
 #elif defined(__AVX2__) && !defined(LINATTN_PLAIN_C)
 #include <immintrin.h>
 #define A8_I8_COLS 32
 #define A8_I4_COLS 64
+#if defined(__AVXVNNI__)
+#define A8_VNNI 1        /* `vpdpbusd` on ymm (AVX-VNNI): int8 weights + 128 as on AVX-512, no |x| table */
+#endif
 #endif
 
 /* x rounded per block, with the vector paths' tables (every array [B, ...], row b at b * its row length) */
@@ -355,9 +360,9 @@ typedef struct {
     int8_t *q;               /* [B, m] x's integers */
     float *s;                /* [B, nb] the blocks' scales */
     int8_t *v;               /* [B, mv] int4: per step of A8_I4_COLS inputs its even inputs' integers, then its odd
-                                ones' (the low and high nibbles of the step's bytes); int8 on AVX2: |q| */
+                                ones' (the low and high nibbles of the step's bytes); int8 on AVX2 without VNNI: |q| */
     float *ls;               /* [B, nl] the scale of each lane's block */
-    int32_t *lc;             /* [B, nl] the excess to subtract per lane: 8 (int4) or 128 (int8, VNNI) x its sum of q */
+    int32_t *lc;             /* [B, nl] minus the excess per lane: -8 (int4) or -128 (int8, VNNI) x its sum of q */
     void *mem;
 } a8_x;
 
@@ -407,13 +412,15 @@ static int a8_prepare(int int4, int64_t B, int64_t m, const float *x, a8_x *p) {
             int32_t sum = 0;
             for (int64_t j = l * lw; j < (l + 1) * lw; ++j) sum += q[j];
             p->ls[b * p->nl + l] = s[l * lw / A8_BLOCK];
-            p->lc[b * p->nl + l] = int4 ? 8 * sum : 128 * sum;
+            p->lc[b * p->nl + l] = int4 ? -8 * sum : -128 * sum;
         }
         if (int4)
             for (int64_t j = 0; j < p->mv; j += cols)
                 for (int64_t k = 0; k < cols / 2; ++k) v[j + k] = q[j + 2 * k], v[j + cols / 2 + k] = q[j + 2 * k + 1];
+#if !defined(A8_VNNI)
         else
             for (int64_t j = 0; j < p->mv; ++j) v[j] = (int8_t)(q[j] < 0 ? -q[j] : q[j]);
+#endif
     }
     return 1;
 }
@@ -458,7 +465,7 @@ static inline float a8_row_scalar(int int4, const a8_x *p, int64_t b, int64_t j0
    scales ws[r]) or int4 weights (int4 1; group scales sr + r ss) times b's row of the rounded x: out[r]. Each row's
    line Q_PF_BYTES ahead is prefetched unless past pf_end (NULL: none). A step reads 64 bytes (AVX-512) or 32 bytes
    (AVX2) of each row: int8 weights, or int4 codes whose low nibbles meet the step's even inputs and high nibbles its
-   odd ones (a8_x.v); its integer lanes less the excess (a8_x.lc), converted, times the lanes' x scales and weight
+   odd ones (a8_x.v); its integer lanes less the excess (from a8_x.lc), converted, times the lanes' x scales and weight
    scales, enter the row's fp32 accumulator. int4 / R are constants at every call (always inlined). */
 #if defined(A8_I8_COLS) && defined(__AVX512F__) && defined(__AVX512VNNI__)
 static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
@@ -486,17 +493,16 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
         }
         const __m512i x0 = _mm512_loadu_si512((const void *)(xi + j)),
                       x1 = int4 ? _mm512_loadu_si512((const void *)(xi + j + 64)) : x0,
-                      corr = _mm512_loadu_si512((const void *)(lc + j / lw));
+                      corr = _mm512_loadu_si512((const void *)(lc + j / lw));   /* (negated) */
         const __m512 xs = _mm512_loadu_ps(ls + j / lw);
         for (int r = 0; r < R; ++r) {
             const uint8_t *wr = w + r * rs + (int4 ? j / 2 : j);
             if (pf_end) Q_PF(wr, pf_end);
             const __m512i d = _mm512_loadu_si512((const void *)wr);
-            const __m512i i = int4 ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                                                             _mm512_and_si512(d, nib), x0),
+            const __m512i i = int4 ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, _mm512_and_si512(d, nib), x0),
                                                          _mm512_and_si512(_mm512_srli_epi32(d, 4), nib), x1)
-                                   : _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(d, flip), x0);
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i, corr)), xs),
+                                   : _mm512_dpbusd_epi32(corr, _mm512_xor_si512(d, flip), x0);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), xs),
                                      int4 ? _mm512_permutexvar_ps(si, sc[r]) : sc[r], acc[r]);
         }
     }
@@ -504,8 +510,9 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
         out[r] = _mm512_reduce_add_ps(acc[r]) + a8_row_scalar(int4, p, b, mv, group, w + r * rs, sr + r * ss, ws[r]);
 }
 #elif defined(A8_I8_COLS)
-/* AVX2: `vpmaddubsw` pairs then `vpmaddwd` with ones; int8 weights take x's sign (x's magnitudes the unsigned operand,
-   a8_x.v), so no excess is subtracted for them */
+/* AVX2: with AVX-VNNI `vpdpbusd` on 32 bytes as the AVX-512 path; without it `vpmaddubsw` pairs then `vpmaddwd` with
+   ones, int8 weights taking x's sign (x's magnitudes the unsigned operand, a8_x.v), so no excess for them. Both
+   give the same integer lanes, and the float steps are the same: the same bits. */
 static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
                                                               int64_t group, const uint8_t *w, int64_t rs,
                                                               const uint16_t *sr, int64_t ss, const float *ws,
@@ -515,24 +522,41 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
     const int8_t *q = p->q + b * m, *v = p->v + b * mv;
     const float *ls = p->ls + b * p->nl;
     const int32_t *lc = p->lc + b * p->nl;
-    const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i nib = _mm256_set1_epi8(15);
+#if defined(A8_VNNI)
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
     __m256 acc[4];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < mv; j += cols) {
+#if defined(A8_VNNI)
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(int4 ? v + j : q + j)),
+                      x1 = int4 ? _mm256_loadu_si256((const __m256i *)(v + j + 32)) : x0,
+                      corr = _mm256_loadu_si256((const __m256i *)(lc + j / lw));   /* (negated) */
+#else
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)(int4 ? v + j : q + j)),
                       x1 = _mm256_loadu_si256((const __m256i *)(int4 ? v + j + 32 : v + j)),
                       corr = int4 ? _mm256_loadu_si256((const __m256i *)(lc + j / lw)) : _mm256_setzero_si256();
+#endif
         const __m256 xs = _mm256_loadu_ps(ls + j / lw);
         for (int r = 0; r < R; ++r) {
             const uint8_t *wr = w + r * rs + (int4 ? j / 2 : j);
             if (pf_end && (j & cols)) Q_PF(wr, pf_end);   /* 32 bytes a step: a line every other step */
             const __m256i d = _mm256_loadu_si256((const __m256i *)wr);
-            /* int4: pair sums of codes <= 15 times |q| <= 127, no saturation, and lo + hi < 2^15 */
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), nib);
+#if defined(A8_VNNI)
+            const __m256i i = int4 ? _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(corr, _mm256_and_si256(d, nib),
+                                                                                     x0), hi, x1)
+                                   : _mm256_dpbusd_avx_epi32(corr, _mm256_xor_si256(d, flip), x0);
+#else
+            /* int4: pair sums of codes <= 15 times |q| <= 127, no saturation, and lo + hi < 2^15 */
             const __m256i s16 = int4 ? _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(d, nib), x0),
                                                         _mm256_maddubs_epi16(hi, x1))
                                      : _mm256_maddubs_epi16(x1, _mm256_sign_epi8(d, x0));
-            const __m256i i = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), corr);
+            const __m256i i = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), corr);
+#endif
             __m256 s = _mm256_set1_ps(int4 ? 0.0f : ws[r]);
             if (int4) {   /* lanes 0-3 and 4-7: one or two groups */
                 const uint16_t *g = sr + r * ss + (j >> gsh);
