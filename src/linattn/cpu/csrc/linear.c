@@ -78,7 +78,12 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
    * at least one unit per thread, fewer than that (B = 1, H = 4 on 2 threads): still one pass per unit, the same
      arithmetic, as chains (chains.h): a unit is claimed for a run of LIN_CHAIN_RUN chunks at a time, its state
      kept in a shared array between runs, so that the units advance together and a descheduled thread holds
-     back one run of one unit.
+     back one run of one unit. A claim takes the free heads of an aligned group (lin_group: two pairs at B = 1,
+     H = 4 on 2 threads) that stand at one position and runs them side by side, every chunk's heads in turn, as
+     one thread's pass runs all of them: one head's rows are 256 of every H * 256 bytes (K = 64, fp32), and a
+     thread that reads them alone pays for the pages and neighbouring lines of rows it does not use (measured at
+     1 thread: 8-11 % more CPU time than all heads in turn). Beside a waiting thread a claim takes one head
+     (la_chains_claim_group), so a descheduled thread still holds back one run of one head.
    * fewer units than threads: each chunk's work in two halves, every (unit, chunk) task claimed from one
      counter in the order: every chunk's first half (the forward's state update, the backward's state-gradient
      part), unit by unit, then every chunk's second half (outputs, input gradients). The thread that finishes a
