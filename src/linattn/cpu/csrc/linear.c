@@ -82,7 +82,7 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
      H = 4 on 2 threads) that stand at one position and runs them side by side, every chunk's heads in turn, as
      one thread's pass runs all of them: one head's rows are 256 of every H * 256 bytes (K = 64, fp32), and a
      thread that reads them alone pays for the pages and neighbouring lines of rows it does not use (measured at
-     1 thread: 8-11 % more CPU time than all heads in turn). Beside a waiting thread a claim takes one head
+     1 thread: 4-15 % more CPU time than all heads in turn). Beside a waiting thread a claim takes one head
      (la_chains_claim_group), so a descheduled thread still holds back one run of one head.
    * fewer units than threads: each chunk's work in two halves, every (unit, chunk) task claimed from one
      counter in the order: every chunk's first half (the forward's state update, the backward's state-gradient
@@ -158,7 +158,6 @@ static int lin_group(int64_t N, int64_t H, int threads) {
         if (H % d == 0) g = d;
     return g;
 }
-
 
 /* the forward's `nonfinite` flags, ORed over every row it writes (cpu/linear.py reads them): num held inf / NaN
    (or den' was NaN) where the kernel divided, so the caller's lean backward does not apply; a value written to the
