@@ -1,6 +1,7 @@
 """How the compiled CPU kernels share a call among threads (csrc/chains.h, linear.c, delta.c): one pass per
 (sequence, head), chains of runs within the sequences when there are few (sequence, head) units per thread, and
-linear attention's two-half split when there are fewer units than threads. Every way gives the same bits as one
+linear attention's two-half split when there are fewer units than threads (linear attention's chains run an aligned
+group of heads side by side). Every way gives the same bits as one
 thread, forward and backward, with and without gates, packed sequences and initial states, at 1, 2 and 3 threads
 and in a build without OpenMP (where the one thread runs each schedule's claims in turn). The sequences are long
 enough for several runs per unit (linear: 8 chunks of 64 rows, the delta scan: 512 tokens) and not a multiple of
@@ -327,6 +328,28 @@ def test_chains_back_to_back_calls_same_bits(op):
     one = _run(op, x, 1)
     for i in range(40):
         _same_bits(_run(op, x, 2 + i % 2), one)
+
+
+def test_linear_chains_heads_side_by_side_split_and_apart_same_bits(tmp_path, monkeypatch):
+    """linear.c's chains claim an aligned group of heads at one position and run them side by side (B = 1, H = 4 on
+    2 threads: two pairs); beside a waiting thread a claim takes one head, after which a group's heads stand at
+    different positions and are claimed apart. A build in which every other claim takes one head
+    (LA_CHAINS_SPLIT_GROUPS) goes through both ways in every call: one thread's bits of the default build, forward
+    and backward, gates, 2 and 3 threads, heads in groups of 2 and 3."""
+    cases = [_lin_inputs(1, T_LONG, 4, torch.float32, True), _lin_inputs(2, T_LONG, 3, torch.float64, False)]
+    want = [_run("linear", x, 1) for x in cases]
+    for x, w in zip(cases, want):  # the default build's schedules first
+        _same_bits(_run("linear", x, 2), w)
+    if cbuild.load_library("probe").linattn_probe_threads(2) != 2:
+        pytest.skip("the default build has no OpenMP here")
+    monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cbuild, "FLAG_SETS", (("-march=native", "-fopenmp", "-DLA_CHAINS_SPLIT_GROUPS"),
+                                              ("-fopenmp", "-DLA_CHAINS_SPLIT_GROUPS")))
+    monkeypatch.setattr(cbuild, "_LOADED", {})
+    for x, w in zip(cases, want):
+        for threads in (2, 3):
+            _same_bits(_run("linear", x, threads), w)
+    assert "-DLA_CHAINS_SPLIT_GROUPS" in cbuild.LAST_BUILD["linear"]["flags"]
 
 
 def _affinities():

@@ -121,6 +121,8 @@ typedef struct {
     _Atomic int *held;      /* per unit: held by a thread (or finished, or never added) */
     int64_t *run;           /* per unit: where its next run starts (read and written by the holder only) */
     la_team_t team;         /* the call's threads and where they run */
+    /* group claims (la_chains_claim_group) */
+    _Atomic int waiting; /* threads asleep in a claim, finding every unfinished unit held */
 } la_chains_t;
 
 #ifndef LA_WAIT_NS
@@ -148,6 +150,7 @@ static int la_chains_init(la_chains_t *c, int64_t units, int threads) {
     }
     atomic_init(&c->cursor, 0);
     atomic_init(&c->left, 0);
+    atomic_init(&c->waiting, 0);
     for (int64_t u = 0; u < units; u++) atomic_init(&c->held[u], 1), c->run[u] = 0;
     return 0;
 }
@@ -171,10 +174,40 @@ static int64_t la_chains_claim(la_chains_t *c, int64_t units) {
             const int64_t u = (c0 + i) % units;
             if (!atomic_exchange_explicit(&c->held[u], 1, memory_order_acquire)) return u;
         }
+        atomic_fetch_add_explicit(&c->waiting, 1, memory_order_relaxed);
         la_wait();
+        atomic_fetch_sub_explicit(&c->waiting, 1, memory_order_relaxed);
     }
     la_team_leave(&c->team);
     return -1;
+}
+
+/* la_chains_claim, and with it the other free units of u's aligned group of g (units g * (u / g) ..., below
+   `units`) that stand at u's position (run[v] == run[u]), when no thread waits for work: the caller runs them side by
+   side (all heads of a chunk in turn: their rows share pages and cache lines' neighbours). A waiting thread means
+   there are fewer free units than threads, and each then claims one unit, as la_chains_claim. got[0 .. n) receives
+   the claimed units in ascending order (g values of room); returns n, 0 when every unit is finished. */
+static int la_chains_claim_group(la_chains_t *c, int64_t units, int g, int64_t *got) {
+    const int64_t u = la_chains_claim(c, units);
+    if (u < 0) return 0;
+    int n = 0, alone = atomic_load_explicit(&c->waiting, memory_order_relaxed) > 0;
+#ifdef LA_CHAINS_SPLIT_GROUPS /* a test build: every other claim takes one unit, as beside a waiting thread */
+    alone = atomic_load_explicit(&c->cursor, memory_order_relaxed) % 2 == 1;
+#endif
+    if (g > 1 && !alone) {
+        const int64_t g0 = u - u % g;
+        for (int64_t v = g0; v < g0 + g && v < units; v++) {
+            if (v == u) got[n++] = u;
+            else if (!atomic_load_explicit(&c->held[v], memory_order_relaxed) &&
+                     !atomic_exchange_explicit(&c->held[v], 1, memory_order_acquire)) {
+                if (c->run[v] == c->run[u]) got[n++] = v;
+                else atomic_store_explicit(&c->held[v], 0, memory_order_release); /* elsewhere: not side by side */
+            }
+        }
+    } else {
+        got[n++] = u;
+    }
+    return n;
 }
 
 /* the holder of unit u ran it up to `to`; finished: the unit had no steps left after it (it stays held) */
