@@ -303,13 +303,84 @@ LA_INLINE void FN(bwd_first_cols)(int64_t K, int64_t V, int64_t nw, REAL *restri
     LA_SIMD for (int64_t j = 0; j < nw; j++) derr[j] = acc[j];
 }
 
+/* bwd_cols without a gate or with one decay e per head (the same for every row): then P = e S_{t-1} needs no
+   product per element. dk's second term sum_j P dpred = sum_j S_{t-1} (e dpred) reads e dpred, formed once per
+   token, and the head gate's <dP, P> = e sum dP S_{t-1} is summed in one lane vector over every row and scaled by
+   e once: 8 vector operations per element instead of 9, and no column array for the gate. Without a gate e = 1
+   and every product is the general form's (dS_{t-1} = e dP kept as a product for it: the same contraction, the
+   same bits). da = <derr, w> is bwd_token's. */
+LA_INLINE void FN(bwd_cols_head)(int64_t K, int64_t V, int64_t nw, REAL *restrict dS, const REAL *restrict Sp,
+                                 const REAL *restrict w, REAL e, const REAL *restrict k, REAL a,
+                                 const REAL *restrict derr, REAL *restrict dv, REAL *restrict dk,
+                                 REAL *restrict gsum, int gate, int has_prev, const REAL *restrict qp,
+                                 const REAL *restrict kp, const REAL *restrict dop, REAL *restrict derrp,
+                                 REAL *restrict dqp) {
+    enum { L = 64 / sizeof(REAL) };
+    REAL dpred[FN(VB)], dpe[FN(VB)], aw[FN(VB)], dov[FN(VB)], accp[FN(VB)], pg[L];
+    LA_SIMD for (int64_t j = 0; j < nw; j++) {
+        dv[j] = a * derr[j];
+        dpred[j] = -a * derr[j];
+        dpe[j] = e * dpred[j];
+        aw[j] = a * w[j];
+        dov[j] = has_prev ? dop[j] : 0;
+        accp[j] = 0;
+    }
+    LA_SIMD for (int64_t l = 0; l < L; l++) pg[l] = 0;
+    REAL sgr = 0; /* the gate's sum over the columns of a narrower last block */
+    for (int64_t d = 0; d < K; d++) {
+        REAL *restrict dSd = dS + d * V;
+        const REAL *restrict Spd = Sp + d * V;
+        const REAL kd = k[d], qpd = has_prev ? qp[d] : 0, kpd = has_prev ? kp[d] : 0;
+        if (nw == FN(VB)) { /* lane partial sums (L lanes), folded once per row */
+            REAL pk[L], pq[L];
+            LA_SIMD for (int64_t l = 0; l < L; l++) { pk[l] = 0; pq[l] = 0; }
+            for (int64_t c = 0; c < FN(VB); c += L) {
+                LA_SIMD for (int64_t l = 0; l < L; l++) {
+                    const int64_t j = c + l;
+                    const REAL dP = dSd[j] + kd * dpred[j];
+                    pk[l] += dSd[j] * aw[j] + Spd[j] * dpe[j];
+                    if (gate == GATE_HEAD) pg[l] += dP * Spd[j];
+                    REAL dSn = e * dP;
+                    if (has_prev) {
+                        dSn += qpd * dov[j];
+                        accp[j] += kpd * dSn;
+                        pq[l] += Spd[j] * dov[j];
+                    }
+                    dSd[j] = dSn;
+                }
+            }
+            dk[d] += FN(lanes_sum)(pk);
+            if (has_prev) dqp[d] += FN(lanes_sum)(pq);
+            continue;
+        }
+        REAL sk = 0, sg = 0, sq = 0;
+        LA_SIMD_SUM(sk, sg, sq) for (int64_t j = 0; j < nw; j++) {
+            const REAL dP = dSd[j] + kd * dpred[j];
+            sk += dSd[j] * aw[j] + Spd[j] * dpe[j];
+            if (gate == GATE_HEAD) sg += dP * Spd[j];
+            REAL dSn = e * dP;
+            if (has_prev) {
+                dSn += qpd * dov[j];
+                accp[j] += kpd * dSn;
+                sq += Spd[j] * dov[j];
+            }
+            dSd[j] = dSn;
+        }
+        dk[d] += sk;
+        sgr += sg;
+        if (has_prev) dqp[d] += sq;
+    }
+    if (gate == GATE_HEAD) *gsum += e * (nw == FN(VB) ? FN(lanes_sum)(pg) : sgr);
+    if (has_prev) { LA_SIMD for (int64_t j = 0; j < nw; j++) derrp[j] = accp[j]; }
+}
+
 LA_INLINE void FN(bwd_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict dS, const REAL *restrict Sp,
                             const REAL *restrict w, const REAL *restrict e, const REAL *restrict k, REAL a,
                             const REAL *restrict derr, REAL *restrict dv, REAL *restrict dk,
-                            REAL *restrict dgc, REAL *restrict gsum, REAL *restrict da, int gate, int has_prev,
-                            const REAL *restrict qp, const REAL *restrict kp, const REAL *restrict dop,
-                            REAL *restrict derrp, REAL *restrict dqp) {
-    REAL dpred[FN(VB)], aw[FN(VB)], dov[FN(VB)], accp[FN(VB)], gacc[FN(VB)];
+                            REAL *restrict dgc, REAL *restrict da, int has_prev, const REAL *restrict qp,
+                            const REAL *restrict kp, const REAL *restrict dop, REAL *restrict derrp,
+                            REAL *restrict dqp) {
+    REAL dpred[FN(VB)], aw[FN(VB)], dov[FN(VB)], accp[FN(VB)];
     REAL sa = 0;
     LA_SIMD_SUM(sa) for (int64_t j = 0; j < nw; j++) {
         sa += derr[j] * w[j];
@@ -318,7 +389,6 @@ LA_INLINE void FN(bwd_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict dS,
         aw[j] = a * w[j];
         dov[j] = has_prev ? dop[j] : 0;
         accp[j] = 0;
-        gacc[j] = 0;
     }
     *da += sa;
     for (int64_t d = 0; d < K; d++) {
@@ -335,8 +405,7 @@ LA_INLINE void FN(bwd_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict dS,
                     const REAL P = ed * Spd[j];
                     const REAL dP = dSd[j] + kd * dpred[j];
                     pk[l] += dSd[j] * aw[j] + P * dpred[j];
-                    if (gate == GATE_CHANNEL) pg[l] += dP * P;
-                    if (gate == GATE_HEAD) gacc[j] += dP * P;
+                    pg[l] += dP * P;
                     REAL dSn = ed * dP;
                     if (has_prev) {
                         dSn += qpd * dov[j];
@@ -347,7 +416,7 @@ LA_INLINE void FN(bwd_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict dS,
                 }
             }
             dk[d] += FN(lanes_sum)(pk);
-            if (gate == GATE_CHANNEL) dgc[d] += FN(lanes_sum)(pg);
+            dgc[d] += FN(lanes_sum)(pg);
             if (has_prev) dqp[d] += FN(lanes_sum)(pq);
             continue;
         }
@@ -356,8 +425,7 @@ LA_INLINE void FN(bwd_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict dS,
             const REAL P = ed * Spd[j];
             const REAL dP = dSd[j] + kd * dpred[j];
             sk += dSd[j] * aw[j] + P * dpred[j];
-            if (gate == GATE_CHANNEL) sg += dP * P;
-            if (gate == GATE_HEAD) gacc[j] += dP * P;
+            sg += dP * P;
             REAL dSn = ed * dP;
             if (has_prev) {
                 dSn += qpd * dov[j];
@@ -367,13 +435,8 @@ LA_INLINE void FN(bwd_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict dS,
             dSd[j] = dSn;
         }
         dk[d] += sk;
-        if (gate == GATE_CHANNEL) dgc[d] += sg;
+        dgc[d] += sg;
         if (has_prev) dqp[d] += sq;
-    }
-    if (gate == GATE_HEAD) {
-        REAL sgh = 0;
-        LA_SIMD_SUM(sgh) for (int64_t j = 0; j < nw; j++) sgh += gacc[j];
-        *gsum += sgh;
     }
     if (has_prev) { LA_SIMD for (int64_t j = 0; j < nw; j++) derrp[j] = accp[j]; }
 }
@@ -384,14 +447,31 @@ LA_INLINE void FN(bwd_token)(int64_t K, int64_t V, REAL *dS, const REAL *Sp, con
                              REAL *gsum, REAL *da, int gate, int has_prev, const REAL *qp, const REAL *kp,
                              const REAL *dop, REAL *derrp, REAL *dqp) {
     int64_t j0 = 0;
+    if (gate != GATE_CHANNEL) {
+        for (; j0 + FN(VB) <= V; j0 += FN(VB)) { /* da = <derr, w> by blocks of VB, as the general form sums it */
+            REAL sa = 0;
+            LA_SIMD_SUM(sa) for (int64_t j = 0; j < FN(VB); j++) sa += derr[j0 + j] * w[j0 + j];
+            *da += sa;
+        }
+        if (j0 < V) {
+            REAL sa = 0;
+            LA_SIMD_SUM(sa) for (int64_t j = j0; j < V; j++) sa += derr[j] * w[j];
+            *da += sa;
+        }
+        for (j0 = 0; j0 + FN(VB) <= V; j0 += FN(VB))
+            FN(bwd_cols_head)(K, V, FN(VB), dS + j0, Sp + j0, w + j0, e[0], k, a, derr + j0, dv + j0, dk, gsum, gate,
+                              has_prev, qp, kp, has_prev ? dop + j0 : NULL, has_prev ? derrp + j0 : NULL, dqp);
+        if (j0 < V)
+            FN(bwd_cols_head)(K, V, V - j0, dS + j0, Sp + j0, w + j0, e[0], k, a, derr + j0, dv + j0, dk, gsum, gate,
+                              has_prev, qp, kp, has_prev ? dop + j0 : NULL, has_prev ? derrp + j0 : NULL, dqp);
+        return;
+    }
     for (; j0 + FN(VB) <= V; j0 += FN(VB))
-        FN(bwd_cols)(K, V, FN(VB), dS + j0, Sp + j0, w + j0, e, k, a, derr + j0, dv + j0, dk, dgc, gsum,
-                     da, gate, has_prev, qp, kp, has_prev ? dop + j0 : NULL, has_prev ? derrp + j0 : NULL,
-                     dqp);
+        FN(bwd_cols)(K, V, FN(VB), dS + j0, Sp + j0, w + j0, e, k, a, derr + j0, dv + j0, dk, dgc, da, has_prev,
+                     qp, kp, has_prev ? dop + j0 : NULL, has_prev ? derrp + j0 : NULL, dqp);
     if (j0 < V)
-        FN(bwd_cols)(K, V, V - j0, dS + j0, Sp + j0, w + j0, e, k, a, derr + j0, dv + j0, dk, dgc, gsum,
-                     da, gate, has_prev, qp, kp, has_prev ? dop + j0 : NULL, has_prev ? derrp + j0 : NULL,
-                     dqp);
+        FN(bwd_cols)(K, V, V - j0, dS + j0, Sp + j0, w + j0, e, k, a, derr + j0, dv + j0, dk, dgc, da, has_prev,
+                     qp, kp, has_prev ? dop + j0 : NULL, has_prev ? derrp + j0 : NULL, dqp);
 }
 
 /* the scratch of one thread's backward: a stretch's states S_{t-1} and its last S_t, its w and e; derr of this and
