@@ -4,6 +4,7 @@ the same for every architecture that decodes through transformers' `generate`, a
 those that cannot (no attention layer)."""
 import copy
 
+import pytest
 import torch
 
 from linattn.hf import kernelize
@@ -149,23 +150,68 @@ def check_cache_copied_and_advanced(ref, fast, watched, monkeypatch, positions=F
     assert close(torch.stack(more[0].logits), torch.stack(more[1].logits))
 
 
+def one_token_each(ref, fast, positions=False):
+    """(the prompt's last token, [fast's cache, ref's cache]) after a 2 x 5 prompt and that token decoded once by
+    each model, without grad (`positions`: `at`'s): the pair ready for a token after a change between tokens."""
+    ids = prompt(2, 5)
+    tok = ids[:, -1:]
+    with torch.no_grad():
+        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
+        for m, c in zip((fast, ref), caches):
+            m(tok, cache=c, **at(positions, 5))
+    return tok, caches
+
+
+def next_logits(ref, fast, tok, caches, positions=False):
+    """[fast's, ref's] logits of `tok` decoded at position 6 on `one_token_each`'s caches, without grad."""
+    with torch.no_grad():
+        return [m(tok, cache=c, **at(positions, 6)).logits for m, c in zip((fast, ref), caches)]
+
+
+def check_changed_between_tokens(ref, fast, change, rebuilt, monkeypatch, positions=False):
+    """`change(model)` applied to both models between two compiled tokens: the plan's guard fails exactly when
+    `rebuilt` (the plan copied what changed, or reads it when it is built), and the next token is the unpatched
+    model's with the change (`positions`: `at`'s)."""
+    calls = CompiledDecodeCalls(monkeypatch)
+    tok, caches = one_token_each(ref, fast, positions)
+    guard = fast._linattn_model_plan.guard
+    with torch.no_grad():
+        for m in (fast, ref):
+            change(m)
+    assert guard.valid() is not rebuilt
+    lg = next_logits(ref, fast, tok, caches, positions)
+    assert calls.model == 2
+    assert close(lg[0], lg[1])
+
+
 def check_in_place_update(ref, fast, name, copied, monkeypatch, positions=False):
     """Parameter `name` updated in place between tokens: the plan's guard fails exactly when the plan `copied` it,
     and the next token reads the new value (`positions`: `at`'s)."""
+    check_changed_between_tokens(ref, fast, lambda m: m.get_parameter(name).add_(0.5), copied, monkeypatch,
+                                 positions)
+
+
+def check_broken_plan(ref, fast, breaks):
+    """A planted error: `breaks(block_plans, model_plan)` changes the kernelized model's plan after a token; the
+    next token's logits must then leave the unpatched model's (what the comparisons check is what that part of the
+    plan computes)."""
+    tok, caches = one_token_each(ref, fast)
+    slot = fast._linattn_model_plan
+    breaks(slot.keep[0], slot.plan)
+    got, want = next_logits(ref, fast, tok, caches)
+    assert not close(got, want, 1e-3)
+
+
+def check_output_class(ref, fast, monkeypatch, positions=False):
+    """A compiled token returns the class the unpatched forward returns; (its output, the unpatched one's)."""
     ids = prompt(2, 5)
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
         caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
-        tok = ids[:, -1:]
-        for m, c in zip((fast, ref), caches):
-            m(tok, cache=c, **at(positions, 5))
-        guard = fast._linattn_model_plan.guard
-        for m in (fast, ref):
-            m.get_parameter(name).add_(0.5)
-        assert guard.valid() is not copied
-        lg = [m(tok, cache=c, **at(positions, 6)).logits for m, c in zip((fast, ref), caches)]
-    assert calls.model == 2
-    assert close(lg[0], lg[1])
+        got, want = (m(ids[:, -1:], cache=c, **at(positions, 5)) for m, c in zip((fast, ref), caches))
+    assert calls.model == 1 and type(got) is type(want)
+    assert close(got.logits, want.logits)
+    return got, want
 
 
 def check_hook_steps_aside(ref, fast, module, monkeypatch):
@@ -183,10 +229,10 @@ def check_bf16(ref, fast, dtype, monkeypatch, positions=False):
     """bf16 weights, computed in fp32: the logits (of `dtype`) within bf16's rounding of the unpatched model's
     (`positions`: `at`'s)."""
     ids = prompt(2, 5)
+    tok = ids[:, -1:]
     calls = CompiledDecodeCalls(monkeypatch)
     with torch.no_grad():
         caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
-        tok = ids[:, -1:]
         for i in range(4):
             lg = [m(tok, cache=c, **at(positions, 5 + i)).logits for m, c in zip((fast, ref), caches)]
             assert lg[0].dtype == lg[1].dtype == dtype
@@ -213,6 +259,53 @@ def check_torch_compile_steps_aside(fast, monkeypatch, positions=False):
     assert calls.model == 1
     assert close(got, want)
     torch._dynamo.reset()
+
+
+class GenerateChecks:
+    """The checks every description whose models run transformers' `generate` shares, as tests. A test file's
+    `class TestGenerate(pd.GenerateChecks)` runs them on its models: it gives `make_pair` (a function,
+    `make_pair(dtype=torch.float32)` -> (unpatched, kernelized): `perturbed_pair`'s; or, for several architectures,
+    a parametrised fixture `pair` in its place), `described_module(fast)` (a module of the plan's whose hook makes
+    it step aside) and, where they differ from these defaults:"""
+
+    #: whether each one-token call passes its position ids (`at`'s: Bamba's forward needs them)
+    POSITIONS = False
+    #: the dtype of a bf16 model's logits (transformers' Mamba2 and Nemotron-H return fp32 ones)
+    BF16_LOGITS = torch.bfloat16
+    #: compiled calls for a left-padded prompt: 0, the plan steps aside (the mask enters every token's attention)
+    LEFT_PADDED_COMPILED = 0
+
+    def described_module(self, fast):
+        raise NotImplementedError("a GenerateChecks subclass names a described module")
+
+    @pytest.fixture
+    def pair(self):
+        return self.make_pair
+
+    def test_sampling_with_a_seed(self, pair, monkeypatch):
+        check_sampling_with_a_seed(*pair(), monkeypatch)
+
+    def test_beam_search_reorders_the_cache(self, pair, monkeypatch):
+        check_beam_search(*pair(), monkeypatch)
+
+    def test_left_padded_generate(self, pair, monkeypatch):
+        """The unpatched model's tokens and logits; no compiled call where the plan steps aside."""
+        check_left_padded_generate(*pair(), CompiledDecodeCalls(monkeypatch), self.LEFT_PADDED_COMPILED)
+
+    def test_a_hook_on_a_described_module_steps_aside(self, pair, monkeypatch):
+        ref, fast = pair()
+        check_hook_steps_aside(ref, fast, self.described_module(fast), monkeypatch)
+
+    def test_bf16_decodes_through_the_plan(self, pair, monkeypatch):
+        """bf16 weights: read as stored and computed in fp32; the logits within bf16's rounding of the unpatched
+        model's (which rounds every activation to bf16)."""
+        check_bf16(*pair(torch.bfloat16), self.BF16_LOGITS, monkeypatch, self.POSITIONS)
+
+    def test_under_torch_compile_the_plan_steps_aside(self, pair, monkeypatch):
+        check_torch_compile_steps_aside(pair()[1], monkeypatch, self.POSITIONS)
+
+    def test_the_hook_returns_the_unpatched_forwards_output_class(self, pair, monkeypatch):
+        check_output_class(*pair(), monkeypatch, self.POSITIONS)
 
 
 # -- models without an attention layer (Kimi Linear, Bailing hybrid made of KDA layers): transformers' cache reports

@@ -19,7 +19,6 @@ if not hasattr(transformers, "GraniteMoeHybridForCausalLM"):
 from linattn.cpu import decode as cpu_decode  # noqa: E402
 from linattn.hf import kernelize_plan as plan  # noqa: E402
 from linattn.hf.kernelize_plan_granite import describe_model, undescribed_reason  # noqa: E402
-from tests.helpers import CompiledDecodeCalls  # noqa: E402
 from tests.hf import plan_decode as pd  # noqa: E402
 from tests.hf.kernelize_models import (  # noqa: E402
     ATTN,
@@ -51,6 +50,13 @@ def _pair(dtype=torch.float32, experts=4, rope=True, tied=False, hooked=True, la
         if experts and hasattr(m, "set_experts_implementation"):
             m.set_experts_implementation("eager")   # (torch._grouped_mm takes no fp64)
     return ref, fast
+
+
+class TestGenerate(pd.GenerateChecks):
+    make_pair = staticmethod(_pair)
+
+    def described_module(self, fast):
+        return fast.model.layers[2].shared_mlp.output_linear
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -112,15 +118,6 @@ def test_cache_objects_hold_transformers_values(monkeypatch):
     pd.check_cache_values(*_pair(torch.float64), monkeypatch, state_dtype=False)
 
 
-def test_sampling_with_a_seed(monkeypatch):
-    pd.check_sampling_with_a_seed(*_pair(), monkeypatch)
-
-
-def test_left_padding_steps_aside(monkeypatch):
-    """A padded attention mask: every token runs transformers' forward; its tokens and logits."""
-    pd.check_left_padded_generate(*_pair(), CompiledDecodeCalls(monkeypatch), 0)
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("watched", ["keys", "state"])
 def test_cache_copied_continued_and_advanced_by_transformers_between_calls(dtype, watched, monkeypatch):
@@ -147,37 +144,13 @@ def test_in_place_update_of_a_weight_is_read(name, copied, monkeypatch):
 def test_a_changed_multiplier_rebuilds_the_plan(owner, name, monkeypatch):
     """A multiplier the modules hold, set to another value between tokens: the guard fails, the next token is the
     unpatched model's with the new value."""
-    ref, fast = _pair()
-    ids = pd.prompt(2, 5)
-    calls = CompiledDecodeCalls(monkeypatch)
-    with torch.no_grad():
-        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
-        tok = ids[:, -1:]
-        for m, c in zip((fast, ref), caches):
-            m(tok, cache=c)
-        guard = fast._linattn_model_plan.guard
-        for m in (fast, ref):
-            setattr(m.model if owner == "model" else m.model.layers[3], name, 1.6)
-        assert not guard.valid()
-        lg = [m(tok, cache=c).logits for m, c in zip((fast, ref), caches)]
-    assert calls.model == 2
-    assert pd.close(lg[0], lg[1])
+    pd.check_changed_between_tokens(
+        *_pair(), lambda m: setattr(m.model if owner == "model" else m.model.layers[3], name, 1.6), True, monkeypatch)
 
 
-def test_a_hook_on_a_described_module_steps_aside(monkeypatch):
-    ref, fast = _pair()
-    pd.check_hook_steps_aside(ref, fast, fast.model.layers[2].shared_mlp.output_linear, monkeypatch)
-
-
-@pytest.mark.parametrize("experts", [0, 4])
-def test_bf16_decodes_through_the_plan(experts, monkeypatch):
-    """bf16 weights: read as stored and computed in fp32; the logits (bf16, as transformers returns them) within
-    bf16's rounding of the unpatched model's."""
-    pd.check_bf16(*_pair(torch.bfloat16, experts=experts), torch.bfloat16, monkeypatch)
-
-
-def test_under_torch_compile_the_plan_steps_aside(monkeypatch):
-    pd.check_torch_compile_steps_aside(_pair()[1], monkeypatch)
+def test_bf16_dense(monkeypatch):
+    """bf16 weights without experts (the shared MLP alone): the logits within bf16's rounding."""
+    pd.check_bf16(*_pair(torch.bfloat16, experts=0), torch.bfloat16, monkeypatch)
 
 
 @pytest.mark.parametrize("cfg,why", [(dict(attention_bias=True), "bias"),
@@ -191,16 +164,6 @@ def test_what_the_plan_does_not_compute_steps_aside(cfg, why, monkeypatch):
                            not cfg.get("output_router_logits"), monkeypatch)
 
 
-def test_the_hook_returns_the_unpatched_forwards_output_class(monkeypatch):
-    ref, fast = _pair()
-    ids = pd.prompt(2, 5)
-    calls = CompiledDecodeCalls(monkeypatch)
-    with torch.no_grad():
-        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
-        got, want = (m(ids[:, -1:], cache=c) for m, c in zip((fast, ref), caches))
-    assert calls.model == 1 and type(got) is type(want)
-
-
 @pytest.mark.parametrize("where,field,value", [
     ("model", "emb_scaled", 0),        # the embedding multiplier dropped
     ("model", "logits_scaled", 0),     # the logits not divided
@@ -210,15 +173,8 @@ def test_the_hook_returns_the_unpatched_forwards_output_class(monkeypatch):
 def test_a_multiplier_dropped_from_the_plan_changes_the_logits(where, field, value, experts):
     """What the comparisons above check is what the multipliers do: with one of them dropped from the plan, the
     logits leave the unpatched model's."""
-    ref, fast = _pair(experts=experts)
-    ids = pd.prompt(2, 5)
-    with torch.no_grad():
-        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
-        tok = ids[:, -1:]
-        for m, c in zip((fast, ref), caches):
-            m(tok, cache=c)
-        slot = fast._linattn_model_plan
-        for p in [slot.plan] if where == "model" else slot.keep[0]:
+    def drop(blocks, model_plan):
+        for p in [model_plan] if where == "model" else blocks:
             setattr(p, field, value)
-        got, want = (m(tok, cache=c).logits for m, c in zip((fast, ref), caches))
-    assert not pd.close(got, want, 1e-3)
+
+    pd.check_broken_plan(*_pair(experts=experts), drop)

@@ -9,6 +9,7 @@ transformers' values (the normed latents and the shared — for Bailing rotated 
 and the plan handing the cache to each other, in-place weight updates; and the plan with its latent norm, correction
 bias or scaling factor (Bailing: also its RoPE or gate) broken giving other logits. Every test runs once per
 architecture (`arch`: "kimi", "bailing"); an architecture the installed transformers lacks skips its tests."""
+import functools
 from dataclasses import dataclass
 from typing import Callable, Tuple
 
@@ -19,7 +20,6 @@ transformers = pytest.importorskip("transformers")
 
 from linattn.cpu import decode as cpu_decode  # noqa: E402
 from linattn.hf import kernelize_plan_bailing, kernelize_plan_kimi  # noqa: E402
-from tests.helpers import CompiledDecodeCalls  # noqa: E402
 from tests.hf import plan_decode as pd  # noqa: E402
 from tests.hf.kernelize_models import V, transformers_torch_code  # noqa: E402, F401  (autouse)
 
@@ -123,6 +123,15 @@ def _pair(arch: str, dtype=torch.float32, q_lora=None, **kw):
 every_arch = pytest.mark.parametrize("arch", sorted(ARCHS))
 
 
+class TestGenerate(pd.GenerateChecks):
+    @pytest.fixture(params=sorted(ARCHS))
+    def pair(self, request):
+        return functools.partial(_pair, request.param)
+
+    def described_module(self, fast):
+        return fast.model.layers[2].self_attn.kv_b_proj   # (an MLA layer's, in both patterns)
+
+
 @every_arch
 def test_the_real_layer_pattern_is_described(arch):
     _, fast = _pair(arch)
@@ -162,23 +171,6 @@ def test_cache_objects_hold_transformers_values(arch, monkeypatch):
 
 
 @every_arch
-def test_sampling_with_a_seed(arch, monkeypatch):
-    pd.check_sampling_with_a_seed(*_pair(arch), monkeypatch)
-
-
-@every_arch
-def test_left_padding_steps_aside(arch, monkeypatch):
-    ref, fast = _pair(arch)
-    pd.check_left_padded_generate(ref, fast, CompiledDecodeCalls(monkeypatch), 0)
-
-
-@every_arch
-def test_bf16_decodes_through_the_plan(arch, monkeypatch):
-    """bf16 weights (the routers' too: the model cast whole), computed in fp32: logits within bf16's rounding."""
-    pd.check_bf16(*_pair(arch, torch.bfloat16), torch.bfloat16, monkeypatch)
-
-
-@every_arch
 def test_bf16_with_fp32_routers(arch, monkeypatch):
     """As transformers loads a bf16 checkpoint (`_keep_in_fp32_modules_strict`): the routers' weights and
     correction biases stay fp32, read by the plan as they are."""
@@ -203,41 +195,27 @@ def test_in_place_update_of_a_weight_is_read(arch, name, monkeypatch):
     pd.check_in_place_update(*_pair(arch), name, False, monkeypatch)
 
 
-def _one_token_each(ref, fast):
-    """(ids' last token, [fast's cache, ref's cache]) after a 5-token prompt and one decoded token."""
-    ids = pd.prompt(2, 5)
-    caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
-    tok = ids[:, -1:]
-    for m, c in zip((fast, ref), caches):
-        m(tok, cache=c)
-    return tok, caches
-
-
 @every_arch
 def test_in_place_update_of_the_correction_bias(arch, monkeypatch):
-    """The correction bias (a buffer) read in place: updated between tokens, the next token's choice reads it."""
-    ref, fast = _pair(arch)
-    calls = CompiledDecodeCalls(monkeypatch)
+    """The correction bias (a buffer) read in place: updated between tokens, the plan stays valid and the next
+    token's choice reads it."""
     mla = ARCHS[arch].layers.index("full_attention", ARCHS[arch].first_moe)   # an MLA layer with an MoE block
-    with torch.no_grad():
-        tok, caches = _one_token_each(ref, fast)
-        for m in (fast, ref):
-            m.model.layers[mla].mlp.gate.e_score_correction_bias[:4] += 5.0
-        lg = [m(tok, cache=c).logits for m, c in zip((fast, ref), caches)]
-    assert calls.model == 2 and pd.close(lg[0], lg[1])
+
+    def change(m):
+        m.model.layers[mla].mlp.gate.e_score_correction_bias[:4] += 5.0
+
+    pd.check_changed_between_tokens(*_pair(arch), change, False, monkeypatch)
 
 
-def _broken(arch, plan_field, value):
-    """The logits of one token through the plan with `plan_field` of every MLA (or MoE-mode-2) block plan set to
-    value, and the unpatched model's."""
-    ref, fast = _pair(arch)
-    with torch.no_grad():
-        tok, caches = _one_token_each(ref, fast)
-        for p in fast._linattn_model_plan.keep[0]:
+def _breaking(plan_field, value):
+    """A `check_broken_plan` change: `plan_field` of every MLA (or MoE-mode-2) block plan set to value (or to
+    `value(p)`)."""
+    def breaks(block_plans, model_plan):
+        for p in block_plans:
             if p.kind == 7 or p.router == 2:
                 if hasattr(p, plan_field) and (plan_field != "mla_kvnw" or p.kind == 7):
                     setattr(p, plan_field, value(p) if callable(value) else value)
-        return [m(tok, cache=c).logits for m, c in zip((fast, ref), caches)]
+    return breaks
 
 
 BROKEN = (("mla_kvnw", None),                        # the latent's RMSNorm without its weight
@@ -250,8 +228,7 @@ BROKEN = (("mla_kvnw", None),                        # the latent's RMSNorm with
 def test_a_broken_plan_gives_other_logits(arch, field, value):
     """What the comparisons above check is what these parts compute: with one of them broken in the plan, the
     logits leave the unpatched model's."""
-    got, want = _broken(arch, field, value)
-    assert not pd.close(got, want, 1e-3)
+    pd.check_broken_plan(*_pair(arch), _breaking(field, value))
 
 
 @every_arch
@@ -263,5 +240,4 @@ def test_the_correction_bias_decides_the_choice(arch):
         z = torch.zeros(p.n_experts)
         keep.append(z)
         return z.data_ptr()
-    got, want = _broken(arch, "e_bias", zero_bias)
-    assert not pd.close(got, want, 1e-3)
+    pd.check_broken_plan(*_pair(arch), _breaking("e_bias", zero_bias))

@@ -5,6 +5,8 @@ different experts, dense and MoE layers mixed (`mlp_only_layers`), with and with
 without renormalised top-k probabilities, exactly tied router scores (torch.topk's choice among them), left padding,
 sampling with a seed, transformers' own decode and the plan handing the cache to each other, torch.compile stepping
 aside. The routing itself (`cpu/decode.moe_route`) against torch's softmax and topk."""
+import functools
+
 import pytest
 import torch
 
@@ -52,6 +54,22 @@ def _pair(arch="qwen3_next", dtype=torch.float32, **kw):
                              scaled=("q_proj", "k_proj", "in_proj_qkvz", "mlp.gate."))
 
 
+class TestGenerate(pd.GenerateChecks):
+    @pytest.fixture(params=ARCHS)
+    def pair(self, request):
+        return functools.partial(_pair, request.param)
+
+    def described_module(self, fast):
+        return fast.model.layers[0].mlp.experts
+
+    def test_the_hook_returns_the_unpatched_forwards_output_class(self, pair, monkeypatch):
+        """`MoeCausalLMOutputWithPast`, its aux loss and router logits None as the unpatched forward leaves them
+        without `output_router_logits`."""
+        got, want = pd.check_output_class(*pair(), monkeypatch)
+        assert type(got) is transformers.modeling_outputs.MoeCausalLMOutputWithPast
+        assert got.aux_loss is want.aux_loss is None and got.router_logits is want.router_logits is None
+
+
 def _routes(model):
     """The top-k indices every MoE router of `model` returns, per call (a forward hook on the routers)."""
     seen = []
@@ -88,11 +106,6 @@ def test_without_shared_expert_or_renormalisation(shared, norm_topk, monkeypatch
     pd.check_greedy_generate(*_pair(shared=shared, norm_topk=norm_topk), 2, 5, 12, monkeypatch)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_decodes_through_the_plan(arch, monkeypatch):
-    pd.check_bf16(*_pair(arch, torch.bfloat16), torch.bfloat16, monkeypatch)
-
-
 def test_exactly_tied_router_scores_take_torch_topks_experts(monkeypatch):
     """Router rows 1..6 equal (their probabilities tie exactly) and the experts' weights different: a tie broken
     otherwise than torch.topk breaks it (its libstdc++ selection, not the lowest index) changes the logits."""
@@ -108,16 +121,6 @@ def test_exactly_tied_router_scores_take_torch_topks_experts(monkeypatch):
     pd.check_greedy_generate(ref, fast, 2, 5, 8, monkeypatch)
     tied = [set(row.tolist()) for r in routes for row in r]
     assert any(s <= set(range(1, 7)) and s != {1, 2} for s in tied)   # (not the lowest indices among the tie)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_sampling_with_a_seed(arch, monkeypatch):
-    pd.check_sampling_with_a_seed(*_pair(arch), monkeypatch)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_left_padding_steps_aside(arch, monkeypatch):
-    pd.check_left_padded_generate(*_pair(arch), CompiledDecodeCalls(monkeypatch), 0)
 
 
 def test_cache_objects_hold_transformers_values(monkeypatch):
@@ -140,15 +143,6 @@ def test_in_place_update_of_an_expert_weight(name, copied, monkeypatch):
     """The router, the experts, the shared gate and the shared expert's gate | up parts are read in place: the plan
     stays valid and reads the new values."""
     pd.check_in_place_update(*_pair(), name, copied, monkeypatch)
-
-
-def test_a_hook_on_the_experts_steps_aside(monkeypatch):
-    ref, fast = _pair()
-    pd.check_hook_steps_aside(ref, fast, fast.model.layers[0].mlp.experts, monkeypatch)
-
-
-def test_under_torch_compile_the_plan_steps_aside(monkeypatch):
-    pd.check_torch_compile_steps_aside(_pair()[1], monkeypatch)
 
 
 def test_router_logits_requested_steps_aside(monkeypatch):
@@ -206,19 +200,3 @@ def test_route_refuses_bad_input():
         cpu_decode.moe_route(torch.zeros(3, 4, dtype=torch.float64), 2, True)
     with pytest.raises(ValueError, match=r"k must be in \[1, E = 4\]"):
         cpu_decode.moe_route(torch.zeros(3, 4), 5, True)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_the_hook_returns_the_unpatched_forwards_output_class(arch, monkeypatch):
-    """A compiled token returns the class transformers' forward returns (`MoeCausalLMOutputWithPast`), its aux loss
-    and router logits None as the unpatched forward leaves them without `output_router_logits`."""
-    ref, fast = _pair(arch)
-    ids = pd.prompt(2, 5)
-    calls = CompiledDecodeCalls(monkeypatch)
-    with torch.no_grad():
-        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
-        got, want = (m(ids[:, -1:], cache=c) for m, c in zip((fast, ref), caches))
-    assert calls.model == 1
-    assert type(got) is type(want) is transformers.modeling_outputs.MoeCausalLMOutputWithPast
-    assert got.aux_loss is want.aux_loss is None and got.router_logits is want.router_logits is None
-    assert pd.close(got.logits, want.logits)

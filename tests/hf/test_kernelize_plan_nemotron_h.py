@@ -60,6 +60,18 @@ def _pair(dtype=torch.float32, pattern=PATTERN, hooked=True, **cfg):
     return ref, fast
 
 
+class TestGenerate(pd.GenerateChecks):
+    make_pair = staticmethod(_pair)
+    BF16_LOGITS = torch.float32   # (as transformers returns them)
+
+    def described_module(self, fast):
+        return fast.model.layers[4].mixer.down_proj
+
+    def test_the_hook_returns_the_unpatched_forwards_output_class(self, pair, monkeypatch):
+        got, _ = pd.check_output_class(*pair(), monkeypatch)
+        assert got.logits.dtype == torch.float32
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("B,T,n", [(1, 1, 12), (3, 9, 70), (2, 5, 8)])
 def test_greedy_generate_matches_the_unpatched_model(B, T, n, dtype, monkeypatch):
@@ -133,15 +145,6 @@ def test_cache_objects_hold_transformers_values(monkeypatch):
             assert type(lg).__name__ == "DummyLayer" and lg.keys is None
 
 
-def test_sampling_with_a_seed(monkeypatch):
-    pd.check_sampling_with_a_seed(*_pair(), monkeypatch)
-
-
-def test_left_padding_steps_aside(monkeypatch):
-    """A padded attention mask: every token runs transformers' forward; its tokens and logits."""
-    pd.check_left_padded_generate(*_pair(), CompiledDecodeCalls(monkeypatch), 0)
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("watched", ["keys", "state"])
 def test_cache_copied_continued_and_advanced_by_transformers_between_calls(dtype, watched, monkeypatch):
@@ -163,21 +166,6 @@ def test_in_place_update_of_a_weight_is_read(name, copied, monkeypatch):
     pd.check_in_place_update(*_pair(), name, copied, monkeypatch)
 
 
-def test_a_hook_on_a_described_module_steps_aside(monkeypatch):
-    ref, fast = _pair()
-    pd.check_hook_steps_aside(ref, fast, fast.model.layers[4].mixer.down_proj, monkeypatch)
-
-
-def test_bf16_decodes_through_the_plan(monkeypatch):
-    """bf16 weights: read as stored and computed in fp32; the logits (fp32, as transformers returns them) within
-    bf16's rounding of the unpatched model's."""
-    pd.check_bf16(*_pair(torch.bfloat16), torch.float32, monkeypatch)
-
-
-def test_under_torch_compile_the_plan_steps_aside(monkeypatch):
-    pd.check_torch_compile_steps_aside(_pair()[1], monkeypatch)
-
-
 @pytest.mark.parametrize("cfg,why", [(dict(mlp_bias=True), "bias"), (dict(moe_latent_size=16), "latent"),
                                      (dict(mlp_hidden_act="relu"), "relu2"),
                                      (dict(output_router_logits=True), "router logits")])
@@ -189,16 +177,6 @@ def test_what_the_plan_does_not_compute_steps_aside(cfg, why, monkeypatch):
                            not cfg.get("output_router_logits"), monkeypatch)
 
 
-def test_the_hook_returns_the_unpatched_forwards_output_class(monkeypatch):
-    ref, fast = _pair()
-    ids = pd.prompt(2, 5)
-    calls = CompiledDecodeCalls(monkeypatch)
-    with torch.no_grad():
-        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
-        got, want = (m(ids[:, -1:], cache=c) for m, c in zip((fast, ref), caches))
-    assert calls.model == 1 and type(got) is type(want) and got.logits.dtype == torch.float32
-
-
 @pytest.mark.parametrize("field,value,blocks", [
     ("routed_scale", 1.0, "moe"),     # no routed scaling factor
     ("router", 0, "moe"),             # a softmax router instead of the grouped sigmoid one
@@ -208,15 +186,9 @@ def test_the_hook_returns_the_unpatched_forwards_output_class(monkeypatch):
 def test_a_broken_plan_changes_the_logits(field, value, blocks):
     """What the comparisons above check is what these parts compute: with one of them broken in the plan's MoE (or
     MLP) blocks, the logits leave the unpatched model's."""
-    ref, fast = _pair()
-    ids = pd.prompt(2, 5)
-    with torch.no_grad():
-        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
-        tok = ids[:, -1:]
-        for m, c in zip((fast, ref), caches):
-            m(tok, cache=c)
-        for p in fast._linattn_model_plan.keep[0]:
+    def breaks(block_plans, model_plan):
+        for p in block_plans:
             if (p.router == 2) if blocks == "moe" else (p.ffn_only and p.ffn_kind == 0):
                 setattr(p, field, value)
-        got, want = (m(tok, cache=c).logits for m, c in zip((fast, ref), caches))
-    assert not pd.close(got, want, 1e-3)
+
+    pd.check_broken_plan(*_pair(), breaks)

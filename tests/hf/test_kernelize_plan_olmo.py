@@ -17,7 +17,6 @@ if not hasattr(transformers, "OlmoHybridForCausalLM"):
 
 from linattn.cpu import decode as cpu_decode  # noqa: E402
 from linattn.hf.kernelize_plan_olmo import describe_model, undescribed_reason  # noqa: E402
-from tests.helpers import CompiledDecodeCalls  # noqa: E402
 from tests.hf import plan_decode as pd  # noqa: E402
 from tests.hf.kernelize_models import (  # noqa: E402
     ATTN,
@@ -43,6 +42,13 @@ def _pair(dtype=torch.float32, tied=False, hooked=True, rope=ROPE, neg=True,
                                         linear_allow_neg_eigval=neg, **cfg)
     return pd.perturbed_pair(transformers.OlmoHybridForCausalLM, cfg, dtype, hooked,
                              moved=("norm", "A_log", "dt_bias"), scaled=("q_proj", "k_proj"))
+
+
+class TestGenerate(pd.GenerateChecks):
+    make_pair = staticmethod(_pair)
+
+    def described_module(self, fast):
+        return fast.model.layers[1].post_feedforward_layernorm
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -95,20 +101,6 @@ def test_cache_objects_hold_transformers_values(monkeypatch):
     pd.check_cache_values(*_pair(torch.float64), monkeypatch, state_dtype=False)
 
 
-def test_sampling_with_a_seed(monkeypatch):
-    pd.check_sampling_with_a_seed(*_pair(), monkeypatch)
-
-
-def test_beam_search_reorders_the_cache(monkeypatch):
-    pd.check_beam_search(*_pair(), monkeypatch)
-
-
-def test_left_padding_steps_aside(monkeypatch):
-    """A padded attention mask: the plan cannot honour it (its GDN layers take every token), so every token runs
-    transformers' forward; the tokens and logits are the unpatched model's."""
-    pd.check_left_padded_generate(*_pair(), CompiledDecodeCalls(monkeypatch), 0)
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_cache_copied_continued_and_advanced_by_transformers_between_calls(dtype, monkeypatch):
     """The handoff both ways: transformers' own tokens (the kernels switched off) between compiled ones, a copied
@@ -127,21 +119,6 @@ def test_in_place_update_of_a_weight_is_read(name, copied, monkeypatch):
     plan rebuilds; the norms, the attention matrices and the parts of the fused GDN projection and of gate | up are
     read in place)."""
     pd.check_in_place_update(*_pair(), name, copied, monkeypatch)
-
-
-def test_a_hook_on_a_described_module_steps_aside(monkeypatch):
-    ref, fast = _pair()
-    pd.check_hook_steps_aside(ref, fast, fast.model.layers[1].post_feedforward_layernorm, monkeypatch)
-
-
-def test_bf16_decodes_through_the_plan(monkeypatch):
-    """bf16 weights: the plan reads them as stored and computes in fp32; the logits stay within bf16's rounding
-    of the unpatched model's (which rounds every activation to bf16)."""
-    pd.check_bf16(*_pair(torch.bfloat16), torch.bfloat16, monkeypatch)
-
-
-def test_under_torch_compile_the_plan_steps_aside(monkeypatch):
-    pd.check_torch_compile_steps_aside(_pair()[1], monkeypatch)
 
 
 def test_attention_biases_step_aside():

@@ -39,7 +39,6 @@ MLA layer's keys and values views of its mirror).
 """
 from __future__ import annotations
 
-import operator
 from typing import Optional, Union
 
 import torch
@@ -84,7 +83,7 @@ def _kda_reason(layer, d: int, wdt) -> Optional[str]:
     return _parts.kda_conv_norm_reason(layer, "BailingHybridRMSNormGated", wdt)
 
 
-def _describe(model: nn.Module) -> Union[tuple, str]:
+def describe(model: nn.Module) -> Union[tuple, str]:
     """(ModelDescription, per-layer part: `_KDA` or `kernelize_plan_parts.MLA`, with its router for an MoE block)
     or the reason the plan does not compute the model."""
     return _parts.describe_mla_kda_model(model, MODELS, _kda_reason, _KDA, "BailingHybridAttention",
@@ -92,7 +91,7 @@ def _describe(model: nn.Module) -> Union[tuple, str]:
                                          rotary=getattr(model.model, "rotary_emb", None), gated=True)
 
 
-describe_model, undescribed_reason = _kimi.public_description(_describe, "a transformers Bailing hybrid")
+describe_model, undescribed_reason = _parts.public_description(describe, "a transformers Bailing hybrid")
 
 
 def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
@@ -105,10 +104,10 @@ def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtyp
 # -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol): Kimi
 #    Linear's but for the blocks ---------------------------------------------------------------------------------
 FAST_KWARGS, FP32_LOGITS = _parts.CAUSAL_LM_KWARGS, False
-describe, call_usable, output_class = _describe, _kimi.call_usable, _kimi.output_class
+call_usable, output_class = _kimi.call_usable, _kimi.output_class
 block_plan = _parts.mla_kda_block_plan(_kda_plan)
-base = operator.attrgetter("model")
-hookable = _parts.hookable(_describe)   # (False where `undescribed_reason` says why)
+base = _parts.base_model
+hookable = _parts.hookable(describe)   # (False where `undescribed_reason` says why)
 
 
 state_spec = _kimi.state_spec

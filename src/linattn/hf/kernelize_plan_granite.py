@@ -32,8 +32,7 @@ position ids at the cache's length, the cache) are hf/kernelize_plan.py's.
 """
 from __future__ import annotations
 
-import operator
-from typing import Optional, Union
+from typing import Union
 
 import torch
 import torch.nn as nn
@@ -45,31 +44,6 @@ __all__ = ["MODELS", "describe_model", "undescribed_reason"]
 
 #: the transformers classes this module describes
 MODELS = ("GraniteMoeHybridForCausalLM",)
-
-
-def _attention(att, rotary, d: int, wdt) -> Union[_dp.AttentionDescription, str]:
-    """transformers' `GraniteMoeHybridAttention` as the softmax kind computes it, or why not."""
-    if type(att).__name__ != "GraniteMoeHybridAttention":
-        return f"an attention layer of type {type(att).__name__}"
-    cfg, m = att.config, att._modules
-    H, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, att.head_dim
-    why = _parts.gqa_projections_reason(m, H, G, D, d, wdt)
-    if why:
-        return why
-    rot, inv, scale = 0, None, 1.0
-    if rotary is not None:
-        if (type(rotary).__name__ != "GraniteMoeHybridRotaryEmbedding"
-                or getattr(rotary, "rope_type", None) != "default"):
-            return "a rotary embedding other than the default RoPE"
-        inv = rotary.inv_freq.detach().to(torch.float64)
-        rot, scale = 2 * inv.numel(), float(rotary.attention_scaling)
-        if rot > D:
-            return "a rotary embedding wider than a head"
-    return _dp.AttentionDescription(
-        q_proj=m["q_proj"], k_proj=m["k_proj"], v_proj=m["v_proj"], o_proj=m["o_proj"], heads=H, kv_heads=G,
-        head_dim=D, head_dim_v=D, scale=float(att.scaling), window=None, q_norm=None, k_norm=None, norm_offset=0,
-        rot=rot, inv_freq=inv, rope_f32=True, rope_scale=scale, gate=None, g_proj=None, gate_act="silu",
-        kv_chunk=_parts.KV_CHUNK)
 
 
 def _shared_mlp(mlp, d: int, wdt) -> Union[tuple, str]:
@@ -89,84 +63,59 @@ def _shared_mlp(mlp, d: int, wdt) -> Union[tuple, str]:
 def _moe(moe, d: int, wdt) -> Union[_dp.MoEDescription, str]:
     """transformers' `GraniteMoeHybridMoE` as the plan's router mode 1 (renormalised top-k) reads it, or why not."""
     if type(moe).__name__ != "GraniteMoeHybridMoE":
-        return f"a MoE block of type {type(moe).__name__}"
+        return f"an MoE block of type {type(moe).__name__}"
     router, experts = moe._modules.get("router"), moe._modules.get("experts")
     if (type(router).__name__ != "GraniteMoeHybridTopKRouter" or set(router._parameters) != {"weight"}
             or type(experts).__name__ != "GraniteMoeHybridExperts"
             or set(experts._parameters) != {"gate_up_proj", "down_proj"}
             or type(getattr(experts, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation")):
-        return "a MoE block whose router or experts are not transformers' top-k router and fused SiLU experts"
-    desc = _dp.MoEDescription(router.weight.detach(), experts.gate_up_proj.detach(), experts.down_proj.detach(),
-                              router.top_k, True)
-    if not _dp.moe_usable(desc, d, wdt):
-        return "a MoE block whose router or experts the plan does not read (shapes, dtype, layout)"
-    return desc
+        return "an MoE block whose router or experts are not transformers' top-k router and fused SiLU experts"
+    return _parts.renormalised_topk_moe(router, experts, d, wdt)
 
 
-def _norm(module, wdt) -> Optional[object]:
-    if type(module).__name__ != "GraniteMoeHybridRMSNorm" or module.weight.dtype != wdt:
-        return None
-    return _parts.norm(module.weight, module.variance_epsilon)
+def _block(layer, base, d: int, wdt) -> Union[tuple, str]:
+    """(BlockDescription, (Mamba2 mixer or None, residual multiplier)) of a Granite-4.0-H block, or why not."""
+    if type(layer).__name__ != "GraniteMoeHybridDecoderLayer":
+        return f"a block of type {type(layer).__name__}"
+    ffn = _shared_mlp(layer._modules.get("shared_mlp"), d, wdt)
+    if isinstance(ffn, str):
+        return ffn
+    moe = None
+    if layer._modules.get("block_sparse_moe") is not None:
+        moe = _moe(layer.block_sparse_moe, d, wdt)
+        if isinstance(moe, str):
+            return moe
+    if layer.block_type == "linear_attention" and layer._modules.get("mamba") is not None:
+        mixer, att = layer.mamba, None
+        why = _mamba2.mixer_reason(mixer, d, wdt, "GraniteMoeHybridMambaLayer", "GraniteMoeHybridRMSNormGated")
+    elif layer.block_type == "full_attention" and layer._modules.get("self_attn") is not None:
+        mixer, rotary = layer.self_attn, base.rotary_emb
+        att = _parts.softmax_attention(mixer, "GraniteMoeHybridAttention", d, wdt, rotary,
+                                       None if rotary is None else "part")
+        why = att if isinstance(att, str) else None
+    else:
+        return f"a block of type {layer.block_type}"
+    if why is not None:
+        return why
+    norms = _parts.block_norms(layer, ("input_layernorm", "post_attention_layernorm"), "GraniteMoeHybridRMSNorm",
+                               wdt)
+    if isinstance(norms, str):
+        return norms
+    bd = _dp.BlockDescription(mixer, "softmax" if att is not None else "mamba2", *norms,
+                              "swiglu" if moe is None else "moe", ffn[0], ffn[1], attention=att, moe=moe)
+    return bd, (None if att is not None else mixer, float(layer.residual_multiplier))
 
 
-def _describe(model: nn.Module) -> Union[tuple, str]:
+def describe(model: nn.Module) -> Union[tuple, str]:
     """(ModelDescription, per-layer (Mamba2 mixer or None, residual multiplier)) or the reason the plan does not
     compute the model."""
-    got = _parts.base_and_embedding(model, MODELS, "model", "embed_tokens")
-    if isinstance(got, str):
-        return got
-    base, embed, wdt = got
-    if getattr(model.config, "output_router_logits", False):
-        return "output_router_logits set (the plan returns no router logits)"
-    d = embed.weight.shape[1]
-    blocks, parts = [], []
-    for i, layer in enumerate(base.layers):
-        if type(layer).__name__ != "GraniteMoeHybridDecoderLayer":
-            return f"layer {i}: a block of type {type(layer).__name__}"
-        ffn = _shared_mlp(layer._modules.get("shared_mlp"), d, wdt)
-        moe = None
-        if isinstance(ffn, str):
-            return f"layer {i}: {ffn}"
-        if layer._modules.get("block_sparse_moe") is not None:
-            moe = _moe(layer.block_sparse_moe, d, wdt)
-            if isinstance(moe, str):
-                return f"layer {i}: {moe}"
-        if layer.block_type == "linear_attention" and layer._modules.get("mamba") is not None:
-            mixer, att = layer.mamba, None
-            why = _mamba2.mixer_reason(mixer, d, wdt, "GraniteMoeHybridMambaLayer", "GraniteMoeHybridRMSNormGated")
-        elif layer.block_type == "full_attention" and layer._modules.get("self_attn") is not None:
-            mixer = layer.self_attn
-            att = _attention(mixer, base.rotary_emb, d, wdt)
-            why = att if isinstance(att, str) else None
-        else:
-            return f"layer {i}: a block of type {layer.block_type}"
-        if why is not None:
-            return f"layer {i}: {why}"
-        n1, n2 = (_norm(layer._modules.get(n), wdt) for n in ("input_layernorm", "post_attention_layernorm"))
-        if n1 is None or n2 is None:
-            return f"layer {i}: block norms that are not transformers' GraniteMoeHybridRMSNorm"
-        blocks.append(_dp.BlockDescription(mixer, "softmax" if att is not None else "mamba2", n1, n2,
-                                           "swiglu" if moe is None else "moe", ffn[0], ffn[1], attention=att,
-                                           moe=moe))
-        parts.append((None if att is not None else mixer, float(layer.residual_multiplier)))
-    desc = _parts.model_description(model, embed, blocks, base.norm, "GraniteMoeHybridRMSNorm", wdt)
-    if isinstance(desc, str):
-        return desc
-    return desc, parts
+    return _parts.describe_layers(model, MODELS, "model", "embed_tokens", _block, "norm", "GraniteMoeHybridRMSNorm")
 
 
-def describe_model(model: nn.Module):
-    """(ModelDescription, per-layer (Mamba2 mixer or None, residual multiplier)) of a transformers Granite-4.0-H
-    model, or None where the plan does not compute some part of it (`undescribed_reason` says which)."""
-    return _parts.description(_describe(model))
+describe_model, undescribed_reason = _parts.public_description(describe, "a transformers Granite-4.0-H model")
 
 
-def undescribed_reason(model: nn.Module) -> Optional[str]:
-    """Why a Granite-4.0-H model does not decode through the compiled plan, or None when it does."""
-    return _parts.reason(_describe(model))
-
-
-def _block_plan(part, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
+def block_plan(part, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
     mx, res = part
     p = _dp.new_softmax_plan(bd, B, d, wdt) if mx is None else _mamba2.mixer_plan(mx, bd, B, d, wdt)
     if p is not None and res != 1.0:
@@ -186,20 +135,14 @@ def model_fields(model: nn.Module) -> dict:
     return {"emb_scaled": int(emb != 1.0), "emb_scale": emb, "logits_scaled": int(div != 1.0), "logits_div": div}
 
 
-def call_usable(cache, B: int, L, attention_mask, position_ids) -> bool:
-    """No left padding, position ids (if given) at the cache's length; a model without attention layers (whose
-    cache reports no length) takes no positions."""
-    if L is None:
-        return _parts.unpadded(attention_mask, B)
-    return _parts.cached_call_usable(cache, B, L, attention_mask, position_ids)
-
-
+#: no left padding, position ids (if given) at the cache's length; a model without attention layers (whose cache
+#: reports no length) takes no positions
+call_usable = _parts.call_usable("cache")
 output_class = _parts.moe_output_class
 
 
-# -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) ----------
+# -- the rest of the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) -
 FAST_KWARGS = _parts.CAUSAL_LM_KWARGS
 FP32_LOGITS = False
-describe, block_plan = _describe, _block_plan
-base = operator.attrgetter("model")
-hookable = _parts.hookable(_describe)
+base = _parts.base_model
+hookable = _parts.hookable(describe)

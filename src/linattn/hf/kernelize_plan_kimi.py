@@ -47,8 +47,7 @@ past, a hook on a described module, non-CPU tensors or dtypes without a plan, `L
 """
 from __future__ import annotations
 
-import operator
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -95,30 +94,14 @@ def _kda_reason(layer, d: int, wdt) -> Optional[str]:
     return _parts.kda_conv_norm_reason(layer, "KimiLinearRMSNormGated", wdt)
 
 
-def _describe(model: nn.Module) -> Union[tuple, str]:
+def describe(model: nn.Module) -> Union[tuple, str]:
     """(ModelDescription, per-layer part: `_KDA` or `kernelize_plan_parts.MLA`, with its router for an MoE block)
     or the reason the plan does not compute the model."""
     return _parts.describe_mla_kda_model(model, MODELS, _kda_reason, _KDA, "KimiLinearAttention", "KimiLinearMLP",
                                          "KimiLinearRMSNorm")
 
 
-def public_description(describe: Callable[[nn.Module], Union[tuple, str]], what: str):
-    """(describe_model, undescribed_reason) of an MLA / KDA architecture whose `describe` gives (ModelDescription,
-    per-layer parts) or the reason the plan does not compute the model (Kimi Linear's and Bailing's)."""
-
-    def describe_model(model: nn.Module):
-        return _parts.description(describe(model))
-
-    def undescribed_reason(model: nn.Module) -> Optional[str]:
-        return _parts.reason(describe(model))
-
-    describe_model.__doc__ = (f"(ModelDescription, per-layer parts) of {what}, or None where the plan does not "
-                              "compute some part of it (`undescribed_reason` says which).")
-    undescribed_reason.__doc__ = f"Why {what} does not decode through the compiled plan, or None when it does."
-    return describe_model, undescribed_reason
-
-
-describe_model, undescribed_reason = public_description(_describe, "a transformers Kimi Linear model")
+describe_model, undescribed_reason = _parts.public_description(describe, "a transformers Kimi Linear model")
 
 
 def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
@@ -128,7 +111,7 @@ def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtyp
                            d, wdt, Wf=fg._modules["f_b_proj"].weight, Wg2=m["g_b_proj"].weight)
 
 
-def _call_usable(cache, B: int, L, attention_mask, position_ids) -> bool:
+def call_usable(cache, B: int, L, attention_mask, position_ids) -> bool:
     if L is not None:   # MLA layers: the position is the cache's length, as transformers' forward takes it
         return type(attention_mask) is not dict and _parts.cached_call_usable(cache, B, L, attention_mask,
                                                                                position_ids)
@@ -143,14 +126,11 @@ output_class = _parts.moe_output_class
 
 
 # -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) ----------
-FAST_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
-                         "logits_to_keep", "return_dict", "output_attentions", "output_hidden_states"})
+FAST_KWARGS = _parts.CAUSAL_LM_KWARGS
 FP32_LOGITS = False
-describe, call_usable = _describe, _call_usable
 block_plan = _parts.mla_kda_block_plan(_kda_plan)
-
-base = operator.attrgetter("model")
-hookable = _parts.hookable(_describe)   # (False where `undescribed_reason` says why)
+base = _parts.base_model
+hookable = _parts.hookable(describe)   # (False where `undescribed_reason` says why)
 
 
 def _kda_state_spec(k: _KDA) -> tuple:

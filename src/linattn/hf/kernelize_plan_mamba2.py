@@ -73,39 +73,24 @@ def mixer_reason(mx, d: int, wdt, mixer_class: str = "Mamba2Mixer", norm_class: 
     return None
 
 
-def _describe(model: nn.Module) -> Union[tuple, str]:
+def _block(block, base, d: int, wdt) -> Union[tuple, str]:
+    """(BlockDescription, mixer) of a Mamba2 block, or why not."""
+    mx, norm = block._modules.get("mixer"), block._modules.get("norm")
+    why = mixer_reason(mx, d, wdt)
+    if why is None and (type(block).__name__ != "Mamba2Block" or type(norm).__name__ != "Mamba2RMSNorm"
+                        or norm.weight.dtype != wdt):
+        why = "a block that is not transformers' Mamba2Block with its Mamba2RMSNorm"
+    if why is not None:
+        return why
+    return _dp.BlockDescription(mx, "mamba2", _parts.norm(norm.weight, norm.variance_epsilon)), mx
+
+
+def describe(model: nn.Module) -> Union[tuple, str]:
     """(ModelDescription, per-layer mixer) or the reason the plan does not compute the model."""
-    got = _parts.base_and_embedding(model, MODELS, "backbone", "embeddings")
-    if isinstance(got, str):
-        return got
-    base, embed, wdt = got
-    d = embed.weight.shape[1]
-    blocks, mixers = [], []
-    for i, block in enumerate(base.layers):
-        mx, norm = block._modules.get("mixer"), block._modules.get("norm")
-        why = mixer_reason(mx, d, wdt)
-        if why is None and (type(block).__name__ != "Mamba2Block" or type(norm).__name__ != "Mamba2RMSNorm"
-                            or norm.weight.dtype != wdt):
-            why = "a block that is not transformers' Mamba2Block with its Mamba2RMSNorm"
-        if why is not None:
-            return f"layer {i}: {why}"
-        blocks.append(_dp.BlockDescription(mx, "mamba2", _parts.norm(norm.weight, norm.variance_epsilon)))
-        mixers.append(mx)
-    desc = _parts.model_description(model, embed, blocks, base.norm_f, "Mamba2RMSNorm", wdt)
-    if isinstance(desc, str):
-        return desc
-    return desc, mixers
+    return _parts.describe_layers(model, MODELS, "backbone", "embeddings", _block, "norm_f", "Mamba2RMSNorm")
 
 
-def describe_model(model: nn.Module):
-    """(ModelDescription, per-layer mixer) of a transformers Mamba2 model, or None where the plan does not compute
-    some part of it (`undescribed_reason` says which)."""
-    return _parts.description(_describe(model))
-
-
-def undescribed_reason(model: nn.Module) -> Optional[str]:
-    """Why a Mamba2 model does not decode through the compiled plan, or None when it does."""
-    return _parts.reason(_describe(model))
+describe_model, undescribed_reason = _parts.public_description(describe, "a transformers Mamba2 model")
 
 
 def mixer_plan(mx, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
@@ -129,8 +114,8 @@ def mixer_plan(mx, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
     return _dp.finish_block_plan(p, bd, addr, keep, wdt)
 
 
-def _call_usable(cache, B: int, L, attention_mask, position_ids) -> bool:
-    return _parts.unpadded(attention_mask, B)
+#: no left padding (the positions are not read, as Mamba2's forward ignores them)
+call_usable = _parts.call_usable("ignored")
 
 
 def output_class():
@@ -138,15 +123,13 @@ def output_class():
     return Mamba2CausalLMOutput
 
 
-# -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) ----------
-FAST_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
-                         "logits_to_keep", "return_dict", "output_hidden_states"})
+# -- the rest of the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) -
+FAST_KWARGS = _parts.CAUSAL_LM_KWARGS - {"output_attentions"}   # (Mamba2's forward takes no output_attentions)
 #: the logits in fp32, as transformers returns them
 FP32_LOGITS = True
-describe, block_plan, call_usable = _describe, mixer_plan, _call_usable
-
+block_plan = mixer_plan
 base = operator.attrgetter("backbone")
-hookable = _parts.hookable(_describe)
+hookable = _parts.hookable(describe)
 
 
 def state_spec(mx) -> tuple:

@@ -31,7 +31,6 @@ transformers'. The hook's other conditions (grad, torch.compile, left padding, t
 """
 from __future__ import annotations
 
-import operator
 from typing import Optional, Union
 
 import torch
@@ -68,13 +67,6 @@ class _Softmax:
         self.factors = factors
 
 
-def _norm(module, wdt, shape=None) -> Optional[object]:
-    if (type(module).__name__ != "MiniMaxRMSNorm" or module.weight.dtype != wdt
-            or (shape is not None and tuple(module.weight.shape) != shape)):
-        return None
-    return _parts.norm(module.weight, module.variance_epsilon)
-
-
 def _silu(cfg) -> bool:
     return getattr(cfg, "hidden_act", None) in ("silu", "swish")
 
@@ -89,34 +81,11 @@ def _lightning_reason(layer, cfg, d: int, wdt) -> Optional[str]:
         return "lightning projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
     if not _silu(cfg) or type(layer.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
         return "a lightning activation other than SiLU"
-    if _norm(m.get("norm"), wdt, (H * D,)) is None:
+    if _parts.rms_norm(m.get("norm"), "MiniMaxRMSNorm", wdt, (H * D,)) is None:
         return "a lightning output norm that is not transformers' MiniMaxRMSNorm over all heads"
     if tuple(layer.slope_rate.shape) != (H, 1, 1):
         return "a slope rate of unexpected shape"
     return None
-
-
-def _attention(att, rotary, cfg, d: int, wdt) -> Union[_dp.AttentionDescription, str]:
-    """transformers' `MiniMaxAttention` as the softmax kind computes it, or why not."""
-    if type(att).__name__ != "MiniMaxAttention":
-        return f"an attention layer of type {type(att).__name__}"
-    m = att._modules
-    H, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, att.head_dim
-    why = _parts.gqa_projections_reason(m, H, G, D, d, wdt)
-    if why:
-        return why
-    if getattr(cfg, "sliding_window", None) is not None:
-        return "a sliding window"
-    if type(rotary).__name__ != "MiniMaxRotaryEmbedding" or getattr(rotary, "rope_type", None) != "default":
-        return "a rotary embedding other than the default RoPE"
-    inv = rotary.inv_freq.detach().to(torch.float64)
-    if 2 * inv.numel() != D:
-        return "a rotary embedding over part of a head"
-    return _dp.AttentionDescription(
-        q_proj=m["q_proj"], k_proj=m["k_proj"], v_proj=m["v_proj"], o_proj=m["o_proj"], heads=H, kv_heads=G,
-        head_dim=D, head_dim_v=D, scale=float(att.scaling), window=None, q_norm=None, k_norm=None, norm_offset=0,
-        rot=D, inv_freq=inv, rope_f32=True, rope_scale=float(rotary.attention_scaling), gate=None, g_proj=None,
-        gate_act="silu", kv_chunk=_parts.KV_CHUNK)
 
 
 def _moe(mlp, cfg, d: int, wdt) -> Union[_dp.MoEDescription, str]:
@@ -132,64 +101,44 @@ def _moe(mlp, cfg, d: int, wdt) -> Union[_dp.MoEDescription, str]:
         return "an MoE activation other than SiLU"
     if mlp.training and mlp.jitter_noise > 0:
         return "router jitter noise (training mode)"
-    moe = _dp.MoEDescription(router.weight.detach(), experts.gate_up_proj.detach(), experts.down_proj.detach(),
-                             router.top_k, True)
-    if not _dp.moe_usable(moe, d, wdt):
-        return "an MoE block whose router or experts the plan does not read (shapes, dtype, layout)"
-    return moe
+    return _parts.renormalised_topk_moe(router, experts, d, wdt)
 
 
-def _describe(model: nn.Module) -> Union[tuple, str]:
+def _block(layer, base, d: int, wdt) -> Union[tuple, str]:
+    """(BlockDescription, `_Lightning` or `_Softmax`) of a MiniMax block, or why not."""
+    if type(layer).__name__ != "MiniMaxDecoderLayer":
+        return f"a block of type {type(layer).__name__}"
+    cfg = base.config
+    moe = _moe(layer._modules.get("mlp"), cfg, d, wdt)
+    if isinstance(moe, str):
+        return moe
+    mixer = layer.self_attn
+    factors = tuple(float(f) for f in (layer.attn_alpha_factor, layer.attn_beta_factor, layer.mlp_alpha_factor,
+                                       layer.mlp_beta_factor))
+    if layer.block_type == "linear_attention":
+        why, att = _lightning_reason(mixer, cfg, d, wdt), None
+        part = None if why else _Lightning(mixer, factors)
+    elif layer.block_type == "full_attention":
+        att = _parts.softmax_attention(mixer, "MiniMaxAttention", d, wdt, base.rotary_emb, "whole")
+        why, part = (att, None) if isinstance(att, str) else (None, _Softmax(factors))
+    else:
+        return f"a block of type {layer.block_type}"
+    if why is not None:
+        return why
+    norms = _parts.block_norms(layer, ("input_layernorm", "post_attention_layernorm"), "MiniMaxRMSNorm", wdt)
+    if isinstance(norms, str):
+        return norms
+    bd = _dp.BlockDescription(mixer, "lightning" if att is None else "softmax", *norms, "moe", attention=att,
+                              moe=moe)
+    return bd, part
+
+
+def describe(model: nn.Module) -> Union[tuple, str]:
     """(ModelDescription, per-layer `_Lightning` or `_Softmax`) or the reason the plan does not compute the model."""
-    got = _parts.base_and_embedding(model, MODELS, "model", "embed_tokens")
-    if isinstance(got, str):
-        return got
-    base, embed, wdt = got
-    cfg = model.config
-    if getattr(cfg, "output_router_logits", False):
-        return "output_router_logits set (the plan returns no router logits)"
-    d = embed.weight.shape[1]
-    blocks, parts = [], []
-    for i, layer in enumerate(base.layers):
-        if type(layer).__name__ != "MiniMaxDecoderLayer":
-            return f"layer {i}: a block of type {type(layer).__name__}"
-        moe = _moe(layer._modules.get("mlp"), cfg, d, wdt)
-        if isinstance(moe, str):
-            return f"layer {i}: {moe}"
-        mixer = layer.self_attn
-        factors = tuple(float(f) for f in (layer.attn_alpha_factor, layer.attn_beta_factor, layer.mlp_alpha_factor,
-                                           layer.mlp_beta_factor))
-        if layer.block_type == "linear_attention":
-            why, att = _lightning_reason(mixer, cfg, d, wdt), None
-            part = None if why else _Lightning(mixer, factors)
-        elif layer.block_type == "full_attention":
-            att = _attention(mixer, base.rotary_emb, cfg, d, wdt)
-            why, part = (att, None) if isinstance(att, str) else (None, _Softmax(factors))
-        else:
-            return f"layer {i}: a block of type {layer.block_type}"
-        if why is not None:
-            return f"layer {i}: {why}"
-        n1, n2 = (_norm(layer._modules.get(n), wdt) for n in ("input_layernorm", "post_attention_layernorm"))
-        if n1 is None or n2 is None:
-            return f"layer {i}: block norms that are not transformers' MiniMaxRMSNorm"
-        blocks.append(_dp.BlockDescription(mixer, "lightning" if att is None else "softmax", n1, n2, "moe",
-                                           attention=att, moe=moe))
-        parts.append(part)
-    desc = _parts.model_description(model, embed, blocks, base.norm, "MiniMaxRMSNorm", wdt)
-    if isinstance(desc, str):
-        return desc
-    return desc, parts
+    return _parts.describe_layers(model, MODELS, "model", "embed_tokens", _block, "norm", "MiniMaxRMSNorm")
 
 
-def describe_model(model: nn.Module):
-    """(ModelDescription, per-layer part) of a transformers MiniMax model, or None where the plan does not compute
-    some part of it (`undescribed_reason` says which)."""
-    return _parts.description(_describe(model))
-
-
-def undescribed_reason(model: nn.Module) -> Optional[str]:
-    """Why a MiniMax model does not decode through the compiled plan, or None when it does."""
-    return _parts.reason(_describe(model))
+describe_model, undescribed_reason = _parts.public_description(describe, "a transformers MiniMax model")
 
 
 def _lightning_plan(part: _Lightning, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
@@ -209,7 +158,7 @@ def _lightning_plan(part: _Lightning, bd: _dp.BlockDescription, B: int, d: int, 
     return _dp.finish_block_plan(p, bd, addr, keep, wdt)
 
 
-def _block_plan(part, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
+def block_plan(part, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
     if type(part) is _Lightning:
         p = _lightning_plan(part, bd, B, d, wdt)
     else:
@@ -259,22 +208,14 @@ def position(cache, L: Optional[int], position_ids) -> Optional[int]:
     return int(pos) if bool((position_ids == pos).all()) else None
 
 
-def _call_usable(cache, B: int, L, attention_mask, position_ids) -> bool:
-    # (the keys the softmax layers hold: L, when the model has any; the mask must keep every one and the new token)
-    if L is None:
-        return False   # (no softmax layer: transformers' cache reports no length to build a mask with)
-    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor)
-                                           and attention_mask.shape == (B, L + 1) and bool(attention_mask.all())):
-        return False   # (left padding: transformers' masked path)
-    return position(cache, L, position_ids) is not None
-
-
+#: the mask, if given, keeps the L keys the softmax layers hold and the new token (a model without softmax layers:
+#: transformers' cache reports no length to build a mask with), the rows at one position
+call_usable = _parts.call_usable(position, attention_free=None)
 output_class = _parts.moe_output_class
 
 
-# -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) ----------
+# -- the rest of the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) -
 FAST_KWARGS = _parts.CAUSAL_LM_KWARGS
 FP32_LOGITS = False
-describe, block_plan, call_usable = _describe, _block_plan, _call_usable
-base = operator.attrgetter("model")
-hookable = _parts.hookable(_describe)
+base = _parts.base_model
+hookable = _parts.hookable(describe)

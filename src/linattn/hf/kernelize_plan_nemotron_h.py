@@ -25,8 +25,7 @@ blocks (`DummyLayer`s), which the plan leaves as they are.
 """
 from __future__ import annotations
 
-import operator
-from typing import Optional, Union
+from typing import Union
 
 import torch
 import torch.nn as nn
@@ -41,24 +40,6 @@ __all__ = ["MODELS", "describe_model", "undescribed_reason"]
 MODELS = ("NemotronHForCausalLM",)
 
 _RELU2 = ("ReLUSquaredActivation",)
-
-
-def _attention(att, d: int, wdt) -> Union[_dp.AttentionDescription, str]:
-    """transformers' `NemotronHAttention` (no position encoding) as the softmax kind computes it, or why not."""
-    if type(att).__name__ != "NemotronHAttention":
-        return f"an attention layer of type {type(att).__name__}"
-    cfg, m = att.config, att._modules
-    H, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, att.head_dim
-    why = _parts.gqa_projections_reason(m, H, G, D, d, wdt)
-    if why:
-        return why
-    if getattr(cfg, "sliding_window", None) is not None:
-        return "a sliding window"
-    return _dp.AttentionDescription(
-        q_proj=m["q_proj"], k_proj=m["k_proj"], v_proj=m["v_proj"], o_proj=m["o_proj"], heads=H, kv_heads=G,
-        head_dim=D, head_dim_v=D, scale=float(att.scaling), window=None, q_norm=None, k_norm=None, norm_offset=0,
-        rot=0, inv_freq=None, rope_f32=True, rope_scale=1.0, gate=None, g_proj=None, gate_act="silu",
-        kv_chunk=_parts.KV_CHUNK)
 
 
 def _mlp(mlp, d: int, wdt) -> Union[tuple, str]:
@@ -79,88 +60,53 @@ def _moe(moe, d: int, wdt) -> Union[tuple, str]:
     m = moe._modules
     router, experts, shared = m.get("gate"), m.get("experts"), m.get("shared_experts")
     if type(m.get("fc1_latent_proj")) is not nn.Identity or type(m.get("fc2_latent_proj")) is not nn.Identity:
-        return "a MoE block with latent projections (moe_latent_size)"
+        return "an MoE block with latent projections (moe_latent_size)"
     if (type(router).__name__ != "NemotronHTopkRouter" or set(router._parameters) != {"weight"}
             or set(router._buffers) != {"e_score_correction_bias"} or type(experts).__name__ != "NemotronHExperts"
             or set(experts._parameters) != {"up_proj", "down_proj"}
             or type(getattr(experts, "act_fn", None)).__name__ not in _RELU2):
-        return "a MoE block whose router or experts are not transformers' grouped sigmoid router and relu2 experts"
-    E, G, kg, k = router.num_experts, router.num_group, router.topk_group, router.top_k
-    if not (G >= 1 and E % G == 0 and E // G >= 2 and 1 <= kg <= G and 1 <= k <= kg * (E // G)):
-        return "a MoE router whose groups the plan does not choose among (E / groups < 2, k too large)"
-    w, bias = router.weight, router.e_score_correction_bias
-    if (tuple(w.shape) != (E, d) or w.dtype not in (wdt, torch.float32) or not w.is_contiguous()
-            or tuple(bias.shape) != (E,) or not bias.dtype.is_floating_point):
-        return "a MoE router whose weight or correction bias the plan does not read (shapes, dtype)"
+        return "an MoE block whose router or experts are not transformers' grouped sigmoid router and relu2 experts"
     got = _mlp(shared, d, wdt) if shared is not None else "no shared expert"
     if isinstance(got, str):
-        return f"a MoE block's shared expert: {got}"
-    # (the router's weight as `MoEDescription` checks it: the plan reads the router itself, `set_router2`)
-    desc = _dp.MoEDescription(w.detach().to(wdt) if w.dtype != wdt else w.detach(), experts.up_proj.detach(),
-                              experts.down_proj.detach(), k, router.norm_topk_prob, gated=False)
-    if not _dp.moe_usable(desc, d, wdt):
-        return "a MoE block whose experts the plan does not read (shapes, dtype, layout)"
-    return got[0], got[1], desc, router
+        return f"an MoE block's shared expert: {got}"
+    desc = _parts.grouped_router_moe(router, experts.up_proj, experts.down_proj, d, wdt, gated=False)
+    return desc if isinstance(desc, str) else (got[0], got[1], desc, router)
 
 
-def _describe(model: nn.Module) -> Union[tuple, str]:
+def _block(layer, base, d: int, wdt) -> Union[tuple, str]:
+    """(BlockDescription, part: a Mamba2 mixer, None (attention), "ffn" (an MLP block) or ("moe", router)) of a
+    Nemotron-H block, or why not."""
+    norm = layer._modules.get("norm")
+    if type(layer).__name__ != "NemotronHBlock" or type(norm).__name__ != "NemotronHRMSNorm" \
+            or norm.weight.dtype != wdt:
+        return "a block that is not transformers' NemotronHBlock with its NemotronHRMSNorm"
+    n, mixer, kind = _parts.norm(norm.weight, norm.variance_epsilon), layer.mixer, layer.block_type
+    if kind == "linear_attention":
+        why = _mamba2.mixer_reason(mixer, d, wdt, "NemotronHMamba2Mixer", "NemotronHRMSNormGated", any_dt_limit=True)
+        return why or (_dp.BlockDescription(mixer, "mamba2", n), mixer)
+    if kind == "full_attention":
+        att = _parts.softmax_attention(mixer, "NemotronHAttention", d, wdt)   # (no RoPE)
+        return att if isinstance(att, str) else (_dp.BlockDescription(mixer, "softmax", n, attention=att), None)
+    if kind == "mlp":
+        ffn = _mlp(mixer, d, wdt)
+        return ffn if isinstance(ffn, str) else (_dp.BlockDescription(mixer, "ffn_only", n, n, "relu2", *ffn), "ffn")
+    if kind == "moe":
+        if type(mixer).__name__ != "NemotronHMoE":
+            return f"an MoE block of type {type(mixer).__name__}"
+        ffn = _moe(mixer, d, wdt)
+        if isinstance(ffn, str):
+            return ffn
+        return _dp.BlockDescription(mixer, "ffn_only", n, n, "moe", ffn[0], ffn[1], moe=ffn[2]), ("moe", ffn[3])
+    return f"a block of type {kind}"
+
+
+def describe(model: nn.Module) -> Union[tuple, str]:
     """(ModelDescription, per-layer part: a Mamba2 mixer, None (attention), "ffn" (an MLP block) or ("moe",
     router)) or the reason the plan does not compute the model."""
-    got = _parts.base_and_embedding(model, MODELS, "model", "embeddings")
-    if isinstance(got, str):
-        return got
-    base, embed, wdt = got
-    if getattr(model.config, "output_router_logits", False):
-        return "output_router_logits set (the plan returns no router logits)"
-    d = embed.weight.shape[1]
-    blocks, parts = [], []
-    for i, layer in enumerate(base.layers):
-        norm = layer._modules.get("norm")
-        if type(layer).__name__ != "NemotronHBlock" or type(norm).__name__ != "NemotronHRMSNorm" \
-                or norm.weight.dtype != wdt:
-            return f"layer {i}: a block that is not transformers' NemotronHBlock with its NemotronHRMSNorm"
-        n, mixer, kind = _parts.norm(norm.weight, norm.variance_epsilon), layer.mixer, layer.block_type
-        if kind == "linear_attention":
-            why = _mamba2.mixer_reason(mixer, d, wdt, "NemotronHMamba2Mixer", "NemotronHRMSNormGated",
-                                       any_dt_limit=True)
-            bd, part = _dp.BlockDescription(mixer, "mamba2", n), mixer
-        elif kind == "full_attention":
-            att = _attention(mixer, d, wdt)
-            why = att if isinstance(att, str) else None
-            bd, part = _dp.BlockDescription(mixer, "softmax", n, attention=att), None
-        elif kind == "mlp":
-            ffn = _mlp(mixer, d, wdt)
-            why = ffn if isinstance(ffn, str) else None
-            bd = None if why else _dp.BlockDescription(mixer, "ffn_only", n, n, "relu2", ffn[0], ffn[1])
-            part = "ffn"
-        elif kind == "moe":
-            if type(mixer).__name__ != "NemotronHMoE":
-                return f"layer {i}: a MoE block of type {type(mixer).__name__}"
-            ffn = _moe(mixer, d, wdt)
-            why = ffn if isinstance(ffn, str) else None
-            bd = None if why else _dp.BlockDescription(mixer, "ffn_only", n, n, "moe", ffn[0], ffn[1], moe=ffn[2])
-            part = None if why else ("moe", ffn[3])
-        else:
-            return f"layer {i}: a block of type {kind}"
-        if why is not None:
-            return f"layer {i}: {why}"
-        blocks.append(bd)
-        parts.append(part)
-    desc = _parts.model_description(model, embed, blocks, base.norm_f, "NemotronHRMSNorm", wdt)
-    if isinstance(desc, str):
-        return desc
-    return desc, parts
+    return _parts.describe_layers(model, MODELS, "model", "embeddings", _block, "norm_f", "NemotronHRMSNorm")
 
 
-def describe_model(model: nn.Module):
-    """(ModelDescription, per-layer part) of a transformers Nemotron-H model, or None where the plan does not
-    compute some part of it (`undescribed_reason` says which)."""
-    return _parts.description(_describe(model))
-
-
-def undescribed_reason(model: nn.Module) -> Optional[str]:
-    """Why a Nemotron-H model does not decode through the compiled plan, or None when it does."""
-    return _parts.reason(_describe(model))
+describe_model, undescribed_reason = _parts.public_description(describe, "a transformers Nemotron-H model")
 
 
 def _ffn_only_plan(bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
@@ -173,7 +119,7 @@ def _ffn_only_plan(bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
     return _dp.finish_block_plan(p, bd, addr, keep, wdt)
 
 
-def _block_plan(part, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
+def block_plan(part, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
     if part is None:
         return _dp.new_softmax_plan(bd, B, d, wdt)
     if part == "ffn":
@@ -191,20 +137,14 @@ def state_spec(part) -> tuple:
     return _mamba2.state_spec(part)
 
 
-def call_usable(cache, B: int, L, attention_mask, position_ids) -> bool:
-    """No left padding (the positions are not read: no RoPE)."""
-    if L is None:
-        return _parts.unpadded(attention_mask, B)
-    return _parts.cached_call_usable(cache, B, L, attention_mask, None)
-
-
+#: no left padding (the positions are not read: no RoPE)
+call_usable = _parts.call_usable("ignored")
 output_class = _parts.moe_output_class
 
 
-# -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) ----------
+# -- the rest of the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) -
 FAST_KWARGS = _parts.CAUSAL_LM_KWARGS
 #: the logits in fp32, as transformers returns them
 FP32_LOGITS = True
-describe, block_plan = _describe, _block_plan
-base = operator.attrgetter("model")
-hookable = _parts.hookable(_describe)
+base = _parts.base_model
+hookable = _parts.hookable(describe)

@@ -24,7 +24,6 @@ are hf/kernelize_plan.py's.
 """
 from __future__ import annotations
 
-import operator
 from typing import Optional, Union
 
 import torch
@@ -55,13 +54,6 @@ class _GDN:
         self.beta_mode = "doubled" if layer.allow_neg_eigval else "sigmoid"
 
 
-def _norm(module, wdt, cls_name: str = "OlmoHybridRMSNorm"):
-    """A plain RMSNorm of transformers' class as the plan reads it, or None."""
-    if type(module).__name__ != cls_name or module.weight.dtype != wdt:
-        return None
-    return _parts.norm(module.weight, module.variance_epsilon)
-
-
 def _gdn_reason(layer, d: int, wdt) -> Optional[str]:
     """Why the plan's delta block does not compute this Gated DeltaNet layer, or None."""
     if type(layer).__name__ != "OlmoHybridGatedDeltaNet":
@@ -88,82 +80,56 @@ def _gdn_reason(layer, d: int, wdt) -> Optional[str]:
 
 
 def _attention(att, rotary, d: int, wdt) -> Union[_dp.AttentionDescription, str]:
-    """transformers' `OlmoHybridAttention` as the softmax kind computes it, or why not."""
-    if type(att).__name__ != "OlmoHybridAttention":
-        return f"an attention layer of type {type(att).__name__}"
-    cfg, m = att.config, att._modules
-    H, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, att.head_dim
-    why = _parts.gqa_projections_reason(m, H, G, D, d, wdt)
-    if why:
-        return why
-    qn, kn = _norm(m.get("q_norm"), wdt), _norm(m.get("k_norm"), wdt)
-    if qn is None or kn is None or qn.weight.shape != (H * D,) or kn.weight.shape != (G * D,) or qn.eps != kn.eps:
-        return "q / k norms that are not RMSNorms over the whole projections with one eps"
-    rot, inv, scale = 0, None, 1.0
-    if rotary is not None:   # (None: NoPE)
-        if type(rotary).__name__ != "OlmoHybridRotaryEmbedding" or getattr(rotary, "rope_type", None) != "default":
-            return "a rotary embedding other than the default RoPE"
-        inv, scale = rotary.inv_freq.detach().to(torch.float64), float(rotary.attention_scaling)
-        rot = 2 * inv.numel()
-        if rot != D:
-            return "a rotary embedding over part of a head"
-    return _dp.AttentionDescription(
-        q_proj=m["q_proj"], k_proj=m["k_proj"], v_proj=m["v_proj"], o_proj=m["o_proj"], heads=H, kv_heads=G,
-        head_dim=D, head_dim_v=D, scale=float(att.scaling), window=None, q_norm=qn, k_norm=kn, norm_offset=0,
-        norm_whole=True, rot=rot, inv_freq=inv, rope_f32=True, rope_scale=scale, gate=None, g_proj=None,
-        gate_act="silu", kv_chunk=_parts.KV_CHUNK)
-
-
-def _describe(model: nn.Module) -> Union[tuple, str]:
-    """(ModelDescription, per-layer `_GDN` or None) or the reason the plan does not compute the model."""
-    got = _parts.base_and_embedding(model, MODELS, "model", "embed_tokens")
-    if isinstance(got, str):
-        return got
-    base, embed, wdt = got
-    d = embed.weight.shape[1]
-    blocks, parts = [], []
-    for i, layer in enumerate(base.layers):
-        ffn = _parts.swiglu_ffn(layer.mlp, "OlmoHybridMLP", d, wdt)
-        if isinstance(ffn, str):
-            return f"layer {i}: {ffn}"
-        kind = type(layer).__name__
-        if kind == "OlmoHybridLinearAttentionDecoderLayer":   # pre-norm
-            names, residual, mixer = ("input_layernorm", "post_attention_layernorm"), "prenorm", layer.linear_attn
-            why = _gdn_reason(mixer, d, wdt)
-            att, part = None, None if why else _GDN(mixer)
-        elif kind == "OlmoHybridAttentionDecoderLayer":   # post-norm: the norms on the mixer's and the MLP's outputs
-            names, residual, mixer = ("post_attention_layernorm", "post_feedforward_layernorm"), "postnorm", \
-                layer.self_attn
-            att, part = _attention(mixer, base.rotary_emb, d, wdt), None
-            why = att if isinstance(att, str) else None
-        else:
-            return f"layer {i}: a block of type {kind}"
-        if why is not None:
-            return f"layer {i}: {why}"
-        n1, n2 = (_norm(layer._modules.get(n), wdt) for n in names)
-        if n1 is None or n2 is None:
-            return f"layer {i}: block norms that are not transformers' OlmoHybridRMSNorm"
-        blocks.append(_dp.BlockDescription(mixer, "delta" if part is not None else "softmax", n1, n2, "swiglu",
-                                           ffn[0], ffn[1], residual=residual, attention=att))
-        parts.append(part)
-    desc = _parts.model_description(model, embed, blocks, base.norm, "OlmoHybridRMSNorm", wdt)
+    """transformers' `OlmoHybridAttention` as the softmax kind computes it (its q / k norms over the whole
+    projections), or why not."""
+    desc = _parts.softmax_attention(att, "OlmoHybridAttention", d, wdt, rotary, None if rotary is None else "whole")
     if isinstance(desc, str):
         return desc
-    return desc, parts
+    m = att._modules
+    qn, kn = (_parts.rms_norm(m.get(n), "OlmoHybridRMSNorm", wdt) for n in ("q_norm", "k_norm"))
+    if (qn is None or kn is None or qn.weight.shape != (desc.heads * desc.head_dim,)
+            or kn.weight.shape != (desc.kv_heads * desc.head_dim,) or qn.eps != kn.eps):
+        return "q / k norms that are not RMSNorms over the whole projections with one eps"
+    desc.q_norm, desc.k_norm, desc.norm_whole = qn, kn, True
+    return desc
 
 
-def describe_model(model: nn.Module):
-    """(ModelDescription, per-layer GDN description or None) of a transformers OLMo-hybrid model, or None where the
-    plan does not compute some part of it (`undescribed_reason` says which)."""
-    return _parts.description(_describe(model))
+def _block(layer, base, d: int, wdt) -> Union[tuple, str]:
+    """(BlockDescription, `_GDN` or None) of an OLMo-hybrid block, or why not."""
+    ffn = _parts.swiglu_ffn(layer.mlp, "OlmoHybridMLP", d, wdt)
+    if isinstance(ffn, str):
+        return ffn
+    kind = type(layer).__name__
+    if kind == "OlmoHybridLinearAttentionDecoderLayer":   # pre-norm
+        names, residual, mixer = ("input_layernorm", "post_attention_layernorm"), "prenorm", layer.linear_attn
+        why = _gdn_reason(mixer, d, wdt)
+        att, part = None, None if why else _GDN(mixer)
+    elif kind == "OlmoHybridAttentionDecoderLayer":   # post-norm: the norms on the mixer's and the MLP's outputs
+        names, residual, mixer = ("post_attention_layernorm", "post_feedforward_layernorm"), "postnorm", \
+            layer.self_attn
+        att, part = _attention(mixer, base.rotary_emb, d, wdt), None
+        why = att if isinstance(att, str) else None
+    else:
+        return f"a block of type {kind}"
+    if why is not None:
+        return why
+    norms = _parts.block_norms(layer, names, "OlmoHybridRMSNorm", wdt)
+    if isinstance(norms, str):
+        return norms
+    bd = _dp.BlockDescription(mixer, "delta" if part is not None else "softmax", *norms, "swiglu", ffn[0], ffn[1],
+                              residual=residual, attention=att)
+    return bd, part
 
 
-def undescribed_reason(model: nn.Module) -> Optional[str]:
-    """Why an OLMo-hybrid model does not decode through the compiled plan, or None when it does."""
-    return _parts.reason(_describe(model))
+def describe(model: nn.Module) -> Union[tuple, str]:
+    """(ModelDescription, per-layer `_GDN` or None) or the reason the plan does not compute the model."""
+    return _parts.describe_layers(model, MODELS, "model", "embed_tokens", _block, "norm", "OlmoHybridRMSNorm")
 
 
-def _block_plan(g: Optional[_GDN], bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
+describe_model, undescribed_reason = _parts.public_description(describe, "a transformers OLMo-hybrid model")
+
+
+def block_plan(g: Optional[_GDN], bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
     if g is None:
         return _dp.new_softmax_plan(bd, B, d, wdt)
     m = g.layer._modules
@@ -176,14 +142,12 @@ def state_spec(g: Optional[_GDN]) -> tuple:
     return ("delta", g.HV, g.K, g.V, g.KC, (g.H * g.K, g.H * g.K, g.HV * g.V))
 
 
-def output_class():
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-    return CausalLMOutputWithPast
+call_usable = _parts.cached_call_usable
+output_class = _parts.causal_lm_output_class
 
 
-# -- the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) ----------
+# -- the rest of the architecture description hf/kernelize_plan.py decodes through (its `_ARCHITECTURES` protocol) -
 FAST_KWARGS = _parts.CAUSAL_LM_KWARGS
 FP32_LOGITS = False
-describe, block_plan, call_usable = _describe, _block_plan, _parts.cached_call_usable
-base = operator.attrgetter("model")
-hookable = _parts.hookable(_describe)
+base = _parts.base_model
+hookable = _parts.hookable(describe)

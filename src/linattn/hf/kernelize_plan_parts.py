@@ -2,6 +2,7 @@
 per-architecture modules import this; it imports none of them)."""
 from __future__ import annotations
 
+import operator
 import types
 from typing import Optional, Union
 
@@ -81,9 +82,12 @@ def qwen_sparse_moe(mlp: nn.Module, d: int, wdt) -> Union[tuple, str]:
 
 def base_and_embedding(model: nn.Module, models: tuple, base: str, embedding: str) -> Union[tuple, str]:
     """(base model `model.<base>`, its embedding `<embedding>`, the weights' dtype) of a model whose class is one of
-    `models`, or why the plan cannot compute it."""
+    `models` and whose config does not ask for router logits (the plan returns none), or why the plan cannot
+    compute it."""
     if type(model).__name__ not in models:
         return f"{type(model).__name__} is not one of {models}"
+    if getattr(model.config, "output_router_logits", False):
+        return "output_router_logits set (the plan returns no router logits)"
     inner = getattr(model, base)
     embed = getattr(inner, embedding)
     wdt = embed.weight.dtype
@@ -93,10 +97,10 @@ def base_and_embedding(model: nn.Module, models: tuple, base: str, embedding: st
 
 
 def model_description(model: nn.Module, embed: nn.Module, blocks: list, final_norm: nn.Module, norm_class: str,
-                      wdt: torch.dtype) -> Union[_dp.ModelDescription, str]:
-    """The ModelDescription of described blocks with transformers' plain RMSNorm `final_norm` (of class
-    `norm_class`: its eps is `variance_epsilon`) and `model.lm_head` (tied or not), or why the plan cannot read
-    them."""
+                      wdt: torch.dtype, parts: list) -> Union[tuple, str]:
+    """A `describe` answer: (the ModelDescription of described blocks with transformers' plain RMSNorm `final_norm`
+    (of class `norm_class`: its eps is `variance_epsilon`) and `model.lm_head` (tied or not), the per-layer `parts`),
+    or why the plan cannot read them."""
     if type(final_norm).__name__ != norm_class or final_norm.weight.dtype != wdt:
         return f"a final norm that is not transformers' {norm_class}"
     head = model.lm_head
@@ -104,7 +108,27 @@ def model_description(model: nn.Module, embed: nn.Module, blocks: list, final_no
     if not _dp.model_weights_usable(desc, wdt):   # (the final norm checked above)
         return "an embedding or head the plan does not read (a bias, another dtype, a hook)"
     desc.norm = norm(final_norm.weight, final_norm.variance_epsilon)
-    return desc
+    return desc, parts
+
+
+def describe_layers(model: nn.Module, models: tuple, base: str, embedding: str, block, final_norm: str,
+                    norm_class: str) -> Union[tuple, str]:
+    """A `describe` answer for a model whose class is one of `models` (`base_and_embedding`'s `base`, `embedding`),
+    each of whose layers `block(layer, base model, d, wdt)` describes as (BlockDescription, per-layer part) or
+    says why not, with the final norm `<base>.<final_norm>` of class `norm_class` (`model_description`)."""
+    got = base_and_embedding(model, models, base, embedding)
+    if isinstance(got, str):
+        return got
+    inner, embed, wdt = got
+    d = embed.weight.shape[1]
+    blocks, parts = [], []
+    for i, layer in enumerate(inner.layers):
+        got = block(layer, inner, d, wdt)
+        if isinstance(got, str):
+            return f"layer {i}: {got}"
+        blocks.append(got[0])
+        parts.append(got[1])
+    return model_description(model, embed, blocks, getattr(inner, final_norm), norm_class, wdt, parts)
 
 
 def description(got: Union[tuple, str]) -> Optional[tuple]:
@@ -117,6 +141,41 @@ def reason(got: Union[tuple, str]) -> Optional[str]:
     return got if isinstance(got, str) else None
 
 
+def public_description(describe, what: str):
+    """(describe_model, undescribed_reason) of an architecture whose `describe(model)` gives (ModelDescription,
+    per-layer parts) or the reason the plan does not compute the model; `what` names its models in their
+    docstrings."""
+
+    def describe_model(model: nn.Module):
+        return description(describe(model))
+
+    def undescribed_reason(model: nn.Module) -> Optional[str]:
+        return reason(describe(model))
+
+    describe_model.__doc__ = (f"(ModelDescription, per-layer parts) of {what}, or None where the plan does not "
+                              "compute some part of it (`undescribed_reason` says which).")
+    undescribed_reason.__doc__ = f"Why {what} does not decode through the compiled plan, or None when it does."
+    return describe_model, undescribed_reason
+
+
+def rms_norm(module: nn.Module, norm_class: str, wdt, shape: Optional[tuple] = None):
+    """transformers' plain RMSNorm `module` of class `norm_class` (weights of dtype wdt, of `shape` when given) as
+    the plan reads it (`norm`), or None."""
+    if (type(module).__name__ != norm_class or module.weight.dtype != wdt
+            or (shape is not None and tuple(module.weight.shape) != shape)):
+        return None
+    return norm(module.weight, module.variance_epsilon)
+
+
+def block_norms(layer: nn.Module, names: tuple, norm_class: str, wdt) -> Union[tuple, str]:
+    """The two norms of a block, `layer.<names[0]>` and `layer.<names[1]>`, as the plan reads them (`rms_norm`), or
+    why not."""
+    n1, n2 = (rms_norm(layer._modules.get(n), norm_class, wdt) for n in names)
+    if n1 is None or n2 is None:
+        return f"block norms that are not transformers' {norm_class}"
+    return n1, n2
+
+
 def gqa_projections_reason(modules, H: int, G: int, D: int, d: int, wdt) -> Optional[str]:
     """Why an attention's q / k / v / o projections (`modules`: its `_modules`) are not the softmax kind's: H query
     and G key / value heads of D, bias-free nn.Linear layers of the model's dtype and shapes; None when they are."""
@@ -126,10 +185,66 @@ def gqa_projections_reason(modules, H: int, G: int, D: int, d: int, wdt) -> Opti
     return None
 
 
+def softmax_attention(att, cls_name: str, d: int, wdt, rotary=None,
+                      rope: Optional[str] = None) -> Union[_dp.AttentionDescription, str]:
+    """transformers' softmax attention `att` of class `cls_name` as the softmax kind computes it, or why not: H
+    query and G key / value heads of `att.head_dim` (its config's `num_attention_heads`, `num_key_value_heads`),
+    `gqa_projections_reason`'s projections, the score scale `att.scaling`, no sliding window, no output gate.
+    `rope`: None (no position encoding), "whole" (RoPE over every dim of a head) or "part" (over its first dims);
+    then `rotary` (the base model's rotary embedding) must be transformers' default RoPE of the class named as the
+    attention's (`<Model>RotaryEmbedding`), its angles in fp32. No q / k norm (a description that has them sets
+    them)."""
+    if type(att).__name__ != cls_name:
+        return f"an attention layer of type {type(att).__name__}"
+    cfg, m = att.config, att._modules
+    H, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, att.head_dim
+    why = gqa_projections_reason(m, H, G, D, d, wdt)
+    if why:
+        return why
+    if getattr(cfg, "sliding_window", None) is not None:
+        return "a sliding window"
+    rot, inv, scale = 0, None, 1.0
+    if rope is not None:
+        if (type(rotary).__name__ != cls_name.replace("Attention", "RotaryEmbedding")
+                or getattr(rotary, "rope_type", None) != "default"):
+            return "a rotary embedding other than the default RoPE"
+        inv, scale = rotary.inv_freq.detach().to(torch.float64), float(rotary.attention_scaling)
+        rot = 2 * inv.numel()
+        if rope == "whole" and rot != D:
+            return "a rotary embedding over part of a head"
+        if rot > D:
+            return "a rotary embedding wider than a head"
+    return _dp.AttentionDescription(
+        q_proj=m["q_proj"], k_proj=m["k_proj"], v_proj=m["v_proj"], o_proj=m["o_proj"], heads=H, kv_heads=G,
+        head_dim=D, head_dim_v=D, scale=float(att.scaling), window=None, norm_offset=0, rot=rot, inv_freq=inv,
+        rope_f32=True, rope_scale=scale, gate=None, g_proj=None, gate_act="silu", kv_chunk=KV_CHUNK)
+
+
+def renormalised_topk_moe(router: nn.Module, experts: nn.Module, d: int, wdt) -> Union[_dp.MoEDescription, str]:
+    """A softmax top-k `router` (`weight`, `top_k`) whose k probabilities are renormalised, over fused 3-D `experts`
+    (`gate_up_proj`, `down_proj`) without a shared expert, as the plan's MoE reads it (router mode 0 or 1: Granite's
+    top-k-of-logits router picks the same experts with the same weights), or why not."""
+    moe = _dp.MoEDescription(router.weight.detach(), experts.gate_up_proj.detach(), experts.down_proj.detach(),
+                             router.top_k, True)
+    if not _dp.moe_usable(moe, d, wdt):
+        return "an MoE block whose router or experts the plan does not read (shapes, dtype, layout)"
+    return moe
+
+
 def moe_output_class():
     """The output class of a mixture-of-experts model's unpatched forward (router logits and aux loss left None)."""
     from transformers.modeling_outputs import MoeCausalLMOutputWithPast
     return MoeCausalLMOutputWithPast
+
+
+def causal_lm_output_class():
+    """The output class of a dense causal LM's unpatched forward."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    return CausalLMOutputWithPast
+
+
+#: the base model of a `<Model>ForCausalLM` (a description's `base`)
+base_model = operator.attrgetter("model")
 
 
 def unpadded(attention_mask, B: int) -> bool:
@@ -213,16 +328,37 @@ def kda_conv_norm_reason(layer, norm_class: str, wdt) -> Optional[str]:
     return None
 
 
-def cached_call_usable(cache, B: int, L: Optional[int], attention_mask, position_ids) -> bool:
-    """A description's `call_usable` for a model whose forward takes the position from the cache (transformers'
-    `cache.get_seq_length()`, L when the model has softmax layers): no left padding, position ids (if given) at the
-    cache's length."""
-    if L is None:
-        L = cache.get_seq_length()
-    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor)
-                                           and attention_mask.shape == (B, L + 1) and bool(attention_mask.all())):
-        return False   # (left padding: transformers' masked path)
-    return position_ids is None or (isinstance(position_ids, torch.Tensor) and bool((position_ids == L).all()))
+def call_usable(positions="cache", attention_free: Optional[str] = "unpadded"):
+    """A description's `call_usable(cache, B, L, attention_mask, position_ids)` (L: the softmax layers' length, None
+    without them): no left padding (an attention mask, if given, keeps the L cached positions and the new one) and
+    the token's position as the model's forward takes it. `positions`: "cache" (position ids, if given, at the
+    cache's length: the forward takes the position from the cache), "required" (given, at the cache's length),
+    "ignored" (not read: no RoPE), or a function `(cache, L, position_ids)` that gives the position or None (the
+    description's `position`). `attention_free`, for L None: "unpadded" (a 2-D mask, if given, keeps every
+    position), "cache" (L is the cache's `get_seq_length()`), None (the call steps aside)."""
+
+    def usable(cache, B: int, L: Optional[int], attention_mask, position_ids) -> bool:
+        if L is None:
+            if attention_free is None:
+                return False
+            if attention_free == "unpadded":
+                return unpadded(attention_mask, B)
+            L = cache.get_seq_length()
+        if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor)
+                                               and attention_mask.shape == (B, L + 1) and bool(attention_mask.all())):
+            return False   # (left padding: transformers' masked path)
+        if callable(positions):
+            return positions(cache, L, position_ids) is not None
+        if positions == "ignored" or position_ids is None:
+            return positions != "required"
+        return isinstance(position_ids, torch.Tensor) and bool((position_ids == L).all())
+
+    return usable
+
+
+#: `call_usable` for a model whose forward takes the position from the cache (transformers' `cache.get_seq_length()`,
+#: L when the model has softmax layers)
+cached_call_usable = call_usable("cache", "cache")
 
 
 #: the keywords of a causal LM's forward the hook serves
@@ -319,6 +455,28 @@ def mla_plan(part: MLA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dty
 DEEPSEEK_MOE = ("KimiLinearMoE", "BailingHybridMoE")
 
 
+def grouped_router_moe(router: nn.Module, up: torch.Tensor, down: torch.Tensor, d: int, wdt,
+                       gated: bool = True) -> Union[_dp.MoEDescription, str]:
+    """The `decode_plan.MoEDescription` of a DeepSeek-V3-style sigmoid `router` (`num_experts` E in `num_group`
+    groups of which `topk_group` are kept, `top_k`; its weight `[E, d]` of the model's dtype or fp32, the float
+    correction bias `[E]`: router mode 2, `set_router2`) over fused 3-D experts `up` (`gate_up_proj`, or `up_proj`
+    when not `gated`) and `down`, read in place, or why the plan does not compute it."""
+    E = getattr(router, "num_experts", 0)
+    G, kg, k = getattr(router, "num_group", 0), getattr(router, "topk_group", 0), getattr(router, "top_k", 0)
+    if not (G >= 1 and E % G == 0 and E // G >= 2 and 1 <= kg <= G and 1 <= k <= kg * (E // G)):
+        return "an MoE router whose groups the plan does not choose among (E / groups < 2, k too large)"
+    bias, w = router.e_score_correction_bias, router.weight
+    if (tuple(w.shape) != (E, d) or w.dtype not in (wdt, torch.float32) or not w.is_contiguous()
+            or tuple(bias.shape) != (E,) or not bias.dtype.is_floating_point):
+        return "an MoE router whose weight or correction bias the plan does not read (shapes, dtype)"
+    # (the router's weight as `MoEDescription` checks it: the plan reads the router itself, `set_router2`)
+    moe = _dp.MoEDescription(w.detach().to(wdt) if w.dtype != wdt else w.detach(), up.detach(), down.detach(), k,
+                             router.norm_topk_prob, gated=gated)
+    if not _dp.moe_usable(moe, d, wdt):
+        return "an MoE block whose experts the plan does not read (shapes, dtype, layout)"
+    return moe
+
+
 def deepseek_moe(mlp: nn.Module, d: int, wdt) -> Union[tuple, str]:
     """(shared expert's fused gate | up, its down, `decode_plan.MoEDescription`, the router module) of a
     DeepSeek-V3-style MoE block (`DEEPSEEK_MOE`), the experts read in place, or why the plan does not compute it.
@@ -328,28 +486,16 @@ def deepseek_moe(mlp: nn.Module, d: int, wdt) -> Union[tuple, str]:
         return f"a {name} feed-forward (neither a dense SwiGLU MLP nor a described MoE block)"
     m = mlp._modules
     router, experts, shared = (m.get(n) for n in ("gate", "experts", "shared_experts"))
-    E = getattr(router, "num_experts", 0)
-    G, kg, k = getattr(router, "num_group", 0), getattr(router, "topk_group", 0), getattr(router, "top_k", 0)
     if (type(router).__name__ != name.replace("MoE", "TopkRouter") or set(router._parameters) != {"weight"}
             or set(router._buffers) != {"e_score_correction_bias"} or experts is None
             or set(experts._parameters) != {"gate_up_proj", "down_proj"}
             or type(getattr(experts, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation")):
         return "an MoE block whose router or experts are not transformers' sigmoid top-k router and fused experts"
-    if not (G >= 1 and E % G == 0 and E // G >= 2 and 1 <= kg <= G and 1 <= k <= kg * (E // G)):
-        return "an MoE router whose groups the plan does not choose among (E / groups < 2, k too large)"
-    bias, w = router.e_score_correction_bias, router.weight
-    if (tuple(w.shape) != (E, d) or w.dtype not in (wdt, torch.float32) or not w.is_contiguous()
-            or tuple(bias.shape) != (E,) or not bias.dtype.is_floating_point):
-        return "an MoE router whose weight or correction bias the plan does not read (shapes, dtype)"
     got = swiglu_ffn(shared, type(shared).__name__, d, wdt) if shared is not None else "no shared expert"
     if isinstance(got, str):
         return f"an MoE block's shared expert: {got}"
-    # (the router's weight as `MoEDescription` checks it: the plan reads the router itself, `set_router2`)
-    moe = _dp.MoEDescription(w.detach().to(wdt) if w.dtype != wdt else w.detach(), experts.gate_up_proj.detach(),
-                             experts.down_proj.detach(), k, router.norm_topk_prob)
-    if not _dp.moe_usable(moe, d, wdt):
-        return "an MoE block whose experts the plan does not read (shapes, dtype, layout)"
-    return got[0], got[1], moe, router
+    moe = grouped_router_moe(router, experts.gate_up_proj, experts.down_proj, d, wdt)
+    return moe if isinstance(moe, str) else (got[0], got[1], moe, router)
 
 
 def set_router2(p, router: nn.Module, wdt: torch.dtype):
@@ -377,15 +523,8 @@ def describe_mla_kda_model(model: nn.Module, models: tuple, kda_reason, kda_part
     of class `mla_class` (part `MLA`), and whose feed-forward is a dense SwiGLU MLP of class `mlp_class` or a
     DeepSeek-V3-style MoE block (`DEEPSEEK_MOE`: the part is then `(part, router)`), with plain RMSNorms of class
     `norm_class`; or the reason the plan does not compute it."""
-    got = base_and_embedding(model, models, "model", "embed_tokens")
-    if isinstance(got, str):
-        return got
-    base, embed, wdt = got
-    if getattr(model.config, "output_router_logits", False):
-        return "output_router_logits set (the plan returns no router logits)"
-    d = embed.weight.shape[1]
-    blocks, parts = [], []
-    for i, layer in enumerate(base.layers):
+
+    def block(layer, base, d: int, wdt):
         mixer = layer.self_attn
         is_mla = type(mixer).__name__ == mla_class
         why = mla_reason(mixer, mla_class, d, wdt, rotary, gated) if is_mla else kda_reason(mixer, d, wdt)
@@ -397,18 +536,17 @@ def describe_mla_kda_model(model: nn.Module, models: tuple, kda_reason, kda_part
             ffn = swiglu_ffn(layer.mlp, mlp_class, d, wdt)
         if why is None and isinstance(ffn, str):
             why = ffn
-        norms = [layer._modules.get(n) for n in ("input_layernorm", "post_attention_layernorm")]
-        if why is None and any(type(n).__name__ != norm_class or n.weight.dtype != wdt for n in norms):
-            why = f"block norms that are not transformers' {norm_class}"
+        norms = block_norms(layer, ("input_layernorm", "post_attention_layernorm"), norm_class, wdt)
+        if why is None and isinstance(norms, str):
+            why = norms
         if why is not None:
-            return f"layer {i}: {why}"
-        n1, n2 = (norm(n.weight, n.variance_epsilon) for n in norms)
-        blocks.append(_dp.BlockDescription(mixer, "mla" if is_mla else "kda", n1, n2,
-                                           "swiglu" if moe is None else "moe", ffn[0], ffn[1], moe=moe))
+            return why
+        bd = _dp.BlockDescription(mixer, "mla" if is_mla else "kda", *norms, "swiglu" if moe is None else "moe",
+                                  ffn[0], ffn[1], moe=moe)
         part = MLA(mixer, rotary, gated) if is_mla else kda_part(mixer)
-        parts.append(part if moe is None else (part, ffn[3]))
-    desc = model_description(model, embed, blocks, base.norm, norm_class, wdt)
-    return desc if isinstance(desc, str) else (desc, parts)
+        return bd, part if moe is None else (part, ffn[3])
+
+    return describe_layers(model, models, "model", "embed_tokens", block, "norm", norm_class)
 
 
 def mla_kda_block_plan(kda_plan):
