@@ -101,3 +101,19 @@ def test_bench_hf_load_stops_its_busy_loops_on_sigterm(monkeypatch, tmp_path):
         run_benchmark("hf", ["--quick", "--load", "1", "--quiet", "--out", str(tmp_path)])
     assert e.value.code == 143 and len(started) == 1 and started[0].poll() is not None
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_bench_hf_cases_selects_rows_and_logs_each_row_as_measured(tmp_path, capsys):
+    """--cases times only the named cases; each row's numbers are on stderr as soon as it is measured."""
+    rc = run_benchmark("hf", ["--quick", "--kinds", "mamba2", "--cases", "decode,train", "--threads", "1",
+                              "--repeats", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    rec = json.loads((tmp_path / "hf.json").read_text())
+    assert sorted(r["case"] for r in rec["timings"]) == ["decode", "train"]
+    assert rec["memory"] == []          # prefill peak memory belongs to the prefill case
+    err = capsys.readouterr().err
+    row = next(r for r in rec["timings"] if r["case"] == "train")
+    assert f"[mamba2] train T=32 threads=1: unpatched {row['unpatched_ms']:.1f} ms" in err
+    assert f"{row['speedup']:.2f}x" in err
+    with pytest.raises(UsageError, match="--cases: unknown \\['backward'\\]"):
+        run_benchmark("hf", ["--cases", "prefill,backward", "--out", str(tmp_path)])

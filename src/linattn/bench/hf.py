@@ -21,6 +21,8 @@ gdn and bamba models have a second layer, a minimal softmax one (1 head; transfo
 causal mask of a cached model without any attention layer), the same on both sides too.
 KDA's unpatched training step (transformers' PyTorch chunk code) takes minutes at T = 2048 on 2 cores: its row
 runs at --kda-train-T (default 512), and the table says so.
+--cases: which of prefill, decode, train to time (default all; each row is logged with its numbers as it is
+measured, so a long run cut short keeps what it made).
 --load N: N busy-loop processes (at this process's priority) for the whole run, as on a shared machine; the load
 averages at the start and the end are in the output.
 Targets: prefill >= 2x faster at T = 2048 and 8192, a training step >= 3x at 2048, every other row not
@@ -44,6 +46,7 @@ from . import common
 DESCRIPTION = __doc__
 PROG = "linattn bench hf"
 KINDS = ("gdn", "kda", "mamba2", "lightning", "bamba", "granite", "nemotron_h")
+CASES = ("prefill", "decode", "train")
 
 
 def add_arguments(p) -> None:
@@ -55,6 +58,7 @@ def add_arguments(p) -> None:
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)} (default: all)")
     p.add_argument("--T", type=int, nargs="+", default=[512, 2048, 8192], help="prefill lengths (default 512 "
                    "2048 8192)")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)} (default: all)")
     p.add_argument("--decode-context", type=int, default=2048, help="prompt before the timed decode tokens "
                    "(default 2048)")
     p.add_argument("--decode-tokens", type=int_at_least(1), default=8, help="consecutive tokens of a timed "
@@ -207,6 +211,10 @@ def _run(args) -> int:
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         raise UsageError(f"--kinds: unknown {bad or args.kinds!r}; choose from {', '.join(KINDS)}", prog=PROG)
+    wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
+    bad = [c for c in wanted if c not in CASES]
+    if bad or not wanted:
+        raise UsageError(f"--cases: unknown {bad or args.cases!r}; choose from {', '.join(CASES)}", prog=PROG)
     if args.quick:
         args.T, args.decode_context, args.train_T, args.kda_train_T = [32, 64], 64, 32, 16
     for name, vals in (("--T", args.T), ("--decode-context", [args.decode_context]), ("--train-T", [args.train_T]),
@@ -228,6 +236,7 @@ def _run(args) -> int:
             torch.set_num_threads(threads)
             train_T = args.kda_train_T if kind == "kda" else args.train_T
             cases = [("prefill", T) for T in args.T] + [("decode", args.decode_context), ("train", train_T)]
+            cases = [(case, T) for case, T in cases if case in wanted]
             for case, T in cases:
                 log(f"[{kind}] {case} T={T} threads={threads}")
                 n = args.decode_tokens if case == "decode" else 1
@@ -255,10 +264,13 @@ def _run(args) -> int:
                     tgt = _target(case, T)
                     row["target"] = tgt
                     row["met"] = None if tgt is None else bool(row["speedup"] >= tgt)
+                    # each row as it is measured: a long run cut short keeps the rows it made
+                    log(f"[{kind}] {case} T={T} threads={threads}: unpatched {row['unpatched_ms']:.1f} ms, "
+                        f"patched {row['patched_ms']:.1f} ms, {row['speedup']:.2f}x")
                 rows.append(row)
         del ref, fast, models
     memory: List[Dict[str, Any]] = []
-    if not args.no_memory:
+    if not args.no_memory and "prefill" in wanted:
         specs, warm = [], []
         for kind in kinds:
             for T in args.T:
@@ -294,7 +306,7 @@ def _run(args) -> int:
              f"prompt (its cache made once by the patched model's prefill, a deep copy per timed call)",
              f"busy     {args.load} busy-loop process(es) for the whole run; load averages at the start "
              f"{' '.join(map(str, load_start or []))}, at the end {' '.join(map(str, load_end or []))}"]
-    if "kda" in kinds and args.kda_train_T != args.train_T:
+    if "kda" in kinds and "train" in wanted and args.kda_train_T != args.train_T:
         notes.append(f"kda      training step at T = {args.kda_train_T} (--kda-train-T: transformers' unpatched KDA "
                      f"step takes minutes at 2048), the other kinds at {args.train_T}")
     text = common.describe_machine(info) + "\n" + "\n".join(notes) + "\n\n" + table + "\n"
