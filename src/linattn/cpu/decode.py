@@ -173,6 +173,11 @@ def timing_requested() -> bool:
     return os.environ.get(TIMING_SWITCH, "").strip().lower() not in ("", "0", "false", "off", "no")
 
 
+# The timing build's one extra export (not in abi.py's table: the native library has none): name, return, arguments.
+# tests/cpu/test_bindings.py checks it against decode.c's prototype.
+TIMING_FUNCTION = ("linattn_decode_timing", ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int])
+
+
 def timing_library() -> Optional[bindings.Bound]:
     """decode.c built with LINATTN_DECODE_TIMING defined (a developer's build: each section of a decoded token timed
     into process-wide counters), bound like the native library; None when the kernels are off or it cannot be
@@ -195,8 +200,9 @@ def timing_library() -> Optional[bindings.Bound]:
             except (OSError, RuntimeError):
                 lib = None
         if lib is not None and cbuild.interface_problem("decode", lib) is None:
-            fn = lib.linattn_decode_timing
-            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int64
+            name, restype, argtypes = TIMING_FUNCTION
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
             _timing_lib.append(bindings.Bound("decode", lib))
         else:
             _timing_lib.append(None)
@@ -211,7 +217,7 @@ def section_times(reset: bool = True) -> Optional[dict]:
         return None
     n = len(SECTIONS)
     out = (ctypes.c_double * (2 * n + 1))()
-    got = _timing_lib[0].lib.linattn_decode_timing(out, int(reset))
+    got = getattr(_timing_lib[0].lib, TIMING_FUNCTION[0])(out, int(reset))
     if got != n:
         raise RuntimeError(f"internal: the timing build has {got} sections, cpu/decode.SECTIONS {n}")
     return {"tokens": int(out[2 * n]), "seconds": dict(zip(SECTIONS, out[:n])),
