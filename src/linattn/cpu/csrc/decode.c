@@ -1040,7 +1040,8 @@ static void FN(kv_scores)(int bf, const void *kc, int64_t first, int64_t stride,
     }
 }
 
-/* o[0 .. Dv) += e * v, v the cached value row at element `off` (bf16 when bf, else in the plan's type) */
+/* o[0 .. Dv) += e * v, v the cached row at element `off` (bf16 when bf, else in the plan's type): the softmax
+   kind's values and the latent-attention kind's cached latents (decode_mla.h) */
 static inline void FN(kv_axpy)(int bf, const void *vc, int64_t off, int64_t Dv, REAL e, REAL *restrict o) {
     if (bf) {
         const uint16_t *restrict v = (const uint16_t *)vc + off;

@@ -51,19 +51,6 @@ static inline REAL FN(mla_dot)(int kb, const void *base, int64_t off, const REAL
     return s;
 }
 
-/* acc[i] += e x_i over n cache elements from element off */
-static inline void FN(mla_axpy)(int kb, const void *base, int64_t off, REAL e, REAL *restrict acc, int64_t n) {
-    if (kb) {
-        const uint16_t *restrict x = (const uint16_t *)base + off;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) acc[i] += e * (REAL)bf16_to_f32(x[i]);
-    } else {
-        const REAL *restrict x = (const REAL *)base + off;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) acc[i] += e * x[i];
-    }
-}
-
 /* DeepSeek's interleaved rotation of R channels: pairs (x[2i], x[2i+1]) by angle i, written rotate-half
    ([x0' x2' .. | x1' x3' ..]) into out, as transformers' apply_rotary_pos_emb_interleave */
 static void FN(mla_rope)(const REAL *x, int64_t R, const REAL *c, const REAL *s, REAL *out) {
@@ -136,7 +123,7 @@ static int FN(mla_mix)(const linattn_block_plan *p, REAL *y, REAL *o) {
             for (int64_t t = lo; t < L; ++t) {
                 const REAL e = nan ? (REAL)NAN : MATH(exp)(w[t] - m);
                 den += e;
-                FN(mla_axpy)(kb, p->kc, (b * cap + t) * r, e, cbar, r);
+                FN(kv_axpy)(kb, p->kc, (b * cap + t) * r, r, e, cbar);
             }
             for (int64_t i = 0; i < r; ++i) cbar[i] /= den;
             REAL *oh = o + b * H * dv + h * dv;
