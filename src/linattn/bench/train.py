@@ -26,7 +26,9 @@ Model-FLOPs utilisation (the mfu column): each step's matmul FLOPs, counted once
 counted in full as torch counts them; the compiled mixer kernels run as custom ops it does not see, and elementwise
 work is not counted), over the median step time times the
 fp32 matmul rate of this machine measured in the same run at the same thread count (`common.matmul_rate`, a
-2048^3 product). --profile N adds, per mixer, a torch.profiler table of one step's top N operators by self CPU
+2048^3 product, measured before and after the steps; the higher of the two is used, so a burst of other load
+during one of them cannot inflate the mfu).
+--profile N adds, per mixer, a torch.profiler table of one step's top N operators by self CPU
 time and the share of the step spent outside the matrix products (what the mixer's bound is made of).
 
 --quick runs a tiny configuration in a few seconds (the test suite runs it).
@@ -343,17 +345,24 @@ def run(a) -> int:
             f"timing   fwd + cross-entropy + bwd + AdamW + zero_grad; median of >= {a.repeats} steps after 1 "
             f"warm-up, mixers interleaved; {torch.get_num_threads()} thread(s)"]
     print("\n".join(head) + "\n")
+    n = 2048 if not a.quick else 256
+    # the rate before and after the steps, the higher one used: a burst of load during one measurement would
+    # otherwise lower the rate and so inflate every mfu (the steps' medians are robust to a burst, one rate is not)
+    before = common.matmul_rate(n)
     records = measure(names, a, log)
-    rate = common.matmul_rate(2048 if not a.quick else 256)
+    after = common.matmul_rate(n)
+    rate = max(before, after, key=lambda r: r["gflops"])
     add_mfu(records, rate["gflops"])
     add_bound_ratios(records)
-    print(f"matmul   fp32 {rate['n']}^3 product: {rate['gflops']:.1f} GFLOP/s (median) at {torch.get_num_threads()} "
-          f"thread(s), measured after the steps; mfu = a step's matmul FLOPs / (its median time x this rate)\n")
-    head.append(f"matmul   fp32 {rate['n']}^3: {rate['gflops']:.1f} GFLOP/s; mfu = matmul FLOPs / (step time x rate)")
+    print(f"matmul   fp32 {n}^3 product: {rate['gflops']:.1f} GFLOP/s (median; the higher of {before['gflops']:.1f} "
+          f"before and {after['gflops']:.1f} after the steps) at {torch.get_num_threads()} thread(s); mfu = a step's "
+          f"matmul FLOPs / (its median time x this rate)\n")
+    head.append(f"matmul   fp32 {n}^3: {rate['gflops']:.1f} GFLOP/s (before the steps {before['gflops']:.1f}, after "
+                f"{after['gflops']:.1f}: the higher); mfu = matmul FLOPs / (step time x rate)")
     text = _report(records)
     print(text)
     atomic_write_text(paths["txt"], "\n".join(head) + "\n\n" + text + "\n")
     write_json(paths["json"], {"benchmark": "train", "machine": info, "config": vars(a), "matmul_rate": rate,
-                               "records": records})
+                               "matmul_rate_before": before, "matmul_rate_after": after, "records": records})
     print(f"\nwrote {paths['txt']}, {paths['json']}")
     return 1 if any("error" in r for r in records) else 0
