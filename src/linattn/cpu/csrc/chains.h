@@ -223,7 +223,7 @@ static int la_chains_claim_group(la_chains_t *c, int64_t units, int g, int64_t *
 }
 
 /* How many of a unit's `left` steps its holder runs now, with `run` the steps of a claim: a whole run while more
-   than two are left, then half of what is left (rounded up), so that a unit ends in ever shorter runs (run, run / 2,
+   than two runs' worth are left, then half of what is left (rounded up), so that a unit ends in ever shorter runs (run, run / 2,
    ..., 1). The threads then finish within about a step of each other: a thread that finds every unfinished unit
    held waits for the end of a short run, not of a whole one (at the end of a call every unit is in its tail). */
 static inline int64_t la_chains_run(int64_t left, int64_t run) {
