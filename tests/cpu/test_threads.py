@@ -402,3 +402,38 @@ def test_threads_moved_off_a_shared_cpu_take_their_mask_back(tmp_path, monkeypat
         if narrowed:
             break
     assert narrowed, "no thread of a 2-thread call was seen restricted in 20 calls"
+
+
+def test_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
+    """The developer's timeline harness (tests/fixtures/cpu/linear_timeline.c: chains.h's LA_TRACE hook timestamps
+    every claim of linear.c) builds against the kernel's sources and runs: the same bits at 1 and 2 threads, forward
+    and backward; the 2-thread calls' claims did the work (their CPU time inside claims is positive) and every figure
+    is a finite time >= 0."""
+    import math
+    import subprocess
+    from pathlib import Path
+
+    harness = Path(__file__).resolve().parents[1] / "fixtures" / "cpu" / "linear_timeline.c"
+    exe = tmp_path / "timeline"
+    for flags in (("-march=native", "-fopenmp"), ("-fopenmp",)):
+        cmd = [*cbuild.compiler(), "-O3", "-std=c11", "-ffp-contract=fast", *flags, f"-I{cbuild.CSRC}",
+               str(harness), "-o", str(exe), "-lm"]
+        if subprocess.run(cmd, capture_output=True).returncode == 0:
+            break
+    else:
+        pytest.skip("the harness needs a compiler with OpenMP")
+    out = subprocess.run([str(exe), str(T_LONG), "4", "1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    _, _, num1, num2, _, dk1, dk2 = lines[-1].split()
+    assert num1 == num2 and dk1 == dk2, lines[-1]
+    rows = {}
+    for line in lines[:-1]:
+        words = line.split()
+        rows[(words[0], int(words[2]))] = {k: float(x) for k, x in zip(words[3::2], words[4::2])}
+    assert set(rows) == {(p, n) for p in ("fwd", "bwd") for n in (1, 2)}
+    for (p, n), m in rows.items():
+        assert all(math.isfinite(x) and x >= 0 for x in m.values()), (p, n, m)
+        assert m["wall"] > 0
+        if n == 2:
+            assert m["cpu0"] + m["cpu1"] > 0, (p, m)

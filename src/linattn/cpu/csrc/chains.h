@@ -30,6 +30,12 @@
 #if defined(__unix__) || defined(__APPLE__)
 #include <time.h>
 #endif
+/* A profiling harness defines LA_TRACE(event, unit) before including a kernel to timestamp each thread's claims,
+   sleeps and releases (LA_EV_*); in the library it is nothing. */
+#ifndef LA_TRACE
+#define LA_TRACE(event, unit) ((void)0)
+#endif
+enum { LA_EV_REGION, LA_EV_CLAIM, LA_EV_GOT, LA_EV_SLEEP, LA_EV_RELEASE, LA_EV_LEAVE };
 #if defined(__linux__) && defined(_GNU_SOURCE) && defined(_OPENMP)
 #include <sched.h>
 #define LA_PLACEMENT 1
@@ -167,18 +173,24 @@ static void la_chains_add(la_chains_t *c, int64_t u, int64_t start) {
 /* a unit with steps left that no other thread holds, now held by the caller; -1 when every unit is finished (the
    caller then leaves the call's team: no more claims from it in this call) */
 static int64_t la_chains_claim(la_chains_t *c, int64_t units) {
+    LA_TRACE(LA_EV_CLAIM, -1);
     la_team_check(&c->team);
     while (atomic_load(&c->left) > 0) {
         const int64_t c0 = atomic_fetch_add(&c->cursor, 1);
         for (int64_t i = 0; i < units; i++) {
             const int64_t u = (c0 + i) % units;
-            if (!atomic_exchange_explicit(&c->held[u], 1, memory_order_acquire)) return u;
+            if (!atomic_exchange_explicit(&c->held[u], 1, memory_order_acquire)) {
+                LA_TRACE(LA_EV_GOT, u);
+                return u;
+            }
         }
         atomic_fetch_add_explicit(&c->waiting, 1, memory_order_relaxed);
+        LA_TRACE(LA_EV_SLEEP, -1);
         la_wait();
         atomic_fetch_sub_explicit(&c->waiting, 1, memory_order_relaxed);
     }
     la_team_leave(&c->team);
+    LA_TRACE(LA_EV_LEAVE, -1);
     return -1;
 }
 
@@ -210,8 +222,19 @@ static int la_chains_claim_group(la_chains_t *c, int64_t units, int g, int64_t *
     return n;
 }
 
+/* How many of a unit's `left` steps its holder runs now, with `run` the steps of a claim: a whole run while more
+   than two runs' worth are left, then half of what is left (rounded up), so that a unit ends in ever shorter runs (run, run / 2,
+   ..., 1). The threads then finish within about a step of each other: a thread that finds every unfinished unit
+   held waits for the end of a short run, not of a whole one (at the end of a call every unit is in its tail). */
+static inline int64_t la_chains_run(int64_t left, int64_t run) {
+    if (left > 2 * run) return run;
+    const int64_t half = (left + 1) / 2;
+    return half > run ? run : (half < 1 ? left : half);
+}
+
 /* the holder of unit u ran it up to `to`; finished: the unit had no steps left after it (it stays held) */
 static void la_chains_release(la_chains_t *c, int64_t u, int64_t to, int finished) {
+    LA_TRACE(LA_EV_RELEASE, u);
     c->run[u] = to;
     if (finished) atomic_fetch_sub(&c->left, 1);
     else atomic_store_explicit(&c->held[u], 0, memory_order_release);

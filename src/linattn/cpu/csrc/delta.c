@@ -53,9 +53,10 @@
 #define PF_AHEAD 4 /* tokens: a head's rows lie H * D apart, which the hardware prefetchers follow poorly */
 /* Threads: one task per (sequence, head) unit when there are at least DELTA_UNITS_PER_THREAD per thread; with
    fewer, the units are chains (chains.h), claimed for a run of about DELTA_RUN tokens at a time (a whole number
-   of checkpoint chunks), so that a descheduled thread holds back one run of one unit, not a whole sequence. The
-   scan of a unit is the same either way: a run starts with its first token's prediction from the stored state,
-   the same products in the same order as the previous token's pass would have made (same bits). */
+   of checkpoint chunks; shorter at the unit's end: la_chains_run), so that a descheduled thread holds back one run
+   of one unit, not a whole sequence. The scan of a unit is the same either way: a run starts with its first
+   token's prediction from the stored state, the same products in the same order as the previous token's pass would
+   have made (same bits). */
 #ifndef DELTA_UNITS_PER_THREAD
 #define DELTA_UNITS_PER_THREAD 4
 #endif
@@ -251,7 +252,8 @@ int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL
 #pragma omp parallel num_threads(nthreads)
         for (int64_t u; (u = la_chains_claim(&chn, N * H)) >= 0;) {
             const int64_t n = u / H, h = u % H, L = starts[n + 1] - starts[n], i0 = chn.run[u];
-            const int64_t Lr = L - i0 < run ? L - i0 : run;
+            const int64_t take = chunk * la_chains_run((L - i0 + chunk - 1) / chunk, run / chunk); /* whole chunks */
+            const int64_t Lr = L - i0 < take ? L - i0 : take;
             if (FN(scan)(H, K, V, h, starts[n] + i0, Lr, q, k, v, a, g, gate, S_out + u * KV, NULL, o, NULL, NULL,
                          ckpt != NULL ? ckpt + ((ck_off[n] + i0 / chunk) * H + h) * KV : NULL, chunk) != 0) {
                 LA_ATOMIC_WRITE failed = 1;
@@ -584,7 +586,7 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
         }
         if (chains) {
             for (int64_t u; Sbuf && dc && (u = la_chains_claim(&chn, N * H)) >= 0;) {
-                const int64_t c_hi = chn.run[u], c_lo = c_hi > run ? c_hi - run : 0;
+                const int64_t c_hi = chn.run[u], c_lo = c_hi - la_chains_run(c_hi, run);
                 if (FN(bwd_stretches)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv,
                                       da, dg, u / H, u % H, c_hi, c_lo, dS_all + u * KV, dcar + u * V, Sbuf) != 0) {
                     LA_ATOMIC_WRITE failed = 1;

@@ -76,13 +76,13 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
    * many units (>= LIN_UNITS_PER_THREAD per thread): one pass per unit (or per sequence, all its heads), units
      claimed dynamically; the tail (the last units) is short beside the whole.
    * at least one unit per thread, fewer than that (B = 1, H = 4 on 2 threads): still one pass per unit, the same
-     arithmetic, as chains (chains.h): a unit is claimed for a run of LIN_CHAIN_RUN chunks at a time, its state
-     kept in a shared array between runs, so that the units advance together and a descheduled thread holds
-     back one run of one unit. A claim takes the free heads of an aligned group (lin_group: two pairs at B = 1,
-     H = 4 on 2 threads) that stand at one position and runs them side by side, every chunk's heads in turn, as
-     one thread's pass runs all of them: one head's rows are 256 of every H * 256 bytes (K = 64, fp32), and a
-     thread that reads them alone pays for the pages and neighbouring lines of rows it does not use (measured at
-     1 thread: 4-15 % more CPU time than all heads in turn). Beside a waiting thread a claim takes one head
+     arithmetic, as chains (chains.h): a unit is claimed for a run of LIN_CHAIN_RUN chunks at a time (shorter at its
+     end: la_chains_run), its state kept in a shared array between runs, so that the units advance together and a
+     descheduled thread holds back one run of one unit. A claim takes the free heads of an aligned group (lin_group: two
+     pairs at B = 1, H = 4 on 2 threads) that stand at one position and runs them side by side, every chunk's heads in
+     turn, as one thread's pass runs all of them: one head's rows are 256 of every H * 256 bytes (K = 64, fp32), and a
+     thread that reads them alone pays for the pages and neighbouring lines of rows it does not use (measured at 1
+     thread: 4-15 % more CPU time than all heads in turn). Beside a waiting thread a claim takes one head
      (la_chains_claim_group), so a descheduled thread still holds back one run of one head.
    * fewer units than threads: each chunk's work in two halves, every (unit, chunk) task claimed from one
      counter in the order: every chunk's first half (the forward's state update, the backward's state-gradient
@@ -640,6 +640,7 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
     const size_t scratch = (size_t)(3 * C * K + K * C + 2 * C * W + C * C + C + (nh + 1) * KW);
 #pragma omp parallel num_threads(nthreads)
     {
+        LA_TRACE(LA_EV_REGION, 0);
         int bad = 0;
         REAL *buf = malloc(sizeof(REAL) * scratch);
         double *G = malloc(sizeof(double) * C); /* the chunk's cumulative gate (lin_cumgate) */
@@ -655,7 +656,7 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
             int64_t got[LIN_UNITS_PER_THREAD]; /* the units claimed side by side: heads of one sequence */
             for (int n; buf && (n = la_chains_claim_group(&chn, N * H, group, got)) > 0;) {
                 const int64_t s = got[0] / H, cb = chn.run[got[0]], end = first[s + 1];
-                const int64_t ce = end - cb > LIN_CHAIN_RUN ? cb + LIN_CHAIN_RUN : end;
+                const int64_t ce = cb + la_chains_run(end - cb, LIN_CHAIN_RUN);
                 for (int64_t c = cb; c < ce; c++)
                     for (int j = 0; j < n; j++) {
                         /* the next unit's rows: the next claimed head of this chunk, else the first of the next */
@@ -989,6 +990,7 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
     const size_t scratch = (size_t)(3 * C * K + 2 * C * W + 2 * W * K + 4 * C * C + 3 * C * MX + 2 * C + MX * C + (nh + 1) * KW);
 #pragma omp parallel num_threads(nthreads)
     {
+        LA_TRACE(LA_EV_REGION, 0);
         REAL *buf = malloc(sizeof(REAL) * scratch);
         FN(bws) b;
         b.G = malloc(sizeof(double) * C);
@@ -1006,7 +1008,7 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
             int64_t got[LIN_UNITS_PER_THREAD]; /* the units claimed side by side: heads of one sequence */
             for (int n; buf && (n = la_chains_claim_group(&chn, N * H, group, got)) > 0;) {
                 const int64_t s = got[0] / H, cb = chn.run[got[0]], end = first[s];
-                const int64_t ce = cb - end > LIN_CHAIN_RUN ? cb - LIN_CHAIN_RUN : end;
+                const int64_t ce = cb - la_chains_run(cb - end, LIN_CHAIN_RUN);
                 for (int64_t c = cb - 1; c >= ce; c--)
                     for (int j = 0; j < n; j++) {
                         /* the next unit's rows: the next claimed head of this chunk, else the first of the previous */
