@@ -95,6 +95,23 @@ def test_a8_differs_from_exact():
     assert (y8 - xhat @ W.t()).abs().max() < 1e-3 * (y8 - y).abs().max()
 
 
+@pytest.mark.parametrize("k", [32, 100, 256])
+def test_a8_paths_round_as_the_definition(decode_lib, k):
+    """Every path's rounding of x, seen through an int8 identity of scale 1 (y = x^ exactly: one nonzero integer
+    product per row, its scaling the definition's one fp32 product): equal to round_activations bit for bit, with
+    ties to even, +-127, zero and subnormal blocks, and a tail block (k = 100)."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(4, k, generator=g) * torch.tensor([[1.0], [1e-38], [1e35], [1.0]])
+    x[0, :32] = torch.arange(32) - 15.5   # a block of max 16.5 ...
+    x[0, 31] = 127.0                      # ... raised to 127: scale 1, every other value a tie
+    x[1, 32:64] = 0
+    x[3, :] = 2.0 ** -149 * (torch.arange(k) % 7 - 3)
+    eye = torch.eye(k, dtype=torch.int8)
+    ones = torch.ones(k, dtype=torch.bfloat16)
+    y = cpu_decode.weight_matvec(x, "int8_a8", eye, ones, 0)
+    assert torch.equal(y, round_activations(x))
+
+
 def test_round_activations_matches_the_definition():
     """The PyTorch paths' rounding (quant/linear.round_activations) equals the definition bit for bit (fp32 x),
     tails, zero blocks, subnormals and extremes included; a NaN / inf leaves x as it is."""

@@ -53,7 +53,7 @@ def test_stored_weights_and_summary():
     assert "activations='int8'" in repr(q4)
     model = LanguageModel(LMConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, mixer="gated-deltanet"))
     assert quantization_summary(quantize(model, "int8", activations="int8"))["activations"] == "int8"
-    assert quantization_summary(quantize(model, "int8"))["activations"] == "float"
+    assert quantization_summary(quantize(model, "int8", activations="float"))["activations"] == "float"
 
 
 def _model(n_heads=16, d_model=64, head_dim=16, layers=2, vocab=96, tie=True):
@@ -125,19 +125,25 @@ def test_refusals():
 
 
 def test_default_activations_by_mode(tmp_path):
-    """Without `activations`: int4's products round x to int8 (its stored format int4_a8, the same rounding as
-    activations="int8", bit for bit), int8's take x as it is; a folder records what it was written with, and one
-    written before the setting existed (no "activations" key) loads with float activations."""
+    """Without `activations` both modes' products round x to int8 (stored formats int8_a8 / int4_a8, the same
+    rounding as activations="int8", bit for bit); "float" keeps the exact products; a folder records what it was
+    written with (an int8 folder written with float activations, the old default, loads with them), and one written
+    before the setting existed (no "activations" key) loads with float activations."""
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(32, 64, generator=g), torch.randn(3, 64, generator=g)
-    q4 = QuantizedLinear.from_weight(w, None, "int4", compute="fp32")
-    assert q4.activations == "int8" and q4.stored_weights()[0] == "int4_a8"
-    assert torch.equal(q4(x), QuantizedLinear.from_weight(w, None, "int4", compute="fp32", activations="int8")(x))
-    assert QuantizedLinear.from_weight(w, None, "int8").activations == "float"
+    for mode in ("int8", "int4"):
+        q = QuantizedLinear.from_weight(w, None, mode, compute="fp32")
+        assert q.activations == "int8" and q.stored_weights()[0] == f"{mode}_a8"
+        assert torch.equal(q(x), QuantizedLinear.from_weight(w, None, mode, compute="fp32", activations="int8")(x))
+        exact = QuantizedLinear.from_weight(w, None, mode, compute="fp32", activations="float")
+        assert exact.stored_weights()[0] == mode and not torch.equal(q(x), exact(x))
     model = _model()
     assert quantization_summary(quantize(model, "int4"))["activations"] == "int8"
-    assert quantization_summary(quantize(model, "int8"))["activations"] == "float"
-    assert quantization_summary(quantize(model, "int4", activations="float"))["activations"] == "float"
+    assert quantization_summary(quantize(model, "int8"))["activations"] == "int8"
+    assert quantization_summary(quantize(model, "int8", activations="float"))["activations"] == "float"
+    out = save_quantized(quantize(model, "int8", compute="fp32", activations="float"), tmp_path / "f")
+    loaded, _ = load_quantized(out)
+    assert {m.activations for m in quantized_modules(loaded).values()} == {"float"}
     out = save_quantized(quantize(model, "int4", compute="fp32"), tmp_path / "q")
     manifest = json.loads((out / "quantized.json").read_text())
     assert manifest["activations"] == "int8"

@@ -100,7 +100,7 @@ def test_outputs_within_the_computed_bound(mode, group, compute, rows):
 def test_other_activation_dtypes(dtype):
     w = _weights(32, 64)
     for compute in ("bf16", "fp32"):
-        layer = QuantizedLinear.from_weight(w, None, "int8", None, compute)
+        layer = QuantizedLinear.from_weight(w, None, "int8", None, compute, activations="float")
         x = torch.randn(2, 5, 64, dtype=dtype)
         out = layer(x)
         assert out.dtype == dtype and out.shape == (2, 5, 32)

@@ -27,8 +27,7 @@ def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
 def _add_activations(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", choices=ACTIVATIONS, default=None,
                    help="int8: the quantized products round their inputs to int8 per block of 32 (faster decoding, "
-                        "a small extra error; docs/quantization.md); float: exact inputs. Default: int8 for int4 "
-                        "weights, float for int8")
+                        "a small extra error; docs/quantization.md); float: exact inputs. Default: int8")
 
 
 def load_for_inference(checkpoint: str, device, mode=None, group_size=None, activations=None) -> Checkpoint:

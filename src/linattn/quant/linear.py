@@ -27,10 +27,10 @@ MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64)
 COMPUTES = ("bf16", "fp32")
 ACTIVATIONS = ("float", "int8")
-#: what each mode's products take when `activations` is not given: int4's round x to int8 (its integer products
-#: read at the memory's rate where its fp32-activation products, a table shuffle per 16 weights, compute slower
-#: than that; perplexity as weight-only's: docs/quantization.md), int8's take x as it is
-DEFAULT_ACTIVATIONS = {"int8": "float", "int4": "int8"}
+#: what each mode's products take when `activations` is not given: both round x to int8 (their integer products
+#: read at the memory's rate, where int4's fp32-activation products, a table shuffle per 16 weights, compute slower
+#: than that and int8's are slower too; perplexity within 0.1 % of weight-only's: docs/quantization.md)
+DEFAULT_ACTIVATIONS = {"int8": "int8", "int4": "int8"}
 ACTIVATION_BLOCK = 32     # int8 activations: inputs sharing one scale (csrc/qmatvec.h A8_BLOCK)
 INT4_N_MULTIPLE = 16      # torch's int4 CPU packing needs out_features % 16 == 0
 # up to this many rows the packed kernels beat dequantize-then-bf16-matmul (`linattn bench quant --kernels`, a
@@ -66,7 +66,7 @@ def check_activations(activations, mode: str) -> str:
     if activations is None:
         return DEFAULT_ACTIVATIONS[mode]
     if activations not in ACTIVATIONS:
-        raise LinattnError(f"activations must be one of {ACTIVATIONS} (or None: int8 for int4, float for int8), "
+        raise LinattnError(f"activations must be one of {ACTIVATIONS} (or None: int8), "
                            f"got {activations!r}")
     return activations
 
@@ -170,7 +170,7 @@ class QuantizedLinear(nn.Module):
         compute: "bf16" (PyTorch's packed kernels, bf16 activations) or "fp32" (dequantize to fp32).
         activations: "float" (the products take x as it is) or "int8": every product first rounds x to int8 per
             block of 32 inputs (`round_activations`); the compiled decode then multiplies integers. None (default):
-            "int8" for int4, "float" for int8 (`DEFAULT_ACTIVATIONS`).
+            "int8" (`DEFAULT_ACTIVATIONS`).
 
     Raises:
         LinattnError: A bad mode, group size, compute, activations or shape, or a tensor not on the CPU.

@@ -107,7 +107,7 @@ def quantize(model: nn.Module, mode: str, *, group_size: Optional[int] = None, c
             quantized layer rounds its input to int8 per block of 32 inputs first (an fp32 scale per block, as
             llama.cpp's Q8_0), and the compiled decode multiplies the integers (AVX-512 VNNI, AVX-VNNI, AVX2 or
             plain C): faster decoding, an extra error of at most half a block's scale per input
-            (docs/quantization.md). None (default): "int8" for int4, "float" for int8.
+            (docs/quantization.md). None (default): "int8"; "float" keeps the exact products.
         inplace: Replace the modules of `model` itself (its float weights are dropped); default: a copy.
 
     Returns:

@@ -366,24 +366,56 @@ typedef struct {
     void *mem;
 } a8_x;
 
-/* x's row (m inputs) rounded per block into q and s; 0 when it holds a NaN or inf */
-static int a8_round_row(int64_t m, const float *x, int8_t *q, float *s) {
-    for (int64_t j0 = 0, b = 0; j0 < m; j0 += A8_BLOCK, ++b) {
-        const int64_t e = j0 + A8_BLOCK < m ? j0 + A8_BLOCK : m;
-        float mx = 0;
-        for (int64_t j = j0; j < e; ++j) {
-            const float a = fabsf(x[j]);
-            if (!(a <= FLT_MAX)) return 0;
-            mx = a > mx ? a : mx;
-        }
-        float sc = mx / 127.0f;
-        while (sc * 127.0f < mx) sc = nextafterf(sc, INFINITY);   /* (a max near fp32's smallest values) */
-        s[b] = sc;
-        for (int64_t j = j0; j < e; ++j) {
-            const float r = sc > 0 ? nearbyintf(x[j] / sc) : 0.0f;
-            q[j] = (int8_t)(r > 127.0f ? 127 : r < -127.0f ? -127 : r);
-        }
+/* x's block x[j0 .. e-1] (e - j0 <= A8_BLOCK) rounded into q[j0 .. e-1], its scale returned in *s; 0 when it holds a
+   NaN or inf */
+static inline int a8_round_block(int64_t j0, int64_t e, const float *x, int8_t *q, float *s) {
+    float mx = 0;
+    for (int64_t j = j0; j < e; ++j) {
+        const float a = fabsf(x[j]);
+        if (!(a <= FLT_MAX)) return 0;
+        mx = a > mx ? a : mx;
     }
+    float sc = mx / 127.0f;
+    while (sc * 127.0f < mx) sc = nextafterf(sc, INFINITY);   /* (a max near fp32's smallest values) */
+    *s = sc;
+    for (int64_t j = j0; j < e; ++j) {
+        const float r = sc > 0 ? nearbyintf(x[j] / sc) : 0.0f;
+        q[j] = (int8_t)(r > 127.0f ? 127 : r < -127.0f ? -127 : r);
+    }
+    return 1;
+}
+
+/* x's row (m inputs) rounded per block into q and s; 0 when it holds a NaN or inf. With AVX-512 a whole block's
+   32 inputs at once, the same operations as a8_round_block (the max is exact, the division is IEEE's, the rounding
+   the current mode's as nearbyintf's): the same integers and scales. */
+static int a8_round_row(int64_t m, const float *x, int8_t *q, float *s) {
+    int64_t j0 = 0, b = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(LINATTN_PLAIN_C)
+    const __m512 fmax = _mm512_set1_ps(FLT_MAX), lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
+    for (; j0 + A8_BLOCK <= m; j0 += A8_BLOCK, ++b) {
+        const __m512 v0 = _mm512_loadu_ps(x + j0), v1 = _mm512_loadu_ps(x + j0 + 16);
+        const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
+        if ((__mmask16)(_mm512_cmp_ps_mask(a0, fmax, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, fmax, _CMP_LE_OQ)) !=
+            (__mmask16)0xFFFF)
+            return 0;
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        float sc = mx / 127.0f;
+        while (sc * 127.0f < mx) sc = nextafterf(sc, INFINITY);
+        s[b] = sc;
+        if (!(sc > 0)) {
+            memset(q + j0, 0, A8_BLOCK);
+            continue;
+        }
+        const __m512 sv = _mm512_set1_ps(sc);
+        const int rnd = _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC;
+        const __m512 r0 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(v0, sv), rnd), nlim), lim),
+                     r1 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(v1, sv), rnd), nlim), lim);
+        _mm_storeu_si128((__m128i *)(void *)(q + j0), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r0)));
+        _mm_storeu_si128((__m128i *)(void *)(q + j0 + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r1)));
+    }
+#endif
+    for (; j0 < m; j0 += A8_BLOCK, ++b)
+        if (!a8_round_block(j0, j0 + A8_BLOCK < m ? j0 + A8_BLOCK : m, x, q, s + b)) return 0;
     return 1;
 }
 
@@ -468,6 +500,50 @@ static inline float a8_row_scalar(int int4, const a8_x *p, int64_t b, int64_t j0
    odd ones (a8_x.v); its integer lanes less the excess (from a8_x.lc), converted, times the lanes' x scales and weight
    scales, enter the row's fp32 accumulator. int4 / R are constants at every call (always inlined). */
 #if defined(A8_I8_COLS) && defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* One row's step (inside a8_rows_vec): its 64 bytes at wr times the step's x (x0, x1, corr, xs) into acc, with the
+   row's scale (int8) or group scales picked lane by lane (int4). pf 1: the line Q_PF_BYTES ahead prefetched with no
+   bound check (the caller's steps keep it inside the matrix); pf 2: checked against pf_end (NULL: none). Written out
+   per row, with the accumulators as named variables, so that they stay in registers (GCC 12 kept an array of them
+   on the stack: a store and a load per row and step) and the bound check leaves the steps that cannot need it. */
+#define A8_ROW_STEP(acc, sc, wr, pf)                                                                             \
+    do {                                                                                                         \
+        if ((pf) == 1) __builtin_prefetch((const void *)((wr) + Q_PF_BYTES), 0, 2);                              \
+        else Q_PF(wr, pf_end);                                                                                   \
+        const __m512i d_ = _mm512_loadu_si512((const void *)(wr));                                              \
+        const __m512i i_ = int4 ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, _mm512_and_si512(d_, nib), x0),  \
+                                                      _mm512_and_si512(_mm512_srli_epi32(d_, 4), nib), x1)       \
+                                : _mm512_dpbusd_epi32(corr, _mm512_xor_si512(d_, flip), x0);                     \
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i_), xs),                                         \
+                              int4 ? _mm512_permutexvar_ps(si, sc) : sc, acc);                                   \
+    } while (0)
+/* the step at input j of the R rows */
+#define A8_STEP(pf)                                                                                              \
+    do {                                                                                                         \
+        __m512i si = _mm512_setzero_si512();                                                                     \
+        if (int4) {                                                                                              \
+            const int64_t g0 = j >> gsh, k = g0 & 15;                                                            \
+            if (k == 0) {   /* each row's next 16 group scales */                                                \
+                sc0 = q4_scales16(sr + g0, ng - g0);                                                             \
+                if (R == 4) {                                                                                    \
+                    sc1 = q4_scales16(sr + ss + g0, ng - g0);                                                    \
+                    sc2 = q4_scales16(sr + 2 * ss + g0, ng - g0);                                                \
+                    sc3 = q4_scales16(sr + 3 * ss + g0, ng - g0);                                                \
+                }                                                                                                \
+            }                                                                                                    \
+            si = _mm512_add_epi32(lane_group, _mm512_set1_epi32((int)k));                                        \
+        }                                                                                                        \
+        const __m512i x0 = _mm512_loadu_si512((const void *)(xi + j)),                                          \
+                      x1 = int4 ? _mm512_loadu_si512((const void *)(xi + j + 64)) : x0,                          \
+                      corr = _mm512_loadu_si512((const void *)(lc + j / lw));   /* (negated) */                  \
+        const __m512 xs = _mm512_loadu_ps(ls + j / lw);                                                          \
+        const uint8_t *w0 = w + (int4 ? j / 2 : j);                                                              \
+        A8_ROW_STEP(acc0, sc0, w0, pf);                                                                          \
+        if (R == 4) {                                                                                            \
+            A8_ROW_STEP(acc1, sc1, w0 + rs, pf);                                                                 \
+            A8_ROW_STEP(acc2, sc2, w0 + 2 * rs, pf);                                                             \
+            A8_ROW_STEP(acc3, sc3, w0 + 3 * rs, pf);                                                             \
+        }                                                                                                        \
+    } while (0)
 static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
                                                               int64_t group, const uint8_t *w, int64_t rs,
                                                               const uint16_t *sr, int64_t ss, const float *ws,
@@ -481,34 +557,20 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
     /* int4: lane k (inputs 8k .. 8k+7 of the step) is in group k / 4 (32) or k / 8 (64) of the step's first */
     const __m512i lane_group = group == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
                                            : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    __m512 acc[4], sc[4];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), sc[r] = _mm512_set1_ps(int4 ? 0.0f : ws[r]);
-    for (int64_t j = 0; j < mv; j += cols) {
-        __m512i si = _mm512_setzero_si512();
-        if (int4) {
-            const int64_t g0 = j >> gsh, k = g0 & 15;
-            if (k == 0)
-                for (int r = 0; r < R; ++r) sc[r] = q4_scales16(sr + r * ss + g0, ng - g0);   /* row r's next 16 */
-            si = _mm512_add_epi32(lane_group, _mm512_set1_epi32((int)k));
-        }
-        const __m512i x0 = _mm512_loadu_si512((const void *)(xi + j)),
-                      x1 = int4 ? _mm512_loadu_si512((const void *)(xi + j + 64)) : x0,
-                      corr = _mm512_loadu_si512((const void *)(lc + j / lw));   /* (negated) */
-        const __m512 xs = _mm512_loadu_ps(ls + j / lw);
-        for (int r = 0; r < R; ++r) {
-            const uint8_t *wr = w + r * rs + (int4 ? j / 2 : j);
-            if (pf_end) Q_PF(wr, pf_end);
-            const __m512i d = _mm512_loadu_si512((const void *)wr);
-            const __m512i i = int4 ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, _mm512_and_si512(d, nib), x0),
-                                                         _mm512_and_si512(_mm512_srli_epi32(d, 4), nib), x1)
-                                   : _mm512_dpbusd_epi32(corr, _mm512_xor_si512(d, flip), x0);
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), xs),
-                                     int4 ? _mm512_permutexvar_ps(si, sc[r]) : sc[r], acc[r]);
-        }
-    }
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    __m512 sc0 = _mm512_set1_ps(int4 ? 0.0f : ws[0]), sc1 = sc0, sc2 = sc0, sc3 = sc0;
+    if (!int4 && R == 4) sc1 = _mm512_set1_ps(ws[1]), sc2 = _mm512_set1_ps(ws[2]), sc3 = _mm512_set1_ps(ws[3]);
+    /* the steps whose every row's prefetch stays below pf_end (the last row's is the furthest), then the rest */
+    const intptr_t pf_room = pf_end ? (intptr_t)((uintptr_t)pf_end - (uintptr_t)(w + (R - 1) * rs)) - Q_PF_BYTES : 0;
+    int64_t j = 0;
+    for (; j < mv && (int4 ? j / 2 : j) < pf_room; j += cols) A8_STEP(1);
+    for (; j < mv; j += cols) A8_STEP(2);
+    const __m512 accs[4] = {acc0, acc1, acc2, acc3};
     for (int r = 0; r < R; ++r)
-        out[r] = _mm512_reduce_add_ps(acc[r]) + a8_row_scalar(int4, p, b, mv, group, w + r * rs, sr + r * ss, ws[r]);
+        out[r] = _mm512_reduce_add_ps(accs[r]) + a8_row_scalar(int4, p, b, mv, group, w + r * rs, sr + r * ss, ws[r]);
 }
+#undef A8_STEP
+#undef A8_ROW_STEP
 #elif defined(A8_I8_COLS)
 /* AVX2: with AVX-VNNI `vpdpbusd` on 32 bytes as the AVX-512 path; without it `vpmaddubsw` pairs then `vpmaddwd` with
    ones, int8 weights taking x's sign (x's magnitudes the unsigned operand, a8_x.v), so no excess for them. Both
