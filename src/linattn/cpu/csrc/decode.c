@@ -37,7 +37,7 @@ LA_ABI_VERSION(decode, 6)
    counters over every call, read and reset by linattn_decode_timing; a lap is taken on the calling thread, around
    the parallel regions, so at n threads a section's time is its wall time. */
 enum { LT_EMBED, LT_NORM, LT_QKV, LT_CONV, LT_STATE, LT_ATTN, LT_MIXER, LT_OUT, LT_RESID, LT_GATE_UP, LT_ACT, LT_DOWN,
-       LT_MOE, LT_HEAD, LT_LOGITS, LT_TOTAL, LT_N };
+       LT_MOE, LT_HEAD, LT_LOGITS, LT_SETUP, LT_TEARDOWN, LT_TOTAL, LT_N };
 #if defined(LINATTN_DECODE_TIMING)
 #include <time.h>
 static double lt_sec[LT_N], lt_bytes[LT_N], lt_pending;
@@ -1286,14 +1286,15 @@ ffn:
    per token). Returns 0; 1 out of memory; 2 an id outside [0, vocab) (nothing written). */
 int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, const REAL *S_in,
                              const REAL *w_in, REAL *S_out, REAL *w_out, void *logits, float *aux) {
+    LT_START(lt_call);   /* (the whole function: "total" is the call less the crossing of ctypes) */
+    LT_START(lt);
     const int64_t B = p->B, d = p->d, V = p->vocab;
     for (int64_t b = 0; b < B; ++b)
         if (ids[b] < 0 || ids[b] >= V) return 2;
-    LT_START(lt_call);
-    LT_START(lt);
     /* x: two activation rows per batch row, then (bf16) the fp32 logits before rounding */
     REAL *x = (REAL *)malloc(sizeof(REAL) * (size_t)(2 * B * d + (p->wbf16 ? B * V : 0) + 1));
     if (!x) return 1;
+    LT_LAP(lt, LT_SETUP);
     REAL *xa = x, *xb = x + B * d;
     for (int64_t b = 0; b < B; ++b) {
         if (p->wbf16) {
@@ -1327,8 +1328,9 @@ int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, co
     if (p->wbf16)
         for (int64_t i = 0; i < B * V; ++i) ((uint16_t *)logits)[i] = f32_to_bf16((float)lg[i]);
     if (aux) *aux = 0.0f;
-    free(x);
     LT_LAP(lt, LT_LOGITS);
+    free(x);
+    LT_LAP(lt, LT_TEARDOWN);
     LT_LAP(lt_call, LT_TOTAL);
 #if defined(LINATTN_DECODE_TIMING)
     ++lt_tokens;
