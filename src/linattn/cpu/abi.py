@@ -267,11 +267,6 @@ LIBRARIES: Dict[str, Library] = {
         Fn("linattn_decode_moe_route", (c_i64,) * 3 + (c_int,) + (c_ptr,) * 3, typed=False),
         # R, E, k, groups, topk_groups, norm, scale, logits (float), bias (float) -> idx, w: router mode 2
         Fn("linattn_decode_moe_route_grouped", (c_i64,) * 5 + (c_int, c_double) + (c_ptr,) * 4, typed=False),
-        # a kernelized model's conv states <-> the plan's windows: n, KC, bf16, conv -> win; n, KC, bf16, win -> conv
-        Fn("linattn_decode_conv_windows", (c_i64, c_i64, c_int, c_ptr, c_ptr), restype=None, typed=False,
-           status=False),
-        Fn("linattn_decode_conv_store", (c_i64, c_i64, c_int, c_ptr, c_ptr), restype=None, typed=False,
-           status=False),
     ), {"block_plan": BlockPlan, "model_plan": ModelPlan}),
 }
 

@@ -26,8 +26,7 @@ from .build import ENV_SWITCH, enabled
 
 __all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", "ModelPlan", "model_function",
            "BETA_MODES", "FEATURE_MAPS", "FUSED_PRODUCTS", "KDA_MATRICES", "PLAN_PARTS", "WEIGHT_FORMATS",
-           "WEIGHT_MATRICES", "weight_matvec", "SECTIONS", "TIMING_SWITCH", "section_times", "timing_library",
-           "CONV_STATE_DTYPES", "conv_windows", "conv_store"]
+           "WEIGHT_MATRICES", "weight_matvec", "SECTIONS", "TIMING_SWITCH", "section_times", "timing_library"]
 
 #: the feature maps the linear step computes (the C codes)
 from ..feature_codes import FUSED_MAPS as FEATURE_MAPS  # noqa: E402, I001 (one table, every path)
@@ -282,42 +281,6 @@ def weight_matvec(x: torch.Tensor, fmt: str, W: torch.Tensor, scales: Optional[t
     lib("linattn_decode_matvec_f32", None, WEIGHT_FORMATS[fmt], ptr(W), ptr(scales if sshape else None), group, B,
         n, m, ptr(bias), ptr(x), ptr(add), ptr(y), threads())
     return y
-
-
-#: the dtypes of transformers' conv states that `conv_windows` / `conv_store` take
-CONV_STATE_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def conv_windows(conv: torch.Tensor) -> Optional[torch.Tensor]:
-    """The plan's float32 conv windows `[n * (KC - 1)]` of a kernelized model's conv states `conv` (contiguous, bf16
-    or float32, `[..., KC]`: n rows of KC inputs, the oldest first): each row's last KC - 1 inputs, in one compiled
-    pass (csrc/decode.c linattn_decode_conv_windows). None when the kernels are off or conv is not such a tensor."""
-    lib = _library()
-    if lib is None or conv.dtype not in CONV_STATE_DTYPES or not conv.is_contiguous() or conv.dim() < 1:
-        return None
-    KC = conv.shape[-1]
-    n = conv.numel() // KC if KC else 0
-    win = torch.empty(n * (KC - 1), dtype=torch.float32)
-    lib.function("linattn_decode_conv_windows")(n, KC, int(conv.dtype == torch.bfloat16), conv.data_ptr(),
-                                                 win.data_ptr())
-    return win
-
-
-def conv_store(win: torch.Tensor, conv: torch.Tensor) -> bool:
-    """`conv_windows`'s inverse after a step, in place: each row of conv shifted by one input (its first = its old
-    second) and its last KC - 1 the new window `win` (float32, contiguous, n * (KC - 1) elements), rounded to bf16 as
-    torch rounds (to nearest even) when conv is bf16. Returns False (nothing written) where `conv_windows` would
-    return None or win does not fit."""
-    lib = _library()
-    if lib is None or conv.dtype not in CONV_STATE_DTYPES or not conv.is_contiguous() or conv.dim() < 1:
-        return False
-    KC = conv.shape[-1]
-    n = conv.numel() // KC if KC else 0
-    if win.dtype != torch.float32 or not win.is_contiguous() or win.numel() != n * (KC - 1):
-        return False
-    lib.function("linattn_decode_conv_store")(n, KC, int(conv.dtype == torch.bfloat16), win.data_ptr(),
-                                               conv.data_ptr())
-    return True
 
 
 def moe_route(logits: torch.Tensor, k: int, norm: bool) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -526,12 +526,7 @@ def _conv_stack(cache, lo, slot: _Slot, W_parts: list) -> Optional[torch.Tensor]
 
 def _windows_of(convs: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """The plan's conv windows `[n B C (KC - 1)]` in cdt: the last KC - 1 columns of `_conv_stack`'s `[n, B, C,
-    KC]`, in one compiled pass for a float32 plan (`cpu/decode.conv_windows`), else copied a column at a time (one
-    strided copy with an inner loop of KC - 1 elements costs ~3x more)."""
-    if cdt == torch.float32:
-        got = _cpu_decode.conv_windows(convs)   # (one compiled pass: 0.5 -> ~0.1 ms a token on Qwen3.5's 530M shape)
-        if got is not None:
-            return got
+    KC]`, copied a column at a time (one strided copy with an inner loop of KC - 1 elements costs ~3x more)."""
     KC = convs.shape[3]
     rows = convs.view(-1, KC)
     out = torch.empty(rows.shape[0], KC - 1, dtype=cdt)
@@ -550,11 +545,9 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[
     if convs is not None:
         KC = convs.shape[3]
         rows = convs.view(-1, KC)
-        wins = buf[lo.n_state:lo.n_state + rows.shape[0] * (KC - 1)]
-        if not (slot.cdt == torch.float32 and _cpu_decode.conv_store(wins, convs)):   # (one compiled pass)
-            wins = wins.view(-1, KC - 1)
-            for j in range(KC):   # (by column: `_windows_of`)
-                rows[:, j].copy_(rows[:, 1] if j == 0 else wins[:, j - 1])
+        wins = buf[lo.n_state:lo.n_state + rows.shape[0] * (KC - 1)].view(-1, KC - 1)
+        for j in range(KC):   # (by column: `_windows_of`)
+            rows[:, j].copy_(rows[:, 1] if j == 0 else wins[:, j - 1])
         prev = cache.__dict__.get("_linattn_conv")
         if prev is not None and prev[1] is convs:
             conv_views = prev[2]

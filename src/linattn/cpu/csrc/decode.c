@@ -464,42 +464,6 @@ int linattn_decode_moe_route_grouped(int64_t R, int64_t E, int64_t k, int64_t G,
     return 0;
 }
 
-/* A kernelized transformers model's short-convolution states, n rows of KC inputs each (oldest first; bf16 when
-   bf16, else float), and the plan's windows, n rows of its last KC - 1 inputs in float: conv_windows reads the
-   windows out (exact: bf16 widens), conv_store writes the step's new windows back, each row shifted by one input
-   (its first = its old second, then the new window rounded to bf16 as torch rounds, to nearest even; NaN stays a
-   NaN). One pass over the rows each, where torch made one strided copy per column (3 + 4 at KC 4), each with its
-   own dispatch and conversion loop, on every decoded token (cpu/decode.py conv_windows / conv_store). */
-void linattn_decode_conv_windows(int64_t n, int64_t KC, int bf16, const void *conv, float *win) {
-    const int64_t W = KC - 1;
-    if (bf16) {
-        const uint16_t *c = (const uint16_t *)conv;
-        for (int64_t r = 0; r < n; ++r)
-            for (int64_t j = 0; j < W; ++j) win[r * W + j] = bf16_to_f32(c[r * KC + 1 + j]);
-    } else {
-        const float *c = (const float *)conv;
-        for (int64_t r = 0; r < n; ++r)
-            for (int64_t j = 0; j < W; ++j) win[r * W + j] = c[r * KC + 1 + j];
-    }
-}
-
-void linattn_decode_conv_store(int64_t n, int64_t KC, int bf16, const float *win, void *conv) {
-    const int64_t W = KC - 1;
-    if (bf16) {
-        uint16_t *c = (uint16_t *)conv;
-        for (int64_t r = 0; r < n; ++r) {
-            c[r * KC] = c[r * KC + 1];
-            for (int64_t j = 0; j < W; ++j) c[r * KC + 1 + j] = f32_to_bf16(win[r * W + j]);
-        }
-    } else {
-        float *c = (float *)conv;
-        for (int64_t r = 0; r < n; ++r) {
-            c[r * KC] = c[r * KC + 1];
-            for (int64_t j = 0; j < W; ++j) c[r * KC + 1 + j] = win[r * W + j];
-        }
-    }
-}
-
 #define REAL float
 #define FN(name) name##_f32
 #define MATH(name) name##f
