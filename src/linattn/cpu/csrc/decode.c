@@ -410,6 +410,9 @@ typedef struct {
        logits divided by logits_div (logits_scaled: Granite's logits_scaling) */
     int32_t emb_scaled, logits_scaled;
     double emb_scale, logits_div;
+    /* set per call (NULL: S_in + s_off[l]): layer l's input state at s_in_at[l] (NULL: none yet), the cache's own
+       entries on the first token after another path wrote them, instead of a gathered copy of every state */
+    const void *const *s_in_at;
 } linattn_model_plan;
 LA_EXPORT_SIZEOF(model_plan)
 
@@ -1309,8 +1312,9 @@ int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, co
     LT_LAP(lt, LT_EMBED);
     for (int64_t l = 0; l < p->L; ++l) {
         const int64_t so = p->s_off[l], wo = p->w_off[l];
+        const REAL *S_l = p->s_in_at ? (const REAL *)p->s_in_at[l] : S_in ? S_in + so : NULL;
         const int rc = FN(linattn_decode_block)(p->blocks[l], xa, (w_in && wo >= 0) ? w_in + wo : NULL,
-                                                  S_in ? S_in + so : NULL, wo >= 0 ? w_out + wo : NULL,
+                                                  S_l, wo >= 0 ? w_out + wo : NULL,
                                                   S_out + so, xb);
         if (rc) { free(x); return rc; }
         REAL *t = xa; xa = xb; xb = t;
