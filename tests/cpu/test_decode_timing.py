@@ -79,9 +79,17 @@ def test_bench_infer_profile_prints_the_sections(tmp_path, capsys):
                  "--quiet"]) == 0
     text = capsys.readouterr().out
     assert "linattn fp32, 1 thread(s): where a decoded token's time goes" in text
-    for name in ("qkv", "state", "attn", "gate_up", "down", "head", "in call", "outside call"):
+    for name in ("qkv", "state", "attn", "gate_up", "down", "head", "setup", "in call", "ctypes", "forward, python",
+                 "loop", "outside call"):
         assert f"\n{name} " in text
     rec = json.loads((tmp_path / "infer.json").read_text())["records"][0]
     sec = rec["sections"]
     assert sec["decode"]["ms"] >= sec["in call"]["ms"] > 0 and sec["head"]["bytes"] == SHAPE["vocab"] * SHAPE["d"] * 4
+    # (one round's numbers: the lines add up to its decode time, nothing unassigned)
+    ms = {k: v["ms"] for k, v in sec.items()}
+    assert ms["in call"] + ms["outside call"] == pytest.approx(ms["decode"], rel=1e-9)
+    assert ms["ctypes"] + ms["forward, python"] + ms["loop"] == pytest.approx(ms["outside call"], rel=1e-9)
+    inner = sum(v for k, v in ms.items() if k in cpu_decode.SECTIONS)
+    assert inner <= ms["in call"] * 1.001 and inner >= ms["in call"] * 0.9
+    assert min(ms["ctypes"], ms["forward, python"], ms["loop"], ms["setup"], ms["teardown"]) >= 0
     assert cpu_decode.TIMING_SWITCH not in os.environ   # (restored after the run)

@@ -328,14 +328,19 @@ class Runner:
         self.tok = out.logits[:, -1:].argmax(-1)
 
     @torch.no_grad()
-    def decode(self, n: int) -> None:
+    def decode(self, n: int) -> float:
+        """n greedy tokens; returns the seconds spent in the model's calls (the rest of the loop: the argmax)."""
+        clock, inside = time.perf_counter, 0.0
         for _ in range(n):
+            t0 = clock()
             if self.hf:
                 out = self.model(self.tok, use_cache=True, **{self.cache_kw: self.cache})
                 self.cache = getattr(out, "cache", None) or out.past_key_values
             else:
                 out = self.model(self.tok, cache=self.cache)
+            inside += clock() - t0
             self.tok = out.logits[:, -1:].argmax(-1)
+        return inside
 
 
 # -- llama.cpp ---------------------------------------------------------------------------------------------------
@@ -485,10 +490,10 @@ def _measure(rows: List[Dict[str, Any]], a, bw: ReadBandwidth, log) -> Dict[int,
                 t1 = time.perf_counter()
                 if a.profile:
                     _cpu_decode().section_times(reset=True)
-                run.decode(a.decode)
+                in_model = run.decode(a.decode)
                 t2 = time.perf_counter()
                 if a.profile:
-                    row["sections"][t].append((t2 - t1, _cpu_decode().section_times(reset=True)))
+                    row["sections"][t].append((t2 - t1, in_model, _cpu_decode().section_times(reset=True)))
                 row["times"][t]["prefill"].append(t1 - t0)
                 row["times"][t]["decode"].append((t2 - t1) / a.decode)
             bws[t].append(bw.once())
@@ -523,22 +528,29 @@ def _cpu_decode():
 
 
 def profile_sections(runs, tokens: int) -> Optional[Dict[str, Dict[str, float]]]:
-    """{section: {"ms": per token, "bytes": per token}} from (decode seconds, `section_times`) of each round: the
-    medians over rounds of the compiled call's sections (cpu/decode.SECTIONS), "in call" (the whole-model call),
-    "outside call" (the decode loop's time outside it: Python, torch, the cache) and "decode" (the loop's wall time);
-    None when no round ran the timing build (a row without a whole-model plan)."""
-    got = [(wall, st) for wall, st in runs if st is not None and st["tokens"] > 0]
+    """{section: {"ms": per token, "bytes": per token}} of the median round (by decode time) from (decode seconds,
+    seconds in the model's calls, `section_times`) of each round, so that the lines add up to its decode time: the
+    compiled call's sections (cpu/decode.SECTIONS) and their sum "in call" (the whole C function), then the time
+    outside it: "ctypes" (crossing into and out of the C function), "forward, python" (the model's forward around
+    the call: the plan's guard, the buffers, the cache's bookkeeping), "loop" (the decode loop around the forward:
+    the argmax), their sum "outside call", and "decode" (the round's wall time); None when no round ran the timing
+    build (a row without a whole-model plan)."""
+    got = sorted(((wall, inside, st) for wall, inside, st in runs if st is not None and st["tokens"] > 0),
+                 key=lambda r: r[0])
     if not got:
         return None
+    wall, inside, st = got[(len(got) - 1) // 2]
+    per = lambda s: s / tokens * 1e3   # noqa: E731 (ms per decoded token)
     out: Dict[str, Dict[str, float]] = {}
     for name in _cpu_decode().SECTIONS[:-1]:
-        out[name] = {"ms": _median([st["seconds"][name] / st["tokens"] * 1e3 for _, st in got]),
-                     "bytes": _median([st["bytes"][name] / st["tokens"] for _, st in got])}
-    out["in call"] = {"ms": _median([st["seconds"]["total"] / st["tokens"] * 1e3 for _, st in got]), "bytes": 0.0}
-    out["outside call"] = {"ms": _median([(wall - st["seconds"]["total"]) / tokens * 1e3 for wall, st in got]),
-                           "bytes": 0.0}
-    out["decode"] = {"ms": _median([wall / tokens * 1e3 for wall, _ in got]), "bytes": 0.0}
-    out["in call"]["bytes"] = sum(v["bytes"] for k, v in out.items() if k not in ("in call", "outside call", "decode"))
+        out[name] = {"ms": per(st["seconds"][name]), "bytes": st["bytes"][name] / st["tokens"]}
+    total, py = st["seconds"]["total"], st["python seconds"]
+    out["in call"] = {"ms": per(total), "bytes": sum(v["bytes"] for v in out.values())}
+    out["ctypes"] = {"ms": per(py - total), "bytes": 0.0}
+    out["forward, python"] = {"ms": per(inside - py), "bytes": 0.0}
+    out["loop"] = {"ms": per(wall - inside), "bytes": 0.0}
+    out["outside call"] = {"ms": per(wall - total), "bytes": 0.0}
+    out["decode"] = {"ms": per(wall), "bytes": 0.0}
     return out
 
 
@@ -559,7 +571,7 @@ def _profile_table(records) -> str:
             rows.append([name, f"{v['ms']:.3f}", f"{100 * v['ms'] / total:.1f}", f"{v['bytes'] / 1e6:.2f}",
                          "-" if gbs is None else f"{gbs:.1f}", "-" if gbs is None else f"{bw / gbs:.2f}"])
         lines.append(f"{r['engine']} {r['dtype']}, {r['threads']} thread(s): where a decoded token's time goes "
-                     f"(median over rounds; read {bw:.1f} GB/s)")
+                     f"(the median round; read {bw:.1f} GB/s; in call + outside call = decode)")
         lines.append(common.format_table(["section", "ms/token", "% of decode", "MB/token", "GB/s", "x read time"],
                                          rows))
     return "\n\n".join(lines)

@@ -153,7 +153,9 @@ class ModelPlan(ctypes.Structure):
                 # Granite / Nemotron-H: the embedded row times emb_scale (Granite's embedding_multiplier), the
                 # logits divided by logits_div (its logits_scaling), each when its flag is set
                 + [(n, ctypes.c_int32) for n in ("emb_scaled", "logits_scaled")]
-                + [(n, ctypes.c_double) for n in ("emb_scale", "logits_div")])
+                + [(n, ctypes.c_double) for n in ("emb_scale", "logits_div")]
+                # (o52) per call, NULL or L addresses: layer l's input state at s_in_at[l] instead of S_in + s_off[l]
+                + [("s_in_at", ctypes.c_void_p)])
 
 
 class Fn(NamedTuple):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from typing import Optional, Tuple
 
 import torch
@@ -154,8 +155,23 @@ def model_function(dtype: torch.dtype):
     range; nothing written); aux (a float32 scalar, or None) is set to 0 on success; None when the kernels are off
     or absent. With `LINATTN_DECODE_TIMING` set (read here, so once per plan built) the step of the timing build
     (`timing_library`), whose sections `section_times` reads."""
-    lib = timing_library() if timing_requested() else _library()
-    return None if lib is None else lib.function("linattn_decode_model", dtype)
+    if not timing_requested():
+        lib = _library()
+        return None if lib is None else lib.function("linattn_decode_model", dtype)
+    lib = timing_library()
+    return None if lib is None else _timed_call(lib.function("linattn_decode_model", dtype))
+
+
+def _timed_call(fn):
+    """fn with its calls' wall time as Python sees it added up (`section_times`'s "python seconds": the crossing
+    in and out of ctypes is that time less the C function's own, "total")."""
+    def timed(*args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            _python_seconds[0] += time.perf_counter() - t0
+    return timed
 
 
 #: the variable that makes a plan built while it is set run the timing build of the whole-model step
@@ -164,8 +180,9 @@ TIMING_SWITCH = "LINATTN_DECODE_TIMING"
 #: softmax attention's q / k / v / gate products), the mixers' own work, norms, the embedding, the head and the
 #: logits' scaling and rounding; `total` is the whole-model call's wall time
 SECTIONS = ("embed", "norm", "qkv", "conv", "state", "attn", "mixer", "out", "residual", "gate_up", "ffn_act", "down",
-            "moe", "head", "logits", "total")
+            "moe", "head", "logits", "setup", "teardown", "total")
 _timing_lib: list = []   # [Bound or None] once built
+_python_seconds = [0.0]   # the timing build's calls' wall time seen from Python (`_timed_call`), since the last reset
 
 
 def timing_requested() -> bool:
@@ -211,8 +228,10 @@ def timing_library() -> Optional[bindings.Bound]:
 
 def section_times(reset: bool = True) -> Optional[dict]:
     """The timing build's counters since the last reset: {"tokens": whole-model calls, "seconds": {section: s},
-    "bytes": {section: bytes read or written}} (`SECTIONS`), summed over every plan of the process that runs the
-    timing build; reset after reading when `reset`. None when the timing build was never loaded."""
+    "bytes": {section: bytes read or written}} (`SECTIONS`), "python seconds": the same calls' wall time seen from
+    Python around the ctypes call (so "python seconds" - "total" is the crossing of ctypes), summed over every plan
+    of the process that runs the timing build; reset after reading when `reset`. None when the timing build was never
+    loaded."""
     if not _timing_lib or _timing_lib[0] is None:
         return None
     n = len(SECTIONS)
@@ -220,8 +239,11 @@ def section_times(reset: bool = True) -> Optional[dict]:
     got = getattr(_timing_lib[0].lib, TIMING_FUNCTION[0])(out, int(reset))
     if got != n:
         raise RuntimeError(f"internal: the timing build has {got} sections, cpu/decode.SECTIONS {n}")
+    py = _python_seconds[0]
+    if reset:
+        _python_seconds[0] = 0.0
     return {"tokens": int(out[2 * n]), "seconds": dict(zip(SECTIONS, out[:n])),
-            "bytes": dict(zip(SECTIONS, out[n:2 * n]))}
+            "bytes": dict(zip(SECTIONS, out[n:2 * n])), "python seconds": py}
 
 
 def weight_matvec(x: torch.Tensor, fmt: str, W: torch.Tensor, scales: Optional[torch.Tensor] = None, group: int = 0,

@@ -457,7 +457,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     cdt = slot.cdt
     # the token's position: the softmax layers' length, or where the architecture's forward takes it from
     pos = arch.position(cache, L, position_ids) if hasattr(arch, "position") else L
-    S_in = _states_in(cache, lo, S_parts, cdt)
+    S_in, s_at = _states_in(cache, lo, S_parts, cdt, slot.recurrent)
     convs = _conv_stack(cache, lo, slot, W_parts)
     if convs is not None:
         W_in = _windows_of(convs, cdt)
@@ -476,6 +476,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     del spent
     logits = torch.empty(B, 1, lo.vocab, dtype=slot.wdt)
     out = buf.data_ptr()
+    slot.plan.s_in_at = None if s_at is None else ctypes.addressof(s_at[0])   # (every call: none left from another)
     rc = slot.fn(ctypes.byref(slot.plan), ids.data_ptr(), None if S_in is None else S_in.data_ptr(),
                  None if W_in is None else W_in.data_ptr(), out,
                  out + lo.n_state * buf.element_size() if lo.n_win else None, logits.data_ptr(), None)
@@ -493,15 +494,22 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     return logits.float() if arch.FP32_LOGITS else logits
 
 
-def _states_in(cache, lo, S_parts: list, cdt: torch.dtype) -> Optional[torch.Tensor]:
-    """The recurrent states in the plan's buffer: in place when they are the views the last token left, else
-    gathered."""
+def _states_in(cache, lo, S_parts: list, cdt: torch.dtype, recurrent: list) -> tuple:
+    """(buffer, table): the recurrent states as the buffer the last token left when they are still its views (table
+    None), else as a table of each layer's own state (`ModelPlan.s_in_at`: L addresses, NULL for the layers without
+    one, and the tensors they point into), read in place where it is in cdt and contiguous (transformers' prompt
+    leaves them so), converted otherwise: no copy of every state gathered into one buffer. (None, None) without
+    recurrent layers."""
     if not S_parts:
-        return None
+        return None, None
     prev = cache.__dict__.get("_linattn_states")
     if prev is not None and prev[0] is lo and all(map(lambda a, b: a is b, S_parts, prev[1])):
-        return prev[2]
-    return torch.cat([s.to(cdt).reshape(-1) for s in S_parts])
+        return prev[2], None
+    own = [s if s.dtype == cdt and s.is_contiguous() else s.to(cdt).contiguous() for s in S_parts]
+    at = [None] * lo.L
+    for i, s in zip(recurrent, own):
+        at[i] = s.data_ptr()
+    return None, ((ctypes.c_void_p * lo.L)(*at), own)
 
 
 def _conv_stack(cache, lo, slot: _Slot, W_parts: list) -> Optional[torch.Tensor]:

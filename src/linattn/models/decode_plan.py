@@ -1141,12 +1141,16 @@ def _entries(lo: _Layout, lcs) -> list:
             out += [lc.conv.get(k) for k in lay.keys]
     return out
 def _gather(lo: _Layout, lcs, cdt):
-    """(S_in, W_in, offsets) from cache entries that another path wrote (a prefill, the per-block step, a
-    reorder or restore): fresh buffers in the plan's layout; (None, None, None) before the first token; None
-    when an entry is missing or not this layer's (then the per-block path runs and reports it)."""
+    """(states, W_in, offsets) from cache entries that another path wrote (a prefill, the per-block step, a
+    reorder or restore): per layer its input state in the plan's layout (`[B, HV, Kf, V(+1, +2)]`, contiguous, cdt:
+    a delta layer's own entry when it is that already, so the call reads it in place, `ModelPlan.s_in_at`, instead
+    of a gathered copy of every state; None for a softmax layer) and the conv windows in a fresh buffer; (None, None,
+    None) before the first token; None when an entry is missing or not this layer's (then the per-block path runs
+    and reports it)."""
     states, wins, offs, empty, n_rec = [], [], [], 0, 0
     for lay, lc in zip(lo.layers, lcs):
         if lay.kind == "softmax":
+            states.append(None)
             continue
         n_rec += 1
         st = lc.state
@@ -1159,7 +1163,7 @@ def _gather(lo: _Layout, lcs, cdt):
         if lay.kind == "delta":
             if not (isinstance(st, torch.Tensor) and st.shape == lay.sshape and st.device.type == "cpu"):
                 return None
-            states.append(st)
+            states.append(st if st.dtype == cdt and st.is_contiguous() else st.to(cdt).contiguous())
         elif lay.kind == "linear_log":
             S = _log_state_in(st, lay.sshape[:3] + (lay.V,), cdt)
             if S is None:
@@ -1172,7 +1176,7 @@ def _gather(lo: _Layout, lcs, cdt):
                     and st.kv.shape == (B, HV, Kf, V1 - 1) and st.z.shape == (B, HV, Kf)
                     and st.kv.device.type == "cpu" and st.offset.shape == (B,)):
                 return None
-            states.append(torch.cat([st.kv, st.z.unsqueeze(-1)], -1))
+            states.append(torch.cat([st.kv, st.z.unsqueeze(-1)], -1).to(cdt))
             offs.append(st.offset.to(torch.int64))
         if conv:
             B, _, W = lay.wshape
@@ -1183,9 +1187,8 @@ def _gather(lo: _Layout, lcs, cdt):
         return None, None, None
     if empty:
         return None
-    S = torch.cat([s.to(cdt).reshape(-1) for s in states])
     W = torch.cat([w.to(cdt).reshape(-1) for w in wins]) if wins else None
-    return S, W, (torch.stack(offs) if offs else None)
+    return states, W, (torch.stack(offs) if offs else None)
 
 
 def _views(lo: _Layout, S: torch.Tensor, W: Optional[torch.Tensor], offsets: Optional[torch.Tensor]):
@@ -1389,7 +1392,7 @@ def model_step(model: nn.Module, ids: torch.Tensor, cache, logits_to_keep) -> Op
             return None
     elif slot.B != B:
         slot.set_batch(B)
-    lo = slot.layout
+    lo, s_at = slot.layout, None
     pend = cache.pending
     if type(pend) is ModelPending and lo.fits(pend.layout) and len(cache._layers) == lo.L:
         # the last token's buffer, its entries not yet made: nobody has read the cache since
@@ -1410,6 +1413,9 @@ def model_step(model: nn.Module, ids: torch.Tensor, cache, logits_to_keep) -> Op
                 return None
             S_in, W_in, offsets = got
         buf_in, n = (S_in, W_in), 1
+        if type(S_in) is list:   # (each layer's own state, read in place: `ModelPlan.s_in_at`)
+            s_at = (ctypes.c_void_p * lo.L)(*[None if t is None else t.data_ptr() for t in S_in])
+            S_in = None
         S_ptr = None if S_in is None else S_in.data_ptr()
         W_ptr = None if W_in is None else W_in.data_ptr()
     kvs = _kv_args(slot, cache, B) if slot.att else ()
@@ -1426,6 +1432,7 @@ def model_step(model: nn.Module, ids: torch.Tensor, cache, logits_to_keep) -> Op
     logits = torch.empty(B, 1, lo.vocab, dtype=slot.ldtype)
     aux = torch.empty((), dtype=torch.float32)   # zeroed by the call (torch.zeros costs a fill kernel's code)
     out_ptr = buf.data_ptr()
+    slot.plan.s_in_at = None if s_at is None else ctypes.addressof(s_at)   # (every call: none left from another)
     rc = slot.fn(slot.planref, ids.data_ptr(), S_ptr, W_ptr, out_ptr,
                  out_ptr + lo.n_state * buf.element_size() if lo.n_win else None, logits.data_ptr(), aux.data_ptr())
     if rc == 2:

@@ -37,7 +37,7 @@ LA_ABI_VERSION(decode, 6)
    counters over every call, read and reset by linattn_decode_timing; a lap is taken on the calling thread, around
    the parallel regions, so at n threads a section's time is its wall time. */
 enum { LT_EMBED, LT_NORM, LT_QKV, LT_CONV, LT_STATE, LT_ATTN, LT_MIXER, LT_OUT, LT_RESID, LT_GATE_UP, LT_ACT, LT_DOWN,
-       LT_MOE, LT_HEAD, LT_LOGITS, LT_TOTAL, LT_N };
+       LT_MOE, LT_HEAD, LT_LOGITS, LT_SETUP, LT_TEARDOWN, LT_TOTAL, LT_N };
 #if defined(LINATTN_DECODE_TIMING)
 #include <time.h>
 static double lt_sec[LT_N], lt_bytes[LT_N], lt_pending;
@@ -410,6 +410,9 @@ typedef struct {
        logits divided by logits_div (logits_scaled: Granite's logits_scaling) */
     int32_t emb_scaled, logits_scaled;
     double emb_scale, logits_div;
+    /* set per call (NULL: S_in + s_off[l]): layer l's input state at s_in_at[l] (NULL: none yet), the cache's own
+       entries on the first token after another path wrote them, instead of a gathered copy of every state */
+    const void *const *s_in_at;
 } linattn_model_plan;
 LA_EXPORT_SIZEOF(model_plan)
 
@@ -1286,14 +1289,15 @@ ffn:
    per token). Returns 0; 1 out of memory; 2 an id outside [0, vocab) (nothing written). */
 int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, const REAL *S_in,
                              const REAL *w_in, REAL *S_out, REAL *w_out, void *logits, float *aux) {
+    LT_START(lt_call);   /* (the whole function: "total" is the call less the crossing of ctypes) */
+    LT_START(lt);
     const int64_t B = p->B, d = p->d, V = p->vocab;
     for (int64_t b = 0; b < B; ++b)
         if (ids[b] < 0 || ids[b] >= V) return 2;
-    LT_START(lt_call);
-    LT_START(lt);
     /* x: two activation rows per batch row, then (bf16) the fp32 logits before rounding */
     REAL *x = (REAL *)malloc(sizeof(REAL) * (size_t)(2 * B * d + (p->wbf16 ? B * V : 0) + 1));
     if (!x) return 1;
+    LT_LAP(lt, LT_SETUP);
     REAL *xa = x, *xb = x + B * d;
     for (int64_t b = 0; b < B; ++b) {
         if (p->wbf16) {
@@ -1308,8 +1312,9 @@ int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, co
     LT_LAP(lt, LT_EMBED);
     for (int64_t l = 0; l < p->L; ++l) {
         const int64_t so = p->s_off[l], wo = p->w_off[l];
+        const REAL *S_l = p->s_in_at ? (const REAL *)p->s_in_at[l] : S_in ? S_in + so : NULL;
         const int rc = FN(linattn_decode_block)(p->blocks[l], xa, (w_in && wo >= 0) ? w_in + wo : NULL,
-                                                  S_in ? S_in + so : NULL, wo >= 0 ? w_out + wo : NULL,
+                                                  S_l, wo >= 0 ? w_out + wo : NULL,
                                                   S_out + so, xb);
         if (rc) { free(x); return rc; }
         REAL *t = xa; xa = xb; xb = t;
@@ -1327,8 +1332,9 @@ int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, co
     if (p->wbf16)
         for (int64_t i = 0; i < B * V; ++i) ((uint16_t *)logits)[i] = f32_to_bf16((float)lg[i]);
     if (aux) *aux = 0.0f;
-    free(x);
     LT_LAP(lt, LT_LOGITS);
+    free(x);
+    LT_LAP(lt, LT_TEARDOWN);
     LT_LAP(lt_call, LT_TOTAL);
 #if defined(LINATTN_DECODE_TIMING)
     ++lt_tokens;
