@@ -49,7 +49,7 @@ def test_bench_hf_530m_kind_is_bench_infers_shape_at_lengths_of_its_own(monkeypa
     p = argparse.ArgumentParser()
     hf.add_arguments(p)
     a = p.parse_args([])
-    assert hf._lengths(a, "qwen3.5-530m") == ([512, 2048], 512, 512)
+    assert hf._lengths(a, "qwen3.5-530m") == ([512, 2048], 512, 256)
     assert hf._lengths(a, "gdn") == ([512, 2048, 8192], 2048, 2048) and hf._lengths(a, "kda")[2] == 512
     a = p.parse_args(["--530m-T", "256", "--530m-decode-context", "128", "--530m-train-T", "64", "--T", "4096"])
     assert hf._lengths(a, "qwen3.5-530m") == ([256], 128, 64) and hf._lengths(a, "mamba2")[0] == [4096]

@@ -1,10 +1,12 @@
 """`linattn bench hf`: transformers' linear-attention models on their own PyTorch fallbacks vs after
-`linattn.hf.kernelize`, one real-sized mixer layer of each kind in a small causal LM (random weights,
-batch 1, fp32): prefill at --T, decode (--decode-tokens consecutive tokens after a --decode-context prompt, per
-token), one training step (forward + backward) at --train-T, per --threads; prefill peak memory; patched vs
-unpatched in one run (interleaved repeats, median). Both sides decode from one prompt cache (transformers' own
-objects, made once by the patched model's prefill, deep-copied before each timed call): the unpatched prefill of
-a long prompt is not what the decode rows time, and on a slow fallback it bounded the run.
+`linattn.hf.kernelize`, one real-sized mixer layer of each kind in a small causal LM, and one whole 530M model
+(random weights, batch 1, fp32): prefill at --T (the last position's logits, as generation's prefill), decode
+(--decode-tokens consecutive tokens after a --decode-context prompt, per token), one training step (forward +
+backward) at --train-T, per --threads; prefill peak memory; patched vs unpatched in one run (interleaved repeats,
+median), two copies of one model that share its parameters (one set of weights and of a training step's gradients
+in memory). Both sides decode from one prompt cache (transformers' own objects, made once by the patched model's
+prefill, deep-copied before each timed call): the unpatched prefill of a long prompt is not what the decode rows
+time, and on a slow fallback it bounded the run.
 
 Kinds (--kinds): gdn = a Qwen3.5-0.8B-like Gated DeltaNet layer (Qwen3_5ForCausalLM: hidden 1024, 16 key heads
 x 128, 32 value heads x 128, conv 4); kda = a Kimi-Linear-like KDA layer (KimiLinearForCausalLM: hidden 2304,
@@ -15,12 +17,21 @@ feed-forward of 2 experts, top 1, and a full-attention second layer of the same 
 (BambaForCausalLM: the mamba2 kind's layer, then a minimal softmax layer); granite = Granite-4.0-H
 (GraniteMoeHybridForCausalLM: as bamba, the shared MLP dense, its multipliers); nemotron_h = Nemotron-H
 (NemotronHForCausalLM: the mamba2 kind's layer, a MoE block of 8 relu^2 experts of hidden / 2, top 2, a shared
-one, a minimal softmax block, a relu^2 MLP block).
+one, a minimal softmax block, a relu^2 MLP block); qwen3.5-530m = a whole model, the one `linattn bench infer
+--shape qwen3.5-530m` builds from its shape registry (Qwen3_5ForCausalLM: hidden 1024, 24 layers of 3 Gated
+DeltaNet : 1 gated softmax attention, Qwen3.5-0.8B's head layout, intermediate 3584, its own vocabulary of 32000
+and a tied head; --quick: the registry's tiny shape).
 The MLP (intermediate 2 x hidden), the embeddings and the head (vocab --vocab-size) are the same on both sides.
 gdn and bamba models have a second layer, a minimal softmax one (1 head; transformers 5.24 cannot build the
 causal mask of a cached model without any attention layer), the same on both sides too.
 KDA's unpatched training step (transformers' PyTorch chunk code) takes minutes at T = 2048 on 2 cores: its row
 runs at --kda-train-T (default 512), and the table says so.
+The qwen3.5-530m kind runs at lengths of its own, sized for a 2-core machine: prefill at --530m-T (default 512
+2048), decode after a --530m-decode-context prompt (512), a training step at --530m-train-T (256); every row's
+target is >= 1x (its MLPs, projections and head, the same calls on both sides, are most of its time). Memory: the
+run's peak resident set with this kind is 6.4 GiB (7.7 GiB with --530m-train-T 512: the unpatched step's
+activations); time: 9 minutes at 1 thread and 14 at 2 (--repeats 2 --no-memory, on the 2-core machine at
+load 6-8, 2026-11-29; quiet, less).
 --cases: which of prefill, decode, train to time (default all; each row is logged with its numbers as it is
 measured, so a long run cut short keeps what it made).
 --load N: N busy-loop processes (at this process's priority) for the whole run, as on a shared machine; the load
@@ -69,12 +80,13 @@ def add_arguments(p) -> None:
     p.add_argument("--train-T", type=int, default=2048, help="length of the training step (default 2048)")
     p.add_argument("--kda-train-T", type=int, default=512, help="length of the kda kind's training step (default "
                    "512: the unpatched step takes minutes at 2048)")
-    p.add_argument("--530m-T", dest="m530_T", type=int, nargs="+", default=[512, 2048],
+    p.add_argument("--530m-T", dest="m530_T", metavar="T", type=int, nargs="+", default=[512, 2048],
                    help="the qwen3.5-530m kind's prefill lengths (default 512 2048)")
-    p.add_argument("--530m-decode-context", dest="m530_decode_context", type=int, default=512,
+    p.add_argument("--530m-decode-context", dest="m530_decode_context", metavar="T", type=int, default=512,
                    help="the qwen3.5-530m kind's prompt before its timed decode tokens (default 512)")
-    p.add_argument("--530m-train-T", dest="m530_train_T", type=int, default=512,
-                   help="the qwen3.5-530m kind's training-step length (default 512)")
+    p.add_argument("--530m-train-T", dest="m530_train_T", metavar="T", type=int, default=256,
+                   help="the qwen3.5-530m kind's training-step length (default 256: at 512 the unpatched step's "
+                        "activations take the run's peak resident set to 7.7 GiB)")
     p.add_argument("--load", type=int_at_least(0), default=0, help="busy-loop processes held for the whole run "
                    "(default 0)")
     p.add_argument("--threads", type=int_at_least(1), nargs="+", default=[1, 2],
@@ -348,7 +360,9 @@ def _run(args) -> int:
           f">= {r['target']:g}x" if r.get("target") else "", {True: "yes", False: "no"}.get(r.get("met"), "")]
          for r in rows])
     load_end = common.loadavg()
-    notes = [f"decode   ms per token: {args.decode_tokens} consecutive tokens after a {args.decode_context}-token "
+    context = f"{args.decode_context}-token" + (f" ({MODEL_KIND}: {args.m530_decode_context})"
+                                                 if MODEL_KIND in kinds else "")
+    notes = [f"decode   ms per token: {args.decode_tokens} consecutive tokens after a {context} "
              f"prompt (its cache made once by the patched model's prefill, a deep copy per timed call)",
              f"busy     {args.load} busy-loop process(es) for the whole run; load averages at the start "
              f"{' '.join(map(str, load_start or []))}, at the end {' '.join(map(str, load_end or []))}"]
