@@ -20,13 +20,64 @@ def test_bench_hf_quick(tmp_path, capsys):
     assert rc == 0
     rec = json.loads((tmp_path / "hf.json").read_text())
     cases = {(r["kind"], r["case"], r["T"]) for r in rec["timings"]}
-    for kind in ("gdn", "kda", "mamba2", "lightning", "bamba", "granite", "nemotron_h"):
+    for kind in ("gdn", "kda", "mamba2", "lightning", "bamba", "granite", "nemotron_h", "qwen3.5-530m"):
         train_T = 16 if kind == "kda" else 32   # (--kda-train-T, said in the output)
         assert {(kind, "prefill", 32), (kind, "prefill", 64), (kind, "decode", 64), (kind, "train", train_T)} <= cases
     assert rec["skipped"] == []
     assert all(r["unpatched_ms"] > 0 and r["patched_ms"] > 0 and r["target"] >= 1.0 for r in rec["timings"])
+    assert {r["target"] for r in rec["timings"] if r["kind"] == "qwen3.5-530m"} == {1.0}
+    assert rec["peak_rss_bytes"] > 0
     text = (tmp_path / "hf.txt").read_text()
     assert "speedup" in text and "kda      training step at T = 16" in text and "8 consecutive tokens" in text
+    assert "qwen3.5-530m the whole model of `linattn bench infer --shape qwen3.5-530m` (--quick: its tiny shape)" \
+        in text and "training step at 32 (--530m-T" in text
+    assert any(line.startswith("qwen3.5-530m") and " train " in line for line in text.splitlines())
+
+
+def test_bench_hf_530m_kind_is_bench_infers_shape_at_lengths_of_its_own(monkeypatch, tmp_path):
+    """The qwen3.5-530m kind is built from bench infer's shape registry (no copy of the shape here): the named
+    shape, the tiny one with --quick; its lengths are its own options, defaults sized for 2 cores."""
+    import argparse
+
+    from linattn.bench import hf
+    from linattn.bench.infer import SHAPES
+    from linattn.hf import bench_models
+
+    monkeypatch.setattr(bench_models, "qwen35_model", lambda shape, dtype, seed: (shape, dtype, seed))
+    assert bench_models.build_model("qwen3.5-530m", False, 1024, 3) == (SHAPES["qwen3.5-530m"], torch.float32, 3)
+    assert bench_models.build_model("qwen3.5-530m", True, 1024)[0] is SHAPES["tiny"]
+    p = argparse.ArgumentParser()
+    hf.add_arguments(p)
+    a = p.parse_args([])
+    assert hf._lengths(a, "qwen3.5-530m") == ([512, 2048], 512, 256)
+    assert hf._lengths(a, "gdn") == ([512, 2048, 8192], 2048, 2048) and hf._lengths(a, "kda")[2] == 512
+    a = p.parse_args(["--530m-T", "256", "--530m-decode-context", "128", "--530m-train-T", "64", "--T", "4096"])
+    assert hf._lengths(a, "qwen3.5-530m") == ([256], 128, 64) and hf._lengths(a, "mamba2")[0] == [4096]
+    with pytest.raises(UsageError, match="--530m-train-T must be >= 2"):
+        run_benchmark("hf", ["--kinds", "qwen3.5-530m", "--530m-train-T", "1", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("kind", ["gdn", "qwen3.5-530m"])
+def test_bench_hf_pair_shares_its_weights_and_leaves_the_unpatched_model_as_built(kind):
+    """The two sides hold one set of parameters (and so of gradients: a 530M pair in 2.1 GB of weights, not 4.2);
+    kernelize changed none of them: the unpatched side computes what a freshly built model computes."""
+    from linattn.bench import hf
+    from linattn.hf.kernelize import torch_fallbacks
+
+    with torch_fallbacks():
+        ref, fast = hf.pair(kind, True, 64, seed=5)
+        fresh = hf.build_model(kind, True, 64, seed=5)
+        assert [n for n, _ in ref.named_parameters()] == [n for n, _ in fast.named_parameters()]
+        assert all(p is q for p, q in zip(ref.parameters(), fast.parameters()))
+        ids = hf._ids(24, ref.config.vocab_size, 0)
+        want = hf.prefill_fn(fresh, ids)()
+        torch.testing.assert_close(hf.prefill_fn(ref, ids)(), want, rtol=0, atol=0)
+        torch.testing.assert_close(hf.prefill_fn(fast, ids)(), want, rtol=1e-4, atol=1e-4)
+        hf.train_fn(fast, ids)()
+        grads = [p.grad.clone() for p in ref.parameters()]
+        hf.train_fn(ref, ids)()   # starts from no gradient: the patched step's are not added to
+        for g, p in zip(grads, ref.parameters()):
+            torch.testing.assert_close(p.grad, g, rtol=1e-3, atol=1e-5)
 
 
 def test_bench_hf_load_holds_busy_loops_for_the_run_and_stops_them(tmp_path, monkeypatch):
@@ -71,6 +122,8 @@ def test_bench_hf_memory_builder():
     for patched in (False, True):
         logits = hf.memory_case("mamba2", True, 64, 8, patched)()
         assert logits.shape == (1, 64)
+        logits = hf.memory_case("qwen3.5-530m", True, 64, 8, patched)()   # (the shape's own vocabulary)
+        assert logits.shape == (1, 256)
 
 
 def test_bench_hf_bad_arguments(tmp_path):

@@ -7,13 +7,20 @@ import torch
 import transformers as tf
 
 from ..errors import LinattnError
+from .infer_models import qwen35_model
 from .kernelize import kernelize
 
-KINDS = ("gdn", "kda", "mamba2", "lightning", "bamba", "granite", "nemotron_h")
+KINDS = ("gdn", "kda", "mamba2", "lightning", "bamba", "granite", "nemotron_h", "qwen3.5-530m")
 
 
 def build_model(kind: str, quick: bool, vocab_size: int, seed: int = 0) -> torch.nn.Module:
-    """A causal LM of `kind` with random weights (fp32, eval mode): the mixer layer (+ a minimal softmax layer)."""
+    """A causal LM of `kind` with random weights (fp32, eval mode): the mixer layer (+ a minimal softmax layer), or
+    for qwen3.5-530m the whole model of `linattn bench infer`'s shape of that name (its own vocabulary, not
+    vocab_size; quick: the registry's tiny shape)."""
+    if kind == "qwen3.5-530m":
+        from ..bench.infer import SHAPES  # the one definition of the shape (bench infer's registry)
+
+        return qwen35_model(SHAPES["tiny" if quick else kind], torch.float32, seed)
     torch.manual_seed(seed)
     ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if kind == "gdn":
@@ -92,8 +99,10 @@ def build_model(kind: str, quick: bool, vocab_size: int, seed: int = 0) -> torch
 
 
 def pair(kind: str, quick: bool, vocab_size: int, seed: int = 0):
-    """(unpatched, patched) copies of one model."""
+    """(unpatched, patched) copies of one model that share its parameters (kernelize replaces code, not weights):
+    one copy of the weights in memory and one of a training step's gradients (each step first frees the last
+    one's), 2.1 GB each for the 530M model."""
     ref = build_model(kind, quick, vocab_size, seed)
-    fast = copy.deepcopy(ref)
+    fast = copy.deepcopy(ref, {id(p): p for p in ref.parameters()})
     kernelize(fast)
     return ref, fast
