@@ -20,6 +20,10 @@ decodes one token per row as ONE compiled call (`cpu/csrc/decode.c`, `linattn_de
   `gate_up_proj` / `down_proj` read in place (a token reads its top-k experts' rows only), the shared expert's
   gate | up read in place as parts, its sigmoid gate.
 
+Quantized projections (`linattn.quantize`: int8 / int4 `QuantizedLinear`s) are read as stored wherever the plan reads
+a matrix: one layer's integers and scales in place, a fused product's parts stacked or regrouped once into a copy
+(`kernelize_plan_parts.plan_projection`, `fused_linear`).
+
 Copies (`1 + w`, `-exp(A_log)`, Qwen3-Next's regrouped projections) are guarded by the versions of their sources
 (`decode_plan.PlanGuard`): an in-place weight update rebuilds the plan.
 
@@ -73,16 +77,6 @@ def _zero_centred(norm: nn.Module, cdt: torch.dtype):
     return _parts.norm(norm.weight.detach().to(cdt) + 1, norm.eps)
 
 
-def _ffn(mlp: nn.Module, wdt: torch.dtype):
-    m = mlp._modules
-    gate, up, down = m.get("gate_proj"), m.get("up_proj"), m.get("down_proj")
-    if any(type(x) is not nn.Linear or x.bias is not None or x.weight.dtype != wdt for x in (gate, up, down)):
-        return None
-    if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
-        return None
-    return _parts.fused_linear(gate.weight, up.weight), down
-
-
 #: the GDN projections of each described architecture, in the order `_GDN` reads them
 _GDN_PROJECTIONS = {
     "Qwen3_5ForCausalLM": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
@@ -91,32 +85,37 @@ _GDN_PROJECTIONS = {
 }
 
 
+#: the projections of each described architecture's plan rows `[q | k | v | b | a | z]`, in the order they stack
+_GDN_FUSED = {"Qwen3_5ForCausalLM": ("in_proj_qkv", "in_proj_b", "in_proj_a", "in_proj_z"),
+              "Qwen3NextForCausalLM": ("in_proj_qkvz", "in_proj_ba"),
+              "Qwen3_5MoeForCausalLM": ("in_proj_qkv", "in_proj_b", "in_proj_a", "in_proj_z")}
+
+
 class _GDN:
     """A transformers Gated DeltaNet layer as the plan's delta block needs it: its projections with the plan's rows
     `[q | k | v | b | a | z]` (`W`: Qwen3.5's four projections read in place; Qwen3-Next's regrouped once into a
-    copy, its rows interleave per key head)."""
+    copy, its rows interleave per key head; quantized ones: their integers and scales stacked or regrouped alike,
+    `kernelize_plan_parts.fused_linear`)."""
 
     __slots__ = ("layer", "H", "HV", "K", "V", "KC", "W")
 
     def __init__(self, layer, arch: str):
         self.layer, self.H, self.HV = layer, layer.num_k_heads, layer.num_v_heads
         self.K, self.V, self.KC = layer.head_k_dim, layer.head_v_dim, layer.conv_kernel_size
-        m = layer._modules
-        if arch == "Qwen3NextForCausalLM":
-            self.W = _parts.fused_linear(self._regrouped(m["in_proj_qkvz"].weight.detach(),
-                                                         m["in_proj_ba"].weight.detach()))
-        else:   # Qwen3.5: q | k | v in one, b, a, z apart
-            self.W = _parts.fused_linear(*(m[n].weight for n in ("in_proj_qkv", "in_proj_b", "in_proj_a", "in_proj_z")))
+        lins = [layer._modules[n] for n in _GDN_FUSED[arch]]
+        self.W = _parts.fused_linear(*lins, rows=self._regrouped() if arch == "Qwen3NextForCausalLM" else None)
 
-    def _regrouped(self, qkvz: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
+    def _regrouped(self) -> torch.Tensor:
         """Qwen3-Next's fused projections hold their rows per key head h: `[q_h (K) | k_h (K) | v (r V) | z (r V)]`
         and `[b (r) | a (r)]` with r = HV / H value heads per key head (value head h r + j, as its
-        `fix_query_key_value_ordering` splits them); the plan reads every q, then every k, v, b, a, z."""
-        H, K, V, r, d = self.H, self.K, self.V, self.HV // self.H, qkvz.shape[1]
-        g = qkvz.view(H, 2 * K + 2 * r * V, d)
+        `fix_query_key_value_ordering` splits them); the plan reads every q, then every k, v, b, a, z: the index of
+        each of the plan's rows in `in_proj_qkvz`'s rows followed by `in_proj_ba`'s."""
+        H, K, V, r = self.H, self.K, self.V, self.HV // self.H
+        n = 2 * K + 2 * r * V
+        g = torch.arange(H * n).view(H, n)
         q, k, v, z = torch.split(g, [K, K, r * V, r * V], dim=1)
-        b, a = torch.split(ba.view(H, 2 * r, d), [r, r], dim=1)
-        return torch.cat([x.reshape(-1, d) for x in (q, k, v, b, a, z)])
+        b, a = torch.split(H * n + torch.arange(H * 2 * r).view(H, 2 * r), [r, r], dim=1)
+        return torch.cat([x.reshape(-1) for x in (q, k, v, b, a, z)])
 
 
 def _gdn_usable(layer, arch: str, wdt) -> bool:
@@ -124,7 +123,8 @@ def _gdn_usable(layer, arch: str, wdt) -> bool:
     lins = [m.get(n) for n in _GDN_PROJECTIONS[arch]]
     conv, norm = m.get("conv1d"), m.get("norm")
     HV, H = layer.num_v_heads, layer.num_k_heads
-    return (all(type(x) is nn.Linear and x.bias is None and x.weight.dtype == wdt for x in lins)
+    return (all(_dp.plan_linear(x, wdt) and x.bias is None for x in lins)
+            and _parts.fusion_reason(*(m[n] for n in _GDN_FUSED[arch])) is None
             and type(conv) is nn.Conv1d and conv.bias is None and layer.activation in ("silu", "swish")
             and conv.weight.shape == (layer.conv_dim, 1, layer.conv_kernel_size)
             and type(norm).__name__.endswith("RMSNormGated") and getattr(norm, "activation", None) == "silu"
@@ -141,7 +141,7 @@ def _gdn_plan(g: _GDN, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtyp
 def _attention(att: nn.Module, rotary: nn.Module, wdt: torch.dtype) -> Optional[_dp.AttentionDescription]:
     m = att._modules
     lins = [m.get(n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if any(type(x) is not nn.Linear or x.weight.dtype != wdt for x in lins):
+    if any(x is None or not _dp.plan_linear(x, wdt) for x in lins):
         return None
     cfg = att.config
     H, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, att.head_dim
@@ -174,14 +174,16 @@ def _describe(model: nn.Module) -> Union[tuple, str]:
                 return f"layer {i}: {ffn}"
             moe = ffn[2]
         else:
-            ffn = _ffn(layer.mlp, wdt)
-            if ffn is None:
-                return f"layer {i}: a feed-forward that is not a bias-free SiLU gated MLP of the model's dtype"
+            ffn = _parts.swiglu_ffn(layer.mlp, type(layer.mlp).__name__, d, wdt)
+            if isinstance(ffn, str):
+                return f"layer {i}: {ffn}"
         n1, n2 = (_zero_centred(layer._modules[n], cdt) for n in ("input_layernorm", "post_attention_layernorm"))
         if layer.block_type == "linear_attention":
             mixer = layer.linear_attn
             if not _gdn_usable(mixer, arch, wdt):
-                return f"layer {i}: a Gated DeltaNet layer the plan's delta block does not compute"
+                why = _parts.fusion_reason(*map(mixer._modules.get, _GDN_FUSED[arch]))
+                return f"layer {i}: a Gated DeltaNet layer the plan's delta block does not compute" + (
+                    f" ({why})" if why else "")
             g, att, kind = _GDN(mixer, arch), None, "delta"
         else:
             mixer = layer.self_attn
@@ -193,7 +195,7 @@ def _describe(model: nn.Module) -> Union[tuple, str]:
                                            attention=att, moe=moe))
         gdns.append(g)
     head = model.lm_head
-    desc = _dp.ModelDescription(embed, blocks, base.norm, None if head.weight is embed.weight else head)
+    desc = _dp.ModelDescription(embed, blocks, base.norm, None if _parts.tied_head(head, embed) else head)
     if not _dp.model_weights_usable(desc, wdt):
         return "an embedding, final norm or head the plan does not read (a bias, another dtype, a hook)"
     desc.norm = _zero_centred(base.norm, cdt)   # (the plan reads 1 + w)
@@ -207,10 +209,11 @@ def describe_model(model: nn.Module):
 
 
 def _described_ffns(model: nn.Module) -> bool:
-    """Whether every layer's feed-forward is a dense gated MLP or one of the sparse MoE blocks the plan computes
-    (`kernelize_plan_parts.QWEN_SPARSE_MOE`)."""
+    """Whether every layer's feed-forward is a dense gated MLP (float or quantized projections) or one of the sparse
+    MoE blocks the plan computes (`kernelize_plan_parts.QWEN_SPARSE_MOE`)."""
     return all(type(layer.mlp).__name__ in _parts.QWEN_SPARSE_MOE
-               or all(type(layer.mlp._modules.get(n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
+               or all(type(m) is nn.Linear or _dp.stored_weights(m) is not None
+                      for m in map(layer.mlp._modules.get, ("gate_proj", "up_proj", "down_proj")))
                for layer in model.model.layers)
 
 
@@ -308,16 +311,21 @@ def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
                                norm_eps=float(desc.norm.eps))
     for name, value in arch.model_fields(model).items() if hasattr(arch, "model_fields") else ():
         setattr(mp, name, value)   # (Granite's multipliers)
-    head_w = (desc.head if desc.head is not None else desc.embed).weight.detach()
+    head, head_q = desc.head if desc.head is not None else desc.embed, None
+    if type(head) in (nn.Linear, nn.Embedding):
+        head_w = head.weight.detach()
+    else:   # (a quantized head: its own integers and scales)
+        fmt, head_w, head_q, mp.grp_head = _dp.stored_weights(head)
+        mp.fmt_head, mp.sc_head = _cpu_decode.WEIGHT_FORMATS[fmt], head_q.data_ptr()
     norm_w = desc.norm.weight.detach().to(cdt).contiguous()
     mp.embed, mp.head, mp.norm_w = desc.embed.weight.data_ptr(), head_w.data_ptr(), norm_w.data_ptr()
     block_ptrs = (ctypes.c_void_p * len(plans))(*[ctypes.addressof(p) for p in plans])
     mp.blocks = ctypes.addressof(block_ptrs)
-    direct = {mp.embed, mp.head, mp.norm_w}.union(*map(_dp.plan_pointers, plans))
+    direct = {mp.embed, mp.head, mp.norm_w, mp.sc_head}.union(*map(_dp.plan_pointers, plans))
     slot.guard = _dp.PlanGuard(arch.base(model), _described_modules(model, arch), [], direct)
     if not slot.guard.valid() or any(t.device.type != "cpu" for t in slot.guard.tensors):
         return False
-    slot.keep = (plans, block_ptrs, head_w, norm_w)
+    slot.keep = (plans, block_ptrs, head_w, norm_w, head_q)
     slot.plan, slot.fn, slot.cdt, slot.wdt = mp, _cpu_decode.model_function(cdt), cdt, wdt
     slot.specs, slot.layouts, slot.B = [arch.state_spec(part) for part in parts], {}, None
     slot.recurrent = [i for i, p in enumerate(plans) if p.kind not in _KV_KINDS and not p.ffn_only]

@@ -60,9 +60,13 @@ class _KDA:
 
     def __init__(self, layer):
         self.layer, self.H, self.K, self.KC = layer, layer.num_heads, layer.head_dim, layer.conv_kernel_size
-        m = layer._modules
-        self.W = _parts.fused_linear(*(w.weight for w in (m["q_proj"], m["k_proj"], m["v_proj"], m["b_proj"],
-                                                            layer.forget_gate.f_proj, m["g_proj"])))
+        self.W = _parts.fused_linear(*_first(layer))
+
+
+def _first(layer) -> tuple:
+    """The projections of a KDA layer's fused first product, in the plan's order."""
+    m = layer._modules
+    return m["q_proj"], m["k_proj"], m["v_proj"], m["b_proj"], m["forget_gate"].f_proj, m["g_proj"]
 
 
 def _kda_reason(layer, d: int, wdt) -> Optional[str]:
@@ -77,9 +81,12 @@ def _kda_reason(layer, d: int, wdt) -> Optional[str]:
         return "a forget gate that is not transformers' BailingHybridForgetGate of the layer's heads"
     shapes = {"q_proj": (HK, d), "k_proj": (HK, d), "v_proj": (HK, d), "b_proj": (H, d), "g_proj": (HK, d),
               "o_proj": (d, HK)}
-    if not all(_parts.plain_linear(m.get(n), s, wdt) for n, s in shapes.items()) or not _parts.plain_linear(
+    if not all(_parts.plan_projection(m.get(n), s, wdt) for n, s in shapes.items()) or not _parts.plan_projection(
             fg._modules.get("f_proj"), (HK, d), wdt):
-        return "projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
+        return f"projections of the expected shapes that are {_parts.NOT_PLAN_PROJECTIONS}"
+    why = _parts.fusion_reason(*_first(layer))
+    if why:
+        return why
     return _parts.kda_conv_norm_reason(layer, "BailingHybridRMSNormGated", wdt)
 
 

@@ -53,8 +53,8 @@ def _shared_mlp(mlp, d: int, wdt) -> Union[tuple, str]:
     m = mlp._modules
     inp, out = m.get("input_linear"), m.get("output_linear")
     hid = getattr(out, "in_features", 0)
-    if not (hid > 0 and _parts.plain_linear(inp, (2 * hid, d), wdt) and _parts.plain_linear(out, (d, hid), wdt)):
-        return "a shared MLP whose projections are not bias-free nn.Linear layers of the model's dtype"
+    if not (hid > 0 and _parts.plan_projection(inp, (2 * hid, d), wdt) and _parts.plan_projection(out, (d, hid), wdt)):
+        return f"a shared MLP whose projections are {_parts.NOT_PLAN_PROJECTIONS}"
     if type(mlp.activation).__name__ not in ("SiLU", "SiLUActivation"):
         return "a shared MLP activation other than SiLU"
     return inp, out

@@ -63,15 +63,19 @@ MODELS = ("KimiLinearForCausalLM",)
 
 class _KDA:
     """A transformers `KimiLinearDeltaAttention` as the plan's KDA block reads it: the fused first product W (its
-    six projections read in place)."""
+    six projections: `kernelize_plan_parts.fused_linear`)."""
 
     __slots__ = ("layer", "H", "K", "KC", "W")
 
     def __init__(self, layer):
         self.layer, self.H, self.K, self.KC = layer, layer.num_heads, layer.head_dim, layer.conv_kernel_size
-        m, fg = layer._modules, layer.forget_gate._modules
-        self.W = _parts.fused_linear(*(w.weight for w in (m["q_proj"], m["k_proj"], m["v_proj"], m["b_proj"],
-                                                           fg["f_a_proj"], m["g_a_proj"])))
+        self.W = _parts.fused_linear(*_first(layer))
+
+
+def _first(layer) -> tuple:
+    """The projections of a KDA layer's fused first product, in the plan's order."""
+    m, fg = layer._modules, layer._modules["forget_gate"]._modules
+    return m["q_proj"], m["k_proj"], m["v_proj"], m["b_proj"], fg["f_a_proj"], m["g_a_proj"]
 
 
 def _kda_reason(layer, d: int, wdt) -> Optional[str]:
@@ -87,10 +91,13 @@ def _kda_reason(layer, d: int, wdt) -> Optional[str]:
     f = fg._modules
     shapes = {"q_proj": (HK, d), "k_proj": (HK, d), "v_proj": (HK, d), "b_proj": (H, d), "g_a_proj": (K, d),
               "g_b_proj": (HK, K), "o_proj": (d, HK)}
-    plain = _parts.plain_linear
-    if not all(plain(m.get(n), s, wdt) for n, s in shapes.items()) or not (
-            plain(f.get("f_a_proj"), (K, d), wdt) and plain(f.get("f_b_proj"), (HK, K), wdt)):
-        return "projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
+    ok = _parts.plan_projection
+    if not all(ok(m.get(n), s, wdt) for n, s in shapes.items()) or not (
+            ok(f.get("f_a_proj"), (K, d), wdt) and ok(f.get("f_b_proj"), (HK, K), wdt)):
+        return f"projections of the expected shapes that are {_parts.NOT_PLAN_PROJECTIONS}"
+    why = _parts.fusion_reason(*_first(layer))
+    if why:
+        return why
     return _parts.kda_conv_norm_reason(layer, "KimiLinearRMSNormGated", wdt)
 
 
@@ -108,7 +115,7 @@ def _kda_plan(k: _KDA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtyp
     """The plan's KDA block (kind 4) for a transformers KDA layer: y = [q | k | v | b | f1 | g1]."""
     m, fg = k.layer._modules, k.layer.forget_gate
     return _parts.kda_plan(k.H, k.K, k.KC, k.W, m["conv1d"], fg.A_log, fg.dt_bias, m["o_norm"], m["o_proj"], bd, B,
-                           d, wdt, Wf=fg._modules["f_b_proj"].weight, Wg2=m["g_b_proj"].weight)
+                           d, wdt, Wf=fg._modules["f_b_proj"], Wg2=m["g_b_proj"])
 
 
 def call_usable(cache, B: int, L, attention_mask, position_ids) -> bool:

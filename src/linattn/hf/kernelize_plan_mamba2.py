@@ -41,8 +41,10 @@ MODELS = ("Mamba2ForCausalLM",)
 
 
 def _linear(m, shape, wdt) -> bool:
-    return (type(m) is nn.Linear and m.weight.dtype == wdt and tuple(m.weight.shape) == shape
-            and (m.bias is None or m.bias.dtype == wdt))
+    """m is a linear layer the plan reads (`decode_plan.plan_linear`: an nn.Linear of dtype wdt, int8 / int4) of
+    weight shape `shape`, with or without a bias (a float one's in wdt)."""
+    return (isinstance(m, nn.Module) and _dp.plan_linear(m, wdt) and (m.out_features, m.in_features) == shape
+            and (m.bias is None or m.bias.dtype == wdt or type(m) is not nn.Linear))
 
 
 def mixer_reason(mx, d: int, wdt, mixer_class: str = "Mamba2Mixer", norm_class: str = "MambaRMSNormGated",
@@ -59,7 +61,8 @@ def mixer_reason(mx, d: int, wdt, mixer_class: str = "Mamba2Mixer", norm_class: 
     if DI != H * P or H % G or CD != DI + 2 * G * N:
         return "heads, groups or widths the plan does not lay out (intermediate != heads x head_dim)"
     if not (_linear(m.get("in_proj"), (DI + CD + H, d), wdt) and _linear(m.get("out_proj"), (d, DI), wdt)):
-        return "an in_proj with extra rows (d_mlp > 0) or projections that are not nn.Linear of the model's dtype"
+        return ("an in_proj with extra rows (d_mlp > 0) or projections that are not linear layers the plan reads "
+                "(nn.Linear of the model's dtype, int8, int4)")
     conv, norm = m.get("conv1d"), m.get("norm")
     if (type(conv) is not nn.Conv1d or conv.weight.shape != (CD, 1, KC) or conv.groups != CD
             or conv.weight.dtype != wdt or mx.activation not in ("silu", "swish")):
@@ -105,12 +108,14 @@ def mixer_plan(mx, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype):
                               wbf16=int(wdt == torch.bfloat16), n_groups=G, d_per_channel=0, dt_lo=0.0,
                               dt_hi=math.inf, norm_mode=1, state_pn=1)
     inp, out, conv, norm = m["in_proj"], m["out_proj"], m["conv1d"], m["norm"]
-    p.W, p.Wb = addr(inp.weight, wdt), addr(inp.bias)
+    _dp.set_weight(p, "W", inp, wdt, addr)
+    p.Wb = addr(inp.bias)
     p.cw, p.cb = addr(conv.weight.detach().view(CD, -1)), addr(conv.bias)
     p.neg_a = addr(-torch.exp(mx.A_log.detach().to(cdt)))
     p.dt_bias, p.Dsk = addr(mx.dt_bias), addr(mx.D)
     p.nw, p.norm_eps = addr(norm.weight), float(norm.variance_epsilon)
-    p.Wo, p.bo = addr(out.weight, wdt), addr(out.bias)
+    _dp.set_weight(p, "Wo", out, wdt, addr)
+    p.bo = addr(out.bias)
     return _dp.finish_block_plan(p, bd, addr, keep, wdt)
 
 

@@ -48,14 +48,14 @@ MODELS = ("MiniMaxForCausalLM",)
 
 class _Lightning:
     """A transformers `MiniMaxLightningAttention` as the plan's lightning kind reads it: the fused product
-    `W = [qkv_proj | output_gate]` (read in place) and the block's residual factors."""
+    `W = [qkv_proj | output_gate]` (`kernelize_plan_parts.fused_linear`) and the block's residual factors."""
 
     __slots__ = ("layer", "W", "factors")
 
     def __init__(self, layer, factors):
         m = layer._modules
         self.layer, self.factors = layer, factors
-        self.W = _parts.fused_linear(m["qkv_proj"].weight, m["output_gate"].weight)
+        self.W = _parts.fused_linear(m["qkv_proj"], m["output_gate"])
 
 
 class _Softmax:
@@ -77,8 +77,11 @@ def _lightning_reason(layer, cfg, d: int, wdt) -> Optional[str]:
         return f"a linear-attention layer of type {type(layer).__name__}"
     H, D, m = layer.num_attention_heads, layer.head_dim, layer._modules
     shapes = {"qkv_proj": (3 * H * D, d), "output_gate": (H * D, d), "out_proj": (d, H * D)}
-    if not all(_parts.plain_linear(m.get(n), s, wdt) for n, s in shapes.items()):
-        return "lightning projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
+    if not all(_parts.plan_projection(m.get(n), s, wdt) for n, s in shapes.items()):
+        return f"lightning projections of the expected shapes that are {_parts.NOT_PLAN_PROJECTIONS}"
+    why = _parts.fusion_reason(m["qkv_proj"], m["output_gate"])
+    if why:
+        return f"lightning qkv | gate: {why}"
     if not _silu(cfg) or type(layer.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
         return "a lightning activation other than SiLU"
     if _parts.rms_norm(m.get("norm"), "MiniMaxRMSNorm", wdt, (H * D,)) is None:
@@ -154,7 +157,7 @@ def _lightning_plan(part: _Lightning, bd: _dp.BlockDescription, B: int, d: int, 
     p.decay = addr(torch.exp(-layer.slope_rate.detach()).reshape(H))
     norm = m["norm"]
     p.has_norm, p.nw, p.norm_eps = 1, addr(norm.weight), float(norm.variance_epsilon)
-    p.Wo = addr(m["out_proj"].weight, wdt)
+    _dp.set_weight(p, "Wo", m["out_proj"], wdt, addr)
     return _dp.finish_block_plan(p, bd, addr, keep, wdt)
 
 

@@ -48,8 +48,8 @@ def _mlp(mlp, d: int, wdt) -> Union[tuple, str]:
         return f"an MLP of type {type(mlp).__name__}"
     up, down = mlp._modules.get("up_proj"), mlp._modules.get("down_proj")
     hid = getattr(up, "out_features", 0)
-    if not (hid > 0 and _parts.plain_linear(up, (hid, d), wdt) and _parts.plain_linear(down, (d, hid), wdt)):
-        return "an MLP whose projections are not bias-free nn.Linear layers of the model's dtype"
+    if not (hid > 0 and _parts.plan_projection(up, (hid, d), wdt) and _parts.plan_projection(down, (d, hid), wdt)):
+        return f"an MLP whose projections are {_parts.NOT_PLAN_PROJECTIONS}"
     if type(mlp.act_fn).__name__ not in _RELU2:
         return "an MLP activation other than relu2"
     return up, down

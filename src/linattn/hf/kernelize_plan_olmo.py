@@ -42,15 +42,15 @@ _GDN_ROWS = ("q_proj", "k_proj", "v_proj", "b_proj", "a_proj", "g_proj")
 
 
 class _GDN:
-    """A transformers `OlmoHybridGatedDeltaNet` as the plan's delta block reads it: the fused projection W (its parts
-    read in place) and its beta mode."""
+    """A transformers `OlmoHybridGatedDeltaNet` as the plan's delta block reads it: the fused projection W (its parts:
+    `kernelize_plan_parts.fused_linear`) and its beta mode."""
 
     __slots__ = ("layer", "H", "HV", "K", "V", "KC", "W", "beta_mode")
 
     def __init__(self, layer):
         self.layer, self.H, self.HV = layer, layer.num_k_heads, layer.num_v_heads
         self.K, self.V, self.KC = layer.head_k_dim, layer.head_v_dim, layer.conv_kernel_size
-        self.W = _parts.fused_linear(*(layer._modules[n].weight for n in _GDN_ROWS))
+        self.W = _parts.fused_linear(*map(layer._modules.get, _GDN_ROWS))
         self.beta_mode = "doubled" if layer.allow_neg_eigval else "sigmoid"
 
 
@@ -63,8 +63,11 @@ def _gdn_reason(layer, d: int, wdt) -> Optional[str]:
     m = layer._modules
     shapes = {"q_proj": (H * K, d), "k_proj": (H * K, d), "v_proj": (HV * V, d), "b_proj": (HV, d),
               "a_proj": (HV, d), "g_proj": (HV * V, d), "o_proj": (d, HV * V)}
-    if HV % H or not all(_parts.plain_linear(m.get(n), s, wdt) for n, s in shapes.items()):
-        return "projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
+    if HV % H or not all(_parts.plan_projection(m.get(n), s, wdt) for n, s in shapes.items()):
+        return f"projections of the expected shapes that are {_parts.NOT_PLAN_PROJECTIONS}"
+    why = _parts.fusion_reason(*map(m.get, _GDN_ROWS))
+    if why:
+        return why
     conv = m.get("conv1d")
     C = 2 * H * K + HV * V
     if (type(conv) is not nn.Conv1d or conv.bias is not None or tuple(conv.weight.shape) != (C, 1, KC)

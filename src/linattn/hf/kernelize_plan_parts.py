@@ -9,7 +9,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from ..cpu import decode as _cpu_decode
+from ..cpu import decode as _cpu_decode, hugepages as _hugepages
 from ..models import decode_plan as _dp
 
 #: a softmax layer's KV buffer (the plan's layout, hf/kernelize_plan.py's mirrors) grows by this many rows at a time
@@ -21,15 +21,81 @@ def norm(weight: torch.Tensor, eps) -> types.SimpleNamespace:
     return types.SimpleNamespace(weight=weight, eps=float(eps))
 
 
-def fused_linear(*weights: torch.Tensor) -> _dp.StackedRows:
-    """A projection the plan reads, fused from several of transformers' bias-free `nn.Linear` weights stacked by
-    rows: read in place (no copy), or one matrix when a single weight is given (e.g. rows regrouped once)."""
-    return _dp.StackedRows(weights)
+def plan_projection(m, shape, wdt) -> bool:
+    """m is a bias-free linear layer of weight shape `shape` ([out, in]) whose matrix a plan with weights in wdt reads
+    as stored (`decode_plan.plan_linear`): exactly an `nn.Linear` of dtype wdt, or int8 / int4 weights
+    (`quant.linear.QuantizedLinear`: fp32 and bf16 models)."""
+    return (isinstance(m, nn.Module) and _dp.plan_linear(m, wdt) and getattr(m, "bias", None) is None
+            and (m.out_features, m.in_features) == tuple(shape))
 
 
-def plain_linear(m, shape, wdt) -> bool:
-    """m is exactly a bias-free `nn.Linear` of weight dtype wdt and weight shape `shape` ([out, in])."""
-    return type(m) is nn.Linear and m.bias is None and m.weight.dtype == wdt and tuple(m.weight.shape) == shape
+#: what projections that are not `plan_projection`'s are (a step-aside reason names them so)
+NOT_PLAN_PROJECTIONS = "not bias-free linear layers the plan reads (nn.Linear of the model's dtype, int8, int4)"
+
+
+def stored_format(m) -> tuple:
+    """(format, int4 group) of a linear layer's matrix as stored: ("plan", 0) for a float one, else its
+    `decode_plan.stored_weights`' format ("int8", "int4_a8", ...) and group."""
+    got = _dp.stored_weights(m)
+    return ("plan", 0) if got is None else (got[0], got[3])
+
+
+def fusion_reason(*linears) -> Optional[str]:
+    """Why the plan cannot read these projections (`plan_projection`'s) as one fused product, or None: one product
+    reads one format, so parts stored in different ones (e.g. a projection that int4 could not take, left in
+    float beside int4 ones) are not fused."""
+    fmts = sorted({"/".join(map(str, stored_format(m))) for m in linears})
+    if len(fmts) > 1:
+        return f"a fused projection whose parts are stored in different formats ({', '.join(fmts)})"
+    return None
+
+
+class QuantizedRows:
+    """int8 / int4 rows of several quantized projections stacked (or regrouped) by rows, their scales with them (a
+    copy the plan keeps): read by `decode_plan.set_weight` through `stored_weights`, as a QuantizedLinear is."""
+
+    __slots__ = ("fmt", "qweight", "scales", "group", "out_features", "in_features", "bias")
+
+    def __init__(self, fmt: str, qweight: torch.Tensor, scales: torch.Tensor, group: int, in_features: int):
+        self.fmt, self.scales, self.group, self.bias = fmt, scales, group, None
+        self.qweight = _hugepages.place_copy(qweight)   # (the integers every decoded token reads)
+        self.out_features, self.in_features = qweight.shape[0], in_features
+
+    def stored_weights(self):
+        return self.fmt, self.qweight, self.scales, self.group
+
+
+def fused_linear(*linears: nn.Module, rows: Optional[torch.Tensor] = None):
+    """The plan's product of projections (`plan_projection`'s, `fusion_reason` None) stacked by rows in order: float
+    weights read in place (`decode_plan.StackedRows`, no copy), or copied once when `rows` (an index into the
+    stacked rows: a regrouping) is given; int8 / int4 weights and their scales (int4's group-wise scales follow
+    their rows) stacked, and regrouped by `rows`, once into a copy (`QuantizedRows`)."""
+    got = [_dp.stored_weights(m) for m in linears]
+    if got[0] is None:
+        if rows is None:
+            return _dp.StackedRows([m.weight for m in linears])
+        return _dp.StackedRows([torch.cat([m.weight.detach() for m in linears]).index_select(0, rows)])
+    q, s = (torch.cat([g[i].detach() for g in got]) for i in (1, 2))
+    if rows is not None:
+        q, s = q.index_select(0, rows), s.index_select(0, rows)
+    return QuantizedRows(got[0][0], q.contiguous(), s.contiguous(), got[0][3], linears[0].in_features)
+
+
+#: what `float_matrix` does not dequantize (a step-aside reason names it so)
+NOT_FLOAT_MATRIX = ("stored quantized in a bf16 model or with int8 activations (the plan reads it in float: it would "
+                    "neither round q s to bf16 exactly nor round its input to int8)")
+
+
+def float_matrix(m, wdt) -> Optional[torch.Tensor]:
+    """The matrix of a `plan_projection` for the plan's fields that have no stored format (a latent attention's
+    second products, a shared expert's gate): a float one's weight, or a quantized one's with float activations
+    dequantized once in an fp32 model (q s is exact in fp32, and the product is the layer's; a copy the plan's guard
+    follows through the versions of the integers and scales); None otherwise (`NOT_FLOAT_MATRIX`)."""
+    if type(m) is nn.Linear:
+        return m.weight
+    if wdt != torch.float32 or stored_format(m)[0] not in ("int8", "int4") or not hasattr(m, "dequantize"):
+        return None
+    return m.dequantize(torch.float32)
 
 
 def swiglu_ffn(mlp: nn.Module, cls_name: str, d: int, wdt) -> Union[tuple, str]:
@@ -40,12 +106,15 @@ def swiglu_ffn(mlp: nn.Module, cls_name: str, d: int, wdt) -> Union[tuple, str]:
     m = mlp._modules
     gate, up, down = m.get("gate_proj"), m.get("up_proj"), m.get("down_proj")
     hid = getattr(gate, "out_features", None)
-    if hid is None or not (plain_linear(gate, (hid, d), wdt) and plain_linear(up, (hid, d), wdt)
-                           and plain_linear(down, (d, hid), wdt)):
-        return "an MLP whose projections are not bias-free nn.Linear layers of the model's dtype"
+    if hid is None or not (plan_projection(gate, (hid, d), wdt) and plan_projection(up, (hid, d), wdt)
+                           and plan_projection(down, (d, hid), wdt)):
+        return f"an MLP whose projections are {NOT_PLAN_PROJECTIONS}"
     if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
         return "an MLP activation other than SiLU"
-    return fused_linear(gate.weight, up.weight), down
+    why = fusion_reason(gate, up)
+    if why:
+        return f"an MLP's gate | up: {why}"
+    return fused_linear(gate, up), down
 
 
 #: transformers' sparse MoE blocks whose router is a softmax top-k (`<Model>TopKRouter`), fused 3-D experts
@@ -71,13 +140,27 @@ def qwen_sparse_moe(mlp: nn.Module, d: int, wdt) -> Union[tuple, str]:
     got = swiglu_ffn(shared, type(shared).__name__, d, wdt) if shared is not None else "no shared expert"
     if isinstance(got, str):
         return f"an MoE block's shared expert: {got}"
-    if not plain_linear(sgate, (1, d), wdt):
-        return "an MoE block's shared-expert gate that is not a bias-free nn.Linear [1, d]"
+    sgate = shared_gate_row(sgate, d, wdt)
+    if isinstance(sgate, str):
+        return sgate
     moe = _dp.MoEDescription(router.weight.detach(), experts.gate_up_proj.detach(), experts.down_proj.detach(),
                              router.top_k, router.norm_topk_prob if norm_topk is None else norm_topk, sgate)
     if not _dp.moe_usable(moe, d, wdt):
         return "an MoE block whose router or experts the plan does not read (shapes, dtype, layout)"
     return got[0], got[1], moe
+
+
+def shared_gate_row(sgate, d: int, wdt) -> Union[nn.Module, types.SimpleNamespace, str]:
+    """A shared expert's gate `[1, d]` as the plan's MoE reads it (in float, in wdt: `decode_plan.MoEDescription`):
+    a bias-free `nn.Linear`, or a quantized one's row dequantized (`float_matrix`), or why not."""
+    if not plan_projection(sgate, (1, d), wdt):
+        return f"an MoE block's shared-expert gate [1, d] that is {NOT_PLAN_PROJECTIONS}"
+    if type(sgate) is nn.Linear:
+        return sgate
+    w = float_matrix(sgate, wdt)
+    if w is None:
+        return f"an MoE block's shared-expert gate {NOT_FLOAT_MATRIX}"
+    return types.SimpleNamespace(weight=w, bias=None)
 
 
 def base_and_embedding(model: nn.Module, models: tuple, base: str, embedding: str) -> Union[tuple, str]:
@@ -104,11 +187,16 @@ def model_description(model: nn.Module, embed: nn.Module, blocks: list, final_no
     if type(final_norm).__name__ != norm_class or final_norm.weight.dtype != wdt:
         return f"a final norm that is not transformers' {norm_class}"
     head = model.lm_head
-    desc = _dp.ModelDescription(embed, blocks, None, None if head.weight is embed.weight else head)
+    desc = _dp.ModelDescription(embed, blocks, None, None if tied_head(head, embed) else head)
     if not _dp.model_weights_usable(desc, wdt):   # (the final norm checked above)
         return "an embedding or head the plan does not read (a bias, another dtype, a hook)"
     desc.norm = norm(final_norm.weight, final_norm.variance_epsilon)
     return desc, parts
+
+
+def tied_head(head: nn.Module, embed: nn.Module) -> bool:
+    """Whether a head reads the embedding's matrix (tied; a quantized head holds its own integers: not tied)."""
+    return getattr(head, "weight", None) is embed.weight
 
 
 def describe_layers(model: nn.Module, models: tuple, base: str, embedding: str, block, final_norm: str,
@@ -178,10 +266,11 @@ def block_norms(layer: nn.Module, names: tuple, norm_class: str, wdt) -> Union[t
 
 def gqa_projections_reason(modules, H: int, G: int, D: int, d: int, wdt) -> Optional[str]:
     """Why an attention's q / k / v / o projections (`modules`: its `_modules`) are not the softmax kind's: H query
-    and G key / value heads of D, bias-free nn.Linear layers of the model's dtype and shapes; None when they are."""
+    and G key / value heads of D, `plan_projection`'s of the softmax kind's shapes; None when they are (each
+    matrix is its own product: formats may differ)."""
     shapes = {"q_proj": (H * D, d), "k_proj": (G * D, d), "v_proj": (G * D, d), "o_proj": (d, H * D)}
-    if H % G or not all(plain_linear(modules.get(n), s, wdt) for n, s in shapes.items()):
-        return "attention projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
+    if H % G or not all(plan_projection(modules.get(n), s, wdt) for n, s in shapes.items()):
+        return f"attention projections of the softmax kind's shapes that are {NOT_PLAN_PROJECTIONS}"
     return None
 
 
@@ -253,7 +342,7 @@ def unpadded(attention_mask, B: int) -> bool:
                                       and attention_mask.shape[0] == B and bool(attention_mask.all()))
 
 
-def gdn_plan(layer, W: _dp.StackedRows, norm: nn.Module, out_proj: nn.Module, bd: _dp.BlockDescription, B: int, d: int,
+def gdn_plan(layer, W, norm: nn.Module, out_proj: nn.Module, bd: _dp.BlockDescription, B: int, d: int,
              wdt: torch.dtype, beta_mode: str = "sigmoid"):
     """The plan's delta block (kind 0, gated) for a transformers Gated DeltaNet layer (Qwen3.5's, Qwen3-Next's,
     OLMo-hybrid's: `num_k_heads`, `num_v_heads`, `head_k_dim`, `head_v_dim`, `conv_kernel_size`, `conv1d`, `A_log`,
@@ -274,13 +363,13 @@ def gdn_plan(layer, W: _dp.StackedRows, norm: nn.Module, out_proj: nn.Module, bd
     p.dkind, p.l2conv, p.l2eps, p.gated = 0, 0, 1e-6, 1
     p.neg_a, p.dt_bias = addr(-torch.exp(layer.A_log.detach().to(cdt))), addr(layer.dt_bias)
     p.has_norm, p.nw, p.norm_eps, p.has_gate = 1, addr(norm.weight), float(norm.variance_epsilon), 1
-    p.Wo = addr(out_proj.weight, wdt)
+    _dp.set_weight(p, "Wo", out_proj, wdt, addr)
     return _dp.finish_block_plan(p, bd, addr, keep, wdt)
 
 
-def kda_plan(H: int, K: int, KC: int, W: _dp.StackedRows, conv: nn.Module, A_log: torch.Tensor, dt_bias: torch.Tensor,
+def kda_plan(H: int, K: int, KC: int, W, conv: nn.Module, A_log: torch.Tensor, dt_bias: torch.Tensor,
              norm: nn.Module, out_proj: nn.Module, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dtype, *,
-             Wf: Optional[torch.Tensor] = None, Wg2: Optional[torch.Tensor] = None, gate_lb: Optional[float] = None):
+             Wf: Optional[nn.Module] = None, Wg2: Optional[nn.Module] = None, gate_lb: Optional[float] = None):
     """The plan's KDA block (kind 4, csrc/decode_kda.h) for a transformers KDA layer of H heads of K (Kimi Linear's,
     Bailing hybrid's): W its first products fused by rows, `[q | k | v | b | f | gate]` where f and the gate are the
     low-rank first stages when `Wf` / `Wg2` (their second stages `[H K, rank]`) are given, else the full-rank
@@ -293,20 +382,21 @@ def kda_plan(H: int, K: int, KC: int, W: _dp.StackedRows, conv: nn.Module, A_log
     p = _cpu_decode.BlockPlan(B=B, H=H, HV=H, K=K, V=K, d=d, ny=W.out_features, KC=KC, hid=bd.ffn_down.in_features,
                               kind=4, conv_act=1, scale=K ** -0.5, nthreads=max(1, torch.get_num_threads()),
                               has_ffn=1, wbf16=int(wdt == torch.bfloat16),
-                              rank_f=0 if Wf is None else Wf.shape[1], rank_g=0 if Wg2 is None else Wg2.shape[1],
+                              rank_f=0 if Wf is None else Wf.in_features,
+                              rank_g=0 if Wg2 is None else Wg2.in_features,
                               gate_sig=1, l2eps=1e-6, l2conv=0)
     _dp.set_weight(p, "W", W, wdt, addr)
     p.cw = addr(conv.weight.view(conv.weight.shape[0], -1))
     if Wf is not None:
-        p.Wf = addr(Wf, wdt)
+        _dp.set_weight(p, "Wf", Wf, wdt, addr)
     if Wg2 is not None:
-        p.Wg2 = addr(Wg2, wdt)
+        _dp.set_weight(p, "Wg2", Wg2, wdt, addr)
     if gate_lb is not None:
         p.gate_lb_on, p.gate_lb = 1, float(gate_lb)
     p.neg_a = addr(-torch.exp(A_log.detach().to(cdt)).reshape(H))
     p.dt_bias = addr(dt_bias)
     p.has_norm, p.nw, p.norm_eps, p.has_gate = 1, addr(norm.weight), float(norm.variance_epsilon), 1
-    p.Wo = addr(out_proj.weight, wdt)
+    _dp.set_weight(p, "Wo", out_proj, wdt, addr)
     return _dp.finish_block_plan(p, bd, addr, keep, wdt)
 
 
@@ -378,16 +468,21 @@ def hookable(describe):
 class MLA:
     """A transformers MLA layer (DeepSeek-V3's attention as Kimi Linear's `KimiLinearAttention` and Bailing
     hybrid's `BailingHybridAttention` compute it) as the plan's latent-attention block reads it: the fused first
-    product `W = [q_proj (or q_a_proj) | kv_a_proj_with_mqa | g_proj (the head-wise gate, when `gated`)]` read in
-    place, and the base model's rotary embedding (None: no position, Kimi's NoPE)."""
+    product `W = [q_proj (or q_a_proj) | kv_a_proj_with_mqa | g_proj (the head-wise gate, when `gated`)]`
+    (`fused_linear`), and the base model's rotary embedding (None: no position, Kimi's NoPE)."""
 
     __slots__ = ("layer", "W", "rotary", "gated")
 
     def __init__(self, layer, rotary, gated: bool):
-        m = layer._modules
-        first = m["q_proj"] if layer.q_lora_rank is None else m["q_a_proj"]
         self.layer, self.rotary, self.gated = layer, rotary, gated
-        self.W = fused_linear(first.weight, m["kv_a_proj_with_mqa"].weight, *((m["g_proj"].weight,) if gated else ()))
+        self.W = fused_linear(*mla_first(layer, gated))
+
+
+def mla_first(layer, gated: bool) -> tuple:
+    """The projections of an MLA layer's fused first product, in the plan's order."""
+    m = layer._modules
+    first = m["q_proj"] if layer.q_lora_rank is None else m["q_a_proj"]
+    return (first, m["kv_a_proj_with_mqa"]) + ((m["g_proj"],) if gated else ())
 
 
 def mla_reason(layer, cls_name: str, d: int, wdt, rotary=None, gated: bool = False) -> Optional[str]:
@@ -407,8 +502,13 @@ def mla_reason(layer, cls_name: str, d: int, wdt, rotary=None, gated: bool = Fal
                   else {"q_a_proj": (qr, d), "q_b_proj": (H * (dn + R), qr)})
     if gated:
         shapes["g_proj"] = (H, d)
-    if not all(plain_linear(m.get(n), s, wdt) for n, s in shapes.items()):
-        return "MLA projections that are not bias-free nn.Linear layers of the model's dtype and shapes"
+    if not all(plan_projection(m.get(n), s, wdt) for n, s in shapes.items()):
+        return f"MLA projections of the expected shapes that are {NOT_PLAN_PROJECTIONS}"
+    if any(float_matrix(m[n], wdt) is None for n in ("kv_b_proj", "q_b_proj") if n in shapes):
+        return f"an MLA layer whose kv_b_proj / q_b_proj are {NOT_FLOAT_MATRIX}"
+    why = fusion_reason(*mla_first(layer, gated))
+    if why:
+        return f"MLA's first product: {why}"
     norms = [m.get("kv_a_layernorm")] + ([] if qr is None else [m.get("q_a_layernorm")])
     if any(not type(n).__name__.endswith("RMSNorm") or n.weight.dtype != wdt or set(n._parameters) != {"weight"}
            for n in norms) or norms[0].weight.shape != (r,):
@@ -439,13 +539,14 @@ def mla_plan(part: MLA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dty
     _dp.set_weight(p, "W", part.W, wdt, addr)
     kvn = m["kv_a_layernorm"]
     p.mla_kvnw, p.mla_kv_eps = addr(kvn.weight), float(kvn.variance_epsilon)
-    p.mla_Wkb = addr(m["kv_b_proj"].weight, wdt)
+    p.mla_Wkb = addr(float_matrix(m["kv_b_proj"], wdt), wdt)
     if qr:
         qn = m["q_a_layernorm"]
-        p.mla_qnw, p.mla_q_eps, p.mla_Wqb = addr(qn.weight), float(qn.variance_epsilon), addr(m["q_b_proj"].weight, wdt)
+        p.mla_qnw, p.mla_q_eps = addr(qn.weight), float(qn.variance_epsilon)
+        p.mla_Wqb = addr(float_matrix(m["q_b_proj"], wdt), wdt)
     if rot is not None:
         p.inv_freq = addr(rot.inv_freq, torch.float64)
-    p.Wo = addr(m["o_proj"].weight, wdt)
+    _dp.set_weight(p, "Wo", m["o_proj"], wdt, addr)
     p.att = types.SimpleNamespace(kv_heads=1, head_dim=r, head_dim_v=R)
     return _dp.finish_block_plan(p, bd, addr, keep, wdt)
 

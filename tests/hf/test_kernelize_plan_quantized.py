@@ -1,0 +1,216 @@
+"""A quantized kernelized transformers model (`linattn.quantize`, int8 / int4) decodes through the whole-model plan
+(hf/kernelize_plan*.py), the plan reading the integers and scales as stored.
+
+Every described architecture that takes quantized weights: greedy `generate` through the plan against the same
+quantized model with the plan switched off (`LINATTN_CPU_KERNELS=0`: transformers' forward, each `QuantizedLinear`
+run by PyTorch), batch 2, and a left-padded batch: the same tokens, and logits within 4x the error of that PyTorch
+path against the same quantized model in fp64 (the integers and scales are exact in both; only the summation and,
+with int8 activations, the activations' rounding can differ) plus a few ulps. The models are quantized with
+`compute="fp32"`, so the PyTorch path's products are fp32 ones on the dequantized matrix, as the plan's. The
+compiled calls are counted, so a comparison cannot pass with the model stepping aside. Where the plan does not read
+a quantized model, the step-aside reason names why."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from linattn.cpu import decode as cpu_decode  # noqa: E402
+from linattn.hf import kernelize, kernelize_plan as plan, kernelize_plan_kimi as plan_kimi  # noqa: E402
+from linattn.models import decode_plan  # noqa: E402
+from linattn.quant import quantize, quantized_modules  # noqa: E402
+from tests.helpers import CompiledDecodeCalls  # noqa: E402
+from tests.hf import kernelize_models as km, plan_decode as pd  # noqa: E402
+from tests.hf.kernelize_models import transformers_torch_code  # noqa: E402, F401  (autouse)
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
+
+U32 = 2.0 ** -24
+
+#: the tiny models of tests/hf/kernelize_models.py whose float plan the quantized one follows (Mamba2's is not here:
+#: transformers' `Mamba2ForCausalLM.forward` reads `lm_head.weight`, which a quantized head does not have, so its
+#: prefill cannot run quantized)
+ARCHS = ["qwen3_5", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "minimax", "bamba",
+         "granitemoehybrid", "nemotron_h"]
+#: those with a matrix the plan reads in float (a Qwen MoE block's shared-expert gate; MLA's kv_b_proj): with int8
+#: activations, which the plan would not apply to it, they step aside (`kernelize_plan_parts.float_matrix`)
+FLOAT_FIELDS = {"qwen3_next": "shared-expert gate", "qwen3_5_moe": "shared-expert gate", "kimi_linear": "kv_b_proj",
+                "bailing_hybrid": "kv_b_proj"}
+
+#: (mode, group, activations): int8 with float and int8 activations; int4 (group 32) with int8 activations (its
+#: default) and float ones, where the model's shapes let int4 take every fused part (`_int4_model`)
+INT8 = [("int8", None, "float"), ("int8", None, "int8")]
+INT4 = [("int4", 32, "int8"), ("int4", 32, "float")]
+
+
+def _kernelized(arch):
+    """The kernelized tiny model of `arch`, hooked (its float model decodes through the plan)."""
+    _, fast, _ = km.pair(arch)
+    assert "forward" in fast.__dict__, f"{arch}: the float model is not hooked"
+    return fast
+
+
+def _quantized(fast, mode, group, activations):
+    q = quantize(fast, mode, group_size=group, compute="fp32", activations=activations)
+    assert "forward" in q.__dict__   # (the deep copy keeps the hook, bound to the copy)
+    return q
+
+
+def _int4_model():
+    """A Qwen3.5 whose every projection int4 takes (16 value heads: `in_proj_b` / `in_proj_a` of 16 rows; a vocabulary
+    of 96): the fused `[q | k | v | b | a | z]` all int4."""
+    cfg = transformers.Qwen3_5TextConfig(**dict(km.ATTN, vocab_size=96, tie_word_embeddings=False),
+                                         **dict(km.GDN, linear_num_value_heads=16), num_hidden_layers=2,
+                                         layer_types=["linear_attention", "full_attention"])
+    return pd.perturbed_pair(transformers.Qwen3_5ForCausalLM, cfg, moved=("norm", "A_log", "dt_bias"))[1]
+
+
+def _fp64(q):
+    """q with every floating tensor in fp64 (the QuantizedLinears' scales too: their products then dequantize in fp64,
+    the int8 activations rounded in fp64)."""
+    twin = copy.deepcopy(q).double()
+    if hasattr(twin, "set_experts_implementation"):
+        twin.set_experts_implementation("eager")   # (torch._grouped_mm has no fp64)
+    return twin
+
+
+def _generate_three(q, ids, n, monkeypatch, **kw):
+    """(through the plan, the PyTorch path, the PyTorch path in fp64) greedy `generate`s of n tokens, and the compiled
+    calls the first made."""
+    calls = CompiledDecodeCalls(monkeypatch)
+    got = pd.generate(q, ids, n, **kw)
+    compiled = calls.model
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    want = pd.generate(q, ids, n, **kw)
+    ref = pd.generate(_fp64(q), ids, n, **kw)
+    monkeypatch.delenv("LINATTN_CPU_KERNELS")
+    assert calls.model == compiled   # (the other two ran transformers' forward)
+    return got, want, ref, compiled
+
+
+def _check_within_bound(got, want, ref):
+    """The same tokens; the plan's logits within 4x the PyTorch path's own error (against fp64) plus 16 ulps of the
+    largest logit."""
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(want.sequences, ref.sequences)
+    ours, theirs, exact = (torch.stack(g.logits).double() for g in (got, want, ref))
+    err, err_torch = (ours - theirs).abs().max().item(), (theirs - exact).abs().max().item()
+    bound = 4 * err_torch + 16 * U32 * exact.abs().max().item()
+    assert err <= bound, f"plan error {err:.3g} > {bound:.3g} (PyTorch fp32: {err_torch:.3g})"
+
+
+def _check_generate(q, monkeypatch, B=2, T=6, n=6):
+    ids = pd.prompt(B, T)
+    got, want, ref, compiled = _generate_three(q, ids, n, monkeypatch)
+    assert compiled == n - 1   # every decoded token one compiled call (the prompt is transformers' prefill)
+    _check_within_bound(got, want, ref)
+
+
+@pytest.mark.parametrize("mode,group,activations", INT8)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int8_generate_through_the_plan(arch, mode, group, activations, monkeypatch):
+    fast = _kernelized(arch)
+    q = _quantized(fast, mode, group, activations)
+    why = plan._ARCHITECTURES[type(q).__name__].describe(q)
+    if activations == "int8" and arch in FLOAT_FIELDS:
+        assert isinstance(why, str) and FLOAT_FIELDS[arch] in why and "int8 activations" in why, why
+        calls = CompiledDecodeCalls(monkeypatch)
+        pd.generate(q, pd.prompt(2, 5), 4)
+        assert calls.model == 0
+        return
+    assert not isinstance(why, str), why
+    _check_generate(q, monkeypatch)
+
+
+@pytest.mark.parametrize("mode,group,activations", INT4)
+def test_int4_generate_through_the_plan(mode, group, activations, monkeypatch):
+    q = _quantized(_int4_model(), mode, group, activations)
+    assert not q._linattn_quant_skipped   # (every linear layer int4: the fused parts and the head)
+    _check_generate(q, monkeypatch, B=3, T=5, n=8)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "olmo_hybrid", "bamba", "minimax"])
+def test_left_padded_generate(arch, monkeypatch):
+    """A left-padded batch: the compiled calls of the float model for the same prompt (the plan steps aside where
+    the mask enters every token's attention), the PyTorch path's tokens and logits within the bound."""
+    fast = _kernelized(arch)
+    q = _quantized(fast, "int8", None, "float")
+    ids = pd.prompt(2, 7)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    calls = CompiledDecodeCalls(monkeypatch)
+    pd.generate(fast, ids, 6, attention_mask=mask)
+    float_calls, calls.model = calls.model, 0
+    got, want, ref, compiled = _generate_three(q, ids, 6, monkeypatch, attention_mask=mask)
+    assert compiled == float_calls
+    _check_within_bound(got, want, ref)
+
+
+def test_quantized_before_kernelize_is_hooked(monkeypatch):
+    """quantize, then kernelize: the model is hooked and decodes through the plan."""
+    model = km.build("qwen3_5").eval()
+    q = quantize(model, "int8", compute="fp32")
+    assert kernelize(q).compiled_decode
+    _check_generate(q, monkeypatch)
+
+
+def test_fused_parts_in_different_formats_step_aside(monkeypatch):
+    """int4 on the tiny Qwen3.5 (4 value heads): `in_proj_b` / `in_proj_a` (4 rows) stay float beside int4 q | k | v
+    and z, and one fused product reads one format: the model steps aside, saying so, and generates as PyTorch does."""
+    q = quantize(_kernelized("qwen3_5"), "int4", group_size=32, compute="fp32")
+    assert {"model.layers.0.linear_attn.in_proj_b", "model.layers.0.linear_attn.in_proj_a"} <= set(
+        q._linattn_quant_skipped)
+    why = plan._ARCHITECTURES["Qwen3_5ForCausalLM"].describe(q)
+    assert isinstance(why, str) and "different formats" in why, why
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    got = pd.generate(q, ids, 4)
+    assert calls.model == 0
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    want = pd.generate(q, ids, 4)
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_bf16_mla_with_quantized_second_products_steps_aside():
+    """A bf16 Kimi Linear with an MLA layer: its kv_b_proj quantized, which the latent-attention kind reads in float
+    (dequantized only where exact, fp32): the reason names it."""
+    _, fast, _ = km.pair("kimi_linear", torch.bfloat16)
+    q = quantize(fast, "int8", compute="fp32")
+    why = plan_kimi.undescribed_reason(q)
+    assert why is not None and "kv_b_proj" in why, why
+
+
+def test_quantized_weights_are_read_in_place_or_stacked(monkeypatch):
+    """The plan points at the QuantizedLinears' own integers where a product is one layer (the out projections, the
+    down projections, the head), and at a stacked copy of the fused parts' integers and scales; an in-place write of
+    a fused part's integers fails the plan's guard (the copy follows the integers' versions): the next token is a
+    new plan's, the bits of a plan built afresh on a copy of the changed model."""
+    q = _quantized(_int4_model(), "int8", None, "float")
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        cache = q(ids, use_cache=True).cache
+        q(ids[:, -1:], cache=cache)
+    assert calls.model == 1
+    slot = q._linattn_model_plan
+    blocks, mp = slot.keep[0], slot.plan
+    mods = quantized_modules(q)
+    gdn = mods["model.layers.0.linear_attn.out_proj"]
+    assert blocks[0].Wo == gdn.qweight.data_ptr() and blocks[0].sc_Wo == gdn.scales.data_ptr()
+    assert blocks[1].Wd == mods["model.layers.1.mlp.down_proj"].qweight.data_ptr()
+    assert mp.head == mods["lm_head"].qweight.data_ptr() and mp.sc_head == mods["lm_head"].scales.data_ptr()
+    qkv = mods["model.layers.0.linear_attn.in_proj_qkv"]
+    assert blocks[0].W not in {m.qweight.data_ptr() for m in mods.values()}
+    assert cpu_decode.WEIGHT_FORMATS["int8"] == blocks[0].fmt_W == blocks[0].fmt_Wgu
+    guard, tok = slot.guard, ids[:, -1:]
+    with torch.no_grad():
+        before = q(tok, cache=copy.deepcopy(cache)).logits
+        qkv.qweight.neg_()
+        assert not guard.valid()
+        twin, twin_cache = copy.deepcopy(q), copy.deepcopy(cache)
+        built = decode_plan.rebuilds[0]
+        got = q(tok, cache=cache).logits
+        assert decode_plan.rebuilds[0] > built
+        want = twin(tok, cache=twin_cache).logits
+    assert calls.model == 4
+    assert torch.equal(got, want) and not torch.equal(got, before)
