@@ -73,7 +73,8 @@ SHAPES: Dict[str, Dict[str, int]] = {
 }
 ENGINES = ("linattn", "transformers", "kernelize")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-#: the fp32 model quantized by `linattn.quantize` (int4: group 32; "-a8": with activations="int8"), and llama.cpp's
+#: the fp32 model quantized by `linattn.quantize` (int4: group 32; plain: activations="float", the exact products;
+#: "-a8": activations="int8", the library's default), and llama.cpp's
 #: nearest GGUF types
 QUANTIZED = ("int8", "int4", "int8-a8", "int4-a8")
 GGUF_TYPES = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}   # (convert_hf_to_gguf.py writes no Q4_0: --gguf)
@@ -91,7 +92,8 @@ def add_arguments(p) -> None:
                    help=f"comma list of {', '.join(ENGINES)} (default all; the transformers ones need linattn[hf])")
     p.add_argument("--dtypes", default="fp32,bf16",
                    help="comma list of fp32, bf16, int8, int4, int8-a8, int4-a8 (default fp32,bf16; int8 / int4: the "
-                        "fp32 model through linattn.quantize; -a8: with activations='int8')")
+                        "fp32 model through linattn.quantize with activations='float' (the exact products); -a8: "
+                        "with activations='int8', the library's default for both modes)")
     p.add_argument("--threads", type=int_at_least(1), nargs="+", default=[1, 2], help="thread counts (default 1 2)")
     p.add_argument("--prompt", type=int_at_least(1), default=512, help="prompt tokens (default 512)")
     p.add_argument("--decode", type=int_at_least(1), default=128, help="decoded tokens per round (default 128)")
