@@ -9,7 +9,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from ..cpu import decode as _cpu_decode, hugepages as _hugepages
+from ..cpu import decode as _cpu_decode
 from ..models import decode_plan as _dp
 
 #: a softmax layer's KV buffer (the plan's layout, hf/kernelize_plan.py's mirrors) grows by this many rows at a time
@@ -33,18 +33,11 @@ def plan_projection(m, shape, wdt) -> bool:
 NOT_PLAN_PROJECTIONS = "not bias-free linear layers the plan reads (nn.Linear of the model's dtype, int8, int4)"
 
 
-def stored_format(m) -> tuple:
-    """(format, int4 group) of a linear layer's matrix as stored: ("plan", 0) for a float one, else its
-    `decode_plan.stored_weights`' format ("int8", "int4_a8", ...) and group."""
-    got = _dp.stored_weights(m)
-    return ("plan", 0) if got is None else (got[0], got[3])
-
-
 def fusion_reason(*linears) -> Optional[str]:
     """Why the plan cannot read these projections (`plan_projection`'s) as one fused product, or None: one product
     reads one format, so parts stored in different ones (e.g. a projection that int4 could not take, left in
     float beside int4 ones) are not fused."""
-    fmts = sorted({"/".join(map(str, stored_format(m))) for m in linears})
+    fmts = sorted({"/".join(map(str, _dp.stored_format(m))) for m in linears})
     if len(fmts) > 1:
         return f"a fused projection whose parts are stored in different formats ({', '.join(fmts)})"
     return None
@@ -57,8 +50,7 @@ class QuantizedRows:
     __slots__ = ("fmt", "qweight", "scales", "group", "out_features", "in_features", "bias")
 
     def __init__(self, fmt: str, qweight: torch.Tensor, scales: torch.Tensor, group: int, in_features: int):
-        self.fmt, self.scales, self.group, self.bias = fmt, scales, group, None
-        self.qweight = _hugepages.place_copy(qweight)   # (the integers every decoded token reads)
+        self.fmt, self.qweight, self.scales, self.group, self.bias = fmt, qweight, scales, group, None
         self.out_features, self.in_features = qweight.shape[0], in_features
 
     def stored_weights(self):
@@ -75,10 +67,8 @@ def fused_linear(*linears: nn.Module, rows: Optional[torch.Tensor] = None):
         if rows is None:
             return _dp.StackedRows([m.weight for m in linears])
         return _dp.StackedRows([torch.cat([m.weight.detach() for m in linears]).index_select(0, rows)])
-    q, s = (torch.cat([g[i].detach() for g in got]) for i in (1, 2))
-    if rows is not None:
-        q, s = q.index_select(0, rows), s.index_select(0, rows)
-    return QuantizedRows(got[0][0], q.contiguous(), s.contiguous(), got[0][3], linears[0].in_features)
+    q, s = _dp.stacked_stored(linears, rows)
+    return QuantizedRows(got[0][0], q, s, got[0][3], linears[0].in_features)
 
 
 #: what `float_matrix` does not dequantize (a step-aside reason names it so)
@@ -93,7 +83,7 @@ def float_matrix(m, wdt) -> Optional[torch.Tensor]:
     follows through the versions of the integers and scales); None otherwise (`NOT_FLOAT_MATRIX`)."""
     if type(m) is nn.Linear:
         return m.weight
-    if wdt != torch.float32 or stored_format(m)[0] not in ("int8", "int4") or not hasattr(m, "dequantize"):
+    if wdt != torch.float32 or _dp.stored_format(m)[0] not in ("int8", "int4") or not hasattr(m, "dequantize"):
         return None
     return m.dequantize(torch.float32)
 

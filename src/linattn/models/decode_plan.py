@@ -440,11 +440,29 @@ def _compiled_mixer(desc: BlockDescription, wdt: torch.dtype):
     return lins
 
 
+def stored_format(linear) -> tuple:
+    """(format, int4 group) of a linear layer's matrix as stored: ("plan", 0) for a float one, else its
+    `stored_weights`' mode ("int8", "int4", ...) and group."""
+    got = stored_weights(linear)
+    return ("plan", 0) if got is None else (got[0], got[3])
+
+
 def _fused_format(lins):
-    """The stored format the fused projections share: "plan" (every one an nn.Linear), or (mode, group) of their
-    int8 / int4 weights; None when they differ (the fused product has one format)."""
-    fmts = {("plan", 0) if type(m) is nn.Linear else stored_weights(m)[::3] for m in lins}
+    """The stored format the fused projections share (`stored_format`); None when they differ (the fused product
+    has one format)."""
+    fmts = {stored_format(m) for m in lins}
     return next(iter(fmts)) if len(fmts) == 1 else None
+
+
+def stacked_stored(lins, rows: Optional[torch.Tensor] = None) -> tuple:
+    """(integers, scales) of int8 / int4 linears of one format stacked by rows in order (regrouped by the row
+    index `rows` when given; int4's group-wise scales follow their rows): a copy the plan keeps, its integers on
+    huge pages (every decoded token reads them)."""
+    parts = [stored_weights(m) for m in lins]
+    q, scales = (torch.cat([w[i].detach() for w in parts]) for i in (1, 2))
+    if rows is not None:
+        q, scales = q.index_select(0, rows), scales.index_select(0, rows)
+    return _hugepages.place_copy(q.contiguous()), scales.contiguous()
 
 
 def _set_parts(p, name: str, parts, wdt: torch.dtype, addr) -> None:
@@ -485,9 +503,7 @@ def _fused_quantized(layer, lins, cdt):
     one has none) in cdt."""
     mods = layer._modules
     convs = (mods["q_conv"], mods["k_conv"], mods["v_conv"]) if layer.short_conv else ()
-    parts = [stored_weights(m) for m in lins]
-    q = _hugepages.place_copy(torch.cat([w[1] for w in parts]))
-    scales = torch.cat([w[2] for w in parts])
+    q, scales = stacked_stored(lins)
     b = None
     if any(m.bias is not None for m in lins):
         b = torch.cat([m.bias.to(cdt) if m.bias is not None else torch.zeros(m.out_features, dtype=cdt)
