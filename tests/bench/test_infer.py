@@ -263,3 +263,23 @@ def test_build_model_int8_activation_rows():
         assert quantization_summary(a8)["activations"] == "int8" and quantization_summary(a8)["mode"] == mode
         assert quantization_summary(plain)["activations"] == "float"
         assert infer.model_decode_bytes(a8) == infer.model_decode_bytes(plain)
+
+
+def test_pages_notes_name_rows_whose_weights_missed_huge_pages():
+    """A row whose placed weights sit mostly on 4 KiB pages gets one note (once over its thread counts); rows on
+    2 MiB pages, rows nothing placed and rows whose page count is unknown get none."""
+    from linattn.bench.infer import PAGES_SHORT, pages_notes
+
+    def rec(engine, dtype, threads, wp):
+        return {"engine": engine, "dtype": dtype, "threads": threads, "weights_pages": wp}
+
+    short = {"placed_bytes": 1_047_000_000, "huge_bytes": 174_000_000, "skipped": {}, "unavailable": None}
+    full = {"placed_bytes": 1_000_000_000, "huge_bytes": 1_000_000_000, "skipped": {}, "unavailable": None}
+    edge = {"placed_bytes": 100, "huge_bytes": int(PAGES_SHORT * 100), "skipped": {}, "unavailable": None}
+    unknown = {"placed_bytes": 100, "huge_bytes": None, "skipped": {}, "unavailable": "never"}
+    records = [rec("kernelize", "bf16", 1, short), rec("kernelize", "bf16", 2, short), rec("linattn", "bf16", 1, full),
+               rec("linattn", "fp32", 1, edge), rec("llama.cpp", "bf16", 1, None), rec("linattn", "int8", 1, unknown),
+               rec("kernelize", "fp32", 1, {"placed_bytes": 0, "huge_bytes": 0, "skipped": {}, "unavailable": None})]
+    notes = pages_notes(records)
+    assert len(notes) == 1 and notes[0].startswith("note: kernelize bf16: 174 of 1,047 MB")
+    assert pages_notes([rec("linattn", "fp32", 1, dict(edge, huge_bytes=edge["huge_bytes"] - 1))])

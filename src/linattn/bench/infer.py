@@ -593,6 +593,29 @@ def _table(records) -> str:
                                 "decode/floor", "floor+st ms", "decode/floor+st", "read GB/s"], rows)
 
 
+#: a row whose placed weights sit less than this share on 2 MiB pages gets a note under the table
+PAGES_SHORT = 0.9
+
+
+def pages_notes(records) -> List[str]:
+    """One line per (engine, dtype) whose weights were placed on huge-page mappings but of which the kernel gave
+    fewer than PAGES_SHORT on 2 MiB pages (it found too few free 2 MiB blocks, as after long runs that fragmented
+    memory): that row's decode then pays the 4 KiB pages' TLB misses and is not comparable with a run whose
+    weights sat on 2 MiB pages."""
+    out, seen = [], set()
+    for r in records:
+        wp, key = r.get("weights_pages"), (r["engine"], r["dtype"])
+        if key in seen or not wp or not wp.get("placed_bytes") or wp.get("huge_bytes") is None:
+            continue
+        seen.add(key)
+        if wp["huge_bytes"] < PAGES_SHORT * wp["placed_bytes"]:
+            out.append(f"note: {r['engine']} {r['dtype']}: {wp['huge_bytes'] / 1e6:,.0f} of "
+                       f"{wp['placed_bytes'] / 1e6:,.0f} MB of its weights on 2 MiB pages (the kernel had too few "
+                       f"free 2 MiB blocks): its rows read slower than with all on 2 MiB pages; rerun when memory "
+                       f"is less fragmented (as root: `echo 1 > /proc/sys/vm/compact_memory`)")
+    return out
+
+
 def _interleaved(a, engines: Sequence[str], dtypes: Sequence[str], shape, log, gguf: Dict[str, str]) -> tuple:
     """Builds every row's model (and the llama.cpp rows of the GGUFs in `gguf`) and the bandwidth buffer, prints
     the report's head, runs the interleaved rounds. Returns (the head's lines, the machine's description, the
@@ -666,7 +689,7 @@ def run(a) -> int:
         else:
             os.environ[switch] = before
     loads = common.loadavg()
-    text = _table(records) + f"\n\nload average after the run: {loads}"
+    text = "\n".join([_table(records)] + pages_notes(records)) + f"\n\nload average after the run: {loads}"
     if a.profile:
         text += "\n\n" + _profile_table(records)
     print(text)
@@ -691,4 +714,4 @@ def floor_ms(model: torch.nn.Module, bandwidth: float) -> float:
 
 __all__ = ["SHAPES", "ENGINES", "QUANTIZED", "ReadBandwidth", "Runner", "add_arguments", "build_model", "build_row",
            "decode_bytes", "floor_ms", "last_level_cache_bytes", "linattn_model", "model_decode_bytes",
-           "parse_llama_bench", "run", "state_bytes", "state_traffic", "weights_pages"]
+           "pages_notes", "parse_llama_bench", "run", "state_bytes", "state_traffic", "weights_pages"]
