@@ -38,6 +38,7 @@ def test_bench_threads_quick(tmp_path, capsys, busy):
             assert all(c["kernel_ms"] <= ms * 1.001 for c, ms in zip(calls, r["ms"][n]))
             if os.path.exists("/proc/self/task"):
                 assert all(c["cpu_ms"] > 0 and c["ran"] for c in calls)
+            assert all(isinstance(c["faults"], int) and c["faults"] >= 0 for c in calls)
             if busy and os.path.exists("/proc/self/task"):
                 assert all(c["busy_cpu"] == pin for c in calls) if busy == "pinned" else all(
                     c["busy_cpu"] >= 0 for c in calls)
@@ -45,6 +46,22 @@ def test_bench_threads_quick(tmp_path, capsys, busy):
             assert 0 <= r["around_ms"][n] <= r["median_ms"][n] * 1.001 or r["level"] == "kernel"
         p = r["placement"]["2"]
         assert p["apart"] + p["shared"] <= 2
+
+
+def test_minor_faults_count_first_touches():
+    """bench threads' `faults` column: touching fresh anonymous memory raises the process's minor fault count."""
+    import mmap
+
+    from linattn.bench.threads import minor_faults
+
+    if minor_faults() == 0:
+        pytest.skip("no getrusage fault counts here")
+    buf = mmap.mmap(-1, 8 << 20)
+    before = minor_faults()
+    for i in range(0, len(buf), mmap.PAGESIZE):
+        buf[i] = 1
+    assert minor_faults() > before
+    buf.close()
 
 
 def test_call_record_counts_cpu_time_wait_and_placement():

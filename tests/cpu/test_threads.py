@@ -406,6 +406,27 @@ def test_threads_moved_off_a_shared_cpu_take_their_mask_back(tmp_path, monkeypat
     assert narrowed, "no thread of a 2-thread call was seen restricted in 200 calls"
 
 
+def test_chains_claim_rules(tmp_path):
+    """chains.h's claims, set up one situation at a time from one thread (tests/fixtures/cpu/chains_claims.c): a
+    group is taken whole, a half-released group is skipped rather than split, a unit that fell behind its group is
+    claimed first and the group is whole again once it caught up, equal units go round robin, a waiting thread means
+    one unit per claim, and nothing is claimed once every unit is finished."""
+    import subprocess
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "fixtures" / "cpu" / "chains_claims.c"
+    exe = tmp_path / "chains_claims"
+    cmd = [*cbuild.compiler(), "-O2", "-std=c11", f"-I{cbuild.CSRC}", str(src), "-o", str(exe)]
+    try:
+        built = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("no C compiler")
+    assert built.returncode == 0, built.stderr
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "ok", out.stdout + out.stderr
+    assert "FAIL" not in out.stdout
+
+
 def test_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
     """The developer's timeline harness (tests/fixtures/cpu/linear_timeline.c: chains.h's LA_TRACE hook timestamps
     every claim of linear.c) builds against the kernel's sources and runs: the same bits at 1 and 2 threads, forward

@@ -22,7 +22,10 @@ here), the time they spent runnable but waiting for a core (`wait ms`: the busy 
 and where the system put them: the CPU each thread that ran ran on last. An n-thread call whose threads ended on
 fewer CPUs than n ran "shared" (two of its threads took turns on one CPU); the table splits the paired speedups by
 that. At the `op` level the time inside the compiled kernels (`cpu.bindings.kernel_time`) is measured too, and the
-rest of the call (Python, torch's operators: checks, layouts, allocations) is given apart (`around ms`).
+rest of the call (Python, torch's operators: checks, layouts, allocations) is given apart (`around ms`). `faults`:
+the process's minor page faults during the call (getrusage; Unix), the first touches of memory that the allocator
+took fresh from the system (a 4 KiB page each, or a 2 MiB one where huge pages were granted): a call that faults
+spends part of its time in the kernel, and two threads faulting one address space contend.
 
 --busy-core starts one busy-loop process (`while True: pass`, a child at this process's priority and affinity)
 before the first call and stops it after the last: one core is held for the whole run, as on a shared machine or
@@ -46,6 +49,11 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+
+try:
+    import resource
+except ImportError:  # not Unix: no fault counts
+    resource = None
 
 from ..cli_support import UsageError, int_at_least
 from ..io import atomic_write_text, write_json
@@ -249,6 +257,11 @@ def call_record(before: Dict[str, Tuple[int, int, int]], after: Dict[str, Tuple[
             "cpus": len({r[1] for r in main})}
 
 
+def minor_faults() -> int:
+    """The process's minor page faults so far (0 where getrusage is missing)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+
+
 def _set_threads(n: int, wake: torch.Tensor) -> None:
     """torch's thread count, then one small parallel op untimed: the pool's threads are up before the timed call."""
     torch.set_num_threads(n)
@@ -274,13 +287,14 @@ def measure(cases: List[Dict[str, Any]], counts: List[int], repeats: int, log,
     for r in range(repeats):
         for c, n in (calls if r % 2 == 0 else calls[::-1]):
             _set_threads(n, wake)
-            before = task_stats()
+            before, faults = task_stats(), minor_faults()
             with kernel_time() as spent:
                 t0 = time.perf_counter()
                 c["fn"]()
                 ms = (time.perf_counter() - t0) * 1e3
+            faults = minor_faults() - faults
             rec = call_record(before, task_stats())
-            rec["kernel_ms"] = spent[0] * 1e3
+            rec["kernel_ms"], rec["faults"] = spent[0] * 1e3, faults
             if busy is not None:
                 rec["busy_cpu"] = next(iter(task_stats(str(busy.pid)).values()), (0, 0, -1))[2]
             c["ms"][n].append(ms)
@@ -301,7 +315,7 @@ def summarise(cases: List[Dict[str, Any]], counts: List[int]) -> List[Dict[str, 
     for c in cases:
         rec = {"level": c["level"], "op": c["op"], "pass": c["pass"], "median_ms": {}, "speedup": {},
                "speedup_min": {}, "spread": {}, "placement": {}, "cpu_ms": {}, "wait_ms": {}, "kernel_ms": {},
-               "around_ms": {},
+               "around_ms": {}, "faults": {},
                "ms": c["ms"], "calls": c["calls"]}
         for n in counts:
             calls = c["calls"][n]
@@ -309,6 +323,7 @@ def summarise(cases: List[Dict[str, Any]], counts: List[int]) -> List[Dict[str, 
             rec["cpu_ms"][n] = statistics.median(x["cpu_ms"] for x in calls)
             rec["wait_ms"][n] = statistics.median(x["wait_ms"] for x in calls)
             rec["kernel_ms"][n] = statistics.median(x["kernel_ms"] for x in calls)
+            rec["faults"][n] = statistics.median(x["faults"] for x in calls)
             rec["around_ms"][n] = statistics.median(ms - x["kernel_ms"] for ms, x in zip(c["ms"][n], calls))
             ratios = [a / b for a, b in zip(c["ms"][1], c["ms"][n])]
             rec["speedup"][n] = statistics.median(ratios)
@@ -334,6 +349,7 @@ def _report(records: List[Dict[str, Any]], counts: List[int]) -> str:
     head = (["level", "op", "pass"] + [f"{n} thr ms" for n in counts]
             + [f"{n} thr speedup [q1-q3] (min-max)" for n in multi] + [f"{n} thr cpu ms" for n in counts]
             + [f"{n} thr wait ms" for n in counts] + [f"{n} thr around ms" for n in counts]
+            + [f"{n} thr faults" for n in counts]
             + [f"{n} thr apart / shared" for n in multi])
     rows = []
     for r in records:
@@ -342,6 +358,7 @@ def _report(records: List[Dict[str, Any]], counts: List[int]) -> str:
                     + [f"{x['median']:.2f}x [{x['q1']:.2f}-{x['q3']:.2f}] ({x['min']:.2f}-{x['max']:.2f})" for x in sp]
                     + [f"{r['cpu_ms'][n]:.1f}" for n in counts] + [f"{r['wait_ms'][n]:.1f}" for n in counts]
                     + [f"{r['around_ms'][n]:.1f}" if r["level"] == "op" else "-" for n in counts]
+                    + [f"{r['faults'][n]:.0f}" for n in counts]
                     + [_placement(r["placement"][n]) for n in multi])
     return common.format_table(head, rows)
 
@@ -399,8 +416,8 @@ def run(a) -> int:
             f"busy     {_busy_text(busy, a.busy_pin)}; load at the end {' '.join(map(str, load_end or []))}",
             f"threads  torch {torch.get_num_threads()} by default; cpu / wait ms: CPU time of all the process's "
             f"threads and their time runnable without a core, per call (median); around: the public call's time "
-            f"outside the compiled kernels; apart / shared: rounds whose n threads ended on n CPUs / fewer, with "
-            f"their median speedup",
+            f"outside the compiled kernels; faults: minor page faults per call (median); apart / shared: rounds "
+            f"whose n threads ended on n CPUs / fewer, with their median speedup",
             f"openmp   OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: idle threads spin a while)')}"]
     text = _report(records, counts)
     print("\n".join(head) + "\n\n" + text)

@@ -1,7 +1,7 @@
 /* Chains: the threads of a kernel share a few long sequential jobs ("units": one (sequence, head) scan each) by
    claiming a unit for one run of its steps at a time, its carried state kept by the kernel in a shared array
-   between runs. A thread takes the free unit the claim cursor reaches next (round robin), so the units advance
-   together and end together, and a thread that the system deschedules (another process on its core, a CPU quota)
+   between runs. A thread takes the free unit with the most steps left (the first from the claim cursor on
+   among equals: round robin), so the units advance together and end together, and a thread that the system deschedules (another process on its core, a CPU quota)
    holds back one run of one unit while the others take the other units. There is no barrier inside the work: a
    thread that finds every unfinished unit held sleeps briefly and tries again (la_wait: its core goes idle, so the
    system can move a descheduled holder onto it; a spinning or yielding thread keeps the core looking busy).
@@ -126,6 +126,7 @@ typedef struct {
     _Atomic int64_t left;   /* units with steps left */
     _Atomic int *held;      /* per unit: held by a thread (or finished, or never added) */
     int64_t *run;           /* per unit: where its next run starts (read and written by the holder only) */
+    _Atomic int64_t *rest;  /* per unit: its steps left (written by the holder, read by every claim) */
     la_team_t team;         /* the call's threads and where they run */
     /* group claims (la_chains_claim_group) */
     _Atomic int waiting; /* threads asleep in a claim, finding every unfinished unit held */
@@ -149,40 +150,54 @@ static int la_chains_init(la_chains_t *c, int64_t units, int threads) {
     const size_t n = (size_t)(units > 0 ? units : 1);
     c->held = malloc(sizeof(*c->held) * n);
     c->run = malloc(sizeof(*c->run) * n);
-    if (!c->held || !c->run || la_team_init(&c->team, threads) != 0) {
-        free((void *)c->held), free(c->run);
-        c->held = NULL, c->run = NULL;
+    c->rest = malloc(sizeof(*c->rest) * n);
+    if (!c->held || !c->run || !c->rest || la_team_init(&c->team, threads) != 0) {
+        free((void *)c->held), free(c->run), free((void *)c->rest);
+        c->held = NULL, c->run = NULL, c->rest = NULL;
         return -1;
     }
     atomic_init(&c->cursor, 0);
     atomic_init(&c->left, 0);
     atomic_init(&c->waiting, 0);
-    for (int64_t u = 0; u < units; u++) atomic_init(&c->held[u], 1), c->run[u] = 0;
+    for (int64_t u = 0; u < units; u++) atomic_init(&c->held[u], 1), atomic_init(&c->rest[u], 0), c->run[u] = 0;
     return 0;
 }
 
-static void la_chains_free(la_chains_t *c) { free((void *)c->held), free(c->run), la_team_free(&c->team); }
+static void la_chains_free(la_chains_t *c) {
+    free((void *)c->held), free(c->run), free((void *)c->rest), la_team_free(&c->team);
+}
 
-/* unit u has steps to run, from `start` (before the threads start) */
-static void la_chains_add(la_chains_t *c, int64_t u, int64_t start) {
+/* unit u has `steps` (> 0) to run, from `start` (before the threads start) */
+static void la_chains_add(la_chains_t *c, int64_t u, int64_t start, int64_t steps) {
     c->run[u] = start;
+    atomic_store_explicit(&c->rest[u], steps, memory_order_relaxed);
     atomic_store(&c->held[u], 0);
     atomic_fetch_add(&c->left, 1);
 }
 
 /* a unit with steps left that no other thread holds, now held by the caller; -1 when every unit is finished (the
-   caller then leaves the call's team: no more claims from it in this call) */
+   caller then leaves the call's team: no more claims from it in this call). Of the free units the one with the most
+   steps left, the first from the cursor on among equals (round robin): a unit that fell behind (run alone beside a
+   waiting thread while the others of its group ran on) catches up, and its group is whole again
+   (la_chains_claim_whole_group) */
 static int64_t la_chains_claim(la_chains_t *c, int64_t units) {
     LA_TRACE(LA_EV_CLAIM, -1);
     la_team_check(&c->team);
     while (atomic_load(&c->left) > 0) {
         const int64_t c0 = atomic_fetch_add(&c->cursor, 1);
+        int64_t best = -1, most = 0;
         for (int64_t i = 0; i < units; i++) {
             const int64_t u = (c0 + i) % units;
-            if (!atomic_exchange_explicit(&c->held[u], 1, memory_order_acquire)) {
-                LA_TRACE(LA_EV_GOT, u);
-                return u;
+            if (atomic_load_explicit(&c->held[u], memory_order_relaxed)) continue;
+            const int64_t r = atomic_load_explicit(&c->rest[u], memory_order_relaxed);
+            if (best < 0 || r > most) best = u, most = r;
+        }
+        if (best >= 0) {
+            if (!atomic_exchange_explicit(&c->held[best], 1, memory_order_acquire)) {
+                LA_TRACE(LA_EV_GOT, best);
+                return best;
             }
+            continue; /* another thread took it first: look again */
         }
         atomic_fetch_add_explicit(&c->waiting, 1, memory_order_relaxed);
         LA_TRACE(LA_EV_SLEEP, -1);
@@ -194,32 +209,54 @@ static int64_t la_chains_claim(la_chains_t *c, int64_t units) {
     return -1;
 }
 
-/* la_chains_claim, and with it the other free units of u's aligned group of g (units g * (u / g) ..., below
-   `units`) that stand at u's position (run[v] == run[u]), when no thread waits for work: the caller runs them side by
-   side (all heads of a chunk in turn: their rows share pages and cache lines' neighbours). A waiting thread means
-   there are fewer free units than threads, and each then claims one unit, as la_chains_claim. got[0 .. n) receives
-   the claimed units in ascending order (g values of room); returns n, 0 when every unit is finished. */
+/* All g units of an aligned group (units g * i ..., i from the claim cursor on, every group tried once) when every
+   one of them is free and they stand at one position (run[] equal); returns 1 and fills got[0 .. g), else 0 (and
+   holds nothing). A group is taken whole or not at all: a thread that finds a group half held (its holder is
+   releasing it, or another thread is taking it) tries the next group, so a claim does not split a group that is
+   about to be free and leave its members drifting apart for the rest of the call. */
+static int la_chains_claim_whole_group(la_chains_t *c, int64_t units, int g, int64_t *got) {
+    const int64_t groups = units / g;
+    if (groups < 1) return 0;
+    const int64_t c0 = atomic_fetch_add(&c->cursor, 1);
+    for (int64_t i = 0; i < groups; i++) {
+        const int64_t g0 = ((c0 + i) % groups) * g;
+        int n = 0;
+        for (; n < g; n++) {
+            if (atomic_load_explicit(&c->held[g0 + n], memory_order_relaxed) ||
+                atomic_exchange_explicit(&c->held[g0 + n], 1, memory_order_acquire))
+                break;
+            got[n] = g0 + n;
+        }
+        int aligned = n == g;
+        for (int j = 1; j < n && aligned; j++) aligned = c->run[got[j]] == c->run[got[0]];
+        if (aligned) {
+            LA_TRACE(LA_EV_GOT, g0);
+            return 1;
+        }
+        while (n > 0) atomic_store_explicit(&c->held[got[--n]], 0, memory_order_release);
+    }
+    return 0;
+}
+
+/* A claim of g units side by side (all heads of a chunk in turn: their rows share pages and cache lines'
+   neighbours) when no thread waits for work: a whole aligned group of g (la_chains_claim_whole_group), else one unit
+   (la_chains_claim). A waiting thread means there are fewer free units than threads, and each then claims one unit.
+   got[0 .. n) receives the claimed units in ascending order (g values of room); returns n, 0 when every unit is
+   finished. */
 static int la_chains_claim_group(la_chains_t *c, int64_t units, int g, int64_t *got) {
-    const int64_t u = la_chains_claim(c, units);
-    if (u < 0) return 0;
-    int n = 0, alone = atomic_load_explicit(&c->waiting, memory_order_relaxed) > 0;
+    int alone = atomic_load_explicit(&c->waiting, memory_order_relaxed) > 0;
 #ifdef LA_CHAINS_SPLIT_GROUPS /* a test build: every other claim takes one unit, as beside a waiting thread */
     alone = atomic_load_explicit(&c->cursor, memory_order_relaxed) % 2 == 1;
 #endif
-    if (g > 1 && !alone) {
-        const int64_t g0 = u - u % g;
-        for (int64_t v = g0; v < g0 + g && v < units; v++) {
-            if (v == u) got[n++] = u;
-            else if (!atomic_load_explicit(&c->held[v], memory_order_relaxed) &&
-                     !atomic_exchange_explicit(&c->held[v], 1, memory_order_acquire)) {
-                if (c->run[v] == c->run[u]) got[n++] = v;
-                else atomic_store_explicit(&c->held[v], 0, memory_order_release); /* elsewhere: not side by side */
-            }
-        }
-    } else {
-        got[n++] = u;
+    if (g > 1 && !alone && atomic_load_explicit(&c->left, memory_order_relaxed) > 0) {
+        LA_TRACE(LA_EV_CLAIM, -1);
+        la_team_check(&c->team);
+        if (la_chains_claim_whole_group(c, units, g, got)) return g;
     }
-    return n;
+    const int64_t u = la_chains_claim(c, units);
+    if (u < 0) return 0;
+    got[0] = u;
+    return 1;
 }
 
 /* How many of a unit's `left` steps its holder runs now, with `run` the steps of a claim: a whole run while more
@@ -232,11 +269,12 @@ static inline int64_t la_chains_run(int64_t left, int64_t run) {
     return half > run ? run : (half < 1 ? left : half);
 }
 
-/* the holder of unit u ran it up to `to`; finished: the unit had no steps left after it (it stays held) */
-static void la_chains_release(la_chains_t *c, int64_t u, int64_t to, int finished) {
+/* the holder of unit u ran it up to `to`, `rest` steps left after it (0: finished, it stays held) */
+static void la_chains_release(la_chains_t *c, int64_t u, int64_t to, int64_t rest) {
     LA_TRACE(LA_EV_RELEASE, u);
     c->run[u] = to;
-    if (finished) atomic_fetch_sub(&c->left, 1);
+    atomic_store_explicit(&c->rest[u], rest, memory_order_relaxed);
+    if (rest == 0) atomic_fetch_sub(&c->left, 1);
     else atomic_store_explicit(&c->held[u], 0, memory_order_release);
 }
 

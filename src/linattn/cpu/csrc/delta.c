@@ -247,7 +247,7 @@ int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL
         for (int64_t u = 0; u < N * H; u++) {
             if (S0 != NULL) memcpy(S_out + u * KV, S0 + u * KV, (size_t)KV * sizeof(REAL));
             else memset(S_out + u * KV, 0, (size_t)KV * sizeof(REAL));
-            if (starts[u / H + 1] > starts[u / H]) la_chains_add(&chn, u, 0);
+            if (starts[u / H + 1] > starts[u / H]) la_chains_add(&chn, u, 0, starts[u / H + 1] - starts[u / H]);
         }
 #pragma omp parallel num_threads(nthreads)
         for (int64_t u; (u = la_chains_claim(&chn, N * H)) >= 0;) {
@@ -258,7 +258,7 @@ int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL
                          ckpt != NULL ? ckpt + ((ck_off[n] + i0 / chunk) * H + h) * KV : NULL, chunk) != 0) {
                 LA_ATOMIC_WRITE failed = 1;
             }
-            la_chains_release(&chn, u, i0 + Lr, i0 + Lr == L);
+            la_chains_release(&chn, u, i0 + Lr, L - i0 - Lr);
         }
         la_chains_free(&chn);
         return failed ? -1 : 0;
@@ -575,7 +575,8 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
     if (chains)
         for (int64_t u = 0; u < N * H; u++) {
             const int64_t L = starts[u / H + 1] - starts[u / H];
-            if (L > 0) la_chains_add(&chn, u, (L + chunk - 1) / chunk); /* the stretches below run[u] are left */
+            if (L > 0) /* the stretches below run[u] are left */
+                la_chains_add(&chn, u, (L + chunk - 1) / chunk, (L + chunk - 1) / chunk);
         }
 #pragma omp parallel num_threads(nthreads)
     {
@@ -591,7 +592,7 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
                                       da, dg, u / H, u % H, c_hi, c_lo, dS_all + u * KV, dcar + u * V, Sbuf) != 0) {
                     LA_ATOMIC_WRITE failed = 1;
                 }
-                la_chains_release(&chn, u, c_lo, c_lo == 0);
+                la_chains_release(&chn, u, c_lo, c_lo);
             }
         } else {
 #pragma omp for schedule(dynamic, 1)

@@ -78,8 +78,9 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
    * at least one unit per thread, fewer than that (B = 1, H = 4 on 2 threads): still one pass per unit, the same
      arithmetic, as chains (chains.h): a unit is claimed for a run of LIN_CHAIN_RUN chunks at a time (shorter at its
      end: la_chains_run), its state kept in a shared array between runs, so that the units advance together and a
-     descheduled thread holds back one run of one unit. A claim takes the free heads of an aligned group (lin_group: two
-     pairs at B = 1, H = 4 on 2 threads) that stand at one position and runs them side by side, every chunk's heads in
+     descheduled thread holds back one run of one unit. A claim takes a whole aligned group of heads (lin_group: two
+     pairs at B = 1, H = 4 on 2 threads) when all of them are free and stand at one position, and runs them side by
+     side, every chunk's heads in
      turn, as one thread's pass runs all of them: one head's rows are 256 of every H * 256 bytes (K = 64, fp32), and a
      thread that reads them alone pays for the pages and neighbouring lines of rows it does not use (measured at 1
      thread: 4-15 % more CPU time than all heads in turn). Beside a waiting thread a claim takes one head
@@ -120,7 +121,8 @@ static void lin_flow_free(lin_flow_t *f) { free((void *)f->done), free((void *)f
 static int lin_chains(la_chains_t *ch, int64_t N, int64_t H, const int64_t *first, int reverse, int threads) {
     if (la_chains_init(ch, N * H, threads) != 0) return -1;
     for (int64_t u = 0; u < N * H; u++)
-        if (first[u / H + 1] > first[u / H]) la_chains_add(ch, u, reverse ? first[u / H + 1] : first[u / H]);
+        if (first[u / H + 1] > first[u / H])
+            la_chains_add(ch, u, reverse ? first[u / H + 1] : first[u / H], first[u / H + 1] - first[u / H]);
     return 0;
 }
 
@@ -667,7 +669,7 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
                     }
                 for (int j = 0; j < n; j++) {
                     if (ce == end && S_out) memcpy(S_out + got[j] * KW, Su + got[j] * KW, sizeof(REAL) * KW);
-                    la_chains_release(&chn, got[j], ce, ce == end);
+                    la_chains_release(&chn, got[j], ce, end - ce);
                 }
             }
         } else if (one_pass) {
@@ -1019,7 +1021,7 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
                     }
                 for (int j = 0; j < n; j++) {
                     if (ce == end && dS0) memcpy(dS0 + got[j] * KW, Du + got[j] * KW, sizeof(REAL) * KW);
-                    la_chains_release(&chn, got[j], ce, ce == end);
+                    la_chains_release(&chn, got[j], ce, ce - end);
                 }
             }
         } else if (one_pass) { /* each task: the chunks in reverse, the state gradients carried */
