@@ -296,13 +296,16 @@ static void matvec_rows_int4(int64_t B, int64_t n, int64_t m, int64_t group, int
 
 static void matvec_int8(int64_t B, int64_t n, int64_t m, const int8_t *W, const uint16_t *s, const float *bias,
                         const float *x, const float *add, float *y, int nthreads) {
-    /* (the threshold in bytes of fp32 weights) */
-    Q_FOR_STEPS(n, nthreads > 1 && n * m >= 2 * PAR_MIN_ELEMS,
-                matvec_rows_int8(B, n, m, i0, stride, r, W, s, bias, x, add, y));
+    const int par = nthreads > 1 && n * m >= 2 * PAR_MIN_ELEMS;   /* (the threshold in bytes of fp32 weights) */
+    q_prefetch_starts(n, m, W, par ? nthreads : 1);
+    Q_FOR_STEPS(n, par, matvec_rows_int8(B, n, m, i0, stride, r, W, s, bias, x, add, y));
 }
 
 static void matvec_int4(int64_t B, int64_t n, int64_t m, int64_t group, const uint8_t *W, const uint16_t *s,
                         const float *bias, const float *x, const float *add, float *y, int nthreads) {
+    const int par = nthreads > 1 && n * m >= 4 * PAR_MIN_ELEMS;
+    q_prefetch_starts(n, m / 2, W, par ? nthreads : 1);   /* (before the permutation of x) */
+    q_prefetch_starts(n, 2 * (m / group), s, par ? nthreads : 1);
     float *xp = NULL;
 #if defined(Q4_LANES)
     /* x permuted for the vector paths (no memory: the scalar path) */
@@ -313,7 +316,7 @@ static void matvec_int4(int64_t B, int64_t n, int64_t m, int64_t group, const ui
                 for (int sh = 0; sh < 8; ++sh)
                     for (int k = 0; k < Q4_LANES; ++k) xp[b * m + j + Q4_LANES * sh + k] = x[b * m + j + 8 * k + sh];
 #endif
-    Q_FOR_STEPS(n, nthreads > 1 && n * m >= 4 * PAR_MIN_ELEMS,
+    Q_FOR_STEPS(n, par,
                 matvec_rows_int4(B, n, m, group, i0, stride, r, W, s, bias, x, xp, add, y));
     free(xp);
 }
@@ -507,7 +510,7 @@ static inline float a8_row_scalar(int int4, const a8_x *p, int64_t b, int64_t j0
    on the stack: a store and a load per row and step) and the bound check leaves the steps that cannot need it. */
 #define A8_ROW_STEP(acc, sc, wr, pf)                                                                             \
     do {                                                                                                         \
-        if ((pf) == 1) __builtin_prefetch((const void *)((wr) + Q_PF_BYTES), 0, 2);                              \
+        if ((pf) == 1) __builtin_prefetch((const void *)((wr) + Q_PF_BYTES), 0, Q_PF_HINT);                      \
         else Q_PF(wr, pf_end);                                                                                   \
         const __m512i d_ = _mm512_loadu_si512((const void *)(wr));                                              \
         const __m512i i_ = int4 ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, _mm512_and_si512(d_, nib), x0),  \
@@ -667,13 +670,16 @@ static void matvec_rows_a8(int int4, const a8_x *p, int64_t B, int64_t n, int64_
 
 static void matvec_a8(int int4, int64_t B, int64_t n, int64_t m, int64_t group, const void *W, const uint16_t *s,
                       const float *bias, const float *x, const float *add, float *y, int nthreads) {
+    const int par = nthreads > 1 && n * m >= (int4 ? 4 : 2) * PAR_MIN_ELEMS;
+    q_prefetch_starts(n, int4 ? m / 2 : m, W, par ? nthreads : 1);   /* (before the rounding of x) */
+    if (int4) q_prefetch_starts(n, 2 * (m / group), s, par ? nthreads : 1);
     a8_x p;
     if (!a8_prepare(int4, B, m, x, &p)) {   /* NaN / inf in x (or no memory): the exact product */
         if (int4) matvec_int4(B, n, m, group, (const uint8_t *)W, s, bias, x, add, y, nthreads);
         else matvec_int8(B, n, m, (const int8_t *)W, s, bias, x, add, y, nthreads);
         return;
     }
-    Q_FOR_STEPS(n, nthreads > 1 && n * m >= (int4 ? 4 : 2) * PAR_MIN_ELEMS,
+    Q_FOR_STEPS(n, par,
                 matvec_rows_a8(int4, &p, B, n, group, i0, stride, r, W, s, bias, add, y));
     free(p.mem);
 }

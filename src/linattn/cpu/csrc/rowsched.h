@@ -18,10 +18,16 @@
 #ifndef Q_PF_BYTES   /* (a build may set another distance: bench variants) */
 #define Q_PF_BYTES 1024
 #endif
+/* the prefetches' locality: 2 (prefetcht1, into L2). 0 (prefetchnta, which would leave the LLC to the recurrent
+   states) measured 1.4-1.7x slower products on the 530M model's sequence: its lines go to L1 only and each holds one
+   of the core's few fill buffers until it arrives, so far fewer lines are in flight (a bench variant only) */
+#ifndef Q_PF_HINT
+#define Q_PF_HINT 2
+#endif
 #define Q_PF(p, end)                                                                          \
     do {                                                                                      \
         const uintptr_t a_ = (uintptr_t)(p) + Q_PF_BYTES;                                     \
-        if (a_ < (uintptr_t)(end)) __builtin_prefetch((const void *)a_, 0, 2);                \
+        if (a_ < (uintptr_t)(end)) __builtin_prefetch((const void *)a_, 0, Q_PF_HINT);        \
     } while (0)
 
 /* step t of a product over n rows (t < n / 4 + n % 4): its first row, the stride to its other rows, its row count */
@@ -35,6 +41,27 @@ static inline int64_t q_step_rows(int64_t n, int64_t t, int64_t *stride, int *r)
     return 4 * q + (t - q);
 }
 #define Q_STEPS(n) ((n) / 4 + (n) % 4)
+
+/* The first Q_PF_BYTES of each row stream a product starts with (the streams of each thread's first step, its steps
+   split into nt contiguous ranges as the static schedule splits them), of a matrix of n rows of rowbytes bytes at
+   base, prefetched before the product's setup (x rounded or permuted), so that they are on their way while it runs:
+   the steps' own prefetches run Q_PF_BYTES ahead, which leaves a stream's first Q_PF_BYTES to demand misses, a
+   memory latency every few steps at each product's start (a 1024-row product of 2048 int4 inputs reads 1.1 MB: its
+   start is not negligible). A hint only: no bits change. */
+static inline void q_prefetch_starts(int64_t n, int64_t rowbytes, const void *base, int nt) {
+    const int64_t steps = Q_STEPS(n);
+    const uintptr_t end = (uintptr_t)base + (uintptr_t)(n * rowbytes);
+    for (int t = 0; t < nt; ++t) {
+        int64_t stride;
+        int r;
+        const int64_t i0 = q_step_rows(n, steps * t / nt, &stride, &r);
+        for (int k = 0; k < r; ++k) {
+            const uintptr_t a = (uintptr_t)base + (uintptr_t)((i0 + k * stride) * rowbytes);
+            for (uintptr_t o = 0; o < Q_PF_BYTES && a + o < end; o += 64)
+                __builtin_prefetch((const void *)(a + o), 0, Q_PF_HINT);
+        }
+    }
+}
 
 /* every step of a product over n rows (q_step_rows: i0, stride, r) through `call`, across the scope's `nthreads`
    threads when `par` */
