@@ -28,11 +28,10 @@ pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compile
 
 U32 = 2.0 ** -24
 
-#: the tiny models of tests/hf/kernelize_models.py whose float plan the quantized one follows (Mamba2's is not here:
-#: transformers' `Mamba2ForCausalLM.forward` reads `lm_head.weight`, which a quantized head does not have, so its
-#: prefill cannot run quantized)
+#: the tiny models of tests/hf/kernelize_models.py whose float plan the quantized one follows (transformers'
+#: `Mamba2ForCausalLM.forward` reads `lm_head.weight.dtype`: a quantized head's `weight` is a `WeightInfo`)
 ARCHS = ["qwen3_5", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "minimax", "bamba",
-         "granitemoehybrid", "nemotron_h"]
+         "granitemoehybrid", "nemotron_h", "mamba2"]
 #: those with a matrix the plan reads in float (a Qwen MoE block's shared-expert gate; MLA's kv_b_proj): with int8
 #: activations, which the plan would not apply to it, they step aside (`kernelize_plan_parts.float_matrix`)
 FLOAT_FIELDS = {"qwen3_next": "shared-expert gate", "qwen3_5_moe": "shared-expert gate", "kimi_linear": "kv_b_proj",
@@ -64,6 +63,22 @@ def _int4_model():
                                          **dict(km.GDN, linear_num_value_heads=16), num_hidden_layers=2,
                                          layer_types=["linear_attention", "full_attention"])
     return pd.perturbed_pair(transformers.Qwen3_5ForCausalLM, cfg, moved=("norm", "A_log", "dt_bias"))[1]
+
+
+def _int4_mamba2():
+    """A Mamba2ForCausalLM whose every projection int4 takes: 16 heads of 4 (in_proj's 2 * 64 + 2 * 2 * 8 + 16 = 176
+    rows), a vocabulary of 96; dt and in_proj raised as kernelize_models.pair does (the scan counts)."""
+    cfg = transformers.Mamba2Config(vocab_size=96, hidden_size=32, num_heads=16, head_dim=4, state_size=8, n_groups=2,
+                                    expand=2, conv_kernel=4, num_hidden_layers=2, chunk_size=8, pad_token_id=0,
+                                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Mamba2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.backbone.layers:
+            layer.mixer.dt_bias.fill_(0.5)
+            layer.mixer.in_proj.weight.mul_(10.0)
+    assert kernelize(model).compiled_decode
+    return model
 
 
 def _fp64(q):
@@ -127,6 +142,28 @@ def test_int4_generate_through_the_plan(mode, group, activations, monkeypatch):
     q = _quantized(_int4_model(), mode, group, activations)
     assert not q._linattn_quant_skipped   # (every linear layer int4: the fused parts and the head)
     _check_generate(q, monkeypatch, B=3, T=5, n=8)
+
+
+@pytest.mark.parametrize("mode,group,activations", INT4)
+def test_int4_mamba2_generate_through_the_plan(mode, group, activations, monkeypatch):
+    """transformers' own Mamba2ForCausalLM quantized int4, every projection and the head: its forward reads
+    `lm_head.weight.dtype`, which the quantized head answers (`WeightInfo`) without a float copy."""
+    q = _quantized(_int4_mamba2(), mode, group, activations)
+    assert not q._linattn_quant_skipped and type(q.lm_head).__name__ == "QuantizedLinear"
+    _check_generate(q, monkeypatch, B=2, T=5, n=7)
+
+
+def test_quantized_head_weight_info_follows_the_model_dtype():
+    """A quantized layer's `weight` is its float layer's dtype, device and shape, converted with the model (the fp64
+    twin's head takes fp64 hidden states), and no tensor: a product through it fails."""
+    q = quantize(km.build("mamba2").eval(), "int8", compute="fp32")
+    info = q.lm_head.weight
+    assert (info.dtype, info.device.type, tuple(info.shape)) == (torch.float32, "cpu", (km.V, 32))
+    assert not isinstance(info, torch.Tensor) and "_float_like" not in q.state_dict()
+    assert _fp64(q).lm_head.weight.dtype == torch.float64 and copy.deepcopy(q).to(torch.bfloat16).lm_head.weight.dtype \
+        == torch.bfloat16
+    with pytest.raises(TypeError):
+        torch.nn.functional.linear(torch.ones(1, 32), info)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "olmo_hybrid", "bamba", "minimax"])
