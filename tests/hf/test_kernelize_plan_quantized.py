@@ -166,6 +166,19 @@ def test_quantized_head_weight_info_follows_the_model_dtype():
         torch.nn.functional.linear(torch.ones(1, 32), info)
 
 
+def test_quantized_glm5_next_runs_transformers_forward(monkeypatch):
+    """Glm5-Next (kernelized, no plan description: its DSA indexer) reads `weights_proj.weight.dtype` in its
+    forward: quantized, the kernelized model generates as the same quantized model unkernelized (the same integers:
+    quantizing is deterministic), logits within fp32 rounding."""
+    ref, fast, _ = km.pair("glm5_next")
+    qr, qf = (quantize(m, "int8", compute="fp32") for m in (ref, fast))
+    assert "model.language_model.layers.1.self_attn.indexer.weights_proj" in quantized_modules(qf)
+    ids = pd.prompt(2, 5)
+    got, want = pd.generate(qf, ids, 5), pd.generate(qr, ids, 5)
+    assert torch.equal(got.sequences, want.sequences)
+    assert pd.close(torch.stack(got.logits), torch.stack(want.logits), 1e-4)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "olmo_hybrid", "bamba", "minimax"])
 def test_left_padded_generate(arch, monkeypatch):
     """A left-padded batch: the compiled calls of the float model for the same prompt (the plan steps aside where
