@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from linattn.cpu import decode as cpu_decode  # noqa: E402
-from linattn.hf import kernelize, kernelize_plan as plan, kernelize_plan_kimi as plan_kimi  # noqa: E402
+from linattn.hf import kernelize, kernelize_plan as plan  # noqa: E402
 from linattn.models import decode_plan  # noqa: E402
 from linattn.quant import quantize, quantized_modules  # noqa: E402
 from tests.helpers import CompiledDecodeCalls  # noqa: E402
@@ -63,6 +63,25 @@ def _int4_model():
                                          **dict(km.GDN, linear_num_value_heads=16), num_hidden_layers=2,
                                          layer_types=["linear_attention", "full_attention"])
     return pd.perturbed_pair(transformers.Qwen3_5ForCausalLM, cfg, moved=("norm", "A_log", "dt_bias"))[1]
+
+
+def _int4_mla(arch):
+    """A Kimi Linear / Bailing hybrid (a KDA layer, then an MLA layer) whose MLA projections int4 takes whole: a
+    low-rank q (q_a_proj / q_b_proj over a rank of 32), a latent of 64 (two int4 groups a row; + 16 rope dims:
+    kv_a_proj's 80 rows), kv_b_proj's 64 / 256 rows; KDA's 16 heads of 16 (Bailing's 16 heads: its g_proj gate of
+    16 rows)."""
+    own = {"kimi_linear": ("KimiLinear", dict(head_dim=None, linear_head_dim=16, linear_num_heads=16,
+                                              linear_conv_kernel_dim=4)),
+           "bailing_hybrid": ("BailingHybrid", dict(num_attention_heads=16, num_key_value_heads=16,
+                                                    short_conv_kernel_size=4, n_group=1, topk_group=1))}
+    name, kw = own[arch]
+    cfg = getattr(transformers, f"{name}Config")(
+        **dict(km.ATTN, **dict(dict(num_key_value_heads=4, vocab_size=96, tie_word_embeddings=False), **kw)),
+        num_hidden_layers=2,
+        moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=64,
+        q_lora_rank=32, qk_rope_head_dim=16, v_head_dim=8, qk_nope_head_dim=8, mlp_layer_types=["dense", "sparse"],
+        layer_types=["linear_attention", "full_attention"])
+    return pd.perturbed_pair(getattr(transformers, f"{name}ForCausalLM"), cfg, moved=("norm",))[1]
 
 
 def _int4_mamba2():
@@ -142,6 +161,19 @@ def test_int4_generate_through_the_plan(mode, group, activations, monkeypatch):
 
 
 @pytest.mark.parametrize("mode,group,activations", INT4)
+@pytest.mark.parametrize("arch", ["kimi_linear", "bailing_hybrid"])
+def test_int4_mla_generate_through_the_plan(arch, mode, group, activations, monkeypatch):
+    """MLA's second products int4 (kv_b_proj, q_b_proj; with int8 activations the cached latents rounded as the
+    layer rounds them): read as stored by the latent-attention block, the first product int4 too."""
+    q = _quantized(_int4_mla(arch), mode, group, activations)
+    mods = quantized_modules(q)
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
+        assert mods[f"model.layers.1.self_attn.{name}"].mode == "int4", name
+    assert not isinstance(plan._ARCHITECTURES[type(q).__name__].describe(q), str)
+    _check_generate(q, monkeypatch, B=2, T=5, n=7)
+
+
+@pytest.mark.parametrize("mode,group,activations", INT4)
 def test_int4_mamba2_generate_through_the_plan(mode, group, activations, monkeypatch):
     """transformers' own Mamba2ForCausalLM quantized int4, every projection and the head: its forward reads
     `lm_head.weight.dtype`, which the quantized head answers (`WeightInfo`) without a float copy."""
@@ -218,13 +250,41 @@ def test_fused_parts_in_different_formats_step_aside(monkeypatch):
     assert torch.equal(got.sequences, want.sequences)
 
 
-def test_bf16_mla_with_quantized_second_products_steps_aside():
-    """A bf16 Kimi Linear with an MLA layer: its kv_b_proj quantized, which the latent-attention kind reads in float
-    (dequantized only where exact, fp32): the reason names it."""
-    _, fast, _ = km.pair("kimi_linear", torch.bfloat16)
-    q = quantize(fast, "int8", compute="fp32")
-    why = plan_kimi.undescribed_reason(q)
-    assert why is not None and "kv_b_proj" in why, why
+@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("arch", ["kimi_linear", "qwen3_5_moe"])
+def test_bf16_second_products_through_the_plan(arch, activations, monkeypatch):
+    """A bf16 model with MLA's kv_b_proj or a shared-expert gate int8: the plan reads their integers (computing in
+    fp32), teacher-forced on the PyTorch path's tokens, bf16 logits within bf16's rounding of that path's (which
+    rounds every activation to bf16); every token one compiled call."""
+    _, fast, _ = km.pair(arch, torch.bfloat16)
+    q = quantize(fast, "int8", compute="fp32", activations=activations)
+    assert not isinstance(plan._ARCHITECTURES[type(q).__name__].describe(q), str)
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    twin = copy.deepcopy(q)
+
+    def on(plan_on):
+        if plan_on:
+            monkeypatch.delenv("LINATTN_CPU_KERNELS", raising=False)
+        else:
+            monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+
+    with torch.no_grad():
+        caches = []
+        for m, plan_on in ((q, True), (twin, False)):
+            on(plan_on)
+            caches.append(m(ids, use_cache=True).cache)
+        tok = ids[:, -1:]
+        for _ in range(4):
+            lg = []
+            for m, c, plan_on in ((q, caches[0], True), (twin, caches[1], False)):
+                on(plan_on)
+                lg.append(m(tok, cache=c).logits)
+            assert lg[0].dtype == lg[1].dtype == torch.bfloat16
+            assert pd.close(lg[0].float(), lg[1].float(), 0.05)
+            tok = lg[1].argmax(-1)
+    on(True)
+    assert calls.model == 4
 
 
 def test_quantized_weights_are_read_in_place_or_stacked(monkeypatch):
