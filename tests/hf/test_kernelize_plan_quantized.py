@@ -287,6 +287,25 @@ def test_bf16_second_products_through_the_plan(arch, activations, monkeypatch):
     assert calls.model == 4
 
 
+@pytest.mark.parametrize("arch,layer,fields", [
+    ("kimi_linear", 1, {"mla_Wkb": "model.layers.1.self_attn.kv_b_proj"}),
+    ("qwen3_5_moe", 0, {"Wsg": "model.layers.0.mlp.shared_expert_gate"})])
+def test_second_products_read_their_integers_in_place(arch, layer, fields, monkeypatch):
+    """The plan points a second product's fields at the QuantizedLinear's own integers and scales, in its format
+    (no dequantized copy)."""
+    q = _quantized(_kernelized(arch), "int8", None, "int8")
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        q(ids[:, -1:], cache=q(ids, use_cache=True).cache)
+    assert calls.model == 1
+    block, mods = q._linattn_model_plan.keep[0][layer], quantized_modules(q)
+    for field, name in fields.items():
+        m = mods[name]
+        assert getattr(block, field) == m.qweight.data_ptr() and getattr(block, f"sc_{field}") == m.scales.data_ptr()
+        assert getattr(block, f"fmt_{field}") == cpu_decode.WEIGHT_FORMATS["int8_a8"]
+
+
 def test_quantized_weights_are_read_in_place_or_stacked(monkeypatch):
     """The plan points at the QuantizedLinears' own integers where a product is one layer (the out projections, the
     down projections, the head), and at a stacked copy of the fused parts' integers and scales; an in-place write of

@@ -160,7 +160,7 @@ class MoEDescription:
         down: The experts' down weights `[E, d, hidden]` (read in place).
         top_k: k, the experts each token takes.
         norm_topk: Whether the k probabilities are divided by their sum.
-        shared_gate: The shared expert's gate (an nn.Linear `[1, d]`, bias-free), or None (ungated).
+        shared_gate: The shared expert's gate (an nn.Linear `[1, d]`, bias-free, or int8 weights), or None (ungated).
         gated: False: non-gated experts, `gate_up` holds only the up rows `[E, hidden, d]` and the hidden row is
             relu(up xn)^2 (Nemotron-H's; the block plan's `ffn_act` 1, the shared expert alike).
     """

@@ -15,7 +15,9 @@
    the scores are q~_h . c_t + q_rot_h . k_rot_t, and the value rows are applied once to the weighted latent sum
    (Wvb_h sum_t p_t c_t): the same products in another order (within rounding of transformers' expanded form),
    each weight of kv_b_proj read once per token and the cache read as r + R values per position, not H (dn + R
-   + dv). Scores and softmax in the plan's type (fp32 for bf16 weights), the maximum subtracted.
+   + dv). Scores and softmax in the plan's type (fp32 for bf16 weights), the maximum subtracted. kv_b_proj and
+   q_b_proj may be stored int8 / int4 (fmt_mla_Wkb, fmt_mla_Wqb: qmatvec.h's formats, read as stored); with int8
+   activations kv_b_proj's inputs, the cached latents c_t, are rounded per block of 32 as the layer rounds them.
    Included by decode.c's body once per REAL. */
 
 /* y[j] += sum_i x[i] W[i, j] over the n rows of W [n, m] in format fmt (the plan's type, bf16, or int8 / int4
