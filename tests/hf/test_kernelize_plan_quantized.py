@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from linattn.cpu import decode as cpu_decode  # noqa: E402
-from linattn.hf import kernelize, kernelize_plan as plan, kernelize_plan_kimi as plan_kimi  # noqa: E402
+from linattn.hf import kernelize, kernelize_plan as plan  # noqa: E402
 from linattn.models import decode_plan  # noqa: E402
 from linattn.quant import quantize, quantized_modules  # noqa: E402
 from tests.helpers import CompiledDecodeCalls  # noqa: E402
@@ -28,15 +28,14 @@ pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compile
 
 U32 = 2.0 ** -24
 
-#: the tiny models of tests/hf/kernelize_models.py whose float plan the quantized one follows (Mamba2's is not here:
-#: transformers' `Mamba2ForCausalLM.forward` reads `lm_head.weight`, which a quantized head does not have, so its
-#: prefill cannot run quantized)
+#: the tiny models of tests/hf/kernelize_models.py whose float plan the quantized one follows (transformers'
+#: `Mamba2ForCausalLM.forward` reads `lm_head.weight.dtype`: a quantized head's `weight` is a `WeightInfo`)
 ARCHS = ["qwen3_5", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "minimax", "bamba",
-         "granitemoehybrid", "nemotron_h"]
-#: those with a matrix the plan reads in float (a Qwen MoE block's shared-expert gate; MLA's kv_b_proj): with int8
-#: activations, which the plan would not apply to it, they step aside (`kernelize_plan_parts.float_matrix`)
-FLOAT_FIELDS = {"qwen3_next": "shared-expert gate", "qwen3_5_moe": "shared-expert gate", "kimi_linear": "kv_b_proj",
-                "bailing_hybrid": "kv_b_proj"}
+         "granitemoehybrid", "nemotron_h", "mamba2"]
+#: where the plan's second products read quantized rows (csrc/decode_mla.h, csrc/decode_moe.h): MLA's kv_b_proj
+#: (q_b_proj with a low-rank q) and a Qwen MoE block's shared-expert gate
+SECOND_PRODUCTS = {"qwen3_next": ("mlp.shared_expert_gate",), "qwen3_5_moe": ("mlp.shared_expert_gate",),
+                   "kimi_linear": ("self_attn.kv_b_proj",), "bailing_hybrid": ("self_attn.kv_b_proj",)}
 
 #: (mode, group, activations): int8 with float and int8 activations; int4 (group 32) with int8 activations (its
 #: default) and float ones, where the model's shapes let int4 take every fused part (`_int4_model`)
@@ -64,6 +63,41 @@ def _int4_model():
                                          **dict(km.GDN, linear_num_value_heads=16), num_hidden_layers=2,
                                          layer_types=["linear_attention", "full_attention"])
     return pd.perturbed_pair(transformers.Qwen3_5ForCausalLM, cfg, moved=("norm", "A_log", "dt_bias"))[1]
+
+
+def _int4_mla(arch):
+    """A Kimi Linear / Bailing hybrid (a KDA layer, then an MLA layer) whose MLA projections int4 takes whole: a
+    low-rank q (q_a_proj / q_b_proj over a rank of 32), a latent of 64 (two int4 groups a row; + 16 rope dims:
+    kv_a_proj's 80 rows), kv_b_proj's 64 / 256 rows; KDA's 16 heads of 16 (Bailing's 16 heads: its g_proj gate of
+    16 rows)."""
+    own = {"kimi_linear": ("KimiLinear", dict(head_dim=None, linear_head_dim=16, linear_num_heads=16,
+                                              linear_conv_kernel_dim=4)),
+           "bailing_hybrid": ("BailingHybrid", dict(num_attention_heads=16, num_key_value_heads=16,
+                                                    short_conv_kernel_size=4, n_group=1, topk_group=1))}
+    name, kw = own[arch]
+    cfg = getattr(transformers, f"{name}Config")(
+        **dict(km.ATTN, **dict(dict(num_key_value_heads=4, vocab_size=96, tie_word_embeddings=False), **kw)),
+        num_hidden_layers=2,
+        moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=64,
+        q_lora_rank=32, qk_rope_head_dim=16, v_head_dim=8, qk_nope_head_dim=8, mlp_layer_types=["dense", "sparse"],
+        layer_types=["linear_attention", "full_attention"])
+    return pd.perturbed_pair(getattr(transformers, f"{name}ForCausalLM"), cfg, moved=("norm",))[1]
+
+
+def _int4_mamba2():
+    """A Mamba2ForCausalLM whose every projection int4 takes: 16 heads of 4 (in_proj's 2 * 64 + 2 * 2 * 8 + 16 = 176
+    rows), a vocabulary of 96; dt and in_proj raised as kernelize_models.pair does (the scan counts)."""
+    cfg = transformers.Mamba2Config(vocab_size=96, hidden_size=32, num_heads=16, head_dim=4, state_size=8, n_groups=2,
+                                    expand=2, conv_kernel=4, num_hidden_layers=2, chunk_size=8, pad_token_id=0,
+                                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Mamba2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.backbone.layers:
+            layer.mixer.dt_bias.fill_(0.5)
+            layer.mixer.in_proj.weight.mul_(10.0)
+    assert kernelize(model).compiled_decode
+    return model
 
 
 def _fp64(q):
@@ -112,13 +146,10 @@ def test_int8_generate_through_the_plan(arch, mode, group, activations, monkeypa
     fast = _kernelized(arch)
     q = _quantized(fast, mode, group, activations)
     why = plan._ARCHITECTURES[type(q).__name__].describe(q)
-    if activations == "int8" and arch in FLOAT_FIELDS:
-        assert isinstance(why, str) and FLOAT_FIELDS[arch] in why and "int8 activations" in why, why
-        calls = CompiledDecodeCalls(monkeypatch)
-        pd.generate(q, pd.prompt(2, 5), 4)
-        assert calls.model == 0
-        return
     assert not isinstance(why, str), why
+    mods = quantized_modules(q)
+    for name in SECOND_PRODUCTS.get(arch, ()):
+        assert any(n.endswith(name) for n in mods), name   # (quantized, and read so by the plan)
     _check_generate(q, monkeypatch)
 
 
@@ -127,6 +158,54 @@ def test_int4_generate_through_the_plan(mode, group, activations, monkeypatch):
     q = _quantized(_int4_model(), mode, group, activations)
     assert not q._linattn_quant_skipped   # (every linear layer int4: the fused parts and the head)
     _check_generate(q, monkeypatch, B=3, T=5, n=8)
+
+
+@pytest.mark.parametrize("mode,group,activations", INT4)
+@pytest.mark.parametrize("arch", ["kimi_linear", "bailing_hybrid"])
+def test_int4_mla_generate_through_the_plan(arch, mode, group, activations, monkeypatch):
+    """MLA's second products int4 (kv_b_proj, q_b_proj; with int8 activations the cached latents rounded as the
+    layer rounds them): read as stored by the latent-attention block, the first product int4 too."""
+    q = _quantized(_int4_mla(arch), mode, group, activations)
+    mods = quantized_modules(q)
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
+        assert mods[f"model.layers.1.self_attn.{name}"].mode == "int4", name
+    assert not isinstance(plan._ARCHITECTURES[type(q).__name__].describe(q), str)
+    _check_generate(q, monkeypatch, B=2, T=5, n=7)
+
+
+@pytest.mark.parametrize("mode,group,activations", INT4)
+def test_int4_mamba2_generate_through_the_plan(mode, group, activations, monkeypatch):
+    """transformers' own Mamba2ForCausalLM quantized int4, every projection and the head: its forward reads
+    `lm_head.weight.dtype`, which the quantized head answers (`WeightInfo`) without a float copy."""
+    q = _quantized(_int4_mamba2(), mode, group, activations)
+    assert not q._linattn_quant_skipped and type(q.lm_head).__name__ == "QuantizedLinear"
+    _check_generate(q, monkeypatch, B=2, T=5, n=7)
+
+
+def test_quantized_head_weight_info_follows_the_model_dtype():
+    """A quantized layer's `weight` is its float layer's dtype, device and shape, converted with the model (the fp64
+    twin's head takes fp64 hidden states), and no tensor: a product through it fails."""
+    q = quantize(km.build("mamba2").eval(), "int8", compute="fp32")
+    info = q.lm_head.weight
+    assert (info.dtype, info.device.type, tuple(info.shape)) == (torch.float32, "cpu", (km.V, 32))
+    assert not isinstance(info, torch.Tensor) and "_float_like" not in q.state_dict()
+    assert _fp64(q).lm_head.weight.dtype == torch.float64 and copy.deepcopy(q).to(torch.bfloat16).lm_head.weight.dtype \
+        == torch.bfloat16
+    with pytest.raises(TypeError):
+        torch.nn.functional.linear(torch.ones(1, 32), info)
+
+
+def test_quantized_glm5_next_runs_transformers_forward(monkeypatch):
+    """Glm5-Next (kernelized, no plan description: its DSA indexer) reads `weights_proj.weight.dtype` in its
+    forward: quantized, the kernelized model generates as the same quantized model unkernelized (the same integers:
+    quantizing is deterministic), logits within fp32 rounding."""
+    ref, fast, _ = km.pair("glm5_next")
+    qr, qf = (quantize(m, "int8", compute="fp32") for m in (ref, fast))
+    assert "model.language_model.layers.1.self_attn.indexer.weights_proj" in quantized_modules(qf)
+    ids = pd.prompt(2, 5)
+    got, want = pd.generate(qf, ids, 5), pd.generate(qr, ids, 5)
+    assert torch.equal(got.sequences, want.sequences)
+    assert pd.close(torch.stack(got.logits), torch.stack(want.logits), 1e-4)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "olmo_hybrid", "bamba", "minimax"])
@@ -171,13 +250,60 @@ def test_fused_parts_in_different_formats_step_aside(monkeypatch):
     assert torch.equal(got.sequences, want.sequences)
 
 
-def test_bf16_mla_with_quantized_second_products_steps_aside():
-    """A bf16 Kimi Linear with an MLA layer: its kv_b_proj quantized, which the latent-attention kind reads in float
-    (dequantized only where exact, fp32): the reason names it."""
-    _, fast, _ = km.pair("kimi_linear", torch.bfloat16)
-    q = quantize(fast, "int8", compute="fp32")
-    why = plan_kimi.undescribed_reason(q)
-    assert why is not None and "kv_b_proj" in why, why
+@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("arch", ["kimi_linear", "qwen3_5_moe"])
+def test_bf16_second_products_through_the_plan(arch, activations, monkeypatch):
+    """A bf16 model with MLA's kv_b_proj or a shared-expert gate int8: the plan reads their integers (computing in
+    fp32), teacher-forced on the PyTorch path's tokens, bf16 logits within bf16's rounding of that path's (which
+    rounds every activation to bf16); every token one compiled call."""
+    _, fast, _ = km.pair(arch, torch.bfloat16)
+    q = quantize(fast, "int8", compute="fp32", activations=activations)
+    assert not isinstance(plan._ARCHITECTURES[type(q).__name__].describe(q), str)
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    twin = copy.deepcopy(q)
+
+    def on(plan_on):
+        if plan_on:
+            monkeypatch.delenv("LINATTN_CPU_KERNELS", raising=False)
+        else:
+            monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+
+    with torch.no_grad():
+        caches = []
+        for m, plan_on in ((q, True), (twin, False)):
+            on(plan_on)
+            caches.append(m(ids, use_cache=True).cache)
+        tok = ids[:, -1:]
+        for _ in range(4):
+            lg = []
+            for m, c, plan_on in ((q, caches[0], True), (twin, caches[1], False)):
+                on(plan_on)
+                lg.append(m(tok, cache=c).logits)
+            assert lg[0].dtype == lg[1].dtype == torch.bfloat16
+            assert pd.close(lg[0].float(), lg[1].float(), 0.05)
+            tok = lg[1].argmax(-1)
+    on(True)
+    assert calls.model == 4
+
+
+@pytest.mark.parametrize("arch,layer,fields", [
+    ("kimi_linear", 1, {"mla_Wkb": "model.layers.1.self_attn.kv_b_proj"}),
+    ("qwen3_5_moe", 0, {"Wsg": "model.layers.0.mlp.shared_expert_gate"})])
+def test_second_products_read_their_integers_in_place(arch, layer, fields, monkeypatch):
+    """The plan points a second product's fields at the QuantizedLinear's own integers and scales, in its format
+    (no dequantized copy)."""
+    q = _quantized(_kernelized(arch), "int8", None, "int8")
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        q(ids[:, -1:], cache=q(ids, use_cache=True).cache)
+    assert calls.model == 1
+    block, mods = q._linattn_model_plan.keep[0][layer], quantized_modules(q)
+    for field, name in fields.items():
+        m = mods[name]
+        assert getattr(block, field) == m.qweight.data_ptr() and getattr(block, f"sc_{field}") == m.scales.data_ptr()
+        assert getattr(block, f"fmt_{field}") == cpu_decode.WEIGHT_FORMATS["int8_a8"]
 
 
 def test_quantized_weights_are_read_in_place_or_stacked(monkeypatch):

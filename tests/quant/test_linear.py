@@ -123,7 +123,9 @@ def test_from_linear_reads_and_keeps_the_float_layer():
     lin = nn.Linear(64, 32)
     before = lin.weight.detach().clone()
     layer = QuantizedLinear.from_linear(lin, "int8")
-    assert torch.equal(lin.weight, before) and not isinstance(layer, nn.Linear) and not hasattr(layer, "weight")
+    assert torch.equal(lin.weight, before) and not isinstance(layer, nn.Linear)
+    assert not isinstance(layer.weight, torch.Tensor)   # (dtype / device / shape only: `WeightInfo`)
+    assert (layer.weight.dtype, layer.weight.shape) == (torch.float32, (32, 64))
     assert torch.equal(layer.bias, lin.bias.detach())
 
 

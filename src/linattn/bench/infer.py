@@ -144,8 +144,8 @@ def decode_bytes(model: torch.nn.Module, embed: torch.nn.Module, head: Optional[
             seen.add(key)
             total += t.numel() * t.element_size()
     w = embed.weight
-    head_w = getattr(head, "weight", None)   # (a quantized head has none: its own integers, counted above)
-    tied = head is None or (head_w is not None and head_w.data_ptr() == w.data_ptr())
+    head_w = getattr(head, "weight", None)   # (a quantized head's is no tensor: its own integers, counted above)
+    tied = head is None or (isinstance(head_w, torch.Tensor) and head_w.data_ptr() == w.data_ptr())
     if not tied:   # the table is read one row per token
         total -= (w.shape[0] - 1) * w.shape[1] * w.element_size()
     return total

@@ -51,6 +51,8 @@ class DeltaPlan(ctypes.Structure):
 WEIGHT_MATRICES = ("W", "Wo", "Wgu", "Wd", "Wq", "Wk", "Wv", "Wg")
 #: KDA's second-stage matrices (the gate's and the low-rank output gate's), with the same three fields each
 KDA_MATRICES = ("Wf", "Wg2")
+#: (k46) the matrices of MLA's second products and a MoE shared expert's gate, with the same three fields each
+SECOND_MATRICES = ("mla_Wkb", "mla_Wqb", "Wsg")
 #: the fused products a block plan may read from separate matrices, and the most parts each (csrc/decode.c
 #: PLAN_PARTS)
 FUSED_PRODUCTS = ("W", "Wgu")
@@ -134,7 +136,12 @@ class BlockPlan(ctypes.Structure):
                 # Granite / Nemotron-H: ffn_only, a block without a mixer (h = x, its norm in n2w: Nemotron-H's MLP /
                 # MoE blocks); ffn_act 1, a non-gated relu^2 FFN (dense, experts, shared expert: Wgu / Weg hold the up
                 # rows only), 0 SwiGLU
-                + [(n, ctypes.c_int32) for n in ("ffn_only", "ffn_act")])
+                + [(n, ctypes.c_int32) for n in ("ffn_only", "ffn_act")]
+                # (k46) quantized second products: MLA's kv_b_proj / q_b_proj and a MoE shared expert's gate, each
+                # with `fmt_` / `grp_` / `sc_` fields as the `WEIGHT_MATRICES`
+                + [(f"fmt_{n}", ctypes.c_int32) for n in SECOND_MATRICES] + [("pad_k46_", ctypes.c_int32)]
+                + [(f"grp_{n}", ctypes.c_int64) for n in SECOND_MATRICES]
+                + [(f"sc_{n}", ctypes.c_void_p) for n in SECOND_MATRICES])
 
 
 class ModelPlan(ctypes.Structure):

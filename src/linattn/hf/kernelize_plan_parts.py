@@ -71,23 +71,6 @@ def fused_linear(*linears: nn.Module, rows: Optional[torch.Tensor] = None):
     return QuantizedRows(got[0][0], q, s, got[0][3], linears[0].in_features)
 
 
-#: what `float_matrix` does not dequantize (a step-aside reason names it so)
-NOT_FLOAT_MATRIX = ("stored quantized in a bf16 model or with int8 activations (the plan reads it in float: it would "
-                    "neither round q s to bf16 exactly nor round its input to int8)")
-
-
-def float_matrix(m, wdt) -> Optional[torch.Tensor]:
-    """The matrix of a `plan_projection` for the plan's fields that have no stored format (a latent attention's
-    second products, a shared expert's gate): a float one's weight, or a quantized one's with float activations
-    dequantized once in an fp32 model (q s is exact in fp32, and the product is the layer's; a copy the plan's guard
-    follows through the versions of the integers and scales); None otherwise (`NOT_FLOAT_MATRIX`)."""
-    if type(m) is nn.Linear:
-        return m.weight
-    if wdt != torch.float32 or _dp.stored_format(m)[0] not in ("int8", "int4") or not hasattr(m, "dequantize"):
-        return None
-    return m.dequantize(torch.float32)
-
-
 def swiglu_ffn(mlp: nn.Module, cls_name: str, d: int, wdt) -> Union[tuple, str]:
     """(fused gate | up, down) of transformers' dense SwiGLU MLP of class `cls_name` (`gate_proj`, `up_proj`,
     `down_proj`, `config.hidden_act` SiLU), or why the plan does not compute it."""
@@ -140,17 +123,12 @@ def qwen_sparse_moe(mlp: nn.Module, d: int, wdt) -> Union[tuple, str]:
     return got[0], got[1], moe
 
 
-def shared_gate_row(sgate, d: int, wdt) -> Union[nn.Module, types.SimpleNamespace, str]:
-    """A shared expert's gate `[1, d]` as the plan's MoE reads it (in float, in wdt: `decode_plan.MoEDescription`):
-    a bias-free `nn.Linear`, or a quantized one's row dequantized (`float_matrix`), or why not."""
+def shared_gate_row(sgate, d: int, wdt) -> Union[nn.Module, str]:
+    """A shared expert's gate `[1, d]` as the plan's MoE reads it (`decode_plan.MoEDescription`, the block plan's
+    `Wsg` with its format: float, or int8 with either activation kind; int4 takes no single row), or why not."""
     if not plan_projection(sgate, (1, d), wdt):
         return f"an MoE block's shared-expert gate [1, d] that is {NOT_PLAN_PROJECTIONS}"
-    if type(sgate) is nn.Linear:
-        return sgate
-    w = float_matrix(sgate, wdt)
-    if w is None:
-        return f"an MoE block's shared-expert gate {NOT_FLOAT_MATRIX}"
-    return types.SimpleNamespace(weight=w, bias=None)
+    return sgate
 
 
 def base_and_embedding(model: nn.Module, models: tuple, base: str, embedding: str) -> Union[tuple, str]:
@@ -494,8 +472,6 @@ def mla_reason(layer, cls_name: str, d: int, wdt, rotary=None, gated: bool = Fal
         shapes["g_proj"] = (H, d)
     if not all(plan_projection(m.get(n), s, wdt) for n, s in shapes.items()):
         return f"MLA projections of the expected shapes that are {NOT_PLAN_PROJECTIONS}"
-    if any(float_matrix(m[n], wdt) is None for n in ("kv_b_proj", "q_b_proj") if n in shapes):
-        return f"an MLA layer whose kv_b_proj / q_b_proj are {NOT_FLOAT_MATRIX}"
     why = fusion_reason(*mla_first(layer, gated))
     if why:
         return f"MLA's first product: {why}"
@@ -529,11 +505,11 @@ def mla_plan(part: MLA, bd: _dp.BlockDescription, B: int, d: int, wdt: torch.dty
     _dp.set_weight(p, "W", part.W, wdt, addr)
     kvn = m["kv_a_layernorm"]
     p.mla_kvnw, p.mla_kv_eps = addr(kvn.weight), float(kvn.variance_epsilon)
-    p.mla_Wkb = addr(float_matrix(m["kv_b_proj"], wdt), wdt)
+    _dp.set_weight(p, "mla_Wkb", m["kv_b_proj"], wdt, addr)
     if qr:
         qn = m["q_a_layernorm"]
         p.mla_qnw, p.mla_q_eps = addr(qn.weight), float(qn.variance_epsilon)
-        p.mla_Wqb = addr(float_matrix(m["q_b_proj"], wdt), wdt)
+        _dp.set_weight(p, "mla_Wqb", m["q_b_proj"], wdt, addr)
     if rot is not None:
         p.inv_freq = addr(rot.inv_freq, torch.float64)
     _dp.set_weight(p, "Wo", m["o_proj"], wdt, addr)

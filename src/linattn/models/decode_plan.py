@@ -160,7 +160,7 @@ class MoEDescription:
         down: The experts' down weights `[E, d, hidden]` (read in place).
         top_k: k, the experts each token takes.
         norm_topk: Whether the k probabilities are divided by their sum.
-        shared_gate: The shared expert's gate (an nn.Linear `[1, d]`, bias-free), or None (ungated).
+        shared_gate: The shared expert's gate (an nn.Linear `[1, d]`, bias-free, or int8 weights), or None (ungated).
         gated: False: non-gated experts, `gate_up` holds only the up rows `[E, hidden, d]` and the hidden row is
             relu(up xn)^2 (Nemotron-H's; the block plan's `ffn_act` 1, the shared expert alike).
     """
@@ -772,7 +772,8 @@ def _set_moe(p, moe: MoEDescription, wdt: torch.dtype, addr) -> None:
     p.ffn_act = 0 if moe.gated else 1
     p.norm_topk, p.has_ffn = int(moe.norm_topk), 1
     p.Wr, p.Weg, p.Wed = addr(moe.router, wdt), addr(moe.gate_up, wdt), addr(moe.down, wdt)
-    p.Wsg = None if moe.shared_gate is None else addr(moe.shared_gate.weight, wdt)
+    if moe.shared_gate is not None:   # (its format too: a quantized gate, `set_weight`)
+        set_weight(p, "Wsg", moe.shared_gate, wdt, addr)
 
 
 def moe_usable(moe: MoEDescription, d: int, wdt: torch.dtype) -> bool:

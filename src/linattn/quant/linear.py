@@ -15,7 +15,7 @@ for fp64 inputs) instead: slower, without the bf16 rounding of activations and o
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -155,10 +155,23 @@ def _rederive_after_load(module, incompatible_keys) -> None:
     module._derive_int4_layout()
 
 
+class WeightInfo(NamedTuple):
+    """What code written for an `nn.Linear` reads of its `weight` without multiplying by it (`x.to(head.weight.dtype)`
+    in transformers' `Mamba2ForCausalLM`), for a `QuantizedLinear`: the float dtype its inputs come in, the device,
+    the shape. Not a tensor: a product through it (`F.linear(x, layer.weight)`) fails with a TypeError."""
+
+    dtype: torch.dtype
+    device: torch.device
+    shape: torch.Size
+
+
 class QuantizedLinear(nn.Module):
     """y = x Wᵀ + b with W stored in int8 (per output row) or int4 (per group of inputs); CPU only.
 
-    Not an `nn.Linear` (no `.weight`), so no code path that reads a float weight can take it by mistake.
+    Not an `nn.Linear`: its `weight` is not a tensor but a `WeightInfo` (the dtype, device and shape that code
+    written for an `nn.Linear` reads without multiplying by the matrix, as transformers' `Mamba2ForCausalLM` casts
+    its hidden states to `lm_head.weight.dtype`), so no code path that multiplies by a float weight can take it by
+    mistake.
     Build one with `QuantizedLinear.from_linear` or `linattn.quantize`.
 
     Args:
@@ -200,6 +213,9 @@ class QuantizedLinear(nn.Module):
             if t is not None and t.device.type != "cpu":
                 raise LinattnError(f"QuantizedLinear: {name} is on {t.device}; quantized weights run on the CPU only")
         self.in_features, self.out_features = K, N
+        # (an empty tensor of the float layer's dtype, which `.to()` / `.double()` convert as they convert the
+        # model: `weight.dtype`; not saved)
+        self.register_buffer("_float_like", torch.empty(0), persistent=False)
         # fresh (aligned, owned) copies: torch's packed kernels crash on tensors at odd offsets of a file mapping
         self.register_buffer("qweight", qweight.detach().clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", scales.detach().to(torch.bfloat16, copy=True).contiguous())
@@ -273,7 +289,16 @@ class QuantizedLinear(nn.Module):
         if not bool(torch.isfinite(weight).all()):
             raise LinattnError("weight has NaN or inf values; a quantized weight must be finite")
         q, scales = quantize_weight(weight, mode, group_size)
-        return cls(q if mode == "int8" else pack_int4(q), scales, bias, mode, group_size, compute, activations)
+        layer = cls(q if mode == "int8" else pack_int4(q), scales, bias, mode, group_size, compute, activations)
+        layer._float_like = torch.empty(0, dtype=weight.dtype)
+        return layer
+
+    @property
+    def weight(self) -> "WeightInfo":
+        """The float matrix's dtype (that of the layer it replaced, converted with the model), device and shape
+        `[out_features, in_features]`: a `WeightInfo`, not a tensor (the integers are `qweight`)."""
+        return WeightInfo(self._float_like.dtype, self.qweight.device, torch.Size((self.out_features,
+                                                                                   self.in_features)))
 
     def int_weight(self) -> torch.Tensor:
         """The integer values `[N, K]` (int8)."""

@@ -177,6 +177,12 @@ typedef struct {
        relu2; the MoE experts' Weg [E, moe_hid, d] and the shared expert alike); 0: silu(a) * b of u = [a | b]
        [2 hid]. */
     int32_t ffn_only, ffn_act;
+    /* (k46) quantized second products: MLA's kv_b_proj mla_Wkb and q_b_proj mla_Wqb (kind 7, decode_mla.h) and a
+       MoE shared expert's gate Wsg (decode_moe.h), each with its format (qmatvec.h WF_*; 0: as wbf16 says), int4
+       group and bf16 scales, as fmt_W.. */
+    int32_t fmt_mla_Wkb, fmt_mla_Wqb, fmt_Wsg, pad_k46_;
+    int64_t grp_mla_Wkb, grp_mla_Wqb, grp_Wsg;
+    const void *sc_mla_Wkb, *sc_mla_Wqb, *sc_Wsg;
 } linattn_block_plan;
 LA_EXPORT_SIZEOF(block_plan)
 

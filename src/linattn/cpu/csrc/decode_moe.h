@@ -240,7 +240,9 @@ static int FN(moe_ffn)(const linattn_block_plan *p, const REAL *xn, const REAL *
         FN(ffn_hidden)(p->ffn_act, B, Is, U, G);
         FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wd), p->sc_Wd, p->grp_Wd,
                 B, d, Is, p->Wd, (const REAL *)p->bd, G, NULL, Y, p->nthreads);
-        if (p->Wsg) FN(weight_product)(fmt, NULL, 0, B, 1, d, p->Wsg, NULL, xn, NULL, sg, p->nthreads);
+        if (p->Wsg)
+            FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wsg), p->sc_Wsg, p->grp_Wsg, B, 1, d, p->Wsg, NULL, xn,
+                               NULL, sg, p->nthreads);
         for (int64_t b = 0; b < B; ++b) {
             const REAL s = p->Wsg ? (REAL)1 / ((REAL)1 + MATH(exp)(-sg[b])) : (REAL)1;
             for (int64_t j = 0; j < d; ++j) acc[b * d + j] += s * Y[b * d + j];
