@@ -127,6 +127,10 @@ def test_from_linear_reads_and_keeps_the_float_layer():
     assert not isinstance(layer.weight, torch.Tensor)   # (dtype / device / shape only: `WeightInfo`)
     assert (layer.weight.dtype, layer.weight.shape) == (torch.float32, (32, 64))
     assert torch.equal(layer.bias, lin.bias.detach())
+    for value in (nn.Parameter(torch.zeros(32, 64)), torch.zeros(32, 64)):   # (as transformers' tie_weights does)
+        with pytest.raises(LinattnError, match="weight cannot be assigned"):
+            layer.weight = value
+    assert not isinstance(layer.weight, torch.Tensor) and "weight" not in dict(layer.named_parameters())
 
 
 def test_state_dict_round_trip_rederives_the_int4_layout():

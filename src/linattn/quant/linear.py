@@ -300,6 +300,15 @@ class QuantizedLinear(nn.Module):
         return WeightInfo(self._float_like.dtype, self.qweight.device, torch.Size((self.out_features,
                                                                                    self.in_features)))
 
+    def __setattr__(self, name, value):
+        # (nn.Module would register a Parameter under `weight` beside the property, or fail with a bare KeyError:
+        # transformers' `tie_weights` assigns the embedding's matrix to the head's `weight`)
+        if name == "weight":
+            raise LinattnError("a QuantizedLinear's weight cannot be assigned: its matrix is stored as "
+                               f"{self.mode} rows (`qweight`, `scales`); tie or replace weights before "
+                               "`linattn.quantize`")
+        super().__setattr__(name, value)
+
     def int_weight(self) -> torch.Tensor:
         """The integer values `[N, K]` (int8)."""
         return self.qweight if self.mode == "int8" else unpack_int4(self.qweight)
