@@ -674,8 +674,10 @@ static inline void FN(delta_row_stream)(int64_t V, const REAL *s0, int gated, RE
    The same operations in the same order as the three passes they replace (decay, k^T S, the rank-1 write, then
    S^T q accumulated over ascending rows), so the same bits; the second pass reads S0 from L2 (a head's state is
    64 KiB at 128 x 128 fp32) and writes S once, by streaming stores when `stream` (S 64-byte aligned, V a multiple
-   of a line). S0 NULL: a zero state. The rank-1 write is an explicit fma where the target has one: written as
-   decay * s0 + k_i err_j, contraction may fuse either product (the three passes stored decay S0 first). */
+   of a line). S0 NULL: a zero state. S0_next (NULL: none) is prefetched into L2 during the second pass (the next
+   head's old state: its first pass then reads from L2 while this one's writes drain). The rank-1 write is an
+   explicit fma where the target has one: written as decay * s0 + k_i err_j, contraction may fuse either product
+   (the three passes stored decay S0 first). */
 static void FN(delta_update)(int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v, REAL d, REAL ar,
                              int gated, REAL decay, const REAL *S0, REAL *S, REAL *e, REAL *o, int stream,
                              const REAL *S0_next) {
