@@ -30,6 +30,8 @@ LA_ABI_VERSION(decode, 6)
 #define PAR_MIN_ELEMS 65536
 /* rows of a head's state prefetched ahead in the first pass over it */
 #define PF_ROWS 8
+/* the next head's state, prefetched during a head's second pass: into L2 (a head is 64 KiB at 128 x 128 fp32) */
+#define PF_NEXT_HINT _MM_HINT_T1
 
 /* Where a decoded token's time goes (a developer's build: cpu/decode.py builds decode.c with LINATTN_DECODE_TIMING
    defined when the variable of that name is set at plan build; the library built without it has none of this). Each
@@ -527,7 +529,9 @@ static void FN(l2norm)(REAL *restrict x, int64_t n, int conv, REAL eps) {
 static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ldy, const REAL *w_in,
                      const REAL *cw, const REAL *cb, int act, REAL *w_out, REAL *u) {
     const int64_t W = KC - 1;
-    if (W == 3 && w_in) {   /* the default kernel size 4, one vectorised pass per row */
+    if (W == 3 && w_in) {   /* the default kernel size 4: the taps and the window's shift in one vectorised pass
+                               per row, then the bias and the SiLU in their own (a branch inside the first pass
+                               made the compiler mask every lane's SiLU: 3x the time) */
         for (int64_t b = 0; b < B; ++b) {
             const REAL *restrict wi = w_in + b * C * 3, *restrict yb = y + b * ldy;
             REAL *restrict wo = w_out + b * C * 3, *restrict ub = u + b * C;
@@ -537,9 +541,16 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
                 REAL acc = 0;
                 acc += wi[3 * c] * wc[0]; acc += wi[3 * c + 1] * wc[1]; acc += wi[3 * c + 2] * wc[2];
                 acc += xt * wc[3];
-                if (cb) acc += cb[c];
-                ub[c] = act ? FN(la_silu)(acc) : acc;
+                ub[c] = acc;
                 wo[3 * c] = wi[3 * c + 1]; wo[3 * c + 1] = wi[3 * c + 2]; wo[3 * c + 2] = xt;
+            }
+            if (cb) {
+#pragma omp simd
+                for (int64_t c = 0; c < C; ++c) ub[c] += cb[c];
+            }
+            if (act) {
+#pragma omp simd
+                for (int64_t c = 0; c < C; ++c) ub[c] = FN(la_silu)(ub[c]);
             }
         }
         return;
@@ -639,9 +650,10 @@ static void FN(delta_write_read)(int64_t K, int64_t V, const REAL *q, const REAL
 #define ZSTREAM _mm512_stream_pd
 #endif
 static inline void FN(delta_row_stream)(int64_t V, const REAL *s0, int gated, REAL decay, REAL ki, REAL qi,
-                                        const REAL *e, REAL *s, REAL *o) {
+                                        const REAL *e, REAL *s, REAL *o, const REAL *pf) {
     const ZV dv = ZSET1(decay), kv = ZSET1(ki), qv = ZSET1(qi);
     for (int64_t c = 0; c < V; c += 64 / (int64_t)sizeof(REAL)) {
+        if (pf) _mm_prefetch((const char *)(pf + c), PF_NEXT_HINT);
         ZV sv = s0 ? ZLOAD(s0 + c) : ZSET1((REAL)0);
         if (gated && s0) sv = ZMUL(sv, dv);
         const ZV sn = ZFMA(kv, ZLOAD(e + c), sv);
@@ -668,10 +680,13 @@ static inline void FN(delta_row_stream)(int64_t V, const REAL *s0, int gated, RE
    The same operations in the same order as the three passes they replace (decay, k^T S, the rank-1 write, then
    S^T q accumulated over ascending rows), so the same bits; the second pass reads S0 from L2 (a head's state is
    64 KiB at 128 x 128 fp32) and writes S once, by streaming stores when `stream` (S 64-byte aligned, V a multiple
-   of a line). S0 NULL: a zero state. The rank-1 write is an explicit fma where the target has one: written as
-   decay * s0 + k_i err_j, contraction may fuse either product (the three passes stored decay S0 first). */
+   of a line). S0 NULL: a zero state. S0_next (NULL: none) is prefetched into L2 during the second pass (the next
+   head's old state: its first pass then reads from L2 while this one's writes drain). The rank-1 write is an
+   explicit fma where the target has one: written as decay * s0 + k_i err_j, contraction may fuse either product
+   (the three passes stored decay S0 first). */
 static void FN(delta_update)(int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v, REAL d, REAL ar,
-                             int gated, REAL decay, const REAL *S0, REAL *S, REAL *e, REAL *o, int stream) {
+                             int gated, REAL decay, const REAL *S0, REAL *S, REAL *e, REAL *o, int stream,
+                             const REAL *S0_next) {
     for (int64_t j = 0; j < V; ++j) e[j] = 0;
     if (S0)
         for (int64_t i = 0; i < K; ++i) {
@@ -697,13 +712,16 @@ static void FN(delta_update)(int64_t K, int64_t V, const REAL *q, const REAL *k,
         const REAL *restrict s0 = S0 ? S0 + i * V : NULL;
         REAL *restrict s = S + i * V;
         const REAL ki = k[i], qi = q[i];
+        const REAL *pf = S0_next ? S0_next + i * V : NULL;
 #if STREAM_LINES
         if (stream) {
-            FN(delta_row_stream)(V, s0, gated, decay, ki, qi, e, s, o);
+            FN(delta_row_stream)(V, s0, gated, decay, ki, qi, e, s, o, pf);
             continue;
         }
 #endif
         (void)stream;
+        if (pf)
+            for (int64_t c = 0; c < V; c += 64 / (int64_t)sizeof(REAL)) __builtin_prefetch(pf + c, 0, 2);
 #pragma omp simd
         for (int64_t j = 0; j < V; ++j) {
             REAL sv = s0 ? (gated ? s0[j] * decay : s0[j]) : (REAL)0;
@@ -779,7 +797,8 @@ int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_
     const int64_t nb = B * HV;
     const int stream = V % (64 / (int64_t)sizeof(REAL)) == 0 && ((uintptr_t)S_out & 63) == 0;
     const int par = nb > 1 && nb * K * V >= PAR_MIN_ELEMS;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if(par)
+    const int64_t per_thread = (nb + nthreads - 1) / (nthreads > 0 ? nthreads : 1);
+#pragma omp parallel for num_threads(nthreads) schedule(static, per_thread) if(par)
     for (int64_t t = 0; t < nb; ++t) {
         const int64_t b = t / HV, hv = t % HV, h = hv / G;
         const REAL *q = u + b * C + h * K, *k = u + b * C + H * K + h * K, *v = u + b * C + 2 * H * K + hv * V;
@@ -801,7 +820,10 @@ int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_
         const REAL *S0 = S_in ? S_in + t * K * V : NULL;
         REAL *S = S_out + t * K * V;
         REAL *o = out + t * V;
-        FN(delta_update)(K, V, q, k, v, d, ar, gated, decay, S0, S, e + t * V, o, stream);
+        /* the next head's old state (this thread's next t, contiguous) fetched while this one's second pass
+           runs on cached lines and streaming stores: the reads of the state then never wait on a pass's writes */
+        const REAL *S0_next = S0 && t + 1 < nb && (!par || (t + 1) % per_thread != 0) ? S0 + K * V : NULL;
+        FN(delta_update)(K, V, q, k, v, d, ar, gated, decay, S0, S, e + t * V, o, stream, S0_next);
         FN(outnorm)(o, V, has_norm, nw, norm_eps, has_gate ? y + b * ldy + ldy - HV * V + hv * V : NULL);
     }
     LT_BYTES(sizeof(REAL) * (double)(nb * K * V) * (S_in ? 2 : 1));
