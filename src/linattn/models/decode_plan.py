@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
 
 from ..cpu import decode as _cpu_decode, hugepages as _hugepages
 from ..layers import fast_decode as _fast
@@ -268,6 +269,7 @@ _version_of = operator.attrgetter("_version")
 _fused_value = operator.attrgetter("_value")
 _fast_on, _compiled_on = operator.attrgetter("fast_decode"), operator.attrgetter("compiled_decode")
 _data_ptr = torch.Tensor.data_ptr
+_Handle = RemovableHandle   # (its class counter numbers every hook handle made)
 # configuration values a plan reads from a module's __dict__ (mixers, norms), checked by identity on every token
 _CONFIG_KEYS = ("scale", "l2norm_convention", "beta_mode", "q_l2norm", "qk_l2norm", "exact", "gate", "gate_act",
                 "normalize", "eps", "feature_map", "_gamma", "norm_group_size", "short_conv", "causal", "_fused",
@@ -296,10 +298,16 @@ class PlanGuard:
     * a forward hook was registered on one of `modules` or globally (`owner`'s own hooks run in its `__call__`);
     * the thread count, or `owner.training`, changed.
 
-    The batch size is not checked: plans take it per call."""
+    The batch size is not checked: plans take it per call.
+
+    Cost: after a decoded token has streamed every weight through the caches, each object the check reads is a
+    cache miss, so `valid` first reads every object it will look at in one pass that the CPU overlaps (`tuple` of
+    them: a reference count write each), and looks at the modules' hook dicts only when a hook handle was made
+    anywhere since it last did (torch numbers every `RemovableHandle`; a hook registered through the module API
+    takes one)."""
 
     __slots__ = ("owner", "training", "nthreads", "idicts", "inames", "iobjs", "tensors", "ptrs", "vtensors",
-                 "versions", "aliases", "hookdicts", "mixers", "fusedobjs", "fused")
+                 "versions", "aliases", "hookdicts", "mixers", "fusedobjs", "fused", "touched", "handles")
 
     def __init__(self, owner: nn.Module, modules: Sequence[nn.Module], mixers: Sequence[nn.Module], direct=()):
         modules = list(dict.fromkeys(m for m in modules if m is not None and m is not owner))
@@ -321,12 +329,21 @@ class PlanGuard:
         self.mixers = list(mixers)
         self.fusedobjs = [m._fused for m in self.mixers if getattr(m, "_fused", None) is not None]
         self.fused = list(map(_fused_value, self.fusedobjs))
+        self.touched = list({id(o): o for o in (*self.idicts, *self.iobjs, *self.tensors, *self.mixers,
+                                               *self.fusedobjs)}.values())
+        self.handles = -1   # (no hook dict looked at yet)
 
     def valid(self) -> bool:
         """Whether nothing the plan depends on changed (class docstring)."""
         if (self.nthreads != torch.get_num_threads() or self.training is not self.owner.training
-                or _fast.GLOBAL_HOOKS[0] or _fast.GLOBAL_HOOKS[1] or any(self.hookdicts)):
+                or _fast.GLOBAL_HOOKS[0] or _fast.GLOBAL_HOOKS[1]):
             return False
+        handles = _Handle.next_id
+        if handles != self.handles:
+            if any(self.hookdicts):
+                return False
+            self.handles = handles
+        tuple(self.touched)   # (the cache misses of every object below, overlapped)
         try:
             if not all(map(operator.is_, map(operator.getitem, self.idicts, self.inames), self.iobjs)):
                 return False
