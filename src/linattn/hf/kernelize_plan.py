@@ -549,7 +549,8 @@ def _conv_stack(cache, lo, slot: _Slot, W_parts: list) -> Optional[torch.Tensor]
     prev = cache.__dict__.get("_linattn_conv")
     if (prev is not None and prev[0] is lo and prev[1]._version == prev[3]
             and all(map(operator.is_, W_parts, prev[2])) and W_parts[0].data_ptr() == prev[1].data_ptr()
-            and W_parts[-1].data_ptr() == prev[1][-1].data_ptr()):   # (still its views: a deep copy keeps them)
+            and W_parts[-1].data_ptr() == prev[1].data_ptr() + (len(W_parts) - 1) * prev[1].stride(0)
+            * prev[1].element_size()):   # (still its views: a deep copy keeps them)
         return prev[1]
     w0 = W_parts[0]
     size = math.prod(lo.layers[slot.recurrent[0]].wshape)
