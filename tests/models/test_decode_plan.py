@@ -303,3 +303,31 @@ def test_the_state_buffer_reused_only_when_nothing_holds_it(monkeypatch):
     assert torch.equal(torch.cat(logits, 1), ref)
     assert torch.equal(held, snap) and torch.equal(pending.buf, snap2) and torch.equal(viewed, snap3)
     assert ptrs[-1] == ptrs[-3] and ptrs[-2] == ptrs[-4] and ptrs[-1] != ptrs[-2]   # (reused at the end)
+
+
+def test_guard_sees_writes_past_its_cheap_signals():
+    """The guard looks up its entries only when one of their dicts was written, and the hook dicts only when a hook
+    handle was made: a write it does not depend on (a new attribute on a mixer, a hook added to and removed from
+    another module) keeps the plan without a rebuild, and a change after those is still seen (a parameter put
+    straight into a module's `_parameters`, a hook on a block's FFN)."""
+    model = _model()
+    ids = _ids(1)
+    with torch.no_grad():
+        cache = model(ids[:, :3], use_cache=True).cache
+        model(ids[:, 3:4], cache=cache)
+        guard, built = model._model_plan.guard, decode_plan.rebuilds[0]
+        model.blocks[0].mixer.unrelated_note = "seen"
+        nn.Linear(2, 2).register_forward_hook(lambda *a: None).remove()
+        assert guard.valid()
+        model(ids[:, 4:5], cache=cache)
+    assert decode_plan.rebuilds[0] == built and model._model_plan.guard is guard
+    lin = model.blocks[1].mixer.o_proj
+    lin._parameters["weight"] = nn.Parameter(lin.weight.detach() * 0.5)
+    assert not guard.valid()
+    _generate(model, ids)
+    guard = model._model_plan.guard
+    assert guard.valid()
+    h = model.blocks[0].ffn.register_forward_hook(lambda *a: None)
+    assert not guard.valid()
+    h.remove()
+    assert guard.valid()

@@ -271,7 +271,7 @@ class _Slot:
     Not state: a copy or a pickle gets an empty slot."""
 
     __slots__ = ("plan", "fn", "guard", "keep", "specs", "layouts", "B", "layout", "cdt", "wdt", "recurrent", "att",
-                 "failed", "last", "spent")
+                 "failed", "last", "spent", "alike")
 
     def __init__(self):
         self.plan, self.failed = None, None
@@ -339,13 +339,26 @@ def _set_batch(slot: _Slot, B: int) -> None:
     if got is None:
         lo = _dp.state_layout(slot.specs, B, slot.cdt, slot.plan.vocab)
         got = slot.layouts[B] = (lo, ((ctypes.c_int64 * lo.L)(*[lay.s_off for lay in lo.layers]),
-                                      (ctypes.c_int64 * lo.L)(*[lay.w_off for lay in lo.layers])))
-    lo, offs = got
+                                      (ctypes.c_int64 * lo.L)(*[lay.w_off for lay in lo.layers])),
+                                 _alike_states(lo, slot.recurrent))
+    lo, offs, slot.alike = got
     slot.plan.B = B
     for p in slot.keep[0]:
         p.B = B
     slot.plan.s_off, slot.plan.w_off = ctypes.addressof(offs[0]), ctypes.addressof(offs[1])
     slot.B, slot.layout = B, lo
+
+
+def _alike_states(lo, recurrent: list) -> Optional[tuple]:
+    """(n, shape) when the n recurrent layers' states have one shape and follow each other from the start of the
+    step's buffer (Qwen3.5's: their views are made in one unbind a token), else None."""
+    if not recurrent:
+        return None
+    shape = lo.layers[recurrent[0]].sshape
+    size = math.prod(shape)
+    if any(lo.layers[i].sshape != shape or lo.layers[i].s_off != j * size for j, i in enumerate(recurrent)):
+        return None
+    return len(recurrent), shape
 
 
 def _usable_slot(model: nn.Module, arch, B: int) -> Optional[_Slot]:
@@ -467,10 +480,17 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     pos = arch.position(cache, L, position_ids) if hasattr(arch, "position") else L
     S_in, s_at = _states_in(cache, lo, S_parts, cdt, slot.recurrent)
     convs = _conv_stack(cache, lo, slot, W_parts)
+    W_in = W_ptr = None
     if convs is not None:
-        W_in = _windows_of(convs, cdt)
-    else:
-        W_in = torch.cat([w[..., 1:].to(cdt).reshape(-1) for w in W_parts]) if W_parts else None
+        prev = cache.__dict__.get("_linattn_conv")
+        if prev is not None and prev[1] is convs:   # (unwritten since: the windows are the last buffer's, as written)
+            W_ptr = prev[4].data_ptr() + lo.n_state * prev[4].element_size()
+        else:
+            W_in = _windows_of(convs, cdt)
+    elif W_parts:
+        W_in = torch.cat([w[..., 1:].to(cdt).reshape(-1) for w in W_parts])
+    if W_in is not None:
+        W_ptr = W_in.data_ptr()
     for _, p, mir in mirrors:
         kv = mir.kv
         kv.reserve(1, kv.k, kv.v)
@@ -485,8 +505,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     logits = torch.empty(B, 1, lo.vocab, dtype=slot.wdt)
     out = buf.data_ptr()
     slot.plan.s_in_at = None if s_at is None else ctypes.addressof(s_at[0])   # (every call: none left from another)
-    rc = slot.fn(ctypes.byref(slot.plan), ids.data_ptr(), None if S_in is None else S_in.data_ptr(),
-                 None if W_in is None else W_in.data_ptr(), out,
+    rc = slot.fn(ctypes.byref(slot.plan), ids.data_ptr(), None if S_in is None else S_in.data_ptr(), W_ptr, out,
                  out + lo.n_state * buf.element_size() if lo.n_win else None, logits.data_ptr(), None)
     if rc == 2:
         return None   # a token id out of range: transformers' embedding reports it
@@ -511,7 +530,7 @@ def _states_in(cache, lo, S_parts: list, cdt: torch.dtype, recurrent: list) -> t
     if not S_parts:
         return None, None
     prev = cache.__dict__.get("_linattn_states")
-    if prev is not None and prev[0] is lo and all(map(lambda a, b: a is b, S_parts, prev[1])):
+    if prev is not None and prev[0] is lo and all(map(operator.is_, S_parts, prev[1])):
         return prev[2], None
     own = [s if s.dtype == cdt and s.is_contiguous() else s.to(cdt).contiguous() for s in S_parts]
     at = [None] * lo.L
@@ -530,7 +549,8 @@ def _conv_stack(cache, lo, slot: _Slot, W_parts: list) -> Optional[torch.Tensor]
     prev = cache.__dict__.get("_linattn_conv")
     if (prev is not None and prev[0] is lo and prev[1]._version == prev[3]
             and all(map(operator.is_, W_parts, prev[2])) and W_parts[0].data_ptr() == prev[1].data_ptr()
-            and W_parts[-1].data_ptr() == prev[1][-1].data_ptr()):   # (still its views: a deep copy keeps them)
+            and W_parts[-1].data_ptr() == prev[1].data_ptr() + (len(W_parts) - 1) * prev[1].stride(0)
+            * prev[1].element_size()):   # (still its views: a deep copy keeps them)
         return prev[1]
     w0 = W_parts[0]
     size = math.prod(lo.layers[slot.recurrent[0]].wshape)
@@ -555,8 +575,9 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[
                      own=None) -> None:
     """transformers' recurrent layers after the step: states as views of the new buffer (a copy where the layer
     keeps another dtype or layout), conv states shifted by one column (all at once in `convs`, `_conv_stack`'s,
-    whose views they become). `own`: the description of a cache of the architecture's own, whose states it gets
-    and sets (`get_state` / `set_state`; no conv windows), a new tensor where it keeps another dtype."""
+    whose views they become, the buffer kept with them: the next token reads its windows while they are unwritten).
+    `own`: the description of a cache of the architecture's own, whose states it gets and sets (`get_state` /
+    `set_state`; no conv windows), a new tensor where it keeps another dtype."""
     S_new, views, layers = buf[:lo.n_state], [], cache.layers
     if convs is not None:
         KC = convs.shape[3]
@@ -571,7 +592,20 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[
             conv_views = [c.detach() for c in convs.unbind(0)]
             for i, c in zip(slot.recurrent, conv_views):
                 layers[i].conv_states[0] = c
-        cache.__dict__["_linattn_conv"] = (lo, convs, conv_views, convs._version)
+        cache.__dict__["_linattn_conv"] = (lo, convs, conv_views, convs._version, buf)
+    if own is None and slot.alike is not None and (convs is not None or not lo.n_win):
+        # (alike layers: their views in one unbind; each detached, as below)
+        n, shape = slot.alike
+        news = map(_detach, S_new[:n * math.prod(shape)].view((n,) + shape).unbind(0))
+        for i, st in zip(slot.recurrent, news):
+            rs = layers[i].recurrent_states
+            if rs[0].dtype == slot.cdt:
+                rs[0] = st
+            else:
+                rs[0].copy_(st)
+            views.append(rs[0])
+        cache.__dict__["_linattn_states"] = (lo, views, S_new)
+        return
     for i in slot.recurrent:
         lay = lo.layers[i]
         st = S_new[lay.s_off:lay.s_off + math.prod(lay.sshape)].view(lay.sshape)
@@ -597,6 +631,7 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[
         cache.__dict__["_linattn_states"] = (lo, views, S_new)
 
 
+_detach = torch.Tensor.detach
 _HOOKED_FORWARDS: dict = {}   # model class -> its forward with the decode hook in front
 
 

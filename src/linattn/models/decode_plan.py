@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
 
 from ..cpu import decode as _cpu_decode, hugepages as _hugepages
 from ..layers import fast_decode as _fast
@@ -268,6 +269,28 @@ _version_of = operator.attrgetter("_version")
 _fused_value = operator.attrgetter("_value")
 _fast_on, _compiled_on = operator.attrgetter("fast_decode"), operator.attrgetter("compiled_decode")
 _data_ptr = torch.Tensor.data_ptr
+_Handle = RemovableHandle   # (its class counter numbers every hook handle made)
+
+
+def _probe_dict_version():
+    """torch's reader of a dict's version tag (dynamo's guards use it: a number that changes whenever the dict is
+    written), or None where this torch or Python lacks it or it does not behave so (then every token looks up
+    every entry)."""
+    fn = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), "dict_version", None)
+    if fn is None:
+        return None
+    try:   # (a private function: checked on a dict of our own before it is trusted)
+        d = {"k": object()}
+        v0 = fn(d)
+        v1 = fn(d) if d["k"] is not None else None
+        d["k"] = object()
+        ok = type(v0) is int and v0 == v1 != fn(d)
+    except Exception:
+        return None
+    return fn if ok else None
+
+
+_dict_version = _probe_dict_version()
 # configuration values a plan reads from a module's __dict__ (mixers, norms), checked by identity on every token
 _CONFIG_KEYS = ("scale", "l2norm_convention", "beta_mode", "q_l2norm", "qk_l2norm", "exact", "gate", "gate_act",
                 "normalize", "eps", "feature_map", "_gamma", "norm_group_size", "short_conv", "causal", "_fused",
@@ -296,10 +319,18 @@ class PlanGuard:
     * a forward hook was registered on one of `modules` or globally (`owner`'s own hooks run in its `__call__`);
     * the thread count, or `owner.training`, changed.
 
-    The batch size is not checked: plans take it per call."""
+    The batch size is not checked: plans take it per call.
+
+    Cost: after a decoded token has streamed every weight through the caches, each object the check reads is a
+    cache miss, so `valid` reads as few as it can: the entries (identity) are looked up only when one of their dicts
+    was written since the last look (the dicts' version tags, `torch._C._dynamo.guards.dict_version`, where this
+    torch has it); the modules' hook dicts only when a hook handle was made anywhere since the last look (torch
+    numbers every `RemovableHandle`; a hook registered through the module API takes one); and the objects it does
+    read are first read in one pass that the CPU overlaps (`tuple` of them: a reference count write each)."""
 
     __slots__ = ("owner", "training", "nthreads", "idicts", "inames", "iobjs", "tensors", "ptrs", "vtensors",
-                 "versions", "aliases", "hookdicts", "mixers", "fusedobjs", "fused")
+                 "versions", "aliases", "hookdicts", "mixers", "fusedobjs", "fused", "touched", "handles", "dicts",
+                 "dversions")
 
     def __init__(self, owner: nn.Module, modules: Sequence[nn.Module], mixers: Sequence[nn.Module], direct=()):
         modules = list(dict.fromkeys(m for m in modules if m is not None and m is not owner))
@@ -321,17 +352,30 @@ class PlanGuard:
         self.mixers = list(mixers)
         self.fusedobjs = [m._fused for m in self.mixers if getattr(m, "_fused", None) is not None]
         self.fused = list(map(_fused_value, self.fusedobjs))
+        self.dicts = list({id(d): d for d in self.idicts}.values())
+        self.dversions = None if _dict_version is None else list(map(_dict_version, self.dicts))
+        self.touched = list({id(o): o for o in (*self.dicts, *self.tensors, *self.mixers, *self.fusedobjs)}.values())
+        self.handles = -1   # (no hook dict looked at yet)
 
     def valid(self) -> bool:
         """Whether nothing the plan depends on changed (class docstring)."""
         if (self.nthreads != torch.get_num_threads() or self.training is not self.owner.training
-                or _fast.GLOBAL_HOOKS[0] or _fast.GLOBAL_HOOKS[1] or any(self.hookdicts)):
+                or _fast.GLOBAL_HOOKS[0] or _fast.GLOBAL_HOOKS[1]):
             return False
-        try:
-            if not all(map(operator.is_, map(operator.getitem, self.idicts, self.inames), self.iobjs)):
+        handles = _Handle.next_id
+        if handles != self.handles:
+            if any(self.hookdicts):
                 return False
-        except KeyError:
-            return False
+            self.handles = handles
+        tuple(self.touched)   # (the cache misses of every object below, overlapped)
+        if self.dversions is None or list(map(_dict_version, self.dicts)) != self.dversions:
+            try:
+                if not all(map(operator.is_, map(operator.getitem, self.idicts, self.inames), self.iobjs)):
+                    return False
+            except KeyError:
+                return False
+            if _dict_version is not None:   # (every entry as built: these versions stand for them until a write)
+                self.dversions = list(map(_dict_version, self.dicts))
         return (list(map(_data_ptr, self.tensors)) == self.ptrs
                 and list(map(_version_of, self.vtensors)) == self.versions
                 and all(map(operator.is_, map(_fused_value, self.fusedobjs), self.fused))
