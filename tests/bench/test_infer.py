@@ -266,20 +266,31 @@ def test_build_model_int8_activation_rows():
 
 
 def test_pages_notes_name_rows_whose_weights_missed_huge_pages():
-    """A row whose placed weights sit mostly on 4 KiB pages gets one note (once over its thread counts); rows on
-    2 MiB pages, rows nothing placed and rows whose page count is unknown get none."""
+    """A row whose placed weights sit mostly on 4 KiB pages where 2 MiB pages could cover them gets one note (once
+    over its thread counts); rows whose 2 MiB pages cover what they can (the storages' tails stay on 4 KiB pages),
+    rows nothing placed and rows whose page count is unknown get none."""
     from linattn.bench.infer import PAGES_SHORT, pages_notes
 
     def rec(engine, dtype, threads, wp):
         return {"engine": engine, "dtype": dtype, "threads": threads, "weights_pages": wp}
 
-    short = {"placed_bytes": 1_047_000_000, "huge_bytes": 174_000_000, "skipped": {}, "unavailable": None}
-    full = {"placed_bytes": 1_000_000_000, "huge_bytes": 1_000_000_000, "skipped": {}, "unavailable": None}
-    edge = {"placed_bytes": 100, "huge_bytes": int(PAGES_SHORT * 100), "skipped": {}, "unavailable": None}
-    unknown = {"placed_bytes": 100, "huge_bytes": None, "skipped": {}, "unavailable": "never"}
-    records = [rec("kernelize", "bf16", 1, short), rec("kernelize", "bf16", 2, short), rec("linattn", "bf16", 1, full),
-               rec("linattn", "fp32", 1, edge), rec("llama.cpp", "bf16", 1, None), rec("linattn", "int8", 1, unknown),
-               rec("kernelize", "fp32", 1, {"placed_bytes": 0, "huge_bytes": 0, "skipped": {}, "unavailable": None})]
+    def wp(placed, huge, capacity):
+        return {"placed_bytes": placed, "huge_bytes": huge, "huge_capacity": capacity, "skipped": {},
+                "unavailable": None}
+
+    short = wp(1_047_000_000, 174_000_000, 1_040_000_000)
+    tails = wp(344_000_000, 262_144_000, 262_144_000)   # (int4: every storage's tail past its last 2 MiB boundary)
+    edge = wp(100, int(PAGES_SHORT * 100), 100)
+    records = [rec("kernelize", "bf16", 1, short), rec("kernelize", "bf16", 2, short), rec("linattn", "int4", 1, tails),
+               rec("linattn", "fp32", 1, edge), rec("llama.cpp", "bf16", 1, None),
+               rec("linattn", "int8", 1, dict(tails, huge_bytes=None)), rec("kernelize", "fp32", 1, wp(0, 0, 0))]
     notes = pages_notes(records)
-    assert len(notes) == 1 and notes[0].startswith("note: kernelize bf16: 174 of 1,047 MB")
+    assert len(notes) == 1 and notes[0].startswith("note: kernelize bf16: 174 of the 1,040 MB")
     assert pages_notes([rec("linattn", "fp32", 1, dict(edge, huge_bytes=edge["huge_bytes"] - 1))])
+
+
+def test_huge_capacity_counts_whole_2mib_pages_of_each_range():
+    from linattn.cpu.hugepages import HUGE, PlacementReport
+
+    rep = PlacementReport(ranges=[(0, 3 * HUGE + 5), (10 * HUGE, HUGE - 1), (20 * HUGE + 4096, 2 * HUGE)])
+    assert rep.huge_capacity() == 3 * HUGE + 0 + HUGE   # (the third starts past a boundary: one whole page fits)

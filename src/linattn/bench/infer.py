@@ -263,11 +263,14 @@ def state_bytes(traffic: Optional[Dict[str, int]], context: float) -> Optional[f
 def weights_pages(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
     """Where a model's weights sit after its decode plan was built (`linattn.cpu.hugepages`' last report on it):
     {"placed_bytes" (on huge-page mappings), "huge_bytes" (the kernel's count of those on 2 MiB pages now),
-    "skipped" (bytes left in place, by reason), "unavailable"}, or None where nothing placed it."""
+    "huge_capacity" (the most of them 2 MiB pages can cover: each storage's tail past its last 2 MiB boundary
+    stays on 4 KiB pages), "skipped" (bytes left in place, by reason), "unavailable"}, or None where nothing placed
+    it."""
     rep = getattr(model, "_linattn_hugepages", None)
     if rep is None:
         return None
     return {"placed_bytes": rep.placed_bytes + rep.already_bytes, "huge_bytes": rep.huge_bytes(),
+            "huge_capacity": rep.huge_capacity(),
             "skipped": dict(rep.skipped), "unavailable": rep.reason}
 
 
@@ -599,20 +602,20 @@ PAGES_SHORT = 0.9
 
 def pages_notes(records) -> List[str]:
     """One line per (engine, dtype) whose weights were placed on huge-page mappings but of which the kernel gave
-    fewer than PAGES_SHORT on 2 MiB pages (it found too few free 2 MiB blocks, as after long runs that fragmented
-    memory): that row's decode then pays the 4 KiB pages' TLB misses and is not comparable with a run whose
-    weights sat on 2 MiB pages."""
+    fewer than PAGES_SHORT of what 2 MiB pages can cover (`huge_capacity`: it found too few free 2 MiB blocks, as
+    after long runs that fragmented memory): that row's decode then pays the 4 KiB pages' TLB misses and is not
+    comparable with a run whose weights got their 2 MiB pages."""
     out, seen = [], set()
     for r in records:
         wp, key = r.get("weights_pages"), (r["engine"], r["dtype"])
-        if key in seen or not wp or not wp.get("placed_bytes") or wp.get("huge_bytes") is None:
+        if key in seen or not wp or not wp.get("huge_capacity") or wp.get("huge_bytes") is None:
             continue
         seen.add(key)
-        if wp["huge_bytes"] < PAGES_SHORT * wp["placed_bytes"]:
-            out.append(f"note: {r['engine']} {r['dtype']}: {wp['huge_bytes'] / 1e6:,.0f} of "
-                       f"{wp['placed_bytes'] / 1e6:,.0f} MB of its weights on 2 MiB pages (the kernel had too few "
-                       f"free 2 MiB blocks): its rows read slower than with all on 2 MiB pages; rerun when memory "
-                       f"is less fragmented (as root: `echo 1 > /proc/sys/vm/compact_memory`)")
+        if wp["huge_bytes"] < PAGES_SHORT * wp["huge_capacity"]:
+            out.append(f"note: {r['engine']} {r['dtype']}: {wp['huge_bytes'] / 1e6:,.0f} of the "
+                       f"{wp['huge_capacity'] / 1e6:,.0f} MB of its weights that 2 MiB pages can cover are on them "
+                       f"(the kernel had too few free 2 MiB blocks): its rows read slower than with all on 2 MiB "
+                       f"pages; rerun when memory is less fragmented (as root: `echo 1 > /proc/sys/vm/compact_memory`)")
     return out
 
 

@@ -85,6 +85,11 @@ class PlacementReport:
         """/proc/self/smaps' AnonHugePages of the mappings holding `ranges` (None where unreadable)."""
         return huge_bytes(self.ranges)
 
+    def huge_capacity(self) -> int:
+        """The bytes of `ranges` that whole 2 MiB pages can cover (a storage's tail past its last 2 MiB boundary
+        sits on 4 KiB pages, however free memory is): what `huge_bytes()` reaches when the kernel grants all."""
+        return sum(max(0, ((a + n) // HUGE - -(-a // HUGE)) * HUGE) for a, n in self.ranges)
+
 
 def switched_on() -> bool:
     """False when `LINATTN_HUGEPAGES` is 0 / false / off / no (read at every call)."""
