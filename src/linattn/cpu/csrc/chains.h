@@ -1,10 +1,11 @@
 /* Chains: the threads of a kernel share a few long sequential jobs ("units": one (sequence, head) scan each) by
    claiming a unit for one run of its steps at a time, its carried state kept by the kernel in a shared array
-   between runs. A thread takes the free unit with the most steps left (the first from the claim cursor on
-   among equals: round robin), so the units advance together and end together, and a thread that the system deschedules (another process on its core, a CPU quota)
-   holds back one run of one unit while the others take the other units. There is no barrier inside the work: a
-   thread that finds every unfinished unit held sleeps briefly and tries again (la_wait: its core goes idle, so the
-   system can move a descheduled holder onto it; a spinning or yielding thread keeps the core looking busy).
+   between runs. A thread takes the free unit with the most steps left (the first from the claim cursor on among
+   equals: round robin), so the units advance together and end together, and a thread that the system deschedules
+   (another process on its core, a CPU quota) holds back one run of one unit while the others take the other units.
+   There is no barrier inside the work: a thread that finds every unfinished unit held sleeps briefly and tries
+   again (la_wait: its core goes idle, so the system can move a descheduled holder onto it; a spinning or yielding
+   thread keeps the core looking busy).
 
    Placement (la_team_t): the system may put two of a call's threads on one CPU while another CPU runs some other
    process. With no idle CPU a woken thread stays where it is or joins its waker, and the load balancer does not undo

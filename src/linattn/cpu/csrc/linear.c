@@ -80,11 +80,11 @@ static int64_t lin_chunks(int64_t N, const int64_t *starts, int64_t C, lin_chunk
      end: la_chains_run), its state kept in a shared array between runs, so that the units advance together and a
      descheduled thread holds back one run of one unit. A claim takes a whole aligned group of heads (lin_group: two
      pairs at B = 1, H = 4 on 2 threads) when all of them are free and stand at one position, and runs them side by
-     side, every chunk's heads in
-     turn, as one thread's pass runs all of them: one head's rows are 256 of every H * 256 bytes (K = 64, fp32), and a
-     thread that reads them alone pays for the pages and neighbouring lines of rows it does not use (measured at 1
-     thread: 4-15 % more CPU time than all heads in turn). Beside a waiting thread a claim takes one head
-     (la_chains_claim_group), so a descheduled thread still holds back one run of one head.
+     side, every chunk's heads in turn, as one thread's pass runs all of them: one head's rows are 256 of every
+     H * 256 bytes (K = 64, fp32), and a thread that reads them alone pays for the pages and neighbouring lines of
+     rows it does not use (measured at 1 thread: 4-15 % more CPU time than all heads in turn). Beside a waiting
+     thread a claim takes one head (la_chains_claim_group), so a descheduled thread still holds back one run of one
+     head.
    * fewer units than threads: each chunk's work in two halves, every (unit, chunk) task claimed from one
      counter in the order: every chunk's first half (the forward's state update, the backward's state-gradient
      part), unit by unit, then every chunk's second half (outputs, input gradients). The thread that finishes a
