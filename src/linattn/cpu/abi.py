@@ -276,6 +276,10 @@ LIBRARIES: Dict[str, Library] = {
         Fn("linattn_decode_moe_route", (c_i64,) * 3 + (c_int,) + (c_ptr,) * 3, typed=False),
         # R, E, k, groups, topk_groups, norm, scale, logits (float), bias (float) -> idx, w: router mode 2
         Fn("linattn_decode_moe_route_grouped", (c_i64,) * 5 + (c_int, c_double) + (c_ptr,) * 4, typed=False),
+        # (g46) plan, ids, S_in, w_in, S_a, w_a, S_b, w_b, logits, aux, n, eos, kv_win -> tokens: up to n greedy steps;
+        # returns the steps run, or -1 out of memory, -2 an id out of range, -3 a KV cache it cannot advance
+        Fn("linattn_decode_model_greedy", (_plan(ModelPlan),) + (c_ptr,) * 9 + (c_i64, c_i64, c_ptr, c_ptr),
+           restype=c_i64, status=False),
     ), {"block_plan": BlockPlan, "model_plan": ModelPlan}),
 }
 

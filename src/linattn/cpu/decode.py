@@ -25,8 +25,9 @@ from .abi import FUSED_PRODUCTS, KDA_MATRICES, PLAN_PARTS, WEIGHT_MATRICES, Bloc
 from .build import ENV_SWITCH, enabled
 
 __all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", "ModelPlan", "model_function",
-           "BETA_MODES", "FEATURE_MAPS", "FUSED_PRODUCTS", "KDA_MATRICES", "PLAN_PARTS", "WEIGHT_FORMATS",
-           "WEIGHT_MATRICES", "weight_matvec", "SECTIONS", "TIMING_SWITCH", "section_times", "timing_library"]
+           "greedy_function", "BETA_MODES", "FEATURE_MAPS", "FUSED_PRODUCTS", "KDA_MATRICES", "PLAN_PARTS",
+           "WEIGHT_FORMATS", "WEIGHT_MATRICES", "weight_matvec", "SECTIONS", "TIMING_SWITCH", "section_times",
+           "timing_library"]
 
 #: the feature maps the linear step computes (the C codes)
 from ..feature_codes import FUSED_MAPS as FEATURE_MAPS  # noqa: E402, I001 (one table, every path)
@@ -160,6 +161,18 @@ def model_function(dtype: torch.dtype):
         return None if lib is None else lib.function("linattn_decode_model", dtype)
     lib = timing_library()
     return None if lib is None else _timed_call(lib.function("linattn_decode_model", dtype))
+
+
+def greedy_function(dtype: torch.dtype):
+    """The compiled greedy loop for dtype (as `model_function`; csrc/decode.c, linattn_decode_model_greedy):
+    fn(byref(plan), ids, S_in, w_in, S_a, w_a, S_b, w_b, logits, aux, n, eos, kv_win, tokens) -> the steps run, or
+    -1 (out of memory), -2 (a token id out of range), -3 (a KV cache it cannot advance; -2, -3: nothing run). The
+    timing build's under `LINATTN_DECODE_TIMING`, its calls' wall time in "python seconds" as `model_function`'s."""
+    if not timing_requested():
+        lib = _library()
+        return None if lib is None else lib.function("linattn_decode_model_greedy", dtype)
+    lib = timing_library()
+    return None if lib is None else _timed_call(lib.function("linattn_decode_model_greedy", dtype))
 
 
 def _timed_call(fn):

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
 from ..cpu import decode as _cpu_decode, hugepages as _hugepages
+from ..errors import LinattnError
 from ..layers import fast_decode as _fast
 from ..layers.cache import Cache, KVCache, LayerCache
 from ..layers.common import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, mamba_neg_a
@@ -49,8 +50,8 @@ from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
 
 __all__ = ["AttentionDescription", "BlockDescription", "BlockPlanSlot", "ModelDescription", "ModelFastState",
            "ModelPending", "ModelPlanSlot", "PlanGuard", "block_token", "compute_dtype", "describe_softmax",
-           "finish_block_plan", "model_step", "model_weights_usable", "new_softmax_plan", "plan_addresser",
-           "plan_linear", "plan_pointers", "PLAN_POINTERS", "rebuilds", "set_weight", "StackedRows",
+           "finish_block_plan", "model_greedy", "model_step", "model_weights_usable", "new_softmax_plan",
+           "plan_addresser", "plan_linear", "plan_pointers", "PLAN_POINTERS", "rebuilds", "set_weight", "StackedRows",
            "state_layout", "stored_weights", "MoEDescription", "moe_usable"]
 
 #: the dtypes a plan reads weights in, and the dtype it computes in for each (bf16: fp32 accumulation and states)
@@ -1078,7 +1079,7 @@ class ModelPlanSlot:
     a copy or a pickle gets an empty slot, rebuilt on first use."""
 
     __slots__ = ("plan", "fn", "keep", "guard", "B", "dtype", "ldtype", "specs", "layouts", "layout", "spent",
-                 "planref", "att")
+                 "planref", "att", "gfn", "kv_win")
 
     def __init__(self):
         self.plan = self.spent = None
@@ -1186,6 +1187,9 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     slot.fn, slot.dtype, slot.ldtype = _cpu_decode.model_function(cdt), cdt, wdt
     slot.specs, slot.layouts = specs, {}
     slot.att = [(i, p) for i, p in enumerate(plans) if p.kind == 2]
+    slot.gfn = None   # (the greedy loop's function: bound on first use, `model_greedy`)
+    wins = [p.att.window or 0 if p.kind == 2 else 0 for p in plans]
+    slot.kv_win = (ctypes.c_int64 * len(plans))(*wins) if any(wins) else None
     slot.plan, slot.planref = mp, ctypes.byref(mp)
     slot.set_batch(B)
     return True
@@ -1331,6 +1335,15 @@ def _kv_args(slot: ModelPlanSlot, cache: Cache, B: int) -> Optional[list]:
     when an entry is not what the step writes (then the per-block path runs and reports it): the KV cache is
     written in place at its next row, as `KVCache.append` writes it, so its entries stay valid for every other
     path (a copy of the cache holds copied buffers), and its offset advances with it, on every token."""
+    out = _kv_check(slot, cache, B)
+    if out is not None:
+        _kv_point(slot, out, B)
+    return out
+
+
+def _kv_check(slot: ModelPlanSlot, cache: Cache, B: int) -> Optional[list]:
+    """`_kv_args`' checks: [plan, LayerCache, KVCache or None, offset, None] per softmax layer, or None when an entry
+    is not what the step writes; nothing written but a missing `LayerCache`."""
     layers, out = cache._layers, []
     for i, p in slot.att:
         att, d = p.att, layers[i]
@@ -1352,7 +1365,13 @@ def _kv_args(slot: ModelPlanSlot, cache: Cache, B: int) -> Optional[list]:
         elif not (off.shape == (B,) and off.dtype in (torch.int32, torch.int64) and off.device.type == "cpu"):
             return None
         out.append([p, lc, kv, off, None])
-    for rec in out:   # every layer checked: nothing was written before
+    return out
+
+
+def _kv_point(slot: ModelPlanSlot, out: list, B: int) -> None:
+    """`_kv_args`' writes, once every layer is checked (`_kv_check`): a new `KVCache` where there was none, room for
+    one more row, the plans' per-call fields."""
+    for rec in out:
         p, lc, kv, off, _ = rec
         att = p.att
         if kv is None:
@@ -1373,7 +1392,6 @@ def _kv_args(slot: ModelPlanSlot, cache: Cache, B: int) -> Optional[list]:
             lo = (L - 1 - pos).clamp(min=0 if att.window is None else max(0, L - att.window))
             rec[4] = (pos, lo)
             p.pos, p.lo = pos.data_ptr(), lo.data_ptr()
-    return out
 
 
 #: torch's count of the references to a storage (private: without it every token's buffer is a fresh one)
@@ -1441,9 +1459,52 @@ def model_step(model: nn.Module, ids: torch.Tensor, cache, logits_to_keep) -> Op
     gathers the entries. The blocks' arithmetic is the per-block step's (bit for bit); the final norm and head are
     C loops (the logits agree with torch's to rounding). A bf16 model computes in fp32 (states too) and returns
     bf16 logits."""
+    if type(logits_to_keep) is not int or logits_to_keep < 0:
+        return None
+    got = _step_inputs(model, ids, cache)
+    if got is None:
+        return None
+    slot, lo, buf_in, offsets, n, S_ptr, W_ptr, s_at = got
+    B = ids.shape[0]
+    kvs = _kv_args(slot, cache, B) if slot.att else ()
+    if kvs is None:
+        return None
+    if ids.dtype != torch.int64 or not ids.is_contiguous():
+        ids = ids.to(torch.int64).contiguous()
+    # every torch call before the compiled one: it streams all the weights through the caches, after which each
+    # torch call costs several times more (its code and data are fetched again); the same for freeing the
+    # previous step's buffers (`slot.spent` keeps them until the next token)
+    spent, slot.spent = slot.spent, None
+    cdt = lo.dtype
+    buf = reusable_buffer(spent, lo.n_state + lo.n_win, cdt)
+    logits = torch.empty(B, 1, lo.vocab, dtype=slot.ldtype)
+    aux = torch.empty((), dtype=torch.float32)   # zeroed by the call (torch.zeros costs a fill kernel's code)
+    out_ptr = buf.data_ptr()
+    slot.plan.s_in_at = None if s_at is None else ctypes.addressof(s_at)   # (every call: none left from another)
+    rc = slot.fn(slot.planref, ids.data_ptr(), S_ptr, W_ptr, out_ptr,
+                 out_ptr + lo.n_state * buf.element_size() if lo.n_win else None, logits.data_ptr(), aux.data_ptr())
+    if rc == 2:
+        return None   # a token id out of range: forward's checks report it
+    if rc:
+        raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
+    slot.spent = buf_in
+    for _, lc, kv, off, _ in kvs:   # the row the call wrote
+        kv.length += 1
+        lc.offset = off + 1
+    cache.pending = ModelPending(lo, buf, offsets, n)
+    cache.seen_tokens += 1
+    return logits, aux
+
+
+def _step_inputs(model: nn.Module, ids: torch.Tensor, cache) -> Optional[tuple]:
+    """What a whole-model step on `cache` reads, after `model_step`'s coverage checks (the plan built, or checked by
+    its guard, and set to the batch of ids `[B, 1]`): (slot, layout, the input buffer(s) the step's caller keeps
+    alive, the linear layers' offsets before the pending tokens, the pending tokens after this one, the states' and
+    windows' addresses, the per-layer state addresses `s_in_at` or None), or None where the step does not cover the
+    call. Writes nothing but a plan (and, through `Cache.layers`, a pending step of another layout)."""
     if (torch.is_grad_enabled() or type(cache) is not Cache or cache.rollback or not ids.is_cpu
-            or type(logits_to_keep) is not int or logits_to_keep < 0 or not getattr(model, "compiled_decode", True)
-            or torch.compiler.is_compiling() or not _cpu_decode.switched_on()):
+            or not getattr(model, "compiled_decode", True) or torch.compiler.is_compiling()
+            or not _cpu_decode.switched_on()):
         return None
     B = ids.shape[0]
     slot = _slot(model, "_model_plan", ModelPlanSlot)
@@ -1479,31 +1540,99 @@ def model_step(model: nn.Module, ids: torch.Tensor, cache, logits_to_keep) -> Op
             S_in = None
         S_ptr = None if S_in is None else S_in.data_ptr()
         W_ptr = None if W_in is None else W_in.data_ptr()
-    kvs = _kv_args(slot, cache, B) if slot.att else ()
-    if kvs is None:
+    return slot, lo, buf_in, offsets, n, S_ptr, W_ptr, s_at
+
+
+def model_greedy(model: nn.Module, ids: torch.Tensor, cache, n: int,
+                 eos_token_id: Optional[int] = None) -> Optional[tuple]:
+    """Greedy decoding of up to n tokens in ONE compiled call (csrc/decode.c, linattn_decode_model_greedy): n times
+    `model_step` on ids `[B, 1]` and then on each step's pick, the pick `argmax` of the step's logits as torch picks
+    it (the first index of the largest; a NaN counts as the largest; a bf16 model's picks on its bf16 logits), with
+    no Python between the tokens. With `eos_token_id` a row is finished once its input id or a pick was eos, a
+    finished row's pick is eos (as the models' `stream` feeds it), and the loop stops after the step where every row
+    is finished.
+
+    Returns (tokens `[B, steps]` int64, the last step's logits `[B, 1, vocab]`), steps <= n; the cache is left as
+    `steps` calls of `model_step` with those picks leave it (`seen_tokens`, the KV caches' rows, lengths and
+    offsets, the linear layers' offsets, a `ModelPending` counting every step); only the KV caches' capacity may
+    differ (their room for n rows is made up front). None where `model_step` would return None (the cache then
+    untouched but for the KV caches' room: with grad enabled too, so call it under `torch.no_grad`), and where
+    softmax layers' offsets are per row (a tensor: rows at different lengths). The plan's guard is checked once
+    for the call: nothing may change the model while it runs. A sliding window's cache drops its old rows at the
+    token where the per-token step drops them: the loop is one compiled call per stretch between those tokens (one
+    per `kv_chunk` tokens).
+
+    Raises:
+        LinattnError: ids not an int64 / int32 `[B, 1]` tensor, n not a positive int, eos_token_id not None or an
+            int >= 0.
+    """
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1
+            and ids.dtype in (torch.int64, torch.int32)):
+        raise LinattnError(f"model_greedy: ids must be an int64 tensor [B, 1], got "
+                           f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
+    if type(n) is not int or n < 1:
+        raise LinattnError(f"model_greedy: n must be an int >= 1 (the most tokens to decode), got {n!r}")
+    if eos_token_id is not None and (type(eos_token_id) is not int or eos_token_id < 0):
+        raise LinattnError(f"model_greedy: eos_token_id must be None or an int >= 0, got {eos_token_id!r}")
+    got = _step_inputs(model, ids, cache)
+    if got is None:
         return None
+    slot, lo, buf_in, offsets, n0, S_ptr, W_ptr, s_at = got
+    B = ids.shape[0]
+    kvs = _kv_check(slot, cache, B) if slot.att else []
+    if kvs is None or any(type(rec[3]) is not int for rec in kvs):
+        return None
+    fn = slot.gfn
+    if fn is None:
+        fn = slot.gfn = _cpu_decode.greedy_function(lo.dtype)
+        if fn is None:
+            return None
     if ids.dtype != torch.int64 or not ids.is_contiguous():
         ids = ids.to(torch.int64).contiguous()
-    # every torch call before the compiled one: it streams all the weights through the caches, after which each
-    # torch call costs several times more (its code and data are fetched again); the same for freeing the
-    # previous step's buffers (`slot.spent` keeps them until the next token)
     spent, slot.spent = slot.spent, None
-    cdt = lo.dtype
-    buf = reusable_buffer(spent, lo.n_state + lo.n_win, cdt)
+    size, cdt, esz = lo.n_state + lo.n_win, lo.dtype, lo.dtype.itemsize
+    pair = [reusable_buffer(spent, size, cdt), _hugepages.empty(size, cdt) if n > 1 else None]
     logits = torch.empty(B, 1, lo.vocab, dtype=slot.ldtype)
-    aux = torch.empty((), dtype=torch.float32)   # zeroed by the call (torch.zeros costs a fill kernel's code)
-    out_ptr = buf.data_ptr()
-    slot.plan.s_in_at = None if s_at is None else ctypes.addressof(s_at)   # (every call: none left from another)
-    rc = slot.fn(slot.planref, ids.data_ptr(), S_ptr, W_ptr, out_ptr,
-                 out_ptr + lo.n_state * buf.element_size() if lo.n_win else None, logits.data_ptr(), aux.data_ptr())
-    if rc == 2:
-        return None   # a token id out of range: forward's checks report it
-    if rc:
-        raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
-    slot.spent = buf_in
-    for _, lc, kv, off, _ in kvs:   # the row the call wrote
-        kv.length += 1
-        lc.offset = off + 1
-    cache.pending = ModelPending(lo, buf, offsets, n)
-    cache.seen_tokens += 1
-    return logits, aux
+    aux = torch.empty((), dtype=torch.float32)
+    eos = -1 if eos_token_id is None else eos_token_id
+    win = None if slot.kv_win is None else ctypes.addressof(slot.kv_win)
+    parts, done, last = [], 0, None
+    while done < n:
+        seg = n - done
+        if kvs:
+            _kv_point(slot, kvs, B)   # (room for one row: a window's cache drops its old rows as the step's would)
+            for p, _, kv, _, _ in kvs:
+                if p.att.window is not None:   # (the rows it can take before its next drop)
+                    seg = min(seg, p.att.window - 1 + kv.keep_extra + kv.chunk - kv.length)
+            for p, _, kv, _, _ in kvs:
+                kv.reserve(seg, kv.k, kv.v)
+                p.kc, p.vc, p.kv_cap = kv.k.data_ptr(), kv.v.data_ptr(), kv.k.shape[1]
+        a, b = pair if last is None else (pair[1] if last is pair[0] else pair[0], last)
+        tok = torch.empty(B, seg, dtype=torch.int64)
+        slot.plan.s_in_at = None if s_at is None or last is not None else ctypes.addressof(s_at)
+        a_ptr, b_ptr = a.data_ptr(), None if b is None else b.data_ptr()
+        got = fn(slot.planref, ids.data_ptr(), S_ptr, W_ptr, a_ptr, a_ptr + lo.n_state * esz if lo.n_win else None,
+                 b_ptr, b_ptr + lo.n_state * esz if lo.n_win and b_ptr is not None else None, logits.data_ptr(),
+                 aux.data_ptr(), seg, eos, win, tok.data_ptr())
+        if got == -2:
+            slot.spent = spent
+            return None   # a token id out of range (the first call only): forward's checks report it
+        if got < 0:
+            raise MemoryError("linattn: the compiled greedy decoding could not allocate its work buffers") \
+                if got == -1 else RuntimeError(f"internal: linattn_decode_model_greedy returned {got}")
+        last = a if got % 2 else b   # (the buffer of its last step: a after an odd count)
+        for rec in kvs:   # the rows the call wrote
+            rec[2].length += got
+            rec[1].offset = rec[3] = rec[3] + got
+        parts.append(tok if got == seg else tok[:, :got])
+        done += got
+        S_ptr = last.data_ptr()
+        W_ptr = S_ptr + lo.n_state * esz if lo.n_win else None
+        ids = parts[-1][:, -1:].contiguous()
+        if got < seg or (eos >= 0 and bool((ids == eos).all())):   # (every row finished, at the stretch's end)
+            break
+    # the token before last's buffer, for the next step (`reusable_buffer`); buf_in when one step ran
+    slot.spent = buf_in if done == 1 else pair[1] if last is pair[0] else pair[0]
+    cache.pending = ModelPending(lo, last, offsets, n0 + done - 1)
+    cache.seen_tokens += done
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), logits

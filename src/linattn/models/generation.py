@@ -80,14 +80,7 @@ def stream_tokens(model: torch.nn.Module, input_ids: Union[torch.Tensor, Sequenc
     `.cache` it may continue). Yields an int per step for a 1-D prompt, a `[B]` tensor for a
     `[B, T]` one; stops after max_new_tokens, or once every sequence has yielded eos_token_id.
     """
-    ids = torch.as_tensor(input_ids, dtype=torch.long, device=model_device(model))
-    single = ids.dim() == 1
-    if single:
-        ids = ids.unsqueeze(0)
-    if ids.dim() != 2 or ids.shape[1] == 0:
-        raise LinattnError(f"input_ids must be a non-empty [T] or [B, T] sequence of ids, got shape {tuple(ids.shape)}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise LinattnError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+    ids, single = _prompt(model, input_ids, max_new_tokens)
     gen = make_generator(seed if generator is None else generator, ids.device)
     was_training = model.training
     model.eval()
@@ -108,6 +101,59 @@ def stream_tokens(model: torch.nn.Module, input_ids: Union[torch.Tensor, Sequenc
                 out = forward(tok[:, None], out)
     finally:
         model.train(was_training)
+
+
+def _prompt(model: torch.nn.Module, input_ids, max_new_tokens) -> tuple:
+    """(ids `[B, T]`, whether the prompt was 1-D), the prompt and max_new_tokens checked."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=model_device(model))
+    single = ids.dim() == 1
+    if single:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise LinattnError(f"input_ids must be a non-empty [T] or [B, T] sequence of ids, got shape {tuple(ids.shape)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise LinattnError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+    return ids, single
+
+
+def greedy_tokens(model: torch.nn.Module, input_ids: Union[torch.Tensor, Sequence[int]], max_new_tokens: int,
+                  forward: Callable, decode_rest: Callable, top_k: Optional[int] = None,
+                  top_p: Optional[float] = None, generator: Union[torch.Generator, int, None] = None,
+                  seed: Optional[int] = None, eos_token_id: Optional[int] = None) -> List:
+    """`stream_tokens` at temperature 0, collected: the same tokens (and the same checks of the arguments), the
+    first from the prompt's logits, the rest from `decode_rest(tok [B, 1], out, n, eos_token_id)`: the next up to n
+    tokens `[B, k]` as the stream would yield them (a finished row's eos, stopping once every row is finished), in
+    one go, or None (then one `forward` per token, as the stream)."""
+    ids, single = _prompt(model, input_ids, max_new_tokens)
+    make_generator(seed if generator is None else generator, ids.device)   # (checked as the stream checks it)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = forward(ids, None)
+        tokens: List[torch.Tensor] = []
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        rest = None
+        for i in range(max_new_tokens):
+            with torch.no_grad():
+                tok = sample_next(out.logits[:, -1], 0.0, top_k, top_p)
+            if eos_token_id is not None:
+                tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
+                done = done | (tok == eos_token_id)
+            tokens.append(tok)
+            if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+                break
+            if i == 0:
+                with torch.no_grad():
+                    rest = decode_rest(tok[:, None], out, max_new_tokens - 1, eos_token_id)
+                if rest is not None:
+                    tokens += list(rest.unbind(1))
+                    break
+            with torch.no_grad():
+                out = forward(tok[:, None], out)
+    finally:
+        model.train(was_training)
+    return [int(t[0]) for t in tokens] if single else tokens
 
 
 def join_generated(model: torch.nn.Module, input_ids, tokens: List) -> torch.Tensor:

@@ -32,10 +32,11 @@ from ..layers.cache import model_layout
 from ..layers.common import FusedParams
 from ..layers.rwkv7 import RWKV7ChannelMix
 from ..ops._common import check_values
+from . import decode_plan
 from .config import LMConfig
 from .decode_plan import BlockDescription, ModelDescription, block_token, model_step, plan_linear
 from .family import CausalLM, register_family
-from .generation import join_generated, stream_tokens
+from .generation import greedy_tokens, join_generated, stream_tokens
 from .lobe import MemoryLobe
 from .moe import MoE
 from .registry import build_mixer, mixer_config_kwargs
@@ -513,7 +514,9 @@ class LanguageModel(nn.Module, CausalLM):
                  eos_token_id: Optional[int] = None) -> torch.Tensor:
         """Sample a continuation of a prompt.
 
-        Decoding is incremental: one prefill, then one token at a time from each layer's cached state.
+        Decoding is incremental: one prefill, then one token at a time from each layer's cached state. Greedy
+        decoding (temperature 0) of a model the compiled whole-model step covers runs every token after the first in
+        one compiled call (`decode_plan.model_greedy`): the tokens `stream` yields, without Python between them.
 
         Args:
             input_ids: The prompt, `[T]` (or a list of ints) or `[B, T]`.
@@ -528,6 +531,19 @@ class LanguageModel(nn.Module, CausalLM):
         Returns:
             Prompt followed by up to max_new_tokens sampled tokens (`[T + n]` or `[B, T + n]`).
         """
+        if temperature == 0 and self.is_causal:   # greedy: the tokens after the first in one compiled call
+            def forward(new_ids, out):   # (as `stream`'s)
+                return (self(new_ids, use_cache=True, logits_to_keep=1) if out is None
+                        else self(new_ids, cache=out.cache, logits_to_keep=1))
+
+            def rest(tok, out, n, eos):   # (None: not covered, the stream's per-token steps)
+                if eos is not None and (type(eos) is not int or eos < 0):
+                    return None
+                got = decode_plan.model_greedy(self, tok, out.cache, n, eos)
+                return None if got is None else got[0]
+
+            return join_generated(self, input_ids, greedy_tokens(self, input_ids, max_new_tokens, forward, rest, top_k,
+                                                                 top_p, generator, seed, eos_token_id))
         return join_generated(self, input_ids, list(self.stream(input_ids, max_new_tokens, temperature, top_k, top_p,
                                                                 generator, seed, eos_token_id)))
 

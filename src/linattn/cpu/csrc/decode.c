@@ -58,6 +58,13 @@ static inline double lt_now(void) {
     } while (0)
 /* t restarts (a callee timed its own sections) */
 #define LT_RESTART(t) ((t) = lt_now())
+/* the time since t to section s and to "total" (the greedy loop's own work between its whole-model steps, which
+   time themselves) */
+#define LT_GLUE(t, s)                                                                            \
+    do {                                                                                         \
+        const double n_ = lt_now();                                                              \
+        lt_sec[s] += n_ - (t), lt_sec[LT_TOTAL] += n_ - (t);                                     \
+    } while (0)
 #define LT_BYTES(n) (lt_pending += (double)(n))
 /* out[0 .. LT_N) seconds, out[LT_N .. 2 LT_N) bytes, out[2 LT_N] whole-model calls; reset after reading when reset.
    Returns LT_N (the sections' count). */
@@ -74,6 +81,7 @@ int64_t linattn_decode_timing(double *out, int reset) {
 #define LT_START(t) ((void)0)
 #define LT_LAP(t, s) ((void)0)
 #define LT_RESTART(t) ((void)0)
+#define LT_GLUE(t, s) ((void)0)
 #define LT_BYTES(n) ((void)0)
 #endif
 
@@ -1368,6 +1376,105 @@ int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, co
     ++lt_tokens;
 #endif
     return 0;
+}
+
+/* the first index of the largest of V logits (bf16 when bf16, else REAL), as torch.argmax picks it: a NaN counts as
+   the largest, the first NaN wins; ties go to the first index */
+static int64_t FN(argmax_row)(int bf16, const void *lg, int64_t V) {
+    int64_t best = 0;
+    REAL m = bf16 ? (REAL)bf16_to_f32(((const uint16_t *)lg)[0]) : ((const REAL *)lg)[0];
+    if (m != m) return 0;
+    for (int64_t i = 1; i < V; ++i) {
+        const REAL v = bf16 ? (REAL)bf16_to_f32(((const uint16_t *)lg)[i]) : ((const REAL *)lg)[i];
+        if (v != v) return i;
+        if (v > m) m = v, best = i;
+    }
+    return best;
+}
+
+/* Greedy decoding of up to n tokens in one call (llama.cpp's loop, without a Python crossing per token): n times the
+   whole-model step above, each step's input the last one's greedy pick.
+
+   Step t reads the states / windows S_in / w_in (t = 0; the plan's s_in_at too) or the other buffer of the pair
+   (S_a, w_a) / (S_b, w_b) it ping-pongs (step t writes S_a / w_a when t is even, S_b / w_b when odd; S_in / w_in are
+   never written), then picks row b's next id as torch.argmax does on the logits the step returns (bf16 logits for a
+   bf16 plan: on those), tokens[b n + t]; with eos >= 0 a row is finished once its input id at entry or a pick was
+   eos, and a finished row's pick is eos (as the models' `stream` feeds it), and the loop stops after the step where
+   every row is finished. The logits of the last step are in logits, as linattn_decode_model writes them.
+
+   The KV blocks (softmax attention, kind 2; latent attention, kind 7) advance their per-call fields between steps
+   as the caller sets them for the next token (models/decode_plan.py `_kv_args`): the row kv_len + 1, the position
+   pos0 + 1 and, with a window kv_win[l] > 0 (NULL: none), the first visible key max(0, kv_len + 2 - kv_win[l]). The
+   caller's plans stay const: those blocks run from copies this call owns (the model plan's block table too), whose
+   fields it writes. The caller makes room for n rows in every KV cache (kv_len + n <= kv_cap) and sets pos0 / lo0
+   (per-row pos / lo are not advanced here).
+
+   Returns the steps run (1 .. n; 0 for n <= 0), or -1 out of memory, -2 an input id outside [0, vocab), -3 a KV
+   block with per-row positions or without room for n rows (-2, -3: nothing run). In the timing build each step
+   counts as a token; the picks and the copies count in "logits" / "setup" / "teardown" and in "total". */
+int64_t FN(linattn_decode_model_greedy)(const linattn_model_plan *p, const int64_t *ids, const REAL *S_in,
+                                        const REAL *w_in, REAL *S_a, REAL *w_a, REAL *S_b, REAL *w_b, void *logits,
+                                        float *aux, int64_t n, int64_t eos, const int64_t *kv_win, int64_t *tokens) {
+    LT_START(lt);
+    const int64_t B = p->B, L = p->L, V = p->vocab;
+    if (n <= 0) return 0;
+    for (int64_t b = 0; b < B; ++b)
+        if (ids[b] < 0 || ids[b] >= V) return -2;
+    int64_t nkv = 0;
+    for (int64_t l = 0; l < L; ++l) {
+        const linattn_block_plan *q = p->blocks[l];
+        if (q->kind != 2 && q->kind != 7) continue;
+        if (q->pos || q->lo || q->kv_len + n > q->kv_cap) return -3;
+        ++nkv;
+    }
+    const linattn_block_plan **blk = (const linattn_block_plan **)malloc(sizeof(void *) * (size_t)L);
+    linattn_block_plan *own = (linattn_block_plan *)malloc(sizeof(linattn_block_plan) * (size_t)(nkv + 1));
+    int64_t *cur = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * B + L + 1)), *done = cur + B, *kvl = done + B;
+    if (!blk || !own || !cur) { free(blk); free(own); free(cur); return -1; }
+    int64_t k = 0;
+    for (int64_t l = 0; l < L; ++l) {   /* kvl[l]: the layer's copy in own, or -1 */
+        const linattn_block_plan *q = p->blocks[l];
+        kvl[l] = -1;
+        if (q->kind == 2 || q->kind == 7) own[k] = *q, kvl[l] = k, blk[l] = &own[k++];
+        else blk[l] = q;
+    }
+    linattn_model_plan mp = *p;
+    mp.blocks = blk;
+    for (int64_t b = 0; b < B; ++b) cur[b] = ids[b], done[b] = eos >= 0 && ids[b] == eos;
+    const int bf = p->wbf16;
+    const size_t lsize = bf ? sizeof(uint16_t) : sizeof(REAL);
+    int64_t t = 0, rc = 0;
+    LT_GLUE(lt, LT_SETUP);
+    while (t < n) {
+        REAL *So = (t & 1) ? S_b : S_a, *wo = (t & 1) ? w_b : w_a;
+        const REAL *Si = t == 0 ? S_in : (t & 1) ? S_a : S_b, *wi = t == 0 ? w_in : (t & 1) ? w_a : w_b;
+        const int r = FN(linattn_decode_model)(&mp, cur, Si, wi, So, wo, logits, aux);
+        if (r) { rc = r == 2 ? -2 : -1; break; }
+        LT_RESTART(lt);
+        mp.s_in_at = NULL;   /* (the first step's inputs only) */
+        int64_t left = 0;
+        for (int64_t b = 0; b < B; ++b) {
+            int64_t id = FN(argmax_row)(bf, (const char *)logits + (size_t)(b * V) * lsize, V);
+            if (done[b]) id = eos;
+            else if (eos >= 0 && id == eos) done[b] = 1;
+            left += !done[b];
+            tokens[b * n + t] = cur[b] = id;
+        }
+        for (int64_t l = 0; l < L; ++l) {
+            if (kvl[l] < 0) continue;
+            linattn_block_plan *q = &own[kvl[l]];
+            const int64_t w = kv_win ? kv_win[l] : 0;
+            q->kv_len += 1, q->pos0 += 1;
+            q->lo0 = w > 0 && q->kv_len + 1 - w > 0 ? q->kv_len + 1 - w : 0;
+        }
+        ++t;
+        LT_GLUE(lt, LT_LOGITS);
+        if (eos >= 0 && !left) break;
+    }
+    LT_RESTART(lt);
+    free(blk); free(own); free(cur);
+    LT_GLUE(lt, LT_TEARDOWN);
+    return rc ? rc : t;
 }
 
 #endif
