@@ -135,6 +135,8 @@ def test_bench_infer_tiny(tmp_path, capsys):
     assert "decode/floor+st" in out
     lr = rows[("llama.cpp", "fp32")]
     assert lr["decode_tok_s"] == 10.0
+    for r in data["records"]:   # linattn's rows decode in one compiled call per round, the others token by token
+        assert r["decode_path"] == {"linattn": "greedy", "llama.cpp": None}.get(r["engine"], "per-token")
     # its floor: the transformers model's bytes (the GGUF's weights) over the rounds' bandwidth, as every row's
     assert lr["bytes"] == rows[("transformers", "fp32")]["bytes"]
     assert lr["bandwidth_gbs"] == rows[("linattn", "fp32")]["bandwidth_gbs"] > 0
@@ -294,3 +296,26 @@ def test_huge_capacity_counts_whole_2mib_pages_of_each_range():
 
     rep = PlacementReport(ranges=[(0, 3 * HUGE + 5), (10 * HUGE, HUGE - 1), (20 * HUGE + 4096, 2 * HUGE)])
     assert rep.huge_capacity() == 3 * HUGE + 0 + HUGE   # (the third starts past a boundary: one whole page fits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_runner_greedy_path_decodes_the_per_token_tokens(dtype, monkeypatch):
+    """A linattn row's one compiled call (`model_greedy`) leaves the runner where the per-token loop leaves it: the
+    same next token, tokens seen and last state."""
+    from linattn.cpu import decode as cpu_decode
+    from linattn.models import decode_plan
+
+    if not cpu_decode.available():
+        pytest.skip("no C compiler: the compiled kernels are off")
+    s = infer.SHAPES["tiny"]
+    ids = torch.randint(0, s["vocab"], (1, 6), generator=torch.Generator().manual_seed(4))
+    runs = {}
+    for path in ("greedy", "per-token"):
+        if path == "per-token":
+            monkeypatch.setattr(decode_plan, "model_greedy", lambda *a, **k: None)
+        run = runs[path] = infer.Runner(infer.linattn_model(s, dtype, 0))
+        run.prefill(ids)
+        assert run.decode(5) > 0 and run.path == path
+    a, b = runs["greedy"], runs["per-token"]
+    assert torch.equal(a.tok, b.tok) and a.cache.seen_tokens == b.cache.seen_tokens == 11
+    assert torch.equal(a.cache.layers[0]["mixer"].state, b.cache.layers[0]["mixer"].state)

@@ -319,3 +319,21 @@ def test_generate_greedy_equals_the_per_token_stream(B, eos, monkeypatch):
     assert not calls   # (stream stays per token)
     got = model.generate(prompt, 10, temperature=0, eos_token_id=eos_id)
     assert calls and torch.equal(got, want)
+
+
+def test_timing_build_counts_each_step_as_a_token(monkeypatch):
+    """A plan built under LINATTN_DECODE_TIMING runs the timing build's loop: the same bits, each step one token,
+    the picks inside the call's "total" (the sections still add up to it)."""
+    monkeypatch.setenv(cpu_decode.TIMING_SWITCH, "1")
+    model = _model()
+    tok, cache = _prefill(model, 2)
+    twin = copy.deepcopy(cache)
+    want, want_logits = _reference(model, tok, cache, 6)
+    cpu_decode.section_times(reset=True)
+    tokens, logits = _greedy(model, tok, twin, 6)
+    st = cpu_decode.section_times()
+    assert torch.equal(tokens, want) and torch.equal(logits, want_logits)
+    _same_cache(cache, twin)
+    sec = st["seconds"]
+    assert st["tokens"] == 6 and sec["logits"] > 0 and st["python seconds"] >= sec["total"] > 0
+    assert sum(v for k, v in sec.items() if k != "total") <= sec["total"] * 1.001 + 1e-6

@@ -25,7 +25,11 @@ The floor of a decoded token (the one definition `linattn bench decode` uses too
   sit on 4 KiB pages. The JSON's `bandwidth_pages` says how much of it the kernel put on huge pages.
 
 Per round, every row in turn: one prefill of --prompt tokens (timed: prompt tok/s), then --decode greedy tokens
-on its cache (timed: decode tok/s), then one bandwidth pass; the table gives medians over --repeats rounds. The
+on its cache (timed: decode tok/s), then one bandwidth pass; the table gives medians over --repeats rounds.
+linattn's rows decode their tokens as its `generate(temperature=0)` does, all in one compiled call
+(`decode_plan.model_greedy`: the whole-model step and the argmax in a C loop, no Python between tokens) where the
+whole-model step covers the model, else one forward and one argmax per token as the transformers rows; the table's
+"path" column and the JSON's `decode_path` say which ("greedy", "per-token"). The
 shapes: "qwen3.5-530m" (hidden 1024, 24 layers of 3 Gated DeltaNet : 1 gated softmax attention, Qwen3.5-0.8B's
 head layout, intermediate 3584, vocab 32k, tied head: 530M parameters), "qwen3.5-small" (the same layout at width
 512, 8 layers, vocab 8k: 37M parameters, for a quick look) and "tiny" (for tests).
@@ -311,7 +315,10 @@ def build_row(engine: str, shape: Dict[str, int], dtype: torch.dtype, seed: int)
 
 
 class Runner:
-    """Prefill then greedy decode of one model: `prefill(ids)` keeps the cache and the next token, `decode(n)`."""
+    """Prefill then greedy decode of one model: `prefill(ids)` keeps the cache and the next token, `decode(n)`. A
+    linattn model decodes its n tokens in one compiled call where the whole-model step covers it
+    (`decode_plan.model_greedy`), else token by token, as transformers' models; `path` says which the last `decode`
+    took ("greedy", "per-token")."""
 
     def __init__(self, model: torch.nn.Module):
         self.model, self.hf = model, hasattr(model, "get_input_embeddings")
@@ -320,7 +327,7 @@ class Runner:
 
             params = inspect.signature(type(model).forward).parameters   # (kernelize wraps the instance's forward)
             self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.cache = self.tok = None
+        self.cache = self.tok = self.path = None
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> None:
@@ -334,8 +341,19 @@ class Runner:
 
     @torch.no_grad()
     def decode(self, n: int) -> float:
-        """n greedy tokens; returns the seconds spent in the model's calls (the rest of the loop: the argmax)."""
+        """n greedy tokens; returns the seconds spent in the model's calls (the rest of the loop: the argmax; the
+        greedy path: `model_greedy`'s call, its picks inside)."""
         clock, inside = time.perf_counter, 0.0
+        if not self.hf:
+            from ..models.decode_plan import model_greedy
+
+            t0 = clock()
+            got = model_greedy(self.model, self.tok, self.cache, n)
+            inside = clock() - t0
+            if got is not None:
+                self.tok, self.path = got[0][:, -1:], "greedy"
+                return inside
+        self.path = "per-token"
         for _ in range(n):
             t0 = clock()
             if self.hf:
@@ -520,7 +538,8 @@ def _records(rows, a, bws) -> List[Dict[str, Any]]:
                         "floor_ms": floor_ms, "over_floor": None if floor_ms is None else dec * 1e3 / floor_ms,
                         "state_bytes": st, "floor_states_ms": floor_st,
                         "over_floor_states": None if floor_st is None else dec * 1e3 / floor_st,
-                        "bandwidth_gbs": bw / 1e9, "weights_pages": row.get("weights_pages")})
+                        "bandwidth_gbs": bw / 1e9, "weights_pages": row.get("weights_pages"),
+                        "decode_path": row["runner"].path if "runner" in row else None})
             if a.profile:
                 out[-1]["sections"] = profile_sections(row.get("sections", {}).get(t, []), a.decode)
     return out
@@ -539,7 +558,9 @@ def profile_sections(runs, tokens: int) -> Optional[Dict[str, Dict[str, float]]]
     outside it: "ctypes" (crossing into and out of the C function), "forward, python" (the model's forward around
     the call: the plan's guard, the buffers, the cache's bookkeeping), "loop" (the decode loop around the forward:
     the argmax), their sum "outside call", and "decode" (the round's wall time); None when no round ran the timing
-    build (a row without a whole-model plan)."""
+    build (a row without a whole-model plan). A row on the greedy path (`Runner.path`) makes one call for all its
+    tokens: the C loop's picks count in "logits" (and its copies in "setup" / "teardown") inside the call, "ctypes"
+    is one crossing, "forward, python" `model_greedy`'s Python once, "loop" the runner around it."""
     got = sorted(((wall, inside, st) for wall, inside, st in runs if st is not None and st["tokens"] > 0),
                  key=lambda r: r[0])
     if not got:
@@ -590,10 +611,10 @@ def _table(records) -> str:
     rows = [[r["engine"], r["dtype"], r["threads"], f"{r.get('prompt_tok_s') or 0:,.1f}",
              f"{r.get('decode_tok_s') or 0:,.2f}", common.fmt_ms(r.get("floor_ms")), _ratio(r.get("over_floor")),
              common.fmt_ms(r.get("floor_states_ms")), _ratio(r.get("over_floor_states")),
-             "-" if r.get("bandwidth_gbs") is None else f"{r['bandwidth_gbs']:.1f}"]
+             "-" if r.get("bandwidth_gbs") is None else f"{r['bandwidth_gbs']:.1f}", r.get("decode_path") or "-"]
             for r in records]
     return common.format_table(["engine", "dtype", "threads", "prompt tok/s", "decode tok/s", "floor ms",
-                                "decode/floor", "floor+st ms", "decode/floor+st", "read GB/s"], rows)
+                                "decode/floor", "floor+st ms", "decode/floor+st", "read GB/s", "path"], rows)
 
 
 #: a row whose placed weights sit less than this share on 2 MiB pages gets a note under the table
