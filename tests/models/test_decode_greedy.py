@@ -37,8 +37,9 @@ def _model(mixers=HYBRID, dtype="fp32", tie=False, seed=0):
                 p.add_(0.1 * torch.randn_like(p))
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
-    elif dtype in ("int8", "int4"):
-        model = quantize(model, dtype, activations="float", inplace=True)
+    elif dtype in ("int8", "int4", "int8-a8"):   # (-a8: x rounded to int8 per block of 32 in the products)
+        mode, _, a8 = dtype.partition("-")
+        model = quantize(model, mode, activations="int8" if a8 else "float", inplace=True)
     return model
 
 
@@ -121,7 +122,7 @@ def _same_cache(ref, got):
 
 
 @pytest.mark.parametrize("B", [1, 2])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8", "int4", "int8-a8"])
 def test_greedy_equals_per_token_steps_bit_for_bit(dtype, B):
     model = _model(HYBRID_INT4 if dtype == "int4" else HYBRID, dtype)
     tok, cache = _prefill(model, B)
