@@ -1188,7 +1188,7 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     slot.specs, slot.layouts = specs, {}
     slot.att = [(i, p) for i, p in enumerate(plans) if p.kind == 2]
     slot.gfn = None   # (the greedy loop's function: bound on first use, `model_greedy`)
-    wins = [p.att.window or 0 if p.kind == 2 else 0 for p in plans]
+    wins = [(p.att.window or 0) if p.kind == 2 else 0 for p in plans]
     slot.kv_win = (ctypes.c_int64 * len(plans))(*wins) if any(wins) else None
     slot.plan, slot.planref = mp, ctypes.byref(mp)
     slot.set_batch(B)
