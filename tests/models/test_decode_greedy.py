@@ -18,18 +18,20 @@ from linattn.models.decode_plan import ModelPending, model_greedy, model_step
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
 VOCAB = 64
-#: the hybrid: every recurrent kind the whole-model step covers, softmax attention, and a sliding window of 3 whose
-#: cache grows by 2 rows (so it drops its old rows every 2 tokens: `model_greedy` splits its loop there)
+#: the hybrid: every recurrent kind the whole-model step covers, softmax attention whose cache grows by 3 rows (by
+#: half its size every few tokens), and a sliding window of 3 whose cache grows by 2 rows (so it drops its old rows
+#: every 2 tokens): `model_greedy` splits its loop at those tokens
 HYBRID = ["gated-deltanet", "softmax", "swa", "retnet", "mamba2", "kda", "linear-elu+1"]
 #: int4 at this width: the step does not cover Gated DeltaNet's and KDA's mixed-format projections
 HYBRID_INT4 = ["softmax", "swa", "retnet", "mamba2", "linear-elu+1"]
 
 
-def _model(mixers=HYBRID, dtype="fp32", tie=False, seed=0):
+def _model(mixers=HYBRID, dtype="fp32", tie=False, seed=0, kv_chunk=3):
     torch.manual_seed(seed)
     model = LanguageModel(LMConfig(vocab_size=VOCAB, d_model=64, n_layers=len(mixers), n_heads=2, mixer=mixers,
                                    ffn_hidden=128, tie_embeddings=tie,
-                                   mixer_kwargs={"swa": dict(window=3, kv_chunk=2)})).eval()
+                                   mixer_kwargs={"swa": dict(window=3, kv_chunk=2),
+                                                 "softmax": dict(kv_chunk=kv_chunk)})).eval()
     with torch.no_grad():   # (varied picks: larger logits than the initialisation's)
         model.embed.weight.mul_(8.0)
         for n, p in model.named_parameters():
@@ -92,6 +94,7 @@ def _same(a, b, what):
         assert torch.equal(_bits(a), _bits(b)), what
     elif isinstance(a, KVCache):
         assert (a.length, a.start, a.window, a.chunk) == (b.length, b.start, b.window, b.chunk), what
+        assert (a.k is None) == (b.k is None) and (a.k is None or a.k.shape == b.k.shape), what + " capacity"
         if a.k is not None:
             _same(a.k[:, :a.length], b.k[:, :b.length], what + " keys")
             _same(a.v[:, :a.length], b.v[:, :b.length], what + " values")
@@ -338,3 +341,30 @@ def test_timing_build_counts_each_step_as_a_token(monkeypatch):
     sec = st["seconds"]
     assert st["tokens"] == 6 and sec["logits"] > 0 and st["python seconds"] >= sec["total"] > 0
     assert sum(v for k, v in sec.items() if k != "total") <= sec["total"] * 1.001 + 1e-6
+
+
+def test_one_compiled_call_while_the_kv_caches_have_room(monkeypatch):
+    """16 tokens on caches with room for them: one call of the greedy loop, no per-token step; a window's cache that
+    drops its rows every 2 tokens: a call per stretch between drops."""
+    counts = {"greedy": 0}
+    inner = cpu_decode.greedy_function
+
+    def greedy_function(dtype):
+        fn = inner(dtype)
+
+        def counted(*a):
+            counts["greedy"] += 1
+            return fn(*a)
+        return counted
+    monkeypatch.setattr(cpu_decode, "greedy_function", greedy_function)
+    for mixers in (["gated-deltanet", "softmax"], ["gated-deltanet", "swa"]):
+        counts["greedy"] = 0
+        model = _model(mixers, kv_chunk=256)
+        tok, cache = _prefill(model, 1)
+        twin = copy.deepcopy(cache)
+        tokens, _ = _greedy(model, tok, twin, 16)
+        assert tokens.shape == (1, 16)
+        assert (counts["greedy"] == 1) if mixers[1] == "softmax" else (counts["greedy"] > 4)
+        want, _ = _reference(model, tok, cache, 16)
+        assert torch.equal(tokens, want)
+        _same_cache(cache, twin)

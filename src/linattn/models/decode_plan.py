@@ -1553,14 +1553,14 @@ def model_greedy(model: nn.Module, ids: torch.Tensor, cache, n: int,
     is finished.
 
     Returns (tokens `[B, steps]` int64, the last step's logits `[B, 1, vocab]`), steps <= n; the cache is left as
-    `steps` calls of `model_step` with those picks leave it (`seen_tokens`, the KV caches' rows, lengths and
-    offsets, the linear layers' offsets, a `ModelPending` counting every step); only the KV caches' capacity may
-    differ (their room for n rows is made up front). None where `model_step` would return None (the cache then
-    untouched but for the KV caches' room: with grad enabled too, so call it under `torch.no_grad`), and where
-    softmax layers' offsets are per row (a tensor: rows at different lengths). The plan's guard is checked once
-    for the call: nothing may change the model while it runs. A sliding window's cache drops its old rows at the
-    token where the per-token step drops them: the loop is one compiled call per stretch between those tokens (one
-    per `kv_chunk` tokens).
+    `steps` calls of `model_step` with those picks leave it (`seen_tokens`, the KV caches' rows, lengths, offsets
+    and capacities, the linear layers' offsets, a `ModelPending` counting every step). None where `model_step` would
+    return None (the cache then untouched but for a KV cache's room for one row: with grad enabled too, so call it
+    under `torch.no_grad`), and where softmax layers' offsets are per row (a tensor: rows at different lengths). The
+    plan's guard is checked once for the call: nothing may change the model while it runs. The KV caches make room
+    at the tokens where the per-token step makes it (a full buffer grows by half, a sliding window drops its old
+    rows every `kv_chunk` tokens): the loop is one compiled call per stretch between those tokens, so a long decode
+    is a few calls, and its KV memory grows as the per-token step's, not by n rows up front.
 
     Raises:
         LinattnError: ids not an int64 / int32 `[B, 1]` tensor, n not a positive int, eos_token_id not None or an
@@ -1599,14 +1599,12 @@ def model_greedy(model: nn.Module, ids: torch.Tensor, cache, n: int,
     parts, done, last = [], 0, None
     while done < n:
         seg = n - done
-        if kvs:
-            _kv_point(slot, kvs, B)   # (room for one row: a window's cache drops its old rows as the step's would)
+        if kvs:   # room for one row, made as the per-token step makes it (a window drops its old rows, a full
+            _kv_point(slot, kvs, B)   # buffer grows by half): the stretch runs while every cache has room as is
             for p, _, kv, _, _ in kvs:
+                seg = min(seg, kv.k.shape[1] - kv.length)
                 if p.att.window is not None:   # (the rows it can take before its next drop)
                     seg = min(seg, p.att.window - 1 + kv.keep_extra + kv.chunk - kv.length)
-            for p, _, kv, _, _ in kvs:
-                kv.reserve(seg, kv.k, kv.v)
-                p.kc, p.vc, p.kv_cap = kv.k.data_ptr(), kv.v.data_ptr(), kv.k.shape[1]
         a, b = pair if last is None else (pair[1] if last is pair[0] else pair[0], last)
         tok = torch.empty(B, seg, dtype=torch.int64)
         slot.plan.s_in_at = None if s_at is None or last is not None else ctypes.addressof(s_at)
