@@ -61,6 +61,12 @@ static inline vline_f32 i8_line(const int8_t *w) {
     Q_LOAD16(v, w);
     return __builtin_convertvector(__builtin_convertvector(v, vq_i32), vline_f32);
 }
+#if defined(LINE_YMM)
+/* 8 int8 weights widened to fp32 (decode.c's LINE_YMM: AVX2 without AVX-512) */
+static inline __m256 i8_ymm(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)w)));
+}
+#endif
 #endif
 
 /* the r rows i0, i0 + stride, ... (q_step_rows) of y = add + W x + bias, W int8 [n, m] with per-row scales s (bf16) */
@@ -81,6 +87,21 @@ static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, int64_
         if (r == 4) {
             const int8_t *w0 = W + row[0] * m, *w1 = W + row[1] * m, *w2 = W + row[2] * m, *w3 = W + row[3] * m;
             vline_f32 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+#if defined(LINE_YMM)
+            __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
+            for (int64_t j = 0; j < mv; j += 16) {
+                if (b == 0 && (j & 63) == 0) {   /* a line of each stream per 4 steps */
+                    Q_PF(w0 + j, end); Q_PF(w1 + j, end);
+                    Q_PF(w2 + j, end); Q_PF(w3 + j, end);
+                }
+                const __m256 xl = _mm256_loadu_ps(xb + j), xh = _mm256_loadu_ps(xb + j + 8);
+                l0 = _mm256_fmadd_ps(i8_ymm(w0 + j), xl, l0); h0 = _mm256_fmadd_ps(i8_ymm(w0 + j + 8), xh, h0);
+                l1 = _mm256_fmadd_ps(i8_ymm(w1 + j), xl, l1); h1 = _mm256_fmadd_ps(i8_ymm(w1 + j + 8), xh, h1);
+                l2 = _mm256_fmadd_ps(i8_ymm(w2 + j), xl, l2); h2 = _mm256_fmadd_ps(i8_ymm(w2 + j + 8), xh, h2);
+                l3 = _mm256_fmadd_ps(i8_ymm(w3 + j), xl, l3); h3 = _mm256_fmadd_ps(i8_ymm(w3 + j + 8), xh, h3);
+            }
+            a0 = vline_of(l0, h0); a1 = vline_of(l1, h1); a2 = vline_of(l2, h2); a3 = vline_of(l3, h3);
+#else
             for (int64_t j = 0; j < mv; j += 16) {
                 if (b == 0 && (j & 63) == 0) {   /* a line of each stream per 4 steps */
                     Q_PF(w0 + j, end); Q_PF(w1 + j, end);
@@ -90,6 +111,7 @@ static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, int64_
                 a0 += i8_line(w0 + j) * xv; a1 += i8_line(w1 + j) * xv;
                 a2 += i8_line(w2 + j) * xv; a3 += i8_line(w3 + j) * xv;
             }
+#endif
             acc[0] = vsum_f32(a0); acc[1] = vsum_f32(a1); acc[2] = vsum_f32(a2); acc[3] = vsum_f32(a3);
         } else
             for (int k = 0; k < r; ++k) {
