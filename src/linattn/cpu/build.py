@@ -2,7 +2,8 @@
 
 `load_library(name)` -> `ctypes.CDLL` of `csrc/<name>.c`, or None (the caller then uses PyTorch):
 
-* compiler: `$CC`, else `cc`; flags `-O3 -march=native -fopenmp -shared -fPIC`, retried without
+* compiler: `$CC`, else `cc`; flags `-O3 -march=native -fopenmp -shared -fPIC` (and `-fno-trapping-math` where
+  the build targets no AVX-512: `NO_MASK_FLAGS`), retried without
   `-march=native` and then without OpenMP (`-fopenmp-simd` keeps the simd pragmas) when refused (a compiler
   that runs past its time limit refused nothing: that build fails and nothing is cached, so a loaded machine
   never leaves a slower library in the cache).
@@ -49,6 +50,11 @@ BASE_FLAGS = ("-O3", "-std=c11", "-ffp-contract=fast", "-shared", "-fPIC")  # FM
 # tried in order; the first set the compiler accepts wins (the key hashes the one that built)
 FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native", "-fopenmp-simd"), ("-fopenmp-simd",), ())
 ENV_SWITCH = "LINATTN_CPU_KERNELS"
+#: added to a build that targets no AVX-512 (a CPU without it, or a flag set without -march=native): GCC will not
+#: if-convert a loop whose floating-point operations it would have to run speculatively unless it may assume they
+#: do not trap (AVX-512's masks let it otherwise), so every clamp in `la_expf` left SiLU, the gates and elu+1 scalar
+#: on AVX2. It changes no result (the same IEEE operations; no reassociation), only which loops vectorise.
+NO_MASK_FLAGS = ("-fno-trapping-math",)
 
 _LOCK = threading.Lock()
 _LOADED: Dict[str, Optional[ctypes.CDLL]] = {}
@@ -106,6 +112,22 @@ def _machine() -> str:
     return "\n".join(parts)
 
 
+def _has_avx512() -> bool:
+    """The CPU reports AVX-512F (x86 Linux: /proc/cpuinfo's flags)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.split(":")[0].strip() == "flags":
+                return "avx512f" in line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return False
+
+
+def target_flags(flags: Tuple[str, ...]) -> Tuple[str, ...]:
+    """One of `FLAG_SETS` with `NO_MASK_FLAGS` added unless it builds for this CPU and the CPU has AVX-512."""
+    return tuple(flags) if "-march=native" in flags and _has_avx512() else (*flags, *NO_MASK_FLAGS)
+
+
 def _sources(name: str, src_dir: Path) -> bytes:
     data = (src_dir / f"{name}.c").read_bytes()
     for h in sorted(src_dir.glob("*.h")):
@@ -116,7 +138,7 @@ def _sources(name: str, src_dir: Path) -> bytes:
 def _key(src: bytes, cc: Tuple[str, ...], version: str) -> str:
     h = hashlib.sha256()
     for part in (src, " ".join(cc).encode(), version.encode(), _machine().encode(), " ".join(BASE_FLAGS).encode(),
-                 repr(FLAG_SETS).encode()):
+                 repr([target_flags(f) for f in FLAG_SETS]).encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:20]
@@ -238,7 +260,7 @@ def _compile_into(name: str, cc, src_dir: Path, target: Path, rebuilt: Optional[
     tmp = folder / f"{TMP_PREFIX}{name}.so.{os.getpid()}"
     t0 = time.perf_counter()
     errors = []
-    for flags in FLAG_SETS:
+    for flags in map(target_flags, FLAG_SETS):
         ok, msg = _compile(cc, src_dir / f"{name}.c", tmp, flags)
         if ok:
             _durable(tmp)

@@ -61,6 +61,12 @@ static inline vline_f32 i8_line(const int8_t *w) {
     Q_LOAD16(v, w);
     return __builtin_convertvector(__builtin_convertvector(v, vq_i32), vline_f32);
 }
+#if defined(LINE_YMM)
+/* 8 int8 weights widened to fp32 (decode.c's LINE_YMM: AVX2 without AVX-512) */
+static inline __m256 i8_ymm(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)w)));
+}
+#endif
 #endif
 
 /* the r rows i0, i0 + stride, ... (q_step_rows) of y = add + W x + bias, W int8 [n, m] with per-row scales s (bf16) */
@@ -81,6 +87,21 @@ static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, int64_
         if (r == 4) {
             const int8_t *w0 = W + row[0] * m, *w1 = W + row[1] * m, *w2 = W + row[2] * m, *w3 = W + row[3] * m;
             vline_f32 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+#if defined(LINE_YMM)
+            __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
+            for (int64_t j = 0; j < mv; j += 16) {
+                if (b == 0 && (j & 63) == 0) {   /* a line of each stream per 4 steps */
+                    Q_PF(w0 + j, end); Q_PF(w1 + j, end);
+                    Q_PF(w2 + j, end); Q_PF(w3 + j, end);
+                }
+                const __m256 xl = _mm256_loadu_ps(xb + j), xh = _mm256_loadu_ps(xb + j + 8);
+                l0 = _mm256_fmadd_ps(i8_ymm(w0 + j), xl, l0); h0 = _mm256_fmadd_ps(i8_ymm(w0 + j + 8), xh, h0);
+                l1 = _mm256_fmadd_ps(i8_ymm(w1 + j), xl, l1); h1 = _mm256_fmadd_ps(i8_ymm(w1 + j + 8), xh, h1);
+                l2 = _mm256_fmadd_ps(i8_ymm(w2 + j), xl, l2); h2 = _mm256_fmadd_ps(i8_ymm(w2 + j + 8), xh, h2);
+                l3 = _mm256_fmadd_ps(i8_ymm(w3 + j), xl, l3); h3 = _mm256_fmadd_ps(i8_ymm(w3 + j + 8), xh, h3);
+            }
+            a0 = vline_of(l0, h0); a1 = vline_of(l1, h1); a2 = vline_of(l2, h2); a3 = vline_of(l3, h3);
+#else
             for (int64_t j = 0; j < mv; j += 16) {
                 if (b == 0 && (j & 63) == 0) {   /* a line of each stream per 4 steps */
                     Q_PF(w0 + j, end); Q_PF(w1 + j, end);
@@ -90,6 +111,7 @@ static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, int64_
                 a0 += i8_line(w0 + j) * xv; a1 += i8_line(w1 + j) * xv;
                 a2 += i8_line(w2 + j) * xv; a3 += i8_line(w3 + j) * xv;
             }
+#endif
             acc[0] = vsum_f32(a0); acc[1] = vsum_f32(a1); acc[2] = vsum_f32(a2); acc[3] = vsum_f32(a3);
         } else
             for (int k = 0; k < r; ++k) {
@@ -416,6 +438,42 @@ static int a8_round_row(int64_t m, const float *x, int8_t *q, float *s) {
         _mm_storeu_si128((__m128i *)(void *)(q + j0), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r0)));
         _mm_storeu_si128((__m128i *)(void *)(q + j0 + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r1)));
     }
+#elif defined(__AVX2__) && !defined(LINATTN_PLAIN_C)
+    /* AVX2: the same operations 8 at a time (the scalar loop's division and nearbyintf per input were ~7 us of
+       every call at 1024 inputs, more than a 256-row product's arithmetic) */
+    const __m256 fmax = _mm256_set1_ps(FLT_MAX), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f),
+                 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (; j0 + A8_BLOCK <= m; j0 += A8_BLOCK, ++b) {
+        __m256 v[4], mxv = _mm256_setzero_ps();
+        int finite = 0xFF;
+        for (int k = 0; k < 4; ++k) {
+            v[k] = _mm256_loadu_ps(x + j0 + 8 * k);
+            const __m256 a = _mm256_and_ps(v[k], absm);
+            finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, fmax, _CMP_LE_OQ));
+            mxv = _mm256_max_ps(mxv, a);
+        }
+        if (finite != 0xFF) return 0;
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mxv), _mm256_extractf128_ps(mxv, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float mx = _mm_cvtss_f32(h);
+        float sc = mx / 127.0f;
+        while (sc * 127.0f < mx) sc = nextafterf(sc, INFINITY);
+        s[b] = sc;
+        if (!(sc > 0)) {
+            memset(q + j0, 0, A8_BLOCK);
+            continue;
+        }
+        const __m256 sv = _mm256_set1_ps(sc);
+        __m256i r[4];
+        for (int k = 0; k < 4; ++k)
+            r[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
+                _mm256_round_ps(_mm256_div_ps(v[k], sv), _MM_FROUND_CUR_DIRECTION), nlim), lim));
+        /* in [-127, 127]: the saturating packs are exact; they interleave 128-bit halves, which `order` undoes */
+        const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+        _mm256_storeu_si256((__m256i *)(void *)(q + j0), _mm256_permutevar8x32_epi32(p8, order));
+    }
 #endif
     for (; j0 < m; j0 += A8_BLOCK, ++b)
         if (!a8_round_block(j0, j0 + A8_BLOCK < m ? j0 + A8_BLOCK : m, x, q, s + b)) return 0;
@@ -443,18 +501,31 @@ static int a8_prepare(int int4, int64_t B, int64_t m, const float *x, a8_x *p) {
             free(p->mem);
             return 0;
         }
-        for (int64_t l = 0; l < p->nl; ++l) {
-            int32_t sum = 0;
-            for (int64_t j = l * lw; j < (l + 1) * lw; ++j) sum += q[j];
-            p->ls[b * p->nl + l] = s[l * lw / A8_BLOCK];
-            p->lc[b * p->nl + l] = int4 ? -8 * sum : -128 * sum;
-        }
+        float *ls = p->ls + b * p->nl;
+        int32_t *lc = p->lc + b * p->nl;
+        for (int64_t l = 0; l < p->nl; ++l) ls[l] = s[l * lw / A8_BLOCK];
+        /* the excess table (a lane's lw inputs summed; lw a constant in each loop, so that they vectorise): int4's
+           paths and VNNI's read it, AVX2's int8 product without VNNI does not */
+        if (int4)
+            for (int64_t l = 0; l < p->nl; ++l) {
+                int32_t sum = 0;
+                for (int64_t j = 0; j < 8; ++j) sum += q[8 * l + j];
+                lc[l] = -8 * sum;
+            }
+#if defined(A8_VNNI) || !defined(A8_I8_COLS)
+        else
+            for (int64_t l = 0; l < p->nl; ++l) {
+                int32_t sum = 0;
+                for (int64_t j = 0; j < 4; ++j) sum += q[4 * l + j];
+                lc[l] = -128 * sum;
+            }
+#endif
         if (int4)
             for (int64_t j = 0; j < p->mv; j += cols)
                 for (int64_t k = 0; k < cols / 2; ++k) v[j + k] = q[j + 2 * k], v[j + cols / 2 + k] = q[j + 2 * k + 1];
 #if !defined(A8_VNNI)
         else
-            for (int64_t j = 0; j < p->mv; ++j) v[j] = (int8_t)(q[j] < 0 ? -q[j] : q[j]);
+            for (int64_t j = 0; j < p->mv; ++j) v[j] = (int8_t)abs(q[j]);   /* (q >= -127) */
 #endif
     }
     return 1;
