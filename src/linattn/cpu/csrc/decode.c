@@ -663,48 +663,49 @@ static void FN(delta_write_read)(int64_t K, int64_t V, const REAL *q, const REAL
     }
 }
 
-/* The second pass's rows by 512-bit lines, the new state written past the caches by streaming stores (the state is
+/* The second pass's rows by vector lines, the new state written past the caches by streaming stores (the state is
    read back only by the next token, after every weight of the model has gone through the caches, so reading the
    fresh buffer's lines in to write them, as a plain store does, is a third of the traffic). The operations are
-   the plain loop's (a product, then two fmas). */
-#if defined(HAVE_VLINE) && defined(__AVX512F__) && !defined(LINATTN_PLAIN_C)
+   the plain loop's (a product, then two fmas): 512-bit lines with AVX-512, 256-bit halves of them with AVX2. */
+#if defined(HAVE_VLINE) && !defined(LINATTN_PLAIN_C) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
 #define STREAM_LINES 1
-#if REAL_IS_FLOAT
-#define ZV __m512
-#define ZLOAD _mm512_loadu_ps
-#define ZSTORE _mm512_storeu_ps
-#define ZSET1 _mm512_set1_ps
-#define ZMUL _mm512_mul_ps
-#define ZFMA _mm512_fmadd_ps
-#define ZSTREAM _mm512_stream_ps
+#if defined(__AVX512F__)
+#define ZW 64
+#define ZSFX(op, t) _mm512_##op##_##t
+#define ZV_ps __m512
+#define ZV_pd __m512d
 #else
-#define ZV __m512d
-#define ZLOAD _mm512_loadu_pd
-#define ZSTORE _mm512_storeu_pd
-#define ZSET1 _mm512_set1_pd
-#define ZMUL _mm512_mul_pd
-#define ZFMA _mm512_fmadd_pd
-#define ZSTREAM _mm512_stream_pd
+#define ZW 32
+#define ZSFX(op, t) _mm256_##op##_##t
+#define ZV_ps __m256
+#define ZV_pd __m256d
+#endif
+#if REAL_IS_FLOAT
+#define ZV ZV_ps
+#define ZOP(op) ZSFX(op, ps)
+#else
+#define ZV ZV_pd
+#define ZOP(op) ZSFX(op, pd)
 #endif
 static inline void FN(delta_row_stream)(int64_t V, const REAL *s0, int gated, REAL decay, REAL ki, REAL qi,
                                         const REAL *e, REAL *s, REAL *o, const REAL *pf) {
-    const ZV dv = ZSET1(decay), kv = ZSET1(ki), qv = ZSET1(qi);
-    for (int64_t c = 0; c < V; c += 64 / (int64_t)sizeof(REAL)) {
-        if (pf) _mm_prefetch((const char *)(pf + c), PF_NEXT_HINT);
-        ZV sv = s0 ? ZLOAD(s0 + c) : ZSET1((REAL)0);
-        if (gated && s0) sv = ZMUL(sv, dv);
-        const ZV sn = ZFMA(kv, ZLOAD(e + c), sv);
-        ZSTORE(o + c, ZFMA(qv, sn, ZLOAD(o + c)));
-        ZSTREAM(s + c, sn);
+    const ZV dv = ZOP(set1)(decay), kv = ZOP(set1)(ki), qv = ZOP(set1)(qi);
+    const int64_t step = ZW / (int64_t)sizeof(REAL), line = 64 / (int64_t)sizeof(REAL);
+    for (int64_t c = 0; c < V; c += step) {
+        if (pf && c % line == 0) _mm_prefetch((const char *)(pf + c), PF_NEXT_HINT);
+        ZV sv = s0 ? ZOP(loadu)(s0 + c) : ZOP(set1)((REAL)0);
+        if (gated && s0) sv = ZOP(mul)(sv, dv);
+        const ZV sn = ZOP(fmadd)(kv, ZOP(loadu)(e + c), sv);
+        ZOP(storeu)(o + c, ZOP(fmadd)(qv, sn, ZOP(loadu)(o + c)));
+        ZOP(stream)(s + c, sn);
     }
 }
+#undef ZW
+#undef ZSFX
+#undef ZV_ps
+#undef ZV_pd
 #undef ZV
-#undef ZLOAD
-#undef ZSTORE
-#undef ZSET1
-#undef ZMUL
-#undef ZFMA
-#undef ZSTREAM
+#undef ZOP
 #else
 #define STREAM_LINES 0
 #endif

@@ -646,6 +646,16 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
 #undef A8_STEP
 #undef A8_ROW_STEP
 #elif defined(A8_I8_COLS)
+/* the next 8 group scales of a row (bf16 bits, `left` of them remaining: the others read as 0) in fp32 */
+static inline __m256 q4_scales8(const uint16_t *s, int64_t left) {
+    uint16_t tmp[8] = {0};
+    if (left < 8) {
+        memcpy(tmp, s, (size_t)left * sizeof *tmp);
+        s = tmp;
+    }
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)s));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
 /* AVX2: with AVX-VNNI `vpdpbusd` on 32 bytes as the AVX-512 path; without it `vpmaddubsw` pairs then `vpmaddwd` with
    ones, int8 weights taking x's sign (x's magnitudes the unsigned operand, a8_x.v), so no excess for them. Both
    give the same integer lanes, and the float steps are the same: the same bits. */
@@ -664,9 +674,20 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
 #else
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
-    __m256 acc[4];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    /* int4: each row's next 8 group scales in fp32 (reloaded every 8 groups), and per step the index of the group
+       of lanes 0-3 and 4-7 among them (one or two groups a step): one permute a row and step picks its scales */
+    const int64_t ng = int4 ? m / group : 0;
+    const __m256i lane_group = group == 32 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1) : _mm256_setzero_si256();
+    __m256 acc[4], sc[4];
+    for (int r = 0; r < R; ++r) acc[r] = sc[r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < mv; j += cols) {
+        __m256i si = lane_group;
+        if (int4) {
+            const int64_t g0 = j >> gsh, k = g0 & 7;
+            if (k == 0)
+                for (int r = 0; r < R; ++r) sc[r] = q4_scales8(sr + r * ss + g0, ng - g0);
+            si = _mm256_add_epi32(lane_group, _mm256_set1_epi32((int)k));
+        }
 #if defined(A8_VNNI)
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)(int4 ? v + j : q + j)),
                       x1 = int4 ? _mm256_loadu_si256((const __m256i *)(v + j + 32)) : x0,
@@ -693,12 +714,7 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
                                      : _mm256_maddubs_epi16(x1, _mm256_sign_epi8(d, x0));
             const __m256i i = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), corr);
 #endif
-            __m256 s = _mm256_set1_ps(int4 ? 0.0f : ws[r]);
-            if (int4) {   /* lanes 0-3 and 4-7: one or two groups */
-                const uint16_t *g = sr + r * ss + (j >> gsh);
-                const float sa = bf16_to_f32(g[0]), sb = group == 32 ? bf16_to_f32(g[1]) : sa;
-                s = _mm256_setr_ps(sa, sa, sa, sa, sb, sb, sb, sb);
-            }
+            const __m256 s = int4 ? _mm256_permutevar8x32_ps(sc[r], si) : _mm256_set1_ps(ws[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), xs), s, acc[r]);
         }
     }
