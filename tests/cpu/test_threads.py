@@ -460,3 +460,45 @@ def test_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
         assert m["wall"] > 0
         if n == 2:
             assert m["cpu0"] + m["cpu1"] > 0, (p, m)
+
+
+def test_delta_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
+    """The delta forward's timeline harness (tests/fixtures/cpu/delta_timeline.c, LA_TRACE around delta.c's chains)
+    builds against the kernel's sources and runs: the same bits at 1 and 2 threads, and at 2 threads with the chains
+    on one thread (OMP_THREAD_LIMIT=1: the chains' order of runs); both threads' claims ran every run (their counts
+    add up to the units' runs: 8-chunk runs, then 4, 2, 1, 1) and every figure is a finite time >= 0."""
+    import math
+    import subprocess
+    from pathlib import Path
+
+    harness = Path(__file__).resolve().parents[1] / "fixtures" / "cpu" / "delta_timeline.c"
+    exe = tmp_path / "delta_timeline"
+    for flags in (("-march=native", "-fopenmp"), ("-fopenmp",)):
+        cmd = [*cbuild.compiler(), "-O3", "-std=c11", "-ffp-contract=fast", *flags, f"-I{cbuild.CSRC}",
+               str(harness), "-o", str(exe), "-lm"]
+        if subprocess.run(cmd, capture_output=True).returncode == 0:
+            break
+    else:
+        pytest.skip("the harness needs a compiler with OpenMP")
+    T, H = 2048, 3  # 32 chunks of 64 per head: runs of 8, 8, 8, 4, 2, 1, 1
+    hashes = set()
+    for env in ({}, {"OMP_THREAD_LIMIT": "1"}):
+        out = subprocess.run([str(exe), str(T), str(H), "1"], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, **env})
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.strip().splitlines()
+        _, _, o1, o2 = lines[-1].split()
+        hashes |= {o1, o2}
+        rows = {}
+        for line in lines[:-1]:
+            words = line.split()
+            rows[int(words[2])] = {k: float(x) for k, x in zip(words[3::2], words[4::2])}
+        assert set(rows) == {1, 2}
+        for n, m in rows.items():
+            assert all(math.isfinite(x) and x >= 0 for x in m.values()), (n, m)
+            assert m["wall"] > 0
+        assert rows[2]["runs0"] + rows[2]["runs1"] == 7 * H, rows[2]
+        assert rows[2]["cpu0"] + rows[2]["cpu1"] > 0, rows[2]
+        if env:
+            assert rows[2]["runs1"] == 0, rows[2]
+    assert len(hashes) == 1, hashes
