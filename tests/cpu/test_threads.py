@@ -502,3 +502,96 @@ def test_delta_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
         if env:
             assert rows[2]["runs1"] == 0, rows[2]
     assert len(hashes) == 1, hashes
+
+
+def _counting(monkeypatch, module, name):
+    calls = []
+    orig = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return orig(*args, **kwargs)
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_public_linear_forward_calls_the_body_directly_with_the_ops_bits(monkeypatch):
+    """The public linear forward without an autograd graph runs the custom op's body without its dispatch (the time
+    around the kernel, issue 53), with the bits of the op itself; a graph, a dispatch mode or the profiler take the
+    op (counted), with the same bits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from linattn.cpu import linear as clinear
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K, V = 2, 300, 3, 16, 24
+    q, k, v = (torch.randn(B, T, H, d, generator=gen) for d in (K, K, V))
+    starts = [0, T, 2 * T]
+    ref = torch.ops.linattn.cpu_linear_chunk_fwd(q.reshape(B * T, H, K), k.reshape(B * T, H, K),
+                                                 v.reshape(B * T, H, V), None, None, starts, 64, True,
+                                                 clinear.FMAPS["elu+1"], 0.5, False, 1e-6)[0].view(B, T, H, V)
+    ops = _counting(monkeypatch, clinear, "_fwd")
+    o, _ = linear_attention(q, k, v, scale=0.5, backend="cpu")
+    assert ops == [] and torch.equal(o, ref)
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.funcs = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.funcs.add(str(func))
+            return func(*args, **(kwargs or {}))
+    with Seen() as seen:
+        o, _ = linear_attention(q, k, v, scale=0.5, backend="cpu")
+    assert ops == ["_fwd"] and torch.equal(o, ref)
+    assert any("cpu_linear_chunk_fwd" in f for f in seen.funcs), seen.funcs
+    with torch.profiler.profile() as prof:
+        o, _ = linear_attention(q, k, v, scale=0.5, backend="cpu")
+    assert ops == ["_fwd"] * 2 and torch.equal(o, ref)
+    assert any("cpu_linear_chunk_fwd" in e.key for e in prof.key_averages())
+    qg = q.clone().requires_grad_()
+    o, _ = linear_attention(qg, k, v, scale=0.5, backend="cpu")
+    assert ops == ["_fwd"] * 3 and torch.equal(o.detach(), ref)
+    o.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+
+
+def test_public_linear_forward_chooses_its_backend_once_and_its_feature_width_once(monkeypatch):
+    """One backend decision per `linear_attention` call (it was made twice on the compiled CPU path: once for the
+    torch scope, once to run); a registered map's K_phi is found once per (class, name, K), and a map registered anew
+    under the same name is measured anew."""
+    from linattn.ops import backend, feature_maps, linear as olinear
+
+    q = torch.randn(1, 70, 2, 8)
+    calls = _counting(monkeypatch, backend, "_choose_cpu")
+    monkeypatch.setitem(backend._CHOOSERS, "cpu", backend._choose_cpu)
+    linear_attention(q, q, q, backend="cpu")
+    assert calls == ["_choose_cpu"]
+
+    measured = []
+
+    class Doubled(feature_maps.FeatureMap):
+        name = "t53-width"
+
+        def phi(self, x, pos=None):
+            return torch.cat([F.elu(x) + 1, F.elu(-x) + 1], dim=-1)
+
+        def feature_dim(self, head_dim):
+            measured.append(type(self).__name__)
+            return super().feature_dim(head_dim)
+
+    class Tripled(Doubled):
+        def phi(self, x, pos=None):
+            return torch.cat([F.elu(x) + 1, F.elu(-x) + 1, F.elu(x) + 1], dim=-1)
+
+    widths = []
+    try:
+        for cls in (Doubled, Doubled, Tripled, Tripled):
+            feature_maps.register_feature_map("t53-width", cls, overwrite=True)
+            widths.append(olinear.prepare_linear_attention(q, q, q, feature_map="t53-width").Kf)
+        widths.append(olinear.prepare_linear_attention(q, q, q, feature_map=Tripled()).Kf)  # an instance: measured
+    finally:
+        feature_maps.unregister_feature_map("t53-width")
+    assert widths == [16, 16, 24, 24, 24]
+    assert measured == ["Doubled", "Tripled", "Tripled"]

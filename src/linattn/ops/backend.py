@@ -32,6 +32,7 @@ before a CPU kernel is first needed: `import linattn` does none of these.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Callable, NamedTuple, Optional
@@ -281,7 +282,8 @@ def cpu_linear_attention(p, eps=None):
     cdt = torch.float64 if p.q.dtype == torch.float64 else torch.float32
     norm = bool(p.normalize or p.output_final_state)  # the final state always carries z
     fused = p.fmap.fused_kernel if p.fmap.fused_kernel in FMAPS and not p.fmap.positional else None
-    with torch.autocast("cpu", enabled=False):  # the features in the compute dtype, as on the PyTorch path
+    # the features in the compute dtype, as on the PyTorch path (no context to enter where autocast is off)
+    with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else contextlib.nullcontext():
         if fused is not None:  # phi(scale q), psi(k) inside the kernels: one pass, the same bits at every position
             fq, fk, scale = p.q.to(cdt), p.k.to(cdt), p.scale
         else:
