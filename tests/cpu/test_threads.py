@@ -595,3 +595,35 @@ def test_public_linear_forward_chooses_its_backend_once_and_its_feature_width_on
         feature_maps.unregister_feature_map("t53-width")
     assert widths == [16, 16, 24, 24, 24]
     assert measured == ["Doubled", "Tripled", "Tripled"]
+
+
+def test_delta_rule_value_checks_by_reductions_keep_their_errors():
+    """delta_rule's beta and g checks are one reduction each (beta's minimum, g's sum with the exact test behind it:
+    the Gated DeltaNet public call's time around its kernels, issue 53), with the errors they gave: NaN and negative
+    beta, -inf in g (NaN and +inf: the log-gate check's); -0.0 in beta and a g of finite values whose sum overflows
+    fp32 pass."""
+    from linattn import LinattnError, delta_rule
+
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, K = 1, 40, 2, 8
+    q, k, v = (F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1) for _ in range(3))
+    beta, g = torch.rand(B, T, H, generator=gen), -torch.rand(B, T, H, generator=gen)
+
+    def run(beta=beta, g=g):
+        return delta_rule(q, k, v, beta, g=g, backend="torch")[0]
+    for bad, match in ((float("nan"), "beta contains NaN"), (-1e-3, "beta is a step size and must be >= 0")):
+        b = beta.clone()
+        b[0, 17, 1] = bad
+        with pytest.raises(LinattnError, match=match):
+            run(beta=b)
+    for bad, match in ((float("-inf"), "g must be finite"), (float("nan"), "g contains NaN"),
+                       (float("inf"), "g is a log-gate and must be <= 0")):
+        gg = g.clone()
+        gg[0, 33, 0] = bad
+        with pytest.raises(LinattnError, match=match):
+            run(g=gg)
+    b = beta.clone()
+    b[0, 3, 0] = -0.0
+    assert torch.isfinite(run(beta=b)).all()
+    huge = torch.full_like(g, -3e38)  # finite, its sum is -inf in fp32: the exact test decides
+    assert torch.isfinite(run(g=huge)).all()
