@@ -460,3 +460,170 @@ def test_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
         assert m["wall"] > 0
         if n == 2:
             assert m["cpu0"] + m["cpu1"] > 0, (p, m)
+
+
+def test_delta_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
+    """The delta forward's timeline harness (tests/fixtures/cpu/delta_timeline.c, LA_TRACE around delta.c's chains)
+    builds against the kernel's sources and runs: the same bits at 1 and 2 threads, and at 2 threads with the chains
+    on one thread (OMP_THREAD_LIMIT=1: the chains' order of runs); both threads' claims ran every run (their counts
+    add up to the units' runs: 8-chunk runs, then 4, 2, 1, 1) and every figure is a finite time >= 0."""
+    import math
+    import subprocess
+    from pathlib import Path
+
+    harness = Path(__file__).resolve().parents[1] / "fixtures" / "cpu" / "delta_timeline.c"
+    exe = tmp_path / "delta_timeline"
+    for flags in (("-march=native", "-fopenmp"), ("-fopenmp",)):
+        cmd = [*cbuild.compiler(), "-O3", "-std=c11", "-ffp-contract=fast", *flags, f"-I{cbuild.CSRC}",
+               str(harness), "-o", str(exe), "-lm"]
+        if subprocess.run(cmd, capture_output=True).returncode == 0:
+            break
+    else:
+        pytest.skip("the harness needs a compiler with OpenMP")
+    T, H = 2048, 3  # 32 chunks of 64 per head: runs of 8, 8, 8, 4, 2, 1, 1
+    hashes = set()
+    for env in ({}, {"OMP_THREAD_LIMIT": "1"}):
+        out = subprocess.run([str(exe), str(T), str(H), "1"], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, **env})
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.strip().splitlines()
+        _, _, o1, o2 = lines[-1].split()
+        hashes |= {o1, o2}
+        rows = {}
+        for line in lines[:-1]:
+            words = line.split()
+            rows[int(words[2])] = {k: float(x) for k, x in zip(words[3::2], words[4::2])}
+        assert set(rows) == {1, 2}
+        for n, m in rows.items():
+            assert all(math.isfinite(x) and x >= 0 for x in m.values()), (n, m)
+            assert m["wall"] > 0
+        assert rows[2]["runs0"] + rows[2]["runs1"] == 7 * H, rows[2]
+        assert rows[2]["cpu0"] + rows[2]["cpu1"] > 0, rows[2]
+        if env:
+            assert rows[2]["runs1"] == 0, rows[2]
+    assert len(hashes) == 1, hashes
+
+
+def _counting(monkeypatch, module, name):
+    calls = []
+    orig = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return orig(*args, **kwargs)
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_public_linear_forward_calls_the_body_directly_with_the_ops_bits(monkeypatch):
+    """The public linear forward without an autograd graph runs the custom op's body without its dispatch (the time
+    around the kernel, issue 53), with the bits of the op itself; a graph, a dispatch mode or the profiler take the
+    op (counted), with the same bits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from linattn.cpu import linear as clinear
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K, V = 2, 300, 3, 16, 24
+    q, k, v = (torch.randn(B, T, H, d, generator=gen) for d in (K, K, V))
+    starts = [0, T, 2 * T]
+    ref = torch.ops.linattn.cpu_linear_chunk_fwd(q.reshape(B * T, H, K), k.reshape(B * T, H, K),
+                                                 v.reshape(B * T, H, V), None, None, starts, 64, True,
+                                                 clinear.FMAPS["elu+1"], 0.5, False, 1e-6)[0].view(B, T, H, V)
+    ops = _counting(monkeypatch, clinear, "_fwd")
+    o, _ = linear_attention(q, k, v, scale=0.5, backend="cpu")
+    assert ops == [] and torch.equal(o, ref)
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.funcs = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.funcs.add(str(func))
+            return func(*args, **(kwargs or {}))
+    with Seen() as seen:
+        o, _ = linear_attention(q, k, v, scale=0.5, backend="cpu")
+    assert ops == ["_fwd"] and torch.equal(o, ref)
+    assert any("cpu_linear_chunk_fwd" in f for f in seen.funcs), seen.funcs
+    with torch.profiler.profile() as prof:
+        o, _ = linear_attention(q, k, v, scale=0.5, backend="cpu")
+    assert ops == ["_fwd"] * 2 and torch.equal(o, ref)
+    assert any("cpu_linear_chunk_fwd" in e.key for e in prof.key_averages())
+    qg = q.clone().requires_grad_()
+    o, _ = linear_attention(qg, k, v, scale=0.5, backend="cpu")
+    assert ops == ["_fwd"] * 3 and torch.equal(o.detach(), ref)
+    o.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+
+
+def test_public_linear_forward_chooses_its_backend_once_and_its_feature_width_once(monkeypatch):
+    """One backend decision per `linear_attention` call (it was made twice on the compiled CPU path: once for the
+    torch scope, once to run); a registered map's K_phi is found once per (class, name, K), and a map registered anew
+    under the same name is measured anew."""
+    from linattn.ops import backend, feature_maps, linear as olinear
+
+    q = torch.randn(1, 70, 2, 8)
+    calls = _counting(monkeypatch, backend, "_choose_cpu")
+    monkeypatch.setitem(backend._CHOOSERS, "cpu", backend._choose_cpu)
+    linear_attention(q, q, q, backend="cpu")
+    assert calls == ["_choose_cpu"]
+
+    measured = []
+
+    class Doubled(feature_maps.FeatureMap):
+        name = "t53-width"
+
+        def phi(self, x, pos=None):
+            return torch.cat([F.elu(x) + 1, F.elu(-x) + 1], dim=-1)
+
+        def feature_dim(self, head_dim):
+            measured.append(type(self).__name__)
+            return super().feature_dim(head_dim)
+
+    class Tripled(Doubled):
+        def phi(self, x, pos=None):
+            return torch.cat([F.elu(x) + 1, F.elu(-x) + 1, F.elu(x) + 1], dim=-1)
+
+    widths = []
+    try:
+        for cls in (Doubled, Doubled, Tripled, Tripled):
+            feature_maps.register_feature_map("t53-width", cls, overwrite=True)
+            widths.append(olinear.prepare_linear_attention(q, q, q, feature_map="t53-width").Kf)
+        widths.append(olinear.prepare_linear_attention(q, q, q, feature_map=Tripled()).Kf)  # an instance: measured
+    finally:
+        feature_maps.unregister_feature_map("t53-width")
+    assert widths == [16, 16, 24, 24, 24]
+    assert measured == ["Doubled", "Tripled", "Tripled"]
+
+
+def test_delta_rule_value_checks_by_reductions_keep_their_errors():
+    """delta_rule's beta and g checks are one reduction each (beta's minimum, g's sum with the exact test behind it:
+    the Gated DeltaNet public call's time around its kernels, issue 53), with the errors they gave: NaN and negative
+    beta, -inf in g (NaN and +inf: the log-gate check's); -0.0 in beta and a g of finite values whose sum overflows
+    fp32 pass."""
+    from linattn import LinattnError, delta_rule
+
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, K = 1, 40, 2, 8
+    q, k, v = (F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1) for _ in range(3))
+    beta, g = torch.rand(B, T, H, generator=gen), -torch.rand(B, T, H, generator=gen)
+
+    def run(beta=beta, g=g):
+        return delta_rule(q, k, v, beta, g=g, backend="torch")[0]
+    for bad, match in ((float("nan"), "beta contains NaN"), (-1e-3, "beta is a step size and must be >= 0")):
+        b = beta.clone()
+        b[0, 17, 1] = bad
+        with pytest.raises(LinattnError, match=match):
+            run(beta=b)
+    for bad, match in ((float("-inf"), "g must be finite"), (float("nan"), "g contains NaN"),
+                       (float("inf"), "g is a log-gate and must be <= 0")):
+        gg = g.clone()
+        gg[0, 33, 0] = bad
+        with pytest.raises(LinattnError, match=match):
+            run(g=gg)
+    b = beta.clone()
+    b[0, 3, 0] = -0.0
+    assert torch.isfinite(run(beta=b)).all()
+    huge = torch.full_like(g, -3e38)  # finite, its sum is -inf in fp32: the exact test decides
+    assert torch.isfinite(run(g=huge)).all()

@@ -54,10 +54,11 @@ def _opt(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.contiguous() if t is not None and t.numel() > 0 else None
 
 
-@torch.library.custom_op("linattn::cpu_linear_chunk_fwd", mutates_args=(), device_types="cpu")
-def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tensor], starts: List[int],
-         chunk_size: int, norm: bool, fmap: int, scale: float,
-         keep_states: bool, eps: float = -1.0) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tensor], starts: List[int],
+             chunk_size: int, norm: bool, fmap: int, scale: float,
+             keep_states: bool, eps: float = -1.0) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The body of `linattn::cpu_linear_chunk_fwd` (`_fwd`), also called directly where nothing needs the op's
+    dispatch (`_plain_eager`)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     W = V + int(norm)
@@ -74,6 +75,25 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], S0: Optional[Tens
                                ptr(S0), ptr(num), ptr(den) if norm else None, ptr(P) if keep_states else None, ptr(S),
                                ptr(bad))
     return num, den, S, P, bad
+
+
+_fwd = torch.library.custom_op("linattn::cpu_linear_chunk_fwd", _forward, mutates_args=(), device_types="cpu")
+
+
+def _plain_eager(*tensors: Optional[Tensor]) -> bool:
+    """Whether a forward that keeps no autograd graph may call `_forward` without the custom op's dispatch (its
+    schema checks, autograd wrapper and output alias checks cost ~0.2 ms per call after a call that streamed the
+    inputs through the caches): every tensor a plain torch.Tensor (no fake tensor nor subclass), no dispatch or
+    function mode, no functorch transform (vmap, grad), no forward-mode AD level, no profiler (whose trace names
+    the op). Anything else takes the op, which is what the op's dispatch is for. The same body, the same bits."""
+    try:
+        if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+                or torch._C._functorch.peek_interpreter_stack() is not None
+                or torch.autograd.forward_ad._current_level >= 0 or torch.autograd._profiler_enabled()):
+            return False
+    except AttributeError:  # a torch without one of these: always the op
+        return False
+    return all(t is None or type(t) is Tensor for t in tensors)
 
 
 @_fwd.register_fake
@@ -178,7 +198,8 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor],
     tracing = torch.compiler.is_compiling()
     divide = bool(norm) and eps is not None and not (keep and tracing)
     args = ([int(s) for s in starts], int(chunk_size), bool(norm), FMAPS[fmap], float(scale), keep)
-    num, den, S, _, flags = _fwd(q, k, v, g, S0, *args, float(eps) if divide else -1.0)  # chunk states kept
+    fwd = _forward if not keep and not tracing and _plain_eager(q, k, v, g, S0) else _fwd
+    num, den, S, _, flags = fwd(q, k, v, g, S0, *args, float(eps) if divide else -1.0)  # chunk states kept
     if divide and keep and int(flags) & NUM_NONFINITE:  # autograd's division in `finish` keeps inf / NaN apart
         num, den, S, _, flags = _fwd(q, k, v, g, S0, *args, -1.0)
         divide = False

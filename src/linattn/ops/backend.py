@@ -32,6 +32,7 @@ before a CPU kernel is first needed: `import linattn` does none of these.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Callable, NamedTuple, Optional
@@ -234,6 +235,11 @@ def _starts(problem):
     return [i * T for i in range(B + 1)] if problem.offsets is None else list(problem.offsets)
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype (x itself when it is: no operator call)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """[B, T, H, ...] -> [B*T, H, ...], contiguous (a view when it already is)."""
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
@@ -271,7 +277,8 @@ def triton_linear_attention(p):
 def cpu_linear_attention(p, eps=None):
     """A prepared `linear_attention` call on the compiled CPU kernels (linattn/cpu/linear.py): the features by
     PyTorch in the compute dtype (fp32, fp64 for fp64 inputs; autograd differentiates the map), the chunk form
-    compiled. -> num [B, T, H, V], den [B, T, H] or None, final kv and z (or None), in the compute dtype,
+    compiled. -> num [B, T, H, V], den [B, T, H] or None, final kv and z (None without output_final_state; z None
+    without norm), in the compute dtype,
     whether num is already num / den (eps given: the kernel divides, see `finish`) and whether every value of num
     is finite (the kernel's flag; None when unknown)."""
     from ..cpu.linear import FMAPS, chunk_linear_attention
@@ -281,9 +288,10 @@ def cpu_linear_attention(p, eps=None):
     cdt = torch.float64 if p.q.dtype == torch.float64 else torch.float32
     norm = bool(p.normalize or p.output_final_state)  # the final state always carries z
     fused = p.fmap.fused_kernel if p.fmap.fused_kernel in FMAPS and not p.fmap.positional else None
-    with torch.autocast("cpu", enabled=False):  # the features in the compute dtype, as on the PyTorch path
+    # the features in the compute dtype, as on the PyTorch path (no context to enter where autocast is off)
+    with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else contextlib.nullcontext():
         if fused is not None:  # phi(scale q), psi(k) inside the kernels: one pass, the same bits at every position
-            fq, fk, scale = p.q.to(cdt), p.k.to(cdt), p.scale
+            fq, fk, scale = _as(p.q, cdt), _as(p.k, cdt), p.scale
         else:
             (fq, fk), scale = p.features(cdt), 1.0
         g = _flat(p.log_gate.to(cdt)) if p.log_gate is not None else None
@@ -291,10 +299,10 @@ def cpu_linear_attention(p, eps=None):
         if p.state is not None:
             kv0 = p.state.kv.to(cdt)
             S0 = (torch.cat([kv0, p.state.z.to(cdt).unsqueeze(-1)], dim=-1) if norm else kv0).contiguous()
-        num, den, S, divided, finite = chunk_linear_attention(_flat(fq), _flat(fk), _flat(p.v.to(cdt)), g, S0,
+        num, den, S, divided, finite = chunk_linear_attention(_flat(fq), _flat(fk), _flat(_as(p.v, cdt)), g, S0,
                                                               starts=_starts(p), chunk_size=p.chunk_size, norm=norm,
                                                               fmap=fused, scale=scale, eps=eps)
-    kv, z = (S[..., :V], S[..., V]) if norm else (S, None)
+    kv, z = (None, None) if not p.output_final_state else (S[..., :V], S[..., V]) if norm else (S, None)
     return num.view(B, T, H, V), (den.view(B, T, H) if den is not None else None), kv, z, divided, finite
 
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -71,7 +71,6 @@ from ._common import (
     run_varlen,
 )
 from .backend import (
-    choose_backend,
     cpu_linear_attention,
     cpu_linear_log_attention,
     fla_linear_attention,
@@ -302,6 +301,21 @@ def _check_state(state, N, H, Kf, V, log_space, device) -> None:
             raise LinattnError(f"initial_state.{name} must be on the device of q ({device}), got {t.device}")
 
 
+_FEATURE_DIMS: Dict[Tuple[type, str, int], int] = {}  # K_phi of the maps built from a registered name
+
+
+def _feature_dim(fmap: FeatureMap, K: int, asked) -> int:
+    """fmap.feature_dim(K), which evaluates phi on a zero row unless the map knows it: once per (class, name, K)
+    for a map built from its registered name (the same map at every call), every time for a map passed in."""
+    if not isinstance(asked, str):
+        return fmap.feature_dim(K)
+    key = (type(fmap), asked, K)
+    Kf = _FEATURE_DIMS.get(key)
+    if Kf is None:
+        Kf = _FEATURE_DIMS[key] = fmap.feature_dim(K)
+    return Kf
+
+
 def prepare_linear_attention(q, k, v, *, feature_map="elu+1", causal=True, normalize=True, gamma=None, g=None,
                              scale=None, mode="chunk", chunk_size=64, initial_state=None,
                              output_final_state=False, cu_seqlens=None, eps=1e-6) -> LinearProblem:
@@ -380,7 +394,7 @@ def prepare_linear_attention(q, k, v, *, feature_map="elu+1", causal=True, norma
     scale = check_scale(scale, 1.0)
     offsets = check_cu_seqlens(cu_seqlens, B, T)
     N = B if offsets is None else len(offsets) - 1
-    Kf = fmap.feature_dim(K)
+    Kf = _feature_dim(fmap, K, feature_map)
     log_gate = _gate_to_log(gamma, g, B, T, H, Kf, compute_dtype(q.dtype), q.device)
     if initial_state is not None:
         _check_state(initial_state, N, H, Kf, V, fmap.log_space, q.device)
@@ -570,10 +584,21 @@ def run_linear_attention(p: LinearProblem, backend: str = "auto"):
     return _run_linear_attention(p, backend)[0]
 
 
-def _run_linear_attention(p: LinearProblem, backend: str):
+def _run_linear_attention(p: LinearProblem, backend: str, check: Optional[Callable] = None):
     """`run_linear_attention`, and whether every value of the output is known finite without a pass over it (the
-    compiled CPU kernel's flag, when the output is its own, not converted to another dtype nor divided here)."""
+    compiled CPU kernel's flag, when the output is its own, not converted to another dtype nor divided here).
+    check (`linear_attention`'s): applied to (result, finite), both inside `_cpu_torch_scope`; it returns the
+    result. The backend is chosen once, here."""
     chosen = select_backend(backend, p)
+    if check is None:
+        return _run_chosen(p, chosen)
+    with _cpu_torch_scope(p, chosen):
+        result, finite = _run_chosen(p, chosen)
+        return check(result, finite), finite
+
+
+def _run_chosen(p: LinearProblem, chosen: str):
+    """`_run_linear_attention` on the backend chosen for it."""
     if chosen == "cpu" and p.fmap.log_space:  # num and den come relative to the row log-scale c
         num, den, c, kv, z, mu = cpu_linear_log_attention(p)
         return finish(p, num, den, c, kv, z, mu), False
@@ -697,24 +722,26 @@ def linear_attention(
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens, eps=eps)
     # finite inputs whose kernel values or sums exceed the dtype: a clear error, not NaN (an output that the
     # compiled kernel found finite while writing it needs no pass over it)
-    with _cpu_torch_scope(p, backend):
-        result, finite = _run_linear_attention(p, backend)
+    def check(result, finite):
         o = result[0] if isinstance(result, tuple) else result
         if not check_values(o) or finite:   # (`finite`, the kernel's flag, read only where values are checked)
             return result
         return check_finite_output(result, "linear_attention", q=q, k=k, v=v)
 
+    return _run_linear_attention(p, backend, check)[0]
 
-def _cpu_torch_scope(p: LinearProblem, backend: str):
-    """`cpu.torch_on_one_thread` for a call that the compiled kernels take with the map inside them (the torch
-    operators around them are then the layout and, where the kernel's flag does not settle it, one finiteness
-    pass), else nothing."""
+
+def _cpu_torch_scope(p: LinearProblem, chosen: str):
+    """`cpu.torch_on_one_thread` for a call that the compiled kernels take (`chosen`, the backend selected) with the
+    map inside them (the torch operators around them are then the layout and, where the kernel's flag does not
+    settle it, one finiteness pass), else nothing."""
+    if chosen != "cpu" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
     from ..cpu import torch_on_one_thread
     from ..cpu.linear import FMAPS
 
-    if (not torch.compiler.is_compiling() and p.q.device.type == "cpu" and p.fmap.fused_kernel is not None
-            and p.fmap.fused_kernel in FMAPS and not p.fmap.positional and not p.fmap.log_space
-            and choose_backend(backend, p).backend == "cpu"):
+    fmap = p.fmap
+    if fmap.fused_kernel is not None and fmap.fused_kernel in FMAPS and not fmap.positional and not fmap.log_space:
         return torch_on_one_thread()
     return contextlib.nullcontext()
 
