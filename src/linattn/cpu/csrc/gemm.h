@@ -23,9 +23,19 @@
 static inline int FN(imin)(int a, int b) { return a < b ? a : b; }
 
 #if defined(__GNUC__) && !defined(LINATTN_PLAIN_C) /* -DLINATTN_PLAIN_C: the fallback */
-typedef REAL FN(vec) __attribute__((vector_size(64), aligned(sizeof(REAL)))); /* unaligned access allowed */
+/* The register blocks' vector: a 64-byte line with AVX-512 (32 registers of 64 bytes), half a line elsewhere (16 or
+   32 registers of 32 / 16 bytes: a 64-byte vector there is 2-4 registers, and the 4 x 4 block's accumulators spilled
+   on every k, ~3x slower on AVX2 than plain loops). Every element of C is the same k-ascending sum whatever vector
+   or block makes it, so the bits do not depend on this choice; the columns' split (VL) stays 64 bytes. */
+#if defined(__AVX512F__)
+#define GVB 64
+#else
+#define GVB 32
+#endif
+#define GVL ((int)(GVB / sizeof(REAL))) /* elements of one register block vector */
+typedef REAL FN(vec) __attribute__((vector_size(GVB), aligned(sizeof(REAL)))); /* unaligned access allowed */
 
-/* rows 0..3 of C (ldc apart), columns n0 .. n0 + 4 VL, k in [kb, ke): 16 accumulators in registers */
+/* rows 0..3 of C (ldc apart), columns n0 .. n0 + 4 GVL, k in [kb, ke): 16 accumulators in registers */
 static inline void FN(k4v4)(int kb, int ke, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
                             REAL *restrict Cm, int ldc, int n0, int zero) {
     typedef FN(vec) vec;
@@ -53,7 +63,7 @@ static inline void FN(k4v4)(int kb, int ke, const REAL *restrict A, int lda, con
     w2[0] = s20, w2[1] = s21, w2[2] = s22, w2[3] = s23, w3[0] = s30, w3[1] = s31, w3[2] = s32, w3[3] = s33;
 }
 
-/* the same for 2 VL columns */
+/* the same for 2 GVL columns */
 static inline void FN(k4v2)(int kb, int ke, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
                             REAL *restrict Cm, int ldc, int n0, int zero) {
     typedef FN(vec) vec;
@@ -77,7 +87,7 @@ static inline void FN(k4v2)(int kb, int ke, const REAL *restrict A, int lda, con
     w0[0] = s00, w0[1] = s01, w1[0] = s10, w1[1] = s11, w2[0] = s20, w2[1] = s21, w3[0] = s30, w3[1] = s31;
 }
 
-/* the same for VL columns */
+/* the same for GVL columns */
 static inline void FN(k4v1)(int kb, int ke, const REAL *restrict A, int lda, const REAL *restrict B, int ldb,
                             REAL *restrict Cm, int ldc, int n0, int zero) {
     typedef FN(vec) vec;
@@ -111,9 +121,11 @@ static inline void FN(block4)(int kb, int ke, const REAL *restrict A, int lda, c
         return;
     }
     int n0 = 0;
-    for (; n0 + 4 * VL <= Nv; n0 += 4 * VL) FN(k4v4)(kb, ke, A, lda, B, ldb, Cm, ldc, n0, zero);
-    if (n0 + 2 * VL <= Nv) FN(k4v2)(kb, ke, A, lda, B, ldb, Cm, ldc, n0, zero), n0 += 2 * VL;
-    if (n0 + VL <= Nv) FN(k4v1)(kb, ke, A, lda, B, ldb, Cm, ldc, n0, zero);
+#if GVB == 64
+    for (; n0 + 4 * GVL <= Nv; n0 += 4 * GVL) FN(k4v4)(kb, ke, A, lda, B, ldb, Cm, ldc, n0, zero);
+#endif
+    for (; n0 + 2 * GVL <= Nv; n0 += 2 * GVL) FN(k4v2)(kb, ke, A, lda, B, ldb, Cm, ldc, n0, zero);
+    if (n0 + GVL <= Nv) FN(k4v1)(kb, ke, A, lda, B, ldb, Cm, ldc, n0, zero);
 #else /* plain C: accumulate in memory, the column loop vectorised */
     if (zero)
         for (int r = 0; r < 4; r++) memset(Cm + (int64_t)r * ldc, 0, sizeof(REAL) * Nv);
