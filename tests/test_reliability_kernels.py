@@ -117,6 +117,16 @@ def _forge_record(lib):
     libcache.record_path(lib).write_text(json.dumps(libcache.describe(lib)))
 
 
+def test_builds_without_avx512_may_assume_no_float_traps(monkeypatch):
+    """-fno-trapping-math exactly where the build targets no AVX-512: a CPU without it, or a flag set without
+    -march=native (whose code is generic x86-64); an AVX-512 build keeps its flags (and so its cache key)."""
+    for has in (True, False):
+        monkeypatch.setattr(cbuild, "_has_avx512", lambda: has)
+        for flags in cbuild.FLAG_SETS:
+            want = tuple(flags) if has and "-march=native" in flags else (*flags, *cbuild.NO_MASK_FLAGS)
+            assert cbuild.target_flags(flags) == want
+
+
 def test_library_without_a_symbol_falls_back_with_one_notice(fresh):
     """Before: a library lacking an expected symbol raised a raw AttributeError from every call. After: one notice
     naming the file and the symbols, the PyTorch path, and the record dropped so that the next process rebuilds."""

@@ -309,10 +309,14 @@ static inline vline_f32 vline_of(__m256 lo, __m256 hi) {
 typedef uint16_t vhalf_u16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t vline_u32 __attribute__((vector_size(64)));
 static inline vline_f32 bf16_line(const uint16_t *w) {
+#if defined(LINE_YMM)
+    return vline_of(bf16_ymm(w), bf16_ymm(w + 8));
+#else
     const vline_u32 u = __builtin_convertvector(*(const vhalf_u16 *)w, vline_u32) << 16;
     vline_f32 f;
     memcpy(&f, &u, sizeof f);
     return f;
+#endif
 }
 #endif
 

@@ -56,10 +56,17 @@ typedef int32_t vq_i32 __attribute__((vector_size(64)));
 #else
 #define Q_LOAD16(v, p) memcpy(&(v), (p), 16)
 #endif
+#if defined(LINE_YMM)
+static inline __m256 i8_ymm(const int8_t *w);
+#endif
 static inline vline_f32 i8_line(const int8_t *w) {
+#if defined(LINE_YMM)
+    return vline_of(i8_ymm(w), i8_ymm(w + 8));
+#else
     vq_i8 v;
     Q_LOAD16(v, w);
     return __builtin_convertvector(__builtin_convertvector(v, vq_i32), vline_f32);
+#endif
 }
 #if defined(LINE_YMM)
 /* 8 int8 weights widened to fp32 (decode.c's LINE_YMM: AVX2 without AVX-512) */
