@@ -665,12 +665,75 @@ static inline __m256 q4_scales8(const uint16_t *s, int64_t left) {
 }
 /* AVX2: with AVX-VNNI `vpdpbusd` on 32 bytes as the AVX-512 path; without it `vpmaddubsw` pairs then `vpmaddwd` with
    ones, int8 weights taking x's sign (x's magnitudes the unsigned operand, a8_x.v), so no excess for them. Both
-   give the same integer lanes, and the float steps are the same: the same bits. */
+   give the same integer lanes, and the float steps are the same: the same bits. As on AVX-512 the rows' steps are
+   written out per row with named accumulators (an array of them lived on the stack: a store and a load per row
+   and step, twice the instructions of the arithmetic), and the steps whose prefetches cannot leave the matrix run
+   without the bound check. */
+#if defined(A8_VNNI)
+#define A8_LANES(d)                                                                                              \
+    (int4 ? _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(corr, _mm256_and_si256(d, nib), x0),                 \
+                                    _mm256_and_si256(_mm256_srli_epi16(d, 4), nib), x1)                          \
+          : _mm256_dpbusd_avx_epi32(corr, _mm256_xor_si256(d, flip), x0))
+#else
+/* int4: pair sums of codes <= 15 times |q| <= 127, no saturation, and lo + hi < 2^15 */
+#define A8_LANES(d)                                                                                              \
+    _mm256_add_epi32(_mm256_madd_epi16(                                                                          \
+        int4 ? _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(d, nib), x0),                              \
+                                _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(d, 4), nib), x1))        \
+             : _mm256_maddubs_epi16(x1, _mm256_sign_epi8(d, x0)), ones), corr)
+#endif
+/* one row's step: its 32 bytes at wr (pf 1: the line Q_PF_BYTES ahead prefetched every other step with no bound
+   check; 2: checked against pf_end, NULL for none) into acc with its scale sc (int4: picked per lane by si) */
+#define A8_ROW_STEP(acc, sc, wr, pf)                                                                             \
+    do {                                                                                                         \
+        if ((pf) == 1) { if (j & cols) __builtin_prefetch((const void *)((wr) + Q_PF_BYTES), 0, Q_PF_HINT); }    \
+        else if (pf_end && (j & cols)) Q_PF(wr, pf_end);                                                         \
+        const __m256i d_ = _mm256_loadu_si256((const __m256i *)(const void *)(wr));                              \
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(A8_LANES(d_)), xs),                               \
+                              int4 ? _mm256_permutevar8x32_ps(sc, si) : sc, acc);                                \
+    } while (0)
+#define A8_STEP(pf)                                                                                              \
+    do {                                                                                                         \
+        __m256i si = lane_group;                                                                                 \
+        if (int4) {                                                                                              \
+            const int64_t g0 = j >> gsh, k = g0 & 7;                                                             \
+            if (k == 0) {   /* each row's next 8 group scales */                                                 \
+                sc0 = q4_scales8(sr + g0, ng - g0);                                                              \
+                if (R == 4) {                                                                                    \
+                    sc1 = q4_scales8(sr + ss + g0, ng - g0);                                                     \
+                    sc2 = q4_scales8(sr + 2 * ss + g0, ng - g0);                                                 \
+                    sc3 = q4_scales8(sr + 3 * ss + g0, ng - g0);                                                 \
+                }                                                                                                \
+            }                                                                                                    \
+            si = _mm256_add_epi32(lane_group, _mm256_set1_epi32((int)k));                                        \
+        }                                                                                                        \
+        A8_X_LOADS;                                                                                              \
+        const __m256 xs = _mm256_loadu_ps(ls + j / lw);                                                          \
+        const uint8_t *w0 = w + (int4 ? j / 2 : j);                                                              \
+        A8_ROW_STEP(acc0, sc0, w0, pf);                                                                          \
+        if (R == 4) {                                                                                            \
+            A8_ROW_STEP(acc1, sc1, w0 + rs, pf);                                                                 \
+            A8_ROW_STEP(acc2, sc2, w0 + 2 * rs, pf);                                                             \
+            A8_ROW_STEP(acc3, sc3, w0 + 3 * rs, pf);                                                             \
+        }                                                                                                        \
+    } while (0)
+#if defined(A8_VNNI)
+#define A8_X_LOADS                                                                                               \
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)(int4 ? v + j : q + j)),               \
+                  x1 = int4 ? _mm256_loadu_si256((const __m256i *)(const void *)(v + j + 32)) : x0,              \
+                  corr = _mm256_loadu_si256((const __m256i *)(const void *)(lc + j / lw)) /* (negated) */
+#else
+#define A8_X_LOADS                                                                                               \
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)(int4 ? v + j : q + j)),               \
+                  x1 = _mm256_loadu_si256((const __m256i *)(const void *)(int4 ? v + j + 32 : v + j)),           \
+                  corr = int4 ? _mm256_loadu_si256((const __m256i *)(const void *)(lc + j / lw))                 \
+                              : _mm256_setzero_si256()
+#endif
 static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
                                                               int64_t group, const uint8_t *w, int64_t rs,
                                                               const uint16_t *sr, int64_t ss, const float *ws,
                                                               const uint8_t *pf_end, float *out) {
-    const int64_t m = p->m, mv = p->mv, gsh = group == 32 ? 5 : 6;
+    const int64_t m = p->m, mv = p->mv, gsh = group == 32 ? 5 : 6, ng = int4 ? m / group : 0;
     const int64_t cols = int4 ? A8_I4_COLS : A8_I8_COLS, lw = int4 ? 8 : 4;   /* inputs a step, an int32 lane */
     const int8_t *q = p->q + b * m, *v = p->v + b * mv;
     const float *ls = p->ls + b * p->nl;
@@ -681,58 +744,30 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
 #else
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
-    /* int4: each row's next 8 group scales in fp32 (reloaded every 8 groups), and per step the index of the group
-       of lanes 0-3 and 4-7 among them (one or two groups a step): one permute a row and step picks its scales */
-    const int64_t ng = int4 ? m / group : 0;
+    (void)q; (void)v; (void)lc;
+    /* int4: lanes 0-3 and 4-7 take the step's first group and the next (group 32) or both the first (64), among the
+       row's 8 group scales converted at a time; int8: the row's one scale */
     const __m256i lane_group = group == 32 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1) : _mm256_setzero_si256();
-    __m256 acc[4], sc[4];
-    for (int r = 0; r < R; ++r) acc[r] = sc[r] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < mv; j += cols) {
-        __m256i si = lane_group;
-        if (int4) {
-            const int64_t g0 = j >> gsh, k = g0 & 7;
-            if (k == 0)
-                for (int r = 0; r < R; ++r) sc[r] = q4_scales8(sr + r * ss + g0, ng - g0);
-            si = _mm256_add_epi32(lane_group, _mm256_set1_epi32((int)k));
-        }
-#if defined(A8_VNNI)
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(int4 ? v + j : q + j)),
-                      x1 = int4 ? _mm256_loadu_si256((const __m256i *)(v + j + 32)) : x0,
-                      corr = _mm256_loadu_si256((const __m256i *)(lc + j / lw));   /* (negated) */
-#else
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(int4 ? v + j : q + j)),
-                      x1 = _mm256_loadu_si256((const __m256i *)(int4 ? v + j + 32 : v + j)),
-                      corr = int4 ? _mm256_loadu_si256((const __m256i *)(lc + j / lw)) : _mm256_setzero_si256();
-#endif
-        const __m256 xs = _mm256_loadu_ps(ls + j / lw);
-        for (int r = 0; r < R; ++r) {
-            const uint8_t *wr = w + r * rs + (int4 ? j / 2 : j);
-            if (pf_end && (j & cols)) Q_PF(wr, pf_end);   /* 32 bytes a step: a line every other step */
-            const __m256i d = _mm256_loadu_si256((const __m256i *)wr);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), nib);
-#if defined(A8_VNNI)
-            const __m256i i = int4 ? _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(corr, _mm256_and_si256(d, nib),
-                                                                                     x0), hi, x1)
-                                   : _mm256_dpbusd_avx_epi32(corr, _mm256_xor_si256(d, flip), x0);
-#else
-            /* int4: pair sums of codes <= 15 times |q| <= 127, no saturation, and lo + hi < 2^15 */
-            const __m256i s16 = int4 ? _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(d, nib), x0),
-                                                        _mm256_maddubs_epi16(hi, x1))
-                                     : _mm256_maddubs_epi16(x1, _mm256_sign_epi8(d, x0));
-            const __m256i i = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), corr);
-#endif
-            const __m256 s = int4 ? _mm256_permutevar8x32_ps(sc[r], si) : _mm256_set1_ps(ws[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), xs), s, acc[r]);
-        }
-    }
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    __m256 sc0 = _mm256_set1_ps(int4 ? 0.0f : ws[0]), sc1 = sc0, sc2 = sc0, sc3 = sc0;
+    if (!int4 && R == 4) sc1 = _mm256_set1_ps(ws[1]), sc2 = _mm256_set1_ps(ws[2]), sc3 = _mm256_set1_ps(ws[3]);
+    const intptr_t pf_room = pf_end ? (intptr_t)((uintptr_t)pf_end - (uintptr_t)(w + (R - 1) * rs)) - Q_PF_BYTES : 0;
+    int64_t j = 0;
+    for (; j < mv && (int4 ? j / 2 : j) < pf_room; j += cols) A8_STEP(1);
+    for (; j < mv; j += cols) A8_STEP(2);
+    const __m256 accs[4] = {acc0, acc1, acc2, acc3};
     for (int r = 0; r < R; ++r) {
         float t[8];
-        _mm256_storeu_ps(t, acc[r]);
+        _mm256_storeu_ps(t, accs[r]);
         for (int h = 4; h >= 1; h /= 2)
             for (int k = 0; k < h; ++k) t[k] += t[k + h];
         out[r] = t[0] + a8_row_scalar(int4, p, b, mv, group, w + r * rs, sr + r * ss, ws[r]);
     }
 }
+#undef A8_X_LOADS
+#undef A8_STEP
+#undef A8_ROW_STEP
+#undef A8_LANES
 #endif
 
 /* the r rows i0, i0 + stride, ... (q_step_rows) of y = add + W x^ + bias, W int8 [n, m] (row scales) or int4
