@@ -205,13 +205,14 @@ def run_fresh_python(code: str) -> None:
 
 class CompiledDecodeCalls:
     """Counts the compiled decoding calls (monkeypatched entry points of linattn.cpu.decode): `model`, the whole-model
-    calls; `block`, the per-block ones."""
+    steps (a greedy loop's call counts the steps it ran); `block`, the per-block calls."""
 
     def __init__(self, monkeypatch):
         from linattn.cpu import decode as cpu_decode
 
         self.model = self.block = 0
-        inner_fn, inner_block = cpu_decode.model_function, cpu_decode.block_step
+        inner_fn, inner_greedy, inner_block = cpu_decode.model_function, cpu_decode.greedy_function, \
+            cpu_decode.block_step
 
         def model_function(dtype):
             fn = inner_fn(dtype)
@@ -221,11 +222,21 @@ class CompiledDecodeCalls:
                 return fn(*a)
             return counted
 
+        def greedy_function(dtype):
+            fn = inner_greedy(dtype)
+
+            def counted(*a):
+                steps = fn(*a)
+                self.model += max(int(steps), 0)
+                return steps
+            return None if fn is None else counted
+
         def block_step(*a):
             self.block += 1
             return inner_block(*a)
 
         monkeypatch.setattr(cpu_decode, "model_function", model_function)
+        monkeypatch.setattr(cpu_decode, "greedy_function", greedy_function)
         monkeypatch.setattr(cpu_decode, "block_step", block_step)
 
 
