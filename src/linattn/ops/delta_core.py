@@ -31,7 +31,7 @@ from ._common import (
     FLA_CHUNK,
     FLOAT_DTYPES,
     LOG_GATE_FLOOR,
-    _all_finite,
+    all_finite,
     causal_matmul,
     check_cu_seqlens,
     check_log_gate,
@@ -533,7 +533,7 @@ def _prepare_delta(q, k, v, beta, *, g, r, channel_gate, coefficient, scale, qk_
     _check_step(beta, "beta", (B, T, HV), q, "[B, T, HV] (HV: v's heads)" if n > 1 else "[B, T, H]")
     if g is not None:
         check_log_gate(g, "g", B, T, HV, K, allow_diagonal=channel_gate, ref=q)
-        if check_values(g) and not _all_finite(g):  # (a sum, not isfinite's boolean copy: ~0.5 ms at 64k)
+        if check_values(g) and not all_finite(g):  # (a sum, not isfinite's boolean copy: ~0.5 ms at 64k)
             raise LinattnError("g must be finite (a log-gate of -inf would erase the state; use a large "
                                "negative value)")
     if r is not None:
