@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from linattn import delta_rule, linear_attention
 from linattn.cpu import build as cbuild
+from linattn.models.registry import unregister_mixer
 
 HAVE_CC = shutil.which(os.environ.get("CC", "").strip() or "cc") is not None
 pytestmark = pytest.mark.skipif(not HAVE_CC or not cbuild.enabled(),
@@ -593,6 +594,7 @@ def test_public_linear_forward_chooses_its_backend_once_and_its_feature_width_on
         widths.append(olinear.prepare_linear_attention(q, q, q, feature_map=Tripled()).Kf)  # an instance: measured
     finally:
         feature_maps.unregister_feature_map("t53-width")
+        unregister_mixer("linear-t53-width")   # (registered with the map)
     assert widths == [16, 16, 24, 24, 24]
     assert measured == ["Doubled", "Tripled", "Tripled"]
 
