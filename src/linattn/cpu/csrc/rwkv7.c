@@ -271,8 +271,10 @@ LA_INLINE void FN(rw_back_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict
                     pk[l] += g * v[j];
                     pb[l] += g * u[j];
                     pw[l] += g * Spd[j];
+#if !defined(LA_ROWSUMS_BATCH)
                     dva[j] += kd * g;
                     dua[j] += bd * g;
+#endif
                 }
             }
 #if defined(LA_ROWSUMS_BATCH)
@@ -322,6 +324,16 @@ LA_INLINE void FN(rw_back_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict
     if (nw % FN(RW_L) == 0) {
         for (int64_t d = K - K % FN(RW_R); d < K; d++) {
             for (int i = has_next ? 0 : 1; i < 5; i++) dst[i][d] += FN(rw_half_sum)(hb[i][d % FN(RW_R)]);
+        }
+        /* dv and du from the new rows in a second pass (the same products in the same order over d): in the first
+           their 4 accumulators did not fit the 16 registers beside the 8 of the columns read */
+        for (int64_t d = 0; d < K; d++) {
+            const REAL *restrict Gd = G + d * V;
+            const REAL kd = k[d], bd = b[d];
+            LA_SIMD for (int64_t j = 0; j < nw; j++) {
+                dva[j] += kd * Gd[j];
+                dua[j] += bd * Gd[j];
+            }
         }
     }
 #endif
