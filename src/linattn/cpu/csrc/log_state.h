@@ -7,16 +7,23 @@
    its mu (a factor exp(0) = 1 would leave its bits as they are), and the output row y [W] = sum_d exp(lq_d + mu_d
    - c) S[d] relative to c = max_d (lq_d + mu_d). Every exponent is <= 0.
 
-   Speed: the pass over the state walks column blocks of 4 vector lines (64 floats / 32 doubles; then single
-   lines) and, inside one, every row, so the block's output stays in vector registers for the whole pass (one load
-   and one store of each state element, no store-to-load chain through the output row); the z column rides along
-   the first block's pass as a scalar chain, and the columns that remain take the same arithmetic in scalars. Each
-   element's operations are those of the plain loop (rows * f + [v | 1] or rows + e [v | 1], y += w r), in the same
-   order over d, so the bits do not depend on the blocking. The values are read and the outputs written in place
-   (no [v | 1] copy, no output copy per token). Once per REAL (FN). */
+   Speed: the pass over the state walks column blocks of 4 vector lines (64 floats / 32 doubles with AVX-512, half
+   that without; then single lines) and, inside one, every row, so the block's output stays in vector registers for
+   the whole pass (one load and one store of each state element, no store-to-load chain through the output row); the
+   z column rides along the first block's pass as a scalar chain, and the columns that remain take the same
+   arithmetic in scalars. Each element's operations are those of the plain loop (rows * f + [v | 1] or
+   rows + e [v | 1], y += w r), in the same order over d, so the bits do not depend on the blocking. The values are
+   read and the outputs written in place (no [v | 1] copy, no output copy per token). Once per REAL (FN). */
 #ifndef LINATTN_LOG_STATE_ONCE
 #define LINATTN_LOG_STATE_ONCE
-#define LS_LINES 4 /* vector lines (64 bytes) per column block */
+#define LS_LINES 4 /* vector lines per column block */
+/* a line: 64 bytes with AVX-512; 32 without, where a 64-byte vector is two registers and the block's 12 lines of
+   values, rows and sums (24 registers of 16) spilled on every row (the bits do not depend on the line) */
+#if defined(__AVX512F__)
+#define LS_VBYTES 64
+#else
+#define LS_VBYTES 32
+#endif
 #endif
 
 /* S [K, ld] rows (ld >= V + 1: V kv columns, then z), mu [K], lk, lq [K], v [V], g the token's log-gate; f, e,
@@ -51,8 +58,8 @@ LA_INLINE REAL FN(ls_token)(REAL *restrict S, int64_t ld, REAL *restrict mu, con
     REAL az = 0;  /* the z column's output */
     int zleft = 1; /* z rides along the first vector pass (its own scalar chain, hidden under the vector work) */
 #if defined(__GNUC__)
-    typedef REAL line __attribute__((vector_size(64), aligned(sizeof(REAL))));
-    enum { NL = 64 / sizeof(REAL), BW = LS_LINES * NL };
+    typedef REAL line __attribute__((vector_size(LS_VBYTES), aligned(sizeof(REAL))));
+    enum { NL = LS_VBYTES / sizeof(REAL), BW = LS_LINES * NL };
     for (; w0 + BW <= V; w0 += BW) {
         const line *vl = (const line *)(v + w0);
         const line v0 = vl[0], vb1 = vl[1], vb2 = vl[2], vb3 = vl[3];

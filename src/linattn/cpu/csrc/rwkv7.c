@@ -30,6 +30,7 @@
 #define LINATTN_RWKV7_BODY
 
 #include "common.h"
+#include "rowsums.h"
 
 /* unroll-and-jam of the column-block loops made the scan slower when measured (register pressure) */
 #if defined(__GNUC__) && !defined(__clang__)
@@ -209,6 +210,20 @@ LA_INLINE REAL FN(rw_lanes_sum)(REAL *restrict x) {
     return FN(RW_L) == 16 ? x[0] + x[1] : x[0];
 }
 
+#if defined(LA_ROWSUMS_BATCH)
+enum { FN(RW_R) = FN(RW_L) / 2 }; /* rows per batch of row sums (rowsums.h): the lanes of a first halving */
+/* h = a row's lanes x after the first halving of rw_lanes_sum */
+LA_INLINE void FN(rw_half)(const REAL *restrict x, REAL *restrict h) {
+    LA_SIMD for (int64_t l = 0; l < FN(RW_R); l++) h[l] = x[l] + x[l + FN(RW_R)];
+}
+/* the rest of rw_lanes_sum's fold on a first halving h (the rows after the last whole batch) */
+LA_INLINE REAL FN(rw_half_sum)(REAL *restrict h) {
+    for (int64_t n = FN(RW_R) / 2; n >= 1; n /= 2)
+        for (int64_t l = 0; l < n; l++) h[l] += h[l + n];
+    return h[0];
+}
+#endif
+
 /* The reverse recurrence, one token t on the value columns [0, nw) of G = dL/dS (row stride V), fused with the
    second half of token t+1's step when has_next (both walk the same rows and read S_t):
        token t+1 (has_next):  da_{t+1} += S_t du_{t+1};   G <- Diag(e_{t+1}) G + a_{t+1} du_{t+1}^T
@@ -227,6 +242,10 @@ LA_INLINE void FN(rw_back_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict
         dva[j] = 0;
         dua[j] = 0;
     }
+#if defined(LA_ROWSUMS_BATCH)
+    REAL hb[5][FN(RW_R)][FN(RW_R)]; /* the first halvings of pa, pr, pk, pb, pw since the last whole batch */
+    REAL *const dst[5] = {dan, dr, dk, db, dw};
+#endif
     for (int64_t d = 0; d < K; d++) {
         REAL *restrict Gd = G + d * V;
         const REAL *restrict Std = St + d * V, *restrict Spd = Sp + d * V;
@@ -252,15 +271,31 @@ LA_INLINE void FN(rw_back_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict
                     pk[l] += g * v[j];
                     pb[l] += g * u[j];
                     pw[l] += g * Spd[j];
+#if !defined(LA_ROWSUMS_BATCH)
                     dva[j] += kd * g;
                     dua[j] += bd * g;
+#endif
                 }
             }
+#if defined(LA_ROWSUMS_BATCH)
+            const int64_t rr = d % FN(RW_R);
+            if (has_next) FN(rw_half)(pa, hb[0][rr]);
+            FN(rw_half)(pr, hb[1][rr]);
+            FN(rw_half)(pk, hb[2][rr]);
+            FN(rw_half)(pb, hb[3][rr]);
+            FN(rw_half)(pw, hb[4][rr]);
+            if (rr == FN(RW_R) - 1) {
+                for (int i = has_next ? 0 : 1; i < 5; i++)
+                    FN(la_rowsums_add)((const REAL(*)[FN(RW_R)])hb[i], dst[i] + d - rr);
+            }
+            continue;
+#else
             if (has_next) sa = FN(rw_lanes_sum)(pa);
             sr = FN(rw_lanes_sum)(pr);
             sk = FN(rw_lanes_sum)(pk);
             sb = FN(rw_lanes_sum)(pb);
             sw = FN(rw_lanes_sum)(pw);
+#endif
         } else {
             LA_SIMD_SUM(sa, sr, sk, sb, sw) for (int64_t j = 0; j < nw; j++) {
                 const REAL s = Std[j];
@@ -285,6 +320,23 @@ LA_INLINE void FN(rw_back_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict
         db[d] += sb;
         dw[d] += sw;
     }
+#if defined(LA_ROWSUMS_BATCH)
+    if (nw % FN(RW_L) == 0) {
+        for (int64_t d = K - K % FN(RW_R); d < K; d++) {
+            for (int i = has_next ? 0 : 1; i < 5; i++) dst[i][d] += FN(rw_half_sum)(hb[i][d % FN(RW_R)]);
+        }
+        /* dv and du from the new rows in a second pass (the same products in the same order over d): in the first
+           their 4 accumulators did not fit the 16 registers beside the 8 of the columns read */
+        for (int64_t d = 0; d < K; d++) {
+            const REAL *restrict Gd = G + d * V;
+            const REAL kd = k[d], bd = b[d];
+            LA_SIMD for (int64_t j = 0; j < nw; j++) {
+                dva[j] += kd * Gd[j];
+                dua[j] += bd * Gd[j];
+            }
+        }
+    }
+#endif
     LA_SIMD for (int64_t j = 0; j < nw; j++) {
         dv[j] = dva[j];
         du[j] = dua[j];
