@@ -304,6 +304,22 @@ static inline vline_f32 vline_of(__m256 lo, __m256 hi) {
     memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
     return v;
 }
+/* The 4-row loop of the AVX2 products (fp32, bf16 and int8 rows w0 .. w3 times xb, inputs [0, N), N a multiple of
+   16) in 8 half-line accumulators, the weights widened 8 at a time by WIDEN(p); PF (the rows' prefetches, at the
+   steps j with (j & PFMASK) == 0 of batch row 0). a0 .. a3 get the lines: the generic loops' lanes and fmas. */
+#define YMM_ROWS4(WIDEN, N, PFMASK, PF)                                                                          \
+    do {                                                                                                         \
+        __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;          \
+        for (int64_t j = 0; j < (N); j += 16) {                                                                  \
+            if (b == 0 && (j & (PFMASK)) == 0) { PF; }                                                           \
+            const __m256 xl = _mm256_loadu_ps(xb + j), xh = _mm256_loadu_ps(xb + j + 8);                         \
+            l0 = _mm256_fmadd_ps(WIDEN(w0 + j), xl, l0); h0 = _mm256_fmadd_ps(WIDEN(w0 + j + 8), xh, h0);        \
+            l1 = _mm256_fmadd_ps(WIDEN(w1 + j), xl, l1); h1 = _mm256_fmadd_ps(WIDEN(w1 + j + 8), xh, h1);        \
+            l2 = _mm256_fmadd_ps(WIDEN(w2 + j), xl, l2); h2 = _mm256_fmadd_ps(WIDEN(w2 + j + 8), xh, h2);        \
+            l3 = _mm256_fmadd_ps(WIDEN(w3 + j), xl, l3); h3 = _mm256_fmadd_ps(WIDEN(w3 + j + 8), xh, h3);        \
+        }                                                                                                        \
+        a0 = vline_of(l0, h0); a1 = vline_of(l1, h1); a2 = vline_of(l2, h2); a3 = vline_of(l3, h3);              \
+    } while (0)
 #endif
 #if defined(HAVE_VLINE)
 typedef uint16_t vhalf_u16 __attribute__((vector_size(32), aligned(2)));
@@ -346,18 +362,8 @@ static void matvec_rows_bf16(int64_t B, int64_t n, int64_t m, int64_t i0, int64_
             memcpy(&a0, &z0, sizeof a0); memcpy(&a1, &z1, sizeof a1);
             memcpy(&a2, &z2, sizeof a2); memcpy(&a3, &z3, sizeof a3);
 #elif defined(LINE_YMM)
-            __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
-            for (int64_t j = 0; j < m; j += 16) {
-                if (b == 0 && (j & 31) == 0) {   /* a line of each stream per 2 steps */
-                    Q_PF(w0 + j, end[0]); Q_PF(w1 + j, end[1]); Q_PF(w2 + j, end[2]); Q_PF(w3 + j, end[3]);
-                }
-                const __m256 xl = _mm256_loadu_ps(xb + j), xh = _mm256_loadu_ps(xb + j + 8);
-                l0 = _mm256_fmadd_ps(bf16_ymm(w0 + j), xl, l0); h0 = _mm256_fmadd_ps(bf16_ymm(w0 + j + 8), xh, h0);
-                l1 = _mm256_fmadd_ps(bf16_ymm(w1 + j), xl, l1); h1 = _mm256_fmadd_ps(bf16_ymm(w1 + j + 8), xh, h1);
-                l2 = _mm256_fmadd_ps(bf16_ymm(w2 + j), xl, l2); h2 = _mm256_fmadd_ps(bf16_ymm(w2 + j + 8), xh, h2);
-                l3 = _mm256_fmadd_ps(bf16_ymm(w3 + j), xl, l3); h3 = _mm256_fmadd_ps(bf16_ymm(w3 + j + 8), xh, h3);
-            }
-            a0 = vline_of(l0, h0); a1 = vline_of(l1, h1); a2 = vline_of(l2, h2); a3 = vline_of(l3, h3);
+            YMM_ROWS4(bf16_ymm, m, 31, Q_PF(w0 + j, end[0]); Q_PF(w1 + j, end[1]); Q_PF(w2 + j, end[2]);
+                                      Q_PF(w3 + j, end[3]));   /* (a line of each stream per 2 steps) */
 #else
             for (int64_t j = 0; j < m; j += 16) {
                 if (b == 0 && (j & 31) == 0) {   /* a line of each stream per 2 steps */
@@ -941,22 +947,8 @@ static void FN(matvec_rows)(int64_t B, int64_t n, int64_t m, int64_t i0, int64_t
 #if defined(LINE_YMM) && REAL_IS_FLOAT
             /* (AVX2: the lines' halves in 8 registers, as the bf16 rows: GCC's generic 16-lane code ran at a quarter
                of the read rate there; the same lanes and fmas) */
-            __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
-            for (int64_t j = 0; j < m; j += VL) {
-                if (b == 0) {   /* a line of each stream per step */
-                    Q_PF(w0 + j, end[0]); Q_PF(w1 + j, end[1]); Q_PF(w2 + j, end[2]); Q_PF(w3 + j, end[3]);
-                }
-                const __m256 xl = _mm256_loadu_ps(xb + j), xh = _mm256_loadu_ps(xb + j + 8);
-                l0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + j), xl, l0);
-                h0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + j + 8), xh, h0);
-                l1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + j), xl, l1);
-                h1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + j + 8), xh, h1);
-                l2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + j), xl, l2);
-                h2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + j + 8), xh, h2);
-                l3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + j), xl, l3);
-                h3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + j + 8), xh, h3);
-            }
-            a0 = vline_of(l0, h0); a1 = vline_of(l1, h1); a2 = vline_of(l2, h2); a3 = vline_of(l3, h3);
+            YMM_ROWS4(_mm256_loadu_ps, m, 0, Q_PF(w0 + j, end[0]); Q_PF(w1 + j, end[1]); Q_PF(w2 + j, end[2]);
+                                             Q_PF(w3 + j, end[3]));   /* (a line of each stream per step) */
 #else
             for (int64_t j = 0; j < m; j += VL) {
                 if (b == 0) {   /* a line of each stream per step */

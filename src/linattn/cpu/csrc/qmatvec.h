@@ -95,19 +95,8 @@ static void matvec_rows_int8(int64_t B, int64_t n, int64_t m, int64_t i0, int64_
             const int8_t *w0 = W + row[0] * m, *w1 = W + row[1] * m, *w2 = W + row[2] * m, *w3 = W + row[3] * m;
             vline_f32 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
 #if defined(LINE_YMM)
-            __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
-            for (int64_t j = 0; j < mv; j += 16) {
-                if (b == 0 && (j & 63) == 0) {   /* a line of each stream per 4 steps */
-                    Q_PF(w0 + j, end); Q_PF(w1 + j, end);
-                    Q_PF(w2 + j, end); Q_PF(w3 + j, end);
-                }
-                const __m256 xl = _mm256_loadu_ps(xb + j), xh = _mm256_loadu_ps(xb + j + 8);
-                l0 = _mm256_fmadd_ps(i8_ymm(w0 + j), xl, l0); h0 = _mm256_fmadd_ps(i8_ymm(w0 + j + 8), xh, h0);
-                l1 = _mm256_fmadd_ps(i8_ymm(w1 + j), xl, l1); h1 = _mm256_fmadd_ps(i8_ymm(w1 + j + 8), xh, h1);
-                l2 = _mm256_fmadd_ps(i8_ymm(w2 + j), xl, l2); h2 = _mm256_fmadd_ps(i8_ymm(w2 + j + 8), xh, h2);
-                l3 = _mm256_fmadd_ps(i8_ymm(w3 + j), xl, l3); h3 = _mm256_fmadd_ps(i8_ymm(w3 + j + 8), xh, h3);
-            }
-            a0 = vline_of(l0, h0); a1 = vline_of(l1, h1); a2 = vline_of(l2, h2); a3 = vline_of(l3, h3);
+            YMM_ROWS4(i8_ymm, mv, 63, Q_PF(w0 + j, end); Q_PF(w1 + j, end); Q_PF(w2 + j, end);
+                                      Q_PF(w3 + j, end));   /* (a line of each stream per 4 steps) */
 #else
             for (int64_t j = 0; j < mv; j += 16) {
                 if (b == 0 && (j & 63) == 0) {   /* a line of each stream per 4 steps */
