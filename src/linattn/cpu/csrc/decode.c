@@ -677,7 +677,8 @@ static void FN(delta_write_read)(int64_t K, int64_t V, const REAL *q, const REAL
    read back only by the next token, after every weight of the model has gone through the caches, so reading the
    fresh buffer's lines in to write them, as a plain store does, is a third of the traffic). The operations are
    the plain loop's (a product, then two fmas): 512-bit lines with AVX-512, 256-bit halves of them with AVX2. */
-#if defined(HAVE_VLINE) && !defined(LINATTN_PLAIN_C) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
+#if defined(HAVE_VLINE) && !defined(LINATTN_PLAIN_C) && \
+    (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
 #define STREAM_LINES 1
 #if defined(__AVX512F__)
 #define ZW 64
