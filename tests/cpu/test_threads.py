@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -428,24 +430,27 @@ def test_chains_claim_rules(tmp_path):
     assert "FAIL" not in out.stdout
 
 
+def _timeline_harness(tmp_path, name: str):
+    """tests/fixtures/cpu/<name>.c built into tmp_path (with -march=native where the compiler takes it); skips the
+    test without a compiler that has OpenMP."""
+    harness = Path(__file__).resolve().parents[1] / "fixtures" / "cpu" / f"{name}.c"
+    exe = tmp_path / name
+    for flags in (("-march=native", "-fopenmp"), ("-fopenmp",)):
+        cmd = [*cbuild.compiler(), "-O3", "-std=c11", "-ffp-contract=fast", *flags, f"-I{cbuild.CSRC}",
+               str(harness), "-o", str(exe), "-lm"]
+        if subprocess.run(cmd, capture_output=True).returncode == 0:
+            return exe
+    pytest.skip("the harness needs a compiler with OpenMP")
+
+
 def test_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
     """The developer's timeline harness (tests/fixtures/cpu/linear_timeline.c: chains.h's LA_TRACE hook timestamps
     every claim of linear.c) builds against the kernel's sources and runs: the same bits at 1 and 2 threads, forward
     and backward; the 2-thread calls' claims did the work (their CPU time inside claims is positive) and every figure
     is a finite time >= 0."""
     import math
-    import subprocess
-    from pathlib import Path
 
-    harness = Path(__file__).resolve().parents[1] / "fixtures" / "cpu" / "linear_timeline.c"
-    exe = tmp_path / "timeline"
-    for flags in (("-march=native", "-fopenmp"), ("-fopenmp",)):
-        cmd = [*cbuild.compiler(), "-O3", "-std=c11", "-ffp-contract=fast", *flags, f"-I{cbuild.CSRC}",
-               str(harness), "-o", str(exe), "-lm"]
-        if subprocess.run(cmd, capture_output=True).returncode == 0:
-            break
-    else:
-        pytest.skip("the harness needs a compiler with OpenMP")
+    exe = _timeline_harness(tmp_path, "linear_timeline")
     out = subprocess.run([str(exe), str(T_LONG), "4", "1"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
@@ -469,18 +474,8 @@ def test_delta_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
     on one thread (OMP_THREAD_LIMIT=1: the chains' order of runs); both threads' claims ran every run (their counts
     add up to the units' runs: 8-chunk runs, then 4, 2, 1, 1) and every figure is a finite time >= 0."""
     import math
-    import subprocess
-    from pathlib import Path
 
-    harness = Path(__file__).resolve().parents[1] / "fixtures" / "cpu" / "delta_timeline.c"
-    exe = tmp_path / "delta_timeline"
-    for flags in (("-march=native", "-fopenmp"), ("-fopenmp",)):
-        cmd = [*cbuild.compiler(), "-O3", "-std=c11", "-ffp-contract=fast", *flags, f"-I{cbuild.CSRC}",
-               str(harness), "-o", str(exe), "-lm"]
-        if subprocess.run(cmd, capture_output=True).returncode == 0:
-            break
-    else:
-        pytest.skip("the harness needs a compiler with OpenMP")
+    exe = _timeline_harness(tmp_path, "delta_timeline")
     T, H = 2048, 3  # 32 chunks of 64 per head: runs of 8, 8, 8, 4, 2, 1, 1
     hashes = set()
     for env in ({}, {"OMP_THREAD_LIMIT": "1"}):
