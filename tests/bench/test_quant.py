@@ -39,7 +39,8 @@ def test_bench_quant_tiny(tmp_path, capsys):
     assert rc == 0
     assert "x floor" in capsys.readouterr().out
     result = json.loads((tmp_path / "quant.json").read_text())
-    ways = 9 + 4 * cpu_decode.available()   # (+ the compiled decode's int8 / int4 products, fp32 and int8 x)
+    # (+ the fp32 prefill path's four, + the compiled decode's int8 / int4 products, fp32 and int8 x)
+    ways = 13 + 4 * cpu_decode.available()
     assert len(result["kernels"]) == ways * 4 and all(r["ms"] > 0 for r in result["kernels"])
     rows = result["speed"]
     assert [r["precision"] for r in rows] == ["fp32", "bf16", "int8", "int4"]
@@ -58,8 +59,23 @@ def test_bench_quant_int8_activation_rows(tmp_path):
     assert rows[0]["bytes_per_token"] == rows[1]["bytes_per_token"] < rows[2]["bytes_per_token"]
 
 
+def test_bench_quant_kernel_rows_and_ways(tmp_path):
+    rc = main(["bench", "quant", "--d-model", "32", "--ffn-hidden", "64", "--repeats", "1", "--no-speed", "--kernels",
+               "--kernel-rows", "3,97", "--kernel-ways", "blocks,bf16 x", "--out", str(tmp_path),
+               "--quiet"])
+    assert rc == 0
+    kernels = json.loads((tmp_path / "quant.json").read_text())["kernels"]
+    ways = ["int8 packed, bf16 x", "int4 packed, bf16 x", "int8 dequant (bf16-rounded) + fp32 matmul, blocks",
+            "int8 dequant (exact) + fp32 matmul, blocks", "int4 dequant (bf16-rounded) + fp32 matmul, blocks",
+            "int4 dequant (exact) + fp32 matmul, blocks"]
+    assert [(r["rows"], r["way"]) for r in kernels] == [(M, w) for M in (3, 97) for w in ways]
+
+
 def test_bench_quant_bad_options_exit_2(capsys):
     assert main(["bench", "quant", "--precisions", "fp8"]) == 2
     assert "--precisions" in capsys.readouterr().err
+    for bad in ("", "0,16", "x"):
+        assert main(["bench", "quant", "--kernels", "--kernel-rows", bad]) == 2
+        assert "--kernel-rows" in capsys.readouterr().err
     assert main(["bench", "quant", "--checkpoint", "x"]) == 2
     assert "go together" in capsys.readouterr().err

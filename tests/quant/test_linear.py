@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from linattn.errors import LinattnError
-from linattn.quant import QuantizedLinear
-from linattn.quant.linear import PACKED_MAX_ROWS, pack_int4, unpack_int4
+from linattn.quant import QuantizedLinear, linear as qlinear
+from linattn.quant.linear import PACKED_MAX_ROWS, PACKED_MAX_ROWS_NO_BF16, pack_int4, product_path, unpack_int4
 
 U32 = 2.0 ** -24      # unit roundoff of fp32
 UB = 2.0 ** -8        # unit roundoff of bf16
@@ -77,11 +77,23 @@ def _bounds(layer: QuantizedLinear, x: torch.Tensor, w: torch.Tensor, bias):
     return y, rnd, quant
 
 
+def _capability(monkeypatch, bf16_instructions: bool, block_rows: int = 32, K: int = 192):
+    """Pretend the CPU has (or lacks) bf16 instructions; the fp32 path dequantizes block_rows rows at a time (so
+    that 48 rows take a whole block and a partial one)."""
+    monkeypatch.setattr(qlinear, "native_bf16", lambda: bf16_instructions)
+    monkeypatch.setattr(qlinear, "PREFILL_BLOCK_WEIGHTS", block_rows * K)
+
+
+THRESHOLDS = sorted({*PACKED_MAX_ROWS.values(), *PACKED_MAX_ROWS_NO_BF16.values()})
+
+
 @pytest.mark.parametrize("mode, group", FORMATS)
 @pytest.mark.parametrize("compute", ["bf16", "fp32"])
-@pytest.mark.parametrize("rows", [1, 3, *PACKED_MAX_ROWS.values(), *(n + 1 for n in PACKED_MAX_ROWS.values())])
-def test_outputs_within_the_computed_bound(mode, group, compute, rows):
+@pytest.mark.parametrize("rows", [1, 3, *THRESHOLDS, *(n + 1 for n in THRESHOLDS)])
+@pytest.mark.parametrize("bf16_instructions", [True, False])
+def test_outputs_within_the_computed_bound(mode, group, compute, rows, bf16_instructions, monkeypatch):
     N, K = 48, 192
+    _capability(monkeypatch, bf16_instructions)
     w, bias = _weights(N, K, seed=rows), torch.randn(N) * 0.1
     layer = QuantizedLinear.from_weight(w, bias, mode, group, compute, activations="float")
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(1)) * 3
@@ -97,26 +109,138 @@ def test_outputs_within_the_computed_bound(mode, group, compute, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_other_activation_dtypes(dtype):
+@pytest.mark.parametrize("bf16_instructions", [True, False])
+@pytest.mark.parametrize("T", [5, 101])   # (101: the many-rows path of both modes)
+def test_other_activation_dtypes(dtype, bf16_instructions, T, monkeypatch):
+    _capability(monkeypatch, bf16_instructions, K=64)
     w = _weights(32, 64)
-    for compute in ("bf16", "fp32"):
-        layer = QuantizedLinear.from_weight(w, None, "int8", None, compute, activations="float")
-        x = torch.randn(2, 5, 64, dtype=dtype)
+    for mode, group in FORMATS:
+        for compute in ("bf16", "fp32"):
+            layer = QuantizedLinear.from_weight(w, torch.randn(32), mode, group, compute, activations="float")
+            x = torch.randn(2, T, 64, dtype=dtype)
+            out = layer(x)
+            assert out.dtype == dtype and out.shape == (2, T, 32)
+            y, rnd, _ = _bounds(layer, x.reshape(-1, 64), w, layer.bias)
+            assert torch.all((out.reshape(-1, 32).double() - y).abs() <= rnd)
+
+
+@pytest.mark.parametrize("bf16_instructions", [True, False])
+@pytest.mark.parametrize("rows", [3, 200])
+def test_shapes_empty_rows_and_nan_rows(bf16_instructions, rows, monkeypatch):
+    _capability(monkeypatch, bf16_instructions, K=32)
+    for mode, group in FORMATS[:2]:
+        layer = QuantizedLinear.from_weight(_weights(48, 64)[:, :32], torch.zeros(48), mode, group)
+        assert layer(torch.randn(0, 32)).shape == (0, 48)
+        assert layer(torch.randn(2, 0, 32)).shape == (2, 0, 48)
+        assert layer(torch.randn(1, 1, 32)).shape == (1, 1, 48)
+        x = torch.randn(rows, 32)
+        x[1, 4] = float("nan")
         out = layer(x)
-        assert out.dtype == dtype and out.shape == (2, 5, 32)
-        y, rnd, _ = _bounds(layer, x.reshape(-1, 64), w, None)
-        assert torch.all((out.reshape(-1, 32).double() - y).abs() <= rnd)
+        assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()   # a NaN stays in its row
 
 
-def test_shapes_empty_rows_and_nan_rows():
-    layer = QuantizedLinear.from_weight(_weights(16, 32), torch.zeros(16), "int4", 32)
-    assert layer(torch.randn(0, 32)).shape == (0, 16)
-    assert layer(torch.randn(2, 0, 32)).shape == (2, 0, 16)
-    assert layer(torch.randn(1, 1, 32)).shape == (1, 1, 16)
-    x = torch.randn(3, 32)
-    x[1, 4] = float("nan")
-    out = layer(x)
-    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()   # a NaN stays in its row
+# --------------------------------------------------------------------------- the path by the CPU's capability
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_path_by_capability_and_rows(mode):
+    for rows in (1, 2, PACKED_MAX_ROWS[mode], PACKED_MAX_ROWS[mode] + 1, 4096):
+        assert product_path(mode, rows, True) == ("packed" if rows <= PACKED_MAX_ROWS[mode] else "bf16")
+    for rows in (1, 2, PACKED_MAX_ROWS_NO_BF16[mode], PACKED_MAX_ROWS_NO_BF16[mode] + 1, 4096):
+        assert product_path(mode, rows, False) == ("packed" if rows <= PACKED_MAX_ROWS_NO_BF16[mode] else "fp32")
+
+
+@pytest.mark.parametrize("caps, native", [
+    ({"avx2": True, "avx512_bf16": False, "amx_bf16": False}, False),   # this project's AMD Zen 3
+    ({"avx2": True, "avx512_f": True, "avx512_bf16": True, "amx_bf16": False}, True),
+    ({"avx2": True, "avx512_bf16": False, "amx_bf16": True, "amx_tile": True}, True),
+    ({"avx512_f": True, "avx512_bw": True, "avx512_vnni": True}, False),   # AVX-512 without its bf16 extension
+    ({}, False),                                                          # a CPU torch's probe does not describe
+])
+def test_native_bf16_reads_torchs_probe_once(caps, native, monkeypatch):
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return caps
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", probe)
+    qlinear.native_bf16.cache_clear()
+    try:
+        assert qlinear.native_bf16() is native and qlinear.native_bf16() is native
+        assert len(calls) == 1                                    # cached: probed once
+        monkeypatch.delattr(torch.cpu, "get_capabilities")
+        qlinear.native_bf16.cache_clear()
+        assert qlinear.native_bf16() is False                     # a torch without the probe
+    finally:
+        qlinear.native_bf16.cache_clear()
+
+
+def _spy_paths(monkeypatch):
+    seen = []
+
+    def spy(mode, rows, bf16_instructions):
+        seen.append((mode, rows, bf16_instructions, product_path(mode, rows, bf16_instructions)))
+        return seen[-1][-1]
+
+    monkeypatch.setattr(qlinear, "product_path", spy)
+    return seen
+
+
+@pytest.mark.parametrize("bf16_instructions", [True, False])
+def test_the_layer_runs_the_chosen_path_and_nothing_else_decides(bf16_instructions, monkeypatch):
+    """The layer asks `product_path` with the mode, the row count (every row of a [B, T, K] input) and the probe
+    only, and runs what it answers: the fp32 path when it says fp32 (and only then)."""
+    _capability(monkeypatch, bf16_instructions, K=64)
+    seen = _spy_paths(monkeypatch)
+    ran = []
+    prefill = QuantizedLinear._prefill_fp32
+    monkeypatch.setattr(QuantizedLinear, "_prefill_fp32", lambda self, xb, exact=False: ran.append(1)
+                        or prefill(self, xb, exact))
+    w = _weights(48, 64)
+    for mode, group in FORMATS:
+        for activations in ("float", "int8"):
+            layer = QuantizedLinear.from_weight(w, None, mode, group, activations=activations)
+            for shape in ((1, 64), (7, 64), (2, 20, 64), (3, 50, 64), (130, 64)):
+                for dtype in (torch.float32, torch.bfloat16, torch.float64):
+                    del seen[:], ran[:]
+                    layer(torch.randn(*shape, dtype=dtype))
+                    rows = torch.Size(shape[:-1]).numel()
+                    assert [s[:3] for s in seen] == [(mode, rows, bf16_instructions)]
+                    assert len(ran) == (seen[0][3] == "fp32")
+    del seen[:]
+    QuantizedLinear.from_weight(w, None, "int8", compute="fp32")(torch.randn(200, 64))
+    assert seen == []                                             # compute="fp32" has one path
+
+
+@pytest.mark.parametrize("mode, group", FORMATS)
+def test_the_fp32_path_multiplies_the_bf16_paths_operands(mode, group, monkeypatch):
+    """The weight blocks the fp32 path multiplies are `dequantize(torch.bfloat16)`'s bits (each the exact q * s
+    rounded once to bf16), whatever the block; exact=True gives q * s unrounded; the product is that of the
+    bf16-rounded operands up to fp32 accumulation, the output then rounded to bf16 like the bf16 path's."""
+    N, K = 80, 128
+    layer = QuantizedLinear.from_weight(_weights(N, K, seed=4), None, mode, group, activations="float")
+    q, s = layer.int_weight().float(), layer.expanded_scales().float()
+    want_b = (q * s).to(torch.bfloat16)                           # exact in fp32 (8 x 8 bits), one rounding
+    assert torch.equal(layer.dequantize(torch.bfloat16), want_b)
+    assert torch.equal(layer.dequantize(torch.float32), q * s)
+    assert torch.equal(layer.dequantize(torch.float64), q.double() * s.double())
+    for lo, hi in ((0, N), (0, 16), (16, 48), (48, 80), (79, 80), (5, 5)):
+        for dt in (torch.bfloat16, torch.float32):
+            assert torch.equal(layer._dequantize_rows(lo, hi, dt), layer.dequantize(dt)[lo:hi])
+    xb = (torch.randn(37, K, generator=torch.Generator().manual_seed(5)) * 2).to(torch.bfloat16)
+    xd, wd = xb.double(), want_b.double()
+    S = xd.abs() @ wd.abs().T
+    for block_rows in (16, 48, 1000):
+        monkeypatch.setattr(qlinear, "PREFILL_BLOCK_WEIGHTS", block_rows * K)
+        for exact, w in ((False, wd), (True, (q * s).double())):
+            y = layer._prefill_fp32(xb, exact=exact)
+            assert y.dtype == torch.float32 and y.shape == (37, N)
+            assert torch.all((y.double() - xd @ w.T).abs() <= (K + 2) * U32 * S)
+    _capability(monkeypatch, False, K=K)
+    xb = torch.cat([xb] * 4)                                      # (more rows than either mode packs)
+    out = layer(xb.float())
+    y = layer._prefill_fp32(xb)
+    assert torch.equal(out, y.to(torch.bfloat16).float())         # rounded to bf16, as the other paths' outputs
 
 
 def test_from_linear_reads_and_keeps_the_float_layer():

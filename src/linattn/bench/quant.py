@@ -69,13 +69,29 @@ def add_arguments(p) -> None:
     p.add_argument("--hf", action="store_true", help="also a kernelized random Qwen3.5 model's logits error")
     p.add_argument("--no-speed", action="store_true", help="only the quality rows")
     p.add_argument("--kernels", action="store_true",
-                   help="also one --d-model x --ffn-hidden matrix at 1 / 16 / 64 / 512 rows: torch's packed int8 / "
+                   help="also one --d-model x --ffn-hidden matrix at --kernel-rows rows: torch's packed int8 / "
                         "int4 kernels (bf16 and fp32 activations) and the compiled decode's own products against "
-                        "dequantize-then-matmul and fp32 / bf16")
+                        "dequantize-then-matmul (bf16, and fp32: the path of CPUs without bf16 instructions) and "
+                        "fp32 / bf16")
+    p.add_argument("--kernel-rows", default="1,16,64,512",
+                   help="--kernels: comma list of row counts (default 1,16,64,512)")
+    p.add_argument("--kernel-ways", default="",
+                   help="--kernels: only the ways whose name contains one of these comma-separated words "
+                        "(default: every way)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
     p.add_argument("--out", default=None, help="output folder (default results/bench/quant/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def _kernel_rows(a) -> List[int]:
+    try:
+        rows = [int(t) for t in a.kernel_rows.split(",") if t.strip()]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1:
+        raise UsageError(f"--kernel-rows: expected a comma list of row counts >= 1, got {a.kernel_rows!r}")
+    return rows
 
 
 def _precisions(a) -> List[str]:
@@ -206,7 +222,8 @@ def kernel_rows(a, log) -> List[Dict[str, Any]]:
     q4 = QuantizedLinear.from_weight(w, None, "int4", a.group_size, activations="float")
     wb = w.to(torch.bfloat16)
     rows = []
-    for M in (1, 16, 64, 512):
+    words = [t.strip() for t in a.kernel_ways.split(",") if t.strip()]
+    for M in _kernel_rows(a):
         x = torch.randn(M, K)
         xb = x.to(torch.bfloat16)
         ways = {
@@ -221,6 +238,12 @@ def kernel_rows(a, log) -> List[Dict[str, Any]]:
             "int4 packed, fp32 x": lambda: torch._weight_int4pack_mm_for_cpu(x, q4._packed, q4.group_size,
                                                                             q4._scale_zeros.float()),
             "int4 dequant + bf16 matmul": lambda: xb @ q4.dequantize(torch.bfloat16).T,
+            # the path of CPUs without bf16 instructions (quant/linear.py `product_path`): blocks of the weight
+            # dequantized to fp32, bf16-rounded as the bf16 path's operand (what runs) or exact q * s
+            "int8 dequant (bf16-rounded) + fp32 matmul, blocks": lambda: q8._prefill_fp32(xb),
+            "int8 dequant (exact) + fp32 matmul, blocks": lambda: q8._prefill_fp32(xb, exact=True),
+            "int4 dequant (bf16-rounded) + fp32 matmul, blocks": lambda: q4._prefill_fp32(xb),
+            "int4 dequant (exact) + fp32 matmul, blocks": lambda: q4._prefill_fp32(xb, exact=True),
         }
         if cpu_decode.available():   # the compiled decode's own products (csrc/qmatvec.h), fp32 activations
             ways["int8 compiled decode, fp32 x"] = lambda: cpu_decode.weight_matvec(x, "int8", q8.qweight, q8.scales)
@@ -231,6 +254,8 @@ def kernel_rows(a, log) -> List[Dict[str, Any]]:
                                                                                     q8.scales)
             ways["int4 compiled decode, int8 x"] = lambda: cpu_decode.weight_matvec(x, "int4_a8", q4.qweight,
                                                                                     q4.scales, q4.group_size)
+        if words:
+            ways = {k: f for k, f in ways.items() if any(wd in k for wd in words)}
         times = {k: [] for k in ways}
         n = 3 if M >= 64 else 10
         for _ in range(a.repeats):
@@ -356,6 +381,7 @@ def run(a) -> int:
         UsageError: Bad options.
     """
     names = _precisions(a)
+    _kernel_rows(a)
     if (a.checkpoint is None) != (a.data is None):
         raise UsageError("--checkpoint and --data go together (the quality rows)")
     a.threads, log = common.start_run(a.threads, "cpu", a.quiet)

@@ -10,11 +10,16 @@ so every dequantized weight q * s is within s / 2 of the original. The int4 valu
 rows (decoding) the packed matmuls `torch._weight_int8pack_mm` / `torch._weight_int4pack_mm_for_cpu` with bf16
 activations (their fp32-activation paths are 3-60x slower than an fp32 matmul on the CPU measured); for many
 rows (prefill, above `PACKED_MAX_ROWS`) the weight is dequantized to bf16 and multiplied by torch's bf16
-matmul, which is faster there (numbers in docs/quantization.md). `compute="fp32"` dequantizes to fp32 (fp64
-for fp64 inputs) instead: slower, without the bf16 rounding of activations and outputs.
+matmul, which is faster there (numbers in docs/quantization.md). On a CPU without bf16 instructions (no AVX512-BF16
+or AMX-BF16: `native_bf16`) torch's bf16 matmul is ~5x slower than its fp32 one, so above
+`PACKED_MAX_ROWS_NO_BF16` the same bf16 operands (x and the dequantized weight rounded to bf16) are multiplied
+by torch's fp32 matmul instead, the weight dequantized a block of rows at a time, and the output rounded to bf16:
+only the fp32 accumulation order differs from the bf16 matmul's (`product_path`). `compute="fp32"` dequantizes to
+fp32 (fp64 for fp64 inputs) instead: slower, without the bf16 rounding of activations and outputs.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -36,6 +41,12 @@ INT4_N_MULTIPLE = 16      # torch's int4 CPU packing needs out_features % 16 == 
 # up to this many rows the packed kernels beat dequantize-then-bf16-matmul (`linattn bench quant --kernels`, a
 # 1024 x 3584 weight, 1 thread: int8 ties at 64 rows and loses 4x at 512; int4 wins at 64, loses at 512)
 PACKED_MAX_ROWS = {"int8": 48, "int4": 128}
+# the same on a CPU without bf16 instructions, where the many-rows path is dequantize-then-fp32-matmul
+# (`product_path`); MEASURED_BELOW
+PACKED_MAX_ROWS_NO_BF16 = {"int8": 32, "int4": 96}
+#: the fp32 prefill path dequantizes this many weights at a time (1 MiB of fp32, a block of rows), multiplying each
+#: block while it is in cache: 1.3-1.4x faster than dequantizing the whole weight first (int8, 64 rows, 1024 x 3584)
+PREFILL_BLOCK_WEIGHTS = 1 << 18
 _QMAX = {"int8": 127, "int4": 7}
 
 
@@ -96,6 +107,29 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
         s = torch.where(low, torch.nextafter(s, inf), s)
     q = torch.where(s > 0, torch.round(blocks / torch.where(s > 0, s, torch.ones_like(s))), torch.zeros_like(blocks))
     return (q.clamp_(-127, 127) * s).flatten(-2)[..., :K]
+
+
+@functools.lru_cache(maxsize=None)
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 matmul instructions (AVX512-BF16 or AMX-BF16, as torch's CPU probe reports them),
+    probed once. Without them torch's bf16 matmul converts to fp32 and runs ~5x slower than its fp32 matmul (an AMD
+    Zen 3, docs/quantization.md), so the many-rows products take the fp32 path (`product_path`). CPUs torch's
+    probe does not describe (not x86) count as without: the fp32 path is never the slow one."""
+    try:
+        caps = torch.cpu.get_capabilities()
+    except (AttributeError, RuntimeError):   # (a torch without the probe)
+        return False
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def product_path(mode: str, rows: int, bf16_instructions: bool) -> str:
+    """Which kernel a `compute="bf16"` product of `rows` rows runs: "packed" (torch's packed int8 / int4 kernel),
+    "bf16" (the weight dequantized to bf16, torch's bf16 matmul) or "fp32" (the same bf16-rounded operands in
+    torch's fp32 matmul, the output rounded to bf16). A function of the mode, the rows and the CPU's capability
+    (`native_bf16`) only, never of a timing: every run on one CPU computes the same way."""
+    if bf16_instructions:
+        return "packed" if rows <= PACKED_MAX_ROWS[mode] else "bf16"
+    return "packed" if rows <= PACKED_MAX_ROWS_NO_BF16[mode] else "fp32"
 
 
 def fits(mode: str, group_size: Optional[int], out_features: int, in_features: int) -> Optional[str]:
@@ -328,11 +362,31 @@ class QuantizedLinear(nn.Module):
         Returns:
             The dequantized weight `[out_features, in_features]`.
         """
-        N, K = self.out_features, self.in_features
-        if self.mode == "int8":
-            return self.qweight.to(dtype) * self.scales.to(dtype).unsqueeze(1)
-        codes = torch.stack((self.qweight & 15, self.qweight >> 4), -1).view(N, K // self.group_size, self.group_size)
-        return ((codes.to(dtype) - 8) * self.scales.to(dtype).unsqueeze(-1)).view(N, K)
+        return self._dequantize_rows(0, self.out_features, dtype)
+
+    def _dequantize_rows(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """`dequantize(dtype)`'s rows lo:hi (the same bits: one rounding of the exact q * s in dtype)."""
+        K = self.in_features
+        if self.mode == "int8":   # (in place: a broadcast out-of-place product is 3x slower in torch 2.13)
+            return self.qweight[lo:hi].to(dtype).mul_(self.scales[lo:hi].to(dtype).unsqueeze(1))
+        p = self.qweight[lo:hi]
+        codes = torch.stack((p & 15, p >> 4), -1).view(hi - lo, K // self.group_size, self.group_size)
+        return codes.to(dtype).sub_(8).mul_(self.scales[lo:hi].to(dtype).unsqueeze(-1)).view(hi - lo, K)
+
+    def _prefill_fp32(self, xb: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """x `[M, K]` times the weight in torch's fp32 matmul (fp32 `[M, N]`), dequantized `PREFILL_BLOCK_WEIGHTS`
+        at a time: the bf16-rounded weight (`dequantize(torch.bfloat16)`, the operand of the bf16 path), or with
+        `exact` q * s unrounded (for `linattn bench quant --kernels`' comparison)."""
+        x = xb.to(torch.float32)
+        N = self.out_features
+        block = max(16, PREFILL_BLOCK_WEIGHTS // self.in_features)
+        y = torch.empty(x.shape[0], N)
+        for lo in range(0, N, block):
+            hi = min(N, lo + block)
+            w = (self._dequantize_rows(lo, hi, torch.float32) if exact
+                 else self._dequantize_rows(lo, hi, torch.bfloat16).to(torch.float32))
+            torch.mm(x, w.T, out=y[:, lo:hi])
+        return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
@@ -352,15 +406,18 @@ class QuantizedLinear(nn.Module):
         if self.compute == "fp32" or x2.shape[0] == 0:
             dt = torch.float64 if x.dtype == torch.float64 else torch.float32
             y = F.linear(x2.to(dt), self.dequantize(dt))
-        elif x2.shape[0] <= PACKED_MAX_ROWS[self.mode]:
+        else:
+            path = product_path(self.mode, x2.shape[0], native_bf16())
             xb = x2.to(torch.bfloat16).contiguous()
-            if self.mode == "int8":
+            if path == "packed" and self.mode == "int8":
                 y = torch._weight_int8pack_mm(xb, self.qweight, self.scales.to(torch.bfloat16))
-            else:
+            elif path == "packed":
                 y = torch._weight_int4pack_mm_for_cpu(xb, self._packed, self.group_size,
                                                       self._scale_zeros.to(torch.bfloat16))
-        else:
-            y = F.linear(x2.to(torch.bfloat16), self.dequantize(torch.bfloat16))
+            elif path == "bf16":
+                y = F.linear(xb, self.dequantize(torch.bfloat16))
+            else:   # (a bf16 output, as the other two paths give)
+                y = self._prefill_fp32(xb).to(torch.bfloat16)
         if self.bias is not None:   # in fp32 at least (the bf16 kernels' outputs), fp64 for fp64 inputs
             y = y.to(torch.promote_types(y.dtype, torch.float32)) + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
