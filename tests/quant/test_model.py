@@ -242,3 +242,32 @@ def test_kernelized_qwen3_5_equals_its_dequantized_reference(mode):
         assert torch.equal(g, ref.generate(ids[:, :5], max_new_tokens=12, do_sample=False))
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
     assert len(quantized_modules(qmodel)) + len(quantization_summary(qmodel)["skipped"]) == n_linear
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_kernelized_qwen3_5_prefill_takes_the_cpus_path(mode, monkeypatch):
+    """A kernelized transformers model's prefill runs its quantized projections through `QuantizedLinear` and so
+    through `product_path`'s choice: without bf16 instructions every many-rows product takes the fp32 path, and
+    its logits stay within bf16 rounding of the bf16 path's."""
+    from linattn.hf import kernelize
+    from linattn.quant import linear as qlinear
+
+    model = _qwen3_5(torch.float32)
+    kernelize(model)
+    qmodel = linattn.quantize(model, mode, activations="float")
+    ids = torch.randint(3, 96, (2, 66), generator=torch.Generator().manual_seed(3))   # 132 rows a product
+    logits, paths = {}, {}
+    for native in (True, False):
+        seen = []
+        real = qlinear.product_path
+        monkeypatch.setattr(qlinear, "native_bf16", lambda native=native: native)
+        monkeypatch.setattr(qlinear, "product_path", lambda m, r, b: seen.append((r, real(m, r, b))) or seen[-1][1])
+        with torch.no_grad():
+            logits[native] = qmodel(ids).logits
+        paths[native] = seen
+        monkeypatch.setattr(qlinear, "product_path", real)
+    n_quantized = len(quantized_modules(qmodel))
+    assert len(paths[False]) == n_quantized and {p for _, p in paths[False]} == {"fp32"}
+    assert {r for r, _ in paths[False]} == {132}
+    assert {p for _, p in paths[True]} == {"bf16"}
+    _close(logits[False], logits[True], rtol=0.05)
