@@ -42,11 +42,14 @@ INT4_N_MULTIPLE = 16      # torch's int4 CPU packing needs out_features % 16 == 
 # 1024 x 3584 weight, 1 thread: int8 ties at 64 rows and loses 4x at 512; int4 wins at 64, loses at 512)
 PACKED_MAX_ROWS = {"int8": 48, "int4": 128}
 # the same on a CPU without bf16 instructions, where the many-rows path is dequantize-then-fp32-matmul
-# (`product_path`); MEASURED_BELOW
-PACKED_MAX_ROWS_NO_BF16 = {"int8": 32, "int4": 96}
-#: the fp32 prefill path dequantizes this many weights at a time (1 MiB of fp32, a block of rows), multiplying each
-#: block while it is in cache: 1.3-1.4x faster than dequantizing the whole weight first (int8, 64 rows, 1024 x 3584)
-PREFILL_BLOCK_WEIGHTS = 1 << 18
+# (`product_path`). Measured on an AMD EPYC (Zen 3, AVX2), 1 thread, thread CPU time (load 5-6), packed / fp32 path:
+# int8 0.94 at 32 rows, 1.21 at 48, 1.77 at 64 (a 3584 x 1024 weight; 1024 x 3584: 0.90 at 64, 1.00 at 96); int4
+# 0.88 at 64, 1.11 at 128 (3584 x 1024; 0.85 at 128, 0.93 at 192 for 1024 x 3584: dequantizing nibbles with torch's
+# elementwise ops costs 7-10 ms a 3.6M-weight matrix). 2 threads were not measurable there (2 cores, oversubscribed)
+PACKED_MAX_ROWS_NO_BF16 = {"int8": 48, "int4": 128}
+#: the fp32 path dequantizes this many weights at a time (2 MiB of fp32, a block of rows), multiplying each block
+#: while it is in cache: int8 at 64 rows 11.2 against 15.5 ms dequantizing the whole 3584 x 1024 weight first
+PREFILL_BLOCK_WEIGHTS = 1 << 19
 _QMAX = {"int8": 127, "int4": 7}
 
 
