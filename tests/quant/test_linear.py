@@ -335,3 +335,16 @@ def test_cuda_inputs_are_refused():
         layer(torch.randn(2, 32, device="cuda"))
     with pytest.raises(LinattnError, match="CPU only"):
         QuantizedLinear.from_weight(torch.randn(16, 32, device="cuda"), None, "int8")
+
+
+def test_the_fp32_path_ignores_the_default_dtype(monkeypatch):
+    _capability(monkeypatch, False, K=64)
+    layer = QuantizedLinear.from_weight(_weights(48, 64), None, "int8")
+    x = torch.randn(100, 64)
+    want = layer(x)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert torch.equal(layer(x), want)
+    finally:
+        torch.set_default_dtype(default)

@@ -383,7 +383,7 @@ class QuantizedLinear(nn.Module):
         x = xb.to(torch.float32)
         N = self.out_features
         block = max(16, PREFILL_BLOCK_WEIGHTS // self.in_features)
-        y = torch.empty(x.shape[0], N)
+        y = torch.empty(x.shape[0], N, dtype=torch.float32)   # (not the default dtype, which a user may change)
         for lo in range(0, N, block):
             hi = min(N, lo + block)
             w = (self._dequantize_rows(lo, hi, torch.float32) if exact
