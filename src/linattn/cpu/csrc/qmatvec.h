@@ -670,25 +670,30 @@ static inline __m256 q4_scales8(const uint16_t *s, int64_t left) {
    from a8_x.lc) and `vphaddd` sums them: the same integers. One row (R = 1, the n % 4 last) sums its lanes to
    [r x4 | r x4] by `vphaddd` and takes the same float steps on the same values, and a row's two lanes (its blocks
    at even and odd 32-input offsets) are added last: the same bits as in a step of four rows. */
-/* the four rows' next 8 group scales (bf16 bits from s, s + ss, ..; `left` remaining: the others read as 0) as fp32
-   into gs4 [8 groups][4 rows] */
+/* the four rows' next 16 group scales (bf16 bits from s, s + ss, ..; `left` remaining: the others read as 0) as
+   fp32 into gs4 [16 groups][4 rows]. The unpacks work within 128-bit halves: the low half transposes groups 0-7,
+   the high half 8-15, and the last permutes put a pair of consecutive groups in each vector. */
 static inline void a8_scales4(const uint16_t *s, int64_t ss, int64_t left, float *gs4) {
-    __m128i r[4];
+    __m256i r[4];
     for (int k = 0; k < 4; ++k) {
-        if (left >= 8) {
-            r[k] = _mm_loadu_si128((const __m128i *)(const void *)(s + k * ss));
+        if (left >= 16) {
+            r[k] = _mm256_loadu_si256((const __m256i *)(const void *)(s + k * ss));
         } else {
-            uint16_t tmp[8] = {0};
+            uint16_t tmp[16] = {0};
             memcpy(tmp, s + k * ss, (size_t)left * sizeof *tmp);
-            r[k] = _mm_loadu_si128((const __m128i *)(const void *)tmp);
+            r[k] = _mm256_loadu_si256((const __m256i *)(const void *)tmp);
         }
     }
-    const __m128i a = _mm_unpacklo_epi16(r[0], r[1]), b = _mm_unpackhi_epi16(r[0], r[1]),   /* [r0 r1] x g 0-3 */
-                  c = _mm_unpacklo_epi16(r[2], r[3]), d = _mm_unpackhi_epi16(r[2], r[3]);
-    const __m128i t[4] = {_mm_unpacklo_epi32(a, c), _mm_unpackhi_epi32(a, c),   /* [r0 r1 r2 r3] x g 0-1 */
-                          _mm_unpacklo_epi32(b, d), _mm_unpackhi_epi32(b, d)};
-    for (int k = 0; k < 4; ++k)   /* bf16 bits to fp32 */
-        _mm256_store_ps(gs4 + 8 * k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(t[k]), 16)));
+    const __m256i a = _mm256_unpacklo_epi16(r[0], r[1]), b = _mm256_unpackhi_epi16(r[0], r[1]),   /* [r0 r1] x g */
+                  c = _mm256_unpacklo_epi16(r[2], r[3]), d = _mm256_unpackhi_epi16(r[2], r[3]);
+    const __m256i t[4] = {_mm256_unpacklo_epi32(a, c), _mm256_unpackhi_epi32(a, c),   /* [r0 r1 r2 r3] x g 0-1 */
+                          _mm256_unpacklo_epi32(b, d), _mm256_unpackhi_epi32(b, d)};   /* (+ 8 in the high half) */
+    const __m256i z = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {   /* bf16 bits to fp32: the upper half of a zero-extended lane */
+        const __m256i lo = _mm256_unpacklo_epi16(z, t[k]), hi = _mm256_unpackhi_epi16(z, t[k]);   /* g 2k, 2k + 1 */
+        _mm256_store_si256((__m256i *)(void *)(gs4 + 8 * k), _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_store_si256((__m256i *)(void *)(gs4 + 32 + 8 * k), _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
 }
 /* one row's 32 bytes at wr times the step's x (x0: the low nibbles' inputs, x1: the high ones'): VNNI, 8 lanes of 8
    products started from the lanes' excess (corr: a8_x.lc); otherwise 16 lanes of 4 products (16-bit) */
@@ -775,7 +780,7 @@ static inline __attribute__((always_inline)) __m256 a8_i4_step(const int R, cons
 /* R (1 or 4) rows of int4 weights in groups of G (a8_rows_vec's arguments), in spans of A8_I4_SPAN groups: R = 4
    converts the four rows' scales of a span first (gs4, [group][row]: a tight loop of its own, so that the steps keep
    their registers), R = 1 its row's 8 at a time (sc) */
-#define A8_I4_SPAN 128
+#define A8_I4_SPAN 128   /* (a multiple of the 16 that a8_scales4 converts) */
 static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const int G, const a8_x *p, int64_t b,
                                                              const uint8_t *w, int64_t rs, const uint16_t *sr,
                                                              int64_t ss, const uint8_t *pf_end, float *out) {
@@ -794,7 +799,7 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
     for (int64_t j0 = 0; j0 < mv; j0 += span) {
         const int64_t g0 = j0 / G, e = j0 + span < mv ? j0 + span : mv;
         if (R == 4)
-            for (int64_t g = g0; g < e / G; g += 8) a8_scales4(sr + g, ss, ng - g, gs4 + 4 * (g - g0));
+            for (int64_t g = g0; g < e / G; g += 16) a8_scales4(sr + g, ss, ng - g, gs4 + 4 * (g - g0));
         else
             sc = q4_scales8(sr + g0, ng - g0);
         const float *gs = gs4 - 4 * g0 * (R == 4);   /* (group g's at gs + 4 g) */
@@ -900,7 +905,7 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
 
 /* the r rows i0, i0 + stride, ... (q_step_rows) of y = add + W x^ + bias, W int8 [n, m] (row scales) or int4
    [n, m / 2] (group scales) */
-static void matvec_rows_a8(int int4, const a8_x *p, int64_t B, int64_t n, int64_t group, int64_t i0, int64_t stride,
+static inline __attribute__((always_inline)) void matvec_rows_a8(int int4, const a8_x *p, int64_t B, int64_t n, int64_t group, int64_t i0, int64_t stride,
                            int r, const void *W, const uint16_t *s, const float *bias, const float *add, float *y) {
     const int64_t m = p->m, rowb = int4 ? m / 2 : m, ng = int4 ? m / group : 1;
     const uint8_t *Wb = (const uint8_t *)W;
