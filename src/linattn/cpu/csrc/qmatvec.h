@@ -904,10 +904,15 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
 #endif
 
 /* the r rows i0, i0 + stride, ... (q_step_rows) of y = add + W x^ + bias, W int8 [n, m] (row scales) or int4
-   [n, m / 2] (group scales) */
-static inline __attribute__((always_inline)) void matvec_rows_a8(int int4, const a8_x *p, int64_t B, int64_t n, int64_t group, int64_t i0, int64_t stride,
-                           int r, const void *W, const uint16_t *s, const float *bias, const float *add, float *y) {
-    const int64_t m = p->m, rowb = int4 ? m / 2 : m, ng = int4 ? m / group : 1;
+   [n, m / 2] (group scales). Inlined into the steps' loop, so that what does not change from step to step is set up
+   once (callgrind: ~110 of the ~1400 instructions of an int4 step of 4 rows at 1024 inputs) */
+static inline __attribute__((always_inline)) void matvec_rows_a8(int int4, const a8_x *p, int64_t B, int64_t n,
+                                                                 int64_t group, int64_t i0, int64_t stride, int r,
+                                                                 const void *W, const uint16_t *s, const float *bias,
+                                                                 const float *add, float *y) {
+    const int64_t m = p->m, rowb = int4 ? m / 2 : m;
+    /* (groups of 32 and 64 spelt out: a division per step of 4 rows otherwise) */
+    const int64_t ng = !int4 ? 1 : group == 32 ? m / 32 : group == 64 ? m / 64 : m / group;
     const uint8_t *Wb = (const uint8_t *)W;
     const uint16_t *si = int4 ? s + i0 * ng : s;   /* (int8: no group scales) */
     float ws[4];
