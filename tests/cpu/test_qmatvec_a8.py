@@ -205,3 +205,53 @@ def test_a8_int4_extreme_integer_sums_exact(decode_lib, group):
         y = cpu_decode.weight_matvec(x, "int4_a8", stored, torch.ones(5, k // group, dtype=torch.bfloat16), group)
         want = x.double() @ (codes - 8).double().t()
         assert torch.equal(y.double(), want), (k, (y.double() - want).abs().max().item())
+
+
+#: `vpdpbusd` (AVX-VNNI) in plain C: an int32 lane plus its 4 unsigned bytes times the 4 signed ones
+VPDPBUSD_IN_C = r"""
+#ifndef A8_TEST_DPBUSD
+#define A8_TEST_DPBUSD
+#include <stdint.h>
+#include <string.h>
+static inline __m256i test_dpbusd(__m256i src, __m256i a, __m256i b) {
+    uint8_t ua[32];
+    int8_t sb[32];
+    int32_t s[8];
+    memcpy(ua, &a, 32), memcpy(sb, &b, 32), memcpy(s, &src, 32);
+    for (int i = 0; i < 8; ++i)
+        for (int k = 0; k < 4; ++k) s[i] += (int32_t)ua[4 * i + k] * (int32_t)sb[4 * i + k];
+    memcpy(&src, s, 32);
+    return src;
+}
+#define _mm256_dpbusd_avx_epi32(src, a, b) test_dpbusd(src, a, b)
+#endif
+"""
+
+
+def test_a8_avx_vnni_emulated_same_bits_as_avx2(tmp_path, monkeypatch):
+    """The AVX-VNNI path with `vpdpbusd` written in C (so that a CPU without AVX-VNNI runs it: its int4 rows start
+    from the lanes' excess and `vphaddd` their lanes; AVX2's sum 16-bit lanes and take the blocks' excess after) and
+    the AVX2 path: the same bits, int8 and int4 (groups 32, 64), rows 1-9 and 523, widths with a tail and more than
+    one span of scales, 1 and 2 threads."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs AVX2 and FMA")
+    cases = [_Stored(n, k, mode, group, seed=n, bias=True) for n in (1, 5, 9, 523) for k in (512, 1056, 4192)
+             for mode, group in FORMATS if mode == "int8" or k % group == 0]
+    xs = {k: torch.randn(2, k, generator=torch.Generator().manual_seed(k)) * 3 for k in (512, 1056, 4192)}
+    prefixes = {"emulated": PATHS["avx-vnni"][0] + VPDPBUSD_IN_C, "avx2": PATHS["avx2"][0]}
+    got, threads = {}, torch.get_num_threads()
+    try:
+        for name, prefix in prefixes.items():
+            (tmp_path / name).mkdir()
+            lib = build_decode_variant(tmp_path / name, prefix)
+            monkeypatch.setattr(bindings, "load_library", lambda n, lib=lib: lib if n == "decode" else None)
+            got[name] = []
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                got[name] += [cpu_decode.weight_matvec(xs[q.in_features], q.mode + "_a8", q.stored, q.scales,
+                                                       q.group, bias=q.bias) for q in cases]
+    finally:
+        torch.set_num_threads(threads)
+    assert len(got["avx2"]) == 2 * len(cases)
+    for a, b in zip(got["emulated"], got["avx2"]):
+        assert torch.equal(a, b)
