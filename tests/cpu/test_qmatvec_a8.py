@@ -164,3 +164,94 @@ def test_a8_avx_vnni_same_bits_as_avx2(tmp_path, monkeypatch):
         assert torch.equal(a, b)
     # (the variants were the ones run: plain C sums in another order, so its bits differ somewhere)
     assert any(not torch.equal(a, c) for a, c in zip(got["avx2"], got["scalar"]))
+
+
+INT4_WIDTHS = {32: (64, 96, 1056, 4192), 64: (64, 192, 1088, 8256)}
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_a8_int4_row_bits_independent_of_the_step(decode_lib, group):
+    """AVX2's int4 product sums a step's four rows' integers together and scales them in one vector (csrc/qmatvec.h
+    a8_i4_rows); a row alone (the n % 4 last) takes the same float steps: every row of an n-row product has the bits
+    of that row's product alone (rowsched.h: the schedule changes no bits), and is within the bounds. Widths of one
+    step, an odd step count, a tail after the last step and more than one span of 128 groups (the rows' scales
+    converted per span, the last 8 groups short)."""
+    for n, k in zip((9, 6, 5, 7), INT4_WIDTHS[group]):
+        q = _Stored(n, k, "int4", group, seed=n + k, bias=True)
+        x = torch.randn(2, k, generator=torch.Generator().manual_seed(k)) * 2
+        check_a8_product(q, x, bias=q.bias)
+        y = cpu_decode.weight_matvec(x, "int4_a8", q.stored, q.scales, group, bias=q.bias)
+        for i in range(n):
+            one = cpu_decode.weight_matvec(x, "int4_a8", q.stored[i:i + 1].contiguous(),
+                                           q.scales[i:i + 1].contiguous(), group, bias=q.bias[i:i + 1].contiguous())
+            assert torch.equal(one[:, 0].view(torch.int32), y[:, i].view(torch.int32)), (n, k, i)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_a8_int4_extreme_integer_sums_exact(decode_lib, group):
+    """Codes 0 and 15 times x's integers +-127 (scale 1 for every block and group): the largest 16-bit partial sums
+    AVX2's path forms (16 products of 15 x 127 = 30480 before the excess is taken off) and the largest excess; every
+    product and sum is an integer below 2^24, so the result is exact: equal to the integer product."""
+    g = torch.Generator().manual_seed(group)
+    for k in INT4_WIDTHS[group]:
+        codes = torch.randint(0, 16, (5, k), generator=g)
+        codes[0], codes[1], codes[4] = 15, 0, 15   # rows 0-3 one step, row 4 alone
+        codes[2] = torch.where(torch.rand(k, generator=g) < 0.5, 0, 15)
+        stored = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+        x = torch.full((3, k), 127.0)
+        x[1] = -127.0
+        x[2] = torch.where(torch.rand(k, generator=g) < 0.5, -127.0, 127.0)
+        x[2, 32:63] = torch.arange(31) - 15.0   # a block of small integers (its max 127: scale 1)
+        y = cpu_decode.weight_matvec(x, "int4_a8", stored, torch.ones(5, k // group, dtype=torch.bfloat16), group)
+        want = x.double() @ (codes - 8).double().t()
+        assert torch.equal(y.double(), want), (k, (y.double() - want).abs().max().item())
+
+
+#: `vpdpbusd` (AVX-VNNI) in plain C: an int32 lane plus its 4 unsigned bytes times the 4 signed ones
+VPDPBUSD_IN_C = r"""
+#ifndef A8_TEST_DPBUSD
+#define A8_TEST_DPBUSD
+#include <stdint.h>
+#include <string.h>
+static inline __m256i test_dpbusd(__m256i src, __m256i a, __m256i b) {
+    uint8_t ua[32];
+    int8_t sb[32];
+    int32_t s[8];
+    memcpy(ua, &a, 32), memcpy(sb, &b, 32), memcpy(s, &src, 32);
+    for (int i = 0; i < 8; ++i)
+        for (int k = 0; k < 4; ++k) s[i] += (int32_t)ua[4 * i + k] * (int32_t)sb[4 * i + k];
+    memcpy(&src, s, 32);
+    return src;
+}
+#define _mm256_dpbusd_avx_epi32(src, a, b) test_dpbusd(src, a, b)
+#endif
+"""
+
+
+def test_a8_avx_vnni_emulated_same_bits_as_avx2(tmp_path, monkeypatch):
+    """The AVX-VNNI path with `vpdpbusd` written in C (so that a CPU without AVX-VNNI runs it: its int4 rows start
+    from the lanes' excess and `vphaddd` their lanes; AVX2's sum 16-bit lanes and take the blocks' excess after) and
+    the AVX2 path: the same bits, int8 and int4 (groups 32, 64), rows 1-9 and 523, widths with a tail and more than
+    one span of scales, 1 and 2 threads."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs AVX2 and FMA")
+    cases = [_Stored(n, k, mode, group, seed=n, bias=True) for n in (1, 5, 9, 523) for k in (512, 1056, 4192)
+             for mode, group in FORMATS if mode == "int8" or k % group == 0]
+    xs = {k: torch.randn(2, k, generator=torch.Generator().manual_seed(k)) * 3 for k in (512, 1056, 4192)}
+    prefixes = {"emulated": PATHS["avx-vnni"][0] + VPDPBUSD_IN_C, "avx2": PATHS["avx2"][0]}
+    got, threads = {}, torch.get_num_threads()
+    try:
+        for name, prefix in prefixes.items():
+            (tmp_path / name).mkdir()
+            lib = build_decode_variant(tmp_path / name, prefix)
+            monkeypatch.setattr(bindings, "load_library", lambda n, lib=lib: lib if n == "decode" else None)
+            got[name] = []
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                got[name] += [cpu_decode.weight_matvec(xs[q.in_features], q.mode + "_a8", q.stored, q.scales,
+                                                       q.group, bias=q.bias) for q in cases]
+    finally:
+        torch.set_num_threads(threads)
+    assert len(got["avx2"]) == 2 * len(cases)
+    for a, b in zip(got["emulated"], got["avx2"]):
+        assert torch.equal(a, b)
