@@ -5,6 +5,7 @@ code): greedy tokens identical and logits within 1e-5 (fp32), sampled tokens wit
 compiled tokens, left padding (the plan steps aside), one compiled call per decoded token, and the plan rebuilt
 when a weight it copied is updated in place."""
 import inspect
+import math
 
 import pytest
 import torch
@@ -237,3 +238,34 @@ def test_the_state_buffer_reused_only_when_nothing_holds_it(monkeypatch):
     assert pd.close(torch.cat(got, 1), torch.cat(want, 1))
     assert torch.equal(held, snap) and held.data_ptr() not in ptrs[4:]
     assert ptrs[-1] == ptrs[-3] and ptrs[-2] == ptrs[-4] and ptrs[-1] != ptrs[-2]   # (reused)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_states_shift_by_one_column_bit_for_bit(dtype, monkeypatch):
+    """After every compiled token each GDN layer's conv state `[B, C, K]` is the one before it shifted left by a
+    column, bit for bit, with the plan's new window's last column (the token's input, in the state's dtype) last:
+    what transformers' conv update leaves (`kernelize_plan._shift_in`: one memmove of the stacked states, one column
+    copy). Three GDN layers, 7 tokens: the first reads a fresh stack of the prefill's states, later ones the last
+    token's buffer, and after an in-place write between tokens a fresh stack again."""
+    ref, fast = _pair(dtype=dtype, layers=("linear_attention",) * 3 + ("full_attention",))
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    gdn = [0, 1, 2]
+    with torch.no_grad():
+        cache = fast(ids, use_cache=True).cache
+        tok = ids[:, -1:]
+        for step in range(7):
+            if step == 4:
+                cache.layers[1].conv_states[0][..., -1].mul_(-2.0)   # (transformers' own code could have)
+            before = [cache.layers[i].conv_states[0].clone() for i in gdn]
+            tok = fast(tok, cache=cache).logits.argmax(-1)
+            slot = fast._linattn_model_plan
+            lo, buf = slot.layout, slot.last
+            for i, old in zip(gdn, before):
+                lay, new = lo.layers[i], cache.layers[i].conv_states[0]
+                win = buf[lo.n_state + lay.w_off:lo.n_state + lay.w_off + math.prod(lay.wshape)].view(lay.wshape)
+                assert new.dtype == dtype and new.shape == old.shape
+                assert torch.equal(new[..., :-1], old[..., 1:]), (step, i)
+                assert torch.equal(new[..., -1], win[..., -1].to(dtype)), (step, i)
+                assert torch.equal(new[..., 1:], win.to(dtype)), (step, i)   # (the plan's whole window)
+    assert calls.model == 7

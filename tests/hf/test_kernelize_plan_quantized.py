@@ -340,3 +340,23 @@ def test_quantized_weights_are_read_in_place_or_stacked(monkeypatch):
         want = twin(tok, cache=twin_cache).logits
     assert calls.model == 4
     assert torch.equal(got, want) and not torch.equal(got, before)
+
+
+def test_guard_checks_empty_tensors_by_identity_only(monkeypatch):
+    """The plan's guard reads no pointer or version of an empty tensor (a QuantizedLinear's `_float_like`: nothing
+    there to read or copy; `decode_plan.PlanGuard`), while every non-empty one stays checked; replacing the empty
+    tensor (another dtype) still invalidates the plan, as does an in-place write of a weight."""
+    q = _quantized(_int4_model(), "int8", None, "float")
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        cache = q(ids, use_cache=True).cache
+        q(ids[:, -1:], cache=cache)
+    assert calls.model == 1
+    guard, mods = q._linattn_model_plan.guard, quantized_modules(q)
+    checked = {id(t) for t in guard.tensors}
+    head = mods["lm_head"]
+    assert id(head._float_like) not in checked and id(head.qweight) in checked and id(head.scales) in checked
+    assert all(t.numel() for t in guard.tensors) and guard.valid()
+    head._float_like = torch.empty(0, dtype=torch.float64)
+    assert not guard.valid()

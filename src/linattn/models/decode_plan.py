@@ -343,7 +343,9 @@ class PlanGuard:
         ident += tensors + [(m.__dict__, k, m.__dict__[k]) for m in [owner] + modules for k in _CONFIG_KEYS
                             if k in m.__dict__]
         self.idicts, self.inames, self.iobjs = (list(z) for z in zip(*ident)) if ident else ([], [], [])
-        self.tensors = [t for _, _, t in tensors]
+        # (an empty tensor holds nothing a plan reads or copies: its identity, above, is all there is to check;
+        # skipping its pointer and version saves two cache misses a token each, QuantizedLinear's `_float_like`)
+        self.tensors = [t for _, _, t in tensors if t.numel()]
         self.ptrs = list(map(_data_ptr, self.tensors))
         direct = set(direct) - {None}
         self.vtensors = [t for t in self.tensors if t.data_ptr() not in direct]
