@@ -255,3 +255,35 @@ def test_a8_avx_vnni_emulated_same_bits_as_avx2(tmp_path, monkeypatch):
     assert len(got["avx2"]) == 2 * len(cases)
     for a, b in zip(got["emulated"], got["avx2"]):
         assert torch.equal(a, b)
+
+
+def test_a8_rate_harness_builds_and_runs(tmp_path):
+    """The developer's cost harness (tests/fixtures/cpu/a8_rate.c, including decode.c) builds against the kernels'
+    sources and runs each of its four products once: a finite checksum, the same on a second run."""
+    import math
+    import subprocess
+    from pathlib import Path
+
+    from linattn.cpu import build as cbuild
+
+    src = Path(__file__).resolve().parents[1] / "fixtures" / "cpu" / "a8_rate.c"
+    exe = tmp_path / "a8_rate"
+    for flags in (("-march=native", "-fno-trapping-math"), ()):
+        cmd = [*cbuild.compiler(), "-O2", "-std=c11", "-ffp-contract=fast", *flags, f"-I{cbuild.CSRC}", str(src),
+               "-o", str(exe), "-lm"]
+        try:
+            if subprocess.run(cmd, capture_output=True).returncode == 0:
+                break
+        except FileNotFoundError:
+            pytest.skip("no C compiler")
+    else:
+        pytest.fail("tests/fixtures/cpu/a8_rate.c does not build")
+    sums = []
+    for _ in range(2):
+        out = subprocess.run([str(exe), "count"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.strip().splitlines()
+        assert sum(line.startswith(("int4_a8", "int8_a8")) for line in lines) == 4, out.stdout
+        assert lines[-1].startswith("checksum ")
+        sums.append(float(lines[-1].split()[1]))
+    assert math.isfinite(sums[0]) and sums[0] == sums[1]
