@@ -1,7 +1,8 @@
 /* Chains: the threads of a kernel share a few long sequential jobs ("units": one (sequence, head) scan each) by
    claiming a unit for one run of its steps at a time, its carried state kept by the kernel in a shared array
    between runs. A thread takes the free unit with the most steps left (the first from the claim cursor on among
-   equals: round robin), so the units advance together and end together, and a thread that the system deschedules
+   equals: round robin; the delta scan's threads keep to their own blocks of heads within a slack,
+   la_chains_claim_own), so the units advance together and end together, and a thread that the system deschedules
    (another process on its core, a CPU quota) holds back one run of one unit while the others take the other units.
    There is no barrier inside the work: a thread that finds every unfinished unit held sleeps briefly and tries
    again (la_wait: its core goes idle, so the system can move a descheduled holder onto it; a spinning or yielding
@@ -191,9 +192,9 @@ static void la_chains_add(la_chains_t *c, int64_t u, int64_t start, int64_t step
    thread's units fell behind: the others take them) or none of its own is free (finished, or taken by another
    thread). Heads' rows lie side by side in every token's row ([T, H, D]), so a thread that keeps to a block of
    neighbouring heads reads its own part of each page, where one that runs any head pulls the neighbouring lines
-   that the other core reads (the hardware prefetchers) into its caches too: the delta scan's runs took ~1.4x the
-   CPU time of one thread's with both threads busy, ~1.15x with each thread on its own heads (docs/cpu_kernels.md,
-   round 8). nt = 1: every unit is the caller's (la_chains_claim). */
+   that the other core reads (the hardware prefetchers) into its caches too: a delta forward run beside the other
+   thread took 1.56-1.64x the CPU time of the same run on one thread, 1.16-1.28x with each thread on its own heads
+   (docs/cpu_kernels.md, round 8). nt = 1: every unit is the caller's (la_chains_claim). */
 static int64_t la_chains_claim_own(la_chains_t *c, int64_t units, int me, int nt, int64_t slack) {
     LA_TRACE(LA_EV_CLAIM, -1);
     la_team_check(&c->team);

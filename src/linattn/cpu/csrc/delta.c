@@ -67,7 +67,7 @@
    another free unit is more than DELTA_SLACK runs further behind (la_chains_claim_own): a descheduled thread holds
    back at most that much before the others take its units. 0: the unit with the most steps left, whoever's. */
 #ifndef DELTA_SLACK
-#define DELTA_SLACK 2
+#define DELTA_SLACK 1
 #endif
 
 LA_ABI_VERSION(delta, 3)
