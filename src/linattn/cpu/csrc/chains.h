@@ -193,7 +193,7 @@ static void la_chains_add(la_chains_t *c, int64_t u, int64_t start, int64_t step
    thread). Heads' rows lie side by side in every token's row ([T, H, D]), so a thread that keeps to a block of
    neighbouring heads reads its own part of each page, where one that runs any head pulls the neighbouring lines
    that the other core reads (the hardware prefetchers) into its caches too: a delta forward run beside the other
-   thread took 1.56-1.64x the CPU time of the same run on one thread, 1.16-1.28x with each thread on its own heads
+   thread took ~1.5x the CPU time of the same run on one thread, ~1.2x with each thread on its own heads
    (docs/cpu_kernels.md, round 8). nt = 1: every unit is the caller's (la_chains_claim). */
 static int64_t la_chains_claim_own(la_chains_t *c, int64_t units, int me, int nt, int64_t slack) {
     LA_TRACE(LA_EV_CLAIM, -1);
