@@ -65,7 +65,7 @@
 #endif
 /* A chain thread keeps to its own block of units (neighbouring heads: their rows share each token's row) unless
    another free unit is more than DELTA_SLACK runs further behind (la_chains_claim_own): a descheduled thread holds
-   back at most that much before the others take its units. 0: the unit with the most steps left, whoever's. */
+   back at most that much before the others take its units. 0: its own only while no other is further behind. */
 #ifndef DELTA_SLACK
 #define DELTA_SLACK 1
 #endif
@@ -264,7 +264,7 @@ int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL
             if (starts[u / H + 1] > starts[u / H]) la_chains_add(&chn, u, 0, starts[u / H + 1] - starts[u / H]);
         }
 #pragma omp parallel num_threads(nthreads)
-        { /* each thread keeps to its block of units (heads) while none falls DELTA_SLACK runs behind */
+        { /* each thread keeps to its block of units (heads) while no other falls more than DELTA_SLACK runs behind */
             const int me = la_thread_num(), nt = la_team_size();
             for (int64_t u; (u = la_chains_claim_own(&chn, N * H, me, nt, DELTA_SLACK * run)) >= 0;) {
                 const int64_t n = u / H, h = u % H, L = starts[n + 1] - starts[n], i0 = chn.run[u];
