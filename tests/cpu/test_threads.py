@@ -471,14 +471,17 @@ def test_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
 def test_delta_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
     """The delta forward's timeline harness (tests/fixtures/cpu/delta_timeline.c, LA_TRACE around delta.c's chains)
     builds against the kernel's sources and runs: the same bits at 1 and 2 threads, and at 2 threads with the chains
-    on one thread (OMP_THREAD_LIMIT=1: the chains' order of runs); both threads' claims ran every run (their counts
-    add up to the units' runs: 8-chunk runs, then 4, 2, 1, 1) and every figure is a finite time >= 0."""
+    on one thread (OMP_THREAD_LIMIT=1: the chains' order of runs), with the inputs laid head-major (DTL_HM=1: each
+    head a sequence of one head), and forward and backward (DTL_BWD=1, every run written to DTL_RUNS); both threads'
+    claims ran every run (their counts add up to the units' runs: 8-chunk runs, then 4, 2, 1, 1, each way) and every
+    figure is a finite time >= 0."""
     import math
 
     exe = _timeline_harness(tmp_path, "delta_timeline")
     T, H = 2048, 3  # 32 chunks of 64 per head: runs of 8, 8, 8, 4, 2, 1, 1
     hashes = set()
-    for env in ({}, {"OMP_THREAD_LIMIT": "1"}):
+    runs_file = tmp_path / "runs.txt"
+    for env in ({}, {"OMP_THREAD_LIMIT": "1"}, {"DTL_HM": "1"}, {"DTL_BWD": "1", "DTL_RUNS": str(runs_file)}):
         out = subprocess.run([str(exe), str(T), str(H), "1"], capture_output=True, text=True, timeout=300,
                              env={**os.environ, **env})
         assert out.returncode == 0, out.stderr
@@ -493,10 +496,17 @@ def test_delta_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
         for n, m in rows.items():
             assert all(math.isfinite(x) and x >= 0 for x in m.values()), (n, m)
             assert m["wall"] > 0
-        assert rows[2]["runs0"] + rows[2]["runs1"] == 7 * H, rows[2]
+        ways = 2 if "DTL_BWD" in env else 1
+        assert rows[2]["runs0"] + rows[2]["runs1"] == 7 * H * ways, rows[2]
         assert rows[2]["cpu0"] + rows[2]["cpu1"] > 0, rows[2]
-        if env:
+        if "OMP_THREAD_LIMIT" in env:
             assert rows[2]["runs1"] == 0, rows[2]
+        if "DTL_RUNS" in env:  # the 2-thread call's runs (the 1-thread call runs no chains)
+            runs = [line.split() for line in runs_file.read_text().splitlines()]
+            assert len(runs) == 7 * H * 2, len(runs)
+            for _, threads, thread, unit, t0, t1, c0, c1 in runs:
+                assert threads == "2" and thread in ("0", "1") and 0 <= int(unit) < H
+                assert 0 <= float(t0) <= float(t1) and float(c0) <= float(c1)
     assert len(hashes) == 1, hashes
 
 

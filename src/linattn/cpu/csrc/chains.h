@@ -1,7 +1,8 @@
 /* Chains: the threads of a kernel share a few long sequential jobs ("units": one (sequence, head) scan each) by
    claiming a unit for one run of its steps at a time, its carried state kept by the kernel in a shared array
    between runs. A thread takes the free unit with the most steps left (the first from the claim cursor on among
-   equals: round robin), so the units advance together and end together, and a thread that the system deschedules
+   equals: round robin; the delta scan's threads keep to their own blocks of heads within a slack,
+   la_chains_claim_own), so the units advance together and end together, and a thread that the system deschedules
    (another process on its core, a CPU quota) holds back one run of one unit while the others take the other units.
    There is no barrier inside the work: a thread that finds every unfinished unit held sleeps briefly and tries
    again (la_wait: its core goes idle, so the system can move a descheduled holder onto it; a spinning or yielding
@@ -28,6 +29,9 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 #if defined(__unix__) || defined(__APPLE__)
 #include <time.h>
 #endif
@@ -176,23 +180,35 @@ static void la_chains_add(la_chains_t *c, int64_t u, int64_t start, int64_t step
     atomic_fetch_add(&c->left, 1);
 }
 
-/* a unit with steps left that no other thread holds, now held by the caller; -1 when every unit is finished (the
+/* A unit with steps left that no other thread holds, now held by the caller; -1 when every unit is finished (the
    caller then leaves the call's team: no more claims from it in this call). Of the free units the one with the most
    steps left, the first from the cursor on among equals (round robin): a unit that fell behind (run alone beside a
    waiting thread while the others of its group ran on) catches up, and its group is whole again
-   (la_chains_claim_whole_group) */
-static int64_t la_chains_claim(la_chains_t *c, int64_t units) {
+   (la_chains_claim_whole_group).
+
+   Kept to its own units (la_chains_claim_own, with thread `me` of the call's `nt`): thread me owns the units u
+   with u nt / units == me (a contiguous block: B = 1, H = 4 on 2 threads, heads 0-1 and 2-3) and takes its own
+   free unit with the most steps left unless another free unit has more than `slack` steps more (a descheduled
+   thread's units fell behind: the others take them) or none of its own is free (finished, or taken by another
+   thread). Heads' rows lie side by side in every token's row ([T, H, D]), so a thread that keeps to a block of
+   neighbouring heads reads its own part of each page, where one that runs any head pulls the neighbouring lines
+   that the other core reads (the hardware prefetchers) into its caches too: a delta forward run beside the other
+   thread took ~1.5x the CPU time of the same run on one thread, ~1.2x with each thread on its own heads
+   (docs/cpu_kernels.md, round 8). nt = 1: every unit is the caller's (la_chains_claim). */
+static int64_t la_chains_claim_own(la_chains_t *c, int64_t units, int me, int nt, int64_t slack) {
     LA_TRACE(LA_EV_CLAIM, -1);
     la_team_check(&c->team);
     while (atomic_load(&c->left) > 0) {
         const int64_t c0 = atomic_fetch_add(&c->cursor, 1);
-        int64_t best = -1, most = 0;
+        int64_t best = -1, most = 0, mine = -1, mine_most = 0;
         for (int64_t i = 0; i < units; i++) {
             const int64_t u = (c0 + i) % units;
             if (atomic_load_explicit(&c->held[u], memory_order_relaxed)) continue;
             const int64_t r = atomic_load_explicit(&c->rest[u], memory_order_relaxed);
             if (best < 0 || r > most) best = u, most = r;
+            if (nt > 1 && u * nt / units == me && (mine < 0 || r > mine_most)) mine = u, mine_most = r;
         }
+        if (mine >= 0 && mine_most + slack >= most) best = mine;
         if (best >= 0) {
             if (!atomic_exchange_explicit(&c->held[best], 1, memory_order_acquire)) {
                 LA_TRACE(LA_EV_GOT, best);
@@ -208,6 +224,26 @@ static int64_t la_chains_claim(la_chains_t *c, int64_t units) {
     la_team_leave(&c->team);
     LA_TRACE(LA_EV_LEAVE, -1);
     return -1;
+}
+
+static int64_t la_chains_claim(la_chains_t *c, int64_t units) {
+    return la_chains_claim_own(c, units, 0, 1, 0);
+}
+
+/* the calling thread's number and its team's size (0 and 1 without OpenMP), for la_chains_claim_own */
+static inline int la_thread_num(void) {
+#if defined(_OPENMP)
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+static inline int la_team_size(void) {
+#if defined(_OPENMP)
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
 }
 
 /* All g units of an aligned group (units g * i ..., i from the claim cursor on, every group tried once) when every

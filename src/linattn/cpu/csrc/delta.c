@@ -63,6 +63,12 @@
 #ifndef DELTA_RUN
 #define DELTA_RUN 512
 #endif
+/* A chain thread keeps to its own block of units (neighbouring heads: their rows share each token's row) unless
+   another free unit is more than DELTA_SLACK runs further behind (la_chains_claim_own): a descheduled thread holds
+   back at most that much before the others take its units. 0: its own only while no other is further behind. */
+#ifndef DELTA_SLACK
+#define DELTA_SLACK 1
+#endif
 
 LA_ABI_VERSION(delta, 3)
 
@@ -258,15 +264,19 @@ int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL
             if (starts[u / H + 1] > starts[u / H]) la_chains_add(&chn, u, 0, starts[u / H + 1] - starts[u / H]);
         }
 #pragma omp parallel num_threads(nthreads)
-        for (int64_t u; (u = la_chains_claim(&chn, N * H)) >= 0;) {
-            const int64_t n = u / H, h = u % H, L = starts[n + 1] - starts[n], i0 = chn.run[u];
-            const int64_t take = chunk * la_chains_run((L - i0 + chunk - 1) / chunk, run / chunk); /* whole chunks */
-            const int64_t Lr = L - i0 < take ? L - i0 : take;
-            if (FN(scan)(H, K, V, h, starts[n] + i0, Lr, q, k, v, a, g, gate, S_out + u * KV, NULL, o, NULL, NULL,
-                         ckpt != NULL ? ckpt + ((ck_off[n] + i0 / chunk) * H + h) * KV : NULL, chunk) != 0) {
-                LA_ATOMIC_WRITE failed = 1;
+        { /* each thread keeps to its block of units (heads) while no other falls more than DELTA_SLACK runs behind */
+            const int me = la_thread_num(), nt = la_team_size();
+            for (int64_t u; (u = la_chains_claim_own(&chn, N * H, me, nt, DELTA_SLACK * run)) >= 0;) {
+                const int64_t n = u / H, h = u % H, L = starts[n + 1] - starts[n], i0 = chn.run[u];
+                const int64_t take = chunk * la_chains_run((L - i0 + chunk - 1) / chunk, run / chunk); /* chunks */
+                const int64_t Lr = L - i0 < take ? L - i0 : take;
+                if (FN(scan)(H, K, V, h, starts[n] + i0, Lr, q, k, v, a, g, gate, S_out + u * KV, NULL, o, NULL,
+                             NULL, ckpt != NULL ? ckpt + ((ck_off[n] + i0 / chunk) * H + h) * KV : NULL,
+                             chunk) != 0) {
+                    LA_ATOMIC_WRITE failed = 1;
+                }
+                la_chains_release(&chn, u, i0 + Lr, L - i0 - Lr);
             }
-            la_chains_release(&chn, u, i0 + Lr, L - i0 - Lr);
         }
         la_chains_free(&chn);
         return failed ? -1 : 0;
@@ -608,7 +618,8 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
             LA_ATOMIC_WRITE failed = 1;
         }
         if (chains) {
-            for (int64_t u; Sbuf && dc && (u = la_chains_claim(&chn, N * H)) >= 0;) {
+            const int me = la_thread_num(), nt = la_team_size();
+            for (int64_t u; Sbuf && dc && (u = la_chains_claim_own(&chn, N * H, me, nt, DELTA_SLACK * run)) >= 0;) {
                 const int64_t c_hi = chn.run[u], c_lo = c_hi - la_chains_run(c_hi, run);
                 if (FN(bwd_stretches)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv,
                                       da, dg, u / H, u % H, c_hi, c_lo, dS_all + u * KV, dcar + u * V, Sbuf) != 0) {
