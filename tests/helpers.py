@@ -96,6 +96,17 @@ def import_graph() -> Dict[str, Set[str]]:
     return graph
 
 
+_GRAPH: Dict[str, Set[str]] = {}
+
+
+def import_graph_once() -> Dict[str, Set[str]]:
+    """import_graph(), parsed once per session (parsing all of src/ takes seconds): a fresh copy each call, so a
+    test may change what it gets."""
+    if not _GRAPH:
+        _GRAPH.update(import_graph())
+    return {m: set(ts) for m, ts in _GRAPH.items()}
+
+
 # ----------------------------------------------------------------------------- training runs
 
 

@@ -471,9 +471,9 @@ def test_cpu_calls_import_neither_fla_nor_triton():
 
 
 def test_fla_package_never_imports_ops():
-    from tests.helpers import PKG, import_graph
+    from tests.helpers import PKG, import_graph_once
 
-    graph = import_graph()
+    graph = import_graph_once()
     bad = {m: sorted(t for t in ts if t.startswith(f"{PKG}.ops")) for m, ts in graph.items()
            if m.startswith(f"{PKG}.fla")}
     assert bad and not any(bad.values()), bad
