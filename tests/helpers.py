@@ -96,6 +96,17 @@ def import_graph() -> Dict[str, Set[str]]:
     return graph
 
 
+_GRAPH: Dict[str, Set[str]] = {}
+
+
+def import_graph_once() -> Dict[str, Set[str]]:
+    """import_graph(), parsed once per session (parsing all of src/ takes seconds): a fresh copy each call, so a
+    test may change what it gets."""
+    if not _GRAPH:
+        _GRAPH.update(import_graph())
+    return {m: set(ts) for m, ts in _GRAPH.items()}
+
+
 # ----------------------------------------------------------------------------- training runs
 
 
@@ -201,6 +212,68 @@ def run_fresh_python(code: str) -> None:
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# One clean interpreter answers the "what does `import linattn` pull in" checks of several test files (each child
+# pays `import torch`, seconds under load). Stages run in this order; after each the child records sys.modules and
+# whether the compiled-kernel cache folder exists. `import`: `import linattn` alone; `lock`: then
+# linattn.RunFolderBusy; `linear`, `torch`: then PyTorch-path calls; `picks`: then select_backend's picks (which may
+# build the CPU kernels); `fla`: then explain and a refused backend='fla' call; `serve`: then the serve and cli
+# modules and the parser.
+_PROBE = """
+import json, os, sys
+out, cache = {}, os.path.join(os.environ["LINATTN_CACHE_DIR"], "cpu")
+def stage(step, **kw):
+    out[step] = dict(modules=sorted(sys.modules), cache=os.path.exists(cache), **kw)
+import linattn
+stage("import")
+stage("lock", name=linattn.RunFolderBusy.__name__)
+import torch
+from linattn.ops.backend import select_backend
+q = torch.randn(1, 8, 1, 4)
+linattn.linear_attention(q, q, q, backend="torch")
+stage("linear")
+linattn.delta_rule(q, q, q, torch.rand(1, 8, 1), backend="torch")
+stage("torch")
+os.environ.pop("LINATTN_CACHE_DIR")   # the picks may build the CPU kernels: into the session's own cache, built already
+if os.environ.get("LINATTN_PROBE_CACHE"):
+    os.environ["LINATTN_CACHE_DIR"] = os.environ["LINATTN_PROBE_CACHE"]
+stage("picks", picks=[select_backend("auto", linattn.prepare_linear_attention(q, q, q)),
+                      select_backend("auto", linattn.prepare_delta(q, q, q, q[..., 0].abs()))])
+linattn.explain("delta_rule", q, q, q, torch.rand(1, 8, 1))
+try:
+    linattn.delta_rule(q, q, q, torch.rand(1, 8, 1), backend="fla")
+    refused = False
+except linattn.BackendDeviceError:
+    refused = True
+stage("fla", refused=refused)
+import linattn.serve, linattn.serve.settings, linattn.cli
+linattn.cli.build_parser()
+stage("serve")
+print(json.dumps(out))
+"""
+_PROBED: dict = {}
+
+
+def fresh_import_probe() -> dict:
+    """_PROBE's stages -> {"modules": set of module names, "cache": bool, ...}, run once per session in a new
+    Python process (without TRITON_INTERPRET; with an empty cache folder of its own up to the picks, then the usual
+    one, so that nothing is compiled again)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    if not _PROBED:
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, LINATTN_CACHE_DIR=tmp, LINATTN_PROBE_CACHE=os.environ.get("LINATTN_CACHE_DIR", ""))
+            env.pop("TRITON_INTERPRET", None)
+            r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        for name, rec in json.loads(r.stdout.strip().splitlines()[-1]).items():
+            _PROBED[name] = dict(rec, modules=set(rec["modules"]))
+    return _PROBED
 
 
 class CompiledDecodeCalls:

@@ -232,16 +232,13 @@ def test_every_user_facing_exception_is_exported_and_listed():
 
 
 def test_import_linattn_stays_light():
-    import subprocess
-    import sys
-    code = ("import sys, linattn\n"
-            "heavy = [m for m in ('linattn.checkpoint', 'linattn.vision.train', 'linattn.experiments.common', "
-            "'safetensors', 'starlette', 'transformers', 'fla') "
-            "if m in sys.modules]\n"
-            "assert not heavy, heavy\n"
-            "assert linattn.RunFolderBusy.__name__ == 'RunFolderBusy' and 'linattn.training.lock' in sys.modules\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    from tests.helpers import fresh_import_probe
+
+    probe = fresh_import_probe()   # a clean interpreter's sys.modules after `import linattn`, then after more
+    heavy = [m for m in ('linattn.checkpoint', 'linattn.vision.train', 'linattn.experiments.common', 'safetensors',
+                         'starlette', 'transformers', 'fla') if m in probe["import"]["modules"]]
+    assert not heavy, heavy
+    assert probe["lock"]["name"] == "RunFolderBusy" and "linattn.training.lock" in probe["lock"]["modules"]
 
 
 # ---------------------------------------------------------------------------------------------

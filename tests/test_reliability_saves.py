@@ -137,28 +137,38 @@ def test_torch_short_write_in_a_training_save_is_one_line_and_exit_2(corpus, tmp
     assert ("step_00000002 is intact" in line) == (at_step == 4), line
 
 
+# one interpreter for both writers (each `import torch` costs seconds): every run under its own soft limit (the hard
+# one stays, so the next run may raise it again), its stderr closed by a marker line
 _REAL_LIMIT = """
-import resource, signal, sys
+import json, resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)     # a write past the limit fails with EFBIG instead of killing
-resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
 from linattn.cli import main
-sys.exit(main(sys.argv[2:]))
+hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+for limit, argv in json.loads(sys.argv[1]):
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    rc = main(argv)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    print(f"=== rc {rc}", file=sys.stderr, flush=True)
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE and SIGXFSZ as on Linux")
-@pytest.mark.parametrize("limit,file", [(100_000, "model.safetensors"), (250_000, "training_state.pt")])
-def test_a_real_writer_failure_is_one_line(corpus, tmp_path, limit, file):
+def test_a_real_writer_failure_is_one_line(corpus, tmp_path):
     """The real writers (safetensors in Rust, torch.save in C++) hit a file size limit, as on a full disk: the
     weights (~150 KB) fail under a 100 KB limit, the training state (~310 KB) under 250 KB."""
-    out = tmp_path / "run"
+    cases = [(100_000, "model.safetensors", tmp_path / "w"), (250_000, "training_state.pt", tmp_path / "s")]
     env = dict(os.environ, LINATTN_CPU_KERNELS="0")   # no compiler run under the limit (it writes large files)
-    res = subprocess.run([sys.executable, "-c", _REAL_LIMIT, str(limit), *argv(corpus, out)], capture_output=True,
-                         text=True, timeout=600, cwd=tmp_path, env=env)
-    lines = [ln for ln in res.stderr.splitlines() if "error:" in ln]
-    assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert file in lines[0] and "step_00000002" in lines[0] and "no earlier checkpoint exists" in lines[0], lines
-    assert not list(out.glob(".tmp*")) and not ckpt.list_checkpoints(out)
+    runs = json.dumps([(limit, argv(corpus, out)) for limit, _, out in cases])
+    res = subprocess.run([sys.executable, "-c", _REAL_LIMIT, runs], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    parts = res.stderr.split("=== rc ")
+    assert len(parts) == len(cases) + 1, res.stderr[-3000:]
+    for (_, file, out), err, rc in zip(cases, parts, parts[1:]):
+        lines = [ln for ln in err.splitlines() if "error:" in ln]
+        assert rc.startswith("2\n") and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+        assert file in lines[0] and "step_00000002" in lines[0] and "no earlier checkpoint exists" in lines[0], lines
+        assert not list(out.glob(".tmp*")) and not ckpt.list_checkpoints(out)
 
 
 def test_prune_happens_before_the_write_but_never_leaves_zero_checkpoints(small, tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ from typing import Dict, List, Set
 
 import pytest
 
-from tests.helpers import PKG, import_graph, src_modules
+from tests.helpers import PKG, import_graph_once, src_modules
 
 
 def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
@@ -49,7 +49,7 @@ def _package_edges(graph):
 
 
 def test_no_import_cycles():
-    graph = import_graph()
+    graph = import_graph_once()
     # a submodule importing a sibling through its package is fine; a parent package re-exporting its
     # children is fine; anything else that loops is a cycle
     cycles = _cycles(_package_edges(graph))
@@ -57,14 +57,14 @@ def test_no_import_cycles():
 
 
 def test_triton_never_imports_ops():
-    graph = import_graph()
+    graph = import_graph_once()
     bad = {m: sorted(t for t in ts if t.startswith(f"{PKG}.ops")) for m, ts in graph.items()
            if m.startswith(f"{PKG}.triton")}
     assert not any(bad.values()), f"Triton modules import ops/: {bad}"
 
 
 def test_leaves_import_nothing_heavy():
-    graph = import_graph()
+    graph = import_graph_once()
     for leaf in (f"{PKG}.errors", f"{PKG}.io"):
         assert graph[leaf] == set(), f"{leaf} must import nothing from linattn, imports {graph[leaf]}"
     assert graph[f"{PKG}.cli_support"] <= {f"{PKG}.errors"}
@@ -137,7 +137,7 @@ DEFAULT_CHAIN_LIMIT = 6
 def test_import_chains_inside_subpackages_stay_short():
     """A helper two sibling modules share moves down (layers/common.py, a module of its own), rather than one
     sibling importing the other: that keeps each subpackage a few levels deep."""
-    graph = _package_edges(import_graph())
+    graph = _package_edges(import_graph_once())
     packages = sorted({m.rsplit(".", 1)[0] for m in graph if m.count(".") >= 2})
     long = {}
     for package in packages:

@@ -28,7 +28,7 @@ from linattn import LinearAttentionState  # noqa: E402
 from linattn.feature_maps import CosFormer  # noqa: E402
 from linattn.ops import backend as B  # noqa: E402
 from linattn.ops.reference import rel_err  # noqa: E402
-from tests.helpers import run_fresh_python  # noqa: E402
+from tests.helpers import fresh_import_probe  # noqa: E402
 
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
 
@@ -335,13 +335,7 @@ def test_import_linattn_does_not_import_triton():
     # the PyTorch path (backend='torch'): calling a torch.library custom op, as the compiled CPU kernels
     # (backend 'cpu', which 'auto' picks for CPU tensors) are, makes torch itself import triton
     # (torch._dynamo -> torch.utils._triton.has_triton_package), so those calls are not part of this check
-    code = ("import sys, torch, linattn\n"
-            "from linattn.ops.backend import select_backend\n"
-            "assert 'triton' not in sys.modules, 'import linattn imported triton'\n"
-            "q = torch.randn(1, 8, 1, 4)\n"
-            "linattn.linear_attention(q, q, q, backend='torch')\n"
-            "linattn.delta_rule(q, q, q, torch.rand(1, 8, 1), backend='torch')\n"
-            "assert select_backend('auto', linattn.prepare_linear_attention(q, q, q)) in ('torch', 'cpu')\n"
-            "assert select_backend('auto', linattn.prepare_delta(q, q, q, q[..., 0].abs())) in ('torch', 'cpu')\n"
-            "assert 'triton' not in sys.modules, 'triton was imported'\n")
-    run_fresh_python(code)
+    probe = fresh_import_probe()   # a clean interpreter: `import linattn`, those calls, select_backend's picks
+    assert "triton" not in probe["import"]["modules"], "import linattn imported triton"
+    assert all(p in ("torch", "cpu") for p in probe["picks"]["picks"]), probe["picks"]["picks"]
+    assert "triton" not in probe["picks"]["modules"], "triton was imported"
