@@ -306,11 +306,9 @@ def test_second_products_read_their_integers_in_place(arch, layer, fields, monke
         assert getattr(block, f"fmt_{field}") == cpu_decode.WEIGHT_FORMATS["int8_a8"]
 
 
-def test_quantized_weights_are_read_in_place_or_stacked(monkeypatch):
-    """The plan points at the QuantizedLinears' own integers where a product is one layer (the out projections, the
-    down projections, the head), and at a stacked copy of the fused parts' integers and scales; an in-place write of
-    a fused part's integers fails the plan's guard (the copy follows the integers' versions): the next token is a
-    new plan's, the bits of a plan built afresh on a copy of the changed model."""
+def _int8_decoded_once(monkeypatch):
+    """An int8 (float activations) quantized model after a 5-token prompt and one cached token, which took the
+    compiled model call once: (model, ids, cache, the calls' counter)."""
     q = _quantized(_int4_model(), "int8", None, "float")
     ids = pd.prompt(2, 5)
     calls = CompiledDecodeCalls(monkeypatch)
@@ -318,6 +316,15 @@ def test_quantized_weights_are_read_in_place_or_stacked(monkeypatch):
         cache = q(ids, use_cache=True).cache
         q(ids[:, -1:], cache=cache)
     assert calls.model == 1
+    return q, ids, cache, calls
+
+
+def test_quantized_weights_are_read_in_place_or_stacked(monkeypatch):
+    """The plan points at the QuantizedLinears' own integers where a product is one layer (the out projections, the
+    down projections, the head), and at a stacked copy of the fused parts' integers and scales; an in-place write of
+    a fused part's integers fails the plan's guard (the copy follows the integers' versions): the next token is a
+    new plan's, the bits of a plan built afresh on a copy of the changed model."""
+    q, ids, cache, calls = _int8_decoded_once(monkeypatch)
     slot = q._linattn_model_plan
     blocks, mp = slot.keep[0], slot.plan
     mods = quantized_modules(q)
@@ -346,13 +353,7 @@ def test_guard_checks_empty_tensors_by_identity_only(monkeypatch):
     """The plan's guard reads no pointer or version of an empty tensor (a QuantizedLinear's `_float_like`: nothing
     there to read or copy; `decode_plan.PlanGuard`), while every non-empty one stays checked; replacing the empty
     tensor (another dtype) still invalidates the plan, as does an in-place write of a weight."""
-    q = _quantized(_int4_model(), "int8", None, "float")
-    ids = pd.prompt(2, 5)
-    calls = CompiledDecodeCalls(monkeypatch)
-    with torch.no_grad():
-        cache = q(ids, use_cache=True).cache
-        q(ids[:, -1:], cache=cache)
-    assert calls.model == 1
+    q, ids, cache, calls = _int8_decoded_once(monkeypatch)
     guard, mods = q._linattn_model_plan.guard, quantized_modules(q)
     checked = {id(t) for t in guard.tensors}
     head = mods["lm_head"]
