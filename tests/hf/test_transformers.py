@@ -22,7 +22,7 @@ from linattn.cli import main as cli_main  # noqa: E402
 from linattn.data.tokenizer import train_tokenizer  # noqa: E402
 from linattn.errors import LinattnError  # noqa: E402
 from linattn.models.family import config_to_dict  # noqa: E402
-from tests.helpers import import_graph  # noqa: E402
+from tests.helpers import import_graph_once  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 MIXERS = {"softmax": "softmax", "linear": "linear-elu+1", "delta": "gated-deltanet",
@@ -36,7 +36,7 @@ def tiny(mixer, vocab=64, **kw) -> LanguageModel:
 
 
 def test_only_linattn_hf_imports_transformers():
-    graph = import_graph()
+    graph = import_graph_once()
     users = sorted(m for m, ts in graph.items() if any(t.startswith("linattn.hf") for t in ts)
                    and not m.startswith("linattn.hf"))
     # lazily: `bench hf`; `bench infer`'s and `bench quant`'s transformers rows; `bench ops`'s transformers peer
