@@ -323,6 +323,17 @@ LA_INLINE void FN(bwd_first_cols)(int64_t K, int64_t V, int64_t nw, REAL *restri
     LA_SIMD for (int64_t j = 0; j < nw; j++) derr[j] = acc[j];
 }
 
+/* DERR_PASS's second pass of a full column block: accp += sum_d kp[d] dS[d, :], the rows in order (the products and
+   the order of the first pass's `accp[j] += kpd * dSn`: the same bits) */
+LA_INLINE void FN(derr_pass)(int64_t K, int64_t V, const REAL *restrict dS, const REAL *restrict kp,
+                             REAL *restrict accp) {
+    for (int64_t d = 0; d < K; d++) {
+        const REAL *restrict dSd = dS + d * V;
+        const REAL kpd = kp[d];
+        LA_SIMD for (int64_t j = 0; j < FN(VB); j++) accp[j] += kpd * dSd[j];
+    }
+}
+
 /* bwd_cols without a gate or with one decay e per head (the same for every row): then P = e S_{t-1} needs no
    product per element. dk's second term sum_j P dpred = sum_j S_{t-1} (e dpred) reads e dpred, formed once per
    token, and the head gate's <dP, P> = e sum dP S_{t-1} is summed in one lane vector over every row and scaled by
@@ -390,13 +401,7 @@ LA_INLINE void FN(bwd_cols_head)(int64_t K, int64_t V, int64_t nw, REAL *restric
         sgr += sg;
         if (has_prev) dqp[d] += sq;
     }
-    if (DERR_PASS && has_prev && nw == FN(VB)) {
-        for (int64_t d = 0; d < K; d++) {
-            const REAL *restrict dSd = dS + d * V;
-            const REAL kpd = kp[d];
-            LA_SIMD for (int64_t j = 0; j < FN(VB); j++) accp[j] += kpd * dSd[j];
-        }
-    }
+    if (DERR_PASS && has_prev && nw == FN(VB)) FN(derr_pass)(K, V, dS, kp, accp);
     if (gate == GATE_HEAD) *gsum += e * (nw == FN(VB) ? FN(lanes_sum)(pg) : sgr);
     if (has_prev) { LA_SIMD for (int64_t j = 0; j < nw; j++) derrp[j] = accp[j]; }
 }
@@ -465,13 +470,7 @@ LA_INLINE void FN(bwd_cols)(int64_t K, int64_t V, int64_t nw, REAL *restrict dS,
         dgc[d] += sg;
         if (has_prev) dqp[d] += sq;
     }
-    if (DERR_PASS && has_prev && nw == FN(VB)) {
-        for (int64_t d = 0; d < K; d++) {
-            const REAL *restrict dSd = dS + d * V;
-            const REAL kpd = kp[d];
-            LA_SIMD for (int64_t j = 0; j < FN(VB); j++) accp[j] += kpd * dSd[j];
-        }
-    }
+    if (DERR_PASS && has_prev && nw == FN(VB)) FN(derr_pass)(K, V, dS, kp, accp);
     if (has_prev) { LA_SIMD for (int64_t j = 0; j < nw; j++) derrp[j] = accp[j]; }
 }
 

@@ -385,7 +385,8 @@ typedef struct {
     float *ls;               /* [B, nl] the scale of each lane's block */
     int32_t *lc;             /* [B, nl] minus the excess per lane: -8 (int4) or -128 (int8, VNNI) x its sum of q */
     void *mem;
-    int32_t *bc;             /* [B, nl] int4: minus the excess of each lane's block (its 4 lanes' lc summed) */
+    int32_t *bc;             /* [B, nl] int4, AVX2 without VNNI: minus the excess of each lane's block (its 4 lanes' lc
+                                summed) */
 } a8_x;
 
 /* x's block x[j0 .. e-1] (e - j0 <= A8_BLOCK) rounded into q[j0 .. e-1], its scale returned in *s; 0 when it holds a
@@ -503,17 +504,21 @@ static int a8_prepare(int int4, int64_t B, int64_t m, const float *x, a8_x *p) {
         for (int64_t l = 0; l < p->nl; ++l) ls[l] = s[l * lw / A8_BLOCK];
         /* the excess table (a lane's lw inputs summed; lw a constant in each loop, so that they vectorise): int4's
            paths and VNNI's read it, AVX2's int8 product without VNNI does not */
-        if (int4)
+        if (int4) {
             for (int64_t l = 0; l < p->nl; ++l) {
                 int32_t sum = 0;
                 for (int64_t j = 0; j < 8; ++j) sum += q[8 * l + j];
                 lc[l] = -8 * sum;
             }
-        if (int4)   /* (the vector paths' lanes are whole blocks: mv is a multiple of 64) */
+#if defined(A8_I8_COLS) && !defined(A8_VNNI)
+            /* the blocks' excess, which only AVX2's int4 step without VNNI reads (its lanes are whole blocks: mv
+               is a multiple of 64) */
             for (int64_t l = 0; l < p->nl; ++l) {
                 const int64_t l0 = l & ~(int64_t)3;
                 p->bc[b * p->nl + l] = lc[l0] + lc[l0 + 1] + lc[l0 + 2] + lc[l0 + 3];
             }
+#endif
+        }
 #if defined(A8_VNNI) || !defined(A8_I8_COLS)
         else
             for (int64_t l = 0; l < p->nl; ++l) {
