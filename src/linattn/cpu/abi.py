@@ -281,6 +281,12 @@ LIBRARIES: Dict[str, Library] = {
         Fn("linattn_decode_model_greedy", (_plan(ModelPlan),) + (c_ptr,) * 9 + (c_i64, c_i64, c_ptr, c_ptr),
            restype=c_i64, status=False),
     ), {"block_plan": BlockPlan, "model_plan": ModelPlan}),
+    "dequant": Library(1, (
+        # R, K, q (int8), scales (bf16), round -> out (float); threads
+        Fn("linattn_dequant_int8", (c_i64,) * 2 + (c_ptr,) * 2 + (c_int, c_ptr, c_int), typed=False),
+        # R, K, group, packed (uint8), scales (bf16), round -> out (float); threads
+        Fn("linattn_dequant_int4", (c_i64,) * 3 + (c_ptr,) * 2 + (c_int, c_ptr, c_int), typed=False),
+    )),
 }
 
 

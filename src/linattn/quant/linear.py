@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..cpu import dequant as cpu_dequant
 from ..errors import LinattnError, LinattnTypeError
 
 MODES = ("int8", "int4")
@@ -367,8 +368,21 @@ class QuantizedLinear(nn.Module):
         """
         return self._dequantize_rows(0, self.out_features, dtype)
 
-    def _dequantize_rows(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        """`dequantize(dtype)`'s rows lo:hi (the same bits: one rounding of the exact q * s in dtype)."""
+    def _dequantize_rows(self, lo: int, hi: int, dtype: torch.dtype, bf16_round: bool = False,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`dequantize(dtype)`'s rows lo:hi (the same bits: one rounding of the exact q * s in dtype). With
+        `bf16_round` (dtype fp32): `dequantize(torch.bfloat16)`'s values in fp32, the fp32 path's operand. On the
+        compiled dequantizer (cpu/dequant.py, writing into `out` when given) for fp32 and bf16 when it is
+        available, else torch's elementwise ops (the reference)."""
+        if dtype in (torch.float32, torch.bfloat16) and cpu_dequant.available():
+            w = cpu_dequant.dequantize_rows(self.mode, self.qweight[lo:hi], self.scales[lo:hi], self.group_size or 0,
+                                            bf16_round or dtype == torch.bfloat16, out)
+            return w if dtype == torch.float32 else w.to(torch.bfloat16)
+        if bf16_round:
+            return self._dequantize_rows_torch(lo, hi, torch.bfloat16).to(torch.float32)
+        return self._dequantize_rows_torch(lo, hi, dtype)
+
+    def _dequantize_rows_torch(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         K = self.in_features
         if self.mode == "int8":   # (in place: a broadcast out-of-place product is 3x slower in torch 2.13)
             return self.qweight[lo:hi].to(dtype).mul_(self.scales[lo:hi].to(dtype).unsqueeze(1))
@@ -378,16 +392,16 @@ class QuantizedLinear(nn.Module):
 
     def _prefill_fp32(self, xb: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """x `[M, K]` times the weight in torch's fp32 matmul (fp32 `[M, N]`), dequantized `PREFILL_BLOCK_WEIGHTS`
-        at a time: the bf16-rounded weight (`dequantize(torch.bfloat16)`, the operand of the bf16 path), or with
-        `exact` q * s unrounded (for `linattn bench quant --kernels`' comparison)."""
+        at a time into one buffer: the bf16-rounded weight (`dequantize(torch.bfloat16)`, the operand of the bf16
+        path), or with `exact` q * s unrounded (for `linattn bench quant --kernels`' comparison)."""
         x = xb.to(torch.float32)
-        N = self.out_features
-        block = max(16, PREFILL_BLOCK_WEIGHTS // self.in_features)
+        N, K = self.out_features, self.in_features
+        block = min(N, max(16, PREFILL_BLOCK_WEIGHTS // K))
         y = torch.empty(x.shape[0], N, dtype=torch.float32)   # (not the default dtype, which a user may change)
+        buf = torch.empty(block * K, dtype=torch.float32)
         for lo in range(0, N, block):
             hi = min(N, lo + block)
-            w = (self._dequantize_rows(lo, hi, torch.float32) if exact
-                 else self._dequantize_rows(lo, hi, torch.bfloat16).to(torch.float32))
+            w = self._dequantize_rows(lo, hi, torch.float32, bf16_round=not exact, out=buf)
             torch.mm(x, w.T, out=y[:, lo:hi])
         return y
 
