@@ -89,11 +89,15 @@ THRESHOLDS = sorted({*PACKED_MAX_ROWS.values(), *PACKED_MAX_ROWS_NO_BF16.values(
 
 @pytest.mark.parametrize("mode, group", FORMATS)
 @pytest.mark.parametrize("compute", ["bf16", "fp32"])
-@pytest.mark.parametrize("rows", [1, 3, *THRESHOLDS, *(n + 1 for n in THRESHOLDS)])
-@pytest.mark.parametrize("bf16_instructions", [True, False])
-def test_outputs_within_the_computed_bound(mode, group, compute, rows, bf16_instructions, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 3, *THRESHOLDS, *(n - 1 for n in THRESHOLDS), *(n + 1 for n in THRESHOLDS)])
+@pytest.mark.parametrize("bf16_instructions, compiled", [(True, True), (False, True), (False, False)])
+def test_outputs_within_the_computed_bound(mode, group, compute, rows, bf16_instructions, compiled, monkeypatch):
+    """Every path on both sides of every threshold; the CPU without bf16 instructions with the compiled
+    dequantizer (cpu/dequant.py) and with torch's fallback."""
     N, K = 48, 192
     _capability(monkeypatch, bf16_instructions)
+    if not compiled:
+        monkeypatch.setattr(qlinear.cpu_dequant, "available", lambda: False)
     w, bias = _weights(N, K, seed=rows), torch.randn(N) * 0.1
     layer = QuantizedLinear.from_weight(w, bias, mode, group, compute, activations="float")
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(1)) * 3
