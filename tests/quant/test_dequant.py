@@ -73,6 +73,12 @@ def test_the_same_bits_as_torchs_formula(mode, group, N, K, seed):
         for lo, hi in ((0, 1), (N - 1, N), (1, min(N, 4)), (N // 2, N)):   # single rows and slices
             _same(cpu_dequant.dequantize_rows(mode, layer.qweight[lo:hi], layer.scales[lo:hi], group or 0,
                                               bf16_round), want[lo:hi])
+    # written as bf16: torch's bf16 formula's bits (NaN aside, as above)
+    want = layer._dequantize_rows_torch(0, N, torch.bfloat16)
+    got = cpu_dequant.dequantize_rows(mode, layer.qweight, layer.scales, group or 0, False, dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    _same(got.float(), want.float())
+    assert torch.equal(got.view(torch.int16)[~torch.isnan(want)], want.view(torch.int16)[~torch.isnan(want)])
 
 
 @pytest.mark.parametrize("mode, group", [("int8", None), ("int4", 32), ("int4", 64)])
@@ -130,6 +136,10 @@ def test_it_writes_into_a_given_buffer():
     assert got.data_ptr() == buf.data_ptr() and got.shape == (4, 64)
     _same(got, layer._dequantize_rows_torch(0, 4, torch.bfloat16).float())
     assert torch.all(buf[4 * 64:] == 7.0)                             # nothing past its rows
+    buf = torch.full((16 * 64,), 7.0, dtype=torch.bfloat16)
+    got = cpu_dequant.dequantize_rows("int4", layer.qweight[:4], layer.scales[:4], 32, False, buf, torch.bfloat16)
+    assert got.data_ptr() == buf.data_ptr() and torch.all(buf[4 * 64:] == 7.0)
+    _same(got.float(), layer._dequantize_rows_torch(0, 4, torch.bfloat16).float())
     assert cpu_dequant.dequantize_rows("int8", torch.zeros(0, 8, dtype=torch.int8),
                                        torch.zeros(0, dtype=torch.bfloat16), 0, True).shape == (0, 8)
 
@@ -173,11 +183,17 @@ def test_bad_arguments_are_refused(args, match):
         cpu_dequant.dequantize_rows(*args, True)
 
 
-def test_a_bad_buffer_is_refused():
+def test_a_bad_buffer_or_dtype_is_refused():
     q, s = torch.zeros(2, 4, dtype=torch.int8), torch.zeros(2, dtype=torch.bfloat16)
-    for buf in (torch.zeros(7), torch.zeros(8, dtype=torch.float64), torch.zeros(16)[::2]):
+    for buf in (torch.zeros(7), torch.zeros(8, dtype=torch.float64), torch.zeros(16)[::2],
+                torch.zeros(8, dtype=torch.bfloat16)):
         with pytest.raises(LinattnError, match="out must be"):
             cpu_dequant.dequantize_rows("int8", q, s, 0, True, buf)
+    with pytest.raises(LinattnError, match="out must be"):
+        cpu_dequant.dequantize_rows("int8", q, s, 0, True, torch.zeros(8), dtype=torch.bfloat16)
+    for dt in (torch.float64, torch.float16):
+        with pytest.raises(LinattnError, match="dtype must be"):
+            cpu_dequant.dequantize_rows("int8", q, s, 0, True, dtype=dt)
 
 
 def test_the_module_is_the_layers():

@@ -282,9 +282,9 @@ LIBRARIES: Dict[str, Library] = {
            restype=c_i64, status=False),
     ), {"block_plan": BlockPlan, "model_plan": ModelPlan}),
     "dequant": Library(1, (
-        # R, K, q (int8), scales (bf16), round -> out (float); threads
+        # R, K, q (int8), scales (bf16), form (0 exact fp32, 1 bf16-rounded fp32, 2 bf16) -> out; threads
         Fn("linattn_dequant_int8", (c_i64,) * 2 + (c_ptr,) * 2 + (c_int, c_ptr, c_int), typed=False),
-        # R, K, group, packed (uint8), scales (bf16), round -> out (float); threads
+        # R, K, group, packed (uint8), scales (bf16), form -> out; threads
         Fn("linattn_dequant_int4", (c_i64,) * 3 + (c_ptr,) * 2 + (c_int, c_ptr, c_int), typed=False),
     )),
 }

@@ -20,6 +20,8 @@ __all__ = ["available", "dequantize_rows"]
 
 #: weights per thread below which a call runs on fewer threads (about 0.1 ms of one thread's work)
 GRAIN = 1 << 17
+#: csrc/dequant.c's output forms: fp32 (exact, bf16-rounded), bf16
+_FORMS = {torch.float32: (0, 1), torch.bfloat16: 2}
 
 
 def available() -> bool:
@@ -30,12 +32,13 @@ def available() -> bool:
 
 
 def dequantize_rows(mode: str, qweight: torch.Tensor, scales: torch.Tensor, group: int, bf16_round: bool,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """fp32 `[R, K]` q * s (rounded to bf16 with `bf16_round`) of int8 qweight `[R, K]` with bf16 scales `[R]`
     (mode "int8") or uint8 qweight `[R, K/2]` (two codes a byte, `pack_int4`) with bf16 scales `[R, K/group]`
-    (mode "int4"); every tensor contiguous on the CPU (the layer's own buffers). `out`: a contiguous fp32 buffer
-    of at least R * K elements to write into (its first R * K, returned as `[R, K]`), so that a caller dequantizing
-    block after block reuses one (a fresh 2 MiB buffer is a fresh mapping: page faults on every block)."""
+    (mode "int4"); every tensor contiguous on the CPU (the layer's own buffers). dtype bf16: the same rounded values
+    as bf16 (`dequantize(torch.bfloat16)`'s bits; bf16_round ignored). `out`: a contiguous buffer of dtype with at
+    least R * K elements to write into (its first R * K, returned as `[R, K]`), so that a caller dequantizing block
+    after block reuses one (a fresh 2 MiB buffer is a fresh mapping: page faults on every block)."""
     if mode not in ("int8", "int4"):
         raise LinattnError(f"dequantize_rows: mode must be 'int8' or 'int4', got {mode!r}")
     if mode == "int4" and (isinstance(group, bool) or not isinstance(group, int) or group <= 0 or group % 2):
@@ -53,19 +56,22 @@ def dequantize_rows(mode: str, qweight: torch.Tensor, scales: torch.Tensor, grou
     for name, t in (("qweight", qweight), ("scales", scales)):
         if t.device.type != "cpu" or not t.is_contiguous():
             raise LinattnError(f"dequantize_rows: {name} must be a contiguous CPU tensor")
+    if dtype not in _FORMS:
+        raise LinattnError(f"dequantize_rows: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     if out is None:
-        out = torch.empty(R, K, dtype=torch.float32)
-    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < R * K:
-        raise LinattnError(f"dequantize_rows: out must be a contiguous float32 buffer of at least {R * K} elements, "
-                           f"got {out.dtype} {list(out.shape)}")
+        out = torch.empty(R, K, dtype=dtype)
+    elif out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu" or out.numel() < R * K:
+        raise LinattnError(f"dequantize_rows: out must be a contiguous {dtype} CPU buffer of at least {R * K} "
+                           f"elements, got {out.dtype} {list(out.shape)}")
     else:
         out = out.view(-1)[:R * K].view(R, K)
     if R == 0 or K == 0:
         return out
+    form = _FORMS[dtype] if dtype == torch.bfloat16 else _FORMS[dtype][bool(bf16_round)]
     n = threads(R * K, GRAIN)
     lib = bindings.require("dequant")
     if mode == "int8":
-        lib("linattn_dequant_int8", None, R, K, ptr(qweight), ptr(scales), int(bf16_round), ptr(out), n)
+        lib("linattn_dequant_int8", None, R, K, ptr(qweight), ptr(scales), form, ptr(out), n)
     else:
-        lib("linattn_dequant_int4", None, R, K, group, ptr(qweight), ptr(scales), int(bf16_round), ptr(out), n)
+        lib("linattn_dequant_int4", None, R, K, group, ptr(qweight), ptr(scales), form, ptr(out), n)
     return out

@@ -377,9 +377,8 @@ class QuantizedLinear(nn.Module):
         compiled dequantizer (cpu/dequant.py, writing into `out` when given) for fp32 and bf16 when it is
         available, else torch's elementwise ops (the reference)."""
         if dtype in (torch.float32, torch.bfloat16) and cpu_dequant.available():
-            w = cpu_dequant.dequantize_rows(self.mode, self.qweight[lo:hi], self.scales[lo:hi], self.group_size or 0,
-                                            bf16_round or dtype == torch.bfloat16, out)
-            return w if dtype == torch.float32 else w.to(torch.bfloat16)
+            return cpu_dequant.dequantize_rows(self.mode, self.qweight[lo:hi], self.scales[lo:hi],
+                                               self.group_size or 0, bf16_round, out, dtype)
         if bf16_round:
             return self._dequantize_rows_torch(lo, hi, torch.bfloat16).to(torch.float32)
         return self._dequantize_rows_torch(lo, hi, dtype)

@@ -5,11 +5,13 @@
      int4   w[i, k] = (c[i, k] - 8) * s[i, k / G]       c the nibbles of uint8 [R, K / 2] (even k: the low one),
                                                         s bf16 [R, K / G]
 
-   q * s is exact in fp32 (8 x 8 significant bits at most); with `round` it is then rounded once to bf16, to
-   nearest, ties to even (returned as the fp32 value of that bf16): the bits of torch's
-   `dequantize(torch.bfloat16).float()`, whose bf16 multiply computes the product in fp32 and rounds it the same
-   way. A NaN or inf scale gives NaN / inf where torch's does (a NaN's sign and payload aside). Without `round`:
-   the exact fp32 product, `dequantize(torch.float32)`'s bits.
+   q * s is exact in fp32 (8 x 8 significant bits at most). `form` says what is written:
+     DQ_EXACT      float, the exact product: `dequantize(torch.float32)`'s bits;
+     DQ_BF16_F32   float, the product rounded once to bf16, to nearest, ties to even: the bits of torch's
+                   `dequantize(torch.bfloat16).float()`, whose bf16 multiply computes the product in fp32 and
+                   rounds it the same way;
+     DQ_BF16       the same bf16 values as bf16 (uint16 bits): `dequantize(torch.bfloat16)`.
+   A NaN or inf scale gives NaN / inf where torch's does (a NaN's sign and payload aside).
 
    torch's elementwise ops took 7-10 ms per 3.6M int4 weights (a pass per op over the whole block); here one
    pass writes each weight once, the loop vectorised by the compiler (no intrinsics: the bf16 rounding is integer
@@ -18,13 +20,21 @@
 
 LA_ABI_VERSION(dequant, 1)
 
+#define DQ_EXACT 0
+#define DQ_BF16_F32 1
+#define DQ_BF16 2
+
 /* v (an exact product of two bf16-sized values) rounded to bf16, to nearest, ties to even, as a float. A NaN
    product has its quiet bit set (the low 16 bits of every operand are zero), so the carry cannot turn it into
    an infinity; a finite value past bf16's largest becomes inf, as IEEE rounding does. */
-LA_INLINE float dq_round_bf16(float v) {
+LA_INLINE uint32_t dq_round_bits(float v) {
     uint32_t u;
     memcpy(&u, &v, sizeof u);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+}
+
+LA_INLINE float dq_round_bf16(float v) {
+    const uint32_t u = dq_round_bits(v);
     memcpy(&v, &u, sizeof v);
     return v;
 }
@@ -36,18 +46,23 @@ LA_INLINE float dq_bf16(uint16_t b) {
     return v;
 }
 
-/* q [R, K] int8, s [R] (bf16 bits) -> out [R, K] fp32 (bf16-rounded with `round`) */
-int linattn_dequant_int8(int64_t R, int64_t K, const int8_t *q, const uint16_t *s, int round, float *out,
+/* q [R, K] int8, s [R] (bf16 bits) -> out [R, K] (float, or bf16 for DQ_BF16) */
+int linattn_dequant_int8(int64_t R, int64_t K, const int8_t *q, const uint16_t *s, int form, void *out,
                          int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < R; ++i) {
         const int8_t *restrict qr = q + i * K;
-        float *restrict o = out + i * K;
         const float si = dq_bf16(s[i]);
-        if (round) {
+        if (form == DQ_BF16) {
+            uint16_t *restrict o = (uint16_t *)out + i * K;
+            LA_SIMD
+            for (int64_t k = 0; k < K; ++k) o[k] = (uint16_t)(dq_round_bits((float)qr[k] * si) >> 16);
+        } else if (form == DQ_BF16_F32) {
+            float *restrict o = (float *)out + i * K;
             LA_SIMD
             for (int64_t k = 0; k < K; ++k) o[k] = dq_round_bf16((float)qr[k] * si);
         } else {
+            float *restrict o = (float *)out + i * K;
             LA_SIMD
             for (int64_t k = 0; k < K; ++k) o[k] = (float)qr[k] * si;
         }
@@ -56,24 +71,32 @@ int linattn_dequant_int8(int64_t R, int64_t K, const int8_t *q, const uint16_t *
 }
 
 /* p [R, K / 2] uint8 (two codes c = q + 8 a byte, the even column low), s [R, K / group] (bf16 bits), K a multiple
-   of group, group even -> out [R, K] fp32 (bf16-rounded with `round`). A group is written as its low nibbles and
-   its high nibbles, interleaved: the two-element store groups vectorise. */
-int linattn_dequant_int4(int64_t R, int64_t K, int64_t group, const uint8_t *p, const uint16_t *s, int round,
-                         float *out, int nthreads) {
+   of group, group even -> out [R, K] (float, or bf16 for DQ_BF16). A group is written as its low nibbles and its
+   high nibbles, interleaved: the two-element store groups vectorise. */
+int linattn_dequant_int4(int64_t R, int64_t K, int64_t group, const uint8_t *p, const uint16_t *s, int form,
+                         void *out, int nthreads) {
     const int64_t ng = K / group, half = group / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < R; ++i) {
         for (int64_t g = 0; g < ng; ++g) {
             const uint8_t *restrict pg = p + i * (K / 2) + g * half;
-            float *restrict o = out + i * K + g * group;
             const float sg = dq_bf16(s[i * ng + g]);
-            if (round) {
+            if (form == DQ_BF16) {
+                uint16_t *restrict o = (uint16_t *)out + i * K + g * group;
+                LA_SIMD
+                for (int64_t j = 0; j < half; ++j) {
+                    o[2 * j] = (uint16_t)(dq_round_bits((float)((int)(pg[j] & 15) - 8) * sg) >> 16);
+                    o[2 * j + 1] = (uint16_t)(dq_round_bits((float)((int)(pg[j] >> 4) - 8) * sg) >> 16);
+                }
+            } else if (form == DQ_BF16_F32) {
+                float *restrict o = (float *)out + i * K + g * group;
                 LA_SIMD
                 for (int64_t j = 0; j < half; ++j) {
                     o[2 * j] = dq_round_bf16((float)((int)(pg[j] & 15) - 8) * sg);
                     o[2 * j + 1] = dq_round_bf16((float)((int)(pg[j] >> 4) - 8) * sg);
                 }
             } else {
+                float *restrict o = (float *)out + i * K + g * group;
                 LA_SIMD
                 for (int64_t j = 0; j < half; ++j) {
                     o[2 * j] = (float)((int)(pg[j] & 15) - 8) * sg;
