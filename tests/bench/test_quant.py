@@ -39,8 +39,9 @@ def test_bench_quant_tiny(tmp_path, capsys):
     assert rc == 0
     assert "x floor" in capsys.readouterr().out
     result = json.loads((tmp_path / "quant.json").read_text())
-    # (+ the fp32 prefill path's four, + the compiled decode's int8 / int4 products, fp32 and int8 x)
-    ways = 13 + 4 * cpu_decode.available()
+    # (+ the fp32 prefill path's four, the dequantization alone four ways, + the compiled decode's int8 / int4
+    # products, fp32 and int8 x)
+    ways = 17 + 4 * cpu_decode.available()
     assert len(result["kernels"]) == ways * 4 and all(r["ms"] > 0 for r in result["kernels"])
     rows = result["speed"]
     assert [r["precision"] for r in rows] == ["fp32", "bf16", "int8", "int4"]
@@ -69,6 +70,18 @@ def test_bench_quant_kernel_rows_and_ways(tmp_path):
             "int8 dequant (exact) + fp32 matmul, blocks", "int4 dequant (bf16-rounded) + fp32 matmul, blocks",
             "int4 dequant (exact) + fp32 matmul, blocks"]
     assert [(r["rows"], r["way"]) for r in kernels] == [(M, w) for M in (3, 97) for w in ways]
+
+
+def test_bench_quant_dequant_ways_on_the_thread_clock(tmp_path, capsys):
+    rc = main(["bench", "quant", "--d-model", "32", "--ffn-hidden", "64", "--repeats", "1", "--no-speed", "--kernels",
+               "--kernel-rows", "5", "--kernel-ways", "dequant only", "--kernel-clock", "thread", "--out",
+               str(tmp_path), "--quiet"])
+    assert rc == 0
+    assert "thread CPU time" in capsys.readouterr().out
+    kernels = json.loads((tmp_path / "quant.json").read_text())["kernels"]
+    assert [r["way"] for r in kernels] == [f"int{b} dequant only, {how}" for b in (8, 4)
+                                           for how in ("compiled", "torch ops")]
+    assert all(r["clock"] == "thread" and r["ms"] >= 0 for r in kernels)
 
 
 def test_bench_quant_bad_options_exit_2(capsys):

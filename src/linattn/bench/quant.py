@@ -75,6 +75,9 @@ def add_arguments(p) -> None:
                         "fp32 / bf16")
     p.add_argument("--kernel-rows", default="1,16,64,512",
                    help="--kernels: comma list of row counts (default 1,16,64,512)")
+    p.add_argument("--kernel-clock", choices=("wall", "thread"), default="wall",
+                   help="--kernels: wall time (default) or the calling thread's CPU time (time.thread_time: steadier "
+                        "on a loaded machine at 1 thread; misses torch's other threads above 1)")
     p.add_argument("--kernel-ways", default="",
                    help="--kernels: only the ways whose name contains one of these comma-separated words "
                         "(default: every way)")
@@ -244,6 +247,12 @@ def kernel_rows(a, log) -> List[Dict[str, Any]]:
             "int8 dequant (exact) + fp32 matmul, blocks": lambda: q8._prefill_fp32(xb, exact=True),
             "int4 dequant (bf16-rounded) + fp32 matmul, blocks": lambda: q4._prefill_fp32(xb),
             "int4 dequant (exact) + fp32 matmul, blocks": lambda: q4._prefill_fp32(xb, exact=True),
+            # the dequantization alone, the whole weight to bf16-rounded fp32: the compiled kernel (cpu/dequant.py,
+            # what the layer runs when it builds) against torch's elementwise ops (its fallback)
+            "int8 dequant only, compiled": lambda: q8._dequantize_rows(0, N, torch.float32, bf16_round=True),
+            "int8 dequant only, torch ops": lambda: q8._dequantize_rows_torch(0, N, torch.bfloat16).float(),
+            "int4 dequant only, compiled": lambda: q4._dequantize_rows(0, N, torch.float32, bf16_round=True),
+            "int4 dequant only, torch ops": lambda: q4._dequantize_rows_torch(0, N, torch.bfloat16).float(),
         }
         if cpu_decode.available():   # the compiled decode's own products (csrc/qmatvec.h), fp32 activations
             ways["int8 compiled decode, fp32 x"] = lambda: cpu_decode.weight_matvec(x, "int8", q8.qweight, q8.scales)
@@ -258,14 +267,15 @@ def kernel_rows(a, log) -> List[Dict[str, Any]]:
             ways = {k: f for k, f in ways.items() if any(wd in k for wd in words)}
         times = {k: [] for k in ways}
         n = 3 if M >= 64 else 10
+        clock = time.thread_time if a.kernel_clock == "thread" else time.perf_counter
         for _ in range(a.repeats):
             for k, f in ways.items():
                 f()
-                t0 = time.perf_counter()
+                t0 = clock()
                 for _ in range(n):
                     f()
-                times[k].append((time.perf_counter() - t0) / n * 1e3)
-        rows += [{"rows": M, "way": k, "ms": statistics.median(v)} for k, v in times.items()]
+                times[k].append((clock() - t0) / n * 1e3)
+        rows += [{"rows": M, "way": k, "ms": statistics.median(v), "clock": a.kernel_clock} for k, v in times.items()]
         log(f"kernels: {M} rows done")
     return rows
 
@@ -347,7 +357,8 @@ def _report(speed, quality, hf, kernels=()) -> str:
         ways = list(dict.fromkeys(r["way"] for r in kernels))
         Ms = list(dict.fromkeys(r["rows"] for r in kernels))
         ms = {(r["way"], r["rows"]): r["ms"] for r in kernels}
-        parts.append("one weight, ms per product (median):\n" + common.format_table(
+        clock = "thread CPU" if kernels[0].get("clock") == "thread" else "wall"
+        parts.append(f"one weight, ms per product ({clock} time, median):\n" + common.format_table(
             ["way", *[f"{M} rows" for M in Ms]], [[w, *[f"{ms[w, M]:.3f}" for M in Ms]] for w in ways]))
     if speed:
         parts.append(common.format_table(
