@@ -11,6 +11,29 @@ from linattn.quant import QuantizedLinear, linear as qlinear
 
 pytestmark = pytest.mark.skipif(not cpu_dequant.available(), reason="no C compiler: the compiled kernels are off")
 
+
+@pytest.fixture(scope="module", autouse=True, params=["native", "plain C"])
+def dequant_lib(request, tmp_path_factory):
+    """Every test twice: on the library as built (-march=native: AVX2's lookup path for int4 where the CPU has it)
+    and on dequant.c built with -DLINATTN_PLAIN_C (the loops the compiler vectorises, what other CPUs get)."""
+    if request.param == "native":
+        yield request.param
+        return
+    import ctypes
+
+    from linattn.cpu import build as cbuild
+
+    src = tmp_path_factory.mktemp("plain") / "src"
+    src.mkdir()
+    for f in cbuild.CSRC.iterdir():
+        if f.is_file():
+            (src / f.name).write_bytes(f.read_bytes())
+    (src / "dequant.c").write_text("#define LINATTN_PLAIN_C\n" + (cbuild.CSRC / "dequant.c").read_text())
+    lib = ctypes.CDLL(str(cbuild.build("dequant", src)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bindings, "load_library", lambda name: lib if name == "dequant" else None)
+        yield request.param
+
 BF16 = torch.finfo(torch.bfloat16)
 #: scales to plant: bf16's largest (products overflow to inf), its smallest normal and subnormal, a value whose
 #: products need rounding (8 significant bits), zero, -0, negative, inf, -inf, NaN

@@ -70,9 +70,52 @@ int linattn_dequant_int8(int64_t R, int64_t K, const int8_t *q, const uint16_t *
     return 0;
 }
 
+#if defined(__AVX2__) && !defined(LINATTN_PLAIN_C)
+#include <immintrin.h>
+#define DQ_AVX2 1
+
+/* y rounded to bf16 as dq_round_bits does, 8 lanes: the bits of the bf16 value in each lane's high half */
+LA_INLINE __m256i dq_round8(__m256 y) {
+    const __m256i u = _mm256_castps_si256(y);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    return _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+}
+
+/* One int4 group of `half` bytes (a multiple of 16) with scale sg in the DQ_BF16_F32 / DQ_EXACT forms: the 16
+   values a code can take computed once (two vectors: codes 0-7 and 8-15, rounded as the form says), then every
+   weight is a lookup (two permutes and a blend on the code's bit 3) instead of a conversion, a product and the
+   rounding's five integer operations; the bytes' low and high nibbles interleaved in code order. */
+LA_INLINE void dq_int4_group_avx2(const uint8_t *pg, int64_t half, float sg, int form, float *o) {
+    const __m256 s = _mm256_set1_ps(sg);
+    __m256 lo = _mm256_mul_ps(_mm256_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1), s);
+    __m256 hi = _mm256_mul_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), s);
+    if (form == DQ_BF16_F32) {
+        lo = _mm256_castsi256_ps(dq_round8(lo));
+        hi = _mm256_castsi256_ps(dq_round8(hi));
+    }
+    const __m128i nib = _mm_set1_epi8(15);
+    for (int64_t j = 0; j < half; j += 16) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(pg + j));
+        const __m128i cl = _mm_and_si128(b, nib), ch = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+        const __m128i c[2] = {_mm_unpacklo_epi8(cl, ch), _mm_unpackhi_epi8(cl, ch)};   /* 32 codes, in order */
+        for (int h = 0; h < 2; ++h) {
+            const __m128i parts[2] = {c[h], _mm_srli_si128(c[h], 8)};
+            for (int e = 0; e < 2; ++e) {
+                const __m256i idx = _mm256_cvtepu8_epi32(parts[e]);
+                const __m256 vl = _mm256_permutevar8x32_ps(lo, idx), vh = _mm256_permutevar8x32_ps(hi, idx);
+                const __m256 sel = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));   /* bit 3: the sign */
+                _mm256_storeu_ps(o + 2 * j + 16 * h + 8 * e, _mm256_blendv_ps(vl, vh, sel));
+            }
+        }
+    }
+}
+#endif
+
 /* p [R, K / 2] uint8 (two codes c = q + 8 a byte, the even column low), s [R, K / group] (bf16 bits), K a multiple
    of group, group even -> out [R, K] (float, or bf16 for DQ_BF16). A group is written as its low nibbles and its
-   high nibbles, interleaved: the two-element store groups vectorise. */
+   high nibbles, interleaved: the two-element store groups vectorise (AVX2, fp32 forms, groups a multiple of 32: a
+   lookup per weight, dq_int4_group_avx2, the same bits). */
 int linattn_dequant_int4(int64_t R, int64_t K, int64_t group, const uint8_t *p, const uint16_t *s, int form,
                          void *out, int nthreads) {
     const int64_t ng = K / group, half = group / 2;
@@ -81,6 +124,12 @@ int linattn_dequant_int4(int64_t R, int64_t K, int64_t group, const uint8_t *p, 
         for (int64_t g = 0; g < ng; ++g) {
             const uint8_t *restrict pg = p + i * (K / 2) + g * half;
             const float sg = dq_bf16(s[i * ng + g]);
+#if defined(DQ_AVX2)
+            if (form != DQ_BF16 && half % 16 == 0) {
+                dq_int4_group_avx2(pg, half, sg, form, (float *)out + i * K + g * group);
+                continue;
+            }
+#endif
             if (form == DQ_BF16) {
                 uint16_t *restrict o = (uint16_t *)out + i * K + g * group;
                 LA_SIMD
