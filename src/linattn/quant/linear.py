@@ -15,7 +15,9 @@ or AMX-BF16: `native_bf16`) torch's bf16 matmul is ~5x slower than its fp32 one,
 `PACKED_MAX_ROWS_NO_BF16` the same bf16 operands (x and the dequantized weight rounded to bf16) are multiplied
 by torch's fp32 matmul instead, the weight dequantized a block of rows at a time, and the output rounded to bf16:
 only the fp32 accumulation order differs from the bf16 matmul's (`product_path`). `compute="fp32"` dequantizes to
-fp32 (fp64 for fp64 inputs) instead: slower, without the bf16 rounding of activations and outputs.
+fp32 (fp64 for fp64 inputs) instead: slower, without the bf16 rounding of activations and outputs. Dequantizing to
+fp32 or bf16 runs on a compiled kernel (cpu/dequant.py, the same bits) where the CPU kernels build, else on torch's
+elementwise ops.
 """
 from __future__ import annotations
 
@@ -43,12 +45,12 @@ INT4_N_MULTIPLE = 16      # torch's int4 CPU packing needs out_features % 16 == 
 # 1024 x 3584 weight, 1 thread: int8 ties at 64 rows and loses 4x at 512; int4 wins at 64, loses at 512)
 PACKED_MAX_ROWS = {"int8": 48, "int4": 128}
 # the same on a CPU without bf16 instructions, where the many-rows path is dequantize-then-fp32-matmul
-# (`product_path`), the weight dequantized by the compiled kernel (cpu/dequant.py: 1.3-1.7 ms a 3.6M-weight matrix
-# against torch's elementwise ops' 2.3-3.5 (int8) and 7-9 ms (int4)). Measured on an AMD EPYC (Zen 3, AVX2), 1
-# thread, thread CPU time alternated (load 4-5), packed / fp32 path, 3584 x 1024 and 1024 x 3584 weights: int8 0.96
-# and 0.80 at 24 rows, 1.08 and 0.95 at 32, 1.21 and 1.07 at 40; int4 0.77 and 0.81 at 24, 0.98 and 0.92 at 32,
-# 1.20 and 1.15 at 40 (docs/quantization.md). Without a C compiler torch's ops dequantize, and int4's packed kernel
-# would win up to ~128 rows (the fp32 path ~10 % slower there); the choice stays a function of the CPU only
+# (`product_path`), the weight dequantized by the compiled kernel (cpu/dequant.py: ~1 ms a 3.6M-weight matrix against
+# torch's elementwise ops' 2-3.5 (int8) and 7-9 ms (int4)). Measured on an AMD EPYC (Zen 3, AVX2), 1 thread, thread
+# CPU time alternated (load 7), packed / fp32 path, 3584 x 1024 and 1024 x 3584 weights: int8 0.97 and 0.82 at 24
+# rows, 1.09 and 0.99 at 32, 1.21 and 1.05 at 40; int4 1.00 and 0.76 at 24, 1.03 and 0.98 at 32, 1.13 and 1.21 at 40
+# (docs/quantization.md). Without a C compiler torch's ops dequantize, and int4's packed kernel would win up to ~128
+# rows (the fp32 path ~10 % slower there); the choice stays a function of the CPU only
 PACKED_MAX_ROWS_NO_BF16 = {"int8": 32, "int4": 32}
 #: the fp32 path dequantizes this many weights at a time (2 MiB of fp32, a block of rows), multiplying each block
 #: while it is in cache: int8 at 64 rows 11.2 against 15.5 ms dequantizing the whole 3584 x 1024 weight first
