@@ -14,8 +14,9 @@
    A NaN or inf scale gives NaN / inf where torch's does (a NaN's sign and payload aside).
 
    torch's elementwise ops took 7-10 ms per 3.6M int4 weights (a pass per op over the whole block); here one
-   pass writes each weight once, the loop vectorised by the compiler (no intrinsics: the bf16 rounding is integer
-   arithmetic on the float's bits). Rows are split over the threads. */
+   pass writes each weight once, the loops vectorised by the compiler (the bf16 rounding is integer arithmetic on
+   the float's bits), int4's fp32 forms on AVX2 by a lookup per weight (dq_int4_group_avx2; -DLINATTN_PLAIN_C
+   leaves the loops, tests/quant/test_dequant.py runs both). Rows are split over the threads. */
 #include "common.h"
 
 LA_ABI_VERSION(dequant, 1)
