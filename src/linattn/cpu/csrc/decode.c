@@ -562,6 +562,11 @@ static void FN(l2norm)(REAL *restrict x, int64_t n, int conv, REAL eps) {
     REAL r, s = 1;
     if (conv == 0) {
         FN(la_l2_row)(x, n, eps, &r, &s);
+        if (s == 1) {   /* (the finite row: x / 1 is x to the bit, and the division is the loop's cost) */
+            LA_SIMD
+            for (int64_t i = 0; i < n; ++i) x[i] = x[i] * r;
+            return;
+        }
         LA_SIMD
         for (int64_t i = 0; i < n; ++i) x[i] = (x[i] / s) * r;
         return;
@@ -668,22 +673,47 @@ static void FN(outnorm)(REAL *restrict o, int64_t V, int has_norm, const REAL *n
    1) and lam = ||k||^2 per (b, h) into dd[2 (b H + h)] and dd[2 (b H + h) + 1]. */
 static void FN(delta_prepare_qk)(int64_t B, int64_t H, int64_t K, int64_t C, REAL *u, int kind, int l2conv,
                                  int q_l2, double l2eps, double scale, double *dd) {
-    for (int64_t b = 0; b < B; ++b)
+    for (int64_t b = 0; b < B; ++b) {
+        REAL *qb = u + b * C, *kb = qb + H * K;
         for (int64_t h = 0; h < H; ++h) {
-            REAL *q = u + b * C + h * K, *k = u + b * C + H * K + h * K;
+            REAL *q = qb + h * K, *k = kb + h * K;
             if (kind == 0) { FN(l2norm)(q, K, l2conv, (REAL)l2eps); FN(l2norm)(k, K, l2conv, (REAL)l2eps); }
             else if (q_l2) FN(l2norm)(q, K, 0, (REAL)l2eps);
             for (int64_t i = 0; i < K; ++i) q[i] = q[i] * (REAL)scale;
-            /* key norms (ops/delta_core.key_norms): lam = ||k||^2, the fp32 sum unless it overflowed */
-            REAL lr = 0;
-            for (int64_t i = 0; i < K; ++i) lr += k[i] * k[i];
-            double lam = lr;
-            if (!isfinite(lr)) { lam = 0; for (int64_t i = 0; i < K; ++i) lam += (double)k[i] * (double)k[i]; }
-            double d2 = lam > 1.0 ? lam : (isnan(lam) ? lam : 1.0);
-            REAL d = (REAL)sqrt(d2);
-            for (int64_t i = 0; i < K; ++i) k[i] = k[i] / d;
-            dd[2 * (b * H + h)] = d2; dd[2 * (b * H + h) + 1] = lam;
         }
+        /* key norms (ops/delta_core.key_norms): lam = ||k||^2, the fp32 sum in order unless it overflowed: one
+           chain of K dependent fmas per head, four heads' chains interleaved (each its own order: the same bits,
+           a quarter of the latency) */
+        REAL lr[4];
+        for (int64_t h0 = 0; h0 < H; h0 += 4) {
+            const int64_t nh = H - h0 < 4 ? H - h0 : 4;
+            if (nh == 4) {
+                const REAL *k0 = kb + h0 * K, *k1 = k0 + K, *k2 = k1 + K, *k3 = k2 + K;
+                REAL a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+                for (int64_t i = 0; i < K; ++i) {
+                    a0 += k0[i] * k0[i]; a1 += k1[i] * k1[i]; a2 += k2[i] * k2[i]; a3 += k3[i] * k3[i];
+                }
+                lr[0] = a0, lr[1] = a1, lr[2] = a2, lr[3] = a3;
+            } else
+                for (int64_t x = 0; x < nh; ++x) {
+                    const REAL *k = kb + (h0 + x) * K;
+                    REAL a = 0;
+                    for (int64_t i = 0; i < K; ++i) a += k[i] * k[i];
+                    lr[x] = a;
+                }
+            for (int64_t x = 0; x < nh; ++x) {
+                const int64_t h = h0 + x;
+                REAL *k = kb + h * K;
+                double lam = lr[x];
+                if (!isfinite(lr[x])) { lam = 0; for (int64_t i = 0; i < K; ++i) lam += (double)k[i] * (double)k[i]; }
+                double d2 = lam > 1.0 ? lam : (isnan(lam) ? lam : 1.0);
+                REAL d = (REAL)sqrt(d2);
+                if (d != 1)   /* (k / 1 is k to the bit) */
+                    for (int64_t i = 0; i < K; ++i) k[i] = k[i] / d;
+                dd[2 * (b * H + h)] = d2; dd[2 * (b * H + h) + 1] = lam;
+            }
+        }
+    }
 }
 
 /* The delta rule's write and read for one head, after the decayed old state is in S and o holds k^T S:
