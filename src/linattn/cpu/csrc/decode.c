@@ -1211,40 +1211,6 @@ static inline void FN(kv_axpy)(int bf, const void *vc, int64_t off, int64_t Dv, 
     }
 }
 
-/* o[0 .. Dv) = the sum over t of e[t] v_t, t ascending, of the nt cached value rows `stride` elements apart from
-   element `first` (bf16 when bf, else in the plan's type): each element's sum the fmas of kv_axpy's loop over the
-   keys in their order (the same bits), by chunks of 4 lines held in registers through all the keys where Dv is a
-   multiple of them (kv_axpy per key loaded and stored the whole output row at every key), each row prefetched
-   KV_PF_ROWS keys ahead in the first chunk's pass (the later passes find it in L1 / L2). */
-static void FN(kv_mix)(int bf, const void *vc, int64_t first, int64_t stride, int64_t nt, int64_t Dv, const REAL *e,
-                       REAL *restrict o) {
-#if defined(HAVE_VLINE)
-    const int64_t VL = 64 / sizeof(REAL);
-    if (!bf && Dv % (4 * VL) == 0) {
-        const REAL *v = (const REAL *)vc + first;
-        for (int64_t c = 0; c < Dv; c += 4 * VL) {
-            FN(vline) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int64_t t = 0; t < nt; ++t) {
-                if (c == 0 && t + KV_PF_ROWS < nt) kv_prefetch_row(v + (t + KV_PF_ROWS) * stride, sizeof(REAL) * Dv);
-                const REAL *vt = v + t * stride + c, et = e[t];
-                a0 += et * *(const FN(vline) *)vt; a1 += et * *(const FN(vline) *)(vt + VL);
-                a2 += et * *(const FN(vline) *)(vt + 2 * VL); a3 += et * *(const FN(vline) *)(vt + 3 * VL);
-            }
-            memcpy(o + c, &a0, sizeof a0); memcpy(o + c + VL, &a1, sizeof a1);
-            memcpy(o + c + 2 * VL, &a2, sizeof a2); memcpy(o + c + 3 * VL, &a3, sizeof a3);
-        }
-        return;
-    }
-#endif
-    const size_t vsz = bf ? sizeof(uint16_t) : sizeof(REAL);
-    for (int64_t i = 0; i < Dv; ++i) o[i] = 0;
-    for (int64_t t = 0; t < nt; ++t) {
-        if (t + KV_PF_ROWS < nt)
-            kv_prefetch_row((const char *)vc + vsz * (size_t)(first + (t + KV_PF_ROWS) * stride), vsz * (size_t)Dv);
-        FN(kv_axpy)(bf, vc, first + t * stride, Dv, e[t], o);
-    }
-}
-
 /* the rotation of one head's first R channels (rotate-half form) by cos c / sin s [R/2] */
 static void FN(rope_head)(REAL *restrict x, int64_t R, const REAL *c, const REAL *s) {
     const int64_t h = R / 2;
@@ -1328,12 +1294,15 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
                 if (s > m) m = s;
             }
             REAL *oh = o + b * H * Dv + h * Dv;
-            for (int64_t t = lo; t < L; ++t) {   /* (the weights into w: the values' pass below takes them) */
+            for (int64_t i = 0; i < Dv; ++i) oh[i] = 0;
+            for (int64_t t = lo; t < L; ++t) {
+                if (t + KV_PF_ROWS < L)
+                    kv_prefetch_row((const char *)p->vc + vsz * (size_t)(((b * cap + t + KV_PF_ROWS) * G + j) * Dv),
+                                    vsz * (size_t)Dv);
                 const REAL e = nan ? (REAL)NAN : MATH(exp)(w[t] - m);
                 den += e;
-                w[t] = e;
+                FN(kv_axpy)(kb, p->vc, ((b * cap + t) * G + j) * Dv, Dv, e, oh);
             }
-            FN(kv_mix)(kb, p->vc, ((b * cap + lo) * G + j) * Dv, G * Dv, L - lo, Dv, w + lo, oh);
             const REAL *gh = p->att_gate == 1 ? g + b * H * Dv + h * Dv : p->att_gate == 2 ? qh + D : NULL;
             for (int64_t i = 0; i < Dv; ++i) {
                 REAL r = oh[i] / den;
