@@ -277,14 +277,6 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* the n bytes of a cached key or value row from p prefetched (softmax attention's KV cache is cold at every token:
-   the weights' stream went through the caches since the last one, and rows 1-2 KiB apart, each a few lines, are
-   a pattern the hardware prefetcher follows late) */
-#define KV_PF_ROWS 8   /* keys ahead of the scores' block of 4, values ahead of the row being added */
-static inline void kv_prefetch_row(const void *p, size_t n) {
-    for (size_t i = 0; i < n; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
-}
-
 #if defined(HAVE_VLINE) && defined(__AVX512F__) && !defined(LINATTN_PLAIN_C)
 #include <immintrin.h>
 /* One line of 16 bf16 weights widened in a 512-bit register: one zero-extending load (vpmovzxwd from memory) and a
@@ -584,14 +576,6 @@ static void FN(l2norm)(REAL *restrict x, int64_t n, int conv, REAL eps) {
     for (int64_t i = 0; i < n; ++i) x[i] = (x[i] / s) / den;
 }
 
-/* the conv's channels per block (a multiple of a line's floats and doubles) and its prefetch distance in blocks */
-#ifndef CONV_BLK
-#define CONV_BLK 64
-#endif
-#ifndef CONV_PF
-#define CONV_PF 4
-#endif
-
 /* the short convolution of one token over the first C channels of y [B, ldy] (q | k | v) into u [B, C]:
    window w_in [B, C, KC-1] (NULL: zeros) then the token; new window to w_out [B, C, KC-1]. */
 static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ldy, const REAL *w_in,
@@ -603,31 +587,14 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
         for (int64_t b = 0; b < B; ++b) {
             const REAL *restrict wi = w_in + b * C * 3, *restrict yb = y + b * ldy;
             REAL *restrict wo = w_out + b * C * 3, *restrict ub = u + b * C;
-            /* by blocks of CONV_BLK channels, the window, taps and input CONV_PF blocks ahead prefetched and the new
-               window's lines fetched for writing: every one of them is cold (the weights' stream went through the
-               caches since the last token), and the hardware prefetcher alone left the pass waiting on memory */
-            for (int64_t c0 = 0; c0 < C; c0 += CONV_BLK) {
-                const int64_t c1 = c0 + CONV_BLK < C ? c0 + CONV_BLK : C, cp = c0 + CONV_PF * CONV_BLK;
-                if (cp < C) {
-                    const int64_t np = C - cp < CONV_BLK ? C - cp : CONV_BLK;
-                    for (int64_t i = 0; i < 3 * np; i += 64 / (int64_t)sizeof(REAL)) {
-                        __builtin_prefetch(wi + 3 * cp + i, 0, 0);
-                        __builtin_prefetch(wo + 3 * cp + i, 1, 0);
-                    }
-                    for (int64_t i = 0; i < 4 * np; i += 64 / (int64_t)sizeof(REAL))
-                        __builtin_prefetch(cw + 4 * cp + i, 0, 0);
-                    for (int64_t i = 0; i < np; i += 64 / (int64_t)sizeof(REAL))
-                        __builtin_prefetch(yb + cp + i, 0, 0);
-                }
 #pragma omp simd
-                for (int64_t c = c0; c < c1; ++c) {
-                    const REAL *wc = cw + c * 4, xt = yb[c];
-                    REAL acc = 0;
-                    acc += wi[3 * c] * wc[0]; acc += wi[3 * c + 1] * wc[1]; acc += wi[3 * c + 2] * wc[2];
-                    acc += xt * wc[3];
-                    ub[c] = acc;
-                    wo[3 * c] = wi[3 * c + 1]; wo[3 * c + 1] = wi[3 * c + 2]; wo[3 * c + 2] = xt;
-                }
+            for (int64_t c = 0; c < C; ++c) {
+                const REAL *wc = cw + c * 4, xt = yb[c];
+                REAL acc = 0;
+                acc += wi[3 * c] * wc[0]; acc += wi[3 * c + 1] * wc[1]; acc += wi[3 * c + 2] * wc[2];
+                acc += xt * wc[3];
+                ub[c] = acc;
+                wo[3 * c] = wi[3 * c + 1]; wo[3 * c + 1] = wi[3 * c + 2]; wo[3 * c + 2] = xt;
             }
             if (cb) {
 #pragma omp simd
@@ -1129,11 +1096,8 @@ static void FN(kv_scores)(int bf, const void *kc, int64_t first, int64_t stride,
     const int64_t VL = 64 / sizeof(REAL);
     if (D % VL == 0 && !bf) {
         const REAL *k = (const REAL *)kc + first;
-        for (int64_t r = 0; r < KV_PF_ROWS && r < nt; ++r) kv_prefetch_row(k + r * stride, sizeof(REAL) * (size_t)D);
         for (; t + 4 <= nt; t += 4) {
             const REAL *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
-            for (int64_t r = t + KV_PF_ROWS; r < t + KV_PF_ROWS + 4 && r < nt; ++r)
-                kv_prefetch_row(k + r * stride, sizeof(REAL) * (size_t)D);
             FN(vline) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int64_t i = 0; i < D; i += VL) {
                 const FN(vline) qv = *(const FN(vline) *)(q + i);
@@ -1154,12 +1118,8 @@ static void FN(kv_scores)(int bf, const void *kc, int64_t first, int64_t stride,
 #if REAL_IS_FLOAT
     if (D % 16 == 0 && bf) {   /* (bf16 keys widened a line at a time, as the bf16 products' weights) */
         const uint16_t *k = (const uint16_t *)kc + first;
-        for (int64_t r = 0; r < KV_PF_ROWS && r < nt; ++r)
-            kv_prefetch_row(k + r * stride, sizeof(uint16_t) * (size_t)D);
         for (; t + 4 <= nt; t += 4) {
             const uint16_t *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
-            for (int64_t r = t + KV_PF_ROWS; r < t + KV_PF_ROWS + 4 && r < nt; ++r)
-                kv_prefetch_row(k + r * stride, sizeof(uint16_t) * (size_t)D);
             vline_f32 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
 #if defined(BF16_ZMM)
             __m512 z0 = _mm512_setzero_ps(), z1 = z0, z2 = z0, z3 = z0;
@@ -1284,9 +1244,6 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
             REAL *restrict w = ws + h * L;
             REAL m = -INFINITY, den = 0;
             int nan = 0;
-            const size_t vsz = kb ? sizeof(uint16_t) : sizeof(REAL);
-            for (int64_t t = lo; t < lo + KV_PF_ROWS && t < L; ++t)   /* (the first value rows, during the scores) */
-                kv_prefetch_row((const char *)p->vc + vsz * (size_t)(((b * cap + t) * G + j) * Dv), vsz * (size_t)Dv);
             FN(kv_scores)(kb, p->kc, ((b * cap + lo) * G + j) * D, G * D, L - lo, D, qh, scale, w + lo);
             for (int64_t t = lo; t < L; ++t) {
                 const REAL s = w[t];
@@ -1296,9 +1253,6 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
             REAL *oh = o + b * H * Dv + h * Dv;
             for (int64_t i = 0; i < Dv; ++i) oh[i] = 0;
             for (int64_t t = lo; t < L; ++t) {
-                if (t + KV_PF_ROWS < L)
-                    kv_prefetch_row((const char *)p->vc + vsz * (size_t)(((b * cap + t + KV_PF_ROWS) * G + j) * Dv),
-                                    vsz * (size_t)Dv);
                 const REAL e = nan ? (REAL)NAN : MATH(exp)(w[t] - m);
                 den += e;
                 FN(kv_axpy)(kb, p->vc, ((b * cap + t) * G + j) * Dv, Dv, e, oh);
