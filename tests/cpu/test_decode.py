@@ -226,6 +226,28 @@ def test_huge_keys_stay_finite_like_the_torch_step(case, proj, monkeypatch):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["gated-deltanet", "deltanet"])
+def test_six_heads_key_norms_in_fours_and_one_huge_head(case, monkeypatch):
+    """6 heads of 16 (the key norms' chains four heads at a time, then the last two alone), one head's keys scaled
+    past fp32's squares (its L2 row rescaled, the others' plain, with no division by a scale of 1): 8 steps, B=2,
+    outputs and states as the PyTorch fast step's; a NaN in one step's input poisons the same outputs in both."""
+    layer = _layer(case, d=96, H=6)
+    assert layer.head_dim == 16
+    with torch.no_grad():
+        layer.k_proj.weight[2 * 16:3 * 16].mul_(1e25)
+    x = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(6))
+    x[1, 5, 7] = float("nan")
+    count = Count(monkeypatch)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    ref, ref_cache = _decode(layer, x, 2)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "1")
+    got, cache = _decode(layer, x, 2)
+    assert count.n == 6
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.isfinite(got[0]).all()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(cache.state, ref_cache.state, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("mixer", ["gated-deltanet", "linear-elu+1", "efla"])
 def test_model_logits_equal_the_torch_step(mixer, monkeypatch):
     """A 2-layer LM: prefill then 12 decoded tokens; logits as with the PyTorch step and the full forward."""
