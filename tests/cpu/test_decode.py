@@ -226,6 +226,51 @@ def test_huge_keys_stay_finite_like_the_torch_step(case, proj, monkeypatch):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["gated-deltanet", "deltanet"])
+def test_six_heads_key_norms_in_fours_and_one_huge_head(case, monkeypatch):
+    """6 heads of 16 (the key norms' chains four heads at a time, then the last two alone), one head's keys scaled
+    past fp32's squares (its L2 row rescaled, the others' plain, with no division by a scale of 1): 8 steps, B=2,
+    outputs and states as the PyTorch fast step's; a NaN in one step's input poisons the same outputs in both."""
+    layer = _layer(case, d=96, H=6)
+    assert layer.head_dim == 16
+    with torch.no_grad():
+        layer.k_proj.weight[2 * 16:3 * 16].mul_(1e25)
+    x = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(6))
+    x[1, 5, 7] = float("nan")
+    count = Count(monkeypatch)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    ref, ref_cache = _decode(layer, x, 2)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "1")
+    got, cache = _decode(layer, x, 2)
+    assert count.n == 6
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.isfinite(got[0]).all()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(cache.state, ref_cache.state, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("H,K", [(1, 8), (3, 12), (2, 64)])
+def test_conv_window_exact_and_output_as_torch_conv(H, K):
+    """The short convolution (kernel 4, SiLU) over C = 24, 108, 384 channels (the AVX2 pass 8 at a time, the last 8
+    or 12 by the loop): the new window is the old one shifted with the token, bit for bit, and the step's output is
+    the step without a conv on torch's convolution of the same window (fp32 rounding)."""
+    cd = cpu_decode
+    g = torch.Generator().manual_seed(7)
+    B, C = 2, 3 * H * K
+    ldy = C + 2 * H + H * K
+    y = torch.randn(B, ldy, generator=g)
+    w_in, cw, cb = torch.randn(B, C, 3, generator=g), torch.randn(C, 4, generator=g), torch.randn(C, generator=g)
+    kw = dict(heads=(H, H, K, K), kind=0, l2conv=0, q_l2=False, l2eps=1e-6, scale=K ** -0.5, beta_mode=0, alpha=None,
+              gated=True, neg_a=-torch.rand(H, generator=g) - 0.5, dt_bias=torch.randn(H, generator=g),
+              S=0.1 * torch.randn(B, H, K, K, generator=g), norm=(True, torch.rand(K, generator=g) + 0.5, 1e-6),
+              has_gate=False)
+    o, S, w_out = cd.delta_step(y, conv=(w_in, cw, cb, True), **kw)
+    assert torch.equal(w_out, torch.cat([w_in[:, :, 1:], y[:, :C, None]], -1))
+    u = torch.nn.functional.silu((torch.cat([w_in, y[:, :C, None]], -1) * cw).sum(-1) + cb)
+    o_ref, S_ref, _ = cd.delta_step(torch.cat([u, y[:, C:]], 1).contiguous(), conv=None, **kw)
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(S, S_ref, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("mixer", ["gated-deltanet", "linear-elu+1", "efla"])
 def test_model_logits_equal_the_torch_step(mixer, monkeypatch):
     """A 2-layer LM: prefill then 12 decoded tokens; logits as with the PyTorch step and the full forward."""

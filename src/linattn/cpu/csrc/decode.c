@@ -554,6 +554,11 @@ static void FN(l2norm)(REAL *restrict x, int64_t n, int conv, REAL eps) {
     REAL r, s = 1;
     if (conv == 0) {
         FN(la_l2_row)(x, n, eps, &r, &s);
+        if (s == 1) {   /* (the finite row: x / 1 is x to the bit, and the division is the loop's cost) */
+            LA_SIMD
+            for (int64_t i = 0; i < n; ++i) x[i] = x[i] * r;
+            return;
+        }
         LA_SIMD
         for (int64_t i = 0; i < n; ++i) x[i] = (x[i] / s) * r;
         return;
@@ -582,8 +587,59 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
         for (int64_t b = 0; b < B; ++b) {
             const REAL *restrict wi = w_in + b * C * 3, *restrict yb = y + b * ldy;
             REAL *restrict wo = w_out + b * C * 3, *restrict ub = u + b * C;
+            int64_t c0 = 0;
+#if defined(LINE_YMM) && REAL_IS_FLOAT
+            /* AVX2: 8 channels a step, their window [8, 3] and taps [8, 4] deinterleaved by blends and one permute
+               per row (GCC's code for the loop below took ~110 instructions a step), the new window as the old one
+               shifted by an element with the token blended in. The same fmas in the same order as the loop (acc
+               from +0, then the taps in order): the same bits. The last step reads one element past its window
+               (the shifted load), so it is left to the loop. */
+            {
+                const __m256 zero = _mm256_setzero_ps();
+                const __m256i ia = _mm256_setr_epi32(0, 3, 6, 1, 4, 7, 2, 5),
+                              ib = _mm256_setr_epi32(1, 4, 7, 2, 5, 0, 3, 6),
+                              ic = _mm256_setr_epi32(2, 5, 0, 3, 6, 1, 4, 7),
+                              it = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),   /* (the taps' unpacks' order) */
+                              ix0 = _mm256_setr_epi32(0, 0, 0, 0, 0, 1, 1, 1),
+                              ix1 = _mm256_setr_epi32(2, 2, 2, 3, 3, 3, 4, 4),
+                              ix2 = _mm256_setr_epi32(5, 5, 5, 5, 6, 6, 6, 7);
+                for (; c0 + 8 < C; c0 += 8) {
+                    const float *w3 = wi + 3 * c0, *t4 = cw + 4 * c0;
+                    const __m256 v0 = _mm256_loadu_ps(w3), v1 = _mm256_loadu_ps(w3 + 8),
+                                 v2 = _mm256_loadu_ps(w3 + 16);
+                    const __m256 xa = _mm256_permutevar8x32_ps(
+                        _mm256_blend_ps(_mm256_blend_ps(v0, v1, 0x92), v2, 0x24), ia);
+                    const __m256 xb = _mm256_permutevar8x32_ps(
+                        _mm256_blend_ps(_mm256_blend_ps(v0, v1, 0x24), v2, 0x49), ib);
+                    const __m256 xc = _mm256_permutevar8x32_ps(
+                        _mm256_blend_ps(_mm256_blend_ps(v0, v1, 0x49), v2, 0x92), ic);
+                    const __m256 u0 = _mm256_loadu_ps(t4), u1 = _mm256_loadu_ps(t4 + 8),
+                                 u2 = _mm256_loadu_ps(t4 + 16), u3 = _mm256_loadu_ps(t4 + 24);
+                    const __m256d l01 = _mm256_castps_pd(_mm256_unpacklo_ps(u0, u1)),
+                                  h01 = _mm256_castps_pd(_mm256_unpackhi_ps(u0, u1)),
+                                  l23 = _mm256_castps_pd(_mm256_unpacklo_ps(u2, u3)),
+                                  h23 = _mm256_castps_pd(_mm256_unpackhi_ps(u2, u3));
+                    const __m256 k0 = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(l01, l23)), it),
+                                 k1 = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_unpackhi_pd(l01, l23)), it),
+                                 k2 = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(h01, h23)), it),
+                                 k3 = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_unpackhi_pd(h01, h23)), it);
+                    const __m256 xt = _mm256_loadu_ps(yb + c0);
+                    __m256 acc = _mm256_fmadd_ps(xa, k0, zero);
+                    acc = _mm256_fmadd_ps(xb, k1, acc);
+                    acc = _mm256_fmadd_ps(xc, k2, acc);
+                    acc = _mm256_fmadd_ps(xt, k3, acc);
+                    _mm256_storeu_ps(ub + c0, acc);
+                    float *o3 = wo + 3 * c0;
+                    const __m256 p0 = _mm256_permutevar8x32_ps(xt, ix0), p1 = _mm256_permutevar8x32_ps(xt, ix1),
+                                 p2 = _mm256_permutevar8x32_ps(xt, ix2);
+                    _mm256_storeu_ps(o3, _mm256_blend_ps(_mm256_loadu_ps(w3 + 1), p0, 0x24));
+                    _mm256_storeu_ps(o3 + 8, _mm256_blend_ps(_mm256_loadu_ps(w3 + 9), p1, 0x49));
+                    _mm256_storeu_ps(o3 + 16, _mm256_blend_ps(_mm256_loadu_ps(w3 + 17), p2, 0x92));
+                }
+            }
+#endif
 #pragma omp simd
-            for (int64_t c = 0; c < C; ++c) {
+            for (int64_t c = c0; c < C; ++c) {
                 const REAL *wc = cw + c * 4, xt = yb[c];
                 REAL acc = 0;
                 acc += wi[3 * c] * wc[0]; acc += wi[3 * c + 1] * wc[1]; acc += wi[3 * c + 2] * wc[2];
@@ -635,22 +691,47 @@ static void FN(outnorm)(REAL *restrict o, int64_t V, int has_norm, const REAL *n
    1) and lam = ||k||^2 per (b, h) into dd[2 (b H + h)] and dd[2 (b H + h) + 1]. */
 static void FN(delta_prepare_qk)(int64_t B, int64_t H, int64_t K, int64_t C, REAL *u, int kind, int l2conv,
                                  int q_l2, double l2eps, double scale, double *dd) {
-    for (int64_t b = 0; b < B; ++b)
+    for (int64_t b = 0; b < B; ++b) {
+        REAL *qb = u + b * C, *kb = qb + H * K;
         for (int64_t h = 0; h < H; ++h) {
-            REAL *q = u + b * C + h * K, *k = u + b * C + H * K + h * K;
+            REAL *q = qb + h * K, *k = kb + h * K;
             if (kind == 0) { FN(l2norm)(q, K, l2conv, (REAL)l2eps); FN(l2norm)(k, K, l2conv, (REAL)l2eps); }
             else if (q_l2) FN(l2norm)(q, K, 0, (REAL)l2eps);
             for (int64_t i = 0; i < K; ++i) q[i] = q[i] * (REAL)scale;
-            /* key norms (ops/delta_core.key_norms): lam = ||k||^2, the fp32 sum unless it overflowed */
-            REAL lr = 0;
-            for (int64_t i = 0; i < K; ++i) lr += k[i] * k[i];
-            double lam = lr;
-            if (!isfinite(lr)) { lam = 0; for (int64_t i = 0; i < K; ++i) lam += (double)k[i] * (double)k[i]; }
-            double d2 = lam > 1.0 ? lam : (isnan(lam) ? lam : 1.0);
-            REAL d = (REAL)sqrt(d2);
-            for (int64_t i = 0; i < K; ++i) k[i] = k[i] / d;
-            dd[2 * (b * H + h)] = d2; dd[2 * (b * H + h) + 1] = lam;
         }
+        /* key norms (ops/delta_core.key_norms): lam = ||k||^2, the fp32 sum in order unless it overflowed: one
+           chain of K dependent fmas per head, four heads' chains interleaved (each its own order: the same bits,
+           a quarter of the latency) */
+        REAL lr[4];
+        for (int64_t h0 = 0; h0 < H; h0 += 4) {
+            const int64_t nh = H - h0 < 4 ? H - h0 : 4;
+            if (nh == 4) {
+                const REAL *k0 = kb + h0 * K, *k1 = k0 + K, *k2 = k1 + K, *k3 = k2 + K;
+                REAL a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+                for (int64_t i = 0; i < K; ++i) {
+                    a0 += k0[i] * k0[i]; a1 += k1[i] * k1[i]; a2 += k2[i] * k2[i]; a3 += k3[i] * k3[i];
+                }
+                lr[0] = a0, lr[1] = a1, lr[2] = a2, lr[3] = a3;
+            } else
+                for (int64_t x = 0; x < nh; ++x) {
+                    const REAL *k = kb + (h0 + x) * K;
+                    REAL a = 0;
+                    for (int64_t i = 0; i < K; ++i) a += k[i] * k[i];
+                    lr[x] = a;
+                }
+            for (int64_t x = 0; x < nh; ++x) {
+                const int64_t h = h0 + x;
+                REAL *k = kb + h * K;
+                double lam = lr[x];
+                if (!isfinite(lr[x])) { lam = 0; for (int64_t i = 0; i < K; ++i) lam += (double)k[i] * (double)k[i]; }
+                double d2 = lam > 1.0 ? lam : (isnan(lam) ? lam : 1.0);
+                REAL d = (REAL)sqrt(d2);
+                if (d != 1)   /* (k / 1 is k to the bit) */
+                    for (int64_t i = 0; i < K; ++i) k[i] = k[i] / d;
+                dd[2 * (b * H + h)] = d2; dd[2 * (b * H + h) + 1] = lam;
+            }
+        }
+    }
 }
 
 /* The delta rule's write and read for one head, after the decayed old state is in S and o holds k^T S:
