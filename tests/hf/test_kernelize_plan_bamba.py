@@ -43,6 +43,7 @@ def _pair(dtype=torch.float32, tied=False, hooked=True, layers=5, attn=(1, 4), *
 
 class TestGenerate(pd.GenerateChecks):
     make_pair = staticmethod(_pair)
+    COMPILE_PAIR = dict(layers=2, attn=(1,))   # a Mamba2 block, a softmax block
     POSITIONS = True   # (Bamba's forward rotates a token given no position ids as if at position 0)
 
     def described_module(self, fast):

@@ -54,6 +54,7 @@ def _pair(dtype=torch.float32, experts=4, rope=True, tied=False, hooked=True, la
 
 class TestGenerate(pd.GenerateChecks):
     make_pair = staticmethod(_pair)
+    COMPILE_PAIR = dict(layers=2, attn=(1,), experts=0)   # a Mamba2 block, a softmax block
 
     def described_module(self, fast):
         return fast.model.layers[2].shared_mlp.output_linear

@@ -37,6 +37,7 @@ def _pair(dtype=torch.float32, tied=False, hooked=True, **cfg):
 
 class TestGenerate(pd.GenerateChecks):
     make_pair = staticmethod(_pair)
+    COMPILE_PAIR = dict(num_hidden_layers=1)
     BF16_LOGITS = torch.float32   # (as transformers returns them)
     #: the mask enters transformers' prefill only: Mamba2's generate passes none to its one-token steps, which decode
     #: every row from its state through the plan

@@ -53,6 +53,7 @@ def _pair(dtype=torch.float32, tied=False, hooked=True, pattern=PATTERN, **cfg):
 
 class TestGenerate(pd.GenerateChecks):
     make_pair = staticmethod(_pair)
+    COMPILE_PAIR = dict(pattern=("linear_attention", "full_attention"))
 
     def described_module(self, fast):
         return fast.model.layers[1].self_attn.output_gate

@@ -128,6 +128,10 @@ class TestGenerate(pd.GenerateChecks):
     def pair(self, request):
         return functools.partial(_pair, request.param)
 
+    #: KDA then MLA, dense MLPs (Kimi's keyword, then Bailing's)
+    COMPILE_PAIR = dict(num_hidden_layers=3, layer_types=["linear_attention", "linear_attention", "full_attention"],
+                        mlp_layer_types=["dense"] * 3, first_k_dense_replace=3)
+
     def described_module(self, fast):
         return fast.model.layers[2].self_attn.kv_b_proj   # (an MLA layer's, in both patterns)
 

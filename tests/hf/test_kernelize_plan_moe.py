@@ -29,11 +29,11 @@ LAYERS = ("linear_attention", "full_attention", "linear_attention", "full_attent
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
 
 
-def _config(arch, shared=16, norm_topk=True, **kw):
-    """4 layers, 2 of them softmax attention; 8 experts, top-2. Qwen3-Next: layer 1 dense (`mlp_only_layers`), the
-    others MoE; `shared` 0: no shared expert."""
+def _config(arch, shared=16, norm_topk=True, layers=LAYERS, **kw):
+    """`layers` (4, 2 of them softmax attention); 8 experts, top-2. Qwen3-Next: layer 1 dense (`mlp_only_layers`),
+    the others MoE; `shared` 0: no shared expert."""
     base = {k: v for k, v in ATTN.items() if k != "intermediate_size"} if arch == "qwen3_5_moe" else dict(ATTN)
-    common = dict(**base, **GDN, **MOE, num_hidden_layers=len(LAYERS), layer_types=list(LAYERS),
+    common = dict(**base, **GDN, **MOE, num_hidden_layers=len(layers), layer_types=list(layers),
                   shared_expert_intermediate_size=shared, **kw)
     if arch == "qwen3_next":
         if not hasattr(transformers, "Qwen3NextForCausalLM"):
@@ -58,6 +58,8 @@ class TestGenerate(pd.GenerateChecks):
     @pytest.fixture(params=ARCHS)
     def pair(self, request):
         return functools.partial(_pair, request.param)
+
+    COMPILE_PAIR = dict(layers=LAYERS[:2])   # GDN and softmax; Qwen3-Next's layer 1 dense, layer 0 MoE
 
     def described_module(self, fast):
         return fast.model.layers[0].mlp.experts

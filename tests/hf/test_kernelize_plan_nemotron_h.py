@@ -62,6 +62,7 @@ def _pair(dtype=torch.float32, pattern=PATTERN, hooked=True, **cfg):
 
 class TestGenerate(pd.GenerateChecks):
     make_pair = staticmethod(_pair)
+    COMPILE_PAIR = dict(pattern="M*-")   # Mamba2, attention, MLP
     BF16_LOGITS = torch.float32   # (as transformers returns them)
 
     def described_module(self, fast):

@@ -46,6 +46,7 @@ def _pair(dtype=torch.float32, tied=False, hooked=True, rope=ROPE, neg=True,
 
 class TestGenerate(pd.GenerateChecks):
     make_pair = staticmethod(_pair)
+    COMPILE_PAIR = dict(layers=("linear_attention", "full_attention"))
 
     def described_module(self, fast):
         return fast.model.layers[1].post_feedforward_layernorm
