@@ -76,6 +76,16 @@ def _decode(layer, x, prefill=0):
     return torch.cat(outs, 1), cache
 
 
+def _torch_then_compiled(layer, x, prefill, monkeypatch):
+    """The layer decoded by the PyTorch step (kernels off), then by the compiled one: (ref, ref_cache), (got,
+    cache) and the number of compiled steps taken."""
+    count = Count(monkeypatch)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
+    ref = _decode(layer, x, prefill)
+    monkeypatch.setenv("LINATTN_CPU_KERNELS", "1")
+    return ref, _decode(layer, x, prefill), count.n
+
+
 def _entries(cache):
     out = {}
     for k, v in cache.items():
@@ -119,12 +129,8 @@ def test_state_rows_not_a_whole_line(case, dtype, monkeypatch):
     layer = _layer(case, d=40, dtype=dtype)
     assert layer.head_dim == 20
     x = torch.randn(2, 12, 40, generator=torch.Generator().manual_seed(3), dtype=dtype)
-    count = Count(monkeypatch)
-    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
-    ref, ref_cache = _decode(layer, x, 2)
-    monkeypatch.setenv("LINATTN_CPU_KERNELS", "1")
-    got, cache = _decode(layer, x, 2)
-    assert count.n == 10
+    (ref, ref_cache), (got, cache), steps = _torch_then_compiled(layer, x, 2, monkeypatch)
+    assert steps == 10
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
     torch.testing.assert_close(cache.state, ref_cache.state, rtol=tol, atol=tol)
@@ -237,12 +243,8 @@ def test_six_heads_key_norms_in_fours_and_one_huge_head(case, monkeypatch):
         layer.k_proj.weight[2 * 16:3 * 16].mul_(1e25)
     x = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(6))
     x[1, 5, 7] = float("nan")
-    count = Count(monkeypatch)
-    monkeypatch.setenv("LINATTN_CPU_KERNELS", "0")
-    ref, ref_cache = _decode(layer, x, 2)
-    monkeypatch.setenv("LINATTN_CPU_KERNELS", "1")
-    got, cache = _decode(layer, x, 2)
-    assert count.n == 6
+    (ref, ref_cache), (got, cache), steps = _torch_then_compiled(layer, x, 2, monkeypatch)
+    assert steps == 6
     assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.isfinite(got[0]).all()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
     torch.testing.assert_close(cache.state, ref_cache.state, rtol=1e-5, atol=1e-5, equal_nan=True)
