@@ -450,7 +450,12 @@ _SESSION_CACHE_DIR = os.environ.get("LINATTN_CACHE_DIR")
 
 
 def build_decode_variant(tmp, prefix: str):
-    """decode.c built from the package's sources with `prefix` put before it (a macro undefined or defined to
+    """decode.c's variant (`build_variant`)."""
+    return build_variant(tmp, "decode", prefix)
+
+
+def build_variant(tmp, name: str, prefix: str):
+    """csrc/<name>.c built from the package's sources with `prefix` put before it (a macro undefined or defined to
     select another code path); the loaded ctypes library. The sources are written into tmp, the library is built
     into the session's kernel cache (`_SESSION_CACHE_DIR`, whatever LINATTN_CACHE_DIR a fixture set meanwhile), keyed
     like every cached library by a hash of its sources — the prefix included —, so a later run or another fixture
@@ -466,9 +471,9 @@ def build_decode_variant(tmp, prefix: str):
         if f.is_file():
             (src / f.name).write_bytes(f.read_bytes())
     first = "#if defined(__x86_64__) || defined(__i386__)\n#include <immintrin.h>\n#endif\n"
-    (src / "decode.c").write_text(first + prefix + (cbuild.CSRC / "decode.c").read_text())
+    (src / f"{name}.c").write_text(first + prefix + (cbuild.CSRC / f"{name}.c").read_text())
     with _session_cache():
-        return ctypes.CDLL(str(cbuild.build("decode", src)))
+        return ctypes.CDLL(str(cbuild.build(name, src)))
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from linattn import cpu
 from linattn.cpu import build as cbuild
 from linattn.errors import LinattnError
 from linattn.ops import backend as B
+from tests.helpers import build_variant
 
 HAVE_CC = shutil.which(os.environ.get("CC", "").strip() or "cc") is not None
 needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler (cc / $CC): the compiled CPU kernels cannot build")
@@ -438,13 +439,8 @@ def test_linear_cpu_plain_c_fallback(tmp_path, monkeypatch):
     """The products without GCC/clang vector types (-DLINATTN_PLAIN_C, what another compiler gets) agree too."""
     from linattn.cpu import bindings
 
-    src = tmp_path / "src"
-    src.mkdir()
-    for f in cbuild.CSRC.iterdir():
-        (src / f.name).write_bytes(f.read_bytes())
-    (src / "linear.c").write_text("#define LINATTN_PLAIN_C\n" + (cbuild.CSRC / "linear.c").read_text())
-    # the default cache: its key hashes these sources (the define included), so a later run reuses this build
-    lib = ctypes.CDLL(str(cbuild.build("linear", src)))
+    # cached by its sources' hash (the define included), so a later run reuses this build
+    lib = build_variant(tmp_path, "linear", "#define LINATTN_PLAIN_C\n")
     monkeypatch.setattr(bindings, "load_library", lambda name: lib)
     q, k, v = (x.requires_grad_() for x in _lin_inputs(2, 45, 2, 8, 33, torch.float32, seed=5))
     g = -torch.rand(2, 45, 2)

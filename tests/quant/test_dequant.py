@@ -8,6 +8,7 @@ import torch
 from linattn.cpu import bindings, dequant as cpu_dequant
 from linattn.errors import LinattnError
 from linattn.quant import QuantizedLinear, linear as qlinear
+from tests.helpers import build_variant
 
 pytestmark = pytest.mark.skipif(not cpu_dequant.available(), reason="no C compiler: the compiled kernels are off")
 
@@ -19,17 +20,7 @@ def dequant_lib(request, tmp_path_factory):
     if request.param == "native":
         yield request.param
         return
-    import ctypes
-
-    from linattn.cpu import build as cbuild
-
-    src = tmp_path_factory.mktemp("plain") / "src"
-    src.mkdir()
-    for f in cbuild.CSRC.iterdir():
-        if f.is_file():
-            (src / f.name).write_bytes(f.read_bytes())
-    (src / "dequant.c").write_text("#define LINATTN_PLAIN_C\n" + (cbuild.CSRC / "dequant.c").read_text())
-    lib = ctypes.CDLL(str(cbuild.build("dequant", src)))
+    lib = build_variant(tmp_path_factory.mktemp("plain"), "dequant", "#define LINATTN_PLAIN_C\n")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bindings, "load_library", lambda name: lib if name == "dequant" else None)
         yield request.param
