@@ -230,6 +230,10 @@ LIBRARIES: Dict[str, Library] = {
         Fn("linattn_dprep_raw_bwd", (c_i64,) * 3 + (c_ptr,) + (c_double,) + (c_ptr,) * 7 + (c_int,)),
         Fn("linattn_l2rows_fwd", (c_i64,) * 2 + (c_ptr,) + (c_double,) + (c_ptr,) + (c_int,)),
         Fn("linattn_l2rows_bwd", (c_i64,) * 2 + (c_ptr,) + (c_double,) + (c_ptr,) * 2 + (c_int,)),
+        # R, K, V, q, k, v, beta, scale -> qo, ko, vo, a = beta max(|k|^2, 1); threads
+        Fn("linattn_dprep_rawa_fwd", (c_i64,) * 3 + (c_ptr,) * 4 + (c_double,) + (c_ptr,) * 4 + (c_int,)),
+        # R, K, V, k, scale, dqo, dko, dvo, da -> dq, dk, dv, dbeta; threads
+        Fn("linattn_dprep_rawa_bwd", (c_i64,) * 3 + (c_ptr,) + (c_double,) + (c_ptr,) * 8 + (c_int,)),
     )),
     "conv": Library(1, (
         # B, T, D, K, xp, w, bias, act -> y, pre; threads

@@ -26,8 +26,8 @@ import torch
 from . import bindings, checkpoint_offsets, ptr, threads, torch_on_one_thread
 from .abi import DeltaPlan
 
-__all__ = ["CHECKPOINT", "available", "delta_prepare", "delta_prepare_raw", "delta_scan", "floor_log_gate", "l2_rows",
-           "prep_available", "write_strength"]
+__all__ = ["CHECKPOINT", "available", "delta_prepare", "delta_prepare_raw", "delta_prepare_raw_a", "delta_scan",
+           "floor_log_gate", "l2_rows", "prep_available", "write_strength"]
 
 CHECKPOINT = 64  # tokens between the states the forward keeps for the backward
 
@@ -250,6 +250,44 @@ def delta_prepare_raw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     [B, T, H, K], v [B, T, H, V] (float32 or float64, CPU) -> (scale q, k / d, v / d, lam = |k|^2 in float64),
     d = sqrt(max(lam, 1)) held constant; differentiable in q, k, v (and through lam in k)."""
     return _DeltaPrepRaw.apply(q.contiguous(), k.contiguous(), v.contiguous(), float(scale))
+
+
+class _DeltaPrepRawA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, beta, scale):
+        K, V = q.shape[-1], v.shape[-1]
+        R = beta.numel()
+        qo, ko, vo, a = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
+        bindings.require("deltaprep")("linattn_dprep_rawa_fwd", q.dtype, R, K, V, ptr(q), ptr(k), ptr(v), ptr(beta),
+                                      scale, ptr(qo), ptr(ko), ptr(vo), ptr(a), _prep_threads(R, 2 * K + V))
+        ctx.save_for_backward(k)
+        ctx.scale, ctx.V = scale, V
+        ctx.set_materialize_grads(False)
+        return qo, ko, vo, a
+
+    @staticmethod
+    @torch_on_one_thread()
+    def backward(ctx, dqo, dko, dvo, da):
+        (k,) = ctx.saved_tensors
+        K, V = k.shape[-1], ctx.V
+        R = k.numel() // K
+        dq, dk = torch.empty_like(k), torch.empty_like(k)
+        dv, dbeta = k.new_empty(*k.shape[:-1], V), k.new_empty(k.shape[:-1])
+        c = [x.contiguous() if x is not None else None for x in (dqo, dko, dvo, da)]
+        bindings.require("deltaprep")("linattn_dprep_rawa_bwd", k.dtype, R, K, V, ptr(k), ctx.scale,
+                                      *(ptr(x) for x in c), ptr(dq), ptr(dk), ptr(dv), ptr(dbeta),
+                                      _prep_threads(R, 2 * K + V))
+        return dq, dk, dv, dbeta, None
+
+
+def delta_prepare_raw_a(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, scale: float
+                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`delta_prepare_raw` and `write_strength` in one pass each way (no qk_l2norm, a = beta: Gated DeltaNet's
+    common call): q, k [B, T, H, K], v [B, T, H, V], beta [B, T, H] (one dtype, float32 or float64, CPU) ->
+    (scale q, k / d, v / d, a = beta max(|k|^2, 1)), d = sqrt(max(|k|^2, 1)) held constant; the bits of the two
+    steps, with no torch operator on [B, T, H] between the pass and the scan. Differentiable in q, k, v, beta; K >= 1.
+    """
+    return _DeltaPrepRawA.apply(q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), float(scale))
 
 
 class _L2Rows(torch.autograd.Function):

@@ -550,7 +550,7 @@ def _prepare_delta(q, k, v, beta, *, g, r, channel_gate, coefficient, scale, qk_
     source = DeltaSource(q, k, v, beta, l2, scale, coefficient)
     fused = fused and _fused_prep(cdt, q.device, l2, coefficient, r, n)
     if fused:  # the floor's backward as well on one thread (`cpu.torch_on_one_thread`)
-        from ..cpu.delta import delta_prepare, delta_prepare_raw, floor_log_gate, write_strength
+        from ..cpu.delta import delta_prepare, delta_prepare_raw, delta_prepare_raw_a, floor_log_gate
 
         g_c = floor_log_gate(g.to(cdt), LOG_GATE_FLOOR) if g is not None else None
     else:
@@ -564,12 +564,11 @@ def _prepare_delta(q, k, v, beta, *, g, r, channel_gate, coefficient, scale, qk_
             return raw
     q_c, k_c, v_c, b_c = q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt)
     if fused:
-        if l2 is None:   # the lines below, but for the coefficient and a d2 on [B, T, H] (EFLA)
+        if l2 is None and coefficient is not None:   # the lines below, but for EFLA's coefficient and d2
             q_c, k_c, v_c, lam = delta_prepare_raw(q_c, k_c, v_c, scale)
-            if coefficient is not None:
-                a = (coefficient(b_c.to(lam.dtype), lam) * lam.detach().clamp_min(1.0)).to(cdt)
-            else:
-                a = write_strength(b_c, lam)
+            a = (coefficient(b_c.to(lam.dtype), lam) * lam.detach().clamp_min(1.0)).to(cdt)
+        elif l2 is None:   # a = beta d2 in the same pass (the bits of delta_prepare_raw then write_strength)
+            q_c, k_c, v_c, a = delta_prepare_raw_a(q_c, k_c, v_c, b_c, scale)
         else:
             q_c, k_c, v_c, a = delta_prepare(q_c, k_c, v_c, b_c, scale, L2NORM_EPS)
         return DeltaProblem(q_c, k_c, v_c, None, a, g_c, S0, mode, chunk_size, offsets, N, output_final_state,

@@ -169,8 +169,11 @@ static inline double FN(lam_row)(const REAL *restrict x, int64_t K, int *wide) {
     return sd;
 }
 
-int FN(linattn_dprep_raw_fwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v,
-                              double scale, REAL *qo, REAL *ko, REAL *vo, double *lam, int nthreads) {
+/* The raw pass, and lam or a = beta max(lam, 1) (prepare_delta's write_strength: the product in double, rounded
+   once to REAL) from it: each of lam, beta / a may be NULL. */
+static int FN(raw_fwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v,
+                       double scale, REAL *qo, REAL *ko, REAL *vo, double *lam, const REAL *beta, REAL *a,
+                       int nthreads) {
     const REAL sc = (REAL)scale;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, LA_PREP_ROWS)
     for (int64_t i = 0; i < R; ++i) {
@@ -181,7 +184,8 @@ int FN(linattn_dprep_raw_fwd)(int64_t R, int64_t K, int64_t V, const REAL *q, co
         int wide;
         const double l = FN(lam_row)(kr, K, &wide), d2 = (l < 1.0 || l != l) ? (l != l ? l : 1.0) : l;
         const REAL d = (REAL)sqrt(d2);
-        lam[i] = l;
+        if (lam) lam[i] = l;
+        if (a) a[i] = (REAL)((double)beta[i] * d2);
         if (d != (REAL)1) {
             for (int64_t j = 0; j < K; ++j) kor[j] = kr[j] / d;
             for (int64_t j = 0; j < V; ++j) vor[j] = vr[j] / d;
@@ -195,11 +199,23 @@ int FN(linattn_dprep_raw_fwd)(int64_t R, int64_t K, int64_t V, const REAL *q, co
     return 0;
 }
 
+int FN(linattn_dprep_raw_fwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v,
+                              double scale, REAL *qo, REAL *ko, REAL *vo, double *lam, int nthreads) {
+    return FN(raw_fwd)(R, K, V, q, k, v, scale, qo, ko, vo, lam, NULL, NULL, nthreads);
+}
+
+/* The raw pass with the write strength a [R] = beta max(lam, 1) in place of lam (Gated DeltaNet without qk_l2norm:
+   no torch operators on [R] between this pass and the scan). */
+int FN(linattn_dprep_rawa_fwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v,
+                               const REAL *beta, double scale, REAL *qo, REAL *ko, REAL *vo, REAL *a, int nthreads) {
+    return FN(raw_fwd)(R, K, V, q, k, v, scale, qo, ko, vo, NULL, beta, a, nthreads);
+}
+
 /* gradients of qo, ko, vo (NULL: zero) and lam (double, NULL: zero) -> dq, dk [R, K], dv [R, V]: dk = dko / d
-   + 2 k dlam (d held constant). */
-int FN(linattn_dprep_raw_bwd)(int64_t R, int64_t K, int64_t V, const REAL *k, double scale, const REAL *dqo,
-                              const REAL *dko, const REAL *dvo, const double *dlam, REAL *dq, REAL *dk,
-                              REAL *dv, int nthreads) {
+   + 2 k dlam (d held constant); with dbeta, also dbeta = da max(lam, 1) (da NULL: zero; lam held constant). */
+static int FN(raw_bwd)(int64_t R, int64_t K, int64_t V, const REAL *k, double scale, const REAL *dqo,
+                       const REAL *dko, const REAL *dvo, const double *dlam, const REAL *da, REAL *dq, REAL *dk,
+                       REAL *dv, REAL *dbeta, int nthreads) {
     const REAL sc = (REAL)scale;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, LA_PREP_ROWS)
     for (int64_t i = 0; i < R; ++i) {
@@ -215,6 +231,7 @@ int FN(linattn_dprep_raw_bwd)(int64_t R, int64_t K, int64_t V, const REAL *k, do
         int wide;
         const double l = FN(lam_row)(kr, K, &wide), d2 = (l < 1.0 || l != l) ? (l != l ? l : 1.0) : l;
         const REAL d = (REAL)sqrt(d2);
+        if (dbeta) dbeta[i] = (REAL)((da ? (double)da[i] : 0.0) * d2); /* a zero gradient times d2, as torch's */
         /* the branches outside the loops: a conditional division inside one does not vectorise */
         if (!dko) {
             for (int64_t j = 0; j < K; ++j) dkr[j] = 0;
@@ -246,6 +263,19 @@ int FN(linattn_dprep_raw_bwd)(int64_t R, int64_t K, int64_t V, const REAL *k, do
         }
     }
     return 0;
+}
+
+int FN(linattn_dprep_raw_bwd)(int64_t R, int64_t K, int64_t V, const REAL *k, double scale, const REAL *dqo,
+                              const REAL *dko, const REAL *dvo, const double *dlam, REAL *dq, REAL *dk,
+                              REAL *dv, int nthreads) {
+    return FN(raw_bwd)(R, K, V, k, scale, dqo, dko, dvo, dlam, NULL, dq, dk, dv, NULL, nthreads);
+}
+
+/* linattn_dprep_rawa_fwd's backward: dq, dk, dv as linattn_dprep_raw_bwd's without dlam, and dbeta from da. */
+int FN(linattn_dprep_rawa_bwd)(int64_t R, int64_t K, int64_t V, const REAL *k, double scale, const REAL *dqo,
+                               const REAL *dko, const REAL *dvo, const REAL *da, REAL *dq, REAL *dk, REAL *dv,
+                               REAL *dbeta, int nthreads) {
+    return FN(raw_bwd)(R, K, V, k, scale, dqo, dko, dvo, NULL, da, dq, dk, dv, dbeta, nthreads);
 }
 
 /* l2(x) of rows x [R, K] alone (a layer's own q normalisation, EFLA's): y [R, K]; backward dx from dy. */
