@@ -22,10 +22,12 @@ here), the time they spent runnable but waiting for a core (`wait ms`: the busy 
 and where the system put them: the CPU each thread that ran ran on last. An n-thread call whose threads ended on
 fewer CPUs than n ran "shared" (two of its threads took turns on one CPU); the table splits the paired speedups by
 that. At the `op` level the time inside the compiled kernels (`cpu.bindings.kernel_time`) is measured too, and the
-rest of the call (Python, torch's operators: checks, layouts, allocations) is given apart (`around ms`). `faults`:
-the process's minor page faults during the call (getrusage; Unix), the first touches of memory that the allocator
-took fresh from the system (a 4 KiB page each, or a 2 MiB one where huge pages were granted): a call that faults
-spends part of its time in the kernel, and two threads faulting one address space contend.
+rest of the call (Python, torch's operators: checks, layouts, allocations) is given apart (`around ms`), with the
+bound that this serial part alone puts on n threads (`bound`, Amdahl's law: the 1-thread time t1 over the n-thread
+call's serial part plus the 1-thread kernels' time split n ways, t1 / (around_n + (t1 - around_1) / n); medians).
+`faults`: the process's minor page faults during the call (getrusage; Unix), the first touches of memory that the
+allocator took fresh from the system (a 4 KiB page each, or a 2 MiB one where huge pages were granted): a call that
+faults spends part of its time in the kernel, and two threads faulting one address space contend.
 
 --busy-core starts one busy-loop process (`while True: pass`, a child at this process's priority and affinity)
 before the first call and stops it after the last: one core is held for the whole run, as on a shared machine or
@@ -315,7 +317,7 @@ def summarise(cases: List[Dict[str, Any]], counts: List[int]) -> List[Dict[str, 
     for c in cases:
         rec = {"level": c["level"], "op": c["op"], "pass": c["pass"], "median_ms": {}, "speedup": {},
                "speedup_min": {}, "spread": {}, "placement": {}, "cpu_ms": {}, "wait_ms": {}, "kernel_ms": {},
-               "around_ms": {}, "faults": {},
+               "around_ms": {}, "bound": {}, "faults": {},
                "ms": c["ms"], "calls": c["calls"]}
         for n in counts:
             calls = c["calls"][n]
@@ -325,6 +327,7 @@ def summarise(cases: List[Dict[str, Any]], counts: List[int]) -> List[Dict[str, 
             rec["kernel_ms"][n] = statistics.median(x["kernel_ms"] for x in calls)
             rec["faults"][n] = statistics.median(x["faults"] for x in calls)
             rec["around_ms"][n] = statistics.median(ms - x["kernel_ms"] for ms, x in zip(c["ms"][n], calls))
+            rec["bound"][n] = amdahl_bound(rec["median_ms"][1], rec["around_ms"][1], rec["around_ms"][n], n)
             ratios = [a / b for a, b in zip(c["ms"][1], c["ms"][n])]
             rec["speedup"][n] = statistics.median(ratios)
             rec["speedup_min"][n] = min(ratios)
@@ -338,6 +341,12 @@ def summarise(cases: List[Dict[str, Any]], counts: List[int]) -> List[Dict[str, 
     return out
 
 
+def amdahl_bound(t1: float, serial1: float, serial_n: float, n: int) -> float:
+    """The most that n threads can gain over 1 when only the kernels' time (t1 - serial1 at 1 thread) is split
+    n ways and the call's serial part takes serial_n at n threads: t1 / (serial_n + (t1 - serial1) / n)."""
+    return t1 / (serial_n + max(t1 - serial1, 0.0) / n)
+
+
 def _placement(x: Dict[str, Any]) -> str:
     def one(k):
         return f"{x[k]} x {x[k + '_speedup']:.2f}x" if x[k] else "0"
@@ -349,7 +358,7 @@ def _report(records: List[Dict[str, Any]], counts: List[int]) -> str:
     head = (["level", "op", "pass"] + [f"{n} thr ms" for n in counts]
             + [f"{n} thr speedup [q1-q3] (min-max)" for n in multi] + [f"{n} thr cpu ms" for n in counts]
             + [f"{n} thr wait ms" for n in counts] + [f"{n} thr around ms" for n in counts]
-            + [f"{n} thr faults" for n in counts]
+            + [f"{n} thr bound" for n in multi] + [f"{n} thr faults" for n in counts]
             + [f"{n} thr apart / shared" for n in multi])
     rows = []
     for r in records:
@@ -358,6 +367,7 @@ def _report(records: List[Dict[str, Any]], counts: List[int]) -> str:
                     + [f"{x['median']:.2f}x [{x['q1']:.2f}-{x['q3']:.2f}] ({x['min']:.2f}-{x['max']:.2f})" for x in sp]
                     + [f"{r['cpu_ms'][n]:.1f}" for n in counts] + [f"{r['wait_ms'][n]:.1f}" for n in counts]
                     + [f"{r['around_ms'][n]:.1f}" if r["level"] == "op" else "-" for n in counts]
+                    + [f"{r['bound'][n]:.2f}x" if r["level"] == "op" else "-" for n in multi]
                     + [f"{r['faults'][n]:.0f}" for n in counts]
                     + [_placement(r["placement"][n]) for n in multi])
     return common.format_table(head, rows)
@@ -416,7 +426,8 @@ def run(a) -> int:
             f"busy     {_busy_text(busy, a.busy_pin)}; load at the end {' '.join(map(str, load_end or []))}",
             f"threads  torch {torch.get_num_threads()} by default; cpu / wait ms: CPU time of all the process's "
             f"threads and their time runnable without a core, per call (median); around: the public call's time "
-            f"outside the compiled kernels; faults: minor page faults per call (median); apart / shared: rounds "
+            f"outside the compiled kernels; bound: Amdahl's bound of that serial part; faults: minor page faults per "
+            f"call (median); apart / shared: rounds "
             f"whose n threads ended on n CPUs / fewer, with their median speedup",
             f"openmp   OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: idle threads spin a while)')}"]
     text = _report(records, counts)
