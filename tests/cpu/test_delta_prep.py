@@ -189,7 +189,8 @@ def _fused_used(**kw):
     q, k, v, beta = _inputs(torch.float32, T=4)
     q.requires_grad_()
     p = prepare_delta(q, k, v, beta, **kw)
-    return type(p.q.grad_fn).__name__ in ("_DeltaPrepBackward", "_DeltaPrepRawBackward")
+    return type(p.q.grad_fn).__name__ in ("_DeltaPrepBackward", "_DeltaPrepRawBackward",
+                                                 "_DeltaPrepRawABackward")
 
 
 def test_what_turns_it_off(monkeypatch):
@@ -238,7 +239,8 @@ def test_raw_against_reference_and_torch(dtype, exact, T):
     x = (q, k, v, beta)
     leaves = [t.clone().requires_grad_() for t in x]
     p = prepare_delta(*leaves, coefficient=coef, scale=0.3, fused=True)
-    assert type(p.q.grad_fn).__name__ == "_DeltaPrepRawBackward"
+    # without a coefficient a = beta d2 comes from the same pass (delta_prepare_raw_a)
+    assert type(p.q.grad_fn).__name__ == ("_DeltaPrepRawBackward" if exact else "_DeltaPrepRawABackward")
     tl = [t.clone().requires_grad_() for t in x]
     tp = prepare_delta(*tl, coefficient=coef, scale=0.3)
     rl = [t.clone().double().requires_grad_() for t in x]
@@ -257,9 +259,10 @@ def test_raw_against_reference_and_torch(dtype, exact, T):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_raw_overflowing_and_non_finite_rows_as_torch(dtype):
+@pytest.mark.parametrize("coefficient", [efla_coefficient, None])
+def test_raw_overflowing_and_non_finite_rows_as_torch(dtype, coefficient):
     """|k|^2 overflowing the float sum (summed in double, as key_norms), inf and NaN keys: the PyTorch form's
-    values and non-finite pattern, every other row untouched."""
+    values and non-finite pattern, every other row untouched (EFLA's coefficient, and a = beta d2 from the pass)."""
     q, k, v, beta = _inputs(dtype, T=6)
     k[0, 2, 1] = k[0, 2, 1] * (3e19 if dtype == torch.float32 else 1e150)
     k[1, 4, 2, 3] = float("nan")
@@ -267,7 +270,7 @@ def test_raw_overflowing_and_non_finite_rows_as_torch(dtype):
     outs = []
     for fused in (True, False):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, beta)]
-        p = prepare_delta(*leaves, coefficient=efla_coefficient, fused=fused)
+        p = prepare_delta(*leaves, coefficient=coefficient, fused=fused)
         out = (p.q, p.k, p.v, p.a)
         outs.append((*out, *torch.autograd.grad(sum(o.sum() for o in out), leaves)))
     for a, t in zip(*outs):
