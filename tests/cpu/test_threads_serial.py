@@ -171,3 +171,26 @@ def test_amdahl_bound_of_the_serial_part():
                           for ms in ([40.0, 42.0] if n == 1 else [21.0, 22.0])] for n in (1, 2)}}
     rec = summarise([case], [1, 2])[0]
     assert rec["around_ms"] == {1: 2.0, 2: 2.0} and rec["bound"][2] == pytest.approx(41.0 / (2.0 + 39.0 / 2))
+
+
+@needs_kernels
+def test_bench_threads_prep_level(tmp_path, capsys):
+    """`--levels prep`: Gated DeltaNet's preparation pass alone beside the public call, whose row has the bound."""
+    import json
+
+    from linattn.cli import main
+
+    args = ["bench", "threads", "--quick", "--ops", "gated_deltanet,linear", "--levels", "op,prep", "--out",
+            str(tmp_path), "--quiet"]
+    assert main(args) == 0
+    assert "bound" in capsys.readouterr().out
+    recs = json.loads((tmp_path / "threads.json").read_text())["records"]
+    assert {(r["level"], r["op"]) for r in recs} == {("op", "gated_deltanet"), ("op", "linear"),
+                                                     ("prep", "gated_deltanet")}
+    for r in recs:
+        assert all(c["kernel_ms"] > 0 for n in ("1", "2") for c in r["calls"][n])
+        if r["level"] == "op":
+            assert r["bound"]["2"] == pytest.approx(amdahl_bound(r["median_ms"]["1"], r["around_ms"]["1"],
+                                                                 r["around_ms"]["2"], 2))
+    assert main(["bench", "threads", "--quick", "--ops", "linear", "--levels", "prep", "--out", str(tmp_path),
+                 "--overwrite", "--quiet"]) == 2

@@ -7,7 +7,9 @@ T = 16384 by default (one long sequence: the threads must split it, there are fe
 Levels (--levels): `op`, the public call (`linear_attention`, `delta_rule` with backend="cpu": the input checks, the
 feature map or the delta rule's preparation and the output layout around the kernels, which are torch operators with
 their own threads), and `kernel`, the compiled kernels' custom ops alone on prepared inputs (the features, the
-normalised keys), so that the kernels' own scaling is seen apart from what surrounds them.
+normalised keys), so that the kernels' own scaling is seen apart from what surrounds them; `prep` (asked for by
+name) Gated DeltaNet's preparation pass alone (q scaled, k and v rescaled by the key norm, the write strength: one
+memory-bound pass each way, which the `op` level runs between its checks and the scan).
 
 Timing: every (case, thread count) is called once per round, the rounds repeated (--repeats, default 15), the calls
 of one case at its thread counts side by side and the order of all calls reversed every other round;
@@ -66,6 +68,7 @@ PROG = "linattn bench threads"
 OPS = ("linear", "gated_deltanet")
 PASSES = ("fwd", "fwd+bwd")
 LEVELS = ("op", "kernel")
+EXTRA_LEVELS = ("prep",)  # asked for by name only
 QUICK = dict(T=256, repeats=2)
 SHARED_MIN_RUN = 0.2  # a thread counts for the placement when it ran at least this share of the call's CPU time
 BUSY_LOOP = "while True:\n    pass\n"
@@ -86,7 +89,8 @@ def add_arguments(p) -> None:
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)} (default both)")
     p.add_argument("--passes", default=",".join(PASSES), help=f"comma list of {', '.join(PASSES)} (default both)")
     p.add_argument("--levels", default=",".join(LEVELS),
-                   help=f"comma list of {', '.join(LEVELS)}: the public call, the kernels alone (default both)")
+                   help=f"comma list of {', '.join(LEVELS + EXTRA_LEVELS)}: the public call, the kernels alone, "
+                        "Gated DeltaNet's preparation pass alone (default op,kernel)")
     p.add_argument("--repeats", type=int_at_least(1), default=15, help="rounds of timed calls (default 15)")
     p.add_argument("--busy-core", action="store_true",
                    help="hold one core with a busy-loop child process (same priority) for the whole run")
@@ -154,6 +158,37 @@ def make_kernel_case(op: str, passes: str, a) -> Callable[[], Any]:
             bwd(q, k, v, beta, g, ck, st, ck_off, do, torch.zeros_like(S))
         return o
     return run_delta
+
+
+def make_prep_case(op: str, passes: str, a) -> Callable[[], Any]:
+    """A zero-argument call of Gated DeltaNet's preparation pass alone (`cpu.delta.delta_prepare_raw_a`, what
+    `delta_rule` runs before the scan on make_case's inputs), forward or forward and backward: the `op` level less
+    the `kernel` level less the call's Python and torch operators."""
+    from ..cpu.delta import delta_prepare_raw_a
+
+    if op != "gated_deltanet":
+        raise UsageError(f"--levels prep: only gated_deltanet has a preparation pass, not {op}", prog=PROG)
+    gen = torch.Generator().manual_seed(a.seed)
+    B, T, H, K, V = a.B, a.T, a.H, a.K, a.V
+    grad = passes == "fwd+bwd"
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    x = [torch.nn.functional.normalize(randn(B, T, H, K), dim=-1), torch.nn.functional.normalize(
+        randn(B, T, H, K), dim=-1), randn(B, T, H, V), torch.sigmoid(randn(B, T, H))]
+    x = [t.requires_grad_(grad) for t in x]
+    dout = [randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V), randn(B, T, H)]
+
+    def run():
+        out = delta_prepare_raw_a(*x, K ** -0.5)
+        if grad:
+            for t in x:
+                t.grad = None
+            torch.autograd.backward(out, dout)
+        return out[0]
+
+    return run
 
 
 def make_case(op: str, passes: str, a) -> Callable[[], Any]:
@@ -397,7 +432,9 @@ def run(a) -> int:
             setattr(a, k, v)
     counts = _int_list(a.threads, "--threads")
     ops, passes = _names(a.ops, OPS, "--ops"), _names(a.passes, PASSES, "--passes")
-    levels = _names(a.levels, LEVELS, "--levels")
+    levels = _names(a.levels, LEVELS + EXTRA_LEVELS, "--levels")
+    if levels == ["prep"] and "gated_deltanet" not in ops:
+        raise UsageError("--levels prep: only gated_deltanet has a preparation pass (add it to --ops)", prog=PROG)
     from ..cpu import available
 
     if not (available("linear") and available("delta")):
@@ -410,9 +447,9 @@ def run(a) -> int:
         raise UsageError("--busy-pin: only with --busy-core", prog=PROG)
     busy = busy_start(a.busy_pin) if a.busy_core else None
     try:
-        cases = [{"level": lv, "op": op, "pass": ps,
-                  "fn": (make_case if lv == "op" else make_kernel_case)(op, ps, a)}
-                 for lv in levels for op in ops for ps in passes]
+        make = {"op": make_case, "kernel": make_kernel_case, "prep": make_prep_case}
+        cases = [{"level": lv, "op": op, "pass": ps, "fn": make[lv](op, ps, a)}
+                 for lv in levels for op in ops for ps in passes if lv != "prep" or op == "gated_deltanet"]
         measure(cases, counts, a.repeats, log, busy)
     finally:
         if busy is not None:
