@@ -939,9 +939,6 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
 #undef A8_LANES
 #endif
 
-#ifndef Q_PF_SROWS   /* (a build may set another distance: bench variants) */
-#define Q_PF_SROWS 4
-#endif
 /* the r rows i0, i0 + stride, ... (q_step_rows) of y = add + W x^ + bias, W int8 [n, m] (row scales) or int4
    [n, m / 2] (group scales). Inlined into the steps' loop, so that what does not change from step to step is set up
    once (callgrind: ~110 of the ~1400 instructions of an int4 step of 4 rows at 1024 inputs) */
@@ -962,16 +959,6 @@ static inline __attribute__((always_inline)) void matvec_rows_a8(int int4, const
         const uint8_t *pf_end = b == 0 ? Wb + n * rowb : NULL;   /* (later x rows find the rows in cache) */
         const uint8_t *w = Wb + i0 * rowb;
         const int64_t rs = stride * rowb, ss = int4 ? stride * ng : 0;
-        if (int4 && r == 4 && pf_end) {
-            /* the four streams' group scales Q_PF_SROWS rows on (the steps prefetch only the codes): each stream
-               reads its scales' rows in order, ng * 2 bytes a step */
-            const uintptr_t s_end = (uintptr_t)(s + n * ng);
-            for (int k = 0; k < 4; ++k) {
-                const uintptr_t a = (uintptr_t)(si + k * ss + Q_PF_SROWS * ng);
-                for (uintptr_t o = 0; o < (uintptr_t)(2 * ng) && a + o < s_end; o += 64)
-                    __builtin_prefetch((const void *)(a + o), 0, Q_PF_HINT);
-            }
-        }
         if (int4 && r == 4) a8_rows_vec(1, 4, p, b, group, w, rs, si, ss, ws, pf_end, out);
         else if (int4) a8_rows_vec(1, 1, p, b, group, w, 0, si, 0, ws, pf_end, out);
         else if (r == 4) a8_rows_vec(0, 4, p, b, group, w, rs, si, 0, ws, pf_end, out);
