@@ -287,3 +287,77 @@ def test_a8_rate_harness_builds_and_runs(tmp_path):
         assert lines[-1].startswith("checksum ")
         sums.append(float(lines[-1].split()[1]))
     assert math.isfinite(sums[0]) and sums[0] == sums[1]
+
+
+def _f32_nearest(v):
+    """The fp32 nearest to the rational v, ties to even (float(v) is the correctly rounded double; its fp32 and the
+    neighbours of that are compared exactly, so no double rounding)."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    c = np.float32(float(v))
+    best = None
+    for f in (np.nextafter(c, np.float32(-np.inf)), c, np.nextafter(c, np.float32(np.inf))):
+        d = abs(Fraction(float(f)) - v)
+        if best is None or d < best[0] or (d == best[0] and int(f.view(np.uint32)) % 2 == 0):
+            best = (d, f)
+    return best[1]
+
+
+def _avx2_int4_a8_order(q: "_Stored", x, bias):
+    """The AVX2 int4-a8 product's float steps written out (csrc/qmatvec.h a8_i4_rows): per step of 64 inputs two
+    blocks of 32, each block's exact integer sum I times its x scale (one fp32 product) then fused-multiply-added
+    with its group's scale into lane 0 (the even blocks) or lane 1 (the odd ones); the row's result (lane 0 + lane 1)
+    + the tail after the last whole step (a8_int4_row_scalar: each block's sum times s_b times the group scale in
+    fp64, rounded once, added in fp32; +0 without a tail), + bias."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    xhat, s = rounded_activations_fp64(x)
+    Q = (xhat / torch.where(s > 0, s, torch.ones_like(s))).round().long().numpy()
+    s32 = s.numpy().astype(np.float32)
+    codes = q.q.long().numpy()
+    gsc = q.scales.float().numpy()
+    n, k = codes.shape
+    mv, G = k - k % 64, q.group
+    y = np.zeros((x.shape[0], n), np.float32)
+    for b in range(x.shape[0]):
+        for i in range(n):
+            lanes = [np.float32(0), np.float32(0)]
+            for blk in range(mv // 32):
+                isum = int((codes[i, 32 * blk:32 * blk + 32] * Q[b, 32 * blk:32 * blk + 32]).sum())
+                p = np.float32(np.float32(isum) * s32[b, 32 * blk])
+                g = gsc[i, 32 * blk // G]
+                lanes[blk % 2] = _f32_nearest(Fraction(float(p)) * Fraction(float(g)) + Fraction(float(lanes[blk % 2])))
+            tail = np.float32(0)
+            for blk in range(mv // 32, k // 32):
+                isum = int((codes[i, 32 * blk:32 * blk + 32] * Q[b, 32 * blk:32 * blk + 32]).sum())
+                t = np.float64(isum) * (np.float64(s32[b, 32 * blk]) * np.float64(gsc[i, 32 * blk // G]))
+                tail = np.float32(tail + np.float32(t))
+            v = np.float32(np.float32(lanes[0] + lanes[1]) + tail)
+            y[b, i] = np.float32(v + np.float32(bias[i].item()))
+    return torch.from_numpy(y)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_a8_int4_avx2_bits_are_its_float_order(tmp_path, monkeypatch, group):
+    """AVX2's int4-a8 product (built without AVX-512 / VNNI) equals, bit for bit, its float steps written out in
+    Python (`_avx2_int4_a8_order`): a change of the steps' arithmetic or order fails here, not only against the
+    bound. Rows 1, 3, 4, 5, 8, 9 (one step of four rows and the n % 4 rows alone), short rows of 1024 inputs (the
+    530M model's qkv / gate_up / head), a tail after the last step, more than one span of scales, and 4 and 8 rows
+    of 4192 / 8256 inputs, whose last quarter's prefetches reach the matrix's end within the row (the steps split
+    between the unchecked and the checked loop); two x rows (the second prefetches nothing)."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs AVX2 and FMA")
+    lib = build_decode_variant(tmp_path, PATHS["avx2"][0])
+    monkeypatch.setattr(bindings, "load_library", lambda n: lib if n == "decode" else None)
+    widths = {32: (64, 96, 1024, 4192), 64: (64, 192, 1024, 8256)}[group]
+    cases = [(n, k) for n in (1, 3, 5, 9) for k in widths[:3]] + [(4, widths[3]), (8, widths[3])]
+    for n, k in cases:
+        q = _Stored(n, k, "int4", group, seed=7 * n + k, bias=True)
+        x = torch.randn(2, k, generator=torch.Generator().manual_seed(n + k)) * torch.rand(1, k) * 3
+        y = cpu_decode.weight_matvec(x, "int4_a8", q.stored, q.scales, group, bias=q.bias)
+        want = _avx2_int4_a8_order(q, x, q.bias)
+        assert torch.equal(y.view(torch.int32), want.view(torch.int32)), (n, k, (y - want).abs().max().item())

@@ -673,7 +673,9 @@ static inline __m256 q4_scales8(const uint16_t *s, int64_t left) {
    rows' group scales (transposed per span into gs4) into one accumulator for the four rows: the block's integer
    sum times s_b, then times the weight scale, as the bound above says (x's scale first: no underflow for tiny x).
    Callgrind: 49.5 instructions a step of 4 rows (36 vector) against 83 (59) when each row's 8 lanes were scaled
-   apart. With AVX-VNNI `vpdpbusd` makes each row's 8 lanes (started from a8_x.lc) and
+   apart. (Round 11: the steps' loop computed each step's addresses from its input index, ~15 more a step; the
+   loop now advances pointers, a8_i4_rows, 16.6 -> 13.7 instructions per 64 weights at 1024 x 3584, 19.8 -> 16.2
+   at the 530M model's 1024-input rows.) With AVX-VNNI `vpdpbusd` makes each row's 8 lanes (started from a8_x.lc) and
    `vphaddd` sums them: the same integers. One row (R = 1, the n % 4 last) sums its lanes to [r x4 | r x4] by
    `vphaddd` and takes the same float steps on the same values, and a row's two lanes (its blocks at even and odd
    32-input offsets) are added last: the same bits as in a step of four rows. */
@@ -682,15 +684,14 @@ static inline __m256 q4_scales8(const uint16_t *s, int64_t left) {
    the high half 8-15, and the last permutes put a pair of consecutive groups in each vector. */
 static inline void a8_scales4(const uint16_t *s, int64_t ss, int64_t left, float *gs4) {
     __m256i r[4];
-    for (int k = 0; k < 4; ++k) {
-        if (left >= 16) {
-            r[k] = _mm256_loadu_si256((const __m256i *)(const void *)(s + k * ss));
-        } else {
+    if (left >= 16)   /* (apart: GCC zeroed the short case's buffer on every call) */
+        for (int k = 0; k < 4; ++k) r[k] = _mm256_loadu_si256((const __m256i *)(const void *)(s + k * ss));
+    else
+        for (int k = 0; k < 4; ++k) {
             uint16_t tmp[16] = {0};
             memcpy(tmp, s + k * ss, (size_t)left * sizeof *tmp);
             r[k] = _mm256_loadu_si256((const __m256i *)(const void *)tmp);
         }
-    }
     const __m256i a = _mm256_unpacklo_epi16(r[0], r[1]), b = _mm256_unpackhi_epi16(r[0], r[1]),   /* [r0 r1] x g */
                   c = _mm256_unpacklo_epi16(r[2], r[3]), d = _mm256_unpackhi_epi16(r[2], r[3]);
     const __m256i t[4] = {_mm256_unpacklo_epi32(a, c), _mm256_unpackhi_epi32(a, c),   /* [r0 r1 r2 r3] x g 0-1 */
@@ -742,56 +743,65 @@ static inline __attribute__((always_inline)) __m256i a8_i4_sum1(__m256i p0, __m2
     return _mm256_add_epi32(i, corr);
 #endif
 }
-/* a row's line Q_PF_BYTES ahead (32 bytes a step: every other step): pf 0 none (the step before), 1 with no bound
-   check, 2 on odd steps only and checked against pf_end (NULL: none) */
-static inline __attribute__((always_inline)) void a8_i4_pf(const int pf, int64_t j, const uint8_t *wr,
-                                                           const uint8_t *pf_end) {
-    if (pf == 1) __builtin_prefetch((const void *)(wr + Q_PF_BYTES), 0, Q_PF_HINT);
-    else if (pf == 2 && pf_end && (j & 64)) Q_PF(wr, pf_end);
-}
 #if defined(A8_VNNI)
 #define A8_ROW_CORR corr   /* (the rows' lanes start from the lanes' excess, a8_x.lc) */
 #else
 #define A8_ROW_CORR _mm256_setzero_si256()   /* (the blocks' excess, a8_x.bc, added after the sum) */
 #endif
-/* the step at input j of R rows in groups of G into acc, with the scales of its first group at gs4 (R = 4) or the
-   row's 8 in sc (R = 1; the step the k-th of the 8 groups) */
-static inline __attribute__((always_inline)) __m256 a8_i4_step(const int R, const int G, const int pf, int64_t j,
-                                                               int64_t k, const int8_t *v, const int32_t *cv,
-                                                               const float *ls, const uint8_t *w, int64_t rs,
-                                                               const float *gs4, __m256 sc, const uint8_t *pf_end,
-                                                               __m256 acc) {
-    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)(v + j)),
-                  x1 = _mm256_loadu_si256((const __m256i *)(const void *)(v + j + 32)),
-                  corr = _mm256_loadu_si256((const __m256i *)(const void *)(cv + j / 8));
-    const uint8_t *w0 = w + j / 2;
+/* the step of R rows in groups of G into acc: its x integers at v (64), excess at c (8 lanes), x scales at l (8), the
+   rows' bytes at w0, w0 + rs, w0 + rs2, w0 + rs3 (rs2 = 2 rs, rs3 = 3 rs: base + index addresses, no arithmetic of
+   their own), the scales of its first group at g4 (R = 4) or the row's 8 in sc picked by gi (R = 1). pf: each row's
+   line Q_PF_BYTES ahead (32 bytes a step: the caller asks every other step) 0 not, 1 with no bound check, 2 checked
+   against pf_end (NULL: none). The steps' loop advances these pointers (callgrind: the index arithmetic of each
+   step from j was ~15 of its ~65 instructions) */
+static inline __attribute__((always_inline)) __m256 a8_i4_step(const int R, const int G, const int pf,
+                                                               const int8_t *v, const int32_t *c, const float *l,
+                                                               const uint8_t *w0, int64_t rs, int64_t rs2,
+                                                               int64_t rs3, const float *g4, __m256 sc, __m256i gi,
+                                                               const uint8_t *pf_end, __m256 acc) {
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)v),
+                  x1 = _mm256_loadu_si256((const __m256i *)(const void *)(v + 32)),
+                  corr = _mm256_loadu_si256((const __m256i *)(const void *)c);
     __m256i i;
     __m256 g;
-    a8_i4_pf(pf, j, w0, pf_end);
-    if (R == 4) {
-        a8_i4_pf(pf, j, w0 + rs, pf_end), a8_i4_pf(pf, j, w0 + 2 * rs, pf_end), a8_i4_pf(pf, j, w0 + 3 * rs, pf_end);
-        const __m256i rc = A8_ROW_CORR;
-        i = a8_i4_sum4(a8_i4_row(w0, x0, x1, rc), a8_i4_row(w0 + rs, x0, x1, rc), a8_i4_row(w0 + 2 * rs, x0, x1, rc),
-                       a8_i4_row(w0 + 3 * rs, x0, x1, rc), corr);
-        /* group 32: the step's two groups; 64: its one group in both halves */
-        g = G == 32 ? _mm256_load_ps(gs4) : _mm256_broadcast_ps((const __m128 *)(const void *)gs4);
-    } else {
-        i = a8_i4_sum1(a8_i4_row(w0, x0, x1, A8_ROW_CORR), corr);
-        /* lanes 0-3 and 4-7: the step's two groups (32) or its one (64) among the row's 8 */
-        g = _mm256_permutevar8x32_ps(sc, G == 32 ? _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
-                                                                    _mm256_set1_epi32(2 * (int)k))
-                                                 : _mm256_set1_epi32((int)k));
+    if (pf == 1) {
+        __builtin_prefetch((const void *)(w0 + Q_PF_BYTES), 0, Q_PF_HINT);
+        if (R == 4) {
+            __builtin_prefetch((const void *)(w0 + rs + Q_PF_BYTES), 0, Q_PF_HINT);
+            __builtin_prefetch((const void *)(w0 + rs2 + Q_PF_BYTES), 0, Q_PF_HINT);
+            __builtin_prefetch((const void *)(w0 + rs3 + Q_PF_BYTES), 0, Q_PF_HINT);
+        }
+    } else if (pf == 2 && pf_end) {
+        Q_PF(w0, pf_end);
+        if (R == 4) {
+            Q_PF(w0 + rs, pf_end);
+            Q_PF(w0 + rs2, pf_end);
+            Q_PF(w0 + rs3, pf_end);
+        }
     }
-    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_loadu_ps(ls + j / 8)), g, acc);
+    if (R == 4) {
+        const __m256i rc = A8_ROW_CORR;
+        i = a8_i4_sum4(a8_i4_row(w0, x0, x1, rc), a8_i4_row(w0 + rs, x0, x1, rc), a8_i4_row(w0 + rs2, x0, x1, rc),
+                       a8_i4_row(w0 + rs3, x0, x1, rc), corr);
+        /* group 32: the step's two groups; 64: its one group in both halves */
+        g = G == 32 ? _mm256_load_ps(g4) : _mm256_broadcast_ps((const __m128 *)(const void *)g4);
+    } else {
+        (void)g4;
+        i = a8_i4_sum1(a8_i4_row(w0, x0, x1, A8_ROW_CORR), corr);
+        g = _mm256_permutevar8x32_ps(sc, gi);   /* lanes 0-3 and 4-7: the step's two groups (32) or its one (64) */
+    }
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_loadu_ps(l)), g, acc);
 }
 /* R (1 or 4) rows of int4 weights in groups of G (a8_rows_vec's arguments), in spans of A8_I4_SPAN groups: R = 4
    converts the four rows' scales of a span first (gs4, [group][row]: a tight loop of its own, so that the steps keep
-   their registers), R = 1 its row's 8 at a time (sc) */
+   their registers), R = 1 its row's 8 at a time (sc). The steps in pairs (even, odd: the odd one prefetches), those
+   whose prefetches stay below pf_end (the last row's is the furthest) with no check, counted before the loop. */
 #define A8_I4_SPAN 128   /* (a multiple of the 16 that a8_scales4 converts) */
 static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const int G, const a8_x *p, int64_t b,
                                                              const uint8_t *w, int64_t rs, const uint16_t *sr,
                                                              int64_t ss, const uint8_t *pf_end, float *out) {
     const int64_t m = p->m, mv = p->mv, ng = m / G, span = R == 4 ? A8_I4_SPAN * G : 8 * G;
+    const int64_t rs2 = 2 * rs, rs3 = 3 * rs;
     const int8_t *v = p->v + b * mv;
     const float *ls = p->ls + b * p->nl;
 #if defined(A8_VNNI)
@@ -801,7 +811,10 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
 #endif
     float gs4[4 * A8_I4_SPAN] __attribute__((aligned(32)));
     __m256 sc = _mm256_setzero_ps(), acc = sc;
-    /* the steps whose every row's prefetch stays below pf_end (the last row's is the furthest) need no check */
+    /* R = 1: lanes 0-3 and 4-7 take the step's two groups (32) or its one (64) among the row's 8: k-th step of 8 */
+    const __m256i gi0 = G == 32 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1) : _mm256_setzero_si256(),
+                  gstep = _mm256_set1_epi32(G == 32 ? 2 : 1);
+    /* the steps whose every row's prefetch stays below pf_end need no check: inputs j with j / 2 < pf_room */
     const intptr_t pf_room = pf_end ? (intptr_t)((uintptr_t)pf_end - (uintptr_t)(w + (R - 1) * rs)) - Q_PF_BYTES : 0;
     for (int64_t j0 = 0; j0 < mv; j0 += span) {
         const int64_t g0 = j0 / G, e = j0 + span < mv ? j0 + span : mv;
@@ -809,22 +822,40 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
             for (int64_t g = g0; g < e / G; g += 16) a8_scales4(sr + g, ss, ng - g, gs4 + 4 * (g - g0));
         else
             sc = q4_scales8(sr + g0, ng - g0);
-        const float *gs = gs4 - 4 * g0 * (R == 4);   /* (group g's at gs + 4 g) */
-        int64_t j = j0;   /* (even: spans are whole pairs of steps) */
-        for (; j + 2 * A8_I4_COLS <= e && j / 2 + A8_I4_COLS / 2 < pf_room; j += 2 * A8_I4_COLS) {
-            acc = a8_i4_step(R, G, 0, j, (j - j0) / A8_I4_COLS, v, cv, ls, w, rs, gs + 4 * (j / G), sc, pf_end, acc);
-            const int64_t j1 = j + A8_I4_COLS;
-            acc = a8_i4_step(R, G, 1, j1, (j1 - j0) / A8_I4_COLS, v, cv, ls, w, rs, gs + 4 * (j1 / G), sc, pf_end,
-                             acc);
+        /* the pairs of steps (spans are whole pairs) whose odd step's prefetch needs no check: j / 2 + 32 < pf_room */
+        const int64_t lim = 2 * (int64_t)pf_room - A8_I4_COLS - j0, pairs = (e - j0) / (2 * A8_I4_COLS);
+        const int64_t safe = lim <= 0 ? 0 : (lim + 2 * A8_I4_COLS - 1) / (2 * A8_I4_COLS) < pairs
+                                                ? (lim + 2 * A8_I4_COLS - 1) / (2 * A8_I4_COLS) : pairs;
+        const int8_t *vp = v + j0;
+        const int32_t *cp = cv + j0 / 8;
+        const float *lp = ls + j0 / 8, *gp = gs4;   /* (gs4 [group - g0][row]: a step is 64 / G groups on) */
+        const uint8_t *wp = w + j0 / 2;
+        __m256i gi = gi0;
+        for (int64_t t = 0; t < safe; ++t) {
+            acc = a8_i4_step(R, G, 0, vp, cp, lp, wp, rs, rs2, rs3, gp, sc, gi, pf_end, acc);
+            gi = _mm256_add_epi32(gi, gstep);
+            acc = a8_i4_step(R, G, 1, vp + A8_I4_COLS, cp + 8, lp + 8, wp + 32, rs, rs2, rs3, gp + 4 * (64 / G), sc,
+                             gi, pf_end, acc);
+            gi = _mm256_add_epi32(gi, gstep);
+            vp += 2 * A8_I4_COLS, cp += 16, lp += 16, wp += 64, gp += 8 * (64 / G);
         }
-        for (; j < e; j += A8_I4_COLS)
-            acc = a8_i4_step(R, G, 2, j, (j - j0) / A8_I4_COLS, v, cv, ls, w, rs, gs + 4 * (j / G), sc, pf_end, acc);
+        for (int64_t j = j0 + safe * 2 * A8_I4_COLS; j < e; j += A8_I4_COLS) {
+            acc = a8_i4_step(R, G, (j & A8_I4_COLS) ? 2 : 0, vp, cp, lp, wp, rs, rs2, rs3, gp, sc, gi, pf_end, acc);
+            gi = _mm256_add_epi32(gi, gstep);
+            vp += A8_I4_COLS, cp += 8, lp += 8, wp += 32, gp += 4 * (64 / G);
+        }
     }
-    float t[8];
-    _mm256_storeu_ps(t, acc);
-    for (int r = 0; r < R; ++r)   /* row r's lanes r and r + 4 (its blocks at even and odd offsets) */
-        out[r] = (t[r] + t[r + 4]) + a8_int4_row_scalar(mv, m, G, w + r * rs, sr + r * ss, p->q + b * m,
-                                                        p->s + b * p->nb);
+    /* row r's lanes r and r + 4 (its blocks at even and odd offsets) added, then its tail's sum (+0 without one,
+       added all the same: -0 + 0 is +0): the four rows' sums in one add */
+    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    if (R == 4 && mv == m) {
+        _mm_storeu_ps(out, _mm_add_ps(sum, _mm_setzero_ps()));
+        return;
+    }
+    float t[4];
+    _mm_storeu_ps(t, sum);
+    for (int r = 0; r < R; ++r)
+        out[r] = t[r] + a8_int4_row_scalar(mv, m, G, w + r * rs, sr + r * ss, p->q + b * m, p->s + b * p->nb);
 }
 #undef A8_I4_SPAN
 #undef A8_ROW_CORR
@@ -912,7 +943,7 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
 
 /* the r rows i0, i0 + stride, ... (q_step_rows) of y = add + W x^ + bias, W int8 [n, m] (row scales) or int4
    [n, m / 2] (group scales). Inlined into the steps' loop, so that what does not change from step to step is set up
-   once (callgrind: ~110 of the ~1400 instructions of an int4 step of 4 rows at 1024 inputs) */
+   once (callgrind: ~110 of the ~1400 instructions of an int4 step of 4 rows at 1024 inputs; ~1040 since round 11) */
 static inline __attribute__((always_inline)) void matvec_rows_a8(int int4, const a8_x *p, int64_t B, int64_t n,
                                                                  int64_t group, int64_t i0, int64_t stride, int r,
                                                                  const void *W, const uint16_t *s, const float *bias,
