@@ -12,12 +12,36 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.e
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container or `taskset` may allow fewer than
+    os.cpu_count())."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# torch's threads in each test process: the usable CPUs shared among pytest-xdist's workers (PYTEST_XDIST_WORKER_COUNT;
+# `make test` runs one per CPU), at most 2 (the tensors are small: more threads only contend). With 2 workers on 2
+# CPUs each gets 1: 2 x 2 threads on 2 cores would oversubscribe them, and an OpenMP thread descheduled mid-call holds
+# the whole call back. A test that needs more threads sets them itself (`_restore_threads` puts them back).
+torch.set_num_threads(max(1, min(2, _usable_cpus() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """torch's thread count as the test found it, whatever the test set: under pytest-xdist the tests a worker runs
+    after this one are not those that follow it in the file, so a count left behind would change them by chance."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
 
 
 def _single_thread():
