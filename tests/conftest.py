@@ -72,3 +72,18 @@ def corpus(tmp_path_factory):
     from tests.helpers import make_corpus
 
     return make_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which turns the marks into the work units' names
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`--dist loadgroup`), a test that uses a module- or class-scoped fixture of its own module
+    (a model built once, a site, a reference run) joins its module's group: the group runs on one worker, which builds
+    the fixture once, where tests handed out one by one would have each worker build it. xdist hands out the largest
+    groups first, the single tests after them. (This file's own module-scoped fixtures are cheap: not counted.)"""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d.scope in ("module", "class") and d.func.__module__ != __name__ for ds in defs for d in ds):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
