@@ -74,7 +74,7 @@ def corpus(tmp_path_factory):
     return make_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which turns the marks into the work units' names
+@pytest.hookimpl(tryfirst=True)  # the marks first: pytest-xdist's own hook turns them into the work units' names
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`--dist loadgroup`), a test that uses a module- or class-scoped fixture of its own module
     (a model built once, a site, a reference run) joins its module's group: the group runs on one worker, which builds
@@ -86,4 +86,28 @@ def pytest_collection_modifyitems(config, items):
         info = getattr(item, "_fixtureinfo", None)
         defs = info.name2fixturedefs.values() if info is not None else ()
         if any(d.scope in ("module", "class") and d.func.__module__ != __name__ for ds in defs for d in ds):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0].replace("/", ".")))
+
+
+class _GroupNames:
+    """pytest-xdist 3.8 names a grouped test's work unit by appending `@group` to its nodeid (`item._nodeid`), which
+    pytest 9.2 no longer reads (the nodeid is `item._id`, a structured NodeId): the groups were silently ignored and
+    every test went out alone. Where xdist's name did not take, this gives the test that name itself."""
+
+    @pytest.hookimpl(trylast=True)  # after xdist's hook
+    def pytest_collection_modifyitems(self, config, items):
+        if not getattr(config.option, "loadgroup", False):
+            return
+        try:
+            from _pytest.nodeid import NodeId
+        except ImportError:  # a pytest before 9.2: xdist's own name works
+            return
+        for item in items:
+            names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                     for m in item.iter_markers("xdist_group")}
+            if names and "@" not in item.nodeid:
+                item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(names))}")
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_GroupNames(), "linattn-xdist-group-names")
