@@ -29,8 +29,16 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check src tests
 
+# pytest-xdist: one worker per usable CPU (the affinity mask, not the machine's count), at most 4, and none (-n 0:
+# in this process) on one CPU. Each worker imports torch and collects the whole suite (~0.7 GB of memory and a
+# minute of CPU each), and past 4 the suite's longest tests and child processes, not the workers, bound its time.
+# --dist loadgroup keeps the tests marked `xdist_group` with one name on one worker (tests/conftest.py).
+# `make test TEST_WORKERS=0` runs the suite in one process.
+TEST_WORKERS ?= $(shell $(PY) -c "import os; n = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') \
+	else os.cpu_count() or 1; print(min(n, 4) if n > 1 else 0)")
+
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 # The documentation site (mkdocs.yml) into site/, --strict: a broken link or a docstring griffe cannot parse fails it.
 # No network needed (no web fonts, no external scripts). Browse it with: $(PY) -m http.server -d site

@@ -152,7 +152,7 @@ def test_threaded_schedules_match_the_pytorch_forms(op):
             assert torch.allclose(a, b, rtol=1e-9, atol=1e-10), (a - b).abs().max()
 
 
-def test_same_bits_without_openmp(tmp_path, monkeypatch):
+def test_same_bits_without_openmp(monkeypatch):
     """A build without -fopenmp (the build's fallback) runs a 2-thread call's schedule on its one thread: the
     same bits as the OpenMP build at 1 and 2 threads."""
     cases = [("linear", _lin_inputs(1, T_LONG, 2, torch.float32, True)),
@@ -161,14 +161,17 @@ def test_same_bits_without_openmp(tmp_path, monkeypatch):
     with_omp = [(_run(op, x, 1), _run(op, x, 2)) for op, x in cases]
     if cbuild.load_library("probe").linattn_probe_threads(2) != 2:
         pytest.skip("the default build has no OpenMP here")
-    monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path))
-    # the fallback a compiler that refuses -fopenmp gets (-march=native kept: the same instructions, FMA included)
+    default = {name: cbuild.build(name) for name in ("linear", "delta")}
+    # the fallback a compiler that refuses -fopenmp gets (-march=native kept: the same instructions, FMA included),
+    # built into the session's kernel cache: the cache key hashes FLAG_SETS, so the variant gets its own folder and a
+    # later run loads it instead of compiling linear.c, delta.c and probe.c again
     monkeypatch.setattr(cbuild, "FLAG_SETS", (("-march=native", "-fopenmp-simd"),))
     monkeypatch.setattr(cbuild, "_LOADED", {})
     no_omp = [_run(op, x, 2) for op, x in cases]
     assert cbuild.load_library("probe").linattn_probe_threads(2) == 1
-    for name in ("linear", "delta"):
-        assert cbuild.LAST_BUILD[name]["flags"] == list(cbuild.target_flags(("-march=native", "-fopenmp-simd")))
+    for name in ("linear", "delta"):  # (a fresh build or a cached one: LAST_BUILD names the library that was loaded)
+        assert cbuild.LAST_BUILD[name]["path"] != str(default[name])
+        assert cbuild.LAST_BUILD[name]["path"] == str(cbuild.build(name))
     for (one, two), none in zip(with_omp, no_omp):
         _same_bits(two, one)
         _same_bits(none, one)
@@ -333,7 +336,7 @@ def test_chains_back_to_back_calls_same_bits(op):
         _same_bits(_run(op, x, 2 + i % 2), one)
 
 
-def test_linear_chains_heads_side_by_side_split_and_apart_same_bits(tmp_path, monkeypatch):
+def test_linear_chains_heads_side_by_side_split_and_apart_same_bits(monkeypatch):
     """linear.c's chains claim an aligned group of heads at one position and run them side by side (B = 1, H = 4 on
     2 threads: two pairs); beside a waiting thread a claim takes one head, after which a group's heads stand at
     different positions and are claimed apart. A build in which every other claim takes one head
@@ -345,14 +348,16 @@ def test_linear_chains_heads_side_by_side_split_and_apart_same_bits(tmp_path, mo
         _same_bits(_run("linear", x, 2), w)
     if cbuild.load_library("probe").linattn_probe_threads(2) != 2:
         pytest.skip("the default build has no OpenMP here")
-    monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path))
+    default = cbuild.build("linear")
+    # into the session's kernel cache (its key hashes FLAG_SETS: a folder of the variant's own)
     monkeypatch.setattr(cbuild, "FLAG_SETS", (("-march=native", "-fopenmp", "-DLA_CHAINS_SPLIT_GROUPS"),
                                               ("-fopenmp", "-DLA_CHAINS_SPLIT_GROUPS")))
     monkeypatch.setattr(cbuild, "_LOADED", {})
     for x, w in zip(cases, want):
         for threads in (2, 3):
             _same_bits(_run("linear", x, threads), w)
-    assert "-DLA_CHAINS_SPLIT_GROUPS" in cbuild.LAST_BUILD["linear"]["flags"]
+    assert cbuild.LAST_BUILD["linear"]["path"] != str(default)
+    assert cbuild.LAST_BUILD["linear"]["path"] == str(cbuild.build("linear"))
 
 
 def _affinities():
@@ -369,7 +374,7 @@ def _affinities():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
                     reason="Linux with at least 2 CPUs allowed")
-def test_threads_moved_off_a_shared_cpu_take_their_mask_back(tmp_path, monkeypatch):
+def test_threads_moved_off_a_shared_cpu_take_their_mask_back(monkeypatch):
     """chains.h's placement: a thread of a call that finds another thread of the call on its CPU restricts itself to
     the other CPUs until it leaves the call. In a build where every thread but the first moves at every claim
     (LA_TEAM_ALWAYS_MOVE), a thread is seen with a narrower mask during a 2-thread call, every thread has its own
@@ -380,7 +385,7 @@ def test_threads_moved_off_a_shared_cpu_take_their_mask_back(tmp_path, monkeypat
     want = _run("linear", x, 2)
     if cbuild.load_library("probe").linattn_probe_threads(2) != 2:
         pytest.skip("the default build has no OpenMP here")
-    monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path))
+    # into the session's kernel cache (its key hashes FLAG_SETS: a folder of the variant's own)
     monkeypatch.setattr(cbuild, "FLAG_SETS", (("-march=native", "-fopenmp", "-DLA_TEAM_ALWAYS_MOVE"),
                                               ("-fopenmp", "-DLA_TEAM_ALWAYS_MOVE")))
     monkeypatch.setattr(cbuild, "_LOADED", {})
@@ -430,27 +435,49 @@ def test_chains_claim_rules(tmp_path):
     assert "FAIL" not in out.stdout
 
 
-def _timeline_harness(tmp_path, name: str):
-    """tests/fixtures/cpu/<name>.c built into tmp_path (with -march=native where the compiler takes it); skips the
-    test without a compiler that has OpenMP."""
+def _timeline_harness(name: str):
+    """tests/fixtures/cpu/<name>.c built (with -march=native where the compiler takes it) into the session's kernel
+    cache, in a folder keyed by a hash of what the executable is made of (the harness, csrc/'s files, the compiler and
+    its version, the flags, the CPU): the harness includes linear.c or delta.c, seconds of -O3, so a later run reuses
+    it, as it does the libraries. Written under another name and renamed into place (a crash leaves no half file).
+    Skips the test without a compiler that has OpenMP."""
+    import hashlib
+
     harness = Path(__file__).resolve().parents[1] / "fixtures" / "cpu" / f"{name}.c"
-    exe = tmp_path / name
+    cc = cbuild.compiler()
+    try:
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        pytest.skip("no C compiler")
+    info = Path("/proc/cpuinfo")
+    cpu = next((ln for ln in info.read_text().splitlines() if ln.startswith("flags")), "") if info.exists() else ""
     for flags in (("-march=native", "-fopenmp"), ("-fopenmp",)):
-        cmd = [*cbuild.compiler(), "-O3", "-std=c11", "-ffp-contract=fast", *flags, f"-I{cbuild.CSRC}",
-               str(harness), "-o", str(exe), "-lm"]
-        if subprocess.run(cmd, capture_output=True).returncode == 0:
+        args = ["-O3", "-std=c11", "-ffp-contract=fast", *flags, f"-I{cbuild.CSRC}"]
+        h = hashlib.sha256()
+        for part in (harness.read_bytes(), *(f.read_bytes() for f in sorted(cbuild.CSRC.iterdir()) if f.is_file()),
+                     " ".join(cc + args).encode(), version.encode(), cpu.encode()):
+            h.update(part + b"\0")
+        folder = cbuild.cache_root() / "harness" / h.hexdigest()[:20]
+        exe = folder / name
+        if exe.is_file():
             return exe
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = folder / f".{name}.{os.getpid()}"
+        if subprocess.run([*cc, *args, str(harness), "-o", str(tmp), "-lm"], capture_output=True).returncode == 0:
+            os.replace(tmp, exe)
+            return exe
+        tmp.unlink(missing_ok=True)
     pytest.skip("the harness needs a compiler with OpenMP")
 
 
-def test_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
+def test_timeline_harness_same_bits_and_a_well_formed_timeline():
     """The developer's timeline harness (tests/fixtures/cpu/linear_timeline.c: chains.h's LA_TRACE hook timestamps
     every claim of linear.c) builds against the kernel's sources and runs: the same bits at 1 and 2 threads, forward
     and backward; the 2-thread calls' claims did the work (their CPU time inside claims is positive) and every figure
     is a finite time >= 0."""
     import math
 
-    exe = _timeline_harness(tmp_path, "linear_timeline")
+    exe = _timeline_harness("linear_timeline")
     out = subprocess.run([str(exe), str(T_LONG), "4", "1"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
@@ -477,7 +504,7 @@ def test_delta_timeline_harness_same_bits_and_a_well_formed_timeline(tmp_path):
     figure is a finite time >= 0."""
     import math
 
-    exe = _timeline_harness(tmp_path, "delta_timeline")
+    exe = _timeline_harness("delta_timeline")
     T, H = 2048, 3  # 32 chunks of 64 per head: runs of 8, 8, 8, 4, 2, 1, 1
     hashes = set()
     runs_file = tmp_path / "runs.txt"

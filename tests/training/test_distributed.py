@@ -7,7 +7,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,10 +42,12 @@ def rel(a, b) -> float:
     return abs(a - b) / abs(b)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def agent_store():
+    """The workers' rendezvous store, served by this process on a port the kernel picked when it bound it (what
+    torchrun's agent does; the workers connect with TORCHELASTIC_USE_AGENT_STORE). A port found free, released and
+    bound again by rank 0 seconds later, after its start-up, could be taken meanwhile by a test on another
+    pytest-xdist worker or by anything else on the machine."""
+    return tdist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
 
 
 @pytest.fixture(autouse=True)
@@ -102,7 +103,7 @@ def test_torchrun_two_processes_give_the_losses_of_one(corpus, reference, tmp_pa
 
 def _fsdp_worker(rank: int, world: int, port: int, out: str, data: str, results: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="True")
 
     def sigterm_on_rank_1(step: int) -> bool:
         if rank == 1 and step == 11:
@@ -122,11 +123,13 @@ def test_fsdp_resume_sigterm_and_back_to_one_process(corpus, reference, tmp_path
     assert first.interrupted and first.step == 5
     results = tmp_path / "results"
     results.mkdir()
-    ctx = mp.start_processes(_fsdp_worker, args=(2, free_port(), str(out), str(corpus), str(results)), nprocs=2,
+    store = agent_store()
+    ctx = mp.start_processes(_fsdp_worker, args=(2, store.port, str(out), str(corpus), str(results)), nprocs=2,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + 600
     while not ctx.join(timeout=5):
         assert time.monotonic() < deadline, "the two FSDP processes did not finish"
+    del store
     ranks = [json.loads((results / f"rank{r}.json").read_text()) for r in range(2)]
     stop = ranks[0]["step"]
     assert stop in (11, 12) and all(r["step"] == stop and r["interrupted"] for r in ranks)   # the same step
