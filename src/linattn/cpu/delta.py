@@ -326,25 +326,19 @@ def l2_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
 class _FloorLogGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, floor):
+        ctx.save_for_backward(g)
         ctx.floor = floor
-        # nothing below the floor (a gate's usual values; NaN's min is NaN: clamped below): g's own values, and the
-        # backward passes the gradient through, where clamp_min's is a comparison and a select on [B, T, H]
-        ctx.clamped = not (g.numel() and bool(g.min() >= -floor))
-        ctx.save_for_backward(g if ctx.clamped else None)
-        return g.clamp_min(-floor) if ctx.clamped else g.view_as(g)
+        return g.clamp_min(-floor)
 
     @staticmethod
     @torch_on_one_thread()
     def backward(ctx, dy):
-        if not ctx.clamped:
-            return dy, None
         (g,) = ctx.saved_tensors
         return torch.where(g >= -ctx.floor, dy, torch.zeros((), dtype=dy.dtype)), None  # clamp_min's backward
 
 
 def floor_log_gate(g: torch.Tensor, floor: float) -> torch.Tensor:
-    """g.clamp_min(-floor), the same values and gradient (torch's clamp_min backward), its backward on one thread;
-    where no element is below the floor, a view of g and the gradient passed through (no pass on either side)."""
+    """g.clamp_min(-floor), the same values and gradient (torch's clamp_min backward), its backward on one thread."""
     return _FloorLogGate.apply(g, float(floor))
 
 
