@@ -476,6 +476,43 @@ def build_variant(tmp, name: str, prefix: str):
         return ctypes.CDLL(str(cbuild.build(name, src)))
 
 
+def fixture_executable(name: str, flag_options, args) -> "Path | None":
+    """tests/fixtures/cpu/<name>.c built with `args` and the first of `flag_options` (alternatives, e.g. with and
+    without -march=native) that compiles, into the kernel cache, in a folder keyed by a hash of what the executable
+    is made of (the harness, csrc/'s files, the compiler and its version, the flags, the CPU: `linattn.cpu.build`'s
+    own compiler and machine descriptions), so a later run reuses it as it does the libraries; written under another
+    name and renamed into place (a crash leaves no half file). None when no option builds; skips without a
+    compiler."""
+    import hashlib
+    import subprocess
+
+    import pytest
+
+    from linattn.cpu import build as cbuild
+    harness = Path(__file__).resolve().parent / "fixtures" / "cpu" / f"{name}.c"
+    cc = cbuild.compiler()
+    version = cbuild._compiler_version(tuple(cc))
+    if version is None:
+        pytest.skip("no C compiler")
+    for flags in flag_options:
+        cmd = [*cc, *args, *flags, f"-I{cbuild.CSRC}"]
+        h = hashlib.sha256()
+        for part in (harness.read_bytes(), *(f.read_bytes() for f in sorted(cbuild.CSRC.iterdir()) if f.is_file()),
+                     " ".join(cmd).encode(), version.encode(), cbuild._machine().encode()):
+            h.update(part + b"\0")
+        folder = cbuild.cache_root() / "harness" / h.hexdigest()[:20]
+        exe = folder / name
+        if exe.is_file():
+            return exe
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = folder / f".{name}.{os.getpid()}"
+        if subprocess.run([*cmd, str(harness), "-o", str(tmp), "-lm"], capture_output=True).returncode == 0:
+            os.replace(tmp, exe)
+            return exe
+        tmp.unlink(missing_ok=True)
+    return None
+
+
 @contextlib.contextmanager
 def _session_cache():
     """LINATTN_CACHE_DIR as the session found it, for the duration of the block."""

@@ -257,26 +257,17 @@ def test_a8_avx_vnni_emulated_same_bits_as_avx2(tmp_path, monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_a8_rate_harness_builds_and_runs(tmp_path):
+def test_a8_rate_harness_builds_and_runs():
     """The developer's cost harness (tests/fixtures/cpu/a8_rate.c, including decode.c) builds against the kernels'
     sources and runs each of its four products once: a finite checksum, the same on a second run."""
     import math
     import subprocess
-    from pathlib import Path
 
-    from linattn.cpu import build as cbuild
+    from tests.helpers import fixture_executable
 
-    src = Path(__file__).resolve().parents[1] / "fixtures" / "cpu" / "a8_rate.c"
-    exe = tmp_path / "a8_rate"
-    for flags in (("-march=native", "-fno-trapping-math"), ()):
-        cmd = [*cbuild.compiler(), "-O2", "-std=c11", "-ffp-contract=fast", *flags, f"-I{cbuild.CSRC}", str(src),
-               "-o", str(exe), "-lm"]
-        try:
-            if subprocess.run(cmd, capture_output=True).returncode == 0:
-                break
-        except FileNotFoundError:
-            pytest.skip("no C compiler")
-    else:
+    exe = fixture_executable("a8_rate", (("-march=native", "-fno-trapping-math"), ()),
+                             ["-O2", "-std=c11", "-ffp-contract=fast"])
+    if exe is None:
         pytest.fail("tests/fixtures/cpu/a8_rate.c does not build")
     sums = []
     for _ in range(2):

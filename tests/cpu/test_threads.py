@@ -420,7 +420,6 @@ def test_chains_claim_rules(tmp_path):
     claimed first and the group is whole again once it caught up, equal units go round robin, a waiting thread means
     one unit per claim, and nothing is claimed once every unit is finished."""
     import subprocess
-    from pathlib import Path
 
     src = Path(__file__).resolve().parents[1] / "fixtures" / "cpu" / "chains_claims.c"
     exe = tmp_path / "chains_claims"
@@ -436,38 +435,16 @@ def test_chains_claim_rules(tmp_path):
 
 
 def _timeline_harness(name: str):
-    """tests/fixtures/cpu/<name>.c built (with -march=native where the compiler takes it) into the session's kernel
-    cache, in a folder keyed by a hash of what the executable is made of (the harness, csrc/'s files, the compiler and
-    its version, the flags, the CPU): the harness includes linear.c or delta.c, seconds of -O3, so a later run reuses
-    it, as it does the libraries. Written under another name and renamed into place (a crash leaves no half file).
-    Skips the test without a compiler that has OpenMP."""
-    import hashlib
+    """tests/fixtures/cpu/<name>.c built (with -march=native where the compiler takes it) into the kernel cache
+    (`tests.helpers.fixture_executable`: the harness includes linear.c or delta.c, seconds of -O3, so a later run
+    reuses it). Skips the test without a compiler that has OpenMP."""
+    from tests.helpers import fixture_executable
 
-    harness = Path(__file__).resolve().parents[1] / "fixtures" / "cpu" / f"{name}.c"
-    cc = cbuild.compiler()
-    try:
-        version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
-    except FileNotFoundError:
-        pytest.skip("no C compiler")
-    info = Path("/proc/cpuinfo")
-    cpu = next((ln for ln in info.read_text().splitlines() if ln.startswith("flags")), "") if info.exists() else ""
-    for flags in (("-march=native", "-fopenmp"), ("-fopenmp",)):
-        args = ["-O3", "-std=c11", "-ffp-contract=fast", *flags, f"-I{cbuild.CSRC}"]
-        h = hashlib.sha256()
-        for part in (harness.read_bytes(), *(f.read_bytes() for f in sorted(cbuild.CSRC.iterdir()) if f.is_file()),
-                     " ".join(cc + args).encode(), version.encode(), cpu.encode()):
-            h.update(part + b"\0")
-        folder = cbuild.cache_root() / "harness" / h.hexdigest()[:20]
-        exe = folder / name
-        if exe.is_file():
-            return exe
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = folder / f".{name}.{os.getpid()}"
-        if subprocess.run([*cc, *args, str(harness), "-o", str(tmp), "-lm"], capture_output=True).returncode == 0:
-            os.replace(tmp, exe)
-            return exe
-        tmp.unlink(missing_ok=True)
-    pytest.skip("the harness needs a compiler with OpenMP")
+    exe = fixture_executable(name, (("-march=native", "-fopenmp"), ("-fopenmp",)),
+                             ["-O3", "-std=c11", "-ffp-contract=fast"])
+    if exe is None:
+        pytest.skip("the harness needs a compiler with OpenMP")
+    return exe
 
 
 def test_timeline_harness_same_bits_and_a_well_formed_timeline():
