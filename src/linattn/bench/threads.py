@@ -121,18 +121,21 @@ def _names(text: str, allowed, what: str) -> List[str]:
     return names
 
 
+def _seeded_randn(seed: int) -> Callable[..., torch.Tensor]:
+    """randn(*shape) drawing from one generator seeded with `seed` (each case's inputs, the same for a seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    return lambda *shape: torch.randn(*shape, generator=gen)
+
+
 def make_kernel_case(op: str, passes: str, a) -> Callable[[], Any]:
     """A zero-argument call of `op`'s compiled kernels alone (the registered custom ops) on prepared, flat inputs
     [B T, H, D]: the forward, or the forward keeping its states and then the backward kernel."""
     from ..cpu import delta as cdelta, linear as clinear
 
-    gen = torch.Generator().manual_seed(a.seed)
     B, T, H, K, V = a.B, a.T, a.H, a.K, a.V
+    randn = _seeded_randn(a.seed)
     TT, grad = B * T, passes == "fwd+bwd"
     starts = [i * T for i in range(B + 1)]
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen)
 
     q, k, v, do = randn(TT, H, K), randn(TT, H, K), randn(TT, H, V), randn(TT, H, V)
     if op == "linear":
@@ -166,14 +169,9 @@ def make_prep_case(op: str, passes: str, a) -> Callable[[], Any]:
     the `kernel` level less the call's Python and torch operators."""
     from ..cpu.delta import delta_prepare_raw_a
 
-    if op != "gated_deltanet":
-        raise UsageError(f"--levels prep: only gated_deltanet has a preparation pass, not {op}", prog=PROG)
-    gen = torch.Generator().manual_seed(a.seed)
     B, T, H, K, V = a.B, a.T, a.H, a.K, a.V
+    randn = _seeded_randn(a.seed)
     grad = passes == "fwd+bwd"
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen)
 
     x = [torch.nn.functional.normalize(randn(B, T, H, K), dim=-1), torch.nn.functional.normalize(
         randn(B, T, H, K), dim=-1), randn(B, T, H, V), torch.sigmoid(randn(B, T, H))]
@@ -196,11 +194,8 @@ def make_case(op: str, passes: str, a) -> Callable[[], Any]:
     and backward (the gradients of q, k, v (and beta, g) from a fixed output gradient)."""
     from .. import delta_rule, linear_attention
 
-    gen = torch.Generator().manual_seed(a.seed)
     B, T, H, K, V = a.B, a.T, a.H, a.K, a.V
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen)
+    randn = _seeded_randn(a.seed)
 
     grad = passes == "fwd+bwd"
     if op == "linear":
