@@ -824,8 +824,8 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
             sc = q4_scales8(sr + g0, ng - g0);
         /* the pairs of steps (spans are whole pairs) whose odd step's prefetch needs no check: j / 2 + 32 < pf_room */
         const int64_t lim = 2 * (int64_t)pf_room - A8_I4_COLS - j0, pairs = (e - j0) / (2 * A8_I4_COLS);
-        const int64_t safe = lim <= 0 ? 0 : (lim + 2 * A8_I4_COLS - 1) / (2 * A8_I4_COLS) < pairs
-                                                ? (lim + 2 * A8_I4_COLS - 1) / (2 * A8_I4_COLS) : pairs;
+        int64_t safe = lim <= 0 ? 0 : (lim + 2 * A8_I4_COLS - 1) / (2 * A8_I4_COLS);   /* pairs t with 2 COLS t < lim */
+        if (safe > pairs) safe = pairs;
         const int8_t *vp = v + j0;
         const int32_t *cp = cv + j0 / 8;
         const float *lp = ls + j0 / 8, *gp = gs4;   /* (gs4 [group - g0][row]: a step is 64 / G groups on) */
