@@ -161,6 +161,18 @@ static int lin_group(int64_t N, int64_t H, int threads) {
     return g;
 }
 
+/* Memory that two threads write side by side, laid out in whole cache lines: a line that two cores write in turn
+   moves between their caches at each write (false sharing). n values of `size` bytes rounded up to a multiple of
+   64 bytes (lin_lines), and an allocation of that many on a 64-byte boundary (NULL when memory is missing). */
+static int64_t lin_lines(int64_t n, size_t size) {
+    const int64_t per = 64 / (int64_t)size;
+    return (n + per - 1) / per * per;
+}
+static void *lin_alloc_lines(int64_t n, size_t size) {
+    const int64_t m = lin_lines(n > 0 ? n : 1, size);
+    return aligned_alloc(64, (size_t)m * size);
+}
+
 /* the forward's `nonfinite` flags, ORed over every row it writes (cpu/linear.py reads them): num held inf / NaN
    (or den' was NaN) where the kernel divided, so the caller's lean backward does not apply; a value written to the
    output (o, or num undivided) is inf / NaN, so the caller's output check has work to do (else it is skipped) */
@@ -485,10 +497,19 @@ static inline int FN(copy_row_checked)(REAL *restrict dst, const REAL *restrict 
     return out_bad ? LIN_OUT_NONFINITE : 0;
 }
 
-/* the chunk's outputs from its start state Pc (Kt undecayed); returns the LIN_*_NONFINITE flags of its rows */
+/* den [TT, H] from the chains' head-major normalisers denh [H][TT]: each thread wrote its heads' rows of denh (H
+   values of a token share a cache line of den, which two threads running neighbouring heads would write in turn at
+   every row); a copy, the same bits */
+static void FN(lin_den_rows)(REAL *restrict den, const REAL *restrict denh, int64_t TT, int64_t H) {
+    for (int64_t t = 0; t < TT; t++)
+        for (int64_t h = 0; h < H; h++) den[t * H + h] = denh[h * TT + t];
+}
+
+/* the chunk's outputs from its start state Pc (Kt undecayed); returns the LIN_*_NONFINITE flags of its rows. den:
+   head h's normaliser of row 0 (NULL: not kept), its rows ds apart */
 static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, int W, int C, int norm, int has_g,
                        REAL eps, const REAL *Q, REAL *Qd, const REAL *Km, const REAL *Kt, const REAL *Vb, const double *G,
-                       const REAL *Pc, REAL *A, REAL *O, REAL *num, REAL *den, lin_pf_t *pf, int per) {
+                       const REAL *Pc, REAL *A, REAL *O, REAL *num, REAL *den, int64_t ds, lin_pf_t *pf, int per) {
     FN(pgemm)(C, C, K, Q, K, Kt, C, A, C, pf, per, 1);
     const REAL *Qs = Q;
     if (has_g) {
@@ -517,7 +538,7 @@ static int FN(fl_out)(int64_t t0, int len, int64_t H, int64_t h, int K, int V, i
     int bad = 0;
     for (int i = 0; i < len; i++) {
         const REAL *src = O + (int64_t)i * W;
-        if (norm && den) den[(t0 + i) * H + h] = src[V];
+        if (norm && den) den[(t0 + i) * ds] = src[V];
         if (norm && eps >= 0) {
             bad |= FN(lin_divide)(num + ((t0 + i) * H + h) * V, src, V, eps);
         } else {
@@ -545,6 +566,8 @@ typedef struct {
     int64_t H;
     int K, V, W, C, norm, has_g, fmap;
     REAL sc, ep;
+    REAL *denh; /* the chains' normalisers head-major [H][TT] (lin_den_rows), else NULL: den [TT, H] directly */
+    int64_t TT;
 } FN(fargs);
 
 typedef struct {
@@ -575,8 +598,9 @@ static int FN(fl_chunk)(const FN(fargs) *a, FN(fws) *w, int64_t c, int64_t t0, i
         memcpy(a->P + (c * H + h) * KW, Sh, sizeof(REAL) * KW);
         Pc = a->P + (c * H + h) * KW;
     }
+    REAL *den = a->denh ? a->denh + h * a->TT : (a->den ? a->den + h : NULL);
     const int bad = FN(fl_out)(t0, len, H, h, K, V, W, C, a->norm, a->has_g, a->ep, w->Q, w->Qd, w->Km, w->Kt, w->Vb,
-                               w->G, Pc, w->A, w->O, a->num, a->den, &pf, per);
+                               w->G, Pc, w->A, w->O, a->num, den, a->denh ? 1 : H, &pf, per);
     FN(fl_update)(len, K, V, W, C, a->has_g, w->G, GL, w->Kt, w->Km, w->Vb, w->U, w->Qd, &pf, per);
     lin_pf_step(&pf, -1);
     FN(carry)(KW, a->has_g, (REAL)GL, Sh, w->U);
@@ -611,22 +635,24 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
     const int seq_major = one_pass && !chains && (nthreads <= 1 || N >= 2 * (int64_t)nthreads);
     const int64_t nh = seq_major && H > 0 ? H : 1; /* heads per one-pass task */
     /* P == NULL: the chunk states are not kept (no backward); the split path still needs them. Su: the chains'
-       carried states */
-    REAL *P_own = NULL, *Su = NULL;
+       carried states, KWp apart (whole cache lines: lin_lines); denh: their normalisers, head-major (lin_den_rows) */
+    REAL *P_own = NULL, *Su = NULL, *denh = NULL;
+    const int64_t KWp = lin_lines(KW, sizeof(REAL)), TT = starts[N];
     lin_flow_t flow = {0};
     la_chains_t chn = {0};
     if (chains || !one_pass) {
         if (!P && !one_pass) P = P_own = malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1));
-        if (chains) Su = malloc(sizeof(REAL) * (N * H * KW > 0 ? N * H * KW : 1));
+        if (chains) Su = lin_alloc_lines(N * H * KWp, sizeof(REAL));
+        if (chains && norm && den) denh = lin_alloc_lines(TT * H, sizeof(REAL));
         if ((!one_pass && (!P || lin_flow_init(&flow, N * H) != 0)) ||
-            (chains && (!Su || lin_chains(&chn, N, H, first, 0, nthreads) != 0))) {
+            (chains && (!Su || lin_chains(&chn, N, H, first, 0, nthreads) != 0)) || (chains && norm && den && !denh)) {
             if (flow.done) lin_flow_free(&flow);
-            free(first), free(ch), free(gl), free(P_own), free(Su);
+            free(first), free(ch), free(gl), free(P_own), free(Su), free(denh);
             return -1;
         }
-        if (Su) {
-            if (S0) memcpy(Su, S0, sizeof(REAL) * N * H * KW);
-            else memset(Su, 0, sizeof(REAL) * N * H * KW);
+        for (int64_t u = 0; Su && u < N * H; u++) {
+            if (S0) memcpy(Su + u * KWp, S0 + u * KW, sizeof(REAL) * KW);
+            else memset(Su + u * KWp, 0, sizeof(REAL) * KW);
         }
         for (int64_t u = 0; u < N * H; u++) /* a unit without chunks (an empty sequence): its final state only */
             if (first[u / H + 1] == first[u / H] && S_out) {
@@ -634,7 +660,7 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
                 else memset(S_out + u * KW, 0, sizeof(REAL) * KW);
             }
     }
-    const FN(fargs) fa = {q, k, v, g, num, den, P, H, K, V, W, C, norm, has_g, fmap, sc, ep};
+    const FN(fargs) fa = {q, k, v, g, num, den, P, H, K, V, W, C, norm, has_g, fmap, sc, ep, denh, TT};
     lin_hugepages(num, (int64_t)sizeof(REAL) * starts[N] * H * V);
     if (P != P_own) lin_hugepages(P, (int64_t)sizeof(REAL) * NC * H * KW);
     const int group = chains ? lin_group(N, H, nthreads) : 1;
@@ -664,11 +690,11 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
                         /* the next unit's rows: the next claimed head of this chunk, else the first of the next */
                         const int nxt_h = j + 1 < n, nxt = nxt_h || c + 1 < end;
                         const int64_t c1 = nxt_h ? c : c + 1;
-                        bad |= FN(fl_chunk)(&fa, &ws, c, ch[c].t0, (int)ch[c].len, got[j] % H, Su + got[j] * KW,
+                        bad |= FN(fl_chunk)(&fa, &ws, c, ch[c].t0, (int)ch[c].len, got[j] % H, Su + got[j] * KWp,
                                             nxt ? ch[c1].t0 : 0, got[nxt_h ? j + 1 : 0] % H, nxt ? (int)ch[c1].len : 0);
                     }
                 for (int j = 0; j < n; j++) {
-                    if (ce == end && S_out) memcpy(S_out + got[j] * KW, Su + got[j] * KW, sizeof(REAL) * KW);
+                    if (ce == end && S_out) memcpy(S_out + got[j] * KW, Su + got[j] * KWp, sizeof(REAL) * KW);
                     la_chains_release(&chn, got[j], ce, end - ce);
                 }
             }
@@ -720,7 +746,7 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
                     lin_flow_wait(&flow, u);
                     FN(fl_load)(q, k, v, g, t0, len, H, h, K, V, W, C, fmap, sc, Q, Km, Kt, Vb, G);
                     bad |= FN(fl_out)(t0, len, H, h, K, V, W, C, norm, has_g, ep, Q, Qd, Km, Kt, Vb, G,
-                                      P + task * KW, A, O, num, den, NULL, 0);
+                                      P + task * KW, A, O, num, den ? den + h : NULL, H, NULL, 0);
                 }
             }
         }
@@ -730,9 +756,10 @@ int FN(linattn_linear_fwd)(const linattn_linear_plan *p, const REAL *q, const RE
         }
         free(buf), free(G);
     }
+    if (denh) FN(lin_den_rows)(den, denh, TT, H);
     if (!one_pass) lin_flow_free(&flow);
     if (chains) la_chains_free(&chn);
-    free(first), free(ch), free(gl), free(P_own), free(Su);
+    free(first), free(ch), free(gl), free(P_own), free(Su), free(denh);
     if (nonfinite) *nonfinite = any_bad;
     return failed ? -1 : 0;
 }
@@ -960,9 +987,11 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
     const int64_t nh = seq_major && H > 0 ? H : 1;
     lin_chunk_t *ch = malloc(sizeof(lin_chunk_t) * (NC > 0 ? NC : 1));
     REAL *gl = malloc(sizeof(REAL) * (NC * H > 0 ? NC * H : 1));
-    /* the gradient of each chunk's end state (split path only); Du: the chains' carried state gradients */
+    /* the gradient of each chunk's end state (split path only); Du: the chains' carried state gradients, KWp apart
+       (whole cache lines, as the forward's states) */
+    const int64_t KWp = lin_lines(KW, sizeof(REAL));
     REAL *dP = one_pass ? NULL : malloc(sizeof(REAL) * (NC * H * KW > 0 ? NC * H * KW : 1));
-    REAL *Du = chains ? malloc(sizeof(REAL) * (N * H * KW > 0 ? N * H * KW : 1)) : NULL;
+    REAL *Du = chains ? lin_alloc_lines(N * H * KWp, sizeof(REAL)) : NULL;
     lin_flow_t flow = {0};
     la_chains_t chn = {0};
     if (!ch || !gl || (!one_pass && (!dP || lin_flow_init(&flow, N * H) != 0)) ||
@@ -972,9 +1001,9 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
         return -1;
     }
     lin_chunks(N, starts, C, ch, first);
-    if (Du) {
-        if (dS) memcpy(Du, dS, sizeof(REAL) * N * H * KW);
-        else memset(Du, 0, sizeof(REAL) * N * H * KW);
+    for (int64_t u = 0; Du && u < N * H; u++) {
+        if (dS) memcpy(Du + u * KWp, dS + u * KW, sizeof(REAL) * KW);
+        else memset(Du + u * KWp, 0, sizeof(REAL) * KW);
     }
     if ((chains || !one_pass) && dS0) /* a unit without chunks (an empty sequence): its initial state's gradient */
         for (int64_t u = 0; u < N * H; u++)
@@ -1016,11 +1045,11 @@ int FN(linattn_linear_bwd)(const linattn_linear_plan *p, const REAL *q, const RE
                         /* the next unit's rows: the next claimed head of this chunk, else the first of the previous */
                         const int nxt_h = j + 1 < n;
                         const int64_t c1 = nxt_h ? c : (c > end ? c - 1 : -1);
-                        FN(bl_chunk)(&ba, &b, c, ch[c].t0, (int)ch[c].len, got[j] % H, Du + got[j] * KW, R, c1,
+                        FN(bl_chunk)(&ba, &b, c, ch[c].t0, (int)ch[c].len, got[j] % H, Du + got[j] * KWp, R, c1,
                                      got[nxt_h ? j + 1 : 0] % H, ch);
                     }
                 for (int j = 0; j < n; j++) {
-                    if (ce == end && dS0) memcpy(dS0 + got[j] * KW, Du + got[j] * KW, sizeof(REAL) * KW);
+                    if (ce == end && dS0) memcpy(dS0 + got[j] * KW, Du + got[j] * KWp, sizeof(REAL) * KW);
                     la_chains_release(&chn, got[j], ce, ce - end);
                 }
             }
