@@ -5,7 +5,8 @@
 the general scan of `ops/delta_core.py` with the delta rule's own read (r = None) and D_t = exp(g_t): no gate,
 one log-gate per head (g [TT, H]) or one per key channel (g [TT, H, K]). DeltaNet, Gated DeltaNet, EFLA
 (which only changes a, computed before the kernel) and Kimi Delta Attention all run on it. The inputs are the
-prepared ones (q scaled, k, v, a rescaled by the key norm), flat over tokens: [TT, H, D] with the sequence
+prepared ones (q scaled, k, v, a rescaled by the key norm; without a gradient the forward can take the raw ones and
+prepare each row itself: `delta_scan`'s prep), flat over tokens: [TT, H, D] with the sequence
 boundaries `starts` (B equal sequences, or cu_seqlens); states [N, H, K, V]; float32 or float64.
 
 The kernel scans token by token with the state in cache (csrc/delta.c says why this beats the chunk form on

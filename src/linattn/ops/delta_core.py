@@ -480,7 +480,10 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
             and key-norm rescaling in one pass each way) where it covers the call: CPU float32 / float64 inputs,
             qk_l2norm "rsqrt" without a coefficient, or no qk_l2norm with or without one (EFLA: the coefficient
             and d2 then run in PyTorch on [B, T, H]), no r, no grouped value heads, eager, kernels switched on. The
-            same values as the PyTorch lines to rounding; they stay the reference and the fallback.
+            same values as the PyTorch lines to rounding; they stay the reference and the fallback. Without EFLA's
+            coefficient, with `backend` given and no gradient needed, a call that the compiled CPU kernels take
+            comes back with `DeltaProblem.prep` set: the scan then prepares the caller's rows itself (the bits of
+            the pass, which is not run).
         backend: The backend the call will be run on, when known: a call that it sends to fla's kernels skips the
             PyTorch preprocessing (fla takes the caller's tensors, `DeltaProblem.prepared` False); None: always
             preprocess (the problem then runs on any backend).
