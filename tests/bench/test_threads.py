@@ -88,3 +88,42 @@ def test_bench_threads_bad_thread_list_exits_2(capsys):
 def test_bench_threads_busy_pin_needs_busy_core(tmp_path, capsys):
     assert main(["bench", "threads", "--quick", "--busy-pin", "0", "--out", str(tmp_path)]) == 2
     assert "--busy-pin" in capsys.readouterr().err
+
+
+def test_gdn_forward_kernel_level_is_the_fused_scan(monkeypatch):
+    """The kernel level of Gated DeltaNet's forward times what delta_rule runs without a gradient: the scan on the raw
+    rows with prep (no preparation pass: the pass functions fail if called), with delta_rule's bits; its
+    forward+backward keeps the custom ops on prepared rows."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from linattn.bench.threads import make_case, make_kernel_case
+    from linattn.cpu import available, delta as cdelta
+
+    if not available("delta"):
+        pytest.skip("compiled delta kernels unavailable")
+    a = SimpleNamespace(B=1, T=70, H=2, K=8, V=5, seed=3)
+    preps = []
+    forward = cdelta._forward
+
+    def spy(*args):
+        preps.append(args[9] if len(args) > 9 else None)
+        return forward(*args)
+
+    def no_pass(*args, **kw):
+        raise AssertionError("the preparation pass ran")
+
+    monkeypatch.setattr(cdelta, "_forward", spy)
+    monkeypatch.setattr(cdelta, "delta_prepare_raw_a", no_pass)
+    monkeypatch.setattr(cdelta, "delta_prepare", no_pass)
+    o = make_kernel_case("gated_deltanet", "fwd", a)()
+    assert preps == [(cdelta.PREP_RAW, a.K ** -0.5, 0.0)]
+    # the op level's inputs and bits
+    with torch.no_grad():
+        ref = make_case("gated_deltanet", "fwd", a)()
+    assert torch.equal(o, ref.reshape(o.shape))
+    preps.clear()
+    monkeypatch.undo()
+    make_kernel_case("gated_deltanet", "fwd+bwd", a)()
+    assert preps == []

@@ -6,10 +6,13 @@ T = 16384 by default (one long sequence: the threads must split it, there are fe
 
 Levels (--levels): `op`, the public call (`linear_attention`, `delta_rule` with backend="cpu": the input checks, the
 feature map or the delta rule's preparation and the output layout around the kernels, which are torch operators with
-their own threads), and `kernel`, the compiled kernels' custom ops alone on prepared inputs (the features, the
-normalised keys), so that the kernels' own scaling is seen apart from what surrounds them; `prep` (asked for by
-name) Gated DeltaNet's preparation pass alone (q scaled, k and v rescaled by the key norm, the write strength: one
-memory-bound pass each way, which the `op` level runs between its checks and the scan).
+their own threads), and `kernel`, the compiled kernels alone, so that their own scaling is seen apart from what
+surrounds them: linear attention's custom ops on prepared inputs (the features); Gated DeltaNet's forward is the
+compiled scan on the raw rows, preparing each row as it reads it (`cpu.delta._forward` with `prep`, what the `op`
+level runs without a gradient), its forward+backward the custom ops on prepared rows (the backward reads them);
+`prep` (asked for by name) Gated DeltaNet's preparation pass alone (q scaled, k and v rescaled by the key norm, the
+write strength: one memory-bound pass each way, which only the forward+backward's `op` level runs, between its
+checks and the scan; the forward's is inside the scan).
 
 Timing: every (case, thread count) is called once per round, the rounds repeated (--repeats, default 15), the calls
 of one case at its thread counts side by side and the order of all calls reversed every other round;
@@ -128,8 +131,10 @@ def _seeded_randn(seed: int) -> Callable[..., torch.Tensor]:
 
 
 def make_kernel_case(op: str, passes: str, a) -> Callable[[], Any]:
-    """A zero-argument call of `op`'s compiled kernels alone (the registered custom ops) on prepared, flat inputs
-    [B T, H, D]: the forward, or the forward keeping its states and then the backward kernel."""
+    """A zero-argument call of `op`'s compiled kernels alone on flat inputs [B T, H, D]: the forward, or the forward
+    keeping its states and then the backward kernel (the registered custom ops, on prepared inputs). Gated DeltaNet's
+    forward is what `delta_rule` runs without a gradient: the scan on make_case's raw rows and beta, which prepares
+    each row itself (`cpu.delta._forward` with prep PREP_RAW; no preparation pass)."""
     from ..cpu import delta as cdelta, linear as clinear
 
     B, T, H, K, V = a.B, a.T, a.H, a.K, a.V
@@ -151,6 +156,14 @@ def make_kernel_case(op: str, passes: str, a) -> Callable[[], Any]:
     q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
     beta, g = torch.sigmoid(randn(TT, H)), -torch.nn.functional.softplus(randn(TT, H)) / 16
     st = torch.tensor(starts, dtype=torch.int64)
+    if not grad:
+        # make_case's very inputs, flat, and delta_rule's preparation of them (no qk_l2norm: PREP_RAW)
+        x = [t.reshape(TT, *t.shape[2:]) for t in _gdn_inputs(B, T, H, K, V, _seeded_randn(a.seed))]
+        prep = (cdelta.PREP_RAW, K ** -0.5, 0.0)
+
+        def run_fused():
+            return cdelta._forward(*x, None, st, st, 0, prep)[0]
+        return run_fused
     n_ck = T // cdelta.CHECKPOINT + (T % cdelta.CHECKPOINT > 0)
     ck_off = torch.tensor([i * n_ck for i in range(B)], dtype=torch.int64)
     fwd, bwd = torch.ops.linattn.cpu_delta_fwd, torch.ops.linattn.cpu_delta_bwd
@@ -165,8 +178,9 @@ def make_kernel_case(op: str, passes: str, a) -> Callable[[], Any]:
 
 def make_prep_case(op: str, passes: str, a) -> Callable[[], Any]:
     """A zero-argument call of Gated DeltaNet's preparation pass alone (`cpu.delta.delta_prepare_raw_a`, what
-    `delta_rule` runs before the scan on make_case's inputs), forward or forward and backward: the `op` level less
-    the `kernel` level less the call's Python and torch operators."""
+    `delta_rule` runs before the scan on make_case's inputs when a gradient is needed), forward or forward and
+    backward: the forward+backward's `op` level less its `kernel` level less the call's Python and torch operators.
+    Without a gradient `delta_rule` runs no pass (the scan prepares the rows: the `kernel` level's forward)."""
     from ..cpu.delta import delta_prepare_raw_a
 
     B, T, H, K, V = a.B, a.T, a.H, a.K, a.V
@@ -189,6 +203,13 @@ def make_prep_case(op: str, passes: str, a) -> Callable[[], Any]:
     return run
 
 
+def _gdn_inputs(B: int, T: int, H: int, K: int, V: int, randn) -> List[torch.Tensor]:
+    """Gated DeltaNet's public inputs q, k (L2-normalised), v, beta (sigmoid), g (a log-gate per head)."""
+    q, k = torch.nn.functional.normalize(randn(B, T, H, K), dim=-1), randn(B, T, H, K)
+    return [q, torch.nn.functional.normalize(k, dim=-1), randn(B, T, H, V), torch.sigmoid(randn(B, T, H)),
+            -torch.nn.functional.softplus(randn(B, T, H)) / 16]
+
+
 def make_case(op: str, passes: str, a) -> Callable[[], Any]:
     """A zero-argument call of `op` ("linear" or "gated_deltanet") on the compiled CPU backend, forward or forward
     and backward (the gradients of q, k, v (and beta, g) from a fixed output gradient)."""
@@ -205,9 +226,7 @@ def make_case(op: str, passes: str, a) -> Callable[[], Any]:
             return linear_attention(x["q"], x["k"], x["v"], feature_map="elu+1", causal=True, normalize=True,
                                     mode="chunk", backend="cpu")
     else:
-        q, k = torch.nn.functional.normalize(randn(B, T, H, K), dim=-1), randn(B, T, H, K)
-        x = {"q": q, "k": torch.nn.functional.normalize(k, dim=-1), "v": randn(B, T, H, V),
-             "beta": torch.sigmoid(randn(B, T, H)), "g": -torch.nn.functional.softplus(randn(B, T, H)) / 16}
+        x = dict(zip(("q", "k", "v", "beta", "g"), _gdn_inputs(B, T, H, K, V, randn)))
 
         def call(x):
             return delta_rule(x["q"], x["k"], x["v"], x["beta"], g=x["g"], mode="chunk", backend="cpu")

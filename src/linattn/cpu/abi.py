@@ -44,7 +44,9 @@ class DeltaPlan(ctypes.Structure):
 
     _fields_ = ([(n, ctypes.c_int64) for n in ("N", "H", "K", "V", "chunk")]
                 + [(n, ctypes.c_void_p) for n in ("starts", "ck_off")]
-                + [(n, ctypes.c_int32) for n in ("gate", "nthreads")])
+                + [(n, ctypes.c_int32) for n in ("gate", "nthreads")]
+                # (fs) the forward's own preparation of the raw rows (csrc/delta.c PREP_*; 0: none) and its scale, eps
+                + [(n, ctypes.c_int32) for n in ("prep", "pad_")] + [(n, ctypes.c_double) for n in ("scale", "eps")])
 
 
 #: a block plan's weight matrices (each with `fmt_`, `grp_` (int4 group) and `sc_` (bf16 scales) fields)
@@ -213,7 +215,7 @@ LIBRARIES: Dict[str, Library] = {
         # plan, lq, lk, v, g, mu0, c, P, Pmu, mu_end, dnum, dden, dS -> dlq, dlk, dv, dg, dS0
         Fn("linattn_linear_log_bwd", (_plan(LinearLogPlan),) + (c_ptr,) * 17, errors=LOG_ERRORS),
     ), {"linear_log_plan": LinearLogPlan}),
-    "delta": Library(3, (
+    "delta": Library(4, (
         # plan, q, k, v, a, decays, S0 -> o, S_out, ckpt
         Fn("linattn_delta_fwd", (_plan(DeltaPlan),) + (c_ptr,) * 9),
         # plan, q, k, v, a, decays, ckpt, do, dS (in: dL/dS_final, out: dL/dS0) -> dq, dk, dv, da, dg

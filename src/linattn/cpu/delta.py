@@ -5,7 +5,8 @@
 the general scan of `ops/delta_core.py` with the delta rule's own read (r = None) and D_t = exp(g_t): no gate,
 one log-gate per head (g [TT, H]) or one per key channel (g [TT, H, K]). DeltaNet, Gated DeltaNet, EFLA
 (which only changes a, computed before the kernel) and Kimi Delta Attention all run on it. The inputs are the
-prepared ones (q scaled, k, v, a rescaled by the key norm), flat over tokens: [TT, H, D] with the sequence
+prepared ones (q scaled, k, v, a rescaled by the key norm; without a gradient the forward can take the raw ones and
+prepare each row itself: `delta_scan`'s prep), flat over tokens: [TT, H, D] with the sequence
 boundaries `starts` (B equal sequences, or cu_seqlens); states [N, H, K, V]; float32 or float64.
 
 The kernel scans token by token with the state in cache (csrc/delta.c says why this beats the chunk form on
@@ -23,13 +24,17 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import LinattnError
 from . import bindings, checkpoint_offsets, ptr, threads, torch_on_one_thread
 from .abi import DeltaPlan
 
-__all__ = ["CHECKPOINT", "available", "delta_prepare", "delta_prepare_raw", "delta_prepare_raw_a", "delta_scan",
-           "floor_log_gate", "l2_rows", "prep_available", "write_strength"]
+__all__ = ["CHECKPOINT", "PREP_L2", "PREP_RAW", "available", "delta_prepare", "delta_prepare_raw",
+           "delta_prepare_raw_a", "delta_scan", "floor_log_gate", "l2_rows", "prep_available", "write_strength"]
 
 CHECKPOINT = 64  # tokens between the states the forward keeps for the backward
+#: the forward's own preparation of raw rows (`delta_scan`'s prep; csrc/delta.c PREP_*): delta_prepare's rows
+#: (qk_l2norm "rsqrt", a = beta) and delta_prepare_raw_a's (no qk_l2norm, a = beta)
+PREP_L2, PREP_RAW = 1, 2
 
 
 def available() -> bool:
@@ -50,20 +55,24 @@ def _decays(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 GRAIN = float(1 << 23)
 
 
-def _plan(q: torch.Tensor, V: int, starts: torch.Tensor, ck_off: torch.Tensor, g: Optional[torch.Tensor]) -> DeltaPlan:
+def _plan(q: torch.Tensor, V: int, starts: torch.Tensor, ck_off: torch.Tensor, g: Optional[torch.Tensor],
+          prep: Optional[Tuple[int, float, float]] = None) -> DeltaPlan:
     TT, H, K = q.shape
-    return DeltaPlan(starts.numel() - 1, H, K, V, CHECKPOINT, ptr(starts), ptr(ck_off), _gate(g),
+    plan = DeltaPlan(starts.numel() - 1, H, K, V, CHECKPOINT, ptr(starts), ptr(ck_off), _gate(g),
                      threads(float(TT) * H * K * V, GRAIN))
+    if prep is not None:
+        plan.prep, plan.scale, plan.eps = prep
+    return plan
 
 
-def _forward(q, k, v, a, g, S0, starts, ck_off, n_ckpt):
+def _forward(q, k, v, a, g, S0, starts, ck_off, n_ckpt, prep=None):
     TT, H, K = q.shape
     V, N = v.shape[-1], starts.numel() - 1
     o = q.new_empty(TT, H, V)
     S = q.new_empty(N, H, K, V)
     ckpt = q.new_empty(n_ckpt, H, K, V)
     dec = _decays(g)  # held here: the kernel reads it through a raw pointer
-    plan = _plan(q, V, starts, ck_off, g)
+    plan = _plan(q, V, starts, ck_off, g, prep)
     bindings.require("delta")("linattn_delta_fwd", q.dtype, ctypes.byref(plan), ptr(q), ptr(k), ptr(v), ptr(a),
                               ptr(dec), ptr(S0), ptr(o), ptr(S), ptr(ckpt) if n_ckpt else None)
     return o, S, ckpt
@@ -136,20 +145,33 @@ delta_fwd.register_autograd(_backward, setup_context=_setup)
 
 
 def delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, g: Optional[torch.Tensor],
-               S0: Optional[torch.Tensor], starts: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+               S0: Optional[torch.Tensor], starts: Sequence[int], prep: Optional[Tuple[int, float, float]] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The scan on prepared, flat inputs: q, k [TT, H, K], v [TT, H, V], a [TT, H], g None / [TT, H] /
     [TT, H, K], S0 [N, H, K, V] or None, starts [N + 1] -> (o [TT, H, V], S_final [N, H, K, V]).
-    Every tensor in one dtype (float32 or float64), on the CPU; differentiable in all of them."""
+    Every tensor in one dtype (float32 or float64), on the CPU; differentiable in all of them.
+
+    prep = (PREP_L2 or PREP_RAW, scale, eps): q, k, v are the raw rows and a is beta, prepared as `delta_prepare`
+    (eps its L2 epsilon) or `delta_prepare_raw_a` (eps unused) prepare them, with the same bits: by the scan itself
+    as it reads each row when no gradient is needed, eagerly (nothing prepared is written out), else by that pass."""
     q, k, v, a = q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous()
     g = g.contiguous() if g is not None else None
     S0 = S0.contiguous() if S0 is not None else None
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, a, g, S0))
+    eager = not torch.compiler.is_compiling()
+    if prep is not None and prep[0] not in (PREP_L2, PREP_RAW):
+        raise LinattnError(f"prep must be (PREP_L2 = {PREP_L2} or PREP_RAW = {PREP_RAW}, scale, eps), got {prep!r}")
+    if prep is not None and (need_grad or not eager):
+        kind, scale, eps = prep
+        q, k, v, a = (delta_prepare(q, k, v, a, scale, eps) if kind == PREP_L2
+                      else delta_prepare_raw_a(q, k, v, a, scale))
+        prep = None
     starts = list(starts)
     st = torch.tensor(starts, dtype=torch.int64)
-    if not need_grad and not torch.compiler.is_compiling():
+    if not need_grad and eager:
         # eager inference (decoding): the kernel directly; the custom op's dispatch would cost more than a
         # one-token step (the op is there for autograd and torch.compile)
-        o, S, _ = _forward(q, k, v, a, g, S0, st, st, 0)
+        o, S, _ = _forward(q, k, v, a, g, S0, st, st, 0, prep)
         return o, S
     offs, n = checkpoint_offsets(starts, CHECKPOINT)
     o, S, _ = delta_fwd(q, k, v, a, g, S0, st, torch.tensor(offs, dtype=torch.int64), n if need_grad else 0)

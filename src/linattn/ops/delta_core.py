@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
@@ -47,6 +47,8 @@ from ._common import (
 from .backend import (
     DeltaSource,
     Rwkv7Source,
+    _flat,
+    _starts,
     choose_backend,
     cpu_delta,
     fla_delta,
@@ -321,6 +323,10 @@ class DeltaProblem:
     #: False: q, k, v, a are the caller's tensors, not preprocessed (`prepare_delta(backend=)` for a call that
     #: fla's kernels take, which read `source`): only the fla backend may run it
     prepared: bool = True
+    #: (cpu.delta.PREP_L2 or PREP_RAW, scale, eps): q, k, v are the caller's rows in the compute dtype and a is beta,
+    #: which the compiled CPU scan prepares itself as it reads them (`prepare_delta(fused=True, backend=)` for a call
+    #: that the compiled CPU kernels take without a gradient); another backend prepares them first (`run_delta`)
+    prep: Optional[Tuple[int, float, float]] = None
 
     @property
     def channel_gate(self) -> bool:
@@ -474,7 +480,10 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
             and key-norm rescaling in one pass each way) where it covers the call: CPU float32 / float64 inputs,
             qk_l2norm "rsqrt" without a coefficient, or no qk_l2norm with or without one (EFLA: the coefficient
             and d2 then run in PyTorch on [B, T, H]), no r, no grouped value heads, eager, kernels switched on. The
-            same values as the PyTorch lines to rounding; they stay the reference and the fallback.
+            same values as the PyTorch lines to rounding; they stay the reference and the fallback. Without EFLA's
+            coefficient, with `backend` given and no gradient needed, a call that the compiled CPU kernels take
+            comes back with `DeltaProblem.prep` set: the scan then prepares the caller's rows itself (the bits of
+            the pass, which is not run).
         backend: The backend the call will be run on, when known: a call that it sends to fla's kernels skips the
             PyTorch preprocessing (fla takes the caller's tensors, `DeltaProblem.prepared` False); None: always
             preprocess (the problem then runs on any backend).
@@ -567,10 +576,15 @@ def _prepare_delta(q, k, v, beta, *, g, r, channel_gate, coefficient, scale, qk_
         if l2 is None and coefficient is not None:   # the lines below, but for EFLA's coefficient and d2
             q_c, k_c, v_c, lam = delta_prepare_raw(q_c, k_c, v_c, scale)
             a = (coefficient(b_c.to(lam.dtype), lam) * lam.detach().clamp_min(1.0)).to(cdt)
-        elif l2 is None:   # a = beta d2 in the same pass (the bits of delta_prepare_raw then write_strength)
-            q_c, k_c, v_c, a = delta_prepare_raw_a(q_c, k_c, v_c, b_c, scale)
         else:
-            q_c, k_c, v_c, a = delta_prepare(q_c, k_c, v_c, b_c, scale, L2NORM_EPS)
+            deferred = _deferred_prep(q_c, k_c, v_c, b_c, g_c, S0, l2, scale, mode, chunk_size, offsets, N,
+                                      output_final_state, q.dtype, source, backend, (q, k, v, beta, g, initial_state))
+            if deferred is not None:
+                return deferred
+            if l2 is None:   # a = beta d2 in the same pass (the bits of delta_prepare_raw then write_strength)
+                q_c, k_c, v_c, a = delta_prepare_raw_a(q_c, k_c, v_c, b_c, scale)
+            else:
+                q_c, k_c, v_c, a = delta_prepare(q_c, k_c, v_c, b_c, scale, L2NORM_EPS)
         return DeltaProblem(q_c, k_c, v_c, None, a, g_c, S0, mode, chunk_size, offsets, N, output_final_state,
                             q.dtype, n, source)
     if l2 is not None:
@@ -586,6 +600,33 @@ def _prepare_delta(q, k, v, beta, *, g, r, channel_gate, coefficient, scale, qk_
     return DeltaProblem(q_c, k_c, v_c / d, r_c, (a * d2).to(cdt), g_c, S0, mode,
                         chunk_size, offsets, N, output_final_state, q.dtype, n, source)
 
+
+
+def _deferred_prep(q_c, k_c, v_c, b_c, g_c, S0, l2, scale, mode, chunk_size, offsets, N, output_final_state,
+                   out_dtype, source, backend, inputs) -> Optional[DeltaProblem]:
+    """The fused call that the compiled CPU scan prepares itself (`DeltaProblem.prep`), or None: when no gradient is
+    needed (grad mode off or no input requiring one: metadata, no value read on the host) and `backend` takes the
+    call to the compiled CPU kernels, the caller's rows go to the scan as they are, which prepares each where it reads
+    it (the preparation pass's bits, spread over the scan's threads, never written out nor read back)."""
+    if backend is None or requires_grad(*inputs):
+        return None
+    from ..cpu.delta import PREP_L2, PREP_RAW
+
+    prep = (PREP_RAW, float(scale), 0.0) if l2 is None else (PREP_L2, float(scale), float(L2NORM_EPS))
+    p = DeltaProblem(q_c, k_c, v_c, None, b_c, g_c, S0, mode, chunk_size, offsets, N, output_final_state, out_dtype,
+                     1, source, prep=prep)
+    choice = choose_backend(backend, p)
+    return p if choice.backend == "cpu" and choice.fallback is None else None
+
+
+def _prepared_rows(p: DeltaProblem) -> DeltaProblem:
+    """A `DeltaProblem.prep` call with its rows prepared (the pass that the compiled scan would have fused)."""
+    from ..cpu.delta import PREP_L2, delta_prepare, delta_prepare_raw_a
+
+    kind, scale, eps = p.prep
+    rows = (delta_prepare(p.q, p.k, p.v, p.a, scale, eps) if kind == PREP_L2
+            else delta_prepare_raw_a(p.q, p.k, p.v, p.a, scale))
+    return replace(p, q=rows[0], k=rows[1], v=rows[2], a=rows[3], prep=None)
 
 
 def _fused_prep(cdt: torch.dtype, device: torch.device, l2: Optional[str], coefficient, r, n: int) -> bool:
@@ -657,13 +698,24 @@ def _run_torch(p: DeltaProblem):
 
 def _run_cpu(p: DeltaProblem) -> Tuple[torch.Tensor, torch.Tensor]:
     """cpu_delta, the decays and layouts around the scan on one thread (`cpu.torch_on_one_thread` says why)."""
+    run = cpu_delta if p.prep is None else _cpu_delta_prep
     if torch.compiler.is_compiling():
-        return cpu_delta(p)
+        return run(p)
     from ..cpu import torch_on_one_thread
 
     with torch_on_one_thread():
-        o, S = cpu_delta(p)
+        o, S = run(p)
         return o.to(p.out_dtype), S
+
+
+def _cpu_delta_prep(p: DeltaProblem) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`cpu_delta` of a `DeltaProblem.prep` call: the raw rows and beta to the scan, which prepares them."""
+    from ..cpu.delta import delta_scan
+
+    B, T, H, V = p.v.shape
+    o, S = delta_scan(_flat(p.q), _flat(p.k), _flat(p.v), _flat(p.a), _flat(p.g) if p.g is not None else None,
+                      p.S0, _starts(p), prep=p.prep)
+    return o.view(B, T, H, V), S
 
 
 def run_delta(p: DeltaProblem, backend: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -672,6 +724,8 @@ def run_delta(p: DeltaProblem, backend: str = "auto") -> Tuple[torch.Tensor, Opt
     if not p.prepared and chosen != "fla":
         raise LinattnError(f"this delta problem was prepared for fla's kernels (prepare_delta(backend=...)) and "
                            f"cannot run on backend {chosen!r}; prepare it without backend=")
+    if p.prep is not None and chosen != "cpu":
+        p = _prepared_rows(p)
     if chosen == "fla":
         o, S = fla_delta(p)
     elif chosen == "triton":

@@ -6,7 +6,9 @@
    exp(g) [TT, H] or [TT, H, K] (the argument `g` below), computed by torch's vectorised exp before the call
    (one scalar expf per key channel and token was a third of the per-channel forward); the backward still
    returns dL/dg (= <dP, P>, the chain rule through exp included). This is the delta rule's own
-   read (r = None in ops/delta_core.py); q arrives scaled, k, v, a rescaled by the key norm (prepare_delta).
+   read (r = None in ops/delta_core.py); q arrives scaled, k, v, a rescaled by the key norm (prepare_delta), or the
+   forward prepares them itself from the raw rows (the plan's `prep`, when no gradient is needed: no prepared copy
+   written to memory and read back).
 
    Why token by token and not the chunk (WY/UT) form: per token and head the scan costs 4 K V multiply-adds
    over a state of K x V that stays in L1 (16 KB for K = V = 64); the chunk form costs C (K + V) + 3 K V,
@@ -34,6 +36,24 @@
 #include "common.h"
 #include "chains.h"
 
+/* The row preparation of the plan's `prep` (deltarow.h, deltaprep.c's rows), compiled here, before the optimisation
+   pragmas below, as calls never inlined: with the options deltaprep.c compiles it with, so that the scan prepares
+   the bits of the preparation pass (a function under those pragmas could vectorise the rows' sums over other
+   lanes). */
+#define LA_DELTAROW_OUTLINED
+#define REAL float
+#define FN(name) name##_f32
+#include "common.h"
+#include "deltarow.h"
+#undef REAL
+#undef FN
+#define REAL double
+#define FN(name) name##_f64
+#include "common.h"
+#include "deltarow.h"
+#undef REAL
+#undef FN
+
 /* GCC's unroll-and-jam of the row loops (-O3) kept the column accumulators on the stack: the forward ran 1.5-2x
    slower (measured), so it is off here. */
 #if defined(__GNUC__) && !defined(__clang__)
@@ -50,6 +70,9 @@
 #define GATE_NONE 0
 #define GATE_HEAD 1
 #define GATE_CHANNEL 2
+#define PREP_NONE 0 /* q, k, v, a prepared (prepare_delta) */
+#define PREP_L2 1   /* linattn_dprep_fwd's rows: qk_l2norm="rsqrt", a = beta */
+#define PREP_RAW 2  /* linattn_dprep_rawa_fwd's rows: no qk_l2norm, a = beta */
 #define PF_AHEAD 4 /* tokens: a head's rows lie H * D apart, which the hardware prefetchers follow poorly */
 /* Threads: one task per (sequence, head) unit when there are at least DELTA_UNITS_PER_THREAD per thread; with
    fewer, the units are chains (chains.h), claimed for a run of about DELTA_RUN tokens at a time (a whole number
@@ -70,7 +93,7 @@
 #define DELTA_SLACK 1
 #endif
 
-LA_ABI_VERSION(delta, 3)
+LA_ABI_VERSION(delta, 4)
 
 /* What a call needs besides its tensors (cpu/bindings.py's DeltaPlan mirrors it; its size is exported and checked).
    Tokens flat, sequence n covering starts[n] .. starts[n + 1] - 1; the forward keeps the state before every
@@ -81,6 +104,10 @@ typedef struct {
     const int64_t *starts, *ck_off;
     int32_t gate;       /* GATE_NONE, GATE_HEAD (g [TT, H]) or GATE_CHANNEL (g [TT, H, K]): decays exp(g) */
     int32_t nthreads;
+    /* the forward's own preparation (PREP_*): q, k, v, a are then the raw q, k, v and beta, each row prepared as the
+       scan reads it (deltarow.h: the bits of deltaprep.c's pass), with scale (and eps: PREP_L2) */
+    int32_t prep, pad_;
+    double scale, eps;
 } linattn_delta_plan;
 LA_EXPORT_SIZEOF(delta_plan)
 
@@ -194,21 +221,44 @@ LA_INLINE void FN(step)(int64_t K, int64_t V, const REAL *Sin, REAL *Sout, const
                       ken, has_next ? vn + j0 : NULL, has_next ? wn + j0 : NULL, has_next);
 }
 
+/* Token row th's q, k, v [K, K, V] and a: the inputs' rows, or with prep (the plan's, not PREP_NONE) the raw rows
+   prepared into slot [2 K + V] */
+LA_INLINE void FN(rows)(int prep, int64_t K, int64_t V, int64_t th, const REAL *q, const REAL *k, const REAL *v,
+                        const REAL *a, REAL sc, REAL eps, REAL *slot, const REAL **qt, const REAL **kt,
+                        const REAL **vt, REAL *at) {
+    if (prep == PREP_NONE) {
+        *qt = q + th * K, *kt = k + th * K, *vt = v + th * V, *at = a[th];
+        return;
+    }
+    REAL *qs = slot, *ks = qs + K, *vs = ks + K;
+    if (prep == PREP_L2)
+        *at = FN(la_dprep_row_a)(K, V, q + th * K, k + th * K, v + th * V, a[th], sc, eps, qs, ks, vs);
+    else
+        *at = FN(la_dprep_raw_row_a)(K, V, q + th * K, k + th * K, v + th * V, a[th], sc, qs, ks, vs);
+    *qt = qs, *kt = ks, *vt = vs;
+}
+
 /* Tokens t0 .. t0+L-1 of head h from the state S (updated in place, or written to Sstates[i+1] when
    Sstates is given, with Sstates[0] = S), outputs into o (or none), w_t into wstates[i] (or none), the
-   factors e_t into estates[i] (or none). ckpt: the state before every `chunk`-th token (or none). */
+   factors e_t into estates[i] (or none). ckpt: the state before every `chunk`-th token (or none). With prep
+   (PREP_L2, PREP_RAW) q, k, v, a are the raw q, k, v, beta: each token's row is prepared (scale sc, eps) into one
+   of two slots just before the pass of the previous token reads its key (and the pass of its own, its query). */
 static int FN(scan)(int64_t H, int64_t K, int64_t V, int64_t h, int64_t t0, int64_t L, const REAL *q,
                     const REAL *k, const REAL *v, const REAL *a, const REAL *g, int gate, REAL *S,
-                    REAL *Sstates, REAL *o, REAL *wstates, REAL *estates, REAL *ckpt, int64_t chunk) {
+                    REAL *Sstates, REAL *o, REAL *wstates, REAL *estates, REAL *ckpt, int64_t chunk, int prep,
+                    REAL sc, REAL eps) {
     if (L <= 0) return 0;
-    const int64_t KV = K * V, gK = gate == GATE_CHANNEL ? K : 1;
-    REAL *buf = (REAL *)malloc((size_t)(6 * K + 2 * V) * sizeof(REAL));
+    const int64_t KV = K * V, gK = gate == GATE_CHANNEL ? K : 1, nslot = prep != PREP_NONE ? 2 * K + V : 0;
+    REAL *buf = (REAL *)malloc((size_t)(6 * K + 2 * V + 2 * nslot) * sizeof(REAL));
     if (buf == NULL) return -1;
     REAL *e = buf, *ke = e + K, *ak = ke + K, *en = ak + K, *ken = en + K, *akn = ken + K;
-    REAL *w = akn + K, *wn = w + V;
+    REAL *w = akn + K, *wn = w + V, *slot = wn + V, *slotn = slot + nslot;
+    const REAL *qt, *kt, *vt, *qn, *kn, *vn;
+    REAL at, an;
     int64_t th = t0 * H + h;
-    FN(factors)(K, k + th * K, a[th], gate != GATE_NONE ? g + th * gK : NULL, gate, e, ke, ak);
-    FN(predict)(K, V, S, ke, v + th * V, w);
+    FN(rows)(prep, K, V, th, q, k, v, a, sc, eps, slot, &qt, &kt, &vt, &at);
+    FN(factors)(K, kt, at, gate != GATE_NONE ? g + th * gK : NULL, gate, e, ke, ak);
+    FN(predict)(K, V, S, ke, vt, w);
     const REAL *Sin = S;
     for (int64_t i = 0; i < L; i++) {
         th = (t0 + i) * H + h;
@@ -229,11 +279,13 @@ static int FN(scan)(int64_t H, int64_t K, int64_t V, int64_t h, int64_t t0, int6
         }
         if (i + 1 < L) {
             const int64_t tn = th + H;
-            FN(factors)(K, k + tn * K, a[tn], gate != GATE_NONE ? g + tn * gK : NULL, gate, en, ken, akn);
-            if (o != NULL) FN(step)(K, V, Sin, Sout, e, ak, w, q + th * K, o + th * V, 1, ken, v + tn * V, wn, 1);
-            else FN(step)(K, V, Sin, Sout, e, ak, w, NULL, NULL, 0, ken, v + tn * V, wn, 1);
+            FN(rows)(prep, K, V, tn, q, k, v, a, sc, eps, slotn, &qn, &kn, &vn, &an);
+            FN(factors)(K, kn, an, gate != GATE_NONE ? g + tn * gK : NULL, gate, en, ken, akn);
+            if (o != NULL) FN(step)(K, V, Sin, Sout, e, ak, w, qt, o + th * V, 1, ken, vn, wn, 1);
+            else FN(step)(K, V, Sin, Sout, e, ak, w, NULL, NULL, 0, ken, vn, wn, 1);
+            qt = qn;
         } else {
-            if (o != NULL) FN(step)(K, V, Sin, Sout, e, ak, w, q + th * K, o + th * V, 1, NULL, NULL, NULL, 0);
+            if (o != NULL) FN(step)(K, V, Sin, Sout, e, ak, w, qt, o + th * V, 1, NULL, NULL, NULL, 0);
             else FN(step)(K, V, Sin, Sout, e, ak, w, NULL, NULL, 0, NULL, NULL, NULL, 0);
         }
         REAL *tmp;
@@ -241,17 +293,21 @@ static int FN(scan)(int64_t H, int64_t K, int64_t V, int64_t h, int64_t t0, int6
         tmp = ke; ke = ken; ken = tmp;
         tmp = ak; ak = akn; akn = tmp;
         tmp = w; w = wn; wn = tmp;
+        tmp = slot; slot = slotn; slotn = tmp;
         Sin = Sout;
     }
     free(buf);
     return 0;
 }
 
+/* The forward: o [TT, H, V], the final states S_out [N, H, K, V] and, when ckpt is given, its checkpoints. With the
+   plan's prep, q, k, v, a are the raw q, k, v, beta (every row prepared by the thread that scans it). */
 int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL *k, const REAL *v, const REAL *a,
                           const REAL *g, const REAL *S0, REAL *o, REAL *S_out, REAL *ckpt) {
     const int64_t N = p->N, H = p->H, K = p->K, V = p->V, chunk = p->chunk, *starts = p->starts,
                   *ck_off = p->ck_off;
-    const int gate = p->gate, nthreads = p->nthreads;
+    const int gate = p->gate, nthreads = p->nthreads, prep = p->prep;
+    const REAL sc = (REAL)p->scale, eps = (REAL)p->eps;
     const int64_t KV = K * V;
     int failed = 0;
     if (nthreads > 1 && N * H < DELTA_UNITS_PER_THREAD * (int64_t)nthreads) {
@@ -272,7 +328,7 @@ int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL
                 const int64_t Lr = L - i0 < take ? L - i0 : take;
                 if (FN(scan)(H, K, V, h, starts[n] + i0, Lr, q, k, v, a, g, gate, S_out + u * KV, NULL, o, NULL,
                              NULL, ckpt != NULL ? ckpt + ((ck_off[n] + i0 / chunk) * H + h) * KV : NULL,
-                             chunk) != 0) {
+                             chunk, prep, sc, eps) != 0) {
                     LA_ATOMIC_WRITE failed = 1;
                 }
                 la_chains_release(&chn, u, i0 + Lr, L - i0 - Lr);
@@ -288,7 +344,8 @@ int FN(linattn_delta_fwd)(const linattn_delta_plan *p, const REAL *q, const REAL
         if (S0 != NULL) memcpy(S, S0 + task * KV, (size_t)KV * sizeof(REAL));
         else memset(S, 0, (size_t)KV * sizeof(REAL));
         if (FN(scan)(H, K, V, h, starts[n], starts[n + 1] - starts[n], q, k, v, a, g, gate, S, NULL, o,
-                     NULL, NULL, ckpt != NULL ? ckpt + (ck_off[n] * H + h) * KV : NULL, chunk) != 0) {
+                     NULL, NULL, ckpt != NULL ? ckpt + (ck_off[n] * H + h) * KV : NULL, chunk, prep, sc,
+                     eps) != 0) {
             LA_ATOMIC_WRITE failed = 1;
         }
     }
@@ -528,7 +585,8 @@ static int FN(bwd_stretches)(int64_t H, int64_t K, int64_t V, const int64_t *sta
     for (int64_t c = c_hi - 1; c >= c_lo; c--) {
         const int64_t t0 = s + c * chunk, Lc = (L - c * chunk) < chunk ? (L - c * chunk) : chunk;
         memcpy(Sbuf, ckpt + ((ck_off[n] + c) * H + h) * KV, (size_t)KV * sizeof(REAL));
-        if (FN(scan)(H, K, V, h, t0, Lc, q, k, v, a, g, gate, Sbuf, Sbuf, NULL, wbuf, ebuf, NULL, chunk) != 0)
+        if (FN(scan)(H, K, V, h, t0, Lc, q, k, v, a, g, gate, Sbuf, Sbuf, NULL, wbuf, ebuf, NULL, chunk, PREP_NONE,
+                     0, 0) != 0)
             return -1;
         if (t0 + Lc == s + L) { /* the sequence's last token: its own output's term, derr and dq */
             const int64_t th = (s + L - 1) * H + h;

@@ -10,7 +10,7 @@
    (detached in prepare_delta). |k^|^2 and d2 are double for float keys, as prepare_delta's key_norms, so d2,
    d and a round as there. Backward, with r = 1 / sqrt(sum y^2 + e) and the incoming gradient G of l2(x):
    dx = (r G - y r^3 (y . G)) / s. float and double from one body (this file includes itself once per REAL;
-   the L2 row is common.h's); no -ffast-math. */
+   the L2 row is common.h's, a forward row deltarow.h's, which delta.c's scan shares); no -ffast-math. */
 #ifndef LINATTN_DELTAPREP_BODY
 #define LINATTN_DELTAPREP_BODY
 
@@ -36,6 +36,7 @@ LA_ABI_VERSION(deltaprep, 1)
 
 #else /* ------------------------------------------------------------------ the body, once per REAL */
 #include "common.h" /* its per-REAL part: la_exp, la_silu, la_l2_row, la_rms_rstd */
+#include "deltarow.h" /* the forward's rows, shared with delta.c's scan */
 
 /* q, k [R, K], v [R, V], beta [R] -> qo, ko [R, K], vo [R, V], a [R]. */
 int FN(linattn_dprep_fwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v,
@@ -43,36 +44,9 @@ int FN(linattn_dprep_fwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const 
                           int nthreads) {
     const REAL sc = (REAL)scale, e = (REAL)eps;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, LA_PREP_ROWS)
-    for (int64_t i = 0; i < R; ++i) {
-        const REAL *restrict qr = q + i * K, *restrict kr = k + i * K, *restrict vr = v + i * V;
-        REAL *restrict qor = qo + i * K, *restrict kor = ko + i * K, *restrict vor = vo + i * V;
-        REAL r, s;
-        FN(la_l2_row)(qr, K, e, &r, &s);
-        if (s == (REAL)1) {
-#pragma omp simd
-            for (int64_t j = 0; j < K; ++j) qor[j] = (qr[j] * r) * sc;
-        } else {
-            for (int64_t j = 0; j < K; ++j) qor[j] = ((qr[j] / s) * r) * sc;
-        }
-        FN(la_l2_row)(kr, K, e, &r, &s);
-        REAL lam = 0;
-        if (s == (REAL)1) {
-#pragma omp simd reduction(+:lam)
-            for (int64_t j = 0; j < K; ++j) { const REAL y = kr[j] * r; kor[j] = y; lam += y * y; }
-        } else {
-            for (int64_t j = 0; j < K; ++j) { const REAL y = (kr[j] / s) * r; kor[j] = y; lam += y * y; }
-        }
-        const double l = (double)lam, d2 = (l < 1.0 || l != l) ? (l != l ? l : 1.0) : l;
-        const REAL d = (REAL)sqrt(d2);
-        if (d != (REAL)1) {
-            for (int64_t j = 0; j < K; ++j) kor[j] = kor[j] / d;
-            for (int64_t j = 0; j < V; ++j) vor[j] = vr[j] / d;
-        } else {
-#pragma omp simd
-            for (int64_t j = 0; j < V; ++j) vor[j] = vr[j];
-        }
-        a[i] = (REAL)((double)beta[i] * d2);
-    }
+    for (int64_t i = 0; i < R; ++i)
+        a[i] = (REAL)((double)beta[i] * FN(la_dprep_row)(K, V, q + i * K, k + i * K, v + i * V, sc, e, qo + i * K,
+                                                         ko + i * K, vo + i * V));
     return 0;
 }
 
@@ -157,44 +131,20 @@ int FN(linattn_dprep_bwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const 
 
 /* Without the normalisation (qk_l2norm=False: EFLA, whose coefficient reads lam): q~ = scale q,
    lam = |k|^2 (double; for float keys the float sum, widened, or where it is not finite the double sum, as
-   key_norms), d = sqrt(max(lam, 1)), k~ = k / d, v~ = v / d -> qo, ko [R, K], vo [R, V], lam [R]. */
-static inline double FN(lam_row)(const REAL *restrict x, int64_t K, int *wide) {
-    REAL ss = 0;
-#pragma omp simd reduction(+:ss)
-    for (int64_t j = 0; j < K; ++j) ss += x[j] * x[j];
-    *wide = !isfinite(ss);
-    if (!*wide) return (double)ss;
-    double sd = 0;
-    for (int64_t j = 0; j < K; ++j) sd += (double)x[j] * (double)x[j];
-    return sd;
-}
-
-/* The raw pass, and lam or a = beta max(lam, 1) (prepare_delta's write_strength: the product in double, rounded
-   once to REAL) from it: each of lam, beta / a may be NULL. */
+   key_norms), d = sqrt(max(lam, 1)), k~ = k / d, v~ = v / d -> qo, ko [R, K], vo [R, V], lam [R] (the row:
+   deltarow.h's la_dprep_raw_row). The raw pass, and lam or a = beta max(lam, 1) (prepare_delta's write_strength:
+   the product in double, rounded once to REAL) from it: each of lam, beta / a may be NULL. */
 static int FN(raw_fwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v,
                        double scale, REAL *qo, REAL *ko, REAL *vo, double *lam, const REAL *beta, REAL *a,
                        int nthreads) {
     const REAL sc = (REAL)scale;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, LA_PREP_ROWS)
     for (int64_t i = 0; i < R; ++i) {
-        const REAL *restrict qr = q + i * K, *restrict kr = k + i * K, *restrict vr = v + i * V;
-        REAL *restrict qor = qo + i * K, *restrict kor = ko + i * K, *restrict vor = vo + i * V;
-#pragma omp simd
-        for (int64_t j = 0; j < K; ++j) qor[j] = qr[j] * sc;
-        int wide;
-        const double l = FN(lam_row)(kr, K, &wide), d2 = (l < 1.0 || l != l) ? (l != l ? l : 1.0) : l;
-        const REAL d = (REAL)sqrt(d2);
+        double d2;
+        const double l = FN(la_dprep_raw_row)(K, V, q + i * K, k + i * K, v + i * V, sc, qo + i * K, ko + i * K,
+                                              vo + i * V, &d2);
         if (lam) lam[i] = l;
         if (a) a[i] = (REAL)((double)beta[i] * d2);
-        if (d != (REAL)1) {
-            for (int64_t j = 0; j < K; ++j) kor[j] = kr[j] / d;
-            for (int64_t j = 0; j < V; ++j) vor[j] = vr[j] / d;
-        } else {
-#pragma omp simd
-            for (int64_t j = 0; j < K; ++j) kor[j] = kr[j];
-#pragma omp simd
-            for (int64_t j = 0; j < V; ++j) vor[j] = vr[j];
-        }
     }
     return 0;
 }
