@@ -187,6 +187,22 @@ def test_a8_int4_row_bits_independent_of_the_step(decode_lib, group):
             assert torch.equal(one[:, 0].view(torch.int32), y[:, i].view(torch.int32)), (n, k, i)
 
 
+def test_a8_int8_row_bits_independent_of_the_step(decode_lib):
+    """AVX2's int8 product sums a step's four rows' 8 lanes in one transpose-and-add (csrc/qmatvec.h a8_i8_rows,
+    round 14), a row alone (the n % 4 last) by halving its lanes in scalar code, in the same order: every row of an
+    n-row product has the bits of that row's product alone, and is within the bounds. Widths below one step, with a
+    tail, of an odd count of steps (a pair's even step alone at the end) and of many pairs."""
+    for n, k in zip((9, 6, 5, 7, 8), (33, 100, 96, 1056, 4128)):
+        q = _Stored(n, k, "int8", None, seed=n + k, bias=True)
+        x = torch.randn(2, k, generator=torch.Generator().manual_seed(k)) * 2
+        check_a8_product(q, x, bias=q.bias)
+        y = cpu_decode.weight_matvec(x, "int8_a8", q.stored, q.scales, q.group, bias=q.bias)
+        for i in range(n):
+            one = cpu_decode.weight_matvec(x, "int8_a8", q.stored[i:i + 1].contiguous(),
+                                           q.scales[i:i + 1].contiguous(), q.group, bias=q.bias[i:i + 1].contiguous())
+            assert torch.equal(one[:, 0].view(torch.int32), y[:, i].view(torch.int32)), (n, k, i)
+
+
 @pytest.mark.parametrize("group", [32, 64])
 def test_a8_int4_extreme_integer_sums_exact(decode_lib, group):
     """Codes 0 and 15 times x's integers +-127 (scale 1 for every block and group): the largest 16-bit partial sums

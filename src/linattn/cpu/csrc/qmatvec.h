@@ -675,13 +675,15 @@ static inline __m256 q4_scales8(const uint16_t *s, int64_t left) {
    Callgrind: 49.5 instructions a step of 4 rows (36 vector) against 83 (59) when each row's 8 lanes were scaled
    apart. (Round 11: the steps' loop computed each step's addresses from its input index, ~15 more a step; the
    loop now advances pointers, a8_i4_rows, 16.6 -> 13.7 instructions per 64 weights at 1024 x 3584, 19.8 -> 16.2
-   at the 530M model's 1024-input rows.) With AVX-VNNI `vpdpbusd` makes each row's 8 lanes (started from a8_x.lc) and
+   at the 530M model's 1024-input rows; round 14: one index for every array, the format's constants in the steps'
+   loop, 13.7 -> 13.0 and 16.2 -> 14.3.) With AVX-VNNI `vpdpbusd` makes each row's 8 lanes (started from a8_x.lc) and
    `vphaddd` sums them: the same integers. One row (R = 1, the n % 4 last) sums its lanes to [r x4 | r x4] by
    `vphaddd` and takes the same float steps on the same values, and a row's two lanes (its blocks at even and odd
    32-input offsets) are added last: the same bits as in a step of four rows. */
 /* the four rows' next 16 group scales (bf16 bits from s, s + ss, ..; `left` remaining: the others read as 0) as
    fp32 into gs4 [16 groups][4 rows]. The unpacks work within 128-bit halves: the low half transposes groups 0-7,
-   the high half 8-15, and the last permutes put a pair of consecutive groups in each vector. */
+   the high half 8-15, and a 64-bit permute before the last unpacks puts a pair of consecutive groups in each
+   vector. */
 static inline void a8_scales4(const uint16_t *s, int64_t ss, int64_t left, float *gs4) {
     __m256i r[4];
     if (left >= 16)   /* (apart: GCC zeroed the short case's buffer on every call) */
@@ -697,10 +699,13 @@ static inline void a8_scales4(const uint16_t *s, int64_t ss, int64_t left, float
     const __m256i t[4] = {_mm256_unpacklo_epi32(a, c), _mm256_unpackhi_epi32(a, c),   /* [r0 r1 r2 r3] x g 0-1 */
                           _mm256_unpacklo_epi32(b, d), _mm256_unpackhi_epi32(b, d)};   /* (+ 8 in the high half) */
     const __m256i z = _mm256_setzero_si256();
-    for (int k = 0; k < 4; ++k) {   /* bf16 bits to fp32: the upper half of a zero-extended lane */
-        const __m256i lo = _mm256_unpacklo_epi16(z, t[k]), hi = _mm256_unpackhi_epi16(z, t[k]);   /* g 2k, 2k + 1 */
-        _mm256_store_si256((__m256i *)(void *)(gs4 + 8 * k), _mm256_permute2x128_si256(lo, hi, 0x20));
-        _mm256_store_si256((__m256i *)(void *)(gs4 + 32 + 8 * k), _mm256_permute2x128_si256(lo, hi, 0x31));
+    for (int k = 0; k < 4; ++k) {
+        /* [g 2k | g 2k + 8 || g 2k + 1 | g 2k + 9] (64 bits each), so that each unpack below takes a pair of
+           consecutive groups (one 64-bit permute a vector: round 14, instead of two 128-bit ones after them) */
+        const __m256i u = _mm256_permute4x64_epi64(t[k], 0xD8);
+        /* bf16 bits to fp32: the upper half of a zero-extended lane */
+        _mm256_store_si256((__m256i *)(void *)(gs4 + 8 * k), _mm256_unpacklo_epi16(z, u));   /* g 2k, 2k + 1 */
+        _mm256_store_si256((__m256i *)(void *)(gs4 + 32 + 8 * k), _mm256_unpackhi_epi16(z, u));   /* + 8, + 9 */
     }
 }
 /* one row's 32 bytes at wr times the step's x (x0: the low nibbles' inputs, x1: the high ones'): VNNI, 8 lanes of 8
@@ -748,49 +753,50 @@ static inline __attribute__((always_inline)) __m256i a8_i4_sum1(__m256i p0, __m2
 #else
 #define A8_ROW_CORR _mm256_setzero_si256()   /* (the blocks' excess, a8_x.bc, added after the sum) */
 #endif
-/* the step of R rows in groups of G into acc: its x integers at v (64), excess at c (8 lanes), x scales at l (8), the
-   rows' bytes at w0, w0 + rs, w0 + rs2, w0 + rs3 (rs2 = 2 rs, rs3 = 3 rs: base + index addresses, no arithmetic of
-   their own), the scales of its first group at g4 (R = 4) or the row's 8 in sc picked by gi (R = 1). pf: each row's
-   line Q_PF_BYTES ahead (32 bytes a step: the caller asks every other step) 0 not, 1 with no bound check, 2 checked
-   against pf_end (NULL: none). The steps' loop advances these pointers (callgrind: the index arithmetic of each
-   step from j was ~15 of its ~65 instructions) */
-static inline __attribute__((always_inline)) __m256 a8_i4_step(const int R, const int G, const int pf,
+/* the step of R rows in groups of G into acc at lane k (inputs 8k .. 8k + 63 of the span): its x integers at v + 8k
+   (64), excess at c + k (8 lanes), x scales at l + k (8), the rows' bytes at w0 + 4k .. w3 + 4k, the scales of its
+   first group at g4 (R = 4) or the row's 8 in sc picked by gi (R = 1). pf: each row's line Q_PF_BYTES ahead (32
+   bytes a step: the caller asks every other step) 0 not, 1 with no bound check, 2 checked against pf_end (NULL:
+   none). Every array is addressed from its base by the one index k (round 14: the loop advanced seven pointers;
+   round 11: each step's addresses were computed from its input index, ~15 of its ~65 instructions) */
+static inline __attribute__((always_inline)) __m256 a8_i4_step(const int R, const int G, const int pf, int64_t k,
                                                                const int8_t *v, const int32_t *c, const float *l,
-                                                               const uint8_t *w0, int64_t rs, int64_t rs2,
-                                                               int64_t rs3, const float *g4, __m256 sc, __m256i gi,
-                                                               const uint8_t *pf_end, __m256 acc) {
-    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)v),
-                  x1 = _mm256_loadu_si256((const __m256i *)(const void *)(v + 32)),
-                  corr = _mm256_loadu_si256((const __m256i *)(const void *)c);
+                                                               const uint8_t *w0, const uint8_t *w1,
+                                                               const uint8_t *w2, const uint8_t *w3, const float *g4,
+                                                               __m256 sc, __m256i gi, const uint8_t *pf_end,
+                                                               __m256 acc) {
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)(v + 8 * k)),
+                  x1 = _mm256_loadu_si256((const __m256i *)(const void *)(v + 8 * k + 32)),
+                  corr = _mm256_loadu_si256((const __m256i *)(const void *)(c + k));
     __m256i i;
     __m256 g;
     if (pf == 1) {
-        __builtin_prefetch((const void *)(w0 + Q_PF_BYTES), 0, Q_PF_HINT);
+        __builtin_prefetch((const void *)(w0 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
         if (R == 4) {
-            __builtin_prefetch((const void *)(w0 + rs + Q_PF_BYTES), 0, Q_PF_HINT);
-            __builtin_prefetch((const void *)(w0 + rs2 + Q_PF_BYTES), 0, Q_PF_HINT);
-            __builtin_prefetch((const void *)(w0 + rs3 + Q_PF_BYTES), 0, Q_PF_HINT);
+            __builtin_prefetch((const void *)(w1 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
+            __builtin_prefetch((const void *)(w2 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
+            __builtin_prefetch((const void *)(w3 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
         }
     } else if (pf == 2 && pf_end) {
-        Q_PF(w0, pf_end);
+        Q_PF(w0 + 4 * k, pf_end);
         if (R == 4) {
-            Q_PF(w0 + rs, pf_end);
-            Q_PF(w0 + rs2, pf_end);
-            Q_PF(w0 + rs3, pf_end);
+            Q_PF(w1 + 4 * k, pf_end);
+            Q_PF(w2 + 4 * k, pf_end);
+            Q_PF(w3 + 4 * k, pf_end);
         }
     }
     if (R == 4) {
         const __m256i rc = A8_ROW_CORR;
-        i = a8_i4_sum4(a8_i4_row(w0, x0, x1, rc), a8_i4_row(w0 + rs, x0, x1, rc), a8_i4_row(w0 + rs2, x0, x1, rc),
-                       a8_i4_row(w0 + rs3, x0, x1, rc), corr);
+        i = a8_i4_sum4(a8_i4_row(w0 + 4 * k, x0, x1, rc), a8_i4_row(w1 + 4 * k, x0, x1, rc),
+                       a8_i4_row(w2 + 4 * k, x0, x1, rc), a8_i4_row(w3 + 4 * k, x0, x1, rc), corr);
         /* group 32: the step's two groups; 64: its one group in both halves */
         g = G == 32 ? _mm256_load_ps(g4) : _mm256_broadcast_ps((const __m128 *)(const void *)g4);
     } else {
-        (void)g4;
-        i = a8_i4_sum1(a8_i4_row(w0, x0, x1, A8_ROW_CORR), corr);
+        (void)g4; (void)w1; (void)w2; (void)w3;
+        i = a8_i4_sum1(a8_i4_row(w0 + 4 * k, x0, x1, A8_ROW_CORR), corr);
         g = _mm256_permutevar8x32_ps(sc, gi);   /* lanes 0-3 and 4-7: the step's two groups (32) or its one (64) */
     }
-    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_loadu_ps(l)), g, acc);
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_loadu_ps(l + k)), g, acc);
 }
 /* R (1 or 4) rows of int4 weights in groups of G (a8_rows_vec's arguments), in spans of A8_I4_SPAN groups: R = 4
    converts the four rows' scales of a span first (gs4, [group][row]: a tight loop of its own, so that the steps keep
@@ -800,8 +806,8 @@ static inline __attribute__((always_inline)) __m256 a8_i4_step(const int R, cons
 static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const int G, const a8_x *p, int64_t b,
                                                              const uint8_t *w, int64_t rs, const uint16_t *sr,
                                                              int64_t ss, const uint8_t *pf_end, float *out) {
-    const int64_t m = p->m, mv = p->mv, ng = m / G, span = R == 4 ? A8_I4_SPAN * G : 8 * G;
-    const int64_t rs2 = 2 * rs, rs3 = 3 * rs;
+    const int64_t m = p->m, mv = p->mv, ng = m / G, nlv = mv / 8;   /* lanes (8 inputs) on the vector path */
+    const int64_t span = (R == 4 ? A8_I4_SPAN : 8) * G / 8;          /* lanes a span: a multiple of 16 */
     const int8_t *v = p->v + b * mv;
     const float *ls = p->ls + b * p->nl;
 #if defined(A8_VNNI)
@@ -814,36 +820,48 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
     /* R = 1: lanes 0-3 and 4-7 take the step's two groups (32) or its one (64) among the row's 8: k-th step of 8 */
     const __m256i gi0 = G == 32 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1) : _mm256_setzero_si256(),
                   gstep = _mm256_set1_epi32(G == 32 ? 2 : 1);
-    /* the steps whose every row's prefetch stays below pf_end need no check: inputs j with j / 2 < pf_room */
-    const intptr_t pf_room = pf_end ? (intptr_t)((uintptr_t)pf_end - (uintptr_t)(w + (R - 1) * rs)) - Q_PF_BYTES : 0;
-    for (int64_t j0 = 0; j0 < mv; j0 += span) {
-        const int64_t g0 = j0 / G, e = j0 + span < mv ? j0 + span : mv;
+    /* a pair of steps at lane i prefetches (its odd step) byte 4i + 32 + Q_PF_BYTES of each row: below pf_end
+       for every row when 4i < lim */
+    const intptr_t lim = pf_end ? (intptr_t)((uintptr_t)pf_end - (uintptr_t)(w + (R - 1) * rs)) - Q_PF_BYTES - 32
+                                : 0;
+    for (int64_t i0 = 0; i0 < nlv; i0 += span) {
+        const int64_t g0 = i0 * 8 / G, e = i0 + span < nlv ? span : nlv - i0;   /* e: the span's lanes */
         if (R == 4)
-            for (int64_t g = g0; g < e / G; g += 16) a8_scales4(sr + g, ss, ng - g, gs4 + 4 * (g - g0));
+            for (int64_t g = 0; g < e * 8 / G; g += 16) a8_scales4(sr + g0 + g, ss, ng - g0 - g, gs4 + 4 * g);
         else
             sc = q4_scales8(sr + g0, ng - g0);
-        /* the pairs of steps (spans are whole pairs) whose odd step's prefetch needs no check: j / 2 + 32 < pf_room */
-        const int64_t lim = 2 * (int64_t)pf_room - A8_I4_COLS - j0, pairs = (e - j0) / (2 * A8_I4_COLS);
-        int64_t safe = lim <= 0 ? 0 : (lim + 2 * A8_I4_COLS - 1) / (2 * A8_I4_COLS);   /* pairs t with 2 COLS t < lim */
-        if (safe > pairs) safe = pairs;
-        const int8_t *vp = v + j0;
-        const int32_t *cp = cv + j0 / 8;
-        const float *lp = ls + j0 / 8, *gp = gs4;   /* (gs4 [group - g0][row]: a step is 64 / G groups on) */
-        const uint8_t *wp = w + j0 / 2;
+        /* the span's arrays from its first lane; gs4 [group - g0][row]: lane k's step at k floats (32: two groups
+           of 4 rows a step of 8 lanes) or k / 2 (64), here in bytes */
+        const int8_t *vs = v + 8 * i0;
+        const int32_t *cs = cv + i0;
+        const float *lp = ls + i0;
+        const char *gb = (const char *)(const void *)gs4;
+        const int64_t gsh = G == 32 ? 4 : 2;   /* gs4's bytes per lane */
+        const uint8_t *w0 = w + 4 * i0, *w1 = w0 + rs, *w2 = w0 + 2 * rs, *w3 = w0 + 3 * rs;
         __m256i gi = gi0;
-        for (int64_t t = 0; t < safe; ++t) {
-            acc = a8_i4_step(R, G, 0, vp, cp, lp, wp, rs, rs2, rs3, gp, sc, gi, pf_end, acc);
-            gi = _mm256_add_epi32(gi, gstep);
-            acc = a8_i4_step(R, G, 1, vp + A8_I4_COLS, cp + 8, lp + 8, wp + 32, rs, rs2, rs3, gp + 4 * (64 / G), sc,
-                             gi, pf_end, acc);
-            gi = _mm256_add_epi32(gi, gstep);
-            vp += 2 * A8_I4_COLS, cp += 16, lp += 16, wp += 64, gp += 8 * (64 / G);
-        }
-        for (int64_t j = j0 + safe * 2 * A8_I4_COLS; j < e; j += A8_I4_COLS) {
-            acc = a8_i4_step(R, G, (j & A8_I4_COLS) ? 2 : 0, vp, cp, lp, wp, rs, rs2, rs3, gp, sc, gi, pf_end, acc);
-            gi = _mm256_add_epi32(gi, gstep);
-            vp += A8_I4_COLS, cp += 8, lp += 8, wp += 32, gp += 4 * (64 / G);
-        }
+#define A8_I4_STEP(pf, k)                                                                                        \
+        do {                                                                                                     \
+            acc = a8_i4_step(R, G, pf, k, vs, cs, lp, w0, w1, w2, w3,                                            \
+                             (const float *)(const void *)(gb + gsh * (k)), sc, gi, pf_end, acc);                \
+            gi = _mm256_add_epi32(gi, gstep);                                                                    \
+        } while (0)
+        int64_t k = 0;
+        if (pf_end) {
+            /* the pairs t (lanes k = 16 t, 16 t + 8) with 4 (i0 + 16 t) < lim */
+            const intptr_t room = lim - 4 * (intptr_t)i0;
+            int64_t safe = room <= 0 ? 0 : (room + 63) / 64;
+            if (safe > e / 16) safe = e / 16;
+            for (; k < 16 * safe; k += 16) {
+                A8_I4_STEP(0, k);
+                A8_I4_STEP(1, k + 8);
+            }
+            for (; k < e; k += 8) {
+                if (k & 8) A8_I4_STEP(2, k);
+                else A8_I4_STEP(0, k);
+            }
+        } else   /* (later x rows: the rows are in cache) */
+            for (; k < e; k += 8) A8_I4_STEP(0, k);
+#undef A8_I4_STEP
     }
     /* row r's lanes r and r + 4 (its blocks at even and odd offsets) added, then its tail's sum (+0 without one,
        added all the same: -0 + 0 is +0): the four rows' sums in one add */
@@ -863,53 +881,46 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
    `vpmaddwd` with ones, the weights taking x's sign (x's magnitudes the unsigned operand, a8_x.v), so no excess.
    Both give the same integer lanes, and the float steps are the same: the same bits. As on AVX-512 the rows' steps
    are written out per row with named accumulators (an array of them lived on the stack: a store and a load per row
-   and step, twice the instructions of the arithmetic), and the steps whose prefetches cannot leave the matrix run
-   without the bound check. */
+   and step, twice the instructions of the arithmetic). Every array a step reads is addressed by one index, its
+   int32 lane k (inputs 4k ..): x's integers and the rows' bytes at 4k, the lanes' scales (and VNNI's excess) at k,
+   so the steps' loop advances one register (round 14: it advanced five and recomputed ls + j / 4 each step), and
+   runs in pairs of steps, the odd one prefetching, those whose prefetches cannot leave the matrix counted first. */
 #if defined(A8_VNNI)
 #define A8_LANES(d) _mm256_dpbusd_avx_epi32(corr, _mm256_xor_si256(d, flip), x0)
+#define A8_X_LOADS(k)                                                                                            \
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)(q + 4 * (k))),                        \
+                  corr = _mm256_loadu_si256((const __m256i *)(const void *)(lc + (k))) /* (negated) */
 #else
 #define A8_LANES(d) _mm256_madd_epi16(_mm256_maddubs_epi16(x1, _mm256_sign_epi8(d, x0)), ones)
+#define A8_X_LOADS(k)                                                                                            \
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)(q + 4 * (k))),                        \
+                  x1 = _mm256_loadu_si256((const __m256i *)(const void *)(v + 4 * (k)))
 #endif
-/* one row's step: its 32 bytes at wr (pf 1: the line Q_PF_BYTES ahead prefetched every other step with no bound
-   check; 2: checked against pf_end, NULL for none) into acc with its scale sc */
-#define A8_ROW_STEP(acc, sc, wr, pf)                                                                             \
+/* one row's step: its 32 bytes at wr + 4k (pf 0: no prefetch; 1: the line Q_PF_BYTES ahead, no bound check; 2: checked
+   against pf_end) into acc with its scale sc */
+#define A8_ROW_STEP(acc, sc, wr, k, pf)                                                                          \
     do {                                                                                                         \
-        if ((pf) == 1) { if (j & cols) __builtin_prefetch((const void *)((wr) + Q_PF_BYTES), 0, Q_PF_HINT); }    \
-        else if (pf_end && (j & cols)) Q_PF(wr, pf_end);                                                         \
-        const __m256i d_ = _mm256_loadu_si256((const __m256i *)(const void *)(wr));                              \
+        if ((pf) == 1) __builtin_prefetch((const void *)((wr) + 4 * (k) + Q_PF_BYTES), 0, Q_PF_HINT);            \
+        else if ((pf) == 2) Q_PF((wr) + 4 * (k), pf_end);                                                        \
+        const __m256i d_ = _mm256_loadu_si256((const __m256i *)(const void *)((wr) + 4 * (k)));                  \
         acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(A8_LANES(d_)), xs), sc, acc);                     \
     } while (0)
-#define A8_STEP(pf)                                                                                              \
+/* the step of the R rows at lane k (inputs 4k .. 4k + 31) */
+#define A8_STEP(k, pf)                                                                                           \
     do {                                                                                                         \
-        A8_X_LOADS;                                                                                              \
-        const __m256 xs = _mm256_loadu_ps(ls + j / 4);                                                           \
-        const uint8_t *w0 = w + j;                                                                               \
-        A8_ROW_STEP(acc0, sc0, w0, pf);                                                                          \
+        A8_X_LOADS(k);                                                                                           \
+        const __m256 xs = _mm256_loadu_ps(ls + (k));                                                             \
+        A8_ROW_STEP(acc0, sc0, w0, k, pf);                                                                       \
         if (R == 4) {                                                                                            \
-            A8_ROW_STEP(acc1, sc1, w0 + rs, pf);                                                                 \
-            A8_ROW_STEP(acc2, sc2, w0 + 2 * rs, pf);                                                             \
-            A8_ROW_STEP(acc3, sc3, w0 + 3 * rs, pf);                                                             \
+            A8_ROW_STEP(acc1, sc1, w1, k, pf);                                                                   \
+            A8_ROW_STEP(acc2, sc2, w2, k, pf);                                                                   \
+            A8_ROW_STEP(acc3, sc3, w3, k, pf);                                                                   \
         }                                                                                                        \
     } while (0)
-#if defined(A8_VNNI)
-#define A8_X_LOADS                                                                                               \
-    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)(q + j)),                              \
-                  corr = _mm256_loadu_si256((const __m256i *)(const void *)(lc + j / 4)) /* (negated) */
-#else
-#define A8_X_LOADS                                                                                               \
-    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)(q + j)),                              \
-                  x1 = _mm256_loadu_si256((const __m256i *)(const void *)(v + j))
-#endif
-static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
-                                                              int64_t group, const uint8_t *w, int64_t rs,
-                                                              const uint16_t *sr, int64_t ss, const float *ws,
-                                                              const uint8_t *pf_end, float *out) {
-    if (int4) {
-        if (group == 32) a8_i4_rows(R, 32, p, b, w, rs, sr, ss, pf_end, out);
-        else a8_i4_rows(R, 64, p, b, w, rs, sr, ss, pf_end, out);
-        return;
-    }
-    const int64_t m = p->m, mv = p->mv, cols = A8_I8_COLS;   /* inputs a step (4 an int32 lane) */
+static inline __attribute__((always_inline)) void a8_i8_rows(const int R, const a8_x *p, int64_t b, const uint8_t *w,
+                                                             int64_t rs, const float *ws, const uint8_t *pf_end,
+                                                             float *out) {
+    const int64_t m = p->m, mv = p->mv, nl = mv / 4;   /* the vector part's int32 lanes (4 inputs each) */
     const int8_t *q = p->q + b * m, *v = p->v + b * mv;
     const float *ls = p->ls + b * p->nl;
     const int32_t *lc = p->lc + b * p->nl;
@@ -919,26 +930,66 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
     (void)v; (void)lc;
+    const uint8_t *w0 = w, *w1 = w + rs, *w2 = w + 2 * rs, *w3 = w + 3 * rs;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     __m256 sc0 = _mm256_set1_ps(ws[0]), sc1 = sc0, sc2 = sc0, sc3 = sc0;
     if (R == 4) sc1 = _mm256_set1_ps(ws[1]), sc2 = _mm256_set1_ps(ws[2]), sc3 = _mm256_set1_ps(ws[3]);
-    const intptr_t pf_room = pf_end ? (intptr_t)((uintptr_t)pf_end - (uintptr_t)(w + (R - 1) * rs)) - Q_PF_BYTES : 0;
-    int64_t j = 0;
-    for (; j < mv && j < pf_room; j += cols) A8_STEP(1);
-    for (; j < mv; j += cols) A8_STEP(2);
-    const __m256 accs[4] = {acc0, acc1, acc2, acc3};
-    for (int r = 0; r < R; ++r) {
-        float t[8];
-        _mm256_storeu_ps(t, accs[r]);
+    int64_t k = 0;
+    if (pf_end) {
+        /* the pairs (lanes k, k + 8) whose odd step's prefetch stays below pf_end (the last row's is the furthest):
+           4k + 32 + Q_PF_BYTES past that row below pf_end, i.e. 4k < lim */
+        const intptr_t lim = (intptr_t)((uintptr_t)pf_end - (uintptr_t)(w + (R - 1) * rs)) - Q_PF_BYTES - 32;
+        int64_t safe = lim <= 0 ? 0 : (lim + 63) / 64;
+        if (safe > nl / 16) safe = nl / 16;
+        for (const int64_t e = 16 * safe; k < e; k += 16) {
+            A8_STEP(k, 0);
+            A8_STEP(k + 8, 1);
+        }
+        for (; k < nl; k += 8) {
+            if (k & 8) A8_STEP(k, 2);
+            else A8_STEP(k, 0);
+        }
+    } else
+        for (; k < nl; k += 8) A8_STEP(k, 0);   /* (later x rows: the rows are in cache) */
+    float t[4];
+    if (R == 4) {
+        /* the four rows' lanes summed in the order of the scalar halving below (lane l + lane l + 4, then + 2, then
+           + 1, the lower lane first: the same bits), all four rows at once: a row's halves, then its pairs */
+        const __m256 u01 = _mm256_add_ps(_mm256_permute2f128_ps(acc0, acc1, 0x20),
+                                         _mm256_permute2f128_ps(acc0, acc1, 0x31)),   /* [u0 | u1] */
+                     u23 = _mm256_add_ps(_mm256_permute2f128_ps(acc2, acc3, 0x20),
+                                         _mm256_permute2f128_ps(acc2, acc3, 0x31));
+        const __m256 c = _mm256_add_ps(_mm256_shuffle_ps(u01, u23, 0x44), _mm256_shuffle_ps(u01, u23, 0xEE));
+        const __m256 h = _mm256_hadd_ps(c, c);   /* [r0 r2 r0 r2 | r1 r3 r1 r3] */
+        const __m128 sum = _mm_unpacklo_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        if (mv == m) {   /* (+ 0 as the tail's sum would be: a -0 sum becomes +0) */
+            _mm_storeu_ps(out, _mm_add_ps(sum, _mm_setzero_ps()));
+            return;
+        }
+        _mm_storeu_ps(t, sum);
+    } else {
+        float u[8];
+        _mm256_storeu_ps(u, acc0);
         for (int h = 4; h >= 1; h /= 2)
-            for (int k = 0; k < h; ++k) t[k] += t[k + h];
-        out[r] = t[0] + a8_row_scalar(0, p, b, mv, group, w + r * rs, sr + r * ss, ws[r]);
+            for (int l = 0; l < h; ++l) u[l] += u[l + h];
+        t[0] = u[0];
     }
+    for (int r = 0; r < R; ++r)
+        t[r] += a8_int8_row_scalar(mv, m, (const int8_t *)(w + r * rs), ws[r], q, p->s + b * p->nb);
+    for (int r = 0; r < R; ++r) out[r] = t[r];
 }
 #undef A8_X_LOADS
 #undef A8_STEP
 #undef A8_ROW_STEP
 #undef A8_LANES
+static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
+                                                              int64_t group, const uint8_t *w, int64_t rs,
+                                                              const uint16_t *sr, int64_t ss, const float *ws,
+                                                              const uint8_t *pf_end, float *out) {
+    if (!int4) a8_i8_rows(R, p, b, w, rs, ws, pf_end, out);
+    else if (group == 32) a8_i4_rows(R, 32, p, b, w, rs, sr, ss, pf_end, out);
+    else a8_i4_rows(R, 64, p, b, w, rs, sr, ss, pf_end, out);
+}
 #endif
 
 /* the r rows i0, i0 + stride, ... (q_step_rows) of y = add + W x^ + bias, W int8 [n, m] (row scales) or int4
@@ -984,8 +1035,20 @@ static void matvec_a8(int int4, int64_t B, int64_t n, int64_t m, int64_t group, 
         else matvec_int8(B, n, m, (const int8_t *)W, s, bias, x, add, y, nthreads);
         return;
     }
-    Q_FOR_STEPS(n, par,
-                matvec_rows_a8(int4, &p, B, n, group, i0, stride, r, W, s, bias, add, y));
+    /* int4 and the group constants in each steps' loop (round 14: one loop for all of them set up every format's
+       pointers and strides at each step, ~80 instructions of a 4-row step, spilled to the stack) */
+#if defined(A8_I8_COLS)
+    const int64_t g = 64;   /* (the vector paths take groups of 32 and 64: quantize's two) */
+#else
+    const int64_t g = group;
+#endif
+#define A8_STEPS(i4, G, BB) Q_FOR_STEPS(n, par, matvec_rows_a8(i4, &p, BB, n, G, i0, stride, r, W, s, bias, add, y))
+    if (!int4) A8_STEPS(0, 0, B);   /* (int8: B == 1 apart measured +5 % instructions, GCC's allocation) */
+    else if (B == 1 && group == 32) A8_STEPS(1, 32, 1);   /* int4: the decode's one x row a constant too */
+    else if (B == 1) A8_STEPS(1, g, 1);
+    else if (group == 32) A8_STEPS(1, 32, B);
+    else A8_STEPS(1, g, B);
+#undef A8_STEPS
     free(p.mem);
 }
 
