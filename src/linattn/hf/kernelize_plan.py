@@ -271,11 +271,12 @@ class _Slot:
     Not state: a copy or a pickle gets an empty slot."""
 
     __slots__ = ("plan", "fn", "guard", "keep", "specs", "layouts", "B", "layout", "cdt", "wdt", "recurrent", "att",
-                 "failed", "last", "spent", "alike")
+                 "failed", "last", "spent", "alike", "io", "io_table")
 
     def __init__(self):
         self.plan, self.failed = None, None
         self.last = self.spent = None   # the last token's state buffer, and the one before (`_dp.reusable_buffer`)
+        self.io_table = None   # `_conv_io`'s last table
 
     def __reduce__(self):
         return (_Slot, ())
@@ -330,6 +331,9 @@ def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
     slot.specs, slot.layouts, slot.B = [arch.state_spec(part) for part in parts], {}, None
     slot.recurrent = [i for i, p in enumerate(plans) if p.kind not in _KV_KINDS and not p.ffn_only]
     slot.att = [(i, p) for i, p in enumerate(plans) if p.kind in _KV_KINDS]
+    # whether the call can read and advance transformers' conv states in place (`_conv_io`): every recurrent layer a
+    # delta or linear block (kinds 0, 1) with a short convolution
+    slot.io = bool(slot.recurrent) and all(plans[i].kind in (0, 1) and plans[i].KC > 0 for i in slot.recurrent)
     _set_batch(slot, B)
     return True
 
@@ -399,12 +403,27 @@ _KV_KINDS = (2, 7)
 
 class _Mirror:
     """A softmax layer's keys and values in the plan's layout (`KVCache`, `[B, T, G, D]`), valid while the
-    transformers layer still holds the views made of it after the last token (`keys`, `values`)."""
+    transformers layer still holds the views made of it after the last token (`keys`, `values`); `bufs` the
+    buffers `views` last described."""
 
-    __slots__ = ("kv", "keys", "values")
+    __slots__ = ("kv", "keys", "values", "bufs", "shapes")
 
     def __init__(self, kv, keys, values):
-        self.kv, self.keys, self.values = kv, keys, values
+        self.kv, self.keys, self.values, self.bufs = kv, keys, values, None
+
+    def views(self) -> None:
+        """`keys` / `values` as transformers holds them, `[B, G, T, D]` views of the buffers' first `kv.length`
+        rows: one `as_strided` each (a slice and a transpose are two dispatches, ~2.5x the time), with the sizes
+        and strides of `kv.k[:, :T].transpose(1, 2)`, worked out again when the buffers grew."""
+        kv = self.kv
+        k, v = kv.k, kv.v
+        if self.bufs is None or self.bufs[0] is not k or self.bufs[1] is not v:
+            self.bufs = (k, v)
+            self.shapes = [(b.shape[0], b.shape[2], b.shape[3], (b.stride(0), b.stride(2), b.stride(1), b.stride(3)))
+                           for b in (k, v)]
+        (B, G, D, ks), (_, _, Dv, vs) = self.shapes
+        n = kv.length
+        self.keys, self.values = k.as_strided((B, G, n, D), ks), v.as_strided((B, G, n, Dv), vs)
 
 
 def _mirror(store: dict, i: int, layer, B: int, G: int, D: int, dt: torch.dtype, Dv: int) -> Optional[_Mirror]:
@@ -485,9 +504,13 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     # the token's position: the softmax layers' length, or where the architecture's forward takes it from
     pos = arch.position(cache, L, position_ids) if hasattr(arch, "position") else L
     S_in, s_at = _states_in(cache, lo, S_parts, cdt, slot.recurrent)
-    convs = _conv_stack(cache, lo, slot, W_parts)
+    io = _conv_io(lo, slot, W_parts) if slot.io and own is None else None
+    convs = None if io is not None else _conv_stack(cache, lo, slot, W_parts)
     W_in = W_ptr = None
-    if convs is not None:
+    slot.plan.w_io_at = io   # (every call: none left from another)
+    if io is not None:
+        cache.__dict__.pop("_linattn_conv", None)   # (its stack, if the layers hold its views, is written in place now)
+    elif convs is not None:
         prev = cache.__dict__.get("_linattn_conv")
         if prev is not None and prev[1] is convs:   # (unwritten since: the windows are the last buffer's, as written)
             W_ptr = prev[4].data_ptr() + lo.n_state * prev[4].element_size()
@@ -518,12 +541,12 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     if rc:
         raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
     slot.spent, slot.last = slot.last, buf
-    _write_recurrent(cache, lo, slot, buf, convs, arch if own is not None else None)
+    _write_recurrent(cache, lo, slot, buf, convs, arch if own is not None else None, io is not None)
     for i, _, mir in mirrors:
-        kv, c = mir.kv, layers[i]
-        kv.length += 1
-        c.keys = mir.keys = kv.k[:, :kv.length].transpose(1, 2)
-        c.values = mir.values = kv.v[:, :kv.length].transpose(1, 2)
+        c = layers[i]
+        mir.kv.length += 1
+        mir.views()
+        c.keys, c.values = mir.keys, mir.values
     return logits.float() if arch.FP32_LOGITS else logits
 
 
@@ -543,6 +566,27 @@ def _states_in(cache, lo, S_parts: list, cdt: torch.dtype, recurrent: list) -> t
     for i, s in zip(recurrent, own):
         at[i] = s.data_ptr()
     return None, ((ctypes.c_void_p * lo.L)(*at), own)
+
+
+def _conv_io(lo, slot: _Slot, W_parts: list) -> Optional[int]:
+    """The address of a table of the layers' conv states for the call to read and advance in place
+    (`ModelPlan.w_io_at`: L addresses, NULL for the layers without one), when every one is contiguous in cdt (as
+    transformers' prompt leaves them in an fp32 / fp64 model), else None (the buffers' path: `_conv_stack`). The
+    last table is kept in the slot (not in the cache, which is copied and pickled) while the layers hold the same
+    tensors at the same addresses: transformers' own step writes them in place too; a reorder, a crop or a copy
+    makes new ones. (The slot holds the tensors, so an address it compares cannot be another tensor's.)"""
+    ptrs = [w.data_ptr() for w in W_parts]
+    prev = slot.io_table
+    if prev is not None and prev[0] is lo and prev[1] == ptrs and all(map(operator.is_, W_parts, prev[2])):
+        return prev[3]
+    if not all(w.dtype == slot.cdt and w.is_contiguous() for w in W_parts):
+        return None
+    at = [None] * lo.L
+    for i, a in zip(slot.recurrent, ptrs):
+        at[i] = a
+    table = (ctypes.c_void_p * lo.L)(*at)
+    slot.io_table = (lo, ptrs, list(W_parts), ctypes.addressof(table), table)
+    return slot.io_table[3]
 
 
 def _conv_stack(cache, lo, slot: _Slot, W_parts: list) -> Optional[torch.Tensor]:
@@ -578,10 +622,11 @@ def _windows_of(convs: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
 
 
 def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[torch.Tensor] = None,
-                     own=None) -> None:
+                     own=None, io: bool = False) -> None:
     """transformers' recurrent layers after the step: states as views of the new buffer (a copy where the layer
     keeps another dtype or layout), conv states shifted by one column (all at once in `convs`, `_conv_stack`'s,
-    whose views they become, the buffer kept with them: the next token reads its windows while they are unwritten).
+    whose views they become, the buffer kept with them: the next token reads its windows while they are unwritten),
+    or nothing to do for them with `io` (the call advanced them in place: `_conv_io`).
     `own`: the description of a cache of the architecture's own, whose states it gets and sets (`get_state` /
     `set_state`; no conv windows), a new tensor where it keeps another dtype."""
     S_new, views, layers = buf[:lo.n_state], [], cache.layers
@@ -595,7 +640,7 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[
             for i, c in zip(slot.recurrent, conv_views):
                 layers[i].conv_states[0] = c
         cache.__dict__["_linattn_conv"] = (lo, convs, conv_views, convs._version, buf)
-    if own is None and slot.alike is not None and (convs is not None or not lo.n_win):
+    if own is None and slot.alike is not None and (convs is not None or io or not lo.n_win):
         # (alike layers: their views in one unbind; each detached, as below)
         n, shape = slot.alike
         news = map(_detach, S_new[:n * math.prod(shape)].view((n,) + shape).unbind(0))
@@ -624,7 +669,7 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[
         else:
             c.recurrent_states[0].copy_(st)
         views.append(c.recurrent_states[0])
-        if convs is None:
+        if convs is None and not io:
             cs, n = c.conv_states[0], lay.wshape[1] * lay.wshape[2]
             cs[..., :1].copy_(cs[..., 1:2])
             cs[..., 1:].copy_(buf[lo.n_state + lay.w_off:lo.n_state + lay.w_off + lay.wshape[0] * n]
