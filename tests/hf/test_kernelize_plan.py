@@ -353,3 +353,39 @@ def test_conv_states_in_place_and_buffers_paths_take_over_from_each_other(monkey
             assert (model._linattn_model_plan.plan.w_io_at is None) == (step == 2), step
             assert pd.close(lg[0], lg[1]), step
             tok = lg[1].argmax(-1)
+
+
+def test_state_views_made_once_per_buffer(monkeypatch):
+    """The GDN layers' recurrent states are views of the step's buffer, of which two alternate: a token given the
+    buffer of the token before last gives the layers the views made of it then (the same objects) while no one else
+    held them; a view held elsewhere is not given again (nor its buffer written) and keeps its values. The logits
+    and states stay the unpatched model's."""
+    import weakref
+
+    ref, fast = _pair()
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    refs, reused = [], []
+    with torch.no_grad():
+        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
+        tok = ids[:, -1:]
+        for step in range(8):
+            lg = [m(tok, cache=c).logits for m, c in zip((fast, ref), caches)]
+            assert pd.close(lg[0], lg[1]), step
+            tok = lg[1].argmax(-1)
+            cur = caches[0].layers[0].recurrent_states[0]
+            reused.append(step >= 2 and refs[step - 2]() is cur)
+            refs.append(weakref.ref(cur))   # (not a reference: one would stop the reuse)
+            del cur
+            if step == 4:
+                held = caches[0].layers[2].recurrent_states[0]
+                snap = held.clone()
+    assert calls.model == 8
+    assert reused == [False, False, True, True, True, True, False, True]
+    assert torch.equal(held, snap) and held is not caches[0].layers[2].recurrent_states[0]
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        if hasattr(a, "recurrent_states"):
+            assert pd.close(a.recurrent_states[0], b.recurrent_states[0])
+            assert pd.close(a.conv_states[0], b.conv_states[0])
+        else:
+            assert pd.close(a.keys, b.keys) and pd.close(a.values, b.values)

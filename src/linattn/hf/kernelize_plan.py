@@ -56,6 +56,7 @@ import math
 import operator
 import os
 import pkgutil
+import sys
 import types
 from typing import Optional, Union
 
@@ -271,12 +272,13 @@ class _Slot:
     Not state: a copy or a pickle gets an empty slot."""
 
     __slots__ = ("plan", "fn", "guard", "keep", "specs", "layouts", "B", "layout", "cdt", "wdt", "recurrent", "att",
-                 "failed", "last", "spent", "alike", "io", "io_table")
+                 "failed", "last", "spent", "alike", "io", "io_table", "last_views", "spent_views")
 
     def __init__(self):
         self.plan, self.failed = None, None
         self.last = self.spent = None   # the last token's state buffer, and the one before (`_dp.reusable_buffer`)
         self.io_table = None   # `_conv_io`'s last table
+        self.last_views = self.spent_views = None   # (S_new, the layers' state views) made of last / spent
 
     def __reduce__(self):
         return (_Slot, ())
@@ -529,7 +531,12 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         input_ids.to(torch.int64).contiguous()
     # the token before last's buffer when nothing holds it any more (the cache's states are views of the last one's)
     spent, slot.spent = slot.spent, None
-    buf = _dp.reusable_buffer(spent, lo.n_state + lo.n_win, cdt)
+    sv, slot.spent_views = slot.spent_views, None
+    if sv is not None and not _unheld(sv):
+        sv = None
+    buf = _dp.reusable_buffer(spent, lo.n_state + lo.n_win, cdt, 0 if sv is None else 1 + len(sv[1]))
+    if buf is not spent:
+        sv = None
     del spent
     logits = torch.empty(B, 1, lo.vocab, dtype=slot.wdt)
     out = buf.data_ptr()
@@ -541,7 +548,8 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     if rc:
         raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
     slot.spent, slot.last = slot.last, buf
-    _write_recurrent(cache, lo, slot, buf, convs, arch if own is not None else None, io is not None)
+    slot.spent_views, slot.last_views = slot.last_views, None
+    _write_recurrent(cache, lo, slot, buf, convs, arch if own is not None else None, io is not None, sv)
     for i, _, mir in mirrors:
         c = layers[i]
         mir.kv.length += 1
@@ -621,15 +629,26 @@ def _windows_of(convs: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     return out.view(-1)
 
 
+def _unheld(sv: tuple) -> bool:
+    """Whether `slot.spent_views`' (S_new, views) are held by nothing but the slot: the references `getrefcount`
+    sees then are the tuple's or the list's, the loop's name and its argument."""
+    return _getrefcount(sv[0]) == 2 and all(_getrefcount(v) == 3 for v in sv[1])
+
+
+_getrefcount = sys.getrefcount
+
+
 def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[torch.Tensor] = None,
-                     own=None, io: bool = False) -> None:
+                     own=None, io: bool = False, sv: Optional[tuple] = None) -> None:
     """transformers' recurrent layers after the step: states as views of the new buffer (a copy where the layer
     keeps another dtype or layout), conv states shifted by one column (all at once in `convs`, `_conv_stack`'s,
     whose views they become, the buffer kept with them: the next token reads its windows while they are unwritten),
-    or nothing to do for them with `io` (the call advanced them in place: `_conv_io`).
+    or nothing to do for them with `io` (the call advanced them in place: `_conv_io`). Alike layers' state views
+    are made once per buffer (`slot.last_views`) and given again with it (`sv`) while no one else held them.
     `own`: the description of a cache of the architecture's own, whose states it gets and sets (`get_state` /
     `set_state`; no conv windows), a new tensor where it keeps another dtype."""
-    S_new, views, layers = buf[:lo.n_state], [], cache.layers
+    # (S_new detached: a view would hold buf's object, which `_dp.reusable_buffer` counts, while the slot keeps it)
+    S_new, views, layers = buf[:lo.n_state].detach() if sv is None else sv[0], [], cache.layers
     if convs is not None:
         _shift_in(convs, buf[lo.n_state:lo.n_state + convs.numel() // convs.shape[3] * (convs.shape[3] - 1)])
         prev = cache.__dict__.get("_linattn_conv")
@@ -641,9 +660,11 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[
                 layers[i].conv_states[0] = c
         cache.__dict__["_linattn_conv"] = (lo, convs, conv_views, convs._version, buf)
     if own is None and slot.alike is not None and (convs is not None or io or not lo.n_win):
-        # (alike layers: their views in one unbind; each detached, as below)
+        # (alike layers: their views in one unbind, each detached as below; or the ones made of this buffer
+        # before, which no one held since)
         n, shape = slot.alike
-        news = map(_detach, S_new[:n * math.prod(shape)].view((n,) + shape).unbind(0))
+        news = list(map(_detach, S_new[:n * math.prod(shape)].view((n,) + shape).unbind(0))) if sv is None \
+            else sv[1]
         for i, st in zip(slot.recurrent, news):
             rs = layers[i].recurrent_states
             if rs[0].dtype == slot.cdt:
@@ -652,6 +673,8 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[
                 rs[0].copy_(st)
             views.append(rs[0])
         cache.__dict__["_linattn_states"] = (lo, views, S_new)
+        if all(map(operator.is_, views, news)):
+            slot.last_views = (S_new, news)
         return
     for i in slot.recurrent:
         lay = lo.layers[i]
