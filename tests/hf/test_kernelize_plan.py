@@ -389,3 +389,29 @@ def test_state_views_made_once_per_buffer(monkeypatch):
             assert pd.close(a.conv_states[0], b.conv_states[0])
         else:
             assert pd.close(a.keys, b.keys) and pd.close(a.values, b.values)
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "kimi"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_conv_states_in_place_same_bits_as_buffers_other_kinds(arch, B, monkeypatch):
+    """The Mamba2 (kind 5, the conv over xBC after z) and KDA (kind 4) blocks read and advance transformers' conv
+    states in place too: bit for bit the buffers' path, token by token; and the unpatched model's logits."""
+    if arch == "mamba2":
+        from tests.hf.test_kernelize_plan_mamba2 import _pair as pair
+    else:
+        from tests.hf.test_kernelize_plan_kimi import _pair as pair
+    # (Kimi: an MLA layer between, whose length gives the tokens' positions)
+    ref, model = pair() if arch == "mamba2" else pair(layers=("linear_attention", "full_attention", "linear_attention"))
+    calls = CompiledDecodeCalls(monkeypatch)
+    got, want = _decoded(model, B, 5, lambda step: True), _decoded(model, B, 5, lambda step: False)
+    assert calls.model == 10
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g[0], w[0]) and all(map(torch.equal, g[1] + g[2], w[1] + w[2])), step
+    ids = pd.prompt(B, 5)
+    with torch.no_grad():
+        cache = ref(ids, use_cache=True).cache
+        tok = ids[:, -1:]
+        for step in range(5):
+            lg = ref(tok, cache=cache).logits
+            assert pd.close(got[step][0].float(), lg.float()), step
+            tok = lg.argmax(-1)

@@ -164,7 +164,7 @@ class ModelPlan(ctypes.Structure):
                 # (o52) per call, NULL or L addresses: layer l's input state at s_in_at[l] instead of S_in + s_off[l]
                 + [("s_in_at", ctypes.c_void_p)]
                 # (kg) per call, NULL or L addresses: layer l's conv state as transformers keeps it, [B, C, KC], read
-                # and advanced in place to [old[1:] | x] instead of w_in / w_out + w_off[l] (kinds 0 and 1)
+                # and advanced in place to [old[1:] | x] instead of w_in / w_out + w_off[l] (kinds 0, 1, 4, 5)
                 + [("w_io_at", ctypes.c_void_p)])
 
 
@@ -276,7 +276,7 @@ LIBRARIES: Dict[str, Library] = {
         # plan, ids, S_in, w_in -> S_out, w_out, logits, aux
         Fn("linattn_decode_model", (_plan(ModelPlan),) + (c_ptr,) * 7,
            errors={1: OUT_OF_MEMORY, 2: "was given a token id outside [0, vocab) (nothing written)",
-                   3: "was given a conv state in place (w_io_at) for a block kind other than 0 and 1"}),
+                   3: "was given a conv state in place (w_io_at) for a block kind other than 0, 1, 4, 5"}),
         # fmt, W, scales, group, B, n, m, bias, x, add -> y; threads
         Fn("linattn_decode_matvec_f32", (c_int, c_ptr, c_ptr) + (c_i64,) * 4 + (c_ptr,) * 4 + (c_int,), restype=None,
            typed=False, status=False),

@@ -28,8 +28,9 @@ Copies (`1 + w`, `-exp(A_log)`, Qwen3-Next's regrouped projections) are guarded 
 (`decode_plan.PlanGuard`): an in-place weight update rebuilds the plan.
 
 transformers' cache objects stay valid after every token, each written on that token:
-* a GDN layer's recurrent state becomes a view of the step's output buffer (a dict assignment, no copy); its conv
-  state (the last K inputs, where the plan keeps K - 1) is shifted and copied (C x K values per row);
+* a GDN layer's recurrent state becomes a view of the step's output buffer (a dict assignment, no copy; made once
+  per buffer, two alternating); its conv state (the last K inputs, where the plan keeps K - 1) is read and
+  advanced in place by the compiled call (`[old[1:] | x]`, fp32 / fp64 states), else shifted and copied after it;
 * a softmax layer's `keys` / `values` become `[B, KV heads, T, D]` views (permuted, no copy) of a buffer of
   linattn's `[B, T, KV heads, D]` layout into which the compiled call writes the new row; it is reused while the
   layer still holds the views of the last token, else rebuilt from what the layer holds (a crop, a reorder, a
@@ -334,8 +335,9 @@ def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
     slot.recurrent = [i for i, p in enumerate(plans) if p.kind not in _KV_KINDS and not p.ffn_only]
     slot.att = [(i, p) for i, p in enumerate(plans) if p.kind in _KV_KINDS]
     # whether the call can read and advance transformers' conv states in place (`_conv_io`): every recurrent layer a
-    # delta or linear block (kinds 0, 1) with a short convolution
-    slot.io = bool(slot.recurrent) and all(plans[i].kind in (0, 1) and plans[i].KC > 0 for i in slot.recurrent)
+    # delta, linear, KDA or Mamba2 block (kinds 0, 1, 4, 5) with a short convolution
+    slot.io = bool(slot.recurrent) and all(plans[i].kind in (0, 1, 4, 5) and plans[i].KC > 0
+                                           for i in slot.recurrent)
     _set_batch(slot, B)
     return True
 

@@ -469,7 +469,7 @@ typedef struct {
        entries on the first token after another path wrote them, instead of a gathered copy of every state */
     const void *const *s_in_at;
     /* set per call (NULL: the buffers): layer l's conv window as transformers keeps it at w_io_at[l] (NULL: w_in /
-       w_out + w_off[l]), its conv state [B, C, KC] read and advanced in place to [old[1:] | x] (kinds 0 and 1) */
+       w_out + w_off[l]), its conv state [B, C, KC] read and advanced in place to [old[1:] | x] (kinds 0, 1, 4, 5) */
     void *const *w_io_at;
 } linattn_model_plan;
 LA_EXPORT_SIZEOF(model_plan)
@@ -1488,11 +1488,11 @@ static void FN(postnorm_add)(int64_t B, int64_t d, const REAL *res, REAL *y, con
 }
 
 /* x [B, d] -> x_out [B, d]; the mixer's conv window w_in -> w_out and state S_in -> S_out (S_in, w_in NULL
-   before the first token); w_io (kinds 0 and 1 only): the window as transformers keeps it instead, [B, C, KC] read
-   and advanced in place (FN(conv_io)). Returns 0, or 1 when out of memory, 3 w_io for another kind. */
+   before the first token); w_io (kinds 0, 1, 4 and 5 only): the window as transformers keeps it instead, [B, C, KC]
+   read and advanced in place (FN(conv_io)). Returns 0, or 1 when out of memory, 3 w_io for another kind. */
 static int FN(decode_block_io)(const linattn_block_plan *p, const REAL *x, const REAL *w_in, const REAL *S_in,
                                REAL *w_out, REAL *S_out, REAL *x_out, REAL *w_io) {
-    if (w_io && p->kind != 0 && p->kind != 1) return 3;
+    if (w_io && p->kind != 0 && p->kind != 1 && p->kind != 4 && p->kind != 5) return 3;
     const int64_t B = p->B, d = p->d, ny = p->ny, no = p->HV * p->V, hid = p->hid;
     const int64_t nwork = B * (2 * d + ny + no + (p->has_ffn ? 3 * hid : 0));
     LT_START(lt);
@@ -1515,9 +1515,9 @@ static int FN(decode_block_io)(const linattn_block_plan *p, const REAL *x, const
     if (p->kind == 2)
         rc = FN(softmax_mix)(p, xn, y, o);
     else if (p->kind == 4)
-        rc = FN(kda_mix)(p, y, w_in, S_in, w_out, S_out, o);
+        rc = FN(kda_mix)(p, y, w_in, S_in, w_out, S_out, o, w_io);
     else if (p->kind == 5)
-        rc = FN(mamba2_mix)(p, y, w_in, S_in, w_out, S_out, o);
+        rc = FN(mamba2_mix)(p, y, w_in, S_in, w_out, S_out, o, w_io);
     else if (p->kind == 3)
         rc = FN(decode_linear_log)(p, y, ny, w_in, w_out, S_in, S_out, o);
     else if (p->kind == 6)
