@@ -262,11 +262,156 @@ def test_conv_states_shift_by_one_column_bit_for_bit(dtype, monkeypatch):
             tok = fast(tok, cache=cache).logits.argmax(-1)
             slot = fast._linattn_model_plan
             lo, buf = slot.layout, slot.last
+            # (fp32: the call advanced transformers' conv states in place, `_conv_io`; bf16: the buffers' path)
+            assert (slot.plan.w_io_at is not None) == (dtype == torch.float32)
             for i, old in zip(gdn, before):
                 lay, new = lo.layers[i], cache.layers[i].conv_states[0]
-                win = buf[lo.n_state + lay.w_off:lo.n_state + lay.w_off + math.prod(lay.wshape)].view(lay.wshape)
                 assert new.dtype == dtype and new.shape == old.shape
                 assert torch.equal(new[..., :-1], old[..., 1:]), (step, i)
+                if dtype == torch.float32:
+                    continue   # (the plan's buffer holds no windows: test_conv_states_in_place_same_bits_as_buffers)
+                win = buf[lo.n_state + lay.w_off:lo.n_state + lay.w_off + math.prod(lay.wshape)].view(lay.wshape)
                 assert torch.equal(new[..., -1], win[..., -1].to(dtype)), (step, i)
                 assert torch.equal(new[..., 1:], win.to(dtype)), (step, i)   # (the plan's whole window)
     assert calls.model == 7
+
+
+def _gdn_pair(dtype, gdn: dict, layers=("linear_attention",) * 3 + ("full_attention",)):
+    """(unpatched, kernelized) Qwen3.5 with the GDN shape `gdn` changes."""
+    cfg = transformers.Qwen3_5TextConfig(**ATTN, **{**GDN, **gdn}, num_hidden_layers=len(layers),
+                                         layer_types=list(layers))
+    return pd.perturbed_pair(transformers.Qwen3_5ForCausalLM, cfg, dtype, moved=("norm", "A_log", "dt_bias"),
+                             scaled=("q_proj", "k_proj"))
+
+
+def _decoded(model, B: int, n: int, io) -> list:
+    """(logits, recurrent states, conv states) after each of n compiled tokens after a 5-token prompt; io(step):
+    whether the step may take the in-place path (False: `_conv_io` refuses, the buffers' path runs)."""
+    import linattn.hf.kernelize_plan as kp
+    conv_io, out = kp._conv_io, []
+    ids = pd.prompt(B, 5)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+        tok = ids[:, -1:]
+        for step in range(n):
+            kp._conv_io = conv_io if io(step) else (lambda *a: None)
+            try:
+                lg = model(tok, cache=cache).logits
+            finally:
+                kp._conv_io = conv_io
+            assert (model._linattn_model_plan.plan.w_io_at is not None) == io(step)
+            lay = [c for c in cache.layers if hasattr(c, "conv_states")]
+            out.append((lg.clone(), [c.recurrent_states[0].clone() for c in lay],
+                        [c.conv_states[0].clone() for c in lay]))
+            tok = lg.argmax(-1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gdn", [{}, dict(linear_key_head_dim=10, linear_value_head_dim=7),
+                                 dict(linear_conv_kernel_dim=3),
+                                 dict(linear_conv_kernel_dim=5, linear_key_head_dim=10, linear_value_head_dim=7)])
+@pytest.mark.parametrize("B", [1, 3])
+def test_conv_states_in_place_same_bits_as_buffers(B, gdn, dtype, monkeypatch):
+    """fp32 / fp64: the compiled call reads each GDN layer's conv state `[B, C, K]` as transformers keeps it and
+    advances it in place to `[old[1:] | x]` (kernelize_plan._conv_io, csrc/decode.c conv_io): after every token the
+    logits, recurrent states and conv states are the buffers' path's (the plan's windows in, a memmove and a column
+    copy after, `_shift_in`) bit for bit. C = 96 channels (whole blocks of the vectorised K = 4 pass) and 68 (a
+    partial last block), K = 3 and 5 (the generic loop), batch 1 and 3."""
+    calls = CompiledDecodeCalls(monkeypatch)
+    model = _gdn_pair(dtype, gdn)[1]
+    got, want = _decoded(model, B, 6, lambda step: True), _decoded(model, B, 6, lambda step: False)
+    assert calls.model == 12
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g[0], w[0]), step
+        for a, b in zip(g[1] + g[2], w[1] + w[2]):
+            assert torch.equal(a, b), step
+
+
+def test_conv_states_in_place_and_buffers_paths_take_over_from_each_other(monkeypatch):
+    """Tokens by the buffers' path (the layers' conv states views of its stack), then in place, then the buffers'
+    path again (the stack it left is stale: it must not be read), then a conv state that is not contiguous (the
+    buffers' path), then in place again: the same bits as in place throughout, and transformers' logits."""
+    ref, model = _gdn_pair(torch.float32, {})
+    mode = [False, False, True, True, False, False, True, True]
+    want = _decoded(model, 2, len(mode), lambda step: True)
+    got = _decoded(model, 2, len(mode), lambda step: mode[step])
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g[0], w[0]) and all(map(torch.equal, g[1] + g[2], w[1] + w[2])), step
+    # a conv state replaced by a non-contiguous one between tokens: the buffers' path, then in place again
+    ids = pd.prompt(2, 5)
+    with torch.no_grad():
+        caches = [m(ids, use_cache=True).cache for m in (model, ref)]
+        tok = ids[:, -1:]
+        for step in range(5):
+            if step == 2:
+                for c in caches:
+                    cs = c.layers[1].conv_states[0]
+                    c.layers[1].conv_states[0] = torch.empty(cs.shape[0], cs.shape[2], cs.shape[1]).transpose(1, 2)
+                    c.layers[1].conv_states[0].copy_(cs)
+            lg = [m(tok, cache=c).logits for m, c in zip((model, ref), caches)]
+            assert (model._linattn_model_plan.plan.w_io_at is None) == (step == 2), step
+            assert pd.close(lg[0], lg[1]), step
+            tok = lg[1].argmax(-1)
+
+
+def test_state_views_made_once_per_buffer(monkeypatch):
+    """The GDN layers' recurrent states are views of the step's buffer, of which two alternate: a token given the
+    buffer of the token before last gives the layers the views made of it then (the same objects) while no one else
+    held them; a view held elsewhere is not given again (nor its buffer written) and keeps its values. The logits
+    and states stay the unpatched model's."""
+    import weakref
+
+    ref, fast = _pair()
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    refs, reused = [], []
+    with torch.no_grad():
+        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
+        tok = ids[:, -1:]
+        for step in range(8):
+            lg = [m(tok, cache=c).logits for m, c in zip((fast, ref), caches)]
+            assert pd.close(lg[0], lg[1]), step
+            tok = lg[1].argmax(-1)
+            cur = caches[0].layers[0].recurrent_states[0]
+            reused.append(step >= 2 and refs[step - 2]() is cur)
+            refs.append(weakref.ref(cur))   # (not a reference: one would stop the reuse)
+            del cur
+            if step == 4:
+                held = caches[0].layers[2].recurrent_states[0]
+                snap = held.clone()
+    assert calls.model == 8
+    assert reused == [False, False, True, True, True, True, False, True]
+    assert torch.equal(held, snap) and held is not caches[0].layers[2].recurrent_states[0]
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        if hasattr(a, "recurrent_states"):
+            assert pd.close(a.recurrent_states[0], b.recurrent_states[0])
+            assert pd.close(a.conv_states[0], b.conv_states[0])
+        else:
+            assert pd.close(a.keys, b.keys) and pd.close(a.values, b.values)
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "kimi"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_conv_states_in_place_same_bits_as_buffers_other_kinds(arch, B, monkeypatch):
+    """The Mamba2 (kind 5, the conv over xBC after z) and KDA (kind 4) blocks read and advance transformers' conv
+    states in place too: bit for bit the buffers' path, token by token; and the unpatched model's logits."""
+    if arch == "mamba2":
+        from tests.hf.test_kernelize_plan_mamba2 import _pair as pair
+    else:
+        from tests.hf.test_kernelize_plan_kimi import _pair as pair
+    # (Kimi: an MLA layer between, whose length gives the tokens' positions)
+    ref, model = pair() if arch == "mamba2" else pair(layers=("linear_attention", "full_attention", "linear_attention"))
+    calls = CompiledDecodeCalls(monkeypatch)
+    got, want = _decoded(model, B, 5, lambda step: True), _decoded(model, B, 5, lambda step: False)
+    assert calls.model == 10
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g[0], w[0]) and all(map(torch.equal, g[1] + g[2], w[1] + w[2])), step
+    ids = pd.prompt(B, 5)
+    with torch.no_grad():
+        cache = ref(ids, use_cache=True).cache
+        tok = ids[:, -1:]
+        for step in range(5):
+            lg = ref(tok, cache=cache).logits
+            assert pd.close(got[step][0].float(), lg.float()), step
+            tok = lg.argmax(-1)

@@ -164,7 +164,10 @@ class ModelPlan(ctypes.Structure):
                 + [(n, ctypes.c_int32) for n in ("emb_scaled", "logits_scaled")]
                 + [(n, ctypes.c_double) for n in ("emb_scale", "logits_div")]
                 # (o52) per call, NULL or L addresses: layer l's input state at s_in_at[l] instead of S_in + s_off[l]
-                + [("s_in_at", ctypes.c_void_p)])
+                + [("s_in_at", ctypes.c_void_p)]
+                # (kg) per call, NULL or L addresses: layer l's conv state as transformers keeps it, [B, C, KC], read
+                # and advanced in place to [old[1:] | x] instead of w_in / w_out + w_off[l] (kinds 0, 1, 4, 5)
+                + [("w_io_at", ctypes.c_void_p)])
 
 
 class Fn(NamedTuple):
@@ -260,7 +263,7 @@ LIBRARIES: Dict[str, Library] = {
         Fn("linattn_rwkv7_bwd", (c_i64,) * 4 + (c_ptr,) * 7 + (c_double,) + (c_ptr,) * 2 + (c_i64,) + (c_ptr,) * 8
            + (c_int,)),
     )),
-    "decode": Library(6, (
+    "decode": Library(7, (
         # B, H, HV, K, V, y, ldy, KC, w_in, cw, cb, conv_act, w_out, kind, l2conv, q_l2, l2eps, scale, beta_mode,
         # alpha, gated, neg_a, dt_bias, S_in, S_out, has_norm, nw, norm_eps, has_gate, out, threads
         Fn("linattn_decode_delta", (c_i64,) * 5 + (c_ptr, c_i64, c_i64) + (c_ptr,) * 3 + (c_int, c_ptr) + (c_int,) * 3
@@ -274,7 +277,8 @@ LIBRARIES: Dict[str, Library] = {
         Fn("linattn_decode_block", (_plan(BlockPlan),) + (c_ptr,) * 6),
         # plan, ids, S_in, w_in -> S_out, w_out, logits, aux
         Fn("linattn_decode_model", (_plan(ModelPlan),) + (c_ptr,) * 7,
-           errors={1: OUT_OF_MEMORY, 2: "was given a token id outside [0, vocab) (nothing written)"}),
+           errors={1: OUT_OF_MEMORY, 2: "was given a token id outside [0, vocab) (nothing written)",
+                   3: "was given a conv state in place (w_io_at) for a block kind other than 0, 1, 4, 5"}),
         # fmt, W, scales, group, B, n, m, bias, x, add -> y; threads
         Fn("linattn_decode_matvec_f32", (c_int, c_ptr, c_ptr) + (c_i64,) * 4 + (c_ptr,) * 4 + (c_int,), restype=None,
            typed=False, status=False),

@@ -28,8 +28,9 @@ Copies (`1 + w`, `-exp(A_log)`, Qwen3-Next's regrouped projections) are guarded 
 (`decode_plan.PlanGuard`): an in-place weight update rebuilds the plan.
 
 transformers' cache objects stay valid after every token, each written on that token:
-* a GDN layer's recurrent state becomes a view of the step's output buffer (a dict assignment, no copy); its conv
-  state (the last K inputs, where the plan keeps K - 1) is shifted and copied (C x K values per row);
+* a GDN layer's recurrent state becomes a view of the step's output buffer (a dict assignment, no copy; made once
+  per buffer, two alternating); its conv state (the last K inputs, where the plan keeps K - 1) is read and
+  advanced in place by the compiled call (`[old[1:] | x]`, fp32 / fp64 states), else shifted and copied after it;
 * a softmax layer's `keys` / `values` become `[B, KV heads, T, D]` views (permuted, no copy) of a buffer of
   linattn's `[B, T, KV heads, D]` layout into which the compiled call writes the new row; it is reused while the
   layer still holds the views of the last token, else rebuilt from what the layer holds (a crop, a reorder, a
@@ -56,6 +57,7 @@ import math
 import operator
 import os
 import pkgutil
+import sys
 import types
 from typing import Optional, Union
 
@@ -271,11 +273,13 @@ class _Slot:
     Not state: a copy or a pickle gets an empty slot."""
 
     __slots__ = ("plan", "fn", "guard", "keep", "specs", "layouts", "B", "layout", "cdt", "wdt", "recurrent", "att",
-                 "failed", "last", "spent", "alike")
+                 "failed", "last", "spent", "alike", "io", "io_table", "last_views", "spent_views")
 
     def __init__(self):
         self.plan, self.failed = None, None
         self.last = self.spent = None   # the last token's state buffer, and the one before (`_dp.reusable_buffer`)
+        self.io_table = None   # `_conv_io`'s last table
+        self.last_views = self.spent_views = None   # (S_new, the layers' state views) made of last / spent
 
     def __reduce__(self):
         return (_Slot, ())
@@ -330,6 +334,10 @@ def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
     slot.specs, slot.layouts, slot.B = [arch.state_spec(part) for part in parts], {}, None
     slot.recurrent = [i for i, p in enumerate(plans) if p.kind not in _KV_KINDS and not p.ffn_only]
     slot.att = [(i, p) for i, p in enumerate(plans) if p.kind in _KV_KINDS]
+    # whether the call can read and advance transformers' conv states in place (`_conv_io`): every recurrent layer a
+    # delta, linear, KDA or Mamba2 block (kinds 0, 1, 4, 5) with a short convolution
+    slot.io = bool(slot.recurrent) and all(plans[i].kind in (0, 1, 4, 5) and plans[i].KC > 0
+                                           for i in slot.recurrent)
     _set_batch(slot, B)
     return True
 
@@ -399,12 +407,27 @@ _KV_KINDS = (2, 7)
 
 class _Mirror:
     """A softmax layer's keys and values in the plan's layout (`KVCache`, `[B, T, G, D]`), valid while the
-    transformers layer still holds the views made of it after the last token (`keys`, `values`)."""
+    transformers layer still holds the views made of it after the last token (`keys`, `values`); `bufs` the
+    buffers `views` last described."""
 
-    __slots__ = ("kv", "keys", "values")
+    __slots__ = ("kv", "keys", "values", "bufs", "shapes")
 
     def __init__(self, kv, keys, values):
-        self.kv, self.keys, self.values = kv, keys, values
+        self.kv, self.keys, self.values, self.bufs = kv, keys, values, None
+
+    def views(self) -> None:
+        """`keys` / `values` as transformers holds them, `[B, G, T, D]` views of the buffers' first `kv.length`
+        rows: one `as_strided` each (a slice and a transpose are two dispatches, ~2.5x the time), with the sizes
+        and strides of `kv.k[:, :T].transpose(1, 2)`, worked out again when the buffers grew."""
+        kv = self.kv
+        k, v = kv.k, kv.v
+        if self.bufs is None or self.bufs[0] is not k or self.bufs[1] is not v:
+            self.bufs = (k, v)
+            self.shapes = [(b.shape[0], b.shape[2], b.shape[3], (b.stride(0), b.stride(2), b.stride(1), b.stride(3)))
+                           for b in (k, v)]
+        (B, G, D, ks), (_, _, Dv, vs) = self.shapes
+        n = kv.length
+        self.keys, self.values = k.as_strided((B, G, n, D), ks), v.as_strided((B, G, n, Dv), vs)
 
 
 def _mirror(store: dict, i: int, layer, B: int, G: int, D: int, dt: torch.dtype, Dv: int) -> Optional[_Mirror]:
@@ -485,9 +508,13 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     # the token's position: the softmax layers' length, or where the architecture's forward takes it from
     pos = arch.position(cache, L, position_ids) if hasattr(arch, "position") else L
     S_in, s_at = _states_in(cache, lo, S_parts, cdt, slot.recurrent)
-    convs = _conv_stack(cache, lo, slot, W_parts)
+    io = _conv_io(lo, slot, W_parts) if slot.io and own is None else None
+    convs = None if io is not None else _conv_stack(cache, lo, slot, W_parts)
     W_in = W_ptr = None
-    if convs is not None:
+    slot.plan.w_io_at = io   # (every call: none left from another)
+    if io is not None:
+        cache.__dict__.pop("_linattn_conv", None)   # (its stack, if the layers hold its views, is written in place now)
+    elif convs is not None:
         prev = cache.__dict__.get("_linattn_conv")
         if prev is not None and prev[1] is convs:   # (unwritten since: the windows are the last buffer's, as written)
             W_ptr = prev[4].data_ptr() + lo.n_state * prev[4].element_size()
@@ -506,7 +533,12 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         input_ids.to(torch.int64).contiguous()
     # the token before last's buffer when nothing holds it any more (the cache's states are views of the last one's)
     spent, slot.spent = slot.spent, None
-    buf = _dp.reusable_buffer(spent, lo.n_state + lo.n_win, cdt)
+    sv, slot.spent_views = slot.spent_views, None
+    if sv is not None and not _unheld(sv):
+        sv = None
+    buf = _dp.reusable_buffer(spent, lo.n_state + lo.n_win, cdt, 0 if sv is None else 1 + len(sv[1]))
+    if buf is not spent:
+        sv = None
     del spent
     logits = torch.empty(B, 1, lo.vocab, dtype=slot.wdt)
     out = buf.data_ptr()
@@ -518,12 +550,13 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     if rc:
         raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
     slot.spent, slot.last = slot.last, buf
-    _write_recurrent(cache, lo, slot, buf, convs, arch if own is not None else None)
+    slot.spent_views, slot.last_views = slot.last_views, None
+    _write_recurrent(cache, lo, slot, buf, convs, arch if own is not None else None, io is not None, sv)
     for i, _, mir in mirrors:
-        kv, c = mir.kv, layers[i]
-        kv.length += 1
-        c.keys = mir.keys = kv.k[:, :kv.length].transpose(1, 2)
-        c.values = mir.values = kv.v[:, :kv.length].transpose(1, 2)
+        c = layers[i]
+        mir.kv.length += 1
+        mir.views()
+        c.keys, c.values = mir.keys, mir.values
     return logits.float() if arch.FP32_LOGITS else logits
 
 
@@ -543,6 +576,27 @@ def _states_in(cache, lo, S_parts: list, cdt: torch.dtype, recurrent: list) -> t
     for i, s in zip(recurrent, own):
         at[i] = s.data_ptr()
     return None, ((ctypes.c_void_p * lo.L)(*at), own)
+
+
+def _conv_io(lo, slot: _Slot, W_parts: list) -> Optional[int]:
+    """The address of a table of the layers' conv states for the call to read and advance in place
+    (`ModelPlan.w_io_at`: L addresses, NULL for the layers without one), when every one is contiguous in cdt (as
+    transformers' prompt leaves them in an fp32 / fp64 model), else None (the buffers' path: `_conv_stack`). The
+    last table is kept in the slot (not in the cache, which is copied and pickled) while the layers hold the same
+    tensors at the same addresses: transformers' own step writes them in place too; a reorder, a crop or a copy
+    makes new ones. (The slot holds the tensors, so an address it compares cannot be another tensor's.)"""
+    ptrs = [w.data_ptr() for w in W_parts]
+    prev = slot.io_table
+    if prev is not None and prev[0] is lo and prev[1] == ptrs and all(map(operator.is_, W_parts, prev[2])):
+        return prev[3]
+    if not all(w.dtype == slot.cdt and w.is_contiguous() for w in W_parts):
+        return None
+    at = [None] * lo.L
+    for i, a in zip(slot.recurrent, ptrs):
+        at[i] = a
+    table = (ctypes.c_void_p * lo.L)(*at)
+    slot.io_table = (lo, ptrs, list(W_parts), ctypes.addressof(table), table)
+    return slot.io_table[3]
 
 
 def _conv_stack(cache, lo, slot: _Slot, W_parts: list) -> Optional[torch.Tensor]:
@@ -577,14 +631,26 @@ def _windows_of(convs: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     return out.view(-1)
 
 
+def _unheld(sv: tuple) -> bool:
+    """Whether `slot.spent_views`' (S_new, views) are held by nothing but the slot: the references `getrefcount`
+    sees then are the tuple's or the list's, the loop's name and its argument."""
+    return _getrefcount(sv[0]) == 2 and all(_getrefcount(v) == 3 for v in sv[1])
+
+
+_getrefcount = sys.getrefcount
+
+
 def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[torch.Tensor] = None,
-                     own=None) -> None:
+                     own=None, io: bool = False, sv: Optional[tuple] = None) -> None:
     """transformers' recurrent layers after the step: states as views of the new buffer (a copy where the layer
     keeps another dtype or layout), conv states shifted by one column (all at once in `convs`, `_conv_stack`'s,
-    whose views they become, the buffer kept with them: the next token reads its windows while they are unwritten).
+    whose views they become, the buffer kept with them: the next token reads its windows while they are unwritten),
+    or nothing to do for them with `io` (the call advanced them in place: `_conv_io`). Alike layers' state views
+    are made once per buffer (`slot.last_views`) and given again with it (`sv`) while no one else held them.
     `own`: the description of a cache of the architecture's own, whose states it gets and sets (`get_state` /
     `set_state`; no conv windows), a new tensor where it keeps another dtype."""
-    S_new, views, layers = buf[:lo.n_state], [], cache.layers
+    # (S_new detached: a view would hold buf's object, which `_dp.reusable_buffer` counts, while the slot keeps it)
+    S_new, views, layers = buf[:lo.n_state].detach() if sv is None else sv[0], [], cache.layers
     if convs is not None:
         _shift_in(convs, buf[lo.n_state:lo.n_state + convs.numel() // convs.shape[3] * (convs.shape[3] - 1)])
         prev = cache.__dict__.get("_linattn_conv")
@@ -595,10 +661,12 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[
             for i, c in zip(slot.recurrent, conv_views):
                 layers[i].conv_states[0] = c
         cache.__dict__["_linattn_conv"] = (lo, convs, conv_views, convs._version, buf)
-    if own is None and slot.alike is not None and (convs is not None or not lo.n_win):
-        # (alike layers: their views in one unbind; each detached, as below)
+    if own is None and slot.alike is not None and (convs is not None or io or not lo.n_win):
+        # (alike layers: their views in one unbind, each detached as below; or the ones made of this buffer
+        # before, which no one held since)
         n, shape = slot.alike
-        news = map(_detach, S_new[:n * math.prod(shape)].view((n,) + shape).unbind(0))
+        news = list(map(_detach, S_new[:n * math.prod(shape)].view((n,) + shape).unbind(0))) if sv is None \
+            else sv[1]
         for i, st in zip(slot.recurrent, news):
             rs = layers[i].recurrent_states
             if rs[0].dtype == slot.cdt:
@@ -607,6 +675,8 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[
                 rs[0].copy_(st)
             views.append(rs[0])
         cache.__dict__["_linattn_states"] = (lo, views, S_new)
+        if all(map(operator.is_, views, news)):
+            slot.last_views = (S_new, news)
         return
     for i in slot.recurrent:
         lay = lo.layers[i]
@@ -624,7 +694,7 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[
         else:
             c.recurrent_states[0].copy_(st)
         views.append(c.recurrent_states[0])
-        if convs is None:
+        if convs is None and not io:
             cs, n = c.conv_states[0], lay.wshape[1] * lay.wshape[2]
             cs[..., :1].copy_(cs[..., 1:2])
             cs[..., 1:].copy_(buf[lo.n_state + lay.w_off:lo.n_state + lay.w_off + lay.wshape[0] * n]

@@ -1403,15 +1403,16 @@ _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 _SPENT_REFS = 3
 
 
-def reusable_buffer(spent, n: int, dtype: torch.dtype) -> torch.Tensor:
+def reusable_buffer(spent, n: int, dtype: torch.dtype, held: int = 0) -> torch.Tensor:
     """A buffer of n elements for a whole-model step's new states: the one the token before last wrote (`spent`, a
     plan slot's, the caller's only reference) when nothing else holds its memory (no view of it in a cache entry or
-    anywhere: the tensor and the storage object asked here are the only references), else a fresh one. A fresh 18
-    MiB buffer a token (the 530M shape's states) is 3,200 page faults on 4 KiB pages, or nine 2 MiB pages the kernel
-    zeroes: the allocator hands the freed one back to the system. Used by linattn's and the kernelized plans."""
+    anywhere: the tensor and the storage object asked here are the only references, besides `held` views of it the
+    caller keeps and has found no one else holding), else a fresh one. A fresh 18 MiB buffer a token (the 530M
+    shape's states) is 3,200 page faults on 4 KiB pages, or nine 2 MiB pages the kernel zeroes: the allocator hands
+    the freed one back to the system. Used by linattn's and the kernelized plans."""
     if (type(spent) is torch.Tensor and _storage_use_count is not None and spent.dtype == dtype
             and spent.numel() == n and sys.getrefcount(spent) <= _SPENT_REFS
-            and _storage_use_count(spent.untyped_storage()._cdata) == 2):
+            and _storage_use_count(spent.untyped_storage()._cdata) == 2 + held):
         return spent
     return _hugepages.empty(n, dtype)
 

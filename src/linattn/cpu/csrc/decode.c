@@ -21,7 +21,7 @@
 
 #include "common.h"
 
-LA_ABI_VERSION(decode, 6)
+LA_ABI_VERSION(decode, 7)
 
 /* the most parts a fused product is read from (the plan's parts_W / parts_Wgu tables) */
 #define PLAN_PARTS 8
@@ -468,6 +468,9 @@ typedef struct {
     /* set per call (NULL: S_in + s_off[l]): layer l's input state at s_in_at[l] (NULL: none yet), the cache's own
        entries on the first token after another path wrote them, instead of a gathered copy of every state */
     const void *const *s_in_at;
+    /* set per call (NULL: the buffers): layer l's conv window as transformers keeps it at w_io_at[l] (NULL: w_in /
+       w_out + w_off[l]), its conv state [B, C, KC] read and advanced in place to [old[1:] | x] (kinds 0, 1, 4, 5) */
+    void *const *w_io_at;
 } linattn_model_plan;
 LA_EXPORT_SIZEOF(model_plan)
 
@@ -670,6 +673,104 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
             u[b * C + c] = act ? FN(la_silu)(acc) : acc;
             for (int64_t j = 0; j + 1 < W; ++j) wo[j] = win ? win[j + 1] : (REAL)0;
             if (W > 0) wo[W - 1] = xt;
+        }
+}
+
+/* FN(conv) on a window kept as transformers keeps it: w [B, C, KC] (a GDN layer's conv state, the last KC inputs,
+   `[old[1:] | x]` after each step), whose last KC - 1 columns are the window, advanced in place to [w[1:] | token]
+   in the same pass (transformers' conv state is then what its own update writes, and no shift is left to do
+   outside the call). The same operations in the same order as FN(conv) on the window w[.., 1:]: the same bits.
+   In place, so no restrict: a channel reads its own row before it writes it, and no other. */
+static void FN(conv_io)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ldy, REAL *w, const REAL *cw,
+                        const REAL *cb, int act, REAL *u) {
+    const int64_t W = KC - 1;
+    if (W == 3) {   /* (FN(conv)'s vectorised pass, its window now rows of 4 from +1) */
+        for (int64_t b = 0; b < B; ++b) {
+            REAL *wb = w + b * C * 4, *restrict ub = u + b * C;
+            const REAL *yb = y + b * ldy;
+            int64_t c0 = 0;
+#if defined(LINE_YMM) && REAL_IS_FLOAT
+            /* AVX2: 8 channels a step, their rows [8, 4] and the taps [8, 4] transposed alike (unpacks and one
+               permute); the new rows are the old ones loaded from +1 with the token blended in as each row's last.
+               Every load before the stores; the last step's shifted load reads one element past its rows, so it
+               is left to the loop. */
+            {
+                const __m256 zero = _mm256_setzero_ps();
+                const __m256i it = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+                              ix0 = _mm256_setr_epi32(0, 0, 0, 0, 0, 0, 0, 1),
+                              ix1 = _mm256_setr_epi32(2, 2, 2, 2, 2, 2, 2, 3),
+                              ix2 = _mm256_setr_epi32(4, 4, 4, 4, 4, 4, 4, 5),
+                              ix3 = _mm256_setr_epi32(6, 6, 6, 6, 6, 6, 6, 7);
+                for (; c0 + 8 < C; c0 += 8) {
+                    float *w4 = wb + 4 * c0;
+                    const float *t4 = cw + 4 * c0;
+#define LA_T4(r0, r1, r2, r3, c1, c2, c3, c4)                                                                   \
+    do {                                                                                                        \
+        const __m256d l01 = _mm256_castps_pd(_mm256_unpacklo_ps(r0, r1)),                                       \
+                      h01 = _mm256_castps_pd(_mm256_unpackhi_ps(r0, r1)),                                       \
+                      l23 = _mm256_castps_pd(_mm256_unpacklo_ps(r2, r3)),                                       \
+                      h23 = _mm256_castps_pd(_mm256_unpackhi_ps(r2, r3));                                       \
+        c1 = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(l01, l23)), it);                      \
+        c2 = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_unpackhi_pd(l01, l23)), it);                      \
+        c3 = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(h01, h23)), it);                      \
+        c4 = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_unpackhi_pd(h01, h23)), it);                      \
+    } while (0)
+                    const __m256 v0 = _mm256_loadu_ps(w4), v1 = _mm256_loadu_ps(w4 + 8),
+                                 v2 = _mm256_loadu_ps(w4 + 16), v3 = _mm256_loadu_ps(w4 + 24);
+                    const __m256 s0 = _mm256_loadu_ps(w4 + 1), s1 = _mm256_loadu_ps(w4 + 9),
+                                 s2 = _mm256_loadu_ps(w4 + 17), s3 = _mm256_loadu_ps(w4 + 25);
+                    __m256 xo, xa, xb, xc, k0, k1, k2, k3;
+                    LA_T4(v0, v1, v2, v3, xo, xa, xb, xc);
+                    LA_T4(_mm256_loadu_ps(t4), _mm256_loadu_ps(t4 + 8), _mm256_loadu_ps(t4 + 16),
+                          _mm256_loadu_ps(t4 + 24), k0, k1, k2, k3);
+#undef LA_T4
+                    (void)xo;   /* (the oldest input: out of the window) */
+                    const __m256 xt = _mm256_loadu_ps(yb + c0);
+                    __m256 acc = _mm256_fmadd_ps(xa, k0, zero);
+                    acc = _mm256_fmadd_ps(xb, k1, acc);
+                    acc = _mm256_fmadd_ps(xc, k2, acc);
+                    acc = _mm256_fmadd_ps(xt, k3, acc);
+                    _mm256_storeu_ps(ub + c0, acc);
+                    _mm256_storeu_ps(w4, _mm256_blend_ps(s0, _mm256_permutevar8x32_ps(xt, ix0), 0x88));
+                    _mm256_storeu_ps(w4 + 8, _mm256_blend_ps(s1, _mm256_permutevar8x32_ps(xt, ix1), 0x88));
+                    _mm256_storeu_ps(w4 + 16, _mm256_blend_ps(s2, _mm256_permutevar8x32_ps(xt, ix2), 0x88));
+                    _mm256_storeu_ps(w4 + 24, _mm256_blend_ps(s3, _mm256_permutevar8x32_ps(xt, ix3), 0x88));
+                }
+            }
+#endif
+#pragma omp simd
+            for (int64_t c = c0; c < C; ++c) {
+                const REAL *wc = cw + c * 4, xt = yb[c];
+                REAL *r = wb + 4 * c;
+                const REAL a0 = r[1], a1 = r[2], a2 = r[3];
+                REAL acc = 0;
+                acc += a0 * wc[0]; acc += a1 * wc[1]; acc += a2 * wc[2];
+                acc += xt * wc[3];
+                ub[c] = acc;
+                r[0] = a0; r[1] = a1; r[2] = a2; r[3] = xt;
+            }
+            if (cb) {
+#pragma omp simd
+                for (int64_t c = 0; c < C; ++c) ub[c] += cb[c];
+            }
+            if (act) {
+#pragma omp simd
+                for (int64_t c = 0; c < C; ++c) ub[c] = FN(la_silu)(ub[c]);
+            }
+        }
+        return;
+    }
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t c = 0; c < C; ++c) {
+            REAL *r = w + (b * C + c) * KC;
+            const REAL *wc = cw + c * KC;
+            REAL xt = y[b * ldy + c], acc = 0;
+            for (int64_t j = 0; j < W; ++j) acc += r[j + 1] * wc[j];
+            acc += xt * wc[W];
+            if (cb) acc += cb[c];
+            u[b * C + c] = act ? FN(la_silu)(acc) : acc;
+            for (int64_t j = 0; j < W; ++j) r[j] = r[j + 1];
+            r[W] = xt;
         }
 }
 
@@ -907,11 +1008,11 @@ static REAL FN(den_floor)(REAL dn, REAL e, int nonneg) {
    2 loose, 3 doubled (2 sigmoid: negative eigenvalues allowed, OLMo-hybrid's). neg_a = -exp(A_log), dt_bias [HV]
    when gated. S_in [B, HV, K, V] or NULL -> S_out; out [B, HV*V].
    Returns 0, or 1 when out of memory. */
-int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, const REAL *y,
+static int FN(decode_delta_io)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, const REAL *y,
         int64_t ldy, int64_t KC, const REAL *w_in, const REAL *cw, const REAL *cb, int conv_act, REAL *w_out,
         int kind, int l2conv, int q_l2, double l2eps, double scale, int beta_mode, const REAL *alpha,
         int gated, const REAL *neg_a, const REAL *dt_bias, const REAL *S_in, REAL *S_out, int has_norm,
-        const REAL *nw, double norm_eps, int has_gate, REAL *out, int nthreads) {
+        const REAL *nw, double norm_eps, int has_gate, REAL *out, int nthreads, REAL *w_io) {
     const int64_t C = 2 * H * K + HV * V, G = HV / H;
     LT_START(lt);
     /* work: the prepared q | k | v per batch row [B, C], then d (key rescaling) and lam per (b, h) */
@@ -920,7 +1021,8 @@ int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_
     double *dd = (double *)malloc(sizeof(double) * (size_t)(2 * B * H + 1));
     if (!u || !dd) { free(u); free(dd); return 1; }
     REAL *e = u + B * C;
-    if (KC > 0) FN(conv)(B, C, KC, y, ldy, w_in, cw, cb, conv_act, w_out, u);
+    if (KC > 0 && w_io) FN(conv_io)(B, C, KC, y, ldy, w_io, cw, cb, conv_act, u);
+    else if (KC > 0) FN(conv)(B, C, KC, y, ldy, w_in, cw, cb, conv_act, w_out, u);
     else for (int64_t b = 0; b < B; ++b) memcpy(u + b * C, y + b * ldy, sizeof(REAL) * (size_t)C);
     FN(delta_prepare_qk)(B, H, K, C, u, kind, l2conv, q_l2, l2eps, scale, dd);
     LT_LAP(lt, LT_CONV);
@@ -962,20 +1064,32 @@ int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_
     return 0;
 }
 
+/* (w_io: the window as transformers keeps it, read and advanced in place, FN(conv_io); w_in / w_out unused) */
+int FN(linattn_decode_delta)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, const REAL *y,
+        int64_t ldy, int64_t KC, const REAL *w_in, const REAL *cw, const REAL *cb, int conv_act, REAL *w_out,
+        int kind, int l2conv, int q_l2, double l2eps, double scale, int beta_mode, const REAL *alpha,
+        int gated, const REAL *neg_a, const REAL *dt_bias, const REAL *S_in, REAL *S_out, int has_norm,
+        const REAL *nw, double norm_eps, int has_gate, REAL *out, int nthreads) {
+    return FN(decode_delta_io)(B, H, HV, K, V, y, ldy, KC, w_in, cw, cb, conv_act, w_out, kind, l2conv, q_l2, l2eps,
+                               scale, beta_mode, alpha, gated, neg_a, dt_bias, S_in, S_out, has_norm, nw, norm_eps,
+                               has_gate, out, nthreads, NULL);
+}
+
 /* Linear attention, linear-space elementwise map fmap (0 identity, 1 elu+1, 2 relu) applied to q*scale and
    k. y [B, ldy] = [q H*K | k H*K | v HV*V | a HV (gate_kind 2) | gate HV*V (has_gate)]. The state is
    [kv | z] as one [B, HV, K, V+1]. gate_kind 0 none, 1 retnet (decay [HV] given), 2 scalar (neg_a, dt_bias:
    Mamba2's log-decay). normalize: o / floor(den) with the floor eps (nonneg: clamp_min, else sign-keeping). */
-int FN(linattn_decode_linear)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, const REAL *y,
+static int FN(decode_linear_io)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, const REAL *y,
         int64_t ldy, int64_t KC, const REAL *w_in, const REAL *cw, const REAL *cb, int conv_act, REAL *w_out,
         int fmap, double scale, int gate_kind, const REAL *decay_h, const REAL *neg_a, const REAL *dt_bias,
         const REAL *S_in, REAL *S_out, int normalize, int nonneg, double eps, int has_norm, const REAL *nw,
-        double norm_eps, int has_gate, REAL *out, int nthreads) {
+        double norm_eps, int has_gate, REAL *out, int nthreads, REAL *w_io) {
     const int64_t C = 2 * H * K + HV * V, G = HV / H, V1 = V + 1;
     LT_START(lt);
     REAL *u = (REAL *)malloc(sizeof(REAL) * (size_t)(B * C + 1));
     if (!u) return 1;
-    if (KC > 0) FN(conv)(B, C, KC, y, ldy, w_in, cw, cb, conv_act, w_out, u);
+    if (KC > 0 && w_io) FN(conv_io)(B, C, KC, y, ldy, w_io, cw, cb, conv_act, u);
+    else if (KC > 0) FN(conv)(B, C, KC, y, ldy, w_in, cw, cb, conv_act, w_out, u);
     else for (int64_t b = 0; b < B; ++b) memcpy(u + b * C, y + b * ldy, sizeof(REAL) * (size_t)C);
     for (int64_t b = 0; b < B; ++b)
         for (int64_t i = 0; i < 2 * H * K; ++i) {
@@ -1010,6 +1124,17 @@ int FN(linattn_decode_linear)(int64_t B, int64_t H, int64_t HV, int64_t K, int64
     LT_LAP(lt, LT_STATE);
     free(u);
     return 0;
+}
+
+/* (w_io as linattn_decode_delta's) */
+int FN(linattn_decode_linear)(int64_t B, int64_t H, int64_t HV, int64_t K, int64_t V, const REAL *y,
+        int64_t ldy, int64_t KC, const REAL *w_in, const REAL *cw, const REAL *cb, int conv_act, REAL *w_out,
+        int fmap, double scale, int gate_kind, const REAL *decay_h, const REAL *neg_a, const REAL *dt_bias,
+        const REAL *S_in, REAL *S_out, int normalize, int nonneg, double eps, int has_norm, const REAL *nw,
+        double norm_eps, int has_gate, REAL *out, int nthreads) {
+    return FN(decode_linear_io)(B, H, HV, K, V, y, ldy, KC, w_in, cw, cb, conv_act, w_out, fmap, scale, gate_kind,
+                                decay_h, neg_a, dt_bias, S_in, S_out, normalize, nonneg, eps, has_norm, nw, norm_eps,
+                                has_gate, out, nthreads, NULL);
 }
 
 /* the r rows i0, i0 + stride, ... (q_step_rows) of y[b, i] = (add ? add[b, i] : 0) + (W x[b])_i + (bias ? bias[i] :
@@ -1363,9 +1488,11 @@ static void FN(postnorm_add)(int64_t B, int64_t d, const REAL *res, REAL *y, con
 }
 
 /* x [B, d] -> x_out [B, d]; the mixer's conv window w_in -> w_out and state S_in -> S_out (S_in, w_in NULL
-   before the first token). Returns 0, or 1 when out of memory. */
-int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const REAL *w_in, const REAL *S_in,
-                             REAL *w_out, REAL *S_out, REAL *x_out) {
+   before the first token); w_io (kinds 0, 1, 4 and 5 only): the window as transformers keeps it instead, [B, C, KC]
+   read and advanced in place (FN(conv_io)). Returns 0, or 1 when out of memory, 3 w_io for another kind. */
+static int FN(decode_block_io)(const linattn_block_plan *p, const REAL *x, const REAL *w_in, const REAL *S_in,
+                               REAL *w_out, REAL *S_out, REAL *x_out, REAL *w_io) {
+    if (w_io && p->kind != 0 && p->kind != 1 && p->kind != 4 && p->kind != 5) return 3;
     const int64_t B = p->B, d = p->d, ny = p->ny, no = p->HV * p->V, hid = p->hid;
     const int64_t nwork = B * (2 * d + ny + no + (p->has_ffn ? 3 * hid : 0));
     LT_START(lt);
@@ -1388,9 +1515,9 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
     if (p->kind == 2)
         rc = FN(softmax_mix)(p, xn, y, o);
     else if (p->kind == 4)
-        rc = FN(kda_mix)(p, y, w_in, S_in, w_out, S_out, o);
+        rc = FN(kda_mix)(p, y, w_in, S_in, w_out, S_out, o, w_io);
     else if (p->kind == 5)
-        rc = FN(mamba2_mix)(p, y, w_in, S_in, w_out, S_out, o);
+        rc = FN(mamba2_mix)(p, y, w_in, S_in, w_out, S_out, o, w_io);
     else if (p->kind == 3)
         rc = FN(decode_linear_log)(p, y, ny, w_in, w_out, S_in, S_out, o);
     else if (p->kind == 6)
@@ -1400,15 +1527,15 @@ int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const R
     else if (p->kind == 8)
         rc = FN(lightning_mix)(p, y, S_in, S_out, o);
     else if (p->kind == 0)
-        rc = FN(linattn_decode_delta)(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,
+        rc = FN(decode_delta_io)(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,
                  w_out, p->dkind, p->l2conv, p->q_l2, p->l2eps, p->scale, p->beta_mode, (const REAL *)p->alpha,
                  p->gated, (const REAL *)p->neg_a, (const REAL *)p->dt_bias, S_in, S_out, p->has_norm, nw,
-                 p->norm_eps, p->has_gate, o, p->nthreads);
+                 p->norm_eps, p->has_gate, o, p->nthreads, w_io);
     else
-        rc = FN(linattn_decode_linear)(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,
+        rc = FN(decode_linear_io)(B, p->H, p->HV, p->K, p->V, y, ny, p->KC, w_in, cw, cb, p->conv_act,
                  w_out, p->fmap, p->scale, p->gate_kind, (const REAL *)p->decay, (const REAL *)p->neg_a,
                  (const REAL *)p->dt_bias, S_in, S_out, p->normalize, p->nonneg, p->eps, p->has_norm, nw,
-                 p->norm_eps, p->has_gate, o, p->nthreads);
+                 p->norm_eps, p->has_gate, o, p->nthreads, w_io);
     if (p->kind == 0 || p->kind == 1 || p->kind == 2) LT_RESTART(lt);   /* (timed their own sections) */
     else LT_LAP(lt, LT_MIXER);
     if (rc) { free(xn); return rc; }
@@ -1450,8 +1577,14 @@ ffn:
     return 0;
 }
 
+int FN(linattn_decode_block)(const linattn_block_plan *p, const REAL *x, const REAL *w_in, const REAL *S_in,
+                             REAL *w_out, REAL *S_out, REAL *x_out) {
+    return FN(decode_block_io)(p, x, w_in, S_in, w_out, S_out, x_out, NULL);
+}
+
 /* ids [B] -> logits [B, vocab] (and 0 into *aux, the model's aux loss, when aux is not NULL: one torch call less
-   per token). Returns 0; 1 out of memory; 2 an id outside [0, vocab) (nothing written). */
+   per token). Returns 0; 1 out of memory; 2 an id outside [0, vocab) (nothing written); 3 a conv state in place
+   (w_io_at) for a kind that cannot take it. */
 int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, const REAL *S_in,
                              const REAL *w_in, REAL *S_out, REAL *w_out, void *logits, float *aux) {
     LT_START(lt_call);   /* (the whole function: "total" is the call less the crossing of ctypes) */
@@ -1478,9 +1611,9 @@ int FN(linattn_decode_model)(const linattn_model_plan *p, const int64_t *ids, co
     for (int64_t l = 0; l < p->L; ++l) {
         const int64_t so = p->s_off[l], wo = p->w_off[l];
         const REAL *S_l = p->s_in_at ? (const REAL *)p->s_in_at[l] : S_in ? S_in + so : NULL;
-        const int rc = FN(linattn_decode_block)(p->blocks[l], xa, (w_in && wo >= 0) ? w_in + wo : NULL,
-                                                  S_l, wo >= 0 ? w_out + wo : NULL,
-                                                  S_out + so, xb);
+        REAL *io = p->w_io_at ? (REAL *)p->w_io_at[l] : NULL;
+        const int rc = FN(decode_block_io)(p->blocks[l], xa, (w_in && wo >= 0 && !io) ? w_in + wo : NULL,
+                                            S_l, wo >= 0 && !io ? w_out + wo : NULL, S_out + so, xb, io);
         if (rc) { free(x); return rc; }
         REAL *t = xa; xa = xb; xb = t;
     }

@@ -15,7 +15,7 @@
    The state [B, HV, K, V] is the general path's cache entry as it is. Returns 0, or 1 when out of memory. */
 
 static int FN(kda_mix)(const linattn_block_plan *p, const REAL *y, const REAL *w_in, const REAL *S_in,
-                       REAL *w_out, REAL *S_out, REAL *out) {
+                       REAL *w_out, REAL *S_out, REAL *out, REAL *w_io) {
     const int64_t B = p->B, H = p->H, HV = p->HV, K = p->K, V = p->V, ny = p->ny, G = HV / H;
     const int64_t C = 2 * H * K + HV * V, rf = p->rank_f, rg = p->rank_g;
     const int64_t off_b = C, off_f = C + HV, off_g = off_f + (rf ? rf : HV * K);
@@ -25,7 +25,10 @@ static int FN(kda_mix)(const linattn_block_plan *p, const REAL *y, const REAL *w
     double *dd = (double *)malloc(sizeof(double) * (size_t)(2 * B * H + 1));
     if (!u || !dd) { free(u); free(dd); return 1; }
     REAL *xf = u + B * C, *f = xf + B * rf, *xg = f + B * HV * K, *gg = xg + B * rg;
-    if (p->KC > 0) FN(conv)(B, C, p->KC, y, ny, w_in, (const REAL *)p->cw, (const REAL *)p->cb, p->conv_act, w_out, u);
+    if (p->KC > 0 && w_io)   /* (transformers' conv state read and advanced in place: decode.c conv_io) */
+        FN(conv_io)(B, C, p->KC, y, ny, w_io, (const REAL *)p->cw, (const REAL *)p->cb, p->conv_act, u);
+    else if (p->KC > 0)
+        FN(conv)(B, C, p->KC, y, ny, w_in, (const REAL *)p->cw, (const REAL *)p->cb, p->conv_act, w_out, u);
     else for (int64_t b = 0; b < B; ++b) memcpy(u + b * C, y + b * ny, sizeof(REAL) * (size_t)C);
     FN(delta_prepare_qk)(B, H, K, C, u, 0, p->l2conv, 0, p->l2eps, p->scale, dd);
     /* the low-rank second stages read contiguous rows (a full-rank gate: f's rows as they are) */

@@ -73,12 +73,14 @@ static void FN(mamba2_head_np)(int64_t N, int64_t P, REAL decay, REAL dt, const 
 }
 
 static int FN(mamba2_mix)(const linattn_block_plan *p, const REAL *y, const REAL *w_in, const REAL *S_in,
-                          REAL *w_out, REAL *S_out, REAL *out) {
+                          REAL *w_out, REAL *S_out, REAL *out, REAL *w_io) {
     const int64_t B = p->B, H = p->H, N = p->K, P = p->V, G = p->n_groups, ny = p->ny;
     const int64_t DI = H * P, CD = DI + 2 * G * N, HG = H / G, P1 = P + 1, GS = DI / G;
     REAL *u = (REAL *)malloc(sizeof(REAL) * (size_t)(B * CD + 1));
     if (!u) return 1;
-    if (p->KC > 0)
+    if (p->KC > 0 && w_io)   /* (transformers' conv state read and advanced in place: decode.c conv_io) */
+        FN(conv_io)(B, CD, p->KC, y + DI, ny, w_io, (const REAL *)p->cw, (const REAL *)p->cb, p->conv_act, u);
+    else if (p->KC > 0)
         FN(conv)(B, CD, p->KC, y + DI, ny, w_in, (const REAL *)p->cw, (const REAL *)p->cb, p->conv_act, w_out,
                 u);
     else
