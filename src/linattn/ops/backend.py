@@ -348,13 +348,14 @@ def triton_delta(p):
 
 def cpu_delta(p):
     """A prepared delta-family call on the compiled CPU kernels (linattn/cpu/delta.py): the delta rule's own
-    read (r = None), any gate. -> (o [B, T, H, V], final state [N, H, K, V]) in the compute dtype."""
+    read (r = None), any gate; with `p.prep` the raw rows and beta, which the scan prepares as it reads them.
+    -> (o [B, T, H, V], final state [N, H, K, V]) in the compute dtype."""
     from ..cpu.delta import delta_scan
 
     B, T, H, V = p.v.shape
     q, k, _ = p.value_head_qkr()
     o, S = delta_scan(_flat(q), _flat(k), _flat(p.v), _flat(p.a), _flat(p.g) if p.g is not None else None,
-                      p.S0, _starts(p))
+                      p.S0, _starts(p), prep=p.prep)
     return o.view(B, T, H, V), S
 
 

@@ -47,8 +47,6 @@ from ._common import (
 from .backend import (
     DeltaSource,
     Rwkv7Source,
-    _flat,
-    _starts,
     choose_backend,
     cpu_delta,
     fla_delta,
@@ -698,24 +696,13 @@ def _run_torch(p: DeltaProblem):
 
 def _run_cpu(p: DeltaProblem) -> Tuple[torch.Tensor, torch.Tensor]:
     """cpu_delta, the decays and layouts around the scan on one thread (`cpu.torch_on_one_thread` says why)."""
-    run = cpu_delta if p.prep is None else _cpu_delta_prep
     if torch.compiler.is_compiling():
-        return run(p)
+        return cpu_delta(p)
     from ..cpu import torch_on_one_thread
 
     with torch_on_one_thread():
-        o, S = run(p)
+        o, S = cpu_delta(p)
         return o.to(p.out_dtype), S
-
-
-def _cpu_delta_prep(p: DeltaProblem) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`cpu_delta` of a `DeltaProblem.prep` call: the raw rows and beta to the scan, which prepares them."""
-    from ..cpu.delta import delta_scan
-
-    B, T, H, V = p.v.shape
-    o, S = delta_scan(_flat(p.q), _flat(p.k), _flat(p.v), _flat(p.a), _flat(p.g) if p.g is not None else None,
-                      p.S0, _starts(p), prep=p.prep)
-    return o.view(B, T, H, V), S
 
 
 def run_delta(p: DeltaProblem, backend: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
