@@ -453,3 +453,44 @@ def check_not_described(ref, fast, reason, why, describe, generates, monkeypatch
     assert calls.model == 0
     assert torch.equal(got.sequences, want.sequences)
     assert close(torch.stack(got.logits), torch.stack(want.logits))
+
+
+def conv_io_decoded(model, B: int, n: int, io) -> list:
+    """(logits, recurrent states, conv states) after each of n compiled tokens after a 5-token prompt; io(step):
+    whether the step may take the in-place path (False: `_conv_io` refuses, the buffers' path runs)."""
+    import linattn.hf.kernelize_plan as kp
+    conv_io, out = kp._conv_io, []
+    ids = prompt(B, 5)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+        tok = ids[:, -1:]
+        for step in range(n):
+            kp._conv_io = conv_io if io(step) else (lambda *a: None)
+            try:
+                lg = model(tok, cache=cache).logits
+            finally:
+                kp._conv_io = conv_io
+            assert (model._linattn_model_plan.plan.w_io_at is not None) == io(step)
+            lay = [c for c in cache.layers if hasattr(c, "conv_states")]
+            out.append((lg.clone(), [c.recurrent_states[0].clone() for c in lay],
+                        [c.conv_states[0].clone() for c in lay]))
+            tok = lg.argmax(-1)
+    return out
+
+
+def check_conv_states_in_place(ref, model, B, monkeypatch):
+    """The compiled call reads and advances transformers' conv states in place (`kernelize_plan._conv_io`): bit for
+    bit the buffers' path, token by token, for 5 tokens after a 5-token prompt; and the unpatched model's logits."""
+    calls = CompiledDecodeCalls(monkeypatch)
+    got, want = conv_io_decoded(model, B, 5, lambda step: True), conv_io_decoded(model, B, 5, lambda step: False)
+    assert calls.model == 10
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g[0], w[0]) and all(map(torch.equal, g[1] + g[2], w[1] + w[2])), step
+    ids = prompt(B, 5)
+    with torch.no_grad():
+        cache = ref(ids, use_cache=True).cache
+        tok = ids[:, -1:]
+        for step in range(5):
+            lg = ref(tok, cache=cache).logits
+            assert close(got[step][0].float(), lg.float()), step
+            tok = lg.argmax(-1)

@@ -284,29 +284,6 @@ def _gdn_pair(dtype, gdn: dict, layers=("linear_attention",) * 3 + ("full_attent
                              scaled=("q_proj", "k_proj"))
 
 
-def _decoded(model, B: int, n: int, io) -> list:
-    """(logits, recurrent states, conv states) after each of n compiled tokens after a 5-token prompt; io(step):
-    whether the step may take the in-place path (False: `_conv_io` refuses, the buffers' path runs)."""
-    import linattn.hf.kernelize_plan as kp
-    conv_io, out = kp._conv_io, []
-    ids = pd.prompt(B, 5)
-    with torch.no_grad():
-        cache = model(ids, use_cache=True).cache
-        tok = ids[:, -1:]
-        for step in range(n):
-            kp._conv_io = conv_io if io(step) else (lambda *a: None)
-            try:
-                lg = model(tok, cache=cache).logits
-            finally:
-                kp._conv_io = conv_io
-            assert (model._linattn_model_plan.plan.w_io_at is not None) == io(step)
-            lay = [c for c in cache.layers if hasattr(c, "conv_states")]
-            out.append((lg.clone(), [c.recurrent_states[0].clone() for c in lay],
-                        [c.conv_states[0].clone() for c in lay]))
-            tok = lg.argmax(-1)
-    return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("gdn", [{}, dict(linear_key_head_dim=10, linear_value_head_dim=7),
                                  dict(linear_conv_kernel_dim=3),
@@ -320,7 +297,7 @@ def test_conv_states_in_place_same_bits_as_buffers(B, gdn, dtype, monkeypatch):
     partial last block), K = 3 and 5 (the generic loop), batch 1 and 3."""
     calls = CompiledDecodeCalls(monkeypatch)
     model = _gdn_pair(dtype, gdn)[1]
-    got, want = _decoded(model, B, 6, lambda step: True), _decoded(model, B, 6, lambda step: False)
+    got, want = pd.conv_io_decoded(model, B, 6, lambda step: True), pd.conv_io_decoded(model, B, 6, lambda step: False)
     assert calls.model == 12
     for step, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g[0], w[0]), step
@@ -334,8 +311,8 @@ def test_conv_states_in_place_and_buffers_paths_take_over_from_each_other(monkey
     buffers' path), then in place again: the same bits as in place throughout, and transformers' logits."""
     ref, model = _gdn_pair(torch.float32, {})
     mode = [False, False, True, True, False, False, True, True]
-    want = _decoded(model, 2, len(mode), lambda step: True)
-    got = _decoded(model, 2, len(mode), lambda step: mode[step])
+    want = pd.conv_io_decoded(model, 2, len(mode), lambda step: True)
+    got = pd.conv_io_decoded(model, 2, len(mode), lambda step: mode[step])
     for step, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g[0], w[0]) and all(map(torch.equal, g[1] + g[2], w[1] + w[2])), step
     # a conv state replaced by a non-contiguous one between tokens: the buffers' path, then in place again
@@ -389,29 +366,3 @@ def test_state_views_made_once_per_buffer(monkeypatch):
             assert pd.close(a.conv_states[0], b.conv_states[0])
         else:
             assert pd.close(a.keys, b.keys) and pd.close(a.values, b.values)
-
-
-@pytest.mark.parametrize("arch", ["mamba2", "kimi"])
-@pytest.mark.parametrize("B", [1, 3])
-def test_conv_states_in_place_same_bits_as_buffers_other_kinds(arch, B, monkeypatch):
-    """The Mamba2 (kind 5, the conv over xBC after z) and KDA (kind 4) blocks read and advance transformers' conv
-    states in place too: bit for bit the buffers' path, token by token; and the unpatched model's logits."""
-    if arch == "mamba2":
-        from tests.hf.test_kernelize_plan_mamba2 import _pair as pair
-    else:
-        from tests.hf.test_kernelize_plan_kimi import _pair as pair
-    # (Kimi: an MLA layer between, whose length gives the tokens' positions)
-    ref, model = pair() if arch == "mamba2" else pair(layers=("linear_attention", "full_attention", "linear_attention"))
-    calls = CompiledDecodeCalls(monkeypatch)
-    got, want = _decoded(model, B, 5, lambda step: True), _decoded(model, B, 5, lambda step: False)
-    assert calls.model == 10
-    for step, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(g[0], w[0]) and all(map(torch.equal, g[1] + g[2], w[1] + w[2])), step
-    ids = pd.prompt(B, 5)
-    with torch.no_grad():
-        cache = ref(ids, use_cache=True).cache
-        tok = ids[:, -1:]
-        for step in range(5):
-            lg = ref(tok, cache=cache).logits
-            assert pd.close(got[step][0].float(), lg.float()), step
-            tok = lg.argmax(-1)

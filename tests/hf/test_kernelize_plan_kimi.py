@@ -150,3 +150,12 @@ def test_a_kda_only_model_is_described():
     desc, kdas = describe_model(fast)
     assert [b.kind for b in desc.blocks] == ["kda"] * 3 and len(kdas) == 3
     assert (kdas[0].W.out_features, kdas[0].W.in_features) == (3 * 4 * 16 + 4 + 16 + 16, 32)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_conv_states_in_place_same_bits_as_buffers(B, monkeypatch):
+    """KDA blocks (kind 4; an MLA layer between, whose length gives the tokens' positions) read and advance
+    transformers' conv states in place: bit for bit the buffers' path, and the unpatched model's logits
+    (`plan_decode.check_conv_states_in_place`)."""
+    ref, model = _pair(layers=("linear_attention", "full_attention", "linear_attention"))
+    pd.check_conv_states_in_place(ref, model, B, monkeypatch)

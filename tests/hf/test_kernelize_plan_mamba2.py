@@ -162,3 +162,11 @@ def test_the_cache_state_is_the_plan_state(monkeypatch):
         assert calls.model == 4 and pd.close(got, want)
         for lg, lw in zip(caches[0].layers, caches[1].layers):
             torch.testing.assert_close(lg.recurrent_states[0], lw.recurrent_states[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_conv_states_in_place_same_bits_as_buffers(B, monkeypatch):
+    """Mamba2's blocks (kind 5, the conv over xBC after z) read and advance transformers' conv states in place:
+    bit for bit the buffers' path, and the unpatched model's logits (`plan_decode.check_conv_states_in_place`)."""
+    ref, model = _pair()
+    pd.check_conv_states_in_place(ref, model, B, monkeypatch)
