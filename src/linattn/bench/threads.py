@@ -8,7 +8,7 @@ Levels (--levels): `op`, the public call (`linear_attention`, `delta_rule` with 
 feature map or the delta rule's preparation and the output layout around the kernels, which are torch operators with
 their own threads), and `kernel`, the compiled kernels alone, so that their own scaling is seen apart from what
 surrounds them: linear attention's custom ops on prepared inputs (the features); Gated DeltaNet's forward is the
-compiled scan on the raw rows, preparing each row as it reads it (`cpu.delta._forward` with `prep`, what the `op`
+compiled scan on the raw rows, preparing each row as it reads it (`cpu.delta.delta_scan` with `prep`, what the `op`
 level runs without a gradient), its forward+backward the custom ops on prepared rows (the backward reads them);
 `prep` (asked for by name) Gated DeltaNet's preparation pass alone (q scaled, k and v rescaled by the key norm, the
 write strength: one memory-bound pass each way, which only the forward+backward's `op` level runs, between its
@@ -134,7 +134,7 @@ def make_kernel_case(op: str, passes: str, a) -> Callable[[], Any]:
     """A zero-argument call of `op`'s compiled kernels alone on flat inputs [B T, H, D]: the forward, or the forward
     keeping its states and then the backward kernel (the registered custom ops, on prepared inputs). Gated DeltaNet's
     forward is what `delta_rule` runs without a gradient: the scan on make_case's raw rows and beta, which prepares
-    each row itself (`cpu.delta._forward` with prep PREP_RAW; no preparation pass)."""
+    each row itself (`cpu.delta.delta_scan` with prep PREP_RAW; no preparation pass)."""
     from ..cpu import delta as cdelta, linear as clinear
 
     B, T, H, K, V = a.B, a.T, a.H, a.K, a.V
@@ -161,8 +161,8 @@ def make_kernel_case(op: str, passes: str, a) -> Callable[[], Any]:
         x = [t.reshape(TT, *t.shape[2:]) for t in _gdn_inputs(B, T, H, K, V, _seeded_randn(a.seed))]
         prep = (cdelta.PREP_RAW, K ** -0.5, 0.0)
 
-        def run_fused():
-            return cdelta._forward(*x, None, st, st, 0, prep)[0]
+        def run_fused():   # (no input requires grad: delta_scan calls the compiled forward directly)
+            return cdelta.delta_scan(*x, None, starts, prep=prep)[0]
         return run_fused
     n_ck = T // cdelta.CHECKPOINT + (T % cdelta.CHECKPOINT > 0)
     ck_off = torch.tensor([i * n_ck for i in range(B)], dtype=torch.int64)
