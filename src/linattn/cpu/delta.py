@@ -29,7 +29,8 @@ from . import bindings, checkpoint_offsets, ptr, threads, torch_on_one_thread
 from .abi import DeltaPlan
 
 __all__ = ["CHECKPOINT", "PREP_L2", "PREP_RAW", "available", "delta_prepare", "delta_prepare_raw",
-           "delta_prepare_raw_a", "delta_scan", "floor_log_gate", "l2_rows", "prep_available", "write_strength"]
+           "delta_prepare_raw_a", "delta_scan", "floor_log_gate", "l2_rows", "prep_available", "prepare_rows",
+           "write_strength"]
 
 CHECKPOINT = 64  # tokens between the states the forward keeps for the backward
 #: the forward's own preparation of raw rows (`delta_scan`'s prep; csrc/delta.c PREP_*): delta_prepare's rows
@@ -162,9 +163,7 @@ def delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     if prep is not None and prep[0] not in (PREP_L2, PREP_RAW):
         raise LinattnError(f"prep must be (PREP_L2 = {PREP_L2} or PREP_RAW = {PREP_RAW}, scale, eps), got {prep!r}")
     if prep is not None and (need_grad or not eager):
-        kind, scale, eps = prep
-        q, k, v, a = (delta_prepare(q, k, v, a, scale, eps) if kind == PREP_L2
-                      else delta_prepare_raw_a(q, k, v, a, scale))
+        q, k, v, a = prepare_rows(q, k, v, a, prep)
         prep = None
     starts = list(starts)
     st = torch.tensor(starts, dtype=torch.int64)
@@ -310,6 +309,15 @@ def delta_prepare_raw_a(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta:
     steps, with no torch operator on [B, T, H] between the pass and the scan. Differentiable in q, k, v, beta; K >= 1.
     """
     return _DeltaPrepRawA.apply(q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), float(scale))
+
+
+def prepare_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                 prep: Tuple[int, float, float]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows a `prep` = (PREP_L2 or PREP_RAW, scale, eps) describes, prepared by their pass: `delta_prepare`
+    (eps its L2 epsilon) or `delta_prepare_raw_a` (eps unused) -> (q, k, v, a), what the fused scan prepares itself."""
+    kind, scale, eps = prep
+    return (delta_prepare(q, k, v, beta, scale, eps) if kind == PREP_L2
+            else delta_prepare_raw_a(q, k, v, beta, scale))
 
 
 class _L2Rows(torch.autograd.Function):

@@ -619,11 +619,9 @@ def _deferred_prep(q_c, k_c, v_c, b_c, g_c, S0, l2, scale, mode, chunk_size, off
 
 def _prepared_rows(p: DeltaProblem) -> DeltaProblem:
     """A `DeltaProblem.prep` call with its rows prepared (the pass that the compiled scan would have fused)."""
-    from ..cpu.delta import PREP_L2, delta_prepare, delta_prepare_raw_a
+    from ..cpu.delta import prepare_rows
 
-    kind, scale, eps = p.prep
-    rows = (delta_prepare(p.q, p.k, p.v, p.a, scale, eps) if kind == PREP_L2
-            else delta_prepare_raw_a(p.q, p.k, p.v, p.a, scale))
+    rows = prepare_rows(p.q, p.k, p.v, p.a, p.prep)
     return replace(p, q=rows[0], k=rows[1], v=rows[2], a=rows[3], prep=None)
 
 
