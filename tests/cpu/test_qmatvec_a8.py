@@ -14,6 +14,7 @@ from linattn.cpu import bindings, decode as cpu_decode
 from linattn.quant import round_activations
 from tests.cpu.decode_variants import decode_variant_fixture
 from tests.helpers import (
+    VPDPBUSD_IN_C,
     StoredWeights as _Stored,
     build_decode_variant,
     check_a8_product,
@@ -221,27 +222,6 @@ def test_a8_int4_extreme_integer_sums_exact(decode_lib, group):
         y = cpu_decode.weight_matvec(x, "int4_a8", stored, torch.ones(5, k // group, dtype=torch.bfloat16), group)
         want = x.double() @ (codes - 8).double().t()
         assert torch.equal(y.double(), want), (k, (y.double() - want).abs().max().item())
-
-
-#: `vpdpbusd` (AVX-VNNI) in plain C: an int32 lane plus its 4 unsigned bytes times the 4 signed ones
-VPDPBUSD_IN_C = r"""
-#ifndef A8_TEST_DPBUSD
-#define A8_TEST_DPBUSD
-#include <stdint.h>
-#include <string.h>
-static inline __m256i test_dpbusd(__m256i src, __m256i a, __m256i b) {
-    uint8_t ua[32];
-    int8_t sb[32];
-    int32_t s[8];
-    memcpy(ua, &a, 32), memcpy(sb, &b, 32), memcpy(s, &src, 32);
-    for (int i = 0; i < 8; ++i)
-        for (int k = 0; k < 4; ++k) s[i] += (int32_t)ua[4 * i + k] * (int32_t)sb[4 * i + k];
-    memcpy(&src, s, 32);
-    return src;
-}
-#define _mm256_dpbusd_avx_epi32(src, a, b) test_dpbusd(src, a, b)
-#endif
-"""
 
 
 def test_a8_avx_vnni_emulated_same_bits_as_avx2(tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ from ..errors import LinattnError
 from . import bindings, ptr, threads
 from .abi import FUSED_PRODUCTS, KDA_MATRICES, PLAN_PARTS, WEIGHT_MATRICES, BlockPlan, ModelPlan
 from .build import ENV_SWITCH, enabled
+from .qlayout import step_scales
 
 __all__ = ["available", "delta_step", "linear_step", "BlockPlan", "block_step", "ModelPlan", "model_function",
            "greedy_function", "BETA_MODES", "FEATURE_MAPS", "FUSED_PRODUCTS", "KDA_MATRICES", "PLAN_PARTS",
@@ -260,13 +261,16 @@ def section_times(reset: bool = True) -> Optional[dict]:
 
 
 def weight_matvec(x: torch.Tensor, fmt: str, W: torch.Tensor, scales: Optional[torch.Tensor] = None, group: int = 0,
-                  bias: Optional[torch.Tensor] = None, add: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  bias: Optional[torch.Tensor] = None, add: Optional[torch.Tensor] = None,
+                  scales_in_step_order: bool = False) -> torch.Tensor:
     """y `[B, n]` = add + W x + bias for float32 x `[B, m]` through the compiled decode's one weight product
     (csrc/qmatvec.h `matvec_w_f32`, at torch's thread count), W in format fmt (`WEIGHT_FORMATS`): "plan" float32
     `[n, m]`, "bf16" `[n, m]`, "int8" `[n, m]` with bf16 scales `[n]`, "int4" uint8 `[n, m / 2]` (two codes a byte,
     quant/linear.py) with bf16 scales `[n, m / group]`, group 32 or 64; "int8_a8" / "int4_a8" the same weights
     times x rounded to int8 per block of 32 inputs (csrc/qmatvec.h). For tests and benchmarks (the plans call it
-    from C); bias and add float32. Every tensor contiguous and on the CPU (`ptr` checks)."""
+    from C); bias and add float32. Every tensor contiguous and on the CPU (`ptr` checks). "int4_a8" reads its
+    scales in the steps' order (cpu/qlayout.step_scales, as plans keep them): scales by rows are put in that order
+    here (a copy per call), unless `scales_in_step_order` says they are already (benchmarks)."""
     if x.dim() != 2 or x.dtype != torch.float32:
         raise LinattnError(f"weight_matvec: x must be float32 [B, m], got {x.dtype} {list(x.shape)}")
     B, m = x.shape
@@ -289,6 +293,8 @@ def weight_matvec(x: torch.Tensor, fmt: str, W: torch.Tensor, scales: Optional[t
     for name, t, shape in (("bias", bias, (n,)), ("add", add, (B, n))):
         if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape):
             raise LinattnError(f"weight_matvec: {name} must be float32 {list(shape)}, got {t.dtype} {list(t.shape)}")
+    if fmt == "int4_a8" and not scales_in_step_order:
+        scales = step_scales(scales)
     lib = _library()
     y = torch.empty(B, n, dtype=torch.float32)
     lib("linattn_decode_matvec_f32", None, WEIGHT_FORMATS[fmt], ptr(W), ptr(scales if sshape else None), group, B,

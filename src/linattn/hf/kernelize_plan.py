@@ -320,6 +320,7 @@ def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
         head_w = head.weight.detach()
     else:   # (a quantized head: its own integers and scales)
         fmt, head_w, head_q, mp.grp_head = _dp.stored_weights(head)
+        head_q = _dp.plan_scales("head", fmt, head_q)
         mp.fmt_head, mp.sc_head = _cpu_decode.WEIGHT_FORMATS[fmt], head_q.data_ptr()
     norm_w = desc.norm.weight.detach().to(cdt).contiguous()
     mp.embed, mp.head, mp.norm_w = desc.embed.weight.data_ptr(), head_w.data_ptr(), norm_w.data_ptr()

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
 from ..cpu import decode as _cpu_decode, hugepages as _hugepages
+from ..cpu.qlayout import step_scales as _step_scales
 from ..errors import LinattnError
 from ..layers import fast_decode as _fast
 from ..layers.cache import Cache, KVCache, LayerCache
@@ -51,8 +52,8 @@ from ..ops.l2norm import L2NORM_CONVENTIONS, L2NORM_EPS
 __all__ = ["AttentionDescription", "BlockDescription", "BlockPlanSlot", "ModelDescription", "ModelFastState",
            "ModelPending", "ModelPlanSlot", "PlanGuard", "block_token", "compute_dtype", "describe_softmax",
            "finish_block_plan", "model_greedy", "model_step", "model_weights_usable", "new_softmax_plan",
-           "plan_addresser", "plan_linear", "plan_pointers", "PLAN_POINTERS", "rebuilds", "set_weight", "StackedRows",
-           "state_layout", "stored_weights", "MoEDescription", "moe_usable"]
+           "plan_addresser", "plan_linear", "plan_pointers", "plan_scales", "PLAN_POINTERS", "rebuilds", "set_weight",
+           "StackedRows", "state_layout", "stored_weights", "MoEDescription", "moe_usable"]
 
 #: the dtypes a plan reads weights in, and the dtype it computes in for each (bf16: fp32 accumulation and states)
 _COMPUTE = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32}
@@ -527,6 +528,17 @@ def _set_parts(p, name: str, parts, wdt: torch.dtype, addr) -> None:
     setattr(p, name, ptrs[0])
 
 
+#: plan matrices the compiled decode reads by rows (decode_mla.h), never through a whole product's steps: their
+#: int4-a8 scales stay by rows
+_SCALES_BY_ROWS = frozenset({"mla_Wkb"})
+
+
+def plan_scales(name: str, mode: str, scales: torch.Tensor) -> torch.Tensor:
+    """The scales plan matrix `name` of stored format `mode` reads: int4-a8's in the order of the product's steps
+    (a copy, cpu/qlayout.step_scales), any other as stored."""
+    return _step_scales(scales) if mode == "int4_a8" and name not in _SCALES_BY_ROWS else scales
+
+
 def set_weight(p, name: str, linear: nn.Module, wdt: torch.dtype, addr) -> None:
     """Points plan field `name` (and its format, scales and group fields) at linear's matrix as stored (a
     `StackedRows`: at its parts)."""
@@ -540,7 +552,7 @@ def set_weight(p, name: str, linear: nn.Module, wdt: torch.dtype, addr) -> None:
     mode, q, scales, group = got
     setattr(p, name, addr(q, q.dtype))
     setattr(p, f"fmt_{name}", _cpu_decode.WEIGHT_FORMATS[mode])
-    setattr(p, f"sc_{name}", addr(scales, torch.bfloat16))
+    setattr(p, f"sc_{name}", addr(plan_scales(name, mode, scales), torch.bfloat16))
     setattr(p, f"grp_{name}", group)
 
 
@@ -590,7 +602,8 @@ def _point_input(p, addr, lins, wdt, convs, w, scales, b, cw, cb):
     p.Wb = addr(b)
     if scales is not None:
         mode, _, _, group = stored_weights(lins[0])
-        p.fmt_W, p.sc_W, p.grp_W = _cpu_decode.WEIGHT_FORMATS[mode], addr(scales, torch.bfloat16), group
+        p.fmt_W, p.sc_W, p.grp_W = _cpu_decode.WEIGHT_FORMATS[mode], addr(plan_scales("W", mode, scales),
+                                                                           torch.bfloat16), group
     if convs:
         p.cw, p.cb = addr(cw.view(cw.shape[0], -1)), addr(cb)
 
@@ -1171,6 +1184,7 @@ def _build_model_plan(slot: ModelPlanSlot, model: nn.Module, desc: ModelDescript
     head_w, head_sc = _head_matrix(desc), None
     if desc.head is not None and type(desc.head) is not nn.Linear:
         mode, _, head_sc, mp.grp_head = stored_weights(desc.head)
+        head_sc = plan_scales("head", mode, head_sc)
         mp.fmt_head, mp.sc_head = _cpu_decode.WEIGHT_FORMATS[mode], head_sc.data_ptr()
     norm_w = None
     if norm is not None and norm.weight is not None:

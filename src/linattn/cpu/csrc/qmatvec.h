@@ -551,7 +551,7 @@ static inline float a8_int8_row_scalar(int64_t j0, int64_t m, const int8_t *w, f
     return a;
 }
 static inline float a8_int4_row_scalar(int64_t j0, int64_t m, int64_t group, const uint8_t *w, const uint16_t *sr,
-                                       const int8_t *q, const float *s) {
+                                       int64_t gs, const int8_t *q, const float *s) {
     float a = 0;
     for (int64_t b0 = j0; b0 < m; b0 += A8_BLOCK) {   /* (m is a multiple of the group, 32 or 64) */
         int32_t si = 0;
@@ -559,18 +559,18 @@ static inline float a8_int4_row_scalar(int64_t j0, int64_t m, int64_t group, con
             const uint8_t c = w[j / 2];
             si += ((int32_t)(c & 15) - 8) * q[j] + ((int32_t)(c >> 4) - 8) * q[j + 1];
         }
-        a += (float)((double)si * ((double)s[b0 / A8_BLOCK] * bf16_to_f32(sr[b0 / group])));
+        a += (float)((double)si * ((double)s[b0 / A8_BLOCK] * bf16_to_f32(sr[b0 / group * gs])));
     }
     return a;
 }
 
-/* b's row of the rounded x times one row of int8 weights (scale ws) or int4 weights (group scales sr), inputs j0 .. m-1
-   in plain C: the vector paths' tail, and every row without them */
+/* b's row of the rounded x times one row of int8 weights (scale ws) or int4 weights (group scales sr, gs apart:
+   a8_step_scales), inputs j0 .. m-1 in plain C: the vector paths' tail, and every row without them */
 static inline float a8_row_scalar(int int4, const a8_x *p, int64_t b, int64_t j0, int64_t group, const uint8_t *w,
-                                  const uint16_t *sr, float ws) {
+                                  const uint16_t *sr, int64_t gs, float ws) {
     const int8_t *q = p->q + b * p->m;
     const float *s = p->s + b * p->nb;
-    return int4 ? a8_int4_row_scalar(j0, p->m, group, w, sr, q, s)
+    return int4 ? a8_int4_row_scalar(j0, p->m, group, w, sr, gs, q, s)
                 : a8_int8_row_scalar(j0, p->m, (const int8_t *)w, ws, q, s);
 }
 
@@ -586,6 +586,14 @@ static inline float a8_row_scalar(int int4, const a8_x *p, int64_t b, int64_t j0
    bound check (the caller's steps keep it inside the matrix); pf 2: checked against pf_end (NULL: none). Written out
    per row, with the accumulators as named variables, so that they stay in registers (GCC 12 kept an array of them
    on the stack: a store and a load per row and step) and the bound check leaves the steps that cannot need it. */
+/* the next 16 group scales of a row whose scales are gs apart (a8_step_scales: 4 in a step of four rows, 1 for the
+   last n % 4 rows), `left` remaining, in fp32 */
+static inline __m512 a8_scales16(const uint16_t *s, int64_t gs, int64_t left) {
+    if (gs == 1) return q4_scales16(s, left);
+    uint16_t tmp[16] = {0};
+    for (int64_t g = 0; g < 16 && g < left; ++g) tmp[g] = s[g * gs];
+    return q4_scales16(tmp, 16);
+}
 #define A8_ROW_STEP(acc, sc, wr, pf)                                                                             \
     do {                                                                                                         \
         if ((pf) == 1) __builtin_prefetch((const void *)((wr) + Q_PF_BYTES), 0, Q_PF_HINT);                      \
@@ -604,11 +612,11 @@ static inline float a8_row_scalar(int int4, const a8_x *p, int64_t b, int64_t j0
         if (int4) {                                                                                              \
             const int64_t g0 = j >> gsh, k = g0 & 15;                                                            \
             if (k == 0) {   /* each row's next 16 group scales */                                                \
-                sc0 = q4_scales16(sr + g0, ng - g0);                                                             \
+                sc0 = a8_scales16(sr + gs * g0, gs, ng - g0);                                                    \
                 if (R == 4) {                                                                                    \
-                    sc1 = q4_scales16(sr + ss + g0, ng - g0);                                                    \
-                    sc2 = q4_scales16(sr + 2 * ss + g0, ng - g0);                                                \
-                    sc3 = q4_scales16(sr + 3 * ss + g0, ng - g0);                                                \
+                    sc1 = a8_scales16(sr + ss + gs * g0, gs, ng - g0);                                           \
+                    sc2 = a8_scales16(sr + 2 * ss + gs * g0, gs, ng - g0);                                       \
+                    sc3 = a8_scales16(sr + 3 * ss + gs * g0, gs, ng - g0);                                       \
                 }                                                                                                \
             }                                                                                                    \
             si = _mm512_add_epi32(lane_group, _mm512_set1_epi32((int)k));                                        \
@@ -629,7 +637,7 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
                                                               int64_t group, const uint8_t *w, int64_t rs,
                                                               const uint16_t *sr, int64_t ss, const float *ws,
                                                               const uint8_t *pf_end, float *out) {
-    const int64_t m = p->m, mv = p->mv, ng = int4 ? m / group : 1, gsh = group == 32 ? 5 : 6;
+    const int64_t m = p->m, mv = p->mv, ng = int4 ? m / group : 1, gsh = group == 32 ? 5 : 6, gs = R == 4 ? 4 : 1;
     const int64_t cols = int4 ? A8_I4_COLS : A8_I8_COLS, lw = int4 ? 8 : 4;   /* inputs a step, an int32 lane */
     const int8_t *xi = int4 ? p->v + b * mv : p->q + b * m;
     const float *ls = p->ls + b * p->nl;
@@ -648,7 +656,8 @@ static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, co
     for (; j < mv; j += cols) A8_STEP(2);
     const __m512 accs[4] = {acc0, acc1, acc2, acc3};
     for (int r = 0; r < R; ++r)
-        out[r] = _mm512_reduce_add_ps(accs[r]) + a8_row_scalar(int4, p, b, mv, group, w + r * rs, sr + r * ss, ws[r]);
+        out[r] = _mm512_reduce_add_ps(accs[r]) + a8_row_scalar(int4, p, b, mv, group, w + r * rs, sr + r * ss, gs,
+                                                               ws[r]);
 }
 #undef A8_STEP
 #undef A8_ROW_STEP
@@ -663,51 +672,23 @@ static inline __m256 q4_scales8(const uint16_t *s, int64_t left) {
     const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)s));
     return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
-/* AVX2, int4 weights: a step's 64 inputs are two of x's blocks (bytes 0-15 of a row's 32 and 16-31), one scale
-   each, and each lies in one group (32 or 64 inputs), so a block's 32 products are summed as integers, exactly,
-   before any float step: the row's and / shift / and, two `vpmaddubsw` (pair sums of codes <= 15 times |q| <= 127:
-   |.| <= 3810, no saturation) and `vpaddw` give 16-bit lanes of 4 products each (|.| <= 7620); for 4 rows two
-   rounds of `vphaddw` (three of them; it wraps, but sums of 8 and 16 products stay within 15240 and 30480) and one
-   `vpmaddwd` with ones leave [r0 r1 r2 r3 | r0 r1 r2 r3] of the two blocks as int32, from which the blocks' excess
-   (a8_x.bc) is taken once. Then one conversion, one product with the blocks' x scales and one fma with the four
-   rows' group scales (transposed per span into gs4) into one accumulator for the four rows: the block's integer
-   sum times s_b, then times the weight scale, as the bound above says (x's scale first: no underflow for tiny x).
-   Callgrind: 49.5 instructions a step of 4 rows (36 vector) against 83 (59) when each row's 8 lanes were scaled
-   apart. (Round 11: the steps' loop computed each step's addresses from its input index, ~15 more a step; the
-   loop now advances pointers, a8_i4_rows, 16.6 -> 13.7 instructions per 64 weights at 1024 x 3584, 19.8 -> 16.2
-   at the 530M model's 1024-input rows; round 14: one index for every array, the format's constants in the steps'
-   loop, 13.7 -> 13.0 and 16.2 -> 14.3.) With AVX-VNNI `vpdpbusd` makes each row's 8 lanes (started from a8_x.lc) and
-   `vphaddd` sums them: the same integers. One row (R = 1, the n % 4 last) sums its lanes to [r x4 | r x4] by
-   `vphaddd` and takes the same float steps on the same values, and a row's two lanes (its blocks at even and odd
-   32-input offsets) are added last: the same bits as in a step of four rows. */
-/* the four rows' next 16 group scales (bf16 bits from s, s + ss, ..; `left` remaining: the others read as 0) as
-   fp32 into gs4 [16 groups][4 rows]. The unpacks work within 128-bit halves: the low half transposes groups 0-7,
-   the high half 8-15, and a 64-bit permute before the last unpacks puts a pair of consecutive groups in each
-   vector. */
-static inline void a8_scales4(const uint16_t *s, int64_t ss, int64_t left, float *gs4) {
-    __m256i r[4];
-    if (left >= 16)   /* (apart: GCC zeroed the short case's buffer on every call) */
-        for (int k = 0; k < 4; ++k) r[k] = _mm256_loadu_si256((const __m256i *)(const void *)(s + k * ss));
-    else
-        for (int k = 0; k < 4; ++k) {
-            uint16_t tmp[16] = {0};
-            memcpy(tmp, s + k * ss, (size_t)left * sizeof *tmp);
-            r[k] = _mm256_loadu_si256((const __m256i *)(const void *)tmp);
-        }
-    const __m256i a = _mm256_unpacklo_epi16(r[0], r[1]), b = _mm256_unpackhi_epi16(r[0], r[1]),   /* [r0 r1] x g */
-                  c = _mm256_unpacklo_epi16(r[2], r[3]), d = _mm256_unpackhi_epi16(r[2], r[3]);
-    const __m256i t[4] = {_mm256_unpacklo_epi32(a, c), _mm256_unpackhi_epi32(a, c),   /* [r0 r1 r2 r3] x g 0-1 */
-                          _mm256_unpacklo_epi32(b, d), _mm256_unpackhi_epi32(b, d)};   /* (+ 8 in the high half) */
-    const __m256i z = _mm256_setzero_si256();
-    for (int k = 0; k < 4; ++k) {
-        /* [g 2k | g 2k + 8 || g 2k + 1 | g 2k + 9] (64 bits each), so that each unpack below takes a pair of
-           consecutive groups (one 64-bit permute a vector: round 14, instead of two 128-bit ones after them) */
-        const __m256i u = _mm256_permute4x64_epi64(t[k], 0xD8);
-        /* bf16 bits to fp32: the upper half of a zero-extended lane */
-        _mm256_store_si256((__m256i *)(void *)(gs4 + 8 * k), _mm256_unpacklo_epi16(z, u));   /* g 2k, 2k + 1 */
-        _mm256_store_si256((__m256i *)(void *)(gs4 + 32 + 8 * k), _mm256_unpackhi_epi16(z, u));   /* + 8, + 9 */
-    }
-}
+/* AVX2, int4 weights: a step's 64 inputs are two of x's blocks (bytes 0-15 of a row's 32 and 16-31), one scale each,
+   and each lies in one group (32 or 64 inputs), so a block's 32 products are summed as integers, exactly, before any
+   float step: the row's and / shift / and, two `vpmaddubsw` (pair sums of codes <= 15 times |q| <= 127: |.| <= 3810,
+   no saturation) and `vpaddw` give 16-bit lanes of 4 products each (|.| <= 7620); for 4 rows two rounds of `vphaddw`
+   (three of them; it wraps, but sums of 8 and 16 products stay within 15240 and 30480) and one `vpmaddwd` with ones
+   leave [r0 r1 r2 r3 | r0 r1 r2 r3] of the two blocks as int32, from which the blocks' excess (a8_x.bc) is taken
+   once. Then one conversion, one product with the blocks' x scales and one fma with the four rows' group scales
+   (stored in the step's order: a8_step_scales) into one accumulator for the four rows: the block's integer sum times
+   s_b, then times the weight scale, as the bound above says (x's scale first: no underflow for tiny x). Callgrind:
+   49.5 instructions a step of 4 rows (36 vector) against 83 (59) when each row's 8 lanes were scaled apart. (Round
+   11: the steps' loop computed each step's addresses from its input index, ~15 more a step; the loop now advances
+   pointers, a8_i4_rows, 16.6 -> 13.7 instructions per 64 weights at 1024 x 3584, 19.8 -> 16.2 at the 530M model's
+   1024-input rows; round 14: one index for every array, the format's constants in the steps' loop, 13.7 -> 13.0 and
+   16.2 -> 14.3.) With AVX-VNNI `vpdpbusd` makes each row's 8 lanes (started from a8_x.lc) and `vphaddd` sums them:
+   the same integers. One row (R = 1, the n % 4 last) sums its lanes to [r x4 | r x4] by `vphaddd` and takes the same
+   float steps on the same values, and a row's two lanes (its blocks at even and odd 32-input offsets) are added
+   last: the same bits as in a step of four rows. */
 /* one row's 32 bytes at wr times the step's x (x0: the low nibbles' inputs, x1: the high ones'): VNNI, 8 lanes of 8
    products started from the lanes' excess (corr: a8_x.lc); otherwise 16 lanes of 4 products (16-bit) */
 static inline __attribute__((always_inline)) __m256i a8_i4_row(const uint8_t *wr, __m256i x0, __m256i x1,
@@ -755,14 +736,16 @@ static inline __attribute__((always_inline)) __m256i a8_i4_sum1(__m256i p0, __m2
 #endif
 /* the step of R rows in groups of G into acc at lane k (inputs 8k .. 8k + 63 of the span): its x integers at v + 8k
    (64), excess at c + k (8 lanes), x scales at l + k (8), the rows' bytes at w0 + 4k .. w3 + 4k, the scales of its
-   first group at g4 (R = 4) or the row's 8 in sc picked by gi (R = 1). pf: each row's line Q_PF_BYTES ahead (32
+   first group at g4 (R = 4: bf16 [group][4 rows] as a8_step_scales stores them) or the row's 8 in sc picked by gi
+   (R = 1). pf: each row's line Q_PF_BYTES ahead (32
    bytes a step: the caller asks every other step) 0 not, 1 with no bound check, 2 checked against pf_end (NULL:
    none). Every array is addressed from its base by the one index k (round 14: the loop advanced seven pointers;
    round 11: each step's addresses were computed from its input index, ~15 of its ~65 instructions) */
 static inline __attribute__((always_inline)) __m256 a8_i4_step(const int R, const int G, const int pf, int64_t k,
                                                                const int8_t *v, const int32_t *c, const float *l,
                                                                const uint8_t *w0, const uint8_t *w1,
-                                                               const uint8_t *w2, const uint8_t *w3, const float *g4,
+                                                               const uint8_t *w2, const uint8_t *w3,
+                                                               const uint16_t *g4,
                                                                __m256 sc, __m256i gi, const uint8_t *pf_end,
                                                                __m256 acc) {
     const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)(v + 8 * k)),
@@ -789,8 +772,14 @@ static inline __attribute__((always_inline)) __m256 a8_i4_step(const int R, cons
         const __m256i rc = A8_ROW_CORR;
         i = a8_i4_sum4(a8_i4_row(w0 + 4 * k, x0, x1, rc), a8_i4_row(w1 + 4 * k, x0, x1, rc),
                        a8_i4_row(w2 + 4 * k, x0, x1, rc), a8_i4_row(w3 + 4 * k, x0, x1, rc), corr);
-        /* group 32: the step's two groups; 64: its one group in both halves */
-        g = G == 32 ? _mm256_load_ps(g4) : _mm256_broadcast_ps((const __m128 *)(const void *)g4);
+        /* group 32: the step's two groups; 64: its one group in both halves. bf16 bits to fp32: the upper half of
+           a lane (exact, the values round 14 converted per span into a table: the same bits) */
+        if (G == 32)
+            g = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)g4)), 16));
+        else
+            g = _mm256_castsi256_ps(_mm256_unpacklo_epi16(
+                _mm256_setzero_si256(), _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(const void *)g4))));
     } else {
         (void)g4; (void)w1; (void)w2; (void)w3;
         i = a8_i4_sum1(a8_i4_row(w0 + 4 * k, x0, x1, A8_ROW_CORR), corr);
@@ -798,16 +787,16 @@ static inline __attribute__((always_inline)) __m256 a8_i4_step(const int R, cons
     }
     return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_loadu_ps(l + k)), g, acc);
 }
-/* R (1 or 4) rows of int4 weights in groups of G (a8_rows_vec's arguments), in spans of A8_I4_SPAN groups: R = 4
-   converts the four rows' scales of a span first (gs4, [group][row]: a tight loop of its own, so that the steps keep
-   their registers), R = 1 its row's 8 at a time (sc). The steps in pairs (even, odd: the odd one prefetches), those
-   whose prefetches stay below pf_end (the last row's is the furthest) with no check, counted before the loop. */
-#define A8_I4_SPAN 128   /* (a multiple of the 16 that a8_scales4 converts) */
+/* R (1 or 4) rows of int4 weights in groups of G (a8_rows_vec's arguments): R = 4 reads the four rows' scales as
+   stored (a8_step_scales: [group][4 rows], one widening a step; round 15: they were transposed and converted per
+   span of 128 groups into a table first, ~1.4 instructions per 64 weights at 1024 inputs), R = 1 its row's in spans
+   of 8 groups (sc). The steps in pairs (even, odd: the odd one prefetches), those whose prefetches stay below
+   pf_end (the last row's is the furthest) with no check, counted before the loop. */
 static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const int G, const a8_x *p, int64_t b,
                                                              const uint8_t *w, int64_t rs, const uint16_t *sr,
                                                              int64_t ss, const uint8_t *pf_end, float *out) {
     const int64_t m = p->m, mv = p->mv, ng = m / G, nlv = mv / 8;   /* lanes (8 inputs) on the vector path */
-    const int64_t span = (R == 4 ? A8_I4_SPAN : 8) * G / 8;          /* lanes a span: a multiple of 16 */
+    const int64_t span = R == 4 ? nlv : G;                           /* lanes a span (R = 1: 8 groups) */
     const int8_t *v = p->v + b * mv;
     const float *ls = p->ls + b * p->nl;
 #if defined(A8_VNNI)
@@ -815,7 +804,6 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
 #else
     const int32_t *cv = p->bc + b * p->nl;
 #endif
-    float gs4[4 * A8_I4_SPAN] __attribute__((aligned(32)));
     __m256 sc = _mm256_setzero_ps(), acc = sc;
     /* R = 1: lanes 0-3 and 4-7 take the step's two groups (32) or its one (64) among the row's 8: k-th step of 8 */
     const __m256i gi0 = G == 32 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1) : _mm256_setzero_si256(),
@@ -826,23 +814,20 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
                                 : 0;
     for (int64_t i0 = 0; i0 < nlv; i0 += span) {
         const int64_t g0 = i0 * 8 / G, e = i0 + span < nlv ? span : nlv - i0;   /* e: the span's lanes */
-        if (R == 4)
-            for (int64_t g = 0; g < e * 8 / G; g += 16) a8_scales4(sr + g0 + g, ss, ng - g0 - g, gs4 + 4 * g);
-        else
-            sc = q4_scales8(sr + g0, ng - g0);
-        /* the span's arrays from its first lane; gs4 [group - g0][row]: lane k's step at k floats (32: two groups
-           of 4 rows a step of 8 lanes) or k / 2 (64), here in bytes */
+        if (R == 1) sc = q4_scales8(sr + g0, ng - g0);
+        /* the span's arrays from its first lane; the scales [group][row] (R = 4): lane k's step at k bf16 values
+           (32: two groups of 4 rows a step of 8 lanes) or k / 2 (64), here in bytes */
         const int8_t *vs = v + 8 * i0;
         const int32_t *cs = cv + i0;
         const float *lp = ls + i0;
-        const char *gb = (const char *)(const void *)gs4;
-        const int64_t gsh = G == 32 ? 4 : 2;   /* gs4's bytes per lane */
+        const char *gb = (const char *)(const void *)(sr + 4 * g0);
+        const int64_t gsh = G == 32 ? 2 : 1;   /* the scales' bytes per lane */
         const uint8_t *w0 = w + 4 * i0, *w1 = w0 + rs, *w2 = w0 + 2 * rs, *w3 = w0 + 3 * rs;
         __m256i gi = gi0;
 #define A8_I4_STEP(pf, k)                                                                                        \
         do {                                                                                                     \
             acc = a8_i4_step(R, G, pf, k, vs, cs, lp, w0, w1, w2, w3,                                            \
-                             (const float *)(const void *)(gb + gsh * (k)), sc, gi, pf_end, acc);                \
+                             (const uint16_t *)(const void *)(gb + gsh * (k)), sc, gi, pf_end, acc);             \
             gi = _mm256_add_epi32(gi, gstep);                                                                    \
         } while (0)
         int64_t k = 0;
@@ -873,9 +858,9 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
     float t[4];
     _mm_storeu_ps(t, sum);
     for (int r = 0; r < R; ++r)
-        out[r] = t[r] + a8_int4_row_scalar(mv, m, G, w + r * rs, sr + r * ss, p->q + b * m, p->s + b * p->nb);
+        out[r] = t[r] + a8_int4_row_scalar(mv, m, G, w + r * rs, sr + r * ss, R == 4 ? 4 : 1, p->q + b * m,
+                                           p->s + b * p->nb);
 }
-#undef A8_I4_SPAN
 #undef A8_ROW_CORR
 /* AVX2, int8 weights: with AVX-VNNI `vpdpbusd` on 32 bytes as the AVX-512 path; without it `vpmaddubsw` pairs then
    `vpmaddwd` with ones, the weights taking x's sign (x's magnitudes the unsigned operand, a8_x.v), so no excess.
@@ -1003,7 +988,9 @@ static inline __attribute__((always_inline)) void matvec_rows_a8(int int4, const
     /* (groups of 32 and 64 spelt out: a division per step of 4 rows otherwise) */
     const int64_t ng = !int4 ? 1 : group == 32 ? m / 32 : group == 64 ? m / 64 : m / group;
     const uint8_t *Wb = (const uint8_t *)W;
-    const uint16_t *si = int4 ? s + i0 * ng : s;   /* (int8: no group scales) */
+    /* int4: a step of four rows' scales at s + 4 i0 ng (i0 < n / 4), a last row's at s + i0 ng (a8_step_scales);
+       int8: no group scales */
+    const uint16_t *si = int4 ? s + (r == 4 ? 4 : 1) * i0 * ng : s;
     float ws[4];
     for (int k = 0; k < r; ++k) ws[k] = int4 ? 0.0f : bf16_to_f32(s[i0 + k * stride]);
     for (int64_t b = 0; b < B; ++b) {
@@ -1011,16 +998,47 @@ static inline __attribute__((always_inline)) void matvec_rows_a8(int int4, const
 #if defined(A8_I8_COLS)
         const uint8_t *pf_end = b == 0 ? Wb + n * rowb : NULL;   /* (later x rows find the rows in cache) */
         const uint8_t *w = Wb + i0 * rowb;
-        const int64_t rs = stride * rowb, ss = int4 ? stride * ng : 0;
+        const int64_t rs = stride * rowb, ss = int4 ? 1 : 0;   /* (row r's scales at si + r, 4 apart) */
         if (int4 && r == 4) a8_rows_vec(1, 4, p, b, group, w, rs, si, ss, ws, pf_end, out);
         else if (int4) a8_rows_vec(1, 1, p, b, group, w, 0, si, 0, ws, pf_end, out);
         else if (r == 4) a8_rows_vec(0, 4, p, b, group, w, rs, si, 0, ws, pf_end, out);
         else a8_rows_vec(0, 1, p, b, group, w, 0, si, 0, ws, pf_end, out);
 #else
         for (int k = 0; k < r; ++k)
-            out[k] = a8_row_scalar(int4, p, b, 0, group, Wb + (i0 + k * stride) * rowb, si + k * stride * ng, ws[k]);
+            out[k] = a8_row_scalar(int4, p, b, 0, group, Wb + (i0 + k * stride) * rowb, si + k, r == 4 ? 4 : 1, ws[k]);
 #endif
         for (int k = 0; k < r; ++k) q_store_row(n, b, i0 + k * stride, out[k], bias, add, y);
+    }
+}
+
+/* int4-a8's group scales s [n * m / group] (bf16) in the order the steps of four rows read them (quant's
+   a8_step_scales): with q = n / 4, step t's rows t, t + q, t + 2q, t + 3q as [group][4 rows] at s + 4 t ng, then
+   the n % 4 last rows as [row][group] from s + 4 q ng (where they are in the plain [n, ng] order). Row i's scale of
+   group g: s[(4 (i % q) + i / q) ... ] below (a8_scale_at). */
+static inline uint16_t a8_scale_at(const uint16_t *s, int64_t n, int64_t ng, int64_t i, int64_t g) {
+    const int64_t q = n / 4;
+    return i < 4 * q ? s[4 * ((i % q) * ng + g) + i / q] : s[i * ng + g];
+}
+
+/* the exact int4 product (matvec_int4) of weights whose scales are in the steps' order: the scales put back into
+   [n, ng] first (only when x holds a NaN or inf); with no memory for them, row by row in plain C */
+static void matvec_int4_step_scales(int64_t B, int64_t n, int64_t m, int64_t group, const uint8_t *W,
+                                    const uint16_t *s, const float *bias, const float *x, const float *add, float *y,
+                                    int nthreads) {
+    const int64_t ng = m / group;
+    uint16_t *plain = malloc(sizeof(uint16_t) * (size_t)(n * ng > 0 ? n * ng : 1));
+    if (plain) {
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t g = 0; g < ng; ++g) plain[i * ng + g] = a8_scale_at(s, n, ng, i, g);
+        matvec_int4(B, n, m, group, W, plain, bias, x, add, y, nthreads);
+        free(plain);
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        uint16_t row[ng > 0 ? ng : 1];
+        for (int64_t g = 0; g < ng; ++g) row[g] = a8_scale_at(s, n, ng, i, g);
+        for (int64_t b = 0; b < B; ++b)
+            q_store_row(n, b, i, int4_row_scalar(0, m, group, W + i * (m / 2), row, x + b * m), bias, add, y);
     }
 }
 
@@ -1028,10 +1046,16 @@ static void matvec_a8(int int4, int64_t B, int64_t n, int64_t m, int64_t group, 
                       const float *bias, const float *x, const float *add, float *y, int nthreads) {
     const int par = nthreads > 1 && n * m >= (int4 ? 4 : 2) * PAR_MIN_ELEMS;
     q_prefetch_starts(n, int4 ? m / 2 : m, W, par ? nthreads : 1);   /* (before the rounding of x) */
-    if (int4) q_prefetch_starts(n, 2 * (m / group), s, par ? nthreads : 1);
+    if (int4)   /* the scales each thread's first step reads (a8_step_scales: step t's at 4 t ng, row i's at i ng) */
+        for (int t = 0, nt = par ? nthreads : 1; t < nt; ++t) {
+            const int64_t q = n / 4, st = Q_STEPS(n) * t / nt, ng = m / group;
+            const uintptr_t a = (uintptr_t)(s + (st < q ? 4 * st : 3 * q + st) * ng), end = (uintptr_t)(s + n * ng);
+            for (uintptr_t o = 0; o < Q_PF_BYTES && a + o < end; o += 64)
+                __builtin_prefetch((const void *)(a + o), 0, Q_PF_HINT);
+        }
     a8_x p;
     if (!a8_prepare(int4, B, m, x, &p)) {   /* NaN / inf in x (or no memory): the exact product */
-        if (int4) matvec_int4(B, n, m, group, (const uint8_t *)W, s, bias, x, add, y, nthreads);
+        if (int4) matvec_int4_step_scales(B, n, m, group, (const uint8_t *)W, s, bias, x, add, y, nthreads);
         else matvec_int8(B, n, m, (const int8_t *)W, s, bias, x, add, y, nthreads);
         return;
     }
@@ -1063,7 +1087,9 @@ static void matvec_w_f32(int fmt, const void *W, const void *scales, int64_t gro
         matvec_int4(B, n, m, group, (const uint8_t *)W, (const uint16_t *)scales, bias, x, add, y, nthreads);
         break;
     case WF_INT8_A8: matvec_a8(0, B, n, m, 0, W, (const uint16_t *)scales, bias, x, add, y, nthreads); break;
-    case WF_INT4_A8: matvec_a8(1, B, n, m, group, W, (const uint16_t *)scales, bias, x, add, y, nthreads); break;
+    case WF_INT4_A8:   /* (scales in the steps' order: a8_step_scales) */
+        matvec_a8(1, B, n, m, group, W, (const uint16_t *)scales, bias, x, add, y, nthreads);
+        break;
     default: matvec_f32(B, n, m, (const float *)W, bias, x, add, y, nthreads); break;
     }
 }

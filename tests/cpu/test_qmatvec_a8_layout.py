@@ -1,0 +1,123 @@
+"""int4-a8's group scales in the order of the product's steps (cpu/qlayout.py, csrc/qmatvec.h a8_step_scales): the
+layout against its definition written element by element, its inverse, and the compiled product reading it on every
+path (AVX2, AVX-VNNI, plain C): each row of an n-row product has the bits of that row's product alone (one row: the
+layout is the rows' order), for row counts with every n % 4, groups 32 and 64, odd group counts, one and two x rows,
+one and two threads. A wrong offset of any row's or group's scale changes a row's value."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linattn.cpu import decode as cpu_decode
+from linattn.cpu.qlayout import rows_scales, step_scales
+from linattn.errors import LinattnError
+from linattn.models.decode_plan import plan_scales
+from tests.cpu.decode_variants import decode_variant_fixture
+from tests.helpers import VPDPBUSD_IN_C, StoredWeights as _Stored
+
+PATHS = {
+    "native": ("", set()),
+    "avx2": ("#undef __AVX512F__\n#undef __AVX512VNNI__\n#undef __AVXVNNI__\n", {"avx2", "fma"}),
+    "avx-vnni": ("#undef __AVX512F__\n#undef __AVX512VNNI__\n#define __AVXVNNI__ 1\n", {"avx2", "fma", "avx_vnni"}),
+    # (AVX-VNNI's `vpdpbusd` written in C, as test_qmatvec_a8.py builds it: that path on any AVX2 machine)
+    "avx-vnni-emulated": ("#undef __AVX512F__\n#undef __AVX512VNNI__\n#define __AVXVNNI__ 1\n" + VPDPBUSD_IN_C,
+                          {"avx2", "fma"}),
+    "scalar": ("#define LINATTN_PLAIN_C\n", set()),
+}
+
+decode_lib = decode_variant_fixture(PATHS)
+
+
+def _defined(scales: torch.Tensor) -> torch.Tensor:
+    """The steps' order by its definition: step t < n // 4 holds rows t + r q as [group][4 rows] at 4 t ng, the n % 4
+    last rows follow by rows."""
+    n, ng = scales.shape
+    q = n // 4
+    out = torch.empty(n * ng, dtype=scales.dtype)
+    for i in range(n):
+        for g in range(ng):
+            at = 4 * ((i % q) * ng + g) + i // q if i < 4 * q else i * ng + g
+            out[at] = scales[i, g]
+    return out.view(n, ng)
+
+
+@pytest.mark.parametrize("n", list(range(1, 14)) + [16, 17, 18, 19, 61])
+@pytest.mark.parametrize("ng", [1, 3, 8, 33])
+def test_step_scales_is_its_definition(n, ng):
+    s = torch.arange(n * ng, dtype=torch.float32).view(n, ng).to(torch.bfloat16)   # (exact: < 256)
+    s = torch.randn(n, ng, generator=torch.Generator().manual_seed(n * 100 + ng)).to(torch.bfloat16) if n * ng > 256 \
+        else s
+    got = step_scales(s)
+    assert got.shape == s.shape and got.dtype == s.dtype and got.is_contiguous()
+    assert torch.equal(got.view(torch.int16), _defined(s).view(torch.int16))
+    assert torch.equal(rows_scales(got).view(torch.int16), s.view(torch.int16))
+    if n < 4:   # (no step of four rows: the rows' order)
+        assert torch.equal(got.view(torch.int16), s.view(torch.int16))
+
+
+def test_step_scales_bad_input():
+    with pytest.raises(LinattnError, match=r"step_scales: scales must be a \[n, n_groups\] tensor"):
+        step_scales(torch.zeros(8, dtype=torch.bfloat16))
+    with pytest.raises(LinattnError, match="rows_scales"):
+        rows_scales(torch.zeros(2, 3, 4))
+
+
+def test_plan_scales_which_matrices():
+    """A plan's int4-a8 matrices read their scales in the steps' order, MLA's kv_b_proj (read by rows) and every
+    other format as stored."""
+    s = torch.randn(12, 5).to(torch.bfloat16)
+    assert torch.equal(plan_scales("W", "int4_a8", s), step_scales(s))
+    assert torch.equal(plan_scales("head", "int4_a8", s), step_scales(s))
+    for name, mode in (("mla_Wkb", "int4_a8"), ("W", "int4"), ("W", "int8_a8"), ("Wd", "int8")):
+        assert plan_scales(name, mode, s) is s
+
+
+# (n, k, group): every n % 4, groups 32 / 64, odd group counts (96 / 32 = 3, 1056 / 32 = 33, 192 / 64 = 3,
+# 1088 / 64 = 17), a tail after the last vector step (k % 64 == 32), a row count past one 2-thread split
+SHAPES = [(n, k, 32) for n, k in ((1, 96), (2, 64), (3, 1056), (4, 96), (5, 1056), (6, 64), (7, 160), (8, 1056),
+                                  (13, 544), (258, 1056))] + \
+         [(n, k, 64) for n, k in ((1, 192), (3, 64), (4, 1088), (5, 192), (6, 1088), (7, 320), (9, 64), (257, 192))]
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_a8_int4_rows_read_the_steps_order(decode_lib, n, k, group):
+    """Each row of the product (scales put in the steps' order by weight_matvec) has the bits of its row alone, for
+    one and two x rows and one and two threads; the same scales passed by rows as if in the steps' order give other
+    values (the product reads the layout, not the rows' order)."""
+    q = _Stored(n, k, "int4", group, seed=n * 7 + k, bias=True)
+    g = torch.Generator().manual_seed(n + k)
+    # (every row and group its own scale: a scale read from another row or group changes the row's value)
+    q.scales = (q.scales.float() * (1 + torch.rand(q.scales.shape, generator=g))).to(torch.bfloat16)
+    x = torch.randn(2, k, generator=g) * 2
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            for B in (1, 2):
+                y = cpu_decode.weight_matvec(x[:B].contiguous(), "int4_a8", q.stored, q.scales, group, bias=q.bias)
+                for i in range(n):
+                    one = cpu_decode.weight_matvec(x[:B].contiguous(), "int4_a8", q.stored[i:i + 1].contiguous(),
+                                                   q.scales[i:i + 1].contiguous(), group,
+                                                   bias=q.bias[i:i + 1].contiguous())
+                    assert torch.equal(one[:, 0].view(torch.int32), y[:, i].view(torch.int32)), (nt, B, i)
+    finally:
+        torch.set_num_threads(threads)
+    if n >= 4:
+        pre = cpu_decode.weight_matvec(x, "int4_a8", q.stored, step_scales(q.scales), group, bias=q.bias,
+                                       scales_in_step_order=True)
+        assert torch.equal(pre.view(torch.int32), y.view(torch.int32))
+        wrong = cpu_decode.weight_matvec(x, "int4_a8", q.stored, q.scales, group, bias=q.bias,
+                                         scales_in_step_order=True)
+        assert not torch.equal(wrong, y)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_a8_int4_non_finite_x_takes_the_exact_product(decode_lib, group):
+    """x with a NaN or inf: the exact int4 product (its scales put back by rows first), bit for bit."""
+    q = _Stored(7, 4 * group, "int4", group, seed=3, bias=True)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 4 * group, generator=torch.Generator().manual_seed(5))
+        x[1, group + 3] = bad
+        y = cpu_decode.weight_matvec(x, "int4_a8", q.stored, q.scales, group, bias=q.bias)
+        exact = cpu_decode.weight_matvec(x, "int4", q.stored, q.scales, group, bias=q.bias)
+        assert torch.equal(y.view(torch.int32), exact.view(torch.int32))
