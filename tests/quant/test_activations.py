@@ -5,13 +5,16 @@ compiled decode's logits against the same model's PyTorch path (both compute sum
 differently only where fp32 noise moves it across a rounding boundary, so the two agree far more closely than
 either agrees with the float-activation model); saving and loading keeps the setting; refusals. The products
 themselves: tests/cpu/test_qmatvec_a8.py."""
+import ctypes
 import json
 
 import pytest
+import safetensors.torch
 import torch
 
 from linattn import LanguageModel, LMConfig
 from linattn.cpu import decode as cpu_decode
+from linattn.cpu.qlayout import step_scales
 from linattn.errors import LinattnError
 from linattn.quant import QuantizedLinear, load_quantized, quantization_summary, quantize, quantized_modules
 from linattn.quant.cli import load_for_inference
@@ -151,3 +154,31 @@ def test_default_activations_by_mode(tmp_path):
     (out / "quantized.json").write_text(json.dumps(manifest))
     loaded, _ = load_quantized(out)
     assert {m.activations for m in quantized_modules(loaded).values()} == {"float"}
+
+
+@pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the compiled kernels are off")
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_a8_plan_reads_step_order_file_keeps_rows(group, tmp_path, monkeypatch):
+    """An int4-a8 model's plan reads a copy of the head's scales in the product's steps' order (cpu/qlayout.py);
+    the layer's `scales`, its state dict and the saved file keep them by rows (the format of folders written before
+    round 15), and the loaded folder decodes to the same logits, bit for bit."""
+    q = quantize(_model(tie=False, vocab=112), "int4", group_size=group, compute="fp32", activations="int8")
+    head = quantized_modules(q)["lm_head"]
+    rows = head.scales.clone()
+    calls = CompiledDecodeCalls(monkeypatch)
+    ids = torch.randint(0, 112, (2, 7), generator=torch.Generator().manual_seed(4))
+    ours = _step_logits(q, ids)
+    assert calls.model == 4
+    n, ng = rows.shape
+    plan = q._model_plan.plan
+    read = torch.frombuffer(bytearray(ctypes.string_at(plan.sc_head, n * ng * 2)), dtype=torch.int16).view(n, ng)
+    assert torch.equal(read, step_scales(rows).view(torch.int16))
+    assert not torch.equal(read, rows.view(torch.int16))
+    assert torch.equal(head.scales.view(torch.int16), rows.view(torch.int16))
+    assert torch.equal(q.state_dict()["lm_head.scales"].view(torch.int16), rows.view(torch.int16))
+    out = save_quantized(q, tmp_path / "q")
+    saved = safetensors.torch.load_file(str(out / "quantized.safetensors"))
+    assert torch.equal(saved["lm_head.scales"].view(torch.int16), rows.view(torch.int16))
+    loaded, _ = load_quantized(out)
+    assert torch.equal(_step_logits(loaded, ids), ours)
+    assert calls.model == 8
