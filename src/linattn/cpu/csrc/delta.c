@@ -565,115 +565,74 @@ LA_INLINE void FN(bwd_token)(int64_t K, int64_t V, REAL *dS, const REAL *Sp, con
 }
 
 /* the scratch of one thread's backward: a stretch's states S_{t-1} and its last S_t, its w and e; derr of this and
-   the previous token, dq, dk and dg of a token; with prep also the stretch's prepared rows q, k, v, a (and the row
-   before it), its decays, and a row's dv, dq and the row backward's scratch */
-static size_t FN(bwd_scratch)(int64_t K, int64_t V, int64_t chunk, int prep) {
-    const int64_t rows = prep != PREP_NONE ? (chunk + 1) * (3 * K + V + 1) + V + 2 * K : 0;
-    return (size_t)((chunk + 1) * K * V + chunk * (V + K) + 2 * V + 4 * K + rows) * sizeof(REAL);
+   the previous token, dq, dk and dg of a token */
+static size_t FN(bwd_scratch)(int64_t K, int64_t V, int64_t chunk) {
+    return (size_t)((chunk + 1) * K * V + chunk * (V + K) + 2 * V + 4 * K) * sizeof(REAL);
 }
 
 /* The stretches c_hi - 1 down to c_lo of unit (n, h) (stretch c: tokens s + c chunk ...), dS = its state gradient,
    carried; dcarry [V]: derr of the token after the first stretch, in and out (c_hi = the last stretch: not read).
-   With prep (the plan's: q, k, v, a are the raw rows and beta, as the forward's) each stretch first prepares its
-   rows (and the row before it, whose q and k the stretch's first token reads) into the scratch, with the forward's
-   row code (the bits of the preparation pass), and the recomputing scan and the reverse recurrence read them there;
-   a token's row, once its gradients are complete (its dq comes with the next token's step), goes through the
-   preparation's backward (deltarow.h: the bits of deltaprep.c's backward pass): dq, dk, dv, da are then the raw
-   rows' and beta's gradients. Returns -1 when the recomputing scan found no memory. */
+   Returns -1 when the recomputing scan found no memory. */
 static int FN(bwd_stretches)(int64_t H, int64_t K, int64_t V, const int64_t *starts, const REAL *q, const REAL *k,
                              const REAL *v, const REAL *a, const REAL *g, int gate, const REAL *ckpt,
                              const int64_t *ck_off, int64_t chunk, const REAL *dout, REAL *dq, REAL *dk, REAL *dv,
                              REAL *da, REAL *dg, int64_t n, int64_t h, int64_t c_hi, int64_t c_lo, REAL *restrict dS,
-                             REAL *dcarry, REAL *Sbuf, int prep, REAL sc, REAL eps) {
-    const int64_t KV = K * V, s = starts[n], L = starts[n + 1] - s, gK = gate == GATE_CHANNEL ? K : 1;
+                             REAL *dcarry, REAL *Sbuf) {
+    const int64_t KV = K * V, s = starts[n], L = starts[n + 1] - s;
     REAL *wbuf = Sbuf + (chunk + 1) * KV, *ebuf = wbuf + chunk * V, *derr = ebuf + chunk * K;
     REAL *derrp = derr + V, *dqp = derrp + V, *dkt = dqp + K, *dgt = dkt + K;
-    /* with prep: the stretch's prepared rows (row i + 1: its token i; row 0: the token before it) and decays */
-    REAL *pq = NULL, *pk = NULL, *pv = NULL, *pa = NULL, *pg = NULL, *dvt = NULL, *dqo = NULL, *G = NULL;
-    if (prep != PREP_NONE) {
-        pq = dgt + K, pk = pq + (chunk + 1) * K, pv = pk + (chunk + 1) * K, pa = pv + (chunk + 1) * V;
-        pg = pa + (chunk + 1), dvt = pg + (chunk + 1) * K, dqo = dvt + V, G = dqo + K;
-    }
     if (c_hi < (L + chunk - 1) / chunk) memcpy(derr, dcarry, (size_t)V * sizeof(REAL));
     for (int64_t c = c_hi - 1; c >= c_lo; c--) {
         const int64_t t0 = s + c * chunk, Lc = (L - c * chunk) < chunk ? (L - c * chunk) : chunk;
-        /* the rows the stretch reads: the inputs' (token t0 + i: row (t0 + i) H + h) or the prepared ones (row i + 1) */
-        const REAL *Q = q, *Kr = k, *Vr = v, *A = a, *Gd = g;
-        int64_t Hs = H, hs = h, ts = t0;
-        if (prep != PREP_NONE) {
-            for (int64_t i = t0 > s ? -1 : 0; i < Lc; i++) {
-                const int64_t th = (t0 + i) * H + h, r = i + 1;
-                if (prep == PREP_L2)
-                    pa[r] = FN(la_dprep_row_a)(K, V, q + th * K, k + th * K, v + th * V, a[th], sc, eps, pq + r * K,
-                                               pk + r * K, pv + r * V);
-                else
-                    pa[r] = FN(la_dprep_raw_row_a)(K, V, q + th * K, k + th * K, v + th * V, a[th], sc, pq + r * K,
-                                                   pk + r * K, pv + r * V);
-                if (gate != GATE_NONE && i >= 0) memcpy(pg + r * gK, g + th * gK, (size_t)gK * sizeof(REAL));
-            }
-            Q = pq, Kr = pk, Vr = pv, A = pa, Gd = pg, Hs = 1, hs = 0, ts = 1;
-        }
         memcpy(Sbuf, ckpt + ((ck_off[n] + c) * H + h) * KV, (size_t)KV * sizeof(REAL));
-        if (FN(scan)(Hs, K, V, hs, ts, Lc, Q, Kr, Vr, A, Gd, gate, Sbuf, Sbuf, NULL, wbuf, ebuf, NULL, chunk,
-                     PREP_NONE, 0, 0) != 0)
+        if (FN(scan)(H, K, V, h, t0, Lc, q, k, v, a, g, gate, Sbuf, Sbuf, NULL, wbuf, ebuf, NULL, chunk, PREP_NONE,
+                     0, 0) != 0)
             return -1;
         if (t0 + Lc == s + L) { /* the sequence's last token: its own output's term, derr and dq */
-            const int64_t th = (s + L - 1) * H + h, rl = prep != PREP_NONE ? Lc : th;
+            const int64_t th = (s + L - 1) * H + h;
             const REAL *St = Sbuf + Lc * KV;
             for (int64_t d = 0; d < K; d++) dqp[d] = 0;
             int64_t j0 = 0;
             for (; j0 + FN(VB) <= V; j0 += FN(VB))
-                FN(bwd_first_cols)(K, V, FN(VB), dS + j0, St + j0, Q + rl * K, Kr + rl * K, dout + th * V + j0,
+                FN(bwd_first_cols)(K, V, FN(VB), dS + j0, St + j0, q + th * K, k + th * K, dout + th * V + j0,
                                    derr + j0, dqp);
             if (j0 < V)
-                FN(bwd_first_cols)(K, V, V - j0, dS + j0, St + j0, Q + rl * K, Kr + rl * K, dout + th * V + j0,
+                FN(bwd_first_cols)(K, V, V - j0, dS + j0, St + j0, q + th * K, k + th * K, dout + th * V + j0,
                                    derr + j0, dqp);
             memcpy(dq + th * K, dqp, (size_t)K * sizeof(REAL));
         }
         for (int64_t i = Lc - 1; i >= 0; i--) {
             const int64_t th = (t0 + i) * H + h, tp = th - H;
-            const int64_t rl = prep != PREP_NONE ? i + 1 : th, rp = prep != PREP_NONE ? i : tp;
             const int has_prev = t0 + i > s;
-            const REAL *Sp = Sbuf + i * KV, *w = wbuf + i * V, *e = ebuf + i * K, *kt = Kr + rl * K, at = A[rl];
-            REAL *dvr = prep != PREP_NONE ? dvt : dv + th * V;
+            const REAL *Sp = Sbuf + i * KV, *w = wbuf + i * V, *e = ebuf + i * K, *kt = k + th * K;
             REAL dat = 0, gsum = 0;
             for (int64_t d = 0; d < K; d++) { dqp[d] = 0; dkt[d] = 0; dgt[d] = 0; }
             /* six specialisations: the gate (none, head, channel) x whether a previous token exists */
             if (has_prev) {
-                const REAL *qp = Q + rp * K, *kp = Kr + rp * K, *dop = dout + tp * V;
+                const REAL *qp = q + tp * K, *kp = k + tp * K, *dop = dout + tp * V;
                 if (gate == GATE_NONE)
-                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, at, derr, dvr, dkt, dgt, &gsum,
+                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
                                   &dat, GATE_NONE, 1, qp, kp, dop, derrp, dqp);
                 else if (gate == GATE_HEAD)
-                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, at, derr, dvr, dkt, dgt, &gsum,
+                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
                                   &dat, GATE_HEAD, 1, qp, kp, dop, derrp, dqp);
                 else
-                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, at, derr, dvr, dkt, dgt, &gsum,
+                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
                                   &dat, GATE_CHANNEL, 1, qp, kp, dop, derrp, dqp);
                 memcpy(dq + tp * K, dqp, (size_t)K * sizeof(REAL));
             } else {
                 if (gate == GATE_NONE)
-                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, at, derr, dvr, dkt, dgt, &gsum,
+                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
                                   &dat, GATE_NONE, 0, NULL, NULL, NULL, NULL, NULL);
                 else if (gate == GATE_HEAD)
-                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, at, derr, dvr, dkt, dgt, &gsum,
+                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
                                   &dat, GATE_HEAD, 0, NULL, NULL, NULL, NULL, NULL);
                 else
-                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, at, derr, dvr, dkt, dgt, &gsum,
+                    FN(bwd_token)(K, V, dS, Sp, w, e, kt, a[th], derr, dv + th * V, dkt, dgt, &gsum,
                                   &dat, GATE_CHANNEL, 0, NULL, NULL, NULL, NULL, NULL);
             }
-            if (prep == PREP_NONE) {
-                da[th] = dat;
-                memcpy(dk + th * K, dkt, (size_t)K * sizeof(REAL));
-            } else { /* the row's gradients are complete (dq: the next token's step, or the last token's own) */
-                memcpy(dqo, dq + th * K, (size_t)K * sizeof(REAL));
-                if (prep == PREP_L2)
-                    FN(la_dprep_bwd_row_a)(K, V, q + th * K, k + th * K, sc, eps, dqo, dkt, dvt, &dat, dq + th * K,
-                                           dk + th * K, dv + th * V, da + th, G);
-                else
-                    FN(la_dprep_raw_bwd_row_a)(K, V, k + th * K, sc, dqo, dkt, dvt, &dat, dq + th * K, dk + th * K,
-                                               dv + th * V, da + th);
-            }
+            da[th] = dat;
+            memcpy(dk + th * K, dkt, (size_t)K * sizeof(REAL));
             if (gate == GATE_CHANNEL) memcpy(dg + th * K, dgt, (size_t)K * sizeof(REAL));
             if (gate == GATE_HEAD) dg[th] = gsum;
             REAL *tmp = derr; derr = derrp; derrp = tmp;
@@ -681,6 +640,75 @@ static int FN(bwd_stretches)(int64_t H, int64_t K, int64_t V, const int64_t *sta
     }
     memcpy(dcarry, derr, (size_t)V * sizeof(REAL));
     return 0;
+}
+
+/* bwd_stretches with the plan's prep (q, k, v, a the raw rows and beta, as the forward's): stretch by stretch, its
+   rows (and the row before it, whose q and k its first token reads) prepared again with the forward's row code (the
+   bits of the preparation pass) into rows laid out as the inputs' (token stride H: only head h's written), which
+   bwd_stretches itself then reads, unchanged (where two NaN meet, which one an operation passes on depends on the
+   registers GCC picks for that code: the same code, the same bits); then each row of the stretch, its gradients
+   complete (a row's dq comes with the next token's step), through the preparation's backward (deltarow.h: the bits
+   of deltaprep.c's backward pass): dq, dk, dv, da become the raw rows' and beta's gradients. Scratch: the rows
+   (chunk + 1) H (2 K + V + 1) and 2 K + V. */
+static size_t FN(prep_scratch)(int64_t H, int64_t K, int64_t V, int64_t chunk) {
+    return (size_t)((chunk + 1) * H * (2 * K + V + 1) + 3 * K + V) * sizeof(REAL);
+}
+
+static int FN(bwd_stretches_prep)(int64_t H, int64_t K, int64_t V, const int64_t *starts, const REAL *q,
+                                  const REAL *k, const REAL *v, const REAL *a, const REAL *g, int gate,
+                                  const REAL *ckpt, const int64_t *ck_off, int64_t chunk, const REAL *dout, REAL *dq,
+                                  REAL *dk, REAL *dv, REAL *da, REAL *dg, int64_t n, int64_t h, int64_t c_hi,
+                                  int64_t c_lo, REAL *restrict dS, REAL *dcarry, REAL *Sbuf, int prep, REAL sc,
+                                  REAL eps, REAL *pbuf) {
+    const int64_t s = starts[n], L = starts[n + 1] - s, W = (chunk + 1) * H;
+    REAL *pq = pbuf, *pk = pq + W * K, *pv = pk + W * K, *pa = pv + W * V, *dqo = pa + W, *dko = dqo + K;
+    REAL *dvo = dko + K, *G = dvo + V;
+    for (int64_t c = c_hi - 1; c >= c_lo; c--) {
+        const int64_t t0 = s + c * chunk, Lc = (L - c * chunk) < chunk ? (L - c * chunk) : chunk;
+        /* token t0 + i's row at (i + 1) H + h: the inputs' layout from token t0 - 1 on */
+        for (int64_t i = t0 > s ? -1 : 0; i < Lc; i++) {
+            const int64_t th = (t0 + i) * H + h, r = (i + 1) * H + h;
+            if (prep == PREP_L2)
+                pa[r] = FN(la_dprep_row_a)(K, V, q + th * K, k + th * K, v + th * V, a[th], sc, eps, pq + r * K,
+                                           pk + r * K, pv + r * V);
+            else
+                pa[r] = FN(la_dprep_raw_row_a)(K, V, q + th * K, k + th * K, v + th * V, a[th], sc, pq + r * K,
+                                               pk + r * K, pv + r * V);
+        }
+        /* bwd_stretches indexes row (t0 + i) H + h: the rows' base moved back by (t0 - 1) H rows (the rows it
+           reads all lie in the buffer) */
+        const int64_t back = (t0 - 1) * H;
+        if (FN(bwd_stretches)(H, K, V, starts, pq - back * K, pk - back * K, pv - back * V, pa - back, g, gate, ckpt,
+                              ck_off, chunk, dout, dq, dk, dv, da, dg, n, h, c + 1, c, dS, dcarry, Sbuf) != 0)
+            return -1;
+        for (int64_t i = 0; i < Lc; i++) {
+            const int64_t th = (t0 + i) * H + h;
+            const REAL dat = da[th];
+            memcpy(dqo, dq + th * K, (size_t)K * sizeof(REAL));
+            memcpy(dko, dk + th * K, (size_t)K * sizeof(REAL));
+            memcpy(dvo, dv + th * V, (size_t)V * sizeof(REAL));
+            if (prep == PREP_L2)
+                FN(la_dprep_bwd_row_a)(K, V, q + th * K, k + th * K, sc, eps, dqo, dko, dvo, &dat, dq + th * K,
+                                       dk + th * K, dv + th * V, da + th, G);
+            else
+                FN(la_dprep_raw_bwd_row_a)(K, V, k + th * K, sc, dqo, dko, dvo, &dat, dq + th * K, dk + th * K,
+                                           dv + th * V, da + th);
+        }
+    }
+    return 0;
+}
+
+/* the stretches c_hi - 1 .. c_lo of a unit: bwd_stretches, or with prep bwd_stretches_prep */
+static int FN(bwd_unit)(int64_t H, int64_t K, int64_t V, const int64_t *starts, const REAL *q, const REAL *k,
+                        const REAL *v, const REAL *a, const REAL *g, int gate, const REAL *ckpt, const int64_t *ck_off,
+                        int64_t chunk, const REAL *dout, REAL *dq, REAL *dk, REAL *dv, REAL *da, REAL *dg, int64_t n,
+                        int64_t h, int64_t c_hi, int64_t c_lo, REAL *dS, REAL *dcarry, REAL *Sbuf, int prep, REAL sc,
+                        REAL eps, REAL *pbuf) {
+    if (prep == PREP_NONE)
+        return FN(bwd_stretches)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv, da, dg,
+                                 n, h, c_hi, c_lo, dS, dcarry, Sbuf);
+    return FN(bwd_stretches_prep)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv, da, dg,
+                                  n, h, c_hi, c_lo, dS, dcarry, Sbuf, prep, sc, eps, pbuf);
 }
 
 /* dS [N, H, K, V] enters as dL/dS_final (the caller zero-fills it when the final state has no gradient)
@@ -713,18 +741,19 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
         }
 #pragma omp parallel num_threads(nthreads)
     {
-        REAL *Sbuf = (REAL *)malloc(FN(bwd_scratch)(K, V, chunk, prep));
+        REAL *Sbuf = (REAL *)malloc(FN(bwd_scratch)(K, V, chunk));
         REAL *dc = (REAL *)malloc((size_t)(V > 0 ? V : 1) * sizeof(REAL));
-        if (Sbuf == NULL || dc == NULL) {
+        REAL *pbuf = prep != PREP_NONE ? (REAL *)malloc(FN(prep_scratch)(H, K, V, chunk)) : NULL;
+        if (Sbuf == NULL || dc == NULL || (prep != PREP_NONE && pbuf == NULL)) {
             LA_ATOMIC_WRITE failed = 1;
         }
         if (chains) {
             const int me = la_thread_num(), nt = la_team_size();
-            for (int64_t u; Sbuf && dc && (u = la_chains_claim_own(&chn, N * H, me, nt, DELTA_SLACK * run)) >= 0;) {
+            for (int64_t u; !failed && (u = la_chains_claim_own(&chn, N * H, me, nt, DELTA_SLACK * run)) >= 0;) {
                 const int64_t c_hi = chn.run[u], c_lo = c_hi - la_chains_run(c_hi, run);
-                if (FN(bwd_stretches)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv,
-                                      da, dg, u / H, u % H, c_hi, c_lo, dS_all + u * KV, dcar + u * V, Sbuf, prep,
-                                      sc, eps) != 0) {
+                if (FN(bwd_unit)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv, da, dg,
+                                 u / H, u % H, c_hi, c_lo, dS_all + u * KV, dcar + u * V, Sbuf, prep, sc, eps,
+                                 pbuf) != 0) {
                     LA_ATOMIC_WRITE failed = 1;
                 }
                 la_chains_release(&chn, u, c_lo, c_lo);
@@ -733,15 +762,15 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < N * H; task++) {
                 const int64_t n = task / H, L = starts[n + 1] - starts[n];
-                if (L <= 0 || !Sbuf || !dc) continue;
-                if (FN(bwd_stretches)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv,
-                                      da, dg, n, task % H, (L + chunk - 1) / chunk, 0, dS_all + task * KV, dc,
-                                      Sbuf, prep, sc, eps) != 0) {
+                if (L <= 0 || failed) continue;
+                if (FN(bwd_unit)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv, da, dg,
+                                 n, task % H, (L + chunk - 1) / chunk, 0, dS_all + task * KV, dc, Sbuf, prep, sc,
+                                 eps, pbuf) != 0) {
                     LA_ATOMIC_WRITE failed = 1;
                 }
             }
         }
-        free(Sbuf), free(dc);
+        free(Sbuf), free(dc), free(pbuf);
     }
     if (chains) la_chains_free(&chn);
     free(dcar);
