@@ -741,10 +741,12 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
         }
 #pragma omp parallel num_threads(nthreads)
     {
-        REAL *Sbuf = (REAL *)malloc(FN(bwd_scratch)(K, V, chunk));
+        /* with prep, the rows' scratch in the same block (one allocation per thread and call, as without) */
+        const size_t sb = FN(bwd_scratch)(K, V, chunk);
+        REAL *Sbuf = (REAL *)malloc(sb + (prep != PREP_NONE ? FN(prep_scratch)(H, K, V, chunk) : 0));
         REAL *dc = (REAL *)malloc((size_t)(V > 0 ? V : 1) * sizeof(REAL));
-        REAL *pbuf = prep != PREP_NONE ? (REAL *)malloc(FN(prep_scratch)(H, K, V, chunk)) : NULL;
-        if (Sbuf == NULL || dc == NULL || (prep != PREP_NONE && pbuf == NULL)) {
+        REAL *pbuf = prep != PREP_NONE && Sbuf != NULL ? Sbuf + sb / sizeof(REAL) : NULL;
+        if (Sbuf == NULL || dc == NULL) {
             LA_ATOMIC_WRITE failed = 1;
         }
         if (chains) {
@@ -770,7 +772,7 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
                 }
             }
         }
-        free(Sbuf), free(dc), free(pbuf);
+        free(Sbuf), free(dc);
     }
     if (chains) la_chains_free(&chn);
     free(dcar);
