@@ -377,3 +377,24 @@ def test_no_prepared_rows_kept_for_the_backward(l2):
     ckpt = 4 * 2 * 16 * 16 * 4  # T 256 / 64 checkpoints of [H, K, V]
     assert fused <= unfused - prepared, (fused, unfused, prepared)
     assert fused <= ckpt + 2 * x[4].numel() * 4 + 1024, (fused, ckpt)
+
+
+@pytest.mark.parametrize("kind", [cdelta.PREP_L2, cdelta.PREP_RAW])
+def test_delta_scan_prep_gradients_with_empty_sequences(kind, monkeypatch):
+    """delta_scan's flat form with empty sequences among the packed ones (starts 0, 0, 70, 70, 150), a state each:
+    the fused forward and backward against the pass then the scan, byte for byte, at 1-3 threads."""
+    g = torch.Generator().manual_seed(5)
+    x = [torch.randn(150, 2, 16, generator=g), torch.randn(150, 2, 16, generator=g),
+         torch.randn(150, 2, 8, generator=g), torch.rand(150, 2, generator=g), -torch.rand(150, 2, generator=g),
+         torch.randn(4, 2, 16, 8, generator=g)]
+    starts, prep = [0, 0, 70, 70, 150], (kind, 0.3, 1e-6)
+    for n in (1, 2, 3):
+        res = []
+        with kernel_threads(n, monkeypatch):
+            for fused in (True, False):
+                y = [t.clone().requires_grad_() for t in x]
+                rows = y[:4] if fused else cdelta.prepare_rows(*y[:4], prep)
+                o, S = cdelta.delta_scan(*rows, y[4], y[5], starts, prep=prep if fused else None)
+                res.append([o, S, *torch.autograd.grad((o, S), y, (torch.ones_like(o), torch.ones_like(S)))])
+        for i, (a, b) in enumerate(zip(*res)):
+            _same_bytes(a.detach(), b.detach(), f"tensor {i}, {n} threads")
