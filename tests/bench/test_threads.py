@@ -93,7 +93,7 @@ def test_bench_threads_busy_pin_needs_busy_core(tmp_path, capsys):
 def test_gdn_forward_kernel_level_is_the_fused_scan(monkeypatch):
     """The kernel level of Gated DeltaNet's forward times what delta_rule runs without a gradient: the scan on the raw
     rows with prep (no preparation pass: the pass functions fail if called), with delta_rule's bits; its
-    forward+backward keeps the custom ops on prepared rows."""
+    forward+backward the custom ops with that prep (no pass either), as delta_rule with a gradient."""
     from types import SimpleNamespace
 
     import torch
@@ -124,6 +124,6 @@ def test_gdn_forward_kernel_level_is_the_fused_scan(monkeypatch):
         ref = make_case("gated_deltanet", "fwd", a)()
     assert torch.equal(o, ref.reshape(o.shape))
     preps.clear()
-    monkeypatch.undo()
-    make_kernel_case("gated_deltanet", "fwd+bwd", a)()
-    assert preps == []
+    o = make_kernel_case("gated_deltanet", "fwd+bwd", a)()
+    assert preps == [(cdelta.PREP_RAW, a.K ** -0.5, 0.0)]
+    assert torch.equal(o, ref.reshape(o.shape))

@@ -211,10 +211,13 @@ def test_delta_rule_backend_torch_keeps_the_pytorch_preprocessing(monkeypatch):
     q, k, v, beta = _inputs(torch.float32, T=4)
     o_t, _ = delta_rule(q, k, v, beta, qk_l2norm=True, backend="torch")
     assert not seen
-    # with a gradient the compiled pass (without one the scan prepares the rows itself: test_delta_fused_prep.py)
+    # the compiled kernels, with a gradient too: the scans prepare the rows themselves (test_delta_fused_prep.py)
     o_c, _ = delta_rule(q.clone().requires_grad_(), k, v, beta, qk_l2norm=True, backend="auto")
-    assert seen
+    assert not seen
     torch.testing.assert_close(o_c.detach(), o_t, atol=2e-5, rtol=2e-5)
+    # the pass, where the problem is prepared for any backend (no backend given)
+    p = prepare_delta(q.clone().requires_grad_(), k, v, beta, qk_l2norm=True, fused=True)
+    assert seen and p.prep is None
 
 
 # ------------------------------------------------------------------ the raw form (no normalisation: EFLA)

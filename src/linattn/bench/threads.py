@@ -7,12 +7,12 @@ T = 16384 by default (one long sequence: the threads must split it, there are fe
 Levels (--levels): `op`, the public call (`linear_attention`, `delta_rule` with backend="cpu": the input checks, the
 feature map or the delta rule's preparation and the output layout around the kernels, which are torch operators with
 their own threads), and `kernel`, the compiled kernels alone, so that their own scaling is seen apart from what
-surrounds them: linear attention's custom ops on prepared inputs (the features); Gated DeltaNet's forward is the
-compiled scan on the raw rows, preparing each row as it reads it (`cpu.delta.delta_scan` with `prep`, what the `op`
-level runs without a gradient), its forward+backward the custom ops on prepared rows (the backward reads them);
-`prep` (asked for by name) Gated DeltaNet's preparation pass alone (q scaled, k and v rescaled by the key norm, the
-write strength: one memory-bound pass each way, which only the forward+backward's `op` level runs, between its
-checks and the scan; the forward's is inside the scan).
+surrounds them: linear attention's custom ops on prepared inputs (the features); Gated DeltaNet's the compiled scan on
+the raw rows, preparing each row as it reads it (`cpu.delta.delta_scan` with `prep`, what the `op` level runs without
+a gradient), and for the forward+backward the custom ops with that `prep` (the backward prepares each row again: what
+the `op` level runs with a gradient); `prep` (asked for by name) Gated DeltaNet's preparation pass alone (q scaled, k
+and v rescaled by the key norm, the write strength: one memory-bound pass each way), which the `op` level no longer
+runs (round 17: the forward+backward's is inside its scans too): the cost that the fusion took off.
 
 Timing: every (case, thread count) is called once per round, the rounds repeated (--repeats, default 15), the calls
 of one case at its thread counts side by side and the order of all calls reversed every other round;
@@ -132,9 +132,9 @@ def _seeded_randn(seed: int) -> Callable[..., torch.Tensor]:
 
 def make_kernel_case(op: str, passes: str, a) -> Callable[[], Any]:
     """A zero-argument call of `op`'s compiled kernels alone on flat inputs [B T, H, D]: the forward, or the forward
-    keeping its states and then the backward kernel (the registered custom ops, on prepared inputs). Gated DeltaNet's
-    forward is what `delta_rule` runs without a gradient: the scan on make_case's raw rows and beta, which prepares
-    each row itself (`cpu.delta.delta_scan` with prep PREP_RAW; no preparation pass)."""
+    keeping its states and then the backward kernel (the registered custom ops). Gated DeltaNet's is what
+    `delta_rule` runs: the scan on make_case's raw rows and beta, which prepares each row itself (prep PREP_RAW; no
+    preparation pass): `cpu.delta.delta_scan` without a gradient, the custom ops with that prep with one."""
     from ..cpu import delta as cdelta, linear as clinear
 
     B, T, H, K, V = a.B, a.T, a.H, a.K, a.V
@@ -153,34 +153,30 @@ def make_kernel_case(op: str, passes: str, a) -> Callable[[], Any]:
                 bwd(q, k, v, None, P, do, None, None, starts, 64, True, fmap, 1.0, num, den, 1e-6)
             return num
         return run
-    q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
-    beta, g = torch.sigmoid(randn(TT, H)), -torch.nn.functional.softplus(randn(TT, H)) / 16
-    st = torch.tensor(starts, dtype=torch.int64)
+    # make_case's very inputs, flat, and delta_rule's preparation of them (no qk_l2norm: PREP_RAW)
+    x = [t.reshape(TT, *t.shape[2:]) for t in _gdn_inputs(B, T, H, K, V, _seeded_randn(a.seed))]
+    prep = (cdelta.PREP_RAW, K ** -0.5, 0.0)
     if not grad:
-        # make_case's very inputs, flat, and delta_rule's preparation of them (no qk_l2norm: PREP_RAW)
-        x = [t.reshape(TT, *t.shape[2:]) for t in _gdn_inputs(B, T, H, K, V, _seeded_randn(a.seed))]
-        prep = (cdelta.PREP_RAW, K ** -0.5, 0.0)
-
         def run_fused():   # (no input requires grad: delta_scan calls the compiled forward directly)
             return cdelta.delta_scan(*x, None, starts, prep=prep)[0]
         return run_fused
+    st = torch.tensor(starts, dtype=torch.int64)
     n_ck = T // cdelta.CHECKPOINT + (T % cdelta.CHECKPOINT > 0)
     ck_off = torch.tensor([i * n_ck for i in range(B)], dtype=torch.int64)
     fwd, bwd = torch.ops.linattn.cpu_delta_fwd, torch.ops.linattn.cpu_delta_bwd
 
     def run_delta():
-        o, S, ck = fwd(q, k, v, beta, g, None, st, ck_off, B * n_ck if grad else 0)
-        if grad:
-            bwd(q, k, v, beta, g, ck, st, ck_off, do, torch.zeros_like(S))
+        o, S, ck = fwd(*x, None, st, ck_off, B * n_ck, *prep)
+        bwd(*x, ck, st, ck_off, do, torch.zeros_like(S), *prep)
         return o
     return run_delta
 
 
 def make_prep_case(op: str, passes: str, a) -> Callable[[], Any]:
     """A zero-argument call of Gated DeltaNet's preparation pass alone (`cpu.delta.delta_prepare_raw_a`, what
-    `delta_rule` runs before the scan on make_case's inputs when a gradient is needed), forward or forward and
-    backward: the forward+backward's `op` level less its `kernel` level less the call's Python and torch operators.
-    Without a gradient `delta_rule` runs no pass (the scan prepares the rows: the `kernel` level's forward)."""
+    `delta_rule` ran before the scan on make_case's inputs when a gradient was needed, until round 17), forward or
+    forward and backward. `delta_rule` runs no pass now (the scans prepare the rows, forward and backward): this is
+    the cost that the fusion took off, for comparison."""
     from ..cpu.delta import delta_prepare_raw_a
 
     B, T, H, K, V = a.B, a.T, a.H, a.K, a.V

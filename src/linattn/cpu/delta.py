@@ -61,7 +61,7 @@ def _plan(q: torch.Tensor, V: int, starts: torch.Tensor, ck_off: torch.Tensor, g
     TT, H, K = q.shape
     plan = DeltaPlan(starts.numel() - 1, H, K, V, CHECKPOINT, ptr(starts), ptr(ck_off), _gate(g),
                      threads(float(TT) * H * K * V, GRAIN))
-    if prep is not None:
+    if prep is not None and prep[0]:
         plan.prep, plan.scale, plan.eps = prep
     return plan
 
@@ -81,15 +81,17 @@ def _forward(q, k, v, a, g, S0, starts, ck_off, n_ckpt, prep=None):
 
 @torch.library.custom_op("linattn::cpu_delta_fwd", mutates_args=(), device_types="cpu")
 def delta_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, g: Optional[torch.Tensor],
-              S0: Optional[torch.Tensor], starts: torch.Tensor, ck_off: torch.Tensor, n_ckpt: int
-              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (o [TT, H, V], S [N, H, K, V], checkpoints [n_ckpt, H, K, V]; n_ckpt = 0: none kept)."""
+              S0: Optional[torch.Tensor], starts: torch.Tensor, ck_off: torch.Tensor, n_ckpt: int, prep: int = 0,
+              scale: float = 0.0, eps: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (o [TT, H, V], S [N, H, K, V], checkpoints [n_ckpt, H, K, V]; n_ckpt = 0: none kept). prep, scale, eps:
+    `delta_scan`'s prep (0: none; else q, k, v, a are the raw rows and beta, prepared by the scan, forward and
+    backward)."""
     with torch_on_one_thread():  # the decays (torch.exp) around the kernel, also when the op is called directly
-        return _forward(q, k, v, a, g, S0, starts, ck_off, n_ckpt)
+        return _forward(q, k, v, a, g, S0, starts, ck_off, n_ckpt, (prep, scale, eps))
 
 
 @delta_fwd.register_fake
-def _(q, k, v, a, g, S0, starts, ck_off, n_ckpt):
+def _(q, k, v, a, g, S0, starts, ck_off, n_ckpt, prep=0, scale=0.0, eps=0.0):
     TT, H, K = q.shape
     V, N = v.shape[-1], starts.shape[0] - 1
     return q.new_empty(TT, H, V), q.new_empty(N, H, K, V), q.new_empty(n_ckpt, H, K, V)
@@ -97,19 +99,22 @@ def _(q, k, v, a, g, S0, starts, ck_off, n_ckpt):
 
 @torch.library.custom_op("linattn::cpu_delta_bwd", mutates_args=(), device_types="cpu")
 def delta_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, g: Optional[torch.Tensor],
-              ckpt: torch.Tensor, starts: torch.Tensor, ck_off: torch.Tensor, do: torch.Tensor, dS: torch.Tensor
+              ckpt: torch.Tensor, starts: torch.Tensor, ck_off: torch.Tensor, do: torch.Tensor, dS: torch.Tensor,
+              prep: int = 0, scale: float = 0.0, eps: float = 0.0
               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (dq, dk, dv, da, dg (empty without a gate), dS0) from do [TT, H, V] and dS = dL/dS_final."""
+    """-> (dq, dk, dv, da, dg (empty without a gate), dS0) from do [TT, H, V] and dS = dL/dS_final; with the
+    forward's prep, q, k, v, a are its raw rows and beta, and dq, dk, dv, da their gradients (the scan prepares each
+    row again where it reads it: no prepared rows kept between the passes)."""
     with torch_on_one_thread():  # the decays and the copy around the kernel, also when the op is called directly
-        return _backward_kernel(q, k, v, a, g, ckpt, starts, ck_off, do, dS)
+        return _backward_kernel(q, k, v, a, g, ckpt, starts, ck_off, do, dS, (prep, scale, eps))
 
 
-def _backward_kernel(q, k, v, a, g, ckpt, starts, ck_off, do, dS):
+def _backward_kernel(q, k, v, a, g, ckpt, starts, ck_off, do, dS, prep=None):
     dq, dk, dv, da = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(a)
     dg = torch.empty_like(g) if g is not None else q.new_empty(0)
     dS0 = dS.clone()  # the kernel turns dL/dS_final into dL/dS0 in place
     dec = _decays(g)  # held here: the kernel reads it through a raw pointer
-    plan = _plan(q, v.shape[-1], starts, ck_off, g)
+    plan = _plan(q, v.shape[-1], starts, ck_off, g, prep)
     bindings.require("delta")("linattn_delta_bwd", q.dtype, ctypes.byref(plan), ptr(q), ptr(k), ptr(v), ptr(a),
                               ptr(dec), ptr(ckpt), ptr(do), ptr(dS0), ptr(dq), ptr(dk), ptr(dv), ptr(da),
                               ptr(dg) if g is not None else None)
@@ -117,14 +122,14 @@ def _backward_kernel(q, k, v, a, g, ckpt, starts, ck_off, do, dS):
 
 
 @delta_bwd.register_fake
-def _(q, k, v, a, g, ckpt, starts, ck_off, do, dS):
+def _(q, k, v, a, g, ckpt, starts, ck_off, do, dS, prep=0, scale=0.0, eps=0.0):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(a),
             torch.empty_like(g) if g is not None else q.new_empty(0), torch.empty_like(dS))
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, a, g, S0, starts, ck_off, n_ckpt = inputs
-    ctx.has_gate, ctx.has_S0 = g is not None, S0 is not None
+    q, k, v, a, g, S0, starts, ck_off, n_ckpt, *prep = inputs
+    ctx.has_gate, ctx.has_S0, ctx.prep = g is not None, S0 is not None, prep
     # no zero-filled gradients for outputs the loss does not reach: the checkpoints never are ([n_ckpt, H, K, V], a
     # full pass of writes per call), nor is the final state in training; _backward treats None as zeros
     ctx.set_materialize_grads(False)
@@ -137,8 +142,9 @@ def _backward(ctx, do, dS, _dckpt):
     with torch_on_one_thread():  # the layout and zeros around the kernel: cpu.torch_on_one_thread says why
         do = do.contiguous() if do is not None else v.new_zeros(v.shape)
         dS = dS.contiguous() if dS is not None else q.new_zeros(N, H, K, V)
-        dq, dk, dv, da, dg, dS0 = delta_bwd(q, k, v, a, g, ckpt, starts, ck_off, do, dS)
-    return dq, dk, dv, da, (dg if ctx.has_gate else None), (dS0 if ctx.has_S0 else None), None, None, None
+        dq, dk, dv, da, dg, dS0 = delta_bwd(q, k, v, a, g, ckpt, starts, ck_off, do, dS, *ctx.prep)
+    return (dq, dk, dv, da, (dg if ctx.has_gate else None), (dS0 if ctx.has_S0 else None), None, None, None,
+            *(None for _ in ctx.prep))
 
 
 delta_fwd.register_autograd(_backward, setup_context=_setup)
@@ -153,8 +159,9 @@ def delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     Every tensor in one dtype (float32 or float64), on the CPU; differentiable in all of them.
 
     prep = (PREP_L2 or PREP_RAW, scale, eps): q, k, v are the raw rows and a is beta, prepared as `delta_prepare`
-    (eps its L2 epsilon) or `delta_prepare_raw_a` (eps unused) prepare them, with the same bits: by the scan itself
-    as it reads each row when no gradient is needed, eagerly (nothing prepared is written out), else by that pass."""
+    (eps its L2 epsilon) or `delta_prepare_raw_a` (eps unused) prepare them, with the same bits and the same
+    gradients: eagerly by the scan itself as it reads each row, forward and backward (nothing prepared is written
+    out nor kept for the backward), under torch.compile by that pass."""
     q, k, v, a = q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous()
     g = g.contiguous() if g is not None else None
     S0 = S0.contiguous() if S0 is not None else None
@@ -162,7 +169,7 @@ def delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     eager = not torch.compiler.is_compiling()
     if prep is not None and prep[0] not in (PREP_L2, PREP_RAW):
         raise LinattnError(f"prep must be (PREP_L2 = {PREP_L2} or PREP_RAW = {PREP_RAW}, scale, eps), got {prep!r}")
-    if prep is not None and (need_grad or not eager):
+    if prep is not None and not eager:
         q, k, v, a = prepare_rows(q, k, v, a, prep)
         prep = None
     starts = list(starts)
@@ -173,7 +180,8 @@ def delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
         o, S, _ = _forward(q, k, v, a, g, S0, st, st, 0, prep)
         return o, S
     offs, n = checkpoint_offsets(starts, CHECKPOINT)
-    o, S, _ = delta_fwd(q, k, v, a, g, S0, st, torch.tensor(offs, dtype=torch.int64), n if need_grad else 0)
+    o, S, _ = delta_fwd(q, k, v, a, g, S0, st, torch.tensor(offs, dtype=torch.int64), n if need_grad else 0,
+                        *(prep if prep is not None else ()))
     return o, S
 
 

@@ -322,8 +322,8 @@ class DeltaProblem:
     #: fla's kernels take, which read `source`): only the fla backend may run it
     prepared: bool = True
     #: (cpu.delta.PREP_L2 or PREP_RAW, scale, eps): q, k, v are the caller's rows in the compute dtype and a is beta,
-    #: which the compiled CPU scan prepares itself as it reads them (`prepare_delta(fused=True, backend=)` for a call
-    #: that the compiled CPU kernels take without a gradient); another backend prepares them first (`run_delta`)
+    #: which the compiled CPU scan prepares itself as it reads them, forward and backward (`prepare_delta(fused=True,
+    #: backend=)` for a call that the compiled CPU kernels take); another backend prepares them first (`run_delta`)
     prep: Optional[Tuple[int, float, float]] = None
 
     @property
@@ -479,9 +479,9 @@ def prepare_delta(q, k, v, beta, *, g=None, r=None, channel_gate: bool = False,
             qk_l2norm "rsqrt" without a coefficient, or no qk_l2norm with or without one (EFLA: the coefficient
             and d2 then run in PyTorch on [B, T, H]), no r, no grouped value heads, eager, kernels switched on. The
             same values as the PyTorch lines to rounding; they stay the reference and the fallback. Without EFLA's
-            coefficient, with `backend` given and no gradient needed, a call that the compiled CPU kernels take
-            comes back with `DeltaProblem.prep` set: the scan then prepares the caller's rows itself (the bits of
-            the pass, which is not run).
+            coefficient, with `backend` given, a call that the compiled CPU kernels take comes back with
+            `DeltaProblem.prep` set: the scan then prepares the caller's rows itself, forward and backward (the
+            bits and gradients of the pass, which is not run).
         backend: The backend the call will be run on, when known: a call that it sends to fla's kernels skips the
             PyTorch preprocessing (fla takes the caller's tensors, `DeltaProblem.prepared` False); None: always
             preprocess (the problem then runs on any backend).
@@ -576,7 +576,7 @@ def _prepare_delta(q, k, v, beta, *, g, r, channel_gate, coefficient, scale, qk_
             a = (coefficient(b_c.to(lam.dtype), lam) * lam.detach().clamp_min(1.0)).to(cdt)
         else:
             deferred = _deferred_prep(q_c, k_c, v_c, b_c, g_c, S0, l2, scale, mode, chunk_size, offsets, N,
-                                      output_final_state, q.dtype, source, backend, (q, k, v, beta, g, initial_state))
+                                      output_final_state, q.dtype, source, backend)
             if deferred is not None:
                 return deferred
             if l2 is None:   # a = beta d2 in the same pass (the bits of delta_prepare_raw then write_strength)
@@ -601,12 +601,13 @@ def _prepare_delta(q, k, v, beta, *, g, r, channel_gate, coefficient, scale, qk_
 
 
 def _deferred_prep(q_c, k_c, v_c, b_c, g_c, S0, l2, scale, mode, chunk_size, offsets, N, output_final_state,
-                   out_dtype, source, backend, inputs) -> Optional[DeltaProblem]:
-    """The fused call that the compiled CPU scan prepares itself (`DeltaProblem.prep`), or None: when no gradient is
-    needed (grad mode off or no input requiring one: metadata, no value read on the host) and `backend` takes the
-    call to the compiled CPU kernels, the caller's rows go to the scan as they are, which prepares each where it reads
-    it (the preparation pass's bits, spread over the scan's threads, never written out nor read back)."""
-    if backend is None or requires_grad(*inputs):
+                   out_dtype, source, backend) -> Optional[DeltaProblem]:
+    """The fused call that the compiled CPU scan prepares itself (`DeltaProblem.prep`), or None: when `backend` takes
+    the call to the compiled CPU kernels, the caller's rows go to the scan as they are, which prepares each where it
+    reads it (the preparation pass's bits, spread over the scan's threads, never written out nor read back); with a
+    gradient, the backward scan prepares each row again and returns the raw rows' gradients (the bits of the pass's
+    backward; cpu.delta.delta_scan)."""
+    if backend is None:
         return None
     from ..cpu.delta import PREP_L2, PREP_RAW
 

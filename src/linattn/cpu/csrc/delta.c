@@ -7,8 +7,8 @@
    (one scalar expf per key channel and token was a third of the per-channel forward); the backward still
    returns dL/dg (= <dP, P>, the chain rule through exp included). This is the delta rule's own
    read (r = None in ops/delta_core.py); q arrives scaled, k, v, a rescaled by the key norm (prepare_delta), or the
-   forward prepares them itself from the raw rows (the plan's `prep`, when no gradient is needed: no prepared copy
-   written to memory and read back).
+   forward prepares them itself from the raw rows (the plan's `prep`: no prepared copy written to memory and read
+   back), and so does the backward, which then returns the raw rows' gradients.
 
    Why token by token and not the chunk (WY/UT) form: per token and head the scan costs 4 K V multiply-adds
    over a state of K x V that stays in L1 (16 KB for K = V = 64); the chunk form costs C (K + V) + 3 K V,
@@ -642,14 +642,86 @@ static int FN(bwd_stretches)(int64_t H, int64_t K, int64_t V, const int64_t *sta
     return 0;
 }
 
+/* bwd_stretches with the plan's prep (q, k, v, a the raw rows and beta, as the forward's): stretch by stretch, its
+   rows (and the row before it, whose q and k its first token reads) prepared again with the forward's row code (the
+   bits of the preparation pass) into rows laid out as the inputs' (token stride H: only head h's written), which
+   bwd_stretches itself then reads, unchanged (where two NaN meet, which one an operation passes on depends on the
+   registers GCC picks for that code: the same code, the same bits); then each row of the stretch, its gradients
+   complete (a row's dq comes with the next token's step), through the preparation's backward (deltarow.h: the bits
+   of deltaprep.c's backward pass): dq, dk, dv, da become the raw rows' and beta's gradients. Scratch: the rows
+   (chunk + 1) H (2 K + V + 1) and 2 K + V. */
+static size_t FN(prep_scratch)(int64_t H, int64_t K, int64_t V, int64_t chunk) {
+    return (size_t)((chunk + 1) * H * (2 * K + V + 1) + 3 * K + V) * sizeof(REAL);
+}
+
+static int FN(bwd_stretches_prep)(int64_t H, int64_t K, int64_t V, const int64_t *starts, const REAL *q,
+                                  const REAL *k, const REAL *v, const REAL *a, const REAL *g, int gate,
+                                  const REAL *ckpt, const int64_t *ck_off, int64_t chunk, const REAL *dout, REAL *dq,
+                                  REAL *dk, REAL *dv, REAL *da, REAL *dg, int64_t n, int64_t h, int64_t c_hi,
+                                  int64_t c_lo, REAL *restrict dS, REAL *dcarry, REAL *Sbuf, int prep, REAL sc,
+                                  REAL eps, REAL *pbuf) {
+    const int64_t s = starts[n], L = starts[n + 1] - s, W = (chunk + 1) * H;
+    REAL *pq = pbuf, *pk = pq + W * K, *pv = pk + W * K, *pa = pv + W * V, *dqo = pa + W, *dko = dqo + K;
+    REAL *dvo = dko + K, *G = dvo + V;
+    for (int64_t c = c_hi - 1; c >= c_lo; c--) {
+        const int64_t t0 = s + c * chunk, Lc = (L - c * chunk) < chunk ? (L - c * chunk) : chunk;
+        /* token t0 + i's row at (i + 1) H + h: the inputs' layout from token t0 - 1 on */
+        for (int64_t i = t0 > s ? -1 : 0; i < Lc; i++) {
+            const int64_t th = (t0 + i) * H + h, r = (i + 1) * H + h;
+            if (prep == PREP_L2)
+                pa[r] = FN(la_dprep_row_a)(K, V, q + th * K, k + th * K, v + th * V, a[th], sc, eps, pq + r * K,
+                                           pk + r * K, pv + r * V);
+            else
+                pa[r] = FN(la_dprep_raw_row_a)(K, V, q + th * K, k + th * K, v + th * V, a[th], sc, pq + r * K,
+                                               pk + r * K, pv + r * V);
+        }
+        /* bwd_stretches indexes row (t0 + i) H + h: the rows' base moved back by (t0 - 1) H rows (the rows it
+           reads all lie in the buffer) */
+        const int64_t back = (t0 - 1) * H;
+        if (FN(bwd_stretches)(H, K, V, starts, pq - back * K, pk - back * K, pv - back * V, pa - back, g, gate, ckpt,
+                              ck_off, chunk, dout, dq, dk, dv, da, dg, n, h, c + 1, c, dS, dcarry, Sbuf) != 0)
+            return -1;
+        for (int64_t i = 0; i < Lc; i++) {
+            const int64_t th = (t0 + i) * H + h;
+            const REAL dat = da[th];
+            memcpy(dqo, dq + th * K, (size_t)K * sizeof(REAL));
+            memcpy(dko, dk + th * K, (size_t)K * sizeof(REAL));
+            memcpy(dvo, dv + th * V, (size_t)V * sizeof(REAL));
+            if (prep == PREP_L2)
+                FN(la_dprep_bwd_row_a)(K, V, q + th * K, k + th * K, sc, eps, dqo, dko, dvo, &dat, dq + th * K,
+                                       dk + th * K, dv + th * V, da + th, G);
+            else
+                FN(la_dprep_raw_bwd_row_a)(K, V, k + th * K, sc, dqo, dko, dvo, &dat, dq + th * K, dk + th * K,
+                                           dv + th * V, da + th);
+        }
+    }
+    return 0;
+}
+
+/* the stretches c_hi - 1 .. c_lo of a unit: bwd_stretches, or with prep bwd_stretches_prep */
+static int FN(bwd_unit)(int64_t H, int64_t K, int64_t V, const int64_t *starts, const REAL *q, const REAL *k,
+                        const REAL *v, const REAL *a, const REAL *g, int gate, const REAL *ckpt, const int64_t *ck_off,
+                        int64_t chunk, const REAL *dout, REAL *dq, REAL *dk, REAL *dv, REAL *da, REAL *dg, int64_t n,
+                        int64_t h, int64_t c_hi, int64_t c_lo, REAL *dS, REAL *dcarry, REAL *Sbuf, int prep, REAL sc,
+                        REAL eps, REAL *pbuf) {
+    if (prep == PREP_NONE)
+        return FN(bwd_stretches)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv, da, dg,
+                                 n, h, c_hi, c_lo, dS, dcarry, Sbuf);
+    return FN(bwd_stretches_prep)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv, da, dg,
+                                  n, h, c_hi, c_lo, dS, dcarry, Sbuf, prep, sc, eps, pbuf);
+}
+
 /* dS [N, H, K, V] enters as dL/dS_final (the caller zero-fills it when the final state has no gradient)
-   and leaves as dL/dS0. dg may be NULL without a gate. Returns -1 when scratch memory is missing. */
+   and leaves as dL/dS0. dg may be NULL without a gate. With the plan's prep, q, k, v, a are the forward's raw rows
+   and beta, and dq, dk, dv, da their gradients (each row prepared again in the thread that scans it, bwd_stretches).
+   Returns -1 when scratch memory is missing. */
 int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL *k, const REAL *v, const REAL *a,
                           const REAL *g, const REAL *ckpt, const REAL *dout, REAL *dS_all, REAL *dq, REAL *dk,
                           REAL *dv, REAL *da, REAL *dg) {
     const int64_t N = p->N, H = p->H, K = p->K, V = p->V, chunk = p->chunk, *starts = p->starts,
                   *ck_off = p->ck_off;
-    const int gate = p->gate, nthreads = p->nthreads;
+    const int gate = p->gate, nthreads = p->nthreads, prep = p->prep;
+    const REAL sc = (REAL)p->scale, eps = (REAL)p->eps;
     const int64_t KV = K * V;
     int failed = 0;
     const int chains = nthreads > 1 && N * H < DELTA_UNITS_PER_THREAD * (int64_t)nthreads;
@@ -669,17 +741,21 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
         }
 #pragma omp parallel num_threads(nthreads)
     {
-        REAL *Sbuf = (REAL *)malloc(FN(bwd_scratch)(K, V, chunk));
+        /* with prep, the rows' scratch in the same block (one allocation per thread and call, as without) */
+        const size_t sb = FN(bwd_scratch)(K, V, chunk);
+        REAL *Sbuf = (REAL *)malloc(sb + (prep != PREP_NONE ? FN(prep_scratch)(H, K, V, chunk) : 0));
         REAL *dc = (REAL *)malloc((size_t)(V > 0 ? V : 1) * sizeof(REAL));
+        REAL *pbuf = prep != PREP_NONE && Sbuf != NULL ? Sbuf + sb / sizeof(REAL) : NULL;
         if (Sbuf == NULL || dc == NULL) {
             LA_ATOMIC_WRITE failed = 1;
         }
         if (chains) {
             const int me = la_thread_num(), nt = la_team_size();
-            for (int64_t u; Sbuf && dc && (u = la_chains_claim_own(&chn, N * H, me, nt, DELTA_SLACK * run)) >= 0;) {
+            for (int64_t u; !failed && (u = la_chains_claim_own(&chn, N * H, me, nt, DELTA_SLACK * run)) >= 0;) {
                 const int64_t c_hi = chn.run[u], c_lo = c_hi - la_chains_run(c_hi, run);
-                if (FN(bwd_stretches)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv,
-                                      da, dg, u / H, u % H, c_hi, c_lo, dS_all + u * KV, dcar + u * V, Sbuf) != 0) {
+                if (FN(bwd_unit)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv, da, dg,
+                                 u / H, u % H, c_hi, c_lo, dS_all + u * KV, dcar + u * V, Sbuf, prep, sc, eps,
+                                 pbuf) != 0) {
                     LA_ATOMIC_WRITE failed = 1;
                 }
                 la_chains_release(&chn, u, c_lo, c_lo);
@@ -688,10 +764,10 @@ int FN(linattn_delta_bwd)(const linattn_delta_plan *p, const REAL *q, const REAL
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < N * H; task++) {
                 const int64_t n = task / H, L = starts[n + 1] - starts[n];
-                if (L <= 0 || !Sbuf || !dc) continue;
-                if (FN(bwd_stretches)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv,
-                                      da, dg, n, task % H, (L + chunk - 1) / chunk, 0, dS_all + task * KV, dc,
-                                      Sbuf) != 0) {
+                if (L <= 0 || failed) continue;
+                if (FN(bwd_unit)(H, K, V, starts, q, k, v, a, g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv, da, dg,
+                                 n, task % H, (L + chunk - 1) / chunk, 0, dS_all + task * KV, dc, Sbuf, prep, sc,
+                                 eps, pbuf) != 0) {
                     LA_ATOMIC_WRITE failed = 1;
                 }
             }

@@ -50,25 +50,6 @@ int FN(linattn_dprep_fwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const 
     return 0;
 }
 
-/* dx of l2 for one row x [K] given G [K] (overwrites out [K]) */
-static inline void FN(l2_bwd_row)(const REAL *restrict x, const REAL *restrict G, int64_t K, REAL eps,
-                                  REAL *restrict out) {
-    REAL r, s;
-    FN(la_l2_row)(x, K, eps, &r, &s);
-    REAL c = 0;
-    if (s == (REAL)1) {
-#pragma omp simd reduction(+:c)
-        for (int64_t j = 0; j < K; ++j) c += G[j] * x[j];
-        const REAL r3c = r * r * r * c;
-#pragma omp simd
-        for (int64_t j = 0; j < K; ++j) out[j] = G[j] * r - x[j] * r3c;
-    } else {
-        for (int64_t j = 0; j < K; ++j) c += G[j] * (x[j] / s);
-        const REAL r3c = r * r * r * c;
-        for (int64_t j = 0; j < K; ++j) out[j] = (G[j] * r - (x[j] / s) * r3c) / s;
-    }
-}
-
 /* gradients of qo, ko, vo, a (any may be NULL: zero) -> dq, dk [R, K], dv [R, V], dbeta [R] */
 int FN(linattn_dprep_bwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const REAL *k, double scale,
                           double eps, const REAL *dqo, const REAL *dko, const REAL *dvo, const REAL *da,
@@ -78,53 +59,10 @@ int FN(linattn_dprep_bwd)(int64_t R, int64_t K, int64_t V, const REAL *q, const 
     {
         REAL G[K > 0 ? K : 1];
 #pragma omp for schedule(dynamic, LA_PREP_ROWS)
-        for (int64_t i = 0; i < R; ++i) {
-            const REAL *restrict qr = q + i * K, *restrict kr = k + i * K;
-            if (dqo) {
-                const REAL *restrict g = dqo + i * K;
-#pragma omp simd
-                for (int64_t j = 0; j < K; ++j) G[j] = g[j] * sc;
-                FN(l2_bwd_row)(qr, G, K, e, dq + i * K);
-            } else {
-                for (int64_t j = 0; j < K; ++j) dq[i * K + j] = 0;
-            }
-            /* d2 and d of the row, as the forward */
-            REAL r, s, lam = 0;
-            FN(la_l2_row)(kr, K, e, &r, &s);
-            if (s == (REAL)1) {
-#pragma omp simd reduction(+:lam)
-                for (int64_t j = 0; j < K; ++j) { const REAL y = kr[j] * r; lam += y * y; }
-            } else {
-                for (int64_t j = 0; j < K; ++j) { const REAL y = (kr[j] / s) * r; lam += y * y; }
-            }
-            const double l = (double)lam, d2 = (l < 1.0 || l != l) ? (l != l ? l : 1.0) : l;
-            const REAL d = (REAL)sqrt(d2);
-            if (dko) {
-                const REAL *restrict g = dko + i * K;
-                if (d != (REAL)1) {
-                    for (int64_t j = 0; j < K; ++j) G[j] = g[j] / d;
-                } else {
-#pragma omp simd
-                    for (int64_t j = 0; j < K; ++j) G[j] = g[j];
-                }
-                FN(l2_bwd_row)(kr, G, K, e, dk + i * K);
-            } else {
-                for (int64_t j = 0; j < K; ++j) dk[i * K + j] = 0;
-            }
-            REAL *restrict dvr = dv + i * V;
-            if (dvo) {
-                const REAL *restrict g = dvo + i * V;
-                if (d != (REAL)1) {
-                    for (int64_t j = 0; j < V; ++j) dvr[j] = g[j] / d;
-                } else {
-#pragma omp simd
-                    for (int64_t j = 0; j < V; ++j) dvr[j] = g[j];
-                }
-            } else {
-                for (int64_t j = 0; j < V; ++j) dvr[j] = 0;
-            }
-            dbeta[i] = da ? (REAL)((double)da[i] * d2) : (REAL)0;
-        }
+        for (int64_t i = 0; i < R; ++i)
+            FN(la_dprep_bwd_row)(K, V, q + i * K, k + i * K, sc, e, dqo ? dqo + i * K : NULL, dko ? dko + i * K : NULL,
+                                 dvo ? dvo + i * V : NULL, da ? da + i : NULL, dq + i * K, dk + i * K, dv + i * V,
+                                 dbeta + i, G);
     }
     return 0;
 }
@@ -168,50 +106,10 @@ static int FN(raw_bwd)(int64_t R, int64_t K, int64_t V, const REAL *k, double sc
                        REAL *dv, REAL *dbeta, int nthreads) {
     const REAL sc = (REAL)scale;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, LA_PREP_ROWS)
-    for (int64_t i = 0; i < R; ++i) {
-        const REAL *restrict kr = k + i * K;
-        REAL *restrict dqr = dq + i * K, *restrict dkr = dk + i * K, *restrict dvr = dv + i * V;
-        if (dqo) {
-            const REAL *restrict g = dqo + i * K;
-#pragma omp simd
-            for (int64_t j = 0; j < K; ++j) dqr[j] = g[j] * sc;
-        } else {
-            for (int64_t j = 0; j < K; ++j) dqr[j] = 0;
-        }
-        int wide;
-        const double l = FN(lam_row)(kr, K, &wide), d2 = (l < 1.0 || l != l) ? (l != l ? l : 1.0) : l;
-        const REAL d = (REAL)sqrt(d2);
-        if (dbeta) dbeta[i] = (REAL)((da ? (double)da[i] : 0.0) * d2); /* a zero gradient times d2, as torch's */
-        /* the branches outside the loops: a conditional division inside one does not vectorise */
-        if (!dko) {
-            for (int64_t j = 0; j < K; ++j) dkr[j] = 0;
-        } else if (d != (REAL)1) {
-            for (int64_t j = 0; j < K; ++j) dkr[j] = dko[i * K + j] / d;
-        } else {
-#pragma omp simd
-            for (int64_t j = 0; j < K; ++j) dkr[j] = dko[i * K + j];
-        }
-        if (dlam) {
-            if (!wide) {
-                const REAL gl = (REAL)dlam[i];
-#pragma omp simd
-                for (int64_t j = 0; j < K; ++j) dkr[j] += gl * kr[j] + gl * kr[j];
-            } else {
-                for (int64_t j = 0; j < K; ++j) dkr[j] += (REAL)(2.0 * (double)kr[j] * dlam[i]);
-            }
-        }
-        if (dvo) {
-            const REAL *restrict g = dvo + i * V;
-            if (d != (REAL)1) {
-                for (int64_t j = 0; j < V; ++j) dvr[j] = g[j] / d;
-            } else {
-#pragma omp simd
-                for (int64_t j = 0; j < V; ++j) dvr[j] = g[j];
-            }
-        } else {
-            for (int64_t j = 0; j < V; ++j) dvr[j] = 0;
-        }
-    }
+    for (int64_t i = 0; i < R; ++i)
+        FN(la_dprep_raw_bwd_row)(K, V, k + i * K, sc, dqo ? dqo + i * K : NULL, dko ? dko + i * K : NULL,
+                                 dvo ? dvo + i * V : NULL, dlam ? dlam + i : NULL, da ? da + i : NULL, dq + i * K,
+                                 dk + i * K, dv + i * V, dbeta ? dbeta + i : NULL);
     return 0;
 }
 

@@ -73,6 +73,128 @@ static inline double FN(la_dprep_raw_row)(int64_t K, int64_t V, const REAL *rest
     return l;
 }
 
+/* dx of l2 for one row x [K] given G [K] (overwrites out [K]) */
+static inline void FN(l2_bwd_row)(const REAL *restrict x, const REAL *restrict G, int64_t K, REAL eps,
+                                  REAL *restrict out) {
+    REAL r, s;
+    FN(la_l2_row)(x, K, eps, &r, &s);
+    REAL c = 0;
+    if (s == (REAL)1) {
+#pragma omp simd reduction(+:c)
+        for (int64_t j = 0; j < K; ++j) c += G[j] * x[j];
+        const REAL r3c = r * r * r * c;
+#pragma omp simd
+        for (int64_t j = 0; j < K; ++j) out[j] = G[j] * r - x[j] * r3c;
+    } else {
+        for (int64_t j = 0; j < K; ++j) c += G[j] * (x[j] / s);
+        const REAL r3c = r * r * r * c;
+        for (int64_t j = 0; j < K; ++j) out[j] = (G[j] * r - (x[j] / s) * r3c) / s;
+    }
+}
+
+/* la_dprep_row's backward (deltaprep.c's linattn_dprep_bwd, row by row; delta.c's backward with PREP_L2): the
+   gradients of qo, ko [K], vo [V] and a (each may be NULL: zero) -> dq, dk [K], dv [V], *dbeta of the raw row q, k;
+   G [K] scratch. The outputs may not alias the gradients given. */
+static inline void FN(la_dprep_bwd_row)(int64_t K, int64_t V, const REAL *restrict qr, const REAL *restrict kr,
+                                        REAL sc, REAL e, const REAL *dqo, const REAL *dko, const REAL *dvo,
+                                        const REAL *da, REAL *dq, REAL *dk, REAL *dv, REAL *dbeta,
+                                        REAL *restrict G) {
+    if (dqo) {
+        const REAL *restrict g = dqo;
+#pragma omp simd
+        for (int64_t j = 0; j < K; ++j) G[j] = g[j] * sc;
+        FN(l2_bwd_row)(qr, G, K, e, dq);
+    } else {
+        for (int64_t j = 0; j < K; ++j) dq[j] = 0;
+    }
+    /* d2 and d of the row, as the forward */
+    REAL r, s, lam = 0;
+    FN(la_l2_row)(kr, K, e, &r, &s);
+    if (s == (REAL)1) {
+#pragma omp simd reduction(+:lam)
+        for (int64_t j = 0; j < K; ++j) { const REAL y = kr[j] * r; lam += y * y; }
+    } else {
+        for (int64_t j = 0; j < K; ++j) { const REAL y = (kr[j] / s) * r; lam += y * y; }
+    }
+    const double l = (double)lam, d2 = (l < 1.0 || l != l) ? (l != l ? l : 1.0) : l;
+    const REAL d = (REAL)sqrt(d2);
+    if (dko) {
+        const REAL *restrict g = dko;
+        if (d != (REAL)1) {
+            for (int64_t j = 0; j < K; ++j) G[j] = g[j] / d;
+        } else {
+#pragma omp simd
+            for (int64_t j = 0; j < K; ++j) G[j] = g[j];
+        }
+        FN(l2_bwd_row)(kr, G, K, e, dk);
+    } else {
+        for (int64_t j = 0; j < K; ++j) dk[j] = 0;
+    }
+    REAL *restrict dvr = dv;
+    if (dvo) {
+        const REAL *restrict g = dvo;
+        if (d != (REAL)1) {
+            for (int64_t j = 0; j < V; ++j) dvr[j] = g[j] / d;
+        } else {
+#pragma omp simd
+            for (int64_t j = 0; j < V; ++j) dvr[j] = g[j];
+        }
+    } else {
+        for (int64_t j = 0; j < V; ++j) dvr[j] = 0;
+    }
+    *dbeta = da ? (REAL)((double)*da * d2) : (REAL)0;
+}
+
+/* la_dprep_raw_row's backward (deltaprep.c's raw passes, row by row; delta.c's backward with PREP_RAW): the
+   gradients of qo, ko [K], vo [V] (NULL: zero), lam (double, NULL: zero) and a -> dq, dk [K], dv [V] of the raw
+   row k: dk = dko / d + 2 k dlam (d held constant); with dbeta, also *dbeta = da max(lam, 1) (da NULL: zero). The
+   outputs may not alias the gradients given. */
+static inline void FN(la_dprep_raw_bwd_row)(int64_t K, int64_t V, const REAL *restrict kr, REAL sc, const REAL *dqo,
+                                            const REAL *dko, const REAL *dvo, const double *dlam, const REAL *da,
+                                            REAL *restrict dqr, REAL *restrict dkr, REAL *restrict dvr,
+                                            REAL *dbeta) {
+    if (dqo) {
+        const REAL *restrict g = dqo;
+#pragma omp simd
+        for (int64_t j = 0; j < K; ++j) dqr[j] = g[j] * sc;
+    } else {
+        for (int64_t j = 0; j < K; ++j) dqr[j] = 0;
+    }
+    int wide;
+    const double l = FN(lam_row)(kr, K, &wide), d2 = (l < 1.0 || l != l) ? (l != l ? l : 1.0) : l;
+    const REAL d = (REAL)sqrt(d2);
+    if (dbeta) *dbeta = (REAL)((da ? (double)*da : 0.0) * d2); /* a zero gradient times d2, as torch's */
+    /* the branches outside the loops: a conditional division inside one does not vectorise */
+    if (!dko) {
+        for (int64_t j = 0; j < K; ++j) dkr[j] = 0;
+    } else if (d != (REAL)1) {
+        for (int64_t j = 0; j < K; ++j) dkr[j] = dko[j] / d;
+    } else {
+#pragma omp simd
+        for (int64_t j = 0; j < K; ++j) dkr[j] = dko[j];
+    }
+    if (dlam) {
+        if (!wide) {
+            const REAL gl = (REAL)*dlam;
+#pragma omp simd
+            for (int64_t j = 0; j < K; ++j) dkr[j] += gl * kr[j] + gl * kr[j];
+        } else {
+            for (int64_t j = 0; j < K; ++j) dkr[j] += (REAL)(2.0 * (double)kr[j] * *dlam);
+        }
+    }
+    if (dvo) {
+        const REAL *restrict g = dvo;
+        if (d != (REAL)1) {
+            for (int64_t j = 0; j < V; ++j) dvr[j] = g[j] / d;
+        } else {
+#pragma omp simd
+            for (int64_t j = 0; j < V; ++j) dvr[j] = g[j];
+        }
+    } else {
+        for (int64_t j = 0; j < V; ++j) dvr[j] = 0;
+    }
+}
+
 #if defined(LA_DELTAROW_OUTLINED)
 /* the two rows with their write strength a = beta d2 (the product in double, rounded once), as calls of their own:
    compiled with the options of the file's top, where the caller includes this (see delta.c) */
@@ -88,5 +210,20 @@ static __attribute__((noinline)) REAL FN(la_dprep_raw_row_a)(int64_t K, int64_t 
     double d2;
     FN(la_dprep_raw_row)(K, V, qr, kr, vr, sc, qor, kor, vor, &d2);
     return (REAL)((double)beta * d2);
+}
+
+/* the two rows' backward (the write strength's gradient dbeta = da d2 included) as calls of their own, likewise */
+static __attribute__((noinline)) void FN(la_dprep_bwd_row_a)(int64_t K, int64_t V, const REAL *qr, const REAL *kr,
+                                                             REAL sc, REAL e, const REAL *dqo, const REAL *dko,
+                                                             const REAL *dvo, const REAL *da, REAL *dq, REAL *dk,
+                                                             REAL *dv, REAL *dbeta, REAL *G) {
+    FN(la_dprep_bwd_row)(K, V, qr, kr, sc, e, dqo, dko, dvo, da, dq, dk, dv, dbeta, G);
+}
+
+static __attribute__((noinline)) void FN(la_dprep_raw_bwd_row_a)(int64_t K, int64_t V, const REAL *kr, REAL sc,
+                                                                 const REAL *dqo, const REAL *dko, const REAL *dvo,
+                                                                 const REAL *da, REAL *dq, REAL *dk, REAL *dv,
+                                                                 REAL *dbeta) {
+    FN(la_dprep_raw_bwd_row)(K, V, kr, sc, dqo, dko, dvo, NULL, da, dq, dk, dv, dbeta);
 }
 #endif
