@@ -676,10 +676,14 @@ static int FN(bwd_stretches_prep)(int64_t H, int64_t K, int64_t V, const int64_t
                                                pk + r * K, pv + r * V);
         }
         /* bwd_stretches indexes row (t0 + i) H + h: the rows' base moved back by (t0 - 1) H rows (the rows it
-           reads all lie in the buffer) */
+           reads all lie in the buffer; the base itself may lie before it, so it is computed on addresses, as GCC
+           defines integer-pointer conversion, not by pointer arithmetic, which C leaves undefined there) */
         const int64_t back = (t0 - 1) * H;
-        if (FN(bwd_stretches)(H, K, V, starts, pq - back * K, pk - back * K, pv - back * V, pa - back, g, gate, ckpt,
-                              ck_off, chunk, dout, dq, dk, dv, da, dg, n, h, c + 1, c, dS, dcarry, Sbuf) != 0)
+#define BACK(ptr, rows) ((REAL *)(void *)((uintptr_t)(ptr) - (uintptr_t)(rows) * sizeof(REAL)))
+        if (FN(bwd_stretches)(H, K, V, starts, BACK(pq, back * K), BACK(pk, back * K), BACK(pv, back * V),
+                              BACK(pa, back), g, gate, ckpt, ck_off, chunk, dout, dq, dk, dv, da, dg, n, h, c + 1, c,
+                              dS, dcarry, Sbuf) != 0)
+#undef BACK
             return -1;
         for (int64_t i = 0; i < Lc; i++) {
             const int64_t th = (t0 + i) * H + h;
