@@ -2,7 +2,7 @@
 cpu/delta.py delta_scan(prep=), ops/delta_core.py DeltaProblem.prep): the scan reads the raw q, k, v and beta and
 prepares each row itself (delta_prepare's rows with qk_l2norm, or delta_prepare_raw_a's without), so that nothing
 prepared is written out and read back; with a gradient the backward scan prepares each row again and returns the raw
-rows' gradients through the preparation's backward row (round 17: no pass, no prepared rows kept).
+rows' gradients through the preparation's backward row (round 16: no pass, no prepared rows kept).
 
 Byte for byte against today's preparation pass then scan (the same call with its rows prepared first: prepare_delta
 without a backend, then run_delta): output and final state, fp32 / bf16 / fp64, 1, 2 and 3 kernel threads (the

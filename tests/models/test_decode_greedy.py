@@ -368,3 +368,48 @@ def test_one_compiled_call_while_the_kv_caches_have_room(monkeypatch):
         want, _ = _reference(model, tok, cache, 16)
         assert torch.equal(tokens, want)
         _same_cache(cache, twin)
+
+
+def test_greedy_calls_on_one_cache_rotate_three_buffers(monkeypatch):
+    """Calls on one cache allocate no state buffer once three are in rotation (the pending one, the token before
+    last's and the slot's spare): a fresh buffer is a new mapping whose pages the loop faults in, and the global
+    pool of freed mappings holds only `hugepages.POOL_BYTES`. The tokens and the cache as the per-token steps'."""
+    made = []
+    inner = decode_plan._hugepages.empty
+
+    def counted(n, dtype):
+        made.append(n)
+        return inner(n, dtype)
+    monkeypatch.setattr(decode_plan._hugepages, "empty", counted)
+    model = _model(["gated-deltanet", "softmax"], kv_chunk=256)
+    tok, cache = _prefill(model, 2)
+    twin = copy.deepcopy(cache)
+    per_call, held, toks = [], [], [tok]
+    for _ in range(5):   # (the per-token reference after them: its steps on this model's slot take its buffers)
+        del made[:]
+        got, _ = _greedy(model, toks[-1][:, -1:], twin, 3)
+        per_call.append(len(made))
+        toks.append(got)
+        slot = model._model_plan   # (no name here may hold a buffer: a holder makes the next call allocate)
+        held.append({t.data_ptr() if type(t) is torch.Tensor else None
+                     for t in (twin.pending.buf, slot.spent, getattr(slot, "spare", None))})
+    # the first call: the pair; the second: the third buffer (the first call's input was the prompt's entries)
+    assert per_call == [2, 1, 0, 0, 0]
+    assert None not in held[1] and len(held[1]) == 3 and held[1] == held[2] == held[3] == held[4]
+    want, _ = _reference(model, tok, cache, 15)
+    assert torch.equal(torch.cat(toks[1:], 1), want)
+    _same_cache(cache, twin)
+
+
+def test_greedy_leaves_the_buffer_a_copy_of_the_cache_holds():
+    """A shallow copy of the cache taken between calls shares the pending buffer: the next calls read it and do not
+    take it as their spare, so the copy's states stay as they were."""
+    model = _model(["gated-deltanet", "softmax"], kv_chunk=256)
+    tok, cache = _prefill(model, 1)
+    got, _ = _greedy(model, tok, cache, 4)
+    got, _ = _greedy(model, got[:, -1:], cache, 4)
+    snap = copy.copy(cache)
+    before = snap.pending.buf.clone()
+    for _ in range(3):
+        got, _ = _greedy(model, got[:, -1:], cache, 4)
+    assert snap.pending.buf is not cache.pending.buf and torch.equal(_bits(snap.pending.buf), _bits(before))

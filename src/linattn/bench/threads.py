@@ -12,7 +12,7 @@ the raw rows, preparing each row as it reads it (`cpu.delta.delta_scan` with `pr
 a gradient), and for the forward+backward the custom ops with that `prep` (the backward prepares each row again: what
 the `op` level runs with a gradient); `prep` (asked for by name) Gated DeltaNet's preparation pass alone (q scaled, k
 and v rescaled by the key norm, the write strength: one memory-bound pass each way), which the `op` level no longer
-runs (round 17: the forward+backward's is inside its scans too): the cost that the fusion took off.
+runs (round 16: the forward+backward's is inside its scans too): the cost that the fusion took off.
 
 Timing: every (case, thread count) is called once per round, the rounds repeated (--repeats, default 15), the calls
 of one case at its thread counts side by side and the order of all calls reversed every other round;
@@ -174,7 +174,7 @@ def make_kernel_case(op: str, passes: str, a) -> Callable[[], Any]:
 
 def make_prep_case(op: str, passes: str, a) -> Callable[[], Any]:
     """A zero-argument call of Gated DeltaNet's preparation pass alone (`cpu.delta.delta_prepare_raw_a`, what
-    `delta_rule` ran before the scan on make_case's inputs when a gradient was needed, until round 17), forward or
+    `delta_rule` ran before the scan on make_case's inputs when a gradient was needed, until round 16), forward or
     forward and backward. `delta_rule` runs no pass now (the scans prepare the rows, forward and backward): this is
     the cost that the fusion took off, for comparison."""
     from ..cpu.delta import delta_prepare_raw_a

@@ -1094,10 +1094,10 @@ class ModelPlanSlot:
     a copy or a pickle gets an empty slot, rebuilt on first use."""
 
     __slots__ = ("plan", "fn", "keep", "guard", "B", "dtype", "ldtype", "specs", "layouts", "layout", "spent",
-                 "planref", "att", "gfn", "kv_win")
+                 "planref", "att", "gfn", "kv_win", "spare")
 
     def __init__(self):
-        self.plan = self.spent = None
+        self.plan = self.spent = self.spare = None   # (spare: `model_greedy`'s third buffer between its calls)
 
     def __reduce__(self):
         return (ModelPlanSlot, ())
@@ -1577,7 +1577,10 @@ def model_greedy(model: nn.Module, ids: torch.Tensor, cache, n: int,
     plan's guard is checked once for the call: nothing may change the model while it runs. The KV caches make room
     at the tokens where the per-token step makes it (a full buffer grows by half, a sliding window drops its old
     rows every `kv_chunk` tokens): the loop is one compiled call per stretch between those tokens, so a long decode
-    is a few calls, and its KV memory grows as the per-token step's, not by n rows up front.
+    is a few calls, and its KV memory grows as the per-token step's, not by n rows up front. The loop writes two
+    buffers in turn, never the one it reads; calls on one cache rotate three that the plan keeps (the pending one,
+    the token before last's and `ModelPlanSlot.spare`), each taken again only while nothing else holds it
+    (`reusable_buffer`), so such calls map and fault in no new memory.
 
     Raises:
         LinattnError: ids not an int64 / int32 `[B, 1]` tensor, n not a positive int, eos_token_id not None or an
@@ -1607,8 +1610,14 @@ def model_greedy(model: nn.Module, ids: torch.Tensor, cache, n: int,
     if ids.dtype != torch.int64 or not ids.is_contiguous():
         ids = ids.to(torch.int64).contiguous()
     spent, slot.spent = slot.spent, None
+    spare, slot.spare = slot.spare, None
     size, cdt, esz = lo.n_state + lo.n_win, lo.dtype, lo.dtype.itemsize
-    pair = [reusable_buffer(spent, size, cdt), _hugepages.empty(size, cdt) if n > 1 else None]
+    # the pair the loop writes: the token before last's buffer and the slot's spare (the last call's input buffer)
+    # when nothing else holds them, so that calls on one cache rotate three buffers; a fresh one is a new mapping
+    # whose pages the loop's first write faults in (the global pool keeps only 64 MiB)
+    pair = [reusable_buffer(spent, size, cdt), None]
+    if n > 1:
+        pair[1], spare = reusable_buffer(spare, size, cdt), None
     logits = torch.empty(B, 1, lo.vocab, dtype=slot.ldtype)
     aux = torch.empty((), dtype=torch.float32)
     eos = -1 if eos_token_id is None else eos_token_id
@@ -1630,7 +1639,7 @@ def model_greedy(model: nn.Module, ids: torch.Tensor, cache, n: int,
                  b_ptr, b_ptr + lo.n_state * esz if lo.n_win and b_ptr is not None else None, logits.data_ptr(),
                  aux.data_ptr(), seg, eos, win, tok.data_ptr())
         if got == -2:
-            slot.spent = spent
+            slot.spent, slot.spare = spent, spare if pair[1] is None else pair[1]
             return None   # a token id out of range (the first call only): forward's checks report it
         if got < 0:
             raise MemoryError("linattn: the compiled greedy decoding could not allocate its work buffers") \
@@ -1648,6 +1657,10 @@ def model_greedy(model: nn.Module, ids: torch.Tensor, cache, n: int,
             break
     # the token before last's buffer, for the next step (`reusable_buffer`); buf_in when one step ran
     slot.spent = buf_in if done == 1 else pair[1] if last is pair[0] else pair[0]
+    # and the one left for the next call's pair: the input buffer (a previous call's last; a copy of the cache may
+    # still hold it: `reusable_buffer` looks) or the pair's unused one
+    left = pair[1] if done == 1 else buf_in
+    slot.spare = left if type(left) is torch.Tensor else spare
     cache.pending = ModelPending(lo, last, offsets, n0 + done - 1)
     cache.seen_tokens += done
     return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), logits
