@@ -664,9 +664,10 @@ def _interleaved(a, engines: Sequence[str], dtypes: Sequence[str], shape, log, g
             f"best of {bw.passes} passes once per round, median over rounds); floor+st: the same with the states "
             f"and KV rows a token reads and writes at the decode's mean context ({a.prompt + a.decode / 2:g} tokens)"]
     print("\n".join(head) + "\n")
-    for row in rows:   # one warm-up token each (allocator, thread pools, plans)
+    for row in rows:   # two warm-up tokens each (allocator, thread pools, plans; both of a step's alternating
+        # state buffers faulted in, so that the first timed round does not pay the second one's pages)
         row["runner"].prefill(torch.zeros(1, min(a.prompt, 8), dtype=torch.int64))
-        row["runner"].decode(1)
+        row["runner"].decode(2)
         row["traffic"] = state_traffic(row["runner"].cache)
         row["weights_pages"] = weights_pages(row["runner"].model)
     context = a.prompt + a.decode / 2   # (the decode's mean context)
