@@ -92,6 +92,19 @@ static inline void FN(l2_bwd_row)(const REAL *restrict x, const REAL *restrict G
     }
 }
 
+/* out [n] = g / d (d != 1), g (d == 1: x / 1 is x, and the copy vectorises) or 0 (g NULL): a prepared row's
+   gradient through its division by d */
+static inline void FN(la_over_d)(int64_t n, const REAL *restrict g, REAL d, REAL *restrict out) {
+    if (!g) {
+        for (int64_t j = 0; j < n; ++j) out[j] = 0;
+    } else if (d != (REAL)1) {
+        for (int64_t j = 0; j < n; ++j) out[j] = g[j] / d;
+    } else {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) out[j] = g[j];
+    }
+}
+
 /* la_dprep_row's backward (deltaprep.c's linattn_dprep_bwd, row by row; delta.c's backward with PREP_L2): the
    gradients of qo, ko [K], vo [V] and a (each may be NULL: zero) -> dq, dk [K], dv [V], *dbeta of the raw row q, k;
    G [K] scratch. The outputs may not alias the gradients given. */
@@ -119,29 +132,12 @@ static inline void FN(la_dprep_bwd_row)(int64_t K, int64_t V, const REAL *restri
     const double l = (double)lam, d2 = (l < 1.0 || l != l) ? (l != l ? l : 1.0) : l;
     const REAL d = (REAL)sqrt(d2);
     if (dko) {
-        const REAL *restrict g = dko;
-        if (d != (REAL)1) {
-            for (int64_t j = 0; j < K; ++j) G[j] = g[j] / d;
-        } else {
-#pragma omp simd
-            for (int64_t j = 0; j < K; ++j) G[j] = g[j];
-        }
+        FN(la_over_d)(K, dko, d, G);
         FN(l2_bwd_row)(kr, G, K, e, dk);
     } else {
         for (int64_t j = 0; j < K; ++j) dk[j] = 0;
     }
-    REAL *restrict dvr = dv;
-    if (dvo) {
-        const REAL *restrict g = dvo;
-        if (d != (REAL)1) {
-            for (int64_t j = 0; j < V; ++j) dvr[j] = g[j] / d;
-        } else {
-#pragma omp simd
-            for (int64_t j = 0; j < V; ++j) dvr[j] = g[j];
-        }
-    } else {
-        for (int64_t j = 0; j < V; ++j) dvr[j] = 0;
-    }
+    FN(la_over_d)(V, dvo, d, dv);
     *dbeta = da ? (REAL)((double)*da * d2) : (REAL)0;
 }
 
@@ -165,14 +161,7 @@ static inline void FN(la_dprep_raw_bwd_row)(int64_t K, int64_t V, const REAL *re
     const REAL d = (REAL)sqrt(d2);
     if (dbeta) *dbeta = (REAL)((da ? (double)*da : 0.0) * d2); /* a zero gradient times d2, as torch's */
     /* the branches outside the loops: a conditional division inside one does not vectorise */
-    if (!dko) {
-        for (int64_t j = 0; j < K; ++j) dkr[j] = 0;
-    } else if (d != (REAL)1) {
-        for (int64_t j = 0; j < K; ++j) dkr[j] = dko[j] / d;
-    } else {
-#pragma omp simd
-        for (int64_t j = 0; j < K; ++j) dkr[j] = dko[j];
-    }
+    FN(la_over_d)(K, dko, d, dkr);
     if (dlam) {
         if (!wide) {
             const REAL gl = (REAL)*dlam;
@@ -182,17 +171,7 @@ static inline void FN(la_dprep_raw_bwd_row)(int64_t K, int64_t V, const REAL *re
             for (int64_t j = 0; j < K; ++j) dkr[j] += (REAL)(2.0 * (double)kr[j] * *dlam);
         }
     }
-    if (dvo) {
-        const REAL *restrict g = dvo;
-        if (d != (REAL)1) {
-            for (int64_t j = 0; j < V; ++j) dvr[j] = g[j] / d;
-        } else {
-#pragma omp simd
-            for (int64_t j = 0; j < V; ++j) dvr[j] = g[j];
-        }
-    } else {
-        for (int64_t j = 0; j < V; ++j) dvr[j] = 0;
-    }
+    FN(la_over_d)(V, dvo, d, dvr);
 }
 
 #if defined(LA_DELTAROW_OUTLINED)
