@@ -58,6 +58,32 @@ def _inputs(dtype, B=1, T=65, H=2, K=16, V=12, gate="head", seed=0, N=None, unit
     return [t.to(dtype) if t is not None else None for t in (q, k, v, beta, gt)], S0.to(dtype)
 
 
+def _hostile_inputs(dtype):
+    """T 150 rows whose sum of squares overflows (fp32: the fp64 rows of key_norms; the L2 row's rescaled path),
+    tiny and zero keys and queries, one huge channel, a key that makes d >> 1."""
+    x, S0 = _inputs(dtype, T=150, H=2, K=16, V=8, unit=False)
+    q, k, v, beta, g = x
+    big = 1e30 if dtype == torch.float32 else 1e200
+    k[0, 3, 0] *= big
+    q[0, 4, 1] *= big
+    k[0, 5, 1] *= 1e-30
+    k[0, 6, 0] = 0
+    q[0, 7, 0] = 0
+    k[0, 8, 1, 2] = big  # one huge channel
+    k[0, 9, 0] *= 40.0   # d >> 1
+    v[0, 9, 0] *= 1e3
+    return x, S0
+
+
+def _poison(x):
+    """NaN in q, k and v and an inf key, from row 100 on (in place)."""
+    q, k, v, _, _ = x
+    k[0, 100, 0, 5] = float("nan")
+    q[0, 110, 1, 0] = float("nan")
+    v[0, 120, 0, 3] = float("nan")
+    k[0, 130, 1, 1] = float("inf")
+
+
 def _fused(x, S0, l2, **kw):
     """delta_rule on the compiled kernels without a gradient: the preparation inside the scan."""
     q, k, v, beta, g = x
@@ -164,22 +190,9 @@ def test_same_bits_packed_sequences(l2, monkeypatch):
 def test_same_bits_hostile_keys(l2, dtype, monkeypatch):
     """Rows whose sum of squares overflows (fp32: the fp64 rows of key_norms; the L2 row's rescaled path), tiny and
     zero keys, keys that make d large, and NaN in q, k, v (the same NaN positions)."""
-    x, S0 = _inputs(dtype, T=150, H=2, K=16, V=8, unit=False)
-    q, k, v, beta, g = x
-    big = 1e30 if dtype == torch.float32 else 1e200
-    k[0, 3, 0] *= big
-    q[0, 4, 1] *= big
-    k[0, 5, 1] *= 1e-30
-    k[0, 6, 0] = 0
-    q[0, 7, 0] = 0
-    k[0, 8, 1, 2] = big  # one huge channel
-    k[0, 9, 0] *= 40.0   # d >> 1
-    v[0, 9, 0] *= 1e3
+    x, S0 = _hostile_inputs(dtype)
     o1, _ = _check_same(x, S0, l2, monkeypatch)
-    k[0, 100, 0, 5] = float("nan")
-    q[0, 110, 1, 0] = float("nan")
-    v[0, 120, 0, 3] = float("nan")
-    k[0, 130, 1, 1] = float("inf")
+    _poison(x)
     o, S = _check_same(x, S0, l2, monkeypatch)
     _same_bytes(o[:, :100], o1[:, :100], "the outputs before the first poisoned row")
     assert torch.isnan(o[0, 100:, 0]).any() and torch.isnan(o[0, 110:, 1]).any()
@@ -313,22 +326,9 @@ def test_same_gradients_packed_sequences(l2, monkeypatch):
 @pytest.mark.parametrize("l2", [False, True])
 def test_same_gradients_hostile_keys(l2, dtype, monkeypatch):
     """The rows of test_same_bits_hostile_keys: overflowing, tiny, zero, huge and long keys, then NaN and inf."""
-    x, S0 = _inputs(dtype, T=150, H=2, K=16, V=8, unit=False)
-    q, k, v, beta, g = x
-    big = 1e30 if dtype == torch.float32 else 1e200
-    k[0, 3, 0] *= big
-    q[0, 4, 1] *= big
-    k[0, 5, 1] *= 1e-30
-    k[0, 6, 0] = 0
-    q[0, 7, 0] = 0
-    k[0, 8, 1, 2] = big
-    k[0, 9, 0] *= 40.0
-    v[0, 9, 0] *= 1e3
+    x, S0 = _hostile_inputs(dtype)
     _check_same_grads(x, S0, l2, monkeypatch)
-    k[0, 100, 0, 5] = float("nan")
-    q[0, 110, 1, 0] = float("nan")
-    v[0, 120, 0, 3] = float("nan")
-    k[0, 130, 1, 1] = float("inf")
+    _poison(x)
     _check_same_grads(x, S0, l2, monkeypatch, counts=(1, 2))
 
 
