@@ -895,6 +895,9 @@ static inline __attribute__((always_inline)) void a8_i4_steps4(const int G, cons
     const int32_t *cv = p->bc;
 #endif
     const float *ls = p->ls;
+    const int8_t *ve = v + 8 * kp;
+    const int32_t *ce = cv + kp;
+    const float *le = ls + kp;
     const uint8_t *pf_end = W + n * rowb, *w = W;
     const uint16_t *sr = s;
     float *yt = y;
@@ -907,21 +910,20 @@ static inline __attribute__((always_inline)) void a8_i4_steps4(const int G, cons
     do {                                                                                                         \
         __asm__("" : "+r"(w), "+r"(yt));   /* (one pointer each, not one per row advanced on the stack) */        \
         __m256 acc;                                                                                              \
-        if (full) {                                                                                              \
-            const uint8_t *w0 = w, *w1 = w + rs, *w2 = w1 + rs, *w3 = w2 + rs;                                   \
-            const char *gb = (const char *)(const void *)sr;                                                     \
+        if (full) {   /* (k from -kp up to 0, the arrays from the pairs' end: no bound to compare with) */         \
+            const uint8_t *w0 = w + 4 * kp, *w1 = w0 + rs, *w2 = w1 + rs, *w3 = w2 + rs;                         \
+            const char *gb = (const char *)(const void *)sr + gsh * kp;                                          \
             acc = z;                                                                                             \
-            int64_t k = 0;                                                                                       \
-            for (; k < kp; k += 16) {                                                                            \
+            for (int64_t k = -kp; k < 0; k += 16) {                                                              \
                 __asm__("" : "+r"(w0), "+r"(w1), "+r"(w2), "+r"(w3));   /* (as in a8_i4_acc) */                   \
-                acc = a8_i4_step(4, G, 0, k, v, cv, ls, w0, w1, w2, w3,                                          \
+                acc = a8_i4_step(4, G, 0, k, ve, ce, le, w0, w1, w2, w3,                                         \
                                  (const uint16_t *)(const void *)(gb + gsh * k), z, zi, pf_end, acc);            \
-                acc = a8_i4_step(4, G, 1, k + 8, v, cv, ls, w0, w1, w2, w3,                                      \
+                acc = a8_i4_step(4, G, 1, k + 8, ve, ce, le, w0, w1, w2, w3,                                     \
                                  (const uint16_t *)(const void *)(gb + gsh * (k + 8)), z, zi, pf_end, acc);      \
             }                                                                                                    \
-            if (k < nlv)   /* (an odd last step: no prefetch, as a8_i4_acc's) */                                 \
-                acc = a8_i4_step(4, G, 0, k, v, cv, ls, w0, w1, w2, w3,                                          \
-                                 (const uint16_t *)(const void *)(gb + gsh * k), z, zi, pf_end, acc);            \
+            if (kp < nlv)   /* (an odd last step: no prefetch, as a8_i4_acc's) */                                \
+                acc = a8_i4_step(4, G, 0, 0, ve, ce, le, w0, w1, w2, w3, (const uint16_t *)(const void *)gb, z, zi,   \
+                                 pf_end, acc);                                                                   \
         } else                                                                                                   \
             acc = a8_i4_acc(4, G, p, 0, w, rs, sr, pf_end);                                                      \
         if (direct) {   /* (+ 0 as a8_i4_out adds: a -0 sum becomes +0) */                                        \
