@@ -121,3 +121,32 @@ def test_a8_int4_non_finite_x_takes_the_exact_product(decode_lib, group):
         y = cpu_decode.weight_matvec(x, "int4_a8", q.stored, q.scales, group, bias=q.bias)
         exact = cpu_decode.weight_matvec(x, "int4", q.stored, q.scales, group, bias=q.bias)
         assert torch.equal(y.view(torch.int32), exact.view(torch.int32))
+
+
+# (n, k): steps whose prefetches need no check and the last ones that do (64 rows of 1024 inputs), every n % 4, an
+# odd last vector step (k 96, 192, 1088), a tail after it (k 160, 1056)
+ONE_ROW_SHAPES = [(4, 1024), (64, 1024), (66, 1024), (67, 192), (65, 96), (9, 160), (41, 1056), (38, 1088)]
+
+
+@pytest.mark.parametrize("fmt,group", [("int4_a8", 32), ("int4_a8", 64), ("int8_a8", 0)])
+@pytest.mark.parametrize("n,k", ONE_ROW_SHAPES)
+def test_a8_one_row_steps_loop(decode_lib, fmt, group, n, k):
+    """One x row on one thread (the decode's product: AVX2 runs its steps of four rows in a loop of their own,
+    storing into y directly when there is no bias, add or tail) has the bits of the same row in a product of two x
+    rows (the per-step path), with no bias, a bias, an add."""
+    if k % max(group, 1):
+        pytest.skip("int4 needs in_features a multiple of the group")
+    q = _Stored(n, k, fmt[:4], group or None, seed=n + 3 * k, bias=True)
+    g = torch.Generator().manual_seed(n * k)
+    x = torch.randn(2, k, generator=g) * 2
+    add = torch.randn(2, n, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for b, a in ((None, None), (q.bias, None), (None, add), (q.bias, add)):
+            one = cpu_decode.weight_matvec(x[:1].contiguous(), fmt, q.stored, q.scales, group, bias=b,
+                                           add=None if a is None else a[:1].contiguous())
+            two = cpu_decode.weight_matvec(x, fmt, q.stored, q.scales, group, bias=b, add=a)
+            assert torch.equal(one[0].view(torch.int32), two[0].view(torch.int32)), (b is None, a is None)
+    finally:
+        torch.set_num_threads(threads)

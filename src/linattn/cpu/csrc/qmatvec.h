@@ -792,9 +792,9 @@ static inline __attribute__((always_inline)) __m256 a8_i4_step(const int R, cons
    span of 128 groups into a table first, ~1.4 instructions per 64 weights at 1024 inputs), R = 1 its row's in spans
    of 8 groups (sc). The steps in pairs (even, odd: the odd one prefetches), those whose prefetches stay below
    pf_end (the last row's is the furthest) with no check, counted before the loop. */
-static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const int G, const a8_x *p, int64_t b,
-                                                             const uint8_t *w, int64_t rs, const uint16_t *sr,
-                                                             int64_t ss, const uint8_t *pf_end, float *out) {
+static inline __attribute__((always_inline)) __m256 a8_i4_acc(const int R, const int G, const a8_x *p, int64_t b,
+                                                              const uint8_t *w, int64_t rs, const uint16_t *sr,
+                                                              const uint8_t *pf_end) {
     const int64_t m = p->m, mv = p->mv, ng = m / G, nlv = mv / 8;   /* lanes (8 inputs) on the vector path */
     const int64_t span = R == 4 ? nlv : G;                           /* lanes a span (R = 1: 8 groups) */
     const int8_t *v = p->v + b * mv;
@@ -812,7 +812,7 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
        for every row when 4i < lim */
     const intptr_t lim = pf_end ? (intptr_t)((uintptr_t)pf_end - (uintptr_t)(w + (R - 1) * rs)) - Q_PF_BYTES - 32
                                 : 0;
-    for (int64_t i0 = 0; i0 < nlv; i0 += span) {
+    for (int64_t i0 = 0; i0 < nlv; i0 = R == 4 ? nlv : i0 + span) {   /* (R = 4: one span) */
         const int64_t g0 = i0 * 8 / G, e = i0 + span < nlv ? span : nlv - i0;   /* e: the span's lanes */
         if (R == 1) sc = q4_scales8(sr + g0, ng - g0);
         /* the span's arrays from its first lane; the scales [group][row] (R = 4): lane k's step at k bf16 values
@@ -837,6 +837,9 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
             int64_t safe = room <= 0 ? 0 : (room + 63) / 64;
             if (safe > e / 16) safe = e / 16;
             for (; k < 16 * safe; k += 16) {
+                /* (the rows' bases opaque to GCC, which otherwise advanced a pointer per row: 4 adds a pair, where
+                   w0 + 4k is one addressing mode) */
+                __asm__("" : "+r"(w0), "+r"(w1), "+r"(w2), "+r"(w3));
                 A8_I4_STEP(0, k);
                 A8_I4_STEP(1, k + 8);
             }
@@ -848,6 +851,13 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
             for (; k < e; k += 8) A8_I4_STEP(0, k);
 #undef A8_I4_STEP
     }
+    return acc;
+}
+/* a8_i4_acc's sums of R rows into out (a8_i4_rows' arguments) */
+static inline __attribute__((always_inline)) void a8_i4_out(const int R, const int G, const a8_x *p, int64_t b,
+                                                            const uint8_t *w, int64_t rs, const uint16_t *sr,
+                                                            int64_t ss, __m256 acc, float *out) {
+    const int64_t m = p->m, mv = p->mv;
     /* row r's lanes r and r + 4 (its blocks at even and odd offsets) added, then its tail's sum (+0 without one,
        added all the same: -0 + 0 is +0): the four rows' sums in one add */
     const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
@@ -861,6 +871,90 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
         out[r] = t[r] + a8_int4_row_scalar(mv, m, G, w + r * rs, sr + r * ss, R == 4 ? 4 : 1, p->q + b * m,
                                            p->s + b * p->nb);
 }
+static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const int G, const a8_x *p, int64_t b,
+                                                             const uint8_t *w, int64_t rs, const uint16_t *sr,
+                                                             int64_t ss, const uint8_t *pf_end, float *out) {
+    a8_i4_out(R, G, p, b, w, rs, sr, ss, a8_i4_acc(R, G, p, b, w, rs, sr, pf_end), out);
+}
+/* int4, one x row (the decode's), one thread: the steps of four rows t = 0 .. n / 4 - 1 (q_step_rows' rows t + r q)
+   in one loop of their own, not inlined into matvec_a8's (round 15: each step went through matvec_rows_a8 there,
+   ~85 instructions of setup a step at 1024 inputs, GCC keeping its values on the stack). Per product: the row
+   stride, the x arrays and the steps whose prefetches all stay inside the matrix (a8_i4_acc's count at step t, whose
+   last row starts (t + 3q) rows in, is every pair while (q + n % 4 - t) rowb - Q_PF_BYTES - 32 > 64 (pairs - 1)),
+   and whether the sums go into y directly (no bias, add or tail); per step: one rows' pointer and one y pointer
+   advanced, the other rows' pointers one add each. The same arithmetic per row: the same bits. */
+static inline __attribute__((always_inline)) void a8_i4_steps4(const int G, const int direct, const a8_x *p,
+                                                               int64_t n, const uint8_t *W, const uint16_t *s,
+                                                               const float *bias, const float *add, float *y) {
+    const int64_t m = p->m, rowb = m / 2, q = n / 4, ng = m / G, rs = q * rowb, nlv = p->mv / 8;
+    const int64_t kp = 16 * (nlv / 16), gsh = G == 32 ? 2 : 1;   /* (lanes in pairs; the scales' bytes a lane) */
+    const int8_t *v = p->v;
+#if defined(A8_VNNI)
+    const int32_t *cv = p->lc;
+#else
+    const int32_t *cv = p->bc;
+#endif
+    const float *ls = p->ls;
+    const int8_t *ve = v + 8 * kp;
+    const int32_t *ce = cv + kp;
+    const float *le = ls + kp;
+    const uint8_t *pf_end = W + n * rowb, *w = W;
+    const uint16_t *sr = s;
+    float *yt = y;
+    const int64_t need = Q_PF_BYTES + 32 + 64 * (nlv / 16 - 1);
+    int64_t tc = rowb > 0 ? q + n % 4 - need / rowb : 0;
+    tc = tc < 0 ? 0 : tc > q ? q : tc;
+    const __m256 z = _mm256_setzero_ps();
+    const __m256i zi = _mm256_setzero_si256();
+#define A8_I4_STEP4(full)                                                                                        \
+    do {                                                                                                         \
+        __asm__("" : "+r"(w), "+r"(yt));   /* (one pointer each, not one per row advanced on the stack) */        \
+        __m256 acc;                                                                                              \
+        if (full) {   /* (k from -kp up to 0, the arrays from the pairs' end: no bound to compare with) */         \
+            const uint8_t *w0 = w + 4 * kp, *w1 = w0 + rs, *w2 = w1 + rs, *w3 = w2 + rs;                         \
+            const char *gb = (const char *)(const void *)sr + gsh * kp;                                          \
+            acc = z;                                                                                             \
+            for (int64_t k = -kp; k < 0; k += 16) {                                                              \
+                __asm__("" : "+r"(w0), "+r"(w1), "+r"(w2), "+r"(w3));   /* (as in a8_i4_acc) */                   \
+                acc = a8_i4_step(4, G, 0, k, ve, ce, le, w0, w1, w2, w3,                                         \
+                                 (const uint16_t *)(const void *)(gb + gsh * k), z, zi, pf_end, acc);            \
+                acc = a8_i4_step(4, G, 1, k + 8, ve, ce, le, w0, w1, w2, w3,                                     \
+                                 (const uint16_t *)(const void *)(gb + gsh * (k + 8)), z, zi, pf_end, acc);      \
+            }                                                                                                    \
+            if (kp < nlv)   /* (an odd last step: no prefetch, as a8_i4_acc's) */                                \
+                acc = a8_i4_step(4, G, 0, 0, ve, ce, le, w0, w1, w2, w3, (const uint16_t *)(const void *)gb, z, zi,   \
+                                 pf_end, acc);                                                                   \
+        } else                                                                                                   \
+            acc = a8_i4_acc(4, G, p, 0, w, rs, sr, pf_end);                                                      \
+        if (direct) {   /* (+ 0 as a8_i4_out adds: a -0 sum becomes +0) */                                        \
+            const __m128 u = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)),   \
+                                        _mm_setzero_ps());                                                       \
+            _mm_store_ss(yt, u);                                                                                 \
+            _mm_store_ss(yt + q, _mm_movehdup_ps(u));                                                            \
+            _mm_store_ss(yt + 2 * q, _mm_movehl_ps(u, u));                                                       \
+            _mm_store_ss(yt + 3 * q, _mm_shuffle_ps(u, u, 3));                                                   \
+        } else {                                                                                                 \
+            float o[4];                                                                                          \
+            a8_i4_out(4, G, p, 0, w, rs, sr, 1, acc, o);                                                         \
+            for (int r = 0; r < 4; ++r) q_store_row(n, 0, t + r * q, o[r], bias, add, y);                        \
+        }                                                                                                        \
+    } while (0)
+    int64_t t = 0;
+    for (; t < tc; ++t, w += rowb, sr += 4 * ng, ++yt) A8_I4_STEP4(1);
+    for (; t < q; ++t, w += rowb, sr += 4 * ng, ++yt) A8_I4_STEP4(0);
+#undef A8_I4_STEP4
+}
+static __attribute__((noinline)) void a8_i4_steps4_g32(const a8_x *p, int64_t n, const uint8_t *W, const uint16_t *s,
+                                                       const float *bias, const float *add, float *y) {
+    if (!bias && !add && p->mv == p->m) a8_i4_steps4(32, 1, p, n, W, s, bias, add, y);
+    else a8_i4_steps4(32, 0, p, n, W, s, bias, add, y);
+}
+static __attribute__((noinline)) void a8_i4_steps4_g64(const a8_x *p, int64_t n, const uint8_t *W, const uint16_t *s,
+                                                       const float *bias, const float *add, float *y) {
+    if (!bias && !add && p->mv == p->m) a8_i4_steps4(64, 1, p, n, W, s, bias, add, y);
+    else a8_i4_steps4(64, 0, p, n, W, s, bias, add, y);
+}
+#define A8_I4_STEPS4 1
 #undef A8_ROW_CORR
 /* AVX2, int8 weights: with AVX-VNNI `vpdpbusd` on 32 bytes as the AVX-512 path; without it `vpmaddubsw` pairs then
    `vpmaddwd` with ones, the weights taking x's sign (x's magnitudes the unsigned operand, a8_x.v), so no excess.
@@ -967,6 +1061,20 @@ static inline __attribute__((always_inline)) void a8_i8_rows(const int R, const 
 #undef A8_STEP
 #undef A8_ROW_STEP
 #undef A8_LANES
+/* int8, one x row, one thread: the steps of four rows in a loop of their own (as a8_i4_steps4) */
+static __attribute__((noinline)) void a8_i8_steps4(const a8_x *p, int64_t n, const uint8_t *W, const uint16_t *s,
+                                                   const float *bias, const float *add, float *y) {
+    const int64_t m = p->m, q = n / 4, rs = q * m;
+    const uint8_t *pf_end = W + n * m, *w = W;
+    for (int64_t t = 0; t < q; ++t, w += m) {
+        const float ws[4] = {bf16_to_f32(s[t]), bf16_to_f32(s[t + q]), bf16_to_f32(s[t + 2 * q]),
+                             bf16_to_f32(s[t + 3 * q])};
+        float o[4];
+        a8_i8_rows(4, p, 0, w, rs, ws, pf_end, o);
+        for (int r = 0; r < 4; ++r) q_store_row(n, 0, t + r * q, o[r], bias, add, y);
+    }
+}
+#define A8_I8_STEPS4 1
 static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
                                                               int64_t group, const uint8_t *w, int64_t rs,
                                                               const uint16_t *sr, int64_t ss, const float *ws,
@@ -1067,6 +1175,22 @@ static void matvec_a8(int int4, int64_t B, int64_t n, int64_t m, int64_t group, 
     const int64_t g = group;
 #endif
 #define A8_STEPS(i4, G, BB) Q_FOR_STEPS(n, par, matvec_rows_a8(i4, &p, BB, n, G, i0, stride, r, W, s, bias, add, y))
+#if defined(A8_I4_STEPS4)
+    if (int4 && B == 1 && !par) {   /* (the decode's product: the 4-row steps' loop of its own, then the n % 4 rows) */
+        const int64_t i1 = 4 * (n / 4);
+        if (group == 32) a8_i4_steps4_g32(&p, n, (const uint8_t *)W, s, bias, add, y);
+        else a8_i4_steps4_g64(&p, n, (const uint8_t *)W, s, bias, add, y);
+        for (int64_t i0 = i1; i0 < n; ++i0)
+            if (group == 32) matvec_rows_a8(1, &p, 1, n, 32, i0, 0, 1, W, s, bias, add, y);
+            else matvec_rows_a8(1, &p, 1, n, g, i0, 0, 1, W, s, bias, add, y);
+    } else
+#endif
+#if defined(A8_I8_STEPS4)
+    if (!int4 && B == 1 && !par) {
+        a8_i8_steps4(&p, n, (const uint8_t *)W, s, bias, add, y);
+        for (int64_t i0 = 4 * (n / 4); i0 < n; ++i0) matvec_rows_a8(0, &p, 1, n, 0, i0, 0, 1, W, s, bias, add, y);
+    } else
+#endif
     if (!int4) A8_STEPS(0, 0, B);   /* (int8: B == 1 apart measured +5 % instructions, GCC's allocation) */
     else if (B == 1 && group == 32) A8_STEPS(1, 32, 1);   /* int4: the decode's one x row a constant too */
     else if (B == 1) A8_STEPS(1, g, 1);
