@@ -132,6 +132,12 @@ def test_bench_infer_tiny(tmp_path, capsys):
         lin = rows[("linattn", r["dtype"])]
         assert r["state_bytes"] == lin["state_bytes"] > 0 and r["floor_states_ms"] > r["floor_ms"]
         assert r["over_floor_states"] == pytest.approx(r["over_floor"] * r["floor_ms"] / r["floor_states_ms"])
+    for r in data["records"]:   # paired: each round's decode over the floor at the pass taken right before it
+        pr = r["paired_rounds"]
+        assert len(pr) == 1 and pr[0]["bandwidth_gbs"] > 0
+        want = sorted(p["decode_ms"] * 1e-3 * p["bandwidth_gbs"] * 1e9 / r["bytes"] for p in pr)
+        assert r["over_floor_paired"] == pytest.approx(want[len(want) // 2])
+    assert "paired" in out
     assert "decode/floor+st" in out
     lr = rows[("llama.cpp", "fp32")]
     assert lr["decode_tok_s"] == 10.0
@@ -161,7 +167,7 @@ def test_llama_bench_runs_once_per_round_between_the_rows(tmp_path, monkeypatch)
         return real_llama(a, path, threads, log)
 
     def decode(self, n):
-        if n == 3:   # (the rounds' decodes; the warm-up decodes one token)
+        if n == 3:   # (the rounds' decodes; the warm-up decodes two tokens)
             events.append(("model", self.model.embed.weight.dtype))
         return real_decode(self, n)
 

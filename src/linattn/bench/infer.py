@@ -23,9 +23,14 @@ The floor of a decoded token (the one definition `linattn bench decode` uses too
   The buffer is on 2 MiB pages where the machine gives them (`linattn.cpu.hugepages`, as the models' weights are
   when a decode plan is built): the machine's best read rate, so the floor cannot flatter an engine whose weights
   sit on 4 KiB pages. The JSON's `bandwidth_pages` says how much of it the kernel put on huge pages.
+* paired (`over_floor_paired`): a shared machine's read rate drifts between the round's pass and a row's decode
+  (on the project's 2-vCPU VM by 15-20 % within a minute), so a pass is also taken right before each row's timed
+  work, and each round's decode time is divided by the floor at that pass's rate; the column is the median of
+  those ratios over the rounds (the JSON's `paired_rounds` has each round's decode ms and GB/s).
 
-Per round, every row in turn: one prefill of --prompt tokens (timed: prompt tok/s), then --decode greedy tokens
-on its cache (timed: decode tok/s), then one bandwidth pass; the table gives medians over --repeats rounds.
+Per round, every row in turn: one bandwidth pass (its paired rate), one prefill of --prompt tokens (timed: prompt
+tok/s), then --decode greedy tokens on its cache (timed: decode tok/s); then the round's bandwidth pass; the table
+gives medians over --repeats rounds.
 linattn's rows decode their tokens as its `generate(temperature=0)` does, all in one compiled call
 (`decode_plan.model_greedy`: the whole-model step and the argmax in a C loop, no Python between tokens) where the
 whole-model step covers the model, else one forward and one argmax per token as the transformers rows; the table's
@@ -501,6 +506,8 @@ def _measure(rows: List[Dict[str, Any]], a, bw: ReadBandwidth, log) -> Dict[int,
         torch.set_num_threads(t)
         for r in range(a.repeats):
             for row in rows:
+                # the read rate of this moment, for the row's paired ratio (the VM's rate drifts between rows)
+                row.setdefault("paired_bw", {}).setdefault(t, []).append(bw.once())
                 if "gguf" in row:   # (llama-bench's own process and timing loop)
                     got = _llama_bench(a, row["gguf"], t, log)
                     row["times"][t]["prefill"].append(a.prompt / got["prompt_tok_s"])
@@ -533,11 +540,16 @@ def _records(rows, a, bws) -> List[Dict[str, Any]]:
             floor_ms = None if row["bytes"] is None else row["bytes"] / bw * 1e3
             st = row.get("state_bytes")
             floor_st = None if st is None or floor_ms is None else (row["bytes"] + st) / bw * 1e3
+            # each round's decode over the floor at the read rate measured right before it, the median of those
+            pairs = list(zip(row["times"][t]["decode"], row.get("paired_bw", {}).get(t, [])))
+            paired = None if row["bytes"] is None or not pairs else _median([d * b / row["bytes"] for d, b in pairs])
             out.append({"engine": row["engine"], "dtype": row["dtype"], "threads": t, "bytes": row["bytes"],
                         "prompt_tok_s": a.prompt / pre, "decode_tok_s": 1.0 / dec, "decode_ms": dec * 1e3,
                         "floor_ms": floor_ms, "over_floor": None if floor_ms is None else dec * 1e3 / floor_ms,
                         "state_bytes": st, "floor_states_ms": floor_st,
                         "over_floor_states": None if floor_st is None else dec * 1e3 / floor_st,
+                        "over_floor_paired": paired,
+                        "paired_rounds": [{"decode_ms": d * 1e3, "bandwidth_gbs": b / 1e9} for d, b in pairs],
                         "bandwidth_gbs": bw / 1e9, "weights_pages": row.get("weights_pages"),
                         "decode_path": row["runner"].path if "runner" in row else None})
             if a.profile:
@@ -611,10 +623,12 @@ def _table(records) -> str:
     rows = [[r["engine"], r["dtype"], r["threads"], f"{r.get('prompt_tok_s') or 0:,.1f}",
              f"{r.get('decode_tok_s') or 0:,.2f}", common.fmt_ms(r.get("floor_ms")), _ratio(r.get("over_floor")),
              common.fmt_ms(r.get("floor_states_ms")), _ratio(r.get("over_floor_states")),
+             _ratio(r.get("over_floor_paired")),
              "-" if r.get("bandwidth_gbs") is None else f"{r['bandwidth_gbs']:.1f}", r.get("decode_path") or "-"]
             for r in records]
     return common.format_table(["engine", "dtype", "threads", "prompt tok/s", "decode tok/s", "floor ms",
-                                "decode/floor", "floor+st ms", "decode/floor+st", "read GB/s", "path"], rows)
+                                "decode/floor", "floor+st ms", "decode/floor+st", "paired", "read GB/s", "path"],
+                               rows)
 
 
 #: a row whose placed weights sit less than this share on 2 MiB pages gets a note under the table
