@@ -24,9 +24,10 @@ The floor of a decoded token (the one definition `linattn bench decode` uses too
   when a decode plan is built): the machine's best read rate, so the floor cannot flatter an engine whose weights
   sit on 4 KiB pages. The JSON's `bandwidth_pages` says how much of it the kernel put on huge pages.
 * paired (`over_floor_paired`): a shared machine's read rate drifts between the round's pass and a row's decode
-  (on the project's 2-vCPU VM by 15-20 % within a minute), so a pass is also taken right before each row's timed
-  work, and each round's decode time is divided by the floor at that pass's rate; the column is the median of
-  those ratios over the rounds (the JSON's `paired_rounds` has each round's decode ms and GB/s).
+  (on the project's 2-vCPU VM one run's rounds differed by up to 12 %, runs by 33 %), so a pass is also taken
+  right before each row's timed work, and each round's decode time is divided by the floor at that pass's rate;
+  the column is the median of those ratios over the rounds (the JSON's `paired_rounds` has each round's decode ms
+  and GB/s).
 
 Per round, every row in turn: one bandwidth pass (its paired rate), one prefill of --prompt tokens (timed: prompt
 tok/s), then --decode greedy tokens on its cache (timed: decode tok/s); then the round's bandwidth pass; the table
