@@ -163,11 +163,13 @@ def test_same_bits_as_the_pass_then_the_scan(l2, dtype, T, monkeypatch):
     assert o.dtype == dtype
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["outputs", "gradients"])
 @pytest.mark.parametrize("gate", ["none", "channel"])
 @pytest.mark.parametrize("l2", [False, True])
-def test_same_bits_every_gate(l2, gate, monkeypatch):
+def test_same_bits_every_gate(l2, gate, grad, monkeypatch):
+    """Without a gradient the outputs and final state, with one also every gradient, against the pass's."""
     x, S0 = _inputs(torch.float32, T=700, H=1, K=20, V=9, gate=gate, unit=not l2)
-    _check_same(x, S0, l2, monkeypatch)
+    (_check_same_grads if grad else _check_same)(x, S0, l2, monkeypatch)
 
 
 @pytest.mark.parametrize("l2", [False, True])
@@ -305,13 +307,6 @@ def test_same_gradients_as_the_pass(l2, dtype, T, monkeypatch):
     x, S0 = _inputs(dtype, T=T, unit=not l2)
     g = _check_same_grads(x, S0, l2, monkeypatch, counts=(1, 2, 3) if T in (65, 1000) else (1, 2))
     assert all(t.dtype == dtype and torch.isfinite(t).all() for t in g)
-
-
-@pytest.mark.parametrize("gate", ["none", "channel"])
-@pytest.mark.parametrize("l2", [False, True])
-def test_same_gradients_every_gate(l2, gate, monkeypatch):
-    x, S0 = _inputs(torch.float32, T=700, H=1, K=20, V=9, gate=gate, unit=not l2)
-    _check_same_grads(x, S0, l2, monkeypatch)
 
 
 @pytest.mark.parametrize("l2", [False, True])
