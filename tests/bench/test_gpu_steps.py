@@ -93,6 +93,30 @@ def test_targets_from_rows():
     assert got[("kda", 2048, "fwd")][5] == "yes" and got[("kda", 2048, "fwd+bwd")][5] == "no"
 
 
+def test_targets_with_a_forward_only_fla_row():
+    """Where fla-core refuses its gated backward (Hopper, Triton 3.4-3.7.0) its direct-call row has a forward only:
+    the forward's target is derived, the fwd+bwd's compares with SDPA alone."""
+    cases = [dict(op="linear", impl="auto", T=8192, fwd_ms=2.0, fwdbwd_ms=8.0, status="ok"),
+             dict(op="linear", impl="fla:chunk_simple_gla", T=8192, fwd_ms=1.0, status="ok"),
+             dict(op="sdpa", impl="flash", T=8192, fwd_ms=4.0, fwdbwd_ms=16.0, status="ok")]
+    got = {(r[0], r[1], r[2]): r for r in timing.targets(cases)}
+    assert got[("linear", 8192, "fwd")][3:] == [pytest.approx(2.0), pytest.approx(0.5), "no"]
+    assert got[("linear", 8192, "fwd+bwd")][3:] == [None, pytest.approx(0.5), "yes"]
+
+
+def test_fla_rows_forward_only_where_fla_refuses_the_backward(monkeypatch):
+    """The direct-call rows of fla's gated chunk kernels skip the backward (fla-core would raise inside it, after
+    compiling it) where `linattn.fla.gated_backward_refused` names a reason; other rows and machines time both."""
+    import linattn.fla as lfla
+
+    monkeypatch.setattr(lfla, "gated_backward_refused", lambda: "refused (#640)")
+    assert timing.fla_backward_refused("fla:chunk_simple_gla") == "refused (#640)"
+    assert timing.fla_backward_refused("fla:chunk_gated_delta_rule") == "refused (#640)"
+    assert timing.fla_backward_refused("fla:chunk_kda") is None and timing.fla_backward_refused("auto") is None
+    monkeypatch.setattr(lfla, "gated_backward_refused", lambda: None)
+    assert timing.fla_backward_refused("fla:chunk_simple_gla") is None
+
+
 def _fake_cache(root, n, size):
     """n kernel folders of incompressible bytes, the later ones newer."""
     for i in range(n):
@@ -146,9 +170,13 @@ def test_triton_cache_flag_unpacks_into_the_cache_dir(tmp_path, monkeypatch):
     _fake_cache(src, 2, 100)
     triton_cache.pack(str(src), str(tmp_path / "a.tar.gz"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "tc"))
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
     info = triton_cache.prepare_cache_dir(str(tmp_path / "a.tar.gz"))
     assert info["dir"] == str(tmp_path / "tc") and info["unpacked"] == 4
     assert (tmp_path / "tc" / "kernel01" / "k.cubin").is_file()
+    assert info["autotuning"] == "1" and os.environ["TRITON_CACHE_AUTOTUNING"] == "1"   # autotuning cached too
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")   # ... unless the caller said otherwise
+    assert triton_cache.prepare_cache_dir(None)["autotuning"] == "0"
     monkeypatch.delenv("TRITON_CACHE_DIR")
     info = triton_cache.prepare_cache_dir(None)  # no folder given: a fresh one, named in the environment
     assert os.environ["TRITON_CACHE_DIR"] == info["dir"] and os.path.isdir(info["dir"])

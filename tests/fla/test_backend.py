@@ -226,14 +226,17 @@ def test_delta_rule_recurrent_equals_torch(monkeypatch, case):
     assert calls[0][0] == ("fused_recurrent_kda" if case.get("gate") == "gk" else "fused_recurrent_gated_delta_rule")
 
 
-@pytest.mark.parametrize("dtype, HV, gate, expected", [
+DELTA_ROUTES = [
     (torch.bfloat16, None, None, "chunk_delta_rule"),
     (torch.float16, None, None, "chunk_delta_rule"),
     (torch.float32, None, None, "chunk_gated_delta_rule"),      # chunk_delta_rule rejects fp32
     (torch.bfloat16, 4, None, "chunk_gated_delta_rule"),        # ... and grouped value heads
     (torch.bfloat16, None, "g", "chunk_gated_delta_rule"),
     (torch.bfloat16, None, "gk", "chunk_kda"),
-])
+]
+
+
+@pytest.mark.parametrize("dtype, HV, gate, expected", DELTA_ROUTES)
 def test_delta_routing_half_precision(monkeypatch, dtype, HV, gate, expected):
     """Which fla kernel a DeltaNet / Gated DeltaNet / KDA call takes, in every kernel dtype; half precision
     agrees with the PyTorch form to its own rounding, and the output keeps the input dtype."""
@@ -700,3 +703,98 @@ def test_path_attention_head_sizes_on_fla(monkeypatch):
     with fla_backend_on_cpu(monkeypatch):
         with pytest.raises(BackendUnavailableError, match="head sizes K, V in"):
             linattn.path_attention(q, k, v, w, torch.rand(1, 5, 2), backend="fla")
+
+
+# ------------------------------------------------------------- fla's refusal of gated chunk backwards (#640)
+
+REFUSED = "fla-core 0.6.0 refuses the backward of its gated chunk kernels here (stand-in reason, fla issue #640)"
+
+
+@pytest.mark.parametrize("dtype, HV, gate, expected", DELTA_ROUTES)
+def test_gated_backward_refusal_routes_delta_calls(monkeypatch, dtype, HV, gate, expected):
+    """Where fla-core refuses its gated chunk kernels' backward (Hopper with Triton >= 3.4, < 3.7.1: it raises from
+    inside the backward pass, after the forward ran), a call that needs gradients and would take such a kernel is
+    not fla's: backend='fla' raises before anything runs, naming the reason (auto takes the next backend: the
+    same `fla_unsupported`); the forward alone, and the kernels whose backward fla keeps, still run on fla."""
+    import linattn.fla as lfla
+
+    monkeypatch.setattr(lfla, "gated_backward_refused", lambda: REFUSED)
+    args, kw = _delta_call(dict(HV=HV, gate=gate) if HV else dict(gate=gate), dtype)
+    args[0].requires_grad_()
+    with fla_backend_on_cpu(monkeypatch) as calls:
+        if expected in lfla.GATED_BACKWARD_KERNELS:
+            with pytest.raises(BackendUnavailableError, match="#640") as err:
+                linattn.delta_rule(*args, backend="fla", **kw)
+            assert not calls and "backend='auto'" in str(err.value)
+        else:
+            linattn.delta_rule(*args, backend="fla", **kw)
+            assert calls[-1][0] == expected
+        with torch.no_grad():
+            linattn.delta_rule(*args, backend="fla", **kw)
+        assert calls[-1][0] == expected
+        args[0].requires_grad_(False)   # no input needs a gradient: fla's forward is all that runs
+        linattn.delta_rule(*args, backend="fla", **kw)
+        assert calls[-1][0] == expected
+
+
+@pytest.mark.parametrize("gate, refused", [(None, False), ("g", True), ("gamma", False), ("gk", False)])
+def test_gated_backward_refusal_routes_linear_calls(monkeypatch, gate, refused):
+    """The same for linear attention: only a per-head gate tensor reaches fla's gated chunk_bwd_dqkwg (a constant
+    gamma without a gradient is fla's g_gamma; per-feature gates are chunk_gla's own backward)."""
+    import linattn.fla as lfla
+
+    monkeypatch.setattr(lfla, "gated_backward_refused", lambda: REFUSED)
+    q, k, v = _linear_inputs(torch.float32)
+    kw = _gate(gate, torch.float32, *q.shape)
+    q.requires_grad_()
+    with fla_backend_on_cpu(monkeypatch) as calls:
+        if refused:
+            with pytest.raises(BackendUnavailableError, match="#640"):
+                linattn.linear_attention(q, k, v, feature_map="elu+1", backend="fla", **kw)
+            with pytest.raises(BackendUnavailableError, match="#640"):
+                linattn.explain("linear_attention", q, k, v, feature_map="elu+1", backend="fla", **kw)
+        else:
+            linattn.linear_attention(q, k, v, feature_map="elu+1", backend="fla", **kw)
+        with torch.no_grad():
+            linattn.linear_attention(q, k, v, feature_map="elu+1", backend="fla", **kw)
+        assert calls[-1][0] == ("chunk_gla" if gate == "gk" else "chunk_simple_gla")
+        assert linattn.explain("linear_attention", q.detach(), k, v, feature_map="elu+1", backend="fla",
+                               **kw).backend == "fla"
+
+
+@pytest.mark.parametrize("hopper, above_340, above_371, tilelang, dispatch_off", [
+    (True, True, False, False, False),    # H100 / H200 with Triton 3.4-3.7.0 (torch 2.11's 3.6.0): refused
+    (True, True, False, True, False),     # ... with tilelang, which fla dispatches the call to
+    (True, True, False, True, True),      # ... tilelang installed but FLA_DISABLE_BACKEND_DISPATCH=1: refused
+    (True, True, True, False, False),     # Triton >= 3.7.1
+    (True, False, False, False, False),   # Triton < 3.4
+    (False, True, False, False, False),   # not Hopper
+])
+def test_gated_backward_refused_reads_fla_flags(monkeypatch, hopper, above_340, above_371, tilelang, dispatch_off):
+    """`gated_backward_refused` follows fla-core's own flags and its tilelang backend's availability (fla's
+    objects, patched here since this machine is no Hopper GPU), checked once and cached."""
+    import fla.utils
+    from fla.ops.common.backends.tilelang import CommonTileLangBackend
+
+    import linattn.fla as lfla
+
+    monkeypatch.setattr(lfla, "_GATED_BACKWARD", None)
+    monkeypatch.setattr(fla.utils, "IS_NVIDIA_HOPPER", hopper)
+    monkeypatch.setattr(fla.utils, "TRITON_ABOVE_3_4_0", above_340)
+    monkeypatch.setattr(fla.utils, "TRITON_ABOVE_3_7_1", above_371)
+    monkeypatch.setattr(CommonTileLangBackend, "can_use", classmethod(lambda cls: tilelang))
+    if dispatch_off:
+        monkeypatch.setenv("FLA_DISABLE_BACKEND_DISPATCH", "1")
+    else:
+        monkeypatch.delenv("FLA_DISABLE_BACKEND_DISPATCH", raising=False)
+    why = lfla.gated_backward_refused()
+    if hopper and above_340 and not above_371 and (dispatch_off or not tilelang):
+        assert "#640" in why and "Hopper" in why and "tilelang" in why
+    else:
+        assert why is None
+    monkeypatch.setattr(fla.utils, "IS_NVIDIA_HOPPER", not hopper)   # cached: the flags are read once
+    assert lfla.gated_backward_refused() == why
+    monkeypatch.setattr(lfla, "unavailable", lambda: "fla-core is not installed")
+    monkeypatch.setattr(lfla, "_GATED_BACKWARD", None)
+    assert lfla.gated_backward_refused() is None   # (the dispatch names the missing fla-core first)
+

@@ -24,16 +24,25 @@ import torch
 from . import kernel
 
 
+def chunk_kernel(gate_dim: Optional[int], dtype: torch.dtype, value_groups: int) -> Tuple[str, str]:
+    """fla's chunk kernel (module, name) for a gate of `gate_dim` dimensions (None: no gate), the inputs' dtype
+    and the value heads per q/k head: KDA (per channel), Gated DeltaNet (per head, or a zero gate), DeltaNet."""
+    if gate_dim == 4:
+        return "fla.ops.kda", "chunk_kda"
+    if gate_dim is None and dtype != torch.float32 and value_groups == 1:
+        return "fla.ops.delta_rule", "chunk_delta_rule"
+    # chunk_delta_rule takes neither fp32 nor grouped value heads: the gated kernel with exp(0) = 1
+    return "fla.ops.gated_delta_rule", "chunk_gated_delta_rule"
+
+
 def _chunk_call(q, k, v, beta, g, kw):
-    """The chunk kernel for the gate: KDA (per channel), Gated DeltaNet (per head or a zero gate), DeltaNet."""
-    if g is not None and g.dim() == 4:
-        return kernel("fla.ops.kda", "chunk_kda")(q, k, v, g, beta, **kw)
-    n = v.shape[2] // q.shape[2]
-    if g is None and q.dtype != torch.float32 and n == 1:
-        return kernel("fla.ops.delta_rule", "chunk_delta_rule")(q, k, v, beta, **kw)
-    if g is None:  # chunk_delta_rule takes neither fp32 nor grouped value heads: the gated kernel with exp(0) = 1
+    """The chunk kernel `chunk_kernel` names, called with fla's argument order (a zero gate where it needs one)."""
+    module, name = chunk_kernel(None if g is None else g.dim(), q.dtype, v.shape[2] // q.shape[2])
+    if name == "chunk_delta_rule":
+        return kernel(module, name)(q, k, v, beta, **kw)
+    if g is None:
         g = torch.zeros(beta.shape, dtype=torch.float32, device=beta.device)
-    return kernel("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")(q, k, v, g, beta, **kw)
+    return kernel(module, name)(q, k, v, g, beta, **kw)
 
 
 def _recurrent_call(q, k, v, beta, g, kw):

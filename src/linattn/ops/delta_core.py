@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .. import fla
 from ..errors import LinattnError, LinattnTypeError
+from ..fla.delta import chunk_kernel
 from ..triton import triton_chunk_size
 from ._common import (
     FLA_CHUNK,
@@ -360,6 +361,11 @@ class DeltaProblem:
         if self.mode == "recurrent" and requires_grad(*(t for t in src if isinstance(t, torch.Tensor)), self.g,
                                                       self.S0):
             return "fla's fused_recurrent delta-rule kernels are forward-only (decoding) and an input requires grad"
+        if (self.mode == "chunk" and not isinstance(src, Rwkv7Source)
+                and chunk_kernel(None if self.g is None else self.g.dim(), src.q.dtype,
+                                 self.value_groups)[1] in fla.GATED_BACKWARD_KERNELS
+                and requires_grad(*(t for t in src if isinstance(t, torch.Tensor)), self.g, self.S0)):
+            return fla.gated_backward_refused()
         return None
 
     def triton_unsupported(self) -> Optional[str]:

@@ -200,6 +200,10 @@ class LinearProblem:
             return "causal=False has no fla kernel"
         if self.fmap.log_space:
             return f"log-space feature maps ({self.fmap.name}) carry a log-scale state that fla's kernels do not"
+        if (self.mode == "chunk" and self.log_gate is not None and self.log_gate.dim() == 3
+                and self.constant_log_gate() is None   # (chunk_simple_gla with g: fla.GATED_BACKWARD_KERNELS)
+                and requires_grad(self.q, self.k, self.v, self.log_gate, *self._state_tensors())):
+            return fla.gated_backward_refused()
         return None
 
     def constant_log_gate(self) -> Optional[torch.Tensor]:

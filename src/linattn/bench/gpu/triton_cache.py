@@ -20,12 +20,16 @@ LIMIT_BYTES = 16 * 2 ** 20 - 64 * 2 ** 10  # 16 MiB, less a margin for the tar a
 
 def prepare_cache_dir(archive: str = None) -> Dict[str, Any]:
     """Point TRITON_CACHE_DIR at a folder (the caller's when set, else a fresh temporary one) before anything
-    compiles, and unpack `archive` into it. -> {"dir", "unpacked": number of files, "archive"}."""
+    compiles, and unpack `archive` into it; autotuning results cached there too (TRITON_CACHE_AUTOTUNING=1 unless
+    the caller set it: the H200 run of 2026-11-30 spent minutes autotuning fla-core's kernels, which a warm start
+    otherwise repeats). -> {"dir", "unpacked": number of files, "archive", "autotuning"}."""
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     folder = os.environ.get("TRITON_CACHE_DIR")
     if not folder:
         folder = tempfile.mkdtemp(prefix="linattn-triton-cache-")
         os.environ["TRITON_CACHE_DIR"] = folder
-    info: Dict[str, Any] = {"dir": folder, "unpacked": 0, "archive": archive}
+    info: Dict[str, Any] = {"dir": folder, "unpacked": 0, "archive": archive,
+                            "autotuning": os.environ["TRITON_CACHE_AUTOTUNING"]}
     if archive:
         info["unpacked"] = unpack(archive, folder)
     return info
