@@ -989,11 +989,71 @@ static __attribute__((noinline)) void a8_i4_steps4_g64(const a8_x *p, int64_t n,
    as on the one-row path: the same bits. pf: the first x rows' pass prefetches each row's line Q_PF_BYTES ahead
    (1: no bound check, 2: checked; later passes find the rows in cache, 0). */
 #define A8_XB 4
+/* a8_i4_pass's step at lane k (pf: 0 none, 1 / 2 the rows' lines prefetched as a8_i4_pass's pf says) */
+#if defined(A8_VNNI)
+#define A8_PASS_RC(c) _mm256_loadu_si256((const __m256i *)(const void *)(c))
+#else
+#define A8_PASS_RC(c) _mm256_setzero_si256()
+#endif
+static inline __attribute__((always_inline)) void a8_i4_pass_step(const int G, const int pf, const int NB, int64_t k,
+                                                                  const int8_t *v, const int32_t *cv,
+                                                                  const float *ls, int64_t mv, int64_t nl,
+                                                                  const char *gb, const uint8_t *w0,
+                                                                  const uint8_t *w1, const uint8_t *w2,
+                                                                  const uint8_t *w3, const uint8_t *pf_end,
+                                                                  __m256 *acc) {
+    const int64_t gsh = G == 32 ? 2 : 1;
+    if (pf == 1) {
+        __builtin_prefetch((const void *)(w0 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
+        __builtin_prefetch((const void *)(w1 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
+        __builtin_prefetch((const void *)(w2 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
+        __builtin_prefetch((const void *)(w3 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
+    } else if (pf == 2) {
+        Q_PF(w0 + 4 * k, pf_end);
+        Q_PF(w1 + 4 * k, pf_end);
+        Q_PF(w2 + 4 * k, pf_end);
+        Q_PF(w3 + 4 * k, pf_end);
+    }
+    /* rows 0 and 1 split, their pair sums for every x row, then rows 2 and 3 (four split rows live at a time:
+       with all four, GCC spilled and split them again per x row) */
+    __m256i h01[A8_XB];
+    {
+        A8_I4_NIBS(lo0, hi0, w0 + 4 * k);
+        A8_I4_NIBS(lo1, hi1, w1 + 4 * k);
+        for (int bb = 0; bb < NB; ++bb) {
+            const int8_t *vb = v + bb * mv + 8 * k;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)vb),
+                          x1 = _mm256_loadu_si256((const __m256i *)(const void *)(vb + 32));
+            const __m256i rc = A8_PASS_RC(cv + bb * nl + k);
+            h01[bb] = a8_i4_half(a8_i4_dot(lo0, hi0, x0, x1, rc), a8_i4_dot(lo1, hi1, x0, x1, rc));
+        }
+    }
+    A8_I4_NIBS(lo2, hi2, w2 + 4 * k);
+    A8_I4_NIBS(lo3, hi3, w3 + 4 * k);
+    const uint16_t *g4 = (const uint16_t *)(const void *)(gb + gsh * k);
+    /* (as a8_i4_step's R = 4 scales) */
+    const __m256 g = G == 32 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                   _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)g4)), 16))
+                             : _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(),
+                                   _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(const void *)g4))));
+    for (int bb = 0; bb < NB; ++bb) {
+        const int8_t *vb = v + bb * mv + 8 * k;
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)vb),
+                      x1 = _mm256_loadu_si256((const __m256i *)(const void *)(vb + 32)),
+                      corr = _mm256_loadu_si256((const __m256i *)(const void *)(cv + bb * nl + k));
+        const __m256i rc = A8_ROW_CORR;
+        const __m256i i = a8_i4_join(h01[bb], a8_i4_half(a8_i4_dot(lo2, hi2, x0, x1, rc),
+                                                         a8_i4_dot(lo3, hi3, x0, x1, rc)), corr);
+        acc[bb] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_loadu_ps(ls + bb * nl + k)), g,
+                                  acc[bb]);
+    }
+}
+#undef A8_PASS_RC
 static inline __attribute__((always_inline)) void a8_i4_pass(const int G, const int pf, const int NB, const a8_x *p,
                                                              int64_t b0, const uint8_t *w, int64_t rs,
                                                              const uint16_t *sr, const uint8_t *pf_end,
                                                              __m256 *out) {
-    const int64_t mv = p->mv, nl = p->nl, nlv = mv / 8, gsh = G == 32 ? 2 : 1;
+    const int64_t mv = p->mv, nl = p->nl, nlv = mv / 8;
     const int8_t *v = p->v + b0 * mv;
 #if defined(A8_VNNI)
     const int32_t *cv = p->lc + b0 * nl;
@@ -1005,56 +1065,12 @@ static inline __attribute__((always_inline)) void a8_i4_pass(const int G, const 
     const uint8_t *w0 = w, *w1 = w + rs, *w2 = w + 2 * rs, *w3 = w + 3 * rs;
     __m256 acc[A8_XB];
     for (int bb = 0; bb < NB; ++bb) acc[bb] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < nlv; k += 8) {
-        if (pf == 1 && (k & 8)) {   /* (a8_i4_acc's odd steps) */
-            __builtin_prefetch((const void *)(w0 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
-            __builtin_prefetch((const void *)(w1 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
-            __builtin_prefetch((const void *)(w2 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
-            __builtin_prefetch((const void *)(w3 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
-        } else if (pf == 2 && (k & 8)) {
-            Q_PF(w0 + 4 * k, pf_end);
-            Q_PF(w1 + 4 * k, pf_end);
-            Q_PF(w2 + 4 * k, pf_end);
-            Q_PF(w3 + 4 * k, pf_end);
-        }
-        /* rows 0 and 1 split, their pair sums for every x row, then rows 2 and 3 (four split rows live at a time:
-           with all four, GCC spilled and split them again per x row) */
-        __m256i h01[A8_XB];
-        {
-            A8_I4_NIBS(lo0, hi0, w0 + 4 * k);
-            A8_I4_NIBS(lo1, hi1, w1 + 4 * k);
-            for (int bb = 0; bb < NB; ++bb) {
-                const int8_t *vb = v + bb * mv + 8 * k;
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)vb),
-                              x1 = _mm256_loadu_si256((const __m256i *)(const void *)(vb + 32));
-#if defined(A8_VNNI)
-                const __m256i rc = _mm256_loadu_si256((const __m256i *)(const void *)(cv + bb * nl + k));
-#else
-                const __m256i rc = _mm256_setzero_si256();
-#endif
-                h01[bb] = a8_i4_half(a8_i4_dot(lo0, hi0, x0, x1, rc), a8_i4_dot(lo1, hi1, x0, x1, rc));
-            }
-        }
-        A8_I4_NIBS(lo2, hi2, w2 + 4 * k);
-        A8_I4_NIBS(lo3, hi3, w3 + 4 * k);
-        const uint16_t *g4 = (const uint16_t *)(const void *)(gb + gsh * k);
-        /* (as a8_i4_step's R = 4 scales) */
-        const __m256 g = G == 32 ? _mm256_castsi256_ps(_mm256_slli_epi32(
-                                       _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)g4)), 16))
-                                 : _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(),
-                                       _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(const void *)g4))));
-        for (int bb = 0; bb < NB; ++bb) {
-            const int8_t *vb = v + bb * mv + 8 * k;
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)vb),
-                          x1 = _mm256_loadu_si256((const __m256i *)(const void *)(vb + 32)),
-                          corr = _mm256_loadu_si256((const __m256i *)(const void *)(cv + bb * nl + k));
-            const __m256i rc = A8_ROW_CORR;
-            const __m256i i = a8_i4_join(h01[bb], a8_i4_half(a8_i4_dot(lo2, hi2, x0, x1, rc),
-                                                             a8_i4_dot(lo3, hi3, x0, x1, rc)), corr);
-            acc[bb] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_loadu_ps(ls + bb * nl + k)), g,
-                                      acc[bb]);
-        }
+    int64_t k = 0;
+    for (; k + 16 <= nlv; k += 16) {   /* (in pairs, the odd step prefetching, as a8_i4_acc's) */
+        a8_i4_pass_step(G, 0, NB, k, v, cv, ls, mv, nl, gb, w0, w1, w2, w3, pf_end, acc);
+        a8_i4_pass_step(G, pf, NB, k + 8, v, cv, ls, mv, nl, gb, w0, w1, w2, w3, pf_end, acc);
     }
+    if (k < nlv) a8_i4_pass_step(G, 0, NB, k, v, cv, ls, mv, nl, gb, w0, w1, w2, w3, pf_end, acc);
     for (int bb = 0; bb < NB; ++bb) out[bb] = acc[bb];
 }
 static inline __attribute__((always_inline)) void a8_i4_stepsx(const int G, const a8_x *p, int64_t B, int64_t n,
