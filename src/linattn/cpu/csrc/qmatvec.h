@@ -900,14 +900,15 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
                                                              int64_t ss, const uint8_t *pf_end, float *out) {
     a8_i4_out(R, G, p, b, w, rs, sr, ss, a8_i4_acc(R, G, p, b, w, rs, sr, pf_end), out);
 }
-/* int4, one x row (the decode's), one thread: the steps of four rows t = 0 .. n / 4 - 1 (q_step_rows' rows t + r q)
-   in one loop of their own, not inlined into matvec_a8's (round 15: each step went through matvec_rows_a8 there,
-   ~85 instructions of setup a step at 1024 inputs, GCC keeping its values on the stack). Per product: the row
-   stride, the x arrays and the steps whose prefetches all stay inside the matrix (a8_i4_acc's count at step t, whose
-   last row starts (t + 3q) rows in, is every pair while (q + n % 4 - t) rowb - Q_PF_BYTES - 32 > 64 (pairs - 1)),
-   and whether the sums go into y directly (no bias, add or tail); per step: one rows' pointer and one y pointer
-   advanced, the other rows' pointers one add each. The same arithmetic per row: the same bits. Steps t0 .. t1 - 1
-   (t1 <= n / 4: a thread's range, Q_FOR_RANGES; round 15b's loop ran only the whole product on one thread). */
+/* int4, one x row (the decode's), one thread or a thread's range: the steps of four rows t = 0 .. n / 4 - 1
+   (q_step_rows' rows t + r q) in one loop of their own, not inlined into matvec_a8's (round 15: each step went through
+   matvec_rows_a8 there, ~85 instructions of setup a step at 1024 inputs, GCC keeping its values on the stack). Per
+   product: the row stride, the x arrays and the steps whose prefetches all stay inside the matrix (a8_i4_acc's count at
+   step t, whose last row starts (t + 3q) rows in, is every pair while (q + n % 4 - t) rowb - Q_PF_BYTES - 32 > 64
+   (pairs - 1)), and whether the sums go into y directly (no bias, add or tail); per step: one rows' pointer and one y
+   pointer advanced, the other rows' pointers one add each. The same arithmetic per row: the same bits. Steps
+   t0 .. t1 - 1 (t1 <= n / 4: a thread's range, Q_FOR_RANGES; round 15b's loop ran only the whole product on one
+   thread). */
 static inline __attribute__((always_inline)) void a8_i4_steps4(const int G, const int direct, const a8_x *p,
                                                                int64_t n, const uint8_t *W, const uint16_t *s,
                                                                const float *bias, const float *add, float *y,
