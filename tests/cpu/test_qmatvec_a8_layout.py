@@ -150,3 +150,45 @@ def test_a8_one_row_steps_loop(decode_lib, fmt, group, n, k):
             assert torch.equal(one[0].view(torch.int32), two[0].view(torch.int32)), (b is None, a is None)
     finally:
         torch.set_num_threads(threads)
+
+
+# (n, k): past the 2-thread size (int4: n k >= 4 * 65536) with steps split unevenly between the threads (n 67:
+# 19 steps, 9 | 10; n 131: 35, 17 | 18; n 258: 66, 33 | 33, the second thread's last two steps single rows), every
+# n % 4 in 1..3, a tail after the last vector step (k % 64 == 32), an odd last vector step (1088, 2112: 17 and 33
+# steps of 64 inputs); and small products on one thread only
+MULTI_SHAPES = [(67, 4096), (131, 2080), (131, 2112), (258, 1056), (258, 1088), (9, 160), (6, 192), (7, 96)]
+
+
+@pytest.mark.parametrize("fmt,group", [("int4_a8", 32), ("int4_a8", 64), ("int8_a8", 0)])
+@pytest.mark.parametrize("n,k", MULTI_SHAPES)
+def test_a8_several_x_rows_and_thread_ranges(decode_lib, fmt, group, n, k):
+    """Several x rows (2-8: prefill chunks, batch decode; AVX2 shares each load of a step's codes between up to four
+    x rows) and two threads (1-8 x rows; each thread's contiguous range of steps through the step loops) give every
+    x row the bits of its product alone on one thread, with a bias and with an add: a wrong x row's, scale's,
+    output's or range's offset changes a row."""
+    if k % max(group, 1):
+        pytest.skip("int4 needs in_features a multiple of the group")
+    q = _Stored(n, k, fmt[:4], group or None, seed=n * 5 + k, bias=True)
+    g = torch.Generator().manual_seed(n + 11 * k)
+    if fmt == "int4_a8":   # (every row and group its own scale)
+        q.scales = (q.scales.float() * (1 + torch.rand(q.scales.shape, generator=g))).to(torch.bfloat16)
+    x = torch.randn(8, k, generator=g) * (1 + torch.rand(8, 1, generator=g) * 3)
+    add = torch.randn(8, n, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        def product(B, v, b=0):   # v 0: an add, 1: a bias, 2: neither (the one-row loop's direct stores)
+            return cpu_decode.weight_matvec(x[b:b + B].contiguous(), fmt, q.stored, q.scales, group,
+                                            bias=q.bias if v == 1 else None,
+                                            add=add[b:b + B].contiguous() if v == 0 else None)
+
+        alone = {(b, v): product(1, v, b)[0] for b in range(8) for v in (0, 1, 2)}
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            for B in (1, 2, 3, 4, 5, 8) if nt == 2 else (2, 3, 4, 5, 8):
+                for v in (0, 1, 2) if B in (1, 8) else (B % 2,):
+                    y = product(B, v)
+                    for b in range(B):
+                        assert torch.equal(y[b].view(torch.int32), alone[b, v].view(torch.int32)), (nt, B, v, b)
+    finally:
+        torch.set_num_threads(threads)

@@ -691,16 +691,24 @@ static inline __m256 q4_scales8(const uint16_t *s, int64_t left) {
    last: the same bits as in a step of four rows. */
 /* one row's 32 bytes at wr times the step's x (x0: the low nibbles' inputs, x1: the high ones'): VNNI, 8 lanes of 8
    products started from the lanes' excess (corr: a8_x.lc); otherwise 16 lanes of 4 products (16-bit) */
-static inline __attribute__((always_inline)) __m256i a8_i4_row(const uint8_t *wr, __m256i x0, __m256i x1,
+static inline __attribute__((always_inline)) __m256i a8_i4_dot(__m256i lo, __m256i hi, __m256i x0, __m256i x1,
                                                                __m256i corr) {
-    const __m256i nib = _mm256_set1_epi8(15), d = _mm256_loadu_si256((const __m256i *)(const void *)wr);
-    const __m256i lo = _mm256_and_si256(d, nib), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), nib);
 #if defined(A8_VNNI)
     return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(corr, lo, x0), hi, x1);
 #else
     (void)corr;
     return _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
 #endif
+}
+/* a row's 32 bytes at wr split into its low and high nibbles (the step's even and odd inputs' codes) */
+#define A8_I4_NIBS(lo, hi, wr)                                                                                   \
+    const __m256i lo##_d = _mm256_loadu_si256((const __m256i *)(const void *)(wr)),                              \
+                  lo = _mm256_and_si256(lo##_d, _mm256_set1_epi8(15)),                                           \
+                  hi = _mm256_and_si256(_mm256_srli_epi16(lo##_d, 4), _mm256_set1_epi8(15))
+static inline __attribute__((always_inline)) __m256i a8_i4_row(const uint8_t *wr, __m256i x0, __m256i x1,
+                                                               __m256i corr) {
+    A8_I4_NIBS(lo, hi, wr);
+    return a8_i4_dot(lo, hi, x0, x1, corr);
 }
 /* four rows' a8_i4_row summed per block: [r0 r1 r2 r3 | r0 r1 r2 r3] (corr: VNNI none, the lanes started from it;
    otherwise a8_x.bc, the blocks' excess) */
@@ -712,6 +720,22 @@ static inline __attribute__((always_inline)) __m256i a8_i4_sum4(__m256i p0, __m2
 #else
     const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(p0, p1), _mm256_hadd_epi16(p2, p3));
     return _mm256_add_epi32(_mm256_madd_epi16(h, _mm256_set1_epi16(1)), corr);
+#endif
+}
+/* a8_i4_sum4 in two halves (its same operations): rows 0 and 1's lanes paired, rows 2 and 3's, then the join */
+static inline __attribute__((always_inline)) __m256i a8_i4_half(__m256i p0, __m256i p1) {
+#if defined(A8_VNNI)
+    return _mm256_hadd_epi32(p0, p1);
+#else
+    return _mm256_hadd_epi16(p0, p1);
+#endif
+}
+static inline __attribute__((always_inline)) __m256i a8_i4_join(__m256i h01, __m256i h23, __m256i corr) {
+#if defined(A8_VNNI)
+    (void)corr;
+    return _mm256_hadd_epi32(h01, h23);
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(h01, h23), _mm256_set1_epi16(1)), corr);
 #endif
 }
 /* one row's a8_i4_row summed per block: [r x4 | r x4] (corr as a8_i4_sum4's) */
@@ -876,16 +900,19 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
                                                              int64_t ss, const uint8_t *pf_end, float *out) {
     a8_i4_out(R, G, p, b, w, rs, sr, ss, a8_i4_acc(R, G, p, b, w, rs, sr, pf_end), out);
 }
-/* int4, one x row (the decode's), one thread: the steps of four rows t = 0 .. n / 4 - 1 (q_step_rows' rows t + r q)
-   in one loop of their own, not inlined into matvec_a8's (round 15: each step went through matvec_rows_a8 there,
-   ~85 instructions of setup a step at 1024 inputs, GCC keeping its values on the stack). Per product: the row
-   stride, the x arrays and the steps whose prefetches all stay inside the matrix (a8_i4_acc's count at step t, whose
-   last row starts (t + 3q) rows in, is every pair while (q + n % 4 - t) rowb - Q_PF_BYTES - 32 > 64 (pairs - 1)),
-   and whether the sums go into y directly (no bias, add or tail); per step: one rows' pointer and one y pointer
-   advanced, the other rows' pointers one add each. The same arithmetic per row: the same bits. */
+/* int4, one x row (the decode's), one thread or a thread's range: the steps of four rows t = 0 .. n / 4 - 1
+   (q_step_rows' rows t + r q) in one loop of their own, not inlined into matvec_a8's (round 15: each step went through
+   matvec_rows_a8 there, ~85 instructions of setup a step at 1024 inputs, GCC keeping its values on the stack). Per
+   product: the row stride, the x arrays and the steps whose prefetches all stay inside the matrix (a8_i4_acc's count at
+   step t, whose last row starts (t + 3q) rows in, is every pair while (q + n % 4 - t) rowb - Q_PF_BYTES - 32 > 64
+   (pairs - 1)), and whether the sums go into y directly (no bias, add or tail); per step: one rows' pointer and one y
+   pointer advanced, the other rows' pointers one add each. The same arithmetic per row: the same bits. Steps
+   t0 .. t1 - 1 (t1 <= n / 4: a thread's range, Q_FOR_RANGES; round 15b's loop ran only the whole product on one
+   thread). */
 static inline __attribute__((always_inline)) void a8_i4_steps4(const int G, const int direct, const a8_x *p,
                                                                int64_t n, const uint8_t *W, const uint16_t *s,
-                                                               const float *bias, const float *add, float *y) {
+                                                               const float *bias, const float *add, float *y,
+                                                               int64_t t0, int64_t t1) {
     const int64_t m = p->m, rowb = m / 2, q = n / 4, ng = m / G, rs = q * rowb, nlv = p->mv / 8;
     const int64_t kp = 16 * (nlv / 16), gsh = G == 32 ? 2 : 1;   /* (lanes in pairs; the scales' bytes a lane) */
     const int8_t *v = p->v;
@@ -898,9 +925,9 @@ static inline __attribute__((always_inline)) void a8_i4_steps4(const int G, cons
     const int8_t *ve = v + 8 * kp;
     const int32_t *ce = cv + kp;
     const float *le = ls + kp;
-    const uint8_t *pf_end = W + n * rowb, *w = W;
-    const uint16_t *sr = s;
-    float *yt = y;
+    const uint8_t *pf_end = W + n * rowb, *w = W + t0 * rowb;
+    const uint16_t *sr = s + 4 * t0 * ng;
+    float *yt = y + t0;
     const int64_t need = Q_PF_BYTES + 32 + 64 * (nlv / 16 - 1);
     int64_t tc = rowb > 0 ? q + n % 4 - need / rowb : 0;
     tc = tc < 0 ? 0 : tc > q ? q : tc;
@@ -939,20 +966,159 @@ static inline __attribute__((always_inline)) void a8_i4_steps4(const int G, cons
             for (int r = 0; r < 4; ++r) q_store_row(n, 0, t + r * q, o[r], bias, add, y);                        \
         }                                                                                                        \
     } while (0)
-    int64_t t = 0;
-    for (; t < tc; ++t, w += rowb, sr += 4 * ng, ++yt) A8_I4_STEP4(1);
-    for (; t < q; ++t, w += rowb, sr += 4 * ng, ++yt) A8_I4_STEP4(0);
+    int64_t t = t0;
+    for (const int64_t e = tc < t1 ? tc : t1; t < e; ++t, w += rowb, sr += 4 * ng, ++yt) A8_I4_STEP4(1);
+    for (; t < t1; ++t, w += rowb, sr += 4 * ng, ++yt) A8_I4_STEP4(0);
 #undef A8_I4_STEP4
 }
 static __attribute__((noinline)) void a8_i4_steps4_g32(const a8_x *p, int64_t n, const uint8_t *W, const uint16_t *s,
-                                                       const float *bias, const float *add, float *y) {
-    if (!bias && !add && p->mv == p->m) a8_i4_steps4(32, 1, p, n, W, s, bias, add, y);
-    else a8_i4_steps4(32, 0, p, n, W, s, bias, add, y);
+                                                       const float *bias, const float *add, float *y, int64_t t0,
+                                                       int64_t t1) {
+    if (!bias && !add && p->mv == p->m) a8_i4_steps4(32, 1, p, n, W, s, bias, add, y, t0, t1);
+    else a8_i4_steps4(32, 0, p, n, W, s, bias, add, y, t0, t1);
 }
 static __attribute__((noinline)) void a8_i4_steps4_g64(const a8_x *p, int64_t n, const uint8_t *W, const uint16_t *s,
-                                                       const float *bias, const float *add, float *y) {
-    if (!bias && !add && p->mv == p->m) a8_i4_steps4(64, 1, p, n, W, s, bias, add, y);
-    else a8_i4_steps4(64, 0, p, n, W, s, bias, add, y);
+                                                       const float *bias, const float *add, float *y, int64_t t0,
+                                                       int64_t t1) {
+    if (!bias && !add && p->mv == p->m) a8_i4_steps4(64, 1, p, n, W, s, bias, add, y, t0, t1);
+    else a8_i4_steps4(64, 0, p, n, W, s, bias, add, y, t0, t1);
+}
+/* int4, several x rows (prefill chunks, batch and speculative decode): the steps t0 .. t1 - 1 of four rows with
+   up to A8_XB x rows at a time sharing each load of the rows' codes and its nibble split (and the step's scales),
+   where round 15's per-step path ran each x row over the rows again (matvec_rows_a8: the loads, the splits and
+   ~85 instructions of setup per step and x row). Each x row's accumulator takes the same steps in the same order
+   as on the one-row path: the same bits. pf: the first x rows' pass prefetches each row's line Q_PF_BYTES ahead
+   (1: no bound check, 2: checked; later passes find the rows in cache, 0). */
+#define A8_XB 4
+/* a8_i4_pass's step at lane k (pf: 0 none, 1 / 2 the rows' lines prefetched as a8_i4_pass's pf says) */
+#if defined(A8_VNNI)
+#define A8_PASS_RC(c) _mm256_loadu_si256((const __m256i *)(const void *)(c))
+#else
+#define A8_PASS_RC(c) _mm256_setzero_si256()
+#endif
+static inline __attribute__((always_inline)) void a8_i4_pass_step(const int G, const int pf, const int NB, int64_t k,
+                                                                  const int8_t *v, const int32_t *cv,
+                                                                  const float *ls, int64_t mv, int64_t nl,
+                                                                  const char *gb, const uint8_t *w0,
+                                                                  const uint8_t *w1, const uint8_t *w2,
+                                                                  const uint8_t *w3, const uint8_t *pf_end,
+                                                                  __m256 *acc) {
+    const int64_t gsh = G == 32 ? 2 : 1;
+    if (pf == 1) {
+        __builtin_prefetch((const void *)(w0 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
+        __builtin_prefetch((const void *)(w1 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
+        __builtin_prefetch((const void *)(w2 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
+        __builtin_prefetch((const void *)(w3 + 4 * k + Q_PF_BYTES), 0, Q_PF_HINT);
+    } else if (pf == 2) {
+        Q_PF(w0 + 4 * k, pf_end);
+        Q_PF(w1 + 4 * k, pf_end);
+        Q_PF(w2 + 4 * k, pf_end);
+        Q_PF(w3 + 4 * k, pf_end);
+    }
+    /* rows 0 and 1 split, their pair sums for every x row, then rows 2 and 3 (four split rows live at a time:
+       with all four, GCC spilled and split them again per x row) */
+    __m256i h01[A8_XB];
+    {
+        A8_I4_NIBS(lo0, hi0, w0 + 4 * k);
+        A8_I4_NIBS(lo1, hi1, w1 + 4 * k);
+        for (int bb = 0; bb < NB; ++bb) {
+            const int8_t *vb = v + bb * mv + 8 * k;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)vb),
+                          x1 = _mm256_loadu_si256((const __m256i *)(const void *)(vb + 32));
+            const __m256i rc = A8_PASS_RC(cv + bb * nl + k);
+            h01[bb] = a8_i4_half(a8_i4_dot(lo0, hi0, x0, x1, rc), a8_i4_dot(lo1, hi1, x0, x1, rc));
+        }
+    }
+    A8_I4_NIBS(lo2, hi2, w2 + 4 * k);
+    A8_I4_NIBS(lo3, hi3, w3 + 4 * k);
+    const uint16_t *g4 = (const uint16_t *)(const void *)(gb + gsh * k);
+    /* (as a8_i4_step's R = 4 scales) */
+    const __m256 g = G == 32 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                   _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)g4)), 16))
+                             : _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(),
+                                   _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(const void *)g4))));
+    for (int bb = 0; bb < NB; ++bb) {
+        const int8_t *vb = v + bb * mv + 8 * k;
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)vb),
+                      x1 = _mm256_loadu_si256((const __m256i *)(const void *)(vb + 32)),
+                      corr = _mm256_loadu_si256((const __m256i *)(const void *)(cv + bb * nl + k));
+        const __m256i rc = A8_ROW_CORR;
+        const __m256i i = a8_i4_join(h01[bb], a8_i4_half(a8_i4_dot(lo2, hi2, x0, x1, rc),
+                                                         a8_i4_dot(lo3, hi3, x0, x1, rc)), corr);
+        acc[bb] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_loadu_ps(ls + bb * nl + k)), g,
+                                  acc[bb]);
+    }
+}
+#undef A8_PASS_RC
+static inline __attribute__((always_inline)) void a8_i4_pass(const int G, const int pf, const int NB, const a8_x *p,
+                                                             int64_t b0, const uint8_t *w, int64_t rs,
+                                                             const uint16_t *sr, const uint8_t *pf_end,
+                                                             __m256 *out) {
+    const int64_t mv = p->mv, nl = p->nl, nlv = mv / 8;
+    const int8_t *v = p->v + b0 * mv;
+#if defined(A8_VNNI)
+    const int32_t *cv = p->lc + b0 * nl;
+#else
+    const int32_t *cv = p->bc + b0 * nl;
+#endif
+    const float *ls = p->ls + b0 * nl;
+    const char *gb = (const char *)(const void *)sr;
+    const uint8_t *w0 = w, *w1 = w + rs, *w2 = w + 2 * rs, *w3 = w + 3 * rs;
+    __m256 acc[A8_XB];
+    for (int bb = 0; bb < NB; ++bb) acc[bb] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= nlv; k += 16) {   /* (in pairs, the odd step prefetching, as a8_i4_acc's) */
+        a8_i4_pass_step(G, 0, NB, k, v, cv, ls, mv, nl, gb, w0, w1, w2, w3, pf_end, acc);
+        a8_i4_pass_step(G, pf, NB, k + 8, v, cv, ls, mv, nl, gb, w0, w1, w2, w3, pf_end, acc);
+    }
+    if (k < nlv) a8_i4_pass_step(G, 0, NB, k, v, cv, ls, mv, nl, gb, w0, w1, w2, w3, pf_end, acc);
+    for (int bb = 0; bb < NB; ++bb) out[bb] = acc[bb];
+}
+static inline __attribute__((always_inline)) void a8_i4_stepsx(const int G, const a8_x *p, int64_t B, int64_t n,
+                                                               const uint8_t *W, const uint16_t *s,
+                                                               const float *bias, const float *add, float *y,
+                                                               int64_t t0, int64_t t1) {
+    const int64_t m = p->m, rowb = m / 2, q = n / 4, ng = m / G, rs = q * rowb, nlv = p->mv / 8;
+    const uint8_t *pf_end = W + n * rowb;
+    /* the steps whose prefetches all stay inside the matrix (as a8_i4_steps4 counts them) */
+    const int64_t need = Q_PF_BYTES + 32 + 64 * (nlv / 16 - 1);
+    int64_t tc = rowb > 0 ? q + n % 4 - need / rowb : 0;
+    tc = tc < 0 ? 0 : tc > q ? q : tc;
+    for (int64_t t = t0; t < t1; ++t) {
+        const uint8_t *w = W + t * rowb;
+        const uint16_t *sr = s + 4 * t * ng;
+        for (int64_t b0 = 0; b0 < B; b0 += A8_XB) {
+            const int nb = B - b0 < A8_XB ? (int)(B - b0) : A8_XB;
+            __m256 acc[A8_XB];
+            const int pf = b0 > 0 ? 0 : t < tc ? 1 : 2;
+#define A8_I4_PASS(NB)                                                                                           \
+            do {                                                                                                 \
+                if (pf == 0) a8_i4_pass(G, 0, NB, p, b0, w, rs, sr, pf_end, acc);                                \
+                else if (pf == 1) a8_i4_pass(G, 1, NB, p, b0, w, rs, sr, pf_end, acc);                           \
+                else a8_i4_pass(G, 2, NB, p, b0, w, rs, sr, pf_end, acc);                                        \
+            } while (0)
+            if (nb == 4) A8_I4_PASS(4);   /* (x rows a constant: their accumulators in registers) */
+            else if (nb == 3) A8_I4_PASS(3);
+            else if (nb == 2) A8_I4_PASS(2);
+            else A8_I4_PASS(1);
+#undef A8_I4_PASS
+            for (int bb = 0; bb < nb; ++bb) {
+                float o[4];
+                a8_i4_out(4, G, p, b0 + bb, w, rs, sr, 1, acc[bb], o);
+                for (int r = 0; r < 4; ++r) q_store_row(n, b0 + bb, t + r * q, o[r], bias, add, y);
+            }
+        }
+    }
+}
+static __attribute__((noinline)) void a8_i4_stepsx_g32(const a8_x *p, int64_t B, int64_t n, const uint8_t *W,
+                                                       const uint16_t *s, const float *bias, const float *add,
+                                                       float *y, int64_t t0, int64_t t1) {
+    a8_i4_stepsx(32, p, B, n, W, s, bias, add, y, t0, t1);
+}
+static __attribute__((noinline)) void a8_i4_stepsx_g64(const a8_x *p, int64_t B, int64_t n, const uint8_t *W,
+                                                       const uint16_t *s, const float *bias, const float *add,
+                                                       float *y, int64_t t0, int64_t t1) {
+    a8_i4_stepsx(64, p, B, n, W, s, bias, add, y, t0, t1);
 }
 #define A8_I4_STEPS4 1
 #undef A8_ROW_CORR
@@ -1061,18 +1227,34 @@ static inline __attribute__((always_inline)) void a8_i8_rows(const int R, const 
 #undef A8_STEP
 #undef A8_ROW_STEP
 #undef A8_LANES
-/* int8, one x row, one thread: the steps of four rows in a loop of their own (as a8_i4_steps4) */
-static __attribute__((noinline)) void a8_i8_steps4(const a8_x *p, int64_t n, const uint8_t *W, const uint16_t *s,
-                                                   const float *bias, const float *add, float *y) {
+/* int8: the steps t0 .. t1 - 1 of four rows (t1 <= n / 4) in a loop of their own (as a8_i4_steps4), each x row of
+   B in turn (the first prefetches; the later ones find the step's rows in cache) */
+static inline __attribute__((always_inline)) void a8_i8_steps(const a8_x *p, int64_t B, int64_t n, const uint8_t *W,
+                                                              const uint16_t *s, const float *bias, const float *add,
+                                                              float *y, int64_t t0, int64_t t1) {
     const int64_t m = p->m, q = n / 4, rs = q * m;
-    const uint8_t *pf_end = W + n * m, *w = W;
-    for (int64_t t = 0; t < q; ++t, w += m) {
+    const uint8_t *pf_end = W + n * m, *w = W + t0 * m;
+    for (int64_t t = t0; t < t1; ++t, w += m) {
         const float ws[4] = {bf16_to_f32(s[t]), bf16_to_f32(s[t + q]), bf16_to_f32(s[t + 2 * q]),
                              bf16_to_f32(s[t + 3 * q])};
-        float o[4];
-        a8_i8_rows(4, p, 0, w, rs, ws, pf_end, o);
-        for (int r = 0; r < 4; ++r) q_store_row(n, 0, t + r * q, o[r], bias, add, y);
+        for (int64_t b = 0; b < B; ++b) {
+            float o[4];
+            a8_i8_rows(4, p, b, w, rs, ws, b == 0 ? pf_end : NULL, o);
+            for (int r = 0; r < 4; ++r) q_store_row(n, b, t + r * q, o[r], bias, add, y);
+        }
     }
+}
+/* (one x row a function of its own: GCC's allocation of round 15b's loop; +5-10 % instructions with B a variable
+   or both in one function) */
+static __attribute__((noinline)) void a8_i8_steps4(const a8_x *p, int64_t n, const uint8_t *W, const uint16_t *s,
+                                                   const float *bias, const float *add, float *y, int64_t t0,
+                                                   int64_t t1) {
+    a8_i8_steps(p, 1, n, W, s, bias, add, y, t0, t1);
+}
+static __attribute__((noinline)) void a8_i8_stepsx(const a8_x *p, int64_t B, int64_t n, const uint8_t *W,
+                                                   const uint16_t *s, const float *bias, const float *add, float *y,
+                                                   int64_t t0, int64_t t1) {
+    a8_i8_steps(p, B, n, W, s, bias, add, y, t0, t1);
 }
 #define A8_I8_STEPS4 1
 static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
@@ -1150,6 +1332,30 @@ static void matvec_int4_step_scales(int64_t B, int64_t n, int64_t m, int64_t gro
     }
 }
 
+#if defined(A8_I4_STEPS4) && defined(A8_I8_STEPS4)
+/* the steps s0 .. s1 - 1 of a product (a thread's range, Q_FOR_RANGES): its steps of four rows through the loops
+   of their own (set up once per range: round 15b's for one x row on one thread, now every x row count and thread),
+   then its n % 4 last rows one at a time */
+static void a8_steps_range(int int4, const a8_x *p, int64_t B, int64_t n, int64_t group, const void *W,
+                           const uint16_t *s, const float *bias, const float *add, float *y, int64_t s0, int64_t s1) {
+    const int64_t q = n / 4, e = s1 < q ? s1 : q;
+    const uint8_t *Wb = (const uint8_t *)W;
+    if (s0 < e) {
+        if (!int4 && B == 1) a8_i8_steps4(p, n, Wb, s, bias, add, y, s0, e);
+        else if (!int4) a8_i8_stepsx(p, B, n, Wb, s, bias, add, y, s0, e);
+        else if (B == 1 && group == 32) a8_i4_steps4_g32(p, n, Wb, s, bias, add, y, s0, e);
+        else if (B == 1) a8_i4_steps4_g64(p, n, Wb, s, bias, add, y, s0, e);
+        else if (group == 32) a8_i4_stepsx_g32(p, B, n, Wb, s, bias, add, y, s0, e);
+        else a8_i4_stepsx_g64(p, B, n, Wb, s, bias, add, y, s0, e);
+    }
+    for (int64_t t = s0 > q ? s0 : q; t < s1; ++t) {   /* (q_step_rows: step t >= q is row t + 3q alone) */
+        if (!int4) matvec_rows_a8(0, p, B, n, 0, t + 3 * q, 0, 1, W, s, bias, add, y);
+        else if (group == 32) matvec_rows_a8(1, p, B, n, 32, t + 3 * q, 0, 1, W, s, bias, add, y);
+        else matvec_rows_a8(1, p, B, n, 64, t + 3 * q, 0, 1, W, s, bias, add, y);
+    }
+}
+#endif
+
 static void matvec_a8(int int4, int64_t B, int64_t n, int64_t m, int64_t group, const void *W, const uint16_t *s,
                       const float *bias, const float *x, const float *add, float *y, int nthreads) {
     const int par = nthreads > 1 && n * m >= (int4 ? 4 : 2) * PAR_MIN_ELEMS;
@@ -1175,27 +1381,17 @@ static void matvec_a8(int int4, int64_t B, int64_t n, int64_t m, int64_t group, 
     const int64_t g = group;
 #endif
 #define A8_STEPS(i4, G, BB) Q_FOR_STEPS(n, par, matvec_rows_a8(i4, &p, BB, n, G, i0, stride, r, W, s, bias, add, y))
-#if defined(A8_I4_STEPS4)
-    if (int4 && B == 1 && !par) {   /* (the decode's product: the 4-row steps' loop of its own, then the n % 4 rows) */
-        const int64_t i1 = 4 * (n / 4);
-        if (group == 32) a8_i4_steps4_g32(&p, n, (const uint8_t *)W, s, bias, add, y);
-        else a8_i4_steps4_g64(&p, n, (const uint8_t *)W, s, bias, add, y);
-        for (int64_t i0 = i1; i0 < n; ++i0)
-            if (group == 32) matvec_rows_a8(1, &p, 1, n, 32, i0, 0, 1, W, s, bias, add, y);
-            else matvec_rows_a8(1, &p, 1, n, g, i0, 0, 1, W, s, bias, add, y);
-    } else
-#endif
-#if defined(A8_I8_STEPS4)
-    if (!int4 && B == 1 && !par) {
-        a8_i8_steps4(&p, n, (const uint8_t *)W, s, bias, add, y);
-        for (int64_t i0 = 4 * (n / 4); i0 < n; ++i0) matvec_rows_a8(0, &p, 1, n, 0, i0, 0, 1, W, s, bias, add, y);
-    } else
-#endif
+#if defined(A8_I4_STEPS4) && defined(A8_I8_STEPS4)
+    /* (AVX2 / AVX-VNNI: every product through the step loops, each thread's range set up once) */
+    (void)g;
+    Q_FOR_RANGES(n, par, a8_steps_range(int4, &p, B, n, group, W, s, bias, add, y, s0_, s1_));
+#else
     if (!int4) A8_STEPS(0, 0, B);   /* (int8: B == 1 apart measured +5 % instructions, GCC's allocation) */
     else if (B == 1 && group == 32) A8_STEPS(1, 32, 1);   /* int4: the decode's one x row a constant too */
     else if (B == 1) A8_STEPS(1, g, 1);
     else if (group == 32) A8_STEPS(1, 32, B);
     else A8_STEPS(1, g, B);
+#endif
 #undef A8_STEPS
     free(p.mem);
 }

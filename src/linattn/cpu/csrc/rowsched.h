@@ -85,4 +85,35 @@ static inline void q_prefetch_starts(int64_t n, int64_t rowbytes, const void *ba
             }                                                                        \
     } while (0)
 
+/* the steps of a product over n rows as each thread's contiguous range (steps * th / nt up to steps * (th + 1) / nt,
+   the split q_prefetch_starts prefetches for): `call` with s0_, s1_ across the scope's `nthreads` threads when
+   `par`, else once over every step. For loops that set a product up once per range rather than once per step
+   (qmatvec.h's step loops). Without OpenMP the ranges run one after the other. */
+#if defined(_OPENMP)
+#define Q_FOR_RANGES(n, par, call)                                                                  \
+    do {                                                                                            \
+        const int64_t steps_ = Q_STEPS(n);                                                          \
+        if (par) {                                                                                  \
+            _Pragma("omp parallel num_threads(nthreads)")                                           \
+            {                                                                                       \
+                const int64_t th_ = omp_get_thread_num(), nt_ = omp_get_num_threads();              \
+                const int64_t s0_ = steps_ * th_ / nt_, s1_ = steps_ * (th_ + 1) / nt_;             \
+                call;                                                                               \
+            }                                                                                       \
+        } else {                                                                                    \
+            const int64_t s0_ = 0, s1_ = steps_;                                                    \
+            call;                                                                                   \
+        }                                                                                           \
+    } while (0)
+#else
+#define Q_FOR_RANGES(n, par, call)                                                                  \
+    do {                                                                                            \
+        const int64_t steps_ = Q_STEPS(n), nt_ = (par) ? nthreads : 1;                              \
+        for (int64_t th_ = 0; th_ < nt_; ++th_) {                                                   \
+            const int64_t s0_ = steps_ * th_ / nt_, s1_ = steps_ * (th_ + 1) / nt_;                 \
+            call;                                                                                   \
+        }                                                                                           \
+    } while (0)
+#endif
+
 #endif
