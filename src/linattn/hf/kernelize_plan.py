@@ -764,6 +764,19 @@ def _hooked_forward(cls: type, arch):
 
     @functools.wraps(inner)   # (inspect.signature follows __wrapped__: the class forward's exact signature)
     def forward(self, *args, **kwargs):
+        packing = self.__dict__.get("_linattn_packing_calls")
+        if packing is None:
+            return step(self, args, kwargs)
+        # kernelize's packing hooks, which this model's forward runs instead of its __call__ (kernelize._hook_packing)
+        got = packing[0](self, args, kwargs)
+        if got is None:   # (nothing stashed for the base model: nothing for the post-hook to clear)
+            return step(self, args, kwargs)
+        try:
+            return step(self, *got)
+        finally:
+            packing[1](self, *got, None)
+
+    def step(self, args, kwargs):
         if torch.compiler.is_compiling() or len(args) > 1 or (args and "input_ids" in kwargs):
             return inner(self, *args, **kwargs)
         if args:
