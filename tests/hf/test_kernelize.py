@@ -372,6 +372,6 @@ def test_a_hooked_model_runs_the_packing_hooks_in_its_forward(arch):
         assert fast.base_model._linattn_stash == {}
         with pytest.raises(LinattnError, match="cannot fill a cache"):
             fast(torch.cat([a, b], dim=1), position_ids=pos, use_cache=True)
-        with pytest.raises(RuntimeError):   # (the loss on labels of another shape, after the backbone)
+        with pytest.raises((ValueError, RuntimeError)):   # (the loss on labels of another shape, after the base)
             fast(torch.cat([a, b], dim=1), position_ids=pos, use_cache=False, labels=torch.zeros(3, 3))
         assert fast.base_model._linattn_stash == {}
