@@ -21,8 +21,9 @@ one model, so kernelize does this:
 - packing: forward pre-hooks on the model and its base model (the forward itself, and so its signature, stay
   transformers') turn restarting `position_ids` (DataCollatorWithFlattening, batch 1, no mask, no cache) into
   transformers' `cu_seq_lens_*` kwargs, which the layers pass down to every mixer and which gradient
-  checkpointing keeps for its recomputation; the softmax layers get a varlen-aware sdpa registered in
-  transformers' AttentionInterface as "linattn_sdpa".
+  checkpointing keeps for its recomputation (a model with the compiled decode hook runs the model's two hook
+  functions in that hook's forward instead: `_hook_packing`); the softmax layers get a varlen-aware sdpa
+  registered in transformers' AttentionInterface as "linattn_sdpa".
 The mixers' projections, gates and norms stay transformers' own code; only the sequence cores and the short
 convolutions change.
 """
@@ -92,8 +93,8 @@ class KernelizeReport:
         unserved: {name: reason} of the linear mixers left as they were (skip_unserved=True).
         kinds: The kind of each patched module ({name: "gdn" | "kda" | "lightning" | "mamba2" ...}).
         attn_implementation: The attention implementation now set.
-        packing_wrapped: The modules given the packing hooks ("" is the model itself); their forwards are
-            left as they were.
+        packing_wrapped: The modules given the packing hooks ("" is the model itself; with `compiled_decode`
+            its decode hook's forward runs them instead of hooks on it); their forwards are left as they were.
         compiled_decode: Whether the model decodes a cached token through the compiled plan (hf/kernelize_plan.py).
     """
     patched: List[str] = field(default_factory=list)
