@@ -350,3 +350,28 @@ def test_delta_adapters_keep_transformers_signature_and_compute_delta_rule(name,
                                               use_qk_l2norm_in_kernel=True)):
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "mamba2"])
+def test_a_hooked_model_runs_the_packing_hooks_in_its_forward(arch):
+    """A model given the compiled decode hook (`report.compiled_decode`) gets kernelize's packing hooks as calls in
+    its forward, not as hooks on it (its `__call__` then takes torch's path without hooks; its base model keeps
+    its own): packed documents stay apart (Mamba2ForCausalLM, whose forward passes no kwargs to its backbone, hands
+    them over through the backbone's stash, emptied after the call, also when the forward raised), and a packed
+    batch that asks for a cache is refused."""
+    _, fast, report = pair(arch)
+    assert report.compiled_decode and report.packing_wrapped[0] == ""
+    assert not fast._forward_pre_hooks and not fast._forward_hooks
+    assert fast.base_model._forward_pre_hooks and fast.base_model._forward_hooks
+    a, b = _ids(2, 9, 1), _ids(3, 12, 1)
+    pos = torch.cat([torch.arange(9), torch.arange(12)])[None]
+    with torch.no_grad():
+        lp = fast(torch.cat([a, b], dim=1), position_ids=pos, use_cache=False).logits
+        la, lb = fast(a, use_cache=False).logits, fast(b, use_cache=False).logits
+        assert _maxdiff(lp, torch.cat([la, lb], dim=1)) <= 2e-5 * max(1.0, la.abs().max().item())
+        assert fast.base_model._linattn_stash == {}
+        with pytest.raises(LinattnError, match="cannot fill a cache"):
+            fast(torch.cat([a, b], dim=1), position_ids=pos, use_cache=True)
+        with pytest.raises((ValueError, RuntimeError)):   # (the loss on labels of another shape, after the base)
+            fast(torch.cat([a, b], dim=1), position_ids=pos, use_cache=False, labels=torch.zeros(3, 3))
+        assert fast.base_model._linattn_stash == {}

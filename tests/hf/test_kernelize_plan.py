@@ -366,3 +366,55 @@ def test_state_views_made_once_per_buffer(monkeypatch):
             assert pd.close(a.conv_states[0], b.conv_states[0])
         else:
             assert pd.close(a.keys, b.keys) and pd.close(a.values, b.values)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_decoded_token_returns_transformers_output_object(arch, monkeypatch):
+    """A compiled token's output is built without the output class's constructor (`kernelize_plan._output_maker`):
+    the object the unpatched model returns, field for field: its class, its attributes in field order (None but the
+    logits and the cache), its items and their order, indexing by name and position, the tuple, attributes set
+    afterwards, and the pytree spec."""
+    import torch.utils._pytree as pytree
+
+    ref, fast = _pair(arch=arch)
+    ids = pd.prompt(2, 5)
+    calls = CompiledDecodeCalls(monkeypatch)
+    with torch.no_grad():
+        caches = [m(ids, use_cache=True).cache for m in (fast, ref)]
+        got, want = (m(ids[:, -1:], cache=c) for m, c in zip((fast, ref), caches))
+    assert calls.model == 1
+    assert type(got) is type(want)
+    assert list(vars(got)) == list(vars(want))
+    assert [k for k, v in vars(got).items() if v is not None] == [k for k, v in vars(want).items() if v is not None]
+    assert list(got.keys()) == list(want.keys()) == ["logits", "cache"]
+    assert got.cache is got["cache"] is got[1] is caches[0] and got.logits is got["logits"] is got[0]
+    assert pd.close(got.logits, want.logits) and len(got.to_tuple()) == len(want.to_tuple()) == 2
+    assert pytree.tree_flatten(got)[1] == pytree.tree_flatten(want)[1]
+    for out in (got, want):
+        out.loss = torch.zeros(())
+    assert list(got.keys()) == list(want.keys()) == ["logits", "cache", "loss"]
+
+
+def test_output_maker_builds_what_the_class_builds():
+    """`_output_maker(cls)(logits, cache)` equals `cls(logits=logits, cache=cache)` for every output class a
+    described architecture returns; a class it cannot mimic (a field with another default) gets its constructor."""
+    import dataclasses
+
+    from linattn.hf import kernelize_plan as kp
+
+    logits, cache = torch.randn(2, 1, 5), transformers.DynamicCache()
+    for cls in {a.output_class() for a in kp._ARCHITECTURES.values()}:
+        got, want = kp._output_maker(cls)(logits, cache), cls(logits=logits, cache=cache)
+        assert type(got) is cls and list(vars(got).items()) == list(vars(want).items()), cls
+        assert list(got.items()) == list(want.items()), cls
+
+    @dataclasses.dataclass
+    class Odd(transformers.modeling_outputs.CausalLMOutputWithPast):
+        extra: object = None
+
+        def __post_init__(self):
+            super().__post_init__()
+            self.extra = "set by the class"
+
+    got = kp._output_maker(Odd)(logits, cache)
+    assert got.extra == "set by the class" and got.logits is logits and got.cache is cache

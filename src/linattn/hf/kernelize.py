@@ -21,8 +21,9 @@ one model, so kernelize does this:
 - packing: forward pre-hooks on the model and its base model (the forward itself, and so its signature, stay
   transformers') turn restarting `position_ids` (DataCollatorWithFlattening, batch 1, no mask, no cache) into
   transformers' `cu_seq_lens_*` kwargs, which the layers pass down to every mixer and which gradient
-  checkpointing keeps for its recomputation; the softmax layers get a varlen-aware sdpa registered in
-  transformers' AttentionInterface as "linattn_sdpa".
+  checkpointing keeps for its recomputation (a model with the compiled decode hook runs the model's two hook
+  functions in that hook's forward instead: `_hook_packing`); the softmax layers get a varlen-aware sdpa
+  registered in transformers' AttentionInterface as "linattn_sdpa".
 The mixers' projections, gates and norms stay transformers' own code; only the sequence cores and the short
 convolutions change.
 """
@@ -92,8 +93,8 @@ class KernelizeReport:
         unserved: {name: reason} of the linear mixers left as they were (skip_unserved=True).
         kinds: The kind of each patched module ({name: "gdn" | "kda" | "lightning" | "mamba2" ...}).
         attn_implementation: The attention implementation now set.
-        packing_wrapped: The modules given the packing hooks ("" is the model itself); their forwards are
-            left as they were.
+        packing_wrapped: The modules given the packing hooks ("" is the model itself; with `compiled_decode`
+            its decode hook's forward runs them instead of hooks on it); their forwards are left as they were.
         compiled_decode: Whether the model decodes a cached token through the compiled plan (hf/kernelize_plan.py).
     """
     patched: List[str] = field(default_factory=list)
@@ -698,14 +699,21 @@ def _packing_post_hook(module: nn.Module, args: tuple, kwargs: dict, output):
         stash.pop(threading.get_ident(), None)
 
 
-def _hook_packing(top: nn.Module) -> None:
+def _hook_packing(top: nn.Module, inline: bool = False) -> None:
+    """The packing hooks on `top`; `inline`: handed to the model's decode hook instead (`_linattn_packing_calls`,
+    which its forward calls around itself as the hooks would run around it), which `kernelize_plan.hook_model` gave
+    this model: without a hook of its own the model's `__call__` takes torch's fast path (its hooked path costs ~0.07
+    ms a decoded token on caches the weights' stream has emptied)."""
     params = inspect.signature(top.forward).parameters
     top._linattn_params = [n for n, p in params.items()
                            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)]
     top._linattn_takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     top._linattn_stash = {}
-    top.register_forward_pre_hook(_packing_pre_hook, with_kwargs=True)
-    top.register_forward_hook(_packing_post_hook, with_kwargs=True, always_call=True)
+    if inline:
+        top._linattn_packing_calls = (_packing_pre_hook, _packing_post_hook)
+    else:
+        top.register_forward_pre_hook(_packing_pre_hook, with_kwargs=True)
+        top.register_forward_hook(_packing_post_hook, with_kwargs=True, always_call=True)
     top._linattn_packing = True
 
 
@@ -797,7 +805,7 @@ def kernelize(model: nn.Module, *, packing: bool = True, skip_unserved: bool = F
         base = getattr(model, "base_model", model)
         for top in {id(model): model, id(base): base}.values():
             if not getattr(top, "_linattn_packing", False):
-                _hook_packing(top)
+                _hook_packing(top, inline=top is model and report.compiled_decode)
             report.packing_wrapped.append(names.get(id(top), ""))
         _register_attention()
         cfg = getattr(model, "config", None)

@@ -721,14 +721,62 @@ _detach = torch.Tensor.detach
 _HOOKED_FORWARDS: dict = {}   # model class -> its forward with the decode hook in front
 
 
+def _output_maker(cls: type):
+    """`(logits, cache) -> cls(logits=logits, cache=cache)`: the object transformers' output class builds, made
+    without its dataclass `__init__` and `ModelOutput.__post_init__` (a field set, then every field looked up
+    again, by name, in Python: ~0.1 ms a token on caches the weights' stream has emptied): the instance's attributes
+    (every field, None but the two) and its mapping's items (the two, in field order) set as those leave them. It is
+    checked once against the class itself (attributes, items and their order, the tuple); where they differ (another
+    transformers), the class builds every output."""
+    import dataclasses
+    from collections import OrderedDict
+
+    names = [f.name for f in dataclasses.fields(cls)]
+    blank = dict.fromkeys(names)
+    items = [n for n in names if n in ("logits", "cache")]
+    new, setitem = cls.__new__, OrderedDict.__setitem__
+
+    def make(logits, cache):
+        out = new(cls)
+        attrs = out.__dict__
+        attrs.update(blank)
+        attrs["logits"], attrs["cache"] = logits, cache
+        for n in items:
+            setitem(out, n, attrs[n])
+        return out
+
+    logits, cache = torch.zeros(1), object()
+    want = cls(logits=logits, cache=cache)
+    try:
+        got = make(logits, cache)
+        same = (type(got) is cls and list(vars(got).items()) == list(vars(want).items())
+                and list(got.items()) == list(want.items()) and got.to_tuple() == want.to_tuple())
+    except Exception:   # pragma: no cover - a class that cannot be built so: its own constructor
+        same = False
+    return make if same else (lambda logits, cache: cls(logits=logits, cache=cache))
+
+
 def _hooked_forward(cls: type, arch):
     fn = _HOOKED_FORWARDS.get(cls)
     if fn is not None:
         return fn
-    output, fast_kwargs, inner = arch.output_class(), arch.FAST_KWARGS, cls.forward
+    output, fast_kwargs, inner = _output_maker(arch.output_class()), arch.FAST_KWARGS, cls.forward
 
     @functools.wraps(inner)   # (inspect.signature follows __wrapped__: the class forward's exact signature)
     def forward(self, *args, **kwargs):
+        packing = self.__dict__.get("_linattn_packing_calls")
+        if packing is None:
+            return step(self, args, kwargs)
+        # kernelize's packing hooks, which this model's forward runs instead of its __call__ (kernelize._hook_packing)
+        got = packing[0](self, args, kwargs)
+        if got is None:   # (nothing stashed for the base model: nothing for the post-hook to clear)
+            return step(self, args, kwargs)
+        try:
+            return step(self, *got)
+        finally:
+            packing[1](self, *got, None)
+
+    def step(self, args, kwargs):
         if torch.compiler.is_compiling() or len(args) > 1 or (args and "input_ids" in kwargs):
             return inner(self, *args, **kwargs)
         if args:
@@ -740,7 +788,7 @@ def _hooked_forward(cls: type, arch):
             logits = model_token(self, kwargs.get("input_ids"), cache, kwargs.get("attention_mask"),
                                  kwargs.get("position_ids"))
             if logits is not None:
-                return output(logits=logits, cache=cache)
+                return output(logits, cache)
         return inner(self, **kwargs)
 
     fn = _HOOKED_FORWARDS[cls] = forward
