@@ -508,11 +508,12 @@ def warm_up(rows: List[Dict[str, Any]], a, threads: int) -> None:
     thread count are skipped; llama.cpp's rows warm themselves (llama-bench's own warm-up run).
 
     Why the whole round, at the row's thread count: a compiled decode plan is built for the thread count it runs at
-    (`decode_plan.PlanGuard`) and rebuilt when it changes; the warm-up used to run at torch's default count (2 on
-    the project's VM) before `--threads 1`, so each row's first timed decode rebuilt its plan (the 530M shape:
-    0.1-0.8 s of CPU time, the fused weights copied again and their huge pages faulted in), 2.5-3.4x the later
-    rounds' decode. A round's prefill length and decode count also size the KV caches and the state buffers the
-    greedy loop rotates, so the warm-up runs those exact lengths (docs/cpu_kernels.md, Round 18b)."""
+    (`decode_plan.PlanGuard`) and kernelize's is rebuilt when it changes (linattn's now re-points it); the warm-up
+    used to run at torch's default count (2 on the project's VM) before `--threads 1`, so each row's first timed
+    decode rebuilt its plan (the 530M shape: 0.1-0.8 s of CPU time, the fused weights copied again and their huge
+    pages faulted in), 2.5-3.4x the later rounds' decode. A round's prefill length and decode count also size the
+    KV caches and the state buffers the greedy loop rotates, so the warm-up runs those exact lengths
+    (docs/cpu_kernels.md, Round 18b)."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(a.seed + 1)   # (not the rounds' generator: their prompts stay the same)
     for row in rows:
