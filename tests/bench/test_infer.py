@@ -135,6 +135,9 @@ def test_bench_infer_tiny(tmp_path, capsys):
     for r in data["records"]:   # paired: each round's decode over the floor at the pass taken right before it
         pr = r["paired_rounds"]
         assert len(pr) == 1 and pr[0]["bandwidth_gbs"] > 0
+        # the decode's CPU time per token (a model row's: this process's; llama.cpp's runs in its own)
+        assert (pr[0]["decode_cpu_ms"] is None) == (r["engine"] == "llama.cpp")
+        assert r["engine"] == "llama.cpp" or 0 < pr[0]["decode_cpu_ms"] < 2 * r["decode_ms"] * torch.get_num_threads()
         want = sorted(p["decode_ms"] * 1e-3 * p["bandwidth_gbs"] * 1e9 / r["bytes"] for p in pr)
         assert r["over_floor_paired"] == pytest.approx(want[len(want) // 2])
     assert "paired" in out
@@ -167,8 +170,8 @@ def test_llama_bench_runs_once_per_round_between_the_rows(tmp_path, monkeypatch)
         return real_llama(a, path, threads, log)
 
     def decode(self, n):
-        if n == 3:   # (the rounds' decodes; the warm-up decodes two tokens)
-            events.append(("model", self.model.embed.weight.dtype))
+        assert n == 3   # (the warm-up's and the rounds' decodes: the round's work)
+        events.append(("model", self.model.embed.weight.dtype))
         return real_decode(self, n)
 
     monkeypatch.setattr(infer, "_llama_bench", llama)
@@ -182,7 +185,8 @@ def test_llama_bench_runs_once_per_round_between_the_rows(tmp_path, monkeypatch)
                "--gguf", f"fp32={gguf}", "--out", str(tmp_path / "out"), "--quiet"])
     assert rc == 0
     one_round = [("model", torch.float32), ("llama", "m.gguf", 1), ("model", torch.bfloat16)]
-    assert events == one_round * 2
+    warm = [("model", torch.float32), ("model", torch.bfloat16)]   # (llama-bench warms itself up)
+    assert events == warm + one_round * 2
     data = json.loads((tmp_path / "out" / "infer.json").read_text())
     assert [(r["engine"], r["dtype"]) for r in data["records"]] == [("linattn", "fp32"), ("llama.cpp", "fp32"),
                                                                     ("linattn", "bf16")]
@@ -325,3 +329,69 @@ def test_runner_greedy_path_decodes_the_per_token_tokens(dtype, monkeypatch):
     a, b = runs["greedy"], runs["per-token"]
     assert torch.equal(a.tok, b.tok) and a.cache.seen_tokens == b.cache.seen_tokens == 11
     assert torch.equal(a.cache.layers[0]["mixer"].state, b.cache.layers[0]["mixer"].state)
+
+
+def _plan_builders(engine):
+    """(module, name) of the function that builds `engine`'s compiled whole-model decode plan."""
+    if engine == "linattn":
+        from linattn.models import decode_plan
+
+        return decode_plan, "_build_model_plan"
+    from linattn.hf import kernelize_plan
+
+    return kernelize_plan, "_build"
+
+
+@pytest.mark.skipif(not cpu_available(), reason="needs the compiled CPU kernels")
+@pytest.mark.parametrize("engine", ["linattn", pytest.param("kernelize", marks=pytest.mark.skipif(
+    not HAS_HF, reason="needs transformers (the hf extra)"))])
+def test_warm_up_runs_each_rounds_work_at_its_thread_count(engine, tmp_path, monkeypatch):
+    """Before the first timed round at a thread count, every model row has run that round's exact work at that
+    count (a prefill of --prompt tokens, then --decode tokens), and no compiled decode plan is built once rounds are
+    timed: a plan is built per thread count, and a warm-up at torch's default count before `--threads 1` left each
+    row's first timed decode a plan build (2.5-3.4x the later rounds at the 530M shape, Round 18b). Torch starts at
+    3 threads here, neither of the rounds' counts. (Quantized rows: a float model's plan is rebuilt by design
+    after every prefill, whose new cache clears its fused weights, `LanguageModel.new_cache`: in every round alike.)"""
+    events = []
+    mod, name = _plan_builders(engine)
+    real_build, real_once = getattr(mod, name), infer.ReadBandwidth.once
+    real_prefill, real_decode = infer.Runner.prefill, infer.Runner.decode
+
+    def build(*args, **kw):
+        events.append(("build", torch.get_num_threads()))
+        return real_build(*args, **kw)
+
+    def once(self):   # (a round's first call: the paired pass before each row's timed work)
+        events.append(("pass", torch.get_num_threads()))
+        return real_once(self)
+
+    def prefill(self, ids):
+        events.append(("prefill", id(self), ids.shape[1], torch.get_num_threads()))
+        return real_prefill(self, ids)
+
+    def decode(self, n):
+        events.append(("decode", id(self), n, torch.get_num_threads()))
+        return real_decode(self, n)
+
+    monkeypatch.setattr(mod, name, build)
+    monkeypatch.setattr(infer.ReadBandwidth, "once", once)
+    monkeypatch.setattr(infer.Runner, "prefill", prefill)
+    monkeypatch.setattr(infer.Runner, "decode", decode)
+    torch.set_num_threads(3)   # (the autouse fixture puts the count back)
+    rc = main(["bench", "infer", "--shape", "tiny", "--engines", engine, "--dtypes", "int8,int8-a8", "--prompt",
+               "5", "--decode", "3", "--repeats", "2", "--threads", "1", "2", "--bandwidth-mib", "16", "--out",
+               str(tmp_path), "--quiet"])
+    assert rc == 0
+    runners = list(dict.fromkeys(e[1] for e in events if e[0] == "prefill"))
+    assert len(runners) == 2 and events.count(("build", 1)) == 2   # (each row's plan, in the first warm-up)
+    for t in (1, 2):
+        first = events.index(("pass", t))   # the first timed round at t starts here
+        before = [e for e in events[:first] if e[0] in ("prefill", "decode") and e[3] == t]
+        for r in runners:   # the round's work, in order, at t
+            assert [e[:3] for e in before if e[1] == r] == [("prefill", r, 5), ("decode", r, 3)]
+        # built (or, linattn's at a new thread count, re-pointed) in the warm-up, never in a timed round
+        assert all(i < first for i, e in enumerate(events) if e == ("build", t)), events
+        timed = [e for e in events if e[0] in ("prefill", "decode") and e[3] == t]
+        assert len(timed) == 2 * 2 * (2 + 1)   # two rows, a prefill and a decode each, two rounds and the warm-up
+    data = json.loads((tmp_path / "infer.json").read_text())
+    assert all(r["decode_path"] == ("greedy" if engine == "linattn" else "per-token") for r in data["records"])

@@ -27,11 +27,15 @@ The floor of a decoded token (the one definition `linattn bench decode` uses too
   (on the project's 2-vCPU VM one run's rounds differed by up to 12 %, runs by 33 %), so a pass is also taken
   right before each row's timed work, and each round's decode time is divided by the floor at that pass's rate;
   the column is the median of those ratios over the rounds (the JSON's `paired_rounds` has each round's decode ms
-  and GB/s).
+  and GB/s, and `decode_cpu_ms`: the process's CPU time per decoded token, all its threads, which a preemption on
+  a loaded machine does not add to: a round slower in CPU time did more work).
 
 Per round, every row in turn: one bandwidth pass (its paired rate), one prefill of --prompt tokens (timed: prompt
 tok/s), then --decode greedy tokens on its cache (timed: decode tok/s); then the round's bandwidth pass; the table
-gives medians over --repeats rounds.
+gives medians over --repeats rounds. Before the first round at each thread count every model row runs one untimed
+round of that exact work at that thread count (`warm_up`): the compiled decode plans are built per thread count,
+and a first prefill / decode at the round's lengths sizes the KV caches and state buffers, so no timed round pays
+a first call.
 linattn's rows decode their tokens as its `generate(temperature=0)` does, all in one compiled call
 (`decode_plan.model_greedy`: the whole-model step and the argmax in a C loop, no Python between tokens) where the
 whole-model step covers the model, else one forward and one argmax per token as the transformers rows; the table's
@@ -498,13 +502,35 @@ def _median(xs: List[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
+def warm_up(rows: List[Dict[str, Any]], a, threads: int) -> None:
+    """Sets torch's thread count to `threads` and runs one untimed round of each model row's exact work there: a
+    prefill of --prompt tokens, then --decode greedy tokens (as `_measure` times them). Rows already warmed at this
+    thread count are skipped; llama.cpp's rows warm themselves (llama-bench's own warm-up run).
+
+    Why the whole round, at the row's thread count: a compiled decode plan is built for the thread count it runs at
+    (`decode_plan.PlanGuard`) and kernelize's is rebuilt when it changes (linattn's now re-points it); the warm-up
+    used to run at torch's default count (2 on the project's VM) before `--threads 1`, so each row's first timed
+    decode rebuilt its plan (the 530M shape: 0.1-0.8 s of CPU time, the fused weights copied again and their huge
+    pages faulted in), 2.5-3.4x the later rounds' decode. A round's prefill length and decode count also size the
+    KV caches and the state buffers the greedy loop rotates, so the warm-up runs those exact lengths
+    (docs/cpu_kernels.md, Round 18b)."""
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(a.seed + 1)   # (not the rounds' generator: their prompts stay the same)
+    for row in rows:
+        if "runner" not in row or threads in row.setdefault("warmed", []):
+            continue
+        row["runner"].prefill(torch.randint(0, row["vocab"], (1, a.prompt), generator=gen))
+        row["runner"].decode(a.decode)
+        row["warmed"].append(threads)
+
+
 def _measure(rows: List[Dict[str, Any]], a, bw: ReadBandwidth, log) -> Dict[int, List[float]]:
     """The interleaved rounds at every thread count: each row's prefill and decode times, one bandwidth pass per
     round. Returns the bandwidths by thread count."""
     bws: Dict[int, List[float]] = {t: [] for t in a.threads}
     gen = torch.Generator().manual_seed(a.seed)
     for t in a.threads:
-        torch.set_num_threads(t)
+        warm_up(rows, a, t)   # (no-op for the rows already warmed at t)
         for r in range(a.repeats):
             for row in rows:
                 # the read rate of this moment, for the row's paired ratio (the VM's rate drifts between rows)
@@ -521,8 +547,10 @@ def _measure(rows: List[Dict[str, Any]], a, bw: ReadBandwidth, log) -> Dict[int,
                 t1 = time.perf_counter()
                 if a.profile:
                     _cpu_decode().section_times(reset=True)
+                c1 = time.process_time()
                 in_model = run.decode(a.decode)
-                t2 = time.perf_counter()
+                t2, c2 = time.perf_counter(), time.process_time()
+                row["times"][t].setdefault("decode_cpu", []).append((c2 - c1) / a.decode)
                 if a.profile:
                     row["sections"][t].append((t2 - t1, in_model, _cpu_decode().section_times(reset=True)))
                 row["times"][t]["prefill"].append(t1 - t0)
@@ -544,13 +572,16 @@ def _records(rows, a, bws) -> List[Dict[str, Any]]:
             # each round's decode over the floor at the read rate measured right before it, the median of those
             pairs = list(zip(row["times"][t]["decode"], row.get("paired_bw", {}).get(t, [])))
             paired = None if row["bytes"] is None or not pairs else _median([d * b / row["bytes"] for d, b in pairs])
+            cpu = row["times"][t].get("decode_cpu") or [None] * len(pairs)   # (llama.cpp's: another process)
             out.append({"engine": row["engine"], "dtype": row["dtype"], "threads": t, "bytes": row["bytes"],
                         "prompt_tok_s": a.prompt / pre, "decode_tok_s": 1.0 / dec, "decode_ms": dec * 1e3,
                         "floor_ms": floor_ms, "over_floor": None if floor_ms is None else dec * 1e3 / floor_ms,
                         "state_bytes": st, "floor_states_ms": floor_st,
                         "over_floor_states": None if floor_st is None else dec * 1e3 / floor_st,
                         "over_floor_paired": paired,
-                        "paired_rounds": [{"decode_ms": d * 1e3, "bandwidth_gbs": b / 1e9} for d, b in pairs],
+                        "paired_rounds": [{"decode_ms": d * 1e3, "bandwidth_gbs": b / 1e9,
+                                           "decode_cpu_ms": None if c is None else c * 1e3}
+                                          for (d, b), c in zip(pairs, cpu)],
                         "bandwidth_gbs": bw / 1e9, "weights_pages": row.get("weights_pages"),
                         "decode_path": row["runner"].path if "runner" in row else None})
             if a.profile:
@@ -679,10 +710,8 @@ def _interleaved(a, engines: Sequence[str], dtypes: Sequence[str], shape, log, g
             f"best of {bw.passes} passes once per round, median over rounds); floor+st: the same with the states "
             f"and KV rows a token reads and writes at the decode's mean context ({a.prompt + a.decode / 2:g} tokens)"]
     print("\n".join(head) + "\n")
-    for row in rows:   # two warm-up tokens each (allocator, thread pools, plans; both of a step's alternating
-        # state buffers faulted in, so that the first timed round does not pay the second one's pages)
-        row["runner"].prefill(torch.zeros(1, min(a.prompt, 8), dtype=torch.int64))
-        row["runner"].decode(2)
+    warm_up(rows, a, a.threads[0])
+    for row in rows:
         row["traffic"] = state_traffic(row["runner"].cache)
         row["weights_pages"] = weights_pages(row["runner"].model)
     context = a.prompt + a.decode / 2   # (the decode's mean context)
@@ -754,4 +783,4 @@ def floor_ms(model: torch.nn.Module, bandwidth: float) -> float:
 
 __all__ = ["SHAPES", "ENGINES", "QUANTIZED", "ReadBandwidth", "Runner", "add_arguments", "build_model", "build_row",
            "decode_bytes", "floor_ms", "last_level_cache_bytes", "linattn_model", "model_decode_bytes",
-           "pages_notes", "parse_llama_bench", "run", "state_bytes", "state_traffic", "weights_pages"]
+           "pages_notes", "parse_llama_bench", "run", "state_bytes", "state_traffic", "warm_up", "weights_pages"]
