@@ -415,28 +415,30 @@ def test_greedy_leaves_the_buffer_a_copy_of_the_cache_holds():
     assert snap.pending.buf is not cache.pending.buf and torch.equal(_bits(snap.pending.buf), _bits(before))
 
 
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
 @pytest.mark.parametrize("dtype", ["fp32", "int8-a8"])
-def test_a_thread_count_change_repoints_the_plan_without_a_rebuild(dtype):
+def test_a_thread_count_change_repoints_the_plan_without_a_rebuild(dtype, before, after):
     """torch.set_num_threads between two calls re-points the plan's thread count (the model plan's and every block
     plan's `nthreads`, read per call) instead of rebuilding it (a rebuild copies the fused quantized weights again:
     docs/cpu_kernels.md, Round 18b); the next call's tokens, logits and cache are those of a plan built at the new
-    count, bit for bit. (The autouse fixture puts torch's thread count back.)"""
+    count, bit for bit, fewer threads or more (nothing of the plan is sized by the count). (The autouse fixture puts
+    torch's thread count back.)"""
     model = _model(dtype=dtype)
     twin_model = copy.deepcopy(model)
     tok, cache = _prefill(model, 2)
     _, twin = _prefill(twin_model, 2)
-    torch.set_num_threads(2)
+    torch.set_num_threads(before)
     first, _ = _greedy(model, tok, cache, 2)
     assert torch.equal(first, _greedy(twin_model, tok, twin, 2)[0])
     slot = model._model_plan
-    torch.set_num_threads(1)
+    torch.set_num_threads(after)
     built = decode_plan.rebuilds[0]
     tokens, logits = _greedy(model, first[:, -1:], cache, 5)
     assert decode_plan.rebuilds[0] == built and model._model_plan is slot and slot.guard.valid()
-    assert [p.nthreads for p in (slot.plan, *slot.keep[0])] == [1] * (1 + len(HYBRID))
-    del twin_model.__dict__["_model_plan"]   # (the reference: a plan built at one thread)
+    assert [p.nthreads for p in (slot.plan, *slot.keep[0])] == [after] * (1 + len(HYBRID))
+    del twin_model.__dict__["_model_plan"]   # (the reference: a plan built at the new count)
     want, want_logits = _greedy(twin_model, first[:, -1:], twin, 5)
-    assert decode_plan.rebuilds[0] > built and twin_model._model_plan.plan.nthreads == 1
+    assert decode_plan.rebuilds[0] > built and twin_model._model_plan.plan.nthreads == after
     assert torch.equal(tokens, want)
     _same(want_logits, logits, "logits")
     _same_cache(twin, cache)
