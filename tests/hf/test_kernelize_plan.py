@@ -418,3 +418,43 @@ def test_output_maker_builds_what_the_class_builds():
 
     got = kp._output_maker(Odd)(logits, cache)
     assert got.extra == "set by the class" and got.logits is logits and got.cache is cache
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_a_thread_count_change_repoints_the_plan(before, after, monkeypatch):
+    """torch.set_num_threads between tokens re-points the kernelized model's plan (its and its block plans' thread
+    count) instead of rebuilding it; the next tokens' logits are bit for bit those of a plan built at the new count
+    (a second kernelized model of the same weights, its plan dropped when the count changes)."""
+    from linattn.hf import kernelize_plan as kp
+
+    ref, fast = _pair()
+    _, twin = _pair()
+    assert all(torch.equal(a, b) for a, b in zip(fast.state_dict().values(), twin.state_dict().values()))
+    builds = []
+    build = kp._build
+    monkeypatch.setattr(kp, "_build", lambda *a: builds.append(a[2]) or build(*a))
+    threads = torch.get_num_threads()
+    ids = pd.prompt(2, 5)
+    try:
+        torch.set_num_threads(before)
+        with torch.no_grad():
+            caches = [m(ids, use_cache=True).cache for m in (fast, twin)]
+            toks = [ids[:, -1:]] * 2
+            for _ in range(2):
+                lg = [m(t, cache=c).logits for m, t, c in zip((fast, twin), toks, caches)]
+                assert torch.equal(lg[0], lg[1])
+                toks = [x.argmax(-1) for x in lg]
+            slot = fast.__dict__["_linattn_model_plan"]
+            assert slot.plan is not None and slot.plan.nthreads == before
+            twin.__dict__.pop("_linattn_model_plan")   # (the reference: a plan built at the new count)
+            torch.set_num_threads(after)
+            n_fast = builds.count(fast)
+            for _ in range(3):
+                lg = [m(t, cache=c).logits for m, t, c in zip((fast, twin), toks, caches)]
+                assert torch.equal(lg[0], lg[1])
+                toks = [x.argmax(-1) for x in lg]
+            assert builds.count(fast) == n_fast and fast.__dict__["_linattn_model_plan"] is slot
+            assert [p.nthreads for p in (slot.plan, *slot.keep[0])] == [after] * (1 + len(slot.keep[0]))
+            assert twin.__dict__["_linattn_model_plan"].plan.nthreads == after and builds.count(twin) == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -1118,12 +1118,18 @@ class ModelPlanSlot:
         self.B, self.layout = B, lo
 
     def set_threads(self, n: int) -> None:
-        """Points the plan at torch's thread count n (no rebuild: the count is only a field of the model plan and
-        of its block plans, read per call) and has the guard hold n. A rebuild would copy the fused quantized
-        weights again (the 530M shape: 0.1-0.7 s of CPU time)."""
-        for p in (self.plan, *self.keep[0]):
-            p.nthreads = max(1, n)
-        self.guard.nthreads = n
+        """Points the plan at torch's thread count n instead of rebuilding it (`set_plan_threads`)."""
+        set_plan_threads(self.plan, self.keep[0], self.guard, n)
+
+
+def set_plan_threads(plan, block_plans, guard: PlanGuard, n: int) -> None:
+    """Point a built whole-model plan and its block plans at n threads and have its guard hold n: the count is
+    only a field of those plans, read per call (nothing is sized by it), so a `torch.set_num_threads` change needs
+    no rebuild, which would copy the fused quantized weights again (the 530M shape: 0.1-0.7 s of CPU time).
+    linattn's models and kernelized transformers models both call it."""
+    for p in (plan, *block_plans):
+        p.nthreads = max(1, n)
+    guard.nthreads = n
 
 
 class ModelFastState:
