@@ -508,7 +508,7 @@ def warm_up(rows: List[Dict[str, Any]], a, threads: int) -> None:
     thread count are skipped; llama.cpp's rows warm themselves (llama-bench's own warm-up run).
 
     Why the whole round, at the row's thread count: a compiled decode plan is built for the thread count it runs at
-    (`decode_plan.PlanGuard`) and kernelize's is rebuilt when it changes (linattn's now re-points it); the warm-up
+    (`decode_plan.PlanGuard`; both engines' plans now re-point the count instead of rebuilding); the warm-up
     used to run at torch's default count (2 on the project's VM) before `--threads 1`, so each row's first timed
     decode rebuilt its plan (the 530M shape: 0.1-0.8 s of CPU time, the fused weights copied again and their huge
     pages faulted in), 2.5-3.4x the later rounds' decode. A round's prefill length and decode count also size the
