@@ -375,8 +375,7 @@ def _usable_slot(model: nn.Module, arch, B: int) -> Optional[_Slot]:
     slot = model.__dict__.get("_linattn_model_plan")
     if type(slot) is not _Slot:
         slot = model.__dict__["_linattn_model_plan"] = _Slot()
-    if slot.plan is not None and slot.guard.nthreads != torch.get_num_threads():
-        _dp.set_plan_threads(slot.plan, slot.keep[0], slot.guard, torch.get_num_threads())
+    _dp.set_plan_threads(slot)
     if slot.plan is None or not slot.guard.valid():
         if slot.failed is not None and slot.failed.valid():
             return None   # (nothing changed since the plan could not be built)

@@ -1117,19 +1117,20 @@ class ModelPlanSlot:
         mp.s_off, mp.w_off = ctypes.addressof(offs[0]), ctypes.addressof(offs[1])
         self.B, self.layout = B, lo
 
-    def set_threads(self, n: int) -> None:
-        """Points the plan at torch's thread count n instead of rebuilding it (`set_plan_threads`)."""
-        set_plan_threads(self.plan, self.keep[0], self.guard, n)
 
-
-def set_plan_threads(plan, block_plans, guard: PlanGuard, n: int) -> None:
-    """Point a built whole-model plan and its block plans at n threads and have its guard hold n: the count is
-    only a field of those plans, read per call (nothing is sized by it), so a `torch.set_num_threads` change needs
-    no rebuild, which would copy the fused quantized weights again (the 530M shape: 0.1-0.7 s of CPU time).
-    linattn's models and kernelized transformers models both call it."""
-    for p in (plan, *block_plans):
+def set_plan_threads(slot) -> None:
+    """Point a slot's built whole-model plan (`slot.plan`; None: none yet) and its block plans (`slot.keep[0]`) at
+    torch's thread count when it changed, and have its guard (`slot.guard`) hold it: the count is only a field of
+    those plans, read per call (nothing is sized by it), so a `torch.set_num_threads` change needs no rebuild, which
+    would copy the fused quantized weights again (the 530M shape: 0.1-0.7 s of CPU time). linattn's models
+    (`ModelPlanSlot`) and kernelized transformers models (`kernelize_plan`'s slot) both call it before their
+    guard's check."""
+    n = torch.get_num_threads()
+    if slot.plan is None or slot.guard.nthreads == n:
+        return
+    for p in (slot.plan, *slot.keep[0]):
         p.nthreads = max(1, n)
-    guard.nthreads = n
+    slot.guard.nthreads = n
 
 
 class ModelFastState:
@@ -1539,8 +1540,7 @@ def _step_inputs(model: nn.Module, ids: torch.Tensor, cache) -> Optional[tuple]:
         return None
     B = ids.shape[0]
     slot = _slot(model, "_model_plan", ModelPlanSlot)
-    if slot.plan is not None and slot.guard.nthreads != torch.get_num_threads():
-        slot.set_threads(torch.get_num_threads())
+    set_plan_threads(slot)
     if slot.plan is None or not slot.guard.valid():
         desc = model.decode_description()
         if desc is None or not _build_model_plan(slot, model, desc, B):

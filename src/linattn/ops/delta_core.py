@@ -358,13 +358,12 @@ class DeltaProblem:
                     "the decayed state, linattn's the undecayed one)")
         if self.q.shape[-1] > fla.MAX_HEAD_DIM:
             return f"fla's delta-rule kernels take head sizes K <= {fla.MAX_HEAD_DIM}, got K = {self.q.shape[-1]}"
-        if self.mode == "recurrent" and requires_grad(*(t for t in src if isinstance(t, torch.Tensor)), self.g,
-                                                      self.S0):
+        grads = requires_grad(*(t for t in src if isinstance(t, torch.Tensor)), self.g, self.S0)
+        if self.mode == "recurrent" and grads:
             return "fla's fused_recurrent delta-rule kernels are forward-only (decoding) and an input requires grad"
-        if (self.mode == "chunk" and not isinstance(src, Rwkv7Source)
+        if (self.mode == "chunk" and grads and not isinstance(src, Rwkv7Source)
                 and chunk_kernel(None if self.g is None else self.g.dim(), src.q.dtype,
-                                 self.value_groups)[1] in fla.GATED_BACKWARD_KERNELS
-                and requires_grad(*(t for t in src if isinstance(t, torch.Tensor)), self.g, self.S0)):
+                                 self.value_groups)[1] in fla.GATED_BACKWARD_KERNELS):
             return fla.gated_backward_refused()
         return None
 
