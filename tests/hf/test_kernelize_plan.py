@@ -4,6 +4,7 @@ code): greedy tokens identical and logits within 1e-5 (fp32), sampled tokens wit
 (the cache reordered between tokens), a cache reused, copied or advanced by transformers' own code between
 compiled tokens, left padding (the plan steps aside), one compiled call per decoded token, and the plan rebuilt
 when a weight it copied is updated in place."""
+import copy
 import inspect
 import math
 
@@ -458,3 +459,37 @@ def test_a_thread_count_change_repoints_the_plan(before, after, monkeypatch):
             assert twin.__dict__["_linattn_model_plan"].plan.nthreads == after and builds.count(twin) == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_guard_prefetches_the_described_tensors_and_follows_a_rebuild(monkeypatch):
+    """The kernelized model's guard asks for the lines of every described tensor (its object, TensorImpl, storage)
+    on each token; a `.data =` swap of a copied weight rebuilds the plan, whose new guard's list holds the new
+    storage; the logits are unchanged by the prefetch (the same token with it and without it, bit for bit)."""
+    _, fast = _pair()
+    ids = pd.prompt(2, 5)
+    with torch.no_grad():
+        cache = fast(ids, use_cache=True).cache
+        fast(ids[:, -1:], cache=cache)
+        slot = fast.__dict__["_linattn_model_plan"]
+        guard = slot.guard
+        if guard.prefetch is None:
+            pytest.skip("no compiled prefetch")
+        lines = set(guard.prefetch.addresses())
+        assert all({id(t) & ~63, t._cdata & ~63, (t.untyped_storage()._cdata + 16) & ~63} <= lines
+                   for t in guard.tensors)
+        calls = []
+        real = guard.prefetch
+        monkeypatch.setattr(guard, "prefetch", lambda: calls.append(1) or real())
+        tok = ids[:, -1:]
+        c2 = copy.deepcopy(cache)
+        with_pf = fast(tok, cache=cache).logits
+        assert calls == [1]
+        monkeypatch.setattr(guard, "prefetch", None)
+        assert torch.equal(fast(tok, cache=c2).logits, with_pf)
+        monkeypatch.undo()
+        w = fast.model.norm.weight
+        w.data = w.data * 1.5
+        fast(tok, cache=cache)
+        new = fast.__dict__["_linattn_model_plan"].guard
+        assert new is not guard and new.prefetch is not None
+        assert (w.untyped_storage()._cdata + 16) & ~63 in set(new.prefetch.addresses())

@@ -331,3 +331,57 @@ def test_guard_sees_writes_past_its_cheap_signals():
     assert not guard.valid()
     h.remove()
     assert guard.valid()
+
+
+def _lines(addrs) -> set:
+    return {a & ~63 for a in addrs}
+
+
+@pytest.mark.parametrize("cause", ["a swapped .data", "an in-place update of a copied weight"])
+def test_guard_prefetches_what_it_reads_and_the_list_follows_a_rebuild(cause, monkeypatch):
+    """The guard asks for the lines of what `valid` reads (every tensor's object, TensorImpl and storage, the dicts,
+    the compared numbers) once at the top of each check; a rebuild makes a new list with the new storages; a write to
+    one of its dicts (new version numbers, new objects) makes a new list of them."""
+    model = _model()
+    ids = _ids(1)
+    _generate(model, ids)
+    guard = model._model_plan.guard
+    if guard.prefetch is None:
+        pytest.skip("no compiled prefetch")
+    lines = set(guard.prefetch.addresses())
+    for t in guard.tensors:
+        assert _lines([id(t), t._cdata, t.untyped_storage()._cdata + 16]) <= lines
+    assert _lines(map(id, guard.touched)) | _lines(map(id, guard.ptrs)) <= lines
+    assert _lines(map(id, guard.dversions)) <= lines
+    calls = []
+    real = guard.prefetch
+    monkeypatch.setattr(guard, "prefetch", lambda: calls.append(1) or real())
+    assert guard.valid() and calls == [1]
+    monkeypatch.undo()
+    model.blocks[0].mixer.unrelated_note = "seen"   # (a dict write: the versions read again, new numbers)
+    assert guard.valid() and guard.prefetch is not real
+    assert _lines(map(id, guard.dversions)) <= set(guard.prefetch.addresses())
+    CAUSES[cause](model)
+    _generate(model, ids)
+    new = model._model_plan.guard
+    assert new is not guard and new.valid()
+    lines = set(new.prefetch.addresses())
+    for t in new.tensors:
+        assert _lines([id(t), t._cdata, t.untyped_storage()._cdata + 16]) <= lines
+    p = model.blocks[0].norm1.weight
+    assert _lines([p.untyped_storage()._cdata + 16]) <= lines
+
+
+@pytest.mark.parametrize("cause", list(CAUSES))
+def test_guard_without_the_compiled_prefetch_sees_each_cause(cause, monkeypatch):
+    """Without prefetch.c (no C compiler for it, or the kernels off for it) the guard has no prefetcher and sees
+    every cause as before."""
+    monkeypatch.setattr(decode_plan._prefetch, "function", lambda: None)
+    model = _model()
+    _generate(model, _ids(1))
+    guard = model._model_plan.guard
+    assert guard.prefetch is None and guard.valid()
+    model.blocks[0].mixer.unrelated_note = "seen"
+    assert guard.valid() and guard.prefetch is None
+    CAUSES[cause](model)
+    assert not guard.valid()

@@ -297,6 +297,10 @@ LIBRARIES: Dict[str, Library] = {
         # R, K, group, packed (uint8), scales (bf16), form -> out; threads
         Fn("linattn_dequant_int4", (c_i64,) * 3 + (c_ptr,) * 2 + (c_int, c_ptr, c_int), typed=False),
     )),
+    "prefetch": Library(1, (
+        # n, lines (uint64 addresses): a prefetch of each (the decode plans' guard: cpu/prefetch.py)
+        Fn("linattn_prefetch_lines", (c_i64, c_ptr), restype=None, typed=False, status=False),
+    )),
 }
 
 

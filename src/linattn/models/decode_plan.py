@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
-from ..cpu import decode as _cpu_decode, hugepages as _hugepages
+from ..cpu import decode as _cpu_decode, hugepages as _hugepages, prefetch as _prefetch
 from ..cpu.qlayout import step_scales as _step_scales
 from ..errors import LinattnError
 from ..layers import fast_decode as _fast
@@ -274,6 +274,12 @@ _data_ptr = torch.Tensor.data_ptr
 _Handle = RemovableHandle   # (its class counter numbers every hook handle made)
 
 
+def _prefetcher(guard: "PlanGuard"):
+    """The guard's `cpu/prefetch.Prefetcher` of its `lines`, or None without the compiled function."""
+    fn = _prefetch.function()
+    return None if fn is None else _prefetch.Prefetcher(fn, guard.lines())
+
+
 def _probe_dict_version():
     """torch's reader of a dict's version tag (dynamo's guards use it: a number that changes whenever the dict is
     written), or None where this torch or Python lacks it or it does not behave so (then every token looks up
@@ -332,7 +338,7 @@ class PlanGuard:
 
     __slots__ = ("owner", "training", "nthreads", "idicts", "inames", "iobjs", "tensors", "ptrs", "vtensors",
                  "versions", "aliases", "hookdicts", "mixers", "fusedobjs", "fused", "touched", "handles", "dicts",
-                 "dversions")
+                 "dversions", "prefetch")
 
     def __init__(self, owner: nn.Module, modules: Sequence[nn.Module], mixers: Sequence[nn.Module], direct=()):
         modules = list(dict.fromkeys(m for m in modules if m is not None and m is not owner))
@@ -360,9 +366,26 @@ class PlanGuard:
         self.dversions = None if _dict_version is None else list(map(_dict_version, self.dicts))
         self.touched = list({id(o): o for o in (*self.dicts, *self.tensors, *self.mixers, *self.fusedobjs)}.values())
         self.handles = -1   # (no hook dict looked at yet)
+        self.prefetch = _prefetcher(self)
+
+    def lines(self) -> list:
+        """The addresses `valid` reads, in its order (`cpu/prefetch.py`): the objects of its touch pass, the dicts'
+        version tags and the numbers they are compared with, each tensor's objects (its TensorImpl, StorageImpl and,
+        where the plan copied it, its version counter) and the pointers and versions they are compared with."""
+        out = [id(self.owner), id(self.owner.__dict__)] + _prefetch.list_addresses(self.touched)
+        out += [a for d in self.dicts for a in (id(d), id(d) + 31)] + _prefetch.list_addresses(self.dicts)
+        out += _prefetch.list_addresses(self.dversions or [])
+        copied = set(map(id, self.vtensors))
+        for t in self.tensors:
+            out += _prefetch.tensor_addresses(t, id(t) in copied)
+        for items in (self.tensors, self.ptrs, self.vtensors, self.versions, self.fusedobjs, self.fused, self.mixers):
+            out += _prefetch.list_addresses(items)
+        return out
 
     def valid(self) -> bool:
         """Whether nothing the plan depends on changed (class docstring)."""
+        if self.prefetch is not None:
+            self.prefetch()   # (every line read below asked for at once: the misses overlap; no result changes)
         if (self.nthreads != torch.get_num_threads() or self.training is not self.owner.training
                 or _fast.GLOBAL_HOOKS[0] or _fast.GLOBAL_HOOKS[1]):
             return False
@@ -380,6 +403,8 @@ class PlanGuard:
                 return False
             if _dict_version is not None:   # (every entry as built: these versions stand for them until a write)
                 self.dversions = list(map(_dict_version, self.dicts))
+                if self.prefetch is not None:   # (the new numbers are new objects)
+                    self.prefetch = _prefetcher(self)
         return (list(map(_data_ptr, self.tensors)) == self.ptrs
                 and list(map(_version_of, self.vtensors)) == self.versions
                 and all(map(operator.is_, map(_fused_value, self.fusedobjs), self.fused))

@@ -1,0 +1,137 @@
+"""Cache lines asked for ahead of a pass that reads them one after another (`csrc/prefetch.c`): the decode plans'
+guard (`models/decode_plan.PlanGuard`) reads ~500 tensors' data pointers and versions per token, each two or three
+dependent cache misses after the token's weight stream, one at a time since Python reads them in order; a
+`Prefetcher` built with the guard asks for every line those reads touch at once, at the top of each check.
+
+What a tensor's reads touch (CPython's and torch's layouts, read once when the list is built): its Python object,
+its TensorImpl, its StorageImpl and its version counter (found by `version_counter_offset`, checked on tensors of
+our own; None where it cannot be: then no version counter lines). A prefetch never faults and changes nothing, so a
+stale address (a tensor since replaced, a storage swapped) costs one useless line; the check's reads, and so its
+result, are the same with or without it. `prefetcher(...)` is None when the kernels are off or prefetch.c cannot be
+built: the check then runs as it did without one.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from typing import Iterable, List, Optional
+
+import torch
+
+from . import bindings
+from .build import enabled
+
+__all__ = ["Prefetcher", "prefetcher", "tensor_addresses", "list_addresses", "version_counter_offset"]
+
+LINE = 64
+#: the byte ranges of a TensorImpl its data pointer and version reads touch (torch 2.x: the storage and version
+#: counter in its first 48 bytes, the storage offset, numel, dtype and flags at 144-176; more lines only fill the
+#: cache and the queue of misses)
+TENSOR_IMPL_RANGES = ((0, 48), (144, 176))
+#: the bytes of a StorageImpl its data pointer read touches (the DataPtr at 16, the flags before 64)
+STORAGE_IMPL_BYTES = 64
+_VC = []   # [(offset in the TensorImpl, offset of the count in the counter) or None], once per process
+
+
+def _read(addr: int, size: int) -> Optional[bytes]:
+    """size bytes at addr through /proc/self/mem (an address that is not mapped gives None, not a fault), or None
+    where the file cannot be read."""
+    try:
+        fd = os.open("/proc/self/mem", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return os.pread(fd, size, addr)
+    except (OSError, OverflowError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def _find_version_counter() -> Optional[tuple]:
+    word = ctypes.c_uint64.from_address
+    t, other = torch.zeros(3), torch.zeros(3)
+    alias = t.detach()   # (its own TensorImpl, t's storage and version counter)
+    storage = t.untyped_storage()._cdata
+    for off in range(8, 64, 8):   # (inside the TensorImpl: these words are ours to read)
+        p = word(t._cdata + off).value
+        if p == 0 or p % 8 or p == storage or p != word(alias._cdata + off).value or p == word(other._cdata + off).value:
+            continue
+        for cnt in (8, 12, 16, 20, 24):
+            seen = []
+            for _ in range(3):
+                got = _read(p + cnt, 4)   # (p may not be a pointer: read where a bad address cannot fault)
+                if got is None or len(got) != 4:
+                    break
+                seen.append((int.from_bytes(got, sys.byteorder), t._version))
+                t.add_(1)
+            if len(seen) == 3 and all(a == b for a, b in seen) and seen[0][0] != seen[-1][0]:
+                return off, cnt
+    return None
+
+
+def version_counter_offset() -> Optional[tuple]:
+    """(where a TensorImpl holds its version counter's address, where the counter holds its count), found once on
+    tensors of our own (a word shared with a detached alias, not with another tensor, whose target follows
+    `_version` over three in-place writes), or None where no word does (then no counter lines are asked for)."""
+    if not _VC:
+        _VC.append(_find_version_counter())
+    return _VC[0]
+
+
+def tensor_addresses(t: torch.Tensor, version: bool = True) -> List[int]:
+    """The addresses `t.data_ptr()` (and `t._version` with `version`) read: the Python object, the TensorImpl, the
+    StorageImpl, the version counter."""
+    impl, st = t._cdata, t.untyped_storage()._cdata
+    out = [id(t), id(t) + 31] + [impl + a for r in TENSOR_IMPL_RANGES for a in (r[0], r[1] - 1)]
+    out += [st + 16, st + STORAGE_IMPL_BYTES - 1]
+    vc = version_counter_offset() if version else None
+    if vc is not None:
+        p = ctypes.c_uint64.from_address(impl + vc[0]).value
+        if p:
+            out += [p, p + vc[1] + 3]
+    return out
+
+
+def list_addresses(items: list) -> List[int]:
+    """The addresses of a list's object and its item array (CPython's `ob_item`, after the object header and size),
+    then of each item's object."""
+    out = [id(items)]
+    if sys.implementation.name == "cpython" and items:
+        arr = ctypes.c_void_p.from_address(id(items) + 3 * ctypes.sizeof(ctypes.c_void_p)).value or 0
+        if arr:
+            out += list(range(arr, arr + 8 * len(items), LINE)) + [arr + 8 * len(items) - 1]
+    return out + [id(x) for x in items]
+
+
+class Prefetcher:
+    """The lines of a prepared list of addresses (first occurrence order), asked for by one call: `self()`."""
+
+    __slots__ = ("fn", "n", "lines")
+
+    def __init__(self, fn, addresses: Iterable[int]):
+        lines = dict.fromkeys(a & ~(LINE - 1) for a in addresses if a)
+        self.fn, self.n = fn, len(lines)
+        self.lines = (ctypes.c_uint64 * self.n)(*lines)
+
+    def __call__(self) -> None:
+        self.fn(self.n, self.lines)
+
+    def addresses(self) -> List[int]:
+        """The lines asked for, in order (the tests)."""
+        return list(self.lines)
+
+
+def function():
+    """`linattn_prefetch_lines`, or None when the kernels are off or prefetch.c cannot be built."""
+    if not enabled() or torch.compiler.is_compiling():
+        return None
+    lib = bindings.bind("prefetch")
+    return None if lib is None else lib.function("linattn_prefetch_lines")
+
+
+def prefetcher(addresses: Iterable[int]) -> Optional[Prefetcher]:
+    """A `Prefetcher` of addresses, or None without the compiled function (module docstring)."""
+    fn = function()
+    return None if fn is None else Prefetcher(fn, addresses)
