@@ -56,7 +56,8 @@ def _find_version_counter() -> Optional[tuple]:
     storage = t.untyped_storage()._cdata
     for off in range(8, 64, 8):   # (inside the TensorImpl: these words are ours to read)
         p = word(t._cdata + off).value
-        if p == 0 or p % 8 or p == storage or p != word(alias._cdata + off).value or p == word(other._cdata + off).value:
+        if (p == 0 or p % 8 or p == storage or p != word(alias._cdata + off).value
+                or p == word(other._cdata + off).value):
             continue
         for cnt in (8, 12, 16, 20, 24):
             seen = []
