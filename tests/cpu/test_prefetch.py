@@ -51,6 +51,12 @@ def test_a_tensors_addresses_cover_its_objects():
     assert _line(t.untyped_storage()._cdata + 16) in set(map(_line, pf.tensor_addresses(t)))
 
 
+def test_a_tensor_without_a_storage_gives_its_other_objects():
+    s = torch.randn(3, 3).to_sparse()
+    lines = set(map(_line, pf.tensor_addresses(s)))
+    assert {_line(id(s)), _line(s._cdata)} <= lines
+
+
 def test_list_addresses_cover_the_item_array_and_the_items():
     items = [10 ** 30 + i for i in range(40)]
     lines = set(map(_line, pf.list_addresses(items)))

@@ -84,9 +84,14 @@ def version_counter_offset() -> Optional[tuple]:
 def tensor_addresses(t: torch.Tensor, version: bool = True) -> List[int]:
     """The addresses `t.data_ptr()` (and `t._version` with `version`) read: the Python object, the TensorImpl, the
     StorageImpl, the version counter."""
-    impl, st = t._cdata, t.untyped_storage()._cdata
+    impl = t._cdata
     out = [id(t), id(t) + 31] + [impl + a for r in TENSOR_IMPL_RANGES for a in (r[0], r[1] - 1)]
-    out += [st + 16, st + STORAGE_IMPL_BYTES - 1]
+    try:
+        st = t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):   # (a tensor without a storage: its own data_ptr says so)
+        st = None
+    if st:
+        out += [st + 16, st + STORAGE_IMPL_BYTES - 1]
     vc = version_counter_offset() if version else None
     if vc is not None:
         p = ctypes.c_uint64.from_address(impl + vc[0]).value
