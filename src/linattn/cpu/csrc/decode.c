@@ -940,9 +940,9 @@ LA_INLINE void FN(delta_read_rows)(int64_t V, const REAL *s0, int nr, const REAL
 }
 
 /* delta_update's two passes with S0 given and the state streamed: the first by blocks of DELTA_RB rows, the second
-   row by row (blocks of two rows there, o loaded and stored once per block, wrote two rows' lines in turn and
-   were slower from memory: docs/cpu_kernels.md, round 19b); gated and pf's presence are constants in each of the
-   caller's four instances (the row loop tested them per vector). */
+   row by row (by blocks of two or four rows, o loaded and stored once a block and the rows' lines streamed in turn,
+   it was slower from memory: docs/cpu_kernels.md, round 19b); gated and S0_next's presence are constants in each
+   of the caller's four instances (the row loop tested them per vector). */
 LA_INLINE void FN(delta_update_lines)(int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v, REAL d,
                                       REAL ar, int gated, REAL decay, const REAL *S0, REAL *S, REAL *e, REAL *o,
                                       const REAL *S0_next) {
