@@ -892,6 +892,76 @@ static inline void FN(delta_row_stream)(int64_t V, const REAL *s0, int gated, RE
         ZOP(stream)(s + c, sn);
     }
 }
+
+/* delta_row_stream's row with s0 given, by whole lines (V a multiple of a line: `stream`'s condition), the next
+   head's line prefetched once per line without a test per vector; gated and pf's presence constants once inlined.
+   The same operations (the same bits). */
+LA_INLINE void FN(delta_write_row)(int64_t V, const REAL *s0, int gated, REAL decay, REAL ki, REAL qi,
+                                   const REAL *e, REAL *s, REAL *o, const REAL *pf) {
+    const ZV dv = ZOP(set1)(decay), kv = ZOP(set1)(ki), qv = ZOP(set1)(qi);
+    const int64_t step = ZW / (int64_t)sizeof(REAL), line = 64 / (int64_t)sizeof(REAL);
+    for (int64_t c = 0; c < V; c += line) {
+        if (pf) _mm_prefetch((const char *)(pf + c), PF_NEXT_HINT);
+        for (int64_t x = 0; x < 64 / ZW; ++x) {   /* (a constant count: unrolled) */
+            const int64_t u = c + x * step;
+            ZV sv = ZOP(loadu)(s0 + u);
+            if (gated) sv = ZOP(mul)(sv, dv);
+            const ZV sn = ZOP(fmadd)(kv, ZOP(loadu)(e + u), sv);
+            ZOP(storeu)(o + u, ZOP(fmadd)(qv, sn, ZOP(loadu)(o + u)));
+            ZOP(stream)(s + u, sn);
+        }
+    }
+}
+
+/* The first pass over DELTA_RB rows (or one: nr, a constant once inlined) from s0 (stride V): e += k_i (decay
+   s0[i, :]) in ascending rows, e loaded and stored once per block instead of once per row; each e[j] takes its rows
+   in the same order by the same fma as the row loop (the same bits). The rows PF_ROWS ahead of the block's first
+   pf_rows rows are prefetched, a line of each per line of the block. */
+#define DELTA_RB 4
+LA_INLINE void FN(delta_read_rows)(int64_t V, const REAL *s0, int nr, const REAL *kr, int gated, REAL decay,
+                                   REAL *e, int64_t pf_rows) {
+    const int64_t step = ZW / (int64_t)sizeof(REAL), line = 64 / (int64_t)sizeof(REAL);
+    const ZV dv = ZOP(set1)(decay);
+    ZV kv[DELTA_RB];
+    for (int r = 0; r < nr; ++r) kv[r] = ZOP(set1)(kr[r]);
+    for (int64_t c = 0; c < V; c += line) {
+        for (int64_t r = 0; r < pf_rows; ++r) __builtin_prefetch(s0 + (PF_ROWS + r) * V + c, 0, 3);
+        for (int64_t x = 0; x < 64 / ZW; ++x) {
+            const int64_t u = c + x * step;
+            ZV ev = ZOP(loadu)(e + u);
+            for (int r = 0; r < nr; ++r) {
+                ZV sv = ZOP(loadu)(s0 + r * V + u);
+                if (gated) sv = ZOP(mul)(sv, dv);
+                ev = ZOP(fmadd)(kv[r], sv, ev);
+            }
+            ZOP(storeu)(e + u, ev);
+        }
+    }
+}
+
+/* delta_update's two passes with S0 given and the state streamed: the first by blocks of DELTA_RB rows, the second
+   row by row (by blocks of two or four rows, o loaded and stored once a block and the rows' lines streamed in turn,
+   it was slower from memory: docs/cpu_kernels.md, round 19b); gated and S0_next's presence are constants in each
+   of the caller's four instances (the row loop tested them per vector). */
+LA_INLINE void FN(delta_update_lines)(int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v, REAL d,
+                                      REAL ar, int gated, REAL decay, const REAL *S0, REAL *S, REAL *e, REAL *o,
+                                      const REAL *S0_next) {
+    for (int64_t j = 0; j < V; ++j) e[j] = 0;
+    int64_t i = 0;
+    for (; i + DELTA_RB <= K; i += DELTA_RB) {
+        const int64_t pf = K - PF_ROWS - i;   /* (rows i + PF_ROWS + r for r < pf lie inside the head) */
+        FN(delta_read_rows)(V, S0 + i * V, DELTA_RB, k + i, gated, decay, e,
+                            pf < 0 ? 0 : pf < DELTA_RB ? pf : DELTA_RB);
+    }
+    for (; i < K; ++i) FN(delta_read_rows)(V, S0 + i * V, 1, k + i, gated, decay, e, i + PF_ROWS < K);
+    for (int64_t j = 0; j < V; ++j) e[j] = (v[j] / d) * ar - ar * e[j];
+    for (int64_t j = 0; j < V; ++j) o[j] = 0;
+    for (i = 0; i < K; ++i)
+        FN(delta_write_row)(V, S0 + i * V, gated, decay, k[i], q[i], e, S + i * V, o,
+                            S0_next ? S0_next + i * V : NULL);
+    _mm_sfence();   /* (the streamed lines ordered before whatever reads the state next) */
+}
+#undef DELTA_RB
 #undef ZW
 #undef ZSFX
 #undef ZV_ps
@@ -913,10 +983,20 @@ static inline void FN(delta_row_stream)(int64_t V, const REAL *s0, int gated, RE
    of a line). S0 NULL: a zero state. S0_next (NULL: none) is prefetched into L2 during the second pass (the next
    head's old state: its first pass then reads from L2 while this one's writes drain). The rank-1 write is an
    explicit fma where the target has one: written as decay * s0 + k_i err_j, contraction may fuse either product
-   (the three passes stored decay S0 first). */
+   (the three passes stored decay S0 first). With S0 and streaming stores, delta_update_lines (the same operations
+   in the same order, the first pass by row blocks, no per-vector tests). */
 static void FN(delta_update)(int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v, REAL d, REAL ar,
                              int gated, REAL decay, const REAL *S0, REAL *S, REAL *e, REAL *o, int stream,
                              const REAL *S0_next) {
+#if STREAM_LINES
+    if (stream && S0) {
+        if (gated && S0_next) FN(delta_update_lines)(K, V, q, k, v, d, ar, 1, decay, S0, S, e, o, S0_next);
+        else if (gated) FN(delta_update_lines)(K, V, q, k, v, d, ar, 1, decay, S0, S, e, o, NULL);
+        else if (S0_next) FN(delta_update_lines)(K, V, q, k, v, d, ar, 0, decay, S0, S, e, o, S0_next);
+        else FN(delta_update_lines)(K, V, q, k, v, d, ar, 0, decay, S0, S, e, o, NULL);
+        return;
+    }
+#endif
     for (int64_t j = 0; j < V; ++j) e[j] = 0;
     if (S0)
         for (int64_t i = 0; i < K; ++i) {
