@@ -6,6 +6,7 @@ import importlib.util
 import io
 import os
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -92,9 +93,9 @@ def test_place_module_keeps_objects_values_ties_and_frees_the_old_storage():
     check_kept(before, m)
     assert rep.reason is None and rep.placed == 4 and rep.already_bytes == 0   # embed/head, lin w + slice, b, table
     assert rep.placed_bytes == sum(n for _, n in rep.ranges)
-    for t in (m.embed.weight, m.lin.weight, m.lin.bias, m.table):
+    for t in (m.embed.weight, m.lin.weight, m.lin.bias, m.table):   # (all under a huge page: pieces of a chunk)
         addr = t.untyped_storage().data_ptr()
-        assert addr % hp.HUGE == 0 and hp._ours(addr) and _madvised(addr)
+        assert addr % 64 == 0 and hp._ours(addr) and _madvised(addr)
     assert m.head.weight is m.embed.weight
     assert m.slice.untyped_storage().data_ptr() == m.lin.weight.untyped_storage().data_ptr()
     huge = rep.huge_bytes()
@@ -134,6 +135,43 @@ def test_the_old_storage_is_freed():
     assert out.returncode == 0, out.stderr
     placed, grew = map(int, out.stdout.split()[-2:])
     assert placed == 64 << 20 and grew < 16 << 20   # 64 MiB moved, 64 MiB freed
+
+
+@needs_thp
+def test_small_storages_share_chunks_that_live_while_a_piece_does(monkeypatch):
+    """Storages from MIN_BYTES up to a huge page are 64-byte-aligned pieces of shared chunks, side by side, each its
+    own storage of exactly its bytes; a chunk stays mapped while any piece of it lives and is unmapped after; one
+    of a huge page or more gets its own mapping; under MIN_BYTES stays."""
+    monkeypatch.setattr(hp, "MIN_BYTES", 64 << 10)
+    monkeypatch.setattr(hp, "_CHUNK", [None])   # (a fresh chunk: the pieces are side by side from its start)
+    m = nn.Module()
+    m.a = nn.Parameter(torch.randn(100 << 10 >> 2), requires_grad=False)   # 100 KiB
+    m.b = nn.Parameter(torch.randn((1536 << 10) // 4 + 3))                 # 1.5 MiB + 12 bytes
+    m.register_buffer("c", torch.arange(256 << 10 >> 3, dtype=torch.float64))
+    m.register_buffer("big", torch.ones(3 << 18))                          # 3 MiB: a mapping of its own
+    m.register_buffer("tiny", torch.ones(100))                              # stays
+    before = _snapshot(m)
+    rep = hp.place_module(m)
+    check_kept(before, m)
+    assert rep.placed == 4 and rep.skipped == {"smaller than min_bytes": 400}
+    ptr = {n: t.untyped_storage().data_ptr() for n, t in [*m.named_parameters(), *m.named_buffers()]}
+    chunk = hp._CHUNK[0]
+    assert ptr["a"] == chunk.start and chunk.start % hp.HUGE == 0
+    assert ptr["b"] == ptr["a"] + (100 << 10) and ptr["c"] == ptr["b"] + -(-((1536 << 10) + 12) // 64) * 64
+    assert all(hp._ours(ptr[n]) and _madvised(ptr[n]) for n in ("a", "b", "c", "big"))
+    assert ptr["big"] % hp.HUGE == 0 and not chunk.start <= ptr["big"] < chunk.start + chunk.length
+    assert not hp._ours(ptr["tiny"])
+    assert m.b.requires_grad and m.b.untyped_storage().nbytes() == (1536 << 10) + 12
+    for n in ("a", "c"):   # each piece a storage of exactly its own bytes
+        assert getattr(m, n).untyped_storage().nbytes() == getattr(m, n).numel() * getattr(m, n).element_size()
+    ref = weakref.ref(chunk)
+    hp._CHUNK[0] = None   # (the allocator lets it go: only the pieces hold it now)
+    del chunk
+    vals = m.c.clone()
+    del m.a, m.b
+    assert ref() is not None and torch.equal(m.c, vals)   # a live piece keeps its chunk mapped
+    del m
+    assert ref() is None   # the last piece gone: the chunk is unmapped
 
 
 @needs_thp
@@ -293,6 +331,7 @@ def test_refused_small_shared_and_foreign_tensors_stay(monkeypatch):
 
     monkeypatch.setattr(hp, "_LIBC", Refusing())
     monkeypatch.setattr(hp, "_POOL", {})
+    monkeypatch.setattr(hp, "_CHUNK", [None])   # (no chunk mapped before: a piece needs a new one)
     m2 = nn.Linear(32, 32)
     rep2 = hp.place_module(m2)
     assert rep2.placed == 0 and any(k.startswith("mapping refused") for k in rep2.skipped)

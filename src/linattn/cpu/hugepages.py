@@ -30,10 +30,18 @@ The design (three were weighed):
   break the drop-in contracts (safetensors refuses shared storages, `save_pretrained` deduplicates them,
   `torch.save` writes a view's whole storage), so a saved model would change.
 
+Storages under one huge page cannot fill a 2 MiB page of their own, yet a decoded token streams them from memory as
+it does the large ones (an int4 layer's output and down projections, 1-1.75 MiB at the 530M shape, and every
+product's scales), and on 4 KiB pages they read 6-11 % slower (docs/cpu_kernels.md, round 19b). Those of at least
+`MIN_BYTES` are copied side by side into shared chunks (`CHUNK_BYTES`, 2 MiB-aligned, asked for huge pages): each
+is still a storage of its own with exactly its bytes (so the saved files and the drop-in contracts above hold), a
+64-byte-aligned piece of a chunk that stays mapped while any piece of it is alive. A chunk is never reused piece by
+piece: a replaced small weight's bytes stay mapped until its chunk's other pieces go. Storages under `MIN_BYTES`
+stay where they are (norm weights, biases: a few KiB each).
+
 Where it cannot work (not Linux, transparent huge pages `never`, `madvise` refused, `LINATTN_HUGEPAGES=0`) it does
-nothing and says why in its `PlacementReport` - never an error. Storages under `MIN_BYTES` (one huge page) stay:
-they cannot fill a 2 MiB page and sit in the caches anyway. A storage that something outside the module also holds
-(a view kept elsewhere) stays too: re-pointing only the module's tensors would turn an alias into a copy.
+nothing and says why in its `PlacementReport` - never an error. A storage that something outside the module also
+holds (a view kept elsewhere) stays: re-pointing only the module's tensors would turn an alias into a copy.
 """
 from __future__ import annotations
 
@@ -51,8 +59,12 @@ import torch
 #: the huge page size the mappings are aligned to (x86-64 and arm64 with 4 KiB base pages)
 HUGE = 2 << 20
 _PAGE = mmap.PAGESIZE
-#: storages below one huge page stay where they are
-MIN_BYTES = HUGE
+#: storages below this stay where they are (`place_module`, `place_copy`); those from it up to one huge page share
+#: chunks; `empty`'s buffers (fresh every token) below one huge page are torch's
+MIN_BYTES = 64 << 10
+#: the size of a shared chunk (a storage under one huge page is a piece of one; the last few pieces' worth of a chunk
+#: may stay unused, under 2 MiB of it)
+CHUNK_BYTES = 8 * HUGE
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 _OFF = ("0", "false", "off", "no")
@@ -86,9 +98,10 @@ class PlacementReport:
         return huge_bytes(self.ranges)
 
     def huge_capacity(self) -> int:
-        """The bytes of `ranges` that whole 2 MiB pages can cover (a storage's tail past its last 2 MiB boundary
-        sits on 4 KiB pages, however free memory is): what `huge_bytes()` reaches when the kernel grants all."""
-        return sum(max(0, ((a + n) // HUGE - -(-a // HUGE)) * HUGE) for a, n in self.ranges)
+        """The bytes of `ranges` that whole 2 MiB pages can cover (a storage of its own mapping: its tail past its
+        last 2 MiB boundary sits on 4 KiB pages, however free memory is; a piece of a chunk: all of it): what
+        `huge_bytes()` reaches when the kernel grants all."""
+        return sum(n if n < HUGE else max(0, ((a + n) // HUGE - -(-a // HUGE)) * HUGE) for a, n in self.ranges)
 
 
 def switched_on() -> bool:
@@ -168,11 +181,17 @@ def _mapping(nbytes: int):
     """A writable buffer object of exactly nbytes on a fresh anonymous mapping at a 2 MiB-aligned address that asked
     for huge pages (a pooled one of the same length when there is one); released when the object is freed. Raises
     OSError when mmap or madvise refuses."""
-    lib = _libc()
     length = -(-nbytes // _PAGE) * _PAGE
     start = _pooled_mapping(length)
-    if start is not None:
-        return _wrap(start, length, nbytes)
+    if start is None:
+        start = _new_mapping(length)
+    return _wrap(start, length, nbytes)
+
+
+def _new_mapping(length: int) -> int:
+    """The start of a fresh anonymous mapping of length bytes (a multiple of the page) at a 2 MiB-aligned address,
+    asked for huge pages before its first touch. Raises OSError when mmap or madvise refuses."""
+    lib = _libc()
     got = lib.mmap(None, length + HUGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                    -1, 0)
     if got is None or got == ctypes.c_void_p(-1).value:
@@ -187,12 +206,43 @@ def _mapping(nbytes: int):
         err = ctypes.get_errno()
         lib.munmap(start, length)
         raise OSError(err, "madvise(MADV_HUGEPAGE) refused")
-    return _wrap(start, length, nbytes)
+    return start
 
 
 def _wrap(start: int, length: int, nbytes: int):
     buf = (ctypes.c_char * nbytes).from_address(start)
     weakref.finalize(buf, _release, start, length)
+    with _LOCK:
+        _MAPPINGS[start] = weakref.ref(buf)
+    return buf
+
+
+class _Chunk:
+    """A shared mapping that storages under one huge page are carved from, in order (`_piece`); unmapped when the
+    last piece and the allocator have let it go."""
+
+    __slots__ = ("start", "length", "used", "__weakref__")
+
+    def __init__(self, length: int):
+        self.start, self.length, self.used = _new_mapping(length), length, 0
+        weakref.finalize(self, _libc().munmap, self.start, length)
+
+
+_CHUNK: List[Optional[_Chunk]] = [None]   # the chunk pieces are carved from now
+
+
+def _piece(nbytes: int):
+    """A writable buffer object of exactly nbytes, a 64-byte-aligned piece of the current shared chunk (a new chunk
+    when it is full); the buffer keeps its chunk mapped. Raises OSError when a new chunk's mmap or madvise refuses."""
+    size = -(-nbytes // 64) * 64
+    with _LOCK:
+        chunk = _CHUNK[0]
+        if chunk is None or chunk.used + size > chunk.length:
+            chunk = _CHUNK[0] = _Chunk(max(CHUNK_BYTES, -(-size // HUGE) * HUGE))
+        start = chunk.start + chunk.used
+        chunk.used += size
+    buf = (ctypes.c_char * nbytes).from_address(start)
+    buf._linattn_chunk = chunk   # (the piece holds its chunk: no unmap under a live storage)
     with _LOCK:
         _MAPPINGS[start] = weakref.ref(buf)
     return buf
@@ -214,7 +264,7 @@ def _ours(addr: int) -> bool:
 def _storage_copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
     """A copy of storage's bytes on a fresh huge-page mapping (OSError where the kernel refuses)."""
     n = storage.nbytes()
-    dst = torch.frombuffer(_mapping(n), dtype=torch.uint8, count=n)
+    dst = torch.frombuffer(_mapping(n) if n >= HUGE else _piece(n), dtype=torch.uint8, count=n)
     dst.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
     return dst.untyped_storage()
 
@@ -228,7 +278,7 @@ def empty(n: int, dtype: torch.dtype) -> torch.Tensor:
     """A fresh uninitialised 1-d buffer of n elements, on a huge-page mapping when it is large enough and placement
     can run, else torch's."""
     nbytes = n * torch.empty(0, dtype=dtype).element_size()
-    if nbytes < MIN_BYTES or unavailable() is not None:
+    if nbytes < max(MIN_BYTES, HUGE) or unavailable() is not None:   # (never a piece: freed every token)
         return torch.empty(n, dtype=dtype)
     try:
         return torch.frombuffer(_mapping(nbytes), dtype=dtype, count=n)
@@ -265,7 +315,8 @@ def place_module(module: torch.nn.Module, min_bytes: Optional[int] = None) -> Pl
 
     Args:
         module: Any nn.Module; tensors off the CPU, sparse, quantized or subclassed ones are left alone.
-        min_bytes: Storages smaller than this stay (default `MIN_BYTES`, one huge page).
+        min_bytes: Storages smaller than this stay (default `MIN_BYTES`); those from it up to one huge page are
+            pieces of shared chunks, larger ones get mappings of their own.
 
     Returns:
         A `PlacementReport` (also kept as `module._linattn_hugepages`). Never raises for a machine that cannot
@@ -353,5 +404,5 @@ def tensor_huge_bytes(tensors: Iterable[torch.Tensor]) -> Optional[int]:
     return huge_bytes({(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors})
 
 
-__all__ = ["HUGE", "MIN_BYTES", "PlacementReport", "empty", "huge_bytes", "place_copy", "place_module",
+__all__ = ["CHUNK_BYTES", "HUGE", "MIN_BYTES", "PlacementReport", "empty", "huge_bytes", "place_copy", "place_module",
            "switched_on", "tensor_huge_bytes", "unavailable"]

@@ -560,8 +560,10 @@ _SCALES_BY_ROWS = frozenset({"mla_Wkb"})
 
 def plan_scales(name: str, mode: str, scales: torch.Tensor) -> torch.Tensor:
     """The scales plan matrix `name` of stored format `mode` reads: int4-a8's in the order of the product's steps
-    (a copy, cpu/qlayout.step_scales), any other as stored."""
-    return _step_scales(scales) if mode == "int4_a8" and name not in _SCALES_BY_ROWS else scales
+    (a copy, cpu/qlayout.step_scales, on huge pages: read every token), any other as stored."""
+    if mode == "int4_a8" and name not in _SCALES_BY_ROWS:
+        return _hugepages.place_copy(_step_scales(scales))
+    return scales
 
 
 def set_weight(p, name: str, linear: nn.Module, wdt: torch.dtype, addr) -> None:
