@@ -1318,7 +1318,8 @@ static inline void FN(kv_put)(int bf, void *base, int64_t i, REAL x) {
 /* The scores q . k_t of one query head against nt cached keys (rows `stride` elements apart from element `first` of
    the cache, bf16 when bf, else in the plan's type), times scale, into w[0 .. nt). Each score is summed by 64-byte
    lines into one vector accumulator and its lanes added pairwise (vsum: the products' order) where D is a multiple
-   of a line, four keys at a time (four independent chains); else in order, one element after another. */
+   of a line, four keys at a time (four independent chains); else in order, one element after another. On AVX2 the
+   same lanes by halves (KV_SCORES_YMM: the same bits, tests/cpu/test_decode_attn_paths.py). */
 static void FN(kv_scores)(int bf, const void *kc, int64_t first, int64_t stride, int64_t nt, int64_t D, const REAL *q,
                           REAL scale, REAL *w) {
     int64_t t = 0;
