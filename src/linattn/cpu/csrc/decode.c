@@ -1289,11 +1289,7 @@ static inline void FN(kv_put)(int bf, void *base, int64_t i, REAL x) {
             const __typeof__(*(k)) *k0 = (k) + t * stride, *k1 = k0 + stride, *k2 = k1 + stride,                 \
                                    *k3 = k2 + stride;                                                            \
             __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;      \
-            /* (the next step's four rows prefetched a line of each per line here: the cache comes from memory) */ \
-            const __typeof__(*(k)) *pf = t + 8 <= nt ? k0 + 4 * stride : k0;                                      \
             for (int64_t i = 0; i < D; i += 16) {                                                                \
-                LA_PREFETCH(pf + i, 0); LA_PREFETCH(pf + stride + i, 0);                                         \
-                LA_PREFETCH(pf + 2 * stride + i, 0); LA_PREFETCH(pf + 3 * stride + i, 0);                        \
                 const __m256 ql = _mm256_loadu_ps(q + i), qh = _mm256_loadu_ps(q + i + 8);                       \
                 l0 = _mm256_fmadd_ps(LOAD(k0 + i), ql, l0); h0 = _mm256_fmadd_ps(LOAD(k0 + i + 8), qh, h0);      \
                 l1 = _mm256_fmadd_ps(LOAD(k1 + i), ql, l1); h1 = _mm256_fmadd_ps(LOAD(k1 + i + 8), qh, h1);      \
@@ -1416,14 +1412,6 @@ static inline void FN(kv_axpy)(int bf, const void *vc, int64_t off, int64_t Dv, 
     }
 }
 
-/* the lines of the cached row of n elements at element `off` prefetched (the next key's value row, while a row is
-   added: the cache comes from memory, one row every 2 KiB at 2 KV heads of 256) */
-static inline void FN(kv_prefetch)(int bf, const void *vc, int64_t off, int64_t n) {
-    const size_t es = bf ? 2 : sizeof(REAL);
-    const char *r = (const char *)vc + (size_t)off * es;
-    for (size_t o = 0; o < (size_t)n * es; o += 64) LA_PREFETCH(r + o, 0);
-}
-
 /* the rotation of one head's first R channels (rotate-half form) by cos c / sin s [R/2] */
 static void FN(rope_head)(REAL *restrict x, int64_t R, const REAL *c, const REAL *s) {
     const int64_t h = R / 2;
@@ -1508,7 +1496,6 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
             for (int64_t t = lo; t < L; ++t) {
                 const REAL e = nan ? (REAL)NAN : MATH(exp)(w[t] - m);
                 den += e;
-                if (t + 1 < L) FN(kv_prefetch)(kb, p->vc, ((b * cap + t + 1) * G + j) * Dv, Dv);
                 FN(kv_axpy)(kb, p->vc, ((b * cap + t) * G + j) * Dv, Dv, e, oh);
             }
             const REAL *gh = p->att_gate == 1 ? g + b * H * Dv + h * Dv : p->att_gate == 2 ? qh + D : NULL;
