@@ -290,6 +290,9 @@ LIBRARIES: Dict[str, Library] = {
         # returns the steps run, or -1 out of memory, -2 an id out of range, -3 a KV cache it cannot advance
         Fn("linattn_decode_model_greedy", (_plan(ModelPlan),) + (c_ptr,) * 9 + (c_i64, c_i64, c_ptr, c_ptr),
            restype=c_i64, status=False),
+        # (k46 attn) bf16 keys, keys, first, stride, nt, D, q, scale -> w: one head's softmax scores (tests)
+        Fn("linattn_decode_kv_scores", (c_int, c_ptr) + (c_i64,) * 4 + (c_ptr, c_double, c_ptr), restype=None,
+           status=False),
     ), {"block_plan": BlockPlan, "model_plan": ModelPlan}),
     "dequant": Library(1, (
         # R, K, q (int8), scales (bf16), form (0 exact fp32, 1 bf16-rounded fp32, 2 bf16) -> out; threads

@@ -304,6 +304,14 @@ static inline vline_f32 vline_of(__m256 lo, __m256 hi) {
     memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
     return v;
 }
+/* vsum_f32 of the line lo | hi in registers: lane k + 8 onto k, then + 4, + 2, + 1, each sum low + high as there
+   (GCC's code for vsum_f32 of a line built by vline_of went through the stack) */
+static inline float vsum_ymm(__m256 lo, __m256 hi) {
+    const __m256 s8 = _mm256_add_ps(lo, hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
 /* The 4-row loop of the AVX2 products (fp32, bf16 and int8 rows w0 .. w3 times xb, inputs [0, N), N a multiple of
    16) in 8 half-line accumulators, the weights widened 8 at a time by WIDEN(p); PF (the rows' prefetches, at the
    steps j with (j & PFMASK) == 0 of batch row 0). a0 .. a3 get the lines: the generic loops' lanes and fmas. */
@@ -619,6 +627,10 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
                               ix0 = _mm256_setr_epi32(0, 0, 0, 0, 0, 1, 1, 1),
                               ix1 = _mm256_setr_epi32(2, 2, 2, 3, 3, 3, 4, 4),
                               ix2 = _mm256_setr_epi32(5, 5, 5, 5, 6, 6, 6, 7);
+                /* The new window by streaming stores where it is 32-byte aligned (a step's 24 floats keep that):
+                   w_out is a fresh buffer read back only by the next token, after the weights have gone through the
+                   caches, so a plain store's reading of its lines first is wasted traffic (a third of the window's) */
+                const int stream = ((uintptr_t)wo & 31) == 0;
                 for (; c0 + 8 < C; c0 += 8) {
                     const float *w3 = wi + 3 * c0, *t4 = cw + 4 * c0;
                     const __m256 v0 = _mm256_loadu_ps(w3), v1 = _mm256_loadu_ps(w3 + 8),
@@ -648,10 +660,16 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
                     float *o3 = wo + 3 * c0;
                     const __m256 p0 = _mm256_permutevar8x32_ps(xt, ix0), p1 = _mm256_permutevar8x32_ps(xt, ix1),
                                  p2 = _mm256_permutevar8x32_ps(xt, ix2);
-                    _mm256_storeu_ps(o3, _mm256_blend_ps(_mm256_loadu_ps(w3 + 1), p0, 0x24));
-                    _mm256_storeu_ps(o3 + 8, _mm256_blend_ps(_mm256_loadu_ps(w3 + 9), p1, 0x49));
-                    _mm256_storeu_ps(o3 + 16, _mm256_blend_ps(_mm256_loadu_ps(w3 + 17), p2, 0x92));
+                    const __m256 n0 = _mm256_blend_ps(_mm256_loadu_ps(w3 + 1), p0, 0x24),
+                                 n1 = _mm256_blend_ps(_mm256_loadu_ps(w3 + 9), p1, 0x49),
+                                 n2 = _mm256_blend_ps(_mm256_loadu_ps(w3 + 17), p2, 0x92);
+                    if (stream) {
+                        _mm256_stream_ps(o3, n0); _mm256_stream_ps(o3 + 8, n1); _mm256_stream_ps(o3 + 16, n2);
+                    } else {
+                        _mm256_storeu_ps(o3, n0); _mm256_storeu_ps(o3 + 8, n1); _mm256_storeu_ps(o3 + 16, n2);
+                    }
                 }
+                if (stream) _mm_sfence();
             }
 #endif
 #pragma omp simd
@@ -1340,10 +1358,44 @@ static inline void FN(kv_put)(int bf, void *base, int64_t i, REAL x) {
         ((REAL *)base)[i] = x;
 }
 
+#if defined(LINE_YMM) && !defined(KV_SCORES_YMM)
+/* kv_scores's vector path on AVX2 (keys from k, their 8 elements at p widened to fp32 by LOAD(p)): the generic
+   16-lane code went through the stack there (spills and element shuffles, ~1.7 cycles a multiply-add). Each line's
+   two halves in their own registers, 4 keys a step (8 accumulators): the generic lanes, fmas (key times query, onto
+   the accumulator) and vsum order, so the same bits. Uses t, nt, stride, D, q, scale, w of kv_scores. */
+#define KV_SCORES_YMM(k, LOAD)                                                                                   \
+    do {                                                                                                         \
+        for (; t + 4 <= nt; t += 4) {                                                                            \
+            const __typeof__(*(k)) *k0 = (k) + t * stride, *k1 = k0 + stride, *k2 = k1 + stride,                 \
+                                   *k3 = k2 + stride;                                                            \
+            __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;      \
+            for (int64_t i = 0; i < D; i += 16) {                                                                \
+                const __m256 ql = _mm256_loadu_ps(q + i), qh = _mm256_loadu_ps(q + i + 8);                       \
+                l0 = _mm256_fmadd_ps(LOAD(k0 + i), ql, l0); h0 = _mm256_fmadd_ps(LOAD(k0 + i + 8), qh, h0);      \
+                l1 = _mm256_fmadd_ps(LOAD(k1 + i), ql, l1); h1 = _mm256_fmadd_ps(LOAD(k1 + i + 8), qh, h1);      \
+                l2 = _mm256_fmadd_ps(LOAD(k2 + i), ql, l2); h2 = _mm256_fmadd_ps(LOAD(k2 + i + 8), qh, h2);      \
+                l3 = _mm256_fmadd_ps(LOAD(k3 + i), ql, l3); h3 = _mm256_fmadd_ps(LOAD(k3 + i + 8), qh, h3);      \
+            }                                                                                                    \
+            w[t] = vsum_ymm(l0, h0) * scale; w[t + 1] = vsum_ymm(l1, h1) * scale;                                \
+            w[t + 2] = vsum_ymm(l2, h2) * scale; w[t + 3] = vsum_ymm(l3, h3) * scale;                            \
+        }                                                                                                        \
+        for (; t < nt; ++t) {                                                                                    \
+            const __typeof__(*(k)) *k0 = (k) + t * stride;                                                       \
+            __m256 l0 = _mm256_setzero_ps(), h0 = l0;                                                            \
+            for (int64_t i = 0; i < D; i += 16) {                                                                \
+                l0 = _mm256_fmadd_ps(LOAD(k0 + i), _mm256_loadu_ps(q + i), l0);                                  \
+                h0 = _mm256_fmadd_ps(LOAD(k0 + i + 8), _mm256_loadu_ps(q + i + 8), h0);                          \
+            }                                                                                                    \
+            w[t] = vsum_ymm(l0, h0) * scale;                                                                     \
+        }                                                                                                        \
+    } while (0)
+#endif
+
 /* The scores q . k_t of one query head against nt cached keys (rows `stride` elements apart from element `first` of
    the cache, bf16 when bf, else in the plan's type), times scale, into w[0 .. nt). Each score is summed by 64-byte
    lines into one vector accumulator and its lanes added pairwise (vsum: the products' order) where D is a multiple
-   of a line, four keys at a time (four independent chains); else in order, one element after another. */
+   of a line, four keys at a time (four independent chains); else in order, one element after another. On AVX2 the
+   same lanes by halves (KV_SCORES_YMM: the same bits, tests/cpu/test_decode_attn_paths.py). */
 static void FN(kv_scores)(int bf, const void *kc, int64_t first, int64_t stride, int64_t nt, int64_t D, const REAL *q,
                           REAL scale, REAL *w) {
     int64_t t = 0;
@@ -1351,6 +1403,9 @@ static void FN(kv_scores)(int bf, const void *kc, int64_t first, int64_t stride,
     const int64_t VL = 64 / sizeof(REAL);
     if (D % VL == 0 && !bf) {
         const REAL *k = (const REAL *)kc + first;
+#if defined(LINE_YMM) && REAL_IS_FLOAT
+        KV_SCORES_YMM(k, _mm256_loadu_ps);
+#else
         for (; t + 4 <= nt; t += 4) {
             const REAL *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
             FN(vline) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
@@ -1368,11 +1423,15 @@ static void FN(kv_scores)(int bf, const void *kc, int64_t first, int64_t stride,
             for (int64_t i = 0; i < D; i += VL) a0 += *(const FN(vline) *)(k0 + i) * *(const FN(vline) *)(q + i);
             w[t] = FN(vsum)(a0) * scale;
         }
+#endif
         return;
     }
 #if REAL_IS_FLOAT
     if (D % 16 == 0 && bf) {   /* (bf16 keys widened a line at a time, as the bf16 products' weights) */
         const uint16_t *k = (const uint16_t *)kc + first;
+#if defined(LINE_YMM)
+        KV_SCORES_YMM(k, bf16_ymm);
+#else
         for (; t + 4 <= nt; t += 4) {
             const uint16_t *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
             vline_f32 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
@@ -1401,6 +1460,7 @@ static void FN(kv_scores)(int bf, const void *kc, int64_t first, int64_t stride,
             for (int64_t i = 0; i < D; i += 16) a0 += bf16_line(k0 + i) * *(const vline_f32 *)(q + i);
             w[t] = vsum_f32(a0) * scale;
         }
+#endif
         return;
     }
 #endif
@@ -1410,6 +1470,12 @@ static void FN(kv_scores)(int bf, const void *kc, int64_t first, int64_t stride,
         for (int64_t i = 0; i < D; ++i) s += q[i] * FN(kv_get)(bf, kc, first + t * stride + i);
         w[t] = s * scale;
     }
+}
+
+/* kv_scores as an entry point (tests: each build's path against the fp64 scores and the generic path's bits) */
+void FN(linattn_decode_kv_scores)(int bf, const void *kc, int64_t first, int64_t stride, int64_t nt, int64_t D,
+                                  const REAL *q, double scale, REAL *w) {
+    FN(kv_scores)(bf, kc, first, stride, nt, D, q, (REAL)scale, w);
 }
 
 /* o[0 .. Dv) += e * v, v the cached row at element `off` (bf16 when bf, else in the plan's type): the softmax
@@ -1513,10 +1579,14 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
                 FN(kv_axpy)(kb, p->vc, ((b * cap + t) * G + j) * Dv, Dv, e, oh);
             }
             const REAL *gh = p->att_gate == 1 ? g + b * H * Dv + h * Dv : p->att_gate == 2 ? qh + D : NULL;
-            for (int64_t i = 0; i < Dv; ++i) {
-                REAL r = oh[i] / den;
-                if (gh) r *= p->gate_sig ? (REAL)1 / ((REAL)1 + MATH(exp)(-gh[i])) : FN(la_silu)(gh[i]);
-                oh[i] = r;
+            /* o / den times the gate, a loop per gate (one loop choosing per element left SiLU's exp scalar) */
+            if (!gh)
+                for (int64_t i = 0; i < Dv; ++i) oh[i] = oh[i] / den;
+            else if (p->gate_sig)   /* (libm's exp, as the layer's torch.sigmoid: a call per element) */
+                for (int64_t i = 0; i < Dv; ++i) oh[i] = (oh[i] / den) * ((REAL)1 / ((REAL)1 + MATH(exp)(-gh[i])));
+            else {
+                LA_SIMD
+                for (int64_t i = 0; i < Dv; ++i) oh[i] = (oh[i] / den) * FN(la_silu)(gh[i]);
             }
         }
         LT_BYTES((double)(kb ? 2 : sizeof(REAL)) * (double)((L - lo) * G * (D + Dv)));
