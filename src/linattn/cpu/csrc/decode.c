@@ -627,10 +627,6 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
                               ix0 = _mm256_setr_epi32(0, 0, 0, 0, 0, 1, 1, 1),
                               ix1 = _mm256_setr_epi32(2, 2, 2, 3, 3, 3, 4, 4),
                               ix2 = _mm256_setr_epi32(5, 5, 5, 5, 6, 6, 6, 7);
-                /* The new window by streaming stores where it is 32-byte aligned (a step's 24 floats keep that):
-                   w_out is a fresh buffer read back only by the next token, after the weights have gone through the
-                   caches, so a plain store's reading of its lines first is wasted traffic (a third of the window's) */
-                const int stream = ((uintptr_t)wo & 31) == 0;
                 for (; c0 + 8 < C; c0 += 8) {
                     const float *w3 = wi + 3 * c0, *t4 = cw + 4 * c0;
                     const __m256 v0 = _mm256_loadu_ps(w3), v1 = _mm256_loadu_ps(w3 + 8),
@@ -660,16 +656,10 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
                     float *o3 = wo + 3 * c0;
                     const __m256 p0 = _mm256_permutevar8x32_ps(xt, ix0), p1 = _mm256_permutevar8x32_ps(xt, ix1),
                                  p2 = _mm256_permutevar8x32_ps(xt, ix2);
-                    const __m256 n0 = _mm256_blend_ps(_mm256_loadu_ps(w3 + 1), p0, 0x24),
-                                 n1 = _mm256_blend_ps(_mm256_loadu_ps(w3 + 9), p1, 0x49),
-                                 n2 = _mm256_blend_ps(_mm256_loadu_ps(w3 + 17), p2, 0x92);
-                    if (stream) {
-                        _mm256_stream_ps(o3, n0); _mm256_stream_ps(o3 + 8, n1); _mm256_stream_ps(o3 + 16, n2);
-                    } else {
-                        _mm256_storeu_ps(o3, n0); _mm256_storeu_ps(o3 + 8, n1); _mm256_storeu_ps(o3 + 16, n2);
-                    }
+                    _mm256_storeu_ps(o3, _mm256_blend_ps(_mm256_loadu_ps(w3 + 1), p0, 0x24));
+                    _mm256_storeu_ps(o3 + 8, _mm256_blend_ps(_mm256_loadu_ps(w3 + 9), p1, 0x49));
+                    _mm256_storeu_ps(o3 + 16, _mm256_blend_ps(_mm256_loadu_ps(w3 + 17), p2, 0x92));
                 }
-                if (stream) _mm_sfence();
             }
 #endif
 #pragma omp simd
