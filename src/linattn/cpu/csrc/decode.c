@@ -312,20 +312,25 @@ static inline float vsum_ymm(__m256 lo, __m256 hi) {
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
-/* The 4-row loop of the AVX2 products (fp32, bf16 and int8 rows w0 .. w3 times xb, inputs [0, N), N a multiple of
-   16) in 8 half-line accumulators, the weights widened 8 at a time by WIDEN(p); PF (the rows' prefetches, at the
-   steps j with (j & PFMASK) == 0 of batch row 0). a0 .. a3 get the lines: the generic loops' lanes and fmas. */
+/* Four rows R0 .. R3 times X over [0, N) (N a multiple of 16) into 8 half-line accumulators l0 / h0 .. l3 / h3,
+   declared here (a statement list: put it in a block), the rows' elements widened 8 at a time by WIDEN(p); PF run
+   at the steps j where PFWHEN holds. The generic 16-lane loops' lanes and fmas (row element times x, onto the
+   accumulator): the same bits. */
+#define YMM_DOT4(WIDEN, X, R0, R1, R2, R3, N, PFWHEN, PF)                                                        \
+    __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;              \
+    for (int64_t j = 0; j < (N); j += 16) {                                                                      \
+        if (PFWHEN) { PF; }                                                                                      \
+        const __m256 xl = _mm256_loadu_ps((X) + j), xh = _mm256_loadu_ps((X) + j + 8);                           \
+        l0 = _mm256_fmadd_ps(WIDEN((R0) + j), xl, l0); h0 = _mm256_fmadd_ps(WIDEN((R0) + j + 8), xh, h0);        \
+        l1 = _mm256_fmadd_ps(WIDEN((R1) + j), xl, l1); h1 = _mm256_fmadd_ps(WIDEN((R1) + j + 8), xh, h1);        \
+        l2 = _mm256_fmadd_ps(WIDEN((R2) + j), xl, l2); h2 = _mm256_fmadd_ps(WIDEN((R2) + j + 8), xh, h2);        \
+        l3 = _mm256_fmadd_ps(WIDEN((R3) + j), xl, l3); h3 = _mm256_fmadd_ps(WIDEN((R3) + j + 8), xh, h3);        \
+    }
+/* The 4-row loop of the AVX2 products (fp32, bf16 and int8 rows w0 .. w3 times xb, inputs [0, N)): YMM_DOT4 with
+   PF (the rows' prefetches) at the steps j with (j & PFMASK) == 0 of batch row 0; a0 .. a3 get the lines. */
 #define YMM_ROWS4(WIDEN, N, PFMASK, PF)                                                                          \
     do {                                                                                                         \
-        __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;          \
-        for (int64_t j = 0; j < (N); j += 16) {                                                                  \
-            if (b == 0 && (j & (PFMASK)) == 0) { PF; }                                                           \
-            const __m256 xl = _mm256_loadu_ps(xb + j), xh = _mm256_loadu_ps(xb + j + 8);                         \
-            l0 = _mm256_fmadd_ps(WIDEN(w0 + j), xl, l0); h0 = _mm256_fmadd_ps(WIDEN(w0 + j + 8), xh, h0);        \
-            l1 = _mm256_fmadd_ps(WIDEN(w1 + j), xl, l1); h1 = _mm256_fmadd_ps(WIDEN(w1 + j + 8), xh, h1);        \
-            l2 = _mm256_fmadd_ps(WIDEN(w2 + j), xl, l2); h2 = _mm256_fmadd_ps(WIDEN(w2 + j + 8), xh, h2);        \
-            l3 = _mm256_fmadd_ps(WIDEN(w3 + j), xl, l3); h3 = _mm256_fmadd_ps(WIDEN(w3 + j + 8), xh, h3);        \
-        }                                                                                                        \
+        YMM_DOT4(WIDEN, xb, w0, w1, w2, w3, N, b == 0 && (j & (PFMASK)) == 0, PF)                                \
         a0 = vline_of(l0, h0); a1 = vline_of(l1, h1); a2 = vline_of(l2, h2); a3 = vline_of(l3, h3);              \
     } while (0)
 #endif
@@ -1358,14 +1363,7 @@ static inline void FN(kv_put)(int bf, void *base, int64_t i, REAL x) {
         for (; t + 4 <= nt; t += 4) {                                                                            \
             const __typeof__(*(k)) *k0 = (k) + t * stride, *k1 = k0 + stride, *k2 = k1 + stride,                 \
                                    *k3 = k2 + stride;                                                            \
-            __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;      \
-            for (int64_t i = 0; i < D; i += 16) {                                                                \
-                const __m256 ql = _mm256_loadu_ps(q + i), qh = _mm256_loadu_ps(q + i + 8);                       \
-                l0 = _mm256_fmadd_ps(LOAD(k0 + i), ql, l0); h0 = _mm256_fmadd_ps(LOAD(k0 + i + 8), qh, h0);      \
-                l1 = _mm256_fmadd_ps(LOAD(k1 + i), ql, l1); h1 = _mm256_fmadd_ps(LOAD(k1 + i + 8), qh, h1);      \
-                l2 = _mm256_fmadd_ps(LOAD(k2 + i), ql, l2); h2 = _mm256_fmadd_ps(LOAD(k2 + i + 8), qh, h2);      \
-                l3 = _mm256_fmadd_ps(LOAD(k3 + i), ql, l3); h3 = _mm256_fmadd_ps(LOAD(k3 + i + 8), qh, h3);      \
-            }                                                                                                    \
+            YMM_DOT4(LOAD, q, k0, k1, k2, k3, D, 0, (void)0)                                                     \
             w[t] = vsum_ymm(l0, h0) * scale; w[t + 1] = vsum_ymm(l1, h1) * scale;                                \
             w[t + 2] = vsum_ymm(l2, h2) * scale; w[t + 3] = vsum_ymm(l3, h3) * scale;                            \
         }                                                                                                        \
