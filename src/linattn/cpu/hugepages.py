@@ -211,7 +211,7 @@ def _new_mapping(length: int) -> int:
 
 def _wrap(start: int, length: int, nbytes: int):
     buf = (ctypes.c_char * nbytes).from_address(start)
-    weakref.finalize(buf, _release, start, length)
+    weakref.finalize(buf, _release, start, length).atexit = False   # (as _Chunk's)
     with _LOCK:
         _MAPPINGS[start] = weakref.ref(buf)
     return buf
@@ -225,7 +225,8 @@ class _Chunk:
 
     def __init__(self, length: int):
         self.start, self.length, self.used = _new_mapping(length), length, 0
-        weakref.finalize(self, _libc().munmap, self.start, length)
+        # (not at exit: a storage still alive then may be read by another finalizer; the process's end unmaps it)
+        weakref.finalize(self, _libc().munmap, self.start, length).atexit = False
 
 
 _CHUNK: List[Optional[_Chunk]] = [None]   # the chunk pieces are carved from now
