@@ -95,4 +95,4 @@ def test_the_compiled_prefetch_runs_on_stale_addresses():
 
 def test_no_prefetcher_without_the_kernels(monkeypatch):
     monkeypatch.setenv(cbuild.ENV_SWITCH, "0")
-    assert pf.function() is None and pf.prefetcher([id(object())]) is None
+    assert pf.function() is None and pf.prefetcher(lambda: [id(object())]) is None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from typing import Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
 import torch
 
@@ -137,7 +137,8 @@ def function():
     return None if lib is None else lib.function("linattn_prefetch_lines")
 
 
-def prefetcher(addresses: Iterable[int]) -> Optional[Prefetcher]:
-    """A `Prefetcher` of addresses, or None without the compiled function (module docstring)."""
+def prefetcher(addresses: Callable[[], Iterable[int]]) -> Optional[Prefetcher]:
+    """A `Prefetcher` of the addresses `addresses()` gives, or None without the compiled function (module docstring);
+    the list is made only when there is a function to ask for it."""
     fn = function()
-    return None if fn is None else Prefetcher(fn, addresses)
+    return None if fn is None else Prefetcher(fn, addresses())

@@ -274,12 +274,6 @@ _data_ptr = torch.Tensor.data_ptr
 _Handle = RemovableHandle   # (its class counter numbers every hook handle made)
 
 
-def _prefetcher(guard: "PlanGuard"):
-    """The guard's `cpu/prefetch.Prefetcher` of its `lines`, or None without the compiled function."""
-    fn = _prefetch.function()
-    return None if fn is None else _prefetch.Prefetcher(fn, guard.lines())
-
-
 def _probe_dict_version():
     """torch's reader of a dict's version tag (dynamo's guards use it: a number that changes whenever the dict is
     written), or None where this torch or Python lacks it or it does not behave so (then every token looks up
@@ -366,7 +360,7 @@ class PlanGuard:
         self.dversions = None if _dict_version is None else list(map(_dict_version, self.dicts))
         self.touched = list({id(o): o for o in (*self.dicts, *self.tensors, *self.mixers, *self.fusedobjs)}.values())
         self.handles = -1   # (no hook dict looked at yet)
-        self.prefetch = _prefetcher(self)
+        self.prefetch = _prefetch.prefetcher(self.lines)
 
     def lines(self) -> list:
         """The addresses `valid` reads, in its order (`cpu/prefetch.py`): the objects of its touch pass, the dicts'
@@ -404,7 +398,7 @@ class PlanGuard:
             if _dict_version is not None:   # (every entry as built: these versions stand for them until a write)
                 self.dversions = list(map(_dict_version, self.dicts))
                 if self.prefetch is not None:   # (the new numbers are new objects)
-                    self.prefetch = _prefetcher(self)
+                    self.prefetch = _prefetch.prefetcher(self.lines)
         return (list(map(_data_ptr, self.tensors)) == self.ptrs
                 and list(map(_version_of, self.vtensors)) == self.versions
                 and all(map(operator.is_, map(_fused_value, self.fusedobjs), self.fused))
