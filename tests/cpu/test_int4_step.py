@@ -1,10 +1,9 @@
 """AVX2's int4-a8 decode step (csrc/qmatvec.h a8_i4_direct / a8_i4_full, round 20): one x row on one thread with no
-bias, add or tail, its steps of four rows in a loop of their own, a row's lanes in fours of steps, each pair of steps'
-scales from one load (a8_i4_scales2). Every arrangement of a row's lanes after its fours (none, a pair, an odd step,
-both: nlv % 32 of 0, 16, 8, 24), with and without fours, steps on the unchecked loop and the last ones on the checked
-one, every n % 4, groups 32 and 64, every row and group its own scale: the bits of the same row in a product of two x
-rows (a8_i4_pass: its own scale loads and loop) and of the product with an add of zeros (the per-step loop's
-stores), and within the format's bound against fp64."""
+bias, add or tail, its steps of four rows in a loop of their own, a row's lanes in pairs of steps with each pair's
+scales from one load (a8_i4_scales2). Rows of one odd step, pairs only, pairs and an odd step, steps on the unchecked
+loop and the last ones on the checked one, every n % 4, groups 32 and 64, every row and group its own scale: the
+bits of the same row in a product of two x rows (a8_i4_pass: its own scale loads and loop) and of the product with
+an add of zeros (the per-step loop's stores), and within the format's bound against fp64."""
 from __future__ import annotations
 
 import pytest
@@ -21,12 +20,12 @@ pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compile
 decode_lib = decode_variant_fixture(
     {"avx2": ("#undef __AVX512F__\n#undef __AVX512VNNI__\n#undef __AVXVNNI__\n", {"avx2", "fma"})})
 
-# (n, k): the row's 8-input lanes nlv = k / 8 in fours of steps (32 lanes) and what is left: k 64 an odd step alone,
-# 192 a pair and an odd step, 256 one four, 320 a four and an odd step, 384 a four and a pair, 448 a four, a pair and
-# an odd step, 1024 four fours (the 530M model's qkv / gate_up / head rows), 2112 eight fours and an odd step. n: the
-# first steps' prefetches need no check (Q_PF_BYTES + 32 + 64 (nlv / 16 - 1) bytes of room after the last row), the
-# last ones do; n % 4 of 0-3 (the last rows alone)
-SHAPES = [(150, 64), (67, 192), (42, 256), (40, 320), (33, 384), (35, 448), (64, 1024), (13, 2112)]
+# (n, k): the row's 8-input lanes nlv = k / 8 in pairs of steps (16 lanes) and an odd step: k 64 an odd step alone,
+# 128 one pair, 192 a pair and an odd step, 256 / 384 two / three pairs, 320 / 448 and an odd step, 1024 eight pairs
+# (the 530M model's qkv / gate_up / head rows), 2112 16 pairs and an odd step. n: the first steps' prefetches need no
+# check (Q_PF_BYTES + 32 + 64 (nlv / 16 - 1) bytes of room after the last row), the last ones do; n % 4 of 0-3 (the
+# last rows alone)
+SHAPES = [(150, 64), (90, 128), (67, 192), (42, 256), (40, 320), (33, 384), (35, 448), (64, 1024), (13, 2112)]
 
 
 @pytest.mark.parametrize("group", [32, 64])
