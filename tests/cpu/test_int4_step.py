@@ -1,9 +1,10 @@
-"""AVX2's int4-a8 decode step (csrc/qmatvec.h a8_i4_direct / a8_i4_full, round 20): one x row on one thread with no
-bias, add or tail, its steps of four rows in a loop of their own, a row's lanes in pairs of steps with each pair's
-scales from one load (a8_i4_scales2). Rows of one odd step, pairs only, pairs and an odd step, steps on the unchecked
-loop and the last ones on the checked one, every n % 4, groups 32 and 64, every row and group its own scale: the
-bits of the same row in a product of two x rows (a8_i4_pass: its own scale loads and loop) and of the product with
-an add of zeros (the per-step loop's stores), and within the format's bound against fp64."""
+"""AVX2's int4-a8 decode step (csrc/qmatvec.h a8_i4_steps4's direct loop: one x row on one thread with no bias, add
+or tail, its steps of four rows in a loop of their own storing into y, a row's lanes in pairs of steps). Rows of one
+odd step, pairs only, pairs and an odd step, steps on the unchecked loop and the last ones on the checked one, every
+n % 4, groups 32 and 64, every row and group its own scale: the bits of the same row in a product of two x rows
+(a8_i4_pass: its own scale loads and loop) and of the product with an add of zeros (the per-step loop's stores), and
+within the format's bound against fp64. (Round 20 tried other forms of this loop with the same bits: this is the
+test that held them to it.)"""
 from __future__ import annotations
 
 import pytest

@@ -758,28 +758,6 @@ static inline __attribute__((always_inline)) __m256i a8_i4_sum1(__m256i p0, __m2
 #else
 #define A8_ROW_CORR _mm256_setzero_si256()   /* (the blocks' excess, a8_x.bc, added after the sum) */
 #endif
-/* a step of four rows' scales at g4 (bf16 [group][4 rows], a8_step_scales) as its lanes take them: group 32 the
-   step's two groups, 64 its one group in both halves. bf16 bits to fp32: the upper half of a lane (exact, the values
-   round 14 converted per span into a table: the same bits) */
-static inline __attribute__((always_inline)) __m256 a8_i4_scales(const int G, const uint16_t *g4) {
-    if (G == 32)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)g4)), 16));
-    return _mm256_castsi256_ps(_mm256_unpacklo_epi16(
-        _mm256_setzero_si256(), _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(const void *)g4))));
-}
-/* a8_i4_scales of two consecutive steps (g4 and the next step's, g4 + 8 (32) or + 4 (64)) from one load: 3
-   instructions, not 4 (round 20). 32: the 16 values' quarters q0 q1 | q2 q3 put in the order q0 q2 | q1 q3, so
-   that unpacking each lane's low quarter gives the first step's [q0 | q1] and its high one the second's [q2 | q3];
-   64: the 8 values in both halves, the low 4 (the first step's group) and the high 4. The same values. */
-static inline __attribute__((always_inline)) void a8_i4_scales2(const int G, const uint16_t *g4, __m256 *ga,
-                                                                __m256 *gb) {
-    const __m256i z = _mm256_setzero_si256();
-    const __m256i u = G == 32 ? _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(const void *)g4), 0xD8)
-                              : _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)g4));
-    *ga = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, u));
-    *gb = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, u));
-}
 /* the step of R rows in groups of G into acc at lane k (inputs 8k .. 8k + 63 of the span): its x integers at v + 8k
    (64), excess at c + k (8 lanes), x scales at l + k (8), the rows' bytes at w0 + 4k .. w3 + 4k, the scales of its
    first group at g4 (R = 4: bf16 [group][4 rows] as a8_step_scales stores them) or the row's 8 in sc picked by gi
@@ -787,12 +765,13 @@ static inline __attribute__((always_inline)) void a8_i4_scales2(const int G, con
    bytes a step: the caller asks every other step) 0 not, 1 with no bound check, 2 checked against pf_end (NULL:
    none). Every array is addressed from its base by the one index k (round 14: the loop advanced seven pointers;
    round 11: each step's addresses were computed from its input index, ~15 of its ~65 instructions) */
-static inline __attribute__((always_inline)) __m256 a8_i4_stepg(const int R, const int G, const int pf, int64_t k,
-                                                                const int8_t *v, const int32_t *c, const float *l,
-                                                                const uint8_t *w0, const uint8_t *w1,
-                                                                const uint8_t *w2, const uint8_t *w3,
-                                                                const uint16_t *g4, __m256 sc, __m256i gi,
-                                                                const uint8_t *pf_end, __m256 acc, const int given) {
+static inline __attribute__((always_inline)) __m256 a8_i4_step(const int R, const int G, const int pf, int64_t k,
+                                                               const int8_t *v, const int32_t *c, const float *l,
+                                                               const uint8_t *w0, const uint8_t *w1,
+                                                               const uint8_t *w2, const uint8_t *w3,
+                                                               const uint16_t *g4,
+                                                               __m256 sc, __m256i gi, const uint8_t *pf_end,
+                                                               __m256 acc) {
     const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)(v + 8 * k)),
                   x1 = _mm256_loadu_si256((const __m256i *)(const void *)(v + 8 * k + 32)),
                   corr = _mm256_loadu_si256((const __m256i *)(const void *)(c + k));
@@ -817,22 +796,20 @@ static inline __attribute__((always_inline)) __m256 a8_i4_stepg(const int R, con
         const __m256i rc = A8_ROW_CORR;
         i = a8_i4_sum4(a8_i4_row(w0 + 4 * k, x0, x1, rc), a8_i4_row(w1 + 4 * k, x0, x1, rc),
                        a8_i4_row(w2 + 4 * k, x0, x1, rc), a8_i4_row(w3 + 4 * k, x0, x1, rc), corr);
-        g = given ? sc : a8_i4_scales(G, g4);   /* (given: the step's scales in sc, a8_i4_scales2's) */
+        /* group 32: the step's two groups; 64: its one group in both halves. bf16 bits to fp32: the upper half of
+           a lane (exact, the values round 14 converted per span into a table: the same bits) */
+        if (G == 32)
+            g = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)g4)), 16));
+        else
+            g = _mm256_castsi256_ps(_mm256_unpacklo_epi16(
+                _mm256_setzero_si256(), _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(const void *)g4))));
     } else {
         (void)g4; (void)w1; (void)w2; (void)w3;
         i = a8_i4_sum1(a8_i4_row(w0 + 4 * k, x0, x1, A8_ROW_CORR), corr);
         g = _mm256_permutevar8x32_ps(sc, gi);   /* lanes 0-3 and 4-7: the step's two groups (32) or its one (64) */
     }
     return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_loadu_ps(l + k)), g, acc);
-}
-static inline __attribute__((always_inline)) __m256 a8_i4_step(const int R, const int G, const int pf, int64_t k,
-                                                               const int8_t *v, const int32_t *c, const float *l,
-                                                               const uint8_t *w0, const uint8_t *w1,
-                                                               const uint8_t *w2, const uint8_t *w3,
-                                                               const uint16_t *g4,
-                                                               __m256 sc, __m256i gi, const uint8_t *pf_end,
-                                                               __m256 acc) {
-    return a8_i4_stepg(R, G, pf, k, v, c, l, w0, w1, w2, w3, g4, sc, gi, pf_end, acc, 0);
 }
 /* R (1 or 4) rows of int4 weights in groups of G (a8_rows_vec's arguments): R = 4 reads the four rows' scales as
    stored (a8_step_scales: [group][4 rows], one widening a step; round 15: they were transposed and converted per
@@ -923,66 +900,6 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
                                                              int64_t ss, const uint8_t *pf_end, float *out) {
     a8_i4_out(R, G, p, b, w, rs, sr, ss, a8_i4_acc(R, G, p, b, w, rs, sr, pf_end), out);
 }
-/* a step of four rows (rows w, w + rs, w + 2 rs, w + 3 rs; scales sr) whose prefetches all stay inside the matrix,
-   one x row: its lanes in pairs of steps, k from -kp (kp = 16 (nlv / 16)) up to 0 with the arrays ve, ce, le from
-   the pairs' end (no bound to compare with), then an odd step where nlv says; each pair's scales from one load
-   (a8_i4_scales2), its odd step prefetching. (Round 20: fours of steps a loop, 0.3 instructions a step fewer,
-   measured 1.5-3 % slower streaming (a8_rate.c ab, both orders): dropped.) */
-static inline __attribute__((always_inline)) __m256 a8_i4_full(const int G, const int8_t *ve, const int32_t *ce,
-                                                               const float *le, int64_t kp, int64_t nlv,
-                                                               const uint8_t *w, int64_t rs, const uint16_t *sr) {
-    const int64_t gsh = G == 32 ? 2 : 1;   /* (the scales' bytes a lane) */
-    const uint8_t *w0 = w + 4 * kp, *w1 = w0 + rs, *w2 = w1 + rs, *w3 = w2 + rs;
-    const char *gb = (const char *)(const void *)sr + gsh * kp;
-    const __m256i zi = _mm256_setzero_si256();
-    __m256 acc = _mm256_setzero_ps();
-#define A8_I4_PAIR(k)                                                                                            \
-    do {                                                                                                         \
-        __m256 ga, gc;                                                                                           \
-        a8_i4_scales2(G, (const uint16_t *)(const void *)(gb + gsh * (k)), &ga, &gc);                            \
-        acc = a8_i4_stepg(4, G, 0, k, ve, ce, le, w0, w1, w2, w3, NULL, ga, zi, NULL, acc, 1);                   \
-        acc = a8_i4_stepg(4, G, 1, (k) + 8, ve, ce, le, w0, w1, w2, w3, NULL, gc, zi, NULL, acc, 1);             \
-    } while (0)
-    for (int64_t k = -kp; k < 0; k += 16) {
-        __asm__("" : "+r"(w0), "+r"(w1), "+r"(w2), "+r"(w3));   /* (as in a8_i4_acc) */
-        A8_I4_PAIR(k);
-    }
-    if (nlv & 8)   /* (an odd last step: no prefetch, as a8_i4_acc's) */
-        acc = a8_i4_step(4, G, 0, 0, ve, ce, le, w0, w1, w2, w3, (const uint16_t *)(const void *)gb,
-                         _mm256_setzero_ps(), zi, NULL, acc);
-#undef A8_I4_PAIR
-    return acc;
-}
-/* cnt such steps of four rows (the next one's rows rowb on, its scales 4 ng on) with no bias, add or tail: the sums
-   into y at yt, yt + q, yt + 2q, yt + 3q (+ 0 as a8_i4_out adds: a -0 sum becomes +0). In a function of its own
-   (round 20): a8_i4_steps4's loop kept ~20 of its values on the stack, reloaded at each step of four rows. */
-static inline __attribute__((always_inline)) void a8_i4_direct(const int G, const int8_t *ve, const int32_t *ce,
-                                                               const float *le, int64_t kp, int64_t nlv,
-                                                               const uint8_t *w, int64_t rs, int64_t rowb,
-                                                               const uint16_t *sr, int64_t ng, float *yt, int64_t q,
-                                                               int64_t cnt) {
-    for (; cnt > 0; --cnt, w += rowb, sr += 4 * ng, ++yt) {
-        const __m256 acc = a8_i4_full(G, ve, ce, le, kp, nlv, w, rs, sr);
-        const __m128 u = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)),
-                                    _mm_setzero_ps());
-        _mm_store_ss(yt, u);
-        _mm_store_ss(yt + q, _mm_movehdup_ps(u));
-        _mm_store_ss(yt + 2 * q, _mm_movehl_ps(u, u));
-        _mm_store_ss(yt + 3 * q, _mm_shuffle_ps(u, u, 3));
-    }
-}
-static __attribute__((noinline)) void a8_i4_direct_g32(const int8_t *ve, const int32_t *ce, const float *le,
-                                                       int64_t kp, int64_t nlv, const uint8_t *w, int64_t rs,
-                                                       int64_t rowb, const uint16_t *sr, int64_t ng, float *yt,
-                                                       int64_t q, int64_t cnt) {
-    a8_i4_direct(32, ve, ce, le, kp, nlv, w, rs, rowb, sr, ng, yt, q, cnt);
-}
-static __attribute__((noinline)) void a8_i4_direct_g64(const int8_t *ve, const int32_t *ce, const float *le,
-                                                       int64_t kp, int64_t nlv, const uint8_t *w, int64_t rs,
-                                                       int64_t rowb, const uint16_t *sr, int64_t ng, float *yt,
-                                                       int64_t q, int64_t cnt) {
-    a8_i4_direct(64, ve, ce, le, kp, nlv, w, rs, rowb, sr, ng, yt, q, cnt);
-}
 /* int4, one x row (the decode's), one thread or a thread's range: the steps of four rows t = 0 .. n / 4 - 1
    (q_step_rows' rows t + r q) in one loop of their own, not inlined into matvec_a8's (round 15: each step went through
    matvec_rows_a8 there, ~85 instructions of setup a step at 1024 inputs, GCC keeping its values on the stack). Per
@@ -1014,20 +931,27 @@ static inline __attribute__((always_inline)) void a8_i4_steps4(const int G, cons
     const int64_t need = Q_PF_BYTES + 32 + 64 * (nlv / 16 - 1);
     int64_t tc = rowb > 0 ? q + n % 4 - need / rowb : 0;
     tc = tc < 0 ? 0 : tc > q ? q : tc;
-    int64_t t = t0;
-    if (direct && t < tc && t < t1) {   /* (the decode's steps: a loop of their own, round 20) */
-        const int64_t e = tc < t1 ? tc : t1;
-        if (G == 32) a8_i4_direct_g32(ve, ce, le, kp, nlv, w, rs, rowb, sr, ng, yt, q, e - t);
-        else a8_i4_direct_g64(ve, ce, le, kp, nlv, w, rs, rowb, sr, ng, yt, q, e - t);
-        w += (e - t) * rowb, sr += (e - t) * 4 * ng, yt += e - t, t = e;
-    }
+    const __m256 z = _mm256_setzero_ps();
+    const __m256i zi = _mm256_setzero_si256();
 #define A8_I4_STEP4(full)                                                                                        \
     do {                                                                                                         \
         __asm__("" : "+r"(w), "+r"(yt));   /* (one pointer each, not one per row advanced on the stack) */        \
         __m256 acc;                                                                                              \
-        if (full)                                                                                                \
-            acc = a8_i4_full(G, ve, ce, le, kp, nlv, w, rs, sr);                                                 \
-        else                                                                                                     \
+        if (full) {   /* (k from -kp up to 0, the arrays from the pairs' end: no bound to compare with) */         \
+            const uint8_t *w0 = w + 4 * kp, *w1 = w0 + rs, *w2 = w1 + rs, *w3 = w2 + rs;                         \
+            const char *gb = (const char *)(const void *)sr + gsh * kp;                                          \
+            acc = z;                                                                                             \
+            for (int64_t k = -kp; k < 0; k += 16) {                                                              \
+                __asm__("" : "+r"(w0), "+r"(w1), "+r"(w2), "+r"(w3));   /* (as in a8_i4_acc) */                   \
+                acc = a8_i4_step(4, G, 0, k, ve, ce, le, w0, w1, w2, w3,                                         \
+                                 (const uint16_t *)(const void *)(gb + gsh * k), z, zi, pf_end, acc);            \
+                acc = a8_i4_step(4, G, 1, k + 8, ve, ce, le, w0, w1, w2, w3,                                     \
+                                 (const uint16_t *)(const void *)(gb + gsh * (k + 8)), z, zi, pf_end, acc);      \
+            }                                                                                                    \
+            if (kp < nlv)   /* (an odd last step: no prefetch, as a8_i4_acc's) */                                \
+                acc = a8_i4_step(4, G, 0, 0, ve, ce, le, w0, w1, w2, w3, (const uint16_t *)(const void *)gb, z, zi,   \
+                                 pf_end, acc);                                                                   \
+        } else                                                                                                   \
             acc = a8_i4_acc(4, G, p, 0, w, rs, sr, pf_end);                                                      \
         if (direct) {   /* (+ 0 as a8_i4_out adds: a -0 sum becomes +0) */                                        \
             const __m128 u = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)),   \
@@ -1042,6 +966,7 @@ static inline __attribute__((always_inline)) void a8_i4_steps4(const int G, cons
             for (int r = 0; r < 4; ++r) q_store_row(n, 0, t + r * q, o[r], bias, add, y);                        \
         }                                                                                                        \
     } while (0)
+    int64_t t = t0;
     for (const int64_t e = tc < t1 ? tc : t1; t < e; ++t, w += rowb, sr += 4 * ng, ++yt) A8_I4_STEP4(1);
     for (; t < t1; ++t, w += rowb, sr += 4 * ng, ++yt) A8_I4_STEP4(0);
 #undef A8_I4_STEP4
