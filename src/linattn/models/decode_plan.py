@@ -1476,11 +1476,16 @@ def reusable_buffer(spent, n: int, dtype: torch.dtype, held: int = 0) -> torch.T
     caller keeps and has found no one else holding), else a fresh one. A fresh 18 MiB buffer a token (the 530M
     shape's states) is 3,200 page faults on 4 KiB pages, or nine 2 MiB pages the kernel zeroes: the allocator hands
     the freed one back to the system. Used by linattn's and the kernelized plans."""
-    if (type(spent) is torch.Tensor and _storage_use_count is not None and spent.dtype == dtype
-            and spent.numel() == n and sys.getrefcount(spent) <= _SPENT_REFS
-            and _storage_use_count(spent.untyped_storage()._cdata) == 2 + held):
-        return spent
-    return _hugepages.empty(n, dtype)
+    return spent if unheld_buffer(spent, n, dtype, held, _SPENT_REFS + 1) else _hugepages.empty(n, dtype)
+
+
+def unheld_buffer(spent, n: int, dtype: torch.dtype, held: int = 0, refs: int = _SPENT_REFS) -> bool:
+    """Whether `spent` (held by the caller's name alone, passed straight here; `refs`: the references that leaves,
+    one more per frame in between) is a tensor of n elements in dtype whose memory nothing else holds
+    (`reusable_buffer`'s test; also the kernelized token's logits)."""
+    return (type(spent) is torch.Tensor and _storage_use_count is not None and spent.dtype == dtype
+            and spent.numel() == n and sys.getrefcount(spent) <= refs
+            and _storage_use_count(spent.untyped_storage()._cdata) == 2 + held)
 
 
 class ModelPending:
