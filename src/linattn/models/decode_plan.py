@@ -328,7 +328,12 @@ class PlanGuard:
     was written since the last look (the dicts' version tags, `torch._C._dynamo.guards.dict_version`, where this
     torch has it); the modules' hook dicts only when a hook handle was made anywhere since the last look (torch
     numbers every `RemovableHandle`; a hook registered through the module API takes one); and the objects it does
-    read are first read in one pass that the CPU overlaps (`tuple` of them: a reference count write each)."""
+    read are first read in one pass that the CPU overlaps (`tuple` of them: a reference count write each).
+
+    Where csrc/guard.c is built and this torch's and Python's layouts are recognised (`cpu/guard.py`), the common
+    case is one call first (`words`): every dict's version tag and the machine words each tensor's data pointer and
+    version are made of, compared with their values at the build; all equal, only the flags above are left to read.
+    Any difference runs the Python check (`checked`), which decides."""
 
     __slots__ = ("owner", "training", "nthreads", "idicts", "inames", "iobjs", "tensors", "ptrs", "vtensors",
                  "versions", "aliases", "hookdicts", "mixers", "fusedobjs", "fused", "touched", "handles", "dicts",
