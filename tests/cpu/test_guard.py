@@ -133,3 +133,10 @@ def test_no_words_without_the_kernels(monkeypatch):
     monkeypatch.setattr(cg, "enabled", lambda: False)
     assert cg.function() is None
     assert cg.word_guard([], DICT_VERSION, [torch.randn(2)], []) is None
+
+
+def test_the_call_keeps_the_gil():
+    """The words' call holds the GIL (a PYFUNCTYPE): no other thread runs between its compares and its reads."""
+    _layout()
+    fn = cg.function()
+    assert fn._flags_ & ctypes._FUNCFLAG_PYTHONAPI

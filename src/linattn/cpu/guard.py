@@ -160,11 +160,22 @@ class WordGuard:
 
 
 def function():
-    """`linattn_guard_same`, or None when the kernels are off or guard.c cannot be built."""
+    """`linattn_guard_same`, called with the GIL held, or None when the kernels are off or guard.c cannot be built.
+    (ctypes lets the GIL go around a call of a CDLL's function: another thread could then swap a guarded tensor's
+    TensorImpl and free it between the compare of its address and the reads through it.)"""
     if not enabled() or torch.compiler.is_compiling():
         return None
     lib = bindings.bind("guard")
-    return None if lib is None else lib.function("linattn_guard_same")
+    if lib is None:
+        return None
+    fn = lib.function("linattn_guard_same")   # (the library stays loaded for the process: build's cache holds it)
+    if _HELD[0] is None or _HELD[0][0] is not fn:
+        proto = ctypes.PYFUNCTYPE(fn.restype, *fn.argtypes)
+        _HELD[0] = (fn, proto(ctypes.cast(fn, ctypes.c_void_p).value))
+    return _HELD[0][1]
+
+
+_HELD = [None]   # [(the CDLL's function, the same address as a PYFUNCTYPE: the GIL held)]
 
 
 def word_guard(dicts: Sequence[dict], dict_version: Optional[Callable], tensors: Sequence[torch.Tensor],
