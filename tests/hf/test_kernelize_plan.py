@@ -480,6 +480,7 @@ def test_the_guard_prefetches_the_described_tensors_and_follows_a_rebuild(monkey
         calls = []
         real = guard.prefetch
         monkeypatch.setattr(guard, "prefetch", lambda: calls.append(1) or real())
+        monkeypatch.setattr(guard, "words", None)   # (the Python check: the compiled words' call reads no list)
         tok = ids[:, -1:]
         c2 = copy.deepcopy(cache)
         with_pf = fast(tok, cache=cache).logits
@@ -493,3 +494,26 @@ def test_the_guard_prefetches_the_described_tensors_and_follows_a_rebuild(monkey
         new = fast.__dict__["_linattn_model_plan"].guard
         assert new is not guard and new.prefetch is not None
         assert (w.untyped_storage()._cdata + 16) & ~63 in set(new.prefetch.addresses())
+
+
+def test_the_logits_buffer_is_reused_only_when_let_go():
+    """The token's logits take the memory the token before last returned once the caller let go of them (no
+    allocation a token); logits the caller keeps, or a view of them, are never written again."""
+    _, fast = _pair()
+    ids = pd.prompt(1, 5)
+    with torch.no_grad():
+        cache = fast(ids, use_cache=True).cache
+        tok = ids[:, -1:]
+        ptrs, kept = [], []
+        for _ in range(6):
+            out = fast(tok, cache=cache)
+            ptrs.append(out.logits.data_ptr())
+            tok = out.logits[:, -1:].argmax(-1)
+        assert ptrs[2] == ptrs[4] and ptrs[3] == ptrs[5] and ptrs[4] != ptrs[5]   # (the bench's loop: reused)
+        for i in range(6):   # (every output kept, or a view of its logits, or a tensor of their storage)
+            out = fast(tok, cache=cache)
+            keep = (out.logits, out.logits[0, :, :7], torch.empty(0).set_(out.logits.untyped_storage(), 0, (7,)))
+            kept.append((keep[i % 3], out.logits.clone()))
+            tok = out.logits[:, -1:].argmax(-1)
+        assert all(torch.equal(a, b.view(-1)[:7].view(a.shape) if a.numel() == 7 else b) for a, b in kept)
+        assert len({a.data_ptr() for a, _ in kept}) == len(kept)

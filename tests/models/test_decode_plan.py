@@ -356,6 +356,7 @@ def test_guard_prefetches_what_it_reads_and_the_list_follows_a_rebuild(cause, mo
     calls = []
     real = guard.prefetch
     monkeypatch.setattr(guard, "prefetch", lambda: calls.append(1) or real())
+    monkeypatch.setattr(guard, "words", None)   # (the Python check: the compiled words' call reads no list)
     assert guard.valid() and calls == [1]
     monkeypatch.undo()
     model.blocks[0].mixer.unrelated_note = "seen"   # (a dict write: the versions read again, new numbers)
@@ -384,4 +385,107 @@ def test_guard_without_the_compiled_prefetch_sees_each_cause(cause, monkeypatch)
     model.blocks[0].mixer.unrelated_note = "seen"
     assert guard.valid() and guard.prefetch is None
     CAUSES[cause](model)
+    assert not guard.valid()
+
+
+def _words_guard(model):
+    _generate(model, _ids(1))
+    guard = model._model_plan.guard
+    if guard.words is None:
+        pytest.skip("no compiled guard words here (no guard.c, or this torch / Python layout not recognised)")
+    return guard
+
+
+#: the causes that write a dict the guard holds, or a tensor's storage, data pointer or version
+WORD_CAUSES = ["a parameter set where there was None", "a replaced submodule", "a replaced parameter",
+               "a swapped .data", "an in-place update of a copied weight", "a configuration value", "a dtype change"]
+
+
+@pytest.mark.parametrize("cause", list(CAUSES))
+def test_the_guard_words_never_pass_what_the_check_refuses(cause):
+    """The compiled words' call (cpu/guard.py) only shortcuts the Python check: for every cause, where the check
+    refuses the plan the words are not all equal; the causes that change a dict, a storage or a version are seen by
+    the words themselves; the check agrees with `valid`."""
+    model = _model()
+    guard = _words_guard(model)
+    words = guard.words
+    assert words() and guard.checked() and guard.valid()
+    CAUSES[cause](model)
+    same = words()
+    assert not guard.valid()
+    if cause in WORD_CAUSES:
+        assert not same
+    if not same:
+        return
+    # (the rest, seen by the flags and cheap checks: the words alone would pass them)
+    assert cause not in WORD_CAUSES
+
+
+def _swap_tensors(model):
+    p = model.blocks[0].norm1.weight
+    torch.utils.swap_tensors(p, nn.Parameter(p.detach() * 3))
+
+
+def _storage_moved(model):
+    p = model.blocks[0].norm1.weight   # (its storage's memory reallocated: same StorageImpl, a new data pointer)
+    p.untyped_storage().resize_(p.untyped_storage().nbytes() * 64)
+
+
+def _dict_write(model):
+    model.blocks[0].mixer.unrelated_note = "seen"
+
+
+@pytest.mark.parametrize("cause,valid", [(_swap_tensors, False), (_storage_moved, False), (_dict_write, True)])
+def test_the_guard_words_and_the_check_agree(cause, valid):
+    """A tensor object given another TensorImpl (`torch.utils.swap_tensors`), a storage whose memory moved: the
+    words differ and the check refuses; a dict write the plan does not depend on: the words differ, the check
+    passes and the words take the dict's new version (equal again, kept)."""
+    model = _model()
+    guard = _words_guard(model)
+    words = guard.words
+    cause(model)
+    assert not words()
+    assert guard.valid() is valid
+    if valid:
+        assert guard.words is words and words()
+
+
+def test_the_guard_words_left_where_the_check_passes_a_change_they_see():
+    """A change of a recorded word that the Python check does not refuse (a weight's first element as its data: the
+    same data pointer, another numel) leaves the Python check alone from then on, not a mismatch every token."""
+    model = _model()
+    guard = _words_guard(model)
+    p = guard.tensors[0]
+    assert p.numel() > 1
+    p.data = p.data.reshape(-1)[:1]
+    assert guard.valid() and guard.words is None and guard.valid()
+
+
+def test_every_recorded_word_is_compared():
+    """Changing any one recorded word (a dict version, any of a tensor's words, a copied tensor's counter or count)
+    makes the call say "changed": a call that skipped one compare would pass that change."""
+    model = _model()
+    words = _words_guard(model).words
+    assert words()
+    for arr, n in ((words.dvers, words.nd), (words.rec, words.nt * 7), (words.vrec, words.nv * 3)):
+        assert n
+        for i in range(n):
+            if arr is words.vrec and i % 3 == 0:
+                continue   # (an index into rec, not a compared word)
+            old = arr[i]
+            arr[i] = old ^ 1
+            assert not words(), (i, old)
+            arr[i] = old
+    assert words()
+
+
+def test_the_guard_without_words_when_the_layout_is_unknown(monkeypatch):
+    """No layout (another torch or Python, or /proc/self/mem unreadable): no words, the Python check sees every
+    cause."""
+    monkeypatch.setattr(decode_plan._guard, "layout", lambda fn: None)
+    model = _model()
+    _generate(model, _ids(1))
+    guard = model._model_plan.guard
+    assert guard.words is None and guard.valid()
+    _swap_data(model)
     assert not guard.valid()

@@ -304,6 +304,11 @@ LIBRARIES: Dict[str, Library] = {
         # n, lines (uint64 addresses): a prefetch of each (the decode plans' guard: cpu/prefetch.py)
         Fn("linattn_prefetch_lines", (c_i64, c_ptr), restype=None, typed=False, status=False),
     )),
+    "guard": Library(1, (
+        # lay, nd, dicts, dvers, nt, rec, nv, vrec -> 1 when every recorded word is unchanged (cpu/guard.py)
+        Fn("linattn_guard_same", (c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr, c_i64, c_ptr), restype=c_i64,
+           typed=False, status=False),
+    )),
 }
 
 

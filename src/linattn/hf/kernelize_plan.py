@@ -273,13 +273,15 @@ class _Slot:
     Not state: a copy or a pickle gets an empty slot."""
 
     __slots__ = ("plan", "fn", "guard", "keep", "specs", "layouts", "B", "layout", "cdt", "wdt", "recurrent", "att",
-                 "failed", "last", "spent", "alike", "io", "io_table", "last_views", "spent_views")
+                 "failed", "last", "spent", "alike", "io", "io_table", "last_views", "spent_views", "logits_last",
+                 "logits_spent")
 
     def __init__(self):
         self.plan, self.failed = None, None
         self.last = self.spent = None   # the last token's state buffer, and the one before (`_dp.reusable_buffer`)
         self.io_table = None   # `_conv_io`'s last table
         self.last_views = self.spent_views = None   # (S_new, the layers' state views) made of last / spent
+        self.logits_last = self.logits_spent = None   # the logits the last token and the one before returned
 
     def __reduce__(self):
         return (_Slot, ())
@@ -542,7 +544,11 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     if buf is not spent:
         sv = None
     del spent
-    logits = torch.empty(B, 1, lo.vocab, dtype=slot.wdt)
+    # (the logits the token before last returned, when the caller let go of them and every view: no allocation)
+    spent, slot.logits_spent = slot.logits_spent, None
+    logits = spent if _dp.unheld_buffer(spent, B * lo.vocab, slot.wdt) else torch.empty(B, 1, lo.vocab,
+                                                                                         dtype=slot.wdt)
+    del spent
     out = buf.data_ptr()
     slot.plan.s_in_at = None if s_at is None else ctypes.addressof(s_at[0])   # (every call: none left from another)
     rc = slot.fn(ctypes.byref(slot.plan), ids.data_ptr(), None if S_in is None else S_in.data_ptr(), W_ptr, out,
@@ -552,6 +558,7 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     if rc:
         raise MemoryError("linattn: the compiled decoding step could not allocate its work buffer")
     slot.spent, slot.last = slot.last, buf
+    slot.logits_spent, slot.logits_last = slot.logits_last, logits
     slot.spent_views, slot.last_views = slot.last_views, None
     _write_recurrent(cache, lo, slot, buf, convs, arch if own is not None else None, io is not None, sv)
     for i, _, mir in mirrors:

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
-from ..cpu import decode as _cpu_decode, hugepages as _hugepages, prefetch as _prefetch
+from ..cpu import decode as _cpu_decode, guard as _guard, hugepages as _hugepages, prefetch as _prefetch
 from ..cpu.qlayout import step_scales as _step_scales
 from ..errors import LinattnError
 from ..layers import fast_decode as _fast
@@ -328,11 +328,16 @@ class PlanGuard:
     was written since the last look (the dicts' version tags, `torch._C._dynamo.guards.dict_version`, where this
     torch has it); the modules' hook dicts only when a hook handle was made anywhere since the last look (torch
     numbers every `RemovableHandle`; a hook registered through the module API takes one); and the objects it does
-    read are first read in one pass that the CPU overlaps (`tuple` of them: a reference count write each)."""
+    read are first read in one pass that the CPU overlaps (`tuple` of them: a reference count write each).
+
+    Where csrc/guard.c is built and this torch's and Python's layouts are recognised (`cpu/guard.py`), the common
+    case is one call first (`words`): every dict's version tag and the machine words each tensor's data pointer and
+    version are made of, compared with their values at the build; all equal, only the flags above are left to read.
+    Any difference runs the Python check (`checked`), which decides."""
 
     __slots__ = ("owner", "training", "nthreads", "idicts", "inames", "iobjs", "tensors", "ptrs", "vtensors",
                  "versions", "aliases", "hookdicts", "mixers", "fusedobjs", "fused", "touched", "handles", "dicts",
-                 "dversions", "prefetch")
+                 "dversions", "prefetch", "words")
 
     def __init__(self, owner: nn.Module, modules: Sequence[nn.Module], mixers: Sequence[nn.Module], direct=()):
         modules = list(dict.fromkeys(m for m in modules if m is not None and m is not owner))
@@ -361,6 +366,8 @@ class PlanGuard:
         self.touched = list({id(o): o for o in (*self.dicts, *self.tensors, *self.mixers, *self.fusedobjs)}.values())
         self.handles = -1   # (no hook dict looked at yet)
         self.prefetch = _prefetch.prefetcher(self.lines)
+        # (every dict version, data pointer and version below as machine words compared in one call: cpu/guard.py)
+        self.words = _guard.word_guard(self.dicts, _dict_version, self.tensors, self.vtensors)
 
     def lines(self) -> list:
         """The addresses `valid` reads, in its order (`cpu/prefetch.py`): the objects of its touch pass, the dicts'
@@ -378,8 +385,6 @@ class PlanGuard:
 
     def valid(self) -> bool:
         """Whether nothing the plan depends on changed (class docstring)."""
-        if self.prefetch is not None:
-            self.prefetch()   # (every line read below asked for at once: the misses overlap; no result changes)
         if (self.nthreads != torch.get_num_threads() or self.training is not self.owner.training
                 or _fast.GLOBAL_HOOKS[0] or _fast.GLOBAL_HOOKS[1]):
             return False
@@ -388,6 +393,24 @@ class PlanGuard:
             if any(self.hookdicts):
                 return False
             self.handles = handles
+        if self.words is not None and self.words():   # (no dict written, every pointer and version as built)
+            return self._flags()
+        ok = self.checked()
+        if ok and self.words is not None:
+            self.words.dicts_again(self.dversions)
+            if not self.words():   # (a change the words see and the check does not: the check alone from now on)
+                self.words = None
+        return ok
+
+    def _flags(self) -> bool:
+        return (all(map(operator.is_, map(_fused_value, self.fusedobjs), self.fused))
+                and all(map(_fast_on, self.mixers)) and all(map(_compiled_on, self.mixers)))
+
+    def checked(self) -> bool:
+        """`valid`'s dicts, data pointers and versions read by Python (the reference the words only shortcut), then
+        the fused weights and mixers' flags."""
+        if self.prefetch is not None:
+            self.prefetch()   # (every line read below asked for at once: the misses overlap; no result changes)
         tuple(self.touched)   # (the cache misses of every object below, overlapped)
         if self.dversions is None or list(map(_dict_version, self.dicts)) != self.dversions:
             try:
@@ -400,9 +423,7 @@ class PlanGuard:
                 if self.prefetch is not None:   # (the new numbers are new objects)
                     self.prefetch = _prefetch.prefetcher(self.lines)
         return (list(map(_data_ptr, self.tensors)) == self.ptrs
-                and list(map(_version_of, self.vtensors)) == self.versions
-                and all(map(operator.is_, map(_fused_value, self.fusedobjs), self.fused))
-                and all(map(_fast_on, self.mixers)) and all(map(_compiled_on, self.mixers)))
+                and list(map(_version_of, self.vtensors)) == self.versions and self._flags())
 
 
 def _slot(owner: nn.Module, name: str, cls):
@@ -1460,11 +1481,16 @@ def reusable_buffer(spent, n: int, dtype: torch.dtype, held: int = 0) -> torch.T
     caller keeps and has found no one else holding), else a fresh one. A fresh 18 MiB buffer a token (the 530M
     shape's states) is 3,200 page faults on 4 KiB pages, or nine 2 MiB pages the kernel zeroes: the allocator hands
     the freed one back to the system. Used by linattn's and the kernelized plans."""
-    if (type(spent) is torch.Tensor and _storage_use_count is not None and spent.dtype == dtype
-            and spent.numel() == n and sys.getrefcount(spent) <= _SPENT_REFS
-            and _storage_use_count(spent.untyped_storage()._cdata) == 2 + held):
-        return spent
-    return _hugepages.empty(n, dtype)
+    return spent if unheld_buffer(spent, n, dtype, held, _SPENT_REFS + 1) else _hugepages.empty(n, dtype)
+
+
+def unheld_buffer(spent, n: int, dtype: torch.dtype, held: int = 0, refs: int = _SPENT_REFS) -> bool:
+    """Whether `spent` (held by the caller's name alone, passed straight here; `refs`: the references that leaves,
+    one more per frame in between) is a tensor of n elements in dtype whose memory nothing else holds
+    (`reusable_buffer`'s test; also the kernelized token's logits)."""
+    return (type(spent) is torch.Tensor and _storage_use_count is not None and spent.dtype == dtype
+            and spent.numel() == n and sys.getrefcount(spent) <= refs
+            and _storage_use_count(spent.untyped_storage()._cdata) == 2 + held)
 
 
 class ModelPending:
