@@ -203,6 +203,9 @@ LIBRARIES: Dict[str, Library] = {
         Fn("linattn_probe_exp", (c_i64, c_ptr, c_ptr), restype=None, status=False),
         # bench infer's floor: the bandwidth pass (n, x, nthreads, out: the sum, one double)
         Fn("linattn_probe_read_sum", (c_i64, c_ptr, c_int, c_ptr), restype=None, typed=False, status=False),
+        # the decode conv's SiLU: n, x (float), y, path (0 scalar, 1 GCC's vector loop, 2 la_silu_ymm) -> 1: path 2
+        # not compiled
+        Fn("linattn_probe_silu_f32", (c_i64, c_ptr, c_ptr, c_int), typed=False, status=False),
     )),
     "linear": Library(3, (
         Fn("linattn_linear_nchunks", (c_i64, c_ptr, c_i64), restype=c_i64, typed=False, status=False),

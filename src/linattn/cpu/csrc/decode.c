@@ -605,6 +605,15 @@ LA_INLINE void FN(conv_bias_act)(int64_t C, const REAL *cb, int act, REAL *restr
     }
 }
 
+#if defined(LINE_YMM) && REAL_IS_FLOAT && defined(LA_EXPF_YMM)
+/* conv_bias_act on the AVX2 taps pass's 8 outputs, inside that pass (the SiLU's arithmetic under the window's and
+   taps' reads instead of a pass of its own): the bias added, then la_silu_ymm (la_silu's bits) */
+LA_INLINE __m256 FN(conv_out_ymm)(__m256 acc, const float *cb, int act) {
+    if (cb) acc = _mm256_add_ps(acc, _mm256_loadu_ps(cb));
+    return act ? la_silu_ymm(acc) : acc;
+}
+#endif
+
 /* the short convolution of one token over the first C channels of y [B, ldy] (q | k | v) into u [B, C]:
    window w_in [B, C, KC-1] (NULL: zeros) then the token; new window to w_out [B, C, KC-1]. */
 static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ldy, const REAL *w_in,
@@ -612,7 +621,8 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
     const int64_t W = KC - 1;
     if (W == 3 && w_in) {   /* the default kernel size 4: the taps and the window's shift in one vectorised pass
                                per row, then the bias and the SiLU in their own (a branch inside the first pass
-                               made the compiler mask every lane's SiLU: 3x the time) */
+                               made the compiler mask every lane's SiLU: 3x the time); on AVX2 (float) the bias
+                               and the SiLU inside the taps pass, in intrinsics (conv_out_ymm) */
         for (int64_t b = 0; b < B; ++b) {
             const REAL *restrict wi = w_in + b * C * 3, *restrict yb = y + b * ldy;
             REAL *restrict wo = w_out + b * C * 3, *restrict ub = u + b * C;
@@ -657,7 +667,7 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
                     acc = _mm256_fmadd_ps(xb, k1, acc);
                     acc = _mm256_fmadd_ps(xc, k2, acc);
                     acc = _mm256_fmadd_ps(xt, k3, acc);
-                    _mm256_storeu_ps(ub + c0, acc);
+                    _mm256_storeu_ps(ub + c0, FN(conv_out_ymm)(acc, cb ? cb + c0 : NULL, act));
                     float *o3 = wo + 3 * c0;
                     const __m256 p0 = _mm256_permutevar8x32_ps(xt, ix0), p1 = _mm256_permutevar8x32_ps(xt, ix1),
                                  p2 = _mm256_permutevar8x32_ps(xt, ix2);
@@ -676,7 +686,7 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
                 ub[c] = acc;
                 wo[3 * c] = wi[3 * c + 1]; wo[3 * c + 1] = wi[3 * c + 2]; wo[3 * c + 2] = xt;
             }
-            FN(conv_bias_act)(C, cb, act, ub);
+            FN(conv_bias_act)(C - c0, cb ? cb + c0 : NULL, act, ub + c0); /* (the rows past the AVX2 steps) */
         }
         return;
     }
@@ -749,7 +759,7 @@ static void FN(conv_io)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t
                     acc = _mm256_fmadd_ps(xb, k1, acc);
                     acc = _mm256_fmadd_ps(xc, k2, acc);
                     acc = _mm256_fmadd_ps(xt, k3, acc);
-                    _mm256_storeu_ps(ub + c0, acc);
+                    _mm256_storeu_ps(ub + c0, FN(conv_out_ymm)(acc, cb ? cb + c0 : NULL, act));
                     _mm256_storeu_ps(w4, _mm256_blend_ps(s0, _mm256_permutevar8x32_ps(xt, ix0), 0x88));
                     _mm256_storeu_ps(w4 + 8, _mm256_blend_ps(s1, _mm256_permutevar8x32_ps(xt, ix1), 0x88));
                     _mm256_storeu_ps(w4 + 16, _mm256_blend_ps(s2, _mm256_permutevar8x32_ps(xt, ix2), 0x88));
@@ -768,7 +778,7 @@ static void FN(conv_io)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t
                 ub[c] = acc;
                 r[0] = a0; r[1] = a1; r[2] = a2; r[3] = xt;
             }
-            FN(conv_bias_act)(C, cb, act, ub);
+            FN(conv_bias_act)(C - c0, cb ? cb + c0 : NULL, act, ub + c0); /* (the rows past the AVX2 steps) */
         }
         return;
     }

@@ -4,6 +4,8 @@
    linattn_probe_axpy(n, a, x, y): y += a * x, a vectorisable loop (checks the simd pragma compiles).
    linattn_probe_exp_f32 / _f64(n, x, y): y = la_exp(x), elementwise, in a vectorised loop (the bits the kernels
    get: a vector lane computes what a scalar call does).
+   linattn_probe_silu_f32(n, x, y, path): SiLU by common.h's scalar la_silu_f32, its GCC vector loop or la_silu_ymm
+   (tests/cpu/test_decode_silu.py pins their bits together).
    linattn_probe_read_sum(n, x, nthreads, out): *out = the sum of x[0..n) in blocks across nthreads threads, 64 independent
    lanes per thread (no add waits on the previous one): a read of the buffer at the rate the memory gives, the
    bandwidth pass of `linattn bench infer`'s floor. */
@@ -38,6 +40,36 @@ void linattn_probe_exp_f32(int64_t n, const float *restrict x, float *restrict y
 void linattn_probe_exp_f64(int64_t n, const double *restrict x, double *restrict y) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) y[i] = la_exp(x[i]);
+}
+
+/* SiLU x / (1 + la_expf(-x)) on float by path: 0 one element a call (through a volatile pointer: never vectorised),
+   1 the loop under omp simd (the vector code GCC makes of la_silu_f32), 2 la_silu_ymm 8 lanes a step (the rest by
+   path 0). Returns 1 (nothing written) for path 2 where la_silu_ymm is not compiled (no AVX2 + FMA), else 0. */
+#define REAL float
+#define FN(name) name##_f32
+#include "common.h" /* its per-REAL part: la_silu_f32 */
+#undef REAL
+#undef FN
+
+static float probe_silu_one(float x) { return la_silu_f32(x); }
+
+int linattn_probe_silu_f32(int64_t n, const float *restrict x, float *restrict y, int path) {
+    int64_t i = 0;
+    if (path == 1) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) y[j] = la_silu_f32(x[j]);
+        return 0;
+    }
+    if (path == 2) {
+#if defined(LA_EXPF_YMM)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, la_silu_ymm(_mm256_loadu_ps(x + i)));
+#else
+        return 1;
+#endif
+    }
+    float (*volatile one)(float) = probe_silu_one;
+    for (; i < n; i++) y[i] = one(x[i]);
+    return 0;
 }
 
 /* the bandwidth pass (bench/infer.py ReadBandwidth) */
