@@ -20,15 +20,13 @@ the ones the guard's detached aliases hold. None when the kernels are off or gua
 from __future__ import annotations
 
 import ctypes
-import os
-import sys
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from . import bindings
 from .build import enabled
-from .prefetch import version_counter_offset
+from .prefetch import ProcessMemory, version_counter_offset
 
 __all__ = ["WordGuard", "word_guard", "layout", "WORDS"]
 
@@ -39,28 +37,11 @@ _LAYOUT: list = []   # [the layout or None], once per process
 _DTYPE_CODES: dict = {}
 
 
-class _Memory:
-    """Reads of this process's memory through /proc/self/mem: an address that is not mapped gives None."""
-
-    def __init__(self):
-        self.fd = os.open("/proc/self/mem", os.O_RDONLY)
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-    def read(self, addr: int, size: int) -> Optional[int]:
-        try:
-            got = os.pread(self.fd, size, addr)
-        except (OSError, OverflowError, ValueError):
-            return None
-        return int.from_bytes(got, sys.byteorder) if len(got) == size else None
-
-
 def _first(offsets, ok: Callable[[int], bool]) -> Optional[int]:
     return next((o for o in offsets if ok(o)), None)
 
 
-def _find_layout(mem: _Memory, dict_version: Callable) -> Optional[tuple]:
+def _find_layout(mem: ProcessMemory, dict_version: Callable) -> Optional[tuple]:
     w = lambda a: mem.read(a, 8)   # noqa: E731
     dicts = [{"a": 1}, {"b": 2, "c": 3}, {}]
     dv = _first(range(8, 64, 8), lambda o: all(w(id(d) + o) == dict_version(d) for d in dicts))
@@ -101,7 +82,7 @@ def layout(dict_version: Callable) -> Optional[tuple]:
     or None where a field is not found or does not follow what Python reports."""
     if not _LAYOUT:
         try:
-            mem = _Memory()
+            mem = ProcessMemory()
         except OSError:
             _LAYOUT.append(None)
         else:
@@ -112,13 +93,13 @@ def layout(dict_version: Callable) -> Optional[tuple]:
     return _LAYOUT[0]
 
 
-def _dtype_code(mem: _Memory, lay: tuple, dtype: torch.dtype) -> Optional[int]:
+def _dtype_code(mem: ProcessMemory, lay: tuple, dtype: torch.dtype) -> Optional[int]:
     if dtype not in _DTYPE_CODES:
         _DTYPE_CODES[dtype] = mem.read(torch.empty(1, dtype=dtype)._cdata + lay[6], 2)
     return _DTYPE_CODES[dtype]
 
 
-def _record(mem: _Memory, lay: tuple, t: torch.Tensor) -> Optional[List[int]]:
+def _record(mem: ProcessMemory, lay: tuple, t: torch.Tensor) -> Optional[List[int]]:
     """t's words (`WORDS`), checked against what Python reports, or None where it is not a plain strided CPU tensor
     with a storage or a word disagrees."""
     if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.device.type != "cpu"
@@ -189,7 +170,7 @@ def word_guard(dicts: Sequence[dict], dict_version: Optional[Callable], tensors:
     if lay is None:
         return None
     try:
-        mem = _Memory()
+        mem = ProcessMemory()
     except OSError:
         return None
     try:

@@ -22,7 +22,8 @@ import torch
 from . import bindings
 from .build import enabled
 
-__all__ = ["Prefetcher", "prefetcher", "tensor_addresses", "list_addresses", "version_counter_offset"]
+__all__ = ["Prefetcher", "prefetcher", "tensor_addresses", "list_addresses", "version_counter_offset",
+           "ProcessMemory"]
 
 LINE = 64
 #: the byte ranges of a TensorImpl its data pointer and version reads touch (torch 2.x: the storage and version
@@ -34,22 +35,38 @@ STORAGE_IMPL_BYTES = 64
 _VC = []   # [(offset in the TensorImpl, offset of the count in the counter) or None], once per process
 
 
-def _read(addr: int, size: int) -> Optional[bytes]:
-    """size bytes at addr through /proc/self/mem (an address that is not mapped gives None, not a fault), or None
-    where the file cannot be read."""
-    try:
-        fd = os.open("/proc/self/mem", os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        return os.pread(fd, size, addr)
-    except (OSError, OverflowError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+class ProcessMemory:
+    """Reads of this process's memory through /proc/self/mem: an address that is not mapped gives None, not a fault
+    (the layouts' searches here and in `guard` read words that may not be pointers). Raises OSError when the file
+    cannot be opened."""
+
+    def __init__(self):
+        self.fd = os.open("/proc/self/mem", os.O_RDONLY)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def read(self, addr: int, size: int) -> Optional[int]:
+        """The size bytes at addr as an unsigned number in the machine's byte order, or None."""
+        try:
+            got = os.pread(self.fd, size, addr)
+        except (OSError, OverflowError, ValueError):
+            return None
+        return int.from_bytes(got, sys.byteorder) if len(got) == size else None
 
 
 def _find_version_counter() -> Optional[tuple]:
+    try:
+        mem = ProcessMemory()
+    except OSError:
+        return None
+    try:
+        return _search_version_counter(mem)
+    finally:
+        mem.close()
+
+
+def _search_version_counter(mem: ProcessMemory) -> Optional[tuple]:
     word = ctypes.c_uint64.from_address
     t, other = torch.zeros(3), torch.zeros(3)
     alias = t.detach()   # (its own TensorImpl, t's storage and version counter)
@@ -62,10 +79,10 @@ def _find_version_counter() -> Optional[tuple]:
         for cnt in (8, 12, 16, 20, 24):
             seen = []
             for _ in range(3):
-                got = _read(p + cnt, 4)   # (p may not be a pointer: read where a bad address cannot fault)
-                if got is None or len(got) != 4:
+                got = mem.read(p + cnt, 4)   # (p may not be a pointer: read where a bad address cannot fault)
+                if got is None:
                     break
-                seen.append((int.from_bytes(got, sys.byteorder), t._version))
+                seen.append((got, t._version))
                 t.add_(1)
             if len(seen) == 3 and all(a == b for a, b in seen) and seen[0][0] != seen[-1][0]:
                 return off, cnt
