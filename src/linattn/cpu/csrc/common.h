@@ -75,12 +75,21 @@ static inline float la_expf_poly(float r) {
    two exponent fields in range; below the lower bound exp(x) rounds to 0 and is returned as 0, above the upper
    bound the product overflows to inf. NaN stays NaN, exp(-inf) = 0, exp(inf) = inf. The float function is
    linear.c's elu+1 polynomial too (lin_elu1_f32 reproduces its bits). */
+/* la_expf's constants, shared by every float exp written out (la_expf_ymm, linear.c's elu+1): its clamps, log2(e),
+   1.5 2^23 (added and subtracted: round to nearest), ln2 in two parts (Cody-Waite) */
+#define LA_EXPF_LO (-104.0f)
+#define LA_EXPF_HI 100.0f
+#define LA_LOG2E_F 1.44269504088896341f
+#define LA_ROUND_F 12582912.0f
+#define LA_LN2_HI_F 0.693359375f
+#define LA_LN2_LO_F (-2.12194440e-4f)
+
 static inline float la_expf(float x) {
-    float xc = x < -104.0f ? -104.0f : (x > 100.0f ? 100.0f : x);
+    float xc = x < LA_EXPF_LO ? LA_EXPF_LO : (x > LA_EXPF_HI ? LA_EXPF_HI : x);
     xc = x == x ? xc : 0.0f; /* NaN: computed on 0 (no float-to-int conversion of NaN), then NaN returned */
-    const float t = xc * 1.44269504088896341f;
-    const float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest (|t| < 2^22) */
-    const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+    const float t = xc * LA_LOG2E_F;
+    const float n = (t + LA_ROUND_F) - LA_ROUND_F; /* round to nearest (|t| < 2^22) */
+    const float r = (xc - n * LA_LN2_HI_F) - n * LA_LN2_LO_F;
     const float p = la_expf_poly(r);
     const int32_t ni = (int32_t)n, n1 = ni / 2, n2 = ni - n1;
     union {
@@ -90,7 +99,7 @@ static inline float la_expf(float x) {
     s1.i = (n1 + 127) << 23;
     s2.i = (n2 + 127) << 23;
     const float y = (p * s1.f) * s2.f;
-    return x < -104.0f ? 0.0f : (x != x ? x : y);
+    return x < LA_EXPF_LO ? 0.0f : (x != x ? x : y);
 }
 
 static inline double la_exp(double x) {
@@ -134,13 +143,13 @@ static inline double la_exp(double x) {
    its bits are pinned to the scalar ones (tests/cpu/test_decode_silu.py). */
 #define LA_EXPF_YMM 1
 static inline __m256 la_expf_ymm(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-104.0f);
+    const __m256 lo = _mm256_set1_ps(LA_EXPF_LO);
     const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q), under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    const __m256 xc = _mm256_andnot_ps(nan, _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(100.0f)));
-    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f),
-                                                   _mm256_set1_ps(12582912.0f)), _mm256_set1_ps(12582912.0f));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    const __m256 xc = _mm256_andnot_ps(nan, _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(LA_EXPF_HI)));
+    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(LA_LOG2E_F), _mm256_set1_ps(LA_ROUND_F)),
+                                   _mm256_set1_ps(LA_ROUND_F));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LA_LN2_HI_F), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LA_LN2_LO_F), r);
     __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.0f / 5040.0f), r, _mm256_set1_ps(1.0f / 720.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));

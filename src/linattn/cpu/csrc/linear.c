@@ -253,10 +253,10 @@ static inline void lin_pf_step(lin_pf_t *pf, int n) {
    directly. Written as plain selections and arithmetic so that the loops around it vectorise. */
 static inline float lin_elu1_f32(float y) {
     const float z = y < 0.0f ? y : 0.0f;        /* NaN -> 0 (the result is then y + 1 = NaN) */
-    const float zc = z > -104.0f ? z : -104.0f; /* -inf -> -104 -> 0 */
-    const float tm = zc * 1.44269504088896341f + 12582912.0f;
-    const float n = tm - 12582912.0f; /* round(zc / ln2) */
-    const float r = (zc - n * 0.693359375f) - n * -2.12194440e-4f;
+    const float zc = z > LA_EXPF_LO ? z : LA_EXPF_LO; /* -inf -> -104 -> 0 */
+    const float tm = zc * LA_LOG2E_F + LA_ROUND_F;
+    const float n = tm - LA_ROUND_F; /* round(zc / ln2) */
+    const float r = (zc - n * LA_LN2_HI_F) - n * LA_LN2_LO_F;
     const float p = la_expf_poly(r);
     union {
         float f;
