@@ -6,7 +6,9 @@ the fp64 scores of the keys as stored (bf16: their rounded values, exact in fp64
 vector paths to the generic path's bits (fp32 and bf16 keys): head dims on and off the vector path (a multiple of
 16, or not), contexts of 1 to 9 keys (the four-key steps and the single-key tail), rows strided as in a GQA cache,
 NaN / inf / huge values in q or k. A lane summed out of its order (the pairwise vsum, the halves' fmas) fails: the
-bits differ on random data."""
+bits differ on random data. Then a KV group's query heads together (`kv_scores_heads`, `kv_axpy_heads`: four heads a
+pass over the keys on AVX2, the value rows once for the group) against the other paths and against the one head a
+thread of the 2-thread step, to the bit, and against the fp64 path within its bound."""
 from __future__ import annotations
 
 import math
@@ -138,7 +140,8 @@ def _softmax_model(dtype, **kw):
     from linattn.models import LanguageModel, LMConfig
 
     torch.manual_seed(0)
-    att = dict(heads=4, n_kv_heads=2, head_dim=32, output_gate=True, kv_chunk=4, **kw)
+    att = dict(heads=4, n_kv_heads=2, head_dim=32, output_gate=True, kv_chunk=4)
+    att.update(kw)
     cfg = LMConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=2, head_dim=16, ffn_hidden=48,
                    mixer=["gated-deltanet", "softmax"], mixer_kwargs={"softmax": att})
     model = LanguageModel(cfg)
@@ -170,3 +173,58 @@ def test_whole_model_decode_bits_on_every_path(libs, dtype, gate, monkeypatch):
     want = got.get("plain_c", got["native"])
     for name, (logits, k, v) in got.items():
         assert torch.equal(logits, want[0]) and torch.equal(k, want[1]) and torch.equal(v, want[2]), name
+
+
+def _decode_kv(model, ids, prefill=1):
+    from tests.models.decode_kinds import decode
+
+    logits, cache = decode(model, ids, prefill)
+    kv = cache.layer(1, "mixer").kv
+    return logits, kv.k[:, :kv.length].clone(), kv.v[:, :kv.length].clone()
+
+
+#: (query heads, KV heads, head dim): groups of 4 (the AVX2 path's four heads a pass over the keys), of 6 (four and a
+#: tail of two), of 1, and a head dim off the scores' vector path
+GROUPS = [(8, 2, 32), (6, 1, 32), (3, 3, 16), (8, 2, 24)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", GROUPS)
+@pytest.mark.parametrize("B", [1, 2])
+def test_grouped_heads_give_the_same_bits_on_every_path(libs, dtype, heads, B, monkeypatch):
+    """A KV group's query heads scored and mixed together (one pass over the group's key and value rows at one
+    thread: `kv_scores_heads`, `kv_axpy_heads`) give the same logits and KV cache on every path, to the bit, over
+    contexts of 1 to 9 keys, batch 1 and 2, sigmoid gate (the SiLU gate: the test above)."""
+    H, G, D = heads
+    ids = torch.randint(0, 61, (B, 9), generator=torch.Generator().manual_seed(H + G + D))
+    got = {}
+    for name, lib in libs.items():
+        monkeypatch.setattr(bindings, "load_library", lambda n, lib=lib: lib.lib if n == "decode" else None)
+        got[name] = _decode_kv(_softmax_model(dtype, heads=H, n_kv_heads=G, head_dim=D, gate_act="sigmoid"), ids)
+    want = got.get("plain_c", got["native"])
+    for name, out in got.items():
+        assert all(torch.equal(a, b) for a, b in zip(out, want)), name
+
+
+def test_grouped_heads_within_the_fp64_bound():
+    """The grouped heads' logits (fp32, groups of 4) within the bound of the fp64 per-block PyTorch path."""
+    from tests.models.decode_kinds import assert_within_bound, decode, pytorch_twin
+
+    model = _softmax_model(torch.float32, heads=8, n_kv_heads=2, head_dim=32)
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(4))
+    got = _decode_kv(model, ids)[0]
+    ref64 = decode(pytorch_twin(model, torch.float64), ids, 1)[0]
+    twin_err = (decode(pytorch_twin(model), ids, 1)[0].double() - ref64).abs().max().item()
+    assert_within_bound(got, ref64, twin_err, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_heads_match_the_per_head_threads(dtype):
+    """At one thread a KV group's heads go together; at two, past softmax_mix's threshold (PAR_MIN_ELEMS: here from
+    128 keys on), one head a thread as before: the same logits and KV cache, to the bit."""
+    ids = torch.randint(0, 61, (2, 131), generator=torch.Generator().manual_seed(9))
+    got = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)   # (put back after the test by tests/conftest.py)
+        got.append(_decode_kv(_softmax_model(dtype, heads=8, n_kv_heads=2, head_dim=32), ids, prefill=126))
+    assert all(torch.equal(a, b) for a, b in zip(*got))

@@ -614,6 +614,9 @@ LA_INLINE __m256 FN(conv_out_ymm)(__m256 acc, const float *cb, int act) {
 }
 #endif
 
+/* the conv's AVX2 passes ask for their window's and taps' lines this many channels ahead */
+#define CONV_PF_CH 64
+
 /* the short convolution of one token over the first C channels of y [B, ldy] (q | k | v) into u [B, C]:
    window w_in [B, C, KC-1] (NULL: zeros) then the token; new window to w_out [B, C, KC-1]. */
 static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ldy, const REAL *w_in,
@@ -644,6 +647,10 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
                               ix2 = _mm256_setr_epi32(5, 5, 5, 5, 6, 6, 6, 7);
                 for (; c0 + 8 < C; c0 += 8) {
                     const float *w3 = wi + 3 * c0, *t4 = cw + 4 * c0;
+                    /* the window's and taps' lines CONV_PF_CH channels ahead (from memory: a layer's weights
+                       passed through the caches since the last token) */
+                    __builtin_prefetch(w3 + 3 * CONV_PF_CH, 0, 3); __builtin_prefetch(w3 + 3 * CONV_PF_CH + 16, 0, 3);
+                    __builtin_prefetch(t4 + 4 * CONV_PF_CH, 0, 3); __builtin_prefetch(t4 + 4 * CONV_PF_CH + 16, 0, 3);
                     const __m256 v0 = _mm256_loadu_ps(w3), v1 = _mm256_loadu_ps(w3 + 8),
                                  v2 = _mm256_loadu_ps(w3 + 16);
                     const __m256 xa = _mm256_permutevar8x32_ps(
@@ -733,6 +740,9 @@ static void FN(conv_io)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t
                 for (; c0 + 8 < C; c0 += 8) {
                     float *w4 = wb + 4 * c0;
                     const float *t4 = cw + 4 * c0;
+                    /* (as FN(conv): the rows and taps CONV_PF_CH channels ahead) */
+                    __builtin_prefetch(w4 + 4 * CONV_PF_CH, 1, 3); __builtin_prefetch(w4 + 4 * CONV_PF_CH + 16, 1, 3);
+                    __builtin_prefetch(t4 + 4 * CONV_PF_CH, 0, 3); __builtin_prefetch(t4 + 4 * CONV_PF_CH + 16, 0, 3);
 #define LA_T4(r0, r1, r2, r3, c1, c2, c3, c4)                                                                   \
     do {                                                                                                        \
         const __m256d l01 = _mm256_castps_pd(_mm256_unpacklo_ps(r0, r1)),                                       \
@@ -1470,6 +1480,59 @@ static void FN(kv_scores)(int bf, const void *kc, int64_t first, int64_t stride,
     }
 }
 
+/* softmax_mix asks for the KV rows this many rows ahead of the one a KV group's heads read */
+#define KV_PF_ROWS 4
+#if defined(LINE_YMM) && !defined(KV_SCORES_HEADS4_YMM)
+/* KV_SCORES_YMM turned around: one key a step against four query heads q0 .. q3 (a KV group's heads sharing its rows,
+   so each key row is read once for the four, not once a head); each (head, key) score the same fmas from zero in the
+   same lanes and the same vsum_ymm as there: the same bits. Uses nt, stride, D, q0 .. q3, scale, w0 .. w3. */
+#define KV_SCORES_HEADS4_YMM(k, LOAD)                                                                            \
+    do {                                                                                                         \
+        for (int64_t t = 0; t < nt; ++t) {                                                                       \
+            const __typeof__(*(k)) *kt = (k) + t * stride;                                                       \
+            if (t + KV_PF_ROWS < nt)   /* (a row at a time: the next rows asked for, so their misses overlap) */ \
+                for (int64_t i = 0; i < D; i += 64 / (int64_t)sizeof(*(k)))                                      \
+                    __builtin_prefetch(kt + KV_PF_ROWS * stride + i, 0, 3);                                      \
+            __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;      \
+            for (int64_t i = 0; i < D; i += 16) {                                                                \
+                const __m256 kl = LOAD(kt + i), kh = LOAD(kt + i + 8);                                           \
+                l0 = _mm256_fmadd_ps(kl, _mm256_loadu_ps(q0 + i), l0);                                           \
+                h0 = _mm256_fmadd_ps(kh, _mm256_loadu_ps(q0 + i + 8), h0);                                       \
+                l1 = _mm256_fmadd_ps(kl, _mm256_loadu_ps(q1 + i), l1);                                           \
+                h1 = _mm256_fmadd_ps(kh, _mm256_loadu_ps(q1 + i + 8), h1);                                       \
+                l2 = _mm256_fmadd_ps(kl, _mm256_loadu_ps(q2 + i), l2);                                           \
+                h2 = _mm256_fmadd_ps(kh, _mm256_loadu_ps(q2 + i + 8), h2);                                       \
+                l3 = _mm256_fmadd_ps(kl, _mm256_loadu_ps(q3 + i), l3);                                           \
+                h3 = _mm256_fmadd_ps(kh, _mm256_loadu_ps(q3 + i + 8), h3);                                       \
+            }                                                                                                    \
+            w0[t] = vsum_ymm(l0, h0) * scale; w1[t] = vsum_ymm(l1, h1) * scale;                                  \
+            w2[t] = vsum_ymm(l2, h2) * scale; w3[t] = vsum_ymm(l3, h3) * scale;                                  \
+        }                                                                                                        \
+    } while (0)
+#endif
+
+/* kv_scores of n query heads on one KV head's keys: head h's query at q + h qs, its scores at w + h ws. On AVX2
+   (float, D a multiple of 16) four heads a pass over the keys (KV_SCORES_HEADS4_YMM), the rest one head a pass. */
+static void FN(kv_scores_heads)(int bf, const void *kc, int64_t first, int64_t stride, int64_t nt, int64_t D,
+                                const REAL *q, int64_t qs, int64_t n, REAL scale, REAL *w, int64_t ws) {
+    int64_t h = 0;
+#if defined(LINE_YMM) && REAL_IS_FLOAT
+    if (D % 16 == 0)
+        for (; h + 4 <= n; h += 4) {
+            const float *q0 = q + h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
+            float *w0 = w + h * ws, *w1 = w0 + ws, *w2 = w1 + ws, *w3 = w2 + ws;
+            if (bf) {
+                const uint16_t *k = (const uint16_t *)kc + first;
+                KV_SCORES_HEADS4_YMM(k, bf16_ymm);
+            } else {
+                const float *k = (const float *)kc + first;
+                KV_SCORES_HEADS4_YMM(k, _mm256_loadu_ps);
+            }
+        }
+#endif
+    for (; h < n; ++h) FN(kv_scores)(bf, kc, first, stride, nt, D, q + h * qs, scale, w + h * ws);
+}
+
 /* kv_scores as an entry point (tests: each build's path against the fp64 scores and the generic path's bits) */
 void FN(linattn_decode_kv_scores)(int bf, const void *kc, int64_t first, int64_t stride, int64_t nt, int64_t D,
                                   const REAL *q, double scale, REAL *w) {
@@ -1488,6 +1551,33 @@ static inline void FN(kv_axpy)(int bf, const void *vc, int64_t off, int64_t Dv, 
 #pragma omp simd
         for (int64_t i = 0; i < Dv; ++i) o[i] += e * v[i];
     }
+}
+
+/* kv_axpy of one value row into n heads' outputs at once (o + h Dv, each with its own weight e[h es]): the row read
+   and widened once for the n; each output element the same fma in the same order as kv_axpy's, so the same bits */
+static void FN(kv_axpy_heads)(int bf, const void *vc, int64_t off, int64_t Dv, int64_t n, const REAL *e, int64_t es,
+                              REAL *o) {
+    int64_t h = 0;
+    for (; h + 4 <= n; h += 4) {
+        const REAL e0 = e[h * es], e1 = e[(h + 1) * es], e2 = e[(h + 2) * es], e3 = e[(h + 3) * es];
+        REAL *restrict o0 = o + h * Dv, *restrict o1 = o0 + Dv, *restrict o2 = o1 + Dv, *restrict o3 = o2 + Dv;
+        if (bf) {
+            const uint16_t *restrict v = (const uint16_t *)vc + off;
+#pragma omp simd
+            for (int64_t i = 0; i < Dv; ++i) {
+                const REAL x = (REAL)bf16_to_f32(v[i]);
+                o0[i] += e0 * x; o1[i] += e1 * x; o2[i] += e2 * x; o3[i] += e3 * x;
+            }
+        } else {
+            const REAL *restrict v = (const REAL *)vc + off;
+#pragma omp simd
+            for (int64_t i = 0; i < Dv; ++i) {
+                const REAL x = v[i];
+                o0[i] += e0 * x; o1[i] += e1 * x; o2[i] += e2 * x; o3[i] += e3 * x;
+            }
+        }
+    }
+    for (; h < n; ++h) FN(kv_axpy)(bf, vc, off, Dv, e[h * es], o + h * Dv);
 }
 
 /* the rotation of one head's first R channels (rotate-half form) by cos c / sin s [R/2] */
@@ -1520,9 +1610,9 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
     if (p->att_gate == 1) FN(weight_product)(WEIGHT_FORMAT(p->wbf16, p->fmt_Wg), p->sc_Wg, p->grp_Wg,
             B, H * Dv, d, p->Wg, NULL, xn, NULL, g, p->nthreads);
     LT_LAP(lt, LT_QKV);
-    REAL *ws = (REAL *)malloc(sizeof(REAL) * (size_t)(H * L + R + 1));
+    REAL *ws = (REAL *)malloc(sizeof(REAL) * (size_t)(H * L + R + H + 1));
     if (!ws) return 1;
-    REAL *cs = ws + H * L, *sn = cs + R / 2;
+    REAL *cs = ws + H * L, *sn = cs + R / 2, *dn = sn + R / 2;   /* (dn: each head's softmax denominator) */
     const double *inv = (const double *)p->inv_freq;
     const REAL *qnw = (const REAL *)p->qnw, *knw = (const REAL *)p->knw;
     const REAL scale = (REAL)p->scale;
@@ -1554,37 +1644,57 @@ static int FN(softmax_mix)(const linattn_block_plan *p, const REAL *xn, REAL *y,
             for (int64_t i = 0; i < D; ++i) FN(kv_put)(kb, p->kc, ko + i, kh[i]);
             for (int64_t i = 0; i < Dv; ++i) FN(kv_put)(kb, p->vc, vo + i, v[b * nv + j * Dv + i]);
         }
-        /* the heads in parallel only where the keys they read pay for waking the threads */
+        /* the heads in parallel only where the keys they read pay for waking the threads; else a KV group's heads
+           together, so that its key and value rows are read once for the group (from memory: the group's other
+           heads had read them again from L2, after the first had waited for them) */
         const int par = p->nthreads > 1 && H > 1 && H * (L - lo) * (D + Dv) >= PAR_MIN_ELEMS;
+        const int64_t hb = par ? 1 : grp;
 #pragma omp parallel for num_threads(p->nthreads) schedule(static) if(par)
-        for (int64_t h = 0; h < H; ++h) {
-            const REAL *qh = q + b * nq + h * qw;
-            const int64_t j = h / grp;
-            REAL *restrict w = ws + h * L;
-            REAL m = -INFINITY, den = 0;
-            int nan = 0;
-            FN(kv_scores)(kb, p->kc, ((b * cap + lo) * G + j) * D, G * D, L - lo, D, qh, scale, w + lo);
-            for (int64_t t = lo; t < L; ++t) {
-                const REAL s = w[t];
-                nan |= s != s;
-                if (s > m) m = s;
+        for (int64_t h0 = 0; h0 < H; h0 += hb) {
+            const int64_t j = h0 / grp;
+            FN(kv_scores_heads)(kb, p->kc, ((b * cap + lo) * G + j) * D, G * D, L - lo, D, q + b * nq + h0 * qw, qw,
+                                hb, scale, ws + h0 * L + lo, L);
+            /* each head's scores into its exps (in place) and their sum, in the keys' order */
+            for (int64_t h = h0; h < h0 + hb; ++h) {
+                REAL *restrict w = ws + h * L;
+                REAL m = -INFINITY, sum = 0;
+                int nan = 0;
+                for (int64_t t = lo; t < L; ++t) {
+                    const REAL s = w[t];
+                    nan |= s != s;
+                    if (s > m) m = s;
+                }
+                for (int64_t t = lo; t < L; ++t) {
+                    const REAL e = nan ? (REAL)NAN : MATH(exp)(w[t] - m);
+                    sum += e;
+                    w[t] = e;
+                }
+                dn[h] = sum;
             }
-            REAL *oh = o + b * H * Dv + h * Dv;
-            for (int64_t i = 0; i < Dv; ++i) oh[i] = 0;
+            REAL *og = o + b * H * Dv + h0 * Dv;
+            for (int64_t i = 0; i < hb * Dv; ++i) og[i] = 0;
+            const size_t vsz = kb ? 2 : sizeof(REAL);
             for (int64_t t = lo; t < L; ++t) {
-                const REAL e = nan ? (REAL)NAN : MATH(exp)(w[t] - m);
-                den += e;
-                FN(kv_axpy)(kb, p->vc, ((b * cap + t) * G + j) * Dv, Dv, e, oh);
+                if (t + KV_PF_ROWS < L) {   /* (the value row KV_PF_ROWS ahead) */
+                    const char *ahead = (const char *)p->vc + (size_t)((b * cap + t + KV_PF_ROWS) * G + j) * Dv * vsz;
+                    for (size_t i = 0; i < (size_t)Dv * vsz; i += 64) __builtin_prefetch(ahead + i, 0, 3);
+                }
+                FN(kv_axpy_heads)(kb, p->vc, ((b * cap + t) * G + j) * Dv, Dv, hb, ws + h0 * L + t, L, og);
             }
-            const REAL *gh = p->att_gate == 1 ? g + b * H * Dv + h * Dv : p->att_gate == 2 ? qh + D : NULL;
-            /* o / den times the gate, a loop per gate (one loop choosing per element left SiLU's exp scalar) */
-            if (!gh)
-                for (int64_t i = 0; i < Dv; ++i) oh[i] = oh[i] / den;
-            else if (p->gate_sig)   /* (libm's exp, as the layer's torch.sigmoid: a call per element) */
-                for (int64_t i = 0; i < Dv; ++i) oh[i] = (oh[i] / den) * ((REAL)1 / ((REAL)1 + MATH(exp)(-gh[i])));
-            else {
-                LA_SIMD
-                for (int64_t i = 0; i < Dv; ++i) oh[i] = (oh[i] / den) * FN(la_silu)(gh[i]);
+            for (int64_t h = h0; h < h0 + hb; ++h) {
+                const REAL *qh = q + b * nq + h * qw, dh = dn[h];
+                REAL *oh = o + b * H * Dv + h * Dv;
+                const REAL *gh = p->att_gate == 1 ? g + b * H * Dv + h * Dv : p->att_gate == 2 ? qh + D : NULL;
+                /* o / den times the gate, a loop per gate (one loop choosing per element left SiLU's exp scalar) */
+                if (!gh)
+                    for (int64_t i = 0; i < Dv; ++i) oh[i] = oh[i] / dh;
+                else if (p->gate_sig)   /* (libm's exp, as the layer's torch.sigmoid: a call per element) */
+                    for (int64_t i = 0; i < Dv; ++i)
+                        oh[i] = (oh[i] / dh) * ((REAL)1 / ((REAL)1 + MATH(exp)(-gh[i])));
+                else {
+                    LA_SIMD
+                    for (int64_t i = 0; i < Dv; ++i) oh[i] = (oh[i] / dh) * FN(la_silu)(gh[i]);
+                }
             }
         }
         LT_BYTES((double)(kb ? 2 : sizeof(REAL)) * (double)((L - lo) * G * (D + Dv)));
