@@ -916,24 +916,33 @@ static inline void FN(delta_row_stream)(int64_t V, const REAL *s0, int gated, RE
     }
 }
 
-/* delta_row_stream's row with s0 given, by whole lines (V a multiple of a line: `stream`'s condition), the next
-   head's line prefetched once per line without a test per vector; gated and pf's presence constants once inlined.
-   The same operations (the same bits). */
-LA_INLINE void FN(delta_write_row)(int64_t V, const REAL *s0, int gated, REAL decay, REAL ki, REAL qi,
-                                   const REAL *e, REAL *s, REAL *o, const REAL *pf) {
-    const ZV dv = ZOP(set1)(decay), kv = ZOP(set1)(ki), qv = ZOP(set1)(qi);
+/* The second pass over a column block of nv vectors (DELTA_CV, or a line's vectors at V's tail: a constant once
+   inlined) with s0 given: the block's e and o held in registers while it walks all K rows, each row's part of the
+   block made and streamed, o stored once at the end instead of loaded and stored per row; each o[j] still takes its
+   rows in ascending order by the same fma from the same zero (the same bits as the row loop). S0 is read from L2 (a
+   head's state): the column walk's stride costs no memory traffic. pf: the next head's lines under the block's
+   columns, one prefetch per line, row by row (every line of the next head once over the blocks). A block is 4 AVX2
+   vectors (e and o: 8 of the 16 registers) or 8 AVX-512 ones (16 of 32: a whole 128-float row, walked in order). */
+#define DELTA_CV (ZW == 64 ? 8 : 4)
+LA_INLINE void FN(delta_write_cols)(int64_t K, int64_t V, const REAL *s0, int nv, int gated, REAL decay,
+                                    const REAL *k, const REAL *q, const REAL *e, REAL *s, REAL *o, const REAL *pf) {
     const int64_t step = ZW / (int64_t)sizeof(REAL), line = 64 / (int64_t)sizeof(REAL);
-    for (int64_t c = 0; c < V; c += line) {
-        if (pf) _mm_prefetch((const char *)(pf + c), PF_NEXT_HINT);
-        for (int64_t x = 0; x < 64 / ZW; ++x) {   /* (a constant count: unrolled) */
-            const int64_t u = c + x * step;
-            ZV sv = ZOP(loadu)(s0 + u);
+    const ZV dv = ZOP(set1)(decay);
+    ZV ev[DELTA_CV], ov[DELTA_CV];
+    for (int x = 0; x < nv; ++x) ev[x] = ZOP(loadu)(e + x * step), ov[x] = ZOP(setzero)();
+    for (int64_t i = 0; i < K; ++i) {
+        const ZV kv = ZOP(set1)(k[i]), qv = ZOP(set1)(q[i]);
+        if (pf)
+            for (int64_t c = 0; c < nv * step; c += line) _mm_prefetch((const char *)(pf + i * V + c), PF_NEXT_HINT);
+        for (int x = 0; x < nv; ++x) {
+            ZV sv = ZOP(loadu)(s0 + i * V + x * step);
             if (gated) sv = ZOP(mul)(sv, dv);
-            const ZV sn = ZOP(fmadd)(kv, ZOP(loadu)(e + u), sv);
-            ZOP(storeu)(o + u, ZOP(fmadd)(qv, sn, ZOP(loadu)(o + u)));
-            ZOP(stream)(s + u, sn);
+            const ZV sn = ZOP(fmadd)(kv, ev[x], sv);
+            ov[x] = ZOP(fmadd)(qv, sn, ov[x]);
+            ZOP(stream)(s + i * V + x * step, sn);
         }
     }
+    for (int x = 0; x < nv; ++x) ZOP(storeu)(o + x * step, ov[x]);
 }
 
 /* The first pass over DELTA_RB rows (or one: nr, a constant once inlined) from s0 (stride V): e += k_i (decay
@@ -978,13 +987,18 @@ LA_INLINE void FN(delta_update_lines)(int64_t K, int64_t V, const REAL *q, const
     }
     for (; i < K; ++i) FN(delta_read_rows)(V, S0 + i * V, 1, k + i, gated, decay, e, i + PF_ROWS < K);
     for (int64_t j = 0; j < V; ++j) e[j] = (v[j] / d) * ar - ar * e[j];
-    for (int64_t j = 0; j < V; ++j) o[j] = 0;
-    for (i = 0; i < K; ++i)
-        FN(delta_write_row)(V, S0 + i * V, gated, decay, k[i], q[i], e, S + i * V, o,
-                            S0_next ? S0_next + i * V : NULL);
+    const int64_t blk = DELTA_CV * (ZW / (int64_t)sizeof(REAL)), line = 64 / (int64_t)sizeof(REAL);
+    int64_t c = 0;
+    for (; c + blk <= V; c += blk)
+        FN(delta_write_cols)(K, V, S0 + c, DELTA_CV, gated, decay, k, q, e + c, S + c, o + c,
+                             S0_next ? S0_next + c : NULL);
+    for (; c < V; c += line)   /* (V a multiple of a line) */
+        FN(delta_write_cols)(K, V, S0 + c, 64 / ZW, gated, decay, k, q, e + c, S + c, o + c,
+                             S0_next ? S0_next + c : NULL);
     _mm_sfence();   /* (the streamed lines ordered before whatever reads the state next) */
 }
 #undef DELTA_RB
+#undef DELTA_CV
 #undef ZW
 #undef ZSFX
 #undef ZV_ps
