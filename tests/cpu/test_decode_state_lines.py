@@ -1,5 +1,5 @@
 """The delta-rule decode's state update with the old state given and the new one streamed (csrc/decode.c,
-delta_update_lines: the first pass by blocks of rows, the second by blocks of columns with e and o in registers)
+delta_update_lines: both passes by blocks of columns, e and o in registers)
 against the row loop that takes the plain stores (the same call with S_out off a 64-byte line: the code before the
 blocks, unchanged), bit for bit, and against an fp64 reference of the delta rule; on the native build (AVX-512 where
 the machine has it: column blocks of 8 vectors) and the AVX2 one (blocks of 4)."""

@@ -916,24 +916,41 @@ static inline void FN(delta_row_stream)(int64_t V, const REAL *s0, int gated, RE
     }
 }
 
-/* The second pass over a column block of nv vectors (DELTA_CV, or a line's vectors at V's tail: a constant once
-   inlined) with s0 given: the block's e and o held in registers while it walks all K rows, each row's part of the
-   block made and streamed, o stored once at the end instead of loaded and stored per row; each o[j] still takes its
-   rows in ascending order by the same fma from the same zero (the same bits as the row loop). S0 is read from L2 (a
-   head's state): the column walk's stride costs no memory traffic. pf: the next head's lines under the block's
-   columns, one prefetch per line, row by row (every line of the next head once over the blocks). A block is 4 AVX2
-   vectors (e and o: 8 of the 16 registers) or 8 AVX-512 ones (16 of 32: a whole 128-float row, walked in order). */
+/* delta_update's two passes over a column block of nv vectors (DELTA_CV, or a line's vectors at V's tail: a constant
+   once inlined) with s0 given (err [j] needs only column j's rows): the first walks the block's columns down all K
+   rows, e in registers (each e[j] sums its rows in ascending order by the same fma from the same zero as the row
+   loop: the same bits); err is made by the row loop's expression; the second walks them again, e and o in
+   registers, each row's part made and streamed, o stored once (each o[j] again in ascending rows from zero). The
+   block's columns (K x 128 bytes at AVX2's 32 floats) are read from L2 by the first walk (the previous head's
+   prefetch) and from L1 by the second. A block is 4 AVX2 vectors (8 of the 16 registers held) or 8 AVX-512 ones (16
+   of 32: a whole 128-float row, the rows walked in order). The rows PF_ROWS ahead of the first walk are prefetched,
+   and during the second the next head's lines (pf: its part [c K, (c + nv step) K) for the block at column c, in
+   order, so that over the blocks every line of the next head is fetched once, in address order). */
 #define DELTA_CV (ZW == 64 ? 8 : 4)
-LA_INLINE void FN(delta_write_cols)(int64_t K, int64_t V, const REAL *s0, int nv, int gated, REAL decay,
-                                    const REAL *k, const REAL *q, const REAL *e, REAL *s, REAL *o, const REAL *pf) {
-    const int64_t step = ZW / (int64_t)sizeof(REAL), line = 64 / (int64_t)sizeof(REAL);
+LA_INLINE void FN(delta_cols)(int64_t K, int64_t V, const REAL *s0, int nv, int gated, REAL decay, const REAL *k,
+                              const REAL *q, const REAL *v, REAL d, REAL ar, REAL *e, REAL *s, REAL *o,
+                              const REAL *pf) {
+    const int64_t step = ZW / (int64_t)sizeof(REAL), line = 64 / (int64_t)sizeof(REAL), w = nv * step;
     const ZV dv = ZOP(set1)(decay);
     ZV ev[DELTA_CV], ov[DELTA_CV];
+    for (int x = 0; x < nv; ++x) ev[x] = ZOP(setzero)();
+    for (int64_t i = 0; i < K; ++i) {
+        if (i + PF_ROWS < K)
+            for (int64_t c = 0; c < w; c += line) __builtin_prefetch(s0 + (i + PF_ROWS) * V + c, 0, 3);
+        const ZV kv = ZOP(set1)(k[i]);
+        for (int x = 0; x < nv; ++x) {
+            ZV sv = ZOP(loadu)(s0 + i * V + x * step);
+            if (gated) sv = ZOP(mul)(sv, dv);
+            ev[x] = ZOP(fmadd)(kv, sv, ev[x]);
+        }
+    }
+    for (int x = 0; x < nv; ++x) ZOP(storeu)(e + x * step, ev[x]);
+    for (int64_t j = 0; j < w; ++j) e[j] = (v[j] / d) * ar - ar * e[j];
     for (int x = 0; x < nv; ++x) ev[x] = ZOP(loadu)(e + x * step), ov[x] = ZOP(setzero)();
     for (int64_t i = 0; i < K; ++i) {
         const ZV kv = ZOP(set1)(k[i]), qv = ZOP(set1)(q[i]);
         if (pf)
-            for (int64_t c = 0; c < nv * step; c += line) _mm_prefetch((const char *)(pf + i * V + c), PF_NEXT_HINT);
+            for (int64_t c = 0; c < w; c += line) _mm_prefetch((const char *)(pf + i * w + c), PF_NEXT_HINT);
         for (int x = 0; x < nv; ++x) {
             ZV sv = ZOP(loadu)(s0 + i * V + x * step);
             if (gated) sv = ZOP(mul)(sv, dv);
@@ -945,59 +962,23 @@ LA_INLINE void FN(delta_write_cols)(int64_t K, int64_t V, const REAL *s0, int nv
     for (int x = 0; x < nv; ++x) ZOP(storeu)(o + x * step, ov[x]);
 }
 
-/* The first pass over DELTA_RB rows (or one: nr, a constant once inlined) from s0 (stride V): e += k_i (decay
-   s0[i, :]) in ascending rows, e loaded and stored once per block instead of once per row; each e[j] takes its rows
-   in the same order by the same fma as the row loop (the same bits). The rows PF_ROWS ahead of the block's first
-   pf_rows rows are prefetched, a line of each per line of the block. */
-#define DELTA_RB 4
-LA_INLINE void FN(delta_read_rows)(int64_t V, const REAL *s0, int nr, const REAL *kr, int gated, REAL decay,
-                                   REAL *e, int64_t pf_rows) {
-    const int64_t step = ZW / (int64_t)sizeof(REAL), line = 64 / (int64_t)sizeof(REAL);
-    const ZV dv = ZOP(set1)(decay);
-    ZV kv[DELTA_RB];
-    for (int r = 0; r < nr; ++r) kv[r] = ZOP(set1)(kr[r]);
-    for (int64_t c = 0; c < V; c += line) {
-        for (int64_t r = 0; r < pf_rows; ++r) __builtin_prefetch(s0 + (PF_ROWS + r) * V + c, 0, 3);
-        for (int64_t x = 0; x < 64 / ZW; ++x) {
-            const int64_t u = c + x * step;
-            ZV ev = ZOP(loadu)(e + u);
-            for (int r = 0; r < nr; ++r) {
-                ZV sv = ZOP(loadu)(s0 + r * V + u);
-                if (gated) sv = ZOP(mul)(sv, dv);
-                ev = ZOP(fmadd)(kv[r], sv, ev);
-            }
-            ZOP(storeu)(e + u, ev);
-        }
-    }
-}
-
-/* delta_update's two passes with S0 given and the state streamed: the first by blocks of DELTA_RB rows, the second
-   row by row (by blocks of two or four rows, o loaded and stored once a block and the rows' lines streamed in turn,
-   it was slower from memory: docs/cpu_kernels.md, round 19b); gated and S0_next's presence are constants in each
-   of the caller's four instances (the row loop tested them per vector). */
+/* delta_update with S0 given and the state streamed: block by block of columns, both passes of a block in turn (the
+   passes over the whole state one after the other, the second by row blocks or by column blocks, were no faster:
+   docs/cpu_kernels.md, rounds 19b and 21); gated and S0_next's presence are constants in each of the caller's four
+   instances. */
 LA_INLINE void FN(delta_update_lines)(int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v, REAL d,
                                       REAL ar, int gated, REAL decay, const REAL *S0, REAL *S, REAL *e, REAL *o,
                                       const REAL *S0_next) {
-    for (int64_t j = 0; j < V; ++j) e[j] = 0;
-    int64_t i = 0;
-    for (; i + DELTA_RB <= K; i += DELTA_RB) {
-        const int64_t pf = K - PF_ROWS - i;   /* (rows i + PF_ROWS + r for r < pf lie inside the head) */
-        FN(delta_read_rows)(V, S0 + i * V, DELTA_RB, k + i, gated, decay, e,
-                            pf < 0 ? 0 : pf < DELTA_RB ? pf : DELTA_RB);
-    }
-    for (; i < K; ++i) FN(delta_read_rows)(V, S0 + i * V, 1, k + i, gated, decay, e, i + PF_ROWS < K);
-    for (int64_t j = 0; j < V; ++j) e[j] = (v[j] / d) * ar - ar * e[j];
     const int64_t blk = DELTA_CV * (ZW / (int64_t)sizeof(REAL)), line = 64 / (int64_t)sizeof(REAL);
     int64_t c = 0;
     for (; c + blk <= V; c += blk)
-        FN(delta_write_cols)(K, V, S0 + c, DELTA_CV, gated, decay, k, q, e + c, S + c, o + c,
-                             S0_next ? S0_next + c : NULL);
+        FN(delta_cols)(K, V, S0 + c, DELTA_CV, gated, decay, k, q, v + c, d, ar, e + c, S + c, o + c,
+                       S0_next ? S0_next + c * K : NULL);
     for (; c < V; c += line)   /* (V a multiple of a line) */
-        FN(delta_write_cols)(K, V, S0 + c, 64 / ZW, gated, decay, k, q, e + c, S + c, o + c,
-                             S0_next ? S0_next + c : NULL);
+        FN(delta_cols)(K, V, S0 + c, 64 / ZW, gated, decay, k, q, v + c, d, ar, e + c, S + c, o + c,
+                       S0_next ? S0_next + c * K : NULL);
     _mm_sfence();   /* (the streamed lines ordered before whatever reads the state next) */
 }
-#undef DELTA_RB
 #undef DELTA_CV
 #undef ZW
 #undef ZSFX
@@ -1021,7 +1002,7 @@ LA_INLINE void FN(delta_update_lines)(int64_t K, int64_t V, const REAL *q, const
    head's old state: its first pass then reads from L2 while this one's writes drain). The rank-1 write is an
    explicit fma where the target has one: written as decay * s0 + k_i err_j, contraction may fuse either product
    (the three passes stored decay S0 first). With S0 and streaming stores, delta_update_lines (the same operations
-   in the same order, the first pass by row blocks, no per-vector tests). */
+   in the same order, both passes by column blocks, no per-vector tests). */
 static void FN(delta_update)(int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v, REAL d, REAL ar,
                              int gated, REAL decay, const REAL *S0, REAL *S, REAL *e, REAL *o, int stream,
                              const REAL *S0_next) {
