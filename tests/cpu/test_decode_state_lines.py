@@ -1,8 +1,8 @@
 """The delta-rule decode's state update with the old state given and the new one streamed (csrc/decode.c,
-delta_update_lines: both passes by blocks of columns, e and o in registers)
-against the row loop that takes the plain stores (the same call with S_out off a 64-byte line: the code before the
-blocks, unchanged), bit for bit, and against an fp64 reference of the delta rule; on the native build (AVX-512 where
-the machine has it: column blocks of 8 vectors) and the AVX2 one (blocks of 4)."""
+delta_update_lines: both passes by blocks of columns, e and o in registers) against the row loop that takes the plain
+stores (the same call with S_out off a 64-byte line: the code before the blocks, unchanged), bit for bit, and against
+an fp64 reference of the delta rule; on the native build (AVX-512 where the machine has it: column blocks of 8
+vectors) and the AVX2 one (blocks of 4)."""
 from __future__ import annotations
 
 import pytest
