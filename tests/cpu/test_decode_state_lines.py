@@ -2,7 +2,7 @@
 delta_update_lines: both passes by blocks of columns, e and o in registers) against the row loop that takes the plain
 stores (the same call with S_out off a 64-byte line: the code before the blocks, unchanged), bit for bit, and against
 an fp64 reference of the delta rule; on the native build (AVX-512 where the machine has it: column blocks of 8
-vectors) and the AVX2 one (blocks of 4)."""
+vectors) and the AVX2 one (8 vectors too: 4 lines in fp32)."""
 from __future__ import annotations
 
 import pytest
@@ -77,8 +77,8 @@ def _reference(y, S0, neg_a, dt_bias, heads, kind, gated):
 
 # (B, H, HV, K, V): K with 0-3 rows past the last block of four, and fewer rows than the prefetch distance; V one
 # to eight 64-byte lines in fp32 (16 / 32 / 128 channels), and 9 / 13 (144 / 208: column blocks and a tail of 1 / 5
-# lines in fp32 with AVX-512's blocks of 8, 1 line with AVX2's of 2; fp64's twice as many lines); several heads (the
-# next head's prefetch) and GVA
+# lines in fp32 with AVX-512's blocks of 8 lines, 1 line with AVX2's of 4; fp64's twice as many lines); several heads
+# (the next head's prefetch) and GVA
 SHAPES = [(1, 16, 16, 128, 128), (2, 2, 4, 7, 16), (1, 3, 3, 66, 32), (2, 1, 2, 129, 48), (1, 2, 2, 3, 16),
           (1, 4, 8, 13, 64), (1, 2, 2, 11, 144), (1, 1, 2, 5, 208)]
 

@@ -919,14 +919,15 @@ static inline void FN(delta_row_stream)(int64_t V, const REAL *s0, int gated, RE
 /* delta_update's two passes over a column block of nv vectors (DELTA_CV, or a line's vectors at V's tail: a constant
    once inlined) with s0 given (err [j] needs only column j's rows): the first walks the block's columns down all K
    rows, e in registers (each e[j] sums its rows in ascending order by the same fma from the same zero as the row
-   loop: the same bits); err is made by the row loop's expression; the second walks them again, e and o in
-   registers, each row's part made and streamed, o stored once (each o[j] again in ascending rows from zero). The
-   block's columns (K x 128 bytes at AVX2's 32 floats) are read from L2 by the first walk (the previous head's
-   prefetch) and from L1 by the second. A block is 4 AVX2 vectors (8 of the 16 registers held) or 8 AVX-512 ones (16
-   of 32: a whole 128-float row, the rows walked in order). The rows PF_ROWS ahead of the first walk are prefetched,
-   and during the second the next head's lines (pf: its part [c K, (c + nv step) K) for the block at column c, in
-   order, so that over the blocks every line of the next head is fetched once, in address order). */
-#define DELTA_CV (ZW == 64 ? 8 : 4)
+   loop: the same bits); err is made by the row loop's expression; the second walks them again, o in registers and e
+   from L1, each row's part made and streamed, o stored once (each o[j] again in ascending rows from zero). A block
+   is 8 vectors: o takes 8 of AVX2's 16 registers (e, the fmas' memory operand, held too would not fit; blocks of 4
+   holding both were slower), a whole 128-float row with AVX-512, so that its rows are written in address order. The
+   first walk reads the block's columns from L2 (the previous head's prefetch), the second again from L1 or L2. The
+   rows PF_ROWS ahead of the first walk are prefetched, and during the second the next head's lines (pf: its part
+   [c K, (c + nv step) K) for the block at column c, in order, so that over the blocks every line of the next head is
+   fetched once, in address order). */
+#define DELTA_CV 8
 LA_INLINE void FN(delta_cols)(int64_t K, int64_t V, const REAL *s0, int nv, int gated, REAL decay, const REAL *k,
                               const REAL *q, const REAL *v, REAL d, REAL ar, REAL *e, REAL *s, REAL *o,
                               const REAL *pf) {
@@ -946,7 +947,7 @@ LA_INLINE void FN(delta_cols)(int64_t K, int64_t V, const REAL *s0, int nv, int 
     }
     for (int x = 0; x < nv; ++x) ZOP(storeu)(e + x * step, ev[x]);
     for (int64_t j = 0; j < w; ++j) e[j] = (v[j] / d) * ar - ar * e[j];
-    for (int x = 0; x < nv; ++x) ev[x] = ZOP(loadu)(e + x * step), ov[x] = ZOP(setzero)();
+    for (int x = 0; x < nv; ++x) ov[x] = ZOP(setzero)();
     for (int64_t i = 0; i < K; ++i) {
         const ZV kv = ZOP(set1)(k[i]), qv = ZOP(set1)(q[i]);
         if (pf)
@@ -954,7 +955,7 @@ LA_INLINE void FN(delta_cols)(int64_t K, int64_t V, const REAL *s0, int nv, int 
         for (int x = 0; x < nv; ++x) {
             ZV sv = ZOP(loadu)(s0 + i * V + x * step);
             if (gated) sv = ZOP(mul)(sv, dv);
-            const ZV sn = ZOP(fmadd)(kv, ev[x], sv);
+            const ZV sn = ZOP(fmadd)(kv, ZOP(loadu)(e + x * step), sv);
             ov[x] = ZOP(fmadd)(qv, sn, ov[x]);
             ZOP(stream)(s + i * V + x * step, sn);
         }
