@@ -1,15 +1,21 @@
-"""The delta-rule decode's state update by row blocks (csrc/decode.c, delta_update_lines: the old state given and the
-new one streamed) against the row loop that takes the plain stores (the same call with S_out off a 64-byte line: the
-code before the blocks, unchanged), bit for bit, and against an fp64 reference of the delta rule."""
+"""The delta-rule decode's state update with the old state given and the new one streamed (csrc/decode.c,
+delta_update_lines: both passes by blocks of columns, e and o in registers) against the row loop that takes the plain
+stores (the same call with S_out off a 64-byte line: the code before the blocks, unchanged), bit for bit, and against
+an fp64 reference of the delta rule; on the native build (AVX-512 where the machine has it: column blocks of 8
+vectors) and the AVX2 one (8 vectors too: 4 lines in fp32)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from linattn.cpu import bindings, ptr
+from tests.cpu.decode_variants import decode_variant_fixture
 
-LIB = bindings.bind("decode")
-pytestmark = pytest.mark.skipif(LIB is None, reason="the compiled decode library is not available")
+# (the AVX2 prefix as test_qmatvec_a8_layout.py writes it: one cached build for both)
+decode_lib = decode_variant_fixture({"native": ("", set()), "avx2": (
+    "#undef __AVX512F__\n#undef __AVX512VNNI__\n#undef __AVXVNNI__\n", {"avx2", "fma"})})
+pytestmark = [pytest.mark.skipif(bindings.bind("decode") is None, reason="the compiled decode library is unavailable"),
+              pytest.mark.usefixtures("decode_lib")]
 
 
 def _inputs(B, H, HV, K, V, gated, dtype, seed):
@@ -31,7 +37,7 @@ def _call(y, S0, neg_a, dt_bias, heads, kind, gated, misalign):
     start = (-(buf.data_ptr() // y.element_size())) % (64 // y.element_size()) + misalign
     S = buf[start:start + n].view(B, HV, K, V)
     out = torch.full((B, HV * V), float("nan"), dtype=y.dtype)
-    fn = LIB.function("linattn_decode_delta", y.dtype)
+    fn = bindings.bind("decode").function("linattn_decode_delta", y.dtype)
     rc = fn(B, H, HV, K, V, ptr(y), y.shape[1], 0, None, None, None, 0, None, kind, 0, 1, 1e-6, K ** -0.5, 0, None,
             int(gated), ptr(neg_a) if gated else None, ptr(dt_bias) if gated else None, ptr(S0), ptr(S), 0, None,
             1e-6, 0, ptr(out), 1)
@@ -70,9 +76,11 @@ def _reference(y, S0, neg_a, dt_bias, heads, kind, gated):
 
 
 # (B, H, HV, K, V): K with 0-3 rows past the last block of four, and fewer rows than the prefetch distance; V one
-# to eight 64-byte lines in fp32 (16 / 32 / 128 channels); several heads (the next head's prefetch) and GVA
+# to eight 64-byte lines in fp32 (16 / 32 / 128 channels), and 9 / 13 (144 / 208: column blocks and a tail of 1 / 5
+# lines in fp32 with AVX-512's blocks of 8 lines, 1 line with AVX2's of 4; fp64's twice as many lines); several heads
+# (the next head's prefetch) and GVA
 SHAPES = [(1, 16, 16, 128, 128), (2, 2, 4, 7, 16), (1, 3, 3, 66, 32), (2, 1, 2, 129, 48), (1, 2, 2, 3, 16),
-          (1, 4, 8, 13, 64)]
+          (1, 4, 8, 13, 64), (1, 2, 2, 11, 144), (1, 1, 2, 5, 208)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -89,12 +97,16 @@ def test_state_lines_equal_the_row_loop_and_the_delta_rule(shape, kind, gated, d
     torch.testing.assert_close(o_lines.double(), o_ref, **tol)
 
 
-def test_state_lines_keep_nonfinite_values():
-    """An inf in the old state (and the NaNs it makes) land where the row loop puts them."""
-    shape = (1, 2, 2, 9, 16)
-    y, S0, neg_a, dt_bias = _inputs(*shape, True, torch.float32, seed=5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("V", [16, 144])
+def test_state_lines_keep_nonfinite_values(V, dtype):
+    """An inf in the old state (and the NaNs it makes) and a NaN land where the row loop puts them: in a column block
+    and in the columns past the last one."""
+    shape = (1, 2, 2, 9, V)
+    y, S0, neg_a, dt_bias = _inputs(*shape, True, dtype, seed=5)
     S0[0, 1, 4, 3] = float("inf")
-    S0[0, 0, 8, 15] = float("nan")
+    S0[0, 0, 8, V - 1] = float("nan")
+    S0[0, 1, 2, V - 9] = float("-inf")
     o_lines, S_lines = _call(y, S0, neg_a, dt_bias, shape, 0, True, misalign=0)
     o_rows, S_rows = _call(y, S0, neg_a, dt_bias, shape, 0, True, misalign=1)
     assert not torch.isfinite(S_lines).all()

@@ -926,75 +926,71 @@ static inline void FN(delta_row_stream)(int64_t V, const REAL *s0, int gated, RE
     }
 }
 
-/* delta_row_stream's row with s0 given, by whole lines (V a multiple of a line: `stream`'s condition), the next
-   head's line prefetched once per line without a test per vector; gated and pf's presence constants once inlined.
-   The same operations (the same bits). */
-LA_INLINE void FN(delta_write_row)(int64_t V, const REAL *s0, int gated, REAL decay, REAL ki, REAL qi,
-                                   const REAL *e, REAL *s, REAL *o, const REAL *pf) {
-    const ZV dv = ZOP(set1)(decay), kv = ZOP(set1)(ki), qv = ZOP(set1)(qi);
-    const int64_t step = ZW / (int64_t)sizeof(REAL), line = 64 / (int64_t)sizeof(REAL);
-    for (int64_t c = 0; c < V; c += line) {
-        if (pf) _mm_prefetch((const char *)(pf + c), PF_NEXT_HINT);
-        for (int64_t x = 0; x < 64 / ZW; ++x) {   /* (a constant count: unrolled) */
-            const int64_t u = c + x * step;
-            ZV sv = ZOP(loadu)(s0 + u);
-            if (gated) sv = ZOP(mul)(sv, dv);
-            const ZV sn = ZOP(fmadd)(kv, ZOP(loadu)(e + u), sv);
-            ZOP(storeu)(o + u, ZOP(fmadd)(qv, sn, ZOP(loadu)(o + u)));
-            ZOP(stream)(s + u, sn);
-        }
-    }
-}
-
-/* The first pass over DELTA_RB rows (or one: nr, a constant once inlined) from s0 (stride V): e += k_i (decay
-   s0[i, :]) in ascending rows, e loaded and stored once per block instead of once per row; each e[j] takes its rows
-   in the same order by the same fma as the row loop (the same bits). The rows PF_ROWS ahead of the block's first
-   pf_rows rows are prefetched, a line of each per line of the block. */
-#define DELTA_RB 4
-LA_INLINE void FN(delta_read_rows)(int64_t V, const REAL *s0, int nr, const REAL *kr, int gated, REAL decay,
-                                   REAL *e, int64_t pf_rows) {
-    const int64_t step = ZW / (int64_t)sizeof(REAL), line = 64 / (int64_t)sizeof(REAL);
+/* delta_update's two passes over a column block of nv vectors (DELTA_CV, or a line's vectors at V's tail: a constant
+   once inlined) with s0 given (err [j] needs only column j's rows): the first walks the block's columns down all K
+   rows, e in registers (each e[j] sums its rows in ascending order by the same fma from the same zero as the row
+   loop: the same bits); err is made by the row loop's expression; the second walks them again, o in registers and e
+   from L1, each row's part made and streamed, o stored once (each o[j] again in ascending rows from zero). A block
+   is 8 vectors: o takes 8 of AVX2's 16 registers (e, the fmas' memory operand, held too would not fit; blocks of 4
+   holding both were slower), a whole 128-float row with AVX-512, so that its rows are written in address order. The
+   first walk reads the block's columns from L2 (the previous head's prefetch), the second again from L1 or L2. The
+   rows PF_ROWS ahead of the first walk are prefetched, and during the second the next head's lines (pf: its part
+   [c K, (c + nv step) K) for the block at column c, in order, so that over the blocks every line of the next head is
+   fetched once, in address order). */
+#define DELTA_CV 8
+LA_INLINE void FN(delta_cols)(int64_t K, int64_t V, const REAL *s0, int nv, int gated, REAL decay, const REAL *k,
+                              const REAL *q, const REAL *v, REAL d, REAL ar, REAL *e, REAL *s, REAL *o,
+                              const REAL *pf) {
+    const int64_t step = ZW / (int64_t)sizeof(REAL), line = 64 / (int64_t)sizeof(REAL), w = nv * step;
     const ZV dv = ZOP(set1)(decay);
-    ZV kv[DELTA_RB];
-    for (int r = 0; r < nr; ++r) kv[r] = ZOP(set1)(kr[r]);
-    for (int64_t c = 0; c < V; c += line) {
-        for (int64_t r = 0; r < pf_rows; ++r) __builtin_prefetch(s0 + (PF_ROWS + r) * V + c, 0, 3);
-        for (int64_t x = 0; x < 64 / ZW; ++x) {
-            const int64_t u = c + x * step;
-            ZV ev = ZOP(loadu)(e + u);
-            for (int r = 0; r < nr; ++r) {
-                ZV sv = ZOP(loadu)(s0 + r * V + u);
-                if (gated) sv = ZOP(mul)(sv, dv);
-                ev = ZOP(fmadd)(kv[r], sv, ev);
-            }
-            ZOP(storeu)(e + u, ev);
+    ZV ev[DELTA_CV], ov[DELTA_CV];
+    for (int x = 0; x < nv; ++x) ev[x] = ZOP(setzero)();
+    for (int64_t i = 0; i < K; ++i) {
+        if (i + PF_ROWS < K)
+            for (int64_t c = 0; c < w; c += line) __builtin_prefetch(s0 + (i + PF_ROWS) * V + c, 0, 3);
+        const ZV kv = ZOP(set1)(k[i]);
+        for (int x = 0; x < nv; ++x) {
+            ZV sv = ZOP(loadu)(s0 + i * V + x * step);
+            if (gated) sv = ZOP(mul)(sv, dv);
+            ev[x] = ZOP(fmadd)(kv, sv, ev[x]);
         }
     }
+    for (int x = 0; x < nv; ++x) ZOP(storeu)(e + x * step, ev[x]);
+    for (int64_t j = 0; j < w; ++j) e[j] = (v[j] / d) * ar - ar * e[j];
+    for (int x = 0; x < nv; ++x) ov[x] = ZOP(setzero)();
+    for (int64_t i = 0; i < K; ++i) {
+        const ZV kv = ZOP(set1)(k[i]), qv = ZOP(set1)(q[i]);
+        if (pf)
+            for (int64_t c = 0; c < w; c += line) _mm_prefetch((const char *)(pf + i * w + c), PF_NEXT_HINT);
+        for (int x = 0; x < nv; ++x) {
+            ZV sv = ZOP(loadu)(s0 + i * V + x * step);
+            if (gated) sv = ZOP(mul)(sv, dv);
+            const ZV sn = ZOP(fmadd)(kv, ZOP(loadu)(e + x * step), sv);
+            ov[x] = ZOP(fmadd)(qv, sn, ov[x]);
+            ZOP(stream)(s + i * V + x * step, sn);
+        }
+    }
+    for (int x = 0; x < nv; ++x) ZOP(storeu)(o + x * step, ov[x]);
 }
 
-/* delta_update's two passes with S0 given and the state streamed: the first by blocks of DELTA_RB rows, the second
-   row by row (by blocks of two or four rows, o loaded and stored once a block and the rows' lines streamed in turn,
-   it was slower from memory: docs/cpu_kernels.md, round 19b); gated and S0_next's presence are constants in each
-   of the caller's four instances (the row loop tested them per vector). */
+/* delta_update with S0 given and the state streamed: block by block of columns, both passes of a block in turn (the
+   passes over the whole state one after the other, the second by row blocks or by column blocks, were no faster:
+   docs/cpu_kernels.md, rounds 19b and 21); gated and S0_next's presence are constants in each of the caller's four
+   instances. */
 LA_INLINE void FN(delta_update_lines)(int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v, REAL d,
                                       REAL ar, int gated, REAL decay, const REAL *S0, REAL *S, REAL *e, REAL *o,
                                       const REAL *S0_next) {
-    for (int64_t j = 0; j < V; ++j) e[j] = 0;
-    int64_t i = 0;
-    for (; i + DELTA_RB <= K; i += DELTA_RB) {
-        const int64_t pf = K - PF_ROWS - i;   /* (rows i + PF_ROWS + r for r < pf lie inside the head) */
-        FN(delta_read_rows)(V, S0 + i * V, DELTA_RB, k + i, gated, decay, e,
-                            pf < 0 ? 0 : pf < DELTA_RB ? pf : DELTA_RB);
-    }
-    for (; i < K; ++i) FN(delta_read_rows)(V, S0 + i * V, 1, k + i, gated, decay, e, i + PF_ROWS < K);
-    for (int64_t j = 0; j < V; ++j) e[j] = (v[j] / d) * ar - ar * e[j];
-    for (int64_t j = 0; j < V; ++j) o[j] = 0;
-    for (i = 0; i < K; ++i)
-        FN(delta_write_row)(V, S0 + i * V, gated, decay, k[i], q[i], e, S + i * V, o,
-                            S0_next ? S0_next + i * V : NULL);
+    const int64_t blk = DELTA_CV * (ZW / (int64_t)sizeof(REAL)), line = 64 / (int64_t)sizeof(REAL);
+    int64_t c = 0;
+    for (; c + blk <= V; c += blk)
+        FN(delta_cols)(K, V, S0 + c, DELTA_CV, gated, decay, k, q, v + c, d, ar, e + c, S + c, o + c,
+                       S0_next ? S0_next + c * K : NULL);
+    for (; c < V; c += line)   /* (V a multiple of a line) */
+        FN(delta_cols)(K, V, S0 + c, 64 / ZW, gated, decay, k, q, v + c, d, ar, e + c, S + c, o + c,
+                       S0_next ? S0_next + c * K : NULL);
     _mm_sfence();   /* (the streamed lines ordered before whatever reads the state next) */
 }
-#undef DELTA_RB
+#undef DELTA_CV
 #undef ZW
 #undef ZSFX
 #undef ZV_ps
@@ -1017,7 +1013,7 @@ LA_INLINE void FN(delta_update_lines)(int64_t K, int64_t V, const REAL *q, const
    head's old state: its first pass then reads from L2 while this one's writes drain). The rank-1 write is an
    explicit fma where the target has one: written as decay * s0 + k_i err_j, contraction may fuse either product
    (the three passes stored decay S0 first). With S0 and streaming stores, delta_update_lines (the same operations
-   in the same order, the first pass by row blocks, no per-vector tests). */
+   in the same order, both passes by column blocks, no per-vector tests). */
 static void FN(delta_update)(int64_t K, int64_t V, const REAL *q, const REAL *k, const REAL *v, REAL d, REAL ar,
                              int gated, REAL decay, const REAL *S0, REAL *S, REAL *e, REAL *o, int stream,
                              const REAL *S0_next) {
