@@ -24,9 +24,9 @@ decode_lib = decode_variant_fixture(
 # (n, k): the row's 8-input lanes nlv = k / 8 in pairs of steps (16 lanes) and an odd step: k 64 an odd step alone,
 # 128 one pair, 192 a pair and an odd step, 256 / 384 two / three pairs, 320 / 448 and an odd step, 1024 eight pairs
 # (the 530M model's qkv / gate_up / head rows), 2112 16 pairs and an odd step. n: the first steps' prefetches need no
-# check (Q_PF_BYTES + 32 + 64 (nlv / 16 - 1) bytes of room after the last row), the last ones do; n % 4 of 0-3 (the
-# last rows alone)
-SHAPES = [(150, 64), (90, 128), (67, 192), (42, 256), (40, 320), (33, 384), (35, 448), (64, 1024), (13, 2112)]
+# check (Q_PF_BYTES + 32 + 64 (nlv / 16 - 1) bytes of room after the last row), the last ones do, at Q_PF_BYTES 1536
+# (rowsched.h) as at 1024 (rounds 20-21c's; (13, 2112) all unchecked at 1024); n % 4 of 0-3 (the last rows alone)
+SHAPES = [(186, 64), (94, 128), (67, 192), (46, 256), (44, 320), (33, 384), (35, 448), (64, 1024), (13, 2112)]
 
 
 @pytest.mark.parametrize("group", [32, 64])

@@ -14,9 +14,11 @@
 #include <stdint.h>
 
 /* Q_PF(p, end): the line Q_PF_BYTES past a row stream's read at p prefetched (into L2: prefetcht1 on x86), unless
-   at or past the matrix's end (addresses as integers: no pointer is formed past the array) */
+   at or past the matrix's end (addresses as integers: no pointer is formed past the array). 1536 since round 21d:
+   the 530M model's int4-a8 products ~2-3 % less CPU time than at 1024 (2048 the same as 1536, 4096 and 512 slower),
+   fp32, bf16 and int8-a8 -2 to +0.5 % (2048: fp32 +3.4 %); docs/cpu_kernels.md, round 21d */
 #ifndef Q_PF_BYTES   /* (a build may set another distance: bench variants) */
-#define Q_PF_BYTES 1024
+#define Q_PF_BYTES 1536
 #endif
 /* the prefetches' locality: 2 (prefetcht1, into L2). 0 (prefetchnta, which would leave the LLC to the recurrent
    states) measured 1.4-1.7x slower products on the 530M model's sequence: its lines go to L1 only and each holds one
