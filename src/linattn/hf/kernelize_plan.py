@@ -59,6 +59,7 @@ import os
 import pkgutil
 import sys
 import types
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -274,7 +275,7 @@ class _Slot:
 
     __slots__ = ("plan", "fn", "guard", "keep", "specs", "layouts", "B", "layout", "cdt", "wdt", "recurrent", "att",
                  "failed", "last", "spent", "alike", "io", "io_table", "last_views", "spent_views", "logits_last",
-                 "logits_spent")
+                 "logits_spent", "kv_bound", "shapes", "tensor_type")
 
     def __init__(self):
         self.plan, self.failed = None, None
@@ -337,6 +338,7 @@ def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
     slot.specs, slot.layouts, slot.B = [arch.state_spec(part) for part in parts], {}, None
     slot.recurrent = [i for i, p in enumerate(plans) if p.kind not in _KV_KINDS and not p.ffn_only]
     slot.att = [(i, p) for i, p in enumerate(plans) if p.kind in _KV_KINDS]
+    slot.kv_bound = [None] * len(slot.att)   # (per softmax plan: the buffers its pointers were last set to)
     # whether the call can read and advance transformers' conv states in place (`_conv_io`): every recurrent layer a
     # delta, linear, KDA or Mamba2 block (kinds 0, 1, 4, 5) with a short convolution
     slot.io = bool(slot.recurrent) and all(plans[i].kind in (0, 1, 4, 5) and plans[i].KC > 0
@@ -353,6 +355,13 @@ def _set_batch(slot: _Slot, B: int) -> None:
                                       (ctypes.c_int64 * lo.L)(*[lay.w_off for lay in lo.layers])),
                                  _alike_states(lo, slot.recurrent))
     lo, offs, slot.alike = got
+    # (the recurrent layers' state and conv state shapes at B, in `slot.recurrent`'s order, as `model_token`
+    # compares them)
+    rec = [lo.layers[i] for i in slot.recurrent]
+    slot.shapes = ([torch.Size(lay.sshape) for lay in rec],
+                   [torch.Size((B, lay.wshape[1], lay.wshape[2] + 1)) if lay.wshape is not None else None
+                    for lay in rec])
+    slot.tensor_type = [torch.Tensor] * len(rec)   # (isinstance's second argument, per layer, for `map`)
     slot.plan.B = B
     for p in slot.keep[0]:
         p.B = B
@@ -471,42 +480,52 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         return None
     # the cache: every recurrent layer past its prompt, every softmax layer at the same length L
     S_parts, W_parts = [], []
-    for i in slot.recurrent:
-        lay = lo.layers[i]
-        if own is not None:   # (a state tensor per layer, no conv window)
+    if own is not None:
+        for i in slot.recurrent:   # (a state tensor per layer, no conv window)
+            lay = lo.layers[i]
             rs = arch.get_state(cache, i)
             if rs is None or rs.shape != lay.sshape or not rs.is_cpu or lay.wshape is not None:
                 return None
             S_parts.append(rs)
-            continue
-        c = layers[i]
-        if type(c) is not LinearAttentionLayer or c.record_past or not c.has_previous_state[0]:
+    else:
+        for i in slot.recurrent:
+            c = layers[i]
+            if type(c) is not LinearAttentionLayer or c.record_past or not c.has_previous_state[0]:
+                return None
+            S_parts.append(c.recurrent_states[0])
+            W_parts.append(c.conv_states[0])
+        # (each a CPU tensor of its layer's shape, the states' and the conv states' as a few `map`s over the lists:
+        # no Python step per layer)
+        if not (all(map(isinstance, S_parts, slot.tensor_type)) and all(map(isinstance, W_parts, slot.tensor_type))
+                and list(map(_shape, S_parts)) == slot.shapes[0] and list(map(_shape, W_parts)) == slot.shapes[1]
+                and all(map(_is_cpu, S_parts)) and all(map(_is_cpu, W_parts))):
             return None
-        rs, cs = c.recurrent_states[0], c.conv_states[0]
-        if (not isinstance(rs, torch.Tensor) or not isinstance(cs, torch.Tensor)
-                or rs.shape != lay.sshape
-                or cs.shape != (B, lay.wshape[1], lay.wshape[2] + 1) or not (rs.is_cpu and cs.is_cpu)):
-            return None
-        S_parts.append(rs)
-        W_parts.append(cs)
-    L = None
+    L, store, hits = None, cache.__dict__.get("_linattn_kv") if slot.att else None, []
     for i, _ in slot.att:
         c = layers[i] if i < len(layers) else None
-        if type(c) is not DynamicLayer or not c.is_initialized or c.keys is None or c.keys.dim() != 4:
+        if type(c) is not DynamicLayer or not c.is_initialized:
             return None
-        n = c.keys.shape[2]
+        mir = store.get(i) if store else None
+        if mir is not None and mir.keys is c.keys and mir.values is c.values:
+            n = mir.kv.length   # (its own views, `[B, G, length, D]`: `_Mirror.views`)
+        else:
+            if c.keys is None or c.keys.dim() != 4:
+                return None
+            n, mir = c.keys.shape[2], None
         if L is not None and n != L:
             return None
         L = n
+        hits.append(mir)
     if not arch.call_usable(cache, B, L, attention_mask, position_ids):
         return None
-    store = cache.__dict__.setdefault("_linattn_kv", {}) if slot.att else None
     mirrors = []
-    for i, p in slot.att:
-        att = p.att
-        mir = _mirror(store, i, layers[i], B, att.kv_heads, att.head_dim, slot.wdt, att.head_dim_v)
-        if mir is None or mir.kv.length != L:
-            return None
+    for (i, p), mir in zip(slot.att, hits):
+        if mir is None:
+            att = p.att
+            mir = _mirror(cache.__dict__.setdefault("_linattn_kv", {}), i, layers[i], B, att.kv_heads,
+                          att.head_dim, slot.wdt, att.head_dim_v)
+            if mir is None or mir.kv.length != L:
+                return None
         mirrors.append((i, p, mir))
     cdt = slot.cdt
     # the token's position: the softmax layers' length, or where the architecture's forward takes it from
@@ -528,11 +547,17 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         W_in = torch.cat([w[..., 1:].to(cdt).reshape(-1) for w in W_parts])
     if W_in is not None:
         W_ptr = W_in.data_ptr()
-    for _, p, mir in mirrors:
-        kv = mir.kv
-        kv.reserve(1, kv.k, kv.v)
-        p.kc, p.vc, p.kv_cap, p.kv_len = kv.k.data_ptr(), kv.v.data_ptr(), kv.k.shape[1], kv.length
-        p.pos, p.lo, p.pos0, p.lo0 = None, None, pos, 0
+    bound = slot.kv_bound
+    for j, (_, p, mir) in enumerate(mirrors):
+        kv, b = mir.kv, bound[j]
+        # (the buffers' pointers and capacity only where the plan last had others, or the next row needs more room;
+        # weak references: the slot keeps no cache's buffers alive)
+        if b is None or b[0]() is not kv.k or b[1]() is not kv.v or kv.length >= b[2]:
+            kv.reserve(1, kv.k, kv.v)
+            p.kc, p.vc, p.kv_cap = kv.k.data_ptr(), kv.v.data_ptr(), kv.k.shape[1]
+            p.pos, p.lo, p.lo0 = None, None, 0
+            bound[j] = (weakref.ref(kv.k), weakref.ref(kv.v), kv.k.shape[1])
+        p.kv_len, p.pos0 = kv.length, pos
     ids = input_ids if input_ids.dtype == torch.int64 and input_ids.is_contiguous() else \
         input_ids.to(torch.int64).contiguous()
     # the token before last's buffer when nothing holds it any more (the cache's states are views of the last one's)
@@ -567,6 +592,9 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         mir.views()
         c.keys, c.values = mir.keys, mir.values
     return logits.float() if arch.FP32_LOGITS else logits
+
+
+_shape, _is_cpu = operator.attrgetter("shape"), operator.attrgetter("is_cpu")
 
 
 def _states_in(cache, lo, S_parts: list, cdt: torch.dtype, recurrent: list) -> tuple:
