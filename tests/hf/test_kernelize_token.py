@@ -1,6 +1,8 @@
 """The kernelized token's checks outside the compiled call (hf/kernelize_plan.model_token): the softmax plans'
 buffer pointers set again only when another cache's or a grown buffer is theirs, the recurrent layers' tensors
 checked as a few `map`s; each case against the unpatched model's logits, with the compiled calls counted."""
+import copy
+
 import pytest
 import torch
 
@@ -141,3 +143,21 @@ def test_batch_size_changes_between_caches(monkeypatch):
             got, want = _token(models, pd.prompt(B, 1, seed=7), caches)
             assert pd.close(got, want), B
     assert calls.model == 4
+
+
+def test_a_state_kept_in_another_dtype_is_written_in_place(monkeypatch):
+    """A recurrent state the caller converted to fp64 between tokens: the next compiled token writes its new state
+    into that tensor (the other layers take views of the step's buffer), with the bits of the same token decoded on
+    a copy of the cache that kept fp32."""
+    fast, ref = _models()
+    calls = CompiledDecodeCalls(monkeypatch)
+    tok, caches = pd.one_token_each(ref, fast)
+    cache = caches[0]
+    other = copy.deepcopy(cache)
+    kept = cache.layers[2].recurrent_states[0] = cache.layers[2].recurrent_states[0].double()
+    with torch.no_grad():
+        got, want = (fast(tok, cache=c, use_cache=True).logits for c in (cache, other))
+    assert calls.model == 3 and torch.equal(got, want)
+    assert cache.layers[2].recurrent_states[0] is kept and kept.dtype == torch.float64
+    assert torch.equal(kept, other.layers[2].recurrent_states[0].double())
+    assert torch.equal(cache.layers[0].recurrent_states[0], other.layers[0].recurrent_states[0])
