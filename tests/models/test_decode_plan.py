@@ -373,6 +373,22 @@ def test_guard_prefetches_what_it_reads_and_the_list_follows_a_rebuild(cause, mo
     assert _lines([p.untyped_storage()._cdata + 16]) <= lines
 
 
+def test_guard_prefetch_list_is_made_on_its_first_call(monkeypatch):
+    """The guard's prefetch list is made when the Python check first runs (the words' call needs none), not when
+    the guard is built: a plan build pays nothing for it."""
+    model = _model()
+    _generate(model, _ids(1))
+    guard = model._model_plan.guard
+    if guard.prefetch is None or guard.words is None:
+        pytest.skip("no compiled prefetch or guard words")
+    made = []
+    real = guard.lines
+    monkeypatch.setattr(guard.prefetch, "source", lambda: made.append(1) or real())
+    assert guard.prefetch.lines is None and guard.valid() and made == []   # (the words' call: no list)
+    monkeypatch.setattr(guard, "words", None)
+    assert guard.valid() and guard.valid() and made == [1] and guard.prefetch.n > 0
+
+
 @pytest.mark.parametrize("cause", list(CAUSES))
 def test_guard_without_the_compiled_prefetch_sees_each_cause(cause, monkeypatch):
     """Without prefetch.c (no C compiler for it, or the kernels off for it) the guard has no prefetcher and sees

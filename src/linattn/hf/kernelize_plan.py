@@ -59,6 +59,7 @@ import os
 import pkgutil
 import sys
 import types
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -274,7 +275,7 @@ class _Slot:
 
     __slots__ = ("plan", "fn", "guard", "keep", "specs", "layouts", "B", "layout", "cdt", "wdt", "recurrent", "att",
                  "failed", "last", "spent", "alike", "io", "io_table", "last_views", "spent_views", "logits_last",
-                 "logits_spent")
+                 "logits_spent", "kv_bound", "shapes", "tensor_type", "cdts")
 
     def __init__(self):
         self.plan, self.failed = None, None
@@ -337,6 +338,7 @@ def _build(slot: _Slot, arch, model: nn.Module, B: int) -> bool:
     slot.specs, slot.layouts, slot.B = [arch.state_spec(part) for part in parts], {}, None
     slot.recurrent = [i for i, p in enumerate(plans) if p.kind not in _KV_KINDS and not p.ffn_only]
     slot.att = [(i, p) for i, p in enumerate(plans) if p.kind in _KV_KINDS]
+    slot.kv_bound = [None] * len(slot.att)   # (per softmax plan: the buffers its pointers were last set to)
     # whether the call can read and advance transformers' conv states in place (`_conv_io`): every recurrent layer a
     # delta, linear, KDA or Mamba2 block (kinds 0, 1, 4, 5) with a short convolution
     slot.io = bool(slot.recurrent) and all(plans[i].kind in (0, 1, 4, 5) and plans[i].KC > 0
@@ -353,6 +355,14 @@ def _set_batch(slot: _Slot, B: int) -> None:
                                       (ctypes.c_int64 * lo.L)(*[lay.w_off for lay in lo.layers])),
                                  _alike_states(lo, slot.recurrent))
     lo, offs, slot.alike = got
+    # (the recurrent layers' state and conv state shapes at B, in `slot.recurrent`'s order, as `model_token`
+    # compares them)
+    rec = [lo.layers[i] for i in slot.recurrent]
+    slot.shapes = ([torch.Size(lay.sshape) for lay in rec],
+                   [torch.Size((B, lay.wshape[1], lay.wshape[2] + 1)) if lay.wshape is not None else None
+                    for lay in rec])
+    # (isinstance's second argument and the compute dtype, per layer, for `map`)
+    slot.tensor_type, slot.cdts = [torch.Tensor] * len(rec), [slot.cdt] * len(rec)
     slot.plan.B = B
     for p in slot.keep[0]:
         p.B = B
@@ -419,10 +429,10 @@ class _Mirror:
     def __init__(self, kv, keys, values):
         self.kv, self.keys, self.values, self.bufs = kv, keys, values, None
 
-    def views(self) -> None:
-        """`keys` / `values` as transformers holds them, `[B, G, T, D]` views of the buffers' first `kv.length`
-        rows: one `as_strided` each (a slice and a transpose are two dispatches, ~2.5x the time), with the sizes
-        and strides of `kv.k[:, :T].transpose(1, 2)`, worked out again when the buffers grew."""
+    def views(self, n: int) -> tuple:
+        """(keys, values) as transformers holds them, `[B, G, n, D]` views of the buffers' first n rows: one
+        `as_strided` each (a slice and a transpose are two dispatches, ~2.5x the time), with the sizes and strides of
+        `kv.k[:, :n].transpose(1, 2)`, worked out again when the buffers grew."""
         kv = self.kv
         k, v = kv.k, kv.v
         if self.bufs is None or self.bufs[0] is not k or self.bufs[1] is not v:
@@ -430,8 +440,7 @@ class _Mirror:
             self.shapes = [(b.shape[0], b.shape[2], b.shape[3], (b.stride(0), b.stride(2), b.stride(1), b.stride(3)))
                            for b in (k, v)]
         (B, G, D, ks), (_, _, Dv, vs) = self.shapes
-        n = kv.length
-        self.keys, self.values = k.as_strided((B, G, n, D), ks), v.as_strided((B, G, n, Dv), vs)
+        return k.as_strided((B, G, n, D), ks), v.as_strided((B, G, n, Dv), vs)
 
 
 def _mirror(store: dict, i: int, layer, B: int, G: int, D: int, dt: torch.dtype, Dv: int) -> Optional[_Mirror]:
@@ -470,43 +479,57 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     if len(layers) != lo.L if own is None else len(layers) > lo.L:
         return None
     # the cache: every recurrent layer past its prompt, every softmax layer at the same length L
-    S_parts, W_parts = [], []
-    for i in slot.recurrent:
-        lay = lo.layers[i]
-        if own is not None:   # (a state tensor per layer, no conv window)
+    S_parts, W_parts, rdicts = [], [], []
+    if own is not None:
+        for i in slot.recurrent:   # (a state tensor per layer, no conv window)
+            lay = lo.layers[i]
             rs = arch.get_state(cache, i)
             if rs is None or rs.shape != lay.sshape or not rs.is_cpu or lay.wshape is not None:
                 return None
             S_parts.append(rs)
-            continue
-        c = layers[i]
-        if type(c) is not LinearAttentionLayer or c.record_past or not c.has_previous_state[0]:
+    else:
+        for i in slot.recurrent:
+            c = layers[i]
+            if type(c) is not LinearAttentionLayer or c.record_past or not c.has_previous_state[0]:
+                return None
+            d = c.recurrent_states
+            S_parts.append(d[0])
+            W_parts.append(c.conv_states[0])
+            rdicts.append(d)
+        # (each a CPU tensor of its layer's shape, the states' and the conv states' as a few `map`s over the lists:
+        # no Python step per layer)
+        if not (all(map(isinstance, S_parts, slot.tensor_type)) and all(map(isinstance, W_parts, slot.tensor_type))
+                and list(map(_shape, S_parts)) == slot.shapes[0] and list(map(_shape, W_parts)) == slot.shapes[1]
+                and all(map(_is_cpu, S_parts)) and all(map(_is_cpu, W_parts))):
             return None
-        rs, cs = c.recurrent_states[0], c.conv_states[0]
-        if (not isinstance(rs, torch.Tensor) or not isinstance(cs, torch.Tensor)
-                or rs.shape != lay.sshape
-                or cs.shape != (B, lay.wshape[1], lay.wshape[2] + 1) or not (rs.is_cpu and cs.is_cpu)):
-            return None
-        S_parts.append(rs)
-        W_parts.append(cs)
-    L = None
+        if not all(map(operator.is_, map(_dtype, S_parts), slot.cdts)):
+            rdicts = None   # (a state kept in another dtype: `_write_recurrent` copies into it)
+    L, store, hits = None, cache.__dict__.get("_linattn_kv") if slot.att else None, []
     for i, _ in slot.att:
         c = layers[i] if i < len(layers) else None
-        if type(c) is not DynamicLayer or not c.is_initialized or c.keys is None or c.keys.dim() != 4:
+        if type(c) is not DynamicLayer or not c.is_initialized:
             return None
-        n = c.keys.shape[2]
+        mir = store.get(i) if store else None
+        if mir is not None and mir.keys is c.keys and mir.values is c.values:
+            n = mir.kv.length   # (its own views, `[B, G, length, D]`: `_Mirror.views`)
+        else:
+            if c.keys is None or c.keys.dim() != 4:
+                return None
+            n, mir = c.keys.shape[2], None
         if L is not None and n != L:
             return None
         L = n
+        hits.append(mir)
     if not arch.call_usable(cache, B, L, attention_mask, position_ids):
         return None
-    store = cache.__dict__.setdefault("_linattn_kv", {}) if slot.att else None
     mirrors = []
-    for i, p in slot.att:
-        att = p.att
-        mir = _mirror(store, i, layers[i], B, att.kv_heads, att.head_dim, slot.wdt, att.head_dim_v)
-        if mir is None or mir.kv.length != L:
-            return None
+    for (i, p), mir in zip(slot.att, hits):
+        if mir is None:
+            att = p.att
+            mir = _mirror(cache.__dict__.setdefault("_linattn_kv", {}), i, layers[i], B, att.kv_heads,
+                          att.head_dim, slot.wdt, att.head_dim_v)
+            if mir is None or mir.kv.length != L:
+                return None
         mirrors.append((i, p, mir))
     cdt = slot.cdt
     # the token's position: the softmax layers' length, or where the architecture's forward takes it from
@@ -528,11 +551,20 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
         W_in = torch.cat([w[..., 1:].to(cdt).reshape(-1) for w in W_parts])
     if W_in is not None:
         W_ptr = W_in.data_ptr()
-    for _, p, mir in mirrors:
-        kv = mir.kv
-        kv.reserve(1, kv.k, kv.v)
-        p.kc, p.vc, p.kv_cap, p.kv_len = kv.k.data_ptr(), kv.v.data_ptr(), kv.k.shape[1], kv.length
-        p.pos, p.lo, p.pos0, p.lo0 = None, None, pos, 0
+    bound, grown = slot.kv_bound, []
+    for j, (_, p, mir) in enumerate(mirrors):
+        kv, b = mir.kv, bound[j]
+        # (the buffers' pointers and capacity only where the plan last had others, or the next row needs more room;
+        # weak references: the slot keeps no cache's buffers alive)
+        if b is None or b[0]() is not kv.k or b[1]() is not kv.v or kv.length >= b[2]:
+            kv.reserve(1, kv.k, kv.v)
+            p.kc, p.vc, p.kv_cap = kv.k.data_ptr(), kv.v.data_ptr(), kv.k.shape[1]
+            p.pos, p.lo, p.lo0 = None, None, 0
+            bound[j] = (weakref.ref(kv.k), weakref.ref(kv.v), kv.k.shape[1])
+        p.kv_len, p.pos0 = kv.length, pos
+        # (the views of the rows after the call made now, while these objects are in the caches: the call's weight
+        # stream evicts them; the layers take them only after it)
+        grown.append(mir.views(kv.length + 1))
     ids = input_ids if input_ids.dtype == torch.int64 and input_ids.is_contiguous() else \
         input_ids.to(torch.int64).contiguous()
     # the token before last's buffer when nothing holds it any more (the cache's states are views of the last one's)
@@ -560,13 +592,16 @@ def model_token(model: nn.Module, input_ids, cache, attention_mask, position_ids
     slot.spent, slot.last = slot.last, buf
     slot.logits_spent, slot.logits_last = slot.logits_last, logits
     slot.spent_views, slot.last_views = slot.last_views, None
-    _write_recurrent(cache, lo, slot, buf, convs, arch if own is not None else None, io is not None, sv)
-    for i, _, mir in mirrors:
-        c = layers[i]
+    _write_recurrent(cache, lo, slot, buf, convs, arch if own is not None else None, io is not None, sv,
+                     rdicts if own is None else None)
+    for (i, _, mir), kvs in zip(mirrors, grown):
         mir.kv.length += 1
-        mir.views()
-        c.keys, c.values = mir.keys, mir.values
+        mir.keys, mir.values = kvs
+        layers[i].keys, layers[i].values = kvs
     return logits.float() if arch.FP32_LOGITS else logits
+
+
+_shape, _is_cpu, _dtype = operator.attrgetter("shape"), operator.attrgetter("is_cpu"), operator.attrgetter("dtype")
 
 
 def _states_in(cache, lo, S_parts: list, cdt: torch.dtype, recurrent: list) -> tuple:
@@ -650,14 +685,16 @@ _getrefcount = sys.getrefcount
 
 
 def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[torch.Tensor] = None,
-                     own=None, io: bool = False, sv: Optional[tuple] = None) -> None:
+                     own=None, io: bool = False, sv: Optional[tuple] = None, states: Optional[list] = None) -> None:
     """transformers' recurrent layers after the step: states as views of the new buffer (a copy where the layer
     keeps another dtype or layout), conv states shifted by one column (all at once in `convs`, `_conv_stack`'s,
     whose views they become, the buffer kept with them: the next token reads its windows while they are unwritten),
     or nothing to do for them with `io` (the call advanced them in place: `_conv_io`). Alike layers' state views
     are made once per buffer (`slot.last_views`) and given again with it (`sv`) while no one else held them.
     `own`: the description of a cache of the architecture's own, whose states it gets and sets (`get_state` /
-    `set_state`; no conv windows), a new tensor where it keeps another dtype."""
+    `set_state`; no conv windows), a new tensor where it keeps another dtype. `states`: the layers'
+    `recurrent_states` dicts, read before the call, when every state they held was in cdt (each takes its view; no
+    layer, dict or old state read again after the call's weight stream)."""
     # (S_new detached: a view would hold buf's object, which `_dp.reusable_buffer` counts, while the slot keeps it)
     S_new, views, layers = buf[:lo.n_state].detach() if sv is None else sv[0], [], cache.layers
     if convs is not None:
@@ -676,6 +713,12 @@ def _write_recurrent(cache, lo, slot: _Slot, buf: torch.Tensor, convs: Optional[
         n, shape = slot.alike
         news = list(map(_detach, S_new[:n * math.prod(shape)].view((n,) + shape).unbind(0))) if sv is None \
             else sv[1]
+        if states is not None:
+            for d, st in zip(states, news):
+                d[0] = st
+            cache.__dict__["_linattn_states"] = (lo, list(news), S_new)
+            slot.last_views = (S_new, news)
+            return
         for i, st in zip(slot.recurrent, news):
             rs = layers[i].recurrent_states
             if rs[0].dtype == slot.cdt:
