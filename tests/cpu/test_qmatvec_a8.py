@@ -348,3 +348,25 @@ def test_a8_int4_avx2_bits_are_its_float_order(tmp_path, monkeypatch, group):
         y = cpu_decode.weight_matvec(x, "int4_a8", q.stored, q.scales, group, bias=q.bias)
         want = _avx2_int4_a8_order(q, x, q.bias)
         assert torch.equal(y.view(torch.int32), want.view(torch.int32)), (n, k, (y - want).abs().max().item())
+
+
+@pytest.mark.parametrize("march", ["icelake-server", "sapphirerapids"])
+def test_a8_avx512_vnni_branches_compile(march):
+    """decode.c's AVX-512 VNNI configuration, whose int4 products take the 256-bit steps, compiles for a target
+    without AVX-VNNI (Ice Lake: the VL form of `vpdpbusd`) and one with it (Sapphire Rapids), whatever this machine
+    runs (compiled to assembly, not run)."""
+    import subprocess
+    from pathlib import Path
+
+    from linattn.cpu import build
+
+    src = Path(build.__file__).resolve().parent / "csrc"
+    cmd = [*build.compiler(), "-S", "-o", "/dev/null", "-std=c11", "-O1", f"-march={march}", "-fopenmp", "-I", str(src),
+           str(src / "decode.c")]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        pytest.skip("no C compiler")
+    if "bad value" in res.stderr or "unrecognized" in res.stderr:
+        pytest.skip(f"the compiler does not know -march={march}")
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -364,14 +364,16 @@ static void matvec_int4(int64_t B, int64_t n, int64_t m, int64_t group, const ui
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && !defined(LINATTN_PLAIN_C)
 #include <immintrin.h>
 #define A8_I8_COLS 64    /* int8 weights: inputs per vector step (one 64-byte load per row) */
-#define A8_I4_COLS 128   /* int4: inputs per vector step (64 bytes of codes per row) */
+#define A8_I4_COLS 64    /* int4: inputs per vector step (32 bytes of codes per row: the 256-bit steps, as AVX2's) */
 #define A8_VNNI 1
+#define A8_DP256 _mm256_dpbusd_epi32   /* (the int4 steps' 256-bit vpdpbusd: AVX-512 VNNI's VL form) */
 #elif defined(__AVX2__) && !defined(LINATTN_PLAIN_C)
 #include <immintrin.h>
 #define A8_I8_COLS 32
 #define A8_I4_COLS 64
 #if defined(__AVXVNNI__)
 #define A8_VNNI 1        /* `vpdpbusd` on ymm (AVX-VNNI): int8 weights + 128 as on AVX-512, no |x| table */
+#define A8_DP256 _mm256_dpbusd_avx_epi32
 #endif
 #endif
 
@@ -576,92 +578,10 @@ static inline float a8_row_scalar(int int4, const a8_x *p, int64_t b, int64_t j0
 
 /* The vector paths: a8_rows_vec(int4, R, ...) is R (1 or 4) rows, row r's bytes at w + r rs, of int8 weights (int4 0;
    scales ws[r]) or int4 weights (int4 1; group scales sr + r ss) times b's row of the rounded x: out[r]. Each row's
-   line Q_PF_BYTES ahead is prefetched unless past pf_end (NULL: none). A step reads 64 bytes (AVX-512) or 32 bytes
-   (AVX2) of each row: int8 weights, or int4 codes whose low nibbles meet the step's even inputs and high nibbles its
-   odd ones (a8_x.v); its integer lanes less the excess (from a8_x.lc), converted, times the lanes' x scales and weight
-   scales, enter the row's fp32 accumulator. int4 / R are constants at every call (always inlined). */
-#if defined(A8_I8_COLS) && defined(__AVX512F__) && defined(__AVX512VNNI__)
-/* One row's step (inside a8_rows_vec): its 64 bytes at wr times the step's x (x0, x1, corr, xs) into acc, with the
-   row's scale (int8) or group scales picked lane by lane (int4). pf 1: the line Q_PF_BYTES ahead prefetched with no
-   bound check (the caller's steps keep it inside the matrix); pf 2: checked against pf_end (NULL: none). Written out
-   per row, with the accumulators as named variables, so that they stay in registers (GCC 12 kept an array of them
-   on the stack: a store and a load per row and step) and the bound check leaves the steps that cannot need it. */
-/* the next 16 group scales of a row whose scales are gs apart (a8_step_scales: 4 in a step of four rows, 1 for the
-   last n % 4 rows), `left` remaining, in fp32 */
-static inline __m512 a8_scales16(const uint16_t *s, int64_t gs, int64_t left) {
-    if (gs == 1) return q4_scales16(s, left);
-    uint16_t tmp[16] = {0};
-    for (int64_t g = 0; g < 16 && g < left; ++g) tmp[g] = s[g * gs];
-    return q4_scales16(tmp, 16);
-}
-#define A8_ROW_STEP(acc, sc, wr, pf)                                                                             \
-    do {                                                                                                         \
-        if ((pf) == 1) __builtin_prefetch((const void *)((wr) + Q_PF_BYTES), 0, Q_PF_HINT);                      \
-        else Q_PF(wr, pf_end);                                                                                   \
-        const __m512i d_ = _mm512_loadu_si512((const void *)(wr));                                              \
-        const __m512i i_ = int4 ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, _mm512_and_si512(d_, nib), x0),  \
-                                                      _mm512_and_si512(_mm512_srli_epi32(d_, 4), nib), x1)       \
-                                : _mm512_dpbusd_epi32(corr, _mm512_xor_si512(d_, flip), x0);                     \
-        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i_), xs),                                         \
-                              int4 ? _mm512_permutexvar_ps(si, sc) : sc, acc);                                   \
-    } while (0)
-/* the step at input j of the R rows */
-#define A8_STEP(pf)                                                                                              \
-    do {                                                                                                         \
-        __m512i si = _mm512_setzero_si512();                                                                     \
-        if (int4) {                                                                                              \
-            const int64_t g0 = j >> gsh, k = g0 & 15;                                                            \
-            if (k == 0) {   /* each row's next 16 group scales */                                                \
-                sc0 = a8_scales16(sr + gs * g0, gs, ng - g0);                                                    \
-                if (R == 4) {                                                                                    \
-                    sc1 = a8_scales16(sr + ss + gs * g0, gs, ng - g0);                                           \
-                    sc2 = a8_scales16(sr + 2 * ss + gs * g0, gs, ng - g0);                                       \
-                    sc3 = a8_scales16(sr + 3 * ss + gs * g0, gs, ng - g0);                                       \
-                }                                                                                                \
-            }                                                                                                    \
-            si = _mm512_add_epi32(lane_group, _mm512_set1_epi32((int)k));                                        \
-        }                                                                                                        \
-        const __m512i x0 = _mm512_loadu_si512((const void *)(xi + j)),                                          \
-                      x1 = int4 ? _mm512_loadu_si512((const void *)(xi + j + 64)) : x0,                          \
-                      corr = _mm512_loadu_si512((const void *)(lc + j / lw));   /* (negated) */                  \
-        const __m512 xs = _mm512_loadu_ps(ls + j / lw);                                                          \
-        const uint8_t *w0 = w + (int4 ? j / 2 : j);                                                              \
-        A8_ROW_STEP(acc0, sc0, w0, pf);                                                                          \
-        if (R == 4) {                                                                                            \
-            A8_ROW_STEP(acc1, sc1, w0 + rs, pf);                                                                 \
-            A8_ROW_STEP(acc2, sc2, w0 + 2 * rs, pf);                                                             \
-            A8_ROW_STEP(acc3, sc3, w0 + 3 * rs, pf);                                                             \
-        }                                                                                                        \
-    } while (0)
-static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
-                                                              int64_t group, const uint8_t *w, int64_t rs,
-                                                              const uint16_t *sr, int64_t ss, const float *ws,
-                                                              const uint8_t *pf_end, float *out) {
-    const int64_t m = p->m, mv = p->mv, ng = int4 ? m / group : 1, gsh = group == 32 ? 5 : 6, gs = R == 4 ? 4 : 1;
-    const int64_t cols = int4 ? A8_I4_COLS : A8_I8_COLS, lw = int4 ? 8 : 4;   /* inputs a step, an int32 lane */
-    const int8_t *xi = int4 ? p->v + b * mv : p->q + b * m;
-    const float *ls = p->ls + b * p->nl;
-    const int32_t *lc = p->lc + b * p->nl;
-    const __m512i nib = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
-    /* int4: lane k (inputs 8k .. 8k+7 of the step) is in group k / 4 (32) or k / 8 (64) of the step's first */
-    const __m512i lane_group = group == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                                           : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    __m512 sc0 = _mm512_set1_ps(int4 ? 0.0f : ws[0]), sc1 = sc0, sc2 = sc0, sc3 = sc0;
-    if (!int4 && R == 4) sc1 = _mm512_set1_ps(ws[1]), sc2 = _mm512_set1_ps(ws[2]), sc3 = _mm512_set1_ps(ws[3]);
-    /* the steps whose every row's prefetch stays below pf_end (the last row's is the furthest), then the rest */
-    const intptr_t pf_room = pf_end ? (intptr_t)((uintptr_t)pf_end - (uintptr_t)(w + (R - 1) * rs)) - Q_PF_BYTES : 0;
-    int64_t j = 0;
-    for (; j < mv && (int4 ? j / 2 : j) < pf_room; j += cols) A8_STEP(1);
-    for (; j < mv; j += cols) A8_STEP(2);
-    const __m512 accs[4] = {acc0, acc1, acc2, acc3};
-    for (int r = 0; r < R; ++r)
-        out[r] = _mm512_reduce_add_ps(accs[r]) + a8_row_scalar(int4, p, b, mv, group, w + r * rs, sr + r * ss, gs,
-                                                               ws[r]);
-}
-#undef A8_STEP
-#undef A8_ROW_STEP
-#elif defined(A8_I8_COLS)
+   line Q_PF_BYTES ahead is prefetched unless past pf_end (NULL: none). A step reads 32 bytes of each row: int4 codes
+   whose low nibbles meet the step's even inputs and high nibbles its odd ones (a8_x.v), on AVX2 and AVX-512 alike;
+   int8 weights, 64 bytes a step with AVX-512, 32 with AVX2. int4 / R are constants at every call (always inlined). */
+#if defined(A8_I8_COLS)   /* int4 weights: the 256-bit steps, with AVX-512 VNNI too (round 21f) */
 /* the next 8 group scales of a row (bf16 bits, `left` of them remaining: the others read as 0) in fp32 */
 static inline __m256 q4_scales8(const uint16_t *s, int64_t left) {
     uint16_t tmp[8] = {0};
@@ -694,7 +614,7 @@ static inline __m256 q4_scales8(const uint16_t *s, int64_t left) {
 static inline __attribute__((always_inline)) __m256i a8_i4_dot(__m256i lo, __m256i hi, __m256i x0, __m256i x1,
                                                                __m256i corr) {
 #if defined(A8_VNNI)
-    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(corr, lo, x0), hi, x1);
+    return A8_DP256(A8_DP256(corr, lo, x0), hi, x1);
 #else
     (void)corr;
     return _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
@@ -1121,6 +1041,69 @@ static __attribute__((noinline)) void a8_i4_stepsx_g64(const a8_x *p, int64_t B,
     a8_i4_stepsx(64, p, B, n, W, s, bias, add, y, t0, t1);
 }
 #define A8_I4_STEPS4 1
+#endif
+#if defined(A8_I8_COLS) && defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* AVX-512 VNNI, int8 weights: one row's step (inside a8_rows_vec), its 64 bytes at wr times the step's x (x0, corr,
+   xs) into acc with the row's scale sc. pf 1: the line Q_PF_BYTES ahead prefetched with no bound check (the caller's
+   steps keep it inside the matrix); pf 2: checked against pf_end (NULL: none). Written out per row, with the
+   accumulators as named variables, so that they stay in registers (GCC 12 kept an array of them on the stack: a
+   store and a load per row and step) and the bound check leaves the steps that cannot need it. (int4 weights take
+   the 256-bit steps above: a 512-bit int4 step here, each row's 16 lanes converted and scaled apart and its group
+   scales gathered from the steps' order, ran 13.4 GB/s from cache against their 23.2 on an AVX-512 Xeon:
+   docs/cpu_kernels.md, round 21f.) */
+#define A8_ROW_STEP(acc, sc, wr, pf)                                                                             \
+    do {                                                                                                         \
+        if ((pf) == 1) __builtin_prefetch((const void *)((wr) + Q_PF_BYTES), 0, Q_PF_HINT);                      \
+        else Q_PF(wr, pf_end);                                                                                   \
+        const __m512i i_ = _mm512_dpbusd_epi32(corr, _mm512_xor_si512(_mm512_loadu_si512((const void *)(wr)),    \
+                                                                      flip), x0);                                \
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i_), xs), sc, acc);                               \
+    } while (0)
+/* the step at input j of the R rows */
+#define A8_STEP(pf)                                                                                              \
+    do {                                                                                                         \
+        const __m512i x0 = _mm512_loadu_si512((const void *)(xi + j)),                                          \
+                      corr = _mm512_loadu_si512((const void *)(lc + j / 4));   /* (negated) */                   \
+        const __m512 xs = _mm512_loadu_ps(ls + j / 4);                                                           \
+        const uint8_t *w0 = w + j;                                                                               \
+        A8_ROW_STEP(acc0, sc0, w0, pf);                                                                          \
+        if (R == 4) {                                                                                            \
+            A8_ROW_STEP(acc1, sc1, w0 + rs, pf);                                                                 \
+            A8_ROW_STEP(acc2, sc2, w0 + 2 * rs, pf);                                                             \
+            A8_ROW_STEP(acc3, sc3, w0 + 3 * rs, pf);                                                             \
+        }                                                                                                        \
+    } while (0)
+static inline __attribute__((always_inline)) void a8_i8_rows512(const int R, const a8_x *p, int64_t b,
+                                                                const uint8_t *w, int64_t rs, const float *ws,
+                                                                const uint8_t *pf_end, float *out) {
+    const int64_t m = p->m, mv = p->mv;
+    const int8_t *xi = p->q + b * m;
+    const float *ls = p->ls + b * p->nl;
+    const int32_t *lc = p->lc + b * p->nl;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    __m512 sc0 = _mm512_set1_ps(ws[0]), sc1 = sc0, sc2 = sc0, sc3 = sc0;
+    if (R == 4) sc1 = _mm512_set1_ps(ws[1]), sc2 = _mm512_set1_ps(ws[2]), sc3 = _mm512_set1_ps(ws[3]);
+    /* the steps whose every row's prefetch stays below pf_end (the last row's is the furthest), then the rest */
+    const intptr_t pf_room = pf_end ? (intptr_t)((uintptr_t)pf_end - (uintptr_t)(w + (R - 1) * rs)) - Q_PF_BYTES : 0;
+    int64_t j = 0;
+    for (; j < mv && j < pf_room; j += A8_I8_COLS) A8_STEP(1);
+    for (; j < mv; j += A8_I8_COLS) A8_STEP(2);
+    const __m512 accs[4] = {acc0, acc1, acc2, acc3};
+    for (int r = 0; r < R; ++r)
+        out[r] = _mm512_reduce_add_ps(accs[r]) + a8_row_scalar(0, p, b, mv, 0, w + r * rs, NULL, 0, ws[r]);
+}
+static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
+                                                              int64_t group, const uint8_t *w, int64_t rs,
+                                                              const uint16_t *sr, int64_t ss, const float *ws,
+                                                              const uint8_t *pf_end, float *out) {
+    if (!int4) a8_i8_rows512(R, p, b, w, rs, ws, pf_end, out);
+    else if (group == 32) a8_i4_rows(R, 32, p, b, w, rs, sr, ss, pf_end, out);
+    else a8_i4_rows(R, 64, p, b, w, rs, sr, ss, pf_end, out);
+}
+#undef A8_STEP
+#undef A8_ROW_STEP
+#elif defined(A8_I8_COLS)
 #undef A8_ROW_CORR
 /* AVX2, int8 weights: with AVX-VNNI `vpdpbusd` on 32 bytes as the AVX-512 path; without it `vpmaddubsw` pairs then
    `vpmaddwd` with ones, the weights taking x's sign (x's magnitudes the unsigned operand, a8_x.v), so no excess.
@@ -1131,7 +1114,7 @@ static __attribute__((noinline)) void a8_i4_stepsx_g64(const a8_x *p, int64_t B,
    so the steps' loop advances one register (round 14: it advanced five and recomputed ls + j / 4 each step), and
    runs in pairs of steps, the odd one prefetching, those whose prefetches cannot leave the matrix counted first. */
 #if defined(A8_VNNI)
-#define A8_LANES(d) _mm256_dpbusd_avx_epi32(corr, _mm256_xor_si256(d, flip), x0)
+#define A8_LANES(d) A8_DP256(corr, _mm256_xor_si256(d, flip), x0)
 #define A8_X_LOADS(k)                                                                                            \
     const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)(q + 4 * (k))),                        \
                   corr = _mm256_loadu_si256((const __m256i *)(const void *)(lc + (k))) /* (negated) */
@@ -1332,18 +1315,21 @@ static void matvec_int4_step_scales(int64_t B, int64_t n, int64_t m, int64_t gro
     }
 }
 
-#if defined(A8_I4_STEPS4) && defined(A8_I8_STEPS4)
+#if defined(A8_I4_STEPS4)
 /* the steps s0 .. s1 - 1 of a product (a thread's range, Q_FOR_RANGES): its steps of four rows through the loops
    of their own (set up once per range: round 15b's for one x row on one thread, now every x row count and thread),
-   then its n % 4 last rows one at a time */
+   then its n % 4 last rows one at a time (int8 on AVX-512, which has no such loop: int4 only) */
 static void a8_steps_range(int int4, const a8_x *p, int64_t B, int64_t n, int64_t group, const void *W,
                            const uint16_t *s, const float *bias, const float *add, float *y, int64_t s0, int64_t s1) {
     const int64_t q = n / 4, e = s1 < q ? s1 : q;
     const uint8_t *Wb = (const uint8_t *)W;
     if (s0 < e) {
+#if defined(A8_I8_STEPS4)
         if (!int4 && B == 1) a8_i8_steps4(p, n, Wb, s, bias, add, y, s0, e);
         else if (!int4) a8_i8_stepsx(p, B, n, Wb, s, bias, add, y, s0, e);
-        else if (B == 1 && group == 32) a8_i4_steps4_g32(p, n, Wb, s, bias, add, y, s0, e);
+        else
+#endif
+        if (B == 1 && group == 32) a8_i4_steps4_g32(p, n, Wb, s, bias, add, y, s0, e);
         else if (B == 1) a8_i4_steps4_g64(p, n, Wb, s, bias, add, y, s0, e);
         else if (group == 32) a8_i4_stepsx_g32(p, B, n, Wb, s, bias, add, y, s0, e);
         else a8_i4_stepsx_g64(p, B, n, Wb, s, bias, add, y, s0, e);
@@ -1385,6 +1371,11 @@ static void matvec_a8(int int4, int64_t B, int64_t n, int64_t m, int64_t group, 
     /* (AVX2 / AVX-VNNI: every product through the step loops, each thread's range set up once) */
     (void)g;
     Q_FOR_RANGES(n, par, a8_steps_range(int4, &p, B, n, group, W, s, bias, add, y, s0_, s1_));
+#elif defined(A8_I4_STEPS4)
+    /* (AVX-512 VNNI: int4 through the 256-bit step loops, int8 through its 512-bit steps) */
+    (void)g;
+    if (int4) Q_FOR_RANGES(n, par, a8_steps_range(1, &p, B, n, group, W, s, bias, add, y, s0_, s1_));
+    else A8_STEPS(0, 0, B);
 #else
     if (!int4) A8_STEPS(0, 0, B);   /* (int8: B == 1 apart measured +5 % instructions, GCC's allocation) */
     else if (B == 1 && group == 32) A8_STEPS(1, 32, 1);   /* int4: the decode's one x row a constant too */
