@@ -29,14 +29,20 @@ decode_lib = decode_variant_fixture(PATHS)
 
 
 def _defined(scales: torch.Tensor) -> torch.Tensor:
-    """The steps' order by its definition: step t < n // 4 holds rows t + r q as [group][4 rows] at 4 t ng, the n % 4
-    last rows follow by rows."""
+    """The steps' order by its definition: step t < q (n // 4 - 1 from n = 8, n // 4 below: rowsched.h Q_QUARTER)
+    holds rows t + r q as [group][4 rows] at 4 t ng, step q (n >= 8) rows 4q + r as [group][4 rows] at 4 q ng, the
+    n % 4 last rows follow by rows."""
     n, ng = scales.shape
-    q = n // 4
+    q = n // 4 - 1 if n >= 8 else n // 4
     out = torch.empty(n * ng, dtype=scales.dtype)
     for i in range(n):
         for g in range(ng):
-            at = 4 * ((i % q) * ng + g) + i // q if i < 4 * q else i * ng + g
+            if i < 4 * q:
+                at = 4 * ((i % q) * ng + g) + i // q
+            elif i < 4 * (n // 4):
+                at = 4 * (q * ng + g) + i - 4 * q
+            else:
+                at = i * ng + g
             out[at] = scales[i, g]
     return out.view(n, ng)
 
@@ -72,11 +78,13 @@ def test_plan_scales_which_matrices():
         assert plan_scales(name, mode, s) is s
 
 
-# (n, k, group): every n % 4, groups 32 / 64, odd group counts (96 / 32 = 3, 1056 / 32 = 33, 192 / 64 = 3,
-# 1088 / 64 = 17), a tail after the last vector step (k % 64 == 32), a row count past one 2-thread split
+# (n, k, group): every n % 4, n 8-12 (q = n // 4 - 1 from 8), groups 32 / 64, odd group counts (96 / 32 = 3,
+# 1056 / 32 = 33, 192 / 64 = 3, 1088 / 64 = 17), a tail after the last vector step (k % 64 == 32), a row count past
+# one 2-thread split; n 9-11 with two groups or more (with one, q = 1 makes the steps' order the rows')
 SHAPES = [(n, k, 32) for n, k in ((1, 96), (2, 64), (3, 1056), (4, 96), (5, 1056), (6, 64), (7, 160), (8, 1056),
-                                  (13, 544), (258, 1056))] + \
-         [(n, k, 64) for n, k in ((1, 192), (3, 64), (4, 1088), (5, 192), (6, 1088), (7, 320), (9, 64), (257, 192))]
+                                  (12, 96), (13, 544), (258, 1056))] + \
+         [(n, k, 64) for n, k in ((1, 192), (3, 64), (4, 1088), (5, 192), (6, 1088), (7, 320), (9, 128), (10, 192),
+                                  (11, 192), (257, 192))]
 
 
 @pytest.mark.parametrize("n,k,group", SHAPES)

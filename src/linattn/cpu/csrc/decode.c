@@ -198,9 +198,9 @@ LA_EXPORT_SIZEOF(block_plan)
 
 /* The matrix-vector products stream every weight once per token (from memory at batch 1: the model is bigger
    than L2). A step reads one 64-byte line of each of four rows into four vector accumulators (GCC / clang vector
-   types; the rows' lengths a multiple of a line), the rows of rowsched.h's schedule: rows i, i + n/4, i + 2n/4,
-   i + 3n/4, four sequential streams each prefetched Q_PF_BYTES ahead. Four neighbouring rows, the schedule before,
-   restarted four short streams every step (a 4 KiB fp32 row of 1024 inputs each its own page, two bf16 rows a
+   types; the rows' lengths a multiple of a line), the rows of rowsched.h's schedule: rows i, i + q, i + 2q, i + 3q
+   (q about n / 4), four sequential streams each prefetched Q_PF_BYTES ahead. Four neighbouring rows, the schedule
+   before, restarted four short streams every step (a 4 KiB fp32 row of 1024 inputs each its own page, two bf16 rows a
    page), which the hardware prefetcher follows poorly. */
 #include "rowsched.h"
 #if defined(__GNUC__)

@@ -14,9 +14,10 @@
    multiplied by the group's scale. So the result is the dequantized matrix's product up to the rounding of fp32
    operations.
 
-   The row schedule (every integer product): a step reads four rows i, i + q, i + 2q, i + 3q (q = n / 4), sharing
-   its loads of x, so the four rows are four sequential streams, each through its own quarter of the matrix, and
-   each stream's line Q_PF_BYTES ahead is prefetched as its line is read; the n % 4 last rows one at a time. Four
+   The row schedule (every integer product): a step reads four rows i, i + q, i + 2q, i + 3q (q = Q_QUARTER(n),
+   rowsched.h: about n / 4), sharing its loads of x, so the four rows are four sequential streams, each through its
+   own quarter of the matrix, and each stream's line Q_PF_BYTES ahead is prefetched as its line is read; then (from
+   n = 8) one step of the four neighbouring rows 4q .. 4q + 3, and the n % 4 last rows one at a time. Four
    neighbouring rows (the fp32 / bf16 products' schedule) share a 4 KiB page when rows are short (int4 rows of 1024
    inputs: 512 bytes), and the hardware prefetcher, which follows about one stream per page, then leaves the reads
    to the software prefetches alone, whose fill buffers cap one core near 8-11 GB/s: those products read at 0.6-0.8
@@ -820,20 +821,20 @@ static inline __attribute__((always_inline)) void a8_i4_rows(const int R, const 
                                                              int64_t ss, const uint8_t *pf_end, float *out) {
     a8_i4_out(R, G, p, b, w, rs, sr, ss, a8_i4_acc(R, G, p, b, w, rs, sr, pf_end), out);
 }
-/* int4, one x row (the decode's), one thread or a thread's range: the steps of four rows t = 0 .. n / 4 - 1
+/* int4, one x row (the decode's), one thread or a thread's range: the steps of four rows t = 0 .. q - 1
    (q_step_rows' rows t + r q) in one loop of their own, not inlined into matvec_a8's (round 15: each step went through
    matvec_rows_a8 there, ~85 instructions of setup a step at 1024 inputs, GCC keeping its values on the stack). Per
    product: the row stride, the x arrays and the steps whose prefetches all stay inside the matrix (a8_i4_acc's count at
-   step t, whose last row starts (t + 3q) rows in, is every pair while (q + n % 4 - t) rowb - Q_PF_BYTES - 32 > 64
+   step t, whose last row starts (t + 3q) rows in, is every pair while (n - 3q - t) rowb - Q_PF_BYTES - 32 > 64
    (pairs - 1)), and whether the sums go into y directly (no bias, add or tail); per step: one rows' pointer and one y
    pointer advanced, the other rows' pointers one add each. The same arithmetic per row: the same bits. Steps
-   t0 .. t1 - 1 (t1 <= n / 4: a thread's range, Q_FOR_RANGES; round 15b's loop ran only the whole product on one
+   t0 .. t1 - 1 (t1 <= q: a thread's range, Q_FOR_RANGES; round 15b's loop ran only the whole product on one
    thread). */
 static inline __attribute__((always_inline)) void a8_i4_steps4(const int G, const int direct, const a8_x *p,
                                                                int64_t n, const uint8_t *W, const uint16_t *s,
                                                                const float *bias, const float *add, float *y,
                                                                int64_t t0, int64_t t1) {
-    const int64_t m = p->m, rowb = m / 2, q = n / 4, ng = m / G, rs = q * rowb, nlv = p->mv / 8;
+    const int64_t m = p->m, rowb = m / 2, q = Q_QUARTER(n), ng = m / G, rs = q * rowb, nlv = p->mv / 8;
     const int64_t kp = 16 * (nlv / 16), gsh = G == 32 ? 2 : 1;   /* (lanes in pairs; the scales' bytes a lane) */
     const int8_t *v = p->v;
 #if defined(A8_VNNI)
@@ -849,7 +850,7 @@ static inline __attribute__((always_inline)) void a8_i4_steps4(const int G, cons
     const uint16_t *sr = s + 4 * t0 * ng;
     float *yt = y + t0;
     const int64_t need = Q_PF_BYTES + 32 + 64 * (nlv / 16 - 1);
-    int64_t tc = rowb > 0 ? q + n % 4 - need / rowb : 0;
+    int64_t tc = rowb > 0 ? n - 3 * q - need / rowb : 0;
     tc = tc < 0 ? 0 : tc > q ? q : tc;
     const __m256 z = _mm256_setzero_ps();
     const __m256i zi = _mm256_setzero_si256();
@@ -998,11 +999,11 @@ static inline __attribute__((always_inline)) void a8_i4_stepsx(const int G, cons
                                                                const uint8_t *W, const uint16_t *s,
                                                                const float *bias, const float *add, float *y,
                                                                int64_t t0, int64_t t1) {
-    const int64_t m = p->m, rowb = m / 2, q = n / 4, ng = m / G, rs = q * rowb, nlv = p->mv / 8;
+    const int64_t m = p->m, rowb = m / 2, q = Q_QUARTER(n), ng = m / G, rs = q * rowb, nlv = p->mv / 8;
     const uint8_t *pf_end = W + n * rowb;
     /* the steps whose prefetches all stay inside the matrix (as a8_i4_steps4 counts them) */
     const int64_t need = Q_PF_BYTES + 32 + 64 * (nlv / 16 - 1);
-    int64_t tc = rowb > 0 ? q + n % 4 - need / rowb : 0;
+    int64_t tc = rowb > 0 ? n - 3 * q - need / rowb : 0;
     tc = tc < 0 ? 0 : tc > q ? q : tc;
     for (int64_t t = t0; t < t1; ++t) {
         const uint8_t *w = W + t * rowb;
@@ -1210,12 +1211,12 @@ static inline __attribute__((always_inline)) void a8_i8_rows(const int R, const 
 #undef A8_STEP
 #undef A8_ROW_STEP
 #undef A8_LANES
-/* int8: the steps t0 .. t1 - 1 of four rows (t1 <= n / 4) in a loop of their own (as a8_i4_steps4), each x row of
+/* int8: the steps t0 .. t1 - 1 of four rows (t1 <= q) in a loop of their own (as a8_i4_steps4), each x row of
    B in turn (the first prefetches; the later ones find the step's rows in cache) */
 static inline __attribute__((always_inline)) void a8_i8_steps(const a8_x *p, int64_t B, int64_t n, const uint8_t *W,
                                                               const uint16_t *s, const float *bias, const float *add,
                                                               float *y, int64_t t0, int64_t t1) {
-    const int64_t m = p->m, q = n / 4, rs = q * m;
+    const int64_t m = p->m, q = Q_QUARTER(n), rs = q * m;
     const uint8_t *pf_end = W + n * m, *w = W + t0 * m;
     for (int64_t t = t0; t < t1; ++t, w += m) {
         const float ws[4] = {bf16_to_f32(s[t]), bf16_to_f32(s[t + q]), bf16_to_f32(s[t + 2 * q]),
@@ -1261,9 +1262,9 @@ static inline __attribute__((always_inline)) void matvec_rows_a8(int int4, const
     /* (groups of 32 and 64 spelt out: a division per step of 4 rows otherwise) */
     const int64_t ng = !int4 ? 1 : group == 32 ? m / 32 : group == 64 ? m / 64 : m / group;
     const uint8_t *Wb = (const uint8_t *)W;
-    /* int4: a step of four rows' scales at s + 4 i0 ng (i0 < n / 4), a last row's at s + i0 ng (a8_step_scales);
-       int8: no group scales */
-    const uint16_t *si = int4 ? s + (r == 4 ? 4 : 1) * i0 * ng : s;
+    /* int4: step t's four rows' scales at s + 4 t ng (t = i0 < q; the step of neighbouring rows, t = q, i0 = 4q), a
+       last row's at s + i0 ng (a8_step_scales); int8: no group scales */
+    const uint16_t *si = int4 ? s + (r == 4 && i0 < Q_QUARTER(n) ? 4 : 1) * i0 * ng : s;
     float ws[4];
     for (int k = 0; k < r; ++k) ws[k] = int4 ? 0.0f : bf16_to_f32(s[i0 + k * stride]);
     for (int64_t b = 0; b < B; ++b) {
@@ -1285,12 +1286,14 @@ static inline __attribute__((always_inline)) void matvec_rows_a8(int int4, const
 }
 
 /* int4-a8's group scales s [n * m / group] (bf16) in the order the steps of four rows read them (quant's
-   a8_step_scales): with q = n / 4, step t's rows t, t + q, t + 2q, t + 3q as [group][4 rows] at s + 4 t ng, then
-   the n % 4 last rows as [row][group] from s + 4 q ng (where they are in the plain [n, ng] order). Row i's scale of
-   group g: s[(4 (i % q) + i / q) ... ] below (a8_scale_at). */
+   a8_step_scales): with q = Q_QUARTER(n), step t < q's rows t, t + q, t + 2q, t + 3q as [group][4 rows] at
+   s + 4 t ng, the step of neighbouring rows 4q .. 4q + 3 (n >= 8, q_step_rows) as [group][4 rows] at s + 4 q ng,
+   then the n % 4 last rows as [row][group] from s + 4 (n / 4) ng (where they are in the plain [n, ng] order). Row
+   i's scale of group g: a8_scale_at. */
 static inline uint16_t a8_scale_at(const uint16_t *s, int64_t n, int64_t ng, int64_t i, int64_t g) {
-    const int64_t q = n / 4;
-    return i < 4 * q ? s[4 * ((i % q) * ng + g) + i / q] : s[i * ng + g];
+    const int64_t q = Q_QUARTER(n);
+    if (i < 4 * q) return s[4 * ((i % q) * ng + g) + i / q];
+    return i < 4 * (n / 4) ? s[4 * (q * ng + g) + i - 4 * q] : s[i * ng + g];
 }
 
 /* the exact int4 product (matvec_int4) of weights whose scales are in the steps' order: the scales put back into
@@ -1318,10 +1321,11 @@ static void matvec_int4_step_scales(int64_t B, int64_t n, int64_t m, int64_t gro
 #if defined(A8_I4_STEPS4)
 /* the steps s0 .. s1 - 1 of a product (a thread's range, Q_FOR_RANGES): its steps of four rows through the loops
    of their own (set up once per range: round 15b's for one x row on one thread, now every x row count and thread),
-   then its n % 4 last rows one at a time (int8 on AVX-512, which has no such loop: int4 only) */
+   then its other steps (q_step_rows: the step of neighbouring rows, the n % 4 last rows) one at a time (on
+   AVX-512 int4 only: its int8 has no such loop) */
 static void a8_steps_range(int int4, const a8_x *p, int64_t B, int64_t n, int64_t group, const void *W,
                            const uint16_t *s, const float *bias, const float *add, float *y, int64_t s0, int64_t s1) {
-    const int64_t q = n / 4, e = s1 < q ? s1 : q;
+    const int64_t q = Q_QUARTER(n), e = s1 < q ? s1 : q;
     const uint8_t *Wb = (const uint8_t *)W;
     if (s0 < e) {
 #if defined(A8_I8_STEPS4)
@@ -1334,10 +1338,13 @@ static void a8_steps_range(int int4, const a8_x *p, int64_t B, int64_t n, int64_
         else if (group == 32) a8_i4_stepsx_g32(p, B, n, Wb, s, bias, add, y, s0, e);
         else a8_i4_stepsx_g64(p, B, n, Wb, s, bias, add, y, s0, e);
     }
-    for (int64_t t = s0 > q ? s0 : q; t < s1; ++t) {   /* (q_step_rows: step t >= q is row t + 3q alone) */
-        if (!int4) matvec_rows_a8(0, p, B, n, 0, t + 3 * q, 0, 1, W, s, bias, add, y);
-        else if (group == 32) matvec_rows_a8(1, p, B, n, 32, t + 3 * q, 0, 1, W, s, bias, add, y);
-        else matvec_rows_a8(1, p, B, n, 64, t + 3 * q, 0, 1, W, s, bias, add, y);
+    for (int64_t t = s0 > q ? s0 : q; t < s1; ++t) {
+        int64_t stride;
+        int r;
+        const int64_t i0 = q_step_rows(n, t, &stride, &r);
+        if (!int4) matvec_rows_a8(0, p, B, n, 0, i0, stride, r, W, s, bias, add, y);
+        else if (group == 32) matvec_rows_a8(1, p, B, n, 32, i0, stride, r, W, s, bias, add, y);
+        else matvec_rows_a8(1, p, B, n, 64, i0, stride, r, W, s, bias, add, y);
     }
 }
 #endif
@@ -1346,10 +1353,11 @@ static void matvec_a8(int int4, int64_t B, int64_t n, int64_t m, int64_t group, 
                       const float *bias, const float *x, const float *add, float *y, int nthreads) {
     const int par = nthreads > 1 && n * m >= (int4 ? 4 : 2) * PAR_MIN_ELEMS;
     q_prefetch_starts(n, int4 ? m / 2 : m, W, par ? nthreads : 1);   /* (before the rounding of x) */
-    if (int4)   /* the scales each thread's first step reads (a8_step_scales: step t's at 4 t ng, row i's at i ng) */
+    if (int4)   /* the scales each thread's first step reads (a8_step_scales: step t's at 4 t ng while t < n / 4, the
+                   steps of four rows; then row i's, t + 3 (n / 4), at i ng) */
         for (int t = 0, nt = par ? nthreads : 1; t < nt; ++t) {
-            const int64_t q = n / 4, st = Q_STEPS(n) * t / nt, ng = m / group;
-            const uintptr_t a = (uintptr_t)(s + (st < q ? 4 * st : 3 * q + st) * ng), end = (uintptr_t)(s + n * ng);
+            const int64_t f = n / 4, st = Q_STEPS(n) * t / nt, ng = m / group;
+            const uintptr_t a = (uintptr_t)(s + (st < f ? 4 * st : 3 * f + st) * ng), end = (uintptr_t)(s + n * ng);
             for (uintptr_t o = 0; o < Q_PF_BYTES && a + o < end; o += 64)
                 __builtin_prefetch((const void *)(a + o), 0, Q_PF_HINT);
         }

@@ -1,13 +1,14 @@
 /* The weight products' row schedule (decode.c's fp32 / fp64 / bf16 products, qmatvec.h's integer products).
 
-   A step reads four rows i, i + q, i + 2q, i + 3q (q = n / 4), sharing its loads of x, so the four rows are four
-   sequential streams, each through its own quarter of the matrix, and each stream's line Q_PF_BYTES ahead is
-   prefetched as its line is read; the n % 4 last rows one at a time. Four neighbouring rows share a 4 KiB page when
-   rows are short (an int4 row of 1024 inputs is 512 bytes, a bf16 one 2 KiB), and the hardware prefetcher, which
-   follows about one stream per page, then leaves the reads to the software prefetches alone, whose fill buffers cap
-   one core near 8-11 GB/s; four neighbouring rows of 4 KiB each restart four streams every step. Each row's
-   arithmetic does not depend on the rows it is read with: the schedule changes no bits. Split across threads, each
-   thread's steps are a contiguous range: four streams per thread. */
+   A step reads four rows i, i + q, i + 2q, i + 3q (q = Q_QUARTER(n), about n / 4), sharing its loads of x, so the
+   four rows are four sequential streams, each through its own quarter of the matrix, and each stream's line
+   Q_PF_BYTES ahead is prefetched as its line is read; then the rows left (q_step_rows). Four neighbouring rows
+   share a 4 KiB page when rows are short (an int4 row of 1024 inputs is 512 bytes, a bf16 one 2 KiB), and the
+   hardware prefetcher, which follows about one stream per page, then leaves the reads to the software prefetches
+   alone, whose fill buffers cap one core near 8-11 GB/s; four neighbouring rows of 4 KiB each restart four streams
+   every step. A row's arithmetic does not depend on the rows it is read with (only, in the fp32 / bf16 products, on
+   whether it is read in a step of four or alone). Split across threads, each thread's steps are a contiguous range:
+   four streams per thread. */
 #ifndef LINATTN_ROWSCHED_H
 #define LINATTN_ROWSCHED_H
 
@@ -32,17 +33,34 @@
         if (a_ < (uintptr_t)(end)) __builtin_prefetch((const void *)a_, 0, Q_PF_HINT);        \
     } while (0)
 
-/* step t of a product over n rows (t < n / 4 + n % 4): its first row, the stride to its other rows, its row count */
+/* the streams' distance in rows, q: n / 4 - 1 from n = 8 (round 21e), so that the streams are not a multiple of
+   4 KiB apart where rows of 512 B, 1 KiB or 2 KiB and n a multiple of 4 (every model shape) would put them so (the
+   530M model's int4-a8 products ~4.5 % less CPU time, bf16 3-4 %, int8-a8 2-3 %; fp32 rows of 4 KiB are a multiple
+   whatever q: unchanged; docs/cpu_kernels.md, round 21e); n / 4 below 8. A rule of n alone, for every product:
+   qlayout.step_quarter, which orders int4-a8's group scales by it, sees only [n, ng]. */
+#ifndef Q_QUARTER   /* (a build may set another rule: the tests' build of the rule before) */
+#define Q_QUARTER(n) ((n) >= 8 ? (n) / 4 - 1 : (n) / 4)
+#endif
+#define Q_STEPS(n) ((n) / 4 + (n) % 4)
+
+/* step t of a product over n rows (t < Q_STEPS(n)): its first row, the stride to its other rows, its row count.
+   Steps t < q: rows t + k q; then, where 4q < 4 (n / 4) (n >= 8), one step of the four neighbouring rows 4q ..
+   4q + 3; then the n % 4 last rows one at a time. Every row of the rule before (q = n / 4) in a step of four is in
+   one here, the n % 4 last alone as there: the fp32 / bf16 products' one-row loops sum in another order than their
+   four-row ones, so this keeps every row's bits. */
 static inline int64_t q_step_rows(int64_t n, int64_t t, int64_t *stride, int *r) {
-    const int64_t q = n / 4;
+    const int64_t q = Q_QUARTER(n), f = n / 4;
     if (t < q) {
         *stride = q, *r = 4;
         return t;
     }
+    if (t < f) {   /* (t == q: the step of neighbouring rows) */
+        *stride = 1, *r = 4;
+        return 4 * q;
+    }
     *stride = 0, *r = 1;
-    return 4 * q + (t - q);
+    return 4 * f + (t - f);
 }
-#define Q_STEPS(n) ((n) / 4 + (n) % 4)
 
 /* The first Q_PF_BYTES of each row stream a product starts with (the streams of each thread's first step, its steps
    split into nt contiguous ranges as the static schedule splits them), of a matrix of n rows of rowbytes bytes at
