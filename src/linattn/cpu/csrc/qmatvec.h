@@ -1074,9 +1074,9 @@ static __attribute__((noinline)) void a8_i4_stepsx_g64(const a8_x *p, int64_t B,
             A8_ROW_STEP(acc3, sc3, w0 + 3 * rs, pf);                                                             \
         }                                                                                                        \
     } while (0)
-static inline __attribute__((always_inline)) void a8_i8_rows512(const int R, const a8_x *p, int64_t b,
-                                                                const uint8_t *w, int64_t rs, const float *ws,
-                                                                const uint8_t *pf_end, float *out) {
+static inline __attribute__((always_inline)) void a8_i8_rows(const int R, const a8_x *p, int64_t b, const uint8_t *w,
+                                                             int64_t rs, const float *ws, const uint8_t *pf_end,
+                                                             float *out) {
     const int64_t m = p->m, mv = p->mv;
     const int8_t *xi = p->q + b * m;
     const float *ls = p->ls + b * p->nl;
@@ -1093,14 +1093,6 @@ static inline __attribute__((always_inline)) void a8_i8_rows512(const int R, con
     const __m512 accs[4] = {acc0, acc1, acc2, acc3};
     for (int r = 0; r < R; ++r)
         out[r] = _mm512_reduce_add_ps(accs[r]) + a8_row_scalar(0, p, b, mv, 0, w + r * rs, NULL, 0, ws[r]);
-}
-static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
-                                                              int64_t group, const uint8_t *w, int64_t rs,
-                                                              const uint16_t *sr, int64_t ss, const float *ws,
-                                                              const uint8_t *pf_end, float *out) {
-    if (!int4) a8_i8_rows512(R, p, b, w, rs, ws, pf_end, out);
-    else if (group == 32) a8_i4_rows(R, 32, p, b, w, rs, sr, ss, pf_end, out);
-    else a8_i4_rows(R, 64, p, b, w, rs, sr, ss, pf_end, out);
 }
 #undef A8_STEP
 #undef A8_ROW_STEP
@@ -1241,6 +1233,9 @@ static __attribute__((noinline)) void a8_i8_stepsx(const a8_x *p, int64_t B, int
     a8_i8_steps(p, B, n, W, s, bias, add, y, t0, t1);
 }
 #define A8_I8_STEPS4 1
+#endif
+#if defined(A8_I8_COLS)
+/* the R rows' products by format: a8_i8_rows is each vector target's own, a8_i4_rows the 256-bit steps' */
 static inline __attribute__((always_inline)) void a8_rows_vec(const int int4, const int R, const a8_x *p, int64_t b,
                                                               int64_t group, const uint8_t *w, int64_t rs,
                                                               const uint16_t *sr, int64_t ss, const float *ws,
