@@ -56,26 +56,33 @@ SHAPES = {"float": [(1, 100, 0), (3, 37, 0), (13, 1000, 0), (186, 64, 0), (523, 
                    (264, 1024, 32)]}
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("fmt", ["plan", "bf16", "int8", "int4", "int8_a8", "int4_a8"])
-def test_products_same_bits_at_both_distances(builds, monkeypatch, fmt, threads):
+def _same_bits(monkeypatch, fmt, threads, shapes, variants):
+    """Each shape's product through both (library, quarter rule) variants, byte for byte equal (int4-a8's scales
+    ordered by the variant's rule); int4-a8 also held to fp64 (by the build as built, the last one bound)."""
     kind = "float" if fmt in ("plan", "bf16") else fmt[:4]
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        for n, m, group in SHAPES[kind]:
+        for n, m, group in shapes[kind]:
             W, s = _weights(fmt, n, m, group, seed=n + m)
             x = torch.randn(1, m, generator=torch.Generator().manual_seed(n * m)) * 2
             out = []
-            for lib in (builds[0], builds[2]):
+            for lib, quarter in variants:
                 monkeypatch.setattr(bindings, "load_library", lambda name, lib=lib: lib if name == "decode" else None)
+                monkeypatch.setattr(qlayout, "step_quarter", quarter)
                 out.append(cpu_decode.weight_matvec(x, fmt, W, s, group))
             assert torch.equal(out[0].view(torch.int32), out[1].view(torch.int32)), (fmt, n, m, group)
             if fmt == "int4_a8":
-                q = StoredWeights(n, m, "int4", group, seed=n + m)
-                check_a8_product(q, x)   # (the build as built, the last one bound)
+                check_a8_product(StoredWeights(n, m, "int4", group, seed=n + m), x)
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", ["plan", "bf16", "int8", "int4", "int8_a8", "int4_a8"])
+def test_products_same_bits_at_both_distances(builds, monkeypatch, fmt, threads):
+    now = qlayout.step_quarter
+    _same_bits(monkeypatch, fmt, threads, SHAPES, ((builds[0], now), (builds[2], now)))
 
 
 # n 1-12 (below, at and past 8, where the rule changes; every n % 4), 2 threads' ranges, the model's n % 4 == 0
@@ -88,20 +95,4 @@ QSHAPES = {"float": [(n, 40, 0) for n in range(1, 13)] + [(64, 100, 0), (263, 10
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fmt", ["plan", "bf16", "int8", "int4", "int8_a8", "int4_a8"])
 def test_products_same_bits_at_both_quarters(builds, monkeypatch, fmt, threads):
-    kind = "float" if fmt in ("plan", "bf16") else fmt[:4]
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        for n, m, group in QSHAPES[kind]:
-            W, s = _weights(fmt, n, m, group, seed=n + m)
-            x = torch.randn(1, m, generator=torch.Generator().manual_seed(n * m)) * 2
-            out = []
-            for lib, quarter in ((builds[1], lambda n: n // 4), (builds[2], qlayout.step_quarter)):
-                monkeypatch.setattr(bindings, "load_library", lambda name, lib=lib: lib if name == "decode" else None)
-                monkeypatch.setattr(qlayout, "step_quarter", quarter)   # (the scales in that build's order)
-                out.append(cpu_decode.weight_matvec(x, fmt, W, s, group))
-            assert torch.equal(out[0].view(torch.int32), out[1].view(torch.int32)), (fmt, n, m, group)
-            if fmt == "int4_a8":
-                check_a8_product(StoredWeights(n, m, "int4", group, seed=n + m), x)   # (the build as built)
-    finally:
-        torch.set_num_threads(saved)
+    _same_bits(monkeypatch, fmt, threads, QSHAPES, ((builds[1], lambda n: n // 4), (builds[2], qlayout.step_quarter)))
