@@ -649,8 +649,12 @@ static void FN(conv)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t ld
                     const float *w3 = wi + 3 * c0, *t4 = cw + 4 * c0;
                     /* the window's and taps' lines CONV_PF_CH channels ahead (from memory: a layer's weights
                        passed through the caches since the last token) */
-                    __builtin_prefetch(w3 + 3 * CONV_PF_CH, 0, 3); __builtin_prefetch(w3 + 3 * CONV_PF_CH + 16, 0, 3);
-                    __builtin_prefetch(t4 + 4 * CONV_PF_CH, 0, 3); __builtin_prefetch(t4 + 4 * CONV_PF_CH + 16, 0, 3);
+                    if (c0 + CONV_PF_CH + 8 <= C) {   /* (no pointer formed past the window's or the taps' end) */
+                        __builtin_prefetch(w3 + 3 * CONV_PF_CH, 0, 3);
+                        __builtin_prefetch(w3 + 3 * CONV_PF_CH + 16, 0, 3);
+                        __builtin_prefetch(t4 + 4 * CONV_PF_CH, 0, 3);
+                        __builtin_prefetch(t4 + 4 * CONV_PF_CH + 16, 0, 3);
+                    }
                     const __m256 v0 = _mm256_loadu_ps(w3), v1 = _mm256_loadu_ps(w3 + 8),
                                  v2 = _mm256_loadu_ps(w3 + 16);
                     const __m256 xa = _mm256_permutevar8x32_ps(
@@ -741,8 +745,12 @@ static void FN(conv_io)(int64_t B, int64_t C, int64_t KC, const REAL *y, int64_t
                     float *w4 = wb + 4 * c0;
                     const float *t4 = cw + 4 * c0;
                     /* (as FN(conv): the rows and taps CONV_PF_CH channels ahead) */
-                    __builtin_prefetch(w4 + 4 * CONV_PF_CH, 1, 3); __builtin_prefetch(w4 + 4 * CONV_PF_CH + 16, 1, 3);
-                    __builtin_prefetch(t4 + 4 * CONV_PF_CH, 0, 3); __builtin_prefetch(t4 + 4 * CONV_PF_CH + 16, 0, 3);
+                    if (c0 + CONV_PF_CH + 8 <= C) {   /* (as there: inside the rows and the taps) */
+                        __builtin_prefetch(w4 + 4 * CONV_PF_CH, 1, 3);
+                        __builtin_prefetch(w4 + 4 * CONV_PF_CH + 16, 1, 3);
+                        __builtin_prefetch(t4 + 4 * CONV_PF_CH, 0, 3);
+                        __builtin_prefetch(t4 + 4 * CONV_PF_CH + 16, 0, 3);
+                    }
 #define LA_T4(r0, r1, r2, r3, c1, c2, c3, c4)                                                                   \
     do {                                                                                                        \
         const __m256d l01 = _mm256_castps_pd(_mm256_unpacklo_ps(r0, r1)),                                       \
